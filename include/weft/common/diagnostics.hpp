@@ -1,0 +1,33 @@
+// SPDX-License-Identifier: MIT
+// The record a timed-out device spin leaves for the host (host and device agree on this layout).
+#pragma once
+
+#include <cstdint>
+
+namespace weft {
+
+/// What kind of spin gave up.
+enum class SpinKind : uint32_t { kNone = 0, kSignalWait = 1, kBarrier = 2, kTileWait = 3, kOther = 4 };
+
+/// Comparison a wait was waiting for (OpenSHMEM's SHMEM_CMP_*).
+enum class Cmp : uint32_t { kEq = 0, kNe = 1, kGt = 2, kGe = 3, kLt = 4, kLe = 5 };
+
+/// Written by the first spin that times out on a rank (claimed with an atomic on `claimed`), read by
+/// the host after the kernel traps. Lives in host-mapped pinned memory so that the host can read it
+/// even after the trap has made the CUDA context unusable.
+struct Diagnostic {
+    uint32_t claimed;       ///< 0 = empty; set to 1 by the writer before the fields, to 2 after them
+    SpinKind kind;
+    Cmp cmp;
+    int32_t rank;           ///< rank whose kernel gave up
+    int32_t block_x, block_y, block_z;
+    int32_t thread_x;
+    uint64_t signal_addr;   ///< device address of the word it spun on
+    uint64_t expected;      ///< the value it compared against
+    uint64_t observed;      ///< the last value it read
+    uint64_t waited_ns;     ///< how long it spun
+    int32_t peer;           ///< rank that owns the signal, or -1 when unknown
+    int32_t line;           ///< source line of the spin (for weft's own kernels)
+};
+
+}  // namespace weft

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
+# Runs weft's GPU test tiers and benchmarks on a GPU machine, writes one log per step into LOGDIR and
+# prints a summary table last.
+#
+#   tools/gpu_run.sh LOGDIR [BINDIR] [--no-bench] [--bench-only]
+#
+# BINDIR holds the built binaries (default build/release, searched recursively): weft_gpu_tests,
+# weft_dist_tests, weftrun and the weft_bench_* benchmarks. Binaries built on a CPU machine run here
+# (static cudart); WEFT_CACHE_DIR may point at a JIT cache warmed ahead of time with weft-compile.
+set -uo pipefail
+logdir=${1:?usage: tools/gpu_run.sh LOGDIR [BINDIR] [--no-bench] [--bench-only]}
+bindir=${2:-build/release}
+run_tests=1
+run_bench=1
+for arg in "${@:3}"; do
+    case "$arg" in
+        --no-bench) run_bench=0 ;;
+        --bench-only) run_tests=0 ;;
+        *) echo "gpu_run: unknown option $arg" >&2; exit 2 ;;
+    esac
+done
+mkdir -p "$logdir"
+export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
+
+find_bin() { find "$bindir" -type f -name "$1" -perm -u+x 2>/dev/null | head -n 1; }
+summary=()
+step() {  # step NAME LOGFILE COMMAND...
+    local name=$1 log=$2
+    shift 2
+    local start=$(date +%s.%N)
+    "$@" >"$logdir/$log" 2>&1
+    local rc=$?
+    local secs=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN{printf "%.1f", e-s}')
+    local detail
+    detail=$(grep -E '^\[  (PASSED|FAILED)  \]|tests? passed|FAILED TEST' "$logdir/$log" | head -n 3 | tr '\n' ' ')
+    summary+=("$(printf '%-28s %-6s %7ss  %s' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL:$rc)" "$secs" "$detail")")
+}
+
+nvidia-smi >"$logdir/nvidia-smi.txt" 2>&1
+nvidia-smi topo -m >>"$logdir/nvidia-smi.txt" 2>&1
+
+if [ $run_tests = 1 ]; then
+    gpu_tests=$(find_bin weft_gpu_tests)
+    [ -n "$gpu_tests" ] && step "gpu tests" gpu_tests.log "$gpu_tests" --gtest_color=no
+    dist_tests=$(find_bin weft_dist_tests)
+    [ -n "$dist_tests" ] && step "dist tests" dist_tests.log "$dist_tests" --gtest_color=no
+fi
+if [ $run_bench = 1 ]; then
+    while IFS= read -r bench; do
+        name=$(basename "$bench")
+        step "$name" "$name.log" "$bench" --json "$logdir/$name.json"
+    done < <(find "$bindir" -type f -name 'weft_bench_*' -perm -u+x 2>/dev/null | sort)
+fi
+
+echo
+echo "== weft GPU run: $(date -u +%Y-%m-%dT%H:%MZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1) x$(nvidia-smi -L | wc -l)"
+printf '%-28s %-6s %8s  %s\n' step result time detail
+for line in "${summary[@]}"; do echo "$line"; done
