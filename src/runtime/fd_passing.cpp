@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 // Descriptor passing between the processes of one host (see fd_passing.hpp).
-#include "fd_passing.hpp"
+#include "weft/detail/fd_passing.hpp"
 
 #include <poll.h>
 #include <sys/socket.h>
@@ -20,6 +20,10 @@
 #include "weft/runtime/store.hpp"
 
 namespace weft::detail {
+
+std::string heap_socket_name(const std::string& job_id, int rank) {
+    return "weft-" + job_id + "-heap-" + std::to_string(rank);
+}
 
 void UniqueFd::reset(int fd) {
     if (fd_ >= 0) ::close(fd_);
@@ -50,8 +54,6 @@ sockaddr_un socket_address(const std::string& name, socklen_t* length) {
     *length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
     return addr;
 }
-
-std::string socket_name(const std::string& job_id, int rank) { return "weft-" + job_id + "-heap-" + std::to_string(rank); }
 
 std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
 
@@ -172,7 +174,7 @@ std::map<int, UniqueFd> exchange_fds(const FdExchange& ex, int own_fd) {
     std::map<int, UniqueFd> received;
 
     UniqueFd listener;
-    if (!ex.local_peers.empty()) listener = listen_on(socket_name(ex.job_id, ex.rank));
+    if (!ex.local_peers.empty()) listener = listen_on(heap_socket_name(ex.job_id, ex.rank));
     ex.store->barrier(prefix + "/listening", ex.rank, ex.num_ranks, remaining_ms(deadline));
 
     Message out{};
@@ -184,7 +186,12 @@ std::map<int, UniqueFd> exchange_fds(const FdExchange& ex, int own_fd) {
     // send to all its peers first and receive afterwards without a deadlock.
     std::vector<UniqueFd> outgoing;
     for (int peer : ex.local_peers) {
-        outgoing.push_back(connect_to(socket_name(ex.job_id, peer), deadline));
+        try {
+            outgoing.push_back(connect_to(heap_socket_name(ex.job_id, peer), deadline));
+        } catch (const Error& e) {
+            WEFT_FAIL("rank " << ex.rank << " could not reach rank " << peer << "'s heap socket (is it still running?): "
+                              << e.what());
+        }
         send_with_fd(outgoing.back().get(), out, own_fd);
     }
 
@@ -211,7 +218,9 @@ std::map<int, UniqueFd> exchange_fds(const FdExchange& ex, int own_fd) {
         Message in{};
         UniqueFd fd;
         std::string why;
-        if (!receive_message(conn.get(), deadline, &in, &fd, &why)) {
+        // A peer sends as soon as it connects: a silent connection must not hold up the others for long.
+        const auto message_deadline = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(2));
+        if (!receive_message(conn.get(), message_deadline, &in, &fd, &why)) {
             WEFT_LOG_WARN("dropped a malformed message on the heap socket from pid " << cred.pid << ": " << why);
             continue;
         }

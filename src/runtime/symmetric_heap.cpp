@@ -9,7 +9,7 @@
 #include <limits>
 #include <sstream>
 
-#include "fd_passing.hpp"
+#include "weft/detail/fd_passing.hpp"
 #include "runtime_internal.hpp"
 #include "weft/detail/offset_allocator.hpp"
 #include "weft/detail/runtime_config.hpp"

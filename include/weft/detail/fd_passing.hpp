@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Passing file descriptors between processes of one host over abstract Unix-domain sockets (SCM_RIGHTS).
+// Passing file descriptors between processes of one host over abstract Unix-domain sockets (SCM_RIGHTS);
+// an implementation detail of the symmetric heap, exposed for its unit tests.
 #pragma once
 
 #include <chrono>
@@ -49,6 +50,9 @@ struct FdExchange {
     int num_ranks = 0;
     std::chrono::milliseconds timeout{10000};
 };
+
+/// The abstract socket (no file; "@name" in ss -x) on which `rank` of job `job_id` receives descriptors.
+std::string heap_socket_name(const std::string& job_id, int rank);
 
 /// Sends `own_fd` to every local peer and receives one descriptor from each; returns rank -> descriptor.
 /// Collective over all ranks (it runs store barriers, so ranks without local peers call it too). Messages
