@@ -47,6 +47,23 @@ private:
     bool changed_ = false;
 };
 
+/// A non-blocking stream for the runtime's own small copies and memsets: unlike the legacy default stream
+/// (and the per-thread stream, which syncs with it), it never waits for other ranks' kernels on a shared GPU.
+class OwnedStream {
+public:
+    OwnedStream() = default;
+    ~OwnedStream() { reset(); }
+    OwnedStream(const OwnedStream&) = delete;
+    OwnedStream& operator=(const OwnedStream&) = delete;
+    /// Creates the stream on the current device.
+    void create();
+    void reset() noexcept;
+    cudaStream_t get() const { return stream_; }
+
+private:
+    cudaStream_t stream_ = nullptr;
+};
+
 /// What every rank publishes about itself when the World starts.
 struct RankInfo {
     std::string host;        ///< host name
@@ -66,6 +83,7 @@ struct HeapSetup {
     uint64_t bytes = 0;        ///< already rounded to `granularity`, equal on every rank
     uint64_t granularity = 0;  ///< equal on every rank
     bool same_process = true;  ///< ranks are threads of this process (run_local)
+    cudaStream_t stream = nullptr;  ///< the World's internal stream (zeroing signal pads)
     std::string job_id;        ///< random, shared by every rank
     std::vector<RankInfo> ranks;
 };
@@ -102,6 +120,7 @@ struct WorldContext {
     std::vector<RankInfo> ranks;
 
     std::shared_ptr<Store> store;
+    OwnedStream stream;  // declared before the heap and teams, which use it, so it is destroyed after them
     std::unique_ptr<SymmetricHeap> heap;
     std::unique_ptr<Diagnostic, PinnedFree> diag_host;
     Diagnostic* diag_device = nullptr;

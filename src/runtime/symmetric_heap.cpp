@@ -371,9 +371,9 @@ uint64_t* SymmetricHeap::alloc_signals(uint64_t count) {
     const uint64_t seq = impl_->call_seq;
     {
         detail::DeviceGuard guard(impl_->setup.device);
-        // The per-thread stream does not wait for other ranks' kernels on a shared GPU (the legacy stream would).
-        WEFT_CUDA_CHECK(cudaMemsetAsync(signals, 0, bytes, cudaStreamPerThread));
-        WEFT_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+        // The World's non-blocking stream does not wait for other ranks' kernels on a shared GPU.
+        WEFT_CUDA_CHECK(cudaMemsetAsync(signals, 0, bytes, impl_->setup.stream));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(impl_->setup.stream));
     }
     impl_->setup.store->barrier(impl_->key("signals/" + std::to_string(seq)), impl_->setup.rank,
                                 impl_->setup.num_ranks, impl_->setup.timeout);

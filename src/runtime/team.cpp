@@ -22,26 +22,27 @@ struct DeviceFree {
         if (p == nullptr) return;
         DeviceGuard guard(device);
         // cudaFree would synchronise the whole device, i.e. wait for other ranks' spinning kernels on a
-        // shared GPU; the stream-ordered free does not.
+        // shared GPU; the stream-ordered free does not. (The World's stream may be gone by now: a team can
+        // outlive it by a few statements; the per-thread stream always exists.)
         cudaError_t st = async ? cudaFreeAsync(p, cudaStreamPerThread) : cudaFree(p);
         if (st != cudaSuccess) WEFT_LOG_WARN("freeing a team table failed: " << cudaGetErrorName(st));
     }
 };
 
-// Copies `bytes` of host data into a new device buffer on `device`.
-std::shared_ptr<void> upload(int device, const void* host, size_t bytes) {
+// Copies `bytes` of host data into a new device buffer on `device`, through the World's non-blocking stream.
+std::shared_ptr<void> upload(int device, cudaStream_t stream, const void* host, size_t bytes) {
     DeviceGuard guard(device);
     int pools = 0;
     WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device));
     void* p = nullptr;
     if (pools != 0) {
-        WEFT_CUDA_CHECK(cudaMallocAsync(&p, bytes, cudaStreamPerThread));
+        WEFT_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream));
     } else {
         WEFT_CUDA_CHECK(cudaMalloc(&p, bytes));
     }
     std::shared_ptr<void> owned(p, DeviceFree{device, pools != 0});
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(p, host, bytes, cudaMemcpyHostToDevice, cudaStreamPerThread));
-    WEFT_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(p, host, bytes, cudaMemcpyHostToDevice, stream));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     return owned;
 }
 
@@ -62,9 +63,11 @@ Team TeamState::make(WorldContext* world, TeamMembers members, std::string id, b
             peer_table.push_back(bases[static_cast<size_t>(w)]);
             rank_table.push_back(w);
         }
-        state->peer_table = upload(world->device, peer_table.data(), peer_table.size() * sizeof(uint8_t*));
+        state->peer_table =
+            upload(world->device, world->stream.get(), peer_table.data(), peer_table.size() * sizeof(uint8_t*));
         if (!is_world) {
-            state->rank_table = upload(world->device, rank_table.data(), rank_table.size() * sizeof(int32_t));
+            state->rank_table =
+                upload(world->device, world->stream.get(), rank_table.data(), rank_table.size() * sizeof(int32_t));
         }
     }
     return Team(std::shared_ptr<const TeamState>(std::move(state)));

@@ -33,6 +33,18 @@ void PinnedFree::operator()(Diagnostic* p) const {
     if (st != cudaSuccess) WEFT_LOG_WARN("cudaFreeHost of the diagnostic record failed: " << cudaGetErrorName(st));
 }
 
+void OwnedStream::create() {
+    reset();
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+}
+
+void OwnedStream::reset() noexcept {
+    if (stream_ == nullptr) return;
+    cudaError_t st = cudaStreamDestroy(stream_);
+    if (st != cudaSuccess) WEFT_LOG_WARN("cudaStreamDestroy of the runtime's stream failed: " << cudaGetErrorName(st));
+    stream_ = nullptr;
+}
+
 std::string random_hex_id() {
     std::random_device device;
     uint64_t v = (static_cast<uint64_t>(device()) << 32) ^ device();
@@ -119,6 +131,7 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     }
     WEFT_CUDA_CHECK(cudaSetDevice(c.device));
     WEFT_CUDA_CHECK(cudaFree(nullptr));  // create the context now, so that failures surface here
+    c.stream.create();
     warn_if_lazy_module_loading();
     int sm_count = 0;
     WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, c.device));
@@ -209,6 +222,7 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     heap.bytes = heap_bytes;
     heap.granularity = heap_granularity;
     heap.same_process = c.same_process;
+    heap.stream = c.stream.get();
     heap.job_id = c.job_id;
     heap.ranks = c.ranks;
     c.heap = detail::make_symmetric_heap(heap);
@@ -254,6 +268,7 @@ void World::shutdown() noexcept {
         c.node_team = Team();
         c.diag_host.reset();
         c.diag_device = nullptr;
+        c.stream.reset();
         // Rank 0 hosts the TCP store: it closes only after every other rank has left the shutdown barrier,
         // so that no rank loses the store halfway through it.
         if (barrier_ok && !c.same_process && c.num_ranks > 1) {

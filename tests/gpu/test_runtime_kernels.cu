@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "gpu/runtime_test_util.hpp"
+#include "support/runtime_checks.hpp"
 #include "weft/weft.hpp"
 
 namespace weft {
