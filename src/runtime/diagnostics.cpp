@@ -8,35 +8,52 @@ namespace weft {
 
 const char* spin_kind_name(SpinKind kind) {
     switch (kind) {
-        case SpinKind::kNone: return "an unknown spin";
-        case SpinKind::kSignalWait: return "signal_wait";
-        case SpinKind::kBarrier: return "barrier";
-        case SpinKind::kTileWait: return "tile_wait";
-        case SpinKind::kOther: return "spin";
+        case SpinKind::kNone:
+            return "an unknown spin";
+        case SpinKind::kSignalWait:
+            return "signal_wait";
+        case SpinKind::kBarrier:
+            return "barrier";
+        case SpinKind::kTileWait:
+            return "tile_wait";
+        case SpinKind::kOther:
+            return "spin";
     }
     return "an unknown spin";
 }
 
 const char* cmp_name(Cmp cmp) {
     switch (cmp) {
-        case Cmp::kEq: return "EQ";
-        case Cmp::kNe: return "NE";
-        case Cmp::kGt: return "GT";
-        case Cmp::kGe: return "GE";
-        case Cmp::kLt: return "LT";
-        case Cmp::kLe: return "LE";
+        case Cmp::kEq:
+            return "EQ";
+        case Cmp::kNe:
+            return "NE";
+        case Cmp::kGt:
+            return "GT";
+        case Cmp::kGe:
+            return "GE";
+        case Cmp::kLt:
+            return "LT";
+        case Cmp::kLe:
+            return "LE";
     }
     return "?";
 }
 
 const char* cmp_symbol(Cmp cmp) {
     switch (cmp) {
-        case Cmp::kEq: return "==";
-        case Cmp::kNe: return "!=";
-        case Cmp::kGt: return ">";
-        case Cmp::kGe: return ">=";
-        case Cmp::kLt: return "<";
-        case Cmp::kLe: return "<=";
+        case Cmp::kEq:
+            return "==";
+        case Cmp::kNe:
+            return "!=";
+        case Cmp::kGt:
+            return ">";
+        case Cmp::kGe:
+            return ">=";
+        case Cmp::kLt:
+            return "<";
+        case Cmp::kLe:
+            return "<=";
     }
     return "?";
 }
@@ -44,8 +61,8 @@ const char* cmp_symbol(Cmp cmp) {
 std::string format_diagnostic(const Diagnostic& d) {
     std::ostringstream os;
     if (d.claimed != 2) {
-        os << "rank " << d.rank << ": a device spin timed out but its diagnostic record is incomplete (claimed = "
-           << d.claimed << ")";
+        os << "rank " << d.rank
+           << ": a device spin timed out but its diagnostic record is incomplete (claimed = " << d.claimed << ")";
         return os.str();
     }
     // Round to whole milliseconds: the device clock advances in 32 ns steps, so more digits add nothing.

@@ -189,8 +189,8 @@ std::map<int, UniqueFd> exchange_fds(const FdExchange& ex, int own_fd) {
         try {
             outgoing.push_back(connect_to(heap_socket_name(ex.job_id, peer), deadline));
         } catch (const Error& e) {
-            WEFT_FAIL("rank " << ex.rank << " could not reach rank " << peer << "'s heap socket (is it still running?): "
-                              << e.what());
+            WEFT_FAIL("rank " << ex.rank << " could not reach rank " << peer
+                              << "'s heap socket (is it still running?): " << e.what());
         }
         send_with_fd(outgoing.back().get(), out, own_fd);
     }
@@ -224,8 +224,8 @@ std::map<int, UniqueFd> exchange_fds(const FdExchange& ex, int own_fd) {
             WEFT_LOG_WARN("dropped a malformed message on the heap socket from pid " << cred.pid << ": " << why);
             continue;
         }
-        const bool same_job = std::memcmp(in.magic, kMagic, sizeof(kMagic)) == 0 &&
-                              std::memcmp(in.job_id, out.job_id, kJobIdBytes) == 0;
+        const bool same_job =
+            std::memcmp(in.magic, kMagic, sizeof(kMagic)) == 0 && std::memcmp(in.job_id, out.job_id, kJobIdBytes) == 0;
         if (!same_job || expected.count(in.rank) == 0) {
             WEFT_LOG_WARN("dropped a heap descriptor from pid " << cred.pid << " (" << (same_job ? "" : "another job, ")
                                                                 << "claimed rank " << in.rank << ")");

@@ -25,9 +25,10 @@ bool ensure_eager_module_loading() {
         if (!value) {
             ::setenv("CUDA_MODULE_LOADING", "EAGER", 0);
             g_weft_set_it = true;
-            WEFT_LOG_INFO("weft set CUDA_MODULE_LOADING=EAGER: lazy module loading can deadlock a kernel that spins "
-                          "on a flag set by a kernel whose module is not loaded yet (set CUDA_MODULE_LOADING "
-                          "yourself to override)");
+            WEFT_LOG_INFO(
+                "weft set CUDA_MODULE_LOADING=EAGER: lazy module loading can deadlock a kernel that spins "
+                "on a flag set by a kernel whose module is not loaded yet (set CUDA_MODULE_LOADING "
+                "yourself to override)");
         } else if (*value != "EAGER") {
             WEFT_LOG_WARN("CUDA_MODULE_LOADING=" << *value
                                                  << " (set by the user): with lazy loading a spinning kernel can "
@@ -45,8 +46,8 @@ void warn_if_lazy_module_loading() {
         using GetLoadingMode = CUresult (*)(CUmoduleLoadingMode*);
         void* fn = nullptr;
         cudaDriverEntryPointQueryResult query{};
-        if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, CUDA_VERSION, cudaEnableDefault,
-                                             &query) != cudaSuccess ||
+        if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, CUDA_VERSION, cudaEnableDefault, &query) !=
+                cudaSuccess ||
             query != cudaDriverEntryPointSuccess || fn == nullptr) {
             return;
         }
@@ -54,9 +55,10 @@ void warn_if_lazy_module_loading() {
         if (reinterpret_cast<GetLoadingMode>(fn)(&mode) != CUDA_SUCCESS) return;
         auto value = env::get("CUDA_MODULE_LOADING");
         if (mode == CU_MODULE_LAZY_LOADING && value && *value == "EAGER") {
-            WEFT_LOG_WARN("CUDA loads modules lazily although CUDA_MODULE_LOADING=EAGER: CUDA was initialised before "
-                          "weft could select eager loading; call weft::ensure_eager_module_loading() (or set "
-                          "CUDA_MODULE_LOADING=EAGER) before the first CUDA call, or spinning kernels may deadlock");
+            WEFT_LOG_WARN(
+                "CUDA loads modules lazily although CUDA_MODULE_LOADING=EAGER: CUDA was initialised before "
+                "weft could select eager loading; call weft::ensure_eager_module_loading() (or set "
+                "CUDA_MODULE_LOADING=EAGER) before the first CUDA call, or spinning kernels may deadlock");
         }
     });
 }

@@ -26,7 +26,8 @@ uint64_t resolve_heap_bytes(uint64_t option_bytes, const std::optional<std::stri
     return bytes;
 }
 
-std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds option, const std::optional<std::string>& env_value) {
+std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds option,
+                                          const std::optional<std::string>& env_value) {
     WEFT_CHECK(option.count() >= 0, "WorldOptions::timeout must not be negative, got " << option.count() << " ms");
     if (option.count() > 0) return option;
     if (env_value) {

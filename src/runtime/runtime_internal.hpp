@@ -80,11 +80,11 @@ struct HeapSetup {
     Store* store = nullptr;
     std::chrono::milliseconds timeout{10000};       ///< for collective alloc/free
     std::chrono::milliseconds init_timeout{60000};  ///< for the exchanges while the heap is built
-    uint64_t bytes = 0;        ///< already rounded to `granularity`, equal on every rank
-    uint64_t granularity = 0;  ///< equal on every rank
-    bool same_process = true;  ///< ranks are threads of this process (run_local)
-    cudaStream_t stream = nullptr;  ///< the World's internal stream (zeroing signal pads)
-    std::string job_id;        ///< random, shared by every rank
+    uint64_t bytes = 0;                             ///< already rounded to `granularity`, equal on every rank
+    uint64_t granularity = 0;                       ///< equal on every rank
+    bool same_process = true;                       ///< ranks are threads of this process (run_local)
+    cudaStream_t stream = nullptr;                  ///< the World's internal stream (zeroing signal pads)
+    std::string job_id;                             ///< random, shared by every rank
     std::vector<RankInfo> ranks;
 };
 
@@ -128,19 +128,19 @@ struct WorldContext {
     Team node_team;
     uint64_t barrier_seq = 0;
 
-    std::mutex split_mutex;                    // split_color sequence numbers, per team id
+    std::mutex split_mutex;  // split_color sequence numbers, per team id
     std::map<std::string, uint64_t> split_seq;
 };
 
 /// A team's shared state: members, this rank's place, and its device tables.
 struct TeamState {
     WorldContext* world = nullptr;
-    std::string id;                  ///< identical on every member: names the team's store keys
+    std::string id;  ///< identical on every member: names the team's store keys
     TeamMembers members;
     int rank = -1;
     bool is_world = false;
-    std::shared_ptr<void> peer_table;     ///< device uint8_t*[size]
-    std::shared_ptr<void> rank_table;     ///< device int32_t[size] (nullptr for the world team)
+    std::shared_ptr<void> peer_table;  ///< device uint8_t*[size]
+    std::shared_ptr<void> rank_table;  ///< device int32_t[size] (nullptr for the world team)
 
     /// Builds a team (allocating its device tables when this rank is a member).
     static Team make(WorldContext* world, TeamMembers members, std::string id, bool is_world);

@@ -67,7 +67,8 @@ void Store::barrier(const std::string& name, int rank, int num_ranks, std::chron
     try {
         get(name + "/done", detail::remaining_ms(deadline));
     } catch (const Error& e) {
-        const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+        const auto waited =
+            std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
         WEFT_FAIL("barrier '" << name << "' failed on rank " << rank << " after " << waited.count() << " ms (timeout "
                               << timeout.count() << " ms): " << describe_missing(*this, name + "/rank/", num_ranks)
                               << " [store: " << e.what() << "]");
@@ -100,9 +101,8 @@ std::vector<Bytes> Store::all_gather(const std::string& name, int rank, int num_
             const auto waited =
                 std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
             WEFT_FAIL("all_gather '" << name << "' failed on rank " << rank << " after " << waited.count()
-                                     << " ms (timeout " << timeout.count()
-                                     << " ms): " << describe_missing(*this, prefix, num_ranks) << " [store: "
-                                     << e.what() << "]");
+                                     << " ms (timeout " << timeout.count() << " ms): "
+                                     << describe_missing(*this, prefix, num_ranks) << " [store: " << e.what() << "]");
         }
     }
     if (add(prefix + "leave", 1) == num_ranks) {

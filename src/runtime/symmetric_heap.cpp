@@ -9,8 +9,8 @@
 #include <limits>
 #include <sstream>
 
-#include "weft/detail/fd_passing.hpp"
 #include "runtime_internal.hpp"
+#include "weft/detail/fd_passing.hpp"
 #include "weft/detail/offset_allocator.hpp"
 #include "weft/detail/runtime_config.hpp"
 #include "weft/runtime/driver.hpp"
@@ -339,20 +339,20 @@ void* SymmetricHeap::alloc(uint64_t bytes, uint64_t align) {
                "symmetric heap alloc #" << call.seq << ": align must be a power of two no larger than "
                                         << h.setup.granularity << " (the VMM granularity), got " << align);
     auto offset = h.allocator.allocate(bytes, align);
-    WEFT_CHECK(offset.has_value(),
-               "symmetric heap alloc #" << call.seq << " of " << detail::format_bytes(bytes) << " (align " << align
-                                        << ") does not fit: the heap is " << detail::format_bytes(h.setup.bytes)
-                                        << " per rank with " << detail::format_bytes(h.allocator.bytes_in_use())
-                                        << " in use and a largest free block of "
-                                        << detail::format_bytes(h.allocator.largest_free_block())
-                                        << "; enlarge it with WEFT_SYMMETRIC_HEAP_BYTES (or WorldOptions::heap_bytes)");
+    WEFT_CHECK(offset.has_value(), "symmetric heap alloc #"
+                                       << call.seq << " of " << detail::format_bytes(bytes) << " (align " << align
+                                       << ") does not fit: the heap is " << detail::format_bytes(h.setup.bytes)
+                                       << " per rank with " << detail::format_bytes(h.allocator.bytes_in_use())
+                                       << " in use and a largest free block of "
+                                       << detail::format_bytes(h.allocator.largest_free_block())
+                                       << "; enlarge it with WEFT_SYMMETRIC_HEAP_BYTES (or WorldOptions::heap_bytes)");
     return h.base() + *offset;
 }
 
 void SymmetricHeap::free(void* ptr) {
     detail::HeapImpl& h = *impl_;
-    const uint64_t offset = contains(ptr) ? static_cast<uint64_t>(static_cast<uint8_t*>(ptr) - h.base())
-                                          : detail::kOutsideHeap;
+    const uint64_t offset =
+        contains(ptr) ? static_cast<uint64_t>(static_cast<uint8_t*>(ptr) - h.base()) : detail::kOutsideHeap;
     const detail::CallRecord call{++h.call_seq, detail::HeapOp::kFree, offset, 0};
     h.agree(call);
     WEFT_CHECK(offset != detail::kOutsideHeap,
@@ -365,8 +365,8 @@ void SymmetricHeap::free(void* ptr) {
 
 uint64_t* SymmetricHeap::alloc_signals(uint64_t count) {
     // Oversized counts saturate so that alloc reports them (identically on every rank).
-    const uint64_t bytes = count > std::numeric_limits<uint64_t>::max() / 8 ? std::numeric_limits<uint64_t>::max()
-                                                                            : count * 8;
+    const uint64_t bytes =
+        count > std::numeric_limits<uint64_t>::max() / 8 ? std::numeric_limits<uint64_t>::max() : count * 8;
     auto* signals = static_cast<uint64_t*>(alloc(bytes, 256));
     const uint64_t seq = impl_->call_seq;
     {
@@ -375,8 +375,8 @@ uint64_t* SymmetricHeap::alloc_signals(uint64_t count) {
         WEFT_CUDA_CHECK(cudaMemsetAsync(signals, 0, bytes, impl_->setup.stream));
         WEFT_CUDA_CHECK(cudaStreamSynchronize(impl_->setup.stream));
     }
-    impl_->setup.store->barrier(impl_->key("signals/" + std::to_string(seq)), impl_->setup.rank,
-                                impl_->setup.num_ranks, impl_->setup.timeout);
+    impl_->setup.store->barrier(impl_->key("signals/" + std::to_string(seq)), impl_->setup.rank, impl_->setup.num_ranks,
+                                impl_->setup.timeout);
     return signals;
 }
 
@@ -387,8 +387,8 @@ bool SymmetricHeap::contains(const void* ptr, uint64_t bytes) const {
 }
 
 uint64_t SymmetricHeap::offset_of(const void* ptr) const {
-    WEFT_CHECK(contains(ptr), "pointer " << ptr << " is not in this rank's symmetric heap [" << static_cast<void*>(base())
-                                         << ", +" << impl_->setup.bytes << ")");
+    WEFT_CHECK(contains(ptr), "pointer " << ptr << " is not in this rank's symmetric heap ["
+                                         << static_cast<void*>(base()) << ", +" << impl_->setup.bytes << ")");
     return static_cast<uint64_t>(static_cast<const uint8_t*>(ptr) - impl_->base());
 }
 

@@ -92,7 +92,8 @@ const std::vector<int>& Team::members() const { return state_->members; }
 Team Team::split_strided(int start, int stride, int size) const {
     WEFT_CHECK(state_->world != nullptr, "split_strided of an empty team");
     auto members = detail::split_strided_members(state_->members, start, stride, size);
-    std::string id = state_->id + ".s" + std::to_string(start) + "_" + std::to_string(stride) + "_" + std::to_string(size);
+    std::string id =
+        state_->id + ".s" + std::to_string(start) + "_" + std::to_string(stride) + "_" + std::to_string(size);
     return detail::TeamState::make(state_->world, std::move(members), std::move(id), false);
 }
 
@@ -110,8 +111,8 @@ Team Team::split_color(int color, int key) const {
     Bytes blob(8);
     std::memcpy(blob.data(), &color, 4);
     std::memcpy(blob.data() + 4, &key, 4);
-    auto all = world.store->all_gather("weft/team/" + state_->id + "/split/" + std::to_string(seq), rank(),
-                                       num_ranks(), blob, world.timeout);
+    auto all = world.store->all_gather("weft/team/" + state_->id + "/split/" + std::to_string(seq), rank(), num_ranks(),
+                                       blob, world.timeout);
     std::vector<int> colors(all.size()), keys(all.size());
     for (size_t r = 0; r < all.size(); ++r) {
         WEFT_CHECK(all[r].size() == 8, "split_color: team rank " << r << " published a malformed record");

@@ -19,21 +19,19 @@ TeamMembers split_strided_members(const TeamMembers& parent, int start, int stri
     WEFT_CHECK(size == 1 || stride >= 1, "split_strided: stride must be at least 1 when size > 1, got " << stride);
     const int64_t last = static_cast<int64_t>(start) + static_cast<int64_t>(stride) * (size - 1);
     WEFT_CHECK(last < parent_size, "split_strided: start " << start << " + stride " << stride << " * (size " << size
-                                                           << " - 1) = " << last
-                                                           << " is outside the parent team of " << parent_size
-                                                           << " ranks");
+                                                           << " - 1) = " << last << " is outside the parent team of "
+                                                           << parent_size << " ranks");
     TeamMembers members;
     members.reserve(static_cast<size_t>(size));
     for (int i = 0; i < size; ++i) members.push_back(parent[static_cast<size_t>(start + i * stride)]);
     return members;
 }
 
-TeamMembers split_color_members(const TeamMembers& parent, const std::vector<int>& colors,
-                                const std::vector<int>& keys, int color) {
+TeamMembers split_color_members(const TeamMembers& parent, const std::vector<int>& colors, const std::vector<int>& keys,
+                                int color) {
     WEFT_CHECK(colors.size() == parent.size() && keys.size() == parent.size(),
-               "split_color: need one colour and key per parent rank (" << parent.size() << "), got "
-                                                                         << colors.size() << " colours and "
-                                                                         << keys.size() << " keys");
+               "split_color: need one colour and key per parent rank (" << parent.size() << "), got " << colors.size()
+                                                                        << " colours and " << keys.size() << " keys");
     TeamMembers members;
     if (color < 0) return members;
     std::vector<std::tuple<int, int, int>> picked;  // (key, parent rank, world rank)

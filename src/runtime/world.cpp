@@ -80,8 +80,8 @@ std::map<std::string, std::string> decode_fields(const Bytes& blob, int from_ran
     std::string line;
     while (std::getline(in, line)) {
         auto eq = line.find('=');
-        WEFT_CHECK(eq != std::string::npos, "rank " << from_rank << " sent a malformed start-up record line '" << line
-                                                    << "'");
+        WEFT_CHECK(eq != std::string::npos,
+                   "rank " << from_rank << " sent a malformed start-up record line '" << line << "'");
         fields[line.substr(0, eq)] = line.substr(eq + 1);
     }
     return fields;
@@ -95,8 +95,9 @@ const std::string& field(const std::map<std::string, std::string>& fields, const
 }
 
 uint64_t parse_u64(const std::string& text, const char* name, int from_rank) {
-    WEFT_CHECK(!text.empty() && std::all_of(text.begin(), text.end(), [](unsigned char ch) { return std::isdigit(ch); }),
-               "rank " << from_rank << "'s start-up record has a malformed " << name << " '" << text << "'");
+    WEFT_CHECK(
+        !text.empty() && std::all_of(text.begin(), text.end(), [](unsigned char ch) { return std::isdigit(ch); }),
+        "rank " << from_rank << "'s start-up record has a malformed " << name << " '" << text << "'");
     return std::stoull(text);
 }
 
@@ -196,7 +197,8 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     }
     if (static_cast<int>(node_members.size()) != c.local_num_ranks) {
         WEFT_LOG_WARN("the launcher says " << c.local_num_ranks << " ranks run on this host, but "
-                                           << node_members.size() << " ranks report host name '" << hosts[static_cast<size_t>(c.rank)]
+                                           << node_members.size() << " ranks report host name '"
+                                           << hosts[static_cast<size_t>(c.rank)]
                                            << "'; the node team follows the host names");
     }
     c.sm_budget =
@@ -230,8 +232,8 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     detail::TeamMembers everyone(static_cast<size_t>(c.num_ranks));
     for (int r = 0; r < c.num_ranks; ++r) everyone[static_cast<size_t>(r)] = r;
     c.world_team = detail::TeamState::make(&c, std::move(everyone), "world", true);
-    c.node_team = detail::TeamState::make(
-        &c, std::move(node_members), "node" + std::to_string(host_group[static_cast<size_t>(c.rank)]), false);
+    c.node_team = detail::TeamState::make(&c, std::move(node_members),
+                                          "node" + std::to_string(host_group[static_cast<size_t>(c.rank)]), false);
 
     c.store->barrier("weft/init/ready", c.rank, c.num_ranks, init_timeout);
     WEFT_LOG_INFO("rank " << c.rank << "/" << c.num_ranks << " on device " << c.device << " (" << pci << "), "

@@ -36,7 +36,7 @@ TEST_F(RuntimeGpu, PatternExchangeThroughSymmAt) {
     for (int n : {1, 2, 3, 4, 8}) {
         SCOPED_TRACE("num_ranks " + std::to_string(n));
         run_ranks(n, [](World& w) {
-            test::check_exchange_through_symm_at(w, 1000 + 37);     // awkward size
+            test::check_exchange_through_symm_at(w, 1000 + 37);      // awkward size
             test::check_exchange_through_symm_at(w, (1 << 18) + 3);  // ~1 MiB per slot
         });
     }
@@ -67,11 +67,14 @@ TEST_F(RuntimeGpu, WorldBindingAndBudget) {
     WorldOptions options = test_options();
     options.sm_budget = 5;
     options.device = devices - 1;
-    run_ranks(2, [&](World& w) {
-        WEFT_CHECK(w.sm_budget() == 5, "sm_budget option ignored: " << w.sm_budget());
-        WEFT_CHECK(w.device() == devices - 1, "device option ignored: " << w.device());
-        WEFT_CHECK(w.num_ranks_on_device() == 2, "both ranks are on one device");
-    }, options);
+    run_ranks(
+        2,
+        [&](World& w) {
+            WEFT_CHECK(w.sm_budget() == 5, "sm_budget option ignored: " << w.sm_budget());
+            WEFT_CHECK(w.device() == devices - 1, "device option ignored: " << w.device());
+            WEFT_CHECK(w.num_ranks_on_device() == 2, "both ranks are on one device");
+        },
+        options);
 }
 
 TEST_F(RuntimeGpu, RepeatedAllocFreeGivesIdenticalOffsets) {
@@ -209,13 +212,16 @@ TEST_F(RuntimeGpu, TeamsSplitTranslateAndCarryDeviceTables) {
         WEFT_CUDA_CHECK(cudaMemcpy(ranks.data(), ctx.team_to_world, 2 * sizeof(int32_t), cudaMemcpyDeviceToHost));
         for (int t = 0; t < 2; ++t) {
             WEFT_CHECK(ranks[static_cast<size_t>(t)] == expected[static_cast<size_t>(t)], "team_to_world");
-            WEFT_CHECK(peers[static_cast<size_t>(t)] == w.heap().peer_bases()[static_cast<size_t>(expected[static_cast<size_t>(t)])],
+            WEFT_CHECK(peers[static_cast<size_t>(t)] ==
+                           w.heap().peer_bases()[static_cast<size_t>(expected[static_cast<size_t>(t)])],
                        "team peer table");
         }
         bool not_member = false;
         try {
-            if (!even.is_member()) even.device_ctx();
-            else not_member = true;
+            if (!even.is_member())
+                even.device_ctx();
+            else
+                not_member = true;
         } catch (const Error&) {
             not_member = true;
         }
@@ -231,10 +237,13 @@ TEST_F(RuntimeGpu, RunLocalNamesTheFirstFailingRankQuickly) {
     const auto start = std::chrono::steady_clock::now();
     std::string message;
     try {
-        run_local(4, [](World& w) {
-            if (w.rank() == 2) WEFT_FAIL("rank two gives up");
-            w.barrier();  // the others wait for rank 2 here; the aborted store releases them
-        }, test_options());
+        run_local(
+            4,
+            [](World& w) {
+                if (w.rank() == 2) WEFT_FAIL("rank two gives up");
+                w.barrier();  // the others wait for rank 2 here; the aborted store releases them
+            },
+            test_options());
     } catch (const Error& e) {
         message = e.what();
     }
@@ -249,7 +258,8 @@ TEST_F(RuntimeGpu, RunLocalNamesTheFirstFailingRankQuickly) {
 TEST_F(RuntimeGpu, BadOptionsAreRejected) {
     auto message_of = [](const WorldOptions& options) {
         try {
-            run_local(2, [](World&) {}, options);
+            run_local(
+                2, [](World&) {}, options);
         } catch (const Error& e) {
             return std::string(e.what());
         }

@@ -22,7 +22,8 @@ __global__ void put_pattern_kernel(DeviceCtx ctx, uint64_t offset, uint64_t coun
     for (int d = 0; d < ctx.num_ranks; ++d) {
         if (ctx.peer_bases[d] == nullptr) continue;
         const int dst = ctx.team_to_world != nullptr ? ctx.team_to_world[d] : d;
-        uint32_t* slot = reinterpret_cast<uint32_t*>(ctx.peer_bases[d] + offset) + static_cast<uint64_t>(ctx.rank) * count;
+        uint32_t* slot =
+            reinterpret_cast<uint32_t*>(ctx.peer_bases[d] + offset) + static_cast<uint64_t>(ctx.rank) * count;
         for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
             slot[i] = test::exchange_pattern(src, dst, i);
         }
@@ -99,7 +100,7 @@ TEST_F(RuntimeKernels, KernelStoresThroughWorldPeerTable) {
 
 TEST_F(RuntimeKernels, KernelStoresThroughTeamPeerTable) {
     run_ranks(5, [](World& w) {
-        exchange_by_kernel(w, w.team().split_strided(1, 2, 2), 1000);             // world ranks 1, 3
+        exchange_by_kernel(w, w.team().split_strided(1, 2, 2), 1000);              // world ranks 1, 3
         exchange_by_kernel(w, w.team().split_color(w.rank() % 2, w.rank()), 777);  // evens, odds
     });
 }
@@ -121,11 +122,14 @@ TEST_F(RuntimeKernels, DiagnosticRecordBecomesAnError) {
             message = e.what();
         }
         char address[32];
-        std::snprintf(address, sizeof(address), "0x%llx", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(signal)));
+        std::snprintf(address, sizeof(address), "0x%llx",
+                      static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(signal)));
         if (w.rank() == 1) {
             const std::string expected = std::string("rank 1 block (3,0,0) thread 0 timed out after 10000 ms in ") +
-                                         "signal_wait (GE) on signal " + address + " owned by rank 2: expected >= 5, observed 4";
-            WEFT_CHECK(message.find(expected) != std::string::npos, "got '" << message << "', expected '" << expected << "'");
+                                         "signal_wait (GE) on signal " + address +
+                                         " owned by rank 2: expected >= 5, observed 4";
+            WEFT_CHECK(message.find(expected) != std::string::npos,
+                       "got '" << message << "', expected '" << expected << "'");
             w.clear_diagnostics();
             w.check_diagnostics();  // cleared: no error
         } else {
@@ -142,11 +146,14 @@ TEST_F(RuntimeKernels, TrapAfterTimeoutIsDiagnosed) {
     EXPECT_EXIT(
         {
             try {
-                run_local(1, [](World& w) {
-                    uint64_t* signal = w.heap().alloc_signals(1);
-                    fake_timeout_kernel<<<4, 32>>>(w.device_ctx(), signal, /*trap=*/true);
-                    w.sync_and_check(nullptr);
-                }, test_options());
+                run_local(
+                    1,
+                    [](World& w) {
+                        uint64_t* signal = w.heap().alloc_signals(1);
+                        fake_timeout_kernel<<<4, 32>>>(w.device_ctx(), signal, /*trap=*/true);
+                        w.sync_and_check(nullptr);
+                    },
+                    test_options());
             } catch (const Error& e) {
                 std::fprintf(stderr, "%s\n", e.what());
                 std::fflush(stderr);
@@ -156,7 +163,8 @@ TEST_F(RuntimeKernels, TrapAfterTimeoutIsDiagnosed) {
         },
         ::testing::ExitedWithCode(0),
         "rank 0 block \\(3,0,0\\) thread 0 timed out after 10000 ms in signal_wait \\(GE\\) on signal 0x[0-9a-f]+ "
-        "owned by rank 2: expected >= 5, observed 0; the kernel then trapped: cudaStreamSynchronize returned cudaError");
+        "owned by rank 2: expected >= 5, observed 0; the kernel then trapped: cudaStreamSynchronize returned "
+        "cudaError");
 }
 
 }  // namespace

@@ -135,9 +135,8 @@ void check_mismatch_errors(World& w) {
     const std::string sizes = error_of([&] { heap.alloc(me == n - 1 ? 8192 : 4096); });
     std::string others = n == 2 ? "rank 0" : "ranks 0";
     for (int r = 1; r < n - 1; ++r) others += ", " + std::to_string(r);
-    for (const std::string& part : {std::string("differs across ranks"),
-                                     others + " asked alloc(4096 bytes, align 256)",
-                                     "rank " + std::to_string(n - 1) + " asked alloc(8192 bytes, align 256)"}) {
+    for (const std::string& part : {std::string("differs across ranks"), others + " asked alloc(4096 bytes, align 256)",
+                                    "rank " + std::to_string(n - 1) + " asked alloc(8192 bytes, align 256)"}) {
         WEFT_CHECK(sizes.find(part) != std::string::npos,
                    "rank " << me << ": the size mismatch message lacks '" << part << "': '" << sizes << "'");
     }

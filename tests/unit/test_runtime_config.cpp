@@ -26,13 +26,13 @@ std::string error_of(const std::function<void()>& fn) {
 }
 
 TEST(RuntimeConfig, HeapBytesPrecedenceAndRounding) {
-    EXPECT_EQ(resolve_heap_bytes(0, std::nullopt, kTwoMiB), 1ull << 30);            // default
-    EXPECT_EQ(resolve_heap_bytes(0, std::string("512M"), kTwoMiB), 512ull << 20);   // environment
+    EXPECT_EQ(resolve_heap_bytes(0, std::nullopt, kTwoMiB), 1ull << 30);                    // default
+    EXPECT_EQ(resolve_heap_bytes(0, std::string("512M"), kTwoMiB), 512ull << 20);           // environment
     EXPECT_EQ(resolve_heap_bytes(64ull << 20, std::string("512M"), kTwoMiB), 64ull << 20);  // option wins
-    EXPECT_EQ(resolve_heap_bytes(1, std::nullopt, kTwoMiB), kTwoMiB);               // rounded up
+    EXPECT_EQ(resolve_heap_bytes(1, std::nullopt, kTwoMiB), kTwoMiB);                       // rounded up
     EXPECT_EQ(resolve_heap_bytes(0, std::string("3000001"), kTwoMiB), 2 * kTwoMiB);
-    EXPECT_EQ(resolve_heap_bytes(0, std::string("4194304"), kTwoMiB), 4194304u);    // already a multiple
-    EXPECT_EQ(resolve_heap_bytes(0, std::string("1000"), 3), 1002u);                // any granularity
+    EXPECT_EQ(resolve_heap_bytes(0, std::string("4194304"), kTwoMiB), 4194304u);  // already a multiple
+    EXPECT_EQ(resolve_heap_bytes(0, std::string("1000"), 3), 1002u);              // any granularity
 }
 
 TEST(RuntimeConfig, HeapBytesErrorsNameTheVariable) {
@@ -62,7 +62,8 @@ TEST(RuntimeConfig, SmBudget) {
     EXPECT_EQ(resolve_sm_budget(0, std::nullopt, 4, 8), 1);  // never zero
     EXPECT_EQ(resolve_sm_budget(0, std::string("20"), 132, 8), 20);
     EXPECT_EQ(resolve_sm_budget(7, std::string("20"), 132, 8), 7);
-    EXPECT_NE(error_of([] { resolve_sm_budget(0, std::string("0"), 132, 1); }).find("WEFT_SM_BUDGET"), std::string::npos);
+    EXPECT_NE(error_of([] { resolve_sm_budget(0, std::string("0"), 132, 1); }).find("WEFT_SM_BUDGET"),
+              std::string::npos);
     EXPECT_NE(error_of([] { resolve_sm_budget(0, std::string("133"), 132, 1); }).find("[1, 132]"), std::string::npos);
     EXPECT_NE(error_of([] { resolve_sm_budget(200, std::nullopt, 132, 1); }).find("sm_budget"), std::string::npos);
 }

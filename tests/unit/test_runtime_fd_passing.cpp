@@ -45,8 +45,7 @@ struct Outcome {
     std::string error;
 };
 
-std::vector<Outcome> run_exchange(int n, const std::string& job,
-                                  const std::function<std::vector<int>(int)>& peers_of,
+std::vector<Outcome> run_exchange(int n, const std::string& job, const std::function<std::vector<int>(int)>& peers_of,
                                   std::chrono::milliseconds timeout, int late_rank = -1) {
     InProcessStore store;
     std::vector<Outcome> out(static_cast<size_t>(n));
@@ -98,11 +97,13 @@ TEST(RuntimeFdPassing, EveryRankReceivesEveryPeersDescriptor) {
 
 TEST(RuntimeFdPassing, TwoHostsExchangeOnlyWithinAHost) {
     // Ranks 0, 2 on one "host", 1, 3 on another.
-    auto out = run_exchange(4, unique_job_id(), [](int r) { return std::vector<int>{(r + 2) % 4}; }, 10000ms);
+    auto out = run_exchange(
+        4, unique_job_id(), [](int r) { return std::vector<int>{(r + 2) % 4}; }, 10000ms);
     for (int r = 0; r < 4; ++r) {
         ASSERT_EQ(out[static_cast<size_t>(r)].error, "");
         ASSERT_EQ(out[static_cast<size_t>(r)].received.size(), 1u);
-        EXPECT_EQ(out[static_cast<size_t>(r)].received.at((r + 2) % 4), "payload of rank " + std::to_string((r + 2) % 4));
+        EXPECT_EQ(out[static_cast<size_t>(r)].received.at((r + 2) % 4),
+                  "payload of rank " + std::to_string((r + 2) % 4));
     }
 }
 
@@ -149,8 +150,8 @@ TEST(RuntimeFdPassing, ForeignConnectionsAreDropped) {
 
 TEST(RuntimeFdPassing, UnreachablePeerIsNamed) {
     // Rank 0 expects to exchange with rank 1, which (wrongly) expects no peer, so it neither listens nor sends.
-    auto out = run_exchange(2, unique_job_id(), [](int r) { return r == 0 ? std::vector<int>{1} : std::vector<int>{}; },
-                            300ms);
+    auto out = run_exchange(
+        2, unique_job_id(), [](int r) { return r == 0 ? std::vector<int>{1} : std::vector<int>{}; }, 300ms);
     EXPECT_NE(out[0].error.find("rank 0 could not reach rank 1's heap socket"), std::string::npos) << out[0].error;
     EXPECT_NE(out[1].error, "");  // rank 1 then waits for rank 0 at the final barrier, and gives up too
 }
@@ -158,11 +159,14 @@ TEST(RuntimeFdPassing, UnreachablePeerIsNamed) {
 TEST(RuntimeFdPassing, MissingSenderIsNamed) {
     // Rank 1 expects ranks 0 and 2, but rank 0 (which expects only rank 2) sends nothing to it; rank 1's
     // unexpected descriptor to rank 0 is dropped there.
-    auto out = run_exchange(3, unique_job_id(), [](int r) {
-        if (r == 0) return std::vector<int>{2};
-        if (r == 1) return std::vector<int>{0, 2};
-        return std::vector<int>{0, 1};
-    }, 300ms);
+    auto out = run_exchange(
+        3, unique_job_id(),
+        [](int r) {
+            if (r == 0) return std::vector<int>{2};
+            if (r == 1) return std::vector<int>{0, 2};
+            return std::vector<int>{0, 1};
+        },
+        300ms);
     EXPECT_NE(out[1].error.find("rank 1 did not receive the symmetric heap handles of rank 0"), std::string::npos)
         << out[1].error;
 }

@@ -42,11 +42,11 @@ private:
 
 /// Everything the exchange needs to know about one rank.
 struct FdExchange {
-    std::string job_id;               ///< random, shared by every rank: names the sockets, checked in messages
+    std::string job_id;  ///< random, shared by every rank: names the sockets, checked in messages
     int rank = 0;
-    std::vector<int> local_peers;     ///< ranks on this host (not this rank) to send to and receive from
-    uint64_t heap_bytes = 0;          ///< checked in every message
-    Store* store = nullptr;           ///< for the barriers that order listen -> send -> close
+    std::vector<int> local_peers;  ///< ranks on this host (not this rank) to send to and receive from
+    uint64_t heap_bytes = 0;       ///< checked in every message
+    Store* store = nullptr;        ///< for the barriers that order listen -> send -> close
     int num_ranks = 0;
     std::chrono::milliseconds timeout{10000};
 };

@@ -9,8 +9,8 @@
 
 namespace weft::detail {
 
-inline constexpr uint64_t kDefaultHeapBytes = 1ull << 30;                 ///< WEFT_SYMMETRIC_HEAP_BYTES default
-inline constexpr std::chrono::milliseconds kDefaultTimeout{10000};      ///< WEFT_TIMEOUT_MS default
+inline constexpr uint64_t kDefaultHeapBytes = 1ull << 30;           ///< WEFT_SYMMETRIC_HEAP_BYTES default
+inline constexpr std::chrono::milliseconds kDefaultTimeout{10000};  ///< WEFT_TIMEOUT_MS default
 
 /// Heap size: `option_bytes` when non-zero, else `env_value` (WEFT_SYMMETRIC_HEAP_BYTES, e.g. "512M"), else
 /// 1 GiB; rounded up to a multiple of `granularity`. Throws weft::Error naming the variable when it is
@@ -18,7 +18,8 @@ inline constexpr std::chrono::milliseconds kDefaultTimeout{10000};      ///< WEF
 uint64_t resolve_heap_bytes(uint64_t option_bytes, const std::optional<std::string>& env_value, uint64_t granularity);
 
 /// Timeout: `option` when positive, else `env_value` (WEFT_TIMEOUT_MS, whole milliseconds > 0), else 10 s.
-std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds option, const std::optional<std::string>& env_value);
+std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds option,
+                                          const std::optional<std::string>& env_value);
 
 /// SM budget: `option` when positive, else `env_value` (WEFT_SM_BUDGET), else sm_count / ranks_on_device
 /// (at least 1). Throws weft::Error when the chosen value is outside [1, sm_count].

@@ -18,8 +18,8 @@ TeamMembers split_strided_members(const TeamMembers& parent, int start, int stri
 /// MPI_Comm_split: of the parent's ranks, those whose colour equals `color`, ordered by (key, parent rank).
 /// `colors[i]`/`keys[i]` are parent rank i's arguments. A negative `color` gives an empty team. Throws
 /// weft::Error when the vectors do not have one entry per parent rank.
-TeamMembers split_color_members(const TeamMembers& parent, const std::vector<int>& colors,
-                                const std::vector<int>& keys, int color);
+TeamMembers split_color_members(const TeamMembers& parent, const std::vector<int>& colors, const std::vector<int>& keys,
+                                int color);
 
 /// Team rank of `world_rank`, or -1 when it is not a member.
 int team_rank_of(const TeamMembers& members, int world_rank);

@@ -25,10 +25,10 @@ struct WorldContext;
 
 /// Zero means "from the environment, else the default".
 struct WorldOptions {
-    int device = -1;                        ///< -1: LOCAL_RANK % visible devices (run_local: rank % devices)
-    uint64_t heap_bytes = 0;                ///< 0: WEFT_SYMMETRIC_HEAP_BYTES, else 1 GiB
-    int sm_budget = 0;                      ///< 0: WEFT_SM_BUDGET, else the device's SMs / ranks sharing it
-    std::chrono::milliseconds timeout{0};   ///< 0: WEFT_TIMEOUT_MS, else 10 s
+    int device = -1;                       ///< -1: LOCAL_RANK % visible devices (run_local: rank % devices)
+    uint64_t heap_bytes = 0;               ///< 0: WEFT_SYMMETRIC_HEAP_BYTES, else 1 GiB
+    int sm_budget = 0;                     ///< 0: WEFT_SM_BUDGET, else the device's SMs / ranks sharing it
+    std::chrono::milliseconds timeout{0};  ///< 0: WEFT_TIMEOUT_MS, else 10 s
 };
 
 /// One rank's view of the job. Created collectively (every rank creates its World; the constructor
@@ -47,10 +47,10 @@ public:
 
     int rank() const;
     int num_ranks() const;
-    int local_rank() const;        ///< index among the ranks of this host
-    int local_num_ranks() const;   ///< ranks on this host
-    int device() const;            ///< CUDA device ordinal this rank uses (current on its thread)
-    int sm_budget() const;         ///< SMs this rank's persistent kernels may use
+    int local_rank() const;           ///< index among the ranks of this host
+    int local_num_ranks() const;      ///< ranks on this host
+    int device() const;               ///< CUDA device ordinal this rank uses (current on its thread)
+    int sm_budget() const;            ///< SMs this rank's persistent kernels may use
     int num_ranks_on_device() const;  ///< ranks sharing this rank's GPU (same host and PCI bus id)
     std::chrono::milliseconds timeout() const;
     SymmetricHeap& heap();
