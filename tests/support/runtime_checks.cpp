@@ -15,6 +15,12 @@
 
 namespace weft::test {
 
+namespace {
+// The test binaries that link these checks select eager module loading before main, i.e. before gtest's
+// first test makes a CUDA call (run_local's own call would come too late for the process).
+[[maybe_unused]] const bool kEagerLoading = ensure_eager_module_loading();
+}  // namespace
+
 WorldOptions test_options(uint64_t heap_bytes) {
     WorldOptions o;
     o.heap_bytes = heap_bytes;
