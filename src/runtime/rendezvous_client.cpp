@@ -19,6 +19,7 @@
 namespace weft {
 
 using namespace detail::rendezvous;  // NOLINT: this file implements the protocol
+using std::chrono::milliseconds;
 
 namespace {
 
@@ -134,10 +135,10 @@ class TcpStoreClient final : public Store {
 public:
     TcpStoreClient(const RendezvousOptions& options, std::unique_ptr<TcpStoreServer> server)
         : server_(std::move(server)),
-          options_(options),
+          options_(capped(options)),
           limits_{options.max_key_bytes, options.max_value_bytes},
           endpoint_(options.host + ":" + std::to_string(options.port)) {
-        Clock::time_point deadline = Clock::now() + options.timeout;
+        Clock::time_point deadline = Clock::now() + options_.timeout;
         std::string last_error = "no attempt";
         fd_ = connect_with_retry(options.host, options.port, deadline, &last_error);
         WEFT_CHECK(fd_, "rendezvous: rank " << options.rank << " could not connect to the store at " << endpoint_
@@ -145,7 +146,7 @@ public:
                                            << " ms (is rank 0 running, and do MASTER_ADDR/MASTER_PORT match?): "
                                            << last_error);
         // The server may be slow to answer while many ranks connect at once: give HELLO a full timeout.
-        Message reply = exchange(make_hello(options.token, options.rank), Clock::now() + options.timeout, "connect",
+        Message reply = exchange(make_hello(options.token, options.rank), Clock::now() + options_.timeout, "connect",
                                  "");
         WEFT_CHECK(reply.type != MsgType::kError, "rendezvous: the store at " << endpoint_ << " rejected rank "
                                                                               << options.rank << ": "
@@ -164,6 +165,7 @@ public:
     Bytes get(const std::string& key, std::chrono::milliseconds timeout) override {
         WEFT_CHECK(timeout.count() >= 0, "store get('" << key << "'): timeout must be >= 0, got " << timeout.count()
                                                        << " ms");
+        timeout = std::min(timeout, milliseconds(kMaxWaitMs));
         // The server answers at `timeout`; the extra options_.timeout only covers a server that stopped.
         Message reply = call(make_get(key, static_cast<uint64_t>(timeout.count())),
                              Clock::now() + timeout + options_.timeout, "get", key);
@@ -196,6 +198,11 @@ public:
     }
 
 private:
+    static RendezvousOptions capped(RendezvousOptions o) {
+        o.timeout = std::min(o.timeout, milliseconds(kMaxWaitMs));
+        return o;
+    }
+
     /// One request and its reply, serialised with other threads of this process.
     Message call(const Message& request, Clock::time_point deadline, const char* op, const std::string& key) {
         // Encoding first: a key or value over the limits is the caller's error and leaves the connection usable.

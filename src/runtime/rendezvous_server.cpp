@@ -31,7 +31,6 @@ namespace {
 
 constexpr size_t kReadChunkBytes = 64 * 1024;
 constexpr int kMaxReadsPerWakeup = 16;  // then let other connections have a turn
-constexpr uint64_t kMaxGetTimeoutMs = 30ull * 24 * 3600 * 1000;
 
 /// Parses a counter stored by add(): optional '-' then decimal digits, nothing else.
 std::optional<int64_t> parse_counter(const Bytes& value) {
@@ -140,10 +139,10 @@ void TcpStoreServer::Impl::listen_on(const RendezvousOptions& opts) {
             continue;
         }
         if (!is_loopback(ai->ai_addr) && opts.token.empty()) {
+            std::string where = describe_address(ai->ai_addr);
             ::freeaddrinfo(list);
             WEFT_FAIL("rendezvous: listening on the non-loopback address "
-                      << describe_address(ai->ai_addr)
-                      << " requires a job token (RendezvousOptions.token / WEFT_JOB_TOKEN), but it is empty");
+                      << where << " requires a job token (RendezvousOptions.token / WEFT_JOB_TOKEN), but it is empty");
         }
         listen_fd = std::move(fd);
         break;
@@ -246,10 +245,15 @@ void TcpStoreServer::Impl::accept_all() {
 }
 
 void TcpStoreServer::Impl::read_from(uint64_t id, Connection& c) {
+    // Before HELLO, read no more than a HELLO can be: an unauthenticated peer cannot make the server buffer.
+    const size_t max_hello_bytes = kHeaderBytes + limits.max_key_bytes + 4;
     for (int i = 0; i < kMaxReadsPerWakeup && !c.dead; ++i) {
         size_t old_size = c.in.size();
-        c.in.resize(old_size + kReadChunkBytes);
-        ssize_t got = ::recv(c.fd.get(), c.in.data() + old_size, kReadChunkBytes, 0);
+        size_t buffered = old_size - c.in_offset;
+        size_t chunk = c.authenticated ? kReadChunkBytes
+                                       : std::min(kReadChunkBytes, max_hello_bytes - std::min(buffered, max_hello_bytes - 1));
+        c.in.resize(old_size + chunk);
+        ssize_t got = ::recv(c.fd.get(), c.in.data() + old_size, chunk, 0);
         if (got <= 0) {
             c.in.resize(old_size);
             if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
@@ -269,7 +273,7 @@ void TcpStoreServer::Impl::read_from(uint64_t id, Connection& c) {
             return;
         }
         process_frames(id, c);
-        if (static_cast<size_t>(got) < kReadChunkBytes) return;  // drained for now
+        if (static_cast<size_t>(got) < chunk) return;  // drained for now
     }
 }
 
@@ -329,7 +333,7 @@ void TcpStoreServer::Impl::handle(uint64_t id, Connection& c, Message& m) {
             ++requests;
             auto it = data.find(m.key);
             if (it != data.end()) return respond(c, make_ok(it->second));
-            uint64_t timeout_ms = std::min(decode_u64(m.value), kMaxGetTimeoutMs);
+            uint64_t timeout_ms = std::min(decode_u64(m.value), kMaxWaitMs);
             if (timeout_ms == 0) return respond(c, make_timeout());
             c.pending = PendingGet{m.key, Clock::now() + std::chrono::milliseconds(timeout_ms)};
             waiters[m.key].push_back(id);
@@ -471,6 +475,7 @@ TcpStoreServer::TcpStoreServer(const RendezvousOptions& options) : impl_(std::ma
     WEFT_CHECK(options.max_value_bytes <= (1u << 30),
                "RendezvousOptions.max_value_bytes must be at most 1 GiB, got " << options.max_value_bytes);
     impl_->options = options;
+    impl_->options.timeout = std::min(options.timeout, std::chrono::milliseconds(kMaxWaitMs));
     impl_->limits = Limits{options.max_key_bytes, options.max_value_bytes};
     impl_->listen_on(options);
     impl_->wake_fd.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));

@@ -32,6 +32,8 @@ inline constexpr uint32_t kDefaultMaxKeyBytes = 1024;
 inline constexpr uint32_t kDefaultMaxValueBytes = 64u << 20;
 /// kError texts are cut to this length by the encoder helpers and rejected above it by the decoder.
 inline constexpr uint32_t kMaxErrorBytes = 4096;
+/// Longer waits (get timeouts, connection timeouts) are cut to this, so deadlines never overflow.
+inline constexpr uint64_t kMaxWaitMs = 30ull * 24 * 3600 * 1000;
 
 enum class MsgType : uint16_t {
     // Requests (client -> server).
