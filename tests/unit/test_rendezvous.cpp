@@ -754,6 +754,56 @@ TEST(Rendezvous, MakeTcpStoreAcrossRanksWithALateRankZero) {
     }
 }
 
+TEST(Rendezvous, BarrierAndAllGatherOverTcp) {
+    // Store's default barrier / all_gather (store.cpp) over this store: ranks as threads, one client each.
+    for (int num_ranks : {1, 3, 5}) {
+        TcpStoreServer server(local_options());
+        std::vector<std::string> errors(static_cast<size_t>(num_ranks));
+        std::vector<std::thread> threads;
+        for (int r = 0; r < num_ranks; ++r) {
+            threads.emplace_back([&, r] {
+                try {
+                    auto store = client_of(server, "test-token", r);
+                    for (int round = 0; round < 3; ++round) {
+                        std::this_thread::sleep_for(milliseconds(5 * ((r + round) % num_ranks)));
+                        std::string tag = std::to_string(round);
+                        store->add("arrived/" + tag, 1);
+                        store->barrier("b/" + tag, r, num_ranks, milliseconds(10000));
+                        // Nobody leaves a barrier before everyone arrived.
+                        if (store->get("arrived/" + tag, milliseconds(0)) != to_bytes(std::to_string(num_ranks))) {
+                            errors[static_cast<size_t>(r)] = "left barrier " + tag + " early";
+                        }
+                        Bytes mine(static_cast<size_t>(10 + 7 * r + round), static_cast<uint8_t>(r * 16 + round));
+                        auto all = store->all_gather("g/" + tag, r, num_ranks, mine, milliseconds(10000));
+                        for (int q = 0; q < num_ranks; ++q) {
+                            Bytes expect(static_cast<size_t>(10 + 7 * q + round), static_cast<uint8_t>(q * 16 + round));
+                            if (all.at(static_cast<size_t>(q)) != expect) errors[static_cast<size_t>(r)] = "bad blob";
+                        }
+                    }
+                } catch (const std::exception& e) {
+                    errors[static_cast<size_t>(r)] = e.what();
+                }
+            });
+        }
+        for (auto& t : threads) t.join();
+        for (int r = 0; r < num_ranks; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+    }
+}
+
+TEST(Rendezvous, BarrierTimeoutOverTcpNamesTheMissingRank) {
+    TcpStoreServer server(local_options());
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {  // rank 2 of 3 never comes
+        threads.emplace_back([&, r] {
+            auto store = client_of(server, "test-token", r);
+            errors[static_cast<size_t>(r)] = error_of([&] { store->barrier("lonely", r, 3, milliseconds(300)); });
+        });
+    }
+    for (auto& t : threads) t.join();
+    for (const std::string& e : errors) EXPECT_TRUE(contains(e, "lonely") && contains(e, "rank 2")) << e;
+}
+
 TEST(Rendezvous, OptionErrorsNameTheOption) {
     RendezvousOptions o = local_options();
     o.num_ranks = 2;

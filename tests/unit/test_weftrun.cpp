@@ -2,6 +2,8 @@
 // Unit tests for the weftrun launcher, run as a real process over CPU-only child programs (sh, sleep).
 #include <gtest/gtest.h>
 
+#include <limits.h>
+
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -14,7 +16,11 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include "weft/runtime/launch_env.hpp"
+#include "weft/runtime/rendezvous.hpp"
 
 extern char** environ;  // NOLINT: POSIX
 
@@ -314,6 +320,74 @@ TEST_F(WeftrunTest, MissingProgram) {
     EXPECT_EQ(r.exit_code, 127);
     EXPECT_TRUE(contains(r.err, "cannot execute '/nonexistent/weft-test-program'")) << r.err;
     EXPECT_TRUE(contains(r.err, "failed first")) << r.err;
+}
+
+// ---- end to end: processes under weftrun meet through the TCP store ---------------------------------
+
+constexpr const char* kChildFlag = "WEFT_TEST_WEFTRUN_CHILD";
+
+weft::Bytes rank_blob(int rank) {
+    weft::Bytes b(static_cast<size_t>(100 + 37 * rank));
+    for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint8_t>(rank * 31 + static_cast<int>(i));
+    return b;
+}
+
+// Runs only as a rank started by WeftrunTest.ProcessesMeetThroughTheRendezvousStore (it re-runs this binary).
+TEST(WeftrunChild, RendezvousAcrossProcesses) {
+    if (std::getenv(kChildFlag) == nullptr) GTEST_SKIP() << "runs only as a rank under weftrun";
+    auto env = weft::detect_launch_env();
+    ASSERT_TRUE(env.has_value());
+    EXPECT_EQ(env->launcher, "weftrun");
+    EXPECT_EQ(env->job_token.size(), 64u);
+    const int rank = env->rank, n = env->num_ranks;
+    const milliseconds timeout(20000);
+    weft::RendezvousOptions o;
+    o.host = env->master_addr;
+    o.port = env->master_port;
+    o.rank = rank;
+    o.num_ranks = n;
+    o.token = env->job_token;
+    o.timeout = timeout;
+    if (rank == 0) std::this_thread::sleep_for(milliseconds(100));  // the others connect first and retry
+    auto store = weft::make_tcp_store(o);
+    std::this_thread::sleep_for(milliseconds(10 * rank));
+    store->add("e2e/arrived", 1);
+    store->barrier("e2e/b0", rank, n, timeout);
+    const std::string n_text = std::to_string(n);
+    EXPECT_EQ(store->get("e2e/arrived", milliseconds(0)), weft::Bytes(n_text.begin(), n_text.end()));
+    auto blobs = store->all_gather("e2e/ag", rank, n, rank_blob(rank), timeout);
+    ASSERT_EQ(blobs.size(), static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) EXPECT_EQ(blobs[static_cast<size_t>(r)], rank_blob(r)) << "blob of rank " << r;
+    store->barrier("e2e/b1", rank, n, timeout);
+    // Rank 0 hosts the server: it leaves only after every other rank is done with the store.
+    if (rank != 0) {
+        if (store->add("e2e/out", 1) == n - 1) store->set("e2e/all_out", {});
+    } else if (n > 1) {
+        store->get("e2e/all_out", timeout);
+    }
+    std::printf("rank %d of %d: rendezvous ok\n", rank, n);
+}
+
+std::string self_path() {
+    char buf[PATH_MAX];
+    ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+    return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+}
+
+TEST_F(WeftrunTest, ProcessesMeetThroughTheRendezvousStore) {
+    std::string self = self_path();
+    ASSERT_FALSE(self.empty());
+    for (int n : {1, 2, 3, 5}) {
+        Result r = run({"-n", std::to_string(n), "--timeout", "60", "--", self,
+                        "--gtest_filter=WeftrunChild.RendezvousAcrossProcesses"},
+                       {std::string(kChildFlag) + "=1"});
+        EXPECT_EQ(r.exit_code, 0) << "n=" << n << "\n" << r.out << r.err;
+        for (int k = 0; k < n; ++k) {
+            std::string ok = "[rank " + std::to_string(k) + "] rank " + std::to_string(k) + " of " +
+                             std::to_string(n) + ": rendezvous ok";
+            EXPECT_TRUE(contains(r.out, ok)) << "n=" << n << ": no '" << ok << "' in\n" << r.out << r.err;
+        }
+    }
 }
 
 TEST_F(WeftrunTest, UsageErrors) {
