@@ -44,7 +44,10 @@ std::string describe_address(const sockaddr* addr) {
     if (addr->sa_family == AF_INET6) {
         auto* in6 = reinterpret_cast<const sockaddr_in6*>(addr);
         inet_ntop(AF_INET6, &in6->sin6_addr, text, sizeof(text));
-        return "[" + std::string(text) + "]:" + std::to_string(ntohs(in6->sin6_port));
+        // Appends rather than `"[" + std::string(...)`, which trips GCC 12's -Wrestrict false positive.
+        std::string result = "[";
+        result.append(text).append("]:").append(std::to_string(ntohs(in6->sin6_port)));
+        return result;
     }
     return "(address family " + std::to_string(addr->sa_family) + ")";
 }

@@ -42,6 +42,14 @@ std::string error_of(const std::function<void()>& fn) {
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
+/// Concatenation by appending (GCC 12 warns falsely about `"literal" + std::string` under -O3).
+template <class... Parts>
+std::string cat(const Parts&... parts) {
+    std::string s;
+    (s.append(parts), ...);
+    return s;
+}
+
 // ---- wire format --------------------------------------------------------------------------------------
 
 std::vector<rp::Message> sample_messages() {
@@ -426,7 +434,7 @@ TEST(Rendezvous, ConcurrentClientsMixedOperations) {
                 auto store = client_of(server, "test-token", c);
                 std::mt19937 rng(static_cast<unsigned>(c) * 7919u);
                 for (int i = 0; i < kOps; ++i) {
-                    std::string key = "c" + std::to_string(c) + "/" + std::to_string(i % 17);
+                    std::string key = cat("c", std::to_string(c), "/", std::to_string(i % 17));
                     Bytes value(rng() % 300);
                     for (auto& b : value) b = static_cast<uint8_t>(rng());
                     store->set(key, value);
@@ -659,7 +667,7 @@ TEST(Rendezvous, GarbageSenderWhileOthersWork) {
             try {
                 auto store = client_of(server, "test-token", c);
                 for (int i = 0; i < 100; ++i) {
-                    std::string key = "w" + std::to_string(c) + "/" + std::to_string(i);
+                    std::string key = cat("w", std::to_string(c), "/", std::to_string(i));
                     store->set(key, to_bytes(key));
                     if (store->get(key, milliseconds(1000)) != to_bytes(key)) ++failures;
                     store->add("total", 1);
