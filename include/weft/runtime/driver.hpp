@@ -42,6 +42,8 @@
     X(cuLibraryUnload)                  \
     X(cuLibraryGetKernel)               \
     X(cuKernelGetFunction)              \
+    X(cuKernelGetParamInfo)             \
+    X(cuFuncLoad)                       \
     X(cuFuncSetAttribute)               \
     X(cuFuncGetAttribute)               \
     X(cuLaunchKernel)                   \
