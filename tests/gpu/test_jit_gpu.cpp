@@ -281,7 +281,12 @@ TEST(JitGpu, KernelsLoadEagerlyOnEveryDevice) {
     for (int d = 0; d < devices; ++d) {
         WEFT_CUDA_CHECK(cudaSetDevice(d));
         Kernel& k = compiler().get_kernel(jit_selftest_saxpy_spec(1, 1));
-        EXPECT_NE(k.load_for_current_context(), nullptr);
+        const CUfunction f = k.load_for_current_context();
+        ASSERT_NE(f, nullptr);
+        // Loaded now, before any launch: nothing is left to load lazily behind a spinning kernel.
+        CUfunctionLoadingState state = CU_FUNCTION_LOADING_STATE_UNLOADED;
+        WEFT_CU_CHECK(driver().cuFuncIsLoaded(&state, f));
+        EXPECT_EQ(state, CU_FUNCTION_LOADING_STATE_LOADED) << "device " << d;
         check_saxpy(k, 1, 777, 2, rng);
     }
     WEFT_CUDA_CHECK(cudaSetDevice(original));

@@ -44,6 +44,7 @@
     X(cuKernelGetFunction)              \
     X(cuKernelGetParamInfo)             \
     X(cuFuncLoad)                       \
+    X(cuFuncIsLoaded)                   \
     X(cuFuncSetAttribute)               \
     X(cuFuncGetAttribute)               \
     X(cuLaunchKernel)                   \
