@@ -25,20 +25,19 @@ constexpr uint32_t kFormatVersion = 1;
 // magic, version, header size, key, payload length, payload digest
 constexpr size_t kHeaderBytes = 8 + 4 + 4 + 32 + 8 + 32;
 
-void put_u32(std::vector<char>& out, uint32_t v) {
-    for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-void put_u64(std::vector<char>& out, uint64_t v) {
-    for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+// Little-endian writers into a presized buffer (the format is fixed-endian, whatever the host).
+char* put_uint(char* out, uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) out[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+    return out + bytes;
 }
 uint64_t get_uint(const char* p, int bytes) {
     uint64_t v = 0;
     for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(p[i])) << (8 * i);
     return v;
 }
-void put_section(std::vector<char>& out, const char* data, size_t bytes) {
-    put_u64(out, bytes);
-    out.insert(out.end(), data, data + bytes);
+char* put_bytes(char* out, const void* data, size_t bytes) {
+    if (bytes > 0) std::memcpy(out, data, bytes);
+    return out + bytes;
 }
 
 std::string errno_text() { return std::strerror(errno); }
@@ -46,22 +45,25 @@ std::string errno_text() { return std::strerror(errno); }
 }  // namespace
 
 std::vector<char> encode_cache_entry(const Digest& key, const CacheEntry& entry) {
-    std::vector<char> payload;
-    payload.reserve(entry.cubin.size() + entry.log.size() + entry.lowered_name.size() + 24);
-    put_section(payload, entry.lowered_name.data(), entry.lowered_name.size());
-    put_section(payload, entry.cubin.data(), entry.cubin.size());
-    put_section(payload, entry.log.data(), entry.log.size());
-    const Digest payload_digest = sha256(payload.data(), payload.size());
+    const size_t payload_bytes = 3 * 8 + entry.lowered_name.size() + entry.cubin.size() + entry.log.size();
+    std::vector<char> out(kHeaderBytes + payload_bytes);
+    char* payload = out.data() + kHeaderBytes;
+    char* p = payload;
+    p = put_uint(p, entry.lowered_name.size(), 8);
+    p = put_bytes(p, entry.lowered_name.data(), entry.lowered_name.size());
+    p = put_uint(p, entry.cubin.size(), 8);
+    p = put_bytes(p, entry.cubin.data(), entry.cubin.size());
+    p = put_uint(p, entry.log.size(), 8);
+    put_bytes(p, entry.log.data(), entry.log.size());
+    const Digest payload_digest = sha256(payload, payload_bytes);
 
-    std::vector<char> out;
-    out.reserve(kHeaderBytes + payload.size());
-    out.insert(out.end(), kMagic, kMagic + 8);
-    put_u32(out, kFormatVersion);
-    put_u32(out, static_cast<uint32_t>(kHeaderBytes));
-    out.insert(out.end(), key.begin(), key.end());
-    put_u64(out, payload.size());
-    out.insert(out.end(), payload_digest.begin(), payload_digest.end());
-    out.insert(out.end(), payload.begin(), payload.end());
+    char* h = out.data();
+    h = put_bytes(h, kMagic, sizeof(kMagic));
+    h = put_uint(h, kFormatVersion, 4);
+    h = put_uint(h, kHeaderBytes, 4);
+    h = put_bytes(h, key.data(), key.size());
+    h = put_uint(h, payload_bytes, 8);
+    put_bytes(h, payload_digest.data(), payload_digest.size());
     return out;
 }
 
@@ -124,7 +126,10 @@ std::vector<char> read_file_bytes(const fs::path& path) {
 }
 
 void write_file_atomically(const fs::path& path, const void* data, size_t bytes) {
-    std::string tmp = (path.parent_path() / ("." + path.filename().string() + ".tmp.XXXXXX")).string();
+    std::string tmp = path.parent_path().string();
+    tmp += "/.";
+    tmp += path.filename().string();
+    tmp += ".tmp.XXXXXX";
     int fd = mkstemp(tmp.data());
     WEFT_CHECK(fd >= 0, "cannot create a temporary file next to " << path.string() << ": " << errno_text());
     const char* p = static_cast<const char*>(data);

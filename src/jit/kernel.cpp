@@ -26,7 +26,9 @@ CUcontext current_context(const std::string& description) {
 }
 
 std::string dims(const dim3& d) {
-    return "(" + std::to_string(d.x) + ", " + std::to_string(d.y) + ", " + std::to_string(d.z) + ")";
+    std::ostringstream os;
+    os << '(' << d.x << ", " << d.y << ", " << d.z << ')';
+    return os.str();
 }
 
 }  // namespace
