@@ -63,7 +63,8 @@ public:
 
     const std::string& description() const { return description_; }
     const std::string& lowered_name() const { return lowered_name_; }
-    /// Byte size of each kernel parameter, from the driver.
+    /// Byte size of each kernel parameter, from the driver (empty when the driver could not say, in
+    /// which case launch() checks nothing; a warning was logged).
     const std::vector<size_t>& param_bytes() const { return param_bytes_; }
     CUkernel handle() const { return kernel_; }
 
@@ -83,6 +84,7 @@ private:
     CUlibrary library_ = nullptr;
     CUkernel kernel_ = nullptr;
     std::vector<size_t> param_bytes_;
+    bool params_known_ = false;
     mutable std::mutex mutex_;
     mutable std::vector<std::unique_ptr<PerContext>> contexts_;
 };
