@@ -24,29 +24,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// NVRTC has no C++ standard library. weft's host+device headers (weft/common/*) include <cstdint> and
-// <cstddef>; under NVRTC these in-memory headers map them onto libcu++, which ships with the toolkit.
-constexpr const char* kShimCstdint = R"(#pragma once
-#include <cuda/std/cstdint>
-namespace std {
-using cuda::std::int8_t; using cuda::std::int16_t; using cuda::std::int32_t; using cuda::std::int64_t;
-using cuda::std::uint8_t; using cuda::std::uint16_t; using cuda::std::uint32_t; using cuda::std::uint64_t;
-using cuda::std::intptr_t; using cuda::std::uintptr_t; using cuda::std::intmax_t; using cuda::std::uintmax_t;
-}
-using cuda::std::int8_t; using cuda::std::int16_t; using cuda::std::int32_t; using cuda::std::int64_t;
-using cuda::std::uint8_t; using cuda::std::uint16_t; using cuda::std::uint32_t; using cuda::std::uint64_t;
-using cuda::std::intptr_t; using cuda::std::uintptr_t; using cuda::std::intmax_t; using cuda::std::uintmax_t;
-)";
-constexpr const char* kShimCstddef = R"(#pragma once
-#include <cuda/std/cstddef>
-namespace std {
-using cuda::std::size_t; using cuda::std::ptrdiff_t; using cuda::std::nullptr_t; using cuda::std::max_align_t;
-}
-)";
-constexpr const char* kShimNames[] = {"cstdint", "cstddef"};
-constexpr const char* kShimTexts[] = {kShimCstdint, kShimCstddef};
-constexpr int kNumShims = 2;
-
 std::string nvrtc_version_text() {
     int major = 0, minor = 0;
     nvrtcVersion(&major, &minor);
@@ -99,9 +76,6 @@ public:
     // the generated source, whose quoted includes resolve against the roots only).
     void scan(const std::string& text, const fs::path& dir, const fs::path& logical_dir) {
         for (const Include& inc : find_includes(text)) {
-            if (std::any_of(std::begin(kShimNames), std::end(kShimNames), [&](const char* s) { return inc.name == s; })) {
-                continue;  // in-memory shim, hashed by the caller
-            }
             fs::path found, logical;
             if (inc.quoted && !dir.empty()) {
                 std::error_code ec;
@@ -349,7 +323,6 @@ Compiler::Prepared Compiler::prepare(const KernelSpec& spec_in) const {
     h.field("weft-jit-key/1").field(WEFT_VERSION_STRING).field(nvrtc_version_text());
     h.field(std::to_string(CUDA_VERSION)).field(p.spec.arch).field(p.spec.options.canonical());
     h.field(p.spec.instantiation).field(p.source);
-    for (int i = 0; i < kNumShims; ++i) h.field(kShimNames[i]).field(kShimTexts[i]);
     for (const auto& hd : p.headers) h.field(hd.name).field(hd.digest);
     for (const auto& file : p.spec.options.link_files) {
         std::error_code ec;
@@ -390,8 +363,7 @@ Compiled run_toolchain(const KernelSpec& spec, const std::string& source, const 
     };
 
     NvrtcProgram program;
-    WEFT_NVRTC_CHECK(nvrtcCreateProgram(&program.prog, source.c_str(), source_name.c_str(), kNumShims, kShimTexts,
-                                        kShimNames));
+    WEFT_NVRTC_CHECK(nvrtcCreateProgram(&program.prog, source.c_str(), source_name.c_str(), 0, nullptr, nullptr));
     WEFT_NVRTC_CHECK(nvrtcAddNameExpression(program.prog, spec.instantiation.c_str()));
 
     std::vector<std::string> flags = {"-std=c++20", "-arch=" + spec.arch};
