@@ -10,6 +10,7 @@
 #include "weft/jit/cache.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/jit/paths.hpp"
+#include "weft/ops/aot.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace {
@@ -104,7 +105,10 @@ int main(int argc, char** argv) {
         config.cache_dir = cache_dir ? cache_dir : jit::default_cache_dir();
         if (!config.cache_dir) return usage_error("no cache folder: give --cache-dir (or set WEFT_CACHE_DIR)");
         std::vector<jit::KernelSpec> specs;
-        if (builtin) specs = jit::aot_specs();
+        if (builtin) {
+            weft::ops::register_aot_specs();  // the ops' kernels (collectives ...), then the JIT's own
+            specs = jit::aot_specs();
+        }
         for (const auto& file : spec_files) {
             const std::vector<char> bytes = jit::read_file_bytes(file);
             for (auto& s : jit::parse_spec_file(std::string(bytes.begin(), bytes.end()), file)) specs.push_back(std::move(s));

@@ -1,0 +1,33 @@
+// SPDX-License-Identifier: MIT
+// Argument checks and small pure helpers of the collective ops (no GPU needed: unit-tested on the CPU).
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+
+#include "weft/ops/collectives.hpp"
+#include "weft/runtime/tensor_view.hpp"
+
+namespace weft::ops::detail {
+
+/// Throws weft::Error naming the argument unless: both views contiguous with data (or 0 elements), the same
+/// dtype, bf16/f16/f32, the same number of elements, and either the same pointer or no overlap.
+void check_all_reduce_args(const TensorView& input, const TensorView& output);
+/// As above for all-gather: any dtype (the same in both), output = num_ranks x input elements, in place only as
+/// this rank's slot of the output.
+void check_all_gather_args(const TensorView& input, const TensorView& output, int num_ranks, int rank);
+/// As above for reduce-scatter: bf16/f16/f32, input = num_ranks x output elements, in place only as this rank's
+/// slice of the input.
+void check_reduce_scatter_args(const TensorView& input, const TensorView& output, int num_ranks, int rank);
+/// The push all-gathers write into peers' outputs: weft::Error unless the output is symmetric.
+void check_all_gather_output(AllGatherAlgo algo, bool output_symmetric);
+
+/// A 64-bit digest of a call's shape (kind, algorithm, dtype, count, buffer offsets ...) that every rank must
+/// agree on; never 0.
+uint64_t call_descriptor(std::initializer_list<uint64_t> words);
+
+/// How many units fit in `capacity_bytes` at `bytes_per_unit` each, rounded down to a multiple of `granule_units`
+/// (so rounds keep 16-byte alignment); weft::Error when not even one granule fits.
+uint64_t round_units(uint64_t capacity_bytes, uint64_t bytes_per_unit, uint64_t granule_units);
+
+}  // namespace weft::ops::detail
