@@ -5,7 +5,7 @@
 #include <algorithm>
 
 #include "collective_workspace.hpp"
-#include "weft/detail/collective_args.hpp"
+#include "weft/detail/collectives.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/stream.hpp"

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "weft/detail/collective_args.hpp"
+#include "weft/detail/collectives.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/runtime/error.hpp"
 

@@ -11,33 +11,12 @@
 
 #include "weft/common/collectives.hpp"
 #include "weft/common/device_ctx.hpp"
+#include "weft/detail/collectives.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops::detail {
-
-/// Every kernel the collectives launch.
-enum class KernelId : int {
-    kAllReduceOneShot = 0,
-    kAllReduceTwoShot,
-    kAllReduceLowLatency,
-    kReduceScatterPull,
-    kAllGatherPush,
-    kAllGatherLowLatency,
-    kCopyEngineEnter,
-    kCopyEngineExit,
-    kCount
-};
-
-/// True for kernels specialised on a dtype (ReduceKernelConfig); the others move bytes (CopyKernelConfig).
-bool kernel_is_reducing(KernelId id);
-/// Threads per block of `id` in a world-size bucket.
-int kernel_block_threads(KernelId id, int max_ranks);
-/// The JIT spec of `id` for `dtype` (ignored by byte-moving kernels) and the world-size bucket `max_ranks`.
-jit::KernelSpec collective_kernel_spec(KernelId id, DType dtype, int max_ranks);
-/// Every spec a workspace for a `max_ranks` bucket loads (reducing kernels for bf16, f16 and f32).
-std::vector<jit::KernelSpec> collective_kernel_specs(int max_ranks);
 
 /// Symmetric buffers, the rank's device state, loaded kernels and side streams; one per World, made
 /// collectively on first use (prepare_collectives) and destroyed with the World.
