@@ -75,8 +75,8 @@ void all_gather(World& world, const TensorView& input, const TensorView& output,
     const bool out_sym = ws.symmetric(out, total);
     const AllGatherAlgo algo = resolve_all_gather_algo(options.algo, env::get("WEFT_ALLGATHER_ALGO"), shard, topo, out_sym);
     detail::check_all_gather_output(algo, out_sym);
-    if (!in_sym) detail::check_device_pointer(in, "input", "all_gather");
-    if (!out_sym) detail::check_device_pointer(out, "output", "all_gather");
+    if (!in_sym) detail::check_device_pointer(in, "input", "all_gather", stream);
+    if (!out_sym) detail::check_device_pointer(out, "output", "all_gather", stream);
     const uint64_t out_offset = ws.offset_or_none(out);
     const uint64_t kind = 1;
 

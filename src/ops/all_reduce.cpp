@@ -31,8 +31,8 @@ void all_reduce(World& world, const TensorView& input, const TensorView& output,
         resolve_all_reduce_algo(options.algo, env::get("WEFT_ALLREDUCE_ALGO"), bytes, topo);
     const bool in_sym = ws.symmetric(input.data, bytes);
     const bool out_sym = ws.symmetric(output.data, bytes);
-    if (!in_sym) detail::check_device_pointer(input.data, "input", "all_reduce");
-    if (!out_sym && output.data != input.data) detail::check_device_pointer(output.data, "output", "all_reduce");
+    if (!in_sym) detail::check_device_pointer(input.data, "input", "all_reduce", stream);
+    if (!out_sym && output.data != input.data) detail::check_device_pointer(output.data, "output", "all_reduce", stream);
 
     const auto* in = static_cast<const uint8_t*>(input.data);
     auto* out = static_cast<uint8_t*>(output.data);

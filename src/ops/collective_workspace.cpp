@@ -127,7 +127,13 @@ std::vector<jit::KernelSpec> collective_kernel_specs(int max_ranks) {
     return specs;
 }
 
-void check_device_pointer(const void* ptr, const char* what, const char* op) {
+void check_device_pointer(const void* ptr, const char* what, const char* op, cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;  // an invalid stream fails at the first enqueue, with CUDA's own message
+    }
+    if (capture != cudaStreamCaptureStatusNone) return;
     cudaPointerAttributes attr{};
     const cudaError_t st = cudaPointerGetAttributes(&attr, ptr);
     if (st != cudaSuccess) {
@@ -153,6 +159,8 @@ CollectiveWorkspace::CollectiveWorkspace(World& world) : world_(world) {
     max_ranks_ = collective_rank_bucket(num_ranks_);
     WEFT_CHECK(max_ranks_ > 0, "collectives support up to 64 ranks, the World has " << num_ranks_);
     ctx_ = world.device_ctx();
+    info_.topology.num_ranks = num_ranks_;
+    if (num_ranks_ == 1) return;  // one rank: the ops copy, nothing to share or launch
     try {
         SymmetricHeap& heap = world.heap();
         uint64_t region = env::get_bytes("WEFT_COLLECTIVE_STAGING_BYTES").value_or(kDefaultStagingRegionBytes);

@@ -81,7 +81,8 @@ private:
     std::array<std::array<jit::Kernel*, 3>, static_cast<size_t>(KernelId::kCount)> kernels_{};
 };
 
-/// Throws weft::Error unless `ptr` is device memory this GPU can access (symmetric pointers are not checked).
-void check_device_pointer(const void* ptr, const char* what, const char* op);
+/// Throws weft::Error unless `ptr` is device memory (or managed memory). Skipped while `stream` is being captured
+/// (the query is not a stream operation, and a graph's pointers were checked when its ops were first called).
+void check_device_pointer(const void* ptr, const char* what, const char* op, cudaStream_t stream);
 
 }  // namespace weft::ops::detail

@@ -33,9 +33,9 @@ void reduce_scatter(World& world, const TensorView& input, const TensorView& out
         resolve_reduce_scatter_algo(options.algo, env::get("WEFT_REDUCESCATTER_ALGO"), bytes, topo);
     WEFT_CHECK(algo == ReduceScatterAlgo::kSmPull, "reduce_scatter: unknown algorithm " << static_cast<int>(algo));
     const bool in_sym = ws.symmetric(in, bytes * static_cast<uint64_t>(n));
-    if (!in_sym) detail::check_device_pointer(in, "input", "reduce_scatter");
+    if (!in_sym) detail::check_device_pointer(in, "input", "reduce_scatter", stream);
     if (!ws.symmetric(out, bytes) && !(in_sym && out == in + static_cast<uint64_t>(me) * bytes)) {
-        detail::check_device_pointer(out, "output", "reduce_scatter");
+        detail::check_device_pointer(out, "output", "reduce_scatter", stream);
     }
     const uint64_t granule = kCollectiveGranuleBytes / elem;
     // Direct: peers read the symmetric input in place (then they read a user buffer: exit barrier). Staged: every
