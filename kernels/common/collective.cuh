@@ -282,11 +282,11 @@ __device__ __forceinline__ uint2 load_payload(const uint8_t* p, uint64_t valid) 
     if (valid >= 8 && (reinterpret_cast<uintptr_t>(p) & 7u) == 0) {
         return ptx::ld(reinterpret_cast<const uint2*>(p));
     }
-    uint32_t w[2] = {0u, 0u};
+    unsigned long long v = 0;  // assembled in a register (an indexed array would live in local memory)
     for (uint32_t k = 0; k < 8 && k < valid; ++k) {
-        w[k / 4] |= static_cast<uint32_t>(static_cast<const volatile uint8_t*>(p)[k]) << (8 * (k % 4));
+        v |= static_cast<unsigned long long>(static_cast<const volatile uint8_t*>(p)[k]) << (8 * k);
     }
-    return make_uint2(w[0], w[1]);
+    return make_uint2(static_cast<uint32_t>(v), static_cast<uint32_t>(v >> 32));
 }
 
 /// Writes the first min(valid, 8) bytes of `v` to `p`.
@@ -295,9 +295,9 @@ __device__ __forceinline__ void store_payload(uint8_t* p, uint2 v, uint64_t vali
         ptx::st(reinterpret_cast<uint2*>(p), v);
         return;
     }
-    const uint32_t w[2] = {v.x, v.y};
+    const unsigned long long bits = (static_cast<unsigned long long>(v.y) << 32) | v.x;
     for (uint32_t k = 0; k < 8 && k < valid; ++k) {
-        static_cast<volatile uint8_t*>(p)[k] = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
+        static_cast<volatile uint8_t*>(p)[k] = static_cast<uint8_t>(bits >> (8 * k));
     }
 }
 
