@@ -19,10 +19,11 @@ using detail::CollectiveWorkspace;
 using detail::KernelId;
 
 // Copy-engine all-gather of shard bytes [begin, begin + len) (one round). Pull: each peer's shard is copied from
-// `peer_src(q)` on a side stream, then a stream write tells q that this rank is done reading it. Push: this
+// `source(q)` (an address mapped here) on a side stream, then a stream write tells q that this rank is done reading it. Push: this
 // rank's shard is copied into every peer's output slot, then a stream write tells the peer it has arrived.
 // Both: an entry kernel first (every rank ready), the exit kernel last (every peer's flag seen and consumed).
-void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_t* in, uint8_t* out, const void* src,
+template <class Source>
+void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_t* in, uint8_t* out, const Source& source,
                        uint64_t shard, uint64_t begin, uint64_t len, uint64_t descriptor, cudaStream_t stream) {
     const int n = ws.num_ranks();
     const int me = ws.rank();
@@ -36,7 +37,7 @@ void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_
         const int q = (me + k) % n;
         cudaStream_t s = ws.side_stream((k - 1) % sides);
         if (algo == AllGatherAlgo::kCopyEnginePull) {
-            const auto* from = static_cast<const uint8_t*>(ws.peer_pointer(src, q));
+            const uint8_t* from = source(q);
             WEFT_CUDA_CHECK(cudaMemcpyAsync(out + static_cast<uint64_t>(q) * shard + begin, from, len,
                                             cudaMemcpyDeviceToDevice, s));
         } else {
@@ -106,8 +107,19 @@ void all_gather(World& world, const TensorView& input, const TensorView& output,
             return;
         }
         case AllGatherAlgo::kCopyEnginePull: {
-            if (in_sym) {  // peers copy straight from the input
-                copy_engine_round(ws, algo, in, out, in, shard, 0, shard,
+            const bool inplace = in == out + static_cast<uint64_t>(me) * shard;
+            if (inplace && out_sym) {  // every rank's shard sits in its own slot of its (symmetric) output
+                const auto source = [&](int q) {
+                    return static_cast<const uint8_t*>(ws.peer_pointer(out, q)) + static_cast<uint64_t>(q) * shard;
+                };
+                copy_engine_round(ws, algo, in, out, source, shard, 0, shard,
+                                  detail::call_descriptor({kind, static_cast<uint64_t>(algo), shard, 2, out_offset}),
+                                  stream);
+                return;
+            }
+            if (in_sym) {  // peers copy straight from the input (the same symmetric allocation on every rank)
+                const auto source = [&](int q) { return static_cast<const uint8_t*>(ws.peer_pointer(in, q)); };
+                copy_engine_round(ws, algo, in, out, source, shard, 0, shard,
                                   detail::call_descriptor({kind, static_cast<uint64_t>(algo), shard, 0,
                                                            ws.offset_or_none(in)}),
                                   stream);
@@ -119,13 +131,14 @@ void all_gather(World& world, const TensorView& input, const TensorView& output,
             for (uint64_t begin = 0; begin < shard; begin += round) {
                 const uint64_t len = std::min(round, shard - begin);
                 WEFT_CUDA_CHECK(cudaMemcpyAsync(region, in + begin, len, cudaMemcpyDeviceToDevice, stream));
-                copy_engine_round(ws, algo, in, out, region, shard, begin, len,
+                const auto source = [&](int q) { return static_cast<const uint8_t*>(ws.peer_pointer(region, q)); };
+                copy_engine_round(ws, algo, in, out, source, shard, begin, len,
                                   detail::call_descriptor({kind, static_cast<uint64_t>(algo), len, 1}), stream);
             }
             return;
         }
         case AllGatherAlgo::kCopyEnginePush:
-            copy_engine_round(ws, algo, in, out, nullptr, shard, 0, shard,
+            copy_engine_round(ws, algo, in, out, [](int) { return static_cast<const uint8_t*>(nullptr); }, shard, 0, shard,
                               detail::call_descriptor({kind, static_cast<uint64_t>(algo), shard, out_offset}), stream);
             return;
         case AllGatherAlgo::kAuto: break;
