@@ -39,7 +39,8 @@ void reduce_scatter(World& world, const TensorView& input, const TensorView& out
     }
     const uint64_t granule = kCollectiveGranuleBytes / elem;
     // Direct: peers read the symmetric input in place (then they read a user buffer: exit barrier). Staged: every
-    // round copies its part of each slice into epoch-alternated staging, slices packed at a stride of the round.
+    // round copies its part of each slice into epoch-alternated staging, slice q at q x (the round rounded up to
+    // 16 bytes). Rounds are whole granules, so n slices of a round always fit the staging half.
     const uint64_t round =
         in_sym ? count
                : detail::round_units(ws.info().staging_region_bytes, elem * static_cast<uint64_t>(n), granule);
@@ -52,7 +53,7 @@ void reduce_scatter(World& world, const TensorView& input, const TensorView& out
         p.count = len;
         p.in_stride = count;
         p.src = in_sym ? const_cast<uint8_t*>(in) + begin * elem : nullptr;
-        p.src_stride = in_sym ? count : len;
+        p.src_stride = in_sym ? count : (len + granule - 1) / granule * granule;  // staged slices stay 16-byte aligned
         p.flags = in_sym ? kCollectiveExitBarrier : kCollectiveStageInput;
         p.descriptor = detail::call_descriptor({2, static_cast<uint64_t>(algo), static_cast<uint64_t>(output.dtype), len,
                                                 count, p.flags, in_sym ? in_offset + begin * elem : in_offset});
