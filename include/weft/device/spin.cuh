@@ -76,7 +76,8 @@ __device__ inline int32_t owner_of(const DeviceCtx& ctx, const void* addr) {
 /// What a failing spin (or failed peer access) reports besides the word and the values.
 struct SpinSite {
     SpinKind kind;
-    int32_t peer;  ///< team rank that owns the word, or -1 to compute it from the address
+    int32_t peer;  ///< team rank that owns the word (for barriers: the rank not yet arrived), or -1 to
+                   ///< compute the owner from the address
     int32_t line;  ///< source line of the call, or 0
 };
 
@@ -85,7 +86,7 @@ struct SpinSite {
 [[noreturn]] __device__ __noinline__ inline void fail_and_trap(DeviceCtx ctx, SpinSite site, Cmp cmp,
                                                                const void* addr, uint64_t expected,
                                                                uint64_t observed, uint64_t waited_ns) {
-    int32_t peer = site.peer >= 0 ? site.peer : owner_of(ctx, addr);
+    int32_t peer = site.peer >= 0 || site.kind == SpinKind::kUnreachablePeer ? site.peer : owner_of(ctx, addr);
     if (peer >= 0 && ctx.team_to_world != nullptr) {
         peer = ctx.team_to_world[peer];
     }
