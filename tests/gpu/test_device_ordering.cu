@@ -144,6 +144,7 @@ void run_put_signal_ring(World& w, cudaStream_t stream, RingBuffers& rb, uint64_
                                              << (err[1] - 1) << " of " << msg_bytes << " bytes [seed " << seed << "]");
     const uint64_t sig = test::to_host(rb.ring.data_sig, 1)[0];
     WEFT_CHECK(sig == *base, "data signal is " << sig << " after " << *base << " messages");
+    w.barrier();  // no rank starts the next launch (and signals again) before every rank has checked
 }
 
 TEST(DeviceOrdering, PutSignalNeverOvertakesItsData) {
@@ -241,6 +242,7 @@ void run_fence_ring(World& w, cudaStream_t stream, RingBuffers& rb, uint64_t* ba
     WEFT_CHECK(err[0] == 0, names[static_cast<int>(M)] << " rank " << w.rank() << ": " << err[0]
                                                        << " bytes seen before their data; first message "
                                                        << (err[1] - 1) << " [seed " << seed << "]");
+    w.barrier();
 }
 
 TEST(DeviceOrdering, FenceAndQuietOrderPutsBeforeLaterStores) {
@@ -326,6 +328,7 @@ void run_tile_ring(World& w, cudaStream_t stream, uint32_t* data, uint64_t* sigs
     for (int c = 0; c < kChunks; ++c) {
         WEFT_CHECK(s[c] == *epoch - 1, what << ": signal " << c << " is " << s[c] << ", expected " << *epoch - 1);
     }
+    w.barrier();  // no rank starts the next launch (and signals again) before every rank has checked
 }
 
 TEST(DeviceOrdering, TileNotifyWaitManySignals) {

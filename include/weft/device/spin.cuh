@@ -138,15 +138,18 @@ __device__ __forceinline__ uint64_t spin_until(const DeviceCtx& ctx, const uint6
         uint32_t polls = 0;
         uint32_t sleep_ns = 32;
         while (true) {
-            if (polls < kSpinFastPolls) {
-                ++polls;
-            } else {
-                ptx::nanosleep(sleep_ns);
-                sleep_ns = sleep_ns < kSpinMaxSleepNs ? sleep_ns * 2 : kSpinMaxSleepNs;
-            }
             observed = ptx::ld<S, C>(addr);
             if (compare(observed, cmp, value)) {
                 break;
+            }
+            ++polls;
+            // Tight polls first (the clock is read every 8th: reading it costs more than a poll's
+            // issue), then exponential backoff with the clock read after every sleep.
+            if (polls >= kSpinFastPolls) {
+                ptx::nanosleep(sleep_ns);
+                sleep_ns = sleep_ns < kSpinMaxSleepNs ? sleep_ns * 2 : kSpinMaxSleepNs;
+            } else if ((polls & 7u) != 0) {
+                continue;
             }
             const uint64_t waited = ptx::globaltimer() - start;
             if (waited > timeout_ns) {
