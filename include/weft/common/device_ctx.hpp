@@ -2,7 +2,7 @@
 // DeviceCtx: the small struct every weft kernel receives by value. No hidden global device state.
 #pragma once
 
-#include <cstdint>
+#include "weft/common/macros.hpp"  // fixed-width integers under g++, nvcc and NVRTC
 
 #include "weft/common/diagnostics.hpp"
 

@@ -2,7 +2,7 @@
 // The record a timed-out device spin leaves for the host (host and device agree on this layout).
 #pragma once
 
-#include <cstdint>
+#include "weft/common/macros.hpp"  // fixed-width integers under g++, nvcc and NVRTC
 
 namespace weft {
 

@@ -2,7 +2,7 @@
 // Element types known to weft, shared by host code, kernels and the JIT code generator.
 #pragma once
 
-#include <cstdint>
+#include "weft/common/macros.hpp"  // fixed-width integers under g++, nvcc and NVRTC
 
 namespace weft {
 
@@ -17,7 +17,7 @@ enum class DType : int32_t {
 };
 
 /// Bytes per element.
-constexpr int dtype_bytes(DType t) {
+WEFT_HOST_DEVICE constexpr int dtype_bytes(DType t) {
     switch (t) {
         case DType::kBF16: return 2;
         case DType::kF16: return 2;
@@ -31,7 +31,7 @@ constexpr int dtype_bytes(DType t) {
 }
 
 /// Short name ("bf16", "f16", ...), as used in logs, cache keys and benchmark tables.
-constexpr const char* dtype_name(DType t) {
+WEFT_HOST_DEVICE constexpr const char* dtype_name(DType t) {
     switch (t) {
         case DType::kBF16: return "bf16";
         case DType::kF16: return "f16";
@@ -45,7 +45,7 @@ constexpr const char* dtype_name(DType t) {
 }
 
 /// The C++ type name kernels use for a dtype (the JIT prints it into generated code).
-constexpr const char* dtype_cpp_name(DType t) {
+WEFT_HOST_DEVICE constexpr const char* dtype_cpp_name(DType t) {
     switch (t) {
         case DType::kBF16: return "__nv_bfloat16";
         case DType::kF16: return "__half";

@@ -1,0 +1,28 @@
+// SPDX-License-Identifier: MIT
+// Portability macros and fixed-width integers for headers compiled by g++, nvcc and NVRTC alike.
+#pragma once
+
+// NVRTC ships no C++ standard library headers; libcu++ (the toolkit's cccl include folder, which the
+// NVRTC include path must name) provides <cuda/std/cstdint>, which also declares the global names.
+#if defined(__CUDACC_RTC__)
+#include <cuda/std/cstdint>
+#include <cuda/std/cstddef>
+#else
+#include <cstddef>
+#include <cstdint>
+#endif
+
+/// Marks functions usable from host and device code. Plain (host-only) under g++.
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define WEFT_HOST_DEVICE __host__ __device__
+#define WEFT_DEVICE_INLINE __device__ __forceinline__
+#else
+#define WEFT_HOST_DEVICE
+#endif
+
+/// Compiled only when device code is being generated (nvcc's device pass, or NVRTC).
+#if defined(__CUDA_ARCH__) || defined(__CUDACC_RTC__)
+#define WEFT_DEVICE_PASS 1
+#else
+#define WEFT_DEVICE_PASS 0
+#endif
