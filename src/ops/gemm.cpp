@@ -22,7 +22,7 @@ namespace {
 constexpr int64_t kMaxCoord = (int64_t{1} << 31) - 1;  // TMA coordinates are int32
 constexpr int64_t kMaxStrideBytes = int64_t{1} << 40;   // TMA global strides
 
-const char* layout_name(BLayout l) { return l == BLayout::kNK ? "kNK ([N,K] row-major)" : "kKN ([K,N] row-major)"; }
+const char* layout_name(BLayout l) { return l == BLayout::kNK ? "[N,K] row-major" : "[K,N] row-major"; }
 
 void check_matrix(const TensorView& v, const char* name, const char* shape_text) {
     WEFT_CHECK(v.ndim == 2, "gemm: " << name << " must be a 2-D matrix " << shape_text << ", got " << v.ndim
@@ -225,6 +225,7 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
         for (const GemmConfig& c : gemm_candidate_configs(p.in_dtype, p.out_dtype, p.b_layout)) {
             const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
             const int cluster = c.cluster_m * c.cluster_n;
+            if (cluster > budget) continue;  // a cluster pair would break the SM budget
             const int clusters = std::max(1, budget / cluster);
             const int waves = ceil_div(g.num_cluster_tiles(), clusters);
             double cost = static_cast<double>(waves) * cluster * c.tile_m * c.tile_n / tile_efficiency(c);
