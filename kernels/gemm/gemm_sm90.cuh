@@ -205,11 +205,46 @@ __device__ __forceinline__ void store_slab(const float (&acc)[GemmTraits<kCfg>::
         named_barrier_sync(kBarConsumer0 + wg, 128);
         if (tid == 0) {
             const int c0 = col0 + kJ * T::kEpiCols;
-            if (valid && c0 < args.n && row0 < args.m) ptx::tma_store_2d(tma_d, buf, c0, row0);
+            if (valid && c0 < args.n_tma && row0 < args.m) ptx::tma_store_2d(tma_d, buf, c0, row0);
             ptx::tma_commit_group();
         }
         ++epi_count;
         store_slab<kCfg, kJ + 1>(acc, tma_d, epi_base, wg, tid, epi_count, row0, col0, valid, args);
+    }
+}
+
+template <DType kOut>
+__device__ __forceinline__ void st_global_elem(void* base, int64_t idx, float v) {
+    if constexpr (kOut == DType::kF32) {
+        static_cast<float*>(base)[idx] = v;
+    } else {
+        unsigned short h;
+        if constexpr (kOut == DType::kBF16) {
+            asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(v));
+        } else {
+            asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(v));
+        }
+        static_cast<unsigned short*>(base)[idx] = h;
+    }
+}
+
+/// Columns [n_tma, N) of one slab (less than 16 bytes per row) with plain stores: a TMA store box would
+/// write the whole 16-byte chunk and overwrite the row padding past N.
+template <GemmConfig kCfg>
+__device__ __forceinline__ void store_slab_tail(const float (&acc)[GemmTraits<kCfg>::kAccPerSlab], int row0, int col0,
+                                                int warp_in_wg, int lane, const GemmArgs& args) {
+    const int r_lo = row0 + warp_in_wg * 16 + lane / 4;
+    const int r_hi = r_lo + 8;
+#pragma unroll
+    for (int g = 0; g < kCfg.tile_n / 8; ++g) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int c = col0 + 8 * g + 2 * (lane % 4) + e;
+            if (c >= args.n_tma && c < args.n) {
+                if (r_lo < args.m) st_global_elem<kCfg.out_dtype>(args.d, r_lo * args.ldd + c, acc[4 * g + e]);
+                if (r_hi < args.m) st_global_elem<kCfg.out_dtype>(args.d, r_hi * args.ldd + c, acc[4 * g + 2 + e]);
+            }
+        }
     }
 }
 
@@ -294,10 +329,12 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
         }
 
         // ---- epilogue: registers -> shared -> TMA store (asynchronous; overlaps the next mainloop) ----
+        const bool ragged = tile.valid && args.n_tma < args.n && tile.n0 + kCfg.tile_n > args.n_tma;
 #pragma unroll
         for (int s = 0; s < T::kSlabs; ++s) {
             const int row0 = tile.m0 + (wg * T::kSlabs + s) * kGemmSlabRows;
             store_slab<kCfg>(acc[s], tma_d, epi_base, wg, tid, epi_count, row0, tile.n0, tile.valid, args);
+            if (ragged) store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args);
         }
         pending = tile;
         has_pending = true;
@@ -316,7 +353,7 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
 /// (cluster dims cluster_m * cluster_n, 1, 1), one CTA per SM (persistent: grid <= SM budget). Tensor maps
 /// (weft::ops::detail::make_gemm_tensor_maps), all 128B-swizzled:
 ///   tma_a: A [M,K], box {64, tile_m / cluster_n}; tma_b: B, box {64, tile_n / cluster_m} (kNK) or {64, 64}
-///   (kKN); tma_d: D [M,N], box {128 bytes of columns, 64}.
+///   (kKN); tma_d: D [M, n_tma], box {128 bytes of columns, 64} (args.n_tma: see GemmArgs).
 template <GemmConfig kCfg, class Scheduler, class Hook>
 __device__ __forceinline__ void gemm_device(const ptx::TmaDescriptor* tma_a, const ptx::TmaDescriptor* tma_b,
                                             const ptx::TmaDescriptor* tma_d, const GemmArgs& args,

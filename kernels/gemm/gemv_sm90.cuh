@@ -32,6 +32,11 @@ __device__ __forceinline__ uint4 ld_16(const void* p) {
     return v;
 }
 
+/// Bulk prefetch of [p, p + bytes) into L2 (16-byte aligned, bytes a multiple of 16).
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+}
+
 template <bool kIsBF16>
 __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                              unsigned b0, unsigned b1) {
@@ -118,6 +123,18 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const GemvArgs args)
 
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     for (int k0 = k_begin; k0 < k_end; k0 += 32 * kUnroll) {
+        // Optional: one lane per row asks L2 for this row's bytes `prefetch_iters` iterations ahead as one bulk
+        // request (longer DRAM bursts and more bytes in flight than the 16-byte loads alone).
+        if (args.prefetch_iters > 0 && t == 0) {
+            const int kp = k0 + args.prefetch_iters * 32 * kUnroll;
+            if (kp < k_end) {
+                const unsigned bytes = static_cast<unsigned>(min(32 * kUnroll, k_end - kp)) * 2u;
+#pragma unroll
+                for (int nt = 0; nt < kNTiles; ++nt) {
+                    if (b_ok[nt]) detail::prefetch_l2_bulk(b_row[nt] + kp, bytes);
+                }
+            }
+        }
         uint4 bv[kUnroll][kNTiles];
         uint4 av[kUnroll][kMTiles][2];
 #pragma unroll

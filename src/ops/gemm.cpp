@@ -81,31 +81,44 @@ Registry& registry() {
     return r;
 }
 
-// Per-(device, stream) scratch for the small-M path. Outgrown buffers are kept (launches already enqueued
-// may still use them); growth doubles, so the total stays within twice the largest request.
-struct Workspace {
-    void* ptr = nullptr;
-    size_t bytes = 0;
+// Per-(device, stream) scratch for the small-M path: split-K counters (zero between calls: each call's last
+// CTA resets its counter) and fp32 partial sums. The counters get their own allocation so that a later call
+// with another shape never finds partial sums where it expects zero counters. Outgrown buffers are kept
+// (launches already enqueued may still use them); growth doubles.
+struct SmallMScratch {
+    void* counters = nullptr;
+    size_t counter_bytes = 0;
+    void* partials = nullptr;
+    size_t partial_bytes = 0;
 };
 
-void* small_m_workspace(size_t bytes, cudaStream_t stream) {
+SmallMScratch small_m_scratch(size_t counter_bytes, size_t partial_bytes, cudaStream_t stream) {
     static std::mutex mutex;
-    static std::map<std::pair<int, cudaStream_t>, Workspace> cache;
+    static std::map<std::pair<int, cudaStream_t>, SmallMScratch> cache;
     int device = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&device));
     std::lock_guard<std::mutex> lock(mutex);
-    Workspace& w = cache[{device, stream}];
-    if (w.bytes < bytes) {
-        const size_t grow = std::max(bytes, 2 * w.bytes);
+    SmallMScratch& w = cache[{device, stream}];
+    if (w.counter_bytes < counter_bytes) {
+        const size_t grow = std::max(counter_bytes, 2 * w.counter_bytes);
         void* p = nullptr;
         WEFT_CUDA_CHECK(cudaMalloc(&p, grow));
         WEFT_CUDA_CHECK(cudaMemsetAsync(p, 0, grow, stream));
-        WEFT_LOG_DEBUG("gemm: small-M workspace " << grow << " bytes on device " << device);
-        w.ptr = p;
-        w.bytes = grow;
+        w.counters = p;
+        w.counter_bytes = grow;
     }
-    return w.ptr;
+    if (w.partial_bytes < partial_bytes) {
+        const size_t grow = std::max(partial_bytes, 2 * w.partial_bytes);
+        void* p = nullptr;
+        WEFT_CUDA_CHECK(cudaMalloc(&p, grow));
+        w.partials = p;
+        w.partial_bytes = grow;
+        WEFT_LOG_DEBUG("gemm: small-M partials " << grow << " bytes on device " << device);
+    }
+    return w;
 }
+
+size_t round256(size_t x) { return (x + 255) / 256 * 256; }
 
 CUtensorMapDataType tma_dtype(DType t) {
     switch (t) {
@@ -135,6 +148,13 @@ void encode_2d(CUtensorMap* map, const TensorView& v, const char* name, uint64_t
                                                              << box_inner << ", " << box_outer
                                                              << "}): CUresult " << static_cast<int>(r));
     }
+}
+
+// Small-M kernel: how many loop iterations ahead it bulk-prefetches B into L2 (0 = off). Experimental knob
+// (WEFT_GEMM_SMALLM_PREFETCH), read once.
+int32_t small_m_prefetch_iters() {
+    static const int32_t v = static_cast<int32_t>(env::get_int("WEFT_GEMM_SMALLM_PREFETCH").value_or(0));
+    return v;
 }
 
 }  // namespace
@@ -180,7 +200,7 @@ size_t gemm_workspace_bytes(const GemmProblem& p, int splits) {
     if (splits <= 1) return 0;
     const size_t partials = static_cast<size_t>(splits) * static_cast<size_t>(p.m) * static_cast<size_t>(p.n) * 4;
     const size_t counters = static_cast<size_t>(ceil_div(p.n, kGemvColsPerCta)) * 4;
-    return (partials + 255) / 256 * 256 + (counters + 255) / 256 * 256;
+    return round256(counters) + round256(partials);
 }
 
 GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
@@ -232,7 +252,8 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
             // Padding tiles of a cluster pair past the edge of D are pure waste.
             const double useful = static_cast<double>(g.num_tiles()) / (g.num_cluster_tiles() * cluster);
             cost /= useful;
-            if (cluster > 1) cost *= 0.98;  // multicast halves one operand's L2 traffic
+            // NOTE: no bonus for multicast pairs: on equal cost the plain config (listed first) wins until
+            // measurements say otherwise (kernels/gemm/README.md, variant log).
             if (!have || cost < best * 0.999) {
                 best = cost;
                 plan.config = c;
@@ -292,9 +313,26 @@ GemmTensorMaps make_gemm_tensor_maps(const GemmConfig& c, const TensorView& a, c
         encode_2d(&maps.b, b, "b", static_cast<uint64_t>(b.dim(1)), static_cast<uint64_t>(b.dim(0)), 64,
                   static_cast<uint32_t>(c.tile_k));
     }
-    encode_2d(&maps.d, d, "d", static_cast<uint64_t>(d.dim(1)), static_cast<uint64_t>(d.dim(0)),
-              static_cast<uint32_t>(gemm_epi_cols(c)), kGemmSlabRows);
+    // TMA stores write whole 16-byte chunks: the map covers the 16-byte-aligned columns only and the kernel
+    // writes the ragged rest with plain stores (GemmArgs::n_tma). With fewer than 16 bytes of columns the
+    // map is a placeholder the kernel never stores through.
+    const int32_t n_tma = gemm_tma_store_cols(static_cast<int32_t>(d.dim(1)), d.dtype);
+    const uint64_t d_cols = n_tma > 0 ? static_cast<uint64_t>(n_tma) : static_cast<uint64_t>(16 / dtype_bytes(d.dtype));
+    encode_2d(&maps.d, d, "d", d_cols, static_cast<uint64_t>(d.dim(0)), static_cast<uint32_t>(gemm_epi_cols(c)),
+              kGemmSlabRows);
     return maps;
+}
+
+GemmArgs make_gemm_args(const TensorView& a, const TensorView& d, uint64_t timeout_ns) {
+    GemmArgs args{};
+    args.m = static_cast<int32_t>(a.dim(0));
+    args.k = static_cast<int32_t>(a.dim(1));
+    args.n = static_cast<int32_t>(d.dim(1));
+    args.n_tma = gemm_tma_store_cols(args.n, d.dtype);
+    args.timeout_ns = timeout_ns;
+    args.d = d.data;
+    args.ldd = d.dim(0) <= 1 ? d.dim(1) : d.stride(0);
+    return args;
 }
 
 uint64_t gemm_timeout_ns(const GemmOptions& options) {
@@ -406,22 +444,23 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout
         args.k_per_split = plan.small_m_k_per_split;
         args.num_splits = plan.small_m_splits;
         if (plan.small_m_splits > 1) {
-            void* ws = options.workspace;
-            if (ws != nullptr) {
+            const size_t counter_bytes = round256(static_cast<size_t>(plan.grid) * 4);
+            if (options.workspace != nullptr) {
                 WEFT_CHECK(options.workspace_bytes >= plan.workspace_bytes,
                            "gemm: options.workspace_bytes must be >= " << plan.workspace_bytes << ", got "
                                                                       << options.workspace_bytes);
-                WEFT_CHECK(reinterpret_cast<uintptr_t>(ws) % 256 == 0,
+                WEFT_CHECK(reinterpret_cast<uintptr_t>(options.workspace) % 256 == 0,
                            "gemm: options.workspace must be 256-byte aligned");
+                args.counters = static_cast<uint32_t*>(options.workspace);
+                args.partials = reinterpret_cast<float*>(static_cast<char*>(options.workspace) + counter_bytes);
             } else {
-                ws = small_m_workspace(plan.workspace_bytes, stream);
+                const SmallMScratch w =
+                    small_m_scratch(counter_bytes, plan.workspace_bytes - counter_bytes, stream);
+                args.counters = static_cast<uint32_t*>(w.counters);
+                args.partials = static_cast<float*>(w.partials);
             }
-            const size_t partial_bytes =
-                (static_cast<size_t>(plan.small_m_splits) * static_cast<size_t>(p.m) * static_cast<size_t>(p.n) * 4 +
-                 255) / 256 * 256;
-            args.partials = static_cast<float*>(ws);
-            args.counters = reinterpret_cast<uint32_t*>(static_cast<char*>(ws) + partial_bytes);
         }
+        args.prefetch_iters = small_m_prefetch_iters();
         void* params[] = {&args};
         WEFT_CUDA_CHECK(cudaLaunchKernel(func, dim3(static_cast<unsigned>(plan.grid),
                                                     static_cast<unsigned>(plan.small_m_splits), 1),
@@ -466,11 +505,7 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout
         plan.grid = std::min(plan.grid, fit * cluster);
     }
     const detail::GemmTensorMaps maps = detail::make_gemm_tensor_maps(plan.config, a, b, d);
-    GemmArgs args{};
-    args.m = static_cast<int32_t>(p.m);
-    args.n = static_cast<int32_t>(p.n);
-    args.k = static_cast<int32_t>(p.k);
-    args.timeout_ns = detail::gemm_timeout_ns(options);
+    const GemmArgs args = detail::make_gemm_args(a, d, detail::gemm_timeout_ns(options));
     const int32_t sched_params = 0;  // PersistentScheduler::Params and NoEpilogueHook::Params: one int32
     const int32_t hook_params = 0;
     detail::launch_gemm_kernel(func, plan.config, maps, args, plan.grid, &sched_params, &hook_params, stream);

@@ -176,9 +176,18 @@ struct GemmTileGrid {
 /// The kernel's run-time arguments (besides tensor maps and hook parameters).
 struct GemmArgs {
     int32_t m, n, k;
-    int32_t reserved;
+    int32_t n_tma;        ///< columns of D written by TMA stores: N rounded down to 16 bytes (TMA stores write
+                          ///< whole 16-byte chunks, so a ragged last chunk would spill into the row padding)
     uint64_t timeout_ns;  ///< bound on every pipeline wait; expiry traps (a hang is a bug)
+    void* d;              ///< D, for the columns [n_tma, N) written with plain stores
+    int64_t ldd;          ///< D's row stride in elements
 };
+
+/// Columns of D a TMA store may cover: the largest multiple of 16 bytes <= N.
+WEFT_HOST_DEVICE constexpr int32_t gemm_tma_store_cols(int32_t n, DType out) {
+    const int32_t per16 = 16 / gemm_elem_bytes(out);
+    return n / per16 * per16;
+}
 
 /// The candidate set of tiled-kernel configs (same list for the heuristic, the autotuner and the
 /// ahead-of-time instances): tile shape, ring depth and cluster shape; dtypes and layout come from the call.
@@ -211,7 +220,7 @@ struct GemvArgs {
     int32_t m, n, k;
     int32_t k_per_split;  ///< multiple of 32
     int32_t num_splits;   ///< gridDim.y
-    int32_t reserved;
+    int32_t prefetch_iters;  ///< loop iterations ahead to bulk-prefetch B into L2 (0 = off)
     float* partials;      ///< [num_splits][M][N] fp32 (when num_splits > 1)
     uint32_t* counters;   ///< [gridDim.x], zero between launches (the last CTA of a column block resets it)
 };

@@ -24,9 +24,10 @@ struct GemmOptions {
     std::optional<GemmConfig> config;  ///< force this tiled-kernel config (dtypes/layout must match the call)
     bool allow_small_m = true;         ///< let M <= 64 with B [N,K] take the split-K small-M path
     int small_m_splits = 0;            ///< force the small-M path's split count (0 = heuristic)
-    void* workspace = nullptr;         ///< small-M scratch of gemm_workspace_bytes, 256-byte aligned, zero-filled
-                                       ///< before its first use (calls leave it reusable); nullptr = weft's
-                                       ///< per-(device, stream) scratch. One call at a time per workspace.
+    void* workspace = nullptr;         ///< small-M scratch of gemm_workspace_bytes, 256-byte aligned: split-K
+                                       ///< counters first (zero-filled before the first use; each call leaves
+                                       ///< them zero), then fp32 partials. Zero it again if N grows. nullptr =
+                                       ///< weft's per-(device, stream) scratch. One call at a time per workspace.
     size_t workspace_bytes = 0;
     std::chrono::milliseconds timeout{0};  ///< bound on every pipeline wait; 0 = WEFT_TIMEOUT_MS or 10 s
 };
@@ -95,6 +96,9 @@ struct GemmTensorMaps {
 /// Builds the tensor maps a gemm_kernel<config> expects for these (validated) views.
 GemmTensorMaps make_gemm_tensor_maps(const GemmConfig& config, const TensorView& a, const TensorView& b,
                                      const TensorView& d);
+
+/// The kernel's run-time arguments for these (validated) views.
+GemmArgs make_gemm_args(const TensorView& a, const TensorView& d, uint64_t timeout_ns);
 
 /// The pipeline-wait bound: options.timeout, else WEFT_TIMEOUT_MS, else 10 s.
 uint64_t gemm_timeout_ns(const GemmOptions& options);
