@@ -43,7 +43,11 @@ step() {  # step NAME LOGFILE COMMAND...
     local name=$1 log=$2
     shift 2
     local start=$(date +%s.%N)
-    timeout --kill-after=10 "${WEFT_GPU_RUN_STEP_TIMEOUT:-300}" "$@" >"$logdir/$log" 2>&1
+    if declare -F "$1" >/dev/null; then
+        "$@" >"$logdir/$log" 2>&1
+    else
+        timeout --kill-after=10 "${WEFT_GPU_RUN_STEP_TIMEOUT:-300}" "$@" >"$logdir/$log" 2>&1
+    fi
     local rc=$?
     local secs=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN{printf "%.1f", e-s}')
     local detail
