@@ -37,6 +37,8 @@ using ptx::Sem;
 inline constexpr uint32_t kSpinFastPolls = WEFT_SPIN_FAST_POLLS;
 /// Longest single backoff sleep (the hardware sleeps up to twice this).
 inline constexpr uint32_t kSpinMaxSleepNs = WEFT_SPIN_MAX_SLEEP_NS;
+/// Longest wait for the diagnostic record to reach host memory before the trap.
+inline constexpr uint64_t kDiagnosticDrainNs = 100ull * 1000 * 1000;
 /// Used when ctx.timeout_ns is 0.
 inline constexpr uint64_t kDefaultTimeoutNs = 10ull * 1000 * 1000 * 1000;
 
@@ -110,6 +112,15 @@ struct SpinSite {
             ptx::fence<Sem::kSc, Scope::kSys>();
             ptx::st<Sem::kRelaxed, Scope::kSys>(&d->claimed, 2u);
             ptx::fence<Sem::kSc, Scope::kSys>();
+        }
+        // NOTE: a trap ends every thread of the grid at once and can drop writes still on their way to
+        // host memory. So the winner reads `claimed` back until the host-side copy holds 2 (a read does
+        // not pass the posted writes before it), and the losers (other threads that failed at the same
+        // moment) wait for that too instead of trapping over the winner's half-written record. Bounded.
+        const uint64_t drain_start = ptx::globaltimer();
+        while (ptx::ld<Sem::kRelaxed, Scope::kSys>(&d->claimed) != 2u &&
+               ptx::globaltimer() - drain_start < kDiagnosticDrainNs) {
+            ptx::nanosleep(256);
         }
     } else {
         printf("weft: rank %d block (%d,%d,%d) thread %d gave up (kind %u): word %p owned by rank %d, "
