@@ -19,9 +19,9 @@ const char* spin_kind_name(SpinKind kind) {
         case SpinKind::kOther:
             return "spin";
         case SpinKind::kUnreachablePeer:
-            return "a peer access (peer not load/store reachable)";
+            return "unreachable_peer";
         case SpinKind::kCollectiveMismatch:
-            return "a collective call check";
+            return "collective_mismatch";
     }
     return "an unknown spin";
 }
@@ -75,6 +75,23 @@ std::string format_diagnostic(const Diagnostic& d) {
            << " here, 0x" << d.observed << std::dec
            << " there): every rank must make the same collective calls in the same order, with the same count, "
               "dtype and algorithm, and pass symmetric buffers on all ranks or on none (same allocation)";
+        if (d.line > 0) os << " (source line " << d.line << ")";
+        return os.str();
+    }
+    if (d.kind == SpinKind::kUnreachablePeer) {
+        // Written by the device layer's symm_at_or_trap: expected = the rank asked for, observed = the
+        // heap offset of the address (~0 when it is not inside this rank's symmetric heap).
+        os << "rank " << d.rank << " block (" << d.block_x << "," << d.block_y << "," << d.block_z << ") thread "
+           << d.thread_x << ": a put/get/signal to rank " << static_cast<int64_t>(d.expected) << " on symmetric address 0x"
+           << std::hex << d.signal_addr << std::dec << " failed: ";
+        if (d.observed == ~0ull) {
+            os << "the address is not inside this rank's symmetric heap";
+        } else if (d.peer < 0) {
+            os << "no such rank in the team";
+        } else {
+            os << "rank " << static_cast<int64_t>(d.expected) << " is not load/store reachable from here (heap offset "
+               << d.observed << "; only the load/store transport exists)";
+        }
         if (d.line > 0) os << " (source line " << d.line << ")";
         return os.str();
     }
