@@ -55,10 +55,12 @@ int main(int argc, char** argv) {
             const weft::ops::CollectiveWorkspaceInfo& info = weft::ops::prepare_collectives(world);
 
             // Buffers: local device memory works; a symmetric input lets peers read it in place (no staging copy).
+            // Stream-ordered allocation: cudaMalloc/cudaFree may synchronise the whole device, i.e. wait for a
+            // peer's kernel that is waiting for this rank (ranks are threads sharing the device here).
             float* local_in = nullptr;
             float* local_out = nullptr;
-            WEFT_CUDA_CHECK(cudaMalloc(&local_in, bytes));
-            WEFT_CUDA_CHECK(cudaMalloc(&local_out, bytes));
+            WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&local_in), bytes, stream));
+            WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&local_out), bytes, stream));
             auto* sym_in = world.heap().alloc_array<float>(static_cast<uint64_t>(count));
             auto* sym_out = world.heap().alloc_array<float>(static_cast<uint64_t>(count));
             const std::vector<float> mine = input_of(world.rank(), count);
@@ -117,8 +119,9 @@ int main(int argc, char** argv) {
             cudaGraphDestroy(graph);
             world.heap().free(sym_out);
             world.heap().free(sym_in);
-            cudaFree(local_out);
-            cudaFree(local_in);
+            cudaFreeAsync(local_out, stream);
+            cudaFreeAsync(local_in, stream);
+            cudaStreamSynchronize(stream);
             cudaStreamDestroy(stream);
         });
     } catch (const std::exception& e) {

@@ -78,18 +78,18 @@ bool in_place(Place p) { return p == Place::kLocalInPlace || p == Place::kSymmet
 bool output_symmetric(Place p) { return p == Place::kSymmetric || p == Place::kSymmetricInPlace || p == Place::kMixed; }
 
 // One rank's buffers for a whole world's worth of cases: allocated once (collectively), freed after a barrier, so
-// that no allocation or free runs while another rank's collective kernel waits for this one.
+// that no allocation or free runs while another rank's collective kernel waits for this one (and stream-ordered:
+// cudaMalloc/cudaFree may synchronise the whole device).
 class RankBuffers {
 public:
     RankBuffers(World& w, uint64_t capacity) : w_(w), capacity_(capacity + 2 * kGuardBytes) {
         WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-        WEFT_CUDA_CHECK(cudaMalloc(&local_in_, capacity_));
-        WEFT_CUDA_CHECK(cudaMalloc(&local_out_, capacity_));
-        WEFT_CUDA_CHECK(cudaMalloc(&errors_, sizeof(unsigned long long) * kMaxErrorSlots));
+        WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&local_in_), capacity_, stream_));
+        WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&local_out_), capacity_, stream_));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
         sym_in_ = static_cast<uint8_t*>(w.heap().alloc(capacity_));
         sym_out_ = static_cast<uint8_t*>(w.heap().alloc(capacity_));
         ops::prepare_collectives(w);
-        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
         w.barrier();
     }
     RankBuffers(const RankBuffers&) = delete;
@@ -104,16 +104,14 @@ public:
         w_.barrier();
         w_.heap().free(sym_out_);
         w_.heap().free(sym_in_);
-        cudaFree(errors_);
-        cudaFree(local_out_);
-        cudaFree(local_in_);
+        cudaFreeAsync(local_out_, stream_);
+        cudaFreeAsync(local_in_, stream_);
+        cudaStreamSynchronize(stream_);
     }
 
-    static constexpr int kMaxErrorSlots = 4096;
     World& world() { return w_; }
     cudaStream_t stream() const { return stream_; }
     uint64_t capacity() const { return capacity_ - 2 * kGuardBytes; }
-    unsigned long long* errors() const { return errors_; }
     // Base of a placement's input and output allocations (the guard band starts them).
     uint8_t* in_base(Place p) const { return p == Place::kSymmetric || p == Place::kSymmetricInPlace ? sym_in_ : local_in_; }
     uint8_t* out_base(Place p) const {
@@ -140,7 +138,6 @@ private:
     uint8_t* local_out_ = nullptr;
     uint8_t* sym_in_ = nullptr;
     uint8_t* sym_out_ = nullptr;
-    unsigned long long* errors_ = nullptr;
 };
 
 std::vector<uint8_t> download(cudaStream_t s, const uint8_t* p, uint64_t bytes) {
@@ -442,9 +439,10 @@ void run_stress(int num_ranks, int num_calls, uint64_t seed) {
     run_ranks(num_ranks, [&](World& w) {
         RankBuffers b(w, capacity);
         unsigned long long* errors = nullptr;
-        WEFT_CUDA_CHECK(cudaMalloc(&errors, sizeof(unsigned long long) * plan.size()));
-        WEFT_CUDA_CHECK(cudaMemset(errors, 0, sizeof(unsigned long long) * plan.size()));
-        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+        WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&errors), sizeof(unsigned long long) * plan.size(),
+                                        b.stream()));
+        WEFT_CUDA_CHECK(cudaMemsetAsync(errors, 0, sizeof(unsigned long long) * plan.size(), b.stream()));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(b.stream()));
         w.barrier();
         std::mt19937_64 straggle(seed * 31 + static_cast<uint64_t>(w.rank()));  // per-rank delays
         const int me = w.rank();
@@ -492,7 +490,8 @@ void run_stress(int num_ranks, int num_calls, uint64_t seed) {
         }
         w.sync_and_check(s);
         std::vector<unsigned long long> h(plan.size());
-        WEFT_CUDA_CHECK(cudaMemcpy(h.data(), errors, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(h.data(), errors, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost, s));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
         int reported = 0;
         for (size_t k = 0; k < plan.size(); ++k) {
             if (h[k] != 0 && reported++ < 10) {
@@ -501,7 +500,7 @@ void run_stress(int num_ranks, int num_calls, uint64_t seed) {
             }
         }
         w.barrier();
-        cudaFree(errors);
+        cudaFreeAsync(errors, s);
         b.release();
     }, test_options(192ull << 20));
 }
