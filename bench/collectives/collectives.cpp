@@ -115,10 +115,14 @@ Options parse_options(int argc, char** argv) {
         if (arg == "--ops") {
             o.ops.clear();
             for (const std::string& p : split(value("--ops"), ',')) {
-                if (p == "all_reduce") o.ops.push_back(Op::kAllReduce);
-                else if (p == "all_gather") o.ops.push_back(Op::kAllGather);
-                else if (p == "reduce_scatter") o.ops.push_back(Op::kReduceScatter);
-                else WEFT_FAIL("--ops: unknown op '" << p << "' (all_reduce, all_gather, reduce_scatter)");
+                if (p == "all_reduce")
+                    o.ops.push_back(Op::kAllReduce);
+                else if (p == "all_gather")
+                    o.ops.push_back(Op::kAllGather);
+                else if (p == "reduce_scatter")
+                    o.ops.push_back(Op::kReduceScatter);
+                else
+                    WEFT_FAIL("--ops: unknown op '" << p << "' (all_reduce, all_gather, reduce_scatter)");
             }
         } else if (arg == "--sizes") {
             o.sizes = parse_sizes(value("--sizes"));
@@ -130,10 +134,14 @@ Options parse_options(int argc, char** argv) {
             o.reps = static_cast<int>(env::parse_int(value("--reps"), "--reps"));
         } else if (arg == "--dtype") {
             const std::string d = value("--dtype");
-            if (d == "bf16") o.dtype = DType::kBF16;
-            else if (d == "f16") o.dtype = DType::kF16;
-            else if (d == "f32") o.dtype = DType::kF32;
-            else WEFT_FAIL("--dtype: expected bf16, f16 or f32, got '" << d << "'");
+            if (d == "bf16")
+                o.dtype = DType::kBF16;
+            else if (d == "f16")
+                o.dtype = DType::kF16;
+            else if (d == "f32")
+                o.dtype = DType::kF32;
+            else
+                WEFT_FAIL("--dtype: expected bf16, f16 or f32, got '" << d << "'");
         } else if (arg == "--world") {
             o.worlds.clear();
             for (const std::string& p : split(value("--world"), ',')) {
@@ -156,10 +164,11 @@ Options parse_options(int argc, char** argv) {
         } else if (arg == "--json") {
             o.json = value("--json");
         } else if (arg == "--help" || arg == "-h") {
-            std::printf("usage: %s [--ops LIST] [--sizes 8,64,..|A:B[:F]] [--iters N] [--warmup N] [--reps N] "
-                        "[--dtype bf16|f16|f32] [--world 2,4,8] [--algos LIST] [--graph-max BYTES] "
-                        "[--buffers symmetric|local] [--no-nccl] [--check] [--json FILE]\n",
-                        argv[0]);
+            std::printf(
+                "usage: %s [--ops LIST] [--sizes 8,64,..|A:B[:F]] [--iters N] [--warmup N] [--reps N] "
+                "[--dtype bf16|f16|f32] [--world 2,4,8] [--algos LIST] [--graph-max BYTES] "
+                "[--buffers symmetric|local] [--no-nccl] [--check] [--json FILE]\n",
+                argv[0]);
             std::exit(0);
         } else {
             WEFT_FAIL("unknown option '" << arg << "' (try --help)");
@@ -205,9 +214,10 @@ struct Nccl {
 };
 
 std::string python_nccl_dir() {
-    FILE* p = popen("python3 -c \"import nvidia.nccl,os;print(os.path.dirname(nvidia.nccl.__file__ or "
-                    "nvidia.nccl.__path__[0]))\" 2>/dev/null",
-                    "r");
+    FILE* p = popen(
+        "python3 -c \"import nvidia.nccl,os;print(os.path.dirname(nvidia.nccl.__file__ or "
+        "nvidia.nccl.__path__[0]))\" 2>/dev/null",
+        "r");
     if (p == nullptr) return "";
     char buf[4096] = {};
     const size_t n = std::fread(buf, 1, sizeof(buf) - 1, p);
@@ -263,9 +273,9 @@ const Nccl& nccl() {
     return api;
 }
 
-#define BENCH_NCCL_CHECK(call)                                                                       \
-    do {                                                                                             \
-        const ncclResult_t bench_r_ = (call);                                                        \
+#define BENCH_NCCL_CHECK(call)                                                                      \
+    do {                                                                                            \
+        const ncclResult_t bench_r_ = (call);                                                       \
         WEFT_CHECK(bench_r_ == ncclSuccess, #call << " failed: " << nccl().error_string(bench_r_)); \
     } while (0)
 
@@ -320,12 +330,12 @@ struct Row {
     uint64_t size;
     int world;
     bool shared_gpu;
-    std::string algo;     // weft algorithm name, or "nccl"
-    std::string chosen;   // for "auto": what it picked
-    double us = 0;        // median time per call, slowest rank
-    double busbw = 0;     // GB/s
+    std::string algo;    // weft algorithm name, or "nccl"
+    std::string chosen;  // for "auto": what it picked
+    double us = 0;       // median time per call, slowest rank
+    double busbw = 0;    // GB/s
     bool graph = false;
-    int check = -1;       // -1 not checked, 0 wrong, 1 right
+    int check = -1;  // -1 not checked, 0 wrong, 1 right
 };
 
 double bus_factor(Op op, int n) {
@@ -438,197 +448,209 @@ void run_world(int n, const Options& o, WorldResult* result) {
     const uint64_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
     const uint64_t pool = std::max<uint64_t>(max_size, 64ull << 20);
     WorldOptions wo;
-    wo.heap_bytes = o.symmetric ? (2 * pool + (256ull << 20) + (2ull << 20) - 1) / (2ull << 20) * (2ull << 20)
-                                : (256ull << 20);
+    wo.heap_bytes =
+        o.symmetric ? (2 * pool + (256ull << 20) + (2ull << 20) - 1) / (2ull << 20) * (2ull << 20) : (256ull << 20);
     wo.timeout = std::chrono::milliseconds(60000);
     std::mutex mutex;
     Gather gather(n);
     std::atomic<bool> shared_gpu{false};
-    run_local(n, [&](World& w) {
-        const ops::CollectiveWorkspaceInfo& info = ops::prepare_collectives(w);
-        const bool shared = info.topology.max_ranks_per_gpu > 1;
-        shared_gpu = shared;
-        cudaStream_t s = nullptr;
-        WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-        uint8_t* in = nullptr;
-        uint8_t* out = nullptr;
-        if (o.symmetric) {
-            in = static_cast<uint8_t*>(w.heap().alloc(pool));
-            out = static_cast<uint8_t*>(w.heap().alloc(pool));
-        } else {
-            WEFT_CUDA_CHECK(cudaMalloc(&in, pool));
-            WEFT_CUDA_CHECK(cudaMalloc(&out, pool));
-        }
-        fill_pattern(in, pool, o.dtype, w.rank(), s);
-        WEFT_CUDA_CHECK(cudaMemsetAsync(out, 0, pool, s));
-        WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
-
-        // Roofline (rank 0 measures, everyone waits).
-        double roof = 0;
-        std::string roof_what;
-        if (w.rank() == 0) {
-            const uint64_t bytes = std::min<uint64_t>(pool, 256ull << 20);
-            void* dst = nullptr;
-            int dst_device = w.device();
-            int devices = 0;
-            WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
-            if (!shared && devices > 1) dst_device = (w.device() + 1) % devices;
-            WEFT_CUDA_CHECK(cudaSetDevice(dst_device));
-            WEFT_CUDA_CHECK(cudaMalloc(&dst, bytes));
-            WEFT_CUDA_CHECK(cudaSetDevice(w.device()));
-            Options ro = o;
-            ro.iters = 3;
-            bool eager = false;
-            const double us = time_calls(s, ro, &eager, [&](int) {
-                WEFT_CUDA_CHECK(cudaMemcpyAsync(dst, in, bytes, cudaMemcpyDefault, s));
-            });
+    run_local(
+        n,
+        [&](World& w) {
+            const ops::CollectiveWorkspaceInfo& info = ops::prepare_collectives(w);
+            const bool shared = info.topology.max_ranks_per_gpu > 1;
+            shared_gpu = shared;
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            uint8_t* in = nullptr;
+            uint8_t* out = nullptr;
+            if (o.symmetric) {
+                in = static_cast<uint8_t*>(w.heap().alloc(pool));
+                out = static_cast<uint8_t*>(w.heap().alloc(pool));
+            } else {
+                WEFT_CUDA_CHECK(cudaMalloc(&in, pool));
+                WEFT_CUDA_CHECK(cudaMalloc(&out, pool));
+            }
+            fill_pattern(in, pool, o.dtype, w.rank(), s);
+            WEFT_CUDA_CHECK(cudaMemsetAsync(out, 0, pool, s));
             WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
-            cudaFree(dst);
-            const double gbps = static_cast<double>(bytes) / us / 1e3;
-            roof = shared ? gbps / n : gbps;
-            std::ostringstream os;
-            os << (shared ? "cudaMemcpy D2D on the shared GPU: " : "copy-engine copy GPU0 -> GPU1: ") << gbps << " GB/s"
-               << (shared ? " / " + std::to_string(n) + " ranks" : "");
-            roof_what = os.str();
-        }
-        const double roofline = gather.max(w, roof);
 
-        // NCCL (one GPU per rank only).
-        ncclComm_t comm = nullptr;
-        std::string nccl_note;
-        if (!o.nccl) {
-            nccl_note = "NCCL: off (--no-nccl)";
-        } else if (shared) {
-            nccl_note = "NCCL: n/a (ranks share a GPU)";
-        } else if (nccl().handle == nullptr) {
-            nccl_note = "NCCL: n/a (" + nccl().why_not + ")";
-        } else {
-            ::setenv("NCCL_NVLS_ENABLE", "0", 0);
-            ncclUniqueId id{};
-            const std::string key = "bench/nccl_id/" + std::to_string(n);
+            // Roofline (rank 0 measures, everyone waits).
+            double roof = 0;
+            std::string roof_what;
             if (w.rank() == 0) {
-                BENCH_NCCL_CHECK(nccl().get_unique_id(&id));
-                w.store().set(key, Bytes(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
+                const uint64_t bytes = std::min<uint64_t>(pool, 256ull << 20);
+                void* dst = nullptr;
+                int dst_device = w.device();
+                int devices = 0;
+                WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
+                if (!shared && devices > 1) dst_device = (w.device() + 1) % devices;
+                WEFT_CUDA_CHECK(cudaSetDevice(dst_device));
+                WEFT_CUDA_CHECK(cudaMalloc(&dst, bytes));
+                WEFT_CUDA_CHECK(cudaSetDevice(w.device()));
+                Options ro = o;
+                ro.iters = 3;
+                bool eager = false;
+                const double us = time_calls(s, ro, &eager, [&](int) {
+                    WEFT_CUDA_CHECK(cudaMemcpyAsync(dst, in, bytes, cudaMemcpyDefault, s));
+                });
+                WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+                cudaFree(dst);
+                const double gbps = static_cast<double>(bytes) / us / 1e3;
+                roof = shared ? gbps / n : gbps;
+                std::ostringstream os;
+                os << (shared ? "cudaMemcpy D2D on the shared GPU: " : "copy-engine copy GPU0 -> GPU1: ") << gbps
+                   << " GB/s" << (shared ? " / " + std::to_string(n) + " ranks" : "");
+                roof_what = os.str();
             }
-            const Bytes blob = w.store().get(key, w.timeout());
-            WEFT_CHECK(blob.size() == sizeof(id), "NCCL unique id of " << blob.size() << " bytes");
-            std::memcpy(&id, blob.data(), sizeof(id));
-            BENCH_NCCL_CHECK(nccl().comm_init_rank(&comm, n, id, w.rank()));
-            std::ostringstream os;
-            os << "NCCL " << nccl().version << " from " << nccl().path;
-            nccl_note = os.str();
-        }
+            const double roofline = gather.max(w, roof);
 
-        std::vector<Row> rows;
-        const int es = dtype_bytes(o.dtype);
-        for (Op op : o.ops) {
-            for (uint64_t size : o.sizes) {
-                // Element counts: all_reduce `size` bytes per rank; all_gather / reduce_scatter `size` bytes in total.
-                const uint64_t total_elems = size / static_cast<uint64_t>(es);
-                const uint64_t shard = op == Op::kAllReduce ? total_elems : total_elems / static_cast<uint64_t>(n);
-                if (shard == 0) continue;
-                const uint64_t in_bytes = op == Op::kReduceScatter ? shard * n * es : shard * es;
-                const uint64_t out_bytes = op == Op::kAllGather ? shard * n * es : shard * es;
-                const uint64_t stride = (std::max(in_bytes, out_bytes) + 255) / 256 * 256;
-                const uint64_t slots = std::max<uint64_t>(1, std::min<uint64_t>(pool / stride, 64));
-                const bool graph = size <= o.graph_max;
-                const auto views = [&](int k) {
-                    const uint64_t off = (static_cast<uint64_t>(k) % slots) * stride;
-                    const auto in_n = static_cast<int64_t>(in_bytes / es);
-                    const auto out_n = static_cast<int64_t>(out_bytes / es);
-                    return std::make_pair(TensorView(in + off, o.dtype, {in_n}), TensorView(out + off, o.dtype, {out_n}));
-                };
-                std::vector<std::pair<std::string, std::function<void(int)>>> variants;
-                for (const std::string& a : algos_of(op, o)) {
-                    if (!worth_running(op, a, size, n)) continue;
-                    if (!o.symmetric && (a == "sm_push" || a == "ce_push")) continue;  // need a symmetric output
-                    variants.emplace_back(a, [&, a](int k) {
-                        const auto [vi, vo] = views(k);
-                        if (op == Op::kAllReduce) ops::all_reduce(w, vi, vo, s, {.algo = *ops::parse_all_reduce_algo(a)});
-                        if (op == Op::kAllGather) ops::all_gather(w, vi, vo, s, {.algo = *ops::parse_all_gather_algo(a)});
-                        if (op == Op::kReduceScatter) {
-                            ops::reduce_scatter(w, vi, vo, s, {.algo = *ops::parse_reduce_scatter_algo(a)});
-                        }
-                    });
+            // NCCL (one GPU per rank only).
+            ncclComm_t comm = nullptr;
+            std::string nccl_note;
+            if (!o.nccl) {
+                nccl_note = "NCCL: off (--no-nccl)";
+            } else if (shared) {
+                nccl_note = "NCCL: n/a (ranks share a GPU)";
+            } else if (nccl().handle == nullptr) {
+                nccl_note = "NCCL: n/a (" + nccl().why_not + ")";
+            } else {
+                ::setenv("NCCL_NVLS_ENABLE", "0", 0);
+                ncclUniqueId id{};
+                const std::string key = "bench/nccl_id/" + std::to_string(n);
+                if (w.rank() == 0) {
+                    BENCH_NCCL_CHECK(nccl().get_unique_id(&id));
+                    w.store().set(key,
+                                  Bytes(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
                 }
-                if (comm != nullptr) {
-                    variants.emplace_back("nccl", [&](int k) {
-                        const auto [vi, vo] = views(k);
-                        if (op == Op::kAllReduce) {
-                            BENCH_NCCL_CHECK(nccl().all_reduce(vi.data, vo.data, shard, nccl_type(o.dtype), ncclSum, comm, s));
-                        } else if (op == Op::kAllGather) {
-                            BENCH_NCCL_CHECK(nccl().all_gather(vi.data, vo.data, shard, nccl_type(o.dtype), comm, s));
-                        } else {
-                            BENCH_NCCL_CHECK(
-                                nccl().reduce_scatter(vi.data, vo.data, shard, nccl_type(o.dtype), ncclSum, comm, s));
-                        }
-                    });
-                }
-                for (auto& [name, call] : variants) {
-                    Row row{op, size, n, shared, name, "", 0, 0, graph, -1};
-                    if (name == "auto") {
-                        const ops::CollectiveTopology& t = info.topology;
-                        if (op == Op::kAllReduce) row.chosen = ops::algo_name(ops::select_all_reduce_algo(shard * es, t));
-                        if (op == Op::kAllGather) {
-                            row.chosen = ops::algo_name(ops::select_all_gather_algo(shard * es, t, o.symmetric));
-                        }
-                        if (op == Op::kReduceScatter) row.chosen = "sm_pull";
-                    }
-                    if (o.check) {
-                        // One call on slot 0 (whose input is the pattern from element 0), verified on the host.
-                        WEFT_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, out_bytes, s));
-                        call(0);
-                        std::vector<uint8_t> h(out_bytes);
-                        WEFT_CUDA_CHECK(cudaMemcpyAsync(h.data(), out, out_bytes, cudaMemcpyDeviceToHost, s));
-                        w.sync_and_check(s);
-                        bool ok = true;
-                        for (uint64_t i = 0; i < out_bytes / es && ok; ++i) {
-                            int32_t want = 0;
-                            if (op == Op::kAllReduce) {
-                                for (int r = 0; r < n; ++r) want += pattern_value(r, i % kPatternElems);
-                            } else if (op == Op::kAllGather) {
-                                want = pattern_value(static_cast<int>(i / shard), (i % shard) % kPatternElems);
-                            } else {
-                                const uint64_t j = static_cast<uint64_t>(w.rank()) * shard + i;
-                                for (int r = 0; r < n; ++r) want += pattern_value(r, j % kPatternElems);
+                const Bytes blob = w.store().get(key, w.timeout());
+                WEFT_CHECK(blob.size() == sizeof(id), "NCCL unique id of " << blob.size() << " bytes");
+                std::memcpy(&id, blob.data(), sizeof(id));
+                BENCH_NCCL_CHECK(nccl().comm_init_rank(&comm, n, id, w.rank()));
+                std::ostringstream os;
+                os << "NCCL " << nccl().version << " from " << nccl().path;
+                nccl_note = os.str();
+            }
+
+            std::vector<Row> rows;
+            const int es = dtype_bytes(o.dtype);
+            for (Op op : o.ops) {
+                for (uint64_t size : o.sizes) {
+                    // Element counts: all_reduce `size` bytes per rank; all_gather / reduce_scatter `size` bytes in
+                    // total.
+                    const uint64_t total_elems = size / static_cast<uint64_t>(es);
+                    const uint64_t shard = op == Op::kAllReduce ? total_elems : total_elems / static_cast<uint64_t>(n);
+                    if (shard == 0) continue;
+                    const uint64_t in_bytes = op == Op::kReduceScatter ? shard * n * es : shard * es;
+                    const uint64_t out_bytes = op == Op::kAllGather ? shard * n * es : shard * es;
+                    const uint64_t stride = (std::max(in_bytes, out_bytes) + 255) / 256 * 256;
+                    const uint64_t slots = std::max<uint64_t>(1, std::min<uint64_t>(pool / stride, 64));
+                    const bool graph = size <= o.graph_max;
+                    const auto views = [&](int k) {
+                        const uint64_t off = (static_cast<uint64_t>(k) % slots) * stride;
+                        const auto in_n = static_cast<int64_t>(in_bytes / es);
+                        const auto out_n = static_cast<int64_t>(out_bytes / es);
+                        return std::make_pair(TensorView(in + off, o.dtype, {in_n}),
+                                              TensorView(out + off, o.dtype, {out_n}));
+                    };
+                    std::vector<std::pair<std::string, std::function<void(int)>>> variants;
+                    for (const std::string& a : algos_of(op, o)) {
+                        if (!worth_running(op, a, size, n)) continue;
+                        if (!o.symmetric && (a == "sm_push" || a == "ce_push")) continue;  // need a symmetric output
+                        variants.emplace_back(a, [&, a](int k) {
+                            const auto [vi, vo] = views(k);
+                            if (op == Op::kAllReduce)
+                                ops::all_reduce(w, vi, vo, s, {.algo = *ops::parse_all_reduce_algo(a)});
+                            if (op == Op::kAllGather)
+                                ops::all_gather(w, vi, vo, s, {.algo = *ops::parse_all_gather_algo(a)});
+                            if (op == Op::kReduceScatter) {
+                                ops::reduce_scatter(w, vi, vo, s, {.algo = *ops::parse_reduce_scatter_algo(a)});
                             }
-                            uint32_t got = 0;
-                            std::memcpy(&got, h.data() + i * es, static_cast<size_t>(es));
-                            ok = got == int_bits(want, o.dtype);
-                        }
-                        row.check = gather.max(w, ok ? 0.0 : 1.0) == 0.0 ? 1 : 0;
+                        });
                     }
-                    WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
-                    w.barrier();
-                    // A capture that fails, fails alike on every rank (same calls): all fall back to eager launches.
-                    bool use_graph = graph;
-                    const double us = time_calls(s, o, &use_graph, call);
-                    row.graph = use_graph;
-                    row.us = gather.max(w, us);
-                    row.busbw = static_cast<double>(size) * bus_factor(op, n) / (row.us * 1e3);
-                    rows.push_back(row);
+                    if (comm != nullptr) {
+                        variants.emplace_back("nccl", [&](int k) {
+                            const auto [vi, vo] = views(k);
+                            if (op == Op::kAllReduce) {
+                                BENCH_NCCL_CHECK(
+                                    nccl().all_reduce(vi.data, vo.data, shard, nccl_type(o.dtype), ncclSum, comm, s));
+                            } else if (op == Op::kAllGather) {
+                                BENCH_NCCL_CHECK(
+                                    nccl().all_gather(vi.data, vo.data, shard, nccl_type(o.dtype), comm, s));
+                            } else {
+                                BENCH_NCCL_CHECK(nccl().reduce_scatter(vi.data, vo.data, shard, nccl_type(o.dtype),
+                                                                       ncclSum, comm, s));
+                            }
+                        });
+                    }
+                    for (auto& [name, call] : variants) {
+                        Row row{op, size, n, shared, name, "", 0, 0, graph, -1};
+                        if (name == "auto") {
+                            const ops::CollectiveTopology& t = info.topology;
+                            if (op == Op::kAllReduce)
+                                row.chosen = ops::algo_name(ops::select_all_reduce_algo(shard * es, t));
+                            if (op == Op::kAllGather) {
+                                row.chosen = ops::algo_name(ops::select_all_gather_algo(shard * es, t, o.symmetric));
+                            }
+                            if (op == Op::kReduceScatter) row.chosen = "sm_pull";
+                        }
+                        if (o.check) {
+                            // One call on slot 0 (whose input is the pattern from element 0), verified on the host.
+                            WEFT_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, out_bytes, s));
+                            call(0);
+                            std::vector<uint8_t> h(out_bytes);
+                            WEFT_CUDA_CHECK(cudaMemcpyAsync(h.data(), out, out_bytes, cudaMemcpyDeviceToHost, s));
+                            w.sync_and_check(s);
+                            bool ok = true;
+                            for (uint64_t i = 0; i < out_bytes / es && ok; ++i) {
+                                int32_t want = 0;
+                                if (op == Op::kAllReduce) {
+                                    for (int r = 0; r < n; ++r) want += pattern_value(r, i % kPatternElems);
+                                } else if (op == Op::kAllGather) {
+                                    want = pattern_value(static_cast<int>(i / shard), (i % shard) % kPatternElems);
+                                } else {
+                                    const uint64_t j = static_cast<uint64_t>(w.rank()) * shard + i;
+                                    for (int r = 0; r < n; ++r) want += pattern_value(r, j % kPatternElems);
+                                }
+                                uint32_t got = 0;
+                                std::memcpy(&got, h.data() + i * es, static_cast<size_t>(es));
+                                ok = got == int_bits(want, o.dtype);
+                            }
+                            row.check = gather.max(w, ok ? 0.0 : 1.0) == 0.0 ? 1 : 0;
+                        }
+                        WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+                        w.barrier();
+                        // A capture that fails, fails alike on every rank (same calls): all fall back to eager
+                        // launches.
+                        bool use_graph = graph;
+                        const double us = time_calls(s, o, &use_graph, call);
+                        row.graph = use_graph;
+                        row.us = gather.max(w, us);
+                        row.busbw = static_cast<double>(size) * bus_factor(op, n) / (row.us * 1e3);
+                        rows.push_back(row);
+                    }
                 }
             }
-        }
-        w.sync_and_check(s);
-        w.barrier();
-        if (comm != nullptr) nccl().comm_destroy(comm);
-        if (o.symmetric) {
-            w.heap().free(out);
-            w.heap().free(in);
-        } else {
-            cudaFree(out);
-            cudaFree(in);
-        }
-        cudaStreamDestroy(s);
-        if (w.rank() == 0) {
-            std::lock_guard<std::mutex> lock(mutex);
-            result->rows = rows;
-            result->roofline_busbw = roofline;
-            result->roofline_what = roof_what;
-            result->nccl_note = nccl_note;
-        }
-    }, wo);
+            w.sync_and_check(s);
+            w.barrier();
+            if (comm != nullptr) nccl().comm_destroy(comm);
+            if (o.symmetric) {
+                w.heap().free(out);
+                w.heap().free(in);
+            } else {
+                cudaFree(out);
+                cudaFree(in);
+            }
+            cudaStreamDestroy(s);
+            if (w.rank() == 0) {
+                std::lock_guard<std::mutex> lock(mutex);
+                result->rows = rows;
+                result->roofline_busbw = roofline;
+                result->roofline_what = roof_what;
+                result->nccl_note = nccl_note;
+            }
+        },
+        wo);
     (void)shared_gpu;
 }
 
@@ -639,11 +661,12 @@ int run(int argc, char** argv) {
     WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     int devices = 0;
     WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
-    std::printf("weft collectives benchmark: %s x %d (%d SMs), %s, dtype %s, %s buffers, iters %d x reps %d "
-                "(median), graphs up to %s%s\n",
-                prop.name, devices, prop.multiProcessorCount, utc_date().c_str(), dtype_name(o.dtype),
-                o.symmetric ? "symmetric" : "local", o.iters, o.reps, format_bytes(o.graph_max).c_str(),
-                o.check ? ", checked" : "");
+    std::printf(
+        "weft collectives benchmark: %s x %d (%d SMs), %s, dtype %s, %s buffers, iters %d x reps %d "
+        "(median), graphs up to %s%s\n",
+        prop.name, devices, prop.multiProcessorCount, utc_date().c_str(), dtype_name(o.dtype),
+        o.symmetric ? "symmetric" : "local", o.iters, o.reps, format_bytes(o.graph_max).c_str(),
+        o.check ? ", checked" : "");
     std::vector<WorldResult> results;
     bool all_ok = true;
     for (int n : o.worlds) {
@@ -656,7 +679,8 @@ int run(int argc, char** argv) {
         for (Op op : o.ops) {
             std::vector<std::string> names = algos_of(op, o);
             names.push_back("nccl");
-            std::printf("\n%s: microseconds per call (bus GB/s); roofline = bus bytes / roofline bandwidth\n", op_name(op));
+            std::printf("\n%s: microseconds per call (bus GB/s); roofline = bus bytes / roofline bandwidth\n",
+                        op_name(op));
             std::printf("%8s", "size");
             for (const std::string& a : names) std::printf(" %19s", a.c_str());
             std::printf(" %19s %8s\n", "roofline", "best/nc");
@@ -679,8 +703,10 @@ int run(int argc, char** argv) {
                     std::printf(" %19s", cell);
                     all_ok = all_ok && row->check != 0;
                     any = true;
-                    if (a == "nccl") nccl_us = row->us;
-                    else if (best == 0 || row->us < best) best = row->us;
+                    if (a == "nccl")
+                        nccl_us = row->us;
+                    else if (best == 0 || row->us < best)
+                        best = row->us;
                 }
                 if (!any) {
                     std::printf("\n");
@@ -691,15 +717,18 @@ int run(int argc, char** argv) {
                 char cell[64];
                 std::snprintf(cell, sizeof(cell), "%.2f (%.1f)", roof_us, r.roofline_busbw);
                 std::printf(" %19s", cell);
-                if (nccl_us > 0) std::printf(" %8.2f", nccl_us / best);
-                else std::printf(" %8s", "-");
+                if (nccl_us > 0)
+                    std::printf(" %8.2f", nccl_us / best);
+                else
+                    std::printf(" %8s", "-");
                 std::printf("\n");
             }
             for (const Row& x : r.rows) {
                 if (x.op == op && x.algo == "auto" && !x.chosen.empty() && x.size == o.sizes.front()) {
                     std::printf("  (auto picks per size:");
                     for (const Row& y : r.rows) {
-                        if (y.op == op && y.algo == "auto") std::printf(" %s=%s", format_bytes(y.size).c_str(), y.chosen.c_str());
+                        if (y.op == op && y.algo == "auto")
+                            std::printf(" %s=%s", format_bytes(y.size).c_str(), y.chosen.c_str());
                     }
                     std::printf(")\n");
                 }
@@ -707,26 +736,29 @@ int run(int argc, char** argv) {
         }
         results.push_back(std::move(r));
     }
-    std::printf("\n'g': timed from a CUDA graph of %d calls; '!': wrong result (--check); best/nc: NCCL time / best "
-                "weft time (> 1: weft faster)\n",
-                o.iters);
+    std::printf(
+        "\n'g': timed from a CUDA graph of %d calls; '!': wrong result (--check); best/nc: NCCL time / best "
+        "weft time (> 1: weft faster)\n",
+        o.iters);
     if (!o.json.empty()) {
         std::ofstream f(o.json);
         WEFT_CHECK(f.good(), "--json: cannot write '" << o.json << "'");
         f << "{\n  \"bench\": \"collectives\",\n  \"device\": \"" << prop.name << "\",\n  \"devices\": " << devices
-          << ",\n  \"date\": \"" << utc_date() << "\",\n  \"dtype\": \"" << dtype_name(o.dtype) << "\",\n  \"buffers\": \""
-          << (o.symmetric ? "symmetric" : "local") << "\",\n  \"iters\": " << o.iters << ",\n  \"reps\": " << o.reps
-          << ",\n  \"worlds\": [";
+          << ",\n  \"date\": \"" << utc_date() << "\",\n  \"dtype\": \"" << dtype_name(o.dtype)
+          << "\",\n  \"buffers\": \"" << (o.symmetric ? "symmetric" : "local") << "\",\n  \"iters\": " << o.iters
+          << ",\n  \"reps\": " << o.reps << ",\n  \"worlds\": [";
         for (size_t i = 0; i < results.size(); ++i) {
             const WorldResult& r = results[i];
-            f << (i ? "," : "") << "\n    {\"world\": " << o.worlds[i] << ", \"roofline_busbw_gbps\": " << r.roofline_busbw
-              << ", \"roofline\": \"" << r.roofline_what << "\", \"nccl\": \"" << r.nccl_note << "\", \"rows\": [";
+            f << (i ? "," : "") << "\n    {\"world\": " << o.worlds[i]
+              << ", \"roofline_busbw_gbps\": " << r.roofline_busbw << ", \"roofline\": \"" << r.roofline_what
+              << "\", \"nccl\": \"" << r.nccl_note << "\", \"rows\": [";
             for (size_t k = 0; k < r.rows.size(); ++k) {
                 const Row& x = r.rows[k];
                 f << (k ? "," : "") << "\n      {\"op\": \"" << op_name(x.op) << "\", \"algo\": \"" << x.algo << "\""
                   << (x.chosen.empty() ? "" : ", \"chosen\": \"" + x.chosen + "\"") << ", \"size_bytes\": " << x.size
-                  << ", \"shared_gpu\": " << (x.shared_gpu ? "true" : "false") << ", \"graph\": "
-                  << (x.graph ? "true" : "false") << ", \"us\": " << x.us << ", \"busbw_gbps\": " << x.busbw;
+                  << ", \"shared_gpu\": " << (x.shared_gpu ? "true" : "false")
+                  << ", \"graph\": " << (x.graph ? "true" : "false") << ", \"us\": " << x.us
+                  << ", \"busbw_gbps\": " << x.busbw;
                 if (x.check >= 0) f << ", \"correct\": " << (x.check ? "true" : "false");
                 f << "}";
             }

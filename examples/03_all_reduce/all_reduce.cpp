@@ -69,8 +69,8 @@ int main(int argc, char** argv) {
 
             const auto run = [&](const char* what, float* in, float* out, weft::ops::AllReduceOptions options) {
                 WEFT_CUDA_CHECK(cudaMemcpyAsync(in, mine.data(), bytes, cudaMemcpyHostToDevice, stream));
-                weft::ops::all_reduce(world, TensorView(in, DType::kF32, {count}), TensorView(out, DType::kF32, {count}),
-                                      stream, options);
+                weft::ops::all_reduce(world, TensorView(in, DType::kF32, {count}),
+                                      TensorView(out, DType::kF32, {count}), stream, options);
                 WEFT_CUDA_CHECK(cudaMemcpyAsync(got.data(), out, bytes, cudaMemcpyDeviceToHost, stream));
                 world.sync_and_check(stream);  // turns a device timeout into a weft::Error with its diagnosis
                 const bool ok = check(got, num_ranks);
@@ -109,7 +109,8 @@ int main(int argc, char** argv) {
                 WEFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
                 WEFT_CUDA_CHECK(cudaMemcpyAsync(got.data(), local_out, bytes, cudaMemcpyDeviceToHost, stream));
                 world.sync_and_check(stream);
-                WEFT_CHECK(check(got, num_ranks), "rank " << world.rank() << ": graph replay " << replay << " is wrong");
+                WEFT_CHECK(check(got, num_ranks),
+                           "rank " << world.rank() << ": graph replay " << replay << " is wrong");
             }
             if (world.rank() == 0) std::printf("  %-40s ok\n", "graph, 3 replays");
 

@@ -16,7 +16,8 @@ using collective::BlockState;
 /// shard into slot `rank` of every rank's `out` (symmetric), starting with the next rank, and meets again: after
 /// that barrier part b of every slot is here. p.count = shard bytes, p.out_stride = bytes between slots.
 template <CopyKernelConfig C>
-__global__ void __launch_bounds__(C.block_threads) all_gather_push(DeviceCtx ctx, CollectiveParams p) {
+__global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
+    all_gather_push(DeviceCtx ctx, CollectiveParams p) {
     static_assert(is_valid(C), "CopyKernelConfig: see is_valid() in weft/common/collectives.hpp");
     BlockState st(ctx, p);
     const int n = ctx.num_ranks;
@@ -41,7 +42,8 @@ __global__ void __launch_bounds__(C.block_threads) all_gather_push(DeviceCtx ctx
 /// that peer's output slot. No barrier; buffers alternate by epoch parity and are never cleared.
 /// p.count = shard bytes (at most p.ll_slot_bytes / 2), p.out_stride = bytes between output slots.
 template <CopyKernelConfig C>
-__global__ void __launch_bounds__(C.block_threads) all_gather_low_latency(DeviceCtx ctx, CollectiveParams p) {
+__global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
+    all_gather_low_latency(DeviceCtx ctx, CollectiveParams p) {
     static_assert(is_valid(C), "CopyKernelConfig: see is_valid() in weft/common/collectives.hpp");
     __shared__ uint8_t* remote[C.max_ranks];
     BlockState st(ctx, p);
@@ -84,7 +86,8 @@ __global__ void __launch_bounds__(C.block_threads) all_gather_low_latency(Device
 /// The copy-engine algorithms' entry: one block meets every rank (and checks the call descriptor). After it, every
 /// peer's source (pull) or destination (push) is ready for this rank's copies.
 template <CopyKernelConfig C>
-__global__ void __launch_bounds__(C.block_threads) copy_engine_enter(DeviceCtx ctx, CollectiveParams p) {
+__global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
+    copy_engine_enter(DeviceCtx ctx, CollectiveParams p) {
     static_assert(is_valid(C), "CopyKernelConfig: see is_valid() in weft/common/collectives.hpp");
     BlockState st(ctx, p);
     st.enter();
@@ -97,7 +100,8 @@ __global__ void __launch_bounds__(C.block_threads) copy_engine_enter(DeviceCtx c
 /// these flags are set/consumed instead of epoch-counted; the next call's entry barrier orders the reset before
 /// any peer's next write. One block; touches no other state.
 template <CopyKernelConfig C>
-__global__ void __launch_bounds__(C.block_threads) copy_engine_exit(DeviceCtx ctx, CollectiveParams p) {
+__global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
+    copy_engine_exit(DeviceCtx ctx, CollectiveParams p) {
     static_assert(is_valid(C), "CopyKernelConfig: see is_valid() in weft/common/collectives.hpp");
     const int n = ctx.num_ranks;
     for (int q = static_cast<int>(threadIdx.x); q < n; q += static_cast<int>(blockDim.x)) {

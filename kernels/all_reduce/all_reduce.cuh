@@ -18,7 +18,8 @@ using collective::Num;
 /// Peers read only staging (double-buffered by epoch parity), so there is no exit barrier unless `src` is a
 /// user buffer (kCollectiveExitBarrier).
 template <ReduceKernelConfig C>
-__global__ void __launch_bounds__(C.block_threads) all_reduce_one_shot(DeviceCtx ctx, CollectiveParams p) {
+__global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
+    all_reduce_one_shot(DeviceCtx ctx, CollectiveParams p) {
     static_assert(is_valid(C), "ReduceKernelConfig: see is_valid() in weft/common/collectives.hpp");
     constexpr uint64_t kElem = sizeof(typename Num<C.dtype>::Bits);
     __shared__ const uint8_t* srcs[C.max_ranks];
@@ -44,7 +45,8 @@ __global__ void __launch_bounds__(C.block_threads) all_reduce_one_shot(DeviceCtx
 /// rank's source into `res` (and `out` when they differ); meet; copy part b of every other slice from its owner's
 /// `res` into `out`; meet again only when `res` is a user buffer (kCollectiveExitBarrier).
 template <ReduceKernelConfig C>
-__global__ void __launch_bounds__(C.block_threads) all_reduce_two_shot(DeviceCtx ctx, CollectiveParams p) {
+__global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
+    all_reduce_two_shot(DeviceCtx ctx, CollectiveParams p) {
     static_assert(is_valid(C), "ReduceKernelConfig: see is_valid() in weft/common/collectives.hpp");
     constexpr uint64_t kElem = sizeof(typename Num<C.dtype>::Bits);
     constexpr uint64_t kGranule = kCollectiveGranuleBytes / kElem;
@@ -87,7 +89,8 @@ __global__ void __launch_bounds__(C.block_threads) all_reduce_two_shot(DeviceCtx
 /// rank-ordered fp32 sum. No barrier, no flag round trip; the receive buffers alternate by epoch parity and are
 /// never cleared (the flag changes every epoch). p.count elements, at most p.ll_slot_bytes / 2 bytes.
 template <ReduceKernelConfig C>
-__global__ void __launch_bounds__(C.block_threads) all_reduce_low_latency(DeviceCtx ctx, CollectiveParams p) {
+__global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
+    all_reduce_low_latency(DeviceCtx ctx, CollectiveParams p) {
     static_assert(is_valid(C), "ReduceKernelConfig: see is_valid() in weft/common/collectives.hpp");
     using N = Num<C.dtype>;
     using Bits = typename N::Bits;

@@ -128,9 +128,9 @@ public:
     __device__ __forceinline__ uint8_t* staging() const { return p_.staging + parity() * p_.staging_half_bytes; }
     /// This epoch's LL buffer for lines sent by `sender` (local address; translate for a peer's copy).
     __device__ __forceinline__ uint8_t* ll_slot(int sender) const {
-        return p_.ll_buffer +
-               (static_cast<uint64_t>(parity()) * static_cast<uint64_t>(ctx_.num_ranks) + static_cast<uint64_t>(sender)) *
-                   p_.ll_slot_bytes;
+        return p_.ll_buffer + (static_cast<uint64_t>(parity()) * static_cast<uint64_t>(ctx_.num_ranks) +
+                               static_cast<uint64_t>(sender)) *
+                                  p_.ll_slot_bytes;
     }
 
     /// Meets block blockIdx.x of every rank (see device::block_barrier). Every thread calls.
@@ -153,8 +153,8 @@ public:
         if (blockIdx.x == 0 && t < n && t != me) {
             const uint64_t theirs = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(row + t);
             if (theirs != p_.descriptor) {
-                device::fail_and_trap(ctx_, device::SpinSite{SpinKind::kCollectiveMismatch, t, line}, Cmp::kEq,
-                                      row + t, p_.descriptor, theirs, 0);
+                device::fail_and_trap(ctx_, device::SpinSite{SpinKind::kCollectiveMismatch, t, line}, Cmp::kEq, row + t,
+                                      p_.descriptor, theirs, 0);
             }
         }
     }
@@ -182,8 +182,8 @@ private:
 
 /// Fills `ptrs[q]` (shared memory, one per rank) with rank q's copy of the symmetric `local` plus `offset` bytes,
 /// then syncs the block. A peer that is not load/store reachable traps with kUnreachablePeer.
-__device__ __forceinline__ void peer_pointers(const DeviceCtx& ctx, const uint8_t** ptrs, uint8_t* local, uint64_t offset,
-                                              int line = __builtin_LINE()) {
+__device__ __forceinline__ void peer_pointers(const DeviceCtx& ctx, const uint8_t** ptrs, uint8_t* local,
+                                              uint64_t offset, int line = __builtin_LINE()) {
     for (int q = static_cast<int>(threadIdx.x); q < ctx.num_ranks; q += static_cast<int>(blockDim.x)) {
         ptrs[q] = device::symm_at_or_trap(ctx, local, q, line) + offset;
     }
@@ -194,53 +194,81 @@ __device__ __forceinline__ void peer_pointers(const DeviceCtx& ctx, const uint8_
 // Rank-ordered reduction: out[i] = sum over q = 0 .. n-1 of srcs[q][i], in fp32, in the same order on every rank
 // (so every rank produces the same bits).
 
-template <DType D, int kVec, int kMaxRanks>
-__device__ __forceinline__ void reduce_elements_vec(const uint8_t* const* srcs, int n, uint64_t begin, uint64_t end,
-                                                    uint8_t* dst0, uint8_t* dst1) {
+/// kU vectors (v, v + stride, ...) of the rank-ordered sum: the kU x kChunk loads of a chunk of ranks are issued
+/// before their adds, so a thread keeps 8 x 16 bytes in flight (enough to cover a remote read's latency with 64
+/// blocks) while staying under 128 registers (two blocks per SM).
+template <DType D, int kVec, int kMaxRanks, int kU>
+__device__ __forceinline__ void reduce_vectors(const uint8_t* const* srcs, int n, uint64_t v, uint64_t stride,
+                                               uint8_t* dst0, uint8_t* dst1) {
     using N = Num<D>;
     using Bits = typename N::Bits;
     using Raw = typename RawOf<kVec>::type;
-    constexpr int kElemBytes = static_cast<int>(sizeof(Bits));
-    constexpr int kE = kVec / kElemBytes;
-    constexpr int kChunk = kMaxRanks < 8 ? kMaxRanks : 8;  // loads issued together before the adds
-    const uint64_t vec_begin = begin / kE;
-    const uint64_t vec_end = end / kE;
-    for (uint64_t v = vec_begin + threadIdx.x; v < vec_end; v += blockDim.x) {
-        const uint64_t off = v * kVec;
-        float acc[kE];
+    constexpr int kE = kVec / static_cast<int>(sizeof(Bits));
+    constexpr int kChunk = kMaxRanks < 4 ? kMaxRanks : 4;  // kU x kChunk 16-byte loads in flight per thread
+    float acc[kU][kE];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
 #pragma unroll
         for (int k = 0; k < kE; ++k) {
-            acc[k] = 0.0f;
+            acc[u][k] = 0.0f;
         }
-        for (int q0 = 0; q0 < n; q0 += kChunk) {
-            Raw r[kChunk];
+    }
+    for (int q0 = 0; q0 < n; q0 += kChunk) {
+        Raw r[kU][kChunk];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
 #pragma unroll
             for (int j = 0; j < kChunk; ++j) {
                 if (q0 + j < n) {
-                    r[j] = load_raw<kVec>(srcs[q0 + j] + off);
+                    r[u][j] = load_raw<kVec>(srcs[q0 + j] + (v + u * stride) * kVec);
                 }
             }
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
 #pragma unroll
             for (int j = 0; j < kChunk; ++j) {
                 if (q0 + j < n) {
-                    const auto lanes = __builtin_bit_cast(Lanes<Bits, kE>, r[j]);
+                    const auto lanes = __builtin_bit_cast(Lanes<Bits, kE>, r[u][j]);
 #pragma unroll
                     for (int k = 0; k < kE; ++k) {
-                        acc[k] += N::to_float(lanes.v[k]);
+                        acc[u][k] += N::to_float(lanes.v[k]);
                     }
                 }
             }
         }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
         Lanes<Bits, kE> out;
 #pragma unroll
         for (int k = 0; k < kE; ++k) {
-            out.v[k] = N::from_float(acc[k]);
+            out.v[k] = N::from_float(acc[u][k]);
         }
         const Raw packed = __builtin_bit_cast(Raw, out);
+        const uint64_t off = (v + u * stride) * kVec;
         store_raw<kVec>(dst0 + off, packed);
         if (dst1 != nullptr) {
             store_raw<kVec>(dst1 + off, packed);
         }
+    }
+}
+
+template <DType D, int kVec, int kMaxRanks>
+__device__ __forceinline__ void reduce_elements_vec(const uint8_t* const* srcs, int n, uint64_t begin, uint64_t end,
+                                                    uint8_t* dst0, uint8_t* dst1) {
+    constexpr int kElemBytes = static_cast<int>(sizeof(typename Num<D>::Bits));
+    constexpr int kE = kVec / kElemBytes;
+    constexpr int kU = 2;
+    const uint64_t vec_begin = begin / kE;
+    const uint64_t vec_end = end / kE;
+    const uint64_t stride = blockDim.x;
+    uint64_t v = vec_begin + threadIdx.x;
+    for (; v + (kU - 1) * stride < vec_end; v += kU * stride) {
+        reduce_vectors<D, kVec, kMaxRanks, kU>(srcs, n, v, stride, dst0, dst1);
+    }
+    for (; v < vec_end; v += stride) {
+        reduce_vectors<D, kVec, kMaxRanks, 1>(srcs, n, v, stride, dst0, dst1);
     }
     if constexpr (kE > 1) {
         // The elements after the last whole vector (only the part that ends at the message's end has any).

@@ -18,7 +18,8 @@ using collective::Num;
 /// `rank` from every rank's source, add in rank order in fp32, write `out` once; meet again only when peers read a
 /// user buffer (kCollectiveExitBarrier).
 template <ReduceKernelConfig C>
-__global__ void __launch_bounds__(C.block_threads) reduce_scatter_pull(DeviceCtx ctx, CollectiveParams p) {
+__global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
+    reduce_scatter_pull(DeviceCtx ctx, CollectiveParams p) {
     static_assert(is_valid(C), "ReduceKernelConfig: see is_valid() in weft/common/collectives.hpp");
     constexpr uint64_t kElem = sizeof(typename Num<C.dtype>::Bits);
     __shared__ const uint8_t* srcs[C.max_ranks];

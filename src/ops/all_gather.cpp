@@ -19,12 +19,13 @@ using detail::CollectiveWorkspace;
 using detail::KernelId;
 
 // Copy-engine all-gather of shard bytes [begin, begin + len) (one round). Pull: each peer's shard is copied from
-// `source(q)` (an address mapped here) on a side stream, then a stream write tells q that this rank is done reading it. Push: this
-// rank's shard is copied into every peer's output slot, then a stream write tells the peer it has arrived.
+// `source(q)` (an address mapped here) on a side stream, then a stream write tells q that this rank is done reading it.
+// Push: this rank's shard is copied into every peer's output slot, then a stream write tells the peer it has arrived.
 // Both: an entry kernel first (every rank ready), the exit kernel last (every peer's flag seen and consumed).
 template <class Source>
-void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_t* in, uint8_t* out, const Source& source,
-                       uint64_t shard, uint64_t begin, uint64_t len, uint64_t descriptor, cudaStream_t stream) {
+void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_t* in, uint8_t* out,
+                       const Source& source, uint64_t shard, uint64_t begin, uint64_t len, uint64_t descriptor,
+                       cudaStream_t stream) {
     const int n = ws.num_ranks();
     const int me = ws.rank();
     CollectiveParams p = ws.params();
@@ -74,7 +75,8 @@ void all_gather(World& world, const TensorView& input, const TensorView& output,
     const CollectiveTopology& topo = ws.topology();
     const bool in_sym = ws.symmetric(in, shard);
     const bool out_sym = ws.symmetric(out, total);
-    const AllGatherAlgo algo = resolve_all_gather_algo(options.algo, env::get("WEFT_ALLGATHER_ALGO"), shard, topo, out_sym);
+    const AllGatherAlgo algo =
+        resolve_all_gather_algo(options.algo, env::get("WEFT_ALLGATHER_ALGO"), shard, topo, out_sym);
     detail::check_all_gather_output(algo, out_sym);
     if (!in_sym) detail::check_device_pointer(in, "input", "all_gather", stream);
     if (!out_sym) detail::check_device_pointer(out, "output", "all_gather", stream);
@@ -119,10 +121,10 @@ void all_gather(World& world, const TensorView& input, const TensorView& output,
             }
             if (in_sym) {  // peers copy straight from the input (the same symmetric allocation on every rank)
                 const auto source = [&](int q) { return static_cast<const uint8_t*>(ws.peer_pointer(in, q)); };
-                copy_engine_round(ws, algo, in, out, source, shard, 0, shard,
-                                  detail::call_descriptor({kind, static_cast<uint64_t>(algo), shard, 0,
-                                                           ws.offset_or_none(in)}),
-                                  stream);
+                copy_engine_round(
+                    ws, algo, in, out, source, shard, 0, shard,
+                    detail::call_descriptor({kind, static_cast<uint64_t>(algo), shard, 0, ws.offset_or_none(in)}),
+                    stream);
                 return;
             }
             // Staged through the copy-engine region, in rounds of its size.
@@ -138,10 +140,12 @@ void all_gather(World& world, const TensorView& input, const TensorView& output,
             return;
         }
         case AllGatherAlgo::kCopyEnginePush:
-            copy_engine_round(ws, algo, in, out, [](int) { return static_cast<const uint8_t*>(nullptr); }, shard, 0, shard,
-                              detail::call_descriptor({kind, static_cast<uint64_t>(algo), shard, out_offset}), stream);
+            copy_engine_round(
+                ws, algo, in, out, [](int) { return static_cast<const uint8_t*>(nullptr); }, shard, 0, shard,
+                detail::call_descriptor({kind, static_cast<uint64_t>(algo), shard, out_offset}), stream);
             return;
-        case AllGatherAlgo::kAuto: break;
+        case AllGatherAlgo::kAuto:
+            break;
     }
     WEFT_FAIL("all_gather: the algorithm was not resolved");
 }

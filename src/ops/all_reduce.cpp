@@ -27,12 +27,12 @@ void all_reduce(World& world, const TensorView& input, const TensorView& output,
     }
     detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(world);
     const CollectiveTopology& topo = ws.topology();
-    const AllReduceAlgo algo =
-        resolve_all_reduce_algo(options.algo, env::get("WEFT_ALLREDUCE_ALGO"), bytes, topo);
+    const AllReduceAlgo algo = resolve_all_reduce_algo(options.algo, env::get("WEFT_ALLREDUCE_ALGO"), bytes, topo);
     const bool in_sym = ws.symmetric(input.data, bytes);
     const bool out_sym = ws.symmetric(output.data, bytes);
     if (!in_sym) detail::check_device_pointer(input.data, "input", "all_reduce", stream);
-    if (!out_sym && output.data != input.data) detail::check_device_pointer(output.data, "output", "all_reduce", stream);
+    if (!out_sym && output.data != input.data)
+        detail::check_device_pointer(output.data, "output", "all_reduce", stream);
 
     const auto* in = static_cast<const uint8_t*>(input.data);
     auto* out = static_cast<uint8_t*>(output.data);
@@ -67,7 +67,8 @@ void all_reduce(World& world, const TensorView& input, const TensorView& output,
                 round = detail::round_units(ws.info().staging_region_bytes, elem, granule);
             }
             break;
-        case AllReduceAlgo::kAuto: WEFT_FAIL("all_reduce: the algorithm was not resolved");
+        case AllReduceAlgo::kAuto:
+            WEFT_FAIL("all_reduce: the algorithm was not resolved");
     }
     const uint64_t in_offset = direct ? ws.offset_or_none(in) : ~0ull;
     const uint64_t res_offset = res_is_user ? ws.offset_or_none(input.data == output.data ? in : out) : ~0ull;

@@ -39,8 +39,8 @@ constexpr AllGatherAlgo kAllGatherAlgos[] = {AllGatherAlgo::kAuto, AllGatherAlgo
 constexpr ReduceScatterAlgo kReduceScatterAlgos[] = {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kSmPull};
 
 int clamp_grid(uint64_t wanted, int cap, const CollectiveTopology& topo) {
-    const uint64_t limit = static_cast<uint64_t>(std::max(1, std::min({cap, topo.grid_budget,
-                                                                        static_cast<int>(kMaxCollectiveBlocks)})));
+    const uint64_t limit =
+        static_cast<uint64_t>(std::max(1, std::min({cap, topo.grid_budget, static_cast<int>(kMaxCollectiveBlocks)})));
     return static_cast<int>(std::clamp<uint64_t>(wanted, 1, limit));
 }
 
@@ -51,7 +51,8 @@ template <class Algo, size_t N>
 std::optional<Algo> from_env(const std::optional<std::string>& env_value, const char* env_name, const Algo (&all)[N]) {
     if (!env_value || env_value->empty() || *env_value == "auto") return std::nullopt;
     const std::optional<Algo> a = parse_name(*env_value, all);
-    WEFT_CHECK(a.has_value(), env_name << "='" << *env_value << "' is not an algorithm; expected one of: " << choices(all));
+    WEFT_CHECK(a.has_value(),
+               env_name << "='" << *env_value << "' is not an algorithm; expected one of: " << choices(all));
     return a;
 }
 
@@ -59,29 +60,40 @@ std::optional<Algo> from_env(const std::optional<std::string>& env_value, const 
 
 const char* algo_name(AllReduceAlgo algo) {
     switch (algo) {
-        case AllReduceAlgo::kAuto: return "auto";
-        case AllReduceAlgo::kLowLatency: return "ll";
-        case AllReduceAlgo::kOneShot: return "one_shot";
-        case AllReduceAlgo::kTwoShot: return "two_shot";
+        case AllReduceAlgo::kAuto:
+            return "auto";
+        case AllReduceAlgo::kLowLatency:
+            return "ll";
+        case AllReduceAlgo::kOneShot:
+            return "one_shot";
+        case AllReduceAlgo::kTwoShot:
+            return "two_shot";
     }
     return "?";
 }
 
 const char* algo_name(AllGatherAlgo algo) {
     switch (algo) {
-        case AllGatherAlgo::kAuto: return "auto";
-        case AllGatherAlgo::kLowLatency: return "ll";
-        case AllGatherAlgo::kSmPush: return "sm_push";
-        case AllGatherAlgo::kCopyEnginePull: return "ce_pull";
-        case AllGatherAlgo::kCopyEnginePush: return "ce_push";
+        case AllGatherAlgo::kAuto:
+            return "auto";
+        case AllGatherAlgo::kLowLatency:
+            return "ll";
+        case AllGatherAlgo::kSmPush:
+            return "sm_push";
+        case AllGatherAlgo::kCopyEnginePull:
+            return "ce_pull";
+        case AllGatherAlgo::kCopyEnginePush:
+            return "ce_push";
     }
     return "?";
 }
 
 const char* algo_name(ReduceScatterAlgo algo) {
     switch (algo) {
-        case ReduceScatterAlgo::kAuto: return "auto";
-        case ReduceScatterAlgo::kSmPull: return "sm_pull";
+        case ReduceScatterAlgo::kAuto:
+            return "auto";
+        case ReduceScatterAlgo::kSmPull:
+            return "sm_pull";
     }
     return "?";
 }
@@ -150,21 +162,29 @@ ReduceScatterAlgo resolve_reduce_scatter_algo(ReduceScatterAlgo requested, const
 int all_reduce_grid(AllReduceAlgo algo, uint64_t bytes, const CollectiveTopology& topo) {
     const uint64_t n = static_cast<uint64_t>(std::max(1, topo.num_ranks));
     switch (algo) {
-        case AllReduceAlgo::kLowLatency: return clamp_grid(ceil_div(bytes, 8 * kKiB), 32, topo);  // ~4 lines/thread
-        case AllReduceAlgo::kOneShot: return clamp_grid(ceil_div(bytes, 32 * kKiB), 32, topo);
-        case AllReduceAlgo::kTwoShot: return clamp_grid(ceil_div(bytes / n, 16 * kKiB), 64, topo);
-        case AllReduceAlgo::kAuto: break;
+        case AllReduceAlgo::kLowLatency:
+            return clamp_grid(ceil_div(bytes, 2 * kKiB), 32, topo);  // a line a thread
+        case AllReduceAlgo::kOneShot:
+            return clamp_grid(ceil_div(bytes, 8 * kKiB), 32, topo);
+        case AllReduceAlgo::kTwoShot:
+            return clamp_grid(ceil_div(bytes / n, 16 * kKiB), 64, topo);
+        case AllReduceAlgo::kAuto:
+            break;
     }
     WEFT_FAIL("all_reduce_grid: resolve the algorithm first (got auto)");
 }
 
 int all_gather_grid(AllGatherAlgo algo, uint64_t shard_bytes, const CollectiveTopology& topo) {
     switch (algo) {
-        case AllGatherAlgo::kLowLatency: return clamp_grid(ceil_div(shard_bytes, 8 * kKiB), 32, topo);
-        case AllGatherAlgo::kSmPush: return clamp_grid(ceil_div(shard_bytes, 16 * kKiB), 64, topo);
+        case AllGatherAlgo::kLowLatency:
+            return clamp_grid(ceil_div(shard_bytes, 2 * kKiB), 32, topo);
+        case AllGatherAlgo::kSmPush:
+            return clamp_grid(ceil_div(shard_bytes, 16 * kKiB), 64, topo);
         case AllGatherAlgo::kCopyEnginePull:
-        case AllGatherAlgo::kCopyEnginePush: return 1;  // the entry barrier kernel; copy engines move the data
-        case AllGatherAlgo::kAuto: break;
+        case AllGatherAlgo::kCopyEnginePush:
+            return 1;  // the entry barrier kernel; copy engines move the data
+        case AllGatherAlgo::kAuto:
+            break;
     }
     WEFT_FAIL("all_gather_grid: resolve the algorithm first (got auto)");
 }
@@ -183,8 +203,8 @@ bool is_reducible(DType t) { return t == DType::kBF16 || t == DType::kF16 || t =
 void check_view(const TensorView& v, const char* what, const char* op) {
     WEFT_CHECK(v.ndim >= 0 && v.ndim <= TensorView::kMaxDims, op << ": " << what << " has " << v.ndim << " dimensions");
     WEFT_CHECK(v.numel() >= 0, op << ": " << what << " has a negative extent: " << v.describe());
-    WEFT_CHECK(v.numel() == 0 || v.data != nullptr, op << ": " << what << " is null but holds " << v.numel()
-                                                         << " elements (" << v.describe() << ")");
+    WEFT_CHECK(v.numel() == 0 || v.data != nullptr,
+               op << ": " << what << " is null but holds " << v.numel() << " elements (" << v.describe() << ")");
     WEFT_CHECK(v.is_contiguous(), op << ": " << what << " must be contiguous, got " << v.describe());
     WEFT_CHECK(reinterpret_cast<uintptr_t>(v.data) % static_cast<uintptr_t>(dtype_bytes(v.dtype)) == 0,
                op << ": " << what << " must be aligned to its element size (" << dtype_bytes(v.dtype) << " bytes), got "
@@ -238,14 +258,15 @@ void check_reduce_scatter_args(const TensorView& input, const TensorView& output
     WEFT_CHECK(is_reducible(input.dtype),
                "reduce_scatter: dtype must be bf16, f16 or f32, got " << dtype_name(input.dtype));
     WEFT_CHECK(input.numel() == output.numel() * num_ranks,
-               "reduce_scatter: input must hold num_ranks (" << num_ranks << ") x output elements ("
-                                                             << output.numel() * num_ranks << "), got " << input.numel());
+               "reduce_scatter: input must hold num_ranks ("
+                   << num_ranks << ") x output elements (" << output.numel() * num_ranks << "), got " << input.numel());
     const auto slice = static_cast<uint64_t>(output.size_bytes());
     const auto* mine = static_cast<const uint8_t*>(input.data) + static_cast<uint64_t>(rank) * slice;
-    WEFT_CHECK(output.data == mine || !overlap(output.data, slice, input.data, slice * static_cast<uint64_t>(num_ranks)),
-               "reduce_scatter: output must be this rank's slice of input (in place: input + rank x "
-                   << output.numel() << " elements = " << static_cast<const void*>(mine)
-                   << ") or not overlap input; got output " << output.data << ", input " << input.data);
+    WEFT_CHECK(
+        output.data == mine || !overlap(output.data, slice, input.data, slice * static_cast<uint64_t>(num_ranks)),
+        "reduce_scatter: output must be this rank's slice of input (in place: input + rank x "
+            << output.numel() << " elements = " << static_cast<const void*>(mine)
+            << ") or not overlap input; got output " << output.data << ", input " << input.data);
 }
 
 void check_all_gather_output(AllGatherAlgo algo, bool output_symmetric) {

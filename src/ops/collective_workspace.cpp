@@ -34,10 +34,14 @@ int dtype_index(DType t) {
 
 const char* dtype_enum(DType t) {
     switch (t) {
-        case DType::kBF16: return "weft::DType::kBF16";
-        case DType::kF16: return "weft::DType::kF16";
-        case DType::kF32: return "weft::DType::kF32";
-        default: break;
+        case DType::kBF16:
+            return "weft::DType::kBF16";
+        case DType::kF16:
+            return "weft::DType::kF16";
+        case DType::kF32:
+            return "weft::DType::kF32";
+        default:
+            break;
     }
     WEFT_FAIL("collectives: no reducing kernel for dtype " << dtype_name(t));
 }
@@ -51,9 +55,11 @@ struct KernelName {
 KernelName kernel_name(KernelId id) {
     switch (id) {
         case KernelId::kAllReduceOneShot:
-            return {"all_reduce/all_reduce.cuh", "weft::kernels::all_reduce::all_reduce_one_shot", "all_reduce one_shot"};
+            return {"all_reduce/all_reduce.cuh", "weft::kernels::all_reduce::all_reduce_one_shot",
+                    "all_reduce one_shot"};
         case KernelId::kAllReduceTwoShot:
-            return {"all_reduce/all_reduce.cuh", "weft::kernels::all_reduce::all_reduce_two_shot", "all_reduce two_shot"};
+            return {"all_reduce/all_reduce.cuh", "weft::kernels::all_reduce::all_reduce_two_shot",
+                    "all_reduce two_shot"};
         case KernelId::kAllReduceLowLatency:
             return {"all_reduce/all_reduce.cuh", "weft::kernels::all_reduce::all_reduce_low_latency", "all_reduce ll"};
         case KernelId::kReduceScatterPull:
@@ -67,7 +73,8 @@ KernelName kernel_name(KernelId id) {
             return {"all_gather/all_gather.cuh", "weft::kernels::all_gather::copy_engine_enter", "copy_engine enter"};
         case KernelId::kCopyEngineExit:
             return {"all_gather/all_gather.cuh", "weft::kernels::all_gather::copy_engine_exit", "copy_engine exit"};
-        case KernelId::kCount: break;
+        case KernelId::kCount:
+            break;
     }
     WEFT_FAIL("collectives: unknown kernel id " << static_cast<int>(id));
 }
@@ -103,8 +110,8 @@ jit::KernelSpec collective_kernel_spec(KernelId id, DType dtype, int max_ranks) 
                << ", .vec_bytes = 16, .block_threads = " << threads << "}";
         desc << name.description << " " << dtype_name(dtype) << " max_ranks=" << max_ranks;
     } else {
-        config << "weft::CopyKernelConfig{.max_ranks = " << max_ranks << ", .vec_bytes = 16, .block_threads = " << threads
-               << "}";
+        config << "weft::CopyKernelConfig{.max_ranks = " << max_ranks
+               << ", .vec_bytes = 16, .block_threads = " << threads << "}";
         desc << name.description << " max_ranks=" << max_ranks;
     }
     jit::KernelSpec spec;
@@ -243,11 +250,10 @@ CollectiveWorkspace::CollectiveWorkspace(World& world) : world_(world) {
         }
         info_.num_kernels = static_cast<int>(specs.size());
         world.barrier();  // nobody launches a spinning kernel before every rank has loaded everything
-        WEFT_LOG_INFO("collectives: workspace ready: " << info_.heap_bytes << " heap bytes (3 x " << region
-                                                       << " staging, LL " << info_.ll_slot_bytes << " per sender), "
-                                                       << info_.num_kernels << " kernels, grid budget "
-                                                       << topo.grid_budget << ", up to " << topo.max_ranks_per_gpu
-                                                       << " ranks per GPU");
+        WEFT_LOG_INFO("collectives: workspace ready: "
+                      << info_.heap_bytes << " heap bytes (3 x " << region << " staging, LL " << info_.ll_slot_bytes
+                      << " per sender), " << info_.num_kernels << " kernels, grid budget " << topo.grid_budget
+                      << ", up to " << topo.max_ranks_per_gpu << " ranks per GPU");
     } catch (...) {
         release();
         throw;
@@ -332,7 +338,9 @@ void CollectiveWorkspace::join(cudaStream_t stream, int count) {
 
 }  // namespace detail
 
-const CollectiveWorkspaceInfo& prepare_collectives(World& world) { return detail::CollectiveWorkspace::get(world).info(); }
+const CollectiveWorkspaceInfo& prepare_collectives(World& world) {
+    return detail::CollectiveWorkspace::get(world).info();
+}
 
 void register_collective_aot_specs(int max_ranks) {
     static std::mutex mutex;

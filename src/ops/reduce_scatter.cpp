@@ -42,8 +42,7 @@ void reduce_scatter(World& world, const TensorView& input, const TensorView& out
     // round copies its part of each slice into epoch-alternated staging, slice q at q x (the round rounded up to
     // 16 bytes). Rounds are whole granules, so n slices of a round always fit the staging half.
     const uint64_t round =
-        in_sym ? count
-               : detail::round_units(ws.info().staging_region_bytes, elem * static_cast<uint64_t>(n), granule);
+        in_sym ? count : detail::round_units(ws.info().staging_region_bytes, elem * static_cast<uint64_t>(n), granule);
     const uint64_t in_offset = in_sym ? ws.offset_or_none(in) : ~0ull;
     for (uint64_t begin = 0; begin < count; begin += round) {
         const uint64_t len = std::min(round, count - begin);
@@ -55,8 +54,8 @@ void reduce_scatter(World& world, const TensorView& input, const TensorView& out
         p.src = in_sym ? const_cast<uint8_t*>(in) + begin * elem : nullptr;
         p.src_stride = in_sym ? count : (len + granule - 1) / granule * granule;  // staged slices stay 16-byte aligned
         p.flags = in_sym ? kCollectiveExitBarrier : kCollectiveStageInput;
-        p.descriptor = detail::call_descriptor({2, static_cast<uint64_t>(algo), static_cast<uint64_t>(output.dtype), len,
-                                                count, p.flags, in_sym ? in_offset + begin * elem : in_offset});
+        p.descriptor = detail::call_descriptor({2, static_cast<uint64_t>(algo), static_cast<uint64_t>(output.dtype),
+                                                len, count, p.flags, in_sym ? in_offset + begin * elem : in_offset});
         ws.launch(detail::KernelId::kReduceScatterPull, output.dtype, reduce_scatter_grid(algo, len * elem, topo),
                   stream, p);
     }

@@ -12,22 +12,32 @@ constexpr int kBlocks = 264;
 
 __device__ uint32_t load_bits(const void* p, DType dtype, uint64_t i) {
     switch (dtype_bytes(dtype)) {
-        case 1: return static_cast<const uint8_t*>(p)[i];
-        case 2: return static_cast<const uint16_t*>(p)[i];
-        default: return static_cast<const uint32_t*>(p)[i];
+        case 1:
+            return static_cast<const uint8_t*>(p)[i];
+        case 2:
+            return static_cast<const uint16_t*>(p)[i];
+        default:
+            return static_cast<const uint32_t*>(p)[i];
     }
 }
 
 __device__ void store_bits(void* p, DType dtype, uint64_t i, uint32_t v) {
     switch (dtype_bytes(dtype)) {
-        case 1: static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v); break;
-        case 2: static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(v); break;
-        default: static_cast<uint32_t*>(p)[i] = v; break;
+        case 1:
+            static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v);
+            break;
+        case 2:
+            static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(v);
+            break;
+        default:
+            static_cast<uint32_t*>(p)[i] = v;
+            break;
     }
 }
 
 __global__ void fill_kernel(void* dst, DType dtype, uint64_t count, uint64_t seed, int rank, uint64_t offset) {
-    for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < count; i += gridDim.x * uint64_t{blockDim.x}) {
+    for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < count;
+         i += gridDim.x * uint64_t{blockDim.x}) {
         store_bits(dst, dtype, i, int_bits(pattern_value(seed, rank, offset + i), dtype));
     }
 }
@@ -35,7 +45,8 @@ __global__ void fill_kernel(void* dst, DType dtype, uint64_t count, uint64_t see
 __global__ void check_sum_kernel(const void* out, DType dtype, uint64_t count, uint64_t seed, int num_ranks,
                                  uint64_t offset, unsigned long long* errors) {
     unsigned long long bad = 0;
-    for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < count; i += gridDim.x * uint64_t{blockDim.x}) {
+    for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < count;
+         i += gridDim.x * uint64_t{blockDim.x}) {
         int32_t sum = 0;
         for (int r = 0; r < num_ranks; ++r) sum += pattern_value(seed, r, offset + i);
         bad += load_bits(out, dtype, i) != int_bits(sum, dtype);
@@ -47,7 +58,8 @@ __global__ void check_gather_kernel(const void* out, DType dtype, uint64_t shard
                                     unsigned long long* errors) {
     unsigned long long bad = 0;
     const uint64_t total = shard * static_cast<uint64_t>(num_ranks);
-    for (uint64_t k = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; k < total; k += gridDim.x * uint64_t{blockDim.x}) {
+    for (uint64_t k = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; k < total;
+         k += gridDim.x * uint64_t{blockDim.x}) {
         const int r = static_cast<int>(k / shard);
         bad += load_bits(out, dtype, k) != int_bits(pattern_value(seed, r, k % shard), dtype);
     }
@@ -81,7 +93,8 @@ void launch_fill_pattern(cudaStream_t stream, void* dst, DType dtype, uint64_t c
 void launch_check_sum(cudaStream_t stream, const void* out, DType dtype, uint64_t count, uint64_t seed, int num_ranks,
                       uint64_t index_offset, unsigned long long* errors) {
     if (count == 0) return;
-    check_sum_kernel<<<blocks_for(count), kThreads, 0, stream>>>(out, dtype, count, seed, num_ranks, index_offset, errors);
+    check_sum_kernel<<<blocks_for(count), kThreads, 0, stream>>>(out, dtype, count, seed, num_ranks, index_offset,
+                                                                 errors);
     WEFT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -50,7 +50,8 @@ constexpr uint64_t kGuardBytes = 64;
 uint64_t test_seed() {
     static const uint64_t seed = [] {
         const std::optional<int64_t> fixed = env::get_int("WEFT_TEST_SEED");
-        const uint64_t s = fixed ? static_cast<uint64_t>(*fixed) : (uint64_t{std::random_device{}()} << 20) ^ std::random_device{}();
+        const uint64_t s =
+            fixed ? static_cast<uint64_t>(*fixed) : (uint64_t{std::random_device{}()} << 20) ^ std::random_device{}();
         std::printf("[ seed     ] WEFT_TEST_SEED=%llu\n", static_cast<unsigned long long>(s));
         return s;
     }();
@@ -59,17 +60,23 @@ uint64_t test_seed() {
 
 // Where a case's buffers live. Symmetric placements use the symmetric heap (peers may read/write in place).
 enum class Place { kLocal, kLocalInPlace, kSymmetric, kSymmetricInPlace, kMisaligned, kMixed };
-constexpr Place kPlaces[] = {Place::kLocal, Place::kLocalInPlace, Place::kSymmetric, Place::kSymmetricInPlace,
+constexpr Place kPlaces[] = {Place::kLocal,      Place::kLocalInPlace, Place::kSymmetric, Place::kSymmetricInPlace,
                              Place::kMisaligned, Place::kMixed};
 
 const char* place_name(Place p) {
     switch (p) {
-        case Place::kLocal: return "local";
-        case Place::kLocalInPlace: return "local in-place";
-        case Place::kSymmetric: return "symmetric";
-        case Place::kSymmetricInPlace: return "symmetric in-place";
-        case Place::kMisaligned: return "local misaligned";
-        case Place::kMixed: return "local in, symmetric out";
+        case Place::kLocal:
+            return "local";
+        case Place::kLocalInPlace:
+            return "local in-place";
+        case Place::kSymmetric:
+            return "symmetric";
+        case Place::kSymmetricInPlace:
+            return "symmetric in-place";
+        case Place::kMisaligned:
+            return "local misaligned";
+        case Place::kMixed:
+            return "local in, symmetric out";
     }
     return "?";
 }
@@ -113,15 +120,22 @@ public:
     cudaStream_t stream() const { return stream_; }
     uint64_t capacity() const { return capacity_ - 2 * kGuardBytes; }
     // Base of a placement's input and output allocations (the guard band starts them).
-    uint8_t* in_base(Place p) const { return p == Place::kSymmetric || p == Place::kSymmetricInPlace ? sym_in_ : local_in_; }
+    uint8_t* in_base(Place p) const {
+        return p == Place::kSymmetric || p == Place::kSymmetricInPlace ? sym_in_ : local_in_;
+    }
     uint8_t* out_base(Place p) const {
         switch (p) {
             case Place::kLocal:
-            case Place::kMisaligned: return local_out_;
-            case Place::kLocalInPlace: return local_in_;
-            case Place::kSymmetric: return sym_out_;
-            case Place::kSymmetricInPlace: return sym_in_;
-            case Place::kMixed: return sym_out_;
+            case Place::kMisaligned:
+                return local_out_;
+            case Place::kLocalInPlace:
+                return local_in_;
+            case Place::kSymmetric:
+                return sym_out_;
+            case Place::kSymmetricInPlace:
+                return sym_in_;
+            case Place::kMixed:
+                return sym_out_;
         }
         return nullptr;
     }
@@ -165,7 +179,8 @@ std::string compare(const std::vector<uint8_t>& h, uint64_t lead, uint64_t count
         const uint32_t got = bits_at(h, lead + i * static_cast<uint64_t>(es), es);
         const uint32_t want = expected(i);
         if (got != want) {
-            if (bad == 0) first << "element " << i << ": got 0x" << std::hex << got << ", expected 0x" << want << std::dec;
+            if (bad == 0)
+                first << "element " << i << ": got 0x" << std::hex << got << ", expected 0x" << want << std::dec;
             ++bad;
         }
     }
@@ -174,7 +189,8 @@ std::string compare(const std::vector<uint8_t>& h, uint64_t lead, uint64_t count
             if (h[k] != 0xFF) return "byte " + std::to_string(lead - k) + " before the output was overwritten";
         }
         for (uint64_t k = lead + count * static_cast<uint64_t>(es); k < h.size(); ++k) {
-            if (h[k] != 0xFF) return "byte " + std::to_string(k - lead - count * es) + " after the output was overwritten";
+            if (h[k] != 0xFF)
+                return "byte " + std::to_string(k - lead - count * es) + " after the output was overwritten";
         }
     }
     if (bad == 0) return "";
@@ -216,14 +232,15 @@ void all_reduce_case(RankBuffers& b, DType t, AllReduceAlgo algo, uint64_t count
     const uint64_t span = lead + count * es + kGuardBytes;
     WEFT_CUDA_CHECK(cudaMemsetAsync(b.out_base(p), 0xFF, span, b.stream()));
     launch_fill_pattern(b.stream(), in, t, count, seed, w.rank(), 0);
-    ops::all_reduce(w, TensorView(in, t, {static_cast<int64_t>(count)}), TensorView(out, t, {static_cast<int64_t>(count)}),
-                    b.stream(), {.algo = algo});
+    ops::all_reduce(w, TensorView(in, t, {static_cast<int64_t>(count)}),
+                    TensorView(out, t, {static_cast<int64_t>(count)}), b.stream(), {.algo = algo});
     w.sync_and_check(b.stream());
     const std::vector<uint8_t> h = download(b.stream(), b.out_base(p), span);
     const std::vector<int32_t>& sums = reference_sums(seed, w.num_ranks(), 0, count);
-    const std::string err =
-        compare(h, lead, count, t, !in_place(p), [&](uint64_t i) { return int_bits(sums[i], t); });
-    if (!err.empty()) failures->push_back(describe("all_reduce", ops::algo_name(algo), t, count, p, w.rank(), w.num_ranks()) + ": " + err);
+    const std::string err = compare(h, lead, count, t, !in_place(p), [&](uint64_t i) { return int_bits(sums[i], t); });
+    if (!err.empty())
+        failures->push_back(describe("all_reduce", ops::algo_name(algo), t, count, p, w.rank(), w.num_ranks()) + ": " +
+                            err);
 }
 
 void all_gather_case(RankBuffers& b, DType t, AllGatherAlgo algo, uint64_t count, Place p, uint64_t seed,
@@ -238,14 +255,15 @@ void all_gather_case(RankBuffers& b, DType t, AllGatherAlgo algo, uint64_t count
     const uint64_t span = lead + total * es + kGuardBytes;
     WEFT_CUDA_CHECK(cudaMemsetAsync(b.out_base(p), 0xFF, span, b.stream()));
     launch_fill_pattern(b.stream(), in, t, count, seed, w.rank(), 0);
-    ops::all_gather(w, TensorView(in, t, {static_cast<int64_t>(count)}), TensorView(out, t, {static_cast<int64_t>(total)}),
-                    b.stream(), {.algo = algo});
+    ops::all_gather(w, TensorView(in, t, {static_cast<int64_t>(count)}),
+                    TensorView(out, t, {static_cast<int64_t>(total)}), b.stream(), {.algo = algo});
     w.sync_and_check(b.stream());
     const std::vector<uint8_t> h = download(b.stream(), b.out_base(p), span);
     const std::string err = compare(h, lead, total, t, true, [&](uint64_t k) {
         return int_bits(pattern_value(seed, static_cast<int>(k / count), k % count), t);
     });
-    if (!err.empty()) failures->push_back(describe("all_gather", ops::algo_name(algo), t, count, p, w.rank(), n) + ": " + err);
+    if (!err.empty())
+        failures->push_back(describe("all_gather", ops::algo_name(algo), t, count, p, w.rank(), n) + ": " + err);
 }
 
 void reduce_scatter_case(RankBuffers& b, DType t, ReduceScatterAlgo algo, uint64_t count, Place p, uint64_t seed,
@@ -262,13 +280,15 @@ void reduce_scatter_case(RankBuffers& b, DType t, ReduceScatterAlgo algo, uint64
     const uint64_t span = in_place(p) ? count * es : lead + count * es + kGuardBytes;
     if (!in_place(p)) WEFT_CUDA_CHECK(cudaMemsetAsync(b.out_base(p), 0xFF, span, b.stream()));
     launch_fill_pattern(b.stream(), in, t, total, seed, w.rank(), 0);
-    ops::reduce_scatter(w, TensorView(in, t, {static_cast<int64_t>(total)}), TensorView(out, t, {static_cast<int64_t>(count)}),
-                        b.stream(), {.algo = algo});
+    ops::reduce_scatter(w, TensorView(in, t, {static_cast<int64_t>(total)}),
+                        TensorView(out, t, {static_cast<int64_t>(count)}), b.stream(), {.algo = algo});
     w.sync_and_check(b.stream());
     const std::vector<uint8_t> h = download(b.stream(), region, span);
     const std::vector<int32_t>& sums = reference_sums(seed, n, static_cast<uint64_t>(w.rank()) * count, count);
-    const std::string err = compare(h, region_lead, count, t, !in_place(p), [&](uint64_t i) { return int_bits(sums[i], t); });
-    if (!err.empty()) failures->push_back(describe("reduce_scatter", ops::algo_name(algo), t, count, p, w.rank(), n) + ": " + err);
+    const std::string err =
+        compare(h, region_lead, count, t, !in_place(p), [&](uint64_t i) { return int_bits(sums[i], t); });
+    if (!err.empty())
+        failures->push_back(describe("reduce_scatter", ops::algo_name(algo), t, count, p, w.rank(), n) + ": " + err);
 }
 
 void report(const std::vector<std::string>& failures) {
@@ -290,25 +310,29 @@ TEST(Collectives, AllReduceEveryAlgorithmDtypeSizePlacementAndWorld) {
     const auto staging = small_staging();
     for (int n = 1; n <= 8; ++n) {
         SCOPED_TRACE("world " + std::to_string(n));
-        run_ranks(n, [&](World& w) {
-            RankBuffers b(w, kBigBytes);
-            std::vector<std::string> failures;
-            for (DType t : kReduceTypes) {
-                for (AllReduceAlgo a : kAllReduceAlgos) {
-                    for (uint64_t count : kCounts) {
-                        for (Place p : kPlaces) all_reduce_case(b, t, a, count, p, seed ^ count, &failures);
+        run_ranks(
+            n,
+            [&](World& w) {
+                RankBuffers b(w, kBigBytes);
+                std::vector<std::string> failures;
+                for (DType t : kReduceTypes) {
+                    for (AllReduceAlgo a : kAllReduceAlgos) {
+                        for (uint64_t count : kCounts) {
+                            for (Place p : kPlaces) all_reduce_case(b, t, a, count, p, seed ^ count, &failures);
+                        }
                     }
                 }
-            }
-            if (n == 3 || n == 8) {
-                const uint64_t big = kBigBytes / 2 - 3;  // bf16 elements, odd
-                for (AllReduceAlgo a : kAllReduceAlgos) {
-                    for (Place p : {Place::kLocal, Place::kSymmetric}) all_reduce_case(b, DType::kBF16, a, big, p, seed, &failures);
+                if (n == 3 || n == 8) {
+                    const uint64_t big = kBigBytes / 2 - 3;  // bf16 elements, odd
+                    for (AllReduceAlgo a : kAllReduceAlgos) {
+                        for (Place p : {Place::kLocal, Place::kSymmetric})
+                            all_reduce_case(b, DType::kBF16, a, big, p, seed, &failures);
+                    }
                 }
-            }
-            report(failures);
-            b.release();
-        }, sweep_options());
+                report(failures);
+                b.release();
+            },
+            sweep_options());
     }
 }
 
@@ -318,33 +342,36 @@ TEST(Collectives, AllGatherEveryAlgorithmDtypeSizePlacementAndWorld) {
     const auto staging = small_staging();
     for (int n = 1; n <= 8; ++n) {
         SCOPED_TRACE("world " + std::to_string(n));
-        run_ranks(n, [&](World& w) {
-            RankBuffers b(w, kBigBytes);
-            std::vector<std::string> failures;
-            for (DType t : kGatherTypes) {
-                for (AllGatherAlgo a : kAllGatherAlgos) {
-                    const bool push = a == AllGatherAlgo::kSmPush || a == AllGatherAlgo::kCopyEnginePush;
-                    for (uint64_t count : kCounts) {
-                        if (count * static_cast<uint64_t>(n * dtype_bytes(t)) > b.capacity() - 64) continue;
-                        for (Place p : kPlaces) {
-                            if (push && !output_symmetric(p)) continue;  // rejected: see AllGatherErrors
-                            all_gather_case(b, t, a, count, p, seed ^ count, &failures);
+        run_ranks(
+            n,
+            [&](World& w) {
+                RankBuffers b(w, kBigBytes);
+                std::vector<std::string> failures;
+                for (DType t : kGatherTypes) {
+                    for (AllGatherAlgo a : kAllGatherAlgos) {
+                        const bool push = a == AllGatherAlgo::kSmPush || a == AllGatherAlgo::kCopyEnginePush;
+                        for (uint64_t count : kCounts) {
+                            if (count * static_cast<uint64_t>(n * dtype_bytes(t)) > b.capacity() - 64) continue;
+                            for (Place p : kPlaces) {
+                                if (push && !output_symmetric(p)) continue;  // rejected: see AllGatherErrors
+                                all_gather_case(b, t, a, count, p, seed ^ count, &failures);
+                            }
                         }
                     }
                 }
-            }
-            if (n == 3 || n == 8) {
-                const uint64_t shard = kBigBytes / static_cast<uint64_t>(n) / 4 - 1;  // f32 elements
-                for (AllGatherAlgo a : kAllGatherAlgos) {
-                    all_gather_case(b, DType::kF32, a, shard, Place::kSymmetric, seed, &failures);
-                    if (a != AllGatherAlgo::kSmPush && a != AllGatherAlgo::kCopyEnginePush) {
-                        all_gather_case(b, DType::kF32, a, shard, Place::kLocal, seed, &failures);
+                if (n == 3 || n == 8) {
+                    const uint64_t shard = kBigBytes / static_cast<uint64_t>(n) / 4 - 1;  // f32 elements
+                    for (AllGatherAlgo a : kAllGatherAlgos) {
+                        all_gather_case(b, DType::kF32, a, shard, Place::kSymmetric, seed, &failures);
+                        if (a != AllGatherAlgo::kSmPush && a != AllGatherAlgo::kCopyEnginePush) {
+                            all_gather_case(b, DType::kF32, a, shard, Place::kLocal, seed, &failures);
+                        }
                     }
                 }
-            }
-            report(failures);
-            b.release();
-        }, sweep_options());
+                report(failures);
+                b.release();
+            },
+            sweep_options());
     }
 }
 
@@ -354,26 +381,29 @@ TEST(Collectives, ReduceScatterEveryAlgorithmDtypeSizePlacementAndWorld) {
     const auto staging = small_staging();
     for (int n = 1; n <= 8; ++n) {
         SCOPED_TRACE("world " + std::to_string(n));
-        run_ranks(n, [&](World& w) {
-            RankBuffers b(w, kBigBytes);
-            std::vector<std::string> failures;
-            for (DType t : kReduceTypes) {
-                for (ReduceScatterAlgo a : kReduceScatterAlgos) {
-                    for (uint64_t count : kCounts) {
-                        if (count * static_cast<uint64_t>(n * dtype_bytes(t)) > b.capacity() - 64) continue;
-                        for (Place p : kPlaces) reduce_scatter_case(b, t, a, count, p, seed ^ count, &failures);
+        run_ranks(
+            n,
+            [&](World& w) {
+                RankBuffers b(w, kBigBytes);
+                std::vector<std::string> failures;
+                for (DType t : kReduceTypes) {
+                    for (ReduceScatterAlgo a : kReduceScatterAlgos) {
+                        for (uint64_t count : kCounts) {
+                            if (count * static_cast<uint64_t>(n * dtype_bytes(t)) > b.capacity() - 64) continue;
+                            for (Place p : kPlaces) reduce_scatter_case(b, t, a, count, p, seed ^ count, &failures);
+                        }
                     }
                 }
-            }
-            if (n == 3 || n == 8) {
-                const uint64_t count = kBigBytes / static_cast<uint64_t>(n) / 2 - 5;  // bf16 elements per rank
-                for (Place p : {Place::kLocal, Place::kSymmetric}) {
-                    reduce_scatter_case(b, DType::kBF16, ReduceScatterAlgo::kSmPull, count, p, seed, &failures);
+                if (n == 3 || n == 8) {
+                    const uint64_t count = kBigBytes / static_cast<uint64_t>(n) / 2 - 5;  // bf16 elements per rank
+                    for (Place p : {Place::kLocal, Place::kSymmetric}) {
+                        reduce_scatter_case(b, DType::kBF16, ReduceScatterAlgo::kSmPull, count, p, seed, &failures);
+                    }
                 }
-            }
-            report(failures);
-            b.release();
-        }, sweep_options());
+                report(failures);
+                b.release();
+            },
+            sweep_options());
     }
 }
 
@@ -436,73 +466,78 @@ void run_stress(int num_ranks, int num_calls, uint64_t seed) {
     const uint64_t max_count = 1 << 18;
     const std::vector<StressCall> plan = stress_plan(seed, num_calls, max_count);
     const uint64_t capacity = max_count * 4 * static_cast<uint64_t>(num_ranks);
-    run_ranks(num_ranks, [&](World& w) {
-        RankBuffers b(w, capacity);
-        unsigned long long* errors = nullptr;
-        WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&errors), sizeof(unsigned long long) * plan.size(),
-                                        b.stream()));
-        WEFT_CUDA_CHECK(cudaMemsetAsync(errors, 0, sizeof(unsigned long long) * plan.size(), b.stream()));
-        WEFT_CUDA_CHECK(cudaStreamSynchronize(b.stream()));
-        w.barrier();
-        std::mt19937_64 straggle(seed * 31 + static_cast<uint64_t>(w.rank()));  // per-rank delays
-        const int me = w.rank();
-        const int n = w.num_ranks();
-        cudaStream_t s = b.stream();
-        for (size_t k = 0; k < plan.size(); ++k) {
-            const StressCall& c = plan[k];
-            const uint64_t es = static_cast<uint64_t>(dtype_bytes(c.dtype));
-            const uint64_t call_seed = seed + k * 0x9e37ull;
-            const Place in_place_kind = c.in_sym ? Place::kSymmetric : Place::kLocal;
-            const Place out_place_kind = c.out_sym ? Place::kSymmetric : Place::kLocal;
-            uint8_t* inb = b.in_base(in_place_kind) + kGuardBytes;
-            uint8_t* outb = c.inplace ? inb : b.out_base(out_place_kind) + kGuardBytes;
-            unsigned long long* err = errors + k;
-            if (straggle() % 3 == 0) launch_delay(s, straggle() % 40000);
-            const auto count = static_cast<int64_t>(c.count);
-            const auto total = static_cast<int64_t>(c.count * static_cast<uint64_t>(n));
-            switch (c.op) {
-                case Op::kAllReduce:
-                    if (!c.inplace) WEFT_CUDA_CHECK(cudaMemsetAsync(outb, 0xFF, c.count * es, s));
-                    launch_fill_pattern(s, inb, c.dtype, c.count, call_seed, me, 0);
-                    ops::all_reduce(w, TensorView(inb, c.dtype, {count}), TensorView(outb, c.dtype, {count}), s,
-                                    {.algo = static_cast<AllReduceAlgo>(c.algo)});
-                    launch_check_sum(s, outb, c.dtype, c.count, call_seed, n, 0, err);
-                    break;
-                case Op::kAllGather: {
-                    uint8_t* in = c.inplace ? outb + static_cast<uint64_t>(me) * c.count * es : inb;
-                    WEFT_CUDA_CHECK(cudaMemsetAsync(outb, 0xFF, c.count * es * static_cast<uint64_t>(n), s));
-                    launch_fill_pattern(s, in, c.dtype, c.count, call_seed, me, 0);
-                    ops::all_gather(w, TensorView(in, c.dtype, {count}), TensorView(outb, c.dtype, {total}), s,
-                                    {.algo = static_cast<AllGatherAlgo>(c.algo)});
-                    launch_check_gather(s, outb, c.dtype, c.count, call_seed, n, err);
-                    break;
-                }
-                case Op::kReduceScatter: {
-                    uint8_t* out = c.inplace ? inb + static_cast<uint64_t>(me) * c.count * es : outb;
-                    launch_fill_pattern(s, inb, c.dtype, c.count * static_cast<uint64_t>(n), call_seed, me, 0);
-                    if (!c.inplace) WEFT_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, c.count * es, s));
-                    ops::reduce_scatter(w, TensorView(inb, c.dtype, {total}), TensorView(out, c.dtype, {count}), s,
-                                        {.algo = static_cast<ReduceScatterAlgo>(c.algo)});
-                    launch_check_sum(s, out, c.dtype, c.count, call_seed, n, static_cast<uint64_t>(me) * c.count, err);
-                    break;
+    run_ranks(
+        num_ranks,
+        [&](World& w) {
+            RankBuffers b(w, capacity);
+            unsigned long long* errors = nullptr;
+            WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&errors), sizeof(unsigned long long) * plan.size(),
+                                            b.stream()));
+            WEFT_CUDA_CHECK(cudaMemsetAsync(errors, 0, sizeof(unsigned long long) * plan.size(), b.stream()));
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(b.stream()));
+            w.barrier();
+            std::mt19937_64 straggle(seed * 31 + static_cast<uint64_t>(w.rank()));  // per-rank delays
+            const int me = w.rank();
+            const int n = w.num_ranks();
+            cudaStream_t s = b.stream();
+            for (size_t k = 0; k < plan.size(); ++k) {
+                const StressCall& c = plan[k];
+                const uint64_t es = static_cast<uint64_t>(dtype_bytes(c.dtype));
+                const uint64_t call_seed = seed + k * 0x9e37ull;
+                const Place in_place_kind = c.in_sym ? Place::kSymmetric : Place::kLocal;
+                const Place out_place_kind = c.out_sym ? Place::kSymmetric : Place::kLocal;
+                uint8_t* inb = b.in_base(in_place_kind) + kGuardBytes;
+                uint8_t* outb = c.inplace ? inb : b.out_base(out_place_kind) + kGuardBytes;
+                unsigned long long* err = errors + k;
+                if (straggle() % 3 == 0) launch_delay(s, straggle() % 40000);
+                const auto count = static_cast<int64_t>(c.count);
+                const auto total = static_cast<int64_t>(c.count * static_cast<uint64_t>(n));
+                switch (c.op) {
+                    case Op::kAllReduce:
+                        if (!c.inplace) WEFT_CUDA_CHECK(cudaMemsetAsync(outb, 0xFF, c.count * es, s));
+                        launch_fill_pattern(s, inb, c.dtype, c.count, call_seed, me, 0);
+                        ops::all_reduce(w, TensorView(inb, c.dtype, {count}), TensorView(outb, c.dtype, {count}), s,
+                                        {.algo = static_cast<AllReduceAlgo>(c.algo)});
+                        launch_check_sum(s, outb, c.dtype, c.count, call_seed, n, 0, err);
+                        break;
+                    case Op::kAllGather: {
+                        uint8_t* in = c.inplace ? outb + static_cast<uint64_t>(me) * c.count * es : inb;
+                        WEFT_CUDA_CHECK(cudaMemsetAsync(outb, 0xFF, c.count * es * static_cast<uint64_t>(n), s));
+                        launch_fill_pattern(s, in, c.dtype, c.count, call_seed, me, 0);
+                        ops::all_gather(w, TensorView(in, c.dtype, {count}), TensorView(outb, c.dtype, {total}), s,
+                                        {.algo = static_cast<AllGatherAlgo>(c.algo)});
+                        launch_check_gather(s, outb, c.dtype, c.count, call_seed, n, err);
+                        break;
+                    }
+                    case Op::kReduceScatter: {
+                        uint8_t* out = c.inplace ? inb + static_cast<uint64_t>(me) * c.count * es : outb;
+                        launch_fill_pattern(s, inb, c.dtype, c.count * static_cast<uint64_t>(n), call_seed, me, 0);
+                        if (!c.inplace) WEFT_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, c.count * es, s));
+                        ops::reduce_scatter(w, TensorView(inb, c.dtype, {total}), TensorView(out, c.dtype, {count}), s,
+                                            {.algo = static_cast<ReduceScatterAlgo>(c.algo)});
+                        launch_check_sum(s, out, c.dtype, c.count, call_seed, n, static_cast<uint64_t>(me) * c.count,
+                                         err);
+                        break;
+                    }
                 }
             }
-        }
-        w.sync_and_check(s);
-        std::vector<unsigned long long> h(plan.size());
-        WEFT_CUDA_CHECK(cudaMemcpyAsync(h.data(), errors, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost, s));
-        WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
-        int reported = 0;
-        for (size_t k = 0; k < plan.size(); ++k) {
-            if (h[k] != 0 && reported++ < 10) {
-                ADD_FAILURE() << "rank " << me << " of " << n << ", " << describe(plan[k], static_cast<int>(k)) << ": "
-                              << h[k] << " wrong elements";
+            w.sync_and_check(s);
+            std::vector<unsigned long long> h(plan.size());
+            WEFT_CUDA_CHECK(
+                cudaMemcpyAsync(h.data(), errors, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost, s));
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+            int reported = 0;
+            for (size_t k = 0; k < plan.size(); ++k) {
+                if (h[k] != 0 && reported++ < 10) {
+                    ADD_FAILURE() << "rank " << me << " of " << n << ", " << describe(plan[k], static_cast<int>(k))
+                                  << ": " << h[k] << " wrong elements";
+                }
             }
-        }
-        w.barrier();
-        cudaFreeAsync(errors, s);
-        b.release();
-    }, test_options(192ull << 20));
+            w.barrier();
+            cudaFreeAsync(errors, s);
+            b.release();
+        },
+        test_options(192ull << 20));
 }
 
 TEST(Collectives, StressBackToBackRandomCallsWithStragglers) {
@@ -519,81 +554,92 @@ TEST(Collectives, StressBackToBackRandomCallsWithStragglers) {
 
 void graph_case(int num_ranks, bool copy_engines) {
     const uint64_t seed = test_seed();
-    run_ranks(num_ranks, [&](World& w) {
-        constexpr uint64_t kCount = 70001;  // one-shot / two-shot / ll / rs / ag each get their own output
-        const int n = w.num_ranks();
-        const int me = w.rank();
-        RankBuffers b(w, kCount * 4 * 8 * static_cast<uint64_t>(n));
-        cudaStream_t s = b.stream();
-        const DType t = DType::kBF16;
-        const uint64_t es = 2;
-        uint8_t* in = b.in_base(Place::kLocal) + kGuardBytes;             // local input
-        uint8_t* sym_in = b.in_base(Place::kSymmetric) + kGuardBytes;     // symmetric input (direct paths)
-        uint8_t* outs = b.out_base(Place::kSymmetric) + kGuardBytes;      // symmetric outputs, one region each
-        const uint64_t region = kCount * es * static_cast<uint64_t>(n);
-        const auto count = static_cast<int64_t>(kCount);
-        const auto total = static_cast<int64_t>(kCount * static_cast<uint64_t>(n));
-        cudaGraph_t graph = nullptr;
-        WEFT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        if (!copy_engines) {
-            int r = 0;
-            for (AllReduceAlgo a : {AllReduceAlgo::kLowLatency, AllReduceAlgo::kOneShot, AllReduceAlgo::kTwoShot}) {
-                ops::all_reduce(w, TensorView(in, t, {count}), TensorView(outs + region * r++, t, {count}), s, {.algo = a});
-            }
-            ops::all_reduce(w, TensorView(sym_in, t, {count}), TensorView(outs + region * r++, t, {count}), s,
-                            {.algo = AllReduceAlgo::kTwoShot});
-            const auto slice = static_cast<int64_t>(kCount / static_cast<uint64_t>(n));
-            ops::reduce_scatter(w, TensorView(sym_in, t, {slice * n}), TensorView(outs + region * r++, t, {slice}), s);
-            ops::all_gather(w, TensorView(in, t, {count}), TensorView(outs + region * r++, t, {total}), s,
-                            {.algo = AllGatherAlgo::kSmPush});
-            ops::all_gather(w, TensorView(in, t, {count}), TensorView(outs + region * r++, t, {total}), s,
-                            {.algo = AllGatherAlgo::kLowLatency});
-        } else {
-            ops::all_gather(w, TensorView(in, t, {count}), TensorView(outs, t, {total}), s,
-                            {.algo = AllGatherAlgo::kCopyEnginePull});
-            ops::all_gather(w, TensorView(sym_in, t, {count}), TensorView(outs + region, t, {total}), s,
-                            {.algo = AllGatherAlgo::kCopyEnginePull});
-            ops::all_gather(w, TensorView(in, t, {count}), TensorView(outs + 2 * region, t, {total}), s,
-                            {.algo = AllGatherAlgo::kCopyEnginePush});
-        }
-        WEFT_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-        cudaGraphExec_t exec = nullptr;
-        WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-        std::vector<std::string> failures;
-        for (int replay = 0; replay < 5; ++replay) {
-            const uint64_t rs = seed + 1000 * static_cast<uint64_t>(replay);
-            WEFT_CUDA_CHECK(cudaMemsetAsync(outs, 0xFF, region * 7, s));
-            launch_fill_pattern(s, in, t, kCount, rs, me, 0);
-            launch_fill_pattern(s, sym_in, t, kCount, rs, me, 0);
-            WEFT_CUDA_CHECK(cudaGraphLaunch(exec, s));
-            w.sync_and_check(s);
-            const std::vector<int32_t>& sums = reference_sums(rs, n, 0, kCount);
-            const auto gather = [&](uint64_t k) { return int_bits(pattern_value(rs, static_cast<int>(k / kCount), k % kCount), t); };
-            const auto check = [&](int r, uint64_t elems, const auto& expected, const char* what) {
-                const std::vector<uint8_t> h = download(s, outs + region * r, elems * es);
-                const std::string err = compare(h, 0, elems, t, false, expected);
-                if (!err.empty()) failures.push_back("replay " + std::to_string(replay) + " " + what + ": " + err);
-            };
+    run_ranks(
+        num_ranks,
+        [&](World& w) {
+            constexpr uint64_t kCount = 70001;  // one-shot / two-shot / ll / rs / ag each get their own output
+            const int n = w.num_ranks();
+            const int me = w.rank();
+            RankBuffers b(w, kCount * 4 * 8 * static_cast<uint64_t>(n));
+            cudaStream_t s = b.stream();
+            const DType t = DType::kBF16;
+            const uint64_t es = 2;
+            uint8_t* in = b.in_base(Place::kLocal) + kGuardBytes;          // local input
+            uint8_t* sym_in = b.in_base(Place::kSymmetric) + kGuardBytes;  // symmetric input (direct paths)
+            uint8_t* outs = b.out_base(Place::kSymmetric) + kGuardBytes;   // symmetric outputs, one region each
+            const uint64_t region = kCount * es * static_cast<uint64_t>(n);
+            const auto count = static_cast<int64_t>(kCount);
+            const auto total = static_cast<int64_t>(kCount * static_cast<uint64_t>(n));
+            cudaGraph_t graph = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
             if (!copy_engines) {
-                const char* names[] = {"all_reduce ll", "all_reduce one_shot", "all_reduce two_shot",
-                                       "all_reduce two_shot (symmetric input)"};
-                for (int r = 0; r < 4; ++r) check(r, kCount, [&](uint64_t i) { return int_bits(sums[i], t); }, names[r]);
-                const uint64_t slice = kCount / static_cast<uint64_t>(n);
-                const std::vector<int32_t>& rs_sums = reference_sums(rs, n, static_cast<uint64_t>(me) * slice, slice);
-                check(4, slice, [&](uint64_t i) { return int_bits(rs_sums[i], t); }, "reduce_scatter");
-                check(5, kCount * n, gather, "all_gather sm_push");
-                check(6, kCount * n, gather, "all_gather ll");
+                int r = 0;
+                for (AllReduceAlgo a : {AllReduceAlgo::kLowLatency, AllReduceAlgo::kOneShot, AllReduceAlgo::kTwoShot}) {
+                    ops::all_reduce(w, TensorView(in, t, {count}), TensorView(outs + region * r++, t, {count}), s,
+                                    {.algo = a});
+                }
+                ops::all_reduce(w, TensorView(sym_in, t, {count}), TensorView(outs + region * r++, t, {count}), s,
+                                {.algo = AllReduceAlgo::kTwoShot});
+                const auto slice = static_cast<int64_t>(kCount / static_cast<uint64_t>(n));
+                ops::reduce_scatter(w, TensorView(sym_in, t, {slice * n}), TensorView(outs + region * r++, t, {slice}),
+                                    s);
+                ops::all_gather(w, TensorView(in, t, {count}), TensorView(outs + region * r++, t, {total}), s,
+                                {.algo = AllGatherAlgo::kSmPush});
+                ops::all_gather(w, TensorView(in, t, {count}), TensorView(outs + region * r++, t, {total}), s,
+                                {.algo = AllGatherAlgo::kLowLatency});
             } else {
-                check(0, kCount * n, gather, "all_gather ce_pull (staged)");
-                check(1, kCount * n, gather, "all_gather ce_pull (symmetric input)");
-                check(2, kCount * n, gather, "all_gather ce_push");
+                ops::all_gather(w, TensorView(in, t, {count}), TensorView(outs, t, {total}), s,
+                                {.algo = AllGatherAlgo::kCopyEnginePull});
+                ops::all_gather(w, TensorView(sym_in, t, {count}), TensorView(outs + region, t, {total}), s,
+                                {.algo = AllGatherAlgo::kCopyEnginePull});
+                ops::all_gather(w, TensorView(in, t, {count}), TensorView(outs + 2 * region, t, {total}), s,
+                                {.algo = AllGatherAlgo::kCopyEnginePush});
             }
-        }
-        for (const std::string& f : failures) ADD_FAILURE() << "rank " << me << " of " << n << ": " << f;
-        WEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
-        WEFT_CUDA_CHECK(cudaGraphDestroy(graph));
-        b.release();
-    }, test_options(192ull << 20));
+            WEFT_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+            cudaGraphExec_t exec = nullptr;
+            WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+            std::vector<std::string> failures;
+            for (int replay = 0; replay < 5; ++replay) {
+                const uint64_t rs = seed + 1000 * static_cast<uint64_t>(replay);
+                WEFT_CUDA_CHECK(cudaMemsetAsync(outs, 0xFF, region * 7, s));
+                launch_fill_pattern(s, in, t, kCount, rs, me, 0);
+                launch_fill_pattern(s, sym_in, t, kCount, rs, me, 0);
+                WEFT_CUDA_CHECK(cudaGraphLaunch(exec, s));
+                w.sync_and_check(s);
+                const std::vector<int32_t>& sums = reference_sums(rs, n, 0, kCount);
+                const auto gather = [&](uint64_t k) {
+                    return int_bits(pattern_value(rs, static_cast<int>(k / kCount), k % kCount), t);
+                };
+                const auto check = [&](int r, uint64_t elems, const auto& expected, const char* what) {
+                    const std::vector<uint8_t> h = download(s, outs + region * r, elems * es);
+                    const std::string err = compare(h, 0, elems, t, false, expected);
+                    if (!err.empty()) failures.push_back("replay " + std::to_string(replay) + " " + what + ": " + err);
+                };
+                if (!copy_engines) {
+                    const char* names[] = {"all_reduce ll", "all_reduce one_shot", "all_reduce two_shot",
+                                           "all_reduce two_shot (symmetric input)"};
+                    for (int r = 0; r < 4; ++r)
+                        check(
+                            r, kCount, [&](uint64_t i) { return int_bits(sums[i], t); }, names[r]);
+                    const uint64_t slice = kCount / static_cast<uint64_t>(n);
+                    const std::vector<int32_t>& rs_sums =
+                        reference_sums(rs, n, static_cast<uint64_t>(me) * slice, slice);
+                    check(
+                        4, slice, [&](uint64_t i) { return int_bits(rs_sums[i], t); }, "reduce_scatter");
+                    check(5, kCount * n, gather, "all_gather sm_push");
+                    check(6, kCount * n, gather, "all_gather ll");
+                } else {
+                    check(0, kCount * n, gather, "all_gather ce_pull (staged)");
+                    check(1, kCount * n, gather, "all_gather ce_pull (symmetric input)");
+                    check(2, kCount * n, gather, "all_gather ce_push");
+                }
+            }
+            for (const std::string& f : failures) ADD_FAILURE() << "rank " << me << " of " << n << ": " << f;
+            WEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+            WEFT_CUDA_CHECK(cudaGraphDestroy(graph));
+            b.release();
+        },
+        test_options(192ull << 20));
 }
 
 TEST(Collectives, GraphCaptureReplaysWithChangingInputs) {

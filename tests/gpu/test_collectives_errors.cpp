@@ -49,66 +49,66 @@ void expect_error_on_every_rank(int num_ranks, const std::function<void(World&)>
     ASSERT_EQ(messages.size(), static_cast<size_t>(num_ranks));
     for (const std::string& m : messages) {
         EXPECT_FALSE(m.empty()) << "a rank did not throw weft::Error";
-        for (const std::string& word : words) EXPECT_NE(m.find(word), std::string::npos) << "'" << word << "' not in: " << m;
+        for (const std::string& word : words)
+            EXPECT_NE(m.find(word), std::string::npos) << "'" << word << "' not in: " << m;
     }
 }
 
 TEST(CollectivesErrors, PushAllGatherNeedsASymmetricOutput) {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
     for (AllGatherAlgo algo : {AllGatherAlgo::kSmPush, AllGatherAlgo::kCopyEnginePush}) {
-        expect_error_on_every_rank(
-            2,
-            [&](World& w) {
-                void* in = nullptr;
-                void* out = nullptr;
-                WEFT_CUDA_CHECK(cudaMalloc(&in, 1024));
-                WEFT_CUDA_CHECK(cudaMalloc(&out, 2048));
-                struct Free {
-                    void* a;
-                    void* b;
-                    ~Free() {
-                        cudaFree(a);
-                        cudaFree(b);
-                    }
-                } guard{in, out};
-                ops::all_gather(w, TensorView(in, DType::kF32, {256}), TensorView(out, DType::kF32, {512}), nullptr,
-                                {.algo = algo});
-            },
-            {"all_gather", ops::algo_name(algo), "symmetric heap"});
+        expect_error_on_every_rank(2,
+                                   [&](World& w) {
+                                       void* in = nullptr;
+                                       void* out = nullptr;
+                                       WEFT_CUDA_CHECK(cudaMalloc(&in, 1024));
+                                       WEFT_CUDA_CHECK(cudaMalloc(&out, 2048));
+                                       struct Free {
+                                           void* a;
+                                           void* b;
+                                           ~Free() {
+                                               cudaFree(a);
+                                               cudaFree(b);
+                                           }
+                                       } guard{in, out};
+                                       ops::all_gather(w, TensorView(in, DType::kF32, {256}),
+                                                       TensorView(out, DType::kF32, {512}), nullptr, {.algo = algo});
+                                   },
+                                   {"all_gather", ops::algo_name(algo), "symmetric heap"});
     }
 }
 
 TEST(CollectivesErrors, HostMemoryIsRejected) {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
-    expect_error_on_every_rank(
-        2,
-        [&](World& w) {
-            std::vector<float> host(64);
-            void* out = w.heap().alloc(256);
-            struct Free {
-                World& w;
-                void* p;
-                ~Free() { w.heap().free(p); }
-            } guard{w, out};
-            ops::all_reduce(w, TensorView(host.data(), DType::kF32, {64}), TensorView(out, DType::kF32, {64}), nullptr);
-        },
-        {"all_reduce", "input", "device memory"});
+    expect_error_on_every_rank(2,
+                               [&](World& w) {
+                                   std::vector<float> host(64);
+                                   void* out = w.heap().alloc(256);
+                                   struct Free {
+                                       World& w;
+                                       void* p;
+                                       ~Free() { w.heap().free(p); }
+                                   } guard{w, out};
+                                   ops::all_reduce(w, TensorView(host.data(), DType::kF32, {64}),
+                                                   TensorView(out, DType::kF32, {64}), nullptr);
+                               },
+                               {"all_reduce", "input", "device memory"});
 }
 
 TEST(CollectivesErrors, BadShapesAreRejectedBeforeAnyLaunch) {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
-    expect_error_on_every_rank(
-        3,
-        [&](World& w) {
-            void* buf = w.heap().alloc(4096);
-            struct Free {
-                World& w;
-                void* p;
-                ~Free() { w.heap().free(p); }
-            } guard{w, buf};
-            ops::reduce_scatter(w, TensorView(buf, DType::kBF16, {100}), TensorView(buf, DType::kBF16, {33}), nullptr);
-        },
-        {"reduce_scatter", "num_ranks (3)", "99", "100"});
+    expect_error_on_every_rank(3,
+                               [&](World& w) {
+                                   void* buf = w.heap().alloc(4096);
+                                   struct Free {
+                                       World& w;
+                                       void* p;
+                                       ~Free() { w.heap().free(p); }
+                                   } guard{w, buf};
+                                   ops::reduce_scatter(w, TensorView(buf, DType::kBF16, {100}),
+                                                       TensorView(buf, DType::kBF16, {33}), nullptr);
+                               },
+                               {"reduce_scatter", "num_ranks (3)", "99", "100"});
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -124,36 +124,39 @@ enum class Scenario { kCountMismatch, kDtypeMismatch, kLowLatencyNeverArrives };
     std::mutex mutex;
     std::vector<std::string> messages;
     try {
-        run_local(2, [&](World& w) {
-            cudaStream_t s = nullptr;
-            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-            auto* buf = static_cast<uint8_t*>(w.heap().alloc(1 << 20));
-            ops::prepare_collectives(w);
-            const bool odd = w.rank() == 1;
-            try {
-                switch (scenario) {
-                    case Scenario::kCountMismatch:  // same grid (one block), different counts
-                        ops::all_reduce(w, TensorView(buf, DType::kF32, {odd ? 1004 : 1000}),
-                                        TensorView(buf + 65536, DType::kF32, {odd ? 1004 : 1000}), s,
-                                        {.algo = AllReduceAlgo::kOneShot});
-                        break;
-                    case Scenario::kDtypeMismatch:
-                        ops::all_reduce(w, TensorView(buf, odd ? DType::kF16 : DType::kBF16, {512}),
-                                        TensorView(buf + 65536, odd ? DType::kF16 : DType::kBF16, {512}), s,
-                                        {.algo = AllReduceAlgo::kTwoShot});
-                        break;
-                    case Scenario::kLowLatencyNeverArrives:  // rank 1 expects lines rank 0 never sends
-                        ops::all_reduce(w, TensorView(buf, DType::kF32, {odd ? 2000 : 1000}),
-                                        TensorView(buf + 65536, DType::kF32, {odd ? 2000 : 1000}), s,
-                                        {.algo = AllReduceAlgo::kLowLatency});
-                        break;
+        run_local(
+            2,
+            [&](World& w) {
+                cudaStream_t s = nullptr;
+                WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+                auto* buf = static_cast<uint8_t*>(w.heap().alloc(1 << 20));
+                ops::prepare_collectives(w);
+                const bool odd = w.rank() == 1;
+                try {
+                    switch (scenario) {
+                        case Scenario::kCountMismatch:  // same grid (one block), different counts
+                            ops::all_reduce(w, TensorView(buf, DType::kF32, {odd ? 1004 : 1000}),
+                                            TensorView(buf + 65536, DType::kF32, {odd ? 1004 : 1000}), s,
+                                            {.algo = AllReduceAlgo::kOneShot});
+                            break;
+                        case Scenario::kDtypeMismatch:
+                            ops::all_reduce(w, TensorView(buf, odd ? DType::kF16 : DType::kBF16, {512}),
+                                            TensorView(buf + 65536, odd ? DType::kF16 : DType::kBF16, {512}), s,
+                                            {.algo = AllReduceAlgo::kTwoShot});
+                            break;
+                        case Scenario::kLowLatencyNeverArrives:  // rank 1 expects lines rank 0 never sends
+                            ops::all_reduce(w, TensorView(buf, DType::kF32, {odd ? 2000 : 1000}),
+                                            TensorView(buf + 65536, DType::kF32, {odd ? 2000 : 1000}), s,
+                                            {.algo = AllReduceAlgo::kLowLatency});
+                            break;
+                    }
+                    w.sync_and_check(s);
+                } catch (const std::exception& e) {
+                    std::lock_guard<std::mutex> lock(mutex);
+                    messages.push_back(e.what());
                 }
-                w.sync_and_check(s);
-            } catch (const std::exception& e) {
-                std::lock_guard<std::mutex> lock(mutex);
-                messages.push_back(e.what());
-            }
-        }, options);
+            },
+            options);
     } catch (const std::exception& e) {
         messages.push_back(e.what());
     }

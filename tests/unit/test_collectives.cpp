@@ -35,14 +35,14 @@ std::string error_of(const std::function<void()>& f) {
     return "";
 }
 
-#define EXPECT_ERROR_MENTIONS(stmt, ...)                                             \
-    do {                                                                             \
-        const std::string weft_msg_ = error_of([&] { stmt; });                       \
-        EXPECT_FALSE(weft_msg_.empty()) << #stmt " did not throw weft::Error";       \
-        for (const char* weft_word_ : {__VA_ARGS__}) {                               \
-            EXPECT_NE(weft_msg_.find(weft_word_), std::string::npos)                 \
+#define EXPECT_ERROR_MENTIONS(stmt, ...)                                               \
+    do {                                                                               \
+        const std::string weft_msg_ = error_of([&] { stmt; });                         \
+        EXPECT_FALSE(weft_msg_.empty()) << #stmt " did not throw weft::Error";         \
+        for (const char* weft_word_ : {__VA_ARGS__}) {                                 \
+            EXPECT_NE(weft_msg_.find(weft_word_), std::string::npos)                   \
                 << "message of " #stmt " lacks '" << weft_word_ << "': " << weft_msg_; \
-        }                                                                            \
+        }                                                                              \
     } while (0)
 
 CollectiveTopology topo(int n, int per_gpu = 1, int budget = 132) {
@@ -93,8 +93,8 @@ TEST(CollectivesPartition, SlicePartsTileTheMessageExactlyOnce) {
                     }
                 }
                 for (uint64_t i = 0; i < count; ++i) {
-                    ASSERT_EQ(hits[i], 1) << "element " << i << " of " << count << ", " << slices << " slices, "
-                                          << parts << " parts";
+                    ASSERT_EQ(hits[i], 1)
+                        << "element " << i << " of " << count << ", " << slices << " slices, " << parts << " parts";
                 }
             }
         }
@@ -116,7 +116,8 @@ TEST(CollectivesPartition, RankBucketsAndConfigValidity) {
     EXPECT_EQ(collective_rank_bucket(64), 64);
     EXPECT_EQ(collective_rank_bucket(65), 0);
     EXPECT_TRUE(is_valid(ReduceKernelConfig{}));
-    EXPECT_TRUE(is_valid(ReduceKernelConfig{.dtype = DType::kF32, .max_ranks = 64, .vec_bytes = 4, .block_threads = 64}));
+    EXPECT_TRUE(
+        is_valid(ReduceKernelConfig{.dtype = DType::kF32, .max_ranks = 64, .vec_bytes = 4, .block_threads = 64}));
     EXPECT_FALSE(is_valid(ReduceKernelConfig{.dtype = DType::kF32, .vec_bytes = 2}));  // narrower than an element
     EXPECT_FALSE(is_valid(ReduceKernelConfig{.dtype = DType::kI32}));
     EXPECT_FALSE(is_valid(ReduceKernelConfig{.max_ranks = 12}));
@@ -130,7 +131,8 @@ TEST(CollectivesPartition, RankBucketsAndConfigValidity) {
 // Algorithm names, selection and resolution.
 
 TEST(CollectivesSelect, NamesRoundTrip) {
-    for (auto a : {AllReduceAlgo::kAuto, AllReduceAlgo::kLowLatency, AllReduceAlgo::kOneShot, AllReduceAlgo::kTwoShot}) {
+    for (auto a :
+         {AllReduceAlgo::kAuto, AllReduceAlgo::kLowLatency, AllReduceAlgo::kOneShot, AllReduceAlgo::kTwoShot}) {
         EXPECT_EQ(parse_all_reduce_algo(algo_name(a)), a);
     }
     for (auto a : {AllGatherAlgo::kAuto, AllGatherAlgo::kLowLatency, AllGatherAlgo::kSmPush,
@@ -175,7 +177,7 @@ TEST(CollectivesSelect, AllGatherByShardOutputAndSharing) {
     EXPECT_EQ(select_all_gather_algo(4 * kKiB, topo(8), true), AllGatherAlgo::kLowLatency);
     EXPECT_EQ(select_all_gather_algo(1 * kMiB, topo(8), false), AllGatherAlgo::kCopyEnginePull);
     EXPECT_EQ(select_all_gather_algo(1 * kMiB, topo(8), true), AllGatherAlgo::kSmPush);
-    EXPECT_EQ(select_all_gather_algo(8 * kMiB, topo(8), true), AllGatherAlgo::kSmPush);           // 64 MiB gathered
+    EXPECT_EQ(select_all_gather_algo(8 * kMiB, topo(8), true), AllGatherAlgo::kSmPush);  // 64 MiB gathered
     EXPECT_EQ(select_all_gather_algo(8 * kMiB + 16, topo(8), true), AllGatherAlgo::kCopyEnginePush);
     EXPECT_EQ(select_all_gather_algo(64 * kMiB, topo(8, 8), true), AllGatherAlgo::kSmPush);  // ranks share a GPU
     EXPECT_EQ(select_all_gather_algo(64 * kMiB, topo(8, 8), false), AllGatherAlgo::kCopyEnginePull);
@@ -220,7 +222,8 @@ TEST(CollectivesSelect, GridsStayWithinBudgetAndCaps) {
     }
     // Grids grow with the message (more parallel reads), up to the cap.
     const auto t = topo(8);
-    EXPECT_LT(all_reduce_grid(AllReduceAlgo::kTwoShot, 1 * kMiB, t), all_reduce_grid(AllReduceAlgo::kTwoShot, 64 * kMiB, t));
+    EXPECT_LT(all_reduce_grid(AllReduceAlgo::kTwoShot, 1 * kMiB, t),
+              all_reduce_grid(AllReduceAlgo::kTwoShot, 64 * kMiB, t));
     EXPECT_EQ(all_reduce_grid(AllReduceAlgo::kOneShot, 8, t), 1);
     EXPECT_ERROR_MENTIONS(all_reduce_grid(AllReduceAlgo::kAuto, 8, t), "auto");
 }
@@ -235,9 +238,9 @@ TEST(CollectivesArgs, AllReduceChecks) {
     const uintptr_t a = 0x10000, b = 0x80000;
     EXPECT_NO_THROW(check_all_reduce_args(view(a, DType::kBF16, 100), view(b, DType::kBF16, 100)));
     EXPECT_NO_THROW(check_all_reduce_args(view(a, DType::kF32, 100), view(a, DType::kF32, 100)));  // in place
-    EXPECT_NO_THROW(check_all_reduce_args(view(0, DType::kF32, 0), view(0, DType::kF32, 0)));        // empty
-    EXPECT_ERROR_MENTIONS(check_all_reduce_args(view(a, DType::kBF16, 100), view(b, DType::kF16, 100)), "dtype",
-                          "bf16", "f16");
+    EXPECT_NO_THROW(check_all_reduce_args(view(0, DType::kF32, 0), view(0, DType::kF32, 0)));      // empty
+    EXPECT_ERROR_MENTIONS(check_all_reduce_args(view(a, DType::kBF16, 100), view(b, DType::kF16, 100)), "dtype", "bf16",
+                          "f16");
     EXPECT_ERROR_MENTIONS(check_all_reduce_args(view(a, DType::kI32, 4), view(b, DType::kI32, 4)), "bf16, f16 or f32",
                           "i32");
     EXPECT_ERROR_MENTIONS(check_all_reduce_args(view(a, DType::kF32, 100), view(b, DType::kF32, 99)), "output", "100",
@@ -257,10 +260,10 @@ TEST(CollectivesArgs, AllGatherChecks) {
     EXPECT_NO_THROW(check_all_gather_args(view(a, DType::kU8, 7), view(b, DType::kU8, 21), 3, 1));
     // In place: input is this rank's slot of the output.
     EXPECT_NO_THROW(check_all_gather_args(view(b + 2 * 14, DType::kBF16, 7), view(b, DType::kBF16, 21), 3, 2));
-    EXPECT_ERROR_MENTIONS(check_all_gather_args(view(b + 14, DType::kBF16, 7), view(b, DType::kBF16, 21), 3, 2),
-                          "slot", "overlap");
-    EXPECT_ERROR_MENTIONS(check_all_gather_args(view(a, DType::kU8, 7), view(b, DType::kU8, 20), 3, 0),
-                          "num_ranks (3)", "21", "20");
+    EXPECT_ERROR_MENTIONS(check_all_gather_args(view(b + 14, DType::kBF16, 7), view(b, DType::kBF16, 21), 3, 2), "slot",
+                          "overlap");
+    EXPECT_ERROR_MENTIONS(check_all_gather_args(view(a, DType::kU8, 7), view(b, DType::kU8, 20), 3, 0), "num_ranks (3)",
+                          "21", "20");
     EXPECT_ERROR_MENTIONS(check_all_gather_args(view(a, DType::kU8, 7), view(b, DType::kI32, 21), 3, 0), "dtype");
     EXPECT_ERROR_MENTIONS(detail::check_all_gather_output(AllGatherAlgo::kSmPush, false), "sm_push", "symmetric heap");
     EXPECT_ERROR_MENTIONS(detail::check_all_gather_output(AllGatherAlgo::kCopyEnginePush, false), "ce_push");
@@ -275,8 +278,8 @@ TEST(CollectivesArgs, ReduceScatterChecks) {
     EXPECT_NO_THROW(check_reduce_scatter_args(view(a, DType::kF16, 30), view(a + 20, DType::kF16, 10), 3, 1));
     EXPECT_ERROR_MENTIONS(check_reduce_scatter_args(view(a, DType::kF16, 30), view(a + 20, DType::kF16, 10), 3, 2),
                           "slice", "overlap");
-    EXPECT_ERROR_MENTIONS(check_reduce_scatter_args(view(a, DType::kF16, 31), view(b, DType::kF16, 10), 3, 0),
-                          "input", "30", "31");
+    EXPECT_ERROR_MENTIONS(check_reduce_scatter_args(view(a, DType::kF16, 31), view(b, DType::kF16, 10), 3, 0), "input",
+                          "30", "31");
     EXPECT_ERROR_MENTIONS(check_reduce_scatter_args(view(a, DType::kU8, 30), view(b, DType::kU8, 10), 3, 0), "u8");
 }
 
@@ -311,9 +314,10 @@ TEST(CollectivesNvrtc, RepresentativeSpecsCompileForSm90a) {
         KernelId id;
         DType dtype;
     };
-    for (const Case& k : {Case{KernelId::kAllReduceLowLatency, DType::kBF16}, Case{KernelId::kAllReduceTwoShot, DType::kF32},
-                          Case{KernelId::kReduceScatterPull, DType::kF16}, Case{KernelId::kAllGatherPush, DType::kU8},
-                          Case{KernelId::kCopyEngineExit, DType::kU8}}) {
+    for (const Case& k :
+         {Case{KernelId::kAllReduceLowLatency, DType::kBF16}, Case{KernelId::kAllReduceTwoShot, DType::kF32},
+          Case{KernelId::kReduceScatterPull, DType::kF16}, Case{KernelId::kAllGatherPush, DType::kU8},
+          Case{KernelId::kCopyEngineExit, DType::kU8}}) {
         const jit::KernelSpec spec = detail::collective_kernel_spec(k.id, k.dtype, 8);
         SCOPED_TRACE(spec.describe());
         const jit::CompileResult r = compile_spec(c, spec);

@@ -62,10 +62,10 @@ WEFT_HOST_DEVICE constexpr uint32_t low_latency_flag(uint64_t epoch) {
 
 /// Compile-time knobs of the reducing kernels (all-reduce one-shot / two-shot / low-latency, reduce-scatter).
 struct ReduceKernelConfig {
-    DType dtype = DType::kBF16;  ///< bf16, f16 or f32; 16-bit types accumulate in fp32
-    int32_t max_ranks = 8;       ///< world-size bucket (8, 16, 32, 64): rank loops unroll to min(max_ranks, 8)
-    int32_t vec_bytes = 16;      ///< widest access (2..16 bytes); misaligned buffers step down at run time
-    int32_t block_threads = 512; ///< threads per block (a multiple of 32, >= max_ranks)
+    DType dtype = DType::kBF16;   ///< bf16, f16 or f32; 16-bit types accumulate in fp32
+    int32_t max_ranks = 8;        ///< world-size bucket (8, 16, 32, 64): rank loops unroll to min(max_ranks, 8)
+    int32_t vec_bytes = 16;       ///< widest access (2..16 bytes); misaligned buffers step down at run time
+    int32_t block_threads = 512;  ///< threads per block (a multiple of 32, >= max_ranks)
 };
 
 /// Shared by host heuristics and the kernels' static_assert.
@@ -74,8 +74,8 @@ WEFT_HOST_DEVICE constexpr bool is_valid(const ReduceKernelConfig& c) {
     const bool ranks_ok = c.max_ranks == 8 || c.max_ranks == 16 || c.max_ranks == 32 || c.max_ranks == 64;
     const bool vec_ok = (c.vec_bytes == 2 || c.vec_bytes == 4 || c.vec_bytes == 8 || c.vec_bytes == 16) &&
                         c.vec_bytes >= dtype_bytes(c.dtype);
-    const bool threads_ok = c.block_threads >= 32 && c.block_threads <= 1024 && c.block_threads % 32 == 0 &&
-                            c.block_threads >= c.max_ranks;
+    const bool threads_ok =
+        c.block_threads >= 32 && c.block_threads <= 1024 && c.block_threads % 32 == 0 && c.block_threads >= c.max_ranks;
     return dtype_ok && ranks_ok && vec_ok && threads_ok;
 }
 
@@ -88,12 +88,16 @@ struct CopyKernelConfig {
 
 WEFT_HOST_DEVICE constexpr bool is_valid(const CopyKernelConfig& c) {
     const bool ranks_ok = c.max_ranks == 8 || c.max_ranks == 16 || c.max_ranks == 32 || c.max_ranks == 64;
-    const bool vec_ok = c.vec_bytes == 1 || c.vec_bytes == 2 || c.vec_bytes == 4 || c.vec_bytes == 8 ||
-                        c.vec_bytes == 16;
-    const bool threads_ok = c.block_threads >= 32 && c.block_threads <= 1024 && c.block_threads % 32 == 0 &&
-                            c.block_threads >= c.max_ranks;
+    const bool vec_ok =
+        c.vec_bytes == 1 || c.vec_bytes == 2 || c.vec_bytes == 4 || c.vec_bytes == 8 || c.vec_bytes == 16;
+    const bool threads_ok =
+        c.block_threads >= 32 && c.block_threads <= 1024 && c.block_threads % 32 == 0 && c.block_threads >= c.max_ranks;
     return ranks_ok && vec_ok && threads_ok;
 }
+
+/// Blocks of `block_threads` threads that a collective kernel must fit on one SM (its __launch_bounds__): two of
+/// 256, so that the kernels of ranks sharing a GPU (grids <= their SM budgets) are always resident together.
+WEFT_HOST_DEVICE constexpr int collective_min_blocks_per_sm(int block_threads) { return block_threads <= 256 ? 2 : 1; }
 
 /// The world-size bucket of `num_ranks` (0 when above 64).
 WEFT_HOST_DEVICE constexpr int32_t collective_rank_bucket(int32_t num_ranks) {
@@ -103,8 +107,8 @@ WEFT_HOST_DEVICE constexpr int32_t collective_rank_bucket(int32_t num_ranks) {
 /// One rank's collective bookkeeping, in its own device memory (not symmetric), advanced by the kernels
 /// themselves so that CUDA graph replays stay in step (a host counter would be frozen by capture).
 struct CollectiveState {
-    uint64_t epoch;   ///< kernels launched so far; picks the buffer parity and the LL flag
-    uint32_t done;    ///< blocks of the running kernel that finished (the last one advances `epoch`)
+    uint64_t epoch;  ///< kernels launched so far; picks the buffer parity and the LL flag
+    uint32_t done;   ///< blocks of the running kernel that finished (the last one advances `epoch`)
     uint32_t pad;
     uint64_t arrivals[kMaxCollectiveBlocks];  ///< barriers block slot b has completed (add-only counting)
 };
@@ -129,13 +133,13 @@ struct CollectiveParams {
     CollectiveState* state;   ///< this rank's device state
     uint64_t* barrier_flags;  ///< symmetric [kMaxCollectiveBlocks][num_ranks] arrival counters
     uint64_t* descriptors;    ///< symmetric [2][num_ranks] call descriptors (by epoch parity)
-    uint64_t* ce_flags;       ///< symmetric [num_ranks] copy-engine flags (set to 1 by a stream write, reset by the waiter)
-    uint8_t* staging;         ///< symmetric staging: [2 parities][staging_half_bytes]
+    uint64_t* ce_flags;  ///< symmetric [num_ranks] copy-engine flags (set to 1 by a stream write, reset by the waiter)
+    uint8_t* staging;    ///< symmetric staging: [2 parities][staging_half_bytes]
     uint64_t staging_half_bytes;
-    uint8_t* ll_buffer;       ///< symmetric LL receive buffer: [2 parities][num_ranks senders][ll_slot_bytes]
+    uint8_t* ll_buffer;  ///< symmetric LL receive buffer: [2 parities][num_ranks senders][ll_slot_bytes]
     uint64_t ll_slot_bytes;
-    uint64_t descriptor;      ///< this call's descriptor; every rank's must match (checked after the entry barrier)
-    uint32_t flags;           ///< CollectiveFlags
+    uint64_t descriptor;  ///< this call's descriptor; every rank's must match (checked after the entry barrier)
+    uint32_t flags;       ///< CollectiveFlags
     uint32_t reserved;
 };
 

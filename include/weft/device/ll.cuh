@@ -51,7 +51,7 @@ __device__ __forceinline__ bool try_load_line(const void* line, uint32_t flag, u
 /// then with __nanosleep backoff; after ctx.timeout_ns it records a kSignalWait diagnostic (address of the
 /// line, expected flag, last flag seen) and traps. Per thread.
 __device__ __forceinline__ uint2 wait_line(const DeviceCtx& ctx, const void* line, uint32_t flag,
-                                          int line_no = __builtin_LINE()) {
+                                           int line_no = __builtin_LINE()) {
     uint2 payload;
     if (try_load_line(line, flag, &payload)) {
         return payload;
