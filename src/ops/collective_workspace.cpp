@@ -174,11 +174,11 @@ CollectiveWorkspace::CollectiveWorkspace(World& world) : world_(world) {
         region = std::max<uint64_t>((region + 255) / 256 * 256, kMinStagingRegionBytes);
 
         // Agree on the facts the kernels' grids and the algorithm choice depend on, and check reachability.
-        SetupRecord mine{world.sm_budget(), world.num_ranks_on_device(), region};
-        Bytes blob(sizeof(SetupRecord) + static_cast<size_t>(num_ranks_));
-        std::memcpy(blob.data(), &mine, sizeof(mine));
+        const SetupRecord mine{world.sm_budget(), world.num_ranks_on_device(), region};
+        const auto* mine_bytes = reinterpret_cast<const uint8_t*>(&mine);
+        Bytes blob(mine_bytes, mine_bytes + sizeof(mine));
         for (int q = 0; q < num_ranks_; ++q) {
-            blob[sizeof(SetupRecord) + static_cast<size_t>(q)] = heap.peer_bases()[static_cast<size_t>(q)] != nullptr;
+            blob.push_back(heap.peer_bases()[static_cast<size_t>(q)] != nullptr ? 1 : 0);
         }
         const std::vector<Bytes> all =
             world.store().all_gather("weft/ops/collectives/setup", rank_, num_ranks_, blob, world.timeout());

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -109,6 +110,34 @@ TEST(CollectivesErrors, BadShapesAreRejectedBeforeAnyLaunch) {
                                                        TensorView(buf, DType::kBF16, {33}), nullptr);
                                },
                                {"reduce_scatter", "num_ranks (3)", "99", "100"});
+}
+
+TEST(CollectivesErrors, WorkspaceIsAWorldExtensionDestroyedWithTheWorld) {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    struct Probe final : WorldExtension {
+        std::atomic<int>* destroyed;
+        explicit Probe(std::atomic<int>* d) : destroyed(d) {}
+        ~Probe() override { destroyed->fetch_add(1); }
+    };
+    std::atomic<int> destroyed[2] = {0, 0};  // per rank
+    run_ranks(2, [&](World& w) {
+        std::atomic<int>& mine = destroyed[w.rank()];
+        EXPECT_EQ(w.find_extension("weft.ops.collectives"), nullptr);
+        const ops::CollectiveWorkspaceInfo& info = ops::prepare_collectives(w);
+        EXPECT_NE(w.find_extension("weft.ops.collectives"), nullptr);
+        EXPECT_EQ(&ops::prepare_collectives(w), &info) << "the workspace is made once per World";
+        EXPECT_EQ(info.topology.num_ranks, 2);
+        EXPECT_GE(info.topology.grid_budget, 1);
+        EXPECT_LE(info.topology.grid_budget, w.sm_budget());
+        EXPECT_EQ(info.num_kernels, 16);
+        EXPECT_GE(info.heap_bytes, 3 * info.staging_region_bytes + 2 * 2 * info.ll_slot_bytes);
+        w.add_extension("test.probe", std::make_unique<Probe>(&mine));
+        EXPECT_THROW(w.add_extension("test.probe", std::make_unique<Probe>(&mine)), Error);
+        EXPECT_EQ(mine.load(), 1) << "the rejected duplicate is destroyed at once";
+        w.barrier();
+    });
+    EXPECT_EQ(destroyed[0].load(), 2) << "the World destroys its extensions at shutdown";
+    EXPECT_EQ(destroyed[1].load(), 2);
 }
 
 // ------------------------------------------------------------------------------------------------
