@@ -192,6 +192,16 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     EXPECT_EQ(plan.small_m_k_per_split % 32, 0);
     EXPECT_GE(plan.grid * plan.small_m_splits, 2 * 132) << "too few CTAs to stream B at full bandwidth";
     EXPECT_EQ(plan.workspace_bytes, ops::gemm_workspace_bytes(p, plan.small_m_splits));
+    EXPECT_EQ(plan.small_m_splits, 8) << "N = K = 8192 on 132 SMs: 8 splits of 1024 measured best";
+    EXPECT_EQ(8192 % plan.small_m_k_per_split, 0);
+    ops::GemmOptions v1;
+    v1.small_m_variant = 1;
+    const auto plan1 = ops::plan_gemm(p, 132, v1);
+    EXPECT_EQ(plan1.grid, 256);  // 32 columns per CTA
+    EXPECT_EQ(plan1.small_m_variant, 1);
+    EXPECT_EQ(plan1.workspace_bytes, ops::gemm_workspace_bytes(p, plan1.small_m_splits, 1));
+    v1.small_m_variant = 2;
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, v1); }, "options.small_m_variant must be 0 or 1");
 
     p.m = 64;
     EXPECT_EQ(ops::plan_gemm(p, 132).small_m_tiles, 4);
