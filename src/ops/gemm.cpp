@@ -57,7 +57,7 @@ double tile_efficiency(const GemmConfig& c) {
     const int area = c.tile_m * c.tile_n;
     if (area >= 128 * 256) return 1.0;
     if (area >= 128 * 192) return 0.96;
-    if (area >= 128 * 128) return 0.88;
+    if (area >= 128 * 128) return 0.92;  // run 3: 128x128 beat 128x192/128x256 on 8192x1792x4096
     return 0.70;
 }
 
@@ -220,9 +220,11 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
         plan.grid = ceil_div(p.n, gemv_cols_per_cta(plan.small_m_variant == 1 ? 1 : 4));
         int splits = options.small_m_splits;
         if (splits <= 0) {
-            // About 4 CTAs per SM streaming B (measured best on N = K = 8192: 8 splits of 1024), at least 256 k
-            // per split, and a split length that divides K into whole 32-wide chunks where possible.
-            splits = std::clamp(4 * num_sms / plan.grid, 1, 32);
+            // CTAs per SM streaming B: 8 for variant 1 (32 columns per CTA; best measured N = K = 8192: 4 splits),
+            // 4 for variant 0 (128 columns; best 8 splits); at least 256 k per split, and a split length that
+            // divides K into whole 32-wide chunks where possible.
+            const int per_sm = plan.small_m_variant == 1 ? 8 : 4;
+            splits = std::clamp(per_sm * num_sms / plan.grid, 1, 32);
             splits = std::min(splits, std::max(1, static_cast<int>(p.k / 256)));
             while (splits > 1 && p.k % (static_cast<int64_t>(splits) * 32) != 0) --splits;
         }
