@@ -7,7 +7,14 @@
 namespace weft {
 
 /// What kind of spin gave up.
-enum class SpinKind : uint32_t { kNone = 0, kSignalWait = 1, kBarrier = 2, kTileWait = 3, kOther = 4 };
+enum class SpinKind : uint32_t {
+    kNone = 0,
+    kSignalWait = 1,
+    kBarrier = 2,
+    kTileWait = 3,
+    kOther = 4,
+    kUnreachablePeer = 5,  ///< not a spin: a put/get/signal named a peer that is not load/store reachable
+};
 
 /// Comparison a wait was waiting for (OpenSHMEM's SHMEM_CMP_*).
 enum class Cmp : uint32_t { kEq = 0, kNe = 1, kGt = 2, kGe = 3, kLt = 4, kLe = 5 };

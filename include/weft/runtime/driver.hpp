@@ -42,6 +42,9 @@
     X(cuLibraryUnload)                  \
     X(cuLibraryGetKernel)               \
     X(cuKernelGetFunction)              \
+    X(cuKernelGetParamInfo)             \
+    X(cuFuncLoad)                       \
+    X(cuFuncIsLoaded)                   \
     X(cuFuncSetAttribute)               \
     X(cuFuncGetAttribute)               \
     X(cuLaunchKernel)                   \

@@ -1,0 +1,646 @@
+// SPDX-License-Identifier: MIT
+// Benchmark of the device primitives: put/get bandwidth by size and group scope against the measured
+// device-to-device copy (the roofline when ranks share one GPU), signal round-trip latency between two
+// ranks against a hand-written minimal ping-pong, and barrier_all latency by world size.
+//
+//   weft_bench_primitives [--sizes 1K:1G[:4] | --sizes 4K,1M,...] [--iters N] [--warmup N] [--dtype u8]
+//                         [--world 2,4,8] [--check] [--json FILE]
+//
+// Ranks are threads of this process (weft::run_local), all on GPU 0: the "remote" memory is local HBM, so
+// a put is a device copy and cudaMemcpy D2D of the same bytes is its roofline (multi-GPU figures need
+// one GPU per rank and an NVLink roofline: not measured here).
+// Sizes are bytes whatever --dtype says (the dtype is recorded in the JSON). Buffers rotate through a
+// 256 MiB pool so that sizes below the L2 do not run from the L2.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "weft/common/dtype.hpp"
+#include "weft/device.cuh"
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft::bench {
+namespace {
+
+using device::Block;
+using device::SignalOp;
+using device::Thread;
+using device::Warp;
+namespace shmem = device::shmem;
+namespace tile = device::tile;
+
+// ------------------------------------------------------------------------------------------------
+// Command line.
+
+struct Options {
+    std::vector<uint64_t> sizes;
+    int iters = 20;
+    int warmup = 3;
+    std::string dtype = "u8";
+    std::vector<int> worlds = {2, 4, 8};
+    bool check = false;
+    std::string json;
+};
+
+std::vector<std::string> split(const std::string& s, char sep) {
+    std::vector<std::string> out;
+    std::stringstream ss(s);
+    std::string item;
+    while (std::getline(ss, item, sep)) {
+        out.push_back(item);
+    }
+    return out;
+}
+
+// "4K,1M,3G" or "A:B" (A, 4A, 16A, ... up to B) or "A:B:F" (factor F).
+std::vector<uint64_t> parse_sizes(const std::string& text) {
+    std::vector<uint64_t> sizes;
+    if (text.find(':') != std::string::npos) {
+        const auto parts = split(text, ':');
+        WEFT_CHECK(parts.size() == 2 || parts.size() == 3, "--sizes: expected A:B or A:B:F, got '" << text << "'");
+        const uint64_t lo = env::parse_bytes(parts[0], "--sizes");
+        const uint64_t hi = env::parse_bytes(parts[1], "--sizes");
+        const uint64_t factor = parts.size() == 3 ? env::parse_bytes(parts[2], "--sizes factor") : 4;
+        WEFT_CHECK(lo >= 1 && lo <= hi && factor >= 2, "--sizes: need 1 <= A <= B and F >= 2, got '" << text << "'");
+        for (uint64_t s = lo; s <= hi; s *= factor) {
+            sizes.push_back(s);
+        }
+    } else {
+        for (const std::string& p : split(text, ',')) {
+            const uint64_t s = env::parse_bytes(p, "--sizes");
+            WEFT_CHECK(s >= 1, "--sizes: sizes must be >= 1 byte, got '" << p << "'");
+            sizes.push_back(s);
+        }
+    }
+    return sizes;
+}
+
+Options parse_options(int argc, char** argv) {
+    Options o;
+    o.sizes = parse_sizes("1K:1G");
+    for (int i = 1; i < argc; ++i) {
+        const std::string arg = argv[i];
+        const auto value = [&](const char* name) -> std::string {
+            WEFT_CHECK(i + 1 < argc, name << " needs a value");
+            return argv[++i];
+        };
+        if (arg == "--sizes") {
+            o.sizes = parse_sizes(value("--sizes"));
+        } else if (arg == "--iters") {
+            o.iters = static_cast<int>(env::parse_int(value("--iters"), "--iters"));
+            WEFT_CHECK(o.iters >= 1, "--iters must be >= 1, got " << o.iters);
+        } else if (arg == "--warmup") {
+            o.warmup = static_cast<int>(env::parse_int(value("--warmup"), "--warmup"));
+            WEFT_CHECK(o.warmup >= 0, "--warmup must be >= 0, got " << o.warmup);
+        } else if (arg == "--dtype") {
+            o.dtype = value("--dtype");
+            bool known = false;
+            for (DType t : {DType::kBF16, DType::kF16, DType::kF32, DType::kF8E4M3, DType::kI32, DType::kI64, DType::kU8}) {
+                known = known || o.dtype == dtype_name(t);
+            }
+            WEFT_CHECK(known, "--dtype: unknown dtype '" << o.dtype << "' (bf16, f16, f32, f8e4m3, i32, i64, u8)");
+        } else if (arg == "--world") {
+            o.worlds.clear();
+            for (const std::string& p : split(value("--world"), ',')) {
+                const int w = static_cast<int>(env::parse_int(p, "--world"));
+                WEFT_CHECK(w >= 2 && w <= 64, "--world: sizes between 2 and 64, got " << w);
+                o.worlds.push_back(w);
+            }
+        } else if (arg == "--check") {
+            o.check = true;
+        } else if (arg == "--json") {
+            o.json = value("--json");
+        } else if (arg == "--help" || arg == "-h") {
+            std::printf("usage: %s [--sizes 1K:1G[:4]|A,B,...] [--iters N] [--warmup N] [--dtype u8] "
+                        "[--world 2,4,8] [--check] [--json FILE]\n",
+                        argv[0]);
+            std::exit(0);
+        } else {
+            WEFT_FAIL("unknown option '" << arg << "' (try --help)");
+        }
+    }
+    return o;
+}
+
+std::string format_bytes(uint64_t b) {
+    const char* units[] = {"B", "K", "M", "G"};
+    int u = 0;
+    while (u < 3 && b >= 1024 && b % 1024 == 0) {
+        b /= 1024;
+        ++u;
+    }
+    return std::to_string(b) + units[u];
+}
+
+// ------------------------------------------------------------------------------------------------
+// Kernels.
+
+__host__ __device__ inline uint8_t pattern(uint64_t seed, uint64_t i) {
+    uint64_t x = seed ^ (i * 0x9e3779b97f4a7c15ull);
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return static_cast<uint8_t>(x >> 40);
+}
+
+__global__ void fill_kernel(uint8_t* p, uint64_t bytes, uint64_t seed) {
+    for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < bytes; i += gridDim.x * uint64_t{blockDim.x}) {
+        p[i] = pattern(seed, i);
+    }
+}
+
+__global__ void count_mismatches_kernel(const uint8_t* p, uint64_t bytes, uint64_t seed, unsigned long long* bad) {
+    for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < bytes; i += gridDim.x * uint64_t{blockDim.x}) {
+        if (p[i] != pattern(seed, i)) {
+            atomicAdd(bad, 1ull);
+        }
+    }
+}
+
+template <class G>
+__device__ int unit_index() {
+    const int tid = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+    if constexpr (std::is_same_v<G, Thread>) {
+        return tid;
+    } else if constexpr (std::is_same_v<G, Warp>) {
+        return tid / 32;
+    } else {
+        return static_cast<int>(blockIdx.x);
+    }
+}
+template <class G>
+__device__ int unit_count() {
+    const int threads = static_cast<int>(gridDim.x * blockDim.x);
+    if constexpr (std::is_same_v<G, Thread>) {
+        return threads;
+    } else if constexpr (std::is_same_v<G, Warp>) {
+        return threads / 32;
+    } else {
+        return static_cast<int>(gridDim.x);
+    }
+}
+
+// Every group instance moves one contiguous, 16-byte aligned slice of the message.
+template <class G, bool kGet>
+__global__ void bandwidth_kernel(DeviceCtx ctx, uint8_t* local, uint8_t* symmetric, uint64_t bytes, int pe) {
+    G g;
+    const auto units = static_cast<uint64_t>(unit_count<G>());
+    const uint64_t per = ((bytes + units - 1) / units + 15) / 16 * 16;
+    const uint64_t begin = static_cast<uint64_t>(unit_index<G>()) * per;
+    if (begin >= bytes) {
+        return;
+    }
+    const uint64_t len = per < bytes - begin ? per : bytes - begin;
+    if constexpr (kGet) {
+        shmem::getmem_nbi(g, ctx, local + begin, symmetric + begin, len, pe);
+    } else {
+        shmem::putmem_nbi(g, ctx, symmetric + begin, local + begin, len, pe);
+    }
+}
+
+enum class PingPong : int { kRawGpu = 0, kRawSys, kTileGpu, kTileSys, kShmemSys, kPutSignalSys, kCount };
+const char* ping_pong_name(PingPong v) {
+    switch (v) {
+        case PingPong::kRawGpu: return "hand-written st.release/ld.acquire .gpu";
+        case PingPong::kRawSys: return "hand-written st.release/ld.acquire .sys";
+        case PingPong::kTileGpu: return "tile::notify/wait<gpu>";
+        case PingPong::kTileSys: return "tile::notify/wait<sys>";
+        case PingPong::kShmemSys: return "shmem::signal_op/signal_wait_until";
+        case PingPong::kPutSignalSys: return "shmem::putmem_signal 8 B + wait";
+        case PingPong::kCount: break;
+    }
+    return "?";
+}
+
+// The minimal baseline: no backoff, no timer; bounded by a poll count only.
+template <ptx::Scope C>
+__device__ bool raw_wait(const uint64_t* sig, uint64_t value) {
+    for (uint64_t polls = 0; polls < (1ull << 32); ++polls) {
+        if (ptx::ld<ptx::Sem::kAcquire, C>(sig) >= value) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// One thread per rank. Rank 0 sends i and waits for i back; rank 1 echoes. Rank 0 times `iters`
+// round trips (after `warmup` untimed ones) with %globaltimer.
+__global__ void ping_pong_kernel(DeviceCtx ctx, PingPong v, uint64_t* sig, uint8_t* data, int warmup, int iters,
+                                 uint64_t* result_ns) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) {
+        return;
+    }
+    const int me = ctx.rank;
+    const int peer = 1 - me;
+    uint64_t* peer_sig = tile::symm_at(ctx, sig, peer);
+    bool ok = true;
+    const auto send = [&](uint64_t i) {
+        switch (v) {
+            case PingPong::kRawGpu: ptx::st<ptx::Sem::kRelease, ptx::Scope::kGpu>(peer_sig, i); break;
+            case PingPong::kRawSys: ptx::st<ptx::Sem::kRelease, ptx::Scope::kSys>(peer_sig, i); break;
+            case PingPong::kTileGpu: tile::notify<ptx::Scope::kGpu>(Thread{}, ctx, sig, peer, 1); break;
+            case PingPong::kTileSys: tile::notify(Thread{}, ctx, sig, peer, 1); break;
+            case PingPong::kShmemSys: shmem::signal_op(Thread{}, ctx, sig, 1, SignalOp::kAdd, peer); break;
+            case PingPong::kPutSignalSys:
+                shmem::putmem_signal(Thread{}, ctx, data, data + 64, 8, sig, 1, SignalOp::kAdd, peer);
+                break;
+            case PingPong::kCount: break;
+        }
+    };
+    const auto wait = [&](uint64_t i) {
+        switch (v) {
+            case PingPong::kRawGpu: ok = ok && raw_wait<ptx::Scope::kGpu>(sig, i); break;
+            case PingPong::kRawSys: ok = ok && raw_wait<ptx::Scope::kSys>(sig, i); break;
+            case PingPong::kTileGpu: tile::wait<ptx::Scope::kGpu>(Thread{}, ctx, sig, 1, Cmp::kGe, i); break;
+            case PingPong::kTileSys: tile::wait(Thread{}, ctx, sig, 1, Cmp::kGe, i); break;
+            case PingPong::kShmemSys:
+            case PingPong::kPutSignalSys: shmem::signal_wait_until(Thread{}, ctx, sig, Cmp::kGe, i); break;
+            case PingPong::kCount: break;
+        }
+    };
+    uint64_t start = 0;
+    const int total = warmup + iters;
+    for (int k = 1; k <= total && ok; ++k) {
+        if (k == warmup + 1) {
+            start = ptx::globaltimer();
+        }
+        const auto i = static_cast<uint64_t>(k);
+        if (me == 0) {
+            send(i);
+            wait(i);
+        } else {
+            wait(i);
+            send(i);
+        }
+    }
+    if (me == 0) {
+        *result_ns = ok ? ptx::globaltimer() - start : ~0ull;
+    }
+}
+
+template <class G>
+__global__ void barrier_kernel(DeviceCtx ctx, uint64_t* psync, int warmup, int iters, uint64_t* result_ns) {
+    G g;
+    if constexpr (std::is_same_v<G, Thread>) {
+        if (threadIdx.x != 0) {
+            return;
+        }
+    }
+    for (int k = 0; k < warmup; ++k) {
+        shmem::barrier_all(g, ctx, psync);
+    }
+    const uint64_t start = ptx::globaltimer();
+    for (int k = 0; k < iters; ++k) {
+        shmem::barrier_all(g, ctx, psync);
+    }
+    if (g.is_leader()) {
+        *result_ns = ptx::globaltimer() - start;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side.
+
+class Stream {
+public:
+    Stream() { WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+    ~Stream() { cudaStreamDestroy(s_); }
+    operator cudaStream_t() const { return s_; }
+
+private:
+    cudaStream_t s_ = nullptr;
+};
+
+class Events {
+public:
+    Events() {
+        WEFT_CUDA_CHECK(cudaEventCreate(&a_));
+        WEFT_CUDA_CHECK(cudaEventCreate(&b_));
+    }
+    ~Events() {
+        cudaEventDestroy(a_);
+        cudaEventDestroy(b_);
+    }
+    void start(cudaStream_t s) { WEFT_CUDA_CHECK(cudaEventRecord(a_, s)); }
+    float stop_ms(cudaStream_t s) {
+        WEFT_CUDA_CHECK(cudaEventRecord(b_, s));
+        WEFT_CUDA_CHECK(cudaEventSynchronize(b_));
+        float ms = 0;
+        WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, a_, b_));
+        return ms;
+    }
+
+private:
+    cudaEvent_t a_ = nullptr, b_ = nullptr;
+};
+
+constexpr int kScopes = 3;
+const char* kScopeNames[kScopes] = {"thread", "warp", "block"};
+
+struct BandwidthRow {
+    uint64_t bytes = 0;
+    double roofline_gbps = 0;
+    double put_gbps[kScopes] = {};
+    double get_gbps[kScopes] = {};
+    bool checked = false;
+    uint64_t mismatches = 0;
+};
+
+struct PingPongRow {
+    PingPong variant;
+    double round_trip_us = 0;
+};
+
+struct BarrierRow {
+    int world;
+    const char* group;
+    double us = 0;
+};
+
+constexpr uint64_t kPoolBytes = 256ull << 20;  // rotate through this much memory (> 4x the 60 MB L2)
+constexpr int kThreadsPerBlock = 256;
+
+uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+// Launch `count` timed operations on `stream` and return GB/s (bytes per op / time per op).
+template <class Launch>
+double time_gbps(cudaStream_t stream, uint64_t bytes, int warmup, int iters, const Launch& launch) {
+    for (int k = 0; k < warmup; ++k) {
+        launch(k);
+    }
+    WEFT_CUDA_CHECK(cudaGetLastError());
+    Events ev;
+    ev.start(stream);
+    for (int k = 0; k < iters; ++k) {
+        launch(warmup + k);
+    }
+    WEFT_CUDA_CHECK(cudaGetLastError());
+    const double ms = ev.stop_ms(stream);
+    return static_cast<double>(bytes) * iters / (ms * 1e-3) / 1e9;
+}
+
+template <class G, bool kGet>
+void launch_bandwidth(int blocks, cudaStream_t stream, const DeviceCtx& ctx, uint8_t* local, uint8_t* symmetric,
+                      uint64_t bytes, int pe) {
+    bandwidth_kernel<G, kGet><<<blocks, kThreadsPerBlock, 0, stream>>>(ctx, local, symmetric, bytes, pe);
+}
+
+uint64_t count_mismatches(cudaStream_t stream, const uint8_t* p, uint64_t bytes, uint64_t seed) {
+    unsigned long long* bad = nullptr;
+    WEFT_CUDA_CHECK(cudaMalloc(&bad, sizeof(*bad)));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(bad, 0, sizeof(*bad), stream));
+    count_mismatches_kernel<<<264, 256, 0, stream>>>(p, bytes, seed, bad);
+    unsigned long long h = 0;
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(&h, bad, sizeof(h), cudaMemcpyDeviceToHost, stream));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    cudaFree(bad);
+    return h;
+}
+
+// Two ranks on one world: rank 0 puts to / gets from rank 1 while rank 1 waits at the host barrier.
+void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows) {
+    Stream stream;
+    const uint64_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
+    const uint64_t pool = std::max(kPoolBytes, round_up(max_size, 256));
+    auto* symmetric = static_cast<uint8_t*>(w.heap().alloc(pool));
+    uint8_t* local = nullptr;
+    WEFT_CUDA_CHECK(cudaMalloc(&local, pool));
+    const uint64_t seed_a = 0x1234567ull + static_cast<uint64_t>(w.rank());
+    const uint64_t seed_b = 0xabcdefull;
+    fill_kernel<<<264, 256, 0, stream>>>(local, pool, seed_a);
+    fill_kernel<<<264, 256, 0, stream>>>(symmetric, pool, seed_b);
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const DeviceCtx ctx = w.device_ctx();
+    const int blocks = w.sm_budget();
+    w.barrier();
+    for (uint64_t bytes : o.sizes) {
+        BandwidthRow row;
+        row.bytes = bytes;
+        const uint64_t stride = round_up(bytes, 256);
+        const uint64_t slots = std::max<uint64_t>(1, pool / stride);
+        const auto offset = [&](int k) { return (static_cast<uint64_t>(k) % slots) * stride; };
+        if (w.rank() == 0) {
+            row.roofline_gbps = time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(symmetric + offset(k), local + offset(k), bytes,
+                                                cudaMemcpyDeviceToDevice, stream));
+            });
+            const auto put = [&](auto launcher) {
+                return time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
+                    launcher(blocks, stream, ctx, local + offset(k), symmetric + offset(k), bytes, 1);
+                });
+            };
+            row.put_gbps[0] = put(launch_bandwidth<Thread, false>);
+            row.put_gbps[1] = put(launch_bandwidth<Warp, false>);
+            row.put_gbps[2] = put(launch_bandwidth<Block, false>);
+            if (o.check) {
+                // Rank 1's slot 0 now holds rank 0's local slot 0 (pattern A).
+                row.mismatches += count_mismatches(stream, w.heap().symm_at(symmetric, 1), bytes, seed_a);
+            }
+        }
+        w.barrier();
+        if (o.check && w.rank() == 1) {
+            fill_kernel<<<264, 256, 0, stream>>>(symmetric, pool, seed_b);  // pattern B for the gets
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        }
+        w.barrier();
+        if (w.rank() == 0) {
+            const auto get = [&](auto launcher) {
+                return time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
+                    launcher(blocks, stream, ctx, local + offset(k), symmetric + offset(k), bytes, 1);
+                });
+            };
+            row.get_gbps[0] = get(launch_bandwidth<Thread, true>);
+            row.get_gbps[1] = get(launch_bandwidth<Warp, true>);
+            row.get_gbps[2] = get(launch_bandwidth<Block, true>);
+            if (o.check) {
+                row.mismatches += count_mismatches(stream, local, bytes, seed_b);
+                fill_kernel<<<264, 256, 0, stream>>>(local, pool, seed_a);  // pattern A again for the next puts
+                WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+                row.checked = true;
+            }
+            rows->push_back(row);
+        }
+        w.barrier();
+    }
+    w.barrier();
+    cudaFree(local);
+    w.heap().free(symmetric);
+}
+
+void run_ping_pong(World& w, const Options& o, std::vector<PingPongRow>* rows) {
+    Stream stream;
+    const int iters = std::max(2000, o.iters * 500);
+    const int warmup = std::max(100, o.warmup * 50);
+    auto* data = static_cast<uint8_t*>(w.heap().alloc(256));
+    uint64_t* result = nullptr;
+    WEFT_CUDA_CHECK(cudaMalloc(&result, sizeof(uint64_t)));
+    for (int v = 0; v < static_cast<int>(PingPong::kCount); ++v) {
+        const auto variant = static_cast<PingPong>(v);
+        uint64_t* sig = w.heap().alloc_signals(1);  // fresh words: every variant counts from zero
+        w.barrier();
+        ping_pong_kernel<<<1, 32, 0, stream>>>(w.device_ctx(), variant, sig, data, warmup, iters, result);
+        WEFT_CUDA_CHECK(cudaGetLastError());
+        w.sync_and_check(stream);
+        if (w.rank() == 0) {
+            uint64_t ns = 0;
+            WEFT_CUDA_CHECK(cudaMemcpy(&ns, result, sizeof(ns), cudaMemcpyDeviceToHost));
+            WEFT_CHECK(ns != ~0ull, ping_pong_name(variant) << ": the hand-written wait gave up (poll bound)");
+            rows->push_back(PingPongRow{variant, static_cast<double>(ns) / iters / 1e3});
+        }
+        w.barrier();
+        w.heap().free(sig);
+    }
+    cudaFree(result);
+    w.heap().free(data);
+}
+
+void run_barrier(World& w, const Options& o, std::vector<BarrierRow>* rows) {
+    Stream stream;
+    const int iters = std::max(1000, o.iters * 100);
+    const int warmup = std::max(50, o.warmup * 20);
+    uint64_t* psync = w.heap().alloc_signals(static_cast<uint64_t>(w.num_ranks()));
+    uint64_t* result = nullptr;
+    WEFT_CUDA_CHECK(cudaMalloc(&result, sizeof(uint64_t)));
+    for (int g = 0; g < 2; ++g) {
+        w.barrier();
+        if (g == 0) {
+            barrier_kernel<Thread><<<1, 32, 0, stream>>>(w.device_ctx(), psync, warmup, iters, result);
+        } else {
+            barrier_kernel<Block><<<1, 128, 0, stream>>>(w.device_ctx(), psync, warmup, iters, result);
+        }
+        WEFT_CUDA_CHECK(cudaGetLastError());
+        w.sync_and_check(stream);
+        if (w.rank() == 0) {
+            uint64_t ns = 0;
+            WEFT_CUDA_CHECK(cudaMemcpy(&ns, result, sizeof(ns), cudaMemcpyDeviceToHost));
+            rows->push_back(BarrierRow{w.num_ranks(), g == 0 ? "thread" : "block", static_cast<double>(ns) / iters / 1e3});
+        }
+    }
+    w.barrier();
+    cudaFree(result);
+    w.heap().free(psync);
+}
+
+std::string utc_date() {
+    const std::time_t t = std::time(nullptr);
+    char buf[32];
+    std::strftime(buf, sizeof(buf), "%Y-%m-%d", std::gmtime(&t));
+    return buf;
+}
+
+int run(int argc, char** argv) {
+    const Options o = parse_options(argc, argv);
+    int sms = 0;
+    cudaDeviceProp prop{};
+    WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    sms = prop.multiProcessorCount;
+    const uint64_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
+
+    // Bandwidth: rank 1 is idle while rank 0 measures, so rank 0 may use every SM.
+    std::vector<BandwidthRow> bw;
+    WorldOptions big;
+    big.heap_bytes = round_up(std::max(kPoolBytes, round_up(max_size, 256)) + (64ull << 20), 2ull << 20);
+    big.sm_budget = sms;
+    big.device = 0;  // every rank on GPU 0: "remote" memory is local HBM, the copy roofline applies
+    run_local(2, [&](World& w) { run_bandwidth(w, o, &bw); }, big);
+
+    std::vector<PingPongRow> pp;
+    WorldOptions small;
+    small.heap_bytes = 64ull << 20;
+    small.device = 0;  // ranks share GPU 0 (so the .gpu-scope ping-pong is valid)
+    run_local(2, [&](World& w) { run_ping_pong(w, o, &pp); }, small);
+
+    std::vector<BarrierRow> bar;
+    for (int n : o.worlds) {
+        run_local(n, [&](World& w) { run_barrier(w, o, &bar); }, small);
+    }
+
+    // Table.
+    std::printf("weft primitives benchmark: %s (%d SMs), %s, ranks share one GPU, iters %d, warmup %d, dtype %s%s\n",
+                prop.name, sms, utc_date().c_str(), o.iters, o.warmup, o.dtype.c_str(), o.check ? ", checked" : "");
+    std::printf("\nput/get bandwidth, rank 0 <-> rank 1 (GB/s = bytes / time; roofline = cudaMemcpy D2D of the same bytes)\n");
+    std::printf("%8s %9s | %9s %9s %9s | %9s %9s %9s | %6s%s\n", "size", "roofline", "put.thrd", "put.warp",
+                "put.block", "get.thrd", "get.warp", "get.block", "best/r", o.check ? "  check" : "");
+    bool all_ok = true;
+    for (const BandwidthRow& r : bw) {
+        const double best = std::max({r.put_gbps[0], r.put_gbps[1], r.put_gbps[2], r.get_gbps[0], r.get_gbps[1], r.get_gbps[2]});
+        std::printf("%8s %9.1f | %9.1f %9.1f %9.1f | %9.1f %9.1f %9.1f | %6.2f%s\n", format_bytes(r.bytes).c_str(),
+                    r.roofline_gbps, r.put_gbps[0], r.put_gbps[1], r.put_gbps[2], r.get_gbps[0], r.get_gbps[1],
+                    r.get_gbps[2], best / r.roofline_gbps,
+                    r.checked ? (r.mismatches == 0 ? "  ok" : "  FAILED") : "");
+        all_ok = all_ok && r.mismatches == 0;
+    }
+    std::printf("\nsignal round trip, 2 ranks, one thread each (us per round trip; ratio to the hand-written ping-pong at the same scope)\n");
+    double raw_gpu = 0, raw_sys = 0;
+    for (const PingPongRow& r : pp) {
+        if (r.variant == PingPong::kRawGpu) raw_gpu = r.round_trip_us;
+        if (r.variant == PingPong::kRawSys) raw_sys = r.round_trip_us;
+    }
+    for (const PingPongRow& r : pp) {
+        const bool gpu = r.variant == PingPong::kRawGpu || r.variant == PingPong::kTileGpu;
+        const double base = gpu ? raw_gpu : raw_sys;
+        std::printf("%-44s %8.3f %6.2f\n", ping_pong_name(r.variant), r.round_trip_us, base > 0 ? r.round_trip_us / base : 0.0);
+    }
+    std::printf("\nbarrier_all latency (us per barrier, one group per rank)\n%6s %7s %9s\n", "world", "group", "us");
+    for (const BarrierRow& r : bar) {
+        std::printf("%6d %7s %9.3f\n", r.world, r.group, r.us);
+    }
+
+    if (!o.json.empty()) {
+        std::ofstream f(o.json);
+        WEFT_CHECK(f.good(), "--json: cannot write '" << o.json << "'");
+        f << "{\n  \"bench\": \"primitives\",\n  \"device\": \"" << prop.name << "\",\n  \"sms\": " << sms
+          << ",\n  \"date\": \"" << utc_date() << "\",\n  \"iters\": " << o.iters << ",\n  \"warmup\": " << o.warmup
+          << ",\n  \"dtype\": \"" << o.dtype << "\",\n  \"bandwidth_gbps\": [";
+        for (size_t i = 0; i < bw.size(); ++i) {
+            const BandwidthRow& r = bw[i];
+            f << (i ? "," : "") << "\n    {\"bytes\": " << r.bytes << ", \"roofline\": " << r.roofline_gbps;
+            for (int s = 0; s < kScopes; ++s) {
+                f << ", \"put_" << kScopeNames[s] << "\": " << r.put_gbps[s];
+            }
+            for (int s = 0; s < kScopes; ++s) {
+                f << ", \"get_" << kScopeNames[s] << "\": " << r.get_gbps[s];
+            }
+            if (r.checked) {
+                f << ", \"mismatches\": " << r.mismatches;
+            }
+            f << "}";
+        }
+        f << "\n  ],\n  \"round_trip_us\": [";
+        for (size_t i = 0; i < pp.size(); ++i) {
+            f << (i ? "," : "") << "\n    {\"variant\": \"" << ping_pong_name(pp[i].variant)
+              << "\", \"us\": " << pp[i].round_trip_us << "}";
+        }
+        f << "\n  ],\n  \"barrier_us\": [";
+        for (size_t i = 0; i < bar.size(); ++i) {
+            f << (i ? "," : "") << "\n    {\"world\": " << bar[i].world << ", \"group\": \"" << bar[i].group
+              << "\", \"us\": " << bar[i].us << "}";
+        }
+        f << "\n  ]\n}\n";
+        std::printf("\nwrote %s\n", o.json.c_str());
+    }
+    return all_ok ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace weft::bench
+
+int main(int argc, char** argv) {
+    try {
+        return weft::bench::run(argc, argv);
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "weft_bench_primitives: %s\n", e.what());
+        return 2;
+    }
+}

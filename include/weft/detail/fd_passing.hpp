@@ -1,0 +1,63 @@
+// SPDX-License-Identifier: MIT
+// Passing file descriptors between processes of one host over abstract Unix-domain sockets (SCM_RIGHTS);
+// an implementation detail of the symmetric heap, exposed for its unit tests.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace weft {
+class Store;
+}
+
+namespace weft::detail {
+
+/// Owns a file descriptor; closes it on destruction.
+class UniqueFd {
+public:
+    UniqueFd() = default;
+    explicit UniqueFd(int fd) : fd_(fd) {}
+    ~UniqueFd() { reset(); }
+    UniqueFd(UniqueFd&& other) noexcept : fd_(other.release()) {}
+    UniqueFd& operator=(UniqueFd&& other) noexcept {
+        if (this != &other) reset(other.release());
+        return *this;
+    }
+    UniqueFd(const UniqueFd&) = delete;
+    UniqueFd& operator=(const UniqueFd&) = delete;
+    int get() const { return fd_; }
+    int release() {
+        int fd = fd_;
+        fd_ = -1;
+        return fd;
+    }
+    void reset(int fd = -1);
+
+private:
+    int fd_ = -1;
+};
+
+/// Everything the exchange needs to know about one rank.
+struct FdExchange {
+    std::string job_id;  ///< random, shared by every rank: names the sockets, checked in messages
+    int rank = 0;
+    std::vector<int> local_peers;  ///< ranks on this host (not this rank) to send to and receive from
+    uint64_t heap_bytes = 0;       ///< checked in every message
+    Store* store = nullptr;        ///< for the barriers that order listen -> send -> close
+    int num_ranks = 0;
+    std::chrono::milliseconds timeout{10000};
+};
+
+/// The abstract socket (no file; "@name" in ss -x) on which `rank` of job `job_id` receives descriptors.
+std::string heap_socket_name(const std::string& job_id, int rank);
+
+/// Sends `own_fd` to every local peer and receives one descriptor from each; returns rank -> descriptor.
+/// Collective over all ranks (it runs store barriers, so ranks without local peers call it too). Messages
+/// from a process of another user, of another job, or of an unexpected rank are dropped with a warning.
+/// Throws weft::Error naming the missing ranks when not every descriptor arrives in time.
+std::map<int, UniqueFd> exchange_fds(const FdExchange& exchange, int own_fd);
+
+}  // namespace weft::detail

@@ -1,0 +1,51 @@
+// SPDX-License-Identifier: MIT
+// Translating a local symmetric-heap pointer to a peer's mapped address (nvshmem_ptr semantics).
+#pragma once
+
+#include "weft/common/device_ctx.hpp"
+#include "weft/device/spin.cuh"
+
+namespace weft::device {
+
+/// The address of the object that `local` names in this rank's symmetric heap, as the same object in
+/// rank `pe`'s heap is mapped here, for load/store access. nullptr when `pe` is out of range, `local`
+/// is not inside this rank's heap (every symmetric object is), or `pe` is not load/store reachable
+/// (then a put/get transport would be needed; only load/store exists today). Any thread may call it.
+template <class T>
+__device__ __forceinline__ T* symm_at(const DeviceCtx& ctx, T* local, int pe) {
+    const auto a = reinterpret_cast<uintptr_t>(local);
+    const auto base = reinterpret_cast<uintptr_t>(ctx.heap_base);
+    if (a < base || a - base >= ctx.heap_bytes || pe < 0 || pe >= ctx.num_ranks) {
+        return nullptr;
+    }
+    if (pe == ctx.rank) {
+        return local;
+    }
+    if (ctx.peer_bases == nullptr) {
+        return nullptr;
+    }
+    uint8_t* peer_base = ctx.peer_bases[pe];
+    if (peer_base == nullptr) {
+        return nullptr;
+    }
+    return reinterpret_cast<T*>(peer_base + (a - base));
+}
+
+/// symm_at() for the put/get/signal paths: a null result ends the kernel with a diagnostic of kind
+/// kUnreachablePeer naming the local address and the peer (expected = pe, observed = heap offset or
+/// ~0 when the pointer is outside the heap), instead of faulting on a null pointer later.
+template <class T>
+__device__ __forceinline__ T* symm_at_or_trap(const DeviceCtx& ctx, T* local, int pe, int line) {
+    T* p = symm_at(ctx, local, pe);
+    if (p == nullptr) {
+        const auto a = reinterpret_cast<uintptr_t>(local);
+        const auto base = reinterpret_cast<uintptr_t>(ctx.heap_base);
+        const uint64_t offset = (a >= base && a - base < ctx.heap_bytes) ? a - base : ~0ull;
+        const int32_t peer = (pe >= 0 && pe < ctx.num_ranks) ? pe : -1;
+        fail_and_trap(ctx, SpinSite{SpinKind::kUnreachablePeer, peer, line}, Cmp::kEq, local,
+                      static_cast<uint64_t>(static_cast<int64_t>(pe)), offset, 0);
+    }
+    return p;
+}
+
+}  // namespace weft::device

@@ -1,0 +1,47 @@
+// SPDX-License-Identifier: MIT
+// Where the JIT finds weft's headers, the CUDA toolkit's headers and its cache, at run time.
+//
+// Nothing here is baked in at build time: a build tree or an install can move and still be found.
+#pragma once
+
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace weft::jit {
+
+/// The include roots NVRTC searches, in order: `extra` (tests, user kernels), weft's `include/`,
+/// weft's `kernels/`, then the toolkit's directories.
+struct IncludeRoots {
+    std::vector<std::filesystem::path> extra;       ///< searched first; may shadow weft's headers
+    std::filesystem::path weft_include;             ///< contains weft/device/token.cuh
+    std::filesystem::path weft_kernels;             ///< contains one folder per kernel family
+    std::vector<std::filesystem::path> cuda;        ///< toolkit include dir (+ its cccl/ subfolder)
+    std::string found_by;                           ///< how weft's roots were found (for logs)
+
+    /// weft's roots in search order: extra, weft_include, weft_kernels (the ones whose headers are
+    /// hashed into the cache key).
+    std::vector<std::filesystem::path> weft_roots() const;
+};
+
+/// Finds weft's roots: WEFT_HOME (a directory holding include/ and kernels/, or an install prefix
+/// holding include/ and share/weft/kernels) when set; else the nearest ancestor of the running
+/// executable and of the library's own file that holds a source tree or an install layout.
+/// Throws weft::Error listing every place searched when none matches.
+IncludeRoots find_include_roots();
+
+/// The weft roots under `dir` if it is a source tree (include/weft/device/token.cuh and kernels/) or
+/// an install prefix (include/weft/device/token.cuh and share/weft/kernels/); nullopt otherwise.
+std::optional<IncludeRoots> weft_roots_at(const std::filesystem::path& dir);
+
+/// The toolkit include directories NVRTC needs: CUDA_HOME or CUDA_PATH when set; else derived from
+/// the location of the loaded libnvrtc; else /usr/local/cuda. The first directory holding
+/// cuda_fp16.h wins; its cccl/ subfolder (CUDA 13 keeps libcu++ there) is added when present.
+/// Throws weft::Error listing every place searched when none matches.
+std::vector<std::filesystem::path> find_cuda_include_dirs();
+
+/// WEFT_CACHE_DIR, else $XDG_CACHE_HOME/weft, else $HOME/.cache/weft; nullopt when none is set.
+std::optional<std::filesystem::path> default_cache_dir();
+
+}  // namespace weft::jit

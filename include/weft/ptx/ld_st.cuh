@@ -1,0 +1,109 @@
+// SPDX-License-Identifier: MIT
+// ld / st with an explicit PTX semantic and scope, for 32-bit, 64-bit and 16-byte (v4.b32) accesses.
+//
+//     uint64_t v = ptx::ld<Sem::kAcquire, Scope::kSys>(flag);
+//     ptx::st<Sem::kRelease, Scope::kSys>(flag, v + 1);
+//     uint4 q = ptx::ld(src4);                                  // weak (plain) 16-byte load
+//
+// Addresses are generic (global or shared). Every access is `asm volatile` with a "memory" clobber, so
+// the compiler neither drops, merges nor moves memory accesses across it; the hardware ordering is the
+// semantic's. Loads accept kWeak, kRelaxed, kAcquire, kVolatile; stores kWeak, kRelaxed, kRelease,
+// kVolatile. The scope is ignored for kWeak and kVolatile. Never use `.nc` loads (`__ldg`) on memory
+// another agent writes: nothing here emits them.
+#pragma once
+
+#include "weft/ptx/memory_order.cuh"
+
+namespace weft::ptx {
+namespace detail {
+
+template <Sem S>
+inline constexpr bool kIsLoadSem = S == Sem::kWeak || S == Sem::kRelaxed || S == Sem::kAcquire || S == Sem::kVolatile;
+template <Sem S>
+inline constexpr bool kIsStoreSem = S == Sem::kWeak || S == Sem::kRelaxed || S == Sem::kRelease || S == Sem::kVolatile;
+
+template <Sem S, Scope C>
+__device__ __forceinline__ uint32_t ld_b32(const void* p) {
+    uint32_t v;
+#define WEFT_EMIT(q) asm volatile("ld" q ".b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory")
+    WEFT_PTX_DISPATCH_SEM_SCOPE(S, C, WEFT_EMIT)
+#undef WEFT_EMIT
+    return v;
+}
+
+template <Sem S, Scope C>
+__device__ __forceinline__ uint64_t ld_b64(const void* p) {
+    uint64_t v;
+#define WEFT_EMIT(q) asm volatile("ld" q ".b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory")
+    WEFT_PTX_DISPATCH_SEM_SCOPE(S, C, WEFT_EMIT)
+#undef WEFT_EMIT
+    return v;
+}
+
+template <Sem S, Scope C>
+__device__ __forceinline__ uint4 ld_v4b32(const void* p) {
+    uint4 v;
+#define WEFT_EMIT(q)                                                                   \
+    asm volatile("ld" q ".v4.b32 {%0, %1, %2, %3}, [%4];"                               \
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory")
+    WEFT_PTX_DISPATCH_SEM_SCOPE(S, C, WEFT_EMIT)
+#undef WEFT_EMIT
+    return v;
+}
+
+template <Sem S, Scope C>
+__device__ __forceinline__ void st_b32(void* p, uint32_t v) {
+#define WEFT_EMIT(q) asm volatile("st" q ".b32 [%0], %1;" ::"l"(p), "r"(v) : "memory")
+    WEFT_PTX_DISPATCH_SEM_SCOPE(S, C, WEFT_EMIT)
+#undef WEFT_EMIT
+}
+
+template <Sem S, Scope C>
+__device__ __forceinline__ void st_b64(void* p, uint64_t v) {
+#define WEFT_EMIT(q) asm volatile("st" q ".b64 [%0], %1;" ::"l"(p), "l"(v) : "memory")
+    WEFT_PTX_DISPATCH_SEM_SCOPE(S, C, WEFT_EMIT)
+#undef WEFT_EMIT
+}
+
+template <Sem S, Scope C>
+__device__ __forceinline__ void st_v4b32(void* p, uint4 v) {
+#define WEFT_EMIT(q)                                                                   \
+    asm volatile("st" q ".v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), \
+                 "r"(v.w)                                                              \
+                 : "memory")
+    WEFT_PTX_DISPATCH_SEM_SCOPE(S, C, WEFT_EMIT)
+#undef WEFT_EMIT
+}
+
+}  // namespace detail
+
+/// Loads one 4-, 8- or 16-byte value (any trivially copyable T of that size, e.g. uint32_t, int64_t,
+/// float, double, uint4) with semantic S at scope C. `p` must be aligned to sizeof(T).
+template <Sem S = Sem::kWeak, Scope C = Scope::kGpu, class T>
+__device__ __forceinline__ T ld(const T* p) {
+    static_assert(detail::kIsLoadSem<S>, "ld: semantic must be kWeak, kRelaxed, kAcquire or kVolatile");
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8 || sizeof(T) == 16, "ld: 4-, 8- or 16-byte values only");
+    if constexpr (sizeof(T) == 4) {
+        return __builtin_bit_cast(T, detail::ld_b32<S, C>(p));
+    } else if constexpr (sizeof(T) == 8) {
+        return __builtin_bit_cast(T, detail::ld_b64<S, C>(p));
+    } else {
+        return __builtin_bit_cast(T, detail::ld_v4b32<S, C>(p));
+    }
+}
+
+/// Stores one 4-, 8- or 16-byte value with semantic S at scope C. `p` must be aligned to sizeof(T).
+template <Sem S = Sem::kWeak, Scope C = Scope::kGpu, class T>
+__device__ __forceinline__ void st(T* p, NoDeduce<T> value) {
+    static_assert(detail::kIsStoreSem<S>, "st: semantic must be kWeak, kRelaxed, kRelease or kVolatile");
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8 || sizeof(T) == 16, "st: 4-, 8- or 16-byte values only");
+    if constexpr (sizeof(T) == 4) {
+        detail::st_b32<S, C>(p, __builtin_bit_cast(uint32_t, value));
+    } else if constexpr (sizeof(T) == 8) {
+        detail::st_b64<S, C>(p, __builtin_bit_cast(uint64_t, value));
+    } else {
+        detail::st_v4b32<S, C>(p, __builtin_bit_cast(uint4, value));
+    }
+}
+
+}  // namespace weft::ptx

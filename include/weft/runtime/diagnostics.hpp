@@ -1,0 +1,21 @@
+// SPDX-License-Identifier: MIT
+// Turns the Diagnostic record a timed-out device spin leaves into the host's error message (pure).
+#pragma once
+
+#include <string>
+
+#include "weft/common/diagnostics.hpp"
+
+namespace weft {
+
+/// One sentence, e.g. "rank 1 block (3,0,0) thread 0 timed out after 10000 ms in signal_wait (GE) on
+/// signal 0x7f0000001000 owned by rank 2: expected >= 5, observed 4". The record must be complete
+/// (claimed == 2); an incomplete one is described as such.
+std::string format_diagnostic(const Diagnostic& record);
+
+/// "signal_wait", "barrier", "tile_wait", "spin" ...; "EQ", "GE" ...; "==", ">=" ...
+const char* spin_kind_name(SpinKind kind);
+const char* cmp_name(Cmp cmp);
+const char* cmp_symbol(Cmp cmp);
+
+}  // namespace weft

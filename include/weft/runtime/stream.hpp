@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: MIT
+// Stream helpers: 32/64-bit value writes and waits on a CUDA stream (copy-engine signalling), and events.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace weft {
+
+/// Enqueues a write of `value` to `addr` (device, host-mapped or peer-mapped memory, 4-byte aligned) on
+/// `stream`, ordered after the work already enqueued there (cuStreamWriteValue32). Use it after a
+/// cudaMemcpyAsync to raise a flag that consumers acquire at .sys scope.
+void stream_write_u32(cudaStream_t stream, uint32_t* addr, uint32_t value);
+/// As stream_write_u32 for a 64-bit word (8-byte aligned; cuStreamWriteValue64).
+void stream_write_u64(cudaStream_t stream, uint64_t* addr, uint64_t value);
+/// Makes `stream` wait until the 32-bit word at `addr` is >= `value` (cuStreamWaitValue32, GEQ).
+/// NOTE: the driver does not bound this wait: use it only where the writer is already enqueued;
+/// kernels use bounded waits instead.
+void stream_wait_u32_geq(cudaStream_t stream, uint32_t* addr, uint32_t value);
+/// Makes `stream` wait until the 64-bit word at `addr` is >= `value` (cuStreamWaitValue64, GEQ); same caveat.
+void stream_wait_u64_geq(cudaStream_t stream, uint64_t* addr, uint64_t value);
+
+/// A CUDA event, destroyed with its owner. Created on the current device.
+class Event {
+public:
+    /// `timing`: whether elapsed_ms may be used (timing events are slower to record).
+    explicit Event(bool timing = false);
+    ~Event();
+    Event(Event&& other) noexcept;
+    Event& operator=(Event&& other) noexcept;
+    Event(const Event&) = delete;
+    Event& operator=(const Event&) = delete;
+
+    void record(cudaStream_t stream);
+    /// Makes `stream` wait for the work captured by the last record().
+    void wait(cudaStream_t stream) const;
+    void synchronize() const;
+    /// True when the recorded work has finished (never blocks).
+    bool query() const;
+    /// Milliseconds from `start` to this event (both timing events, both recorded and finished).
+    float elapsed_ms(const Event& start) const;
+    cudaEvent_t get() const { return event_; }
+
+private:
+    cudaEvent_t event_ = nullptr;
+};
+
+}  // namespace weft

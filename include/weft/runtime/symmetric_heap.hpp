@@ -1,0 +1,76 @@
+// SPDX-License-Identifier: MIT
+// SymmetricHeap: one same-sized device heap per rank; collective allocations land at the same offset everywhere.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace weft {
+
+class SymmetricHeap;
+namespace detail {
+struct HeapImpl;
+struct HeapSetup;
+std::unique_ptr<SymmetricHeap> make_symmetric_heap(const HeapSetup& setup);
+}  // namespace detail
+
+/// Every rank maps a heap of bytes() bytes (WEFT_SYMMETRIC_HEAP_BYTES, default 1 GiB, rounded up to the
+/// VMM granularity) and maps its host's peers' heaps, so that the object at offset o of this heap is at
+/// offset o of every peer's heap. Owned by the World; one per rank.
+///
+/// Collectives (alloc, alloc_array, alloc_signals, free): every rank of the world calls them, with the
+/// same arguments, in the same order. Each call first compares its arguments across ranks through the
+/// store; a mismatch throws weft::Error on every rank, naming the ranks and what each asked for (the
+/// heap stays consistent and usable). A missing rank is a weft::Error after the world's timeout.
+/// Not thread-safe: a rank issues its collectives from one thread at a time.
+class SymmetricHeap {
+public:
+    ~SymmetricHeap();
+    SymmetricHeap(const SymmetricHeap&) = delete;
+    SymmetricHeap& operator=(const SymmetricHeap&) = delete;
+
+    /// Collective. `bytes` > 0; `align` a power of two, at most granularity(). The memory is NOT zeroed
+    /// (it may hold a freed allocation's data). Throws weft::Error when the heap has no room, naming the
+    /// heap size and WEFT_SYMMETRIC_HEAP_BYTES.
+    void* alloc(uint64_t bytes, uint64_t align = 256);
+    /// Collective. `ptr` must be a live allocation of this heap (the value alloc returned).
+    void free(void* ptr);
+    template <class T>
+    T* alloc_array(uint64_t count) {
+        return static_cast<T*>(alloc(count * sizeof(T), alignof(T) < 256 ? 256 : alignof(T)));
+    }
+    /// Collective: `count` 64-bit signal words, zeroed on every rank before it returns on any rank (it ends
+    /// with a barrier), so a peer's first notify can never be overwritten by the zeroing.
+    uint64_t* alloc_signals(uint64_t count);
+
+    /// True when [ptr, ptr + bytes) lies inside this rank's heap.
+    bool contains(const void* ptr, uint64_t bytes = 1) const;
+    /// The address, mapped in this process, of the object at `local_ptr` on `rank`'s heap; nullptr when
+    /// that peer is not load/store reachable from here (another host, or no peer access). Throws
+    /// weft::Error when `local_ptr` is not in this heap or `rank` is out of range.
+    void* symm_at(const void* local_ptr, int rank) const;
+    template <class T>
+    T* symm_at(T* local_ptr, int rank) const {
+        return static_cast<T*>(symm_at(static_cast<const void*>(local_ptr), rank));
+    }
+
+    uint8_t* base() const;
+    uint64_t bytes() const;
+    /// Offset of `ptr` in the heap; throws weft::Error when it is outside.
+    uint64_t offset_of(const void* ptr) const;
+    /// VMM granularity the heap is built from (the largest alignment alloc accepts).
+    uint64_t granularity() const;
+    uint64_t bytes_in_use() const;
+    /// Host table: world rank -> that rank's heap base mapped here (own base at rank()), or nullptr.
+    const std::vector<uint8_t*>& peer_bases() const;
+    int rank() const;
+    int num_ranks() const;
+
+private:
+    friend std::unique_ptr<SymmetricHeap> detail::make_symmetric_heap(const detail::HeapSetup& setup);
+    explicit SymmetricHeap(std::unique_ptr<detail::HeapImpl> impl);
+    std::unique_ptr<detail::HeapImpl> impl_;
+};
+
+}  // namespace weft

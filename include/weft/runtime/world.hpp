@@ -1,0 +1,95 @@
+// SPDX-License-Identifier: MIT
+// World: the set of ranks, each bound to a GPU, with its store, symmetric heap, teams and diagnostics.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "weft/common/device_ctx.hpp"
+#include "weft/common/diagnostics.hpp"
+#include "weft/runtime/store.hpp"
+#include "weft/runtime/symmetric_heap.hpp"
+#include "weft/runtime/team.hpp"
+
+namespace weft {
+
+namespace detail {
+struct WorldSetup;
+struct WorldContext;
+}  // namespace detail
+
+/// Zero means "from the environment, else the default".
+struct WorldOptions {
+    int device = -1;                       ///< -1: LOCAL_RANK % visible devices (run_local: rank % devices)
+    uint64_t heap_bytes = 0;               ///< 0: WEFT_SYMMETRIC_HEAP_BYTES, else 1 GiB
+    int sm_budget = 0;                     ///< 0: WEFT_SM_BUDGET, else the device's SMs / ranks sharing it
+    std::chrono::milliseconds timeout{0};  ///< 0: WEFT_TIMEOUT_MS, else 10 s
+};
+
+/// One rank's view of the job. Created collectively (every rank creates its World; the constructor
+/// exchanges device, host and heap information and maps the peers' heaps); destroyed collectively (the
+/// destructor synchronises the device and meets the other ranks at a bounded barrier before releasing
+/// anything). All methods are called from the rank's own thread (the one that created the World).
+class World {
+public:
+    /// One process per rank, started by weftrun, torchrun, mpirun or srun (see detect_launch_env). Without
+    /// any launcher environment it returns a world of one rank. Sets eager module loading first.
+    static std::unique_ptr<World> from_env(const WorldOptions& options = {});
+
+    ~World();
+    World(const World&) = delete;
+    World& operator=(const World&) = delete;
+
+    int rank() const;
+    int num_ranks() const;
+    int local_rank() const;           ///< index among the ranks of this host
+    int local_num_ranks() const;      ///< ranks on this host
+    int device() const;               ///< CUDA device ordinal this rank uses (current on its thread)
+    int sm_budget() const;            ///< SMs this rank's persistent kernels may use
+    int num_ranks_on_device() const;  ///< ranks sharing this rank's GPU (same host and PCI bus id)
+    std::chrono::milliseconds timeout() const;
+    SymmetricHeap& heap();
+    const SymmetricHeap& heap() const;
+    Store& store();
+    const Team& team() const;       ///< the world team
+    const Team& node_team() const;  ///< the ranks on this host (same host name)
+    /// The world team's DeviceCtx (rank, num_ranks, heap_base, peer_bases, sm_budget, timeout_ns, diag).
+    DeviceCtx device_ctx() const;
+
+    /// Host barrier among all ranks through the store; throws weft::Error after timeout() naming the ranks
+    /// that did not arrive.
+    void barrier();
+
+    /// Throws weft::Error built from the Diagnostic record (rank, block, signal address, expected and
+    /// observed values) when a device spin wrote one; no-op otherwise. The record stays (see clear_diagnostics).
+    void check_diagnostics() const;
+    /// Zeroes the diagnostic record (after a handled timeout in a kernel that did not trap).
+    void clear_diagnostics();
+    /// cudaStreamSynchronize(stream) then check_diagnostics(). When the synchronisation fails (a timed-out
+    /// spin traps, which leaves the CUDA context unusable), throws weft::Error with the diagnosis if one was
+    /// written and the CUDA error's name.
+    void sync_and_check(cudaStream_t stream);
+
+private:
+    friend void run_local(int num_ranks, const std::function<void(World&)>& fn, const WorldOptions& options);
+    explicit World(detail::WorldSetup&& setup);
+
+    std::string diagnostic_message(bool wait_for_writer) const;
+    void shutdown() noexcept;
+
+    std::unique_ptr<detail::WorldContext> ctx_;
+};
+
+/// One process, ranks as threads over the visible GPUs (rank r uses device r % num_devices unless
+/// options.device says otherwise); `fn` runs once per rank on that rank's thread, with its World. Sets
+/// eager module loading first. Exceptions thrown by any rank are collected; when one rank fails, the
+/// others' store calls fail at once. After all threads end, run_local throws weft::Error naming the first
+/// failing rank and its message.
+void run_local(int num_ranks, const std::function<void(World&)>& fn, const WorldOptions& options = {});
+
+}  // namespace weft

@@ -1,0 +1,361 @@
+// SPDX-License-Identifier: MIT
+// The autotuner: CUDA-event timing, cross-rank agreement, and the decision file.
+#include "weft/jit/autotune.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include "weft/jit/cache.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/jit/hash.hpp"
+#include "weft/jit/paths.hpp"
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+
+namespace weft::jit {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kDecisionFile = "autotune.txt";
+constexpr const char* kDecisionLock = "autotune.lock";
+constexpr const char* kDecisionFormat = "v1";
+
+std::string trim(const std::string& s) {
+    const size_t b = s.find_first_not_of(" \t\r\n");
+    if (b == std::string::npos) return {};
+    const size_t e = s.find_last_not_of(" \t\r\n");
+    return s.substr(b, e - b + 1);
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+    std::vector<std::string> out;
+    std::string cur;
+    for (char c : s) {
+        if (c == sep) {
+            out.push_back(cur);
+            cur.clear();
+        } else {
+            cur.push_back(c);
+        }
+    }
+    out.push_back(cur);
+    return out;
+}
+
+bool usable(double t) { return std::isfinite(t) && t >= 0.0; }
+
+// RAII CUDA event.
+struct Event {
+    cudaEvent_t event = nullptr;
+    Event() { WEFT_CUDA_CHECK(cudaEventCreate(&event)); }
+    ~Event() {
+        if (event) cudaEventDestroy(event);
+    }
+    Event(const Event&) = delete;
+    Event& operator=(const Event&) = delete;
+    Event(Event&& o) noexcept : event(o.event) { o.event = nullptr; }
+};
+
+// A number that identifies a candidate list, exact in a double (52 bits), for the cross-rank check.
+double list_fingerprint(const TuneKey& key, const std::vector<TuneCandidate>& candidates) {
+    Sha256 h;
+    h.field(key.op).field(key.problem);
+    for (const auto& c : candidates) h.field(c.name);
+    const Digest d = h.finish();
+    uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(d[static_cast<size_t>(i)]) << (8 * i);
+    return static_cast<double>(v >> 12);
+}
+
+}  // namespace
+
+FunctionTuneComm::FunctionTuneComm(int rank, int num_ranks, std::function<void()> barrier,
+                                   std::function<std::vector<double>(double)> all_gather)
+    : rank_(rank), num_ranks_(num_ranks), barrier_(std::move(barrier)), all_gather_(std::move(all_gather)) {
+    WEFT_CHECK(num_ranks >= 1 && rank >= 0 && rank < num_ranks,
+               "FunctionTuneComm: need 0 <= rank < num_ranks, got rank " << rank << ", num_ranks " << num_ranks);
+    WEFT_CHECK(barrier_ && all_gather_, "FunctionTuneComm: barrier and all_gather must be set");
+}
+
+double median(std::vector<double> samples) {
+    WEFT_CHECK(!samples.empty(), "median of an empty list");
+    std::sort(samples.begin(), samples.end());
+    const size_t n = samples.size();
+    return n % 2 == 1 ? samples[n / 2] : 0.5 * (samples[n / 2 - 1] + samples[n / 2]);
+}
+
+size_t select_winner(const std::vector<std::vector<double>>& times_ms) {
+    WEFT_CHECK(!times_ms.empty(), "select_winner: no candidates");
+    const size_t num_ranks = times_ms.front().size();
+    WEFT_CHECK(num_ranks > 0, "select_winner: candidate 0 has no timings");
+    size_t best = times_ms.size();
+    double best_score = std::numeric_limits<double>::infinity();
+    for (size_t c = 0; c < times_ms.size(); ++c) {
+        WEFT_CHECK(times_ms[c].size() == num_ranks, "select_winner: candidate " << c << " has " << times_ms[c].size()
+                                                                               << " timings, candidate 0 has " << num_ranks);
+        double score = 0.0;
+        bool ok = true;
+        for (double t : times_ms[c]) {
+            ok = ok && usable(t);
+            score = std::max(score, t);
+        }
+        // Strictly lower: ties keep the earlier candidate.
+        if (ok && (best == times_ms.size() || score < best_score)) {
+            best = c;
+            best_score = score;
+        }
+    }
+    WEFT_CHECK(best < times_ms.size(), "autotune: every candidate failed on at least one rank");
+    return best;
+}
+
+std::map<std::string, std::string> parse_force_list(const std::string& text) {
+    std::map<std::string, std::string> out;
+    for (const std::string& item : split(text, ',')) {
+        const std::string t = trim(item);
+        if (t.empty()) continue;
+        const size_t eq = t.find('=');
+        WEFT_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < t.size(),
+                   "WEFT_AUTOTUNE_FORCE must be op=candidate[,op=candidate...], got item '" << t << "'");
+        out[trim(t.substr(0, eq))] = trim(t.substr(eq + 1));
+    }
+    return out;
+}
+
+AutotuneConfig AutotuneConfig::from_env() {
+    AutotuneConfig config;
+    config.enabled = env::get_bool("WEFT_AUTOTUNE").value_or(true);
+    if (auto v = env::get("WEFT_AUTOTUNE_FORCE")) config.forced = parse_force_list(*v);
+    config.cache_dir = default_cache_dir();
+    return config;
+}
+
+double measure_with_cuda_events(const TuneCandidate& candidate, const TuneOptions& options) {
+    WEFT_CHECK(options.repeat_iters >= 1 && options.warmup_iters >= 0,
+               "TuneOptions: repeat_iters must be >= 1 and warmup_iters >= 0, got " << options.repeat_iters << " and "
+                                                                                     << options.warmup_iters);
+    int iteration = 0;
+    for (int i = 0; i < options.warmup_iters; ++i) {
+        if (options.rotate_inputs) options.rotate_inputs(iteration);
+        ++iteration;
+        candidate.run(options.stream);
+    }
+    std::vector<std::pair<Event, Event>> events;
+    events.reserve(static_cast<size_t>(options.repeat_iters));
+    for (int i = 0; i < options.repeat_iters; ++i) {
+        if (options.rotate_inputs) options.rotate_inputs(iteration);
+        ++iteration;
+        events.emplace_back();
+        WEFT_CUDA_CHECK(cudaEventRecord(events.back().first.event, options.stream));
+        candidate.run(options.stream);
+        WEFT_CUDA_CHECK(cudaEventRecord(events.back().second.event, options.stream));
+    }
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(options.stream));
+    std::vector<double> samples;
+    for (auto& [start, stop] : events) {
+        float ms = 0.0f;
+        WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, start.event, stop.event));
+        samples.push_back(ms);
+    }
+    return median(std::move(samples));
+}
+
+Autotuner::Autotuner(AutotuneConfig config, TuneMeasure measure)
+    : config_(std::move(config)), measure_(std::move(measure)) {
+    WEFT_CHECK(measure_, "Autotuner: the measure function must be set");
+}
+
+std::string Autotuner::decision_id(const TuneKey& key_in) const {
+    TuneKey key = key_in;
+    if (key.world_size == 0) key.world_size = 1;
+    if (key.arch.empty()) key.arch = Compiler::resolve_arch("");
+    for (const std::string* field : {&key.op, &key.problem, &key.arch}) {
+        WEFT_CHECK(field->find_first_of("\t\n\r") == std::string::npos,
+                   "TuneKey fields must not contain tabs or newlines, got '" << *field << "'");
+    }
+    WEFT_CHECK(!key.op.empty(), "TuneKey.op must name the op, got an empty string");
+    std::ostringstream os;
+    os << key.op << '\t' << key.problem << '\t' << key.world_size << '\t' << key.arch << '\t' << WEFT_VERSION_STRING;
+    return os.str();
+}
+
+std::optional<std::string> Autotuner::cached_decision(const TuneKey& key) const {
+    const std::string id = decision_id(key);
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (auto it = memory_.find(id); it != memory_.end()) return it->second;
+    }
+    if (!config_.cache_dir) return std::nullopt;
+    const fs::path path = *config_.cache_dir / kDecisionFile;
+    std::error_code ec;
+    if (!fs::exists(path, ec)) return std::nullopt;
+    std::vector<char> bytes;
+    try {
+        bytes = read_file_bytes(path);
+    } catch (const Error& e) {
+        WEFT_LOG_WARN("autotune: cannot read " << path.string() << ": " << e.what());
+        return std::nullopt;
+    }
+    std::optional<std::string> found;
+    std::istringstream in(std::string(bytes.begin(), bytes.end()));
+    std::string line;
+    while (std::getline(in, line)) {
+        // v1 \t op \t problem \t world \t arch \t version \t candidate \t time_ms
+        const auto fields = split(line, '\t');
+        if (fields.size() != 8 || fields[0] != kDecisionFormat) continue;
+        const std::string line_id = fields[1] + '\t' + fields[2] + '\t' + fields[3] + '\t' + fields[4] + '\t' + fields[5];
+        if (line_id == id) found = fields[6];
+    }
+    if (found) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        memory_[id] = *found;
+    }
+    return found;
+}
+
+void Autotuner::store_decision(const TuneKey& key, const std::string& name, double time_ms) {
+    const std::string id = decision_id(key);
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        memory_[id] = name;
+    }
+    if (!config_.cache_dir) return;
+    try {
+        std::error_code ec;
+        fs::create_directories(*config_.cache_dir, ec);
+        FileLock lock(*config_.cache_dir / kDecisionLock, std::chrono::seconds(60));
+        WEFT_CHECK(lock.owns(), "cannot lock " << (*config_.cache_dir / kDecisionLock).string());
+        const fs::path path = *config_.cache_dir / kDecisionFile;
+        std::string kept;
+        if (fs::exists(path, ec)) {
+            const std::vector<char> bytes = read_file_bytes(path);
+            std::istringstream in(std::string(bytes.begin(), bytes.end()));
+            std::string line;
+            while (std::getline(in, line)) {
+                const auto fields = split(line, '\t');
+                if (fields.size() == 8 && fields[0] == kDecisionFormat &&
+                    fields[1] + '\t' + fields[2] + '\t' + fields[3] + '\t' + fields[4] + '\t' + fields[5] == id) {
+                    continue;  // replaced below
+                }
+                if (!line.empty()) kept += line + '\n';
+            }
+        }
+        if (kept.empty()) kept = "# weft autotune decisions: format op problem world_size arch weft_version candidate time_ms\n";
+        std::ostringstream os;
+        os << kept << kDecisionFormat << '\t' << id << '\t' << name << '\t' << time_ms << '\n';
+        const std::string text = os.str();
+        write_file_atomically(path, text.data(), text.size());
+    } catch (const Error& e) {
+        WEFT_LOG_WARN("autotune: cannot record the decision for " << key.op << ": " << e.what());
+    }
+}
+
+TuneResult Autotuner::tune(const TuneKey& key_in, const std::vector<TuneCandidate>& candidates, TuneComm* comm,
+                           const TuneOptions& options) {
+    WEFT_CHECK(!candidates.empty(), "autotune " << key_in.op << ": no candidates");
+    for (size_t i = 0; i < candidates.size(); ++i) {
+        WEFT_CHECK(!candidates[i].name.empty() && candidates[i].run,
+                   "autotune " << key_in.op << ": candidate " << i << " needs a name and a run function");
+        for (size_t j = 0; j < i; ++j) {
+            WEFT_CHECK(candidates[i].name != candidates[j].name,
+                       "autotune " << key_in.op << ": two candidates are named '" << candidates[i].name << "'");
+        }
+    }
+    const int num_ranks = comm ? comm->num_ranks() : 1;
+    TuneKey key = key_in;
+    if (key.world_size == 0) key.world_size = num_ranks;
+    WEFT_CHECK(key.world_size == num_ranks,
+               "autotune " << key.op << ": TuneKey.world_size " << key.world_size << " but the comm has " << num_ranks << " ranks");
+    if (key.arch.empty()) key.arch = Compiler::resolve_arch("");
+
+    auto index_of = [&](const std::string& name) -> int {
+        for (size_t i = 0; i < candidates.size(); ++i) {
+            if (candidates[i].name == name) return static_cast<int>(i);
+        }
+        return -1;
+    };
+    TuneResult result;
+    if (auto it = config_.forced.find(key.op); it != config_.forced.end()) {
+        const int idx = index_of(it->second);
+        if (idx < 0) {
+            std::ostringstream names;
+            for (const auto& c : candidates) names << " " << c.name;
+            WEFT_FAIL("WEFT_AUTOTUNE_FORCE names candidate '" << it->second << "' for op " << key.op
+                                                               << ", which has only:" << names.str());
+        }
+        result.index = static_cast<size_t>(idx);
+        result.name = it->second;
+        result.origin = TuneResult::Origin::kForced;
+        return result;
+    }
+    if (!config_.enabled) {
+        result.index = 0;
+        result.name = candidates[0].name;
+        result.origin = TuneResult::Origin::kDisabled;
+        return result;
+    }
+
+    const bool distributed = comm != nullptr && num_ranks > 1;
+    if (distributed) {
+        const double mine = list_fingerprint(key, candidates);
+        for (double other : comm->all_gather(mine)) {
+            WEFT_CHECK(other == mine, "autotune " << key.op << " [" << key.problem
+                                                  << "]: ranks called tune() with different keys or candidate lists");
+        }
+    }
+    // Reuse a decision only when every rank has it: a rank that would tune alone would wait forever
+    // for the others at the first barrier.
+    const auto cached = cached_decision(key);
+    const int cached_idx = cached ? index_of(*cached) : -1;
+    bool agreed = cached_idx >= 0;
+    if (distributed) {
+        for (double v : comm->all_gather(static_cast<double>(cached_idx))) agreed = agreed && v == cached_idx;
+    }
+    if (agreed) {
+        result.index = static_cast<size_t>(cached_idx);
+        result.name = *cached;
+        result.origin = TuneResult::Origin::kCached;
+        WEFT_LOG_DEBUG("autotune " << key.op << " [" << key.problem << "]: cached decision " << result.name);
+        return result;
+    }
+
+    std::vector<std::vector<double>> times(candidates.size());
+    for (size_t c = 0; c < candidates.size(); ++c) {
+        if (comm) comm->barrier();
+        double t = std::numeric_limits<double>::infinity();
+        try {
+            t = measure_(candidates[c], options);
+        } catch (const std::exception& e) {
+            WEFT_LOG_WARN("autotune " << key.op << ": candidate " << candidates[c].name << " failed: " << e.what());
+        }
+        times[c] = distributed ? comm->all_gather(t) : std::vector<double>{t};
+        WEFT_CHECK(static_cast<int>(times[c].size()) == num_ranks,
+                   "TuneComm::all_gather returned " << times[c].size() << " values for " << num_ranks << " ranks");
+    }
+    result.index = select_winner(times);
+    result.name = candidates[result.index].name;
+    result.origin = TuneResult::Origin::kTuned;
+    std::ostringstream summary;
+    for (size_t c = 0; c < candidates.size(); ++c) {
+        double score = 0.0;
+        for (double t : times[c]) score = usable(t) ? std::max(score, t) : std::numeric_limits<double>::infinity();
+        result.times_ms.push_back(score);
+        summary << " " << candidates[c].name << "=" << score << "ms";
+    }
+    WEFT_LOG_INFO("autotune " << key.op << " [" << key.problem << "] on " << num_ranks << " rank(s): " << result.name
+                              << " wins;" << summary.str());
+    store_decision(key, result.name, result.times_ms[result.index]);
+    return result;
+}
+
+Autotuner& autotuner() {
+    static Autotuner* instance = new Autotuner(AutotuneConfig::from_env());
+    return *instance;
+}
+
+}  // namespace weft::jit

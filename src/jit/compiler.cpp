@@ -1,0 +1,654 @@
+// SPDX-License-Identifier: MIT
+// The JIT compiler: source generation, dependency hashing, NVRTC + nvJitLink, the two cache layers.
+#include "weft/jit/compiler.hpp"
+
+#include <nvJitLink.h>
+#include <nvrtc.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "weft/runtime/driver.hpp"
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+
+namespace weft::jit {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string nvrtc_version_text() {
+    int major = 0, minor = 0;
+    nvrtcVersion(&major, &minor);
+    return std::to_string(major) + "." + std::to_string(minor);
+}
+
+std::string one_line(const std::string& text) {
+    std::string out = text;
+    std::replace(out.begin(), out.end(), '\n', ' ');
+    std::replace(out.begin(), out.end(), '\r', ' ');
+    return out;
+}
+
+// ---- dependency scan: every weft header the generated source includes, transitively ----
+
+struct Include {
+    std::string name;
+    bool quoted;
+};
+
+std::vector<Include> find_includes(const std::string& text) {
+    std::vector<Include> out;
+    std::istringstream in(text);
+    std::string line;
+    while (std::getline(in, line)) {
+        size_t i = line.find_first_not_of(" \t");
+        if (i == std::string::npos || line[i] != '#') continue;
+        i = line.find_first_not_of(" \t", i + 1);
+        if (i == std::string::npos || line.compare(i, 7, "include") != 0) continue;
+        i = line.find_first_not_of(" \t", i + 7);
+        if (i == std::string::npos || (line[i] != '"' && line[i] != '<')) continue;  // macro includes: skipped
+        const char close = line[i] == '"' ? '"' : '>';
+        const size_t end = line.find(close, i + 1);
+        if (end == std::string::npos) continue;
+        out.push_back({line.substr(i + 1, end - i - 1), close == '"'});
+    }
+    return out;
+}
+
+struct HeaderDigest {
+    std::string name;    // include name relative to its root: stable when the tree moves
+    std::string digest;  // hex SHA-256 of the content
+};
+
+class DependencyScanner {
+public:
+    explicit DependencyScanner(const std::vector<fs::path>& roots) : roots_(roots) {}
+
+    // `dir`/`logical_dir`: the including file's folder on disk and relative to its root (empty for
+    // the generated source, whose quoted includes resolve against the roots only).
+    void scan(const std::string& text, const fs::path& dir, const fs::path& logical_dir) {
+        for (const Include& inc : find_includes(text)) {
+            fs::path found, logical;
+            if (inc.quoted && !dir.empty()) {
+                std::error_code ec;
+                if (fs::is_regular_file(dir / inc.name, ec)) {
+                    found = dir / inc.name;
+                    logical = (logical_dir / inc.name).lexically_normal();
+                }
+            }
+            if (found.empty()) {
+                for (const fs::path& root : roots_) {
+                    std::error_code ec;
+                    if (fs::is_regular_file(root / inc.name, ec)) {
+                        found = root / inc.name;
+                        logical = fs::path(inc.name).lexically_normal();
+                        break;
+                    }
+                }
+            }
+            // Not under a weft root: a toolkit header, covered by the toolkit version in the key.
+            if (found.empty()) continue;
+            std::error_code ec;
+            const fs::path canon = fs::weakly_canonical(found, ec);
+            if (!seen_.insert(ec ? found.string() : canon.string()).second) continue;
+            const std::vector<char> bytes = read_file_bytes(found);
+            const std::string content(bytes.begin(), bytes.end());
+            headers_.push_back({logical.generic_string(), to_hex(sha256(content))});
+            scan(content, found.parent_path(), logical.parent_path());
+        }
+    }
+
+    std::vector<HeaderDigest> sorted() const {
+        std::vector<HeaderDigest> out = headers_;
+        std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+        return out;
+    }
+
+private:
+    const std::vector<fs::path>& roots_;
+    std::set<std::string> seen_;
+    std::vector<HeaderDigest> headers_;
+};
+
+std::string sanitize(const std::string& text) {
+    std::string out;
+    for (char c : text) out.push_back(std::isalnum(static_cast<unsigned char>(c)) ? c : '_');
+    return out;
+}
+
+// RAII for the NVRTC program and the nvJitLink handle.
+struct NvrtcProgram {
+    nvrtcProgram prog = nullptr;
+    ~NvrtcProgram() {
+        if (prog) nvrtcDestroyProgram(&prog);
+    }
+};
+struct JitLinkHandle {
+    nvJitLinkHandle handle = nullptr;
+    ~JitLinkHandle() {
+        if (handle) nvJitLinkDestroy(&handle);
+    }
+};
+
+#define WEFT_NVRTC_CHECK(call)                                                                       \
+    do {                                                                                             \
+        nvrtcResult weft_nvrtc_status_ = (call);                                                     \
+        WEFT_CHECK(weft_nvrtc_status_ == NVRTC_SUCCESS,                                              \
+                   "NVRTC call failed: " #call " returned " << nvrtcGetErrorString(weft_nvrtc_status_)); \
+    } while (0)
+
+std::string nvjitlink_log(nvJitLinkHandle h, bool errors) {
+    size_t size = 0;
+    if ((errors ? nvJitLinkGetErrorLogSize(h, &size) : nvJitLinkGetInfoLogSize(h, &size)) != NVJITLINK_SUCCESS ||
+        size == 0) {
+        return {};
+    }
+    std::string log(size, '\0');
+    if ((errors ? nvJitLinkGetErrorLog(h, log.data()) : nvJitLinkGetInfoLog(h, log.data())) != NVJITLINK_SUCCESS) {
+        return {};
+    }
+    while (!log.empty() && log.back() == '\0') log.pop_back();
+    return log;
+}
+
+void write_text(const fs::path& path, const void* data, size_t bytes) {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
+    WEFT_CHECK(out.good(), "cannot write " << path.string());
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+
+PtxasInfo parse_ptxas_info(const std::string& log, const std::string& lowered_name) {
+    PtxasInfo info;
+    std::istringstream in(log);
+    std::string line;
+    bool inside = false;
+    static const std::regex kRegisters(R"(Used (\d+) registers)");
+    static const std::regex kSpills(R"((\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads)");
+    static const std::regex kSmem(R"((\d+) bytes smem)");
+    while (std::getline(in, line)) {
+        const bool entry = line.find("Compiling entry function '") != std::string::npos;
+        if (entry) {
+            if (inside) break;  // the next function starts
+            inside = lowered_name.empty() || line.find("'" + lowered_name + "'") != std::string::npos;
+        }
+        if (!inside) continue;
+        info.text += line + "\n";
+        std::smatch m;
+        if (std::regex_search(line, m, kRegisters)) info.registers = std::stoi(m[1]);
+        if (std::regex_search(line, m, kSpills)) {
+            info.stack_frame_bytes = std::stoi(m[1]);
+            info.spill_store_bytes = std::stoi(m[2]);
+            info.spill_load_bytes = std::stoi(m[3]);
+        }
+        if (std::regex_search(line, m, kSmem)) info.static_smem_bytes = std::stoi(m[1]);
+    }
+    return info;
+}
+
+CompilerConfig CompilerConfig::from_env() {
+    CompilerConfig config;
+    const bool disabled = env::get_bool("WEFT_JIT_DISABLE_CACHE").value_or(false);
+    if (!disabled) config.cache_dir = default_cache_dir();
+    return config;
+}
+
+struct Compiler::Prepared {
+    KernelSpec spec;  // options and arch resolved
+    std::string source;
+    std::string source_name;
+    std::vector<HeaderDigest> headers;
+    Digest key{};
+    std::string key_hex;
+};
+
+Compiler::Compiler(CompilerConfig config) : config_(std::move(config)) {
+    if (config_.roots) {
+        roots_ = *config_.roots;
+    } else {
+        roots_ = find_include_roots();
+        roots_.cuda = find_cuda_include_dirs();
+    }
+    roots_.extra.insert(roots_.extra.begin(), config_.extra_include_roots.begin(), config_.extra_include_roots.end());
+    if (config_.cache_dir) {
+        try {
+            disk_ = std::make_unique<DiskCache>(*config_.cache_dir);
+        } catch (const Error& e) {
+            WEFT_LOG_WARN("jit: disk cache disabled: " << e.what());
+        }
+    }
+    WEFT_LOG_DEBUG("jit: weft headers " << roots_.weft_include.string() << " and " << roots_.weft_kernels.string()
+                                        << " (" << roots_.found_by << "); cache "
+                                        << (disk_ ? disk_->dir().string() : std::string("off")));
+}
+
+Compiler::~Compiler() = default;
+
+std::optional<fs::path> Compiler::cache_dir() const {
+    if (!disk_) return std::nullopt;
+    return disk_->dir();
+}
+
+CompilerStats Compiler::stats() const {
+    CompilerStats s;
+    s.memory_hits = stats_.memory_hits.load();
+    s.disk_hits = stats_.disk_hits.load();
+    s.misses = stats_.misses.load();
+    s.compiles = stats_.compiles.load();
+    s.failures = stats_.failures.load();
+    s.corrupt_entries = stats_.corrupt_entries.load();
+    s.loads = stats_.loads.load();
+    return s;
+}
+
+std::string Compiler::resolve_arch(const std::string& requested) {
+    std::string arch = requested;
+    if (arch.empty()) {
+        if (auto v = env::get("WEFT_JIT_ARCH"); v && !v->empty()) arch = *v;
+    }
+    if (arch.empty()) {
+        WEFT_CHECK(cuda_available(), "no arch to compile for: no GPU is visible; set KernelSpec::arch or "
+                                     "WEFT_JIT_ARCH (e.g. sm_90a)");
+        int device = 0, major = 0, minor = 0;
+        WEFT_CUDA_CHECK(cudaGetDevice(&device));
+        WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+        WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+        // From Hopper on, the "a" variant unlocks the architecture-specific instructions (wgmma, setmaxnreg).
+        arch = "sm_" + std::to_string(major * 10 + minor) + (major >= 9 ? "a" : "");
+    }
+    static const std::regex kArch(R"(sm_(\d{2,3})([af]?))");
+    std::smatch m;
+    WEFT_CHECK(std::regex_match(arch, m, kArch), "arch must look like sm_90a (sm_<number>[a|f]), got '" << arch << "'");
+    int num = 0;
+    WEFT_NVRTC_CHECK(nvrtcGetNumSupportedArchs(&num));
+    std::vector<int> supported(static_cast<size_t>(num));
+    WEFT_NVRTC_CHECK(nvrtcGetSupportedArchs(supported.data()));
+    const int sm = std::stoi(m[1]);
+    if (std::find(supported.begin(), supported.end(), sm) == supported.end()) {
+        std::ostringstream os;
+        for (int s : supported) os << " sm_" << s;
+        WEFT_FAIL("arch '" << arch << "' is not supported by NVRTC " << nvrtc_version_text() << "; supported:" << os.str());
+    }
+    return arch;
+}
+
+std::string Compiler::generate_source(const KernelSpec& spec) {
+    std::ostringstream os;
+    os << "// Generated by weft::jit: instantiates " << one_line(spec.instantiation) << "\n";
+    if (!spec.preamble.empty()) os << spec.preamble << "\n";
+    // Angle brackets: searched in the include roots only, never in the process' working directory.
+    os << "#include <" << spec.header << ">\n";
+    if (!spec.extra_code.empty()) os << spec.extra_code << "\n";
+    return os.str();
+}
+
+Compiler::Prepared Compiler::prepare(const KernelSpec& spec_in) const {
+    WEFT_CHECK(!spec_in.header.empty(), "KernelSpec.header must name a header to include, got an empty string");
+    WEFT_CHECK(!spec_in.instantiation.empty(),
+               "KernelSpec.instantiation must name a __global__ function, got an empty string (header "
+                   << spec_in.header << ")");
+    Prepared p;
+    p.spec = spec_in;
+    p.spec.arch = resolve_arch(spec_in.arch);
+    if (config_.apply_env_options) p.spec.options = apply_env_options(spec_in.options);
+    const auto weft_roots = roots_.weft_roots();
+    {
+        bool found = false;
+        for (const auto& root : weft_roots) {
+            std::error_code ec;
+            found = found || fs::is_regular_file(root / spec_in.header, ec);
+        }
+        std::ostringstream os;
+        for (const auto& root : weft_roots) os << " " << root.string();
+        WEFT_CHECK(found, "KernelSpec.header '" << spec_in.header << "' (for " << spec_in.describe()
+                                                << ") is not under any include root:" << os.str());
+    }
+    p.source = generate_source(p.spec);
+    DependencyScanner scanner(weft_roots);
+    scanner.scan(p.source, fs::path(), fs::path());
+    p.headers = scanner.sorted();
+
+    Sha256 h;
+    h.field("weft-jit-key/1").field(WEFT_VERSION_STRING).field(nvrtc_version_text());
+    h.field(std::to_string(CUDA_VERSION)).field(p.spec.arch).field(p.spec.options.canonical());
+    h.field(p.spec.instantiation).field(p.source);
+    for (const auto& hd : p.headers) h.field(hd.name).field(hd.digest);
+    for (const auto& file : p.spec.options.link_files) {
+        std::error_code ec;
+        WEFT_CHECK(fs::is_regular_file(file, ec),
+                   "CompileOptions.link_files: '" << file << "' (for " << spec_in.describe() << ") is not a file");
+        const std::vector<char> bytes = read_file_bytes(file);
+        h.field(fs::path(file).filename().string()).field(to_hex(sha256(bytes.data(), bytes.size())));
+    }
+    p.key = h.finish();
+    p.key_hex = to_hex(p.key);
+    p.source_name = "weft_jit_" + sanitize(fs::path(spec_in.header).stem().string()) + "_" + p.key_hex.substr(0, 12) + ".cu";
+    return p;
+}
+
+std::string Compiler::cache_key(const KernelSpec& spec) const { return prepare(spec).key_hex; }
+
+DiskCache::LoadStatus Compiler::disk_status(const KernelSpec& spec) const {
+    if (!disk_) return DiskCache::LoadStatus::kAbsent;
+    CacheEntry entry;
+    return disk_->load(prepare(spec).key, &entry);
+}
+
+namespace {
+
+struct Compiled {
+    CacheEntry entry;
+    std::string ptx;
+};
+
+Compiled run_toolchain(const KernelSpec& spec, const std::string& source, const std::string& source_name,
+                       const IncludeRoots& roots) {
+    const CompileOptions& o = spec.options;
+    auto context = [&] {
+        std::ostringstream os;
+        os << spec.describe() << "\n  source: " << source_name << " (arch " << spec.arch << ")\n  header: "
+           << spec.header << "\n  instantiation: " << spec.instantiation;
+        return os.str();
+    };
+
+    NvrtcProgram program;
+    WEFT_NVRTC_CHECK(nvrtcCreateProgram(&program.prog, source.c_str(), source_name.c_str(), 0, nullptr, nullptr));
+    WEFT_NVRTC_CHECK(nvrtcAddNameExpression(program.prog, spec.instantiation.c_str()));
+
+    std::vector<std::string> flags = {"-std=c++20", "-arch=" + spec.arch};
+    if (o.lto) {
+        flags.push_back("-dlto");
+    } else {
+        if (!o.link_files.empty()) flags.push_back("-rdc=true");
+        flags.push_back("--ptxas-options=-v");  // the register/spill report, always captured
+    }
+    if (o.lineinfo) flags.push_back("-lineinfo");
+    if (o.max_registers > 0) flags.push_back("--maxrregcount=" + std::to_string(o.max_registers));
+    for (const auto& d : o.defines) flags.push_back("-D" + d);
+    for (const auto& root : roots.weft_roots()) flags.push_back("-I" + root.string());
+    for (const auto& root : roots.cuda) flags.push_back("-I" + root.string());
+    for (const auto& f : o.extra_flags) flags.push_back(f);
+    std::vector<const char*> argv;
+    for (const auto& f : flags) argv.push_back(f.c_str());
+
+    const nvrtcResult status = nvrtcCompileProgram(program.prog, static_cast<int>(argv.size()), argv.data());
+    size_t log_size = 0;
+    std::string log;
+    if (nvrtcGetProgramLogSize(program.prog, &log_size) == NVRTC_SUCCESS && log_size > 1) {
+        log.resize(log_size);
+        nvrtcGetProgramLog(program.prog, log.data());
+        while (!log.empty() && log.back() == '\0') log.pop_back();
+    }
+    if (status != NVRTC_SUCCESS) {
+        WEFT_FAIL("jit: NVRTC could not compile " << context() << "\nNVRTC (" << nvrtcGetErrorString(status)
+                                                 << ") log:\n" << log << "\nGenerated source:\n" << source);
+    }
+
+    Compiled out;
+    const char* lowered = nullptr;
+    WEFT_NVRTC_CHECK(nvrtcGetLoweredName(program.prog, spec.instantiation.c_str(), &lowered));
+    out.entry.lowered_name = lowered;
+
+    if (!o.lto) {
+        size_t ptx_size = 0;
+        if (nvrtcGetPTXSize(program.prog, &ptx_size) == NVRTC_SUCCESS && ptx_size > 1) {
+            out.ptx.resize(ptx_size);
+            WEFT_NVRTC_CHECK(nvrtcGetPTX(program.prog, out.ptx.data()));
+            while (!out.ptx.empty() && out.ptx.back() == '\0') out.ptx.pop_back();
+        }
+    }
+
+    std::vector<char> image;  // NVRTC's output: a cubin (maybe relocatable) or LTO-IR
+    if (o.lto) {
+        size_t size = 0;
+        WEFT_NVRTC_CHECK(nvrtcGetLTOIRSize(program.prog, &size));
+        image.resize(size);
+        WEFT_NVRTC_CHECK(nvrtcGetLTOIR(program.prog, image.data()));
+    } else {
+        size_t size = 0;
+        WEFT_NVRTC_CHECK(nvrtcGetCUBINSize(program.prog, &size));
+        image.resize(size);
+        WEFT_NVRTC_CHECK(nvrtcGetCUBIN(program.prog, image.data()));
+    }
+    WEFT_CHECK(!image.empty(), "jit: NVRTC produced no output for " << context());
+
+    if (!o.needs_link()) {
+        out.entry.cubin = std::move(image);
+        out.entry.log = std::move(log);
+        return out;
+    }
+
+    // nvJitLink: LTO, or relocatable code + device libraries -> one loadable cubin.
+    std::vector<std::string> link_flags = {"-arch=" + spec.arch, "-verbose"};
+    if (o.lto) link_flags.push_back("-lto");
+    if (o.lineinfo) link_flags.push_back("-lineinfo");
+    if (o.max_registers > 0) link_flags.push_back("-maxrregcount=" + std::to_string(o.max_registers));
+    std::vector<const char*> link_argv;
+    for (const auto& f : link_flags) link_argv.push_back(f.c_str());
+    JitLinkHandle link;
+    nvJitLinkResult ls = nvJitLinkCreate(&link.handle, static_cast<uint32_t>(link_argv.size()), link_argv.data());
+    WEFT_CHECK(ls == NVJITLINK_SUCCESS, "jit: nvJitLinkCreate failed (" << static_cast<int>(ls) << ") for " << context());
+    auto link_fail = [&](const std::string& what, nvJitLinkResult r) {
+        WEFT_FAIL("jit: nvJitLink " << what << " failed (status " << static_cast<int>(r) << ") for " << context()
+                                    << "\nnvJitLink error log:\n" << nvjitlink_log(link.handle, true)
+                                    << "\nnvJitLink info log:\n" << nvjitlink_log(link.handle, false));
+    };
+    ls = nvJitLinkAddData(link.handle, o.lto ? NVJITLINK_INPUT_LTOIR : NVJITLINK_INPUT_CUBIN, image.data(),
+                          image.size(), source_name.c_str());
+    if (ls != NVJITLINK_SUCCESS) link_fail("adding " + source_name, ls);
+    for (const auto& file : o.link_files) {
+        ls = nvJitLinkAddFile(link.handle, NVJITLINK_INPUT_ANY, file.c_str());
+        if (ls != NVJITLINK_SUCCESS) link_fail("adding " + file, ls);
+    }
+    ls = nvJitLinkComplete(link.handle);
+    if (ls != NVJITLINK_SUCCESS) link_fail("linking", ls);
+    size_t cubin_size = 0;
+    ls = nvJitLinkGetLinkedCubinSize(link.handle, &cubin_size);
+    if (ls != NVJITLINK_SUCCESS) link_fail("getting the cubin size", ls);
+    out.entry.cubin.resize(cubin_size);
+    ls = nvJitLinkGetLinkedCubin(link.handle, out.entry.cubin.data());
+    if (ls != NVJITLINK_SUCCESS) link_fail("getting the cubin", ls);
+    out.entry.log = log;
+    if (!out.entry.log.empty() && out.entry.log.back() != '\n') out.entry.log += '\n';
+    out.entry.log += nvjitlink_log(link.handle, false);
+    return out;
+}
+
+}  // namespace
+
+void Compiler::dump(const Prepared& p, const CompileResult& r) const {
+    const std::string& dir = p.spec.options.dump_dir;
+    if (dir.empty()) return;
+    try {
+        std::error_code ec;
+        fs::create_directories(dir, ec);
+        const fs::path base = fs::path(dir) / fs::path(p.source_name).stem();
+        write_text(base.string() + ".cu", p.source.data(), p.source.size());
+        if (!r.ptx.empty()) write_text(base.string() + ".ptx", r.ptx.data(), r.ptx.size());
+        if (r.cubin) write_text(base.string() + ".cubin", r.cubin->data(), r.cubin->size());
+        std::ostringstream log;
+        log << "# " << p.spec.describe() << "\n# key " << p.key_hex << ", arch " << p.spec.arch << ", "
+            << (r.origin == CompileResult::Origin::kCompiled ? "compiled" : "from the cache (no PTX)") << "\n"
+            << "# lowered name " << r.lowered_name << "\n" << r.log;
+        const std::string text = log.str();
+        write_text(base.string() + ".log", text.data(), text.size());
+    } catch (const std::exception& e) {
+        WEFT_LOG_WARN("jit: cannot dump " << p.source_name << " to " << dir << ": " << e.what());
+    }
+}
+
+CompileResult Compiler::compile(const KernelSpec& spec) {
+    const Prepared p = prepare(spec);
+    CompileResult result;
+    result.key = p.key_hex;
+    result.arch = p.spec.arch;
+    result.source_name = p.source_name;
+    result.source = p.source;
+    for (const auto& hd : p.headers) result.headers.push_back(hd.name);
+    auto finish = [&](const std::shared_ptr<const CacheEntry>& entry, CompileResult::Origin origin) {
+        result.origin = origin;
+        result.lowered_name = entry->lowered_name;
+        result.cubin = std::shared_ptr<const std::vector<char>>(entry, &entry->cubin);
+        result.log = entry->log;
+        result.ptxas_info = parse_ptxas_info(entry->log, entry->lowered_name);
+        if (origin != CompileResult::Origin::kMemory) dump(p, result);
+        return result;
+    };
+
+    std::shared_ptr<std::mutex> key_mutex;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (auto it = memory_.find(p.key_hex); it != memory_.end()) {
+            ++stats_.memory_hits;
+            return finish(it->second, CompileResult::Origin::kMemory);
+        }
+        auto& m = key_mutexes_[p.key_hex];
+        if (!m) m = std::make_shared<std::mutex>();
+        key_mutex = m;
+    }
+    // One compile per key in this process; the file lock below extends that to other processes.
+    std::lock_guard<std::mutex> key_lock(*key_mutex);
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (auto it = memory_.find(p.key_hex); it != memory_.end()) {
+            ++stats_.memory_hits;
+            return finish(it->second, CompileResult::Origin::kMemory);
+        }
+    }
+    auto remember = [&](CacheEntry&& e) {
+        auto shared = std::make_shared<const CacheEntry>(std::move(e));
+        std::lock_guard<std::mutex> lock(mutex_);
+        memory_[p.key_hex] = shared;
+        return shared;
+    };
+    auto disk_hit = [&](CacheEntry&& e) {
+        ++stats_.disk_hits;
+        WEFT_LOG_INFO("jit: cache hit for " << p.spec.describe() << " [" << p.key_hex.substr(0, 12) << "] from "
+                                            << disk_->entry_path(p.key).string());
+        return finish(remember(std::move(e)), CompileResult::Origin::kDisk);
+    };
+
+    std::optional<FileLock> file_lock;
+    if (disk_) {
+        CacheEntry entry;
+        if (disk_->load(p.key, &entry) == DiskCache::LoadStatus::kHit) return disk_hit(std::move(entry));
+        file_lock.emplace(disk_->lock_path(p.key), config_.lock_timeout);
+        if (!file_lock->owns()) {
+            WEFT_LOG_WARN("jit: could not lock the cache entry of " << p.spec.describe() << " within "
+                                                                    << config_.lock_timeout.count()
+                                                                    << " ms; compiling without the lock");
+        }
+        // Whoever held the lock may have written the entry meanwhile.
+        std::string why;
+        const auto status = disk_->load(p.key, &entry, &why);
+        if (status == DiskCache::LoadStatus::kHit) return disk_hit(std::move(entry));
+        if (status == DiskCache::LoadStatus::kCorrupt) {
+            ++stats_.corrupt_entries;
+            WEFT_LOG_WARN("jit: corrupt cache entry " << disk_->entry_path(p.key).string() << " (" << why
+                                                      << "); deleting it and recompiling " << p.spec.describe());
+            disk_->remove(p.key);
+        }
+    }
+
+    ++stats_.misses;
+    const auto start = std::chrono::steady_clock::now();
+    Compiled compiled;
+    try {
+        compiled = run_toolchain(p.spec, p.source, p.source_name, roots_);
+    } catch (const Error& e) {
+        ++stats_.failures;
+        if (!p.spec.options.dump_dir.empty()) {
+            CompileResult failed = result;
+            failed.log = std::string("# compilation failed\n") + e.what() + "\n";
+            dump(p, failed);
+        }
+        throw;
+    }
+    ++stats_.compiles;
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    if (disk_) {
+        try {
+            disk_->store(p.key, compiled.entry);
+        } catch (const Error& e) {
+            WEFT_LOG_WARN("jit: cannot store " << p.spec.describe() << " in the cache: " << e.what());
+        }
+    }
+    file_lock.reset();
+    result.ptx = std::move(compiled.ptx);
+    CompileResult r = finish(remember(std::move(compiled.entry)), CompileResult::Origin::kCompiled);
+    WEFT_LOG_INFO("jit: compiled " << p.spec.describe() << " [" << p.key_hex.substr(0, 12) << "] for " << p.spec.arch
+                                   << " in " << static_cast<int>(ms) << " ms: " << r.ptxas_info.registers
+                                   << " registers, spills " << r.ptxas_info.spill_store_bytes << "/"
+                                   << r.ptxas_info.spill_load_bytes << " bytes (store/load)");
+    if (p.spec.options.verbose_ptxas) {
+        // Explicitly requested output: shown whatever WEFT_LOG says.
+        log_line(LogLevel::kInfo, "jit: ptxas report for " + p.spec.describe() + ":\n" + r.log);
+    }
+    return r;
+}
+
+Kernel& Compiler::get_kernel(const KernelSpec& spec) {
+    // The memo key: everything that selects the compiled code, without hashing any file.
+    const std::string arch = resolve_arch(spec.arch);
+    const CompileOptions options = config_.apply_env_options ? apply_env_options(spec.options) : spec.options;
+    Sha256 h;
+    h.field(spec.header).field(spec.instantiation).field(spec.preamble).field(spec.extra_code).field(arch);
+    h.field(options.canonical());
+    for (const auto& f : options.link_files) h.field(f);
+    const std::string memo = to_hex(h.finish());
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (auto it = spec_memo_.find(memo); it != spec_memo_.end()) {
+            Kernel* k = it->second;
+            ++stats_.memory_hits;
+            k->load_for_current_context();
+            return *k;
+        }
+    }
+    KernelSpec resolved = spec;
+    resolved.arch = arch;
+    const CompileResult r = compile(resolved);
+    Kernel* kernel = nullptr;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto& slot = kernels_[r.key];
+        if (!slot) {
+            slot = std::make_unique<Kernel>(spec.describe(), r.lowered_name, r.cubin);
+            ++stats_.loads;
+            WEFT_LOG_INFO("jit: loaded " << spec.describe() << " ("
+                                         << (r.origin == CompileResult::Origin::kCompiled ? "compiled" : "cache hit")
+                                         << ")");
+        }
+        kernel = slot.get();
+        spec_memo_[memo] = kernel;
+    }
+    kernel->load_for_current_context();
+    return *kernel;
+}
+
+Compiler& compiler() {
+    // Never destroyed: kernels handed out must outlive every static destructor that might launch.
+    static Compiler* instance = new Compiler(CompilerConfig::from_env());
+    return *instance;
+}
+
+Kernel& get_kernel(const std::string& header, const std::string& instantiation) {
+    KernelSpec spec;
+    spec.header = header;
+    spec.instantiation = instantiation;
+    return compiler().get_kernel(spec);
+}
+
+}  // namespace weft::jit

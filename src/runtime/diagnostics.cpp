@@ -1,0 +1,79 @@
+// SPDX-License-Identifier: MIT
+// Formatting of device diagnostic records (see include/weft/runtime/diagnostics.hpp).
+#include "weft/runtime/diagnostics.hpp"
+
+#include <sstream>
+
+namespace weft {
+
+const char* spin_kind_name(SpinKind kind) {
+    switch (kind) {
+        case SpinKind::kNone:
+            return "an unknown spin";
+        case SpinKind::kSignalWait:
+            return "signal_wait";
+        case SpinKind::kBarrier:
+            return "barrier";
+        case SpinKind::kTileWait:
+            return "tile_wait";
+        case SpinKind::kOther:
+            return "spin";
+    }
+    return "an unknown spin";
+}
+
+const char* cmp_name(Cmp cmp) {
+    switch (cmp) {
+        case Cmp::kEq:
+            return "EQ";
+        case Cmp::kNe:
+            return "NE";
+        case Cmp::kGt:
+            return "GT";
+        case Cmp::kGe:
+            return "GE";
+        case Cmp::kLt:
+            return "LT";
+        case Cmp::kLe:
+            return "LE";
+    }
+    return "?";
+}
+
+const char* cmp_symbol(Cmp cmp) {
+    switch (cmp) {
+        case Cmp::kEq:
+            return "==";
+        case Cmp::kNe:
+            return "!=";
+        case Cmp::kGt:
+            return ">";
+        case Cmp::kGe:
+            return ">=";
+        case Cmp::kLt:
+            return "<";
+        case Cmp::kLe:
+            return "<=";
+    }
+    return "?";
+}
+
+std::string format_diagnostic(const Diagnostic& d) {
+    std::ostringstream os;
+    if (d.claimed != 2) {
+        os << "rank " << d.rank
+           << ": a device spin timed out but its diagnostic record is incomplete (claimed = " << d.claimed << ")";
+        return os.str();
+    }
+    // Round to whole milliseconds: the device clock advances in 32 ns steps, so more digits add nothing.
+    const uint64_t waited_ms = (d.waited_ns + 500000) / 1000000;
+    os << "rank " << d.rank << " block (" << d.block_x << "," << d.block_y << "," << d.block_z << ") thread "
+       << d.thread_x << " timed out after " << waited_ms << " ms in " << spin_kind_name(d.kind) << " ("
+       << cmp_name(d.cmp) << ") on signal 0x" << std::hex << d.signal_addr << std::dec;
+    if (d.peer >= 0) os << " owned by rank " << d.peer;
+    os << ": expected " << cmp_symbol(d.cmp) << " " << d.expected << ", observed " << d.observed;
+    if (d.line > 0) os << " (source line " << d.line << ")";
+    return os.str();
+}
+
+}  // namespace weft

@@ -1,0 +1,292 @@
+// SPDX-License-Identifier: MIT
+// Reads a process's rank, world size and rendezvous address from the environment of its launcher.
+#include "weft/runtime/launch_env.hpp"
+
+#include <cctype>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+
+extern char** environ;  // NOLINT: POSIX
+
+namespace weft {
+
+namespace {
+
+using VarMap = std::map<std::string, std::string>;
+
+const std::string* find(const VarMap& vars, const char* name) {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : &it->second;
+}
+
+/// The first of `names` that is set, or nullptr; `*which` receives its name.
+const std::string* find_first(const VarMap& vars, std::initializer_list<const char*> names, const char** which) {
+    for (const char* name : names) {
+        if (const std::string* v = find(vars, name)) {
+            *which = name;
+            return v;
+        }
+    }
+    return nullptr;
+}
+
+int to_int(const std::string& text, const char* name) {
+    int64_t v = env::parse_int(text, name);
+    WEFT_CHECK(v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max(),
+               name << " is out of range: '" << text << "'");
+    return static_cast<int>(v);
+}
+
+int required_int(const VarMap& vars, const char* name, const char* because) {
+    const std::string* v = find(vars, name);
+    WEFT_CHECK(v != nullptr, name << " must be set " << because << ", but it is not");
+    return to_int(*v, name);
+}
+
+/// Checks rank / size / local rank / local size against each other; the names are the variables read.
+void check_ranks(const LaunchEnv& e, const char* rank_name, const char* size_name, const char* local_rank_name,
+                 const char* local_size_name) {
+    WEFT_CHECK(e.num_ranks >= 1, size_name << " must be at least 1, got " << e.num_ranks);
+    WEFT_CHECK(e.rank >= 0 && e.rank < e.num_ranks,
+               rank_name << " must be in [0, " << size_name << "=" << e.num_ranks << "), got " << e.rank);
+    WEFT_CHECK(e.local_num_ranks >= 1 && e.local_num_ranks <= e.num_ranks,
+               local_size_name << " must be in [1, " << size_name << "=" << e.num_ranks << "], got "
+                               << e.local_num_ranks);
+    WEFT_CHECK(e.local_rank >= 0 && e.local_rank < e.local_num_ranks,
+               local_rank_name << " must be in [0, " << local_size_name << "=" << e.local_num_ranks << "), got "
+                               << e.local_rank);
+}
+
+int parse_port(const std::string& text, const char* name) {
+    int port = to_int(text, name);
+    WEFT_CHECK(port >= 1 && port <= 65535, name << " must be a TCP port in [1, 65535], got " << port);
+    return port;
+}
+
+/// MASTER_ADDR, or 127.0.0.1 when every rank is on this host; `fallback` is used (if non-empty) otherwise.
+std::string master_addr(const VarMap& vars, const LaunchEnv& e, const std::string& fallback) {
+    if (const std::string* v = find(vars, "MASTER_ADDR")) {
+        WEFT_CHECK(!v->empty(), "MASTER_ADDR must name the rendezvous host, but it is empty");
+        return *v;
+    }
+    if (e.local_num_ranks == e.num_ranks) return "127.0.0.1";
+    WEFT_CHECK(!fallback.empty(), "MASTER_ADDR must be set when ranks span several hosts ("
+                                      << e.local_num_ranks << " of " << e.num_ranks
+                                      << " ranks are on this host), but it is not");
+    return fallback;
+}
+
+/// MASTER_PORT, or a port derived from `job_id`; a single rank needs none (0: it picks one).
+int master_port(const VarMap& vars, const LaunchEnv& e, const std::string& job_id, const char* job_id_vars) {
+    if (const std::string* v = find(vars, "MASTER_PORT")) return parse_port(*v, "MASTER_PORT");
+    if (!job_id.empty()) return derived_master_port(job_id);
+    WEFT_CHECK(e.num_ranks == 1, "MASTER_PORT must be set for a job of "
+                                     << e.num_ranks << " ranks (no job id in " << job_id_vars
+                                     << " to derive one from), but it is not");
+    return 0;
+}
+
+LaunchEnv parse_torchrun(const VarMap& vars) {
+    LaunchEnv e;
+    const bool torchelastic = find(vars, "TORCHELASTIC_RUN_ID") != nullptr;
+    e.launcher = (find(vars, "WEFT_JOB_TOKEN") != nullptr && !torchelastic) ? "weftrun" : "torchrun";
+    e.rank = required_int(vars, "RANK", "when WORLD_SIZE is");
+    e.num_ranks = required_int(vars, "WORLD_SIZE", "when RANK is");
+    // A hand-made environment may set only RANK and WORLD_SIZE: that means one host.
+    const std::string* local_rank = find(vars, "LOCAL_RANK");
+    const std::string* local_size = find(vars, "LOCAL_WORLD_SIZE");
+    e.local_rank = local_rank ? to_int(*local_rank, "LOCAL_RANK") : e.rank;
+    e.local_num_ranks = local_size ? to_int(*local_size, "LOCAL_WORLD_SIZE") : e.num_ranks;
+    check_ranks(e, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
+    e.master_addr = master_addr(vars, e, "");
+    e.master_port = master_port(vars, e, "", "the environment");
+    return e;
+}
+
+/// Open MPI's job id: the same string on every rank of one mpirun.
+std::string ompi_job_id(const VarMap& vars) {
+    const char* which = nullptr;
+    if (const std::string* v = find_first(vars, {"OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid",
+                                                 "PMIX_NAMESPACE"}, &which)) {
+        return std::string(which) + "=" + *v;
+    }
+    if (const std::string* v = find(vars, "SLURM_JOB_ID")) {
+        const std::string* step = find(vars, "SLURM_STEP_ID");
+        return "SLURM_JOB_ID=" + *v + "." + (step ? *step : std::string());
+    }
+    return {};
+}
+
+LaunchEnv parse_ompi(const VarMap& vars) {
+    LaunchEnv e;
+    e.launcher = "mpirun";
+    e.rank = required_int(vars, "OMPI_COMM_WORLD_RANK", "under Open MPI");
+    e.num_ranks = required_int(vars, "OMPI_COMM_WORLD_SIZE", "under Open MPI");
+    e.local_rank = required_int(vars, "OMPI_COMM_WORLD_LOCAL_RANK", "under Open MPI");
+    e.local_num_ranks = required_int(vars, "OMPI_COMM_WORLD_LOCAL_SIZE", "under Open MPI");
+    check_ranks(e, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE");
+    e.master_addr = master_addr(vars, e, "");
+    e.master_port = master_port(vars, e, ompi_job_id(vars),
+                                "OMPI_MCA_ess_base_jobid, OMPI_MCA_orte_ess_jobid, PMIX_NAMESPACE or SLURM_JOB_ID");
+    return e;
+}
+
+/// Slurm's per-node task counts, "2(x3),1" -> {2, 2, 2, 1}.
+std::vector<int> expand_tasks_per_node(const std::string& text, const char* name) {
+    std::vector<int> counts;
+    size_t pos = 0;
+    auto fail = [&]() { WEFT_FAIL(name << " must look like '4' or '2(x3),1', got '" << text << "'"); };
+    auto read_number = [&]() {
+        size_t start = pos;
+        while (pos < text.size() && std::isdigit(static_cast<unsigned char>(text[pos]))) ++pos;
+        if (pos == start || pos - start > 6) fail();
+        return std::stoi(text.substr(start, pos - start));
+    };
+    while (true) {
+        int count = read_number();
+        int repeat = 1;
+        if (pos < text.size() && text[pos] == '(') {
+            if (text.compare(pos, 2, "(x") != 0) fail();
+            pos += 2;
+            repeat = read_number();
+            if (pos >= text.size() || text[pos] != ')') fail();
+            ++pos;
+        }
+        if (repeat < 1 || counts.size() + static_cast<size_t>(repeat) > 1000000) fail();
+        counts.insert(counts.end(), static_cast<size_t>(repeat), count);
+        if (pos == text.size()) break;
+        if (text[pos] != ',') fail();
+        ++pos;
+    }
+    return counts;
+}
+
+LaunchEnv parse_slurm(const VarMap& vars) {
+    LaunchEnv e;
+    e.launcher = "srun";
+    e.rank = required_int(vars, "SLURM_PROCID", "under srun");
+    const char* size_name = nullptr;
+    const std::string* size = find_first(vars, {"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"}, &size_name);
+    WEFT_CHECK(size != nullptr, "SLURM_NTASKS (or SLURM_STEP_NUM_TASKS) must be set when SLURM_PROCID is, but it is not");
+    e.num_ranks = to_int(*size, size_name);
+    e.local_rank = required_int(vars, "SLURM_LOCALID", "when SLURM_PROCID is");
+
+    const char* per_node_name = nullptr;
+    const char* local_size_name = "SLURM_TASKS_PER_NODE";
+    if (const std::string* per_node =
+            find_first(vars, {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}, &per_node_name)) {
+        std::vector<int> counts = expand_tasks_per_node(*per_node, per_node_name);
+        int node = 0;
+        if (counts.size() > 1) node = required_int(vars, "SLURM_NODEID", "when tasks span several nodes");
+        WEFT_CHECK(node >= 0 && static_cast<size_t>(node) < counts.size(),
+                   "SLURM_NODEID=" << node << " has no entry in " << per_node_name << "='" << *per_node << "'");
+        e.local_num_ranks = counts[static_cast<size_t>(node)];
+        local_size_name = per_node_name;
+    } else if (const std::string* per_node_fixed = find(vars, "SLURM_NTASKS_PER_NODE")) {
+        e.local_num_ranks = to_int(*per_node_fixed, "SLURM_NTASKS_PER_NODE");
+        local_size_name = "SLURM_NTASKS_PER_NODE";
+    } else {
+        const char* nodes_name = nullptr;
+        const std::string* nodes = find_first(vars, {"SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"},
+                                              &nodes_name);
+        WEFT_CHECK(nodes != nullptr && to_int(*nodes, nodes_name) == 1,
+                   "SLURM_TASKS_PER_NODE (or SLURM_STEP_TASKS_PER_NODE / SLURM_NTASKS_PER_NODE) must be set "
+                   "unless the step runs on one node, but it is not");
+        e.local_num_ranks = e.num_ranks;
+        local_size_name = nodes_name;
+    }
+    check_ranks(e, "SLURM_PROCID", size_name, "SLURM_LOCALID", local_size_name);
+
+    const char* list_name = nullptr;
+    const std::string* node_list =
+        find_first(vars, {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"}, &list_name);
+    std::string fallback_addr;
+    if (node_list != nullptr && e.local_num_ranks != e.num_ranks && find(vars, "MASTER_ADDR") == nullptr) {
+        WEFT_CHECK(!node_list->empty(), list_name << " must list the step's hosts, but it is empty");
+        fallback_addr = first_slurm_host(*node_list);
+    }
+    e.master_addr = master_addr(vars, e, fallback_addr);
+
+    std::string job_id;
+    if (const std::string* job = find(vars, "SLURM_JOB_ID")) {
+        const char* step_name = nullptr;
+        const std::string* step = find_first(vars, {"SLURM_STEP_ID", "SLURM_STEPID"}, &step_name);
+        job_id = "SLURM_JOB_ID=" + *job + "." + (step ? *step : std::string());
+    }
+    e.master_port = master_port(vars, e, job_id, "SLURM_JOB_ID");
+    return e;
+}
+
+}  // namespace
+
+int derived_master_port(const std::string& job_id) {
+    uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a, 64 bit
+    for (unsigned char c : job_id) {
+        hash ^= c;
+        hash *= 0x100000001b3ull;
+    }
+    // FNV-1a's low bits are weak for short ids such as "12345": mix them (splitmix64's finaliser).
+    hash ^= hash >> 30;
+    hash *= 0xbf58476d1ce4e5b9ull;
+    hash ^= hash >> 27;
+    hash *= 0x94d049bb133111ebull;
+    hash ^= hash >> 31;
+    return 20000 + static_cast<int>(hash % 12768u);
+}
+
+std::string first_slurm_host(const std::string& host_list) {
+    WEFT_CHECK(!host_list.empty(), "a Slurm host list must not be empty");
+    std::string host;
+    size_t pos = 0;
+    while (pos < host_list.size() && host_list[pos] != ',') {
+        char c = host_list[pos];
+        if (c == '[') {
+            size_t close = host_list.find(']', pos);
+            WEFT_CHECK(close != std::string::npos, "unbalanced '[' in Slurm host list '" << host_list << "'");
+            // The first element of the range set: "03-05,9" -> "03".
+            size_t end = pos + 1;
+            while (end < close && host_list[end] != '-' && host_list[end] != ',') ++end;
+            WEFT_CHECK(end > pos + 1, "empty range in Slurm host list '" << host_list << "'");
+            host += host_list.substr(pos + 1, end - pos - 1);
+            pos = close + 1;
+        } else {
+            host += c;
+            ++pos;
+        }
+    }
+    WEFT_CHECK(!host.empty(), "Slurm host list '" << host_list << "' starts with an empty host name");
+    return host;
+}
+
+std::optional<LaunchEnv> parse_launch_env(const VarMap& vars) {
+    std::optional<LaunchEnv> env;
+    if (find(vars, "RANK") != nullptr || find(vars, "WORLD_SIZE") != nullptr) {
+        env = parse_torchrun(vars);
+    } else if (find(vars, "OMPI_COMM_WORLD_RANK") != nullptr || find(vars, "OMPI_COMM_WORLD_SIZE") != nullptr) {
+        env = parse_ompi(vars);
+    } else if (find(vars, "SLURM_PROCID") != nullptr) {
+        env = parse_slurm(vars);
+    } else {
+        return std::nullopt;
+    }
+    if (const std::string* token = find(vars, "WEFT_JOB_TOKEN")) env->job_token = *token;
+    return env;
+}
+
+std::optional<LaunchEnv> detect_launch_env() {
+    VarMap vars;
+    for (char** p = environ; p != nullptr && *p != nullptr; ++p) {
+        std::string entry(*p);
+        size_t eq = entry.find('=');
+        if (eq == std::string::npos) continue;
+        vars.emplace(entry.substr(0, eq), entry.substr(eq + 1));
+    }
+    return parse_launch_env(vars);
+}
+
+}  // namespace weft

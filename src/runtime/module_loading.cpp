@@ -1,0 +1,66 @@
+// SPDX-License-Identifier: MIT
+// Eager module loading (see include/weft/runtime/module_loading.hpp).
+#include "weft/runtime/module_loading.hpp"
+
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/log.hpp"
+
+namespace weft {
+
+namespace {
+std::once_flag g_eager_once;
+bool g_weft_set_it = false;
+}  // namespace
+
+bool ensure_eager_module_loading() {
+    std::call_once(g_eager_once, [] {
+        auto value = env::get("CUDA_MODULE_LOADING");
+        if (!value) {
+            ::setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+            g_weft_set_it = true;
+            WEFT_LOG_INFO(
+                "weft set CUDA_MODULE_LOADING=EAGER: lazy module loading can deadlock a kernel that spins "
+                "on a flag set by a kernel whose module is not loaded yet (set CUDA_MODULE_LOADING "
+                "yourself to override)");
+        } else if (*value != "EAGER") {
+            WEFT_LOG_WARN("CUDA_MODULE_LOADING=" << *value
+                                                 << " (set by the user): with lazy loading a spinning kernel can "
+                                                    "deadlock waiting for a kernel whose module cannot load; weft "
+                                                    "recommends EAGER");
+        }
+    });
+    return g_weft_set_it;
+}
+
+void warn_if_lazy_module_loading() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        // Looked up here rather than in driver.hpp's table: only this diagnostic needs it.
+        using GetLoadingMode = CUresult (*)(CUmoduleLoadingMode*);
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult query{};
+        if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, CUDA_VERSION, cudaEnableDefault, &query) !=
+                cudaSuccess ||
+            query != cudaDriverEntryPointSuccess || fn == nullptr) {
+            return;
+        }
+        CUmoduleLoadingMode mode{};
+        if (reinterpret_cast<GetLoadingMode>(fn)(&mode) != CUDA_SUCCESS) return;
+        auto value = env::get("CUDA_MODULE_LOADING");
+        if (mode == CU_MODULE_LAZY_LOADING && value && *value == "EAGER") {
+            WEFT_LOG_WARN(
+                "CUDA loads modules lazily although CUDA_MODULE_LOADING=EAGER: CUDA was initialised before "
+                "weft could select eager loading; call weft::ensure_eager_module_loading() (or set "
+                "CUDA_MODULE_LOADING=EAGER) before the first CUDA call, or spinning kernels may deadlock");
+        }
+    });
+}
+
+}  // namespace weft

@@ -1,0 +1,298 @@
+// SPDX-License-Identifier: MIT
+// The rendezvous store client (every rank) and make_tcp_store, which adds the server on rank 0.
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <mutex>
+#include <thread>
+
+#include "rendezvous_socket.hpp"
+#include "weft/detail/rendezvous_protocol.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+#include "weft/runtime/rendezvous.hpp"
+
+namespace weft {
+
+using namespace detail::rendezvous;  // NOLINT: this file implements the protocol
+using std::chrono::milliseconds;
+
+namespace {
+
+/// Waits until `fd` is ready for `events` or `deadline` passes. Returns an empty string when ready.
+std::string wait_ready(int fd, short events, Clock::time_point deadline) {
+    while (true) {
+        pollfd p{fd, events, 0};
+        int n = ::poll(&p, 1, poll_timeout_ms(deadline));
+        if (n > 0) return {};
+        if (n == 0) return "timed out";
+        if (errno != EINTR) return "poll failed: " + errno_text(errno);
+    }
+}
+
+std::string send_all(int fd, const Bytes& data, Clock::time_point deadline) {
+    size_t done = 0;
+    while (done < data.size()) {
+        ssize_t sent = ::send(fd, data.data() + done, data.size() - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (sent > 0) {
+            done += static_cast<size_t>(sent);
+            continue;
+        }
+        if (sent < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            return "send failed: " + errno_text(errno);
+        }
+        if (std::string e = wait_ready(fd, POLLOUT, deadline); !e.empty()) return "send " + e;
+    }
+    return {};
+}
+
+std::string recv_exact(int fd, uint8_t* out, size_t bytes, Clock::time_point deadline) {
+    size_t done = 0;
+    while (done < bytes) {
+        ssize_t got = ::recv(fd, out + done, bytes - done, MSG_DONTWAIT);
+        if (got > 0) {
+            done += static_cast<size_t>(got);
+            continue;
+        }
+        if (got == 0) return "the server closed the connection";
+        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return "recv failed: " + errno_text(errno);
+        if (std::string e = wait_ready(fd, POLLIN, deadline); !e.empty()) return "reply " + e;
+    }
+    return {};
+}
+
+/// Reads one response frame; returns an error text on failure (the connection is then unusable).
+std::string recv_response(int fd, const Limits& limits, Clock::time_point deadline, Message* message) {
+    Bytes frame(kHeaderBytes);
+    if (std::string e = recv_exact(fd, frame.data(), kHeaderBytes, deadline); !e.empty()) return e;
+    Header header;
+    DecodeResult r = decode_header(frame.data(), frame.size(), Role::kResponse, limits, &header);
+    if (r.status != DecodeStatus::kComplete) return "malformed reply: " + r.error;
+    frame.resize(r.frame_bytes);
+    if (std::string e = recv_exact(fd, frame.data() + kHeaderBytes, r.frame_bytes - kHeaderBytes, deadline);
+        !e.empty()) {
+        return e;
+    }
+    r = decode_frame(frame.data(), frame.size(), Role::kResponse, limits, message);
+    if (r.status != DecodeStatus::kComplete) return "malformed reply: " + r.error;
+    return {};
+}
+
+std::string error_text(const Message& m) { return std::string(m.value.begin(), m.value.end()); }
+
+/// Connects to host:port, retrying refused or unreachable attempts until `deadline` (rank 0 may be late).
+UniqueFd connect_with_retry(const std::string& host, int port, Clock::time_point deadline, std::string* last_error) {
+    auto backoff = std::chrono::milliseconds(10);
+    std::string port_text = std::to_string(port);
+    while (true) {
+        addrinfo hints{};
+        hints.ai_family = AF_UNSPEC;
+        hints.ai_socktype = SOCK_STREAM;
+        hints.ai_flags = AI_NUMERICSERV;
+        addrinfo* list = nullptr;
+        int gai = ::getaddrinfo(host.c_str(), port_text.c_str(), &hints, &list);
+        if (gai != 0) {
+            *last_error = std::string("cannot resolve '") + host + "': " + gai_strerror(gai);
+        }
+        for (addrinfo* ai = gai == 0 ? list : nullptr; ai != nullptr; ai = ai->ai_next) {
+            UniqueFd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol));
+            if (!fd) {
+                *last_error = "socket failed: " + errno_text(errno);
+                continue;
+            }
+            int rc = ::connect(fd.get(), ai->ai_addr, ai->ai_addrlen);
+            if (rc != 0 && errno == EINPROGRESS) {
+                std::string e = wait_ready(fd.get(), POLLOUT, deadline);
+                if (!e.empty()) {
+                    *last_error = describe_address(ai->ai_addr) + ": connect " + e;
+                    continue;
+                }
+                int err = 0;
+                socklen_t len = sizeof(err);
+                ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+                rc = err == 0 ? 0 : -1;
+                errno = err;
+            }
+            if (rc == 0) {
+                ::freeaddrinfo(list);
+                make_nonblocking(fd.get());
+                return fd;
+            }
+            *last_error = describe_address(ai->ai_addr) + ": " + errno_text(errno);
+        }
+        if (list != nullptr) ::freeaddrinfo(list);
+        if (Clock::now() >= deadline) return UniqueFd();
+        std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
+        backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+    }
+}
+
+class TcpStoreClient final : public Store {
+public:
+    TcpStoreClient(const RendezvousOptions& options, std::unique_ptr<TcpStoreServer> server)
+        : server_(std::move(server)),
+          options_(capped(options)),
+          limits_{options.max_key_bytes, options.max_value_bytes},
+          endpoint_(options.host + ":" + std::to_string(options.port)) {
+        Clock::time_point deadline = Clock::now() + options_.timeout;
+        std::string last_error = "no attempt";
+        fd_ = connect_with_retry(options.host, options.port, deadline, &last_error);
+        WEFT_CHECK(fd_, "rendezvous: rank " << options.rank << " could not connect to the store at " << endpoint_
+                                           << " within " << options.timeout.count()
+                                           << " ms (is rank 0 running, and do MASTER_ADDR/MASTER_PORT match?): "
+                                           << last_error);
+        // The server may be slow to answer while many ranks connect at once: give HELLO a full timeout.
+        Message reply = exchange(make_hello(options.token, options.rank), Clock::now() + options_.timeout, "connect",
+                                 "");
+        WEFT_CHECK(reply.type != MsgType::kError, "rendezvous: the store at " << endpoint_ << " rejected rank "
+                                                                              << options.rank << ": "
+                                                                              << error_text(reply));
+        expect(reply, MsgType::kOk, "connect", "");
+        WEFT_LOG_DEBUG("rendezvous: connected to the store at " << endpoint_);
+    }
+
+    ~TcpStoreClient() override { fd_.reset(); }  // before server_ (declared first, destroyed last)
+
+    void set(const std::string& key, const Bytes& value) override {
+        Message reply = call(make_set(key, value), Clock::now() + options_.timeout, "set", key);
+        expect(reply, MsgType::kOk, "set", key);
+    }
+
+    Bytes get(const std::string& key, std::chrono::milliseconds timeout) override {
+        WEFT_CHECK(timeout.count() >= 0, "store get('" << key << "'): timeout must be >= 0, got " << timeout.count()
+                                                       << " ms");
+        timeout = std::min(timeout, milliseconds(kMaxWaitMs));
+        // The server answers at `timeout`; the extra options_.timeout only covers a server that stopped.
+        Message reply = call(make_get(key, static_cast<uint64_t>(timeout.count())),
+                             Clock::now() + timeout + options_.timeout, "get", key);
+        if (reply.type == MsgType::kTimeout) {
+            WEFT_FAIL("store get('" << key << "') timed out after " << timeout.count()
+                                    << " ms: no rank set the key (rank " << options_.rank << ", store at "
+                                    << endpoint_ << ")");
+        }
+        expect(reply, MsgType::kOk, "get", key);
+        return std::move(reply.value);
+    }
+
+    int64_t add(const std::string& key, int64_t delta) override {
+        Message reply = call(make_add(key, delta), Clock::now() + options_.timeout, "add", key);
+        expect(reply, MsgType::kOk, "add", key);
+        if (reply.value.size() != 8) broken("add", key, "malformed reply: counter of " + std::to_string(reply.value.size()) + " bytes");
+        return decode_i64(reply.value);
+    }
+
+    bool check(const std::string& key) override {
+        Message reply = call(make_check(key), Clock::now() + options_.timeout, "check", key);
+        expect(reply, MsgType::kOk, "check", key);
+        if (reply.value.size() != 1 || reply.value[0] > 1) broken("check", key, "malformed reply to check");
+        return reply.value[0] == 1;
+    }
+
+    void erase(const std::string& key) override {
+        Message reply = call(make_erase(key), Clock::now() + options_.timeout, "erase", key);
+        expect(reply, MsgType::kOk, "erase", key);
+    }
+
+private:
+    static RendezvousOptions capped(RendezvousOptions o) {
+        o.timeout = std::min(o.timeout, milliseconds(kMaxWaitMs));
+        return o;
+    }
+
+    /// One request and its reply, serialised with other threads of this process.
+    Message call(const Message& request, Clock::time_point deadline, const char* op, const std::string& key) {
+        // Encoding first: a key or value over the limits is the caller's error and leaves the connection usable.
+        Bytes frame;
+        try {
+            frame = encode_frame(request, limits_);
+        } catch (const Error& e) {
+            WEFT_FAIL("store " << op << "('" << key.substr(0, 64) << (key.size() > 64 ? "...": "")
+                               << "') rejected before sending: " << e.what());
+        }
+        std::lock_guard<std::mutex> lock(mutex_);
+        return exchange_frame(frame, deadline, op, key);
+    }
+
+    Message exchange(const Message& request, Clock::time_point deadline, const char* op, const std::string& key) {
+        Bytes frame = encode_frame(request, limits_);
+        std::lock_guard<std::mutex> lock(mutex_);
+        return exchange_frame(frame, deadline, op, key);
+    }
+
+    Message exchange_frame(const Bytes& frame, Clock::time_point deadline, const char* op, const std::string& key) {
+        WEFT_CHECK(broken_.empty(), "store " << op << "('" << key << "'): the connection to the store at " << endpoint_
+                                             << " was lost earlier (rank " << options_.rank << "): " << broken_);
+        std::string e = send_all(fd_.get(), frame, deadline);
+        Message reply;
+        if (e.empty()) e = recv_response(fd_.get(), limits_, deadline, &reply);
+        if (!e.empty()) broken(op, key, e);
+        return reply;
+    }
+
+    void expect(const Message& reply, MsgType type, const char* op, const std::string& key) {
+        if (reply.type == type) return;
+        if (reply.type == MsgType::kError) {
+            WEFT_FAIL("store " << op << "('" << key << "') failed on the server (rank " << options_.rank << ", store at "
+                               << endpoint_ << "): " << error_text(reply));
+        }
+        broken(op, key, std::string("unexpected reply ") + type_name(static_cast<uint16_t>(reply.type)));
+    }
+
+    [[noreturn]] void broken(const char* op, const std::string& key, const std::string& why) {
+        broken_ = why;
+        fd_.reset();
+        WEFT_FAIL("store " << op << "('" << key << "') failed (rank " << options_.rank << ", store at " << endpoint_
+                           << "): " << why);
+    }
+
+    std::unique_ptr<TcpStoreServer> server_;  // rank 0 only; declared first so it is destroyed last
+    RendezvousOptions options_;
+    Limits limits_;
+    std::string endpoint_;
+    UniqueFd fd_;
+    std::mutex mutex_;
+    std::string broken_;  // non-empty once the connection failed; every later call throws it
+};
+
+void check_common(const RendezvousOptions& o) {
+    WEFT_CHECK(!o.host.empty(), "RendezvousOptions.host (MASTER_ADDR) must not be empty");
+    WEFT_CHECK(o.num_ranks >= 1, "RendezvousOptions.num_ranks must be at least 1, got " << o.num_ranks);
+    WEFT_CHECK(o.rank >= 0 && o.rank < o.num_ranks,
+               "RendezvousOptions.rank must be in [0, num_ranks=" << o.num_ranks << "), got " << o.rank);
+    WEFT_CHECK(o.port >= 0 && o.port <= 65535, "RendezvousOptions.port must be in [0, 65535], got " << o.port);
+    WEFT_CHECK(o.timeout.count() > 0, "RendezvousOptions.timeout must be positive, got " << o.timeout.count() << " ms");
+}
+
+/// Where rank 0's own client connects when the server listens on a wildcard address.
+std::string connect_host(const std::string& host) {
+    if (host == "0.0.0.0" || host == "*") return "127.0.0.1";
+    if (host == "::" || host == "[::]") return "::1";
+    return host;
+}
+
+}  // namespace
+
+std::unique_ptr<Store> connect_tcp_store(const RendezvousOptions& options) {
+    check_common(options);
+    WEFT_CHECK(options.port != 0, "RendezvousOptions.port must name the server's port (MASTER_PORT), got 0");
+    return std::make_unique<TcpStoreClient>(options, nullptr);
+}
+
+std::unique_ptr<Store> make_tcp_store(const RendezvousOptions& options) {
+    check_common(options);
+    WEFT_CHECK(options.port != 0 || options.num_ranks == 1,
+               "RendezvousOptions.port is 0 (rank 0 picks a free port), but then the other "
+                   << options.num_ranks - 1 << " rank(s) cannot find it: set MASTER_PORT / RendezvousOptions.port");
+    if (options.rank != 0) return connect_tcp_store(options);
+    auto server = std::make_unique<TcpStoreServer>(options);
+    RendezvousOptions client_options = options;
+    client_options.host = connect_host(options.host);
+    client_options.port = server->port();
+    return std::make_unique<TcpStoreClient>(client_options, std::move(server));
+}
+
+}  // namespace weft

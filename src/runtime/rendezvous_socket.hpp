@@ -1,0 +1,52 @@
+// SPDX-License-Identifier: MIT
+// Small socket helpers shared by the rendezvous server and client (private to src/runtime).
+#pragma once
+
+#include <sys/socket.h>
+
+#include <chrono>
+#include <string>
+
+namespace weft::detail::rendezvous {
+
+using Clock = std::chrono::steady_clock;
+
+/// An owned file descriptor, closed on destruction.
+class UniqueFd {
+public:
+    UniqueFd() = default;
+    explicit UniqueFd(int fd) : fd_(fd) {}
+    ~UniqueFd() { reset(); }
+    UniqueFd(UniqueFd&& other) noexcept : fd_(other.release()) {}
+    UniqueFd& operator=(UniqueFd&& other) noexcept {
+        if (this != &other) reset(other.release());
+        return *this;
+    }
+    UniqueFd(const UniqueFd&) = delete;
+    UniqueFd& operator=(const UniqueFd&) = delete;
+
+    int get() const { return fd_; }
+    explicit operator bool() const { return fd_ >= 0; }
+    int release() {
+        int fd = fd_;
+        fd_ = -1;
+        return fd;
+    }
+    void reset(int fd = -1);
+
+private:
+    int fd_ = -1;
+};
+
+/// strerror text of `err`, thread-safe.
+std::string errno_text(int err);
+/// Milliseconds left until `deadline`, clamped to [0, 1 day] (a poll() timeout).
+int poll_timeout_ms(Clock::time_point deadline);
+/// "127.0.0.1:29500" / "[::1]:29500".
+std::string describe_address(const sockaddr* addr);
+/// True for 127.0.0.0/8, ::1 and ::ffff:127.0.0.0/104.
+bool is_loopback(const sockaddr* addr);
+/// Sets O_NONBLOCK and TCP_NODELAY (best effort for the latter).
+void make_nonblocking(int fd);
+
+}  // namespace weft::detail::rendezvous

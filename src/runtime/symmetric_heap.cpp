@@ -1,0 +1,411 @@
+// SPDX-License-Identifier: MIT
+// The symmetric heap: VMM allocation per rank, peer mappings (same process or POSIX fds), collective alloc/free.
+#include "weft/runtime/symmetric_heap.hpp"
+
+#include <cuda.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <sstream>
+
+#include "runtime_internal.hpp"
+#include "weft/detail/fd_passing.hpp"
+#include "weft/detail/offset_allocator.hpp"
+#include "weft/detail/runtime_config.hpp"
+#include "weft/runtime/driver.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+
+namespace weft {
+namespace detail {
+
+namespace {
+
+constexpr uint64_t kOutsideHeap = std::numeric_limits<uint64_t>::max();
+enum class HeapOp : uint64_t { kAlloc = 1, kFree = 2 };
+
+// One collective call as every rank describes it; compared across ranks before anything changes.
+struct CallRecord {
+    uint64_t seq = 0;
+    HeapOp op = HeapOp::kAlloc;
+    uint64_t a = 0;  // alloc: bytes; free: offset (kOutsideHeap when the pointer was not in the heap)
+    uint64_t b = 0;  // alloc: align
+    bool operator==(const CallRecord&) const = default;
+};
+
+Bytes encode(const CallRecord& r) {
+    Bytes out(32);
+    const uint64_t words[4] = {r.seq, static_cast<uint64_t>(r.op), r.a, r.b};
+    for (int w = 0; w < 4; ++w) {
+        for (int i = 0; i < 8; ++i) out[static_cast<size_t>(w * 8 + i)] = static_cast<uint8_t>(words[w] >> (8 * i));
+    }
+    return out;
+}
+
+CallRecord decode(const Bytes& in, int from_rank) {
+    WEFT_CHECK(in.size() == 32, "symmetric heap: rank " << from_rank << " published a call record of " << in.size()
+                                                        << " bytes, expected 32");
+    uint64_t words[4] = {};
+    for (int w = 0; w < 4; ++w) {
+        for (int i = 0; i < 8; ++i) words[w] |= static_cast<uint64_t>(in[static_cast<size_t>(w * 8 + i)]) << (8 * i);
+    }
+    return CallRecord{words[0], static_cast<HeapOp>(words[1]), words[2], words[3]};
+}
+
+std::string describe(const CallRecord& r) {
+    std::ostringstream os;
+    if (r.op == HeapOp::kAlloc) {
+        os << "alloc(" << r.a << " bytes, align " << r.b << ")";
+    } else if (r.op == HeapOp::kFree) {
+        if (r.a == kOutsideHeap) {
+            os << "free(a pointer outside the heap)";
+        } else {
+            os << "free(offset " << r.a << ")";
+        }
+    } else {
+        os << "an unknown heap call (" << static_cast<uint64_t>(r.op) << ")";
+    }
+    return os.str();
+}
+
+// Calls a driver function and turns a failure into a weft::Error that says what weft was doing.
+void cu_call(CUresult status, const std::string& what) {
+    if (status == CUDA_SUCCESS) return;
+    const char* name = "unknown";
+    driver().cuGetErrorName(status, &name);
+    WEFT_FAIL(what << " failed: " << name);
+}
+
+CUmemAllocationProp allocation_prop(int device, bool exportable) {
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    prop.requestedHandleTypes = exportable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+    return prop;
+}
+
+CUmemAccessDesc read_write_access(int device) {
+    CUmemAccessDesc desc{};
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = device;
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    return desc;
+}
+
+bool can_access(int from_device, int to_device) {
+    if (from_device == to_device) return true;
+    int can = 0;
+    return cudaDeviceCanAccessPeer(&can, from_device, to_device) == cudaSuccess && can != 0;
+}
+
+}  // namespace
+
+/// One VMM mapping: a physical allocation handle mapped at a reserved VA range.
+struct Mapping {
+    CUmemGenericAllocationHandle handle = 0;
+    CUdeviceptr va = 0;
+    bool created = false;
+    bool reserved = false;
+    bool mapped = false;
+
+    // Undoes whatever was done, in reverse order; never throws (logs instead).
+    void release(uint64_t bytes, const char* whose) noexcept {
+        const DriverApi& d = driver();
+        if (mapped && d.cuMemUnmap(va, bytes) != CUDA_SUCCESS) WEFT_LOG_WARN("cuMemUnmap of " << whose << " failed");
+        if (reserved && d.cuMemAddressFree(va, bytes) != CUDA_SUCCESS) {
+            WEFT_LOG_WARN("cuMemAddressFree of " << whose << " failed");
+        }
+        if (created && d.cuMemRelease(handle) != CUDA_SUCCESS) WEFT_LOG_WARN("cuMemRelease of " << whose << " failed");
+        mapped = reserved = created = false;
+    }
+};
+
+struct HeapImpl {
+    explicit HeapImpl(const HeapSetup& s) : setup(s), allocator(s.bytes), peers(static_cast<size_t>(s.num_ranks)) {}
+    ~HeapImpl() { release(); }
+
+    HeapSetup setup;
+    OffsetAllocator allocator;
+    Mapping own;
+    std::vector<Mapping> peers;  // imported mappings (processes mode), by rank
+    std::vector<uint8_t*> peer_bases;
+    uint64_t call_seq = 0;
+
+    uint8_t* base() const { return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(own.va)); }
+    std::string key(const std::string& what) const { return "weft/heap/" + setup.job_id + "/" + what; }
+
+    void create_own();
+    void share_in_process();
+    void share_across_processes();
+    void import_peer(int peer, UniqueFd fd);
+    void agree(const CallRecord& mine);
+
+    // Peers' mappings first, then our own: the shutdown order in docs/runtime.md.
+    void release() noexcept {
+        for (size_t p = 0; p < peers.size(); ++p) {
+            peers[p].release(setup.bytes, ("rank " + std::to_string(p) + "'s heap").c_str());
+        }
+        own.release(setup.bytes, "this rank's heap");
+    }
+};
+
+void HeapImpl::create_own() {
+    const DriverApi& d = driver();
+    const std::string size_text = format_bytes(setup.bytes);
+    CUmemAllocationProp prop = allocation_prop(setup.device, !setup.same_process);
+    cu_call(d.cuMemCreate(&own.handle, setup.bytes, &prop, 0),
+            "cuMemCreate of the " + size_text + " symmetric heap on device " + std::to_string(setup.device) +
+                " (lower WEFT_SYMMETRIC_HEAP_BYTES if the GPU is short of memory)");
+    own.created = true;
+    cu_call(d.cuMemAddressReserve(&own.va, setup.bytes, setup.granularity, 0, 0),
+            "cuMemAddressReserve of " + size_text + " for the symmetric heap");
+    own.reserved = true;
+    cu_call(d.cuMemMap(own.va, setup.bytes, 0, own.handle, 0), "cuMemMap of the symmetric heap");
+    own.mapped = true;
+
+    // Within one process every rank uses this VA directly, so grant access to each device of this process
+    // that can reach ours; another process maps its own VA and sets its own access.
+    std::vector<CUmemAccessDesc> access{read_write_access(setup.device)};
+    if (setup.same_process) {
+        std::vector<int> granted{setup.device};
+        for (const RankInfo& r : setup.ranks) {
+            if (std::find(granted.begin(), granted.end(), r.device) != granted.end()) continue;
+            if (!can_access(r.device, setup.device)) continue;
+            granted.push_back(r.device);
+            access.push_back(read_write_access(r.device));
+        }
+    }
+    cu_call(d.cuMemSetAccess(own.va, setup.bytes, access.data(), access.size()),
+            "cuMemSetAccess of the symmetric heap for " + std::to_string(access.size()) + " device(s)");
+}
+
+void HeapImpl::share_in_process() {
+    Bytes mine(8);
+    const uint64_t va = own.va;
+    std::memcpy(mine.data(), &va, 8);
+    auto all = setup.store->all_gather(key("bases"), setup.rank, setup.num_ranks, mine, setup.init_timeout);
+    for (int p = 0; p < setup.num_ranks; ++p) {
+        uint64_t peer_va = 0;
+        WEFT_CHECK(all[static_cast<size_t>(p)].size() == 8, "rank " << p << " published a malformed heap base");
+        std::memcpy(&peer_va, all[static_cast<size_t>(p)].data(), 8);
+        // Rank p granted our device access exactly when our device can reach p's (see create_own).
+        const bool reachable = can_access(setup.device, setup.ranks[static_cast<size_t>(p)].device);
+        peer_bases[static_cast<size_t>(p)] =
+            reachable ? reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(peer_va)) : nullptr;
+        if (!reachable) {
+            WEFT_LOG_INFO("rank " << p << "'s heap is not reachable from device " << setup.device
+                                  << " (no peer access): symm_at returns nullptr for it");
+        }
+    }
+    peer_bases[static_cast<size_t>(setup.rank)] = base();
+}
+
+void HeapImpl::import_peer(int peer, UniqueFd fd) {
+    const DriverApi& d = driver();
+    const RankInfo& info = setup.ranks[static_cast<size_t>(peer)];
+    // Find the peer's GPU among ours by PCI bus id (device ordinals differ between processes).
+    int peer_device = -1;
+    const bool visible = cudaDeviceGetByPCIBusId(&peer_device, info.pci_bus_id.c_str()) == cudaSuccess;
+    if (!visible) cudaGetLastError();  // clear the non-sticky error
+    if (visible && !can_access(setup.device, peer_device)) {
+        WEFT_LOG_INFO("rank " << peer << "'s GPU " << info.pci_bus_id << " is not peer-accessible from device "
+                              << setup.device << ": symm_at returns nullptr for it");
+        return;  // fd closes here
+    }
+    Mapping& m = peers[static_cast<size_t>(peer)];
+    const std::string whose = "rank " + std::to_string(peer) + "'s heap";
+    try {
+        cu_call(d.cuMemImportFromShareableHandle(&m.handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd.get())),
+                                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                "cuMemImportFromShareableHandle of " + whose);
+        m.created = true;
+        fd.reset();  // the imported handle holds the memory; the descriptor is no longer needed
+        cu_call(d.cuMemAddressReserve(&m.va, setup.bytes, setup.granularity, 0, 0), "cuMemAddressReserve for " + whose);
+        m.reserved = true;
+        cu_call(d.cuMemMap(m.va, setup.bytes, 0, m.handle, 0), "cuMemMap of " + whose);
+        m.mapped = true;
+        CUmemAccessDesc access = read_write_access(setup.device);
+        cu_call(d.cuMemSetAccess(m.va, setup.bytes, &access, 1), "cuMemSetAccess of " + whose);
+    } catch (const Error& e) {
+        m.release(setup.bytes, whose.c_str());
+        if (visible) throw;
+        // Its GPU is not visible to this process, so reachability could not be checked in advance.
+        WEFT_LOG_WARN(whose << " could not be mapped (" << e.what() << "): symm_at returns nullptr for it");
+        return;
+    }
+    peer_bases[static_cast<size_t>(peer)] = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(m.va));
+}
+
+void HeapImpl::share_across_processes() {
+    const DriverApi& d = driver();
+    std::vector<int> local_peers;
+    const RankInfo& me = setup.ranks[static_cast<size_t>(setup.rank)];
+    for (int p = 0; p < setup.num_ranks; ++p) {
+        if (p != setup.rank && setup.ranks[static_cast<size_t>(p)].host == me.host) local_peers.push_back(p);
+    }
+    peer_bases[static_cast<size_t>(setup.rank)] = base();
+    int raw_fd = -1;
+    cu_call(d.cuMemExportToShareableHandle(&raw_fd, own.handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            "cuMemExportToShareableHandle of the symmetric heap (POSIX file descriptor)");
+    UniqueFd own_fd(raw_fd);
+    FdExchange exchange;
+    exchange.job_id = setup.job_id;
+    exchange.rank = setup.rank;
+    exchange.local_peers = local_peers;
+    exchange.heap_bytes = setup.bytes;
+    exchange.store = setup.store;
+    exchange.num_ranks = setup.num_ranks;
+    exchange.timeout = setup.init_timeout;
+    auto fds = exchange_fds(exchange, own_fd.get());
+    own_fd.reset();
+    for (auto& [peer, fd] : fds) import_peer(peer, std::move(fd));
+    // Ranks on other hosts stay nullptr: not load/store reachable (a network transport serves them).
+}
+
+void HeapImpl::agree(const CallRecord& mine) {
+    auto blobs = setup.store->all_gather(key("call/" + std::to_string(mine.seq)), setup.rank, setup.num_ranks,
+                                         encode(mine), setup.timeout);
+    std::vector<CallRecord> calls;
+    calls.reserve(blobs.size());
+    bool same = true;
+    for (size_t r = 0; r < blobs.size(); ++r) {
+        calls.push_back(decode(blobs[r], static_cast<int>(r)));
+        same = same && calls.back() == calls.front();
+    }
+    if (same) return;
+    // Group ranks by what they asked, in order of first appearance; every rank builds the same message.
+    std::vector<std::pair<CallRecord, std::vector<int>>> groups;
+    for (size_t r = 0; r < calls.size(); ++r) {
+        auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == calls[r]; });
+        if (it == groups.end()) {
+            groups.push_back({calls[r], {static_cast<int>(r)}});
+        } else {
+            it->second.push_back(static_cast<int>(r));
+        }
+    }
+    std::ostringstream os;
+    os << "symmetric heap call #" << mine.seq
+       << " differs across ranks (every rank must make the same alloc/free calls, with the same arguments, in "
+          "the same order): ";
+    for (size_t g = 0; g < groups.size(); ++g) {
+        os << (g ? "; " : "") << format_rank_list(groups[g].second) << " asked " << describe(groups[g].first);
+        if (groups[g].first.seq != mine.seq) os << " as its call #" << groups[g].first.seq;
+    }
+    WEFT_FAIL(os.str());
+}
+
+uint64_t heap_granularity(int device, bool exportable) {
+    CUmemAllocationProp prop = allocation_prop(device, exportable);
+    size_t granularity = 0;
+    cu_call(driver().cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+            "cuMemGetAllocationGranularity on device " + std::to_string(device));
+    WEFT_CHECK(granularity > 0, "device " << device << " reports a VMM granularity of 0");
+    return granularity;
+}
+
+std::unique_ptr<SymmetricHeap> make_symmetric_heap(const HeapSetup& setup) {
+    WEFT_CHECK(setup.store != nullptr, "the symmetric heap needs a store");
+    WEFT_CHECK(setup.granularity > 0 && setup.bytes > 0 && setup.bytes % setup.granularity == 0,
+               "symmetric heap size " << setup.bytes << " is not a positive multiple of the granularity "
+                                      << setup.granularity);
+    WEFT_CHECK(static_cast<int>(setup.ranks.size()) == setup.num_ranks,
+               "symmetric heap: " << setup.ranks.size() << " rank records for " << setup.num_ranks << " ranks");
+    auto impl = std::make_unique<HeapImpl>(setup);
+    impl->peer_bases.assign(static_cast<size_t>(setup.num_ranks), nullptr);
+    impl->create_own();
+    if (setup.same_process) {
+        impl->share_in_process();
+    } else {
+        impl->share_across_processes();
+    }
+    return std::unique_ptr<SymmetricHeap>(new SymmetricHeap(std::move(impl)));
+}
+
+}  // namespace detail
+
+SymmetricHeap::SymmetricHeap(std::unique_ptr<detail::HeapImpl> impl) : impl_(std::move(impl)) {}
+
+SymmetricHeap::~SymmetricHeap() = default;
+
+void* SymmetricHeap::alloc(uint64_t bytes, uint64_t align) {
+    detail::HeapImpl& h = *impl_;
+    const detail::CallRecord call{++h.call_seq, detail::HeapOp::kAlloc, bytes, align};
+    h.agree(call);
+    // From here on every rank holds the same arguments and allocator state: errors are raised everywhere.
+    WEFT_CHECK(bytes > 0, "symmetric heap alloc #" << call.seq << ": bytes must be positive, got 0");
+    WEFT_CHECK(align > 0 && (align & (align - 1)) == 0 && align <= h.setup.granularity,
+               "symmetric heap alloc #" << call.seq << ": align must be a power of two no larger than "
+                                        << h.setup.granularity << " (the VMM granularity), got " << align);
+    auto offset = h.allocator.allocate(bytes, align);
+    WEFT_CHECK(offset.has_value(), "symmetric heap alloc #"
+                                       << call.seq << " of " << detail::format_bytes(bytes) << " (align " << align
+                                       << ") does not fit: the heap is " << detail::format_bytes(h.setup.bytes)
+                                       << " per rank with " << detail::format_bytes(h.allocator.bytes_in_use())
+                                       << " in use and a largest free block of "
+                                       << detail::format_bytes(h.allocator.largest_free_block())
+                                       << "; enlarge it with WEFT_SYMMETRIC_HEAP_BYTES (or WorldOptions::heap_bytes)");
+    return h.base() + *offset;
+}
+
+void SymmetricHeap::free(void* ptr) {
+    detail::HeapImpl& h = *impl_;
+    const uint64_t offset =
+        contains(ptr) ? static_cast<uint64_t>(static_cast<uint8_t*>(ptr) - h.base()) : detail::kOutsideHeap;
+    const detail::CallRecord call{++h.call_seq, detail::HeapOp::kFree, offset, 0};
+    h.agree(call);
+    WEFT_CHECK(offset != detail::kOutsideHeap,
+               "symmetric heap free (call #" << call.seq << "): pointer " << ptr << " is not in the heap");
+    WEFT_CHECK(h.allocator.allocation_size(offset).has_value(),
+               "symmetric heap free (call #" << call.seq << "): no live allocation starts at offset " << offset
+                                             << " (double free, or not a pointer alloc returned)");
+    h.allocator.release(offset);
+}
+
+uint64_t* SymmetricHeap::alloc_signals(uint64_t count) {
+    // Oversized counts saturate so that alloc reports them (identically on every rank).
+    const uint64_t bytes =
+        count > std::numeric_limits<uint64_t>::max() / 8 ? std::numeric_limits<uint64_t>::max() : count * 8;
+    auto* signals = static_cast<uint64_t*>(alloc(bytes, 256));
+    const uint64_t seq = impl_->call_seq;
+    {
+        detail::DeviceGuard guard(impl_->setup.device);
+        // The World's non-blocking stream does not wait for other ranks' kernels on a shared GPU.
+        WEFT_CUDA_CHECK(cudaMemsetAsync(signals, 0, bytes, impl_->setup.stream));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(impl_->setup.stream));
+    }
+    impl_->setup.store->barrier(impl_->key("signals/" + std::to_string(seq)), impl_->setup.rank, impl_->setup.num_ranks,
+                                impl_->setup.timeout);
+    return signals;
+}
+
+bool SymmetricHeap::contains(const void* ptr, uint64_t bytes) const {
+    const auto p = reinterpret_cast<uintptr_t>(ptr);
+    const auto b = reinterpret_cast<uintptr_t>(impl_->base());
+    return p >= b && p - b < impl_->setup.bytes && bytes <= impl_->setup.bytes - (p - b);
+}
+
+uint64_t SymmetricHeap::offset_of(const void* ptr) const {
+    WEFT_CHECK(contains(ptr), "pointer " << ptr << " is not in this rank's symmetric heap ["
+                                         << static_cast<void*>(base()) << ", +" << impl_->setup.bytes << ")");
+    return static_cast<uint64_t>(static_cast<const uint8_t*>(ptr) - impl_->base());
+}
+
+void* SymmetricHeap::symm_at(const void* local_ptr, int rank) const {
+    WEFT_CHECK(rank >= 0 && rank < impl_->setup.num_ranks,
+               "symm_at: rank must be in [0, " << impl_->setup.num_ranks << "), got " << rank);
+    const uint64_t offset = offset_of(local_ptr);
+    uint8_t* peer = impl_->peer_bases[static_cast<size_t>(rank)];
+    return peer == nullptr ? nullptr : peer + offset;
+}
+
+uint8_t* SymmetricHeap::base() const { return impl_->base(); }
+uint64_t SymmetricHeap::bytes() const { return impl_->setup.bytes; }
+uint64_t SymmetricHeap::granularity() const { return impl_->setup.granularity; }
+uint64_t SymmetricHeap::bytes_in_use() const { return impl_->allocator.bytes_in_use(); }
+const std::vector<uint8_t*>& SymmetricHeap::peer_bases() const { return impl_->peer_bases; }
+int SymmetricHeap::rank() const { return impl_->setup.rank; }
+int SymmetricHeap::num_ranks() const { return impl_->setup.num_ranks; }
+
+}  // namespace weft

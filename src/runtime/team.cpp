@@ -1,0 +1,145 @@
+// SPDX-License-Identifier: MIT
+// Teams: membership, splits, rank translation and the per-team device tables.
+#include "weft/runtime/team.hpp"
+
+#include <cstring>
+
+#include "runtime_internal.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+
+namespace weft {
+
+namespace detail {
+
+namespace {
+
+// Deleter for the small device tables; safe on any thread (it makes the owning device current).
+struct DeviceFree {
+    int device;
+    bool async;
+    void operator()(void* p) const {
+        if (p == nullptr) return;
+        DeviceGuard guard(device);
+        // cudaFree would synchronise the whole device, i.e. wait for other ranks' spinning kernels on a
+        // shared GPU; the stream-ordered free does not. (The World's stream may be gone by now: a team can
+        // outlive it by a few statements; the per-thread stream always exists.)
+        cudaError_t st = async ? cudaFreeAsync(p, cudaStreamPerThread) : cudaFree(p);
+        if (st != cudaSuccess) WEFT_LOG_WARN("freeing a team table failed: " << cudaGetErrorName(st));
+    }
+};
+
+// Copies `bytes` of host data into a new device buffer on `device`, through the World's non-blocking stream.
+std::shared_ptr<void> upload(int device, cudaStream_t stream, const void* host, size_t bytes) {
+    DeviceGuard guard(device);
+    int pools = 0;
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device));
+    void* p = nullptr;
+    if (pools != 0) {
+        WEFT_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream));
+    } else {
+        WEFT_CUDA_CHECK(cudaMalloc(&p, bytes));
+    }
+    std::shared_ptr<void> owned(p, DeviceFree{device, pools != 0});
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(p, host, bytes, cudaMemcpyHostToDevice, stream));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return owned;
+}
+
+}  // namespace
+
+Team TeamState::make(WorldContext* world, TeamMembers members, std::string id, bool is_world) {
+    auto state = std::make_shared<TeamState>();
+    state->world = world;
+    state->id = std::move(id);
+    state->members = std::move(members);
+    state->is_world = is_world;
+    state->rank = team_rank_of(state->members, world->rank);
+    if (state->rank >= 0) {
+        const auto& bases = world->heap->peer_bases();
+        std::vector<uint8_t*> peer_table;
+        std::vector<int32_t> rank_table;
+        for (int w : state->members) {
+            peer_table.push_back(bases[static_cast<size_t>(w)]);
+            rank_table.push_back(w);
+        }
+        state->peer_table =
+            upload(world->device, world->stream.get(), peer_table.data(), peer_table.size() * sizeof(uint8_t*));
+        if (!is_world) {
+            state->rank_table =
+                upload(world->device, world->stream.get(), rank_table.data(), rank_table.size() * sizeof(int32_t));
+        }
+    }
+    return Team(std::shared_ptr<const TeamState>(std::move(state)));
+}
+
+}  // namespace detail
+
+Team::Team() : state_(std::make_shared<const detail::TeamState>()) {}
+
+Team::Team(std::shared_ptr<const detail::TeamState> state) : state_(std::move(state)) {}
+
+int Team::rank() const { return state_->rank; }
+
+int Team::num_ranks() const { return static_cast<int>(state_->members.size()); }
+
+int Team::world_rank(int team_rank) const { return detail::world_rank_of(state_->members, team_rank); }
+
+int Team::team_rank(int world_rank) const { return detail::team_rank_of(state_->members, world_rank); }
+
+const std::vector<int>& Team::members() const { return state_->members; }
+
+Team Team::split_strided(int start, int stride, int size) const {
+    WEFT_CHECK(state_->world != nullptr, "split_strided of an empty team");
+    auto members = detail::split_strided_members(state_->members, start, stride, size);
+    std::string id =
+        state_->id + ".s" + std::to_string(start) + "_" + std::to_string(stride) + "_" + std::to_string(size);
+    return detail::TeamState::make(state_->world, std::move(members), std::move(id), false);
+}
+
+Team Team::split_color(int color, int key) const {
+    WEFT_CHECK(state_->world != nullptr, "split_color of an empty team");
+    WEFT_CHECK(is_member(), "split_color: world rank " << state_->world->rank
+                                                       << " is not a member of the team it splits (team id '"
+                                                       << state_->id << "')");
+    detail::WorldContext& world = *state_->world;
+    uint64_t seq = 0;
+    {
+        std::lock_guard<std::mutex> lock(world.split_mutex);
+        seq = world.split_seq[state_->id]++;
+    }
+    Bytes blob(8);
+    std::memcpy(blob.data(), &color, 4);
+    std::memcpy(blob.data() + 4, &key, 4);
+    auto all = world.store->all_gather("weft/team/" + state_->id + "/split/" + std::to_string(seq), rank(), num_ranks(),
+                                       blob, world.timeout);
+    std::vector<int> colors(all.size()), keys(all.size());
+    for (size_t r = 0; r < all.size(); ++r) {
+        WEFT_CHECK(all[r].size() == 8, "split_color: team rank " << r << " published a malformed record");
+        std::memcpy(&colors[r], all[r].data(), 4);
+        std::memcpy(&keys[r], all[r].data() + 4, 4);
+    }
+    auto members = detail::split_color_members(state_->members, colors, keys, color);
+    std::string id = state_->id + ".c" + std::to_string(seq) + "_" + std::to_string(color);
+    return detail::TeamState::make(state_->world, std::move(members), std::move(id), false);
+}
+
+DeviceCtx Team::device_ctx() const {
+    WEFT_CHECK(state_->world != nullptr, "device_ctx of an empty team");
+    WEFT_CHECK(is_member(), "device_ctx: world rank " << state_->world->rank << " is not a member of this team");
+    const detail::WorldContext& world = *state_->world;
+    DeviceCtx ctx{};
+    ctx.rank = rank();
+    ctx.num_ranks = num_ranks();
+    ctx.heap_base = world.heap->base();
+    ctx.heap_bytes = world.heap->bytes();
+    ctx.peer_bases = static_cast<uint8_t* const*>(state_->peer_table.get());
+    ctx.sm_budget = world.sm_budget;
+    ctx.world_rank = world.rank;
+    ctx.timeout_ns = static_cast<uint64_t>(world.timeout.count()) * 1000000ull;
+    ctx.diag = world.diag_device;
+    ctx.team_to_world = static_cast<const int32_t*>(state_->rank_table.get());
+    return ctx;
+}
+
+}  // namespace weft

@@ -1,0 +1,436 @@
+// SPDX-License-Identifier: MIT
+// World: device binding, the start-up exchange, diagnostics, shutdown; and run_local (ranks as threads).
+#include "weft/runtime/world.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "runtime_internal.hpp"
+#include "weft/detail/runtime_config.hpp"
+#include "weft/runtime/diagnostics.hpp"
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/in_process_store.hpp"
+#include "weft/runtime/log.hpp"
+#include "weft/runtime/module_loading.hpp"
+
+namespace weft {
+
+namespace detail {
+
+void PinnedFree::operator()(Diagnostic* p) const {
+    if (p == nullptr) return;
+    cudaError_t st = cudaFreeHost(p);
+    if (st != cudaSuccess) WEFT_LOG_WARN("cudaFreeHost of the diagnostic record failed: " << cudaGetErrorName(st));
+}
+
+void OwnedStream::create() {
+    reset();
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+}
+
+void OwnedStream::reset() noexcept {
+    if (stream_ == nullptr) return;
+    cudaError_t st = cudaStreamDestroy(stream_);
+    if (st != cudaSuccess) WEFT_LOG_WARN("cudaStreamDestroy of the runtime's stream failed: " << cudaGetErrorName(st));
+    stream_ = nullptr;
+}
+
+std::string random_hex_id() {
+    std::random_device device;
+    uint64_t v = (static_cast<uint64_t>(device()) << 32) ^ device();
+    char text[17];
+    std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(v));
+    return text;
+}
+
+}  // namespace detail
+
+namespace {
+
+// Processes of one job start seconds apart (context creation on a shared GPU is slow): the start-up
+// exchanges wait at least this long, whatever WEFT_TIMEOUT_MS says.
+constexpr std::chrono::milliseconds kMinInitTimeout{60000};
+
+std::string host_name() {
+    char name[256] = {};
+    if (::gethostname(name, sizeof(name) - 1) != 0) return "localhost";
+    return name;
+}
+
+// The start-up record: "key=value" lines (values never contain a newline).
+Bytes encode_fields(const std::map<std::string, std::string>& fields) {
+    std::string text;
+    for (const auto& [k, v] : fields) text += k + "=" + v + "\n";
+    return Bytes(text.begin(), text.end());
+}
+
+std::map<std::string, std::string> decode_fields(const Bytes& blob, int from_rank) {
+    std::map<std::string, std::string> fields;
+    std::istringstream in(std::string(blob.begin(), blob.end()));
+    std::string line;
+    while (std::getline(in, line)) {
+        auto eq = line.find('=');
+        WEFT_CHECK(eq != std::string::npos,
+                   "rank " << from_rank << " sent a malformed start-up record line '" << line << "'");
+        fields[line.substr(0, eq)] = line.substr(eq + 1);
+    }
+    return fields;
+}
+
+const std::string& field(const std::map<std::string, std::string>& fields, const char* name, int from_rank) {
+    auto it = fields.find(name);
+    WEFT_CHECK(it != fields.end(), "rank " << from_rank << "'s start-up record has no '" << name
+                                           << "' (ranks built from different weft versions?)");
+    return it->second;
+}
+
+uint64_t parse_u64(const std::string& text, const char* name, int from_rank) {
+    WEFT_CHECK(
+        !text.empty() && std::all_of(text.begin(), text.end(), [](unsigned char ch) { return std::isdigit(ch); }),
+        "rank " << from_rank << "'s start-up record has a malformed " << name << " '" << text << "'");
+    return std::stoull(text);
+}
+
+}  // namespace
+
+World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldContext>()) {
+    detail::WorldContext& c = *ctx_;
+    WEFT_CHECK(setup.store != nullptr, "World needs a store");
+    WEFT_CHECK(setup.num_ranks >= 1 && setup.rank >= 0 && setup.rank < setup.num_ranks,
+               "World: rank " << setup.rank << " is outside [0, " << setup.num_ranks << ")");
+    c.rank = setup.rank;
+    c.num_ranks = setup.num_ranks;
+    c.local_rank = setup.local_rank;
+    c.local_num_ranks = setup.local_num_ranks;
+    c.same_process = setup.same_process;
+    c.store = std::move(setup.store);
+    set_log_rank(c.rank);
+    ensure_eager_module_loading();  // before this rank's first CUDA call
+    c.timeout = detail::resolve_timeout(setup.options.timeout, env::get("WEFT_TIMEOUT_MS"));
+    const auto init_timeout = std::max(c.timeout, kMinInitTimeout);
+
+    // Device binding.
+    int num_devices = 0;
+    WEFT_CUDA_CHECK(cudaGetDeviceCount(&num_devices));
+    WEFT_CHECK(num_devices > 0, "no CUDA device is visible to rank " << c.rank);
+    if (setup.options.device >= 0) {
+        WEFT_CHECK(setup.options.device < num_devices, "WorldOptions::device must be a visible device in [0, "
+                                                           << num_devices << "), got " << setup.options.device);
+        c.device = setup.options.device;
+    } else {
+        c.device = setup.device_hint % num_devices;
+    }
+    WEFT_CUDA_CHECK(cudaSetDevice(c.device));
+    WEFT_CUDA_CHECK(cudaFree(nullptr));  // create the context now, so that failures surface here
+    c.stream.create();
+    warn_if_lazy_module_loading();
+    int sm_count = 0;
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, c.device));
+    char pci[64] = {};
+    WEFT_CUDA_CHECK(cudaDeviceGetPCIBusId(pci, sizeof(pci), c.device));
+    const uint64_t granularity = detail::heap_granularity(c.device, !c.same_process);
+    const uint64_t heap_request =
+        detail::resolve_heap_bytes(setup.options.heap_bytes, env::get("WEFT_SYMMETRIC_HEAP_BYTES"), 1);
+
+    // Start-up exchange: who is where, and what each rank asks for.
+    std::map<std::string, std::string> mine{{"host", host_name()},
+                                            {"pci", pci},
+                                            {"device", std::to_string(c.device)},
+                                            {"pid", std::to_string(::getpid())},
+                                            {"heap_bytes", std::to_string(heap_request)},
+                                            {"granularity", std::to_string(granularity)}};
+    if (c.rank == 0) mine["job"] = detail::random_hex_id();
+    auto blobs = c.store->all_gather("weft/init", c.rank, c.num_ranks, encode_fields(mine), init_timeout);
+    std::vector<uint64_t> heap_requests;
+    uint64_t heap_granularity = 0;
+    for (int r = 0; r < c.num_ranks; ++r) {
+        auto fields = decode_fields(blobs[static_cast<size_t>(r)], r);
+        detail::RankInfo info;
+        info.host = field(fields, "host", r);
+        info.pci_bus_id = field(fields, "pci", r);
+        info.device = static_cast<int>(parse_u64(field(fields, "device", r), "device", r));
+        info.pid = static_cast<int64_t>(parse_u64(field(fields, "pid", r), "pid", r));
+        c.ranks.push_back(info);
+        heap_requests.push_back(parse_u64(field(fields, "heap_bytes", r), "heap_bytes", r));
+        heap_granularity = std::max(heap_granularity, parse_u64(field(fields, "granularity", r), "granularity", r));
+        if (r == 0) c.job_id = field(fields, "job", 0);
+    }
+    if (std::adjacent_find(heap_requests.begin(), heap_requests.end(), std::not_equal_to<>()) != heap_requests.end()) {
+        std::map<uint64_t, std::vector<int>> by_size;
+        for (int r = 0; r < c.num_ranks; ++r) by_size[heap_requests[static_cast<size_t>(r)]].push_back(r);
+        std::ostringstream os;
+        os << "the symmetric heap size differs across ranks: ";
+        bool first = true;
+        for (const auto& [bytes, ranks] : by_size) {
+            os << (first ? "" : "; ") << detail::format_rank_list(ranks) << " asked " << detail::format_bytes(bytes);
+            first = false;
+        }
+        os << "; set WEFT_SYMMETRIC_HEAP_BYTES (or WorldOptions::heap_bytes) identically on every rank";
+        WEFT_FAIL(os.str());
+    }
+    const uint64_t heap_bytes = detail::resolve_heap_bytes(heap_requests[0], std::nullopt, heap_granularity);
+
+    // Ranks that share this host, and this GPU (same host and PCI bus id).
+    std::vector<std::string> hosts, gpus;
+    for (const auto& info : c.ranks) {
+        hosts.push_back(info.host);
+        gpus.push_back(info.host + "|" + info.pci_bus_id);
+    }
+    const auto host_group = detail::group_by_label(hosts);
+    const auto gpu_group = detail::group_by_label(gpus);
+    detail::TeamMembers node_members;
+    for (int r = 0; r < c.num_ranks; ++r) {
+        if (host_group[static_cast<size_t>(r)] == host_group[static_cast<size_t>(c.rank)]) node_members.push_back(r);
+        if (gpu_group[static_cast<size_t>(r)] == gpu_group[static_cast<size_t>(c.rank)] && r != c.rank) {
+            ++c.num_ranks_on_device;
+        }
+    }
+    if (static_cast<int>(node_members.size()) != c.local_num_ranks) {
+        WEFT_LOG_WARN("the launcher says " << c.local_num_ranks << " ranks run on this host, but "
+                                           << node_members.size() << " ranks report host name '"
+                                           << hosts[static_cast<size_t>(c.rank)]
+                                           << "'; the node team follows the host names");
+    }
+    c.sm_budget =
+        detail::resolve_sm_budget(setup.options.sm_budget, env::get("WEFT_SM_BUDGET"), sm_count, c.num_ranks_on_device);
+
+    // Diagnostic record: pinned and mapped, so the host can read it even after a trap.
+    Diagnostic* diag = nullptr;
+    WEFT_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&diag), sizeof(Diagnostic),
+                                  cudaHostAllocMapped | cudaHostAllocPortable));
+    c.diag_host.reset(diag);
+    std::memset(diag, 0, sizeof(Diagnostic));
+    void* diag_device = nullptr;
+    WEFT_CUDA_CHECK(cudaHostGetDevicePointer(&diag_device, diag, 0));
+    c.diag_device = static_cast<Diagnostic*>(diag_device);
+
+    detail::HeapSetup heap;
+    heap.rank = c.rank;
+    heap.num_ranks = c.num_ranks;
+    heap.device = c.device;
+    heap.store = c.store.get();
+    heap.timeout = c.timeout;
+    heap.init_timeout = init_timeout;
+    heap.bytes = heap_bytes;
+    heap.granularity = heap_granularity;
+    heap.same_process = c.same_process;
+    heap.stream = c.stream.get();
+    heap.job_id = c.job_id;
+    heap.ranks = c.ranks;
+    c.heap = detail::make_symmetric_heap(heap);
+
+    detail::TeamMembers everyone(static_cast<size_t>(c.num_ranks));
+    for (int r = 0; r < c.num_ranks; ++r) everyone[static_cast<size_t>(r)] = r;
+    c.world_team = detail::TeamState::make(&c, std::move(everyone), "world", true);
+    c.node_team = detail::TeamState::make(&c, std::move(node_members),
+                                          "node" + std::to_string(host_group[static_cast<size_t>(c.rank)]), false);
+
+    c.store->barrier("weft/init/ready", c.rank, c.num_ranks, init_timeout);
+    WEFT_LOG_INFO("rank " << c.rank << "/" << c.num_ranks << " on device " << c.device << " (" << pci << "), "
+                          << c.num_ranks_on_device << " rank(s) on this GPU, SM budget " << c.sm_budget << " of "
+                          << sm_count << ", heap " << detail::format_bytes(heap_bytes) << ", timeout "
+                          << c.timeout.count() << " ms");
+}
+
+World::~World() { shutdown(); }
+
+// Order (docs/runtime.md): device sync, barrier, peers' mappings and descriptors, own heap, device tables
+// and pinned memory, then the store.
+void World::shutdown() noexcept {
+    if (!ctx_) return;
+    detail::WorldContext& c = *ctx_;
+    try {
+        detail::DeviceGuard guard(c.device);
+        cudaError_t st = cudaDeviceSynchronize();
+        if (st != cudaSuccess) {
+            WEFT_LOG_WARN("shutdown: cudaDeviceSynchronize returned " << cudaGetErrorName(st) << "; releasing anyway");
+        }
+        bool barrier_ok = c.store != nullptr;
+        if (c.store) {
+            try {
+                c.store->barrier("weft/shutdown", c.rank, c.num_ranks, c.timeout);
+            } catch (const std::exception& e) {
+                barrier_ok = false;
+                WEFT_LOG_WARN("shutdown barrier failed (a peer may be gone); releasing this rank's resources anyway: "
+                              << e.what());
+            }
+        }
+        c.heap.reset();
+        c.world_team = Team();
+        c.node_team = Team();
+        c.diag_host.reset();
+        c.diag_device = nullptr;
+        c.stream.reset();
+        // Rank 0 hosts the TCP store: it closes only after every other rank has left the shutdown barrier,
+        // so that no rank loses the store halfway through it.
+        if (barrier_ok && !c.same_process && c.num_ranks > 1) {
+            try {
+                if (c.rank != 0) {
+                    if (c.store->add("weft/shutdown/left", 1) == c.num_ranks - 1) {
+                        c.store->set("weft/shutdown/all_left", Bytes{1});
+                    }
+                } else {
+                    c.store->get("weft/shutdown/all_left", c.timeout);
+                }
+            } catch (const std::exception& e) {
+                WEFT_LOG_WARN("shutdown: waiting for the other ranks to leave failed: " << e.what());
+            }
+        }
+        c.store.reset();
+    } catch (const std::exception& e) {
+        WEFT_LOG_ERROR("shutdown failed: " << e.what());
+    }
+    ctx_.reset();
+}
+
+int World::rank() const { return ctx_->rank; }
+int World::num_ranks() const { return ctx_->num_ranks; }
+int World::local_rank() const { return ctx_->local_rank; }
+int World::local_num_ranks() const { return ctx_->local_num_ranks; }
+int World::device() const { return ctx_->device; }
+int World::sm_budget() const { return ctx_->sm_budget; }
+int World::num_ranks_on_device() const { return ctx_->num_ranks_on_device; }
+std::chrono::milliseconds World::timeout() const { return ctx_->timeout; }
+SymmetricHeap& World::heap() { return *ctx_->heap; }
+const SymmetricHeap& World::heap() const { return *ctx_->heap; }
+Store& World::store() { return *ctx_->store; }
+const Team& World::team() const { return ctx_->world_team; }
+const Team& World::node_team() const { return ctx_->node_team; }
+DeviceCtx World::device_ctx() const { return ctx_->world_team.device_ctx(); }
+
+void World::barrier() {
+    ctx_->store->barrier("weft/barrier/" + std::to_string(ctx_->barrier_seq++), ctx_->rank, ctx_->num_ranks,
+                         ctx_->timeout);
+}
+
+std::string World::diagnostic_message(bool wait_for_writer) const {
+    Diagnostic* record = ctx_->diag_host.get();
+    if (record == nullptr) return "";
+    uint32_t claimed = __atomic_load_n(&record->claimed, __ATOMIC_ACQUIRE);
+    // A writer sets 1, fills the fields, then sets 2; give one caught mid-write a moment to finish.
+    for (int i = 0; i < 100 && wait_for_writer && claimed == 1; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        claimed = __atomic_load_n(&record->claimed, __ATOMIC_ACQUIRE);
+    }
+    if (claimed == 0) return "";
+    Diagnostic copy;
+    std::memcpy(&copy, record, sizeof(copy));
+    copy.claimed = claimed;
+    return format_diagnostic(copy);
+}
+
+void World::check_diagnostics() const {
+    std::string message = diagnostic_message(true);
+    if (!message.empty()) throw Error("weft: " + message);
+}
+
+void World::clear_diagnostics() {
+    Diagnostic* record = ctx_->diag_host.get();
+    if (record == nullptr) return;
+    std::memset(record, 0, sizeof(Diagnostic));
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+
+void World::sync_and_check(cudaStream_t stream) {
+    cudaError_t st = cudaStreamSynchronize(stream);
+    if (st != cudaSuccess) {
+        const std::string cuda = std::string(cudaGetErrorName(st)) + " (" + cudaGetErrorString(st) + ")";
+        const std::string diagnosis = diagnostic_message(true);
+        if (!diagnosis.empty()) {
+            throw Error("weft: " + diagnosis + "; the kernel then trapped: cudaStreamSynchronize returned " + cuda);
+        }
+        throw Error("weft: rank " + std::to_string(ctx_->rank) + ": cudaStreamSynchronize returned " + cuda +
+                    "; no diagnostic record was written (not a weft spin timeout)");
+    }
+    check_diagnostics();
+}
+
+void run_local(int num_ranks, const std::function<void(World&)>& fn, const WorldOptions& options) {
+    WEFT_CHECK(num_ranks >= 1, "run_local: num_ranks must be at least 1, got " << num_ranks);
+    WEFT_CHECK(static_cast<bool>(fn), "run_local: fn must not be empty");
+    ensure_eager_module_loading();  // before any thread makes a CUDA call
+    auto store = std::make_shared<InProcessStore>();
+
+    struct Failure {
+        uint64_t order;
+        int rank;
+        std::string message;
+    };
+    std::mutex mutex;
+    std::condition_variable all_done;
+    int num_done = 0;
+    std::vector<Failure> failures;
+    uint64_t next_order = 0;
+    auto record_failure = [&](int rank, std::string message) {
+        if (message.rfind("weft: ", 0) == 0) message.erase(0, 6);
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            failures.push_back({next_order++, rank, message});
+        }
+        // The others' blocking store calls fail now rather than at their timeout.
+        store->abort("rank " + std::to_string(rank) + " failed: " + message);
+    };
+
+    std::vector<std::thread> threads;
+    threads.reserve(static_cast<size_t>(num_ranks));
+    for (int r = 0; r < num_ranks; ++r) {
+        threads.emplace_back([&, r] {
+            set_log_rank(r);
+            std::unique_ptr<World> world;
+            try {
+                detail::WorldSetup setup;
+                setup.rank = r;
+                setup.num_ranks = num_ranks;
+                setup.local_rank = r;
+                setup.local_num_ranks = num_ranks;
+                setup.device_hint = r;
+                setup.store = store;
+                setup.same_process = true;
+                setup.options = options;
+                world.reset(new World(std::move(setup)));
+                fn(*world);
+                if (cudaError_t st = cudaDeviceSynchronize(); st != cudaSuccess) {
+                    WEFT_LOG_WARN("cudaDeviceSynchronize after fn returned " << cudaGetErrorName(st));
+                }
+            } catch (const std::exception& e) {
+                record_failure(r, e.what());
+            } catch (...) {
+                record_failure(r, "an exception that is not a std::exception");
+            }
+            // NOTE: no rank releases its heap before every rank has finished fn and synchronised its device:
+            // peers in this process use each other's heaps directly, even when the store was aborted.
+            {
+                std::unique_lock<std::mutex> lock(mutex);
+                ++num_done;
+                all_done.notify_all();
+                all_done.wait(lock, [&] { return num_done == num_ranks; });
+            }
+            world.reset();
+            set_log_rank(-1);
+        });
+    }
+    for (auto& t : threads) t.join();
+    if (failures.empty()) return;
+    std::sort(failures.begin(), failures.end(), [](const Failure& a, const Failure& b) { return a.order < b.order; });
+    std::ostringstream os;
+    os << "run_local: rank " << failures[0].rank << " failed first: " << failures[0].message;
+    if (failures.size() > 1) {
+        std::vector<int> others;
+        for (size_t i = 1; i < failures.size(); ++i) others.push_back(failures[i].rank);
+        std::sort(others.begin(), others.end());
+        os << " (then " << detail::format_rank_list(others) << " failed too)";
+    }
+    throw Error("weft: " + os.str());
+}
+
+}  // namespace weft

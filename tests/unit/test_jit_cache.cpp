@@ -1,0 +1,238 @@
+// SPDX-License-Identifier: MIT
+// Unit tests of the JIT's building blocks: SHA-256, cache-entry encoding, file locks, ptxas report
+// parsing, the spec-file format and the WEFT_JIT_* options.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+#include "support/jit_testing.hpp"
+#include "weft/jit/aot.hpp"
+#include "weft/jit/cache.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/jit/hash.hpp"
+#include "weft/jit/options.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace weft::jit {
+namespace {
+
+namespace fs = std::filesystem;
+using weft::testing::ScopedEnv;
+using weft::testing::TempDir;
+
+TEST(JitHash, Sha256KnownVectors) {
+    // FIPS 180-2 test vectors.
+    EXPECT_EQ(to_hex(sha256("")), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+    EXPECT_EQ(to_hex(sha256("abc")), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    Sha256 h;
+    h.update("ab").update("c");
+    EXPECT_EQ(to_hex(h.finish()), to_hex(sha256("abc")));
+    // Fields are length-prefixed: the split point matters.
+    Sha256 a, b;
+    a.field("ab").field("c");
+    b.field("a").field("bc");
+    EXPECT_NE(to_hex(a.finish()), to_hex(b.finish()));
+}
+
+CacheEntry sample_entry() {
+    CacheEntry e;
+    e.lowered_name = "_Z6kernelv";
+    for (int i = 0; i < 1000; ++i) e.cubin.push_back(static_cast<char>(i * 7));
+    e.log = "ptxas info    : Used 10 registers";
+    return e;
+}
+
+TEST(JitCacheEntry, RoundTrips) {
+    const Digest key = sha256("key");
+    const CacheEntry e = sample_entry();
+    std::string why;
+    const auto back = decode_cache_entry(encode_cache_entry(key, e), key, &why);
+    ASSERT_TRUE(back.has_value()) << why;
+    EXPECT_EQ(back->lowered_name, e.lowered_name);
+    EXPECT_EQ(back->cubin, e.cubin);
+    EXPECT_EQ(back->log, e.log);
+}
+
+TEST(JitCacheEntry, EveryDamageIsDetected) {
+    const Digest key = sha256("key");
+    const std::vector<char> good = encode_cache_entry(key, sample_entry());
+    auto rejected = [&](std::vector<char> bytes, const Digest& k, const std::string& reason_part) {
+        std::string why;
+        EXPECT_FALSE(decode_cache_entry(bytes, k, &why).has_value());
+        EXPECT_NE(why.find(reason_part), std::string::npos) << why;
+    };
+    // Any single flipped byte anywhere is caught (header fields or payload).
+    for (size_t i = 0; i < good.size(); i += 7) {
+        std::vector<char> bad = good;
+        bad[i] = static_cast<char>(bad[i] ^ 0x01);
+        std::string why;
+        EXPECT_FALSE(decode_cache_entry(bad, key, &why).has_value()) << "flip at byte " << i;
+    }
+    rejected(std::vector<char>(good.begin(), good.begin() + 10), key, "shorter than");
+    rejected(std::vector<char>(good.begin(), good.end() - 1), key, "truncated");
+    std::vector<char> longer = good;
+    longer.push_back('x');
+    rejected(longer, key, "payload length");
+    rejected(good, sha256("other key"), "another key");
+    std::vector<char> magic = good;
+    magic[0] = 'X';
+    rejected(magic, key, "magic");
+}
+
+TEST(JitDiskCache, StoreLoadRemove) {
+    TempDir dir("weft_jit_cache");
+    DiskCache cache(dir.path());
+    const Digest key = sha256("k1");
+    CacheEntry out;
+    EXPECT_EQ(cache.load(key, &out), DiskCache::LoadStatus::kAbsent);
+    cache.store(key, sample_entry());
+    EXPECT_EQ(cache.load(key, &out), DiskCache::LoadStatus::kHit);
+    EXPECT_EQ(out.cubin, sample_entry().cubin);
+    EXPECT_EQ(fs::status(cache.entry_path(key)).permissions() & fs::perms::others_read, fs::perms::others_read);
+    // Another key's entry copied over this one is refused.
+    const Digest other = sha256("k2");
+    cache.store(other, sample_entry());
+    fs::copy_file(cache.entry_path(other), cache.entry_path(key), fs::copy_options::overwrite_existing);
+    std::string why;
+    EXPECT_EQ(cache.load(key, &out, &why), DiskCache::LoadStatus::kCorrupt);
+    EXPECT_NE(why.find("another key"), std::string::npos);
+    cache.remove(key);
+    EXPECT_EQ(cache.load(key, &out), DiskCache::LoadStatus::kAbsent);
+}
+
+TEST(JitDiskCache, UnusableFolderIsAnErrorNamingIt) {
+    TempDir dir("weft_jit_bad");
+    weft::testing::write_text_file(dir / "a_file", "not a folder");  // works even as root
+    try {
+        DiskCache cache(dir / "a_file");
+        FAIL() << "a cache inside a regular file";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("a_file"), std::string::npos) << e.what();
+    }
+    // The compiler degrades to no disk cache (with a warning) instead of failing.
+    CompilerConfig config = weft::testing::isolated_compiler_config(dir / "a_file");
+    Compiler compiler(config);
+    EXPECT_FALSE(compiler.cache_dir().has_value());
+}
+
+TEST(JitFileLock, ExcludesOtherHoldersAndTimesOut) {
+    TempDir dir("weft_jit_lock");
+    const fs::path path = dir / "x.lock";
+    auto holder = std::make_unique<FileLock>(path, std::chrono::milliseconds(1000));
+    ASSERT_TRUE(holder->owns());
+    {
+        FileLock second(path, std::chrono::milliseconds(50));
+        EXPECT_FALSE(second.owns()) << "a second lock on the same file must wait, then give up";
+    }
+    std::atomic<bool> got{false};
+    std::thread waiter([&] {
+        FileLock third(path, std::chrono::milliseconds(5000));
+        got = third.owns();
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_FALSE(got.load());
+    holder.reset();  // release: the waiter gets it
+    waiter.join();
+    EXPECT_TRUE(got.load());
+}
+
+TEST(JitPtxasInfo, ParsesTheKernelsBlock) {
+    const std::string log =
+        "ptxas info    : 0 bytes gmem\n"
+        "ptxas info    : Compiling entry function '_Z5otherv' for 'sm_90a'\n"
+        "ptxas info    : Used 99 registers, used 0 barriers\n"
+        "ptxas info    : Compiling entry function '_Z6kernelv' for 'sm_90a'\n"
+        "ptxas info    : Function properties for _Z6kernelv\n"
+        "ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+        "ptxas info    : Used 40 registers, used 1 barriers, 1024 bytes smem\n";
+    const PtxasInfo info = parse_ptxas_info(log, "_Z6kernelv");
+    EXPECT_EQ(info.registers, 40);
+    EXPECT_EQ(info.stack_frame_bytes, 16);
+    EXPECT_EQ(info.spill_store_bytes, 8);
+    EXPECT_EQ(info.spill_load_bytes, 4);
+    EXPECT_EQ(info.static_smem_bytes, 1024);
+    EXPECT_EQ(info.text.find("99"), std::string::npos);
+    EXPECT_EQ(parse_ptxas_info(log, "_Z7missingv").registers, -1);
+    EXPECT_EQ(parse_ptxas_info("", "").registers, -1);
+}
+
+TEST(JitSpecFile, ParsesLinesCommentsAndContinuations) {
+    const std::string text =
+        "# weft-compile specs\n"
+        "\n"
+        "  jit_selftest/saxpy.cuh | ns::saxpy<ns::C{.a = 1}>  \n"
+        "gemm/gemm_sm90.cuh|ns::gemm<ns::G{.flags = ns::kA | ns::kB, \\\n"
+        "   .tile_m = 128}>\n";
+    const auto specs = parse_spec_file(text, "specs.txt");
+    ASSERT_EQ(specs.size(), 2u);
+    EXPECT_EQ(specs[0].header, "jit_selftest/saxpy.cuh");
+    EXPECT_EQ(specs[0].instantiation, "ns::saxpy<ns::C{.a = 1}>");
+    EXPECT_NE(specs[0].description.find("specs.txt:3"), std::string::npos);
+    EXPECT_EQ(specs[1].header, "gemm/gemm_sm90.cuh");
+    EXPECT_EQ(specs[1].instantiation, "ns::gemm<ns::G{.flags = ns::kA | ns::kB,    .tile_m = 128}>")
+        << "split at the first '|' only; continuation joined";
+    try {
+        parse_spec_file("ok.cuh|k\nno separator here\n", "bad.txt");
+        FAIL();
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("bad.txt:2"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(parse_spec_file("|kernel\n", "x"), Error);
+    EXPECT_THROW(parse_spec_file("a.cuh|k \\\n", "x"), Error);
+}
+
+TEST(JitOptions, EnvironmentOverridesTheSpec) {
+    CompileOptions base;
+    base.lineinfo = true;
+    {
+        ScopedEnv a("WEFT_JIT_LINEINFO", "0");
+        ScopedEnv b("WEFT_JIT_MAXRREGCOUNT", "128");
+        ScopedEnv c("WEFT_JIT_VERBOSE_PTXAS", "yes");
+        ScopedEnv d("WEFT_JIT_DUMP_DIR", "/tmp/dump");
+        ScopedEnv e("WEFT_JIT_LTO", "on");
+        const CompileOptions o = apply_env_options(base);
+        EXPECT_FALSE(o.lineinfo);
+        EXPECT_EQ(o.max_registers, 128);
+        EXPECT_TRUE(o.verbose_ptxas);
+        EXPECT_EQ(o.dump_dir, "/tmp/dump");
+        EXPECT_TRUE(o.lto);
+    }
+    {
+        ScopedEnv a("WEFT_JIT_LINEINFO", std::nullopt);
+        ScopedEnv b("WEFT_JIT_MAXRREGCOUNT", std::nullopt);
+        ScopedEnv c("WEFT_JIT_VERBOSE_PTXAS", std::nullopt);
+        ScopedEnv d("WEFT_JIT_DUMP_DIR", std::nullopt);
+        ScopedEnv e("WEFT_JIT_LTO", std::nullopt);
+        const CompileOptions o = apply_env_options(base);
+        EXPECT_TRUE(o.lineinfo) << "unset variables leave the spec alone";
+        EXPECT_EQ(o.max_registers, 0);
+    }
+    for (const char* bad : {"lots", "-1", "300"}) {
+        ScopedEnv b("WEFT_JIT_MAXRREGCOUNT", bad);
+        try {
+            apply_env_options(base);
+            FAIL() << bad;
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("WEFT_JIT_MAXRREGCOUNT"), std::string::npos) << e.what();
+        }
+    }
+    // canonical() separates list items unambiguously.
+    CompileOptions x, y;
+    x.defines = {"A", "B"};
+    y.defines = {"A B"};
+    EXPECT_NE(x.canonical(), y.canonical());
+}
+
+TEST(JitOptions, DisableCacheTurnsTheDiskLayerOff) {
+    {
+        ScopedEnv off("WEFT_JIT_DISABLE_CACHE", "1");
+        EXPECT_FALSE(CompilerConfig::from_env().cache_dir.has_value());
+    }
+    ScopedEnv on("WEFT_JIT_DISABLE_CACHE", std::nullopt);
+    ScopedEnv dir("WEFT_CACHE_DIR", "/some/where");
+    EXPECT_EQ(CompilerConfig::from_env().cache_dir, fs::path("/some/where"));
+}
+
+}  // namespace
+}  // namespace weft::jit

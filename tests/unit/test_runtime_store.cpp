@@ -1,0 +1,170 @@
+// SPDX-License-Identifier: MIT
+// Unit tests for the in-process store and Store's default barrier and all-gather (ranks as threads).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/in_process_store.hpp"
+
+namespace weft {
+namespace {
+
+using namespace std::chrono_literals;
+
+Bytes text_bytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
+
+// Runs fn(rank) on num_ranks threads; returns each rank's error message ("" when it succeeded).
+std::vector<std::string> on_threads(int num_ranks, const std::function<void(int)>& fn) {
+    std::vector<std::string> errors(static_cast<size_t>(num_ranks));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < num_ranks; ++r) {
+        threads.emplace_back([&, r] {
+            try {
+                fn(r);
+            } catch (const std::exception& e) {
+                errors[static_cast<size_t>(r)] = e.what();
+            }
+        });
+    }
+    for (auto& t : threads) t.join();
+    return errors;
+}
+
+TEST(RuntimeInProcessStore, SetGetCheckEraseAdd) {
+    InProcessStore store;
+    EXPECT_FALSE(store.check("k"));
+    store.set("k", text_bytes("v1"));
+    EXPECT_TRUE(store.check("k"));
+    EXPECT_EQ(store.get("k", 10ms), text_bytes("v1"));
+    store.set("k", text_bytes("v2"));
+    EXPECT_EQ(store.get("k", 10ms), text_bytes("v2"));
+    store.erase("k");
+    store.erase("k");  // absent: no error
+    EXPECT_FALSE(store.check("k"));
+    EXPECT_EQ(store.add("c", 5), 5);
+    EXPECT_EQ(store.add("c", -2), 3);
+    store.set("not-a-number", text_bytes("x"));
+    EXPECT_THROW(store.add("not-a-number", 1), Error);
+}
+
+TEST(RuntimeInProcessStore, GetWaitsForALaterSet) {
+    InProcessStore store;
+    std::thread setter([&] {
+        std::this_thread::sleep_for(30ms);
+        store.set("late", text_bytes("here"));
+    });
+    EXPECT_EQ(store.get("late", 5000ms), text_bytes("here"));
+    setter.join();
+}
+
+TEST(RuntimeInProcessStore, GetTimeoutNamesTheKey) {
+    InProcessStore store;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+        store.get("weft/missing/key", 50ms);
+        FAIL() << "get did not time out";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("'weft/missing/key' was not set within 50 ms"), std::string::npos)
+            << e.what();
+    }
+    const auto waited = std::chrono::steady_clock::now() - start;
+    EXPECT_GE(waited, 50ms);
+    EXPECT_LT(waited, 5000ms);
+}
+
+TEST(RuntimeInProcessStore, AbortWakesBlockedCallers) {
+    InProcessStore store;
+    std::thread aborter([&] {
+        std::this_thread::sleep_for(30ms);
+        store.abort("rank 3 failed: boom");
+    });
+    try {
+        store.get("never", 60000ms);
+        FAIL() << "get did not fail";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("rank 3 failed: boom"), std::string::npos) << e.what();
+    }
+    aborter.join();
+    EXPECT_THROW(store.set("x", {}), Error);
+}
+
+TEST(RuntimeStoreBarrier, AllRanksPassAndKeysAreCleanedUp) {
+    for (int n : {1, 2, 3, 5, 8}) {
+        InProcessStore store;
+        std::atomic<int> arrived{0};
+        std::atomic<bool> early{false};
+        auto errors = on_threads(n, [&](int r) {
+            for (int round = 0; round < 20; ++round) {
+                arrived.fetch_add(1);
+                store.barrier("b/" + std::to_string(round), r, n, 10000ms);
+                // Nobody leaves barrier `round` before everyone has arrived at it.
+                if (arrived.load() < (round + 1) * n) early = true;
+            }
+        });
+        for (int r = 0; r < n; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "n=" << n << " rank " << r;
+        EXPECT_FALSE(early.load()) << "n=" << n;
+        EXPECT_EQ(store.num_keys(), 0u) << "n=" << n;
+    }
+}
+
+TEST(RuntimeStoreBarrier, MissingRanksAreNamed) {
+    InProcessStore store;
+    const int n = 5;
+    // Ranks 1 and 3 never arrive.
+    auto errors = on_threads(n, [&](int r) {
+        if (r == 1 || r == 3) return;
+        store.barrier("lonely", r, n, 100ms);
+    });
+    for (int r : {0, 2, 4}) {
+        const std::string& e = errors[static_cast<size_t>(r)];
+        EXPECT_NE(e.find("barrier 'lonely' failed on rank " + std::to_string(r)), std::string::npos) << e;
+        EXPECT_NE(e.find("3 of 5 ranks arrived; ranks 1, 3 did not arrive"), std::string::npos) << e;
+    }
+}
+
+TEST(RuntimeStoreBarrier, RejectsBadRanks) {
+    InProcessStore store;
+    EXPECT_THROW(store.barrier("x", 2, 2, 10ms), Error);
+    EXPECT_THROW(store.barrier("x", -1, 2, 10ms), Error);
+    EXPECT_THROW(store.barrier("x", 0, 0, 10ms), Error);
+}
+
+TEST(RuntimeStoreAllGather, ReturnsBlobsInRankOrder) {
+    for (int n : {1, 2, 3, 7}) {
+        InProcessStore store;
+        std::vector<std::vector<Bytes>> results(static_cast<size_t>(n));
+        auto errors = on_threads(n, [&](int r) {
+            // Different sizes per rank, including an empty blob.
+            Bytes blob(static_cast<size_t>(r * 3), static_cast<uint8_t>(r + 1));
+            results[static_cast<size_t>(r)] = store.all_gather("g", r, n, blob, 10000ms);
+        });
+        for (int r = 0; r < n; ++r) {
+            ASSERT_EQ(errors[static_cast<size_t>(r)], "");
+            ASSERT_EQ(results[static_cast<size_t>(r)].size(), static_cast<size_t>(n));
+            for (int s = 0; s < n; ++s) {
+                EXPECT_EQ(results[static_cast<size_t>(r)][static_cast<size_t>(s)],
+                          Bytes(static_cast<size_t>(s * 3), static_cast<uint8_t>(s + 1)))
+                    << "rank " << r << " slot " << s;
+            }
+        }
+        EXPECT_EQ(store.num_keys(), 0u);
+    }
+}
+
+TEST(RuntimeStoreAllGather, MissingRankIsNamed) {
+    InProcessStore store;
+    auto errors = on_threads(3, [&](int r) {
+        if (r == 2) return;
+        store.all_gather("partial", r, 3, Bytes{1}, 100ms);
+    });
+    EXPECT_NE(errors[0].find("2 of 3 ranks arrived; rank 2 did not arrive"), std::string::npos) << errors[0];
+    EXPECT_NE(errors[1].find("rank 2 did not arrive"), std::string::npos) << errors[1];
+}
+
+}  // namespace
+}  // namespace weft

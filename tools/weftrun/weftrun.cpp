@@ -1,0 +1,633 @@
+// SPDX-License-Identifier: MIT
+// weftrun: starts N ranks of a program on this host, prefixes their output and stops them all on failure.
+//
+//   weftrun -n N [--gpus LIST] [--timeout S] [--port P] [--grace S] [--] prog args...
+//
+// Each rank is a child process in its own process group (so a stop reaches its children too) with RANK,
+// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT, WEFT_JOB_TOKEN and, with
+// --gpus, CUDA_VISIBLE_DEVICES set. stdin is /dev/null. Every line a rank writes to stdout / stderr is
+// copied to weftrun's stdout / stderr prefixed with "[rank K] ". One thread, one poll() loop: child pipes,
+// a signalfd for SIGCHLD / SIGINT / SIGTERM / SIGHUP, and the deadlines.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+extern char** environ;  // NOLINT: POSIX
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kMaxLineBytes = 64 * 1024;  // longer lines are split (each piece prefixed)
+constexpr int kUsageError = 2;
+constexpr int kTimeoutExit = 124;
+
+const char* kUsage =
+    "usage: weftrun -n N [--gpus LIST] [--timeout S] [--port P] [--grace S] [--] prog [args...]\n"
+    "\n"
+    "Starts N processes of prog on this host, each with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,\n"
+    "MASTER_ADDR=127.0.0.1, MASTER_PORT and WEFT_JOB_TOKEN set, and prefixes their output with \"[rank K] \".\n"
+    "\n"
+    "  -n, --nproc N   number of ranks (1..4096)\n"
+    "  --gpus LIST     comma-separated CUDA devices; rank i gets CUDA_VISIBLE_DEVICES=LIST[i % len]\n"
+    "                  (without it CUDA_VISIBLE_DEVICES is left as it is)\n"
+    "  --timeout S     stop every rank after S seconds (exit 124); default: no limit\n"
+    "  --port P        MASTER_PORT to use; default: a free port weftrun picks\n"
+    "  --grace S       seconds between SIGTERM and SIGKILL when stopping ranks; default 5\n"
+    "  -h, --help      this text\n"
+    "\n"
+    "When a rank exits non-zero or dies by a signal, the others get SIGTERM (then SIGKILL after the grace\n"
+    "period) and weftrun exits with that rank's code (128+signal for a signal). SIGINT, SIGTERM and SIGHUP\n"
+    "are forwarded to every rank (a second one sends SIGKILL); weftrun then exits with 128+signal.\n";
+
+struct Options {
+    int num_ranks = 0;
+    std::vector<std::string> gpus;
+    double timeout_s = 0;
+    int port = 0;
+    double grace_s = 5;
+    std::vector<std::string> command;
+};
+
+[[noreturn]] void usage_error(const std::string& message) {
+    std::fprintf(stderr,
+                 "weftrun: %s\nusage: weftrun -n N [--gpus LIST] [--timeout S] [--port P] [--grace S] [--] prog "
+                 "[args...]\n(weftrun --help explains each option)\n",
+                 message.c_str());
+    std::exit(kUsageError);
+}
+
+long parse_long(const std::string& text, const char* what, long lo, long hi) {
+    char* end = nullptr;
+    errno = 0;
+    long v = std::strtol(text.c_str(), &end, 10);
+    if (text.empty() || *end != '\0' || errno != 0 || v < lo || v > hi || std::isspace(static_cast<unsigned char>(text[0]))) {
+        usage_error(std::string(what) + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                    "], got '" + text + "'");
+    }
+    return v;
+}
+
+double parse_seconds(const std::string& text, const char* what, bool allow_zero) {
+    char* end = nullptr;
+    errno = 0;
+    double v = std::strtod(text.c_str(), &end);
+    if (text.empty() || *end != '\0' || errno != 0 || !std::isfinite(v) || v < 0 || (!allow_zero && v == 0) ||
+        v > 1e7) {
+        usage_error(std::string(what) + " must be a number of seconds" + (allow_zero ? " >= 0" : " > 0") +
+                    ", got '" + text + "'");
+    }
+    return v;
+}
+
+Options parse_args(int argc, char** argv) {
+    Options o;
+    bool have_n = false;
+    int i = 1;
+    // "--name value", "--name=value" and, for -n, "-nVALUE".
+    auto value_of = [&](const std::string& arg, const std::string& name, std::string* value) {
+        if (arg == name) {
+            if (i + 1 >= argc) usage_error(name + " needs a value");
+            *value = argv[++i];
+            return true;
+        }
+        if (arg.rfind(name + "=", 0) == 0) {
+            *value = arg.substr(name.size() + 1);
+            return true;
+        }
+        return false;
+    };
+    for (; i < argc; ++i) {
+        std::string arg = argv[i];
+        std::string value;
+        if (arg == "--") {
+            ++i;
+            break;
+        }
+        if (arg == "-h" || arg == "--help") {
+            std::fputs(kUsage, stdout);
+            std::exit(0);
+        }
+        if (value_of(arg, "-n", &value) || value_of(arg, "--nproc", &value) ||
+            (arg.size() > 2 && arg.rfind("-n", 0) == 0 && arg[2] != '-' && (value = arg.substr(2), true))) {
+            o.num_ranks = static_cast<int>(parse_long(value, "-n", 1, 4096));
+            have_n = true;
+        } else if (value_of(arg, "--gpus", &value)) {
+            o.gpus.clear();
+            size_t start = 0;
+            while (true) {
+                size_t comma = value.find(',', start);
+                std::string item = value.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+                if (item.empty() || item.find_first_of(" \t") != std::string::npos) {
+                    usage_error("--gpus must be a comma-separated list of devices such as 0,1,2, got '" + value + "'");
+                }
+                o.gpus.push_back(item);
+                if (comma == std::string::npos) break;
+                start = comma + 1;
+            }
+        } else if (value_of(arg, "--timeout", &value)) {
+            o.timeout_s = parse_seconds(value, "--timeout", true);
+        } else if (value_of(arg, "--port", &value)) {
+            o.port = static_cast<int>(parse_long(value, "--port", 1, 65535));
+        } else if (value_of(arg, "--grace", &value)) {
+            o.grace_s = parse_seconds(value, "--grace", true);
+        } else if (!arg.empty() && arg[0] == '-') {
+            usage_error("unknown option '" + arg + "' (put the program after --)");
+        } else {
+            break;  // the program starts here
+        }
+    }
+    for (; i < argc; ++i) o.command.emplace_back(argv[i]);
+    if (!have_n) usage_error("-n N (the number of ranks) is required");
+    if (o.command.empty()) usage_error("no program given (weftrun -n N -- prog args...)");
+    return o;
+}
+
+/// A port that was free a moment ago on 127.0.0.1 (the kernel picks it; rank 0 binds it again shortly).
+int pick_free_port() {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return 0;
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = 0;
+    socklen_t len = sizeof(addr);
+    int port = 0;
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+        port = ntohs(addr.sin_port);
+    }
+    ::close(fd);
+    return port;
+}
+
+/// 32 random bytes from /dev/urandom as 64 hex digits; empty on failure.
+std::string random_token() {
+    int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return {};
+    unsigned char bytes[32];
+    size_t got = 0;
+    while (got < sizeof(bytes)) {
+        ssize_t n = ::read(fd, bytes + got, sizeof(bytes) - got);
+        if (n <= 0) {
+            if (n < 0 && errno == EINTR) continue;
+            break;
+        }
+        got += static_cast<size_t>(n);
+    }
+    ::close(fd);
+    if (got != sizeof(bytes)) return {};
+    static const char* kHex = "0123456789abcdef";
+    std::string token;
+    for (unsigned char b : bytes) {
+        token += kHex[b >> 4];
+        token += kHex[b & 15];
+    }
+    return token;
+}
+
+std::string signal_name(int sig) {
+    const char* abbrev = sigabbrev_np(sig);
+    return abbrev != nullptr ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
+}
+
+/// Writes everything, retrying on EINTR; gives up on that fd (silently) after an error such as EPIPE.
+void write_all(int fd, const std::string& text) {
+    static bool broken[3] = {false, false, false};
+    if (fd < 0 || fd > 2 || broken[fd]) return;
+    size_t done = 0;
+    while (done < text.size()) {
+        ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN) {
+                pollfd p{fd, POLLOUT, 0};
+                ::poll(&p, 1, 100);
+                continue;
+            }
+            broken[fd] = true;
+            return;
+        }
+        done += static_cast<size_t>(n);
+    }
+}
+
+void say(const std::string& message) { write_all(2, "weftrun: " + message + "\n"); }
+
+struct Stream {
+    int fd = -1;
+    int rank = 0;
+    int out_fd = 1;  // weftrun's stdout or stderr
+    std::string partial;
+};
+
+struct Rank {
+    pid_t pid = -1;
+    bool running = false;
+    int status = 0;
+};
+
+enum class FailureKind { kNone, kExit, kSignal, kTimeout, kInterrupted };
+
+struct Failure {
+    FailureKind kind = FailureKind::kNone;
+    int rank = -1;
+    int code = 0;             // exit code or signal number
+    std::string description;  // filled when recorded
+};
+
+class Launcher {
+public:
+    explicit Launcher(Options options) : o_(std::move(options)) {}
+
+    int run() {
+        if (o_.port == 0) o_.port = pick_free_port();
+        if (o_.port == 0) return fatal("cannot find a free TCP port on 127.0.0.1 (use --port)");
+        token_ = random_token();
+        if (token_.empty()) return fatal("cannot read /dev/urandom for the job token");
+
+        sigset_t mask;
+        sigemptyset(&mask);
+        for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP}) sigaddset(&mask, sig);
+        if (sigprocmask(SIG_BLOCK, &mask, &old_mask_) != 0) return fatal("sigprocmask failed");
+        signal_fd_ = ::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+        if (signal_fd_ < 0) return fatal(std::string("signalfd failed: ") + std::strerror(errno));
+        ::signal(SIGPIPE, SIG_IGN);  // a closed stdout must not kill weftrun while ranks run
+
+        start_ = Clock::now();
+        ranks_.resize(static_cast<size_t>(o_.num_ranks));
+        for (int r = 0; r < o_.num_ranks; ++r) {
+            if (!spawn(r)) {
+                fail(Failure{FailureKind::kExit, r, 127, {}});
+                break;
+            }
+        }
+        loop();
+        return report();
+    }
+
+private:
+    int fatal(const std::string& message) {
+        say(message);
+        return 1;
+    }
+
+    std::vector<std::string> child_env(int rank) const {
+        std::vector<std::string> set = {
+            "RANK=" + std::to_string(rank),
+            "WORLD_SIZE=" + std::to_string(o_.num_ranks),
+            "LOCAL_RANK=" + std::to_string(rank),
+            "LOCAL_WORLD_SIZE=" + std::to_string(o_.num_ranks),
+            "MASTER_ADDR=127.0.0.1",
+            "MASTER_PORT=" + std::to_string(o_.port),
+            "WEFT_JOB_TOKEN=" + token_,
+        };
+        if (!o_.gpus.empty()) {
+            set.push_back("CUDA_VISIBLE_DEVICES=" + o_.gpus[static_cast<size_t>(rank) % o_.gpus.size()]);
+        }
+        std::vector<std::string> env;
+        for (char** p = environ; p != nullptr && *p != nullptr; ++p) {
+            std::string entry(*p);
+            std::string name = entry.substr(0, entry.find('='));
+            bool overridden = std::any_of(set.begin(), set.end(),
+                                          [&](const std::string& s) { return s.compare(0, name.size() + 1, name + "=") == 0; });
+            if (!overridden) env.push_back(std::move(entry));
+        }
+        env.insert(env.end(), set.begin(), set.end());
+        return env;
+    }
+
+    bool spawn(int rank) {
+        int out_pipe[2], err_pipe[2];
+        if (::pipe2(out_pipe, O_CLOEXEC) != 0) return spawn_error(rank, "pipe");
+        if (::pipe2(err_pipe, O_CLOEXEC) != 0) {
+            ::close(out_pipe[0]);
+            ::close(out_pipe[1]);
+            return spawn_error(rank, "pipe");
+        }
+        int dev_null = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+        // Everything the child needs is built before fork (after it only async-signal-safe calls are made).
+        std::vector<std::string> env = child_env(rank);
+        std::vector<char*> envp, argv;
+        for (auto& e : env) envp.push_back(e.data());
+        envp.push_back(nullptr);
+        for (auto& a : o_.command) argv.push_back(a.data());
+        argv.push_back(nullptr);
+        std::string exec_error = "weftrun: cannot execute '" + o_.command[0] + "': ";
+        pid_t parent = ::getpid();
+
+        pid_t pid = ::fork();
+        if (pid < 0) {
+            for (int fd : {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1], dev_null}) ::close(fd);
+            return spawn_error(rank, "fork");
+        }
+        if (pid == 0) {
+            ::setpgid(0, 0);
+            ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // weftrun killed outright: take the rank with it
+            if (::getppid() != parent) ::_exit(126);
+            for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE, SIGCHLD}) ::signal(sig, SIG_DFL);
+            ::sigprocmask(SIG_SETMASK, &old_mask_, nullptr);
+            if (dev_null >= 0) ::dup2(dev_null, 0);
+            ::dup2(out_pipe[1], 1);
+            ::dup2(err_pipe[1], 2);
+            ::execvpe(argv[0], argv.data(), envp.data());
+            int err = errno;
+            const char* why = std::strerror(err);  // NOTE: not async-signal-safe in theory; the parent is single-threaded
+            ssize_t ignored = ::write(2, exec_error.data(), exec_error.size());
+            ignored = ::write(2, why, std::strlen(why));
+            ignored = ::write(2, "\n", 1);
+            (void)ignored;
+            ::_exit(err == ENOENT ? 127 : 126);
+        }
+        ::setpgid(pid, pid);  // also here, so the group exists before any signal is sent to it
+        ::close(out_pipe[1]);
+        ::close(err_pipe[1]);
+        if (dev_null >= 0) ::close(dev_null);
+        for (int fd : {out_pipe[0], err_pipe[0]}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+        streams_.push_back(Stream{out_pipe[0], rank, 1, {}});
+        streams_.push_back(Stream{err_pipe[0], rank, 2, {}});
+        Rank& r = ranks_[static_cast<size_t>(rank)];
+        r.pid = pid;
+        r.running = true;
+        ++running_;
+        return true;
+    }
+
+    bool spawn_error(int rank, const char* call) {
+        say("cannot start rank " + std::to_string(rank) + ": " + call + " failed: " + std::strerror(errno));
+        return false;
+    }
+
+    // -- the event loop ----------------------------------------------------------------------------------
+
+    void loop() {
+        const std::optional<Clock::time_point> timeout_at =
+            o_.timeout_s > 0 ? std::optional(start_ + std::chrono::duration_cast<Clock::duration>(
+                                                          std::chrono::duration<double>(o_.timeout_s)))
+                             : std::nullopt;
+        while (running_ > 0 || open_streams() > 0) {
+            Clock::time_point now = Clock::now();
+            if (timeout_at && now >= *timeout_at && failure_.kind == FailureKind::kNone && running_ > 0) {
+                fail(Failure{FailureKind::kTimeout, -1, 0, {}});
+            }
+            if (kill_at_ && now >= *kill_at_) {
+                kill_at_.reset();
+                signal_ranks(SIGKILL);
+            }
+            if (running_ == 0 && !drain_until_) {
+                // Every rank has exited; a background process it left may still hold a pipe open.
+                drain_until_ = now + std::chrono::seconds(1);
+            }
+            if (drain_until_ && now >= *drain_until_) {
+                for (Stream& s : streams_) close_stream(s);
+                break;
+            }
+
+            std::optional<Clock::time_point> wake;
+            auto consider = [&](const std::optional<Clock::time_point>& t) {
+                if (t && (!wake || *t < *wake)) wake = t;
+            };
+            if (failure_.kind == FailureKind::kNone) consider(timeout_at);
+            consider(kill_at_);
+            consider(drain_until_);
+            int wait_ms = -1;
+            if (wake) {
+                auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*wake - now).count() + 1;
+                wait_ms = static_cast<int>(std::clamp<long long>(left, 0, 60000));
+            }
+
+            std::vector<pollfd> fds;
+            fds.push_back({signal_fd_, POLLIN, 0});
+            std::vector<size_t> which;
+            for (size_t i = 0; i < streams_.size(); ++i) {
+                if (streams_[i].fd < 0) continue;
+                fds.push_back({streams_[i].fd, POLLIN, 0});
+                which.push_back(i);
+            }
+            int n = ::poll(fds.data(), fds.size(), wait_ms);
+            if (n < 0) {
+                if (errno == EINTR) continue;
+                say(std::string("poll failed: ") + std::strerror(errno));
+                signal_ranks(SIGKILL);
+                break;
+            }
+            // Output first, so a rank's last lines print before the message about its exit.
+            for (size_t k = 0; k < which.size(); ++k) {
+                if (fds[k + 1].revents != 0) read_stream(streams_[which[k]]);
+            }
+            if (fds[0].revents != 0) handle_signals();
+        }
+        // Reap whatever is left (after the drain cut-off a rank cannot still be running, but be sure).
+        while (running_ > 0) {
+            int status = 0;
+            pid_t pid = ::waitpid(-1, &status, 0);
+            if (pid < 0) break;
+            on_exit(pid, status);
+        }
+    }
+
+    size_t open_streams() const {
+        return static_cast<size_t>(std::count_if(streams_.begin(), streams_.end(), [](const Stream& s) { return s.fd >= 0; }));
+    }
+
+    void read_stream(Stream& s) {
+        char buf[16384];
+        for (int i = 0; i < 64; ++i) {
+            ssize_t n = ::read(s.fd, buf, sizeof(buf));
+            if (n > 0) {
+                s.partial.append(buf, static_cast<size_t>(n));
+                emit_lines(s, false);
+                continue;
+            }
+            if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+            close_stream(s);  // EOF (or an error: treat alike)
+            return;
+        }
+    }
+
+    void close_stream(Stream& s) {
+        if (s.fd < 0) return;
+        emit_lines(s, true);
+        ::close(s.fd);
+        s.fd = -1;
+    }
+
+    /// Writes the complete lines of `s.partial` with the rank prefix; with `flush`, the rest too.
+    void emit_lines(Stream& s, bool flush) {
+        std::string prefix = "[rank " + std::to_string(s.rank) + "] ";
+        std::string out;
+        size_t start = 0;
+        while (start < s.partial.size()) {
+            size_t nl = s.partial.find('\n', start);
+            size_t end = nl;
+            if (nl == std::string::npos) {
+                size_t rest = s.partial.size() - start;
+                if (!flush && rest < kMaxLineBytes) break;
+                end = start + std::min(rest, kMaxLineBytes);
+            } else if (nl - start > kMaxLineBytes) {
+                end = start + kMaxLineBytes;
+            }
+            out += prefix;
+            out.append(s.partial, start, end - start);
+            out += '\n';
+            start = (end == nl) ? nl + 1 : end;
+        }
+        s.partial.erase(0, start);
+        write_all(s.out_fd, out);
+    }
+
+    void handle_signals() {
+        signalfd_siginfo info{};
+        while (::read(signal_fd_, &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
+            int sig = static_cast<int>(info.ssi_signo);
+            if (sig == SIGCHLD) {
+                reap();
+                continue;
+            }
+            ++signals_received_;
+            if (signals_received_ == 1) {
+                if (failure_.kind == FailureKind::kNone) {
+                    failure_ = Failure{FailureKind::kInterrupted, -1, sig, {}};
+                    failure_.description = describe(failure_);
+                }
+                say("received " + signal_name(sig) + "; forwarding it to every rank");
+                signal_ranks(sig);
+                if (!kill_at_) kill_at_ = Clock::now() + grace();
+            } else {
+                say("received " + signal_name(sig) + " again; killing every rank");
+                signal_ranks(SIGKILL);
+            }
+        }
+    }
+
+    void reap() {
+        while (running_ > 0) {
+            int status = 0;
+            pid_t pid = ::waitpid(-1, &status, WNOHANG);
+            if (pid <= 0) return;
+            on_exit(pid, status);
+        }
+    }
+
+    void on_exit(pid_t pid, int status) {
+        for (size_t r = 0; r < ranks_.size(); ++r) {
+            Rank& rank = ranks_[r];
+            if (rank.pid != pid || !rank.running) continue;
+            rank.running = false;
+            rank.status = status;
+            --running_;
+            if (WIFEXITED(status) && WEXITSTATUS(status) != 0) {
+                fail(Failure{FailureKind::kExit, static_cast<int>(r), WEXITSTATUS(status), {}});
+            } else if (WIFSIGNALED(status)) {
+                fail(Failure{FailureKind::kSignal, static_cast<int>(r), WTERMSIG(status), {}});
+            }
+            return;
+        }
+    }
+
+    Clock::duration grace() const {
+        return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.grace_s));
+    }
+
+    /// Records the first failure and starts stopping the ranks; later failures are consequences.
+    void fail(const Failure& f) {
+        if (failure_.kind != FailureKind::kNone) return;
+        failure_ = f;
+        failure_.description = describe(f);
+        std::string who = f.rank >= 0 ? "rank " + std::to_string(f.rank) + " " : "";
+        say(who + failure_.description + (running_ > 0 ? "; stopping the other ranks" : ""));
+        signal_ranks(SIGTERM);
+        if (!kill_at_) kill_at_ = Clock::now() + grace();
+    }
+
+    /// Sends `sig` to the process group of every rank still running, and of every rank whose output
+    /// pipes are still open (a process it started holds them).
+    void signal_ranks(int sig) {
+        for (size_t r = 0; r < ranks_.size(); ++r) {
+            const Rank& rank = ranks_[r];
+            if (rank.pid <= 0) continue;
+            bool pipes_open = std::any_of(streams_.begin(), streams_.end(), [&](const Stream& s) {
+                return s.rank == static_cast<int>(r) && s.fd >= 0;
+            });
+            if (rank.running || pipes_open) ::kill(-rank.pid, sig);
+        }
+    }
+
+    std::string describe(const Failure& f) const {
+        switch (f.kind) {
+            case FailureKind::kExit:
+                return "exited with code " + std::to_string(f.code) + (f.code == 127 ? " (command not found?)" : "");
+            case FailureKind::kSignal:
+                return "was killed by " + signal_name(f.code) + " (signal " + std::to_string(f.code) + ")";
+            case FailureKind::kTimeout: {
+                std::string still;
+                for (size_t r = 0; r < ranks_.size(); ++r) {
+                    if (ranks_[r].running) still += (still.empty() ? "" : ", ") + std::to_string(r);
+                }
+                char secs[32];
+                std::snprintf(secs, sizeof(secs), "%g", o_.timeout_s);
+                return std::string("timed out after ") + secs + " s (--timeout); ranks still running: " + still;
+            }
+            case FailureKind::kInterrupted: return "interrupted by " + signal_name(f.code);
+            case FailureKind::kNone: break;
+        }
+        return "ok";
+    }
+
+    int report() const {
+        switch (failure_.kind) {
+            case FailureKind::kNone: return 0;
+            case FailureKind::kExit:
+                say("job failed: rank " + std::to_string(failure_.rank) + " failed first: " + failure_.description);
+                return failure_.code;
+            case FailureKind::kSignal:
+                say("job failed: rank " + std::to_string(failure_.rank) + " failed first: " + failure_.description);
+                return 128 + failure_.code;
+            case FailureKind::kTimeout:
+                say("job failed: " + failure_.description);
+                return kTimeoutExit;
+            case FailureKind::kInterrupted:
+                say("job stopped: " + failure_.description);
+                return 128 + failure_.code;
+        }
+        return 1;
+    }
+
+    Options o_;
+    std::string token_;
+    sigset_t old_mask_{};
+    int signal_fd_ = -1;
+    Clock::time_point start_;
+    std::vector<Rank> ranks_;
+    std::vector<Stream> streams_;
+    int running_ = 0;
+    int signals_received_ = 0;
+    Failure failure_;
+    std::optional<Clock::time_point> kill_at_;
+    std::optional<Clock::time_point> drain_until_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    Options options = parse_args(argc, argv);
+    return Launcher(std::move(options)).run();
+}
