@@ -6,7 +6,8 @@
 //    algorithm (checked on the device: a rank that differs traps with a diagnostic naming both ranks).
 //  - Asynchronous on `stream`, never synchronises the host, capturable in a CUDA graph (signals compare against
 //    epochs the kernels keep in device memory). Calls on one World are stream-ordered: issue them on one stream,
-//    or order the streams with events.
+//    or order the streams with events. Use a non-blocking stream of the rank's own: ranks that are threads of one
+//    process share the legacy default stream, which would serialise their (mutually waiting) kernels.
 //  - Buffers: any device memory. A buffer on the symmetric heap (SymmetricHeap::contains) lets peers read or
 //    write it directly (no staging copy, no rounds); pass symmetric buffers on every rank or on none, and then
 //    the same allocation. The push all-gathers need a symmetric output.
