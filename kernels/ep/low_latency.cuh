@@ -85,6 +85,27 @@ __device__ __forceinline__ uint2 quantize_e4m3x8(const float (&f)[8], float& sca
     return uint2{c01 | (c23 << 16), c45 | (c67 << 16)};
 }
 
+/// How a warp's work item maps to (token, chunk range) when tokens are split into `parts` pieces of
+/// whole row chunks (so a few tokens still keep every warp busy). Chunks are 32 * U granules: a
+/// multiple of 16, so an fp8 scale group never straddles two parts.
+struct RowParts {
+    int parts;
+    int chunk;            ///< granules per chunk
+    int chunks_per_part;
+    __device__ static RowParts make(int num_tokens, int granules, int num_warps, int unroll) {
+        const int chunk = 32 * unroll;
+        const int chunks = (granules + chunk - 1) / chunk;
+        int parts = num_tokens > 0 ? num_warps / num_tokens : 1;
+        parts = parts < 1 ? 1 : (parts > chunks ? chunks : parts);
+        return RowParts{parts, chunk, (chunks + parts - 1) / parts};
+    }
+    __device__ int begin(int part) const { return part * chunks_per_part * chunk; }
+    __device__ int end(int part, int granules) const {
+        const int e = (part + 1) * chunks_per_part * chunk;
+        return e < granules ? e : granules;
+    }
+};
+
 template <LowLatencyConfig C>
 __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatencyArgs& a, const LowLatencyShared& sh,
                                  const PeerTable& peers) {
@@ -113,7 +134,11 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
 
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
     const int num_warps = static_cast<int>(gridDim.x) * kWarps;
-    for (int t = global_warp; t < a.num_tokens; t += num_warps) {
+    const RowParts split = RowParts::make(a.num_tokens, granules, num_warps, U);
+    for (int item = global_warp; item < a.num_tokens * split.parts; item += num_warps) {
+        const int t = item / split.parts;
+        const int part = item % split.parts;
+        const int g_end = split.end(part, granules);
         // Lane j: the slot of route j on its expert's owner (a peer mapping), or null.
         uint8_t* dst = nullptr;
         if (lane < k) {
@@ -126,12 +151,12 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
         }
         const uint32_t routes = __ballot_sync(0xffffffffu, dst != nullptr);
         const auto* src = reinterpret_cast<const uint4*>(a.x + static_cast<int64_t>(t) * a.x_stride);
-        for (int c0 = 0; c0 < granules; c0 += 32 * U) {
+        for (int c0 = split.begin(part); c0 < g_end; c0 += split.chunk) {
             uint4 v[U];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int gi = c0 + u * 32 + lane;
-                v[u] = gi < granules ? ptx::ld(src + gi) : uint4{0, 0, 0, 0};
+                v[u] = gi < g_end ? ptx::ld(src + gi) : uint4{0, 0, 0, 0};
             }
             if (a.fp8) {
                 uint2 codes[U];
@@ -150,7 +175,7 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
 #pragma unroll
                     for (int u = 0; u < U; ++u) {
                         const int gi = c0 + u * 32 + lane;
-                        if (gi < granules) {
+                        if (gi < g_end) {
                             put8(d + static_cast<int64_t>(gi) * 8, codes[u]);
                             if ((lane & 15) == 0) {
                                 put4(d + g.hidden + static_cast<int64_t>(gi / 16) * 4, __float_as_uint(scales[u]));
@@ -167,14 +192,14 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
 #pragma unroll
                     for (int u = 0; u < U; ++u) {
                         const int gi = c0 + u * 32 + lane;
-                        if (gi < granules) {
+                        if (gi < g_end) {
                             put16(d + gi, v[u]);
                         }
                     }
                 }
             }
         }
-        if (dst != nullptr) {
+        if (part == 0 && dst != nullptr) {
             put16(dst + slot_bytes - 16, uint4{static_cast<uint32_t>(t), static_cast<uint32_t>(lane), 0u, 0u});
         }
     }
@@ -375,14 +400,18 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
     __syncthreads();
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
     const int num_warps = static_cast<int>(gridDim.x) * kWarps;
-    for (int t = global_warp; t < a.num_tokens; t += num_warps) {
+    const RowParts split = RowParts::make(a.num_tokens, granules, num_warps, U);
+    for (int item = global_warp; item < a.num_tokens * split.parts; item += num_warps) {
+        const int t = item / split.parts;
+        const int part = item % split.parts;
+        const int g_end = split.end(part, granules);
         const int32_t* idx_row = a.topk_idx + static_cast<int64_t>(t) * a.idx_stride;
         const bool valid = lane < k && route_expert(idx_row, lane, g.num_experts) >= 0;
         const float weight = valid ? a.topk_weights[static_cast<int64_t>(t) * a.weight_stride + lane] : 0.0f;
         const uint32_t slots = __ballot_sync(0xffffffffu, valid);
         const uint16_t* base = a.landing + (static_cast<int64_t>(half) * g.max_tokens + t) * k * g.hidden;
         auto* dst = reinterpret_cast<uint4*>(a.out + static_cast<int64_t>(t) * a.out_stride);
-        for (int c0 = 0; c0 < granules; c0 += 32 * U) {
+        for (int c0 = split.begin(part); c0 < g_end; c0 += split.chunk) {
             float acc[U][8];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -396,13 +425,13 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
                 const int j = __ffs(left) - 1;
                 left &= left - 1;
                 const float w = __shfl_sync(0xffffffffu, weight, j);
-                const auto* part = reinterpret_cast<const uint4*>(base + static_cast<int64_t>(j) * g.hidden);
+                const auto* slot_row = reinterpret_cast<const uint4*>(base + static_cast<int64_t>(j) * g.hidden);
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int gi = c0 + u * 32 + lane;
-                    if (gi < granules) {
+                    if (gi < g_end) {
                         float f[8];
-                        bf16x8_to_f32(ptx::ld(part + gi), f);
+                        bf16x8_to_f32(ptx::ld(slot_row + gi), f);
 #pragma unroll
                         for (int q = 0; q < 8; ++q) {
                             acc[u][q] = __fmaf_rn(w, f[q], acc[u][q]);
@@ -413,7 +442,7 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int gi = c0 + u * 32 + lane;
-                if (gi < granules) {
+                if (gi < g_end) {
                     ptx::st(dst + gi, f32_to_bf16x8(acc[u]));
                 }
             }

@@ -328,30 +328,35 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
             signal_add(peers.at(ctx, a.data_signal + me, tid), static_cast<uint64_t>(sh.sent[tid]));
         }
 
-        // 4. Receive: every source's rows, then the extra copies of multi-expert tokens.
-        if (tid < num_ranks && sh.recv_from[tid] > 0) {
-            wait_geq(ctx, a.data_signal + tid, a.state->data_expected[tid] + static_cast<uint64_t>(sh.recv_from[tid]),
-                     tid);
-        }
-        __syncthreads();
-        const int received = sh.src_offset[num_ranks];
-        for (int i = global_warp; i < received; i += num_warps) {
-            const int32_t* rec = a.recv_meta + static_cast<int64_t>(i) * meta_ints;
-            const int32_t row = lane < k ? rec[4 + 2 * lane] : -1;
-            uint32_t rows = __ballot_sync(0xffffffffu, row >= 0);
-            if (rows == 0) {
+        // 4. Receive, source by source (this rank first: its rows arrive soonest): wait for the source's
+        //    rows, then copy each of its tokens' first row to the token's other local experts.
+        for (int q = 0; q < num_ranks; ++q) {
+            const int s = (me + q) % num_ranks;
+            if (sh.recv_from[s] == 0) {
                 continue;
             }
-            const int first = __ffs(rows) - 1;
-            const int32_t first_row = __shfl_sync(0xffffffffu, row, first);
-            rows &= rows - 1;
-            while (rows != 0) {
-                const int j = __ffs(rows) - 1;
+            if (tid == 0) {
+                wait_geq(ctx, a.data_signal + s, a.state->data_expected[s] + static_cast<uint64_t>(sh.recv_from[s]), s);
+            }
+            __syncthreads();
+            for (int i = sh.src_offset[s] + global_warp; i < sh.src_offset[s + 1]; i += num_warps) {
+                const int32_t* rec = a.recv_meta + static_cast<int64_t>(i) * meta_ints;
+                const int32_t row = lane < k ? rec[4 + 2 * lane] : -1;
+                uint32_t rows = __ballot_sync(0xffffffffu, row >= 0);
+                if (rows == 0) {
+                    continue;
+                }
+                const int first = __ffs(rows) - 1;
+                const int32_t first_row = __shfl_sync(0xffffffffu, row, first);
                 rows &= rows - 1;
-                const int32_t other = __shfl_sync(0xffffffffu, row, j);
-                warp_copy_row<C.unroll>(reinterpret_cast<uint4*>(a.recv_x + static_cast<int64_t>(other) * hidden),
-                                                reinterpret_cast<const uint4*>(a.recv_x + static_cast<int64_t>(first_row) * hidden),
-                                                granules);
+                while (rows != 0) {
+                    const int j = __ffs(rows) - 1;
+                    rows &= rows - 1;
+                    const int32_t other = __shfl_sync(0xffffffffu, row, j);
+                    warp_copy_row<C.unroll>(reinterpret_cast<uint4*>(a.recv_x + static_cast<int64_t>(other) * hidden),
+                                            reinterpret_cast<const uint4*>(a.recv_x + static_cast<int64_t>(first_row) * hidden),
+                                            granules);
+                }
             }
         }
     }

@@ -274,7 +274,9 @@ TEST_F(EpLowLatencyGpu, RoutingScenariosAtEveryWorldSize) {
                     in.load(call, me);
                     WEFT_CUDA_CHECK(cudaMemsetAsync(const_cast<uint8_t*>(h.view().recv_x), 0xEE,
                                                     y_elems * 2, rs.s));
-                    ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), rs.s, LowLatencyOptions{.fp8 = fp8});
+                    // Some calls on one block (the last-block election with a grid of one), most on the default.
+                    const int sms = i % 3 == 0 ? 1 : 0;
+                    ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), rs.s, LowLatencyOptions{.fp8 = fp8, .num_sms = sms});
                     ep.sync_and_check(rs.s);
                     check_dispatch(p, call, h, fp8, me, c.max_tokens_per_rank, rs.s, what);
                     // y: the host's expert outputs (independent of the dispatch's data); in place for bf16.
@@ -289,7 +291,8 @@ TEST_F(EpLowLatencyGpu, RoutingScenariosAtEveryWorldSize) {
                     }
                     out.poison(0xFF);
                     ep.low_latency_combine(h, yv, in.idx_view(), in.w_view(),
-                                           TensorView(out.get(), DType::kBF16, {in.num_tokens, c.hidden}), rs.s);
+                                           TensorView(out.get(), DType::kBF16, {in.num_tokens, c.hidden}), rs.s,
+                                           LowLatencyOptions{.num_sms = sms});
                     ep.sync_and_check(rs.s);
                     check_combine(p, call, [&](int r) { return expected_y(p, call, r, c.max_tokens_per_rank); },
                                   download(out.get(), static_cast<size_t>(in.num_tokens) * c.hidden, rs.s), me,

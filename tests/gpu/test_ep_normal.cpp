@@ -183,7 +183,7 @@ void check_combine(const ref::Params& p, const ref::NormalPlan& plan, const std:
 
 /// One dispatch + combine of a scenario, checked. `in_place` computes y inside recv_x.
 void run_case(Buffer& ep, NormalHandle& h, Inputs& in, DeviceArray<uint16_t>& y_dev, DeviceArray<uint16_t>& out,
-              const ref::Params& p, Scenario sc, uint32_t seed, bool in_place, cudaStream_t s) {
+              const ref::Params& p, Scenario sc, uint32_t seed, bool in_place, cudaStream_t s, int num_sms = 0) {
     World& world = ep.world();
     const int me = world.rank();
     const Config& c = ep.config();
@@ -199,9 +199,10 @@ void run_case(Buffer& ep, NormalHandle& h, Inputs& in, DeviceArray<uint16_t>& y_
     const int64_t max_rows = ep.geometry().max_recv_rows;
     // Poison what the dispatch writes.
     WEFT_CUDA_CHECK(cudaMemsetAsync(h.recv_x().data, 0xEE, static_cast<size_t>(max_rows) * p.hidden * 2, s));
-    ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), s);
+    const NormalOptions options{.num_sms = std::min(num_sms, world.sm_budget())};
+    ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), s, options);
     ep.sync_and_check(s);
-    check_dispatch(p, plan, x_all, h, me, t, max_rows, s, what);
+    check_dispatch(p, plan, x_all, h, me, t, max_rows, s, what + ", num_sms " + std::to_string(options.num_sms));
 
     const auto y_all = expected_y(p, plan, x_all, max_rows);
     TensorView y;
@@ -214,7 +215,7 @@ void run_case(Buffer& ep, NormalHandle& h, Inputs& in, DeviceArray<uint16_t>& y_
         y = TensorView(y_dev.get(), DType::kBF16, {max_rows, p.hidden});
     }
     out.poison(0xFF);
-    ep.combine(h, y, TensorView(out.get(), DType::kBF16, {t, p.hidden}), s);
+    ep.combine(h, y, TensorView(out.get(), DType::kBF16, {t, p.hidden}), s, options);
     ep.sync_and_check(s);
     check_combine(p, plan, all, y_all, download(out.get(), static_cast<size_t>(t) * p.hidden, s), me, what);
 }
@@ -246,7 +247,8 @@ TEST_F(EpNormalGpu, RoutingScenariosAtEveryWorldSize) {
             DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
             int i = 0;
             for (Scenario sc : ref::all_scenarios()) {
-                run_case(ep, h, in, y, out, p, sc, seed + static_cast<uint32_t>(i), (i % 2) == 1, rs.s);
+                // Grids of 1..5 blocks (0 = the default) exercise the cross-block counts and the last block.
+                run_case(ep, h, in, y, out, p, sc, seed + static_cast<uint32_t>(i), (i % 2) == 1, rs.s, i % 6);
                 ++i;
             }
         }, options_for(c, n, 1));
