@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Benchmark of expert-parallel dispatch/combine (low-latency and normal) with DeepEP's bandwidth metric and the bytes that cross GPUs.
+// Benchmark of expert-parallel dispatch/combine (low-latency and normal) with DeepEP's bandwidth metric and the bytes
+// that cross GPUs.
 //
 //   weft_bench_ep [--mode ll|normal|all] [--tokens 1,32,128,256] [--hidden 7168] [--experts 256] [--topk 8]
 //                 [--iters 20] [--warmup 5] [--world 8] [--check] [--json FILE]
@@ -102,9 +103,10 @@ Options parse_options(int argc, char** argv) {
         } else if (arg == "--json") {
             o.json = value("--json");
         } else if (arg == "--help" || arg == "-h") {
-            std::printf("usage: %s [--mode ll|normal|all] [--tokens 1,32,128,256] [--hidden 7168] [--experts 256] "
-                        "[--topk 8] [--iters 20] [--warmup 5] [--world 8] [--check] [--json FILE]\n",
-                        argv[0]);
+            std::printf(
+                "usage: %s [--mode ll|normal|all] [--tokens 1,32,128,256] [--hidden 7168] [--experts 256] "
+                "[--topk 8] [--iters 20] [--warmup 5] [--world 8] [--check] [--json FILE]\n",
+                argv[0]);
             std::exit(0);
         } else {
             WEFT_FAIL("unknown option '" << arg << "' (try --help)");
@@ -412,12 +414,14 @@ int run(int argc, char** argv) {
                 const ep::Footprint fp = ep::footprint(c, w);
                 WorldOptions wo;
                 wo.heap_bytes = fp.heap_bytes(m.ll ? 0 : 1) + (64ull << 20);
-                const Routing routing = make_routing(w, tokens, o.experts, o.topk, 20240601u + static_cast<uint32_t>(tokens));
+                const Routing routing =
+                    make_routing(w, tokens, o.experts, o.topk, 20240601u + static_cast<uint32_t>(tokens));
                 const Traffic traffic = count_traffic(routing, w, tokens, o.experts, o.topk);
                 Timings t;
                 t.dispatch_ms.assign(static_cast<size_t>(w), 0);
                 t.combine_ms.assign(static_cast<size_t>(w), 0);
-                run_local(w, [&](World& world) { run_config(world, o, m.ll, m.fp8, tokens, routing, traffic, &t); }, wo);
+                run_local(
+                    w, [&](World& world) { run_config(world, o, m.ll, m.fp8, tokens, routing, traffic, &t); }, wo);
                 const double d_ms = *std::max_element(t.dispatch_ms.begin(), t.dispatch_ms.end());
                 const double c_ms = *std::max_element(t.combine_ms.begin(), t.combine_ms.end());
                 // Average rank's bytes per call.
@@ -457,8 +461,9 @@ int run(int argc, char** argv) {
                 prop.name, devices, prop.multiProcessorCount, utc_date().c_str(), o.hidden, o.experts, o.topk, o.iters,
                 o.warmup, o.check ? ", checked" : "");
     if (shared) {
-        std::printf("NOTE: more ranks than GPUs - ranks SHARE a GPU, no byte crosses NVLink: the figures are the kernels'\n"
-                    "own overhead (GB/s = rate of HBM work), not link bandwidth.\n");
+        std::printf(
+            "NOTE: more ranks than GPUs - ranks SHARE a GPU, no byte crosses NVLink: the figures are the kernels'\n"
+            "own overhead (GB/s = rate of HBM work), not link bandwidth.\n");
     }
     std::printf("%-12s %-5s %-9s %6s %5s %4s | %10s %12s %12s%s\n", "mode", "dtype", "op", "tokens", "world", "sms",
                 "us/call", "DeepEP GB/s", "cross GB/s", o.check ? "  check" : "");
@@ -480,8 +485,8 @@ int run(int argc, char** argv) {
             const Row& r = rows[i];
             f << (i ? "," : "") << "\n    {\"mode\": \"" << r.mode << "\", \"dtype\": \"" << r.dtype << "\", \"op\": \""
               << r.op << "\", \"tokens\": " << r.tokens << ", \"world\": " << r.world << ", \"sms\": " << r.sms
-              << ", \"us\": " << r.us << ", \"deepep_gbps\": " << r.deepep_gbps << ", \"crossing_gbps\": "
-              << r.crossing_gbps << ", \"check\": \"" << r.check << "\"}";
+              << ", \"us\": " << r.us << ", \"deepep_gbps\": " << r.deepep_gbps
+              << ", \"crossing_gbps\": " << r.crossing_gbps << ", \"check\": \"" << r.check << "\"}";
         }
         f << "\n  ]\n}\n";
         std::printf("\nwrote %s\n", o.json.c_str());

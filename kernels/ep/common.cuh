@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Device helpers shared by the expert-parallel kernels: status reports, last-block election, bf16 packing, scans, routes.
+// Device helpers shared by the expert-parallel kernels: status reports, last-block election, bf16 packing, scans,
+// routes.
 #pragma once
 
 #include "weft/common/device_ctx.hpp"
@@ -11,14 +12,14 @@
 
 namespace weft::kernels::ep {
 
+using ptx::Scope;
+using ptx::Sem;
 using weft::ep::ceil_div;
 using weft::ep::Geometry;
 using weft::ep::KernelId;
 using weft::ep::round_up;
 using weft::ep::Status;
 using weft::ep::StatusCode;
-using ptx::Scope;
-using ptx::Sem;
 
 __device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x & 31u); }
 __device__ __forceinline__ int warp_id() { return static_cast<int>(threadIdx.x >> 5); }
@@ -186,7 +187,7 @@ __device__ __forceinline__ int32_t route_expert(const int32_t* row, int j, int n
 
 /// Where compute_routes writes. Pointers may be generic addresses of shared or global memory.
 struct RouteOut {
-    int32_t* route_pos;      ///< [T, k]: index among this rank's valid routes to the expert (token, then slot order), or -1
+    int32_t* route_pos;  ///< [T, k]: index among this rank's valid routes to the expert (token, then slot order), or -1
     int32_t* expert_count;   ///< [E]: valid routes per expert
     uint8_t* token_in_rank;  ///< [T, W] or nullptr: 1 when the token has a valid route to the rank
     int32_t* send_idx;       ///< [T, W] or nullptr: index among this rank's tokens going to the rank, or -1
@@ -238,8 +239,8 @@ __device__ inline void compute_routes(const Geometry& g, const int32_t* topk_idx
             if (e < 0) {
                 if (report && raw != -1) {
                     const bool in_range = raw >= 0 && raw < num_experts;
-                    report_status(status, in_range ? StatusCode::kDuplicateExpert : StatusCode::kInvalidExpert,
-                                  g.rank, g.rank, raw, num_experts, t, j, call, kernel);
+                    report_status(status, in_range ? StatusCode::kDuplicateExpert : StatusCode::kInvalidExpert, g.rank,
+                                  g.rank, raw, num_experts, t, j, call, kernel);
                 }
                 continue;
             }

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// The layout kernel: per-expert and per-rank token counts, the token->rank mask and stable send offsets of one rank's routing.
+// The layout kernel: per-expert and per-rank token counts, the token->rank mask and stable send offsets of one rank's
+// routing.
 #pragma once
 
 #include "ep/common.cuh"

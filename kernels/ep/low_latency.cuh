@@ -47,18 +47,17 @@ struct LowLatencyShared {
     int32_t* expert_base;
 
     __device__ static LowLatencyShared carve(uint8_t* smem, const weft::ep::LowLatencySmem& p) {
-        return LowLatencyShared{reinterpret_cast<uint8_t**>(smem + p.peer_base),
-                                reinterpret_cast<int32_t*>(smem + p.hist),
-                                reinterpret_cast<int32_t*>(smem + p.route_slot),
-                                reinterpret_cast<int32_t*>(smem + p.expert_count),
-                                reinterpret_cast<int32_t*>(smem + p.unit_count),
-                                reinterpret_cast<int32_t*>(smem + p.unit_prefix),
-                                reinterpret_cast<int32_t*>(smem + p.expert_base)};
+        return LowLatencyShared{
+            reinterpret_cast<uint8_t**>(smem + p.peer_base), reinterpret_cast<int32_t*>(smem + p.hist),
+            reinterpret_cast<int32_t*>(smem + p.route_slot), reinterpret_cast<int32_t*>(smem + p.expert_count),
+            reinterpret_cast<int32_t*>(smem + p.unit_count), reinterpret_cast<int32_t*>(smem + p.unit_prefix),
+            reinterpret_cast<int32_t*>(smem + p.expert_base)};
     }
 };
 
 /// Byte offset of slot (half, local expert, source, index) in the receive area.
-__device__ __forceinline__ int64_t ll_slot_offset(const Geometry& g, int half, int local_expert, int source, int index) {
+__device__ __forceinline__ int64_t ll_slot_offset(const Geometry& g, int half, int local_expert, int source,
+                                                  int index) {
     const int64_t unit = (static_cast<int64_t>(half) * g.local_experts() + local_expert) * g.num_ranks + source;
     return (unit * g.max_tokens + index) * g.ll_slot_bytes();
 }
@@ -90,7 +89,7 @@ __device__ __forceinline__ uint2 quantize_e4m3x8(const float (&f)[8], float& sca
 /// multiple of 16, so an fp8 scale group never straddles two parts.
 struct RowParts {
     int parts;
-    int chunk;            ///< granules per chunk
+    int chunk;  ///< granules per chunk
     int chunks_per_part;
     __device__ static RowParts make(int num_tokens, int granules, int num_warps, int unroll) {
         const int chunk = 32 * unroll;
@@ -283,7 +282,7 @@ __device__ void ll_dispatch_recv(const DeviceCtx& ctx, const weft::ep::LowLatenc
         const uint8_t* src = a.recv_slots + ll_slot_offset(g, half, le, s, i);
         uint8_t* dst = a.recv_x + out_row * out_row_bytes;
         warp_copy_row<U>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src),
-                                 a.fp8 ? granules_fp8 : granules_bf16);
+                         a.fp8 ? granules_fp8 : granules_bf16);
         if (a.fp8) {
             const auto* sc = reinterpret_cast<const uint32_t*>(src + g.hidden);
             auto* out_sc = reinterpret_cast<uint32_t*>(a.recv_scales + out_row * num_scales);
@@ -348,8 +347,8 @@ __device__ void ll_combine_send(const DeviceCtx& ctx, const weft::ep::LowLatency
         const int t = info % g.max_tokens;
         const int j = a.recv_src_slot[row];
         const auto* src = reinterpret_cast<const uint4*>(a.y + le * a.y_expert_stride + i * a.y_row_stride);
-        auto* dst = reinterpret_cast<uint4*>(peers.at(
-            ctx, a.landing + ((static_cast<int64_t>(half) * g.max_tokens + t) * k + j) * g.hidden, s));
+        auto* dst = reinterpret_cast<uint4*>(
+            peers.at(ctx, a.landing + ((static_cast<int64_t>(half) * g.max_tokens + t) * k + j) * g.hidden, s));
         const int lane = lane_id();
         for (int c0 = 0; c0 < granules; c0 += 32 * U) {
             uint4 v[U];

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Normal (throughput) expert-parallel dispatch and combine: device size exchange, deduplicated push, expert-contiguous receive.
+// Normal (throughput) expert-parallel dispatch and combine: device size exchange, deduplicated push, expert-contiguous
+// receive.
 //
 // Dispatch, on every rank at once (grid <= the SM budget; every rank's grid must be resident):
 //   1. counts: each rank writes its per-expert route counts and per-rank token counts into every
@@ -56,21 +57,15 @@ struct NormalShared {
     int32_t* flags;
 
     __device__ static NormalShared carve(uint8_t* smem, const weft::ep::NormalSmem& p) {
-        return NormalShared{reinterpret_cast<uint8_t**>(smem + p.peer_base),
-                            reinterpret_cast<int32_t*>(smem + p.exp_base),
-                            reinterpret_cast<int32_t*>(smem + p.exp_start),
-                            reinterpret_cast<int32_t*>(smem + p.exp_total),
-                            reinterpret_cast<int32_t*>(smem + p.tok_base),
-                            reinterpret_cast<int64_t*>(smem + p.rank_tokens),
-                            reinterpret_cast<int64_t*>(smem + p.rank_rows),
-                            reinterpret_cast<int32_t*>(smem + p.recv_from),
-                            reinterpret_cast<int32_t*>(smem + p.src_offset),
-                            reinterpret_cast<int32_t*>(smem + p.send_base),
-                            reinterpret_cast<int32_t*>(smem + p.sent),
-                            reinterpret_cast<int32_t*>(smem + p.dests),
-                            reinterpret_cast<int32_t*>(smem + p.dest_rows),
-                            reinterpret_cast<int32_t*>(smem + p.dest_meta),
-                            reinterpret_cast<int32_t*>(smem + p.flags)};
+        return NormalShared{
+            reinterpret_cast<uint8_t**>(smem + p.peer_base), reinterpret_cast<int32_t*>(smem + p.exp_base),
+            reinterpret_cast<int32_t*>(smem + p.exp_start),  reinterpret_cast<int32_t*>(smem + p.exp_total),
+            reinterpret_cast<int32_t*>(smem + p.tok_base),   reinterpret_cast<int64_t*>(smem + p.rank_tokens),
+            reinterpret_cast<int64_t*>(smem + p.rank_rows),  reinterpret_cast<int32_t*>(smem + p.recv_from),
+            reinterpret_cast<int32_t*>(smem + p.src_offset), reinterpret_cast<int32_t*>(smem + p.send_base),
+            reinterpret_cast<int32_t*>(smem + p.sent),       reinterpret_cast<int32_t*>(smem + p.dests),
+            reinterpret_cast<int32_t*>(smem + p.dest_rows),  reinterpret_cast<int32_t*>(smem + p.dest_meta),
+            reinterpret_cast<int32_t*>(smem + p.flags)};
     }
 };
 
@@ -192,8 +187,8 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
             } else if (sh.rank_rows[r] > g.max_recv_rows) {
                 valid = 0;
                 if (blockIdx.x == 0) {
-                    report_status(a.status, StatusCode::kRecvRowsOverflow, me, r, sh.rank_rows[r], g.max_recv_rows,
-                                  -1, -1, call, KernelId::kNormalDispatch);
+                    report_status(a.status, StatusCode::kRecvRowsOverflow, me, r, sh.rank_rows[r], g.max_recv_rows, -1,
+                                  -1, call, KernelId::kNormalDispatch);
                 }
             }
         }
@@ -353,9 +348,9 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
                     const int j = __ffs(rows) - 1;
                     rows &= rows - 1;
                     const int32_t other = __shfl_sync(0xffffffffu, row, j);
-                    warp_copy_row<C.unroll>(reinterpret_cast<uint4*>(a.recv_x + static_cast<int64_t>(other) * hidden),
-                                            reinterpret_cast<const uint4*>(a.recv_x + static_cast<int64_t>(first_row) * hidden),
-                                            granules);
+                    warp_copy_row<C.unroll>(
+                        reinterpret_cast<uint4*>(a.recv_x + static_cast<int64_t>(other) * hidden),
+                        reinterpret_cast<const uint4*>(a.recv_x + static_cast<int64_t>(first_row) * hidden), granules);
                 }
             }
         }

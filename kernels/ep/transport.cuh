@@ -34,7 +34,8 @@ struct PeerTable {
 /// Fills `table` (shared memory, num_ranks pointers) for the calling block; ends with a block barrier.
 /// A rank that is not load/store reachable ends the kernel with a kUnreachablePeer diagnostic (only
 /// the load/store transport exists today).
-__device__ __forceinline__ PeerTable load_peer_table(const DeviceCtx& ctx, uint8_t** table, int line = __builtin_LINE()) {
+__device__ __forceinline__ PeerTable load_peer_table(const DeviceCtx& ctx, uint8_t** table,
+                                                     int line = __builtin_LINE()) {
     for (int p = static_cast<int>(threadIdx.x); p < ctx.num_ranks; p += static_cast<int>(blockDim.x)) {
         table[p] = device::symm_at_or_trap(ctx, ctx.heap_base, p, line);
     }

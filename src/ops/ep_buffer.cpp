@@ -67,18 +67,24 @@ void* device_alloc_zeroed(uint64_t bytes, cudaStream_t stream) {
 
 const char* phase_name(Phase p) {
     switch (p) {
-        case Phase::kSendRecv: return "kSendRecv";
-        case Phase::kSend: return "kSend";
-        case Phase::kRecv: return "kRecv";
+        case Phase::kSendRecv:
+            return "kSendRecv";
+        case Phase::kSend:
+            return "kSend";
+        case Phase::kRecv:
+            return "kRecv";
     }
     return "?";
 }
 
 int phase_bits(Phase p) {
     switch (p) {
-        case Phase::kSendRecv: return kPhaseSend | kPhaseRecv;
-        case Phase::kSend: return kPhaseSend;
-        case Phase::kRecv: return kPhaseRecv;
+        case Phase::kSendRecv:
+            return kPhaseSend | kPhaseRecv;
+        case Phase::kSend:
+            return kPhaseSend;
+        case Phase::kRecv:
+            return kPhaseRecv;
     }
     return 0;
 }
@@ -98,22 +104,23 @@ void check_matrix(const char* op, const char* name, const TensorView& v, DType d
         return;
     }
     WEFT_CHECK(v.data != nullptr, op << ": " << name << " has a null data pointer (" << v.describe() << ")");
-    WEFT_CHECK(cols <= 1 || v.stride(1) == 1, op << ": " << name << " must be row-major (inner stride 1), got "
-                                                 << v.describe());
+    WEFT_CHECK(cols <= 1 || v.stride(1) == 1,
+               op << ": " << name << " must be row-major (inner stride 1), got " << v.describe());
     const int64_t stride = row_stride_of(v);
     WEFT_CHECK(v.dim(0) <= 1 || stride >= cols,
                op << ": " << name << "'s row stride must be >= " << cols << ", got " << v.describe());
     const auto addr = reinterpret_cast<uintptr_t>(v.data);
     const int64_t align = align16 ? 16 : dtype_bytes(dtype);
-    WEFT_CHECK(addr % static_cast<uintptr_t>(align) == 0,
-               op << ": " << name << "'s data must be " << align << "-byte aligned, got address 0x" << std::hex << addr
-                  << std::dec);
+    WEFT_CHECK(addr % static_cast<uintptr_t>(align) == 0, op << ": " << name << "'s data must be " << align
+                                                             << "-byte aligned, got address 0x" << std::hex << addr
+                                                             << std::dec);
     WEFT_CHECK(!align16 || (stride * dtype_bytes(dtype)) % 16 == 0,
                op << ": " << name << "'s row stride must be a multiple of 16 bytes, got " << stride << " elements ("
                   << v.describe() << ")");
 }
 
-int check_tokens(const char* op, const Geometry& g, const TensorView& idx, int64_t rows_expected, const char* rows_from) {
+int check_tokens(const char* op, const Geometry& g, const TensorView& idx, int64_t rows_expected,
+                 const char* rows_from) {
     check_matrix(op, "topk_idx", idx, DType::kI32, g.topk, false);
     const int64_t t = idx.dim(0);
     WEFT_CHECK(rows_expected < 0 || t == rows_expected,
@@ -259,8 +266,8 @@ struct Buffer::Impl {
 
     void check_status(const char* op) const {
         if (auto s = read_status(status_host)) {
-            WEFT_FAIL(describe_status(*s) << " (reported before " << op
-                                          << "; call Buffer::clear_status() after handling it)");
+            WEFT_FAIL(describe_status(*s)
+                      << " (reported before " << op << "; call Buffer::clear_status() after handling it)");
         }
     }
 };
@@ -290,8 +297,9 @@ LowLatencyHandle::Impl::~Impl() {
     }
     for (auto* q : {&buffer->ll_dispatch_queue, &buffer->ll_combine_queue}) {
         if (std::find(q->begin(), q->end(), this) != q->end()) {
-            WEFT_LOG_ERROR("ep: a LowLatencyHandle with an outstanding send is destroyed; the buffer's "
-                           "low-latency calls cannot continue consistently");
+            WEFT_LOG_ERROR(
+                "ep: a LowLatencyHandle with an outstanding send is destroyed; the buffer's "
+                "low-latency calls cannot continue consistently");
             q->erase(std::remove(q->begin(), q->end(), this), q->end());
         }
     }
@@ -317,9 +325,9 @@ const int32_t* NormalHandle::expert_counts() const { return impl_->expert_counts
 const int32_t* NormalHandle::expert_offsets() const { return impl_->expert_offsets; }
 int NormalHandle::num_tokens() const { return impl_->num_tokens; }
 NormalView NormalHandle::view() const {
-    return NormalView{impl_->recv_x,          impl_->expert_counts,   impl_->expert_offsets, impl_->source_offsets,
-                      impl_->info,            impl_->tokens_per_expert, impl_->tokens_per_rank,
-                      impl_->token_in_rank,   impl_->send_idx,        impl_->route_pos,      impl_->recv_meta};
+    return NormalView{impl_->recv_x,   impl_->expert_counts,     impl_->expert_offsets,  impl_->source_offsets,
+                      impl_->info,     impl_->tokens_per_expert, impl_->tokens_per_rank, impl_->token_in_rank,
+                      impl_->send_idx, impl_->route_pos,         impl_->recv_meta};
 }
 
 // ---- LowLatencyHandle ----
@@ -383,11 +391,13 @@ Buffer::Buffer(World& world, const Config& config) : impl_(std::make_unique<Impl
         const uint64_t t = static_cast<uint64_t>(g.max_tokens);
         b.ll_slots = static_cast<uint8_t*>(heap.alloc(2 * el * w * t * static_cast<uint64_t>(g.ll_slot_bytes())));
         b.ll_mailbox = heap.alloc_array<int32_t>(2 * w * el);
-        b.ll_landing = heap.alloc_array<uint16_t>(2 * t * static_cast<uint64_t>(g.topk) * static_cast<uint64_t>(g.hidden));
+        b.ll_landing =
+            heap.alloc_array<uint16_t>(2 * t * static_cast<uint64_t>(g.topk) * static_cast<uint64_t>(g.hidden));
     }
     b.state_block = device_alloc_zeroed(sizeof(NormalState) + sizeof(LowLatencyState) + 256, b.alloc_stream);
     b.normal_state = static_cast<NormalState*>(b.state_block);
-    b.ll_state = reinterpret_cast<LowLatencyState*>(static_cast<uint8_t*>(b.state_block) + (sizeof(NormalState) + 255) / 256 * 256);
+    b.ll_state = reinterpret_cast<LowLatencyState*>(static_cast<uint8_t*>(b.state_block) +
+                                                    (sizeof(NormalState) + 255) / 256 * 256);
     void* host = nullptr;
     WEFT_CUDA_CHECK(cudaHostAlloc(&host, sizeof(Status), cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(host, 0, sizeof(Status));
@@ -438,7 +448,8 @@ NormalHandle Buffer::make_normal_handle() {
     auto h = std::make_unique<NormalHandle::Impl>();
     SymmetricHeap& heap = b.world->heap();
     h->recv_x = heap.alloc_array<uint16_t>(static_cast<uint64_t>(g.max_recv_rows) * static_cast<uint64_t>(g.hidden));
-    h->recv_meta = heap.alloc_array<int32_t>(static_cast<uint64_t>(g.max_recv_tokens) * static_cast<uint64_t>(g.meta_ints()));
+    h->recv_meta =
+        heap.alloc_array<int32_t>(static_cast<uint64_t>(g.max_recv_tokens) * static_cast<uint64_t>(g.meta_ints()));
     h->landing = heap.alloc_array<uint16_t>(static_cast<uint64_t>(g.max_send_rows()) * static_cast<uint64_t>(g.hidden));
     const uint64_t w = static_cast<uint64_t>(g.num_ranks);
     const uint64_t t = static_cast<uint64_t>(g.max_tokens);
@@ -474,7 +485,8 @@ void Buffer::layout(NormalHandle& handle, const TensorView& topk_idx, cudaStream
     a.topk_idx = static_cast<const int32_t*>(topk_idx.data);
     a.idx_stride = t > 0 ? row_stride_of(topk_idx) : b.geo.topk;
     const DeviceCtx ctx = b.world->device_ctx();
-    b.k_layout->launch({.grid = dim3(1), .block = dim3(kThreads),
+    b.k_layout->launch({.grid = dim3(1),
+                        .block = dim3(kThreads),
                         .dynamic_smem_bytes = static_cast<size_t>(LayoutSmem::make(b.geo, kThreads).total),
                         .stream = stream},
                        ctx, a);
@@ -502,7 +514,8 @@ void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorVie
     a.idx_stride = t > 0 ? row_stride_of(topk_idx) : g.topk;
     a.topk_weights = static_cast<const float*>(topk_weights.data);
     a.weight_stride = t > 0 ? row_stride_of(topk_weights) : g.topk;
-    b.k_dispatch->launch({.grid = dim3(static_cast<unsigned>(sms)), .block = dim3(kThreads),
+    b.k_dispatch->launch({.grid = dim3(static_cast<unsigned>(sms)),
+                          .block = dim3(kThreads),
                           .dynamic_smem_bytes = static_cast<size_t>(NormalSmem::make(g, kThreads).total),
                           .stream = stream},
                          b.world->device_ctx(), a);
@@ -519,7 +532,8 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
     WEFT_CHECK(handle.impl_->dispatched, "ep::combine: the handle has not been dispatched");
     check_matrix("ep::combine", "y", y, DType::kBF16, g.hidden, true);
     WEFT_CHECK(y.dim(0) >= g.max_recv_rows, "ep::combine: y must have at least max_recv_rows = "
-                                                << g.max_recv_rows << " rows (the rows of recv_x), got " << y.describe());
+                                                << g.max_recv_rows << " rows (the rows of recv_x), got "
+                                                << y.describe());
     const int t = handle.impl_->num_tokens;
     check_matrix("ep::combine", "out", out, DType::kBF16, g.hidden, true);
     WEFT_CHECK(out.dim(0) == t, "ep::combine: out must have the dispatch's " << t << " rows, got " << out.describe());
@@ -530,7 +544,8 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
     a.y_stride = row_stride_of(y);
     a.out = static_cast<uint16_t*>(out.data);
     a.out_stride = t > 0 ? row_stride_of(out) : g.hidden;
-    b.k_combine->launch({.grid = dim3(static_cast<unsigned>(sms)), .block = dim3(kThreads),
+    b.k_combine->launch({.grid = dim3(static_cast<unsigned>(sms)),
+                         .block = dim3(kThreads),
                          .dynamic_smem_bytes = static_cast<size_t>(NormalSmem::make(g, kThreads).total),
                          .stream = stream},
                         b.world->device_ctx(), a);
@@ -539,7 +554,8 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
 LowLatencyHandle Buffer::make_low_latency_handle() {
     Impl& b = *impl_;
     const Geometry& g = b.geo;
-    WEFT_CHECK(b.config.low_latency, "ep: make_low_latency_handle: this Buffer was made with Config::low_latency = false");
+    WEFT_CHECK(b.config.low_latency,
+               "ep: make_low_latency_handle: this Buffer was made with Config::low_latency = false");
     auto h = std::make_unique<LowLatencyHandle::Impl>();
     const uint64_t rows = static_cast<uint64_t>(g.local_experts()) * static_cast<uint64_t>(g.ll_rows_per_expert());
     DeviceBlock blk;
@@ -572,9 +588,9 @@ void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x,
     LowLatencyArgs a = b.ll_args(h);
     a.phases = phase_bits(options.phase);
     if (options.phase != Phase::kRecv) {
-        WEFT_CHECK(!options.fp8 || g.hidden % kFp8GroupSize == 0,
-                   "ep::low_latency_dispatch: fp8 needs hidden to be a multiple of " << kFp8GroupSize << ", got "
-                                                                                     << g.hidden);
+        WEFT_CHECK(
+            !options.fp8 || g.hidden % kFp8GroupSize == 0,
+            "ep::low_latency_dispatch: fp8 needs hidden to be a multiple of " << kFp8GroupSize << ", got " << g.hidden);
         check_matrix("ep::low_latency_dispatch", "x", x, DType::kBF16, g.hidden, true);
         const int t = check_tokens("ep::low_latency_dispatch", g, topk_idx, x.dim(0), "x");
         WEFT_CHECK(h.state != State::kDispatchSent && h.state != State::kCombineSent,
@@ -602,20 +618,22 @@ void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x,
                        << (b.ll_dispatch_queue.empty() ? std::string("no send is outstanding")
                                                        : std::string("receives complete sends in order; this handle "
                                                                      "is not the oldest outstanding send")));
-        WEFT_CHECK(options.fp8 == h.fp8, "ep::low_latency_dispatch(kRecv): fp8 = " << options.fp8
-                                                                                   << " differs from the send's fp8 = "
-                                                                                   << h.fp8);
+        WEFT_CHECK(options.fp8 == h.fp8, "ep::low_latency_dispatch(kRecv): fp8 = "
+                                             << options.fp8 << " differs from the send's fp8 = " << h.fp8);
         a.num_tokens = h.num_tokens;
     }
     a.fp8 = h.fp8 ? 1 : 0;
     const int sms = b.grid("ep::low_latency_dispatch", options.num_sms,
                            default_low_latency_sms(g.max_tokens, g.topk, b.world->sm_budget()));
-    b.k_ll_dispatch->launch({.grid = dim3(static_cast<unsigned>(sms)), .block = dim3(kThreads),
+    b.k_ll_dispatch->launch({.grid = dim3(static_cast<unsigned>(sms)),
+                             .block = dim3(kThreads),
                              .dynamic_smem_bytes = static_cast<size_t>(LowLatencySmem::make(g, kThreads).total),
                              .stream = stream},
                             b.world->device_ctx(), a);
     switch (options.phase) {
-        case Phase::kSendRecv: h.state = State::kDispatched; break;
+        case Phase::kSendRecv:
+            h.state = State::kDispatched;
+            break;
         case Phase::kSend:
             h.state = State::kDispatchSent;
             b.ll_dispatch_queue.push_back(&h);
@@ -675,8 +693,8 @@ void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, 
     if (options.phase != Phase::kSend) {
         check_tokens("ep::low_latency_combine", g, topk_idx, t, "the dispatch");
         check_matrix("ep::low_latency_combine", "topk_weights", topk_weights, DType::kF32, g.topk, false);
-        WEFT_CHECK(topk_weights.dim(0) == t, "ep::low_latency_combine: topk_weights has " << topk_weights.dim(0)
-                                                                                          << " rows, the dispatch had " << t);
+        WEFT_CHECK(topk_weights.dim(0) == t, "ep::low_latency_combine: topk_weights has "
+                                                 << topk_weights.dim(0) << " rows, the dispatch had " << t);
         check_matrix("ep::low_latency_combine", "out", out, DType::kBF16, g.hidden, true);
         WEFT_CHECK(out.dim(0) == t,
                    "ep::low_latency_combine: out must have the dispatch's " << t << " rows, got " << out.describe());
@@ -690,12 +708,14 @@ void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, 
     a.num_tokens = t;
     const int sms = b.grid("ep::low_latency_combine", options.num_sms,
                            default_low_latency_sms(g.max_tokens, g.topk, b.world->sm_budget()));
-    b.k_ll_combine->launch({.grid = dim3(static_cast<unsigned>(sms)), .block = dim3(kThreads),
+    b.k_ll_combine->launch({.grid = dim3(static_cast<unsigned>(sms)),
+                            .block = dim3(kThreads),
                             .dynamic_smem_bytes = static_cast<size_t>(LowLatencySmem::make(g, kThreads).total),
                             .stream = stream},
                            b.world->device_ctx(), a);
     switch (options.phase) {
-        case Phase::kSendRecv: break;
+        case Phase::kSendRecv:
+            break;
         case Phase::kSend:
             h.state = State::kCombineSent;
             b.ll_combine_queue.push_back(&h);

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// weft::ep host maths: config validation, memory footprint, sizing estimates, default SM counts, kernel specs, status text.
+// weft::ep host maths: config validation, memory footprint, sizing estimates, default SM counts, kernel specs, status
+// text.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -14,9 +15,9 @@ namespace weft::ep {
 namespace {
 
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
-constexpr uint64_t kHeapAllocAlign = 256;           // SymmetricHeap::alloc's default alignment
+constexpr uint64_t kHeapAllocAlign = 256;             // SymmetricHeap::alloc's default alignment
 constexpr int64_t kMaxDynamicSmemBytes = 227 * 1024;  // sm_90 opt-in limit per block
-constexpr int kThreads = 512;                        // every EP kernel's block size (see kernel_specs)
+constexpr int kThreads = 512;                         // every EP kernel's block size (see kernel_specs)
 
 uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
@@ -36,9 +37,9 @@ Geometry resolve_geometry(const Config& c, int num_ranks, int rank) {
     WEFT_CHECK(rank >= 0 && rank < num_ranks, "ep: rank must be in 0.." << num_ranks - 1 << ", got " << rank);
     WEFT_CHECK(c.num_experts >= 1 && c.num_experts <= kMaxExperts,
                "ep: Config::num_experts must be in 1.." << kMaxExperts << ", got " << c.num_experts);
-    WEFT_CHECK(c.num_experts % num_ranks == 0, "ep: Config::num_experts (" << c.num_experts
-                                                   << ") must be a multiple of the number of ranks (" << num_ranks
-                                                   << ") so that experts spread evenly");
+    WEFT_CHECK(c.num_experts % num_ranks == 0, "ep: Config::num_experts ("
+                                                   << c.num_experts << ") must be a multiple of the number of ranks ("
+                                                   << num_ranks << ") so that experts spread evenly");
     WEFT_CHECK(c.hidden >= 8 && c.hidden % 8 == 0,
                "ep: Config::hidden must be a positive multiple of 8 (16-byte bf16 rows), got " << c.hidden);
     WEFT_CHECK(c.hidden <= (1 << 20), "ep: Config::hidden must be at most 2^20, got " << c.hidden);
@@ -49,14 +50,13 @@ Geometry resolve_geometry(const Config& c, int num_ranks, int rank) {
                "ep: Config::max_tokens_per_rank must be in 1..2^24, got " << c.max_tokens_per_rank);
     WEFT_CHECK(c.normal || c.low_latency, "ep: Config enables neither the normal nor the low-latency mode");
     WEFT_CHECK(!c.low_latency || c.max_tokens_per_rank <= kMaxLowLatencyTokens,
-               "ep: low-latency mode supports at most " << kMaxLowLatencyTokens
-                                                        << " tokens per rank (Config::max_tokens_per_rank = "
-                                                        << c.max_tokens_per_rank
-                                                        << "); use the normal mode, or set low_latency = false");
+               "ep: low-latency mode supports at most "
+                   << kMaxLowLatencyTokens << " tokens per rank (Config::max_tokens_per_rank = "
+                   << c.max_tokens_per_rank << "); use the normal mode, or set low_latency = false");
     WEFT_CHECK(c.expert_alignment >= 1 && c.expert_alignment <= kMaxExpertAlignment,
                "ep: Config::expert_alignment must be in 1.." << kMaxExpertAlignment << ", got " << c.expert_alignment);
-    WEFT_CHECK(c.max_recv_tokens >= 0, "ep: Config::max_recv_tokens must be >= 0 (0 = worst case), got "
-                                           << c.max_recv_tokens);
+    WEFT_CHECK(c.max_recv_tokens >= 0,
+               "ep: Config::max_recv_tokens must be >= 0 (0 = worst case), got " << c.max_recv_tokens);
     WEFT_CHECK(c.max_recv_rows >= 0,
                "ep: Config::max_recv_rows must be >= 0 (0 = worst case), got " << c.max_recv_rows);
 
@@ -70,16 +70,15 @@ Geometry resolve_geometry(const Config& c, int num_ranks, int rank) {
     g.expert_alignment = c.expert_alignment;
     const int64_t local = g.local_experts();
     const int64_t worst_tokens = int64_t{num_ranks} * c.max_tokens_per_rank;
-    const int64_t worst_rows =
-        worst_tokens * std::min<int64_t>(c.topk, local) + local * (c.expert_alignment - 1);
+    const int64_t worst_rows = worst_tokens * std::min<int64_t>(c.topk, local) + local * (c.expert_alignment - 1);
     g.max_recv_tokens = c.max_recv_tokens > 0 ? c.max_recv_tokens : worst_tokens;
     g.max_recv_rows = c.max_recv_rows > 0 ? c.max_recv_rows : worst_rows;
-    WEFT_CHECK(g.max_recv_tokens <= kInt32Max,
-               "ep: max_recv_tokens (" << g.max_recv_tokens << ", worst case " << worst_tokens
-                                       << ") must fit in int32; set Config::max_recv_tokens lower");
-    WEFT_CHECK(g.max_recv_rows <= kInt32Max,
-               "ep: max_recv_rows (" << g.max_recv_rows << ", worst case " << worst_rows
-                                     << ") must fit in int32; set Config::max_recv_rows lower");
+    WEFT_CHECK(g.max_recv_tokens <= kInt32Max, "ep: max_recv_tokens ("
+                                                   << g.max_recv_tokens << ", worst case " << worst_tokens
+                                                   << ") must fit in int32; set Config::max_recv_tokens lower");
+    WEFT_CHECK(g.max_recv_rows <= kInt32Max, "ep: max_recv_rows ("
+                                                 << g.max_recv_rows << ", worst case " << worst_rows
+                                                 << ") must fit in int32; set Config::max_recv_rows lower");
     WEFT_CHECK(g.max_send_rows() <= kInt32Max, "ep: max_tokens_per_rank * min(topk, ranks) must fit in int32");
 
     const int64_t layout_smem = LayoutSmem::make(g, kThreads).total;
@@ -90,11 +89,11 @@ Geometry resolve_geometry(const Config& c, int num_ranks, int rank) {
                       << kMaxDynamicSmemBytes);
     if (c.low_latency) {
         const int64_t ll_smem = LowLatencySmem::make(g, kThreads).total;
-        WEFT_CHECK(ll_smem <= kMaxDynamicSmemBytes,
-                   "ep: the low-latency kernels need " << ll_smem << " bytes of shared memory per block for "
-                                                       << c.max_tokens_per_rank << " tokens x top-" << c.topk
-                                                       << " and " << c.num_experts << " experts, more than "
-                                                       << kMaxDynamicSmemBytes << "; lower max_tokens_per_rank");
+        WEFT_CHECK(ll_smem <= kMaxDynamicSmemBytes, "ep: the low-latency kernels need "
+                                                        << ll_smem << " bytes of shared memory per block for "
+                                                        << c.max_tokens_per_rank << " tokens x top-" << c.topk
+                                                        << " and " << c.num_experts << " experts, more than "
+                                                        << kMaxDynamicSmemBytes << "; lower max_tokens_per_rank");
     }
     return g;
 }
@@ -116,8 +115,8 @@ std::string Footprint::describe() const {
     std::ostringstream os;
     os << "buffer: " << mib(buffer_symmetric_bytes) << " symmetric + " << mib(buffer_device_bytes)
        << " device; per normal handle: " << mib(normal_handle_symmetric_bytes) << " symmetric + "
-       << mib(normal_handle_device_bytes) << " device; per low-latency handle: "
-       << mib(low_latency_handle_device_bytes) << " device";
+       << mib(normal_handle_device_bytes) << " device; per low-latency handle: " << mib(low_latency_handle_device_bytes)
+       << " device";
     return os.str();
 }
 
@@ -143,8 +142,8 @@ Footprint footprint(const Config& config, int num_ranks) {
                                        a((el + 1) * 4) + a((w + 1) * 4) + a(kInfoInts * 4);
     }
     if (config.low_latency) {
-        f.buffer_symmetric_bytes += a(2 * el * w * t * static_cast<uint64_t>(g.ll_slot_bytes())) +
-                                    a(2 * w * el * 4) + a(2 * t * k * h * 2);
+        f.buffer_symmetric_bytes +=
+            a(2 * el * w * t * static_cast<uint64_t>(g.ll_slot_bytes())) + a(2 * w * el * 4) + a(2 * t * k * h * 2);
         f.buffer_device_bytes += a(sizeof(LowLatencyState));
         const uint64_t rows = el * w * t;
         f.low_latency_handle_device_bytes = a(rows * h * 2) + a(rows * static_cast<uint64_t>(g.ll_fp8_scales()) * 4) +
@@ -218,14 +217,26 @@ std::string describe_status(const Status& s) {
     os << "ep: rank " << s.rank << ": ";
     const char* kernel = "?";
     switch (static_cast<KernelId>(s.kernel)) {
-        case KernelId::kLayout: kernel = "layout"; break;
-        case KernelId::kNormalDispatch: kernel = "normal dispatch"; break;
-        case KernelId::kNormalCombine: kernel = "normal combine"; break;
-        case KernelId::kLowLatencyDispatch: kernel = "low-latency dispatch"; break;
-        case KernelId::kLowLatencyCombine: kernel = "low-latency combine"; break;
+        case KernelId::kLayout:
+            kernel = "layout";
+            break;
+        case KernelId::kNormalDispatch:
+            kernel = "normal dispatch";
+            break;
+        case KernelId::kNormalCombine:
+            kernel = "normal combine";
+            break;
+        case KernelId::kLowLatencyDispatch:
+            kernel = "low-latency dispatch";
+            break;
+        case KernelId::kLowLatencyCombine:
+            kernel = "low-latency combine";
+            break;
     }
     switch (s.code) {
-        case StatusCode::kOk: os << "no error"; return os.str();
+        case StatusCode::kOk:
+            os << "no error";
+            return os.str();
         case StatusCode::kRecvTokensOverflow:
             os << "receive capacity exceeded in " << kernel << " call " << s.call << ": rank " << s.culprit_rank
                << " would receive " << s.value << " distinct tokens, Config::max_recv_tokens is " << s.limit
@@ -241,14 +252,15 @@ std::string describe_status(const Status& s) {
             break;
         case StatusCode::kInvalidExpert:
             os << "invalid expert id " << s.value << " at topk_idx[" << s.token << "][" << s.slot << "] in " << kernel
-               << " call " << s.call << ": expected -1 (dropped) or 0.." << s.limit - 1
-               << "; the route was dropped";
+               << " call " << s.call << ": expected -1 (dropped) or 0.." << s.limit - 1 << "; the route was dropped";
             break;
         case StatusCode::kDuplicateExpert:
             os << "expert id " << s.value << " repeated at topk_idx[" << s.token << "][" << s.slot << "] in " << kernel
                << " call " << s.call << ": each token's top-k experts must be distinct; the repeat was dropped";
             break;
-        default: os << "unknown status code " << static_cast<uint32_t>(s.code); break;
+        default:
+            os << "unknown status code " << static_cast<uint32_t>(s.code);
+            break;
     }
     return os.str();
 }

@@ -122,14 +122,17 @@ void check_dispatch(const ref::Params& p, const ref::NormalPlan& plan, const std
     const size_t k = static_cast<size_t>(p.topk);
     const ref::RankLayout& l = plan.layouts[static_cast<size_t>(me)];
     const auto fail = [&](const std::string& m) { WEFT_FAIL("rank " << me << ", " << what << ": " << m); };
-    if (download(v.tokens_per_expert, static_cast<size_t>(p.num_experts), s) != l.tokens_per_expert) fail("tokens_per_expert differs");
+    if (download(v.tokens_per_expert, static_cast<size_t>(p.num_experts), s) != l.tokens_per_expert)
+        fail("tokens_per_expert differs");
     if (download(v.tokens_per_rank, w, s) != l.tokens_per_rank) fail("tokens_per_rank differs");
     if (download(v.token_in_rank, t * w, s) != l.token_in_rank) fail("token_in_rank differs");
     if (download(v.send_idx, t * w, s) != l.send_idx) fail("send_idx differs");
     if (download(v.route_pos, t * k, s) != l.route_pos) fail("route_pos differs");
     if (download(v.expert_counts, el, s) != plan.expert_counts[static_cast<size_t>(me)]) fail("expert_counts differ");
-    if (download(v.expert_offsets, el + 1, s) != plan.expert_offsets[static_cast<size_t>(me)]) fail("expert_offsets differ");
-    if (download(v.source_offsets, w + 1, s) != plan.source_offsets[static_cast<size_t>(me)]) fail("source_offsets differ");
+    if (download(v.expert_offsets, el + 1, s) != plan.expert_offsets[static_cast<size_t>(me)])
+        fail("expert_offsets differ");
+    if (download(v.source_offsets, w + 1, s) != plan.source_offsets[static_cast<size_t>(me)])
+        fail("source_offsets differ");
     const std::vector<int32_t> info = download(v.info, static_cast<size_t>(kInfoInts), s);
     if (info[kInfoValid] != 1 || info[kInfoNumTokens] != num_tokens ||
         info[kInfoRecvTokens] != plan.recv_tokens[static_cast<size_t>(me)] ||
@@ -160,7 +163,9 @@ void check_dispatch(const ref::Params& p, const ref::NormalPlan& plan, const std
 void check_combine(const ref::Params& p, const ref::NormalPlan& plan, const std::vector<ref::Routing>& all,
                    const std::vector<std::vector<uint16_t>>& y_all, const std::vector<uint16_t>& out, int me,
                    const std::string& what) {
-    const auto y_row = [&](int r, int32_t row) { return &y_all[static_cast<size_t>(r)][static_cast<size_t>(row) * p.hidden]; };
+    const auto y_row = [&](int r, int32_t row) {
+        return &y_all[static_cast<size_t>(r)][static_cast<size_t>(row) * p.hidden];
+    };
     const std::vector<uint16_t> want = ref::reference_normal_combine(p, plan, all, me, y_row);
     const std::vector<double> ideal = ref::ideal_combine(p, plan, all, me, y_row);
     WEFT_CHECK(out.size() == want.size(), "out size");
@@ -202,7 +207,9 @@ void run_case(Buffer& ep, NormalHandle& h, Inputs& in, DeviceArray<uint16_t>& y_
     const NormalOptions options{.num_sms = std::min(num_sms, world.sm_budget())};
     ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), s, options);
     ep.sync_and_check(s);
-    check_dispatch(p, plan, x_all, h, me, t, max_rows, s, what + ", num_sms " + std::to_string(options.num_sms));
+    ref::collective_check(world, [&] {
+        check_dispatch(p, plan, x_all, h, me, t, max_rows, s, what + ", num_sms " + std::to_string(options.num_sms));
+    });
 
     const auto y_all = expected_y(p, plan, x_all, max_rows);
     TensorView y;
@@ -217,13 +224,15 @@ void run_case(Buffer& ep, NormalHandle& h, Inputs& in, DeviceArray<uint16_t>& y_
     out.poison(0xFF);
     ep.combine(h, y, TensorView(out.get(), DType::kBF16, {t, p.hidden}), s, options);
     ep.sync_and_check(s);
-    check_combine(p, plan, all, y_all, download(out.get(), static_cast<size_t>(t) * p.hidden, s), me, what);
+    ref::collective_check(world, [&] {
+        check_combine(p, plan, all, y_all, download(out.get(), static_cast<size_t>(t) * p.hidden, s), me, what);
+    });
 }
 
 Config normal_config(int num_ranks) {
     Config c;
     c.num_experts = num_ranks * (num_ranks % 2 == 1 ? 3 : 4);  // 3 or 4 experts per rank
-    c.hidden = 200;                                             // 400-byte rows: partial chunks
+    c.hidden = 200;                                            // 400-byte rows: partial chunks
     c.topk = num_ranks % 2 == 1 ? 3 : 4;
     c.max_tokens_per_rank = 48;
     c.low_latency = false;
@@ -237,21 +246,24 @@ TEST_F(EpNormalGpu, RoutingScenariosAtEveryWorldSize) {
     for (int n = 2; n <= 8; ++n) {
         SCOPED_TRACE("num_ranks " + std::to_string(n));
         const Config c = normal_config(n);
-        run_ranks(n, [&](World& world) {
-            RankStream rs;
-            Buffer ep(world, c);
-            NormalHandle h = ep.make_normal_handle();
-            Inputs in(c, rs.s);
-            const ref::Params p = params_of(c, n);
-            DeviceArray<uint16_t> y(static_cast<size_t>(ep.geometry().max_recv_rows) * c.hidden, rs.s);
-            DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
-            int i = 0;
-            for (Scenario sc : ref::all_scenarios()) {
-                // Grids of 1..5 blocks (0 = the default) exercise the cross-block counts and the last block.
-                run_case(ep, h, in, y, out, p, sc, seed + static_cast<uint32_t>(i), (i % 2) == 1, rs.s, i % 6);
-                ++i;
-            }
-        }, options_for(c, n, 1));
+        run_ranks(
+            n,
+            [&](World& world) {
+                RankStream rs;
+                Buffer ep(world, c);
+                NormalHandle h = ep.make_normal_handle();
+                Inputs in(c, rs.s);
+                const ref::Params p = params_of(c, n);
+                DeviceArray<uint16_t> y(static_cast<size_t>(ep.geometry().max_recv_rows) * c.hidden, rs.s);
+                DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
+                int i = 0;
+                for (Scenario sc : ref::all_scenarios()) {
+                    // Grids of 1..5 blocks (0 = the default) exercise the cross-block counts and the last block.
+                    run_case(ep, h, in, y, out, p, sc, seed + static_cast<uint32_t>(i), (i % 2) == 1, rs.s, i % 6);
+                    ++i;
+                }
+            },
+            options_for(c, n, 1));
     }
 }
 
@@ -267,48 +279,60 @@ TEST_F(EpNormalGpu, CapacityOverflowIsReportedByEveryRankAndRecoverable) {
         } else {
             c.max_recv_rows = c.max_tokens_per_rank * 2;
         }
-        run_ranks(n, [&](World& world) {
-            RankStream rs;
-            Buffer ep(world, c);
-            NormalHandle h = ep.make_normal_handle();
-            Inputs in(c, rs.s);
-            const ref::Params p = params_of(c, n);
-            const auto all = ref::make_routing(Scenario::kSkewed, p, c.max_tokens_per_rank, seed);
-            const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
-            const ref::Overflow of = ref::find_overflow(plan, ep.geometry().max_recv_tokens, ep.geometry().max_recv_rows);
-            WEFT_CHECK(of.rank >= 0 && of.kind == kind, "the test routing should overflow kind " << kind);
-            const int me = world.rank();
-            in.load(all[static_cast<size_t>(me)], ref::payload_rows(me, all[static_cast<size_t>(me)].num_tokens, c.hidden, seed, false));
-            ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), rs.s);
-            world.sync_and_check(rs.s);
-            const auto st = ep.status();
-            WEFT_CHECK(st.has_value(), "rank " << me << ": no status after an overflowing dispatch");
-            WEFT_CHECK(st->code == (kind == 1 ? StatusCode::kRecvTokensOverflow : StatusCode::kRecvRowsOverflow) &&
-                           st->raw.culprit_rank == of.rank && st->raw.value == of.value,
-                       "rank " << me << ": status " << st->message << " (expected culprit " << of.rank << ", value "
-                               << of.value << ")");
-            bool threw = false;
-            try {
-                ep.check();
-            } catch (const Error& e) {
-                threw = std::string(e.what()).find(kind == 1 ? "max_recv_tokens" : "max_recv_rows") != std::string::npos;
-            }
-            WEFT_CHECK(threw, "rank " << me << ": check() did not throw a message naming the limit");
-            const auto counts = download(h.expert_counts(), static_cast<size_t>(p.local_experts()), rs.s);
-            for (int v : counts) WEFT_CHECK(v == 0, "rank " << me << ": expert counts must be 0 after an overflow");
-            ep.clear_status();
-            DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
-            out.poison(0xFF);
-            const int t = all[static_cast<size_t>(me)].num_tokens;
-            ep.combine(h, h.recv_x(), TensorView(out.get(), DType::kBF16, {t, c.hidden}), rs.s);
-            ep.sync_and_check(rs.s);
-            for (uint16_t v : download(out.get(), static_cast<size_t>(t) * c.hidden, rs.s)) {
-                WEFT_CHECK(v == 0, "rank " << me << ": combine after an overflow must give zeros");
-            }
-            // The buffer's state stayed consistent: a call that fits works.
-            DeviceArray<uint16_t> y(static_cast<size_t>(ep.geometry().max_recv_rows) * c.hidden, rs.s);
-            run_case(ep, h, in, y, out, p, Scenario::kOneToken, seed + 1, false, rs.s);
-        }, options_for(c, n, 1));
+        run_ranks(
+            n,
+            [&](World& world) {
+                RankStream rs;
+                Buffer ep(world, c);
+                NormalHandle h = ep.make_normal_handle();
+                Inputs in(c, rs.s);
+                const ref::Params p = params_of(c, n);
+                const auto all = ref::make_routing(Scenario::kSkewed, p, c.max_tokens_per_rank, seed);
+                const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
+                const ref::Overflow of =
+                    ref::find_overflow(plan, ep.geometry().max_recv_tokens, ep.geometry().max_recv_rows);
+                WEFT_CHECK(of.rank >= 0 && of.kind == kind, "the test routing should overflow kind " << kind);
+                const int me = world.rank();
+                in.load(all[static_cast<size_t>(me)],
+                        ref::payload_rows(me, all[static_cast<size_t>(me)].num_tokens, c.hidden, seed, false));
+                ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), rs.s);
+                world.sync_and_check(rs.s);
+                ref::collective_check(world, [&] {
+                    const auto st = ep.status();
+                    WEFT_CHECK(st.has_value(), "rank " << me << ": no status after an overflowing dispatch");
+                    WEFT_CHECK(
+                        st->code == (kind == 1 ? StatusCode::kRecvTokensOverflow : StatusCode::kRecvRowsOverflow) &&
+                            st->raw.culprit_rank == of.rank && st->raw.value == of.value,
+                        "rank " << me << ": status " << st->message << " (expected culprit " << of.rank << ", value "
+                                << of.value << ")");
+                    bool threw = false;
+                    try {
+                        ep.check();
+                    } catch (const Error& e) {
+                        threw = std::string(e.what()).find(kind == 1 ? "max_recv_tokens" : "max_recv_rows") !=
+                                std::string::npos;
+                    }
+                    WEFT_CHECK(threw, "rank " << me << ": check() did not throw a message naming the limit");
+                    const auto counts = download(h.expert_counts(), static_cast<size_t>(p.local_experts()), rs.s);
+                    for (int v : counts)
+                        WEFT_CHECK(v == 0, "rank " << me << ": expert counts must be 0 after an overflow");
+                });
+                ep.clear_status();
+                DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
+                out.poison(0xFF);
+                const int t = all[static_cast<size_t>(me)].num_tokens;
+                ep.combine(h, h.recv_x(), TensorView(out.get(), DType::kBF16, {t, c.hidden}), rs.s);
+                ep.sync_and_check(rs.s);
+                ref::collective_check(world, [&] {
+                    for (uint16_t v : download(out.get(), static_cast<size_t>(t) * c.hidden, rs.s)) {
+                        WEFT_CHECK(v == 0, "rank " << me << ": combine after an overflow must give zeros");
+                    }
+                });
+                // The buffer's state stayed consistent: a call that fits works.
+                DeviceArray<uint16_t> y(static_cast<size_t>(ep.geometry().max_recv_rows) * c.hidden, rs.s);
+                run_case(ep, h, in, y, out, p, Scenario::kOneToken, seed + 1, false, rs.s);
+            },
+            options_for(c, n, 1));
     }
 }
 
@@ -317,86 +341,120 @@ TEST_F(EpNormalGpu, InvalidAndRepeatedExpertIdsAreReportedAndDropped) {
     const uint32_t seed = fresh_seed();
     const int n = 3;
     const Config c = normal_config(n);
-    run_ranks(n, [&](World& world) {
-        RankStream rs;
-        Buffer ep(world, c);
-        NormalHandle h = ep.make_normal_handle();
-        Inputs in(c, rs.s);
-        const ref::Params p = params_of(c, n);
-        for (int bad = 0; bad < 2; ++bad) {
-            auto all = ref::make_routing(Scenario::kUniform, p, c.max_tokens_per_rank, seed + static_cast<uint32_t>(bad));
-            ref::Routing& r1 = all[1];
-            r1.topk_idx[static_cast<size_t>(p.topk) + 1] = bad == 0 ? c.num_experts + 5 : r1.topk_idx[static_cast<size_t>(p.topk)];
-            const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
-            const int me = world.rank();
-            std::vector<std::vector<uint16_t>> x_all;
-            for (int r = 0; r < n; ++r) x_all.push_back(ref::payload_rows(r, all[static_cast<size_t>(r)].num_tokens, c.hidden, seed, false));
-            in.load(all[static_cast<size_t>(me)], x_all[static_cast<size_t>(me)]);
-            ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), rs.s);
-            world.sync_and_check(rs.s);
-            const auto st = ep.status();
-            if (me == 1) {
-                WEFT_CHECK(st && st->code == (bad == 0 ? StatusCode::kInvalidExpert : StatusCode::kDuplicateExpert) &&
-                               st->raw.token == 1 && st->raw.slot == 1,
-                           "rank 1: expected an input error at topk_idx[1][1], got "
-                               << (st ? st->message : std::string("no status")));
-                ep.clear_status();
-            } else {
-                WEFT_CHECK(!st, "rank " << me << ": unexpected status " << st->message);
+    run_ranks(
+        n,
+        [&](World& world) {
+            RankStream rs;
+            Buffer ep(world, c);
+            NormalHandle h = ep.make_normal_handle();
+            Inputs in(c, rs.s);
+            const ref::Params p = params_of(c, n);
+            for (int bad = 0; bad < 2; ++bad) {
+                auto all =
+                    ref::make_routing(Scenario::kUniform, p, c.max_tokens_per_rank, seed + static_cast<uint32_t>(bad));
+                ref::Routing& r1 = all[1];
+                r1.topk_idx[static_cast<size_t>(p.topk) + 1] =
+                    bad == 0 ? c.num_experts + 5 : r1.topk_idx[static_cast<size_t>(p.topk)];
+                const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
+                const int me = world.rank();
+                std::vector<std::vector<uint16_t>> x_all;
+                for (int r = 0; r < n; ++r)
+                    x_all.push_back(
+                        ref::payload_rows(r, all[static_cast<size_t>(r)].num_tokens, c.hidden, seed, false));
+                in.load(all[static_cast<size_t>(me)], x_all[static_cast<size_t>(me)]);
+                ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), rs.s);
+                world.sync_and_check(rs.s);
+                ref::collective_check(world, [&] {
+                    const auto st = ep.status();
+                    if (me == 1) {
+                        WEFT_CHECK(
+                            st && st->code == (bad == 0 ? StatusCode::kInvalidExpert : StatusCode::kDuplicateExpert) &&
+                                st->raw.token == 1 && st->raw.slot == 1,
+                            "rank 1: expected an input error at topk_idx[1][1], got "
+                                << (st ? st->message : std::string("no status")));
+                        ep.clear_status();
+                    } else {
+                        WEFT_CHECK(!st, "rank " << me << ": unexpected status " << st->message);
+                    }
+                });
+                ref::collective_check(world, [&] {
+                    check_dispatch(p, plan, x_all, h, me, all[static_cast<size_t>(me)].num_tokens,
+                                   ep.geometry().max_recv_rows, rs.s, "bad ids");
+                });
             }
-            check_dispatch(p, plan, x_all, h, me, all[static_cast<size_t>(me)].num_tokens, ep.geometry().max_recv_rows,
-                           rs.s, "bad ids");
-        }
-    }, options_for(c, n, 1));
+        },
+        options_for(c, n, 1));
 }
 
 // Host-side argument errors: raised on every rank before anything is launched, naming the argument.
 TEST_F(EpNormalGpu, ArgumentErrorsAreHostErrors) {
     const int n = 2;
     const Config c = normal_config(n);
-    run_ranks(n, [&](World& world) {
-        RankStream rs;
-        Buffer ep(world, c);
-        NormalHandle h = ep.make_normal_handle();
-        DeviceArray<uint16_t> x(static_cast<size_t>(c.max_tokens_per_rank + 1) * c.hidden, rs.s);
-        DeviceArray<int32_t> idx(static_cast<size_t>(c.max_tokens_per_rank + 1) * c.topk, rs.s);
-        DeviceArray<float> w(static_cast<size_t>(c.max_tokens_per_rank + 1) * c.topk, rs.s);
-        const auto expect_error = [&](const std::function<void()>& f, const std::string& fragment) {
-            try {
-                f();
-            } catch (const Error& e) {
-                WEFT_CHECK(std::string(e.what()).find(fragment) != std::string::npos,
-                           "error message lacks '" << fragment << "': " << e.what());
-                return;
-            }
-            WEFT_FAIL("expected an error mentioning '" << fragment << "'");
-        };
-        const int64_t too_many = c.max_tokens_per_rank + 1;
-        expect_error([&] {
-            ep.dispatch(h, TensorView(x.get(), DType::kBF16, {too_many, c.hidden}),
-                        TensorView(idx.get(), DType::kI32, {too_many, c.topk}),
-                        TensorView(w.get(), DType::kF32, {too_many, c.topk}), rs.s);
-        }, "exceed Config::max_tokens_per_rank");
-        expect_error([&] {
-            ep.combine(h, h.recv_x(), TensorView(x.get(), DType::kBF16, {1, c.hidden}), rs.s);
-        }, "has not been dispatched");
-        expect_error([&] {
-            ep.dispatch(h, TensorView(x.get(), DType::kF32, {4, c.hidden}), TensorView(idx.get(), DType::kI32, {4, c.topk}),
-                        TensorView(w.get(), DType::kF32, {4, c.topk}), rs.s);
-        }, "x must be bf16");
-        expect_error([&] {
-            ep.dispatch(h, TensorView(x.get(), DType::kBF16, {4, c.hidden}), TensorView(idx.get(), DType::kI32, {3, c.topk}),
-                        TensorView(w.get(), DType::kF32, {4, c.topk}), rs.s);
-        }, "topk_idx has 3 rows");
-        expect_error([&] {
-            ep.dispatch(h, TensorView(x.get(), DType::kBF16, {4, c.hidden}), TensorView(idx.get(), DType::kI32, {4, c.topk}),
-                        TensorView(w.get(), DType::kF32, {4, c.topk}), rs.s, NormalOptions{.num_sms = world.sm_budget() + 1});
-        }, "exceeds this rank's SM budget");
-        expect_error([&] {
-            ep.dispatch(h, TensorView(static_cast<uint8_t*>(static_cast<void*>(x.get())) + 2, DType::kBF16, {4, c.hidden}),
-                        TensorView(idx.get(), DType::kI32, {4, c.topk}), TensorView(w.get(), DType::kF32, {4, c.topk}), rs.s);
-        }, "16-byte aligned");
-    }, options_for(c, n, 1));
+    run_ranks(
+        n,
+        [&](World& world) {
+            RankStream rs;
+            Buffer ep(world, c);
+            NormalHandle h = ep.make_normal_handle();
+            DeviceArray<uint16_t> x(static_cast<size_t>(c.max_tokens_per_rank + 1) * c.hidden, rs.s);
+            DeviceArray<int32_t> idx(static_cast<size_t>(c.max_tokens_per_rank + 1) * c.topk, rs.s);
+            DeviceArray<float> w(static_cast<size_t>(c.max_tokens_per_rank + 1) * c.topk, rs.s);
+            const auto expect_error = [&](const std::function<void()>& f, const std::string& fragment) {
+                try {
+                    f();
+                } catch (const Error& e) {
+                    WEFT_CHECK(std::string(e.what()).find(fragment) != std::string::npos,
+                               "error message lacks '" << fragment << "': " << e.what());
+                    return;
+                }
+                WEFT_FAIL("expected an error mentioning '" << fragment << "'");
+            };
+            const int64_t too_many = c.max_tokens_per_rank + 1;
+            expect_error(
+                [&] {
+                    ep.dispatch(h, TensorView(x.get(), DType::kBF16, {too_many, c.hidden}),
+                                TensorView(idx.get(), DType::kI32, {too_many, c.topk}),
+                                TensorView(w.get(), DType::kF32, {too_many, c.topk}), rs.s);
+                },
+                "exceed Config::max_tokens_per_rank");
+            expect_error(
+                [&] {
+                    ep.combine(h, h.recv_x(), TensorView(x.get(), DType::kBF16, {1, c.hidden}), rs.s);
+                },
+                "has not been dispatched");
+            expect_error(
+                [&] {
+                    ep.dispatch(h, TensorView(x.get(), DType::kF32, {4, c.hidden}),
+                                TensorView(idx.get(), DType::kI32, {4, c.topk}),
+                                TensorView(w.get(), DType::kF32, {4, c.topk}), rs.s);
+                },
+                "x must be bf16");
+            expect_error(
+                [&] {
+                    ep.dispatch(h, TensorView(x.get(), DType::kBF16, {4, c.hidden}),
+                                TensorView(idx.get(), DType::kI32, {3, c.topk}),
+                                TensorView(w.get(), DType::kF32, {4, c.topk}), rs.s);
+                },
+                "topk_idx has 3 rows");
+            expect_error(
+                [&] {
+                    ep.dispatch(h, TensorView(x.get(), DType::kBF16, {4, c.hidden}),
+                                TensorView(idx.get(), DType::kI32, {4, c.topk}),
+                                TensorView(w.get(), DType::kF32, {4, c.topk}), rs.s,
+                                NormalOptions{.num_sms = world.sm_budget() + 1});
+                },
+                "exceeds this rank's SM budget");
+            expect_error(
+                [&] {
+                    ep.dispatch(
+                        h,
+                        TensorView(static_cast<uint8_t*>(static_cast<void*>(x.get())) + 2, DType::kBF16, {4, c.hidden}),
+                        TensorView(idx.get(), DType::kI32, {4, c.topk}), TensorView(w.get(), DType::kF32, {4, c.topk}),
+                        rs.s);
+                },
+                "16-byte aligned");
+        },
+        options_for(c, n, 1));
 }
 
 // Back-to-back dispatch/combine without host synchronisation (inputs staged first), then interleaved
@@ -405,90 +463,100 @@ TEST_F(EpNormalGpu, BackToBackAndInterleavedCalls) {
     const uint32_t seed = fresh_seed();
     for (int n : {3, 5}) {
         const Config c = normal_config(n);
-        run_ranks(n, [&](World& world) {
-            RankStream rs;
-            const int me = world.rank();
-            Buffer ep(world, c);
-            NormalHandle ha = ep.make_normal_handle();
-            NormalHandle hb = ep.make_normal_handle();
-            const ref::Params p = params_of(c, n);
-            constexpr int kIters = 6;
-            std::vector<std::unique_ptr<Inputs>> ins;
-            std::vector<std::unique_ptr<DeviceArray<uint16_t>>> outs;
-            std::vector<std::vector<ref::Routing>> routings;
-            std::vector<std::vector<std::vector<uint16_t>>> payloads;
-            const std::vector<Scenario> scs = {Scenario::kUniform, Scenario::kSkewed, Scenario::kMixedCounts,
-                                               Scenario::kOneRank, Scenario::kSomeDropped, Scenario::kSparse};
-            for (int i = 0; i < kIters; ++i) {
-                routings.push_back(ref::make_routing(scs[static_cast<size_t>(i)], p, c.max_tokens_per_rank, seed + 10 * i));
-                std::vector<std::vector<uint16_t>> x_all;
-                for (int r = 0; r < n; ++r) {
-                    x_all.push_back(ref::payload_rows(r, routings.back()[static_cast<size_t>(r)].num_tokens, c.hidden,
-                                                      seed + static_cast<uint32_t>(i), false));
-                }
-                payloads.push_back(x_all);
-                ins.push_back(std::make_unique<Inputs>(c, rs.s));
-                ins.back()->load(routings.back()[static_cast<size_t>(me)], x_all[static_cast<size_t>(me)]);
-                outs.push_back(std::make_unique<DeviceArray<uint16_t>>(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s));
-                outs.back()->poison(0xFF);
-            }
-            // y = recv_x in place and unchanged (the identity expert): y rows are the payloads.
-            const auto check_out = [&](int i, const DeviceArray<uint16_t>& out, const std::string& what) {
-                const ref::NormalPlan plan = ref::reference_normal_plan(p, routings[static_cast<size_t>(i)]);
-                std::vector<std::vector<uint16_t>> y_all(static_cast<size_t>(n));
-                for (int r = 0; r < n; ++r) {
-                    auto& yr = y_all[static_cast<size_t>(r)];
-                    yr.assign(plan.rows[static_cast<size_t>(r)].size() * static_cast<size_t>(c.hidden), 0);
-                    for (size_t row = 0; row < plan.rows[static_cast<size_t>(r)].size(); ++row) {
-                        const ref::RowSource src = plan.rows[static_cast<size_t>(r)][row];
-                        if (src.src < 0) continue;
-                        std::copy_n(&payloads[static_cast<size_t>(i)][static_cast<size_t>(src.src)][static_cast<size_t>(src.token) * c.hidden],
-                                    c.hidden, &yr[row * static_cast<size_t>(c.hidden)]);
+        run_ranks(
+            n,
+            [&](World& world) {
+                RankStream rs;
+                const int me = world.rank();
+                Buffer ep(world, c);
+                NormalHandle ha = ep.make_normal_handle();
+                NormalHandle hb = ep.make_normal_handle();
+                const ref::Params p = params_of(c, n);
+                constexpr int kIters = 6;
+                std::vector<std::unique_ptr<Inputs>> ins;
+                std::vector<std::unique_ptr<DeviceArray<uint16_t>>> outs;
+                std::vector<std::vector<ref::Routing>> routings;
+                std::vector<std::vector<std::vector<uint16_t>>> payloads;
+                const std::vector<Scenario> scs = {Scenario::kUniform, Scenario::kSkewed,      Scenario::kMixedCounts,
+                                                   Scenario::kOneRank, Scenario::kSomeDropped, Scenario::kSparse};
+                for (int i = 0; i < kIters; ++i) {
+                    routings.push_back(
+                        ref::make_routing(scs[static_cast<size_t>(i)], p, c.max_tokens_per_rank, seed + 10 * i));
+                    std::vector<std::vector<uint16_t>> x_all;
+                    for (int r = 0; r < n; ++r) {
+                        x_all.push_back(ref::payload_rows(r, routings.back()[static_cast<size_t>(r)].num_tokens,
+                                                          c.hidden, seed + static_cast<uint32_t>(i), false));
                     }
+                    payloads.push_back(x_all);
+                    ins.push_back(std::make_unique<Inputs>(c, rs.s));
+                    ins.back()->load(routings.back()[static_cast<size_t>(me)], x_all[static_cast<size_t>(me)]);
+                    outs.push_back(std::make_unique<DeviceArray<uint16_t>>(
+                        static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s));
+                    outs.back()->poison(0xFF);
                 }
-                const int t = routings[static_cast<size_t>(i)][static_cast<size_t>(me)].num_tokens;
-                check_combine(p, plan, routings[static_cast<size_t>(i)], y_all,
-                              download(out.get(), static_cast<size_t>(t) * c.hidden, rs.s), me, what);
-            };
-            const auto out_view = [&](int i) {
-                return TensorView(outs[static_cast<size_t>(i)]->get(), DType::kBF16,
-                                  {routings[static_cast<size_t>(i)][static_cast<size_t>(me)].num_tokens, c.hidden});
-            };
-            // Back to back on one handle, no host synchronisation in between.
-            for (int i = 0; i < kIters; ++i) {
-                ep.dispatch(ha, ins[static_cast<size_t>(i)]->x_view(), ins[static_cast<size_t>(i)]->idx_view(),
-                            ins[static_cast<size_t>(i)]->w_view(), rs.s);
-                ep.combine(ha, ha.recv_x(), out_view(i), rs.s);
-            }
-            ep.sync_and_check(rs.s);
-            for (int i = 0; i < kIters; ++i) check_out(i, *outs[static_cast<size_t>(i)], "back-to-back call " + std::to_string(i));
-            // Interleaved: dispatch A, dispatch B, combine A, combine B (twice over), then a double combine.
-            for (int round = 0; round < 2; ++round) {
-                const int ia = 2 * round;
-                const int ib = 2 * round + 1;
-                outs[static_cast<size_t>(ia)]->poison(0xFF);
-                outs[static_cast<size_t>(ib)]->poison(0xFF);
-                ep.dispatch(ha, ins[static_cast<size_t>(ia)]->x_view(), ins[static_cast<size_t>(ia)]->idx_view(),
-                            ins[static_cast<size_t>(ia)]->w_view(), rs.s);
-                ep.dispatch(hb, ins[static_cast<size_t>(ib)]->x_view(), ins[static_cast<size_t>(ib)]->idx_view(),
-                            ins[static_cast<size_t>(ib)]->w_view(), rs.s);
-                ep.combine(ha, ha.recv_x(), out_view(ia), rs.s);
-                ep.combine(hb, hb.recv_x(), out_view(ib), rs.s);
-            }
-            ep.sync_and_check(rs.s);
-            check_out(2, *outs[2], "interleaved A");
-            check_out(3, *outs[3], "interleaved B");
-            outs[4]->poison(0xFF);
-            outs[5]->poison(0xFF);
-            ep.dispatch(ha, ins[4]->x_view(), ins[4]->idx_view(), ins[4]->w_view(), rs.s);
-            ep.combine(ha, ha.recv_x(), out_view(4), rs.s);
-            ep.combine(ha, ha.recv_x(),
-                       TensorView(outs[5]->get(), DType::kBF16, {routings[4][static_cast<size_t>(me)].num_tokens, c.hidden}),
-                       rs.s);
-            ep.sync_and_check(rs.s);
-            check_out(4, *outs[4], "first combine of one dispatch");
-            check_out(4, *outs[5], "second combine of the same dispatch");
-        }, options_for(c, n, 2));
+                // y = recv_x in place and unchanged (the identity expert): y rows are the payloads.
+                const auto check_out = [&](int i, const DeviceArray<uint16_t>& out, const std::string& what) {
+                    const ref::NormalPlan plan = ref::reference_normal_plan(p, routings[static_cast<size_t>(i)]);
+                    std::vector<std::vector<uint16_t>> y_all(static_cast<size_t>(n));
+                    for (int r = 0; r < n; ++r) {
+                        auto& yr = y_all[static_cast<size_t>(r)];
+                        yr.assign(plan.rows[static_cast<size_t>(r)].size() * static_cast<size_t>(c.hidden), 0);
+                        for (size_t row = 0; row < plan.rows[static_cast<size_t>(r)].size(); ++row) {
+                            const ref::RowSource src = plan.rows[static_cast<size_t>(r)][row];
+                            if (src.src < 0) continue;
+                            std::copy_n(&payloads[static_cast<size_t>(i)][static_cast<size_t>(src.src)]
+                                                 [static_cast<size_t>(src.token) * c.hidden],
+                                        c.hidden, &yr[row * static_cast<size_t>(c.hidden)]);
+                        }
+                    }
+                    const int t = routings[static_cast<size_t>(i)][static_cast<size_t>(me)].num_tokens;
+                    ref::collective_check(world, [&] {
+                        check_combine(p, plan, routings[static_cast<size_t>(i)], y_all,
+                                      download(out.get(), static_cast<size_t>(t) * c.hidden, rs.s), me, what);
+                    });
+                };
+                const auto out_view = [&](int i) {
+                    return TensorView(outs[static_cast<size_t>(i)]->get(), DType::kBF16,
+                                      {routings[static_cast<size_t>(i)][static_cast<size_t>(me)].num_tokens, c.hidden});
+                };
+                // Back to back on one handle, no host synchronisation in between.
+                for (int i = 0; i < kIters; ++i) {
+                    ep.dispatch(ha, ins[static_cast<size_t>(i)]->x_view(), ins[static_cast<size_t>(i)]->idx_view(),
+                                ins[static_cast<size_t>(i)]->w_view(), rs.s);
+                    ep.combine(ha, ha.recv_x(), out_view(i), rs.s);
+                }
+                ep.sync_and_check(rs.s);
+                for (int i = 0; i < kIters; ++i)
+                    check_out(i, *outs[static_cast<size_t>(i)], "back-to-back call " + std::to_string(i));
+                // Interleaved: dispatch A, dispatch B, combine A, combine B (twice over), then a double combine.
+                for (int round = 0; round < 2; ++round) {
+                    const int ia = 2 * round;
+                    const int ib = 2 * round + 1;
+                    outs[static_cast<size_t>(ia)]->poison(0xFF);
+                    outs[static_cast<size_t>(ib)]->poison(0xFF);
+                    ep.dispatch(ha, ins[static_cast<size_t>(ia)]->x_view(), ins[static_cast<size_t>(ia)]->idx_view(),
+                                ins[static_cast<size_t>(ia)]->w_view(), rs.s);
+                    ep.dispatch(hb, ins[static_cast<size_t>(ib)]->x_view(), ins[static_cast<size_t>(ib)]->idx_view(),
+                                ins[static_cast<size_t>(ib)]->w_view(), rs.s);
+                    ep.combine(ha, ha.recv_x(), out_view(ia), rs.s);
+                    ep.combine(hb, hb.recv_x(), out_view(ib), rs.s);
+                }
+                ep.sync_and_check(rs.s);
+                ref::collective_check(world, [&] { check_out(2, *outs[2], "interleaved A"); });
+                ref::collective_check(world, [&] { check_out(3, *outs[3], "interleaved B"); });
+                outs[4]->poison(0xFF);
+                outs[5]->poison(0xFF);
+                ep.dispatch(ha, ins[4]->x_view(), ins[4]->idx_view(), ins[4]->w_view(), rs.s);
+                ep.combine(ha, ha.recv_x(), out_view(4), rs.s);
+                ep.combine(ha, ha.recv_x(),
+                           TensorView(outs[5]->get(), DType::kBF16,
+                                      {routings[4][static_cast<size_t>(me)].num_tokens, c.hidden}),
+                           rs.s);
+                ep.sync_and_check(rs.s);
+                ref::collective_check(world, [&] { check_out(4, *outs[4], "first combine of one dispatch"); });
+                ref::collective_check(world, [&] { check_out(4, *outs[5], "second combine of the same dispatch"); });
+            },
+            options_for(c, n, 2));
     }
 }
 
@@ -497,67 +565,76 @@ TEST_F(EpNormalGpu, GraphReplayWithChangingRouting) {
     const uint32_t seed = fresh_seed();
     const int n = 4;
     const Config c = normal_config(n);
-    run_ranks(n, [&](World& world) {
-        RankStream rs;
-        const int me = world.rank();
-        Buffer ep(world, c);
-        NormalHandle h = ep.make_normal_handle();
-        const ref::Params p = params_of(c, n);
-        Inputs in(c, rs.s);
-        DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
-        // T fixed per rank (a graph fixes shapes); it differs between ranks.
-        const int t = c.max_tokens_per_rank - 7 * me;
-        in.num_tokens = t;
-        cudaGraph_t graph = nullptr;
-        cudaGraphExec_t exec = nullptr;
-        WEFT_CUDA_CHECK(cudaStreamBeginCapture(rs.s, cudaStreamCaptureModeThreadLocal));
-        ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), rs.s);
-        ep.combine(h, h.recv_x(), TensorView(out.get(), DType::kBF16, {t, c.hidden}), rs.s);
-        WEFT_CUDA_CHECK(cudaStreamEndCapture(rs.s, &graph));
-        WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-        for (int replay = 0; replay < 4; ++replay) {
-            const Scenario sc = replay % 2 == 0 ? Scenario::kUniform : Scenario::kSkewed;
-            auto all = ref::make_routing(sc, p, c.max_tokens_per_rank, seed + static_cast<uint32_t>(replay));
-            for (int r = 0; r < n; ++r) {  // the captured T of every rank
-                ref::Routing& rt = all[static_cast<size_t>(r)];
-                const int tr = c.max_tokens_per_rank - 7 * r;
-                while (rt.num_tokens < tr) {  // pad with tokens of the same scenario's first token
-                    for (int j = 0; j < p.topk; ++j) {
-                        rt.topk_idx.push_back(rt.topk_idx[static_cast<size_t>(j)]);
-                        rt.topk_weights.push_back(0.25f);
+    run_ranks(
+        n,
+        [&](World& world) {
+            RankStream rs;
+            const int me = world.rank();
+            Buffer ep(world, c);
+            NormalHandle h = ep.make_normal_handle();
+            const ref::Params p = params_of(c, n);
+            Inputs in(c, rs.s);
+            DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
+            // T fixed per rank (a graph fixes shapes); it differs between ranks.
+            const int t = c.max_tokens_per_rank - 7 * me;
+            in.num_tokens = t;
+            cudaGraph_t graph = nullptr;
+            cudaGraphExec_t exec = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamBeginCapture(rs.s, cudaStreamCaptureModeThreadLocal));
+            ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), rs.s);
+            ep.combine(h, h.recv_x(), TensorView(out.get(), DType::kBF16, {t, c.hidden}), rs.s);
+            WEFT_CUDA_CHECK(cudaStreamEndCapture(rs.s, &graph));
+            WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+            for (int replay = 0; replay < 4; ++replay) {
+                const Scenario sc = replay % 2 == 0 ? Scenario::kUniform : Scenario::kSkewed;
+                auto all = ref::make_routing(sc, p, c.max_tokens_per_rank, seed + static_cast<uint32_t>(replay));
+                for (int r = 0; r < n; ++r) {  // the captured T of every rank
+                    ref::Routing& rt = all[static_cast<size_t>(r)];
+                    const int tr = c.max_tokens_per_rank - 7 * r;
+                    while (rt.num_tokens < tr) {  // pad with tokens of the same scenario's first token
+                        for (int j = 0; j < p.topk; ++j) {
+                            rt.topk_idx.push_back(rt.topk_idx[static_cast<size_t>(j)]);
+                            rt.topk_weights.push_back(0.25f);
+                        }
+                        ++rt.num_tokens;
                     }
-                    ++rt.num_tokens;
+                    rt.num_tokens = tr;
+                    rt.topk_idx.resize(static_cast<size_t>(tr) * p.topk);
+                    rt.topk_weights.resize(static_cast<size_t>(tr) * p.topk);
                 }
-                rt.num_tokens = tr;
-                rt.topk_idx.resize(static_cast<size_t>(tr) * p.topk);
-                rt.topk_weights.resize(static_cast<size_t>(tr) * p.topk);
-            }
-            std::vector<std::vector<uint16_t>> x_all;
-            for (int r = 0; r < n; ++r) {
-                x_all.push_back(ref::payload_rows(r, all[static_cast<size_t>(r)].num_tokens, c.hidden,
-                                                  seed + 100 + static_cast<uint32_t>(replay), false));
-            }
-            in.load(all[static_cast<size_t>(me)], x_all[static_cast<size_t>(me)]);
-            out.poison(0xFF);
-            WEFT_CUDA_CHECK(cudaGraphLaunch(exec, rs.s));
-            ep.sync_and_check(rs.s);
-            const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
-            const std::string what = "graph replay " + std::to_string(replay);
-            check_dispatch(p, plan, x_all, h, me, t, ep.geometry().max_recv_rows, rs.s, what);
-            std::vector<std::vector<uint16_t>> y_all(static_cast<size_t>(n));
-            for (int r = 0; r < n; ++r) {
-                for (const ref::RowSource& src : plan.rows[static_cast<size_t>(r)]) {
-                    for (int ch = 0; ch < c.hidden; ++ch) {
-                        y_all[static_cast<size_t>(r)].push_back(
-                            src.src < 0 ? 0 : x_all[static_cast<size_t>(src.src)][static_cast<size_t>(src.token) * c.hidden + ch]);
+                std::vector<std::vector<uint16_t>> x_all;
+                for (int r = 0; r < n; ++r) {
+                    x_all.push_back(ref::payload_rows(r, all[static_cast<size_t>(r)].num_tokens, c.hidden,
+                                                      seed + 100 + static_cast<uint32_t>(replay), false));
+                }
+                in.load(all[static_cast<size_t>(me)], x_all[static_cast<size_t>(me)]);
+                out.poison(0xFF);
+                WEFT_CUDA_CHECK(cudaGraphLaunch(exec, rs.s));
+                ep.sync_and_check(rs.s);
+                const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
+                const std::string what = "graph replay " + std::to_string(replay);
+                ref::collective_check(
+                    world, [&] { check_dispatch(p, plan, x_all, h, me, t, ep.geometry().max_recv_rows, rs.s, what); });
+                std::vector<std::vector<uint16_t>> y_all(static_cast<size_t>(n));
+                for (int r = 0; r < n; ++r) {
+                    for (const ref::RowSource& src : plan.rows[static_cast<size_t>(r)]) {
+                        for (int ch = 0; ch < c.hidden; ++ch) {
+                            y_all[static_cast<size_t>(r)].push_back(
+                                src.src < 0 ? 0
+                                            : x_all[static_cast<size_t>(src.src)]
+                                                   [static_cast<size_t>(src.token) * c.hidden + ch]);
+                        }
                     }
                 }
+                ref::collective_check(world, [&] {
+                    check_combine(p, plan, all, y_all, download(out.get(), static_cast<size_t>(t) * c.hidden, rs.s), me,
+                                  what);
+                });
             }
-            check_combine(p, plan, all, y_all, download(out.get(), static_cast<size_t>(t) * c.hidden, rs.s), me, what);
-        }
-        cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
-    }, options_for(c, n, 1));
+            cudaGraphExecDestroy(exec);
+            cudaGraphDestroy(graph);
+        },
+        options_for(c, n, 1));
 }
 
 // A rank that arrives late at the dispatch, another late at the combine: the others wait (bounded) and
@@ -566,38 +643,47 @@ TEST_F(EpNormalGpu, StragglersAreWaitedFor) {
     const uint32_t seed = fresh_seed();
     const int n = 5;
     const Config c = normal_config(n);
-    run_ranks(n, [&](World& world) {
-        RankStream rs;
-        const int me = world.rank();
-        jit::KernelSpec delay_spec;
-        delay_spec.header = "ep/testing.cuh";
-        delay_spec.instantiation = "weft::kernels::ep::delay";
-        jit::Kernel& delay = jit::compiler().get_kernel(delay_spec);  // loaded before anything spins
-        Buffer ep(world, c);
-        NormalHandle h = ep.make_normal_handle();
-        const ref::Params p = params_of(c, n);
-        Inputs in(c, rs.s);
-        DeviceArray<uint16_t> y(static_cast<size_t>(ep.geometry().max_recv_rows) * c.hidden, rs.s);
-        DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
-        const auto all = ref::make_routing(Scenario::kUniform, p, c.max_tokens_per_rank, seed);
-        std::vector<std::vector<uint16_t>> x_all;
-        for (int r = 0; r < n; ++r) x_all.push_back(ref::payload_rows(r, all[static_cast<size_t>(r)].num_tokens, c.hidden, seed, false));
-        in.load(all[static_cast<size_t>(me)], x_all[static_cast<size_t>(me)]);
-        const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
-        const auto y_all = expected_y(p, plan, x_all, ep.geometry().max_recv_rows);
-        y.upload(y_all[static_cast<size_t>(me)]);
-        out.poison(0xFF);
-        const uint64_t late_ns = 300ull * 1000 * 1000;
-        if (me == n - 1) delay.launch({.grid = dim3(1), .block = dim3(1), .stream = rs.s}, late_ns);
-        ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), rs.s);
-        if (me == 0) delay.launch({.grid = dim3(1), .block = dim3(1), .stream = rs.s}, late_ns);
-        const int t = all[static_cast<size_t>(me)].num_tokens;
-        ep.combine(h, TensorView(y.get(), DType::kBF16, {ep.geometry().max_recv_rows, c.hidden}),
-                   TensorView(out.get(), DType::kBF16, {t, c.hidden}), rs.s);
-        ep.sync_and_check(rs.s);
-        check_dispatch(p, plan, x_all, h, me, t, ep.geometry().max_recv_rows, rs.s, "stragglers");
-        check_combine(p, plan, all, y_all, download(out.get(), static_cast<size_t>(t) * c.hidden, rs.s), me, "stragglers");
-    }, options_for(c, n, 1));
+    run_ranks(
+        n,
+        [&](World& world) {
+            RankStream rs;
+            const int me = world.rank();
+            jit::KernelSpec delay_spec;
+            delay_spec.header = "ep/testing.cuh";
+            delay_spec.instantiation = "weft::kernels::ep::delay";
+            jit::Kernel& delay = jit::compiler().get_kernel(delay_spec);  // loaded before anything spins
+            Buffer ep(world, c);
+            NormalHandle h = ep.make_normal_handle();
+            const ref::Params p = params_of(c, n);
+            Inputs in(c, rs.s);
+            DeviceArray<uint16_t> y(static_cast<size_t>(ep.geometry().max_recv_rows) * c.hidden, rs.s);
+            DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
+            const auto all = ref::make_routing(Scenario::kUniform, p, c.max_tokens_per_rank, seed);
+            std::vector<std::vector<uint16_t>> x_all;
+            for (int r = 0; r < n; ++r)
+                x_all.push_back(ref::payload_rows(r, all[static_cast<size_t>(r)].num_tokens, c.hidden, seed, false));
+            in.load(all[static_cast<size_t>(me)], x_all[static_cast<size_t>(me)]);
+            const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
+            const auto y_all = expected_y(p, plan, x_all, ep.geometry().max_recv_rows);
+            y.upload(y_all[static_cast<size_t>(me)]);
+            out.poison(0xFF);
+            const uint64_t late_ns = 300ull * 1000 * 1000;
+            if (me == n - 1) delay.launch({.grid = dim3(1), .block = dim3(1), .stream = rs.s}, late_ns);
+            ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), rs.s);
+            if (me == 0) delay.launch({.grid = dim3(1), .block = dim3(1), .stream = rs.s}, late_ns);
+            const int t = all[static_cast<size_t>(me)].num_tokens;
+            ep.combine(h, TensorView(y.get(), DType::kBF16, {ep.geometry().max_recv_rows, c.hidden}),
+                       TensorView(out.get(), DType::kBF16, {t, c.hidden}), rs.s);
+            ep.sync_and_check(rs.s);
+            ref::collective_check(world, [&] {
+                check_dispatch(p, plan, x_all, h, me, t, ep.geometry().max_recv_rows, rs.s, "stragglers");
+            });
+            ref::collective_check(world, [&] {
+                check_combine(p, plan, all, y_all, download(out.get(), static_cast<size_t>(t) * c.hidden, rs.s), me,
+                              "stragglers");
+            });
+        },
+        options_for(c, n, 1));
 }
 
 // One block per rank (the last-block election with a grid of one) and a larger hidden size.
@@ -607,39 +693,52 @@ TEST_F(EpNormalGpu, SingleBlockGridAndWideRows) {
     Config c = normal_config(n);
     c.hidden = 7168;
     c.max_tokens_per_rank = 40;
-    run_ranks(n, [&](World& world) {
-        RankStream rs;
-        const int me = world.rank();
-        Buffer ep(world, c);
-        NormalHandle h = ep.make_normal_handle();
-        const ref::Params p = params_of(c, n);
-        Inputs in(c, rs.s);
-        DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
-        for (int sms : {1, 3}) {
-            const auto all = ref::make_routing(Scenario::kUniform, p, c.max_tokens_per_rank, seed + static_cast<uint32_t>(sms));
-            std::vector<std::vector<uint16_t>> x_all;
-            for (int r = 0; r < n; ++r) x_all.push_back(ref::payload_rows(r, all[static_cast<size_t>(r)].num_tokens, c.hidden, seed, false));
-            in.load(all[static_cast<size_t>(me)], x_all[static_cast<size_t>(me)]);
-            const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
-            const int t = all[static_cast<size_t>(me)].num_tokens;
-            out.poison(0xFF);
-            ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), rs.s, NormalOptions{.num_sms = sms});
-            ep.combine(h, h.recv_x(), TensorView(out.get(), DType::kBF16, {t, c.hidden}), rs.s, NormalOptions{.num_sms = sms});
-            ep.sync_and_check(rs.s);
-            const std::string what = "num_sms " + std::to_string(sms);
-            check_dispatch(p, plan, x_all, h, me, t, ep.geometry().max_recv_rows, rs.s, what);
-            std::vector<std::vector<uint16_t>> y_all(static_cast<size_t>(n));
-            for (int r = 0; r < n; ++r) {
-                for (const ref::RowSource& src : plan.rows[static_cast<size_t>(r)]) {
-                    for (int ch = 0; ch < c.hidden; ++ch) {
-                        y_all[static_cast<size_t>(r)].push_back(
-                            src.src < 0 ? 0 : x_all[static_cast<size_t>(src.src)][static_cast<size_t>(src.token) * c.hidden + ch]);
+    run_ranks(
+        n,
+        [&](World& world) {
+            RankStream rs;
+            const int me = world.rank();
+            Buffer ep(world, c);
+            NormalHandle h = ep.make_normal_handle();
+            const ref::Params p = params_of(c, n);
+            Inputs in(c, rs.s);
+            DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
+            for (int sms : {1, 3}) {
+                const auto all =
+                    ref::make_routing(Scenario::kUniform, p, c.max_tokens_per_rank, seed + static_cast<uint32_t>(sms));
+                std::vector<std::vector<uint16_t>> x_all;
+                for (int r = 0; r < n; ++r)
+                    x_all.push_back(
+                        ref::payload_rows(r, all[static_cast<size_t>(r)].num_tokens, c.hidden, seed, false));
+                in.load(all[static_cast<size_t>(me)], x_all[static_cast<size_t>(me)]);
+                const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
+                const int t = all[static_cast<size_t>(me)].num_tokens;
+                out.poison(0xFF);
+                ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), rs.s, NormalOptions{.num_sms = sms});
+                ep.combine(h, h.recv_x(), TensorView(out.get(), DType::kBF16, {t, c.hidden}), rs.s,
+                           NormalOptions{.num_sms = sms});
+                ep.sync_and_check(rs.s);
+                const std::string what = "num_sms " + std::to_string(sms);
+                ref::collective_check(
+                    world, [&] { check_dispatch(p, plan, x_all, h, me, t, ep.geometry().max_recv_rows, rs.s, what); });
+                std::vector<std::vector<uint16_t>> y_all(static_cast<size_t>(n));
+                for (int r = 0; r < n; ++r) {
+                    for (const ref::RowSource& src : plan.rows[static_cast<size_t>(r)]) {
+                        for (int ch = 0; ch < c.hidden; ++ch) {
+                            y_all[static_cast<size_t>(r)].push_back(
+                                src.src < 0 ? 0
+                                            : x_all[static_cast<size_t>(src.src)]
+                                                   [static_cast<size_t>(src.token) * c.hidden + ch]);
+                        }
                     }
                 }
+                ref::collective_check(world, [&] {
+                    check_combine(p, plan, all, y_all, download(out.get(), static_cast<size_t>(t) * c.hidden, rs.s), me,
+                                  what);
+                });
             }
-            check_combine(p, plan, all, y_all, download(out.get(), static_cast<size_t>(t) * c.hidden, rs.s), me, what);
-        }
-    }, options_for(c, n, 1));
+        },
+        options_for(c, n, 1));
 }
 
 }  // namespace

@@ -31,7 +31,8 @@ RankLayout reference_layout(const Params& p, const Routing& r) {
         for (int j = 0; j < p.topk; ++j) {
             const int32_t e = valid_expert(p, r, t, j);
             if (e < 0) continue;
-            l.route_pos[static_cast<size_t>(t) * k + static_cast<size_t>(j)] = l.tokens_per_expert[static_cast<size_t>(e)]++;
+            l.route_pos[static_cast<size_t>(t) * k + static_cast<size_t>(j)] =
+                l.tokens_per_expert[static_cast<size_t>(e)]++;
             to_rank[static_cast<size_t>(p.owner(e))] = true;
         }
         for (size_t dst = 0; dst < w; ++dst) {
@@ -56,14 +57,16 @@ NormalPlan reference_normal_plan(const Params& p, const std::vector<Routing>& al
     plan.rows.assign(static_cast<size_t>(w), {});
     plan.row_of.resize(static_cast<size_t>(w));
     for (int s = 0; s < w; ++s) {
-        plan.row_of[static_cast<size_t>(s)].assign(static_cast<size_t>(all[static_cast<size_t>(s)].num_tokens) * p.topk, -1);
+        plan.row_of[static_cast<size_t>(s)].assign(static_cast<size_t>(all[static_cast<size_t>(s)].num_tokens) * p.topk,
+                                                   -1);
     }
     for (int r = 0; r < w; ++r) {
         const size_t ru = static_cast<size_t>(r);
         int64_t rows = 0;
         for (int le = 0; le < el; ++le) {
             int32_t count = 0;
-            for (int s = 0; s < w; ++s) count += plan.layouts[static_cast<size_t>(s)].tokens_per_expert[static_cast<size_t>(r * el + le)];
+            for (int s = 0; s < w; ++s)
+                count += plan.layouts[static_cast<size_t>(s)].tokens_per_expert[static_cast<size_t>(r * el + le)];
             plan.expert_counts[ru][static_cast<size_t>(le)] = count;
             plan.expert_offsets[ru][static_cast<size_t>(le)] = static_cast<int32_t>(rows);
             rows += (count + p.expert_alignment - 1) / p.expert_alignment * p.expert_alignment;
@@ -105,7 +108,8 @@ Overflow find_overflow(const NormalPlan& plan, int64_t max_recv_tokens, int64_t 
     return Overflow{};
 }
 
-std::vector<std::vector<RowSource>> reference_low_latency_rows(const Params& p, const std::vector<Routing>& all, int r) {
+std::vector<std::vector<RowSource>> reference_low_latency_rows(const Params& p, const std::vector<Routing>& all,
+                                                               int r) {
     const int el = p.local_experts();
     std::vector<std::vector<RowSource>> rows(static_cast<size_t>(el));
     for (int le = 0; le < el; ++le) {
@@ -113,7 +117,8 @@ std::vector<std::vector<RowSource>> reference_low_latency_rows(const Params& p, 
             const Routing& src = all[static_cast<size_t>(s)];
             for (int t = 0; t < src.num_tokens; ++t) {
                 for (int j = 0; j < p.topk; ++j) {
-                    if (valid_expert(p, src, t, j) == r * el + le) rows[static_cast<size_t>(le)].push_back(RowSource{s, t, j});
+                    if (valid_expert(p, src, t, j) == r * el + le)
+                        rows[static_cast<size_t>(le)].push_back(RowSource{s, t, j});
                 }
             }
         }
@@ -153,7 +158,10 @@ uint8_t f32_to_e4m3(float f) {
     int lo = 0, hi = 126;  // largest code with magnitude <= a
     while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
-        if (e4m3_magnitude(mid) <= a) lo = mid; else hi = mid - 1;
+        if (e4m3_magnitude(mid) <= a)
+            lo = mid;
+        else
+            hi = mid - 1;
     }
     int code = lo;
     if (e4m3_magnitude(lo) != a) {

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// A plain host reference of expert-parallel dispatch/combine (layout, receive order, combine arithmetic, bf16/e4m3 encoding).
+// A plain host reference of expert-parallel dispatch/combine (layout, receive order, combine arithmetic, bf16/e4m3
+// encoding).
 //
 // Written independently of the kernels: sequential loops over tokens and slots, no shared code with
 // kernels/ep. Used by the unit tests (checked against brute force and invariants) and by the GPU
@@ -48,20 +49,20 @@ RankLayout reference_layout(const Params& p, const Routing& r);
 
 /// Where one received row came from.
 struct RowSource {
-    int src = -1;   ///< -1: padding
+    int src = -1;  ///< -1: padding
     int token = -1;
     int slot = -1;
 };
 
 /// The normal dispatch of all ranks' routings, as seen by every rank.
 struct NormalPlan {
-    std::vector<RankLayout> layouts;                     ///< [W]
-    std::vector<int64_t> recv_tokens;                    ///< [W] distinct (source, token) pairs received
-    std::vector<int64_t> recv_rows;                      ///< [W] expert-contiguous rows, padding included
-    std::vector<std::vector<int32_t>> expert_counts;     ///< [W][E_local]
-    std::vector<std::vector<int32_t>> expert_offsets;    ///< [W][E_local + 1]
-    std::vector<std::vector<int32_t>> source_offsets;    ///< [W][W + 1]
-    std::vector<std::vector<RowSource>> rows;            ///< [W][recv_rows]
+    std::vector<RankLayout> layouts;                   ///< [W]
+    std::vector<int64_t> recv_tokens;                  ///< [W] distinct (source, token) pairs received
+    std::vector<int64_t> recv_rows;                    ///< [W] expert-contiguous rows, padding included
+    std::vector<std::vector<int32_t>> expert_counts;   ///< [W][E_local]
+    std::vector<std::vector<int32_t>> expert_offsets;  ///< [W][E_local + 1]
+    std::vector<std::vector<int32_t>> source_offsets;  ///< [W][W + 1]
+    std::vector<std::vector<RowSource>> rows;          ///< [W][recv_rows]
     /// row_of[s][t * k + j]: the row of route (t, j) of source s on its expert's owner, or -1.
     std::vector<std::vector<int32_t>> row_of;
 };
@@ -94,9 +95,9 @@ std::vector<double> ideal_combine(const Params& p, const NormalPlan& plan, const
 std::vector<std::vector<RowSource>> reference_low_latency_rows(const Params& p, const std::vector<Routing>& all, int r);
 
 // ---- number formats ----
-uint16_t f32_to_bf16(float f);   ///< round to nearest even; NaN stays NaN
+uint16_t f32_to_bf16(float f);  ///< round to nearest even; NaN stays NaN
 float bf16_to_f32(uint16_t b);
-uint8_t f32_to_e4m3(float f);    ///< round to nearest even, saturating to +-448 (e4m3fn), NaN -> 0x7f
+uint8_t f32_to_e4m3(float f);  ///< round to nearest even, saturating to +-448 (e4m3fn), NaN -> 0x7f
 float e4m3_to_f32(uint8_t v);
 
 /// The low-latency fp8 quantisation of one bf16 row: codes [H] and scales [H / 128], emulating the
@@ -125,10 +126,12 @@ std::vector<uint16_t> reference_normal_combine(const Params& p, const NormalPlan
                 const int32_t row = plan.row_of[static_cast<size_t>(s)][static_cast<size_t>(t) * p.topk + j];
                 const uint16_t* y = y_row(dst, row);
                 const float w = r.topk_weights[static_cast<size_t>(t) * p.topk + j];
-                for (int c = 0; c < h; ++c) partial[static_cast<size_t>(c)] = std::fma(w, bf16_to_f32(y[c]), partial[static_cast<size_t>(c)]);
+                for (int c = 0; c < h; ++c)
+                    partial[static_cast<size_t>(c)] = std::fma(w, bf16_to_f32(y[c]), partial[static_cast<size_t>(c)]);
             }
             if (!any) continue;
-            for (int c = 0; c < h; ++c) acc[static_cast<size_t>(c)] += bf16_to_f32(f32_to_bf16(partial[static_cast<size_t>(c)]));
+            for (int c = 0; c < h; ++c)
+                acc[static_cast<size_t>(c)] += bf16_to_f32(f32_to_bf16(partial[static_cast<size_t>(c)]));
         }
         for (int c = 0; c < h; ++c) out[static_cast<size_t>(t) * h + c] = f32_to_bf16(acc[static_cast<size_t>(c)]);
     }
@@ -145,7 +148,8 @@ std::vector<double> ideal_combine(const Params& p, const NormalPlan& plan, const
         for (int j = 0; j < p.topk; ++j) {
             const int32_t e = valid_expert(p, r, t, j);
             if (e < 0) continue;
-            const uint16_t* y = y_row(p.owner(e), plan.row_of[static_cast<size_t>(s)][static_cast<size_t>(t) * p.topk + j]);
+            const uint16_t* y =
+                y_row(p.owner(e), plan.row_of[static_cast<size_t>(s)][static_cast<size_t>(t) * p.topk + j]);
             const double w = r.topk_weights[static_cast<size_t>(t) * p.topk + j];
             for (int c = 0; c < h; ++c) out[static_cast<size_t>(t) * h + c] += w * bf16_to_f32(y[c]);
         }

@@ -6,26 +6,58 @@
 #include <numeric>
 #include <sstream>
 
+#include "weft/runtime/world.hpp"
+
 namespace weft::test::ep {
+
+void collective_check(World& world, const std::function<void()>& check) {
+    thread_local uint64_t sequence = 0;  // rank threads are fresh per run_local; every rank counts alike
+    std::string error;
+    try {
+        check();
+    } catch (const std::exception& e) {
+        error = e.what();
+        if (error.empty()) error = "check failed";
+    }
+    const std::vector<Bytes> all =
+        world.store().all_gather("ep-test-check-" + std::to_string(sequence++), world.rank(), world.num_ranks(),
+                                 Bytes(error.begin(), error.end()), world.timeout());
+    for (size_t r = 0; r < all.size(); ++r) {
+        if (!all[r].empty()) {
+            WEFT_FAIL((static_cast<int>(r) == world.rank() ? "" : "(raised on every rank) ")
+                      << std::string(all[r].begin(), all[r].end()));
+        }
+    }
+}
 
 const char* scenario_name(Scenario s) {
     switch (s) {
-        case Scenario::kUniform: return "uniform";
-        case Scenario::kSkewed: return "skewed";
-        case Scenario::kSparse: return "sparse";
-        case Scenario::kOneRank: return "one-rank";
-        case Scenario::kAllDropped: return "all-dropped";
-        case Scenario::kSomeDropped: return "some-dropped";
-        case Scenario::kNoTokens: return "no-tokens";
-        case Scenario::kOneToken: return "one-token";
-        case Scenario::kMixedCounts: return "mixed-counts";
-        case Scenario::kMaxTokens: return "max-tokens";
+        case Scenario::kUniform:
+            return "uniform";
+        case Scenario::kSkewed:
+            return "skewed";
+        case Scenario::kSparse:
+            return "sparse";
+        case Scenario::kOneRank:
+            return "one-rank";
+        case Scenario::kAllDropped:
+            return "all-dropped";
+        case Scenario::kSomeDropped:
+            return "some-dropped";
+        case Scenario::kNoTokens:
+            return "no-tokens";
+        case Scenario::kOneToken:
+            return "one-token";
+        case Scenario::kMixedCounts:
+            return "mixed-counts";
+        case Scenario::kMaxTokens:
+            return "max-tokens";
     }
     return "?";
 }
 
 std::vector<Scenario> all_scenarios() {
-    return {Scenario::kUniform,     Scenario::kSkewed,   Scenario::kSparse,    Scenario::kOneRank,
+    return {Scenario::kUniform,     Scenario::kSkewed,      Scenario::kSparse,   Scenario::kOneRank,
             Scenario::kAllDropped,  Scenario::kSomeDropped, Scenario::kNoTokens, Scenario::kOneToken,
             Scenario::kMixedCounts, Scenario::kMaxTokens};
 }
@@ -59,10 +91,17 @@ std::vector<Routing> make_routing(Scenario s, const Params& p, int max_tokens, u
             case Scenario::kSomeDropped:
                 t_count = std::uniform_int_distribution<int>(std::max(1, max_tokens / 2), max_tokens)(rng);
                 break;
-            case Scenario::kNoTokens: t_count = 0; break;
-            case Scenario::kOneToken: t_count = 1; break;
-            case Scenario::kMixedCounts: t_count = r % 3 == 0 ? 0 : (r % 3 == 1 ? 1 : max_tokens); break;
-            default: break;
+            case Scenario::kNoTokens:
+                t_count = 0;
+                break;
+            case Scenario::kOneToken:
+                t_count = 1;
+                break;
+            case Scenario::kMixedCounts:
+                t_count = r % 3 == 0 ? 0 : (r % 3 == 1 ? 1 : max_tokens);
+                break;
+            default:
+                break;
         }
         rt.num_tokens = t_count;
         for (int t = 0; t < t_count; ++t) {

@@ -5,12 +5,17 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "support/ep_reference.hpp"
 #include "weft/runtime/error.hpp"
+
+namespace weft {
+class World;
+}
 
 namespace weft::test::ep {
 
@@ -64,6 +69,11 @@ std::vector<T> download(const T* src, size_t n, cudaStream_t stream) {
     WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     return host;
 }
+
+/// Runs `check` on this rank, then agrees with every rank (through the store): when any rank's check
+/// failed, every rank throws weft::Error naming the first failing rank and its message. So no rank goes
+/// on to a collective kernel that a failed rank will never join (which would spin until the timeout).
+void collective_check(World& world, const std::function<void()>& check);
 
 /// How tokens are routed in a test case.
 enum class Scenario {

@@ -166,9 +166,9 @@ TEST(EpReference, NormalPlanIsExpertContiguousAndStable) {
 TEST(EpReference, Bf16RoundsToNearestEven) {
     EXPECT_EQ(ref::f32_to_bf16(1.0f), 0x3f80);
     EXPECT_EQ(ref::f32_to_bf16(-2.5f), 0xc020);
-    EXPECT_EQ(ref::f32_to_bf16(1.0f + 1.0f / 256), 0x3f80);      // tie -> even (down)
-    EXPECT_EQ(ref::f32_to_bf16(1.0f + 3.0f / 256), 0x3f82);      // tie -> even (up)
-    EXPECT_EQ(ref::f32_to_bf16(1.0f + 1.5f / 256), 0x3f81);      // above the tie
+    EXPECT_EQ(ref::f32_to_bf16(1.0f + 1.0f / 256), 0x3f80);  // tie -> even (down)
+    EXPECT_EQ(ref::f32_to_bf16(1.0f + 3.0f / 256), 0x3f82);  // tie -> even (up)
+    EXPECT_EQ(ref::f32_to_bf16(1.0f + 1.5f / 256), 0x3f81);  // above the tie
     for (uint32_t b = 0; b < 0x10000; b += 7) {
         const uint16_t bits = static_cast<uint16_t>(b);
         const float f = ref::bf16_to_f32(bits);
@@ -192,8 +192,8 @@ TEST(EpReference, E4m3EncoderIsExactAndSaturating) {
     EXPECT_EQ(ref::f32_to_e4m3(-1e6f), 0xfe);
     EXPECT_EQ(ref::f32_to_e4m3(460.0f), 0x7e);
     EXPECT_EQ(ref::f32_to_e4m3(INFINITY), 0x7e);
-    EXPECT_EQ(ref::f32_to_e4m3(1.0625f), 0x38);   // 1 + 1/16: tie between 1 (0x38) and 1.125 (0x39) -> even
-    EXPECT_EQ(ref::f32_to_e4m3(1.1875f), 0x3a);   // tie between 1.125 (0x39) and 1.25 (0x3a) -> even
+    EXPECT_EQ(ref::f32_to_e4m3(1.0625f), 0x38);  // 1 + 1/16: tie between 1 (0x38) and 1.125 (0x39) -> even
+    EXPECT_EQ(ref::f32_to_e4m3(1.1875f), 0x3a);  // tie between 1.125 (0x39) and 1.25 (0x3a) -> even
     EXPECT_EQ(ref::f32_to_e4m3(std::ldexp(1.0f, -10)), 0x00);  // half the smallest subnormal: tie -> 0
     EXPECT_EQ(ref::f32_to_e4m3(std::ldexp(1.5f, -10)), 0x01);
 }
@@ -203,7 +203,8 @@ TEST(EpReference, Fp8QuantisationIsFiniteAndWithinTheE4m3Bound) {
     std::normal_distribution<float> normal(0.0f, 3.0f);
     const int h = 512;
     std::vector<uint16_t> row(h);
-    for (int i = 0; i < h; ++i) row[static_cast<size_t>(i)] = ref::f32_to_bf16(i < 128 ? 0.0f : normal(rng));  // group 0: zeros
+    for (int i = 0; i < h; ++i)
+        row[static_cast<size_t>(i)] = ref::f32_to_bf16(i < 128 ? 0.0f : normal(rng));  // group 0: zeros
     std::vector<uint8_t> codes(h);
     std::vector<float> scales(h / 128);
     ref::reference_quantize_row(row.data(), h, codes.data(), scales.data());
@@ -214,7 +215,8 @@ TEST(EpReference, Fp8QuantisationIsFiniteAndWithinTheE4m3Bound) {
             const float d = ref::e4m3_to_f32(codes[static_cast<size_t>(c)]) * scales[static_cast<size_t>(g)];
             ASSERT_TRUE(std::isfinite(d));
             // e4m3: 3 mantissa bits (relative error <= 2^-4), subnormal step 2^-9 of the scaled value.
-            EXPECT_LE(std::fabs(d - x), std::max(std::fabs(x) * 0.0625f, scales[static_cast<size_t>(g)] * 0.001f) * 1.0001f)
+            EXPECT_LE(std::fabs(d - x),
+                      std::max(std::fabs(x) * 0.0625f, scales[static_cast<size_t>(g)] * 0.001f) * 1.0001f)
                 << "channel " << c;
             if (g == 0) {
                 EXPECT_EQ(d, 0.0f);
@@ -311,8 +313,8 @@ TEST(EpConfig, FootprintFollowsTheFormulas) {
     EXPECT_LT(f.low_latency_handle_device_bytes, rows * 7168 * 2 + rows * 56 * 4 + rows * 8 + 4096);
     // Normal handle: recv_x (worst case rows) + records + landing.
     const Geometry g = resolve_geometry(c, 8, 0);
-    EXPECT_GE(f.normal_handle_symmetric_bytes, static_cast<uint64_t>(g.max_recv_rows) * 7168 * 2 +
-                                                   static_cast<uint64_t>(g.max_send_rows()) * 7168 * 2);
+    EXPECT_GE(f.normal_handle_symmetric_bytes,
+              static_cast<uint64_t>(g.max_recv_rows) * 7168 * 2 + static_cast<uint64_t>(g.max_send_rows()) * 7168 * 2);
     EXPECT_GT(f.heap_bytes(2), f.buffer_symmetric_bytes + 2 * f.normal_handle_symmetric_bytes);
     EXPECT_EQ(f.total_bytes(1, 1), f.buffer_symmetric_bytes + f.buffer_device_bytes + f.normal_handle_symmetric_bytes +
                                        f.normal_handle_device_bytes + f.low_latency_handle_device_bytes);

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Expert parallelism: limits, kernel arguments, device state, status record and shared-memory plans shared by the op and its kernels.
+// Expert parallelism: limits, kernel arguments, device state, status record and shared-memory plans shared by the op
+// and its kernels.
 //
 // The host op (weft/ops/ep.hpp, src/ops/ep*.cpp) fills these structs; the kernels (kernels/ep/*.cuh,
 // compiled by NVRTC) read them. Both sides compute sizes and offsets with the same constexpr functions,
@@ -10,13 +11,13 @@
 
 namespace weft::ep {
 
-inline constexpr int kMaxRanks = 64;             ///< ranks of one expert-parallel group
-inline constexpr int kMaxExperts = 1024;         ///< experts in all
-inline constexpr int kMaxTopk = 32;              ///< experts per token
-inline constexpr int kMaxExpertAlignment = 1024; ///< largest padding multiple of an expert segment
-inline constexpr int kMaxLowLatencyTokens = 1024;///< low-latency max tokens per rank (route table in smem)
-inline constexpr int kFp8GroupSize = 128;        ///< channels sharing one fp32 scale
-inline constexpr float kFp8Max = 448.0f;         ///< largest finite e4m3 value
+inline constexpr int kMaxRanks = 64;               ///< ranks of one expert-parallel group
+inline constexpr int kMaxExperts = 1024;           ///< experts in all
+inline constexpr int kMaxTopk = 32;                ///< experts per token
+inline constexpr int kMaxExpertAlignment = 1024;   ///< largest padding multiple of an expert segment
+inline constexpr int kMaxLowLatencyTokens = 1024;  ///< low-latency max tokens per rank (route table in smem)
+inline constexpr int kFp8GroupSize = 128;          ///< channels sharing one fp32 scale
+inline constexpr float kFp8Max = 448.0f;           ///< largest finite e4m3 value
 /// A group's absolute maximum is clamped to at least this before computing its scale, so that
 /// 448 / amax stays finite: an all-zero group gets a tiny finite scale and zero codes, never NaN/inf.
 inline constexpr float kFp8MinAmax = 1e-10f;
@@ -38,7 +39,7 @@ enum class StatusCode : uint32_t {
 /// synchronisation). The first error wins (claimed 0 -> 1, fields, system fence, 1 -> 2); later ones
 /// are dropped until the host clears it.
 struct Status {
-    uint32_t claimed;      ///< 0 = no error; 2 = the fields below are complete
+    uint32_t claimed;  ///< 0 = no error; 2 = the fields below are complete
     StatusCode code;
     int32_t rank;          ///< rank whose kernel wrote the record
     int32_t culprit_rank;  ///< rank whose capacity or input it concerns
@@ -52,21 +53,26 @@ struct Status {
 };
 
 /// Which kernel reported a status.
-enum class KernelId : uint32_t { kLayout = 1, kNormalDispatch = 2, kNormalCombine = 3, kLowLatencyDispatch = 4,
-                                 kLowLatencyCombine = 5 };
+enum class KernelId : uint32_t {
+    kLayout = 1,
+    kNormalDispatch = 2,
+    kNormalCombine = 3,
+    kLowLatencyDispatch = 4,
+    kLowLatencyCombine = 5
+};
 
 /// The limits of one Buffer, validated on the host. Every size below derives from these.
 struct Geometry {
     int32_t num_ranks;
     int32_t rank;
     int32_t num_experts;
-    int32_t hidden;            ///< channels per token (bf16)
+    int32_t hidden;  ///< channels per token (bf16)
     int32_t topk;
     int32_t max_tokens;        ///< tokens per rank per call
     int32_t expert_alignment;  ///< normal mode: each expert segment starts at a multiple of this
     int32_t pad0;
-    int64_t max_recv_tokens;   ///< normal mode: distinct (source rank, token) pairs one rank receives
-    int64_t max_recv_rows;     ///< normal mode: expert-contiguous rows one rank receives, padding included
+    int64_t max_recv_tokens;  ///< normal mode: distinct (source rank, token) pairs one rank receives
+    int64_t max_recv_rows;    ///< normal mode: expert-contiguous rows one rank receives, padding included
 
     WEFT_HOST_DEVICE constexpr int32_t local_experts() const { return num_experts / num_ranks; }
     WEFT_HOST_DEVICE constexpr int32_t owner(int32_t expert) const { return expert / local_experts(); }
@@ -91,9 +97,9 @@ struct Geometry {
 /// Normal mode device state (private to each rank, zeroed once). Advanced by the kernels themselves:
 /// nothing is reset between calls or CUDA-graph replays.
 struct NormalState {
-    uint64_t dispatch_calls;               ///< dispatches completed on this buffer
-    uint64_t combine_calls;                ///< combines completed (of valid dispatches)
-    uint32_t dispatch_arrivals;            ///< blocks of the running dispatch that finished
+    uint64_t dispatch_calls;     ///< dispatches completed on this buffer
+    uint64_t combine_calls;      ///< combines completed (of valid dispatches)
+    uint32_t dispatch_arrivals;  ///< blocks of the running dispatch that finished
     uint32_t combine_arrivals;
     uint64_t data_expected[kMaxRanks];     ///< rows received from each source so far (its signal's value)
     uint64_t partial_expected[kMaxRanks];  ///< partial rows received from each rank so far
@@ -110,28 +116,28 @@ struct LowLatencyState {
 
 /// Words of a normal handle's `info` array.
 enum NormalInfo : int32_t {
-    kInfoValid = 0,        ///< 1 when the dispatch moved data (no capacity error anywhere)
-    kInfoNumTokens = 1,    ///< T of this rank in that dispatch
-    kInfoRecvTokens = 2,   ///< distinct (source, token) pairs received
-    kInfoRecvRows = 3,     ///< expert-contiguous rows incl. padding
-    kInfoCall = 4,         ///< the dispatch's call number on the buffer
+    kInfoValid = 0,       ///< 1 when the dispatch moved data (no capacity error anywhere)
+    kInfoNumTokens = 1,   ///< T of this rank in that dispatch
+    kInfoRecvTokens = 2,  ///< distinct (source, token) pairs received
+    kInfoRecvRows = 3,    ///< expert-contiguous rows incl. padding
+    kInfoCall = 4,        ///< the dispatch's call number on the buffer
     kInfoInts = 8,
 };
 
 /// Arguments of the layout, normal dispatch and normal combine kernels (one struct for the three).
 struct NormalArgs {
     Geometry geo;
-    int32_t num_tokens;          ///< T of this rank for this call
+    int32_t num_tokens;  ///< T of this rank for this call
     int32_t pad0;
-    const uint16_t* x;           ///< [T, H] bf16
-    int64_t x_stride;            ///< elements between rows
-    const int32_t* topk_idx;     ///< [T, k], -1 = dropped
+    const uint16_t* x;        ///< [T, H] bf16
+    int64_t x_stride;         ///< elements between rows
+    const int32_t* topk_idx;  ///< [T, k], -1 = dropped
     int64_t idx_stride;
-    const float* topk_weights;   ///< [T, k]
+    const float* topk_weights;  ///< [T, k]
     int64_t weight_stride;
-    const uint16_t* y;           ///< combine input [rows, H] bf16, same rows as recv_x
+    const uint16_t* y;  ///< combine input [rows, H] bf16, same rows as recv_x
     int64_t y_stride;
-    uint16_t* out;               ///< combine output [T, H] bf16
+    uint16_t* out;  ///< combine output [T, H] bf16
     int64_t out_stride;
     // handle: layout (private)
     int32_t* tokens_per_expert;  ///< [E] routes of this rank per expert
@@ -140,23 +146,23 @@ struct NormalArgs {
     int32_t* send_idx;           ///< [max_tokens, W] index among this rank's tokens for that rank, or -1
     int32_t* route_pos;          ///< [max_tokens, k] index among this rank's routes to the expert, or -1
     // handle: dispatch results (private)
-    int32_t* expert_counts;      ///< [E_local] rows per local expert (unpadded)
-    int32_t* expert_offsets;     ///< [E_local + 1] padded segment starts; last = total rows
-    int32_t* source_offsets;     ///< [W + 1] first received token of each source
-    int32_t* info;               ///< [kInfoInts]
+    int32_t* expert_counts;   ///< [E_local] rows per local expert (unpadded)
+    int32_t* expert_offsets;  ///< [E_local + 1] padded segment starts; last = total rows
+    int32_t* source_offsets;  ///< [W + 1] first received token of each source
+    int32_t* info;            ///< [kInfoInts]
     // handle: symmetric
-    uint16_t* recv_x;            ///< [max_recv_rows, H]
-    int32_t* recv_meta;          ///< [max_recv_tokens, meta_ints]
-    uint16_t* landing;           ///< [max_send_rows, H] partial sums coming back in combine
+    uint16_t* recv_x;    ///< [max_recv_rows, H]
+    int32_t* recv_meta;  ///< [max_recv_tokens, meta_ints]
+    uint16_t* landing;   ///< [max_send_rows, H] partial sums coming back in combine
     // buffer: symmetric
-    int32_t* mailbox;            ///< [2][W][mailbox_ints]
-    uint64_t* count_signal;      ///< [W] per source: mailboxes written (one per dispatch)
-    uint64_t* data_signal;       ///< [W] per source: rows written into this rank (cumulative)
-    uint64_t* partial_signal;    ///< [W] per rank: partial rows written into this rank (cumulative)
-    uint64_t* combine_done;      ///< [W] per rank: combines that finished reading their landing
+    int32_t* mailbox;          ///< [2][W][mailbox_ints]
+    uint64_t* count_signal;    ///< [W] per source: mailboxes written (one per dispatch)
+    uint64_t* data_signal;     ///< [W] per source: rows written into this rank (cumulative)
+    uint64_t* partial_signal;  ///< [W] per rank: partial rows written into this rank (cumulative)
+    uint64_t* combine_done;    ///< [W] per rank: combines that finished reading their landing
     // buffer: private
     NormalState* state;
-    Status* status;              ///< host-mapped
+    Status* status;  ///< host-mapped
 };
 
 /// Phases of a low-latency kernel (bit set): the send half returns without waiting for anyone; the
@@ -167,34 +173,34 @@ enum LowLatencyPhase : int32_t { kPhaseSend = 1, kPhaseRecv = 2 };
 struct LowLatencyArgs {
     Geometry geo;
     int32_t num_tokens;
-    int32_t phases;              ///< LowLatencyPhase bits
-    int32_t fp8;                 ///< dispatch: 1 = quantise to e4m3 with one scale per 128 channels
+    int32_t phases;  ///< LowLatencyPhase bits
+    int32_t fp8;     ///< dispatch: 1 = quantise to e4m3 with one scale per 128 channels
     int32_t pad0;
-    const uint16_t* x;           ///< [T, H] bf16
+    const uint16_t* x;  ///< [T, H] bf16
     int64_t x_stride;
-    const int32_t* topk_idx;     ///< [T, k]
+    const int32_t* topk_idx;  ///< [T, k]
     int64_t idx_stride;
-    const float* topk_weights;   ///< [T, k] (combine)
+    const float* topk_weights;  ///< [T, k] (combine)
     int64_t weight_stride;
-    const uint16_t* y;           ///< combine input [E_local, W * max_tokens, H]
-    int64_t y_expert_stride;     ///< elements between experts
-    int64_t y_row_stride;        ///< elements between rows
-    uint16_t* out;               ///< combine output [T, H]
+    const uint16_t* y;        ///< combine input [E_local, W * max_tokens, H]
+    int64_t y_expert_stride;  ///< elements between experts
+    int64_t y_row_stride;     ///< elements between rows
+    uint16_t* out;            ///< combine output [T, H]
     int64_t out_stride;
     // handle (private)
-    uint8_t* recv_x;             ///< [E_local, W * max_tokens, H] bf16, or e4m3 codes (H bytes a row)
-    float* recv_scales;          ///< [E_local, W * max_tokens, H / 128] (fp8 only)
-    int32_t* recv_src_info;      ///< [E_local, W * max_tokens] source rank * max_tokens + token
-    int32_t* recv_src_slot;      ///< [E_local, W * max_tokens] the token's top-k slot
-    int32_t* expert_counts;      ///< [E_local]
+    uint8_t* recv_x;         ///< [E_local, W * max_tokens, H] bf16, or e4m3 codes (H bytes a row)
+    float* recv_scales;      ///< [E_local, W * max_tokens, H / 128] (fp8 only)
+    int32_t* recv_src_info;  ///< [E_local, W * max_tokens] source rank * max_tokens + token
+    int32_t* recv_src_slot;  ///< [E_local, W * max_tokens] the token's top-k slot
+    int32_t* expert_counts;  ///< [E_local]
     // buffer: symmetric
-    uint8_t* recv_slots;         ///< [2][E_local][W][max_tokens][ll_slot_bytes]
-    int32_t* mailbox;            ///< [2][W][E_local] routes per (source, local expert)
-    uint16_t* landing;           ///< [2][max_tokens][k][H]
-    uint64_t* dispatch_signal;   ///< [W] per source: dispatch sends completed into this rank
-    uint64_t* dispatch_credit;   ///< [W] per destination: receives it completed of this rank's data
-    uint64_t* combine_signal;    ///< [W] per expert rank: combine sends completed into this rank
-    uint64_t* combine_credit;    ///< [W] per source: combine receives it completed
+    uint8_t* recv_slots;        ///< [2][E_local][W][max_tokens][ll_slot_bytes]
+    int32_t* mailbox;           ///< [2][W][E_local] routes per (source, local expert)
+    uint16_t* landing;          ///< [2][max_tokens][k][H]
+    uint64_t* dispatch_signal;  ///< [W] per source: dispatch sends completed into this rank
+    uint64_t* dispatch_credit;  ///< [W] per destination: receives it completed of this rank's data
+    uint64_t* combine_signal;   ///< [W] per expert rank: combine sends completed into this rank
+    uint64_t* combine_credit;   ///< [W] per source: combine receives it completed
     // buffer: private
     LowLatencyState* state;
     Status* status;

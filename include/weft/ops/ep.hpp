@@ -61,11 +61,11 @@ Geometry resolve_geometry(const Config& config, int num_ranks, int rank);
 
 /// Bytes each rank needs, by owner.
 struct Footprint {
-    uint64_t buffer_symmetric_bytes = 0;          ///< symmetric heap: signals, mailboxes, low-latency areas
-    uint64_t buffer_device_bytes = 0;             ///< private device memory of the Buffer (state)
-    uint64_t normal_handle_symmetric_bytes = 0;   ///< symmetric heap per NormalHandle (recv_x, records, landing)
-    uint64_t normal_handle_device_bytes = 0;      ///< private device memory per NormalHandle (layout, counts)
-    uint64_t low_latency_handle_device_bytes = 0; ///< private device memory per LowLatencyHandle (outputs)
+    uint64_t buffer_symmetric_bytes = 0;           ///< symmetric heap: signals, mailboxes, low-latency areas
+    uint64_t buffer_device_bytes = 0;              ///< private device memory of the Buffer (state)
+    uint64_t normal_handle_symmetric_bytes = 0;    ///< symmetric heap per NormalHandle (recv_x, records, landing)
+    uint64_t normal_handle_device_bytes = 0;       ///< private device memory per NormalHandle (layout, counts)
+    uint64_t low_latency_handle_device_bytes = 0;  ///< private device memory per LowLatencyHandle (outputs)
     /// Symmetric heap bytes for the Buffer and `normal_handles` handles, with allocation slack.
     uint64_t heap_bytes(int normal_handles) const;
     /// Everything one rank allocates for the Buffer, `normal_handles` and `low_latency_handles` handles.
@@ -103,9 +103,9 @@ struct NormalOptions {
 };
 
 struct LowLatencyOptions {
-    bool fp8 = false;               ///< dispatch: quantise rows to e4m3, one fp32 scale per 128 channels
+    bool fp8 = false;  ///< dispatch: quantise rows to e4m3, one fp32 scale per 128 channels
     Phase phase = Phase::kSendRecv;
-    int num_sms = 0;                ///< 0 = default_low_latency_sms()
+    int num_sms = 0;  ///< 0 = default_low_latency_sms()
 };
 
 /// A device-reported error, as read from the status word.
@@ -119,17 +119,17 @@ class Buffer;
 
 /// Device pointers of a NormalHandle (private device memory unless noted).
 struct NormalView {
-    const uint16_t* recv_x;           ///< symmetric: bf16 [max_recv_rows, H], expert-contiguous
-    const int32_t* expert_counts;     ///< [E_local] rows of each local expert (unpadded)
-    const int32_t* expert_offsets;    ///< [E_local + 1] padded segment starts; [E_local] = rows in all
-    const int32_t* source_offsets;    ///< [W + 1] first received token of each source rank
-    const int32_t* info;              ///< [kInfoInts] (NormalInfo): valid, T, tokens and rows received
-    const int32_t* tokens_per_expert; ///< layout: [E] this rank's routes per expert
-    const int32_t* tokens_per_rank;   ///< layout: [W] this rank's tokens per destination rank
-    const uint8_t* token_in_rank;     ///< layout: [max_tokens, W] token -> rank mask
-    const int32_t* send_idx;          ///< layout: [max_tokens, W] index among tokens sent to the rank, or -1
-    const int32_t* route_pos;         ///< layout: [max_tokens, k] index among routes to the expert, or -1
-    const int32_t* recv_meta;         ///< symmetric: [max_recv_tokens, meta_ints] receive records
+    const uint16_t* recv_x;            ///< symmetric: bf16 [max_recv_rows, H], expert-contiguous
+    const int32_t* expert_counts;      ///< [E_local] rows of each local expert (unpadded)
+    const int32_t* expert_offsets;     ///< [E_local + 1] padded segment starts; [E_local] = rows in all
+    const int32_t* source_offsets;     ///< [W + 1] first received token of each source rank
+    const int32_t* info;               ///< [kInfoInts] (NormalInfo): valid, T, tokens and rows received
+    const int32_t* tokens_per_expert;  ///< layout: [E] this rank's routes per expert
+    const int32_t* tokens_per_rank;    ///< layout: [W] this rank's tokens per destination rank
+    const uint8_t* token_in_rank;      ///< layout: [max_tokens, W] token -> rank mask
+    const int32_t* send_idx;           ///< layout: [max_tokens, W] index among tokens sent to the rank, or -1
+    const int32_t* route_pos;          ///< layout: [max_tokens, k] index among routes to the expert, or -1
+    const int32_t* recv_meta;          ///< symmetric: [max_recv_tokens, meta_ints] receive records
 };
 
 /// One normal dispatch in flight: its receive buffers (symmetric), its layout and the plan its
@@ -160,10 +160,10 @@ private:
 
 /// Device pointers of a LowLatencyHandle (private device memory).
 struct LowLatencyView {
-    const uint8_t* recv_x;        ///< [E_local, W * max_tokens, H]: bf16 (2 bytes) or e4m3 codes (1 byte)
-    const float* recv_scales;     ///< [E_local, W * max_tokens, H / 128] (fp8 dispatches)
-    const int32_t* recv_src_info; ///< [E_local, W * max_tokens]: source rank * max_tokens + token
-    const int32_t* expert_counts; ///< [E_local] valid rows of each local expert
+    const uint8_t* recv_x;         ///< [E_local, W * max_tokens, H]: bf16 (2 bytes) or e4m3 codes (1 byte)
+    const float* recv_scales;      ///< [E_local, W * max_tokens, H / 128] (fp8 dispatches)
+    const int32_t* recv_src_info;  ///< [E_local, W * max_tokens]: source rank * max_tokens + token
+    const int32_t* expert_counts;  ///< [E_local] valid rows of each local expert
 };
 
 /// One low-latency dispatch's outputs (masked layout) and the plan its combine reuses. Local (not
@@ -213,8 +213,8 @@ public:
     /// Collective: layout, then dispatch. x: bf16 [T, H]; topk_idx: int32 [T, k] (-1 = dropped);
     /// topk_weights: f32 [T, k]. T may differ between ranks. Receive capacity overflow is detected on
     /// the device by every rank, nothing moves, and check() reports it.
-    void dispatch(NormalHandle& handle, const TensorView& x, const TensorView& topk_idx,
-                  const TensorView& topk_weights, cudaStream_t stream, const NormalOptions& options = {});
+    void dispatch(NormalHandle& handle, const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
+                  cudaStream_t stream, const NormalOptions& options = {});
     /// Collective: y: bf16 [>= max_recv_rows, H] laid out like recv_x (it may be recv_x itself);
     /// out: bf16 [T, H] with T of the handle's dispatch. out[t] = sum over t's valid slots j of
     /// topk_weights[t][j] * y[row of (t, j)], accumulated in fp32 (per destination rank in slot order,
