@@ -435,6 +435,29 @@ TEST(EpNvrtc, KernelSpecsCompileForSm90a) {
     }
 }
 
+// weft/ptx/cvt.cuh emits the conversion instructions it promises (checked in the PTX).
+TEST(EpNvrtc, CvtWrappersEmitThePromisedPtx) {
+    weft::testing::TempDir cache("weft_cvt_cache");
+    jit::Compiler compiler(weft::testing::isolated_compiler_config(cache.path()));
+    jit::KernelSpec s;
+    s.header = "weft/ptx/cvt.cuh";
+    s.extra_code =
+        "extern \"C\" __global__ void cvt_probe(const float* in, unsigned* out) {\n"
+        "    const unsigned short f8 = weft::ptx::cvt_rn_satfinite_e4m3x2(in[0], in[1]);\n"
+        "    out[0] = weft::ptx::cvt_rn_bf16x2(in[2], in[3]);\n"
+        "    out[1] = f8;\n"
+        "    out[2] = weft::ptx::cvt_rn_f16x2_e4m3x2(f8);\n"
+        "    out[3] = __float_as_uint(weft::ptx::bf16_bits_to_f32(static_cast<unsigned short>(out[0])));\n"
+        "}\n";
+    s.instantiation = "cvt_probe";
+    s.arch = "sm_90a";
+    const jit::CompileResult r = compiler.compile(s);
+    ASSERT_FALSE(r.ptx.empty()) << r.log;
+    for (const char* insn : {"cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.bf16x2.f32", "cvt.rn.f16x2.e4m3x2"}) {
+        EXPECT_NE(r.ptx.find(insn), std::string::npos) << insn << " missing from the PTX";
+    }
+}
+
 // kernels/ep/aot_specs.txt (for weft-compile --specs) lists exactly kernel_specs().
 TEST(EpNvrtc, AotSpecFileMatchesTheOps) {
     const fs::path file = fs::path(__FILE__).parent_path().parent_path().parent_path() / "kernels/ep/aot_specs.txt";
