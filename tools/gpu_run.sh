@@ -5,6 +5,7 @@
 #
 #   tools/gpu_run.sh LOGDIR [BINDIR] [--no-bench] [--bench-only]
 #
+# Each step is bounded by WEFT_GPU_RUN_STEP_TIMEOUT seconds (default 300).
 # BINDIR holds the built binaries (default build/release, searched recursively): weft_gpu_tests,
 # weft_dist_tests, weftrun and the weft_bench_* benchmarks. Binaries built on a CPU machine run here
 # (static cudart); WEFT_CACHE_DIR may point at a JIT cache warmed ahead of time with weft-compile.
@@ -26,15 +27,31 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 
 find_bin() { find "$bindir" -type f -name "$1" -perm -u+x 2>/dev/null | head -n 1; }
 summary=()
+run_each() {  # run_each BINARY FILTER: every test case in its own process; prints a gtest-like summary
+    local bin=$1 filter=$2 passed=0 failed=0 t rc
+    local failed_names=()
+    for t in $("$bin" --gtest_list_tests --gtest_filter="$filter" | awk '/^[^ ]/{s=$1} /^  /{print s $1}'); do
+        timeout --kill-after=10 "${WEFT_GPU_RUN_TEST_TIMEOUT:-180}" "$bin" --gtest_color=no --gtest_filter="$t"
+        rc=$?
+        if [ $rc = 0 ]; then passed=$((passed + 1)); else failed=$((failed + 1)); failed_names+=("$t"); fi
+    done
+    echo "== $passed tests passed, $failed failed"
+    for t in "${failed_names[@]}"; do echo "FAILED TEST: $t"; done
+    [ $failed = 0 ]
+}
 step() {  # step NAME LOGFILE COMMAND...
     local name=$1 log=$2
     shift 2
     local start=$(date +%s.%N)
-    "$@" >"$logdir/$log" 2>&1
+    if declare -F "$1" >/dev/null; then
+        "$@" >"$logdir/$log" 2>&1
+    else
+        timeout --kill-after=10 "${WEFT_GPU_RUN_STEP_TIMEOUT:-300}" "$@" >"$logdir/$log" 2>&1
+    fi
     local rc=$?
     local secs=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN{printf "%.1f", e-s}')
     local detail
-    detail=$(grep -E '^\[  (PASSED|FAILED)  \]|tests? passed|FAILED TEST' "$logdir/$log" | head -n 3 | tr '\n' ' ')
+    detail=$(grep -E '^== [0-9]+ tests passed|^FAILED TEST|^\[  PASSED  \]' "$logdir/$log" | head -n 4 | tr '\n' ' ')
     summary+=("$(printf '%-28s %-6s %7ss  %s' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL:$rc)" "$secs" "$detail")")
 }
 
@@ -42,10 +59,20 @@ nvidia-smi >"$logdir/nvidia-smi.txt" 2>&1
 nvidia-smi topo -m >>"$logdir/nvidia-smi.txt" 2>&1
 
 if [ $run_tests = 1 ]; then
+    # One process per test: a kernel that traps poisons its CUDA context and must not take the tests
+    # after it down with it. (ctest would do the same, but needs the configuring machine's CMake.)
     gpu_tests=$(find_bin weft_gpu_tests)
-    [ -n "$gpu_tests" ] && step "gpu tests" gpu_tests.log "$gpu_tests" --gtest_color=no
+    [ -n "$gpu_tests" ] && step "gpu tests" gpu_tests.log run_each "$gpu_tests" "${WEFT_GPU_TEST_FILTER:-*}"
     dist_tests=$(find_bin weft_dist_tests)
-    [ -n "$dist_tests" ] && step "dist tests" dist_tests.log "$dist_tests" --gtest_color=no
+    weftrun=$(find_bin weftrun)
+    if [ -n "$dist_tests" ] && [ -n "$weftrun" ]; then
+        for n in 2 3 4; do
+            step "dist tests (weftrun -n $n)" dist_tests_n$n.log "$weftrun" -n $n --timeout 240 -- "$dist_tests" --gtest_color=no
+        done
+    fi
+    while IFS= read -r example; do
+        step "$(basename "$example")" "$(basename "$example").log" "$example"
+    done < <(find "$bindir" -type f -name 'weft_example_*' -perm -u+x 2>/dev/null | sort)
 fi
 if [ $run_bench = 1 ]; then
     while IFS= read -r bench; do

@@ -147,7 +147,9 @@ TEST_F(RuntimeGpu, SymmAtAndContains) {
     run_ranks(2, [](World& w) {
         SymmetricHeap& heap = w.heap();
         auto* p = heap.alloc_array<uint64_t>(16);
-        WEFT_CHECK(heap.contains(p, 128) && !heap.contains(p, heap.bytes()), "contains");
+        const uint64_t to_end = heap.bytes() - heap.offset_of(p);
+        WEFT_CHECK(heap.contains(p, 128) && heap.contains(p, to_end) && !heap.contains(p, to_end + 1),
+                   "contains: [p, p + 128) and [p, end) are in the heap, one byte more is not");
         WEFT_CHECK(!heap.contains(heap.base() + heap.bytes()), "one past the end is not in the heap");
         WEFT_CHECK(heap.symm_at(p, w.rank()) == p, "symm_at of this rank is the pointer itself");
         const int peer = 1 - w.rank();

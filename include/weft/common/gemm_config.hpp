@@ -1,0 +1,235 @@
+// SPDX-License-Identifier: MIT
+// GemmConfig: the compile-time configuration of weft's sm_90a GEMM, its validity rule, shared-memory plan
+// and tile grid, shared by host heuristics, the JIT code generator and the kernel (g++, nvcc, NVRTC).
+#pragma once
+
+#include "weft/common/dtype.hpp"
+#include "weft/common/macros.hpp"
+
+namespace weft {
+
+/// How B is stored. D[M,N] = A[M,K] * B with A row-major [M,K] in both cases.
+enum class BLayout : int32_t {
+    kNK = 0,  ///< B is [N,K] row-major (a linear layer's weight; "TN"): K-major, the natural wgmma layout
+    kKN = 1,  ///< B is [K,N] row-major: N-major, read through wgmma's transpose bit
+};
+
+/// Order in which a persistent CTA walks the output tiles (always swizzled in groups for L2 reuse).
+enum class Raster : int32_t {
+    kAlongN = 0,  ///< groups of `raster_group` tile rows; inside a group, down the rows then across N
+    kAlongM = 1,  ///< groups of `raster_group` tile columns; inside a group, across the columns then down M
+};
+
+/// One GEMM kernel specialisation. A C++20 structural type: it is the kernel's template argument, and the
+/// JIT prints it with designated initialisers (see weft::ops::format_gemm_config).
+struct GemmConfig {
+    int32_t tile_m = 128;  ///< rows of D per CTA tile: 128 or 256 (two consumer warpgroups, 64-row slabs)
+    int32_t tile_n = 256;  ///< columns of D per CTA tile: a multiple of 64 up to 256
+    int32_t tile_k = 64;   ///< K per pipeline stage: 64 (one 128-byte swizzle row of 16-bit elements)
+    int32_t stages = 4;    ///< depth of the shared-memory ring
+    int32_t cluster_m = 1;  ///< CTAs per cluster along M (2: the pair shares B through TMA multicast)
+    int32_t cluster_n = 1;  ///< CTAs per cluster along N (2: the pair shares A through TMA multicast)
+    Raster raster = Raster::kAlongN;
+    int32_t raster_group = 8;  ///< tile rows (kAlongN) or columns (kAlongM) per swizzle group
+    BLayout b_layout = BLayout::kNK;
+    DType in_dtype = DType::kBF16;   ///< A and B: kBF16 or kF16
+    DType out_dtype = DType::kBF16;  ///< D: kBF16, kF16 or kF32
+
+    constexpr bool operator==(const GemmConfig&) const = default;
+};
+
+/// Threads per CTA: one producer warpgroup (TMA) and two consumer warpgroups (wgmma).
+inline constexpr int kGemmThreads = 384;
+inline constexpr int kGemmConsumerWarpgroups = 2;
+/// Rows of one wgmma (m64) and of one epilogue slab.
+inline constexpr int kGemmSlabRows = 64;
+/// Largest dynamic shared memory one CTA may ask for on sm_90 (227 KiB).
+inline constexpr int kGemmMaxSmemBytes = 232448;
+/// Registers per thread after setmaxnreg: producer and consumers (128*40 + 256*232 <= 65536).
+inline constexpr int kGemmProducerRegs = 40;
+inline constexpr int kGemmConsumerRegs = 232;
+
+/// Where everything lives in the kernel's dynamic shared memory (byte offsets from a 1024-aligned base).
+struct GemmSmemPlan {
+    int32_t a_stage_bytes;   ///< one stage of A: tile_m x tile_k
+    int32_t b_stage_bytes;   ///< one stage of B: tile_n x tile_k
+    int32_t stage_bytes;     ///< A then B
+    int32_t epi_offset;      ///< epilogue staging buffers, after the ring
+    int32_t epi_buf_bytes;   ///< one staging buffer: 64 rows x 128 bytes (one TMA store box)
+    int32_t epi_bytes;       ///< 2 consumer warpgroups x 2 buffers
+    int32_t bar_offset;      ///< full[stages] then empty[stages] mbarriers (8 bytes each)
+    int32_t used_bytes;      ///< end of the barriers
+    int32_t alloc_bytes;     ///< what the launch asks for: used_bytes + 1024 to align the base
+};
+
+/// Bytes per element of the dtypes a GEMM takes (dtype_bytes is host-only).
+WEFT_HOST_DEVICE constexpr int32_t gemm_elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+/// Columns of D in one epilogue store box (128 bytes of output per row).
+WEFT_HOST_DEVICE constexpr int32_t gemm_epi_cols(const GemmConfig& c) { return 128 / gemm_elem_bytes(c.out_dtype); }
+
+WEFT_HOST_DEVICE constexpr GemmSmemPlan gemm_smem_plan(const GemmConfig& c) {
+    GemmSmemPlan p{};
+    const int32_t in_bytes = gemm_elem_bytes(c.in_dtype);
+    p.a_stage_bytes = c.tile_m * c.tile_k * in_bytes;
+    p.b_stage_bytes = c.tile_n * c.tile_k * in_bytes;
+    p.stage_bytes = p.a_stage_bytes + p.b_stage_bytes;
+    p.epi_offset = c.stages * p.stage_bytes;
+    p.epi_buf_bytes = kGemmSlabRows * 128;
+    p.epi_bytes = kGemmConsumerWarpgroups * 2 * p.epi_buf_bytes;
+    p.bar_offset = p.epi_offset + p.epi_bytes;
+    p.used_bytes = p.bar_offset + 2 * c.stages * 8;
+    p.alloc_bytes = p.used_bytes + 1024;
+    return p;
+}
+
+/// Accumulator floats per consumer thread: (tile_m / 2 / 64) slabs x tile_n / 2.
+WEFT_HOST_DEVICE constexpr int32_t gemm_acc_regs(const GemmConfig& c) {
+    return (c.tile_m / (kGemmConsumerWarpgroups * kGemmSlabRows)) * (c.tile_n / 2);
+}
+
+/// The one rule for which configs exist: host heuristics filter candidates with it, the kernel
+/// static_asserts it.
+WEFT_HOST_DEVICE constexpr bool is_valid(const GemmConfig& c) {
+    const bool in_ok = c.in_dtype == DType::kBF16 || c.in_dtype == DType::kF16;
+    const bool out_ok = c.out_dtype == DType::kBF16 || c.out_dtype == DType::kF16 || c.out_dtype == DType::kF32;
+    if (!in_ok || !out_ok) return false;
+    if (c.tile_k != 64) return false;  // one 128B swizzle row of 16-bit elements per stage
+    if (c.tile_m != 128 && c.tile_m != 256) return false;
+    if (c.tile_n < 64 || c.tile_n > 256 || c.tile_n % 64 != 0) return false;
+    if (gemm_acc_regs(c) > 128) return false;  // accumulators must leave room in 232 registers
+    if (c.stages < 2 || c.stages > 8) return false;
+    if (c.raster_group < 1 || c.raster_group > 64) return false;
+    if (c.raster != Raster::kAlongN && c.raster != Raster::kAlongM) return false;
+    if (c.b_layout != BLayout::kNK && c.b_layout != BLayout::kKN) return false;
+    // Clusters: pairs along one dimension only; the shared operand is split between the pair.
+    const bool cluster_ok = (c.cluster_m == 1 && c.cluster_n == 1) || (c.cluster_m == 2 && c.cluster_n == 1) ||
+                            (c.cluster_m == 1 && c.cluster_n == 2);
+    if (!cluster_ok) return false;
+    if (c.cluster_m == 2 && c.b_layout == BLayout::kKN && (c.tile_n / 64) % 2 != 0) return false;
+    if (gemm_smem_plan(c).alloc_bytes > kGemmMaxSmemBytes) return false;
+    return true;
+}
+
+/// A tile of D as the scheduler hands it out.
+struct GemmTile {
+    int32_t m_idx;  ///< tile row index
+    int32_t n_idx;  ///< tile column index
+    int32_t m0;     ///< first row of D
+    int32_t n0;     ///< first column of D
+    bool valid;     ///< false for the padding tile a cluster partner computes past the edge of D
+};
+
+/// The grid of output tiles and the swizzled order of "cluster tiles" (cluster_m x cluster_n tiles that
+/// the CTAs of one cluster compute together). Pure arithmetic: unit-tested on the CPU.
+struct GemmTileGrid {
+    int32_t tile_m, tile_n, cluster_m, cluster_n, group;
+    Raster raster;
+    int32_t num_m_tiles, num_n_tiles;      ///< tiles of D
+    int32_t num_m_clusters, num_n_clusters;  ///< cluster tiles (rounded up)
+
+    WEFT_HOST_DEVICE constexpr GemmTileGrid(const GemmConfig& c, int32_t m, int32_t n)
+        : tile_m(c.tile_m),
+          tile_n(c.tile_n),
+          cluster_m(c.cluster_m),
+          cluster_n(c.cluster_n),
+          group(c.raster_group),
+          raster(c.raster),
+          num_m_tiles((m + c.tile_m - 1) / c.tile_m),
+          num_n_tiles((n + c.tile_n - 1) / c.tile_n),
+          num_m_clusters((num_m_tiles + c.cluster_m - 1) / c.cluster_m),
+          num_n_clusters((num_n_tiles + c.cluster_n - 1) / c.cluster_n) {}
+
+    WEFT_HOST_DEVICE constexpr int32_t num_cluster_tiles() const { return num_m_clusters * num_n_clusters; }
+    WEFT_HOST_DEVICE constexpr int32_t num_tiles() const { return num_m_tiles * num_n_tiles; }
+
+    /// The tile that CTA `cta_rank` of a cluster computes for linear cluster-tile index `t`.
+    WEFT_HOST_DEVICE constexpr GemmTile tile(int32_t t, int32_t cta_rank) const {
+        int32_t mc = 0, nc = 0;
+        if (raster == Raster::kAlongN) {
+            const int32_t per_group = group * num_n_clusters;
+            const int32_t g = t / per_group;
+            const int32_t first = g * group;
+            const int32_t rows = (num_m_clusters - first) < group ? (num_m_clusters - first) : group;
+            const int32_t local = t - g * per_group;
+            mc = first + local % rows;
+            nc = local / rows;
+        } else {
+            const int32_t per_group = group * num_m_clusters;
+            const int32_t g = t / per_group;
+            const int32_t first = g * group;
+            const int32_t cols = (num_n_clusters - first) < group ? (num_n_clusters - first) : group;
+            const int32_t local = t - g * per_group;
+            nc = first + local % cols;
+            mc = local / cols;
+        }
+        GemmTile out{};
+        out.m_idx = mc * cluster_m + cta_rank % cluster_m;
+        out.n_idx = nc * cluster_n + cta_rank / cluster_m;
+        out.m0 = out.m_idx * tile_m;
+        out.n0 = out.n_idx * tile_n;
+        out.valid = out.m_idx < num_m_tiles && out.n_idx < num_n_tiles;
+        return out;
+    }
+};
+
+/// The kernel's run-time arguments (besides tensor maps and hook parameters).
+struct GemmArgs {
+    int32_t m, n, k;
+    int32_t n_tma;        ///< columns of D written by TMA stores: N rounded down to 16 bytes (TMA stores write
+                          ///< whole 16-byte chunks, so a ragged last chunk would spill into the row padding)
+    uint64_t timeout_ns;  ///< bound on every pipeline wait; expiry traps (a hang is a bug)
+    void* d;              ///< D, for the columns [n_tma, N) written with plain stores
+    int64_t ldd;          ///< D's row stride in elements
+};
+
+/// Columns of D a TMA store may cover: the largest multiple of 16 bytes <= N.
+WEFT_HOST_DEVICE constexpr int32_t gemm_tma_store_cols(int32_t n, DType out) {
+    const int32_t per16 = 16 / gemm_elem_bytes(out);
+    return n / per16 * per16;
+}
+
+/// The candidate set of tiled-kernel configs (same list for the heuristic, the autotuner and the
+/// ahead-of-time instances): tile shape, ring depth and cluster shape; dtypes and layout come from the call.
+inline constexpr int kGemmNumCandidates = 8;
+
+WEFT_HOST_DEVICE constexpr GemmConfig gemm_candidate(int index, DType in_dtype, DType out_dtype, BLayout b_layout) {
+    GemmConfig c{};
+    c.in_dtype = in_dtype;
+    c.out_dtype = out_dtype;
+    c.b_layout = b_layout;
+    switch (index) {
+        case 0: c.tile_m = 128; c.tile_n = 256; c.stages = 4; break;
+        case 1: c.tile_m = 128; c.tile_n = 256; c.stages = 4; c.cluster_m = 2; break;
+        case 2: c.tile_m = 128; c.tile_n = 256; c.stages = 4; c.cluster_n = 2; break;
+        case 3: c.tile_m = 256; c.tile_n = 128; c.stages = 4; break;
+        case 4: c.tile_m = 256; c.tile_n = 128; c.stages = 4; c.cluster_m = 2; break;
+        case 5: c.tile_m = 128; c.tile_n = 192; c.stages = 4; break;
+        case 6: c.tile_m = 128; c.tile_n = 128; c.stages = 6; break;
+        default: c.tile_m = 128; c.tile_n = 64; c.stages = 8; break;
+    }
+    return c;
+}
+
+/// Arguments of the small-M (M <= 64, B [N,K]) split-K kernel, weft::gemm::gemv_kernel.
+struct GemvArgs {
+    const void* a;  ///< [M,K], row stride lda (elements)
+    const void* b;  ///< [N,K], row stride ldb
+    void* d;        ///< [M,N], row stride ldd
+    int64_t lda, ldb, ldd;
+    int32_t m, n, k;
+    int32_t k_per_split;  ///< multiple of 32
+    int32_t num_splits;   ///< gridDim.y
+    int32_t reserved;
+    float* partials;      ///< [num_splits][M][N] fp32 (when num_splits > 1)
+    uint32_t* counters;   ///< [gridDim.x], zero between launches (the last CTA of a column block resets it)
+};
+
+inline constexpr int kGemvThreads = 128;
+inline constexpr int kGemvColsPerCta = 128;  ///< variant 0: 4 warps x 32 columns (variant 1: 4 x 8)
+inline constexpr int kGemvMaxM = 64;
+
+/// Columns of D per CTA of gemv_kernel<..., n_tiles_per_warp>: 4 warps x n_tiles_per_warp n8 tiles.
+WEFT_HOST_DEVICE constexpr int gemv_cols_per_cta(int n_tiles_per_warp) { return 4 * 8 * n_tiles_per_warp; }
+
+}  // namespace weft

@@ -1,0 +1,126 @@
+// SPDX-License-Identifier: MIT
+// Communication hooks of the GEMM: bounded signal wait/notify helpers and the epilogue hooks that raise a
+// signal once a tile's output is in global memory.
+//
+// TODO(device layer): switch the helpers in weft::gemm::detail to weft::device's tile-layer wait/notify
+// (and ptx/ld_st, ptx/fence) when they land; the hook interfaces below stay as they are.
+#pragma once
+
+#include "weft/common/diagnostics.hpp"
+#include "weft/common/gemm_config.hpp"
+#include "weft/ptx/mbarrier.cuh"
+
+namespace weft::gemm {
+namespace detail {
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* addr) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];\n" : "=l"(v) : "l"(addr) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* addr, uint64_t value) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;\n" ::"l"(addr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ void red_release_sys_add(uint64_t* addr, uint64_t value) {
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;\n" ::"l"(addr), "l"(value) : "memory");
+}
+
+/// Records the first timeout of this launch (claimed atomically) and traps.
+__device__ __noinline__ void report_timeout_and_trap(Diagnostic* diag, SpinKind kind, const void* addr,
+                                                     uint64_t expected, uint64_t observed, uint64_t waited_ns,
+                                                     int line) {
+    if (diag != nullptr && atomicCAS(&diag->claimed, 0u, 1u) == 0u) {
+        diag->kind = kind;
+        diag->cmp = Cmp::kGe;
+        diag->rank = -1;
+        diag->block_x = static_cast<int32_t>(blockIdx.x);
+        diag->block_y = static_cast<int32_t>(blockIdx.y);
+        diag->block_z = static_cast<int32_t>(blockIdx.z);
+        diag->thread_x = static_cast<int32_t>(threadIdx.x);
+        diag->signal_addr = reinterpret_cast<uint64_t>(addr);
+        diag->expected = expected;
+        diag->observed = observed;
+        diag->waited_ns = waited_ns;
+        diag->peer = -1;
+        diag->line = line;
+        __threadfence_system();
+        atomicExch(&diag->claimed, 2u);
+        __threadfence_system();
+    }
+    __trap();
+}
+
+/// One thread waits until *flag >= expected (acquire, system scope), with nanosleep backoff, for at most
+/// timeout_ns; on expiry it records a Diagnostic (when given) and traps. Returns the observed value.
+__device__ __forceinline__ uint64_t wait_flag_geq(const uint64_t* flag, uint64_t expected, uint64_t timeout_ns,
+                                                  Diagnostic* diag, int line) {
+    uint64_t v = ld_acquire_sys(flag);
+    if (v >= expected) return v;
+    const uint64_t start = ptx::globaltimer();
+    unsigned sleep_ns = 32;
+    while (true) {
+        __nanosleep(sleep_ns);
+        if (sleep_ns < 1024) sleep_ns *= 2;
+        v = ld_acquire_sys(flag);
+        if (v >= expected) return v;
+        const uint64_t waited = ptx::globaltimer() - start;
+        if (waited > timeout_ns) report_timeout_and_trap(diag, SpinKind::kTileWait, flag, expected, v, waited, line);
+    }
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------------------
+// Epilogue hooks. Interface (a type H):
+//   struct Params { ... };                        trivially copyable kernel argument
+//   static constexpr bool kNotifies;              false: the kernel never waits for stores to complete
+//   __device__ static void after_tile_stored(const Params&, const GemmTile&);
+// after_tile_stored is called by one thread, once per valid tile, after every TMA store of that tile has
+// completed (cp.async.bulk.wait_group 0 in each storing thread, then a barrier of both consumer
+// warpgroups): the tile's data is in global memory. The kernel defers the wait by one tile, so the notify
+// of tile i happens after tile i+1's mainloop (or at the end): stores never stall the tensor cores.
+// ---------------------------------------------------------------------------------------------------------
+
+/// NoEpilogueHook's parameters (none).
+struct NoEpilogueHookParams {
+    int32_t unused = 0;
+};
+
+/// No signal (a plain GEMM).
+struct NoEpilogueHook {
+    using Params = NoEpilogueHookParams;
+    static constexpr bool kNotifies = false;
+    __device__ static void after_tile_stored(const Params&, const GemmTile&) {}
+};
+
+/// How TileSignalHook raises its signal.
+enum class TileSignalMode : int32_t {
+    kSetPerTile = 0,     ///< flags[m_idx * num_n_tiles + n_idx] = value (st.release.sys)
+    kAddPerTileRow = 1,  ///< flags[m_idx] += value (red.release.sys.add): a counter per row of tiles
+};
+
+/// TileSignalHook's parameters.
+struct TileSignalParams {
+    uint64_t* flags;      ///< kSetPerTile: [num_m_tiles * num_n_tiles]; kAddPerTileRow: [num_m_tiles]
+    uint64_t value;       ///< generation (set) or increment (add)
+    int32_t num_n_tiles;  ///< row length of the per-tile flag array
+    TileSignalMode mode;
+};
+
+/// Raises a system-scope signal per finished tile: a generation value per tile, or a counter per tile row
+/// (a waiter of the counter form waits for num_n_tiles * value per generation).
+struct TileSignalHook {
+    using Params = TileSignalParams;
+    static constexpr bool kNotifies = true;
+    __device__ static void after_tile_stored(const Params& p, const GemmTile& t) {
+        if (p.mode == TileSignalMode::kSetPerTile) {
+            detail::st_release_sys(p.flags + static_cast<int64_t>(t.m_idx) * p.num_n_tiles + t.n_idx, p.value);
+        } else {
+            detail::red_release_sys_add(p.flags + t.m_idx, p.value);
+        }
+    }
+};
+
+}  // namespace weft::gemm

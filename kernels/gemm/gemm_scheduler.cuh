@@ -1,0 +1,103 @@
+// SPDX-License-Identifier: MIT
+// Tile schedulers of the persistent GEMM: which tiles a CTA computes, in which order, and what the
+// producer waits for before it loads a tile's rows of A.
+//
+// Interface (a type S, the kernel's Scheduler template argument):
+//   struct Params { ... };                                 trivially copyable kernel argument
+//   __device__ S(const Params&, const GemmArgs&);          built by every thread of the CTA
+//   __device__ int32_t num_tiles() const;                  tiles this CTA computes
+//   __device__ GemmTile tile(int32_t i) const;             its i-th tile (same answer in every warp role)
+//   __device__ device::Token wait_before_load(const GemmTile&) const;
+//        called by the producer thread before it TMA-loads the A rows of tile `tile`; returns the Token
+//        that the A loads take (Token::assume_local_data() when nothing is awaited).
+// CTAs of a cluster must get tiles of the same cluster tile in the same order (GemmTileGrid does this).
+#pragma once
+
+#include "gemm/gemm_hooks.cuh"
+#include "weft/common/gemm_config.hpp"
+#include "weft/device/token.cuh"
+#include "weft/ptx/mbarrier.cuh"
+#include "weft/ptx/tma.cuh"
+
+namespace weft::gemm {
+
+// NOTE: parameter structs live at namespace scope (not nested in the class templates) so that nvcc's host
+// stubs of kernels taking them never have to spell a class-type template argument.
+
+/// PersistentScheduler's parameters (none).
+struct PersistentSchedulerParams {
+    int32_t unused = 0;
+};
+
+/// ChunkWaitScheduler's parameters.
+struct ChunkWaitParams {
+    const uint64_t* flags;   ///< one signal per chunk of A rows
+    int32_t rows_per_chunk;  ///< rows of A per signal
+    int32_t reserved;
+    uint64_t expected;       ///< generation to wait for (>=)
+    uint64_t timeout_ns;     ///< bound on each wait
+    Diagnostic* diag;        ///< where a timeout is recorded (host-mapped), or nullptr
+};
+
+/// Persistent striding over the swizzled tile grid: cluster c takes cluster tiles c, c + C, c + 2C, ...
+/// where C is the number of clusters in the grid. Waits for nothing.
+template <GemmConfig kCfg>
+class PersistentScheduler {
+public:
+    using Params = PersistentSchedulerParams;
+    static constexpr int32_t kClusterSize = kCfg.cluster_m * kCfg.cluster_n;
+
+    __device__ PersistentScheduler(const Params&, const GemmArgs& args)
+        : grid_(kCfg, args.m, args.n),
+          cluster_idx_(static_cast<int32_t>(blockIdx.x) / kClusterSize),
+          num_clusters_(static_cast<int32_t>(gridDim.x) / kClusterSize),
+          cta_rank_(kClusterSize == 1 ? 0 : static_cast<int32_t>(ptx::cluster_cta_rank())) {}
+
+    __device__ int32_t num_tiles() const {
+        const int32_t total = grid_.num_cluster_tiles();
+        return cluster_idx_ < total ? (total - 1 - cluster_idx_) / num_clusters_ + 1 : 0;
+    }
+    __device__ GemmTile tile(int32_t i) const { return grid_.tile(cluster_idx_ + i * num_clusters_, cta_rank_); }
+    __device__ device::Token wait_before_load(const GemmTile&) const { return device::Token::assume_local_data(); }
+
+    __device__ const GemmTileGrid& grid() const { return grid_; }
+
+private:
+    GemmTileGrid grid_;
+    int32_t cluster_idx_, num_clusters_, cta_rank_;
+};
+
+/// Persistent striding as above, but before loading the A rows of a tile the producer waits until the
+/// signal of every chunk of `rows_per_chunk` rows that the tile touches is >= `expected` (another kernel,
+/// stream or GPU writes A chunk by chunk and raises flags[chunk] with release semantics). This is the hook
+/// an AllGather+GEMM uses; here it is generic over who writes the chunks.
+template <GemmConfig kCfg>
+class ChunkWaitScheduler {
+public:
+    using Params = ChunkWaitParams;
+
+    __device__ ChunkWaitScheduler(const Params& p, const GemmArgs& args) : base_({}, args), p_(p), m_(args.m) {}
+
+    __device__ int32_t num_tiles() const { return base_.num_tiles(); }
+    __device__ GemmTile tile(int32_t i) const { return base_.tile(i); }
+
+    __device__ device::Token wait_before_load(const GemmTile& t) const {
+        uint64_t observed = p_.expected;
+        const int32_t last_row = (t.m0 + kCfg.tile_m < m_ ? t.m0 + kCfg.tile_m : m_) - 1;
+        if (t.m0 < m_) {
+            for (int32_t c = t.m0 / p_.rows_per_chunk; c <= last_row / p_.rows_per_chunk; ++c) {
+                observed = detail::wait_flag_geq(p_.flags + c, p_.expected, p_.timeout_ns, p_.diag, __LINE__);
+            }
+        }
+        // The chunks were written through the generic proxy; the TMA loads that follow use the async proxy.
+        ptx::fence_proxy_async_global();
+        return device::Token(static_cast<unsigned>(observed));
+    }
+
+private:
+    PersistentScheduler<kCfg> base_;
+    Params p_;
+    int32_t m_;
+};
+
+}  // namespace weft::gemm

@@ -1,0 +1,425 @@
+// SPDX-License-Identifier: MIT
+// weft's sm_90a GEMM kernel: persistent, warp-specialised (one TMA producer warpgroup, two wgmma consumer
+// warpgroups), mbarrier ring over 128B-swizzled shared memory, stmatrix + TMA-store epilogue, optional
+// 2-CTA cluster with TMA multicast, and the scheduler / epilogue hooks that communication kernels use.
+//
+//   D[M,N] = A[M,K] * B     A row-major; B [N,K] row-major (BLayout::kNK) or [K,N] row-major (kKN)
+//
+// The picture, schedule and pitfalls are in kernels/gemm/README.md. One instantiation per
+// (GemmConfig, Scheduler, Hook); the host (weft::ops::gemm) builds the tensor maps and launches it.
+#pragma once
+
+#include "gemm/gemm_hooks.cuh"
+#include "gemm/gemm_scheduler.cuh"
+#include "weft/common/gemm_config.hpp"
+#include "weft/device/token.cuh"
+#include "weft/ptx/matrix.cuh"
+#include "weft/ptx/mbarrier.cuh"
+#include "weft/ptx/setmaxnreg.cuh"
+#include "weft/ptx/tma.cuh"
+#include "weft/ptx/wgmma.cuh"
+
+namespace weft::gemm {
+namespace detail {
+
+/// Compile-time facts derived from a config.
+template <GemmConfig kCfg>
+struct GemmTraits {
+    static constexpr GemmSmemPlan kPlan = gemm_smem_plan(kCfg);
+    static constexpr int kClusterSize = kCfg.cluster_m * kCfg.cluster_n;
+    static constexpr int kSlabs = kCfg.tile_m / (kGemmConsumerWarpgroups * kGemmSlabRows);  // per consumer
+    static constexpr int kAccPerSlab = kCfg.tile_n / 2;
+    static constexpr int kKSteps = kCfg.tile_k / 16;
+    static constexpr bool kIsBF16 = kCfg.in_dtype == DType::kBF16;
+    static constexpr int kTransB = kCfg.b_layout == BLayout::kKN ? 1 : 0;
+    static constexpr int kEpiCols = gemm_epi_cols(kCfg);
+    static constexpr int kEpiSubtiles = kCfg.tile_n / kEpiCols;
+    static constexpr int kConsumerWarps = kGemmConsumerWarpgroups * 4;
+    static constexpr int kRowBytes = kCfg.tile_k * 2;  // 128: one swizzle row
+    // Multicast split of the shared operand between the two CTAs of a cluster.
+    static constexpr int kARowsPerCta = kCfg.tile_m / kCfg.cluster_n;
+    static constexpr int kBRowsPerCta = kCfg.tile_n / kCfg.cluster_m;        // kNK: rows of B[N,K]
+    static constexpr int kBChunks = kCfg.tile_n / 64;                          // kKN: 64-column boxes
+    static constexpr int kBChunksPerCta = kBChunks / kCfg.cluster_m;
+    static constexpr int kBChunkBytes = kCfg.tile_k * 128;                     // kKN: 64 k-rows x 128 B
+    static_assert(kRowBytes == 128, "tile_k must span one 128-byte swizzle row");
+};
+
+// Named barrier ids (0 is __syncthreads): one per consumer warpgroup, one for both.
+inline constexpr int kBarConsumer0 = 1;
+inline constexpr int kBarBothConsumers = 3;
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+/// Two floats to packed 16-bit (lo in the low half).
+template <DType kOut>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    unsigned r;
+    if constexpr (kOut == DType::kBF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+
+__device__ __forceinline__ void st_shared_v2_f32(unsigned addr, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+
+/// Pipeline wait that traps when the bound passes (a stuck pipeline is a kernel bug, not a slow peer).
+/// Inline on purpose: no call may sit in the mainloop.
+template <bool kClusterScope>
+__device__ __forceinline__ void pipeline_wait(unsigned bar, unsigned parity, uint64_t timeout_ns) {
+    if (!ptx::mbarrier_wait_parity_bounded<kClusterScope>(bar, parity, timeout_ns)) __trap();
+}
+
+/// Producer: one thread walks this CTA's tiles and k-blocks, waits for a free stage, and issues the TMA
+/// loads of A (after the scheduler's wait, whose Token it takes) and B into it.
+template <GemmConfig kCfg, class Scheduler>
+__device__ __forceinline__ void producer_loop(const Scheduler& sched, const ptx::TmaDescriptor* tma_a,
+                                              const ptx::TmaDescriptor* tma_b, unsigned smem_base,
+                                              unsigned bar_full0, unsigned bar_empty0, int32_t num_k_blocks,
+                                              uint64_t timeout_ns) {
+    using T = GemmTraits<kCfg>;
+    const int cta_rank = T::kClusterSize == 1 ? 0 : static_cast<int>(ptx::cluster_cta_rank());
+    const unsigned short all_ctas = static_cast<unsigned short>((1u << T::kClusterSize) - 1u);
+    unsigned stage = 0, phase = 0;
+    const int32_t num_tiles = sched.num_tiles();
+    for (int32_t i = 0; i < num_tiles; ++i) {
+        const GemmTile tile = sched.tile(i);
+        const device::Token token = sched.wait_before_load(tile);
+        (void)token;  // NOTE: the A loads below are the loads the token guards
+        for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
+            const unsigned full = bar_full0 + 8 * stage;
+            pipeline_wait<(T::kClusterSize > 1)>(bar_empty0 + 8 * stage, phase ^ 1u, timeout_ns);
+            ptx::mbarrier_arrive_expect_tx(full, T::kPlan.stage_bytes);
+            const unsigned a_dst = smem_base + stage * T::kPlan.stage_bytes;
+            const unsigned b_dst = a_dst + T::kPlan.a_stage_bytes;
+            const int k0 = kb * kCfg.tile_k;
+            // A: [tile_m rows][64 k], 128B swizzle. With cluster_n = 2 each CTA loads half the rows for both.
+            if constexpr (kCfg.cluster_n == 1) {
+                ptx::tma_load_2d(a_dst, tma_a, full, k0, tile.m0);
+            } else {
+                const int half = cta_rank;
+                ptx::tma_load_2d_multicast(a_dst + half * T::kARowsPerCta * T::kRowBytes, tma_a, full, k0,
+                                           tile.m0 + half * T::kARowsPerCta, all_ctas);
+            }
+            // B: kNK: [tile_n rows][64 k]; kKN: tile_n/64 boxes of [64 k rows][64 n].
+            if constexpr (kCfg.b_layout == BLayout::kNK) {
+                if constexpr (kCfg.cluster_m == 1) {
+                    ptx::tma_load_2d(b_dst, tma_b, full, k0, tile.n0);
+                } else {
+                    const int half = cta_rank;
+                    ptx::tma_load_2d_multicast(b_dst + half * T::kBRowsPerCta * T::kRowBytes, tma_b, full, k0,
+                                               tile.n0 + half * T::kBRowsPerCta, all_ctas);
+                }
+            } else {
+#pragma unroll
+                for (int c = 0; c < T::kBChunksPerCta; ++c) {
+                    const int chunk = (kCfg.cluster_m == 1 ? 0 : cta_rank * T::kBChunksPerCta) + c;
+                    if constexpr (kCfg.cluster_m == 1) {
+                        ptx::tma_load_2d(b_dst + chunk * T::kBChunkBytes, tma_b, full, tile.n0 + chunk * 64, k0);
+                    } else {
+                        ptx::tma_load_2d_multicast(b_dst + chunk * T::kBChunkBytes, tma_b, full,
+                                                   tile.n0 + chunk * 64, k0, all_ctas);
+                    }
+                }
+            }
+            if (++stage == static_cast<unsigned>(kCfg.stages)) {
+                stage = 0;
+                phase ^= 1u;
+            }
+        }
+    }
+}
+
+/// Frees a stage: one arrival per consumer warp on the stage's empty barrier in every CTA of the cluster
+/// (each CTA's producer writes into every CTA's stage when multicasting).
+template <GemmConfig kCfg>
+__device__ __forceinline__ void release_stage(unsigned bar_empty, int lane) {
+    using T = GemmTraits<kCfg>;
+    if (lane == 0) {
+        if constexpr (T::kClusterSize == 1) {
+            ptx::mbarrier_arrive(bar_empty);
+        } else {
+#pragma unroll
+            for (int c = 0; c < T::kClusterSize; ++c) ptx::mbarrier_arrive_cluster(bar_empty, static_cast<unsigned>(c));
+        }
+    }
+}
+
+/// Writes columns [j * kEpiCols, (j+1) * kEpiCols) of one 64-row accumulator slab into a staging buffer of
+/// 64 rows x 128 bytes, 128B-swizzled (the layout the TMA store box reads).
+template <GemmConfig kCfg, int kJ>
+__device__ __forceinline__ void stage_subtile(const float (&acc)[GemmTraits<kCfg>::kAccPerSlab], unsigned buf,
+                                              int warp_in_wg, int lane) {
+    using T = GemmTraits<kCfg>;
+    if constexpr (kCfg.out_dtype == DType::kF32) {
+        // 32 columns = 4 groups of 8; each thread owns 2 adjacent columns in rows r and r + 8.
+        const int row0 = warp_in_wg * 16 + lane / 4;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            constexpr int kGroupsPerSubtile = 4;
+            const int g = kJ * kGroupsPerSubtile + q;
+            const int col_byte = q * 32 + (lane % 4) * 8;
+            const unsigned addr = buf + row0 * 128 + ((((col_byte >> 4) ^ (row0 & 7))) << 4) + (col_byte & 15);
+            st_shared_v2_f32(addr, acc[4 * g + 0], acc[4 * g + 1]);
+            st_shared_v2_f32(addr + 8 * 128, acc[4 * g + 2], acc[4 * g + 3]);
+        }
+    } else {
+        // 64 columns = 8 groups of 8; one stmatrix.x4 stores two groups (rows 0-7 and 8-15 of this warp).
+        const int mi = lane / 8;
+        const int row = warp_in_wg * 16 + (mi & 1) * 8 + (lane % 8);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const int g = kJ * 8 + 2 * p;
+            const unsigned r0 = pack2<kCfg.out_dtype>(acc[4 * g + 0], acc[4 * g + 1]);
+            const unsigned r1 = pack2<kCfg.out_dtype>(acc[4 * g + 2], acc[4 * g + 3]);
+            const unsigned r2 = pack2<kCfg.out_dtype>(acc[4 * g + 4], acc[4 * g + 5]);
+            const unsigned r3 = pack2<kCfg.out_dtype>(acc[4 * g + 6], acc[4 * g + 7]);
+            const int chunk = 2 * p + (mi >> 1);
+            const unsigned addr = buf + row * 128 + ((chunk ^ (row & 7)) << 4);
+            ptx::stmatrix_x4(addr, r0, r1, r2, r3);
+        }
+    }
+    (void)T::kEpiCols;
+}
+
+/// Epilogue of one 64-row slab: for each 128-byte-wide column block, registers -> swizzled shared buffer
+/// (double-buffered per warpgroup) -> one TMA store issued by the warpgroup's first thread.
+template <GemmConfig kCfg, int kJ = 0>
+__device__ __forceinline__ void store_slab(const float (&acc)[GemmTraits<kCfg>::kAccPerSlab],
+                                           const ptx::TmaDescriptor* tma_d, unsigned epi_base, int wg,
+                                           int tid, unsigned& epi_count, int row0, int col0, bool valid,
+                                           const GemmArgs& args) {
+    using T = GemmTraits<kCfg>;
+    if constexpr (kJ < T::kEpiSubtiles) {
+        const unsigned buf = epi_base + (wg * 2 + (epi_count & 1u)) * T::kPlan.epi_buf_bytes;
+        if (tid == 0) ptx::tma_wait_group_read<1>();  // the store that last read this buffer is done reading
+        named_barrier_sync(kBarConsumer0 + wg, 128);
+        stage_subtile<kCfg, kJ>(acc, buf, tid / 32, tid % 32);
+        ptx::fence_proxy_async_shared_cta();  // st.shared/stmatrix -> TMA (async proxy)
+        named_barrier_sync(kBarConsumer0 + wg, 128);
+        if (tid == 0) {
+            const int c0 = col0 + kJ * T::kEpiCols;
+            if (valid && c0 < args.n_tma && row0 < args.m) ptx::tma_store_2d(tma_d, buf, c0, row0);
+            ptx::tma_commit_group();
+        }
+        ++epi_count;
+        store_slab<kCfg, kJ + 1>(acc, tma_d, epi_base, wg, tid, epi_count, row0, col0, valid, args);
+    }
+}
+
+template <DType kOut>
+__device__ __forceinline__ void st_global_elem(void* base, int64_t idx, float v) {
+    if constexpr (kOut == DType::kF32) {
+        static_cast<float*>(base)[idx] = v;
+    } else {
+        unsigned short h;
+        if constexpr (kOut == DType::kBF16) {
+            asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(v));
+        } else {
+            asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(v));
+        }
+        static_cast<unsigned short*>(base)[idx] = h;
+    }
+}
+
+/// Columns [n_tma, N) of one slab (less than 16 bytes per row) with plain stores: a TMA store box would
+/// write the whole 16-byte chunk and overwrite the row padding past N.
+template <GemmConfig kCfg>
+__device__ __forceinline__ void store_slab_tail(const float (&acc)[GemmTraits<kCfg>::kAccPerSlab], int row0, int col0,
+                                                int warp_in_wg, int lane, const GemmArgs& args) {
+    const int r_lo = row0 + warp_in_wg * 16 + lane / 4;
+    const int r_hi = r_lo + 8;
+#pragma unroll
+    for (int g = 0; g < kCfg.tile_n / 8; ++g) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int c = col0 + 8 * g + 2 * (lane % 4) + e;
+            if (c >= args.n_tma && c < args.n) {
+                if (r_lo < args.m) st_global_elem<kCfg.out_dtype>(args.d, r_lo * args.ldd + c, acc[4 * g + e]);
+                if (r_hi < args.m) st_global_elem<kCfg.out_dtype>(args.d, r_hi * args.ldd + c, acc[4 * g + 2 + e]);
+            }
+        }
+    }
+}
+
+/// The deferred notify: every store issued so far (those of `tile`) has completed; raise the hook.
+template <class Hook>
+__device__ __forceinline__ void notify_stored(const typename Hook::Params& hook_params, const GemmTile& tile,
+                                              int wg, int tid) {
+    if (tid == 0) ptx::tma_wait_group<0>();
+    named_barrier_sync(kBarBothConsumers, kGemmConsumerWarpgroups * 128);
+    if (wg == 0 && tid == 0 && tile.valid) Hook::after_tile_stored(hook_params, tile);
+}
+
+template <GemmConfig kCfg, class Scheduler, class Hook>
+__device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx::TmaDescriptor* tma_d,
+                                              unsigned smem_base, unsigned bar_full0, unsigned bar_empty0,
+                                              int32_t num_k_blocks, const GemmArgs& args,
+                                              const typename Hook::Params& hook_params) {
+    using T = GemmTraits<kCfg>;
+    const int wg = static_cast<int>(threadIdx.x) / 128 - 1;
+    const int tid = static_cast<int>(threadIdx.x) % 128;
+    const int lane = tid % 32;
+    const unsigned epi_base = smem_base + T::kPlan.epi_offset;
+
+    float acc[T::kSlabs][T::kAccPerSlab];
+    unsigned stage = 0, phase = 0;
+    unsigned epi_count = 0;
+    GemmTile pending{};
+    bool has_pending = false;
+
+    const int32_t num_tiles = sched.num_tiles();
+    for (int32_t i = 0; i < num_tiles; ++i) {
+        const GemmTile tile = sched.tile(i);
+
+        // ---- mainloop: wait for a full stage, issue tile_k/16 wgmma per slab, free the previous stage ----
+        unsigned prev_stage = 0;
+        for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
+            pipeline_wait<false>(bar_full0 + 8 * stage, phase, args.timeout_ns);
+            const unsigned a_base = smem_base + stage * T::kPlan.stage_bytes +
+                                    wg * T::kSlabs * kGemmSlabRows * T::kRowBytes;
+            const unsigned b_base = smem_base + stage * T::kPlan.stage_bytes + T::kPlan.a_stage_bytes;
+#pragma unroll
+            for (int s = 0; s < T::kSlabs; ++s) ptx::wgmma_fence_operands(acc[s]);
+            ptx::wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < T::kKSteps; ++kk) {
+                unsigned long long desc_b;
+                if constexpr (kCfg.b_layout == BLayout::kNK) {
+                    desc_b = ptx::make_smem_desc(b_base + kk * 32, 16, 1024, ptx::SmemSwizzle::k128B);
+                } else {
+                    desc_b = ptx::make_smem_desc(b_base + kk * 16 * 128, T::kBChunkBytes, 1024,
+                                                 ptx::SmemSwizzle::k128B);
+                }
+#pragma unroll
+                for (int s = 0; s < T::kSlabs; ++s) {
+                    const unsigned long long desc_a = ptx::make_smem_desc(
+                        a_base + s * kGemmSlabRows * T::kRowBytes + kk * 32, 16, 1024, ptx::SmemSwizzle::k128B);
+                    ptx::wgmma<kCfg.tile_n, T::kIsBF16, T::kTransB>(acc[s], desc_a, desc_b,
+                                                                     (kb > 0 || kk > 0) ? 1 : 0);
+                }
+            }
+            ptx::wgmma_commit_group();
+#pragma unroll
+            for (int s = 0; s < T::kSlabs; ++s) ptx::wgmma_fence_operands(acc[s]);
+            if (kb > 0) {
+                ptx::wgmma_wait_group<1>();  // the previous k-block's wgmma have read their stage
+                release_stage<kCfg>(bar_empty0 + 8 * prev_stage, lane);
+            }
+            prev_stage = stage;
+            if (++stage == static_cast<unsigned>(kCfg.stages)) {
+                stage = 0;
+                phase ^= 1u;
+            }
+        }
+        ptx::wgmma_wait_group<0>();
+#pragma unroll
+        for (int s = 0; s < T::kSlabs; ++s) ptx::wgmma_fence_operands(acc[s]);
+        release_stage<kCfg>(bar_empty0 + 8 * prev_stage, lane);
+
+        // ---- the previous tile's stores have had a whole mainloop to land: signal it now ----
+        if constexpr (Hook::kNotifies) {
+            if (has_pending) notify_stored<Hook>(hook_params, pending, wg, tid);
+        }
+
+        // ---- epilogue: registers -> shared -> TMA store (asynchronous; overlaps the next mainloop) ----
+        const bool ragged = tile.valid && args.n_tma < args.n && tile.n0 + kCfg.tile_n > args.n_tma;
+#pragma unroll
+        for (int s = 0; s < T::kSlabs; ++s) {
+            const int row0 = tile.m0 + (wg * T::kSlabs + s) * kGemmSlabRows;
+            store_slab<kCfg>(acc[s], tma_d, epi_base, wg, tid, epi_count, row0, tile.n0, tile.valid, args);
+            if (ragged) store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args);
+        }
+        pending = tile;
+        has_pending = true;
+    }
+    if constexpr (Hook::kNotifies) {
+        if (has_pending) notify_stored<Hook>(hook_params, pending, wg, tid);
+    }
+    if (tid == 0) ptx::tma_wait_group<0>();  // shared memory stays valid until every store has read it
+}
+
+}  // namespace detail
+
+/// The whole GEMM as a device function: gemm_kernel (NVRTC/JIT) and the ahead-of-time entry points below
+/// are thin __global__ wrappers around it. Contract of a launch: kGemmThreads threads,
+/// gemm_smem_plan(kCfg).alloc_bytes of dynamic shared memory, a grid that is a multiple of the cluster size
+/// (cluster dims cluster_m * cluster_n, 1, 1), one CTA per SM (persistent: grid <= SM budget). Tensor maps
+/// (weft::ops::detail::make_gemm_tensor_maps), all 128B-swizzled:
+///   tma_a: A [M,K], box {64, tile_m / cluster_n}; tma_b: B, box {64, tile_n / cluster_m} (kNK) or {64, 64}
+///   (kKN); tma_d: D [M, n_tma], box {128 bytes of columns, 64} (args.n_tma: see GemmArgs).
+template <GemmConfig kCfg, class Scheduler, class Hook>
+__device__ __forceinline__ void gemm_device(const ptx::TmaDescriptor* tma_a, const ptx::TmaDescriptor* tma_b,
+                                            const ptx::TmaDescriptor* tma_d, const GemmArgs& args,
+                                            const typename Scheduler::Params& sched_params,
+                                            const typename Hook::Params& hook_params) {
+    static_assert(is_valid(kCfg), "invalid GemmConfig (see weft::is_valid)");
+    using T = detail::GemmTraits<kCfg>;
+    extern __shared__ __align__(1024) unsigned char gemm_smem[];
+    const unsigned smem_base = (ptx::shared_address(gemm_smem) + 1023u) & ~1023u;
+    const unsigned bar_full0 = smem_base + T::kPlan.bar_offset;
+    const unsigned bar_empty0 = bar_full0 + 8 * kCfg.stages;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kCfg.stages; ++s) {
+            ptx::mbarrier_init(bar_full0 + 8 * s, 1);
+            ptx::mbarrier_init(bar_empty0 + 8 * s, T::kConsumerWarps * T::kClusterSize);
+        }
+        ptx::fence_mbarrier_init();
+    }
+    if constexpr (T::kClusterSize > 1) {
+        ptx::cluster_sync();
+    } else {
+        __syncthreads();
+    }
+
+    const Scheduler sched(sched_params, args);
+    const int32_t num_k_blocks = (args.k + kCfg.tile_k - 1) / kCfg.tile_k;
+
+    if (threadIdx.x / 128 == 0) {
+        ptx::setmaxnreg_dec<kGemmProducerRegs>();
+        if (threadIdx.x == 0) {
+            ptx::tma_prefetch_descriptor(tma_a);
+            ptx::tma_prefetch_descriptor(tma_b);
+            ptx::tma_prefetch_descriptor(tma_d);
+            detail::producer_loop<kCfg>(sched, tma_a, tma_b, smem_base, bar_full0, bar_empty0, num_k_blocks,
+                                        args.timeout_ns);
+        }
+    } else {
+        ptx::setmaxnreg_inc<kGemmConsumerRegs>();
+        detail::consumer_loop<kCfg, Scheduler, Hook>(sched, tma_d, smem_base, bar_full0, bar_empty0, num_k_blocks,
+                                                     args, hook_params);
+    }
+    // A CTA must not exit while its cluster partner may still arrive on its barriers or multicast into it.
+    if constexpr (T::kClusterSize > 1) ptx::cluster_sync();
+}
+
+/// The kernel the JIT instantiates: "weft::gemm::gemm_kernel<weft::GemmConfig{...}, Scheduler, Hook>".
+template <GemmConfig kCfg, class Scheduler, class Hook>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    gemm_kernel(const __grid_constant__ ptx::TmaDescriptor tma_a, const __grid_constant__ ptx::TmaDescriptor tma_b,
+                const __grid_constant__ ptx::TmaDescriptor tma_d, const GemmArgs args,
+                const typename Scheduler::Params sched_params, const typename Hook::Params hook_params) {
+    gemm_device<kCfg, Scheduler, Hook>(&tma_a, &tma_b, &tma_d, args, sched_params, hook_params);
+}
+
+/// Ahead-of-time (nvcc) entry point of candidate kIndex with the default scheduler and no hook. Integer and
+/// enum template arguments only: nvcc's host stubs cannot spell a class-type template argument.
+template <int kIndex, DType kIn, DType kOut, BLayout kLayout>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    gemm_candidate_kernel(const __grid_constant__ ptx::TmaDescriptor tma_a,
+                          const __grid_constant__ ptx::TmaDescriptor tma_b,
+                          const __grid_constant__ ptx::TmaDescriptor tma_d, const GemmArgs args,
+                          const PersistentSchedulerParams sched_params, const NoEpilogueHookParams hook_params) {
+    constexpr GemmConfig kCfg = gemm_candidate(kIndex, kIn, kOut, kLayout);
+    gemm_device<kCfg, PersistentScheduler<kCfg>, NoEpilogueHook>(&tma_a, &tma_b, &tma_d, args, sched_params,
+                                                                 hook_params);
+}
+
+}  // namespace weft::gemm

@@ -1,0 +1,520 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::gemm: argument validation, path/config heuristics, tensor maps, kernel registry and launch.
+#include "weft/ops/gemm.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <set>
+#include <tuple>
+#include <sstream>
+#include <utility>
+
+#include "weft/runtime/driver.hpp"
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+
+namespace weft::ops {
+namespace {
+
+constexpr int64_t kMaxCoord = (int64_t{1} << 31) - 1;  // TMA coordinates are int32
+constexpr int64_t kMaxStrideBytes = int64_t{1} << 40;   // TMA global strides
+
+const char* layout_name(BLayout l) { return l == BLayout::kNK ? "[N,K] row-major" : "[K,N] row-major"; }
+
+void check_matrix(const TensorView& v, const char* name, const char* shape_text) {
+    WEFT_CHECK(v.ndim == 2, "gemm: " << name << " must be a 2-D matrix " << shape_text << ", got " << v.ndim
+                                     << " dimensions (" << v.describe() << ")");
+    WEFT_CHECK(v.dim(0) >= 0 && v.dim(1) >= 0, "gemm: " << name << " has a negative extent: " << v.describe());
+    WEFT_CHECK(v.dim(1) <= 1 || v.stride(1) == 1,
+               "gemm: " << name << " must be row-major (inner stride 1), got " << v.describe());
+    WEFT_CHECK(v.dim(0) <= 1 || v.stride(0) >= v.dim(1),
+               "gemm: " << name << "'s row stride must be >= its row length " << v.dim(1) << ", got "
+                        << v.describe());
+    WEFT_CHECK(v.dim(0) <= kMaxCoord && v.dim(1) <= kMaxCoord,
+               "gemm: " << name << "'s extents must fit in 31 bits (TMA coordinates), got " << v.describe());
+    if (v.numel() == 0) return;
+    WEFT_CHECK(v.data != nullptr, "gemm: " << name << " has a null data pointer (" << v.describe() << ")");
+    const auto addr = reinterpret_cast<uintptr_t>(v.data);
+    WEFT_CHECK(addr % 16 == 0, "gemm: " << name << "'s base address must be 16-byte aligned (TMA), got 0x"
+                                        << std::hex << addr << std::dec);
+    const int64_t row_bytes = (v.dim(0) <= 1 ? std::max<int64_t>(v.stride(0), v.dim(1)) : v.stride(0)) *
+                              dtype_bytes(v.dtype);
+    WEFT_CHECK(v.dim(0) <= 1 || row_bytes % 16 == 0,
+               "gemm: " << name << "'s row stride must be a multiple of 16 bytes (TMA), got " << v.stride(0)
+                        << " elements = " << row_bytes << " bytes (" << v.describe() << ")");
+    WEFT_CHECK(row_bytes < kMaxStrideBytes, "gemm: " << name << "'s row stride is too large for TMA: " << row_bytes
+                                                     << " bytes");
+}
+
+int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// Relative cost of one tile's worth of MMAs: larger tiles reuse shared memory better (measured ratios are
+// in kernels/gemm/README.md; these are the planning estimates).
+double tile_efficiency(const GemmConfig& c) {
+    const int area = c.tile_m * c.tile_n;
+    if (area >= 128 * 256) return 1.0;
+    if (area >= 128 * 192) return 0.96;
+    if (area >= 128 * 128) return 0.92;  // run 3: 128x128 beat 128x192/128x256 on 8192x1792x4096
+    return 0.70;
+}
+
+struct GemvKey {
+    int m_tiles;
+    DType in, out;
+    int variant;
+    bool operator<(const GemvKey& o) const {
+        return std::tie(m_tiles, in, out, variant) < std::tie(o.m_tiles, o.in, o.out, o.variant);
+    }
+};
+
+struct Registry {
+    std::mutex mutex;
+    std::vector<std::pair<GemmConfig, const void*>> tiled;
+    std::map<GemvKey, const void*> gemv;
+    std::set<const void*> smem_configured;
+};
+
+Registry& registry() {
+    static Registry r;
+    return r;
+}
+
+// Per-(device, stream) scratch for the small-M path: split-K counters (zero between calls: each call's last
+// CTA resets its counter) and fp32 partial sums. The counters get their own allocation so that a later call
+// with another shape never finds partial sums where it expects zero counters. Outgrown buffers are kept
+// (launches already enqueued may still use them); growth doubles.
+struct SmallMScratch {
+    void* counters = nullptr;
+    size_t counter_bytes = 0;
+    void* partials = nullptr;
+    size_t partial_bytes = 0;
+};
+
+SmallMScratch small_m_scratch(size_t counter_bytes, size_t partial_bytes, cudaStream_t stream) {
+    static std::mutex mutex;
+    static std::map<std::pair<int, cudaStream_t>, SmallMScratch> cache;
+    int device = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> lock(mutex);
+    SmallMScratch& w = cache[{device, stream}];
+    if (w.counter_bytes < counter_bytes) {
+        const size_t grow = std::max(counter_bytes, 2 * w.counter_bytes);
+        void* p = nullptr;
+        WEFT_CUDA_CHECK(cudaMalloc(&p, grow));
+        WEFT_CUDA_CHECK(cudaMemsetAsync(p, 0, grow, stream));
+        w.counters = p;
+        w.counter_bytes = grow;
+    }
+    if (w.partial_bytes < partial_bytes) {
+        const size_t grow = std::max(partial_bytes, 2 * w.partial_bytes);
+        void* p = nullptr;
+        WEFT_CUDA_CHECK(cudaMalloc(&p, grow));
+        w.partials = p;
+        w.partial_bytes = grow;
+        WEFT_LOG_DEBUG("gemm: small-M partials " << grow << " bytes on device " << device);
+    }
+    return w;
+}
+
+size_t round256(size_t x) { return (x + 255) / 256 * 256; }
+
+CUtensorMapDataType tma_dtype(DType t) {
+    switch (t) {
+        case DType::kBF16: return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+        case DType::kF16: return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+        case DType::kF32: return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+        default: break;
+    }
+    WEFT_FAIL("gemm: no tensor-map type for dtype " << dtype_name(t));
+}
+
+void encode_2d(CUtensorMap* map, const TensorView& v, const char* name, uint64_t inner, uint64_t outer,
+               uint32_t box_inner, uint32_t box_outer) {
+    const uint64_t dims[2] = {inner, outer};
+    uint64_t stride_bytes = 0;
+    if (outer <= 1) {
+        // One row: the stride is never followed, but must be legal (a multiple of 16 bytes): round it up.
+        const int64_t row_elems = std::max<int64_t>(v.stride(0), static_cast<int64_t>(inner));
+        stride_bytes = (static_cast<uint64_t>(row_elems) * static_cast<uint64_t>(dtype_bytes(v.dtype)) + 15u) / 16u * 16u;
+    } else {
+        stride_bytes = static_cast<uint64_t>(v.stride(0)) * static_cast<uint64_t>(dtype_bytes(v.dtype));
+        WEFT_CHECK(stride_bytes % 16 == 0, "gemm: " << name << "'s row stride must be a multiple of 16 bytes (TMA), got "
+                                                    << v.stride(0) << " elements (" << v.describe() << ")");
+    }
+    const uint64_t strides[1] = {stride_bytes};
+    const uint32_t box[2] = {box_inner, box_outer};
+    const uint32_t elem_strides[2] = {1, 1};
+    const CUresult r = driver().cuTensorMapEncodeTiled(
+        map, tma_dtype(v.dtype), 2, v.data, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        WEFT_FAIL("gemm: cuTensorMapEncodeTiled failed for " << name << " (" << v.describe() << ", box {"
+                                                             << box_inner << ", " << box_outer
+                                                             << "}): CUresult " << static_cast<int>(r));
+    }
+}
+
+}  // namespace
+
+GemmProblem validate_gemm_args(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout) {
+    WEFT_CHECK(b_layout == BLayout::kNK || b_layout == BLayout::kKN,
+               "gemm: b_layout must be BLayout::kNK or BLayout::kKN, got " << static_cast<int>(b_layout));
+    check_matrix(a, "a", "[M,K]");
+    check_matrix(b, "b", b_layout == BLayout::kNK ? "[N,K]" : "[K,N]");
+    check_matrix(d, "d", "[M,N]");
+    WEFT_CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
+               "gemm: a must be bf16 or f16, got " << dtype_name(a.dtype));
+    WEFT_CHECK(b.dtype == a.dtype,
+               "gemm: b must have a's dtype " << dtype_name(a.dtype) << ", got " << dtype_name(b.dtype));
+    WEFT_CHECK(d.dtype == a.dtype || d.dtype == DType::kF32,
+               "gemm: d must be " << dtype_name(a.dtype) << " (the input dtype) or f32, got " << dtype_name(d.dtype));
+    GemmProblem p;
+    p.m = a.dim(0);
+    p.k = a.dim(1);
+    p.b_layout = b_layout;
+    p.in_dtype = a.dtype;
+    p.out_dtype = d.dtype;
+    const int64_t b_k = b_layout == BLayout::kNK ? b.dim(1) : b.dim(0);
+    p.n = b_layout == BLayout::kNK ? b.dim(0) : b.dim(1);
+    WEFT_CHECK(b_k == p.k, "gemm: b (" << layout_name(b_layout) << ") must have K = " << p.k
+                                      << " (a's columns), got " << b.describe());
+    WEFT_CHECK(d.dim(0) == p.m && d.dim(1) == p.n,
+               "gemm: d must be [M,N] = [" << p.m << ", " << p.n << "], got " << d.describe());
+    WEFT_CHECK(p.k >= 8 && p.k % 8 == 0, "gemm: K (a's columns) must be a positive multiple of 8, got " << p.k);
+    return p;
+}
+
+std::vector<GemmConfig> gemm_candidate_configs(DType in_dtype, DType out_dtype, BLayout b_layout) {
+    std::vector<GemmConfig> out;
+    for (int i = 0; i < kGemmNumCandidates; ++i) {
+        const GemmConfig c = gemm_candidate(i, in_dtype, out_dtype, b_layout);
+        if (is_valid(c)) out.push_back(c);
+    }
+    return out;
+}
+
+size_t gemm_workspace_bytes(const GemmProblem& p, int splits, int small_m_variant) {
+    if (splits <= 1) return 0;
+    const size_t partials = static_cast<size_t>(splits) * static_cast<size_t>(p.m) * static_cast<size_t>(p.n) * 4;
+    const size_t blocks = static_cast<size_t>(ceil_div(p.n, gemv_cols_per_cta(small_m_variant == 1 ? 1 : 4)));
+    return round256(blocks * 4) + round256(partials);
+}
+
+GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
+    WEFT_CHECK(num_sms > 0, "gemm: the device must report a positive SM count, got " << num_sms);
+    WEFT_CHECK(options.sm_budget >= 0, "gemm: options.sm_budget must be >= 0, got " << options.sm_budget);
+    const int budget = options.sm_budget > 0 ? std::min(options.sm_budget, num_sms) : num_sms;
+    GemmPlan plan;
+
+    const bool small_m_ok = !options.config && options.allow_small_m && p.m <= kGemvMaxM &&
+                            p.b_layout == BLayout::kNK;
+    if (small_m_ok) {
+        WEFT_CHECK(options.small_m_variant >= 0 && options.small_m_variant <= 1,
+                   "gemm: options.small_m_variant must be 0 or 1, got " << options.small_m_variant);
+        plan.path = GemmPath::kSmallM;
+        plan.small_m_variant = options.small_m_variant;
+        plan.small_m_tiles = ceil_div(p.m, 16);
+        plan.grid = ceil_div(p.n, gemv_cols_per_cta(plan.small_m_variant == 1 ? 1 : 4));
+        int splits = options.small_m_splits;
+        if (splits <= 0) {
+            // CTAs per SM streaming B: 8 for variant 1 (32 columns per CTA; best measured N = K = 8192: 4 splits),
+            // 4 for variant 0 (128 columns; best 8 splits); at least 256 k per split, and a split length that
+            // divides K into whole 32-wide chunks where possible.
+            const int per_sm = plan.small_m_variant == 1 ? 8 : 4;
+            splits = std::clamp(per_sm * num_sms / plan.grid, 1, 32);
+            splits = std::min(splits, std::max(1, static_cast<int>(p.k / 256)));
+            while (splits > 1 && p.k % (static_cast<int64_t>(splits) * 32) != 0) --splits;
+        }
+        plan.small_m_k_per_split = ceil_div(ceil_div(p.k, splits), 32) * 32;
+        plan.small_m_splits = ceil_div(p.k, plan.small_m_k_per_split);
+        plan.workspace_bytes = gemm_workspace_bytes(p, plan.small_m_splits, plan.small_m_variant);
+        return plan;
+    }
+
+    plan.path = GemmPath::kTiled;
+    if (options.config) {
+        const GemmConfig& c = *options.config;
+        WEFT_CHECK(is_valid(c), "gemm: options.config is not a valid GemmConfig: " << format_gemm_config(c));
+        WEFT_CHECK(c.in_dtype == p.in_dtype && c.out_dtype == p.out_dtype && c.b_layout == p.b_layout,
+                   "gemm: options.config's dtypes/layout must match the call (in " << dtype_name(p.in_dtype)
+                                                                                   << ", out " << dtype_name(p.out_dtype)
+                                                                                   << ", " << layout_name(p.b_layout)
+                                                                                   << "), got " << format_gemm_config(c));
+        plan.config = c;
+    } else {
+        // Minimise waves x tile work / efficiency; ties keep the earlier (preferred) candidate.
+        double best = 0;
+        bool have = false;
+        for (const GemmConfig& c : gemm_candidate_configs(p.in_dtype, p.out_dtype, p.b_layout)) {
+            const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
+            const int cluster = c.cluster_m * c.cluster_n;
+            if (cluster > budget) continue;  // a cluster pair would break the SM budget
+            const int clusters = std::max(1, budget / cluster);
+            const int waves = ceil_div(g.num_cluster_tiles(), clusters);
+            double cost = static_cast<double>(waves) * cluster * c.tile_m * c.tile_n / tile_efficiency(c);
+            // Padding tiles of a cluster pair past the edge of D are pure waste.
+            const double useful = static_cast<double>(g.num_tiles()) / (g.num_cluster_tiles() * cluster);
+            cost /= useful;
+            // NOTE: no bonus for multicast pairs: on equal cost the plain config (listed first) wins until
+            // measurements say otherwise (kernels/gemm/README.md, variant log).
+            if (!have || cost < best * 0.999) {
+                best = cost;
+                plan.config = c;
+                have = true;
+            }
+        }
+        WEFT_CHECK(have, "gemm: no valid config for in " << dtype_name(p.in_dtype) << ", out "
+                                                         << dtype_name(p.out_dtype));
+    }
+    const GemmConfig& c = plan.config;
+    const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
+    const int cluster = c.cluster_m * c.cluster_n;
+    const int clusters = std::max(1, std::min(budget / cluster, g.num_cluster_tiles()));
+    plan.grid = clusters * cluster;
+    plan.smem_bytes = gemm_smem_plan(c).alloc_bytes;
+    return plan;
+}
+
+std::string format_gemm_config(const GemmConfig& c) {
+    auto dt = [](DType t) {
+        switch (t) {
+            case DType::kBF16: return "weft::DType::kBF16";
+            case DType::kF16: return "weft::DType::kF16";
+            case DType::kF32: return "weft::DType::kF32";
+            default: return "weft::DType(-1)";
+        }
+    };
+    std::ostringstream os;
+    os << "weft::GemmConfig{.tile_m = " << c.tile_m << ", .tile_n = " << c.tile_n << ", .tile_k = " << c.tile_k
+       << ", .stages = " << c.stages << ", .cluster_m = " << c.cluster_m << ", .cluster_n = " << c.cluster_n
+       << ", .raster = " << (c.raster == Raster::kAlongN ? "weft::Raster::kAlongN" : "weft::Raster::kAlongM")
+       << ", .raster_group = " << c.raster_group
+       << ", .b_layout = " << (c.b_layout == BLayout::kNK ? "weft::BLayout::kNK" : "weft::BLayout::kKN")
+       << ", .in_dtype = " << dt(c.in_dtype) << ", .out_dtype = " << dt(c.out_dtype) << "}";
+    return os.str();
+}
+
+std::string gemm_kernel_instantiation(const GemmConfig& c) {
+    const std::string cfg = format_gemm_config(c);
+    return "weft::gemm::gemm_kernel<" + cfg + ", weft::gemm::PersistentScheduler<" + cfg +
+           ">, weft::gemm::NoEpilogueHook>";
+}
+
+namespace detail {
+
+GemmTensorMaps make_gemm_tensor_maps(const GemmConfig& c, const TensorView& a, const TensorView& b,
+                                     const TensorView& d) {
+    WEFT_CHECK(is_valid(c), "gemm: invalid config " << format_gemm_config(c));
+    GemmTensorMaps maps;
+    std::memset(&maps, 0, sizeof(maps));
+    const uint64_t m = static_cast<uint64_t>(a.dim(0)), k = static_cast<uint64_t>(a.dim(1));
+    encode_2d(&maps.a, a, "a", k, m, static_cast<uint32_t>(c.tile_k), static_cast<uint32_t>(c.tile_m / c.cluster_n));
+    if (c.b_layout == BLayout::kNK) {
+        encode_2d(&maps.b, b, "b", static_cast<uint64_t>(b.dim(1)), static_cast<uint64_t>(b.dim(0)),
+                  static_cast<uint32_t>(c.tile_k), static_cast<uint32_t>(c.tile_n / c.cluster_m));
+    } else {
+        encode_2d(&maps.b, b, "b", static_cast<uint64_t>(b.dim(1)), static_cast<uint64_t>(b.dim(0)), 64,
+                  static_cast<uint32_t>(c.tile_k));
+    }
+    // TMA stores write whole 16-byte chunks: the map covers the 16-byte-aligned columns only and the kernel
+    // writes the ragged rest with plain stores (GemmArgs::n_tma). With fewer than 16 bytes of columns the
+    // map is a placeholder the kernel never stores through.
+    const int32_t n_tma = gemm_tma_store_cols(static_cast<int32_t>(d.dim(1)), d.dtype);
+    const uint64_t d_cols = n_tma > 0 ? static_cast<uint64_t>(n_tma) : static_cast<uint64_t>(16 / dtype_bytes(d.dtype));
+    encode_2d(&maps.d, d, "d", d_cols, static_cast<uint64_t>(d.dim(0)), static_cast<uint32_t>(gemm_epi_cols(c)),
+              kGemmSlabRows);
+    return maps;
+}
+
+GemmArgs make_gemm_args(const TensorView& a, const TensorView& d, uint64_t timeout_ns) {
+    GemmArgs args{};
+    args.m = static_cast<int32_t>(a.dim(0));
+    args.k = static_cast<int32_t>(a.dim(1));
+    args.n = static_cast<int32_t>(d.dim(1));
+    args.n_tma = gemm_tma_store_cols(args.n, d.dtype);
+    args.timeout_ns = timeout_ns;
+    args.d = d.data;
+    args.ldd = d.dim(0) <= 1 ? d.dim(1) : d.stride(0);
+    return args;
+}
+
+uint64_t gemm_timeout_ns(const GemmOptions& options) {
+    int64_t ms = options.timeout.count();
+    if (ms <= 0) ms = env::get_int("WEFT_TIMEOUT_MS").value_or(10000);
+    WEFT_CHECK(ms > 0, "gemm: WEFT_TIMEOUT_MS must be positive, got " << ms);
+    return static_cast<uint64_t>(ms) * 1000000ull;
+}
+
+void launch_gemm_kernel(const void* func, const GemmConfig& c, const GemmTensorMaps& maps, const GemmArgs& args,
+                        int grid, const void* sched_params, const void* hook_params, cudaStream_t stream) {
+    WEFT_CHECK(func != nullptr, "gemm: null kernel function");
+    const int cluster = c.cluster_m * c.cluster_n;
+    WEFT_CHECK(grid > 0 && grid % cluster == 0,
+               "gemm: grid must be a positive multiple of the cluster size " << cluster << ", got " << grid);
+    const int smem = gemm_smem_plan(c).alloc_bytes;
+    {
+        Registry& r = registry();
+        std::lock_guard<std::mutex> lock(r.mutex);
+        if (r.smem_configured.insert(func).second) {
+            WEFT_CUDA_CHECK(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        }
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
+    cfg.blockDim = dim3(kGemmThreads, 1, 1);
+    cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    if (cluster > 1) {
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+    }
+    GemmTensorMaps local = maps;  // the launch copies parameters; keep them alive for the call
+    GemmArgs a = args;
+    void* params[] = {&local.a, &local.b, &local.d, &a, const_cast<void*>(sched_params),
+                      const_cast<void*>(hook_params)};
+    WEFT_CUDA_CHECK(cudaLaunchKernelExC(&cfg, func, params));
+}
+
+void register_gemm_kernel(const GemmConfig& config, const void* func) {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (auto& e : r.tiled) {
+        if (e.first == config) {
+            e.second = func;
+            return;
+        }
+    }
+    r.tiled.emplace_back(config, func);
+}
+
+const void* find_gemm_kernel(const GemmConfig& config) {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (const auto& e : r.tiled) {
+        if (e.first == config) return e.second;
+    }
+    return nullptr;
+}
+
+void register_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype, int variant, const void* func) {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.gemv[GemvKey{m_tiles, in_dtype, out_dtype, variant}] = func;
+}
+
+const void* find_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype, int variant) {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    auto it = r.gemv.find(GemvKey{m_tiles, in_dtype, out_dtype, variant});
+    return it == r.gemv.end() ? nullptr : it->second;
+}
+
+}  // namespace detail
+
+void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout, cudaStream_t stream,
+          const GemmOptions& options) {
+    const GemmProblem p = validate_gemm_args(a, b, d, b_layout);
+    if (p.m == 0 || p.n == 0) return;  // nothing to write
+
+    int device = 0, num_sms = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+    GemmPlan plan = plan_gemm(p, num_sms, options);
+
+    if (plan.path == GemmPath::kSmallM) {
+        const void* func =
+            detail::find_gemv_kernel(plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant);
+        // TODO(jit): compile "weft::gemm::gemv_kernel<...>" through weft::jit on a miss.
+        WEFT_CHECK(func != nullptr, "gemm: the small-M kernel for m_tiles " << plan.small_m_tiles << ", in "
+                                                                          << dtype_name(p.in_dtype) << ", out "
+                                                                          << dtype_name(p.out_dtype)
+                                                                          << " is not compiled into this program "
+                                                                             "(weft::jit will compile it on demand)");
+        GemvArgs args{};
+        args.a = a.data;
+        args.b = b.data;
+        args.d = d.data;
+        args.lda = a.stride(0);
+        args.ldb = b.stride(0);
+        args.ldd = d.stride(0);
+        args.m = static_cast<int32_t>(p.m);
+        args.n = static_cast<int32_t>(p.n);
+        args.k = static_cast<int32_t>(p.k);
+        args.k_per_split = plan.small_m_k_per_split;
+        args.num_splits = plan.small_m_splits;
+        if (plan.small_m_splits > 1) {
+            const size_t counter_bytes = round256(static_cast<size_t>(plan.grid) * 4);  // as gemm_workspace_bytes
+            if (options.workspace != nullptr) {
+                WEFT_CHECK(options.workspace_bytes >= plan.workspace_bytes,
+                           "gemm: options.workspace_bytes must be >= " << plan.workspace_bytes << ", got "
+                                                                      << options.workspace_bytes);
+                WEFT_CHECK(reinterpret_cast<uintptr_t>(options.workspace) % 256 == 0,
+                           "gemm: options.workspace must be 256-byte aligned");
+                args.counters = static_cast<uint32_t*>(options.workspace);
+                args.partials = reinterpret_cast<float*>(static_cast<char*>(options.workspace) + counter_bytes);
+            } else {
+                const SmallMScratch w =
+                    small_m_scratch(counter_bytes, plan.workspace_bytes - counter_bytes, stream);
+                args.counters = static_cast<uint32_t*>(w.counters);
+                args.partials = static_cast<float*>(w.partials);
+            }
+        }
+        void* params[] = {&args};
+        WEFT_CUDA_CHECK(cudaLaunchKernel(func, dim3(static_cast<unsigned>(plan.grid),
+                                                    static_cast<unsigned>(plan.small_m_splits), 1),
+                                         dim3(kGemvThreads, 1, 1), params, 0, stream));
+        return;
+    }
+
+    const void* func = detail::find_gemm_kernel(plan.config);
+    // TODO(jit): on a miss, weft::jit::get_kernel("gemm/gemm_sm90.cuh", gemm_kernel_instantiation(plan.config)).
+    WEFT_CHECK(func != nullptr, "gemm: kernel " << gemm_kernel_instantiation(plan.config)
+                                                << " is not compiled into this program (weft::jit will compile it "
+                                                   "on demand)");
+    const int cluster = plan.config.cluster_m * plan.config.cluster_n;
+    if (cluster > 1) {
+        // Not every SM can host a cluster pair (GPC boundaries): never ask for more than fit at once.
+        static std::mutex mutex;
+        static std::map<const void*, int> max_clusters;
+        int fit = 0;
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            auto it = max_clusters.find(func);
+            if (it != max_clusters.end()) fit = it->second;
+        }
+        if (fit == 0) {
+            WEFT_CUDA_CHECK(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem_bytes));
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3(static_cast<unsigned>(plan.grid), 1, 1);
+            cfg.blockDim = dim3(kGemmThreads, 1, 1);
+            cfg.dynamicSmemBytes = static_cast<size_t>(plan.smem_bytes);
+            cudaLaunchAttribute attr[1];
+            attr[0].id = cudaLaunchAttributeClusterDimension;
+            attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+            attr[0].val.clusterDim.y = 1;
+            attr[0].val.clusterDim.z = 1;
+            cfg.attrs = attr;
+            cfg.numAttrs = 1;
+            WEFT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&fit, func, &cfg));
+            fit = std::max(fit, 1);
+            std::lock_guard<std::mutex> lock(mutex);
+            max_clusters[func] = fit;
+        }
+        plan.grid = std::min(plan.grid, fit * cluster);
+    }
+    const detail::GemmTensorMaps maps = detail::make_gemm_tensor_maps(plan.config, a, b, d);
+    const GemmArgs args = detail::make_gemm_args(a, d, detail::gemm_timeout_ns(options));
+    const int32_t sched_params = 0;  // PersistentScheduler::Params and NoEpilogueHook::Params: one int32
+    const int32_t hook_params = 0;
+    detail::launch_gemm_kernel(func, plan.config, maps, args, plan.grid, &sched_params, &hook_params, stream);
+}
+
+}  // namespace weft::ops

@@ -1,0 +1,872 @@
+// SPDX-License-Identifier: MIT
+// GPU tests of the sm_90a GEMM: an fp64 CPU reference on small and awkward shapes (every candidate config,
+// both B layouts, every dtype pair, strides, tiny SM budgets), the small-M path, cuBLASLt on large shapes,
+// and the communication hooks driven by a producer kernel on another stream.
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gemm/gemm_instances.cuh"
+#include "weft/ops/gemm.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace weft {
+namespace {
+
+// Spinning kernels need their producers loadable while they run (GPU.md): load modules eagerly.
+const int kEagerModuleLoading = [] { return setenv("CUDA_MODULE_LOADING", "EAGER", 0); }();
+
+#define CK(call) ASSERT_EQ((call), cudaSuccess) << #call << ": " << cudaGetErrorString(call)
+
+bool have_sm90(std::string* why) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+        *why = "no CUDA device";
+        return false;
+    }
+    cudaDeviceProp prop{};
+    cudaGetDeviceProperties(&prop, 0);
+    if (prop.major != 9) {
+        *why = std::string("needs an sm_90 GPU, found ") + prop.name;
+        return false;
+    }
+    return true;
+}
+
+#define REQUIRE_SM90()                                  \
+    do {                                                \
+        std::string why_;                               \
+        if (!have_sm90(&why_)) GTEST_SKIP() << why_;    \
+        weft::gemm::register_gemm_instances();          \
+    } while (0)
+
+int num_sms() {
+    int dev = 0, n = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return n;
+}
+
+// ---- host-side element conversion ----------------------------------------------------------------------
+
+uint16_t to_bits(DType t, float x) {
+    if (t == DType::kBF16) {
+        const __nv_bfloat16 h = __float2bfloat16_rn(x);
+        uint16_t b;
+        std::memcpy(&b, &h, 2);
+        return b;
+    }
+    const __half h = __float2half_rn(x);
+    uint16_t b;
+    std::memcpy(&b, &h, 2);
+    return b;
+}
+
+float from_bits(DType t, uint16_t b) {
+    if (t == DType::kBF16) {
+        __nv_bfloat16 h;
+        std::memcpy(&h, &b, 2);
+        return __bfloat162float(h);
+    }
+    __half h;
+    std::memcpy(&h, &b, 2);
+    return __half2float(h);
+}
+
+/// A row-major matrix on the host in the device's byte layout (row stride `ld` elements).
+struct HostMatrix {
+    int64_t rows = 0, cols = 0, ld = 0;
+    DType dtype = DType::kBF16;
+    std::vector<uint8_t> bytes;
+
+    HostMatrix(int64_t r, int64_t c, int64_t l, DType t) : rows(r), cols(c), ld(l), dtype(t) {
+        bytes.assign(static_cast<size_t>(std::max<int64_t>(1, r) * l * dtype_bytes(t)), 0);
+    }
+    size_t offset(int64_t r, int64_t c) const { return static_cast<size_t>((r * ld + c) * dtype_bytes(dtype)); }
+    float get(int64_t r, int64_t c) const {
+        if (dtype == DType::kF32) {
+            float v;
+            std::memcpy(&v, bytes.data() + offset(r, c), 4);
+            return v;
+        }
+        uint16_t b;
+        std::memcpy(&b, bytes.data() + offset(r, c), 2);
+        return from_bits(dtype, b);
+    }
+    void set(int64_t r, int64_t c, float v) {
+        if (dtype == DType::kF32) {
+            std::memcpy(bytes.data() + offset(r, c), &v, 4);
+        } else {
+            const uint16_t b = to_bits(dtype, v);
+            std::memcpy(bytes.data() + offset(r, c), &b, 2);
+        }
+    }
+    void fill_random(std::mt19937_64& rng) {
+        std::uniform_real_distribution<float> u(-1.f, 1.f);
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < cols; ++c) set(r, c, u(rng));
+    }
+};
+
+struct DeviceBuffer {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+    explicit DeviceBuffer(size_t n) : bytes(n) {
+        if (cudaMalloc(&ptr, std::max<size_t>(n, 256)) != cudaSuccess) ptr = nullptr;
+    }
+    ~DeviceBuffer() {
+        if (ptr) cudaFree(ptr);
+    }
+    DeviceBuffer(const DeviceBuffer&) = delete;
+    DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+void upload(const HostMatrix& h, const DeviceBuffer& d) {
+    ASSERT_EQ(cudaMemcpy(d.ptr, h.bytes.data(), h.bytes.size(), cudaMemcpyHostToDevice), cudaSuccess);
+}
+
+void download(HostMatrix& h, const DeviceBuffer& d) {
+    ASSERT_EQ(cudaMemcpy(h.bytes.data(), d.ptr, h.bytes.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+}
+
+TensorView view(const HostMatrix& h, const DeviceBuffer& d) {
+    return TensorView(d.ptr, h.dtype, {h.rows, h.cols}, {h.ld, 1});
+}
+
+/// Output poison: NaN inside [M,N]; a recognisable sentinel in the row padding (must survive the GEMM).
+constexpr uint16_t kSentinel16 = 0x1234;
+constexpr uint32_t kSentinel32 = 0x12345678u;
+
+void poison(HostMatrix& d) {
+    const int64_t esize = dtype_bytes(d.dtype);
+    for (int64_t r = 0; r < d.rows; ++r) {
+        for (int64_t c = 0; c < d.ld; ++c) {
+            uint8_t* p = d.bytes.data() + d.offset(r, c);
+            if (c < d.cols) {
+                std::memset(p, 0xFF, static_cast<size_t>(esize));  // NaN in bf16, f16 and f32
+            } else if (esize == 2) {
+                std::memcpy(p, &kSentinel16, 2);
+            } else {
+                std::memcpy(p, &kSentinel32, 4);
+            }
+        }
+    }
+}
+
+/// Tolerances: relative Frobenius error, and a per-element bound |d - ref| <= rel * |ref| + abs * rms(ref).
+struct Tolerance {
+    double frob, elem_rel, elem_abs;
+};
+
+Tolerance tolerance_for(DType out) {
+    switch (out) {
+        case DType::kBF16: return {4e-3, 1.0 / 128, 1.0 / 256};
+        case DType::kF16: return {1e-3, 1.0 / 1024, 1.0 / 2048};
+        default: return {1e-4, 1e-4, 1e-4};
+    }
+}
+
+/// D = A * B in fp64 from the (already rounded) inputs. b is [N,K] (kNK) or [K,N] (kKN).
+std::vector<double> reference(const HostMatrix& a, const HostMatrix& b, BLayout layout, int64_t n,
+                              const std::vector<int64_t>& rows) {
+    const int64_t k = a.cols;
+    std::vector<float> bt(static_cast<size_t>(n * k));  // [n][k]; float holds bf16/f16 exactly
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t kk = 0; kk < k; ++kk) bt[j * k + kk] = layout == BLayout::kNK ? b.get(j, kk) : b.get(kk, j);
+    std::vector<double> out(rows.size() * static_cast<size_t>(n));
+    std::vector<double> arow(static_cast<size_t>(k));
+    for (size_t ri = 0; ri < rows.size(); ++ri) {
+        for (int64_t kk = 0; kk < k; ++kk) arow[kk] = a.get(rows[ri], kk);
+        for (int64_t j = 0; j < n; ++j) {
+            double s = 0;
+            const float* bj = bt.data() + j * k;
+            for (int64_t kk = 0; kk < k; ++kk) s += arow[kk] * bj[kk];
+            out[ri * n + j] = s;
+        }
+    }
+    return out;
+}
+
+/// Compares rows `rows` of d against ref; checks padding sentinels and NaN-freedom.
+void expect_matches(const HostMatrix& d, const std::vector<double>& ref, const std::vector<int64_t>& rows,
+                    const Tolerance& tol, const std::string& what) {
+    const int64_t n = d.cols;
+    double num = 0, den = 0;
+    for (double v : ref) den += v * v;
+    const double rms = std::sqrt(den / std::max<size_t>(1, ref.size()));
+    int64_t bad = 0, nan = 0, padding_hits = 0;
+    std::string first_bad, first_padding;
+    for (size_t ri = 0; ri < rows.size(); ++ri) {
+        for (int64_t j = 0; j < n; ++j) {
+            const double got = d.get(rows[ri], j);
+            const double want = ref[ri * n + j];
+            if (!std::isfinite(got)) {
+                if (nan++ == 0 && first_bad.empty()) {
+                    first_bad = "non-finite at (" + std::to_string(rows[ri]) + ", " + std::to_string(j) + ")";
+                }
+                continue;
+            }
+            num += (got - want) * (got - want);
+            if (std::fabs(got - want) > tol.elem_rel * std::fabs(want) + tol.elem_abs * rms) {
+                if (bad++ == 0 && first_bad.empty()) {
+                    std::ostringstream os;
+                    os << "(" << rows[ri] << ", " << j << "): got " << got << ", want " << want;
+                    first_bad = os.str();
+                }
+            }
+        }
+        // Row padding past N must be untouched.
+        for (int64_t j = n; j < d.ld; ++j) {
+            const uint8_t* p = d.bytes.data() + d.offset(rows[ri], j);
+            const bool intact = dtype_bytes(d.dtype) == 2 ? std::memcmp(p, &kSentinel16, 2) == 0
+                                                          : std::memcmp(p, &kSentinel32, 4) == 0;
+            if (!intact && padding_hits++ == 0) {
+                first_padding = "(" + std::to_string(rows[ri]) + ", " + std::to_string(j) + ")";
+            }
+        }
+    }
+    EXPECT_EQ(padding_hits, 0) << what << ": row padding past N overwritten, first at " << first_padding;
+    const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+    EXPECT_EQ(nan, 0) << what << ": " << nan << " non-finite outputs (unwritten poison?), first " << first_bad;
+    EXPECT_EQ(bad, 0) << what << ": " << bad << " elements out of tolerance, first " << first_bad << ", rel "
+                      << rel;
+    EXPECT_LE(rel, tol.frob) << what << ": relative Frobenius error " << rel;
+}
+
+uint64_t fresh_seed() {
+    std::random_device rd;
+    return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}
+
+struct Case {
+    int64_t m, n, k;
+    DType in = DType::kBF16, out = DType::kBF16;
+    BLayout layout = BLayout::kNK;
+    int64_t pad_a = 0, pad_b = 0, pad_d = 0;  // extra elements per row
+    std::optional<GemmConfig> config;
+    int sm_budget = 0;
+    bool allow_small_m = true;
+    int small_m_splits = 0;
+    int small_m_variant = 0;
+};
+
+std::string describe(const Case& c, uint64_t seed) {
+    std::ostringstream os;
+    os << c.m << "x" << c.n << "x" << c.k << " " << dtype_name(c.in) << "->" << dtype_name(c.out) << " "
+       << (c.layout == BLayout::kNK ? "B[N,K]" : "B[K,N]") << " pads(" << c.pad_a << "," << c.pad_b << ","
+       << c.pad_d << ") budget " << c.sm_budget << " splits " << c.small_m_splits << " variant " << c.small_m_variant
+       << (c.config ? " config " + ops::format_gemm_config(*c.config) : std::string(" auto")) << " seed " << seed;
+    return os.str();
+}
+
+/// Runs one case against the fp64 reference (all rows, or `sample_rows` random rows when > 0).
+void check_case(const Case& c, int sample_rows = 0) {
+    const uint64_t seed = fresh_seed();
+    const std::string what = describe(c, seed);
+    SCOPED_TRACE(what);
+    std::mt19937_64 rng(seed);
+    const int64_t esize_in = dtype_bytes(c.in);
+    auto ld_for = [&](int64_t cols, int64_t pad, int64_t esize) {
+        int64_t ld = cols + pad;
+        const int64_t align = 16 / esize;  // row strides must be multiples of 16 bytes
+        return (ld + align - 1) / align * align;
+    };
+    HostMatrix a(c.m, c.k, ld_for(c.k, c.pad_a, esize_in), c.in);
+    HostMatrix b = c.layout == BLayout::kNK ? HostMatrix(c.n, c.k, ld_for(c.k, c.pad_b, esize_in), c.in)
+                                            : HostMatrix(c.k, c.n, ld_for(c.n, c.pad_b, esize_in), c.in);
+    HostMatrix d(c.m, c.n, ld_for(c.n, c.pad_d, dtype_bytes(c.out)), c.out);
+    a.fill_random(rng);
+    b.fill_random(rng);
+    poison(d);
+    DeviceBuffer da(a.bytes.size()), db(b.bytes.size()), dd(d.bytes.size());
+    ASSERT_TRUE(da.ptr && db.ptr && dd.ptr);
+    upload(a, da);
+    upload(b, db);
+    upload(d, dd);
+    ops::GemmOptions o;
+    o.config = c.config;
+    o.sm_budget = c.sm_budget;
+    o.allow_small_m = c.allow_small_m;
+    o.small_m_splits = c.small_m_splits;
+    o.small_m_variant = c.small_m_variant;
+    try {
+        ops::gemm(view(a, da), view(b, db), view(d, dd), c.layout, nullptr, o);
+    } catch (const Error& e) {
+        FAIL() << "weft::ops::gemm threw: " << e.what();
+    }
+    const cudaError_t err = cudaDeviceSynchronize();
+    ASSERT_EQ(err, cudaSuccess) << "kernel failed: " << cudaGetErrorString(err);
+    download(d, dd);
+    std::vector<int64_t> rows;
+    if (sample_rows > 0 && sample_rows < c.m) {
+        std::uniform_int_distribution<int64_t> u(0, c.m - 1);
+        rows = {0, c.m - 1};
+        while (static_cast<int>(rows.size()) < sample_rows) rows.push_back(u(rng));
+    } else {
+        for (int64_t r = 0; r < c.m; ++r) rows.push_back(r);
+    }
+    const auto ref = reference(a, b, c.layout, c.n, rows);
+    expect_matches(d, ref, rows, tolerance_for(c.out), what);
+}
+
+const std::vector<std::array<int64_t, 3>>& awkward_shapes() {
+    static const std::vector<std::array<int64_t, 3>> shapes = {
+        {1, 8, 8},        // M = 1, N = 8, K = 8: one partial tile everywhere
+        {1, 264, 72},     // M = 1, K not a multiple of 64
+        {17, 8, 200},     // N = 8
+        {100, 200, 72},   // nothing a multiple of the tile
+        {128, 256, 64},   // exactly one 128x256 tile, one k-block
+        {129, 257, 136},  // one past the tile in M and N
+        {300, 8, 1000},   // odd tile rows (cluster padding tiles), tiny N
+        {255, 520, 328},  // several tiles, K with a partial last block
+        {777, 1100, 256}, // 7 x 5 tiles (odd in both), ragged N (1100 * 2 bytes is not a multiple of 16)
+        {33, 3, 64},      // N < 8: no column is TMA-stored at all
+    };
+    return shapes;
+}
+
+// Every candidate config, both layouts, bf16 -> bf16: the tiled kernel itself (small-M path off).
+TEST(GemmTiled, EveryCandidateMatchesFp64OnAwkwardShapes) {
+    REQUIRE_SM90();
+    for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
+        for (const GemmConfig& cfg : ops::gemm_candidate_configs(DType::kBF16, DType::kBF16, layout)) {
+            for (const auto& s : awkward_shapes()) {
+                Case c{s[0], s[1], s[2]};
+                c.layout = layout;
+                c.config = cfg;
+                check_case(c);
+            }
+        }
+    }
+}
+
+// Every dtype pair through the heuristic and through a cluster config, with leading-dimension padding.
+TEST(GemmTiled, EveryDtypePairWithStridesMatchesFp64) {
+    REQUIRE_SM90();
+    const DType pairs[][2] = {{DType::kBF16, DType::kBF16}, {DType::kBF16, DType::kF32},
+                              {DType::kF16, DType::kF16}, {DType::kF16, DType::kF32}};
+    for (const auto& io : pairs) {
+        for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
+            for (int variant = 0; variant < 3; ++variant) {
+                for (const auto& s : {std::array<int64_t, 3>{129, 257, 136}, std::array<int64_t, 3>{300, 72, 1000}}) {
+                    Case c{s[0], s[1], s[2], io[0], io[1], layout};
+                    c.pad_a = 8;
+                    c.pad_b = 24;
+                    c.pad_d = 16;
+                    c.allow_small_m = false;
+                    if (variant == 1) c.config = gemm_candidate(1, io[0], io[1], layout);  // B multicast pair
+                    if (variant == 2) c.config = gemm_candidate(2, io[0], io[1], layout);  // A multicast pair
+                    check_case(c);
+                }
+            }
+        }
+    }
+}
+
+// Few CTAs, many tiles each: the ring's phase bits wrap many times inside one CTA, across tiles.
+TEST(GemmTiled, TinySmBudgetsWrapThePipeline) {
+    REQUIRE_SM90();
+    for (int budget : {1, 2, 3, 7}) {
+        for (int idx : {0, 1, 3, 6, 7}) {
+            Case c{520, 1100, 456};
+            c.config = gemm_candidate(idx, DType::kBF16, DType::kBF16, BLayout::kNK);
+            c.sm_budget = budget;
+            if (c.config->cluster_m * c.config->cluster_n > budget) c.sm_budget = 2;
+            check_case(c);
+        }
+    }
+}
+
+// Raster orders and group sizes are pure scheduling: same result. (Instances compiled here: the
+// candidate set only holds the default raster.)
+constexpr GemmConfig raster_variant(int index) {
+    GemmConfig c = gemm_candidate(index, DType::kBF16, DType::kBF16, BLayout::kNK);
+    c.raster = Raster::kAlongM;
+    c.raster_group = 3;
+    return c;
+}
+constexpr GemmConfig kRasterPlain = raster_variant(0);
+constexpr GemmConfig kRasterPair = raster_variant(1);
+
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    raster_plain_kernel(const __grid_constant__ ptx::TmaDescriptor ta, const __grid_constant__ ptx::TmaDescriptor tb,
+                        const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
+                        const gemm::PersistentSchedulerParams sp, const gemm::NoEpilogueHookParams hp) {
+    gemm::gemm_device<kRasterPlain, gemm::PersistentScheduler<kRasterPlain>, gemm::NoEpilogueHook>(&ta, &tb, &td, args,
+                                                                                                  sp, hp);
+}
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    raster_pair_kernel(const __grid_constant__ ptx::TmaDescriptor ta, const __grid_constant__ ptx::TmaDescriptor tb,
+                       const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
+                       const gemm::PersistentSchedulerParams sp, const gemm::NoEpilogueHookParams hp) {
+    gemm::gemm_device<kRasterPair, gemm::PersistentScheduler<kRasterPair>, gemm::NoEpilogueHook>(&ta, &tb, &td, args,
+                                                                                                sp, hp);
+}
+
+TEST(GemmTiled, RasterOrdersAgree) {
+    REQUIRE_SM90();
+    ops::detail::register_gemm_kernel(kRasterPlain, reinterpret_cast<const void*>(&raster_plain_kernel));
+    ops::detail::register_gemm_kernel(kRasterPair, reinterpret_cast<const void*>(&raster_pair_kernel));
+    for (const GemmConfig& cfg : {kRasterPlain, kRasterPair}) {
+        for (int budget : {0, 5}) {
+            Case c{1000, 1000, 256};
+            c.config = cfg;
+            c.sm_budget = budget;
+            check_case(c);
+        }
+    }
+}
+
+// A few small cases, for compute-sanitizer (memcheck / synccheck) runs: every kernel flavour once.
+TEST(GemmTiled, SanitizerSmoke) {
+    REQUIRE_SM90();
+    for (int idx : {0, 1, 2, 4}) {
+        Case c{129, 257, 136};
+        c.config = gemm_candidate(idx, DType::kBF16, DType::kBF16, idx == 2 ? BLayout::kKN : BLayout::kNK);
+        c.layout = c.config->b_layout;
+        check_case(c);
+    }
+    Case f32{100, 72, 200, DType::kF16, DType::kF32, BLayout::kKN};
+    f32.allow_small_m = false;
+    check_case(f32);
+    Case small{17, 1000, 1000};
+    small.small_m_splits = 3;
+    check_case(small);
+}
+
+// The small-M (decode) path: split-K with a deterministic last-CTA reduction.
+TEST(GemmSmallM, MatchesFp64ForEveryRowCountAndSplit) {
+    REQUIRE_SM90();
+    const int64_t ms[] = {1, 2, 5, 16, 17, 40, 64};
+    const std::array<int64_t, 2> nk[] = {{8, 8}, {136, 72}, {1000, 1000}, {4096, 8192}};
+    for (int64_t m : ms) {
+        for (const auto& s : nk) {
+            if (m * s[0] * s[1] > 300'000'000) continue;  // keep the CPU reference quick
+            for (int splits : {0, 1, 3}) {
+                for (int variant : {0, 1}) {
+                    Case c{m, s[0], s[1]};
+                    c.small_m_splits = splits;
+                    c.small_m_variant = variant;
+                    c.pad_a = 8;
+                    c.pad_d = 8;
+                    check_case(c);
+                }
+            }
+        }
+    }
+    for (const auto& io : {std::array<DType, 2>{DType::kBF16, DType::kF32}, std::array<DType, 2>{DType::kF16, DType::kF16},
+                           std::array<DType, 2>{DType::kF16, DType::kF32}}) {
+        Case c{16, 1000, 1000, io[0], io[1]};
+        check_case(c);
+    }
+}
+
+// Calls on one stream back to back reuse the small-M workspace: counters must be back at zero.
+TEST(GemmSmallM, RepeatedCallsStayCorrect) {
+    REQUIRE_SM90();
+    for (int i = 0; i < 3; ++i) {
+        Case c{3, 2000, 4096};
+        c.small_m_variant = i % 2;
+        check_case(c);
+    }
+    check_case(Case{1, 8192, 8192});  // a larger shape after smaller ones on the same workspace
+}
+
+// ---- cuBLASLt on large shapes ---------------------------------------------------------------------------
+
+cudaDataType cuda_type(DType t) {
+    return t == DType::kBF16 ? CUDA_R_16BF : t == DType::kF16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+/// D = A * B through cuBLASLt (column-major view: D^T = op(B) * A^T), first heuristic algorithm.
+void cublaslt_gemm(cublasLtHandle_t h, const TensorView& a, const TensorView& b, const TensorView& d, BLayout layout,
+                   void* ws, size_t ws_bytes) {
+    const uint64_t m = static_cast<uint64_t>(a.dim(0)), k = static_cast<uint64_t>(a.dim(1));
+    const uint64_t n = static_cast<uint64_t>(d.dim(1));
+    cublasLtMatmulDesc_t desc;
+    ASSERT_EQ(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), CUBLAS_STATUS_SUCCESS);
+    const cublasOperation_t ta = layout == BLayout::kNK ? CUBLAS_OP_T : CUBLAS_OP_N, tb = CUBLAS_OP_N;
+    cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
+    cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
+    cublasLtMatrixLayout_t la, lb, ld;
+    if (layout == BLayout::kNK) {
+        cublasLtMatrixLayoutCreate(&la, cuda_type(b.dtype), k, n, b.stride(0));
+    } else {
+        cublasLtMatrixLayoutCreate(&la, cuda_type(b.dtype), n, k, b.stride(0));
+    }
+    cublasLtMatrixLayoutCreate(&lb, cuda_type(a.dtype), k, m, a.stride(0));
+    cublasLtMatrixLayoutCreate(&ld, cuda_type(d.dtype), n, m, d.stride(0));
+    cublasLtMatmulPreference_t pref;
+    cublasLtMatmulPreferenceCreate(&pref);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    ASSERT_EQ(cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, ld, ld, pref, 1, &result, &found),
+              CUBLAS_STATUS_SUCCESS);
+    ASSERT_GT(found, 0);
+    const float alpha = 1.f, beta = 0.f;
+    ASSERT_EQ(cublasLtMatmul(h, desc, &alpha, b.data, la, a.data, lb, &beta, d.data, ld, d.data, ld, &result.algo, ws,
+                             ws_bytes, nullptr),
+              CUBLAS_STATUS_SUCCESS);
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(ld);
+    cublasLtMatmulDescDestroy(desc);
+}
+
+TEST(GemmVsCublas, LargeShapesAgreeWithCublasAndFp64Rows) {
+    REQUIRE_SM90();
+    cublasLtHandle_t h;
+    ASSERT_EQ(cublasLtCreate(&h), CUBLAS_STATUS_SUCCESS);
+    const size_t ws_bytes = 64u << 20;
+    DeviceBuffer ws(ws_bytes);
+    struct Large {
+        int64_t m, n, k;
+        BLayout layout;
+        DType out;
+    };
+    const Large shapes[] = {{4096, 4096, 4096, BLayout::kNK, DType::kBF16}, {4096, 4096, 4096, BLayout::kKN, DType::kBF16},
+                            {8192, 1376, 4096, BLayout::kNK, DType::kBF16}, {2048, 3696, 8192, BLayout::kNK, DType::kBF16},
+                            {1024, 4096, 1792, BLayout::kKN, DType::kF32},  {128, 8192, 8192, BLayout::kNK, DType::kBF16},
+                            {16, 8192, 8192, BLayout::kNK, DType::kBF16},   {1, 8192, 8192, BLayout::kNK, DType::kF32}};
+    for (const Large& s : shapes) {
+        const uint64_t seed = fresh_seed();
+        std::ostringstream os;
+        os << s.m << "x" << s.n << "x" << s.k << (s.layout == BLayout::kNK ? " B[N,K]" : " B[K,N]") << " out "
+           << dtype_name(s.out) << " seed " << seed;
+        SCOPED_TRACE(os.str());
+        std::mt19937_64 rng(seed);
+        HostMatrix a(s.m, s.k, s.k, DType::kBF16);
+        HostMatrix b = s.layout == BLayout::kNK ? HostMatrix(s.n, s.k, s.k, DType::kBF16)
+                                                : HostMatrix(s.k, s.n, s.n, DType::kBF16);
+        HostMatrix d(s.m, s.n, s.n, s.out), d_ref(s.m, s.n, s.n, s.out);
+        a.fill_random(rng);
+        b.fill_random(rng);
+        poison(d);
+        poison(d_ref);
+        DeviceBuffer da(a.bytes.size()), db(b.bytes.size()), dd(d.bytes.size()), dr(d_ref.bytes.size());
+        ASSERT_TRUE(da.ptr && db.ptr && dd.ptr && dr.ptr);
+        upload(a, da);
+        upload(b, db);
+        upload(d, dd);
+        upload(d_ref, dr);
+        try {
+            ops::gemm(view(a, da), view(b, db), view(d, dd), s.layout, nullptr);
+        } catch (const Error& e) {
+            FAIL() << e.what();
+        }
+        cublaslt_gemm(h, view(a, da), view(b, db), view(d_ref, dr), s.layout, ws.ptr, ws_bytes);
+        const cudaError_t err = cudaDeviceSynchronize();
+        ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
+        download(d, dd);
+        download(d_ref, dr);
+        double num = 0, den = 0;
+        int64_t nonfinite = 0;
+        for (int64_t r = 0; r < s.m; ++r)
+            for (int64_t c = 0; c < s.n; ++c) {
+                const double x = d.get(r, c), y = d_ref.get(r, c);
+                if (!std::isfinite(x)) {
+                    ++nonfinite;
+                    continue;
+                }
+                num += (x - y) * (x - y);
+                den += y * y;
+            }
+        EXPECT_EQ(nonfinite, 0);
+        const double rel = std::sqrt(num / den);
+        EXPECT_LE(rel, tolerance_for(s.out).frob * 1.5) << "weft vs cuBLASLt relative error " << rel;
+        // An independent fp64 check of sampled rows (cuBLAS could share a bug with nothing, but be sure).
+        std::vector<int64_t> rows = {0, s.m - 1};
+        std::uniform_int_distribution<int64_t> u(0, s.m - 1);
+        while (rows.size() < std::min<size_t>(12, static_cast<size_t>(s.m))) rows.push_back(u(rng));
+        expect_matches(d, reference(a, b, s.layout, s.n, rows), rows, tolerance_for(s.out), os.str());
+    }
+    cublasLtDestroy(h);
+}
+
+// ---- communication hooks --------------------------------------------------------------------------------
+
+__device__ __forceinline__ void st_release_sys_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint64_t now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(t));
+    return t;
+}
+
+/// Writes A chunk by chunk (in `order`), waiting `delay_ns` before each, then raises flags[chunk] = epoch
+/// with release semantics: what an AllGather's copy engine or a peer would do.
+__global__ void chunk_producer_kernel(const uint16_t* src, uint16_t* a, int64_t chunk_elems, int64_t total_elems,
+                                      const int* order, int num_chunks, uint64_t* flags, uint64_t epoch,
+                                      uint64_t delay_ns) {
+    for (int i = 0; i < num_chunks; ++i) {
+        const int c = order[i];
+        if (threadIdx.x == 0) {
+            const uint64_t start = now_ns();
+            while (now_ns() - start < delay_ns) {
+            }
+        }
+        __syncthreads();
+        const int64_t begin = c * chunk_elems;
+        const int64_t end = min(total_elems, begin + chunk_elems);
+        for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) a[j] = src[j];
+        __syncthreads();
+        if (threadIdx.x == 0) st_release_sys_u64(flags + c, epoch);
+    }
+}
+
+/// Waits (bounded) for each tile's signal, then snapshots the tile of D: if the hook fired before the TMA
+/// store completed, the snapshot holds poison.
+__global__ void tile_checker_kernel(const uint64_t* tile_flags, uint64_t expected, int num_m_tiles, int num_n_tiles,
+                                    int tile_m, int tile_n, const uint16_t* d, uint16_t* snapshot, int m, int n,
+                                    int64_t ldd, uint64_t timeout_ns, int* timed_out) {
+    __shared__ int ok;
+    for (int t = 0; t < num_m_tiles * num_n_tiles; ++t) {
+        if (threadIdx.x == 0) {
+            const uint64_t start = now_ns();
+            ok = 1;
+            while (ld_acquire_sys_u64(tile_flags + t) < expected) {
+                if (now_ns() - start > timeout_ns) {
+                    ok = 0;
+                    atomicAdd(timed_out, 1);
+                    break;
+                }
+                __nanosleep(100);
+            }
+        }
+        __syncthreads();
+        if (ok) {
+            const int m0 = (t / num_n_tiles) * tile_m, n0 = (t % num_n_tiles) * tile_n;
+            for (int i = threadIdx.x; i < tile_m * tile_n; i += blockDim.x) {
+                const int r = m0 + i / tile_n, c = n0 + i % tile_n;
+                if (r < m && c < n) snapshot[r * ldd + c] = __ldcg(d + r * ldd + c);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+constexpr GemmConfig kHookCfg = gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK);  // 128x128
+constexpr GemmConfig kHookClusterCfg = gemm_candidate(2, DType::kBF16, DType::kBF16, BLayout::kNK);  // A multicast
+
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    hooked_gemm_kernel(const __grid_constant__ ptx::TmaDescriptor ta, const __grid_constant__ ptx::TmaDescriptor tb,
+                       const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
+                       const gemm::ChunkWaitParams sp, const gemm::TileSignalParams hp) {
+    gemm::gemm_device<kHookCfg, gemm::ChunkWaitScheduler<kHookCfg>, gemm::TileSignalHook>(&ta, &tb, &td, args, sp, hp);
+}
+
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    hooked_cluster_gemm_kernel(const __grid_constant__ ptx::TmaDescriptor ta,
+                               const __grid_constant__ ptx::TmaDescriptor tb,
+                               const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
+                               const gemm::ChunkWaitParams sp, const gemm::TileSignalParams hp) {
+    gemm::gemm_device<kHookClusterCfg, gemm::ChunkWaitScheduler<kHookClusterCfg>, gemm::TileSignalHook>(
+        &ta, &tb, &td, args, sp, hp);
+}
+
+constexpr GemmConfig kHookBPairCfg = gemm_candidate(1, DType::kBF16, DType::kBF16, BLayout::kNK);  // B multicast
+
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    hooked_bpair_gemm_kernel(const __grid_constant__ ptx::TmaDescriptor ta,
+                             const __grid_constant__ ptx::TmaDescriptor tb,
+                             const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
+                             const gemm::ChunkWaitParams sp, const gemm::TileSignalParams hp) {
+    gemm::gemm_device<kHookBPairCfg, gemm::ChunkWaitScheduler<kHookBPairCfg>, gemm::TileSignalHook>(&ta, &tb, &td,
+                                                                                                  args, sp, hp);
+}
+
+void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t n, int64_t k, int rows_per_chunk) {
+    const uint64_t seed = fresh_seed();
+    std::ostringstream os;
+    os << m << "x" << n << "x" << k << " rows/chunk " << rows_per_chunk << " " << ops::format_gemm_config(cfg)
+       << " seed " << seed;
+    SCOPED_TRACE(os.str());
+    std::mt19937_64 rng(seed);
+    const int num_chunks = static_cast<int>((m + rows_per_chunk - 1) / rows_per_chunk);
+    const GemmTileGrid grid(cfg, static_cast<int32_t>(m), static_cast<int32_t>(n));
+    const int num_tiles = grid.num_tiles();
+
+    const int64_t ldd = (n + 7) / 8 * 8;  // TMA needs 16-byte row strides; a ragged N takes the tail path
+    HostMatrix a(m, k, k, DType::kBF16), b(n, k, k, DType::kBF16), d(m, n, ldd, DType::kBF16);
+    HostMatrix a_poison(m, k, k, DType::kBF16);
+    std::memset(a_poison.bytes.data(), 0xFF, a_poison.bytes.size());  // NaN until the producer writes
+    DeviceBuffer d_src(a.bytes.size()), d_a(a.bytes.size()), d_b(b.bytes.size()), d_d(d.bytes.size()),
+        d_snap(d.bytes.size()), d_order(sizeof(int) * num_chunks), d_chunk_flags(8 * num_chunks),
+        d_tile_flags(8 * num_tiles), d_row_flags(8 * grid.num_m_tiles), d_timeouts(sizeof(int));
+    ASSERT_TRUE(d_src.ptr && d_a.ptr && d_b.ptr && d_d.ptr && d_snap.ptr && d_chunk_flags.ptr && d_tile_flags.ptr);
+    std::vector<int> order(num_chunks);
+    for (int i = 0; i < num_chunks; ++i) order[i] = num_chunks - 1 - i;  // the rows the GEMM wants first come last
+    CK(cudaMemcpy(d_order.ptr, order.data(), order.size() * sizeof(int), cudaMemcpyHostToDevice));
+    CK(cudaMemset(d_chunk_flags.ptr, 0, d_chunk_flags.bytes));
+    CK(cudaMemset(d_tile_flags.ptr, 0, d_tile_flags.bytes));
+    CK(cudaMemset(d_row_flags.ptr, 0, d_row_flags.bytes));
+
+    // Load every kernel before anything spins (lazy loading could deadlock otherwise).
+    cudaFuncAttributes attr;
+    CK(cudaFuncGetAttributes(&attr, kernel));
+    CK(cudaFuncGetAttributes(&attr, chunk_producer_kernel));
+    CK(cudaFuncGetAttributes(&attr, tile_checker_kernel));
+
+    cudaStream_t s_gemm, s_prod, s_check;
+    CK(cudaStreamCreateWithFlags(&s_gemm, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&s_prod, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&s_check, cudaStreamNonBlocking));
+    const int cluster = cfg.cluster_m * cfg.cluster_n;
+    const int grid_ctas = std::min((num_sms() - 4) / cluster, grid.num_cluster_tiles()) * cluster;
+
+    for (int round = 1; round <= 3; ++round) {
+        SCOPED_TRACE("round " + std::to_string(round));
+        a.fill_random(rng);  // fresh A every generation
+        b.fill_random(rng);
+        poison(d);
+        upload(a, d_src);
+        upload(a_poison, d_a);
+        upload(b, d_b);
+        upload(d, d_d);
+        upload(d, d_snap);
+        CK(cudaMemset(d_timeouts.ptr, 0, sizeof(int)));
+        CK(cudaDeviceSynchronize());
+
+        const TensorView va(d_a.ptr, DType::kBF16, {m, k}), vb(d_b.ptr, DType::kBF16, {n, k}),
+            vd(d_d.ptr, DType::kBF16, {m, n}, {ldd, 1});
+        const auto maps = ops::detail::make_gemm_tensor_maps(cfg, va, vb, vd);
+        const GemmArgs args = ops::detail::make_gemm_args(va, vd, 10'000'000'000ull);
+        gemm::ChunkWaitParams sp{};
+        sp.flags = static_cast<const uint64_t*>(d_chunk_flags.ptr);
+        sp.rows_per_chunk = rows_per_chunk;
+        sp.expected = static_cast<uint64_t>(round);  // generations: no reset between rounds
+        sp.timeout_ns = 10'000'000'000ull;
+        sp.diag = nullptr;
+        gemm::TileSignalParams hp{};
+        // Round 1 and 3: a generation per tile; round 2: a counter per tile row.
+        const bool per_tile = round != 2;
+        hp.flags = static_cast<uint64_t*>(per_tile ? d_tile_flags.ptr : d_row_flags.ptr);
+        hp.value = per_tile ? static_cast<uint64_t>(round) : 1u;
+        hp.num_n_tiles = grid.num_n_tiles;
+        hp.mode = per_tile ? gemm::TileSignalMode::kSetPerTile : gemm::TileSignalMode::kAddPerTileRow;
+
+        ASSERT_NO_THROW(ops::detail::launch_gemm_kernel(kernel, cfg, maps, args, grid_ctas, &sp, &hp, s_gemm));
+        if (per_tile) {
+            tile_checker_kernel<<<1, 256, 0, s_check>>>(
+                static_cast<const uint64_t*>(d_tile_flags.ptr), static_cast<uint64_t>(round), grid.num_m_tiles,
+                grid.num_n_tiles, cfg.tile_m, cfg.tile_n, static_cast<const uint16_t*>(d_d.ptr),
+                static_cast<uint16_t*>(d_snap.ptr), static_cast<int>(m), static_cast<int>(n), ldd, 10'000'000'000ull,
+                static_cast<int*>(d_timeouts.ptr));
+            CK(cudaGetLastError());
+        }
+        chunk_producer_kernel<<<1, 256, 0, s_prod>>>(
+            static_cast<const uint16_t*>(d_src.ptr), static_cast<uint16_t*>(d_a.ptr), rows_per_chunk * k, m * k,
+            static_cast<const int*>(d_order.ptr), num_chunks, static_cast<uint64_t*>(d_chunk_flags.ptr),
+            static_cast<uint64_t>(round), 20'000);
+        CK(cudaGetLastError());
+        const cudaError_t err = cudaDeviceSynchronize();
+        ASSERT_EQ(err, cudaSuccess) << "hooked GEMM / producer / checker failed: " << cudaGetErrorString(err);
+
+        download(d, d_d);
+        std::vector<int64_t> rows;
+        for (int64_t r = 0; r < m; ++r) rows.push_back(r);
+        const auto ref = reference(a, b, BLayout::kNK, n, rows);
+        expect_matches(d, ref, rows, tolerance_for(DType::kBF16), "hooked GEMM");
+        {
+            // Where it went wrong, if it did: per tile, elements off by > 5% of rms, and how many are exactly 0.
+            double den = 0;
+            for (double v : ref) den += v * v;
+            const double rms = std::sqrt(den / ref.size());
+            int64_t any_wrong = 0;
+            std::ostringstream map;
+            for (int tm = 0; tm < grid.num_m_tiles; ++tm) {
+                map << "\n  tile row " << tm << ":";
+                for (int tn = 0; tn < grid.num_n_tiles; ++tn) {
+                    int64_t wrong = 0, zeros = 0, total = 0;
+                    for (int64_t r = tm * cfg.tile_m; r < std::min<int64_t>(m, (tm + 1) * cfg.tile_m); ++r)
+                        for (int64_t c = tn * cfg.tile_n; c < std::min<int64_t>(n, (tn + 1) * cfg.tile_n); ++c) {
+                            ++total;
+                            const double got = d.get(r, c);
+                            if (got == 0) ++zeros;  // (ref is [m][n], d has row stride ldd)
+                            if (!(std::fabs(got - ref[r * n + c]) <= 0.05 * rms)) ++wrong;
+                        }
+                    map << " " << wrong << "/" << total << "(z" << zeros << ")";
+                    any_wrong += wrong;
+                }
+            }
+            if (any_wrong > 0) {
+                ADD_FAILURE() << "per-tile wrong/total (zeros):" << map.str();
+                return;
+            }
+        }
+
+        if (per_tile) {
+            std::vector<uint64_t> flags(num_tiles);
+            CK(cudaMemcpy(flags.data(), d_tile_flags.ptr, 8 * num_tiles, cudaMemcpyDeviceToHost));
+            for (int t = 0; t < num_tiles; ++t) {
+                EXPECT_EQ(flags[t], static_cast<uint64_t>(round)) << "tile " << t << " signal";
+            }
+            int timeouts = 0;
+            CK(cudaMemcpy(&timeouts, d_timeouts.ptr, sizeof(int), cudaMemcpyDeviceToHost));
+            EXPECT_EQ(timeouts, 0) << "the checker timed out waiting for tile signals";
+            // The snapshot taken right after each signal must already hold the final tile.
+            HostMatrix snap(m, n, ldd, DType::kBF16);
+            download(snap, d_snap);
+            int64_t mismatches = 0;
+            for (int64_t r = 0; r < m; ++r)
+                for (int64_t c = 0; c < n; ++c) {
+                    if (std::memcmp(snap.bytes.data() + snap.offset(r, c), d.bytes.data() + d.offset(r, c), 2) != 0) {
+                        ++mismatches;
+                    }
+                }
+            EXPECT_EQ(mismatches, 0) << "tile data read right after its signal differs from the final output: "
+                                        "the signal was raised before the TMA store completed";
+        } else {
+            std::vector<uint64_t> rowf(grid.num_m_tiles);
+            CK(cudaMemcpy(rowf.data(), d_row_flags.ptr, 8 * grid.num_m_tiles, cudaMemcpyDeviceToHost));
+            for (int r = 0; r < grid.num_m_tiles; ++r) {
+                EXPECT_EQ(rowf[r], static_cast<uint64_t>(grid.num_n_tiles)) << "tile row " << r << " counter";
+            }
+        }
+    }
+    cudaStreamDestroy(s_gemm);
+    cudaStreamDestroy(s_prod);
+    cudaStreamDestroy(s_check);
+}
+
+TEST(GemmHooks, WaitsForChunksFromAnotherStreamAndSignalsStoredTiles) {
+    REQUIRE_SM90();
+    run_hook_test(kHookCfg, reinterpret_cast<const void*>(&hooked_gemm_kernel), 1000, 1024, 512, 96);
+}
+
+TEST(GemmHooks, ClusterMulticastVariantWaitsAndSignals) {
+    REQUIRE_SM90();
+    // The same shape and config without hooks first: separates a cluster bug from a hook bug.
+    Case plain{777, 1100, 256};
+    plain.config = kHookClusterCfg;
+    check_case(plain);
+    run_hook_test(kHookClusterCfg, reinterpret_cast<const void*>(&hooked_cluster_gemm_kernel), 777, 1100, 256, 64);
+}
+
+TEST(GemmHooks, ClusterBPairVariantWaitsAndSignals) {
+    REQUIRE_SM90();
+    run_hook_test(kHookBPairCfg, reinterpret_cast<const void*>(&hooked_bpair_gemm_kernel), 777, 1100, 256, 64);
+}
+
+}  // namespace
+}  // namespace weft

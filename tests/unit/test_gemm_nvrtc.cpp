@@ -1,0 +1,306 @@
+// SPDX-License-Identifier: MIT
+// Unit tests (CPU): NVRTC compiles every GEMM kernel specialisation for sm_90a with a clean ptxas report
+// (no wgmma serialisation, no ignored setmaxnreg, no spills), and the tiled kernels' SASS uses HGMMA.
+#include <gtest/gtest.h>
+#include <nvrtc.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "weft/common/gemm_config.hpp"
+#include "weft/ops/gemm.hpp"
+
+#ifndef WEFT_SOURCE_DIR
+#error "WEFT_SOURCE_DIR must name the source tree (tests/CMakeLists.txt defines it)"
+#endif
+#ifndef WEFT_CUDA_INCLUDE_DIR
+#error "WEFT_CUDA_INCLUDE_DIR must name the toolkit's include folder (tests/CMakeLists.txt defines it)"
+#endif
+
+namespace weft {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Compiled {
+    nvrtcResult result = NVRTC_SUCCESS;
+    std::string log;
+    std::vector<char> cubin;
+    std::map<std::string, std::string> lowered;  // instantiation -> mangled name
+};
+
+// NOTE: NVRTC has no C++ standard library: fixed-width integers come from libcu++ (the toolkit's cccl
+// folder), as weft/common/macros.hpp expects; the JIT passes the same include path.
+Compiled compile(const std::vector<std::string>& instantiations, const std::string& extra_source = "") {
+    const std::string source =
+        "#include \"gemm/gemm_sm90.cuh\"\n#include \"gemm/gemv_sm90.cuh\"\n" + extra_source;
+    nvrtcProgram prog = nullptr;
+    Compiled out;
+    out.result = nvrtcCreateProgram(&prog, source.c_str(), "weft_gemm_test.cu", 0, nullptr, nullptr);
+    if (out.result != NVRTC_SUCCESS) return out;
+    for (const auto& name : instantiations) nvrtcAddNameExpression(prog, name.c_str());
+    const std::string inc = std::string("-I") + WEFT_SOURCE_DIR + "/include";
+    const std::string kinc = std::string("-I") + WEFT_SOURCE_DIR + "/kernels";
+    const std::string cccl = std::string("-I") + WEFT_CUDA_INCLUDE_DIR + "/cccl";
+    const std::string cuda_inc = std::string("-I") + WEFT_CUDA_INCLUDE_DIR;
+    const char* opts[] = {"-arch=sm_90a", "-std=c++20", "--ptxas-options=-v", inc.c_str(), kinc.c_str(),
+                          cccl.c_str(), cuda_inc.c_str()};
+    out.result = nvrtcCompileProgram(prog, static_cast<int>(std::size(opts)), opts);
+    size_t log_size = 0;
+    nvrtcGetProgramLogSize(prog, &log_size);
+    out.log.assign(log_size, '\0');
+    nvrtcGetProgramLog(prog, out.log.data());
+    if (out.result == NVRTC_SUCCESS) {
+        size_t cubin_size = 0;
+        nvrtcGetCUBINSize(prog, &cubin_size);
+        out.cubin.resize(cubin_size);
+        nvrtcGetCUBIN(prog, out.cubin.data());
+        for (const auto& name : instantiations) {
+            const char* lowered = nullptr;
+            if (nvrtcGetLoweredName(prog, name.c_str(), &lowered) == NVRTC_SUCCESS && lowered) {
+                out.lowered[name] = lowered;
+            }
+        }
+    }
+    nvrtcDestroyProgram(&prog);
+    return out;
+}
+
+const char* dtype_enum(DType t) {
+    return t == DType::kBF16 ? "weft::DType::kBF16" : t == DType::kF16 ? "weft::DType::kF16" : "weft::DType::kF32";
+}
+
+struct Combo {
+    DType in, out;
+    BLayout layout;
+};
+
+std::vector<Combo> combos() {
+    std::vector<Combo> v;
+    for (auto io : {std::pair{DType::kBF16, DType::kBF16}, std::pair{DType::kBF16, DType::kF32},
+                    std::pair{DType::kF16, DType::kF16}, std::pair{DType::kF16, DType::kF32}}) {
+        for (BLayout l : {BLayout::kNK, BLayout::kKN}) v.push_back({io.first, io.second, l});
+    }
+    return v;
+}
+
+std::vector<std::string> tiled_instantiations(const Combo& c) {
+    std::vector<std::string> names;
+    for (const GemmConfig& cfg : ops::gemm_candidate_configs(c.in, c.out, c.layout)) {
+        names.push_back(ops::gemm_kernel_instantiation(cfg));
+    }
+    return names;
+}
+
+std::vector<std::string> gemv_instantiations(const Combo& c) {
+    std::vector<std::string> names;
+    for (int m_tiles = 1; m_tiles <= 4; ++m_tiles) {
+        for (int n_tiles : {4, 1}) {
+            names.push_back("weft::gemm::gemv_kernel<" + std::to_string(m_tiles) + ", " + dtype_enum(c.in) + ", " +
+                            dtype_enum(c.out) + ", " + std::to_string(n_tiles) + ">");
+        }
+    }
+    return names;
+}
+
+// The communication-hooked variant (what the fused kernels instantiate).
+std::string hooked_instantiation() {
+    const std::string cfg = ops::format_gemm_config(gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK));
+    return "weft::gemm::gemm_kernel<" + cfg + ", weft::gemm::ChunkWaitScheduler<" + cfg +
+           ">, weft::gemm::TileSignalHook>";
+}
+
+// Checks ptxas' verbose report: no C75xx performance warning (C7508 setmaxnreg ignored, C7510/C7512 wgmma
+// serialised, ...), and no spills in any function.
+void expect_clean_ptxas_report(const std::string& log, const std::string& what) {
+    EXPECT_EQ(log.find("C75"), std::string::npos) << what << ": ptxas performance warning:\n" << log;
+    EXPECT_EQ(log.find("warning"), std::string::npos) << what << ":\n" << log;
+    const std::regex spill(R"((\d+) bytes spill stores, (\d+) bytes spill loads)");
+    int functions = 0;
+    for (auto it = std::sregex_iterator(log.begin(), log.end(), spill); it != std::sregex_iterator(); ++it) {
+        ++functions;
+        EXPECT_EQ((*it)[1].str(), "0") << what << ": spill stores\n" << log;
+        EXPECT_EQ((*it)[2].str(), "0") << what << ": spill loads\n" << log;
+    }
+    EXPECT_GT(functions, 0) << what << ": no ptxas report in the NVRTC log (was --ptxas-options=-v ignored?)\n"
+                            << log;
+}
+
+TEST(GemmNvrtc, EveryCandidateCompilesForSm90aWithoutSerialisationOrSpills) {
+    for (const Combo& c : combos()) {
+        std::vector<std::string> names = tiled_instantiations(c);
+        if (c.layout == BLayout::kNK) {
+            for (auto& g : gemv_instantiations(c)) names.push_back(g);
+        }
+        const std::string what = std::string("in ") + dtype_name(c.in) + " out " + dtype_name(c.out) + " " +
+                                 (c.layout == BLayout::kNK ? "kNK" : "kKN");
+        const Compiled r = compile(names);
+        ASSERT_EQ(r.result, NVRTC_SUCCESS) << what << ":\n" << r.log;
+        EXPECT_EQ(r.lowered.size(), names.size()) << what << ": some instantiation has no lowered name";
+        expect_clean_ptxas_report(r.log, what);
+        // One 128-register-or-more consumer budget: the kernel's register cap at entry is 168 (384 threads).
+        EXPECT_EQ(r.log.find("Used 256 registers"), std::string::npos) << r.log;
+    }
+}
+
+TEST(GemmNvrtc, HookedKernelCompilesWithoutSerialisationOrSpills) {
+    const Compiled r = compile({hooked_instantiation()});
+    ASSERT_EQ(r.result, NVRTC_SUCCESS) << r.log;
+    expect_clean_ptxas_report(r.log, "ChunkWaitScheduler + TileSignalHook");
+}
+
+// ---- SASS check -----------------------------------------------------------------------------------------
+
+std::string run_capture(const std::string& cmd, int* status) {
+    std::string out;
+    FILE* p = popen(cmd.c_str(), "r");
+    if (p == nullptr) {
+        *status = -1;
+        return out;
+    }
+    std::array<char, 65536> buf{};
+    size_t n = 0;
+    while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+    *status = pclose(p);
+    return out;
+}
+
+bool executable(const fs::path& p) {
+    std::error_code ec;
+    return fs::is_regular_file(p, ec) && (fs::status(p, ec).permissions() & fs::perms::owner_exec) != fs::perms::none;
+}
+
+// Looks for a CUDA binary tool: $WEFT_<NAME>, PATH, the toolkit, then the NVIDIA wheels on PyPI
+// (nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm, which CI installs).
+std::optional<fs::path> find_tool(const std::string& name) {
+    std::string env_name = "WEFT_" + name;
+    for (auto& ch : env_name) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+    if (const char* e = std::getenv(env_name.c_str()); e && executable(e)) return fs::path(e);
+    if (const char* path = std::getenv("PATH")) {
+        std::stringstream ss(path);
+        std::string dir;
+        while (std::getline(ss, dir, ':')) {
+            if (!dir.empty() && executable(fs::path(dir) / name)) return fs::path(dir) / name;
+        }
+    }
+    if (executable(fs::path(WEFT_CUDA_INCLUDE_DIR) / ".." / "bin" / name)) {
+        return fs::path(WEFT_CUDA_INCLUDE_DIR) / ".." / "bin" / name;
+    }
+    int status = 0;
+    const std::string sites = run_capture(
+        "python3 -c \"import site; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))\" "
+        "2>/dev/null",
+        &status);
+    std::stringstream ss(sites);
+    std::string site;
+    while (std::getline(ss, site)) {
+        for (const char* sub : {"nvidia/cu13/bin", "nvidia/cuda_cuobjdump/bin", "nvidia/cuda_nvdisasm/bin",
+                                "nvidia/cu12/bin"}) {
+            if (!site.empty() && executable(fs::path(site) / sub / name)) return fs::path(site) / sub / name;
+        }
+    }
+    return std::nullopt;
+}
+
+// SASS per function (mangled name -> text), from cuobjdump -sass or, failing that, nvdisasm.
+std::map<std::string, std::string> disassemble(const fs::path& cubin, std::string* tool_used, std::string* why_not) {
+    std::map<std::string, std::string> out;
+    const auto cuobjdump = find_tool("cuobjdump");
+    const auto nvdisasm = find_tool("nvdisasm");
+    std::string text;
+    std::string marker;
+    int status = 0;
+    if (cuobjdump) {
+        // cuobjdump -sass runs nvdisasm: put it on PATH when it came from a wheel.
+        std::string cmd;
+        if (nvdisasm) cmd = "PATH=\"" + nvdisasm->parent_path().string() + ":$PATH\" ";
+        cmd += "\"" + cuobjdump->string() + "\" -sass \"" + cubin.string() + "\" 2>&1";
+        text = run_capture(cmd, &status);
+        marker = "Function : ";
+        *tool_used = cuobjdump->string();
+        if (status != 0 || text.find(marker) == std::string::npos) text.clear();
+    }
+    if (text.empty() && nvdisasm) {
+        text = run_capture("\"" + nvdisasm->string() + "\" \"" + cubin.string() + "\" 2>&1", &status);
+        marker = ".section\t.text.";
+        *tool_used = nvdisasm->string();
+        if (status != 0) text.clear();
+    }
+    if (text.empty()) {
+        *why_not = !cuobjdump && !nvdisasm
+                       ? "neither cuobjdump nor nvdisasm was found (python3 -m pip install nvidia-cuda-cuobjdump "
+                         "nvidia-cuda-nvdisasm, or set WEFT_CUOBJDUMP / WEFT_NVDISASM)"
+                       : "cuobjdump/nvdisasm ran but produced no SASS (cuobjdump -sass needs nvdisasm: python3 -m "
+                         "pip install nvidia-cuda-nvdisasm)";
+        return out;
+    }
+    size_t pos = text.find(marker);
+    while (pos != std::string::npos) {
+        const size_t name_begin = pos + marker.size();
+        const size_t name_end = text.find_first_of(",\n \t", name_begin);
+        const size_t next = text.find(marker, name_begin);
+        out[text.substr(name_begin, name_end - name_begin)] =
+            text.substr(name_begin, (next == std::string::npos ? text.size() : next) - name_begin);
+        pos = next;
+    }
+    return out;
+}
+
+size_t count(const std::string& hay, const std::string& needle) {
+    size_t n = 0;
+    for (size_t p = hay.find(needle); p != std::string::npos; p = hay.find(needle, p + 1)) ++n;
+    return n;
+}
+
+// The tiled GEMM must run on the wgmma path: HGMMA in SASS. HMMA (mma.sync) in a tiled kernel means a slower
+// path; LDL/STL means registers went to local memory.
+TEST(GemmNvrtc, gemm_sass_uses_hgmma) {
+    const fs::path dir = fs::temp_directory_path() / ("weft_gemm_sass_" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    int checked = 0;
+    for (const Combo& c : combos()) {
+        const std::vector<std::string> names = tiled_instantiations(c);
+        const Compiled r = compile(names);
+        ASSERT_EQ(r.result, NVRTC_SUCCESS) << r.log;
+        const fs::path cubin = dir / "gemm.cubin";
+        {
+            std::ofstream f(cubin, std::ios::binary);
+            f.write(r.cubin.data(), static_cast<std::streamsize>(r.cubin.size()));
+        }
+        std::string tool, why_not;
+        const auto sass = disassemble(cubin, &tool, &why_not);
+        if (sass.empty()) {
+            fs::remove_all(dir);
+            GTEST_SKIP() << "SKIPPED: cannot check SASS: " << why_not;
+        }
+        for (const auto& name : names) {
+            const auto lowered = r.lowered.find(name);
+            ASSERT_NE(lowered, r.lowered.end()) << name;
+            const auto fn = sass.find(lowered->second);
+            ASSERT_NE(fn, sass.end()) << "no SASS for " << name << " (tool " << tool << ")";
+            const std::string& code = fn->second;
+            EXPECT_GT(count(code, "HGMMA"), 0u) << name << ": no HGMMA in SASS";
+            EXPECT_EQ(count(code, " HMMA"), 0u) << name << ": HMMA (mma.sync path) in a tiled kernel";
+            EXPECT_EQ(count(code, " LDL"), 0u) << name << ": local-memory loads";
+            EXPECT_EQ(count(code, " STL"), 0u) << name << ": local-memory stores";
+            EXPECT_GT(count(code, "UTMALDG"), 0u) << name << ": no TMA loads";
+            EXPECT_GT(count(code, "UTMASTG"), 0u) << name << ": no TMA stores";
+            ++checked;
+        }
+    }
+    fs::remove_all(dir);
+    EXPECT_EQ(checked, static_cast<int>(combos().size()) * kGemmNumCandidates);
+}
+
+}  // namespace
+}  // namespace weft

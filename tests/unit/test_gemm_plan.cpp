@@ -1,0 +1,280 @@
+// SPDX-License-Identifier: MIT
+// Unit tests of the GEMM's host side: config validity, tile grid and raster order, argument validation,
+// path/config heuristics and config printing (CPU only).
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
+
+#include "weft/common/gemm_config.hpp"
+#include "weft/ops/gemm.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace weft {
+namespace {
+
+constexpr DType kInOut[][2] = {{DType::kBF16, DType::kBF16},
+                               {DType::kBF16, DType::kF32},
+                               {DType::kF16, DType::kF16},
+                               {DType::kF16, DType::kF32}};
+
+TEST(GemmConfig, EveryCandidateIsValidAndFitsSharedMemory) {
+    for (const auto& io : kInOut) {
+        for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
+            for (int i = 0; i < kGemmNumCandidates; ++i) {
+                const GemmConfig c = gemm_candidate(i, io[0], io[1], layout);
+                EXPECT_TRUE(is_valid(c)) << ops::format_gemm_config(c);
+                EXPECT_LE(gemm_smem_plan(c).alloc_bytes, kGemmMaxSmemBytes) << ops::format_gemm_config(c);
+                EXPECT_EQ(gemm_smem_plan(c).bar_offset % 8, 0);
+                EXPECT_EQ(gemm_smem_plan(c).stage_bytes % 1024, 0) << "stages must keep 1024-byte alignment";
+            }
+            EXPECT_EQ(ops::gemm_candidate_configs(io[0], io[1], layout).size(),
+                      static_cast<size_t>(kGemmNumCandidates));
+        }
+    }
+}
+
+TEST(GemmConfig, RejectsWhatTheKernelCannotDo) {
+    GemmConfig c{};
+    EXPECT_TRUE(is_valid(c));
+    auto with = [&](auto mutate) {
+        GemmConfig x = c;
+        mutate(x);
+        return is_valid(x);
+    };
+    EXPECT_FALSE(with([](GemmConfig& x) { x.tile_k = 32; }));
+    EXPECT_FALSE(with([](GemmConfig& x) { x.tile_m = 64; }));
+    EXPECT_FALSE(with([](GemmConfig& x) { x.tile_n = 96; }));
+    EXPECT_FALSE(with([](GemmConfig& x) { x.tile_n = 320; }));
+    EXPECT_FALSE(with([](GemmConfig& x) { x.tile_m = 256; x.tile_n = 256; }));  // 256 accumulators
+    EXPECT_FALSE(with([](GemmConfig& x) { x.stages = 5; }));                      // > 227 KiB
+    EXPECT_FALSE(with([](GemmConfig& x) { x.stages = 1; }));
+    EXPECT_FALSE(with([](GemmConfig& x) { x.cluster_m = 2; x.cluster_n = 2; }));
+    EXPECT_FALSE(with([](GemmConfig& x) { x.cluster_m = 4; }));
+    EXPECT_FALSE(with([](GemmConfig& x) { x.in_dtype = DType::kF32; }));
+    EXPECT_FALSE(with([](GemmConfig& x) { x.out_dtype = DType::kI32; }));
+    EXPECT_FALSE(with([](GemmConfig& x) {  // kKN multicast splits 64-column boxes between the pair
+        x.b_layout = BLayout::kKN;
+        x.tile_n = 192;
+        x.cluster_m = 2;
+    }));
+    EXPECT_TRUE(with([](GemmConfig& x) { x.tile_n = 128; x.stages = 6; }));
+}
+
+// Every tile of D is computed exactly once; padding tiles only appear inside clusters; the CTAs of a
+// cluster share the operand they multicast.
+TEST(GemmTileGrid, CoversEveryTileOnceInEveryRasterAndCluster) {
+    const int shapes[][2] = {{1, 8}, {127, 129}, {128, 256}, {1000, 3000}, {8192, 1376}, {4096, 4096}, {777, 64}};
+    for (const auto& s : shapes) {
+        for (int idx = 0; idx < kGemmNumCandidates; ++idx) {
+            for (Raster raster : {Raster::kAlongN, Raster::kAlongM}) {
+                for (int group : {1, 3, 8}) {
+                    GemmConfig c = gemm_candidate(idx, DType::kBF16, DType::kBF16, BLayout::kNK);
+                    c.raster = raster;
+                    c.raster_group = group;
+                    const GemmTileGrid g(c, s[0], s[1]);
+                    const int cluster = c.cluster_m * c.cluster_n;
+                    std::set<std::pair<int, int>> seen;
+                    for (int t = 0; t < g.num_cluster_tiles(); ++t) {
+                        GemmTile first{};
+                        for (int r = 0; r < cluster; ++r) {
+                            const GemmTile tile = g.tile(t, r);
+                            if (r == 0) first = tile;
+                            if (c.cluster_m == 2) {
+                                EXPECT_EQ(tile.n_idx, first.n_idx);
+                            }
+                            if (c.cluster_n == 2) {
+                                EXPECT_EQ(tile.m_idx, first.m_idx);
+                            }
+                            EXPECT_EQ(tile.m0, tile.m_idx * c.tile_m);
+                            EXPECT_EQ(tile.n0, tile.n_idx * c.tile_n);
+                            if (!tile.valid) {
+                                EXPECT_GT(cluster, 1) << "padding tile without a cluster";
+                                continue;
+                            }
+                            ASSERT_LT(tile.m_idx, g.num_m_tiles);
+                            ASSERT_LT(tile.n_idx, g.num_n_tiles);
+                            EXPECT_TRUE(seen.insert({tile.m_idx, tile.n_idx}).second)
+                                << "tile (" << tile.m_idx << ", " << tile.n_idx << ") twice, shape " << s[0] << "x"
+                                << s[1] << " " << ops::format_gemm_config(c);
+                        }
+                    }
+                    EXPECT_EQ(seen.size(), static_cast<size_t>(g.num_tiles()))
+                        << s[0] << "x" << s[1] << " " << ops::format_gemm_config(c);
+                }
+            }
+        }
+    }
+}
+
+TEST(GemmTileGrid, ConsecutiveTilesStayInsideASwizzleGroup) {
+    GemmConfig c{};
+    c.raster_group = 8;
+    const GemmTileGrid g(c, 8192, 8192);  // 64 x 32 tiles
+    // The first 8 * 32 tiles in order cover tile rows 0..7 only: A rows stay hot in L2.
+    for (int t = 0; t < 8 * 32; ++t) EXPECT_LT(g.tile(t, 0).m_idx, 8);
+    EXPECT_EQ(g.tile(8 * 32, 0).m_idx, 8);
+}
+
+TensorView mat(uintptr_t addr, DType t, int64_t rows, int64_t cols, int64_t ld) {
+    return TensorView(reinterpret_cast<void*>(addr), t, {rows, cols}, {ld, 1});
+}
+
+void expect_error_mentions(const std::function<void()>& fn, const std::string& needle) {
+    try {
+        fn();
+        ADD_FAILURE() << "expected weft::Error mentioning '" << needle << "'";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+}
+
+TEST(GemmValidate, AcceptsBothLayoutsAndStrides) {
+    const auto p = ops::validate_gemm_args(mat(0x10000, DType::kBF16, 100, 64, 72), mat(0x20000, DType::kBF16, 30, 64, 64),
+                                           mat(0x30000, DType::kF32, 100, 30, 32), BLayout::kNK);
+    EXPECT_EQ(p.m, 100);
+    EXPECT_EQ(p.n, 30);
+    EXPECT_EQ(p.k, 64);
+    EXPECT_EQ(p.out_dtype, DType::kF32);
+    const auto q = ops::validate_gemm_args(mat(0x10000, DType::kF16, 1, 8, 8), mat(0x20000, DType::kF16, 8, 24, 24),
+                                           mat(0x30000, DType::kF16, 1, 24, 24), BLayout::kKN);
+    EXPECT_EQ(q.n, 24);
+    EXPECT_EQ(q.k, 8);
+}
+
+TEST(GemmValidate, NamesTheBadArgument) {
+    const auto a = mat(0x10000, DType::kBF16, 64, 64, 64);
+    const auto b = mat(0x20000, DType::kBF16, 128, 64, 64);
+    const auto d = mat(0x30000, DType::kBF16, 64, 128, 128);
+    EXPECT_NO_THROW(ops::validate_gemm_args(a, b, d, BLayout::kNK));
+    expect_error_mentions([&] { ops::validate_gemm_args(mat(0x10008, DType::kBF16, 64, 64, 64), b, d, BLayout::kNK); },
+                          "a's base address must be 16-byte aligned");
+    expect_error_mentions([&] { ops::validate_gemm_args(a, mat(0x20000, DType::kBF16, 128, 64, 68), d, BLayout::kNK); },
+                          "b's row stride must be a multiple of 16 bytes");
+    expect_error_mentions([&] { ops::validate_gemm_args(a, mat(0x20000, DType::kBF16, 128, 32, 32), d, BLayout::kNK); },
+                          "b ([N,K] row-major) must have K = 64");
+    expect_error_mentions([&] { ops::validate_gemm_args(a, mat(0x20000, DType::kF16, 128, 64, 64), d, BLayout::kNK); },
+                          "b must have a's dtype bf16");
+    expect_error_mentions([&] { ops::validate_gemm_args(a, b, mat(0x30000, DType::kF16, 64, 128, 128), BLayout::kNK); },
+                          "d must be bf16");
+    expect_error_mentions([&] { ops::validate_gemm_args(a, b, mat(0x30000, DType::kBF16, 64, 120, 128), BLayout::kNK); },
+                          "d must be [M,N] = [64, 128]");
+    expect_error_mentions(
+        [&] { ops::validate_gemm_args(mat(0x10000, DType::kBF16, 64, 12, 16), mat(0x20000, DType::kBF16, 128, 12, 16), d,
+                                      BLayout::kNK); },
+        "K (a's columns) must be a positive multiple of 8, got 12");
+    expect_error_mentions(
+        [&] {
+            TensorView a3(reinterpret_cast<void*>(0x10000), DType::kBF16, {2, 64, 64});
+            ops::validate_gemm_args(a3, b, d, BLayout::kNK);
+        },
+        "a must be a 2-D matrix");
+    expect_error_mentions([&] { ops::validate_gemm_args(a, b, mat(0x30000, DType::kBF16, 64, 128, 100), BLayout::kNK); },
+                          "d's row stride must be >= its row length 128");
+    expect_error_mentions(
+        [&] { ops::validate_gemm_args(TensorView(reinterpret_cast<void*>(0x10000), DType::kBF16, {64, 64}, {1, 64}), b, d,
+                                      BLayout::kNK); },
+        "a must be row-major");
+    expect_error_mentions([&] { ops::validate_gemm_args(mat(0, DType::kBF16, 64, 64, 64), b, d, BLayout::kNK); },
+                          "a has a null data pointer");
+}
+
+TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
+    ops::GemmProblem p{1, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
+    auto plan = ops::plan_gemm(p, 132);
+    EXPECT_EQ(plan.path, ops::GemmPath::kSmallM);
+    EXPECT_EQ(plan.small_m_tiles, 1);
+    EXPECT_EQ(plan.small_m_variant, 1);
+    EXPECT_EQ(plan.grid, 256);  // variant 1: 32 columns per CTA
+    EXPECT_GE(plan.small_m_splits * plan.small_m_k_per_split, 8192);
+    EXPECT_LT((plan.small_m_splits - 1) * plan.small_m_k_per_split, 8192);
+    EXPECT_EQ(plan.small_m_k_per_split % 32, 0);
+    EXPECT_GE(plan.grid * plan.small_m_splits, 2 * 132) << "too few CTAs to stream B at full bandwidth";
+    EXPECT_EQ(plan.small_m_splits, 4) << "N = K = 8192 on 132 SMs, variant 1: 4 splits measured best";
+    EXPECT_EQ(8192 % plan.small_m_k_per_split, 0);
+    EXPECT_EQ(plan.workspace_bytes, ops::gemm_workspace_bytes(p, plan.small_m_splits, 1));
+    ops::GemmOptions v0;
+    v0.small_m_variant = 0;
+    const auto plan0 = ops::plan_gemm(p, 132, v0);
+    EXPECT_EQ(plan0.grid, 64);  // 128 columns per CTA
+    EXPECT_EQ(plan0.small_m_splits, 8) << "variant 0: 8 splits of 1024 measured best";
+    EXPECT_EQ(plan0.workspace_bytes, ops::gemm_workspace_bytes(p, plan0.small_m_splits, 0));
+    // Counters (one per column block, rounded to 256 bytes) then fp32 partials [splits][M][N].
+    EXPECT_EQ(plan.workspace_bytes, 256u * 4 + 4u * 8192 * 4);
+    EXPECT_EQ(plan0.workspace_bytes, 256u + 8u * 8192 * 4);
+    v0.small_m_variant = 2;
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0 or 1");
+
+    p.m = 64;
+    EXPECT_EQ(ops::plan_gemm(p, 132).small_m_tiles, 4);
+    p.m = 65;
+    EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kTiled);
+    p.m = 16;
+    p.b_layout = BLayout::kKN;
+    EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kTiled);
+    p.b_layout = BLayout::kNK;
+    ops::GemmOptions no_small;
+    no_small.allow_small_m = false;
+    EXPECT_EQ(ops::plan_gemm(p, 132, no_small).path, ops::GemmPath::kTiled);
+    ops::GemmOptions forced_splits;
+    forced_splits.small_m_splits = 3;
+    EXPECT_EQ(ops::plan_gemm(p, 132, forced_splits).small_m_splits, 3);
+    p.k = 8;  // tiny K: one split, no workspace
+    plan = ops::plan_gemm(p, 132);
+    EXPECT_EQ(plan.small_m_splits, 1);
+    EXPECT_EQ(plan.workspace_bytes, 0u);
+}
+
+TEST(GemmPlan, TiledGridRespectsBudgetAndCluster) {
+    ops::GemmProblem p{8192, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
+    for (int budget : {0, 1, 7, 64, 131, 132, 500}) {
+        ops::GemmOptions o;
+        o.sm_budget = budget;
+        const auto plan = ops::plan_gemm(p, 132, o);
+        const int cluster = plan.config.cluster_m * plan.config.cluster_n;
+        EXPECT_EQ(plan.path, ops::GemmPath::kTiled);
+        EXPECT_TRUE(is_valid(plan.config));
+        EXPECT_GT(plan.grid, 0);
+        EXPECT_EQ(plan.grid % cluster, 0);
+        EXPECT_LE(plan.grid, std::max(cluster, budget == 0 ? 132 : std::min(budget, 132)));
+        EXPECT_EQ(plan.smem_bytes, gemm_smem_plan(plan.config).alloc_bytes);
+    }
+    // Large square problems use a 128x256 / 256x128 tile (the efficient shapes).
+    const auto big = ops::plan_gemm(p, 132);
+    EXPECT_EQ(big.config.tile_m * big.config.tile_n, 128 * 256) << ops::format_gemm_config(big.config);
+    // A tiny problem never launches more CTAs than tiles.
+    ops::GemmProblem tiny{100, 100, 64, BLayout::kKN, DType::kF16, DType::kF32};
+    const auto t = ops::plan_gemm(tiny, 132);
+    EXPECT_LE(t.grid, 2);
+    EXPECT_EQ(t.config.b_layout, BLayout::kKN);
+    EXPECT_EQ(t.config.out_dtype, DType::kF32);
+}
+
+TEST(GemmPlan, ForcedConfigMustMatchTheCall) {
+    ops::GemmProblem p{512, 512, 512, BLayout::kNK, DType::kBF16, DType::kBF16};
+    ops::GemmOptions o;
+    o.config = gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK);
+    EXPECT_EQ(ops::plan_gemm(p, 132, o).config, *o.config);
+    o.config = gemm_candidate(6, DType::kF16, DType::kF16, BLayout::kNK);
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, o); }, "options.config's dtypes/layout must match the call");
+    GemmConfig bad{};
+    bad.stages = 7;
+    o.config = bad;
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, o); }, "options.config is not a valid GemmConfig");
+}
+
+TEST(GemmFormat, PrintsDesignatedInitialisers) {
+    const std::string s = ops::format_gemm_config(gemm_candidate(1, DType::kF16, DType::kF32, BLayout::kKN));
+    EXPECT_EQ(s,
+              "weft::GemmConfig{.tile_m = 128, .tile_n = 256, .tile_k = 64, .stages = 4, .cluster_m = 2, "
+              ".cluster_n = 1, .raster = weft::Raster::kAlongN, .raster_group = 8, .b_layout = weft::BLayout::kKN, "
+              ".in_dtype = weft::DType::kF16, .out_dtype = weft::DType::kF32}");
+    const std::string k = ops::gemm_kernel_instantiation(GemmConfig{});
+    EXPECT_EQ(k.rfind("weft::gemm::gemm_kernel<weft::GemmConfig{", 0), 0u) << k;
+    EXPECT_NE(k.find("weft::gemm::PersistentScheduler<weft::GemmConfig{"), std::string::npos) << k;
+}
+
+}  // namespace
+}  // namespace weft
