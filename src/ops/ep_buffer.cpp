@@ -361,6 +361,13 @@ Buffer::Buffer(World& world, const Config& config) : impl_(std::make_unique<Impl
     b.geo = resolve_geometry(config, world.num_ranks(), world.rank());
     b.fp = footprint(config, world.num_ranks());
     const Geometry& g = b.geo;
+    // Only the load/store transport exists today: every rank must map every other rank's heap.
+    for (int r = 0; r < world.num_ranks(); ++r) {
+        WEFT_CHECK(world.heap().symm_at(world.heap().base(), r) != nullptr,
+                   "ep: rank " << r << " is not load/store reachable from rank " << world.rank()
+                               << " (another host, or no peer access between the GPUs); weft::ep needs every rank of "
+                                  "the World reachable through NVLink or PCIe P2P until a network transport exists");
+    }
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&b.alloc_stream, cudaStreamNonBlocking));
 
     // Compile (in parallel, all ranks sharing the cache) and load every kernel before anything spins.

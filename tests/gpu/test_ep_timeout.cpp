@@ -47,7 +47,9 @@ enum class Scenario { kNormalDispatch, kLowLatencyDispatch };
                 NormalHandle h = ep.make_normal_handle();  // collective: both ranks
                 LowLatencyHandle l = ep.make_low_latency_handle();
                 if (world.rank() == 1) {
-                    world.barrier();  // never joins the dispatch; fails once rank 0 gives up
+                    // Never joins the dispatch. Waits on a key nobody sets, longer than rank 0's spin: it fails
+                    // only when rank 0's error aborts the store, so rank 0's error is the one reported.
+                    (void)world.store().get("ep-timeout-test-never-set", std::chrono::milliseconds(120000));
                     return;
                 }
                 std::vector<int32_t> routes;
