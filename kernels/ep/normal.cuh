@@ -12,8 +12,8 @@
 //   3. send: one warp per token writes the row ONCE per destination rank, at the position of the
 //      token's first expert there, plus a receive record {source, token, landing slot, (position,
 //      weight) per top-k slot}; then each block adds its row counts to the destinations' data signals;
-//   4. receive: wait for every source's rows, then copy each received row to the positions of its
-//      other local experts.
+//   4. receive, source by source (own rows first): wait for the source's rows, then copy each of its
+//      tokens' first row to the rows of the token's other local experts.
 // Combine: each received token's weighted sum over its local experts (fp32, top-k slot order, rounded
 // once to bf16) is written into its source's landing; the source adds the partials of its
 // destinations in rank order (fp32) and rounds to bf16.

@@ -85,10 +85,12 @@ template <class YRow>
 std::vector<uint16_t> reference_normal_combine(const Params& p, const NormalPlan& plan, const std::vector<Routing>& all,
                                                int s, YRow&& y_row);
 
-/// The same combine in double precision without intermediate rounding (the mathematical value).
+/// The same combine in double precision without intermediate rounding (the mathematical value); with
+/// `magnitude`, the sum of |w * y| instead (the scale of the rounding error, which cancellation can make
+/// much larger than the value).
 template <class YRow>
 std::vector<double> ideal_combine(const Params& p, const NormalPlan& plan, const std::vector<Routing>& all, int s,
-                                  YRow&& y_row);
+                                  YRow&& y_row, bool magnitude = false);
 
 /// The low-latency dispatch as seen by receiving rank r: for each local expert, its rows in order
 /// (source rank, then token).
@@ -140,7 +142,7 @@ std::vector<uint16_t> reference_normal_combine(const Params& p, const NormalPlan
 
 template <class YRow>
 std::vector<double> ideal_combine(const Params& p, const NormalPlan& plan, const std::vector<Routing>& all, int s,
-                                  YRow&& y_row) {
+                                  YRow&& y_row, bool magnitude) {
     const Routing& r = all[static_cast<size_t>(s)];
     const int h = p.hidden;
     std::vector<double> out(static_cast<size_t>(r.num_tokens) * h, 0.0);
@@ -151,7 +153,10 @@ std::vector<double> ideal_combine(const Params& p, const NormalPlan& plan, const
             const uint16_t* y =
                 y_row(p.owner(e), plan.row_of[static_cast<size_t>(s)][static_cast<size_t>(t) * p.topk + j]);
             const double w = r.topk_weights[static_cast<size_t>(t) * p.topk + j];
-            for (int c = 0; c < h; ++c) out[static_cast<size_t>(t) * h + c] += w * bf16_to_f32(y[c]);
+            for (int c = 0; c < h; ++c) {
+                const double term = w * bf16_to_f32(y[c]);
+                out[static_cast<size_t>(t) * h + c] += magnitude ? std::fabs(term) : term;
+            }
         }
     }
     return out;
