@@ -217,7 +217,10 @@ void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorVie
     const int64_t es = s.elem_bytes();
     const int64_t k = s.shape.k;
     const TensorView slot = local_shard(m);
-    const bool copy_local = a_local.data != slot.data || a_local.stride(0) != k;
+    WEFT_CHECK(a_local.data != slot.data || rows == 1 || a_local.stride(0) == k,
+               "ag_gemm: a_local starts at local_shard(M) but has row stride " << a_local.stride(0) << " instead of K = "
+                                                                               << k << " (it would be copied onto itself)");
+    const bool copy_local = a_local.data != slot.data;
     const auto copy_shard = [&](cudaStream_t on) {
         WEFT_CUDA_CHECK(cudaMemcpy2DAsync(slot.data, static_cast<size_t>(k * es), a_local.data,
                                           static_cast<size_t>(a_local.stride(0) * es), static_cast<size_t>(k * es),
