@@ -82,9 +82,10 @@ struct RsGemmHook {
 
 /// The reduction on destination rank d (this rank): for phase 0 .. W-1 it adds the partial of source
 /// rs_source_at(d, phase) (rank d-1 first, itself last), chunk by chunk as each chunk's counter reaches
-/// epoch * expected_count, into an fp32 accumulator (local memory); the last phase writes C in kOut. Every
-/// CTA owns the same elements in every phase (grid-stride over 8-element vectors), so the accumulator needs
-/// no synchronisation beyond program order. The last CTA to finish releases the partials to every rank.
+/// expected_count, into an fp32 accumulator (local memory); the last phase writes C in kOut. Every CTA owns
+/// the same elements in every phase (grid-stride over 8-element vectors), so the accumulator needs no
+/// synchronisation beyond program order. The last CTA to finish zeroes the counters and releases the
+/// partials to every rank (released[d] += 1; the sources' next GEMM waits for it before its first load).
 template <DType kPartial, DType kOut>
 __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsReduceParams p) {
     __shared__ uint64_t s_epoch;
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
             peer_or_trap_inline(p.ctx, const_cast<void*>(p.partial), source, __LINE__));
         for (int32_t c = 0; c < cpr; ++c) {
             const int32_t sig = map.local_signal_at(rank, c);
-            const uint64_t need = e * static_cast<uint64_t>(map.expected_count(sig));
+            const auto need = static_cast<uint64_t>(map.expected_count(sig));
             if (threadIdx.x == 0) wait_geq_inline(p.ctx, p.counters + rs_counter_index(source, c, cpr), need, __LINE__);
             __syncthreads();
             const ChunkInfo ch = map.chunk(sig);
@@ -151,6 +152,11 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
     }
     __syncthreads();  // every thread of this CTA has read its share of every partial
     if (threadIdx.x == 0 && arrive_last(p.exit_count, gridDim.x)) {
+        // Every counter reached its count (every CTA waited for all of them), and no source raises one again
+        // before it sees `released` below: zero them for the next call (whose M, and so layout, may differ).
+        for (int32_t i = 0; i < map.num_signals(); ++i) {
+            ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(p.counters + i, 0ull);
+        }
         ptx::st(p.epoch, e);
         for (int32_t pe = 0; pe < num_ranks; ++pe) notify_add_inline(p.ctx, p.released + rank, pe, 1ull, __LINE__);
     }

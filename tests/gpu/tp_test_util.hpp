@@ -34,10 +34,8 @@ inline uint16_t float_to_bits(DType t, float x) {
         u += 0x7fffu + ((u >> 16) & 1u);                      // round to nearest even
         return static_cast<uint16_t>(u >> 16);
     }
-    const __half h = __float2half_rn(x);
-    uint16_t b;
-    std::memcpy(&b, &h, 2);
-    return b;
+    const __half_raw r = __float2half_rn(x);
+    return r.x;
 }
 
 inline float bits_to_float(DType t, uint16_t b) {
@@ -47,9 +45,9 @@ inline float bits_to_float(DType t, uint16_t b) {
         std::memcpy(&f, &u, 4);
         return f;
     }
-    __half h;
-    std::memcpy(&h, &b, 2);
-    return __half2float(h);
+    __half_raw r;
+    r.x = b;
+    return __half2float(__half(r));
 }
 
 /// A fresh base seed per test run (printed by the tests' traces).

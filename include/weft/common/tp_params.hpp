@@ -10,7 +10,8 @@
 //                               reset to 0 by this rank's GEMM's last tile, before `done` is raised
 //       done[W]                 done[s] += 1 by rank s's last GEMM tile: s finished call e (read every shard)
 //       epoch                   local; calls completed (advanced by the last GEMM tile)
-//   rs  counters[W * cpr]       on destination d: [source s][chunk c] += 1 per finished tile of s for d
+//   rs  counters[W * cpr]       on destination d: [source s][chunk c] += 1 per finished tile of s for d; zeroed
+//                               by d's reduction once complete, before it raises `released`
 //       released[W]             released[d] += 1 when rank d's reduction finished reading call e's partials
 //       gemm_calls, red_epoch   local; calls completed by the GEMM / by the reduction
 //   ar  ready[W], done[W]       += 1 per call: partial complete / finished reading every partial
