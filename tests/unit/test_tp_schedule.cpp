@@ -171,7 +171,9 @@ TEST(TpSchedule, AgDefaultChunkRows) {
             EXPECT_GE(c, 1);
             EXPECT_LE(c, rows);
             EXPECT_TRUE(c == rows || c % 128 == 0) << rows << " " << k << " -> " << c;
-            if (c < rows) EXPECT_LE(c * k * 2, int64_t{9} << 20) << "chunks of ~8 MiB";
+            if (c < rows) {
+                EXPECT_LE(c * k * 2, int64_t{9} << 20) << "chunks of ~8 MiB";
+            }
         }
     }
 }

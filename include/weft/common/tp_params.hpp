@@ -86,7 +86,7 @@ struct RsReduceParams {
     int64_t lda;
     void* out;                 ///< [rows_per_rank, ldc]
     int64_t ldc;
-    const uint64_t* counters;  ///< symmetric [num_ranks * chunks_per_rank]
+    uint64_t* counters;        ///< symmetric [num_ranks * chunks_per_rank] (zeroed here once complete)
     uint64_t* released;        ///< symmetric [num_ranks]
     uint64_t* epoch;           ///< local
     uint32_t* exit_count;      ///< local
