@@ -461,7 +461,8 @@ int main(int argc, char** argv) {
                     weft::ops::GemmProblem p{s.m, s.n, s.k, layout, opt.in, out};
                     const auto plan = weft::ops::plan_gemm(p, prop.multiProcessorCount);
                     const std::string label = plan.path == weft::ops::GemmPath::kSmallM
-                                                  ? "auto:smallM/s" + std::to_string(plan.small_m_splits)
+                                                  ? "auto:smallM.v" + std::to_string(plan.small_m_variant) + "/s" +
+                                                        std::to_string(plan.small_m_splits)
                                                   : "auto:" + config_label(plan.config);
                     run_weft({}, label, true);
                 }
@@ -472,10 +473,13 @@ int main(int argc, char** argv) {
                         run_weft(o, config_label(c), false);
                     }
                     if (s.m <= weft::kGemvMaxM && layout == BLayout::kNK) {
-                        for (int splits : {1, 2, 4, 8, 16}) {
-                            weft::ops::GemmOptions o;
-                            o.small_m_splits = splits;
-                            run_weft(o, "smallM/s" + std::to_string(splits), false);
+                        for (int variant : {0, 1}) {
+                            for (int splits : {1, 2, 4, 8, 16}) {
+                                weft::ops::GemmOptions o;
+                                o.small_m_splits = splits;
+                                o.small_m_variant = variant;
+                                run_weft(o, "smallM.v" + std::to_string(variant) + "/s" + std::to_string(splits), false);
+                            }
                         }
                     }
                 }

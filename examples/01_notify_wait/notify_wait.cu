@@ -89,6 +89,8 @@ int main(int argc, char** argv) {
             WEFT_CUDA_CHECK(cudaMalloc(&checksums, rounds * sizeof(uint64_t)));
             const int me = world.rank();
             const int prev = (me + num_ranks - 1) % num_ranks;
+            // Every rank is set up before any kernel spins (cudaMalloc may synchronise the device).
+            world.barrier();
             for (int launch = 0; launch < 2; ++launch) {  // the second launch continues the epochs
                 WEFT_CUDA_CHECK(cudaMemsetAsync(checksums, 0, rounds * sizeof(uint64_t), stream));
                 ring_kernel<<<1, 128, 0, stream>>>(world.device_ctx(), inbox, &signals[0], &signals[1], epoch,

@@ -58,14 +58,14 @@ __device__ __forceinline__ uint64_t wait_flag_geq(const uint64_t* flag, uint64_t
                                                   Diagnostic* diag, int line) {
     uint64_t v = ld_acquire_sys(flag);
     if (v >= expected) return v;
-    const uint64_t start = ptx::global_timer_ns();
+    const uint64_t start = ptx::globaltimer();
     unsigned sleep_ns = 32;
     while (true) {
         __nanosleep(sleep_ns);
         if (sleep_ns < 1024) sleep_ns *= 2;
         v = ld_acquire_sys(flag);
         if (v >= expected) return v;
-        const uint64_t waited = ptx::global_timer_ns() - start;
+        const uint64_t waited = ptx::globaltimer() - start;
         if (waited > timeout_ns) report_timeout_and_trap(diag, SpinKind::kTileWait, flag, expected, v, waited, line);
     }
 }

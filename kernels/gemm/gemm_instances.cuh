@@ -23,14 +23,25 @@ void register_tiled_instances() {
     }
 }
 
+template <DType kIn, DType kOut, int kVariant>
+void register_gemv_instances() {
+    constexpr int kNTiles = kVariant == 1 ? 1 : 4;
+    ops::detail::register_gemv_kernel(1, kIn, kOut, kVariant,
+                                      reinterpret_cast<const void*>(&gemv_kernel<1, kIn, kOut, kNTiles>));
+    ops::detail::register_gemv_kernel(2, kIn, kOut, kVariant,
+                                      reinterpret_cast<const void*>(&gemv_kernel<2, kIn, kOut, kNTiles>));
+    ops::detail::register_gemv_kernel(3, kIn, kOut, kVariant,
+                                      reinterpret_cast<const void*>(&gemv_kernel<3, kIn, kOut, kNTiles>));
+    ops::detail::register_gemv_kernel(4, kIn, kOut, kVariant,
+                                      reinterpret_cast<const void*>(&gemv_kernel<4, kIn, kOut, kNTiles>));
+}
+
 template <DType kIn, DType kOut>
 void register_dtype_instances() {
     register_tiled_instances<kIn, kOut, BLayout::kNK, 0>();
     register_tiled_instances<kIn, kOut, BLayout::kKN, 0>();
-    ops::detail::register_gemv_kernel(1, kIn, kOut, reinterpret_cast<const void*>(&gemv_kernel<1, kIn, kOut>));
-    ops::detail::register_gemv_kernel(2, kIn, kOut, reinterpret_cast<const void*>(&gemv_kernel<2, kIn, kOut>));
-    ops::detail::register_gemv_kernel(3, kIn, kOut, reinterpret_cast<const void*>(&gemv_kernel<3, kIn, kOut>));
-    ops::detail::register_gemv_kernel(4, kIn, kOut, reinterpret_cast<const void*>(&gemv_kernel<4, kIn, kOut>));
+    register_gemv_instances<kIn, kOut, 0>();
+    register_gemv_instances<kIn, kOut, 1>();
 }
 
 }  // namespace detail

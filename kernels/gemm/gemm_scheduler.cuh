@@ -90,7 +90,7 @@ public:
             }
         }
         // The chunks were written through the generic proxy; the TMA loads that follow use the async proxy.
-        ptx::detail::fence_proxy_async_global();
+        ptx::fence_proxy_async_global();
         return device::Token(static_cast<unsigned>(observed));
     }
 

@@ -201,7 +201,7 @@ __device__ __forceinline__ void store_slab(const float (&acc)[GemmTraits<kCfg>::
         if (tid == 0) ptx::tma_wait_group_read<1>();  // the store that last read this buffer is done reading
         named_barrier_sync(kBarConsumer0 + wg, 128);
         stage_subtile<kCfg, kJ>(acc, buf, tid / 32, tid % 32);
-        ptx::detail::fence_proxy_async_shared_cta();  // st.shared/stmatrix -> TMA (async proxy)
+        ptx::fence_proxy_async_shared_cta();  // st.shared/stmatrix -> TMA (async proxy)
         named_barrier_sync(kBarConsumer0 + wg, 128);
         if (tid == 0) {
             const int c0 = col0 + kJ * T::kEpiCols;

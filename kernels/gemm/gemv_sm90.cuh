@@ -16,25 +16,27 @@ namespace weft::gemm {
 
 namespace detail {
 
+// NOTE: not volatile, and never under a branch: each load is a pure function of its address, so the
+// compiler issues a whole iteration's loads before the first MMA that needs them. (Volatile loads under
+// `ok ? load : 0` became one basic block each, and ptxas interleaved them with the MMAs: one 16-byte load
+// in flight per warp.)
 __device__ __forceinline__ uint4 ld_stream_16(const void* p) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
     return v;
 }
 
 __device__ __forceinline__ uint4 ld_16(const void* p) {
     uint4 v;
-    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
 
-/// Bulk prefetch of [p, p + bytes) into L2 (16-byte aligned, bytes a multiple of 16).
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, unsigned bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+/// v where ok, else zeros (a select, not a branch).
+__device__ __forceinline__ uint4 keep_if(bool ok, uint4 v) {
+    return make_uint4(ok ? v.x : 0u, ok ? v.y : 0u, ok ? v.z : 0u, ok ? v.w : 0u);
 }
 
 template <bool kIsBF16>
@@ -72,20 +74,26 @@ __device__ __forceinline__ void store_out(void* d, int64_t idx, float v) {
 
 }  // namespace detail
 
-/// Split-K small-M GEMM. kMTiles = ceil(M / 16) (1..4). Grid (ceil(N / 128), num_splits), kGemvThreads
-/// threads, no dynamic shared memory.
-template <int kMTiles, DType kIn, DType kOut>
+/// Split-K small-M GEMM. kMTiles = ceil(M / 16) (1..4). Grid (ceil(N / gemv_cols_per_cta(kNTiles)), num_splits),
+/// kGemvThreads threads, no dynamic shared memory.
+///   kNTiles = 4 (variant 0): a warp owns 32 columns and loads 4 (or 2) 32-wide k chunks per iteration:
+///            256 contiguous bytes per row; A is loaded with them.
+///   kNTiles = 1 (variant 1): a warp owns 8 columns and loads 16 (or 8) chunks per iteration: 1 KiB
+///            contiguous per row (longer DRAM bursts, same bytes in flight); A is loaded chunk by chunk.
+template <int kMTiles, DType kIn, DType kOut, int kNTiles = 4>
 __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const GemvArgs args) {
     static_assert(kMTiles >= 1 && kMTiles <= 4, "gemv_kernel covers M <= 64");
     static_assert(kIn == DType::kBF16 || kIn == DType::kF16, "gemv_kernel takes bf16 or f16 inputs");
+    static_assert(kNTiles == 1 || kNTiles == 4, "gemv_kernel: 1 or 4 n8 tiles per warp");
     constexpr bool kIsBF16 = kIn == DType::kBF16;
-    constexpr int kUnroll = kMTiles <= 2 ? 4 : 2;  // 32-wide k chunks in flight per warp
-    constexpr int kNTiles = 4;                     // n8 tiles per warp
+    constexpr bool kLongRows = kNTiles == 1;
+    constexpr int kUnroll = kLongRows ? (kMTiles <= 2 ? 16 : 8) : (kMTiles <= 2 ? 4 : 2);  // 32-wide k chunks
+    constexpr int kColsPerCta = gemv_cols_per_cta(kNTiles);
 
     const int warp = static_cast<int>(threadIdx.x) / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const int g = lane / 4, t = lane % 4;
-    const int n_warp = static_cast<int>(blockIdx.x) * kGemvColsPerCta + warp * 32;
+    const int n_warp = static_cast<int>(blockIdx.x) * kColsPerCta + warp * 8 * kNTiles;
     const int split = static_cast<int>(blockIdx.y);
     const int k_begin = split * args.k_per_split;
     const int k_end = min(args.k, k_begin + args.k_per_split);
@@ -121,47 +129,55 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const GemvArgs args)
             a_row[mt][h] = a + static_cast<int64_t>(a_ok[mt][h] ? m : 0) * args.lda;
         }
 
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     for (int k0 = k_begin; k0 < k_end; k0 += 32 * kUnroll) {
-        // Optional: one lane per row asks L2 for this row's bytes `prefetch_iters` iterations ahead as one bulk
-        // request (longer DRAM bursts and more bytes in flight than the 16-byte loads alone).
-        if (args.prefetch_iters > 0 && t == 0) {
-            const int kp = k0 + args.prefetch_iters * 32 * kUnroll;
-            if (kp < k_end) {
-                const unsigned bytes = static_cast<unsigned>(min(32 * kUnroll, k_end - kp)) * 2u;
-#pragma unroll
-                for (int nt = 0; nt < kNTiles; ++nt) {
-                    if (b_ok[nt]) detail::prefetch_l2_bulk(b_row[nt] + kp, bytes);
-                }
-            }
-        }
+        // Lane t of a row reads k0 + u*32 + 8t .. +8 (long rows: k0 + 8*(4u + t) .. +8, the same set of
+        // 16-byte pieces per chunk, u-major); K % 8 == 0, so a piece is all in or all out.
         uint4 bv[kUnroll][kNTiles];
-        uint4 av[kUnroll][kMTiles][2];
+        uint4 av[kLongRows ? 1 : kUnroll][kMTiles][2];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-            const int k = k0 + u * 32 + 8 * t;  // K % 8 == 0: a 16-byte piece is all in or all out
+            const int k = k0 + u * 32 + 8 * t;
             const bool k_ok = k < k_end;
+            const int kc = k_ok ? k : k_begin;  // a valid address whose value is then dropped
 #pragma unroll
             for (int nt = 0; nt < kNTiles; ++nt) {
-                bv[u][nt] = (k_ok && b_ok[nt]) ? detail::ld_stream_16(b_row[nt] + k) : zero;
+                bv[u][nt] = detail::keep_if(k_ok && b_ok[nt], detail::ld_stream_16(b_row[nt] + kc));
+            }
+            if constexpr (!kLongRows) {
+#pragma unroll
+                for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        av[u][mt][h] = detail::keep_if(k_ok && a_ok[mt][h], detail::ld_16(a_row[mt][h] + kc));
+                    }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int au = kLongRows ? 0 : u;
+            if constexpr (kLongRows) {
+                // A is small and L1-resident: fetch it chunk by chunk, next to its use.
+                const int k = k0 + u * 32 + 8 * t;
+                const bool k_ok = k < k_end;
+                const int kc = k_ok ? k : k_begin;
+#pragma unroll
+                for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        av[0][mt][h] = detail::keep_if(k_ok && a_ok[mt][h], detail::ld_16(a_row[mt][h] + kc));
+                    }
             }
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) av[u][mt][h] = (k_ok && a_ok[mt][h]) ? detail::ld_16(a_row[mt][h] + k) : zero;
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
                 for (int nt = 0; nt < kNTiles; ++nt) {
-                    const uint4& lo = av[u][mt][0];
-                    const uint4& hi = av[u][mt][1];
+                    const uint4& lo = av[au][mt][0];
+                    const uint4& hi = av[au][mt][1];
                     const uint4& bb = bv[u][nt];
                     detail::mma_m16n8k16<kIsBF16>(acc[mt][nt], lo.x, hi.x, lo.y, hi.y, bb.x, bb.y);
                     detail::mma_m16n8k16<kIsBF16>(acc[mt][nt], lo.z, hi.z, lo.w, hi.w, bb.z, bb.w);
                 }
+        }
     }
 
     // Accumulator (mt, nt): c0,c1 at row mt*16 + g, columns n_warp + nt*8 + 2t, +1; c2,c3 at row + 8.
@@ -202,8 +218,8 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const GemvArgs args)
     __syncthreads();
     if (!is_last) return;
     __threadfence();  // acquire: every other split's partials are visible
-    const int n_begin = static_cast<int>(blockIdx.x) * kGemvColsPerCta;
-    const int cols = min(kGemvColsPerCta, args.n - n_begin);
+    const int n_begin = static_cast<int>(blockIdx.x) * kColsPerCta;
+    const int cols = min(kColsPerCta, args.n - n_begin);
     for (int idx = static_cast<int>(threadIdx.x); idx < args.m * cols; idx += kGemvThreads) {
         const int m = idx / cols;
         const int n = n_begin + idx % cols;

@@ -57,15 +57,16 @@ double tile_efficiency(const GemmConfig& c) {
     const int area = c.tile_m * c.tile_n;
     if (area >= 128 * 256) return 1.0;
     if (area >= 128 * 192) return 0.96;
-    if (area >= 128 * 128) return 0.88;
+    if (area >= 128 * 128) return 0.92;  // run 3: 128x128 beat 128x192/128x256 on 8192x1792x4096
     return 0.70;
 }
 
 struct GemvKey {
     int m_tiles;
     DType in, out;
+    int variant;
     bool operator<(const GemvKey& o) const {
-        return std::tie(m_tiles, in, out) < std::tie(o.m_tiles, o.in, o.out);
+        return std::tie(m_tiles, in, out, variant) < std::tie(o.m_tiles, o.in, o.out, o.variant);
     }
 };
 
@@ -133,10 +134,16 @@ CUtensorMapDataType tma_dtype(DType t) {
 void encode_2d(CUtensorMap* map, const TensorView& v, const char* name, uint64_t inner, uint64_t outer,
                uint32_t box_inner, uint32_t box_outer) {
     const uint64_t dims[2] = {inner, outer};
-    const int64_t row_elems = outer <= 1 ? std::max<int64_t>(v.stride(0), static_cast<int64_t>(inner)) : v.stride(0);
-    // A one-row tensor still needs a legal stride (multiple of 16 bytes): round its row length up.
-    const uint64_t stride_bytes =
-        (static_cast<uint64_t>(row_elems) * static_cast<uint64_t>(dtype_bytes(v.dtype)) + 15u) / 16u * 16u;
+    uint64_t stride_bytes = 0;
+    if (outer <= 1) {
+        // One row: the stride is never followed, but must be legal (a multiple of 16 bytes): round it up.
+        const int64_t row_elems = std::max<int64_t>(v.stride(0), static_cast<int64_t>(inner));
+        stride_bytes = (static_cast<uint64_t>(row_elems) * static_cast<uint64_t>(dtype_bytes(v.dtype)) + 15u) / 16u * 16u;
+    } else {
+        stride_bytes = static_cast<uint64_t>(v.stride(0)) * static_cast<uint64_t>(dtype_bytes(v.dtype));
+        WEFT_CHECK(stride_bytes % 16 == 0, "gemm: " << name << "'s row stride must be a multiple of 16 bytes (TMA), got "
+                                                    << v.stride(0) << " elements (" << v.describe() << ")");
+    }
     const uint64_t strides[1] = {stride_bytes};
     const uint32_t box[2] = {box_inner, box_outer};
     const uint32_t elem_strides[2] = {1, 1};
@@ -148,13 +155,6 @@ void encode_2d(CUtensorMap* map, const TensorView& v, const char* name, uint64_t
                                                              << box_inner << ", " << box_outer
                                                              << "}): CUresult " << static_cast<int>(r));
     }
-}
-
-// Small-M kernel: how many loop iterations ahead it bulk-prefetches B into L2 (0 = off). Experimental knob
-// (WEFT_GEMM_SMALLM_PREFETCH), read once.
-int32_t small_m_prefetch_iters() {
-    static const int32_t v = static_cast<int32_t>(env::get_int("WEFT_GEMM_SMALLM_PREFETCH").value_or(0));
-    return v;
 }
 
 }  // namespace
@@ -196,11 +196,11 @@ std::vector<GemmConfig> gemm_candidate_configs(DType in_dtype, DType out_dtype, 
     return out;
 }
 
-size_t gemm_workspace_bytes(const GemmProblem& p, int splits) {
+size_t gemm_workspace_bytes(const GemmProblem& p, int splits, int small_m_variant) {
     if (splits <= 1) return 0;
     const size_t partials = static_cast<size_t>(splits) * static_cast<size_t>(p.m) * static_cast<size_t>(p.n) * 4;
-    const size_t counters = static_cast<size_t>(ceil_div(p.n, kGemvColsPerCta)) * 4;
-    return round256(counters) + round256(partials);
+    const size_t blocks = static_cast<size_t>(ceil_div(p.n, gemv_cols_per_cta(small_m_variant == 1 ? 1 : 4)));
+    return round256(blocks * 4) + round256(partials);
 }
 
 GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
@@ -212,19 +212,25 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
     const bool small_m_ok = !options.config && options.allow_small_m && p.m <= kGemvMaxM &&
                             p.b_layout == BLayout::kNK;
     if (small_m_ok) {
+        WEFT_CHECK(options.small_m_variant >= 0 && options.small_m_variant <= 1,
+                   "gemm: options.small_m_variant must be 0 or 1, got " << options.small_m_variant);
         plan.path = GemmPath::kSmallM;
+        plan.small_m_variant = options.small_m_variant;
         plan.small_m_tiles = ceil_div(p.m, 16);
-        plan.grid = ceil_div(p.n, kGemvColsPerCta);
+        plan.grid = ceil_div(p.n, gemv_cols_per_cta(plan.small_m_variant == 1 ? 1 : 4));
         int splits = options.small_m_splits;
         if (splits <= 0) {
-            // Enough CTAs to keep ~4 per SM streaming, but at least 256 k per split.
-            const int target = 4 * num_sms;
-            splits = std::clamp(ceil_div(target, plan.grid), 1, 32);
+            // CTAs per SM streaming B: 8 for variant 1 (32 columns per CTA; best measured N = K = 8192: 4 splits),
+            // 4 for variant 0 (128 columns; best 8 splits); at least 256 k per split, and a split length that
+            // divides K into whole 32-wide chunks where possible.
+            const int per_sm = plan.small_m_variant == 1 ? 8 : 4;
+            splits = std::clamp(per_sm * num_sms / plan.grid, 1, 32);
             splits = std::min(splits, std::max(1, static_cast<int>(p.k / 256)));
+            while (splits > 1 && p.k % (static_cast<int64_t>(splits) * 32) != 0) --splits;
         }
         plan.small_m_k_per_split = ceil_div(ceil_div(p.k, splits), 32) * 32;
         plan.small_m_splits = ceil_div(p.k, plan.small_m_k_per_split);
-        plan.workspace_bytes = gemm_workspace_bytes(p, plan.small_m_splits);
+        plan.workspace_bytes = gemm_workspace_bytes(p, plan.small_m_splits, plan.small_m_variant);
         return plan;
     }
 
@@ -398,16 +404,16 @@ const void* find_gemm_kernel(const GemmConfig& config) {
     return nullptr;
 }
 
-void register_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype, const void* func) {
+void register_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype, int variant, const void* func) {
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.mutex);
-    r.gemv[GemvKey{m_tiles, in_dtype, out_dtype}] = func;
+    r.gemv[GemvKey{m_tiles, in_dtype, out_dtype, variant}] = func;
 }
 
-const void* find_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype) {
+const void* find_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype, int variant) {
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.mutex);
-    auto it = r.gemv.find(GemvKey{m_tiles, in_dtype, out_dtype});
+    auto it = r.gemv.find(GemvKey{m_tiles, in_dtype, out_dtype, variant});
     return it == r.gemv.end() ? nullptr : it->second;
 }
 
@@ -424,7 +430,8 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout
     GemmPlan plan = plan_gemm(p, num_sms, options);
 
     if (plan.path == GemmPath::kSmallM) {
-        const void* func = detail::find_gemv_kernel(plan.small_m_tiles, p.in_dtype, p.out_dtype);
+        const void* func =
+            detail::find_gemv_kernel(plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant);
         // TODO(jit): compile "weft::gemm::gemv_kernel<...>" through weft::jit on a miss.
         WEFT_CHECK(func != nullptr, "gemm: the small-M kernel for m_tiles " << plan.small_m_tiles << ", in "
                                                                           << dtype_name(p.in_dtype) << ", out "
@@ -444,7 +451,7 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout
         args.k_per_split = plan.small_m_k_per_split;
         args.num_splits = plan.small_m_splits;
         if (plan.small_m_splits > 1) {
-            const size_t counter_bytes = round256(static_cast<size_t>(plan.grid) * 4);
+            const size_t counter_bytes = round256(static_cast<size_t>(plan.grid) * 4);  // as gemm_workspace_bytes
             if (options.workspace != nullptr) {
                 WEFT_CHECK(options.workspace_bytes >= plan.workspace_bytes,
                            "gemm: options.workspace_bytes must be >= " << plan.workspace_bytes << ", got "
@@ -460,7 +467,6 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout
                 args.partials = static_cast<float*>(w.partials);
             }
         }
-        args.prefetch_iters = small_m_prefetch_iters();
         void* params[] = {&args};
         WEFT_CUDA_CHECK(cudaLaunchKernel(func, dim3(static_cast<unsigned>(plan.grid),
                                                     static_cast<unsigned>(plan.small_m_splits), 1),

@@ -18,6 +18,8 @@ const char* spin_kind_name(SpinKind kind) {
             return "tile_wait";
         case SpinKind::kOther:
             return "spin";
+        case SpinKind::kUnreachablePeer:
+            return "unreachable_peer";
     }
     return "an unknown spin";
 }
@@ -63,6 +65,23 @@ std::string format_diagnostic(const Diagnostic& d) {
     if (d.claimed != 2) {
         os << "rank " << d.rank
            << ": a device spin timed out but its diagnostic record is incomplete (claimed = " << d.claimed << ")";
+        return os.str();
+    }
+    if (d.kind == SpinKind::kUnreachablePeer) {
+        // Written by the device layer's symm_at_or_trap: expected = the rank asked for, observed = the
+        // heap offset of the address (~0 when it is not inside this rank's symmetric heap).
+        os << "rank " << d.rank << " block (" << d.block_x << "," << d.block_y << "," << d.block_z << ") thread "
+           << d.thread_x << ": a put/get/signal to rank " << static_cast<int64_t>(d.expected) << " on symmetric address 0x"
+           << std::hex << d.signal_addr << std::dec << " failed: ";
+        if (d.observed == ~0ull) {
+            os << "the address is not inside this rank's symmetric heap";
+        } else if (d.peer < 0) {
+            os << "no such rank in the team";
+        } else {
+            os << "rank " << static_cast<int64_t>(d.expected) << " is not load/store reachable from here (heap offset "
+               << d.observed << "; only the load/store transport exists)";
+        }
+        if (d.line > 0) os << " (source line " << d.line << ")";
         return os.str();
     }
     // Round to whole milliseconds: the device clock advances in 32 ns steps, so more digits add nothing.

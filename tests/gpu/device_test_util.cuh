@@ -80,34 +80,40 @@ private:
     cudaStream_t stream_ = nullptr;
 };
 
-/// Plain (non-symmetric) device memory, freed with its owner.
+/// Plain (non-symmetric) device memory, zeroed, freed with its owner. Stream-ordered (cudaMallocAsync /
+/// cudaFreeAsync on the rank's stream): cudaMalloc/cudaFree may synchronise the whole device, i.e. wait
+/// for another rank's kernel that is spinning on this rank's next launch.
 template <class T>
 class DeviceArray {
 public:
-    explicit DeviceArray(size_t count) : count_(count) {
-        WEFT_CUDA_CHECK(cudaMalloc(&ptr_, count * sizeof(T) + 16));
-        WEFT_CUDA_CHECK(cudaMemset(ptr_, 0, count * sizeof(T) + 16));
+    DeviceArray(size_t count, cudaStream_t stream) : count_(count), stream_(stream) {
+        WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ptr_), count * sizeof(T) + 16, stream));
+        WEFT_CUDA_CHECK(cudaMemsetAsync(ptr_, 0, count * sizeof(T) + 16, stream));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     }
-    ~DeviceArray() { cudaFree(ptr_); }
+    ~DeviceArray() { cudaFreeAsync(ptr_, stream_); }
     DeviceArray(const DeviceArray&) = delete;
     DeviceArray& operator=(const DeviceArray&) = delete;
     T* get() const { return ptr_; }
     std::vector<T> to_host() const {
         std::vector<T> out(count_);
-        WEFT_CUDA_CHECK(cudaMemcpy(out.data(), ptr_, count_ * sizeof(T), cudaMemcpyDeviceToHost));
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(out.data(), ptr_, count_ * sizeof(T), cudaMemcpyDeviceToHost, stream_));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
         return out;
     }
 
 private:
     T* ptr_ = nullptr;
     size_t count_;
+    cudaStream_t stream_;
 };
 
-/// Copies `count` elements of device memory to the host.
+/// Copies `count` elements of device memory to the host, ordered on `stream`.
 template <class T>
-std::vector<T> to_host(const T* device, size_t count) {
+std::vector<T> to_host(const T* device, size_t count, cudaStream_t stream) {
     std::vector<T> out(count);
-    WEFT_CUDA_CHECK(cudaMemcpy(out.data(), device, count * sizeof(T), cudaMemcpyDeviceToHost));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(out.data(), device, count * sizeof(T), cudaMemcpyDeviceToHost, stream));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     return out;
 }
 

@@ -112,17 +112,21 @@ __global__ void put_signal_ring_kernel(DeviceCtx ctx, Ring ring, uint64_t msg_by
 
 struct RingBuffers {
     Ring ring{};
-    explicit RingBuffers(World& w, uint64_t stride) {
+    cudaStream_t stream;
+    RingBuffers(World& w, cudaStream_t s, uint64_t stride) : stream(s) {
+        // Stream-ordered: cudaMalloc/cudaFree may synchronise the device (and so wait for other ranks'
+        // spinning kernels).
+        WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ring.staging), stride, stream));
         ring.data = static_cast<uint8_t*>(w.heap().alloc(kSlots * stride));
         ring.data_sig = w.heap().alloc_signals(1);
         ring.ack = w.heap().alloc_signals(1);
         ring.flag = w.heap().alloc_signals(1);
-        WEFT_CUDA_CHECK(cudaMalloc(&ring.staging, stride));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
         ring.stride = stride;
     }
     void release(World& w) {
         w.barrier();
-        cudaFree(ring.staging);
+        cudaFreeAsync(ring.staging, stream);
         w.heap().free(ring.flag);
         w.heap().free(ring.ack);
         w.heap().free(ring.data_sig);
@@ -133,7 +137,7 @@ struct RingBuffers {
 template <class G>
 void run_put_signal_ring(World& w, cudaStream_t stream, RingBuffers& rb, uint64_t* base, uint64_t msg_bytes,
                          uint32_t dst_off, int iters, uint64_t seed) {
-    test::DeviceArray<unsigned long long> errors(2);
+    test::DeviceArray<unsigned long long> errors(2, stream);
     put_signal_ring_kernel<G><<<2, kThreads, 0, stream>>>(w.device_ctx(), rb.ring, msg_bytes, dst_off, *base, iters,
                                                           seed, errors.get());
     finish(w, stream, "put_signal_ring_kernel");
@@ -142,8 +146,9 @@ void run_put_signal_ring(World& w, cudaStream_t stream, RingBuffers& rb, uint64_
     WEFT_CHECK(err[0] == 0, "putmem_signal<" << group_name<G>() << "> rank " << w.rank() << ": " << err[0]
                                              << " bytes seen before their data (or wrong); first message "
                                              << (err[1] - 1) << " of " << msg_bytes << " bytes [seed " << seed << "]");
-    const uint64_t sig = test::to_host(rb.ring.data_sig, 1)[0];
+    const uint64_t sig = test::to_host(rb.ring.data_sig, 1, stream)[0];
     WEFT_CHECK(sig == *base, "data signal is " << sig << " after " << *base << " messages");
+    w.barrier();  // no rank starts the next launch (and signals again) before every rank has checked
 }
 
 TEST(DeviceOrdering, PutSignalNeverOvertakesItsData) {
@@ -153,7 +158,7 @@ TEST(DeviceOrdering, PutSignalNeverOvertakesItsData) {
         SCOPED_TRACE("world " + std::to_string(n));
         run_world(n, [&](World& w) {
             test::RankStream stream;
-            RingBuffers rb(w, 8192);
+            RingBuffers rb(w, stream, 8192);
             uint64_t base = 0;  // messages so far: signals carry on across launches (no reset)
             run_put_signal_ring<Block>(w, stream, rb, &base, 4099, 3, 3000, seed);
             run_put_signal_ring<Warp>(w, stream, rb, &base, 1029, 0, 3000, seed);
@@ -231,7 +236,7 @@ __global__ void fence_ring_kernel(DeviceCtx ctx, Ring ring, uint64_t msg_bytes, 
 template <Mode M>
 void run_fence_ring(World& w, cudaStream_t stream, RingBuffers& rb, uint64_t* base, uint64_t msg_bytes, int iters,
                     uint64_t seed) {
-    test::DeviceArray<unsigned long long> errors(2);
+    test::DeviceArray<unsigned long long> errors(2, stream);
     fence_ring_kernel<M><<<2, kThreads, 0, stream>>>(w.device_ctx(), rb.ring, msg_bytes, *base, iters, seed,
                                                      errors.get());
     finish(w, stream, "fence_ring_kernel");
@@ -241,6 +246,7 @@ void run_fence_ring(World& w, cudaStream_t stream, RingBuffers& rb, uint64_t* ba
     WEFT_CHECK(err[0] == 0, names[static_cast<int>(M)] << " rank " << w.rank() << ": " << err[0]
                                                        << " bytes seen before their data; first message "
                                                        << (err[1] - 1) << " [seed " << seed << "]");
+    w.barrier();
 }
 
 TEST(DeviceOrdering, FenceAndQuietOrderPutsBeforeLaterStores) {
@@ -250,7 +256,7 @@ TEST(DeviceOrdering, FenceAndQuietOrderPutsBeforeLaterStores) {
         SCOPED_TRACE("world " + std::to_string(n));
         run_world(n, [&](World& w) {
             test::RankStream stream;
-            RingBuffers rb(w, 4096);
+            RingBuffers rb(w, stream, 4096);
             uint64_t base = 0;  // the flag only grows, the ack counts on: no reset between launches
             run_fence_ring<Mode::kFenceThread>(w, stream, rb, &base, 64, 2000, seed);
             run_fence_ring<Mode::kFenceBlock>(w, stream, rb, &base, 2053, 2000, seed);
@@ -313,7 +319,7 @@ __global__ void tile_ring_kernel(DeviceCtx ctx, uint32_t* data, uint64_t* sigs, 
 template <class G, ptx::Scope C = ptx::Scope::kSys, ptx::Sem S = ptx::Sem::kAcquire>
 void run_tile_ring(World& w, cudaStream_t stream, uint32_t* data, uint64_t* sigs, uint64_t* ack, uint64_t* epoch,
                    int iters, uint64_t seed, const char* what) {
-    test::DeviceArray<unsigned long long> errors(2);
+    test::DeviceArray<unsigned long long> errors(2, stream);
     tile_ring_kernel<G, C, S><<<2, kThreads, 0, stream>>>(w.device_ctx(), data, sigs, ack, *epoch, iters, seed,
                                                           errors.get());
     finish(w, stream, what);
@@ -322,10 +328,11 @@ void run_tile_ring(World& w, cudaStream_t stream, uint32_t* data, uint64_t* sigs
     WEFT_CHECK(err[0] == 0, what << " rank " << w.rank() << ": " << err[0]
                                  << " words read before their signal arrived; first epoch " << (err[1] - 1)
                                  << " [seed " << seed << "]");
-    const auto s = test::to_host(sigs, kChunks);
+    const auto s = test::to_host(sigs, kChunks, stream);
     for (int c = 0; c < kChunks; ++c) {
         WEFT_CHECK(s[c] == *epoch - 1, what << ": signal " << c << " is " << s[c] << ", expected " << *epoch - 1);
     }
+    w.barrier();  // no rank starts the next launch (and signals again) before every rank has checked
 }
 
 TEST(DeviceOrdering, TileNotifyWaitManySignals) {

@@ -173,7 +173,7 @@ void run_copy_variant(World& w, cudaStream_t stream, Op op, const std::vector<Co
     finish(w, stream, op_name(op));
     w.barrier();  // every rank's copies into this rank are done
 
-    const std::vector<uint8_t> got = test::to_host(dst, dst_bytes);
+    const std::vector<uint8_t> got = test::to_host(dst, dst_bytes, stream);
     for (int s = 0; s < n; ++s) {
         for (const CopyCase& c : cases) {
             const uint8_t* slot = got.data() + static_cast<uint64_t>(s) * region_bytes + c.slot;
@@ -196,7 +196,7 @@ void run_copy_variant(World& w, cudaStream_t stream, Op op, const std::vector<Co
         for (const CopyCase& c : cases) {
             per_source += op == Op::kPutSignal ? 1 : c.bytes;
         }
-        const std::vector<uint64_t> sig = test::to_host(signals, static_cast<size_t>(n));
+        const std::vector<uint64_t> sig = test::to_host(signals, static_cast<size_t>(n), stream);
         for (int s = 0; s < n; ++s) {
             WEFT_CHECK(sig[s] == per_source, op_name(op) << "<" << group_name<G>() << "> rank " << w.rank()
                                                          << ": signal from rank " << s << " is " << sig[s]
@@ -225,10 +225,11 @@ TEST(DeviceShmem, PutGetEveryScopeSizeAndAlignment) {
             auto* src = static_cast<uint8_t*>(heap.alloc(region_bytes));
             auto* dst = static_cast<uint8_t*>(heap.alloc(region_bytes * static_cast<uint64_t>(n)));
             uint64_t* signals = heap.alloc_signals(static_cast<uint64_t>(n) * 18);
-            WEFT_CUDA_CHECK(cudaMemcpy(src, sources[w.rank()].data(), region_bytes, cudaMemcpyHostToDevice));
-            test::DeviceArray<CopyCase> d_cases(cases.size());
-            WEFT_CUDA_CHECK(cudaMemcpy(d_cases.get(), cases.data(), cases.size() * sizeof(CopyCase),
-                                       cudaMemcpyHostToDevice));
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(src, sources[w.rank()].data(), region_bytes, cudaMemcpyHostToDevice, stream));
+            test::DeviceArray<CopyCase> d_cases(cases.size(), stream);
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(d_cases.get(), cases.data(), cases.size() * sizeof(CopyCase),
+                                            cudaMemcpyHostToDevice, stream));
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
             int variant = 0;
             for (Op op : kOps) {
                 uint64_t* sig = signals + static_cast<uint64_t>(n) * static_cast<uint64_t>(variant);
@@ -306,15 +307,15 @@ TEST(DeviceShmem, TypedPAndG) {
             SymmetricHeap& heap = w.heap();
             Words words{heap.alloc_array<uint32_t>(n), heap.alloc_array<int64_t>(n), heap.alloc_array<float>(n),
                         heap.alloc_array<double>(n)};
-            test::DeviceArray<int> info(8);
+            test::DeviceArray<int> info(8, stream);
             w.barrier();
             p_kernel<<<1, 32, 0, stream>>>(w.device_ctx(), words, seed, info.get());
             finish(w, stream, "p_kernel");
             w.barrier();
-            const auto u32 = test::to_host(words.u32, n);
-            const auto i64 = test::to_host(words.i64, n);
-            const auto f32 = test::to_host(words.f32, n);
-            const auto f64 = test::to_host(words.f64, n);
+            const auto u32 = test::to_host(words.u32, n, stream);
+            const auto i64 = test::to_host(words.i64, n, stream);
+            const auto f32 = test::to_host(words.f32, n, stream);
+            const auto f64 = test::to_host(words.f64, n, stream);
             for (int s = 0; s < n; ++s) {
                 const uint32_t v = word_value(seed, s, w.rank());
                 WEFT_CHECK(u32[s] == v, "rank " << w.rank() << ": p<uint32_t> from " << s << " gave " << u32[s]);
@@ -328,10 +329,10 @@ TEST(DeviceShmem, TypedPAndG) {
             WEFT_CHECK(inf[3] == 1, "ptr of a non-symmetric address is not nullptr");
             WEFT_CHECK(inf[4] == 1, "ptr of an out-of-range rank is not nullptr");
 
-            test::DeviceArray<uint32_t> o32(n);
-            test::DeviceArray<int64_t> o64(n);
-            test::DeviceArray<float> of32(n);
-            test::DeviceArray<double> of64(n);
+            test::DeviceArray<uint32_t> o32(n, stream);
+            test::DeviceArray<int64_t> o64(n, stream);
+            test::DeviceArray<float> of32(n, stream);
+            test::DeviceArray<double> of64(n, stream);
             g_kernel<<<1, 32, 0, stream>>>(w.device_ctx(), words, o32.get(), o64.get(), of32.get(), of64.get());
             finish(w, stream, "g_kernel");
             const auto g32 = o32.to_host();
@@ -395,7 +396,7 @@ template <class G>
 void run_signal_rounds(World& w, cudaStream_t stream, uint64_t* add_sigs, uint64_t* set_sigs, uint64_t* first_round,
                        uint64_t seed) {
     const int n = w.num_ranks();
-    test::DeviceArray<uint64_t> observed(2 * static_cast<size_t>(n));
+    test::DeviceArray<uint64_t> observed(2 * static_cast<size_t>(n), stream);
     for (int i = 0; i < 3; ++i) {
         const uint64_t round = ++*first_round;
         signal_kernel<G><<<2, kThreads, 0, stream>>>(w.device_ctx(), add_sigs, set_sigs, observed.get(), round, seed);
@@ -503,8 +504,9 @@ void run_cmp_cases(World& w, cudaStream_t stream, uint64_t* words) {
         init.push_back(c.initial);
     }
     init.push_back(0);  // the announcement word
-    WEFT_CUDA_CHECK(cudaMemcpy(words, init.data(), init.size() * 8, cudaMemcpyHostToDevice));
-    test::DeviceArray<uint64_t> observed(kNumCmpCases);
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(words, init.data(), init.size() * 8, cudaMemcpyHostToDevice, stream));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    test::DeviceArray<uint64_t> observed(kNumCmpCases, stream);
     cmp_kernel<G><<<2, kThreads, 0, stream>>>(w.device_ctx(), kCmpCases, words, observed.get());
     finish(w, stream, "cmp_kernel");
     const auto obs = observed.to_host();
@@ -572,7 +574,7 @@ TEST(DeviceShmem, BarrierAllRepeatedEveryScopeWithoutReset) {
             test::RankStream stream;
             uint64_t* slots = w.heap().alloc_signals(static_cast<uint64_t>(n));
             uint64_t* psync = w.heap().alloc_signals(static_cast<uint64_t>(n));
-            test::DeviceArray<unsigned long long> errors(2);
+            test::DeviceArray<unsigned long long> errors(2, stream);
             uint64_t iter = 1;
             int launches = 0;
             for (int rep = 0; rep < 2; ++rep) {  // twice: the epoch carries over between launches
@@ -592,7 +594,7 @@ TEST(DeviceShmem, BarrierAllRepeatedEveryScopeWithoutReset) {
                                             << (err[1] >> 16) << " slot " << (err[1] & 0xffff));
             // The epoch words: own word counts this rank's barriers, the others count arrivals.
             w.barrier();
-            const auto ps = test::to_host(psync, static_cast<size_t>(n));
+            const auto ps = test::to_host(psync, static_cast<size_t>(n), stream);
             const uint64_t barriers = 2ull * kIters * static_cast<uint64_t>(launches);
             for (int q = 0; q < n; ++q) {
                 WEFT_CHECK(ps[q] == barriers, "rank " << w.rank() << ": psync[" << q << "] is " << ps[q]

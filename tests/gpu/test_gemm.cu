@@ -259,13 +259,14 @@ struct Case {
     int sm_budget = 0;
     bool allow_small_m = true;
     int small_m_splits = 0;
+    int small_m_variant = 0;
 };
 
 std::string describe(const Case& c, uint64_t seed) {
     std::ostringstream os;
     os << c.m << "x" << c.n << "x" << c.k << " " << dtype_name(c.in) << "->" << dtype_name(c.out) << " "
        << (c.layout == BLayout::kNK ? "B[N,K]" : "B[K,N]") << " pads(" << c.pad_a << "," << c.pad_b << ","
-       << c.pad_d << ") budget " << c.sm_budget << " splits " << c.small_m_splits
+       << c.pad_d << ") budget " << c.sm_budget << " splits " << c.small_m_splits << " variant " << c.small_m_variant
        << (c.config ? " config " + ops::format_gemm_config(*c.config) : std::string(" auto")) << " seed " << seed;
     return os.str();
 }
@@ -299,6 +300,7 @@ void check_case(const Case& c, int sample_rows = 0) {
     o.sm_budget = c.sm_budget;
     o.allow_small_m = c.allow_small_m;
     o.small_m_splits = c.small_m_splits;
+    o.small_m_variant = c.small_m_variant;
     try {
         ops::gemm(view(a, da), view(b, db), view(d, dd), c.layout, nullptr, o);
     } catch (const Error& e) {
@@ -453,11 +455,14 @@ TEST(GemmSmallM, MatchesFp64ForEveryRowCountAndSplit) {
         for (const auto& s : nk) {
             if (m * s[0] * s[1] > 300'000'000) continue;  // keep the CPU reference quick
             for (int splits : {0, 1, 3}) {
-                Case c{m, s[0], s[1]};
-                c.small_m_splits = splits;
-                c.pad_a = 8;
-                c.pad_d = 8;
-                check_case(c);
+                for (int variant : {0, 1}) {
+                    Case c{m, s[0], s[1]};
+                    c.small_m_splits = splits;
+                    c.small_m_variant = variant;
+                    c.pad_a = 8;
+                    c.pad_d = 8;
+                    check_case(c);
+                }
             }
         }
     }
@@ -471,7 +476,12 @@ TEST(GemmSmallM, MatchesFp64ForEveryRowCountAndSplit) {
 // Calls on one stream back to back reuse the small-M workspace: counters must be back at zero.
 TEST(GemmSmallM, RepeatedCallsStayCorrect) {
     REQUIRE_SM90();
-    for (int i = 0; i < 3; ++i) check_case(Case{3, 2000, 4096});
+    for (int i = 0; i < 3; ++i) {
+        Case c{3, 2000, 4096};
+        c.small_m_variant = i % 2;
+        check_case(c);
+    }
+    check_case(Case{1, 8192, 8192});  // a larger shape after smaller ones on the same workspace
 }
 
 // ---- cuBLASLt on large shapes ---------------------------------------------------------------------------
@@ -696,7 +706,8 @@ void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t
     const GemmTileGrid grid(cfg, static_cast<int32_t>(m), static_cast<int32_t>(n));
     const int num_tiles = grid.num_tiles();
 
-    HostMatrix a(m, k, k, DType::kBF16), b(n, k, k, DType::kBF16), d(m, n, n, DType::kBF16);
+    const int64_t ldd = (n + 7) / 8 * 8;  // TMA needs 16-byte row strides; a ragged N takes the tail path
+    HostMatrix a(m, k, k, DType::kBF16), b(n, k, k, DType::kBF16), d(m, n, ldd, DType::kBF16);
     HostMatrix a_poison(m, k, k, DType::kBF16);
     std::memset(a_poison.bytes.data(), 0xFF, a_poison.bytes.size());  // NaN until the producer writes
     DeviceBuffer d_src(a.bytes.size()), d_a(a.bytes.size()), d_b(b.bytes.size()), d_d(d.bytes.size()),
@@ -737,7 +748,7 @@ void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t
         CK(cudaDeviceSynchronize());
 
         const TensorView va(d_a.ptr, DType::kBF16, {m, k}), vb(d_b.ptr, DType::kBF16, {n, k}),
-            vd(d_d.ptr, DType::kBF16, {m, n});
+            vd(d_d.ptr, DType::kBF16, {m, n}, {ldd, 1});
         const auto maps = ops::detail::make_gemm_tensor_maps(cfg, va, vb, vd);
         const GemmArgs args = ops::detail::make_gemm_args(va, vd, 10'000'000'000ull);
         gemm::ChunkWaitParams sp{};
@@ -759,7 +770,7 @@ void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t
             tile_checker_kernel<<<1, 256, 0, s_check>>>(
                 static_cast<const uint64_t*>(d_tile_flags.ptr), static_cast<uint64_t>(round), grid.num_m_tiles,
                 grid.num_n_tiles, cfg.tile_m, cfg.tile_n, static_cast<const uint16_t*>(d_d.ptr),
-                static_cast<uint16_t*>(d_snap.ptr), static_cast<int>(m), static_cast<int>(n), n, 10'000'000'000ull,
+                static_cast<uint16_t*>(d_snap.ptr), static_cast<int>(m), static_cast<int>(n), ldd, 10'000'000'000ull,
                 static_cast<int*>(d_timeouts.ptr));
             CK(cudaGetLastError());
         }
@@ -791,7 +802,7 @@ void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t
                         for (int64_t c = tn * cfg.tile_n; c < std::min<int64_t>(n, (tn + 1) * cfg.tile_n); ++c) {
                             ++total;
                             const double got = d.get(r, c);
-                            if (got == 0) ++zeros;
+                            if (got == 0) ++zeros;  // (ref is [m][n], d has row stride ldd)
                             if (!(std::fabs(got - ref[r * n + c]) <= 0.05 * rms)) ++wrong;
                         }
                     map << " " << wrong << "/" << total << "(z" << zeros << ")";
@@ -814,7 +825,7 @@ void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t
             CK(cudaMemcpy(&timeouts, d_timeouts.ptr, sizeof(int), cudaMemcpyDeviceToHost));
             EXPECT_EQ(timeouts, 0) << "the checker timed out waiting for tile signals";
             // The snapshot taken right after each signal must already hold the final tile.
-            HostMatrix snap(m, n, n, DType::kBF16);
+            HostMatrix snap(m, n, ldd, DType::kBF16);
             download(snap, d_snap);
             int64_t mismatches = 0;
             for (int64_t r = 0; r < m; ++r)

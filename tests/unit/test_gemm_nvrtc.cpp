@@ -105,8 +105,10 @@ std::vector<std::string> tiled_instantiations(const Combo& c) {
 std::vector<std::string> gemv_instantiations(const Combo& c) {
     std::vector<std::string> names;
     for (int m_tiles = 1; m_tiles <= 4; ++m_tiles) {
-        names.push_back("weft::gemm::gemv_kernel<" + std::to_string(m_tiles) + ", " + dtype_enum(c.in) + ", " +
-                        dtype_enum(c.out) + ">");
+        for (int n_tiles : {4, 1}) {
+            names.push_back("weft::gemm::gemv_kernel<" + std::to_string(m_tiles) + ", " + dtype_enum(c.in) + ", " +
+                            dtype_enum(c.out) + ", " + std::to_string(n_tiles) + ">");
+        }
     }
     return names;
 }

@@ -186,12 +186,26 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     auto plan = ops::plan_gemm(p, 132);
     EXPECT_EQ(plan.path, ops::GemmPath::kSmallM);
     EXPECT_EQ(plan.small_m_tiles, 1);
-    EXPECT_EQ(plan.grid, 64);
+    EXPECT_EQ(plan.small_m_variant, 1);
+    EXPECT_EQ(plan.grid, 256);  // variant 1: 32 columns per CTA
     EXPECT_GE(plan.small_m_splits * plan.small_m_k_per_split, 8192);
     EXPECT_LT((plan.small_m_splits - 1) * plan.small_m_k_per_split, 8192);
     EXPECT_EQ(plan.small_m_k_per_split % 32, 0);
     EXPECT_GE(plan.grid * plan.small_m_splits, 2 * 132) << "too few CTAs to stream B at full bandwidth";
-    EXPECT_EQ(plan.workspace_bytes, ops::gemm_workspace_bytes(p, plan.small_m_splits));
+    EXPECT_EQ(plan.small_m_splits, 4) << "N = K = 8192 on 132 SMs, variant 1: 4 splits measured best";
+    EXPECT_EQ(8192 % plan.small_m_k_per_split, 0);
+    EXPECT_EQ(plan.workspace_bytes, ops::gemm_workspace_bytes(p, plan.small_m_splits, 1));
+    ops::GemmOptions v0;
+    v0.small_m_variant = 0;
+    const auto plan0 = ops::plan_gemm(p, 132, v0);
+    EXPECT_EQ(plan0.grid, 64);  // 128 columns per CTA
+    EXPECT_EQ(plan0.small_m_splits, 8) << "variant 0: 8 splits of 1024 measured best";
+    EXPECT_EQ(plan0.workspace_bytes, ops::gemm_workspace_bytes(p, plan0.small_m_splits, 0));
+    // Counters (one per column block, rounded to 256 bytes) then fp32 partials [splits][M][N].
+    EXPECT_EQ(plan.workspace_bytes, 256u * 4 + 4u * 8192 * 4);
+    EXPECT_EQ(plan0.workspace_bytes, 256u + 8u * 8192 * 4);
+    v0.small_m_variant = 2;
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0 or 1");
 
     p.m = 64;
     EXPECT_EQ(ops::plan_gemm(p, 132).small_m_tiles, 4);

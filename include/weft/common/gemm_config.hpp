@@ -220,13 +220,16 @@ struct GemvArgs {
     int32_t m, n, k;
     int32_t k_per_split;  ///< multiple of 32
     int32_t num_splits;   ///< gridDim.y
-    int32_t prefetch_iters;  ///< loop iterations ahead to bulk-prefetch B into L2 (0 = off)
+    int32_t reserved;
     float* partials;      ///< [num_splits][M][N] fp32 (when num_splits > 1)
     uint32_t* counters;   ///< [gridDim.x], zero between launches (the last CTA of a column block resets it)
 };
 
 inline constexpr int kGemvThreads = 128;
-inline constexpr int kGemvColsPerCta = 128;  ///< 4 warps x 32 columns
+inline constexpr int kGemvColsPerCta = 128;  ///< variant 0: 4 warps x 32 columns (variant 1: 4 x 8)
 inline constexpr int kGemvMaxM = 64;
+
+/// Columns of D per CTA of gemv_kernel<..., n_tiles_per_warp>: 4 warps x n_tiles_per_warp n8 tiles.
+WEFT_HOST_DEVICE constexpr int gemv_cols_per_cta(int n_tiles_per_warp) { return 4 * 8 * n_tiles_per_warp; }
 
 }  // namespace weft

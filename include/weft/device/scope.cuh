@@ -20,7 +20,7 @@ struct Thread {
     __device__ __forceinline__ bool is_leader() const { return true; }
     /// No-op: a thread is always in sync with itself.
     __device__ __forceinline__ void sync() const {}
-    /// Returns `value` (the leader is the caller).
+    /// Returns `value` (the leader is the caller). Every group's broadcast is also a group barrier.
     template <class T>
     __device__ __forceinline__ T broadcast(T value) const {
         return value;
@@ -36,10 +36,12 @@ struct Warp {
     __device__ __forceinline__ bool is_leader() const { return rank() == 0; }
     /// `__syncwarp()`: a warp-wide execution barrier that also orders memory among the lanes.
     __device__ __forceinline__ void sync() const { __syncwarp(); }
-    /// Lane 0's `value`, returned to every lane (4- or 8-byte T).
+    /// Lane 0's `value`, returned to every lane (4- or 8-byte T). Also a barrier that orders memory
+    /// like sync() (a shuffle alone would not).
     template <class T>
     __device__ __forceinline__ T broadcast(T value) const {
         static_assert(sizeof(T) == 4 || sizeof(T) == 8, "Warp::broadcast: 4- or 8-byte values only");
+        __syncwarp();
         if constexpr (sizeof(T) == 4) {
             return __builtin_bit_cast(T, __shfl_sync(0xffffffffu, __builtin_bit_cast(unsigned, value), 0));
         } else {
@@ -58,7 +60,8 @@ struct Block {
     __device__ __forceinline__ bool is_leader() const { return rank() == 0; }
     /// `__syncthreads()`: a block-wide execution barrier that also orders memory among the threads.
     __device__ __forceinline__ void sync() const { __syncthreads(); }
-    /// Thread 0's `value`, returned to every thread (through one shared-memory slot; two barriers).
+    /// Thread 0's `value`, returned to every thread (through one shared-memory slot; two barriers, so
+    /// also a barrier that orders memory like sync()).
     template <class T>
     __device__ __forceinline__ T broadcast(T value) const {
         __shared__ T slot;

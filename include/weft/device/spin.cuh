@@ -37,6 +37,8 @@ using ptx::Sem;
 inline constexpr uint32_t kSpinFastPolls = WEFT_SPIN_FAST_POLLS;
 /// Longest single backoff sleep (the hardware sleeps up to twice this).
 inline constexpr uint32_t kSpinMaxSleepNs = WEFT_SPIN_MAX_SLEEP_NS;
+/// Longest wait for the diagnostic record to reach host memory before the trap.
+inline constexpr uint64_t kDiagnosticDrainNs = 100ull * 1000 * 1000;
 /// Used when ctx.timeout_ns is 0.
 inline constexpr uint64_t kDefaultTimeoutNs = 10ull * 1000 * 1000 * 1000;
 
@@ -76,7 +78,8 @@ __device__ inline int32_t owner_of(const DeviceCtx& ctx, const void* addr) {
 /// What a failing spin (or failed peer access) reports besides the word and the values.
 struct SpinSite {
     SpinKind kind;
-    int32_t peer;  ///< team rank that owns the word, or -1 to compute it from the address
+    int32_t peer;  ///< team rank that owns the word (for barriers: the rank not yet arrived), or -1 to
+                   ///< compute the owner from the address
     int32_t line;  ///< source line of the call, or 0
 };
 
@@ -85,7 +88,7 @@ struct SpinSite {
 [[noreturn]] __device__ __noinline__ inline void fail_and_trap(DeviceCtx ctx, SpinSite site, Cmp cmp,
                                                                const void* addr, uint64_t expected,
                                                                uint64_t observed, uint64_t waited_ns) {
-    int32_t peer = site.peer >= 0 ? site.peer : owner_of(ctx, addr);
+    int32_t peer = site.peer >= 0 || site.kind == SpinKind::kUnreachablePeer ? site.peer : owner_of(ctx, addr);
     if (peer >= 0 && ctx.team_to_world != nullptr) {
         peer = ctx.team_to_world[peer];
     }
@@ -109,6 +112,15 @@ struct SpinSite {
             ptx::fence<Sem::kSc, Scope::kSys>();
             ptx::st<Sem::kRelaxed, Scope::kSys>(&d->claimed, 2u);
             ptx::fence<Sem::kSc, Scope::kSys>();
+        }
+        // NOTE: a trap ends every thread of the grid at once and can drop writes still on their way to
+        // host memory. So the winner reads `claimed` back until the host-side copy holds 2 (a read does
+        // not pass the posted writes before it), and the losers (other threads that failed at the same
+        // moment) wait for that too instead of trapping over the winner's half-written record. Bounded.
+        const uint64_t drain_start = ptx::globaltimer();
+        while (ptx::ld<Sem::kRelaxed, Scope::kSys>(&d->claimed) != 2u &&
+               ptx::globaltimer() - drain_start < kDiagnosticDrainNs) {
+            ptx::nanosleep(256);
         }
     } else {
         printf("weft: rank %d block (%d,%d,%d) thread %d gave up (kind %u): word %p owned by rank %d, "
@@ -137,15 +149,18 @@ __device__ __forceinline__ uint64_t spin_until(const DeviceCtx& ctx, const uint6
         uint32_t polls = 0;
         uint32_t sleep_ns = 32;
         while (true) {
-            if (polls < kSpinFastPolls) {
-                ++polls;
-            } else {
-                ptx::nanosleep(sleep_ns);
-                sleep_ns = sleep_ns < kSpinMaxSleepNs ? sleep_ns * 2 : kSpinMaxSleepNs;
-            }
             observed = ptx::ld<S, C>(addr);
             if (compare(observed, cmp, value)) {
                 break;
+            }
+            ++polls;
+            // Tight polls first (the clock is read every 8th: reading it costs more than a poll's
+            // issue), then exponential backoff with the clock read after every sleep.
+            if (polls >= kSpinFastPolls) {
+                ptx::nanosleep(sleep_ns);
+                sleep_ns = sleep_ns < kSpinMaxSleepNs ? sleep_ns * 2 : kSpinMaxSleepNs;
+            } else if ((polls & 7u) != 0) {
+                continue;
             }
             const uint64_t waited = ptx::globaltimer() - start;
             if (waited > timeout_ns) {

@@ -24,6 +24,9 @@ struct GemmOptions {
     std::optional<GemmConfig> config;  ///< force this tiled-kernel config (dtypes/layout must match the call)
     bool allow_small_m = true;         ///< let M <= 64 with B [N,K] take the split-K small-M path
     int small_m_splits = 0;            ///< force the small-M path's split count (0 = heuristic)
+    int small_m_variant = 1;           ///< small-M kernel: 1 = 8 columns per warp, 1 KiB contiguous per row per
+                                       ///< iteration (default: faster in the last measurement); 0 = 32 columns
+                                       ///< per warp (see kernels/gemm/gemv_sm90.cuh)
     void* workspace = nullptr;         ///< small-M scratch of gemm_workspace_bytes, 256-byte aligned: split-K
                                        ///< counters first (zero-filled before the first use; each call leaves
                                        ///< them zero), then fp32 partials. Zero it again if N grows. nullptr =
@@ -62,6 +65,7 @@ struct GemmPlan {
     int small_m_tiles = 0;       ///< kSmallM: ceil(M / 16)
     int small_m_splits = 1;      ///< kSmallM: split-K factor (gridDim.y)
     int small_m_k_per_split = 0; ///< kSmallM: multiple of 32
+    int small_m_variant = 1;     ///< kSmallM: which gemv_kernel (GemmOptions::small_m_variant)
     size_t workspace_bytes = 0;  ///< kSmallM: partial sums + counters
 };
 
@@ -74,8 +78,9 @@ std::vector<GemmConfig> gemm_candidate_configs(DType in_dtype, DType out_dtype, 
 /// Picks the path and config. `num_sms` is the device's SM count (the budget's default).
 GemmPlan plan_gemm(const GemmProblem& problem, int num_sms, const GemmOptions& options = {});
 
-/// Scratch the small-M path needs for this problem with `splits` splits (0 when none).
-size_t gemm_workspace_bytes(const GemmProblem& problem, int splits);
+/// Scratch the small-M path needs for this problem with `splits` splits (0 when none): counters (one per
+/// column block of the variant) first, then fp32 partials, each rounded up to 256 bytes.
+size_t gemm_workspace_bytes(const GemmProblem& problem, int splits, int small_m_variant = 1);
 
 /// "weft::GemmConfig{.tile_m = 128, ...}": the config as the JIT prints it into generated code.
 std::string format_gemm_config(const GemmConfig& config);
@@ -113,8 +118,8 @@ void launch_gemm_kernel(const void* func, const GemmConfig& config, const GemmTe
 /// a miss compiles the instantiation string through it instead of failing.
 void register_gemm_kernel(const GemmConfig& config, const void* func);
 const void* find_gemm_kernel(const GemmConfig& config);
-void register_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype, const void* func);
-const void* find_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype);
+void register_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype, int variant, const void* func);
+const void* find_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype, int variant);
 
 }  // namespace detail
 }  // namespace weft::ops

@@ -9,18 +9,13 @@
 // how to report it.
 #pragma once
 
+#include "weft/ptx/timer.cuh"
+
 namespace weft::ptx {
 
 /// Shared-window (32-bit) address of a generic pointer into this CTA's shared memory.
 __device__ __forceinline__ unsigned shared_address(const void* ptr) {
     return static_cast<unsigned>(__cvta_generic_to_shared(ptr));
-}
-
-/// Nanoseconds from the global timer (advances in steps of about 32 ns on H100/H200).
-__device__ __forceinline__ unsigned long long global_timer_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(t));
-    return t;
 }
 
 /// Initialises the barrier at `bar` for `arrivals` arrivals per phase (one thread).
@@ -101,7 +96,7 @@ __device__ __forceinline__ bool mbarrier_wait_parity_bounded(unsigned bar, unsig
             return true;
         }
         if ((tries & 63u) == 63u) {
-            const unsigned long long now = global_timer_ns();
+            const unsigned long long now = globaltimer();
             if (start == 0) {
                 start = now;
             } else if (now - start > timeout_ns) {

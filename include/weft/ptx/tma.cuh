@@ -1,15 +1,19 @@
 // SPDX-License-Identifier: MIT
 // TMA (sm_90 bulk tensor copies): 2D tile loads into shared memory completing on an mbarrier (optionally
 // multicast to the CTAs of a cluster), 2D tile stores and reductions from shared memory, bulk-group
-// commit/wait, tensor-map prefetch, and the proxy fences these need.
+// commit/wait and tensor-map prefetch (the proxy fences they need are in ptx/fence.cuh).
 //
 // Contract: a tensor map is a 128-byte, 64-byte-aligned CUtensorMap built on the host
 // (cuTensorMapEncodeTiled) and passed to the kernel as a `const __grid_constant__` parameter; pass its
 // address. Coordinates are in elements, innermost first; out-of-bounds parts of a load box are zero-filled
-// (and still count towards the transaction bytes), out-of-bounds parts of a store box are not written.
+// (and still count towards the transaction bytes), out-of-bounds parts of a store box are not written,
+// except that stores write whole 16-byte chunks: a chunk straddling the inner extent is written entirely
+// (keep the stored extent a multiple of 16 bytes and write a ragged edge otherwise).
 // Loads are issued by one thread. After a store, commit_group then wait_group<0> before anything else
 // (another kernel, another GPU) may read the stored data; wait_group_read<N> only frees the shared source.
 #pragma once
+
+#include "weft/ptx/fence.cuh"  // fence_proxy_async_shared_cta / _global, which TMA users need
 
 namespace weft::ptx {
 
@@ -77,21 +81,5 @@ template <int kPending>
 __device__ __forceinline__ void tma_wait_group_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
-
-namespace detail {
-// NOTE: the device layer's ptx/fence.cuh will own these; they are here until it lands (then switch).
-
-/// Orders this thread's earlier generic-proxy shared-memory writes (st.shared, stmatrix) before later
-/// async-proxy accesses (a TMA store reading them).
-__device__ __forceinline__ void fence_proxy_async_shared_cta() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-/// Orders generic-proxy global accesses (data another agent wrote and we acquired) before later
-/// async-proxy accesses (TMA loads of that data).
-__device__ __forceinline__ void fence_proxy_async_global() {
-    asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
-}  // namespace detail
 
 }  // namespace weft::ptx

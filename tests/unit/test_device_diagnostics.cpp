@@ -1,0 +1,50 @@
+// SPDX-License-Identifier: MIT
+// Unit tests for how the host words the device layer's unreachable-peer record (SpinKind::kUnreachablePeer).
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "weft/common/diagnostics.hpp"
+#include "weft/runtime/diagnostics.hpp"
+
+namespace weft {
+namespace {
+
+Diagnostic unreachable_record() {
+    Diagnostic d{};
+    d.claimed = 2;
+    d.kind = SpinKind::kUnreachablePeer;
+    d.cmp = Cmp::kEq;
+    d.rank = 0;
+    d.block_x = 2;
+    d.thread_x = 5;
+    d.signal_addr = 0x7f0012345600ull;
+    d.expected = 3;      // the rank asked for
+    d.observed = 0x400;  // heap offset
+    d.peer = 3;
+    d.line = 42;
+    return d;
+}
+
+TEST(DeviceDiagnostics, UnreachablePeerNamesRankAndAddress) {
+    EXPECT_EQ(format_diagnostic(unreachable_record()),
+              "rank 0 block (2,0,0) thread 5: a put/get/signal to rank 3 on symmetric address 0x7f0012345600 "
+              "failed: rank 3 is not load/store reachable from here (heap offset 1024; only the load/store "
+              "transport exists) (source line 42)");
+    EXPECT_STREQ(spin_kind_name(SpinKind::kUnreachablePeer), "unreachable_peer");
+}
+
+TEST(DeviceDiagnostics, UnreachablePeerOtherCauses) {
+    Diagnostic d = unreachable_record();
+    d.observed = ~0ull;
+    EXPECT_NE(format_diagnostic(d).find("not inside this rank's symmetric heap"), std::string::npos);
+    d.observed = 0x400;
+    d.peer = -1;
+    d.expected = static_cast<uint64_t>(int64_t{-1});
+    const std::string text = format_diagnostic(d);
+    EXPECT_NE(text.find("rank -1"), std::string::npos) << text;
+    EXPECT_NE(text.find("no such rank"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace weft
