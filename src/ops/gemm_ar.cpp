@@ -69,12 +69,15 @@ jit::KernelSpec ar_reduce_kernel_spec(DType partial, DType out, const std::strin
                                 std::string("gemm_ar reduce ") + dtype_name(partial) + "->" + dtype_name(out), arch);
 }
 
-jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in, DType out, const std::string& arch) {
+jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in, DType out, int variant, const std::string& arch) {
+    WEFT_CHECK(variant == 0 || variant == 1, "gemm_ar: small-M kernel variant must be 0 or 1, got " << variant);
+    const int n_tiles_per_warp = variant == 1 ? 1 : 4;
     return tp_detail::make_spec("gemm/gemv_sm90.cuh",
                                 "weft::gemm::gemv_kernel<" + std::to_string(m_tiles) + ", " +
-                                    tp_detail::dtype_enum(in) + ", " + tp_detail::dtype_enum(out) + ">",
+                                    tp_detail::dtype_enum(in) + ", " + tp_detail::dtype_enum(out) + ", " +
+                                    std::to_string(n_tiles_per_warp) + ">",
                                 "gemv m_tiles " + std::to_string(m_tiles) + " " + dtype_name(in) + "->" +
-                                    dtype_name(out),
+                                    dtype_name(out) + " variant " + std::to_string(variant),
                                 arch);
 }
 
@@ -100,6 +103,7 @@ struct GemmAr::State {
     uint32_t* exit_count = nullptr;
     void* small_m_workspace = nullptr;  // split-K counters (zero) then fp32 partials
     size_t small_m_workspace_bytes = 0;
+    int small_m_variant = 1;            // of the loaded small-M kernels
 
     const jit::Kernel* gemv[4] = {nullptr, nullptr, nullptr, nullptr};
     const jit::Kernel* tiled = nullptr;
@@ -145,11 +149,13 @@ GemmAr::GemmAr(World& world, const GemmArShape& shape, const GemmArOptions& opti
 
     // GEMM kernels for every M up to max_m: the small-M kernels (ceil(M/16) row tiles) and the tiled one.
     const int64_t small_max = std::min<int64_t>(shape.max_m, kGemvMaxM);
-    for (int t = 1; t <= (small_max + 15) / 16; ++t) {
-        s.gemv[t - 1] = &jit::compiler().get_kernel(detail::gemv_kernel_spec(t, shape.dtype, s.gemm_out));
-    }
     const GemmPlan plan = s.small_m_plan(small_max);
     WEFT_CHECK(plan.path == GemmPath::kSmallM, "gemm_ar: expected the small-M GEMM path for M = " << small_max);
+    s.small_m_variant = plan.small_m_variant;
+    for (int t = 1; t <= (small_max + 15) / 16; ++t) {
+        s.gemv[t - 1] = &jit::compiler().get_kernel(
+            detail::gemv_kernel_spec(t, shape.dtype, s.gemm_out, plan.small_m_variant));
+    }
     if (plan.small_m_splits > 1) {
         s.small_m_workspace_bytes = plan.workspace_bytes;
         WEFT_CUDA_CHECK(cudaMalloc(&s.small_m_workspace, s.small_m_workspace_bytes));
@@ -198,6 +204,8 @@ void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     const TensorView d = s.num_ranks == 1 ? c : TensorView(s.partial, s.partial_dtype, {m, s.shape.n}, {s.ldp, 1});
     if (m <= kGemvMaxM) {
         const GemmPlan plan = s.small_m_plan(m);
+        WEFT_CHECK(plan.path == GemmPath::kSmallM && plan.small_m_variant == s.small_m_variant,
+                   "gemm_ar: the small-M plan for M = " << m << " does not match the loaded kernels");
         GemvArgs args{};
         args.a = a.data;
         args.b = b.data;
@@ -210,7 +218,6 @@ void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, 
         args.k = static_cast<int32_t>(s.shape.k);
         args.k_per_split = plan.small_m_k_per_split;
         args.num_splits = plan.small_m_splits;
-        args.prefetch_iters = 0;
         if (plan.small_m_splits > 1) {
             const size_t counter_bytes = static_cast<size_t>(round_up(static_cast<int64_t>(plan.grid) * 4, 256));
             WEFT_CHECK(plan.workspace_bytes <= s.small_m_workspace_bytes,
