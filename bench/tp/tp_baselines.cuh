@@ -187,25 +187,33 @@ inline double time_all(World& w, Shared& sh, cudaStream_t s, int warmup, int ite
     return worst;
 }
 
-inline void fill_random(void* p, int64_t elems, DType t, uint64_t seed, cudaStream_t s) {
-    std::vector<uint16_t> h(static_cast<size_t>(elems));
-    std::mt19937_64 rng(seed);
-    std::uniform_real_distribution<float> u(-1.f, 1.f);
-    for (auto& x : h) {
-        const float f = u(rng);
-        if (t == DType::kBF16) {
-            const __nv_bfloat16 v = __float2bfloat16_rn(f);
-            std::memcpy(&x, &v, 2);
-        } else {
-            const __half v = __float2half_rn(f);
-            std::memcpy(&x, &v, 2);
-        }
+/// Uniform values in [-1, 1) from a hash of (seed, index), written on the device (fast for GB-sized operands;
+/// never zeros: a GEMM on zeros runs faster than on data).
+template <class T>
+__global__ void bench_fill_kernel(T* p, int64_t n, uint64_t seed) {
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        uint64_t x = seed ^ (static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull);
+        x ^= x >> 33;
+        x *= 0xff51afd7ed558ccdull;
+        x ^= x >> 33;
+        x *= 0xc4ceb9fe1a85ec53ull;
+        x ^= x >> 33;
+        const float u = static_cast<float>(x >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f;
+        p[i] = from_f<T>(u);
     }
-    BENCH_CUDA(cudaMemcpyAsync(p, h.data(), h.size() * 2, cudaMemcpyHostToDevice, s));
+}
+
+inline void fill_random(void* p, int64_t elems, DType t, uint64_t seed, cudaStream_t s) {
+    if (t == DType::kBF16) {
+        bench_fill_kernel<<<1024, 256, 0, s>>>(static_cast<__nv_bfloat16*>(p), elems, seed);
+    } else {
+        bench_fill_kernel<<<1024, 256, 0, s>>>(static_cast<__half*>(p), elems, seed);
+    }
+    BENCH_CUDA(cudaGetLastError());
     BENCH_CUDA(cudaStreamSynchronize(s));
 }
 
-/// Relative Frobenius distance of two device matrices [rows, cols] (row strides lx, ly).
 inline double rel_error(const void* x, int64_t lx, const void* y, int64_t ly, int64_t rows, int64_t cols, DType t,
                  cudaStream_t s) {
     std::vector<uint16_t> hx(static_cast<size_t>(rows * lx)), hy(static_cast<size_t>(rows * ly));
