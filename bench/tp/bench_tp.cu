@@ -6,7 +6,7 @@
 // there are fewer GPUs than ranks: then the figures measure overhead, not overlap).
 //
 //   weft_bench_tp [--op ag,rs,ar] [--shapes I,J,...] [--sizes MxNxK,...] [--iters N] [--warmup N]
-//                 [--dtype bf16|f16] [--world W] [--check] [--json FILE]
+//                 [--dtype bf16|f16] [--world W] [--check] [--tune] [--json FILE]
 //
 // Shapes are whole layers: AG+GEMM shards N over the ranks (each computes [M, N/W] from all of A[M, K]);
 // GEMM+RS shards K (each holds A[M, K/W], B[N, K/W]; out [M/W, N]); GEMM+AR shards K (out [M, N]).
@@ -67,6 +67,7 @@ struct Options {
     DType dtype = DType::kBF16;
     int world = 0;
     bool check = false;
+    bool tune = false;
     std::string json;
 };
 
@@ -122,12 +123,14 @@ Options parse(int argc, char** argv) {
             o.world = std::stoi(next());
         } else if (a == "--check") {
             o.check = true;
+        } else if (a == "--tune") {
+            o.tune = true;
         } else if (a == "--json") {
             o.json = next();
         } else if (a == "--help" || a == "-h") {
             std::printf(
                 "weft_bench_tp [--op ag,rs,ar] [--shapes I,J,...] [--sizes MxNxK,...] [--iters N] [--warmup N]\n"
-                "              [--dtype bf16|f16] [--world W] [--check] [--json FILE]\n");
+                "              [--dtype bf16|f16] [--world W] [--check] [--tune] [--json FILE]\n");
             std::exit(0);
         } else {
             throw std::runtime_error("unknown option " + a + " (see --help)");
@@ -155,7 +158,9 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     const int64_t es = 2;
     Row row{"ag", {m, n * nr, k}, nr};
 
-    weft::ops::AgGemm op(w, {m, n, k, t});
+    weft::ops::AgGemmOptions opt;
+    opt.autotune = o.tune;
+    weft::ops::AgGemm op(w, {m, n, k, t}, opt);
     auto* g_base = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * k * es)));  // baseline gather
     DeviceBarrier bar;
     bar.make(w);
@@ -189,18 +194,6 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     auto gemm_full = [&](void* c) { lt.gemm(t, g_base, k, b_dev, k, c, n, m, n, k, s); };
 
     row.gemm = time_all(w, sh, s, o.warmup, o.iters, [&] { gemm_full(c_a); });
-    row.engine = time_all(w, sh, s, o.warmup, o.iters, [&] {
-        weft::ops::detail::GemmTensorMaps maps = weft::ops::detail::make_gemm_tensor_maps(
-            op.config(), TensorView(g_base, t, {m, k}), TensorView(b_dev, t, {n, k}), TensorView(c_e, t, {m, n}));
-        const weft::GemmArgs args =
-            weft::ops::detail::make_gemm_args(TensorView(g_base, t, {m, k}), TensorView(c_e, t, {m, n}), 20'000'000'000ull);
-        weft::jit::LaunchParams lp;
-        lp.grid = dim3(static_cast<unsigned>(op.gemm_grid()));
-        lp.block = dim3(weft::kGemmThreads);
-        lp.dynamic_smem_bytes = static_cast<size_t>(weft::gemm_smem_plan(op.config()).alloc_bytes);
-        lp.stream = s;
-        engine.launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
-    });
     row.coll = time_all(w, sh, s, o.warmup, o.iters, coll);
     row.a = time_all(w, sh, s, o.warmup, o.iters, [&] {
         coll();
@@ -225,6 +218,19 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     });
     const TensorView a_local = op.local_shard(m), bv(b_dev, t, {n, k}), cw(c_w, t, {m, n});
     row.weft = time_all(w, sh, s, o.warmup, o.iters, [&] { op.run(a_local, bv, cw, s); });
+    // After the fused op (which tunes on its first call with --tune): the engine with the same config.
+    row.engine = time_all(w, sh, s, o.warmup, o.iters, [&] {
+        weft::ops::detail::GemmTensorMaps maps = weft::ops::detail::make_gemm_tensor_maps(
+            op.config(), TensorView(g_base, t, {m, k}), TensorView(b_dev, t, {n, k}), TensorView(c_e, t, {m, n}));
+        const weft::GemmArgs args =
+            weft::ops::detail::make_gemm_args(TensorView(g_base, t, {m, k}), TensorView(c_e, t, {m, n}), 20'000'000'000ull);
+        weft::jit::LaunchParams lp;
+        lp.grid = dim3(static_cast<unsigned>(op.gemm_grid()));
+        lp.block = dim3(weft::kGemmThreads);
+        lp.dynamic_smem_bytes = static_cast<size_t>(weft::gemm_smem_plan(op.config()).alloc_bytes);
+        lp.stream = s;
+        engine.launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
+    });
     if (o.check) {
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, m, n, t, s));
         row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, m, n, t, s));
@@ -247,7 +253,9 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     const int64_t es = 2;
     Row row{"rs", {m, n, k * nr}, nr};
 
-    weft::ops::GemmRs op(w, {m, n, k, t});
+    weft::ops::GemmRsOptions opt;
+    opt.autotune = o.tune;
+    weft::ops::GemmRs op(w, {m, n, k, t}, opt);
     auto* partial = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));
     auto* recv = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));  // [W][rows, n]
     DeviceBarrier bar;
@@ -284,20 +292,6 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
         bar(s);  // every rank has read: partials may be rewritten
     };
     row.gemm = time_all(w, sh, s, o.warmup, o.iters, [&] { lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s); });
-    row.engine = time_all(w, sh, s, o.warmup, o.iters, [&] {
-        weft::GemmConfig c = op.config();
-        c.out_dtype = t;
-        const auto maps = weft::ops::detail::make_gemm_tensor_maps(c, TensorView(a_dev, t, {m, k}),
-                                                                   TensorView(b_dev, t, {n, k}), TensorView(c_e, t, {m, n}));
-        const weft::GemmArgs args = weft::ops::detail::make_gemm_args(TensorView(a_dev, t, {m, k}),
-                                                                      TensorView(c_e, t, {m, n}), 20'000'000'000ull);
-        weft::jit::LaunchParams lp;
-        lp.grid = dim3(static_cast<unsigned>(op.gemm_grid() + op.reduce_ctas()));
-        lp.block = dim3(weft::kGemmThreads);
-        lp.dynamic_smem_bytes = static_cast<size_t>(weft::gemm_smem_plan(c).alloc_bytes);
-        lp.stream = s;
-        engine.launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
-    });
     row.coll = time_all(w, sh, s, o.warmup, o.iters, coll);
     row.a = time_all(w, sh, s, o.warmup, o.iters, [&] {
         lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s);
@@ -332,6 +326,21 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     });
     const TensorView av(a_dev, t, {m, k}), bv(b_dev, t, {n, k}), cw(c_w, t, {rows, n});
     row.weft = time_all(w, sh, s, o.warmup, o.iters, [&] { op.run(av, bv, cw, s); });
+    // After the fused op (which tunes on its first call with --tune): the engine with the same config.
+    row.engine = time_all(w, sh, s, o.warmup, o.iters, [&] {
+        weft::GemmConfig c = op.config();
+        c.out_dtype = t;
+        const auto maps = weft::ops::detail::make_gemm_tensor_maps(c, TensorView(a_dev, t, {m, k}),
+                                                                   TensorView(b_dev, t, {n, k}), TensorView(c_e, t, {m, n}));
+        const weft::GemmArgs args = weft::ops::detail::make_gemm_args(TensorView(a_dev, t, {m, k}),
+                                                                      TensorView(c_e, t, {m, n}), 20'000'000'000ull);
+        weft::jit::LaunchParams lp;
+        lp.grid = dim3(static_cast<unsigned>(op.gemm_grid() + op.reduce_ctas()));
+        lp.block = dim3(weft::kGemmThreads);
+        lp.dynamic_smem_bytes = static_cast<size_t>(weft::gemm_smem_plan(c).alloc_bytes);
+        lp.stream = s;
+        engine.launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
+    });
     if (o.check) {
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, rows, n, t, s));
         row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, rows, n, t, s));

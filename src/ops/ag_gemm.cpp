@@ -3,6 +3,7 @@
 #include "weft/ops/ag_gemm.hpp"
 
 #include <algorithm>
+#include <sstream>
 
 #include "tp_common.hpp"
 #include "weft/common/tile_map.hpp"
@@ -103,8 +104,11 @@ struct AgGemm::State {
     AgGemmShape shape;
     AgGemmOptions options;
     int num_ranks = 1, rank = 0;
-    int budget = 1;
-    GemmConfig config{};
+    int budget = 1;        // SMs of the persistent GEMM
+    std::vector<GemmConfig> configs;           // [0]: the heuristic's (or the forced) config; the rest: tuning
+    std::vector<const jit::Kernel*> kernels;   // the GEMM kernel of each config
+    size_t active = 0;                         // the config calls use
+    bool tuned = false;
     int64_t chunk_rows = 1;
     int32_t max_chunks_per_rank = 1;
     DeviceCtx ctx{};
@@ -118,7 +122,6 @@ struct AgGemm::State {
     uint64_t* epoch = nullptr;
     uint64_t* tile_counter = nullptr;
 
-    const jit::Kernel* gemm_kernel = nullptr;  // AgGemm kernel (W > 1) or the plain GEMM (W == 1)
     const jit::Kernel* notify_kernel = nullptr;
 
     tp_detail::StreamSet streams;
@@ -140,6 +143,9 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
     s.rank = world.rank();
     validate_ag_gemm_shape(shape, s.num_ranks, options);
     s.budget = options.sm_budget > 0 ? std::min(options.sm_budget, tp_detail::device_sm_count()) : world.sm_budget();
+    // NOTE: ranks sharing a GPU keep one SM of their budget free of the persistent GEMM, for the helpers of
+    // the copy path (the notify kernel; a driver that implements a same-device copy with a kernel).
+    if (s.num_ranks > 1 && world.num_ranks_on_device() > 1 && options.sm_budget == 0) s.budget -= 1;
     WEFT_CHECK(s.budget >= 1, "ag_gemm: the SM budget must be >= 1, got " << s.budget);
 
     GemmProblem p;
@@ -147,11 +153,13 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
     p.n = shape.n;
     p.k = shape.k;
     p.in_dtype = p.out_dtype = shape.dtype;
-    s.config = tp_detail::choose_gemm_config(p, s.budget, options.config, kOp);
+    const GemmConfig first = tp_detail::choose_gemm_config(p, s.budget, options.config, kOp);
+    s.configs = options.autotune ? tp_detail::tune_candidates(first, shape.dtype, shape.dtype)
+                                 : std::vector<GemmConfig>{first};
     const int64_t max_rows = shape.max_m / s.num_ranks;
     s.chunk_rows = options.chunk_rows > 0 ? std::min(options.chunk_rows, max_rows)
                                           : ag_gemm_default_chunk_rows(max_rows, shape.k, dtype_bytes(shape.dtype));
-    const AllGatherTileMap map{max_rows, s.num_ranks, s.chunk_rows, s.config.tile_m};
+    const AllGatherTileMap map{max_rows, s.num_ranks, s.chunk_rows, first.tile_m};
     WEFT_CHECK(map.is_valid(), "ag_gemm: " << map.invalid_reason());
     s.max_chunks_per_rank = map.chunks_per_rank();
     s.ctx = world.device_ctx();
@@ -177,13 +185,13 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
     s.fork = s.streams.add_event();
 
     // Every kernel a call launches is loaded now (lazy loading behind a waiting kernel can deadlock).
-    if (s.num_ranks == 1) {
-        s.gemm_kernel = &jit::compiler().get_kernel(detail::plain_gemm_kernel_spec(s.config));
-    } else {
-        s.gemm_kernel = &jit::compiler().get_kernel(detail::ag_gemm_kernel_spec(s.config));
-        s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());
+    for (const GemmConfig& c : s.configs) {
+        s.kernels.push_back(&jit::compiler().get_kernel(s.num_ranks == 1 ? detail::plain_gemm_kernel_spec(c)
+                                                                         : detail::ag_gemm_kernel_spec(c)));
     }
-    WEFT_LOG_INFO("ag_gemm: " << tp_detail::config_text(s.config) << ", chunk_rows " << s.chunk_rows << " ("
+    if (s.num_ranks > 1) s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());
+    WEFT_LOG_INFO("ag_gemm: " << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "")
+                              << ", chunk_rows " << s.chunk_rows << " ("
                               << s.max_chunks_per_rank << " per rank at max_m), " << num_copy
                               << " copy stream(s), SM budget " << s.budget);
     world.barrier();
@@ -192,9 +200,9 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
 AgGemm::~AgGemm() = default;
 
 const AgGemmShape& AgGemm::shape() const { return s_->shape; }
-const GemmConfig& AgGemm::config() const { return s_->config; }
+const GemmConfig& AgGemm::config() const { return s_->configs[s_->active]; }
 int64_t AgGemm::chunk_rows() const { return s_->chunk_rows; }
-int AgGemm::gemm_grid() const { return tp_detail::gemm_grid(s_->config, s_->shape.max_m, s_->shape.n, s_->budget); }
+int AgGemm::gemm_grid() const { return tp_detail::gemm_grid(config(), s_->shape.max_m, s_->shape.n, s_->budget); }
 
 TensorView AgGemm::gathered(int64_t m) const {
     const State& s = *s_;
@@ -210,13 +218,53 @@ TensorView AgGemm::local_shard(int64_t m) const {
     return TensorView(s.gathered + s.rank * rows * s.shape.k * s.elem_bytes(), s.shape.dtype, {rows, s.shape.k});
 }
 
+namespace {
+
+/// One call with config `idx` (arguments validated; m = M).
+void enqueue(AgGemm::State& s, size_t idx, int64_t m, const TensorView& slot, const TensorView& gathered,
+             const TensorView& a_local, const TensorView& b, const TensorView& c, cudaStream_t stream);
+
+}  // namespace
+
 void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorView& c, cudaStream_t stream) {
     State& s = *s_;
     const int64_t m = validate_ag_gemm_call(s.shape, s.num_ranks, a_local, b, c);
+    const TensorView slot = local_shard(m);
+    const TensorView g = gathered(m);
+    if (s.configs.size() > 1 && !s.tuned) {
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+        if (capture == cudaStreamCaptureStatusNone) {
+            std::vector<jit::TuneCandidate> cands;
+            for (size_t i = 0; i < s.configs.size(); ++i) {
+                cands.push_back({tp_detail::config_text(s.configs[i]),
+                                 [&, i](cudaStream_t st) { enqueue(s, i, m, slot, g, a_local, b, c, st); }});
+            }
+            std::ostringstream problem;
+            problem << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)
+                    << ",chunk_rows=" << s.chunk_rows << ",copy_streams=" << s.copy_streams.size()
+                    << ",budget=" << s.budget;
+            const auto comm = tp_detail::make_tune_comm(*s.world, s.world->heap().offset_of(s.epoch));
+            jit::TuneOptions to;
+            to.stream = stream;
+            const jit::TuneResult r = jit::autotuner().tune({kOp, problem.str()}, cands, comm.get(), to);
+            s.active = r.index;
+            s.tuned = true;
+            WEFT_LOG_INFO("ag_gemm: tuned " << problem.str() << " -> " << r.name);
+        }
+    }
+    enqueue(s, s.active, m, slot, g, a_local, b, c, stream);
+}
+
+namespace {
+
+void enqueue(AgGemm::State& s, size_t idx, int64_t m, const TensorView& slot, const TensorView& g,
+             const TensorView& a_local, const TensorView& b, const TensorView& c, cudaStream_t stream) {
+    const GemmConfig& config = s.configs[idx];
+    const jit::Kernel& kernel = *s.kernels[idx];
     const int64_t rows = m / s.num_ranks;
     const int64_t es = s.elem_bytes();
     const int64_t k = s.shape.k;
-    const TensorView slot = local_shard(m);
     WEFT_CHECK(a_local.data != slot.data || rows == 1 || a_local.stride(0) == k,
                "ag_gemm: a_local starts at local_shard(M) but has row stride " << a_local.stride(0) << " instead of K = "
                                                                                << k << " (it would be copied onto itself)");
@@ -234,7 +282,7 @@ void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorVie
             WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.copy_streams[0], s.fork, 0));
             copy_shard(s.copy_streams[0]);
         }
-        tp_detail::launch_plain_gemm(*s.gemm_kernel, s.config, a_local, b, c, s.budget, s.pipeline_timeout_ns, stream);
+        tp_detail::launch_plain_gemm(kernel, config, a_local, b, c, s.budget, s.pipeline_timeout_ns, stream);
         if (copy_local) {
             WEFT_CUDA_CHECK(cudaEventRecord(s.joins[0], s.copy_streams[0]));
             WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.joins[0], 0));
@@ -255,7 +303,7 @@ void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorVie
     //    one signal per chunk (constant 1: reset by the GEMM's last tile, so nothing is frozen in a graph).
     WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
     for (cudaStream_t cs : s.copy_streams) WEFT_CUDA_CHECK(cudaStreamWaitEvent(cs, s.fork, 0));
-    const AllGatherTileMap map{rows, s.num_ranks, s.chunk_rows, s.config.tile_m};
+    const AllGatherTileMap map{rows, s.num_ranks, s.chunk_rows, config.tile_m};
     const int32_t cpr = map.chunks_per_rank();
     const int num_copy = static_cast<int>(s.copy_streams.size());
     for (int32_t i = cpr; i < map.num_signals(); ++i) {  // chunk_at(rank, i): own shard first, skipped
@@ -269,10 +317,9 @@ void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorVie
         stream_write_u64(cs, s.chunk_signals + ch.signal_idx, 1);
     }
     // 3. The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks.
-    const TensorView g = gathered(m);
-    const detail::GemmTensorMaps maps = detail::make_gemm_tensor_maps(s.config, g, b, c);
+    const detail::GemmTensorMaps maps = detail::make_gemm_tensor_maps(config, g, b, c);
     const GemmArgs args = detail::make_gemm_args(g, c, s.pipeline_timeout_ns);
-    const AgGemmOrder order(s.config, rows, s.num_ranks, s.chunk_rows, static_cast<int32_t>(s.shape.n), s.rank);
+    const AgGemmOrder order(config, rows, s.num_ranks, s.chunk_rows, static_cast<int32_t>(s.shape.n), s.rank);
     const AgGemmParams sched{s.ctx, order, s.chunk_signals};
     AgGemmHookParams hook{};
     hook.ctx = s.ctx;
@@ -284,12 +331,14 @@ void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorVie
     hook.done = s.done;
     hook.epoch = s.epoch;
     const int grid = std::max(1, std::min(s.budget, order.num_cluster_tiles()));
-    tp_detail::launch_gemm(*s.gemm_kernel, s.config, maps, args, grid, sched, hook, stream);
+    tp_detail::launch_gemm(kernel, config, maps, args, grid, sched, hook, stream);
     // 4. Join the copy streams (finished by now: the GEMM waited for every chunk).
     for (int i = 0; i < num_copy; ++i) {
         WEFT_CUDA_CHECK(cudaEventRecord(s.joins[static_cast<size_t>(i)], s.copy_streams[static_cast<size_t>(i)]));
         WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.joins[static_cast<size_t>(i)], 0));
     }
 }
+
+}  // namespace
 
 }  // namespace weft::ops

@@ -3,6 +3,7 @@
 #include "weft/ops/gemm_rs.hpp"
 
 #include <algorithm>
+#include <sstream>
 
 #include "tp_common.hpp"
 #include "weft/ops/ag_gemm.hpp"  // detail::plain_gemm_kernel_spec
@@ -111,7 +112,10 @@ struct GemmRs::State {
     GemmRsShape shape;
     int num_ranks = 1, rank = 0;
     int budget = 1, reduce_ctas = 0;
-    GemmConfig config{};
+    std::vector<GemmConfig> configs;          // [0]: heuristic / forced; the rest: tuning candidates
+    std::vector<const jit::Kernel*> kernels;  // the GEMM kernel of each config
+    size_t active = 0;
+    bool tuned = false;
     DType partial_dtype = DType::kBF16;
     int64_t chunk_rows = 1;
     int64_t ldp = 0, lda = 0;
@@ -128,7 +132,6 @@ struct GemmRs::State {
     uint32_t* exit_count = nullptr;
     float* acc = nullptr;  // local [max_m / W, lda]
 
-    const jit::Kernel* gemm_kernel = nullptr;
     const jit::Kernel* reduce_kernel = nullptr;
     tp_detail::StreamSet streams;
     cudaStream_t side = nullptr;
@@ -165,26 +168,38 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     p.k = shape.k;
     p.in_dtype = shape.dtype;
     p.out_dtype = s.num_ranks == 1 ? shape.dtype : s.partial_dtype;
-    s.config = tp_detail::choose_gemm_config(p, gemm_budget, options.config, kOp);
-    if (s.num_ranks == 1) s.config.out_dtype = shape.dtype;  // the plain GEMM writes c itself
+    GemmConfig first = tp_detail::choose_gemm_config(p, gemm_budget, options.config, kOp);
+    if (s.num_ranks == 1) first.out_dtype = shape.dtype;  // the plain GEMM writes c itself
+    s.configs = options.autotune ? tp_detail::tune_candidates(first, shape.dtype, first.out_dtype)
+                                 : std::vector<GemmConfig>{first};
     const int64_t max_rows = shape.max_m / s.num_ranks;
-    s.chunk_rows = options.chunk_rows > 0 ? options.chunk_rows : default_chunk_rows(max_rows, s.config.tile_m);
-    WEFT_CHECK(s.chunk_rows % s.config.tile_m == 0, "gemm_rs: options.chunk_rows must be a multiple of tile_m "
-                                                        << s.config.tile_m << ", got " << s.chunk_rows);
-    const ReduceScatterTileMap map{max_rows, s.num_ranks, shape.n, s.config.tile_m, s.config.tile_n, s.chunk_rows};
-    WEFT_CHECK(map.is_valid(), "gemm_rs: " << map.invalid_reason());
+    // Counters: rows per chunk a multiple of every candidate's tile_m (128 or 256).
+    int max_tile_m = 1;
+    for (const GemmConfig& c : s.configs) max_tile_m = std::max(max_tile_m, c.tile_m);
+    s.chunk_rows = options.chunk_rows > 0 ? options.chunk_rows : default_chunk_rows(max_rows, max_tile_m);
+    int64_t max_chunks_per_rank = 1;
+    for (const GemmConfig& c : s.configs) {
+        WEFT_CHECK(s.chunk_rows % c.tile_m == 0, "gemm_rs: options.chunk_rows must be a multiple of tile_m "
+                                                     << c.tile_m << ", got " << s.chunk_rows);
+        const ReduceScatterTileMap map{max_rows, s.num_ranks, shape.n, c.tile_m, c.tile_n, s.chunk_rows};
+        WEFT_CHECK(map.is_valid(), "gemm_rs: " << map.invalid_reason());
+        max_chunks_per_rank = std::max<int64_t>(max_chunks_per_rank, map.chunks_per_rank());
+    }
     s.ctx = world.device_ctx();
     s.pipeline_timeout_ns = tp_detail::pipeline_timeout_ns(world);
     s.ldp = round_up(shape.n, 8);
     s.lda = round_up(shape.n, 8);
 
+    for (const GemmConfig& c : s.configs) {
+        s.kernels.push_back(&jit::compiler().get_kernel(s.num_ranks == 1 ? detail::plain_gemm_kernel_spec(c)
+                                                                         : detail::gemm_rs_kernel_spec(c)));
+    }
     if (s.num_ranks == 1) {
-        s.gemm_kernel = &jit::compiler().get_kernel(detail::plain_gemm_kernel_spec(s.config));
         world.barrier();
         return;
     }
     s.partial = s.heap.alloc(static_cast<uint64_t>(shape.max_m * s.ldp * dtype_bytes(s.partial_dtype)));
-    const int64_t num_counters = static_cast<int64_t>(s.num_ranks) * map.chunks_per_rank();
+    const int64_t num_counters = static_cast<int64_t>(s.num_ranks) * max_chunks_per_rank;
     uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(num_counters + s.num_ranks + 3));
     s.counters = words;
     s.released = words + num_counters;
@@ -198,9 +213,9 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     s.side = s.streams.add_stream();
     s.fork = s.streams.add_event();
     s.join = s.streams.add_event();
-    s.gemm_kernel = &jit::compiler().get_kernel(detail::gemm_rs_kernel_spec(s.config));
     s.reduce_kernel = &jit::compiler().get_kernel(detail::rs_reduce_kernel_spec(s.partial_dtype, shape.dtype));
-    WEFT_LOG_INFO("gemm_rs: " << tp_detail::config_text(s.config) << ", partials " << dtype_name(s.partial_dtype)
+    WEFT_LOG_INFO("gemm_rs: " << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "")
+                              << ", partials " << dtype_name(s.partial_dtype)
                               << ", chunk_rows " << s.chunk_rows << ", " << s.reduce_ctas
                               << " reduction CTAs, SM budget " << s.budget);
     world.barrier();
@@ -209,25 +224,62 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
 GemmRs::~GemmRs() = default;
 
 const GemmRsShape& GemmRs::shape() const { return s_->shape; }
-const GemmConfig& GemmRs::config() const { return s_->config; }
+const GemmConfig& GemmRs::config() const { return s_->configs[s_->active]; }
 DType GemmRs::partial_dtype() const { return s_->partial_dtype; }
 int64_t GemmRs::chunk_rows() const { return s_->chunk_rows; }
 int GemmRs::reduce_ctas() const { return s_->reduce_ctas; }
 int GemmRs::gemm_grid() const {
-    return tp_detail::gemm_grid(s_->config, s_->shape.max_m, s_->shape.n, s_->budget - s_->reduce_ctas);
+    return tp_detail::gemm_grid(config(), s_->shape.max_m, s_->shape.n, s_->budget - s_->reduce_ctas);
 }
+
+namespace {
+void enqueue(GemmRs::State& s, size_t idx, int64_t m, const TensorView& a, const TensorView& b, const TensorView& c,
+             cudaStream_t stream);
+}  // namespace
 
 void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream) {
     State& s = *s_;
     const int64_t m = validate_gemm_rs_call(s.shape, s.num_ranks, a, b, c);
+    if (s.configs.size() > 1 && !s.tuned) {
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+        if (capture == cudaStreamCaptureStatusNone) {
+            std::vector<jit::TuneCandidate> cands;
+            for (size_t i = 0; i < s.configs.size(); ++i) {
+                cands.push_back({tp_detail::config_text(s.configs[i]),
+                                 [&, i](cudaStream_t st) { enqueue(s, i, m, a, b, c, st); }});
+            }
+            std::ostringstream problem;
+            problem << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)
+                    << ",partials=" << dtype_name(s.partial_dtype) << ",chunk_rows=" << s.chunk_rows
+                    << ",reduce_ctas=" << s.reduce_ctas << ",budget=" << s.budget;
+            const uint64_t tag = s.num_ranks > 1 ? s.world->heap().offset_of(s.counters) : 0;
+            const auto comm = tp_detail::make_tune_comm(*s.world, tag);
+            jit::TuneOptions to;
+            to.stream = stream;
+            const jit::TuneResult r = jit::autotuner().tune({kOp, problem.str()}, cands, comm.get(), to);
+            s.active = r.index;
+            s.tuned = true;
+            WEFT_LOG_INFO("gemm_rs: tuned " << problem.str() << " -> " << r.name);
+        }
+    }
+    enqueue(s, s.active, m, a, b, c, stream);
+}
+
+namespace {
+
+void enqueue(GemmRs::State& s, size_t idx, int64_t m, const TensorView& a, const TensorView& b, const TensorView& c,
+             cudaStream_t stream) {
+    const GemmConfig& config = s.configs[idx];
+    const jit::Kernel& kernel = *s.kernels[idx];
     if (s.num_ranks == 1) {
-        tp_detail::launch_plain_gemm(*s.gemm_kernel, s.config, a, b, c, s.budget, s.pipeline_timeout_ns, stream);
+        tp_detail::launch_plain_gemm(kernel, config, a, b, c, s.budget, s.pipeline_timeout_ns, stream);
         return;
     }
     const int64_t rows = m / s.num_ranks;
     const int32_t n = static_cast<int32_t>(s.shape.n);
     const TensorView partial(s.partial, s.partial_dtype, {m, s.shape.n}, {s.ldp, 1});
-    const RsGemmOrder order(s.config, rows, s.num_ranks, s.chunk_rows, n, s.rank);
+    const RsGemmOrder order(config, rows, s.num_ranks, s.chunk_rows, n, s.rank);
 
     // The reduction beside the GEMM, on the side stream.
     WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
@@ -237,8 +289,8 @@ void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     rp.rows_per_rank = rows;
     rp.chunk_rows = s.chunk_rows;
     rp.n = n;
-    rp.tile_m = s.config.tile_m;
-    rp.tile_n = s.config.tile_n;
+    rp.tile_m = config.tile_m;
+    rp.tile_n = config.tile_n;
     rp.partial = s.partial;
     rp.ldp = s.ldp;
     rp.acc = s.acc;
@@ -256,7 +308,7 @@ void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     s.reduce_kernel->launch(lp, rp);
 
     // The GEMM on the caller's stream: partial tiles in destination order, each signalled.
-    const detail::GemmTensorMaps maps = detail::make_gemm_tensor_maps(s.config, a, b, partial);
+    const detail::GemmTensorMaps maps = detail::make_gemm_tensor_maps(config, a, b, partial);
     const GemmArgs args = detail::make_gemm_args(a, partial, s.pipeline_timeout_ns);
     const RsGemmParams sched{s.ctx, rows, s.chunk_rows, s.released, s.gemm_calls};
     RsGemmHookParams hook{};
@@ -269,10 +321,12 @@ void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     hook.n = n;
     hook.gemm_calls = s.gemm_calls;
     const int grid = std::max(1, std::min(s.budget - s.reduce_ctas, order.num_tiles()));
-    tp_detail::launch_gemm(*s.gemm_kernel, s.config, maps, args, grid, sched, hook, stream);
+    tp_detail::launch_gemm(kernel, config, maps, args, grid, sched, hook, stream);
 
     WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
 }
+
+}  // namespace
 
 }  // namespace weft::ops

@@ -3,10 +3,12 @@
 #include "tp_common.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/store.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops::tp_detail {
@@ -152,6 +154,35 @@ cudaEvent_t StreamSet::add_event() {
     WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     events_.push_back(e);
     return e;
+}
+
+std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out) {
+    std::vector<GemmConfig> out_list = {first};
+    for (GemmConfig c : gemm_candidate_configs(in, out, BLayout::kNK)) {
+        c.cluster_m = c.cluster_n = 1;
+        if (is_valid(c) && std::find(out_list.begin(), out_list.end(), c) == out_list.end()) out_list.push_back(c);
+    }
+    return out_list;
+}
+
+std::unique_ptr<jit::TuneComm> make_tune_comm(World& world, uint64_t tag) {
+    auto seq = std::make_shared<uint64_t>(0);
+    World* w = &world;
+    return std::make_unique<jit::FunctionTuneComm>(
+        world.rank(), world.num_ranks(), [w] { w->barrier(); },
+        [w, seq, tag](double v) {
+            Bytes blob(sizeof(double));
+            std::memcpy(blob.data(), &v, sizeof(double));
+            const std::string name = "weft_tp_tune_" + std::to_string(tag) + "_" + std::to_string((*seq)++);
+            const std::vector<Bytes> all = w->store().all_gather(name, w->rank(), w->num_ranks(), blob, w->timeout());
+            std::vector<double> out(all.size());
+            for (size_t i = 0; i < all.size(); ++i) {
+                WEFT_CHECK(all[i].size() == sizeof(double), "tp ops: tuning all-gather got a blob of "
+                                                                << all[i].size() << " bytes from rank " << i);
+                std::memcpy(&out[i], all[i].data(), sizeof(double));
+            }
+            return out;
+        });
 }
 
 void rethrow_with_op(const char* op, const std::exception& e) {

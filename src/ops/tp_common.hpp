@@ -6,11 +6,13 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "weft/common/gemm_config.hpp"
+#include "weft/jit/autotune.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/gemm.hpp"
 
@@ -105,6 +107,14 @@ private:
     std::vector<cudaStream_t> streams_;
     std::vector<cudaEvent_t> events_;
 };
+
+/// The cluster-free candidates a fused op may tune over: `first` (the heuristic's pick), then every other
+/// valid candidate of gemm_candidate_configs with its cluster dropped, without duplicates.
+std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out);
+
+/// A TuneComm over the World (host barrier, all-gather through its store). `tag` must be the same on every
+/// rank and unique among the live users of the store (e.g. the heap offset of an op's signal words).
+std::unique_ptr<jit::TuneComm> make_tune_comm(World& world, uint64_t tag);
 
 /// Wraps a validation error of a GEMM view check with the op's name.
 [[noreturn]] void rethrow_with_op(const char* op, const std::exception& e);

@@ -28,18 +28,20 @@ struct AgCase {
     int copy_streams = 0;
     int sm_budget = 0;
     std::optional<GemmConfig> config = std::nullopt;
+    bool autotune = false;
 };
 
 AgCase ag(int64_t rows, int64_t n, int64_t k, int64_t chunk_rows = 0, int64_t a_pad = 0, int64_t c_pad = 0,
           int copy_streams = 0, int sm_budget = 0) {
-    return AgCase{rows, n, k, chunk_rows, a_pad, c_pad, copy_streams, sm_budget, std::nullopt};
+    return AgCase{rows, n, k, chunk_rows, a_pad, c_pad, copy_streams, sm_budget, std::nullopt, false};
 }
 
 std::string describe(const AgCase& c, DType dt, int w, uint64_t seed) {
     std::ostringstream os;
     os << "ag_gemm W=" << w << " rows/rank " << c.rows << " n " << c.n << " k " << c.k << " " << dtype_name(dt)
        << " chunk_rows " << c.chunk_rows << " pads(a " << c.a_pad << ", c " << c.c_pad << ") copy_streams "
-       << c.copy_streams << " sm_budget " << c.sm_budget << (c.config ? " forced config" : "") << " seed " << seed;
+       << c.copy_streams << " sm_budget " << c.sm_budget << (c.config ? " forced config" : "")
+       << (c.autotune ? " autotune" : "") << " seed " << seed;
     return os.str();
 }
 
@@ -56,6 +58,7 @@ void run_case(World& w, const AgCase& cs, DType dt, int calls, Mode mode, uint64
     opt.copy_streams = nr > 2 ? cs.copy_streams : 0;
     opt.sm_budget = cs.sm_budget;
     opt.config = cs.config;
+    opt.autotune = cs.autotune;
 
     const int64_t lda = ld_for(cs.k, cs.a_pad), ldc = ld_for(cs.n, cs.c_pad);
     HostMat b(cs.n, cs.k, ld_for(cs.k), dt);
@@ -189,6 +192,14 @@ TEST(TpAgGemm, WorldSize4) { run_world(4, cases(), {DType::kBF16}, 3); }
 TEST(TpAgGemm, WorldSize8) { run_world(8, cases(), {DType::kBF16, DType::kF16}, 3); }
 
 TEST(TpAgGemm, GraphReplayWithoutReset) { run_world(3, {cases()[0], cases()[2]}, {DType::kBF16}, 4, Mode::kGraph); }
+
+// Tuning times every candidate config on the first call (all ranks together), then keeps one: every call's
+// result must still be right, whichever config won.
+TEST(TpAgGemm, AutotunedConfigStaysCorrect) {
+    AgCase c = ag(200, 520, 136);
+    c.autotune = true;
+    run_world(2, {c}, {DType::kBF16}, 3);
+}
 
 TEST(TpAgGemm, BadCallThrowsNamingTheArgument) {
     Failures f;

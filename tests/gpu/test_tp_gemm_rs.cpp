@@ -28,13 +28,15 @@ struct RsCase {
     bool f32_partials = false;
     int reduce_ctas = 0;
     int sm_budget = 0;
+    bool autotune = false;
 };
 
 std::string describe(const RsCase& c, DType dt, int w, uint64_t seed) {
     std::ostringstream os;
     os << "gemm_rs W=" << w << " rows/rank " << c.rows << " n " << c.n << " k " << c.k << " " << dtype_name(dt)
        << " chunk_rows " << c.chunk_rows << " c_pad " << c.c_pad << (c.f32_partials ? " f32 partials" : "")
-       << " reduce_ctas " << c.reduce_ctas << " sm_budget " << c.sm_budget << " seed " << seed;
+       << " reduce_ctas " << c.reduce_ctas << " sm_budget " << c.sm_budget << (c.autotune ? " autotune" : "")
+       << " seed " << seed;
     return os.str();
 }
 
@@ -51,6 +53,7 @@ void run_case(World& w, const RsCase& cs, DType dt, int calls, Mode mode, uint64
     if (cs.f32_partials) opt.partial_dtype = DType::kF32;
     opt.reduce_ctas = cs.reduce_ctas;
     opt.sm_budget = cs.sm_budget;
+    opt.autotune = cs.autotune;
 
     const int64_t ldk = ld_for(cs.k), ldc = ld_for(cs.n, cs.c_pad);
     DevBuf a_dev(static_cast<size_t>(max_m * ldk * 2)), b_dev(static_cast<size_t>(cs.n * ldk * 2)),
@@ -144,6 +147,12 @@ TEST(TpGemmRs, WorldSize2) { run_world(2, cases(), {DType::kBF16, DType::kF16}, 
 TEST(TpGemmRs, WorldSize3) { run_world(3, cases(), {DType::kBF16, DType::kF16}, 3); }
 TEST(TpGemmRs, WorldSize4) { run_world(4, cases(), {DType::kBF16}, 3); }
 TEST(TpGemmRs, WorldSize8) { run_world(8, cases(), {DType::kBF16, DType::kF16}, 3); }
+
+TEST(TpGemmRs, AutotunedConfigStaysCorrect) {
+    RsCase c{300, 1100, 256};
+    c.autotune = true;
+    run_world(2, {c}, {DType::kBF16}, 3);
+}
 
 TEST(TpGemmRs, GraphReplayWithoutReset) { run_world(3, {cases()[0], cases()[2]}, {DType::kBF16}, 4, Mode::kGraph); }
 

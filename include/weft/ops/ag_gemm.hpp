@@ -41,6 +41,10 @@ struct AgGemmOptions {
     int64_t chunk_rows = 0;            ///< rows per copy-engine chunk (one signal each); 0 = heuristic
     int copy_streams = 0;              ///< streams pulling the peers' shards, 1 .. num_ranks-1; 0 = 1
     int sm_budget = 0;                 ///< CTAs of the persistent GEMM; 0 = World::sm_budget()
+    /// Tune the GEMM config on the first run() outside graph capture: every cluster-free candidate is timed
+    /// by all ranks together (the slowest rank counts; that call synchronises the host) and the fastest is
+    /// kept (weft::jit::autotuner: decisions cached on disk; WEFT_AUTOTUNE=0 keeps `config` / the heuristic's).
+    bool autotune = false;
 };
 
 /// AllGather+GEMM for the ranks of a World. Construction and destruction are collective (every rank, same
@@ -76,7 +80,7 @@ public:
     TensorView local_shard(int64_t m) const;
 
     const AgGemmShape& shape() const;
-    const GemmConfig& config() const;  ///< the GEMM's tile config
+    const GemmConfig& config() const;  ///< the GEMM's tile config (after tuning: the winner)
     int64_t chunk_rows() const;
     int gemm_grid() const;             ///< CTAs of the persistent GEMM at max_m
 

@@ -41,6 +41,7 @@ struct GemmRsOptions {
     int64_t chunk_rows = 0;             ///< rows per counter: a multiple of the tile's rows; 0 = heuristic
     int reduce_ctas = 0;                ///< CTAs of the reduction kernel; 0 = heuristic (1 .. 16)
     int sm_budget = 0;                  ///< SMs for GEMM + reduction; 0 = World::sm_budget()
+    bool autotune = false;              ///< tune the GEMM config on the first run(), as AgGemmOptions::autotune
 };
 
 /// GEMM+ReduceScatter for the ranks of a World. Construction and destruction are collective.
