@@ -141,13 +141,15 @@ const char* dtype_enum(DType t) {
     WEFT_FAIL("gemm: no kernel dtype for " << dtype_name(t));
 }
 
-// Short config text for logs and spec descriptions: "gemm 128x256x64_s4_c1x1 bf16->bf16 B[N,K]".
+// Short config text for logs and spec descriptions: "gemm 128x256x64_s4_c1x1 bf16->bf16 B[N,K]" (plus the
+// raster when it is not the default).
 std::string describe_config(const GemmConfig& c) {
     std::ostringstream os;
     os << "gemm " << gemm_candidate_name(c) << " " << dtype_name(c.in_dtype) << "->" << dtype_name(c.out_dtype)
-       << (c.b_layout == BLayout::kNK ? " B[N,K]" : " B[K,N]")
-       << (c.raster == Raster::kAlongN ? "" : " raster M") << (c.raster_group == 8 ? "" : " group ")
-       << (c.raster_group == 8 ? std::string() : std::to_string(c.raster_group));
+       << (c.b_layout == BLayout::kNK ? " B[N,K]" : " B[K,N]");
+    if (c.raster != Raster::kAlongN || c.raster_group != 8) {
+        os << " raster " << (c.raster == Raster::kAlongN ? "N" : "M") << "/" << c.raster_group;
+    }
     return os.str();
 }
 
