@@ -404,13 +404,14 @@ TEST(GemmJit, MatchesFp64OnAwkwardShapesLayoutsAndDtypes) {
         {100, 200, 72},                                           // tiled: nothing a multiple of the tile
         {129, 257, 136, DType::kF16, DType::kF32, BLayout::kKN},  // one past the tile, B [K,N]
         {255, 520, 328, DType::kBF16, DType::kBF16, BLayout::kNK, 16, 24, 8},  // strides everywhere
-        {33, 3, 64, DType::kBF16, DType::kBF16, BLayout::kNK, 0, 0, 5},        // N < 8: no TMA-stored column
+        {33, 3, 64, DType::kBF16, DType::kBF16, BLayout::kNK, 0, 0, 5},        // small M, N = 3
+        {100, 3, 64, DType::kBF16, DType::kBF16, BLayout::kNK, 0, 0, 5},       // tiled, no TMA-stored column
         {777, 1100, 256},                                         // ragged N through the cluster pair (below)
         {300, 384, 512, DType::kF16, DType::kF32, BLayout::kKN},  // B pair with B [K,N] (below)
     };
     cases[2].small_m_variant = 0;
-    cases[7].config = a_pair;
-    cases[8].config = b_pair_kn;
+    cases[8].config = a_pair;
+    cases[9].config = b_pair_kn;
     compile_in_parallel(specs_for(cases));
     for (const Case& c : cases) check_case(c, jit_options(c));
 }
@@ -515,9 +516,10 @@ TEST(GemmJit, AutotunePicksAValidConfigAndCachesTheDecision) {
 
 // GEMM1 (C1 = A1 * B1, one tile column) raises flags[m_tile] = epoch with TileSignalHook (kSetPerTile, kEpoch);
 // GEMM2 (D2 = C1 * B2) waits with ChunkWaitScheduler (kEpoch, one chunk per GEMM1 tile row) before loading C1
-// rows. Both run concurrently on two streams of a captured graph whose first node advances the epoch. The
-// flags are never reset and C1 is poisoned before each replay: a GEMM2 that waited for a frozen (captured)
-// generation would start on poison from replay 2 on; with the epoch it waits for its own replay's rows.
+// rows. Both run concurrently on two streams after a node that advances the epoch: once eagerly, then as
+// replays of a captured graph. The flags are never reset and C1 is poisoned before each generation: a GEMM2
+// that waited for a frozen (captured) generation would start on poison from the second replay on; with the
+// epoch it waits for its own generation's rows.
 TEST(GemmJit, EpochModeHooksWaitForTheirReplaysGeneration) {
     REQUIRE_SM90();
     const GemmConfig cfg = gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK);  // 128x128, 6 stages
@@ -577,53 +579,79 @@ TEST(GemmJit, EpochModeHooksWaitForTheirReplaysGeneration) {
     const int grid_consumer = std::min(grid2.num_tiles(), num_sms() - grid_producer - 4);
     ASSERT_GT(grid_consumer, 0);
 
-    cudaStream_t s0 = nullptr, s1 = nullptr, s2 = nullptr;
-    CK(cudaStreamCreateWithFlags(&s0, cudaStreamNonBlocking));
-    CK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
-    CK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
-    cudaEvent_t fork = nullptr, join1 = nullptr, join2 = nullptr;
-    CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-    CK(cudaEventCreateWithFlags(&join1, cudaEventDisableTiming));
-    CK(cudaEventCreateWithFlags(&join2, cudaEventDisableTiming));
+    // Streams, events and the graph, released however the test ends.
+    struct Resources {
+        cudaStream_t s0 = nullptr, s1 = nullptr, s2 = nullptr;
+        cudaEvent_t fork = nullptr, join1 = nullptr, join2 = nullptr;
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        ~Resources() {
+            if (exec) cudaGraphExecDestroy(exec);
+            if (graph) cudaGraphDestroy(graph);
+            for (cudaEvent_t e : {fork, join1, join2}) {
+                if (e) cudaEventDestroy(e);
+            }
+            for (cudaStream_t s : {s0, s1, s2}) {
+                if (s) cudaStreamDestroy(s);
+            }
+        }
+    } r;
+    CK(cudaStreamCreateWithFlags(&r.s0, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&r.s1, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&r.s2, cudaStreamNonBlocking));
+    CK(cudaEventCreateWithFlags(&r.fork, cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&r.join1, cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&r.join2, cudaEventDisableTiming));
 
-    cudaGraph_t graph = nullptr;
-    CK(cudaStreamBeginCapture(s0, cudaStreamCaptureModeThreadLocal));
-    try {
-        ops::gemm_advance_epoch(static_cast<uint64_t*>(depoch.ptr), s0);
-        CK(cudaEventRecord(fork, s0));
-        CK(cudaStreamWaitEvent(s1, fork, 0));
-        CK(cudaStreamWaitEvent(s2, fork, 0));
-        ops::detail::launch_gemm_jit(consumer, cfg, maps2, args2, grid_consumer, sched2, hook2, s2);
-        ops::detail::launch_gemm_jit(producer, cfg, maps1, args1, grid_producer, sched1, hook1, s1);
-        CK(cudaEventRecord(join1, s1));
-        CK(cudaEventRecord(join2, s2));
-        CK(cudaStreamWaitEvent(s0, join1, 0));
-        CK(cudaStreamWaitEvent(s0, join2, 0));
-    } catch (const std::exception& e) {
-        cudaStreamEndCapture(s0, &graph);
-        FAIL() << "capturing threw: " << e.what();
-    }
-    CK(cudaStreamEndCapture(s0, &graph));
-    cudaGraphExec_t exec = nullptr;
-    CK(cudaGraphInstantiate(&exec, graph, 0));
+    // One generation: advance the epoch on s0, fork, consumer on s2 and producer on s1 concurrently, join.
+    auto enqueue_generation = [&] {
+        ops::gemm_advance_epoch(static_cast<uint64_t*>(depoch.ptr), r.s0);
+        WEFT_CUDA_CHECK(cudaEventRecord(r.fork, r.s0));
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(r.s1, r.fork, 0));
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(r.s2, r.fork, 0));
+        ops::detail::launch_gemm_jit(consumer, cfg, maps2, args2, grid_consumer, sched2, hook2, r.s2);
+        ops::detail::launch_gemm_jit(producer, cfg, maps1, args1, grid_producer, sched1, hook1, r.s1);
+        WEFT_CUDA_CHECK(cudaEventRecord(r.join1, r.s1));
+        WEFT_CUDA_CHECK(cudaEventRecord(r.join2, r.s2));
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(r.s0, r.join1, 0));
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(r.s0, r.join2, 0));
+    };
 
-    for (uint64_t replay = 1; replay <= 3; ++replay) {
-        SCOPED_TRACE("replay " + std::to_string(replay));
-        a1.fill_random(rng);  // fresh A1 every replay
+    // Generation 1 runs eagerly (it also sets every kernel's attributes before the capture); generations 2..4
+    // are replays of one captured graph.
+    for (uint64_t generation = 1; generation <= 4; ++generation) {
+        const bool eager = generation == 1;
+        SCOPED_TRACE((eager ? "eager generation " : "graph replay, generation ") + std::to_string(generation));
+        a1.fill_random(rng);  // fresh A1 every generation
         upload(a1, da1);
-        CK(cudaMemset(dc1.ptr, 0xFF, dc1.bytes));  // C1 poison (NaN): a premature read shows
+        CK(cudaMemset(dc1.ptr, 0xFF, dc1.bytes));  // C1 poison (NaN): a premature read shows in D2
         CK(cudaMemset(dd2.ptr, 0xFF, dd2.bytes));
         CK(cudaDeviceSynchronize());
-        CK(cudaGraphLaunch(exec, s0));
-        const cudaError_t err = cudaStreamSynchronize(s0);
-        ASSERT_EQ(err, cudaSuccess) << "graph replay failed (a wait timed out?): " << cudaGetErrorString(err);
+        if (eager) {
+            ASSERT_NO_THROW(enqueue_generation());
+        } else {
+            if (r.exec == nullptr) {
+                CK(cudaStreamBeginCapture(r.s0, cudaStreamCaptureModeThreadLocal));
+                try {
+                    enqueue_generation();
+                } catch (const std::exception& e) {
+                    cudaStreamEndCapture(r.s0, &r.graph);
+                    FAIL() << "capturing threw: " << e.what();
+                }
+                CK(cudaStreamEndCapture(r.s0, &r.graph));
+                CK(cudaGraphInstantiate(&r.exec, r.graph, 0));
+            }
+            CK(cudaGraphLaunch(r.exec, r.s0));
+        }
+        const cudaError_t err = cudaStreamSynchronize(r.s0);
+        ASSERT_EQ(err, cudaSuccess) << "the chain failed (a wait timed out?): " << cudaGetErrorString(err);
 
         uint64_t epoch = 0;
         CK(cudaMemcpy(&epoch, depoch.ptr, 8, cudaMemcpyDeviceToHost));
-        EXPECT_EQ(epoch, replay) << "the epoch node advanced the word once per replay";
+        EXPECT_EQ(epoch, generation) << "the epoch advanced once per generation";
         std::vector<uint64_t> flags(static_cast<size_t>(grid1.num_m_tiles));
         CK(cudaMemcpy(flags.data(), dflags.ptr, 8 * flags.size(), cudaMemcpyDeviceToHost));
-        for (size_t t = 0; t < flags.size(); ++t) EXPECT_EQ(flags[t], replay) << "tile row " << t << " signal";
+        for (size_t t = 0; t < flags.size(); ++t) EXPECT_EQ(flags[t], generation) << "tile row " << t << " signal";
 
         download(c1, dc1);
         download(d2, dd2);
@@ -633,14 +661,6 @@ TEST(GemmJit, EpochModeHooksWaitForTheirReplaysGeneration) {
         expect_matches(d2, reference(c1, b2, BLayout::kNK, n2, rows), rows, tolerance_for(DType::kBF16), "D2");
         if (HasFailure()) break;
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaEventDestroy(fork);
-    cudaEventDestroy(join1);
-    cudaEventDestroy(join2);
-    cudaStreamDestroy(s0);
-    cudaStreamDestroy(s1);
-    cudaStreamDestroy(s2);
 }
 
 }  // namespace
