@@ -33,6 +33,7 @@ void expect_error_on_every_rank(int num_ranks, const std::function<void(World&)>
                                 const std::vector<std::string>& words) {
     std::mutex mutex;
     std::vector<std::string> messages;
+    // The collectives' workspace takes 3 x 32 MiB of staging: more than the runtime tests' 64 MiB heap.
     run_ranks(num_ranks, [&](World& w) {
         ops::prepare_collectives(w);
         std::string message;
@@ -46,7 +47,7 @@ void expect_error_on_every_rank(int num_ranks, const std::function<void(World&)>
             messages.push_back(message);
         }
         w.barrier();
-    });
+    }, test_options(256ull << 20));
     ASSERT_EQ(messages.size(), static_cast<size_t>(num_ranks));
     for (const std::string& m : messages) {
         EXPECT_FALSE(m.empty()) << "a rank did not throw weft::Error";

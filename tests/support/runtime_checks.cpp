@@ -94,6 +94,8 @@ void check_alloc_free_cycles(World& w, int steps) {
     SymmetricHeap& heap = w.heap();
     std::vector<uint8_t*> live;
     std::vector<uint64_t> offsets;
+    // Earlier users of this World (e.g. the collectives' workspace, a World extension) may hold memory.
+    const uint64_t in_use_before = heap.bytes_in_use();
     for (int step = 0; step < steps; ++step) {
         if (!live.empty() && rng() % 100 < 45) {
             const size_t k = rng() % live.size();
@@ -111,7 +113,8 @@ void check_alloc_free_cycles(World& w, int steps) {
         }
     }
     for (auto* p : live) heap.free(p);
-    WEFT_CHECK(heap.bytes_in_use() == 0, "bytes in use after freeing everything: " << heap.bytes_in_use());
+    WEFT_CHECK(heap.bytes_in_use() == in_use_before, "bytes in use after freeing everything: " << heap.bytes_in_use()
+                                                                                       << ", before: " << in_use_before);
     Bytes mine(offsets.size() * 8);
     std::memcpy(mine.data(), offsets.data(), mine.size());
     auto all = w.store().all_gather(fresh_key("offsets"), w.rank(), w.num_ranks(), mine, w.timeout());
