@@ -8,6 +8,7 @@
 #include "weft/common/group_copy.hpp"
 #include "weft/common/tile_map.hpp"
 #include "weft/ptx/atom.cuh"
+#include "weft/ptx/cvt.cuh"
 #include "weft/ptx/fence.cuh"
 #include "weft/ptx/ld_st.cuh"
 #include "weft/ptx/memory_order.cuh"

@@ -353,6 +353,4 @@ void register_collective_aot_specs(int max_ranks) {
     for (jit::KernelSpec& s : detail::collective_kernel_specs(bucket)) jit::register_aot_spec(std::move(s));
 }
 
-void register_aot_specs() { register_collective_aot_specs(8); }
-
 }  // namespace weft::ops

@@ -48,6 +48,7 @@ int usage_error(const std::string& message) {
 int main(int argc, char** argv) {
     namespace fs = std::filesystem;
     namespace jit = weft::jit;
+    namespace ops = weft::ops;
     std::optional<fs::path> cache_dir;
     std::string arch;
     std::vector<std::string> spec_files;
@@ -106,7 +107,7 @@ int main(int argc, char** argv) {
         if (!config.cache_dir) return usage_error("no cache folder: give --cache-dir (or set WEFT_CACHE_DIR)");
         std::vector<jit::KernelSpec> specs;
         if (builtin) {
-            weft::ops::register_aot_specs();  // the ops' kernels (collectives ...), then the JIT's own
+            ops::register_op_aot_specs();
             specs = jit::aot_specs();
         }
         for (const auto& file : spec_files) {

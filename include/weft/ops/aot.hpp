@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: MIT
-// Registers the kernel specialisations weft's ops launch, so `weft-compile --builtin` can warm a cache.
+// The kernels weft's ops launch, handed to weft::jit's ahead-of-time registry (weft-compile --builtin).
 #pragma once
 
 namespace weft::ops {
 
-/// Registers (weft::jit::register_aot_spec) every specialisation the ops launch in common configurations
-/// (today: the collectives for worlds of up to 8 ranks). Idempotent.
-void register_aot_specs();
+/// Registers (once per process) every op's kernel specs with weft::jit::register_aot_spec, so that
+/// weft::jit::aot_specs() lists them. weft-compile calls it for --builtin; a program that warms its own cache
+/// may call it too. Thread-safe.
+void register_op_aot_specs();
 
 }  // namespace weft::ops

@@ -123,7 +123,7 @@ struct CollectiveWorkspaceInfo {
 const CollectiveWorkspaceInfo& prepare_collectives(World& world);
 
 /// Registers the kernel specialisations the collectives launch for worlds of up to `max_ranks` ranks with
-/// weft::jit::register_aot_spec, so `weft-compile --builtin` warms them (weft::ops::register_aot_specs calls it).
+/// weft::jit::register_aot_spec, so `weft-compile --builtin` warms them (weft::ops::register_op_aot_specs calls it).
 void register_collective_aot_specs(int max_ranks = 8);
 
 }  // namespace weft::ops

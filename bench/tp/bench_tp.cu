@@ -1,0 +1,552 @@
+// SPDX-License-Identifier: MIT
+// weft_bench_tp: the tensor-parallel fused ops (AllGather+GEMM, GEMM+ReduceScatter, GEMM+AllReduce) against
+// (a) cuBLAS GEMM + the collective back to back, (b) a decomposed overlap (chunked cuBLAS GEMMs beside
+// copy-engine transfers, as PyTorch's async-TP does), and the ideal max(GEMM alone, collective alone), all
+// measured in the same run on the same data; ranks are threads over the visible GPUs (they share a GPU when
+// there are fewer GPUs than ranks: then the figures measure overhead, not overlap).
+//
+//   weft_bench_tp [--op ag,rs,ar] [--shapes I,J,...] [--sizes MxNxK,...] [--iters N] [--warmup N]
+//                 [--dtype bf16|f16] [--world W] [--check] [--tune] [--json FILE]
+//
+// Shapes are whole layers: AG+GEMM shards N over the ranks (each computes [M, N/W] from all of A[M, K]);
+// GEMM+RS shards K (each holds A[M, K/W], B[N, K/W]; out [M/W, N]); GEMM+AR shards K (out [M, N]).
+// --shapes picks entries of each op's default list by index (0-based); --sizes replaces the lists.
+// The collectives of the baselines are weft-free code in this file: a copy-engine all-gather (pulls from
+// the peers' symmetric buffers) and SM reductions, bracketed by device barriers. NCCL is not used: ranks that
+// share a GPU cannot form an NCCL communicator (multi-GPU NCCL baselines: see bench/tp/README.md).
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "tp_baselines.cuh"
+#include "weft/device.cuh"
+#include "weft/jit/compiler.hpp"
+#include "weft/ops/ag_gemm.hpp"
+#include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_ar.hpp"
+#include "weft/ops/gemm_rs.hpp"
+#include "weft/weft.hpp"
+
+namespace {
+
+using weft::DType;
+using weft::TensorView;
+using weft::World;
+using namespace weft::bench_tp;
+
+// ---- command line ---------------------------------------------------------------------------------------
+
+struct Shape {
+    int64_t m, n, k;
+};
+
+struct Options {
+    std::vector<std::string> ops = {"ag", "rs", "ar"};
+    std::vector<int> shape_idx;
+    std::vector<Shape> sizes;
+    int iters = 10;
+    int warmup = 3;
+    DType dtype = DType::kBF16;
+    int world = 0;
+    bool check = false;
+    bool tune = false;
+    std::string json;
+};
+
+std::vector<Shape> default_shapes(const std::string& op) {
+    if (op == "ag") return {{8192, 11008, 4096}, {8192, 14336, 4096}, {8192, 28672, 8192}, {8192, 53248, 16384}, {8192, 29568, 8192}};
+    if (op == "rs") return {{8192, 4096, 11008}, {8192, 4096, 14336}, {8192, 8192, 28672}, {8192, 16384, 53248}, {8192, 8192, 29568}};
+    return {{1, 8192, 8192}, {16, 8192, 8192}, {128, 8192, 8192}};
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+    std::vector<std::string> out;
+    std::stringstream ss(s);
+    std::string item;
+    while (std::getline(ss, item, sep)) {
+        if (!item.empty()) out.push_back(item);
+    }
+    return out;
+}
+
+Options parse(int argc, char** argv) {
+    Options o;
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        auto next = [&]() -> std::string {
+            if (i + 1 >= argc) throw std::runtime_error(a + " needs a value");
+            return argv[++i];
+        };
+        if (a == "--op") {
+            o.ops = split(next(), ',');
+            for (const auto& op : o.ops) {
+                if (op != "ag" && op != "rs" && op != "ar") throw std::runtime_error("--op takes ag, rs, ar; got " + op);
+            }
+        } else if (a == "--shapes") {
+            for (const auto& s : split(next(), ',')) o.shape_idx.push_back(std::stoi(s));
+        } else if (a == "--sizes") {
+            for (const auto& item : split(next(), ',')) {
+                Shape s{};
+                if (std::sscanf(item.c_str(), "%ldx%ldx%ld", &s.m, &s.n, &s.k) != 3) {
+                    throw std::runtime_error("--sizes takes MxNxK[,MxNxK...], got " + item);
+                }
+                o.sizes.push_back(s);
+            }
+        } else if (a == "--iters") {
+            o.iters = std::stoi(next());
+        } else if (a == "--warmup") {
+            o.warmup = std::stoi(next());
+        } else if (a == "--dtype") {
+            const std::string v = next();
+            if (v == "bf16") o.dtype = DType::kBF16;
+            else if (v == "f16") o.dtype = DType::kF16;
+            else throw std::runtime_error("--dtype takes bf16 or f16, got " + v);
+        } else if (a == "--world") {
+            o.world = std::stoi(next());
+        } else if (a == "--check") {
+            o.check = true;
+        } else if (a == "--tune") {
+            o.tune = true;
+        } else if (a == "--json") {
+            o.json = next();
+        } else if (a == "--help" || a == "-h") {
+            std::printf(
+                "weft_bench_tp [--op ag,rs,ar] [--shapes I,J,...] [--sizes MxNxK,...] [--iters N] [--warmup N]\n"
+                "              [--dtype bf16|f16] [--world W] [--check] [--tune] [--json FILE]\n");
+            std::exit(0);
+        } else {
+            throw std::runtime_error("unknown option " + a + " (see --help)");
+        }
+    }
+    if (o.iters < 1 || o.warmup < 0) throw std::runtime_error("--iters must be >= 1 and --warmup >= 0");
+    return o;
+}
+
+struct Row {
+    std::string op;
+    Shape shape;
+    int world;
+    double gemm = 0, engine = -1, coll = 0, a = 0, b = 0, weft = 0;
+    double err_weft = -1, err_b = -1;  // relative to (a), max over ranks
+};
+
+// ---- AllGather + GEMM -------------------------------------------------------------------------------------
+
+Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, cudaStream_t s, cudaStream_t comm) {
+    const int nr = w.num_ranks(), me = w.rank();
+    const DType t = o.dtype;
+    const int64_t m = full.m / nr * nr, rows = m / nr, k = full.k;
+    const int64_t n = std::max<int64_t>(8, full.n / nr / 8 * 8);  // this rank's columns
+    const int64_t es = 2;
+    Row row{"ag", {m, n * nr, k}, nr};
+
+    weft::ops::AgGemmOptions opt;
+    opt.autotune = o.tune;
+    weft::ops::AgGemm op(w, {m, n, k, t}, opt);
+    auto* g_base = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * k * es)));  // baseline gather
+    DeviceBarrier bar;
+    bar.make(w);
+    void *b_dev = nullptr, *c_w = nullptr, *c_a = nullptr, *c_b = nullptr, *c_e = nullptr;
+    BENCH_CUDA(cudaMalloc(&b_dev, static_cast<size_t>(n * k * es)));
+    for (void** p : {&c_w, &c_a, &c_b, &c_e}) BENCH_CUDA(cudaMalloc(p, static_cast<size_t>(m * n * es)));
+    const uint64_t seed = 1234567 + static_cast<uint64_t>(me);
+    fill_random(op.local_shard(m).data, rows * k, t, seed, s);
+    BENCH_CUDA(cudaMemcpyAsync(g_base + me * rows * k * es, op.local_shard(m).data,
+                               static_cast<size_t>(rows * k * es), cudaMemcpyDeviceToDevice, s));
+    fill_random(b_dev, n * k, t, seed + 100, s);
+    const weft::jit::Kernel& engine = weft::jit::compiler().get_kernel(weft::ops::detail::plain_gemm_kernel_spec(op.config()));
+    w.barrier();
+
+    weft::Event ev_fork, ev_join;
+    std::vector<weft::Event> ev_shard(static_cast<size_t>(nr));
+    auto pull_all = [&](cudaStream_t on, bool record) {
+        for (int i = 1; i < nr; ++i) {
+            const int src = (me + i) % nr;
+            uint8_t* dst = g_base + src * rows * k * es;
+            BENCH_CUDA(cudaMemcpyAsync(dst, w.heap().symm_at(dst, src), static_cast<size_t>(rows * k * es),
+                                       cudaMemcpyDefault, on));
+            if (record) ev_shard[static_cast<size_t>(src)].record(on);
+        }
+    };
+    auto coll = [&] {
+        bar(s);  // every shard is in place
+        pull_all(s, false);
+        bar(s);  // every rank has read every shard: slots may be rewritten
+    };
+    auto gemm_full = [&](void* c) { lt.gemm(t, g_base, k, b_dev, k, c, n, m, n, k, s); };
+
+    row.gemm = time_all(w, sh, s, o.warmup, o.iters, [&] { gemm_full(c_a); });
+    row.coll = time_all(w, sh, s, o.warmup, o.iters, coll);
+    row.a = time_all(w, sh, s, o.warmup, o.iters, [&] {
+        coll();
+        gemm_full(c_a);
+    });
+    row.b = time_all(w, sh, s, o.warmup, o.iters, [&] {
+        bar(s);
+        ev_fork.record(s);
+        ev_fork.wait(comm);
+        pull_all(comm, true);
+        lt.gemm(t, g_base + me * rows * k * es, k, b_dev, k, static_cast<uint8_t*>(c_b) + me * rows * n * es, n, rows,
+                n, k, s);
+        for (int i = 1; i < nr; ++i) {
+            const int src = (me + i) % nr;
+            ev_shard[static_cast<size_t>(src)].wait(s);
+            lt.gemm(t, g_base + src * rows * k * es, k, b_dev, k, static_cast<uint8_t*>(c_b) + src * rows * n * es, n,
+                    rows, n, k, s);
+        }
+        ev_join.record(comm);
+        ev_join.wait(s);
+        bar(s);
+    });
+    const TensorView a_local = op.local_shard(m), bv(b_dev, t, {n, k}), cw(c_w, t, {m, n});
+    row.weft = time_all(w, sh, s, o.warmup, o.iters, [&] { op.run(a_local, bv, cw, s); });
+    // After the fused op (which tunes on its first call with --tune): the engine with the same config.
+    row.engine = time_all(w, sh, s, o.warmup, o.iters, [&] {
+        weft::ops::detail::GemmTensorMaps maps = weft::ops::detail::make_gemm_tensor_maps(
+            op.config(), TensorView(g_base, t, {m, k}), TensorView(b_dev, t, {n, k}), TensorView(c_e, t, {m, n}));
+        const weft::GemmArgs args =
+            weft::ops::detail::make_gemm_args(TensorView(g_base, t, {m, k}), TensorView(c_e, t, {m, n}), 20'000'000'000ull);
+        weft::jit::LaunchParams lp;
+        lp.grid = dim3(static_cast<unsigned>(op.gemm_grid()));
+        lp.block = dim3(weft::kGemmThreads);
+        lp.dynamic_smem_bytes = static_cast<size_t>(weft::gemm_smem_plan(op.config()).alloc_bytes);
+        lp.stream = s;
+        engine.launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
+    });
+    if (o.check) {
+        row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, m, n, t, s));
+        row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, m, n, t, s));
+    }
+    w.sync_and_check(s);
+    w.barrier();
+    for (void* p : {b_dev, c_w, c_a, c_b, c_e}) cudaFree(p);
+    w.heap().free(bar.words);
+    w.heap().free(g_base);
+    return row;
+}
+
+// ---- GEMM + ReduceScatter -----------------------------------------------------------------------------------
+
+Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, cudaStream_t s, cudaStream_t comm) {
+    const int nr = w.num_ranks(), me = w.rank();
+    const DType t = o.dtype;
+    const int64_t m = full.m / nr * nr, rows = m / nr, n = full.n / 8 * 8;
+    const int64_t k = std::max<int64_t>(8, full.k / nr / 8 * 8);  // this rank's K
+    const int64_t es = 2;
+    Row row{"rs", {m, n, k * nr}, nr};
+
+    weft::ops::GemmRsOptions opt;
+    opt.autotune = o.tune;
+    weft::ops::GemmRs op(w, {m, n, k, t}, opt);
+    auto* partial = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));
+    auto* recv = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));  // [W][rows, n]
+    DeviceBarrier bar;
+    bar.make(w);
+    const weft::DeviceCtx ctx = w.device_ctx();
+    void *a_dev = nullptr, *b_dev = nullptr, *c_w = nullptr, *c_a = nullptr, *c_b = nullptr, *c_e = nullptr;
+    BENCH_CUDA(cudaMalloc(&a_dev, static_cast<size_t>(m * k * es)));
+    BENCH_CUDA(cudaMalloc(&b_dev, static_cast<size_t>(n * k * es)));
+    BENCH_CUDA(cudaMalloc(&c_e, static_cast<size_t>(m * n * es)));
+    for (void** p : {&c_w, &c_a, &c_b}) BENCH_CUDA(cudaMalloc(p, static_cast<size_t>(rows * n * es)));
+    const uint64_t seed = 7654321 + static_cast<uint64_t>(me);
+    fill_random(a_dev, m * k, t, seed, s);
+    fill_random(b_dev, n * k, t, seed + 100, s);
+    const weft::jit::Kernel& engine = weft::jit::compiler().get_kernel(weft::ops::detail::plain_gemm_kernel_spec(
+        [&] {
+            weft::GemmConfig c = op.config();
+            c.out_dtype = t;
+            return c;
+        }()));
+    w.barrier();
+
+    auto reduce_peers = [&](void* out) {
+        sum_launch(t, [&](auto* tag) {
+            using T = std::remove_pointer_t<decltype(tag)>;
+            bench_sum_kernel<T><<<kSumBlocks, kSumThreads, 0, s>>>(ctx, reinterpret_cast<const T*>(partial), nullptr,
+                                                                   0, nr, me * rows, rows, 0, n, n,
+                                                                   static_cast<T*>(out), n);
+        });
+        BENCH_CUDA(cudaGetLastError());
+    };
+    auto coll = [&] {
+        bar(s);  // every partial complete
+        reduce_peers(c_a);
+        bar(s);  // every rank has read: partials may be rewritten
+    };
+    row.gemm = time_all(w, sh, s, o.warmup, o.iters, [&] { lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s); });
+    row.coll = time_all(w, sh, s, o.warmup, o.iters, coll);
+    row.a = time_all(w, sh, s, o.warmup, o.iters, [&] {
+        lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s);
+        coll();
+    });
+    weft::Event ev_fork, ev_join;
+    std::vector<weft::Event> ev_seg(static_cast<size_t>(nr));
+    row.b = time_all(w, sh, s, o.warmup, o.iters, [&] {
+        bar(s);  // every rank's receive buffer is free
+        ev_fork.record(s);
+        ev_fork.wait(comm);
+        for (int i = 0; i < nr; ++i) {
+            const int dest = (me + 1 + i) % nr;
+            uint8_t* seg = partial + dest * rows * n * es;
+            lt.gemm(t, static_cast<uint8_t*>(a_dev) + dest * rows * k * es, k, b_dev, k, seg, n, rows, n, k, s);
+            ev_seg[static_cast<size_t>(i)].record(s);
+            ev_seg[static_cast<size_t>(i)].wait(comm);
+            uint8_t* slot = recv + me * rows * n * es;  // my slot in dest's receive buffer
+            BENCH_CUDA(cudaMemcpyAsync(w.heap().symm_at(slot, dest), seg, static_cast<size_t>(rows * n * es),
+                                       cudaMemcpyDefault, comm));
+        }
+        ev_join.record(comm);
+        ev_join.wait(s);
+        bar(s);  // every push into my receive buffer landed
+        sum_launch(t, [&](auto* tag) {
+            using T = std::remove_pointer_t<decltype(tag)>;
+            bench_sum_kernel<T><<<kSumBlocks, kSumThreads, 0, s>>>(ctx, nullptr, reinterpret_cast<const T*>(recv),
+                                                                   rows * n, nr, 0, rows, 0, n, n,
+                                                                   static_cast<T*>(c_b), n);
+        });
+        BENCH_CUDA(cudaGetLastError());
+    });
+    const TensorView av(a_dev, t, {m, k}), bv(b_dev, t, {n, k}), cw(c_w, t, {rows, n});
+    row.weft = time_all(w, sh, s, o.warmup, o.iters, [&] { op.run(av, bv, cw, s); });
+    // After the fused op (which tunes on its first call with --tune): the engine with the same config.
+    row.engine = time_all(w, sh, s, o.warmup, o.iters, [&] {
+        weft::GemmConfig c = op.config();
+        c.out_dtype = t;
+        const auto maps = weft::ops::detail::make_gemm_tensor_maps(c, TensorView(a_dev, t, {m, k}),
+                                                                   TensorView(b_dev, t, {n, k}), TensorView(c_e, t, {m, n}));
+        const weft::GemmArgs args = weft::ops::detail::make_gemm_args(TensorView(a_dev, t, {m, k}),
+                                                                      TensorView(c_e, t, {m, n}), 20'000'000'000ull);
+        weft::jit::LaunchParams lp;
+        lp.grid = dim3(static_cast<unsigned>(op.gemm_grid() + op.reduce_ctas()));
+        lp.block = dim3(weft::kGemmThreads);
+        lp.dynamic_smem_bytes = static_cast<size_t>(weft::gemm_smem_plan(c).alloc_bytes);
+        lp.stream = s;
+        engine.launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
+    });
+    if (o.check) {
+        row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, rows, n, t, s));
+        row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, rows, n, t, s));
+    }
+    w.sync_and_check(s);
+    w.barrier();
+    for (void* p : {a_dev, b_dev, c_w, c_a, c_b, c_e}) cudaFree(p);
+    w.heap().free(bar.words);
+    w.heap().free(recv);
+    w.heap().free(partial);
+    return row;
+}
+
+// ---- GEMM + AllReduce ---------------------------------------------------------------------------------------
+
+Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, cudaStream_t s, cudaStream_t comm) {
+    const int nr = w.num_ranks(), me = w.rank();
+    const DType t = o.dtype;
+    const int64_t m = full.m, n = full.n / 8 * 8;
+    const int64_t k = std::max<int64_t>(8, full.k / nr / 8 * 8);
+    const int64_t es = 2;
+    Row row{"ar", {m, n, k * nr}, nr};
+
+    weft::ops::GemmAr op(w, {m, n, k, t});
+    auto* partial = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));
+    DeviceBarrier bar;
+    bar.make(w);
+    const weft::DeviceCtx ctx = w.device_ctx();
+    void *a_dev = nullptr, *b_dev = nullptr, *c_w = nullptr, *c_a = nullptr, *c_b = nullptr;
+    BENCH_CUDA(cudaMalloc(&a_dev, static_cast<size_t>(m * k * es)));
+    BENCH_CUDA(cudaMalloc(&b_dev, static_cast<size_t>(n * k * es)));
+    for (void** p : {&c_w, &c_a, &c_b}) BENCH_CUDA(cudaMalloc(p, static_cast<size_t>(m * n * es)));
+    const uint64_t seed = 99991 + static_cast<uint64_t>(me);
+    fill_random(a_dev, m * k, t, seed, s);
+    fill_random(b_dev, n * k, t, seed + 100, s);
+    w.barrier();
+
+    auto all_reduce = [&](int64_t c0, int64_t cols, void* out, cudaStream_t on) {
+        sum_launch(t, [&](auto* tag) {
+            using T = std::remove_pointer_t<decltype(tag)>;
+            bench_sum_kernel<T><<<kSumBlocks, kSumThreads, 0, on>>>(ctx, reinterpret_cast<const T*>(partial), nullptr, 0,
+                                                                    nr, 0, m, c0, cols, n, static_cast<T*>(out), n);
+        });
+        BENCH_CUDA(cudaGetLastError());
+    };
+    auto coll = [&] {
+        bar(s);
+        all_reduce(0, n, c_a, s);
+        bar(s);
+    };
+    row.gemm = time_all(w, sh, s, o.warmup, o.iters, [&] { lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s); });
+    row.coll = time_all(w, sh, s, o.warmup, o.iters, coll);
+    row.a = time_all(w, sh, s, o.warmup, o.iters, [&] {
+        lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s);
+        coll();
+    });
+    // (b): 4 column chunks; chunk j's all-reduce runs beside chunk j+1's GEMM.
+    constexpr int kChunks = 4;
+    const int64_t chunk = (n / kChunks + 7) / 8 * 8;
+    weft::Event ev_fork, ev_join;
+    std::vector<weft::Event> ev_chunk(kChunks);
+    DeviceBarrier bar_comm;
+    bar_comm.make(w);
+    row.b = time_all(w, sh, s, o.warmup, o.iters, [&] {
+        ev_fork.record(s);
+        ev_fork.wait(comm);
+        for (int j = 0; j < kChunks; ++j) {
+            const int64_t c0 = j * chunk, cols = std::min(chunk, n - c0);
+            if (cols <= 0) break;
+            lt.gemm(t, a_dev, k, static_cast<uint8_t*>(b_dev) + c0 * k * es, k, partial + c0 * es, n, m, cols, k, s);
+            ev_chunk[static_cast<size_t>(j)].record(s);
+            ev_chunk[static_cast<size_t>(j)].wait(comm);
+            bar_comm(comm);
+            all_reduce(c0, cols, c_b, comm);
+        }
+        bar_comm(comm);  // every rank has read every partial
+        ev_join.record(comm);
+        ev_join.wait(s);
+    });
+    const TensorView av(a_dev, t, {m, k}), bv(b_dev, t, {n, k}), cw(c_w, t, {m, n});
+    row.weft = time_all(w, sh, s, o.warmup, o.iters, [&] { op.run(av, bv, cw, s); });
+    if (o.check) {
+        row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, m, n, t, s));
+        row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, m, n, t, s));
+    }
+    w.sync_and_check(s);
+    w.barrier();
+    for (void* p : {a_dev, b_dev, c_w, c_a, c_b}) cudaFree(p);
+    w.heap().free(bar_comm.words);
+    w.heap().free(bar.words);
+    w.heap().free(partial);
+    return row;
+}
+
+// ---- report -------------------------------------------------------------------------------------------------
+
+std::string fmt(double ms) {
+    if (ms < 0) return "-";
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), ms < 1 ? "%.1f us" : "%.3f ms", ms < 1 ? ms * 1000 : ms);
+    return buf;
+}
+
+void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, const std::string& device) {
+    std::printf("\nweft_bench_tp: %s x%d, %s, world %d%s, %d iters (slowest rank, mean)\n", device.c_str(), gpus,
+                weft::dtype_name(o.dtype), rows.empty() ? 0 : rows[0].world,
+                rows.empty() || rows[0].world <= gpus ? "" : " (ranks share GPUs: figures measure overhead, not overlap)",
+                o.iters);
+    std::printf("%-3s %-22s %10s %10s %10s %10s %10s %10s %10s %8s %6s %s\n", "op", "M x N x K (layer)", "gemm",
+                "weft-gemm", "coll", "(a)seq", "(b)decomp", "weft", "ideal", "vs (a)", "eff", o.check ? "err weft/(b)" : "");
+    for (const Row& r : rows) {
+        const double ideal = std::max(r.gemm, r.coll);
+        char shape[64];
+        std::snprintf(shape, sizeof(shape), "%ldx%ldx%ld", r.shape.m, r.shape.n, r.shape.k);
+        char check[64] = "";
+        if (o.check) std::snprintf(check, sizeof(check), "%.1e/%.1e", r.err_weft, r.err_b);
+        std::printf("%-3s %-22s %10s %10s %10s %10s %10s %10s %10s %7.2fx %5.0f%% %s\n", r.op.c_str(), shape,
+                    fmt(r.gemm).c_str(), fmt(r.engine).c_str(), fmt(r.coll).c_str(), fmt(r.a).c_str(), fmt(r.b).c_str(),
+                    fmt(r.weft).c_str(), fmt(ideal).c_str(), r.a / r.weft, 100.0 * ideal / r.weft, check);
+    }
+    std::printf("gemm: cuBLASLt alone; weft-gemm: weft's GEMM engine alone (same config, no communication); coll: the\n"
+                "baseline collective alone; ideal = max(gemm, coll); vs (a) = (a) / weft; eff = ideal / weft.\n");
+    if (o.json.empty()) return;
+    std::ofstream out(o.json);
+    out << "{\"bench\": \"weft_bench_tp\", \"device\": \"" << device << "\", \"gpus\": " << gpus << ", \"dtype\": \""
+        << weft::dtype_name(o.dtype) << "\", \"iters\": " << o.iters << ", \"results\": [";
+    for (size_t i = 0; i < rows.size(); ++i) {
+        const Row& r = rows[i];
+        const double ideal = std::max(r.gemm, r.coll);
+        out << (i ? ", " : "") << "{\"op\": \"" << r.op << "\", \"m\": " << r.shape.m << ", \"n\": " << r.shape.n
+            << ", \"k\": " << r.shape.k << ", \"world\": " << r.world << ", \"gemm_ms\": " << r.gemm
+            << ", \"weft_gemm_ms\": " << r.engine << ", \"coll_ms\": " << r.coll << ", \"a_ms\": " << r.a
+            << ", \"b_ms\": " << r.b << ", \"weft_ms\": " << r.weft << ", \"ideal_ms\": " << ideal
+            << ", \"speedup_vs_a\": " << r.a / r.weft << ", \"overlap_efficiency\": " << ideal / r.weft
+            << ", \"err_weft\": " << r.err_weft << ", \"err_b\": " << r.err_b << "}";
+    }
+    out << "]}\n";
+    std::printf("wrote %s\n", o.json.c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    try {
+        const Options o = parse(argc, argv);
+        weft::ensure_eager_module_loading();
+        int gpus = 0;
+        BENCH_CUDA(cudaGetDeviceCount(&gpus));
+        cudaDeviceProp prop{};
+        BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+        const int world = o.world > 0 ? o.world : std::max(2, gpus);
+        // Heap: the largest op's symmetric buffers (weft's and the baseline's), plus room.
+        uint64_t heap = 64ull << 20;
+        for (const std::string& op : o.ops) {
+            for (const Shape& sz : o.sizes.empty() ? default_shapes(op) : o.sizes) {
+                const uint64_t per = static_cast<uint64_t>(sz.m) * static_cast<uint64_t>(op == "ag" ? sz.k : sz.n) * 2;
+                heap = std::max<uint64_t>(heap, (op == "ar" ? 3 : (op == "rs" ? 5 : 2)) * per + (64ull << 20));
+            }
+        }
+        weft::WorldOptions wo;
+        wo.heap_bytes = (heap + (2ull << 20) - 1) / (2ull << 20) * (2ull << 20);
+        wo.timeout = std::chrono::milliseconds(60000);
+        std::vector<Row> rows;
+        std::mutex rows_mutex;
+        Shared sh;
+        sh.slot.assign(static_cast<size_t>(world), 0.0);
+        weft::run_local(
+            world,
+            [&](World& w) {
+                cudaStream_t s = nullptr, comm = nullptr;
+                BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+                BENCH_CUDA(cudaStreamCreateWithFlags(&comm, cudaStreamNonBlocking));
+                {
+                    Lt lt;
+                    for (const std::string& op : o.ops) {
+                        std::vector<Shape> shapes = o.sizes.empty() ? default_shapes(op) : o.sizes;
+                        if (!o.shape_idx.empty() && o.sizes.empty()) {
+                            std::vector<Shape> pick;
+                            for (int i : o.shape_idx) {
+                                if (i >= 0 && i < static_cast<int>(shapes.size())) pick.push_back(shapes[static_cast<size_t>(i)]);
+                            }
+                            shapes = pick;
+                        }
+                        for (const Shape& sz : shapes) {
+                            Row r = op == "ag"   ? bench_ag(w, sh, o, sz, lt, s, comm)
+                                    : op == "rs" ? bench_rs(w, sh, o, sz, lt, s, comm)
+                                                 : bench_ar(w, sh, o, sz, lt, s, comm);
+                            if (w.rank() == 0) {
+                                std::lock_guard<std::mutex> lock(rows_mutex);
+                                rows.push_back(r);
+                                std::printf("  %s %ldx%ldx%ld: (a) %s, weft %s\n", r.op.c_str(), r.shape.m, r.shape.n,
+                                            r.shape.k, fmt(r.a).c_str(), fmt(r.weft).c_str());
+                                std::fflush(stdout);
+                            }
+                        }
+                    }
+                }
+                w.barrier();
+                cudaStreamDestroy(comm);
+                cudaStreamDestroy(s);
+            },
+            wo);
+        print_and_save(rows, o, gpus, prop.name);
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "weft_bench_tp: %s\n", e.what());
+        return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,115 @@
+// SPDX-License-Identifier: MIT
+// Kernel parameters of the tensor-parallel fused ops (AllGather+GEMM, GEMM+ReduceScatter, GEMM+AllReduce):
+// trivially copyable structs that the host (src/ops) fills and the kernels (kernels/{ag_gemm,gemm_rs,gemm_ar})
+// read, so both sides agree on the layout by construction.
+//
+// Signal words and their protocol (all in the symmetric heap unless said "local"):
+//   ag  chunk_signals[W * cpr]  local; set to 1 by this rank's copy engine after chunk (s, c) landed; reset to 0
+//                               by the GEMM's last tile (the next call's copies are stream-ordered after it)
+//       ready[W]                ready[s] = 1 set by rank s once its shard is in its gathered buffer (call e);
+//                               reset to 0 by this rank's GEMM's last tile, before `done` is raised
+//       done[W]                 done[s] += 1 by rank s's last GEMM tile: s finished call e (read every shard)
+//       epoch                   local; calls completed (advanced by the last GEMM tile)
+//   rs  counters[W * cpr]       on destination d: [source s][chunk c] += 1 per finished tile of s for d; zeroed
+//                               by d's reduction once complete, before it raises `released`
+//       released[W]             released[d] += 1 when rank d's reduction finished reading call e's partials
+//       gemm_calls, red_epoch   local; calls completed by the GEMM / by the reduction
+//   ar  ready[W], done[W]       += 1 per call: partial complete / finished reading every partial
+// Every wait compares with >= against a value derived from a device-side counter (never a host value frozen
+// in a CUDA graph), or against the constant 1 of a word that is reset in stream order.
+#pragma once
+
+#include "weft/common/device_ctx.hpp"
+#include "weft/common/dtype.hpp"
+#include "weft/common/tp_schedule.hpp"
+
+namespace weft {
+
+/// AllGather+GEMM scheduler (AgGemmScheduler) parameters.
+struct AgGemmParams {
+    DeviceCtx ctx;
+    AgGemmOrder order;              ///< built by the host for this call
+    const uint64_t* chunk_signals;  ///< local [order.num_signals()]
+};
+
+/// AllGather+GEMM epilogue hook (AgGemmHook: counts stored tiles) and end-of-call (ag_finish_call, run by
+/// CTA 0's producer thread once every tile is stored) parameters.
+struct AgGemmHookParams {
+    DeviceCtx ctx;
+    uint64_t* tile_counter;   ///< local; tiles stored in this call (back to 0 at the end)
+    int32_t num_tiles;        ///< valid tiles of the launch
+    int32_t num_signals;      ///< chunk signals in use
+    uint64_t* chunk_signals;  ///< local [num_signals]
+    uint64_t* ready;          ///< symmetric [num_ranks]
+    uint64_t* done;           ///< symmetric [num_ranks]
+    uint64_t* epoch;          ///< local
+};
+
+/// AllGather+GEMM's ready notification (ag_notify_ready_kernel) parameters.
+struct AgNotifyParams {
+    DeviceCtx ctx;
+    uint64_t* ready;  ///< symmetric [num_ranks]
+};
+
+/// GEMM+ReduceScatter scheduler (RsGemmScheduler) parameters.
+struct RsGemmParams {
+    DeviceCtx ctx;
+    int64_t rows_per_rank;
+    int64_t chunk_rows;
+    const uint64_t* released;    ///< symmetric [num_ranks]
+    const uint64_t* gemm_calls;  ///< local
+};
+
+/// GEMM+ReduceScatter epilogue hook (RsGemmHook) parameters.
+struct RsGemmHookParams {
+    DeviceCtx ctx;
+    int64_t rows_per_rank;
+    int64_t chunk_rows;
+    uint64_t* counters;      ///< symmetric [num_ranks * chunks_per_rank] (indexed on the destination)
+    uint32_t* tile_counter;  ///< local
+    int32_t num_tiles;
+    int32_t n;               ///< columns of the partial
+    uint64_t* gemm_calls;    ///< local
+};
+
+/// GEMM+ReduceScatter reduction kernel (rs_reduce_kernel) parameters.
+struct RsReduceParams {
+    DeviceCtx ctx;
+    int64_t rows_per_rank;
+    int64_t chunk_rows;
+    int32_t n;
+    int32_t tile_m, tile_n;    ///< the GEMM's tile (for the expected counter values)
+    int32_t reserved;
+    const void* partial;       ///< symmetric [M, ldp]: this rank's partial; peers' through symm_at
+    int64_t ldp;
+    float* acc;                ///< local [rows_per_rank, lda] fp32 accumulator (num_ranks > 2)
+    int64_t lda;
+    void* out;                 ///< [rows_per_rank, ldc]
+    int64_t ldc;
+    uint64_t* counters;        ///< symmetric [num_ranks * chunks_per_rank] (zeroed here once complete)
+    uint64_t* released;        ///< symmetric [num_ranks]
+    uint64_t* epoch;           ///< local
+    uint32_t* exit_count;      ///< local
+};
+
+/// GEMM+AllReduce one-shot reduction kernel (ar_reduce_kernel) parameters.
+struct ArReduceParams {
+    DeviceCtx ctx;
+    int32_t m, n;
+    const void* partial;   ///< symmetric [m, ldp]
+    int64_t ldp;
+    void* out;             ///< [m, ldc]
+    int64_t ldc;
+    uint64_t* ready;       ///< symmetric [num_ranks]
+    uint64_t* done;        ///< symmetric [num_ranks]
+    uint64_t* epoch;       ///< local
+    uint32_t* exit_count;  ///< local
+};
+
+/// Threads per CTA of the reduction kernels (rs_reduce_kernel, ar_reduce_kernel) and of the notify kernel.
+inline constexpr int kTpReduceThreads = 256;
+inline constexpr int kTpNotifyThreads = 32;
+/// Elements per vector of the reductions (16 bytes of 16-bit elements).
+inline constexpr int kTpVecElems = 8;
+
+}  // namespace weft

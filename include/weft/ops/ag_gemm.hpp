@@ -1,0 +1,110 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::AgGemm: AllGather+GEMM (column-parallel linear layer) with the all-gather on copy engines
+// overlapped with a persistent GEMM that waits per tile on exactly the chunks it needs.
+//
+//     weft::ops::AgGemm op(world, {.max_m = 8192, .n = 1376, .k = 4096, .dtype = weft::DType::kBF16});
+//     op.run(a_local /*[M/W, K]*/, b /*[N, K]*/, c /*[M, N]*/, stream);  // C = AllGather(A) * B^T
+//     weft::TensorView a_full = op.gathered(8192);                        // [M, K], for the backward pass
+//
+// Schedule, protocol and knobs: kernels/ag_gemm/README.md.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "weft/common/gemm_config.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/runtime/tensor_view.hpp"
+
+namespace weft {
+class World;
+}
+
+namespace weft::ops {
+
+/// Problem bounds, fixed when the op is made (the symmetric buffers are sized from them).
+struct AgGemmShape {
+    int64_t max_m = 0;  ///< largest M (rows of the gathered A) of a call; a positive multiple of num_ranks
+    int64_t n = 0;      ///< columns of C = rows of this rank's B [n, k] (its shard of the layer's outputs)
+    int64_t k = 0;      ///< a positive multiple of 8
+    DType dtype = DType::kBF16;  ///< of A, B and C: kBF16 or kF16
+};
+
+/// Knobs. Zero / empty: chosen from the problem and the device.
+struct AgGemmOptions {
+    std::optional<GemmConfig> config;  ///< the GEMM's tile config: cluster-free, dtypes = shape.dtype, B [N,K]
+    int64_t chunk_rows = 0;            ///< rows per copy-engine chunk (one signal each); 0 = heuristic
+    int copy_streams = 0;              ///< streams pulling the peers' shards, 1 .. num_ranks-1; 0 = 1
+    int sm_budget = 0;                 ///< CTAs of the persistent GEMM; 0 = World::sm_budget()
+    /// Tune the GEMM config on the first run() outside graph capture: every cluster-free candidate is timed
+    /// by all ranks together (the slowest rank counts; that call synchronises the host) and the fastest is
+    /// kept (weft::jit::autotuner: decisions cached on disk; WEFT_AUTOTUNE=0 keeps `config` / the heuristic's).
+    bool autotune = false;
+};
+
+/// AllGather+GEMM for the ranks of a World. Construction and destruction are collective (every rank, same
+/// shape and options, same order as its other collectives). Not thread-safe: one rank's thread uses it.
+class AgGemm {
+public:
+    /// Allocates the gathered buffer [max_m, k] and the signal words in the symmetric heap, creates the copy
+    /// streams, compiles (JIT, cached on disk) and loads every kernel a call launches, and ends with a
+    /// barrier, so that no rank launches a waiting kernel before every rank's kernels are loaded. Throws
+    /// weft::Error (on every rank) for a bad shape or options, or when a peer's heap is not load/store
+    /// reachable from this rank.
+    AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& options = {});
+    /// Collective: synchronises the device, then frees the symmetric allocations.
+    ~AgGemm();
+    AgGemm(const AgGemm&) = delete;
+    AgGemm& operator=(const AgGemm&) = delete;
+
+    /// C[M, N] = AllGather(A) * B^T, where rank r's a_local holds rows [r*M/W, (r+1)*M/W) of A.
+    ///   a_local: [M/W, k] (any device memory; local_shard(M) itself skips the local copy), row stride >= k
+    ///   b:       [n, k] row-major with a row stride (a linear layer's weight)
+    ///   c:       [M, n] row-major with a row stride; every row stride a multiple of 16 bytes, bases 16-byte
+    ///            aligned (TMA); same dtype as shape.dtype
+    /// Every rank calls with the same M (1 <= M/W, M <= max_m). Asynchronous on `stream` (it forks the copy
+    /// streams from it and joins them back); never synchronises the host; capturable in a CUDA graph (no
+    /// value of a call is frozen into the graph: see kernels/ag_gemm/README.md). After the call's work on
+    /// `stream`, gathered(M) holds A until the next call. A world of one rank runs the plain GEMM on a_local
+    /// (and copies it into gathered(M) beside it).
+    void run(const TensorView& a_local, const TensorView& b, const TensorView& c, cudaStream_t stream);
+
+    /// [m, k] view of the gathered A (symmetric heap), as the last call with M = m left it.
+    TensorView gathered(int64_t m) const;
+    /// This rank's rows of gathered(m): [m/W, k]. Writing A there (stream-ordered before run) skips the copy.
+    TensorView local_shard(int64_t m) const;
+
+    const AgGemmShape& shape() const;
+    const GemmConfig& config() const;  ///< the GEMM's tile config (after tuning: the winner)
+    int64_t chunk_rows() const;
+    int gemm_grid() const;             ///< CTAs of the persistent GEMM at max_m
+
+    struct State;
+
+private:
+    std::unique_ptr<State> s_;
+};
+
+/// Checks a shape and options against a world size (CPU only; the constructor calls it). Throws weft::Error
+/// naming the argument.
+void validate_ag_gemm_shape(const AgGemmShape& shape, int num_ranks, const AgGemmOptions& options = {});
+/// Checks one call's views against the shape; returns M. Throws weft::Error naming the argument.
+int64_t validate_ag_gemm_call(const AgGemmShape& shape, int num_ranks, const TensorView& a_local,
+                              const TensorView& b, const TensorView& c);
+/// The default chunk rows for a shard of rows_per_rank rows of k elements of elem_bytes bytes.
+int64_t ag_gemm_default_chunk_rows(int64_t rows_per_rank, int64_t k, int elem_bytes);
+
+namespace detail {
+/// JIT specs of the kernels AgGemm launches (arch: sm_90a when `arch` is empty and no GPU is present).
+jit::KernelSpec ag_gemm_kernel_spec(const GemmConfig& config, const std::string& arch = "");
+jit::KernelSpec ag_notify_kernel_spec(const std::string& arch = "");
+/// The plain GEMM (world of one rank): gemm_kernel with PersistentScheduler and NoEpilogueHook.
+jit::KernelSpec plain_gemm_kernel_spec(const GemmConfig& config, const std::string& arch = "");
+}  // namespace detail
+
+}  // namespace weft::ops

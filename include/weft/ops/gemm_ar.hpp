@@ -1,0 +1,80 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::GemmAr: GEMM+AllReduce for small M (decode): the small-M (or tiled) GEMM writes this rank's
+// partial into a symmetric buffer, then a one-shot all-reduce kernel sums every rank's partial in fp32.
+//
+//     weft::ops::GemmAr op(world, {.max_m = 128, .n = 8192, .k = 1024, .dtype = weft::DType::kBF16});
+//     op.run(a /*[M, K/W]*/, b /*[N, K/W]*/, c /*[M, N]*/, stream);  // C = AllReduce(A * B^T)
+//
+// Protocol and knobs: kernels/gemm_ar/README.md.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "weft/common/gemm_config.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/runtime/tensor_view.hpp"
+
+namespace weft {
+class World;
+}
+
+namespace weft::ops {
+
+struct GemmArShape {
+    int64_t max_m = 0;  ///< largest M of a call (any M >= 1; the op is built for decode, M <= 128)
+    int64_t n = 0;
+    int64_t k = 0;      ///< this rank's K; a positive multiple of 8
+    DType dtype = DType::kBF16;  ///< of A, B and C: kBF16 or kF16
+};
+
+struct GemmArOptions {
+    std::optional<GemmConfig> config;    ///< tiled-path config (M > 64): cluster-free, in = shape.dtype
+    std::optional<DType> partial_dtype;  ///< the partials' dtype: shape.dtype (default) or kF32
+    int reduce_ctas = 0;                 ///< CTAs of the all-reduce kernel; 0 = heuristic
+    int sm_budget = 0;                   ///< 0 = World::sm_budget()
+};
+
+/// GEMM+AllReduce for the ranks of a World. Construction and destruction are collective.
+class GemmAr {
+public:
+    GemmAr(World& world, const GemmArShape& shape, const GemmArOptions& options = {});
+    ~GemmAr();
+    GemmAr(const GemmAr&) = delete;
+    GemmAr& operator=(const GemmAr&) = delete;
+
+    /// C[M, N] = sum over ranks s of A_s * B_s^T on every rank (bit-identical on every rank: the ranks'
+    /// partials are summed in rank order).
+    ///   a: [M, k]; b: [n, k]; c: [M, n] (row strides multiples of 16 bytes, bases 16-byte aligned)
+    /// Every rank calls with the same M. Asynchronous on `stream`; graph-capturable. A world of one rank
+    /// runs the plain GEMM into c.
+    void run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream);
+
+    const GemmArShape& shape() const;
+    DType partial_dtype() const;
+    int reduce_ctas() const;
+    /// Whether a call with M rows takes the small-M (split-K) GEMM path.
+    bool uses_small_m_path(int64_t m) const;
+
+    struct State;
+
+private:
+    std::unique_ptr<State> s_;
+};
+
+void validate_gemm_ar_shape(const GemmArShape& shape, int num_ranks, const GemmArOptions& options = {});
+int64_t validate_gemm_ar_call(const GemmArShape& shape, const TensorView& a, const TensorView& b,
+                              const TensorView& c);
+
+namespace detail {
+jit::KernelSpec ar_reduce_kernel_spec(DType partial, DType out, const std::string& arch = "");
+/// The small-M GEMM weft::gemm::gemv_kernel for ceil(M/16) row tiles and the plan's kernel variant
+/// (GemmPlan::small_m_variant: 1 = 1 n8 tile per warp, 0 = 4).
+jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in, DType out, int variant, const std::string& arch = "");
+}  // namespace detail
+
+}  // namespace weft::ops

@@ -1,0 +1,87 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::GemmRs: GEMM+ReduceScatter (row-parallel linear layer): the GEMM writes its partial tile by
+// tile in destination order and signals each tile; a reduction on a few SMs beside it sums the ranks'
+// partials of its own rows in fp32 as they complete.
+//
+//     weft::ops::GemmRs op(world, {.max_m = 8192, .n = 4096, .k = 1376, .dtype = weft::DType::kBF16});
+//     op.run(a /*[M, K/W]*/, b /*[N, K/W]*/, c /*[M/W, N]*/, stream);  // C = ReduceScatter(A * B^T)
+//
+// Schedule, protocol and knobs: kernels/gemm_rs/README.md.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "weft/common/gemm_config.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/runtime/tensor_view.hpp"
+
+namespace weft {
+class World;
+}
+
+namespace weft::ops {
+
+/// Problem bounds, fixed when the op is made.
+struct GemmRsShape {
+    int64_t max_m = 0;  ///< largest M of a call (rows of A and of the unreduced product); a multiple of num_ranks
+    int64_t n = 0;      ///< columns of C
+    int64_t k = 0;      ///< this rank's K (its shard of the layer's inputs); a positive multiple of 8
+    DType dtype = DType::kBF16;  ///< of A, B and C: kBF16 or kF16
+};
+
+/// Knobs. Zero / empty: chosen from the problem and the device.
+struct GemmRsOptions {
+    std::optional<GemmConfig> config;   ///< the GEMM's tile config: cluster-free, in = shape.dtype, B [N,K]
+    std::optional<DType> partial_dtype;  ///< the partials' dtype: shape.dtype (default) or kF32
+    int64_t chunk_rows = 0;             ///< rows per counter: a multiple of the tile's rows; 0 = heuristic
+    int reduce_ctas = 0;                ///< CTAs of the reduction kernel; 0 = heuristic (1 .. 16)
+    int sm_budget = 0;                  ///< SMs for GEMM + reduction; 0 = World::sm_budget()
+    bool autotune = false;              ///< tune the GEMM config on the first run(), as AgGemmOptions::autotune
+};
+
+/// GEMM+ReduceScatter for the ranks of a World. Construction and destruction are collective.
+class GemmRs {
+public:
+    /// Allocates the partial buffer [max_m, n] and the counters in the symmetric heap and an fp32
+    /// accumulator, compiles and loads the kernels, ends with a barrier. Throws weft::Error on every rank
+    /// for a bad shape or options, or when a peer's heap is not load/store reachable.
+    GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& options = {});
+    ~GemmRs();
+    GemmRs(const GemmRs&) = delete;
+    GemmRs& operator=(const GemmRs&) = delete;
+
+    /// C[M/W, N] = rows [r*M/W, (r+1)*M/W) of sum over ranks s of A_s * B_s^T (fp32 accumulation).
+    ///   a: [M, k] this rank's A; b: [n, k] this rank's weight shard; c: [M/W, n] (TMA rules as AgGemm::run)
+    /// Every rank calls with the same M. Asynchronous on `stream` (the reduction runs on a side stream forked
+    /// from it and joined back); graph-capturable. A world of one rank runs the plain GEMM into c.
+    void run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream);
+
+    const GemmRsShape& shape() const;
+    const GemmConfig& config() const;
+    DType partial_dtype() const;
+    int64_t chunk_rows() const;
+    int gemm_grid() const;
+    int reduce_ctas() const;
+
+    struct State;
+
+private:
+    std::unique_ptr<State> s_;
+};
+
+void validate_gemm_rs_shape(const GemmRsShape& shape, int num_ranks, const GemmRsOptions& options = {});
+/// Checks one call's views against the shape; returns M.
+int64_t validate_gemm_rs_call(const GemmRsShape& shape, int num_ranks, const TensorView& a, const TensorView& b,
+                              const TensorView& c);
+
+namespace detail {
+jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch = "");
+jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::string& arch = "");
+}  // namespace detail
+
+}  // namespace weft::ops

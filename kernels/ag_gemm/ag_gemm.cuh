@@ -1,0 +1,121 @@
+// SPDX-License-Identifier: MIT
+// AllGather+GEMM device side: the GEMM's tile scheduler (local rows first, then rows in copy-engine arrival
+// order; the producer waits on exactly the chunk signals a tile needs), the epilogue hook counting stored
+// tiles, the end of a call (reset the copy-engine signals, then a done-barrier across ranks), and the kernel
+// that tells peers this rank's shard is in place. The schedule picture and the protocol are in kernels/ag_gemm/README.md.
+//
+// JIT instantiations (weft::ops::AgGemm builds them):
+//   weft::tp::ag_gemm_kernel<CFG>
+//   weft::tp::ag_notify_ready_kernel<0>
+#pragma once
+
+#include "gemm/gemm_sm90.cuh"
+#include "tp_common/tp_device.cuh"
+#include "tp_common/tp_sync.cuh"
+#include "weft/common/tp_params.hpp"
+#include "weft/common/tp_schedule.hpp"
+#include "weft/device/tile.cuh"
+
+namespace weft::tp {
+
+namespace tile = device::tile;
+
+/// Persistent striding over AgGemmOrder (see weft/common/tp_schedule.hpp). Before the producer loads the A
+/// rows of a tile it waits until every chunk signal of those rows that belongs to a peer is >= 1 (its copy
+/// engine raised it after the chunk landed); this rank's own rows are in place by stream order. The waits
+/// are tile::wait's, written call-free (tp_sync.cuh): a call anywhere near the wgmma serialises them.
+// NOTE: the producer runs with 40 registers (setmaxnreg): the order lives in the kernel parameters (constant
+// bank) and the scheduler keeps only a reference to them.
+template <GemmConfig kCfg>
+class AgGemmScheduler {
+public:
+    using Params = AgGemmParams;
+    static constexpr int32_t kClusterSize = kCfg.cluster_m * kCfg.cluster_n;
+
+    __device__ AgGemmScheduler(const Params& p, const GemmArgs&) : p_(p) {}
+
+    __device__ int32_t num_tiles() const {
+        const int32_t total = p_.order.num_cluster_tiles();
+        const int32_t c = cluster_idx();
+        return c < total ? (total - 1 - c) / num_clusters() + 1 : 0;
+    }
+    __device__ GemmTile tile(int32_t i) const {
+        const int32_t cta_rank = kClusterSize == 1 ? 0 : static_cast<int32_t>(ptx::cluster_cta_rank());
+        return p_.order.tile(cluster_idx() + i * num_clusters(), cta_rank);
+    }
+
+    __device__ device::Token wait_before_load(const GemmTile& t) const {
+        const SignalRange r = p_.order.signals_for(t);
+        unsigned observed = 0;
+        for (int32_t s = r.first; s <= r.last; ++s) {
+            if (!p_.order.is_local_signal(s)) {
+                observed = static_cast<unsigned>(wait_geq_inline(p_.ctx, p_.chunk_signals + s, 1ull, __LINE__));
+            }
+        }
+        // The chunks were written by a copy engine (seen through the acquire above); the A loads that take
+        // this token are TMA (async proxy) loads.
+        ptx::fence_proxy_async_global();
+        return device::Token(observed);
+    }
+
+private:
+    __device__ static int32_t cluster_idx() { return static_cast<int32_t>(blockIdx.x) / kClusterSize; }
+    __device__ static int32_t num_clusters() { return static_cast<int32_t>(gridDim.x) / kClusterSize; }
+
+    const Params& p_;
+};
+
+/// Counts stored tiles (release at GPU scope: the tile's TMA stores have completed).
+struct AgGemmHook {
+    using Params = AgGemmHookParams;
+    static constexpr bool kNotifies = true;
+    __device__ static void after_tile_stored(const Params& p, const GemmTile&) {
+        ptx::red_add<ptx::Sem::kRelease, ptx::Scope::kGpu>(p.tile_counter, 1ull);
+    }
+};
+
+/// The end of a call, run by CTA 0's producer thread after its last load: once every tile is stored, every
+/// chunk has been awaited, so every copy and every peer's ready flag of this call has been consumed: reset
+/// them (stream order puts the next call's copies after this kernel), tell every rank this one is done, and
+/// wait until every rank is done, so that no peer still reads this rank's shard when the caller (or the next
+/// call) overwrites it. The kernel, and with it the call, ends after this.
+__device__ __forceinline__ void ag_finish_call(const AgGemmHookParams& p) {
+    wait_geq_inline(p.ctx, p.tile_counter, static_cast<uint64_t>(p.num_tiles), __LINE__);
+    ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(p.tile_counter, 0ull);
+    for (int32_t s = 0; s < p.num_signals; ++s) ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(p.chunk_signals + s, 0ull);
+    for (int32_t s = 0; s < p.ctx.num_ranks; ++s) {
+        if (s != p.ctx.rank) ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(p.ready + s, 0ull);
+    }
+    const uint64_t e = ptx::ld(p.epoch) + 1;
+    for (int32_t pe = 0; pe < p.ctx.num_ranks; ++pe) {  // release: the resets above come first
+        notify_add_inline(p.ctx, p.done + p.ctx.rank, pe, 1ull, __LINE__);
+    }
+    for (int32_t s = 0; s < p.ctx.num_ranks; ++s) wait_geq_inline(p.ctx, p.done + s, e, __LINE__);
+    ptx::st(p.epoch, e);
+}
+
+/// The AllGather+GEMM kernel: weft's GEMM with AgGemmScheduler and AgGemmHook, then the end of the call in
+/// CTA 0's producer thread (which has issued all its loads by then; its consumers need nothing from it).
+template <GemmConfig kCfg>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    ag_gemm_kernel(const __grid_constant__ ptx::TmaDescriptor tma_a, const __grid_constant__ ptx::TmaDescriptor tma_b,
+                   const __grid_constant__ ptx::TmaDescriptor tma_d, const GemmArgs args, const AgGemmParams sched_params,
+                   const AgGemmHookParams hook_params) {
+    gemm::gemm_device<kCfg, AgGemmScheduler<kCfg>, AgGemmHook>(&tma_a, &tma_b, &tma_d, args, sched_params,
+                                                               hook_params);
+    if (blockIdx.x == 0 && threadIdx.x == 0) ag_finish_call(hook_params);
+}
+
+/// Tells every peer that this rank's shard is in its gathered buffer (ready[rank] = 1 on each peer, release
+/// at system scope). Launched with one warp after the local copy, in stream order. kUnused: a template so
+/// that a header included by several translation units defines no non-inline kernel.
+template <int kUnused>
+__global__ void __launch_bounds__(kTpNotifyThreads) ag_notify_ready_kernel(const AgNotifyParams p) {
+    for (int pe = static_cast<int>(threadIdx.x); pe < p.ctx.num_ranks; pe += static_cast<int>(blockDim.x)) {
+        if (pe != p.ctx.rank) {
+            tile::notify(device::Thread{}, p.ctx, p.ready + p.ctx.rank, pe, 1ull, device::SignalOp::kSet);
+        }
+    }
+}
+
+}  // namespace weft::tp

@@ -1,0 +1,80 @@
+// SPDX-License-Identifier: MIT
+// GEMM+AllReduce device side (small M, decode): after the GEMM wrote this rank's partial into its symmetric
+// buffer (stream order), a one-shot all-reduce: CTA 0 tells every rank the partial is complete, every CTA
+// waits for all ranks' partials, sums its share of the elements over the ranks in rank order (fp32, the
+// same order on every rank: every rank gets bit-identical results), and the last CTA to finish runs a
+// done-barrier so that no rank overwrites its partial (next call) while a peer still reads it.
+// The picture and the protocol are in kernels/gemm_ar/README.md.
+//
+// JIT instantiation (weft::ops::GemmAr builds it): weft::tp::ar_reduce_kernel<PARTIAL_DTYPE, OUT_DTYPE>
+#pragma once
+
+#include "tp_common/tp_device.cuh"
+#include "tp_common/tp_sync.cuh"
+#include "weft/common/tp_params.hpp"
+#include "weft/device/tile.cuh"
+
+namespace weft::tp {
+
+namespace tile = device::tile;
+
+template <DType kPartial, DType kOut>
+__global__ void __launch_bounds__(kTpReduceThreads) ar_reduce_kernel(const ArReduceParams p) {
+    __shared__ uint64_t s_epoch;
+    if (threadIdx.x == 0) s_epoch = ptx::ld(p.epoch) + 1;
+    __syncthreads();
+    const uint64_t e = s_epoch;
+    const int32_t num_ranks = p.ctx.num_ranks;
+    const int32_t rank = p.ctx.rank;
+    if (blockIdx.x == 0) {
+        // This rank's partial was written by the GEMM before this kernel started (stream order).
+        for (int pe = static_cast<int>(threadIdx.x); pe < num_ranks; pe += static_cast<int>(blockDim.x)) {
+            notify_add_inline(p.ctx, p.ready + rank, pe, 1ull, __LINE__);
+        }
+    }
+    if (static_cast<int>(threadIdx.x) < num_ranks) wait_geq_inline(p.ctx, p.ready + threadIdx.x, e, __LINE__);
+    __syncthreads();
+
+    constexpr int64_t kPBytes = dtype_bytes(kPartial);
+    constexpr int64_t kOBytes = dtype_bytes(kOut);
+    constexpr int kMaxRanks = 8;
+    __shared__ const unsigned char* s_src[kMaxRanks];  // every rank's partial as mapped here
+    if (static_cast<int>(threadIdx.x) < num_ranks) {
+        s_src[threadIdx.x] = static_cast<const unsigned char*>(
+            peer_or_trap_inline(p.ctx, const_cast<void*>(p.partial), static_cast<int>(threadIdx.x), __LINE__));
+    }
+    __syncthreads();
+    const int64_t vecs_per_row = (p.n + kTpVecElems - 1) / kTpVecElems;
+    const int64_t total = static_cast<int64_t>(p.m) * vecs_per_row;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t r = i / vecs_per_row;
+        const int64_t col = (i - r * vecs_per_row) * kTpVecElems;
+        const int64_t src_off = (r * p.ldp + col) * kPBytes;
+        auto* out = static_cast<unsigned char*>(p.out) + (r * p.ldc + col) * kOBytes;
+        if (col + kTpVecElems <= p.n) {
+            float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int s = 0; s < num_ranks; ++s) {
+                float v[8];
+                load8<kPartial>(s_src[s] + src_off, v);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) sum[j] += v[j];
+            }
+            store8<kOut>(out, sum);
+        } else {
+            for (int64_t j = 0; col + j < p.n; ++j) {
+                float sum = 0;
+                for (int s = 0; s < num_ranks; ++s) sum += load_elem<kPartial>(s_src[s] + src_off, j);
+                store_elem<kOut>(out, j, sum);
+            }
+        }
+    }
+    __syncthreads();  // this CTA has read its share of every partial
+    if (threadIdx.x == 0 && arrive_last(p.exit_count, gridDim.x)) {
+        for (int32_t pe = 0; pe < num_ranks; ++pe) notify_add_inline(p.ctx, p.done + rank, pe, 1ull, __LINE__);
+        for (int32_t s = 0; s < num_ranks; ++s) wait_geq_inline(p.ctx, p.done + s, e, __LINE__);
+        ptx::st(p.epoch, e);
+    }
+}
+
+}  // namespace weft::tp

@@ -1,0 +1,165 @@
+// SPDX-License-Identifier: MIT
+// GEMM+ReduceScatter device side: the GEMM's tile scheduler (destination rank+1's rows first, its own last;
+// the first load waits until every rank has finished reading the previous call's partials), the epilogue
+// hook that raises the destination's per-(source, chunk) counter after each tile's TMA store, and the
+// reduction kernel that runs beside the GEMM on a few SMs and sums the partials of its rows in fp32 in the
+// order they complete. The schedule picture and the protocol are in kernels/gemm_rs/README.md.
+//
+// JIT instantiations (weft::ops::GemmRs builds them):
+//   weft::gemm::gemm_kernel<CFG, weft::tp::RsGemmScheduler<CFG>, weft::tp::RsGemmHook<CFG>>
+//   weft::tp::rs_reduce_kernel<PARTIAL_DTYPE, OUT_DTYPE>
+#pragma once
+
+#include "gemm/gemm_sm90.cuh"
+#include "tp_common/tp_device.cuh"
+#include "tp_common/tp_sync.cuh"
+#include "weft/common/tp_params.hpp"
+#include "weft/common/tp_schedule.hpp"
+#include "weft/device/tile.cuh"
+
+namespace weft::tp {
+
+namespace tile = device::tile;
+
+/// Persistent striding over RsGemmOrder (cluster-free configs). The first tile of each CTA waits until
+/// every rank's reduction has released the previous call's partials (released[s] >= calls completed), so
+/// no TMA store overwrites a partial a peer is still reading.
+template <GemmConfig kCfg>
+class RsGemmScheduler {
+public:
+    using Params = RsGemmParams;
+    static_assert(kCfg.cluster_m == 1 && kCfg.cluster_n == 1, "GEMM+ReduceScatter takes cluster-free configs");
+
+    // NOTE: as AgGemmScheduler, nothing derived is kept in members (the producer has 40 registers).
+    __device__ RsGemmScheduler(const Params& p, const GemmArgs& args) : p_(p), n_(args.n) {}
+
+    __device__ int32_t num_tiles() const {
+        const int32_t total = order().num_tiles();
+        const auto b = static_cast<int32_t>(blockIdx.x);
+        return b < total ? (total - 1 - b) / static_cast<int32_t>(gridDim.x) + 1 : 0;
+    }
+    __device__ GemmTile tile(int32_t i) const {
+        return order().tile(static_cast<int32_t>(blockIdx.x) + i * static_cast<int32_t>(gridDim.x));
+    }
+
+    __device__ device::Token wait_before_load(const GemmTile&) const {
+        if (waited_) return device::Token::assume_local_data();
+        waited_ = true;
+        const uint64_t calls = ptx::ld(p_.gemm_calls);
+        uint64_t observed = 0;
+        for (int32_t s = 0; s < p_.ctx.num_ranks; ++s) observed = wait_geq_inline(p_.ctx, p_.released + s, calls, __LINE__);
+        ptx::fence_proxy_async_global();  // the TMA stores that follow overwrite what the peers read
+        return device::Token(static_cast<unsigned>(observed));
+    }
+
+private:
+    __device__ RsGemmOrder order() const {
+        return RsGemmOrder(kCfg, p_.rows_per_rank, p_.ctx.num_ranks, p_.chunk_rows, n_, p_.ctx.rank);
+    }
+
+    const Params& p_;
+    int32_t n_;
+    mutable bool waited_ = false;
+};
+
+/// After each stored tile: += 1 on the destination's counter [this rank][chunk] (release at system scope,
+/// after a proxy fence: the tile was written by TMA). The last tile of the call advances gemm_calls.
+template <GemmConfig kCfg>
+struct RsGemmHook {
+    using Params = RsGemmHookParams;
+    static constexpr bool kNotifies = true;
+    __device__ static void after_tile_stored(const Params& p, const GemmTile& t) {
+        const RsGemmOrder order(kCfg, p.rows_per_rank, p.ctx.num_ranks, p.chunk_rows, p.n, p.ctx.rank);
+        const int32_t dest = order.dest_of(t);
+        const int32_t idx = rs_counter_index(p.ctx.rank, order.chunk_of(t), order.map.chunks_per_rank());
+        ptx::fence_proxy_async_global();
+        notify_add_inline(p.ctx, p.counters + idx, dest, 1ull, __LINE__);  // consumer warpgroup: no calls
+        if (arrive_last(p.tile_counter, static_cast<uint32_t>(p.num_tiles))) {
+            ptx::st(p.gemm_calls, ptx::ld(p.gemm_calls) + 1);
+        }
+    }
+};
+
+/// The reduction on destination rank d (this rank): for phase 0 .. W-1 it adds the partial of source
+/// rs_source_at(d, phase) (rank d-1 first, itself last), chunk by chunk as each chunk's counter reaches
+/// expected_count, into an fp32 accumulator (local memory); the last phase writes C in kOut. Every CTA owns
+/// the same elements in every phase (grid-stride over 8-element vectors), so the accumulator needs no
+/// synchronisation beyond program order. The last CTA to finish zeroes the counters and releases the
+/// partials to every rank (released[d] += 1; the sources' next GEMM waits for it before its first load).
+template <DType kPartial, DType kOut>
+__global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsReduceParams p) {
+    __shared__ uint64_t s_epoch;
+    if (threadIdx.x == 0) s_epoch = ptx::ld(p.epoch) + 1;
+    __syncthreads();
+    const uint64_t e = s_epoch;
+    const int32_t num_ranks = p.ctx.num_ranks;
+    const int32_t rank = p.ctx.rank;
+    const ReduceScatterTileMap map{p.rows_per_rank, num_ranks, p.n, p.tile_m, p.tile_n, p.chunk_rows};
+    const int32_t cpr = map.chunks_per_rank();
+    const int64_t vecs_per_row = (p.n + kTpVecElems - 1) / kTpVecElems;
+    const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    constexpr int64_t kPBytes = dtype_bytes(kPartial);
+    constexpr int64_t kOBytes = dtype_bytes(kOut);
+
+    for (int32_t phase = 0; phase < num_ranks; ++phase) {
+        const int32_t source = rs_source_at(rank, phase, num_ranks);
+        const bool first_phase = phase == 0;
+        const bool last_phase = phase == num_ranks - 1;
+        const auto* src_base = static_cast<const unsigned char*>(
+            peer_or_trap_inline(p.ctx, const_cast<void*>(p.partial), source, __LINE__));
+        for (int32_t c = 0; c < cpr; ++c) {
+            const int32_t sig = map.local_signal_at(rank, c);
+            const auto need = static_cast<uint64_t>(map.expected_count(sig));
+            if (threadIdx.x == 0) wait_geq_inline(p.ctx, p.counters + rs_counter_index(source, c, cpr), need, __LINE__);
+            __syncthreads();
+            const ChunkInfo ch = map.chunk(sig);
+            const int64_t local_row0 = ch.row_begin - static_cast<int64_t>(rank) * p.rows_per_rank;
+            const int64_t total = ch.num_rows * vecs_per_row;
+            for (int64_t i = first; i < total; i += stride) {
+                const int64_t r = i / vecs_per_row;
+                const int64_t col = (i - r * vecs_per_row) * kTpVecElems;
+                const unsigned char* src = src_base + ((ch.row_begin + r) * p.ldp + col) * kPBytes;
+                float* acc = p.acc + (local_row0 + r) * p.lda + col;
+                auto* out = static_cast<unsigned char*>(p.out) + ((local_row0 + r) * p.ldc + col) * kOBytes;
+                if (col + kTpVecElems <= p.n) {
+                    float v[8];
+                    load8<kPartial>(src, v);
+                    if (!first_phase) {
+                        float a[8];
+                        load8<DType::kF32>(acc, a);
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) v[j] += a[j];
+                    }
+                    if (last_phase) {
+                        store8<kOut>(out, v);
+                    } else {
+                        store8<DType::kF32>(acc, v);
+                    }
+                } else {
+                    for (int64_t j = 0; col + j < p.n; ++j) {
+                        float v = load_elem<kPartial>(src, j);
+                        if (!first_phase) v += acc[j];
+                        if (last_phase) {
+                            store_elem<kOut>(out, j, v);
+                        } else {
+                            acc[j] = v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();  // every thread of this CTA has read its share of every partial
+    if (threadIdx.x == 0 && arrive_last(p.exit_count, gridDim.x)) {
+        // Every counter reached its count (every CTA waited for all of them), and no source raises one again
+        // before it sees `released` below: zero them for the next call (whose M, and so layout, may differ).
+        for (int32_t i = 0; i < map.num_signals(); ++i) {
+            ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(p.counters + i, 0ull);
+        }
+        ptx::st(p.epoch, e);
+        for (int32_t pe = 0; pe < num_ranks; ++pe) notify_add_inline(p.ctx, p.released + rank, pe, 1ull, __LINE__);
+    }
+}
+
+}  // namespace weft::tp

@@ -1,0 +1,108 @@
+// SPDX-License-Identifier: MIT
+// Device helpers shared by the tensor-parallel fused kernels (ag_gemm, gemm_rs, gemm_ar): element
+// conversion, 8-element vector loads/stores as fp32, and the "last block / last tile to finish" election.
+#pragma once
+
+#include "weft/common/dtype.hpp"
+#include "weft/ptx/atom.cuh"
+#include "weft/ptx/ld_st.cuh"
+
+namespace weft::tp {
+
+/// One 16-bit element (bf16 or f16 bits) to fp32.
+template <DType kT>
+__device__ __forceinline__ float half_bits_to_float(unsigned short h) {
+    if constexpr (kT == DType::kBF16) {
+        return __uint_as_float(static_cast<unsigned>(h) << 16);
+    } else {
+        float f;
+        asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(h));
+        return f;
+    }
+}
+
+/// fp32 to one 16-bit element, round to nearest even.
+template <DType kT>
+__device__ __forceinline__ unsigned short float_to_half_bits(float f) {
+    unsigned short h;
+    if constexpr (kT == DType::kBF16) {
+        asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(f));
+    } else {
+        asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(f));
+    }
+    return h;
+}
+
+/// Loads element `i` of a row of dtype kT as fp32 (plain load: the data was acquired before).
+template <DType kT>
+__device__ __forceinline__ float load_elem(const void* row, int64_t i) {
+    if constexpr (kT == DType::kF32) {
+        return ptx::ld(static_cast<const float*>(row) + i);
+    } else {
+        const unsigned short* p = static_cast<const unsigned short*>(row) + i;
+        unsigned short h;
+        asm volatile("ld.u16 %0, [%1];\n" : "=h"(h) : "l"(p) : "memory");
+        return half_bits_to_float<kT>(h);
+    }
+}
+
+template <DType kT>
+__device__ __forceinline__ void store_elem(void* row, int64_t i, float v) {
+    if constexpr (kT == DType::kF32) {
+        static_cast<float*>(row)[i] = v;
+    } else {
+        static_cast<unsigned short*>(row)[i] = float_to_half_bits<kT>(v);
+    }
+}
+
+/// Loads 8 consecutive elements (16 bytes for 16-bit types, 32 for fp32; aligned) as fp32.
+template <DType kT>
+__device__ __forceinline__ void load8(const void* p, float (&v)[8]) {
+    if constexpr (kT == DType::kF32) {
+        const uint4 a = ptx::ld(static_cast<const uint4*>(p));
+        const uint4 b = ptx::ld(static_cast<const uint4*>(p) + 1);
+        v[0] = __uint_as_float(a.x), v[1] = __uint_as_float(a.y), v[2] = __uint_as_float(a.z);
+        v[3] = __uint_as_float(a.w), v[4] = __uint_as_float(b.x), v[5] = __uint_as_float(b.y);
+        v[6] = __uint_as_float(b.z), v[7] = __uint_as_float(b.w);
+    } else {
+        const uint4 a = ptx::ld(static_cast<const uint4*>(p));
+        const unsigned w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[2 * i] = half_bits_to_float<kT>(static_cast<unsigned short>(w[i] & 0xffffu));
+            v[2 * i + 1] = half_bits_to_float<kT>(static_cast<unsigned short>(w[i] >> 16));
+        }
+    }
+}
+
+/// Stores 8 fp32 values as 8 consecutive elements of dtype kT (aligned).
+template <DType kT>
+__device__ __forceinline__ void store8(void* p, const float (&v)[8]) {
+    if constexpr (kT == DType::kF32) {
+        ptx::st(static_cast<uint4*>(p), make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]),
+                                                   __float_as_uint(v[2]), __float_as_uint(v[3])));
+        ptx::st(static_cast<uint4*>(p) + 1, make_uint4(__float_as_uint(v[4]), __float_as_uint(v[5]),
+                                                       __float_as_uint(v[6]), __float_as_uint(v[7])));
+    } else {
+        unsigned w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[i] = static_cast<unsigned>(float_to_half_bits<kT>(v[2 * i])) |
+                   (static_cast<unsigned>(float_to_half_bits<kT>(v[2 * i + 1])) << 16);
+        }
+        ptx::st(static_cast<uint4*>(p), make_uint4(w[0], w[1], w[2], w[3]));
+    }
+}
+
+/// Called by one thread per participant (a block, or a finished tile) after its work; returns true in the
+/// one caller that arrives last (`expected` arrivals in all) and resets the counter for the next call. The
+/// acq_rel chain makes every earlier participant's work visible to the last one, which may then release it
+/// further (e.g. with a system-scope notify).
+__device__ __forceinline__ bool arrive_last(uint32_t* counter, uint32_t expected) {
+    const uint32_t old = ptx::atom_add<ptx::Sem::kAcqRel, ptx::Scope::kGpu>(counter, 1u);
+    if (old + 1u != expected) return false;
+    ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(counter, 0u);
+    return true;
+}
+
+}  // namespace weft::tp

@@ -1,0 +1,85 @@
+// SPDX-License-Identifier: MIT
+// Call-free signal operations for code that runs inside the GEMM's consumer warpgroups (epilogue hooks).
+//
+// WAR(ptxas, CUDA 13.0): any function call in the consumer warpgroups' code (the device layer's bounded
+// spins report a timeout through a __noinline__ function) makes ptxas serialise every wgmma of the kernel
+// (C7510) and spill around the call. These variants have the device layer's semantics (tile::notify /
+// tile::wait with system scope, bounded, Diagnostic + trap on expiry) but are fully inline. Use the device
+// layer everywhere else.
+#pragma once
+
+#include "weft/common/device_ctx.hpp"
+#include "weft/common/diagnostics.hpp"
+#include "weft/device/symmetric.cuh"
+#include "weft/ptx/atom.cuh"
+#include "weft/ptx/fence.cuh"
+#include "weft/ptx/ld_st.cuh"
+#include "weft/ptx/timer.cuh"
+
+namespace weft::tp {
+
+/// Records a failed wait (or an unreachable peer) in ctx.diag, first writer wins, then traps. Inline.
+__device__ __forceinline__ void record_and_trap_inline(const DeviceCtx& ctx, SpinKind kind, const void* addr,
+                                                       uint64_t expected, uint64_t observed, uint64_t waited_ns,
+                                                       int32_t peer, int32_t line) {
+    Diagnostic* d = ctx.diag;
+    if (d != nullptr && ptx::atom_cas<ptx::Sem::kRelaxed, ptx::Scope::kSys>(&d->claimed, 0u, 1u) == 0u) {
+        d->kind = kind;
+        d->cmp = Cmp::kGe;
+        d->rank = ctx.world_rank;
+        d->block_x = static_cast<int32_t>(blockIdx.x);
+        d->block_y = static_cast<int32_t>(blockIdx.y);
+        d->block_z = static_cast<int32_t>(blockIdx.z);
+        d->thread_x = static_cast<int32_t>(threadIdx.x);
+        d->signal_addr = reinterpret_cast<uintptr_t>(addr);
+        d->expected = expected;
+        d->observed = observed;
+        d->waited_ns = waited_ns;
+        d->peer = peer;
+        d->line = line;
+        ptx::fence<ptx::Sem::kSc, ptx::Scope::kSys>();
+        ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(&d->claimed, 2u);
+        ptx::fence<ptx::Sem::kSc, ptx::Scope::kSys>();
+    }
+    __trap();
+}
+
+/// Rank `pe`'s copy of the symmetric object `local`; traps with a kUnreachablePeer diagnostic when it is
+/// not load/store reachable. Inline.
+template <class T>
+__device__ __forceinline__ T* peer_or_trap_inline(const DeviceCtx& ctx, T* local, int pe, int32_t line) {
+    T* p = device::symm_at(ctx, local, pe);
+    if (p == nullptr) {
+        record_and_trap_inline(ctx, SpinKind::kUnreachablePeer, local, static_cast<uint64_t>(pe), 0, 0, pe, line);
+    }
+    return p;
+}
+
+/// One thread: rank pe's `*signal += value` with release semantics at system scope (tile::notify, kAdd).
+__device__ __forceinline__ void notify_add_inline(const DeviceCtx& ctx, uint64_t* signal, int pe, uint64_t value,
+                                                  int32_t line) {
+    ptx::red_add<ptx::Sem::kRelease, ptx::Scope::kSys>(peer_or_trap_inline(ctx, signal, pe, line), value);
+}
+
+/// One thread: waits until `*word >= value` (ld.acquire.sys polls with nanosleep backoff), bounded by
+/// ctx.timeout_ns (10 s when 0); on expiry records a kTileWait diagnostic and traps.
+__device__ __forceinline__ uint64_t wait_geq_inline(const DeviceCtx& ctx, const uint64_t* word, uint64_t value,
+                                                    int32_t line) {
+    uint64_t v = ptx::ld<ptx::Sem::kAcquire, ptx::Scope::kSys>(word);
+    if (v >= value) return v;
+    const uint64_t timeout_ns = ctx.timeout_ns != 0 ? ctx.timeout_ns : 10ull * 1000 * 1000 * 1000;
+    const uint64_t start = ptx::globaltimer();
+    uint32_t sleep_ns = 32;
+    while (true) {
+        ptx::nanosleep(sleep_ns);
+        sleep_ns = sleep_ns < 1024 ? sleep_ns * 2 : 1024;
+        v = ptx::ld<ptx::Sem::kAcquire, ptx::Scope::kSys>(word);
+        if (v >= value) return v;
+        const uint64_t waited = ptx::globaltimer() - start;
+        if (waited > timeout_ns) {
+            record_and_trap_inline(ctx, SpinKind::kTileWait, word, value, v, waited, ctx.world_rank, line);
+        }
+    }
+}
+
+}  // namespace weft::tp

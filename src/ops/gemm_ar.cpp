@@ -1,0 +1,258 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::GemmAr: small-M GEMM into a symmetric partial, then a one-shot all-reduce kernel.
+#include "weft/ops/gemm_ar.hpp"
+
+#include <algorithm>
+
+#include "tp_common.hpp"
+#include "weft/common/tp_params.hpp"
+#include "weft/ops/ag_gemm.hpp"  // detail::plain_gemm_kernel_spec
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft::ops {
+
+using tp_detail::round_up;
+
+namespace {
+constexpr const char* kOp = "gemm_ar";
+constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
+}  // namespace
+
+void validate_gemm_ar_shape(const GemmArShape& s, int num_ranks, const GemmArOptions& o) {
+    WEFT_CHECK(num_ranks >= 1 && num_ranks <= 8, "gemm_ar: num_ranks must be in [1, 8], got " << num_ranks);
+    WEFT_CHECK(s.max_m > 0 && s.max_m <= kMaxDim, "gemm_ar: shape.max_m must be positive, got " << s.max_m);
+    WEFT_CHECK(s.n > 0 && s.n <= kMaxDim, "gemm_ar: shape.n must be in [1, 2^31), got " << s.n);
+    WEFT_CHECK(s.k >= 8 && s.k % 8 == 0 && s.k <= kMaxDim,
+               "gemm_ar: shape.k (this rank's K) must be a positive multiple of 8, got " << s.k);
+    WEFT_CHECK(s.dtype == DType::kBF16 || s.dtype == DType::kF16,
+               "gemm_ar: shape.dtype must be bf16 or f16, got " << dtype_name(s.dtype));
+    if (o.partial_dtype) {
+        WEFT_CHECK(*o.partial_dtype == s.dtype || *o.partial_dtype == DType::kF32,
+                   "gemm_ar: options.partial_dtype must be " << dtype_name(s.dtype) << " or f32, got "
+                                                             << dtype_name(*o.partial_dtype));
+    }
+    WEFT_CHECK(o.reduce_ctas >= 0, "gemm_ar: options.reduce_ctas must be >= 0 (0 = heuristic), got " << o.reduce_ctas);
+    WEFT_CHECK(o.sm_budget >= 0, "gemm_ar: options.sm_budget must be >= 0 (0 = the world's), got " << o.sm_budget);
+    if (o.config) tp_detail::check_forced_config(*o.config, s.dtype, o.partial_dtype.value_or(s.dtype), kOp);
+}
+
+int64_t validate_gemm_ar_call(const GemmArShape& s, const TensorView& a, const TensorView& b, const TensorView& c) {
+    WEFT_CHECK(a.ndim == 2, "gemm_ar: a must be a 2-D [M, K] matrix, got " << a.describe());
+    WEFT_CHECK(b.ndim == 2, "gemm_ar: b must be a 2-D [N, K] matrix, got " << b.describe());
+    WEFT_CHECK(c.ndim == 2, "gemm_ar: c must be a 2-D [M, N] matrix, got " << c.describe());
+    const int64_t m = a.dim(0);
+    WEFT_CHECK(m >= 1 && m <= s.max_m, "gemm_ar: a must have 1 .. max_m = " << s.max_m << " rows, got " << a.describe());
+    WEFT_CHECK(a.dim(1) == s.k, "gemm_ar: a must have K = " << s.k << " columns, got " << a.describe());
+    WEFT_CHECK(a.dtype == s.dtype && b.dtype == s.dtype && c.dtype == s.dtype,
+               "gemm_ar: a, b and c must be " << dtype_name(s.dtype) << ", got " << dtype_name(a.dtype) << ", "
+                                              << dtype_name(b.dtype) << ", " << dtype_name(c.dtype));
+    WEFT_CHECK(b.dim(0) == s.n && b.dim(1) == s.k,
+               "gemm_ar: b must be [N, K] = [" << s.n << ", " << s.k << "], got " << b.describe());
+    WEFT_CHECK(c.dim(0) == m && c.dim(1) == s.n,
+               "gemm_ar: c must be [M, N] = [" << m << ", " << s.n << "], got " << c.describe());
+    try {
+        validate_gemm_args(a, b, c, BLayout::kNK);
+    } catch (const Error& e) {
+        tp_detail::rethrow_with_op(kOp, e);
+    }
+    return m;
+}
+
+namespace detail {
+
+jit::KernelSpec ar_reduce_kernel_spec(DType partial, DType out, const std::string& arch) {
+    return tp_detail::make_spec("gemm_ar/gemm_ar.cuh",
+                                "weft::tp::ar_reduce_kernel<" + tp_detail::dtype_enum(partial) + ", " +
+                                    tp_detail::dtype_enum(out) + ">",
+                                std::string("gemm_ar reduce ") + dtype_name(partial) + "->" + dtype_name(out), arch);
+}
+
+jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in, DType out, int variant, const std::string& arch) {
+    WEFT_CHECK(variant == 0 || variant == 1, "gemm_ar: small-M kernel variant must be 0 or 1, got " << variant);
+    const int n_tiles_per_warp = variant == 1 ? 1 : 4;
+    return tp_detail::make_spec("gemm/gemv_sm90.cuh",
+                                "weft::gemm::gemv_kernel<" + std::to_string(m_tiles) + ", " +
+                                    tp_detail::dtype_enum(in) + ", " + tp_detail::dtype_enum(out) + ", " +
+                                    std::to_string(n_tiles_per_warp) + ">",
+                                "gemv m_tiles " + std::to_string(m_tiles) + " " + dtype_name(in) + "->" +
+                                    dtype_name(out) + " variant " + std::to_string(variant),
+                                arch);
+}
+
+}  // namespace detail
+
+struct GemmAr::State {
+    World* world = nullptr;
+    GemmArShape shape;
+    int num_ranks = 1, rank = 0;
+    int budget = 1, num_sms = 1, reduce_ctas = 1;
+    DType partial_dtype = DType::kBF16;
+    DType gemm_out = DType::kBF16;  // partial_dtype, or shape.dtype for a world of one rank
+    GemmConfig config{};            // tiled path (M > kGemvMaxM)
+    int64_t ldp = 0;
+    DeviceCtx ctx{};
+    uint64_t pipeline_timeout_ns = 0;
+
+    tp_detail::SymmetricAllocations heap;
+    void* partial = nullptr;  // symmetric [max_m, ldp]
+    uint64_t* ready = nullptr;
+    uint64_t* done = nullptr;
+    uint64_t* epoch = nullptr;
+    uint32_t* exit_count = nullptr;
+    void* small_m_workspace = nullptr;  // split-K counters (zero) then fp32 partials
+    size_t small_m_workspace_bytes = 0;
+    int small_m_variant = 1;            // of the loaded small-M kernels
+
+    const jit::Kernel* gemv[4] = {nullptr, nullptr, nullptr, nullptr};
+    const jit::Kernel* tiled = nullptr;
+    const jit::Kernel* reduce = nullptr;
+
+    explicit State(World& w) : world(&w), heap(w) {}
+    ~State() {
+        heap.free_all();
+        if (small_m_workspace != nullptr) cudaFree(small_m_workspace);
+    }
+
+    GemmProblem problem(int64_t m) const {
+        GemmProblem p;
+        p.m = m;
+        p.n = shape.n;
+        p.k = shape.k;
+        p.in_dtype = shape.dtype;
+        p.out_dtype = gemm_out;
+        return p;
+    }
+    GemmPlan small_m_plan(int64_t m) const {
+        GemmOptions o;
+        o.allow_small_m = true;
+        return plan_gemm(problem(m), num_sms, o);
+    }
+};
+
+GemmAr::GemmAr(World& world, const GemmArShape& shape, const GemmArOptions& options)
+    : s_(std::make_unique<State>(world)) {
+    State& s = *s_;
+    s.shape = shape;
+    s.num_ranks = world.num_ranks();
+    s.rank = world.rank();
+    validate_gemm_ar_shape(shape, s.num_ranks, options);
+    s.num_sms = tp_detail::device_sm_count();
+    s.budget = options.sm_budget > 0 ? std::min(options.sm_budget, s.num_sms) : world.sm_budget();
+    WEFT_CHECK(s.budget >= 1, "gemm_ar: the SM budget must be >= 1, got " << s.budget);
+    s.partial_dtype = options.partial_dtype.value_or(shape.dtype);
+    s.gemm_out = s.num_ranks == 1 ? shape.dtype : s.partial_dtype;
+    s.ldp = round_up(shape.n, 8);
+    s.ctx = world.device_ctx();
+    s.pipeline_timeout_ns = tp_detail::pipeline_timeout_ns(world);
+
+    // GEMM kernels for every M up to max_m: the small-M kernels (ceil(M/16) row tiles) and the tiled one.
+    const int64_t small_max = std::min<int64_t>(shape.max_m, kGemvMaxM);
+    const GemmPlan plan = s.small_m_plan(small_max);
+    WEFT_CHECK(plan.path == GemmPath::kSmallM, "gemm_ar: expected the small-M GEMM path for M = " << small_max);
+    s.small_m_variant = plan.small_m_variant;
+    for (int t = 1; t <= (small_max + 15) / 16; ++t) {
+        s.gemv[t - 1] = &jit::compiler().get_kernel(
+            detail::gemv_kernel_spec(t, shape.dtype, s.gemm_out, plan.small_m_variant));
+    }
+    if (plan.small_m_splits > 1) {
+        s.small_m_workspace_bytes = plan.workspace_bytes;
+        WEFT_CUDA_CHECK(cudaMalloc(&s.small_m_workspace, s.small_m_workspace_bytes));
+        WEFT_CUDA_CHECK(cudaMemset(s.small_m_workspace, 0, s.small_m_workspace_bytes));
+    }
+    if (shape.max_m > kGemvMaxM) {
+        s.config = tp_detail::choose_gemm_config(s.problem(shape.max_m), s.budget, options.config, kOp);
+        if (s.num_ranks == 1) s.config.out_dtype = shape.dtype;
+        s.tiled = &jit::compiler().get_kernel(detail::plain_gemm_kernel_spec(s.config));
+    }
+
+    if (s.num_ranks > 1) {
+        const int64_t vecs = shape.max_m * ((shape.n + kTpVecElems - 1) / kTpVecElems);
+        const int64_t want = (vecs + 2 * kTpReduceThreads - 1) / (2 * kTpReduceThreads);
+        s.reduce_ctas = options.reduce_ctas > 0
+                            ? options.reduce_ctas
+                            : static_cast<int>(std::clamp<int64_t>(want, 1, std::min(s.budget, 32)));
+        WEFT_CHECK(s.reduce_ctas <= s.budget, "gemm_ar: options.reduce_ctas must be <= the SM budget " << s.budget
+                                                                                                  << ", got "
+                                                                                                  << s.reduce_ctas);
+        s.partial = s.heap.alloc(static_cast<uint64_t>(shape.max_m * s.ldp * dtype_bytes(s.partial_dtype)));
+        uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(2 * s.num_ranks + 2));
+        s.ready = words;
+        s.done = words + s.num_ranks;
+        s.epoch = s.done + s.num_ranks;
+        s.exit_count = reinterpret_cast<uint32_t*>(s.epoch + 1);
+        tp_detail::check_peers_reachable(world, s.partial, kOp);
+        s.reduce = &jit::compiler().get_kernel(detail::ar_reduce_kernel_spec(s.partial_dtype, shape.dtype));
+    }
+    WEFT_LOG_INFO("gemm_ar: partials " << dtype_name(s.partial_dtype) << ", " << s.reduce_ctas
+                                       << " all-reduce CTAs, SM budget " << s.budget);
+    world.barrier();
+}
+
+GemmAr::~GemmAr() = default;
+
+const GemmArShape& GemmAr::shape() const { return s_->shape; }
+DType GemmAr::partial_dtype() const { return s_->partial_dtype; }
+int GemmAr::reduce_ctas() const { return s_->reduce_ctas; }
+bool GemmAr::uses_small_m_path(int64_t m) const { return m <= kGemvMaxM; }
+
+void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream) {
+    State& s = *s_;
+    const int64_t m = validate_gemm_ar_call(s.shape, a, b, c);
+    // The GEMM writes c itself in a world of one rank, else this rank's partial.
+    const TensorView d = s.num_ranks == 1 ? c : TensorView(s.partial, s.partial_dtype, {m, s.shape.n}, {s.ldp, 1});
+    if (m <= kGemvMaxM) {
+        const GemmPlan plan = s.small_m_plan(m);
+        WEFT_CHECK(plan.path == GemmPath::kSmallM && plan.small_m_variant == s.small_m_variant,
+                   "gemm_ar: the small-M plan for M = " << m << " does not match the loaded kernels");
+        GemvArgs args{};
+        args.a = a.data;
+        args.b = b.data;
+        args.d = d.data;
+        args.lda = a.stride(0);
+        args.ldb = b.stride(0);
+        args.ldd = d.stride(0);
+        args.m = static_cast<int32_t>(m);
+        args.n = static_cast<int32_t>(s.shape.n);
+        args.k = static_cast<int32_t>(s.shape.k);
+        args.k_per_split = plan.small_m_k_per_split;
+        args.num_splits = plan.small_m_splits;
+        if (plan.small_m_splits > 1) {
+            const size_t counter_bytes = static_cast<size_t>(round_up(static_cast<int64_t>(plan.grid) * 4, 256));
+            WEFT_CHECK(plan.workspace_bytes <= s.small_m_workspace_bytes,
+                       "gemm_ar: small-M workspace too small (" << s.small_m_workspace_bytes << " < "
+                                                                << plan.workspace_bytes << ")");
+            args.counters = static_cast<uint32_t*>(s.small_m_workspace);
+            args.partials = reinterpret_cast<float*>(static_cast<char*>(s.small_m_workspace) + counter_bytes);
+        }
+        jit::LaunchParams lp;
+        lp.grid = dim3(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
+        lp.block = dim3(kGemvThreads, 1, 1);
+        lp.stream = stream;
+        s.gemv[(m + 15) / 16 - 1]->launch(lp, args);
+    } else {
+        tp_detail::launch_plain_gemm(*s.tiled, s.config, a, b, d, s.budget, s.pipeline_timeout_ns, stream);
+    }
+    if (s.num_ranks == 1) return;
+
+    ArReduceParams p{};
+    p.ctx = s.ctx;
+    p.m = static_cast<int32_t>(m);
+    p.n = static_cast<int32_t>(s.shape.n);
+    p.partial = s.partial;
+    p.ldp = s.ldp;
+    p.out = c.data;
+    p.ldc = c.stride(0);
+    p.ready = s.ready;
+    p.done = s.done;
+    p.epoch = s.epoch;
+    p.exit_count = s.exit_count;
+    jit::LaunchParams lp;
+    lp.grid = dim3(static_cast<unsigned>(s.reduce_ctas), 1, 1);
+    lp.block = dim3(kTpReduceThreads, 1, 1);
+    lp.stream = stream;
+    s.reduce->launch(lp, p);
+}
+
+}  // namespace weft::ops

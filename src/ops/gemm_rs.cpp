@@ -1,0 +1,332 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::GemmRs: GEMM writing signalled partial tiles + an overlapped fp32 reduction of each rank's rows.
+#include "weft/ops/gemm_rs.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+#include "tp_common.hpp"
+#include "weft/ops/ag_gemm.hpp"  // detail::plain_gemm_kernel_spec
+#include "weft/common/tile_map.hpp"
+#include "weft/common/tp_params.hpp"
+#include "weft/common/tp_schedule.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft::ops {
+
+using tp_detail::round_up;
+
+namespace {
+constexpr const char* kOp = "gemm_rs";
+constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
+
+int64_t default_chunk_rows(int64_t rows_per_rank, int tile_m) {
+    // About four counters per segment: the reduction starts on a segment's first rows while the GEMM
+    // still computes its last ones.
+    const int64_t m_tiles = (rows_per_rank + tile_m - 1) / tile_m;
+    return std::max<int64_t>(1, (m_tiles + 3) / 4) * tile_m;
+}
+
+int default_reduce_ctas(int budget, bool shared_gpu) {
+    const int r = shared_gpu ? std::max(1, budget / 8) : std::clamp(budget / 8, 1, 16);
+    return std::min(r, budget - 1);
+}
+}  // namespace
+
+void validate_gemm_rs_shape(const GemmRsShape& s, int num_ranks, const GemmRsOptions& o) {
+    WEFT_CHECK(num_ranks >= 1, "gemm_rs: num_ranks must be >= 1, got " << num_ranks);
+    WEFT_CHECK(s.max_m > 0 && s.max_m % num_ranks == 0 && s.max_m <= kMaxDim,
+               "gemm_rs: shape.max_m must be a positive multiple of num_ranks " << num_ranks << ", got " << s.max_m);
+    WEFT_CHECK(s.n > 0 && s.n <= kMaxDim, "gemm_rs: shape.n must be in [1, 2^31), got " << s.n);
+    WEFT_CHECK(s.k >= 8 && s.k % 8 == 0 && s.k <= kMaxDim,
+               "gemm_rs: shape.k (this rank's K) must be a positive multiple of 8, got " << s.k);
+    WEFT_CHECK(s.dtype == DType::kBF16 || s.dtype == DType::kF16,
+               "gemm_rs: shape.dtype must be bf16 or f16, got " << dtype_name(s.dtype));
+    if (o.partial_dtype) {
+        WEFT_CHECK(*o.partial_dtype == s.dtype || *o.partial_dtype == DType::kF32,
+                   "gemm_rs: options.partial_dtype must be " << dtype_name(s.dtype) << " or f32, got "
+                                                             << dtype_name(*o.partial_dtype));
+    }
+    WEFT_CHECK(o.chunk_rows >= 0, "gemm_rs: options.chunk_rows must be >= 0 (0 = heuristic), got " << o.chunk_rows);
+    WEFT_CHECK(o.reduce_ctas >= 0, "gemm_rs: options.reduce_ctas must be >= 0 (0 = heuristic), got " << o.reduce_ctas);
+    WEFT_CHECK(o.sm_budget >= 0, "gemm_rs: options.sm_budget must be >= 0 (0 = the world's), got " << o.sm_budget);
+    if (o.config) {
+        tp_detail::check_forced_config(*o.config, s.dtype, o.partial_dtype.value_or(s.dtype), kOp);
+        WEFT_CHECK(o.chunk_rows == 0 || o.chunk_rows % o.config->tile_m == 0,
+                   "gemm_rs: options.chunk_rows must be a multiple of the config's tile_m " << o.config->tile_m
+                                                                                           << ", got " << o.chunk_rows);
+    }
+}
+
+int64_t validate_gemm_rs_call(const GemmRsShape& s, int num_ranks, const TensorView& a, const TensorView& b,
+                              const TensorView& c) {
+    WEFT_CHECK(a.ndim == 2, "gemm_rs: a must be a 2-D [M, K] matrix, got " << a.describe());
+    WEFT_CHECK(b.ndim == 2, "gemm_rs: b must be a 2-D [N, K] matrix, got " << b.describe());
+    WEFT_CHECK(c.ndim == 2, "gemm_rs: c must be a 2-D [M/W, N] matrix, got " << c.describe());
+    const int64_t m = a.dim(0);
+    WEFT_CHECK(m >= num_ranks && m % num_ranks == 0 && m <= s.max_m,
+               "gemm_rs: a's rows M must be a multiple of num_ranks " << num_ranks << " in [" << num_ranks << ", "
+                                                                      << s.max_m << "], got " << a.describe());
+    WEFT_CHECK(a.dim(1) == s.k, "gemm_rs: a must have K = " << s.k << " columns, got " << a.describe());
+    WEFT_CHECK(a.dtype == s.dtype && b.dtype == s.dtype && c.dtype == s.dtype,
+               "gemm_rs: a, b and c must be " << dtype_name(s.dtype) << ", got " << dtype_name(a.dtype) << ", "
+                                              << dtype_name(b.dtype) << ", " << dtype_name(c.dtype));
+    WEFT_CHECK(b.dim(0) == s.n && b.dim(1) == s.k,
+               "gemm_rs: b must be [N, K] = [" << s.n << ", " << s.k << "], got " << b.describe());
+    WEFT_CHECK(c.dim(0) == m / num_ranks && c.dim(1) == s.n,
+               "gemm_rs: c must be [M/W, N] = [" << m / num_ranks << ", " << s.n << "], got " << c.describe());
+    try {
+        TensorView a_rows = a;
+        a_rows.shape[0] = c.dim(0);
+        validate_gemm_args(a, b, TensorView(a.data, s.dtype, {m, s.n}, {round_up(s.n, 8), 1}),
+                           BLayout::kNK);  // a and b (d stands for the partial buffer)
+        validate_gemm_args(a_rows, b, c, BLayout::kNK);                                // c's strides
+    } catch (const Error& e) {
+        tp_detail::rethrow_with_op(kOp, e);
+    }
+    return m;
+}
+
+namespace detail {
+
+jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch) {
+    return tp_detail::make_spec(
+        "gemm_rs/gemm_rs.cuh",
+        tp_detail::gemm_instantiation(config, "weft::tp::RsGemmScheduler", "weft::tp::RsGemmHook<CFG>"),
+        "gemm_rs " + tp_detail::config_text(config), arch);
+}
+
+jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::string& arch) {
+    return tp_detail::make_spec("gemm_rs/gemm_rs.cuh",
+                                "weft::tp::rs_reduce_kernel<" + tp_detail::dtype_enum(partial) + ", " +
+                                    tp_detail::dtype_enum(out) + ">",
+                                std::string("gemm_rs reduce ") + dtype_name(partial) + "->" + dtype_name(out), arch);
+}
+
+}  // namespace detail
+
+struct GemmRs::State {
+    World* world = nullptr;
+    GemmRsShape shape;
+    int num_ranks = 1, rank = 0;
+    int budget = 1, reduce_ctas = 0;
+    std::vector<GemmConfig> configs;          // [0]: heuristic / forced; the rest: tuning candidates
+    std::vector<const jit::Kernel*> kernels;  // the GEMM kernel of each config
+    size_t active = 0;
+    bool tuned = false;
+    DType partial_dtype = DType::kBF16;
+    int64_t chunk_rows = 1;
+    int64_t ldp = 0, lda = 0;
+    DeviceCtx ctx{};
+    uint64_t pipeline_timeout_ns = 0;
+
+    tp_detail::SymmetricAllocations heap;
+    void* partial = nullptr;       // symmetric [max_m, ldp]
+    uint64_t* counters = nullptr;  // symmetric [W * max_chunks_per_rank]
+    uint64_t* released = nullptr;  // symmetric [W]
+    uint64_t* gemm_calls = nullptr;
+    uint64_t* red_epoch = nullptr;
+    uint32_t* tile_counter = nullptr;
+    uint32_t* exit_count = nullptr;
+    float* acc = nullptr;  // local [max_m / W, lda]
+
+    const jit::Kernel* reduce_kernel = nullptr;
+    tp_detail::StreamSet streams;
+    cudaStream_t side = nullptr;
+    cudaEvent_t fork = nullptr, join = nullptr;
+
+    explicit State(World& w) : world(&w), heap(w) {}
+    ~State() {
+        heap.free_all();
+        if (acc != nullptr) cudaFree(acc);
+    }
+};
+
+GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& options)
+    : s_(std::make_unique<State>(world)) {
+    State& s = *s_;
+    s.shape = shape;
+    s.num_ranks = world.num_ranks();
+    s.rank = world.rank();
+    validate_gemm_rs_shape(shape, s.num_ranks, options);
+    s.budget = options.sm_budget > 0 ? std::min(options.sm_budget, tp_detail::device_sm_count()) : world.sm_budget();
+    s.partial_dtype = options.partial_dtype.value_or(shape.dtype);
+    if (s.num_ranks > 1) {
+        WEFT_CHECK(s.budget >= 2, "gemm_rs: the SM budget must be >= 2 (GEMM + reduction), got " << s.budget);
+        s.reduce_ctas = options.reduce_ctas > 0 ? options.reduce_ctas
+                                                : default_reduce_ctas(s.budget, world.num_ranks_on_device() > 1);
+        WEFT_CHECK(s.reduce_ctas < s.budget, "gemm_rs: options.reduce_ctas must leave the GEMM at least one SM of the "
+                                             "budget " << s.budget << ", got " << s.reduce_ctas);
+    }
+    const int gemm_budget = s.budget - s.reduce_ctas;
+
+    GemmProblem p;
+    p.m = shape.max_m;
+    p.n = shape.n;
+    p.k = shape.k;
+    p.in_dtype = shape.dtype;
+    p.out_dtype = s.num_ranks == 1 ? shape.dtype : s.partial_dtype;
+    GemmConfig first = tp_detail::choose_gemm_config(p, gemm_budget, options.config, kOp);
+    if (s.num_ranks == 1) first.out_dtype = shape.dtype;  // the plain GEMM writes c itself
+    s.configs = options.autotune ? tp_detail::tune_candidates(first, shape.dtype, first.out_dtype)
+                                 : std::vector<GemmConfig>{first};
+    const int64_t max_rows = shape.max_m / s.num_ranks;
+    // Counters: rows per chunk a multiple of every candidate's tile_m (128 or 256).
+    int max_tile_m = 1;
+    for (const GemmConfig& c : s.configs) max_tile_m = std::max(max_tile_m, c.tile_m);
+    s.chunk_rows = options.chunk_rows > 0 ? options.chunk_rows : default_chunk_rows(max_rows, max_tile_m);
+    int64_t max_chunks_per_rank = 1;
+    for (const GemmConfig& c : s.configs) {
+        WEFT_CHECK(s.chunk_rows % c.tile_m == 0, "gemm_rs: options.chunk_rows must be a multiple of tile_m "
+                                                     << c.tile_m << ", got " << s.chunk_rows);
+        const ReduceScatterTileMap map{max_rows, s.num_ranks, shape.n, c.tile_m, c.tile_n, s.chunk_rows};
+        WEFT_CHECK(map.is_valid(), "gemm_rs: " << map.invalid_reason());
+        max_chunks_per_rank = std::max<int64_t>(max_chunks_per_rank, map.chunks_per_rank());
+    }
+    s.ctx = world.device_ctx();
+    s.pipeline_timeout_ns = tp_detail::pipeline_timeout_ns(world);
+    s.ldp = round_up(shape.n, 8);
+    s.lda = round_up(shape.n, 8);
+
+    for (const GemmConfig& c : s.configs) {
+        s.kernels.push_back(&jit::compiler().get_kernel(s.num_ranks == 1 ? detail::plain_gemm_kernel_spec(c)
+                                                                         : detail::gemm_rs_kernel_spec(c)));
+    }
+    if (s.num_ranks == 1) {
+        world.barrier();
+        return;
+    }
+    s.partial = s.heap.alloc(static_cast<uint64_t>(shape.max_m * s.ldp * dtype_bytes(s.partial_dtype)));
+    const int64_t num_counters = static_cast<int64_t>(s.num_ranks) * max_chunks_per_rank;
+    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(num_counters + s.num_ranks + 3));
+    s.counters = words;
+    s.released = words + num_counters;
+    s.gemm_calls = s.released + s.num_ranks;
+    s.red_epoch = s.gemm_calls + 1;
+    s.tile_counter = reinterpret_cast<uint32_t*>(s.red_epoch + 1);
+    s.exit_count = s.tile_counter + 1;
+    tp_detail::check_peers_reachable(world, s.partial, kOp);
+    WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&s.acc), static_cast<size_t>(max_rows * s.lda) * sizeof(float)));
+
+    s.side = s.streams.add_stream();
+    s.fork = s.streams.add_event();
+    s.join = s.streams.add_event();
+    s.reduce_kernel = &jit::compiler().get_kernel(detail::rs_reduce_kernel_spec(s.partial_dtype, shape.dtype));
+    WEFT_LOG_INFO("gemm_rs: " << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "")
+                              << ", partials " << dtype_name(s.partial_dtype)
+                              << ", chunk_rows " << s.chunk_rows << ", " << s.reduce_ctas
+                              << " reduction CTAs, SM budget " << s.budget);
+    world.barrier();
+}
+
+GemmRs::~GemmRs() = default;
+
+const GemmRsShape& GemmRs::shape() const { return s_->shape; }
+const GemmConfig& GemmRs::config() const { return s_->configs[s_->active]; }
+DType GemmRs::partial_dtype() const { return s_->partial_dtype; }
+int64_t GemmRs::chunk_rows() const { return s_->chunk_rows; }
+int GemmRs::reduce_ctas() const { return s_->reduce_ctas; }
+int GemmRs::gemm_grid() const {
+    return tp_detail::gemm_grid(config(), s_->shape.max_m, s_->shape.n, s_->budget - s_->reduce_ctas);
+}
+
+namespace {
+void enqueue(GemmRs::State& s, size_t idx, int64_t m, const TensorView& a, const TensorView& b, const TensorView& c,
+             cudaStream_t stream);
+}  // namespace
+
+void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream) {
+    State& s = *s_;
+    const int64_t m = validate_gemm_rs_call(s.shape, s.num_ranks, a, b, c);
+    if (s.configs.size() > 1 && !s.tuned) {
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+        if (capture == cudaStreamCaptureStatusNone) {
+            std::vector<jit::TuneCandidate> cands;
+            for (size_t i = 0; i < s.configs.size(); ++i) {
+                cands.push_back({tp_detail::config_text(s.configs[i]),
+                                 [&, i](cudaStream_t st) { enqueue(s, i, m, a, b, c, st); }});
+            }
+            std::ostringstream problem;
+            problem << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)
+                    << ",partials=" << dtype_name(s.partial_dtype) << ",chunk_rows=" << s.chunk_rows
+                    << ",reduce_ctas=" << s.reduce_ctas << ",budget=" << s.budget;
+            const uint64_t tag = s.num_ranks > 1 ? s.world->heap().offset_of(s.counters) : 0;
+            const auto comm = tp_detail::make_tune_comm(*s.world, tag);
+            jit::TuneOptions to;
+            to.stream = stream;
+            const jit::TuneResult r = jit::autotuner().tune({kOp, problem.str()}, cands, comm.get(), to);
+            s.active = r.index;
+            s.tuned = true;
+            WEFT_LOG_INFO("gemm_rs: tuned " << problem.str() << " -> " << r.name);
+        }
+    }
+    enqueue(s, s.active, m, a, b, c, stream);
+}
+
+namespace {
+
+void enqueue(GemmRs::State& s, size_t idx, int64_t m, const TensorView& a, const TensorView& b, const TensorView& c,
+             cudaStream_t stream) {
+    const GemmConfig& config = s.configs[idx];
+    const jit::Kernel& kernel = *s.kernels[idx];
+    if (s.num_ranks == 1) {
+        tp_detail::launch_plain_gemm(kernel, config, a, b, c, s.budget, s.pipeline_timeout_ns, stream);
+        return;
+    }
+    const int64_t rows = m / s.num_ranks;
+    const int32_t n = static_cast<int32_t>(s.shape.n);
+    const TensorView partial(s.partial, s.partial_dtype, {m, s.shape.n}, {s.ldp, 1});
+    const RsGemmOrder order(config, rows, s.num_ranks, s.chunk_rows, n, s.rank);
+
+    // The reduction beside the GEMM, on the side stream.
+    WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
+    RsReduceParams rp{};
+    rp.ctx = s.ctx;
+    rp.rows_per_rank = rows;
+    rp.chunk_rows = s.chunk_rows;
+    rp.n = n;
+    rp.tile_m = config.tile_m;
+    rp.tile_n = config.tile_n;
+    rp.partial = s.partial;
+    rp.ldp = s.ldp;
+    rp.acc = s.acc;
+    rp.lda = s.lda;
+    rp.out = c.data;
+    rp.ldc = c.stride(0);
+    rp.counters = s.counters;
+    rp.released = s.released;
+    rp.epoch = s.red_epoch;
+    rp.exit_count = s.exit_count;
+    jit::LaunchParams lp;
+    lp.grid = dim3(static_cast<unsigned>(s.reduce_ctas), 1, 1);
+    lp.block = dim3(kTpReduceThreads, 1, 1);
+    lp.stream = s.side;
+    s.reduce_kernel->launch(lp, rp);
+
+    // The GEMM on the caller's stream: partial tiles in destination order, each signalled.
+    const detail::GemmTensorMaps maps = detail::make_gemm_tensor_maps(config, a, b, partial);
+    const GemmArgs args = detail::make_gemm_args(a, partial, s.pipeline_timeout_ns);
+    const RsGemmParams sched{s.ctx, rows, s.chunk_rows, s.released, s.gemm_calls};
+    RsGemmHookParams hook{};
+    hook.ctx = s.ctx;
+    hook.rows_per_rank = rows;
+    hook.chunk_rows = s.chunk_rows;
+    hook.counters = s.counters;
+    hook.tile_counter = s.tile_counter;
+    hook.num_tiles = order.num_tiles();
+    hook.n = n;
+    hook.gemm_calls = s.gemm_calls;
+    const int grid = std::max(1, std::min(s.budget - s.reduce_ctas, order.num_tiles()));
+    tp_detail::launch_gemm(kernel, config, maps, args, grid, sched, hook, stream);
+
+    WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+}
+
+}  // namespace
+
+}  // namespace weft::ops

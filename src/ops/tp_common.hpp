@@ -1,0 +1,122 @@
+// SPDX-License-Identifier: MIT
+// Host pieces shared by the tensor-parallel fused ops (AgGemm, GemmRs, GemmAr): JIT specs, GEMM config and
+// grid choice, the GEMM launch through weft::jit, symmetric-allocation ownership, streams and events.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "weft/common/gemm_config.hpp"
+#include "weft/jit/autotune.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/ops/gemm.hpp"
+
+namespace weft {
+class World;
+}
+
+namespace weft::ops::tp_detail {
+
+/// "weft::DType::kBF16" ...: a dtype as generated code spells it.
+std::string dtype_enum(DType t);
+
+/// A KernelSpec for header + instantiation with a log description; `arch` as KernelSpec::arch.
+jit::KernelSpec make_spec(const std::string& header, const std::string& instantiation, const std::string& description,
+                          const std::string& arch);
+
+/// "gemm_kernel<CFG, SCHED<CFG>, HOOK>" for a scheduler template and a hook type (HOOK may contain "CFG",
+/// which is replaced by the config).
+std::string gemm_instantiation(const GemmConfig& config, const std::string& scheduler_template,
+                               const std::string& hook);
+
+/// Short config text for logs: "128x256x64/4 bf16->bf16".
+std::string config_text(const GemmConfig& config);
+
+/// The current device's SM count.
+int device_sm_count();
+
+/// Checks a forced config for a fused op (valid, cluster-free, dtypes and B [N,K]); throws naming `op`.
+void check_forced_config(const GemmConfig& config, DType in, DType out, const char* op);
+
+/// The GEMM config of a fused op: `forced`, else the GEMM heuristic for `budget` SMs with any cluster pair
+/// dropped (the fused schedulers and launches are cluster-free).
+GemmConfig choose_gemm_config(const GemmProblem& problem, int budget, const std::optional<GemmConfig>& forced,
+                              const char* op);
+
+/// CTAs of the persistent GEMM: min(budget, tiles), at least 1.
+int gemm_grid(const GemmConfig& config, int64_t m, int64_t n, int budget);
+
+/// Bounds the GEMM's pipeline waits: twice the world's timeout, so that a communication wait (bounded by
+/// the world's timeout, with a diagnostic) always expires first.
+uint64_t pipeline_timeout_ns(const World& world);
+
+/// Launches a gemm_kernel instantiation loaded through the JIT (cluster-free).
+template <class SchedParams, class HookParams>
+void launch_gemm(const jit::Kernel& kernel, const GemmConfig& config, const detail::GemmTensorMaps& maps,
+                 const GemmArgs& args, int grid, const SchedParams& sched, const HookParams& hook,
+                 cudaStream_t stream) {
+    jit::LaunchParams lp;
+    lp.grid = dim3(static_cast<unsigned>(grid), 1, 1);
+    lp.block = dim3(kGemmThreads, 1, 1);
+    lp.dynamic_smem_bytes = static_cast<size_t>(gemm_smem_plan(config).alloc_bytes);
+    lp.stream = stream;
+    kernel.launch(lp, maps.a, maps.b, maps.d, args, sched, hook);
+}
+
+/// The plain GEMM (PersistentScheduler, no hook) of a world of one rank.
+void launch_plain_gemm(const jit::Kernel& kernel, const GemmConfig& config, const TensorView& a, const TensorView& b,
+                       const TensorView& d, int budget, uint64_t timeout_ns, cudaStream_t stream);
+
+/// Throws when rank `r`'s copy of a symmetric object is not load/store reachable from this rank.
+void check_peers_reachable(const World& world, const void* symmetric_ptr, const char* op);
+
+/// Rounds up to a multiple of `m`.
+constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/// Owns symmetric allocations of one op; free_all() is collective (call it from every rank, in order).
+class SymmetricAllocations {
+public:
+    explicit SymmetricAllocations(World& world) : world_(&world) {}
+    void* alloc(uint64_t bytes);
+    uint64_t* alloc_signals(uint64_t count);
+    /// Synchronises the device, meets the other ranks at a barrier (no peer still touches these buffers),
+    /// frees everything; logs instead of throwing (destructors call it).
+    void free_all() noexcept;
+
+private:
+    World* world_;
+    std::vector<void*> ptrs_;
+};
+
+/// Non-blocking streams and events created on the current device, destroyed with the owner.
+class StreamSet {
+public:
+    StreamSet() = default;
+    ~StreamSet();
+    StreamSet(const StreamSet&) = delete;
+    StreamSet& operator=(const StreamSet&) = delete;
+    cudaStream_t add_stream();
+    cudaEvent_t add_event();
+
+private:
+    std::vector<cudaStream_t> streams_;
+    std::vector<cudaEvent_t> events_;
+};
+
+/// The cluster-free candidates a fused op may tune over: `first` (the heuristic's pick), then every other
+/// valid candidate of gemm_candidate_configs with its cluster dropped, without duplicates.
+std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out);
+
+/// A TuneComm over the World (host barrier, all-gather through its store). `tag` must be the same on every
+/// rank and unique among the live users of the store (e.g. the heap offset of an op's signal words).
+std::unique_ptr<jit::TuneComm> make_tune_comm(World& world, uint64_t tag);
+
+/// Wraps a validation error of a GEMM view check with the op's name.
+[[noreturn]] void rethrow_with_op(const char* op, const std::exception& e);
+
+}  // namespace weft::ops::tp_detail

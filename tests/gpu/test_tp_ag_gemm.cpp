@@ -1,0 +1,224 @@
+// SPDX-License-Identifier: MIT
+// GPU tests of weft::ops::AgGemm (AllGather+GEMM) with ranks as threads sharing the visible GPUs: an fp64 CPU
+// reference on awkward shapes, world sizes 1, 2, 3, 4, 8, bf16 and f16, poisoned outputs, fresh random data
+// on every call, repeated calls without any reset, the zero-copy local shard, the gathered A checked bit for
+// bit, and a CUDA-graph replay.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "support/runtime_checks.hpp"
+#include "tp_test_util.hpp"
+#include "weft/ops/ag_gemm.hpp"
+#include "weft/weft.hpp"
+
+namespace weft {
+namespace {
+
+using namespace tp_test;
+
+struct AgCase {
+    int64_t rows;  // per rank
+    int64_t n, k;
+    int64_t chunk_rows = 0;
+    int64_t a_pad = 0, c_pad = 0;
+    int copy_streams = 0;
+    int sm_budget = 0;
+    std::optional<GemmConfig> config = std::nullopt;
+    bool autotune = false;
+};
+
+AgCase ag(int64_t rows, int64_t n, int64_t k, int64_t chunk_rows = 0, int64_t a_pad = 0, int64_t c_pad = 0,
+          int copy_streams = 0, int sm_budget = 0) {
+    return AgCase{rows, n, k, chunk_rows, a_pad, c_pad, copy_streams, sm_budget, std::nullopt, false};
+}
+
+std::string describe(const AgCase& c, DType dt, int w, uint64_t seed) {
+    std::ostringstream os;
+    os << "ag_gemm W=" << w << " rows/rank " << c.rows << " n " << c.n << " k " << c.k << " " << dtype_name(dt)
+       << " chunk_rows " << c.chunk_rows << " pads(a " << c.a_pad << ", c " << c.c_pad << ") copy_streams "
+       << c.copy_streams << " sm_budget " << c.sm_budget << (c.config ? " forced config" : "")
+       << (c.autotune ? " autotune" : "") << " seed " << seed;
+    return os.str();
+}
+
+enum class Mode { kEager, kGraph };
+
+/// One case on one rank: `calls` calls with fresh data, each checked (C against fp64, gathered A bit-exact).
+/// Eager calls vary M (the second call uses about 2/3 of the rows); graph replays keep the captured M.
+void run_case(World& w, const AgCase& cs, DType dt, int calls, Mode mode, uint64_t base, Failures& f) {
+    const int nr = w.num_ranks(), me = w.rank();
+    const int64_t max_m = cs.rows * nr;
+    const std::string what = describe(cs, dt, nr, base) + " rank " + std::to_string(me);
+    ops::AgGemmOptions opt;
+    opt.chunk_rows = cs.chunk_rows;
+    opt.copy_streams = nr > 2 ? cs.copy_streams : 0;
+    opt.sm_budget = cs.sm_budget;
+    opt.config = cs.config;
+    opt.autotune = cs.autotune;
+
+    const int64_t lda = ld_for(cs.k, cs.a_pad), ldc = ld_for(cs.n, cs.c_pad);
+    HostMat b(cs.n, cs.k, ld_for(cs.k), dt);
+    DevBuf a_dev(static_cast<size_t>(cs.rows * lda * 2)), b_dev(b.bytes()), c_dev(static_cast<size_t>(max_m * ldc * 2));
+    cudaStream_t st = nullptr;
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    {
+        ops::AgGemm op(w, {max_m, cs.n, cs.k, dt}, opt);
+        cudaGraphExec_t graph_exec = nullptr;
+        for (int call = 0; call < calls; ++call) {
+            const int64_t rows = mode == Mode::kEager && call == 1 ? std::max<int64_t>(1, cs.rows * 2 / 3) : cs.rows;
+            const int64_t m = rows * nr;
+            const std::string at = what + " call " + std::to_string(call) + " M " + std::to_string(m);
+            // Fresh data: every rank's shard (for the reference), this rank's weight shard.
+            std::vector<HostMat> shards;
+            for (int r = 0; r < nr; ++r) {
+                shards.emplace_back(rows, cs.k, cs.k, dt);
+                shards.back().fill_random(seed_of(base, 0, r, call));
+            }
+            b.fill_random(seed_of(base, 1, me, call));
+            upload(b, b_dev.ptr, st);
+            // Poison the whole gathered buffer (no peer reads it between calls) and the output.
+            const TensorView g = op.gathered(m);
+            WEFT_CUDA_CHECK(cudaMemsetAsync(g.data, 0xFF, static_cast<size_t>(g.size_bytes()), st));
+            HostMat c(m, cs.n, ldc, dt);
+            poison(c);
+            upload(c, c_dev.ptr, st);
+            // Call 1 writes A straight into the gathered buffer (no local copy); the others from a padded buffer.
+            const bool zero_copy = mode == Mode::kEager && call == 1;
+            TensorView a_view;
+            if (zero_copy) {
+                a_view = op.local_shard(m);
+                upload(shards[static_cast<size_t>(me)], a_view.data, st);
+            } else {
+                HostMat a(rows, cs.k, lda, dt);
+                for (int64_t r = 0; r < rows; ++r)
+                    for (int64_t j = 0; j < cs.k; ++j) a.set(r, j, shards[static_cast<size_t>(me)].at(r, j));
+                upload(a, a_dev.ptr, st);
+                a_view = view(a, a_dev.ptr);
+            }
+            const TensorView bv = view(b, b_dev.ptr), cv = view(c, c_dev.ptr);
+            if (mode == Mode::kEager || call == 0) {
+                op.run(a_view, bv, cv, st);
+                if (mode == Mode::kGraph) {
+                    // Capture after one eager call (kernels loaded, attributes set), then replay from call 1.
+                    w.sync_and_check(st);
+                    cudaGraph_t graph = nullptr;
+                    WEFT_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+                    op.run(a_view, bv, cv, st);
+                    WEFT_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+                    WEFT_CUDA_CHECK(cudaGraphInstantiate(&graph_exec, graph, 0));
+                    WEFT_CUDA_CHECK(cudaGraphDestroy(graph));
+                    WEFT_CUDA_CHECK(cudaGraphLaunch(graph_exec, st));  // a second call on the same data
+                }
+            } else {
+                WEFT_CUDA_CHECK(cudaGraphLaunch(graph_exec, st));
+            }
+            w.sync_and_check(st);
+
+            download(c, c_dev.ptr, st);
+            const std::vector<int64_t> check_rows =
+                rows_to_check(m, rows, static_cast<double>(cs.n * cs.k), seed_of(base, 2, me, call));
+            std::vector<double> ref(check_rows.size() * static_cast<size_t>(cs.n), 0.0);
+            for (size_t i = 0; i < check_rows.size(); ++i) {
+                const std::vector<int64_t> one = {check_rows[i] % rows};
+                std::vector<double> part(static_cast<size_t>(cs.n), 0.0);
+                add_a_bt(shards[static_cast<size_t>(check_rows[i] / rows)], 0, one, b, part);
+                std::copy(part.begin(), part.end(), ref.begin() + static_cast<int64_t>(i) * cs.n);
+            }
+            const std::string bad = compare(c, check_rows, ref, tol_for(dt, 1));
+            if (!bad.empty()) f.add(at + ": C: " + bad);
+
+            HostMat gathered(m, cs.k, cs.k, dt);
+            download(gathered, g.data, st);
+            int64_t wrong = 0;
+            for (int r = 0; r < nr; ++r) {
+                const auto& sh = shards[static_cast<size_t>(r)].bits;
+                wrong += !std::equal(sh.begin(), sh.end(), gathered.bits.begin() + r * rows * cs.k);
+            }
+            if (wrong != 0) f.add(at + ": gathered A differs in " + std::to_string(wrong) + " shard(s)");
+        }
+        if (graph_exec != nullptr) WEFT_CUDA_CHECK(cudaGraphExecDestroy(graph_exec));
+    }
+    WEFT_CUDA_CHECK(cudaStreamDestroy(st));
+}
+
+const std::vector<AgCase>& cases() {
+    static const std::vector<AgCase> v = [] {
+        std::vector<AgCase> out;
+        out.push_back(ag(100, 200, 72, 0, 8, 8));        // nothing a multiple of a tile; padded strides
+        out.push_back(ag(1, 8, 8));                      // one row per rank: every tile spans every rank
+        out.push_back(ag(300, 1100, 256, 64, 0, 0, 2));  // chunks of 64 rows, ragged N, two copy streams
+        out.push_back(ag(256, 384, 512, 128, 0, 16, 0, 3));  // 3 CTAs: many tiles each
+        AgCase forced = ag(200, 520, 136, 96);
+        GemmConfig cfg = gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK);  // 128x128, 6 stages
+        forced.config = cfg;
+        out.push_back(forced);
+        return out;
+    }();
+    return v;
+}
+
+void run_world(int num_ranks, const std::vector<AgCase>& cs, const std::vector<DType>& dtypes, int calls,
+               Mode mode = Mode::kEager) {
+    const uint64_t base = fresh_seed();
+    Failures f;
+    test::run_ranks(
+        num_ranks,
+        [&](World& w) {
+            for (DType dt : dtypes) {
+                for (AgCase c : cs) {
+                    if (c.config) {
+                        c.config->in_dtype = dt;
+                        c.config->out_dtype = dt;
+                    }
+                    run_case(w, c, dt, calls, mode, base, f);
+                }
+            }
+        },
+        test::test_options(256ull << 20));
+    f.report();
+}
+
+// A quick subset for a first run on a new machine.
+TEST(TpSmoke, AgGemmTwoRanks) { run_world(2, {cases()[0]}, {DType::kBF16}, 2); }
+
+TEST(TpAgGemm, WorldSize1IsThePlainGemm) { run_world(1, cases(), {DType::kBF16, DType::kF16}, 2); }
+TEST(TpAgGemm, WorldSize2) { run_world(2, cases(), {DType::kBF16, DType::kF16}, 3); }
+TEST(TpAgGemm, WorldSize3) { run_world(3, cases(), {DType::kBF16, DType::kF16}, 3); }
+TEST(TpAgGemm, WorldSize4) { run_world(4, cases(), {DType::kBF16}, 3); }
+TEST(TpAgGemm, WorldSize8) { run_world(8, cases(), {DType::kBF16, DType::kF16}, 3); }
+
+TEST(TpAgGemm, GraphReplayWithoutReset) { run_world(3, {cases()[0], cases()[2]}, {DType::kBF16}, 4, Mode::kGraph); }
+
+// Tuning times every candidate config on the first call (all ranks together), then keeps one: every call's
+// result must still be right, whichever config won.
+TEST(TpAgGemm, AutotunedConfigStaysCorrect) {
+    AgCase c = ag(200, 520, 136);
+    c.autotune = true;
+    run_world(2, {c}, {DType::kBF16}, 3);
+}
+
+TEST(TpAgGemm, BadCallThrowsNamingTheArgument) {
+    Failures f;
+    test::run_ranks(2, [&](World& w) {
+        DevBuf buf(1 << 20);
+        ops::AgGemm op(w, {256, 64, 64, DType::kBF16});
+        const TensorView a(buf.ptr, DType::kBF16, {128, 64});
+        const TensorView b(buf.ptr, DType::kBF16, {64, 64});
+        const TensorView c_bad(buf.ptr, DType::kBF16, {255, 64});
+        try {
+            op.run(a, b, c_bad, nullptr);
+            f.add("no error for a wrong c");
+        } catch (const Error& e) {
+            if (std::string(e.what()).find("c must be [M, N]") == std::string::npos) f.add(e.what());
+        }
+        w.barrier();
+    });
+    f.report();
+}
+
+}  // namespace
+}  // namespace weft

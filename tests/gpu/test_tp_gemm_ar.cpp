@@ -1,0 +1,155 @@
+// SPDX-License-Identifier: MIT
+// GPU tests of weft::ops::GemmAr (GEMM+AllReduce, small M) with ranks as threads sharing the visible GPUs: an
+// fp64 CPU reference of sum_s A_s B_s^T, M from 1 to 128 (small-M and tiled GEMM paths), ragged N, world
+// sizes 1, 2, 3, 4, 8, bf16 and f16, bf16 and fp32 partials, poisoned outputs, fresh data on every call,
+// repeated calls without reset, bit-identical results on every rank, and a CUDA-graph replay.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "support/runtime_checks.hpp"
+#include "tp_test_util.hpp"
+#include "weft/ops/gemm_ar.hpp"
+#include "weft/weft.hpp"
+
+namespace weft {
+namespace {
+
+using namespace tp_test;
+
+struct ArCase {
+    int64_t max_m;
+    std::vector<int64_t> ms;  // M of the calls, cycled
+    int64_t n, k;
+    int64_t c_pad = 0;
+    bool f32_partials = false;
+};
+
+enum class Mode { kEager, kGraph };
+
+uint64_t hash_bits(const HostMat& h) {
+    uint64_t x = 1469598103934665603ull;
+    for (int64_t r = 0; r < h.rows; ++r)
+        for (int64_t c = 0; c < h.cols; ++c) x = (x ^ h.bits[static_cast<size_t>(r * h.ld + c)]) * 1099511628211ull;
+    return x;
+}
+
+struct Hashes {
+    std::mutex mutex;
+    std::map<std::string, std::vector<uint64_t>> by_call;  // call key -> hash per rank
+};
+
+void run_case(World& w, const ArCase& cs, DType dt, int calls, Mode mode, uint64_t base, Failures& f, Hashes& h) {
+    const int nr = w.num_ranks(), me = w.rank();
+    std::ostringstream id;
+    id << "gemm_ar W=" << nr << " max_m " << cs.max_m << " n " << cs.n << " k " << cs.k << " " << dtype_name(dt)
+       << (cs.f32_partials ? " f32 partials" : "") << " seed " << base;
+    ops::GemmArOptions opt;
+    if (cs.f32_partials) opt.partial_dtype = DType::kF32;
+
+    HostMat a_max(cs.max_m, cs.k, ld_for(cs.k), dt), b(cs.n, cs.k, ld_for(cs.k), dt);
+    HostMat c_max(cs.max_m, cs.n, ld_for(cs.n, cs.c_pad), dt);
+    DevBuf a_dev(a_max.bytes()), b_dev(b.bytes()), c_dev(c_max.bytes());
+    cudaStream_t st = nullptr;
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    {
+        ops::GemmAr op(w, {cs.max_m, cs.n, cs.k, dt}, opt);
+        cudaGraphExec_t graph_exec = nullptr;
+        for (int call = 0; call < calls; ++call) {
+            const int64_t m = mode == Mode::kGraph ? cs.ms[0] : cs.ms[static_cast<size_t>(call) % cs.ms.size()];
+            const std::string what = id.str() + " M " + std::to_string(m) + " call " + std::to_string(call);
+            std::vector<HostMat> as, bs;
+            for (int r = 0; r < nr; ++r) {
+                as.emplace_back(m, cs.k, ld_for(cs.k), dt);
+                as.back().fill_random(seed_of(base, 0, r, call));
+                bs.emplace_back(cs.n, cs.k, ld_for(cs.k), dt);
+                bs.back().fill_random(seed_of(base, 1, r, call));
+            }
+            upload(as[static_cast<size_t>(me)], a_dev.ptr, st);
+            upload(bs[static_cast<size_t>(me)], b_dev.ptr, st);
+            HostMat c(m, cs.n, c_max.ld, dt);
+            poison(c);
+            upload(c, c_dev.ptr, st);
+            const TensorView av = view(as[static_cast<size_t>(me)], a_dev.ptr), bv = view(b, b_dev.ptr),
+                             cv = view(c, c_dev.ptr);
+            if (mode == Mode::kEager || call == 0) {
+                op.run(av, bv, cv, st);
+                if (mode == Mode::kGraph) {
+                    w.sync_and_check(st);
+                    cudaGraph_t graph = nullptr;
+                    WEFT_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+                    op.run(av, bv, cv, st);
+                    WEFT_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+                    WEFT_CUDA_CHECK(cudaGraphInstantiate(&graph_exec, graph, 0));
+                    WEFT_CUDA_CHECK(cudaGraphDestroy(graph));
+                    WEFT_CUDA_CHECK(cudaGraphLaunch(graph_exec, st));
+                }
+            } else {
+                WEFT_CUDA_CHECK(cudaGraphLaunch(graph_exec, st));
+            }
+            w.sync_and_check(st);
+
+            download(c, c_dev.ptr, st);
+            std::vector<int64_t> rows;
+            for (int64_t r = 0; r < m; ++r) rows.push_back(r);
+            std::vector<double> ref(rows.size() * static_cast<size_t>(cs.n), 0.0);
+            for (int r = 0; r < nr; ++r) add_a_bt(as[static_cast<size_t>(r)], 0, rows, bs[static_cast<size_t>(r)], ref);
+            const std::string bad = compare(c, rows, ref, tol_for(dt, cs.f32_partials ? 1 : nr));
+            if (!bad.empty()) f.add(what + " rank " + std::to_string(me) + ": " + bad);
+            std::lock_guard<std::mutex> lock(h.mutex);
+            auto& v = h.by_call[what];
+            v.resize(static_cast<size_t>(nr));
+            v[static_cast<size_t>(me)] = hash_bits(c);
+        }
+        if (graph_exec != nullptr) WEFT_CUDA_CHECK(cudaGraphExecDestroy(graph_exec));
+    }
+    WEFT_CUDA_CHECK(cudaStreamDestroy(st));
+}
+
+const std::vector<ArCase>& cases() {
+    static const std::vector<ArCase> v = {
+        {128, {1, 16, 128, 5}, 1000, 256, 8},  // small-M (1, 5, 16) and tiled (128) paths; padded c
+        {64, {64, 17}, 8, 1000},               // N = 8
+        {100, {100, 33}, 1100, 136, 0, true},  // ragged N, fp32 partials, tiled at M = 100
+    };
+    return v;
+}
+
+void run_world(int num_ranks, const std::vector<ArCase>& cs, const std::vector<DType>& dtypes, int calls,
+               Mode mode = Mode::kEager) {
+    const uint64_t base = fresh_seed();
+    Failures f;
+    Hashes h;
+    test::run_ranks(
+        num_ranks,
+        [&](World& w) {
+            for (DType dt : dtypes) {
+                for (const ArCase& c : cs) run_case(w, c, dt, calls, mode, base, f, h);
+            }
+        },
+        test::test_options(256ull << 20));
+    f.report();
+    for (const auto& [what, hashes] : h.by_call) {
+        for (size_t r = 1; r < hashes.size(); ++r) {
+            EXPECT_EQ(hashes[r], hashes[0]) << what << ": rank " << r << "'s result differs from rank 0's";
+        }
+    }
+}
+
+TEST(TpSmoke, GemmArTwoRanks) { run_world(2, {cases()[0]}, {DType::kBF16}, 2); }
+
+TEST(TpGemmAr, WorldSize1IsThePlainGemm) { run_world(1, cases(), {DType::kBF16, DType::kF16}, 4); }
+TEST(TpGemmAr, WorldSize2) { run_world(2, cases(), {DType::kBF16, DType::kF16}, 4); }
+TEST(TpGemmAr, WorldSize3) { run_world(3, cases(), {DType::kBF16, DType::kF16}, 4); }
+TEST(TpGemmAr, WorldSize4) { run_world(4, cases(), {DType::kBF16}, 4); }
+TEST(TpGemmAr, WorldSize8) { run_world(8, cases(), {DType::kBF16, DType::kF16}, 4); }
+
+TEST(TpGemmAr, GraphReplayWithoutReset) { run_world(2, {cases()[0]}, {DType::kBF16}, 4, Mode::kGraph); }
+
+}  // namespace
+}  // namespace weft

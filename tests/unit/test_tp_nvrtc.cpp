@@ -1,0 +1,83 @@
+// SPDX-License-Identifier: MIT
+// Unit tests (CPU): NVRTC compiles the tensor-parallel fused kernels (AllGather+GEMM, GEMM+ReduceScatter,
+// GEMM+AllReduce) through weft::jit for sm_90a, with a clean ptxas report (no spills, no wgmma serialisation,
+// no ignored setmaxnreg).
+#include <gtest/gtest.h>
+
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "support/jit_testing.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/ops/ag_gemm.hpp"
+#include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_ar.hpp"
+#include "weft/ops/gemm_rs.hpp"
+
+namespace weft {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::isolated_compiler_config;
+
+constexpr const char* kArch = "sm_90a";
+
+void expect_clean(const jit::CompileResult& r, const std::string& what) {
+    EXPECT_EQ(r.log.find("C75"), std::string::npos) << what << ": ptxas performance warning:\n" << r.log;
+    EXPECT_EQ(r.log.find("warning"), std::string::npos) << what << ":\n" << r.log;
+    const std::regex spill(R"((\d+) bytes spill stores, (\d+) bytes spill loads)");
+    int functions = 0;
+    for (auto it = std::sregex_iterator(r.log.begin(), r.log.end(), spill); it != std::sregex_iterator(); ++it) {
+        ++functions;
+        EXPECT_EQ((*it)[1].str(), "0") << what << ": spill stores\n" << r.log;
+        EXPECT_EQ((*it)[2].str(), "0") << what << ": spill loads\n" << r.log;
+    }
+    EXPECT_GT(functions, 0) << what << ": no ptxas report in the log\n" << r.log;
+    EXPECT_FALSE(r.lowered_name.empty()) << what;
+    EXPECT_FALSE(r.cubin == nullptr || r.cubin->empty()) << what;
+}
+
+void compile_clean(jit::Compiler& compiler, const jit::KernelSpec& spec) {
+    SCOPED_TRACE(spec.describe());
+    jit::CompileResult r;
+    try {
+        r = compiler.compile(spec);
+    } catch (const std::exception& e) {
+        FAIL() << e.what();
+    }
+    expect_clean(r, spec.describe());
+}
+
+GemmConfig cfg(int index, DType in, DType out) {
+    GemmConfig c = gemm_candidate(index, in, out, BLayout::kNK);
+    c.cluster_m = c.cluster_n = 1;  // the fused ops are cluster-free
+    return c;
+}
+
+TEST(TpNvrtc, AgGemmKernelsCompileClean) {
+    jit::Compiler compiler(isolated_compiler_config(fs::path()));
+    compile_clean(compiler, ops::detail::ag_gemm_kernel_spec(cfg(0, DType::kBF16, DType::kBF16), kArch));
+    compile_clean(compiler, ops::detail::ag_gemm_kernel_spec(cfg(3, DType::kF16, DType::kF16), kArch));
+    compile_clean(compiler, ops::detail::ag_notify_kernel_spec(kArch));
+    compile_clean(compiler, ops::detail::plain_gemm_kernel_spec(cfg(0, DType::kBF16, DType::kBF16), kArch));
+}
+
+TEST(TpNvrtc, GemmRsKernelsCompileClean) {
+    jit::Compiler compiler(isolated_compiler_config(fs::path()));
+    compile_clean(compiler, ops::detail::gemm_rs_kernel_spec(cfg(0, DType::kBF16, DType::kBF16), kArch));
+    compile_clean(compiler, ops::detail::gemm_rs_kernel_spec(cfg(6, DType::kF16, DType::kF32), kArch));
+    compile_clean(compiler, ops::detail::rs_reduce_kernel_spec(DType::kBF16, DType::kBF16, kArch));
+    compile_clean(compiler, ops::detail::rs_reduce_kernel_spec(DType::kF32, DType::kF16, kArch));
+}
+
+TEST(TpNvrtc, GemmArKernelsCompileClean) {
+    jit::Compiler compiler(isolated_compiler_config(fs::path()));
+    compile_clean(compiler, ops::detail::ar_reduce_kernel_spec(DType::kBF16, DType::kBF16, kArch));
+    compile_clean(compiler, ops::detail::ar_reduce_kernel_spec(DType::kF32, DType::kF16, kArch));
+    compile_clean(compiler, ops::detail::gemv_kernel_spec(1, DType::kBF16, DType::kBF16, 1, kArch));
+    compile_clean(compiler, ops::detail::gemv_kernel_spec(4, DType::kF16, DType::kF32, 0, kArch));
+}
+
+}  // namespace
+}  // namespace weft

@@ -1,0 +1,402 @@
+// SPDX-License-Identifier: MIT
+// Unit tests (CPU): tile orders and signal maths of the tensor-parallel fused GEMMs (AgGemmOrder, RsGemmOrder,
+// rs_source_at) checked against the tile maps and against brute-force enumeration, a CPU replay of the
+// GEMM+ReduceScatter counting protocol, the chunk heuristics, and argument validation of the three ops.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "weft/common/tp_params.hpp"
+#include "weft/common/tp_schedule.hpp"
+#include "weft/ops/ag_gemm.hpp"
+#include "weft/ops/gemm_ar.hpp"
+#include "weft/ops/gemm_rs.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace weft {
+namespace {
+
+GemmConfig cfg(int tile_m, int tile_n, int cluster_m = 1, int cluster_n = 1, int group = 8) {
+    GemmConfig c;
+    c.tile_m = tile_m;
+    c.tile_n = tile_n;
+    c.cluster_m = cluster_m;
+    c.cluster_n = cluster_n;
+    c.raster_group = group;
+    return c;
+}
+
+struct AgCase {
+    GemmConfig c;
+    int64_t rows_per_rank;
+    int32_t num_ranks;
+    int64_t chunk_rows;
+    int32_t n;
+};
+
+std::vector<AgCase> ag_cases() {
+    std::vector<AgCase> v;
+    for (int32_t w : {1, 2, 3, 4, 8}) {
+        for (int64_t rpr : {int64_t{1}, int64_t{100}, int64_t{128}, int64_t{300}, int64_t{1024}}) {
+            for (int64_t chunk : {int64_t{64}, int64_t{128}, int64_t{100000}}) {
+                v.push_back({cfg(128, 256), rpr, w, chunk, 1000});
+                v.push_back({cfg(256, 128, 1, 1, 3), rpr, w, chunk, 129});
+                v.push_back({cfg(128, 128, 2, 1, 2), rpr, w, chunk, 300});  // a B-multicast pair along M
+                v.push_back({cfg(128, 64, 1, 2, 1), rpr, w, chunk, 72});    // an A-multicast pair along N
+            }
+        }
+    }
+    return v;
+}
+
+std::string describe(const AgCase& a) {
+    return "tile " + std::to_string(a.c.tile_m) + "x" + std::to_string(a.c.tile_n) + " cluster " +
+           std::to_string(a.c.cluster_m) + "x" + std::to_string(a.c.cluster_n) + " group " +
+           std::to_string(a.c.raster_group) + " rows/rank " + std::to_string(a.rows_per_rank) + " W " +
+           std::to_string(a.num_ranks) + " chunk " + std::to_string(a.chunk_rows) + " n " + std::to_string(a.n);
+}
+
+TEST(TpSchedule, AgOrderCoversEveryTileOncePerRank) {
+    for (const AgCase& a : ag_cases()) {
+        for (int32_t rank = 0; rank < a.num_ranks; ++rank) {
+            SCOPED_TRACE(describe(a) + " rank " + std::to_string(rank));
+            const AgGemmOrder o(a.c, a.rows_per_rank, a.num_ranks, a.chunk_rows, a.n, rank);
+            const int64_t m = a.rows_per_rank * a.num_ranks;
+            ASSERT_EQ(o.m, m);
+            ASSERT_EQ(o.num_m_tiles, (m + a.c.tile_m - 1) / a.c.tile_m);
+            std::set<std::pair<int, int>> seen;
+            int valid = 0;
+            for (int32_t t = 0; t < o.num_cluster_tiles(); ++t) {
+                for (int32_t cta = 0; cta < a.c.cluster_m * a.c.cluster_n; ++cta) {
+                    const GemmTile g = o.tile(t, cta);
+                    if (!g.valid) continue;  // padding tile of a cluster pair past the edge
+                    ++valid;
+                    EXPECT_TRUE(seen.insert({g.m_idx, g.n_idx}).second) << "tile repeated: " << g.m_idx << "," << g.n_idx;
+                    EXPECT_EQ(g.m0, g.m_idx * a.c.tile_m);
+                    EXPECT_EQ(g.n0, g.n_idx * a.c.tile_n);
+                }
+            }
+            EXPECT_EQ(valid, o.num_m_tiles * o.num_n_tiles);
+        }
+    }
+}
+
+TEST(TpSchedule, AgOrderFollowsTheTileMapRotation) {
+    for (const AgCase& a : ag_cases()) {
+        for (int32_t rank = 0; rank < a.num_ranks; ++rank) {
+            SCOPED_TRACE(describe(a) + " rank " + std::to_string(rank));
+            const AgGemmOrder o(a.c, a.rows_per_rank, a.num_ranks, a.chunk_rows, a.n, rank);
+            const AllGatherTileMap map = o.rows();
+            ASSERT_TRUE(map.is_valid());
+            EXPECT_EQ(o.rotation_start, map.tile_at(rank, 0));
+            // The cluster rows appear in tile_at order, group by group: position p's row is tile_at(rank, p).
+            std::vector<int32_t> rows_in_order;
+            for (int32_t t = 0; t < o.num_cluster_tiles(); ++t) {
+                const int32_t mc = o.tile(t, 0).m_idx / a.c.cluster_m;
+                if (std::find(rows_in_order.begin(), rows_in_order.end(), mc) == rows_in_order.end()) {
+                    rows_in_order.push_back(mc);
+                }
+            }
+            ASSERT_EQ(static_cast<int32_t>(rows_in_order.size()), map.num_tiles());
+            for (int32_t p = 0; p < map.num_tiles(); ++p) EXPECT_EQ(rows_in_order[p], map.tile_at(rank, p)) << p;
+            // The first tile needs no peer's data when this rank's shard begins a cluster row of its own.
+            const int64_t first_row = static_cast<int64_t>(map.tile_at(rank, 0)) * map.tile_m;
+            if (a.num_ranks > 1 && first_row >= rank * a.rows_per_rank &&
+                first_row + map.tile_m <= (rank + 1) * a.rows_per_rank) {
+                const SignalRange r = o.signals_for(o.tile(0, 0));
+                for (int32_t s = r.first; s <= r.last; ++s) EXPECT_TRUE(o.is_local_signal(s)) << s;
+            }
+        }
+    }
+}
+
+TEST(TpSchedule, AgSignalsMatchTheTileMapChunks) {
+    for (const AgCase& a : ag_cases()) {
+        SCOPED_TRACE(describe(a));
+        const AgGemmOrder o(a.c, a.rows_per_rank, a.num_ranks, a.chunk_rows, a.n, 0);
+        const AllGatherTileMap map = o.rows();
+        EXPECT_EQ(o.chunks_per_rank, map.chunks_per_rank());
+        EXPECT_EQ(o.num_signals(), map.num_signals());
+        for (int32_t row = 0; row < o.m; ++row) {
+            ASSERT_EQ(o.signal_of_row(row), map.chunk_of_row(row).signal_idx) << "row " << row;
+        }
+        for (int32_t mt = 0; mt < o.num_m_tiles; ++mt) {
+            GemmTile t{};
+            t.m_idx = mt;
+            t.m0 = mt * a.c.tile_m;
+            t.valid = true;
+            const SignalRange r = o.signals_for(t);
+            std::set<int32_t> want;
+            for (int64_t row = t.m0; row < std::min<int64_t>(o.m, t.m0 + a.c.tile_m); ++row) {
+                want.insert(map.chunk_of_row(row).signal_idx);
+            }
+            ASSERT_FALSE(want.empty());
+            EXPECT_EQ(r.first, *want.begin());
+            EXPECT_EQ(r.last, *want.rbegin());
+            EXPECT_EQ(static_cast<size_t>(r.count()), want.size()) << "the range must be contiguous";
+            for (int32_t s = r.first; s <= r.last; ++s) {
+                EXPECT_EQ(o.is_local_signal(s), map.chunk(s).rank == 0);
+            }
+        }
+        GemmTile invalid{};
+        invalid.valid = false;
+        EXPECT_EQ(o.signals_for(invalid).count(), 0);
+    }
+}
+
+TEST(TpSchedule, AgCopyOrderIsOwnShardThenRankPlusOne) {
+    const AllGatherTileMap map{300, 4, 128, 128};
+    for (int32_t rank = 0; rank < 4; ++rank) {
+        for (int32_t i = 0; i < map.num_signals(); ++i) {
+            const ChunkInfo c = map.chunk_at(rank, i);
+            EXPECT_EQ(c.rank, (rank + i / map.chunks_per_rank()) % 4);
+            EXPECT_EQ(c.chunk, i % map.chunks_per_rank());
+        }
+    }
+}
+
+TEST(TpSchedule, AgDefaultChunkRows) {
+    // Small shards: one chunk per rank.
+    EXPECT_EQ(ops::ag_gemm_default_chunk_rows(1024, 4096, 2), 1024);
+    EXPECT_EQ(ops::ag_gemm_default_chunk_rows(1, 8, 2), 1);
+    for (int64_t rows : {int64_t{4096}, int64_t{8191}, int64_t{1000}, int64_t{65536}}) {
+        for (int64_t k : {int64_t{4096}, int64_t{16384}}) {
+            const int64_t c = ops::ag_gemm_default_chunk_rows(rows, k, 2);
+            EXPECT_GE(c, 1);
+            EXPECT_LE(c, rows);
+            EXPECT_TRUE(c == rows || c % 128 == 0) << rows << " " << k << " -> " << c;
+            if (c < rows) {
+                EXPECT_LE(c * k * 2, int64_t{9} << 20) << "chunks of ~8 MiB";
+            }
+        }
+    }
+}
+
+struct RsCase {
+    GemmConfig c;
+    int64_t rows_per_rank;
+    int32_t num_ranks;
+    int64_t chunk_rows;
+    int32_t n;
+};
+
+std::vector<RsCase> rs_cases() {
+    std::vector<RsCase> v;
+    for (int32_t w : {1, 2, 3, 4, 8}) {
+        for (int64_t rpr : {int64_t{1}, int64_t{100}, int64_t{128}, int64_t{300}, int64_t{1000}}) {
+            v.push_back({cfg(128, 256), rpr, w, 128, 1000});
+            v.push_back({cfg(128, 128, 1, 1, 3), rpr, w, 256, 129});
+            v.push_back({cfg(256, 128, 1, 1, 1), rpr, w, 1 << 20, 64});
+        }
+    }
+    return v;
+}
+
+std::string describe(const RsCase& a) {
+    return "tile " + std::to_string(a.c.tile_m) + "x" + std::to_string(a.c.tile_n) + " group " +
+           std::to_string(a.c.raster_group) + " rows/rank " + std::to_string(a.rows_per_rank) + " W " +
+           std::to_string(a.num_ranks) + " chunk " + std::to_string(a.chunk_rows) + " n " + std::to_string(a.n);
+}
+
+TEST(TpSchedule, RsOrderVisitsEverySegmentTileOnceNextRankFirst) {
+    for (const RsCase& a : rs_cases()) {
+        for (int32_t rank = 0; rank < a.num_ranks; ++rank) {
+            SCOPED_TRACE(describe(a) + " rank " + std::to_string(rank));
+            const RsGemmOrder o(a.c, a.rows_per_rank, a.num_ranks, a.chunk_rows, a.n, rank);
+            ASSERT_TRUE(o.map.is_valid()) << o.map.invalid_reason();
+            std::set<std::tuple<int, int, int>> seen;
+            const int32_t per_rank = o.map.tiles_per_rank();
+            for (int32_t t = 0; t < o.num_tiles(); ++t) {
+                const RsTile r = o.rs_tile(t);
+                EXPECT_EQ(r.dest, (rank + 1 + t / per_rank) % a.num_ranks) << "destination order";
+                EXPECT_TRUE(seen.insert({r.dest, r.m_tile, r.n_tile}).second);
+                // Rows inside the destination's segment; columns inside N.
+                EXPECT_GE(r.row_begin, r.dest * a.rows_per_rank);
+                EXPECT_LE(r.row_begin + r.num_rows, (r.dest + 1) * a.rows_per_rank);
+                EXPECT_LE(r.col_begin + r.num_cols, a.n);
+                // The GEMM's view of the tile, and back.
+                const GemmTile g = o.tile(t);
+                EXPECT_TRUE(g.valid);
+                EXPECT_EQ(g.m0, r.row_begin);
+                EXPECT_EQ(g.n0, r.col_begin);
+                EXPECT_EQ(o.dest_of(g), r.dest);
+                EXPECT_EQ(o.chunk_of(g), r.signal_idx - r.dest * o.map.chunks_per_rank());
+            }
+            EXPECT_EQ(static_cast<int32_t>(seen.size()), a.num_ranks * per_rank);
+            EXPECT_EQ(o.rs_tile(o.num_tiles() - 1).dest, rank) << "own segment last";
+        }
+    }
+}
+
+// Replays the counting protocol: every source raises (on the destination) counter [source][chunk] once per
+// tile; the destination's reduction waits for epoch * expected_count. Both must agree for every chunk.
+TEST(TpSchedule, RsCountersReachExactlyTheExpectedCounts) {
+    for (const RsCase& a : rs_cases()) {
+        SCOPED_TRACE(describe(a));
+        const int32_t w = a.num_ranks;
+        std::map<std::tuple<int, int, int>, int> counters;  // (dest, source, chunk) -> count
+        for (int32_t source = 0; source < w; ++source) {
+            const RsGemmOrder o(a.c, a.rows_per_rank, w, a.chunk_rows, a.n, source);
+            for (int32_t t = 0; t < o.num_tiles(); ++t) {
+                const GemmTile g = o.tile(t);
+                ++counters[{o.dest_of(g), source, o.chunk_of(g)}];
+            }
+        }
+        const ReduceScatterTileMap map{a.rows_per_rank, w, a.n, a.c.tile_m, a.c.tile_n, a.chunk_rows};
+        for (int32_t dest = 0; dest < w; ++dest) {
+            for (int32_t source = 0; source < w; ++source) {
+                for (int32_t c = 0; c < map.chunks_per_rank(); ++c) {
+                    EXPECT_EQ((counters[{dest, source, c}]), map.expected_count(map.local_signal_at(dest, c)))
+                        << "dest " << dest << " source " << source << " chunk " << c;
+                }
+            }
+        }
+        EXPECT_LT(rs_counter_index(w - 1, map.chunks_per_rank() - 1, map.chunks_per_rank()), map.num_signals());
+    }
+}
+
+TEST(TpSchedule, RsReductionVisitsEverySourceOncePreviousRankFirstItselfLast) {
+    for (int32_t w : {1, 2, 3, 5, 8}) {
+        for (int32_t dest = 0; dest < w; ++dest) {
+            std::set<int32_t> sources;
+            for (int32_t phase = 0; phase < w; ++phase) sources.insert(rs_source_at(dest, phase, w));
+            EXPECT_EQ(static_cast<int32_t>(sources.size()), w);
+            EXPECT_EQ(rs_source_at(dest, 0, w), (dest + w - 1) % w);
+            EXPECT_EQ(rs_source_at(dest, w - 1, w), dest);
+            // Source s finishes dest's tiles at its own phase (dest - s - 1) mod w: the reduction's phase.
+            for (int32_t phase = 0; phase < w; ++phase) {
+                const int32_t s = rs_source_at(dest, phase, w);
+                EXPECT_EQ(((dest - s - 1) % w + w) % w, phase);
+            }
+        }
+    }
+}
+
+// ---- argument validation --------------------------------------------------------------------------------
+
+void expect_error(const std::function<void()>& fn, const std::string& needle) {
+    try {
+        fn();
+        ADD_FAILURE() << "expected a weft::Error mentioning \"" << needle << "\"";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+}
+
+// Never dereferenced: validation only looks at shapes, strides and alignment.
+void* fake(uintptr_t addr) { return reinterpret_cast<void*>(addr); }
+
+TEST(TpValidation, AgGemmShapeAndOptions) {
+    const ops::AgGemmShape ok{1024, 256, 512, DType::kBF16};
+    EXPECT_NO_THROW(ops::validate_ag_gemm_shape(ok, 4));
+    expect_error([&] { ops::validate_ag_gemm_shape({1022, 256, 512, DType::kBF16}, 4); }, "shape.max_m");
+    expect_error([&] { ops::validate_ag_gemm_shape({1024, 0, 512, DType::kBF16}, 4); }, "shape.n");
+    expect_error([&] { ops::validate_ag_gemm_shape({1024, 256, 500, DType::kBF16}, 4); }, "shape.k");
+    expect_error([&] { ops::validate_ag_gemm_shape({1024, 256, 512, DType::kF32}, 4); }, "shape.dtype");
+    ops::AgGemmOptions o;
+    o.copy_streams = 4;
+    expect_error([&] { ops::validate_ag_gemm_shape(ok, 4, o); }, "copy_streams");
+    o = {};
+    o.chunk_rows = -1;
+    expect_error([&] { ops::validate_ag_gemm_shape(ok, 4, o); }, "chunk_rows");
+    o = {};
+    o.config = gemm_candidate(1, DType::kBF16, DType::kBF16, BLayout::kNK);  // a cluster pair
+    expect_error([&] { ops::validate_ag_gemm_shape(ok, 4, o); }, "cluster-free");
+    o.config = gemm_candidate(0, DType::kF16, DType::kF16, BLayout::kNK);
+    expect_error([&] { ops::validate_ag_gemm_shape(ok, 4, o); }, "options.config");
+    o.config = gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK);
+    EXPECT_NO_THROW(ops::validate_ag_gemm_shape(ok, 4, o));
+}
+
+TEST(TpValidation, AgGemmCall) {
+    const ops::AgGemmShape s{1024, 256, 512, DType::kBF16};
+    const TensorView a(fake(0x10000), DType::kBF16, {256, 512});
+    const TensorView b(fake(0x20000), DType::kBF16, {256, 512});
+    const TensorView c(fake(0x30000), DType::kBF16, {1024, 256});
+    EXPECT_EQ(ops::validate_ag_gemm_call(s, 4, a, b, c), 1024);
+    EXPECT_EQ(ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x10000), DType::kBF16, {3, 512}), b,
+                                         TensorView(fake(0x30000), DType::kBF16, {12, 256})),
+              12);
+    expect_error([&] { ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x10000), DType::kBF16, {257, 512}), b, c); },
+                 "a_local must have 1 .. max_m/W");
+    expect_error([&] { ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x10000), DType::kBF16, {256, 256}), b, c); },
+                 "a_local must have K");
+    expect_error([&] { ops::validate_ag_gemm_call(s, 4, a, TensorView(fake(0x20000), DType::kBF16, {255, 512}), c); },
+                 "b must be [N, K]");
+    expect_error([&] { ops::validate_ag_gemm_call(s, 4, a, b, TensorView(fake(0x30000), DType::kBF16, {1000, 256})); },
+                 "c must be [M, N]");
+    expect_error([&] { ops::validate_ag_gemm_call(s, 4, a, b, TensorView(fake(0x30000), DType::kF16, {1024, 256})); },
+                 "must be bf16");
+    expect_error([&] { ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x10008), DType::kBF16, {256, 512}), b, c); },
+                 "ag_gemm: gemm: a's base address must be 16-byte aligned");
+    expect_error(
+        [&] {
+            ops::validate_ag_gemm_call(s, 4, a, b, TensorView(fake(0x30000), DType::kBF16, {1024, 256}, {260, 1}));
+        },
+        "ag_gemm: gemm: d's row stride must be a multiple of 16 bytes");
+    expect_error([&] { ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x10000), DType::kBF16, {256 * 512}), b, c); },
+                 "a_local must be a 2-D");
+}
+
+TEST(TpValidation, GemmRsShapeAndCall) {
+    const ops::GemmRsShape s{1024, 300, 512, DType::kF16};
+    EXPECT_NO_THROW(ops::validate_gemm_rs_shape(s, 4));
+    expect_error([&] { ops::validate_gemm_rs_shape({1025, 300, 512, DType::kF16}, 4); }, "shape.max_m");
+    ops::GemmRsOptions o;
+    o.partial_dtype = DType::kBF16;
+    expect_error([&] { ops::validate_gemm_rs_shape(s, 4, o); }, "partial_dtype");
+    o.partial_dtype = DType::kF32;
+    EXPECT_NO_THROW(ops::validate_gemm_rs_shape(s, 4, o));
+    o.config = gemm_candidate(6, DType::kF16, DType::kF32, BLayout::kNK);
+    o.chunk_rows = 100;
+    expect_error([&] { ops::validate_gemm_rs_shape(s, 4, o); }, "chunk_rows must be a multiple");
+    o.chunk_rows = 256;
+    EXPECT_NO_THROW(ops::validate_gemm_rs_shape(s, 4, o));
+    o.config = gemm_candidate(6, DType::kF16, DType::kF16, BLayout::kNK);  // writes f16, partials are f32
+    expect_error([&] { ops::validate_gemm_rs_shape(s, 4, o); }, "options.config");
+
+    const TensorView a(fake(0x10000), DType::kF16, {1024, 512});
+    const TensorView b(fake(0x20000), DType::kF16, {300, 512});
+    const TensorView c(fake(0x30000), DType::kF16, {256, 300}, {304, 1});
+    EXPECT_EQ(ops::validate_gemm_rs_call(s, 4, a, b, c), 1024);
+    expect_error([&] { ops::validate_gemm_rs_call(s, 4, TensorView(fake(0x10000), DType::kF16, {1022, 512}), b, c); },
+                 "multiple of num_ranks");
+    expect_error([&] { ops::validate_gemm_rs_call(s, 4, a, b, TensorView(fake(0x30000), DType::kF16, {1024, 300})); },
+                 "c must be [M/W, N]");
+    expect_error([&] { ops::validate_gemm_rs_call(s, 4, a, b, TensorView(fake(0x30000), DType::kF16, {256, 300})); },
+                 "row stride must be a multiple of 16 bytes");
+}
+
+TEST(TpValidation, GemmArShapeAndCall) {
+    const ops::GemmArShape s{128, 1000, 256, DType::kBF16};
+    EXPECT_NO_THROW(ops::validate_gemm_ar_shape(s, 8));
+    expect_error([&] { ops::validate_gemm_ar_shape(s, 9); }, "num_ranks must be in [1, 8]");
+    expect_error([&] { ops::validate_gemm_ar_shape({0, 1000, 256, DType::kBF16}, 2); }, "shape.max_m");
+    const TensorView a(fake(0x10000), DType::kBF16, {5, 256});
+    const TensorView b(fake(0x20000), DType::kBF16, {1000, 256});
+    const TensorView c(fake(0x30000), DType::kBF16, {5, 1000});
+    EXPECT_EQ(ops::validate_gemm_ar_call(s, a, b, c), 5);
+    expect_error([&] { ops::validate_gemm_ar_call(s, TensorView(fake(0x10000), DType::kBF16, {129, 256}), b, c); },
+                 "1 .. max_m");
+    expect_error([&] { ops::validate_gemm_ar_call(s, a, b, TensorView(fake(0x30000), DType::kBF16, {5, 999})); },
+                 "c must be [M, N]");
+}
+
+TEST(TpValidation, ParamsAreTriviallyCopyable) {
+    static_assert(std::is_trivially_copyable_v<AgGemmParams>);
+    static_assert(std::is_trivially_copyable_v<AgGemmHookParams>);
+    static_assert(std::is_trivially_copyable_v<RsGemmParams>);
+    static_assert(std::is_trivially_copyable_v<RsGemmHookParams>);
+    static_assert(std::is_trivially_copyable_v<RsReduceParams>);
+    static_assert(std::is_trivially_copyable_v<ArReduceParams>);
+    SUCCEED();
+}
+
+}  // namespace
+}  // namespace weft
