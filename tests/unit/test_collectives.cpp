@@ -18,6 +18,7 @@
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/reduce_scatter.hpp"
+#include "weft/runtime/diagnostics.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft::ops {
@@ -295,6 +296,23 @@ TEST(CollectivesArgs, DescriptorsAndRounds) {
     EXPECT_EQ(detail::round_units(256 * kKiB, 2, 8), 128 * kKiB);
     EXPECT_EQ(detail::round_units(100, 3, 8), 32u);  // 33 elements fit, rounded down to the granule
     EXPECT_ERROR_MENTIONS(detail::round_units(16, 4, 8), "WEFT_COLLECTIVE_STAGING_BYTES");
+}
+
+TEST(CollectivesArgs, MismatchDiagnosticNamesBothRanksAndDescriptors) {
+    Diagnostic d{};
+    d.claimed = 2;
+    d.kind = SpinKind::kCollectiveMismatch;
+    d.cmp = Cmp::kEq;
+    d.rank = 3;
+    d.peer = 5;
+    d.expected = 0xabc;
+    d.observed = 0xdef;
+    d.line = 77;
+    const std::string m = format_diagnostic(d);
+    for (const char* word : {"rank 3", "differs from rank 5", "0xabc", "0xdef", "same order", "line 77"}) {
+        EXPECT_NE(m.find(word), std::string::npos) << "'" << word << "' not in: " << m;
+    }
+    EXPECT_STREQ(spin_kind_name(SpinKind::kCollectiveMismatch), "collective_mismatch");
 }
 
 // ------------------------------------------------------------------------------------------------
