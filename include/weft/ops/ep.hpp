@@ -11,8 +11,9 @@
 //
 // Every call is asynchronous, graph-capturable and never synchronises the host: sizes are exchanged
 // between ranks on the device. Every rank of the World calls the same sequence of collective calls
-// (dispatch, combine, low-latency halves) on its own stream; calls on one Buffer must be ordered (one
-// stream, or streams joined by events). Design, diagrams and pitfalls: kernels/ep/README.md.
+// (dispatch, combine, low-latency halves) on a non-blocking stream of its own (ranks that are threads of one
+// process share the legacy default stream, which would serialise their mutually waiting kernels: refused);
+// calls on one Buffer must be ordered (one stream, or streams joined by events). Design, diagrams and pitfalls: kernels/ep/README.md.
 #pragma once
 
 #include <cuda_runtime_api.h>
