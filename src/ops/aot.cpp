@@ -4,6 +4,7 @@
 #include "weft/ops/aot.hpp"
 
 #include "weft/ops/collectives.hpp"
+#include "weft/ops/ep.hpp"
 #include "weft/ops/gemm.hpp"
 
 namespace weft::ops {
@@ -11,6 +12,7 @@ namespace weft::ops {
 void register_op_aot_specs() {
     register_gemm_aot_specs();
     register_collective_aot_specs(8);
+    ep::register_ep_aot_specs();
 }
 
 }  // namespace weft::ops

@@ -264,6 +264,17 @@ struct Buffer::Impl {
         return n;
     }
 
+    /// Ranks of one process that share a GPU share its legacy default stream: their kernels, which wait
+    /// for each other, would be serialised there (and time out). Refuse it where that can happen.
+    void check_stream(const char* op, cudaStream_t stream) const {
+        WEFT_CHECK(!(world->num_ranks_on_device() > 1 && (stream == nullptr || stream == cudaStreamLegacy)),
+                   op << ": pass a non-blocking stream of this rank's own (cudaStreamCreateWithFlags(..., "
+                         "cudaStreamNonBlocking)); "
+                      << world->num_ranks_on_device()
+                      << " ranks share this GPU and the legacy default stream would serialise their kernels, "
+                         "which wait for each other");
+    }
+
     void check_status(const char* op) const {
         if (auto s = read_status(status_host)) {
             WEFT_FAIL(describe_status(*s)
@@ -485,6 +496,7 @@ NormalHandle Buffer::make_normal_handle() {
 void Buffer::layout(NormalHandle& handle, const TensorView& topk_idx, cudaStream_t stream) {
     Impl& b = *impl_;
     b.check_status("layout");
+    b.check_stream("ep::layout", stream);
     WEFT_CHECK(handle.impl_ && handle.impl_->buffer == &b, "ep: layout: the handle belongs to another Buffer");
     const int t = check_tokens("ep::layout", b.geo, topk_idx, -1, "");
     NormalArgs a = b.normal_args(*handle.impl_);
@@ -504,6 +516,7 @@ void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorVie
     Impl& b = *impl_;
     const Geometry& g = b.geo;
     b.check_status("dispatch");
+    b.check_stream("ep::dispatch", stream);
     WEFT_CHECK(b.config.normal, "ep: dispatch: this Buffer was made with Config::normal = false");
     WEFT_CHECK(handle.impl_ && handle.impl_->buffer == &b, "ep: dispatch: the handle belongs to another Buffer");
     check_matrix("ep::dispatch", "x", x, DType::kBF16, g.hidden, true);
@@ -535,6 +548,7 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
     Impl& b = *impl_;
     const Geometry& g = b.geo;
     b.check_status("combine");
+    b.check_stream("ep::combine", stream);
     WEFT_CHECK(handle.impl_ && handle.impl_->buffer == &b, "ep: combine: the handle belongs to another Buffer");
     WEFT_CHECK(handle.impl_->dispatched, "ep::combine: the handle has not been dispatched");
     check_matrix("ep::combine", "y", y, DType::kBF16, g.hidden, true);
@@ -587,6 +601,7 @@ void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x,
     Impl& b = *impl_;
     const Geometry& g = b.geo;
     b.check_status("low_latency_dispatch");
+    b.check_stream("ep::low_latency_dispatch", stream);
     WEFT_CHECK(b.config.low_latency, "ep: low_latency_dispatch: this Buffer was made with Config::low_latency = false");
     WEFT_CHECK(handle.impl_ && handle.impl_->buffer == &b,
                "ep: low_latency_dispatch: the handle belongs to another Buffer");
@@ -658,6 +673,7 @@ void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, 
     Impl& b = *impl_;
     const Geometry& g = b.geo;
     b.check_status("low_latency_combine");
+    b.check_stream("ep::low_latency_combine", stream);
     WEFT_CHECK(b.config.low_latency, "ep: low_latency_combine: this Buffer was made with Config::low_latency = false");
     WEFT_CHECK(handle.impl_ && handle.impl_->buffer == &b,
                "ep: low_latency_combine: the handle belongs to another Buffer");

@@ -4,8 +4,10 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <sstream>
 
+#include "weft/jit/aot.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/ep.hpp"
 #include "weft/runtime/error.hpp"
@@ -210,6 +212,13 @@ std::vector<jit::KernelSpec> kernel_specs() {
                  ", .unroll = 2}>",
              "ep::low_latency_combine"),
     };
+}
+
+void register_ep_aot_specs() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        for (jit::KernelSpec& s : kernel_specs()) jit::register_aot_spec(std::move(s));
+    });
 }
 
 std::string describe_status(const Status& s) {

@@ -455,6 +455,15 @@ TEST_F(EpNormalGpu, ArgumentErrorsAreHostErrors) {
                         rs.s);
                 },
                 "16-byte aligned");
+            if (world.num_ranks_on_device() > 1) {  // ranks share the GPU: the legacy stream would serialise them
+                expect_error(
+                    [&] {
+                        ep.dispatch(h, TensorView(x.get(), DType::kBF16, {4, c.hidden}),
+                                    TensorView(idx.get(), DType::kI32, {4, c.topk}),
+                                    TensorView(w.get(), DType::kF32, {4, c.topk}), nullptr);
+                    },
+                    "non-blocking stream");
+            }
         },
         options_for(c, n, 1));
 }

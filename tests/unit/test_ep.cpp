@@ -12,7 +12,9 @@
 
 #include "support/ep_reference.hpp"
 #include "support/jit_testing.hpp"
+#include "weft/jit/aot.hpp"
 #include "weft/jit/compiler.hpp"
+#include "weft/ops/aot.hpp"
 #include "weft/ops/ep.hpp"
 #include "weft/runtime/error.hpp"
 
@@ -455,6 +457,18 @@ TEST(EpNvrtc, CvtWrappersEmitThePromisedPtx) {
     ASSERT_FALSE(r.ptx.empty()) << r.log;
     for (const char* insn : {"cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.bf16x2.f32", "cvt.rn.f16x2.e4m3x2"}) {
         EXPECT_NE(r.ptx.find(insn), std::string::npos) << insn << " missing from the PTX";
+    }
+}
+
+// weft-compile --builtin sees the EP kernels (through weft::ops::register_op_aot_specs).
+TEST(EpNvrtc, KernelsAreInTheAotRegistry) {
+    weft::ops::register_op_aot_specs();
+    const std::vector<jit::KernelSpec> registered = jit::aot_specs();
+    for (const jit::KernelSpec& s : kernel_specs()) {
+        const bool found = std::any_of(registered.begin(), registered.end(), [&](const jit::KernelSpec& r) {
+            return r.header == s.header && r.instantiation == s.instantiation;
+        });
+        EXPECT_TRUE(found) << s.instantiation << " is not in weft::jit::aot_specs()";
     }
 }
 

@@ -11,8 +11,9 @@
 //
 // Every call is asynchronous, graph-capturable and never synchronises the host: sizes are exchanged
 // between ranks on the device. Every rank of the World calls the same sequence of collective calls
-// (dispatch, combine, low-latency halves) on its own stream; calls on one Buffer must be ordered (one
-// stream, or streams joined by events). Design, diagrams and pitfalls: kernels/ep/README.md.
+// (dispatch, combine, low-latency halves) on a non-blocking stream of its own (ranks that are threads of one
+// process share the legacy default stream, which would serialise their mutually waiting kernels: refused);
+// calls on one Buffer must be ordered (one stream, or streams joined by events). Design, diagrams and pitfalls: kernels/ep/README.md.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -88,8 +89,11 @@ int default_normal_sms(int num_tokens, int sm_budget);
 /// The default number of SMs of a low-latency kernel: one per 32 routes, at least 1, at most the budget.
 int default_low_latency_sms(int num_tokens, int topk, int sm_budget);
 
-/// The kernel specialisations the ops launch (for weft-compile: see kernels/ep/aot_specs.txt).
+/// The kernel specialisations the ops launch (also listed in kernels/ep/aot_specs.txt).
 std::vector<jit::KernelSpec> kernel_specs();
+/// Registers kernel_specs() with weft::jit's ahead-of-time registry (once per process; called by
+/// weft::ops::register_op_aot_specs, i.e. weft-compile --builtin). Thread-safe.
+void register_ep_aot_specs();
 
 /// Which half of a low-latency operation a call launches.
 enum class Phase {
