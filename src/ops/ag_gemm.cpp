@@ -247,7 +247,10 @@ void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorVie
             const auto comm = tp_detail::make_tune_comm(*s.world, s.world->heap().offset_of(s.epoch));
             jit::TuneOptions to;
             to.stream = stream;
-            const jit::TuneResult r = jit::autotuner().tune({kOp, problem.str()}, cands, comm.get(), to);
+            jit::TuneKey key;
+            key.op = kOp;
+            key.problem = problem.str();
+            const jit::TuneResult r = jit::autotuner().tune(key, cands, comm.get(), to);
             s.active = r.index;
             s.tuned = true;
             WEFT_LOG_INFO("ag_gemm: tuned " << problem.str() << " -> " << r.name);
