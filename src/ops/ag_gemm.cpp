@@ -293,6 +293,10 @@ void enqueue(AgGemm::State& s, size_t idx, int64_t m, const TensorView& slot, co
         return;
     }
 
+    // 0. Fork the copy streams first: they only need the previous call to be over (it is, in stream order),
+    //    and then wait on the peers' ready flags while this rank copies its own shard.
+    WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
+    for (cudaStream_t cs : s.copy_streams) WEFT_CUDA_CHECK(cudaStreamWaitEvent(cs, s.fork, 0));
     // 1. This rank's shard into its slot of the gathered buffer, then ready[rank] = 1 on every peer.
     if (copy_local) copy_shard(stream);
     {
@@ -304,8 +308,6 @@ void enqueue(AgGemm::State& s, size_t idx, int64_t m, const TensorView& slot, co
     }
     // 2. Copy streams: for each peer in rank-rotated order, wait for its ready flag, pull its chunks, raise
     //    one signal per chunk (constant 1: reset by the GEMM's last tile, so nothing is frozen in a graph).
-    WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
-    for (cudaStream_t cs : s.copy_streams) WEFT_CUDA_CHECK(cudaStreamWaitEvent(cs, s.fork, 0));
     const AllGatherTileMap map{rows, s.num_ranks, s.chunk_rows, config.tile_m};
     const int32_t cpr = map.chunks_per_rank();
     const int num_copy = static_cast<int>(s.copy_streams.size());
