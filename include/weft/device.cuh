@@ -2,17 +2,21 @@
 // The device umbrella: everything a weft kernel uses to talk to other ranks (ptx, shmem, tile layers).
 #pragma once
 
+#include "weft/common/collectives.hpp"
 #include "weft/common/device_ctx.hpp"
 #include "weft/common/diagnostics.hpp"
 #include "weft/common/group_copy.hpp"
 #include "weft/common/tile_map.hpp"
 #include "weft/ptx/atom.cuh"
+#include "weft/ptx/cvt.cuh"
 #include "weft/ptx/fence.cuh"
 #include "weft/ptx/ld_st.cuh"
 #include "weft/ptx/memory_order.cuh"
 #include "weft/ptx/timer.cuh"
+#include "weft/device/block_barrier.cuh"
 #include "weft/device/copy.cuh"
 #include "weft/device/scope.cuh"
+#include "weft/device/ll.cuh"
 #include "weft/device/shmem.cuh"
 #include "weft/device/signal.cuh"
 #include "weft/device/spin.cuh"

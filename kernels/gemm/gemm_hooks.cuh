@@ -8,6 +8,7 @@
 
 #include "weft/common/diagnostics.hpp"
 #include "weft/common/gemm_config.hpp"
+#include "weft/common/gemm_hook_params.hpp"
 #include "weft/ptx/mbarrier.cuh"
 
 namespace weft::gemm {
@@ -25,6 +26,15 @@ __device__ __forceinline__ void st_release_sys(uint64_t* addr, uint64_t value) {
 
 __device__ __forceinline__ void red_release_sys_add(uint64_t* addr, uint64_t value) {
     asm volatile("red.release.sys.global.add.u64 [%0], %1;\n" ::"l"(addr), "l"(value) : "memory");
+}
+
+/// A hook's value: the argument (SignalValueMode::kArgument) or *epoch * argument (kEpoch). The epoch word
+/// was advanced before this launch in stream order and is not written during it: a relaxed load suffices.
+__device__ __forceinline__ uint64_t signal_value(SignalValueMode mode, const uint64_t* epoch, uint64_t value) {
+    if (mode != SignalValueMode::kEpoch) return value;
+    uint64_t e;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];\n" : "=l"(e) : "l"(epoch) : "memory");
+    return e * value;
 }
 
 /// Records the first timeout of this launch (claimed atomically) and traps.
@@ -83,11 +93,6 @@ __device__ __forceinline__ uint64_t wait_flag_geq(const uint64_t* flag, uint64_t
 // of tile i happens after tile i+1's mainloop (or at the end): stores never stall the tensor cores.
 // ---------------------------------------------------------------------------------------------------------
 
-/// NoEpilogueHook's parameters (none).
-struct NoEpilogueHookParams {
-    int32_t unused = 0;
-};
-
 /// No signal (a plain GEMM).
 struct NoEpilogueHook {
     using Params = NoEpilogueHookParams;
@@ -95,32 +100,32 @@ struct NoEpilogueHook {
     __device__ static void after_tile_stored(const Params&, const GemmTile&) {}
 };
 
-/// How TileSignalHook raises its signal.
-enum class TileSignalMode : int32_t {
-    kSetPerTile = 0,     ///< flags[m_idx * num_n_tiles + n_idx] = value (st.release.sys)
-    kAddPerTileRow = 1,  ///< flags[m_idx] += value (red.release.sys.add): a counter per row of tiles
-};
-
-/// TileSignalHook's parameters.
-struct TileSignalParams {
-    uint64_t* flags;      ///< kSetPerTile: [num_m_tiles * num_n_tiles]; kAddPerTileRow: [num_m_tiles]
-    uint64_t value;       ///< generation (set) or increment (add)
-    int32_t num_n_tiles;  ///< row length of the per-tile flag array
-    TileSignalMode mode;
-};
-
 /// Raises a system-scope signal per finished tile: a generation value per tile, or a counter per tile row
-/// (a waiter of the counter form waits for num_n_tiles * value per generation).
+/// (a waiter of the counter form waits for num_n_tiles * value per generation). The generation is the
+/// argument, or *epoch * value in SignalValueMode::kEpoch (graph-safe).
 struct TileSignalHook {
     using Params = TileSignalParams;
     static constexpr bool kNotifies = true;
     __device__ static void after_tile_stored(const Params& p, const GemmTile& t) {
         if (p.mode == TileSignalMode::kSetPerTile) {
-            detail::st_release_sys(p.flags + static_cast<int64_t>(t.m_idx) * p.num_n_tiles + t.n_idx, p.value);
+            detail::st_release_sys(p.flags + static_cast<int64_t>(t.m_idx) * p.num_n_tiles + t.n_idx,
+                                   detail::signal_value(p.value_mode, p.epoch, p.value));
         } else {
             detail::red_release_sys_add(p.flags + t.m_idx, p.value);
         }
     }
 };
+
+/// Advances a hook's epoch word (SignalValueMode::kEpoch) by one: launch it with one thread, in stream order
+/// before the launches that read the word (weft::ops::gemm_advance_epoch does). kUnused: a template, so that a
+/// header included by several translation units defines no non-inline kernel.
+template <int kUnused>
+__global__ void __launch_bounds__(32) gemm_advance_epoch_kernel(uint64_t* epoch) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        uint64_t e;
+        asm volatile("ld.relaxed.sys.global.u64 %0, [%1];\n" : "=l"(e) : "l"(epoch) : "memory");
+        asm volatile("st.relaxed.sys.global.u64 [%0], %1;\n" ::"l"(epoch), "l"(e + 1) : "memory");
+    }
+}
 
 }  // namespace weft::gemm

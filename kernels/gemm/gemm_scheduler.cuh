@@ -15,29 +15,15 @@
 
 #include "gemm/gemm_hooks.cuh"
 #include "weft/common/gemm_config.hpp"
+#include "weft/common/gemm_hook_params.hpp"
 #include "weft/device/token.cuh"
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
 
 namespace weft::gemm {
 
-// NOTE: parameter structs live at namespace scope (not nested in the class templates) so that nvcc's host
-// stubs of kernels taking them never have to spell a class-type template argument.
-
-/// PersistentScheduler's parameters (none).
-struct PersistentSchedulerParams {
-    int32_t unused = 0;
-};
-
-/// ChunkWaitScheduler's parameters.
-struct ChunkWaitParams {
-    const uint64_t* flags;   ///< one signal per chunk of A rows
-    int32_t rows_per_chunk;  ///< rows of A per signal
-    int32_t reserved;
-    uint64_t expected;       ///< generation to wait for (>=)
-    uint64_t timeout_ns;     ///< bound on each wait
-    Diagnostic* diag;        ///< where a timeout is recorded (host-mapped), or nullptr
-};
+// Parameter structs (PersistentSchedulerParams, ChunkWaitParams): weft/common/gemm_hook_params.hpp, which
+// host-only code includes to fill them.
 
 /// Persistent striding over the swizzled tile grid: cluster c takes cluster tiles c, c + C, c + 2C, ...
 /// where C is the number of clusters in the grid. Waits for nothing.
@@ -70,7 +56,8 @@ private:
 /// Persistent striding as above, but before loading the A rows of a tile the producer waits until the
 /// signal of every chunk of `rows_per_chunk` rows that the tile touches is >= `expected` (another kernel,
 /// stream or GPU writes A chunk by chunk and raises flags[chunk] with release semantics). This is the hook
-/// an AllGather+GEMM uses; here it is generic over who writes the chunks.
+/// an AllGather+GEMM uses; here it is generic over who writes the chunks. With value_mode kEpoch the value
+/// awaited is *epoch * expected, read when the tile is scheduled (graph-safe: see SignalValueMode).
 template <GemmConfig kCfg>
 class ChunkWaitScheduler {
 public:
@@ -82,11 +69,12 @@ public:
     __device__ GemmTile tile(int32_t i) const { return base_.tile(i); }
 
     __device__ device::Token wait_before_load(const GemmTile& t) const {
-        uint64_t observed = p_.expected;
+        const uint64_t expected = detail::signal_value(p_.value_mode, p_.epoch, p_.expected);
+        uint64_t observed = expected;
         const int32_t last_row = (t.m0 + kCfg.tile_m < m_ ? t.m0 + kCfg.tile_m : m_) - 1;
         if (t.m0 < m_) {
             for (int32_t c = t.m0 / p_.rows_per_chunk; c <= last_row / p_.rows_per_chunk; ++c) {
-                observed = detail::wait_flag_geq(p_.flags + c, p_.expected, p_.timeout_ns, p_.diag, __LINE__);
+                observed = detail::wait_flag_geq(p_.flags + c, expected, p_.timeout_ns, p_.diag, __LINE__);
             }
         }
         // The chunks were written through the generic proxy; the TMA loads that follow use the async proxy.

@@ -3,14 +3,18 @@
 #include "weft/ops/gemm.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <set>
-#include <tuple>
 #include <sstream>
+#include <thread>
+#include <tuple>
 #include <utility>
 
+#include "weft/jit/aot.hpp"
+#include "weft/jit/autotune.hpp"
 #include "weft/runtime/driver.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
@@ -75,6 +79,12 @@ struct Registry {
     std::vector<std::pair<GemmConfig, const void*>> tiled;
     std::map<GemvKey, const void*> gemv;
     std::set<const void*> smem_configured;
+    // JIT side, per device: kernels by spec text (gemm_jit_kernel), by config (the op's hot path), arch.
+    std::map<std::pair<int, std::string>, jit::Kernel*> jit_specs;
+    std::vector<std::tuple<int, GemmConfig, jit::Kernel*>> jit_tiled;
+    std::map<std::pair<int, GemvKey>, jit::Kernel*> jit_gemv;
+    std::map<int, std::string> arch;
+    std::map<std::pair<int, const jit::Kernel*>, int> jit_cluster_fit;  // clusters that fit at once
 };
 
 Registry& registry() {
@@ -120,6 +130,52 @@ SmallMScratch small_m_scratch(size_t counter_bytes, size_t partial_bytes, cudaSt
 }
 
 size_t round256(size_t x) { return (x + 255) / 256 * 256; }
+
+const char* dtype_enum(DType t) {
+    switch (t) {
+        case DType::kBF16: return "weft::DType::kBF16";
+        case DType::kF16: return "weft::DType::kF16";
+        case DType::kF32: return "weft::DType::kF32";
+        default: break;
+    }
+    WEFT_FAIL("gemm: no kernel dtype for " << dtype_name(t));
+}
+
+// Short config text for logs and spec descriptions: "gemm 128x256x64_s4_c1x1 bf16->bf16 B[N,K]" (plus the
+// raster when it is not the default).
+std::string describe_config(const GemmConfig& c) {
+    std::ostringstream os;
+    os << "gemm " << gemm_candidate_name(c) << " " << dtype_name(c.in_dtype) << "->" << dtype_name(c.out_dtype)
+       << (c.b_layout == BLayout::kNK ? " B[N,K]" : " B[K,N]");
+    if (c.raster != Raster::kAlongN || c.raster_group != 8) {
+        os << " raster " << (c.raster == Raster::kAlongN ? "N" : "M") << "/" << c.raster_group;
+    }
+    return os.str();
+}
+
+int current_device() {
+    int device = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    return device;
+}
+
+// The JIT arch of a device (resolved once: WEFT_JIT_ARCH, else the device's compute capability).
+std::string arch_of_device(int device) {
+    Registry& r = registry();
+    {
+        std::lock_guard<std::mutex> lock(r.mutex);
+        if (auto it = r.arch.find(device); it != r.arch.end()) return it->second;
+    }
+    const std::string arch = jit::Compiler::resolve_arch("");
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.arch[device] = arch;
+    return arch;
+}
+
+std::string candidate_name(const GemmPlan& plan) {
+    return plan.path == GemmPath::kSmallM ? "small_m_v" + std::to_string(plan.small_m_variant)
+                                          : gemm_candidate_name(plan.config);
+}
 
 CUtensorMapDataType tma_dtype(DType t) {
     switch (t) {
@@ -303,6 +359,210 @@ std::string gemm_kernel_instantiation(const GemmConfig& c) {
            ">, weft::gemm::NoEpilogueHook>";
 }
 
+std::string gemm_kernel_instantiation(const GemmConfig& c, const std::string& scheduler_template,
+                                      const std::string& hook) {
+    WEFT_CHECK(!scheduler_template.empty() && !hook.empty(),
+               "gemm_kernel_instantiation: the scheduler template and the hook type must be named, got '"
+                   << scheduler_template << "' and '" << hook << "'");
+    const std::string cfg = format_gemm_config(c);
+    return "weft::gemm::gemm_kernel<" + cfg + ", " + scheduler_template + "<" + cfg + ">, " + hook + ">";
+}
+
+std::string gemv_kernel_instantiation(int m_tiles, DType in_dtype, DType out_dtype, int variant) {
+    WEFT_CHECK(m_tiles >= 1 && m_tiles <= kGemvMaxM / 16,
+               "gemv_kernel_instantiation: m_tiles must be in [1, " << kGemvMaxM / 16 << "], got " << m_tiles);
+    WEFT_CHECK(variant == 0 || variant == 1, "gemv_kernel_instantiation: variant must be 0 or 1, got " << variant);
+    std::ostringstream os;
+    os << "weft::gemm::gemv_kernel<" << m_tiles << ", " << dtype_enum(in_dtype) << ", " << dtype_enum(out_dtype) << ", "
+       << (variant == 1 ? 1 : 4) << ">";
+    return os.str();
+}
+
+jit::KernelSpec gemm_kernel_spec(const GemmConfig& config, const std::string& arch) {
+    WEFT_CHECK(is_valid(config), "gemm: invalid config " << format_gemm_config(config));
+    jit::KernelSpec spec;
+    spec.header = "gemm/gemm_sm90.cuh";
+    spec.instantiation = gemm_kernel_instantiation(config);
+    spec.description = describe_config(config);
+    spec.arch = arch;
+    return spec;
+}
+
+jit::KernelSpec gemm_kernel_spec(const GemmConfig& config, const std::string& scheduler_template,
+                                 const std::string& hook, const std::string& arch) {
+    WEFT_CHECK(is_valid(config), "gemm: invalid config " << format_gemm_config(config));
+    jit::KernelSpec spec;
+    spec.header = "gemm/gemm_sm90.cuh";
+    spec.instantiation = gemm_kernel_instantiation(config, scheduler_template, hook);
+    spec.description = describe_config(config) + " " + scheduler_template + " " + hook;
+    spec.arch = arch;
+    return spec;
+}
+
+jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in_dtype, DType out_dtype, int variant, const std::string& arch) {
+    jit::KernelSpec spec;
+    spec.header = "gemm/gemv_sm90.cuh";
+    spec.instantiation = gemv_kernel_instantiation(m_tiles, in_dtype, out_dtype, variant);
+    spec.description = "gemm small-M m_tiles " + std::to_string(m_tiles) + " " + dtype_name(in_dtype) + "->" +
+                       dtype_name(out_dtype) + " variant " + std::to_string(variant);
+    spec.arch = arch;
+    return spec;
+}
+
+jit::KernelSpec gemm_advance_epoch_spec(const std::string& arch) {
+    jit::KernelSpec spec;
+    spec.header = "gemm/gemm_hooks.cuh";
+    spec.instantiation = "weft::gemm::gemm_advance_epoch_kernel<0>";
+    spec.description = "gemm hook epoch advance";
+    spec.arch = arch;
+    return spec;
+}
+
+std::vector<jit::KernelSpec> gemm_aot_specs() {
+    std::vector<jit::KernelSpec> specs;
+    const std::pair<DType, DType> pairs[] = {{DType::kBF16, DType::kBF16},
+                                             {DType::kBF16, DType::kF32},
+                                             {DType::kF16, DType::kF16},
+                                             {DType::kF16, DType::kF32}};
+    for (const auto& [in, out] : pairs) {
+        for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
+            for (const GemmConfig& c : gemm_candidate_configs(in, out, layout)) specs.push_back(gemm_kernel_spec(c));
+        }
+        for (int variant : {1, 0}) {
+            for (int m_tiles = 1; m_tiles <= kGemvMaxM / 16; ++m_tiles) {
+                specs.push_back(gemv_kernel_spec(m_tiles, in, out, variant));
+            }
+        }
+    }
+    specs.push_back(gemm_advance_epoch_spec());
+    return specs;
+}
+
+void register_gemm_aot_specs() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        for (auto& spec : gemm_aot_specs()) jit::register_aot_spec(std::move(spec));
+    });
+}
+
+std::string gemm_candidate_name(const GemmConfig& c) {
+    std::ostringstream os;
+    os << c.tile_m << "x" << c.tile_n << "x" << c.tile_k << "_s" << c.stages << "_c" << c.cluster_m << "x"
+       << c.cluster_n;
+    return os.str();
+}
+
+std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& p, int num_sms, const GemmOptions& options) {
+    std::vector<GemmCandidate> out;
+    auto add = [&](const GemmPlan& plan) {
+        const std::string name = candidate_name(plan);
+        for (const auto& c : out) {
+            if (c.name == name) return;
+        }
+        out.push_back({name, plan});
+    };
+    GemmOptions base = options;
+    base.config.reset();
+    add(plan_gemm(p, num_sms, base));  // the heuristic's pick first: it wins ties
+    const int budget = options.sm_budget > 0 ? std::min(options.sm_budget, num_sms) : num_sms;
+    for (const GemmConfig& c : gemm_candidate_configs(p.in_dtype, p.out_dtype, p.b_layout)) {
+        if (c.cluster_m * c.cluster_n > budget) continue;  // as plan_gemm: a pair would break the SM budget
+        GemmOptions forced = base;
+        forced.config = c;
+        add(plan_gemm(p, num_sms, forced));
+    }
+    if (options.allow_small_m && p.m <= kGemvMaxM && p.b_layout == BLayout::kNK) {
+        for (int variant : {1, 0}) {
+            GemmOptions small = base;
+            small.small_m_variant = variant;
+            add(plan_gemm(p, num_sms, small));
+        }
+    }
+    return out;
+}
+
+std::string gemm_tune_problem(const GemmProblem& p, int num_sms, const GemmOptions& options) {
+    const int budget = options.sm_budget > 0 ? std::min(options.sm_budget, num_sms) : num_sms;
+    std::ostringstream os;
+    os << "m=" << p.m << ",n=" << p.n << ",k=" << p.k << ",in=" << dtype_name(p.in_dtype)
+       << ",out=" << dtype_name(p.out_dtype) << ",b=" << (p.b_layout == BLayout::kNK ? "nk" : "kn")
+       << ",sms=" << budget << ",small_m=" << (options.allow_small_m ? 1 : 0) << ",splits=" << options.small_m_splits;
+    return os.str();
+}
+
+bool gemm_wants_autotuner(const GemmOptions& options, std::optional<bool> env_autotune, bool env_force_names_gemm) {
+    if (options.config) return false;           // the caller chose
+    if (env_force_names_gemm) return true;      // forcing needs no timing
+    if (env_autotune.has_value() && !*env_autotune) return false;  // WEFT_AUTOTUNE=0: the heuristic
+    return options.autotune || env_autotune.value_or(false);
+}
+
+GemmSelection select_gemm_plan(const GemmProblem& p, int num_sms, const GemmOptions& options, const std::string& arch,
+                               const GemmRunPlan& run, cudaStream_t stream, bool capturing,
+                               const GemmPrepareCandidates& prepare) {
+    GemmSelection sel;
+    sel.plan = plan_gemm(p, num_sms, options);
+    sel.candidate = candidate_name(sel.plan);
+    if (options.config) {
+        sel.origin = GemmChoice::kOptions;
+        return sel;
+    }
+    bool forced = false;
+    if (const auto f = env::get("WEFT_AUTOTUNE_FORCE")) forced = jit::parse_force_list(*f).count("gemm") > 0;
+    if (!gemm_wants_autotuner(options, env::get_bool("WEFT_AUTOTUNE"), forced)) return sel;
+
+    const std::vector<GemmCandidate> candidates = gemm_tune_candidates(p, num_sms, options);
+    jit::Autotuner& tuner = options.autotuner != nullptr ? *options.autotuner : jit::autotuner();
+    jit::TuneKey key;
+    key.op = "gemm";
+    key.problem = gemm_tune_problem(p, num_sms, options);
+    key.world_size = 1;
+    key.arch = arch;
+    auto index_of = [&](const std::string& name) -> int {
+        for (size_t i = 0; i < candidates.size(); ++i) {
+            if (candidates[i].name == name) return static_cast<int>(i);
+        }
+        return -1;
+    };
+    const std::optional<std::string> cached = tuner.cached_decision(key);
+    if (capturing && !forced) {
+        // Timing synchronises the stream, which a capture forbids: use what is known.
+        const int idx = cached ? index_of(*cached) : -1;
+        if (idx >= 0) {
+            sel.plan = candidates[static_cast<size_t>(idx)].plan;
+            sel.candidate = candidates[static_cast<size_t>(idx)].name;
+            sel.origin = GemmChoice::kCached;
+        } else {
+            WEFT_LOG_WARN("gemm: autotuning [" << key.problem << "] was asked for during CUDA graph capture, which "
+                                              "cannot time kernels; using the heuristic's " << sel.candidate
+                                              << " (tune once outside the capture to record a decision)");
+        }
+        return sel;
+    }
+    if (!forced && !(cached && index_of(*cached) >= 0) && prepare) prepare(candidates);
+
+    std::vector<jit::TuneCandidate> runs;
+    runs.reserve(candidates.size());
+    for (const GemmCandidate& c : candidates) {
+        const GemmPlan* plan = &c.plan;
+        runs.push_back({c.name, [&run, plan](cudaStream_t s) { run(*plan, s); }});
+    }
+    jit::TuneOptions tune_options;
+    tune_options.stream = stream;
+    const jit::TuneResult r = tuner.tune(key, runs, nullptr, tune_options);
+    WEFT_CHECK(r.index < candidates.size(), "gemm: the autotuner returned candidate " << r.index << " of "
+                                                                                     << candidates.size());
+    sel.plan = candidates[r.index].plan;
+    sel.candidate = candidates[r.index].name;
+    switch (r.origin) {
+        case jit::TuneResult::Origin::kTuned: sel.origin = GemmChoice::kTuned; break;
+        case jit::TuneResult::Origin::kCached: sel.origin = GemmChoice::kCached; break;
+        case jit::TuneResult::Origin::kForced: sel.origin = GemmChoice::kForced; break;
+        case jit::TuneResult::Origin::kDisabled: sel.origin = GemmChoice::kHeuristic; break;
+    }
+    return sel;
+}
+
 namespace detail {
 
 GemmTensorMaps make_gemm_tensor_maps(const GemmConfig& c, const TensorView& a, const TensorView& b,
@@ -417,27 +677,176 @@ const void* find_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype, int v
     return it == r.gemv.end() ? nullptr : it->second;
 }
 
+jit::Kernel& gemm_jit_kernel(const jit::KernelSpec& spec) {
+    const int device = current_device();
+    std::ostringstream id;
+    id << spec.header << '\n' << spec.instantiation << '\n' << spec.arch << '\n' << spec.preamble << '\n'
+       << spec.extra_code << '\n' << spec.options.canonical();
+    const std::pair<int, std::string> key{device, id.str()};
+    Registry& r = registry();
+    {
+        std::lock_guard<std::mutex> lock(r.mutex);
+        if (auto it = r.jit_specs.find(key); it != r.jit_specs.end()) return *it->second;
+    }
+    // Outside the lock: a compile can take seconds, and the compiler serialises equal keys itself.
+    jit::Kernel& kernel = jit::compiler().get_kernel(spec);
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.jit_specs[key] = &kernel;
+    return kernel;
+}
+
+void launch_gemm_jit(const jit::Kernel& kernel, const GemmConfig& c, const GemmTensorMaps& maps, const GemmArgs& args,
+                     int grid, const void* sched_params, size_t sched_bytes, const void* hook_params, size_t hook_bytes,
+                     cudaStream_t stream) {
+    WEFT_CHECK(is_valid(c), "gemm: invalid config " << format_gemm_config(c));
+    WEFT_CHECK(sched_params != nullptr && hook_params != nullptr,
+               "gemm: the scheduler and hook parameters must be given (kernel " << kernel.description() << ")");
+    const int cluster = c.cluster_m * c.cluster_n;
+    WEFT_CHECK(grid > 0 && grid % cluster == 0,
+               "gemm: grid must be a positive multiple of the cluster size " << cluster << ", got " << grid);
+    jit::LaunchParams lp;
+    lp.grid = dim3(static_cast<unsigned>(grid), 1, 1);
+    lp.block = dim3(kGemmThreads, 1, 1);
+    lp.dynamic_smem_bytes = static_cast<size_t>(gemm_smem_plan(c).alloc_bytes);
+    lp.stream = stream;
+    if (cluster > 1) lp.cluster = dim3(static_cast<unsigned>(cluster), 1, 1);
+    GemmTensorMaps local = maps;  // the launch copies parameters; keep them alive for the call
+    GemmArgs a = args;
+    void* params[] = {&local.a, &local.b, &local.d, &a, const_cast<void*>(sched_params), const_cast<void*>(hook_params)};
+    const size_t bytes[] = {sizeof(CUtensorMap), sizeof(CUtensorMap), sizeof(CUtensorMap), sizeof(GemmArgs),
+                            sched_bytes, hook_bytes};
+    kernel.launch_packed(lp, params, bytes, 6);
+}
+
+int fit_gemm_jit_grid(const jit::Kernel& kernel, const GemmConfig& c, int grid) {
+    const int cluster = c.cluster_m * c.cluster_n;
+    if (cluster <= 1) return grid;
+    const int device = current_device();
+    const std::pair<int, const jit::Kernel*> key{device, &kernel};
+    Registry& r = registry();
+    int fit = 0;
+    {
+        std::lock_guard<std::mutex> lock(r.mutex);
+        if (auto it = r.jit_cluster_fit.find(key); it != r.jit_cluster_fit.end()) fit = it->second;
+    }
+    if (fit == 0) {
+        kernel.load_for_current_context();
+        // The runtime takes a library kernel handle (cudaKernel_t == CUkernel) wherever it takes a function.
+        const void* func = reinterpret_cast<const void*>(kernel.handle());
+        const int smem = gemm_smem_plan(c).alloc_bytes;
+        cudaError_t e = cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (e == cudaSuccess) {
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
+            cfg.blockDim = dim3(kGemmThreads, 1, 1);
+            cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+            cudaLaunchAttribute attr[1];
+            attr[0].id = cudaLaunchAttributeClusterDimension;
+            attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+            attr[0].val.clusterDim.y = 1;
+            attr[0].val.clusterDim.z = 1;
+            cfg.attrs = attr;
+            cfg.numAttrs = 1;
+            e = cudaOccupancyMaxActiveClusters(&fit, func, &cfg);
+        }
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            // Not fatal: more clusters than fit at once run in waves (the persistent loop needs no co-residency).
+            WEFT_LOG_WARN("gemm: cannot query how many clusters of " << kernel.description() << " fit ("
+                                                                     << cudaGetErrorString(e)
+                                                                     << "); launching the full grid");
+            fit = -1;
+        }
+        fit = fit == 0 ? 1 : fit;
+        std::lock_guard<std::mutex> lock(r.mutex);
+        r.jit_cluster_fit[key] = fit;
+    }
+    return fit < 0 ? grid : std::min(grid, fit * cluster);
+}
+
 }  // namespace detail
 
-void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout, cudaStream_t stream,
-          const GemmOptions& options) {
-    const GemmProblem p = validate_gemm_args(a, b, d, b_layout);
-    if (p.m == 0 || p.n == 0) return;  // nothing to write
+namespace {
 
-    int device = 0, num_sms = 0;
-    WEFT_CUDA_CHECK(cudaGetDevice(&device));
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-    GemmPlan plan = plan_gemm(p, num_sms, options);
+jit::Kernel& tiled_jit_kernel(int device, const GemmConfig& config) {
+    Registry& r = registry();
+    {
+        std::lock_guard<std::mutex> lock(r.mutex);
+        for (const auto& [dev, c, k] : r.jit_tiled) {
+            if (dev == device && c == config) return *k;
+        }
+    }
+    jit::Kernel& kernel = detail::gemm_jit_kernel(gemm_kernel_spec(config, arch_of_device(device)));
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.jit_tiled.emplace_back(device, config, &kernel);
+    return kernel;
+}
 
+jit::Kernel& gemv_jit_kernel(int device, int m_tiles, DType in, DType out, int variant) {
+    const std::pair<int, GemvKey> key{device, GemvKey{m_tiles, in, out, variant}};
+    Registry& r = registry();
+    {
+        std::lock_guard<std::mutex> lock(r.mutex);
+        if (auto it = r.jit_gemv.find(key); it != r.jit_gemv.end()) return *it->second;
+    }
+    jit::Kernel& kernel = detail::gemm_jit_kernel(gemv_kernel_spec(m_tiles, in, out, variant, arch_of_device(device)));
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.jit_gemv[key] = &kernel;
+    return kernel;
+}
+
+const char* const kNoInstanceHint =
+    " is not compiled into this program and options.backend is GemmBackend::kAot: include "
+    "gemm/gemm_instances.cuh in one .cu and call weft::gemm::register_gemm_instances(), or use GemmBackend::kAuto "
+    "(the default) or kJit to compile it with weft::jit";
+
+// The kernel spec a plan launches when it goes through the JIT; nullopt when a registered nvcc instance serves it.
+std::optional<jit::KernelSpec> jit_spec_for(const GemmPlan& plan, const GemmProblem& p, GemmBackend backend,
+                                            const std::string& arch) {
     if (plan.path == GemmPath::kSmallM) {
-        const void* func =
-            detail::find_gemv_kernel(plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant);
-        // TODO(jit): compile "weft::gemm::gemv_kernel<...>" through weft::jit on a miss.
-        WEFT_CHECK(func != nullptr, "gemm: the small-M kernel for m_tiles " << plan.small_m_tiles << ", in "
-                                                                          << dtype_name(p.in_dtype) << ", out "
-                                                                          << dtype_name(p.out_dtype)
-                                                                          << " is not compiled into this program "
-                                                                             "(weft::jit will compile it on demand)");
+        if (backend != GemmBackend::kJit &&
+            detail::find_gemv_kernel(plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant) != nullptr) {
+            return std::nullopt;
+        }
+        return gemv_kernel_spec(plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant, arch);
+    }
+    if (backend != GemmBackend::kJit && detail::find_gemm_kernel(plan.config) != nullptr) return std::nullopt;
+    return gemm_kernel_spec(plan.config, arch);
+}
+
+// Compiles the JIT kernels of the candidates on several threads before the autotuner times them one by one.
+void compile_candidates(const std::vector<GemmCandidate>& candidates, const GemmProblem& p, GemmBackend backend,
+                        const std::string& arch) {
+    if (backend == GemmBackend::kAot) return;
+    std::vector<jit::KernelSpec> specs;
+    for (const auto& c : candidates) {
+        if (auto spec = jit_spec_for(c.plan, p, backend, arch)) specs.push_back(std::move(*spec));
+    }
+    if (specs.size() <= 1) return;  // the autotuner's warm-up compiles it
+    const size_t num_threads = std::min<size_t>(specs.size(), std::max(1u, std::thread::hardware_concurrency()));
+    std::atomic<size_t> next{0};
+    std::vector<std::thread> threads;
+    for (size_t t = 0; t < num_threads; ++t) {
+        threads.emplace_back([&] {
+            for (size_t i = next++; i < specs.size(); i = next++) {
+                try {
+                    jit::compiler().compile(specs[i]);
+                } catch (const std::exception& e) {
+                    // The candidate's own run reports it (and the autotuner disqualifies it).
+                    WEFT_LOG_DEBUG("gemm: compiling " << specs[i].describe() << " for autotuning failed: " << e.what());
+                }
+            }
+        });
+    }
+    for (auto& t : threads) t.join();
+}
+
+// Enqueues one plan (plan_gemm's or the autotuner's) for validated views.
+void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView& a, const TensorView& b,
+                 const TensorView& d, const GemmOptions& options, cudaStream_t stream) {
+    GemmPlan plan = plan_in;
+    const int device = current_device();
+    if (plan.path == GemmPath::kSmallM) {
         GemvArgs args{};
         args.a = a.data;
         args.b = b.data;
@@ -467,18 +876,42 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout
                 args.partials = static_cast<float*>(w.partials);
             }
         }
-        void* params[] = {&args};
-        WEFT_CUDA_CHECK(cudaLaunchKernel(func, dim3(static_cast<unsigned>(plan.grid),
-                                                    static_cast<unsigned>(plan.small_m_splits), 1),
-                                         dim3(kGemvThreads, 1, 1), params, 0, stream));
+        const void* func = options.backend == GemmBackend::kJit
+                               ? nullptr
+                               : detail::find_gemv_kernel(plan.small_m_tiles, p.in_dtype, p.out_dtype,
+                                                          plan.small_m_variant);
+        WEFT_CHECK(func != nullptr || options.backend != GemmBackend::kAot,
+                   "gemm: the small-M kernel " << gemv_kernel_instantiation(plan.small_m_tiles, p.in_dtype,
+                                                                            p.out_dtype, plan.small_m_variant)
+                                               << kNoInstanceHint);
+        const dim3 grid(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
+        if (func != nullptr) {
+            void* params[] = {&args};
+            WEFT_CUDA_CHECK(cudaLaunchKernel(func, grid, dim3(kGemvThreads, 1, 1), params, 0, stream));
+            return;
+        }
+        jit::Kernel& kernel = gemv_jit_kernel(device, plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant);
+        jit::LaunchParams lp;
+        lp.grid = grid;
+        lp.block = dim3(kGemvThreads, 1, 1);
+        lp.stream = stream;
+        kernel.launch(lp, args);
         return;
     }
 
-    const void* func = detail::find_gemm_kernel(plan.config);
-    // TODO(jit): on a miss, weft::jit::get_kernel("gemm/gemm_sm90.cuh", gemm_kernel_instantiation(plan.config)).
-    WEFT_CHECK(func != nullptr, "gemm: kernel " << gemm_kernel_instantiation(plan.config)
-                                                << " is not compiled into this program (weft::jit will compile it "
-                                                   "on demand)");
+    const detail::GemmTensorMaps maps = detail::make_gemm_tensor_maps(plan.config, a, b, d);
+    const GemmArgs args = detail::make_gemm_args(a, d, detail::gemm_timeout_ns(options));
+    const int32_t sched_params = 0;  // PersistentScheduler::Params and NoEpilogueHook::Params: one int32
+    const int32_t hook_params = 0;
+    const void* func = options.backend == GemmBackend::kJit ? nullptr : detail::find_gemm_kernel(plan.config);
+    WEFT_CHECK(func != nullptr || options.backend != GemmBackend::kAot,
+               "gemm: kernel " << gemm_kernel_instantiation(plan.config) << kNoInstanceHint);
+    if (func == nullptr) {
+        jit::Kernel& kernel = tiled_jit_kernel(device, plan.config);
+        plan.grid = detail::fit_gemm_jit_grid(kernel, plan.config, plan.grid);
+        detail::launch_gemm_jit(kernel, plan.config, maps, args, plan.grid, sched_params, hook_params, stream);
+        return;
+    }
     const int cluster = plan.config.cluster_m * plan.config.cluster_n;
     if (cluster > 1) {
         // Not every SM can host a cluster pair (GPC boundaries): never ask for more than fit at once.
@@ -510,11 +943,66 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout
         }
         plan.grid = std::min(plan.grid, fit * cluster);
     }
-    const detail::GemmTensorMaps maps = detail::make_gemm_tensor_maps(plan.config, a, b, d);
-    const GemmArgs args = detail::make_gemm_args(a, d, detail::gemm_timeout_ns(options));
-    const int32_t sched_params = 0;  // PersistentScheduler::Params and NoEpilogueHook::Params: one int32
-    const int32_t hook_params = 0;
     detail::launch_gemm_kernel(func, plan.config, maps, args, plan.grid, &sched_params, &hook_params, stream);
+}
+
+bool stream_is_capturing(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaError_t e = cudaStreamIsCapturing(stream, &status);
+    if (e != cudaSuccess) {
+        // e.g. the legacy stream while another stream captures in global mode: treat as capturing (no timing).
+        (void)cudaGetLastError();
+        return true;
+    }
+    return status != cudaStreamCaptureStatusNone;
+}
+
+GemmSelection select_for_views(const GemmProblem& p, const TensorView& a, const TensorView& b, const TensorView& d,
+                               cudaStream_t stream, const GemmOptions& options) {
+    const int device = current_device();
+    int num_sms = 0;
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+    if (options.config || (p.m == 0 || p.n == 0)) {
+        GemmSelection sel;
+        sel.plan = plan_gemm(p, num_sms, options);
+        sel.candidate = candidate_name(sel.plan);
+        sel.origin = options.config ? GemmChoice::kOptions : GemmChoice::kHeuristic;
+        return sel;
+    }
+    const std::string arch = arch_of_device(device);
+    const GemmRunPlan run = [&](const GemmPlan& plan, cudaStream_t s) { launch_plan(plan, p, a, b, d, options, s); };
+    const GemmPrepareCandidates prepare = [&](const std::vector<GemmCandidate>& candidates) {
+        compile_candidates(candidates, p, options.backend, arch);
+    };
+    return select_gemm_plan(p, num_sms, options, arch, run, stream, stream_is_capturing(stream), prepare);
+}
+
+}  // namespace
+
+GemmSelection select_gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
+                          cudaStream_t stream, const GemmOptions& options) {
+    const GemmProblem p = validate_gemm_args(a, b, d, b_layout);
+    return select_for_views(p, a, b, d, stream, options);
+}
+
+void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout, cudaStream_t stream,
+          const GemmOptions& options) {
+    const GemmProblem p = validate_gemm_args(a, b, d, b_layout);
+    if (p.m == 0 || p.n == 0) return;  // nothing to write
+    const GemmSelection sel = select_for_views(p, a, b, d, stream, options);
+    launch_plan(sel.plan, p, a, b, d, options, stream);
+}
+
+void gemm_advance_epoch(uint64_t* epoch, cudaStream_t stream) {
+    WEFT_CHECK(epoch != nullptr && reinterpret_cast<uintptr_t>(epoch) % 8 == 0,
+               "gemm_advance_epoch: epoch must be a non-null, 8-byte aligned device pointer, got "
+                   << static_cast<const void*>(epoch));
+    jit::Kernel& kernel = detail::gemm_jit_kernel(gemm_advance_epoch_spec(arch_of_device(current_device())));
+    jit::LaunchParams lp;
+    lp.grid = dim3(1, 1, 1);
+    lp.block = dim3(32, 1, 1);
+    lp.stream = stream;
+    kernel.launch(lp, epoch);
 }
 
 }  // namespace weft::ops

@@ -20,6 +20,8 @@ const char* spin_kind_name(SpinKind kind) {
             return "spin";
         case SpinKind::kUnreachablePeer:
             return "unreachable_peer";
+        case SpinKind::kCollectiveMismatch:
+            return "collective_mismatch";
     }
     return "an unknown spin";
 }
@@ -65,6 +67,15 @@ std::string format_diagnostic(const Diagnostic& d) {
     if (d.claimed != 2) {
         os << "rank " << d.rank
            << ": a device spin timed out but its diagnostic record is incomplete (claimed = " << d.claimed << ")";
+        return os.str();
+    }
+    if (d.kind == SpinKind::kCollectiveMismatch) {
+        os << "rank " << d.rank << " block (" << d.block_x << "," << d.block_y << "," << d.block_z
+           << "): collective call differs from rank " << d.peer << "'s (call descriptor 0x" << std::hex << d.expected
+           << " here, 0x" << d.observed << std::dec
+           << " there): every rank must make the same collective calls in the same order, with the same count, "
+              "dtype and algorithm, and pass symmetric buffers on all ranks or on none (same allocation)";
+        if (d.line > 0) os << " (source line " << d.line << ")";
         return os.str();
     }
     if (d.kind == SpinKind::kUnreachablePeer) {

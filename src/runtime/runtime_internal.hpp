@@ -130,6 +130,8 @@ struct WorldContext {
 
     std::mutex split_mutex;  // split_color sequence numbers, per team id
     std::map<std::string, uint64_t> split_seq;
+
+    std::map<std::string, std::unique_ptr<WorldExtension>> extensions;  // destroyed before the heap
 };
 
 /// A team's shared state: members, this rank's place, and its device tables.

@@ -265,6 +265,8 @@ void World::shutdown() noexcept {
                               << e.what());
             }
         }
+        // Extensions (the collectives' workspace ...) hold streams and device memory; the device is idle.
+        c.extensions.clear();
         c.heap.reset();
         c.world_team = Team();
         c.node_team = Team();
@@ -353,6 +355,18 @@ void World::sync_and_check(cudaStream_t stream) {
                     "; no diagnostic record was written (not a weft spin timeout)");
     }
     check_diagnostics();
+}
+
+WorldExtension* World::find_extension(const std::string& name) const {
+    auto it = ctx_->extensions.find(name);
+    return it == ctx_->extensions.end() ? nullptr : it->second.get();
+}
+
+WorldExtension& World::add_extension(const std::string& name, std::unique_ptr<WorldExtension> extension) {
+    WEFT_CHECK(extension != nullptr, "World::add_extension('" << name << "'): the extension is null");
+    auto [it, inserted] = ctx_->extensions.emplace(name, std::move(extension));
+    WEFT_CHECK(inserted, "World::add_extension: an extension named '" << name << "' is already registered");
+    return *it->second;
 }
 
 void run_local(int num_ranks, const std::function<void(World&)>& fn, const WorldOptions& options) {

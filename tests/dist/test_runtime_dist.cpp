@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "dist/dist_world.hpp"
 #include "support/runtime_checks.hpp"
 #include "weft/runtime/launch_env.hpp"
 #include "weft/weft.hpp"
@@ -20,11 +21,17 @@
 extern char** environ;
 
 namespace weft {
+
+namespace test {
+namespace {
+std::unique_ptr<World> g_world;
+}  // namespace
+World& dist_world() { return *g_world; }
+}  // namespace test
+
 namespace {
 
-std::unique_ptr<World> g_world;
-
-World& world() { return *g_world; }
+World& world() { return test::dist_world(); }
 
 TEST(DistRuntime, WorldFromTheLauncherEnvironment) {
     auto launch = detect_launch_env();
@@ -164,12 +171,12 @@ int main(int argc, char** argv) {
     if (!weft::detect_launch_env()) return weft::drive(argc, argv);
     ::testing::InitGoogleTest(&argc, argv);
     try {
-        weft::g_world = weft::World::from_env(weft::test::test_options());
+        weft::test::g_world = weft::World::from_env(weft::test::test_options());
     } catch (const std::exception& e) {
         std::fprintf(stderr, "weft_dist_tests: World::from_env failed: %s\n", e.what());
         return 1;
     }
     const int rc = RUN_ALL_TESTS();
-    weft::g_world.reset();  // collective shutdown
+    weft::test::g_world.reset();  // collective shutdown
     return rc;
 }

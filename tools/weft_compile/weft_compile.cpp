@@ -10,6 +10,7 @@
 #include "weft/jit/cache.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/jit/paths.hpp"
+#include "weft/ops/aot.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace {
@@ -47,6 +48,7 @@ int usage_error(const std::string& message) {
 int main(int argc, char** argv) {
     namespace fs = std::filesystem;
     namespace jit = weft::jit;
+    namespace ops = weft::ops;
     std::optional<fs::path> cache_dir;
     std::string arch;
     std::vector<std::string> spec_files;
@@ -104,7 +106,10 @@ int main(int argc, char** argv) {
         config.cache_dir = cache_dir ? cache_dir : jit::default_cache_dir();
         if (!config.cache_dir) return usage_error("no cache folder: give --cache-dir (or set WEFT_CACHE_DIR)");
         std::vector<jit::KernelSpec> specs;
-        if (builtin) specs = jit::aot_specs();
+        if (builtin) {
+            ops::register_op_aot_specs();
+            specs = jit::aot_specs();
+        }
         for (const auto& file : spec_files) {
             const std::vector<char> bytes = jit::read_file_bytes(file);
             for (auto& s : jit::parse_spec_file(std::string(bytes.begin(), bytes.end()), file)) specs.push_back(std::move(s));

@@ -14,6 +14,8 @@ enum class SpinKind : uint32_t {
     kTileWait = 3,
     kOther = 4,
     kUnreachablePeer = 5,  ///< not a spin: a put/get/signal named a peer that is not load/store reachable
+    kCollectiveMismatch = 6,  ///< not a spin: ranks called a collective with different arguments
+                              ///< (expected = this rank's call descriptor, observed = the peer's)
 };
 
 /// Comparison a wait was waiting for (OpenSHMEM's SHMEM_CMP_*).

@@ -9,14 +9,31 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "weft/common/gemm_config.hpp"
+#include "weft/jit/compiler.hpp"
 #include "weft/runtime/tensor_view.hpp"
 
+namespace weft::jit {
+class Autotuner;
+}
+
 namespace weft::ops {
+
+/// Where the GEMM kernels come from.
+enum class GemmBackend : int32_t {
+    /// An instance compiled into the program by nvcc (kernels/gemm/gemm_instances.cuh, registered with
+    /// register_gemm_instances()) when there is one, else weft::jit. A program built with g++ alone has no
+    /// instances: every kernel comes from the JIT (compiled on first use, then from the disk cache).
+    kAuto = 0,
+    kJit = 1,  ///< always weft::jit (NVRTC + cache), even when an nvcc instance is registered
+    kAot = 2,  ///< only registered nvcc instances; a missing one is an error
+};
 
 /// Knobs of one gemm call. Defaults pick everything from the problem and the device.
 struct GemmOptions {
@@ -33,6 +50,15 @@ struct GemmOptions {
                                        ///< weft's per-(device, stream) scratch. One call at a time per workspace.
     size_t workspace_bytes = 0;
     std::chrono::milliseconds timeout{0};  ///< bound on every pipeline wait; 0 = WEFT_TIMEOUT_MS or 10 s
+    GemmBackend backend = GemmBackend::kAuto;
+    /// Time the candidate kernels (gemm_tune_candidates) on this problem with weft::jit's autotuner and keep
+    /// the fastest (decision cached in memory and in <cache dir>/autotune.txt, keyed by gemm_tune_problem).
+    /// Also on when WEFT_AUTOTUNE is set to a true value; WEFT_AUTOTUNE=0 turns it off (the heuristic
+    /// decides); WEFT_AUTOTUNE_FORCE=gemm=<candidate name> forces a candidate. Ignored when `config` is set.
+    /// Tuning runs the candidates on the call's own buffers and synchronises `stream`: not during graph
+    /// capture (a capture uses a cached decision, else the heuristic).
+    bool autotune = false;
+    jit::Autotuner* autotuner = nullptr;  ///< nullptr: weft::jit::autotuner() (tests pass their own)
 };
 
 /// D[M,N] = A[M,K] * B, asynchronous on `stream`, capturable in a CUDA graph once its kernels and
@@ -89,6 +115,96 @@ std::string format_gemm_config(const GemmConfig& config);
 /// "weft::gemm::gemm_kernel<C, weft::gemm::PersistentScheduler<C>, weft::gemm::NoEpilogueHook>".
 std::string gemm_kernel_instantiation(const GemmConfig& config);
 
+/// The kernel instantiation for a config with any scheduler template and hook type, e.g.
+/// gemm_kernel_instantiation(c, "weft::gemm::ChunkWaitScheduler", "weft::gemm::TileSignalHook") ->
+/// "weft::gemm::gemm_kernel<C, weft::gemm::ChunkWaitScheduler<C>, weft::gemm::TileSignalHook>".
+std::string gemm_kernel_instantiation(const GemmConfig& config, const std::string& scheduler_template,
+                                      const std::string& hook);
+
+/// The small-M kernel instantiation, e.g. "weft::gemm::gemv_kernel<2, weft::DType::kBF16, weft::DType::kF32, 1>"
+/// (the last argument is the n8 tiles per warp of `variant`: 1 for variant 1, 4 for variant 0).
+std::string gemv_kernel_instantiation(int m_tiles, DType in_dtype, DType out_dtype, int variant);
+
+/// The weft::jit specs of the tiled kernel (header "gemm/gemm_sm90.cuh"), of the small-M kernel
+/// ("gemm/gemv_sm90.cuh") and of the epoch-advance kernel ("gemm/gemm_hooks.cuh"). `arch` as KernelSpec::arch
+/// (empty: WEFT_JIT_ARCH, else the current device's).
+jit::KernelSpec gemm_kernel_spec(const GemmConfig& config, const std::string& arch = "");
+jit::KernelSpec gemm_kernel_spec(const GemmConfig& config, const std::string& scheduler_template,
+                                 const std::string& hook, const std::string& arch = "");
+jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in_dtype, DType out_dtype, int variant,
+                                 const std::string& arch = "");
+jit::KernelSpec gemm_advance_epoch_spec(const std::string& arch = "");
+
+/// Every kernel weft::ops::gemm may launch: each valid candidate config for every dtype pair (bf16->bf16,
+/// bf16->f32, f16->f16, f16->f32) and B layout, each small-M kernel (M tiles 1..4, both variants), and the
+/// epoch-advance kernel. register_gemm_aot_specs() hands them to weft::jit::register_aot_spec (once per
+/// process), so that `weft-compile --builtin` warms them.
+std::vector<jit::KernelSpec> gemm_aot_specs();
+void register_gemm_aot_specs();
+
+/// Advances a device epoch word (a uint64 counter, SignalValueMode::kEpoch of the GEMM's hooks) by one, in
+/// stream order on `stream` (one tiny JIT kernel; capturable in a CUDA graph, where each replay advances it).
+void gemm_advance_epoch(uint64_t* epoch, cudaStream_t stream);
+
+// ---- autotuning ----------------------------------------------------------------------------------------
+
+/// One config the autotuner may pick for a call: a stable name and the plan it stands for.
+struct GemmCandidate {
+    std::string name;  ///< gemm_candidate_name(config), or "small_m_v<variant>" for the small-M path
+    GemmPlan plan;
+};
+
+/// "128x256x64_s4_c1x1": tile, stages, cluster (raster/dtypes/layout are fixed by the call). Used as the
+/// autotuner's candidate name, so WEFT_AUTOTUNE_FORCE=gemm=<this> forces the config.
+std::string gemm_candidate_name(const GemmConfig& config);
+
+/// The candidates for a call, the heuristic's pick (plan_gemm) first so that it wins ties and is what a
+/// disabled autotuner returns: the other valid tiled candidates that fit the SM budget, and, where M <= 64
+/// with B [N,K] and options.allow_small_m, both small-M variants.
+std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& problem, int num_sms, const GemmOptions& options);
+
+/// The autotuner's problem key: shape, dtypes, layout, SM budget and the options that change the candidates,
+/// e.g. "m=4096,n=4096,k=4096,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0".
+std::string gemm_tune_problem(const GemmProblem& problem, int num_sms, const GemmOptions& options);
+
+/// Whether a call asks the autotuner (pure rule): never with options.config; WEFT_AUTOTUNE_FORCE naming gemm
+/// (`env_force_names_gemm`) always; otherwise when options.autotune or WEFT_AUTOTUNE (`env_autotune`, nullopt
+/// when unset) is true, unless WEFT_AUTOTUNE is false.
+bool gemm_wants_autotuner(const GemmOptions& options, std::optional<bool> env_autotune, bool env_force_names_gemm);
+
+/// Where a call's plan came from.
+enum class GemmChoice : int32_t {
+    kHeuristic = 0,  ///< plan_gemm (autotuning not asked for, disabled, or impossible during capture)
+    kOptions = 1,    ///< options.config
+    kTuned = 2,      ///< timed now
+    kCached = 3,     ///< an earlier decision (memory or disk)
+    kForced = 4,     ///< WEFT_AUTOTUNE_FORCE (or the autotuner's forced list)
+};
+
+/// A call's plan and where it came from.
+struct GemmSelection {
+    GemmPlan plan;
+    std::string candidate;  ///< the candidate's name (gemm_candidate_name, small_m_v<variant>)
+    GemmChoice origin = GemmChoice::kHeuristic;
+};
+
+/// Enqueues one run of `plan` on a stream (the autotuner times it).
+using GemmRunPlan = std::function<void(const GemmPlan& plan, cudaStream_t stream)>;
+/// Called once with the candidates right before they are timed (e.g. to compile them in parallel).
+using GemmPrepareCandidates = std::function<void(const std::vector<GemmCandidate>& candidates)>;
+
+/// The plan of a call: plan_gemm's, or the autotuner's pick among gemm_tune_candidates (decision logic above;
+/// the tuner is options.autotuner or weft::jit::autotuner(), called with one rank and TuneKey{"gemm",
+/// gemm_tune_problem, 1, arch}). `capturing`: the stream is being captured, so nothing may be timed (a cached
+/// decision is used, else the heuristic). Reads WEFT_AUTOTUNE and WEFT_AUTOTUNE_FORCE.
+GemmSelection select_gemm_plan(const GemmProblem& problem, int num_sms, const GemmOptions& options,
+                               const std::string& arch, const GemmRunPlan& run, cudaStream_t stream,
+                               bool capturing = false, const GemmPrepareCandidates& prepare = {});
+
+/// The plan weft::ops::gemm uses for these arguments on the current device (may autotune: see GemmOptions).
+GemmSelection select_gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
+                          cudaStream_t stream, const GemmOptions& options = {});
+
 namespace detail {
 
 /// Host-side tensor maps of one launch (A, B, D), built with the driver's cuTensorMapEncodeTiled.
@@ -120,6 +236,31 @@ void register_gemm_kernel(const GemmConfig& config, const void* func);
 const void* find_gemm_kernel(const GemmConfig& config);
 void register_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype, int variant, const void* func);
 const void* find_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype, int variant);
+
+/// The JIT kernel of a spec (compiled or from the cache, loaded into the current context), memoised per
+/// (device, spec) so that repeated calls cost a map lookup.
+jit::Kernel& gemm_jit_kernel(const jit::KernelSpec& spec);
+
+/// Launches a tiled-kernel instantiation loaded through weft::jit (any scheduler and hook; their Params passed
+/// as raw bytes) with the cluster shape and shared memory of `config` and `grid` CTAs. `grid` must be a
+/// positive multiple of the cluster size.
+void launch_gemm_jit(const jit::Kernel& kernel, const GemmConfig& config, const GemmTensorMaps& maps,
+                     const GemmArgs& args, int grid, const void* sched_params, size_t sched_bytes,
+                     const void* hook_params, size_t hook_bytes, cudaStream_t stream);
+
+template <class SchedParams, class HookParams>
+void launch_gemm_jit(const jit::Kernel& kernel, const GemmConfig& config, const GemmTensorMaps& maps,
+                     const GemmArgs& args, int grid, const SchedParams& sched, const HookParams& hook,
+                     cudaStream_t stream) {
+    static_assert(std::is_trivially_copyable_v<SchedParams> && std::is_trivially_copyable_v<HookParams>,
+                  "kernel parameters are copied byte-wise");
+    launch_gemm_jit(kernel, config, maps, args, grid, &sched, sizeof(SchedParams), &hook, sizeof(HookParams), stream);
+}
+
+/// The largest grid (a multiple of the cluster size, at most `grid`) whose clusters fit on the device at once
+/// for this JIT kernel (cudaOccupancyMaxActiveClusters; GPC boundaries leave some SMs unpaired). `grid`
+/// unchanged for cluster-free configs, or when the query fails (logged: launches still work, in waves).
+int fit_gemm_jit_grid(const jit::Kernel& kernel, const GemmConfig& config, int grid);
 
 }  // namespace detail
 }  // namespace weft::ops

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-// ld / st with an explicit PTX semantic and scope, for 32-bit, 64-bit and 16-byte (v4.b32) accesses.
+// ld / st with an explicit PTX semantic and scope, for 32-bit, 64-bit and 16-byte (v4.b32, v2.b64) accesses.
 //
 //     uint64_t v = ptx::ld<Sem::kAcquire, Scope::kSys>(flag);
 //     ptx::st<Sem::kRelease, Scope::kSys>(flag, v + 1);
@@ -75,7 +75,40 @@ __device__ __forceinline__ void st_v4b32(void* p, uint4 v) {
 #undef WEFT_EMIT
 }
 
+template <Sem S, Scope C>
+__device__ __forceinline__ ulonglong2 ld_v2b64(const void* p) {
+    ulonglong2 v;
+#define WEFT_EMIT(q) asm volatile("ld" q ".v2.b64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory")
+    WEFT_PTX_DISPATCH_SEM_SCOPE(S, C, WEFT_EMIT)
+#undef WEFT_EMIT
+    return v;
+}
+
+template <Sem S, Scope C>
+__device__ __forceinline__ void st_v2b64(void* p, ulonglong2 v) {
+#define WEFT_EMIT(q) asm volatile("st" q ".v2.b64 [%0], {%1, %2};" ::"l"(p), "l"(v.x), "l"(v.y) : "memory")
+    WEFT_PTX_DISPATCH_SEM_SCOPE(S, C, WEFT_EMIT)
+#undef WEFT_EMIT
+}
+
 }  // namespace detail
+
+/// Loads two 8-byte words with one 16-byte access (`ld<sem>.v2.b64`; `p` 16-byte aligned). PTX models a vector
+/// access as one access per element: each 8-byte word is single-copy atomic on its own, the pair is not (the
+/// LL protocol, weft/device/ll.cuh, relies on exactly this). Semantics as for ld().
+template <Sem S = Sem::kWeak, Scope C = Scope::kGpu>
+__device__ __forceinline__ ulonglong2 ld_pair_b64(const void* p) {
+    static_assert(detail::kIsLoadSem<S>, "ld_pair_b64: semantic must be kWeak, kRelaxed, kAcquire or kVolatile");
+    return detail::ld_v2b64<S, C>(p);
+}
+
+/// Stores two 8-byte words with one 16-byte access (`st<sem>.v2.b64`; `p` 16-byte aligned); each word is
+/// single-copy atomic on its own. Semantics as for st().
+template <Sem S = Sem::kWeak, Scope C = Scope::kGpu>
+__device__ __forceinline__ void st_pair_b64(void* p, ulonglong2 v) {
+    static_assert(detail::kIsStoreSem<S>, "st_pair_b64: semantic must be kWeak, kRelaxed, kRelease or kVolatile");
+    detail::st_v2b64<S, C>(p, v);
+}
 
 /// Loads one 4-, 8- or 16-byte value (any trivially copyable T of that size, e.g. uint32_t, int64_t,
 /// float, double, uint4) with semantic S at scope C. `p` must be aligned to sizeof(T).

@@ -23,6 +23,15 @@ struct WorldSetup;
 struct WorldContext;
 }  // namespace detail
 
+/// State that a higher layer keeps per World (e.g. the collectives' workspace, weft/ops/collectives.hpp).
+/// The World owns it and destroys it during shutdown, after the device synchronisation and the shutdown
+/// barrier and before the heap is released; the destructor must not make collective calls (the heap's
+/// allocations die with the heap) and must not throw.
+class WorldExtension {
+public:
+    virtual ~WorldExtension() = default;
+};
+
 /// Zero means "from the environment, else the default".
 struct WorldOptions {
     int device = -1;                       ///< -1: LOCAL_RANK % visible devices (run_local: rank % devices)
@@ -74,6 +83,11 @@ public:
     /// spin traps, which leaves the CUDA context unusable), throws weft::Error with the diagnosis if one was
     /// written and the CUDA error's name.
     void sync_and_check(cudaStream_t stream);
+
+    /// The extension registered under `name`, or nullptr. Called from the rank's own thread.
+    WorldExtension* find_extension(const std::string& name) const;
+    /// Registers `extension` under `name` (which must be free) and returns it; the World owns it from now on.
+    WorldExtension& add_extension(const std::string& name, std::unique_ptr<WorldExtension> extension);
 
 private:
     friend void run_local(int num_ranks, const std::function<void(World&)>& fn, const WorldOptions& options);

@@ -1,0 +1,783 @@
+// SPDX-License-Identifier: MIT
+// Benchmark of the collectives: latency and bus bandwidth per size and algorithm, beside NCCL (same run, when the
+// ranks have a GPU each) and the copy roofline.
+//
+//   weft_bench_collectives [--ops all_reduce,all_gather,reduce_scatter] [--sizes 8,64,...|A:B[:F]] [--iters N]
+//                          [--warmup N] [--reps N] [--dtype bf16|f16|f32] [--world 2,4,8] [--algos LIST]
+//                          [--graph-max BYTES] [--buffers symmetric|local] [--no-nccl] [--check] [--json FILE]
+//
+// Sizes follow nccl-tests: all_reduce = bytes per rank, all_gather = bytes gathered (output), reduce_scatter =
+// bytes scattered (input). Bus bandwidth: all_reduce 2 (n-1)/n x size / time, the others (n-1)/n x size / time.
+// Ranks are threads of this process over the visible GPUs (rank r on GPU r % GPUs). Each figure is the median,
+// over --reps repetitions, of (time of --iters back-to-back calls) / iters, measured with CUDA events on every rank;
+// the slowest rank counts. Sizes up to --graph-max are timed from a CUDA graph of --iters calls (no launch
+// overhead), larger ones from eager launches. Inputs hold small random integers (never zeros; --check verifies).
+//
+// Roofline: with one GPU per rank, the bus bandwidth of one copy-engine copy from rank 0's GPU to rank 1's (the
+// link a ring-like algorithm streams over). With ranks sharing a GPU, every byte a collective moves between ranks
+// is a device-to-device copy in the one HBM, shared by all n ranks: roofline bus bandwidth = measured
+// cudaMemcpy D2D rate (bytes copied per second) / n. The roofline time is the bus bytes over that bandwidth.
+//
+// NCCL is loaded at run time (dlopen): WEFT_NCCL_LIBRARY, else python3's nvidia.nccl package (lib/libnccl.so.2),
+// else libnccl.so.2 on the loader's path or in $CUDA_HOME/lib64. NCCL refuses two ranks on one GPU, so it runs
+// only when every rank has its own GPU ("NCCL: n/a (ranks share a GPU)" otherwise). NVLink multicast stays off
+// (NCCL_NVLS_ENABLE=0 unless set).
+#include <dlfcn.h>
+#include <nccl.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "weft/ops/all_gather.hpp"
+#include "weft/ops/all_reduce.hpp"
+#include "weft/ops/reduce_scatter.hpp"
+#include "weft/weft.hpp"
+
+namespace weft::bench {
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// Command line.
+
+enum class Op { kAllReduce, kAllGather, kReduceScatter };
+const char* op_name(Op op) {
+    return op == Op::kAllReduce ? "all_reduce" : op == Op::kAllGather ? "all_gather" : "reduce_scatter";
+}
+
+struct Options {
+    std::vector<Op> ops = {Op::kAllReduce, Op::kAllGather, Op::kReduceScatter};
+    std::vector<uint64_t> sizes;
+    int iters = 20;
+    int warmup = 5;
+    int reps = 7;
+    DType dtype = DType::kBF16;
+    std::vector<int> worlds = {2, 4, 8};
+    std::vector<std::string> algos;  // empty: every algorithm of each op
+    uint64_t graph_max = 1ull << 20;
+    bool symmetric = true;
+    bool nccl = true;
+    bool check = false;
+    std::string json;
+};
+
+std::vector<std::string> split(const std::string& s, char sep) {
+    std::vector<std::string> out;
+    std::stringstream ss(s);
+    std::string item;
+    while (std::getline(ss, item, sep)) {
+        if (!item.empty()) out.push_back(item);
+    }
+    return out;
+}
+
+std::vector<uint64_t> parse_sizes(const std::string& text) {
+    std::vector<uint64_t> sizes;
+    if (text.find(':') != std::string::npos) {
+        const auto parts = split(text, ':');
+        WEFT_CHECK(parts.size() == 2 || parts.size() == 3, "--sizes: expected A:B or A:B:F, got '" << text << "'");
+        const uint64_t lo = env::parse_bytes(parts[0], "--sizes");
+        const uint64_t hi = env::parse_bytes(parts[1], "--sizes");
+        const uint64_t f = parts.size() == 3 ? env::parse_bytes(parts[2], "--sizes factor") : 4;
+        WEFT_CHECK(lo >= 1 && lo <= hi && f >= 2, "--sizes: need 1 <= A <= B and F >= 2, got '" << text << "'");
+        for (uint64_t s = lo; s <= hi; s *= f) sizes.push_back(s);
+    } else {
+        for (const std::string& p : split(text, ',')) sizes.push_back(env::parse_bytes(p, "--sizes"));
+    }
+    return sizes;
+}
+
+Options parse_options(int argc, char** argv) {
+    Options o;
+    o.sizes = parse_sizes("8,64,512,4K,16K,64K,256K,1M,4M,16M,64M,256M");
+    for (int i = 1; i < argc; ++i) {
+        const std::string arg = argv[i];
+        const auto value = [&](const char* name) -> std::string {
+            WEFT_CHECK(i + 1 < argc, name << " needs a value");
+            return argv[++i];
+        };
+        if (arg == "--ops") {
+            o.ops.clear();
+            for (const std::string& p : split(value("--ops"), ',')) {
+                if (p == "all_reduce")
+                    o.ops.push_back(Op::kAllReduce);
+                else if (p == "all_gather")
+                    o.ops.push_back(Op::kAllGather);
+                else if (p == "reduce_scatter")
+                    o.ops.push_back(Op::kReduceScatter);
+                else
+                    WEFT_FAIL("--ops: unknown op '" << p << "' (all_reduce, all_gather, reduce_scatter)");
+            }
+        } else if (arg == "--sizes") {
+            o.sizes = parse_sizes(value("--sizes"));
+        } else if (arg == "--iters") {
+            o.iters = static_cast<int>(env::parse_int(value("--iters"), "--iters"));
+        } else if (arg == "--warmup") {
+            o.warmup = static_cast<int>(env::parse_int(value("--warmup"), "--warmup"));
+        } else if (arg == "--reps") {
+            o.reps = static_cast<int>(env::parse_int(value("--reps"), "--reps"));
+        } else if (arg == "--dtype") {
+            const std::string d = value("--dtype");
+            if (d == "bf16")
+                o.dtype = DType::kBF16;
+            else if (d == "f16")
+                o.dtype = DType::kF16;
+            else if (d == "f32")
+                o.dtype = DType::kF32;
+            else
+                WEFT_FAIL("--dtype: expected bf16, f16 or f32, got '" << d << "'");
+        } else if (arg == "--world") {
+            o.worlds.clear();
+            for (const std::string& p : split(value("--world"), ',')) {
+                const int w = static_cast<int>(env::parse_int(p, "--world"));
+                WEFT_CHECK(w >= 2 && w <= 64, "--world: sizes between 2 and 64, got " << w);
+                o.worlds.push_back(w);
+            }
+        } else if (arg == "--algos") {
+            o.algos = split(value("--algos"), ',');
+        } else if (arg == "--graph-max") {
+            o.graph_max = env::parse_bytes(value("--graph-max"), "--graph-max");
+        } else if (arg == "--buffers") {
+            const std::string b = value("--buffers");
+            WEFT_CHECK(b == "symmetric" || b == "local", "--buffers: symmetric or local, got '" << b << "'");
+            o.symmetric = b == "symmetric";
+        } else if (arg == "--no-nccl") {
+            o.nccl = false;
+        } else if (arg == "--check") {
+            o.check = true;
+        } else if (arg == "--json") {
+            o.json = value("--json");
+        } else if (arg == "--help" || arg == "-h") {
+            std::printf(
+                "usage: %s [--ops LIST] [--sizes 8,64,..|A:B[:F]] [--iters N] [--warmup N] [--reps N] "
+                "[--dtype bf16|f16|f32] [--world 2,4,8] [--algos LIST] [--graph-max BYTES] "
+                "[--buffers symmetric|local] [--no-nccl] [--check] [--json FILE]\n",
+                argv[0]);
+            std::exit(0);
+        } else {
+            WEFT_FAIL("unknown option '" << arg << "' (try --help)");
+        }
+    }
+    WEFT_CHECK(o.iters >= 1 && o.reps >= 1 && o.warmup >= 0, "--iters and --reps must be >= 1, --warmup >= 0");
+    return o;
+}
+
+std::string format_bytes(uint64_t b) {
+    const char* units[] = {"B", "K", "M", "G"};
+    int u = 0;
+    while (u < 3 && b >= 1024 && b % 1024 == 0) {
+        b /= 1024;
+        ++u;
+    }
+    return std::to_string(b) + units[u];
+}
+
+std::string utc_date() {
+    const std::time_t t = std::time(nullptr);
+    char buf[32];
+    std::strftime(buf, sizeof(buf), "%Y-%m-%d", std::gmtime(&t));
+    return buf;
+}
+
+// ------------------------------------------------------------------------------------------------
+// NCCL, loaded at run time.
+
+struct Nccl {
+    void* handle = nullptr;
+    std::string path;
+    int version = 0;
+    decltype(&ncclGetUniqueId) get_unique_id = nullptr;
+    decltype(&ncclCommInitRank) comm_init_rank = nullptr;
+    decltype(&ncclCommDestroy) comm_destroy = nullptr;
+    decltype(&ncclAllReduce) all_reduce = nullptr;
+    decltype(&ncclAllGather) all_gather = nullptr;
+    decltype(&ncclReduceScatter) reduce_scatter = nullptr;
+    decltype(&ncclGetErrorString) error_string = nullptr;
+    decltype(&ncclGetVersion) get_version = nullptr;
+    std::string why_not;  // when not loaded
+};
+
+std::string python_nccl_dir() {
+    FILE* p = popen(
+        "python3 -c \"import nvidia.nccl,os;print(os.path.dirname(nvidia.nccl.__file__ or "
+        "nvidia.nccl.__path__[0]))\" 2>/dev/null",
+        "r");
+    if (p == nullptr) return "";
+    char buf[4096] = {};
+    const size_t n = std::fread(buf, 1, sizeof(buf) - 1, p);
+    pclose(p);
+    std::string s(buf, n);
+    while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+    return s;
+}
+
+const Nccl& nccl() {
+    static const Nccl api = [] {
+        Nccl a;
+        std::vector<std::string> candidates;
+        if (const auto e = env::get("WEFT_NCCL_LIBRARY")) candidates.push_back(*e);
+        if (const std::string dir = python_nccl_dir(); !dir.empty()) {
+            candidates.push_back(dir + "/lib/libnccl.so.2");
+            candidates.push_back(dir + "/libnccl.so.2");
+        }
+        candidates.push_back("libnccl.so.2");
+        for (const char* var : {"CUDA_HOME", "CUDA_PATH"}) {
+            if (const auto e = env::get(var)) candidates.push_back(*e + "/lib64/libnccl.so.2");
+        }
+        for (const std::string& c : candidates) {
+            a.handle = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL);
+            if (a.handle != nullptr) {
+                a.path = c;
+                break;
+            }
+        }
+        if (a.handle == nullptr) {
+            a.why_not = "libnccl.so.2 not found (set WEFT_NCCL_LIBRARY)";
+            return a;
+        }
+        const auto sym = [&](const char* name) { return dlsym(a.handle, name); };
+        a.get_unique_id = reinterpret_cast<decltype(a.get_unique_id)>(sym("ncclGetUniqueId"));
+        a.comm_init_rank = reinterpret_cast<decltype(a.comm_init_rank)>(sym("ncclCommInitRank"));
+        a.comm_destroy = reinterpret_cast<decltype(a.comm_destroy)>(sym("ncclCommDestroy"));
+        a.all_reduce = reinterpret_cast<decltype(a.all_reduce)>(sym("ncclAllReduce"));
+        a.all_gather = reinterpret_cast<decltype(a.all_gather)>(sym("ncclAllGather"));
+        a.reduce_scatter = reinterpret_cast<decltype(a.reduce_scatter)>(sym("ncclReduceScatter"));
+        a.error_string = reinterpret_cast<decltype(a.error_string)>(sym("ncclGetErrorString"));
+        a.get_version = reinterpret_cast<decltype(a.get_version)>(sym("ncclGetVersion"));
+        if (!a.get_unique_id || !a.comm_init_rank || !a.comm_destroy || !a.all_reduce || !a.all_gather ||
+            !a.reduce_scatter || !a.error_string || !a.get_version) {
+            a.why_not = a.path + " lacks an NCCL entry point";
+            dlclose(a.handle);
+            a.handle = nullptr;
+            return a;
+        }
+        a.get_version(&a.version);
+        return a;
+    }();
+    return api;
+}
+
+#define BENCH_NCCL_CHECK(call)                                                                      \
+    do {                                                                                            \
+        const ncclResult_t bench_r_ = (call);                                                       \
+        WEFT_CHECK(bench_r_ == ncclSuccess, #call << " failed: " << nccl().error_string(bench_r_)); \
+    } while (0)
+
+ncclDataType_t nccl_type(DType t) {
+    return t == DType::kBF16 ? ncclBfloat16 : t == DType::kF16 ? ncclFloat16 : ncclFloat32;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Data: small integers in [-8, 8], a block repeated over the buffers (never zeros; exact sums for --check).
+
+int32_t pattern_value(int rank, uint64_t i) {
+    uint64_t x = (static_cast<uint64_t>(rank) << 40) ^ (i * 0x9e3779b97f4a7c15ull);
+    x = (x ^ (x >> 31)) * 0xbf58476d1ce4e5b9ull;
+    return static_cast<int32_t>((x ^ (x >> 29)) % 17) - 8;
+}
+
+uint32_t int_bits(int32_t v, DType t) {
+    const float f = static_cast<float>(v);
+    uint32_t b = 0;
+    std::memcpy(&b, &f, 4);
+    if (t == DType::kF32) return b;
+    if (t == DType::kBF16) return b >> 16;
+    if (v == 0) return 0;
+    const uint32_t sign = v < 0 ? 0x8000u : 0u;
+    const uint32_t a = static_cast<uint32_t>(v < 0 ? -v : v);
+    int e = 0;
+    while ((a >> (e + 1)) != 0) ++e;
+    return sign | (static_cast<uint32_t>(e + 15) << 10) | ((a << (10 - e)) & 0x3ffu);
+}
+
+constexpr uint64_t kPatternElems = 1 << 20;  // the repeated block
+
+void fill_pattern(void* dst, uint64_t bytes, DType t, int rank, cudaStream_t s) {
+    const int es = dtype_bytes(t);
+    std::vector<uint8_t> block(kPatternElems * static_cast<uint64_t>(es));
+    for (uint64_t i = 0; i < kPatternElems; ++i) {
+        const uint32_t b = int_bits(pattern_value(rank, i), t);
+        std::memcpy(block.data() + i * static_cast<uint64_t>(es), &b, static_cast<size_t>(es));
+    }
+    for (uint64_t at = 0; at < bytes; at += block.size()) {
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(dst) + at, block.data(),
+                                        std::min<uint64_t>(block.size(), bytes - at), cudaMemcpyHostToDevice, s));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Measurement.
+
+struct Row {
+    Op op;
+    uint64_t size;
+    int world;
+    bool shared_gpu;
+    std::string algo;    // weft algorithm name, or "nccl"
+    std::string chosen;  // for "auto": what it picked
+    double us = 0;       // median time per call, slowest rank
+    double busbw = 0;    // GB/s
+    bool graph = false;
+    int check = -1;  // -1 not checked, 0 wrong, 1 right
+};
+
+double bus_factor(Op op, int n) {
+    const double f = static_cast<double>(n - 1) / n;
+    return op == Op::kAllReduce ? 2 * f : f;
+}
+
+double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+// Times `call(k)` (k = the iteration, for buffer rotation): median over reps of (events around iters calls) / iters,
+// in microseconds; from a captured graph when *graph (which is cleared if capturing fails: then eager launches).
+double time_calls(cudaStream_t s, const Options& o, bool* graph, const std::function<void(int)>& call) {
+    cudaEvent_t a = nullptr, b = nullptr;
+    WEFT_CUDA_CHECK(cudaEventCreate(&a));
+    WEFT_CUDA_CHECK(cudaEventCreate(&b));
+    const auto timed = [&](const std::function<void()>& body) {
+        WEFT_CUDA_CHECK(cudaEventRecord(a, s));
+        body();
+        WEFT_CUDA_CHECK(cudaEventRecord(b, s));
+        WEFT_CUDA_CHECK(cudaEventSynchronize(b));
+        float ms = 0;
+        WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+        return 1000.0 * ms / o.iters;
+    };
+    std::vector<double> per_call;
+    cudaGraphExec_t exec = nullptr;
+    if (*graph) {
+        cudaGraph_t g = nullptr;
+        try {
+            WEFT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+            for (int k = 0; k < o.iters; ++k) call(k);
+            WEFT_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+            WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+        } catch (const std::exception& e) {
+            cudaGraph_t partial = nullptr;
+            cudaStreamEndCapture(s, &partial);  // leave capture mode whatever state it is in
+            if (partial != nullptr) cudaGraphDestroy(partial);
+            (void)cudaGetLastError();
+            std::fprintf(stderr, "note: capturing a graph failed (%s); timing eager launches instead\n", e.what());
+            exec = nullptr;
+            *graph = false;
+        }
+        if (g != nullptr) cudaGraphDestroy(g);
+    }
+    if (exec != nullptr) {
+        for (int k = 0; k < std::max(1, o.warmup / o.iters + 1); ++k) WEFT_CUDA_CHECK(cudaGraphLaunch(exec, s));
+        for (int r = 0; r < o.reps; ++r) per_call.push_back(timed([&] { WEFT_CUDA_CHECK(cudaGraphLaunch(exec, s)); }));
+        cudaGraphExecDestroy(exec);
+    } else {
+        for (int k = 0; k < o.warmup; ++k) call(k);
+        for (int r = 0; r < o.reps; ++r) {
+            per_call.push_back(timed([&] {
+                for (int k = 0; k < o.iters; ++k) call(k);
+            }));
+        }
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    return median(per_call);
+}
+
+// The slowest rank's value (ranks are threads: a shared table and two host barriers).
+class Gather {
+public:
+    explicit Gather(int n) : values_(static_cast<size_t>(n)) {}
+    double max(World& w, double v) {
+        values_[static_cast<size_t>(w.rank())] = v;
+        w.barrier();
+        const double m = *std::max_element(values_.begin(), values_.end());
+        w.barrier();
+        return m;
+    }
+
+private:
+    std::vector<double> values_;
+};
+
+std::vector<std::string> algos_of(Op op, const Options& o) {
+    std::vector<std::string> all;
+    if (op == Op::kAllReduce) all = {"auto", "ll", "one_shot", "two_shot"};
+    if (op == Op::kAllGather) all = {"auto", "ll", "sm_push", "ce_pull", "ce_push"};
+    if (op == Op::kReduceScatter) all = {"auto", "sm_pull"};
+    if (o.algos.empty()) return all;
+    std::vector<std::string> picked;
+    for (const std::string& a : all) {
+        if (std::find(o.algos.begin(), o.algos.end(), a) != o.algos.end()) picked.push_back(a);
+    }
+    return picked;
+}
+
+// Forcing an algorithm far outside its range only measures rounds of a latency kernel: skip those.
+bool worth_running(Op op, const std::string& algo, uint64_t size, int n) {
+    const uint64_t per_rank = op == Op::kAllReduce ? size : size / static_cast<uint64_t>(n);
+    if (algo == "ll") return per_rank <= (1ull << 20);
+    if (algo == "one_shot") return size <= (32ull << 20);
+    return true;
+}
+
+struct WorldResult {
+    std::vector<Row> rows;
+    double roofline_busbw = 0;
+    std::string roofline_what;
+    std::string nccl_note;
+};
+
+void run_world(int n, const Options& o, WorldResult* result) {
+    const uint64_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
+    const uint64_t pool = std::max<uint64_t>(max_size, 64ull << 20);
+    WorldOptions wo;
+    wo.heap_bytes =
+        o.symmetric ? (2 * pool + (256ull << 20) + (2ull << 20) - 1) / (2ull << 20) * (2ull << 20) : (256ull << 20);
+    wo.timeout = std::chrono::milliseconds(60000);
+    std::mutex mutex;
+    Gather gather(n);
+    std::atomic<bool> shared_gpu{false};
+    run_local(
+        n,
+        [&](World& w) {
+            const ops::CollectiveWorkspaceInfo& info = ops::prepare_collectives(w);
+            const bool shared = info.topology.max_ranks_per_gpu > 1;
+            shared_gpu = shared;
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            uint8_t* in = nullptr;
+            uint8_t* out = nullptr;
+            if (o.symmetric) {
+                in = static_cast<uint8_t*>(w.heap().alloc(pool));
+                out = static_cast<uint8_t*>(w.heap().alloc(pool));
+            } else {
+                WEFT_CUDA_CHECK(cudaMalloc(&in, pool));
+                WEFT_CUDA_CHECK(cudaMalloc(&out, pool));
+            }
+            fill_pattern(in, pool, o.dtype, w.rank(), s);
+            WEFT_CUDA_CHECK(cudaMemsetAsync(out, 0, pool, s));
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+
+            // Roofline (rank 0 measures, everyone waits).
+            double roof = 0;
+            std::string roof_what;
+            if (w.rank() == 0) {
+                const uint64_t bytes = std::min<uint64_t>(pool, 256ull << 20);
+                void* dst = nullptr;
+                int dst_device = w.device();
+                int devices = 0;
+                WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
+                if (!shared && devices > 1) dst_device = (w.device() + 1) % devices;
+                WEFT_CUDA_CHECK(cudaSetDevice(dst_device));
+                WEFT_CUDA_CHECK(cudaMalloc(&dst, bytes));
+                WEFT_CUDA_CHECK(cudaSetDevice(w.device()));
+                Options ro = o;
+                ro.iters = 3;
+                bool eager = false;
+                const double us = time_calls(s, ro, &eager, [&](int) {
+                    WEFT_CUDA_CHECK(cudaMemcpyAsync(dst, in, bytes, cudaMemcpyDefault, s));
+                });
+                WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+                cudaFree(dst);
+                const double gbps = static_cast<double>(bytes) / us / 1e3;
+                roof = shared ? gbps / n : gbps;
+                std::ostringstream os;
+                os << (shared ? "cudaMemcpy D2D on the shared GPU: " : "copy-engine copy GPU0 -> GPU1: ") << gbps
+                   << " GB/s" << (shared ? " / " + std::to_string(n) + " ranks" : "");
+                roof_what = os.str();
+            }
+            const double roofline = gather.max(w, roof);
+
+            // NCCL (one GPU per rank only).
+            ncclComm_t comm = nullptr;
+            std::string nccl_note;
+            if (!o.nccl) {
+                nccl_note = "NCCL: off (--no-nccl)";
+            } else if (shared) {
+                nccl_note = "NCCL: n/a (ranks share a GPU)";
+            } else if (nccl().handle == nullptr) {
+                nccl_note = "NCCL: n/a (" + nccl().why_not + ")";
+            } else {
+                ::setenv("NCCL_NVLS_ENABLE", "0", 0);
+                ncclUniqueId id{};
+                const std::string key = "bench/nccl_id/" + std::to_string(n);
+                if (w.rank() == 0) {
+                    BENCH_NCCL_CHECK(nccl().get_unique_id(&id));
+                    w.store().set(key,
+                                  Bytes(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
+                }
+                const Bytes blob = w.store().get(key, w.timeout());
+                WEFT_CHECK(blob.size() == sizeof(id), "NCCL unique id of " << blob.size() << " bytes");
+                std::memcpy(&id, blob.data(), sizeof(id));
+                BENCH_NCCL_CHECK(nccl().comm_init_rank(&comm, n, id, w.rank()));
+                std::ostringstream os;
+                os << "NCCL " << nccl().version << " from " << nccl().path;
+                nccl_note = os.str();
+            }
+
+            std::vector<Row> rows;
+            const int es = dtype_bytes(o.dtype);
+            for (Op op : o.ops) {
+                for (uint64_t size : o.sizes) {
+                    // Element counts: all_reduce `size` bytes per rank; all_gather / reduce_scatter `size` bytes in
+                    // total.
+                    const uint64_t total_elems = size / static_cast<uint64_t>(es);
+                    const uint64_t shard = op == Op::kAllReduce ? total_elems : total_elems / static_cast<uint64_t>(n);
+                    if (shard == 0) continue;
+                    const uint64_t in_bytes = op == Op::kReduceScatter ? shard * n * es : shard * es;
+                    const uint64_t out_bytes = op == Op::kAllGather ? shard * n * es : shard * es;
+                    const uint64_t stride = (std::max(in_bytes, out_bytes) + 255) / 256 * 256;
+                    const uint64_t slots = std::max<uint64_t>(1, std::min<uint64_t>(pool / stride, 64));
+                    const bool graph = size <= o.graph_max;
+                    const auto views = [&](int k) {
+                        const uint64_t off = (static_cast<uint64_t>(k) % slots) * stride;
+                        const auto in_n = static_cast<int64_t>(in_bytes / es);
+                        const auto out_n = static_cast<int64_t>(out_bytes / es);
+                        return std::make_pair(TensorView(in + off, o.dtype, {in_n}),
+                                              TensorView(out + off, o.dtype, {out_n}));
+                    };
+                    std::vector<std::pair<std::string, std::function<void(int)>>> variants;
+                    for (const std::string& a : algos_of(op, o)) {
+                        if (!worth_running(op, a, size, n)) continue;
+                        if (!o.symmetric && (a == "sm_push" || a == "ce_push")) continue;  // need a symmetric output
+                        variants.emplace_back(a, [&, a](int k) {
+                            const auto [vi, vo] = views(k);
+                            if (op == Op::kAllReduce)
+                                ops::all_reduce(w, vi, vo, s, {.algo = *ops::parse_all_reduce_algo(a)});
+                            if (op == Op::kAllGather)
+                                ops::all_gather(w, vi, vo, s, {.algo = *ops::parse_all_gather_algo(a)});
+                            if (op == Op::kReduceScatter) {
+                                ops::reduce_scatter(w, vi, vo, s, {.algo = *ops::parse_reduce_scatter_algo(a)});
+                            }
+                        });
+                    }
+                    if (comm != nullptr) {
+                        variants.emplace_back("nccl", [&](int k) {
+                            const auto [vi, vo] = views(k);
+                            if (op == Op::kAllReduce) {
+                                BENCH_NCCL_CHECK(
+                                    nccl().all_reduce(vi.data, vo.data, shard, nccl_type(o.dtype), ncclSum, comm, s));
+                            } else if (op == Op::kAllGather) {
+                                BENCH_NCCL_CHECK(
+                                    nccl().all_gather(vi.data, vo.data, shard, nccl_type(o.dtype), comm, s));
+                            } else {
+                                BENCH_NCCL_CHECK(nccl().reduce_scatter(vi.data, vo.data, shard, nccl_type(o.dtype),
+                                                                       ncclSum, comm, s));
+                            }
+                        });
+                    }
+                    for (auto& [name, call] : variants) {
+                        Row row{op, size, n, shared, name, "", 0, 0, graph, -1};
+                        if (name == "auto") {
+                            const ops::CollectiveTopology& t = info.topology;
+                            if (op == Op::kAllReduce)
+                                row.chosen = ops::algo_name(ops::select_all_reduce_algo(shard * es, t));
+                            if (op == Op::kAllGather) {
+                                row.chosen = ops::algo_name(ops::select_all_gather_algo(shard * es, t, o.symmetric));
+                            }
+                            if (op == Op::kReduceScatter) row.chosen = "sm_pull";
+                        }
+                        if (o.check) {
+                            // One call on slot 0 (whose input is the pattern from element 0), verified on the host.
+                            WEFT_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, out_bytes, s));
+                            call(0);
+                            std::vector<uint8_t> h(out_bytes);
+                            WEFT_CUDA_CHECK(cudaMemcpyAsync(h.data(), out, out_bytes, cudaMemcpyDeviceToHost, s));
+                            w.sync_and_check(s);
+                            bool ok = true;
+                            for (uint64_t i = 0; i < out_bytes / es && ok; ++i) {
+                                int32_t want = 0;
+                                if (op == Op::kAllReduce) {
+                                    for (int r = 0; r < n; ++r) want += pattern_value(r, i % kPatternElems);
+                                } else if (op == Op::kAllGather) {
+                                    want = pattern_value(static_cast<int>(i / shard), (i % shard) % kPatternElems);
+                                } else {
+                                    const uint64_t j = static_cast<uint64_t>(w.rank()) * shard + i;
+                                    for (int r = 0; r < n; ++r) want += pattern_value(r, j % kPatternElems);
+                                }
+                                uint32_t got = 0;
+                                std::memcpy(&got, h.data() + i * es, static_cast<size_t>(es));
+                                ok = got == int_bits(want, o.dtype);
+                            }
+                            row.check = gather.max(w, ok ? 0.0 : 1.0) == 0.0 ? 1 : 0;
+                        }
+                        WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+                        w.barrier();
+                        // A capture that fails, fails alike on every rank (same calls): all fall back to eager
+                        // launches.
+                        bool use_graph = graph;
+                        const double us = time_calls(s, o, &use_graph, call);
+                        row.graph = use_graph;
+                        row.us = gather.max(w, us);
+                        row.busbw = static_cast<double>(size) * bus_factor(op, n) / (row.us * 1e3);
+                        rows.push_back(row);
+                    }
+                }
+            }
+            w.sync_and_check(s);
+            w.barrier();
+            if (comm != nullptr) nccl().comm_destroy(comm);
+            if (o.symmetric) {
+                w.heap().free(out);
+                w.heap().free(in);
+            } else {
+                cudaFree(out);
+                cudaFree(in);
+            }
+            cudaStreamDestroy(s);
+            if (w.rank() == 0) {
+                std::lock_guard<std::mutex> lock(mutex);
+                result->rows = rows;
+                result->roofline_busbw = roofline;
+                result->roofline_what = roof_what;
+                result->nccl_note = nccl_note;
+            }
+        },
+        wo);
+    (void)shared_gpu;
+}
+
+int run(int argc, char** argv) {
+    const Options o = parse_options(argc, argv);
+    ensure_eager_module_loading();
+    cudaDeviceProp prop{};
+    WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    int devices = 0;
+    WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    std::printf(
+        "weft collectives benchmark: %s x %d (%d SMs), %s, dtype %s, %s buffers, iters %d x reps %d "
+        "(median), graphs up to %s%s\n",
+        prop.name, devices, prop.multiProcessorCount, utc_date().c_str(), dtype_name(o.dtype),
+        o.symmetric ? "symmetric" : "local", o.iters, o.reps, format_bytes(o.graph_max).c_str(),
+        o.check ? ", checked" : "");
+    std::vector<WorldResult> results;
+    bool all_ok = true;
+    for (int n : o.worlds) {
+        WorldResult r;
+        run_world(n, o, &r);
+        const bool shared = !r.rows.empty() && r.rows.front().shared_gpu;
+        std::printf("\n== world %d (%s) ==  roofline bus bandwidth %.1f GB/s (%s);  %s\n", n,
+                    shared ? "ranks share a GPU" : "one GPU per rank", r.roofline_busbw, r.roofline_what.c_str(),
+                    r.nccl_note.c_str());
+        for (Op op : o.ops) {
+            std::vector<std::string> names = algos_of(op, o);
+            names.push_back("nccl");
+            std::printf("\n%s: microseconds per call (bus GB/s); roofline = bus bytes / roofline bandwidth\n",
+                        op_name(op));
+            std::printf("%8s", "size");
+            for (const std::string& a : names) std::printf(" %19s", a.c_str());
+            std::printf(" %19s %8s\n", "roofline", "best/nc");
+            for (uint64_t size : o.sizes) {
+                double best = 0, nccl_us = 0;
+                bool any = false;
+                std::printf("%8s", format_bytes(size).c_str());
+                for (const std::string& a : names) {
+                    const Row* row = nullptr;
+                    for (const Row& x : r.rows) {
+                        if (x.op == op && x.size == size && x.algo == a) row = &x;
+                    }
+                    if (row == nullptr) {
+                        std::printf(" %19s", "-");
+                        continue;
+                    }
+                    char cell[64];
+                    std::snprintf(cell, sizeof(cell), "%.2f (%.1f)%s%s", row->us, row->busbw,
+                                  row->check == 0 ? "!" : "", row->graph ? "g" : "");
+                    std::printf(" %19s", cell);
+                    all_ok = all_ok && row->check != 0;
+                    any = true;
+                    if (a == "nccl")
+                        nccl_us = row->us;
+                    else if (best == 0 || row->us < best)
+                        best = row->us;
+                }
+                if (!any) {
+                    std::printf("\n");
+                    continue;
+                }
+                const double bus = static_cast<double>(size) * bus_factor(op, n);
+                const double roof_us = r.roofline_busbw > 0 ? bus / (r.roofline_busbw * 1e3) : 0;
+                char cell[64];
+                std::snprintf(cell, sizeof(cell), "%.2f (%.1f)", roof_us, r.roofline_busbw);
+                std::printf(" %19s", cell);
+                if (nccl_us > 0)
+                    std::printf(" %8.2f", nccl_us / best);
+                else
+                    std::printf(" %8s", "-");
+                std::printf("\n");
+            }
+            for (const Row& x : r.rows) {
+                if (x.op == op && x.algo == "auto" && !x.chosen.empty() && x.size == o.sizes.front()) {
+                    std::printf("  (auto picks per size:");
+                    for (const Row& y : r.rows) {
+                        if (y.op == op && y.algo == "auto")
+                            std::printf(" %s=%s", format_bytes(y.size).c_str(), y.chosen.c_str());
+                    }
+                    std::printf(")\n");
+                }
+            }
+        }
+        results.push_back(std::move(r));
+    }
+    std::printf(
+        "\n'g': timed from a CUDA graph of %d calls; '!': wrong result (--check); best/nc: NCCL time / best "
+        "weft time (> 1: weft faster)\n",
+        o.iters);
+    if (!o.json.empty()) {
+        std::ofstream f(o.json);
+        WEFT_CHECK(f.good(), "--json: cannot write '" << o.json << "'");
+        f << "{\n  \"bench\": \"collectives\",\n  \"device\": \"" << prop.name << "\",\n  \"devices\": " << devices
+          << ",\n  \"date\": \"" << utc_date() << "\",\n  \"dtype\": \"" << dtype_name(o.dtype)
+          << "\",\n  \"buffers\": \"" << (o.symmetric ? "symmetric" : "local") << "\",\n  \"iters\": " << o.iters
+          << ",\n  \"reps\": " << o.reps << ",\n  \"worlds\": [";
+        for (size_t i = 0; i < results.size(); ++i) {
+            const WorldResult& r = results[i];
+            f << (i ? "," : "") << "\n    {\"world\": " << o.worlds[i]
+              << ", \"roofline_busbw_gbps\": " << r.roofline_busbw << ", \"roofline\": \"" << r.roofline_what
+              << "\", \"nccl\": \"" << r.nccl_note << "\", \"rows\": [";
+            for (size_t k = 0; k < r.rows.size(); ++k) {
+                const Row& x = r.rows[k];
+                f << (k ? "," : "") << "\n      {\"op\": \"" << op_name(x.op) << "\", \"algo\": \"" << x.algo << "\""
+                  << (x.chosen.empty() ? "" : ", \"chosen\": \"" + x.chosen + "\"") << ", \"size_bytes\": " << x.size
+                  << ", \"shared_gpu\": " << (x.shared_gpu ? "true" : "false")
+                  << ", \"graph\": " << (x.graph ? "true" : "false") << ", \"us\": " << x.us
+                  << ", \"busbw_gbps\": " << x.busbw;
+                if (x.check >= 0) f << ", \"correct\": " << (x.check ? "true" : "false");
+                f << "}";
+            }
+            f << "\n    ]}";
+        }
+        f << "\n  ]\n}\n";
+        std::printf("wrote %s\n", o.json.c_str());
+    }
+    return all_ok ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace weft::bench
+
+int main(int argc, char** argv) {
+    try {
+        return weft::bench::run(argc, argv);
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "weft_bench_collectives: %s\n", e.what());
+        return 2;
+    }
+}

@@ -1,0 +1,507 @@
+// SPDX-License-Identifier: MIT
+// Benchmark of expert-parallel dispatch/combine (low-latency and normal) with DeepEP's bandwidth metric and the bytes
+// that cross GPUs.
+//
+//   weft_bench_ep [--mode ll|normal|all] [--tokens 1,32,128,256] [--hidden 7168] [--experts 256] [--topk 8]
+//                 [--iters 20] [--warmup 5] [--world 8] [--check] [--json FILE]
+//
+// Ranks are threads of this process (weft::run_local) over the visible GPUs: with one GPU every rank shares
+// it, no byte crosses NVLink, and the figures measure the kernels' own overhead (their "GB/s" is a rate
+// of HBM work, not link bandwidth). With one GPU per rank they are the real thing.
+// Routing: k distinct experts per token, uniformly at random (the same draw on every rank). Timing: a
+// batch of back-to-back calls per op (dispatch alone, combine alone) timed with CUDA events on every
+// rank; the slowest rank's time per call counts. GB/s = the average rank's bytes / that time:
+//   DeepEP metric: dispatch and combine count every received row, the rank's own included (low-latency:
+//   one row per (token, expert); normal: one per (token, rank)), at the transmitted dtype;
+//   crossing: only the bytes that leave a rank for another one, with weft's per-row extras (the
+//   low-latency 16-byte trailer, the normal receive record).
+// Normal mode defaults: tokens 4096, receive limits 1.25x the uniform expectation.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "weft/ops/ep.hpp"
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft::bench {
+namespace {
+
+struct Options {
+    std::string mode = "all";
+    std::vector<int> tokens;  // empty: per-mode defaults
+    int hidden = 7168;
+    int experts = 256;
+    int topk = 8;
+    int iters = 20;
+    int warmup = 5;
+    std::vector<int> worlds = {8};
+    bool check = false;
+    std::string json;
+};
+
+std::vector<std::string> split(const std::string& s, char sep) {
+    std::vector<std::string> out;
+    std::stringstream ss(s);
+    std::string item;
+    while (std::getline(ss, item, sep)) out.push_back(item);
+    return out;
+}
+
+std::vector<int> parse_ints(const std::string& text, const char* what, int lo, int hi) {
+    std::vector<int> v;
+    for (const std::string& p : split(text, ',')) {
+        const int x = static_cast<int>(env::parse_int(p, what));
+        WEFT_CHECK(x >= lo && x <= hi, what << ": values in " << lo << ".." << hi << ", got " << x);
+        v.push_back(x);
+    }
+    WEFT_CHECK(!v.empty(), what << ": empty list");
+    return v;
+}
+
+Options parse_options(int argc, char** argv) {
+    Options o;
+    for (int i = 1; i < argc; ++i) {
+        const std::string arg = argv[i];
+        const auto value = [&](const char* name) -> std::string {
+            WEFT_CHECK(i + 1 < argc, name << " needs a value");
+            return argv[++i];
+        };
+        if (arg == "--mode") {
+            o.mode = value("--mode");
+            WEFT_CHECK(o.mode == "ll" || o.mode == "normal" || o.mode == "all",
+                       "--mode: ll, normal or all, got '" << o.mode << "'");
+        } else if (arg == "--tokens") {
+            o.tokens = parse_ints(value("--tokens"), "--tokens", 0, 1 << 20);
+        } else if (arg == "--hidden") {
+            o.hidden = parse_ints(value("--hidden"), "--hidden", 8, 1 << 20)[0];
+        } else if (arg == "--experts") {
+            o.experts = parse_ints(value("--experts"), "--experts", 1, ep::kMaxExperts)[0];
+        } else if (arg == "--topk") {
+            o.topk = parse_ints(value("--topk"), "--topk", 1, ep::kMaxTopk)[0];
+        } else if (arg == "--iters") {
+            o.iters = parse_ints(value("--iters"), "--iters", 1, 1 << 20)[0];
+        } else if (arg == "--warmup") {
+            o.warmup = parse_ints(value("--warmup"), "--warmup", 0, 1 << 20)[0];
+        } else if (arg == "--world") {
+            o.worlds = parse_ints(value("--world"), "--world", 1, ep::kMaxRanks);
+        } else if (arg == "--check") {
+            o.check = true;
+        } else if (arg == "--json") {
+            o.json = value("--json");
+        } else if (arg == "--help" || arg == "-h") {
+            std::printf(
+                "usage: %s [--mode ll|normal|all] [--tokens 1,32,128,256] [--hidden 7168] [--experts 256] "
+                "[--topk 8] [--iters 20] [--warmup 5] [--world 8] [--check] [--json FILE]\n",
+                argv[0]);
+            std::exit(0);
+        } else {
+            WEFT_FAIL("unknown option '" << arg << "' (try --help)");
+        }
+    }
+    return o;
+}
+
+std::string utc_date() {
+    const std::time_t now = std::time(nullptr);
+    char buf[32];
+    std::strftime(buf, sizeof(buf), "%Y-%m-%d", std::gmtime(&now));
+    return buf;
+}
+
+uint16_t to_bf16(float f) {
+    uint32_t u = 0;
+    std::memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+float from_bf16(uint16_t b) {
+    const uint32_t u = static_cast<uint32_t>(b) << 16;
+    float f = 0;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+/// Every rank's routing (uniform, k distinct experts) and weights, from one seed.
+struct Routing {
+    std::vector<std::vector<int32_t>> idx;  // [rank][T * k]
+    std::vector<std::vector<float>> w;
+};
+
+Routing make_routing(int world, int tokens, int experts, int topk, uint32_t seed) {
+    Routing r;
+    std::mt19937 rng(seed);
+    std::vector<int> pool(static_cast<size_t>(experts));
+    std::iota(pool.begin(), pool.end(), 0);
+    std::uniform_real_distribution<float> weight(0.05f, 1.0f);
+    for (int s = 0; s < world; ++s) {
+        r.idx.emplace_back();
+        r.w.emplace_back();
+        for (int t = 0; t < tokens; ++t) {
+            for (int j = 0; j < topk; ++j) {
+                std::uniform_int_distribution<int> pick(j, experts - 1);
+                std::swap(pool[static_cast<size_t>(j)], pool[static_cast<size_t>(pick(rng))]);
+                r.idx.back().push_back(pool[static_cast<size_t>(j)]);
+                r.w.back().push_back(weight(rng));
+            }
+        }
+    }
+    return r;
+}
+
+/// Rows each rank receives under a routing: per (token, expert) and per (token, rank), own and others'.
+struct Traffic {
+    std::vector<int64_t> routes_all, routes_remote, tokens_all, tokens_remote;  // [rank]
+    std::vector<std::vector<int32_t>> expert_counts;                            // [rank][local expert]
+};
+
+Traffic count_traffic(const Routing& r, int world, int tokens, int experts, int topk) {
+    Traffic tr;
+    const int local = experts / world;
+    tr.routes_all.assign(static_cast<size_t>(world), 0);
+    tr.routes_remote = tr.tokens_all = tr.tokens_remote = tr.routes_all;
+    tr.expert_counts.assign(static_cast<size_t>(world), std::vector<int32_t>(static_cast<size_t>(local), 0));
+    for (int s = 0; s < world; ++s) {
+        for (int t = 0; t < tokens; ++t) {
+            std::vector<bool> hit(static_cast<size_t>(world), false);
+            for (int j = 0; j < topk; ++j) {
+                const int e = r.idx[static_cast<size_t>(s)][static_cast<size_t>(t * topk + j)];
+                const int d = e / local;
+                tr.routes_all[static_cast<size_t>(d)]++;
+                tr.routes_remote[static_cast<size_t>(d)] += d != s;
+                tr.expert_counts[static_cast<size_t>(d)][static_cast<size_t>(e % local)]++;
+                hit[static_cast<size_t>(d)] = true;
+            }
+            for (int d = 0; d < world; ++d) {
+                if (!hit[static_cast<size_t>(d)]) continue;
+                tr.tokens_all[static_cast<size_t>(d)]++;
+                tr.tokens_remote[static_cast<size_t>(d)] += d != s;
+            }
+        }
+    }
+    return tr;
+}
+
+struct Row {
+    std::string mode, dtype, op;
+    int tokens = 0, world = 0, sms = 0;
+    double us = 0, deepep_gbps = 0, crossing_gbps = 0;
+    std::string check;  // "", "ok", "FAILED: ..."
+};
+
+/// Per-rank timings, gathered after the run (ms per call).
+struct Timings {
+    std::mutex mutex;
+    std::vector<double> dispatch_ms, combine_ms;
+    std::vector<std::string> errors;
+    int sms = 0;
+};
+
+void device_random_bf16(void* dst, size_t count, uint32_t seed, cudaStream_t s) {
+    std::vector<uint16_t> h(count);
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> d(-2.0f, 2.0f);
+    for (auto& v : h) v = to_bf16(d(rng));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(dst, h.data(), count * 2, cudaMemcpyHostToDevice, s));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+void* device_alloc(size_t bytes, cudaStream_t s) {
+    void* p = nullptr;
+    WEFT_CUDA_CHECK(cudaMallocAsync(&p, std::max<size_t>(bytes, 16), s));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+    return p;
+}
+
+/// Identity expert (y = recv_x): out[t] ~ x[t] * sum of t's weights, up to bf16 roundings.
+std::string check_identity(const void* x, const void* out, int tokens, int hidden, int topk,
+                           const std::vector<float>& weights) {
+    const size_t hsz = static_cast<size_t>(hidden);
+    std::vector<uint16_t> hx(static_cast<size_t>(tokens) * hsz), ho(hx.size());
+    WEFT_CUDA_CHECK(cudaMemcpy(hx.data(), x, hx.size() * 2, cudaMemcpyDeviceToHost));
+    WEFT_CUDA_CHECK(cudaMemcpy(ho.data(), out, ho.size() * 2, cudaMemcpyDeviceToHost));
+    for (int t = 0; t < tokens; ++t) {
+        float sum = 0;
+        for (int j = 0; j < topk; ++j) sum += weights[static_cast<size_t>(t * topk + j)];
+        for (size_t ch = 0; ch < hsz; ++ch) {
+            const float want = from_bf16(hx[static_cast<size_t>(t) * hsz + ch]) * sum;
+            const float got = from_bf16(ho[static_cast<size_t>(t) * hsz + ch]);
+            if (!(std::fabs(got - want) <= 0.03f * std::fabs(want) + 0.02f)) {
+                return "FAILED: out[" + std::to_string(t) + "][" + std::to_string(ch) + "] = " + std::to_string(got) +
+                       ", expected about " + std::to_string(want);
+            }
+        }
+    }
+    return "ok";
+}
+
+/// Times `n` back-to-back calls of `op` on this rank's stream; ms per call.
+template <class F>
+double time_batch(World& world, cudaStream_t s, int n, F&& op) {
+    cudaEvent_t start = nullptr, stop = nullptr;
+    WEFT_CUDA_CHECK(cudaEventCreate(&start));
+    WEFT_CUDA_CHECK(cudaEventCreate(&stop));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+    world.barrier();
+    WEFT_CUDA_CHECK(cudaEventRecord(start, s));
+    for (int i = 0; i < n; ++i) op(i);
+    WEFT_CUDA_CHECK(cudaEventRecord(stop, s));
+    world.sync_and_check(s);
+    float ms = 0;
+    WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    return static_cast<double>(ms) / n;
+}
+
+// One (mode, dtype, tokens, world) configuration on every rank.
+void run_config(World& world, const Options& o, bool low_latency, bool fp8, int tokens, const Routing& routing,
+                const Traffic& traffic, Timings* timings) {
+    const int me = world.rank();
+    const int w = world.num_ranks();
+    cudaStream_t s = nullptr;
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    ep::Config c;
+    c.num_experts = o.experts;
+    c.hidden = o.hidden;
+    c.topk = o.topk;
+    c.max_tokens_per_rank = std::max(1, tokens);
+    c.normal = !low_latency;
+    c.low_latency = low_latency;
+    if (!low_latency) {
+        c.max_recv_rows = ep::expected_recv_rows(c, w) * 5 / 4 + 256;
+        c.max_recv_tokens = ep::expected_recv_tokens(c, w) * 5 / 4 + 64;
+    }
+    ep::Buffer buffer(world, c);
+    const ep::Geometry& g = buffer.geometry();
+    const size_t hsz = static_cast<size_t>(o.hidden);
+    // Two input sets, used alternately (the next call does not find its inputs in L2).
+    void* x[2];
+    void* idx[2];
+    void* wt[2];
+    for (int b = 0; b < 2; ++b) {
+        x[b] = device_alloc(static_cast<size_t>(tokens) * hsz * 2, s);
+        device_random_bf16(x[b], static_cast<size_t>(tokens) * hsz, 1000u + static_cast<uint32_t>(me * 2 + b), s);
+        idx[b] = device_alloc(static_cast<size_t>(tokens) * o.topk * 4, s);
+        wt[b] = device_alloc(static_cast<size_t>(tokens) * o.topk * 4, s);
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(idx[b], routing.idx[static_cast<size_t>(me)].data(),
+                                        static_cast<size_t>(tokens) * o.topk * 4, cudaMemcpyHostToDevice, s));
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(wt[b], routing.w[static_cast<size_t>(me)].data(),
+                                        static_cast<size_t>(tokens) * o.topk * 4, cudaMemcpyHostToDevice, s));
+    }
+    void* out = device_alloc(static_cast<size_t>(tokens) * hsz * 2, s);
+    const auto xv = [&](int i) { return TensorView(x[i & 1], DType::kBF16, {tokens, o.hidden}); };
+    const auto iv = [&](int i) { return TensorView(idx[i & 1], DType::kI32, {tokens, o.topk}); };
+    const auto wv = [&](int i) { return TensorView(wt[i & 1], DType::kF32, {tokens, o.topk}); };
+    const TensorView ov(out, DType::kBF16, {tokens, o.hidden});
+    std::string check;
+    double d_ms = 0, c_ms = 0;
+    int sms = 0;
+    if (low_latency) {
+        ep::LowLatencyHandle h = buffer.make_low_latency_handle();
+        const int64_t rows = g.ll_rows_per_expert();
+        void* y = device_alloc(static_cast<size_t>(g.local_experts()) * rows * hsz * 2, s);
+        device_random_bf16(y, static_cast<size_t>(g.local_experts()) * rows * hsz, 77u + static_cast<uint32_t>(me), s);
+        const TensorView yv = fp8 ? TensorView(y, DType::kBF16, {g.local_experts(), rows, o.hidden}) : h.recv_x();
+        const ep::LowLatencyOptions opt{.fp8 = fp8};
+        sms = ep::default_low_latency_sms(g.max_tokens, g.topk, world.sm_budget());
+        for (int i = 0; i < o.warmup; ++i) {
+            buffer.low_latency_dispatch(h, xv(i), iv(i), s, opt);
+            buffer.low_latency_combine(h, fp8 ? yv : h.recv_x(), iv(i), wv(i), ov, s);
+        }
+        world.sync_and_check(s);
+        if (o.check) {
+            buffer.low_latency_dispatch(h, xv(0), iv(0), s, opt);
+            buffer.low_latency_combine(h, fp8 ? yv : h.recv_x(), iv(0), wv(0), ov, s);
+            buffer.sync_and_check(s);
+            std::vector<int32_t> counts(static_cast<size_t>(g.local_experts()));
+            WEFT_CUDA_CHECK(cudaMemcpy(counts.data(), h.expert_counts(), counts.size() * 4, cudaMemcpyDeviceToHost));
+            check = counts == traffic.expert_counts[static_cast<size_t>(me)] ? "ok" : "FAILED: expert counts";
+            if (check == "ok" && !fp8) {
+                check = check_identity(x[0], out, tokens, o.hidden, o.topk, routing.w[static_cast<size_t>(me)]);
+            }
+        }
+        d_ms = time_batch(world, s, o.iters, [&](int i) { buffer.low_latency_dispatch(h, xv(i), iv(i), s, opt); });
+        c_ms = time_batch(world, s, o.iters,
+                          [&](int i) { buffer.low_latency_combine(h, fp8 ? yv : h.recv_x(), iv(i), wv(i), ov, s); });
+        cudaFreeAsync(y, s);
+    } else {
+        ep::NormalHandle h = buffer.make_normal_handle();
+        sms = ep::default_normal_sms(tokens, world.sm_budget());
+        for (int i = 0; i < o.warmup; ++i) {
+            buffer.dispatch(h, xv(i), iv(i), wv(i), s);
+            buffer.combine(h, h.recv_x(), ov, s);
+        }
+        world.sync_and_check(s);
+        if (o.check) {
+            buffer.dispatch(h, xv(0), iv(0), wv(0), s);
+            buffer.combine(h, h.recv_x(), ov, s);
+            buffer.sync_and_check(s);
+            check = check_identity(x[0], out, tokens, o.hidden, o.topk, routing.w[static_cast<size_t>(me)]);
+        }
+        d_ms = time_batch(world, s, o.iters, [&](int i) { buffer.dispatch(h, xv(i), iv(i), wv(i), s); });
+        c_ms = time_batch(world, s, o.iters, [&](int) { buffer.combine(h, h.recv_x(), ov, s); });
+    }
+    {
+        std::lock_guard<std::mutex> lock(timings->mutex);
+        timings->dispatch_ms[static_cast<size_t>(me)] = d_ms;
+        timings->combine_ms[static_cast<size_t>(me)] = c_ms;
+        timings->sms = sms;
+        if (!check.empty() && check != "ok") timings->errors.push_back("rank " + std::to_string(me) + ": " + check);
+    }
+    for (int b = 0; b < 2; ++b) {
+        cudaFreeAsync(x[b], s);
+        cudaFreeAsync(idx[b], s);
+        cudaFreeAsync(wt[b], s);
+    }
+    cudaFreeAsync(out, s);
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+    cudaStreamDestroy(s);
+}
+
+int run(int argc, char** argv) {
+    const Options o = parse_options(argc, argv);
+    cudaDeviceProp prop{};
+    WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    int devices = 0;
+    WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    std::vector<Row> rows;
+    struct Mode {
+        bool ll;
+        bool fp8;
+    };
+    std::vector<Mode> modes;
+    if (o.mode != "normal") {
+        modes.push_back({true, false});
+        modes.push_back({true, true});
+    }
+    if (o.mode != "ll") modes.push_back({false, false});
+
+    for (int w : o.worlds) {
+        WEFT_CHECK(o.experts % w == 0, "--experts (" << o.experts << ") must be a multiple of --world (" << w << ")");
+        for (const Mode& m : modes) {
+            std::vector<int> token_list = o.tokens;
+            if (token_list.empty()) token_list = m.ll ? std::vector<int>{1, 32, 128, 256} : std::vector<int>{4096};
+            for (int tokens : token_list) {
+                if (m.ll && tokens > ep::kMaxLowLatencyTokens) {
+                    std::printf("skipping low-latency at %d tokens (limit %d)\n", tokens, ep::kMaxLowLatencyTokens);
+                    continue;
+                }
+                ep::Config c;
+                c.num_experts = o.experts;
+                c.hidden = o.hidden;
+                c.topk = o.topk;
+                c.max_tokens_per_rank = std::max(1, tokens);
+                c.normal = !m.ll;
+                c.low_latency = m.ll;
+                if (!m.ll) {
+                    c.max_recv_rows = ep::expected_recv_rows(c, w) * 5 / 4 + 256;
+                    c.max_recv_tokens = ep::expected_recv_tokens(c, w) * 5 / 4 + 64;
+                }
+                const ep::Footprint fp = ep::footprint(c, w);
+                WorldOptions wo;
+                wo.heap_bytes = fp.heap_bytes(m.ll ? 0 : 1) + (64ull << 20);
+                const Routing routing =
+                    make_routing(w, tokens, o.experts, o.topk, 20240601u + static_cast<uint32_t>(tokens));
+                const Traffic traffic = count_traffic(routing, w, tokens, o.experts, o.topk);
+                Timings t;
+                t.dispatch_ms.assign(static_cast<size_t>(w), 0);
+                t.combine_ms.assign(static_cast<size_t>(w), 0);
+                run_local(
+                    w, [&](World& world) { run_config(world, o, m.ll, m.fp8, tokens, routing, traffic, &t); }, wo);
+                const double d_ms = *std::max_element(t.dispatch_ms.begin(), t.dispatch_ms.end());
+                const double c_ms = *std::max_element(t.combine_ms.begin(), t.combine_ms.end());
+                // Average rank's bytes per call.
+                const double row_bf16 = 2.0 * o.hidden;
+                const double row_fp8 = o.hidden + 4.0 * (o.hidden / ep::kFp8GroupSize);
+                const auto mean = [&](const std::vector<int64_t>& v) {
+                    return static_cast<double>(std::accumulate(v.begin(), v.end(), int64_t{0})) / w;
+                };
+                double d_deepep, d_cross, c_deepep, c_cross;
+                if (m.ll) {
+                    const double row = m.fp8 ? row_fp8 : row_bf16;
+                    d_deepep = mean(traffic.routes_all) * row;
+                    d_cross = mean(traffic.routes_remote) * (row + 16);
+                    c_deepep = mean(traffic.routes_all) * row_bf16;
+                    c_cross = mean(traffic.routes_remote) * row_bf16;
+                } else {
+                    const ep::Geometry g = ep::resolve_geometry(c, w, 0);
+                    d_deepep = mean(traffic.tokens_all) * row_bf16;
+                    d_cross = mean(traffic.tokens_remote) * (row_bf16 + 4.0 * g.meta_ints());
+                    c_deepep = mean(traffic.tokens_all) * row_bf16;
+                    c_cross = mean(traffic.tokens_remote) * row_bf16;
+                }
+                const std::string check = !o.check ? "" : (t.errors.empty() ? "ok" : "FAILED: " + t.errors.front());
+                const std::string mode = m.ll ? "low-latency" : "normal";
+                rows.push_back({mode, m.fp8 ? "fp8" : "bf16", "dispatch", tokens, w, t.sms, d_ms * 1e3,
+                                d_deepep / (d_ms * 1e6), d_cross / (d_ms * 1e6), check});
+                rows.push_back({mode, "bf16", "combine", tokens, w, t.sms, c_ms * 1e3, c_deepep / (c_ms * 1e6),
+                                c_cross / (c_ms * 1e6), check});
+                std::printf("%s %s T=%d W=%d: dispatch %.1f us, combine %.1f us; footprint %s\n", mode.c_str(),
+                            m.fp8 ? "fp8" : "bf16", tokens, w, d_ms * 1e3, c_ms * 1e3, fp.describe().c_str());
+            }
+        }
+    }
+
+    const bool shared = o.worlds.empty() ? false : *std::max_element(o.worlds.begin(), o.worlds.end()) > devices;
+    std::printf("\nweft EP benchmark: %s x %d visible (%d SMs each), %s, H=%d E=%d top-%d, iters %d, warmup %d%s\n",
+                prop.name, devices, prop.multiProcessorCount, utc_date().c_str(), o.hidden, o.experts, o.topk, o.iters,
+                o.warmup, o.check ? ", checked" : "");
+    if (shared) {
+        std::printf(
+            "NOTE: more ranks than GPUs - ranks SHARE a GPU, no byte crosses NVLink: the figures are the kernels'\n"
+            "own overhead (GB/s = rate of HBM work), not link bandwidth.\n");
+    }
+    std::printf("%-12s %-5s %-9s %6s %5s %4s | %10s %12s %12s%s\n", "mode", "dtype", "op", "tokens", "world", "sms",
+                "us/call", "DeepEP GB/s", "cross GB/s", o.check ? "  check" : "");
+    bool ok = true;
+    for (const Row& r : rows) {
+        std::printf("%-12s %-5s %-9s %6d %5d %4d | %10.1f %12.1f %12.1f%s%s\n", r.mode.c_str(), r.dtype.c_str(),
+                    r.op.c_str(), r.tokens, r.world, r.sms, r.us, r.deepep_gbps, r.crossing_gbps,
+                    r.check.empty() ? "" : "  ", r.check.c_str());
+        ok = ok && (r.check.empty() || r.check == "ok");
+    }
+    if (!o.json.empty()) {
+        std::ofstream f(o.json);
+        WEFT_CHECK(f.good(), "--json: cannot write '" << o.json << "'");
+        f << "{\n  \"bench\": \"ep\",\n  \"device\": \"" << prop.name << "\",\n  \"devices\": " << devices
+          << ",\n  \"ranks_share_gpu\": " << (shared ? "true" : "false") << ",\n  \"date\": \"" << utc_date()
+          << "\",\n  \"hidden\": " << o.hidden << ",\n  \"experts\": " << o.experts << ",\n  \"topk\": " << o.topk
+          << ",\n  \"iters\": " << o.iters << ",\n  \"warmup\": " << o.warmup << ",\n  \"results\": [";
+        for (size_t i = 0; i < rows.size(); ++i) {
+            const Row& r = rows[i];
+            f << (i ? "," : "") << "\n    {\"mode\": \"" << r.mode << "\", \"dtype\": \"" << r.dtype << "\", \"op\": \""
+              << r.op << "\", \"tokens\": " << r.tokens << ", \"world\": " << r.world << ", \"sms\": " << r.sms
+              << ", \"us\": " << r.us << ", \"deepep_gbps\": " << r.deepep_gbps
+              << ", \"crossing_gbps\": " << r.crossing_gbps << ", \"check\": \"" << r.check << "\"}";
+        }
+        f << "\n  ]\n}\n";
+        std::printf("\nwrote %s\n", o.json.c_str());
+    }
+    return ok ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace weft::bench
+
+int main(int argc, char** argv) {
+    try {
+        return weft::bench::run(argc, argv);
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "error: %s\n", e.what());
+        return 1;
+    }
+}

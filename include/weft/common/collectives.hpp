@@ -1,0 +1,146 @@
+// SPDX-License-Identifier: MIT
+// What host ops and collective kernels share: kernel configs, the argument block, the device state, partitions.
+//
+// Host (src/ops/*.cpp) and device (kernels/all_reduce, all_gather, reduce_scatter) include this file, so the
+// partition of a message into blocks and slices is computed by one piece of code that is unit-tested on the CPU.
+// NVRTC-compatible: no standard library beyond weft/common/macros.hpp.
+#pragma once
+
+#include "weft/common/dtype.hpp"
+#include "weft/common/macros.hpp"
+
+namespace weft {
+
+/// Most thread blocks a collective kernel launches (per-block barrier slots and counters are sized by it).
+inline constexpr uint32_t kMaxCollectiveBlocks = 256;
+/// Block and slice boundaries fall on multiples of this many bytes (so 16-byte vectors never straddle them),
+/// whatever each rank's buffer alignment is: the partition must be the same on every rank.
+inline constexpr uint64_t kCollectiveGranuleBytes = 16;
+/// Payload bytes per LL line (two 8-byte words, each {4 bytes of data, 4-byte flag}).
+inline constexpr uint64_t kLowLatencyPayloadBytes = 8;
+/// Bytes per LL line in the receive buffer.
+inline constexpr uint64_t kLowLatencyLineBytes = 16;
+
+/// A half-open range [begin, end) of elements (or bytes, or lines).
+struct Span {
+    uint64_t begin = 0;
+    uint64_t end = 0;
+    WEFT_HOST_DEVICE constexpr uint64_t size() const { return end - begin; }
+    WEFT_HOST_DEVICE constexpr bool empty() const { return end <= begin; }
+};
+
+/// Part `idx` of `parts` of [0, count): the parts are contiguous, in order, cover [0, count) exactly, start on
+/// multiples of `granule` (the last ends at `count`), and differ in size by at most one granule (trailing parts
+/// may be empty when count is small). `parts` >= 1, `granule` >= 1.
+WEFT_HOST_DEVICE constexpr Span split_span(uint64_t count, uint64_t parts, uint64_t idx, uint64_t granule) {
+    const uint64_t units = (count + granule - 1) / granule;
+    const uint64_t base = units / parts;
+    const uint64_t extra = units % parts;
+    const uint64_t first = idx * base + (idx < extra ? idx : extra);
+    const uint64_t len = base + (idx < extra ? 1 : 0);
+    uint64_t b = first * granule;
+    uint64_t e = (first + len) * granule;
+    b = b < count ? b : count;
+    e = e < count ? e : count;
+    return Span{b, e};
+}
+
+/// Part `part` (of `parts`) of slice `slice` (of `num_slices`) of [0, count): the two-level split the two-shot
+/// all-reduce uses (slice q is reduced by rank q; block b of every rank handles part b of every slice).
+WEFT_HOST_DEVICE constexpr Span split_slice_part(uint64_t count, uint64_t num_slices, uint64_t slice, uint64_t parts,
+                                                 uint64_t part, uint64_t granule) {
+    const Span s = split_span(count, num_slices, slice, granule);
+    const Span p = split_span(s.size(), parts, part, granule);
+    return Span{s.begin + p.begin, s.begin + p.end};
+}
+
+/// The LL flag of kernel epoch `epoch`: never 0 (so zeroed buffers never match) and different for consecutive
+/// epochs (and for epochs two apart, which share a buffer parity).
+WEFT_HOST_DEVICE constexpr uint32_t low_latency_flag(uint64_t epoch) {
+    return static_cast<uint32_t>(epoch % 0xFFFFFFFFull) + 1u;
+}
+
+/// Compile-time knobs of the reducing kernels (all-reduce one-shot / two-shot / low-latency, reduce-scatter).
+struct ReduceKernelConfig {
+    DType dtype = DType::kBF16;   ///< bf16, f16 or f32; 16-bit types accumulate in fp32
+    int32_t max_ranks = 8;        ///< world-size bucket (8, 16, 32, 64): rank loops unroll to min(max_ranks, 8)
+    int32_t vec_bytes = 16;       ///< widest access (2..16 bytes); misaligned buffers step down at run time
+    int32_t block_threads = 512;  ///< threads per block (a multiple of 32, >= max_ranks)
+};
+
+/// Shared by host heuristics and the kernels' static_assert.
+WEFT_HOST_DEVICE constexpr bool is_valid(const ReduceKernelConfig& c) {
+    const bool dtype_ok = c.dtype == DType::kBF16 || c.dtype == DType::kF16 || c.dtype == DType::kF32;
+    const bool ranks_ok = c.max_ranks == 8 || c.max_ranks == 16 || c.max_ranks == 32 || c.max_ranks == 64;
+    const bool vec_ok = (c.vec_bytes == 2 || c.vec_bytes == 4 || c.vec_bytes == 8 || c.vec_bytes == 16) &&
+                        c.vec_bytes >= dtype_bytes(c.dtype);
+    const bool threads_ok =
+        c.block_threads >= 32 && c.block_threads <= 1024 && c.block_threads % 32 == 0 && c.block_threads >= c.max_ranks;
+    return dtype_ok && ranks_ok && vec_ok && threads_ok;
+}
+
+/// Compile-time knobs of the data-moving kernels (all-gather push / low-latency, the copy-engine helpers).
+struct CopyKernelConfig {
+    int32_t max_ranks = 8;        ///< world-size bucket (8, 16, 32, 64)
+    int32_t vec_bytes = 16;       ///< widest access; misaligned buffers step down at run time
+    int32_t block_threads = 512;  ///< threads per block (a multiple of 32, >= max_ranks)
+};
+
+WEFT_HOST_DEVICE constexpr bool is_valid(const CopyKernelConfig& c) {
+    const bool ranks_ok = c.max_ranks == 8 || c.max_ranks == 16 || c.max_ranks == 32 || c.max_ranks == 64;
+    const bool vec_ok =
+        c.vec_bytes == 1 || c.vec_bytes == 2 || c.vec_bytes == 4 || c.vec_bytes == 8 || c.vec_bytes == 16;
+    const bool threads_ok =
+        c.block_threads >= 32 && c.block_threads <= 1024 && c.block_threads % 32 == 0 && c.block_threads >= c.max_ranks;
+    return ranks_ok && vec_ok && threads_ok;
+}
+
+/// Blocks of `block_threads` threads that a collective kernel must fit on one SM (its __launch_bounds__): two of
+/// 256, so that the kernels of ranks sharing a GPU (grids <= their SM budgets) are always resident together.
+WEFT_HOST_DEVICE constexpr int collective_min_blocks_per_sm(int block_threads) { return block_threads <= 256 ? 2 : 1; }
+
+/// The world-size bucket of `num_ranks` (0 when above 64).
+WEFT_HOST_DEVICE constexpr int32_t collective_rank_bucket(int32_t num_ranks) {
+    return num_ranks <= 8 ? 8 : num_ranks <= 16 ? 16 : num_ranks <= 32 ? 32 : num_ranks <= 64 ? 64 : 0;
+}
+
+/// One rank's collective bookkeeping, in its own device memory (not symmetric), advanced by the kernels
+/// themselves so that CUDA graph replays stay in step (a host counter would be frozen by capture).
+struct CollectiveState {
+    uint64_t epoch;  ///< kernels launched so far; picks the buffer parity and the LL flag
+    uint32_t done;   ///< blocks of the running kernel that finished (the last one advances `epoch`)
+    uint32_t pad;
+    uint64_t arrivals[kMaxCollectiveBlocks];  ///< barriers block slot b has completed (add-only counting)
+};
+
+/// Flags of CollectiveParams::flags.
+enum CollectiveFlags : uint32_t {
+    kCollectiveStageInput = 1u << 0,   ///< copy `in` into the staging half of this epoch before the entry barrier
+    kCollectiveExitBarrier = 1u << 1,  ///< peers read a user buffer of this rank: meet again before returning
+};
+
+/// The argument block every collective kernel receives (by value, with the DeviceCtx). Counts are elements of
+/// the kernel's unit (reducing kernels: elements of `dtype`; copy kernels: bytes).
+struct CollectiveParams {
+    const void* in;           ///< this rank's input (any device memory)
+    void* out;                ///< this rank's output (symmetric for the push all-gather)
+    void* src;                ///< symmetric data peers read (a user buffer), or nullptr: staging[epoch parity]
+    void* res;                ///< symmetric home of reduced slices (two-shot), or nullptr: staging[epoch parity]
+    uint64_t count;           ///< all-reduce: message; all-gather: shard; reduce-scatter: output
+    uint64_t in_stride;       ///< reduce-scatter: elements between ranks' slices in `in`
+    uint64_t src_stride;      ///< reduce-scatter: elements between ranks' slices in the source peers read
+    uint64_t out_stride;      ///< all-gather: units between ranks' slots in `out`
+    CollectiveState* state;   ///< this rank's device state
+    uint64_t* barrier_flags;  ///< symmetric [kMaxCollectiveBlocks][num_ranks] arrival counters
+    uint64_t* descriptors;    ///< symmetric [2][num_ranks] call descriptors (by epoch parity)
+    uint64_t* ce_flags;  ///< symmetric [num_ranks] copy-engine flags (set to 1 by a stream write, reset by the waiter)
+    uint8_t* staging;    ///< symmetric staging: [2 parities][staging_half_bytes]
+    uint64_t staging_half_bytes;
+    uint8_t* ll_buffer;  ///< symmetric LL receive buffer: [2 parities][num_ranks senders][ll_slot_bytes]
+    uint64_t ll_slot_bytes;
+    uint64_t descriptor;  ///< this call's descriptor; every rank's must match (checked after the entry barrier)
+    uint32_t flags;       ///< CollectiveFlags
+    uint32_t reserved;
+};
+
+}  // namespace weft

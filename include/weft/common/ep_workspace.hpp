@@ -1,0 +1,305 @@
+// SPDX-License-Identifier: MIT
+// Expert parallelism: limits, kernel arguments, device state, status record and shared-memory plans shared by the op
+// and its kernels.
+//
+// The host op (weft/ops/ep.hpp, src/ops/ep*.cpp) fills these structs; the kernels (kernels/ep/*.cuh,
+// compiled by NVRTC) read them. Both sides compute sizes and offsets with the same constexpr functions,
+// so they cannot disagree. Plain structs of fixed-width fields: the same layout under g++ and NVRTC.
+#pragma once
+
+#include "weft/common/macros.hpp"  // fixed-width integers under g++, nvcc and NVRTC
+
+namespace weft::ep {
+
+inline constexpr int kMaxRanks = 64;               ///< ranks of one expert-parallel group
+inline constexpr int kMaxExperts = 1024;           ///< experts in all
+inline constexpr int kMaxTopk = 32;                ///< experts per token
+inline constexpr int kMaxExpertAlignment = 1024;   ///< largest padding multiple of an expert segment
+inline constexpr int kMaxLowLatencyTokens = 1024;  ///< low-latency max tokens per rank (route table in smem)
+inline constexpr int kFp8GroupSize = 128;          ///< channels sharing one fp32 scale
+inline constexpr float kFp8Max = 448.0f;           ///< largest finite e4m3 value
+/// A group's absolute maximum is clamped to at least this before computing its scale, so that
+/// 448 / amax stays finite: an all-zero group gets a tiny finite scale and zero codes, never NaN/inf.
+inline constexpr float kFp8MinAmax = 1e-10f;
+
+WEFT_HOST_DEVICE constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+WEFT_HOST_DEVICE constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+/// What a kernel found wrong. Input and capacity errors are reported here (never by truncation or
+/// silence); the host turns them into a weft::Error (Buffer::check).
+enum class StatusCode : uint32_t {
+    kOk = 0,
+    kRecvTokensOverflow = 1,  ///< normal dispatch: a rank would receive more tokens than max_recv_tokens
+    kRecvRowsOverflow = 2,    ///< normal dispatch: a rank's expert-contiguous rows exceed max_recv_rows
+    kInvalidExpert = 3,       ///< an expert id outside [-1, num_experts): the route is dropped
+    kDuplicateExpert = 4,     ///< an expert id repeated within one token's top-k: the repeat is dropped
+};
+
+/// One rank's status record, in host-mapped pinned memory (readable by the host without a
+/// synchronisation). The first error wins (claimed 0 -> 1, fields, system fence, 1 -> 2); later ones
+/// are dropped until the host clears it.
+struct Status {
+    uint32_t claimed;  ///< 0 = no error; 2 = the fields below are complete
+    StatusCode code;
+    int32_t rank;          ///< rank whose kernel wrote the record
+    int32_t culprit_rank;  ///< rank whose capacity or input it concerns
+    int64_t value;         ///< required rows/tokens, or the offending expert id
+    int64_t limit;         ///< the capacity, or the number of experts
+    int64_t token;         ///< token index for input errors, -1 otherwise
+    int64_t slot;          ///< top-k slot for input errors, -1 otherwise
+    uint64_t call;         ///< 1-based call number of the kernel on this buffer
+    uint32_t kernel;       ///< KernelId of the reporting kernel
+    uint32_t pad;
+};
+
+/// Which kernel reported a status.
+enum class KernelId : uint32_t {
+    kLayout = 1,
+    kNormalDispatch = 2,
+    kNormalCombine = 3,
+    kLowLatencyDispatch = 4,
+    kLowLatencyCombine = 5
+};
+
+/// The limits of one Buffer, validated on the host. Every size below derives from these.
+struct Geometry {
+    int32_t num_ranks;
+    int32_t rank;
+    int32_t num_experts;
+    int32_t hidden;  ///< channels per token (bf16)
+    int32_t topk;
+    int32_t max_tokens;        ///< tokens per rank per call
+    int32_t expert_alignment;  ///< normal mode: each expert segment starts at a multiple of this
+    int32_t pad0;
+    int64_t max_recv_tokens;  ///< normal mode: distinct (source rank, token) pairs one rank receives
+    int64_t max_recv_rows;    ///< normal mode: expert-contiguous rows one rank receives, padding included
+
+    WEFT_HOST_DEVICE constexpr int32_t local_experts() const { return num_experts / num_ranks; }
+    WEFT_HOST_DEVICE constexpr int32_t owner(int32_t expert) const { return expert / local_experts(); }
+    WEFT_HOST_DEVICE constexpr int64_t row_bytes() const { return int64_t{hidden} * 2; }
+    /// Normal mode: int32 words of one receive record (header of 4 + a (position, weight) pair per slot).
+    WEFT_HOST_DEVICE constexpr int32_t meta_ints() const { return static_cast<int32_t>(round_up(4 + 2 * topk, 4)); }
+    /// Normal mode: partial rows one rank can get back in a combine (one per token and destination).
+    WEFT_HOST_DEVICE constexpr int64_t max_send_rows() const {
+        return int64_t{max_tokens} * (topk < num_ranks ? topk : num_ranks);
+    }
+    /// Normal mode: the rows of the mailbox one source writes (per-expert route counts, then per-rank
+    /// token counts).
+    WEFT_HOST_DEVICE constexpr int32_t mailbox_ints() const { return num_experts + num_ranks; }
+    /// Low-latency mode: bytes of one receive slot (payload, then a 16-byte trailer {token, slot}).
+    WEFT_HOST_DEVICE constexpr int64_t ll_slot_bytes() const { return round_up(row_bytes(), 16) + 16; }
+    /// Low-latency fp8 payload: H codes, then H / 128 fp32 scales.
+    WEFT_HOST_DEVICE constexpr int64_t ll_fp8_scales() const { return hidden / kFp8GroupSize; }
+    /// Low-latency output rows per local expert.
+    WEFT_HOST_DEVICE constexpr int64_t ll_rows_per_expert() const { return int64_t{num_ranks} * max_tokens; }
+};
+
+/// Normal mode device state (private to each rank, zeroed once). Advanced by the kernels themselves:
+/// nothing is reset between calls or CUDA-graph replays.
+struct NormalState {
+    uint64_t dispatch_calls;     ///< dispatches completed on this buffer
+    uint64_t combine_calls;      ///< combines completed (of valid dispatches)
+    uint32_t dispatch_arrivals;  ///< blocks of the running dispatch that finished
+    uint32_t combine_arrivals;
+    uint64_t data_expected[kMaxRanks];     ///< rows received from each source so far (its signal's value)
+    uint64_t partial_expected[kMaxRanks];  ///< partial rows received from each rank so far
+};
+
+/// Low-latency device state (private, zeroed once, advanced by the kernels).
+struct LowLatencyState {
+    uint64_t dispatch_send_calls;
+    uint64_t dispatch_recv_calls;
+    uint64_t combine_send_calls;
+    uint64_t combine_recv_calls;
+    uint32_t arrivals[4];  ///< per phase: dispatch send, dispatch recv, combine send, combine recv
+};
+
+/// Words of a normal handle's `info` array.
+enum NormalInfo : int32_t {
+    kInfoValid = 0,       ///< 1 when the dispatch moved data (no capacity error anywhere)
+    kInfoNumTokens = 1,   ///< T of this rank in that dispatch
+    kInfoRecvTokens = 2,  ///< distinct (source, token) pairs received
+    kInfoRecvRows = 3,    ///< expert-contiguous rows incl. padding
+    kInfoCall = 4,        ///< the dispatch's call number on the buffer
+    kInfoInts = 8,
+};
+
+/// Arguments of the layout, normal dispatch and normal combine kernels (one struct for the three).
+struct NormalArgs {
+    Geometry geo;
+    int32_t num_tokens;  ///< T of this rank for this call
+    int32_t pad0;
+    const uint16_t* x;        ///< [T, H] bf16
+    int64_t x_stride;         ///< elements between rows
+    const int32_t* topk_idx;  ///< [T, k], -1 = dropped
+    int64_t idx_stride;
+    const float* topk_weights;  ///< [T, k]
+    int64_t weight_stride;
+    const uint16_t* y;  ///< combine input [rows, H] bf16, same rows as recv_x
+    int64_t y_stride;
+    uint16_t* out;  ///< combine output [T, H] bf16
+    int64_t out_stride;
+    // handle: layout (private)
+    int32_t* tokens_per_expert;  ///< [E] routes of this rank per expert
+    int32_t* tokens_per_rank;    ///< [W] distinct tokens this rank sends to each rank
+    uint8_t* token_in_rank;      ///< [max_tokens, W] 1 when the token goes to the rank
+    int32_t* send_idx;           ///< [max_tokens, W] index among this rank's tokens for that rank, or -1
+    int32_t* route_pos;          ///< [max_tokens, k] index among this rank's routes to the expert, or -1
+    // handle: dispatch results (private)
+    int32_t* expert_counts;   ///< [E_local] rows per local expert (unpadded)
+    int32_t* expert_offsets;  ///< [E_local + 1] padded segment starts; last = total rows
+    int32_t* source_offsets;  ///< [W + 1] first received token of each source
+    int32_t* info;            ///< [kInfoInts]
+    // handle: symmetric
+    uint16_t* recv_x;    ///< [max_recv_rows, H]
+    int32_t* recv_meta;  ///< [max_recv_tokens, meta_ints]
+    uint16_t* landing;   ///< [max_send_rows, H] partial sums coming back in combine
+    // buffer: symmetric
+    int32_t* mailbox;          ///< [2][W][mailbox_ints]
+    uint64_t* count_signal;    ///< [W] per source: mailboxes written (one per dispatch)
+    uint64_t* data_signal;     ///< [W] per source: rows written into this rank (cumulative)
+    uint64_t* partial_signal;  ///< [W] per rank: partial rows written into this rank (cumulative)
+    uint64_t* combine_done;    ///< [W] per rank: combines that finished reading their landing
+    // buffer: private
+    NormalState* state;
+    Status* status;  ///< host-mapped
+};
+
+/// Phases of a low-latency kernel (bit set): the send half returns without waiting for anyone; the
+/// receive half can be launched later.
+enum LowLatencyPhase : int32_t { kPhaseSend = 1, kPhaseRecv = 2 };
+
+/// Arguments of the low-latency dispatch and combine kernels.
+struct LowLatencyArgs {
+    Geometry geo;
+    int32_t num_tokens;
+    int32_t phases;  ///< LowLatencyPhase bits
+    int32_t fp8;     ///< dispatch: 1 = quantise to e4m3 with one scale per 128 channels
+    int32_t pad0;
+    const uint16_t* x;  ///< [T, H] bf16
+    int64_t x_stride;
+    const int32_t* topk_idx;  ///< [T, k]
+    int64_t idx_stride;
+    const float* topk_weights;  ///< [T, k] (combine)
+    int64_t weight_stride;
+    const uint16_t* y;        ///< combine input [E_local, W * max_tokens, H]
+    int64_t y_expert_stride;  ///< elements between experts
+    int64_t y_row_stride;     ///< elements between rows
+    uint16_t* out;            ///< combine output [T, H]
+    int64_t out_stride;
+    // handle (private)
+    uint8_t* recv_x;         ///< [E_local, W * max_tokens, H] bf16, or e4m3 codes (H bytes a row)
+    float* recv_scales;      ///< [E_local, W * max_tokens, H / 128] (fp8 only)
+    int32_t* recv_src_info;  ///< [E_local, W * max_tokens] source rank * max_tokens + token
+    int32_t* recv_src_slot;  ///< [E_local, W * max_tokens] the token's top-k slot
+    int32_t* expert_counts;  ///< [E_local]
+    // buffer: symmetric
+    uint8_t* recv_slots;        ///< [2][E_local][W][max_tokens][ll_slot_bytes]
+    int32_t* mailbox;           ///< [2][W][E_local] routes per (source, local expert)
+    uint16_t* landing;          ///< [2][max_tokens][k][H]
+    uint64_t* dispatch_signal;  ///< [W] per source: dispatch sends completed into this rank
+    uint64_t* dispatch_credit;  ///< [W] per destination: receives it completed of this rank's data
+    uint64_t* combine_signal;   ///< [W] per expert rank: combine sends completed into this rank
+    uint64_t* combine_credit;   ///< [W] per source: combine receives it completed
+    // buffer: private
+    LowLatencyState* state;
+    Status* status;
+};
+
+/// Carves one dynamic shared-memory allocation into 16-byte aligned arrays, identically on host and
+/// device (the host sizes the launch with total(), the kernel takes the pointers).
+struct SmemPlan {
+    int64_t bytes = 0;
+    WEFT_HOST_DEVICE constexpr int64_t take(int64_t n_bytes) {
+        const int64_t at = bytes;
+        bytes += round_up(n_bytes, 16);
+        return at;
+    }
+};
+
+/// Layout kernel (one block of `threads`): per-warp expert and rank histograms.
+struct LayoutSmem {
+    int64_t hist, rank_hist, total;
+    WEFT_HOST_DEVICE static constexpr LayoutSmem make(const Geometry& g, int threads) {
+        SmemPlan p;
+        LayoutSmem s{};
+        const int64_t warps = threads / 32;
+        s.hist = p.take(warps * g.num_experts * 4);
+        s.rank_hist = p.take(warps * g.num_ranks * 4);
+        s.total = p.bytes;
+        return s;
+    }
+};
+
+/// Normal dispatch and combine kernels.
+struct NormalSmem {
+    int64_t peer_base;    ///< [W] uint8_t* peer heap bases
+    int64_t exp_base;     ///< [E] this rank's first row on the expert's owner
+    int64_t exp_start;    ///< [E] padded segment start of each expert on its owner
+    int64_t exp_total;    ///< [E] rows of each expert (all sources)
+    int64_t tok_base;     ///< [W] this rank's first received-token index on each rank
+    int64_t rank_tokens;  ///< [W] tokens each rank receives
+    int64_t rank_rows;    ///< [W] rows each rank receives (padded)
+    int64_t recv_from;    ///< [W] tokens this rank receives from each source
+    int64_t src_offset;   ///< [W + 1] first received token of each source on this rank
+    int64_t send_base;    ///< [W] this rank's first landing row for each rank
+    int64_t sent;         ///< [W] rows/partials this block sent to each rank
+    int64_t dests;        ///< [warps][W] per warp: destination ranks of the current token
+    int64_t dest_rows;    ///< [warps][W] per warp: first row on each destination
+    int64_t dest_meta;    ///< [warps][W] per warp: receive record index on each destination
+    int64_t flags;        ///< [4] block-wide flags
+    int64_t total;
+    WEFT_HOST_DEVICE static constexpr NormalSmem make(const Geometry& g, int threads) {
+        SmemPlan p;
+        NormalSmem s{};
+        const int64_t warps = threads / 32;
+        const int64_t w = g.num_ranks;
+        const int64_t e = g.num_experts;
+        s.peer_base = p.take(w * 8);
+        s.exp_base = p.take(e * 4);
+        s.exp_start = p.take(e * 4);
+        s.exp_total = p.take(e * 4);
+        s.tok_base = p.take(w * 4);
+        s.rank_tokens = p.take(w * 8);
+        s.rank_rows = p.take(w * 8);
+        s.recv_from = p.take(w * 4);
+        s.src_offset = p.take((w + 1) * 4);
+        s.send_base = p.take(w * 4);
+        s.sent = p.take(w * 4);
+        s.dests = p.take(warps * w * 4);
+        s.dest_rows = p.take(warps * w * 4);
+        s.dest_meta = p.take(warps * w * 4);
+        s.flags = p.take(4 * 4);
+        s.total = p.bytes;
+        return s;
+    }
+};
+
+/// Low-latency dispatch and combine kernels.
+struct LowLatencySmem {
+    int64_t peer_base;     ///< [W] uint8_t*
+    int64_t hist;          ///< [warps][E] route histograms (send phase)
+    int64_t route_slot;    ///< [max_tokens * k] slot of each route in its (expert, source) area, or -1
+    int64_t expert_count;  ///< [E] routes of this rank per expert
+    int64_t unit_count;    ///< [E_local * W] rows per (local expert, source) (receive phase)
+    int64_t unit_prefix;   ///< [E_local * W + 1] flattened prefix of unit_count
+    int64_t expert_base;   ///< [E_local * W] first output row of each unit within its expert
+    int64_t total;
+    WEFT_HOST_DEVICE static constexpr LowLatencySmem make(const Geometry& g, int threads) {
+        SmemPlan p;
+        LowLatencySmem s{};
+        const int64_t warps = threads / 32;
+        const int64_t units = int64_t{g.local_experts()} * g.num_ranks;
+        s.peer_base = p.take(int64_t{g.num_ranks} * 8);
+        s.hist = p.take(warps * g.num_experts * 4);
+        s.route_slot = p.take(int64_t{g.max_tokens} * g.topk * 4);
+        s.expert_count = p.take(int64_t{g.num_experts} * 4);
+        s.unit_count = p.take(units * 4);
+        s.unit_prefix = p.take((units + 1) * 4);
+        s.expert_base = p.take(units * 4);
+        s.total = p.bytes;
+        return s;
+    }
+};
+
+}  // namespace weft::ep

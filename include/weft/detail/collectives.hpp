@@ -1,0 +1,57 @@
+// SPDX-License-Identifier: MIT
+// Details of the collective ops testable without a GPU: argument checks, descriptors, rounds, kernel specs.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+#include "weft/jit/compiler.hpp"
+#include "weft/ops/collectives.hpp"
+#include "weft/runtime/tensor_view.hpp"
+
+namespace weft::ops::detail {
+
+/// Throws weft::Error naming the argument unless: both views contiguous with data (or 0 elements), the same
+/// dtype, bf16/f16/f32, the same number of elements, and either the same pointer or no overlap.
+void check_all_reduce_args(const TensorView& input, const TensorView& output);
+/// As above for all-gather: any dtype (the same in both), output = num_ranks x input elements, in place only as
+/// this rank's slot of the output.
+void check_all_gather_args(const TensorView& input, const TensorView& output, int num_ranks, int rank);
+/// As above for reduce-scatter: bf16/f16/f32, input = num_ranks x output elements, in place only as this rank's
+/// slice of the input.
+void check_reduce_scatter_args(const TensorView& input, const TensorView& output, int num_ranks, int rank);
+/// The push all-gathers write into peers' outputs: weft::Error unless the output is symmetric.
+void check_all_gather_output(AllGatherAlgo algo, bool output_symmetric);
+
+/// A 64-bit digest of a call's shape (kind, algorithm, dtype, count, buffer offsets ...) that every rank must
+/// agree on; never 0.
+uint64_t call_descriptor(std::initializer_list<uint64_t> words);
+
+/// How many units fit in `capacity_bytes` at `bytes_per_unit` each, rounded down to a multiple of `granule_units`
+/// (so rounds keep 16-byte alignment); weft::Error when not even one granule fits.
+uint64_t round_units(uint64_t capacity_bytes, uint64_t bytes_per_unit, uint64_t granule_units);
+
+/// Every kernel the collectives launch.
+enum class KernelId : int {
+    kAllReduceOneShot = 0,
+    kAllReduceTwoShot,
+    kAllReduceLowLatency,
+    kReduceScatterPull,
+    kAllGatherPush,
+    kAllGatherLowLatency,
+    kCopyEngineEnter,
+    kCopyEngineExit,
+    kCount
+};
+
+/// True for kernels specialised on a dtype (ReduceKernelConfig); the others move bytes (CopyKernelConfig).
+bool kernel_is_reducing(KernelId id);
+/// Threads per block of `id` in a world-size bucket.
+int kernel_block_threads(KernelId id, int max_ranks);
+/// The JIT spec of `id` for `dtype` (ignored by byte-moving kernels) and the world-size bucket `max_ranks`.
+jit::KernelSpec collective_kernel_spec(KernelId id, DType dtype, int max_ranks);
+/// Every spec a workspace for a `max_ranks` bucket loads (reducing kernels for bf16, f16 and f32).
+std::vector<jit::KernelSpec> collective_kernel_specs(int max_ranks);
+
+}  // namespace weft::ops::detail

@@ -1,0 +1,83 @@
+// SPDX-License-Identifier: MIT
+// LL (low-latency) lines: data and flag travel in one 8-byte word, so a receiver polls the data itself.
+//
+// A line is 16 bytes holding 8 bytes of payload as two words {payload.x, flag} and {payload.y, flag} (data in
+// the low half, flag in the high half). The sender writes a line with one st.relaxed.sys.v2.b64; PTX makes each
+// 8-byte element single-copy atomic, so a receiver that reads a word carrying the expected flag also reads the
+// data written with it. No fence, no separate signal, no round trip: the receiver spins on the line until both
+// words carry the flag. Buffers are reused without clearing by changing the flag every call (an epoch, see
+// weft::low_latency_flag), with two buffers alternating so that a fast sender never overwrites a line a slow
+// receiver has not read yet (the caller's protocol must guarantee that a sender is at most one call ahead).
+//
+//     ll::store_line(ptr_to_peer_line, payload, flag);                // sender, per thread
+//     uint2 v = ll::wait_line(ctx, my_line, flag);                     // receiver, bounded
+#pragma once
+
+#include "weft/common/device_ctx.hpp"
+#include "weft/common/diagnostics.hpp"
+#include "weft/device/spin.cuh"
+#include "weft/ptx/ld_st.cuh"
+#include "weft/ptx/timer.cuh"
+
+namespace weft::device::ll {
+
+/// Bytes of one line and of its payload.
+inline constexpr uint32_t kLineBytes = 16;
+inline constexpr uint32_t kPayloadBytes = 8;
+
+/// The line's two words for `payload` and `flag`.
+__device__ __forceinline__ ulonglong2 pack(uint2 payload, uint32_t flag) {
+    ulonglong2 v;
+    v.x = (static_cast<unsigned long long>(flag) << 32) | payload.x;
+    v.y = (static_cast<unsigned long long>(flag) << 32) | payload.y;
+    return v;
+}
+
+/// Writes `payload` with `flag` to the 16-byte aligned `line` (local or a peer's, mapped): one
+/// st.relaxed.sys.v2.b64. Per thread; nothing else is needed for a receiver to see the data.
+__device__ __forceinline__ void store_line(void* line, uint2 payload, uint32_t flag) {
+    ptx::st_pair_b64<ptx::Sem::kRelaxed, ptx::Scope::kSys>(line, pack(payload, flag));
+}
+
+/// Reads `line` once (ld.relaxed.sys.v2.b64). True, with the payload, when both words carry `flag`.
+__device__ __forceinline__ bool try_load_line(const void* line, uint32_t flag, uint2* payload) {
+    const ulonglong2 v = ptx::ld_pair_b64<ptx::Sem::kRelaxed, ptx::Scope::kSys>(line);
+    payload->x = static_cast<uint32_t>(v.x);
+    payload->y = static_cast<uint32_t>(v.y);
+    return static_cast<uint32_t>(v.x >> 32) == flag && static_cast<uint32_t>(v.y >> 32) == flag;
+}
+
+/// Polls `line` until both words carry `flag` and returns the payload. Tight for the first kSpinFastPolls polls,
+/// then with __nanosleep backoff; after ctx.timeout_ns it records a kSignalWait diagnostic (address of the
+/// line, expected flag, last flag seen) and traps. Per thread.
+__device__ __forceinline__ uint2 wait_line(const DeviceCtx& ctx, const void* line, uint32_t flag,
+                                           int line_no = __builtin_LINE()) {
+    uint2 payload;
+    if (try_load_line(line, flag, &payload)) {
+        return payload;
+    }
+    const uint64_t timeout_ns = ctx.timeout_ns != 0 ? ctx.timeout_ns : kDefaultTimeoutNs;
+    const uint64_t start = ptx::globaltimer();
+    uint32_t polls = 0;
+    uint32_t sleep_ns = 32;
+    while (true) {
+        if (polls < kSpinFastPolls) {
+            ++polls;
+        } else {
+            ptx::nanosleep(sleep_ns);
+            sleep_ns = sleep_ns < kSpinMaxSleepNs ? sleep_ns * 2 : kSpinMaxSleepNs;
+        }
+        if (try_load_line(line, flag, &payload)) {
+            return payload;
+        }
+        const uint64_t waited = ptx::globaltimer() - start;
+        if (waited > timeout_ns) {
+            const ulonglong2 v = ptx::ld_pair_b64<ptx::Sem::kRelaxed, ptx::Scope::kSys>(line);
+            const uint32_t seen = static_cast<uint32_t>(v.x >> 32) != flag ? static_cast<uint32_t>(v.x >> 32)
+                                                                           : static_cast<uint32_t>(v.y >> 32);
+            fail_and_trap(ctx, SpinSite{SpinKind::kSignalWait, -1, line_no}, Cmp::kEq, line, flag, seen, waited);
+        }
+    }
+}
+
+}  // namespace weft::device::ll

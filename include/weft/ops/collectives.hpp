@@ -1,0 +1,129 @@
+// SPDX-License-Identifier: MIT
+// What the collective ops share: algorithm names, the pure selection rules, and the per-World workspace.
+//
+// The ops themselves are in all_reduce.hpp, all_gather.hpp and reduce_scatter.hpp. Contract common to all three:
+//  - Collective: every rank of the World calls the same op, in the same order, with the same count, dtype and
+//    algorithm (checked on the device: a rank that differs traps with a diagnostic naming both ranks).
+//  - Asynchronous on `stream`, never synchronises the host, capturable in a CUDA graph (signals compare against
+//    epochs the kernels keep in device memory). Calls on one World are stream-ordered: issue them on one stream,
+//    or order the streams with events. Use a non-blocking stream of the rank's own: ranks that are threads of one
+//    process share the legacy default stream, which would serialise their (mutually waiting) kernels.
+//  - Buffers: any device memory. A buffer on the symmetric heap (SymmetricHeap::contains) lets peers read or
+//    write it directly (no staging copy, no rounds); pass symmetric buffers on every rank or on none, and then
+//    the same allocation. The push all-gathers need a symmetric output.
+//  - The first call (or prepare_collectives) is itself collective: it allocates the workspace on the heap,
+//    agrees the SM budget, compiles or loads every collective kernel and ends with a host barrier.
+//  - Every peer must be load/store reachable (same host, peer access); otherwise weft::Error on every rank.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "weft/common/collectives.hpp"
+
+namespace weft {
+class World;
+}
+
+namespace weft::ops {
+
+/// All-reduce algorithms. kAuto: select_all_reduce_algo (overridable by WEFT_ALLREDUCE_ALGO).
+enum class AllReduceAlgo : int32_t {
+    kAuto = 0,
+    kLowLatency = 1,  ///< "ll": LL lines (data + flag per 8-byte word) pushed to every peer; no barrier
+    kOneShot = 2,     ///< "one_shot": stage, meet, every rank reads every rank and reduces
+    kTwoShot = 3,     ///< "two_shot": reduce-scatter then all-gather, SM-driven
+};
+
+/// All-gather algorithms. kAuto: select_all_gather_algo (overridable by WEFT_ALLGATHER_ALGO).
+enum class AllGatherAlgo : int32_t {
+    kAuto = 0,
+    kLowLatency = 1,      ///< "ll": LL lines pushed to every peer; no barrier
+    kSmPush = 2,          ///< "sm_push": blocks write this rank's shard into every peer's output (symmetric output)
+    kCopyEnginePull = 3,  ///< "ce_pull": cudaMemcpyAsync of every peer's shard on side streams
+    kCopyEnginePush = 4,  ///< "ce_push": cudaMemcpyAsync of this shard into every peer's output (symmetric output)
+};
+
+/// Reduce-scatter algorithms. kAuto: select_reduce_scatter_algo (overridable by WEFT_REDUCESCATTER_ALGO).
+enum class ReduceScatterAlgo : int32_t {
+    kAuto = 0,
+    kSmPull = 1,  ///< "sm_pull": every rank reads its slice from every rank, reduces in fp32, writes once
+};
+
+/// Short names, as WEFT_*_ALGO and the benchmark use them ("auto", "ll", "one_shot", ...).
+const char* algo_name(AllReduceAlgo algo);
+const char* algo_name(AllGatherAlgo algo);
+const char* algo_name(ReduceScatterAlgo algo);
+/// The algorithm called `name`, or nullopt.
+std::optional<AllReduceAlgo> parse_all_reduce_algo(std::string_view name);
+std::optional<AllGatherAlgo> parse_all_gather_algo(std::string_view name);
+std::optional<ReduceScatterAlgo> parse_reduce_scatter_algo(std::string_view name);
+
+/// Facts every rank agrees on (exchanged once, when the workspace is made); the selection rules depend only
+/// on these and the message size, so every rank picks the same algorithm and grid.
+struct CollectiveTopology {
+    int num_ranks = 1;
+    int max_ranks_per_gpu = 1;  ///< most ranks sharing one GPU (> 1: traffic is local HBM, not NVLink)
+    int grid_budget = 1;        ///< most blocks per kernel: min over ranks of World::sm_budget()
+    uint64_t low_latency_capacity_bytes = 256 * 1024;  ///< LL payload per rank per kernel (larger: rounds)
+};
+
+/// Largest message (all-reduce) or shard (all-gather), in bytes, that the automatic choice sends as LL lines:
+/// LL writes twice the payload but saves a flag round trip, so it pays while (num_ranks - 1) * bytes stays
+/// small (about 512 KiB of traffic per rank), between 16 and 256 KiB, and within the LL capacity.
+uint64_t low_latency_threshold_bytes(const CollectiveTopology& topo);
+
+/// The automatic all-reduce choice for a message of `bytes` bytes per rank: LL up to
+/// low_latency_threshold_bytes, then one-shot (2 ranks: always; 3-4 ranks: up to 1 MiB; more: up to 256 KiB),
+/// then two-shot. Pure: unit-tested on the CPU.
+AllReduceAlgo select_all_reduce_algo(uint64_t bytes, const CollectiveTopology& topo);
+/// The automatic all-gather choice for shards of `shard_bytes`: LL up to low_latency_threshold_bytes; then, with
+/// a symmetric output, SM push up to 64 MiB gathered (always when ranks share a GPU) and copy-engine push
+/// above; with a local output, copy-engine pull.
+AllGatherAlgo select_all_gather_algo(uint64_t shard_bytes, const CollectiveTopology& topo, bool output_symmetric);
+/// The automatic reduce-scatter choice (SM pull: the only one today).
+ReduceScatterAlgo select_reduce_scatter_algo(uint64_t output_bytes, const CollectiveTopology& topo);
+
+/// The algorithm a call uses: `requested` unless kAuto, else `env_value` (the WEFT_*_ALGO variable) unless unset
+/// or "auto", else the automatic choice. An unknown env value is a weft::Error naming `env_name` and the choices.
+AllReduceAlgo resolve_all_reduce_algo(AllReduceAlgo requested, const std::optional<std::string>& env_value,
+                                      uint64_t bytes, const CollectiveTopology& topo,
+                                      const char* env_name = "WEFT_ALLREDUCE_ALGO");
+AllGatherAlgo resolve_all_gather_algo(AllGatherAlgo requested, const std::optional<std::string>& env_value,
+                                      uint64_t shard_bytes, const CollectiveTopology& topo, bool output_symmetric,
+                                      const char* env_name = "WEFT_ALLGATHER_ALGO");
+ReduceScatterAlgo resolve_reduce_scatter_algo(ReduceScatterAlgo requested, const std::optional<std::string>& env_value,
+                                              uint64_t output_bytes, const CollectiveTopology& topo,
+                                              const char* env_name = "WEFT_REDUCESCATTER_ALGO");
+
+/// Blocks of the main kernel of each algorithm (the same on every rank: a function of agreed facts only).
+/// At least 1, at most topo.grid_budget (so ranks sharing a GPU stay co-resident) and 32 (latency kernels) or
+/// 64 (bandwidth kernels).
+int all_reduce_grid(AllReduceAlgo algo, uint64_t bytes, const CollectiveTopology& topo);
+int all_gather_grid(AllGatherAlgo algo, uint64_t shard_bytes, const CollectiveTopology& topo);
+int reduce_scatter_grid(ReduceScatterAlgo algo, uint64_t output_bytes, const CollectiveTopology& topo);
+
+/// The per-World workspace, as prepare_collectives reports it.
+struct CollectiveWorkspaceInfo {
+    CollectiveTopology topology;
+    uint64_t staging_region_bytes = 0;  ///< each of the 3 staging regions (2 epoch parities + copy engine)
+    uint64_t ll_slot_bytes = 0;         ///< LL receive buffer per sender and parity (2 x the LL capacity)
+    uint64_t heap_bytes = 0;            ///< symmetric heap bytes the workspace holds
+    int num_kernels = 0;                ///< kernels compiled (or loaded from the cache) and loaded
+};
+
+/// Collective: creates this World's collective workspace unless it exists, and returns its description.
+/// Allocates on the symmetric heap (3 x WEFT_COLLECTIVE_STAGING_BYTES, default 3 x 32 MiB, plus the LL buffers:
+/// 2 x num_ranks x 512 KiB, plus a few KiB of signals), agrees the SM budget and checks that every peer is
+/// load/store reachable (all through the store), compiles or loads every collective kernel (so no module loads
+/// later while kernels spin), and ends with a host barrier. The ops call it on first use; call it yourself
+/// before capturing a graph or launching kernels that spin. The workspace lives until the World is destroyed.
+const CollectiveWorkspaceInfo& prepare_collectives(World& world);
+
+/// Registers the kernel specialisations the collectives launch for worlds of up to `max_ranks` ranks with
+/// weft::jit::register_aot_spec, so `weft-compile --builtin` warms them (weft::ops::register_op_aot_specs calls it).
+void register_collective_aot_specs(int max_ranks = 8);
+
+}  // namespace weft::ops

@@ -1,0 +1,259 @@
+// SPDX-License-Identifier: MIT
+// Expert-parallel MoE dispatch and combine over a World: normal (throughput) and low-latency (decode) modes.
+//
+//     weft::ep::Config cfg{.num_experts = 256, .hidden = 7168, .topk = 8, .max_tokens_per_rank = 4096};
+//     weft::ep::Buffer ep(world, cfg);                        // collective: symmetric buffers, kernels loaded
+//     weft::ep::NormalHandle h = ep.make_normal_handle();     // collective: one in-flight dispatch
+//     ep.dispatch(h, x, topk_idx, topk_weights, stream);      // rows land expert-contiguous in h.recv_x()
+//     grouped_gemm(h.recv_x(), h.expert_offsets(), y);        // your per-expert computation
+//     ep.combine(h, y, out, stream);                          // weighted sum over the k experts, token order
+//     ep.check();                                             // device-reported errors, without a sync
+//
+// Every call is asynchronous, graph-capturable and never synchronises the host: sizes are exchanged
+// between ranks on the device. Every rank of the World calls the same sequence of collective calls
+// (dispatch, combine, low-latency halves) on its own stream; calls on one Buffer must be ordered (one
+// stream, or streams joined by events). Design, diagrams and pitfalls: kernels/ep/README.md.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "weft/common/ep_workspace.hpp"
+#include "weft/runtime/tensor_view.hpp"
+
+namespace weft {
+class World;
+namespace jit {
+struct KernelSpec;
+}
+}  // namespace weft
+
+namespace weft::ep {
+
+/// The limits every buffer is sized from. Fixed for a Buffer's life; a call beyond them is an error
+/// (host-checked where the host knows the size, device-reported otherwise), never a truncation.
+struct Config {
+    int num_experts = 0;          ///< E: a multiple of the number of ranks, <= kMaxExperts
+    int hidden = 0;               ///< H (bf16 channels): a multiple of 8; of 128 for fp8 low-latency
+    int topk = 0;                 ///< k: 1..kMaxTopk
+    int max_tokens_per_rank = 0;  ///< T per rank and call; more is an error
+    bool normal = true;           ///< allocate the normal mode's buffers
+    bool low_latency = true;      ///< allocate the low-latency mode's buffers
+    /// Normal mode: distinct (source rank, token) pairs one rank may receive; 0 = the worst case
+    /// (num_ranks * max_tokens_per_rank). Exceeding it is reported by every rank (kRecvTokensOverflow).
+    int64_t max_recv_tokens = 0;
+    /// Normal mode: expert-contiguous rows one rank may receive, padding included; 0 = the worst case
+    /// (num_ranks * max_tokens_per_rank * min(k, experts per rank) plus padding). Exceeding it is
+    /// reported by every rank (kRecvRowsOverflow). See expected_recv_rows() for a sizing estimate.
+    int64_t max_recv_rows = 0;
+    /// Normal mode: each local expert's segment starts at a multiple of this (a grouped GEMM's M tile).
+    int expert_alignment = 1;
+};
+
+/// Validates `config` for `num_ranks` ranks and fills in the defaults. Throws weft::Error naming the
+/// field, the expectation and the value found.
+Geometry resolve_geometry(const Config& config, int num_ranks, int rank);
+
+/// Bytes each rank needs, by owner.
+struct Footprint {
+    uint64_t buffer_symmetric_bytes = 0;           ///< symmetric heap: signals, mailboxes, low-latency areas
+    uint64_t buffer_device_bytes = 0;              ///< private device memory of the Buffer (state)
+    uint64_t normal_handle_symmetric_bytes = 0;    ///< symmetric heap per NormalHandle (recv_x, records, landing)
+    uint64_t normal_handle_device_bytes = 0;       ///< private device memory per NormalHandle (layout, counts)
+    uint64_t low_latency_handle_device_bytes = 0;  ///< private device memory per LowLatencyHandle (outputs)
+    /// Symmetric heap bytes for the Buffer and `normal_handles` handles, with allocation slack.
+    uint64_t heap_bytes(int normal_handles) const;
+    /// Everything one rank allocates for the Buffer, `normal_handles` and `low_latency_handles` handles.
+    uint64_t total_bytes(int normal_handles, int low_latency_handles) const;
+    std::string describe() const;
+};
+
+/// Memory one rank needs for `config` with `num_ranks` ranks (no allocation; no GPU needed).
+Footprint footprint(const Config& config, int num_ranks);
+
+/// Expected normal-mode receive rows per rank under uniform routing (k distinct experts per token
+/// drawn uniformly), with `alignment` padding per expert: a sizing aid for Config::max_recv_rows.
+int64_t expected_recv_rows(const Config& config, int num_ranks);
+/// Expected distinct tokens one rank receives under uniform routing.
+int64_t expected_recv_tokens(const Config& config, int num_ranks);
+
+/// The default number of SMs (blocks) of a normal dispatch/combine: one per 64 tokens, at least 1, at
+/// most 24 and at most the rank's SM budget.
+int default_normal_sms(int num_tokens, int sm_budget);
+/// The default number of SMs of a low-latency kernel: one per 32 routes, at least 1, at most the budget.
+int default_low_latency_sms(int num_tokens, int topk, int sm_budget);
+
+/// The kernel specialisations the ops launch (for weft-compile: see kernels/ep/aot_specs.txt).
+std::vector<jit::KernelSpec> kernel_specs();
+
+/// Which half of a low-latency operation a call launches.
+enum class Phase {
+    kSendRecv,  ///< both, in one kernel
+    kSend,      ///< only the send half: returns without waiting for any peer's data
+    kRecv,      ///< only the receive half of the oldest outstanding send (launch it later)
+};
+
+struct NormalOptions {
+    int num_sms = 0;  ///< blocks of the dispatch/combine kernel; 0 = default_normal_sms()
+};
+
+struct LowLatencyOptions {
+    bool fp8 = false;  ///< dispatch: quantise rows to e4m3, one fp32 scale per 128 channels
+    Phase phase = Phase::kSendRecv;
+    int num_sms = 0;  ///< 0 = default_low_latency_sms()
+};
+
+/// A device-reported error, as read from the status word.
+struct StatusReport {
+    StatusCode code = StatusCode::kOk;
+    Status raw{};
+    std::string message;  ///< names the rank, the limit and the value
+};
+
+class Buffer;
+
+/// Device pointers of a NormalHandle (private device memory unless noted).
+struct NormalView {
+    const uint16_t* recv_x;            ///< symmetric: bf16 [max_recv_rows, H], expert-contiguous
+    const int32_t* expert_counts;      ///< [E_local] rows of each local expert (unpadded)
+    const int32_t* expert_offsets;     ///< [E_local + 1] padded segment starts; [E_local] = rows in all
+    const int32_t* source_offsets;     ///< [W + 1] first received token of each source rank
+    const int32_t* info;               ///< [kInfoInts] (NormalInfo): valid, T, tokens and rows received
+    const int32_t* tokens_per_expert;  ///< layout: [E] this rank's routes per expert
+    const int32_t* tokens_per_rank;    ///< layout: [W] this rank's tokens per destination rank
+    const uint8_t* token_in_rank;      ///< layout: [max_tokens, W] token -> rank mask
+    const int32_t* send_idx;           ///< layout: [max_tokens, W] index among tokens sent to the rank, or -1
+    const int32_t* route_pos;          ///< layout: [max_tokens, k] index among routes to the expert, or -1
+    const int32_t* recv_meta;          ///< symmetric: [max_recv_tokens, meta_ints] receive records
+};
+
+/// One normal dispatch in flight: its receive buffers (symmetric), its layout and the plan its
+/// combine reuses. Created collectively by Buffer::make_normal_handle(); freed collectively by its
+/// destructor (every rank destroys its handles in the same order, before the Buffer).
+class NormalHandle {
+public:
+    NormalHandle(NormalHandle&&) noexcept;
+    NormalHandle& operator=(NormalHandle&&) noexcept;
+    ~NormalHandle();
+
+    /// bf16 [max_recv_rows, H] in the symmetric heap. After dispatch: rows of local expert e at
+    /// [expert_offsets[e], expert_offsets[e] + expert_counts[e]), ordered by (source rank, source
+    /// token); padding rows hold unspecified values. Valid until the next dispatch on this handle.
+    TensorView recv_x() const;
+    const int32_t* expert_counts() const;
+    const int32_t* expert_offsets() const;
+    NormalView view() const;
+    /// T of the last dispatch (host-side), -1 before the first.
+    int num_tokens() const;
+
+private:
+    friend class Buffer;
+    struct Impl;
+    explicit NormalHandle(std::unique_ptr<Impl> impl);
+    std::unique_ptr<Impl> impl_;
+};
+
+/// Device pointers of a LowLatencyHandle (private device memory).
+struct LowLatencyView {
+    const uint8_t* recv_x;         ///< [E_local, W * max_tokens, H]: bf16 (2 bytes) or e4m3 codes (1 byte)
+    const float* recv_scales;      ///< [E_local, W * max_tokens, H / 128] (fp8 dispatches)
+    const int32_t* recv_src_info;  ///< [E_local, W * max_tokens]: source rank * max_tokens + token
+    const int32_t* expert_counts;  ///< [E_local] valid rows of each local expert
+};
+
+/// One low-latency dispatch's outputs (masked layout) and the plan its combine reuses. Local (not
+/// collective); made by Buffer::make_low_latency_handle().
+class LowLatencyHandle {
+public:
+    LowLatencyHandle(LowLatencyHandle&&) noexcept;
+    LowLatencyHandle& operator=(LowLatencyHandle&&) noexcept;
+    ~LowLatencyHandle();
+
+    /// [E_local, W * max_tokens, H]: bf16, or fp8 e4m3 after an fp8 dispatch. Rows [0, count) of each
+    /// expert are valid, ordered by (source rank, source token).
+    TensorView recv_x() const;
+    /// f32 [E_local, W * max_tokens, H / 128]: the scale of each 128-channel group (fp8 dispatches).
+    TensorView recv_scales() const;
+    const int32_t* expert_counts() const;
+    LowLatencyView view() const;
+    bool fp8() const;
+
+private:
+    friend class Buffer;
+    struct Impl;
+    explicit LowLatencyHandle(std::unique_ptr<Impl> impl);
+    std::unique_ptr<Impl> impl_;
+};
+
+/// The expert-parallel communication buffers of one rank. Collective construction and destruction.
+class Buffer {
+public:
+    /// Collective: every rank calls with the same config. Allocates the symmetric buffers and the
+    /// device state, and compiles and loads every kernel (before any of them can spin).
+    Buffer(World& world, const Config& config);
+    ~Buffer();
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
+
+    const Config& config() const;
+    const Geometry& geometry() const;
+    World& world() const;
+
+    // ---- normal mode ----
+    /// Collective: a handle with its own receive buffers (symmetric heap, Footprint's per-handle size).
+    NormalHandle make_normal_handle();
+    /// The layout kernel alone (counts, token->rank mask, stable offsets) into the handle's layout
+    /// arrays. Local. `topk_idx`: int32 [T, k], T <= max_tokens_per_rank.
+    void layout(NormalHandle& handle, const TensorView& topk_idx, cudaStream_t stream);
+    /// Collective: layout, then dispatch. x: bf16 [T, H]; topk_idx: int32 [T, k] (-1 = dropped);
+    /// topk_weights: f32 [T, k]. T may differ between ranks. Receive capacity overflow is detected on
+    /// the device by every rank, nothing moves, and check() reports it.
+    void dispatch(NormalHandle& handle, const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
+                  cudaStream_t stream, const NormalOptions& options = {});
+    /// Collective: y: bf16 [>= max_recv_rows, H] laid out like recv_x (it may be recv_x itself);
+    /// out: bf16 [T, H] with T of the handle's dispatch. out[t] = sum over t's valid slots j of
+    /// topk_weights[t][j] * y[row of (t, j)], accumulated in fp32 (per destination rank in slot order,
+    /// rounded once to bf16, then over ranks in rank order), rounded to bf16. Deterministic.
+    void combine(NormalHandle& handle, const TensorView& y, const TensorView& out, cudaStream_t stream,
+                 const NormalOptions& options = {});
+
+    // ---- low-latency mode ----
+    LowLatencyHandle make_low_latency_handle();
+    /// Collective. x: bf16 [T, H], topk_idx: int32 [T, k]. At most two sends may be outstanding (sent,
+    /// not yet received) per Buffer; kRecv completes the oldest one and must name its handle.
+    void low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x, const TensorView& topk_idx,
+                              cudaStream_t stream, const LowLatencyOptions& options = {});
+    /// Collective. y: bf16 [E_local, W * max_tokens, H] (row stride may be larger than H); topk_idx
+    /// and topk_weights as given to the dispatch; out: bf16 [T, H]. out[t] = sum over valid j of
+    /// topk_weights[t][j] * y[row of (t, j)], fp32 fma in slot order, rounded once to bf16.
+    void low_latency_combine(LowLatencyHandle& handle, const TensorView& y, const TensorView& topk_idx,
+                             const TensorView& topk_weights, const TensorView& out, cudaStream_t stream,
+                             const LowLatencyOptions& options = {});
+
+    // ---- errors the kernels report ----
+    /// Reads this rank's status word (host-mapped memory: no synchronisation, sees every kernel that
+    /// has completed) and throws weft::Error describing the first error, if any. Every op calls it on
+    /// entry, so an error surfaces at the next call at the latest. The word stays set until
+    /// clear_status().
+    void check() const;
+    /// world.sync_and_check(stream), then check().
+    void sync_and_check(cudaStream_t stream);
+    std::optional<StatusReport> status() const;
+    void clear_status();
+
+private:
+    friend struct NormalHandle::Impl;
+    friend struct LowLatencyHandle::Impl;
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
+/// The message check() throws for a status record (exposed for tests).
+std::string describe_status(const Status& status);
+
+}  // namespace weft::ep

@@ -1,0 +1,332 @@
+// SPDX-License-Identifier: MIT
+// What every collective kernel shares: per-block bookkeeping (epoch, barriers, call descriptors), staging, the
+// rank-ordered reduction of n ranks' data, and LL payload access.
+//
+// Protocol summary (kernels/all_reduce/README.md has the pictures):
+//  - Every kernel reads the rank's epoch (CollectiveState::epoch) at its start; the last block to finish advances
+//    it. Collectives of one World run in stream order and every kernel waits on every peer, so a rank running
+//    kernel e + 2 knows every peer has finished kernel e: buffers indexed by the epoch's parity (staging, LL lines,
+//    descriptors) are therefore reused without clearing and without an exit barrier.
+//  - Block b of every rank handles the same part of the message and meets only block b of the other ranks
+//    (device::block_barrier, add-only counters; the count lives in CollectiveState::arrivals[b]). All ranks launch
+//    the same grid (the host agrees on the SM budget once), so the counts stay equal on every rank.
+//  - Block 0 sends this call's descriptor (a hash of count, dtype, algorithm and buffer offsets) to every peer
+//    before the entry barrier and compares the peers' after it: a rank that called something else traps with a
+//    kCollectiveMismatch diagnostic instead of reading the wrong memory.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "weft/common/collectives.hpp"
+#include "weft/common/device_ctx.hpp"
+#include "weft/common/diagnostics.hpp"
+#include "weft/device/block_barrier.cuh"
+#include "weft/device/copy.cuh"
+#include "weft/device/ll.cuh"
+#include "weft/device/scope.cuh"
+#include "weft/device/spin.cuh"
+#include "weft/device/symmetric.cuh"
+#include "weft/ptx/atom.cuh"
+#include "weft/ptx/ld_st.cuh"
+
+namespace weft::kernels::collective {
+
+// ------------------------------------------------------------------------------------------------
+// Number formats: elements are handled as raw bits (uint16_t or uint32_t) and converted to fp32 to add.
+
+template <DType D>
+struct Num;
+
+template <>
+struct Num<DType::kBF16> {
+    using Bits = uint16_t;
+    __device__ __forceinline__ static float to_float(Bits b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
+    __device__ __forceinline__ static Bits from_float(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
+};
+
+template <>
+struct Num<DType::kF16> {
+    using Bits = uint16_t;
+    __device__ __forceinline__ static float to_float(Bits b) { return __half2float(__ushort_as_half(b)); }
+    __device__ __forceinline__ static Bits from_float(float f) { return __half_as_ushort(__float2half_rn(f)); }
+};
+
+template <>
+struct Num<DType::kF32> {
+    using Bits = uint32_t;
+    __device__ __forceinline__ static float to_float(Bits b) { return __uint_as_float(b); }
+    __device__ __forceinline__ static Bits from_float(float f) { return __float_as_uint(f); }
+};
+
+/// The unsigned type of `kBytes` bytes used to move a vector (2, 4, 8 or 16).
+template <int kBytes>
+struct RawOf;
+template <>
+struct RawOf<2> {
+    using type = uint16_t;
+};
+template <>
+struct RawOf<4> {
+    using type = uint32_t;
+};
+template <>
+struct RawOf<8> {
+    using type = uint2;
+};
+template <>
+struct RawOf<16> {
+    using type = uint4;
+};
+
+/// Plain (weak, never .nc) load of kBytes bytes. Data other ranks wrote is read only after an acquiring wait.
+template <int kBytes>
+__device__ __forceinline__ typename RawOf<kBytes>::type load_raw(const void* p) {
+    if constexpr (kBytes == 2) {
+        return *static_cast<const volatile uint16_t*>(p);
+    } else {
+        return ptx::ld(static_cast<const typename RawOf<kBytes>::type*>(p));
+    }
+}
+
+template <int kBytes>
+__device__ __forceinline__ void store_raw(void* p, typename RawOf<kBytes>::type v) {
+    if constexpr (kBytes == 2) {
+        *static_cast<volatile uint16_t*>(p) = v;
+    } else {
+        ptx::st(static_cast<typename RawOf<kBytes>::type*>(p), v);
+    }
+}
+
+/// kE element bit patterns, as one value (for __builtin_bit_cast to and from a raw vector).
+template <class Bits, int kE>
+struct Lanes {
+    Bits v[kE];
+};
+
+// ------------------------------------------------------------------------------------------------
+// Per-block bookkeeping.
+
+/// One block's view of the collective state: the epoch this kernel runs under and the slot's barrier count.
+/// Construct it first thing in the kernel (every thread); call finish() last (every thread).
+class BlockState {
+public:
+    __device__ __forceinline__ BlockState(const DeviceCtx& ctx, const CollectiveParams& p) : ctx_(ctx), p_(p) {
+        __shared__ uint64_t shared_state[2];
+        if (threadIdx.x == 0) {
+            shared_state[0] = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&p.state->epoch);
+            shared_state[1] = p.state->arrivals[blockIdx.x];
+        }
+        __syncthreads();
+        epoch_ = shared_state[0];
+        completed_ = shared_state[1];
+    }
+
+    __device__ __forceinline__ uint64_t epoch() const { return epoch_; }
+    __device__ __forceinline__ uint32_t parity() const { return static_cast<uint32_t>(epoch_ & 1u); }
+    /// This epoch's half of the staging buffer (symmetric: the same offset on every rank).
+    __device__ __forceinline__ uint8_t* staging() const { return p_.staging + parity() * p_.staging_half_bytes; }
+    /// This epoch's LL buffer for lines sent by `sender` (local address; translate for a peer's copy).
+    __device__ __forceinline__ uint8_t* ll_slot(int sender) const {
+        return p_.ll_buffer + (static_cast<uint64_t>(parity()) * static_cast<uint64_t>(ctx_.num_ranks) +
+                               static_cast<uint64_t>(sender)) *
+                                  p_.ll_slot_bytes;
+    }
+
+    /// Meets block blockIdx.x of every rank (see device::block_barrier). Every thread calls.
+    __device__ __forceinline__ void barrier(int line = __builtin_LINE()) {
+        completed_ = device::block_barrier(device::Block{}, ctx_, p_.barrier_flags, blockIdx.x, completed_, line);
+    }
+
+    /// The entry barrier; block 0 also exchanges and checks the call descriptor. Every thread calls.
+    __device__ __forceinline__ void enter(int line = __builtin_LINE()) {
+        const int n = ctx_.num_ranks;
+        const int me = ctx_.rank;
+        uint64_t* row = p_.descriptors + static_cast<uint64_t>(parity()) * static_cast<uint64_t>(n);
+        const int t = static_cast<int>(threadIdx.x);
+        if (blockIdx.x == 0 && t < n && t != me) {
+            // Thread t also arrives at peer t in the barrier: its release covers this store in program order.
+            ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(device::symm_at_or_trap(ctx_, row + me, t, line),
+                                                          p_.descriptor);
+        }
+        barrier(line);
+        if (blockIdx.x == 0 && t < n && t != me) {
+            const uint64_t theirs = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(row + t);
+            if (theirs != p_.descriptor) {
+                device::fail_and_trap(ctx_, device::SpinSite{SpinKind::kCollectiveMismatch, t, line}, Cmp::kEq, row + t,
+                                      p_.descriptor, theirs, 0);
+            }
+        }
+    }
+
+    /// Records the slot's barrier count and, in the last block to finish, advances the epoch. Every thread calls.
+    __device__ __forceinline__ void finish() {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            p_.state->arrivals[blockIdx.x] = completed_;
+            // Every block read the epoch before it counts itself done here, so the last one may advance it.
+            const uint32_t before = ptx::atom_add<ptx::Sem::kAcqRel, ptx::Scope::kGpu>(&p_.state->done, 1u);
+            if (before == gridDim.x - 1) {
+                p_.state->done = 0;
+                ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&p_.state->epoch, epoch_ + 1);
+            }
+        }
+    }
+
+private:
+    const DeviceCtx& ctx_;
+    const CollectiveParams& p_;
+    uint64_t epoch_;
+    uint64_t completed_;
+};
+
+/// Fills `ptrs[q]` (shared memory, one per rank) with rank q's copy of the symmetric `local` plus `offset` bytes,
+/// then syncs the block. A peer that is not load/store reachable traps with kUnreachablePeer.
+__device__ __forceinline__ void peer_pointers(const DeviceCtx& ctx, const uint8_t** ptrs, uint8_t* local,
+                                              uint64_t offset, int line = __builtin_LINE()) {
+    for (int q = static_cast<int>(threadIdx.x); q < ctx.num_ranks; q += static_cast<int>(blockDim.x)) {
+        ptrs[q] = device::symm_at_or_trap(ctx, local, q, line) + offset;
+    }
+    __syncthreads();
+}
+
+// ------------------------------------------------------------------------------------------------
+// Rank-ordered reduction: out[i] = sum over q = 0 .. n-1 of srcs[q][i], in fp32, in the same order on every rank
+// (so every rank produces the same bits).
+
+/// kU vectors (v, v + stride, ...) of the rank-ordered sum: the kU x kChunk loads of a chunk of ranks are issued
+/// before their adds, so a thread keeps 8 x 16 bytes in flight (enough to cover a remote read's latency with 64
+/// blocks) while staying under 128 registers (two blocks per SM).
+template <DType D, int kVec, int kMaxRanks, int kU>
+__device__ __forceinline__ void reduce_vectors(const uint8_t* const* srcs, int n, uint64_t v, uint64_t stride,
+                                               uint8_t* dst0, uint8_t* dst1) {
+    using N = Num<D>;
+    using Bits = typename N::Bits;
+    using Raw = typename RawOf<kVec>::type;
+    constexpr int kE = kVec / static_cast<int>(sizeof(Bits));
+    constexpr int kChunk = kMaxRanks < 4 ? kMaxRanks : 4;  // kU x kChunk 16-byte loads in flight per thread
+    float acc[kU][kE];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+#pragma unroll
+        for (int k = 0; k < kE; ++k) {
+            acc[u][k] = 0.0f;
+        }
+    }
+    for (int q0 = 0; q0 < n; q0 += kChunk) {
+        Raw r[kU][kChunk];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j) {
+                if (q0 + j < n) {
+                    r[u][j] = load_raw<kVec>(srcs[q0 + j] + (v + u * stride) * kVec);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j) {
+                if (q0 + j < n) {
+                    const auto lanes = __builtin_bit_cast(Lanes<Bits, kE>, r[u][j]);
+#pragma unroll
+                    for (int k = 0; k < kE; ++k) {
+                        acc[u][k] += N::to_float(lanes.v[k]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+        Lanes<Bits, kE> out;
+#pragma unroll
+        for (int k = 0; k < kE; ++k) {
+            out.v[k] = N::from_float(acc[u][k]);
+        }
+        const Raw packed = __builtin_bit_cast(Raw, out);
+        const uint64_t off = (v + u * stride) * kVec;
+        store_raw<kVec>(dst0 + off, packed);
+        if (dst1 != nullptr) {
+            store_raw<kVec>(dst1 + off, packed);
+        }
+    }
+}
+
+template <DType D, int kVec, int kMaxRanks>
+__device__ __forceinline__ void reduce_elements_vec(const uint8_t* const* srcs, int n, uint64_t begin, uint64_t end,
+                                                    uint8_t* dst0, uint8_t* dst1) {
+    constexpr int kElemBytes = static_cast<int>(sizeof(typename Num<D>::Bits));
+    constexpr int kE = kVec / kElemBytes;
+    constexpr int kU = 2;
+    const uint64_t vec_begin = begin / kE;
+    const uint64_t vec_end = end / kE;
+    const uint64_t stride = blockDim.x;
+    uint64_t v = vec_begin + threadIdx.x;
+    for (; v + (kU - 1) * stride < vec_end; v += kU * stride) {
+        reduce_vectors<D, kVec, kMaxRanks, kU>(srcs, n, v, stride, dst0, dst1);
+    }
+    for (; v < vec_end; v += stride) {
+        reduce_vectors<D, kVec, kMaxRanks, 1>(srcs, n, v, stride, dst0, dst1);
+    }
+    if constexpr (kE > 1) {
+        // The elements after the last whole vector (only the part that ends at the message's end has any).
+        const uint64_t tail = vec_end * kE > begin ? vec_end * kE : begin;
+        if (tail < end) {
+            reduce_elements_vec<D, kElemBytes, kMaxRanks>(srcs, n, tail, end, dst0, dst1);
+        }
+    }
+}
+
+/// Reduces elements [begin, end) of the n buffers `srcs[q]` (element 0 of each; peers' copies already translated)
+/// into dst0 (and dst1 when not null). `begin` is a multiple of the granule. Uses kVec-byte accesses when every
+/// pointer allows, element-sized ones otherwise. Every thread of the block calls; no synchronisation.
+template <DType D, int kVec, int kMaxRanks>
+__device__ __forceinline__ void reduce_elements(const uint8_t* const* srcs, int n, uint64_t begin, uint64_t end,
+                                                uint8_t* dst0, uint8_t* dst1) {
+    if (begin >= end) {
+        return;
+    }
+    constexpr int kElemBytes = static_cast<int>(sizeof(typename Num<D>::Bits));
+    uintptr_t bits = reinterpret_cast<uintptr_t>(dst0) | reinterpret_cast<uintptr_t>(dst1);
+    for (int q = 0; q < n; ++q) {
+        bits |= reinterpret_cast<uintptr_t>(srcs[q]);
+    }
+    if constexpr (kVec > kElemBytes) {
+        if ((bits & static_cast<uintptr_t>(kVec - 1)) == 0) {
+            reduce_elements_vec<D, kVec, kMaxRanks>(srcs, n, begin, end, dst0, dst1);
+            return;
+        }
+    }
+    reduce_elements_vec<D, kElemBytes, kMaxRanks>(srcs, n, begin, end, dst0, dst1);
+}
+
+// ------------------------------------------------------------------------------------------------
+// LL payloads: 8 bytes of a buffer, fewer at its end; 8-byte accesses when aligned, bytes otherwise.
+
+/// Reads the (up to 8) bytes at `p`; bytes past `valid` read as zero.
+__device__ __forceinline__ uint2 load_payload(const uint8_t* p, uint64_t valid) {
+    if (valid >= 8 && (reinterpret_cast<uintptr_t>(p) & 7u) == 0) {
+        return ptx::ld(reinterpret_cast<const uint2*>(p));
+    }
+    unsigned long long v = 0;  // assembled in a register (an indexed array would live in local memory)
+    for (uint32_t k = 0; k < 8 && k < valid; ++k) {
+        v |= static_cast<unsigned long long>(static_cast<const volatile uint8_t*>(p)[k]) << (8 * k);
+    }
+    return make_uint2(static_cast<uint32_t>(v), static_cast<uint32_t>(v >> 32));
+}
+
+/// Writes the first min(valid, 8) bytes of `v` to `p`.
+__device__ __forceinline__ void store_payload(uint8_t* p, uint2 v, uint64_t valid) {
+    if (valid >= 8 && (reinterpret_cast<uintptr_t>(p) & 7u) == 0) {
+        ptx::st(reinterpret_cast<uint2*>(p), v);
+        return;
+    }
+    const unsigned long long bits = (static_cast<unsigned long long>(v.y) << 32) | v.x;
+    for (uint32_t k = 0; k < 8 && k < valid; ++k) {
+        static_cast<volatile uint8_t*>(p)[k] = static_cast<uint8_t>(bits >> (8 * k));
+    }
+}
+
+}  // namespace weft::kernels::collective

@@ -1,0 +1,496 @@
+// SPDX-License-Identifier: MIT
+// Low-latency (decode) expert-parallel dispatch and combine: fixed worst-case slots, optional fp8, send/receive halves.
+//
+// Dispatch send (no wait on any peer's data; only on a credit that is normally already there):
+//   every block computes the stable slot of each route (token, slot) in its (expert, source) area; one
+//   warp per token loads the row once (quantising it to e4m3 with one fp32 scale per 128 channels
+//   when asked) and stores it into the slot of each of its experts on the experts' owners, with a
+//   16-byte trailer {token, top-k slot}. The last block to finish writes the per-expert route counts
+//   into each rank's mailbox and adds 1 to each rank's dispatch signal.
+// Dispatch receive: wait for every source's signal, read the counts, and copy each (expert, source)
+//   area into the masked output [local expert, rank-major rows, H] (source rank, then token order),
+//   recording each row's source token and slot. The last block adds 1 to every source's credit.
+// Receive areas and mailboxes are double-buffered by call parity; a send of call c waits until every
+// destination has received call c - 2 (its credit), so any interleaving of sends and receives with at
+// most two sends outstanding is safe, and nothing is cleared between calls.
+// Combine send: each output row goes back to its source's landing [token, top-k slot]; the last block
+//   adds 1 to each rank's combine signal. Combine receive: wait for all ranks, then each token's
+//   weighted sum over its valid slots in slot order (fp32 fma), rounded once to bf16.
+#pragma once
+
+#include "ep/common.cuh"
+#include "ep/transport.cuh"
+#include "weft/common/device_ctx.hpp"
+#include "weft/common/ep_workspace.hpp"
+
+namespace weft::kernels::ep {
+
+/// Compile-time knobs of the low-latency kernels.
+struct LowLatencyConfig {
+    int threads = 512;  ///< threads per block
+    int unroll = 2;     ///< 16-byte granules each lane keeps in flight per row chunk
+};
+
+__host__ __device__ constexpr bool is_valid(const LowLatencyConfig& c) {
+    return c.threads >= 64 && c.threads <= 1024 && c.threads % 32 == 0 && c.unroll >= 1 && c.unroll <= 8;
+}
+
+namespace detail {
+
+struct LowLatencyShared {
+    uint8_t** peer_base;
+    int32_t* hist;
+    int32_t* route_slot;
+    int32_t* expert_count;
+    int32_t* unit_count;
+    int32_t* unit_prefix;
+    int32_t* expert_base;
+
+    __device__ static LowLatencyShared carve(uint8_t* smem, const weft::ep::LowLatencySmem& p) {
+        return LowLatencyShared{
+            reinterpret_cast<uint8_t**>(smem + p.peer_base), reinterpret_cast<int32_t*>(smem + p.hist),
+            reinterpret_cast<int32_t*>(smem + p.route_slot), reinterpret_cast<int32_t*>(smem + p.expert_count),
+            reinterpret_cast<int32_t*>(smem + p.unit_count), reinterpret_cast<int32_t*>(smem + p.unit_prefix),
+            reinterpret_cast<int32_t*>(smem + p.expert_base)};
+    }
+};
+
+/// Byte offset of slot (half, local expert, source, index) in the receive area.
+__device__ __forceinline__ int64_t ll_slot_offset(const Geometry& g, int half, int local_expert, int source,
+                                                  int index) {
+    const int64_t unit = (static_cast<int64_t>(half) * g.local_experts() + local_expert) * g.num_ranks + source;
+    return (unit * g.max_tokens + index) * g.ll_slot_bytes();
+}
+
+/// Quantises the 8 channels a lane holds; the 16 lanes of a half-warp form one 128-channel group.
+/// Returns the 8 codes; `scale` gets the group's scale (every lane of the group). All 32 lanes call it.
+__device__ __forceinline__ uint2 quantize_e4m3x8(const float (&f)[8], float& scale) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+        amax = fmaxf(amax, fabsf(f[q]));
+    }
+#pragma unroll
+    for (int d = 8; d >= 1; d >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+    }
+    amax = fmaxf(amax, weft::ep::kFp8MinAmax);
+    scale = __fdiv_rn(amax, weft::ep::kFp8Max);
+    const float inv = __fdiv_rn(weft::ep::kFp8Max, amax);
+    const uint32_t c01 = ptx::cvt_rn_satfinite_e4m3x2(__fmul_rn(f[0], inv), __fmul_rn(f[1], inv));
+    const uint32_t c23 = ptx::cvt_rn_satfinite_e4m3x2(__fmul_rn(f[2], inv), __fmul_rn(f[3], inv));
+    const uint32_t c45 = ptx::cvt_rn_satfinite_e4m3x2(__fmul_rn(f[4], inv), __fmul_rn(f[5], inv));
+    const uint32_t c67 = ptx::cvt_rn_satfinite_e4m3x2(__fmul_rn(f[6], inv), __fmul_rn(f[7], inv));
+    return uint2{c01 | (c23 << 16), c45 | (c67 << 16)};
+}
+
+/// How a warp's work item maps to (token, chunk range) when tokens are split into `parts` pieces of
+/// whole row chunks (so a few tokens still keep every warp busy). Chunks are 32 * U granules: a
+/// multiple of 16, so an fp8 scale group never straddles two parts.
+struct RowParts {
+    int parts;
+    int chunk;  ///< granules per chunk
+    int chunks_per_part;
+    __device__ static RowParts make(int num_tokens, int granules, int num_warps, int unroll) {
+        const int chunk = 32 * unroll;
+        const int chunks = (granules + chunk - 1) / chunk;
+        int parts = num_tokens > 0 ? num_warps / num_tokens : 1;
+        parts = parts < 1 ? 1 : (parts > chunks ? chunks : parts);
+        return RowParts{parts, chunk, (chunks + parts - 1) / parts};
+    }
+    __device__ int begin(int part) const { return part * chunks_per_part * chunk; }
+    __device__ int end(int part, int granules) const {
+        const int e = (part + 1) * chunks_per_part * chunk;
+        return e < granules ? e : granules;
+    }
+};
+
+template <LowLatencyConfig C>
+__device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatencyArgs& a, const LowLatencyShared& sh,
+                                 const PeerTable& peers) {
+    constexpr int kWarps = C.threads / 32;
+    constexpr int U = C.unroll;
+    const Geometry& g = a.geo;
+    const int tid = static_cast<int>(threadIdx.x);
+    const int lane = lane_id();
+    const int num_ranks = g.num_ranks;
+    const int local_experts = g.local_experts();
+    const int k = g.topk;
+    const int me = ctx.rank;
+    const int granules = g.hidden / 8;
+    const int64_t slot_bytes = g.ll_slot_bytes();
+    const uint64_t call = a.state->dispatch_send_calls + 1;
+    const int half = static_cast<int>(call & 1u);
+
+    RouteOut out{sh.route_slot, sh.expert_count, nullptr, nullptr, nullptr};
+    compute_routes(g, a.topk_idx, a.idx_stride, a.num_tokens, sh.hist, nullptr, out, a.status, blockIdx.x == 0, call,
+                   KernelId::kLowLatencyDispatch);
+    // Half `half` of every destination must be free: it has received call - 2.
+    if (tid < num_ranks && call > 2) {
+        wait_geq(ctx, a.dispatch_credit + tid, call - 2, tid);
+    }
+    __syncthreads();
+
+    const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
+    const int num_warps = static_cast<int>(gridDim.x) * kWarps;
+    const RowParts split = RowParts::make(a.num_tokens, granules, num_warps, U);
+    for (int item = global_warp; item < a.num_tokens * split.parts; item += num_warps) {
+        const int t = item / split.parts;
+        const int part = item % split.parts;
+        const int g_end = split.end(part, granules);
+        // Lane j: the slot of route j on its expert's owner (a peer mapping), or null.
+        uint8_t* dst = nullptr;
+        if (lane < k) {
+            const int32_t slot = sh.route_slot[t * k + lane];
+            if (slot >= 0) {
+                const int32_t e = a.topk_idx[static_cast<int64_t>(t) * a.idx_stride + lane];
+                const int r = e / local_experts;
+                dst = peers.at(ctx, a.recv_slots + ll_slot_offset(g, half, e % local_experts, me, slot), r);
+            }
+        }
+        const uint32_t routes = __ballot_sync(0xffffffffu, dst != nullptr);
+        const auto* src = reinterpret_cast<const uint4*>(a.x + static_cast<int64_t>(t) * a.x_stride);
+        for (int c0 = split.begin(part); c0 < g_end; c0 += split.chunk) {
+            uint4 v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int gi = c0 + u * 32 + lane;
+                v[u] = gi < g_end ? ptx::ld(src + gi) : uint4{0, 0, 0, 0};
+            }
+            if (a.fp8) {
+                uint2 codes[U];
+                float scales[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    float f[8];
+                    bf16x8_to_f32(v[u], f);
+                    codes[u] = quantize_e4m3x8(f, scales[u]);
+                }
+                uint32_t left = routes;
+                while (left != 0) {
+                    const int j = __ffs(left) - 1;
+                    left &= left - 1;
+                    auto* d = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(dst), j));
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const int gi = c0 + u * 32 + lane;
+                        if (gi < g_end) {
+                            put8(d + static_cast<int64_t>(gi) * 8, codes[u]);
+                            if ((lane & 15) == 0) {
+                                put4(d + g.hidden + static_cast<int64_t>(gi / 16) * 4, __float_as_uint(scales[u]));
+                            }
+                        }
+                    }
+                }
+            } else {
+                uint32_t left = routes;
+                while (left != 0) {
+                    const int j = __ffs(left) - 1;
+                    left &= left - 1;
+                    auto* d = reinterpret_cast<uint4*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(dst), j));
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const int gi = c0 + u * 32 + lane;
+                        if (gi < g_end) {
+                            put16(d + gi, v[u]);
+                        }
+                    }
+                }
+            }
+        }
+        if (part == 0 && dst != nullptr) {
+            put16(dst + slot_bytes - 16, uint4{static_cast<uint32_t>(t), static_cast<uint32_t>(lane), 0u, 0u});
+        }
+    }
+
+    if (last_block_arrive(&a.state->arrivals[0])) {
+        // Every block's rows are written (acquired above): counts, then one release per rank.
+        const int units = num_ranks * local_experts;
+        for (int i = tid; i < units; i += C.threads) {
+            const int r = i / local_experts;
+            const int le = i % local_experts;
+            int32_t* box = a.mailbox + (static_cast<int64_t>(half) * num_ranks + me) * local_experts + le;
+            put4(peers.at(ctx, box, r), static_cast<uint32_t>(sh.expert_count[i]));
+        }
+        __syncthreads();
+        if (tid < num_ranks) {
+            signal_add(peers.at(ctx, a.dispatch_signal + me, tid), 1);
+        }
+        if (tid == 0) {
+            a.state->dispatch_send_calls = call;
+        }
+    }
+}
+
+template <LowLatencyConfig C>
+__device__ void ll_dispatch_recv(const DeviceCtx& ctx, const weft::ep::LowLatencyArgs& a, const LowLatencyShared& sh,
+                                 const PeerTable& peers) {
+    constexpr int kWarps = C.threads / 32;
+    constexpr int U = C.unroll;
+    const Geometry& g = a.geo;
+    const int tid = static_cast<int>(threadIdx.x);
+    const int lane = lane_id();
+    const int num_ranks = g.num_ranks;
+    const int local_experts = g.local_experts();
+    const int me = ctx.rank;
+    const int64_t rows_per_expert = g.ll_rows_per_expert();
+    const int64_t slot_bytes = g.ll_slot_bytes();
+    const uint64_t call = a.state->dispatch_recv_calls + 1;
+    const int half = static_cast<int>(call & 1u);
+    const int units = local_experts * num_ranks;
+
+    if (tid < num_ranks) {
+        wait_geq(ctx, a.dispatch_signal + tid, call, tid);
+    }
+    __syncthreads();
+    for (int u = tid; u < units; u += C.threads) {
+        const int le = u / num_ranks;
+        const int s = u % num_ranks;
+        const int32_t n = a.mailbox[(static_cast<int64_t>(half) * num_ranks + s) * local_experts + le];
+        sh.unit_count[u] = n;
+        sh.unit_prefix[u] = n;
+    }
+    __syncthreads();
+    for (int le = tid; le < local_experts; le += C.threads) {
+        int32_t run = 0;
+        for (int s = 0; s < num_ranks; ++s) {
+            sh.expert_base[le * num_ranks + s] = run;
+            run += sh.unit_count[le * num_ranks + s];
+        }
+        if (blockIdx.x == 0) {
+            a.expert_counts[le] = run;
+        }
+    }
+    const int32_t total = block_exclusive_scan(sh.unit_prefix, units);
+    if (tid == 0) {
+        sh.unit_prefix[units] = total;
+    }
+    __syncthreads();
+
+    const int granules_bf16 = g.hidden / 8;
+    const int granules_fp8 = g.hidden / 16;
+    const int num_scales = static_cast<int>(g.ll_fp8_scales());
+    const int out_row_bytes = a.fp8 ? g.hidden : g.hidden * 2;
+    const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
+    const int num_warps = static_cast<int>(gridDim.x) * kWarps;
+    for (int f = global_warp; f < total; f += num_warps) {
+        const int u = upper_bound_index(sh.unit_prefix, units, f);
+        const int i = f - sh.unit_prefix[u];
+        const int le = u / num_ranks;
+        const int s = u % num_ranks;
+        const int64_t out_row = static_cast<int64_t>(le) * rows_per_expert + sh.expert_base[u] + i;
+        const uint8_t* src = a.recv_slots + ll_slot_offset(g, half, le, s, i);
+        uint8_t* dst = a.recv_x + out_row * out_row_bytes;
+        warp_copy_row<U>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src),
+                         a.fp8 ? granules_fp8 : granules_bf16);
+        if (a.fp8) {
+            const auto* sc = reinterpret_cast<const uint32_t*>(src + g.hidden);
+            auto* out_sc = reinterpret_cast<uint32_t*>(a.recv_scales + out_row * num_scales);
+            for (int q = lane; q < num_scales; q += 32) {
+                out_sc[q] = sc[q];
+            }
+        }
+        if (lane == 0) {
+            const uint4 trailer = ptx::ld(reinterpret_cast<const uint4*>(src + slot_bytes - 16));
+            a.recv_src_info[out_row] = s * g.max_tokens + static_cast<int32_t>(trailer.x);
+            a.recv_src_slot[out_row] = static_cast<int32_t>(trailer.y);
+        }
+    }
+
+    if (last_block_arrive(&a.state->arrivals[1])) {
+        if (tid < num_ranks) {
+            signal_add(peers.at(ctx, a.dispatch_credit + me, tid), 1);
+        }
+        if (tid == 0) {
+            a.state->dispatch_recv_calls = call;
+        }
+    }
+}
+
+template <LowLatencyConfig C>
+__device__ void ll_combine_send(const DeviceCtx& ctx, const weft::ep::LowLatencyArgs& a, const LowLatencyShared& sh,
+                                const PeerTable& peers) {
+    constexpr int kWarps = C.threads / 32;
+    constexpr int U = C.unroll;
+    const Geometry& g = a.geo;
+    const int tid = static_cast<int>(threadIdx.x);
+    const int num_ranks = g.num_ranks;
+    const int local_experts = g.local_experts();
+    const int k = g.topk;
+    const int me = ctx.rank;
+    const int64_t rows_per_expert = g.ll_rows_per_expert();
+    const int granules = g.hidden / 8;
+    const uint64_t call = a.state->combine_send_calls + 1;
+    const int half = static_cast<int>(call & 1u);
+
+    if (tid < num_ranks && call > 2) {
+        wait_geq(ctx, a.combine_credit + tid, call - 2, tid);
+    }
+    for (int le = tid; le < local_experts; le += C.threads) {
+        sh.unit_prefix[le] = a.expert_counts[le];
+    }
+    __syncthreads();
+    const int32_t total = block_exclusive_scan(sh.unit_prefix, local_experts);
+    if (tid == 0) {
+        sh.unit_prefix[local_experts] = total;
+    }
+    __syncthreads();
+
+    const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
+    const int num_warps = static_cast<int>(gridDim.x) * kWarps;
+    for (int f = global_warp; f < total; f += num_warps) {
+        const int le = upper_bound_index(sh.unit_prefix, local_experts, f);
+        const int i = f - sh.unit_prefix[le];
+        const int64_t row = static_cast<int64_t>(le) * rows_per_expert + i;
+        const int32_t info = a.recv_src_info[row];
+        const int s = info / g.max_tokens;
+        const int t = info % g.max_tokens;
+        const int j = a.recv_src_slot[row];
+        const auto* src = reinterpret_cast<const uint4*>(a.y + le * a.y_expert_stride + i * a.y_row_stride);
+        auto* dst = reinterpret_cast<uint4*>(
+            peers.at(ctx, a.landing + ((static_cast<int64_t>(half) * g.max_tokens + t) * k + j) * g.hidden, s));
+        const int lane = lane_id();
+        for (int c0 = 0; c0 < granules; c0 += 32 * U) {
+            uint4 v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int gi = c0 + u * 32 + lane;
+                if (gi < granules) {
+                    v[u] = ptx::ld(src + gi);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int gi = c0 + u * 32 + lane;
+                if (gi < granules) {
+                    put16(dst + gi, v[u]);
+                }
+            }
+        }
+    }
+
+    if (last_block_arrive(&a.state->arrivals[2])) {
+        if (tid < num_ranks) {
+            signal_add(peers.at(ctx, a.combine_signal + me, tid), 1);
+        }
+        if (tid == 0) {
+            a.state->combine_send_calls = call;
+        }
+    }
+}
+
+template <LowLatencyConfig C>
+__device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatencyArgs& a, const PeerTable& peers) {
+    constexpr int kWarps = C.threads / 32;
+    constexpr int U = C.unroll;
+    const Geometry& g = a.geo;
+    const int tid = static_cast<int>(threadIdx.x);
+    const int lane = lane_id();
+    const int num_ranks = g.num_ranks;
+    const int k = g.topk;
+    const int me = ctx.rank;
+    const int granules = g.hidden / 8;
+    const uint64_t call = a.state->combine_recv_calls + 1;
+    const int half = static_cast<int>(call & 1u);
+
+    if (tid < num_ranks) {
+        wait_geq(ctx, a.combine_signal + tid, call, tid);
+    }
+    __syncthreads();
+    const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
+    const int num_warps = static_cast<int>(gridDim.x) * kWarps;
+    const RowParts split = RowParts::make(a.num_tokens, granules, num_warps, U);
+    for (int item = global_warp; item < a.num_tokens * split.parts; item += num_warps) {
+        const int t = item / split.parts;
+        const int part = item % split.parts;
+        const int g_end = split.end(part, granules);
+        const int32_t* idx_row = a.topk_idx + static_cast<int64_t>(t) * a.idx_stride;
+        const bool valid = lane < k && route_expert(idx_row, lane, g.num_experts) >= 0;
+        const float weight = valid ? a.topk_weights[static_cast<int64_t>(t) * a.weight_stride + lane] : 0.0f;
+        const uint32_t slots = __ballot_sync(0xffffffffu, valid);
+        const uint16_t* base = a.landing + (static_cast<int64_t>(half) * g.max_tokens + t) * k * g.hidden;
+        auto* dst = reinterpret_cast<uint4*>(a.out + static_cast<int64_t>(t) * a.out_stride);
+        for (int c0 = split.begin(part); c0 < g_end; c0 += split.chunk) {
+            float acc[U][8];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+#pragma unroll
+                for (int q = 0; q < 8; ++q) {
+                    acc[u][q] = 0.0f;
+                }
+            }
+            uint32_t left = slots;
+            while (left != 0) {
+                const int j = __ffs(left) - 1;
+                left &= left - 1;
+                const float w = __shfl_sync(0xffffffffu, weight, j);
+                const auto* slot_row = reinterpret_cast<const uint4*>(base + static_cast<int64_t>(j) * g.hidden);
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int gi = c0 + u * 32 + lane;
+                    if (gi < g_end) {
+                        float f[8];
+                        bf16x8_to_f32(ptx::ld(slot_row + gi), f);
+#pragma unroll
+                        for (int q = 0; q < 8; ++q) {
+                            acc[u][q] = __fmaf_rn(w, f[q], acc[u][q]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int gi = c0 + u * 32 + lane;
+                if (gi < g_end) {
+                    ptx::st(dst + gi, f32_to_bf16x8(acc[u]));
+                }
+            }
+        }
+    }
+
+    if (last_block_arrive(&a.state->arrivals[3])) {
+        if (tid < num_ranks) {
+            signal_add(peers.at(ctx, a.combine_credit + me, tid), 1);
+        }
+        if (tid == 0) {
+            a.state->combine_recv_calls = call;
+        }
+    }
+}
+
+}  // namespace detail
+
+/// Low-latency dispatch: the phases in a.phases (send, receive, or both in one launch). Grid: up to
+/// the SM budget, C.threads each, LowLatencySmem bytes of dynamic shared memory. Collective.
+template <LowLatencyConfig C>
+__global__ void __launch_bounds__(C.threads, 1) low_latency_dispatch(weft::DeviceCtx ctx, weft::ep::LowLatencyArgs a) {
+    static_assert(is_valid(C), "LowLatencyConfig: threads a multiple of 32 in 64..1024, unroll 1..8");
+    extern __shared__ __align__(16) uint8_t smem[];
+    const detail::LowLatencyShared sh =
+        detail::LowLatencyShared::carve(smem, weft::ep::LowLatencySmem::make(a.geo, C.threads));
+    const PeerTable peers = load_peer_table(ctx, sh.peer_base);
+    if (a.phases & weft::ep::kPhaseSend) {
+        detail::ll_dispatch_send<C>(ctx, a, sh, peers);
+    }
+    if (a.phases & weft::ep::kPhaseRecv) {
+        detail::ll_dispatch_recv<C>(ctx, a, sh, peers);
+    }
+}
+
+/// Low-latency combine: the phases in a.phases. Same grid rules as low_latency_dispatch. Collective.
+template <LowLatencyConfig C>
+__global__ void __launch_bounds__(C.threads, 1) low_latency_combine(weft::DeviceCtx ctx, weft::ep::LowLatencyArgs a) {
+    static_assert(is_valid(C), "LowLatencyConfig: threads a multiple of 32 in 64..1024, unroll 1..8");
+    extern __shared__ __align__(16) uint8_t smem[];
+    const detail::LowLatencyShared sh =
+        detail::LowLatencyShared::carve(smem, weft::ep::LowLatencySmem::make(a.geo, C.threads));
+    const PeerTable peers = load_peer_table(ctx, sh.peer_base);
+    if (a.phases & weft::ep::kPhaseSend) {
+        detail::ll_combine_send<C>(ctx, a, sh, peers);
+    }
+    if (a.phases & weft::ep::kPhaseRecv) {
+        detail::ll_combine_recv<C>(ctx, a, peers);
+    }
+}
+
+}  // namespace weft::kernels::ep

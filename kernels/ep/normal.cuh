@@ -1,0 +1,542 @@
+// SPDX-License-Identifier: MIT
+// Normal (throughput) expert-parallel dispatch and combine: device size exchange, deduplicated push, expert-contiguous
+// receive.
+//
+// Dispatch, on every rank at once (grid <= the SM budget; every rank's grid must be resident):
+//   1. counts: each rank writes its per-expert route counts and per-rank token counts into every
+//      rank's mailbox (double-buffered by call parity) and adds 1 to that rank's count signal;
+//   2. every block waits for all counts and derives the same global layout on every rank: each
+//      expert's padded segment on its owner, each source's first row in it, each rank's received
+//      tokens. A rank whose receive capacity would overflow is seen by ALL ranks: none moves data, and
+//      each reports the overflow in its status word (no hang, no truncation);
+//   3. send: one warp per token writes the row ONCE per destination rank, at the position of the
+//      token's first expert there, plus a receive record {source, token, landing slot, (position,
+//      weight) per top-k slot}; then each block adds its row counts to the destinations' data signals;
+//   4. receive, source by source (own rows first): wait for the source's rows, then copy each of its
+//      tokens' first row to the rows of the token's other local experts.
+// Combine: each received token's weighted sum over its local experts (fp32, top-k slot order, rounded
+// once to bf16) is written into its source's landing; the source adds the partials of its
+// destinations in rank order (fp32) and rounds to bf16.
+#pragma once
+
+#include "ep/common.cuh"
+#include "ep/transport.cuh"
+#include "weft/common/device_ctx.hpp"
+#include "weft/common/ep_workspace.hpp"
+
+namespace weft::kernels::ep {
+
+/// Compile-time knobs of the normal dispatch and combine kernels.
+struct NormalConfig {
+    int threads = 512;  ///< threads per block (one block per SM of the budget)
+    int unroll = 4;     ///< 16-byte granules each lane keeps in flight per row chunk
+};
+
+__host__ __device__ constexpr bool is_valid(const NormalConfig& c) {
+    return c.threads >= 64 && c.threads <= 1024 && c.threads % 32 == 0 && c.unroll >= 1 && c.unroll <= 8;
+}
+
+namespace detail {
+
+/// The shared-memory arrays of the normal kernels (NormalSmem's plan).
+struct NormalShared {
+    uint8_t** peer_base;
+    int32_t* exp_base;
+    int32_t* exp_start;
+    int32_t* exp_total;
+    int32_t* tok_base;
+    int64_t* rank_tokens;
+    int64_t* rank_rows;
+    int32_t* recv_from;
+    int32_t* src_offset;
+    int32_t* send_base;
+    int32_t* sent;
+    int32_t* dests;
+    int32_t* dest_rows;
+    int32_t* dest_meta;
+    int32_t* flags;
+
+    __device__ static NormalShared carve(uint8_t* smem, const weft::ep::NormalSmem& p) {
+        return NormalShared{
+            reinterpret_cast<uint8_t**>(smem + p.peer_base), reinterpret_cast<int32_t*>(smem + p.exp_base),
+            reinterpret_cast<int32_t*>(smem + p.exp_start),  reinterpret_cast<int32_t*>(smem + p.exp_total),
+            reinterpret_cast<int32_t*>(smem + p.tok_base),   reinterpret_cast<int64_t*>(smem + p.rank_tokens),
+            reinterpret_cast<int64_t*>(smem + p.rank_rows),  reinterpret_cast<int32_t*>(smem + p.recv_from),
+            reinterpret_cast<int32_t*>(smem + p.src_offset), reinterpret_cast<int32_t*>(smem + p.send_base),
+            reinterpret_cast<int32_t*>(smem + p.sent),       reinterpret_cast<int32_t*>(smem + p.dests),
+            reinterpret_cast<int32_t*>(smem + p.dest_rows),  reinterpret_cast<int32_t*>(smem + p.dest_meta),
+            reinterpret_cast<int32_t*>(smem + p.flags)};
+    }
+};
+
+}  // namespace detail
+
+/// Normal dispatch (see the file comment). Grid: any number of blocks up to the SM budget, C.threads
+/// each, NormalSmem bytes of dynamic shared memory. Requires the layout kernel's outputs for the same
+/// topk_idx (a.tokens_per_expert ... a.route_pos) and that every rank of the team runs it (collective).
+template <NormalConfig C>
+__global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx ctx, weft::ep::NormalArgs a) {
+    static_assert(is_valid(C), "NormalConfig: threads a multiple of 32 in 64..1024, unroll 1..8");
+    extern __shared__ __align__(16) uint8_t smem[];
+    constexpr int kWarps = C.threads / 32;
+    const Geometry g = a.geo;
+    const detail::NormalShared sh = detail::NormalShared::carve(smem, weft::ep::NormalSmem::make(g, C.threads));
+    const int tid = static_cast<int>(threadIdx.x);
+    const int lane = lane_id();
+    const int warp = warp_id();
+    const int num_ranks = g.num_ranks;
+    const int num_experts = g.num_experts;
+    const int local_experts = g.local_experts();
+    const int k = g.topk;
+    const int me = ctx.rank;
+    const int mailbox_ints = g.mailbox_ints();
+    const int meta_ints = g.meta_ints();
+    const int64_t hidden = g.hidden;
+    const int granules = static_cast<int>(hidden / 8);
+    const uint64_t call = a.state->dispatch_calls + 1;  // read by every block before it arrives
+    const int parity = static_cast<int>(call & 1u);
+    const PeerTable peers = load_peer_table(ctx, sh.peer_base);
+
+    // 1. Publish this rank's counts into every rank's mailbox (block b serves ranks b, b + grid, ...).
+    for (int p = static_cast<int>(blockIdx.x); p < num_ranks; p += static_cast<int>(gridDim.x)) {
+        int32_t* row = peers.at(ctx, a.mailbox + (static_cast<int64_t>(parity) * num_ranks + me) * mailbox_ints, p);
+        for (int i = tid; i < num_experts; i += C.threads) {
+            put4(row + i, static_cast<uint32_t>(a.tokens_per_expert[i]));
+        }
+        for (int i = tid; i < num_ranks; i += C.threads) {
+            put4(row + num_experts + i, static_cast<uint32_t>(a.tokens_per_rank[i]));
+        }
+        __syncthreads();
+        if (tid == 0) {
+            signal_add(peers.at(ctx, a.count_signal + me, p), 1);
+        }
+    }
+
+    // 2. Every rank's counts of this call, then the global layout (the same on every rank).
+    if (tid < num_ranks) {
+        wait_geq(ctx, a.count_signal + tid, call, tid);
+    }
+    if (tid < num_ranks) {
+        sh.sent[tid] = 0;
+    }
+    __syncthreads();
+    const int32_t* box = a.mailbox + static_cast<int64_t>(parity) * num_ranks * mailbox_ints;
+    for (int e = tid; e < num_experts; e += C.threads) {
+        int32_t total = 0;
+        int32_t before = 0;
+        for (int s = 0; s < num_ranks; ++s) {
+            const int32_t c = box[static_cast<int64_t>(s) * mailbox_ints + e];
+            total += c;
+            before += s < me ? c : 0;
+        }
+        sh.exp_total[e] = total;
+        sh.exp_base[e] = before;
+    }
+    for (int r = tid; r < num_ranks; r += C.threads) {
+        int64_t tokens = 0;
+        int32_t before = 0;
+        for (int s = 0; s < num_ranks; ++s) {
+            const int32_t n = box[static_cast<int64_t>(s) * mailbox_ints + num_experts + r];
+            tokens += n;
+            before += s < me ? n : 0;
+        }
+        sh.rank_tokens[r] = tokens;
+        sh.tok_base[r] = before;
+        sh.recv_from[r] = box[static_cast<int64_t>(r) * mailbox_ints + num_experts + me];  // r -> me
+    }
+    __syncthreads();
+    const int64_t align = g.expert_alignment;
+    for (int e = tid; e < num_experts; e += C.threads) {
+        int64_t start = 0;
+        for (int f = (e / local_experts) * local_experts; f < e; ++f) {
+            start += round_up(sh.exp_total[f], align);
+        }
+        // Only used when every rank's rows fit (then start < max_recv_rows < 2^31).
+        sh.exp_start[e] = static_cast<int32_t>(start);
+        sh.exp_base[e] = static_cast<int32_t>(start + sh.exp_base[e]);
+    }
+    for (int r = tid; r < num_ranks; r += C.threads) {
+        int64_t rows = 0;
+        for (int f = r * local_experts; f < (r + 1) * local_experts; ++f) {
+            rows += round_up(sh.exp_total[f], align);
+        }
+        sh.rank_rows[r] = rows;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int32_t run = 0;
+        for (int s = 0; s < num_ranks; ++s) {
+            sh.src_offset[s] = run;
+            run += sh.recv_from[s];
+        }
+        sh.src_offset[num_ranks] = run;
+        run = 0;
+        for (int r = 0; r < num_ranks; ++r) {
+            sh.send_base[r] = run;
+            run += a.tokens_per_rank[r];
+        }
+        // Capacity: every rank sees every rank's totals, so all agree on whether data moves.
+        int valid = 1;
+        for (int r = 0; r < num_ranks && valid; ++r) {
+            if (sh.rank_tokens[r] > g.max_recv_tokens) {
+                valid = 0;
+                if (blockIdx.x == 0) {
+                    report_status(a.status, StatusCode::kRecvTokensOverflow, me, r, sh.rank_tokens[r],
+                                  g.max_recv_tokens, -1, -1, call, KernelId::kNormalDispatch);
+                }
+            } else if (sh.rank_rows[r] > g.max_recv_rows) {
+                valid = 0;
+                if (blockIdx.x == 0) {
+                    report_status(a.status, StatusCode::kRecvRowsOverflow, me, r, sh.rank_rows[r], g.max_recv_rows, -1,
+                                  -1, call, KernelId::kNormalDispatch);
+                }
+            }
+        }
+        sh.flags[0] = valid;
+    }
+    __syncthreads();
+    const bool valid = sh.flags[0] != 0;
+
+    if (blockIdx.x == 0) {
+        for (int le = tid; le < local_experts; le += C.threads) {
+            const int e = me * local_experts + le;
+            a.expert_counts[le] = valid ? sh.exp_total[e] : 0;
+            a.expert_offsets[le] = valid ? sh.exp_start[e] : 0;
+        }
+        if (tid == 0) {
+            a.expert_offsets[local_experts] = valid ? static_cast<int32_t>(sh.rank_rows[me]) : 0;
+            a.info[weft::ep::kInfoValid] = valid ? 1 : 0;
+            a.info[weft::ep::kInfoNumTokens] = a.num_tokens;
+            a.info[weft::ep::kInfoRecvTokens] = valid ? static_cast<int32_t>(sh.rank_tokens[me]) : 0;
+            a.info[weft::ep::kInfoRecvRows] = valid ? static_cast<int32_t>(sh.rank_rows[me]) : 0;
+            a.info[weft::ep::kInfoCall] = static_cast<int32_t>(call);
+        }
+        for (int s = tid; s <= num_ranks; s += C.threads) {
+            a.source_offsets[s] = valid ? sh.src_offset[s] : 0;
+        }
+    }
+
+    if (valid) {
+        // 3. Send: one warp per token; the row goes once to each destination rank.
+        const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp;
+        const int num_warps = static_cast<int>(gridDim.x) * kWarps;
+        int32_t* dests = sh.dests + warp * num_ranks;
+        int32_t* dest_rows = sh.dest_rows + warp * num_ranks;
+        int32_t* dest_meta = sh.dest_meta + warp * num_ranks;
+        for (int t = global_warp; t < a.num_tokens; t += num_warps) {
+            const int32_t* idx_row = a.topk_idx + static_cast<int64_t>(t) * a.idx_stride;
+            const float* w_row = a.topk_weights + static_cast<int64_t>(t) * a.weight_stride;
+            const int32_t* pos_row = a.route_pos + static_cast<int64_t>(t) * k;
+            // Lane j holds slot j's expert, destination row and weight.
+            int32_t slot_expert = -1;
+            int32_t slot_row = -1;
+            float slot_weight = 0.0f;
+            if (lane < k) {
+                slot_expert = pos_row[lane] >= 0 ? idx_row[lane] : -1;
+                if (slot_expert >= 0) {
+                    slot_row = sh.exp_base[slot_expert] + pos_row[lane];
+                    slot_weight = w_row[lane];
+                }
+            }
+            int num_dests = 0;
+            for (int r0 = 0; r0 < num_ranks; r0 += 32) {
+                const int r = r0 + lane;
+                const bool in = r < num_ranks && a.token_in_rank[static_cast<int64_t>(t) * num_ranks + r] != 0;
+                const uint32_t ballot = __ballot_sync(0xffffffffu, in);
+                if (in) {
+                    const int d = num_dests + __popc(ballot & lanemask_lt());
+                    dests[d] = r;
+                    dest_meta[d] = sh.tok_base[r] + a.send_idx[static_cast<int64_t>(t) * num_ranks + r];
+                }
+                num_dests += __popc(ballot);
+            }
+            __syncwarp();
+            // First row of each destination: the lowest slot whose expert lives there.
+            for (int d = 0; d < num_dests; ++d) {
+                const int r = dests[d];
+                const bool here = slot_expert >= 0 && slot_expert / local_experts == r;
+                const uint32_t ballot = __ballot_sync(0xffffffffu, here);
+                const int first = __ffs(ballot) - 1;  // a destination always has a slot there
+                const int32_t row = __shfl_sync(0xffffffffu, slot_row, first < 0 ? 0 : first);
+                if (lane == 0) {
+                    dest_rows[d] = row;
+                }
+            }
+            __syncwarp();
+            // Receive records: {source, token, landing slot, 0, (row, weight) per slot}.
+            for (int i = lane; i < num_dests * meta_ints; i += 32) {
+                const int d = i / meta_ints;
+                const int word = i % meta_ints;
+                const int r = dests[d];
+                uint32_t v = 0;
+                if (word == 0) {
+                    v = static_cast<uint32_t>(me);
+                } else if (word == 1) {
+                    v = static_cast<uint32_t>(t);
+                } else if (word == 2) {
+                    v = static_cast<uint32_t>(sh.send_base[r] + a.send_idx[static_cast<int64_t>(t) * num_ranks + r]);
+                } else if (word >= 4 && word < 4 + 2 * k) {
+                    const int j = (word - 4) >> 1;
+                    const int32_t e = j < k ? (pos_row[j] >= 0 ? idx_row[j] : -1) : -1;
+                    const bool there = e >= 0 && e / local_experts == r;
+                    if (((word - 4) & 1) == 0) {
+                        v = static_cast<uint32_t>(there ? sh.exp_base[e] + pos_row[j] : -1);
+                    } else {
+                        v = there ? __float_as_uint(w_row[j]) : 0u;
+                    }
+                }
+                int32_t* rec = a.recv_meta + static_cast<int64_t>(dest_meta[d]) * meta_ints;
+                put4(peers.at(ctx, rec + word, r), v);
+            }
+            // The row, loaded once, stored to every destination.
+            const auto* src = reinterpret_cast<const uint4*>(a.x + static_cast<int64_t>(t) * a.x_stride);
+            for (int c0 = 0; c0 < granules; c0 += 32 * C.unroll) {
+                uint4 v[C.unroll];
+#pragma unroll
+                for (int u = 0; u < C.unroll; ++u) {
+                    const int i = c0 + u * 32 + lane;
+                    if (i < granules) {
+                        v[u] = ptx::ld(src + i);
+                    }
+                }
+                for (int d = 0; d < num_dests; ++d) {
+                    auto* dst = reinterpret_cast<uint4*>(
+                        peers.at(ctx, a.recv_x + static_cast<int64_t>(dest_rows[d]) * hidden, dests[d]));
+#pragma unroll
+                    for (int u = 0; u < C.unroll; ++u) {
+                        const int i = c0 + u * 32 + lane;
+                        if (i < granules) {
+                            put16(dst + i, v[u]);
+                        }
+                    }
+                }
+            }
+            if (lane == 0) {
+                for (int d = 0; d < num_dests; ++d) {
+                    atomicAdd(&sh.sent[dests[d]], 1);
+                }
+            }
+            __syncwarp();  // dests/dest_rows are rewritten by the next token
+        }
+        __syncthreads();
+        if (tid < num_ranks && sh.sent[tid] > 0) {
+            signal_add(peers.at(ctx, a.data_signal + me, tid), static_cast<uint64_t>(sh.sent[tid]));
+        }
+
+        // 4. Receive, source by source (this rank first: its rows arrive soonest): wait for the source's
+        //    rows, then copy each of its tokens' first row to the token's other local experts.
+        for (int q = 0; q < num_ranks; ++q) {
+            const int s = (me + q) % num_ranks;
+            if (sh.recv_from[s] == 0) {
+                continue;
+            }
+            if (tid == 0) {
+                wait_geq(ctx, a.data_signal + s, a.state->data_expected[s] + static_cast<uint64_t>(sh.recv_from[s]), s);
+            }
+            __syncthreads();
+            for (int i = sh.src_offset[s] + global_warp; i < sh.src_offset[s + 1]; i += num_warps) {
+                const int32_t* rec = a.recv_meta + static_cast<int64_t>(i) * meta_ints;
+                const int32_t row = lane < k ? rec[4 + 2 * lane] : -1;
+                uint32_t rows = __ballot_sync(0xffffffffu, row >= 0);
+                if (rows == 0) {
+                    continue;
+                }
+                const int first = __ffs(rows) - 1;
+                const int32_t first_row = __shfl_sync(0xffffffffu, row, first);
+                rows &= rows - 1;
+                while (rows != 0) {
+                    const int j = __ffs(rows) - 1;
+                    rows &= rows - 1;
+                    const int32_t other = __shfl_sync(0xffffffffu, row, j);
+                    warp_copy_row<C.unroll>(
+                        reinterpret_cast<uint4*>(a.recv_x + static_cast<int64_t>(other) * hidden),
+                        reinterpret_cast<const uint4*>(a.recv_x + static_cast<int64_t>(first_row) * hidden), granules);
+                }
+            }
+        }
+    }
+
+    // 5. The last block to finish advances this buffer's state for the next call.
+    if (last_block_arrive(&a.state->dispatch_arrivals)) {
+        if (tid == 0) {
+            a.state->dispatch_calls = call;
+        }
+        if (valid && tid < num_ranks) {
+            a.state->data_expected[tid] += static_cast<uint64_t>(sh.recv_from[tid]);
+        }
+    }
+}
+
+/// Normal combine (see the file comment). Same grid rules as normal_dispatch; a.y holds one row per
+/// received row (the layout of recv_x), a.out receives this rank's T rows. Collective.
+template <NormalConfig C>
+__global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx ctx, weft::ep::NormalArgs a) {
+    static_assert(is_valid(C), "NormalConfig: threads a multiple of 32 in 64..1024, unroll 1..8");
+    extern __shared__ __align__(16) uint8_t smem[];
+    constexpr int kWarps = C.threads / 32;
+    constexpr int U = C.unroll;
+    const Geometry g = a.geo;
+    const detail::NormalShared sh = detail::NormalShared::carve(smem, weft::ep::NormalSmem::make(g, C.threads));
+    const int tid = static_cast<int>(threadIdx.x);
+    const int lane = lane_id();
+    const int warp = warp_id();
+    const int num_ranks = g.num_ranks;
+    const int k = g.topk;
+    const int me = ctx.rank;
+    const int meta_ints = g.meta_ints();
+    const int64_t hidden = g.hidden;
+    const int granules = static_cast<int>(hidden / 8);
+    const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp;
+    const int num_warps = static_cast<int>(gridDim.x) * kWarps;
+    const int num_tokens = a.info[weft::ep::kInfoNumTokens];
+
+    if (a.info[weft::ep::kInfoValid] == 0) {
+        // The dispatch moved nothing (a capacity error every rank saw): zeros, no communication.
+        for (int t = global_warp; t < num_tokens; t += num_warps) {
+            auto* dst = reinterpret_cast<uint4*>(a.out + static_cast<int64_t>(t) * a.out_stride);
+            for (int i = lane; i < granules; i += 32) {
+                ptx::st(dst + i, uint4{0, 0, 0, 0});
+            }
+        }
+        return;
+    }
+
+    const uint64_t call = a.state->combine_calls + 1;
+    const PeerTable peers = load_peer_table(ctx, sh.peer_base);
+    // A rank's landing is reused by every combine: wait until each rank has read its previous one.
+    if (tid < num_ranks && call > 1) {
+        wait_geq(ctx, a.combine_done + tid, call - 1, tid);
+    }
+    if (tid < num_ranks) {
+        sh.sent[tid] = 0;
+    }
+    if (tid == 0) {
+        int32_t run = 0;
+        for (int r = 0; r < num_ranks; ++r) {
+            sh.send_base[r] = run;
+            run += a.tokens_per_rank[r];
+        }
+    }
+    __syncthreads();
+
+    // A. Partial sums of the received tokens, into their sources' landing.
+    const int received = a.info[weft::ep::kInfoRecvTokens];
+    for (int i = global_warp; i < received; i += num_warps) {
+        const int32_t* rec = a.recv_meta + static_cast<int64_t>(i) * meta_ints;
+        const int src = rec[0];
+        const int slot = rec[2];
+        const int32_t row = lane < k ? rec[4 + 2 * lane] : -1;
+        const float weight = lane < k ? __int_as_float(rec[5 + 2 * lane]) : 0.0f;
+        const uint32_t rows = __ballot_sync(0xffffffffu, row >= 0);
+        auto* dst = reinterpret_cast<uint4*>(peers.at(ctx, a.landing + static_cast<int64_t>(slot) * hidden, src));
+        for (int c0 = 0; c0 < granules; c0 += 32 * U) {
+            float acc[U][8];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+#pragma unroll
+                for (int q = 0; q < 8; ++q) {
+                    acc[u][q] = 0.0f;
+                }
+            }
+            uint32_t left = rows;
+            while (left != 0) {
+                const int j = __ffs(left) - 1;
+                left &= left - 1;
+                const int32_t r = __shfl_sync(0xffffffffu, row, j);
+                const float w = __shfl_sync(0xffffffffu, weight, j);
+                const auto* src_row = reinterpret_cast<const uint4*>(a.y + static_cast<int64_t>(r) * a.y_stride);
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int gi = c0 + u * 32 + lane;
+                    if (gi < granules) {
+                        float f[8];
+                        bf16x8_to_f32(ptx::ld(src_row + gi), f);
+#pragma unroll
+                        for (int q = 0; q < 8; ++q) {
+                            acc[u][q] = __fmaf_rn(w, f[q], acc[u][q]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int gi = c0 + u * 32 + lane;
+                if (gi < granules) {
+                    put16(dst + gi, f32_to_bf16x8(acc[u]));
+                }
+            }
+        }
+        if (lane == 0) {
+            atomicAdd(&sh.sent[src], 1);
+        }
+    }
+    __syncthreads();
+    if (tid < num_ranks && sh.sent[tid] > 0) {
+        signal_add(peers.at(ctx, a.partial_signal + me, tid), static_cast<uint64_t>(sh.sent[tid]));
+    }
+
+    // B. This rank's tokens: the partials of their destinations, in rank order.
+    if (tid < num_ranks && a.tokens_per_rank[tid] > 0) {
+        wait_geq(ctx, a.partial_signal + tid,
+                 a.state->partial_expected[tid] + static_cast<uint64_t>(a.tokens_per_rank[tid]), tid);
+    }
+    __syncthreads();
+    for (int t = global_warp; t < num_tokens; t += num_warps) {
+        const int32_t* sidx = a.send_idx + static_cast<int64_t>(t) * num_ranks;
+        auto* dst = reinterpret_cast<uint4*>(a.out + static_cast<int64_t>(t) * a.out_stride);
+        for (int c0 = 0; c0 < granules; c0 += 32 * U) {
+            float acc[U][8];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+#pragma unroll
+                for (int q = 0; q < 8; ++q) {
+                    acc[u][q] = 0.0f;
+                }
+            }
+            for (int r0 = 0; r0 < num_ranks; r0 += 32) {
+                const int32_t my_idx = r0 + lane < num_ranks ? sidx[r0 + lane] : -1;
+                uint32_t present = __ballot_sync(0xffffffffu, my_idx >= 0);
+                while (present != 0) {
+                    const int l = __ffs(present) - 1;
+                    present &= present - 1;
+                    const int32_t idx = __shfl_sync(0xffffffffu, my_idx, l);
+                    const int r = r0 + l;
+                    const auto* part = reinterpret_cast<const uint4*>(
+                        a.landing + static_cast<int64_t>(sh.send_base[r] + idx) * hidden);
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const int gi = c0 + u * 32 + lane;
+                        if (gi < granules) {
+                            float f[8];
+                            bf16x8_to_f32(ptx::ld(part + gi), f);
+#pragma unroll
+                            for (int q = 0; q < 8; ++q) {
+                                acc[u][q] = __fadd_rn(acc[u][q], f[q]);
+                            }
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int gi = c0 + u * 32 + lane;
+                if (gi < granules) {
+                    ptx::st(dst + gi, f32_to_bf16x8(acc[u]));
+                }
+            }
+        }
+    }
+
+    // C. The last block: state for the next call, and "my landing is free" to every rank.
+    if (last_block_arrive(&a.state->combine_arrivals)) {
+        if (tid == 0) {
+            a.state->combine_calls = call;
+        }
+        if (tid < num_ranks) {
+            a.state->partial_expected[tid] += static_cast<uint64_t>(a.tokens_per_rank[tid]);
+            signal_add(peers.at(ctx, a.combine_done + me, tid), 1);
+        }
+    }
+}
+
+}  // namespace weft::kernels::ep

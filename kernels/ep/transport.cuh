@@ -1,0 +1,74 @@
+// SPDX-License-Identifier: MIT
+// The expert-parallel kernels' only door to other ranks: peer table, remote stores, remote signal adds.
+//
+// Every byte an EP kernel writes into another rank goes through this file, and every word it waits on
+// is raised through it. Today peers are load/store reachable (NVLink or PCIe P2P within a node):
+// `PeerTable` maps a symmetric address to the peer's mapping (symm_at semantics, an unreachable peer
+// ends the kernel with a kUnreachablePeer diagnostic naming it) and the puts are plain stores. A
+// network transport replaces this file: the same calls would stage rows locally and post put/signal
+// descriptors (NCCL GIN, or a host proxy), while the kernels stay unchanged. Signals are add-only
+// (GIN has add, not set).
+#pragma once
+
+#include "weft/common/device_ctx.hpp"
+#include "weft/common/ep_workspace.hpp"
+#include "weft/device/signal.cuh"
+#include "weft/device/spin.cuh"
+#include "weft/device/symmetric.cuh"
+#include "weft/ptx/ld_st.cuh"
+
+namespace weft::kernels::ep {
+
+/// The heap base of every rank of the team as mapped here, cached in shared memory for one kernel.
+struct PeerTable {
+    uint8_t** base;  ///< [num_ranks] in shared memory
+
+    /// `local` (a symmetric address in this rank's heap) as rank `pe` holds it, mapped here.
+    template <class T>
+    __device__ __forceinline__ T* at(const DeviceCtx& ctx, T* local, int pe) const {
+        const auto offset = reinterpret_cast<const uint8_t*>(local) - ctx.heap_base;
+        return reinterpret_cast<T*>(base[pe] + offset);
+    }
+};
+
+/// Fills `table` (shared memory, num_ranks pointers) for the calling block; ends with a block barrier.
+/// A rank that is not load/store reachable ends the kernel with a kUnreachablePeer diagnostic (only
+/// the load/store transport exists today).
+__device__ __forceinline__ PeerTable load_peer_table(const DeviceCtx& ctx, uint8_t** table,
+                                                     int line = __builtin_LINE()) {
+    for (int p = static_cast<int>(threadIdx.x); p < ctx.num_ranks; p += static_cast<int>(blockDim.x)) {
+        table[p] = device::symm_at_or_trap(ctx, ctx.heap_base, p, line);
+    }
+    __syncthreads();
+    return PeerTable{table};
+}
+
+/// Writes 16 bytes into a peer's memory (a pointer from PeerTable::at). Weak store: ordering comes
+/// from the signal that follows (signal_add after a block barrier).
+__device__ __forceinline__ void put16(void* remote, uint4 v) { ptx::st(static_cast<uint4*>(remote), v); }
+
+/// Writes 8 bytes into a peer's memory.
+__device__ __forceinline__ void put8(void* remote, uint2 v) {
+    ptx::st(static_cast<uint64_t*>(remote), (static_cast<uint64_t>(v.y) << 32) | v.x);
+}
+
+/// Writes one 4-byte word into a peer's memory.
+__device__ __forceinline__ void put4(void* remote, uint32_t v) { ptx::st(static_cast<uint32_t*>(remote), v); }
+
+/// Adds `value` to a peer's signal word with release semantics at system scope: every write the
+/// calling thread made or observed before (the whole block's, after a block barrier) is visible to a
+/// rank that acquires the new value. One thread calls it.
+__device__ __forceinline__ void signal_add(uint64_t* remote_signal, uint64_t value) {
+    device::signal_release<ptx::Scope::kSys>(remote_signal, value, device::SignalOp::kAdd);
+}
+
+/// Waits (one thread, bounded) until the local word `signal`, raised by rank `peer`, is >= `value`.
+/// On timeout the Diagnostic names `peer` (team rank, translated to the world rank), the word, the
+/// expected and observed values, and traps.
+__device__ __forceinline__ void wait_geq(const DeviceCtx& ctx, const uint64_t* signal, uint64_t value, int peer,
+                                         int line = __builtin_LINE()) {
+    device::spin_until<ptx::Sem::kAcquire, ptx::Scope::kSys>(ctx, signal, Cmp::kGe, value,
+                                                             device::SpinSite{SpinKind::kSignalWait, peer, line});
+}
+
+}  // namespace weft::kernels::ep

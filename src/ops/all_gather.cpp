@@ -1,0 +1,153 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::all_gather: argument checks, algorithm choice, and the SM and copy-engine schedules.
+#include "weft/ops/all_gather.hpp"
+
+#include <algorithm>
+
+#include "collective_workspace.hpp"
+#include "weft/detail/collectives.hpp"
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/stream.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft::ops {
+
+namespace {
+
+using detail::CollectiveWorkspace;
+using detail::KernelId;
+
+// Copy-engine all-gather of shard bytes [begin, begin + len) (one round). Pull: each peer's shard is copied from
+// `source(q)` (an address mapped here) on a side stream, then a stream write tells q that this rank is done reading it.
+// Push: this rank's shard is copied into every peer's output slot, then a stream write tells the peer it has arrived.
+// Both: an entry kernel first (every rank ready), the exit kernel last (every peer's flag seen and consumed).
+template <class Source>
+void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_t* in, uint8_t* out,
+                       const Source& source, uint64_t shard, uint64_t begin, uint64_t len, uint64_t descriptor,
+                       cudaStream_t stream) {
+    const int n = ws.num_ranks();
+    const int me = ws.rank();
+    CollectiveParams p = ws.params();
+    p.count = len;
+    p.descriptor = descriptor;
+    ws.launch(KernelId::kCopyEngineEnter, DType::kU8, 1, stream, p);
+    const int sides = std::min(ws.num_side_streams(), n - 1);
+    ws.fork(stream, sides);
+    for (int k = 1; k < n; ++k) {
+        const int q = (me + k) % n;
+        cudaStream_t s = ws.side_stream((k - 1) % sides);
+        if (algo == AllGatherAlgo::kCopyEnginePull) {
+            const uint8_t* from = source(q);
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(out + static_cast<uint64_t>(q) * shard + begin, from, len,
+                                            cudaMemcpyDeviceToDevice, s));
+        } else {
+            auto* to = static_cast<uint8_t*>(ws.peer_pointer(out, q)) + static_cast<uint64_t>(me) * shard + begin;
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(to, in + begin, len, cudaMemcpyDeviceToDevice, s));
+        }
+        stream_write_u64(s, ws.copy_engine_flag_on(q), 1);
+    }
+    uint8_t* own = out + static_cast<uint64_t>(me) * shard + begin;
+    if (own != in + begin) {
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(own, in + begin, len, cudaMemcpyDeviceToDevice, stream));
+    }
+    ws.join(stream, sides);
+    ws.launch(KernelId::kCopyEngineExit, DType::kU8, 1, stream, p);
+}
+
+}  // namespace
+
+void all_gather(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream,
+                const AllGatherOptions& options) {
+    const int n = world.num_ranks();
+    const int me = world.rank();
+    detail::check_all_gather_args(input, output, n, me);
+    const auto shard = static_cast<uint64_t>(input.size_bytes());
+    const uint64_t total = shard * static_cast<uint64_t>(n);
+    if (shard == 0) return;
+    const auto* in = static_cast<const uint8_t*>(input.data);
+    auto* out = static_cast<uint8_t*>(output.data);
+    if (n == 1) {
+        if (in != out) WEFT_CUDA_CHECK(cudaMemcpyAsync(out, in, shard, cudaMemcpyDeviceToDevice, stream));
+        return;
+    }
+    CollectiveWorkspace& ws = CollectiveWorkspace::get(world);
+    const CollectiveTopology& topo = ws.topology();
+    const bool in_sym = ws.symmetric(in, shard);
+    const bool out_sym = ws.symmetric(out, total);
+    const AllGatherAlgo algo =
+        resolve_all_gather_algo(options.algo, env::get("WEFT_ALLGATHER_ALGO"), shard, topo, out_sym);
+    detail::check_all_gather_output(algo, out_sym);
+    if (!in_sym) detail::check_device_pointer(in, "input", "all_gather", stream);
+    if (!out_sym) detail::check_device_pointer(out, "output", "all_gather", stream);
+    const uint64_t out_offset = ws.offset_or_none(out);
+    const uint64_t kind = 1;
+
+    switch (algo) {
+        case AllGatherAlgo::kLowLatency: {
+            const uint64_t round = detail::round_units(topo.low_latency_capacity_bytes, 1, kCollectiveGranuleBytes);
+            for (uint64_t begin = 0; begin < shard; begin += round) {
+                const uint64_t len = std::min(round, shard - begin);
+                CollectiveParams p = ws.params();
+                p.in = in + begin;
+                p.out = out + begin;
+                p.count = len;
+                p.out_stride = shard;
+                p.descriptor = detail::call_descriptor({kind, static_cast<uint64_t>(algo), len});
+                ws.launch(KernelId::kAllGatherLowLatency, DType::kU8, all_gather_grid(algo, len, topo), stream, p);
+            }
+            return;
+        }
+        case AllGatherAlgo::kSmPush: {
+            CollectiveParams p = ws.params();
+            p.in = in;
+            p.out = out;
+            p.count = shard;
+            p.out_stride = shard;
+            p.descriptor = detail::call_descriptor({kind, static_cast<uint64_t>(algo), shard, out_offset});
+            ws.launch(KernelId::kAllGatherPush, DType::kU8, all_gather_grid(algo, shard, topo), stream, p);
+            return;
+        }
+        case AllGatherAlgo::kCopyEnginePull: {
+            const bool inplace = in == out + static_cast<uint64_t>(me) * shard;
+            if (inplace && out_sym) {  // every rank's shard sits in its own slot of its (symmetric) output
+                const auto source = [&](int q) {
+                    return static_cast<const uint8_t*>(ws.peer_pointer(out, q)) + static_cast<uint64_t>(q) * shard;
+                };
+                copy_engine_round(ws, algo, in, out, source, shard, 0, shard,
+                                  detail::call_descriptor({kind, static_cast<uint64_t>(algo), shard, 2, out_offset}),
+                                  stream);
+                return;
+            }
+            if (in_sym) {  // peers copy straight from the input (the same symmetric allocation on every rank)
+                const auto source = [&](int q) { return static_cast<const uint8_t*>(ws.peer_pointer(in, q)); };
+                copy_engine_round(
+                    ws, algo, in, out, source, shard, 0, shard,
+                    detail::call_descriptor({kind, static_cast<uint64_t>(algo), shard, 0, ws.offset_or_none(in)}),
+                    stream);
+                return;
+            }
+            // Staged through the copy-engine region, in rounds of its size.
+            const uint64_t round = detail::round_units(ws.info().staging_region_bytes, 1, kCollectiveGranuleBytes);
+            uint8_t* region = ws.copy_engine_region();
+            for (uint64_t begin = 0; begin < shard; begin += round) {
+                const uint64_t len = std::min(round, shard - begin);
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(region, in + begin, len, cudaMemcpyDeviceToDevice, stream));
+                const auto source = [&](int q) { return static_cast<const uint8_t*>(ws.peer_pointer(region, q)); };
+                copy_engine_round(ws, algo, in, out, source, shard, begin, len,
+                                  detail::call_descriptor({kind, static_cast<uint64_t>(algo), len, 1}), stream);
+            }
+            return;
+        }
+        case AllGatherAlgo::kCopyEnginePush:
+            copy_engine_round(
+                ws, algo, in, out, [](int) { return static_cast<const uint8_t*>(nullptr); }, shard, 0, shard,
+                detail::call_descriptor({kind, static_cast<uint64_t>(algo), shard, out_offset}), stream);
+            return;
+        case AllGatherAlgo::kAuto:
+            break;
+    }
+    WEFT_FAIL("all_gather: the algorithm was not resolved");
+}
+
+}  // namespace weft::ops

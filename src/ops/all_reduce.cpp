@@ -1,0 +1,90 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::all_reduce: argument checks, algorithm choice, rounds, and the kernel launches.
+#include "weft/ops/all_reduce.hpp"
+
+#include <algorithm>
+
+#include "collective_workspace.hpp"
+#include "weft/detail/collectives.hpp"
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft::ops {
+
+void all_reduce(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream,
+                const AllReduceOptions& options) {
+    detail::check_all_reduce_args(input, output);
+    const auto count = static_cast<uint64_t>(input.numel());
+    const auto elem = static_cast<uint64_t>(dtype_bytes(input.dtype));
+    const uint64_t bytes = count * elem;
+    if (count == 0) return;
+    if (world.num_ranks() == 1) {
+        if (input.data != output.data) {
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(output.data, input.data, bytes, cudaMemcpyDeviceToDevice, stream));
+        }
+        return;
+    }
+    detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(world);
+    const CollectiveTopology& topo = ws.topology();
+    const AllReduceAlgo algo = resolve_all_reduce_algo(options.algo, env::get("WEFT_ALLREDUCE_ALGO"), bytes, topo);
+    const bool in_sym = ws.symmetric(input.data, bytes);
+    const bool out_sym = ws.symmetric(output.data, bytes);
+    if (!in_sym) detail::check_device_pointer(input.data, "input", "all_reduce", stream);
+    if (!out_sym && output.data != input.data)
+        detail::check_device_pointer(output.data, "output", "all_reduce", stream);
+
+    const auto* in = static_cast<const uint8_t*>(input.data);
+    auto* out = static_cast<uint8_t*>(output.data);
+    const uint64_t granule = kCollectiveGranuleBytes / elem;
+    CollectiveParams base = ws.params();
+    detail::KernelId kernel = detail::KernelId::kAllReduceOneShot;
+    uint64_t round = count;  // elements per kernel
+    bool direct = false;     // two-shot reads a symmetric input in place (no staging copy)
+    bool res_is_user = false;
+    switch (algo) {
+        case AllReduceAlgo::kLowLatency:
+            kernel = detail::KernelId::kAllReduceLowLatency;
+            round = detail::round_units(topo.low_latency_capacity_bytes, elem, granule);
+            break;
+        case AllReduceAlgo::kOneShot:
+            // Always staged: peers then read only epoch-alternated staging, so no exit barrier is needed.
+            kernel = detail::KernelId::kAllReduceOneShot;
+            base.flags = kCollectiveStageInput;
+            round = detail::round_units(ws.info().staging_region_bytes, elem, granule);
+            break;
+        case AllReduceAlgo::kTwoShot:
+            kernel = detail::KernelId::kAllReduceTwoShot;
+            direct = in_sym;
+            if (direct) {
+                // Reduced slices go to a user buffer when there is a symmetric one (then peers read it until the
+                // exit barrier), else to staging.
+                res_is_user = input.data == output.data || out_sym;
+                base.flags = res_is_user ? kCollectiveExitBarrier : 0u;
+                if (!res_is_user) round = detail::round_units(ws.info().staging_region_bytes, elem, granule);
+            } else {
+                base.flags = kCollectiveStageInput;
+                round = detail::round_units(ws.info().staging_region_bytes, elem, granule);
+            }
+            break;
+        case AllReduceAlgo::kAuto:
+            WEFT_FAIL("all_reduce: the algorithm was not resolved");
+    }
+    const uint64_t in_offset = direct ? ws.offset_or_none(in) : ~0ull;
+    const uint64_t res_offset = res_is_user ? ws.offset_or_none(input.data == output.data ? in : out) : ~0ull;
+    for (uint64_t begin = 0; begin < count; begin += round) {
+        const uint64_t n = std::min(round, count - begin);
+        CollectiveParams p = base;
+        p.in = in + begin * elem;
+        p.out = out + begin * elem;
+        p.src = direct ? const_cast<uint8_t*>(in) + begin * elem : nullptr;
+        p.res = res_is_user ? (input.data == output.data ? const_cast<uint8_t*>(in) : out) + begin * elem : nullptr;
+        p.count = n;
+        p.descriptor = detail::call_descriptor({3, static_cast<uint64_t>(algo), static_cast<uint64_t>(input.dtype), n,
+                                                p.flags, in_offset == ~0ull ? in_offset : in_offset + begin * elem,
+                                                res_offset == ~0ull ? res_offset : res_offset + begin * elem});
+        ws.launch(kernel, input.dtype, all_reduce_grid(algo, n * elem, topo), stream, p);
+    }
+}
+
+}  // namespace weft::ops

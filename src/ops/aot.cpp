@@ -1,0 +1,16 @@
+// SPDX-License-Identifier: MIT
+// Every op's ahead-of-time kernel specs, registered in one place (an explicit call: a static library drops
+// self-registering objects that nothing references).
+#include "weft/ops/aot.hpp"
+
+#include "weft/ops/collectives.hpp"
+#include "weft/ops/gemm.hpp"
+
+namespace weft::ops {
+
+void register_op_aot_specs() {
+    register_gemm_aot_specs();
+    register_collective_aot_specs(8);
+}
+
+}  // namespace weft::ops

@@ -1,0 +1,356 @@
+// SPDX-License-Identifier: MIT
+// The per-World collective workspace: made collectively on first use, destroyed with the World.
+#include "collective_workspace.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+
+#include "weft/jit/aot.hpp"
+#include "weft/ops/aot.hpp"
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+#include "weft/runtime/stream.hpp"
+
+namespace weft::ops {
+
+namespace detail {
+
+namespace {
+
+constexpr uint64_t kDefaultStagingRegionBytes = 32ull << 20;
+constexpr uint64_t kMinStagingRegionBytes = 64ull << 10;
+constexpr int kMaxSideStreams = 8;
+constexpr DType kReducibleTypes[3] = {DType::kBF16, DType::kF16, DType::kF32};
+
+int dtype_index(DType t) {
+    for (int i = 0; i < 3; ++i) {
+        if (kReducibleTypes[i] == t) return i;
+    }
+    WEFT_FAIL("collectives: dtype " << dtype_name(t) << " cannot be reduced (bf16, f16, f32)");
+}
+
+const char* dtype_enum(DType t) {
+    switch (t) {
+        case DType::kBF16:
+            return "weft::DType::kBF16";
+        case DType::kF16:
+            return "weft::DType::kF16";
+        case DType::kF32:
+            return "weft::DType::kF32";
+        default:
+            break;
+    }
+    WEFT_FAIL("collectives: no reducing kernel for dtype " << dtype_name(t));
+}
+
+struct KernelName {
+    const char* header;
+    const char* function;
+    const char* description;
+};
+
+KernelName kernel_name(KernelId id) {
+    switch (id) {
+        case KernelId::kAllReduceOneShot:
+            return {"all_reduce/all_reduce.cuh", "weft::kernels::all_reduce::all_reduce_one_shot",
+                    "all_reduce one_shot"};
+        case KernelId::kAllReduceTwoShot:
+            return {"all_reduce/all_reduce.cuh", "weft::kernels::all_reduce::all_reduce_two_shot",
+                    "all_reduce two_shot"};
+        case KernelId::kAllReduceLowLatency:
+            return {"all_reduce/all_reduce.cuh", "weft::kernels::all_reduce::all_reduce_low_latency", "all_reduce ll"};
+        case KernelId::kReduceScatterPull:
+            return {"reduce_scatter/reduce_scatter.cuh", "weft::kernels::reduce_scatter::reduce_scatter_pull",
+                    "reduce_scatter sm_pull"};
+        case KernelId::kAllGatherPush:
+            return {"all_gather/all_gather.cuh", "weft::kernels::all_gather::all_gather_push", "all_gather sm_push"};
+        case KernelId::kAllGatherLowLatency:
+            return {"all_gather/all_gather.cuh", "weft::kernels::all_gather::all_gather_low_latency", "all_gather ll"};
+        case KernelId::kCopyEngineEnter:
+            return {"all_gather/all_gather.cuh", "weft::kernels::all_gather::copy_engine_enter", "copy_engine enter"};
+        case KernelId::kCopyEngineExit:
+            return {"all_gather/all_gather.cuh", "weft::kernels::all_gather::copy_engine_exit", "copy_engine exit"};
+        case KernelId::kCount:
+            break;
+    }
+    WEFT_FAIL("collectives: unknown kernel id " << static_cast<int>(id));
+}
+
+// Ranks of every rank's setup record, in the store's all-gather.
+struct SetupRecord {
+    int32_t sm_budget;
+    int32_t ranks_on_device;
+    uint64_t staging_region_bytes;
+};
+
+}  // namespace
+
+bool kernel_is_reducing(KernelId id) {
+    return id == KernelId::kAllReduceOneShot || id == KernelId::kAllReduceTwoShot ||
+           id == KernelId::kAllReduceLowLatency || id == KernelId::kReduceScatterPull;
+}
+
+int kernel_block_threads(KernelId id, int max_ranks) {
+    if (id == KernelId::kCopyEngineEnter || id == KernelId::kCopyEngineExit) {
+        return std::max(32, (max_ranks + 31) / 32 * 32);
+    }
+    return 256;  // two blocks per SM fit, so ranks sharing a GPU stay co-resident beside other small kernels
+}
+
+jit::KernelSpec collective_kernel_spec(KernelId id, DType dtype, int max_ranks) {
+    const KernelName name = kernel_name(id);
+    const int threads = kernel_block_threads(id, max_ranks);
+    std::ostringstream config;
+    std::ostringstream desc;
+    if (kernel_is_reducing(id)) {
+        config << "weft::ReduceKernelConfig{.dtype = " << dtype_enum(dtype) << ", .max_ranks = " << max_ranks
+               << ", .vec_bytes = 16, .block_threads = " << threads << "}";
+        desc << name.description << " " << dtype_name(dtype) << " max_ranks=" << max_ranks;
+    } else {
+        config << "weft::CopyKernelConfig{.max_ranks = " << max_ranks
+               << ", .vec_bytes = 16, .block_threads = " << threads << "}";
+        desc << name.description << " max_ranks=" << max_ranks;
+    }
+    jit::KernelSpec spec;
+    spec.header = name.header;
+    spec.instantiation = std::string(name.function) + "<" + config.str() + ">";
+    spec.description = desc.str();
+    return spec;
+}
+
+std::vector<jit::KernelSpec> collective_kernel_specs(int max_ranks) {
+    std::vector<jit::KernelSpec> specs;
+    for (int k = 0; k < static_cast<int>(KernelId::kCount); ++k) {
+        const auto id = static_cast<KernelId>(k);
+        if (kernel_is_reducing(id)) {
+            for (DType t : kReducibleTypes) specs.push_back(collective_kernel_spec(id, t, max_ranks));
+        } else {
+            specs.push_back(collective_kernel_spec(id, DType::kBF16, max_ranks));
+        }
+    }
+    return specs;
+}
+
+void check_device_pointer(const void* ptr, const char* what, const char* op, cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;  // an invalid stream fails at the first enqueue, with CUDA's own message
+    }
+    if (capture != cudaStreamCaptureStatusNone) return;
+    cudaPointerAttributes attr{};
+    const cudaError_t st = cudaPointerGetAttributes(&attr, ptr);
+    if (st != cudaSuccess) {
+        (void)cudaGetLastError();  // the query left an error behind: clear it
+        WEFT_FAIL(op << ": " << what << " (" << ptr << ") is not memory CUDA knows (" << cudaGetErrorName(st) << ")");
+    }
+    WEFT_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged,
+               op << ": " << what << " (" << ptr << ") must be device memory, got "
+                  << (attr.type == cudaMemoryTypeHost ? "pinned host memory" : "unregistered host memory"));
+}
+
+CollectiveWorkspace& CollectiveWorkspace::get(World& world) {
+    if (WorldExtension* e = world.find_extension(kExtensionName)) {
+        return static_cast<CollectiveWorkspace&>(*e);
+    }
+    std::unique_ptr<CollectiveWorkspace> ws(new CollectiveWorkspace(world));
+    return static_cast<CollectiveWorkspace&>(world.add_extension(kExtensionName, std::move(ws)));
+}
+
+CollectiveWorkspace::CollectiveWorkspace(World& world) : world_(world) {
+    rank_ = world.rank();
+    num_ranks_ = world.num_ranks();
+    max_ranks_ = collective_rank_bucket(num_ranks_);
+    WEFT_CHECK(max_ranks_ > 0, "collectives support up to 64 ranks, the World has " << num_ranks_);
+    ctx_ = world.device_ctx();
+    info_.topology.num_ranks = num_ranks_;
+    if (num_ranks_ == 1) return;  // one rank: the ops copy, nothing to share or launch
+    try {
+        SymmetricHeap& heap = world.heap();
+        uint64_t region = env::get_bytes("WEFT_COLLECTIVE_STAGING_BYTES").value_or(kDefaultStagingRegionBytes);
+        region = std::max<uint64_t>((region + 255) / 256 * 256, kMinStagingRegionBytes);
+
+        // Agree on the facts the kernels' grids and the algorithm choice depend on, and check reachability.
+        const SetupRecord mine{world.sm_budget(), world.num_ranks_on_device(), region};
+        const auto* mine_bytes = reinterpret_cast<const uint8_t*>(&mine);
+        Bytes blob(mine_bytes, mine_bytes + sizeof(mine));
+        for (int q = 0; q < num_ranks_; ++q) {
+            blob.push_back(heap.peer_bases()[static_cast<size_t>(q)] != nullptr ? 1 : 0);
+        }
+        const std::vector<Bytes> all =
+            world.store().all_gather("weft/ops/collectives/setup", rank_, num_ranks_, blob, world.timeout());
+        CollectiveTopology topo;
+        topo.num_ranks = num_ranks_;
+        topo.grid_budget = static_cast<int>(kMaxCollectiveBlocks);
+        topo.max_ranks_per_gpu = 1;
+        for (int r = 0; r < num_ranks_; ++r) {
+            const Bytes& b = all[static_cast<size_t>(r)];
+            WEFT_CHECK(b.size() == blob.size(), "collectives: rank " << r << " sent a setup record of " << b.size()
+                                                                     << " bytes, expected " << blob.size());
+            SetupRecord rec{};
+            std::memcpy(&rec, b.data(), sizeof(rec));
+            topo.grid_budget = std::min(topo.grid_budget, std::max(1, rec.sm_budget));
+            topo.max_ranks_per_gpu = std::max(topo.max_ranks_per_gpu, rec.ranks_on_device);
+            WEFT_CHECK(rec.staging_region_bytes == region,
+                       "collectives: WEFT_COLLECTIVE_STAGING_BYTES differs between ranks: rank "
+                           << rank_ << " uses " << region << " bytes per region, rank " << r << " "
+                           << rec.staging_region_bytes);
+            for (int q = 0; q < num_ranks_; ++q) {
+                WEFT_CHECK(b[sizeof(SetupRecord) + static_cast<size_t>(q)] != 0,
+                           "collectives need load/store access between every pair of ranks, but rank "
+                               << r << " cannot reach rank " << q
+                               << "'s symmetric heap (another host, or no peer access between their GPUs); a "
+                                  "network transport for collectives is not implemented yet");
+            }
+        }
+        info_.topology = topo;
+        info_.staging_region_bytes = region;
+        info_.ll_slot_bytes = 2 * topo.low_latency_capacity_bytes;
+
+        const auto n = static_cast<uint64_t>(num_ranks_);
+        const uint64_t before = heap.bytes_in_use();
+        barrier_flags_ = heap.alloc_signals(uint64_t{kMaxCollectiveBlocks} * n);
+        descriptors_ = heap.alloc_signals(2 * n);
+        ce_flags_ = heap.alloc_signals(n);
+        ll_buffer_ = reinterpret_cast<uint8_t*>(heap.alloc_signals(2 * n * info_.ll_slot_bytes / 8));
+        staging_ = static_cast<uint8_t*>(heap.alloc(3 * region, 256));
+        info_.heap_bytes = heap.bytes_in_use() - before;
+
+        WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&setup_stream_, cudaStreamNonBlocking));
+        WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&state_), sizeof(CollectiveState), setup_stream_));
+        WEFT_CUDA_CHECK(cudaMemsetAsync(state_, 0, sizeof(CollectiveState), setup_stream_));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(setup_stream_));
+        const int sides = std::min(std::max(num_ranks_ - 1, 1), kMaxSideStreams);
+        WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
+        for (int i = 0; i < sides; ++i) {
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            side_streams_.push_back(s);
+            cudaEvent_t e = nullptr;
+            WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+            join_events_.push_back(e);
+        }
+
+        // Load every kernel now: a module loaded later, while a peer's kernel spins, could wait for it (CUDA may
+        // synchronise the context to load). Ranks start at different specs so that threads of one process compile
+        // different ones at once (the cache's locks make the others wait for, then reuse, each result).
+        const std::vector<jit::KernelSpec> specs = collective_kernel_specs(max_ranks_);
+        std::vector<jit::Kernel*> loaded(specs.size(), nullptr);
+        for (size_t k = 0; k < specs.size(); ++k) {
+            const size_t i = (k + static_cast<size_t>(rank_)) % specs.size();
+            loaded[i] = &jit::compiler().get_kernel(specs[i]);
+        }
+        size_t i = 0;
+        for (int k = 0; k < static_cast<int>(KernelId::kCount); ++k) {
+            const int copies = kernel_is_reducing(static_cast<KernelId>(k)) ? 3 : 1;
+            for (int t = 0; t < copies; ++t) kernels_[static_cast<size_t>(k)][static_cast<size_t>(t)] = loaded[i++];
+        }
+        info_.num_kernels = static_cast<int>(specs.size());
+        world.barrier();  // nobody launches a spinning kernel before every rank has loaded everything
+        WEFT_LOG_INFO("collectives: workspace ready: "
+                      << info_.heap_bytes << " heap bytes (3 x " << region << " staging, LL " << info_.ll_slot_bytes
+                      << " per sender), " << info_.num_kernels << " kernels, grid budget " << topo.grid_budget
+                      << ", up to " << topo.max_ranks_per_gpu << " ranks per GPU");
+    } catch (...) {
+        release();
+        throw;
+    }
+}
+
+CollectiveWorkspace::~CollectiveWorkspace() { release(); }
+
+void CollectiveWorkspace::release() noexcept {
+    // The heap's allocations die with the heap (the World destroys extensions first, then the heap).
+    for (cudaStream_t s : side_streams_) cudaStreamDestroy(s);
+    side_streams_.clear();
+    for (cudaEvent_t e : join_events_) cudaEventDestroy(e);
+    join_events_.clear();
+    if (fork_event_ != nullptr) cudaEventDestroy(fork_event_);
+    fork_event_ = nullptr;
+    if (state_ != nullptr && setup_stream_ != nullptr) {
+        cudaFreeAsync(state_, setup_stream_);
+        cudaStreamSynchronize(setup_stream_);
+    }
+    state_ = nullptr;
+    if (setup_stream_ != nullptr) cudaStreamDestroy(setup_stream_);
+    setup_stream_ = nullptr;
+}
+
+bool CollectiveWorkspace::symmetric(const void* ptr, uint64_t bytes) const {
+    return ptr != nullptr && world_.heap().contains(ptr, std::max<uint64_t>(bytes, 1));
+}
+
+uint64_t CollectiveWorkspace::offset_or_none(const void* ptr) const {
+    return symmetric(ptr, 1) ? world_.heap().offset_of(ptr) : ~0ull;
+}
+
+void* CollectiveWorkspace::peer_pointer(const void* ptr, int peer) const {
+    void* p = world_.heap().symm_at(ptr, peer);
+    WEFT_CHECK(p != nullptr, "collectives: rank " << peer << " is not load/store reachable from rank " << rank_);
+    return p;
+}
+
+CollectiveParams CollectiveWorkspace::params() const {
+    CollectiveParams p{};
+    p.state = state_;
+    p.barrier_flags = barrier_flags_;
+    p.descriptors = descriptors_;
+    p.ce_flags = ce_flags_;
+    p.staging = staging_;
+    p.staging_half_bytes = info_.staging_region_bytes;
+    p.ll_buffer = ll_buffer_;
+    p.ll_slot_bytes = info_.ll_slot_bytes;
+    return p;
+}
+
+uint64_t* CollectiveWorkspace::copy_engine_flag_on(int peer) const {
+    return static_cast<uint64_t*>(peer_pointer(ce_flags_ + rank_, peer));
+}
+
+void CollectiveWorkspace::launch(KernelId id, DType dtype, int grid, cudaStream_t stream, const CollectiveParams& p) {
+    const int t = kernel_is_reducing(id) ? dtype_index(dtype) : 0;
+    jit::Kernel* k = kernels_[static_cast<size_t>(id)][static_cast<size_t>(t)];
+    WEFT_CHECK(k != nullptr, "collectives: kernel " << static_cast<int>(id) << " was not loaded");
+    WEFT_CHECK(grid >= 1 && grid <= static_cast<int>(kMaxCollectiveBlocks),
+               "collectives: grid " << grid << " outside [1, " << kMaxCollectiveBlocks << "]");
+    k->launch(jit::LaunchParams{.grid = dim3(static_cast<unsigned>(grid)),
+                                .block = dim3(static_cast<unsigned>(kernel_block_threads(id, max_ranks_))),
+                                .stream = stream},
+              ctx_, p);
+}
+
+void CollectiveWorkspace::fork(cudaStream_t stream, int count) {
+    WEFT_CUDA_CHECK(cudaEventRecord(fork_event_, stream));
+    for (int i = 0; i < count; ++i) {
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(side_streams_[static_cast<size_t>(i)], fork_event_, 0));
+    }
+}
+
+void CollectiveWorkspace::join(cudaStream_t stream, int count) {
+    for (int i = 0; i < count; ++i) {
+        WEFT_CUDA_CHECK(cudaEventRecord(join_events_[static_cast<size_t>(i)], side_streams_[static_cast<size_t>(i)]));
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, join_events_[static_cast<size_t>(i)], 0));
+    }
+}
+
+}  // namespace detail
+
+const CollectiveWorkspaceInfo& prepare_collectives(World& world) {
+    return detail::CollectiveWorkspace::get(world).info();
+}
+
+void register_collective_aot_specs(int max_ranks) {
+    static std::mutex mutex;
+    static bool done[65] = {};
+    const int bucket = collective_rank_bucket(max_ranks);
+    WEFT_CHECK(bucket > 0, "register_collective_aot_specs: max_ranks must be in [1, 64], got " << max_ranks);
+    std::lock_guard<std::mutex> lock(mutex);
+    if (done[bucket]) return;
+    done[bucket] = true;
+    for (jit::KernelSpec& s : detail::collective_kernel_specs(bucket)) jit::register_aot_spec(std::move(s));
+}
+
+}  // namespace weft::ops

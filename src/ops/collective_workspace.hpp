@@ -1,0 +1,88 @@
+// SPDX-License-Identifier: MIT
+// The per-World collective workspace (private to src/ops): symmetric buffers, device state, kernels, side streams.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "weft/common/collectives.hpp"
+#include "weft/common/device_ctx.hpp"
+#include "weft/detail/collectives.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/ops/collectives.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft::ops::detail {
+
+/// Symmetric buffers, the rank's device state, loaded kernels and side streams; one per World, made
+/// collectively on first use (prepare_collectives) and destroyed with the World.
+class CollectiveWorkspace final : public WorldExtension {
+public:
+    static constexpr const char* kExtensionName = "weft.ops.collectives";
+
+    /// The World's workspace, made (collectively) if it does not exist yet.
+    static CollectiveWorkspace& get(World& world);
+    ~CollectiveWorkspace() override;
+
+    const CollectiveWorkspaceInfo& info() const { return info_; }
+    const CollectiveTopology& topology() const { return info_.topology; }
+    World& world() { return world_; }
+    int rank() const { return rank_; }
+    int num_ranks() const { return num_ranks_; }
+
+    /// True when [ptr, ptr + bytes) is on this rank's symmetric heap.
+    bool symmetric(const void* ptr, uint64_t bytes) const;
+    /// Heap offset of a symmetric pointer, or ~0 for any other (for call descriptors).
+    uint64_t offset_or_none(const void* ptr) const;
+    /// Rank `peer`'s copy of the symmetric `ptr` (weft::Error when unreachable: checked at creation).
+    void* peer_pointer(const void* ptr, int peer) const;
+
+    /// Params with the workspace fields filled in (the op fills in buffers, count, strides, flags, descriptor).
+    CollectiveParams params() const;
+    /// The copy-engine staging region (not epoch-alternated; its readers finish before the call returns).
+    uint8_t* copy_engine_region() const { return staging_ + 2 * info_.staging_region_bytes; }
+    /// This rank's copy-engine flag on `peer` (the word `peer` waits on for this rank).
+    uint64_t* copy_engine_flag_on(int peer) const;
+
+    /// Launches `id` (specialised on `dtype` when reducing) with `grid` blocks on `stream`.
+    void launch(KernelId id, DType dtype, int grid, cudaStream_t stream, const CollectiveParams& p);
+
+    /// Side streams for copy-engine work: fork() makes the first `count` of them wait for `stream`'s work so far;
+    /// join() makes `stream` wait for theirs. Graph-capturable (events).
+    int num_side_streams() const { return static_cast<int>(side_streams_.size()); }
+    cudaStream_t side_stream(int i) const { return side_streams_[static_cast<size_t>(i)]; }
+    void fork(cudaStream_t stream, int count);
+    void join(cudaStream_t stream, int count);
+
+private:
+    explicit CollectiveWorkspace(World& world);
+    void release() noexcept;
+
+    World& world_;
+    int rank_ = 0;
+    int num_ranks_ = 1;
+    int max_ranks_ = 8;
+    DeviceCtx ctx_{};
+    CollectiveWorkspaceInfo info_;
+    uint64_t* barrier_flags_ = nullptr;
+    uint64_t* descriptors_ = nullptr;
+    uint64_t* ce_flags_ = nullptr;
+    uint8_t* ll_buffer_ = nullptr;
+    uint8_t* staging_ = nullptr;
+    CollectiveState* state_ = nullptr;
+    cudaStream_t setup_stream_ = nullptr;
+    std::vector<cudaStream_t> side_streams_;
+    cudaEvent_t fork_event_ = nullptr;
+    std::vector<cudaEvent_t> join_events_;
+    std::array<std::array<jit::Kernel*, 3>, static_cast<size_t>(KernelId::kCount)> kernels_{};
+};
+
+/// Throws weft::Error unless `ptr` is device memory (or managed memory). Skipped while `stream` is being captured
+/// (the query is not a stream operation, and a graph's pointers were checked when its ops were first called).
+void check_device_pointer(const void* ptr, const char* what, const char* op, cudaStream_t stream);
+
+}  // namespace weft::ops::detail

@@ -1,0 +1,268 @@
+// SPDX-License-Identifier: MIT
+// weft::ep host maths: config validation, memory footprint, sizing estimates, default SM counts, kernel specs, status
+// text.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include "weft/jit/compiler.hpp"
+#include "weft/ops/ep.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace weft::ep {
+
+namespace {
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+constexpr uint64_t kHeapAllocAlign = 256;             // SymmetricHeap::alloc's default alignment
+constexpr int64_t kMaxDynamicSmemBytes = 227 * 1024;  // sm_90 opt-in limit per block
+constexpr int kThreads = 512;                         // every EP kernel's block size (see kernel_specs)
+
+uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+std::string mib(uint64_t bytes) {
+    std::ostringstream os;
+    os.setf(std::ios::fixed);
+    os.precision(1);
+    os << static_cast<double>(bytes) / (1024.0 * 1024.0) << " MiB";
+    return os.str();
+}
+
+}  // namespace
+
+Geometry resolve_geometry(const Config& c, int num_ranks, int rank) {
+    WEFT_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks,
+               "ep: the number of ranks must be in 1.." << kMaxRanks << ", got " << num_ranks);
+    WEFT_CHECK(rank >= 0 && rank < num_ranks, "ep: rank must be in 0.." << num_ranks - 1 << ", got " << rank);
+    WEFT_CHECK(c.num_experts >= 1 && c.num_experts <= kMaxExperts,
+               "ep: Config::num_experts must be in 1.." << kMaxExperts << ", got " << c.num_experts);
+    WEFT_CHECK(c.num_experts % num_ranks == 0, "ep: Config::num_experts ("
+                                                   << c.num_experts << ") must be a multiple of the number of ranks ("
+                                                   << num_ranks << ") so that experts spread evenly");
+    WEFT_CHECK(c.hidden >= 8 && c.hidden % 8 == 0,
+               "ep: Config::hidden must be a positive multiple of 8 (16-byte bf16 rows), got " << c.hidden);
+    WEFT_CHECK(c.hidden <= (1 << 20), "ep: Config::hidden must be at most 2^20, got " << c.hidden);
+    WEFT_CHECK(c.topk >= 1 && c.topk <= kMaxTopk && c.topk <= c.num_experts,
+               "ep: Config::topk must be in 1..min(" << kMaxTopk << ", num_experts = " << c.num_experts << "), got "
+                                                     << c.topk);
+    WEFT_CHECK(c.max_tokens_per_rank >= 1 && c.max_tokens_per_rank <= (1 << 24),
+               "ep: Config::max_tokens_per_rank must be in 1..2^24, got " << c.max_tokens_per_rank);
+    WEFT_CHECK(c.normal || c.low_latency, "ep: Config enables neither the normal nor the low-latency mode");
+    WEFT_CHECK(!c.low_latency || c.max_tokens_per_rank <= kMaxLowLatencyTokens,
+               "ep: low-latency mode supports at most "
+                   << kMaxLowLatencyTokens << " tokens per rank (Config::max_tokens_per_rank = "
+                   << c.max_tokens_per_rank << "); use the normal mode, or set low_latency = false");
+    WEFT_CHECK(c.expert_alignment >= 1 && c.expert_alignment <= kMaxExpertAlignment,
+               "ep: Config::expert_alignment must be in 1.." << kMaxExpertAlignment << ", got " << c.expert_alignment);
+    WEFT_CHECK(c.max_recv_tokens >= 0,
+               "ep: Config::max_recv_tokens must be >= 0 (0 = worst case), got " << c.max_recv_tokens);
+    WEFT_CHECK(c.max_recv_rows >= 0,
+               "ep: Config::max_recv_rows must be >= 0 (0 = worst case), got " << c.max_recv_rows);
+
+    Geometry g{};
+    g.num_ranks = num_ranks;
+    g.rank = rank;
+    g.num_experts = c.num_experts;
+    g.hidden = c.hidden;
+    g.topk = c.topk;
+    g.max_tokens = c.max_tokens_per_rank;
+    g.expert_alignment = c.expert_alignment;
+    const int64_t local = g.local_experts();
+    const int64_t worst_tokens = int64_t{num_ranks} * c.max_tokens_per_rank;
+    const int64_t worst_rows = worst_tokens * std::min<int64_t>(c.topk, local) + local * (c.expert_alignment - 1);
+    g.max_recv_tokens = c.max_recv_tokens > 0 ? c.max_recv_tokens : worst_tokens;
+    g.max_recv_rows = c.max_recv_rows > 0 ? c.max_recv_rows : worst_rows;
+    WEFT_CHECK(g.max_recv_tokens <= kInt32Max, "ep: max_recv_tokens ("
+                                                   << g.max_recv_tokens << ", worst case " << worst_tokens
+                                                   << ") must fit in int32; set Config::max_recv_tokens lower");
+    WEFT_CHECK(g.max_recv_rows <= kInt32Max, "ep: max_recv_rows ("
+                                                 << g.max_recv_rows << ", worst case " << worst_rows
+                                                 << ") must fit in int32; set Config::max_recv_rows lower");
+    WEFT_CHECK(g.max_send_rows() <= kInt32Max, "ep: max_tokens_per_rank * min(topk, ranks) must fit in int32");
+
+    const int64_t layout_smem = LayoutSmem::make(g, kThreads).total;
+    const int64_t normal_smem = NormalSmem::make(g, kThreads).total;
+    WEFT_CHECK(layout_smem <= kMaxDynamicSmemBytes && normal_smem <= kMaxDynamicSmemBytes,
+               "ep: " << c.num_experts << " experts over " << num_ranks << " ranks need "
+                      << std::max(layout_smem, normal_smem) << " bytes of shared memory per block, more than "
+                      << kMaxDynamicSmemBytes);
+    if (c.low_latency) {
+        const int64_t ll_smem = LowLatencySmem::make(g, kThreads).total;
+        WEFT_CHECK(ll_smem <= kMaxDynamicSmemBytes, "ep: the low-latency kernels need "
+                                                        << ll_smem << " bytes of shared memory per block for "
+                                                        << c.max_tokens_per_rank << " tokens x top-" << c.topk
+                                                        << " and " << c.num_experts << " experts, more than "
+                                                        << kMaxDynamicSmemBytes << "; lower max_tokens_per_rank");
+    }
+    return g;
+}
+
+uint64_t Footprint::heap_bytes(int normal_handles) const {
+    constexpr uint64_t kSlack = 2ull << 20;  // VMM granularity of the heap
+    return align_up(buffer_symmetric_bytes + static_cast<uint64_t>(normal_handles) * normal_handle_symmetric_bytes,
+                    kHeapAllocAlign) +
+           kSlack;
+}
+
+uint64_t Footprint::total_bytes(int normal_handles, int low_latency_handles) const {
+    return buffer_symmetric_bytes + buffer_device_bytes +
+           static_cast<uint64_t>(normal_handles) * (normal_handle_symmetric_bytes + normal_handle_device_bytes) +
+           static_cast<uint64_t>(low_latency_handles) * low_latency_handle_device_bytes;
+}
+
+std::string Footprint::describe() const {
+    std::ostringstream os;
+    os << "buffer: " << mib(buffer_symmetric_bytes) << " symmetric + " << mib(buffer_device_bytes)
+       << " device; per normal handle: " << mib(normal_handle_symmetric_bytes) << " symmetric + "
+       << mib(normal_handle_device_bytes) << " device; per low-latency handle: " << mib(low_latency_handle_device_bytes)
+       << " device";
+    return os.str();
+}
+
+Footprint footprint(const Config& config, int num_ranks) {
+    const Geometry g = resolve_geometry(config, num_ranks, 0);
+    const auto a = [](uint64_t bytes) { return align_up(bytes, kHeapAllocAlign); };
+    const uint64_t w = static_cast<uint64_t>(g.num_ranks);
+    const uint64_t e = static_cast<uint64_t>(g.num_experts);
+    const uint64_t el = static_cast<uint64_t>(g.local_experts());
+    const uint64_t t = static_cast<uint64_t>(g.max_tokens);
+    const uint64_t k = static_cast<uint64_t>(g.topk);
+    const uint64_t h = static_cast<uint64_t>(g.hidden);
+    Footprint f;
+    f.buffer_symmetric_bytes = a(8 * w * sizeof(uint64_t));  // 4 normal + 4 low-latency signal arrays
+    f.buffer_device_bytes = 0;
+    if (config.normal) {
+        f.buffer_symmetric_bytes += a(2 * w * static_cast<uint64_t>(g.mailbox_ints()) * 4);
+        f.buffer_device_bytes += a(sizeof(NormalState));
+        f.normal_handle_symmetric_bytes = a(static_cast<uint64_t>(g.max_recv_rows) * h * 2) +
+                                          a(static_cast<uint64_t>(g.max_recv_tokens) * g.meta_ints() * 4) +
+                                          a(static_cast<uint64_t>(g.max_send_rows()) * h * 2);
+        f.normal_handle_device_bytes = a(e * 4) + a(w * 4) + a(t * w) + a(t * w * 4) + a(t * k * 4) + a(el * 4) +
+                                       a((el + 1) * 4) + a((w + 1) * 4) + a(kInfoInts * 4);
+    }
+    if (config.low_latency) {
+        f.buffer_symmetric_bytes +=
+            a(2 * el * w * t * static_cast<uint64_t>(g.ll_slot_bytes())) + a(2 * w * el * 4) + a(2 * t * k * h * 2);
+        f.buffer_device_bytes += a(sizeof(LowLatencyState));
+        const uint64_t rows = el * w * t;
+        f.low_latency_handle_device_bytes = a(rows * h * 2) + a(rows * static_cast<uint64_t>(g.ll_fp8_scales()) * 4) +
+                                            a(rows * 4) + a(rows * 4) + a(el * 4);
+    }
+    return f;
+}
+
+int64_t expected_recv_tokens(const Config& config, int num_ranks) {
+    const Geometry g = resolve_geometry(config, num_ranks, 0);
+    // P(a token has none of its k distinct experts on a given rank) = C(E - L, k) / C(E, k).
+    double none = 1.0;
+    for (int i = 0; i < g.topk; ++i) {
+        none *= static_cast<double>(g.num_experts - g.local_experts() - i) / static_cast<double>(g.num_experts - i);
+        if (none <= 0.0) {
+            none = 0.0;
+            break;
+        }
+    }
+    return static_cast<int64_t>(std::ceil(static_cast<double>(num_ranks) * g.max_tokens * (1.0 - none)));
+}
+
+int64_t expected_recv_rows(const Config& config, int num_ranks) {
+    const Geometry g = resolve_geometry(config, num_ranks, 0);
+    // Every token has k routes; uniform routing spreads W * T * k routes over W ranks.
+    return int64_t{g.max_tokens} * g.topk + int64_t{g.local_experts()} * (g.expert_alignment - 1);
+}
+
+int default_normal_sms(int num_tokens, int sm_budget) {
+    const int wanted = std::max(1, (num_tokens + 63) / 64);
+    return std::max(1, std::min({wanted, 24, sm_budget}));
+}
+
+int default_low_latency_sms(int num_tokens, int topk, int sm_budget) {
+    const int64_t routes = int64_t{num_tokens} * topk;
+    const int wanted = static_cast<int>(std::max<int64_t>(1, (routes + 31) / 32));
+    return std::max(1, std::min(wanted, sm_budget));
+}
+
+std::vector<jit::KernelSpec> kernel_specs() {
+    const auto spec = [](const char* header, const std::string& instantiation, const std::string& description) {
+        jit::KernelSpec s;
+        s.header = header;
+        s.instantiation = instantiation;
+        s.description = description;
+        return s;
+    };
+    const std::string t = std::to_string(kThreads);
+    return {
+        spec("ep/layout.cuh", "weft::kernels::ep::layout<weft::kernels::ep::LayoutConfig{.threads = " + t + "}>",
+             "ep::layout"),
+        spec("ep/normal.cuh",
+             "weft::kernels::ep::normal_dispatch<weft::kernels::ep::NormalConfig{.threads = " + t + ", .unroll = 4}>",
+             "ep::normal_dispatch"),
+        spec("ep/normal.cuh",
+             "weft::kernels::ep::normal_combine<weft::kernels::ep::NormalConfig{.threads = " + t + ", .unroll = 4}>",
+             "ep::normal_combine"),
+        spec("ep/low_latency.cuh",
+             "weft::kernels::ep::low_latency_dispatch<weft::kernels::ep::LowLatencyConfig{.threads = " + t +
+                 ", .unroll = 2}>",
+             "ep::low_latency_dispatch"),
+        spec("ep/low_latency.cuh",
+             "weft::kernels::ep::low_latency_combine<weft::kernels::ep::LowLatencyConfig{.threads = " + t +
+                 ", .unroll = 2}>",
+             "ep::low_latency_combine"),
+    };
+}
+
+std::string describe_status(const Status& s) {
+    std::ostringstream os;
+    os << "ep: rank " << s.rank << ": ";
+    const char* kernel = "?";
+    switch (static_cast<KernelId>(s.kernel)) {
+        case KernelId::kLayout:
+            kernel = "layout";
+            break;
+        case KernelId::kNormalDispatch:
+            kernel = "normal dispatch";
+            break;
+        case KernelId::kNormalCombine:
+            kernel = "normal combine";
+            break;
+        case KernelId::kLowLatencyDispatch:
+            kernel = "low-latency dispatch";
+            break;
+        case KernelId::kLowLatencyCombine:
+            kernel = "low-latency combine";
+            break;
+    }
+    switch (s.code) {
+        case StatusCode::kOk:
+            os << "no error";
+            return os.str();
+        case StatusCode::kRecvTokensOverflow:
+            os << "receive capacity exceeded in " << kernel << " call " << s.call << ": rank " << s.culprit_rank
+               << " would receive " << s.value << " distinct tokens, Config::max_recv_tokens is " << s.limit
+               << "; nothing was moved (every rank skipped the call; its combine returns zeros). Raise "
+                  "max_recv_tokens";
+            break;
+        case StatusCode::kRecvRowsOverflow:
+            os << "receive capacity exceeded in " << kernel << " call " << s.call << ": rank " << s.culprit_rank
+               << " would receive " << s.value << " expert rows (padding included), Config::max_recv_rows is "
+               << s.limit
+               << "; nothing was moved (every rank skipped the call; its combine returns zeros). Raise "
+                  "max_recv_rows";
+            break;
+        case StatusCode::kInvalidExpert:
+            os << "invalid expert id " << s.value << " at topk_idx[" << s.token << "][" << s.slot << "] in " << kernel
+               << " call " << s.call << ": expected -1 (dropped) or 0.." << s.limit - 1 << "; the route was dropped";
+            break;
+        case StatusCode::kDuplicateExpert:
+            os << "expert id " << s.value << " repeated at topk_idx[" << s.token << "][" << s.slot << "] in " << kernel
+               << " call " << s.call << ": each token's top-k experts must be distinct; the repeat was dropped";
+            break;
+        default:
+            os << "unknown status code " << static_cast<uint32_t>(s.code);
+            break;
+    }
+    return os.str();
+}
+
+}  // namespace weft::ep

@@ -1,0 +1,356 @@
+// SPDX-License-Identifier: MIT
+// Unit tests of the collectives' host logic (partitions, algorithm choice, grids, argument checks, descriptors)
+// and NVRTC compilation of representative kernel specialisations for sm_90a. No GPU needed.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "support/jit_testing.hpp"
+#include "weft/common/collectives.hpp"
+#include "weft/detail/collectives.hpp"
+#include "weft/jit/aot.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/ops/all_gather.hpp"
+#include "weft/ops/all_reduce.hpp"
+#include "weft/ops/collectives.hpp"
+#include "weft/ops/reduce_scatter.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace weft::ops {
+namespace {
+
+constexpr uint64_t kKiB = 1024;
+constexpr uint64_t kMiB = 1024 * 1024;
+
+std::string error_of(const std::function<void()>& f) {
+    try {
+        f();
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return "";
+}
+
+#define EXPECT_ERROR_MENTIONS(stmt, ...)                                               \
+    do {                                                                               \
+        const std::string weft_msg_ = error_of([&] { stmt; });                         \
+        EXPECT_FALSE(weft_msg_.empty()) << #stmt " did not throw weft::Error";         \
+        for (const char* weft_word_ : {__VA_ARGS__}) {                                 \
+            EXPECT_NE(weft_msg_.find(weft_word_), std::string::npos)                   \
+                << "message of " #stmt " lacks '" << weft_word_ << "': " << weft_msg_; \
+        }                                                                              \
+    } while (0)
+
+CollectiveTopology topo(int n, int per_gpu = 1, int budget = 132) {
+    CollectiveTopology t;
+    t.num_ranks = n;
+    t.max_ranks_per_gpu = per_gpu;
+    t.grid_budget = budget;
+    return t;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Partitions: the same pure code decides which block of which rank handles which elements.
+
+TEST(CollectivesPartition, SplitSpanCoversContiguouslyAlignedAndBalanced) {
+    for (uint64_t granule : {1u, 2u, 4u, 8u}) {
+        for (uint64_t parts = 1; parts <= 9; ++parts) {
+            for (uint64_t count = 0; count <= 300; ++count) {
+                uint64_t expect_begin = 0;
+                uint64_t min_units = ~0ull, max_units = 0;
+                for (uint64_t i = 0; i < parts; ++i) {
+                    const Span s = split_span(count, parts, i, granule);
+                    ASSERT_EQ(s.begin, expect_begin) << "count " << count << " parts " << parts << " i " << i;
+                    ASSERT_LE(s.begin, s.end);
+                    ASSERT_TRUE(s.begin % granule == 0 || s.begin == count);
+                    ASSERT_TRUE(s.end % granule == 0 || s.end == count);
+                    const uint64_t units = (s.size() + granule - 1) / granule;
+                    min_units = std::min(min_units, units);
+                    max_units = std::max(max_units, units);
+                    expect_begin = s.end;
+                }
+                ASSERT_EQ(expect_begin, count) << "count " << count << " parts " << parts;
+                ASSERT_LE(max_units - min_units, 1u) << "count " << count << " parts " << parts;
+            }
+        }
+    }
+}
+
+TEST(CollectivesPartition, SlicePartsTileTheMessageExactlyOnce) {
+    for (uint64_t count : {1u, 7u, 8u, 9u, 100u, 1000u, 4099u}) {
+        for (uint64_t slices : {2u, 3u, 5u, 8u}) {
+            for (uint64_t parts : {1u, 3u, 16u}) {
+                std::vector<int> hits(count, 0);
+                for (uint64_t q = 0; q < slices; ++q) {
+                    for (uint64_t b = 0; b < parts; ++b) {
+                        const Span s = split_slice_part(count, slices, q, parts, b, 8);
+                        for (uint64_t i = s.begin; i < s.end; ++i) ++hits[i];
+                        EXPECT_TRUE(s.begin % 8 == 0 || s.empty());
+                    }
+                }
+                for (uint64_t i = 0; i < count; ++i) {
+                    ASSERT_EQ(hits[i], 1)
+                        << "element " << i << " of " << count << ", " << slices << " slices, " << parts << " parts";
+                }
+            }
+        }
+    }
+}
+
+TEST(CollectivesPartition, LowLatencyFlagsNeverZeroAndChangeEveryEpoch) {
+    for (uint64_t e : {0ull, 1ull, 2ull, 0xFFFFFFFDull, 0xFFFFFFFEull, 0xFFFFFFFFull, 0x100000000ull, 0x1FFFFFFFEull}) {
+        EXPECT_NE(low_latency_flag(e), 0u) << e;
+        EXPECT_NE(low_latency_flag(e), low_latency_flag(e + 1)) << e;
+        EXPECT_NE(low_latency_flag(e), low_latency_flag(e + 2)) << e;
+    }
+}
+
+TEST(CollectivesPartition, RankBucketsAndConfigValidity) {
+    EXPECT_EQ(collective_rank_bucket(2), 8);
+    EXPECT_EQ(collective_rank_bucket(8), 8);
+    EXPECT_EQ(collective_rank_bucket(9), 16);
+    EXPECT_EQ(collective_rank_bucket(64), 64);
+    EXPECT_EQ(collective_rank_bucket(65), 0);
+    EXPECT_TRUE(is_valid(ReduceKernelConfig{}));
+    EXPECT_TRUE(
+        is_valid(ReduceKernelConfig{.dtype = DType::kF32, .max_ranks = 64, .vec_bytes = 4, .block_threads = 64}));
+    EXPECT_FALSE(is_valid(ReduceKernelConfig{.dtype = DType::kF32, .vec_bytes = 2}));  // narrower than an element
+    EXPECT_FALSE(is_valid(ReduceKernelConfig{.dtype = DType::kI32}));
+    EXPECT_FALSE(is_valid(ReduceKernelConfig{.max_ranks = 12}));
+    EXPECT_FALSE(is_valid(ReduceKernelConfig{.max_ranks = 64, .block_threads = 32}));
+    EXPECT_TRUE(is_valid(CopyKernelConfig{.max_ranks = 8, .vec_bytes = 1, .block_threads = 32}));
+    EXPECT_FALSE(is_valid(CopyKernelConfig{.vec_bytes = 3}));
+    EXPECT_FALSE(is_valid(CopyKernelConfig{.block_threads = 100}));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Algorithm names, selection and resolution.
+
+TEST(CollectivesSelect, NamesRoundTrip) {
+    for (auto a :
+         {AllReduceAlgo::kAuto, AllReduceAlgo::kLowLatency, AllReduceAlgo::kOneShot, AllReduceAlgo::kTwoShot}) {
+        EXPECT_EQ(parse_all_reduce_algo(algo_name(a)), a);
+    }
+    for (auto a : {AllGatherAlgo::kAuto, AllGatherAlgo::kLowLatency, AllGatherAlgo::kSmPush,
+                   AllGatherAlgo::kCopyEnginePull, AllGatherAlgo::kCopyEnginePush}) {
+        EXPECT_EQ(parse_all_gather_algo(algo_name(a)), a);
+    }
+    EXPECT_EQ(parse_reduce_scatter_algo("sm_pull"), ReduceScatterAlgo::kSmPull);
+    EXPECT_FALSE(parse_all_reduce_algo("oneshot").has_value());
+    EXPECT_FALSE(parse_all_gather_algo("").has_value());
+    EXPECT_STREQ(algo_name(AllReduceAlgo::kTwoShot), "two_shot");
+}
+
+TEST(CollectivesSelect, LowLatencyThresholdShrinksWithTheWorld) {
+    EXPECT_EQ(low_latency_threshold_bytes(topo(2)), 256 * kKiB);
+    EXPECT_EQ(low_latency_threshold_bytes(topo(4)), 128 * kKiB);
+    EXPECT_EQ(low_latency_threshold_bytes(topo(8)), 64 * kKiB);
+    EXPECT_EQ(low_latency_threshold_bytes(topo(64)), 16 * kKiB);
+    CollectiveTopology small = topo(2);
+    small.low_latency_capacity_bytes = 32 * kKiB;
+    EXPECT_EQ(low_latency_threshold_bytes(small), 32 * kKiB);  // never above what the LL buffers hold
+}
+
+TEST(CollectivesSelect, AllReduceBySizeAndWorld) {
+    // 8 ranks: LL <= 64 KiB, one-shot <= 256 KiB, then two-shot.
+    EXPECT_EQ(select_all_reduce_algo(8, topo(8)), AllReduceAlgo::kLowLatency);
+    EXPECT_EQ(select_all_reduce_algo(16 * kKiB, topo(8)), AllReduceAlgo::kLowLatency);
+    EXPECT_EQ(select_all_reduce_algo(64 * kKiB, topo(8)), AllReduceAlgo::kLowLatency);
+    EXPECT_EQ(select_all_reduce_algo(64 * kKiB + 2, topo(8)), AllReduceAlgo::kOneShot);
+    EXPECT_EQ(select_all_reduce_algo(256 * kKiB, topo(8)), AllReduceAlgo::kOneShot);
+    EXPECT_EQ(select_all_reduce_algo(256 * kKiB + 2, topo(8)), AllReduceAlgo::kTwoShot);
+    EXPECT_EQ(select_all_reduce_algo(256 * kMiB, topo(8)), AllReduceAlgo::kTwoShot);
+    // 2 ranks: one-shot reads no more than two-shot, so it never hands over.
+    EXPECT_EQ(select_all_reduce_algo(256 * kKiB, topo(2)), AllReduceAlgo::kLowLatency);
+    EXPECT_EQ(select_all_reduce_algo(1024 * kMiB, topo(2)), AllReduceAlgo::kOneShot);
+    // 3 and 4 ranks: one-shot up to 1 MiB.
+    EXPECT_EQ(select_all_reduce_algo(1 * kMiB, topo(3)), AllReduceAlgo::kOneShot);
+    EXPECT_EQ(select_all_reduce_algo(1 * kMiB + 2, topo(4)), AllReduceAlgo::kTwoShot);
+}
+
+TEST(CollectivesSelect, AllGatherByShardOutputAndSharing) {
+    EXPECT_EQ(select_all_gather_algo(4 * kKiB, topo(8), false), AllGatherAlgo::kLowLatency);
+    EXPECT_EQ(select_all_gather_algo(4 * kKiB, topo(8), true), AllGatherAlgo::kLowLatency);
+    EXPECT_EQ(select_all_gather_algo(1 * kMiB, topo(8), false), AllGatherAlgo::kCopyEnginePull);
+    EXPECT_EQ(select_all_gather_algo(1 * kMiB, topo(8), true), AllGatherAlgo::kSmPush);
+    EXPECT_EQ(select_all_gather_algo(8 * kMiB, topo(8), true), AllGatherAlgo::kSmPush);  // 64 MiB gathered
+    EXPECT_EQ(select_all_gather_algo(8 * kMiB + 16, topo(8), true), AllGatherAlgo::kCopyEnginePush);
+    EXPECT_EQ(select_all_gather_algo(64 * kMiB, topo(8, 8), true), AllGatherAlgo::kSmPush);  // ranks share a GPU
+    EXPECT_EQ(select_all_gather_algo(64 * kMiB, topo(8, 8), false), AllGatherAlgo::kCopyEnginePull);
+    EXPECT_EQ(select_reduce_scatter_algo(1, topo(3)), ReduceScatterAlgo::kSmPull);
+}
+
+TEST(CollectivesSelect, ArgumentBeatsEnvironmentBeatsAutomatic) {
+    const auto t = topo(8);
+    EXPECT_EQ(resolve_all_reduce_algo(AllReduceAlgo::kTwoShot, std::string("ll"), 8, t), AllReduceAlgo::kTwoShot);
+    EXPECT_EQ(resolve_all_reduce_algo(AllReduceAlgo::kAuto, std::string("one_shot"), 8, t), AllReduceAlgo::kOneShot);
+    EXPECT_EQ(resolve_all_reduce_algo(AllReduceAlgo::kAuto, std::string("auto"), 8, t), AllReduceAlgo::kLowLatency);
+    EXPECT_EQ(resolve_all_reduce_algo(AllReduceAlgo::kAuto, std::nullopt, 64 * kMiB, t), AllReduceAlgo::kTwoShot);
+    EXPECT_ERROR_MENTIONS(resolve_all_reduce_algo(AllReduceAlgo::kAuto, std::string("fast"), 8, t),
+                          "WEFT_ALLREDUCE_ALGO", "fast", "two_shot");
+    EXPECT_EQ(resolve_all_gather_algo(AllGatherAlgo::kAuto, std::string("ce_push"), 8, t, true),
+              AllGatherAlgo::kCopyEnginePush);
+    EXPECT_EQ(resolve_all_gather_algo(AllGatherAlgo::kSmPush, std::string("ce_push"), 8, t, true),
+              AllGatherAlgo::kSmPush);
+    EXPECT_ERROR_MENTIONS(resolve_all_gather_algo(AllGatherAlgo::kAuto, std::string("ring"), 8, t, true),
+                          "WEFT_ALLGATHER_ALGO", "ce_pull");
+    EXPECT_ERROR_MENTIONS(resolve_reduce_scatter_algo(ReduceScatterAlgo::kAuto, std::string("x"), 8, t),
+                          "WEFT_REDUCESCATTER_ALGO", "sm_pull");
+}
+
+TEST(CollectivesSelect, GridsStayWithinBudgetAndCaps) {
+    for (int budget : {1, 16, 33, 132, 1000}) {
+        const auto t = topo(8, 1, budget);
+        for (uint64_t bytes : {1ull, 8ull, 4096ull, 65536ull, 1ull << 20, 1ull << 28}) {
+            for (auto a : {AllReduceAlgo::kLowLatency, AllReduceAlgo::kOneShot, AllReduceAlgo::kTwoShot}) {
+                const int g = all_reduce_grid(a, bytes, t);
+                EXPECT_GE(g, 1);
+                EXPECT_LE(g, std::min(budget, 64));
+                EXPECT_LE(g, static_cast<int>(kMaxCollectiveBlocks));
+            }
+            for (auto a : {AllGatherAlgo::kLowLatency, AllGatherAlgo::kSmPush, AllGatherAlgo::kCopyEnginePull}) {
+                const int g = all_gather_grid(a, bytes, t);
+                EXPECT_GE(g, 1);
+                EXPECT_LE(g, std::min(budget, 64));
+            }
+            EXPECT_LE(reduce_scatter_grid(ReduceScatterAlgo::kSmPull, bytes, t), std::min(budget, 64));
+        }
+    }
+    // Grids grow with the message (more parallel reads), up to the cap.
+    const auto t = topo(8);
+    EXPECT_LT(all_reduce_grid(AllReduceAlgo::kTwoShot, 1 * kMiB, t),
+              all_reduce_grid(AllReduceAlgo::kTwoShot, 64 * kMiB, t));
+    EXPECT_EQ(all_reduce_grid(AllReduceAlgo::kOneShot, 8, t), 1);
+    EXPECT_ERROR_MENTIONS(all_reduce_grid(AllReduceAlgo::kAuto, 8, t), "auto");
+}
+
+// ------------------------------------------------------------------------------------------------
+// Argument checks (the paths that need no GPU).
+
+TensorView view(uintptr_t addr, DType t, int64_t n) { return TensorView(reinterpret_cast<void*>(addr), t, {n}); }
+
+TEST(CollectivesArgs, AllReduceChecks) {
+    using detail::check_all_reduce_args;
+    const uintptr_t a = 0x10000, b = 0x80000;
+    EXPECT_NO_THROW(check_all_reduce_args(view(a, DType::kBF16, 100), view(b, DType::kBF16, 100)));
+    EXPECT_NO_THROW(check_all_reduce_args(view(a, DType::kF32, 100), view(a, DType::kF32, 100)));  // in place
+    EXPECT_NO_THROW(check_all_reduce_args(view(0, DType::kF32, 0), view(0, DType::kF32, 0)));      // empty
+    EXPECT_ERROR_MENTIONS(check_all_reduce_args(view(a, DType::kBF16, 100), view(b, DType::kF16, 100)), "dtype", "bf16",
+                          "f16");
+    EXPECT_ERROR_MENTIONS(check_all_reduce_args(view(a, DType::kI32, 4), view(b, DType::kI32, 4)), "bf16, f16 or f32",
+                          "i32");
+    EXPECT_ERROR_MENTIONS(check_all_reduce_args(view(a, DType::kF32, 100), view(b, DType::kF32, 99)), "output", "100",
+                          "99");
+    EXPECT_ERROR_MENTIONS(check_all_reduce_args(view(a, DType::kF32, 100), view(a + 8, DType::kF32, 100)),
+                          "partly overlap");
+    EXPECT_ERROR_MENTIONS(check_all_reduce_args(view(0, DType::kF32, 5), view(b, DType::kF32, 5)), "input", "null");
+    EXPECT_ERROR_MENTIONS(check_all_reduce_args(view(a + 1, DType::kF16, 5), view(b, DType::kF16, 5)), "input",
+                          "aligned");
+    const TensorView strided(reinterpret_cast<void*>(a), DType::kF32, {4, 4}, {8, 1});
+    EXPECT_ERROR_MENTIONS(check_all_reduce_args(strided, view(b, DType::kF32, 16)), "input", "contiguous");
+}
+
+TEST(CollectivesArgs, AllGatherChecks) {
+    using detail::check_all_gather_args;
+    const uintptr_t a = 0x10000, b = 0x80000;
+    EXPECT_NO_THROW(check_all_gather_args(view(a, DType::kU8, 7), view(b, DType::kU8, 21), 3, 1));
+    // In place: input is this rank's slot of the output.
+    EXPECT_NO_THROW(check_all_gather_args(view(b + 2 * 14, DType::kBF16, 7), view(b, DType::kBF16, 21), 3, 2));
+    EXPECT_ERROR_MENTIONS(check_all_gather_args(view(b + 14, DType::kBF16, 7), view(b, DType::kBF16, 21), 3, 2), "slot",
+                          "overlap");
+    EXPECT_ERROR_MENTIONS(check_all_gather_args(view(a, DType::kU8, 7), view(b, DType::kU8, 20), 3, 0), "num_ranks (3)",
+                          "21", "20");
+    EXPECT_ERROR_MENTIONS(check_all_gather_args(view(a, DType::kU8, 7), view(b, DType::kI32, 21), 3, 0), "dtype");
+    EXPECT_ERROR_MENTIONS(detail::check_all_gather_output(AllGatherAlgo::kSmPush, false), "sm_push", "symmetric heap");
+    EXPECT_ERROR_MENTIONS(detail::check_all_gather_output(AllGatherAlgo::kCopyEnginePush, false), "ce_push");
+    EXPECT_NO_THROW(detail::check_all_gather_output(AllGatherAlgo::kCopyEnginePull, false));
+    EXPECT_NO_THROW(detail::check_all_gather_output(AllGatherAlgo::kSmPush, true));
+}
+
+TEST(CollectivesArgs, ReduceScatterChecks) {
+    using detail::check_reduce_scatter_args;
+    const uintptr_t a = 0x10000, b = 0x80000;
+    EXPECT_NO_THROW(check_reduce_scatter_args(view(a, DType::kF16, 30), view(b, DType::kF16, 10), 3, 0));
+    EXPECT_NO_THROW(check_reduce_scatter_args(view(a, DType::kF16, 30), view(a + 20, DType::kF16, 10), 3, 1));
+    EXPECT_ERROR_MENTIONS(check_reduce_scatter_args(view(a, DType::kF16, 30), view(a + 20, DType::kF16, 10), 3, 2),
+                          "slice", "overlap");
+    EXPECT_ERROR_MENTIONS(check_reduce_scatter_args(view(a, DType::kF16, 31), view(b, DType::kF16, 10), 3, 0), "input",
+                          "30", "31");
+    EXPECT_ERROR_MENTIONS(check_reduce_scatter_args(view(a, DType::kU8, 30), view(b, DType::kU8, 10), 3, 0), "u8");
+}
+
+TEST(CollectivesArgs, DescriptorsAndRounds) {
+    using detail::call_descriptor;
+    const uint64_t d = call_descriptor({3, 2, 0, 1000, 1, ~0ull, ~0ull});
+    EXPECT_NE(d, 0u);
+    EXPECT_EQ(d, call_descriptor({3, 2, 0, 1000, 1, ~0ull, ~0ull}));
+    EXPECT_NE(d, call_descriptor({3, 2, 0, 1001, 1, ~0ull, ~0ull}));
+    EXPECT_NE(d, call_descriptor({3, 3, 0, 1000, 1, ~0ull, ~0ull}));
+    EXPECT_NE(d, call_descriptor({3, 2, 0, 1000, 1, 4096, ~0ull}));
+    EXPECT_NE(call_descriptor({1, 2}), call_descriptor({2, 1}));
+    EXPECT_EQ(detail::round_units(256 * kKiB, 2, 8), 128 * kKiB);
+    EXPECT_EQ(detail::round_units(100, 3, 8), 32u);  // 33 elements fit, rounded down to the granule
+    EXPECT_ERROR_MENTIONS(detail::round_units(16, 4, 8), "WEFT_COLLECTIVE_STAGING_BYTES");
+}
+
+// ------------------------------------------------------------------------------------------------
+// NVRTC: representative specialisations compile for sm_90a without spills, and the LL kernel uses the
+// one-instruction 2 x 8-byte stores and loads the protocol depends on.
+
+jit::CompileResult compile_spec(jit::Compiler& c, jit::KernelSpec spec) {
+    spec.arch = "sm_90a";
+    return c.compile(spec);
+}
+
+TEST(CollectivesNvrtc, RepresentativeSpecsCompileForSm90a) {
+    weft::testing::TempDir cache("weft_coll_nvrtc");
+    jit::Compiler c(weft::testing::isolated_compiler_config(cache.path()));
+    using detail::KernelId;
+    struct Case {
+        KernelId id;
+        DType dtype;
+    };
+    for (const Case& k :
+         {Case{KernelId::kAllReduceLowLatency, DType::kBF16}, Case{KernelId::kAllReduceTwoShot, DType::kF32},
+          Case{KernelId::kReduceScatterPull, DType::kF16}, Case{KernelId::kAllGatherPush, DType::kU8},
+          Case{KernelId::kCopyEngineExit, DType::kU8}}) {
+        const jit::KernelSpec spec = detail::collective_kernel_spec(k.id, k.dtype, 8);
+        SCOPED_TRACE(spec.describe());
+        const jit::CompileResult r = compile_spec(c, spec);
+        ASSERT_TRUE(r.cubin);
+        EXPECT_GT(r.ptxas_info.registers, 0) << r.log;
+        EXPECT_EQ(r.ptxas_info.spill_store_bytes, 0) << r.ptxas_info.text;
+        if (k.id == KernelId::kAllReduceLowLatency) {
+            EXPECT_NE(r.ptx.find("st.relaxed.sys.v2.b64"), std::string::npos) << "LL lines must be one v2.b64 store";
+            EXPECT_NE(r.ptx.find("ld.relaxed.sys.v2.b64"), std::string::npos) << "LL polls must be one v2.b64 load";
+        }
+        if (k.id == KernelId::kAllReduceTwoShot) {
+            EXPECT_NE(r.ptx.find("red.release.sys.add.u64"), std::string::npos)
+                << "block barrier arrivals are release adds";
+            EXPECT_EQ(r.ptx.find("ld.global.nc"), std::string::npos) << "never .nc loads of peer data";
+        }
+    }
+    // The vector-width knob: a narrower specialisation also compiles (the ops use 16 and step down at run time).
+    jit::KernelSpec narrow = detail::collective_kernel_spec(KernelId::kAllReduceOneShot, DType::kBF16, 16);
+    const std::string from = ".vec_bytes = 16";
+    narrow.instantiation.replace(narrow.instantiation.find(from), from.size(), ".vec_bytes = 4");
+    EXPECT_TRUE(compile_spec(c, narrow).cubin);
+}
+
+TEST(CollectivesNvrtc, AotRegistrationCoversEveryKernelOnce) {
+    const size_t before = jit::aot_specs().size();
+    register_collective_aot_specs(8);
+    register_collective_aot_specs(5);  // same bucket: no duplicates
+    const std::vector<jit::KernelSpec> specs = jit::aot_specs();
+    EXPECT_EQ(specs.size() - before, detail::collective_kernel_specs(8).size());
+    std::set<std::string> names;
+    for (const auto& s : detail::collective_kernel_specs(8)) names.insert(s.instantiation);
+    EXPECT_EQ(names.size(), 16u);  // 4 reducing kernels x 3 dtypes + 4 byte-moving kernels
+}
+
+}  // namespace
+}  // namespace weft::ops

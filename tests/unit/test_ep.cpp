@@ -1,0 +1,482 @@
+// SPDX-License-Identifier: MIT
+// Unit tests of expert parallelism on the CPU: the host reference against brute force, config validation,
+// footprint and sizing maths, status messages, number formats, and NVRTC compilation of the kernels.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "support/ep_reference.hpp"
+#include "support/jit_testing.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/ops/ep.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace weft::ep {
+namespace {
+
+namespace ref = weft::test::ep;
+namespace fs = std::filesystem;
+
+std::mt19937 fresh_rng() {
+    const unsigned seed = std::random_device{}();
+    std::printf("[ seed     ] %u\n", seed);
+    return std::mt19937(seed);
+}
+
+// A routing with every kind of slot: valid, dropped (-1), out of range, repeated.
+ref::Routing messy_routing(const ref::Params& p, int tokens, std::mt19937& rng) {
+    ref::Routing r;
+    r.num_tokens = tokens;
+    std::uniform_int_distribution<int> expert(0, p.num_experts - 1);
+    std::uniform_int_distribution<int> kind(0, 19);
+    for (int t = 0; t < tokens; ++t) {
+        for (int j = 0; j < p.topk; ++j) {
+            const int k = kind(rng);
+            int32_t e = expert(rng);
+            if (k == 0) e = -1;
+            if (k == 1) e = p.num_experts + expert(rng);
+            if (k == 2) e = -2 - expert(rng);
+            if (k == 3 && j > 0) e = r.topk_idx[r.topk_idx.size() - 1];
+            r.topk_idx.push_back(e);
+            r.topk_weights.push_back(0.5f);
+        }
+    }
+    return r;
+}
+
+TEST(EpReference, LayoutMatchesBruteForce) {
+    auto rng = fresh_rng();
+    for (int trial = 0; trial < 30; ++trial) {
+        ref::Params p;
+        p.num_ranks = 1 + static_cast<int>(rng() % 8);
+        p.num_experts = p.num_ranks * (1 + static_cast<int>(rng() % 5));
+        p.topk = 1 + static_cast<int>(rng() % std::min(p.num_experts, 9));
+        const int tokens = static_cast<int>(rng() % 70);
+        const ref::Routing r = messy_routing(p, tokens, rng);
+        const ref::RankLayout l = ref::reference_layout(p, r);
+        const int k = p.topk;
+        const int w = p.num_ranks;
+        // Brute force: validity, then counts by scanning all earlier routes / tokens.
+        auto valid = [&](int t, int j) {
+            const int32_t e = r.topk_idx[static_cast<size_t>(t * k + j)];
+            if (e < 0 || e >= p.num_experts) return -1;
+            for (int i = 0; i < j; ++i)
+                if (r.topk_idx[static_cast<size_t>(t * k + i)] == e) return -1;
+            return static_cast<int>(e);
+        };
+        auto goes = [&](int t, int dst) {
+            for (int j = 0; j < k; ++j)
+                if (valid(t, j) >= 0 && valid(t, j) / p.local_experts() == dst) return true;
+            return false;
+        };
+        for (int e = 0; e < p.num_experts; ++e) {
+            int count = 0;
+            for (int t = 0; t < tokens; ++t)
+                for (int j = 0; j < k; ++j) count += valid(t, j) == e;
+            EXPECT_EQ(l.tokens_per_expert[static_cast<size_t>(e)], count) << "expert " << e;
+        }
+        for (int t = 0; t < tokens; ++t) {
+            for (int j = 0; j < k; ++j) {
+                int before = -1;
+                if (valid(t, j) >= 0) {
+                    before = 0;
+                    for (int t2 = 0; t2 <= t; ++t2)
+                        for (int j2 = 0; j2 < k && (t2 < t || j2 < j); ++j2) before += valid(t2, j2) == valid(t, j);
+                }
+                EXPECT_EQ(l.route_pos[static_cast<size_t>(t * k + j)], before) << "route " << t << "," << j;
+            }
+            for (int d = 0; d < w; ++d) {
+                int before = -1;
+                if (goes(t, d)) {
+                    before = 0;
+                    for (int t2 = 0; t2 < t; ++t2) before += goes(t2, d);
+                }
+                EXPECT_EQ(l.send_idx[static_cast<size_t>(t * w + d)], before) << "token " << t << " rank " << d;
+                EXPECT_EQ(l.token_in_rank[static_cast<size_t>(t * w + d)], goes(t, d) ? 1 : 0);
+            }
+        }
+        for (int d = 0; d < w; ++d) {
+            int count = 0;
+            for (int t = 0; t < tokens; ++t) count += goes(t, d);
+            EXPECT_EQ(l.tokens_per_rank[static_cast<size_t>(d)], count);
+        }
+    }
+}
+
+TEST(EpReference, NormalPlanIsExpertContiguousAndStable) {
+    auto rng = fresh_rng();
+    for (int trial = 0; trial < 20; ++trial) {
+        ref::Params p;
+        p.num_ranks = 1 + static_cast<int>(rng() % 6);
+        p.num_experts = p.num_ranks * (1 + static_cast<int>(rng() % 4));
+        p.topk = 1 + static_cast<int>(rng() % std::min(p.num_experts, 6));
+        p.expert_alignment = 1 + static_cast<int>(rng() % 8);
+        std::vector<ref::Routing> all;
+        for (int s = 0; s < p.num_ranks; ++s) all.push_back(messy_routing(p, static_cast<int>(rng() % 40), rng));
+        const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
+        for (int r = 0; r < p.num_ranks; ++r) {
+            const auto& off = plan.expert_offsets[static_cast<size_t>(r)];
+            const auto& rows = plan.rows[static_cast<size_t>(r)];
+            for (int le = 0; le < p.local_experts(); ++le) {
+                EXPECT_EQ(off[static_cast<size_t>(le)] % p.expert_alignment, 0);
+                const int count = plan.expert_counts[static_cast<size_t>(r)][static_cast<size_t>(le)];
+                EXPECT_GE(off[static_cast<size_t>(le) + 1] - off[static_cast<size_t>(le)], count);
+                EXPECT_LT(off[static_cast<size_t>(le) + 1] - off[static_cast<size_t>(le)], count + p.expert_alignment);
+                std::pair<int, int> last{-1, -1};
+                for (int i = 0; i < count; ++i) {
+                    const ref::RowSource src = rows[static_cast<size_t>(off[static_cast<size_t>(le)] + i)];
+                    ASSERT_GE(src.src, 0);
+                    EXPECT_EQ(ref::valid_expert(p, all[static_cast<size_t>(src.src)], src.token, src.slot),
+                              r * p.local_experts() + le);
+                    const std::pair<int, int> key{src.src, src.token};
+                    EXPECT_LT(last, key) << "rows of an expert are ordered by (source, token)";
+                    last = key;
+                }
+            }
+            // Every valid route of every source has exactly one row on its owner.
+            int64_t routes = 0;
+            for (int s = 0; s < p.num_ranks; ++s) {
+                const ref::Routing& src = all[static_cast<size_t>(s)];
+                for (int t = 0; t < src.num_tokens; ++t)
+                    for (int j = 0; j < p.topk; ++j) {
+                        const int e = ref::valid_expert(p, src, t, j);
+                        const int32_t row = plan.row_of[static_cast<size_t>(s)][static_cast<size_t>(t * p.topk + j)];
+                        if (e < 0) {
+                            EXPECT_EQ(row, -1);
+                        } else if (p.owner(e) == r) {
+                            ++routes;
+                            const ref::RowSource back = plan.rows[static_cast<size_t>(r)][static_cast<size_t>(row)];
+                            EXPECT_TRUE(back.src == s && back.token == t && back.slot == j);
+                        }
+                    }
+            }
+            int64_t counted = 0;
+            for (int c : plan.expert_counts[static_cast<size_t>(r)]) counted += c;
+            EXPECT_EQ(routes, counted);
+            EXPECT_EQ(plan.source_offsets[static_cast<size_t>(r)].back(), plan.recv_tokens[static_cast<size_t>(r)]);
+        }
+    }
+}
+
+TEST(EpReference, Bf16RoundsToNearestEven) {
+    EXPECT_EQ(ref::f32_to_bf16(1.0f), 0x3f80);
+    EXPECT_EQ(ref::f32_to_bf16(-2.5f), 0xc020);
+    EXPECT_EQ(ref::f32_to_bf16(1.0f + 1.0f / 256), 0x3f80);  // tie -> even (down)
+    EXPECT_EQ(ref::f32_to_bf16(1.0f + 3.0f / 256), 0x3f82);  // tie -> even (up)
+    EXPECT_EQ(ref::f32_to_bf16(1.0f + 1.5f / 256), 0x3f81);  // above the tie
+    for (uint32_t b = 0; b < 0x10000; b += 7) {
+        const uint16_t bits = static_cast<uint16_t>(b);
+        const float f = ref::bf16_to_f32(bits);
+        if (std::isnan(f)) continue;
+        EXPECT_EQ(ref::f32_to_bf16(f), bits);
+    }
+}
+
+TEST(EpReference, E4m3EncoderIsExactAndSaturating) {
+    for (int c = 0; c < 256; ++c) {
+        if ((c & 0x7f) == 0x7f) {
+            EXPECT_TRUE(std::isnan(ref::e4m3_to_f32(static_cast<uint8_t>(c))));
+            continue;
+        }
+        const float v = ref::e4m3_to_f32(static_cast<uint8_t>(c));
+        EXPECT_EQ(ref::f32_to_e4m3(v), c) << "code " << c;
+    }
+    EXPECT_EQ(ref::e4m3_to_f32(0x7e), 448.0f);
+    EXPECT_EQ(ref::e4m3_to_f32(0x01), std::ldexp(1.0f, -9));
+    EXPECT_EQ(ref::f32_to_e4m3(1e6f), 0x7e);
+    EXPECT_EQ(ref::f32_to_e4m3(-1e6f), 0xfe);
+    EXPECT_EQ(ref::f32_to_e4m3(460.0f), 0x7e);
+    EXPECT_EQ(ref::f32_to_e4m3(INFINITY), 0x7e);
+    EXPECT_EQ(ref::f32_to_e4m3(1.0625f), 0x38);  // 1 + 1/16: tie between 1 (0x38) and 1.125 (0x39) -> even
+    EXPECT_EQ(ref::f32_to_e4m3(1.1875f), 0x3a);  // tie between 1.125 (0x39) and 1.25 (0x3a) -> even
+    EXPECT_EQ(ref::f32_to_e4m3(std::ldexp(1.0f, -10)), 0x00);  // half the smallest subnormal: tie -> 0
+    EXPECT_EQ(ref::f32_to_e4m3(std::ldexp(1.5f, -10)), 0x01);
+}
+
+TEST(EpReference, Fp8QuantisationIsFiniteAndWithinTheE4m3Bound) {
+    auto rng = fresh_rng();
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    const int h = 512;
+    std::vector<uint16_t> row(h);
+    for (int i = 0; i < h; ++i)
+        row[static_cast<size_t>(i)] = ref::f32_to_bf16(i < 128 ? 0.0f : normal(rng));  // group 0: zeros
+    std::vector<uint8_t> codes(h);
+    std::vector<float> scales(h / 128);
+    ref::reference_quantize_row(row.data(), h, codes.data(), scales.data());
+    for (int g = 0; g < h / 128; ++g) {
+        EXPECT_TRUE(std::isfinite(scales[static_cast<size_t>(g)]) && scales[static_cast<size_t>(g)] > 0);
+        for (int c = g * 128; c < (g + 1) * 128; ++c) {
+            const float x = ref::bf16_to_f32(row[static_cast<size_t>(c)]);
+            const float d = ref::e4m3_to_f32(codes[static_cast<size_t>(c)]) * scales[static_cast<size_t>(g)];
+            ASSERT_TRUE(std::isfinite(d));
+            // e4m3: 3 mantissa bits (relative error <= 2^-4), subnormal step 2^-9 of the scaled value.
+            EXPECT_LE(std::fabs(d - x),
+                      std::max(std::fabs(x) * 0.0625f, scales[static_cast<size_t>(g)] * 0.001f) * 1.0001f)
+                << "channel " << c;
+            if (g == 0) {
+                EXPECT_EQ(d, 0.0f);
+            }
+        }
+    }
+}
+
+Config small_config() {
+    Config c;
+    c.num_experts = 16;
+    c.hidden = 256;
+    c.topk = 4;
+    c.max_tokens_per_rank = 64;
+    return c;
+}
+
+TEST(EpConfig, ResolvesDefaultsToTheWorstCase) {
+    Config c = small_config();
+    c.expert_alignment = 8;
+    const Geometry g = resolve_geometry(c, 4, 1);
+    EXPECT_EQ(g.local_experts(), 4);
+    EXPECT_EQ(g.max_recv_tokens, 4 * 64);
+    EXPECT_EQ(g.max_recv_rows, 4 * 64 * 4 + 4 * 7);  // min(k, local experts) = 4, plus padding
+    EXPECT_EQ(g.max_send_rows(), 64 * 4);
+    EXPECT_EQ(g.meta_ints(), 12);
+    EXPECT_EQ(g.ll_slot_bytes(), 512 + 16);
+    c.max_recv_tokens = 100;
+    c.max_recv_rows = 300;
+    const Geometry g2 = resolve_geometry(c, 4, 0);
+    EXPECT_EQ(g2.max_recv_tokens, 100);
+    EXPECT_EQ(g2.max_recv_rows, 300);
+}
+
+void expect_error(const Config& c, int ranks, const std::string& fragment) {
+    try {
+        (void)resolve_geometry(c, ranks, 0);
+        ADD_FAILURE() << "expected an error mentioning '" << fragment << "'";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+}
+
+TEST(EpConfig, BadArgumentsAreNamed) {
+    Config c = small_config();
+    c.num_experts = 15;
+    expect_error(c, 4, "multiple of the number of ranks");
+    c = small_config();
+    c.hidden = 100;
+    expect_error(c, 4, "Config::hidden");
+    c = small_config();
+    c.topk = 0;
+    expect_error(c, 4, "Config::topk");
+    c.topk = 17;
+    expect_error(c, 4, "Config::topk");
+    c = small_config();
+    c.max_tokens_per_rank = 0;
+    expect_error(c, 4, "max_tokens_per_rank");
+    c.max_tokens_per_rank = 2048;
+    expect_error(c, 4, "low-latency mode supports at most");
+    c.low_latency = false;
+    EXPECT_NO_THROW(resolve_geometry(c, 4, 0));
+    c = small_config();
+    c.expert_alignment = 0;
+    expect_error(c, 4, "expert_alignment");
+    c = small_config();
+    c.max_recv_rows = -1;
+    expect_error(c, 4, "max_recv_rows");
+    c = small_config();
+    c.normal = c.low_latency = false;
+    expect_error(c, 4, "neither");
+    expect_error(small_config(), 65, "number of ranks");
+    c = small_config();
+    c.low_latency = false;
+    c.max_tokens_per_rank = 1 << 24;
+    c.num_experts = 128;
+    c.topk = 8;
+    expect_error(c, 64, "fit in int32");
+}
+
+TEST(EpConfig, FootprintFollowsTheFormulas) {
+    Config c;
+    c.num_experts = 256;
+    c.hidden = 7168;
+    c.topk = 8;
+    c.max_tokens_per_rank = 128;
+    const Footprint f = footprint(c, 8);
+    const uint64_t ll_slots = 2ull * 256 * 128 * (7168 * 2 + 16);
+    const uint64_t ll_landing = 2ull * 128 * 8 * 7168 * 2;
+    EXPECT_GE(f.buffer_symmetric_bytes, ll_slots + ll_landing);
+    EXPECT_LT(f.buffer_symmetric_bytes, ll_slots + ll_landing + (1u << 20));
+    const uint64_t rows = 32ull * 8 * 128;
+    EXPECT_GE(f.low_latency_handle_device_bytes, rows * 7168 * 2 + rows * 56 * 4 + rows * 8);
+    EXPECT_LT(f.low_latency_handle_device_bytes, rows * 7168 * 2 + rows * 56 * 4 + rows * 8 + 4096);
+    // Normal handle: recv_x (worst case rows) + records + landing.
+    const Geometry g = resolve_geometry(c, 8, 0);
+    EXPECT_GE(f.normal_handle_symmetric_bytes,
+              static_cast<uint64_t>(g.max_recv_rows) * 7168 * 2 + static_cast<uint64_t>(g.max_send_rows()) * 7168 * 2);
+    EXPECT_GT(f.heap_bytes(2), f.buffer_symmetric_bytes + 2 * f.normal_handle_symmetric_bytes);
+    EXPECT_EQ(f.total_bytes(1, 1), f.buffer_symmetric_bytes + f.buffer_device_bytes + f.normal_handle_symmetric_bytes +
+                                       f.normal_handle_device_bytes + f.low_latency_handle_device_bytes);
+    Config n = c;
+    n.low_latency = false;
+    EXPECT_EQ(footprint(n, 8).low_latency_handle_device_bytes, 0u);
+    n.max_recv_rows = 1000;
+    EXPECT_LT(footprint(n, 8).normal_handle_symmetric_bytes, f.normal_handle_symmetric_bytes);
+}
+
+// Prints the footprint of the benchmark shapes (the table in kernels/ep/README.md comes from here).
+TEST(EpConfig, FootprintOfTheBenchmarkShapes) {
+    for (int tokens : {128, 4096}) {
+        Config c;
+        c.num_experts = 256;
+        c.hidden = 7168;
+        c.topk = 8;
+        c.max_tokens_per_rank = tokens;
+        c.low_latency = tokens <= kMaxLowLatencyTokens;
+        c.max_recv_rows = expected_recv_rows(c, 8) * 5 / 4;
+        c.max_recv_tokens = expected_recv_tokens(c, 8) * 5 / 4;
+        const Footprint f = footprint(c, 8);
+        std::printf("[ footprint] T=%d H=7168 E=256 k=8 W=8 (max_recv_rows %lld, max_recv_tokens %lld): %s\n", tokens,
+                    static_cast<long long>(c.max_recv_rows), static_cast<long long>(c.max_recv_tokens),
+                    f.describe().c_str());
+        c.max_recv_rows = c.max_recv_tokens = 0;
+        std::printf("[ footprint] T=%d worst case: %s\n", tokens, footprint(c, 8).describe().c_str());
+        EXPECT_GT(f.buffer_symmetric_bytes, 0u);
+    }
+}
+
+TEST(EpConfig, ExpectedReceiveSizesMatchSampling) {
+    auto rng = fresh_rng();
+    Config c;
+    c.num_experts = 64;
+    c.hidden = 64;
+    c.topk = 6;
+    c.max_tokens_per_rank = 512;
+    const int w = 8;
+    ref::Params p{w, c.num_experts, c.topk, c.hidden, 1};
+    std::vector<ref::Routing> all;
+    std::vector<int> experts(static_cast<size_t>(c.num_experts));
+    for (int i = 0; i < c.num_experts; ++i) experts[static_cast<size_t>(i)] = i;
+    for (int s = 0; s < w; ++s) {
+        ref::Routing r;
+        r.num_tokens = c.max_tokens_per_rank;
+        for (int t = 0; t < r.num_tokens; ++t) {
+            std::shuffle(experts.begin(), experts.end(), rng);
+            for (int j = 0; j < c.topk; ++j) {
+                r.topk_idx.push_back(experts[static_cast<size_t>(j)]);
+                r.topk_weights.push_back(1.0f);
+            }
+        }
+        all.push_back(std::move(r));
+    }
+    const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
+    double tokens = 0, rows = 0;
+    for (int r = 0; r < w; ++r) {
+        tokens += static_cast<double>(plan.recv_tokens[static_cast<size_t>(r)]) / w;
+        rows += static_cast<double>(plan.recv_rows[static_cast<size_t>(r)]) / w;
+    }
+    EXPECT_NEAR(tokens, static_cast<double>(expected_recv_tokens(c, w)), 0.03 * tokens);
+    EXPECT_NEAR(rows, static_cast<double>(expected_recv_rows(c, w)), 1e-9);
+}
+
+TEST(EpConfig, DefaultSmCounts) {
+    EXPECT_EQ(default_normal_sms(0, 16), 1);
+    EXPECT_EQ(default_normal_sms(64, 16), 1);
+    EXPECT_EQ(default_normal_sms(65, 16), 2);
+    EXPECT_EQ(default_normal_sms(4096, 132), 24);
+    EXPECT_EQ(default_normal_sms(4096, 16), 16);
+    EXPECT_EQ(default_low_latency_sms(128, 8, 132), 32);
+    EXPECT_EQ(default_low_latency_sms(128, 8, 16), 16);
+    EXPECT_EQ(default_low_latency_sms(1, 8, 16), 1);
+}
+
+TEST(EpStatus, MessagesNameTheRankTheLimitAndTheValue) {
+    Status s{};
+    s.claimed = 2;
+    s.code = StatusCode::kRecvRowsOverflow;
+    s.rank = 3;
+    s.culprit_rank = 5;
+    s.value = 9000;
+    s.limit = 8192;
+    s.call = 7;
+    s.kernel = static_cast<uint32_t>(KernelId::kNormalDispatch);
+    const std::string m = describe_status(s);
+    for (const char* frag : {"rank 3", "rank 5", "9000", "8192", "max_recv_rows", "call 7", "normal dispatch"}) {
+        EXPECT_NE(m.find(frag), std::string::npos) << frag << " missing from: " << m;
+    }
+    s.code = StatusCode::kInvalidExpert;
+    s.value = 300;
+    s.limit = 256;
+    s.token = 11;
+    s.slot = 2;
+    const std::string m2 = describe_status(s);
+    EXPECT_NE(m2.find("topk_idx[11][2]"), std::string::npos) << m2;
+    EXPECT_NE(m2.find("300"), std::string::npos) << m2;
+}
+
+// The EP kernels, as the op launches them, compile for sm_90a without spills and within the register
+// budget of a 512-thread block; plus the test-only delay kernel.
+TEST(EpNvrtc, KernelSpecsCompileForSm90a) {
+    weft::testing::TempDir cache("weft_ep_cache");
+    jit::Compiler compiler(weft::testing::isolated_compiler_config(cache.path()));
+    std::vector<jit::KernelSpec> specs = kernel_specs();
+    jit::KernelSpec delay;
+    delay.header = "ep/testing.cuh";
+    delay.instantiation = "weft::kernels::ep::delay";
+    specs.push_back(delay);
+    for (jit::KernelSpec s : specs) {
+        s.arch = "sm_90a";
+        const jit::CompileResult r = compiler.compile(s);
+        ASSERT_TRUE(r.cubin && !r.cubin->empty()) << s.describe();
+        EXPECT_GT(r.ptxas_info.registers, 0) << s.describe() << "\n" << r.log;
+        EXPECT_LE(r.ptxas_info.registers, 128) << s.describe() << ": 512 threads per block need <= 128 registers";
+        EXPECT_EQ(r.ptxas_info.spill_store_bytes, 0) << s.describe() << "\n" << r.ptxas_info.text;
+    }
+}
+
+// weft/ptx/cvt.cuh emits the conversion instructions it promises (checked in the PTX).
+TEST(EpNvrtc, CvtWrappersEmitThePromisedPtx) {
+    weft::testing::TempDir cache("weft_cvt_cache");
+    jit::Compiler compiler(weft::testing::isolated_compiler_config(cache.path()));
+    jit::KernelSpec s;
+    s.header = "weft/ptx/cvt.cuh";
+    s.extra_code =
+        "extern \"C\" __global__ void cvt_probe(const float* in, unsigned* out) {\n"
+        "    const unsigned short f8 = weft::ptx::cvt_rn_satfinite_e4m3x2(in[0], in[1]);\n"
+        "    out[0] = weft::ptx::cvt_rn_bf16x2(in[2], in[3]);\n"
+        "    out[1] = f8;\n"
+        "    out[2] = weft::ptx::cvt_rn_f16x2_e4m3x2(f8);\n"
+        "    out[3] = __float_as_uint(weft::ptx::bf16_bits_to_f32(static_cast<unsigned short>(out[0])));\n"
+        "}\n";
+    s.instantiation = "cvt_probe";
+    s.arch = "sm_90a";
+    const jit::CompileResult r = compiler.compile(s);
+    ASSERT_FALSE(r.ptx.empty()) << r.log;
+    for (const char* insn : {"cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.bf16x2.f32", "cvt.rn.f16x2.e4m3x2"}) {
+        EXPECT_NE(r.ptx.find(insn), std::string::npos) << insn << " missing from the PTX";
+    }
+}
+
+// kernels/ep/aot_specs.txt (for weft-compile --specs) lists exactly kernel_specs().
+TEST(EpNvrtc, AotSpecFileMatchesTheOps) {
+    const fs::path file = fs::path(__FILE__).parent_path().parent_path().parent_path() / "kernels/ep/aot_specs.txt";
+    std::ifstream in(file);
+    ASSERT_TRUE(in.good()) << file;
+    std::stringstream text;
+    text << in.rdbuf();
+    std::set<std::pair<std::string, std::string>> listed;
+    std::string line;
+    while (std::getline(text, line)) {
+        if (line.empty() || line[0] == '#') continue;
+        const size_t bar = line.find('|');
+        ASSERT_NE(bar, std::string::npos) << line;
+        listed.insert({line.substr(0, bar), line.substr(bar + 1)});
+    }
+    std::set<std::pair<std::string, std::string>> wanted;
+    for (const jit::KernelSpec& s : kernel_specs()) wanted.insert({s.header, s.instantiation});
+    EXPECT_EQ(listed, wanted);
+}
+
+}  // namespace
+}  // namespace weft::ep

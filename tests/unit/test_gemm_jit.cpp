@@ -1,0 +1,439 @@
+// SPDX-License-Identifier: MIT
+// Unit tests (CPU) of weft::ops::gemm's JIT path: the generated instantiations and specs, NVRTC compiling
+// them through weft::jit (with cache hits on the second request), the ahead-of-time spec list, and the
+// autotuning decision logic with a fake measure (no GPU).
+#include <gtest/gtest.h>
+
+#include <map>
+#include <regex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "support/jit_testing.hpp"
+#include "weft/common/gemm_config.hpp"
+#include "weft/jit/autotune.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/ops/gemm.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace weft::ops {
+namespace {
+
+using weft::testing::isolated_compiler_config;
+using weft::testing::read_text_file;
+using weft::testing::ScopedEnv;
+using weft::testing::TempDir;
+
+constexpr const char* kArch = "sm_90a";
+
+// ---- code generation ------------------------------------------------------------------------------------
+
+TEST(GemmJitCodegen, InstantiationIsTheConfigWithDesignatedInitialisers) {
+    const GemmConfig c = gemm_candidate(1, DType::kBF16, DType::kF32, BLayout::kKN);  // 128x256, B pair
+    const std::string cfg =
+        "weft::GemmConfig{.tile_m = 128, .tile_n = 256, .tile_k = 64, .stages = 4, .cluster_m = 2, .cluster_n = 1, "
+        ".raster = weft::Raster::kAlongN, .raster_group = 8, .b_layout = weft::BLayout::kKN, "
+        ".in_dtype = weft::DType::kBF16, .out_dtype = weft::DType::kF32}";
+    EXPECT_EQ(gemm_kernel_instantiation(c), "weft::gemm::gemm_kernel<" + cfg + ", weft::gemm::PersistentScheduler<" +
+                                                cfg + ">, weft::gemm::NoEpilogueHook>");
+    EXPECT_EQ(gemm_kernel_instantiation(c, "weft::gemm::ChunkWaitScheduler", "weft::gemm::TileSignalHook"),
+              "weft::gemm::gemm_kernel<" + cfg + ", weft::gemm::ChunkWaitScheduler<" + cfg +
+                  ">, weft::gemm::TileSignalHook>");
+    EXPECT_THROW(gemm_kernel_instantiation(c, "", "weft::gemm::NoEpilogueHook"), Error);
+
+    EXPECT_EQ(gemv_kernel_instantiation(3, DType::kF16, DType::kF32, 0),
+              "weft::gemm::gemv_kernel<3, weft::DType::kF16, weft::DType::kF32, 4>");
+    EXPECT_EQ(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 1),
+              "weft::gemm::gemv_kernel<1, weft::DType::kBF16, weft::DType::kBF16, 1>");
+    EXPECT_THROW(gemv_kernel_instantiation(5, DType::kBF16, DType::kBF16, 1), Error);
+    EXPECT_THROW(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 2), Error);
+}
+
+TEST(GemmJitCodegen, SpecsNameTheHeaderTheInstantiationAndTheArch) {
+    const GemmConfig c = gemm_candidate(6, DType::kF16, DType::kF16, BLayout::kNK);
+    const jit::KernelSpec tiled = gemm_kernel_spec(c, kArch);
+    EXPECT_EQ(tiled.header, "gemm/gemm_sm90.cuh");
+    EXPECT_EQ(tiled.instantiation, gemm_kernel_instantiation(c));
+    EXPECT_EQ(tiled.arch, kArch);
+    EXPECT_NE(tiled.description.find("128x128x64_s6_c1x1"), std::string::npos) << tiled.description;
+    const std::string source = jit::Compiler::generate_source(tiled);
+    EXPECT_NE(source.find("#include <gemm/gemm_sm90.cuh>"), std::string::npos) << source;
+
+    const jit::KernelSpec gemv = gemv_kernel_spec(2, DType::kBF16, DType::kBF16, 1, kArch);
+    EXPECT_EQ(gemv.header, "gemm/gemv_sm90.cuh");
+    EXPECT_EQ(gemv.instantiation, gemv_kernel_instantiation(2, DType::kBF16, DType::kBF16, 1));
+    EXPECT_EQ(gemm_advance_epoch_spec(kArch).instantiation, "weft::gemm::gemm_advance_epoch_kernel<0>");
+
+    GemmConfig bad = c;
+    bad.tile_n = 96;
+    EXPECT_THROW(gemm_kernel_spec(bad, kArch), Error);
+}
+
+TEST(GemmJitCodegen, CandidateNamesAreStableAndDistinct) {
+    EXPECT_EQ(gemm_candidate_name(gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK)), "128x256x64_s4_c1x1");
+    EXPECT_EQ(gemm_candidate_name(gemm_candidate(2, DType::kBF16, DType::kBF16, BLayout::kNK)), "128x256x64_s4_c1x2");
+    EXPECT_EQ(gemm_candidate_name(gemm_candidate(7, DType::kF16, DType::kF32, BLayout::kKN)), "128x64x64_s8_c1x1");
+    std::set<std::string> names;
+    for (int i = 0; i < kGemmNumCandidates; ++i) {
+        names.insert(gemm_candidate_name(gemm_candidate(i, DType::kBF16, DType::kBF16, BLayout::kNK)));
+    }
+    EXPECT_EQ(names.size(), static_cast<size_t>(kGemmNumCandidates));
+}
+
+TEST(GemmJitAot, SpecsCoverEveryCandidateAndSmallMKernelOnce) {
+    const auto specs = gemm_aot_specs();
+    std::set<std::string> instantiations;
+    for (const auto& s : specs) {
+        EXPECT_TRUE(instantiations.insert(s.instantiation).second) << "listed twice: " << s.instantiation;
+        EXPECT_TRUE(s.arch.empty()) << "AOT specs take weft-compile's --arch";
+    }
+    size_t expected = 1;  // the epoch-advance kernel
+    for (auto [in, out] : {std::pair{DType::kBF16, DType::kBF16}, std::pair{DType::kBF16, DType::kF32},
+                           std::pair{DType::kF16, DType::kF16}, std::pair{DType::kF16, DType::kF32}}) {
+        for (BLayout l : {BLayout::kNK, BLayout::kKN}) {
+            for (const GemmConfig& c : gemm_candidate_configs(in, out, l)) {
+                EXPECT_EQ(instantiations.count(gemm_kernel_instantiation(c)), 1u) << format_gemm_config(c);
+                ++expected;
+            }
+        }
+        for (int variant : {0, 1}) {
+            for (int m_tiles = 1; m_tiles <= 4; ++m_tiles) {
+                EXPECT_EQ(instantiations.count(gemv_kernel_instantiation(m_tiles, in, out, variant)), 1u);
+                ++expected;
+            }
+        }
+    }
+    EXPECT_EQ(specs.size(), expected);
+    EXPECT_EQ(instantiations.count("weft::gemm::gemm_advance_epoch_kernel<0>"), 1u);
+}
+
+// ---- NVRTC through weft::jit ------------------------------------------------------------------------------
+
+void expect_clean(const jit::CompileResult& r, const std::string& what) {
+    ASSERT_TRUE(r.cubin && !r.cubin->empty()) << what;
+    EXPECT_FALSE(r.lowered_name.empty()) << what;
+    EXPECT_EQ(r.ptxas_info.spill_store_bytes, 0) << what << "\n" << r.log;
+    EXPECT_EQ(r.ptxas_info.spill_load_bytes, 0) << what << "\n" << r.log;
+    EXPECT_EQ(r.log.find("C75"), std::string::npos) << what << ": ptxas performance warning\n" << r.log;
+}
+
+TEST(GemmJitCompile, NvrtcCompilesTheOpsSpecsAndTheSecondRequestHitsTheCache) {
+    TempDir cache("weft_gemm_jit_cache");
+    const std::vector<jit::KernelSpec> specs = {
+        gemm_kernel_spec(gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK), kArch),
+        gemm_kernel_spec(gemm_candidate(2, DType::kF16, DType::kF32, BLayout::kKN), kArch),  // cluster pair, [K,N]
+        gemm_kernel_spec(gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK), "weft::gemm::ChunkWaitScheduler",
+                         "weft::gemm::TileSignalHook", kArch),
+        gemv_kernel_spec(2, DType::kBF16, DType::kF32, 1, kArch),
+        gemm_advance_epoch_spec(kArch),
+    };
+    std::vector<std::string> keys;
+    {
+        jit::Compiler compiler(isolated_compiler_config(cache.path()));
+        for (const auto& spec : specs) {
+            const jit::CompileResult r = compiler.compile(spec);
+            EXPECT_EQ(r.origin, jit::CompileResult::Origin::kCompiled) << spec.describe();
+            expect_clean(r, spec.describe());
+            keys.push_back(r.key);
+        }
+        for (size_t i = 0; i < specs.size(); ++i) {
+            const jit::CompileResult again = compiler.compile(specs[i]);
+            EXPECT_EQ(again.origin, jit::CompileResult::Origin::kMemory) << specs[i].describe();
+            EXPECT_EQ(again.key, keys[i]);
+        }
+        EXPECT_EQ(compiler.stats().compiles, specs.size());
+        EXPECT_EQ(compiler.stats().memory_hits, specs.size());
+    }
+    // A new process (a new Compiler) finds them on disk.
+    jit::Compiler fresh(isolated_compiler_config(cache.path()));
+    for (const auto& spec : specs) {
+        EXPECT_EQ(fresh.compile(spec).origin, jit::CompileResult::Origin::kDisk) << spec.describe();
+    }
+    EXPECT_EQ(fresh.stats().compiles, 0u);
+    // The tiled kernel's key covers its headers: the hook and config headers are hashed into it.
+    const jit::CompileResult r = fresh.compile(specs[0]);
+    std::set<std::string> headers(r.headers.begin(), r.headers.end());
+    EXPECT_EQ(headers.count("gemm/gemm_sm90.cuh"), 1u);
+    EXPECT_EQ(headers.count("weft/common/gemm_hook_params.hpp"), 1u);
+    EXPECT_EQ(headers.count("weft/common/gemm_config.hpp"), 1u);
+}
+
+// ---- autotuning decision logic ----------------------------------------------------------------------------
+
+TEST(GemmAutotuneRule, WhenTheAutotunerIsAsked) {
+    GemmOptions plain, tune, forced_config;
+    tune.autotune = true;
+    forced_config.autotune = true;
+    forced_config.config = gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK);
+    const std::optional<bool> unset, on = true, off = false;
+    EXPECT_FALSE(gemm_wants_autotuner(plain, unset, false));
+    EXPECT_TRUE(gemm_wants_autotuner(plain, on, false));
+    EXPECT_FALSE(gemm_wants_autotuner(plain, off, false));
+    EXPECT_TRUE(gemm_wants_autotuner(tune, unset, false));
+    EXPECT_TRUE(gemm_wants_autotuner(tune, on, false));
+    EXPECT_FALSE(gemm_wants_autotuner(tune, off, false)) << "WEFT_AUTOTUNE=0 wins over options.autotune";
+    EXPECT_TRUE(gemm_wants_autotuner(plain, off, true)) << "forcing needs no timing";
+    EXPECT_TRUE(gemm_wants_autotuner(plain, unset, true));
+    EXPECT_FALSE(gemm_wants_autotuner(forced_config, on, true)) << "options.config wins";
+}
+
+GemmProblem problem(int64_t m, int64_t n, int64_t k, BLayout layout = BLayout::kNK, DType in = DType::kBF16,
+                    DType out = DType::kBF16) {
+    GemmProblem p;
+    p.m = m;
+    p.n = n;
+    p.k = k;
+    p.b_layout = layout;
+    p.in_dtype = in;
+    p.out_dtype = out;
+    return p;
+}
+
+TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItApplies) {
+    const GemmProblem p = problem(4096, 4096, 4096);
+    const auto cands = gemm_tune_candidates(p, 132, {});
+    ASSERT_EQ(cands.size(), static_cast<size_t>(kGemmNumCandidates));
+    EXPECT_EQ(cands[0].plan.config, plan_gemm(p, 132).config) << "the heuristic's pick comes first";
+    std::set<std::string> names;
+    for (const auto& c : cands) {
+        EXPECT_TRUE(names.insert(c.name).second) << c.name;
+        EXPECT_EQ(c.plan.path, GemmPath::kTiled);
+        EXPECT_TRUE(is_valid(c.plan.config)) << c.name;
+        EXPECT_EQ(c.name, gemm_candidate_name(c.plan.config));
+        EXPECT_GT(c.plan.grid, 0);
+        EXPECT_EQ(c.plan.grid % (c.plan.config.cluster_m * c.plan.config.cluster_n), 0) << c.name;
+        EXPECT_LE(c.plan.grid, 132);
+    }
+
+    // M <= 64 with B [N,K]: both small-M variants join; the heuristic (small-M) still comes first.
+    const GemmProblem small = problem(16, 8192, 8192);
+    const auto sc = gemm_tune_candidates(small, 132, {});
+    ASSERT_EQ(sc.size(), static_cast<size_t>(kGemmNumCandidates) + 2);
+    EXPECT_EQ(sc[0].name, "small_m_v1");
+    EXPECT_EQ(sc[0].plan.path, GemmPath::kSmallM);
+    int small_paths = 0;
+    for (const auto& c : sc) small_paths += c.plan.path == GemmPath::kSmallM ? 1 : 0;
+    EXPECT_EQ(small_paths, 2);
+    GemmOptions no_small;
+    no_small.allow_small_m = false;
+    EXPECT_EQ(gemm_tune_candidates(small, 132, no_small).size(), static_cast<size_t>(kGemmNumCandidates));
+    EXPECT_EQ(gemm_tune_candidates(problem(16, 8192, 8192, BLayout::kKN), 132, {}).size(),
+              static_cast<size_t>(kGemmNumCandidates));
+
+    // A budget of one SM leaves no room for cluster pairs.
+    GemmOptions one_sm;
+    one_sm.sm_budget = 1;
+    for (const auto& c : gemm_tune_candidates(p, 132, one_sm)) {
+        EXPECT_EQ(c.plan.config.cluster_m * c.plan.config.cluster_n, 1) << c.name;
+        EXPECT_EQ(c.plan.grid, 1);
+    }
+}
+
+TEST(GemmAutotuneCandidates, ProblemKeyNamesWhatChangesTheCandidates) {
+    GemmOptions o;
+    o.sm_budget = 66;
+    EXPECT_EQ(gemm_tune_problem(problem(100, 200, 72, BLayout::kKN, DType::kF16, DType::kF32), 132, o),
+              "m=100,n=200,k=72,in=f16,out=f32,b=kn,sms=66,small_m=1,splits=0");
+    EXPECT_EQ(gemm_tune_problem(problem(8, 16, 32), 132, {}), "m=8,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0");
+    EXPECT_NE(gemm_tune_problem(problem(8, 16, 32), 132, {}), gemm_tune_problem(problem(8, 16, 32), 114, {}));
+}
+
+// A fake measure: times by candidate name, counts calls, and runs the candidate (which records the plan).
+struct FakeTimings {
+    std::map<std::string, double> ms;  // missing names: 10 ms
+    std::set<std::string> failing;
+    int calls = 0;
+    jit::TuneMeasure measure() {
+        return [this](const jit::TuneCandidate& c, const jit::TuneOptions&) {
+            ++calls;
+            c.run(nullptr);
+            if (failing.count(c.name)) throw Error("fake failure of " + c.name);
+            auto it = ms.find(c.name);
+            return it == ms.end() ? 10.0 : it->second;
+        };
+    }
+};
+
+jit::AutotuneConfig tuner_config(const TempDir* dir) {
+    jit::AutotuneConfig config;
+    config.enabled = true;
+    if (dir != nullptr) config.cache_dir = dir->path();
+    return config;
+}
+
+// No environment from the caller's shell leaks into these tests.
+struct CleanAutotuneEnv {
+    ScopedEnv autotune{"WEFT_AUTOTUNE", std::nullopt};
+    ScopedEnv force{"WEFT_AUTOTUNE_FORCE", std::nullopt};
+};
+
+TEST(GemmAutotuneSelect, TunesOnceThenUsesTheCachedDecision) {
+    CleanAutotuneEnv env;
+    TempDir dir("weft_gemm_tune");
+    FakeTimings fake;
+    fake.ms["128x128x64_s6_c1x1"] = 1.0;
+    fake.ms["128x256x64_s4_c1x1"] = 1.5;
+    jit::Autotuner tuner(tuner_config(&dir), fake.measure());
+    GemmOptions o;
+    o.autotune = true;
+    o.autotuner = &tuner;
+    const GemmProblem p = problem(4096, 2048, 1024);
+    std::vector<std::string> ran;  // what the run callback was handed
+    const GemmRunPlan run = [&](const GemmPlan& plan, cudaStream_t) { ran.push_back(gemm_candidate_name(plan.config)); };
+    int prepared = 0;
+    const GemmPrepareCandidates prepare = [&](const std::vector<GemmCandidate>& c) {
+        ++prepared;
+        EXPECT_EQ(c.size(), gemm_tune_candidates(p, 132, o).size());
+    };
+
+    const GemmSelection first = select_gemm_plan(p, 132, o, kArch, run, nullptr, false, prepare);
+    EXPECT_EQ(first.origin, GemmChoice::kTuned);
+    EXPECT_EQ(first.candidate, "128x128x64_s6_c1x1");
+    EXPECT_EQ(first.plan.config.tile_n, 128);
+    EXPECT_EQ(first.plan.config.stages, 6);
+    EXPECT_EQ(fake.calls, static_cast<int>(gemm_tune_candidates(p, 132, o).size())) << "every candidate timed once";
+    EXPECT_EQ(prepared, 1);
+    // Each timed run was handed its own candidate's plan.
+    std::vector<std::string> expected_runs;
+    for (const auto& c : gemm_tune_candidates(p, 132, o)) expected_runs.push_back(c.name);
+    EXPECT_EQ(ran, expected_runs);
+
+    const GemmSelection second = select_gemm_plan(p, 132, o, kArch, run, nullptr, false, prepare);
+    EXPECT_EQ(second.origin, GemmChoice::kCached);
+    EXPECT_EQ(second.candidate, first.candidate);
+    EXPECT_EQ(second.plan.config, first.plan.config);
+    EXPECT_EQ(fake.calls, static_cast<int>(expected_runs.size())) << "the second call re-tuned";
+    EXPECT_EQ(prepared, 1) << "nothing to compile for a cached decision";
+
+    // Another process: the decision file has it.
+    FakeTimings other;
+    jit::Autotuner reread(tuner_config(&dir), other.measure());
+    o.autotuner = &reread;
+    const GemmSelection third = select_gemm_plan(p, 132, o, kArch, run, nullptr, false, prepare);
+    EXPECT_EQ(third.origin, GemmChoice::kCached);
+    EXPECT_EQ(third.candidate, first.candidate);
+    EXPECT_EQ(other.calls, 0);
+    const std::string file = read_text_file(dir / "autotune.txt");
+    EXPECT_NE(file.find("gemm\t" + gemm_tune_problem(p, 132, o)), std::string::npos) << file;
+    EXPECT_NE(file.find("128x128x64_s6_c1x1"), std::string::npos) << file;
+
+    // Another shape is another decision.
+    const GemmSelection other_shape = select_gemm_plan(problem(4096, 2048, 2048), 132, o, kArch, run, nullptr);
+    EXPECT_EQ(other_shape.origin, GemmChoice::kTuned);
+}
+
+TEST(GemmAutotuneSelect, HeuristicUnlessAskedAndWeftAutotuneZeroWins) {
+    CleanAutotuneEnv env;
+    FakeTimings fake;
+    fake.ms["128x64x64_s8_c1x1"] = 0.5;
+    jit::Autotuner tuner(tuner_config(nullptr), fake.measure());
+    const GemmProblem p = problem(1000, 3000, 512);
+    const GemmRunPlan run = [](const GemmPlan&, cudaStream_t) {};
+    GemmOptions o;
+    o.autotuner = &tuner;
+    const GemmPlan heuristic = plan_gemm(p, 132, o);
+
+    GemmSelection s = select_gemm_plan(p, 132, o, kArch, run, nullptr);
+    EXPECT_EQ(s.origin, GemmChoice::kHeuristic);
+    EXPECT_EQ(s.plan.config, heuristic.config);
+    EXPECT_EQ(s.candidate, gemm_candidate_name(heuristic.config));
+    EXPECT_EQ(fake.calls, 0);
+
+    {
+        ScopedEnv zero("WEFT_AUTOTUNE", "0");
+        o.autotune = true;
+        s = select_gemm_plan(p, 132, o, kArch, run, nullptr);
+        EXPECT_EQ(s.origin, GemmChoice::kHeuristic);
+        EXPECT_EQ(fake.calls, 0);
+    }
+    {
+        ScopedEnv one("WEFT_AUTOTUNE", "1");
+        o.autotune = false;
+        s = select_gemm_plan(p, 132, o, kArch, run, nullptr);
+        EXPECT_EQ(s.origin, GemmChoice::kTuned);
+        EXPECT_EQ(s.candidate, "128x64x64_s8_c1x1");
+        EXPECT_GT(fake.calls, 0);
+    }
+    // options.config: no tuner, whatever the environment says.
+    ScopedEnv one("WEFT_AUTOTUNE", "1");
+    const int before = fake.calls;
+    o.autotune = true;
+    o.config = gemm_candidate(5, DType::kBF16, DType::kBF16, BLayout::kNK);
+    s = select_gemm_plan(p, 132, o, kArch, run, nullptr);
+    EXPECT_EQ(s.origin, GemmChoice::kOptions);
+    EXPECT_EQ(s.plan.config, *o.config);
+    EXPECT_EQ(fake.calls, before);
+}
+
+TEST(GemmAutotuneSelect, ForcedByEnvironmentAndUnknownNamesAreErrors) {
+    CleanAutotuneEnv env;
+    const GemmProblem p = problem(2048, 2048, 2048);
+    const GemmRunPlan run = [](const GemmPlan&, cudaStream_t) {};
+    GemmOptions o;  // autotune not asked for: forcing alone consults the tuner
+    {
+        ScopedEnv force("WEFT_AUTOTUNE_FORCE", "other_op=x, gemm=256x128x64_s4_c2x1");
+        FakeTimings fake;
+        jit::AutotuneConfig config = jit::AutotuneConfig::from_env();
+        config.cache_dir.reset();
+        jit::Autotuner tuner(config, fake.measure());
+        o.autotuner = &tuner;
+        const GemmSelection s = select_gemm_plan(p, 132, o, kArch, run, nullptr, /*capturing=*/true);
+        EXPECT_EQ(s.origin, GemmChoice::kForced);
+        EXPECT_EQ(s.plan.config.tile_m, 256);
+        EXPECT_EQ(s.plan.config.cluster_m, 2);
+        EXPECT_EQ(fake.calls, 0) << "forcing times nothing (and is allowed during capture)";
+    }
+    {
+        ScopedEnv force("WEFT_AUTOTUNE_FORCE", "gemm=96x96x64_s3_c1x1");
+        FakeTimings fake;
+        jit::AutotuneConfig config = jit::AutotuneConfig::from_env();
+        config.cache_dir.reset();
+        jit::Autotuner tuner(config, fake.measure());
+        o.autotuner = &tuner;
+        try {
+            select_gemm_plan(p, 132, o, kArch, run, nullptr);
+            ADD_FAILURE() << "an unknown forced candidate must be an error";
+        } catch (const Error& e) {
+            const std::string what = e.what();
+            EXPECT_NE(what.find("96x96x64_s3_c1x1"), std::string::npos) << what;
+            EXPECT_NE(what.find("128x256x64_s4_c1x1"), std::string::npos) << "lists the valid names: " << what;
+        }
+    }
+}
+
+TEST(GemmAutotuneSelect, CaptureNeverTimesAndFailingCandidatesAreSkipped) {
+    CleanAutotuneEnv env;
+    FakeTimings fake;
+    fake.ms["small_m_v0"] = 0.2;
+    fake.ms["small_m_v1"] = 0.1;
+    fake.failing.insert("small_m_v1");  // fastest, but fails: disqualified
+    jit::Autotuner tuner(tuner_config(nullptr), fake.measure());
+    const GemmProblem p = problem(8, 4096, 4096);
+    const GemmRunPlan run = [](const GemmPlan&, cudaStream_t) {};
+    GemmOptions o;
+    o.autotune = true;
+    o.autotuner = &tuner;
+
+    // During capture with nothing cached: the heuristic, and nothing is timed.
+    GemmSelection s = select_gemm_plan(p, 132, o, kArch, run, nullptr, /*capturing=*/true);
+    EXPECT_EQ(s.origin, GemmChoice::kHeuristic);
+    EXPECT_EQ(s.candidate, "small_m_v1");
+    EXPECT_EQ(fake.calls, 0);
+
+    s = select_gemm_plan(p, 132, o, kArch, run, nullptr);
+    EXPECT_EQ(s.origin, GemmChoice::kTuned);
+    EXPECT_EQ(s.candidate, "small_m_v0");
+    EXPECT_EQ(s.plan.path, GemmPath::kSmallM);
+    EXPECT_EQ(s.plan.small_m_variant, 0);
+
+    // During capture with a decision: the decision.
+    const int calls = fake.calls;
+    s = select_gemm_plan(p, 132, o, kArch, run, nullptr, /*capturing=*/true);
+    EXPECT_EQ(s.origin, GemmChoice::kCached);
+    EXPECT_EQ(s.candidate, "small_m_v0");
+    EXPECT_EQ(fake.calls, calls);
+}
+
+}  // namespace
+}  // namespace weft::ops
