@@ -3,9 +3,13 @@
 #include "weft/ops/ag_gemm.hpp"
 
 #include <algorithm>
+#include <mutex>
 #include <sstream>
 
 #include "tp_common.hpp"
+#include "weft/jit/aot.hpp"
+#include "weft/ops/gemm_ar.hpp"
+#include "weft/ops/gemm_rs.hpp"
 #include "weft/common/tile_map.hpp"
 #include "weft/common/tp_params.hpp"
 #include "weft/common/tp_schedule.hpp"
@@ -93,11 +97,41 @@ jit::KernelSpec ag_notify_kernel_spec(const std::string& arch) {
 }
 
 jit::KernelSpec plain_gemm_kernel_spec(const GemmConfig& config, const std::string& arch) {
-    return tp_detail::make_spec("gemm/gemm_sm90.cuh", gemm_kernel_instantiation(config),
-                                "gemm " + tp_detail::config_text(config), arch);
+    return gemm_kernel_spec(config, arch);  // weft::ops::gemm's own spec: one cache entry, one loaded kernel
 }
 
 }  // namespace detail
+
+std::vector<jit::KernelSpec> tp_aot_specs() {
+    std::vector<jit::KernelSpec> out;
+    out.push_back(detail::ag_notify_kernel_spec());
+    for (DType t : {DType::kBF16, DType::kF16}) {
+        for (GemmConfig c : gemm_candidate_configs(t, t, BLayout::kNK)) {
+            c.cluster_m = c.cluster_n = 1;
+            if (!is_valid(c)) continue;
+            bool seen = false;
+            for (const auto& s : out) seen = seen || s.instantiation == detail::ag_gemm_kernel_spec(c).instantiation;
+            if (seen) continue;
+            out.push_back(detail::ag_gemm_kernel_spec(c));
+            out.push_back(detail::gemm_rs_kernel_spec(c));
+            GemmConfig f32 = c;
+            f32.out_dtype = DType::kF32;
+            if (is_valid(f32)) out.push_back(detail::gemm_rs_kernel_spec(f32));
+        }
+        for (DType partial : {t, DType::kF32}) {
+            out.push_back(detail::rs_reduce_kernel_spec(partial, t));
+            out.push_back(detail::ar_reduce_kernel_spec(partial, t));
+        }
+    }
+    return out;
+}
+
+void register_tp_aot_specs() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        for (auto& spec : tp_aot_specs()) jit::register_aot_spec(std::move(spec));
+    });
+}
 
 struct AgGemm::State {
     World* world = nullptr;

@@ -3,6 +3,7 @@
 // self-registering objects that nothing references).
 #include "weft/ops/aot.hpp"
 
+#include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/gemm.hpp"
 
@@ -11,6 +12,7 @@ namespace weft::ops {
 void register_op_aot_specs() {
     register_gemm_aot_specs();
     register_collective_aot_specs(8);
+    register_tp_aot_specs();
 }
 
 }  // namespace weft::ops
