@@ -3,9 +3,13 @@
 #include "weft/ops/ag_gemm.hpp"
 
 #include <algorithm>
+#include <mutex>
 #include <sstream>
 
 #include "tp_common.hpp"
+#include "weft/jit/aot.hpp"
+#include "weft/ops/gemm_ar.hpp"
+#include "weft/ops/gemm_rs.hpp"
 #include "weft/common/tile_map.hpp"
 #include "weft/common/tp_params.hpp"
 #include "weft/common/tp_schedule.hpp"
@@ -93,11 +97,41 @@ jit::KernelSpec ag_notify_kernel_spec(const std::string& arch) {
 }
 
 jit::KernelSpec plain_gemm_kernel_spec(const GemmConfig& config, const std::string& arch) {
-    return tp_detail::make_spec("gemm/gemm_sm90.cuh", gemm_kernel_instantiation(config),
-                                "gemm " + tp_detail::config_text(config), arch);
+    return gemm_kernel_spec(config, arch);  // weft::ops::gemm's own spec: one cache entry, one loaded kernel
 }
 
 }  // namespace detail
+
+std::vector<jit::KernelSpec> tp_aot_specs() {
+    std::vector<jit::KernelSpec> out;
+    out.push_back(detail::ag_notify_kernel_spec());
+    for (DType t : {DType::kBF16, DType::kF16}) {
+        for (GemmConfig c : gemm_candidate_configs(t, t, BLayout::kNK)) {
+            c.cluster_m = c.cluster_n = 1;
+            if (!is_valid(c)) continue;
+            bool seen = false;
+            for (const auto& s : out) seen = seen || s.instantiation == detail::ag_gemm_kernel_spec(c).instantiation;
+            if (seen) continue;
+            out.push_back(detail::ag_gemm_kernel_spec(c));
+            out.push_back(detail::gemm_rs_kernel_spec(c));
+            GemmConfig f32 = c;
+            f32.out_dtype = DType::kF32;
+            if (is_valid(f32)) out.push_back(detail::gemm_rs_kernel_spec(f32));
+        }
+        for (DType partial : {t, DType::kF32}) {
+            out.push_back(detail::rs_reduce_kernel_spec(partial, t));
+            out.push_back(detail::ar_reduce_kernel_spec(partial, t));
+        }
+    }
+    return out;
+}
+
+void register_tp_aot_specs() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        for (auto& spec : tp_aot_specs()) jit::register_aot_spec(std::move(spec));
+    });
+}
 
 struct AgGemm::State {
     World* world = nullptr;
@@ -247,7 +281,10 @@ void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorVie
             const auto comm = tp_detail::make_tune_comm(*s.world, s.world->heap().offset_of(s.epoch));
             jit::TuneOptions to;
             to.stream = stream;
-            const jit::TuneResult r = jit::autotuner().tune({kOp, problem.str()}, cands, comm.get(), to);
+            jit::TuneKey key;
+            key.op = kOp;
+            key.problem = problem.str();
+            const jit::TuneResult r = jit::autotuner().tune(key, cands, comm.get(), to);
             s.active = r.index;
             s.tuned = true;
             WEFT_LOG_INFO("ag_gemm: tuned " << problem.str() << " -> " << r.name);
@@ -290,6 +327,10 @@ void enqueue(AgGemm::State& s, size_t idx, int64_t m, const TensorView& slot, co
         return;
     }
 
+    // 0. Fork the copy streams first: they only need the previous call to be over (it is, in stream order),
+    //    and then wait on the peers' ready flags while this rank copies its own shard.
+    WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
+    for (cudaStream_t cs : s.copy_streams) WEFT_CUDA_CHECK(cudaStreamWaitEvent(cs, s.fork, 0));
     // 1. This rank's shard into its slot of the gathered buffer, then ready[rank] = 1 on every peer.
     if (copy_local) copy_shard(stream);
     {
@@ -301,8 +342,6 @@ void enqueue(AgGemm::State& s, size_t idx, int64_t m, const TensorView& slot, co
     }
     // 2. Copy streams: for each peer in rank-rotated order, wait for its ready flag, pull its chunks, raise
     //    one signal per chunk (constant 1: reset by the GEMM's last tile, so nothing is frozen in a graph).
-    WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
-    for (cudaStream_t cs : s.copy_streams) WEFT_CUDA_CHECK(cudaStreamWaitEvent(cs, s.fork, 0));
     const AllGatherTileMap map{rows, s.num_ranks, s.chunk_rows, config.tile_m};
     const int32_t cpr = map.chunks_per_rank();
     const int num_copy = static_cast<int>(s.copy_streams.size());

@@ -3,6 +3,7 @@
 // self-registering objects that nothing references).
 #include "weft/ops/aot.hpp"
 
+#include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/ep.hpp"
 #include "weft/ops/gemm.hpp"
@@ -13,6 +14,7 @@ void register_op_aot_specs() {
     register_gemm_aot_specs();
     register_collective_aot_specs(8);
     ep::register_ep_aot_specs();
+    register_tp_aot_specs();
 }
 
 }  // namespace weft::ops

@@ -71,14 +71,7 @@ jit::KernelSpec ar_reduce_kernel_spec(DType partial, DType out, const std::strin
 
 jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in, DType out, int variant, const std::string& arch) {
     WEFT_CHECK(variant == 0 || variant == 1, "gemm_ar: small-M kernel variant must be 0 or 1, got " << variant);
-    const int n_tiles_per_warp = variant == 1 ? 1 : 4;
-    return tp_detail::make_spec("gemm/gemv_sm90.cuh",
-                                "weft::gemm::gemv_kernel<" + std::to_string(m_tiles) + ", " +
-                                    tp_detail::dtype_enum(in) + ", " + tp_detail::dtype_enum(out) + ", " +
-                                    std::to_string(n_tiles_per_warp) + ">",
-                                "gemv m_tiles " + std::to_string(m_tiles) + " " + dtype_name(in) + "->" +
-                                    dtype_name(out) + " variant " + std::to_string(variant),
-                                arch);
+    return ops::gemv_kernel_spec(m_tiles, in, out, variant, arch);  // weft::ops::gemm's own spec
 }
 
 }  // namespace detail

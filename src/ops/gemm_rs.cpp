@@ -257,7 +257,10 @@ void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, 
             const auto comm = tp_detail::make_tune_comm(*s.world, tag);
             jit::TuneOptions to;
             to.stream = stream;
-            const jit::TuneResult r = jit::autotuner().tune({kOp, problem.str()}, cands, comm.get(), to);
+            jit::TuneKey key;
+            key.op = kOp;
+            key.problem = problem.str();
+            const jit::TuneResult r = jit::autotuner().tune(key, cands, comm.get(), to);
             s.active = r.index;
             s.tuned = true;
             WEFT_LOG_INFO("gemm_rs: tuned " << problem.str() << " -> " << r.name);

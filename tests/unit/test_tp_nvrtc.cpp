@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <regex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -77,6 +78,20 @@ TEST(TpNvrtc, GemmArKernelsCompileClean) {
     compile_clean(compiler, ops::detail::ar_reduce_kernel_spec(DType::kF32, DType::kF16, kArch));
     compile_clean(compiler, ops::detail::gemv_kernel_spec(1, DType::kBF16, DType::kBF16, 1, kArch));
     compile_clean(compiler, ops::detail::gemv_kernel_spec(4, DType::kF16, DType::kF32, 0, kArch));
+}
+
+// weft-compile --builtin warms the TP ops' kernels: the list is unique and covers what the ops launch.
+TEST(TpNvrtc, AotSpecsCoverTheOpsKernels) {
+    const std::vector<jit::KernelSpec> specs = ops::tp_aot_specs();
+    std::set<std::string> names;
+    for (const auto& s : specs) EXPECT_TRUE(names.insert(s.header + "|" + s.instantiation).second) << s.instantiation;
+    const GemmConfig c = cfg(0, DType::kBF16, DType::kBF16);
+    for (const jit::KernelSpec& want :
+         {ops::detail::ag_gemm_kernel_spec(c), ops::detail::ag_notify_kernel_spec(), ops::detail::gemm_rs_kernel_spec(c),
+          ops::detail::rs_reduce_kernel_spec(DType::kBF16, DType::kBF16),
+          ops::detail::ar_reduce_kernel_spec(DType::kF32, DType::kF16)}) {
+        EXPECT_EQ(names.count(want.header + "|" + want.instantiation), 1u) << want.instantiation;
+    }
 }
 
 }  // namespace
