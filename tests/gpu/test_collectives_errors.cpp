@@ -136,7 +136,7 @@ TEST(CollectivesErrors, WorkspaceIsAWorldExtensionDestroyedWithTheWorld) {
         EXPECT_THROW(w.add_extension("test.probe", std::make_unique<Probe>(&mine)), Error);
         EXPECT_EQ(mine.load(), 1) << "the rejected duplicate is destroyed at once";
         w.barrier();
-    });
+    }, test_options(256ull << 20));  // room for the workspace's 3 x 32 MiB of staging
     EXPECT_EQ(destroyed[0].load(), 2) << "the World destroys its extensions at shutdown";
     EXPECT_EQ(destroyed[1].load(), 2);
 }
