@@ -140,6 +140,8 @@ void check_mismatch_errors(World& w) {
     const int me = w.rank();
     WEFT_CHECK(n >= 2, "check_mismatch_errors needs at least 2 ranks");
     SymmetricHeap& heap = w.heap();
+    // Earlier users of this World (e.g. the collectives' workspace) may hold memory.
+    const uint64_t in_use_before = heap.bytes_in_use();
     // Sizes: the last rank asks 8192 bytes, the others 4096.
     const std::string sizes = error_of([&] { heap.alloc(me == n - 1 ? 8192 : 4096); });
     std::string others = n == 2 ? "rank 0" : "ranks 0";
@@ -149,9 +151,11 @@ void check_mismatch_errors(World& w) {
         WEFT_CHECK(sizes.find(part) != std::string::npos,
                    "rank " << me << ": the size mismatch message lacks '" << part << "': '" << sizes << "'");
     }
-    // The heap stays consistent: a matching call works, at offset 0 everywhere (nothing else is live).
+    // The heap stays consistent: a matching call works (at offset 0 when nothing else is live).
     void* p = heap.alloc(4096);
-    WEFT_CHECK(heap.offset_of(p) == 0, "rank " << me << ": offset after a mismatch is " << heap.offset_of(p));
+    WEFT_CHECK(in_use_before != 0 || heap.offset_of(p) == 0,
+               "rank " << me << ": offset after a mismatch is " << heap.offset_of(p));
+    const std::string freed = "rank 0 asked free(offset " + std::to_string(heap.offset_of(p)) + ")";
     const std::string align = error_of([&] { heap.alloc(4096, me == 0 ? 512 : 256); });
     WEFT_CHECK(align.find("rank 0 asked alloc(4096 bytes, align 512)") != std::string::npos,
                "rank " << me << ": alignment mismatch message: '" << align << "'");
@@ -162,10 +166,11 @@ void check_mismatch_errors(World& w) {
             heap.alloc(64);
         }
     });
-    WEFT_CHECK(kind.find("rank 0 asked free(offset 0)") != std::string::npos,
+    WEFT_CHECK(kind.find(freed) != std::string::npos,
                "rank " << me << ": alloc/free mismatch message: '" << kind << "'");
     heap.free(p);
-    WEFT_CHECK(heap.bytes_in_use() == 0, "rank " << me << ": heap not empty after the mismatch checks");
+    WEFT_CHECK(heap.bytes_in_use() == in_use_before,
+               "rank " << me << ": heap holds more after the mismatch checks than before them");
 }
 
 void check_alloc_signals_zeroed(World& w) {
