@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -274,5 +276,30 @@ void sum_launch(DType t, F&& launch) {
 
 inline constexpr int kSumBlocks = 64;
 inline constexpr int kSumThreads = 256;
+
+/// The command line both TP examples share: `[--world W] [--m M] [--n N] [--k K] [--iters I]`. Fields keep
+/// the caller's defaults when absent; returns false (after printing the usage) on an unknown flag.
+struct ExampleArgs {
+    int world = 0;
+    int iters = 10;
+    int64_t m = 0, n = 0, k = 0;
+};
+
+inline bool parse_example_args(int argc, char** argv, ExampleArgs& args) {
+    for (int i = 1; i + 1 < argc; i += 2) {
+        const std::string a = argv[i];
+        const int64_t v = std::atoll(argv[i + 1]);
+        if (a == "--world") args.world = static_cast<int>(v);
+        else if (a == "--m") args.m = v;
+        else if (a == "--n") args.n = v;
+        else if (a == "--k") args.k = v;
+        else if (a == "--iters") args.iters = static_cast<int>(v);
+        else {
+            std::fprintf(stderr, "usage: %s [--world W] [--m M] [--n N] [--k K] [--iters I]\n", argv[0]);
+            return false;
+        }
+    }
+    return true;
+}
 
 }  // namespace weft::bench_tp

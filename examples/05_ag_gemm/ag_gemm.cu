@@ -18,21 +18,14 @@
 using namespace weft::bench_tp;
 
 int main(int argc, char** argv) {
-    int world = 0, iters = 10;
-    int64_t m = 8192, n = 11008, k = 4096;
-    for (int i = 1; i + 1 < argc; i += 2) {
-        const std::string a = argv[i];
-        const int64_t v = std::atoll(argv[i + 1]);
-        if (a == "--world") world = static_cast<int>(v);
-        else if (a == "--m") m = v;
-        else if (a == "--n") n = v;
-        else if (a == "--k") k = v;
-        else if (a == "--iters") iters = static_cast<int>(v);
-        else {
-            std::fprintf(stderr, "usage: %s [--world W] [--m M] [--n N] [--k K] [--iters I]\n", argv[0]);
-            return 2;
-        }
-    }
+    ExampleArgs args;
+    args.m = 8192;
+    args.n = 11008;
+    args.k = 4096;
+    if (!parse_example_args(argc, argv, args)) return 2;
+    int world = args.world;
+    const int iters = args.iters;
+    int64_t m = args.m, n = args.n, k = args.k;
     try {
         weft::ensure_eager_module_loading();
         int gpus = 0;
