@@ -656,7 +656,7 @@ void run_world(int n, const Options& o, WorldResult* result) {
 
 int run(int argc, char** argv) {
     const Options o = parse_options(argc, argv);
-    ensure_eager_module_loading();
+    prepare_cuda_environment();
     cudaDeviceProp prop{};
     WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     int devices = 0;

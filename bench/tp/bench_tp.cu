@@ -486,7 +486,7 @@ void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, co
 int main(int argc, char** argv) {
     try {
         const Options o = parse(argc, argv);
-        weft::ensure_eager_module_loading();
+        weft::prepare_cuda_environment();
         int gpus = 0;
         BENCH_CUDA(cudaGetDeviceCount(&gpus));
         cudaDeviceProp prop{};

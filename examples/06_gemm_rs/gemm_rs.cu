@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
     const int iters = args.iters;
     int64_t m = args.m, n = args.n, k = args.k;
     try {
-        weft::ensure_eager_module_loading();
+        weft::prepare_cuda_environment();
         int gpus = 0;
         BENCH_CUDA(cudaGetDeviceCount(&gpus));
         if (world <= 0) world = std::max(2, gpus);

@@ -211,7 +211,10 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
     tp_detail::check_peers_reachable(world, s.gathered, kOp);
 
     // Streams: the copy streams pull the peers' shards; fork/join events tie them to the caller's stream.
-    const int num_copy = s.num_ranks == 1 ? 1 : std::max(1, options.copy_streams);
+    // Ranks sharing a GPU use one: their streams must stay within the process's hardware queues
+    // (module_loading.hpp, ensure_device_connections), and one HBM gains nothing from more.
+    const int num_copy =
+        s.num_ranks == 1 || world.num_ranks_on_device() > 1 ? 1 : std::max(1, options.copy_streams);
     for (int i = 0; i < num_copy; ++i) {
         s.copy_streams.push_back(s.streams.add_stream());
         s.joins.push_back(s.streams.add_event());

@@ -223,7 +223,12 @@ CollectiveWorkspace::CollectiveWorkspace(World& world) : world_(world) {
         WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&state_), sizeof(CollectiveState), setup_stream_));
         WEFT_CUDA_CHECK(cudaMemsetAsync(state_, 0, sizeof(CollectiveState), setup_stream_));
         WEFT_CUDA_CHECK(cudaStreamSynchronize(setup_stream_));
-        const int sides = std::min(std::max(num_ranks_ - 1, 1), kMaxSideStreams);
+        WEFT_CUDA_CHECK(cudaStreamDestroy(setup_stream_));  // one stream fewer in the hardware queues
+        setup_stream_ = nullptr;
+        // NOTE: ranks of one process sharing a GPU share its hardware queues: one side stream each keeps
+        // every rank's streams in queues of their own (module_loading.hpp, ensure_device_connections).
+        const int sides =
+            world.num_ranks_on_device() > 1 ? 1 : std::min(std::max(num_ranks_ - 1, 1), kMaxSideStreams);
         WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
         for (int i = 0; i < sides; ++i) {
             cudaStream_t s = nullptr;
@@ -270,7 +275,10 @@ void CollectiveWorkspace::release() noexcept {
     join_events_.clear();
     if (fork_event_ != nullptr) cudaEventDestroy(fork_event_);
     fork_event_ = nullptr;
-    if (state_ != nullptr && setup_stream_ != nullptr) {
+    if (state_ != nullptr && setup_stream_ == nullptr) {
+        cudaStreamCreateWithFlags(&setup_stream_, cudaStreamNonBlocking);
+    }
+    if (state_ != nullptr && setup_stream_ != nullptr) {  // stream-ordered: cudaFree would wait for every rank
         cudaFreeAsync(state_, setup_stream_);
         cudaStreamSynchronize(setup_stream_);
     }

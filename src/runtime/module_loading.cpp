@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-// Eager module loading (see include/weft/runtime/module_loading.hpp).
+// Eager module loading and hardware queues (see include/weft/runtime/module_loading.hpp).
 #include "weft/runtime/module_loading.hpp"
 
 #include <cstdlib>
@@ -17,6 +17,8 @@ namespace weft {
 namespace {
 std::once_flag g_eager_once;
 bool g_weft_set_it = false;
+std::once_flag g_connections_once;
+bool g_weft_set_connections = false;
 }  // namespace
 
 bool ensure_eager_module_loading() {
@@ -37,6 +39,29 @@ bool ensure_eager_module_loading() {
         }
     });
     return g_weft_set_it;
+}
+
+bool ensure_device_connections() {
+    std::call_once(g_connections_once, [] {
+        auto value = env::get("CUDA_DEVICE_MAX_CONNECTIONS");
+        if (!value) {
+            ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", std::to_string(kDeviceConnections).c_str(), 0);
+            g_weft_set_connections = true;
+            WEFT_LOG_INFO("weft set CUDA_DEVICE_MAX_CONNECTIONS=" << kDeviceConnections
+                                                                  << ": ranks of one process sharing a GPU need "
+                                                                     "their streams in separate hardware queues");
+        } else if (std::atoi(value->c_str()) < kDeviceConnections) {
+            WEFT_LOG_WARN("CUDA_DEVICE_MAX_CONNECTIONS=" << *value << " (set by the user): ranks of one process "
+                          << "sharing a GPU (run_local) can deadlock when a spinning kernel shares a hardware "
+                          << "queue with the peer work it waits for; weft recommends " << kDeviceConnections);
+        }
+    });
+    return g_weft_set_connections;
+}
+
+void prepare_cuda_environment() {
+    ensure_eager_module_loading();
+    ensure_device_connections();
 }
 
 void warn_if_lazy_module_loading() {

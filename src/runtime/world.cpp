@@ -115,7 +115,7 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     c.same_process = setup.same_process;
     c.store = std::move(setup.store);
     set_log_rank(c.rank);
-    ensure_eager_module_loading();  // before this rank's first CUDA call
+    prepare_cuda_environment();  // before this rank's first CUDA call
     c.timeout = detail::resolve_timeout(setup.options.timeout, env::get("WEFT_TIMEOUT_MS"));
     const auto init_timeout = std::max(c.timeout, kMinInitTimeout);
 
@@ -352,7 +352,9 @@ void World::sync_and_check(cudaStream_t stream) {
             throw Error("weft: " + diagnosis + "; the kernel then trapped: cudaStreamSynchronize returned " + cuda);
         }
         throw Error("weft: rank " + std::to_string(ctx_->rank) + ": cudaStreamSynchronize returned " + cuda +
-                    "; no diagnostic record was written (not a weft spin timeout)");
+                    (ctx_->same_process ? "; this rank wrote no diagnostic record (a kernel of another rank of "
+                                          "this process may have trapped)"
+                                        : "; no diagnostic record was written (not a weft spin timeout)"));
     }
     check_diagnostics();
 }
@@ -372,7 +374,7 @@ WorldExtension& World::add_extension(const std::string& name, std::unique_ptr<Wo
 void run_local(int num_ranks, const std::function<void(World&)>& fn, const WorldOptions& options) {
     WEFT_CHECK(num_ranks >= 1, "run_local: num_ranks must be at least 1, got " << num_ranks);
     WEFT_CHECK(static_cast<bool>(fn), "run_local: fn must not be empty");
-    ensure_eager_module_loading();  // before any thread makes a CUDA call
+    prepare_cuda_environment();  // before any thread makes a CUDA call
     auto store = std::make_shared<InProcessStore>();
 
     struct Failure {
@@ -384,6 +386,7 @@ void run_local(int num_ranks, const std::function<void(World&)>& fn, const World
     std::condition_variable all_done;
     int num_done = 0;
     std::vector<Failure> failures;
+    std::vector<std::string> diagnoses;  // device diagnostic records left by any rank (ranks share the context)
     uint64_t next_order = 0;
     auto record_failure = [&](int rank, std::string message) {
         if (message.rfind("weft: ", 0) == 0) message.erase(0, 6);
@@ -429,6 +432,14 @@ void run_local(int num_ranks, const std::function<void(World&)>& fn, const World
                 all_done.notify_all();
                 all_done.wait(lock, [&] { return num_done == num_ranks; });
             }
+            if (world) {
+                // A rank whose kernel trapped may not be the rank that noticed first (one CUDA context).
+                std::string diagnosis = world->diagnostic_message(false);
+                if (!diagnosis.empty()) {
+                    std::lock_guard<std::mutex> lock(mutex);
+                    diagnoses.push_back(std::move(diagnosis));
+                }
+            }
             world.reset();
             set_log_rank(-1);
         });
@@ -443,6 +454,12 @@ void run_local(int num_ranks, const std::function<void(World&)>& fn, const World
         for (size_t i = 1; i < failures.size(); ++i) others.push_back(failures[i].rank);
         std::sort(others.begin(), others.end());
         os << " (then " << detail::format_rank_list(others) << " failed too)";
+    }
+    for (const std::string& d : diagnoses) {
+        if (failures[0].message.find(d) == std::string::npos) {
+            os << "; a device diagnostic record says: " << d;
+            break;
+        }
     }
     throw Error("weft: " + os.str());
 }

@@ -41,7 +41,7 @@ std::unique_ptr<Store> make_tcp_store(const RendezvousOptions& options);
 namespace weft {
 
 std::unique_ptr<World> World::from_env(const WorldOptions& options) {
-    ensure_eager_module_loading();  // before this process's first CUDA call
+    prepare_cuda_environment();  // before this process's first CUDA call
     detail::WorldSetup setup;
     setup.options = options;
     std::optional<LaunchEnv> launch = detect_launch_env();

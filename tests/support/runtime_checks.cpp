@@ -18,7 +18,7 @@ namespace weft::test {
 namespace {
 // The test binaries that link these checks select eager module loading before main, i.e. before gtest's
 // first test makes a CUDA call (run_local's own call would come too late for the process).
-[[maybe_unused]] const bool kEagerLoading = ensure_eager_module_loading();
+[[maybe_unused]] const bool kCudaEnvironment = (prepare_cuda_environment(), true);
 }  // namespace
 
 WorldOptions test_options(uint64_t heap_bytes) {

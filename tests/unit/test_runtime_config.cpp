@@ -142,5 +142,20 @@ TEST(RuntimeModuleLoading, EagerUnlessTheUserChose) {
     EXPECT_EQ(ensure_eager_module_loading(), set_by_weft);  // idempotent
 }
 
+TEST(RuntimeModuleLoading, ThirtyTwoHardwareQueuesUnlessTheUserChose) {
+    const char* before = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    const bool set_by_weft = ensure_device_connections();
+    const char* after = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    ASSERT_NE(after, nullptr);
+    if (before == nullptr) {
+        EXPECT_TRUE(set_by_weft);
+        EXPECT_STREQ(after, "32");
+    } else {
+        EXPECT_FALSE(set_by_weft);
+        EXPECT_STREQ(after, before);
+    }
+    EXPECT_EQ(ensure_device_connections(), set_by_weft);  // idempotent
+}
+
 }  // namespace
 }  // namespace weft::detail
