@@ -80,6 +80,9 @@ struct RsGemmHook {
     }
 };
 
+/// 16-byte partial loads each reduction thread keeps in flight.
+inline constexpr int kRsUnroll = 8;
+
 /// The reduction on destination rank d (this rank): for phase 0 .. W-1 it adds the partial of source
 /// rs_source_at(d, phase) (rank d-1 first, itself last), chunk by chunk as each chunk's counter reaches
 /// expected_count, into an fp32 accumulator (local memory); the last phase writes C in kOut. Every CTA owns
@@ -116,34 +119,49 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
             const ChunkInfo ch = map.chunk(sig);
             const int64_t local_row0 = ch.row_begin - static_cast<int64_t>(rank) * p.rows_per_rank;
             const int64_t total = ch.num_rows * vecs_per_row;
-            for (int64_t i = first; i < total; i += stride) {
-                const int64_t r = i / vecs_per_row;
-                const int64_t col = (i - r * vecs_per_row) * kTpVecElems;
-                const unsigned char* src = src_base + ((ch.row_begin + r) * p.ldp + col) * kPBytes;
-                float* acc = p.acc + (local_row0 + r) * p.lda + col;
-                auto* out = static_cast<unsigned char*>(p.out) + ((local_row0 + r) * p.ldc + col) * kOBytes;
-                if (col + kTpVecElems <= p.n) {
-                    float v[8];
-                    load8<kPartial>(src, v);
-                    if (!first_phase) {
-                        float a[8];
-                        load8<DType::kF32>(acc, a);
+            // NOTE: a peer's partial is read over NVLink (about 2 us a round trip): each thread keeps kRsUnroll
+            // 16-byte loads in flight, or R CTAs would move only R * 256 * 16 B per round trip (~30 GB/s at R=16).
+            for (int64_t i0 = first; i0 < total; i0 += stride * kRsUnroll) {
+                float v[kRsUnroll][8];
 #pragma unroll
-                        for (int j = 0; j < 8; ++j) v[j] += a[j];
+                for (int u = 0; u < kRsUnroll; ++u) {
+                    const int64_t i = i0 + u * stride;
+                    const int64_t r = i / vecs_per_row;
+                    const int64_t col = (i - r * vecs_per_row) * kTpVecElems;
+                    if (i < total && col + kTpVecElems <= p.n) {
+                        load8<kPartial>(src_base + ((ch.row_begin + r) * p.ldp + col) * kPBytes, v[u]);
                     }
-                    if (last_phase) {
-                        store8<kOut>(out, v);
-                    } else {
-                        store8<DType::kF32>(acc, v);
-                    }
-                } else {
-                    for (int64_t j = 0; col + j < p.n; ++j) {
-                        float v = load_elem<kPartial>(src, j);
-                        if (!first_phase) v += acc[j];
+                }
+#pragma unroll
+                for (int u = 0; u < kRsUnroll; ++u) {
+                    const int64_t i = i0 + u * stride;
+                    if (i >= total) break;
+                    const int64_t r = i / vecs_per_row;
+                    const int64_t col = (i - r * vecs_per_row) * kTpVecElems;
+                    const unsigned char* src = src_base + ((ch.row_begin + r) * p.ldp + col) * kPBytes;
+                    float* acc = p.acc + (local_row0 + r) * p.lda + col;
+                    auto* out = static_cast<unsigned char*>(p.out) + ((local_row0 + r) * p.ldc + col) * kOBytes;
+                    if (col + kTpVecElems <= p.n) {
+                        if (!first_phase) {
+                            float a[8];
+                            load8<DType::kF32>(acc, a);
+#pragma unroll
+                            for (int j = 0; j < 8; ++j) v[u][j] += a[j];
+                        }
                         if (last_phase) {
-                            store_elem<kOut>(out, j, v);
+                            store8<kOut>(out, v[u]);
                         } else {
-                            acc[j] = v;
+                            store8<DType::kF32>(acc, v[u]);
+                        }
+                    } else {
+                        for (int64_t j = 0; col + j < p.n; ++j) {
+                            float x = load_elem<kPartial>(src, j);
+                            if (!first_phase) x += acc[j];
+                            if (last_phase) {
+                                store_elem<kOut>(out, j, x);
+                            } else {
+                                acc[j] = x;
+                            }
                         }
                     }
                 }

@@ -165,9 +165,11 @@ TEST(CollectivesSelect, AllReduceBySizeAndWorld) {
     EXPECT_EQ(select_all_reduce_algo(256 * kKiB, topo(8)), AllReduceAlgo::kOneShot);
     EXPECT_EQ(select_all_reduce_algo(256 * kKiB + 2, topo(8)), AllReduceAlgo::kTwoShot);
     EXPECT_EQ(select_all_reduce_algo(256 * kMiB, topo(8)), AllReduceAlgo::kTwoShot);
-    // 2 ranks: one-shot reads no more than two-shot, so it never hands over.
+    // 2 ranks: one-shot up to 1 MiB too (two-shot was faster from 4 MiB on two H200s).
     EXPECT_EQ(select_all_reduce_algo(256 * kKiB, topo(2)), AllReduceAlgo::kLowLatency);
-    EXPECT_EQ(select_all_reduce_algo(1024 * kMiB, topo(2)), AllReduceAlgo::kOneShot);
+    EXPECT_EQ(select_all_reduce_algo(1 * kMiB, topo(2)), AllReduceAlgo::kOneShot);
+    EXPECT_EQ(select_all_reduce_algo(1 * kMiB + 2, topo(2)), AllReduceAlgo::kTwoShot);
+    EXPECT_EQ(select_all_reduce_algo(1024 * kMiB, topo(2)), AllReduceAlgo::kTwoShot);
     // 3 and 4 ranks: one-shot up to 1 MiB.
     EXPECT_EQ(select_all_reduce_algo(1 * kMiB, topo(3)), AllReduceAlgo::kOneShot);
     EXPECT_EQ(select_all_reduce_algo(1 * kMiB + 2, topo(4)), AllReduceAlgo::kTwoShot);
@@ -178,7 +180,8 @@ TEST(CollectivesSelect, AllGatherByShardOutputAndSharing) {
     EXPECT_EQ(select_all_gather_algo(4 * kKiB, topo(8), true), AllGatherAlgo::kLowLatency);
     EXPECT_EQ(select_all_gather_algo(1 * kMiB, topo(8), false), AllGatherAlgo::kCopyEnginePull);
     EXPECT_EQ(select_all_gather_algo(1 * kMiB, topo(8), true), AllGatherAlgo::kSmPush);
-    EXPECT_EQ(select_all_gather_algo(8 * kMiB, topo(8), true), AllGatherAlgo::kSmPush);  // 64 MiB gathered
+    EXPECT_EQ(select_all_gather_algo(8 * kMiB - 16, topo(8), true), AllGatherAlgo::kSmPush);  // < 64 MiB gathered
+    EXPECT_EQ(select_all_gather_algo(8 * kMiB, topo(8), true), AllGatherAlgo::kCopyEnginePush);
     EXPECT_EQ(select_all_gather_algo(8 * kMiB + 16, topo(8), true), AllGatherAlgo::kCopyEnginePush);
     EXPECT_EQ(select_all_gather_algo(64 * kMiB, topo(8, 8), true), AllGatherAlgo::kSmPush);  // ranks share a GPU
     EXPECT_EQ(select_all_gather_algo(64 * kMiB, topo(8, 8), false), AllGatherAlgo::kCopyEnginePull);
