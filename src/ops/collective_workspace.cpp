@@ -65,6 +65,9 @@ KernelName kernel_name(KernelId id) {
         case KernelId::kReduceScatterPull:
             return {"reduce_scatter/reduce_scatter.cuh", "weft::kernels::reduce_scatter::reduce_scatter_pull",
                     "reduce_scatter sm_pull"};
+        case KernelId::kReduceScatterLowLatency:
+            return {"reduce_scatter/reduce_scatter.cuh", "weft::kernels::reduce_scatter::reduce_scatter_low_latency",
+                    "reduce_scatter ll"};
         case KernelId::kAllGatherPush:
             return {"all_gather/all_gather.cuh", "weft::kernels::all_gather::all_gather_push", "all_gather sm_push"};
         case KernelId::kAllGatherLowLatency:
@@ -90,7 +93,8 @@ struct SetupRecord {
 
 bool kernel_is_reducing(KernelId id) {
     return id == KernelId::kAllReduceOneShot || id == KernelId::kAllReduceTwoShot ||
-           id == KernelId::kAllReduceLowLatency || id == KernelId::kReduceScatterPull;
+           id == KernelId::kAllReduceLowLatency || id == KernelId::kReduceScatterPull ||
+           id == KernelId::kReduceScatterLowLatency;
 }
 
 int kernel_block_threads(KernelId id, int max_ranks) {
@@ -227,8 +231,7 @@ CollectiveWorkspace::CollectiveWorkspace(World& world) : world_(world) {
         setup_stream_ = nullptr;
         // NOTE: ranks of one process sharing a GPU share its hardware queues: one side stream each keeps
         // every rank's streams in queues of their own (module_loading.hpp, ensure_device_connections).
-        const int sides =
-            world.num_ranks_on_device() > 1 ? 1 : std::min(std::max(num_ranks_ - 1, 1), kMaxSideStreams);
+        const int sides = world.num_ranks_on_device() > 1 ? 1 : std::min(std::max(num_ranks_ - 1, 1), kMaxSideStreams);
         WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
         for (int i = 0; i < sides; ++i) {
             cudaStream_t s = nullptr;

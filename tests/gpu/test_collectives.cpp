@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 // GPU tests of the collectives (ranks as threads sharing the visible GPUs): exact results against a CPU reference
-// for every algorithm, dtype, world size 1-8, size (1 element to tens of MB) and buffer placement; a stress loop of
-// thousands of back-to-back calls with stragglers and no host synchronisation; CUDA graph capture and replay.
+// for every algorithm (LL reduce-scatter included), dtype, world size 1-8, size (1 element to tens of MB) and buffer
+// placement; a stress loop of thousands of back-to-back calls with stragglers and no host synchronisation; CUDA
+// graph capture and replay.
 //
 // Inputs are integers in [-8, 8] (collectives_test_kernels.hpp), so every sum is exact in bf16, f16 and f32 and
 // the outputs must match bit for bit. Outputs are poisoned (0xFF bytes: NaN) before every call, and the bytes
@@ -12,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <random>
 #include <sstream>
@@ -41,7 +43,8 @@ constexpr AllReduceAlgo kAllReduceAlgos[] = {AllReduceAlgo::kAuto, AllReduceAlgo
                                              AllReduceAlgo::kTwoShot};
 constexpr AllGatherAlgo kAllGatherAlgos[] = {AllGatherAlgo::kAuto, AllGatherAlgo::kLowLatency, AllGatherAlgo::kSmPush,
                                              AllGatherAlgo::kCopyEnginePull, AllGatherAlgo::kCopyEnginePush};
-constexpr ReduceScatterAlgo kReduceScatterAlgos[] = {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kSmPull};
+constexpr ReduceScatterAlgo kReduceScatterAlgos[] = {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kSmPull,
+                                                     ReduceScatterAlgo::kLowLatency};
 // Element counts: 1, around vector and granule boundaries, odd, and past the LL capacity (rounds).
 constexpr uint64_t kCounts[] = {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 100, 1000, 4099, 65537, 300007};
 constexpr uint64_t kBigBytes = 24ull << 20;  // "tens of MB": one case per op and algorithm, worlds 3 and 8
@@ -396,8 +399,10 @@ TEST(Collectives, ReduceScatterEveryAlgorithmDtypeSizePlacementAndWorld) {
                 }
                 if (n == 3 || n == 8) {
                     const uint64_t count = kBigBytes / static_cast<uint64_t>(n) / 2 - 5;  // bf16 elements per rank
-                    for (Place p : {Place::kLocal, Place::kSymmetric}) {
-                        reduce_scatter_case(b, DType::kBF16, ReduceScatterAlgo::kSmPull, count, p, seed, &failures);
+                    for (ReduceScatterAlgo a : {ReduceScatterAlgo::kSmPull, ReduceScatterAlgo::kLowLatency}) {
+                        for (Place p : {Place::kLocal, Place::kSymmetric}) {
+                            reduce_scatter_case(b, DType::kBF16, a, count, p, seed, &failures);  // LL: dozens of rounds
+                        }
                     }
                 }
                 report(failures);
@@ -449,10 +454,12 @@ std::vector<StressCall> stress_plan(uint64_t seed, int num_calls, uint64_t max_c
         c.in_sym = rng() % 2 == 0;
         c.out_sym = rng() % 2 == 0;
         c.inplace = rng() % 4 == 0;
-        if (c.op == Op::kAllReduce) c.algo = static_cast<int>(kAllReduceAlgos[rng() % 4]);
-        if (c.op == Op::kReduceScatter) c.algo = static_cast<int>(kReduceScatterAlgos[rng() % 2]);
+        if (c.op == Op::kAllReduce) c.algo = static_cast<int>(kAllReduceAlgos[rng() % std::size(kAllReduceAlgos)]);
+        if (c.op == Op::kReduceScatter) {
+            c.algo = static_cast<int>(kReduceScatterAlgos[rng() % std::size(kReduceScatterAlgos)]);
+        }
         if (c.op == Op::kAllGather) {
-            c.algo = static_cast<int>(kAllGatherAlgos[rng() % 5]);
+            c.algo = static_cast<int>(kAllGatherAlgos[rng() % std::size(kAllGatherAlgos)]);
             const auto a = static_cast<AllGatherAlgo>(c.algo);
             if (a == AllGatherAlgo::kSmPush || a == AllGatherAlgo::kCopyEnginePush) c.out_sym = true;
         }
@@ -582,11 +589,14 @@ void graph_case(int num_ranks, bool copy_engines) {
                                 {.algo = AllReduceAlgo::kTwoShot});
                 const auto slice = static_cast<int64_t>(kCount / static_cast<uint64_t>(n));
                 ops::reduce_scatter(w, TensorView(sym_in, t, {slice * n}), TensorView(outs + region * r++, t, {slice}),
-                                    s);
+                                    s, {.algo = ReduceScatterAlgo::kSmPull});
                 ops::all_gather(w, TensorView(in, t, {count}), TensorView(outs + region * r++, t, {total}), s,
                                 {.algo = AllGatherAlgo::kSmPush});
                 ops::all_gather(w, TensorView(in, t, {count}), TensorView(outs + region * r++, t, {total}), s,
                                 {.algo = AllGatherAlgo::kLowLatency});
+                // LL reduce-scatter of a local input: every replay advances the epochs (flags and parities).
+                ops::reduce_scatter(w, TensorView(in, t, {slice * n}), TensorView(outs + region * r++, t, {slice}), s,
+                                    {.algo = ReduceScatterAlgo::kLowLatency});
             } else {
                 ops::all_gather(w, TensorView(in, t, {count}), TensorView(outs, t, {total}), s,
                                 {.algo = AllGatherAlgo::kCopyEnginePull});
@@ -601,7 +611,7 @@ void graph_case(int num_ranks, bool copy_engines) {
             std::vector<std::string> failures;
             for (int replay = 0; replay < 5; ++replay) {
                 const uint64_t rs = seed + 1000 * static_cast<uint64_t>(replay);
-                WEFT_CUDA_CHECK(cudaMemsetAsync(outs, 0xFF, region * 7, s));
+                WEFT_CUDA_CHECK(cudaMemsetAsync(outs, 0xFF, region * 8, s));
                 launch_fill_pattern(s, in, t, kCount, rs, me, 0);
                 launch_fill_pattern(s, sym_in, t, kCount, rs, me, 0);
                 WEFT_CUDA_CHECK(cudaGraphLaunch(exec, s));
@@ -625,9 +635,11 @@ void graph_case(int num_ranks, bool copy_engines) {
                     const std::vector<int32_t>& rs_sums =
                         reference_sums(rs, n, static_cast<uint64_t>(me) * slice, slice);
                     check(
-                        4, slice, [&](uint64_t i) { return int_bits(rs_sums[i], t); }, "reduce_scatter");
+                        4, slice, [&](uint64_t i) { return int_bits(rs_sums[i], t); }, "reduce_scatter sm_pull");
                     check(5, kCount * n, gather, "all_gather sm_push");
                     check(6, kCount * n, gather, "all_gather ll");
+                    check(
+                        7, slice, [&](uint64_t i) { return int_bits(rs_sums[i], t); }, "reduce_scatter ll");
                 } else {
                     check(0, kCount * n, gather, "all_gather ce_pull (staged)");
                     check(1, kCount * n, gather, "all_gather ce_pull (symmetric input)");
