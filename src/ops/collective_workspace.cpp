@@ -229,9 +229,11 @@ CollectiveWorkspace::CollectiveWorkspace(World& world) : world_(world) {
         WEFT_CUDA_CHECK(cudaStreamSynchronize(setup_stream_));
         WEFT_CUDA_CHECK(cudaStreamDestroy(setup_stream_));  // one stream fewer in the hardware queues
         setup_stream_ = nullptr;
-        // NOTE: ranks of one process sharing a GPU share its hardware queues: one side stream each keeps
-        // every rank's streams in queues of their own (module_loading.hpp, ensure_device_connections).
-        const int sides = world.num_ranks_on_device() > 1 ? 1 : std::min(std::max(num_ranks_ - 1, 1), kMaxSideStreams);
+        // NOTE: ranks of one process sharing a GPU share its hardware queues. Then the copy-engine schedule runs
+        // on the caller's stream (no side stream at all), which keeps every rank's streams in queues of their own
+        // (module_loading.hpp, ensure_device_connections) and a captured call a single chain of graph nodes
+        // (all_gather.cpp, copy_engine_round).
+        const int sides = world.num_ranks_on_device() > 1 ? 0 : std::min(std::max(num_ranks_ - 1, 1), kMaxSideStreams);
         WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
         for (int i = 0; i < sides; ++i) {
             cudaStream_t s = nullptr;
