@@ -19,7 +19,7 @@ uint16_t float_to_bits(DType t, float x) {
         uint32_t u;
         std::memcpy(&u, &x, 4);
         if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-        u += 0x7fffu + ((u >> 16) & 1u);                      // round to nearest even
+        u += 0x7fffu + ((u >> 16) & 1u);                     // round to nearest even
         return static_cast<uint16_t>(u >> 16);
     }
     WEFT_CHECK(t == DType::kF16, "tp_test: 16-bit matrices are bf16 or f16, got " << dtype_name(t));
@@ -76,10 +76,14 @@ std::vector<int64_t> rows_to_check(int64_t m, int64_t block, double work_per_row
 
 double unit_roundoff(DType t) {
     switch (t) {
-        case DType::kBF16: return std::ldexp(1.0, -8);   // 8 significand bits
-        case DType::kF16: return std::ldexp(1.0, -11);   // 11
-        case DType::kF32: return std::ldexp(1.0, -24);   // 24
-        default: break;
+        case DType::kBF16:
+            return std::ldexp(1.0, -8);  // 8 significand bits
+        case DType::kF16:
+            return std::ldexp(1.0, -11);  // 11
+        case DType::kF32:
+            return std::ldexp(1.0, -24);  // 24
+        default:
+            break;
     }
     WEFT_FAIL("tp_test: no unit roundoff for " << dtype_name(t));
 }
@@ -102,7 +106,8 @@ void Reference::add(const HostMat& a, int64_t a_row0, const std::vector<int64_t>
         for (int64_t j = 0; j < k; ++j) bt[static_cast<size_t>(c * k + j)] = b.at(c, j);
     std::vector<double> arow(static_cast<size_t>(k));
     for (int64_t i = 0; i < rows; ++i) {
-        for (int64_t j = 0; j < k; ++j) arow[static_cast<size_t>(j)] = a.at(a_row0 + row_ids[static_cast<size_t>(i)], j);
+        for (int64_t j = 0; j < k; ++j)
+            arow[static_cast<size_t>(j)] = a.at(a_row0 + row_ids[static_cast<size_t>(i)], j);
         for (int64_t c = 0; c < cols; ++c) {
             const double* bc = bt.data() + c * k;
             double s = 0, sa = 0;

@@ -77,7 +77,7 @@ struct Reference {
 struct ErrorModel {
     double u_partial = 0;  ///< 0: the GEMM writes the output itself
     double u_out = 0;
-    double frob = 0;       ///< relative to ||want||; compare() takes the larger of this and ||first_order||
+    double frob = 0;  ///< relative to ||want||; compare() takes the larger of this and ||first_order||
 
     /// A GEMM writing its output directly (AgGemm; GemmRs and GemmAr in a world of one rank).
     static ErrorModel gemm(DType out);
@@ -96,8 +96,8 @@ struct ErrorModel {
 /// Compares rows `rows` of got [.., cols] (row rows[i] against reference row i) element-wise against the
 /// model's bound and in relative Frobenius norm (||got - want|| <= max(frob ||want||, ||first_order||): the
 /// old relative tolerance, unless cancelling partials make the model's first-order error larger); checks
-/// NaN-freedom and that the row padding kept its sentinel. Returns "" when it matches, else a description of what is wrong (the first bad element with
-/// its bound, and the worst error / bound ratio).
+/// NaN-freedom and that the row padding kept its sentinel. Returns "" when it matches, else a description of what is
+/// wrong (the first bad element with its bound, and the worst error / bound ratio).
 std::string compare(const HostMat& got, const std::vector<int64_t>& rows, const Reference& ref,
                     const ErrorModel& model);
 

@@ -73,8 +73,8 @@ float gemm_elem(const HostMat& a, const HostMat& b, int64_t i, int64_t c, int64_
 }
 
 struct Breakage {
-    int64_t skip_k = -1;     // rank 0's GEMM leaves this k-term out
-    int skip_rank = -1;      // this rank's partial is not added
+    int64_t skip_k = -1;  // rank 0's GEMM leaves this k-term out
+    int skip_rank = -1;   // this rank's partial is not added
 };
 
 // The op's output as the rounding model describes it (c_pad columns of padding keep the sentinel).
@@ -91,7 +91,8 @@ HostMat simulate(const Problem& p, const Breakage& br = {}, int64_t c_pad = 8) {
                     sum = acc;  // the plain GEMM writes C itself: no partial
                     break;
                 }
-                const float part = p.partial == DType::kF32 ? acc : bits_to_float(p.partial, float_to_bits(p.partial, acc));
+                const float part =
+                    p.partial == DType::kF32 ? acc : bits_to_float(p.partial, float_to_bits(p.partial, acc));
                 sum = trunc_to_float(static_cast<double>(sum) + part);
             }
             c.set(i, col, sum);
@@ -203,8 +204,8 @@ TEST(TpTolerance, RejectsAResultMissingOneKTerm) {
                         Breakage br;
                         br.skip_k = k - 1;  // e.g. a dropped ragged last K-step
                         const std::string bad = compare(simulate(p, br), all_rows(p.m), reference(p), model(p));
-                        EXPECT_NE(bad, "") << "W " << w << " " << dtype_name(dt) << " partials "
-                                           << dtype_name(partial) << " k " << k << " cancel " << cancel;
+                        EXPECT_NE(bad, "") << "W " << w << " " << dtype_name(dt) << " partials " << dtype_name(partial)
+                                           << " k " << k << " cancel " << cancel;
                         EXPECT_NE(bad.find("> bound"), std::string::npos) << bad;
                     }
                 }
