@@ -141,8 +141,8 @@ ReduceScatterAlgo select_reduce_scatter_algo(uint64_t output_bytes, const Collec
     // LL sends each rank (n - 1) x output_bytes of payload (twice that in lines) and waits for nothing but the
     // data: per output byte the traffic of an LL all-reduce of output_bytes, so the same threshold. SM pull pays an
     // entry-barrier round trip before its first read: measured on 2 H200s (bf16, output = input / 2), sm_pull
-    // 8.1 us at 4 KiB input, 8.3 us at 16 KiB, 10.2 us at 256 KiB, against NCCL's 5.4 / 5.9 / 6.9 us and LL
-    // all-reduce's (same traffic) 3.7-4.4 us up to 16 KiB.
+    // 8.1 us at 4 KiB input, 8.3 us at 16 KiB, 10.2 us at 256 KiB, against NCCL's 5.4 / 5.9 / 6.9 us and the LL
+    // all-reduce's (same traffic) 3.7-4.4 us up to 16 KiB and 7.5 us at 256 KiB (the 2-rank threshold).
     if (output_bytes <= low_latency_threshold_bytes(topo)) return ReduceScatterAlgo::kLowLatency;
     return ReduceScatterAlgo::kSmPull;
 }
