@@ -489,12 +489,13 @@ void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, co
                     fmt(r.a).c_str(), fmt(r.b).c_str(), fmt(r.weft).c_str(), fmt(ideal).c_str(), r.a / r.weft,
                     100.0 * ideal / r.weft, check);
     }
+    const bool weft_coll = o.coll == BaselineColl::kWeft;
     std::printf("gemm: cuBLASLt alone; weft-gemm: weft's GEMM engine alone (same config, no communication); coll: the\n"
                 "baseline collective alone, algo: its algorithm (%s); (a)seq: cuBLAS and that same\n"
-                "collective back to back; (b)decomp: chunked cuBLAS GEMMs beside copy-engine transfers (GEMM+AR: beside\n"
-                "%s); ideal = max(gemm, coll); vs (a) = (a) / weft; eff = ideal / weft.\n",
-                o.coll == BaselineColl::kWeft ? "weft's automatic choice; WEFT_*_ALGO overrides it" : "--baseline-coll simple",
-                o.coll == BaselineColl::kWeft ? "weft all_reduce per chunk" : "the simple sum kernel per chunk");
+                "collective back to back; (b)decomp: chunked cuBLAS GEMMs beside copy-engine transfers (GEMM+AR:\n"
+                "beside %s); ideal = max(gemm, coll); vs (a) = (a) / weft; eff = ideal / weft.\n",
+                weft_coll ? "weft's automatic choice; WEFT_*_ALGO overrides it" : "--baseline-coll simple",
+                weft_coll ? "weft all_reduce per chunk" : "the simple sum kernel per chunk");
     if (o.json.empty()) return;
     std::ofstream out(o.json);
     out << "{\"bench\": \"weft_bench_tp\", \"device\": \"" << device << "\", \"gpus\": " << gpus << ", \"dtype\": \""

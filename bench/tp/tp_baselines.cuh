@@ -387,7 +387,9 @@ class BaselineReduceScatter {
 public:
     BaselineReduceScatter(World& w, BaselineColl kind, DType t, void* partial, void* out, int64_t rows, int64_t n)
         : w_(&w), kind_(kind), t_(t), partial_(partial), out_(out), rows_(rows), n_(n) {
-        if (n % 8 != 0) throw std::runtime_error("BaselineReduceScatter: n must be a multiple of 8, got " + std::to_string(n));
+        if (n % 8 != 0) {
+            throw std::runtime_error("BaselineReduceScatter: n must be a multiple of 8, got " + std::to_string(n));
+        }
         if (kind_ == BaselineColl::kSimple) {
             bar_.make(w);
             algo_ = "simple";
@@ -445,7 +447,9 @@ class BaselineAllReduce {
 public:
     BaselineAllReduce(World& w, BaselineColl kind, DType t, void* partial, void* out, int64_t m, int64_t n)
         : w_(&w), kind_(kind), t_(t), partial_(partial), out_(out), m_(m), n_(n) {
-        if (n % 8 != 0) throw std::runtime_error("BaselineAllReduce: n must be a multiple of 8, got " + std::to_string(n));
+        if (n % 8 != 0) {
+            throw std::runtime_error("BaselineAllReduce: n must be a multiple of 8, got " + std::to_string(n));
+        }
         if (kind_ == BaselineColl::kSimple) {
             bar_.make(w);
             algo_ = "simple";
@@ -506,8 +510,8 @@ struct ExampleArgs {
 
 inline bool parse_example_args(int argc, char** argv, ExampleArgs& args) {
     const auto usage = [&] {
-        std::fprintf(stderr, "usage: %s [--world W] [--m M] [--n N] [--k K] [--iters I] [--baseline-coll weft|simple]\n",
-                     argv[0]);
+        std::fprintf(stderr, "usage: %s [--world W] [--m M] [--n N] [--k K] [--iters I] "
+                     "[--baseline-coll weft|simple]\n", argv[0]);
         return false;
     };
     int i = 1;
