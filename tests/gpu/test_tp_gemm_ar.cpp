@@ -97,9 +97,9 @@ void run_case(World& w, const ArCase& cs, DType dt, int calls, Mode mode, uint64
             download(c, c_dev.ptr, st);
             std::vector<int64_t> rows;
             for (int64_t r = 0; r < m; ++r) rows.push_back(r);
-            std::vector<double> ref(rows.size() * static_cast<size_t>(cs.n), 0.0);
-            for (int r = 0; r < nr; ++r) add_a_bt(as[static_cast<size_t>(r)], 0, rows, bs[static_cast<size_t>(r)], ref);
-            const std::string bad = compare(c, rows, ref, tol_for(dt, cs.f32_partials ? 1 : nr));
+            Reference ref(static_cast<int64_t>(rows.size()), cs.n);
+            for (int r = 0; r < nr; ++r) ref.add(as[static_cast<size_t>(r)], 0, rows, bs[static_cast<size_t>(r)]);
+            const std::string bad = compare(c, rows, ref, ErrorModel::tp_sum(dt, op.partial_dtype(), nr));
             if (!bad.empty()) f.add(what + " rank " + std::to_string(me) + ": " + bad);
             std::lock_guard<std::mutex> lock(h.mutex);
             auto& v = h.by_call[what];

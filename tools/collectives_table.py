@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
+"""Renders weft_bench_collectives --json output as the markdown table of docs/performance.md.
+
+    tools/collectives_table.py collectives.json [--sizes 8,16384,1048576,...] [--date YYYY-MM-DD]
+
+One row per (op, size, world): auto's choice and time, the best forced algorithm, NCCL (when it ran) and the
+roofline; ratio = NCCL time / best weft time (> 1: weft faster).
+"""
+import argparse
+import json
+
+
+def human(n):
+    for unit, div in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return f"{n}B"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("json")
+    ap.add_argument("--sizes", default="")
+    ap.add_argument("--date", default="")
+    args = ap.parse_args()
+    data = json.load(open(args.json))
+    keep = {int(s) for s in args.sizes.split(",") if s}
+    date = args.date or data.get("date", "")
+    print("| op | size | world | auto (choice) µs | best weft µs (algo) | NCCL µs | roofline µs | NCCL/best | date |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for w in data["worlds"]:
+        roof_bw = w.get("roofline_busbw_gbps", 0.0)
+        groups = {}
+        for r in w["rows"]:
+            groups.setdefault((r["op"], r["size_bytes"]), []).append(r)
+        for (op, size), rs in groups.items():
+            if keep and size not in keep:
+                continue
+            auto = next((r for r in rs if r["algo"] == "auto"), None)
+            nccl = next((r for r in rs if r["algo"] == "nccl"), None)
+            weft = [r for r in rs if r["algo"] not in ("auto", "nccl") and r.get("correct", True)]
+            if not weft:
+                continue
+            best = min(weft, key=lambda r: r["us"])
+            bus_bytes = best["busbw_gbps"] * best["us"] * 1e3  # bytes the bus-bandwidth formula counts
+            roof = bus_bytes / (roof_bw * 1e3) if roof_bw > 0 else 0.0
+            auto_text = f"{auto['us']:.2f} ({auto.get('chosen', '?')})" if auto else "-"
+            nccl_text = f"{nccl['us']:.2f}" if nccl else "n/a"
+            ratio = f"{nccl['us'] / best['us']:.2f}" if nccl else "-"
+            print(f"| {op} | {human(size)} | {w['world']} | {auto_text} | {best['us']:.2f} ({best['algo']}) | "
+                  f"{nccl_text} | {roof:.2f} | {ratio} | {date} |")
+
+
+if __name__ == "__main__":
+    main()
