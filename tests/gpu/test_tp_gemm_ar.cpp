@@ -113,7 +113,8 @@ void run_case(World& w, const ArCase& cs, DType dt, int calls, Mode mode, uint64
 
 const std::vector<ArCase>& cases() {
     static const std::vector<ArCase> v = {
-        {128, {1, 16, 128, 5}, 1000, 256, 8},  // small-M (1, 5, 16) and tiled (128) paths; padded c
+        {128, {1, 16, 128, 5}, 1000, 256, 8},  // small-M (1, 5, 16) and tiled (128) paths; padded c: own kernel
+        {64, {1, 16, 64, 3}, 2048, 512},       // contiguous c, N % 8 == 0: the all-reduce is ops::all_reduce
         {64, {64, 17}, 8, 1000},               // N = 8
         {100, {100, 33}, 1100, 136, 0, true},  // ragged N, fp32 partials, tiled at M = 100
     };
