@@ -528,7 +528,8 @@ int main(int argc, char** argv) {
         BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
         const int world = o.world > 0 ? o.world : std::max(2, gpus);
         // Heap: the largest op's symmetric buffers (weft's and the baseline's), plus room, plus the collective
-        // workspace of the weft baselines (it stays allocated for the whole run).
+        // workspace (it stays allocated for the whole run once made: by the weft baselines, and by GemmAr, whose
+        // all-reduce half is ops::all_reduce, with either baseline).
         uint64_t heap = 64ull << 20;
         for (const std::string& op : o.ops) {
             for (const Shape& sz : o.sizes.empty() ? default_shapes(op) : o.sizes) {
@@ -536,7 +537,7 @@ int main(int argc, char** argv) {
                 heap = std::max<uint64_t>(heap, (op == "ar" ? 5 : (op == "rs" ? 6 : 2)) * per + (64ull << 20));
             }
         }
-        if (o.coll == BaselineColl::kWeft) heap += collective_workspace_heap_bytes(world);
+        heap += collective_workspace_heap_bytes(world);
         weft::WorldOptions wo;
         wo.heap_bytes = (heap + (2ull << 20) - 1) / (2ull << 20) * (2ull << 20);
         wo.timeout = std::chrono::milliseconds(60000);
