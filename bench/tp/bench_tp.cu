@@ -12,7 +12,7 @@
 // GEMM+RS shards K (each holds A[M, K/W], B[N, K/W]; out [M/W, N]); GEMM+AR shards K (out [M, N]).
 // --shapes picks entries of each op's default list by index (0-based); --sizes replaces the lists.
 // The collective of (a) and of the "coll" column is weft's standalone op (weft::ops::all_gather / reduce_scatter /
-// all_reduce, automatic algorithm, on symmetric-heap buffers: the fastest collective in this run); with
+// all_reduce, automatic algorithm, on symmetric-heap buffers: weft's tuned collective, not a slow stand-in); with
 // --baseline-coll simple it is the weft-free code of tp_baselines.cuh (device barriers + copy-engine pulls or an
 // SM sum kernel). (b) keeps its copy-engine transfers; its GEMM+AR chunks use weft's all_reduce too (README.md
 // says why). NCCL is not used: ranks that share a GPU cannot form an NCCL communicator (see bench/tp/README.md).
