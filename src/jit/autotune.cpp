@@ -2,6 +2,8 @@
 // The autotuner: CUDA-event timing, cross-rank agreement, and the decision file.
 #include "weft/jit/autotune.hpp"
 
+#include <cuda_runtime_api.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -165,9 +167,12 @@ double measure_with_cuda_events(const TuneCandidate& candidate, const TuneOption
     return median(std::move(samples));
 }
 
-Autotuner::Autotuner(AutotuneConfig config, TuneMeasure measure)
-    : config_(std::move(config)), measure_(std::move(measure)) {
+void synchronize_stream(cudaStream_t stream) { WEFT_CUDA_CHECK(cudaStreamSynchronize(stream)); }
+
+Autotuner::Autotuner(AutotuneConfig config, TuneMeasure measure, TuneSync sync)
+    : config_(std::move(config)), measure_(std::move(measure)), sync_(std::move(sync)) {
     WEFT_CHECK(measure_, "Autotuner: the measure function must be set");
+    WEFT_CHECK(sync_, "Autotuner: the stream synchronisation function must be set");
 }
 
 std::string Autotuner::decision_id(const TuneKey& key_in) const {
@@ -324,14 +329,52 @@ TuneResult Autotuner::tune(const TuneKey& key_in, const std::vector<TuneCandidat
         return result;
     }
 
+    // Collective runs (fused cross-rank ops): every run starts once this rank's previous run has finished and
+    // every rank has got there, so no rank's call overlaps a peer's earlier one (a rank running ahead would
+    // leave kernels spinning on the peers' progress while they still run the previous call).
+    const bool lockstep = distributed && options.collective_runs;
+    TuneOptions run_options = options;
+    if (lockstep) {
+        run_options.rotate_inputs = [this, comm, &options](int iteration) {
+            sync_(options.stream);
+            comm->barrier();
+            if (options.rotate_inputs) options.rotate_inputs(iteration);
+        };
+    }
+    const int rank = comm ? comm->rank() : 0;
     std::vector<std::vector<double>> times(candidates.size());
     for (size_t c = 0; c < candidates.size(); ++c) {
+        const TuneCandidate& cand = candidates[c];
         if (comm) comm->barrier();
+        // Host-side set-up first, agreed by every rank before anything of the candidate is launched anywhere:
+        // a rank that cannot run it must not leave its peers' kernels waiting for work it never launches.
+        bool prepared = true;
+        if (cand.prepare) {
+            try {
+                cand.prepare();
+            } catch (const std::exception& e) {
+                prepared = false;
+                WEFT_LOG_WARN("autotune " << key.op << ": candidate " << cand.name << " cannot be set up on rank "
+                                          << rank << ": " << e.what());
+            }
+        }
+        if (distributed) {
+            for (double v : comm->all_gather(prepared ? 1.0 : 0.0)) prepared = prepared && v == 1.0;
+        }
         double t = std::numeric_limits<double>::infinity();
-        try {
-            t = measure_(candidates[c], options);
-        } catch (const std::exception& e) {
-            WEFT_LOG_WARN("autotune " << key.op << ": candidate " << candidates[c].name << " failed: " << e.what());
+        if (prepared) {
+            try {
+                t = measure_(cand, run_options);
+            } catch (const std::exception& e) {
+                if (lockstep) {
+                    // Peers may be waiting on the device for work this rank did not launch: the session cannot
+                    // go on to another candidate. Each rank reports its own view (the first error is here).
+                    WEFT_FAIL("autotune " << key.op << " [" << key.problem << "]: candidate " << cand.name
+                                          << " failed while running on rank " << rank << ": " << e.what()
+                                          << "; tuning stops (its runs launch work that the other ranks wait for)");
+                }
+                WEFT_LOG_WARN("autotune " << key.op << ": candidate " << cand.name << " failed: " << e.what());
+            }
         }
         times[c] = distributed ? comm->all_gather(t) : std::vector<double>{t};
         WEFT_CHECK(static_cast<int>(times[c].size()) == num_ranks,

@@ -257,9 +257,39 @@ TensorView AgGemm::local_shard(int64_t m) const {
 
 namespace {
 
-/// One call with config `idx` (arguments validated; m = M).
-void enqueue(AgGemm::State& s, size_t idx, int64_t m, const TensorView& slot, const TensorView& gathered,
-             const TensorView& a_local, const TensorView& b, const TensorView& c, cudaStream_t stream);
+/// One peer chunk the copy streams pull into the gathered buffer, then signal.
+struct AgCopy {
+    int stream = 0;                  // index into State::copy_streams
+    uint64_t* wait_ready = nullptr;  // the peer's ready flag to await first (its first chunk), or null
+    void* dst = nullptr;
+    const void* src = nullptr;
+    size_t bytes = 0;
+    uint64_t* signal = nullptr;
+};
+
+/// One call of one config, set up on the host (views, peer addresses, tensor maps, kernel parameters):
+/// launching it only enqueues. The peers' GEMMs wait for this rank's ready flag and done-barrier: nothing that
+/// can throw may sit between this rank's launches (the autotuner relies on this, TuneCandidate::prepare).
+struct AgCall {
+    size_t idx = 0;
+    bool copy_local = false;  // a_local is not already local_shard(M): copy it there first
+    void* slot = nullptr;
+    const void* local_src = nullptr;
+    size_t width_bytes = 0, src_pitch = 0;
+    size_t rows = 0;
+    tp_detail::PlainGemmLaunch plain{};  // a world of one rank
+    AgNotifyParams notify{};
+    std::vector<AgCopy> copies;
+    detail::GemmTensorMaps maps{};
+    GemmArgs args{};
+    AgGemmParams sched{};
+    AgGemmHookParams hook{};
+    int grid = 1;
+};
+
+AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorView& slot, const TensorView& gathered,
+                    const TensorView& a_local, const TensorView& b, const TensorView& c);
+void launch_call(AgGemm::State& s, const AgCall& call, cudaStream_t stream);
 
 }  // namespace
 
@@ -272,10 +302,15 @@ void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorVie
         cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
         WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
         if (capture == cudaStreamCaptureStatusNone) {
+            // As GemmRs: every candidate is set up on every rank before any of its runs is launched anywhere,
+            // and with more than one rank its runs go in lockstep (each call ends in a cross-rank barrier).
+            std::vector<AgCall> calls(s.configs.size());
             std::vector<jit::TuneCandidate> cands;
             for (size_t i = 0; i < s.configs.size(); ++i) {
-                cands.push_back({tp_detail::config_text(s.configs[i]),
-                                 [&, i](cudaStream_t st) { enqueue(s, i, m, slot, g, a_local, b, c, st); }});
+                cands.emplace_back(
+                    tp_detail::config_text(s.configs[i]),
+                    [&s, &calls, i](cudaStream_t st) { launch_call(s, calls[i], st); },
+                    [&, i] { calls[i] = prepare_call(s, i, m, slot, g, a_local, b, c); });
             }
             std::ostringstream problem;
             problem << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)
@@ -284,6 +319,7 @@ void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorVie
             const auto comm = tp_detail::make_tune_comm(*s.world, s.world->heap().offset_of(s.epoch));
             jit::TuneOptions to;
             to.stream = stream;
+            to.collective_runs = s.num_ranks > 1;
             jit::TuneKey key;
             key.op = kOp;
             key.problem = problem.str();
@@ -293,37 +329,88 @@ void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorVie
             WEFT_LOG_INFO("ag_gemm: tuned " << problem.str() << " -> " << r.name);
         }
     }
-    enqueue(s, s.active, m, slot, g, a_local, b, c, stream);
+    launch_call(s, prepare_call(s, s.active, m, slot, g, a_local, b, c), stream);
 }
 
 namespace {
 
-void enqueue(AgGemm::State& s, size_t idx, int64_t m, const TensorView& slot, const TensorView& g,
-             const TensorView& a_local, const TensorView& b, const TensorView& c, cudaStream_t stream) {
+AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorView& slot, const TensorView& g,
+                    const TensorView& a_local, const TensorView& b, const TensorView& c) {
+    AgCall call;
+    call.idx = idx;
     const GemmConfig& config = s.configs[idx];
-    const jit::Kernel& kernel = *s.kernels[idx];
     const int64_t rows = m / s.num_ranks;
     const int64_t es = s.elem_bytes();
     const int64_t k = s.shape.k;
     WEFT_CHECK(a_local.data != slot.data || rows == 1 || a_local.stride(0) == k,
                "ag_gemm: a_local starts at local_shard(M) but has row stride " << a_local.stride(0) << " instead of K = "
                                                                                << k << " (it would be copied onto itself)");
-    const bool copy_local = a_local.data != slot.data;
-    const auto copy_shard = [&](cudaStream_t on) {
-        WEFT_CUDA_CHECK(cudaMemcpy2DAsync(slot.data, static_cast<size_t>(k * es), a_local.data,
-                                          static_cast<size_t>(a_local.stride(0) * es), static_cast<size_t>(k * es),
-                                          static_cast<size_t>(rows), cudaMemcpyDefault, on));
-    };
+    call.copy_local = a_local.data != slot.data;
+    call.slot = slot.data;
+    call.local_src = a_local.data;
+    call.width_bytes = static_cast<size_t>(k * es);
+    call.src_pitch = static_cast<size_t>(a_local.stride(0) * es);
+    call.rows = static_cast<size_t>(rows);
 
     if (s.num_ranks == 1) {
         // The plain GEMM straight from a_local; the copy into gathered(M) runs beside it.
-        if (copy_local) {
+        call.plain = tp_detail::prepare_plain_gemm(config, a_local, b, c, s.budget, s.pipeline_timeout_ns);
+        return call;
+    }
+    call.notify = AgNotifyParams{s.ctx, s.ready};
+    // The copy streams: for each peer in rank-rotated order, wait for its ready flag, pull its chunks, raise
+    // one signal per chunk (constant 1: reset by the GEMM's last tile, so nothing is frozen in a graph).
+    const AllGatherTileMap map{rows, s.num_ranks, s.chunk_rows, config.tile_m};
+    const int32_t cpr = map.chunks_per_rank();
+    const int num_copy = static_cast<int>(s.copy_streams.size());
+    for (int32_t i = cpr; i < map.num_signals(); ++i) {  // chunk_at(rank, i): own shard first, skipped
+        const ChunkInfo ch = map.chunk_at(s.rank, i);
+        const int step = i / cpr;  // 1 .. W-1: the peer's distance
+        AgCopy copy;
+        copy.stream = (step - 1) % num_copy;
+        copy.wait_ready = ch.chunk == 0 ? s.ready + ch.rank : nullptr;
+        uint8_t* dst = s.gathered + ch.row_begin * k * es;
+        copy.dst = dst;
+        copy.src = s.world->heap().symm_at(static_cast<const void*>(dst), ch.rank);
+        WEFT_CHECK(copy.src != nullptr, "ag_gemm: rank " << ch.rank << "'s gathered buffer is not reachable");
+        copy.bytes = static_cast<size_t>(ch.num_rows * k * es);
+        copy.signal = s.chunk_signals + ch.signal_idx;
+        call.copies.push_back(copy);
+    }
+    // The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks.
+    call.maps = detail::make_gemm_tensor_maps(config, g, b, c);
+    call.args = detail::make_gemm_args(g, c, s.pipeline_timeout_ns);
+    const AgGemmOrder order(config, rows, s.num_ranks, s.chunk_rows, static_cast<int32_t>(s.shape.n), s.rank);
+    call.sched = AgGemmParams{s.ctx, order, s.chunk_signals};
+    AgGemmHookParams& hook = call.hook;
+    hook.ctx = s.ctx;
+    hook.tile_counter = s.tile_counter;
+    hook.num_tiles = order.num_m_tiles * order.num_n_tiles;
+    hook.num_signals = map.num_signals();
+    hook.chunk_signals = s.chunk_signals;
+    hook.ready = s.ready;
+    hook.done = s.done;
+    hook.epoch = s.epoch;
+    call.grid = std::max(1, std::min(s.budget, order.num_cluster_tiles()));
+    return call;
+}
+
+void launch_call(AgGemm::State& s, const AgCall& call, cudaStream_t stream) {
+    const GemmConfig& config = s.configs[call.idx];
+    const jit::Kernel& kernel = *s.kernels[call.idx];
+    const auto copy_shard = [&](cudaStream_t on) {
+        WEFT_CUDA_CHECK(cudaMemcpy2DAsync(call.slot, call.width_bytes, call.local_src, call.src_pitch, call.width_bytes,
+                                          call.rows, cudaMemcpyDefault, on));
+    };
+
+    if (s.num_ranks == 1) {
+        if (call.copy_local) {
             WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
             WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.copy_streams[0], s.fork, 0));
             copy_shard(s.copy_streams[0]);
         }
-        tp_detail::launch_plain_gemm(kernel, config, a_local, b, c, s.budget, s.pipeline_timeout_ns, stream);
-        if (copy_local) {
+        tp_detail::launch_plain_gemm(kernel, config, call.plain, stream);
+        if (call.copy_local) {
             WEFT_CUDA_CHECK(cudaEventRecord(s.joins[0], s.copy_streams[0]));
             WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.joins[0], 0));
         }
@@ -335,49 +422,27 @@ void enqueue(AgGemm::State& s, size_t idx, int64_t m, const TensorView& slot, co
     WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
     for (cudaStream_t cs : s.copy_streams) WEFT_CUDA_CHECK(cudaStreamWaitEvent(cs, s.fork, 0));
     // 1. This rank's shard into its slot of the gathered buffer, then ready[rank] = 1 on every peer.
-    if (copy_local) copy_shard(stream);
+    if (call.copy_local) copy_shard(stream);
     {
         jit::LaunchParams lp;
         lp.grid = dim3(1, 1, 1);
         lp.block = dim3(kTpNotifyThreads, 1, 1);
         lp.stream = stream;
-        s.notify_kernel->launch(lp, AgNotifyParams{s.ctx, s.ready});
+        s.notify_kernel->launch(lp, call.notify);
     }
-    // 2. Copy streams: for each peer in rank-rotated order, wait for its ready flag, pull its chunks, raise
-    //    one signal per chunk (constant 1: reset by the GEMM's last tile, so nothing is frozen in a graph).
-    const AllGatherTileMap map{rows, s.num_ranks, s.chunk_rows, config.tile_m};
-    const int32_t cpr = map.chunks_per_rank();
-    const int num_copy = static_cast<int>(s.copy_streams.size());
-    for (int32_t i = cpr; i < map.num_signals(); ++i) {  // chunk_at(rank, i): own shard first, skipped
-        const ChunkInfo ch = map.chunk_at(s.rank, i);
-        const int step = i / cpr;  // 1 .. W-1: the peer's distance
-        cudaStream_t cs = s.copy_streams[static_cast<size_t>((step - 1) % num_copy)];
-        if (ch.chunk == 0) stream_wait_u64_geq(cs, s.ready + ch.rank, 1);
-        uint8_t* dst = s.gathered + ch.row_begin * k * es;
-        const void* src = s.world->heap().symm_at(static_cast<const void*>(dst), ch.rank);
-        WEFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(ch.num_rows * k * es), cudaMemcpyDefault, cs));
-        stream_write_u64(cs, s.chunk_signals + ch.signal_idx, 1);
+    // 2. Copy streams: the peers' chunks, each signalled once it landed.
+    for (const AgCopy& copy : call.copies) {
+        cudaStream_t cs = s.copy_streams[static_cast<size_t>(copy.stream)];
+        if (copy.wait_ready != nullptr) stream_wait_u64_geq(cs, copy.wait_ready, 1);
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyDefault, cs));
+        stream_write_u64(cs, copy.signal, 1);
     }
     // 3. The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks.
-    const detail::GemmTensorMaps maps = detail::make_gemm_tensor_maps(config, g, b, c);
-    const GemmArgs args = detail::make_gemm_args(g, c, s.pipeline_timeout_ns);
-    const AgGemmOrder order(config, rows, s.num_ranks, s.chunk_rows, static_cast<int32_t>(s.shape.n), s.rank);
-    const AgGemmParams sched{s.ctx, order, s.chunk_signals};
-    AgGemmHookParams hook{};
-    hook.ctx = s.ctx;
-    hook.tile_counter = s.tile_counter;
-    hook.num_tiles = order.num_m_tiles * order.num_n_tiles;
-    hook.num_signals = map.num_signals();
-    hook.chunk_signals = s.chunk_signals;
-    hook.ready = s.ready;
-    hook.done = s.done;
-    hook.epoch = s.epoch;
-    const int grid = std::max(1, std::min(s.budget, order.num_cluster_tiles()));
-    tp_detail::launch_gemm(kernel, config, maps, args, grid, sched, hook, stream);
+    tp_detail::launch_gemm(kernel, config, call.maps, call.args, call.grid, call.sched, call.hook, stream);
     // 4. Join the copy streams (finished by now: the GEMM waited for every chunk).
-    for (int i = 0; i < num_copy; ++i) {
-        WEFT_CUDA_CHECK(cudaEventRecord(s.joins[static_cast<size_t>(i)], s.copy_streams[static_cast<size_t>(i)]));
-        WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.joins[static_cast<size_t>(i)], 0));
+    for (size_t i = 0; i < s.copy_streams.size(); ++i) {
+        WEFT_CUDA_CHECK(cudaEventRecord(s.joins[i], s.copy_streams[i]));
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.joins[i], 0));
     }
 }
 

@@ -247,8 +247,26 @@ int GemmRs::gemm_grid() const {
 }
 
 namespace {
-void enqueue(GemmRs::State& s, size_t idx, int64_t m, const TensorView& a, const TensorView& b, const TensorView& c,
-             cudaStream_t stream);
+
+/// One call of one config, set up on the host (views, tensor maps, kernel parameters): launching it only
+/// enqueues. A world of more than one rank launches the reduction first, then the GEMM whose tiles it waits
+/// for, on this rank and on the peers: nothing that can throw may sit between the launches, or the peers'
+/// reductions wait for tiles that never come (the autotuner relies on this, TuneCandidate::prepare).
+struct RsCall {
+    size_t idx = 0;
+    tp_detail::PlainGemmLaunch plain{};  // a world of one rank
+    RsReduceParams reduce{};
+    detail::GemmTensorMaps maps{};
+    GemmArgs args{};
+    RsGemmParams sched{};
+    RsGemmHookParams hook{};
+    int grid = 1;
+};
+
+RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorView& a, const TensorView& b,
+                    const TensorView& c);
+void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream);
+
 }  // namespace
 
 void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream) {
@@ -258,10 +276,16 @@ void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, 
         cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
         WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
         if (capture == cudaStreamCaptureStatusNone) {
+            // Each candidate is set up (prepare) on every rank before any of its runs is launched anywhere;
+            // its runs only launch, and with more than one rank they run in lockstep (collective_runs): a
+            // trial call's reduction waits for every rank's GEMM of the same call.
+            std::vector<RsCall> calls(s.configs.size());
             std::vector<jit::TuneCandidate> cands;
             for (size_t i = 0; i < s.configs.size(); ++i) {
-                cands.push_back({tp_detail::config_text(s.configs[i]),
-                                 [&, i](cudaStream_t st) { enqueue(s, i, m, a, b, c, st); }});
+                cands.emplace_back(
+                    tp_detail::config_text(s.configs[i]),
+                    [&s, &calls, i](cudaStream_t st) { launch_call(s, calls[i], st); },
+                    [&, i] { calls[i] = prepare_call(s, i, m, a, b, c); });
             }
             std::ostringstream problem;
             problem << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)
@@ -271,6 +295,7 @@ void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, 
             const auto comm = tp_detail::make_tune_comm(*s.world, tag);
             jit::TuneOptions to;
             to.stream = stream;
+            to.collective_runs = s.num_ranks > 1;
             jit::TuneKey key;
             key.op = kOp;
             key.problem = problem.str();
@@ -280,18 +305,19 @@ void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, 
             WEFT_LOG_INFO("gemm_rs: tuned " << problem.str() << " -> " << r.name);
         }
     }
-    enqueue(s, s.active, m, a, b, c, stream);
+    launch_call(s, prepare_call(s, s.active, m, a, b, c), stream);
 }
 
 namespace {
 
-void enqueue(GemmRs::State& s, size_t idx, int64_t m, const TensorView& a, const TensorView& b, const TensorView& c,
-             cudaStream_t stream) {
+RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorView& a, const TensorView& b,
+                    const TensorView& c) {
+    RsCall call;
+    call.idx = idx;
     const GemmConfig& config = s.configs[idx];
-    const jit::Kernel& kernel = *s.kernels[idx];
     if (s.num_ranks == 1) {
-        tp_detail::launch_plain_gemm(kernel, config, a, b, c, s.budget, s.pipeline_timeout_ns, stream);
-        return;
+        call.plain = tp_detail::prepare_plain_gemm(config, a, b, c, s.budget, s.pipeline_timeout_ns);
+        return call;
     }
     const int64_t rows = m / s.num_ranks;
     const int32_t n = static_cast<int32_t>(s.shape.n);
@@ -299,9 +325,7 @@ void enqueue(GemmRs::State& s, size_t idx, int64_t m, const TensorView& a, const
     const RsGemmOrder order(config, rows, s.num_ranks, s.chunk_rows, n, s.rank);
 
     // The reduction beside the GEMM, on the side stream.
-    WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
-    WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
-    RsReduceParams rp{};
+    RsReduceParams& rp = call.reduce;
     rp.ctx = s.ctx;
     rp.rows_per_rank = rows;
     rp.chunk_rows = s.chunk_rows;
@@ -318,17 +342,12 @@ void enqueue(GemmRs::State& s, size_t idx, int64_t m, const TensorView& a, const
     rp.released = s.released;
     rp.epoch = s.red_epoch;
     rp.exit_count = s.exit_count;
-    jit::LaunchParams lp;
-    lp.grid = dim3(static_cast<unsigned>(s.reduce_ctas), 1, 1);
-    lp.block = dim3(kTpReduceThreads, 1, 1);
-    lp.stream = s.side;
-    s.reduce_kernel->launch(lp, rp);
 
     // The GEMM on the caller's stream: partial tiles in destination order, each signalled.
-    const detail::GemmTensorMaps maps = detail::make_gemm_tensor_maps(config, a, b, partial);
-    const GemmArgs args = detail::make_gemm_args(a, partial, s.pipeline_timeout_ns);
-    const RsGemmParams sched{s.ctx, rows, s.chunk_rows, s.released, s.gemm_calls};
-    RsGemmHookParams hook{};
+    call.maps = detail::make_gemm_tensor_maps(config, a, b, partial);
+    call.args = detail::make_gemm_args(a, partial, s.pipeline_timeout_ns);
+    call.sched = RsGemmParams{s.ctx, rows, s.chunk_rows, s.released, s.gemm_calls};
+    RsGemmHookParams& hook = call.hook;
     hook.ctx = s.ctx;
     hook.rows_per_rank = rows;
     hook.chunk_rows = s.chunk_rows;
@@ -337,9 +356,25 @@ void enqueue(GemmRs::State& s, size_t idx, int64_t m, const TensorView& a, const
     hook.num_tiles = order.num_tiles();
     hook.n = n;
     hook.gemm_calls = s.gemm_calls;
-    const int grid = std::max(1, std::min(s.budget - s.reduce_ctas, order.num_tiles()));
-    tp_detail::launch_gemm(kernel, config, maps, args, grid, sched, hook, stream);
+    call.grid = std::max(1, std::min(s.budget - s.reduce_ctas, order.num_tiles()));
+    return call;
+}
 
+void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream) {
+    const GemmConfig& config = s.configs[call.idx];
+    const jit::Kernel& kernel = *s.kernels[call.idx];
+    if (s.num_ranks == 1) {
+        tp_detail::launch_plain_gemm(kernel, config, call.plain, stream);
+        return;
+    }
+    WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
+    jit::LaunchParams lp;
+    lp.grid = dim3(static_cast<unsigned>(s.reduce_ctas), 1, 1);
+    lp.block = dim3(kTpReduceThreads, 1, 1);
+    lp.stream = s.side;
+    s.reduce_kernel->launch(lp, call.reduce);
+    tp_detail::launch_gemm(kernel, config, call.maps, call.args, call.grid, call.sched, call.hook, stream);
     WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
 }

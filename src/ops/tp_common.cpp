@@ -107,14 +107,26 @@ uint64_t pipeline_timeout_ns(const World& world) {
     return 2 * ms * 1000000ull;
 }
 
-void launch_plain_gemm(const jit::Kernel& kernel, const GemmConfig& config, const TensorView& a, const TensorView& b,
-                       const TensorView& d, int budget, uint64_t timeout_ns, cudaStream_t stream) {
-    const detail::GemmTensorMaps maps = detail::make_gemm_tensor_maps(config, a, b, d);
-    const GemmArgs args = detail::make_gemm_args(a, d, timeout_ns);
+PlainGemmLaunch prepare_plain_gemm(const GemmConfig& config, const TensorView& a, const TensorView& b,
+                                   const TensorView& d, int budget, uint64_t timeout_ns) {
+    PlainGemmLaunch call;
+    call.maps = detail::make_gemm_tensor_maps(config, a, b, d);
+    call.args = detail::make_gemm_args(a, d, timeout_ns);
+    call.grid = gemm_grid(config, a.dim(0), d.dim(1), budget);
+    return call;
+}
+
+void launch_plain_gemm(const jit::Kernel& kernel, const GemmConfig& config, const PlainGemmLaunch& call,
+                       cudaStream_t stream) {
     // PersistentSchedulerParams and NoEpilogueHookParams (device headers): one int32_t each.
     const int32_t sched = 0;
     const int32_t hook = 0;
-    launch_gemm(kernel, config, maps, args, gemm_grid(config, a.dim(0), d.dim(1), budget), sched, hook, stream);
+    launch_gemm(kernel, config, call.maps, call.args, call.grid, sched, hook, stream);
+}
+
+void launch_plain_gemm(const jit::Kernel& kernel, const GemmConfig& config, const TensorView& a, const TensorView& b,
+                       const TensorView& d, int budget, uint64_t timeout_ns, cudaStream_t stream) {
+    launch_plain_gemm(kernel, config, prepare_plain_gemm(config, a, b, d, budget, timeout_ns), stream);
 }
 
 void check_peers_reachable(const World& world, const void* symmetric_ptr, const char* op) {

@@ -71,7 +71,20 @@ void launch_gemm(const jit::Kernel& kernel, const GemmConfig& config, const deta
     kernel.launch(lp, maps.a, maps.b, maps.d, args, sched, hook);
 }
 
-/// The plain GEMM (PersistentScheduler, no hook) of a world of one rank.
+/// A plain GEMM call (PersistentScheduler, no hook) set up on the host: launching it only enqueues.
+struct PlainGemmLaunch {
+    detail::GemmTensorMaps maps{};
+    GemmArgs args{};
+    int grid = 1;
+};
+
+/// Builds (and checks) the plain GEMM call of a world of one rank: d = a * b^T on at most `budget` SMs.
+PlainGemmLaunch prepare_plain_gemm(const GemmConfig& config, const TensorView& a, const TensorView& b,
+                                   const TensorView& d, int budget, uint64_t timeout_ns);
+/// Launches a prepared plain GEMM call.
+void launch_plain_gemm(const jit::Kernel& kernel, const GemmConfig& config, const PlainGemmLaunch& call,
+                       cudaStream_t stream);
+/// prepare_plain_gemm then launch_plain_gemm.
 void launch_plain_gemm(const jit::Kernel& kernel, const GemmConfig& config, const TensorView& a, const TensorView& b,
                        const TensorView& d, int budget, uint64_t timeout_ns, cudaStream_t stream);
 

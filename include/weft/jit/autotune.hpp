@@ -4,7 +4,9 @@
 //
 // Distributed contract: every rank calls tune() with the same key and the same candidate list, in the
 // same order. All ranks time each candidate together (barrier before each), the slowest rank's time
-// counts, and every rank returns the same winner.
+// counts, and every rank returns the same winner. For fused cross-rank ops (a run launches kernels that
+// wait for the other ranks' runs) see TuneCandidate::prepare and TuneOptions::collective_runs: nothing
+// that can fail on the host may sit between a rank's launches, or its peers wait for work that never comes.
 #pragma once
 
 #include <cstddef>
@@ -14,6 +16,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -50,8 +53,17 @@ private:
 
 /// One config of the op. `run` enqueues the op once on `stream` (asynchronously).
 struct TuneCandidate {
+    TuneCandidate() = default;
+    TuneCandidate(std::string candidate_name, std::function<void(cudaStream_t stream)> run_once,
+                  std::function<void()> set_up = {})
+        : name(std::move(candidate_name)), run(std::move(run_once)), prepare(std::move(set_up)) {}
+
     std::string name;  ///< stable across runs: decisions are cached by name
     std::function<void(cudaStream_t stream)> run;
+    /// Optional host-side set-up, called once on every rank before any run of this candidate (e.g. build
+    /// and check the tensor maps and kernel parameters, so that `run` only launches). A candidate whose
+    /// prepare throws on any rank is skipped on every rank, before anything of it is launched anywhere.
+    std::function<void()> prepare;
 };
 
 /// What identifies a decision. `arch` empty: the current device's; `world_size` 0: the comm's size.
@@ -69,10 +81,23 @@ struct TuneOptions {
     /// Called before every run (warm-up and timed) with a running index, e.g. to rotate through
     /// several input buffers so that caches start cold.
     std::function<void(int iteration)> rotate_inputs;
+    /// The runs are collective: a run launches work that waits for the other ranks' runs of the same
+    /// candidate (fused cross-rank ops). With a comm of more than one rank, every run (warm-up and timed)
+    /// then starts only once this rank's previous run has finished (`stream` synchronised) and every rank
+    /// has got there (a comm barrier), so no rank's call overlaps a peer's earlier call; and a run that
+    /// throws ends the session (tune() rethrows) instead of disqualifying the candidate, because the peers
+    /// may be waiting on the device for work this rank never launched: moving on would launch the next
+    /// candidate into a desynchronised protocol. Needs a measure that calls rotate_inputs before each run
+    /// (measure_with_cuda_events does).
+    bool collective_runs = false;
 };
 
 /// Times one candidate on this rank: returns its median time in ms (or throws).
 using TuneMeasure = std::function<double(const TuneCandidate&, const TuneOptions&)>;
+/// Waits until everything queued on a stream has finished (TuneOptions::collective_runs); throws on error.
+using TuneSync = std::function<void(cudaStream_t)>;
+/// The default TuneSync: cudaStreamSynchronize.
+void synchronize_stream(cudaStream_t stream);
 /// The default measure: warm-up runs, then `repeat_iters` runs each bracketed by CUDA events on
 /// `options.stream`; the median.
 double measure_with_cuda_events(const TuneCandidate& candidate, const TuneOptions& options);
@@ -109,11 +134,12 @@ struct TuneResult {
 class Autotuner {
 public:
     explicit Autotuner(AutotuneConfig config = AutotuneConfig::from_env(),
-                       TuneMeasure measure = measure_with_cuda_events);
+                       TuneMeasure measure = measure_with_cuda_events, TuneSync sync = synchronize_stream);
 
     /// Picks a candidate for `key`. With `comm` (may be null for one rank) the call is collective.
     /// A decision cached on every rank is reused without timing; otherwise all ranks time every
-    /// candidate together. A candidate that throws on some rank is disqualified on all ranks.
+    /// candidate together. A candidate whose prepare or (without collective_runs) whose timing throws on
+    /// some rank is disqualified on all ranks; with collective_runs a run that throws ends the session.
     TuneResult tune(const TuneKey& key, const std::vector<TuneCandidate>& candidates, TuneComm* comm = nullptr,
                     const TuneOptions& options = {});
 
@@ -127,6 +153,7 @@ private:
 
     AutotuneConfig config_;
     TuneMeasure measure_;
+    TuneSync sync_;
     mutable std::mutex mutex_;
     mutable std::map<std::string, std::string> memory_;  // decision id -> candidate name
 };
