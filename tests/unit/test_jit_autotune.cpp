@@ -1,12 +1,17 @@
 // SPDX-License-Identifier: MIT
 // Unit tests of the autotuner with fake timings: selection, cross-rank agreement, decision caching,
-// forcing and disabling. No GPU: a fake measure replaces CUDA-event timing.
+// forcing and disabling, set-up failures and lockstep runs of collective candidates. No GPU: a fake measure
+// replaces CUDA-event timing and a fake stream synchronisation CUDA's.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <limits>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "support/jit_testing.hpp"
@@ -276,6 +281,203 @@ TEST(JitAutotune, RanksWithDifferentCandidateListsAllFail) {
     tune_on_ranks(2, fake, {candidates({"x"}), candidates({"x", "z"})}, {std::nullopt, std::nullopt}, &errors);
     for (const auto& e : errors) EXPECT_NE(e.find("different keys or candidate lists"), std::string::npos) << e;
     EXPECT_EQ(fake.calls, 0);
+}
+
+// ---- Candidates of fused cross-rank ops (prepare, collective_runs) ----
+
+// Ranks as threads with a barrier and an all-gather that give up after `timeout` (a rank that left the
+// session must not hang the test): a generation-counted rendezvous under one mutex.
+class TimedThreadComm {
+public:
+    TimedThreadComm(int n, std::chrono::milliseconds timeout)
+        : n_(n), timeout_(timeout), values_(static_cast<size_t>(n)) {}
+    std::unique_ptr<TuneComm> for_rank(int rank) {
+        return std::make_unique<FunctionTuneComm>(
+            rank, n_, [this] { rendezvous(); },
+            [this, rank](double v) {
+                std::vector<double> all;
+                rendezvous([&] { values_[static_cast<size_t>(rank)] = v; });
+                {
+                    std::lock_guard<std::mutex> lock(mutex_);
+                    all = values_;
+                }
+                rendezvous();  // nobody overwrites a value before everyone has read it
+                return all;
+            });
+    }
+
+private:
+    void rendezvous(const std::function<void()>& before = {}) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        if (before) before();
+        const uint64_t gen = generation_;
+        if (++arrived_ == n_) {
+            arrived_ = 0;
+            ++generation_;
+            cv_.notify_all();
+            return;
+        }
+        if (!cv_.wait_for(lock, timeout_, [&] { return generation_ != gen; })) {
+            throw Error("fake comm: a rank did not arrive within " + std::to_string(timeout_.count()) + " ms");
+        }
+    }
+    int n_;
+    std::chrono::milliseconds timeout_;
+    std::mutex mutex_;
+    std::condition_variable cv_;
+    int arrived_ = 0;
+    uint64_t generation_ = 0;
+    std::vector<double> values_;
+};
+
+// What the fake runs saw, shared by every rank.
+struct RunLog {
+    std::mutex mutex;
+    std::map<std::string, int> runs;      // candidate -> runs launched, all ranks
+    std::map<std::string, int> prepares;  // candidate -> prepare calls, all ranks
+    std::map<std::pair<std::string, int>, int> finished;  // (candidate, run index) -> ranks done with it
+    std::vector<std::string> violations;  // runs that started before every rank had finished the previous one
+    std::atomic<int> syncs{0};
+};
+
+// A measure shaped like measure_with_cuda_events: rotate_inputs, then the run, `runs` times; rank 0's runs
+// are slow, so without lockstep the other ranks would start run i before rank 0 finished run i - 1.
+TuneMeasure lockstep_checking_measure(int rank, int num_ranks, int runs, RunLog& log) {
+    return [rank, num_ranks, runs, &log](const TuneCandidate& c, const TuneOptions& o) {
+        for (int i = 0; i < runs; ++i) {
+            if (o.rotate_inputs) o.rotate_inputs(i);
+            {
+                std::lock_guard<std::mutex> lock(log.mutex);
+                if (i > 0 && log.finished[{c.name, i - 1}] != num_ranks) {
+                    log.violations.push_back(c.name + " run " + std::to_string(i) + " on rank " + std::to_string(rank));
+                }
+                ++log.runs[c.name];
+            }
+            c.run(o.stream);
+            if (rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(3));
+            std::lock_guard<std::mutex> lock(log.mutex);
+            ++log.finished[{c.name, i}];
+        }
+        return c.name == "fast" ? 1.0 : 2.0;
+    };
+}
+
+// Runs tune() with collective runs on `n` rank threads over a TimedThreadComm; returns each rank's error text.
+std::vector<std::string> tune_collective(int n, RunLog& log, const std::function<TuneMeasure(int)>& measure,
+                                         const std::function<std::vector<TuneCandidate>(int)>& list,
+                                         std::vector<TuneResult>* results) {
+    TimedThreadComm comm(n, std::chrono::milliseconds(2000));
+    std::vector<std::unique_ptr<TuneComm>> comms;
+    for (int r = 0; r < n; ++r) comms.push_back(comm.for_rank(r));
+    std::vector<std::string> errors(static_cast<size_t>(n));
+    results->assign(static_cast<size_t>(n), TuneResult{});
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+        threads.emplace_back([&, r] {
+            Autotuner tuner(AutotuneConfig{}, measure(r), [&log](cudaStream_t) { ++log.syncs; });
+            TuneOptions o;
+            o.collective_runs = true;
+            try {
+                (*results)[static_cast<size_t>(r)] =
+                    tuner.tune(TuneKey{"gemm_rs", "m=600", 0, "sm_90a"}, list(r), comms[static_cast<size_t>(r)].get(), o);
+            } catch (const Error& e) {
+                errors[static_cast<size_t>(r)] = e.what();
+            }
+        });
+    }
+    for (auto& t : threads) t.join();
+    return errors;
+}
+
+std::vector<TuneCandidate> logged_candidates(RunLog& log, const std::set<std::string>& failing_prepare = {}) {
+    std::vector<TuneCandidate> out;
+    for (const char* name : {"slow", "fast", "other"}) {
+        const std::string n = name;
+        out.emplace_back(n, [](cudaStream_t) {}, [n, &log, failing_prepare] {
+            {
+                std::lock_guard<std::mutex> lock(log.mutex);
+                ++log.prepares[n];
+            }
+            if (failing_prepare.count(n) != 0) throw Error("no tensor map for " + n);
+        });
+    }
+    return out;
+}
+
+TEST(JitAutotuneCollective, RunsGoInLockstepAcrossRanks) {
+    for (int n : {2, 3}) {
+        RunLog log;
+        const int runs = 5;
+        std::vector<TuneResult> results;
+        const auto errors = tune_collective(
+            n, log, [&](int r) { return lockstep_checking_measure(r, n, runs, log); },
+            [&](int) { return logged_candidates(log); }, &results);
+        for (int r = 0; r < n; ++r) {
+            EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+            EXPECT_EQ(results[static_cast<size_t>(r)].name, "fast") << "rank " << r;
+        }
+        EXPECT_TRUE(log.violations.empty()) << n << " ranks: a run started before every rank had finished the "
+                                            << "previous one, first: " << log.violations.front();
+        EXPECT_EQ(log.syncs.load(), n * 3 * runs) << "the stream is synchronised before every run";
+        for (const char* c : {"slow", "fast", "other"}) {
+            EXPECT_EQ(log.runs[c], n * runs) << c;
+            EXPECT_EQ(log.prepares[c], n) << c << ": prepared once per rank";
+        }
+    }
+}
+
+TEST(JitAutotuneCollective, ACandidateThatCannotBeSetUpOnOneRankIsNeverLaunched) {
+    RunLog log;
+    std::vector<TuneResult> results;
+    const auto errors = tune_collective(
+        2, log, [&](int r) { return lockstep_checking_measure(r, 2, 3, log); },
+        [&](int r) { return r == 1 ? logged_candidates(log, {"fast"}) : logged_candidates(log); }, &results);
+    EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
+    EXPECT_EQ(log.runs.count("fast"), 0u) << "no rank may launch a candidate that some rank could not set up";
+    EXPECT_EQ(log.runs["slow"], 6);
+    for (const auto& r : results) {
+        EXPECT_EQ(r.name, "slow");
+        EXPECT_TRUE(std::isinf(r.times_ms[1]));
+    }
+}
+
+TEST(JitAutotuneCollective, ARunFailureEndsTheSessionOnEveryRank) {
+    // Rank 1's third run of "slow" fails: its peers may wait on the device for work it never launched, so no
+    // rank goes on to another candidate; every rank throws (rank 0 when the next lockstep barrier times out).
+    RunLog log;
+    std::vector<TuneResult> results;
+    auto measure = [&](int r) -> TuneMeasure {
+        TuneMeasure inner = lockstep_checking_measure(r, 2, 5, log);
+        return [r, inner](const TuneCandidate& c, const TuneOptions& o) {
+            if (r != 1 || c.name != "slow") return inner(c, o);
+            TuneOptions failing = o;
+            failing.rotate_inputs = [o](int i) {
+                if (i == 2) throw Error("launching kernel gemm_rs failed: an illegal instruction");
+                if (o.rotate_inputs) o.rotate_inputs(i);
+            };
+            return inner(c, failing);
+        };
+    };
+    const auto errors = tune_collective(2, log, measure, [&](int) { return logged_candidates(log); }, &results);
+    ASSERT_NE(errors[1], "");
+    EXPECT_NE(errors[1].find("candidate slow failed while running on rank 1"), std::string::npos) << errors[1];
+    EXPECT_NE(errors[1].find("illegal instruction"), std::string::npos) << errors[1];
+    EXPECT_NE(errors[0], "") << "rank 0 must not finish the session alone";
+    EXPECT_EQ(log.runs.count("fast"), 0u) << "no candidate may be launched after a collective run failed";
+    EXPECT_EQ(log.prepares.count("fast"), 0u);
+}
+
+TEST(JitAutotuneCollective, OneRankKeepsSkippingFailedCandidates) {
+    // Without peers a failed run leaves nobody waiting: the candidate is disqualified as before.
+    RunLog log;
+    Autotuner tuner(AutotuneConfig{}, [](const TuneCandidate& c, const TuneOptions&) -> double {
+        if (c.name == "slow") throw Error("cannot run");
+        return c.name == "fast" ? 1.0 : 2.0;
+    }, [&log](cudaStream_t) { ++log.syncs; });
+    TuneOptions o;
+    o.collective_runs = true;
+    EXPECT_EQ(tuner.tune(TuneKey{"gemm_rs", "m=8", 0, "sm_90a"}, logged_candidates(log), nullptr, o).name, "fast");
+    EXPECT_EQ(log.syncs.load(), 0);
 }
 
 }  // namespace
