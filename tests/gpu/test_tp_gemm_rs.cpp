@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -141,6 +142,67 @@ void run_world(int num_ranks, const std::vector<RsCase>& cs, const std::vector<D
     f.report();
 }
 
+/// `calls` calls enqueued back to back on one stream with no host synchronisation between them, as a
+/// training or inference loop does (and as the autotuner's trials did before they went in lockstep): the
+/// ranks drift up to a call apart, so a GEMM may wait on the device for a peer's previous reduction while
+/// that peer still runs it. Every call has fresh A and its own poisoned C; one synchronisation at the end.
+void run_back_to_back(World& w, const RsCase& cs, DType dt, int calls, uint64_t base, Failures& f) {
+    const int nr = w.num_ranks(), me = w.rank();
+    const int64_t m = cs.rows * nr;
+    const std::string what = describe(cs, dt, nr, base) + " back to back, rank " + std::to_string(me);
+    ops::GemmRsOptions opt;
+    opt.chunk_rows = cs.chunk_rows;
+    opt.reduce_ctas = cs.reduce_ctas;
+    opt.sm_budget = cs.sm_budget;
+    const int64_t ldk = ld_for(cs.k), ldc = ld_for(cs.n, cs.c_pad);
+    std::vector<std::vector<HostMat>> as(static_cast<size_t>(calls));  // [call][rank]
+    std::vector<HostMat> bs, cs_host;
+    for (int r = 0; r < nr; ++r) {
+        bs.emplace_back(cs.n, cs.k, ldk, dt);
+        bs.back().fill_random(seed_of(base, 1, r, 0));
+    }
+    std::vector<std::unique_ptr<DevBuf>> a_dev, c_dev;
+    DevBuf b_dev(static_cast<size_t>(cs.n * ldk * 2));
+    cudaStream_t st = nullptr;
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    upload(bs[static_cast<size_t>(me)], b_dev.ptr, st);
+    for (int call = 0; call < calls; ++call) {
+        for (int r = 0; r < nr; ++r) {
+            as[static_cast<size_t>(call)].emplace_back(m, cs.k, ldk, dt);
+            as[static_cast<size_t>(call)].back().fill_random(seed_of(base, 0, r, call));
+        }
+        a_dev.push_back(std::make_unique<DevBuf>(static_cast<size_t>(m * ldk * 2)));
+        upload(as[static_cast<size_t>(call)][static_cast<size_t>(me)], a_dev.back()->ptr, st);
+        cs_host.emplace_back(cs.rows, cs.n, ldc, dt);
+        poison(cs_host.back());
+        c_dev.push_back(std::make_unique<DevBuf>(static_cast<size_t>(cs.rows * ldc * 2)));
+        upload(cs_host.back(), c_dev.back()->ptr, st);
+    }
+    {
+        ops::GemmRs op(w, {m, cs.n, cs.k, dt}, opt);
+        const TensorView bv = view(bs[static_cast<size_t>(me)], b_dev.ptr);
+        for (int call = 0; call < calls; ++call) {
+            op.run(view(as[static_cast<size_t>(call)][static_cast<size_t>(me)], a_dev[static_cast<size_t>(call)]->ptr),
+                   bv, view(cs_host[static_cast<size_t>(call)], c_dev[static_cast<size_t>(call)]->ptr), st);
+        }
+        w.sync_and_check(st);
+        for (int call = 0; call < calls; ++call) {
+            HostMat& c = cs_host[static_cast<size_t>(call)];
+            download(c, c_dev[static_cast<size_t>(call)]->ptr, st);
+            const std::vector<int64_t> check_rows = rows_to_check(cs.rows, cs.rows, static_cast<double>(cs.n * cs.k * nr),
+                                                                  seed_of(base, 2, me, call));
+            Reference ref(static_cast<int64_t>(check_rows.size()), cs.n);
+            for (int r = 0; r < nr; ++r) {
+                ref.add(as[static_cast<size_t>(call)][static_cast<size_t>(r)], me * cs.rows, check_rows,
+                        bs[static_cast<size_t>(r)]);
+            }
+            const std::string bad = compare(c, check_rows, ref, ErrorModel::tp_sum(dt, op.partial_dtype(), nr));
+            if (!bad.empty()) f.add(what + " call " + std::to_string(call) + ": " + bad);
+        }
+    }
+    WEFT_CUDA_CHECK(cudaStreamDestroy(st));
+}
+
 TEST(TpSmoke, GemmRsTwoRanks) { run_world(2, {cases()[0]}, {DType::kBF16}, 2); }
 
 TEST(TpGemmRs, WorldSize1IsThePlainGemm) { run_world(1, cases(), {DType::kBF16, DType::kF16}, 2); }
@@ -153,6 +215,23 @@ TEST(TpGemmRs, AutotunedConfigStaysCorrect) {
     RsCase c{300, 1100, 256};
     c.autotune = true;
     run_world(2, {c}, {DType::kBF16}, 3);
+}
+
+// No host synchronisation between calls (see run_back_to_back): one chunk per tile row (the heuristic), two
+// tile rows per chunk (as the autotuner's shared chunk gives 128-row tiles), and three ranks.
+TEST(TpGemmRs, BackToBackCallsWithoutHostSync) {
+    const uint64_t base = fresh_seed();
+    for (int w : {2, 3}) {
+        Failures f;
+        std::vector<RsCase> cases_w = {{300, 1100, 256}};
+        if (w == 2) cases_w.push_back({300, 1100, 256, 256});
+        test::run_ranks(
+            w, [&](World& world) {
+                for (const RsCase& c : cases_w) run_back_to_back(world, c, DType::kBF16, 12, base, f);
+            },
+            test::test_options(256ull << 20));
+        f.report();
+    }
 }
 
 TEST(TpGemmRs, GraphReplayWithoutReset) { run_world(3, {cases()[0], cases()[2]}, {DType::kBF16}, 4, Mode::kGraph); }
