@@ -429,6 +429,62 @@ TEST(TpPlan, GemmRsEveryConfigFitsItsChunk) {
     }
 }
 
+// The autotuned GemmRs that hung on one H200 (TpGemmRs.AutotunedConfigStaysCorrect: W=2, 300 rows per rank,
+// N=1100, a GEMM budget of 58 SMs): its reduction waited for 18 arrivals (chunk 0 of the first candidate,
+// 128x128 under the shared 256-row chunk) and saw none. Not a layout mismatch: for every candidate of the
+// plan, at the planned M and a smaller one, every source's tiles raise exactly the counts the destination
+// waits for, at indices inside the counters the op allocates (W * max_chunks_per_rank).
+TEST(TpPlan, GemmRsEveryTuningCandidateCountsInsideItsCounters) {
+    struct Shape {
+        int w;
+        int64_t rows, n;
+        int budget;
+    };
+    for (const Shape& sh : {Shape{2, 300, 1100, 58}, Shape{2, 300, 1100, 65}, Shape{3, 300, 1100, 43},
+                            Shape{4, 256, 264, 29}, Shape{8, 300, 1100, 15}, Shape{2, 2048, 4096, 58}}) {
+        const ops::GemmRsShape s{sh.rows * sh.w, sh.n, 256, DType::kBF16};
+        ops::GemmRsOptions o;
+        o.autotune = true;
+        const ops::detail::GemmRsPlan p = ops::detail::plan_gemm_rs(s, sh.w, sh.budget, o);
+        ASSERT_GT(p.configs.size(), 1u);
+        if (sh.w == 2 && sh.rows == 300 && sh.budget == 58) {
+            EXPECT_EQ(p.configs[0].tile_m, 128);
+            EXPECT_EQ(p.configs[0].tile_n, 128);
+            EXPECT_EQ(p.chunk_rows, 256) << "the case no longer has two tile rows per chunk";
+            EXPECT_EQ((ReduceScatterTileMap{300, 2, 1100, 128, 128, 256}.expected_count(0)), 18);
+        }
+        for (const GemmConfig& c : p.configs) {
+            for (int64_t rows : {sh.rows, std::max<int64_t>(1, sh.rows * 2 / 3)}) {
+                SCOPED_TRACE(::testing::Message() << "W " << sh.w << " rows " << rows << " tile " << c.tile_m << "x"
+                                                  << c.tile_n << " chunk " << p.chunk_rows);
+                const ReduceScatterTileMap map{rows, sh.w, sh.n, c.tile_m, c.tile_n, p.chunk_rows};
+                ASSERT_TRUE(map.is_valid()) << map.invalid_reason();
+                ASSERT_LE(map.chunks_per_rank(), p.max_chunks_per_rank);
+                std::map<std::tuple<int, int, int>, int> counts;  // (dest, source, chunk)
+                for (int32_t source = 0; source < sh.w; ++source) {
+                    const RsGemmOrder order(c, rows, sh.w, p.chunk_rows, static_cast<int32_t>(sh.n), source);
+                    for (int32_t t = 0; t < order.num_tiles(); ++t) {
+                        const GemmTile g = order.tile(t);
+                        const int32_t chunk = order.chunk_of(g);
+                        ASSERT_LT(rs_counter_index(source, chunk, map.chunks_per_rank()),
+                                  sh.w * static_cast<int32_t>(p.max_chunks_per_rank));
+                        ++counts[{order.dest_of(g), source, chunk}];
+                    }
+                }
+                for (int32_t dest = 0; dest < sh.w; ++dest) {
+                    for (int32_t phase = 0; phase < sh.w; ++phase) {
+                        const int32_t source = rs_source_at(dest, phase, sh.w);
+                        for (int32_t ch = 0; ch < map.chunks_per_rank(); ++ch) {
+                            EXPECT_EQ((counts[{dest, source, ch}]), map.expected_count(map.local_signal_at(dest, ch)))
+                                << "dest " << dest << " source " << source << " chunk " << ch;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 TEST(TpPlan, GemmRsChunkThatFitsNoConfigIsAnError) {
     const ops::GemmRsShape s{1024, 300, 512, DType::kBF16};
     ops::GemmRsOptions o;
