@@ -88,7 +88,8 @@ struct TuneOptions {
     /// throws ends the session (tune() rethrows) instead of disqualifying the candidate, because the peers
     /// may be waiting on the device for work this rank never launched: moving on would launch the next
     /// candidate into a desynchronised protocol. Needs a measure that calls rotate_inputs before each run
-    /// (measure_with_cuda_events does).
+    /// (measure_with_cuda_events does). A run then starts on an idle stream, so its time includes its
+    /// launches (the same for every candidate of one op: the ranking is unaffected).
     bool collective_runs = false;
 };
 
