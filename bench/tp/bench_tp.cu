@@ -6,7 +6,8 @@
 // there are fewer GPUs than ranks: then the figures measure overhead, not overlap).
 //
 //   weft_bench_tp [--op ag,rs,ar] [--shapes I,J,...] [--sizes MxNxK,...] [--iters N] [--warmup N]
-//                 [--dtype bf16|f16] [--world W] [--check] [--tune] [--baseline-coll weft|simple] [--json FILE]
+//                 [--dtype bf16|f16] [--world W] [--check] [--tune] [--baseline-coll weft|simple]
+//                 [--reduce-ctas R (GEMM+RS reduction CTAs)] [--json FILE]
 //
 // Shapes are whole layers: AG+GEMM shards N over the ranks (each computes [M, N/W] from all of A[M, K]);
 // GEMM+RS shards K (each holds A[M, K/W], B[N, K/W]; out [M/W, N]); GEMM+AR shards K (out [M, N]).
@@ -71,6 +72,7 @@ struct Options {
     bool check = false;
     bool tune = false;
     BaselineColl coll = BaselineColl::kWeft;
+    int reduce_ctas = 0;  // GEMM+RS reduction CTAs (0: the op's heuristic)
     std::string json;
 };
 
@@ -130,13 +132,15 @@ Options parse(int argc, char** argv) {
             o.tune = true;
         } else if (a == "--baseline-coll") {
             o.coll = parse_baseline_coll(next());
+        } else if (a == "--reduce-ctas") {
+            o.reduce_ctas = std::stoi(next());
         } else if (a == "--json") {
             o.json = next();
         } else if (a == "--help" || a == "-h") {
             std::printf(
                 "weft_bench_tp [--op ag,rs,ar] [--shapes I,J,...] [--sizes MxNxK,...] [--iters N] [--warmup N]\n"
                 "              [--dtype bf16|f16] [--world W] [--check] [--tune] [--baseline-coll weft|simple]\n"
-                "              [--json FILE]\n");
+                "              [--reduce-ctas R] [--json FILE]\n");
             std::exit(0);
         } else {
             throw std::runtime_error("unknown option " + a + " (see --help)");
@@ -260,6 +264,7 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
 
     weft::ops::GemmRsOptions opt;
     opt.autotune = o.tune;
+    opt.reduce_ctas = o.reduce_ctas;
     weft::ops::GemmRs op(w, {m, n, k, t}, opt);
     auto* partial = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));
     auto* recv = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));  // (b): [W][rows, n]
