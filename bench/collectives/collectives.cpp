@@ -11,7 +11,13 @@
 // Ranks are threads of this process over the visible GPUs (rank r on GPU r % GPUs). Each figure is the median,
 // over --reps repetitions, of (time of --iters back-to-back calls) / iters, measured with CUDA events on every rank;
 // the slowest rank counts. Sizes up to --graph-max are timed from a CUDA graph of --iters calls (no launch
-// overhead), larger ones from eager launches. Inputs hold small random integers (never zeros; --check verifies).
+// overhead), larger ones from eager launches. Exception: with ranks sharing a GPU, the copy-engine algorithms
+// (ce_pull, ce_push, and auto when it picks one) are always timed eagerly: two ranks' graphs of many copy-engine
+// calls can deadlock in the GPU's shared hardware queues (docs/runtime.md, "Hardware queues"). Inputs hold small
+// random integers (never zeros; --check verifies).
+//
+// Streams: one per rank (created here), plus the World's; NCCL only runs with one GPU per rank, and the collectives
+// add no side stream when ranks share a GPU, so 8 ranks on one GPU stay well within CUDA's 32 hardware queues.
 //
 // Roofline: with one GPU per rank, the bus bandwidth of one copy-engine copy from rank 0's GPU to rank 1's (the
 // link a ring-like algorithm streams over). With ranks sharing a GPU, every byte a collective moves between ranks
@@ -420,7 +426,7 @@ std::vector<std::string> algos_of(Op op, const Options& o) {
     std::vector<std::string> all;
     if (op == Op::kAllReduce) all = {"auto", "ll", "one_shot", "two_shot"};
     if (op == Op::kAllGather) all = {"auto", "ll", "sm_push", "ce_pull", "ce_push"};
-    if (op == Op::kReduceScatter) all = {"auto", "sm_pull"};
+    if (op == Op::kReduceScatter) all = {"auto", "sm_pull", "ll"};
     if (o.algos.empty()) return all;
     std::vector<std::string> picked;
     for (const std::string& a : all) {
@@ -592,7 +598,9 @@ void run_world(int n, const Options& o, WorldResult* result) {
                             if (op == Op::kAllGather) {
                                 row.chosen = ops::algo_name(ops::select_all_gather_algo(shard * es, t, o.symmetric));
                             }
-                            if (op == Op::kReduceScatter) row.chosen = "sm_pull";
+                            if (op == Op::kReduceScatter) {
+                                row.chosen = ops::algo_name(ops::select_reduce_scatter_algo(shard * es, t));
+                            }
                         }
                         if (o.check) {
                             // One call on slot 0 (whose input is the pattern from element 0), verified on the host.
@@ -621,8 +629,10 @@ void run_world(int n, const Options& o, WorldResult* result) {
                         WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
                         w.barrier();
                         // A capture that fails, fails alike on every rank (same calls): all fall back to eager
-                        // launches.
-                        bool use_graph = graph;
+                        // launches. Copy engines with ranks sharing a GPU: eager (see the top of this file).
+                        const std::string& algo = row.chosen.empty() ? name : row.chosen;
+                        const bool copy_engines = op == Op::kAllGather && (algo == "ce_pull" || algo == "ce_push");
+                        bool use_graph = graph && !(shared && copy_engines);
                         const double us = time_calls(s, o, &use_graph, call);
                         row.graph = use_graph;
                         row.us = gather.max(w, us);
@@ -673,9 +683,9 @@ int run(int argc, char** argv) {
         WorldResult r;
         run_world(n, o, &r);
         const bool shared = !r.rows.empty() && r.rows.front().shared_gpu;
-        std::printf("\n== world %d (%s) ==  roofline bus bandwidth %.1f GB/s (%s);  %s\n", n,
+        std::printf("\n== world %d (%s) ==  roofline bus bandwidth %.1f GB/s (%s);  %s%s\n", n,
                     shared ? "ranks share a GPU" : "one GPU per rank", r.roofline_busbw, r.roofline_what.c_str(),
-                    r.nccl_note.c_str());
+                    r.nccl_note.c_str(), shared ? ";  copy-engine algorithms timed eagerly (no graph)" : "");
         for (Op op : o.ops) {
             std::vector<std::string> names = algos_of(op, o);
             names.push_back("nccl");
@@ -737,7 +747,10 @@ int run(int argc, char** argv) {
         results.push_back(std::move(r));
     }
     std::printf(
-        "\n'g': timed from a CUDA graph of %d calls; '!': wrong result (--check); best/nc: NCCL time / best "
+        "\n'g': timed from a CUDA graph of %d calls; no 'g': eager launches (sizes above --graph-max, and the "
+        "copy-engine algorithms whenever ranks share a GPU: graphs of many copy-engine calls of ranks sharing a GPU "
+        "have "
+        "hung in its shared hardware queues, docs/runtime.md); '!': wrong result (--check); best/nc: NCCL time / best "
         "weft time (> 1: weft faster)\n",
         o.iters);
     if (!o.json.empty()) {

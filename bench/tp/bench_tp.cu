@@ -6,14 +6,17 @@
 // there are fewer GPUs than ranks: then the figures measure overhead, not overlap).
 //
 //   weft_bench_tp [--op ag,rs,ar] [--shapes I,J,...] [--sizes MxNxK,...] [--iters N] [--warmup N]
-//                 [--dtype bf16|f16] [--world W] [--check] [--tune] [--json FILE]
+//                 [--dtype bf16|f16] [--world W] [--check] [--tune] [--baseline-coll weft|simple]
+//                 [--reduce-ctas R (GEMM+RS reduction CTAs)] [--json FILE]
 //
 // Shapes are whole layers: AG+GEMM shards N over the ranks (each computes [M, N/W] from all of A[M, K]);
 // GEMM+RS shards K (each holds A[M, K/W], B[N, K/W]; out [M/W, N]); GEMM+AR shards K (out [M, N]).
 // --shapes picks entries of each op's default list by index (0-based); --sizes replaces the lists.
-// The collectives of the baselines are weft-free code in this file: a copy-engine all-gather (pulls from
-// the peers' symmetric buffers) and SM reductions, bracketed by device barriers. NCCL is not used: ranks that
-// share a GPU cannot form an NCCL communicator (multi-GPU NCCL baselines: see bench/tp/README.md).
+// The collective of (a) and of the "coll" column is weft's standalone op (weft::ops::all_gather / reduce_scatter /
+// all_reduce, automatic algorithm, on symmetric-heap buffers: weft's tuned collective, not a slow stand-in); with
+// --baseline-coll simple it is the weft-free code of tp_baselines.cuh (device barriers + copy-engine pulls or an
+// SM sum kernel). (b) keeps its copy-engine transfers; its GEMM+AR chunks use weft's all_reduce too (README.md
+// says why). NCCL is not used: ranks that share a GPU cannot form an NCCL communicator (see bench/tp/README.md).
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -68,12 +71,18 @@ struct Options {
     int world = 0;
     bool check = false;
     bool tune = false;
+    BaselineColl coll = BaselineColl::kWeft;
+    int reduce_ctas = 0;  // GEMM+RS reduction CTAs (0: the op's heuristic)
     std::string json;
 };
 
 std::vector<Shape> default_shapes(const std::string& op) {
-    if (op == "ag") return {{8192, 11008, 4096}, {8192, 14336, 4096}, {8192, 28672, 8192}, {8192, 53248, 16384}, {8192, 29568, 8192}};
-    if (op == "rs") return {{8192, 4096, 11008}, {8192, 4096, 14336}, {8192, 8192, 28672}, {8192, 16384, 53248}, {8192, 8192, 29568}};
+    if (op == "ag")
+        return {
+            {8192, 11008, 4096}, {8192, 14336, 4096}, {8192, 28672, 8192}, {8192, 53248, 16384}, {8192, 29568, 8192}};
+    if (op == "rs")
+        return {
+            {8192, 4096, 11008}, {8192, 4096, 14336}, {8192, 8192, 28672}, {8192, 16384, 53248}, {8192, 8192, 29568}};
     return {{1, 8192, 8192}, {16, 8192, 8192}, {128, 8192, 8192}};
 }
 
@@ -98,7 +107,8 @@ Options parse(int argc, char** argv) {
         if (a == "--op") {
             o.ops = split(next(), ',');
             for (const auto& op : o.ops) {
-                if (op != "ag" && op != "rs" && op != "ar") throw std::runtime_error("--op takes ag, rs, ar; got " + op);
+                if (op != "ag" && op != "rs" && op != "ar")
+                    throw std::runtime_error("--op takes ag, rs, ar; got " + op);
             }
         } else if (a == "--shapes") {
             for (const auto& s : split(next(), ',')) o.shape_idx.push_back(std::stoi(s));
@@ -116,21 +126,29 @@ Options parse(int argc, char** argv) {
             o.warmup = std::stoi(next());
         } else if (a == "--dtype") {
             const std::string v = next();
-            if (v == "bf16") o.dtype = DType::kBF16;
-            else if (v == "f16") o.dtype = DType::kF16;
-            else throw std::runtime_error("--dtype takes bf16 or f16, got " + v);
+            if (v == "bf16")
+                o.dtype = DType::kBF16;
+            else if (v == "f16")
+                o.dtype = DType::kF16;
+            else
+                throw std::runtime_error("--dtype takes bf16 or f16, got " + v);
         } else if (a == "--world") {
             o.world = std::stoi(next());
         } else if (a == "--check") {
             o.check = true;
         } else if (a == "--tune") {
             o.tune = true;
+        } else if (a == "--baseline-coll") {
+            o.coll = parse_baseline_coll(next());
+        } else if (a == "--reduce-ctas") {
+            o.reduce_ctas = std::stoi(next());
         } else if (a == "--json") {
             o.json = next();
         } else if (a == "--help" || a == "-h") {
             std::printf(
                 "weft_bench_tp [--op ag,rs,ar] [--shapes I,J,...] [--sizes MxNxK,...] [--iters N] [--warmup N]\n"
-                "              [--dtype bf16|f16] [--world W] [--check] [--tune] [--json FILE]\n");
+                "              [--dtype bf16|f16] [--world W] [--check] [--tune] [--baseline-coll weft|simple]\n"
+                "              [--reduce-ctas R] [--json FILE]\n");
             std::exit(0);
         } else {
             throw std::runtime_error("unknown option " + a + " (see --help)");
@@ -146,6 +164,7 @@ struct Row {
     int world;
     double gemm = 0, engine = -1, coll = 0, a = 0, b = 0, weft = 0;
     double err_weft = -1, err_b = -1;  // relative to (a), max over ranks
+    std::string coll_algo = "";        // the algorithm of (a)'s collective and of "coll" (weft's choice or "simple")
 };
 
 // ---- AllGather + GEMM -------------------------------------------------------------------------------------
@@ -162,48 +181,46 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     opt.autotune = o.tune;
     weft::ops::AgGemm op(w, {m, n, k, t}, opt);
     auto* g_base = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * k * es)));  // baseline gather
-    DeviceBarrier bar;
+    BaselineAllGather coll(w, o.coll, g_base, static_cast<uint64_t>(rows * k * es));          // (a), in place on g_base
+    row.coll_algo = coll.algo();
+    DeviceBarrier bar;  // (b)'s
     bar.make(w);
     void *b_dev = nullptr, *c_w = nullptr, *c_a = nullptr, *c_b = nullptr, *c_e = nullptr;
     BENCH_CUDA(cudaMalloc(&b_dev, static_cast<size_t>(n * k * es)));
     for (void** p : {&c_w, &c_a, &c_b, &c_e}) BENCH_CUDA(cudaMalloc(p, static_cast<size_t>(m * n * es)));
     const uint64_t seed = 1234567 + static_cast<uint64_t>(me);
     fill_random(op.local_shard(m).data, rows * k, t, seed, s);
-    BENCH_CUDA(cudaMemcpyAsync(g_base + me * rows * k * es, op.local_shard(m).data,
-                               static_cast<size_t>(rows * k * es), cudaMemcpyDeviceToDevice, s));
+    BENCH_CUDA(cudaMemcpyAsync(g_base + me * rows * k * es, op.local_shard(m).data, static_cast<size_t>(rows * k * es),
+                               cudaMemcpyDeviceToDevice, s));
     fill_random(b_dev, n * k, t, seed + 100, s);
-    const weft::jit::Kernel& engine = weft::jit::compiler().get_kernel(weft::ops::detail::plain_gemm_kernel_spec(op.config()));
+    const weft::jit::Kernel& engine =
+        weft::jit::compiler().get_kernel(weft::ops::detail::plain_gemm_kernel_spec(op.config()));
     w.barrier();
 
     weft::Event ev_fork, ev_join;
     std::vector<weft::Event> ev_shard(static_cast<size_t>(nr));
-    auto pull_all = [&](cudaStream_t on, bool record) {
+    auto pull_all = [&](cudaStream_t on) {  // (b)'s copy-engine pulls, one event per shard
         for (int i = 1; i < nr; ++i) {
             const int src = (me + i) % nr;
             uint8_t* dst = g_base + src * rows * k * es;
             BENCH_CUDA(cudaMemcpyAsync(dst, w.heap().symm_at(dst, src), static_cast<size_t>(rows * k * es),
                                        cudaMemcpyDefault, on));
-            if (record) ev_shard[static_cast<size_t>(src)].record(on);
+            ev_shard[static_cast<size_t>(src)].record(on);
         }
-    };
-    auto coll = [&] {
-        bar(s);  // every shard is in place
-        pull_all(s, false);
-        bar(s);  // every rank has read every shard: slots may be rewritten
     };
     auto gemm_full = [&](void* c) { lt.gemm(t, g_base, k, b_dev, k, c, n, m, n, k, s); };
 
     row.gemm = time_all(w, sh, s, o.warmup, o.iters, [&] { gemm_full(c_a); });
-    row.coll = time_all(w, sh, s, o.warmup, o.iters, coll);
+    row.coll = time_all(w, sh, s, o.warmup, o.iters, [&] { coll(s); });
     row.a = time_all(w, sh, s, o.warmup, o.iters, [&] {
-        coll();
+        coll(s);
         gemm_full(c_a);
     });
     row.b = time_all(w, sh, s, o.warmup, o.iters, [&] {
         bar(s);
         ev_fork.record(s);
         ev_fork.wait(comm);
-        pull_all(comm, true);
+        pull_all(comm);
         lt.gemm(t, g_base + me * rows * k * es, k, b_dev, k, static_cast<uint8_t*>(c_b) + me * rows * n * es, n, rows,
                 n, k, s);
         for (int i = 1; i < nr; ++i) {
@@ -217,20 +234,22 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
         bar(s);
     });
     const TensorView a_local = op.local_shard(m), bv(b_dev, t, {n, k}), cw(c_w, t, {m, n});
-    row.weft = time_all(w, sh, s, o.warmup, o.iters, [&] { op.run(a_local, bv, cw, s); });
-    // After the fused op (which tunes on its first call with --tune): the engine with the same config.
-    row.engine = time_all(w, sh, s, o.warmup, o.iters, [&] {
-        weft::ops::detail::GemmTensorMaps maps = weft::ops::detail::make_gemm_tensor_maps(
-            op.config(), TensorView(g_base, t, {m, k}), TensorView(b_dev, t, {n, k}), TensorView(c_e, t, {m, n}));
-        const weft::GemmArgs args =
-            weft::ops::detail::make_gemm_args(TensorView(g_base, t, {m, k}), TensorView(c_e, t, {m, n}), 20'000'000'000ull);
-        weft::jit::LaunchParams lp;
-        lp.grid = dim3(static_cast<unsigned>(op.gemm_grid()));
-        lp.block = dim3(weft::kGemmThreads);
-        lp.dynamic_smem_bytes = static_cast<size_t>(weft::gemm_smem_plan(op.config()).alloc_bytes);
-        lp.stream = s;
-        engine.launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
-    });
+    // The fused op and the engine alone with the same config, alternately (the fused op tunes on its first
+    // call with --tune: in the warm-up).
+    std::tie(row.weft, row.engine) = time_pair(
+        w, sh, s, o.warmup, o.iters, [&] { op.run(a_local, bv, cw, s); },
+        [&] {
+            weft::ops::detail::GemmTensorMaps maps = weft::ops::detail::make_gemm_tensor_maps(
+                op.config(), TensorView(g_base, t, {m, k}), TensorView(b_dev, t, {n, k}), TensorView(c_e, t, {m, n}));
+            const weft::GemmArgs args = weft::ops::detail::make_gemm_args(
+                TensorView(g_base, t, {m, k}), TensorView(c_e, t, {m, n}), 20'000'000'000ull);
+            weft::jit::LaunchParams lp;
+            lp.grid = dim3(static_cast<unsigned>(op.gemm_grid()));
+            lp.block = dim3(weft::kGemmThreads);
+            lp.dynamic_smem_bytes = static_cast<size_t>(weft::gemm_smem_plan(op.config()).alloc_bytes);
+            lp.stream = s;
+            engine.launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
+        });
     if (o.check) {
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, m, n, t, s));
         row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, m, n, t, s));
@@ -239,6 +258,7 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     w.barrier();
     for (void* p : {b_dev, c_w, c_a, c_b, c_e}) cudaFree(p);
     w.heap().free(bar.words);
+    coll.release();
     w.heap().free(g_base);
     return row;
 }
@@ -255,47 +275,37 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
 
     weft::ops::GemmRsOptions opt;
     opt.autotune = o.tune;
+    opt.reduce_ctas = o.reduce_ctas;
     weft::ops::GemmRs op(w, {m, n, k, t}, opt);
     auto* partial = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));
-    auto* recv = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));  // [W][rows, n]
-    DeviceBarrier bar;
+    auto* recv = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));  // (b): [W][rows, n]
+    DeviceBarrier bar;                                                                      // (b)'s
     bar.make(w);
     const weft::DeviceCtx ctx = w.device_ctx();
-    void *a_dev = nullptr, *b_dev = nullptr, *c_w = nullptr, *c_a = nullptr, *c_b = nullptr, *c_e = nullptr;
+    // (a)'s output is symmetric, as in weft's collective benchmark (no pointer query per call).
+    void* c_a = w.heap().alloc(static_cast<uint64_t>(rows * n * es));
+    void *a_dev = nullptr, *b_dev = nullptr, *c_w = nullptr, *c_b = nullptr, *c_e = nullptr;
     BENCH_CUDA(cudaMalloc(&a_dev, static_cast<size_t>(m * k * es)));
     BENCH_CUDA(cudaMalloc(&b_dev, static_cast<size_t>(n * k * es)));
     BENCH_CUDA(cudaMalloc(&c_e, static_cast<size_t>(m * n * es)));
-    for (void** p : {&c_w, &c_a, &c_b}) BENCH_CUDA(cudaMalloc(p, static_cast<size_t>(rows * n * es)));
+    for (void** p : {&c_w, &c_b}) BENCH_CUDA(cudaMalloc(p, static_cast<size_t>(rows * n * es)));
+    BaselineReduceScatter coll(w, o.coll, t, partial, c_a, rows, n);  // (a): partial -> c_a
+    row.coll_algo = coll.algo();
     const uint64_t seed = 7654321 + static_cast<uint64_t>(me);
     fill_random(a_dev, m * k, t, seed, s);
     fill_random(b_dev, n * k, t, seed + 100, s);
-    const weft::jit::Kernel& engine = weft::jit::compiler().get_kernel(weft::ops::detail::plain_gemm_kernel_spec(
-        [&] {
-            weft::GemmConfig c = op.config();
-            c.out_dtype = t;
-            return c;
-        }()));
+    const weft::jit::Kernel& engine = weft::jit::compiler().get_kernel(weft::ops::detail::plain_gemm_kernel_spec([&] {
+        weft::GemmConfig c = op.config();
+        c.out_dtype = t;
+        return c;
+    }()));
     w.barrier();
 
-    auto reduce_peers = [&](void* out) {
-        sum_launch(t, [&](auto* tag) {
-            using T = std::remove_pointer_t<decltype(tag)>;
-            bench_sum_kernel<T><<<kSumBlocks, kSumThreads, 0, s>>>(ctx, reinterpret_cast<const T*>(partial), nullptr,
-                                                                   0, nr, me * rows, rows, 0, n, n,
-                                                                   static_cast<T*>(out), n);
-        });
-        BENCH_CUDA(cudaGetLastError());
-    };
-    auto coll = [&] {
-        bar(s);  // every partial complete
-        reduce_peers(c_a);
-        bar(s);  // every rank has read: partials may be rewritten
-    };
     row.gemm = time_all(w, sh, s, o.warmup, o.iters, [&] { lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s); });
-    row.coll = time_all(w, sh, s, o.warmup, o.iters, coll);
+    row.coll = time_all(w, sh, s, o.warmup, o.iters, [&] { coll(s); });
     row.a = time_all(w, sh, s, o.warmup, o.iters, [&] {
         lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s);
-        coll();
+        coll(s);
     });
     weft::Event ev_fork, ev_join;
     std::vector<weft::Event> ev_seg(static_cast<size_t>(nr));
@@ -319,36 +329,39 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
         sum_launch(t, [&](auto* tag) {
             using T = std::remove_pointer_t<decltype(tag)>;
             bench_sum_kernel<T><<<kSumBlocks, kSumThreads, 0, s>>>(ctx, nullptr, reinterpret_cast<const T*>(recv),
-                                                                   rows * n, nr, 0, rows, 0, n, n,
-                                                                   static_cast<T*>(c_b), n);
+                                                                   rows * n, nr, 0, rows, 0, n, n, static_cast<T*>(c_b),
+                                                                   n);
         });
         BENCH_CUDA(cudaGetLastError());
     });
     const TensorView av(a_dev, t, {m, k}), bv(b_dev, t, {n, k}), cw(c_w, t, {rows, n});
-    row.weft = time_all(w, sh, s, o.warmup, o.iters, [&] { op.run(av, bv, cw, s); });
-    // After the fused op (which tunes on its first call with --tune): the engine with the same config.
-    row.engine = time_all(w, sh, s, o.warmup, o.iters, [&] {
-        weft::GemmConfig c = op.config();
-        c.out_dtype = t;
-        const auto maps = weft::ops::detail::make_gemm_tensor_maps(c, TensorView(a_dev, t, {m, k}),
-                                                                   TensorView(b_dev, t, {n, k}), TensorView(c_e, t, {m, n}));
-        const weft::GemmArgs args = weft::ops::detail::make_gemm_args(TensorView(a_dev, t, {m, k}),
-                                                                      TensorView(c_e, t, {m, n}), 20'000'000'000ull);
-        weft::jit::LaunchParams lp;
-        lp.grid = dim3(static_cast<unsigned>(op.gemm_grid() + op.reduce_ctas()));
-        lp.block = dim3(weft::kGemmThreads);
-        lp.dynamic_smem_bytes = static_cast<size_t>(weft::gemm_smem_plan(c).alloc_bytes);
-        lp.stream = s;
-        engine.launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
-    });
+    // The fused op and the engine alone with the same config, alternately (--tune: tuned in the warm-up).
+    std::tie(row.weft, row.engine) = time_pair(
+        w, sh, s, o.warmup, o.iters, [&] { op.run(av, bv, cw, s); },
+        [&] {
+            weft::GemmConfig c = op.config();
+            c.out_dtype = t;
+            const auto maps = weft::ops::detail::make_gemm_tensor_maps(
+                c, TensorView(a_dev, t, {m, k}), TensorView(b_dev, t, {n, k}), TensorView(c_e, t, {m, n}));
+            const weft::GemmArgs args = weft::ops::detail::make_gemm_args(
+                TensorView(a_dev, t, {m, k}), TensorView(c_e, t, {m, n}), 20'000'000'000ull);
+            weft::jit::LaunchParams lp;
+            lp.grid = dim3(static_cast<unsigned>(op.gemm_grid() + op.reduce_ctas()));
+            lp.block = dim3(weft::kGemmThreads);
+            lp.dynamic_smem_bytes = static_cast<size_t>(weft::gemm_smem_plan(c).alloc_bytes);
+            lp.stream = s;
+            engine.launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
+        });
     if (o.check) {
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, rows, n, t, s));
         row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, rows, n, t, s));
     }
     w.sync_and_check(s);
     w.barrier();
-    for (void* p : {a_dev, b_dev, c_w, c_a, c_b, c_e}) cudaFree(p);
+    for (void* p : {a_dev, b_dev, c_w, c_b, c_e}) cudaFree(p);
     w.heap().free(bar.words);
+    coll.release();
+    w.heap().free(c_a);
     w.heap().free(recv);
     w.heap().free(partial);
     return row;
@@ -357,7 +370,7 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
 // ---- GEMM + AllReduce ---------------------------------------------------------------------------------------
 
 Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, cudaStream_t s, cudaStream_t comm) {
-    const int nr = w.num_ranks(), me = w.rank();
+    const int nr = w.num_ranks();
     const DType t = o.dtype;
     const int64_t m = full.m, n = full.n / 8 * 8;
     const int64_t k = std::max<int64_t>(8, full.k / nr / 8 * 8);
@@ -366,57 +379,66 @@ Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
 
     weft::ops::GemmAr op(w, {m, n, k, t});
     auto* partial = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));
-    DeviceBarrier bar;
-    bar.make(w);
     const weft::DeviceCtx ctx = w.device_ctx();
-    void *a_dev = nullptr, *b_dev = nullptr, *c_w = nullptr, *c_a = nullptr, *c_b = nullptr;
+    // The baselines' outputs are symmetric too, as in weft's collective benchmark (no pointer query per call).
+    void* c_a = w.heap().alloc(static_cast<uint64_t>(m * n * es));
+    void* c_b = w.heap().alloc(static_cast<uint64_t>(m * n * es));
+    void *a_dev = nullptr, *b_dev = nullptr, *c_w = nullptr;
     BENCH_CUDA(cudaMalloc(&a_dev, static_cast<size_t>(m * k * es)));
     BENCH_CUDA(cudaMalloc(&b_dev, static_cast<size_t>(n * k * es)));
-    for (void** p : {&c_w, &c_a, &c_b}) BENCH_CUDA(cudaMalloc(p, static_cast<size_t>(m * n * es)));
-    const uint64_t seed = 99991 + static_cast<uint64_t>(me);
+    BENCH_CUDA(cudaMalloc(&c_w, static_cast<size_t>(m * n * es)));
+    BaselineAllReduce coll(w, o.coll, t, partial, c_a, m, n);  // (a): partial -> c_a
+    row.coll_algo = coll.algo();
+    const uint64_t seed = 99991 + static_cast<uint64_t>(w.rank());
     fill_random(a_dev, m * k, t, seed, s);
     fill_random(b_dev, n * k, t, seed + 100, s);
     w.barrier();
 
-    auto all_reduce = [&](int64_t c0, int64_t cols, void* out, cudaStream_t on) {
-        sum_launch(t, [&](auto* tag) {
-            using T = std::remove_pointer_t<decltype(tag)>;
-            bench_sum_kernel<T><<<kSumBlocks, kSumThreads, 0, on>>>(ctx, reinterpret_cast<const T*>(partial), nullptr, 0,
-                                                                    nr, 0, m, c0, cols, n, static_cast<T*>(out), n);
-        });
-        BENCH_CUDA(cudaGetLastError());
-    };
-    auto coll = [&] {
-        bar(s);
-        all_reduce(0, n, c_a, s);
-        bar(s);
-    };
     row.gemm = time_all(w, sh, s, o.warmup, o.iters, [&] { lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s); });
-    row.coll = time_all(w, sh, s, o.warmup, o.iters, coll);
+    row.coll = time_all(w, sh, s, o.warmup, o.iters, [&] { coll(s); });
     row.a = time_all(w, sh, s, o.warmup, o.iters, [&] {
         lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s);
-        coll();
+        coll(s);
     });
-    // (b): 4 column chunks; chunk j's all-reduce runs beside chunk j+1's GEMM.
+    // (b): 4 column chunks; chunk j's all-reduce runs on `comm` beside chunk j+1's GEMM on `s`.
     constexpr int kChunks = 4;
     const int64_t chunk = (n / kChunks + 7) / 8 * 8;
     weft::Event ev_fork, ev_join;
     std::vector<weft::Event> ev_chunk(kChunks);
-    DeviceBarrier bar_comm;
-    bar_comm.make(w);
+    DeviceBarrier bar_comm;  // simple only
+    if (o.coll == BaselineColl::kSimple) bar_comm.make(w);
+    auto chunk_all_reduce = [&](int64_t c0, int64_t cols) {
+        if (o.coll == BaselineColl::kWeft) {
+            // The chunk is a contiguous [m, cols] block at element m * c0 (chunk-major), so one weft all_reduce
+            // (automatic algorithm) reduces it; every rank issues the chunks in the same order on `comm`.
+            weft::ops::all_reduce(w, TensorView(partial + m * c0 * es, t, {m * cols}),
+                                  TensorView(static_cast<uint8_t*>(c_b) + m * c0 * es, t, {m * cols}), comm);
+            return;
+        }
+        bar_comm(comm);  // every rank's chunk is complete
+        sum_launch(t, [&](auto* tag) {
+            using T = std::remove_pointer_t<decltype(tag)>;
+            bench_sum_kernel<T><<<kSumBlocks, kSumThreads, 0, comm>>>(
+                ctx, reinterpret_cast<const T*>(partial), nullptr, 0, nr, 0, m, c0, cols, n, static_cast<T*>(c_b), n);
+        });
+        BENCH_CUDA(cudaGetLastError());
+    };
     row.b = time_all(w, sh, s, o.warmup, o.iters, [&] {
         ev_fork.record(s);
         ev_fork.wait(comm);
         for (int j = 0; j < kChunks; ++j) {
             const int64_t c0 = j * chunk, cols = std::min(chunk, n - c0);
             if (cols <= 0) break;
-            lt.gemm(t, a_dev, k, static_cast<uint8_t*>(b_dev) + c0 * k * es, k, partial + c0 * es, n, m, cols, k, s);
+            // weft: chunk-major (block j = [m, cols] at element m * c0); simple: row-major [m, n], columns c0...
+            uint8_t* d = o.coll == BaselineColl::kWeft ? partial + m * c0 * es : partial + c0 * es;
+            lt.gemm(t, a_dev, k, static_cast<uint8_t*>(b_dev) + c0 * k * es, k, d,
+                    o.coll == BaselineColl::kWeft ? cols : n, m, cols, k, s);
             ev_chunk[static_cast<size_t>(j)].record(s);
             ev_chunk[static_cast<size_t>(j)].wait(comm);
-            bar_comm(comm);
-            all_reduce(c0, cols, c_b, comm);
+            chunk_all_reduce(c0, cols);
         }
-        bar_comm(comm);  // every rank has read every partial
+        // simple: every rank has read every partial. weft: each all_reduce leaves its input free on return.
+        if (o.coll == BaselineColl::kSimple) bar_comm(comm);
         ev_join.record(comm);
         ev_join.wait(s);
     });
@@ -424,13 +446,28 @@ Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     row.weft = time_all(w, sh, s, o.warmup, o.iters, [&] { op.run(av, bv, cw, s); });
     if (o.check) {
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, m, n, t, s));
-        row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, m, n, t, s));
+        void* b_rows = c_b;                   // (b)'s result as row-major [m, n]
+        if (o.coll == BaselineColl::kWeft) {  // chunk-major -> row-major, outside the timed region
+            BENCH_CUDA(cudaMalloc(&b_rows, static_cast<size_t>(m * n * es)));
+            for (int j = 0; j < kChunks; ++j) {
+                const int64_t c0 = j * chunk, cols = std::min(chunk, n - c0);
+                if (cols <= 0) break;
+                BENCH_CUDA(cudaMemcpy2DAsync(static_cast<uint8_t*>(b_rows) + c0 * es, static_cast<size_t>(n * es),
+                                             static_cast<uint8_t*>(c_b) + m * c0 * es, static_cast<size_t>(cols * es),
+                                             static_cast<size_t>(cols * es), static_cast<size_t>(m),
+                                             cudaMemcpyDeviceToDevice, s));
+            }
+        }
+        row.err_b = max_over_ranks(w, sh, rel_error(b_rows, n, c_a, n, m, n, t, s));
+        if (b_rows != c_b) cudaFree(b_rows);
     }
     w.sync_and_check(s);
     w.barrier();
-    for (void* p : {a_dev, b_dev, c_w, c_a, c_b}) cudaFree(p);
-    w.heap().free(bar_comm.words);
-    w.heap().free(bar.words);
+    for (void* p : {a_dev, b_dev, c_w}) cudaFree(p);
+    if (bar_comm.words != nullptr) w.heap().free(bar_comm.words);
+    coll.release();
+    w.heap().free(c_b);
+    w.heap().free(c_a);
     w.heap().free(partial);
     return row;
 }
@@ -445,37 +482,52 @@ std::string fmt(double ms) {
 }
 
 void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, const std::string& device) {
-    std::printf("\nweft_bench_tp: %s x%d, %s, world %d%s, %d iters (slowest rank, mean)\n", device.c_str(), gpus,
-                weft::dtype_name(o.dtype), rows.empty() ? 0 : rows[0].world,
-                rows.empty() || rows[0].world <= gpus ? "" : " (ranks share GPUs: figures measure overhead, not overlap)",
-                o.iters);
-    std::printf("%-3s %-22s %10s %10s %10s %10s %10s %10s %10s %8s %6s %s\n", "op", "M x N x K (layer)", "gemm",
-                "weft-gemm", "coll", "(a)seq", "(b)decomp", "weft", "ideal", "vs (a)", "eff", o.check ? "err weft/(b)" : "");
+    std::printf(
+        "\nweft_bench_tp: %s x%d, %s, world %d%s, %d iters (slowest rank, mean)\n", device.c_str(), gpus,
+        weft::dtype_name(o.dtype), rows.empty() ? 0 : rows[0].world,
+        rows.empty() || rows[0].world <= gpus ? "" : " (ranks share GPUs: figures measure overhead, not overlap)",
+        o.iters);
+    std::printf("baseline collective (coll, (a)): %s\n",
+                o.coll == BaselineColl::kWeft
+                    ? "weft's standalone op (weft::ops::all_gather / reduce_scatter / all_reduce), automatic algorithm"
+                    : "simple weft-free kernels (device barriers + copy-engine pulls / SM sum kernel)");
+    std::printf("%-3s %-22s %10s %10s %10s %-9s %10s %10s %10s %10s %8s %6s %s\n", "op", "M x N x K (layer)", "gemm",
+                "weft-gemm", "coll", "algo", "(a)seq", "(b)decomp", "weft", "ideal", "vs (a)", "eff",
+                o.check ? "err weft/(b)" : "");
     for (const Row& r : rows) {
         const double ideal = std::max(r.gemm, r.coll);
         char shape[64];
         std::snprintf(shape, sizeof(shape), "%ldx%ldx%ld", r.shape.m, r.shape.n, r.shape.k);
         char check[64] = "";
         if (o.check) std::snprintf(check, sizeof(check), "%.1e/%.1e", r.err_weft, r.err_b);
-        std::printf("%-3s %-22s %10s %10s %10s %10s %10s %10s %10s %7.2fx %5.0f%% %s\n", r.op.c_str(), shape,
-                    fmt(r.gemm).c_str(), fmt(r.engine).c_str(), fmt(r.coll).c_str(), fmt(r.a).c_str(), fmt(r.b).c_str(),
-                    fmt(r.weft).c_str(), fmt(ideal).c_str(), r.a / r.weft, 100.0 * ideal / r.weft, check);
+        std::printf("%-3s %-22s %10s %10s %10s %-9s %10s %10s %10s %10s %7.2fx %5.0f%% %s\n", r.op.c_str(), shape,
+                    fmt(r.gemm).c_str(), fmt(r.engine).c_str(), fmt(r.coll).c_str(), r.coll_algo.c_str(),
+                    fmt(r.a).c_str(), fmt(r.b).c_str(), fmt(r.weft).c_str(), fmt(ideal).c_str(), r.a / r.weft,
+                    100.0 * ideal / r.weft, check);
     }
-    std::printf("gemm: cuBLASLt alone; weft-gemm: weft's GEMM engine alone (same config, no communication); coll: the\n"
-                "baseline collective alone; ideal = max(gemm, coll); vs (a) = (a) / weft; eff = ideal / weft.\n");
+    const bool weft_coll = o.coll == BaselineColl::kWeft;
+    std::printf(
+        "gemm: cuBLASLt alone; weft-gemm: weft's GEMM engine alone (same config, no communication); coll: the\n"
+        "baseline collective alone, algo: its algorithm (%s); (a)seq: cuBLAS and that same\n"
+        "collective back to back; (b)decomp: chunked cuBLAS GEMMs beside copy-engine transfers (GEMM+AR:\n"
+        "beside %s); ideal = max(gemm, coll); vs (a) = (a) / weft; eff = ideal / weft.\n",
+        weft_coll ? "weft's automatic choice; WEFT_*_ALGO overrides it" : "--baseline-coll simple",
+        weft_coll ? "weft all_reduce per chunk" : "the simple sum kernel per chunk");
     if (o.json.empty()) return;
     std::ofstream out(o.json);
     out << "{\"bench\": \"weft_bench_tp\", \"device\": \"" << device << "\", \"gpus\": " << gpus << ", \"dtype\": \""
-        << weft::dtype_name(o.dtype) << "\", \"iters\": " << o.iters << ", \"results\": [";
+        << weft::dtype_name(o.dtype) << "\", \"iters\": " << o.iters << ", \"baseline_coll\": \""
+        << baseline_coll_name(o.coll) << "\", \"results\": [";
     for (size_t i = 0; i < rows.size(); ++i) {
         const Row& r = rows[i];
         const double ideal = std::max(r.gemm, r.coll);
         out << (i ? ", " : "") << "{\"op\": \"" << r.op << "\", \"m\": " << r.shape.m << ", \"n\": " << r.shape.n
             << ", \"k\": " << r.shape.k << ", \"world\": " << r.world << ", \"gemm_ms\": " << r.gemm
-            << ", \"weft_gemm_ms\": " << r.engine << ", \"coll_ms\": " << r.coll << ", \"a_ms\": " << r.a
-            << ", \"b_ms\": " << r.b << ", \"weft_ms\": " << r.weft << ", \"ideal_ms\": " << ideal
-            << ", \"speedup_vs_a\": " << r.a / r.weft << ", \"overlap_efficiency\": " << ideal / r.weft
-            << ", \"err_weft\": " << r.err_weft << ", \"err_b\": " << r.err_b << "}";
+            << ", \"weft_gemm_ms\": " << r.engine << ", \"coll_ms\": " << r.coll << ", \"coll_algo\": \"" << r.coll_algo
+            << "\", \"a_ms\": " << r.a << ", \"b_ms\": " << r.b << ", \"weft_ms\": " << r.weft
+            << ", \"ideal_ms\": " << ideal << ", \"speedup_vs_a\": " << r.a / r.weft
+            << ", \"overlap_efficiency\": " << ideal / r.weft << ", \"err_weft\": " << r.err_weft
+            << ", \"err_b\": " << r.err_b << "}";
     }
     out << "]}\n";
     std::printf("wrote %s\n", o.json.c_str());
@@ -492,14 +544,17 @@ int main(int argc, char** argv) {
         cudaDeviceProp prop{};
         BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
         const int world = o.world > 0 ? o.world : std::max(2, gpus);
-        // Heap: the largest op's symmetric buffers (weft's and the baseline's), plus room.
+        // Heap: the largest op's symmetric buffers (weft's and the baseline's), plus room, plus the collective
+        // workspace (it stays allocated for the whole run once made: by the weft baselines, and by GemmAr, whose
+        // all-reduce half is ops::all_reduce, with either baseline).
         uint64_t heap = 64ull << 20;
         for (const std::string& op : o.ops) {
             for (const Shape& sz : o.sizes.empty() ? default_shapes(op) : o.sizes) {
                 const uint64_t per = static_cast<uint64_t>(sz.m) * static_cast<uint64_t>(op == "ag" ? sz.k : sz.n) * 2;
-                heap = std::max<uint64_t>(heap, (op == "ar" ? 3 : (op == "rs" ? 5 : 2)) * per + (64ull << 20));
+                heap = std::max<uint64_t>(heap, (op == "ar" ? 5 : (op == "rs" ? 6 : 2)) * per + (64ull << 20));
             }
         }
+        heap += collective_workspace_heap_bytes(world);
         weft::WorldOptions wo;
         wo.heap_bytes = (heap + (2ull << 20) - 1) / (2ull << 20) * (2ull << 20);
         wo.timeout = std::chrono::milliseconds(60000);
@@ -513,6 +568,7 @@ int main(int argc, char** argv) {
                 cudaStream_t s = nullptr, comm = nullptr;
                 BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
                 BENCH_CUDA(cudaStreamCreateWithFlags(&comm, cudaStreamNonBlocking));
+                prepare_baseline_collectives(w, o.coll);  // collective, once per World, before any timing
                 {
                     Lt lt;
                     for (const std::string& op : o.ops) {
@@ -520,7 +576,8 @@ int main(int argc, char** argv) {
                         if (!o.shape_idx.empty() && o.sizes.empty()) {
                             std::vector<Shape> pick;
                             for (int i : o.shape_idx) {
-                                if (i >= 0 && i < static_cast<int>(shapes.size())) pick.push_back(shapes[static_cast<size_t>(i)]);
+                                if (i >= 0 && i < static_cast<int>(shapes.size()))
+                                    pick.push_back(shapes[static_cast<size_t>(i)]);
                             }
                             shapes = pick;
                         }
@@ -531,8 +588,9 @@ int main(int argc, char** argv) {
                             if (w.rank() == 0) {
                                 std::lock_guard<std::mutex> lock(rows_mutex);
                                 rows.push_back(r);
-                                std::printf("  %s %ldx%ldx%ld: (a) %s, weft %s\n", r.op.c_str(), r.shape.m, r.shape.n,
-                                            r.shape.k, fmt(r.a).c_str(), fmt(r.weft).c_str());
+                                std::printf("  %s %ldx%ldx%ld: (a) %s (coll %s, %s), weft %s\n", r.op.c_str(),
+                                            r.shape.m, r.shape.n, r.shape.k, fmt(r.a).c_str(), fmt(r.coll).c_str(),
+                                            r.coll_algo.c_str(), fmt(r.weft).c_str());
                                 std::fflush(stdout);
                             }
                         }

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
-// Baselines for the tensor-parallel benchmarks and examples: cuBLASLt GEMMs, weft-free collectives on the
-// symmetric heap (a device barrier, a copy-engine all-gather is plain cudaMemcpyAsync, an SM sum kernel for
-// reduce-scatter / all-reduce), and timing shared by rank threads (the slowest rank counts).
+// Baselines for the tensor-parallel benchmarks and examples: cuBLASLt GEMMs, the baseline collectives (weft's
+// standalone ops with their automatic algorithm choice by default, or simple weft-free kernels on the symmetric
+// heap for comparison), and timing shared by rank threads (the slowest rank counts).
 #pragma once
 
 #include <cublasLt.h>
@@ -16,6 +16,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <stdexcept>
@@ -25,6 +26,10 @@
 #include <vector>
 
 #include "weft/device.cuh"
+#include "weft/ops/all_gather.hpp"
+#include "weft/ops/all_reduce.hpp"
+#include "weft/ops/collectives.hpp"
+#include "weft/ops/reduce_scatter.hpp"
 #include "weft/weft.hpp"
 
 namespace weft::bench_tp {
@@ -38,14 +43,14 @@ namespace tile = weft::device::tile;
         cudaError_t e_ = (call);                                                                             \
         if (e_ != cudaSuccess) throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
     } while (0)
-#define BENCH_LT(call)                                                                                     \
-    do {                                                                                                   \
-        cublasStatus_t s_ = (call);                                                                        \
-        if (s_ != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string(#call) + ": status " +        \
-                                                                  std::to_string(static_cast<int>(s_))); \
+#define BENCH_LT(call)                                                                                         \
+    do {                                                                                                       \
+        cublasStatus_t s_ = (call);                                                                            \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                                       \
+            throw std::runtime_error(std::string(#call) + ": status " + std::to_string(static_cast<int>(s_))); \
     } while (0)
 
-// ---- baseline collectives (weft-free kernels on the symmetric heap) ---------------------------------------
+// ---- simple baseline collectives (weft-free kernels on the symmetric heap: --baseline-coll simple) --------------
 
 /// Every rank adds 1 to its word on every rank, then waits for every word to reach the call count (kept in
 /// device memory, so the kernel is graph-safe). One warp.
@@ -61,21 +66,25 @@ static __global__ void bench_barrier_kernel(weft::DeviceCtx ctx, uint64_t* count
 
 template <class T>
 __device__ __forceinline__ float to_f(T x) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(x);
-    else return __half2float(x);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return __bfloat162float(x);
+    else
+        return __half2float(x);
 }
 template <class T>
 __device__ __forceinline__ T from_f(float x) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(x);
-    else return __float2half_rn(x);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return __float2bfloat16_rn(x);
+    else
+        return __float2half_rn(x);
 }
 
 /// out[r, c0 + c] = sum over ranks s (in rank order) of src_s[row0 + r, c0 + c], 8 elements per thread.
 /// srcs: `count` pointers (peers' symmetric buffers mapped here, or local slots), each [rows, ld].
 template <class T>
 __global__ void bench_sum_kernel(weft::DeviceCtx ctx, const T* symmetric_src, const T* local_slots, int64_t slot_elems,
-                                 int count, int64_t row0, int64_t rows, int64_t c0, int64_t cols, int64_t ld,
-                                 T* out, int64_t ldo) {
+                                 int count, int64_t row0, int64_t rows, int64_t c0, int64_t cols, int64_t ld, T* out,
+                                 int64_t ldo) {
     const int64_t vecs_per_row = cols / 8;
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * vecs_per_row;
          i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -189,6 +198,40 @@ inline double time_all(World& w, Shared& sh, cudaStream_t s, int warmup, int ite
     return worst;
 }
 
+inline double max_over_ranks(World& w, Shared& sh, double v);
+
+/// Times `a` and `b` alternately (a, b, a, b, ...), each call between its own events, so that both see the same
+/// clocks: a run of long GEMMs heats the GPU and lowers the clocks of whatever is timed last (seen as +-10%
+/// between two timings of one kernel). Returns each one's mean ms, the slowest rank's.
+inline std::pair<double, double> time_pair(World& w, Shared& sh, cudaStream_t s, int warmup, int iters,
+                                           const std::function<void()>& a, const std::function<void()>& b) {
+    for (int i = 0; i < warmup; ++i) {
+        a();
+        b();
+    }
+    w.sync_and_check(s);
+    w.barrier();
+    std::vector<std::unique_ptr<weft::Event>> ev;
+    for (int i = 0; i < 2 * iters + 1; ++i) ev.push_back(std::make_unique<weft::Event>(true));
+    ev[0]->record(s);
+    for (int i = 0; i < iters; ++i) {
+        a();
+        ev[static_cast<size_t>(2 * i + 1)]->record(s);
+        b();
+        ev[static_cast<size_t>(2 * i + 2)]->record(s);
+    }
+    w.sync_and_check(s);
+    double ta = 0, tb = 0;
+    for (int i = 0; i < iters; ++i) {
+        const size_t j = static_cast<size_t>(2 * i);
+        ta += ev[j + 1]->elapsed_ms(*ev[j]);
+        tb += ev[j + 2]->elapsed_ms(*ev[j + 1]);
+    }
+    const double slowest_a = max_over_ranks(w, sh, ta / iters);
+    const double slowest_b = max_over_ranks(w, sh, tb / iters);
+    return {slowest_a, slowest_b};
+}
+
 /// Uniform values in [-1, 1) from a hash of (seed, index), written on the device (fast for GB-sized operands;
 /// never zeros: a GEMM on zeros runs faster than on data).
 template <class T>
@@ -217,20 +260,20 @@ inline void fill_random(void* p, int64_t elems, DType t, uint64_t seed, cudaStre
 }
 
 inline double rel_error(const void* x, int64_t lx, const void* y, int64_t ly, int64_t rows, int64_t cols, DType t,
-                 cudaStream_t s) {
+                        cudaStream_t s) {
     std::vector<uint16_t> hx(static_cast<size_t>(rows * lx)), hy(static_cast<size_t>(rows * ly));
     BENCH_CUDA(cudaMemcpyAsync(hx.data(), x, hx.size() * 2, cudaMemcpyDeviceToHost, s));
     BENCH_CUDA(cudaMemcpyAsync(hy.data(), y, hy.size() * 2, cudaMemcpyDeviceToHost, s));
     BENCH_CUDA(cudaStreamSynchronize(s));
     auto f = [&](uint16_t b) {
         if (t == DType::kBF16) {
-            __nv_bfloat16 v;
-            std::memcpy(&v, &b, 2);
-            return static_cast<double>(__bfloat162float(v));
+            __nv_bfloat16_raw raw;
+            raw.x = b;
+            return static_cast<double>(__bfloat162float(__nv_bfloat16(raw)));
         }
-        __half v;
-        std::memcpy(&v, &b, 2);
-        return static_cast<double>(__half2float(v));
+        __half_raw raw;
+        raw.x = b;
+        return static_cast<double>(__half2float(__half(raw)));
     };
     double num = 0, den = 0;
     for (int64_t r = 0; r < rows; ++r)
@@ -270,35 +313,277 @@ struct DeviceBarrier {
 
 template <class F>
 void sum_launch(DType t, F&& launch) {
-    if (t == DType::kBF16) launch(static_cast<__nv_bfloat16*>(nullptr));
-    else launch(static_cast<__half*>(nullptr));
+    if (t == DType::kBF16)
+        launch(static_cast<__nv_bfloat16*>(nullptr));
+    else
+        launch(static_cast<__half*>(nullptr));
 }
 
 inline constexpr int kSumBlocks = 64;
 inline constexpr int kSumThreads = 256;
 
-/// The command line both TP examples share: `[--world W] [--m M] [--n N] [--k K] [--iters I]`. Fields keep
-/// the caller's defaults when absent; returns false (after printing the usage) on an unknown flag.
+// ---- the baseline collectives: weft's standalone ops (default) or the simple kernels above ----------------
+
+/// Which collective the baselines run: weft's standalone ops (weft::ops::all_gather / reduce_scatter /
+/// all_reduce, automatic algorithm choice; WEFT_*_ALGO overrides it as for any caller) or the simple weft-free
+/// kernels of this file (device barrier + copy-engine pulls or an SM sum kernel), kept for comparison.
+enum class BaselineColl { kWeft, kSimple };
+
+inline const char* baseline_coll_name(BaselineColl c) { return c == BaselineColl::kWeft ? "weft" : "simple"; }
+
+/// "weft" or "simple"; anything else is an error naming the option.
+inline BaselineColl parse_baseline_coll(const std::string& v) {
+    if (v == "weft") return BaselineColl::kWeft;
+    if (v == "simple") return BaselineColl::kSimple;
+    throw std::runtime_error("--baseline-coll takes weft or simple, got '" + v + "'");
+}
+
+/// Symmetric-heap bytes weft::ops::prepare_collectives takes for `num_ranks` ranks, with room to spare: three
+/// staging regions (WEFT_COLLECTIVE_STAGING_BYTES, default 32 MiB each), the LL receive buffers (2 parities x
+/// num_ranks senders x 512 KiB) and a few KiB of signal words. Add it to WorldOptions::heap_bytes.
+inline uint64_t collective_workspace_heap_bytes(int num_ranks) {
+    uint64_t region = weft::env::get_bytes("WEFT_COLLECTIVE_STAGING_BYTES").value_or(32ull << 20);
+    region = std::max<uint64_t>((region + 255) / 256 * 256, 64ull << 10);
+    return 3 * region + static_cast<uint64_t>(num_ranks) * (1ull << 20) + (4ull << 20);
+}
+
+/// Collective, once per World, before anything is timed: with the weft baselines, creates the World's collective
+/// workspace (heap buffers, the agreed SM budget, every collective kernel compiled and loaded; it ends with a host
+/// barrier), so no timed call pays for it; checks that the heap estimate above covered it. Simple: nothing.
+inline void prepare_baseline_collectives(World& w, BaselineColl c) {
+    if (c != BaselineColl::kWeft) return;
+    const weft::ops::CollectiveWorkspaceInfo& info = weft::ops::prepare_collectives(w);
+    if (info.heap_bytes > collective_workspace_heap_bytes(w.num_ranks())) {
+        throw std::runtime_error("the collective workspace took " + std::to_string(info.heap_bytes) +
+                                 " heap bytes, more than collective_workspace_heap_bytes() reserves (" +
+                                 std::to_string(collective_workspace_heap_bytes(w.num_ranks())) + ")");
+    }
+}
+
+/// (a)'s all-gather, in place on `gathered`: a symmetric buffer of num_ranks slots of `slot_bytes` (the same
+/// allocation on every rank) whose slot `rank` holds this rank's shard; after a call (in stream order) every slot
+/// holds its rank's shard, and the slots may be read until the next call.
+///  weft:   ops::all_gather(input = own slot, output = gathered), automatic algorithm (symmetric output: LL,
+///          sm_push or ce_push by size). Its entry barrier orders every rank's previous reads of `gathered`
+///          before any peer writes into it.
+///  simple: device barrier (every shard in place), copy-engine pulls of every peer's slot, device barrier
+///          (every rank has read every shard).
+/// Construction and release() are collective (heap allocations); call prepare_baseline_collectives first.
+class BaselineAllGather {
+public:
+    BaselineAllGather(World& w, BaselineColl kind, void* gathered, uint64_t slot_bytes)
+        : w_(&w), kind_(kind), gathered_(static_cast<uint8_t*>(gathered)), slot_bytes_(slot_bytes) {
+        const int nr = w.num_ranks();
+        if (kind_ == BaselineColl::kSimple) {
+            bar_.make(w);
+            algo_ = "simple";
+        } else if (nr == 1) {
+            algo_ = "none";  // one rank: the op is a no-op in place
+        } else {
+            algo_ = weft::ops::algo_name(weft::ops::resolve_all_gather_algo(
+                weft::ops::AllGatherAlgo::kAuto, weft::env::get("WEFT_ALLGATHER_ALGO"), slot_bytes,
+                weft::ops::prepare_collectives(w).topology, /*output_symmetric=*/true));
+        }
+    }
+    void operator()(cudaStream_t s) {
+        const int nr = w_->num_ranks(), me = w_->rank();
+        if (kind_ == BaselineColl::kWeft) {
+            const auto slot = static_cast<int64_t>(slot_bytes_);
+            weft::ops::all_gather(*w_, weft::TensorView(gathered_ + me * slot, DType::kU8, {slot}),
+                                  weft::TensorView(gathered_, DType::kU8, {nr * slot}), s);
+            return;
+        }
+        bar_(s);
+        for (int i = 1; i < nr; ++i) {
+            uint8_t* dst = gathered_ + static_cast<uint64_t>((me + i) % nr) * slot_bytes_;
+            BENCH_CUDA(cudaMemcpyAsync(dst, w_->heap().symm_at(dst, (me + i) % nr), slot_bytes_, cudaMemcpyDefault, s));
+        }
+        bar_(s);
+    }
+    /// The algorithm a call runs: weft's choice ("ll", "sm_push", "ce_push", ...) or "simple".
+    const std::string& algo() const { return algo_; }
+    void release() {
+        if (bar_.words != nullptr) w_->heap().free(bar_.words);
+        bar_.words = nullptr;
+    }
+
+private:
+    World* w_;
+    BaselineColl kind_;
+    uint8_t* gathered_;
+    uint64_t slot_bytes_;
+    DeviceBarrier bar_;
+    std::string algo_;
+};
+
+/// (a)'s reduce-scatter: `partial` is a symmetric [num_ranks * rows, n] buffer of dtype `t` (slice r = rows
+/// [r * rows, (r + 1) * rows), the same allocation on every rank); `out` [rows, n] (any device memory) gets the sum
+/// over the ranks of slice `rank`, added in rank order in fp32 and rounded once. After a call (in stream order)
+/// every peer has finished reading this rank's `partial`, so it may be rewritten.
+///  weft:   ops::reduce_scatter(partial, out), automatic algorithm (sm_pull: peers read the symmetric input in
+///          place between an entry and an exit barrier).
+///  simple: device barrier, bench_sum_kernel reading slice `rank` of every peer's partial, device barrier.
+/// `n` must be a multiple of 8 (the simple kernel's vectors). Construction and release() are collective.
+class BaselineReduceScatter {
+public:
+    BaselineReduceScatter(World& w, BaselineColl kind, DType t, void* partial, void* out, int64_t rows, int64_t n)
+        : w_(&w), kind_(kind), t_(t), partial_(partial), out_(out), rows_(rows), n_(n) {
+        if (n % 8 != 0) {
+            throw std::runtime_error("BaselineReduceScatter: n must be a multiple of 8, got " + std::to_string(n));
+        }
+        if (kind_ == BaselineColl::kSimple) {
+            bar_.make(w);
+            algo_ = "simple";
+        } else if (w.num_ranks() == 1) {
+            algo_ = "copy";
+        } else {
+            const uint64_t out_bytes = static_cast<uint64_t>(rows * n) * static_cast<uint64_t>(weft::dtype_bytes(t));
+            algo_ = weft::ops::algo_name(weft::ops::resolve_reduce_scatter_algo(
+                weft::ops::ReduceScatterAlgo::kAuto, weft::env::get("WEFT_REDUCESCATTER_ALGO"), out_bytes,
+                weft::ops::prepare_collectives(w).topology));
+        }
+    }
+    void operator()(cudaStream_t s) {
+        const int nr = w_->num_ranks(), me = w_->rank();
+        if (kind_ == BaselineColl::kWeft) {
+            weft::ops::reduce_scatter(*w_, weft::TensorView(partial_, t_, {nr * rows_ * n_}),
+                                      weft::TensorView(out_, t_, {rows_ * n_}), s);
+            return;
+        }
+        const weft::DeviceCtx ctx = w_->device_ctx();
+        bar_(s);  // every partial is complete
+        sum_launch(t_, [&](auto* tag) {
+            using T = std::remove_pointer_t<decltype(tag)>;
+            bench_sum_kernel<T><<<kSumBlocks, kSumThreads, 0, s>>>(ctx, static_cast<const T*>(partial_), nullptr, 0, nr,
+                                                                   me * rows_, rows_, 0, n_, n_, static_cast<T*>(out_),
+                                                                   n_);
+        });
+        BENCH_CUDA(cudaGetLastError());
+        bar_(s);  // every rank has read its rows: the partials may be rewritten
+    }
+    const std::string& algo() const { return algo_; }
+    void release() {
+        if (bar_.words != nullptr) w_->heap().free(bar_.words);
+        bar_.words = nullptr;
+    }
+
+private:
+    World* w_;
+    BaselineColl kind_;
+    DType t_;
+    void* partial_;
+    void* out_;
+    int64_t rows_, n_;
+    DeviceBarrier bar_;
+    std::string algo_;
+};
+
+/// (a)'s all-reduce: `partial` is a symmetric [m, n] buffer of dtype `t` (the same allocation on every rank);
+/// `out` [m, n] (any device memory, not overlapping it) gets the element-wise sum over the ranks (rank order,
+/// fp32, rounded once). After a call (in stream order) `partial` may be rewritten.
+///  weft:   ops::all_reduce(partial, out), automatic algorithm (LL, one-shot or two-shot by size).
+///  simple: device barrier, bench_sum_kernel reading every peer's partial, device barrier.
+/// `n` must be a multiple of 8 (the simple kernel's vectors). Construction and release() are collective.
+class BaselineAllReduce {
+public:
+    BaselineAllReduce(World& w, BaselineColl kind, DType t, void* partial, void* out, int64_t m, int64_t n)
+        : w_(&w), kind_(kind), t_(t), partial_(partial), out_(out), m_(m), n_(n) {
+        if (n % 8 != 0) {
+            throw std::runtime_error("BaselineAllReduce: n must be a multiple of 8, got " + std::to_string(n));
+        }
+        if (kind_ == BaselineColl::kSimple) {
+            bar_.make(w);
+            algo_ = "simple";
+        } else {
+            algo_ = weft_algo(w, static_cast<uint64_t>(m * n) * static_cast<uint64_t>(weft::dtype_bytes(t)));
+        }
+    }
+    /// weft's choice for an all-reduce of `bytes` bytes per rank on `w` ("copy" on one rank).
+    static std::string weft_algo(World& w, uint64_t bytes) {
+        if (w.num_ranks() == 1) return "copy";
+        return weft::ops::algo_name(weft::ops::resolve_all_reduce_algo(weft::ops::AllReduceAlgo::kAuto,
+                                                                       weft::env::get("WEFT_ALLREDUCE_ALGO"), bytes,
+                                                                       weft::ops::prepare_collectives(w).topology));
+    }
+    void operator()(cudaStream_t s) {
+        if (kind_ == BaselineColl::kWeft) {
+            weft::ops::all_reduce(*w_, weft::TensorView(partial_, t_, {m_ * n_}), weft::TensorView(out_, t_, {m_ * n_}),
+                                  s);
+            return;
+        }
+        const weft::DeviceCtx ctx = w_->device_ctx();
+        bar_(s);  // every partial is complete
+        sum_launch(t_, [&](auto* tag) {
+            using T = std::remove_pointer_t<decltype(tag)>;
+            bench_sum_kernel<T><<<kSumBlocks, kSumThreads, 0, s>>>(ctx, static_cast<const T*>(partial_), nullptr, 0,
+                                                                   ctx.num_ranks, 0, m_, 0, n_, n_,
+                                                                   static_cast<T*>(out_), n_);
+        });
+        BENCH_CUDA(cudaGetLastError());
+        bar_(s);  // every rank has read every partial: they may be rewritten
+    }
+    const std::string& algo() const { return algo_; }
+    void release() {
+        if (bar_.words != nullptr) w_->heap().free(bar_.words);
+        bar_.words = nullptr;
+    }
+
+private:
+    World* w_;
+    BaselineColl kind_;
+    DType t_;
+    void* partial_;
+    void* out_;
+    int64_t m_, n_;
+    DeviceBarrier bar_;
+    std::string algo_;
+};
+
+/// The command line both TP examples share: `[--world W] [--m M] [--n N] [--k K] [--iters I]
+/// [--baseline-coll weft|simple]`. Fields keep the caller's defaults when absent; returns false (after printing
+/// the usage) on an unknown flag or a flag without a value.
 struct ExampleArgs {
     int world = 0;
     int iters = 10;
     int64_t m = 0, n = 0, k = 0;
+    BaselineColl coll = BaselineColl::kWeft;
 };
 
 inline bool parse_example_args(int argc, char** argv, ExampleArgs& args) {
-    for (int i = 1; i + 1 < argc; i += 2) {
+    const auto usage = [&] {
+        std::fprintf(stderr,
+                     "usage: %s [--world W] [--m M] [--n N] [--k K] [--iters I] "
+                     "[--baseline-coll weft|simple]\n",
+                     argv[0]);
+        return false;
+    };
+    int i = 1;
+    for (; i + 1 < argc; i += 2) {
         const std::string a = argv[i];
-        const int64_t v = std::atoll(argv[i + 1]);
-        if (a == "--world") args.world = static_cast<int>(v);
-        else if (a == "--m") args.m = v;
-        else if (a == "--n") args.n = v;
-        else if (a == "--k") args.k = v;
-        else if (a == "--iters") args.iters = static_cast<int>(v);
-        else {
-            std::fprintf(stderr, "usage: %s [--world W] [--m M] [--n N] [--k K] [--iters I]\n", argv[0]);
-            return false;
+        if (a == "--baseline-coll") {
+            try {
+                args.coll = parse_baseline_coll(argv[i + 1]);
+            } catch (const std::exception& e) {
+                std::fprintf(stderr, "%s\n", e.what());
+                return usage();
+            }
+            continue;
         }
+        const int64_t v = std::atoll(argv[i + 1]);
+        if (a == "--world")
+            args.world = static_cast<int>(v);
+        else if (a == "--m")
+            args.m = v;
+        else if (a == "--n")
+            args.n = v;
+        else if (a == "--k")
+            args.k = v;
+        else if (a == "--iters")
+            args.iters = static_cast<int>(v);
+        else
+            return usage();
     }
+    if (i < argc) return usage();  // a trailing flag without its value
     return true;
 }
 

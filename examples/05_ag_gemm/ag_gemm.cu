@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: MIT
 // Example 05: AllGather+GEMM (a column-parallel linear layer) with weft's fused op, checked against cuBLAS
-// after a copy-engine all-gather run back to back, and timed against it.
+// after weft's standalone all-gather (weft::ops::all_gather, automatic algorithm) run back to back, and timed
+// against it.
 //
-//   weft_example_05_ag_gemm [--world W] [--m M] [--n N] [--k K] [--iters I]
+//   weft_example_05_ag_gemm [--world W] [--m M] [--n N] [--k K] [--iters I] [--baseline-coll weft|simple]
 //
 // Every rank holds A_r = rows [r*M/W, (r+1)*M/W) of the activations A[M, K] and the weight shard B_r [N/W, K];
 // it needs C_r = A * B_r^T [M, N/W]. weft's op pulls the peers' rows with the copy engines while the GEMM
@@ -34,22 +35,26 @@ int main(int argc, char** argv) {
         m = m / world * world;
         const int64_t n_local = std::max<int64_t>(8, n / world / 8 * 8), rows = m / world;
         weft::WorldOptions wo;
-        wo.heap_bytes = (2 * static_cast<uint64_t>(m * k * 2) + (64ull << 20) + (2ull << 20) - 1) / (2ull << 20) * (2ull << 20);
+        uint64_t heap = 2 * static_cast<uint64_t>(m * k * 2) + (64ull << 20);
+        if (args.coll == BaselineColl::kWeft) heap += collective_workspace_heap_bytes(world);
+        wo.heap_bytes = (heap + (2ull << 20) - 1) / (2ull << 20) * (2ull << 20);
         Shared sh;
         sh.slot.assign(static_cast<size_t>(world), 0.0);
         double t_gemm = 0, t_coll = 0, t_base = 0, t_weft = 0, err = 0;
+        std::string coll_algo;
         weft::run_local(world, [&](weft::World& w) {
-            const int me = w.rank(), nr = w.num_ranks();
+            const int me = w.rank();
             const DType t = DType::kBF16;
             cudaStream_t s = nullptr;
             BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            prepare_baseline_collectives(w, args.coll);  // collective, once, before anything is timed
             {
                 // weft: the op owns the gathered buffer; this rank writes its rows straight into it.
                 weft::ops::AgGemm op(w, {m, n_local, k, t});
-                // The baseline: its own gathered buffer on the symmetric heap and a device barrier.
+                // The baseline: its own gathered buffer on the symmetric heap, gathered in place by the same
+                // baseline all-gather as weft_bench_tp's (a) (tp_baselines.cuh).
                 auto* g = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * k * 2)));
-                DeviceBarrier bar;
-                bar.make(w);
+                BaselineAllGather all_gather(w, args.coll, g, static_cast<uint64_t>(rows * k * 2));
                 void *b = nullptr, *c_weft = nullptr, *c_base = nullptr;
                 BENCH_CUDA(cudaMalloc(&b, static_cast<size_t>(n_local * k * 2)));
                 BENCH_CUDA(cudaMalloc(&c_weft, static_cast<size_t>(m * n_local * 2)));
@@ -61,20 +66,11 @@ int main(int argc, char** argv) {
                 fill_random(b, n_local * k, t, 4048 + static_cast<uint64_t>(me), s);
                 w.barrier();
                 Lt lt;
-                auto all_gather = [&] {
-                    bar(s);  // every rank's rows are in place
-                    for (int i = 1; i < nr; ++i) {
-                        uint8_t* dst = g + ((me + i) % nr) * rows * k * 2;
-                        BENCH_CUDA(cudaMemcpyAsync(dst, w.heap().symm_at(dst, (me + i) % nr),
-                                                   static_cast<size_t>(rows * k * 2), cudaMemcpyDefault, s));
-                    }
-                    bar(s);  // every rank has its copies: the rows may be rewritten
-                };
                 auto gemm = [&] { lt.gemm(t, g, k, b, k, c_base, n_local, m, n_local, k, s); };
                 const double tg = time_all(w, sh, s, 2, iters, gemm);
-                const double tc = time_all(w, sh, s, 2, iters, all_gather);
+                const double tc = time_all(w, sh, s, 2, iters, [&] { all_gather(s); });
                 const double tb = time_all(w, sh, s, 2, iters, [&] {
-                    all_gather();
+                    all_gather(s);
                     gemm();
                 });
                 const weft::TensorView bv(b, t, {n_local, k}), cv(c_weft, t, {m, n_local});
@@ -82,12 +78,13 @@ int main(int argc, char** argv) {
                 const double e = max_over_ranks(w, sh, rel_error(c_weft, n_local, c_base, n_local, m, n_local, t, s));
                 if (me == 0) {  // every rank got the same (slowest-rank) figures
                     t_gemm = tg, t_coll = tc, t_base = tb, t_weft = tw, err = e;
+                    coll_algo = all_gather.algo();
                 }
                 w.barrier();
                 cudaFree(b);
                 cudaFree(c_weft);
                 cudaFree(c_base);
-                w.heap().free(bar.words);
+                all_gather.release();
                 w.heap().free(g);
             }
             cudaStreamDestroy(s);
@@ -101,8 +98,12 @@ int main(int argc, char** argv) {
         std::snprintf(shape, sizeof(shape), "%ldx%ldx%ld", m, n_local * world, k);
         std::printf("%-24s %11.3f ms %9.3f ms %8.2fx %9.0f%% %8s\n", shape, t_base, t_weft, t_base / t_weft,
                     100.0 * ideal / t_weft, err < 1e-2 ? "ok" : "FAILED");
-        std::printf("(GEMM alone %.3f ms, all-gather alone %.3f ms; overlap = max of those / weft; relative "
-                    "difference to the baseline %.1e)\n", t_gemm, t_coll, err);
+        const std::string coll_desc = args.coll == BaselineColl::kWeft
+                                          ? "weft::ops::all_gather (automatic algorithm: " + coll_algo + ")"
+                                          : std::string("the simple all-gather (device barriers + copy-engine pulls)");
+        std::printf("(baseline: %s, then cuBLAS; GEMM alone %.3f ms, all-gather alone %.3f ms; overlap = max of\n"
+                    " those / weft; relative difference to the baseline %.1e)\n",
+                    coll_desc.c_str(), t_gemm, t_coll, err);
         return err < 1e-2 ? 0 : 1;
     } catch (const std::exception& e) {
         std::fprintf(stderr, "error: %s\n", e.what());

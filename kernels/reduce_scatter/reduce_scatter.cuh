@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Reduce-scatter (sum) kernel: every rank pulls its slice from every rank's source and reduces it in fp32, once.
+// Reduce-scatter (sum) kernels: SM pull (every rank reads its slice from every rank's source and reduces it in
+// fp32, once) and low-latency (every rank pushes slice q to rank q as LL lines; rank q reduces them).
 //
 // Launched by weft::ops::reduce_scatter (src/ops/reduce_scatter.cpp) through the JIT, one specialisation per
 // ReduceKernelConfig. Schedule and pitfalls: README.md here; shared protocol: kernels/common/collective.cuh.
@@ -41,6 +42,86 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
                                                                    static_cast<uint8_t*>(p.out), nullptr);
     if ((p.flags & kCollectiveExitBarrier) != 0) {
         st.barrier();
+    }
+    st.finish();
+}
+
+/// Low-latency: the input is num_ranks slices of p.count elements, slice q at element q * p.in_stride. Every thread
+/// sends line j (8 bytes, fewer at the slice's end) of slice q, with the epoch's flag in every 8-byte word, to slot
+/// `rank` of rank q's LL receive buffer, for every peer q; then polls line j of every peer's slot in its own buffer
+/// and writes the rank-ordered fp32 sum (its own slice's line read from `in`) to `out`, once. No barrier, no flag
+/// round trip: every rank waits for lines from every peer, so (as in the LL all-reduce) a rank running kernel e + 2
+/// knows every peer has left kernel e, and the parity-alternated slots are reused without clearing. The same thread
+/// handles line j in both loops, so in place (out = slice `rank` of in) reads a line before it writes it.
+/// p.count elements, at most p.ll_slot_bytes / 2 bytes.
+template <ReduceKernelConfig C>
+__global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
+    reduce_scatter_low_latency(DeviceCtx ctx, CollectiveParams p) {
+    static_assert(is_valid(C), "ReduceKernelConfig: see is_valid() in weft/common/collectives.hpp");
+    using N = Num<C.dtype>;
+    using Bits = typename N::Bits;
+    constexpr uint64_t kElem = sizeof(Bits);
+    constexpr int kLineElems = static_cast<int>(kLowLatencyPayloadBytes / kElem);
+    constexpr int kChunk = C.max_ranks < 8 ? C.max_ranks : 8;
+    __shared__ uint8_t* remote[C.max_ranks];
+    BlockState st(ctx, p);
+    const int n = ctx.num_ranks;
+    const int me = ctx.rank;
+    const uint32_t flag = low_latency_flag(st.epoch());
+    const uint64_t bytes = p.count * kElem;
+    const uint64_t slice_bytes = p.in_stride * kElem;
+    const uint64_t lines = (bytes + kLowLatencyPayloadBytes - 1) / kLowLatencyPayloadBytes;
+    const Span span = split_span(lines, gridDim.x, blockIdx.x, 2);
+    const auto* in = static_cast<const uint8_t*>(p.in);
+    const uint8_t* mine = in + static_cast<uint64_t>(me) * slice_bytes;
+    auto* out = static_cast<uint8_t*>(p.out);
+    // Slice q's lines land in slot `me` of rank q's buffer.
+    for (int q = static_cast<int>(threadIdx.x); q < n; q += static_cast<int>(blockDim.x)) {
+        remote[q] = device::symm_at_or_trap(ctx, st.ll_slot(me), q, __LINE__);
+    }
+    __syncthreads();
+    for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
+        const uint64_t at = j * kLowLatencyPayloadBytes;
+        for (int k = 1; k < n; ++k) {
+            const int q = (me + k) % n;
+            const uint2 v = collective::load_payload(in + static_cast<uint64_t>(q) * slice_bytes + at, bytes - at);
+            device::ll::store_line(remote[q] + j * kLowLatencyLineBytes, v, flag);
+        }
+    }
+    for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
+        const uint64_t at = j * kLowLatencyPayloadBytes;
+        float acc[kLineElems];
+#pragma unroll
+        for (int k = 0; k < kLineElems; ++k) {
+            acc[k] = 0.0f;
+        }
+        for (int q0 = 0; q0 < n; q0 += kChunk) {
+            uint2 got[kChunk];
+#pragma unroll
+            for (int i = 0; i < kChunk; ++i) {
+                const int q = q0 + i;
+                if (q < n) {
+                    got[i] = q == me ? collective::load_payload(mine + at, bytes - at)
+                                     : device::ll::wait_line(ctx, st.ll_slot(q) + j * kLowLatencyLineBytes, flag);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < kChunk; ++i) {
+                if (q0 + i < n) {
+                    const auto lanes = __builtin_bit_cast(collective::Lanes<Bits, kLineElems>, got[i]);
+#pragma unroll
+                    for (int k = 0; k < kLineElems; ++k) {
+                        acc[k] += N::to_float(lanes.v[k]);
+                    }
+                }
+            }
+        }
+        collective::Lanes<Bits, kLineElems> sum;
+#pragma unroll
+        for (int k = 0; k < kLineElems; ++k) {
+            sum.v[k] = N::from_float(acc[k]);
+        }
+        collective::store_payload(out + at, __builtin_bit_cast(uint2, sum), bytes - at);
     }
     st.finish();
 }

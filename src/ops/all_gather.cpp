@@ -22,6 +22,14 @@ using detail::KernelId;
 // `source(q)` (an address mapped here) on a side stream, then a stream write tells q that this rank is done reading it.
 // Push: this rank's shard is copied into every peer's output slot, then a stream write tells the peer it has arrived.
 // Both: an entry kernel first (every rank ready), the exit kernel last (every peer's flag seen and consumed).
+//
+// The copies and flag writes go to side streams (copy engines in parallel) when every rank has a GPU of its own. When
+// ranks share a GPU the workspace has no side stream and everything is issued on `stream`, in order: the bytes
+// cross one HBM either way, and a call then adds no stream to the GPU's hardware queues and, captured, is a single
+// chain of graph nodes. A branched capture of many calls lets CUDA spread each rank's graph over internal streams
+// that the ranks' graphs (one context) may share: a rank's copies for call k could then wait in an in-order queue
+// behind another rank's branch for call k + 1, whose entry barrier waits for the first rank to leave call k, i.e.
+// for those very copies (docs/runtime.md, "Hardware queues").
 template <class Source>
 void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_t* in, uint8_t* out,
                        const Source& source, uint64_t shard, uint64_t begin, uint64_t len, uint64_t descriptor,
@@ -33,10 +41,10 @@ void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_
     p.descriptor = descriptor;
     ws.launch(KernelId::kCopyEngineEnter, DType::kU8, 1, stream, p);
     const int sides = std::min(ws.num_side_streams(), n - 1);
-    ws.fork(stream, sides);
+    if (sides > 0) ws.fork(stream, sides);
     for (int k = 1; k < n; ++k) {
         const int q = (me + k) % n;
-        cudaStream_t s = ws.side_stream((k - 1) % sides);
+        cudaStream_t s = sides > 0 ? ws.side_stream((k - 1) % sides) : stream;
         if (algo == AllGatherAlgo::kCopyEnginePull) {
             const uint8_t* from = source(q);
             WEFT_CUDA_CHECK(cudaMemcpyAsync(out + static_cast<uint64_t>(q) * shard + begin, from, len,
@@ -51,7 +59,7 @@ void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_
     if (own != in + begin) {
         WEFT_CUDA_CHECK(cudaMemcpyAsync(own, in + begin, len, cudaMemcpyDeviceToDevice, stream));
     }
-    ws.join(stream, sides);
+    if (sides > 0) ws.join(stream, sides);
     ws.launch(KernelId::kCopyEngineExit, DType::kU8, 1, stream, p);
 }
 

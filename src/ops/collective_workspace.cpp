@@ -65,6 +65,9 @@ KernelName kernel_name(KernelId id) {
         case KernelId::kReduceScatterPull:
             return {"reduce_scatter/reduce_scatter.cuh", "weft::kernels::reduce_scatter::reduce_scatter_pull",
                     "reduce_scatter sm_pull"};
+        case KernelId::kReduceScatterLowLatency:
+            return {"reduce_scatter/reduce_scatter.cuh", "weft::kernels::reduce_scatter::reduce_scatter_low_latency",
+                    "reduce_scatter ll"};
         case KernelId::kAllGatherPush:
             return {"all_gather/all_gather.cuh", "weft::kernels::all_gather::all_gather_push", "all_gather sm_push"};
         case KernelId::kAllGatherLowLatency:
@@ -90,7 +93,8 @@ struct SetupRecord {
 
 bool kernel_is_reducing(KernelId id) {
     return id == KernelId::kAllReduceOneShot || id == KernelId::kAllReduceTwoShot ||
-           id == KernelId::kAllReduceLowLatency || id == KernelId::kReduceScatterPull;
+           id == KernelId::kAllReduceLowLatency || id == KernelId::kReduceScatterPull ||
+           id == KernelId::kReduceScatterLowLatency;
 }
 
 int kernel_block_threads(KernelId id, int max_ranks) {
@@ -225,10 +229,11 @@ CollectiveWorkspace::CollectiveWorkspace(World& world) : world_(world) {
         WEFT_CUDA_CHECK(cudaStreamSynchronize(setup_stream_));
         WEFT_CUDA_CHECK(cudaStreamDestroy(setup_stream_));  // one stream fewer in the hardware queues
         setup_stream_ = nullptr;
-        // NOTE: ranks of one process sharing a GPU share its hardware queues: one side stream each keeps
-        // every rank's streams in queues of their own (module_loading.hpp, ensure_device_connections).
-        const int sides =
-            world.num_ranks_on_device() > 1 ? 1 : std::min(std::max(num_ranks_ - 1, 1), kMaxSideStreams);
+        // NOTE: ranks of one process sharing a GPU share its hardware queues. Then the copy-engine schedule runs
+        // on the caller's stream (no side stream at all), which keeps every rank's streams in queues of their own
+        // (module_loading.hpp, ensure_device_connections) and a captured call a single chain of graph nodes
+        // (all_gather.cpp, copy_engine_round).
+        const int sides = world.num_ranks_on_device() > 1 ? 0 : std::min(std::max(num_ranks_ - 1, 1), kMaxSideStreams);
         WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
         for (int i = 0; i < sides; ++i) {
             cudaStream_t s = nullptr;

@@ -51,8 +51,9 @@ public:
     /// Launches `id` (specialised on `dtype` when reducing) with `grid` blocks on `stream`.
     void launch(KernelId id, DType dtype, int grid, cudaStream_t stream, const CollectiveParams& p);
 
-    /// Side streams for copy-engine work: fork() makes the first `count` of them wait for `stream`'s work so far;
-    /// join() makes `stream` wait for theirs. Graph-capturable (events).
+    /// Side streams for copy-engine work (none when ranks share a GPU: the copies then go on the caller's stream):
+    /// fork() makes the first `count` of them wait for `stream`'s work so far; join() makes `stream` wait for
+    /// theirs. Graph-capturable (events).
     int num_side_streams() const { return static_cast<int>(side_streams_.size()); }
     cudaStream_t side_stream(int i) const { return side_streams_[static_cast<size_t>(i)]; }
     void fork(cudaStream_t stream, int count);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -264,6 +265,18 @@ size_t gemm_workspace_bytes(const GemmProblem& p, int splits, int small_m_varian
     return round256(blocks * 4) + round256(partials);
 }
 
+double gemm_config_cost(const GemmProblem& p, const GemmConfig& c, int budget) {
+    const int cluster = c.cluster_m * c.cluster_n;
+    if (cluster > budget) return std::numeric_limits<double>::infinity();
+    const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
+    const int clusters = std::max(1, budget / cluster);
+    const int waves = ceil_div(g.num_cluster_tiles(), clusters);
+    const double cost = static_cast<double>(waves) * cluster * c.tile_m * c.tile_n / tile_efficiency(c);
+    // Padding tiles of a cluster pair past the edge of D are pure waste.
+    const double useful = static_cast<double>(g.num_tiles()) / (g.num_cluster_tiles() * cluster);
+    return cost / useful;
+}
+
 GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
     WEFT_CHECK(num_sms > 0, "gemm: the device must report a positive SM count, got " << num_sms);
     WEFT_CHECK(options.sm_budget >= 0, "gemm: options.sm_budget must be >= 0, got " << options.sm_budget);
@@ -314,15 +327,8 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
         double best = 0;
         bool have = false;
         for (const GemmConfig& c : gemm_candidate_configs(p.in_dtype, p.out_dtype, p.b_layout)) {
-            const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
-            const int cluster = c.cluster_m * c.cluster_n;
-            if (cluster > budget) continue;  // a cluster pair would break the SM budget
-            const int clusters = std::max(1, budget / cluster);
-            const int waves = ceil_div(g.num_cluster_tiles(), clusters);
-            double cost = static_cast<double>(waves) * cluster * c.tile_m * c.tile_n / tile_efficiency(c);
-            // Padding tiles of a cluster pair past the edge of D are pure waste.
-            const double useful = static_cast<double>(g.num_tiles()) / (g.num_cluster_tiles() * cluster);
-            cost /= useful;
+            if (c.cluster_m * c.cluster_n > budget) continue;  // a cluster pair would break the SM budget
+            const double cost = gemm_config_cost(p, c, budget);
             // NOTE: no bonus for multicast pairs: on equal cost the plain config (listed first) wins until
             // measurements say otherwise (kernels/gemm/README.md, variant log).
             if (!have || cost < best * 0.999) {

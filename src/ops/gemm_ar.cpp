@@ -7,6 +7,8 @@
 #include "tp_common.hpp"
 #include "weft/common/tp_params.hpp"
 #include "weft/ops/ag_gemm.hpp"  // detail::plain_gemm_kernel_spec
+#include "weft/ops/all_reduce.hpp"
+#include "weft/ops/collectives.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/world.hpp"
@@ -101,6 +103,7 @@ struct GemmAr::State {
     const jit::Kernel* gemv[4] = {nullptr, nullptr, nullptr, nullptr};
     const jit::Kernel* tiled = nullptr;
     const jit::Kernel* reduce = nullptr;
+    bool use_collective = false;  // the all-reduce half through ops::all_reduce (GemmArOptions)
 
     explicit State(World& w) : world(&w), heap(w) {}
     ~State() {
@@ -182,9 +185,12 @@ GemmAr::GemmAr(World& world, const GemmArShape& shape, const GemmArOptions& opti
         s.exit_count = reinterpret_cast<uint32_t*>(s.epoch + 1);
         tp_detail::check_peers_reachable(world, s.partial, kOp);
         s.reduce = &jit::compiler().get_kernel(detail::ar_reduce_kernel_spec(s.partial_dtype, shape.dtype));
+        s.use_collective = options.collective_all_reduce && s.partial_dtype == shape.dtype && shape.n % 8 == 0;
+        if (s.use_collective) ops::prepare_collectives(world);  // collective: every rank decides alike
     }
-    WEFT_LOG_INFO("gemm_ar: partials " << dtype_name(s.partial_dtype) << ", " << s.reduce_ctas
-                                       << " all-reduce CTAs, SM budget " << s.budget);
+    WEFT_LOG_INFO("gemm_ar: partials " << dtype_name(s.partial_dtype) << ", all-reduce "
+                                       << (s.use_collective ? "ops::all_reduce (contiguous C), else " : "")
+                                       << s.reduce_ctas << " CTAs of the op's kernel, SM budget " << s.budget);
     world.barrier();
 }
 
@@ -234,6 +240,13 @@ void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     }
     if (s.num_ranks == 1) return;
 
+    // The partial is [m, n] contiguous here (ldp == n); C must be too for the collective's flat view.
+    if (s.use_collective && (m == 1 || c.stride(0) == s.shape.n)) {
+        const int64_t count = m * s.shape.n;
+        ops::all_reduce(*s.world, TensorView(s.partial, s.partial_dtype, {count}),
+                        TensorView(c.data, c.dtype, {count}), stream);
+        return;
+    }
     ArReduceParams p{};
     p.ctx = s.ctx;
     p.m = static_cast<int32_t>(m);

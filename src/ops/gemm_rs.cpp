@@ -91,6 +91,37 @@ int64_t validate_gemm_rs_call(const GemmRsShape& s, int num_ranks, const TensorV
 
 namespace detail {
 
+GemmRsPlan plan_gemm_rs(const GemmRsShape& shape, int num_ranks, int gemm_budget, const GemmRsOptions& options) {
+    validate_gemm_rs_shape(shape, num_ranks, options);
+    WEFT_CHECK(gemm_budget >= 1, "gemm_rs: the GEMM's SM budget must be >= 1, got " << gemm_budget);
+    GemmProblem p;
+    p.m = shape.max_m;
+    p.n = shape.n;
+    p.k = shape.k;
+    p.in_dtype = shape.dtype;
+    p.out_dtype = num_ranks == 1 ? shape.dtype : options.partial_dtype.value_or(shape.dtype);
+    // An explicit chunk_rows restricts the configs to those whose tile_m divides it (a forced config that
+    // does not was rejected above); the heuristic chunk is a multiple of every candidate's tile_m.
+    GemmRsPlan plan;
+    const GemmConfig first = tp_detail::choose_gemm_config(p, gemm_budget, options.config, kOp, options.chunk_rows);
+    plan.configs = options.autotune ? tp_detail::tune_candidates(first, p.in_dtype, p.out_dtype, options.chunk_rows)
+                                    : std::vector<GemmConfig>{first};
+    const int64_t max_rows = shape.max_m / num_ranks;
+    int max_tile_m = 1;
+    for (const GemmConfig& c : plan.configs) max_tile_m = std::max(max_tile_m, c.tile_m);
+    plan.chunk_rows = options.chunk_rows > 0 ? options.chunk_rows : default_chunk_rows(max_rows, max_tile_m);
+    for (const GemmConfig& c : plan.configs) {
+        // An invariant (the choice above): every config of the plan fits its chunk.
+        WEFT_CHECK(plan.chunk_rows % c.tile_m == 0, "gemm_rs: internal error: chunk_rows "
+                                                        << plan.chunk_rows << " is not a multiple of tile_m "
+                                                        << c.tile_m << " of " << tp_detail::config_text(c));
+        const ReduceScatterTileMap map{max_rows, num_ranks, shape.n, c.tile_m, c.tile_n, plan.chunk_rows};
+        WEFT_CHECK(map.is_valid(), "gemm_rs: " << map.invalid_reason());
+        plan.max_chunks_per_rank = std::max<int64_t>(plan.max_chunks_per_rank, map.chunks_per_rank());
+    }
+    return plan;
+}
+
 jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch) {
     return tp_detail::make_spec(
         "gemm_rs/gemm_rs.cuh",
@@ -162,29 +193,12 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     }
     const int gemm_budget = s.budget - s.reduce_ctas;
 
-    GemmProblem p;
-    p.m = shape.max_m;
-    p.n = shape.n;
-    p.k = shape.k;
-    p.in_dtype = shape.dtype;
-    p.out_dtype = s.num_ranks == 1 ? shape.dtype : s.partial_dtype;
-    GemmConfig first = tp_detail::choose_gemm_config(p, gemm_budget, options.config, kOp);
-    if (s.num_ranks == 1) first.out_dtype = shape.dtype;  // the plain GEMM writes c itself
-    s.configs = options.autotune ? tp_detail::tune_candidates(first, shape.dtype, first.out_dtype)
-                                 : std::vector<GemmConfig>{first};
+    detail::GemmRsPlan plan = detail::plan_gemm_rs(shape, s.num_ranks, gemm_budget, options);
+    s.configs = std::move(plan.configs);
+    s.chunk_rows = plan.chunk_rows;
     const int64_t max_rows = shape.max_m / s.num_ranks;
-    // Counters: rows per chunk a multiple of every candidate's tile_m (128 or 256).
-    int max_tile_m = 1;
-    for (const GemmConfig& c : s.configs) max_tile_m = std::max(max_tile_m, c.tile_m);
-    s.chunk_rows = options.chunk_rows > 0 ? options.chunk_rows : default_chunk_rows(max_rows, max_tile_m);
-    int64_t max_chunks_per_rank = 1;
-    for (const GemmConfig& c : s.configs) {
-        WEFT_CHECK(s.chunk_rows % c.tile_m == 0, "gemm_rs: options.chunk_rows must be a multiple of tile_m "
-                                                     << c.tile_m << ", got " << s.chunk_rows);
-        const ReduceScatterTileMap map{max_rows, s.num_ranks, shape.n, c.tile_m, c.tile_n, s.chunk_rows};
-        WEFT_CHECK(map.is_valid(), "gemm_rs: " << map.invalid_reason());
-        max_chunks_per_rank = std::max<int64_t>(max_chunks_per_rank, map.chunks_per_rank());
-    }
+    const int64_t max_chunks_per_rank = plan.max_chunks_per_rank;
+    const GemmConfig& first = s.configs.front();
     s.ctx = world.device_ctx();
     s.pipeline_timeout_ns = tp_detail::pipeline_timeout_ns(world);
     s.ldp = round_up(shape.n, 8);

@@ -31,13 +31,31 @@ void reduce_scatter(World& world, const TensorView& input, const TensorView& out
     const CollectiveTopology& topo = ws.topology();
     const ReduceScatterAlgo algo =
         resolve_reduce_scatter_algo(options.algo, env::get("WEFT_REDUCESCATTER_ALGO"), bytes, topo);
-    WEFT_CHECK(algo == ReduceScatterAlgo::kSmPull, "reduce_scatter: unknown algorithm " << static_cast<int>(algo));
+    WEFT_CHECK(algo == ReduceScatterAlgo::kSmPull || algo == ReduceScatterAlgo::kLowLatency,
+               "reduce_scatter: unknown algorithm " << static_cast<int>(algo));
     const bool in_sym = ws.symmetric(in, bytes * static_cast<uint64_t>(n));
     if (!in_sym) detail::check_device_pointer(in, "input", "reduce_scatter", stream);
     if (!ws.symmetric(out, bytes) && !(in_sym && out == in + static_cast<uint64_t>(me) * bytes)) {
         detail::check_device_pointer(out, "output", "reduce_scatter", stream);
     }
     const uint64_t granule = kCollectiveGranuleBytes / elem;
+    if (algo == ReduceScatterAlgo::kLowLatency) {
+        // Every rank pushes its slices as LL lines: no staging, no symmetric buffer needed. Rounds of at most the
+        // LL capacity of output (whole granules, so every round but the last keeps 16-byte alignment); each round
+        // is a kernel of its own epoch.
+        const uint64_t round = detail::round_units(topo.low_latency_capacity_bytes, elem, granule);
+        for (uint64_t begin = 0; begin < count; begin += round) {
+            const uint64_t len = std::min(round, count - begin);
+            CollectiveParams p = ws.params();
+            p.in = in + begin * elem;
+            p.out = out + begin * elem;
+            p.count = len;
+            p.in_stride = count;
+            ws.launch(detail::KernelId::kReduceScatterLowLatency, output.dtype,
+                      reduce_scatter_grid(algo, len * elem, topo), stream, p);
+        }
+        return;
+    }
     // Direct: peers read the symmetric input in place (then they read a user buffer: exit barrier). Staged: every
     // round copies its part of each slice into epoch-alternated staging, slice q at q x (the round rounded up to
     // 16 bytes). Rounds are whole granules, so n slices of a round always fit the staging half.

@@ -68,7 +68,7 @@ void check_forced_config(const GemmConfig& c, DType in, DType out, const char* o
 }
 
 GemmConfig choose_gemm_config(const GemmProblem& problem, int budget, const std::optional<GemmConfig>& forced,
-                              const char* op) {
+                              const char* op, int64_t rows_multiple) {
     if (forced) {
         check_forced_config(*forced, problem.in_dtype, problem.out_dtype, op);
         return *forced;
@@ -80,7 +80,21 @@ GemmConfig choose_gemm_config(const GemmProblem& problem, int budget, const std:
     c.cluster_m = 1;
     c.cluster_n = 1;
     WEFT_CHECK(is_valid(c), op << ": no cluster-free config for " << format_gemm_config(c));
-    return c;
+    if (rows_multiple <= 0 || rows_multiple % c.tile_m == 0) return c;
+    // The heuristic's tile does not fit the caller's row granularity: the cheapest one that does.
+    std::optional<GemmConfig> best;
+    double best_cost = 0;
+    for (GemmConfig cand : tune_candidates(c, problem.in_dtype, problem.out_dtype)) {
+        if (rows_multiple % cand.tile_m != 0) continue;
+        const double cost = gemm_config_cost(problem, cand, budget);
+        if (!best || cost < best_cost * 0.999) {
+            best = cand;
+            best_cost = cost;
+        }
+    }
+    WEFT_CHECK(best.has_value(), op << ": options.chunk_rows must be a multiple of the tile_m of some GEMM config "
+                                       "(128 or 256), got " << rows_multiple);
+    return *best;
 }
 
 int gemm_grid(const GemmConfig& config, int64_t m, int64_t n, int budget) {
@@ -156,10 +170,11 @@ cudaEvent_t StreamSet::add_event() {
     return e;
 }
 
-std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out) {
+std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out, int64_t rows_multiple) {
     std::vector<GemmConfig> out_list = {first};
     for (GemmConfig c : gemm_candidate_configs(in, out, BLayout::kNK)) {
         c.cluster_m = c.cluster_n = 1;
+        if (rows_multiple > 0 && rows_multiple % c.tile_m != 0) continue;
         if (is_valid(c) && std::find(out_list.begin(), out_list.end(), c) == out_list.end()) out_list.push_back(c);
     }
     return out_list;

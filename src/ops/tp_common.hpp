@@ -44,9 +44,12 @@ int device_sm_count();
 void check_forced_config(const GemmConfig& config, DType in, DType out, const char* op);
 
 /// The GEMM config of a fused op: `forced`, else the GEMM heuristic for `budget` SMs with any cluster pair
-/// dropped (the fused schedulers and launches are cluster-free).
+/// dropped (the fused schedulers and launches are cluster-free). `rows_multiple` > 0: the config's tile_m
+/// must divide it (GemmRs's explicit chunk_rows); when the heuristic's pick does not, the cheapest candidate
+/// (gemm_config_cost) whose tile_m does; throws naming `op` when none does. A forced config is returned as
+/// is (its callers check it against their own constraints).
 GemmConfig choose_gemm_config(const GemmProblem& problem, int budget, const std::optional<GemmConfig>& forced,
-                              const char* op);
+                              const char* op, int64_t rows_multiple = 0);
 
 /// CTAs of the persistent GEMM: min(budget, tiles), at least 1.
 int gemm_grid(const GemmConfig& config, int64_t m, int64_t n, int budget);
@@ -109,8 +112,9 @@ private:
 };
 
 /// The cluster-free candidates a fused op may tune over: `first` (the heuristic's pick), then every other
-/// valid candidate of gemm_candidate_configs with its cluster dropped, without duplicates.
-std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out);
+/// valid candidate of gemm_candidate_configs with its cluster dropped, without duplicates; with
+/// `rows_multiple` > 0 only those whose tile_m divides it (`first` must).
+std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out, int64_t rows_multiple = 0);
 
 /// A TuneComm over the World (host barrier, all-gather through its store). `tag` must be the same on every
 /// rank and unique among the live users of the store (e.g. the heap offset of an op's signal words).

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 // GPU tests of the collectives (ranks as threads sharing the visible GPUs): exact results against a CPU reference
-// for every algorithm, dtype, world size 1-8, size (1 element to tens of MB) and buffer placement; a stress loop of
-// thousands of back-to-back calls with stragglers and no host synchronisation; CUDA graph capture and replay.
+// for every algorithm (LL reduce-scatter included), dtype, world size 1-8, size (1 element to tens of MB) and buffer
+// placement; a stress loop of thousands of back-to-back calls with stragglers and no host synchronisation; CUDA
+// graph capture and replay.
 //
 // Inputs are integers in [-8, 8] (collectives_test_kernels.hpp), so every sum is exact in bf16, f16 and f32 and
 // the outputs must match bit for bit. Outputs are poisoned (0xFF bytes: NaN) before every call, and the bytes
@@ -12,6 +13,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
+#include <iterator>
 #include <map>
 #include <random>
 #include <sstream>
@@ -41,7 +44,8 @@ constexpr AllReduceAlgo kAllReduceAlgos[] = {AllReduceAlgo::kAuto, AllReduceAlgo
                                              AllReduceAlgo::kTwoShot};
 constexpr AllGatherAlgo kAllGatherAlgos[] = {AllGatherAlgo::kAuto, AllGatherAlgo::kLowLatency, AllGatherAlgo::kSmPush,
                                              AllGatherAlgo::kCopyEnginePull, AllGatherAlgo::kCopyEnginePush};
-constexpr ReduceScatterAlgo kReduceScatterAlgos[] = {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kSmPull};
+constexpr ReduceScatterAlgo kReduceScatterAlgos[] = {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kSmPull,
+                                                     ReduceScatterAlgo::kLowLatency};
 // Element counts: 1, around vector and granule boundaries, odd, and past the LL capacity (rounds).
 constexpr uint64_t kCounts[] = {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 100, 1000, 4099, 65537, 300007};
 constexpr uint64_t kBigBytes = 24ull << 20;  // "tens of MB": one case per op and algorithm, worlds 3 and 8
@@ -396,8 +400,10 @@ TEST(Collectives, ReduceScatterEveryAlgorithmDtypeSizePlacementAndWorld) {
                 }
                 if (n == 3 || n == 8) {
                     const uint64_t count = kBigBytes / static_cast<uint64_t>(n) / 2 - 5;  // bf16 elements per rank
-                    for (Place p : {Place::kLocal, Place::kSymmetric}) {
-                        reduce_scatter_case(b, DType::kBF16, ReduceScatterAlgo::kSmPull, count, p, seed, &failures);
+                    for (ReduceScatterAlgo a : {ReduceScatterAlgo::kSmPull, ReduceScatterAlgo::kLowLatency}) {
+                        for (Place p : {Place::kLocal, Place::kSymmetric}) {
+                            reduce_scatter_case(b, DType::kBF16, a, count, p, seed, &failures);  // LL: dozens of rounds
+                        }
                     }
                 }
                 report(failures);
@@ -449,10 +455,12 @@ std::vector<StressCall> stress_plan(uint64_t seed, int num_calls, uint64_t max_c
         c.in_sym = rng() % 2 == 0;
         c.out_sym = rng() % 2 == 0;
         c.inplace = rng() % 4 == 0;
-        if (c.op == Op::kAllReduce) c.algo = static_cast<int>(kAllReduceAlgos[rng() % 4]);
-        if (c.op == Op::kReduceScatter) c.algo = static_cast<int>(kReduceScatterAlgos[rng() % 2]);
+        if (c.op == Op::kAllReduce) c.algo = static_cast<int>(kAllReduceAlgos[rng() % std::size(kAllReduceAlgos)]);
+        if (c.op == Op::kReduceScatter) {
+            c.algo = static_cast<int>(kReduceScatterAlgos[rng() % std::size(kReduceScatterAlgos)]);
+        }
         if (c.op == Op::kAllGather) {
-            c.algo = static_cast<int>(kAllGatherAlgos[rng() % 5]);
+            c.algo = static_cast<int>(kAllGatherAlgos[rng() % std::size(kAllGatherAlgos)]);
             const auto a = static_cast<AllGatherAlgo>(c.algo);
             if (a == AllGatherAlgo::kSmPush || a == AllGatherAlgo::kCopyEnginePush) c.out_sym = true;
         }
@@ -582,11 +590,14 @@ void graph_case(int num_ranks, bool copy_engines) {
                                 {.algo = AllReduceAlgo::kTwoShot});
                 const auto slice = static_cast<int64_t>(kCount / static_cast<uint64_t>(n));
                 ops::reduce_scatter(w, TensorView(sym_in, t, {slice * n}), TensorView(outs + region * r++, t, {slice}),
-                                    s);
+                                    s, {.algo = ReduceScatterAlgo::kSmPull});
                 ops::all_gather(w, TensorView(in, t, {count}), TensorView(outs + region * r++, t, {total}), s,
                                 {.algo = AllGatherAlgo::kSmPush});
                 ops::all_gather(w, TensorView(in, t, {count}), TensorView(outs + region * r++, t, {total}), s,
                                 {.algo = AllGatherAlgo::kLowLatency});
+                // LL reduce-scatter of a local input: every replay advances the epochs (flags and parities).
+                ops::reduce_scatter(w, TensorView(in, t, {slice * n}), TensorView(outs + region * r++, t, {slice}), s,
+                                    {.algo = ReduceScatterAlgo::kLowLatency});
             } else {
                 ops::all_gather(w, TensorView(in, t, {count}), TensorView(outs, t, {total}), s,
                                 {.algo = AllGatherAlgo::kCopyEnginePull});
@@ -601,7 +612,7 @@ void graph_case(int num_ranks, bool copy_engines) {
             std::vector<std::string> failures;
             for (int replay = 0; replay < 5; ++replay) {
                 const uint64_t rs = seed + 1000 * static_cast<uint64_t>(replay);
-                WEFT_CUDA_CHECK(cudaMemsetAsync(outs, 0xFF, region * 7, s));
+                WEFT_CUDA_CHECK(cudaMemsetAsync(outs, 0xFF, region * 8, s));
                 launch_fill_pattern(s, in, t, kCount, rs, me, 0);
                 launch_fill_pattern(s, sym_in, t, kCount, rs, me, 0);
                 WEFT_CUDA_CHECK(cudaGraphLaunch(exec, s));
@@ -625,9 +636,11 @@ void graph_case(int num_ranks, bool copy_engines) {
                     const std::vector<int32_t>& rs_sums =
                         reference_sums(rs, n, static_cast<uint64_t>(me) * slice, slice);
                     check(
-                        4, slice, [&](uint64_t i) { return int_bits(rs_sums[i], t); }, "reduce_scatter");
+                        4, slice, [&](uint64_t i) { return int_bits(rs_sums[i], t); }, "reduce_scatter sm_pull");
                     check(5, kCount * n, gather, "all_gather sm_push");
                     check(6, kCount * n, gather, "all_gather ll");
+                    check(
+                        7, slice, [&](uint64_t i) { return int_bits(rs_sums[i], t); }, "reduce_scatter ll");
                 } else {
                     check(0, kCount * n, gather, "all_gather ce_pull (staged)");
                     check(1, kCount * n, gather, "all_gather ce_pull (symmetric input)");
@@ -651,6 +664,111 @@ TEST(Collectives, GraphCaptureReplaysWithChangingInputs) {
 TEST(Collectives, GraphCaptureOfCopyEngineAllGather) {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
     graph_case(4, true);
+}
+
+// Ranks sharing one GPU: a graph of many back-to-back copy-engine all-gathers (what the benchmark captures: 20 calls)
+// replays without deadlock and right, as do the same calls launched eagerly. With ranks on one GPU the copy-engine
+// schedule is one chain on the caller's stream (all_gather.cpp, copy_engine_round): a branched capture let CUDA put
+// a rank's copies behind another rank's next call in a shared queue (docs/runtime.md, "Hardware queues").
+void shared_gpu_copy_engine_graph_case(int num_ranks) {
+    const uint64_t seed = test_seed();
+    WorldOptions options = test_options(128ull << 20);
+    options.device = 0;  // every rank on GPU 0
+    run_ranks(
+        num_ranks,
+        [&](World& w) {
+            constexpr int kCalls = 20;
+            constexpr uint64_t kShardCounts[] = {2, 3, 1000, 2048, 1};  // bf16 elements per shard, cycled
+            constexpr uint64_t kMaxCount = 2048;
+            const int n = w.num_ranks();
+            const int me = w.rank();
+            WEFT_CHECK(w.num_ranks_on_device() == n, "options.device = 0 should put all "
+                                                         << n << " ranks on one GPU, found " << w.num_ranks_on_device()
+                                                         << " on this rank's");
+            const DType t = DType::kBF16;
+            const uint64_t es = 2;
+            const uint64_t region = kMaxCount * es * static_cast<uint64_t>(n);
+            RankBuffers b(w, region * kCalls);
+            cudaStream_t s = b.stream();
+            uint8_t* in = b.in_base(Place::kLocal) + kGuardBytes;
+            uint8_t* sym_in = b.in_base(Place::kSymmetric) + kGuardBytes;
+            uint8_t* outs = b.out_base(Place::kSymmetric) + kGuardBytes;
+            struct Call {
+                AllGatherAlgo algo;
+                bool sym_input;
+                uint64_t count;
+            };
+            std::vector<Call> calls;
+            for (int k = 0; k < kCalls; ++k) {
+                const uint64_t count = kShardCounts[static_cast<size_t>(k) % std::size(kShardCounts)];
+                switch (k % 3) {
+                    case 0:
+                        calls.push_back({AllGatherAlgo::kCopyEnginePull, true, count});  // peers read the input
+                        break;
+                    case 1:
+                        calls.push_back({AllGatherAlgo::kCopyEnginePush, false, count});
+                        break;
+                    default:
+                        calls.push_back({AllGatherAlgo::kCopyEnginePull, false, count});  // staged
+                        break;
+                }
+            }
+            const auto issue = [&] {
+                for (int k = 0; k < kCalls; ++k) {
+                    const Call& c = calls[static_cast<size_t>(k)];
+                    const auto count = static_cast<int64_t>(c.count);
+                    ops::all_gather(w, TensorView(c.sym_input ? sym_in : in, t, {count}),
+                                    TensorView(outs + region * static_cast<uint64_t>(k), t, {count * n}), s,
+                                    {.algo = c.algo});
+                }
+            };
+            std::vector<std::string> failures;
+            const auto run_and_check = [&](const char* how, uint64_t rs, const std::function<void()>& launch) {
+                WEFT_CUDA_CHECK(cudaMemsetAsync(outs, 0xFF, region * kCalls, s));
+                launch_fill_pattern(s, in, t, kMaxCount, rs, me, 0);
+                launch_fill_pattern(s, sym_in, t, kMaxCount, rs, me, 0);
+                launch();
+                w.sync_and_check(s);
+                for (int k = 0; k < kCalls; ++k) {
+                    const Call& c = calls[static_cast<size_t>(k)];
+                    const std::vector<uint8_t> h =
+                        download(s, outs + region * static_cast<uint64_t>(k), c.count * es * static_cast<uint64_t>(n));
+                    const std::string err = compare(h, 0, c.count * n, t, false, [&](uint64_t i) {
+                        return int_bits(pattern_value(rs, static_cast<int>(i / c.count), i % c.count), t);
+                    });
+                    if (!err.empty()) {
+                        failures.push_back(std::string(how) + ", call " + std::to_string(k) + " " +
+                                           ops::algo_name(c.algo) + (c.sym_input ? " (symmetric input)" : "") +
+                                           " count " + std::to_string(c.count) + ": " + err);
+                    }
+                }
+            };
+            run_and_check("eager", seed, issue);
+            cudaGraph_t graph = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+            issue();
+            WEFT_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+            cudaGraphExec_t exec = nullptr;
+            WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+            for (int replay = 0; replay < 5; ++replay) {
+                const std::string how = "graph replay " + std::to_string(replay);
+                run_and_check(how.c_str(), seed + 77 * static_cast<uint64_t>(replay + 1),
+                              [&] { WEFT_CUDA_CHECK(cudaGraphLaunch(exec, s)); });
+            }
+            for (size_t i = 0; i < failures.size() && i < 20; ++i) {
+                ADD_FAILURE() << "rank " << me << " of " << n << " (sharing GPU 0): " << failures[i];
+            }
+            WEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+            WEFT_CUDA_CHECK(cudaGraphDestroy(graph));
+            b.release();
+        },
+        options);
+}
+
+TEST(Collectives, GraphOfManyCopyEngineAllGathersWithRanksSharingAGpu) {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    shared_gpu_copy_engine_graph_case(2);
+    shared_gpu_copy_engine_graph_case(3);
 }
 
 }  // namespace

@@ -27,6 +27,7 @@ namespace {
 
 using ops::AllGatherAlgo;
 using ops::AllReduceAlgo;
+using ops::ReduceScatterAlgo;
 
 // Every rank calls `fn`, which must throw weft::Error mentioning every word of `words`.
 void expect_error_on_every_rank(int num_ranks, const std::function<void(World&)>& fn,
@@ -34,20 +35,23 @@ void expect_error_on_every_rank(int num_ranks, const std::function<void(World&)>
     std::mutex mutex;
     std::vector<std::string> messages;
     // The collectives' workspace takes 3 x 32 MiB of staging: more than the runtime tests' 64 MiB heap.
-    run_ranks(num_ranks, [&](World& w) {
-        ops::prepare_collectives(w);
-        std::string message;
-        try {
-            fn(w);
-        } catch (const Error& e) {
-            message = e.what();
-        }
-        {
-            std::lock_guard<std::mutex> lock(mutex);
-            messages.push_back(message);
-        }
-        w.barrier();
-    }, test_options(256ull << 20));
+    run_ranks(
+        num_ranks,
+        [&](World& w) {
+            ops::prepare_collectives(w);
+            std::string message;
+            try {
+                fn(w);
+            } catch (const Error& e) {
+                message = e.what();
+            }
+            {
+                std::lock_guard<std::mutex> lock(mutex);
+                messages.push_back(message);
+            }
+            w.barrier();
+        },
+        test_options(256ull << 20));
     ASSERT_EQ(messages.size(), static_cast<size_t>(num_ranks));
     for (const std::string& m : messages) {
         EXPECT_FALSE(m.empty()) << "a rank did not throw weft::Error";
@@ -121,22 +125,26 @@ TEST(CollectivesErrors, WorkspaceIsAWorldExtensionDestroyedWithTheWorld) {
         ~Probe() override { destroyed->fetch_add(1); }
     };
     std::atomic<int> destroyed[2] = {0, 0};  // per rank
-    run_ranks(2, [&](World& w) {
-        std::atomic<int>& mine = destroyed[w.rank()];
-        EXPECT_EQ(w.find_extension("weft.ops.collectives"), nullptr);
-        const ops::CollectiveWorkspaceInfo& info = ops::prepare_collectives(w);
-        EXPECT_NE(w.find_extension("weft.ops.collectives"), nullptr);
-        EXPECT_EQ(&ops::prepare_collectives(w), &info) << "the workspace is made once per World";
-        EXPECT_EQ(info.topology.num_ranks, 2);
-        EXPECT_GE(info.topology.grid_budget, 1);
-        EXPECT_LE(info.topology.grid_budget, w.sm_budget());
-        EXPECT_EQ(info.num_kernels, 16);
-        EXPECT_GE(info.heap_bytes, 3 * info.staging_region_bytes + 2 * 2 * info.ll_slot_bytes);
-        w.add_extension("test.probe", std::make_unique<Probe>(&mine));
-        EXPECT_THROW(w.add_extension("test.probe", std::make_unique<Probe>(&mine)), Error);
-        EXPECT_EQ(mine.load(), 1) << "the rejected duplicate is destroyed at once";
-        w.barrier();
-    }, test_options(256ull << 20));  // room for the workspace's 3 x 32 MiB of staging
+    run_ranks(
+        2,
+        [&](World& w) {
+            std::atomic<int>& mine = destroyed[w.rank()];
+            EXPECT_EQ(w.find_extension("weft.ops.collectives"), nullptr);
+            const ops::CollectiveWorkspaceInfo& info = ops::prepare_collectives(w);
+            EXPECT_NE(w.find_extension("weft.ops.collectives"), nullptr);
+            EXPECT_EQ(&ops::prepare_collectives(w), &info) << "the workspace is made once per World";
+            EXPECT_EQ(info.topology.num_ranks, 2);
+            EXPECT_GE(info.topology.grid_budget, 1);
+            EXPECT_LE(info.topology.grid_budget, w.sm_budget());
+            EXPECT_EQ(info.num_kernels, 19);  // all-reduce ll, one-shot, two-shot and reduce-scatter sm_pull, ll
+                                              // x 3 dtypes; all-gather ll, push, CE enter, CE exit
+            EXPECT_GE(info.heap_bytes, 3 * info.staging_region_bytes + 2 * 2 * info.ll_slot_bytes);
+            w.add_extension("test.probe", std::make_unique<Probe>(&mine));
+            EXPECT_THROW(w.add_extension("test.probe", std::make_unique<Probe>(&mine)), Error);
+            EXPECT_EQ(mine.load(), 1) << "the rejected duplicate is destroyed at once";
+            w.barrier();
+        },
+        test_options(256ull << 20));  // room for the workspace's 3 x 32 MiB of staging
     EXPECT_EQ(destroyed[0].load(), 2) << "the World destroys its extensions at shutdown";
     EXPECT_EQ(destroyed[1].load(), 2);
 }
@@ -145,13 +153,13 @@ TEST(CollectivesErrors, WorkspaceIsAWorldExtensionDestroyedWithTheWorld) {
 // Death-test scenarios: the child provokes the failure on 2 ranks, collects every rank's error, and exits 0 only if
 // one of them carries the expected diagnosis. An alarm bounds the child: a hang fails the test.
 
-enum class Scenario { kCountMismatch, kDtypeMismatch, kLowLatencyNeverArrives };
+enum class Scenario { kCountMismatch, kDtypeMismatch, kLowLatencyNeverArrives, kLowLatencyReduceScatterNeverArrives };
 
 [[noreturn]] void provoke(Scenario scenario, const std::string& expected) {
     alarm(120);
     WorldOptions options = test_options(256ull << 20);
     // Short enough to keep the never-arriving LL case quick, long enough for the set-up's host barriers (the
-    // workspace loads 16 kernels per process before its barrier).
+    // workspace loads 19 kernels per process before its barrier).
     options.timeout = std::chrono::milliseconds(5000);
     std::mutex mutex;
     std::vector<std::string> messages;
@@ -180,6 +188,11 @@ enum class Scenario { kCountMismatch, kDtypeMismatch, kLowLatencyNeverArrives };
                             ops::all_reduce(w, TensorView(buf, DType::kF32, {odd ? 2000 : 1000}),
                                             TensorView(buf + 65536, DType::kF32, {odd ? 2000 : 1000}), s,
                                             {.algo = AllReduceAlgo::kLowLatency});
+                            break;
+                        case Scenario::kLowLatencyReduceScatterNeverArrives:  // rank 1's slice is twice rank 0's
+                            ops::reduce_scatter(w, TensorView(buf, DType::kF32, {odd ? 2000 : 1000}),
+                                                TensorView(buf + 65536, DType::kF32, {odd ? 1000 : 500}), s,
+                                                {.algo = ReduceScatterAlgo::kLowLatency});
                             break;
                     }
                     w.sync_and_check(s);
@@ -222,6 +235,11 @@ TEST_F(CollectivesDeathTest, RanksCallingDifferentDtypesAreDiagnosed) {
 
 TEST_F(CollectivesDeathTest, LowLatencyDataThatNeverArrivesTimesOut) {
     EXPECT_EXIT(provoke(Scenario::kLowLatencyNeverArrives, "signal_wait"), ::testing::ExitedWithCode(0), "diagnosed");
+}
+
+TEST_F(CollectivesDeathTest, LowLatencyReduceScatterLinesThatNeverArriveTimeOut) {
+    EXPECT_EXIT(provoke(Scenario::kLowLatencyReduceScatterNeverArrives, "signal_wait"), ::testing::ExitedWithCode(0),
+                "diagnosed");
 }
 
 }  // namespace

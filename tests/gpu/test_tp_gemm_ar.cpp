@@ -97,9 +97,9 @@ void run_case(World& w, const ArCase& cs, DType dt, int calls, Mode mode, uint64
             download(c, c_dev.ptr, st);
             std::vector<int64_t> rows;
             for (int64_t r = 0; r < m; ++r) rows.push_back(r);
-            std::vector<double> ref(rows.size() * static_cast<size_t>(cs.n), 0.0);
-            for (int r = 0; r < nr; ++r) add_a_bt(as[static_cast<size_t>(r)], 0, rows, bs[static_cast<size_t>(r)], ref);
-            const std::string bad = compare(c, rows, ref, tol_for(dt, cs.f32_partials ? 1 : nr));
+            Reference ref(static_cast<int64_t>(rows.size()), cs.n);
+            for (int r = 0; r < nr; ++r) ref.add(as[static_cast<size_t>(r)], 0, rows, bs[static_cast<size_t>(r)]);
+            const std::string bad = compare(c, rows, ref, ErrorModel::tp_sum(dt, op.partial_dtype(), nr));
             if (!bad.empty()) f.add(what + " rank " + std::to_string(me) + ": " + bad);
             std::lock_guard<std::mutex> lock(h.mutex);
             auto& v = h.by_call[what];
@@ -113,7 +113,8 @@ void run_case(World& w, const ArCase& cs, DType dt, int calls, Mode mode, uint64
 
 const std::vector<ArCase>& cases() {
     static const std::vector<ArCase> v = {
-        {128, {1, 16, 128, 5}, 1000, 256, 8},  // small-M (1, 5, 16) and tiled (128) paths; padded c
+        {128, {1, 16, 128, 5}, 1000, 256, 8},  // small-M (1, 5, 16) and tiled (128) paths; padded c: own kernel
+        {64, {1, 16, 64, 3}, 2048, 512},       // contiguous c, N % 8 == 0: the all-reduce is ops::all_reduce
         {64, {64, 17}, 8, 1000},               // N = 8
         {100, {100, 33}, 1100, 136, 0, true},  // ragged N, fp32 partials, tiled at M = 100
     };

@@ -102,11 +102,12 @@ void run_case(World& w, const RsCase& cs, DType dt, int calls, Mode mode, uint64
             download(c, c_dev.ptr, st);
             const std::vector<int64_t> check_rows =
                 rows_to_check(rows, rows, static_cast<double>(cs.n * cs.k * nr), seed_of(base, 2, me, call));
-            std::vector<double> ref(check_rows.size() * static_cast<size_t>(cs.n), 0.0);
+            Reference ref(static_cast<int64_t>(check_rows.size()), cs.n);
             for (int r = 0; r < nr; ++r) {
-                add_a_bt(as[static_cast<size_t>(r)], me * rows, check_rows, bs[static_cast<size_t>(r)], ref);
+                ref.add(as[static_cast<size_t>(r)], me * rows, check_rows, bs[static_cast<size_t>(r)]);
             }
-            const std::string bad = compare(c, check_rows, ref, tol_for(dt, cs.f32_partials ? 1 : nr));
+            const std::string bad =
+                compare(c, check_rows, ref, ErrorModel::tp_sum(dt, op.partial_dtype(), nr));
             if (!bad.empty()) f.add(at + ": " + bad);
         }
         if (graph_exec != nullptr) WEFT_CUDA_CHECK(cudaGraphExecDestroy(graph_exec));

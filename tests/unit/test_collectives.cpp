@@ -140,7 +140,13 @@ TEST(CollectivesSelect, NamesRoundTrip) {
                    AllGatherAlgo::kCopyEnginePull, AllGatherAlgo::kCopyEnginePush}) {
         EXPECT_EQ(parse_all_gather_algo(algo_name(a)), a);
     }
+    for (auto a : {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kSmPull, ReduceScatterAlgo::kLowLatency}) {
+        EXPECT_EQ(parse_reduce_scatter_algo(algo_name(a)), a);
+    }
     EXPECT_EQ(parse_reduce_scatter_algo("sm_pull"), ReduceScatterAlgo::kSmPull);
+    EXPECT_EQ(parse_reduce_scatter_algo("ll"), ReduceScatterAlgo::kLowLatency);
+    EXPECT_STREQ(algo_name(ReduceScatterAlgo::kLowLatency), "ll");
+    EXPECT_FALSE(parse_reduce_scatter_algo("low_latency").has_value());
     EXPECT_FALSE(parse_all_reduce_algo("oneshot").has_value());
     EXPECT_FALSE(parse_all_gather_algo("").has_value());
     EXPECT_STREQ(algo_name(AllReduceAlgo::kTwoShot), "two_shot");
@@ -185,7 +191,31 @@ TEST(CollectivesSelect, AllGatherByShardOutputAndSharing) {
     EXPECT_EQ(select_all_gather_algo(8 * kMiB + 16, topo(8), true), AllGatherAlgo::kCopyEnginePush);
     EXPECT_EQ(select_all_gather_algo(64 * kMiB, topo(8, 8), true), AllGatherAlgo::kSmPush);  // ranks share a GPU
     EXPECT_EQ(select_all_gather_algo(64 * kMiB, topo(8, 8), false), AllGatherAlgo::kCopyEnginePull);
-    EXPECT_EQ(select_reduce_scatter_algo(1, topo(3)), ReduceScatterAlgo::kSmPull);
+}
+
+TEST(CollectivesSelect, ReduceScatterByOutputBytesAndWorld) {
+    // LL up to the all-reduce's LL threshold, counted in output (per-rank) bytes; SM pull above.
+    for (int n : {2, 3, 4, 5, 8, 16, 64}) {
+        const auto t = topo(n);
+        const uint64_t ll_max = low_latency_threshold_bytes(t);
+        EXPECT_EQ(select_reduce_scatter_algo(2, t), ReduceScatterAlgo::kLowLatency) << n;
+        EXPECT_EQ(select_reduce_scatter_algo(4 * kKiB, t), ReduceScatterAlgo::kLowLatency) << n;
+        EXPECT_EQ(select_reduce_scatter_algo(ll_max, t), ReduceScatterAlgo::kLowLatency) << n;
+        EXPECT_EQ(select_reduce_scatter_algo(ll_max + 2, t), ReduceScatterAlgo::kSmPull) << n;
+        EXPECT_EQ(select_reduce_scatter_algo(256 * kMiB, t), ReduceScatterAlgo::kSmPull) << n;
+    }
+    EXPECT_EQ(select_reduce_scatter_algo(256 * kKiB, topo(2)), ReduceScatterAlgo::kLowLatency);
+    EXPECT_EQ(select_reduce_scatter_algo(256 * kKiB + 2, topo(2)), ReduceScatterAlgo::kSmPull);
+    EXPECT_EQ(select_reduce_scatter_algo(64 * kKiB, topo(8)), ReduceScatterAlgo::kLowLatency);
+    EXPECT_EQ(select_reduce_scatter_algo(64 * kKiB + 2, topo(8)), ReduceScatterAlgo::kSmPull);
+    EXPECT_EQ(select_reduce_scatter_algo(1 * kKiB, topo(3)), ReduceScatterAlgo::kLowLatency);
+    // Ranks sharing a GPU: the same rule (the choice depends only on agreed facts).
+    EXPECT_EQ(select_reduce_scatter_algo(16 * kKiB, topo(4, 4, 33)), ReduceScatterAlgo::kLowLatency);
+    // Never above what the LL buffers hold in one kernel (larger forced LL calls run in rounds).
+    CollectiveTopology small = topo(2);
+    small.low_latency_capacity_bytes = 32 * kKiB;
+    EXPECT_EQ(select_reduce_scatter_algo(32 * kKiB, small), ReduceScatterAlgo::kLowLatency);
+    EXPECT_EQ(select_reduce_scatter_algo(32 * kKiB + 2, small), ReduceScatterAlgo::kSmPull);
 }
 
 TEST(CollectivesSelect, ArgumentBeatsEnvironmentBeatsAutomatic) {
@@ -203,7 +233,19 @@ TEST(CollectivesSelect, ArgumentBeatsEnvironmentBeatsAutomatic) {
     EXPECT_ERROR_MENTIONS(resolve_all_gather_algo(AllGatherAlgo::kAuto, std::string("ring"), 8, t, true),
                           "WEFT_ALLGATHER_ALGO", "ce_pull");
     EXPECT_ERROR_MENTIONS(resolve_reduce_scatter_algo(ReduceScatterAlgo::kAuto, std::string("x"), 8, t),
-                          "WEFT_REDUCESCATTER_ALGO", "sm_pull");
+                          "WEFT_REDUCESCATTER_ALGO", "sm_pull", "ll");
+    EXPECT_EQ(resolve_reduce_scatter_algo(ReduceScatterAlgo::kAuto, std::string("ll"), 64 * kMiB, t),
+              ReduceScatterAlgo::kLowLatency);
+    EXPECT_EQ(resolve_reduce_scatter_algo(ReduceScatterAlgo::kAuto, std::string("sm_pull"), 8, t),
+              ReduceScatterAlgo::kSmPull);
+    EXPECT_EQ(resolve_reduce_scatter_algo(ReduceScatterAlgo::kSmPull, std::string("ll"), 8, t),
+              ReduceScatterAlgo::kSmPull);
+    EXPECT_EQ(resolve_reduce_scatter_algo(ReduceScatterAlgo::kAuto, std::string("auto"), 8, t),
+              ReduceScatterAlgo::kLowLatency);
+    EXPECT_EQ(resolve_reduce_scatter_algo(ReduceScatterAlgo::kAuto, std::nullopt, 8, t),
+              ReduceScatterAlgo::kLowLatency);
+    EXPECT_EQ(resolve_reduce_scatter_algo(ReduceScatterAlgo::kAuto, std::nullopt, 64 * kMiB, t),
+              ReduceScatterAlgo::kSmPull);
 }
 
 TEST(CollectivesSelect, GridsStayWithinBudgetAndCaps) {
@@ -221,7 +263,12 @@ TEST(CollectivesSelect, GridsStayWithinBudgetAndCaps) {
                 EXPECT_GE(g, 1);
                 EXPECT_LE(g, std::min(budget, 64));
             }
-            EXPECT_LE(reduce_scatter_grid(ReduceScatterAlgo::kSmPull, bytes, t), std::min(budget, 64));
+            for (auto a : {ReduceScatterAlgo::kSmPull, ReduceScatterAlgo::kLowLatency}) {
+                const int g = reduce_scatter_grid(a, bytes, t);
+                EXPECT_GE(g, 1);
+                EXPECT_LE(g, std::min(budget, 64));
+            }
+            EXPECT_LE(reduce_scatter_grid(ReduceScatterAlgo::kLowLatency, bytes, t), std::min(budget, 32));
         }
     }
     // Grids grow with the message (more parallel reads), up to the cap.
@@ -230,6 +277,18 @@ TEST(CollectivesSelect, GridsStayWithinBudgetAndCaps) {
               all_reduce_grid(AllReduceAlgo::kTwoShot, 64 * kMiB, t));
     EXPECT_EQ(all_reduce_grid(AllReduceAlgo::kOneShot, 8, t), 1);
     EXPECT_ERROR_MENTIONS(all_reduce_grid(AllReduceAlgo::kAuto, 8, t), "auto");
+    EXPECT_ERROR_MENTIONS(reduce_scatter_grid(ReduceScatterAlgo::kAuto, 8, t), "auto");
+    // LL reduce-scatter: a line of output per thread (256 threads x 8 bytes = 2 KiB a block), as the LL all-reduce.
+    EXPECT_EQ(reduce_scatter_grid(ReduceScatterAlgo::kLowLatency, 8, t), 1);
+    EXPECT_EQ(reduce_scatter_grid(ReduceScatterAlgo::kLowLatency, 2 * kKiB, t), 1);
+    EXPECT_EQ(reduce_scatter_grid(ReduceScatterAlgo::kLowLatency, 2 * kKiB + 2, t), 2);
+    EXPECT_EQ(reduce_scatter_grid(ReduceScatterAlgo::kLowLatency, 16 * kKiB, t), 8);
+    EXPECT_EQ(reduce_scatter_grid(ReduceScatterAlgo::kLowLatency, 256 * kKiB, t), 32);
+    EXPECT_EQ(reduce_scatter_grid(ReduceScatterAlgo::kLowLatency, 16 * kKiB, topo(2, 2, 5)), 5);  // SM budget
+    for (uint64_t bytes : {uint64_t{8}, uint64_t{4096}, 64 * kKiB, 256 * kKiB}) {
+        EXPECT_EQ(reduce_scatter_grid(ReduceScatterAlgo::kLowLatency, bytes, t),
+                  all_reduce_grid(AllReduceAlgo::kLowLatency, bytes, t));
+    }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -337,7 +396,8 @@ TEST(CollectivesNvrtc, RepresentativeSpecsCompileForSm90a) {
     };
     for (const Case& k :
          {Case{KernelId::kAllReduceLowLatency, DType::kBF16}, Case{KernelId::kAllReduceTwoShot, DType::kF32},
-          Case{KernelId::kReduceScatterPull, DType::kF16}, Case{KernelId::kAllGatherPush, DType::kU8},
+          Case{KernelId::kReduceScatterPull, DType::kF16}, Case{KernelId::kReduceScatterLowLatency, DType::kBF16},
+          Case{KernelId::kReduceScatterLowLatency, DType::kF32}, Case{KernelId::kAllGatherPush, DType::kU8},
           Case{KernelId::kCopyEngineExit, DType::kU8}}) {
         const jit::KernelSpec spec = detail::collective_kernel_spec(k.id, k.dtype, 8);
         SCOPED_TRACE(spec.describe());
@@ -345,7 +405,7 @@ TEST(CollectivesNvrtc, RepresentativeSpecsCompileForSm90a) {
         ASSERT_TRUE(r.cubin);
         EXPECT_GT(r.ptxas_info.registers, 0) << r.log;
         EXPECT_EQ(r.ptxas_info.spill_store_bytes, 0) << r.ptxas_info.text;
-        if (k.id == KernelId::kAllReduceLowLatency) {
+        if (k.id == KernelId::kAllReduceLowLatency || k.id == KernelId::kReduceScatterLowLatency) {
             EXPECT_NE(r.ptx.find("st.relaxed.sys.v2.b64"), std::string::npos) << "LL lines must be one v2.b64 store";
             EXPECT_NE(r.ptx.find("ld.relaxed.sys.v2.b64"), std::string::npos) << "LL polls must be one v2.b64 load";
         }
@@ -370,7 +430,18 @@ TEST(CollectivesNvrtc, AotRegistrationCoversEveryKernelOnce) {
     EXPECT_EQ(specs.size() - before, detail::collective_kernel_specs(8).size());
     std::set<std::string> names;
     for (const auto& s : detail::collective_kernel_specs(8)) names.insert(s.instantiation);
-    EXPECT_EQ(names.size(), 16u);  // 4 reducing kernels x 3 dtypes + 4 byte-moving kernels
+    EXPECT_EQ(names.size(), 19u);  // 5 reducing kernels x 3 dtypes + 4 byte-moving kernels
+    for (const char* kernel : {"reduce_scatter_low_latency", "reduce_scatter_pull", "all_reduce_low_latency"}) {
+        for (const char* dtype : {"kBF16", "kF16", "kF32"}) {
+            EXPECT_EQ(std::count_if(names.begin(), names.end(),
+                                    [&](const std::string& s) {
+                                        return s.find(kernel) != std::string::npos &&
+                                               s.find(dtype) != std::string::npos;
+                                    }),
+                      1)
+                << kernel << " " << dtype;
+        }
+    }
 }
 
 }  // namespace

@@ -373,6 +373,77 @@ TEST(TpValidation, GemmRsShapeAndCall) {
                  "row stride must be a multiple of 16 bytes");
 }
 
+// The W=8 GemmRs test on a shared GPU (8 ranks on one H200: a GEMM budget of 15 SMs) asked for chunk_rows 128;
+// the heuristic picked a 256-row tile there and the op threw. An explicit chunk_rows must steer the choice.
+TEST(TpPlan, GemmRsExplicitChunkRowsSteersTheConfig) {
+    const ops::GemmRsShape s{2400, 1100, 256, DType::kBF16};
+    ops::GemmRsOptions o;
+    const ops::detail::GemmRsPlan heuristic = ops::detail::plan_gemm_rs(s, 8, 15, o);
+    ASSERT_EQ(heuristic.configs.size(), 1u);
+    EXPECT_EQ(heuristic.configs[0].tile_m, 256) << "the case no longer exercises a 256-row heuristic pick";
+    EXPECT_EQ(heuristic.chunk_rows % 256, 0);
+    o.chunk_rows = 128;
+    const ops::detail::GemmRsPlan p = ops::detail::plan_gemm_rs(s, 8, 15, o);
+    ASSERT_EQ(p.configs.size(), 1u);
+    EXPECT_EQ(p.chunk_rows, 128);
+    EXPECT_EQ(p.configs[0].tile_m, 128);
+    EXPECT_EQ(p.configs[0].cluster_m * p.configs[0].cluster_n, 1);
+    EXPECT_EQ(p.max_chunks_per_rank, 3);  // 300 rows per rank in chunks of 128
+    o.autotune = true;
+    for (const GemmConfig& c : ops::detail::plan_gemm_rs(s, 8, 15, o).configs) EXPECT_EQ(c.tile_m, 128);
+}
+
+TEST(TpPlan, GemmRsEveryConfigFitsItsChunk) {
+    // Every world size, budget, dtype, partial dtype, chunk (heuristic or explicit) and autotune setting.
+    for (int w : {1, 2, 3, 4, 5, 8}) {
+        for (int64_t rows : {1, 100, 128, 300, 700, 2048}) {
+            for (int budget : {1, 3, 15, 29, 66, 131}) {
+                for (DType dt : {DType::kBF16, DType::kF16}) {
+                    for (bool f32 : {false, true}) {
+                        for (int64_t chunk : {0, 128, 256, 384, 512}) {
+                            for (bool tune : {false, true}) {
+                                const ops::GemmRsShape s{rows * w, 1100, 136, dt};
+                                ops::GemmRsOptions o;
+                                if (f32) o.partial_dtype = DType::kF32;
+                                o.chunk_rows = chunk;
+                                o.autotune = tune;
+                                const ops::detail::GemmRsPlan p = ops::detail::plan_gemm_rs(s, w, budget, o);
+                                SCOPED_TRACE(::testing::Message() << "W " << w << " rows " << rows << " budget "
+                                                                  << budget << " chunk " << chunk << " tune " << tune);
+                                ASSERT_FALSE(p.configs.empty());
+                                if (chunk > 0) {
+                                    EXPECT_EQ(p.chunk_rows, chunk);
+                                }
+                                for (const GemmConfig& c : p.configs) {
+                                    EXPECT_TRUE(is_valid(c));
+                                    EXPECT_EQ(c.cluster_m * c.cluster_n, 1);
+                                    EXPECT_EQ(p.chunk_rows % c.tile_m, 0) << "tile_m " << c.tile_m;
+                                    EXPECT_EQ(c.out_dtype, w == 1 ? dt : (f32 ? DType::kF32 : dt));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+TEST(TpPlan, GemmRsChunkThatFitsNoConfigIsAnError) {
+    const ops::GemmRsShape s{1024, 300, 512, DType::kBF16};
+    ops::GemmRsOptions o;
+    o.chunk_rows = 64;  // below every tile_m
+    expect_error([&] { ops::detail::plan_gemm_rs(s, 4, 30, o); }, "options.chunk_rows must be a multiple");
+    o.chunk_rows = 128;  // a forced 256-row config does not fit: the caller's contradiction is reported
+    o.config = gemm_candidate(3, DType::kBF16, DType::kBF16, BLayout::kNK);
+    ASSERT_EQ(o.config->tile_m, 256);
+    expect_error([&] { ops::detail::plan_gemm_rs(s, 4, 30, o); }, "chunk_rows must be a multiple of the config's tile_m");
+    o.chunk_rows = 512;
+    const ops::detail::GemmRsPlan p = ops::detail::plan_gemm_rs(s, 4, 30, o);
+    ASSERT_EQ(p.configs.size(), 1u);
+    EXPECT_EQ(p.configs[0], *o.config);
+}
+
 TEST(TpValidation, GemmArShapeAndCall) {
     const ops::GemmArShape s{128, 1000, 256, DType::kBF16};
     EXPECT_NO_THROW(ops::validate_gemm_ar_shape(s, 8));

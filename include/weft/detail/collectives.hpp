@@ -38,6 +38,7 @@ enum class KernelId : int {
     kAllReduceTwoShot,
     kAllReduceLowLatency,
     kReduceScatterPull,
+    kReduceScatterLowLatency,
     kAllGatherPush,
     kAllGatherLowLatency,
     kCopyEngineEnter,

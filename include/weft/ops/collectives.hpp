@@ -49,7 +49,8 @@ enum class AllGatherAlgo : int32_t {
 /// Reduce-scatter algorithms. kAuto: select_reduce_scatter_algo (overridable by WEFT_REDUCESCATTER_ALGO).
 enum class ReduceScatterAlgo : int32_t {
     kAuto = 0,
-    kSmPull = 1,  ///< "sm_pull": every rank reads its slice from every rank, reduces in fp32, writes once
+    kSmPull = 1,      ///< "sm_pull": every rank reads its slice from every rank, reduces in fp32, writes once
+    kLowLatency = 2,  ///< "ll": every rank pushes slice q to rank q as LL lines; no barrier
 };
 
 /// Short names, as WEFT_*_ALGO and the benchmark use them ("auto", "ll", "one_shot", ...).
@@ -83,7 +84,9 @@ AllReduceAlgo select_all_reduce_algo(uint64_t bytes, const CollectiveTopology& t
 /// a symmetric output, SM push up to 64 MiB gathered (always when ranks share a GPU) and copy-engine push
 /// above; with a local output, copy-engine pull.
 AllGatherAlgo select_all_gather_algo(uint64_t shard_bytes, const CollectiveTopology& topo, bool output_symmetric);
-/// The automatic reduce-scatter choice (SM pull: the only one today).
+/// The automatic reduce-scatter choice for an output (one slice) of `output_bytes`: LL up to
+/// low_latency_threshold_bytes (each rank then sends (n - 1) x output_bytes as LL lines, the same traffic as an LL
+/// all-reduce of that size), SM pull above.
 ReduceScatterAlgo select_reduce_scatter_algo(uint64_t output_bytes, const CollectiveTopology& topo);
 
 /// The algorithm a call uses: `requested` unless kAuto, else `env_value` (the WEFT_*_ALGO variable) unless unset

@@ -102,6 +102,10 @@ GemmProblem validate_gemm_args(const TensorView& a, const TensorView& b, const T
 /// The tiled-kernel configs the heuristic (and the autotuner) choose from for this problem's types/layout.
 std::vector<GemmConfig> gemm_candidate_configs(DType in_dtype, DType out_dtype, BLayout b_layout);
 
+/// The heuristic's estimate of the tiled kernel's run time with `config` on `budget` SMs (arbitrary units,
+/// lower is better; infinite when a cluster does not fit the budget). plan_gemm picks the cheapest candidate.
+double gemm_config_cost(const GemmProblem& problem, const GemmConfig& config, int budget);
+
 /// Picks the path and config. `num_sms` is the device's SM count (the budget's default).
 GemmPlan plan_gemm(const GemmProblem& problem, int num_sms, const GemmOptions& options = {});
 

@@ -37,6 +37,11 @@ struct GemmArOptions {
     std::optional<DType> partial_dtype;  ///< the partials' dtype: shape.dtype (default) or kF32
     int reduce_ctas = 0;                 ///< CTAs of the all-reduce kernel; 0 = heuristic
     int sm_budget = 0;                   ///< 0 = World::sm_budget()
+    /// The all-reduce half: weft's ops::all_reduce (automatic algorithm: low-latency for decode sizes) when the
+    /// partials have the output dtype, N % 8 == 0 and C's rows are contiguous; it needs the collective
+    /// workspace on the symmetric heap (ops::prepare_collectives, made by the constructor). false, or when
+    /// those conditions fail: the op's own one-shot kernel (a ready and a done barrier around the reads).
+    bool collective_all_reduce = true;
 };
 
 /// GEMM+AllReduce for the ranks of a World. Construction and destruction are collective.

@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "weft/common/gemm_config.hpp"
 #include "weft/jit/compiler.hpp"
@@ -80,6 +81,18 @@ int64_t validate_gemm_rs_call(const GemmRsShape& shape, int num_ranks, const Ten
                               const TensorView& c);
 
 namespace detail {
+/// The GEMM configs of a GemmRs (first: the one run() starts with; the rest: autotuning candidates) and its
+/// rows per counter, chosen on the host for `gemm_budget` SMs. Every config's tile_m divides chunk_rows: the
+/// heuristic chunk is a multiple of every candidate's tile_m; an explicit options.chunk_rows restricts the
+/// configs to those whose tile_m divides it. Throws weft::Error for bad options (validate_gemm_rs_shape),
+/// or when no config fits an explicit chunk_rows.
+struct GemmRsPlan {
+    std::vector<GemmConfig> configs;
+    int64_t chunk_rows = 0;
+    int64_t max_chunks_per_rank = 1;  ///< counters per destination rank for the largest M
+};
+GemmRsPlan plan_gemm_rs(const GemmRsShape& shape, int num_ranks, int gemm_budget, const GemmRsOptions& options);
+
 jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch = "");
 jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::string& arch = "");
 }  // namespace detail
