@@ -15,10 +15,10 @@
 //            16-byte load in flight (SASS).
 //   kStages > 0 (variant 2): a ring of kStages stages of B fragments in registers. The prologue fills it;
 //            step i's MMAs consume slot i % kStages, which is refilled with step i + kStages right away.
-//            Every refill is consumed in the *next* trip of the k loop, so ptxas cannot sink it below the
-//            MMAs that precede it (it does not move code across the back edge; in SASS it places the
-//            refills at the end of the trip): a full ring, kStages x stage_chunks x kNTiles loads, is in
-//            flight when the warp waits for the first of them. __launch_bounds__ with a minimum of CTAs per
+//            Every refill is consumed only in the *next* trip of the k loop, so ptxas cannot sink it down to
+//            its consumer (that would cross the loop's back edge; in SASS it places the refills at the end
+//            of the trip): a full ring, kStages x stage_chunks x kNTiles loads, is in flight when the warp
+//            waits for the first of them. __launch_bounds__ with a minimum of CTAs per
 //            SM caps the registers, so the planned occupancy holds (tests/unit/test_gemm_nvrtc.cpp checks the
 //            SASS: no spills, loads outstanding at the loop's first MMA).
 #pragma once
