@@ -5,6 +5,9 @@
 //
 //   weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]
 //                   [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]
+//                   [--small-m-variant 0|1|2] [--small-m-splits S]
+// --small-m-variant / --small-m-splits set GemmOptions for the op's own row (the one --check compares with
+// cuBLAS); --all-configs adds a row per small-M variant and split count.
 #include <cublasLt.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -58,6 +61,8 @@ struct Options {
     bool all_configs = false;
     bool check = false;
     std::string json;
+    int small_m_variant = -1;  // -1: the op's default
+    int small_m_splits = 0;    // 0: the op's heuristic
 };
 
 std::vector<Shape> default_sizes() {
@@ -116,12 +121,21 @@ Options parse(int argc, char** argv) {
             o.check = true;
         } else if (a == "--json") {
             o.json = next();
+        } else if (a == "--small-m-variant") {
+            o.small_m_variant = std::stoi(next());
+            if (o.small_m_variant < 0 || o.small_m_variant >= weft::kGemvNumVariants) {
+                throw std::runtime_error("--small-m-variant takes 0, 1 or 2, got " + std::to_string(o.small_m_variant));
+            }
+        } else if (a == "--small-m-splits") {
+            o.small_m_splits = std::stoi(next());
+            if (o.small_m_splits < 0) throw std::runtime_error("--small-m-splits takes a count >= 0 (0 = heuristic)");
         } else if (a == "--world") {
             (void)next();  // shared command line: a single-GPU GEMM ignores the world size
         } else if (a == "--help" || a == "-h") {
             std::printf(
                 "weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]\n"
-                "                [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]\n");
+                "                [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]\n"
+                "                [--small-m-variant 0|1|2] [--small-m-splits S]\n");
             std::exit(0);
         } else {
             throw std::runtime_error("unknown option " + a + " (see --help)");
@@ -459,12 +473,17 @@ int main(int argc, char** argv) {
                 // The op as a user calls it (heuristic path and config).
                 {
                     weft::ops::GemmProblem p{s.m, s.n, s.k, layout, opt.in, out};
-                    const auto plan = weft::ops::plan_gemm(p, prop.multiProcessorCount);
+                    weft::ops::GemmOptions o;
+                    if (opt.small_m_variant >= 0) o.small_m_variant = opt.small_m_variant;
+                    o.small_m_splits = opt.small_m_splits;
+                    const bool forced = opt.small_m_variant >= 0 || opt.small_m_splits > 0;
+                    const auto plan = weft::ops::plan_gemm(p, prop.multiProcessorCount, o);
                     const std::string label = plan.path == weft::ops::GemmPath::kSmallM
-                                                  ? "auto:smallM.v" + std::to_string(plan.small_m_variant) + "/s" +
+                                                  ? std::string(forced ? "opt:" : "auto:") + "smallM.v" +
+                                                        std::to_string(plan.small_m_variant) + "/s" +
                                                         std::to_string(plan.small_m_splits)
                                                   : "auto:" + config_label(plan.config);
-                    run_weft({}, label, true);
+                    run_weft(o, label, true);
                 }
                 if (opt.all_configs) {
                     for (const GemmConfig& c : weft::ops::gemm_candidate_configs(opt.in, out, layout)) {
@@ -473,8 +492,8 @@ int main(int argc, char** argv) {
                         run_weft(o, config_label(c), false);
                     }
                     if (s.m <= weft::kGemvMaxM && layout == BLayout::kNK) {
-                        for (int variant : {0, 1}) {
-                            for (int splits : {1, 2, 4, 8, 16}) {
+                        for (int variant : {0, 1, 2}) {
+                            for (int splits : {1, 2, 3, 4, 8, 16}) {
                                 weft::ops::GemmOptions o;
                                 o.small_m_splits = splits;
                                 o.small_m_variant = variant;

@@ -6,7 +6,8 @@
 // there are fewer GPUs than ranks: then the figures measure overhead, not overlap).
 //
 //   weft_bench_tp [--op ag,rs,ar] [--shapes I,J,...] [--sizes MxNxK,...] [--iters N] [--warmup N]
-//                 [--dtype bf16|f16] [--world W] [--check] [--tune] [--baseline-coll weft|simple] [--json FILE]
+//                 [--dtype bf16|f16] [--world W] [--check] [--tune] [--baseline-coll weft|simple]
+//                 [--reduce-ctas R (GEMM+RS reduction CTAs)] [--json FILE]
 //
 // Shapes are whole layers: AG+GEMM shards N over the ranks (each computes [M, N/W] from all of A[M, K]);
 // GEMM+RS shards K (each holds A[M, K/W], B[N, K/W]; out [M/W, N]); GEMM+AR shards K (out [M, N]).
@@ -71,12 +72,17 @@ struct Options {
     bool check = false;
     bool tune = false;
     BaselineColl coll = BaselineColl::kWeft;
+    int reduce_ctas = 0;  // GEMM+RS reduction CTAs (0: the op's heuristic)
     std::string json;
 };
 
 std::vector<Shape> default_shapes(const std::string& op) {
-    if (op == "ag") return {{8192, 11008, 4096}, {8192, 14336, 4096}, {8192, 28672, 8192}, {8192, 53248, 16384}, {8192, 29568, 8192}};
-    if (op == "rs") return {{8192, 4096, 11008}, {8192, 4096, 14336}, {8192, 8192, 28672}, {8192, 16384, 53248}, {8192, 8192, 29568}};
+    if (op == "ag")
+        return {
+            {8192, 11008, 4096}, {8192, 14336, 4096}, {8192, 28672, 8192}, {8192, 53248, 16384}, {8192, 29568, 8192}};
+    if (op == "rs")
+        return {
+            {8192, 4096, 11008}, {8192, 4096, 14336}, {8192, 8192, 28672}, {8192, 16384, 53248}, {8192, 8192, 29568}};
     return {{1, 8192, 8192}, {16, 8192, 8192}, {128, 8192, 8192}};
 }
 
@@ -101,7 +107,8 @@ Options parse(int argc, char** argv) {
         if (a == "--op") {
             o.ops = split(next(), ',');
             for (const auto& op : o.ops) {
-                if (op != "ag" && op != "rs" && op != "ar") throw std::runtime_error("--op takes ag, rs, ar; got " + op);
+                if (op != "ag" && op != "rs" && op != "ar")
+                    throw std::runtime_error("--op takes ag, rs, ar; got " + op);
             }
         } else if (a == "--shapes") {
             for (const auto& s : split(next(), ',')) o.shape_idx.push_back(std::stoi(s));
@@ -119,9 +126,12 @@ Options parse(int argc, char** argv) {
             o.warmup = std::stoi(next());
         } else if (a == "--dtype") {
             const std::string v = next();
-            if (v == "bf16") o.dtype = DType::kBF16;
-            else if (v == "f16") o.dtype = DType::kF16;
-            else throw std::runtime_error("--dtype takes bf16 or f16, got " + v);
+            if (v == "bf16")
+                o.dtype = DType::kBF16;
+            else if (v == "f16")
+                o.dtype = DType::kF16;
+            else
+                throw std::runtime_error("--dtype takes bf16 or f16, got " + v);
         } else if (a == "--world") {
             o.world = std::stoi(next());
         } else if (a == "--check") {
@@ -130,13 +140,15 @@ Options parse(int argc, char** argv) {
             o.tune = true;
         } else if (a == "--baseline-coll") {
             o.coll = parse_baseline_coll(next());
+        } else if (a == "--reduce-ctas") {
+            o.reduce_ctas = std::stoi(next());
         } else if (a == "--json") {
             o.json = next();
         } else if (a == "--help" || a == "-h") {
             std::printf(
                 "weft_bench_tp [--op ag,rs,ar] [--shapes I,J,...] [--sizes MxNxK,...] [--iters N] [--warmup N]\n"
                 "              [--dtype bf16|f16] [--world W] [--check] [--tune] [--baseline-coll weft|simple]\n"
-                "              [--json FILE]\n");
+                "              [--reduce-ctas R] [--json FILE]\n");
             std::exit(0);
         } else {
             throw std::runtime_error("unknown option " + a + " (see --help)");
@@ -169,7 +181,7 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     opt.autotune = o.tune;
     weft::ops::AgGemm op(w, {m, n, k, t}, opt);
     auto* g_base = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * k * es)));  // baseline gather
-    BaselineAllGather coll(w, o.coll, g_base, static_cast<uint64_t>(rows * k * es));  // (a), in place on g_base
+    BaselineAllGather coll(w, o.coll, g_base, static_cast<uint64_t>(rows * k * es));          // (a), in place on g_base
     row.coll_algo = coll.algo();
     DeviceBarrier bar;  // (b)'s
     bar.make(w);
@@ -178,10 +190,11 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     for (void** p : {&c_w, &c_a, &c_b, &c_e}) BENCH_CUDA(cudaMalloc(p, static_cast<size_t>(m * n * es)));
     const uint64_t seed = 1234567 + static_cast<uint64_t>(me);
     fill_random(op.local_shard(m).data, rows * k, t, seed, s);
-    BENCH_CUDA(cudaMemcpyAsync(g_base + me * rows * k * es, op.local_shard(m).data,
-                               static_cast<size_t>(rows * k * es), cudaMemcpyDeviceToDevice, s));
+    BENCH_CUDA(cudaMemcpyAsync(g_base + me * rows * k * es, op.local_shard(m).data, static_cast<size_t>(rows * k * es),
+                               cudaMemcpyDeviceToDevice, s));
     fill_random(b_dev, n * k, t, seed + 100, s);
-    const weft::jit::Kernel& engine = weft::jit::compiler().get_kernel(weft::ops::detail::plain_gemm_kernel_spec(op.config()));
+    const weft::jit::Kernel& engine =
+        weft::jit::compiler().get_kernel(weft::ops::detail::plain_gemm_kernel_spec(op.config()));
     w.barrier();
 
     weft::Event ev_fork, ev_join;
@@ -221,20 +234,22 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
         bar(s);
     });
     const TensorView a_local = op.local_shard(m), bv(b_dev, t, {n, k}), cw(c_w, t, {m, n});
-    row.weft = time_all(w, sh, s, o.warmup, o.iters, [&] { op.run(a_local, bv, cw, s); });
-    // After the fused op (which tunes on its first call with --tune): the engine with the same config.
-    row.engine = time_all(w, sh, s, o.warmup, o.iters, [&] {
-        weft::ops::detail::GemmTensorMaps maps = weft::ops::detail::make_gemm_tensor_maps(
-            op.config(), TensorView(g_base, t, {m, k}), TensorView(b_dev, t, {n, k}), TensorView(c_e, t, {m, n}));
-        const weft::GemmArgs args =
-            weft::ops::detail::make_gemm_args(TensorView(g_base, t, {m, k}), TensorView(c_e, t, {m, n}), 20'000'000'000ull);
-        weft::jit::LaunchParams lp;
-        lp.grid = dim3(static_cast<unsigned>(op.gemm_grid()));
-        lp.block = dim3(weft::kGemmThreads);
-        lp.dynamic_smem_bytes = static_cast<size_t>(weft::gemm_smem_plan(op.config()).alloc_bytes);
-        lp.stream = s;
-        engine.launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
-    });
+    // The fused op and the engine alone with the same config, alternately (the fused op tunes on its first
+    // call with --tune: in the warm-up).
+    std::tie(row.weft, row.engine) = time_pair(
+        w, sh, s, o.warmup, o.iters, [&] { op.run(a_local, bv, cw, s); },
+        [&] {
+            weft::ops::detail::GemmTensorMaps maps = weft::ops::detail::make_gemm_tensor_maps(
+                op.config(), TensorView(g_base, t, {m, k}), TensorView(b_dev, t, {n, k}), TensorView(c_e, t, {m, n}));
+            const weft::GemmArgs args = weft::ops::detail::make_gemm_args(
+                TensorView(g_base, t, {m, k}), TensorView(c_e, t, {m, n}), 20'000'000'000ull);
+            weft::jit::LaunchParams lp;
+            lp.grid = dim3(static_cast<unsigned>(op.gemm_grid()));
+            lp.block = dim3(weft::kGemmThreads);
+            lp.dynamic_smem_bytes = static_cast<size_t>(weft::gemm_smem_plan(op.config()).alloc_bytes);
+            lp.stream = s;
+            engine.launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
+        });
     if (o.check) {
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, m, n, t, s));
         row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, m, n, t, s));
@@ -260,10 +275,11 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
 
     weft::ops::GemmRsOptions opt;
     opt.autotune = o.tune;
+    opt.reduce_ctas = o.reduce_ctas;
     weft::ops::GemmRs op(w, {m, n, k, t}, opt);
     auto* partial = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));
     auto* recv = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));  // (b): [W][rows, n]
-    DeviceBarrier bar;  // (b)'s
+    DeviceBarrier bar;                                                                      // (b)'s
     bar.make(w);
     const weft::DeviceCtx ctx = w.device_ctx();
     // (a)'s output is symmetric, as in weft's collective benchmark (no pointer query per call).
@@ -278,12 +294,11 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     const uint64_t seed = 7654321 + static_cast<uint64_t>(me);
     fill_random(a_dev, m * k, t, seed, s);
     fill_random(b_dev, n * k, t, seed + 100, s);
-    const weft::jit::Kernel& engine = weft::jit::compiler().get_kernel(weft::ops::detail::plain_gemm_kernel_spec(
-        [&] {
-            weft::GemmConfig c = op.config();
-            c.out_dtype = t;
-            return c;
-        }()));
+    const weft::jit::Kernel& engine = weft::jit::compiler().get_kernel(weft::ops::detail::plain_gemm_kernel_spec([&] {
+        weft::GemmConfig c = op.config();
+        c.out_dtype = t;
+        return c;
+    }()));
     w.barrier();
 
     row.gemm = time_all(w, sh, s, o.warmup, o.iters, [&] { lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s); });
@@ -314,28 +329,29 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
         sum_launch(t, [&](auto* tag) {
             using T = std::remove_pointer_t<decltype(tag)>;
             bench_sum_kernel<T><<<kSumBlocks, kSumThreads, 0, s>>>(ctx, nullptr, reinterpret_cast<const T*>(recv),
-                                                                   rows * n, nr, 0, rows, 0, n, n,
-                                                                   static_cast<T*>(c_b), n);
+                                                                   rows * n, nr, 0, rows, 0, n, n, static_cast<T*>(c_b),
+                                                                   n);
         });
         BENCH_CUDA(cudaGetLastError());
     });
     const TensorView av(a_dev, t, {m, k}), bv(b_dev, t, {n, k}), cw(c_w, t, {rows, n});
-    row.weft = time_all(w, sh, s, o.warmup, o.iters, [&] { op.run(av, bv, cw, s); });
-    // After the fused op (which tunes on its first call with --tune): the engine with the same config.
-    row.engine = time_all(w, sh, s, o.warmup, o.iters, [&] {
-        weft::GemmConfig c = op.config();
-        c.out_dtype = t;
-        const auto maps = weft::ops::detail::make_gemm_tensor_maps(c, TensorView(a_dev, t, {m, k}),
-                                                                   TensorView(b_dev, t, {n, k}), TensorView(c_e, t, {m, n}));
-        const weft::GemmArgs args = weft::ops::detail::make_gemm_args(TensorView(a_dev, t, {m, k}),
-                                                                      TensorView(c_e, t, {m, n}), 20'000'000'000ull);
-        weft::jit::LaunchParams lp;
-        lp.grid = dim3(static_cast<unsigned>(op.gemm_grid() + op.reduce_ctas()));
-        lp.block = dim3(weft::kGemmThreads);
-        lp.dynamic_smem_bytes = static_cast<size_t>(weft::gemm_smem_plan(c).alloc_bytes);
-        lp.stream = s;
-        engine.launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
-    });
+    // The fused op and the engine alone with the same config, alternately (--tune: tuned in the warm-up).
+    std::tie(row.weft, row.engine) = time_pair(
+        w, sh, s, o.warmup, o.iters, [&] { op.run(av, bv, cw, s); },
+        [&] {
+            weft::GemmConfig c = op.config();
+            c.out_dtype = t;
+            const auto maps = weft::ops::detail::make_gemm_tensor_maps(
+                c, TensorView(a_dev, t, {m, k}), TensorView(b_dev, t, {n, k}), TensorView(c_e, t, {m, n}));
+            const weft::GemmArgs args = weft::ops::detail::make_gemm_args(
+                TensorView(a_dev, t, {m, k}), TensorView(c_e, t, {m, n}), 20'000'000'000ull);
+            weft::jit::LaunchParams lp;
+            lp.grid = dim3(static_cast<unsigned>(op.gemm_grid() + op.reduce_ctas()));
+            lp.block = dim3(weft::kGemmThreads);
+            lp.dynamic_smem_bytes = static_cast<size_t>(weft::gemm_smem_plan(c).alloc_bytes);
+            lp.stream = s;
+            engine.launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
+        });
     if (o.check) {
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, rows, n, t, s));
         row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, rows, n, t, s));
@@ -402,9 +418,8 @@ Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
         bar_comm(comm);  // every rank's chunk is complete
         sum_launch(t, [&](auto* tag) {
             using T = std::remove_pointer_t<decltype(tag)>;
-            bench_sum_kernel<T><<<kSumBlocks, kSumThreads, 0, comm>>>(ctx, reinterpret_cast<const T*>(partial),
-                                                                      nullptr, 0, nr, 0, m, c0, cols, n,
-                                                                      static_cast<T*>(c_b), n);
+            bench_sum_kernel<T><<<kSumBlocks, kSumThreads, 0, comm>>>(
+                ctx, reinterpret_cast<const T*>(partial), nullptr, 0, nr, 0, m, c0, cols, n, static_cast<T*>(c_b), n);
         });
         BENCH_CUDA(cudaGetLastError());
     };
@@ -431,7 +446,7 @@ Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     row.weft = time_all(w, sh, s, o.warmup, o.iters, [&] { op.run(av, bv, cw, s); });
     if (o.check) {
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, m, n, t, s));
-        void* b_rows = c_b;  // (b)'s result as row-major [m, n]
+        void* b_rows = c_b;                   // (b)'s result as row-major [m, n]
         if (o.coll == BaselineColl::kWeft) {  // chunk-major -> row-major, outside the timed region
             BENCH_CUDA(cudaMalloc(&b_rows, static_cast<size_t>(m * n * es)));
             for (int j = 0; j < kChunks; ++j) {
@@ -467,10 +482,11 @@ std::string fmt(double ms) {
 }
 
 void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, const std::string& device) {
-    std::printf("\nweft_bench_tp: %s x%d, %s, world %d%s, %d iters (slowest rank, mean)\n", device.c_str(), gpus,
-                weft::dtype_name(o.dtype), rows.empty() ? 0 : rows[0].world,
-                rows.empty() || rows[0].world <= gpus ? "" : " (ranks share GPUs: figures measure overhead, not overlap)",
-                o.iters);
+    std::printf(
+        "\nweft_bench_tp: %s x%d, %s, world %d%s, %d iters (slowest rank, mean)\n", device.c_str(), gpus,
+        weft::dtype_name(o.dtype), rows.empty() ? 0 : rows[0].world,
+        rows.empty() || rows[0].world <= gpus ? "" : " (ranks share GPUs: figures measure overhead, not overlap)",
+        o.iters);
     std::printf("baseline collective (coll, (a)): %s\n",
                 o.coll == BaselineColl::kWeft
                     ? "weft's standalone op (weft::ops::all_gather / reduce_scatter / all_reduce), automatic algorithm"
@@ -490,12 +506,13 @@ void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, co
                     100.0 * ideal / r.weft, check);
     }
     const bool weft_coll = o.coll == BaselineColl::kWeft;
-    std::printf("gemm: cuBLASLt alone; weft-gemm: weft's GEMM engine alone (same config, no communication); coll: the\n"
-                "baseline collective alone, algo: its algorithm (%s); (a)seq: cuBLAS and that same\n"
-                "collective back to back; (b)decomp: chunked cuBLAS GEMMs beside copy-engine transfers (GEMM+AR:\n"
-                "beside %s); ideal = max(gemm, coll); vs (a) = (a) / weft; eff = ideal / weft.\n",
-                weft_coll ? "weft's automatic choice; WEFT_*_ALGO overrides it" : "--baseline-coll simple",
-                weft_coll ? "weft all_reduce per chunk" : "the simple sum kernel per chunk");
+    std::printf(
+        "gemm: cuBLASLt alone; weft-gemm: weft's GEMM engine alone (same config, no communication); coll: the\n"
+        "baseline collective alone, algo: its algorithm (%s); (a)seq: cuBLAS and that same\n"
+        "collective back to back; (b)decomp: chunked cuBLAS GEMMs beside copy-engine transfers (GEMM+AR:\n"
+        "beside %s); ideal = max(gemm, coll); vs (a) = (a) / weft; eff = ideal / weft.\n",
+        weft_coll ? "weft's automatic choice; WEFT_*_ALGO overrides it" : "--baseline-coll simple",
+        weft_coll ? "weft all_reduce per chunk" : "the simple sum kernel per chunk");
     if (o.json.empty()) return;
     std::ofstream out(o.json);
     out << "{\"bench\": \"weft_bench_tp\", \"device\": \"" << device << "\", \"gpus\": " << gpus << ", \"dtype\": \""
@@ -506,11 +523,11 @@ void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, co
         const double ideal = std::max(r.gemm, r.coll);
         out << (i ? ", " : "") << "{\"op\": \"" << r.op << "\", \"m\": " << r.shape.m << ", \"n\": " << r.shape.n
             << ", \"k\": " << r.shape.k << ", \"world\": " << r.world << ", \"gemm_ms\": " << r.gemm
-            << ", \"weft_gemm_ms\": " << r.engine << ", \"coll_ms\": " << r.coll << ", \"coll_algo\": \""
-            << r.coll_algo << "\", \"a_ms\": " << r.a
-            << ", \"b_ms\": " << r.b << ", \"weft_ms\": " << r.weft << ", \"ideal_ms\": " << ideal
-            << ", \"speedup_vs_a\": " << r.a / r.weft << ", \"overlap_efficiency\": " << ideal / r.weft
-            << ", \"err_weft\": " << r.err_weft << ", \"err_b\": " << r.err_b << "}";
+            << ", \"weft_gemm_ms\": " << r.engine << ", \"coll_ms\": " << r.coll << ", \"coll_algo\": \"" << r.coll_algo
+            << "\", \"a_ms\": " << r.a << ", \"b_ms\": " << r.b << ", \"weft_ms\": " << r.weft
+            << ", \"ideal_ms\": " << ideal << ", \"speedup_vs_a\": " << r.a / r.weft
+            << ", \"overlap_efficiency\": " << ideal / r.weft << ", \"err_weft\": " << r.err_weft
+            << ", \"err_b\": " << r.err_b << "}";
     }
     out << "]}\n";
     std::printf("wrote %s\n", o.json.c_str());
@@ -559,7 +576,8 @@ int main(int argc, char** argv) {
                         if (!o.shape_idx.empty() && o.sizes.empty()) {
                             std::vector<Shape> pick;
                             for (int i : o.shape_idx) {
-                                if (i >= 0 && i < static_cast<int>(shapes.size())) pick.push_back(shapes[static_cast<size_t>(i)]);
+                                if (i >= 0 && i < static_cast<int>(shapes.size()))
+                                    pick.push_back(shapes[static_cast<size_t>(i)]);
                             }
                             shapes = pick;
                         }

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <stdexcept>
@@ -42,11 +43,11 @@ namespace tile = weft::device::tile;
         cudaError_t e_ = (call);                                                                             \
         if (e_ != cudaSuccess) throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
     } while (0)
-#define BENCH_LT(call)                                                                                     \
-    do {                                                                                                   \
-        cublasStatus_t s_ = (call);                                                                        \
-        if (s_ != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string(#call) + ": status " +        \
-                                                                  std::to_string(static_cast<int>(s_))); \
+#define BENCH_LT(call)                                                                                         \
+    do {                                                                                                       \
+        cublasStatus_t s_ = (call);                                                                            \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                                       \
+            throw std::runtime_error(std::string(#call) + ": status " + std::to_string(static_cast<int>(s_))); \
     } while (0)
 
 // ---- simple baseline collectives (weft-free kernels on the symmetric heap: --baseline-coll simple) --------------
@@ -65,21 +66,25 @@ static __global__ void bench_barrier_kernel(weft::DeviceCtx ctx, uint64_t* count
 
 template <class T>
 __device__ __forceinline__ float to_f(T x) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(x);
-    else return __half2float(x);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return __bfloat162float(x);
+    else
+        return __half2float(x);
 }
 template <class T>
 __device__ __forceinline__ T from_f(float x) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(x);
-    else return __float2half_rn(x);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return __float2bfloat16_rn(x);
+    else
+        return __float2half_rn(x);
 }
 
 /// out[r, c0 + c] = sum over ranks s (in rank order) of src_s[row0 + r, c0 + c], 8 elements per thread.
 /// srcs: `count` pointers (peers' symmetric buffers mapped here, or local slots), each [rows, ld].
 template <class T>
 __global__ void bench_sum_kernel(weft::DeviceCtx ctx, const T* symmetric_src, const T* local_slots, int64_t slot_elems,
-                                 int count, int64_t row0, int64_t rows, int64_t c0, int64_t cols, int64_t ld,
-                                 T* out, int64_t ldo) {
+                                 int count, int64_t row0, int64_t rows, int64_t c0, int64_t cols, int64_t ld, T* out,
+                                 int64_t ldo) {
     const int64_t vecs_per_row = cols / 8;
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * vecs_per_row;
          i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -193,6 +198,40 @@ inline double time_all(World& w, Shared& sh, cudaStream_t s, int warmup, int ite
     return worst;
 }
 
+inline double max_over_ranks(World& w, Shared& sh, double v);
+
+/// Times `a` and `b` alternately (a, b, a, b, ...), each call between its own events, so that both see the same
+/// clocks: a run of long GEMMs heats the GPU and lowers the clocks of whatever is timed last (seen as +-10%
+/// between two timings of one kernel). Returns each one's mean ms, the slowest rank's.
+inline std::pair<double, double> time_pair(World& w, Shared& sh, cudaStream_t s, int warmup, int iters,
+                                           const std::function<void()>& a, const std::function<void()>& b) {
+    for (int i = 0; i < warmup; ++i) {
+        a();
+        b();
+    }
+    w.sync_and_check(s);
+    w.barrier();
+    std::vector<std::unique_ptr<weft::Event>> ev;
+    for (int i = 0; i < 2 * iters + 1; ++i) ev.push_back(std::make_unique<weft::Event>(true));
+    ev[0]->record(s);
+    for (int i = 0; i < iters; ++i) {
+        a();
+        ev[static_cast<size_t>(2 * i + 1)]->record(s);
+        b();
+        ev[static_cast<size_t>(2 * i + 2)]->record(s);
+    }
+    w.sync_and_check(s);
+    double ta = 0, tb = 0;
+    for (int i = 0; i < iters; ++i) {
+        const size_t j = static_cast<size_t>(2 * i);
+        ta += ev[j + 1]->elapsed_ms(*ev[j]);
+        tb += ev[j + 2]->elapsed_ms(*ev[j + 1]);
+    }
+    const double slowest_a = max_over_ranks(w, sh, ta / iters);
+    const double slowest_b = max_over_ranks(w, sh, tb / iters);
+    return {slowest_a, slowest_b};
+}
+
 /// Uniform values in [-1, 1) from a hash of (seed, index), written on the device (fast for GB-sized operands;
 /// never zeros: a GEMM on zeros runs faster than on data).
 template <class T>
@@ -221,7 +260,7 @@ inline void fill_random(void* p, int64_t elems, DType t, uint64_t seed, cudaStre
 }
 
 inline double rel_error(const void* x, int64_t lx, const void* y, int64_t ly, int64_t rows, int64_t cols, DType t,
-                 cudaStream_t s) {
+                        cudaStream_t s) {
     std::vector<uint16_t> hx(static_cast<size_t>(rows * lx)), hy(static_cast<size_t>(rows * ly));
     BENCH_CUDA(cudaMemcpyAsync(hx.data(), x, hx.size() * 2, cudaMemcpyDeviceToHost, s));
     BENCH_CUDA(cudaMemcpyAsync(hy.data(), y, hy.size() * 2, cudaMemcpyDeviceToHost, s));
@@ -274,8 +313,10 @@ struct DeviceBarrier {
 
 template <class F>
 void sum_launch(DType t, F&& launch) {
-    if (t == DType::kBF16) launch(static_cast<__nv_bfloat16*>(nullptr));
-    else launch(static_cast<__half*>(nullptr));
+    if (t == DType::kBF16)
+        launch(static_cast<__nv_bfloat16*>(nullptr));
+    else
+        launch(static_cast<__half*>(nullptr));
 }
 
 inline constexpr int kSumBlocks = 64;
@@ -413,9 +454,9 @@ public:
         bar_(s);  // every partial is complete
         sum_launch(t_, [&](auto* tag) {
             using T = std::remove_pointer_t<decltype(tag)>;
-            bench_sum_kernel<T><<<kSumBlocks, kSumThreads, 0, s>>>(ctx, static_cast<const T*>(partial_), nullptr, 0,
-                                                                   nr, me * rows_, rows_, 0, n_, n_,
-                                                                   static_cast<T*>(out_), n_);
+            bench_sum_kernel<T><<<kSumBlocks, kSumThreads, 0, s>>>(ctx, static_cast<const T*>(partial_), nullptr, 0, nr,
+                                                                   me * rows_, rows_, 0, n_, n_, static_cast<T*>(out_),
+                                                                   n_);
         });
         BENCH_CUDA(cudaGetLastError());
         bar_(s);  // every rank has read its rows: the partials may be rewritten
@@ -510,8 +551,10 @@ struct ExampleArgs {
 
 inline bool parse_example_args(int argc, char** argv, ExampleArgs& args) {
     const auto usage = [&] {
-        std::fprintf(stderr, "usage: %s [--world W] [--m M] [--n N] [--k K] [--iters I] "
-                     "[--baseline-coll weft|simple]\n", argv[0]);
+        std::fprintf(stderr,
+                     "usage: %s [--world W] [--m M] [--n N] [--k K] [--iters I] "
+                     "[--baseline-coll weft|simple]\n",
+                     argv[0]);
         return false;
     };
     int i = 1;
@@ -527,12 +570,18 @@ inline bool parse_example_args(int argc, char** argv, ExampleArgs& args) {
             continue;
         }
         const int64_t v = std::atoll(argv[i + 1]);
-        if (a == "--world") args.world = static_cast<int>(v);
-        else if (a == "--m") args.m = v;
-        else if (a == "--n") args.n = v;
-        else if (a == "--k") args.k = v;
-        else if (a == "--iters") args.iters = static_cast<int>(v);
-        else return usage();
+        if (a == "--world")
+            args.world = static_cast<int>(v);
+        else if (a == "--m")
+            args.m = v;
+        else if (a == "--n")
+            args.n = v;
+        else if (a == "--k")
+            args.k = v;
+        else if (a == "--iters")
+            args.iters = static_cast<int>(v);
+        else
+            return usage();
     }
     if (i < argc) return usage();  // a trailing flag without its value
     return true;

@@ -23,17 +23,20 @@ void register_tiled_instances() {
     }
 }
 
+template <DType kIn, DType kOut, int kVariant, int kMTiles>
+void register_gemv_instance() {
+    constexpr GemvShape kShape = gemv_shape(kVariant, kMTiles);
+    ops::detail::register_gemv_kernel(
+        kMTiles, kIn, kOut, kVariant,
+        reinterpret_cast<const void*>(&gemv_kernel<kMTiles, kIn, kOut, kShape.n_tiles, kShape.stages>));
+}
+
 template <DType kIn, DType kOut, int kVariant>
 void register_gemv_instances() {
-    constexpr int kNTiles = kVariant == 1 ? 1 : 4;
-    ops::detail::register_gemv_kernel(1, kIn, kOut, kVariant,
-                                      reinterpret_cast<const void*>(&gemv_kernel<1, kIn, kOut, kNTiles>));
-    ops::detail::register_gemv_kernel(2, kIn, kOut, kVariant,
-                                      reinterpret_cast<const void*>(&gemv_kernel<2, kIn, kOut, kNTiles>));
-    ops::detail::register_gemv_kernel(3, kIn, kOut, kVariant,
-                                      reinterpret_cast<const void*>(&gemv_kernel<3, kIn, kOut, kNTiles>));
-    ops::detail::register_gemv_kernel(4, kIn, kOut, kVariant,
-                                      reinterpret_cast<const void*>(&gemv_kernel<4, kIn, kOut, kNTiles>));
+    register_gemv_instance<kIn, kOut, kVariant, 1>();
+    register_gemv_instance<kIn, kOut, kVariant, 2>();
+    register_gemv_instance<kIn, kOut, kVariant, 3>();
+    register_gemv_instance<kIn, kOut, kVariant, 4>();
 }
 
 template <DType kIn, DType kOut>
@@ -42,6 +45,7 @@ void register_dtype_instances() {
     register_tiled_instances<kIn, kOut, BLayout::kKN, 0>();
     register_gemv_instances<kIn, kOut, 0>();
     register_gemv_instances<kIn, kOut, 1>();
+    register_gemv_instances<kIn, kOut, 2>();
 }
 
 }  // namespace detail

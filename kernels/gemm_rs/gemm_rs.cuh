@@ -102,6 +102,8 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
     const int64_t vecs_per_row = (p.n + kTpVecElems - 1) / kTpVecElems;
     const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    const int64_t step_rows = stride / vecs_per_row;  // one grid stride, as rows and vectors
+    const int64_t step_cols = stride - step_rows * vecs_per_row;
     constexpr int64_t kPBytes = dtype_bytes(kPartial);
     constexpr int64_t kOBytes = dtype_bytes(kOut);
 
@@ -121,23 +123,36 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
             const int64_t total = ch.num_rows * vecs_per_row;
             // NOTE: a peer's partial is read over NVLink (about 2 us a round trip): each thread keeps kRsUnroll
             // 16-byte loads in flight, or R CTAs would move only R * 256 * 16 B per round trip (~30 GB/s at R=16).
+            // (row, column) of the flat vector index advance by additions: a 64-bit division per vector made the
+            // kernel bound by integer arithmetic (~10 GB/s per SM, measured).
+            int64_t row = first / vecs_per_row;
+            int64_t col_vec = first - row * vecs_per_row;
             for (int64_t i0 = first; i0 < total; i0 += stride * kRsUnroll) {
+                int64_t rows[kRsUnroll];
+                int64_t cols[kRsUnroll];
                 float v[kRsUnroll][8];
 #pragma unroll
                 for (int u = 0; u < kRsUnroll; ++u) {
-                    const int64_t i = i0 + u * stride;
-                    const int64_t r = i / vecs_per_row;
-                    const int64_t col = (i - r * vecs_per_row) * kTpVecElems;
-                    if (i < total && col + kTpVecElems <= p.n) {
-                        load8<kPartial>(src_base + ((ch.row_begin + r) * p.ldp + col) * kPBytes, v[u]);
+                    rows[u] = row;
+                    cols[u] = col_vec * kTpVecElems;
+                    col_vec += step_cols;
+                    row += step_rows;
+                    if (col_vec >= vecs_per_row) {
+                        col_vec -= vecs_per_row;
+                        ++row;
                     }
                 }
 #pragma unroll
                 for (int u = 0; u < kRsUnroll; ++u) {
-                    const int64_t i = i0 + u * stride;
-                    if (i >= total) break;
-                    const int64_t r = i / vecs_per_row;
-                    const int64_t col = (i - r * vecs_per_row) * kTpVecElems;
+                    if (i0 + u * stride < total && cols[u] + kTpVecElems <= p.n) {
+                        load8<kPartial>(src_base + ((ch.row_begin + rows[u]) * p.ldp + cols[u]) * kPBytes, v[u]);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < kRsUnroll; ++u) {
+                    if (i0 + u * stride >= total) break;
+                    const int64_t r = rows[u];
+                    const int64_t col = cols[u];
                     const unsigned char* src = src_base + ((ch.row_begin + r) * p.ldp + col) * kPBytes;
                     float* acc = p.acc + (local_row0 + r) * p.lda + col;
                     auto* out = static_cast<unsigned char*>(p.out) + ((local_row0 + r) * p.ldc + col) * kOBytes;

@@ -255,8 +255,13 @@ std::vector<GemmConfig> gemm_candidate_configs(DType in_dtype, DType out_dtype, 
 
 size_t gemm_workspace_bytes(const GemmProblem& p, int splits, int small_m_variant) {
     if (splits <= 1) return 0;
+    WEFT_CHECK(small_m_variant >= 0 && small_m_variant < kGemvNumVariants,
+               "gemm_workspace_bytes: small_m_variant must be in [0, " << kGemvNumVariants - 1 << "], got "
+                                                                      << small_m_variant);
     const size_t partials = static_cast<size_t>(splits) * static_cast<size_t>(p.m) * static_cast<size_t>(p.n) * 4;
-    const size_t blocks = static_cast<size_t>(ceil_div(p.n, gemv_cols_per_cta(small_m_variant == 1 ? 1 : 4)));
+    const int m_tiles = std::clamp(ceil_div(p.m, 16), 1, kGemvMaxM / 16);
+    const int n_tiles = gemv_shape(small_m_variant, m_tiles).n_tiles;
+    const size_t blocks = static_cast<size_t>(ceil_div(p.n, gemv_cols_per_cta(n_tiles)));
     return round256(blocks * 4) + round256(partials);
 }
 
@@ -281,21 +286,25 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
     const bool small_m_ok = !options.config && options.allow_small_m && p.m <= kGemvMaxM &&
                             p.b_layout == BLayout::kNK;
     if (small_m_ok) {
-        WEFT_CHECK(options.small_m_variant >= 0 && options.small_m_variant <= 1,
-                   "gemm: options.small_m_variant must be 0 or 1, got " << options.small_m_variant);
+        WEFT_CHECK(options.small_m_variant >= 0 && options.small_m_variant < kGemvNumVariants,
+                   "gemm: options.small_m_variant must be 0, 1 or 2, got " << options.small_m_variant);
         plan.path = GemmPath::kSmallM;
         plan.small_m_variant = options.small_m_variant;
         plan.small_m_tiles = ceil_div(p.m, 16);
-        plan.grid = ceil_div(p.n, gemv_cols_per_cta(plan.small_m_variant == 1 ? 1 : 4));
+        const GemvShape shape = gemv_shape(plan.small_m_variant, plan.small_m_tiles);
+        plan.grid = ceil_div(p.n, gemv_cols_per_cta(shape.n_tiles));
         int splits = options.small_m_splits;
         if (splits <= 0) {
-            // CTAs per SM streaming B: 8 for variant 1 (32 columns per CTA; best measured N = K = 8192: 4 splits),
-            // 4 for variant 0 (128 columns; best 8 splits); at least 256 k per split, and a split length that
-            // divides K into whole 32-wide chunks where possible.
-            const int per_sm = plan.small_m_variant == 1 ? 8 : 4;
-            splits = std::clamp(per_sm * num_sms / plan.grid, 1, 32);
+            // One wave of CTAs streaming B: shape.ctas_per_sm per SM (variant 1: 8, 32 columns per CTA, best
+            // measured N = K = 8192: 4 splits; variant 0: 4, 128 columns, best 8 splits; variant 2: what its
+            // registers allow, gemm_config.hpp); at least 256 k per split. Variants 0 and 1 also keep a split
+            // length that divides K into whole 32-wide chunks where possible; variant 2 keeps the full wave
+            // (a shorter last split costs nothing: its missing steps load nothing).
+            splits = std::clamp(shape.ctas_per_sm * num_sms / plan.grid, 1, 32);
             splits = std::min(splits, std::max(1, static_cast<int>(p.k / 256)));
-            while (splits > 1 && p.k % (static_cast<int64_t>(splits) * 32) != 0) --splits;
+            if (shape.stages == 0) {
+                while (splits > 1 && p.k % (static_cast<int64_t>(splits) * 32) != 0) --splits;
+            }
         }
         plan.small_m_k_per_split = ceil_div(ceil_div(p.k, splits), 32) * 32;
         plan.small_m_splits = ceil_div(p.k, plan.small_m_k_per_split);
@@ -377,10 +386,14 @@ std::string gemm_kernel_instantiation(const GemmConfig& c, const std::string& sc
 std::string gemv_kernel_instantiation(int m_tiles, DType in_dtype, DType out_dtype, int variant) {
     WEFT_CHECK(m_tiles >= 1 && m_tiles <= kGemvMaxM / 16,
                "gemv_kernel_instantiation: m_tiles must be in [1, " << kGemvMaxM / 16 << "], got " << m_tiles);
-    WEFT_CHECK(variant == 0 || variant == 1, "gemv_kernel_instantiation: variant must be 0 or 1, got " << variant);
+    WEFT_CHECK(variant >= 0 && variant < kGemvNumVariants,
+               "gemv_kernel_instantiation: variant must be 0, 1 or 2, got " << variant);
+    const GemvShape shape = gemv_shape(variant, m_tiles);
     std::ostringstream os;
     os << "weft::gemm::gemv_kernel<" << m_tiles << ", " << dtype_enum(in_dtype) << ", " << dtype_enum(out_dtype) << ", "
-       << (variant == 1 ? 1 : 4) << ">";
+       << shape.n_tiles;
+    if (shape.stages > 0) os << ", " << shape.stages;  // variants 0 and 1 keep their four-argument names
+    os << ">";
     return os.str();
 }
 
@@ -434,7 +447,7 @@ std::vector<jit::KernelSpec> gemm_aot_specs() {
         for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
             for (const GemmConfig& c : gemm_candidate_configs(in, out, layout)) specs.push_back(gemm_kernel_spec(c));
         }
-        for (int variant : {1, 0}) {
+        for (int variant : {1, 0, 2}) {
             for (int m_tiles = 1; m_tiles <= kGemvMaxM / 16; ++m_tiles) {
                 specs.push_back(gemv_kernel_spec(m_tiles, in, out, variant));
             }
@@ -478,7 +491,7 @@ std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& p, int num_sm
         add(plan_gemm(p, num_sms, forced));
     }
     if (options.allow_small_m && p.m <= kGemvMaxM && p.b_layout == BLayout::kNK) {
-        for (int variant : {1, 0}) {
+        for (int variant : {1, 0, 2}) {
             GemmOptions small = base;
             small.small_m_variant = variant;
             add(plan_gemm(p, num_sms, small));

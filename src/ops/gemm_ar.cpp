@@ -152,8 +152,13 @@ GemmAr::GemmAr(World& world, const GemmArShape& shape, const GemmArOptions& opti
         s.gemv[t - 1] = &jit::compiler().get_kernel(
             detail::gemv_kernel_spec(t, shape.dtype, s.gemm_out, plan.small_m_variant));
     }
-    if (plan.small_m_splits > 1) {
-        s.small_m_workspace_bytes = plan.workspace_bytes;
+    // The largest workspace of any M up to small_max: a variant's grid and splits may depend on ceil(M/16)
+    // (variant 2's shape does), so the plan of small_max alone may not cover a smaller M.
+    for (int t = 1; t <= (small_max + 15) / 16; ++t) {
+        const GemmPlan pt = s.small_m_plan(std::min<int64_t>(16 * t, small_max));
+        s.small_m_workspace_bytes = std::max(s.small_m_workspace_bytes, pt.workspace_bytes);
+    }
+    if (s.small_m_workspace_bytes > 0) {
         WEFT_CUDA_CHECK(cudaMalloc(&s.small_m_workspace, s.small_m_workspace_bytes));
         WEFT_CUDA_CHECK(cudaMemset(s.small_m_workspace, 0, s.small_m_workspace_bytes));
     }

@@ -4,6 +4,8 @@
 
 #include <mutex>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "weft/runtime/driver.hpp"
 
@@ -59,7 +61,8 @@ DriverLoad load_driver() {
     }
     auto resolve = [&](const char* name, void** slot) {
         cudaDriverEntryPointQueryResult q{};
-        cudaError_t s = cudaGetDriverEntryPointByVersion(name, slot, CUDA_VERSION, cudaEnableDefault, &q);
+        cudaError_t s =
+            cudaGetDriverEntryPointByVersion(name, slot, detail::driver_abi_version(name), cudaEnableDefault, &q);
         if ((s != cudaSuccess || q != cudaDriverEntryPointSuccess || *slot == nullptr) && load.error.empty()) {
             load.error = std::string("the CUDA driver does not provide ") + name + " (driver version " +
                          std::to_string(runtime_driver) + ", weft built against " + std::to_string(CUDA_VERSION) +
@@ -78,6 +81,30 @@ const DriverLoad& driver_load() {
 }
 
 }  // namespace
+
+namespace detail {
+
+int driver_abi_version(std::string_view name) {
+    // NOTE: the entry-point query returns the newest ABI of a symbol at the version asked for, which is not
+    // always the one cuda.h declares under the plain name: at 13000 "cuCtxGetDevice" is cuCtxGetDevice_v2
+    // (CUdevice*, CUcontext), while decltype(&::cuCtxGetDevice) takes one argument (cuCtxSynchronize alike).
+    // Called that way, the context argument was whatever a register held: the driver crashed now and then
+    // (seen with 8 rank threads). Such symbols are asked for at the last version whose ABI matches the
+    // declaration; tests/unit/test_driver_abi.cpp checks every entry against cudaTypedefs.h.
+    if (name == "cuCtxGetDevice" || name == "cuCtxSynchronize") return 12000;  // both gained a CUcontext in 13.0
+    return CUDA_VERSION;
+}
+
+const std::vector<std::string_view>& driver_function_names() {
+    static const std::vector<std::string_view> names = {
+#define WEFT_DRIVER_NAME(fn) #fn,
+        WEFT_DRIVER_FUNCTIONS(WEFT_DRIVER_NAME)
+#undef WEFT_DRIVER_NAME
+    };
+    return names;
+}
+
+}  // namespace detail
 
 const DriverApi& driver() {
     const DriverLoad& load = driver_load();

@@ -444,6 +444,10 @@ TEST(GemmTiled, SanitizerSmoke) {
     Case small{17, 1000, 1000};
     small.small_m_splits = 3;
     check_case(small);
+    Case ring{5, 300, 1000};  // small-M variant 2
+    ring.small_m_variant = 2;
+    ring.small_m_splits = 3;
+    check_case(ring);
 }
 
 // The small-M (decode) path: split-K with a deterministic last-CTA reduction.
@@ -473,15 +477,53 @@ TEST(GemmSmallM, MatchesFp64ForEveryRowCountAndSplit) {
     }
 }
 
-// Calls on one stream back to back reuse the small-M workspace: counters must be back at zero.
+// Variant 2 (the register ring of B loads, kernels/gemm/gemv_sm90.cuh): every row-tile count (its shape
+// changes with it: 1, 2 or 4 n8 tiles per warp), N below one n8 tile and ragged inside a CTA's columns,
+// K below one chunk, not a multiple of a 32-wide chunk, of a ring step or of a trip, forced split counts (a
+// shorter last split), strides, every dtype pair.
+TEST(GemmSmallM, Variant2MatchesFp64ForEveryRowCountAndSplit) {
+    REQUIRE_SM90();
+    const int64_t ms[] = {1, 3, 16, 17, 33, 64};
+    const std::array<int64_t, 2> nk[] = {{3, 8}, {100, 72}, {1000, 1000}, {520, 8200}, {4104, 4096}};
+    for (int64_t m : ms) {
+        for (const auto& s : nk) {
+            if (m * s[0] * s[1] > 300'000'000) continue;  // keep the CPU reference quick
+            for (int splits : {0, 1, 3, 5}) {
+                Case c{m, s[0], s[1]};
+                c.small_m_splits = splits;
+                c.small_m_variant = 2;
+                c.pad_a = 8;
+                c.pad_d = 8;
+                check_case(c);
+            }
+        }
+    }
+    for (const auto& io : {std::array<DType, 2>{DType::kBF16, DType::kF32}, std::array<DType, 2>{DType::kF16, DType::kF16},
+                           std::array<DType, 2>{DType::kF16, DType::kF32}}) {
+        for (int64_t m : {1, 16, 64}) {
+            Case c{m, 1000, 1000, io[0], io[1]};
+            c.small_m_variant = 2;
+            check_case(c);
+        }
+    }
+    Case big{16, 8192, 8192};  // the decode shape the variant is for (default splits)
+    big.small_m_variant = 2;
+    check_case(big, 4);
+}
+
+// Calls on one stream back to back reuse the small-M workspace: counters must be back at zero, also when
+// consecutive calls use variants with different column blocks (and so different counter counts).
 TEST(GemmSmallM, RepeatedCallsStayCorrect) {
     REQUIRE_SM90();
-    for (int i = 0; i < 3; ++i) {
-        Case c{3, 2000, 4096};
-        c.small_m_variant = i % 2;
+    for (int i = 0; i < 6; ++i) {
+        Case c{i < 3 ? 3 : 40, 2000, 4096};
+        c.small_m_variant = i % 3;
         check_case(c);
     }
     check_case(Case{1, 8192, 8192});  // a larger shape after smaller ones on the same workspace
+    Case v2{1, 8192, 8192};
+    v2.small_m_variant = 2;
+    check_case(v2);
 }
 
 // ---- cuBLASLt on large shapes ---------------------------------------------------------------------------

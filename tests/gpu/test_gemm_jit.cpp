@@ -408,8 +408,14 @@ TEST(GemmJit, MatchesFp64OnAwkwardShapesLayoutsAndDtypes) {
         {100, 3, 64, DType::kBF16, DType::kBF16, BLayout::kNK, 0, 0, 5},       // tiled, no TMA-stored column
         {777, 1100, 256},                                         // ragged N through the cluster pair (below)
         {300, 384, 512, DType::kF16, DType::kF32, BLayout::kKN},  // B pair with B [K,N] (below)
+        {3, 100, 1000, DType::kBF16, DType::kBF16, BLayout::kNK, 8, 0, 8},  // small M, variant 2 (below): ragged
+        {17, 200, 1032, DType::kF16, DType::kF32},                          // variant 2, 2 row tiles, 2 n8 tiles/warp
+        {64, 136, 72, DType::kBF16, DType::kF32},                           // variant 2, 4 row tiles, K < one trip
     };
     cases[2].small_m_variant = 0;
+    cases[10].small_m_variant = 2;
+    cases[11].small_m_variant = 2;
+    cases[12].small_m_variant = 2;
     cases[8].config = a_pair;
     cases[9].config = b_pair_kn;
     compile_in_parallel(specs_for(cases));

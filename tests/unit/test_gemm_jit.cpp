@@ -46,8 +46,16 @@ TEST(GemmJitCodegen, InstantiationIsTheConfigWithDesignatedInitialisers) {
               "weft::gemm::gemv_kernel<3, weft::DType::kF16, weft::DType::kF32, 4>");
     EXPECT_EQ(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 1),
               "weft::gemm::gemv_kernel<1, weft::DType::kBF16, weft::DType::kBF16, 1>");
+    // Variant 2 names its shape (n8 tiles per warp, ring stages) from gemv_shape.
+    EXPECT_EQ(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 2),
+              "weft::gemm::gemv_kernel<1, weft::DType::kBF16, weft::DType::kBF16, 1, 6>");
+    EXPECT_EQ(gemv_kernel_instantiation(2, DType::kF16, DType::kF32, 2),
+              "weft::gemm::gemv_kernel<2, weft::DType::kF16, weft::DType::kF32, 2, 4>");
+    EXPECT_EQ(gemv_kernel_instantiation(4, DType::kBF16, DType::kF32, 2),
+              "weft::gemm::gemv_kernel<4, weft::DType::kBF16, weft::DType::kF32, 4, 3>");
     EXPECT_THROW(gemv_kernel_instantiation(5, DType::kBF16, DType::kBF16, 1), Error);
-    EXPECT_THROW(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 2), Error);
+    EXPECT_THROW(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 3), Error);
+    EXPECT_THROW(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, -1), Error);
 }
 
 TEST(GemmJitCodegen, SpecsNameTheHeaderTheInstantiationAndTheArch) {
@@ -97,7 +105,7 @@ TEST(GemmJitAot, SpecsCoverEveryCandidateAndSmallMKernelOnce) {
                 ++expected;
             }
         }
-        for (int variant : {0, 1}) {
+        for (int variant : {0, 1, 2}) {
             for (int m_tiles = 1; m_tiles <= 4; ++m_tiles) {
                 EXPECT_EQ(instantiations.count(gemv_kernel_instantiation(m_tiles, in, out, variant)), 1u);
                 ++expected;
@@ -126,6 +134,7 @@ TEST(GemmJitCompile, NvrtcCompilesTheOpsSpecsAndTheSecondRequestHitsTheCache) {
         gemm_kernel_spec(gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK), "weft::gemm::ChunkWaitScheduler",
                          "weft::gemm::TileSignalHook", kArch),
         gemv_kernel_spec(2, DType::kBF16, DType::kF32, 1, kArch),
+        gemv_kernel_spec(1, DType::kBF16, DType::kBF16, 2, kArch),  // variant 2: the register ring
         gemm_advance_epoch_spec(kArch),
     };
     std::vector<std::string> keys;
@@ -206,15 +215,19 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         EXPECT_LE(c.plan.grid, 132);
     }
 
-    // M <= 64 with B [N,K]: both small-M variants join; the heuristic (small-M) still comes first.
+    // M <= 64 with B [N,K]: the three small-M variants join; the heuristic (small-M) still comes first.
     const GemmProblem small = problem(16, 8192, 8192);
     const auto sc = gemm_tune_candidates(small, 132, {});
-    ASSERT_EQ(sc.size(), static_cast<size_t>(kGemmNumCandidates) + 2);
+    ASSERT_EQ(sc.size(), static_cast<size_t>(kGemmNumCandidates) + 3);
     EXPECT_EQ(sc[0].name, "small_m_v1");
     EXPECT_EQ(sc[0].plan.path, GemmPath::kSmallM);
-    int small_paths = 0;
-    for (const auto& c : sc) small_paths += c.plan.path == GemmPath::kSmallM ? 1 : 0;
-    EXPECT_EQ(small_paths, 2);
+    std::set<std::string> small_names;
+    for (const auto& c : sc) {
+        if (c.plan.path != GemmPath::kSmallM) continue;
+        small_names.insert(c.name);
+        EXPECT_EQ(c.name, "small_m_v" + std::to_string(c.plan.small_m_variant));
+    }
+    EXPECT_EQ(small_names, (std::set<std::string>{"small_m_v0", "small_m_v1", "small_m_v2"}));
     GemmOptions no_small;
     no_small.allow_small_m = false;
     EXPECT_EQ(gemm_tune_candidates(small, 132, no_small).size(), static_cast<size_t>(kGemmNumCandidates));

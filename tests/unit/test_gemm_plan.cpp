@@ -204,8 +204,10 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     // Counters (one per column block, rounded to 256 bytes) then fp32 partials [splits][M][N].
     EXPECT_EQ(plan.workspace_bytes, 256u * 4 + 4u * 8192 * 4);
     EXPECT_EQ(plan0.workspace_bytes, 256u + 8u * 8192 * 4);
-    v0.small_m_variant = 2;
-    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0 or 1");
+    v0.small_m_variant = 3;
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0, 1 or 2, got 3");
+    v0.small_m_variant = -1;
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0, 1 or 2, got -1");
 
     p.m = 64;
     EXPECT_EQ(ops::plan_gemm(p, 132).small_m_tiles, 4);
@@ -225,6 +227,50 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     plan = ops::plan_gemm(p, 132);
     EXPECT_EQ(plan.small_m_splits, 1);
     EXPECT_EQ(plan.workspace_bytes, 0u);
+}
+
+// Variant 2: one wave of gemv_shape(2, m_tiles).ctas_per_sm CTAs per SM, its columns per CTA from the shape.
+TEST(GemmPlan, SmallMVariant2FillsOneWaveOfItsShape) {
+    ops::GemmOptions v2;
+    v2.small_m_variant = 2;
+    struct Expect {
+        int64_t m;
+        int m_tiles, cols_per_cta, ctas_per_sm, splits;
+    };
+    // N = K = 8192 on 132 SMs: m_tiles 1: 4 CTAs/SM, 256 column blocks -> 2 splits (512 CTAs <= 528);
+    // m_tiles 2: 3 CTAs/SM, 128 blocks -> 3 splits (384 <= 396; the last split is shorter);
+    // m_tiles 3, 4: 2 CTAs/SM, 64 blocks -> 4 splits (256 <= 264).
+    for (const Expect& e : {Expect{1, 1, 32, 4, 2}, Expect{16, 1, 32, 4, 2}, Expect{17, 2, 64, 3, 3},
+                            Expect{33, 3, 128, 2, 4}, Expect{64, 4, 128, 2, 4}}) {
+        SCOPED_TRACE("M = " + std::to_string(e.m));
+        const ops::GemmProblem p{e.m, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
+        const GemvShape shape = gemv_shape(2, e.m_tiles);
+        EXPECT_EQ(gemv_cols_per_cta(shape.n_tiles), e.cols_per_cta);
+        EXPECT_EQ(shape.ctas_per_sm, e.ctas_per_sm);
+        EXPECT_GE(shape.stages, 2);
+        EXPECT_GE(shape.stage_chunks, 1);
+        const auto plan = ops::plan_gemm(p, 132, v2);
+        EXPECT_EQ(plan.path, ops::GemmPath::kSmallM);
+        EXPECT_EQ(plan.small_m_variant, 2);
+        EXPECT_EQ(plan.small_m_tiles, e.m_tiles);
+        EXPECT_EQ(plan.grid, 8192 / e.cols_per_cta);
+        EXPECT_EQ(plan.small_m_splits, e.splits);
+        EXPECT_LE(plan.grid * plan.small_m_splits, e.ctas_per_sm * 132) << "more than one wave";
+        EXPECT_EQ(plan.small_m_k_per_split % 32, 0);
+        EXPECT_GE(static_cast<int64_t>(plan.small_m_splits) * plan.small_m_k_per_split, p.k);
+        EXPECT_LT(static_cast<int64_t>(plan.small_m_splits - 1) * plan.small_m_k_per_split, p.k) << "an empty split";
+        // Counters (one per column block, rounded to 256 bytes) then fp32 partials [splits][M][N].
+        const size_t counters = (static_cast<size_t>(plan.grid) * 4 + 255) / 256 * 256;
+        EXPECT_EQ(plan.workspace_bytes, counters + static_cast<size_t>(plan.small_m_splits) * e.m * 8192 * 4);
+        EXPECT_EQ(plan.workspace_bytes, ops::gemm_workspace_bytes(p, plan.small_m_splits, 2));
+    }
+    // Small N and K: at least 256 k per split, at least one column block; N not a multiple of the block.
+    const ops::GemmProblem tiny{3, 100, 264, BLayout::kNK, DType::kF16, DType::kF32};
+    const auto plan = ops::plan_gemm(tiny, 132, v2);
+    EXPECT_EQ(plan.grid, 4);  // ceil(100 / 32)
+    EXPECT_EQ(plan.small_m_splits, 1);
+    EXPECT_EQ(plan.workspace_bytes, 0u);
+    expect_error_mentions([&] { (void)ops::gemm_workspace_bytes(tiny, 2, 3); }, "small_m_variant must be in [0, 2]");
 }
 
 TEST(GemmPlan, TiledGridRespectsBudgetAndCluster) {

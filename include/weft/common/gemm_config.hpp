@@ -228,8 +228,37 @@ struct GemvArgs {
 inline constexpr int kGemvThreads = 128;
 inline constexpr int kGemvColsPerCta = 128;  ///< variant 0: 4 warps x 32 columns (variant 1: 4 x 8)
 inline constexpr int kGemvMaxM = 64;
+inline constexpr int kGemvNumVariants = 3;  ///< GemmOptions::small_m_variant is 0, 1 or 2
 
 /// Columns of D per CTA of gemv_kernel<..., n_tiles_per_warp>: 4 warps x n_tiles_per_warp n8 tiles.
 WEFT_HOST_DEVICE constexpr int gemv_cols_per_cta(int n_tiles_per_warp) { return 4 * 8 * n_tiles_per_warp; }
+
+/// The shape of the small-M kernel of one variant for ceil(M / 16) = m_tiles (1..4): the single source of the
+/// kernel's template arguments (host instantiation strings, nvcc instances) and of the split-count heuristic.
+struct GemvShape {
+    int n_tiles;       ///< n8 tiles (8 columns) per warp: gemv_kernel's kNTiles
+    int stages;        ///< 0: batched loads per iteration (variants 0, 1); >= 2: a register ring of this many
+                       ///< stages kept in flight (variant 2): gemv_kernel's kStages
+    int stage_chunks;  ///< variant 2: 32-wide k chunks per stage (each one 16-byte load per lane and n8 tile)
+    int ctas_per_sm;   ///< CTAs per SM the split count aims at; variant 2's __launch_bounds__ minimum
+};
+
+/// Variant 2 keeps stages x stage_chunks x n_tiles 16-byte B loads (512 bytes per warp each) in flight per warp.
+/// Bytes in flight needed: ~4.6 TB/s x ~1 us of loaded DRAM latency = ~4.6 MB, ~35 KiB per SM of 132. Here:
+///   m_tiles 1 (M <= 16): 12 loads x 16 warps (4 CTAs/SM) = 96 KiB per SM (2.7x);
+///   m_tiles 2:           8 loads x 12 warps (3 CTAs/SM) = 48 KiB per SM (1.4x);
+///   m_tiles 3, 4:        12 loads x 8 warps (2 CTAs/SM) = 48 KiB per SM (1.4x).
+/// The CTAs per SM are what the registers allow without spills: ptxas hoists a whole trip's A fragments
+/// (stages x stage_chunks x m_tiles x 8 registers) next to the ring (stages x stage_chunks x n_tiles x 4).
+/// Wider warps (n_tiles 2, 4) at 2..4 row tiles reuse each A fragment across columns.
+WEFT_HOST_DEVICE constexpr GemvShape gemv_shape(int variant, int m_tiles) {
+    if (variant == 0) return GemvShape{4, 0, 0, 4};
+    if (variant == 1) return GemvShape{1, 0, 0, 8};
+    switch (m_tiles) {
+        case 1: return GemvShape{1, 6, 2, 4};
+        case 2: return GemvShape{2, 4, 1, 3};
+        default: return GemvShape{4, 3, 1, 2};
+    }
+}
 
 }  // namespace weft

@@ -43,7 +43,8 @@ struct GemmOptions {
     int small_m_splits = 0;            ///< force the small-M path's split count (0 = heuristic)
     int small_m_variant = 1;           ///< small-M kernel: 1 = 8 columns per warp, 1 KiB contiguous per row per
                                        ///< iteration (default: faster in the last measurement); 0 = 32 columns
-                                       ///< per warp (see kernels/gemm/gemv_sm90.cuh)
+                                       ///< per warp; 2 = a register ring keeping 8-12 B loads in flight per warp
+                                       ///< (gemv_shape in weft/common/gemm_config.hpp, kernels/gemm/gemv_sm90.cuh)
     void* workspace = nullptr;         ///< small-M scratch of gemm_workspace_bytes, 256-byte aligned: split-K
                                        ///< counters first (zero-filled before the first use; each call leaves
                                        ///< them zero), then fp32 partials. Zero it again if N grows. nullptr =
@@ -126,7 +127,9 @@ std::string gemm_kernel_instantiation(const GemmConfig& config, const std::strin
                                       const std::string& hook);
 
 /// The small-M kernel instantiation, e.g. "weft::gemm::gemv_kernel<2, weft::DType::kBF16, weft::DType::kF32, 1>"
-/// (the last argument is the n8 tiles per warp of `variant`: 1 for variant 1, 4 for variant 0).
+/// (the fourth argument is the n8 tiles per warp of `variant`: 1 for variant 1, 4 for variant 0; variant 2 adds
+/// its ring depth: "weft::gemm::gemv_kernel<1, weft::DType::kBF16, weft::DType::kBF16, 1, 6>"; both from
+/// gemv_shape(variant, m_tiles)).
 std::string gemv_kernel_instantiation(int m_tiles, DType in_dtype, DType out_dtype, int variant);
 
 /// The weft::jit specs of the tiled kernel (header "gemm/gemm_sm90.cuh"), of the small-M kernel
@@ -140,7 +143,7 @@ jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in_dtype, DType out_dtype, i
 jit::KernelSpec gemm_advance_epoch_spec(const std::string& arch = "");
 
 /// Every kernel weft::ops::gemm may launch: each valid candidate config for every dtype pair (bf16->bf16,
-/// bf16->f32, f16->f16, f16->f32) and B layout, each small-M kernel (M tiles 1..4, both variants), and the
+/// bf16->f32, f16->f16, f16->f32) and B layout, each small-M kernel (M tiles 1..4, variants 0, 1, 2), and the
 /// epoch-advance kernel. register_gemm_aot_specs() hands them to weft::jit::register_aot_spec (once per
 /// process), so that `weft-compile --builtin` warms them.
 std::vector<jit::KernelSpec> gemm_aot_specs();
@@ -164,7 +167,7 @@ std::string gemm_candidate_name(const GemmConfig& config);
 
 /// The candidates for a call, the heuristic's pick (plan_gemm) first so that it wins ties and is what a
 /// disabled autotuner returns: the other valid tiled candidates that fit the SM budget, and, where M <= 64
-/// with B [N,K] and options.allow_small_m, both small-M variants.
+/// with B [N,K] and options.allow_small_m, the three small-M variants (1, 0, 2).
 std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& problem, int num_sms, const GemmOptions& options);
 
 /// The autotuner's problem key: shape, dtypes, layout, SM budget and the options that change the candidates,

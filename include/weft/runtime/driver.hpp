@@ -8,6 +8,9 @@
 
 #include <cuda.h>
 
+#include <string_view>
+#include <vector>
+
 #include "weft/runtime/error.hpp"
 
 // Every driver function weft uses. Add a name here to make `driver().name` available.
@@ -69,6 +72,11 @@ const DriverApi& driver();
 bool cuda_available() noexcept;
 
 namespace detail {
+/// The CUDA version whose ABI of `name` the table asks the driver for: CUDA_VERSION, except for symbols
+/// whose newest ABI no longer matches the declaration in cuda.h (see error.cpp).
+int driver_abi_version(std::string_view name);
+/// The names in WEFT_DRIVER_FUNCTIONS, in order (for tests).
+const std::vector<std::string_view>& driver_function_names();
 [[noreturn]] void throw_cu_error(const char* file, int line, const char* call, CUresult status);
 }  // namespace detail
 
