@@ -5,9 +5,11 @@
 //
 //   weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]
 //                   [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]
-//                   [--small-m-variant 0|1|2] [--small-m-splits S]
-// --small-m-variant / --small-m-splits set GemmOptions for the op's own row (the one --check compares with
-// cuBLAS); --all-configs adds a row per small-M variant and split count.
+//                   [--small-m-variant 0|1|2] [--small-m-splits S] [--small-m-max-m M]
+// --small-m-variant / --small-m-splits / --small-m-max-m set GemmOptions for the op's own row (the one --check
+// compares with cuBLAS); forcing a variant or a split count also sets small_m_max_m to 64 (unless
+// --small-m-max-m says otherwise), so that M 17..64 measure the small-M kernels; --all-configs adds a row per
+// small-M variant and split count.
 #include <cublasLt.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -63,6 +65,7 @@ struct Options {
     std::string json;
     int small_m_variant = -1;  // -1: the op's default
     int small_m_splits = 0;    // 0: the op's heuristic
+    int small_m_max_m = -1;    // -1: the op's default (kGemvMaxM when a variant or split count is forced)
 };
 
 std::vector<Shape> default_sizes() {
@@ -129,13 +132,19 @@ Options parse(int argc, char** argv) {
         } else if (a == "--small-m-splits") {
             o.small_m_splits = std::stoi(next());
             if (o.small_m_splits < 0) throw std::runtime_error("--small-m-splits takes a count >= 0 (0 = heuristic)");
+        } else if (a == "--small-m-max-m") {
+            o.small_m_max_m = std::stoi(next());
+            if (o.small_m_max_m < 0 || o.small_m_max_m > weft::kGemvMaxM) {
+                throw std::runtime_error("--small-m-max-m takes 0.." + std::to_string(weft::kGemvMaxM) + ", got " +
+                                         std::to_string(o.small_m_max_m));
+            }
         } else if (a == "--world") {
             (void)next();  // shared command line: a single-GPU GEMM ignores the world size
         } else if (a == "--help" || a == "-h") {
             std::printf(
                 "weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]\n"
                 "                [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]\n"
-                "                [--small-m-variant 0|1|2] [--small-m-splits S]\n");
+                "                [--small-m-variant 0|1|2] [--small-m-splits S] [--small-m-max-m M]\n");
             std::exit(0);
         } else {
             throw std::runtime_error("unknown option " + a + " (see --help)");
@@ -477,6 +486,8 @@ int main(int argc, char** argv) {
                     if (opt.small_m_variant >= 0) o.small_m_variant = opt.small_m_variant;
                     o.small_m_splits = opt.small_m_splits;
                     const bool forced = opt.small_m_variant >= 0 || opt.small_m_splits > 0;
+                    if (forced) o.small_m_max_m = weft::kGemvMaxM;
+                    if (opt.small_m_max_m >= 0) o.small_m_max_m = opt.small_m_max_m;
                     const auto plan = weft::ops::plan_gemm(p, prop.multiProcessorCount, o);
                     const std::string label = plan.path == weft::ops::GemmPath::kSmallM
                                                   ? std::string(forced ? "opt:" : "auto:") + "smallM.v" +
@@ -497,6 +508,7 @@ int main(int argc, char** argv) {
                                 weft::ops::GemmOptions o;
                                 o.small_m_splits = splits;
                                 o.small_m_variant = variant;
+                                o.small_m_max_m = weft::kGemvMaxM;
                                 run_weft(o, "smallM.v" + std::to_string(variant) + "/s" + std::to_string(splits), false);
                             }
                         }

@@ -277,15 +277,20 @@ double gemm_config_cost(const GemmProblem& p, const GemmConfig& c, int budget) {
     return cost / useful;
 }
 
+bool gemm_allows_small_m(const GemmProblem& p, const GemmOptions& options) {
+    WEFT_CHECK(options.small_m_max_m >= 0 && options.small_m_max_m <= kGemvMaxM,
+               "gemm: options.small_m_max_m must be in [0, " << kGemvMaxM << "] (kGemvMaxM), got "
+                                                             << options.small_m_max_m);
+    return !options.config && options.allow_small_m && p.m <= options.small_m_max_m && p.b_layout == BLayout::kNK;
+}
+
 GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
     WEFT_CHECK(num_sms > 0, "gemm: the device must report a positive SM count, got " << num_sms);
     WEFT_CHECK(options.sm_budget >= 0, "gemm: options.sm_budget must be >= 0, got " << options.sm_budget);
     const int budget = options.sm_budget > 0 ? std::min(options.sm_budget, num_sms) : num_sms;
     GemmPlan plan;
 
-    const bool small_m_ok = !options.config && options.allow_small_m && p.m <= kGemvMaxM &&
-                            p.b_layout == BLayout::kNK;
-    if (small_m_ok) {
+    if (gemm_allows_small_m(p, options)) {
         WEFT_CHECK(options.small_m_variant >= 0 && options.small_m_variant < kGemvNumVariants,
                    "gemm: options.small_m_variant must be 0, 1 or 2, got " << options.small_m_variant);
         plan.path = GemmPath::kSmallM;
@@ -490,8 +495,8 @@ std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& p, int num_sm
         forced.config = c;
         add(plan_gemm(p, num_sms, forced));
     }
-    if (options.allow_small_m && p.m <= kGemvMaxM && p.b_layout == BLayout::kNK) {
-        for (int variant : {1, 0, 2}) {
+    if (gemm_allows_small_m(p, base)) {  // as plan_gemm: only where the small-M path may serve this M
+        for (int variant : {2, 1, 0}) {
             GemmOptions small = base;
             small.small_m_variant = variant;
             add(plan_gemm(p, num_sms, small));
@@ -505,7 +510,8 @@ std::string gemm_tune_problem(const GemmProblem& p, int num_sms, const GemmOptio
     std::ostringstream os;
     os << "m=" << p.m << ",n=" << p.n << ",k=" << p.k << ",in=" << dtype_name(p.in_dtype)
        << ",out=" << dtype_name(p.out_dtype) << ",b=" << (p.b_layout == BLayout::kNK ? "nk" : "kn")
-       << ",sms=" << budget << ",small_m=" << (options.allow_small_m ? 1 : 0) << ",splits=" << options.small_m_splits;
+       << ",sms=" << budget << ",small_m=" << (gemm_allows_small_m(p, options) ? 1 : 0)
+       << ",splits=" << options.small_m_splits;
     return os.str();
 }
 

@@ -123,6 +123,7 @@ struct GemmAr::State {
     GemmPlan small_m_plan(int64_t m) const {
         GemmOptions o;
         o.allow_small_m = true;
+        o.small_m_max_m = kGemvMaxM;  // gemm_ar serves every M <= 64 with the small-M kernels it loaded
         return plan_gemm(problem(m), num_sms, o);
     }
 };

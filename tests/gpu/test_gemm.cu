@@ -260,6 +260,7 @@ struct Case {
     bool allow_small_m = true;
     int small_m_splits = 0;
     int small_m_variant = 0;
+    int small_m_max_m = ops::GemmOptions{}.small_m_max_m;  // kGemvMaxM in the cases meant for the small-M path
 };
 
 std::string describe(const Case& c, uint64_t seed) {
@@ -267,6 +268,7 @@ std::string describe(const Case& c, uint64_t seed) {
     os << c.m << "x" << c.n << "x" << c.k << " " << dtype_name(c.in) << "->" << dtype_name(c.out) << " "
        << (c.layout == BLayout::kNK ? "B[N,K]" : "B[K,N]") << " pads(" << c.pad_a << "," << c.pad_b << ","
        << c.pad_d << ") budget " << c.sm_budget << " splits " << c.small_m_splits << " variant " << c.small_m_variant
+       << " small_m_max_m " << c.small_m_max_m
        << (c.config ? " config " + ops::format_gemm_config(*c.config) : std::string(" auto")) << " seed " << seed;
     return os.str();
 }
@@ -301,6 +303,7 @@ void check_case(const Case& c, int sample_rows = 0) {
     o.allow_small_m = c.allow_small_m;
     o.small_m_splits = c.small_m_splits;
     o.small_m_variant = c.small_m_variant;
+    o.small_m_max_m = c.small_m_max_m;
     try {
         ops::gemm(view(a, da), view(b, db), view(d, dd), c.layout, nullptr, o);
     } catch (const Error& e) {
@@ -443,6 +446,7 @@ TEST(GemmTiled, SanitizerSmoke) {
     check_case(f32);
     Case small{17, 1000, 1000};
     small.small_m_splits = 3;
+    small.small_m_max_m = kGemvMaxM;
     check_case(small);
     Case ring{5, 300, 1000};  // small-M variant 2
     ring.small_m_variant = 2;
@@ -463,6 +467,7 @@ TEST(GemmSmallM, MatchesFp64ForEveryRowCountAndSplit) {
                     Case c{m, s[0], s[1]};
                     c.small_m_splits = splits;
                     c.small_m_variant = variant;
+                    c.small_m_max_m = kGemvMaxM;
                     c.pad_a = 8;
                     c.pad_d = 8;
                     check_case(c);
@@ -492,6 +497,7 @@ TEST(GemmSmallM, Variant2MatchesFp64ForEveryRowCountAndSplit) {
                 Case c{m, s[0], s[1]};
                 c.small_m_splits = splits;
                 c.small_m_variant = 2;
+                c.small_m_max_m = kGemvMaxM;
                 c.pad_a = 8;
                 c.pad_d = 8;
                 check_case(c);
@@ -503,6 +509,7 @@ TEST(GemmSmallM, Variant2MatchesFp64ForEveryRowCountAndSplit) {
         for (int64_t m : {1, 16, 64}) {
             Case c{m, 1000, 1000, io[0], io[1]};
             c.small_m_variant = 2;
+            c.small_m_max_m = kGemvMaxM;
             check_case(c);
         }
     }
@@ -518,12 +525,37 @@ TEST(GemmSmallM, RepeatedCallsStayCorrect) {
     for (int i = 0; i < 6; ++i) {
         Case c{i < 3 ? 3 : 40, 2000, 4096};
         c.small_m_variant = i % 3;
+        c.small_m_max_m = kGemvMaxM;
         check_case(c);
     }
     check_case(Case{1, 8192, 8192});  // a larger shape after smaller ones on the same workspace
     Case v2{1, 8192, 8192};
     v2.small_m_variant = 2;
     check_case(v2);
+}
+
+// With the default options, M <= 16 takes the small-M path and M 17..64 the tiled kernel (small_m_max_m):
+// both right, for both layouts and every dtype pair.
+TEST(GemmSmallM, DefaultOptionsRouteMAbove16ToTheTiledKernel) {
+    REQUIRE_SM90();
+    int device = 0;
+    ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+    int num_sms = 0;
+    ASSERT_EQ(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+    const DType pairs[][2] = {{DType::kBF16, DType::kBF16}, {DType::kBF16, DType::kF32},
+                              {DType::kF16, DType::kF16}, {DType::kF16, DType::kF32}};
+    for (int64_t m : {16, 17, 40, 64}) {
+        for (const auto& io : pairs) {
+            for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
+                Case c{m, 1000, 1000, io[0], io[1], layout};
+                c.small_m_variant = ops::GemmOptions{}.small_m_variant;
+                const ops::GemmPlan plan = ops::plan_gemm(ops::GemmProblem{m, 1000, 1000, layout, io[0], io[1]}, num_sms);
+                const bool small = m <= 16 && layout == BLayout::kNK;
+                EXPECT_EQ(plan.path, small ? ops::GemmPath::kSmallM : ops::GemmPath::kTiled) << "M = " << m;
+                check_case(c);
+            }
+        }
+    }
 }
 
 // ---- cuBLASLt on large shapes ---------------------------------------------------------------------------

@@ -271,6 +271,7 @@ struct Case {
     int64_t pad_a, pad_b, pad_d;  // extra elements per row
     std::optional<GemmConfig> config;
     int small_m_variant = 1;
+    int small_m_max_m = ops::GemmOptions{}.small_m_max_m;
 
     Case(int64_t m_, int64_t n_, int64_t k_, DType in_ = DType::kBF16, DType out_ = DType::kBF16,
          BLayout layout_ = BLayout::kNK, int64_t pad_a_ = 0, int64_t pad_b_ = 0, int64_t pad_d_ = 0)
@@ -281,7 +282,7 @@ std::string describe(const Case& c) {
     std::ostringstream os;
     os << c.m << "x" << c.n << "x" << c.k << " " << dtype_name(c.in) << "->" << dtype_name(c.out)
        << (c.layout == BLayout::kNK ? " B[N,K]" : " B[K,N]") << " pads(" << c.pad_a << "," << c.pad_b << ","
-       << c.pad_d << ") variant " << c.small_m_variant
+       << c.pad_d << ") variant " << c.small_m_variant << " small_m_max_m " << c.small_m_max_m
        << (c.config ? " config " + ops::gemm_candidate_name(*c.config) : std::string(" auto"));
     return os.str();
 }
@@ -310,6 +311,7 @@ ops::GemmOptions jit_options(const Case& c) {
     o.backend = ops::GemmBackend::kJit;  // never an nvcc instance another test of this binary registered
     o.config = c.config;
     o.small_m_variant = c.small_m_variant;
+    o.small_m_max_m = c.small_m_max_m;
     return o;
 }
 
@@ -418,6 +420,10 @@ TEST(GemmJit, MatchesFp64OnAwkwardShapesLayoutsAndDtypes) {
     cases[12].small_m_variant = 2;
     cases[8].config = a_pair;
     cases[9].config = b_pair_kn;
+    // Every case with M <= 64 here is meant for the small-M kernels (the default sends M > 16 to the tiled one).
+    for (Case& c : cases) {
+        if (c.m <= kGemvMaxM) c.small_m_max_m = kGemvMaxM;
+    }
     compile_in_parallel(specs_for(cases));
     for (const Case& c : cases) check_case(c, jit_options(c));
 }

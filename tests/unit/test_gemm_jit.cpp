@@ -215,11 +215,12 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         EXPECT_LE(c.plan.grid, 132);
     }
 
-    // M <= 64 with B [N,K]: the three small-M variants join; the heuristic (small-M) still comes first.
+    // M <= small_m_max_m (default 16) with B [N,K]: the three small-M variants join; the heuristic (small-M,
+    // variant 2 by default) still comes first.
     const GemmProblem small = problem(16, 8192, 8192);
     const auto sc = gemm_tune_candidates(small, 132, {});
     ASSERT_EQ(sc.size(), static_cast<size_t>(kGemmNumCandidates) + 3);
-    EXPECT_EQ(sc[0].name, "small_m_v1");
+    EXPECT_EQ(sc[0].name, "small_m_v2");
     EXPECT_EQ(sc[0].plan.path, GemmPath::kSmallM);
     std::set<std::string> small_names;
     for (const auto& c : sc) {
@@ -233,6 +234,25 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
     EXPECT_EQ(gemm_tune_candidates(small, 132, no_small).size(), static_cast<size_t>(kGemmNumCandidates));
     EXPECT_EQ(gemm_tune_candidates(problem(16, 8192, 8192, BLayout::kKN), 132, {}).size(),
               static_cast<size_t>(kGemmNumCandidates));
+    // M = 17..64: only where small_m_max_m lets the small-M path serve it (as plan_gemm).
+    for (int64_t m : {17, 40, 64}) {
+        SCOPED_TRACE("M = " + std::to_string(m));
+        const GemmProblem mid = problem(m, 8192, 8192);
+        const auto mc = gemm_tune_candidates(mid, 132, {});
+        ASSERT_EQ(mc.size(), static_cast<size_t>(kGemmNumCandidates));
+        EXPECT_EQ(mc[0].plan.path, GemmPath::kTiled);
+        EXPECT_EQ(mc[0].plan.config, plan_gemm(mid, 132).config);
+        for (const auto& c : mc) EXPECT_EQ(c.plan.path, GemmPath::kTiled) << c.name;
+        GemmOptions up_to_64;
+        up_to_64.small_m_max_m = kGemvMaxM;
+        const auto mc64 = gemm_tune_candidates(mid, 132, up_to_64);
+        ASSERT_EQ(mc64.size(), static_cast<size_t>(kGemmNumCandidates) + 3);
+        EXPECT_EQ(mc64[0].name, "small_m_v2");
+        GemmOptions up_to_32;
+        up_to_32.small_m_max_m = 32;
+        EXPECT_EQ(gemm_tune_candidates(mid, 132, up_to_32).size(),
+                  static_cast<size_t>(kGemmNumCandidates) + (m <= 32 ? 3 : 0));
+    }
 
     // A budget of one SM leaves no room for cluster pairs.
     GemmOptions one_sm;
@@ -247,8 +267,14 @@ TEST(GemmAutotuneCandidates, ProblemKeyNamesWhatChangesTheCandidates) {
     GemmOptions o;
     o.sm_budget = 66;
     EXPECT_EQ(gemm_tune_problem(problem(100, 200, 72, BLayout::kKN, DType::kF16, DType::kF32), 132, o),
-              "m=100,n=200,k=72,in=f16,out=f32,b=kn,sms=66,small_m=1,splits=0");
+              "m=100,n=200,k=72,in=f16,out=f32,b=kn,sms=66,small_m=0,splits=0");
     EXPECT_EQ(gemm_tune_problem(problem(8, 16, 32), 132, {}), "m=8,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0");
+    // small_m says whether the small-M variants are candidates (gemm_allows_small_m), so small_m_max_m counts.
+    EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, {}), "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=0,splits=0");
+    GemmOptions up_to_64;
+    up_to_64.small_m_max_m = kGemvMaxM;
+    EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, up_to_64),
+              "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0");
     EXPECT_NE(gemm_tune_problem(problem(8, 16, 32), 132, {}), gemm_tune_problem(problem(8, 16, 32), 114, {}));
 }
 
@@ -431,7 +457,7 @@ TEST(GemmAutotuneSelect, CaptureNeverTimesAndFailingCandidatesAreSkipped) {
     // During capture with nothing cached: the heuristic, and nothing is timed.
     GemmSelection s = select_gemm_plan(p, 132, o, kArch, run, nullptr, /*capturing=*/true);
     EXPECT_EQ(s.origin, GemmChoice::kHeuristic);
-    EXPECT_EQ(s.candidate, "small_m_v1");
+    EXPECT_EQ(s.candidate, "small_m_v2");
     EXPECT_EQ(fake.calls, 0);
 
     s = select_gemm_plan(p, 132, o, kArch, run, nullptr);

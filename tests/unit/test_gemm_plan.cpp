@@ -183,18 +183,28 @@ TEST(GemmValidate, NamesTheBadArgument) {
 
 TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     ops::GemmProblem p{1, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
+    // The default: variant 2 (faster than variant 1 at every size measured, kernels/gemm/README.md).
+    EXPECT_EQ(ops::GemmOptions{}.small_m_variant, 2);
     auto plan = ops::plan_gemm(p, 132);
     EXPECT_EQ(plan.path, ops::GemmPath::kSmallM);
     EXPECT_EQ(plan.small_m_tiles, 1);
-    EXPECT_EQ(plan.small_m_variant, 1);
-    EXPECT_EQ(plan.grid, 256);  // variant 1: 32 columns per CTA
+    EXPECT_EQ(plan.small_m_variant, 2);
+    EXPECT_EQ(plan.grid, 256);  // variant 2 at one row tile: 32 columns per CTA
     EXPECT_GE(plan.small_m_splits * plan.small_m_k_per_split, 8192);
     EXPECT_LT((plan.small_m_splits - 1) * plan.small_m_k_per_split, 8192);
     EXPECT_EQ(plan.small_m_k_per_split % 32, 0);
     EXPECT_GE(plan.grid * plan.small_m_splits, 2 * 132) << "too few CTAs to stream B at full bandwidth";
-    EXPECT_EQ(plan.small_m_splits, 4) << "N = K = 8192 on 132 SMs, variant 1: 4 splits measured best";
+    EXPECT_EQ(plan.small_m_splits, 2) << "N = K = 8192 on 132 SMs, variant 2: one wave of 4 CTAs per SM";
     EXPECT_EQ(8192 % plan.small_m_k_per_split, 0);
-    EXPECT_EQ(plan.workspace_bytes, ops::gemm_workspace_bytes(p, plan.small_m_splits, 1));
+    EXPECT_EQ(plan.workspace_bytes, ops::gemm_workspace_bytes(p, plan.small_m_splits));
+    EXPECT_EQ(plan.workspace_bytes, ops::gemm_workspace_bytes(p, plan.small_m_splits, 2));
+    ops::GemmOptions v1;
+    v1.small_m_variant = 1;
+    const auto plan1 = ops::plan_gemm(p, 132, v1);
+    EXPECT_EQ(plan1.small_m_variant, 1);
+    EXPECT_EQ(plan1.grid, 256);  // variant 1: 32 columns per CTA
+    EXPECT_EQ(plan1.small_m_splits, 4) << "N = K = 8192 on 132 SMs, variant 1: 4 splits measured best";
+    EXPECT_EQ(plan1.workspace_bytes, ops::gemm_workspace_bytes(p, plan1.small_m_splits, 1));
     ops::GemmOptions v0;
     v0.small_m_variant = 0;
     const auto plan0 = ops::plan_gemm(p, 132, v0);
@@ -202,17 +212,21 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     EXPECT_EQ(plan0.small_m_splits, 8) << "variant 0: 8 splits of 1024 measured best";
     EXPECT_EQ(plan0.workspace_bytes, ops::gemm_workspace_bytes(p, plan0.small_m_splits, 0));
     // Counters (one per column block, rounded to 256 bytes) then fp32 partials [splits][M][N].
-    EXPECT_EQ(plan.workspace_bytes, 256u * 4 + 4u * 8192 * 4);
+    EXPECT_EQ(plan.workspace_bytes, 256u * 4 + 2u * 8192 * 4);
+    EXPECT_EQ(plan1.workspace_bytes, 256u * 4 + 4u * 8192 * 4);
     EXPECT_EQ(plan0.workspace_bytes, 256u + 8u * 8192 * 4);
     v0.small_m_variant = 3;
     expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0, 1 or 2, got 3");
     v0.small_m_variant = -1;
     expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0, 1 or 2, got -1");
 
+    ops::GemmOptions up_to_64;
+    up_to_64.small_m_max_m = kGemvMaxM;
     p.m = 64;
-    EXPECT_EQ(ops::plan_gemm(p, 132).small_m_tiles, 4);
+    EXPECT_EQ(ops::plan_gemm(p, 132, up_to_64).path, ops::GemmPath::kSmallM);
+    EXPECT_EQ(ops::plan_gemm(p, 132, up_to_64).small_m_tiles, 4);
     p.m = 65;
-    EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kTiled);
+    EXPECT_EQ(ops::plan_gemm(p, 132, up_to_64).path, ops::GemmPath::kTiled);
     p.m = 16;
     p.b_layout = BLayout::kKN;
     EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kTiled);
@@ -233,6 +247,7 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
 TEST(GemmPlan, SmallMVariant2FillsOneWaveOfItsShape) {
     ops::GemmOptions v2;
     v2.small_m_variant = 2;
+    v2.small_m_max_m = kGemvMaxM;  // M 17..64 too
     struct Expect {
         int64_t m;
         int m_tiles, cols_per_cta, ctas_per_sm, splits;
@@ -271,6 +286,51 @@ TEST(GemmPlan, SmallMVariant2FillsOneWaveOfItsShape) {
     EXPECT_EQ(plan.small_m_splits, 1);
     EXPECT_EQ(plan.workspace_bytes, 0u);
     expect_error_mentions([&] { (void)ops::gemm_workspace_bytes(tiny, 2, 3); }, "small_m_variant must be in [0, 2]");
+}
+
+// small_m_max_m bounds the M the small-M path takes (default 16: above it the tiled kernel, which streams B once
+// for any M <= 128, is faster than the small-M kernels at M = 64); out-of-range values are an error.
+TEST(GemmPlan, SmallMMaxMBoundsTheSmallMPath) {
+    EXPECT_EQ(ops::GemmOptions{}.small_m_max_m, 16);
+    ops::GemmProblem p{16, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
+    EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kSmallM);
+    EXPECT_TRUE(ops::gemm_allows_small_m(p, {}));
+    p.m = 17;
+    EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kTiled);
+    EXPECT_FALSE(ops::gemm_allows_small_m(p, {}));
+    p.m = 64;
+    EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kTiled);
+
+    ops::GemmOptions o;
+    o.small_m_max_m = 32;
+    for (int64_t m : {1, 17, 32}) {
+        p.m = m;
+        const auto plan = ops::plan_gemm(p, 132, o);
+        EXPECT_EQ(plan.path, ops::GemmPath::kSmallM) << "M = " << m;
+        EXPECT_EQ(plan.small_m_tiles, (m + 15) / 16) << "M = " << m;
+    }
+    p.m = 33;
+    EXPECT_EQ(ops::plan_gemm(p, 132, o).path, ops::GemmPath::kTiled);
+    o.small_m_max_m = 0;  // never the small-M path
+    p.m = 1;
+    EXPECT_EQ(ops::plan_gemm(p, 132, o).path, ops::GemmPath::kTiled);
+    o.small_m_max_m = kGemvMaxM;
+    p.m = 64;
+    EXPECT_EQ(ops::plan_gemm(p, 132, o).path, ops::GemmPath::kSmallM);
+    p.m = 16;
+    p.b_layout = BLayout::kKN;  // still only B [N,K]
+    EXPECT_EQ(ops::plan_gemm(p, 132, o).path, ops::GemmPath::kTiled);
+    p.b_layout = BLayout::kNK;
+
+    for (int bad : {-1, 65, 1000}) {
+        o.small_m_max_m = bad;
+        const std::string msg = "options.small_m_max_m must be in [0, 64] (kGemvMaxM), got " + std::to_string(bad);
+        expect_error_mentions([&] { ops::plan_gemm(p, 132, o); }, msg);
+        expect_error_mentions([&] { (void)ops::gemm_tune_candidates(p, 132, o); }, msg);
+        p.m = 1000;  // rejected whatever the path
+        expect_error_mentions([&] { ops::plan_gemm(p, 132, o); }, msg);
+        p.m = 16;
+    }
 }
 
 TEST(GemmPlan, TiledGridRespectsBudgetAndCluster) {

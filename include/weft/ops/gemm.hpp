@@ -39,12 +39,19 @@ enum class GemmBackend : int32_t {
 struct GemmOptions {
     int sm_budget = 0;                 ///< CTAs of the persistent grid (SMs it may occupy); 0 = every SM
     std::optional<GemmConfig> config;  ///< force this tiled-kernel config (dtypes/layout must match the call)
-    bool allow_small_m = true;         ///< let M <= 64 with B [N,K] take the split-K small-M path
+    bool allow_small_m = true;         ///< let M <= small_m_max_m with B [N,K] take the split-K small-M path
+    /// The largest M the heuristic sends to the small-M path (0..kGemvMaxM = 64; above it: the tiled kernel,
+    /// which streams B once for any M <= 128). Default 16: measured on an H200 (bf16, N = K = 8192), the best
+    /// small-M kernel takes 41.0 us at M = 1, 46.9 us at M = 16 but 106.7 us at M = 64, while the tiled path
+    /// takes 46.5 us at M = 128. Set 64 to keep M 17..64 on the small-M path (gemm_ar does; tests do).
+    int small_m_max_m = 16;
     int small_m_splits = 0;            ///< force the small-M path's split count (0 = heuristic)
-    int small_m_variant = 1;           ///< small-M kernel: 1 = 8 columns per warp, 1 KiB contiguous per row per
-                                       ///< iteration (default: faster in the last measurement); 0 = 32 columns
-                                       ///< per warp; 2 = a register ring keeping 8-12 B loads in flight per warp
-                                       ///< (gemv_shape in weft/common/gemm_config.hpp, kernels/gemm/gemv_sm90.cuh)
+    /// Small-M kernel (gemv_shape in weft/common/gemm_config.hpp, kernels/gemm/gemv_sm90.cuh): 2 = a register
+    /// ring keeping 8-12 B loads in flight per warp (default); 1 = 8 columns per warp, 1 KiB contiguous per
+    /// row per iteration; 0 = 32 columns per warp. Variant 2 beat variant 1 at every size measured (H200,
+    /// bf16, B [N,K]; v2 vs v1 vs cuBLASLt): 1x8192x8192 41.0 / 53.5 / 37.4 us, 16x8192x8192 46.9 / 61.3 /
+    /// 37.3 us, 64x8192x8192 106.7 / 264.1 / 40.9 us, 1x8192x4096 24.6 / 31.4 / 22.3 us.
+    int small_m_variant = 2;
     void* workspace = nullptr;         ///< small-M scratch of gemm_workspace_bytes, 256-byte aligned: split-K
                                        ///< counters first (zero-filled before the first use; each call leaves
                                        ///< them zero), then fp32 partials. Zero it again if N grows. nullptr =
@@ -92,7 +99,7 @@ struct GemmPlan {
     int small_m_tiles = 0;       ///< kSmallM: ceil(M / 16)
     int small_m_splits = 1;      ///< kSmallM: split-K factor (gridDim.y)
     int small_m_k_per_split = 0; ///< kSmallM: multiple of 32
-    int small_m_variant = 1;     ///< kSmallM: which gemv_kernel (GemmOptions::small_m_variant)
+    int small_m_variant = 2;     ///< kSmallM: which gemv_kernel (GemmOptions::small_m_variant)
     size_t workspace_bytes = 0;  ///< kSmallM: partial sums + counters
 };
 
@@ -106,12 +113,16 @@ std::vector<GemmConfig> gemm_candidate_configs(DType in_dtype, DType out_dtype, 
 /// lower is better; infinite when a cluster does not fit the budget). plan_gemm picks the cheapest candidate.
 double gemm_config_cost(const GemmProblem& problem, const GemmConfig& config, int budget);
 
+/// Whether the small-M path may serve this call: no options.config, options.allow_small_m, B [N,K] and
+/// M <= options.small_m_max_m. Throws weft::Error when small_m_max_m is outside 0..kGemvMaxM.
+bool gemm_allows_small_m(const GemmProblem& problem, const GemmOptions& options);
+
 /// Picks the path and config. `num_sms` is the device's SM count (the budget's default).
 GemmPlan plan_gemm(const GemmProblem& problem, int num_sms, const GemmOptions& options = {});
 
 /// Scratch the small-M path needs for this problem with `splits` splits (0 when none): counters (one per
 /// column block of the variant) first, then fp32 partials, each rounded up to 256 bytes.
-size_t gemm_workspace_bytes(const GemmProblem& problem, int splits, int small_m_variant = 1);
+size_t gemm_workspace_bytes(const GemmProblem& problem, int splits, int small_m_variant = 2);
 
 /// "weft::GemmConfig{.tile_m = 128, ...}": the config as the JIT prints it into generated code.
 std::string format_gemm_config(const GemmConfig& config);
@@ -166,12 +177,13 @@ struct GemmCandidate {
 std::string gemm_candidate_name(const GemmConfig& config);
 
 /// The candidates for a call, the heuristic's pick (plan_gemm) first so that it wins ties and is what a
-/// disabled autotuner returns: the other valid tiled candidates that fit the SM budget, and, where M <= 64
-/// with B [N,K] and options.allow_small_m, the three small-M variants (1, 0, 2).
+/// disabled autotuner returns: the other valid tiled candidates that fit the SM budget, and, where the
+/// small-M path is allowed for this call (gemm_allows_small_m), the three small-M variants (2, 1, 0).
 std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& problem, int num_sms, const GemmOptions& options);
 
 /// The autotuner's problem key: shape, dtypes, layout, SM budget and the options that change the candidates,
-/// e.g. "m=4096,n=4096,k=4096,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0".
+/// e.g. "m=4096,n=4096,k=4096,in=bf16,out=bf16,b=nk,sms=132,small_m=0,splits=0" (small_m: whether
+/// gemm_allows_small_m, i.e. whether the small-M variants are candidates).
 std::string gemm_tune_problem(const GemmProblem& problem, int num_sms, const GemmOptions& options);
 
 /// Whether a call asks the autotuner (pure rule): never with options.config; WEFT_AUTOTUNE_FORCE naming gemm
