@@ -72,8 +72,7 @@ jit::KernelSpec ar_reduce_kernel_spec(DType partial, DType out, const std::strin
 }
 
 jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in, DType out, int variant, const std::string& arch) {
-    WEFT_CHECK(variant == 0 || variant == 1, "gemm_ar: small-M kernel variant must be 0 or 1, got " << variant);
-    return ops::gemv_kernel_spec(m_tiles, in, out, variant, arch);  // weft::ops::gemm's own spec
+    return ops::gemv_kernel_spec(m_tiles, in, out, variant, arch);  // weft::ops::gemm's own spec (checks variant)
 }
 
 }  // namespace detail
