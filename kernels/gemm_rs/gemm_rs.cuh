@@ -47,7 +47,8 @@ public:
         waited_ = true;
         const uint64_t calls = ptx::ld(p_.gemm_calls);
         uint64_t observed = 0;
-        for (int32_t s = 0; s < p_.ctx.num_ranks; ++s) observed = wait_geq_inline(p_.ctx, p_.released + s, calls, __LINE__);
+        for (int32_t s = 0; s < p_.ctx.num_ranks; ++s)
+            observed = wait_geq_inline(p_.ctx, p_.released + s, calls, __LINE__);
         ptx::fence_proxy_async_global();  // the TMA stores that follow overwrite what the peers read
         return device::Token(static_cast<unsigned>(observed));
     }
@@ -130,7 +131,7 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
             for (int64_t i0 = first; i0 < total; i0 += stride * kRsUnroll) {
                 int64_t rows[kRsUnroll];
                 int64_t cols[kRsUnroll];
-                float v[kRsUnroll][8];
+                Raw8<kPartial> raw[kRsUnroll] = {};
 #pragma unroll
                 for (int u = 0; u < kRsUnroll; ++u) {
                     rows[u] = row;
@@ -145,7 +146,7 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
 #pragma unroll
                 for (int u = 0; u < kRsUnroll; ++u) {
                     if (i0 + u * stride < total && cols[u] + kTpVecElems <= p.n) {
-                        load8<kPartial>(src_base + ((ch.row_begin + rows[u]) * p.ldp + cols[u]) * kPBytes, v[u]);
+                        raw[u] = load_raw8<kPartial>(src_base + ((ch.row_begin + rows[u]) * p.ldp + cols[u]) * kPBytes);
                     }
                 }
 #pragma unroll
@@ -157,16 +158,18 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
                     float* acc = p.acc + (local_row0 + r) * p.lda + col;
                     auto* out = static_cast<unsigned char*>(p.out) + ((local_row0 + r) * p.ldc + col) * kOBytes;
                     if (col + kTpVecElems <= p.n) {
+                        float v[8];
+                        unpack8<kPartial>(raw[u], v);
                         if (!first_phase) {
                             float a[8];
                             load8<DType::kF32>(acc, a);
 #pragma unroll
-                            for (int j = 0; j < 8; ++j) v[u][j] += a[j];
+                            for (int j = 0; j < 8; ++j) v[j] += a[j];
                         }
                         if (last_phase) {
-                            store8<kOut>(out, v[u]);
+                            store8<kOut>(out, v);
                         } else {
-                            store8<DType::kF32>(acc, v[u]);
+                            store8<DType::kF32>(acc, v);
                         }
                     } else {
                         for (int64_t j = 0; col + j < p.n; ++j) {

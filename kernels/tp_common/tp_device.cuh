@@ -55,18 +55,32 @@ __device__ __forceinline__ void store_elem(void* row, int64_t i, float v) {
     }
 }
 
-/// Loads 8 consecutive elements (16 bytes for 16-bit types, 32 for fp32; aligned) as fp32.
+/// 8 consecutive elements of dtype kT as loaded: one 16-byte word for 16-bit types, two for fp32.
 template <DType kT>
-__device__ __forceinline__ void load8(const void* p, float (&v)[8]) {
+struct Raw8 {
+    uint4 q[kT == DType::kF32 ? 2 : 1];
+};
+
+/// Loads 8 consecutive elements (aligned) without converting them: loads whose values are used later stay in
+/// flight together (a conversion right after each load makes the next one wait for it).
+template <DType kT>
+__device__ __forceinline__ Raw8<kT> load_raw8(const void* p) {
+    Raw8<kT> r;
+    r.q[0] = ptx::ld(static_cast<const uint4*>(p));
+    if constexpr (kT == DType::kF32) r.q[1] = ptx::ld(static_cast<const uint4*>(p) + 1);
+    return r;
+}
+
+/// The 8 elements of `r` as fp32.
+template <DType kT>
+__device__ __forceinline__ void unpack8(const Raw8<kT>& r, float (&v)[8]) {
     if constexpr (kT == DType::kF32) {
-        const uint4 a = ptx::ld(static_cast<const uint4*>(p));
-        const uint4 b = ptx::ld(static_cast<const uint4*>(p) + 1);
+        const uint4 a = r.q[0], b = r.q[1];
         v[0] = __uint_as_float(a.x), v[1] = __uint_as_float(a.y), v[2] = __uint_as_float(a.z);
         v[3] = __uint_as_float(a.w), v[4] = __uint_as_float(b.x), v[5] = __uint_as_float(b.y);
         v[6] = __uint_as_float(b.z), v[7] = __uint_as_float(b.w);
     } else {
-        const uint4 a = ptx::ld(static_cast<const uint4*>(p));
-        const unsigned w[4] = {a.x, a.y, a.z, a.w};
+        const unsigned w[4] = {r.q[0].x, r.q[0].y, r.q[0].z, r.q[0].w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             v[2 * i] = half_bits_to_float<kT>(static_cast<unsigned short>(w[i] & 0xffffu));
@@ -75,14 +89,20 @@ __device__ __forceinline__ void load8(const void* p, float (&v)[8]) {
     }
 }
 
+/// Loads 8 consecutive elements (16 bytes for 16-bit types, 32 for fp32; aligned) as fp32.
+template <DType kT>
+__device__ __forceinline__ void load8(const void* p, float (&v)[8]) {
+    unpack8<kT>(load_raw8<kT>(p), v);
+}
+
 /// Stores 8 fp32 values as 8 consecutive elements of dtype kT (aligned).
 template <DType kT>
 __device__ __forceinline__ void store8(void* p, const float (&v)[8]) {
     if constexpr (kT == DType::kF32) {
-        ptx::st(static_cast<uint4*>(p), make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]),
-                                                   __float_as_uint(v[2]), __float_as_uint(v[3])));
-        ptx::st(static_cast<uint4*>(p) + 1, make_uint4(__float_as_uint(v[4]), __float_as_uint(v[5]),
-                                                       __float_as_uint(v[6]), __float_as_uint(v[7])));
+        ptx::st(static_cast<uint4*>(p),
+                make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3])));
+        ptx::st(static_cast<uint4*>(p) + 1,
+                make_uint4(__float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]), __float_as_uint(v[7])));
     } else {
         unsigned w[4];
 #pragma unroll

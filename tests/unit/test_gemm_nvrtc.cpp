@@ -44,8 +44,7 @@ struct Compiled {
 // NOTE: NVRTC has no C++ standard library: fixed-width integers come from libcu++ (the toolkit's cccl
 // folder), as weft/common/macros.hpp expects; the JIT passes the same include path.
 Compiled compile(const std::vector<std::string>& instantiations, const std::string& extra_source = "") {
-    const std::string source =
-        "#include \"gemm/gemm_sm90.cuh\"\n#include \"gemm/gemv_sm90.cuh\"\n" + extra_source;
+    const std::string source = "#include \"gemm/gemm_sm90.cuh\"\n#include \"gemm/gemv_sm90.cuh\"\n" + extra_source;
     nvrtcProgram prog = nullptr;
     Compiled out;
     out.result = nvrtcCreateProgram(&prog, source.c_str(), "weft_gemm_test.cu", 0, nullptr, nullptr);
@@ -55,8 +54,8 @@ Compiled compile(const std::vector<std::string>& instantiations, const std::stri
     const std::string kinc = std::string("-I") + WEFT_SOURCE_DIR + "/kernels";
     const std::string cccl = std::string("-I") + WEFT_CUDA_INCLUDE_DIR + "/cccl";
     const std::string cuda_inc = std::string("-I") + WEFT_CUDA_INCLUDE_DIR;
-    const char* opts[] = {"-arch=sm_90a", "-std=c++20", "--ptxas-options=-v", inc.c_str(), kinc.c_str(),
-                          cccl.c_str(), cuda_inc.c_str()};
+    const char* opts[] = {"-arch=sm_90a", "-std=c++20", "--ptxas-options=-v", inc.c_str(),
+                          kinc.c_str(),   cccl.c_str(), cuda_inc.c_str()};
     out.result = nvrtcCompileProgram(prog, static_cast<int>(std::size(opts)), opts);
     size_t log_size = 0;
     nvrtcGetProgramLogSize(prog, &log_size);
@@ -127,8 +126,7 @@ void expect_clean_ptxas_report(const std::string& log, const std::string& what) 
         EXPECT_EQ((*it)[1].str(), "0") << what << ": spill stores\n" << log;
         EXPECT_EQ((*it)[2].str(), "0") << what << ": spill loads\n" << log;
     }
-    EXPECT_GT(functions, 0) << what << ": no ptxas report in the NVRTC log (was --ptxas-options=-v ignored?)\n"
-                            << log;
+    EXPECT_GT(functions, 0) << what << ": no ptxas report in the NVRTC log (was --ptxas-options=-v ignored?)\n" << log;
 }
 
 TEST(GemmNvrtc, EveryCandidateCompilesForSm90aWithoutSerialisationOrSpills) {
@@ -199,8 +197,8 @@ std::optional<fs::path> find_tool(const std::string& name) {
     std::stringstream ss(sites);
     std::string site;
     while (std::getline(ss, site)) {
-        for (const char* sub : {"nvidia/cu13/bin", "nvidia/cuda_cuobjdump/bin", "nvidia/cuda_nvdisasm/bin",
-                                "nvidia/cu12/bin"}) {
+        for (const char* sub :
+             {"nvidia/cu13/bin", "nvidia/cuda_cuobjdump/bin", "nvidia/cuda_nvdisasm/bin", "nvidia/cu12/bin"}) {
             if (!site.empty() && executable(fs::path(site) / sub / name)) return fs::path(site) / sub / name;
         }
     }
@@ -325,11 +323,11 @@ std::vector<SassInstruction> parse_sass(const std::string& code, std::map<std::s
 
 struct RingReport {
     bool found_loop = false;
-    int loop_stream_loads = 0;   // B loads (LDG ... LTC256B: the L2::256B hint) in the loop body
-    int loop_mmas = 0;           // HMMA in the loop body
+    int loop_stream_loads = 0;       // B loads (LDG ... LTC256B: the L2::256B hint) in the loop body
+    int loop_mmas = 0;               // HMMA in the loop body
     int in_flight_at_first_mma = 0;  // B loads issued and not yet consumed when the body's first HMMA issues
     int max_in_flight_at_mma = 0;    // the most at any HMMA of the body
-    int local_memory = 0;        // LDL / STL anywhere
+    int local_memory = 0;            // LDL / STL anywhere
 };
 
 // Finds the k loop (the first backward branch whose body holds an HMMA) and replays three trips of it after
@@ -405,8 +403,8 @@ RingReport analyse_ring(const std::string& code) {
         for (size_t j = begin; j <= end; ++j) step(insts[j], trip == 2);
     }
     for (size_t j = begin; j <= end; ++j) {
-        r.loop_stream_loads += insts[j].text.find("LDG") != std::string::npos &&
-                               insts[j].text.find("LTC256B") != std::string::npos;
+        r.loop_stream_loads +=
+            insts[j].text.find("LDG") != std::string::npos && insts[j].text.find("LTC256B") != std::string::npos;
         r.loop_mmas += insts[j].text.find("HMMA") != std::string::npos;
     }
     return r;
@@ -447,10 +445,11 @@ TEST(GemmNvrtc, small_m_variant2_keeps_the_ring_of_b_loads_in_flight) {
                 ASSERT_TRUE(rep.found_loop) << name << ": no k loop with HMMA found in\n" << fn->second;
                 EXPECT_EQ(rep.local_memory, 0) << name << ": local-memory loads/stores";
                 if (c.in == DType::kBF16 && c.out == DType::kBF16) {
-                    std::printf("[ SASS     ] %s: B loads in flight at the k loop's first HMMA: %d, at most %d at any "
-                                "HMMA (%d B loads, %d HMMA per trip)\n",
-                                name.c_str(), rep.in_flight_at_first_mma, rep.max_in_flight_at_mma,
-                                rep.loop_stream_loads, rep.loop_mmas);
+                    std::printf(
+                        "[ SASS     ] %s: B loads in flight at the k loop's first HMMA: %d, at most %d at any "
+                        "HMMA (%d B loads, %d HMMA per trip)\n",
+                        name.c_str(), rep.in_flight_at_first_mma, rep.max_in_flight_at_mma, rep.loop_stream_loads,
+                        rep.loop_mmas);
                 }
                 if (variant != 2) continue;  // variant 1: the baseline printed above (one load in flight)
                 const GemvShape shape = gemv_shape(2, m_tiles);
@@ -465,6 +464,74 @@ TEST(GemmNvrtc, small_m_variant2_keeps_the_ring_of_b_loads_in_flight) {
     }
     fs::remove_all(dir);
     EXPECT_EQ(checked, 4 * 4);
+}
+
+}  // namespace
+}  // namespace weft
+
+namespace weft {
+namespace {
+
+// Longest run of 16-byte loads issued before the first of them is used, in a function's SASS: the loads whose
+// values are in flight together. A register is "used" when a later instruction names it outside its own
+// destination slot (the first operand of a load).
+int max_loads_in_flight(const std::string& sass) {
+    std::vector<std::string> lines;
+    std::stringstream in(sass);
+    for (std::string line; std::getline(in, line);) {
+        if (line.find("/*") != std::string::npos && line.find(';') != std::string::npos) lines.push_back(line);
+    }
+    const std::regex load(R"(LDG?\.E\.128\S*\s+(R\d+),)");
+    int best = 0;
+    for (size_t i = 0; i < lines.size(); ++i) {
+        std::smatch m;
+        if (!std::regex_search(lines[i], m, load)) continue;
+        const std::regex use("\\b" + m[1].str() + "\\b");
+        int in_flight = 1;
+        for (size_t j = i + 1; j < lines.size(); ++j) {
+            std::smatch mj;
+            const bool is_load = std::regex_search(lines[j], mj, load);
+            const std::string rest =
+                is_load ? lines[j].substr(static_cast<size_t>(mj.position(0) + mj.length(0))) : lines[j];
+            if (std::regex_search(rest, use)) break;
+            in_flight += is_load;
+        }
+        best = std::max(best, in_flight);
+    }
+    return best;
+}
+
+// The GEMM+RS reduction reads peers' partials over NVLink (~2 us a round trip): its loads must be in flight
+// together, kRsUnroll (8, kernels/gemm_rs/gemm_rs.cuh) per thread: a conversion right after each load once made
+// them wait one by one (one load in flight; the fused op ran at the speed of ~2 GB/s per reduction CTA).
+TEST(TpNvrtc, rs_reduce_keeps_its_partial_loads_in_flight) {
+    const std::vector<std::string> names = {"weft::tp::rs_reduce_kernel<weft::DType::kBF16, weft::DType::kBF16>",
+                                            "weft::tp::rs_reduce_kernel<weft::DType::kF32, weft::DType::kBF16>"};
+    const Compiled r = compile(names, "#include \"gemm_rs/gemm_rs.cuh\"\n");
+    ASSERT_EQ(r.result, NVRTC_SUCCESS) << r.log;
+    expect_clean_ptxas_report(r.log, "the GEMM+RS reduction");
+    const fs::path dir = fs::temp_directory_path() / ("weft_rs_sass_" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    const fs::path cubin = dir / "rs.cubin";
+    {
+        std::ofstream f(cubin, std::ios::binary);
+        f.write(r.cubin.data(), static_cast<std::streamsize>(r.cubin.size()));
+    }
+    std::string tool, why_not;
+    const auto sass = disassemble(cubin, &tool, &why_not);
+    fs::remove_all(dir);
+    if (sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << why_not;
+    for (size_t i = 0; i < names.size(); ++i) {
+        const auto lowered = r.lowered.find(names[i]);
+        ASSERT_NE(lowered, r.lowered.end()) << names[i];
+        const auto fn = sass.find(lowered->second);
+        ASSERT_NE(fn, sass.end()) << "no SASS for " << names[i] << " (tool " << tool << ")";
+        const int in_flight = max_loads_in_flight(fn->second);
+        std::printf("[ SASS     ] %s: 16-byte loads in flight together: %d\n", names[i].c_str(), in_flight);
+        constexpr int kRsUnroll = 8;
+        const int want = kRsUnroll * (i == 0 ? 1 : 2);  // fp32 partials: two loads per 8 elements
+        EXPECT_GE(in_flight, want) << names[i] << ": the partial loads wait for each other";
+    }
 }
 
 }  // namespace
