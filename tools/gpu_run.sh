@@ -5,7 +5,9 @@
 #
 #   tools/gpu_run.sh LOGDIR [BINDIR] [--no-bench] [--bench-only]
 #
-# Each step is bounded by WEFT_GPU_RUN_STEP_TIMEOUT seconds (default 300).
+# Each step is bounded by WEFT_GPU_RUN_STEP_TIMEOUT seconds (default 300), each gpu test case (its own
+# process) by WEFT_GPU_RUN_TEST_TIMEOUT (default 180). With several GPUs the cases run on one stream per GPU
+# (WEFT_GPU_RUN_STREAMS overrides the count); WEFT_GPU_TEST_FILTER selects cases.
 # BINDIR holds the built binaries (default build/release, searched recursively): weft_gpu_tests,
 # weft_dist_tests, weftrun and the weft_bench_* benchmarks. Binaries built on a CPU machine run here
 # (static cudart); WEFT_CACHE_DIR may point at a JIT cache warmed ahead of time with weft-compile.
@@ -28,14 +30,36 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 find_bin() { find "$bindir" -type f -name "$1" -perm -u+x 2>/dev/null | head -n 1; }
 summary=()
 run_each() {  # run_each BINARY FILTER: every test case in its own process; prints a gtest-like summary
-    local bin=$1 filter=$2 passed=0 failed=0 t rc
+    # With several GPUs visible the cases are dealt round-robin to one stream per GPU (CUDA_VISIBLE_DEVICES=g):
+    # a case's ranks share that GPU, and two processes never time-share one GPU (spurious timeouts).
+    local bin=$1 filter=$2 passed=0 failed=0 t rc g
     local failed_names=()
-    for t in $("$bin" --gtest_list_tests --gtest_filter="$filter" | awk '/^[^ ]/{s=$1} /^  /{print s $1}'); do
-        timeout --kill-after=10 "${WEFT_GPU_RUN_TEST_TIMEOUT:-180}" "$bin" --gtest_color=no --gtest_filter="$t"
-        rc=$?
-        if [ $rc = 0 ]; then passed=$((passed + 1)); else failed=$((failed + 1)); failed_names+=("$t"); fi
+    local streams=${WEFT_GPU_RUN_STREAMS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+    [ "$streams" -ge 1 ] 2>/dev/null || streams=1
+    mapfile -t cases < <("$bin" --gtest_list_tests --gtest_filter="$filter" | awk '/^[^ ]/{s=$1} /^  /{print s $1}')
+    local work=$(mktemp -d)
+    for ((g = 0; g < streams; ++g)); do
+        (
+            for ((i = g; i < ${#cases[@]}; i += streams)); do
+                t=${cases[i]}
+                if [ "$streams" -gt 1 ]; then
+                    CUDA_VISIBLE_DEVICES=$g timeout --kill-after=10 "${WEFT_GPU_RUN_TEST_TIMEOUT:-180}" "$bin" \
+                        --gtest_color=no --gtest_filter="$t" >>"$work/$g.log" 2>&1
+                else
+                    timeout --kill-after=10 "${WEFT_GPU_RUN_TEST_TIMEOUT:-180}" "$bin" --gtest_color=no \
+                        --gtest_filter="$t" >>"$work/$g.log" 2>&1
+                fi
+                echo "$t $?" >>"$work/$g.rc"
+            done
+        ) &
     done
-    echo "== $passed tests passed, $failed failed"
+    wait
+    cat "$work"/*.log 2>/dev/null
+    while read -r t rc; do
+        if [ "$rc" = 0 ]; then passed=$((passed + 1)); else failed=$((failed + 1)); failed_names+=("$t"); fi
+    done < <(cat "$work"/*.rc 2>/dev/null)
+    rm -rf "$work"
+    echo "== $passed tests passed, $failed failed ($streams stream(s))"
     for t in "${failed_names[@]}"; do echo "FAILED TEST: $t"; done
     [ $failed = 0 ]
 }
