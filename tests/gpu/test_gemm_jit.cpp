@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/gemm_testing.hpp"
 #include "support/jit_testing.hpp"
 #include "weft/common/gemm_hook_params.hpp"
 #include "weft/jit/autotune.hpp"
@@ -28,6 +29,8 @@
 
 namespace weft {
 namespace {
+
+using namespace gemm_test;
 
 using weft::testing::read_text_file;
 using weft::testing::ScopedEnv;
@@ -39,223 +42,16 @@ using weft::testing::TempDir;
         ASSERT_EQ(err_, cudaSuccess) << #call << ": " << cudaGetErrorString(err_);        \
     } while (0)
 
-bool have_sm90(std::string* why) {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-        *why = "no CUDA device";
-        return false;
-    }
-    cudaDeviceProp prop{};
-    cudaGetDeviceProperties(&prop, 0);
-    if (prop.major != 9) {
-        *why = std::string("needs an sm_90 GPU, found ") + prop.name;
-        return false;
-    }
-    return true;
-}
-
 #define REQUIRE_SM90()                               \
     do {                                             \
         std::string why_;                            \
         if (!have_sm90(&why_)) GTEST_SKIP() << why_; \
     } while (0)
 
-int num_sms() {
-    int dev = 0, n = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    return n;
-}
-
-uint64_t fresh_seed() {
-    std::random_device rd;
-    return (static_cast<uint64_t>(rd()) << 32) ^ rd();
-}
-
-// ---- host matrices in the device's byte layout ----------------------------------------------------------
-
-uint16_t to_bits(DType t, float x) {
-    if (t == DType::kBF16) {
-        const __nv_bfloat16_raw r = __float2bfloat16_rn(x);
-        return r.x;
-    }
-    const __half_raw r = __float2half_rn(x);
-    return r.x;
-}
-
-float from_bits(DType t, uint16_t b) {
-    if (t == DType::kBF16) {
-        __nv_bfloat16_raw r;
-        r.x = b;
-        return __bfloat162float(__nv_bfloat16(r));
-    }
-    __half_raw r;
-    r.x = b;
-    return __half2float(__half(r));
-}
-
-/// Row-major [rows, cols] with a row stride of `ld` elements.
-struct HostMatrix {
-    int64_t rows = 0, cols = 0, ld = 0;
-    DType dtype = DType::kBF16;
-    std::vector<uint8_t> bytes;
-
-    HostMatrix(int64_t r, int64_t c, int64_t l, DType t) : rows(r), cols(c), ld(l), dtype(t) {
-        bytes.assign(static_cast<size_t>(std::max<int64_t>(1, r) * l * dtype_bytes(t)), 0);
-    }
-    size_t offset(int64_t r, int64_t c) const { return static_cast<size_t>((r * ld + c) * dtype_bytes(dtype)); }
-    float get(int64_t r, int64_t c) const {
-        if (dtype == DType::kF32) {
-            float v;
-            std::memcpy(&v, bytes.data() + offset(r, c), 4);
-            return v;
-        }
-        uint16_t b;
-        std::memcpy(&b, bytes.data() + offset(r, c), 2);
-        return from_bits(dtype, b);
-    }
-    void set(int64_t r, int64_t c, float v) {
-        if (dtype == DType::kF32) {
-            std::memcpy(bytes.data() + offset(r, c), &v, 4);
-        } else {
-            const uint16_t b = to_bits(dtype, v);
-            std::memcpy(bytes.data() + offset(r, c), &b, 2);
-        }
-    }
-    void fill_random(std::mt19937_64& rng) {
-        std::uniform_real_distribution<float> u(-1.f, 1.f);
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c = 0; c < cols; ++c) set(r, c, u(rng));
-    }
-};
-
-struct DeviceBuffer {
-    void* ptr = nullptr;
-    size_t bytes = 0;
-    explicit DeviceBuffer(size_t n) : bytes(std::max<size_t>(n, 256)) {
-        if (cudaMalloc(&ptr, bytes) != cudaSuccess) ptr = nullptr;
-    }
-    ~DeviceBuffer() {
-        if (ptr) cudaFree(ptr);
-    }
-    DeviceBuffer(const DeviceBuffer&) = delete;
-    DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
-void upload(const HostMatrix& h, const DeviceBuffer& d) {
-    ASSERT_EQ(cudaMemcpy(d.ptr, h.bytes.data(), h.bytes.size(), cudaMemcpyHostToDevice), cudaSuccess);
-}
-
-void download(HostMatrix& h, const DeviceBuffer& d) {
-    ASSERT_EQ(cudaMemcpy(h.bytes.data(), d.ptr, h.bytes.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-}
-
-TensorView view(const HostMatrix& h, const DeviceBuffer& d) {
-    return TensorView(d.ptr, h.dtype, {h.rows, h.cols}, {h.ld, 1});
-}
-
-/// Output poison: NaN inside [M,N]; a sentinel in the row padding (which the GEMM must not touch).
-constexpr uint16_t kSentinel16 = 0x1234;
-constexpr uint32_t kSentinel32 = 0x12345678u;
-
-void poison(HostMatrix& d) {
-    const int64_t esize = dtype_bytes(d.dtype);
-    for (int64_t r = 0; r < d.rows; ++r) {
-        for (int64_t c = 0; c < d.ld; ++c) {
-            uint8_t* p = d.bytes.data() + d.offset(r, c);
-            if (c < d.cols) {
-                std::memset(p, 0xFF, static_cast<size_t>(esize));  // NaN in bf16, f16 and f32
-            } else if (esize == 2) {
-                std::memcpy(p, &kSentinel16, 2);
-            } else {
-                std::memcpy(p, &kSentinel32, 4);
-            }
-        }
-    }
-}
-
-/// Relative Frobenius error bound and per-element bound |d - ref| <= rel * |ref| + abs * rms(ref), by dtype.
-struct Tolerance {
-    double frob, elem_rel, elem_abs;
-};
-
-Tolerance tolerance_for(DType out) {
-    switch (out) {
-        case DType::kBF16: return {4e-3, 1.0 / 128, 1.0 / 256};
-        case DType::kF16: return {1e-3, 1.0 / 1024, 1.0 / 2048};
-        default: return {1e-4, 1e-4, 1e-4};
-    }
-}
-
-/// Rows `rows` of A * B in fp64 from the (already rounded) inputs; b is [N,K] (kNK) or [K,N] (kKN).
-std::vector<double> reference(const HostMatrix& a, const HostMatrix& b, BLayout layout, int64_t n,
-                              const std::vector<int64_t>& rows) {
-    const int64_t k = a.cols;
-    std::vector<double> bt(static_cast<size_t>(n * k));  // [n][k]
-    for (int64_t j = 0; j < n; ++j)
-        for (int64_t kk = 0; kk < k; ++kk) bt[j * k + kk] = layout == BLayout::kNK ? b.get(j, kk) : b.get(kk, j);
-    std::vector<double> out(rows.size() * static_cast<size_t>(n));
-    std::vector<double> arow(static_cast<size_t>(k));
-    for (size_t ri = 0; ri < rows.size(); ++ri) {
-        for (int64_t kk = 0; kk < k; ++kk) arow[kk] = a.get(rows[ri], kk);
-        for (int64_t j = 0; j < n; ++j) {
-            double s = 0;
-            const double* bj = bt.data() + j * k;
-            for (int64_t kk = 0; kk < k; ++kk) s += arow[kk] * bj[kk];
-            out[ri * n + j] = s;
-        }
-    }
-    return out;
-}
-
 std::vector<int64_t> all_rows(int64_t m) {
     std::vector<int64_t> rows;
     for (int64_t r = 0; r < m; ++r) rows.push_back(r);
     return rows;
-}
-
-/// Compares rows `rows` of d with ref; the row padding must still hold the sentinel.
-void expect_matches(const HostMatrix& d, const std::vector<double>& ref, const std::vector<int64_t>& rows,
-                    const Tolerance& tol, const std::string& what) {
-    const int64_t n = d.cols;
-    double num = 0, den = 0;
-    for (double v : ref) den += v * v;
-    const double rms = std::sqrt(den / static_cast<double>(std::max<size_t>(1, ref.size())));
-    int64_t bad = 0, nan = 0, padding_hits = 0;
-    std::string first_bad, first_padding;
-    for (size_t ri = 0; ri < rows.size(); ++ri) {
-        for (int64_t j = 0; j < n; ++j) {
-            const double got = d.get(rows[ri], j);
-            const double want = ref[ri * n + j];
-            if (!std::isfinite(got)) {
-                if (nan++ == 0 && first_bad.empty()) {
-                    first_bad = "non-finite at (" + std::to_string(rows[ri]) + ", " + std::to_string(j) + ")";
-                }
-                continue;
-            }
-            num += (got - want) * (got - want);
-            if (std::fabs(got - want) > tol.elem_rel * std::fabs(want) + tol.elem_abs * rms) {
-                if (bad++ == 0 && first_bad.empty()) {
-                    std::ostringstream os;
-                    os << "(" << rows[ri] << ", " << j << "): got " << got << ", want " << want;
-                    first_bad = os.str();
-                }
-            }
-        }
-        for (int64_t j = n; j < d.ld; ++j) {
-            const uint8_t* p = d.bytes.data() + d.offset(rows[ri], j);
-            const bool intact = dtype_bytes(d.dtype) == 2 ? std::memcmp(p, &kSentinel16, 2) == 0
-                                                          : std::memcmp(p, &kSentinel32, 4) == 0;
-            if (!intact && padding_hits++ == 0) {
-                first_padding = "(" + std::to_string(rows[ri]) + ", " + std::to_string(j) + ")";
-            }
-        }
-    }
-    const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-    EXPECT_EQ(padding_hits, 0) << what << ": row padding past N overwritten, first at " << first_padding;
-    EXPECT_EQ(nan, 0) << what << ": " << nan << " non-finite outputs (unwritten poison?), first " << first_bad;
-    EXPECT_EQ(bad, 0) << what << ": " << bad << " elements out of tolerance, first " << first_bad << ", rel " << rel;
-    EXPECT_LE(rel, tol.frob) << what << ": relative Frobenius error " << rel;
 }
 
 int64_t ld_for(int64_t cols, int64_t pad, DType t) {
