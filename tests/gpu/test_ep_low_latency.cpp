@@ -23,25 +23,15 @@ namespace {
 
 namespace ref = weft::test::ep;
 using ref::DeviceArray;
+using ref::fresh_seed;
+using ref::RankStream;
 using ref::download;
 using ref::Scenario;
 using test::run_ranks;
 
-uint32_t fresh_seed() {
-    const uint32_t seed = std::random_device{}();
-    std::printf("[ seed     ] %u\n", seed);
-    return seed;
-}
-
 class EpLowLatencyGpu : public ::testing::Test {
 protected:
     void SetUp() override { ASSERT_TRUE(cuda_available()) << "the gpu tier needs a CUDA driver and a GPU"; }
-};
-
-struct RankStream {
-    cudaStream_t s = nullptr;
-    RankStream() { WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-    ~RankStream() { cudaStreamDestroy(s); }
 };
 
 Config ll_config(int num_ranks) {

@@ -23,26 +23,15 @@ namespace {
 
 namespace ref = weft::test::ep;
 using ref::DeviceArray;
+using ref::fresh_seed;
+using ref::RankStream;
 using ref::download;
 using ref::Scenario;
 using test::run_ranks;
 
-uint32_t fresh_seed() {
-    const uint32_t seed = std::random_device{}();
-    std::printf("[ seed     ] %u\n", seed);
-    return seed;
-}
-
 class EpNormalGpu : public ::testing::Test {
 protected:
     void SetUp() override { ASSERT_TRUE(cuda_available()) << "the gpu tier needs a CUDA driver and a GPU"; }
-};
-
-/// A stream of the rank's own (non-blocking: never ordered behind another rank's work).
-struct RankStream {
-    cudaStream_t s = nullptr;
-    RankStream() { WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-    ~RankStream() { cudaStreamDestroy(s); }
 };
 
 ref::Params params_of(const Config& c, int num_ranks) {

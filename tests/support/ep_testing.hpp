@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <random>
 #include <string>
@@ -18,6 +19,22 @@ class World;
 }
 
 namespace weft::test::ep {
+
+/// A fresh random seed, printed so that a failure can be replayed.
+inline uint32_t fresh_seed() {
+    const uint32_t seed = std::random_device{}();
+    std::printf("[ seed     ] %u\n", seed);
+    return seed;
+}
+
+/// A stream of the rank's own (non-blocking: never ordered behind another rank's work).
+struct RankStream {
+    cudaStream_t s = nullptr;
+    RankStream() { WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+    ~RankStream() { cudaStreamDestroy(s); }
+    RankStream(const RankStream&) = delete;
+    RankStream& operator=(const RankStream&) = delete;
+};
 
 /// A device array allocated and freed in stream order on `stream` (never a device-wide synchronisation,
 /// which would wait for other ranks' spinning kernels).
