@@ -28,8 +28,8 @@ namespace {
 
 using namespace gemm_test;
 
-// Spinning kernels need their producers loadable while they run (GPU.md): load modules eagerly.
-const int kEagerModuleLoading = [] { return setenv("CUDA_MODULE_LOADING", "EAGER", 0); }();
+// Eager module loading (spinning kernels need their producers loadable): tests/support/runtime_checks.cpp
+// calls prepare_cuda_environment() before main for the whole binary.
 
 #define CK(call) ASSERT_EQ((call), cudaSuccess) << #call << ": " << cudaGetErrorString(call)
 
