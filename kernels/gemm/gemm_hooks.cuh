@@ -10,6 +10,7 @@
 #include "weft/common/gemm_config.hpp"
 #include "weft/common/gemm_hook_params.hpp"
 #include "weft/ptx/mbarrier.cuh"
+#include "weft/ptx/tma.cuh"
 
 namespace weft::gemm {
 namespace detail {
@@ -59,6 +60,13 @@ __device__ __noinline__ void report_timeout_and_trap(Diagnostic* diag, SpinKind 
         atomicExch(&diag->claimed, 2u);
         __threadfence_system();
     }
+    if (diag != nullptr) {  // a loser waits for the winner's record (bounded), as the device layer's spins do
+        const uint64_t drain_start = ptx::globaltimer();
+        while (*static_cast<volatile unsigned*>(&diag->claimed) != 2u &&
+               ptx::globaltimer() - drain_start < 100000000ull) {
+            __nanosleep(256);
+        }
+    }
     __trap();
 }
 
@@ -92,6 +100,32 @@ __device__ __forceinline__ uint64_t wait_flag_geq(const uint64_t* flag, uint64_t
 // warpgroups): the tile's data is in global memory. The kernel defers the wait by one tile, so the notify
 // of tile i happens after tile i+1's mainloop (or at the end): stores never stall the tensor cores.
 // ---------------------------------------------------------------------------------------------------------
+
+// Optional, for hooks that move where a tile goes (GEMM+ReduceScatter's push mode):
+//   static constexpr bool kAddsToTile = true;
+//   template <GemmConfig kCfg, int kSlabs, int kAccPerSlab>
+//   __device__ static void add_to_tile(const Params&, const GemmTile&, float (&acc)[kSlabs][kAccPerSlab],
+//                                      int wg, int tid);
+//       called by every thread of both consumer warpgroups after a tile's mainloop, before its epilogue; may
+//       wait (bounded) and add to the fp32 accumulator (the wgmma fragment layout: see store_slab_tail);
+//   static constexpr bool kRoutesStores = true;
+//   __device__ static GemmStoreTarget store_target(const Params&, const GemmTile&, const ptx::TmaDescriptor* d);
+//       the tensor map the tile's TMA stores go through (`d`: the kernel's tma_d, or one kept in Params,
+//       which the kernel takes as __grid_constant__), rows shifted by -row_offset, rows >= `rows` skipped.
+//       The host keeps such a GEMM free of ragged columns (N * element size a multiple of 16 bytes).
+// ---------------------------------------------------------------------------------------------------------
+
+/// Where one tile's TMA stores go (Hook::store_target); a plain GEMM stores through tma_d, rows unshifted.
+struct GemmStoreTarget {
+    const ptx::TmaDescriptor* map;
+    int32_t row_offset;
+    int32_t rows;
+};
+
+template <class Hook>
+inline constexpr bool kHookAddsToTile = requires { requires Hook::kAddsToTile; };
+template <class Hook>
+inline constexpr bool kHookRoutesStores = requires { requires Hook::kRoutesStores; };
 
 /// No signal (a plain GEMM).
 struct NoEpilogueHook {

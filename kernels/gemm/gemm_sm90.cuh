@@ -194,7 +194,7 @@ template <GemmConfig kCfg, int kJ = 0>
 __device__ __forceinline__ void store_slab(const float (&acc)[GemmTraits<kCfg>::kAccPerSlab],
                                            const ptx::TmaDescriptor* tma_d, unsigned epi_base, int wg,
                                            int tid, unsigned& epi_count, int row0, int col0, bool valid,
-                                           const GemmArgs& args) {
+                                           int row_limit, const GemmArgs& args) {
     using T = GemmTraits<kCfg>;
     if constexpr (kJ < T::kEpiSubtiles) {
         const unsigned buf = epi_base + (wg * 2 + (epi_count & 1u)) * T::kPlan.epi_buf_bytes;
@@ -205,11 +205,11 @@ __device__ __forceinline__ void store_slab(const float (&acc)[GemmTraits<kCfg>::
         named_barrier_sync(kBarConsumer0 + wg, 128);
         if (tid == 0) {
             const int c0 = col0 + kJ * T::kEpiCols;
-            if (valid && c0 < args.n_tma && row0 < args.m) ptx::tma_store_2d(tma_d, buf, c0, row0);
+            if (valid && c0 < args.n_tma && row0 < row_limit) ptx::tma_store_2d(tma_d, buf, c0, row0);
             ptx::tma_commit_group();
         }
         ++epi_count;
-        store_slab<kCfg, kJ + 1>(acc, tma_d, epi_base, wg, tid, epi_count, row0, col0, valid, args);
+        store_slab<kCfg, kJ + 1>(acc, tma_d, epi_base, wg, tid, epi_count, row0, col0, valid, row_limit, args);
     }
 }
 
@@ -328,12 +328,22 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
             if (has_pending) notify_stored<Hook>(hook_params, pending, wg, tid);
         }
 
+        // ---- the hook may add to the tile (e.g. the peers' partials of GEMM+ReduceScatter's own rows) ----
+        if constexpr (kHookAddsToTile<Hook>) {
+            if (tile.valid) Hook::template add_to_tile<kCfg>(hook_params, tile, acc, wg, tid);
+        }
+
         // ---- epilogue: registers -> shared -> TMA store (asynchronous; overlaps the next mainloop) ----
+        GemmStoreTarget target{tma_d, 0, args.m};
+        if constexpr (kHookRoutesStores<Hook>) {
+            if (tile.valid) target = Hook::store_target(hook_params, tile, tma_d);
+        }
         const bool ragged = tile.valid && args.n_tma < args.n && tile.n0 + kCfg.tile_n > args.n_tma;
 #pragma unroll
         for (int s = 0; s < T::kSlabs; ++s) {
             const int row0 = tile.m0 + (wg * T::kSlabs + s) * kGemmSlabRows;
-            store_slab<kCfg>(acc[s], tma_d, epi_base, wg, tid, epi_count, row0, tile.n0, tile.valid, args);
+            store_slab<kCfg>(acc[s], target.map, epi_base, wg, tid, epi_count, row0 - target.row_offset, tile.n0,
+                             tile.valid, target.rows, args);
             if (ragged) store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args);
         }
         pending = tile;
@@ -405,7 +415,8 @@ template <GemmConfig kCfg, class Scheduler, class Hook>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     gemm_kernel(const __grid_constant__ ptx::TmaDescriptor tma_a, const __grid_constant__ ptx::TmaDescriptor tma_b,
                 const __grid_constant__ ptx::TmaDescriptor tma_d, const GemmArgs args,
-                const typename Scheduler::Params sched_params, const typename Hook::Params hook_params) {
+                const typename Scheduler::Params sched_params,
+                const __grid_constant__ typename Hook::Params hook_params) {
     gemm_device<kCfg, Scheduler, Hook>(&tma_a, &tma_b, &tma_d, args, sched_params, hook_params);
 }
 

@@ -604,14 +604,21 @@ GemmTensorMaps make_gemm_tensor_maps(const GemmConfig& c, const TensorView& a, c
         encode_2d(&maps.b, b, "b", static_cast<uint64_t>(b.dim(1)), static_cast<uint64_t>(b.dim(0)), 64,
                   static_cast<uint32_t>(c.tile_k));
     }
+    maps.d = make_gemm_store_map(c, d);
+    return maps;
+}
+
+CUtensorMap make_gemm_store_map(const GemmConfig& c, const TensorView& d) {
     // TMA stores write whole 16-byte chunks: the map covers the 16-byte-aligned columns only and the kernel
     // writes the ragged rest with plain stores (GemmArgs::n_tma). With fewer than 16 bytes of columns the
     // map is a placeholder the kernel never stores through.
+    CUtensorMap map;
+    std::memset(&map, 0, sizeof(map));
     const int32_t n_tma = gemm_tma_store_cols(static_cast<int32_t>(d.dim(1)), d.dtype);
     const uint64_t d_cols = n_tma > 0 ? static_cast<uint64_t>(n_tma) : static_cast<uint64_t>(16 / dtype_bytes(d.dtype));
-    encode_2d(&maps.d, d, "d", d_cols, static_cast<uint64_t>(d.dim(0)), static_cast<uint32_t>(gemm_epi_cols(c)),
+    encode_2d(&map, d, "d", d_cols, static_cast<uint64_t>(d.dim(0)), static_cast<uint32_t>(gemm_epi_cols(c)),
               kGemmSlabRows);
-    return maps;
+    return map;
 }
 
 GemmArgs make_gemm_args(const TensorView& a, const TensorView& d, uint64_t timeout_ns) {

@@ -237,6 +237,9 @@ struct GemmTensorMaps {
 GemmTensorMaps make_gemm_tensor_maps(const GemmConfig& config, const TensorView& a, const TensorView& b,
                                      const TensorView& d);
 
+/// The map a gemm_kernel<config> stores D through (the `d` of make_gemm_tensor_maps), for a (validated) view.
+CUtensorMap make_gemm_store_map(const GemmConfig& config, const TensorView& d);
+
 /// The kernel's run-time arguments for these (validated) views.
 GemmArgs make_gemm_args(const TensorView& a, const TensorView& d, uint64_t timeout_ns);
 
