@@ -7,7 +7,7 @@
 //
 //   weft_bench_tp [--op ag,rs,ar] [--shapes I,J,...] [--sizes MxNxK,...] [--iters N] [--warmup N]
 //                 [--dtype bf16|f16] [--world W] [--check] [--tune] [--baseline-coll weft|simple]
-//                 [--reduce-ctas R (GEMM+RS reduction CTAs)] [--json FILE]
+//                 [--reduce-ctas R (GEMM+RS reduction CTAs)] [--rs-mode auto|pull|push] [--json FILE]
 //
 // Shapes are whole layers: AG+GEMM shards N over the ranks (each computes [M, N/W] from all of A[M, K]);
 // GEMM+RS shards K (each holds A[M, K/W], B[N, K/W]; out [M/W, N]); GEMM+AR shards K (out [M, N]).
@@ -73,6 +73,7 @@ struct Options {
     bool tune = false;
     BaselineColl coll = BaselineColl::kWeft;
     int reduce_ctas = 0;  // GEMM+RS reduction CTAs (0: the op's heuristic)
+    weft::ops::GemmRsMode rs_mode = weft::ops::GemmRsMode::kAuto;
     std::string json;
 };
 
@@ -142,13 +143,25 @@ Options parse(int argc, char** argv) {
             o.coll = parse_baseline_coll(next());
         } else if (a == "--reduce-ctas") {
             o.reduce_ctas = std::stoi(next());
+        } else if (a == "--rs-mode") {
+            const std::string v = next();
+            if (v == "auto") {
+                o.rs_mode = weft::ops::GemmRsMode::kAuto;
+            } else if (v == "pull") {
+                o.rs_mode = weft::ops::GemmRsMode::kPull;
+            } else if (v == "push") {
+                o.rs_mode = weft::ops::GemmRsMode::kPush;
+            } else {
+                std::fprintf(stderr, "weft_bench_tp: --rs-mode takes auto, pull or push, got %s\n", v.c_str());
+                std::exit(2);
+            }
         } else if (a == "--json") {
             o.json = next();
         } else if (a == "--help" || a == "-h") {
             std::printf(
                 "weft_bench_tp [--op ag,rs,ar] [--shapes I,J,...] [--sizes MxNxK,...] [--iters N] [--warmup N]\n"
                 "              [--dtype bf16|f16] [--world W] [--check] [--tune] [--baseline-coll weft|simple]\n"
-                "              [--reduce-ctas R] [--json FILE]\n");
+                "              [--reduce-ctas R] [--rs-mode auto|pull|push] [--json FILE]\n");
             std::exit(0);
         } else {
             throw std::runtime_error("unknown option " + a + " (see --help)");
@@ -276,7 +289,9 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     weft::ops::GemmRsOptions opt;
     opt.autotune = o.tune;
     opt.reduce_ctas = o.reduce_ctas;
+    opt.mode = o.rs_mode;
     weft::ops::GemmRs op(w, {m, n, k, t}, opt);
+    if (nr > 1 && op.mode() == weft::ops::GemmRsMode::kPull) row.op = "rs/pull";
     auto* partial = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));
     auto* recv = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));  // (b): [W][rows, n]
     DeviceBarrier bar;                                                                      // (b)'s

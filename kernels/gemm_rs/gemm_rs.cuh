@@ -81,6 +81,132 @@ struct RsGemmHook {
     }
 };
 
+/// Push mode (no reduction kernel): a tile for peer d goes by TMA straight into d's receive slot for this
+/// rank (recv rows [rank * R, (rank+1) * R) on d, R = rows_per_rank), then += 1 on d's counter [rank][chunk]
+/// as RsGemmHook does. This rank's own tiles (last in every CTA's order) wait for every peer's counter of
+/// their chunk, add the peers' partials from the local receive buffer to the fp32 accumulator and store C
+/// through the kernel's tma_d. The call's last stored tile zeroes this rank's counters and releases its
+/// receive buffer to every rank (released[rank] += 1; the peers' next GEMM waits for it before its first
+/// load), then advances gemm_calls.
+template <GemmConfig kCfg>
+struct RsPushHook {
+    using Params = RsPushHookParams;
+    static constexpr bool kNotifies = true;
+    static constexpr bool kAddsToTile = true;
+    static constexpr bool kRoutesStores = true;
+    static_assert(kCfg.out_dtype == DType::kBF16 || kCfg.out_dtype == DType::kF16,
+                  "push mode sends 16-bit partials (f32 partials take the pull mode)");
+
+    __device__ static RsGemmOrder order(const Params& p) {
+        return RsGemmOrder(kCfg, p.rows_per_rank, p.ctx.num_ranks, p.chunk_rows, p.n, p.ctx.rank);
+    }
+
+    /// Own tiles through tma_d (C, [R, n]); a peer's through its receive-slot map. Both maps are R rows high:
+    /// a segment's short last M-tile is clipped at the segment's end.
+    __device__ static gemm::GemmStoreTarget store_target(const Params& p, const GemmTile& t,
+                                                         const ptx::TmaDescriptor* own) {
+        const int32_t dest = order(p).dest_of(t);
+        const auto* map = dest == p.ctx.rank ? own : reinterpret_cast<const ptx::TmaDescriptor*>(&p.peer_maps[dest]);
+        return {map, static_cast<int32_t>(dest * p.rows_per_rank), static_cast<int32_t>(p.rows_per_rank)};
+    }
+
+    /// Own tiles only: acc += every peer's partial of this tile. Fragment layout of the accumulator (per 64-row
+    /// slab): thread (warp w, lane l) holds rows 16w + l/4 and +8, columns 8g + 2(l%4) + {0, 1} at acc[4g + {0,1}]
+    /// and acc[4g + {2,3}].
+    template <GemmConfig kC, int kSlabs, int kAccPerSlab>
+    __device__ static void add_to_tile(const Params& p, const GemmTile& t, float (&acc)[kSlabs][kAccPerSlab], int wg,
+                                       int tid) {
+        const RsGemmOrder o = order(p);
+        const int32_t rank = p.ctx.rank;
+        const int32_t num_ranks = p.ctx.num_ranks;
+        if (o.dest_of(t) != rank) return;
+        const int32_t cpr = o.map.chunks_per_rank();
+        const int32_t chunk = o.chunk_of(t);
+        if (tid == 0) {
+            const auto need = static_cast<uint64_t>(o.map.expected_count(o.map.local_signal_at(rank, chunk)));
+            for (int32_t s = 0; s < num_ranks; ++s) {
+                if (s != rank) wait_geq_inline(p.ctx, p.counters + rs_counter_index(s, chunk, cpr), need, __LINE__);
+            }
+        }
+        gemm::detail::named_barrier_sync(gemm::detail::kBarConsumer0 + wg, 128);  // the acquire covers the warpgroup
+
+        constexpr int kGroups = kC.tile_n / 8;
+        constexpr int kBatch = kGroups < 8 ? kGroups : 8;  // 2 x kBatch 4-byte loads in flight per thread
+        static_assert(kGroups % kBatch == 0);
+        const int warp = tid / 32;
+        const int lane = tid % 32;
+        const int64_t rows = p.rows_per_rank;
+        const auto* recv = static_cast<const unsigned char*>(p.recv);
+#pragma unroll
+        for (int si = 0; si < kSlabs; ++si) {
+            const int64_t lo = t.m0 - rank * rows + (wg * kSlabs + si) * kGemmSlabRows + warp * 16 + lane / 4;
+            const bool lo_ok = lo < rows;
+            const bool hi_ok = lo + 8 < rows;
+            for (int32_t s = 0; s < num_ranks; ++s) {
+                if (s == rank) continue;
+                // Two base addresses; every load of the tile is at an immediate offset from one of them.
+                const int32_t col0 = t.n0 + 2 * (lane % 4);
+                const unsigned char* base_lo = recv + ((s * rows + lo) * p.ldr + col0) * 2;
+                const unsigned char* base_hi = base_lo + 16 * p.ldr;
+#pragma unroll
+                for (int g0 = 0; g0 < kGroups; g0 += kBatch) {
+                    uint32_t vlo[kBatch];
+                    uint32_t vhi[kBatch];
+#pragma unroll
+                    for (int b = 0; b < kBatch; ++b) {
+                        const bool col_ok = col0 + 8 * (g0 + b) < p.n;
+                        vlo[b] = lo_ok && col_ok ? ld_l2_u32(base_lo + 16 * (g0 + b)) : 0u;
+                        vhi[b] = hi_ok && col_ok ? ld_l2_u32(base_hi + 16 * (g0 + b)) : 0u;
+                    }
+#pragma unroll
+                    for (int b = 0; b < kBatch; ++b) {
+                        float* a = &acc[si][4 * (g0 + b)];
+                        a[0] += half_bits_to_float<kC.out_dtype>(static_cast<unsigned short>(vlo[b] & 0xffffu));
+                        a[1] += half_bits_to_float<kC.out_dtype>(static_cast<unsigned short>(vlo[b] >> 16));
+                        a[2] += half_bits_to_float<kC.out_dtype>(static_cast<unsigned short>(vhi[b] & 0xffffu));
+                        a[3] += half_bits_to_float<kC.out_dtype>(static_cast<unsigned short>(vhi[b] >> 16));
+                        // NOTE: the sums pass through an empty volatile asm, which the next batch's (volatile)
+                        // loads may not pass: without it ptxas hoists every load of the tile ahead of the adds
+                        // and spills the accumulator to hold them.
+                        asm volatile("" : "+f"(a[0]), "+f"(a[1]), "+f"(a[2]), "+f"(a[3]));
+                    }
+                }
+            }
+        }
+    }
+
+    __device__ static void after_tile_stored(const Params& p, const GemmTile& t) {
+        const RsGemmOrder o = order(p);
+        const int32_t rank = p.ctx.rank;
+        const int32_t dest = o.dest_of(t);
+        if (dest != rank) {
+            const int32_t idx = rs_counter_index(rank, o.chunk_of(t), o.map.chunks_per_rank());
+            ptx::fence_proxy_async_global();  // the tile reached the peer by TMA (async proxy)
+            notify_add_inline(p.ctx, p.counters + idx, dest, 1ull, __LINE__);  // consumer warpgroup: no calls
+        }
+        if (arrive_last(p.tile_counter, static_cast<uint32_t>(p.num_tiles))) {
+            // Every own tile waited for all its chunk's counters and has read the peers' partials: zero this
+            // rank's counters (no peer raises one before it sees `released`), then release the buffer.
+            for (int32_t i = 0; i < o.map.num_signals(); ++i) {
+                ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(p.counters + i, 0ull);
+            }
+            for (int32_t pe = 0; pe < p.ctx.num_ranks; ++pe) {
+                notify_add_inline(p.ctx, p.released + rank, pe, 1ull, __LINE__);
+            }
+            ptx::st(p.gemm_calls, ptx::ld(p.gemm_calls) + 1);
+        }
+    }
+
+private:
+    /// A 4-byte load that skips L1: a line of the receive buffer may straddle a chunk a peer has not written
+    /// yet when this SM first touches it (rows are only 16-byte aligned).
+    __device__ static uint32_t ld_l2_u32(const unsigned char* ptr) {
+        uint32_t v;
+        asm volatile("ld.global.cg.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr));
+        return v;
+    }
+};
+
 /// 16-byte partial loads each reduction thread keeps in flight.
 inline constexpr int kRsUnroll = 8;
 

@@ -114,6 +114,7 @@ std::vector<jit::KernelSpec> tp_aot_specs() {
             if (seen) continue;
             out.push_back(detail::ag_gemm_kernel_spec(c));
             out.push_back(detail::gemm_rs_kernel_spec(c));
+            out.push_back(detail::gemm_rs_kernel_spec(c, "", GemmRsMode::kPush));
             GemmConfig f32 = c;
             f32.out_dtype = DType::kF32;
             if (is_valid(f32)) out.push_back(detail::gemm_rs_kernel_spec(f32));

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: MIT
-// weft::ops::GemmRs: GEMM writing signalled partial tiles + an overlapped fp32 reduction of each rank's rows.
+// weft::ops::GemmRs: GEMM+ReduceScatter. Push mode: the GEMM stores peers' tiles into their buffers and adds
+// the peers' partials to its own tiles. Pull mode: signalled partial tiles + an overlapped fp32 reduction.
 #include "weft/ops/gemm_rs.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 
 #include "tp_common.hpp"
@@ -36,6 +38,15 @@ int default_reduce_ctas(int budget, bool shared_gpu) {
     return std::min(r, budget - 1);
 }
 }  // namespace
+
+const char* gemm_rs_mode_name(GemmRsMode mode) {
+    switch (mode) {
+        case GemmRsMode::kAuto: return "auto";
+        case GemmRsMode::kPull: return "pull";
+        case GemmRsMode::kPush: return "push";
+    }
+    return "?";
+}
 
 void validate_gemm_rs_shape(const GemmRsShape& s, int num_ranks, const GemmRsOptions& o) {
     WEFT_CHECK(num_ranks >= 1, "gemm_rs: num_ranks must be >= 1, got " << num_ranks);
@@ -93,6 +104,29 @@ int64_t validate_gemm_rs_call(const GemmRsShape& s, int num_ranks, const TensorV
 
 namespace detail {
 
+std::string gemm_rs_push_unsupported(const GemmRsShape& shape, int num_ranks, const GemmRsOptions& options) {
+    std::ostringstream why;
+    if (options.partial_dtype && *options.partial_dtype != shape.dtype) {
+        why << "partials in " << dtype_name(*options.partial_dtype) << " (push mode sends " << dtype_name(shape.dtype)
+            << " partials)";
+    } else if (shape.n % 8 != 0) {
+        why << "n = " << shape.n << " is not a multiple of 8 (push mode stores 16-byte rows into peers by TMA)";
+    } else if (num_ranks > kRsPushMaxRanks) {
+        why << num_ranks << " ranks (push mode serves at most " << kRsPushMaxRanks << ")";
+    } else if (options.reduce_ctas > 0) {
+        why << "options.reduce_ctas = " << options.reduce_ctas << " (reduction CTAs belong to the pull mode)";
+    }
+    return why.str();
+}
+
+GemmRsMode resolve_gemm_rs_mode(const GemmRsShape& shape, int num_ranks, const GemmRsOptions& options) {
+    if (options.mode == GemmRsMode::kPull) return GemmRsMode::kPull;
+    const std::string why = gemm_rs_push_unsupported(shape, num_ranks, options);
+    WEFT_CHECK(options.mode != GemmRsMode::kPush || why.empty(),
+               "gemm_rs: options.mode = push cannot serve " << why << "; use GemmRsMode::kPull or kAuto");
+    return why.empty() ? GemmRsMode::kPush : GemmRsMode::kPull;
+}
+
 GemmRsPlan plan_gemm_rs(const GemmRsShape& shape, int num_ranks, int gemm_budget, const GemmRsOptions& options) {
     validate_gemm_rs_shape(shape, num_ranks, options);
     WEFT_CHECK(gemm_budget >= 1, "gemm_rs: the GEMM's SM budget must be >= 1, got " << gemm_budget);
@@ -124,11 +158,15 @@ GemmRsPlan plan_gemm_rs(const GemmRsShape& shape, int num_ranks, int gemm_budget
     return plan;
 }
 
-jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch) {
-    return tp_detail::make_spec(
-        "gemm_rs/gemm_rs.cuh",
-        tp_detail::gemm_instantiation(config, "weft::tp::RsGemmScheduler", "weft::tp::RsGemmHook<CFG>"),
-        "gemm_rs " + tp_detail::config_text(config), arch);
+jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch, GemmRsMode mode) {
+    WEFT_CHECK(mode != GemmRsMode::kAuto, "gemm_rs: a kernel spec needs a resolved mode (pull or push)");
+    const bool push = mode == GemmRsMode::kPush;
+    return tp_detail::make_spec("gemm_rs/gemm_rs.cuh",
+                                tp_detail::gemm_instantiation(config, "weft::tp::RsGemmScheduler",
+                                                              push ? "weft::tp::RsPushHook<CFG>"
+                                                                   : "weft::tp::RsGemmHook<CFG>"),
+                                std::string("gemm_rs ") + (push ? "push " : "") + tp_detail::config_text(config),
+                                arch);
 }
 
 jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::string& arch) {
@@ -145,6 +183,7 @@ struct GemmRs::State {
     GemmRsShape shape;
     int num_ranks = 1, rank = 0;
     int budget = 1, reduce_ctas = 0;
+    GemmRsMode mode = GemmRsMode::kPull;
     std::vector<GemmConfig> configs;          // [0]: heuristic / forced; the rest: tuning candidates
     std::vector<const jit::Kernel*> kernels;  // the GEMM kernel of each config
     size_t active = 0;
@@ -163,7 +202,7 @@ struct GemmRs::State {
     uint64_t* red_epoch = nullptr;
     uint32_t* tile_counter = nullptr;
     uint32_t* exit_count = nullptr;
-    float* acc = nullptr;  // local [max_m / W, lda]
+    float* acc = nullptr;  // pull mode: local [max_m / W, lda]
 
     const jit::Kernel* reduce_kernel = nullptr;
     tp_detail::StreamSet streams;
@@ -186,7 +225,8 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     validate_gemm_rs_shape(shape, s.num_ranks, options);
     s.budget = options.sm_budget > 0 ? std::min(options.sm_budget, tp_detail::device_sm_count()) : world.sm_budget();
     s.partial_dtype = options.partial_dtype.value_or(shape.dtype);
-    if (s.num_ranks > 1) {
+    s.mode = detail::resolve_gemm_rs_mode(shape, s.num_ranks, options);
+    if (s.num_ranks > 1 && s.mode == GemmRsMode::kPull) {
         WEFT_CHECK(s.budget >= 2, "gemm_rs: the SM budget must be >= 2 (GEMM + reduction), got " << s.budget);
         s.reduce_ctas = options.reduce_ctas > 0 ? options.reduce_ctas
                                                 : default_reduce_ctas(s.budget, world.num_ranks_on_device() > 1);
@@ -208,7 +248,7 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
 
     for (const GemmConfig& c : s.configs) {
         s.kernels.push_back(&jit::compiler().get_kernel(s.num_ranks == 1 ? detail::plain_gemm_kernel_spec(c)
-                                                                         : detail::gemm_rs_kernel_spec(c)));
+                                                                         : detail::gemm_rs_kernel_spec(c, "", s.mode)));
     }
     if (s.num_ranks == 1) {
         world.barrier();
@@ -224,13 +264,20 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     s.tile_counter = reinterpret_cast<uint32_t*>(s.red_epoch + 1);
     s.exit_count = s.tile_counter + 1;
     tp_detail::check_peers_reachable(world, s.partial, kOp);
+    if (s.mode == GemmRsMode::kPush) {
+        WEFT_LOG_INFO("gemm_rs: push mode, " << tp_detail::config_text(first)
+                                             << (options.autotune ? " (to be tuned)" : "") << ", chunk_rows "
+                                             << s.chunk_rows << ", SM budget " << s.budget);
+        world.barrier();
+        return;
+    }
     WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&s.acc), static_cast<size_t>(max_rows * s.lda) * sizeof(float)));
 
     s.side = s.streams.add_stream();
     s.fork = s.streams.add_event();
     s.join = s.streams.add_event();
     s.reduce_kernel = &jit::compiler().get_kernel(detail::rs_reduce_kernel_spec(s.partial_dtype, shape.dtype));
-    WEFT_LOG_INFO("gemm_rs: " << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "")
+    WEFT_LOG_INFO("gemm_rs: pull mode, " << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "")
                               << ", partials " << dtype_name(s.partial_dtype)
                               << ", chunk_rows " << s.chunk_rows << ", " << s.reduce_ctas
                               << " reduction CTAs, SM budget " << s.budget);
@@ -244,6 +291,7 @@ const GemmConfig& GemmRs::config() const { return s_->configs[s_->active]; }
 DType GemmRs::partial_dtype() const { return s_->partial_dtype; }
 int64_t GemmRs::chunk_rows() const { return s_->chunk_rows; }
 int GemmRs::reduce_ctas() const { return s_->reduce_ctas; }
+GemmRsMode GemmRs::mode() const { return s_->mode; }
 int GemmRs::gemm_grid() const {
     return tp_detail::gemm_grid(config(), s_->shape.max_m, s_->shape.n, s_->budget - s_->reduce_ctas);
 }
@@ -262,6 +310,7 @@ struct RsCall {
     GemmArgs args{};
     RsGemmParams sched{};
     RsGemmHookParams hook{};
+    RsPushHookParams push{};
     int grid = 1;
 };
 
@@ -292,7 +341,8 @@ void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, 
             std::ostringstream problem;
             problem << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)
                     << ",partials=" << dtype_name(s.partial_dtype) << ",chunk_rows=" << s.chunk_rows
-                    << ",reduce_ctas=" << s.reduce_ctas << ",budget=" << s.budget;
+                    << ",mode=" << gemm_rs_mode_name(s.mode) << ",reduce_ctas=" << s.reduce_ctas
+                    << ",budget=" << s.budget;
             const uint64_t tag = s.num_ranks > 1 ? s.world->heap().offset_of(s.counters) : 0;
             const auto comm = tp_detail::make_tune_comm(*s.world, tag);
             jit::TuneOptions to;
@@ -325,6 +375,37 @@ RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorV
     const int32_t n = static_cast<int32_t>(s.shape.n);
     const TensorView partial(s.partial, s.partial_dtype, {m, s.shape.n}, {s.ldp, 1});
     const RsGemmOrder order(config, rows, s.num_ranks, s.chunk_rows, n, s.rank);
+    call.args = detail::make_gemm_args(a, partial, s.pipeline_timeout_ns);
+    call.sched = RsGemmParams{s.ctx, rows, s.chunk_rows, s.released, s.gemm_calls};
+
+    if (s.mode == GemmRsMode::kPush) {
+        // Own tiles store C through tma_d; a peer's tiles go into its buffer's slot for this rank (rows
+        // [rank * rows, (rank+1) * rows) of its partial buffer), through a map of their own.
+        call.maps = detail::make_gemm_tensor_maps(config, a, b, c);
+        RsPushHookParams& ph = call.push;
+        static_assert(sizeof(CUtensorMap) == sizeof(TmaMapBytes), "a tensor map is 128 bytes");
+        const int64_t elem = dtype_bytes(s.partial_dtype);
+        for (int d = 0; d < s.num_ranks; ++d) {
+            if (d == s.rank) continue;
+            auto* slot = static_cast<unsigned char*>(s.world->heap().symm_at(s.partial, d)) + s.rank * rows * s.ldp * elem;
+            const CUtensorMap map =
+                detail::make_gemm_store_map(config, TensorView(slot, s.partial_dtype, {rows, s.shape.n}, {s.ldp, 1}));
+            std::memcpy(&ph.peer_maps[d], &map, sizeof(map));
+        }
+        ph.ctx = s.ctx;
+        ph.rows_per_rank = rows;
+        ph.chunk_rows = s.chunk_rows;
+        ph.recv = s.partial;
+        ph.ldr = s.ldp;
+        ph.counters = s.counters;
+        ph.released = s.released;
+        ph.tile_counter = s.tile_counter;
+        ph.num_tiles = order.num_tiles();
+        ph.n = n;
+        ph.gemm_calls = s.gemm_calls;
+        call.grid = std::max(1, std::min(s.budget, order.num_tiles()));
+        return call;
+    }
 
     // The reduction beside the GEMM, on the side stream.
     RsReduceParams& rp = call.reduce;
@@ -347,8 +428,6 @@ RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorV
 
     // The GEMM on the caller's stream: partial tiles in destination order, each signalled.
     call.maps = detail::make_gemm_tensor_maps(config, a, b, partial);
-    call.args = detail::make_gemm_args(a, partial, s.pipeline_timeout_ns);
-    call.sched = RsGemmParams{s.ctx, rows, s.chunk_rows, s.released, s.gemm_calls};
     RsGemmHookParams& hook = call.hook;
     hook.ctx = s.ctx;
     hook.rows_per_rank = rows;
@@ -367,6 +446,10 @@ void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream) {
     const jit::Kernel& kernel = *s.kernels[call.idx];
     if (s.num_ranks == 1) {
         tp_detail::launch_plain_gemm(kernel, config, call.plain, stream);
+        return;
+    }
+    if (s.mode == GemmRsMode::kPush) {
+        tp_detail::launch_gemm(kernel, config, call.maps, call.args, call.grid, call.sched, call.push, stream);
         return;
     }
     WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));

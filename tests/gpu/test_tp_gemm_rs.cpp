@@ -30,6 +30,7 @@ struct RsCase {
     int reduce_ctas = 0;
     int sm_budget = 0;
     bool autotune = false;
+    ops::GemmRsMode mode = ops::GemmRsMode::kAuto;  // auto: push where it applies (n % 8 == 0, 16-bit partials)
 };
 
 std::string describe(const RsCase& c, DType dt, int w, uint64_t seed) {
@@ -37,7 +38,7 @@ std::string describe(const RsCase& c, DType dt, int w, uint64_t seed) {
     os << "gemm_rs W=" << w << " rows/rank " << c.rows << " n " << c.n << " k " << c.k << " " << dtype_name(dt)
        << " chunk_rows " << c.chunk_rows << " c_pad " << c.c_pad << (c.f32_partials ? " f32 partials" : "")
        << " reduce_ctas " << c.reduce_ctas << " sm_budget " << c.sm_budget << (c.autotune ? " autotune" : "")
-       << " seed " << seed;
+       << " mode " << ops::gemm_rs_mode_name(c.mode) << " seed " << seed;
     return os.str();
 }
 
@@ -55,6 +56,7 @@ void run_case(World& w, const RsCase& cs, DType dt, int calls, Mode mode, uint64
     opt.reduce_ctas = cs.reduce_ctas;
     opt.sm_budget = cs.sm_budget;
     opt.autotune = cs.autotune;
+    opt.mode = cs.mode;
 
     const int64_t ldk = ld_for(cs.k), ldc = ld_for(cs.n, cs.c_pad);
     DevBuf a_dev(static_cast<size_t>(max_m * ldk * 2)), b_dev(static_cast<size_t>(cs.n * ldk * 2)),
@@ -122,7 +124,9 @@ const std::vector<RsCase>& cases() {
         {1, 8, 8},                           // one row per rank
         {300, 1100, 256, 128, 0, false, 1},  // several counters per segment, ragged N, one reduction CTA
         {256, 264, 512, 0, 0, true},         // fp32 partials
-        {200, 520, 136, 0, 16, false, 0, 4}, // a budget of 4 SMs (reduction + GEMM)
+        {200, 520, 136, 0, 16, false, 0, 4}, // a budget of 4 SMs (reduction + GEMM; push: GEMM only)
+        {300, 1104, 256, 128},               // push: several counters per segment, short last tile
+        {100, 200, 72, 0, 8, false, 0, 0, false, ops::GemmRsMode::kPull},  // case 0 in pull mode
     };
     return v;
 }
@@ -154,6 +158,7 @@ void run_back_to_back(World& w, const RsCase& cs, DType dt, int calls, uint64_t 
     opt.chunk_rows = cs.chunk_rows;
     opt.reduce_ctas = cs.reduce_ctas;
     opt.sm_budget = cs.sm_budget;
+    opt.mode = cs.mode;
     const int64_t ldk = ld_for(cs.k), ldc = ld_for(cs.n, cs.c_pad);
     std::vector<std::vector<HostMat>> as(static_cast<size_t>(calls));  // [call][rank]
     std::vector<HostMat> bs, cs_host;
@@ -212,26 +217,36 @@ TEST(TpGemmRs, WorldSize4) { run_world(4, cases(), {DType::kBF16}, 3); }
 TEST(TpGemmRs, WorldSize8) { run_world(8, cases(), {DType::kBF16, DType::kF16}, 3); }
 
 TEST(TpGemmRs, AutotunedConfigStaysCorrect) {
-    RsCase c{300, 1100, 256};
-    c.autotune = true;
-    run_world(2, {c}, {DType::kBF16}, 3);
+    RsCase pull{300, 1100, 256};  // n % 8 != 0: pull mode
+    pull.autotune = true;
+    RsCase push{300, 1104, 256};
+    push.autotune = true;
+    run_world(2, {pull, push}, {DType::kBF16}, 3);
 }
 
 // No host synchronisation between calls (see run_back_to_back): one chunk per tile row (the heuristic), two
 // tile rows per chunk (as the autotuner's shared chunk gives 128-row tiles), and three ranks.
-TEST(TpGemmRs, BackToBackCallsWithoutHostSync) {
+void back_to_back_worlds(const std::vector<RsCase>& two_ranks, const std::vector<RsCase>& three_ranks) {
     const uint64_t base = fresh_seed();
     for (int w : {2, 3}) {
         Failures f;
-        std::vector<RsCase> cases_w = {{300, 1100, 256}};
-        if (w == 2) cases_w.push_back({300, 1100, 256, 256});
         test::run_ranks(
             w, [&](World& world) {
-                for (const RsCase& c : cases_w) run_back_to_back(world, c, DType::kBF16, 12, base, f);
+                for (const RsCase& c : w == 2 ? two_ranks : three_ranks) {
+                    run_back_to_back(world, c, DType::kBF16, 12, base, f);
+                }
             },
             test::test_options(256ull << 20));
         f.report();
     }
+}
+
+TEST(TpGemmRs, BackToBackCallsWithoutHostSync) {  // pull mode (n % 8 != 0)
+    back_to_back_worlds({{300, 1100, 256}, {300, 1100, 256, 256}}, {{300, 1100, 256}});
+}
+
+TEST(TpGemmRs, BackToBackPushCallsWithoutHostSync) {
+    back_to_back_worlds({{300, 1104, 256}, {300, 1104, 256, 256}}, {{300, 1104, 256}});
 }
 
 TEST(TpGemmRs, GraphReplayWithoutReset) { run_world(3, {cases()[0], cases()[2]}, {DType::kBF16}, 4, Mode::kGraph); }

@@ -24,22 +24,24 @@ using testing::isolated_compiler_config;
 
 constexpr const char* kArch = "sm_90a";
 
-void expect_clean(const jit::CompileResult& r, const std::string& what) {
+/// No ptxas performance warning, and spills of at most `max_spill_bytes` (0 for every kernel but the
+/// GEMM+RS push epilogue, whose extra state the 168-register consumer cannot hold: kernels/gemm_rs/README.md).
+void expect_clean(const jit::CompileResult& r, const std::string& what, int max_spill_bytes = 0) {
     EXPECT_EQ(r.log.find("C75"), std::string::npos) << what << ": ptxas performance warning:\n" << r.log;
     EXPECT_EQ(r.log.find("warning"), std::string::npos) << what << ":\n" << r.log;
     const std::regex spill(R"((\d+) bytes spill stores, (\d+) bytes spill loads)");
     int functions = 0;
     for (auto it = std::sregex_iterator(r.log.begin(), r.log.end(), spill); it != std::sregex_iterator(); ++it) {
         ++functions;
-        EXPECT_EQ((*it)[1].str(), "0") << what << ": spill stores\n" << r.log;
-        EXPECT_EQ((*it)[2].str(), "0") << what << ": spill loads\n" << r.log;
+        EXPECT_LE(std::stoi((*it)[1].str()), max_spill_bytes) << what << ": spill stores\n" << r.log;
+        EXPECT_LE(std::stoi((*it)[2].str()), max_spill_bytes) << what << ": spill loads\n" << r.log;
     }
     EXPECT_GT(functions, 0) << what << ": no ptxas report in the log\n" << r.log;
     EXPECT_FALSE(r.lowered_name.empty()) << what;
     EXPECT_FALSE(r.cubin == nullptr || r.cubin->empty()) << what;
 }
 
-void compile_clean(jit::Compiler& compiler, const jit::KernelSpec& spec) {
+void compile_clean(jit::Compiler& compiler, const jit::KernelSpec& spec, int max_spill_bytes = 0) {
     SCOPED_TRACE(spec.describe());
     jit::CompileResult r;
     try {
@@ -47,8 +49,11 @@ void compile_clean(jit::Compiler& compiler, const jit::KernelSpec& spec) {
     } catch (const std::exception& e) {
         FAIL() << e.what();
     }
-    expect_clean(r, spec.describe());
+    expect_clean(r, spec.describe(), max_spill_bytes);
 }
+
+/// The push epilogue's spill budget (measured 2026-11-29: 148 / 216 bytes for 128x256, 168 / 244 for 256x128).
+constexpr int kPushSpillBudget = 320;
 
 GemmConfig cfg(int index, DType in, DType out) {
     GemmConfig c = gemm_candidate(index, in, out, BLayout::kNK);
@@ -70,6 +75,14 @@ TEST(TpNvrtc, GemmRsKernelsCompileClean) {
     compile_clean(compiler, ops::detail::gemm_rs_kernel_spec(cfg(6, DType::kF16, DType::kF32), kArch));
     compile_clean(compiler, ops::detail::rs_reduce_kernel_spec(DType::kBF16, DType::kBF16, kArch));
     compile_clean(compiler, ops::detail::rs_reduce_kernel_spec(DType::kF32, DType::kF16, kArch));
+    compile_clean(compiler,
+                  ops::detail::gemm_rs_kernel_spec(cfg(0, DType::kBF16, DType::kBF16), kArch, ops::GemmRsMode::kPush),
+                  kPushSpillBudget);
+    compile_clean(compiler,
+                  ops::detail::gemm_rs_kernel_spec(cfg(3, DType::kF16, DType::kF16), kArch, ops::GemmRsMode::kPush),
+                  kPushSpillBudget);
+    compile_clean(compiler, ops::detail::gemm_rs_kernel_spec(cfg(6, DType::kBF16, DType::kBF16), kArch,
+                                                             ops::GemmRsMode::kPush));  // 128x128: no spill
 }
 
 TEST(TpNvrtc, GemmArKernelsCompileClean) {

@@ -500,6 +500,39 @@ TEST(TpPlan, GemmRsChunkThatFitsNoConfigIsAnError) {
     EXPECT_EQ(p.configs[0], *o.config);
 }
 
+TEST(TpPlan, GemmRsModeIsPushWhereItAppliesElsePull) {
+    using ops::GemmRsMode;
+    const ops::GemmRsShape s{1024, 304, 512, DType::kBF16};
+    ops::GemmRsOptions o;
+    EXPECT_EQ(ops::detail::resolve_gemm_rs_mode(s, 4, o), GemmRsMode::kPush);
+    EXPECT_EQ(ops::detail::resolve_gemm_rs_mode(s, 8, o), GemmRsMode::kPush);
+    EXPECT_EQ(ops::detail::resolve_gemm_rs_mode({1024, 300, 512, DType::kBF16}, 4, o), GemmRsMode::kPull);  // n % 8
+    EXPECT_EQ(ops::detail::resolve_gemm_rs_mode({1008, 304, 512, DType::kBF16}, 9, o), GemmRsMode::kPull);  // > 8 ranks
+    o.mode = GemmRsMode::kPull;
+    EXPECT_EQ(ops::detail::resolve_gemm_rs_mode(s, 4, o), GemmRsMode::kPull);
+    o.mode = GemmRsMode::kAuto;
+    o.partial_dtype = DType::kF32;
+    EXPECT_EQ(ops::detail::resolve_gemm_rs_mode(s, 4, o), GemmRsMode::kPull);
+    o.mode = GemmRsMode::kPush;  // asked for and impossible: an error naming why, never a silent pull
+    expect_error([&] { ops::detail::resolve_gemm_rs_mode(s, 4, o); }, "partials in f32");
+    o.partial_dtype.reset();
+    o.reduce_ctas = 8;
+    expect_error([&] { ops::detail::resolve_gemm_rs_mode(s, 4, o); }, "reduction CTAs belong to the pull mode");
+    o.reduce_ctas = 0;
+    expect_error([&] { ops::detail::resolve_gemm_rs_mode({1024, 300, 512, DType::kBF16}, 4, o); },
+                 "n = 300 is not a multiple of 8");
+    EXPECT_EQ(ops::detail::resolve_gemm_rs_mode(s, 4, o), GemmRsMode::kPush);
+    // The push kernel names its hook; the pull kernel keeps its own.
+    const GemmConfig c = [] {
+        GemmConfig g = gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK);
+        g.cluster_m = g.cluster_n = 1;
+        return g;
+    }();
+    EXPECT_NE(ops::detail::gemm_rs_kernel_spec(c, "sm_90a", GemmRsMode::kPush).instantiation.find("RsPushHook"),
+              std::string::npos);
+    EXPECT_NE(ops::detail::gemm_rs_kernel_spec(c, "sm_90a").instantiation.find("RsGemmHook"), std::string::npos);
+}
+
 TEST(TpValidation, GemmArShapeAndCall) {
     const ops::GemmArShape s{128, 1000, 256, DType::kBF16};
     EXPECT_NO_THROW(ops::validate_gemm_ar_shape(s, 8));
@@ -521,6 +554,8 @@ TEST(TpValidation, ParamsAreTriviallyCopyable) {
     static_assert(std::is_trivially_copyable_v<RsGemmParams>);
     static_assert(std::is_trivially_copyable_v<RsGemmHookParams>);
     static_assert(std::is_trivially_copyable_v<RsReduceParams>);
+    static_assert(std::is_trivially_copyable_v<RsPushHookParams>);
+    static_assert(sizeof(RsPushHookParams) < 2048, "RsPushHookParams ride in the kernel's 4 KiB of parameters");
     static_assert(std::is_trivially_copyable_v<ArReduceParams>);
     SUCCEED();
 }

@@ -11,8 +11,9 @@
 //       done[W]                 done[s] += 1 by rank s's last GEMM tile: s finished call e (read every shard)
 //       epoch                   local; calls completed (advanced by the last GEMM tile)
 //   rs  counters[W * cpr]       on destination d: [source s][chunk c] += 1 per finished tile of s for d; zeroed
-//                               by d's reduction once complete, before it raises `released`
-//       released[W]             released[d] += 1 when rank d's reduction finished reading call e's partials
+//                               by d's reduction (pull mode) or d's last GEMM tile (push mode) once complete,
+//                               before it raises `released`
+//       released[W]             released[d] += 1 when rank d finished reading call e's partials
 //       gemm_calls, red_epoch   local; calls completed by the GEMM / by the reduction
 //   ar  ready[W], done[W]       += 1 per call: partial complete / finished reading every partial
 // Every wait compares with >= against a value derived from a device-side counter (never a host value frozen
@@ -69,6 +70,32 @@ struct RsGemmHookParams {
     uint32_t* tile_counter;  ///< local
     int32_t num_tiles;
     int32_t n;               ///< columns of the partial
+    uint64_t* gemm_calls;    ///< local
+};
+
+/// Most ranks GEMM+ReduceScatter's push mode serves (one tensor map per destination rides in the kernel's
+/// parameters).
+inline constexpr int kRsPushMaxRanks = 8;
+
+/// A CUtensorMap's bytes, as the host encoded it (the device reads it as ptx::TmaDescriptor).
+struct alignas(64) TmaMapBytes {
+    uint64_t words[16];
+};
+
+/// GEMM+ReduceScatter push-mode epilogue hook (RsPushHook) parameters. The kernel takes them as
+/// __grid_constant__: TMA stores read peer_maps in place (parameter space).
+struct RsPushHookParams {
+    TmaMapBytes peer_maps[kRsPushMaxRanks];  ///< [d]: rank d's receive slot for this rank, [rows_per_rank, n]
+    DeviceCtx ctx;
+    int64_t rows_per_rank;
+    int64_t chunk_rows;
+    const void* recv;        ///< symmetric [num_ranks * rows_per_rank, ldr]: slot s holds source s's partial
+    int64_t ldr;             ///< elements
+    uint64_t* counters;      ///< symmetric [num_ranks * chunks_per_rank] (indexed on the destination)
+    uint64_t* released;      ///< symmetric [num_ranks]
+    uint32_t* tile_counter;  ///< local
+    int32_t num_tiles;
+    int32_t n;               ///< columns of C
     uint64_t* gemm_calls;    ///< local
 };
 

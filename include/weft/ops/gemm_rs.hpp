@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
-// weft::ops::GemmRs: GEMM+ReduceScatter (row-parallel linear layer): the GEMM writes its partial tile by
-// tile in destination order and signals each tile; a reduction on a few SMs beside it sums the ranks'
-// partials of its own rows in fp32 as they complete.
+// weft::ops::GemmRs: GEMM+ReduceScatter (row-parallel linear layer): the GEMM computes its partial tile by
+// tile in destination order. Push mode: each peer's tiles go straight into that peer's buffer and each rank
+// adds the peers' partials to its own tiles in the epilogue. Pull mode: a reduction on a few SMs beside the
+// GEMM sums the ranks' partials of its own rows in fp32 as they complete.
 //
 //     weft::ops::GemmRs op(world, {.max_m = 8192, .n = 4096, .k = 1376, .dtype = weft::DType::kBF16});
 //     op.run(a /*[M, K/W]*/, b /*[N, K/W]*/, c /*[M/W, N]*/, stream);  // C = ReduceScatter(A * B^T)
@@ -35,12 +36,24 @@ struct GemmRsShape {
     DType dtype = DType::kBF16;  ///< of A, B and C: kBF16 or kF16
 };
 
+/// How the partials meet (kernels/gemm_rs/README.md draws both).
+enum class GemmRsMode {
+    kAuto,  ///< kPush where it applies (below), else kPull
+    kPull,  ///< the GEMM writes its partial locally; a reduction kernel on reduce_ctas SMs reads the peers'
+    kPush,  ///< the GEMM stores each peer's tiles into that peer's buffer (TMA over NVLink) and adds the peers'
+            ///< partials to its own tiles in the epilogue: no reduction kernel, every SM of the budget computes.
+            ///< Needs 16-bit partials (partial_dtype = shape.dtype), n a multiple of 8, at most
+            ///< kRsPushMaxRanks (8) ranks, and no reduce_ctas
+};
+const char* gemm_rs_mode_name(GemmRsMode mode);
+
 /// Knobs. Zero / empty: chosen from the problem and the device.
 struct GemmRsOptions {
+    GemmRsMode mode = GemmRsMode::kAuto;  ///< kAuto: kPush where it applies, else kPull
     std::optional<GemmConfig> config;   ///< the GEMM's tile config: cluster-free, in = shape.dtype, B [N,K]
     std::optional<DType> partial_dtype;  ///< the partials' dtype: shape.dtype (default) or kF32
     int64_t chunk_rows = 0;             ///< rows per counter: a multiple of the tile's rows; 0 = heuristic
-    int reduce_ctas = 0;                ///< CTAs of the reduction kernel; 0 = heuristic (budget/4, 1 .. 32; budget/8 when ranks share a GPU)
+    int reduce_ctas = 0;                ///< pull mode: CTAs of the reduction kernel; 0 = heuristic (budget/4, 1 .. 32; budget/8 when ranks share a GPU)
     int sm_budget = 0;                  ///< SMs for GEMM + reduction; 0 = World::sm_budget()
     bool autotune = false;              ///< tune the GEMM config on the first run(), as AgGemmOptions::autotune
 };
@@ -67,7 +80,8 @@ public:
     DType partial_dtype() const;
     int64_t chunk_rows() const;
     int gemm_grid() const;
-    int reduce_ctas() const;
+    int reduce_ctas() const;  ///< 0 in push mode
+    GemmRsMode mode() const;  ///< kPull or kPush (a world of one rank runs the plain GEMM in either)
 
     struct State;
 
@@ -93,7 +107,13 @@ struct GemmRsPlan {
 };
 GemmRsPlan plan_gemm_rs(const GemmRsShape& shape, int num_ranks, int gemm_budget, const GemmRsOptions& options);
 
-jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch = "");
+/// Why push mode cannot serve these options (empty: it can).
+std::string gemm_rs_push_unsupported(const GemmRsShape& shape, int num_ranks, const GemmRsOptions& options);
+/// kPull or kPush for these options; throws weft::Error when kPush is asked for and cannot serve them.
+GemmRsMode resolve_gemm_rs_mode(const GemmRsShape& shape, int num_ranks, const GemmRsOptions& options);
+
+jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch = "",
+                                    GemmRsMode mode = GemmRsMode::kPull);
 jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::string& arch = "");
 }  // namespace detail
 
