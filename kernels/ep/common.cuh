@@ -83,6 +83,20 @@ __device__ __forceinline__ uint4 f32_to_bf16x8(const float (&f)[8]) {
                  ptx::cvt_rn_bf16x2(f[6], f[7])};
 }
 
+/// Lane `lane_id()`'s U granules of the row chunk starting at granule `c0`: v[u] = src[c0 + 32 u + lane], or
+/// zero at and beyond granule `end`. Every load is issued before any value is used (weak accesses).
+// NOTE: a conversion right after each load makes ptxas reuse one set of registers and wait for each load in
+// turn (one load in flight per lane); the loads go first, into their own registers, for that reason.
+template <int U>
+__device__ __forceinline__ void warp_load_chunk(uint4 (&v)[U], const uint4* src, int c0, int end) {
+    const int lane = lane_id();
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int i = c0 + u * 32 + lane;
+        v[u] = i < end ? ptx::ld(src + i) : uint4{0, 0, 0, 0};
+    }
+}
+
 /// The calling warp copies one row of `granules` 16-byte granules (local to local; weak accesses).
 template <int U>
 __device__ __forceinline__ void warp_copy_row(uint4* dst, const uint4* src, int granules) {

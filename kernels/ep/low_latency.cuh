@@ -425,16 +425,15 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
                 left &= left - 1;
                 const float w = __shfl_sync(0xffffffffu, weight, j);
                 const auto* slot_row = reinterpret_cast<const uint4*>(base + static_cast<int64_t>(j) * g.hidden);
+                uint4 v[U];
+                warp_load_chunk<U>(v, slot_row, c0, g_end);  // all U loads in flight before the first use
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
-                    const int gi = c0 + u * 32 + lane;
-                    if (gi < g_end) {
-                        float f[8];
-                        bf16x8_to_f32(ptx::ld(slot_row + gi), f);
+                    float f[8];
+                    bf16x8_to_f32(v[u], f);
 #pragma unroll
-                        for (int q = 0; q < 8; ++q) {
-                            acc[u][q] = __fmaf_rn(w, f[q], acc[u][q]);
-                        }
+                    for (int q = 0; q < 8; ++q) {
+                        acc[u][q] = __fmaf_rn(w, f[q], acc[u][q]);
                     }
                 }
             }

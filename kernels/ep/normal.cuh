@@ -445,16 +445,15 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
                 const int32_t r = __shfl_sync(0xffffffffu, row, j);
                 const float w = __shfl_sync(0xffffffffu, weight, j);
                 const auto* src_row = reinterpret_cast<const uint4*>(a.y + static_cast<int64_t>(r) * a.y_stride);
+                uint4 v[U];
+                warp_load_chunk<U>(v, src_row, c0, granules);  // all U loads in flight before the first use
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
-                    const int gi = c0 + u * 32 + lane;
-                    if (gi < granules) {
-                        float f[8];
-                        bf16x8_to_f32(ptx::ld(src_row + gi), f);
+                    float f[8];
+                    bf16x8_to_f32(v[u], f);
 #pragma unroll
-                        for (int q = 0; q < 8; ++q) {
-                            acc[u][q] = __fmaf_rn(w, f[q], acc[u][q]);
-                        }
+                    for (int q = 0; q < 8; ++q) {
+                        acc[u][q] = __fmaf_rn(w, f[q], acc[u][q]);
                     }
                 }
             }
@@ -503,16 +502,15 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
                     const int r = r0 + l;
                     const auto* part = reinterpret_cast<const uint4*>(
                         a.landing + static_cast<int64_t>(sh.send_base[r] + idx) * hidden);
+                    uint4 v[U];
+                    warp_load_chunk<U>(v, part, c0, granules);  // all U loads in flight before the first use
 #pragma unroll
                     for (int u = 0; u < U; ++u) {
-                        const int gi = c0 + u * 32 + lane;
-                        if (gi < granules) {
-                            float f[8];
-                            bf16x8_to_f32(ptx::ld(part + gi), f);
+                        float f[8];
+                        bf16x8_to_f32(v[u], f);
 #pragma unroll
-                            for (int q = 0; q < 8; ++q) {
-                                acc[u][q] = __fadd_rn(acc[u][q], f[q]);
-                            }
+                        for (int q = 0; q < 8; ++q) {
+                            acc[u][q] = __fadd_rn(acc[u][q], f[q]);
                         }
                     }
                 }
