@@ -1,17 +1,20 @@
 // SPDX-License-Identifier: MIT
 // Unit tests of expert parallelism on the CPU: the host reference against brute force, config validation,
-// footprint and sizing maths, status messages, number formats, and NVRTC compilation of the kernels.
+// footprint and sizing maths, status messages, number formats, and NVRTC compilation of the kernels (with
+// the combines' row loads in flight together in SASS).
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <fstream>
 #include <map>
 #include <random>
+#include <regex>
 #include <set>
 #include <sstream>
 
 #include "support/ep_reference.hpp"
 #include "support/jit_testing.hpp"
+#include "support/sass_testing.hpp"
 #include "weft/jit/aot.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/aot.hpp"
@@ -435,6 +438,39 @@ TEST(EpNvrtc, KernelSpecsCompileForSm90a) {
         EXPECT_LE(r.ptxas_info.registers, 128) << s.describe() << ": 512 threads per block need <= 128 registers";
         EXPECT_EQ(r.ptxas_info.spill_store_bytes, 0) << s.describe() << "\n" << r.ptxas_info.text;
     }
+}
+
+// The combines' reductions (normal: the partial sums over a token's local rows and the sum of its partials;
+// low latency: the weighted sum over a token's slots) keep each lane's .unroll 16-byte row loads in flight
+// together. A conversion right after each load once made ptxas wait for them one by one (normal combine: one
+// load in flight, 71 GB/s against the dispatch's 158).
+TEST(EpNvrtc, CombineReductionsKeepTheirRowLoadsInFlight) {
+    weft::testing::TempDir cache("weft_ep_sass_cache");
+    jit::Compiler compiler(weft::testing::isolated_compiler_config(cache.path()));
+    const std::regex unroll_field(R"(\.unroll = (\d+))");
+    int checked = 0;
+    for (jit::KernelSpec s : kernel_specs()) {
+        if (s.describe() != "ep::normal_combine" && s.describe() != "ep::low_latency_combine") continue;
+        s.arch = "sm_90a";
+        const jit::CompileResult r = compiler.compile(s);
+        ASSERT_TRUE(r.cubin && !r.cubin->empty()) << s.describe() << "\n" << r.log;
+        weft::testing::expect_clean_ptxas_report(r.log, s.describe());
+        std::smatch m;
+        ASSERT_TRUE(std::regex_search(s.instantiation, m, unroll_field)) << s.instantiation;
+        const int unroll = std::stoi(m[1].str());
+        std::string tool, why_not;
+        const auto sass = weft::testing::disassemble(*r.cubin, &tool, &why_not);
+        if (sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << why_not;
+        const auto fn = sass.find(r.lowered_name);
+        ASSERT_NE(fn, sass.end()) << "no SASS for " << s.describe() << " (" << r.lowered_name << ", tool " << tool
+                                  << ")";
+        const int in_flight = weft::testing::max_loads_in_flight(fn->second, weft::testing::LoadUse::kComputed);
+        std::printf("[ SASS     ] %s: 16-byte row loads in flight together in its reduction: %d (unroll %d)\n",
+                    s.describe().c_str(), in_flight, unroll);
+        EXPECT_GE(in_flight, unroll) << s.describe() << ": the reduction's row loads wait for each other";
+        ++checked;
+    }
+    EXPECT_EQ(checked, 2) << "kernel_specs() no longer names ep::normal_combine and ep::low_latency_combine";
 }
 
 // weft/ptx/cvt.cuh emits the conversion instructions it promises (checked in the PTX).
