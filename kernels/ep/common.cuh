@@ -97,6 +97,34 @@ __device__ __forceinline__ void warp_load_chunk(uint4 (&v)[U], const uint4* src,
     }
 }
 
+/// acc[u][q] = fma(w, the q-th bf16 of v[u], acc[u][q]) (fp32, one rounding), for every u and q.
+template <int U>
+__device__ __forceinline__ void fma_bf16x8(float (&acc)[U][8], float w, const uint4 (&v)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        float f[8];
+        bf16x8_to_f32(v[u], f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            acc[u][q] = __fmaf_rn(w, f[q], acc[u][q]);
+        }
+    }
+}
+
+/// acc[u][q] += the q-th bf16 of v[u] (fp32, round to nearest even), for every u and q.
+template <int U>
+__device__ __forceinline__ void add_bf16x8(float (&acc)[U][8], const uint4 (&v)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        float f[8];
+        bf16x8_to_f32(v[u], f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            acc[u][q] = __fadd_rn(acc[u][q], f[q]);
+        }
+    }
+}
+
 /// The calling warp copies one row of `granules` 16-byte granules (local to local; weak accesses).
 template <int U>
 __device__ __forceinline__ void warp_copy_row(uint4* dst, const uint4* src, int granules) {
