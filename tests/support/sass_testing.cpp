@@ -157,7 +157,7 @@ std::map<std::string, std::string> disassemble(const std::vector<char>& cubin, s
     return out;
 }
 
-int max_loads_in_flight(const std::string& sass, LoadUse counted) {
+std::vector<int> loads_in_flight(const std::string& sass, LoadUse counted) {
     std::vector<std::string> lines;
     std::stringstream in(sass);
     for (std::string line; std::getline(in, line);) {
@@ -165,7 +165,7 @@ int max_loads_in_flight(const std::string& sass, LoadUse counted) {
     }
     const std::regex load(R"(LDG?\.E\.128\S*\s+(R\d+),)");
     const std::regex store(R"(\*/\s+(@!?U?P\w+\s+)?ST\w*\.)");  // ST, STG, STS, STL ... (optionally predicated)
-    int best = 0;
+    std::vector<int> out;
     for (size_t i = 0; i < lines.size(); ++i) {
         std::smatch m;
         if (!std::regex_search(lines[i], m, load)) continue;
@@ -184,9 +184,14 @@ int max_loads_in_flight(const std::string& sass, LoadUse counted) {
             in_flight += is_load;
         }
         if (counted == LoadUse::kComputed && stored) continue;
-        best = std::max(best, in_flight);
+        out.push_back(in_flight);
     }
-    return best;
+    return out;
+}
+
+int max_loads_in_flight(const std::string& sass, LoadUse counted) {
+    const std::vector<int> runs = loads_in_flight(sass, counted);
+    return runs.empty() ? 0 : *std::max_element(runs.begin(), runs.end());
 }
 
 }  // namespace weft::testing

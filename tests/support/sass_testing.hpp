@@ -28,10 +28,14 @@ std::map<std::string, std::string> disassemble(const std::vector<char>& cubin, s
 /// instruction other than a store (computed on, as in a reduction, rather than copied).
 enum class LoadUse { kAny, kComputed };
 
-/// Longest run of 16-byte global loads issued before the first of them is used, in a function's SASS: the
-/// loads whose values are in flight together. A register is "used" when a later instruction names it outside
-/// its own destination slot (the first operand of a load). With LoadUse::kComputed, only runs whose first
-/// load feeds a computation count (the other loads of the run are counted whatever their use).
+/// For each 16-byte global load of a function's SASS, in program order: how many 16-byte loads are issued from
+/// it (itself included) before its value is first used, i.e. how many loads are in flight together when the
+/// first of them is waited for. A register is "used" when a later instruction names it outside its own
+/// destination slot (the first operand of a load). With LoadUse::kComputed, only the loads that feed a
+/// computation are listed (the loads counted in each run are counted whatever their use).
+std::vector<int> loads_in_flight(const std::string& sass, LoadUse counted = LoadUse::kAny);
+
+/// The largest of loads_in_flight(sass, counted) (0 when the function has no such load).
 int max_loads_in_flight(const std::string& sass, LoadUse counted = LoadUse::kAny);
 
 }  // namespace weft::testing
