@@ -83,6 +83,48 @@ __device__ __forceinline__ uint4 f32_to_bf16x8(const float (&f)[8]) {
                  ptx::cvt_rn_bf16x2(f[6], f[7])};
 }
 
+/// Lane `lane_id()`'s U granules of the row chunk starting at granule `c0`: v[u] = src[c0 + 32 u + lane], or
+/// zero at and beyond granule `end`. Every load is issued before any value is used (weak accesses).
+// NOTE: a conversion right after each load makes ptxas reuse one set of registers and wait for each load in
+// turn (one load in flight per lane); the loads go first, into their own registers, for that reason.
+template <int U>
+__device__ __forceinline__ void warp_load_chunk(uint4 (&v)[U], const uint4* src, int c0, int end) {
+    const int lane = lane_id();
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int i = c0 + u * 32 + lane;
+        v[u] = i < end ? ptx::ld(src + i) : uint4{0, 0, 0, 0};
+    }
+}
+
+/// acc[u][q] = fma(w, the q-th bf16 of v[u], acc[u][q]) (fp32, one rounding), for every u and q.
+template <int U>
+__device__ __forceinline__ void fma_bf16x8(float (&acc)[U][8], float w, const uint4 (&v)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        float f[8];
+        bf16x8_to_f32(v[u], f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            acc[u][q] = __fmaf_rn(w, f[q], acc[u][q]);
+        }
+    }
+}
+
+/// acc[u][q] += the q-th bf16 of v[u] (fp32, round to nearest even), for every u and q.
+template <int U>
+__device__ __forceinline__ void add_bf16x8(float (&acc)[U][8], const uint4 (&v)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        float f[8];
+        bf16x8_to_f32(v[u], f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            acc[u][q] = __fadd_rn(acc[u][q], f[q]);
+        }
+    }
+}
+
 /// The calling warp copies one row of `granules` 16-byte granules (local to local; weak accesses).
 template <int U>
 __device__ __forceinline__ void warp_copy_row(uint4* dst, const uint4* src, int granules) {

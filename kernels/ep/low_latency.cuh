@@ -419,23 +419,27 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
                     acc[u][q] = 0.0f;
                 }
             }
+            // Two slots at a time: both rows' loads in flight before the first is accumulated (in slot order).
             uint32_t left = slots;
             while (left != 0) {
-                const int j = __ffs(left) - 1;
+                const int j0 = __ffs(left) - 1;
                 left &= left - 1;
-                const float w = __shfl_sync(0xffffffffu, weight, j);
-                const auto* slot_row = reinterpret_cast<const uint4*>(base + static_cast<int64_t>(j) * g.hidden);
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int gi = c0 + u * 32 + lane;
-                    if (gi < g_end) {
-                        float f[8];
-                        bf16x8_to_f32(ptx::ld(slot_row + gi), f);
-#pragma unroll
-                        for (int q = 0; q < 8; ++q) {
-                            acc[u][q] = __fmaf_rn(w, f[q], acc[u][q]);
-                        }
-                    }
+                const bool two = left != 0;  // warp-uniform
+                const int j1 = two ? __ffs(left) - 1 : j0;
+                if (two) {
+                    left &= left - 1;
+                }
+                const float w0 = __shfl_sync(0xffffffffu, weight, j0);
+                const float w1 = __shfl_sync(0xffffffffu, weight, j1);
+                uint4 v0[U];
+                uint4 v1[U];
+                warp_load_chunk<U>(v0, reinterpret_cast<const uint4*>(base + static_cast<int64_t>(j0) * g.hidden), c0,
+                                   g_end);
+                warp_load_chunk<U>(v1, reinterpret_cast<const uint4*>(base + static_cast<int64_t>(j1) * g.hidden), c0,
+                                   two ? g_end : 0);  // end 0: no loads
+                fma_bf16x8<U>(acc, w0, v0);
+                if (two) {
+                    fma_bf16x8<U>(acc, w1, v1);
                 }
             }
 #pragma unroll

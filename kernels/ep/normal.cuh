@@ -438,24 +438,29 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
                     acc[u][q] = 0.0f;
                 }
             }
+            // Two rows at a time: both rows' loads in flight before the first is accumulated (in slot order).
             uint32_t left = rows;
             while (left != 0) {
-                const int j = __ffs(left) - 1;
+                const int j0 = __ffs(left) - 1;
                 left &= left - 1;
-                const int32_t r = __shfl_sync(0xffffffffu, row, j);
-                const float w = __shfl_sync(0xffffffffu, weight, j);
-                const auto* src_row = reinterpret_cast<const uint4*>(a.y + static_cast<int64_t>(r) * a.y_stride);
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int gi = c0 + u * 32 + lane;
-                    if (gi < granules) {
-                        float f[8];
-                        bf16x8_to_f32(ptx::ld(src_row + gi), f);
-#pragma unroll
-                        for (int q = 0; q < 8; ++q) {
-                            acc[u][q] = __fmaf_rn(w, f[q], acc[u][q]);
-                        }
-                    }
+                const bool two = left != 0;  // warp-uniform
+                const int j1 = two ? __ffs(left) - 1 : j0;
+                if (two) {
+                    left &= left - 1;
+                }
+                const int32_t row0 = __shfl_sync(0xffffffffu, row, j0);
+                const int32_t row1 = __shfl_sync(0xffffffffu, row, j1);
+                const float w0 = __shfl_sync(0xffffffffu, weight, j0);
+                const float w1 = __shfl_sync(0xffffffffu, weight, j1);
+                uint4 v0[U];
+                uint4 v1[U];
+                warp_load_chunk<U>(v0, reinterpret_cast<const uint4*>(a.y + static_cast<int64_t>(row0) * a.y_stride),
+                                   c0, granules);
+                warp_load_chunk<U>(v1, reinterpret_cast<const uint4*>(a.y + static_cast<int64_t>(row1) * a.y_stride),
+                                   c0, two ? granules : 0);  // end 0: no loads
+                fma_bf16x8<U>(acc, w0, v0);
+                if (two) {
+                    fma_bf16x8<U>(acc, w1, v1);
                 }
             }
 #pragma unroll
@@ -496,24 +501,28 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
             for (int r0 = 0; r0 < num_ranks; r0 += 32) {
                 const int32_t my_idx = r0 + lane < num_ranks ? sidx[r0 + lane] : -1;
                 uint32_t present = __ballot_sync(0xffffffffu, my_idx >= 0);
+                // Two partials at a time: both rows' loads in flight before the first is added (in rank order).
                 while (present != 0) {
-                    const int l = __ffs(present) - 1;
+                    const int l0 = __ffs(present) - 1;
                     present &= present - 1;
-                    const int32_t idx = __shfl_sync(0xffffffffu, my_idx, l);
-                    const int r = r0 + l;
-                    const auto* part = reinterpret_cast<const uint4*>(
-                        a.landing + static_cast<int64_t>(sh.send_base[r] + idx) * hidden);
-#pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        const int gi = c0 + u * 32 + lane;
-                        if (gi < granules) {
-                            float f[8];
-                            bf16x8_to_f32(ptx::ld(part + gi), f);
-#pragma unroll
-                            for (int q = 0; q < 8; ++q) {
-                                acc[u][q] = __fadd_rn(acc[u][q], f[q]);
-                            }
-                        }
+                    const bool two = present != 0;  // warp-uniform
+                    const int l1 = two ? __ffs(present) - 1 : l0;
+                    if (two) {
+                        present &= present - 1;
+                    }
+                    const int32_t idx0 = __shfl_sync(0xffffffffu, my_idx, l0);
+                    const int32_t idx1 = __shfl_sync(0xffffffffu, my_idx, l1);
+                    const auto* part0 = reinterpret_cast<const uint4*>(
+                        a.landing + static_cast<int64_t>(sh.send_base[r0 + l0] + idx0) * hidden);
+                    const auto* part1 = reinterpret_cast<const uint4*>(
+                        a.landing + static_cast<int64_t>(sh.send_base[r0 + l1] + idx1) * hidden);
+                    uint4 v0[U];
+                    uint4 v1[U];
+                    warp_load_chunk<U>(v0, part0, c0, granules);
+                    warp_load_chunk<U>(v1, part1, c0, two ? granules : 0);  // end 0: no loads
+                    add_bf16x8<U>(acc, v0);
+                    if (two) {
+                        add_bf16x8<U>(acc, v1);
                     }
                 }
             }

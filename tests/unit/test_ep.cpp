@@ -1,17 +1,21 @@
 // SPDX-License-Identifier: MIT
 // Unit tests of expert parallelism on the CPU: the host reference against brute force, config validation,
-// footprint and sizing maths, status messages, number formats, and NVRTC compilation of the kernels.
+// footprint and sizing maths, status messages, number formats, and NVRTC compilation of the kernels (with
+// the combines' row loads in flight together in SASS).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <map>
 #include <random>
+#include <regex>
 #include <set>
 #include <sstream>
 
 #include "support/ep_reference.hpp"
 #include "support/jit_testing.hpp"
+#include "support/sass_testing.hpp"
 #include "weft/jit/aot.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/aot.hpp"
@@ -435,6 +439,55 @@ TEST(EpNvrtc, KernelSpecsCompileForSm90a) {
         EXPECT_LE(r.ptxas_info.registers, 128) << s.describe() << ": 512 threads per block need <= 128 registers";
         EXPECT_EQ(r.ptxas_info.spill_store_bytes, 0) << s.describe() << "\n" << r.ptxas_info.text;
     }
+}
+
+// The combines' reductions (normal: the partial sums over a received token's local rows and the sum of a
+// token's partials; low latency: the weighted sum over a token's slots) load two rows' chunks, each lane's
+// .unroll 16-byte granules of each, before accumulating the first: in SASS, every reduction loop must keep
+// 2 x unroll loads in flight together. A conversion right after each load once made ptxas wait for them one
+// by one (normal combine: one load in flight, 71 GB/s against the dispatch's 158).
+TEST(EpNvrtc, CombineReductionsKeepTheirRowLoadsInFlight) {
+    struct Want {
+        const char* kernel;
+        int reductions;  // reduction loops in the kernel
+    };
+    const Want wants[] = {{"ep::normal_combine", 2}, {"ep::low_latency_combine", 1}};
+    weft::testing::TempDir cache("weft_ep_sass_cache");
+    jit::Compiler compiler(weft::testing::isolated_compiler_config(cache.path()));
+    const std::regex unroll_field(R"(\.unroll = (\d+))");
+    int checked = 0;
+    for (jit::KernelSpec s : kernel_specs()) {
+        const Want* want = nullptr;
+        for (const Want& w : wants) {
+            if (s.describe() == w.kernel) want = &w;
+        }
+        if (want == nullptr) continue;
+        s.arch = "sm_90a";
+        const jit::CompileResult r = compiler.compile(s);
+        ASSERT_TRUE(r.cubin && !r.cubin->empty()) << s.describe() << "\n" << r.log;
+        weft::testing::expect_clean_ptxas_report(r.log, s.describe());
+        std::smatch m;
+        ASSERT_TRUE(std::regex_search(s.instantiation, m, unroll_field)) << s.instantiation;
+        const int unroll = std::stoi(m[1].str());
+        std::string tool, why_not;
+        const auto sass = weft::testing::disassemble(*r.cubin, &tool, &why_not);
+        if (sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << why_not;
+        const auto fn = sass.find(r.lowered_name);
+        ASSERT_NE(fn, sass.end()) << "no SASS for " << s.describe() << " (" << r.lowered_name << ", tool " << tool
+                                  << ")";
+        const std::vector<int> runs = weft::testing::loads_in_flight(fn->second, weft::testing::LoadUse::kComputed);
+        const int most = runs.empty() ? 0 : *std::max_element(runs.begin(), runs.end());
+        // A group of n loads in flight together shows as runs n, n - 1, ..., 1: count the groups' heads.
+        const auto groups = std::count_if(runs.begin(), runs.end(), [&](int n) { return n >= 2 * unroll; });
+        std::printf("[ SASS     ] %s: at most %d 16-byte row loads in flight together in its reductions; %d group(s) "
+                    "of >= %d (unroll %d)\n",
+                    s.describe().c_str(), most, static_cast<int>(groups), 2 * unroll, unroll);
+        EXPECT_GE(most, 2 * unroll) << s.describe() << ": the reductions' row loads wait for each other";
+        EXPECT_GE(groups, want->reductions)
+            << s.describe() << ": a reduction loop keeps fewer than 2 x unroll row loads in flight";
+        ++checked;
+    }
+    EXPECT_EQ(checked, 2) << "kernel_specs() no longer names ep::normal_combine and ep::low_latency_combine";
 }
 
 // weft/ptx/cvt.cuh emits the conversion instructions it promises (checked in the PTX).
