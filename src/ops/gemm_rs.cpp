@@ -119,11 +119,16 @@ std::string gemm_rs_push_unsupported(const GemmRsShape& shape, int num_ranks, co
     return why.str();
 }
 
-GemmRsMode resolve_gemm_rs_mode(const GemmRsShape& shape, int num_ranks, const GemmRsOptions& options) {
+GemmRsMode resolve_gemm_rs_mode(const GemmRsShape& shape, int num_ranks, const GemmRsOptions& options,
+                                bool ranks_share_a_gpu) {
     if (options.mode == GemmRsMode::kPull) return GemmRsMode::kPull;
     const std::string why = gemm_rs_push_unsupported(shape, num_ranks, options);
     WEFT_CHECK(options.mode != GemmRsMode::kPush || why.empty(),
                "gemm_rs: options.mode = push cannot serve " << why << "; use GemmRsMode::kPull or kAuto");
+    // NOTE: kAuto keeps ranks that share a GPU on the pull mode: there, push calls launched back to back
+    // without host synchronisation time out (2026-11-29, TpGemmRs.BackToBackPushCallsWithoutHostSync on one
+    // H200; cause open, kernels/gemm_rs/README.md). Eager calls and one rank per GPU pass.
+    if (options.mode == GemmRsMode::kAuto && ranks_share_a_gpu) return GemmRsMode::kPull;
     return why.empty() ? GemmRsMode::kPush : GemmRsMode::kPull;
 }
 
@@ -225,7 +230,7 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     validate_gemm_rs_shape(shape, s.num_ranks, options);
     s.budget = options.sm_budget > 0 ? std::min(options.sm_budget, tp_detail::device_sm_count()) : world.sm_budget();
     s.partial_dtype = options.partial_dtype.value_or(shape.dtype);
-    s.mode = detail::resolve_gemm_rs_mode(shape, s.num_ranks, options);
+    s.mode = detail::resolve_gemm_rs_mode(shape, s.num_ranks, options, world.num_ranks_on_device() > 1);
     if (s.num_ranks > 1 && s.mode == GemmRsMode::kPull) {
         WEFT_CHECK(s.budget >= 2, "gemm_rs: the SM budget must be >= 2 (GEMM + reduction), got " << s.budget);
         s.reduce_ctas = options.reduce_ctas > 0 ? options.reduce_ctas

@@ -215,7 +215,7 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         EXPECT_LE(c.plan.grid, 132);
     }
 
-    // M <= small_m_max_m (default 16) with B [N,K]: the three small-M variants join; the heuristic (small-M,
+    // M <= small_m_max_m (default 32) with B [N,K]: the three small-M variants join; the heuristic (small-M,
     // variant 2 by default) still comes first.
     const GemmProblem small = problem(16, 8192, 8192);
     const auto sc = gemm_tune_candidates(small, 132, {});
@@ -234,8 +234,8 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
     EXPECT_EQ(gemm_tune_candidates(small, 132, no_small).size(), static_cast<size_t>(kGemmNumCandidates));
     EXPECT_EQ(gemm_tune_candidates(problem(16, 8192, 8192, BLayout::kKN), 132, {}).size(),
               static_cast<size_t>(kGemmNumCandidates));
-    // M = 17..64: only where small_m_max_m lets the small-M path serve it (as plan_gemm).
-    for (int64_t m : {17, 40, 64}) {
+    // M = 33..64: only where small_m_max_m lets the small-M path serve it (as plan_gemm).
+    for (int64_t m : {33, 40, 64}) {
         SCOPED_TRACE("M = " + std::to_string(m));
         const GemmProblem mid = problem(m, 8192, 8192);
         const auto mc = gemm_tune_candidates(mid, 132, {});
@@ -248,10 +248,10 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         const auto mc64 = gemm_tune_candidates(mid, 132, up_to_64);
         ASSERT_EQ(mc64.size(), static_cast<size_t>(kGemmNumCandidates) + 3);
         EXPECT_EQ(mc64[0].name, "small_m_v2");
-        GemmOptions up_to_32;
-        up_to_32.small_m_max_m = 32;
-        EXPECT_EQ(gemm_tune_candidates(mid, 132, up_to_32).size(),
-                  static_cast<size_t>(kGemmNumCandidates) + (m <= 32 ? 3 : 0));
+        GemmOptions up_to_48;
+        up_to_48.small_m_max_m = 48;
+        EXPECT_EQ(gemm_tune_candidates(mid, 132, up_to_48).size(),
+                  static_cast<size_t>(kGemmNumCandidates) + (m <= 48 ? 3 : 0));
     }
 
     // A budget of one SM leaves no room for cluster pairs.

@@ -288,14 +288,14 @@ TEST(GemmPlan, SmallMVariant2FillsOneWaveOfItsShape) {
     expect_error_mentions([&] { (void)ops::gemm_workspace_bytes(tiny, 2, 3); }, "small_m_variant must be in [0, 2]");
 }
 
-// small_m_max_m bounds the M the small-M path takes (default 16: above it the tiled kernel, which streams B once
+// small_m_max_m bounds the M the small-M path takes (default 32: above it the tiled kernel, which streams B once
 // for any M <= 128, is faster than the small-M kernels at M = 64); out-of-range values are an error.
 TEST(GemmPlan, SmallMMaxMBoundsTheSmallMPath) {
-    EXPECT_EQ(ops::GemmOptions{}.small_m_max_m, 16);
-    ops::GemmProblem p{16, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
+    EXPECT_EQ(ops::GemmOptions{}.small_m_max_m, 32);
+    ops::GemmProblem p{32, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
     EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kSmallM);
     EXPECT_TRUE(ops::gemm_allows_small_m(p, {}));
-    p.m = 17;
+    p.m = 33;
     EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kTiled);
     EXPECT_FALSE(ops::gemm_allows_small_m(p, {}));
     p.m = 64;

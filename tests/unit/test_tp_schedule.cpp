@@ -506,6 +506,7 @@ TEST(TpPlan, GemmRsModeIsPushWhereItAppliesElsePull) {
     ops::GemmRsOptions o;
     EXPECT_EQ(ops::detail::resolve_gemm_rs_mode(s, 4, o), GemmRsMode::kPush);
     EXPECT_EQ(ops::detail::resolve_gemm_rs_mode(s, 8, o), GemmRsMode::kPush);
+    EXPECT_EQ(ops::detail::resolve_gemm_rs_mode(s, 4, o, /*ranks_share_a_gpu=*/true), GemmRsMode::kPull);
     EXPECT_EQ(ops::detail::resolve_gemm_rs_mode({1024, 300, 512, DType::kBF16}, 4, o), GemmRsMode::kPull);  // n % 8
     EXPECT_EQ(ops::detail::resolve_gemm_rs_mode({1008, 304, 512, DType::kBF16}, 9, o), GemmRsMode::kPull);  // > 8 ranks
     o.mode = GemmRsMode::kPull;
@@ -522,6 +523,7 @@ TEST(TpPlan, GemmRsModeIsPushWhereItAppliesElsePull) {
     expect_error([&] { ops::detail::resolve_gemm_rs_mode({1024, 300, 512, DType::kBF16}, 4, o); },
                  "n = 300 is not a multiple of 8");
     EXPECT_EQ(ops::detail::resolve_gemm_rs_mode(s, 4, o), GemmRsMode::kPush);
+    EXPECT_EQ(ops::detail::resolve_gemm_rs_mode(s, 4, o, /*ranks_share_a_gpu=*/true), GemmRsMode::kPush);  // asked for
     // The push kernel names its hook; the pull kernel keeps its own.
     const GemmConfig c = [] {
         GemmConfig g = gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK);

@@ -41,10 +41,10 @@ struct GemmOptions {
     std::optional<GemmConfig> config;  ///< force this tiled-kernel config (dtypes/layout must match the call)
     bool allow_small_m = true;         ///< let M <= small_m_max_m with B [N,K] take the split-K small-M path
     /// The largest M the heuristic sends to the small-M path (0..kGemvMaxM = 64; above it: the tiled kernel,
-    /// which streams B once for any M <= 128). Default 16: measured on an H200 (bf16, N = K = 8192), the best
-    /// small-M kernel takes 41.0 us at M = 1, 46.9 us at M = 16 but 106.7 us at M = 64, while the tiled path
-    /// takes 46.5 us at M = 128. Set 64 to keep M 17..64 on the small-M path (gemm_ar does; tests do).
-    int small_m_max_m = 16;
+    /// which streams B once for any M <= 128). Default 32: measured on an H200 (bf16, N = K = 8192, 2026-11-29),
+    /// the small-M kernel takes 41.5 us at M = 1, 45.7 us at M = 16, 52.9 us at M = 32 (tiled: 75.7 us) but
+    /// 106.7 us at M = 64 (tiled: 66.3 us). Set 64 to keep M 33..64 on the small-M path (gemm_ar does).
+    int small_m_max_m = 32;
     int small_m_splits = 0;            ///< force the small-M path's split count (0 = heuristic)
     /// Small-M kernel (gemv_shape in weft/common/gemm_config.hpp, kernels/gemm/gemv_sm90.cuh): 2 = a register
     /// ring keeping 8-12 B loads in flight per warp (default); 1 = 8 columns per warp, 1 KiB contiguous per

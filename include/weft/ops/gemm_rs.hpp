@@ -38,7 +38,7 @@ struct GemmRsShape {
 
 /// How the partials meet (kernels/gemm_rs/README.md draws both).
 enum class GemmRsMode {
-    kAuto,  ///< kPush where it applies (below), else kPull
+    kAuto,  ///< kPush where it applies (below) and each rank has a GPU of its own, else kPull
     kPull,  ///< the GEMM writes its partial locally; a reduction kernel on reduce_ctas SMs reads the peers'
     kPush,  ///< the GEMM stores each peer's tiles into that peer's buffer (TMA over NVLink) and adds the peers'
             ///< partials to its own tiles in the epilogue: no reduction kernel, every SM of the budget computes.
@@ -49,7 +49,7 @@ const char* gemm_rs_mode_name(GemmRsMode mode);
 
 /// Knobs. Zero / empty: chosen from the problem and the device.
 struct GemmRsOptions {
-    GemmRsMode mode = GemmRsMode::kAuto;  ///< kAuto: kPush where it applies, else kPull
+    GemmRsMode mode = GemmRsMode::kAuto;  ///< kAuto: kPush where it applies (one rank per GPU), else kPull
     std::optional<GemmConfig> config;   ///< the GEMM's tile config: cluster-free, in = shape.dtype, B [N,K]
     std::optional<DType> partial_dtype;  ///< the partials' dtype: shape.dtype (default) or kF32
     int64_t chunk_rows = 0;             ///< rows per counter: a multiple of the tile's rows; 0 = heuristic
@@ -110,7 +110,9 @@ GemmRsPlan plan_gemm_rs(const GemmRsShape& shape, int num_ranks, int gemm_budget
 /// Why push mode cannot serve these options (empty: it can).
 std::string gemm_rs_push_unsupported(const GemmRsShape& shape, int num_ranks, const GemmRsOptions& options);
 /// kPull or kPush for these options; throws weft::Error when kPush is asked for and cannot serve them.
-GemmRsMode resolve_gemm_rs_mode(const GemmRsShape& shape, int num_ranks, const GemmRsOptions& options);
+/// kAuto picks kPull for ranks that share a GPU (see GemmRsMode::kAuto).
+GemmRsMode resolve_gemm_rs_mode(const GemmRsShape& shape, int num_ranks, const GemmRsOptions& options,
+                                bool ranks_share_a_gpu = false);
 
 jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch = "",
                                     GemmRsMode mode = GemmRsMode::kPull);
