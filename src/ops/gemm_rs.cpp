@@ -32,9 +32,9 @@ int64_t default_chunk_rows(int64_t rows_per_rank, int tile_m) {
 }
 
 int default_reduce_ctas(int budget, bool shared_gpu) {
-    // One rank per GPU: 32 of 132 SMs measured best on two H200s (8192x4096x11008: 0.81 ms at 32 CTAs, 1.36 ms
-    // at 16, 0.90 ms at 64); the largest shape lost ~9% against 16 (the GEMM keeps fewer SMs).
-    const int r = shared_gpu ? std::max(1, budget / 8) : std::clamp(budget / 4, 1, 32);
+    // One rank per GPU: 16 of 132 SMs measured best on two H200s once the reduction kept its loads in flight
+    // (2026-11-29: 4 of the 5 bench shapes fastest at 16 rather than 32 or 64; the GEMM keeps more SMs).
+    const int r = shared_gpu ? std::max(1, budget / 8) : std::clamp(budget / 8, 1, 16);
     return std::min(r, budget - 1);
 }
 }  // namespace
