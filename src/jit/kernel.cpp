@@ -101,6 +101,16 @@ Kernel::PerContext& Kernel::state_for_current_context() const {
     WEFT_CU_CHECK(api.cuCtxGetDevice(&device));
     WEFT_CU_CHECK(api.cuDeviceGetAttribute(&state->optin_smem_bytes, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
                                            device));
+    // NOTE: the dynamic shared memory limit is raised to the device's opt-in maximum here, at load, and not
+    // at the first launch that needs it: a first launch can come while a spinning kernel of another stream
+    // (a fused op's reduction, a peer rank's GEMM on a shared GPU) waits for the kernel being launched, and a
+    // driver call there must not wait for the device. (The limit permits; each launch still asks for its own.)
+    const int optin_dynamic = state->optin_smem_bytes - state->static_smem_bytes;
+    if (optin_dynamic > state->max_dynamic_smem_bytes) {
+        WEFT_CU_CHECK(api.cuFuncSetAttribute(state->function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                             optin_dynamic));
+        state->max_dynamic_smem_bytes = optin_dynamic;
+    }
     contexts_.push_back(std::move(state));
     return *contexts_.back();
 }

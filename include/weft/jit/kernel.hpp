@@ -22,7 +22,7 @@ namespace weft::jit {
 struct LaunchParams {
     dim3 grid{1, 1, 1};
     dim3 block{1, 1, 1};
-    size_t dynamic_smem_bytes = 0;  ///< above 48 KiB the opt-in attribute is raised automatically
+    size_t dynamic_smem_bytes = 0;  ///< up to the device's opt-in maximum (the limit is raised at load)
     cudaStream_t stream = nullptr;
     std::optional<dim3> cluster = std::nullopt;
 };
