@@ -277,7 +277,9 @@ TEST(TpGemmRs, DISABLED_BackToBackPushCallsRanksSharingAGpu) {
     back_to_back_worlds(two, three);
 }
 
-TEST(TpGemmRs, GraphReplayWithoutReset) { run_world(3, {cases()[0], cases()[2]}, {DType::kBF16}, 4, Mode::kGraph); }
+TEST(TpGemmRs, GraphReplayWithoutReset) {
+    run_world(3, {cases()[0], cases()[2], cases()[6] /* push */}, {DType::kBF16}, 4, Mode::kGraph);
+}
 
 }  // namespace
 }  // namespace weft
