@@ -323,6 +323,25 @@ RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorV
                     const TensorView& c);
 void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream);
 
+/// The fields that the push hook's, the pull hook's and the reduction's parameters share.
+template <class Params>
+void set_shared_fields(Params& p, const GemmRs::State& s, int64_t rows) {
+    p.ctx = s.ctx;
+    p.rows_per_rank = rows;
+    p.chunk_rows = s.chunk_rows;
+    p.counters = s.counters;
+}
+
+/// ... and those both GEMM hooks' parameters share.
+template <class Params>
+void set_hook_fields(Params& p, const GemmRs::State& s, int64_t rows, const RsGemmOrder& order, int32_t n) {
+    set_shared_fields(p, s, rows);
+    p.tile_counter = s.tile_counter;
+    p.num_tiles = order.num_tiles();
+    p.n = n;
+    p.gemm_calls = s.gemm_calls;
+}
+
 }  // namespace
 
 void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream) {
@@ -397,26 +416,17 @@ RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorV
                 detail::make_gemm_store_map(config, TensorView(slot, s.partial_dtype, {rows, s.shape.n}, {s.ldp, 1}));
             std::memcpy(&ph.peer_maps[d], &map, sizeof(map));
         }
-        ph.ctx = s.ctx;
-        ph.rows_per_rank = rows;
-        ph.chunk_rows = s.chunk_rows;
+        set_hook_fields(ph, s, rows, order, n);
         ph.recv = s.partial;
         ph.ldr = s.ldp;
-        ph.counters = s.counters;
         ph.released = s.released;
-        ph.tile_counter = s.tile_counter;
-        ph.num_tiles = order.num_tiles();
-        ph.n = n;
-        ph.gemm_calls = s.gemm_calls;
         call.grid = std::max(1, std::min(s.budget, order.num_tiles()));
         return call;
     }
 
     // The reduction beside the GEMM, on the side stream.
     RsReduceParams& rp = call.reduce;
-    rp.ctx = s.ctx;
-    rp.rows_per_rank = rows;
-    rp.chunk_rows = s.chunk_rows;
+    set_shared_fields(rp, s, rows);
     rp.n = n;
     rp.tile_m = config.tile_m;
     rp.tile_n = config.tile_n;
@@ -426,22 +436,13 @@ RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorV
     rp.lda = s.lda;
     rp.out = c.data;
     rp.ldc = c.stride(0);
-    rp.counters = s.counters;
     rp.released = s.released;
     rp.epoch = s.red_epoch;
     rp.exit_count = s.exit_count;
 
     // The GEMM on the caller's stream: partial tiles in destination order, each signalled.
     call.maps = detail::make_gemm_tensor_maps(config, a, b, partial);
-    RsGemmHookParams& hook = call.hook;
-    hook.ctx = s.ctx;
-    hook.rows_per_rank = rows;
-    hook.chunk_rows = s.chunk_rows;
-    hook.counters = s.counters;
-    hook.tile_counter = s.tile_counter;
-    hook.num_tiles = order.num_tiles();
-    hook.n = n;
-    hook.gemm_calls = s.gemm_calls;
+    set_hook_fields(call.hook, s, rows, order, n);
     call.grid = std::max(1, std::min(s.budget - s.reduce_ctas, order.num_tiles()));
     return call;
 }
