@@ -105,11 +105,20 @@ Kernel::PerContext& Kernel::state_for_current_context() const {
     // at the first launch that needs it: a first launch can come while a spinning kernel of another stream
     // (a fused op's reduction, a peer rank's GEMM on a shared GPU) waits for the kernel being launched, and a
     // driver call there must not wait for the device. (The limit permits; each launch still asks for its own.)
+    // Should the driver refuse (not seen), the first launch that needs more raises the limit as before.
     const int optin_dynamic = state->optin_smem_bytes - state->static_smem_bytes;
     if (optin_dynamic > state->max_dynamic_smem_bytes) {
-        WEFT_CU_CHECK(api.cuFuncSetAttribute(state->function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                             optin_dynamic));
-        state->max_dynamic_smem_bytes = optin_dynamic;
+        const CUresult r =
+            api.cuFuncSetAttribute(state->function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin_dynamic);
+        if (r == CUDA_SUCCESS) {
+            state->max_dynamic_smem_bytes = optin_dynamic;
+        } else {
+            const char* name = "?";
+            api.cuGetErrorName(r, &name);
+            WEFT_LOG_WARN("jit: raising the dynamic shared memory limit of " << description_ << " to " << optin_dynamic
+                                                                            << " bytes at load failed (" << name
+                                                                            << "); it is raised at the first launch");
+        }
     }
     contexts_.push_back(std::move(state));
     return *contexts_.back();
