@@ -91,7 +91,6 @@ private:
         size_t next = 0;              // GEMM: next tile; reduce: next (phase, chunk) pair
         int stage = 0;                // GEMM: 0 first-load wait, 1 notify previous, 2 own-tile add, 3 store
         bool waited = false;
-        uint64_t calls_seen = 0;
         bool has_pending = false;
         GemmTile pending{};
         bool done = false;
@@ -224,10 +223,7 @@ private:
         const int dest = o.dest_of(t);
         switch (c.stage) {
             case 0:  // the first load of the CTA waits (can_step checked released); later tiles pass
-                if (!c.waited) {
-                    c.waited = true;
-                    c.calls_seen = gemm_calls_[static_cast<size_t>(r)];
-                }
+                c.waited = true;
                 c.stage = 1;
                 return;
             case 1:  // mainloop done: the previous tile's stores are complete, notify it
