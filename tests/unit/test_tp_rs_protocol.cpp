@@ -319,7 +319,7 @@ TEST(TpRsProtocol, PullModeNeverDeadlocksNorReadsAnotherCallsPartial) {
 
 // The model can fail: without the first-load wait a fast rank overwrites a partial before its reader read it.
 TEST(TpRsProtocol, TheModelCatchesAMissingReleaseWait) {
-    // A GEMM grid of one CTA and calls of one tile row make the race certain to show in some schedule.
+    // One CTA per tile and calls of one tile row: over 200 schedules some fast rank overwrites a slot early.
     const RsSetup s{Mode::kPush, 2, 128, 1000, 0, {128, 128, 128, 128}};
     int caught = 0;
     for (int i = 0; i < 200; ++i) {
