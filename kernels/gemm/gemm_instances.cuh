@@ -28,7 +28,7 @@ void register_gemv_instance() {
     constexpr GemvShape kShape = gemv_shape(kVariant, kMTiles);
     ops::detail::register_gemv_kernel(
         kMTiles, kIn, kOut, kVariant,
-        reinterpret_cast<const void*>(&gemv_kernel<kMTiles, kIn, kOut, kShape.n_tiles, kShape.stages>));
+        reinterpret_cast<const void*>(&gemv_kernel<kMTiles, kIn, kOut, kShape.n_tiles, kShape.stages, kShape.bulk>));
 }
 
 template <DType kIn, DType kOut, int kVariant>
@@ -46,6 +46,7 @@ void register_dtype_instances() {
     register_gemv_instances<kIn, kOut, 0>();
     register_gemv_instances<kIn, kOut, 1>();
     register_gemv_instances<kIn, kOut, 2>();
+    register_gemv_instances<kIn, kOut, 3>();
 }
 
 }  // namespace detail

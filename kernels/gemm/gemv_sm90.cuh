@@ -21,11 +21,26 @@
 //            waits for the first of them. __launch_bounds__ with a minimum of CTAs per
 //            SM caps the registers, so the planned occupancy holds (tests/unit/test_gemm_nvrtc.cpp checks the
 //            SASS: no spills, loads outstanding at the loop's first MMA).
+//   variant 3 (bulk): B's and A's rows of each 256-wide k stage come into a shared-memory ring by TMA (four
+//            64-wide 2D boxes per operand and stage, one thread issues them), completing on an mbarrier per
+//            stage: the bytes in flight no longer depend on registers. Every warp covers all the CTA's columns
+//            for its quarter of each stage's k (so shared memory is read once per byte), and the warps' sums
+//            are added once at the end. (One 1D bulk copy per row and stage, tried first, ran at half the
+//            speed of variant 2: each copy costs the SM's copy unit ~80 cycles, kernels/gemm/README.md.)
 #pragma once
 
 #include "weft/common/gemm_config.hpp"
+#include "weft/ptx/mbarrier.cuh"
+#include "weft/ptx/tma.cuh"
 
 namespace weft::gemm {
+
+/// Variant 3's tensor maps (A [M,K] with 64 x 16 kMTiles boxes, B [N,K] with 64 x 32 kNTiles boxes, both
+/// 128-byte swizzled); the other variants take them too (one signature) and ignore them.
+struct GemvMaps {
+    ptx::TmaDescriptor a;
+    ptx::TmaDescriptor b;
+};
 
 namespace detail {
 
@@ -289,55 +304,14 @@ __device__ __forceinline__ void gemv_mainloop_pipelined(float (&acc)[kMTiles][kN
     }
 }
 
-/// __launch_bounds__ minimum of CTAs per SM: variant 2 caps registers so that its planned CTAs stay resident.
-WEFT_HOST_DEVICE constexpr int gemv_min_ctas_per_sm(int m_tiles, int stages) {
-    return stages > 0 ? gemv_shape(2, m_tiles).ctas_per_sm : 0;
-}
-
-}  // namespace detail
-
-/// Split-K small-M GEMM. kMTiles = ceil(M / 16) (1..4). Grid (ceil(N / gemv_cols_per_cta(kNTiles)), num_splits),
-/// kGemvThreads threads, no dynamic shared memory. gemv_shape(variant, kMTiles) gives kNTiles and kStages.
-///   variant 0: kNTiles = 4, kStages = 0: a warp owns 32 columns and loads 4 (or 2) 32-wide k chunks per
-///              iteration: 256 contiguous bytes per row; A is loaded with them.
-///   variant 1: kNTiles = 1, kStages = 0: a warp owns 8 columns and loads 16 (or 8) chunks per iteration:
-///              1 KiB contiguous per row (longer DRAM bursts, same bytes in flight); A chunk by chunk.
-///   variant 2: kStages > 0: the register ring of gemv_mainloop_pipelined, kStages x stage_chunks x kNTiles
-///              loads in flight per warp; A chunk by chunk from L1.
-template <int kMTiles, DType kIn, DType kOut, int kNTiles = 4, int kStages = 0>
-__global__ void __launch_bounds__(kGemvThreads, detail::gemv_min_ctas_per_sm(kMTiles, kStages))
-    gemv_kernel(const GemvArgs args) {
-    static_assert(kMTiles >= 1 && kMTiles <= 4, "gemv_kernel covers M <= 64");
-    static_assert(kIn == DType::kBF16 || kIn == DType::kF16, "gemv_kernel takes bf16 or f16 inputs");
-    static_assert(kNTiles == 1 || kNTiles == 2 || kNTiles == 4, "gemv_kernel: 1, 2 or 4 n8 tiles per warp");
-    static_assert(kStages == 0 || (kStages >= 2 && kNTiles == gemv_shape(2, kMTiles).n_tiles &&
-                                   kStages == gemv_shape(2, kMTiles).stages),
-                  "gemv_kernel: a pipelined instance must have variant 2's shape (gemv_shape(2, kMTiles))");
-    static_assert(kStages > 0 || kNTiles != 2, "gemv_kernel: the batched loop takes 1 or 4 n8 tiles per warp");
-    constexpr bool kIsBF16 = kIn == DType::kBF16;
-    constexpr int kColsPerCta = gemv_cols_per_cta(kNTiles);
-
-    const int warp = static_cast<int>(threadIdx.x) / 32;
-    const int lane = static_cast<int>(threadIdx.x) % 32;
-    const int g = lane / 4, t = lane % 4;
-    const int n_warp = static_cast<int>(blockIdx.x) * kColsPerCta + warp * 8 * kNTiles;
-    const int split = static_cast<int>(blockIdx.y);
-    const int k_begin = split * args.k_per_split;
-    const int k_end = min(args.k, k_begin + args.k_per_split);
-
-    const unsigned short* a = static_cast<const unsigned short*>(args.a);
-    const unsigned short* b = static_cast<const unsigned short*>(args.b);
-
-    float acc[kMTiles][kNTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-
-    // Row pointers (clamped: out-of-range rows and columns load nothing and contribute zero).
-    detail::GemvRows<kMTiles, kNTiles> rows;
+/// Variants 0..2: the rows each lane reads straight from global memory (clamped: out-of-range rows and
+/// columns load nothing and contribute zero), then the batched or the pipelined main loop.
+template <int kMTiles, int kNTiles, int kStages, bool kIsBF16>
+__device__ __forceinline__ void gemv_mainloop_registers(float (&acc)[kMTiles][kNTiles][4], const GemvArgs& args,
+                                                        int n_warp, int k_begin, int k_end, int g, int t) {
+    const auto* a = static_cast<const unsigned short*>(args.a);
+    const auto* b = static_cast<const unsigned short*>(args.b);
+    GemvRows<kMTiles, kNTiles> rows;
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
         const int n = n_warp + nt * 8 + g;
@@ -352,11 +326,204 @@ __global__ void __launch_bounds__(kGemvThreads, detail::gemv_min_ctas_per_sm(kMT
             rows.a_ok[mt][h] = m < args.m;
             rows.a_row[mt][h] = a + static_cast<int64_t>(rows.a_ok[mt][h] ? m : 0) * args.lda;
         }
-
     if constexpr (kStages == 0) {
-        detail::gemv_mainloop_batched<kMTiles, kNTiles, kIsBF16>(acc, rows, k_begin, k_end, t);
+        gemv_mainloop_batched<kMTiles, kNTiles, kIsBF16>(acc, rows, k_begin, k_end, t);
     } else {
-        detail::gemv_mainloop_pipelined<kMTiles, kNTiles, kStages, kIsBF16>(acc, rows, k_begin, k_end, t);
+        gemv_mainloop_pipelined<kMTiles, kNTiles, kStages, kIsBF16>(acc, rows, k_begin, k_end, t);
+    }
+}
+
+/// __launch_bounds__ minimum of CTAs per SM: variants 2 and 3 cap registers so that their planned CTAs stay
+/// resident.
+WEFT_HOST_DEVICE constexpr int gemv_min_ctas_per_sm(int m_tiles, int stages, bool bulk) {
+    return stages > 0 ? gemv_shape(bulk ? 3 : 2, m_tiles).ctas_per_sm : 0;
+}
+
+/// A stage that has not landed after this long is a kernel bug (bad tensor map, wrong byte count): trap.
+inline constexpr unsigned long long kGemvStageWaitNs = 2000ull * 1000 * 1000;
+
+/// 16 bytes of shared memory where ok, else zeros.
+__device__ __forceinline__ uint4 lds_16_if(bool ok, const unsigned char* p) {
+    return ok ? *reinterpret_cast<const uint4*>(p) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+/// Variant 3's main loop (gemv_kernel's header comment). Ring stage s (kStages of them, 1024-byte aligned,
+/// after the barriers) holds k = k0 .. k0 + 255 as four 64-wide TMA boxes of B (32 kNTiles rows: the CTA's
+/// columns n_cta + r) and then four of A (16 kMTiles rows), each box rows x 128 bytes with the 128-byte
+/// swizzle (16-byte piece c of row r at piece c ^ (r % 8)): rows past N or M and k past K are zero-filled by
+/// TMA. Warp w reads chunks w and w + 4 (32 k each) of every stage, lane (g, t) the 16 bytes at k
+/// 32 chunk + 8t of rows g, g + 8, ... (all with r % 8 = g: the 8 rows of a read hit distinct banks), with the
+/// same k permutation as the register variants; k past this split's end (the next split's data) is dropped.
+/// On return acc holds this warp's kNTiles n8 tiles (columns n_cta + 8 (w kNTiles + j)) summed over the four
+/// warps: the layout the other variants' epilogue takes.
+template <int kMTiles, int kNTiles, int kStages, bool kIsBF16>
+__device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles][4], const GemvArgs& args,
+                                                   const GemvMaps& maps, int n_cta, int k_begin, int k_end,
+                                                   int warp, int lane) {
+    constexpr int kBRows = 32 * kNTiles;
+    constexpr int kARows = 16 * kMTiles;
+    constexpr int kBoxes = kGemvBulkStageK / 64;
+    constexpr int kStageBytes = kGemvBulkStageK * 2 * (kBRows + kARows);
+    constexpr int kWarpTiles = 4 * kNTiles;  // every warp: all the CTA's n8 tiles
+    constexpr int kChunksPerWarp = kGemvBulkStageK / 32 / 4;
+    static_assert(kGemvThreads == 128, "gemv_mainloop_bulk: four warps share each stage's k");
+    extern __shared__ __align__(1024) unsigned char gemv_smem[];
+    const unsigned bars = ptx::shared_address(gemv_smem);
+    // The ring starts at the first 1024-byte boundary past the barriers (static shared memory comes first).
+    const unsigned ring = (bars + 128 + 1023) & ~1023u;
+    unsigned char* const ring_ptr = gemv_smem + (ring - bars);
+    const int g = lane / 4, t = lane % 4;
+    const int steps = k_end > k_begin ? (k_end - k_begin + kGemvBulkStageK - 1) / kGemvBulkStageK : 0;
+    const auto* map_a = reinterpret_cast<const ptx::TmaDescriptor*>(&maps.a);
+    const auto* map_b = reinterpret_cast<const ptx::TmaDescriptor*>(&maps.b);
+
+    if (threadIdx.x == 0) {
+        ptx::tma_prefetch_descriptor(map_a);
+        ptx::tma_prefetch_descriptor(map_b);
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) ptx::mbarrier_init(bars + 8 * s, 1);
+        ptx::fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    // Thread 0 fills the stage of `step`: whole boxes, so the byte count never changes.
+    const auto fill = [&](int step) {
+        const int s = step % kStages;
+        const int k0 = k_begin + step * kGemvBulkStageK;
+        const unsigned bar = bars + 8 * s;
+        const unsigned stage = ring + static_cast<unsigned>(s * kStageBytes);
+        ptx::mbarrier_arrive_expect_tx(bar, static_cast<unsigned>(kStageBytes));
+#pragma unroll
+        for (int q = 0; q < kBoxes; ++q) {
+            ptx::tma_load_2d(stage + q * kBRows * 128, map_b, bar, k0 + 64 * q, n_cta);
+            ptx::tma_load_2d(stage + kBoxes * kBRows * 128 + q * kARows * 128, map_a, bar, k0 + 64 * q, 0);
+        }
+    };
+
+    float part[kMTiles][kWarpTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kWarpTiles; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) part[mt][nt][i] = 0.f;
+
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < kStages && i < steps; ++i) fill(i);
+    }
+    for (int i = 0; i < steps; ++i) {
+        const int s = i % kStages;
+        if (!ptx::mbarrier_wait_parity_bounded(bars + 8 * s, static_cast<unsigned>(i / kStages) & 1u, kGemvStageWaitNs)) {
+            __trap();
+        }
+        const int k0 = k_begin + i * kGemvBulkStageK;
+        const unsigned char* stage = ring_ptr + s * kStageBytes;
+        const unsigned char* a_boxes = stage + kBoxes * kBRows * 128;
+#pragma unroll
+        for (int c = 0; c < kChunksPerWarp; ++c) {
+            const int chunk = warp + 4 * c;
+            const int kl = 32 * chunk + 8 * t;  // the lane's 8 k of this chunk, stage-relative
+            const bool k_ok = k0 + kl < k_end;
+            const int q = chunk / 2;                                  // box
+            const int piece = (((chunk % 2) * 4 + t) ^ g) * 16;       // swizzled 16-byte piece, any row r = g mod 8
+            uint4 av[kMTiles][2];
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = mt * 16 + h * 8 + g;
+                    av[mt][h] = lds_16_if(k_ok, a_boxes + (q * kARows + row) * 128 + piece);
+                }
+#pragma unroll
+            for (int nt = 0; nt < kWarpTiles; ++nt) {
+                const uint4 bb = lds_16_if(k_ok, stage + (q * kBRows + nt * 8 + g) * 128 + piece);
+#pragma unroll
+                for (int mt = 0; mt < kMTiles; ++mt) {
+                    const uint4& lo = av[mt][0];
+                    const uint4& hi = av[mt][1];
+                    mma_m16n8k16<kIsBF16>(part[mt][nt], lo.x, hi.x, lo.y, hi.y, bb.x, bb.y);
+                    mma_m16n8k16<kIsBF16>(part[mt][nt], lo.z, hi.z, lo.w, hi.w, bb.z, bb.w);
+                }
+            }
+        }
+        __syncthreads();  // every warp has read stage s
+        if (threadIdx.x == 0 && i + kStages < steps) {
+            ptx::fence_proxy_async_shared_cta();  // the generic reads above before TMA's writes
+            fill(i + kStages);
+        }
+    }
+
+    // The four warps' sums: [warp][mt][nt][i][lane] in the (now idle) ring; every issued load was waited for.
+    __syncthreads();
+    float* sums = reinterpret_cast<float*>(ring_ptr);
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kWarpTiles; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sums[(((warp * kMTiles + mt) * kWarpTiles + nt) * 4 + i) * 32 + lane] = part[mt][nt][i];
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int nt = warp * kNTiles + j;
+                float v = 0.f;
+#pragma unroll
+                for (int w = 0; w < 4; ++w) v += sums[(((w * kMTiles + mt) * kWarpTiles + nt) * 4 + i) * 32 + lane];
+                acc[mt][j][i] = v;
+            }
+}
+
+}  // namespace detail
+
+/// Split-K small-M GEMM. kMTiles = ceil(M / 16) (1..4). Grid (ceil(N / gemv_cols_per_cta(kNTiles)), num_splits),
+/// kGemvThreads threads, no dynamic shared memory. gemv_shape(variant, kMTiles) gives kNTiles and kStages.
+///   variant 0: kNTiles = 4, kStages = 0: a warp owns 32 columns and loads 4 (or 2) 32-wide k chunks per
+///              iteration: 256 contiguous bytes per row; A is loaded with them.
+///   variant 1: kNTiles = 1, kStages = 0: a warp owns 8 columns and loads 16 (or 8) chunks per iteration:
+///              1 KiB contiguous per row (longer DRAM bursts, same bytes in flight); A chunk by chunk.
+///   variant 2: kStages > 0: the register ring of gemv_mainloop_pipelined, kStages x stage_chunks x kNTiles
+///              loads in flight per warp; A chunk by chunk from L1.
+///   variant 3: kBulk: the shared-memory ring of gemv_mainloop_bulk, kStages stages of 256 k, filled by TMA
+///              through `maps`; gemv_smem_bytes(3, kMTiles) of dynamic shared memory.
+template <int kMTiles, DType kIn, DType kOut, int kNTiles = 4, int kStages = 0, bool kBulk = false>
+__global__ void __launch_bounds__(kGemvThreads, detail::gemv_min_ctas_per_sm(kMTiles, kStages, kBulk))
+    gemv_kernel(const GemvArgs args, const __grid_constant__ GemvMaps maps) {
+    static_assert(kMTiles >= 1 && kMTiles <= 4, "gemv_kernel covers M <= 64");
+    static_assert(kIn == DType::kBF16 || kIn == DType::kF16, "gemv_kernel takes bf16 or f16 inputs");
+    static_assert(kNTiles == 1 || kNTiles == 2 || kNTiles == 4, "gemv_kernel: 1, 2 or 4 n8 tiles per warp");
+    static_assert(kStages == 0 || (kStages >= 2 && kNTiles == gemv_shape(kBulk ? 3 : 2, kMTiles).n_tiles &&
+                                   kStages == gemv_shape(kBulk ? 3 : 2, kMTiles).stages),
+                  "gemv_kernel: a pipelined instance must have variant 2's or 3's shape (gemv_shape)");
+    static_assert(!kBulk || kStages > 0, "gemv_kernel: the bulk variant needs its ring's stages");
+    static_assert(kStages > 0 || kNTiles != 2, "gemv_kernel: the batched loop takes 1 or 4 n8 tiles per warp");
+    constexpr bool kIsBF16 = kIn == DType::kBF16;
+    constexpr int kColsPerCta = gemv_cols_per_cta(kNTiles);
+
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int n_warp = static_cast<int>(blockIdx.x) * kColsPerCta + warp * 8 * kNTiles;
+    const int split = static_cast<int>(blockIdx.y);
+    const int k_begin = split * args.k_per_split;
+    const int k_end = min(args.k, k_begin + args.k_per_split);
+
+    float acc[kMTiles][kNTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+
+    if constexpr (kBulk) {
+        detail::gemv_mainloop_bulk<kMTiles, kNTiles, kStages, kIsBF16>(
+            acc, args, maps, static_cast<int>(blockIdx.x) * kColsPerCta, k_begin, k_end, warp, lane);
+    } else {
+        detail::gemv_mainloop_registers<kMTiles, kNTiles, kStages, kIsBF16>(acc, args, n_warp, k_begin, k_end, g, t);
     }
 
     // Accumulator (mt, nt): c0,c1 at row mt*16 + g, columns n_warp + nt*8 + 2t, +1; c2,c3 at row + 8.

@@ -292,7 +292,7 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
 
     if (gemm_allows_small_m(p, options)) {
         WEFT_CHECK(options.small_m_variant >= 0 && options.small_m_variant < kGemvNumVariants,
-                   "gemm: options.small_m_variant must be 0, 1 or 2, got " << options.small_m_variant);
+                   "gemm: options.small_m_variant must be 0, 1, 2 or 3, got " << options.small_m_variant);
         plan.path = GemmPath::kSmallM;
         plan.small_m_variant = options.small_m_variant;
         plan.small_m_tiles = ceil_div(p.m, 16);
@@ -392,12 +392,13 @@ std::string gemv_kernel_instantiation(int m_tiles, DType in_dtype, DType out_dty
     WEFT_CHECK(m_tiles >= 1 && m_tiles <= kGemvMaxM / 16,
                "gemv_kernel_instantiation: m_tiles must be in [1, " << kGemvMaxM / 16 << "], got " << m_tiles);
     WEFT_CHECK(variant >= 0 && variant < kGemvNumVariants,
-               "gemv_kernel_instantiation: variant must be 0, 1 or 2, got " << variant);
+               "gemv_kernel_instantiation: variant must be 0, 1, 2 or 3, got " << variant);
     const GemvShape shape = gemv_shape(variant, m_tiles);
     std::ostringstream os;
     os << "weft::gemm::gemv_kernel<" << m_tiles << ", " << dtype_enum(in_dtype) << ", " << dtype_enum(out_dtype) << ", "
        << shape.n_tiles;
     if (shape.stages > 0) os << ", " << shape.stages;  // variants 0 and 1 keep their four-argument names
+    if (shape.bulk) os << ", true";
     os << ">";
     return os.str();
 }
@@ -452,7 +453,7 @@ std::vector<jit::KernelSpec> gemm_aot_specs() {
         for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
             for (const GemmConfig& c : gemm_candidate_configs(in, out, layout)) specs.push_back(gemm_kernel_spec(c));
         }
-        for (int variant : {1, 0, 2}) {
+        for (int variant : {1, 0, 2, 3}) {
             for (int m_tiles = 1; m_tiles <= kGemvMaxM / 16; ++m_tiles) {
                 specs.push_back(gemv_kernel_spec(m_tiles, in, out, variant));
             }
@@ -496,7 +497,7 @@ std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& p, int num_sm
         add(plan_gemm(p, num_sms, forced));
     }
     if (gemm_allows_small_m(p, base)) {  // as plan_gemm: only where the small-M path may serve this M
-        for (int variant : {2, 1, 0}) {
+        for (int variant : {2, 3, 1, 0}) {
             GemmOptions small = base;
             small.small_m_variant = variant;
             add(plan_gemm(p, num_sms, small));
@@ -619,6 +620,32 @@ CUtensorMap make_gemm_store_map(const GemmConfig& c, const TensorView& d) {
     encode_2d(&map, d, "d", d_cols, static_cast<uint64_t>(d.dim(0)), static_cast<uint32_t>(gemm_epi_cols(c)),
               kGemmSlabRows);
     return map;
+}
+
+GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const TensorView& b, const TensorView& d) {
+    WEFT_CHECK(plan.path == GemmPath::kSmallM, "make_gemv_launch: the plan is not a small-M plan");
+    GemvLaunch l;
+    l.args.a = a.data;
+    l.args.b = b.data;
+    l.args.d = d.data;
+    l.args.lda = a.stride(0);
+    l.args.ldb = b.stride(0);
+    l.args.ldd = d.stride(0);
+    l.args.m = static_cast<int32_t>(a.dim(0));
+    l.args.n = static_cast<int32_t>(b.dim(0));
+    l.args.k = static_cast<int32_t>(a.dim(1));
+    l.args.k_per_split = plan.small_m_k_per_split;
+    l.args.num_splits = plan.small_m_splits;
+    const GemvShape shape = gemv_shape(plan.small_m_variant, plan.small_m_tiles);
+    if (shape.bulk) {
+        encode_2d(&l.maps.a, a, "a", static_cast<uint64_t>(a.dim(1)), static_cast<uint64_t>(a.dim(0)), 64,
+                  static_cast<uint32_t>(16 * plan.small_m_tiles));
+        encode_2d(&l.maps.b, b, "b", static_cast<uint64_t>(b.dim(1)), static_cast<uint64_t>(b.dim(0)), 64,
+                  static_cast<uint32_t>(32 * shape.n_tiles));
+    }
+    l.grid = dim3(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
+    l.smem_bytes = gemv_smem_bytes(plan.small_m_variant, plan.small_m_tiles);
+    return l;
 }
 
 GemmArgs make_gemm_args(const TensorView& a, const TensorView& d, uint64_t timeout_ns) {
@@ -814,6 +841,18 @@ jit::Kernel& tiled_jit_kernel(int device, const GemmConfig& config) {
     return kernel;
 }
 
+/// Raises an nvcc-compiled kernel's dynamic shared memory limit to `bytes` on `device`, once per (kernel,
+/// device): later launches make no runtime call for it.
+void allow_dynamic_smem(const void* func, int device, int bytes) {
+    static std::mutex mutex;
+    static std::map<std::pair<const void*, int>, int> raised;
+    std::lock_guard<std::mutex> lock(mutex);
+    int& have = raised[{func, device}];
+    if (have >= bytes) return;
+    WEFT_CUDA_CHECK(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    have = bytes;
+}
+
 jit::Kernel& gemv_jit_kernel(int device, int m_tiles, DType in, DType out, int variant) {
     const std::pair<int, GemvKey> key{device, GemvKey{m_tiles, in, out, variant}};
     Registry& r = registry();
@@ -879,18 +918,8 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
     GemmPlan plan = plan_in;
     const int device = current_device();
     if (plan.path == GemmPath::kSmallM) {
-        GemvArgs args{};
-        args.a = a.data;
-        args.b = b.data;
-        args.d = d.data;
-        args.lda = a.stride(0);
-        args.ldb = b.stride(0);
-        args.ldd = d.stride(0);
-        args.m = static_cast<int32_t>(p.m);
-        args.n = static_cast<int32_t>(p.n);
-        args.k = static_cast<int32_t>(p.k);
-        args.k_per_split = plan.small_m_k_per_split;
-        args.num_splits = plan.small_m_splits;
+        detail::GemvLaunch launch = detail::make_gemv_launch(plan, a, b, d);
+        GemvArgs& args = launch.args;
         if (plan.small_m_splits > 1) {
             const size_t counter_bytes = round256(static_cast<size_t>(plan.grid) * 4);  // as gemm_workspace_bytes
             if (options.workspace != nullptr) {
@@ -916,18 +945,20 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
                    "gemm: the small-M kernel " << gemv_kernel_instantiation(plan.small_m_tiles, p.in_dtype,
                                                                             p.out_dtype, plan.small_m_variant)
                                                << kNoInstanceHint);
-        const dim3 grid(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
         if (func != nullptr) {
-            void* params[] = {&args};
-            WEFT_CUDA_CHECK(cudaLaunchKernel(func, grid, dim3(kGemvThreads, 1, 1), params, 0, stream));
+            if (launch.smem_bytes > 0) allow_dynamic_smem(func, device, launch.smem_bytes);
+            void* params[] = {&launch.args, &launch.maps};
+            WEFT_CUDA_CHECK(cudaLaunchKernel(func, launch.grid, dim3(kGemvThreads, 1, 1), params,
+                                             static_cast<size_t>(launch.smem_bytes), stream));
             return;
         }
         jit::Kernel& kernel = gemv_jit_kernel(device, plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant);
         jit::LaunchParams lp;
-        lp.grid = grid;
+        lp.grid = launch.grid;
         lp.block = dim3(kGemvThreads, 1, 1);
+        lp.dynamic_smem_bytes = static_cast<size_t>(launch.smem_bytes);
         lp.stream = stream;
-        kernel.launch(lp, args);
+        kernel.launch(lp, launch.args, launch.maps);
         return;
     }
 

@@ -210,18 +210,8 @@ void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, 
         const GemmPlan plan = s.small_m_plan(m);
         WEFT_CHECK(plan.path == GemmPath::kSmallM && plan.small_m_variant == s.small_m_variant,
                    "gemm_ar: the small-M plan for M = " << m << " does not match the loaded kernels");
-        GemvArgs args{};
-        args.a = a.data;
-        args.b = b.data;
-        args.d = d.data;
-        args.lda = a.stride(0);
-        args.ldb = b.stride(0);
-        args.ldd = d.stride(0);
-        args.m = static_cast<int32_t>(m);
-        args.n = static_cast<int32_t>(s.shape.n);
-        args.k = static_cast<int32_t>(s.shape.k);
-        args.k_per_split = plan.small_m_k_per_split;
-        args.num_splits = plan.small_m_splits;
+        detail::GemvLaunch launch = detail::make_gemv_launch(plan, a, b, d);
+        GemvArgs& args = launch.args;
         if (plan.small_m_splits > 1) {
             const size_t counter_bytes = static_cast<size_t>(round_up(static_cast<int64_t>(plan.grid) * 4, 256));
             WEFT_CHECK(plan.workspace_bytes <= s.small_m_workspace_bytes,
@@ -231,10 +221,11 @@ void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, 
             args.partials = reinterpret_cast<float*>(static_cast<char*>(s.small_m_workspace) + counter_bytes);
         }
         jit::LaunchParams lp;
-        lp.grid = dim3(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
+        lp.grid = launch.grid;
         lp.block = dim3(kGemvThreads, 1, 1);
+        lp.dynamic_smem_bytes = static_cast<size_t>(launch.smem_bytes);
         lp.stream = stream;
-        s.gemv[(m + 15) / 16 - 1]->launch(lp, args);
+        s.gemv[(m + 15) / 16 - 1]->launch(lp, launch.args, launch.maps);
     } else {
         tp_detail::launch_plain_gemm(*s.tiled, s.config, a, b, d, s.budget, s.pipeline_timeout_ns, stream);
     }

@@ -211,6 +211,7 @@ struct GemmRs::State {
 
     const jit::Kernel* reduce_kernel = nullptr;
     tp_detail::StreamSet streams;
+    uint64_t launches = 0;  // calls launched by this rank (numbers the debug log's lines)
     cudaStream_t side = nullptr;
     cudaEvent_t fork = nullptr, join = nullptr;
 
@@ -450,12 +451,16 @@ RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorV
 void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream) {
     const GemmConfig& config = s.configs[call.idx];
     const jit::Kernel& kernel = *s.kernels[call.idx];
+    // Ranks that share a GPU wait on each other's kernels: WEFT_LOG=debug orders their launches in time.
+    WEFT_LOG_DEBUG("gemm_rs: launching call " << ++s.launches << " (" << tp_detail::config_text(config) << ", "
+                                              << gemm_rs_mode_name(s.mode) << ", grid " << call.grid << ")");
     if (s.num_ranks == 1) {
         tp_detail::launch_plain_gemm(kernel, config, call.plain, stream);
         return;
     }
     if (s.mode == GemmRsMode::kPush) {
         tp_detail::launch_gemm(kernel, config, call.maps, call.args, call.grid, call.sched, call.push, stream);
+        WEFT_LOG_DEBUG("gemm_rs: launched call " << s.launches);
         return;
     }
     WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
@@ -468,6 +473,7 @@ void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream) {
     tp_detail::launch_gemm(kernel, config, call.maps, call.args, call.grid, call.sched, call.hook, stream);
     WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+    WEFT_LOG_DEBUG("gemm_rs: launched call " << s.launches);
 }
 
 }  // namespace

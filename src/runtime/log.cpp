@@ -3,6 +3,7 @@
 #include "weft/runtime/log.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <mutex>
 
@@ -46,11 +47,18 @@ LogLevel log_level() {
 void set_log_rank(int rank) { t_log_rank = rank; }
 
 void log_line(LogLevel level, const std::string& message) {
+    // Debug lines carry the seconds since the first line: they are read to order what ranks did.
+    static const auto t0 = std::chrono::steady_clock::now();
+    char when[32] = "";
+    if (level == LogLevel::kDebug) {
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::snprintf(when, sizeof(when), " +%.6fs", s);
+    }
     std::lock_guard<std::mutex> lock(g_log_mutex);
     if (t_log_rank >= 0) {
-        std::fprintf(stderr, "[weft rank %d %s] %s\n", t_log_rank, level_name(level), message.c_str());
+        std::fprintf(stderr, "[weft rank %d %s%s] %s\n", t_log_rank, level_name(level), when, message.c_str());
     } else {
-        std::fprintf(stderr, "[weft %s] %s\n", level_name(level), message.c_str());
+        std::fprintf(stderr, "[weft %s%s] %s\n", level_name(level), when, message.c_str());
     }
 }
 

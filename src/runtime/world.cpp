@@ -455,11 +455,13 @@ void run_local(int num_ranks, const std::function<void(World&)>& fn, const World
         std::sort(others.begin(), others.end());
         os << " (then " << detail::format_rank_list(others) << " failed too)";
     }
+    // Every rank's record: on a shared GPU the rank that trapped first need not be the one whose wait explains
+    // the hang (a peer's own wait, or its absence, says what it was doing).
+    bool first_record = true;
     for (const std::string& d : diagnoses) {
-        if (failures[0].message.find(d) == std::string::npos) {
-            os << "; a device diagnostic record says: " << d;
-            break;
-        }
+        if (failures[0].message.find(d) != std::string::npos || os.str().find(d) != std::string::npos) continue;
+        os << (first_record ? "; device diagnostic records: " : "; ") << d;
+        first_record = false;
     }
     throw Error("weft: " + os.str());
 }

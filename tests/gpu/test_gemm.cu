@@ -272,12 +272,11 @@ TEST(GemmSmallM, MatchesFp64ForEveryRowCountAndSplit) {
     }
 }
 
-// Variant 2 (the register ring of B loads, kernels/gemm/gemv_sm90.cuh): every row-tile count (its shape
-// changes with it: 1, 2 or 4 n8 tiles per warp), N below one n8 tile and ragged inside a CTA's columns,
-// K below one chunk, not a multiple of a 32-wide chunk, of a ring step or of a trip, forced split counts (a
-// shorter last split), strides, every dtype pair.
-TEST(GemmSmallM, Variant2MatchesFp64ForEveryRowCountAndSplit) {
-    REQUIRE_SM90();
+// Variants 2 (the register ring of B loads) and 3 (the shared-memory ring filled by bulk copies),
+// kernels/gemm/gemv_sm90.cuh: every row-tile count (their shapes change with it), N below one n8 tile and
+// ragged inside a CTA's columns, K below one chunk, not a multiple of a 32-wide chunk, of a ring step, of a
+// 256-wide bulk stage or of a trip, forced split counts (a shorter last split), strides, every dtype pair.
+void check_ring_variant(int variant) {
     const int64_t ms[] = {1, 3, 16, 17, 33, 64};
     const std::array<int64_t, 2> nk[] = {{3, 8}, {100, 72}, {1000, 1000}, {520, 8200}, {4104, 4096}};
     for (int64_t m : ms) {
@@ -286,7 +285,7 @@ TEST(GemmSmallM, Variant2MatchesFp64ForEveryRowCountAndSplit) {
             for (int splits : {0, 1, 3, 5}) {
                 Case c{m, s[0], s[1]};
                 c.small_m_splits = splits;
-                c.small_m_variant = 2;
+                c.small_m_variant = variant;
                 c.small_m_max_m = kGemvMaxM;
                 c.pad_a = 8;
                 c.pad_d = 8;
@@ -298,23 +297,36 @@ TEST(GemmSmallM, Variant2MatchesFp64ForEveryRowCountAndSplit) {
                            std::array<DType, 2>{DType::kF16, DType::kF32}}) {
         for (int64_t m : {1, 16, 64}) {
             Case c{m, 1000, 1000, io[0], io[1]};
-            c.small_m_variant = 2;
+            c.small_m_variant = variant;
             c.small_m_max_m = kGemvMaxM;
             check_case(c);
         }
     }
-    Case big{16, 8192, 8192};  // the decode shape the variant is for (default splits)
-    big.small_m_variant = 2;
-    check_case(big, 4);
+    for (int64_t m : {16, 64}) {
+        Case big{m, 8192, 8192};  // the decode shapes the variants are for (default splits)
+        big.small_m_variant = variant;
+        big.small_m_max_m = kGemvMaxM;
+        check_case(big, 4);
+    }
+}
+
+TEST(GemmSmallM, Variant2MatchesFp64ForEveryRowCountAndSplit) {
+    REQUIRE_SM90();
+    check_ring_variant(2);
+}
+
+TEST(GemmSmallM, Variant3MatchesFp64ForEveryRowCountAndSplit) {
+    REQUIRE_SM90();
+    check_ring_variant(3);
 }
 
 // Calls on one stream back to back reuse the small-M workspace: counters must be back at zero, also when
 // consecutive calls use variants with different column blocks (and so different counter counts).
 TEST(GemmSmallM, RepeatedCallsStayCorrect) {
     REQUIRE_SM90();
-    for (int i = 0; i < 6; ++i) {
-        Case c{i < 3 ? 3 : 40, 2000, 4096};
-        c.small_m_variant = i % 3;
+    for (int i = 0; i < 2 * kGemvNumVariants; ++i) {
+        Case c{i < kGemvNumVariants ? 3 : 40, 2000, 4096};
+        c.small_m_variant = i % kGemvNumVariants;
         c.small_m_max_m = kGemvMaxM;
         check_case(c);
     }
@@ -324,9 +336,9 @@ TEST(GemmSmallM, RepeatedCallsStayCorrect) {
     check_case(v2);
 }
 
-// With the default options, M <= 16 takes the small-M path and M 17..64 the tiled kernel (small_m_max_m):
-// both right, for both layouts and every dtype pair.
-TEST(GemmSmallM, DefaultOptionsRouteMAbove16ToTheTiledKernel) {
+// With the default options, M <= small_m_max_m takes the small-M path and larger M the tiled kernel (B [N,K]
+// only): both right, on both sides of the default bound, for both layouts and every dtype pair.
+TEST(GemmSmallM, DefaultOptionsRouteMAboveTheBoundToTheTiledKernel) {
     REQUIRE_SM90();
     int device = 0;
     ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
@@ -334,13 +346,15 @@ TEST(GemmSmallM, DefaultOptionsRouteMAbove16ToTheTiledKernel) {
     ASSERT_EQ(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
     const DType pairs[][2] = {{DType::kBF16, DType::kBF16}, {DType::kBF16, DType::kF32},
                               {DType::kF16, DType::kF16}, {DType::kF16, DType::kF32}};
-    for (int64_t m : {16, 17, 40, 64}) {
+    const int64_t bound = ops::GemmOptions{}.small_m_max_m;
+    ASSERT_GT(bound, 1);
+    for (int64_t m : {bound - 1, bound, bound + 1}) {  // bound + 1 > kGemvMaxM = 64 is tiled as well
         for (const auto& io : pairs) {
             for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
                 Case c{m, 1000, 1000, io[0], io[1], layout};
                 c.small_m_variant = ops::GemmOptions{}.small_m_variant;
                 const ops::GemmPlan plan = ops::plan_gemm(ops::GemmProblem{m, 1000, 1000, layout, io[0], io[1]}, num_sms);
-                const bool small = m <= 16 && layout == BLayout::kNK;
+                const bool small = m <= bound && layout == BLayout::kNK;
                 EXPECT_EQ(plan.path, small ? ops::GemmPath::kSmallM : ops::GemmPath::kTiled) << "M = " << m;
                 check_case(c);
             }

@@ -53,8 +53,12 @@ TEST(GemmJitCodegen, InstantiationIsTheConfigWithDesignatedInitialisers) {
               "weft::gemm::gemv_kernel<2, weft::DType::kF16, weft::DType::kF32, 2, 4>");
     EXPECT_EQ(gemv_kernel_instantiation(4, DType::kBF16, DType::kF32, 2),
               "weft::gemm::gemv_kernel<4, weft::DType::kBF16, weft::DType::kF32, 4, 3>");
+    EXPECT_EQ(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 3),
+              "weft::gemm::gemv_kernel<1, weft::DType::kBF16, weft::DType::kBF16, 1, 4, true>");
+    EXPECT_EQ(gemv_kernel_instantiation(4, DType::kF16, DType::kF32, 3),
+              "weft::gemm::gemv_kernel<4, weft::DType::kF16, weft::DType::kF32, 2, 3, true>");
     EXPECT_THROW(gemv_kernel_instantiation(5, DType::kBF16, DType::kBF16, 1), Error);
-    EXPECT_THROW(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 3), Error);
+    EXPECT_THROW(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 4), Error);
     EXPECT_THROW(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, -1), Error);
 }
 
@@ -105,7 +109,7 @@ TEST(GemmJitAot, SpecsCoverEveryCandidateAndSmallMKernelOnce) {
                 ++expected;
             }
         }
-        for (int variant : {0, 1, 2}) {
+        for (int variant = 0; variant < kGemvNumVariants; ++variant) {
             for (int m_tiles = 1; m_tiles <= 4; ++m_tiles) {
                 EXPECT_EQ(instantiations.count(gemv_kernel_instantiation(m_tiles, in, out, variant)), 1u);
                 ++expected;
@@ -215,12 +219,12 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         EXPECT_LE(c.plan.grid, 132);
     }
 
-    // M <= small_m_max_m (default 32) with B [N,K]: the three small-M variants join; the heuristic (small-M,
-    // variant 2 by default) still comes first.
+    // M <= small_m_max_m (default 64) with B [N,K]: the four small-M variants join; the heuristic (small-M,
+    // variant 3 by default) still comes first.
     const GemmProblem small = problem(16, 8192, 8192);
     const auto sc = gemm_tune_candidates(small, 132, {});
-    ASSERT_EQ(sc.size(), static_cast<size_t>(kGemmNumCandidates) + 3);
-    EXPECT_EQ(sc[0].name, "small_m_v2");
+    ASSERT_EQ(sc.size(), static_cast<size_t>(kGemmNumCandidates + kGemvNumVariants));
+    EXPECT_EQ(sc[0].name, "small_m_v3");
     EXPECT_EQ(sc[0].plan.path, GemmPath::kSmallM);
     std::set<std::string> small_names;
     for (const auto& c : sc) {
@@ -228,7 +232,7 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         small_names.insert(c.name);
         EXPECT_EQ(c.name, "small_m_v" + std::to_string(c.plan.small_m_variant));
     }
-    EXPECT_EQ(small_names, (std::set<std::string>{"small_m_v0", "small_m_v1", "small_m_v2"}));
+    EXPECT_EQ(small_names, (std::set<std::string>{"small_m_v0", "small_m_v1", "small_m_v2", "small_m_v3"}));
     GemmOptions no_small;
     no_small.allow_small_m = false;
     EXPECT_EQ(gemm_tune_candidates(small, 132, no_small).size(), static_cast<size_t>(kGemmNumCandidates));
@@ -239,19 +243,19 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         SCOPED_TRACE("M = " + std::to_string(m));
         const GemmProblem mid = problem(m, 8192, 8192);
         const auto mc = gemm_tune_candidates(mid, 132, {});
-        ASSERT_EQ(mc.size(), static_cast<size_t>(kGemmNumCandidates));
-        EXPECT_EQ(mc[0].plan.path, GemmPath::kTiled);
-        EXPECT_EQ(mc[0].plan.config, plan_gemm(mid, 132).config);
-        for (const auto& c : mc) EXPECT_EQ(c.plan.path, GemmPath::kTiled) << c.name;
-        GemmOptions up_to_64;
-        up_to_64.small_m_max_m = kGemvMaxM;
-        const auto mc64 = gemm_tune_candidates(mid, 132, up_to_64);
-        ASSERT_EQ(mc64.size(), static_cast<size_t>(kGemmNumCandidates) + 3);
-        EXPECT_EQ(mc64[0].name, "small_m_v2");
+        ASSERT_EQ(mc.size(), static_cast<size_t>(kGemmNumCandidates + kGemvNumVariants));
+        EXPECT_EQ(mc[0].name, "small_m_v3");
+        GemmOptions up_to_32;
+        up_to_32.small_m_max_m = 32;
+        const auto mc32 = gemm_tune_candidates(mid, 132, up_to_32);
+        ASSERT_EQ(mc32.size(), static_cast<size_t>(kGemmNumCandidates));
+        EXPECT_EQ(mc32[0].plan.path, GemmPath::kTiled);
+        EXPECT_EQ(mc32[0].plan.config, plan_gemm(mid, 132, up_to_32).config);
+        for (const auto& c : mc32) EXPECT_EQ(c.plan.path, GemmPath::kTiled) << c.name;
         GemmOptions up_to_48;
         up_to_48.small_m_max_m = 48;
         EXPECT_EQ(gemm_tune_candidates(mid, 132, up_to_48).size(),
-                  static_cast<size_t>(kGemmNumCandidates) + (m <= 48 ? 3 : 0));
+                  static_cast<size_t>(kGemmNumCandidates) + (m <= 48 ? kGemvNumVariants : 0));
     }
 
     // A budget of one SM leaves no room for cluster pairs.
@@ -270,11 +274,11 @@ TEST(GemmAutotuneCandidates, ProblemKeyNamesWhatChangesTheCandidates) {
               "m=100,n=200,k=72,in=f16,out=f32,b=kn,sms=66,small_m=0,splits=0");
     EXPECT_EQ(gemm_tune_problem(problem(8, 16, 32), 132, {}), "m=8,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0");
     // small_m says whether the small-M variants are candidates (gemm_allows_small_m), so small_m_max_m counts.
-    EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, {}), "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=0,splits=0");
-    GemmOptions up_to_64;
-    up_to_64.small_m_max_m = kGemvMaxM;
-    EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, up_to_64),
-              "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0");
+    EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, {}), "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0");
+    GemmOptions up_to_32;
+    up_to_32.small_m_max_m = 32;
+    EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, up_to_32),
+              "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=0,splits=0");
     EXPECT_NE(gemm_tune_problem(problem(8, 16, 32), 132, {}), gemm_tune_problem(problem(8, 16, 32), 114, {}));
 }
 
@@ -457,7 +461,7 @@ TEST(GemmAutotuneSelect, CaptureNeverTimesAndFailingCandidatesAreSkipped) {
     // During capture with nothing cached: the heuristic, and nothing is timed.
     GemmSelection s = select_gemm_plan(p, 132, o, kArch, run, nullptr, /*capturing=*/true);
     EXPECT_EQ(s.origin, GemmChoice::kHeuristic);
-    EXPECT_EQ(s.candidate, "small_m_v2");
+    EXPECT_EQ(s.candidate, "small_m_v3");
     EXPECT_EQ(fake.calls, 0);
 
     s = select_gemm_plan(p, 132, o, kArch, run, nullptr);

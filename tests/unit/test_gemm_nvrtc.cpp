@@ -103,7 +103,7 @@ std::vector<std::string> tiled_instantiations(const Combo& c) {
     return names;
 }
 
-std::vector<std::string> gemv_instantiations(const Combo& c, std::vector<int> variants = {0, 1, 2}) {
+std::vector<std::string> gemv_instantiations(const Combo& c, std::vector<int> variants = {0, 1, 2, 3}) {
     std::vector<std::string> names;
     for (int m_tiles = 1; m_tiles <= 4; ++m_tiles) {
         for (int variant : variants) names.push_back(ops::gemv_kernel_instantiation(m_tiles, c.in, c.out, variant));

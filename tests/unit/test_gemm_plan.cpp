@@ -183,9 +183,20 @@ TEST(GemmValidate, NamesTheBadArgument) {
 
 TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     ops::GemmProblem p{1, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
-    // The default: variant 2 (faster than variant 1 at every size measured, kernels/gemm/README.md).
-    EXPECT_EQ(ops::GemmOptions{}.small_m_variant, 2);
-    auto plan = ops::plan_gemm(p, 132);
+    // The default: variant 3 (faster than variant 2 at every size measured, kernels/gemm/README.md).
+    EXPECT_EQ(ops::GemmOptions{}.small_m_variant, 3);
+    const auto plan3 = ops::plan_gemm(p, 132);
+    EXPECT_EQ(plan3.path, ops::GemmPath::kSmallM);
+    EXPECT_EQ(plan3.small_m_tiles, 1);
+    EXPECT_EQ(plan3.small_m_variant, 3);
+    EXPECT_EQ(plan3.grid, 256);  // variant 3 at one row tile: 32 columns per CTA
+    EXPECT_EQ(plan3.small_m_splits, 1) << "N = K = 8192 on 132 SMs, variant 3: 256 CTAs, 2 per SM, fill the SMs";
+    EXPECT_EQ(plan3.workspace_bytes, 0u);
+    EXPECT_EQ(ops::plan_gemm(ops::GemmProblem{64, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16}, 132).grid,
+              128);  // 64 columns per CTA from two row tiles on
+    ops::GemmOptions v2;
+    v2.small_m_variant = 2;
+    auto plan = ops::plan_gemm(p, 132, v2);
     EXPECT_EQ(plan.path, ops::GemmPath::kSmallM);
     EXPECT_EQ(plan.small_m_tiles, 1);
     EXPECT_EQ(plan.small_m_variant, 2);
@@ -196,7 +207,6 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     EXPECT_GE(plan.grid * plan.small_m_splits, 2 * 132) << "too few CTAs to stream B at full bandwidth";
     EXPECT_EQ(plan.small_m_splits, 2) << "N = K = 8192 on 132 SMs, variant 2: one wave of 4 CTAs per SM";
     EXPECT_EQ(8192 % plan.small_m_k_per_split, 0);
-    EXPECT_EQ(plan.workspace_bytes, ops::gemm_workspace_bytes(p, plan.small_m_splits));
     EXPECT_EQ(plan.workspace_bytes, ops::gemm_workspace_bytes(p, plan.small_m_splits, 2));
     ops::GemmOptions v1;
     v1.small_m_variant = 1;
@@ -215,10 +225,10 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     EXPECT_EQ(plan.workspace_bytes, 256u * 4 + 2u * 8192 * 4);
     EXPECT_EQ(plan1.workspace_bytes, 256u * 4 + 4u * 8192 * 4);
     EXPECT_EQ(plan0.workspace_bytes, 256u + 8u * 8192 * 4);
-    v0.small_m_variant = 3;
-    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0, 1 or 2, got 3");
+    v0.small_m_variant = 4;
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0, 1, 2 or 3, got 4");
     v0.small_m_variant = -1;
-    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0, 1 or 2, got -1");
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0, 1, 2 or 3, got -1");
 
     ops::GemmOptions up_to_64;
     up_to_64.small_m_max_m = kGemvMaxM;
@@ -285,21 +295,19 @@ TEST(GemmPlan, SmallMVariant2FillsOneWaveOfItsShape) {
     EXPECT_EQ(plan.grid, 4);  // ceil(100 / 32)
     EXPECT_EQ(plan.small_m_splits, 1);
     EXPECT_EQ(plan.workspace_bytes, 0u);
-    expect_error_mentions([&] { (void)ops::gemm_workspace_bytes(tiny, 2, 3); }, "small_m_variant must be in [0, 2]");
+    expect_error_mentions([&] { (void)ops::gemm_workspace_bytes(tiny, 2, 4); }, "small_m_variant must be in [0, 3]");
 }
 
-// small_m_max_m bounds the M the small-M path takes (default 32: above it the tiled kernel, which streams B once
-// for any M <= 128, is faster than the small-M kernels at M = 64); out-of-range values are an error.
+// small_m_max_m bounds the M the small-M path takes (default 64 = kGemvMaxM: variant 3 beats the tiled kernel
+// up to there); out-of-range values are an error.
 TEST(GemmPlan, SmallMMaxMBoundsTheSmallMPath) {
-    EXPECT_EQ(ops::GemmOptions{}.small_m_max_m, 32);
-    ops::GemmProblem p{32, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
+    EXPECT_EQ(ops::GemmOptions{}.small_m_max_m, kGemvMaxM);
+    ops::GemmProblem p{64, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
     EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kSmallM);
     EXPECT_TRUE(ops::gemm_allows_small_m(p, {}));
-    p.m = 33;
+    p.m = 65;
     EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kTiled);
     EXPECT_FALSE(ops::gemm_allows_small_m(p, {}));
-    p.m = 64;
-    EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kTiled);
 
     ops::GemmOptions o;
     o.small_m_max_m = 32;

@@ -228,7 +228,7 @@ struct GemvArgs {
 inline constexpr int kGemvThreads = 128;
 inline constexpr int kGemvColsPerCta = 128;  ///< variant 0: 4 warps x 32 columns (variant 1: 4 x 8)
 inline constexpr int kGemvMaxM = 64;
-inline constexpr int kGemvNumVariants = 3;  ///< GemmOptions::small_m_variant is 0, 1 or 2
+inline constexpr int kGemvNumVariants = 4;  ///< GemmOptions::small_m_variant is 0, 1, 2 or 3
 
 /// Columns of D per CTA of gemv_kernel<..., n_tiles_per_warp>: 4 warps x n_tiles_per_warp n8 tiles.
 WEFT_HOST_DEVICE constexpr int gemv_cols_per_cta(int n_tiles_per_warp) { return 4 * 8 * n_tiles_per_warp; }
@@ -240,8 +240,12 @@ struct GemvShape {
     int stages;        ///< 0: batched loads per iteration (variants 0, 1); >= 2: a register ring of this many
                        ///< stages kept in flight (variant 2): gemv_kernel's kStages
     int stage_chunks;  ///< variant 2: 32-wide k chunks per stage (each one 16-byte load per lane and n8 tile)
-    int ctas_per_sm;   ///< CTAs per SM the split count aims at; variant 2's __launch_bounds__ minimum
+    int ctas_per_sm;   ///< CTAs per SM the split count aims at; variants 2, 3: __launch_bounds__ minimum
+    bool bulk = false; ///< variant 3: B and A stream through a shared-memory ring filled by bulk copies
 };
+
+/// Variant 3's stage: 256 k of every B and A row of the CTA (512 bytes per row).
+inline constexpr int kGemvBulkStageK = 256;
 
 /// Variant 2 keeps stages x stage_chunks x n_tiles 16-byte B loads (512 bytes per warp each) in flight per warp.
 /// Bytes in flight needed: ~4.6 TB/s x ~1 us of loaded DRAM latency = ~4.6 MB, ~35 KiB per SM of 132. Here:
@@ -251,14 +255,35 @@ struct GemvShape {
 /// The CTAs per SM are what the registers allow without spills: ptxas hoists a whole trip's A fragments
 /// (stages x stage_chunks x m_tiles x 8 registers) next to the ring (stages x stage_chunks x n_tiles x 4).
 /// Wider warps (n_tiles 2, 4) at 2..4 row tiles reuse each A fragment across columns.
+///
+/// Variant 3 (bulk): a CTA covers gemv_cols_per_cta(n_tiles) columns; every warp covers all of them for a
+/// quarter of each 256-wide k stage (the warps' sums are added once, at the end), so each byte of A and B
+/// is read from shared memory once. Stages: m_tiles 1: 4 x (32 B rows + 16 A rows) x 512 bytes = 96 KiB,
+/// 2 CTAs per SM; m_tiles 2: 4 x (64 + 32) rows = 192 KiB, 1 CTA; m_tiles 3, 4: 3 x (64 + 64) rows.
 WEFT_HOST_DEVICE constexpr GemvShape gemv_shape(int variant, int m_tiles) {
     if (variant == 0) return GemvShape{4, 0, 0, 4};
     if (variant == 1) return GemvShape{1, 0, 0, 8};
+    if (variant == 3) {
+        if (m_tiles == 1) return GemvShape{1, 4, kGemvBulkStageK / 32, 2, true};
+        if (m_tiles == 2) return GemvShape{2, 4, kGemvBulkStageK / 32, 1, true};
+        return GemvShape{2, 3, kGemvBulkStageK / 32, 1, true};
+    }
     switch (m_tiles) {
         case 1: return GemvShape{1, 6, 2, 4};
         case 2: return GemvShape{2, 4, 1, 3};
         default: return GemvShape{4, 3, 1, 2};
     }
+}
+
+/// Dynamic shared memory of the small-M kernel (0 but for variant 3): 128 bytes of barriers and up to 1024
+/// of alignment, then the ring (at least the end's cross-warp sum buffer: 4 warps x m_tiles x 4 n_tiles n8
+/// tiles x 4 floats x 32 lanes).
+WEFT_HOST_DEVICE constexpr int gemv_smem_bytes(int variant, int m_tiles) {
+    const GemvShape s = gemv_shape(variant, m_tiles);
+    if (!s.bulk) return 0;
+    const int ring = s.stages * (32 * s.n_tiles + 16 * m_tiles) * 2 * kGemvBulkStageK;
+    const int sums = 4 * m_tiles * 4 * s.n_tiles * 4 * 32 * 4;
+    return 128 + 1024 + (ring > sums ? ring : sums);
 }
 
 }  // namespace weft

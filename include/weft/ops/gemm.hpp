@@ -40,18 +40,19 @@ struct GemmOptions {
     int sm_budget = 0;                 ///< CTAs of the persistent grid (SMs it may occupy); 0 = every SM
     std::optional<GemmConfig> config;  ///< force this tiled-kernel config (dtypes/layout must match the call)
     bool allow_small_m = true;         ///< let M <= small_m_max_m with B [N,K] take the split-K small-M path
-    /// The largest M the heuristic sends to the small-M path (0..kGemvMaxM = 64; above it: the tiled kernel,
-    /// which streams B once for any M <= 128). Default 32: measured on an H200 (bf16, N = K = 8192, 2026-11-29),
-    /// the small-M kernel takes 41.5 us at M = 1, 45.7 us at M = 16, 52.9 us at M = 32 (tiled: 75.7 us) but
-    /// 106.7 us at M = 64 (tiled: 66.3 us). Set 64 to keep M 33..64 on the small-M path (gemm_ar does).
-    int small_m_max_m = 32;
+    /// The largest M the heuristic sends to the small-M path (0..kGemvMaxM = 64; above it: the tiled kernel).
+    /// Default 64: measured on an H200 (bf16, N = K = 8192, 2026-11-29), the small-M kernel (variant 3) takes
+    /// 39.0 us at M = 1, 39.3 us at M = 16, 40.3 us at M = 32, 45.3 us at M = 48 and 52.6 us at M = 64; the
+    /// tiled kernel 69.2 us at M = 48 and 71.4 us at M = 64.
+    int small_m_max_m = 64;
     int small_m_splits = 0;            ///< force the small-M path's split count (0 = heuristic)
-    /// Small-M kernel (gemv_shape in weft/common/gemm_config.hpp, kernels/gemm/gemv_sm90.cuh): 2 = a register
-    /// ring keeping 8-12 B loads in flight per warp (default); 1 = 8 columns per warp, 1 KiB contiguous per
-    /// row per iteration; 0 = 32 columns per warp. Variant 2 beat variant 1 at every size measured (H200,
-    /// bf16, B [N,K]; v2 vs v1 vs cuBLASLt): 1x8192x8192 41.0 / 53.5 / 37.4 us, 16x8192x8192 46.9 / 61.3 /
-    /// 37.3 us, 64x8192x8192 106.7 / 264.1 / 40.9 us, 1x8192x4096 24.6 / 31.4 / 22.3 us.
-    int small_m_variant = 2;
+    /// Small-M kernel (gemv_shape in weft/common/gemm_config.hpp, kernels/gemm/gemv_sm90.cuh): 3 = B and A
+    /// stream through a shared-memory ring filled by TMA (default); 2 = a register ring keeping 8-12 B loads in
+    /// flight per warp; 1 = 8 columns per warp, 1 KiB contiguous per row per iteration; 0 = 32 columns per
+    /// warp. H200, bf16, B [N,K], v3 / v2 / cuBLASLt in one run (2026-11-29): 1x8192x8192 39.0 / 40.9 / 36.7
+    /// us, 16x8192x8192 39.3 / 46.3 / 37.3 us, 64x8192x8192 52.6 / 106.4 / 39.8 us, 1x8192x4096 22.3 / 24.3 /
+    /// 21.4 us.
+    int small_m_variant = 3;
     void* workspace = nullptr;         ///< small-M scratch of gemm_workspace_bytes, 256-byte aligned: split-K
                                        ///< counters first (zero-filled before the first use; each call leaves
                                        ///< them zero), then fp32 partials. Zero it again if N grows. nullptr =
@@ -99,7 +100,7 @@ struct GemmPlan {
     int small_m_tiles = 0;       ///< kSmallM: ceil(M / 16)
     int small_m_splits = 1;      ///< kSmallM: split-K factor (gridDim.y)
     int small_m_k_per_split = 0; ///< kSmallM: multiple of 32
-    int small_m_variant = 2;     ///< kSmallM: which gemv_kernel (GemmOptions::small_m_variant)
+    int small_m_variant = 3;     ///< kSmallM: which gemv_kernel (GemmOptions::small_m_variant)
     size_t workspace_bytes = 0;  ///< kSmallM: partial sums + counters
 };
 
@@ -122,7 +123,7 @@ GemmPlan plan_gemm(const GemmProblem& problem, int num_sms, const GemmOptions& o
 
 /// Scratch the small-M path needs for this problem with `splits` splits (0 when none): counters (one per
 /// column block of the variant) first, then fp32 partials, each rounded up to 256 bytes.
-size_t gemm_workspace_bytes(const GemmProblem& problem, int splits, int small_m_variant = 2);
+size_t gemm_workspace_bytes(const GemmProblem& problem, int splits, int small_m_variant = 3);
 
 /// "weft::GemmConfig{.tile_m = 128, ...}": the config as the JIT prints it into generated code.
 std::string format_gemm_config(const GemmConfig& config);
@@ -242,6 +243,20 @@ CUtensorMap make_gemm_store_map(const GemmConfig& config, const TensorView& d);
 
 /// The kernel's run-time arguments for these (validated) views.
 GemmArgs make_gemm_args(const TensorView& a, const TensorView& d, uint64_t timeout_ns);
+
+/// One launch of the small-M kernel of `plan` (path kSmallM) for (validated) views: its arguments (the
+/// caller sets counters and partials when plan.small_m_splits > 1), its tensor maps (variant 3; zeros for
+/// the others, which take and ignore them), grid and dynamic shared memory. Launch with (args, maps).
+struct GemvLaunch {
+    GemvArgs args{};
+    struct Maps {
+        CUtensorMap a;
+        CUtensorMap b;
+    } maps{};
+    dim3 grid;
+    int smem_bytes = 0;
+};
+GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const TensorView& b, const TensorView& d);
 
 /// The pipeline-wait bound: options.timeout, else WEFT_TIMEOUT_MS, else 10 s.
 uint64_t gemm_timeout_ns(const GemmOptions& options);
