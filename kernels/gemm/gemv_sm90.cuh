@@ -21,12 +21,13 @@
 //            waits for the first of them. __launch_bounds__ with a minimum of CTAs per
 //            SM caps the registers, so the planned occupancy holds (tests/unit/test_gemm_nvrtc.cpp checks the
 //            SASS: no spills, loads outstanding at the loop's first MMA).
-//   variant 3 (bulk): B's and A's rows of each 256-wide k stage come into a shared-memory ring by TMA (four
-//            64-wide 2D boxes per operand and stage, one thread issues them), completing on an mbarrier per
-//            stage: the bytes in flight no longer depend on registers. Every warp covers all the CTA's columns
-//            for its quarter of each stage's k (so shared memory is read once per byte), and the warps' sums
-//            are added once at the end. (One 1D bulk copy per row and stage, tried first, ran at half the
-//            speed of variant 2: each copy costs the SM's copy unit ~80 cycles, kernels/gemm/README.md.)
+//   variant 3 (bulk): B's and A's rows of each 256-wide k stage come into a shared-memory ring by TMA (one
+//            2D box per operand and stage, kGemvBulkBoxK wide; one thread issues them), completing on an
+//            mbarrier per stage: the bytes in flight no longer depend on registers. Every warp covers all the
+//            CTA's columns for its quarter of each stage's k (so shared memory is read once per byte), and the
+//            warps' sums are added once at the end. (Tried and measured, kernels/gemm/README.md: one 1D bulk copy
+//            per row and stage ran at half the speed of variant 2; four 64-wide swizzled boxes per stage were
+//            up to 10% slower at M = 48..64.)
 #pragma once
 
 #include "weft/common/gemm_config.hpp"
@@ -35,8 +36,9 @@
 
 namespace weft::gemm {
 
-/// Variant 3's tensor maps (A [M,K] with 64 x 16 kMTiles boxes, B [N,K] with 64 x 32 kNTiles boxes, both
-/// 128-byte swizzled); the other variants take them too (one signature) and ignore them.
+/// Variant 3's tensor maps (A [M,K] with kGemvBulkBoxK x 16 kMTiles boxes, B [N,K] with kGemvBulkBoxK x
+/// 32 kNTiles boxes; 128-byte swizzled when the boxes are 64 wide); the other variants take them too (one
+/// signature) and ignore them.
 struct GemvMaps {
     ptx::TmaDescriptor a;
     ptx::TmaDescriptor b;
@@ -348,12 +350,13 @@ __device__ __forceinline__ uint4 lds_16_if(bool ok, const unsigned char* p) {
 }
 
 /// Variant 3's main loop (gemv_kernel's header comment). Ring stage s (kStages of them, 1024-byte aligned,
-/// after the barriers) holds k = k0 .. k0 + 255 as four 64-wide TMA boxes of B (32 kNTiles rows: the CTA's
-/// columns n_cta + r) and then four of A (16 kMTiles rows), each box rows x 128 bytes with the 128-byte
-/// swizzle (16-byte piece c of row r at piece c ^ (r % 8)): rows past N or M and k past K are zero-filled by
-/// TMA. Warp w reads chunks w and w + 4 (32 k each) of every stage, lane (g, t) the 16 bytes at k
-/// 32 chunk + 8t of rows g, g + 8, ... (all with r % 8 = g: the 8 rows of a read hit distinct banks), with the
-/// same k permutation as the register variants; k past this split's end (the next split's data) is dropped.
+/// after the barriers) holds k = k0 .. k0 + 255 as 256 / kGemvBulkBoxK TMA boxes of B (32 kNTiles rows: the
+/// CTA's columns n_cta + r), then as many of A (16 kMTiles rows), each box rows x 2 kGemvBulkBoxK bytes (64-wide
+/// boxes with the 128-byte swizzle: 16-byte piece c of row r at piece c ^ (r % 8)): rows past N or M and k past
+/// K are zero-filled by TMA. Warp w reads chunks w and w + 4 (32 k each) of every stage, lane (g, t) the 16
+/// bytes at k 32 chunk + 8t of rows g, g + 8, ..., with the same k permutation as the register variants (the
+/// unswizzled 512-byte rows put a read's 8 rows in the same 16 banks: 2 wavefronts more per read, which the
+/// longer TMA requests pay for); k past this split's end (the next split's data) is dropped.
 /// On return acc holds this warp's kNTiles n8 tiles (columns n_cta + 8 (w kNTiles + j)) summed over the four
 /// warps: the layout the other variants' epilogue takes.
 template <int kMTiles, int kNTiles, int kStages, bool kIsBF16>
@@ -362,7 +365,9 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
                                                    int warp, int lane) {
     constexpr int kBRows = 32 * kNTiles;
     constexpr int kARows = 16 * kMTiles;
-    constexpr int kBoxes = kGemvBulkStageK / 64;
+    constexpr int kBoxes = kGemvBulkStageK / kGemvBulkBoxK;
+    constexpr int kBoxRowBytes = 2 * kGemvBulkBoxK;
+    constexpr bool kSwizzled = kGemvBulkBoxK == 64;
     constexpr int kStageBytes = kGemvBulkStageK * 2 * (kBRows + kARows);
     constexpr int kWarpTiles = 4 * kNTiles;  // every warp: all the CTA's n8 tiles
     constexpr int kChunksPerWarp = kGemvBulkStageK / 32 / 4;
@@ -395,8 +400,9 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
         ptx::mbarrier_arrive_expect_tx(bar, static_cast<unsigned>(kStageBytes));
 #pragma unroll
         for (int q = 0; q < kBoxes; ++q) {
-            ptx::tma_load_2d(stage + q * kBRows * 128, map_b, bar, k0 + 64 * q, n_cta);
-            ptx::tma_load_2d(stage + kBoxes * kBRows * 128 + q * kARows * 128, map_a, bar, k0 + 64 * q, 0);
+            ptx::tma_load_2d(stage + q * kBRows * kBoxRowBytes, map_b, bar, k0 + kGemvBulkBoxK * q, n_cta);
+            ptx::tma_load_2d(stage + (kBoxes * kBRows + q * kARows) * kBoxRowBytes, map_a, bar, k0 + kGemvBulkBoxK * q,
+                             0);
         }
     };
 
@@ -418,25 +424,27 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
         }
         const int k0 = k_begin + i * kGemvBulkStageK;
         const unsigned char* stage = ring_ptr + s * kStageBytes;
-        const unsigned char* a_boxes = stage + kBoxes * kBRows * 128;
+        const unsigned char* a_boxes = stage + kBoxes * kBRows * kBoxRowBytes;
 #pragma unroll
         for (int c = 0; c < kChunksPerWarp; ++c) {
             const int chunk = warp + 4 * c;
             const int kl = 32 * chunk + 8 * t;  // the lane's 8 k of this chunk, stage-relative
             const bool k_ok = k0 + kl < k_end;
-            const int q = chunk / 2;                                  // box
-            const int piece = (((chunk % 2) * 4 + t) ^ g) * 16;       // swizzled 16-byte piece, any row r = g mod 8
+            const int q = kl / kGemvBulkBoxK;  // box
+            // Byte offset in the box row; swizzled: 16-byte piece p of a 128-byte row r sits at p ^ (r % 8), and
+            // every row read here has r % 8 = g.
+            const int piece = kSwizzled ? ((((kl % 64) / 8) ^ g) * 16) : 2 * (kl % kGemvBulkBoxK);
             uint4 av[kMTiles][2];
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = mt * 16 + h * 8 + g;
-                    av[mt][h] = lds_16_if(k_ok, a_boxes + (q * kARows + row) * 128 + piece);
+                    av[mt][h] = lds_16_if(k_ok, a_boxes + (q * kARows + row) * kBoxRowBytes + piece);
                 }
 #pragma unroll
             for (int nt = 0; nt < kWarpTiles; ++nt) {
-                const uint4 bb = lds_16_if(k_ok, stage + (q * kBRows + nt * 8 + g) * 128 + piece);
+                const uint4 bb = lds_16_if(k_ok, stage + (q * kBRows + nt * 8 + g) * kBoxRowBytes + piece);
 #pragma unroll
                 for (int mt = 0; mt < kMTiles; ++mt) {
                     const uint4& lo = av[mt][0];

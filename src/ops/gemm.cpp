@@ -189,7 +189,7 @@ CUtensorMapDataType tma_dtype(DType t) {
 }
 
 void encode_2d(CUtensorMap* map, const TensorView& v, const char* name, uint64_t inner, uint64_t outer,
-               uint32_t box_inner, uint32_t box_outer) {
+               uint32_t box_inner, uint32_t box_outer, CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
     const uint64_t dims[2] = {inner, outer};
     uint64_t stride_bytes = 0;
     if (outer <= 1) {
@@ -206,7 +206,7 @@ void encode_2d(CUtensorMap* map, const TensorView& v, const char* name, uint64_t
     const uint32_t elem_strides[2] = {1, 1};
     const CUresult r = driver().cuTensorMapEncodeTiled(
         map, tma_dtype(v.dtype), 2, v.data, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+        swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
         WEFT_FAIL("gemm: cuTensorMapEncodeTiled failed for " << name << " (" << v.describe() << ", box {"
                                                              << box_inner << ", " << box_outer
@@ -638,10 +638,11 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
     l.args.num_splits = plan.small_m_splits;
     const GemvShape shape = gemv_shape(plan.small_m_variant, plan.small_m_tiles);
     if (shape.bulk) {
-        encode_2d(&l.maps.a, a, "a", static_cast<uint64_t>(a.dim(1)), static_cast<uint64_t>(a.dim(0)), 64,
-                  static_cast<uint32_t>(16 * plan.small_m_tiles));
-        encode_2d(&l.maps.b, b, "b", static_cast<uint64_t>(b.dim(1)), static_cast<uint64_t>(b.dim(0)), 64,
-                  static_cast<uint32_t>(32 * shape.n_tiles));
+        const CUtensorMapSwizzle swizzle = kGemvBulkBoxK == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE;
+        encode_2d(&l.maps.a, a, "a", static_cast<uint64_t>(a.dim(1)), static_cast<uint64_t>(a.dim(0)), kGemvBulkBoxK,
+                  static_cast<uint32_t>(16 * plan.small_m_tiles), swizzle);
+        encode_2d(&l.maps.b, b, "b", static_cast<uint64_t>(b.dim(1)), static_cast<uint64_t>(b.dim(0)), kGemvBulkBoxK,
+                  static_cast<uint32_t>(32 * shape.n_tiles), swizzle);
     }
     l.grid = dim3(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
     l.smem_bytes = gemv_smem_bytes(plan.small_m_variant, plan.small_m_tiles);

@@ -244,8 +244,11 @@ struct GemvShape {
     bool bulk = false; ///< variant 3: B and A stream through a shared-memory ring filled by bulk copies
 };
 
-/// Variant 3's stage: 256 k of every B and A row of the CTA (512 bytes per row).
+/// Variant 3's stage: 256 k of every B and A row of the CTA (512 bytes per row), loaded as TMA boxes
+/// kGemvBulkBoxK wide: 64 (128-byte rows, 128-byte swizzle: conflict-free fragment reads) or 256 (one box
+/// per operand and stage, 512 contiguous bytes per row and request, no swizzle).
 inline constexpr int kGemvBulkStageK = 256;
+inline constexpr int kGemvBulkBoxK = 256;
 
 /// Variant 2 keeps stages x stage_chunks x n_tiles 16-byte B loads (512 bytes per warp each) in flight per warp.
 /// Bytes in flight needed: ~4.6 TB/s x ~1 us of loaded DRAM latency = ~4.6 MB, ~35 KiB per SM of 132. Here:
