@@ -189,6 +189,47 @@ TEST(GemmNvrtc, gemm_sass_uses_hgmma) {
     EXPECT_EQ(checked, static_cast<int>(combos().size()) * kGemmNumCandidates);
 }
 
+// Variant 3 streams B and A through TMA into shared memory and multiplies on the mma.sync path: every
+// instance has TMA loads (UTMALDG), shared-memory fragment reads (LDS.128), HMMA, and nothing in local memory.
+TEST(GemmNvrtc, small_m_variant3_loads_by_tma_and_multiplies_with_hmma) {
+    const fs::path dir = fs::temp_directory_path() / ("weft_gemv3_sass_" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    int checked = 0;
+    for (const Combo& c : combos()) {
+        if (c.layout != BLayout::kNK) continue;
+        const std::vector<std::string> names = gemv_instantiations(c, {3});
+        const Compiled r = compile(names);
+        ASSERT_EQ(r.result, NVRTC_SUCCESS) << r.log;
+        expect_clean_ptxas_report(r.log, "small-M variant 3");
+        const fs::path cubin = dir / "gemv3.cubin";
+        {
+            std::ofstream f(cubin, std::ios::binary);
+            f.write(r.cubin.data(), static_cast<std::streamsize>(r.cubin.size()));
+        }
+        std::string tool, why_not;
+        const auto sass = disassemble(cubin, &tool, &why_not);
+        if (sass.empty()) {
+            fs::remove_all(dir);
+            GTEST_SKIP() << "SKIPPED: cannot check SASS: " << why_not;
+        }
+        for (const auto& name : names) {
+            const auto lowered = r.lowered.find(name);
+            ASSERT_NE(lowered, r.lowered.end()) << name;
+            const auto fn = sass.find(lowered->second);
+            ASSERT_NE(fn, sass.end()) << "no SASS for " << name << " (tool " << tool << ")";
+            const std::string& code = fn->second;
+            EXPECT_GT(count(code, "UTMALDG"), 0u) << name << ": no TMA loads";
+            EXPECT_GT(count(code, "LDS.128"), 0u) << name << ": no 16-byte shared-memory fragment reads";
+            EXPECT_GT(count(code, " HMMA"), 0u) << name << ": no HMMA";
+            EXPECT_EQ(count(code, " LDL"), 0u) << name << ": local-memory loads";
+            EXPECT_EQ(count(code, " STL"), 0u) << name << ": local-memory stores";
+            ++checked;
+        }
+    }
+    fs::remove_all(dir);
+    EXPECT_EQ(checked, 4 * 4);  // 4 dtype pairs x 4 row-tile counts
+}
+
 // ---- small-M variant 2: loads in flight -----------------------------------------------------------------
 
 struct SassInstruction {
