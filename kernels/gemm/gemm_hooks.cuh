@@ -9,6 +9,7 @@
 #include "weft/common/diagnostics.hpp"
 #include "weft/common/gemm_config.hpp"
 #include "weft/common/gemm_hook_params.hpp"
+#include "weft/device/spin.cuh"  // wait_for_diagnostic_record
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
 
@@ -60,13 +61,7 @@ __device__ __noinline__ void report_timeout_and_trap(Diagnostic* diag, SpinKind 
         atomicExch(&diag->claimed, 2u);
         __threadfence_system();
     }
-    if (diag != nullptr) {  // a loser waits for the winner's record (bounded), as the device layer's spins do
-        const uint64_t drain_start = ptx::globaltimer();
-        while (*static_cast<volatile unsigned*>(&diag->claimed) != 2u &&
-               ptx::globaltimer() - drain_start < 100000000ull) {
-            __nanosleep(256);
-        }
-    }
+    if (diag != nullptr) device::wait_for_diagnostic_record(diag);
     __trap();
 }
 

@@ -21,6 +21,25 @@ namespace weft::tp {
 
 namespace tile = device::tile;
 
+/// After a tile's TMA store completed: += 1 on destination `dest`'s counter [this rank][chunk of t] (release
+/// at system scope, after a proxy fence: TMA wrote the tile). Both modes' epilogue hooks.
+__device__ __forceinline__ void notify_tile_stored(const DeviceCtx& ctx, uint64_t* counters, const RsGemmOrder& order,
+                                                   const GemmTile& t, int32_t dest, int32_t line) {
+    const int32_t idx = rs_counter_index(ctx.rank, order.chunk_of(t), order.map.chunks_per_rank());
+    ptx::fence_proxy_async_global();
+    notify_add_inline(ctx, counters + idx, dest, 1ull, line);  // consumer warpgroup: no calls
+}
+
+/// The end of a call on this rank, by one thread once every partial sent to this rank has been read: zero
+/// its `num_signals` counters (no source raises one again before it sees `released`; the next call's M, and
+/// so the layout, may differ), then released[rank] += 1 on every rank (each source's next GEMM waits for it
+/// before its first store into this rank's buffer). Both modes: the push hook's last tile and the reduction.
+__device__ __forceinline__ void release_received_partials(const DeviceCtx& ctx, uint64_t* counters, int32_t num_signals,
+                                                          uint64_t* released, int32_t line) {
+    for (int32_t i = 0; i < num_signals; ++i) ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(counters + i, 0ull);
+    for (int32_t pe = 0; pe < ctx.num_ranks; ++pe) notify_add_inline(ctx, released + ctx.rank, pe, 1ull, line);
+}
+
 /// Persistent striding over RsGemmOrder (cluster-free configs). The first tile of each CTA waits until
 /// every rank's reduction has released the previous call's partials (released[s] >= calls completed), so
 /// no TMA store overwrites a partial a peer is still reading.
@@ -71,10 +90,7 @@ struct RsGemmHook {
     static constexpr bool kNotifies = true;
     __device__ static void after_tile_stored(const Params& p, const GemmTile& t) {
         const RsGemmOrder order(kCfg, p.rows_per_rank, p.ctx.num_ranks, p.chunk_rows, p.n, p.ctx.rank);
-        const int32_t dest = order.dest_of(t);
-        const int32_t idx = rs_counter_index(p.ctx.rank, order.chunk_of(t), order.map.chunks_per_rank());
-        ptx::fence_proxy_async_global();
-        notify_add_inline(p.ctx, p.counters + idx, dest, 1ull, __LINE__);  // consumer warpgroup: no calls
+        notify_tile_stored(p.ctx, p.counters, order, t, order.dest_of(t), __LINE__);
         if (arrive_last(p.tile_counter, static_cast<uint32_t>(p.num_tiles))) {
             ptx::st(p.gemm_calls, ptx::ld(p.gemm_calls) + 1);
         }
@@ -177,22 +193,11 @@ struct RsPushHook {
 
     __device__ static void after_tile_stored(const Params& p, const GemmTile& t) {
         const RsGemmOrder o = order(p);
-        const int32_t rank = p.ctx.rank;
         const int32_t dest = o.dest_of(t);
-        if (dest != rank) {
-            const int32_t idx = rs_counter_index(rank, o.chunk_of(t), o.map.chunks_per_rank());
-            ptx::fence_proxy_async_global();  // the tile reached the peer by TMA (async proxy)
-            notify_add_inline(p.ctx, p.counters + idx, dest, 1ull, __LINE__);  // consumer warpgroup: no calls
-        }
+        if (dest != p.ctx.rank) notify_tile_stored(p.ctx, p.counters, o, t, dest, __LINE__);  // reached it by TMA
         if (arrive_last(p.tile_counter, static_cast<uint32_t>(p.num_tiles))) {
-            // Every own tile waited for all its chunk's counters and has read the peers' partials: zero this
-            // rank's counters (no peer raises one before it sees `released`), then release the buffer.
-            for (int32_t i = 0; i < o.map.num_signals(); ++i) {
-                ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(p.counters + i, 0ull);
-            }
-            for (int32_t pe = 0; pe < p.ctx.num_ranks; ++pe) {
-                notify_add_inline(p.ctx, p.released + rank, pe, 1ull, __LINE__);
-            }
+            // Every own tile waited for all its chunk's counters and has read the peers' partials.
+            release_received_partials(p.ctx, p.counters, o.map.num_signals(), p.released, __LINE__);
             ptx::st(p.gemm_calls, ptx::ld(p.gemm_calls) + 1);
         }
     }
@@ -314,13 +319,9 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
     }
     __syncthreads();  // every thread of this CTA has read its share of every partial
     if (threadIdx.x == 0 && arrive_last(p.exit_count, gridDim.x)) {
-        // Every counter reached its count (every CTA waited for all of them), and no source raises one again
-        // before it sees `released` below: zero them for the next call (whose M, and so layout, may differ).
-        for (int32_t i = 0; i < map.num_signals(); ++i) {
-            ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(p.counters + i, 0ull);
-        }
+        // Every counter reached its count (every CTA waited for all of them).
         ptx::st(p.epoch, e);
-        for (int32_t pe = 0; pe < num_ranks; ++pe) notify_add_inline(p.ctx, p.released + rank, pe, 1ull, __LINE__);
+        release_received_partials(p.ctx, p.counters, map.num_signals(), p.released, __LINE__);
     }
 }
 

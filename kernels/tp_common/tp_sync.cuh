@@ -10,7 +10,7 @@
 
 #include "weft/common/device_ctx.hpp"
 #include "weft/common/diagnostics.hpp"
-#include "weft/device/spin.cuh"  // kDiagnosticDrainNs
+#include "weft/device/spin.cuh"  // wait_for_diagnostic_record
 #include "weft/device/symmetric.cuh"
 #include "weft/ptx/atom.cuh"
 #include "weft/ptx/fence.cuh"
@@ -42,16 +42,7 @@ __device__ __forceinline__ void record_and_trap_inline(const DeviceCtx& ctx, Spi
         ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(&d->claimed, 2u);
         ptx::fence<ptx::Sem::kSc, ptx::Scope::kSys>();
     }
-    if (d != nullptr) {
-        // As the device layer's fail_and_trap: the winner reads its record back, and a loser (a thread that
-        // failed at the same moment, e.g. the other consumer warpgroup) waits for it, instead of trapping
-        // over a half-written record. Bounded.
-        const uint64_t drain_start = ptx::globaltimer();
-        while (ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(&d->claimed) != 2u &&
-               ptx::globaltimer() - drain_start < device::kDiagnosticDrainNs) {
-            ptx::nanosleep(256);
-        }
-    }
+    if (d != nullptr) device::wait_for_diagnostic_record(d);  // e.g. the other consumer warpgroup failed too
     __trap();
 }
 

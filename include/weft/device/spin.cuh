@@ -42,6 +42,19 @@ inline constexpr uint64_t kDiagnosticDrainNs = 100ull * 1000 * 1000;
 /// Used when ctx.timeout_ns is 0.
 inline constexpr uint64_t kDefaultTimeoutNs = 10ull * 1000 * 1000 * 1000;
 
+/// Before a failed spin traps: waits (bounded by kDiagnosticDrainNs) until the record `d` reads back
+/// complete (claimed == 2). A trap ends every thread of the grid at once and can drop writes still on
+/// their way to host memory, so the winner that filled the record reads it back (a read does not pass the
+/// posted writes before it), and the losers (threads that failed at the same moment) wait for the winner
+/// instead of trapping over a half-written record. Every inline spin report calls it.
+__device__ __forceinline__ void wait_for_diagnostic_record(Diagnostic* d) {
+    const uint64_t drain_start = ptx::globaltimer();
+    while (ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(&d->claimed) != 2u &&
+           ptx::globaltimer() - drain_start < kDiagnosticDrainNs) {
+        ptx::nanosleep(256);
+    }
+}
+
 /// OpenSHMEM comparison of a signal word with a value (unsigned 64-bit).
 __device__ __forceinline__ bool compare(uint64_t observed, Cmp cmp, uint64_t value) {
     switch (cmp) {
@@ -113,15 +126,7 @@ struct SpinSite {
             ptx::st<Sem::kRelaxed, Scope::kSys>(&d->claimed, 2u);
             ptx::fence<Sem::kSc, Scope::kSys>();
         }
-        // NOTE: a trap ends every thread of the grid at once and can drop writes still on their way to
-        // host memory. So the winner reads `claimed` back until the host-side copy holds 2 (a read does
-        // not pass the posted writes before it), and the losers (other threads that failed at the same
-        // moment) wait for that too instead of trapping over the winner's half-written record. Bounded.
-        const uint64_t drain_start = ptx::globaltimer();
-        while (ptx::ld<Sem::kRelaxed, Scope::kSys>(&d->claimed) != 2u &&
-               ptx::globaltimer() - drain_start < kDiagnosticDrainNs) {
-            ptx::nanosleep(256);
-        }
+        wait_for_diagnostic_record(d);
     } else {
         printf("weft: rank %d block (%d,%d,%d) thread %d gave up (kind %u): word %p owned by rank %d, "
                "expected %llu (cmp %u), observed %llu after %llu ns (line %d)\n",
