@@ -103,6 +103,9 @@ int main(int argc, char** argv) {
                                   TensorView(local_out, DType::kF32, {count}), stream);
             WEFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
             WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+            // Every rank instantiates before any rank replays: instantiation may allocate device memory, and on
+            // a GPU shared by ranks that can wait for a peer's replay already spinning for this rank.
+            world.barrier();
             for (int replay = 0; replay < 3; ++replay) {
                 WEFT_CUDA_CHECK(cudaMemcpyAsync(local_in, mine.data(), bytes, cudaMemcpyHostToDevice, stream));
                 WEFT_CUDA_CHECK(cudaMemsetAsync(local_out, 0, bytes, stream));
