@@ -149,33 +149,37 @@ size_t count(const std::string& hay, const std::string& needle) {
     return n;
 }
 
+// The SASS of each of `names` (instantiation -> text) in r's cubin; empty, with the reason in why_not, when no
+// disassembler works here. A name without a lowered name or without SASS is a test failure.
+std::map<std::string, std::string> sass_by_name(const Compiled& r, const std::vector<std::string>& names,
+                                                std::string* why_not) {
+    std::string tool;
+    const auto sass = testing::disassemble(r.cubin, &tool, why_not);
+    std::map<std::string, std::string> out;
+    if (sass.empty()) return out;
+    for (const auto& name : names) {
+        const auto lowered = r.lowered.find(name);
+        EXPECT_NE(lowered, r.lowered.end()) << name;
+        if (lowered == r.lowered.end()) continue;
+        const auto fn = sass.find(lowered->second);
+        EXPECT_NE(fn, sass.end()) << "no SASS for " << name << " (tool " << tool << ")";
+        if (fn != sass.end()) out[name] = fn->second;
+    }
+    return out;
+}
+
 // The tiled GEMM must run on the wgmma path: HGMMA in SASS. HMMA (mma.sync) in a tiled kernel means a slower
 // path; LDL/STL means registers went to local memory.
 TEST(GemmNvrtc, gemm_sass_uses_hgmma) {
-    const fs::path dir = fs::temp_directory_path() / ("weft_gemm_sass_" + std::to_string(::getpid()));
-    fs::create_directories(dir);
     int checked = 0;
     for (const Combo& c : combos()) {
         const std::vector<std::string> names = tiled_instantiations(c);
         const Compiled r = compile(names);
         ASSERT_EQ(r.result, NVRTC_SUCCESS) << r.log;
-        const fs::path cubin = dir / "gemm.cubin";
-        {
-            std::ofstream f(cubin, std::ios::binary);
-            f.write(r.cubin.data(), static_cast<std::streamsize>(r.cubin.size()));
-        }
-        std::string tool, why_not;
-        const auto sass = disassemble(cubin, &tool, &why_not);
-        if (sass.empty()) {
-            fs::remove_all(dir);
-            GTEST_SKIP() << "SKIPPED: cannot check SASS: " << why_not;
-        }
-        for (const auto& name : names) {
-            const auto lowered = r.lowered.find(name);
-            ASSERT_NE(lowered, r.lowered.end()) << name;
-            const auto fn = sass.find(lowered->second);
-            ASSERT_NE(fn, sass.end()) << "no SASS for " << name << " (tool " << tool << ")";
-            const std::string& code = fn->second;
+        std::string why_not;
+        const auto sass = sass_by_name(r, names, &why_not);
+        if (sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << why_not;
+        for (const auto& [name, code] : sass) {
             EXPECT_GT(count(code, "HGMMA"), 0u) << name << ": no HGMMA in SASS";
             EXPECT_EQ(count(code, " HMMA"), 0u) << name << ": HMMA (mma.sync path) in a tiled kernel";
             EXPECT_EQ(count(code, " LDL"), 0u) << name << ": local-memory loads";
@@ -185,15 +189,12 @@ TEST(GemmNvrtc, gemm_sass_uses_hgmma) {
             ++checked;
         }
     }
-    fs::remove_all(dir);
     EXPECT_EQ(checked, static_cast<int>(combos().size()) * kGemmNumCandidates);
 }
 
 // Variant 3 streams B and A through TMA into shared memory and multiplies on the mma.sync path: every
 // instance has TMA loads (UTMALDG), shared-memory fragment reads (LDS.128), HMMA, and nothing in local memory.
 TEST(GemmNvrtc, small_m_variant3_loads_by_tma_and_multiplies_with_hmma) {
-    const fs::path dir = fs::temp_directory_path() / ("weft_gemv3_sass_" + std::to_string(::getpid()));
-    fs::create_directories(dir);
     int checked = 0;
     for (const Combo& c : combos()) {
         if (c.layout != BLayout::kNK) continue;
@@ -201,23 +202,10 @@ TEST(GemmNvrtc, small_m_variant3_loads_by_tma_and_multiplies_with_hmma) {
         const Compiled r = compile(names);
         ASSERT_EQ(r.result, NVRTC_SUCCESS) << r.log;
         expect_clean_ptxas_report(r.log, "small-M variant 3");
-        const fs::path cubin = dir / "gemv3.cubin";
-        {
-            std::ofstream f(cubin, std::ios::binary);
-            f.write(r.cubin.data(), static_cast<std::streamsize>(r.cubin.size()));
-        }
-        std::string tool, why_not;
-        const auto sass = disassemble(cubin, &tool, &why_not);
-        if (sass.empty()) {
-            fs::remove_all(dir);
-            GTEST_SKIP() << "SKIPPED: cannot check SASS: " << why_not;
-        }
-        for (const auto& name : names) {
-            const auto lowered = r.lowered.find(name);
-            ASSERT_NE(lowered, r.lowered.end()) << name;
-            const auto fn = sass.find(lowered->second);
-            ASSERT_NE(fn, sass.end()) << "no SASS for " << name << " (tool " << tool << ")";
-            const std::string& code = fn->second;
+        std::string why_not;
+        const auto sass = sass_by_name(r, names, &why_not);
+        if (sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << why_not;
+        for (const auto& [name, code] : sass) {
             EXPECT_GT(count(code, "UTMALDG"), 0u) << name << ": no TMA loads";
             EXPECT_GT(count(code, "LDS.128"), 0u) << name << ": no 16-byte shared-memory fragment reads";
             EXPECT_GT(count(code, " HMMA"), 0u) << name << ": no HMMA";
@@ -226,7 +214,6 @@ TEST(GemmNvrtc, small_m_variant3_loads_by_tma_and_multiplies_with_hmma) {
             ++checked;
         }
     }
-    fs::remove_all(dir);
     EXPECT_EQ(checked, 4 * 4);  // 4 dtype pairs x 4 row-tile counts
 }
 
