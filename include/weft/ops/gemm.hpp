@@ -56,7 +56,9 @@ struct GemmOptions {
     void* workspace = nullptr;         ///< small-M scratch of gemm_workspace_bytes, 256-byte aligned: split-K
                                        ///< counters first (zero-filled before the first use; each call leaves
                                        ///< them zero), then fp32 partials. Zero it again if N grows. nullptr =
-                                       ///< weft's per-(device, stream) scratch. One call at a time per workspace.
+                                       ///< weft's per-(device, stream) scratch, grown by cudaMalloc at the first
+                                       ///< call that needs more (a device-wide wait: on a GPU shared by ranks,
+                                       ///< pass a workspace, docs/runtime.md). One call at a time per workspace.
     size_t workspace_bytes = 0;
     std::chrono::milliseconds timeout{0};  ///< bound on every pipeline wait; 0 = WEFT_TIMEOUT_MS or 10 s
     GemmBackend backend = GemmBackend::kAuto;
