@@ -254,6 +254,27 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
 }
 
 // Variant 2: one wave of gemv_shape(2, m_tiles).ctas_per_sm CTAs per SM, its columns per CTA from the shape.
+// Variant 3's shared-memory plan (gemv_shape / gemv_smem_bytes): each row-tile count's ring fits the planned CTAs
+// per SM on an H200 (228 KiB per SM, 227 KiB per block, 1 KiB reserved per resident block), holds whole stages
+// of its B and A rows, and has room for the end's cross-warp sums.
+TEST(GemmPlan, SmallMVariant3RingFitsItsPlannedCtasPerSm) {
+    constexpr int kSmPerSm = 228 * 1024, kMaxPerBlock = 227 * 1024, kReservedPerBlock = 1024;
+    for (int m_tiles = 1; m_tiles <= kGemvMaxM / 16; ++m_tiles) {
+        SCOPED_TRACE("m_tiles " + std::to_string(m_tiles));
+        const GemvShape shape = gemv_shape(3, m_tiles);
+        ASSERT_TRUE(shape.bulk);
+        const int smem = gemv_smem_bytes(3, m_tiles);
+        const int stage = (32 * shape.n_tiles + 16 * m_tiles) * 2 * kGemvBulkStageK;
+        EXPECT_LE(smem, kMaxPerBlock);
+        EXPECT_LE(shape.ctas_per_sm * (smem + kReservedPerBlock), kSmPerSm);
+        EXPECT_GE(smem, 128 + 1024 + shape.stages * stage) << "barriers, alignment slack, the ring";
+        EXPECT_GE(smem, 128 + 1024 + 4 * m_tiles * 4 * shape.n_tiles * 4 * 32 * 4) << "the cross-warp sums";
+        EXPECT_GE(shape.stages, 2);
+        EXPECT_EQ(kGemvBulkStageK % kGemvBulkBoxK, 0);
+        EXPECT_EQ(gemv_smem_bytes(2, m_tiles), 0) << "the register variants take no dynamic shared memory";
+    }
+}
+
 TEST(GemmPlan, SmallMVariant2FillsOneWaveOfItsShape) {
     ops::GemmOptions v2;
     v2.small_m_variant = 2;
