@@ -97,6 +97,18 @@ __device__ __forceinline__ void warp_load_chunk(uint4 (&v)[U], const uint4* src,
     }
 }
 
+/// Takes the lowest one or two set bits of `mask` (warp-uniform, non-zero): their positions in j0 and j1
+/// (j1 = j0 when only one was set); returns whether there were two. The combines' reductions fetch two rows'
+/// loads together this way, in bit order.
+__device__ __forceinline__ bool take_two_lanes(uint32_t& mask, int& j0, int& j1) {
+    j0 = __ffs(mask) - 1;
+    mask &= mask - 1;
+    const bool two = mask != 0;
+    j1 = two ? __ffs(mask) - 1 : j0;
+    if (two) mask &= mask - 1;
+    return two;
+}
+
 /// acc[u][q] = fma(w, the q-th bf16 of v[u], acc[u][q]) (fp32, one rounding), for every u and q.
 template <int U>
 __device__ __forceinline__ void fma_bf16x8(float (&acc)[U][8], float w, const uint4 (&v)[U]) {

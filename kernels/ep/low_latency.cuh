@@ -422,13 +422,8 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
             // Two slots at a time: both rows' loads in flight before the first is accumulated (in slot order).
             uint32_t left = slots;
             while (left != 0) {
-                const int j0 = __ffs(left) - 1;
-                left &= left - 1;
-                const bool two = left != 0;  // warp-uniform
-                const int j1 = two ? __ffs(left) - 1 : j0;
-                if (two) {
-                    left &= left - 1;
-                }
+                int j0 = 0, j1 = 0;
+                const bool two = take_two_lanes(left, j0, j1);  // warp-uniform
                 const float w0 = __shfl_sync(0xffffffffu, weight, j0);
                 const float w1 = __shfl_sync(0xffffffffu, weight, j1);
                 uint4 v0[U];

@@ -441,13 +441,8 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
             // Two rows at a time: both rows' loads in flight before the first is accumulated (in slot order).
             uint32_t left = rows;
             while (left != 0) {
-                const int j0 = __ffs(left) - 1;
-                left &= left - 1;
-                const bool two = left != 0;  // warp-uniform
-                const int j1 = two ? __ffs(left) - 1 : j0;
-                if (two) {
-                    left &= left - 1;
-                }
+                int j0 = 0, j1 = 0;
+                const bool two = take_two_lanes(left, j0, j1);  // warp-uniform
                 const int32_t row0 = __shfl_sync(0xffffffffu, row, j0);
                 const int32_t row1 = __shfl_sync(0xffffffffu, row, j1);
                 const float w0 = __shfl_sync(0xffffffffu, weight, j0);
@@ -503,13 +498,8 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
                 uint32_t present = __ballot_sync(0xffffffffu, my_idx >= 0);
                 // Two partials at a time: both rows' loads in flight before the first is added (in rank order).
                 while (present != 0) {
-                    const int l0 = __ffs(present) - 1;
-                    present &= present - 1;
-                    const bool two = present != 0;  // warp-uniform
-                    const int l1 = two ? __ffs(present) - 1 : l0;
-                    if (two) {
-                        present &= present - 1;
-                    }
+                    int l0 = 0, l1 = 0;
+                    const bool two = take_two_lanes(present, l0, l1);  // warp-uniform
                     const int32_t idx0 = __shfl_sync(0xffffffffu, my_idx, l0);
                     const int32_t idx1 = __shfl_sync(0xffffffffu, my_idx, l1);
                     const auto* part0 = reinterpret_cast<const uint4*>(
