@@ -273,7 +273,9 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     if (s.mode == GemmRsMode::kPush) {
         WEFT_LOG_INFO("gemm_rs: push mode, " << tp_detail::config_text(first)
                                              << (options.autotune ? " (to be tuned)" : "") << ", chunk_rows "
-                                             << s.chunk_rows << ", SM budget " << s.budget);
+                                             << s.chunk_rows << ", SM budget " << s.budget << "; signals at "
+                                             << static_cast<const void*>(s.counters) << " (" << num_counters
+                                             << " counters, " << s.num_ranks << " released, calls, epoch, tiles)");
         world.barrier();
         return;
     }
