@@ -212,6 +212,8 @@ struct GemmRs::State {
     const jit::Kernel* reduce_kernel = nullptr;
     tp_detail::StreamSet streams;
     uint64_t launches = 0;  // calls launched by this rank (numbers the debug log's lines)
+    // Ranks sharing a GPU: configs whose first call has not yet been synchronised (see launch_call).
+    std::vector<bool> unsynced_first_call;
     cudaStream_t side = nullptr;
     cudaEvent_t fork = nullptr, join = nullptr;
 
@@ -252,6 +254,7 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     s.ldp = round_up(shape.n, 8);
     s.lda = round_up(shape.n, 8);
 
+    if (world.num_ranks_on_device() > 1) s.unsynced_first_call.assign(s.configs.size(), true);
     for (const GemmConfig& c : s.configs) {
         s.kernels.push_back(&jit::compiler().get_kernel(s.num_ranks == 1 ? detail::plain_gemm_kernel_spec(c)
                                                                          : detail::gemm_rs_kernel_spec(c, "", s.mode)));
@@ -450,6 +453,21 @@ RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorV
     return call;
 }
 
+/// Ranks sharing a GPU: a config's first call on this rank ends (stream synchronised, then a barrier of all
+/// ranks) before this rank launches anything more. Measured on the H200 (kernels/gemm_rs/README.md, Known
+/// problem): a rank's first launch of a kernel could stay queued for good while a peer's call of the same
+/// kernel spun waiting for it and the peer's next calls were queued behind; once every rank had made one
+/// synchronised call, calls back to back ran. Not while the stream is being captured (graphs: see README).
+void sync_first_call(GemmRs::State& s, size_t idx, cudaStream_t stream) {
+    if (s.unsynced_first_call.empty() || !s.unsynced_first_call[idx]) return;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone) return;
+    s.unsynced_first_call[idx] = false;
+    s.world->sync_and_check(stream);
+    s.world->barrier();
+}
+
 void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream) {
     const GemmConfig& config = s.configs[call.idx];
     const jit::Kernel& kernel = *s.kernels[call.idx];
@@ -463,6 +481,7 @@ void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream) {
     if (s.mode == GemmRsMode::kPush) {
         tp_detail::launch_gemm(kernel, config, call.maps, call.args, call.grid, call.sched, call.push, stream);
         WEFT_LOG_DEBUG("gemm_rs: launched call " << s.launches);
+        sync_first_call(s, call.idx, stream);
         return;
     }
     WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
@@ -476,6 +495,7 @@ void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream) {
     WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
     WEFT_LOG_DEBUG("gemm_rs: launched call " << s.launches);
+    sync_first_call(s, call.idx, stream);
 }
 
 }  // namespace

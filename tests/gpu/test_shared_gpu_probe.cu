@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <nvrtc.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstdio>
@@ -19,6 +20,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "weft/weft.hpp"
 
 namespace {
 
@@ -593,6 +596,94 @@ TEST(SharedGpuProbe, StreamsFirstUsedWhileTheOthersWereIdle) {
     std::printf("[ PROBE    ] streams first used while the others were idle that shared stream 0's queue:%s\n",
                 shared.empty() ? " none" : shared.c_str());
     if (connections() >= 8) EXPECT_TRUE(shared.empty()) << "streams sharing stream 0's hardware queue:" << shared;
+}
+
+// Inside a World (run_local, one stream per rank, all SMs at 200 KB per block): the pattern above, with the
+// arrival words in plain device memory or in the symmetric heap (every rank adds to rank 0's words through its
+// own mapping of rank 0's heap), as weft's ops. `before` runs on every rank once, before the first trial.
+// Returns the trials (in order) in which some call timed out, as " 0 2" (empty: none).
+std::string world_trials_timed_out(int ranks, bool in_heap, const std::function<void(cudaStream_t)>& before) {
+    int sms = 0;
+    EXPECT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+    constexpr int kBigSmem = 200 << 10;
+    EXPECT_EQ(cudaFuncSetAttribute(probe_rank_call, cudaFuncAttributeMaxDynamicSharedMemorySize, kBigSmem),
+              cudaSuccess);
+    unsigned* plain = nullptr;
+    EXPECT_EQ(cudaMalloc(&plain, (kRankCalls + 1) * sizeof(unsigned)), cudaSuccess);
+    std::string bad;
+    std::atomic<int> launch_errors{0};
+    weft::run_local(ranks, [&](weft::World& w) {
+        cudaStream_t st = nullptr;
+        WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+        uint64_t* mine = w.heap().alloc_signals(kRankCalls + 1);
+        auto* words = in_heap ? reinterpret_cast<unsigned*>(w.heap().symm_at(mine, 0)) : plain;
+        if (before) {
+            before(st);
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(st));
+        }
+        for (int trial = 0; trial < kRankTrials; ++trial) {
+            if (w.rank() == 0) {
+                WEFT_CUDA_CHECK(cudaMemsetAsync(words, 0, (kRankCalls + 1) * sizeof(unsigned), st));
+                WEFT_CUDA_CHECK(cudaStreamSynchronize(st));
+            }
+            w.barrier();
+            for (int c = 0; c < kRankCalls; ++c) {
+                probe_rank_call<<<sms / ranks, 128, kBigSmem, st>>>(words + c, static_cast<unsigned>(ranks),
+                                                                    words + kRankCalls, 0);
+            }
+            launch_errors += cudaGetLastError() != cudaSuccess;
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(st));
+            w.barrier();
+            if (w.rank() == 0) {
+                unsigned failed = 0;
+                WEFT_CUDA_CHECK(
+                    cudaMemcpyAsync(&failed, words + kRankCalls, sizeof(unsigned), cudaMemcpyDeviceToHost, st));
+                WEFT_CUDA_CHECK(cudaStreamSynchronize(st));
+                if (failed != 0) bad += " " + std::to_string(trial);
+            }
+            w.barrier();
+        }
+        w.heap().free(mine);
+        WEFT_CUDA_CHECK(cudaStreamDestroy(st));
+    });
+    EXPECT_EQ(launch_errors.load(), 0);
+    EXPECT_EQ(cudaFree(plain), cudaSuccess);
+    return bad;
+}
+
+void print_world_trials(const char* what, int ranks, bool in_heap, const std::string& bad) {
+    std::printf("[ PROBE    ] World of %d ranks, %d calls each launched back to back, words in %-17s, %s: trials "
+                "timed out:%s\n", ranks, kRankCalls, in_heap ? "the heap" : "cudaMalloc memory", what,
+                bad.empty() ? " none" : bad.c_str());
+}
+
+// THE EFFECT, kept runnable (--gtest_also_run_disabled_tests) and off by default because it fails by design
+// in some runs: in a fresh process, the first trial (the kernel's first launch on every rank) timed out in 3
+// of 9 runs on an H200 (a rank's first launch stayed queued while a peer's instance spun for it); later trials
+// never did. RanksOfAWorldAfterAnIdleLaunch below (0 of 8) is the remedy weft's ops use.
+TEST(SharedGpuProbe, DISABLED_RanksOfAWorldWaitingForEachOthersCalls) {
+    if (!have_gpu()) GTEST_SKIP() << "SKIPPED: no GPU";
+    for (int ranks : {2, 3}) {
+        for (bool in_heap : {false, true}) {
+            const std::string bad = world_trials_timed_out(ranks, in_heap, nullptr);
+            print_world_trials("first launch in a trial", ranks, in_heap, bad);
+            if (connections() >= 8) EXPECT_EQ(bad, "");
+        }
+    }
+}
+
+// As the first configuration above, in a fresh process, after one launch of the kernel on every rank while no
+// kernel spins (ranks = 0: it waits for nobody). Passed in 8 of 8 fresh processes on an H200.
+TEST(SharedGpuProbe, RanksOfAWorldAfterAnIdleLaunch) {
+    if (!have_gpu()) GTEST_SKIP() << "SKIPPED: no GPU";
+    unsigned* scratch = nullptr;
+    PROBE_CHECK(cudaMalloc(&scratch, 2 * sizeof(unsigned)));
+    const std::string bad = world_trials_timed_out(2, false, [&](cudaStream_t st) {
+        probe_rank_call<<<1, 128, 200 << 10, st>>>(scratch, 0u, scratch + 1, 0);
+    });
+    print_world_trials("after an idle launch", 2, false, bad);
+    if (connections() >= 8) EXPECT_EQ(bad, "");
+    PROBE_CHECK(cudaFree(scratch));
 }
 
 }  // namespace

@@ -267,10 +267,9 @@ TEST(TpGemmRs, BackToBackPushCallsWithoutHostSync) {
     f.report();
 }
 
-// KNOWN FAILURE, kept visible: push mode with ranks sharing a GPU, calls back to back without host
-// synchronisation: an own tile's wait for a peer's tiles times out (observed 0 of 9 after 30 s) in most runs
-// on one H200 (2026-11-29); eager calls pass. Cause open (kernels/gemm_rs/README.md); kAuto avoids it.
-TEST(TpGemmRs, DISABLED_BackToBackPushCallsRanksSharingAGpu) {
+// Push mode with ranks sharing a GPU, calls back to back: timed out in every run on one H200 until each
+// config's first call was synchronised on every rank (GemmRs, sync_first_call; kernels/gemm_rs/README.md).
+TEST(TpGemmRs, BackToBackPushCallsRanksSharingAGpu) {
     std::vector<RsCase> two = {{300, 1104, 256}, {300, 1104, 256, 256}}, three = {{300, 1104, 256}};
     for (RsCase& c : two) c.mode = kPush;
     for (RsCase& c : three) c.mode = kPush;
