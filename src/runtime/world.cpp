@@ -463,6 +463,12 @@ void run_local(int num_ranks, const std::function<void(World&)>& fn, const World
         os << (first_record ? "; device diagnostic records: " : "; ") << d;
         first_record = false;
     }
+    if (!diagnoses.empty() && diagnoses.size() < static_cast<size_t>(num_ranks)) {
+        // Measured on an H200: such a rank's kernel may never have started (docs/runtime.md).
+        os << "; the ranks without a record were not in a weft wait: with ranks sharing a GPU, a kernel's first "
+              "launch can stay queued while a peer's instance of it spins (docs/runtime.md, \"A kernel's first "
+              "launch\")";
+    }
     throw Error("weft: " + os.str());
 }
 
