@@ -505,17 +505,31 @@ __global__ void probe_local_memory(int i, int* out) {
     out[threadIdx.x] = a[(i * 64) % (kBytes / 4)];
 }
 
+// Two non-blocking streams (the spinner's and the setter's) and 32 ints of scratch for the local-memory kernels.
+struct SpinnerStreams {
+    cudaStream_t a = nullptr, b = nullptr;
+    int* out = nullptr;
+    SpinnerStreams() {
+        EXPECT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
+        EXPECT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
+        EXPECT_EQ(cudaMalloc(&out, 32 * sizeof(int)), cudaSuccess);
+    }
+    ~SpinnerStreams() {
+        cudaFree(out);
+        cudaStreamDestroy(a);
+        cudaStreamDestroy(b);
+    }
+};
+
 // Whether a kernel that needs more local memory than any kernel before it in the context can start while a
 // kernel of another stream spins: the driver grows the context's local memory for it. Printed per row, and
 // checked: once the local memory is reserved (a kernel of that size ran while the device was idle, or the
 // stack limit was raised that far), the same kernel starts beside a spinner.
 TEST(SharedGpuProbe, KernelsNeedingMoreLocalMemory) {
     if (!have_gpu()) GTEST_SKIP() << "SKIPPED: no GPU";
-    cudaStream_t a = nullptr, b = nullptr;
-    PROBE_CHECK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
-    PROBE_CHECK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
-    int* out = nullptr;
-    PROBE_CHECK(cudaMalloc(&out, 32 * sizeof(int)));
+    SpinnerStreams ss;
+    cudaStream_t b = ss.b;
+    int* out = ss.out;
     size_t stack = 0;
     PROBE_CHECK(cudaDeviceGetLimit(&stack, cudaLimitStackSize));
     struct Row {
@@ -542,16 +556,13 @@ TEST(SharedGpuProbe, KernelsNeedingMoreLocalMemory) {
             PROBE_CHECK(cudaDeviceSynchronize());
         }
         ProbeResult r;
-        probe(a, b, row.ahead, 9u, &r);
+        probe(ss.a, b, row.ahead, 9u, &r);
         PROBE_CHECK(cudaGetLastError());
         std::printf("[ PROBE    ] ahead of the setter: %-55s spinner saw its flag: %s\n", row.name,
                     r.saw_flag ? "yes" : "NO");
         if (row.must_start) EXPECT_TRUE(r.saw_flag) << row.name;
     }
     PROBE_CHECK(cudaDeviceSetLimit(cudaLimitStackSize, stack));
-    PROBE_CHECK(cudaFree(out));
-    PROBE_CHECK(cudaStreamDestroy(a));
-    PROBE_CHECK(cudaStreamDestroy(b));
 }
 
 // Meant to run first in a fresh process (tools/gpu_run.sh runs each test in its own): a kernel with a little
@@ -559,20 +570,13 @@ TEST(SharedGpuProbe, KernelsNeedingMoreLocalMemory) {
 // context that has any: within the default stack limit CUDA has its local memory already, and it starts.
 TEST(SharedGpuProbe, FirstKernelWithLocalMemoryInAFreshProcess) {
     if (!have_gpu()) GTEST_SKIP() << "SKIPPED: no GPU";
-    cudaStream_t a = nullptr, b = nullptr;
-    PROBE_CHECK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
-    PROBE_CHECK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
-    int* out = nullptr;
-    PROBE_CHECK(cudaMalloc(&out, 32 * sizeof(int)));
+    SpinnerStreams ss;
     ProbeResult r;
-    probe(a, b, [&] { probe_local_memory<256><<<1, 32, 0, b>>>(1, out); }, 11u, &r);
+    probe(ss.a, ss.b, [&] { probe_local_memory<256><<<1, 32, 0, ss.b>>>(1, ss.out); }, 11u, &r);
     std::printf("[ PROBE    ] ahead of the setter: 256 B local, the first kernel with local memory: spinner saw "
                 "its flag: %s\n", r.saw_flag ? "yes" : "NO");
     EXPECT_TRUE(r.saw_flag) << "a kernel with 256 bytes of local memory per thread (within the default stack "
                                "limit) did not start beside a spinning kernel";
-    PROBE_CHECK(cudaFree(out));
-    PROBE_CHECK(cudaStreamDestroy(a));
-    PROBE_CHECK(cudaStreamDestroy(b));
 }
 
 // Streams whose first work ran while every other stream was idle (as each rank's stream after an upload that
