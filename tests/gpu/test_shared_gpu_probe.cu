@@ -663,9 +663,10 @@ void print_world_trials(const char* what, int ranks, bool in_heap, const std::st
 
 // THE EFFECT, kept runnable (--gtest_also_run_disabled_tests) and off by default because it fails by design
 // in some runs: in a fresh process, the first trial (the kernel's first launch on every rank) timed out in 3
-// of 9, 1 of 10, 4 of 10 and 0 of 8 processes on four H200 machines (a rank's first launch stayed queued while
-// a peer's instance spun for it: with cuda-gdb, one rank's kernel on the device, both threads synchronising);
-// later trials never did. After an idle launch (RanksOfAWorldAfterAnIdleLaunch below): 0 of 8.
+// of 9, 1 of 10, 4 of 10, 2 of 6, 1 of 8 and 0 of 8 processes on six H200 machine starts (a rank's first launch
+// stayed queued while a peer's instance spun for it: with cuda-gdb, one rank's kernel on the device, both
+// threads synchronising); later trials never did. After an idle launch (RanksOfAWorldAfterAnIdleLaunch below):
+// 0 of 8.
 TEST(SharedGpuProbe, DISABLED_RanksOfAWorldWaitingForEachOthersCalls) {
     if (!have_gpu()) GTEST_SKIP() << "SKIPPED: no GPU";
     for (int ranks : {2, 3}) {
