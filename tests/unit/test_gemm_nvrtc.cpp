@@ -168,22 +168,36 @@ std::map<std::string, std::string> sass_by_name(const Compiled& r, const std::ve
     return out;
 }
 
+// `names` compiled together, and the SASS of each (empty, with the reason in why_not, when no disassembler works).
+struct CompiledSass {
+    Compiled compiled;
+    std::map<std::string, std::string> sass;
+    std::string why_not;
+};
+
+CompiledSass compile_to_sass(const std::vector<std::string>& names) {
+    CompiledSass out{compile(names), {}, {}};
+    if (out.compiled.result == NVRTC_SUCCESS) out.sass = sass_by_name(out.compiled, names, &out.why_not);
+    return out;
+}
+
+void expect_no_local_memory(const std::string& code, const std::string& name) {
+    EXPECT_EQ(count(code, " LDL"), 0u) << name << ": local-memory loads";
+    EXPECT_EQ(count(code, " STL"), 0u) << name << ": local-memory stores";
+}
+
 // The tiled GEMM must run on the wgmma path: HGMMA in SASS. HMMA (mma.sync) in a tiled kernel means a slower
 // path; LDL/STL means registers went to local memory.
 TEST(GemmNvrtc, gemm_sass_uses_hgmma) {
     int checked = 0;
     for (const Combo& c : combos()) {
-        const std::vector<std::string> names = tiled_instantiations(c);
-        const Compiled r = compile(names);
-        ASSERT_EQ(r.result, NVRTC_SUCCESS) << r.log;
-        std::string why_not;
-        const auto sass = sass_by_name(r, names, &why_not);
-        if (sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << why_not;
-        for (const auto& [name, code] : sass) {
+        const CompiledSass r = compile_to_sass(tiled_instantiations(c));
+        ASSERT_EQ(r.compiled.result, NVRTC_SUCCESS) << r.compiled.log;
+        if (r.sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << r.why_not;
+        for (const auto& [name, code] : r.sass) {
             EXPECT_GT(count(code, "HGMMA"), 0u) << name << ": no HGMMA in SASS";
             EXPECT_EQ(count(code, " HMMA"), 0u) << name << ": HMMA (mma.sync path) in a tiled kernel";
-            EXPECT_EQ(count(code, " LDL"), 0u) << name << ": local-memory loads";
-            EXPECT_EQ(count(code, " STL"), 0u) << name << ": local-memory stores";
+            expect_no_local_memory(code, name);
             EXPECT_GT(count(code, "UTMALDG"), 0u) << name << ": no TMA loads";
             EXPECT_GT(count(code, "UTMASTG"), 0u) << name << ": no TMA stores";
             ++checked;
@@ -198,19 +212,15 @@ TEST(GemmNvrtc, small_m_variant3_loads_by_tma_and_multiplies_with_hmma) {
     int checked = 0;
     for (const Combo& c : combos()) {
         if (c.layout != BLayout::kNK) continue;
-        const std::vector<std::string> names = gemv_instantiations(c, {3});
-        const Compiled r = compile(names);
-        ASSERT_EQ(r.result, NVRTC_SUCCESS) << r.log;
-        expect_clean_ptxas_report(r.log, "small-M variant 3");
-        std::string why_not;
-        const auto sass = sass_by_name(r, names, &why_not);
-        if (sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << why_not;
-        for (const auto& [name, code] : sass) {
+        const CompiledSass r = compile_to_sass(gemv_instantiations(c, {3}));
+        ASSERT_EQ(r.compiled.result, NVRTC_SUCCESS) << r.compiled.log;
+        expect_clean_ptxas_report(r.compiled.log, "small-M variant 3");
+        if (r.sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << r.why_not;
+        for (const auto& [name, code] : r.sass) {
             EXPECT_GT(count(code, "UTMALDG"), 0u) << name << ": no TMA loads";
             EXPECT_GT(count(code, "LDS.128"), 0u) << name << ": no 16-byte shared-memory fragment reads";
             EXPECT_GT(count(code, " HMMA"), 0u) << name << ": no HMMA";
-            EXPECT_EQ(count(code, " LDL"), 0u) << name << ": local-memory loads";
-            EXPECT_EQ(count(code, " STL"), 0u) << name << ": local-memory stores";
+            expect_no_local_memory(code, name);
             ++checked;
         }
     }
