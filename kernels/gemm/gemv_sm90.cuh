@@ -341,6 +341,11 @@ WEFT_HOST_DEVICE constexpr int gemv_min_ctas_per_sm(int m_tiles, int stages, boo
     return stages > 0 ? gemv_shape(bulk ? 3 : 2, m_tiles).ctas_per_sm : 0;
 }
 
+/// Threads per CTA (the launch's block, gemv_threads of the shape): 128 but for variant 3's 8-warp shapes.
+WEFT_HOST_DEVICE constexpr int gemv_kernel_threads(int m_tiles, bool bulk) {
+    return bulk ? gemv_threads(gemv_shape(3, m_tiles)) : kGemvThreads;
+}
+
 /// A stage that has not landed after this long is a kernel bug (bad tensor map, wrong byte count): trap.
 inline constexpr unsigned long long kGemvStageWaitNs = 2000ull * 1000 * 1000;
 
@@ -353,13 +358,13 @@ __device__ __forceinline__ uint4 lds_16_if(bool ok, const unsigned char* p) {
 /// after the barriers) holds k = k0 .. k0 + 255 as 256 / kGemvBulkBoxK TMA boxes of B (32 kNTiles rows: the
 /// CTA's columns n_cta + r), then as many of A (16 kMTiles rows), each box rows x 2 kGemvBulkBoxK bytes (64-wide
 /// boxes with the 128-byte swizzle: 16-byte piece c of row r at piece c ^ (r % 8)): rows past N or M and k past
-/// K are zero-filled by TMA. Warp w reads chunks w and w + 4 (32 k each) of every stage, lane (g, t) the 16
+/// K are zero-filled by TMA. Warp w of kWarps reads chunks w, w + kWarps, ... (32 k each) of every stage, lane (g, t) the 16
 /// bytes at k 32 chunk + 8t of rows g, g + 8, ..., with the same k permutation as the register variants (the
 /// unswizzled 512-byte rows put a read's 8 rows in the same 16 banks: 2 wavefronts more per read, which the
 /// longer TMA requests pay for); k past this split's end (the next split's data) is dropped.
-/// On return acc holds this warp's kNTiles n8 tiles (columns n_cta + 8 (w kNTiles + j)) summed over the four
-/// warps: the layout the other variants' epilogue takes.
-template <int kMTiles, int kNTiles, int kStages, bool kIsBF16>
+/// On return acc of warps 0..3 holds the warp's kNTiles n8 tiles (columns n_cta + 8 (w kNTiles + j)) summed
+/// over all warps: the layout the other variants' epilogue takes (warps 4..7, when there are 8, own no columns).
+template <int kMTiles, int kNTiles, int kStages, int kWarps, bool kIsBF16>
 __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles][4], const GemvArgs& args,
                                                    const GemvMaps& maps, int n_cta, int k_begin, int k_end,
                                                    int warp, int lane) {
@@ -370,8 +375,8 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
     constexpr bool kSwizzled = kGemvBulkBoxK == 64;
     constexpr int kStageBytes = kGemvBulkStageK * 2 * (kBRows + kARows);
     constexpr int kWarpTiles = 4 * kNTiles;  // every warp: all the CTA's n8 tiles
-    constexpr int kChunksPerWarp = kGemvBulkStageK / 32 / 4;
-    static_assert(kGemvThreads == 128, "gemv_mainloop_bulk: four warps share each stage's k");
+    constexpr int kChunksPerWarp = kGemvBulkStageK / 32 / kWarps;
+    static_assert(kWarps == 4 || kWarps == 8, "gemv_mainloop_bulk: 4 or 8 warps share each stage's k");
     extern __shared__ __align__(1024) unsigned char gemv_smem[];
     const unsigned bars = ptx::shared_address(gemv_smem);
     // The ring starts at the first 1024-byte boundary past the barriers (static shared memory comes first).
@@ -427,7 +432,7 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
         const unsigned char* a_boxes = stage + kBoxes * kBRows * kBoxRowBytes;
 #pragma unroll
         for (int c = 0; c < kChunksPerWarp; ++c) {
-            const int chunk = warp + 4 * c;
+            const int chunk = warp + kWarps * c;
             const int kl = 32 * chunk + 8 * t;  // the lane's 8 k of this chunk, stage-relative
             const bool k_ok = k0 + kl < k_end;
             const int q = kl / kGemvBulkBoxK;  // box
@@ -461,7 +466,8 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
         }
     }
 
-    // The four warps' sums: [warp][mt][nt][i][lane] in the (now idle) ring; every issued load was waited for.
+    // The warps' sums: [warp][mt][nt][i][lane] in the (now idle) ring; every issued load was waited for. The
+    // first four warps add them up (each its own kNTiles n8 tiles); the others' acc stays zero.
     __syncthreads();
     float* sums = reinterpret_cast<float*>(ring_ptr);
 #pragma unroll
@@ -471,6 +477,7 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
 #pragma unroll
             for (int i = 0; i < 4; ++i) sums[(((warp * kMTiles + mt) * kWarpTiles + nt) * 4 + i) * 32 + lane] = part[mt][nt][i];
     __syncthreads();
+    if (warp >= 4) return;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -480,7 +487,7 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
                 const int nt = warp * kNTiles + j;
                 float v = 0.f;
 #pragma unroll
-                for (int w = 0; w < 4; ++w) v += sums[(((w * kMTiles + mt) * kWarpTiles + nt) * 4 + i) * 32 + lane];
+                for (int w = 0; w < kWarps; ++w) v += sums[(((w * kMTiles + mt) * kWarpTiles + nt) * 4 + i) * 32 + lane];
                 acc[mt][j][i] = v;
             }
 }
@@ -488,7 +495,8 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
 }  // namespace detail
 
 /// Split-K small-M GEMM. kMTiles = ceil(M / 16) (1..4). Grid (ceil(N / gemv_cols_per_cta(kNTiles)), num_splits),
-/// kGemvThreads threads, no dynamic shared memory. gemv_shape(variant, kMTiles) gives kNTiles and kStages.
+/// gemv_threads(gemv_shape(...)) threads (128, or 256 for variant 3 with one CTA per SM), no dynamic shared
+/// memory but for variant 3. gemv_shape(variant, kMTiles) gives kNTiles and kStages.
 ///   variant 0: kNTiles = 4, kStages = 0: a warp owns 32 columns and loads 4 (or 2) 32-wide k chunks per
 ///              iteration: 256 contiguous bytes per row; A is loaded with them.
 ///   variant 1: kNTiles = 1, kStages = 0: a warp owns 8 columns and loads 16 (or 8) chunks per iteration:
@@ -498,7 +506,8 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
 ///   variant 3: kBulk: the shared-memory ring of gemv_mainloop_bulk, kStages stages of 256 k, filled by TMA
 ///              through `maps`; gemv_smem_bytes(3, kMTiles) of dynamic shared memory.
 template <int kMTiles, DType kIn, DType kOut, int kNTiles = 4, int kStages = 0, bool kBulk = false>
-__global__ void __launch_bounds__(kGemvThreads, detail::gemv_min_ctas_per_sm(kMTiles, kStages, kBulk))
+__global__ void __launch_bounds__(detail::gemv_kernel_threads(kMTiles, kBulk),
+                                  detail::gemv_min_ctas_per_sm(kMTiles, kStages, kBulk))
     gemv_kernel(const GemvArgs args, const __grid_constant__ GemvMaps maps) {
     static_assert(kMTiles >= 1 && kMTiles <= 4, "gemv_kernel covers M <= 64");
     static_assert(kIn == DType::kBF16 || kIn == DType::kF16, "gemv_kernel takes bf16 or f16 inputs");
@@ -510,6 +519,7 @@ __global__ void __launch_bounds__(kGemvThreads, detail::gemv_min_ctas_per_sm(kMT
     static_assert(kStages > 0 || kNTiles != 2, "gemv_kernel: the batched loop takes 1 or 4 n8 tiles per warp");
     constexpr bool kIsBF16 = kIn == DType::kBF16;
     constexpr int kColsPerCta = gemv_cols_per_cta(kNTiles);
+    constexpr int kThreads = detail::gemv_kernel_threads(kMTiles, kBulk);
 
     const int warp = static_cast<int>(threadIdx.x) / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -528,14 +538,17 @@ __global__ void __launch_bounds__(kGemvThreads, detail::gemv_min_ctas_per_sm(kMT
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
 
     if constexpr (kBulk) {
-        detail::gemv_mainloop_bulk<kMTiles, kNTiles, kStages, kIsBF16>(
+        detail::gemv_mainloop_bulk<kMTiles, kNTiles, kStages, kThreads / 32, kIsBF16>(
             acc, args, maps, static_cast<int>(blockIdx.x) * kColsPerCta, k_begin, k_end, warp, lane);
     } else {
         detail::gemv_mainloop_registers<kMTiles, kNTiles, kStages, kIsBF16>(acc, args, n_warp, k_begin, k_end, g, t);
     }
 
-    // Accumulator (mt, nt): c0,c1 at row mt*16 + g, columns n_warp + nt*8 + 2t, +1; c2,c3 at row + 8.
+    // Accumulator (mt, nt): c0,c1 at row mt*16 + g, columns n_warp + nt*8 + 2t, +1; c2,c3 at row + 8. Only
+    // warps 0..3 own columns (with 8 warps the others stop here in a single split, or only join the count).
+    const bool owns_columns = warp < 4;
     if (args.num_splits == 1) {
+        if (!owns_columns) return;
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -553,7 +566,7 @@ __global__ void __launch_bounds__(kGemvThreads, detail::gemv_min_ctas_per_sm(kMT
     // order (deterministic) and writes D.
     float* part = args.partials + static_cast<int64_t>(split) * args.m * args.n;
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
+    for (int mt = 0; mt < kMTiles && owns_columns; ++mt)
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -574,7 +587,7 @@ __global__ void __launch_bounds__(kGemvThreads, detail::gemv_min_ctas_per_sm(kMT
     __threadfence();  // acquire: every other split's partials are visible
     const int n_begin = static_cast<int>(blockIdx.x) * kColsPerCta;
     const int cols = min(kColsPerCta, args.n - n_begin);
-    for (int idx = static_cast<int>(threadIdx.x); idx < args.m * cols; idx += kGemvThreads) {
+    for (int idx = static_cast<int>(threadIdx.x); idx < args.m * cols; idx += kThreads) {
         const int m = idx / cols;
         const int n = n_begin + idx % cols;
         float sum = 0.f;

@@ -645,6 +645,7 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
                   static_cast<uint32_t>(32 * shape.n_tiles), swizzle);
     }
     l.grid = dim3(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
+    l.block = dim3(static_cast<unsigned>(gemv_threads(shape)), 1, 1);
     l.smem_bytes = gemv_smem_bytes(plan.small_m_variant, plan.small_m_tiles);
     return l;
 }
@@ -949,14 +950,14 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
         if (func != nullptr) {
             if (launch.smem_bytes > 0) allow_dynamic_smem(func, device, launch.smem_bytes);
             void* params[] = {&launch.args, &launch.maps};
-            WEFT_CUDA_CHECK(cudaLaunchKernel(func, launch.grid, dim3(kGemvThreads, 1, 1), params,
+            WEFT_CUDA_CHECK(cudaLaunchKernel(func, launch.grid, launch.block, params,
                                              static_cast<size_t>(launch.smem_bytes), stream));
             return;
         }
         jit::Kernel& kernel = gemv_jit_kernel(device, plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant);
         jit::LaunchParams lp;
         lp.grid = launch.grid;
-        lp.block = dim3(kGemvThreads, 1, 1);
+        lp.block = launch.block;
         lp.dynamic_smem_bytes = static_cast<size_t>(launch.smem_bytes);
         lp.stream = stream;
         kernel.launch(lp, launch.args, launch.maps);

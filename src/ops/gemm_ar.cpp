@@ -222,7 +222,7 @@ void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, 
         }
         jit::LaunchParams lp;
         lp.grid = launch.grid;
-        lp.block = dim3(kGemvThreads, 1, 1);
+        lp.block = launch.block;
         lp.dynamic_smem_bytes = static_cast<size_t>(launch.smem_bytes);
         lp.stream = stream;
         s.gemv[(m + 15) / 16 - 1]->launch(lp, launch.args, launch.maps);

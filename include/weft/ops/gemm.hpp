@@ -256,6 +256,7 @@ struct GemvLaunch {
         CUtensorMap b;
     } maps{};
     dim3 grid;
+    dim3 block;
     int smem_bytes = 0;
 };
 GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const TensorView& b, const TensorView& d);
