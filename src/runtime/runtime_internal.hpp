@@ -47,6 +47,14 @@ private:
     bool changed_ = false;
 };
 
+/// Launches one empty kernel on `stream` and synchronises it, once per CUDA context (the current one); later
+/// calls for the same context return at once. Thread-safe: the first caller launches, the others wait for it.
+/// Why (docs/runtime.md, "A context's first kernel launch"): with ranks sharing a GPU, the context's first
+/// kernel launch could stay queued while another stream's kernel spun waiting for it. The World's
+/// constructor calls it before its start-up exchange, so every rank of the process is past it before any
+/// rank can launch an op.
+void launch_first_kernel_of_context(cudaStream_t stream);
+
 /// A non-blocking stream for the runtime's own small copies and memsets: unlike the legacy default stream
 /// (and the per-thread stream, which syncs with it), it never waits for other ranks' kernels on a shared GPU.
 class OwnedStream {

@@ -134,6 +134,9 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     WEFT_CUDA_CHECK(cudaFree(nullptr));  // create the context now, so that failures surface here
     c.stream.create();
     warn_if_lazy_module_loading();
+    // Before the start-up exchange: no rank leaves this constructor (and launches an op) until every rank of
+    // the process is past the context's first kernel launch.
+    detail::launch_first_kernel_of_context(c.stream.get());
     int sm_count = 0;
     WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, c.device));
     char pci[64] = {};
@@ -467,7 +470,7 @@ void run_local(int num_ranks, const std::function<void(World&)>& fn, const World
         // Measured on an H200: such a rank's kernel may never have started (docs/runtime.md).
         os << "; the ranks without a record were not in a weft wait: with ranks sharing a GPU their kernel may "
               "never have started, queued while a peer's spun (seen around copies to or from pageable host memory: "
-              "use pinned memory; and at a kernel's first launch: docs/runtime.md, \"Pageable host copies\")";
+              "use pinned memory: docs/runtime.md, \"Pageable host copies\")";
     }
     throw Error("weft: " + os.str());
 }

@@ -23,6 +23,7 @@
     X(cuDeviceGetAttribute)             \
     X(cuDeviceGetPCIBusId)              \
     X(cuCtxGetCurrent)                  \
+    X(cuCtxGetId)                       \
     X(cuCtxGetDevice)                   \
     X(cuCtxSynchronize)                 \
     X(cuDevicePrimaryCtxRetain)         \
@@ -44,6 +45,7 @@
     X(cuLibraryLoadData)                \
     X(cuLibraryUnload)                  \
     X(cuLibraryGetKernel)               \
+    X(cuStreamSynchronize)              \
     X(cuKernelGetFunction)              \
     X(cuKernelGetParamInfo)             \
     X(cuFuncLoad)                       \
