@@ -495,7 +495,7 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
 }  // namespace detail
 
 /// Split-K small-M GEMM. kMTiles = ceil(M / 16) (1..4). Grid (ceil(N / gemv_cols_per_cta(kNTiles)), num_splits),
-/// gemv_threads(gemv_shape(...)) threads (128, or 256 for variant 3 with one CTA per SM), no dynamic shared
+/// gemv_threads(gemv_shape(...)) threads (128, or 256 for variant 3), no dynamic shared
 /// memory but for variant 3. gemv_shape(variant, kMTiles) gives kNTiles and kStages.
 ///   variant 0: kNTiles = 4, kStages = 0: a warp owns 32 columns and loads 4 (or 2) 32-wide k chunks per
 ///              iteration: 256 contiguous bytes per row; A is loaded with them.

@@ -54,7 +54,7 @@ TEST(GemmJitCodegen, InstantiationIsTheConfigWithDesignatedInitialisers) {
     EXPECT_EQ(gemv_kernel_instantiation(4, DType::kBF16, DType::kF32, 2),
               "weft::gemm::gemv_kernel<4, weft::DType::kBF16, weft::DType::kF32, 4, 3>");
     EXPECT_EQ(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 3),
-              "weft::gemm::gemv_kernel<1, weft::DType::kBF16, weft::DType::kBF16, 1, 4, true>");
+              "weft::gemm::gemv_kernel<1, weft::DType::kBF16, weft::DType::kBF16, 2, 4, true>");
     EXPECT_EQ(gemv_kernel_instantiation(4, DType::kF16, DType::kF32, 3),
               "weft::gemm::gemv_kernel<4, weft::DType::kF16, weft::DType::kF32, 2, 3, true>");
     EXPECT_THROW(gemv_kernel_instantiation(5, DType::kBF16, DType::kBF16, 1), Error);

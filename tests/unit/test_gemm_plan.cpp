@@ -189,11 +189,11 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     EXPECT_EQ(plan3.path, ops::GemmPath::kSmallM);
     EXPECT_EQ(plan3.small_m_tiles, 1);
     EXPECT_EQ(plan3.small_m_variant, 3);
-    EXPECT_EQ(plan3.grid, 256);  // variant 3 at one row tile: 32 columns per CTA
-    EXPECT_EQ(plan3.small_m_splits, 1) << "N = K = 8192 on 132 SMs, variant 3: 256 CTAs, 2 per SM, fill the SMs";
+    EXPECT_EQ(plan3.grid, 128);  // variant 3: 64 columns per CTA
+    EXPECT_EQ(plan3.small_m_splits, 1) << "N = K = 8192 on 132 SMs, variant 3: 128 CTAs, 1 per SM, fill the SMs";
     EXPECT_EQ(plan3.workspace_bytes, 0u);
     EXPECT_EQ(ops::plan_gemm(ops::GemmProblem{64, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16}, 132).grid,
-              128);  // 64 columns per CTA from two row tiles on
+              128);  // 64 columns per CTA at every row-tile count
     ops::GemmOptions v2;
     v2.small_m_variant = 2;
     auto plan = ops::plan_gemm(p, 132, v2);

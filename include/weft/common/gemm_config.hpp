@@ -242,7 +242,7 @@ struct GemvShape {
     int stage_chunks;  ///< variant 2: 32-wide k chunks per stage (each one 16-byte load per lane and n8 tile)
     int ctas_per_sm;   ///< CTAs per SM the split count aims at; variants 2, 3: __launch_bounds__ minimum
     bool bulk = false; ///< variant 3: B and A stream through a shared-memory ring filled by bulk copies
-    int warps = 4;     ///< warps per CTA; variant 3 may run 8 in its main loop (each an eighth of a stage's k),
+    int warps = 4;     ///< warps per CTA; variant 3 runs 8 in its main loop (each an eighth of a stage's k),
                        ///< of which the first 4 own the CTA's columns in the epilogue
 };
 
@@ -266,16 +266,16 @@ inline constexpr int kGemvBulkBoxK = 256;
 ///
 /// Variant 3 (bulk): a CTA covers gemv_cols_per_cta(n_tiles) columns; every warp covers all of them for a
 /// quarter of each 256-wide k stage (the warps' sums are added once, at the end), so each byte of A and B
-/// is read from shared memory once. Stages: m_tiles 1: 4 x (32 B rows + 16 A rows) x 512 bytes = 96 KiB,
-/// 2 CTAs per SM; m_tiles 2: 4 x (64 + 32) rows = 192 KiB, 1 CTA; m_tiles 3, 4: 3 x (64 + 64) rows.
-/// With one CTA per SM (m_tiles >= 2) 8 warps split each stage's k (two per scheduler: one warp alone issued
-/// every ~3 cycles at M = 64 and left DRAM at 62% of its peak, ncu).
+/// is read from shared memory once. One CTA of 8 warps per SM, each warp an eighth of each stage's k (two warps
+/// per scheduler: one warp alone issued every ~3 cycles at M = 64 and left DRAM at 62% of its peak, ncu), 64
+/// columns per CTA. Stages: m_tiles 1: 4 x (64 B rows + 16 A rows) x 512 bytes = 160 KiB; m_tiles 2: 4 x
+/// (64 + 32) rows = 192 KiB; m_tiles 3, 4: 3 x (64 + 64) rows. (M <= 16 ran 2 CTAs of 4 warps and 32 columns per
+/// SM before: 8% slower at M = 1, kernels/gemm/README.md, variant log v8.)
 WEFT_HOST_DEVICE constexpr GemvShape gemv_shape(int variant, int m_tiles) {
     if (variant == 0) return GemvShape{4, 0, 0, 4};
     if (variant == 1) return GemvShape{1, 0, 0, 8};
     if (variant == 3) {
-        if (m_tiles == 1) return GemvShape{1, 4, kGemvBulkStageK / 32, 2, true};
-        if (m_tiles == 2) return GemvShape{2, 4, kGemvBulkStageK / 32, 1, true, 8};
+        if (m_tiles <= 2) return GemvShape{2, 4, kGemvBulkStageK / 32, 1, true, 8};
         return GemvShape{2, 3, kGemvBulkStageK / 32, 1, true, 8};
     }
     switch (m_tiles) {
