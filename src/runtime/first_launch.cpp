@@ -1,6 +1,5 @@
 // SPDX-License-Identifier: MIT
 // The context's first kernel launch, made while nothing spins (see runtime_internal.hpp and docs/runtime.md).
-#include <cstdint>
 #include <mutex>
 #include <set>
 
