@@ -41,7 +41,8 @@ struct WorldOptions {
 };
 
 /// One rank's view of the job. Created collectively (every rank creates its World; the constructor
-/// exchanges device, host and heap information and maps the peers' heaps); destroyed collectively (the
+/// exchanges device, host and heap information and maps the peers' heaps, and before that launches one
+/// empty kernel per CUDA context: docs/runtime.md, "A context's first kernel launch"); destroyed collectively (the
 /// destructor synchronises the device and meets the other ranks at a bounded barrier before releasing
 /// anything). All methods are called from the rank's own thread (the one that created the World).
 class World {
