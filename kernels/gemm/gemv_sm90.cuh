@@ -341,11 +341,6 @@ WEFT_HOST_DEVICE constexpr int gemv_min_ctas_per_sm(int m_tiles, int stages, boo
     return stages > 0 ? gemv_shape(bulk ? 3 : 2, m_tiles).ctas_per_sm : 0;
 }
 
-/// Threads per CTA (the launch's block, gemv_threads of the shape): 128 but for variant 3's 8-warp shapes.
-WEFT_HOST_DEVICE constexpr int gemv_kernel_threads(int m_tiles, bool bulk) {
-    return bulk ? gemv_threads(gemv_shape(3, m_tiles)) : kGemvThreads;
-}
-
 /// A stage that has not landed after this long is a kernel bug (bad tensor map, wrong byte count): trap.
 inline constexpr unsigned long long kGemvStageWaitNs = 2000ull * 1000 * 1000;
 
@@ -495,7 +490,7 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
 }  // namespace detail
 
 /// Split-K small-M GEMM. kMTiles = ceil(M / 16) (1..4). Grid (ceil(N / gemv_cols_per_cta(kNTiles)), num_splits),
-/// gemv_threads(gemv_shape(...)) threads (128, or 256 for variant 3), no dynamic shared
+/// gemv_threads(kBulk) threads (128, or 256 for variant 3), no dynamic shared
 /// memory but for variant 3. gemv_shape(variant, kMTiles) gives kNTiles and kStages.
 ///   variant 0: kNTiles = 4, kStages = 0: a warp owns 32 columns and loads 4 (or 2) 32-wide k chunks per
 ///              iteration: 256 contiguous bytes per row; A is loaded with them.
@@ -506,7 +501,7 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
 ///   variant 3: kBulk: the shared-memory ring of gemv_mainloop_bulk, kStages stages of 256 k, filled by TMA
 ///              through `maps`; gemv_smem_bytes(3, kMTiles) of dynamic shared memory.
 template <int kMTiles, DType kIn, DType kOut, int kNTiles = 4, int kStages = 0, bool kBulk = false>
-__global__ void __launch_bounds__(detail::gemv_kernel_threads(kMTiles, kBulk),
+__global__ void __launch_bounds__(gemv_threads(kBulk),
                                   detail::gemv_min_ctas_per_sm(kMTiles, kStages, kBulk))
     gemv_kernel(const GemvArgs args, const __grid_constant__ GemvMaps maps) {
     static_assert(kMTiles >= 1 && kMTiles <= 4, "gemv_kernel covers M <= 64");
@@ -519,7 +514,7 @@ __global__ void __launch_bounds__(detail::gemv_kernel_threads(kMTiles, kBulk),
     static_assert(kStages > 0 || kNTiles != 2, "gemv_kernel: the batched loop takes 1 or 4 n8 tiles per warp");
     constexpr bool kIsBF16 = kIn == DType::kBF16;
     constexpr int kColsPerCta = gemv_cols_per_cta(kNTiles);
-    constexpr int kThreads = detail::gemv_kernel_threads(kMTiles, kBulk);
+    constexpr int kThreads = gemv_threads(kBulk);
 
     const int warp = static_cast<int>(threadIdx.x) / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;

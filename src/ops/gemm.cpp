@@ -645,7 +645,7 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
                   static_cast<uint32_t>(32 * shape.n_tiles), swizzle);
     }
     l.grid = dim3(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
-    l.block = dim3(static_cast<unsigned>(gemv_threads(shape)), 1, 1);
+    l.block = dim3(static_cast<unsigned>(gemv_threads(shape.bulk)), 1, 1);
     l.smem_bytes = gemv_smem_bytes(plan.small_m_variant, plan.small_m_tiles);
     return l;
 }

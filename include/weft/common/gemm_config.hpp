@@ -226,6 +226,8 @@ struct GemvArgs {
 };
 
 inline constexpr int kGemvThreads = 128;
+/// Variant 3's CTA: 8 warps share each stage's k; the first 4 own the CTA's columns in the epilogue.
+inline constexpr int kGemvBulkThreads = 256;
 inline constexpr int kGemvColsPerCta = 128;  ///< variant 0: 4 warps x 32 columns (variant 1: 4 x 8)
 inline constexpr int kGemvMaxM = 64;
 inline constexpr int kGemvNumVariants = 4;  ///< GemmOptions::small_m_variant is 0, 1, 2 or 3
@@ -242,12 +244,10 @@ struct GemvShape {
     int stage_chunks;  ///< variant 2: 32-wide k chunks per stage (each one 16-byte load per lane and n8 tile)
     int ctas_per_sm;   ///< CTAs per SM the split count aims at; variants 2, 3: __launch_bounds__ minimum
     bool bulk = false; ///< variant 3: B and A stream through a shared-memory ring filled by bulk copies
-    int warps = 4;     ///< warps per CTA; variant 3 runs 8 in its main loop (each an eighth of a stage's k),
-                       ///< of which the first 4 own the CTA's columns in the epilogue
 };
 
-/// Threads per CTA of the small-M kernel of a shape.
-WEFT_HOST_DEVICE constexpr int gemv_threads(const GemvShape& s) { return 32 * s.warps; }
+/// Threads per CTA of the small-M kernel (the launch's block): kGemvBulkThreads for variant 3, else kGemvThreads.
+WEFT_HOST_DEVICE constexpr int gemv_threads(bool bulk) { return bulk ? kGemvBulkThreads : kGemvThreads; }
 
 /// Variant 3's stage: 256 k of every B and A row of the CTA (512 bytes per row), loaded as TMA boxes
 /// kGemvBulkBoxK wide: 64 (128-byte rows, 128-byte swizzle: conflict-free fragment reads) or 256 (one box
@@ -275,8 +275,8 @@ WEFT_HOST_DEVICE constexpr GemvShape gemv_shape(int variant, int m_tiles) {
     if (variant == 0) return GemvShape{4, 0, 0, 4};
     if (variant == 1) return GemvShape{1, 0, 0, 8};
     if (variant == 3) {
-        if (m_tiles <= 2) return GemvShape{2, 4, kGemvBulkStageK / 32, 1, true, 8};
-        return GemvShape{2, 3, kGemvBulkStageK / 32, 1, true, 8};
+        if (m_tiles <= 2) return GemvShape{2, 4, kGemvBulkStageK / 32, 1, true};
+        return GemvShape{2, 3, kGemvBulkStageK / 32, 1, true};
     }
     switch (m_tiles) {
         case 1: return GemvShape{1, 6, 2, 4};
@@ -292,7 +292,7 @@ WEFT_HOST_DEVICE constexpr int gemv_smem_bytes(int variant, int m_tiles) {
     const GemvShape s = gemv_shape(variant, m_tiles);
     if (!s.bulk) return 0;
     const int ring = s.stages * (32 * s.n_tiles + 16 * m_tiles) * 2 * kGemvBulkStageK;
-    const int sums = s.warps * m_tiles * 4 * s.n_tiles * 4 * 32 * 4;
+    const int sums = gemv_threads(s.bulk) / 32 * m_tiles * 4 * s.n_tiles * 4 * 32 * 4;
     return 128 + 1024 + (ring > sums ? ring : sums);
 }
 
