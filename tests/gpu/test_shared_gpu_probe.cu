@@ -52,7 +52,6 @@ __global__ void probe_set_flag(volatile unsigned* flag, unsigned value) {
 }
 
 __global__ void probe_noop() {}
-__global__ void probe_noop_big_smem() {}
 
 #define PROBE_CHECK(call)                                                                       \
     do {                                                                                        \
@@ -603,13 +602,13 @@ TEST(SharedGpuProbe, StreamsFirstUsedWhileTheOthersWereIdle) {
     if (connections() >= 8) EXPECT_TRUE(shared.empty()) << "streams sharing stream 0's hardware queue:" << shared;
 }
 
-// Inside a World (run_local, one stream per rank, all SMs at `smem` bytes per block, 200 KB unless said): the
+// Inside a World (run_local, one stream per rank, all SMs at 200 KB of dynamic shared memory per block): the
 // pattern above, with the arrival words in plain device memory or in the symmetric heap (every rank adds to rank
 // 0's words through its own mapping of rank 0's heap), as weft's ops. `before` runs on every rank's stream once
 // (then synchronised), before the first trial. Returns the trials (in order) in which some call timed out, as
 // " 0 2" (empty: none).
-std::string world_trials_timed_out(int ranks, bool in_heap, const std::function<void(cudaStream_t)>& before,
-                                   int smem = 200 << 10) {
+std::string world_trials_timed_out(int ranks, bool in_heap, const std::function<void(cudaStream_t)>& before) {
+    constexpr int smem = 200 << 10;
     int sms = 0;
     EXPECT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
     EXPECT_EQ(cudaFuncSetAttribute(probe_rank_call, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), cudaSuccess);
@@ -666,7 +665,8 @@ void print_world_trials(const char* what, int ranks, bool in_heap, const std::st
 // launched an empty kernel in its constructor, this test timed out in its first trial (the context's first
 // kernel launch, ranks' calls waiting for each other) in 0-4 of 10 fresh processes per H200 machine start, and
 // in 13 of 100 on 2026-11-30; later trials never did. With the World's first kernel: 0 of 8 fresh processes
-// (and its bisect twin below 0 of 40). Run it as the first test of a process (tools/gpu_run.sh does).
+// (and 0 of 40 in the bisect probe that found the cause, docs/runtime.md). Run it as the first test of a process
+// (tools/gpu_run.sh does).
 TEST(SharedGpuProbe, RanksOfAWorldWaitingForEachOthersCalls) {
     if (!have_gpu()) GTEST_SKIP() << "SKIPPED: no GPU";
     for (int ranks : {2, 3}) {
@@ -689,61 +689,6 @@ TEST(SharedGpuProbe, RanksOfAWorldAfterAnIdleLaunch) {
     });
     print_world_trials("after an idle launch", 2, false, bad);
     if (connections() >= 8) EXPECT_EQ(bad, "");
-    PROBE_CHECK(cudaFree(scratch));
-}
-
-// The bisect that found the effect above, one fresh process per sample (it is about a process's first launch):
-//   WEFT_PROBE_BEFORE   none (default) | memset | noop | big_kernel | prime_all | context: what every rank's
-//                       stream runs, and synchronises, while nothing spins, before the first trial (big_kernel:
-//                       another kernel, one block of 200 KB shared memory; prime_all: that kernel on two blocks
-//                       per SM; context: a no-op kernel once, on a stream of its own, before the ranks start);
-//   WEFT_PROBE_SMEM_KB  the calls' dynamic shared memory per block (default 200; 0 for none);
-//   WEFT_PROBE_CARVEOUT the calls' (and big_kernel's) preferred shared memory carveout, percent (default: unset).
-// Measured on H200s, 2026-11-30, before the World launched its first kernel (failed / fresh processes): none
-// 3/25, 3/25, 4/25, 3/25; 0 KB shared memory 3/25; carveout 100 4/25; prime_all 0/25; noop 0/25; context 0/25,
-// 0/25 (so: the context's first kernel launch, whatever the kernel and its shared memory). Since the World's
-// constructor launches that first kernel, `none` measures the remedy: 0 of 40.
-TEST(SharedGpuProbe, DISABLED_RanksOfAWorldFirstTrial) {
-    if (!have_gpu()) GTEST_SKIP() << "SKIPPED: no GPU";
-    const char* before_env = std::getenv("WEFT_PROBE_BEFORE");
-    const std::string before = before_env != nullptr ? before_env : "none";
-    const char* smem_env = std::getenv("WEFT_PROBE_SMEM_KB");
-    const int smem = (smem_env != nullptr ? std::atoi(smem_env) : 200) << 10;
-    ASSERT_TRUE(before == "none" || before == "memset" || before == "noop" || before == "big_kernel" ||
-                before == "prime_all" || before == "context")
-        << "WEFT_PROBE_BEFORE=" << before;
-    const char* carveout_env = std::getenv("WEFT_PROBE_CARVEOUT");
-    if (carveout_env != nullptr) {
-        const int carveout = std::atoi(carveout_env);
-        PROBE_CHECK(cudaFuncSetAttribute(probe_rank_call, cudaFuncAttributePreferredSharedMemoryCarveout, carveout));
-        PROBE_CHECK(cudaFuncSetAttribute(probe_noop_big_smem, cudaFuncAttributePreferredSharedMemoryCarveout, carveout));
-    }
-    int sms = 0;
-    PROBE_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    unsigned* scratch = nullptr;
-    PROBE_CHECK(cudaMalloc(&scratch, 2 * sizeof(unsigned)));
-    PROBE_CHECK(cudaFuncSetAttribute(probe_noop_big_smem, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 << 10));
-    std::function<void(cudaStream_t)> run_before;
-    if (before == "memset") {
-        run_before = [&](cudaStream_t st) { PROBE_CHECK(cudaMemsetAsync(scratch, 0, 2 * sizeof(unsigned), st)); };
-    } else if (before == "noop") {
-        run_before = [](cudaStream_t st) { probe_noop<<<1, 32, 0, st>>>(); };
-    } else if (before == "big_kernel") {
-        run_before = [](cudaStream_t st) { probe_noop_big_smem<<<1, 32, 200 << 10, st>>>(); };
-    } else if (before == "prime_all") {
-        run_before = [sms](cudaStream_t st) { probe_noop_big_smem<<<2 * sms, 32, 200 << 10, st>>>(); };
-    } else if (before == "context") {  // once, on a stream of its own, before the World's ranks start
-        cudaStream_t other = nullptr;
-        PROBE_CHECK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
-        probe_noop<<<1, 32, 0, other>>>();
-        PROBE_CHECK(cudaStreamSynchronize(other));
-        PROBE_CHECK(cudaStreamDestroy(other));
-    }
-    const std::string bad = world_trials_timed_out(2, false, run_before, smem);
-    const std::string what = "before: " + before + ", " + std::to_string(smem >> 10) + " KB per block, carveout " +
-                             (carveout_env != nullptr ? carveout_env : "default");
-    print_world_trials(what.c_str(), 2, false, bad);
-    EXPECT_EQ(bad, "");
     PROBE_CHECK(cudaFree(scratch));
 }
 
