@@ -1,0 +1,295 @@
+// SPDX-License-Identifier: MIT
+// weft_bench_stream: how fast one GPU streams a bf16 matrix B [N,K] from DRAM into shared memory, by copy
+// mechanism and access pattern: the ceilings behind the small-M (decode) GEMM, whose time is B's bytes over
+// this rate. Each row: the median time of --iters launches (CUDA events) and the rate in TB/s.
+//
+//   weft_bench_stream [--sizes NxK,...] [--iters N] [--warmup N]      (N a multiple of 64, K of 256)
+//
+// Every ring pattern runs one CTA of 256 threads per 64 rows of B (N = 8192: 128 CTAs, one per SM, as the
+// decode GEMM), a ring of 4 stages of 32 KiB on one mbarrier each, the CTA's rows taken k block by k block:
+//   ldg              grid-stride 16-byte loads over the whole buffer (8 CTAs of 512 threads per SM)
+//   tma-rows         one 2D TMA box of 64 rows x 256 k per stage (small-M variant 3's B stage), refilled as
+//                    soon as it lands; "+read": every thread reads the stage and a barrier precedes the refill
+//   tma-contig       2D TMA boxes over B viewed as [N K / 256, 256]: 32 contiguous KiB per box
+//   bulk-contig      one 1D bulk copy of 32 contiguous KiB per stage (a CTA's 64 rows are one range)
+//   bulk-rows R      R 1D bulk copies per stage, R rows x 32 KiB / R bytes, issued by thread 0 or by lane 0 of
+//                    8 warps; "pad 16": rows 16 bytes apart in shared memory (not 128-byte aligned)
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "weft/ptx/mbarrier.cuh"
+#include "weft/ptx/tma.cuh"
+#include "weft/runtime/driver.hpp"
+
+namespace {
+
+using weft::ptx::TmaDescriptor;
+
+#define BENCH_CUDA(call)                                                                                     \
+    do {                                                                                                     \
+        cudaError_t e_ = (call);                                                                             \
+        if (e_ != cudaSuccess) throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
+    } while (0)
+
+constexpr int kThreads = 256;
+constexpr int kStages = 4;
+constexpr int kStageBytes = 32 * 1024;
+constexpr int kRowsPerCta = 64;
+constexpr int kSmemBytes = kStages * (kStageBytes + 32 * 16) + 2048;  // ring (with row padding) + barriers
+
+/// The ring's shared memory: barriers first, stages from the next 1024-byte boundary.
+struct Ring {
+    unsigned bars;
+    unsigned base;
+    unsigned char* ptr;
+};
+
+__device__ Ring ring_init(unsigned char* smem) {
+    Ring r;
+    r.bars = weft::ptx::shared_address(smem);
+    r.base = (r.bars + 128 + 1023) & ~1023u;
+    r.ptr = smem + (r.base - r.bars);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kStages; ++s) weft::ptx::mbarrier_init(r.bars + 8 * s, 1);
+        weft::ptx::fence_mbarrier_init();
+    }
+    __syncthreads();
+    return r;
+}
+
+__device__ void wait_stage(const Ring& r, int step) {
+    while (!weft::ptx::mbarrier_try_wait_parity(r.bars + 8 * (step % kStages), (step / kStages) & 1)) {
+    }
+}
+
+__global__ void ldg_kernel(const uint4* p, long long n, unsigned* sink) {
+    unsigned acc = 0;
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<long long>(gridDim.x) * blockDim.x) {
+        uint4 v;
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p + i));
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u) sink[0] = acc;  // keeps the loads alive
+}
+
+/// TMA boxes: step i of CTA c loads box (i % k_boxes) * box_k along the inner dimension at row
+/// c * rows_per_cta_view + (i / k_boxes) * box_rows of the map's view.
+__global__ void __launch_bounds__(kThreads, 1)
+    tma_ring_kernel(const __grid_constant__ TmaDescriptor map, int box_k, int box_rows, int k_boxes, int steps,
+                    int rows_per_cta_view, bool read, unsigned* sink) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const Ring r = ring_init(smem);
+    const auto fill = [&](int i) {
+        const unsigned bar = r.bars + 8 * (i % kStages);
+        weft::ptx::mbarrier_arrive_expect_tx(bar, kStageBytes);
+        weft::ptx::tma_load_2d(r.base + (i % kStages) * kStageBytes, &map, bar, (i % k_boxes) * box_k,
+                               static_cast<int>(blockIdx.x) * rows_per_cta_view + (i / k_boxes) * box_rows);
+    };
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < kStages && i < steps; ++i) fill(i);
+    }
+    unsigned acc = 0;
+    for (int i = 0; i < steps; ++i) {
+        if (read || threadIdx.x == 0) wait_stage(r, i);
+        if (read) {
+            const auto* stage = reinterpret_cast<const uint4*>(r.ptr + (i % kStages) * kStageBytes);
+            for (int j = static_cast<int>(threadIdx.x); j < kStageBytes / 16; j += kThreads) {
+                const uint4 v = stage[j];
+                acc ^= v.x ^ v.y ^ v.z ^ v.w;
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0 && i + kStages < steps) {
+            weft::ptx::fence_proxy_async_shared_cta();
+            fill(i + kStages);
+        }
+    }
+    if (acc == 0x12345678u) sink[0] = acc;
+}
+
+/// 1D bulk copies: step i of CTA c copies `rows` pieces of 32 KiB / rows bytes: rows r0 + j of k block kb
+/// (kb = i / groups, r0 = (i % groups) * rows, groups = 64 / rows), from B's rows of `row_bytes`; with rows = 0
+/// one contiguous 32 KiB chunk i of the CTA's range instead. Issued by thread 0, or by lane 0 of each warp.
+__global__ void __launch_bounds__(kThreads, 1)
+    bulk_ring_kernel(const unsigned char* b, long long row_bytes, int rows, int pad, bool all_warps, int steps) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const Ring r = ring_init(smem);
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    if (!(threadIdx.x == 0 || (all_warps && threadIdx.x % 32 == 0))) return;
+    const unsigned char* cta = b + static_cast<long long>(blockIdx.x) * kRowsPerCta * row_bytes;
+    const int piece = rows > 0 ? kStageBytes / rows : kStageBytes;
+    const int groups = rows > 0 ? kRowsPerCta / rows : 1;
+    const auto fill = [&](int i) {
+        const unsigned bar = r.bars + 8 * (i % kStages);
+        const unsigned stage = r.base + (i % kStages) * (kStageBytes + 32 * pad);
+        if (threadIdx.x == 0) weft::ptx::mbarrier_arrive_expect_tx(bar, kStageBytes);
+        if (rows == 0) {
+            weft::ptx::bulk_load_1d(stage, cta + static_cast<long long>(i) * kStageBytes, kStageBytes, bar);
+            return;
+        }
+        const int kb = i / groups, r0 = (i % groups) * rows;
+        for (int j = all_warps ? warp : 0; j < rows; j += all_warps ? kThreads / 32 : 1) {
+            weft::ptx::bulk_load_1d(stage + j * (piece + pad), cta + (r0 + j) * row_bytes + static_cast<long long>(kb) * piece,
+                                    piece, bar);
+        }
+    };
+    for (int i = 0; i < kStages && i < steps; ++i) fill(i);
+    for (int i = 0; i < steps; ++i) {
+        wait_stage(r, i);
+        if (i + kStages < steps) fill(i + kStages);
+    }
+}
+
+template <class Fn>
+double median_us(int warmup, int iters, Fn&& fn) {
+    for (int i = 0; i < warmup; ++i) fn();
+    std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(iters));
+    for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
+    for (int i = 0; i < iters; ++i) {
+        BENCH_CUDA(cudaEventRecord(ev[2 * i]));
+        fn();
+        BENCH_CUDA(cudaEventRecord(ev[2 * i + 1]));
+    }
+    BENCH_CUDA(cudaDeviceSynchronize());
+    BENCH_CUDA(cudaGetLastError());
+    std::vector<float> ms(static_cast<size_t>(iters));
+    for (int i = 0; i < iters; ++i) BENCH_CUDA(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
+    for (auto& e : ev) cudaEventDestroy(e);
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2] * 1e3;
+}
+
+TmaDescriptor encode_map(void* base, unsigned long long inner, unsigned long long outer, unsigned box_inner,
+                         unsigned box_outer) {
+    CUtensorMap map;
+    const cuuint64_t dims[2] = {inner, outer};
+    const cuuint64_t strides[1] = {inner * 2};
+    const cuuint32_t box[2] = {box_inner, box_outer};
+    const cuuint32_t elem_strides[2] = {1, 1};
+    const CUresult rc = weft::driver().cuTensorMapEncodeTiled(
+        &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+        CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (rc != CUDA_SUCCESS) throw std::runtime_error("cuTensorMapEncodeTiled failed: " + std::to_string(rc));
+    TmaDescriptor d;
+    static_assert(sizeof(d) == sizeof(map));
+    std::memcpy(&d, &map, sizeof(d));
+    return d;
+}
+
+struct Options {
+    std::vector<std::pair<long long, long long>> sizes{{8192, 8192}, {8192, 4096}};
+    int iters = 60;
+    int warmup = 5;
+};
+
+Options parse(int argc, char** argv) {
+    Options o;
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        const auto next = [&]() -> std::string {
+            if (i + 1 >= argc) throw std::runtime_error(a + " needs a value");
+            return argv[++i];
+        };
+        if (a == "--sizes") {
+            o.sizes.clear();
+            std::string list = next() + ",";
+            for (size_t at = 0, comma; (comma = list.find(',', at)) != std::string::npos; at = comma + 1) {
+                long long n = 0, k = 0;
+                if (std::sscanf(list.substr(at, comma - at).c_str(), "%lldx%lld", &n, &k) != 2 || n <= 0 ||
+                    n % kRowsPerCta != 0 || k <= 0 || k % 256 != 0) {
+                    throw std::runtime_error("--sizes takes NxK with N a multiple of 64 and K of 256, got '" +
+                                             list.substr(at, comma - at) + "'");
+                }
+                o.sizes.emplace_back(n, k);
+            }
+        } else if (a == "--iters") {
+            o.iters = std::max(1, std::stoi(next()));
+        } else if (a == "--warmup") {
+            o.warmup = std::max(0, std::stoi(next()));
+        } else {
+            throw std::runtime_error("unknown argument '" + a + "' (usage: weft_bench_stream [--sizes NxK,...] "
+                                     "[--iters N] [--warmup N])");
+        }
+    }
+    return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    try {
+        const Options opt = parse(argc, argv);
+        cudaDeviceProp prop{};
+        BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+        BENCH_CUDA(cudaFuncSetAttribute(tma_ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+        BENCH_CUDA(cudaFuncSetAttribute(bulk_ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+        std::printf("# weft_bench_stream  GPU %s (%d SMs)  iters %d warmup %d; one CTA per 64 rows, 4 stages of 32 KiB\n",
+                    prop.name, prop.multiProcessorCount, opt.iters, opt.warmup);
+        std::printf("%-11s %-44s %10s %8s\n", "B (NxK)", "pattern", "us", "TB/s");
+        for (const auto& [n, k] : opt.sizes) {
+            const long long bytes = n * k * 2;
+            void* buf = nullptr;
+            unsigned* sink = nullptr;
+            BENCH_CUDA(cudaMalloc(&buf, bytes));
+            BENCH_CUDA(cudaMalloc(&sink, 256));
+            BENCH_CUDA(cudaMemset(buf, 1, bytes));
+            const int ctas = static_cast<int>(n / kRowsPerCta);
+            const int steps = static_cast<int>(kRowsPerCta * k * 2 / kStageBytes);
+            char shape[32];
+            std::snprintf(shape, sizeof(shape), "%lldx%lld", n, k);
+            const auto row = [&](const std::string& name, double us) {
+                std::printf("%-11s %-44s %10.2f %8.3f\n", shape, name.c_str(), us, bytes / (us * 1e-6) / 1e12);
+            };
+            row("ldg (8 CTAs x 512 threads per SM)", median_us(opt.warmup, opt.iters, [&] {
+                    ldg_kernel<<<prop.multiProcessorCount * 8, 512>>>(static_cast<const uint4*>(buf), bytes / 16, sink);
+                }));
+            const TmaDescriptor rows_map = encode_map(buf, k, n, 256, kRowsPerCta);
+            for (bool read : {false, true}) {
+                row(std::string("tma-rows 64 x 512 B") + (read ? " +read" : ""), median_us(opt.warmup, opt.iters, [&] {
+                        tma_ring_kernel<<<ctas, kThreads, kSmemBytes>>>(rows_map, 256, kRowsPerCta, static_cast<int>(k / 256),
+                                                                        steps, kRowsPerCta, read, sink);
+                    }));
+            }
+            const TmaDescriptor contig_map = encode_map(buf, 256, n * k / 256, 256, kRowsPerCta);
+            row("tma-contig 32 KiB boxes", median_us(opt.warmup, opt.iters, [&] {
+                    tma_ring_kernel<<<ctas, kThreads, kSmemBytes>>>(contig_map, 256, kRowsPerCta, 1, steps,
+                                                                    static_cast<int>(k / 4), false, sink);
+                }));
+            const auto* b = static_cast<const unsigned char*>(buf);
+            row("bulk-contig 32 KiB copies", median_us(opt.warmup, opt.iters, [&] {
+                    bulk_ring_kernel<<<ctas, kThreads, kSmemBytes>>>(b, k * 2, 0, 0, false, steps);
+                }));
+            for (int rows : {2, 4, 8, 16, 32}) {
+                if (kStageBytes / rows > k * 2) continue;  // a piece longer than a row
+                for (bool all_warps : {false, true}) {
+                    for (int pad : {0, 16}) {
+                        if ((rows < 8 && all_warps) || (pad != 0 && rows != 16)) continue;
+                        const std::string name = "bulk-rows " + std::to_string(rows) + " x " +
+                                                 std::to_string(kStageBytes / rows) + " B" +
+                                                 (all_warps ? ", 8 warps issue" : ", thread 0 issues") +
+                                                 (pad ? ", pad 16" : "");
+                        row(name, median_us(opt.warmup, opt.iters, [&] {
+                                bulk_ring_kernel<<<ctas, kThreads, kSmemBytes>>>(b, k * 2, rows, pad, all_warps, steps);
+                            }));
+                    }
+                }
+            }
+            BENCH_CUDA(cudaFree(buf));
+            BENCH_CUDA(cudaFree(sink));
+        }
+        return 0;
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "weft_bench_stream: %s\n", e.what());
+        return 1;
+    }
+}
