@@ -329,4 +329,51 @@ __device__ __forceinline__ void store_payload(uint8_t* p, uint2 v, uint64_t vali
     }
 }
 
+/// Line j of a low-latency reduction (all_reduce_low_latency, reduce_scatter_low_latency): the rank-ordered fp32
+/// sum of every rank's 8-byte payload, this rank's read from `own` (bytes past `valid` as zero) and each peer's
+/// polled from this epoch's LL slot for it at `flag`, kChunk = min(kMaxRanks, 8) waits in flight at a time;
+/// returned converted back to D.
+template <DType D, int kMaxRanks>
+__device__ __forceinline__ uint2 reduce_ll_line(const DeviceCtx& ctx, const BlockState& st, const uint8_t* own,
+                                                uint64_t valid, uint64_t j, uint32_t flag) {
+    using N = Num<D>;
+    using Bits = typename N::Bits;
+    constexpr int kLineElems = static_cast<int>(kLowLatencyPayloadBytes / sizeof(Bits));
+    constexpr int kChunk = kMaxRanks < 8 ? kMaxRanks : 8;
+    const int n = ctx.num_ranks;
+    const int me = ctx.rank;
+    float acc[kLineElems];
+#pragma unroll
+    for (int k = 0; k < kLineElems; ++k) {
+        acc[k] = 0.0f;
+    }
+    for (int q0 = 0; q0 < n; q0 += kChunk) {
+        uint2 got[kChunk];
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+            const int q = q0 + i;
+            if (q < n) {
+                got[i] = q == me ? load_payload(own, valid)
+                                 : device::ll::wait_line(ctx, st.ll_slot(q) + j * kLowLatencyLineBytes, flag);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+            if (q0 + i < n) {
+                const auto lanes = __builtin_bit_cast(Lanes<Bits, kLineElems>, got[i]);
+#pragma unroll
+                for (int k = 0; k < kLineElems; ++k) {
+                    acc[k] += N::to_float(lanes.v[k]);
+                }
+            }
+        }
+    }
+    Lanes<Bits, kLineElems> sum;
+#pragma unroll
+    for (int k = 0; k < kLineElems; ++k) {
+        sum.v[k] = N::from_float(acc[k]);
+    }
+    return __builtin_bit_cast(uint2, sum);
+}
+
 }  // namespace weft::kernels::collective

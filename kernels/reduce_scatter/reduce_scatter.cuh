@@ -58,11 +58,7 @@ template <ReduceKernelConfig C>
 __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
     reduce_scatter_low_latency(DeviceCtx ctx, CollectiveParams p) {
     static_assert(is_valid(C), "ReduceKernelConfig: see is_valid() in weft/common/collectives.hpp");
-    using N = Num<C.dtype>;
-    using Bits = typename N::Bits;
-    constexpr uint64_t kElem = sizeof(Bits);
-    constexpr int kLineElems = static_cast<int>(kLowLatencyPayloadBytes / kElem);
-    constexpr int kChunk = C.max_ranks < 8 ? C.max_ranks : 8;
+    constexpr uint64_t kElem = sizeof(typename Num<C.dtype>::Bits);
     __shared__ uint8_t* remote[C.max_ranks];
     BlockState st(ctx, p);
     const int n = ctx.num_ranks;
@@ -90,38 +86,9 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     }
     for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
         const uint64_t at = j * kLowLatencyPayloadBytes;
-        float acc[kLineElems];
-#pragma unroll
-        for (int k = 0; k < kLineElems; ++k) {
-            acc[k] = 0.0f;
-        }
-        for (int q0 = 0; q0 < n; q0 += kChunk) {
-            uint2 got[kChunk];
-#pragma unroll
-            for (int i = 0; i < kChunk; ++i) {
-                const int q = q0 + i;
-                if (q < n) {
-                    got[i] = q == me ? collective::load_payload(mine + at, bytes - at)
-                                     : device::ll::wait_line(ctx, st.ll_slot(q) + j * kLowLatencyLineBytes, flag);
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < kChunk; ++i) {
-                if (q0 + i < n) {
-                    const auto lanes = __builtin_bit_cast(collective::Lanes<Bits, kLineElems>, got[i]);
-#pragma unroll
-                    for (int k = 0; k < kLineElems; ++k) {
-                        acc[k] += N::to_float(lanes.v[k]);
-                    }
-                }
-            }
-        }
-        collective::Lanes<Bits, kLineElems> sum;
-#pragma unroll
-        for (int k = 0; k < kLineElems; ++k) {
-            sum.v[k] = N::from_float(acc[k]);
-        }
-        collective::store_payload(out + at, __builtin_bit_cast(uint2, sum), bytes - at);
+        collective::store_payload(
+            out + at, collective::reduce_ll_line<C.dtype, C.max_ranks>(ctx, st, mine + at, bytes - at, j, flag),
+            bytes - at);
     }
     st.finish();
 }
