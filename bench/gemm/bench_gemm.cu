@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_timing.cuh"
 #include "gemm/gemm_instances.cuh"
 #include "weft/ops/gemm.hpp"
 #include "weft/runtime/error.hpp"
@@ -36,12 +37,9 @@ namespace {
 using weft::BLayout;
 using weft::DType;
 using weft::GemmConfig;
+using weft::bench::median;
+using weft::bench::time_median_ms;
 
-#define BENCH_CUDA(call)                                                                                     \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
-    } while (0)
 #define BENCH_LT(call)                                                                                     \
     do {                                                                                                   \
         cublasStatus_t s_ = (call);                                                                        \
@@ -189,29 +187,6 @@ struct Buffer {
     Buffer(const Buffer&) = delete;
     Buffer& operator=(const Buffer&) = delete;
 };
-
-double median(std::vector<float> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-/// Times fn(i) per iteration with events (ms), after `warmup` untimed calls; returns the median.
-template <class Fn>
-double time_median_ms(int warmup, int iters, Fn&& fn) {
-    for (int i = 0; i < warmup; ++i) fn(i);
-    std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(iters));
-    for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
-    for (int i = 0; i < iters; ++i) {
-        BENCH_CUDA(cudaEventRecord(ev[2 * i], nullptr));
-        fn(warmup + i);
-        BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], nullptr));
-    }
-    BENCH_CUDA(cudaDeviceSynchronize());
-    std::vector<float> ms(static_cast<size_t>(iters));
-    for (int i = 0; i < iters; ++i) BENCH_CUDA(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
-    for (auto& e : ev) cudaEventDestroy(e);
-    return median(ms);
-}
 
 /// Times fa(i) and fb(i) alternately, each between its own events, so that both see the same clocks and
 /// temperature (a GPU that just idled boosts higher; a long run throttles). Returns both medians (ms).

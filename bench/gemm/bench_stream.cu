@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_timing.cuh"
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
 #include "weft/runtime/driver.hpp"
@@ -31,12 +32,6 @@
 namespace {
 
 using weft::ptx::TmaDescriptor;
-
-#define BENCH_CUDA(call)                                                                                     \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
-    } while (0)
 
 constexpr int kThreads = 256;
 constexpr int kStages = 4;
@@ -150,23 +145,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 }
 
+/// The median time of fn's launches in microseconds (bench_timing.cuh), launch errors checked.
 template <class Fn>
 double median_us(int warmup, int iters, Fn&& fn) {
-    for (int i = 0; i < warmup; ++i) fn();
-    std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(iters));
-    for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
-    for (int i = 0; i < iters; ++i) {
-        BENCH_CUDA(cudaEventRecord(ev[2 * i]));
-        fn();
-        BENCH_CUDA(cudaEventRecord(ev[2 * i + 1]));
-    }
-    BENCH_CUDA(cudaDeviceSynchronize());
+    const double ms = weft::bench::time_median_ms(warmup, iters, [&](int) { fn(); });
     BENCH_CUDA(cudaGetLastError());
-    std::vector<float> ms(static_cast<size_t>(iters));
-    for (int i = 0; i < iters; ++i) BENCH_CUDA(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
-    for (auto& e : ev) cudaEventDestroy(e);
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2] * 1e3;
+    return ms * 1e3;
 }
 
 TmaDescriptor encode_map(void* base, unsigned long long inner, unsigned long long outer, unsigned box_inner,
