@@ -5,7 +5,7 @@
 //
 //   weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]
 //                   [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]
-//                   [--small-m-variant 0|1|2|3] [--small-m-splits S] [--small-m-max-m M]
+//                   [--small-m-variant 0|1|2|3|4] [--small-m-splits S] [--small-m-max-m M]
 // --small-m-variant / --small-m-splits / --small-m-max-m set GemmOptions for the op's own row (the one --check
 // compares with cuBLAS); forcing a variant or a split count also sets small_m_max_m to 64 (unless
 // --small-m-max-m says otherwise), so that M 17..64 measure the small-M kernels; --all-configs adds a row per
@@ -125,7 +125,7 @@ Options parse(int argc, char** argv) {
         } else if (a == "--small-m-variant") {
             o.small_m_variant = std::stoi(next());
             if (o.small_m_variant < 0 || o.small_m_variant >= weft::kGemvNumVariants) {
-                throw std::runtime_error("--small-m-variant takes 0, 1, 2 or 3, got " + std::to_string(o.small_m_variant));
+                throw std::runtime_error("--small-m-variant takes 0, 1, 2, 3 or 4, got " + std::to_string(o.small_m_variant));
             }
         } else if (a == "--small-m-splits") {
             o.small_m_splits = std::stoi(next());
@@ -142,7 +142,7 @@ Options parse(int argc, char** argv) {
             std::printf(
                 "weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]\n"
                 "                [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]\n"
-                "                [--small-m-variant 0|1|2|3] [--small-m-splits S] [--small-m-max-m M]\n");
+                "                [--small-m-variant 0|1|2|3|4] [--small-m-splits S] [--small-m-max-m M]\n");
             std::exit(0);
         } else {
             throw std::runtime_error("unknown option " + a + " (see --help)");

@@ -28,7 +28,8 @@ void register_gemv_instance() {
     constexpr GemvShape kShape = gemv_shape(kVariant, kMTiles);
     ops::detail::register_gemv_kernel(
         kMTiles, kIn, kOut, kVariant,
-        reinterpret_cast<const void*>(&gemv_kernel<kMTiles, kIn, kOut, kShape.n_tiles, kShape.stages, kShape.bulk>));
+        reinterpret_cast<const void*>(
+            &gemv_kernel<kMTiles, kIn, kOut, kShape.n_tiles, kShape.stages, kShape.bulk, kShape.whole_rows>));
 }
 
 template <DType kIn, DType kOut, int kVariant>
@@ -47,6 +48,7 @@ void register_dtype_instances() {
     register_gemv_instances<kIn, kOut, 1>();
     register_gemv_instances<kIn, kOut, 2>();
     register_gemv_instances<kIn, kOut, 3>();
+    register_gemv_instance<kIn, kOut, 4, 1>();  // whole rows: M <= 2 only
 }
 
 }  // namespace detail

@@ -31,6 +31,7 @@
 #pragma once
 
 #include "weft/common/gemm_config.hpp"
+#include "weft/ptx/cvt.cuh"
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
 
@@ -487,6 +488,151 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
             }
 }
 
+/// 8 bf16 or f16 values (16 bytes) as floats (exact).
+template <bool kIsBF16>
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if constexpr (kIsBF16) {
+            f[2 * i] = __uint_as_float(w[i] << 16);
+            f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        } else {
+            f[2 * i] = ptx::f16_bits_to_f32(static_cast<unsigned short>(w[i] & 0xffffu));
+            f[2 * i + 1] = ptx::f16_bits_to_f32(static_cast<unsigned short>(w[i] >> 16));
+        }
+    }
+}
+
+/// Variant 4 (gemv_shape's comment in gemm_config.hpp; the op checks M <= kGemvRowsMaxM, K % 256 == 0, ldb = K,
+/// one split, 16-byte aligned A rows): CTA c owns rows n0 = 64c .. of B, one contiguous range of rows x K
+/// elements, streamed through a ring of kGemvRowsStages stages of kGemvRowsStageBytes, each one 1D bulk copy
+/// issued by thread 0. Thread t takes the 16-byte pieces t + 256 j (j < 8) of a stage: a warp's 32 pieces are
+/// 512 contiguous bytes of one row (K % 256 == 0), so the row of a piece is warp-uniform. Each thread keeps M
+/// fp32 partial dot products for its warp's current row; when the warp moves to another row it adds them up
+/// (shuffles) into its own slot sums[row][warp][m]; at the end 64 M threads add the 8 warps' slots in warp order
+/// (deterministic) and write D. A's M rows sit in shared memory (one bulk copy per row, before the first stage).
+template <DType kOut, bool kIsBF16>
+__device__ __forceinline__ void gemv_rows(const GemvArgs& args) {
+    constexpr int kStages = kGemvRowsStages;
+    constexpr int kStageBytes = kGemvRowsStageBytes;
+    constexpr int kWarps = kGemvBulkThreads / 32;
+    constexpr int kPiecesPerThread = kStageBytes / 16 / kGemvBulkThreads;
+    extern __shared__ __align__(1024) unsigned char gemv_smem[];
+    const unsigned bars = ptx::shared_address(gemv_smem);  // kStages stage barriers, then A's
+    const unsigned ring = (bars + 128 + 1023) & ~1023u;
+    unsigned char* const ring_ptr = gemv_smem + (ring - bars);
+    const unsigned a_bar = bars + 8 * kStages;
+    const int m_rows = args.m;
+    const int k = args.k;
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int n0 = static_cast<int>(blockIdx.x) * 64;
+    const int rows = min(64, args.n - n0);
+    const long long total = static_cast<long long>(rows) * k * 2;  // bytes of B this CTA streams
+    const int steps = static_cast<int>((total + kStageBytes - 1) / kStageBytes);
+    const auto* b = static_cast<const unsigned char*>(args.b) + static_cast<long long>(n0) * k * 2;
+    const unsigned char* a_rows = ring_ptr + gemv_rows_a_offset();
+    float* sums = reinterpret_cast<float*>(ring_ptr + gemv_rows_sums_offset(m_rows, k));  // [64][kWarps][max M]
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s <= kStages; ++s) ptx::mbarrier_init(bars + 8 * s, 1);
+        ptx::fence_mbarrier_init();
+    }
+    for (int i = static_cast<int>(threadIdx.x); i < 64 * kWarps * kGemvRowsMaxM; i += kGemvBulkThreads) sums[i] = 0.f;
+    __syncthreads();
+    const auto fill = [&](int step) {
+        const unsigned bar = bars + 8 * (step % kStages);
+        const long long at = static_cast<long long>(step) * kStageBytes;
+        const unsigned bytes = static_cast<unsigned>(min(static_cast<long long>(kStageBytes), total - at));
+        ptx::mbarrier_arrive_expect_tx(bar, bytes);
+        ptx::bulk_load_1d(ring + static_cast<unsigned>((step % kStages) * kStageBytes), b + at, bytes, bar);
+    };
+    if (threadIdx.x == 0) {
+        ptx::mbarrier_arrive_expect_tx(a_bar, static_cast<unsigned>(2 * m_rows * k));
+        for (int m = 0; m < m_rows; ++m) {
+            ptx::bulk_load_1d(ring + static_cast<unsigned>(gemv_rows_a_offset() + 2 * m * k),
+                              static_cast<const unsigned short*>(args.a) + static_cast<long long>(m) * args.lda,
+                              static_cast<unsigned>(2 * k), a_bar);
+        }
+        for (int i = 0; i < kStages && i < steps; ++i) fill(i);
+    }
+    if (!ptx::mbarrier_wait_parity_bounded(a_bar, 0u, kGemvStageWaitNs)) __trap();
+
+    float acc[kGemvRowsMaxM] = {};
+    int cur_row = -1;
+    // Adds the warp's partial sums for cur_row into its slot (every lane of the warp calls, with the same row).
+    const auto flush = [&]() {
+        if (cur_row < 0) return;
+#pragma unroll
+        for (int m = 0; m < kGemvRowsMaxM; ++m) {
+            float v = acc[m];
+#pragma unroll
+            for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+            if (lane == 0 && m < m_rows) sums[(cur_row * kWarps + warp) * kGemvRowsMaxM + m] += v;
+            acc[m] = 0.f;
+        }
+    };
+    // 16-byte pieces: per row k / 8, per CTA at most 64 x 2048 (A's budget keeps K <= 16384): 32-bit indices.
+    const int pieces_per_row = k / 8;
+    const int total_pieces = static_cast<int>(total / 16);
+    for (int i = 0; i < steps; ++i) {
+        const int s = i % kStages;
+        if (!ptx::mbarrier_wait_parity_bounded(bars + 8 * s, static_cast<unsigned>(i / kStages) & 1u,
+                                               kGemvStageWaitNs)) {
+            __trap();
+        }
+        const unsigned char* stage = ring_ptr + s * kStageBytes;
+        // The warp's first piece of the stage, as (row, piece in the row); later pieces step by kGemvBulkThreads.
+        const int first = i * (kStageBytes / 16) + 32 * warp;
+        int row = first / pieces_per_row;
+        int col = first - row * pieces_per_row + lane;
+#pragma unroll
+        for (int j = 0; j < kPiecesPerThread; ++j) {
+            const int p = static_cast<int>(threadIdx.x) + kGemvBulkThreads * j;
+            if (first + kGemvBulkThreads * j >= total_pieces) break;  // warp-uniform: whole 512-byte spans
+            if (j > 0) {
+                col += kGemvBulkThreads;
+                while (col >= pieces_per_row) {  // warp-uniform: a row holds a multiple of 32 pieces
+                    col -= pieces_per_row;
+                    ++row;
+                }
+            }
+            const int kk = 8 * col;
+            if (row != cur_row) {
+                flush();
+                cur_row = row;
+            }
+            float bf[8];
+            unpack8<kIsBF16>(*reinterpret_cast<const uint4*>(stage + 16 * p), bf);
+#pragma unroll
+            for (int m = 0; m < kGemvRowsMaxM; ++m) {
+                if (m < m_rows) {
+                    float af[8];
+                    unpack8<kIsBF16>(*reinterpret_cast<const uint4*>(a_rows + 2 * (m * k + kk)), af);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[m] = fmaf(af[e], bf[e], acc[m]);
+                }
+            }
+        }
+        __syncthreads();  // every warp has read stage s
+        if (threadIdx.x == 0 && i + kStages < steps) {
+            ptx::fence_proxy_async_shared_cta();  // the generic reads above before the copy's writes
+            fill(i + kStages);
+        }
+    }
+    flush();
+    __syncthreads();
+    for (int idx = static_cast<int>(threadIdx.x); idx < rows * m_rows; idx += kGemvBulkThreads) {
+        const int row = idx / m_rows;
+        const int m = idx % m_rows;
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) v += sums[(row * kWarps + w) * kGemvRowsMaxM + m];
+        store_out<kOut>(args.d, static_cast<int64_t>(m) * args.ldd + n0 + row, v);
+    }
+}
+
 }  // namespace detail
 
 /// Split-K small-M GEMM. kMTiles = ceil(M / 16) (1..4). Grid (ceil(N / gemv_cols_per_cta(kNTiles)), num_splits),
@@ -500,19 +646,27 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
 ///              loads in flight per warp; A chunk by chunk from L1.
 ///   variant 3: kBulk: the shared-memory ring of gemv_mainloop_bulk, kStages stages of 256 k, filled by TMA
 ///              through `maps`; gemv_smem_bytes(3, kMTiles) of dynamic shared memory.
-template <int kMTiles, DType kIn, DType kOut, int kNTiles = 4, int kStages = 0, bool kBulk = false>
+///   variant 4: kBulk and kWholeRows (kMTiles 1): detail::gemv_rows, whole rows of B by 1D bulk copies and FMAs
+///              (M <= 2, K % 256 == 0, ldb = K, one split; maps unused); gemv_rows_smem_bytes(M, K).
+template <int kMTiles, DType kIn, DType kOut, int kNTiles = 4, int kStages = 0, bool kBulk = false,
+          bool kWholeRows = false>
 __global__ void __launch_bounds__(gemv_threads(kBulk),
                                   detail::gemv_min_ctas_per_sm(kMTiles, kStages, kBulk))
     gemv_kernel(const GemvArgs args, const __grid_constant__ GemvMaps maps) {
     static_assert(kMTiles >= 1 && kMTiles <= 4, "gemv_kernel covers M <= 64");
     static_assert(kIn == DType::kBF16 || kIn == DType::kF16, "gemv_kernel takes bf16 or f16 inputs");
     static_assert(kNTiles == 1 || kNTiles == 2 || kNTiles == 4, "gemv_kernel: 1, 2 or 4 n8 tiles per warp");
-    static_assert(kStages == 0 || (kStages >= 2 && kNTiles == gemv_shape(kBulk ? 3 : 2, kMTiles).n_tiles &&
-                                   kStages == gemv_shape(kBulk ? 3 : 2, kMTiles).stages),
+    static_assert(kStages == 0 || (kStages >= 2 && kNTiles == gemv_shape(kBulk ? 3 + kWholeRows : 2, kMTiles).n_tiles &&
+                                   kStages == gemv_shape(kBulk ? 3 + kWholeRows : 2, kMTiles).stages),
                   "gemv_kernel: a pipelined instance must have variant 2's or 3's shape (gemv_shape)");
     static_assert(!kBulk || kStages > 0, "gemv_kernel: the bulk variant needs its ring's stages");
     static_assert(kStages > 0 || kNTiles != 2, "gemv_kernel: the batched loop takes 1 or 4 n8 tiles per warp");
+    static_assert(!kWholeRows || (kBulk && kMTiles == 1), "gemv_kernel: variant 4 serves M <= 2 (one row tile)");
     constexpr bool kIsBF16 = kIn == DType::kBF16;
+    if constexpr (kWholeRows) {
+        detail::gemv_rows<kOut, kIsBF16>(args);
+        return;
+    }
     constexpr int kColsPerCta = gemv_cols_per_cta(kNTiles);
     constexpr int kThreads = gemv_threads(kBulk);
 

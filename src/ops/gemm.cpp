@@ -241,7 +241,22 @@ GemmProblem validate_gemm_args(const TensorView& a, const TensorView& b, const T
     WEFT_CHECK(d.dim(0) == p.m && d.dim(1) == p.n,
                "gemm: d must be [M,N] = [" << p.m << ", " << p.n << "], got " << d.describe());
     WEFT_CHECK(p.k >= 8 && p.k % 8 == 0, "gemm: K (a's columns) must be a positive multiple of 8, got " << p.k);
+    p.b_rows_contiguous = b_layout == BLayout::kNK && (b.dim(0) <= 1 || b.stride(0) == p.k) &&
+                          reinterpret_cast<uintptr_t>(b.data) % 16 == 0;
     return p;
+}
+
+std::string gemv_rows_unsupported(const GemmProblem& p, int num_sms) {
+    std::ostringstream why;
+    if (p.m > kGemvRowsMaxM) why << "M = " << p.m << " > " << kGemvRowsMaxM;
+    else if (p.b_layout != BLayout::kNK || !p.b_rows_contiguous) why << "B is not [N,K] with contiguous, 16-byte aligned rows (ldb = K)";
+    else if (p.k % 256 != 0) why << "K = " << p.k << " is not a multiple of 256";
+    else if (2 * p.m * p.k > kGemvRowsMaxABytes) why << "A's " << p.m << " x " << p.k << " elements exceed " << kGemvRowsMaxABytes << " bytes";
+    else if (4 * ceil_div(p.n, 64) < 3 * num_sms) {
+        why << "N = " << p.n << " gives " << ceil_div(p.n, 64) << " 64-row blocks, fewer than 3/4 of " << num_sms
+            << " SMs (no split-K)";
+    }
+    return why.str();
 }
 
 std::vector<GemmConfig> gemm_candidate_configs(DType in_dtype, DType out_dtype, BLayout b_layout) {
@@ -292,12 +307,22 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
 
     if (gemm_allows_small_m(p, options)) {
         WEFT_CHECK(options.small_m_variant >= 0 && options.small_m_variant < kGemvNumVariants,
-                   "gemm: options.small_m_variant must be 0, 1, 2 or 3, got " << options.small_m_variant);
+                   "gemm: options.small_m_variant must be 0, 1, 2, 3 or 4, got " << options.small_m_variant);
         plan.path = GemmPath::kSmallM;
         plan.small_m_variant = options.small_m_variant;
         plan.small_m_tiles = ceil_div(p.m, 16);
         const GemvShape shape = gemv_shape(plan.small_m_variant, plan.small_m_tiles);
         plan.grid = ceil_div(p.n, gemv_cols_per_cta(shape.n_tiles));
+        if (shape.whole_rows) {
+            const std::string why = gemv_rows_unsupported(p, budget);
+            WEFT_CHECK(why.empty(), "gemm: small-M variant 4 (whole rows) cannot serve this call: " << why);
+            WEFT_CHECK(options.small_m_splits <= 1,
+                       "gemm: small-M variant 4 (whole rows) has no split-K, got small_m_splits " << options.small_m_splits);
+            plan.small_m_k_per_split = static_cast<int32_t>(ceil_div(p.k, 32) * 32);
+            plan.small_m_splits = 1;
+            plan.workspace_bytes = 0;
+            return plan;
+        }
         int splits = options.small_m_splits;
         if (splits <= 0) {
             // One wave of CTAs streaming B: shape.ctas_per_sm per SM (variant 1: 8, 32 columns per CTA, best
@@ -392,13 +417,17 @@ std::string gemv_kernel_instantiation(int m_tiles, DType in_dtype, DType out_dty
     WEFT_CHECK(m_tiles >= 1 && m_tiles <= kGemvMaxM / 16,
                "gemv_kernel_instantiation: m_tiles must be in [1, " << kGemvMaxM / 16 << "], got " << m_tiles);
     WEFT_CHECK(variant >= 0 && variant < kGemvNumVariants,
-               "gemv_kernel_instantiation: variant must be 0, 1, 2 or 3, got " << variant);
+               "gemv_kernel_instantiation: variant must be 0, 1, 2, 3 or 4, got " << variant);
     const GemvShape shape = gemv_shape(variant, m_tiles);
+    WEFT_CHECK(!shape.whole_rows || m_tiles == 1,
+               "gemv_kernel_instantiation: variant 4 (whole rows) serves M <= " << kGemvRowsMaxM << " (m_tiles 1), got m_tiles "
+                                                                              << m_tiles);
     std::ostringstream os;
     os << "weft::gemm::gemv_kernel<" << m_tiles << ", " << dtype_enum(in_dtype) << ", " << dtype_enum(out_dtype) << ", "
        << shape.n_tiles;
     if (shape.stages > 0) os << ", " << shape.stages;  // variants 0 and 1 keep their four-argument names
     if (shape.bulk) os << ", true";
+    if (shape.whole_rows) os << ", true";
     os << ">";
     return os.str();
 }
@@ -453,8 +482,8 @@ std::vector<jit::KernelSpec> gemm_aot_specs() {
         for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
             for (const GemmConfig& c : gemm_candidate_configs(in, out, layout)) specs.push_back(gemm_kernel_spec(c));
         }
-        for (int variant : {1, 0, 2, 3}) {
-            for (int m_tiles = 1; m_tiles <= kGemvMaxM / 16; ++m_tiles) {
+        for (int variant : {1, 0, 2, 3, 4}) {
+            for (int m_tiles = 1; m_tiles <= (gemv_shape(variant, 1).whole_rows ? 1 : kGemvMaxM / 16); ++m_tiles) {
                 specs.push_back(gemv_kernel_spec(m_tiles, in, out, variant));
             }
         }
@@ -497,7 +526,8 @@ std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& p, int num_sm
         add(plan_gemm(p, num_sms, forced));
     }
     if (gemm_allows_small_m(p, base)) {  // as plan_gemm: only where the small-M path may serve this M
-        for (int variant : {2, 3, 1, 0}) {
+        for (int variant : {2, 3, 1, 0, 4}) {
+            if (gemv_shape(variant, 1).whole_rows && !gemv_rows_unsupported(p, budget).empty()) continue;
             GemmOptions small = base;
             small.small_m_variant = variant;
             add(plan_gemm(p, num_sms, small));
@@ -637,7 +667,15 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
     l.args.k_per_split = plan.small_m_k_per_split;
     l.args.num_splits = plan.small_m_splits;
     const GemvShape shape = gemv_shape(plan.small_m_variant, plan.small_m_tiles);
-    if (shape.bulk) {
+    if (shape.whole_rows) {
+        // One bulk copy per A row (the plan checked B): 16-byte aligned rows.
+        WEFT_CHECK(reinterpret_cast<uintptr_t>(a.data) % 16 == 0 &&
+                       (a.dim(0) <= 1 || (a.stride(0) * dtype_bytes(a.dtype)) % 16 == 0),
+                   "gemm: small-M variant 4 (whole rows) needs a's base and row stride 16-byte aligned, got "
+                       << a.describe());
+        WEFT_CHECK(b.stride(0) == b.dim(1) || b.dim(0) <= 1,
+                   "gemm: small-M variant 4 (whole rows) needs b's rows back to back (ldb = K), got " << b.describe());
+    } else if (shape.bulk) {
         const CUtensorMapSwizzle swizzle = kGemvBulkBoxK == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE;
         encode_2d(&l.maps.a, a, "a", static_cast<uint64_t>(a.dim(1)), static_cast<uint64_t>(a.dim(0)), kGemvBulkBoxK,
                   static_cast<uint32_t>(16 * plan.small_m_tiles), swizzle);
@@ -646,7 +684,8 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
     }
     l.grid = dim3(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
     l.block = dim3(static_cast<unsigned>(gemv_threads(shape.bulk)), 1, 1);
-    l.smem_bytes = gemv_smem_bytes(plan.small_m_variant, plan.small_m_tiles);
+    l.smem_bytes = shape.whole_rows ? gemv_rows_smem_bytes(static_cast<int>(a.dim(0)), static_cast<int>(a.dim(1)))
+                                    : gemv_smem_bytes(plan.small_m_variant, plan.small_m_tiles);
     return l;
 }
 

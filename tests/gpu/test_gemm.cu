@@ -320,14 +320,61 @@ TEST(GemmSmallM, Variant3MatchesFp64ForEveryRowCountAndSplit) {
     check_ring_variant(3);
 }
 
+// Variant 4 (whole rows, kernels/gemm/gemv_sm90.cuh detail::gemv_rows): M = 1 and 2, a single block of rows
+// (N = 8), ragged last blocks (N = 100, 1000), K from one 256-wide span to A's limit, strided A and D (B's rows must
+// be back to back), every dtype pair, and the decode shape; a small SM budget lets small N qualify (no split-K).
+TEST(GemmSmallM, Variant4WholeRowsMatchesFp64) {
+    REQUIRE_SM90();
+    const std::array<int64_t, 3> cases[] = {{1, 8, 256},    {2, 8, 256},    {1, 100, 512},  {2, 100, 2048},
+                                            {1, 1000, 4096}, {2, 1000, 8192}, {1, 520, 16384}, {2, 4104, 4096}};
+    for (const auto& mnk : cases) {
+        Case c{mnk[0], mnk[1], mnk[2]};
+        c.small_m_variant = 4;
+        c.sm_budget = 1;
+        c.pad_a = 8;
+        c.pad_d = 8;
+        check_case(c);
+    }
+    for (const auto& io : {std::array<DType, 2>{DType::kBF16, DType::kF32}, std::array<DType, 2>{DType::kF16, DType::kF16},
+                           std::array<DType, 2>{DType::kF16, DType::kF32}}) {
+        for (int64_t m : {1, 2}) {
+            Case c{m, 1000, 4096, io[0], io[1]};
+            c.small_m_variant = 4;
+            c.sm_budget = 1;
+            check_case(c);
+        }
+    }
+    for (int64_t m : {1, 2}) {
+        Case big{m, 8192, 8192};  // the decode shape it is for, on the whole GPU
+        big.small_m_variant = 4;
+        check_case(big);
+    }
+    // B with a padded row stride cannot be streamed whole: the op says so instead of reading the padding.
+    const int64_t ldb = 4096 + 8;
+    HostMatrix a(1, 4096, 4096, DType::kBF16), b(1000, 4096, ldb, DType::kBF16), d(1, 1000, 1000, DType::kBF16);
+    DeviceBuffer da(a.bytes.size()), db(b.bytes.size()), dd(d.bytes.size());
+    ops::GemmOptions o;
+    o.small_m_variant = 4;
+    o.sm_budget = 1;
+    try {
+        ops::gemm(view(a, da), view(b, db), view(d, dd), BLayout::kNK, nullptr, o);
+        ADD_FAILURE() << "variant 4 accepted a B with padded rows";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("contiguous, 16-byte aligned rows"), std::string::npos) << e.what();
+    }
+}
+
 // Calls on one stream back to back reuse the small-M workspace: counters must be back at zero, also when
 // consecutive calls use variants with different column blocks (and so different counter counts).
 TEST(GemmSmallM, RepeatedCallsStayCorrect) {
     REQUIRE_SM90();
     for (int i = 0; i < 2 * kGemvNumVariants; ++i) {
-        Case c{i < kGemvNumVariants ? 3 : 40, 2000, 4096};
-        c.small_m_variant = i % kGemvNumVariants;
+        const int variant = i % kGemvNumVariants;
+        const bool whole_rows = gemv_shape(variant, 1).whole_rows;  // M <= 2 only
+        Case c{whole_rows ? (i < kGemvNumVariants ? 1 : 2) : (i < kGemvNumVariants ? 3 : 40), 2000, 4096};
+        c.small_m_variant = variant;
         c.small_m_max_m = kGemvMaxM;
+        if (whole_rows) c.sm_budget = 1;  // 32 row blocks: enough for one SM's budget (it has no split-K)
         check_case(c);
     }
     check_case(Case{1, 8192, 8192});  // a larger shape after smaller ones on the same workspace

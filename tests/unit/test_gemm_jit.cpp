@@ -57,8 +57,12 @@ TEST(GemmJitCodegen, InstantiationIsTheConfigWithDesignatedInitialisers) {
               "weft::gemm::gemv_kernel<1, weft::DType::kBF16, weft::DType::kBF16, 2, 4, true>");
     EXPECT_EQ(gemv_kernel_instantiation(4, DType::kF16, DType::kF32, 3),
               "weft::gemm::gemv_kernel<4, weft::DType::kF16, weft::DType::kF32, 2, 3, true>");
+    // Variant 4 (whole rows): variant 3's arguments and kWholeRows, one row tile only.
+    EXPECT_EQ(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 4),
+              "weft::gemm::gemv_kernel<1, weft::DType::kBF16, weft::DType::kBF16, 2, 4, true, true>");
+    EXPECT_THROW(gemv_kernel_instantiation(2, DType::kBF16, DType::kBF16, 4), Error);
     EXPECT_THROW(gemv_kernel_instantiation(5, DType::kBF16, DType::kBF16, 1), Error);
-    EXPECT_THROW(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 4), Error);
+    EXPECT_THROW(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 5), Error);
     EXPECT_THROW(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, -1), Error);
 }
 
@@ -110,7 +114,7 @@ TEST(GemmJitAot, SpecsCoverEveryCandidateAndSmallMKernelOnce) {
             }
         }
         for (int variant = 0; variant < kGemvNumVariants; ++variant) {
-            for (int m_tiles = 1; m_tiles <= 4; ++m_tiles) {
+            for (int m_tiles = 1; m_tiles <= (variant == 4 ? 1 : 4); ++m_tiles) {  // variant 4: M <= 2 only
                 EXPECT_EQ(instantiations.count(gemv_kernel_instantiation(m_tiles, in, out, variant)), 1u);
                 ++expected;
             }
@@ -219,11 +223,12 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         EXPECT_LE(c.plan.grid, 132);
     }
 
-    // M <= small_m_max_m (default 64) with B [N,K]: the four small-M variants join; the heuristic (small-M,
-    // variant 3 by default) still comes first.
+    // M <= small_m_max_m (default 64) with B [N,K]: the small-M variants that can serve it join (variant 4, whole
+    // rows, only M <= 2 with contiguous B rows); the heuristic (small-M, variant 3 by default) still comes first.
+    constexpr int kSplitKVariants = kGemvNumVariants - 1;
     const GemmProblem small = problem(16, 8192, 8192);
     const auto sc = gemm_tune_candidates(small, 132, {});
-    ASSERT_EQ(sc.size(), static_cast<size_t>(kGemmNumCandidates + kGemvNumVariants));
+    ASSERT_EQ(sc.size(), static_cast<size_t>(kGemmNumCandidates + kSplitKVariants));
     EXPECT_EQ(sc[0].name, "small_m_v3");
     EXPECT_EQ(sc[0].plan.path, GemmPath::kSmallM);
     std::set<std::string> small_names;
@@ -233,6 +238,11 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         EXPECT_EQ(c.name, "small_m_v" + std::to_string(c.plan.small_m_variant));
     }
     EXPECT_EQ(small_names, (std::set<std::string>{"small_m_v0", "small_m_v1", "small_m_v2", "small_m_v3"}));
+    GemmProblem decode = problem(1, 8192, 8192);
+    decode.b_rows_contiguous = true;
+    const auto dc = gemm_tune_candidates(decode, 132, {});
+    ASSERT_EQ(dc.size(), static_cast<size_t>(kGemmNumCandidates + kGemvNumVariants));
+    EXPECT_EQ(dc.back().name, "small_m_v4");
     GemmOptions no_small;
     no_small.allow_small_m = false;
     EXPECT_EQ(gemm_tune_candidates(small, 132, no_small).size(), static_cast<size_t>(kGemmNumCandidates));
@@ -243,7 +253,7 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         SCOPED_TRACE("M = " + std::to_string(m));
         const GemmProblem mid = problem(m, 8192, 8192);
         const auto mc = gemm_tune_candidates(mid, 132, {});
-        ASSERT_EQ(mc.size(), static_cast<size_t>(kGemmNumCandidates + kGemvNumVariants));
+        ASSERT_EQ(mc.size(), static_cast<size_t>(kGemmNumCandidates + kSplitKVariants));
         EXPECT_EQ(mc[0].name, "small_m_v3");
         GemmOptions up_to_32;
         up_to_32.small_m_max_m = 32;
@@ -255,7 +265,7 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         GemmOptions up_to_48;
         up_to_48.small_m_max_m = 48;
         EXPECT_EQ(gemm_tune_candidates(mid, 132, up_to_48).size(),
-                  static_cast<size_t>(kGemmNumCandidates) + (m <= 48 ? kGemvNumVariants : 0));
+                  static_cast<size_t>(kGemmNumCandidates) + (m <= 48 ? kSplitKVariants : 0));
     }
 
     // A budget of one SM leaves no room for cluster pairs.

@@ -103,10 +103,13 @@ std::vector<std::string> tiled_instantiations(const Combo& c) {
     return names;
 }
 
-std::vector<std::string> gemv_instantiations(const Combo& c, std::vector<int> variants = {0, 1, 2, 3}) {
+std::vector<std::string> gemv_instantiations(const Combo& c, std::vector<int> variants = {0, 1, 2, 3, 4}) {
     std::vector<std::string> names;
     for (int m_tiles = 1; m_tiles <= 4; ++m_tiles) {
-        for (int variant : variants) names.push_back(ops::gemv_kernel_instantiation(m_tiles, c.in, c.out, variant));
+        for (int variant : variants) {
+            if (variant == 4 && m_tiles > 1) continue;  // whole rows: M <= 2 only
+            names.push_back(ops::gemv_kernel_instantiation(m_tiles, c.in, c.out, variant));
+        }
     }
     return names;
 }
@@ -225,6 +228,29 @@ TEST(GemmNvrtc, small_m_variant3_loads_by_tma_and_multiplies_with_hmma) {
         }
     }
     EXPECT_EQ(checked, 4 * 4);  // 4 dtype pairs x 4 row-tile counts
+}
+
+// Variant 4 streams whole rows of B by 1D bulk copies (UBLKCP, no tensor maps) and multiplies on the CUDA cores
+// (FFMA, no HMMA), reading stages and A with 16-byte shared-memory loads, nothing in local memory.
+TEST(GemmNvrtc, small_m_variant4_streams_whole_rows_by_bulk_copy_and_multiplies_with_ffma) {
+    int checked = 0;
+    for (const Combo& c : combos()) {
+        if (c.layout != BLayout::kNK) continue;
+        const CompiledSass r = compile_to_sass(gemv_instantiations(c, {4}));
+        ASSERT_EQ(r.compiled.result, NVRTC_SUCCESS) << r.compiled.log;
+        expect_clean_ptxas_report(r.compiled.log, "small-M variant 4");
+        if (r.sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << r.why_not;
+        for (const auto& [name, code] : r.sass) {
+            EXPECT_GT(count(code, "UBLKCP"), 0u) << name << ": no 1D bulk copies";
+            EXPECT_EQ(count(code, "UTMALDG"), 0u) << name << ": TMA box loads in the whole-row variant";
+            EXPECT_GT(count(code, "FFMA"), 0u) << name << ": no FFMA";
+            EXPECT_EQ(count(code, " HMMA"), 0u) << name << ": HMMA in the whole-row variant";
+            EXPECT_GT(count(code, "LDS.128"), 0u) << name << ": no 16-byte shared-memory reads";
+            expect_no_local_memory(code, name);
+            ++checked;
+        }
+    }
+    EXPECT_EQ(checked, 4);  // 4 dtype pairs, one row tile
 }
 
 // ---- small-M variant 2: loads in flight -----------------------------------------------------------------

@@ -225,10 +225,10 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     EXPECT_EQ(plan.workspace_bytes, 256u * 4 + 2u * 8192 * 4);
     EXPECT_EQ(plan1.workspace_bytes, 256u * 4 + 4u * 8192 * 4);
     EXPECT_EQ(plan0.workspace_bytes, 256u + 8u * 8192 * 4);
-    v0.small_m_variant = 4;
-    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0, 1, 2 or 3, got 4");
+    v0.small_m_variant = 5;
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0, 1, 2, 3 or 4, got 5");
     v0.small_m_variant = -1;
-    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0, 1, 2 or 3, got -1");
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0, 1, 2, 3 or 4, got -1");
 
     ops::GemmOptions up_to_64;
     up_to_64.small_m_max_m = kGemvMaxM;
@@ -275,6 +275,53 @@ TEST(GemmPlan, SmallMVariant3RingFitsItsPlannedCtasPerSm) {
     }
 }
 
+// Variant 4 (whole rows) serves only M <= 2 with B's rows back to back, K % 256 == 0, A within its shared-memory
+// budget and 64-row blocks for 3/4 of the SMs (no split-K); forced elsewhere, the plan names what is missing. Where it
+// serves: one split, no workspace, 64 columns per CTA (128 blocks on 132 SMs is enough, 64 is not), and the launch
+// takes exactly the shared memory for (M, K).
+TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
+    ops::GemmOptions v4;
+    v4.small_m_variant = 4;
+    ops::GemmProblem p{1, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
+    p.b_rows_contiguous = true;
+    EXPECT_EQ(ops::gemv_rows_unsupported(p, 132), "");
+    const auto plan = ops::plan_gemm(p, 132, v4);
+    EXPECT_EQ(plan.path, ops::GemmPath::kSmallM);
+    EXPECT_EQ(plan.small_m_variant, 4);
+    EXPECT_EQ(plan.grid, 128);
+    EXPECT_EQ(plan.small_m_splits, 1);
+    EXPECT_EQ(plan.workspace_bytes, 0u);
+    const auto with = [&](auto change) {
+        ops::GemmProblem q = p;
+        change(q);
+        return q;
+    };
+    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.m = 3; }), 132, v4); }, "M = 3 > 2");
+    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.b_rows_contiguous = false; }), 132, v4); },
+                          "contiguous, 16-byte aligned rows");
+    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.k = 8200; }), 132, v4); },
+                          "K = 8200 is not a multiple of 256");
+    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.m = 2; q.k = 16384; }), 132, v4); },
+                          "exceed 32768 bytes");
+    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.n = 4096; }), 132, v4); },
+                          "64 64-row blocks, fewer than 3/4 of 132 SMs");
+    ops::GemmOptions split = v4;
+    split.small_m_splits = 2;
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, split); }, "has no split-K");
+    // The views decide contiguity: ldb = K and a 16-byte aligned base.
+    const TensorView a = mat(0x10000, DType::kBF16, 1, 8192, 8192);
+    const TensorView d = mat(0x200000, DType::kBF16, 1, 8192, 8192);
+    EXPECT_TRUE(ops::validate_gemm_args(a, mat(0x100000, DType::kBF16, 8192, 8192, 8192), d, BLayout::kNK).b_rows_contiguous);
+    EXPECT_FALSE(ops::validate_gemm_args(a, mat(0x100000, DType::kBF16, 8192, 8192, 8200), d, BLayout::kNK).b_rows_contiguous);
+    const auto launch = ops::detail::make_gemv_launch(plan, a, mat(0x100000, DType::kBF16, 8192, 8192, 8192), d);
+    EXPECT_EQ(launch.smem_bytes, gemv_rows_smem_bytes(1, 8192));
+    EXPECT_LE(gemv_rows_smem_bytes(kGemvRowsMaxM, kGemvRowsMaxABytes / (2 * kGemvRowsMaxM)), 227 * 1024);
+    EXPECT_EQ(launch.block.x, static_cast<unsigned>(kGemvBulkThreads));
+    expect_error_mentions([&] { ops::detail::make_gemv_launch(plan, mat(0x10002, DType::kBF16, 1, 8192, 8192),
+                                                              mat(0x100000, DType::kBF16, 8192, 8192, 8192), d); },
+                          "a's base and row stride 16-byte aligned");
+}
+
 TEST(GemmPlan, SmallMVariant2FillsOneWaveOfItsShape) {
     ops::GemmOptions v2;
     v2.small_m_variant = 2;
@@ -316,7 +363,7 @@ TEST(GemmPlan, SmallMVariant2FillsOneWaveOfItsShape) {
     EXPECT_EQ(plan.grid, 4);  // ceil(100 / 32)
     EXPECT_EQ(plan.small_m_splits, 1);
     EXPECT_EQ(plan.workspace_bytes, 0u);
-    expect_error_mentions([&] { (void)ops::gemm_workspace_bytes(tiny, 2, 4); }, "small_m_variant must be in [0, 3]");
+    expect_error_mentions([&] { (void)ops::gemm_workspace_bytes(tiny, 2, 5); }, "small_m_variant must be in [0, 4]");
 }
 
 // small_m_max_m bounds the M the small-M path takes (default 64 = kGemvMaxM: variant 3 beats the tiled kernel

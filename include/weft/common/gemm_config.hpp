@@ -230,7 +230,7 @@ inline constexpr int kGemvThreads = 128;
 inline constexpr int kGemvBulkThreads = 256;
 inline constexpr int kGemvColsPerCta = 128;  ///< variant 0: 4 warps x 32 columns (variant 1: 4 x 8)
 inline constexpr int kGemvMaxM = 64;
-inline constexpr int kGemvNumVariants = 4;  ///< GemmOptions::small_m_variant is 0, 1, 2 or 3
+inline constexpr int kGemvNumVariants = 5;  ///< GemmOptions::small_m_variant is 0, 1, 2, 3 or 4
 
 /// Columns of D per CTA of gemv_kernel<..., n_tiles_per_warp>: 4 warps x n_tiles_per_warp n8 tiles.
 WEFT_HOST_DEVICE constexpr int gemv_cols_per_cta(int n_tiles_per_warp) { return 4 * 8 * n_tiles_per_warp; }
@@ -243,10 +243,12 @@ struct GemvShape {
                        ///< stages kept in flight (variant 2): gemv_kernel's kStages
     int stage_chunks;  ///< variant 2: 32-wide k chunks per stage (each one 16-byte load per lane and n8 tile)
     int ctas_per_sm;   ///< CTAs per SM the split count aims at; variants 2, 3: __launch_bounds__ minimum
-    bool bulk = false; ///< variant 3: B and A stream through a shared-memory ring filled by bulk copies
+    bool bulk = false; ///< variants 3, 4: B and A stream through a shared-memory ring (kGemvBulkThreads threads)
+    bool whole_rows = false;  ///< variant 4: B's rows stream whole, one contiguous bulk copy per stage (M <= 2)
 };
 
-/// Threads per CTA of the small-M kernel (the launch's block): kGemvBulkThreads for variant 3, else kGemvThreads.
+/// Threads per CTA of the small-M kernel (the launch's block): kGemvBulkThreads for variants 3 and 4, else
+/// kGemvThreads.
 WEFT_HOST_DEVICE constexpr int gemv_threads(bool bulk) { return bulk ? kGemvBulkThreads : kGemvThreads; }
 
 /// Variant 3's stage: 256 k of every B and A row of the CTA (512 bytes per row), loaded as TMA boxes
@@ -254,6 +256,25 @@ WEFT_HOST_DEVICE constexpr int gemv_threads(bool bulk) { return bulk ? kGemvBulk
 /// per operand and stage, 512 contiguous bytes per row and request, no swizzle).
 inline constexpr int kGemvBulkStageK = 256;
 inline constexpr int kGemvBulkBoxK = 256;
+
+/// Variant 4 (whole rows; M <= kGemvRowsMaxM, K a multiple of 256, B's rows back to back: ldb = K): a CTA's 64
+/// columns are 64 consecutive rows of B, one contiguous range, streamed in kGemvRowsStageBytes stages of one 1D
+/// bulk copy each (thread 0, one proxy fence per stage as variant 3): on the H200 such copies stream at 4.0 TB/s
+/// where variant 3's TMA row boxes reach 3.6-3.7 (`weft_bench_stream`, kernels/gemm/README.md v9). The products
+/// are CUDA-core FMAs against A, which sits whole in shared memory (M K bf16/f16 <= kGemvRowsMaxABytes); no
+/// split-K. Shared memory: barriers, the ring, A, then the per-warp row sums [64][8][kGemvRowsMaxM] (fp32).
+inline constexpr int kGemvRowsMaxM = 2;
+inline constexpr int kGemvRowsStages = 4;
+inline constexpr int kGemvRowsStageBytes = 32 * 1024;
+inline constexpr int kGemvRowsMaxABytes = 32 * 1024;
+/// Offsets from the ring's start (the first 1024-byte boundary past 128 bytes of barriers): A's M rows, then the sums.
+WEFT_HOST_DEVICE constexpr int gemv_rows_a_offset() { return kGemvRowsStages * kGemvRowsStageBytes; }
+WEFT_HOST_DEVICE constexpr int gemv_rows_sums_offset(int m, int k) {
+    return gemv_rows_a_offset() + (2 * m * k + 15) / 16 * 16;
+}
+WEFT_HOST_DEVICE constexpr int gemv_rows_smem_bytes(int m, int k) {
+    return 128 + 1024 + gemv_rows_sums_offset(m, k) + 64 * 8 * kGemvRowsMaxM * 4;
+}
 
 /// Variant 2 keeps stages x stage_chunks x n_tiles 16-byte B loads (512 bytes per warp each) in flight per warp.
 /// Bytes in flight needed: ~4.6 TB/s x ~1 us of loaded DRAM latency = ~4.6 MB, ~35 KiB per SM of 132. Here:
@@ -278,6 +299,7 @@ WEFT_HOST_DEVICE constexpr GemvShape gemv_shape(int variant, int m_tiles) {
         if (m_tiles <= 2) return GemvShape{2, 4, kGemvBulkStageK / 32, 1, true};
         return GemvShape{2, 3, kGemvBulkStageK / 32, 1, true};
     }
+    if (variant == 4) return GemvShape{2, kGemvRowsStages, 0, 1, true, true};  // serves m_tiles 1 only (M <= 2)
     switch (m_tiles) {
         case 1: return GemvShape{1, 6, 2, 4};
         case 2: return GemvShape{2, 4, 1, 3};
@@ -285,12 +307,13 @@ WEFT_HOST_DEVICE constexpr GemvShape gemv_shape(int variant, int m_tiles) {
     }
 }
 
-/// Dynamic shared memory of the small-M kernel (0 but for variant 3): 128 bytes of barriers and up to 1024
+/// Dynamic shared memory of the small-M kernel (0 but for variant 3; variant 4: at most, gemv_rows_smem_bytes): 128 bytes of barriers and up to 1024
 /// of alignment, then the ring (at least the end's cross-warp sum buffer: warps x m_tiles x 4 n_tiles n8
 /// tiles x 4 floats x 32 lanes).
 WEFT_HOST_DEVICE constexpr int gemv_smem_bytes(int variant, int m_tiles) {
     const GemvShape s = gemv_shape(variant, m_tiles);
     if (!s.bulk) return 0;
+    if (s.whole_rows) return gemv_rows_smem_bytes(kGemvRowsMaxM, kGemvRowsMaxABytes / (2 * kGemvRowsMaxM));  // A at most
     const int ring = s.stages * (32 * s.n_tiles + 16 * m_tiles) * 2 * kGemvBulkStageK;
     const int sums = gemv_threads(s.bulk) / 32 * m_tiles * 4 * s.n_tiles * 4 * 32 * 4;
     return 128 + 1024 + (ring > sums ? ring : sums);

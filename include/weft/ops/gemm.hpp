@@ -88,7 +88,15 @@ struct GemmProblem {
     BLayout b_layout = BLayout::kNK;
     DType in_dtype = DType::kBF16;
     DType out_dtype = DType::kBF16;
+    /// B [N,K] with its rows back to back (ldb = K, 16-byte aligned): what small-M variant 4 streams whole.
+    /// validate_gemm_args sets it from the views.
+    bool b_rows_contiguous = false;
 };
+
+/// Why small-M variant 4 (whole rows) cannot serve `p`, or "" when it can: M <= kGemvRowsMaxM, B [N,K] with
+/// contiguous rows, K a multiple of 256, A's M rows within kGemvRowsMaxABytes, and 64-column blocks for at least
+/// 3/4 of `num_sms` SMs (it has no split-K).
+std::string gemv_rows_unsupported(const GemmProblem& p, int num_sms);
 
 /// Which kernel serves a call.
 enum class GemmPath : int32_t { kTiled = 0, kSmallM = 1 };
