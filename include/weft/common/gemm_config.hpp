@@ -264,7 +264,7 @@ inline constexpr int kGemvBulkBoxK = 256;
 /// are CUDA-core FMAs against A, which sits whole in shared memory (M K bf16/f16 <= kGemvRowsMaxABytes); no
 /// split-K. Shared memory: barriers, the ring, A, then the per-warp row sums [64][8][kGemvRowsMaxM] (fp32).
 inline constexpr int kGemvRowsMaxM = 2;
-inline constexpr int kGemvRowsStages = 4;
+inline constexpr int kGemvRowsStages = 5;  // one more than the stream bench needed: a stage is refilled only after it is read
 inline constexpr int kGemvRowsStageBytes = 32 * 1024;
 inline constexpr int kGemvRowsMaxABytes = 32 * 1024;
 /// Offsets from the ring's start (the first 1024-byte boundary past 128 bytes of barriers): A's M rows, then the sums.
