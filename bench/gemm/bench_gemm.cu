@@ -456,7 +456,8 @@ int main(int argc, char** argv) {
                 };
                 // The op as a user calls it (heuristic path and config).
                 {
-                    weft::ops::GemmProblem p{s.m, s.n, s.k, layout, opt.in, out};
+                    const Views v0 = views(0, d_weft.ptr);
+                    const weft::ops::GemmProblem p = weft::ops::validate_gemm_args(v0.a, v0.b, v0.d, layout);
                     weft::ops::GemmOptions o;
                     if (opt.small_m_variant >= 0) o.small_m_variant = opt.small_m_variant;
                     o.small_m_splits = opt.small_m_splits;

@@ -10,6 +10,8 @@
 //   ldg              grid-stride 16-byte loads over the whole buffer (8 CTAs of 512 threads per SM)
 //   tma-rows         one 2D TMA box of 64 rows x 256 k per stage (small-M variant 3's B stage), refilled as
 //                    soon as it lands; "+read": every thread reads the stage and a barrier precedes the refill
+//   tma-3d C x R     3D TMA boxes over B viewed as [N, K / 256, 256]: R rows x C 512-byte chunks (C x 512
+//                    contiguous bytes per row) per stage; "+read" as above
 //   tma-contig       2D TMA boxes over B viewed as [N K / 256, 256]: 32 contiguous KiB per box
 //   bulk-contig      one 1D bulk copy of 32 contiguous KiB per stage (a CTA's 64 rows are one range)
 //   bulk-rows R      R 1D bulk copies per stage, R rows x 32 KiB / R bytes, issued by thread 0 or by lane 0 of
@@ -112,6 +114,42 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (acc == 0x12345678u) sink[0] = acc;
 }
 
+/// 3D TMA boxes {256, chunks, rows} over B viewed as [N, K / 256, 256]: step i of CTA c loads rows
+/// 64 c + (i % groups) rows .. of k block i / groups (chunks x 256 k), groups = 64 / rows.
+__global__ void __launch_bounds__(kThreads, 1)
+    tma3_ring_kernel(const __grid_constant__ TmaDescriptor map, int chunks, int rows, int steps, bool read,
+                     unsigned* sink) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const Ring r = ring_init(smem);
+    const int groups = kRowsPerCta / rows;
+    const auto fill = [&](int i) {
+        const unsigned bar = r.bars + 8 * (i % kStages);
+        weft::ptx::mbarrier_arrive_expect_tx(bar, kStageBytes);
+        weft::ptx::tma_load_3d(r.base + (i % kStages) * kStageBytes, &map, bar, 0, (i / groups) * chunks,
+                               static_cast<int>(blockIdx.x) * kRowsPerCta + (i % groups) * rows);
+    };
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < kStages && i < steps; ++i) fill(i);
+    }
+    unsigned acc = 0;
+    for (int i = 0; i < steps; ++i) {
+        if (read || threadIdx.x == 0) wait_stage(r, i);
+        if (read) {
+            const auto* stage = reinterpret_cast<const uint4*>(r.ptr + (i % kStages) * kStageBytes);
+            for (int j = static_cast<int>(threadIdx.x); j < kStageBytes / 16; j += kThreads) {
+                const uint4 v = stage[j];
+                acc ^= v.x ^ v.y ^ v.z ^ v.w;
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0 && i + kStages < steps) {
+            weft::ptx::fence_proxy_async_shared_cta();
+            fill(i + kStages);
+        }
+    }
+    if (acc == 0x12345678u) sink[0] = acc;
+}
+
 /// 1D bulk copies: step i of CTA c copies `rows` pieces of 32 KiB / rows bytes: rows r0 + j of k block kb
 /// (kb = i / groups, r0 = (i % groups) * rows, groups = 64 / rows), from B's rows of `row_bytes`; with rows = 0
 /// one contiguous 32 KiB chunk i of the CTA's range instead. Issued by thread 0, or by lane 0 of each warp.
@@ -151,6 +189,22 @@ double median_us(int warmup, int iters, Fn&& fn) {
     const double ms = weft::bench::time_median_ms(warmup, iters, [&](int) { fn(); });
     BENCH_CUDA(cudaGetLastError());
     return ms * 1e3;
+}
+
+/// B [N, K] as a 3D tensor [N, K / 256, 256] with boxes {256, chunks, rows}.
+TmaDescriptor encode_map_3d(void* base, unsigned long long n, unsigned long long k, unsigned chunks, unsigned rows) {
+    CUtensorMap map;
+    const cuuint64_t dims[3] = {256, k / 256, n};
+    const cuuint64_t strides[2] = {512, k * 2};
+    const cuuint32_t box[3] = {256, chunks, rows};
+    const cuuint32_t elem_strides[3] = {1, 1, 1};
+    const CUresult rc = weft::driver().cuTensorMapEncodeTiled(
+        &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, base, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+        CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (rc != CUDA_SUCCESS) throw std::runtime_error("cuTensorMapEncodeTiled (3D) failed: " + std::to_string(rc));
+    TmaDescriptor d;
+    std::memcpy(&d, &map, sizeof(d));
+    return d;
 }
 
 TmaDescriptor encode_map(void* base, unsigned long long inner, unsigned long long outer, unsigned box_inner,
@@ -216,6 +270,7 @@ int main(int argc, char** argv) {
         cudaDeviceProp prop{};
         BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
         BENCH_CUDA(cudaFuncSetAttribute(tma_ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+        BENCH_CUDA(cudaFuncSetAttribute(tma3_ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
         BENCH_CUDA(cudaFuncSetAttribute(bulk_ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
         std::printf("# weft_bench_stream  GPU %s (%d SMs)  iters %d warmup %d; one CTA per 64 rows, 4 stages of 32 KiB\n",
                     prop.name, prop.multiProcessorCount, opt.iters, opt.warmup);
@@ -243,6 +298,18 @@ int main(int argc, char** argv) {
                         tma_ring_kernel<<<ctas, kThreads, kSmemBytes>>>(rows_map, 256, kRowsPerCta, static_cast<int>(k / 256),
                                                                         steps, kRowsPerCta, read, sink);
                     }));
+            }
+            for (int chunks : {2, 4, 8}) {
+                const int rows = kStageBytes / (512 * chunks);
+                if (chunks * 256 > k) continue;
+                const TmaDescriptor map3 = encode_map_3d(buf, n, k, chunks, rows);
+                for (bool read : {false, true}) {
+                    row("tma-3d " + std::to_string(rows) + " rows x " + std::to_string(512 * chunks) + " B" +
+                            (read ? " +read" : ""),
+                        median_us(opt.warmup, opt.iters, [&] {
+                            tma3_ring_kernel<<<ctas, kThreads, kSmemBytes>>>(map3, chunks, rows, steps, read, sink);
+                        }));
+                }
             }
             const TmaDescriptor contig_map = encode_map(buf, 256, n * k / 256, 256, kRowsPerCta);
             row("tma-contig 32 KiB boxes", median_us(opt.warmup, opt.iters, [&] {

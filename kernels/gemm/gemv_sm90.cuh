@@ -504,132 +504,157 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
     }
 }
 
-/// Variant 4 (gemv_shape's comment in gemm_config.hpp; the op checks M <= kGemvRowsMaxM, K % 256 == 0, ldb = K,
-/// one split, 16-byte aligned A rows): CTA c owns rows n0 = 64c .. of B, one contiguous range of rows x K
-/// elements, streamed through a ring of kGemvRowsStages stages of kGemvRowsStageBytes, each one 1D bulk copy
-/// issued by thread 0. Thread t takes the 16-byte pieces t + 256 j (j < 8) of a stage: a warp's 32 pieces are
-/// 512 contiguous bytes of one row (K % 256 == 0), so the row of a piece is warp-uniform. Each thread keeps M
-/// fp32 partial dot products for its warp's current row; when the warp moves to another row it adds them up
-/// (shuffles) into its own slot sums[row][warp][m]; at the end 64 M threads add the 8 warps' slots in warp order
-/// (deterministic) and write D. A's M rows sit in shared memory (one bulk copy per row, before the first stage).
-template <DType kOut, bool kIsBF16>
-__device__ __forceinline__ void gemv_rows(const GemvArgs& args) {
-    constexpr int kStages = kGemvRowsStages;
+/// Variant 4 (gemv_shape's comment in gemm_config.hpp; the op checks M <= kGemvRowsMaxM, K = kGemvRowsSpanElems x
+/// 1, 2, 4 or 8, ldb = K, one split, 16-byte aligned A rows): CTA c owns rows n0 = c rows_per_cta .. of B, one
+/// contiguous range of spans (4 KiB, one 16-byte piece per thread), streamed through a ring of kStages stages
+/// of 8 spans, each one 1D bulk copy issued by thread 0. A row is kSpansPerRow spans, which divides a stage's 8: span
+/// j of a stage is span j % kSpansPerRow of row 8 i / kSpansPerRow + j / kSpansPerRow, all known at compile time. So
+/// thread t always takes piece t of a span, and its 8 k are the same in every row (k = 2048 (j % kSpansPerRow) + 8 t):
+/// its A values (M x kSpansPerRow x 8) sit in registers, converted to fp32 once, and shared memory carries B only.
+/// Each thread keeps M x 2 fp32 partial dot products for the current row; at the row's last span every warp adds
+/// them up (shuffles) into its slot sums[row % (2 rows per stage)][warp][m]; after the stage's barrier the first
+/// threads add the 8 warps' slots of the stage's rows in warp order (deterministic) and write D, while the next
+/// stage's rows use the other half of the slots.
+template <DType kOut, bool kIsBF16, int kStages, int kSpansPerRow, int kM>
+__device__ __forceinline__ void gemv_rows_body(const GemvArgs& args) {
     constexpr int kStageBytes = kGemvRowsStageBytes;
-    constexpr int kWarps = kGemvBulkThreads / 32;
-    constexpr int kPiecesPerThread = kStageBytes / 16 / kGemvBulkThreads;
+    constexpr int kThreads = kGemvBulkThreads;
+    constexpr int kWarps = kThreads / 32;
+    constexpr int kSpanBytes = kThreads * 16;
+    constexpr int kSpans = kStageBytes / kSpanBytes;  // per stage
+    constexpr int kRowsPerStage = kSpans / kSpansPerRow;
+    static_assert(kSpanBytes == 2 * kGemvRowsSpanElems, "gemv_rows: a span is one 16-byte piece per thread");
+    static_assert(kSpans % kSpansPerRow == 0, "gemv_rows: a stage holds whole rows");
     extern __shared__ __align__(1024) unsigned char gemv_smem[];
-    const unsigned bars = ptx::shared_address(gemv_smem);  // kStages stage barriers, then A's
+    const unsigned bars = ptx::shared_address(gemv_smem);
     const unsigned ring = (bars + 128 + 1023) & ~1023u;
     unsigned char* const ring_ptr = gemv_smem + (ring - bars);
-    const unsigned a_bar = bars + 8 * kStages;
-    const int m_rows = args.m;
-    const int k = args.k;
-    const int warp = static_cast<int>(threadIdx.x) / 32;
-    const int lane = static_cast<int>(threadIdx.x) % 32;
-    const int n0 = static_cast<int>(blockIdx.x) * 64;
-    const int rows = min(64, args.n - n0);
-    const long long total = static_cast<long long>(rows) * k * 2;  // bytes of B this CTA streams
-    const int steps = static_cast<int>((total + kStageBytes - 1) / kStageBytes);
-    const auto* b = static_cast<const unsigned char*>(args.b) + static_cast<long long>(n0) * k * 2;
-    const unsigned char* a_rows = ring_ptr + gemv_rows_a_offset();
-    float* sums = reinterpret_cast<float*>(ring_ptr + gemv_rows_sums_offset(m_rows, k));  // [64][kWarps][max M]
+    const int tid = static_cast<int>(threadIdx.x);
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int n0 = static_cast<int>(blockIdx.x) * args.rows_per_cta;
+    const int rows = min(args.rows_per_cta, args.n - n0);
+    if (rows <= 0) return;  // CTA-uniform (the op's grid leaves none empty)
+    const int spans = rows * kSpansPerRow;
+    const int steps = (spans + kSpans - 1) / kSpans;
+    const auto* b = static_cast<const unsigned char*>(args.b) + static_cast<long long>(n0) * args.k * 2;
+    // [2 kRowsPerStage][kWarps][kM]: the rows of two consecutive stages.
+    float* const sums = reinterpret_cast<float*>(ring_ptr + gemv_rows_sums_offset(kStages));
 
-    if (threadIdx.x == 0) {
-        for (int s = 0; s <= kStages; ++s) ptx::mbarrier_init(bars + 8 * s, 1);
+    if (tid == 0) {
+        for (int s = 0; s < kStages; ++s) ptx::mbarrier_init(bars + 8 * s, 1);
         ptx::fence_mbarrier_init();
     }
-    for (int i = static_cast<int>(threadIdx.x); i < 64 * kWarps * kGemvRowsMaxM; i += kGemvBulkThreads) sums[i] = 0.f;
     __syncthreads();
     const auto fill = [&](int step) {
         const unsigned bar = bars + 8 * (step % kStages);
-        const long long at = static_cast<long long>(step) * kStageBytes;
-        const unsigned bytes = static_cast<unsigned>(min(static_cast<long long>(kStageBytes), total - at));
+        const int first = step * kSpans;
+        const unsigned bytes = static_cast<unsigned>(min(kSpans, spans - first) * kSpanBytes);
         ptx::mbarrier_arrive_expect_tx(bar, bytes);
-        ptx::bulk_load_1d(ring + static_cast<unsigned>((step % kStages) * kStageBytes), b + at, bytes, bar);
+        ptx::bulk_load_1d(ring + static_cast<unsigned>((step % kStages) * kStageBytes),
+                          b + static_cast<long long>(first) * kSpanBytes, bytes, bar);
     };
-    if (threadIdx.x == 0) {
-        ptx::mbarrier_arrive_expect_tx(a_bar, static_cast<unsigned>(2 * m_rows * k));
-        for (int m = 0; m < m_rows; ++m) {
-            ptx::bulk_load_1d(ring + static_cast<unsigned>(gemv_rows_a_offset() + 2 * m * k),
-                              static_cast<const unsigned short*>(args.a) + static_cast<long long>(m) * args.lda,
-                              static_cast<unsigned>(2 * k), a_bar);
-        }
+    if (tid == 0) {
         for (int i = 0; i < kStages && i < steps; ++i) fill(i);
     }
-    if (!ptx::mbarrier_wait_parity_bounded(a_bar, 0u, kGemvStageWaitNs)) __trap();
+    // This thread's A: k = 2048 j + 8 t of every row m, as fp32.
+    float a[kM][kSpansPerRow][8];
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+        const auto* a_row = static_cast<const unsigned char*>(args.a) + static_cast<long long>(m) * args.lda * 2;
+#pragma unroll
+        for (int j = 0; j < kSpansPerRow; ++j) unpack8<kIsBF16>(ld_16(a_row + 2 * (kGemvRowsSpanElems * j + 8 * tid)), a[m][j]);
+    }
 
-    float acc[kGemvRowsMaxM] = {};
-    int cur_row = -1;
-    // Adds the warp's partial sums for cur_row into its slot (every lane of the warp calls, with the same row).
-    const auto flush = [&]() {
-        if (cur_row < 0) return;
-#pragma unroll
-        for (int m = 0; m < kGemvRowsMaxM; ++m) {
-            float v = acc[m];
-#pragma unroll
-            for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-            if (lane == 0 && m < m_rows) sums[(cur_row * kWarps + warp) * kGemvRowsMaxM + m] += v;
-            acc[m] = 0.f;
-        }
-    };
-    // 16-byte pieces: per row k / 8, per CTA at most 64 x 2048 (A's budget keeps K <= 16384): 32-bit indices.
-    const int pieces_per_row = k / 8;
-    const int total_pieces = static_cast<int>(total / 16);
     for (int i = 0; i < steps; ++i) {
         const int s = i % kStages;
         if (!ptx::mbarrier_wait_parity_bounded(bars + 8 * s, static_cast<unsigned>(i / kStages) & 1u,
                                                kGemvStageWaitNs)) {
             __trap();
         }
-        const unsigned char* stage = ring_ptr + s * kStageBytes;
-        // The warp's first piece of the stage, as (row, piece in the row); later pieces step by kGemvBulkThreads.
-        const int first = i * (kStageBytes / 16) + 32 * warp;
-        int row = first / pieces_per_row;
-        int col = first - row * pieces_per_row + lane;
+        const int n_spans = min(kSpans, spans - i * kSpans);  // whole rows: a multiple of kSpansPerRow
+        const unsigned char* piece = ring_ptr + s * kStageBytes + 16 * tid;
+        uint4 bv[kSpans];
 #pragma unroll
-        for (int j = 0; j < kPiecesPerThread; ++j) {
-            const int p = static_cast<int>(threadIdx.x) + kGemvBulkThreads * j;
-            if (first + kGemvBulkThreads * j >= total_pieces) break;  // warp-uniform: whole 512-byte spans
-            if (j > 0) {
-                col += kGemvBulkThreads;
-                while (col >= pieces_per_row) {  // warp-uniform: a row holds a multiple of 32 pieces
-                    col -= pieces_per_row;
-                    ++row;
-                }
-            }
-            const int kk = 8 * col;
-            if (row != cur_row) {
-                flush();
-                cur_row = row;
-            }
+        for (int j = 0; j < kSpans; ++j) bv[j] = lds_16_if(j < n_spans, piece + j * kSpanBytes);
+        // The stage's rows, each with two partial sums per m (spans past n_spans are zeros).
+        float acc[kRowsPerStage][kM][2] = {};
+#pragma unroll
+        for (int j = 0; j < kSpans; ++j) {
             float bf[8];
-            unpack8<kIsBF16>(*reinterpret_cast<const uint4*>(stage + 16 * p), bf);
+            unpack8<kIsBF16>(bv[j], bf);
+            const int r = j / kSpansPerRow;
+            const int js = j % kSpansPerRow;
 #pragma unroll
-            for (int m = 0; m < kGemvRowsMaxM; ++m) {
-                if (m < m_rows) {
-                    float af[8];
-                    unpack8<kIsBF16>(*reinterpret_cast<const uint4*>(a_rows + 2 * (m * k + kk)), af);
+            for (int m = 0; m < kM; ++m) {
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[m] = fmaf(af[e], bf[e], acc[m]);
-                }
+                for (int e = 0; e < 8; ++e) acc[r][m][e % 2] = fmaf(bf[e], a[m][js][e], acc[r][m][e % 2]);
             }
         }
-        __syncthreads();  // every warp has read stage s
-        if (threadIdx.x == 0 && i + kStages < steps) {
+        // Warp sums of every row of the stage, the rows' shuffle chains interleaved.
+        float v[kRowsPerStage][kM];
+#pragma unroll
+        for (int r = 0; r < kRowsPerStage; ++r)
+#pragma unroll
+            for (int m = 0; m < kM; ++m) v[r][m] = acc[r][m][0] + acc[r][m][1];
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2)
+#pragma unroll
+            for (int r = 0; r < kRowsPerStage; ++r)
+#pragma unroll
+                for (int m = 0; m < kM; ++m) v[r][m] += __shfl_xor_sync(0xffffffffu, v[r][m], off);
+        const int slot0 = (i % 2) * kRowsPerStage;
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < kRowsPerStage; ++r)
+#pragma unroll
+                for (int m = 0; m < kM; ++m) sums[((slot0 + r) * kWarps + warp) * kM + m] = v[r][m];
+        }
+        __syncthreads();  // every warp has read stage s and written its sums of the stage's rows
+        if (tid == 0 && i + kStages < steps) {
             ptx::fence_proxy_async_shared_cta();  // the generic reads above before the copy's writes
             fill(i + kStages);
         }
-    }
-    flush();
-    __syncthreads();
-    for (int idx = static_cast<int>(threadIdx.x); idx < rows * m_rows; idx += kGemvBulkThreads) {
-        const int row = idx / m_rows;
-        const int m = idx % m_rows;
-        float v = 0.f;
+        // The last warp adds the warps' sums of the stage's rows in warp order and writes D; the next stage's
+        // rows go to the other slots, and the barrier after it orders these reads before the slots' reuse.
+        const int q = tid - (kThreads - kRowsPerStage * kM);
+        if (q >= 0) {
+            const int r = q / kM;
+            const int m = q % kM;
+            const int row = i * kRowsPerStage + r;
+            if (row < rows) {
+                float total = 0.f;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) v += sums[(row * kWarps + w) * kGemvRowsMaxM + m];
-        store_out<kOut>(args.d, static_cast<int64_t>(m) * args.ldd + n0 + row, v);
+                for (int w = 0; w < kWarps; ++w) total += sums[((slot0 + r) * kWarps + w) * kM + m];
+                store_out<kOut>(args.d, static_cast<int64_t>(m) * args.ldd + n0 + row, total);
+            }
+        }
+    }
+}
+
+/// Variant 4's entry: one body per row length (K / kGemvRowsSpanElems = 1, 2, 4 or 8 spans) and M (1 or 2);
+/// the op admits nothing else.
+template <DType kOut, bool kIsBF16, int kStages, int kM>
+__device__ __forceinline__ void gemv_rows_m(const GemvArgs& args) {
+    static_assert(kM >= 1 && kM <= kGemvRowsMaxM, "gemv_rows: M <= kGemvRowsMaxM");
+    switch (args.k / kGemvRowsSpanElems) {
+        case 1: gemv_rows_body<kOut, kIsBF16, kStages, 1, kM>(args); break;
+        case 2: gemv_rows_body<kOut, kIsBF16, kStages, 2, kM>(args); break;
+        case 4: gemv_rows_body<kOut, kIsBF16, kStages, 4, kM>(args); break;
+        case 8: gemv_rows_body<kOut, kIsBF16, kStages, 8, kM>(args); break;
+        default: __trap();
+    }
+}
+
+template <DType kOut, bool kIsBF16, int kStages>
+__device__ __forceinline__ void gemv_rows(const GemvArgs& args) {
+    static_assert(kGemvRowsMaxM == 2, "gemv_rows: one body per M");
+    if (args.m == 1) {
+        gemv_rows_m<kOut, kIsBF16, kStages, 1>(args);
+    } else if (args.m == 2) {
+        gemv_rows_m<kOut, kIsBF16, kStages, 2>(args);
+    } else {
+        __trap();
     }
 }
 
@@ -647,7 +672,8 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& args) {
 ///   variant 3: kBulk: the shared-memory ring of gemv_mainloop_bulk, kStages stages of 256 k, filled by TMA
 ///              through `maps`; gemv_smem_bytes(3, kMTiles) of dynamic shared memory.
 ///   variant 4: kBulk and kWholeRows (kMTiles 1): detail::gemv_rows, whole rows of B by 1D bulk copies and FMAs
-///              (M <= 2, K % 256 == 0, ldb = K, one split; maps unused); gemv_rows_smem_bytes(M, K).
+///              (M <= 2, K = 2048 x 1, 2, 4 or 8, ldb = K, one split, one CTA per SM with args.rows_per_cta rows;
+///              maps unused); gemv_rows_smem_bytes(kStages).
 template <int kMTiles, DType kIn, DType kOut, int kNTiles = 4, int kStages = 0, bool kBulk = false,
           bool kWholeRows = false>
 __global__ void __launch_bounds__(gemv_threads(kBulk),
@@ -664,7 +690,7 @@ __global__ void __launch_bounds__(gemv_threads(kBulk),
     static_assert(!kWholeRows || (kBulk && kMTiles == 1), "gemv_kernel: variant 4 serves M <= 2 (one row tile)");
     constexpr bool kIsBF16 = kIn == DType::kBF16;
     if constexpr (kWholeRows) {
-        detail::gemv_rows<kOut, kIsBF16>(args);
+        detail::gemv_rows<kOut, kIsBF16, kStages>(args);
         return;
     }
     constexpr int kColsPerCta = gemv_cols_per_cta(kNTiles);

@@ -246,16 +246,11 @@ GemmProblem validate_gemm_args(const TensorView& a, const TensorView& b, const T
     return p;
 }
 
-std::string gemv_rows_unsupported(const GemmProblem& p, int num_sms) {
+std::string gemv_rows_unsupported(const GemmProblem& p) {
     std::ostringstream why;
     if (p.m > kGemvRowsMaxM) why << "M = " << p.m << " > " << kGemvRowsMaxM;
     else if (p.b_layout != BLayout::kNK || !p.b_rows_contiguous) why << "B is not [N,K] with contiguous, 16-byte aligned rows (ldb = K)";
-    else if (p.k % 256 != 0) why << "K = " << p.k << " is not a multiple of 256";
-    else if (2 * p.m * p.k > kGemvRowsMaxABytes) why << "A's " << p.m << " x " << p.k << " elements exceed " << kGemvRowsMaxABytes << " bytes";
-    else if (4 * ceil_div(p.n, 64) < 3 * num_sms) {
-        why << "N = " << p.n << " gives " << ceil_div(p.n, 64) << " 64-row blocks, fewer than 3/4 of " << num_sms
-            << " SMs (no split-K)";
-    }
+    else if (!gemv_rows_k_ok(p.k)) why << "K = " << p.k << " is not " << kGemvRowsSpanElems << " x 1, 2, 4 or 8";
     return why.str();
 }
 
@@ -299,6 +294,16 @@ bool gemm_allows_small_m(const GemmProblem& p, const GemmOptions& options) {
     return !options.config && options.allow_small_m && p.m <= options.small_m_max_m && p.b_layout == BLayout::kNK;
 }
 
+// The small-M variant when the caller leaves it to the op: whole rows (4) where it serves and K >= 4096, else the
+// TMA ring (3). H200, bf16, 2026-11-30 (kernels/gemm/README.md, v10): variant 4 took 35.3-36.3 us at 1x8192x8192
+// against variant 3's 37.3-38.1 (cuBLASLt 37.2-37.4), and 57.8-58.7 against 64.8-65.3 at 1x28672x4096; at K = 2048
+// (one span per row) it gained nothing at M = 1 and lost 3% at M = 2.
+namespace {
+int auto_small_m_variant(const GemmProblem& p) {
+    return p.k >= 2 * kGemvRowsSpanElems && gemv_rows_unsupported(p).empty() ? 4 : 3;
+}
+}  // namespace
+
 GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
     WEFT_CHECK(num_sms > 0, "gemm: the device must report a positive SM count, got " << num_sms);
     WEFT_CHECK(options.sm_budget >= 0, "gemm: options.sm_budget must be >= 0, got " << options.sm_budget);
@@ -306,18 +311,20 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
     GemmPlan plan;
 
     if (gemm_allows_small_m(p, options)) {
-        WEFT_CHECK(options.small_m_variant >= 0 && options.small_m_variant < kGemvNumVariants,
-                   "gemm: options.small_m_variant must be 0, 1, 2, 3 or 4, got " << options.small_m_variant);
+        WEFT_CHECK(options.small_m_variant >= -1 && options.small_m_variant < kGemvNumVariants,
+                   "gemm: options.small_m_variant must be -1 (auto), 0, 1, 2, 3 or 4, got " << options.small_m_variant);
         plan.path = GemmPath::kSmallM;
-        plan.small_m_variant = options.small_m_variant;
+        plan.small_m_variant = options.small_m_variant >= 0 ? options.small_m_variant : auto_small_m_variant(p);
         plan.small_m_tiles = ceil_div(p.m, 16);
         const GemvShape shape = gemv_shape(plan.small_m_variant, plan.small_m_tiles);
         plan.grid = ceil_div(p.n, gemv_cols_per_cta(shape.n_tiles));
         if (shape.whole_rows) {
-            const std::string why = gemv_rows_unsupported(p, budget);
+            const std::string why = gemv_rows_unsupported(p);
             WEFT_CHECK(why.empty(), "gemm: small-M variant 4 (whole rows) cannot serve this call: " << why);
             WEFT_CHECK(options.small_m_splits <= 1,
                        "gemm: small-M variant 4 (whole rows) has no split-K, got small_m_splits " << options.small_m_splits);
+            // One CTA per SM of the budget, N spread evenly: ceil(N / grid) rows each, none empty.
+            plan.grid = static_cast<int>(ceil_div(p.n, ceil_div(p.n, static_cast<int64_t>(budget))));
             plan.small_m_k_per_split = static_cast<int32_t>(ceil_div(p.k, 32) * 32);
             plan.small_m_splits = 1;
             plan.workspace_bytes = 0;
@@ -527,7 +534,7 @@ std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& p, int num_sm
     }
     if (gemm_allows_small_m(p, base)) {  // as plan_gemm: only where the small-M path may serve this M
         for (int variant : {2, 3, 1, 0, 4}) {
-            if (gemv_shape(variant, 1).whole_rows && !gemv_rows_unsupported(p, budget).empty()) continue;
+            if (gemv_shape(variant, 1).whole_rows && !gemv_rows_unsupported(p).empty()) continue;
             GemmOptions small = base;
             small.small_m_variant = variant;
             add(plan_gemm(p, num_sms, small));
@@ -666,6 +673,7 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
     l.args.k = static_cast<int32_t>(a.dim(1));
     l.args.k_per_split = plan.small_m_k_per_split;
     l.args.num_splits = plan.small_m_splits;
+    l.args.rows_per_cta = static_cast<int32_t>(ceil_div(b.dim(0), static_cast<int64_t>(plan.grid)));
     const GemvShape shape = gemv_shape(plan.small_m_variant, plan.small_m_tiles);
     if (shape.whole_rows) {
         // One bulk copy per A row (the plan checked B): 16-byte aligned rows.
@@ -684,7 +692,7 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
     }
     l.grid = dim3(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
     l.block = dim3(static_cast<unsigned>(gemv_threads(shape.bulk)), 1, 1);
-    l.smem_bytes = shape.whole_rows ? gemv_rows_smem_bytes(static_cast<int>(a.dim(0)), static_cast<int>(a.dim(1)))
+    l.smem_bytes = shape.whole_rows ? gemv_rows_smem_bytes(shape.stages)
                                     : gemv_smem_bytes(plan.small_m_variant, plan.small_m_tiles);
     return l;
 }

@@ -320,17 +320,24 @@ TEST(GemmSmallM, Variant3MatchesFp64ForEveryRowCountAndSplit) {
     check_ring_variant(3);
 }
 
-// Variant 4 (whole rows, kernels/gemm/gemv_sm90.cuh detail::gemv_rows): M = 1 and 2, a single block of rows
-// (N = 8), ragged last blocks (N = 100, 1000), K from one 256-wide span to A's limit, strided A and D (B's rows must
-// be back to back), every dtype pair, and the decode shape; a small SM budget lets small N qualify (no split-K).
+// Variant 4 (whole rows, kernels/gemm/gemv_sm90.cuh detail::gemv_rows): M = 1 and 2; every row length it takes
+// (K = 2048, 4096, 8192, 16384: 1, 2, 4, 8 spans per row, so 8 to 1 rows per stage); one CTA with a few rows (N = 8)
+// or many (250: 32 stages, a partial last one; 40000 rows on the whole GPU: 304 per CTA); SM budgets that leave a
+// short last CTA; strided A and D (B's rows must be back to back); every dtype pair; the decode shapes.
 TEST(GemmSmallM, Variant4WholeRowsMatchesFp64) {
     REQUIRE_SM90();
-    const std::array<int64_t, 3> cases[] = {{1, 8, 256},    {2, 8, 256},    {1, 100, 512},  {2, 100, 2048},
-                                            {1, 1000, 4096}, {2, 1000, 8192}, {1, 520, 16384}, {2, 4104, 4096}};
-    for (const auto& mnk : cases) {
-        Case c{mnk[0], mnk[1], mnk[2]};
+    struct WholeRowsCase {
+        int64_t m, n, k;
+        int budget;
+    };
+    const WholeRowsCase cases[] = {{1, 8, 2048, 1},     {2, 8, 2048, 1},    {1, 250, 2048, 1},  {2, 101, 4096, 1},
+                                   {1, 1000, 4096, 7},  {2, 1000, 8192, 5}, {1, 520, 16384, 3}, {2, 777, 16384, 4},
+                                   {2, 4104, 4096, 0},  {1, 8192, 8192, 0}, {2, 8192, 8192, 0}, {1, 28672, 4096, 0},
+                                   {2, 40000, 4096, 0}};
+    for (const auto& wc : cases) {
+        Case c{wc.m, wc.n, wc.k};
         c.small_m_variant = 4;
-        c.sm_budget = 1;
+        c.sm_budget = wc.budget;
         c.pad_a = 8;
         c.pad_d = 8;
         check_case(c);
@@ -340,14 +347,9 @@ TEST(GemmSmallM, Variant4WholeRowsMatchesFp64) {
         for (int64_t m : {1, 2}) {
             Case c{m, 1000, 4096, io[0], io[1]};
             c.small_m_variant = 4;
-            c.sm_budget = 1;
+            c.sm_budget = 4;
             check_case(c);
         }
-    }
-    for (int64_t m : {1, 2}) {
-        Case big{m, 8192, 8192};  // the decode shape it is for, on the whole GPU
-        big.small_m_variant = 4;
-        check_case(big);
     }
     // B with a padded row stride cannot be streamed whole: the op says so instead of reading the padding.
     const int64_t ldb = 4096 + 8;
@@ -374,7 +376,7 @@ TEST(GemmSmallM, RepeatedCallsStayCorrect) {
         Case c{whole_rows ? (i < kGemvNumVariants ? 1 : 2) : (i < kGemvNumVariants ? 3 : 40), 2000, 4096};
         c.small_m_variant = variant;
         c.small_m_max_m = kGemvMaxM;
-        if (whole_rows) c.sm_budget = 1;  // 32 row blocks: enough for one SM's budget (it has no split-K)
+        if (whole_rows) c.sm_budget = 8;  // 250 rows per CTA: within variant 4's 256 (it has no split-K)
         check_case(c);
     }
     check_case(Case{1, 8192, 8192});  // a larger shape after smaller ones on the same workspace

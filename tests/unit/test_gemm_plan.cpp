@@ -183,8 +183,9 @@ TEST(GemmValidate, NamesTheBadArgument) {
 
 TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     ops::GemmProblem p{1, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
-    // The default: variant 3 (faster than variant 2 at every size measured, kernels/gemm/README.md).
-    EXPECT_EQ(ops::GemmOptions{}.small_m_variant, 3);
+    // The default: the op picks; here (B's rows not known to be contiguous) variant 3, faster than variant 2 at
+    // every size measured (kernels/gemm/README.md).
+    EXPECT_EQ(ops::GemmOptions{}.small_m_variant, -1);
     const auto plan3 = ops::plan_gemm(p, 132);
     EXPECT_EQ(plan3.path, ops::GemmPath::kSmallM);
     EXPECT_EQ(plan3.small_m_tiles, 1);
@@ -226,9 +227,9 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     EXPECT_EQ(plan1.workspace_bytes, 256u * 4 + 4u * 8192 * 4);
     EXPECT_EQ(plan0.workspace_bytes, 256u + 8u * 8192 * 4);
     v0.small_m_variant = 5;
-    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0, 1, 2, 3 or 4, got 5");
-    v0.small_m_variant = -1;
-    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be 0, 1, 2, 3 or 4, got -1");
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be -1 (auto), 0, 1, 2, 3 or 4, got 5");
+    v0.small_m_variant = -2;
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be -1 (auto), 0, 1, 2, 3 or 4, got -2");
 
     ops::GemmOptions up_to_64;
     up_to_64.small_m_max_m = kGemvMaxM;
@@ -275,20 +276,20 @@ TEST(GemmPlan, SmallMVariant3RingFitsItsPlannedCtasPerSm) {
     }
 }
 
-// Variant 4 (whole rows) serves only M <= 2 with B's rows back to back, K % 256 == 0, A within its shared-memory
-// budget and 64-row blocks for 3/4 of the SMs (no split-K); forced elsewhere, the plan names what is missing. Where it
-// serves: one split, no workspace, 64 columns per CTA (128 blocks on 132 SMs is enough, 64 is not), and the launch
-// takes exactly the shared memory for (M, K).
+// Variant 4 (whole rows) serves only M <= 2 with B's rows back to back and K = 2048 x 1, 2, 4 or 8 (no split-K);
+// forced elsewhere, the plan names what is missing. Where it serves: one split, no workspace, one CTA per SM with N
+// spread evenly (8192 rows on 132 SMs: 63 rows each, 131 CTAs), and the launch takes the ring's shared memory. Left
+// to the op (small_m_variant -1), it is picked where it serves and K >= 4096; variant 3 elsewhere.
 TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
     ops::GemmOptions v4;
     v4.small_m_variant = 4;
     ops::GemmProblem p{1, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
     p.b_rows_contiguous = true;
-    EXPECT_EQ(ops::gemv_rows_unsupported(p, 132), "");
+    EXPECT_EQ(ops::gemv_rows_unsupported(p), "");
     const auto plan = ops::plan_gemm(p, 132, v4);
     EXPECT_EQ(plan.path, ops::GemmPath::kSmallM);
     EXPECT_EQ(plan.small_m_variant, 4);
-    EXPECT_EQ(plan.grid, 128);
+    EXPECT_EQ(plan.grid, 131);
     EXPECT_EQ(plan.small_m_splits, 1);
     EXPECT_EQ(plan.workspace_bytes, 0u);
     const auto with = [&](auto change) {
@@ -296,15 +297,24 @@ TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
         change(q);
         return q;
     };
+    EXPECT_EQ(ops::plan_gemm(p, 132).small_m_variant, 4);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 2; q.k = 4096; }), 132).small_m_variant, 4);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 2048; }), 132).small_m_variant, 3);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 3; }), 132).small_m_variant, 3);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.b_rows_contiguous = false; }), 132).small_m_variant, 3);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 6144; }), 132).small_m_variant, 3);
     expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.m = 3; }), 132, v4); }, "M = 3 > 2");
     expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.b_rows_contiguous = false; }), 132, v4); },
                           "contiguous, 16-byte aligned rows");
     expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.k = 8200; }), 132, v4); },
-                          "K = 8200 is not a multiple of 256");
-    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.m = 2; q.k = 16384; }), 132, v4); },
-                          "exceed 32768 bytes");
-    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.n = 4096; }), 132, v4); },
-                          "64 64-row blocks, fewer than 3/4 of 132 SMs");
+                          "K = 8200 is not 2048 x 1, 2, 4 or 8");
+    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.k = 6144; }), 132, v4); },
+                          "K = 6144 is not 2048 x 1, 2, 4 or 8");
+    for (int64_t k : {2048, 4096, 16384}) EXPECT_EQ(ops::gemv_rows_unsupported(with([&](auto& q) { q.k = k; })), "");
+    // Any N: 128256 rows on 132 SMs are 972 rows per CTA, 132 CTAs.
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.n = 128256; }), 132, v4).grid, 132);
+    // Few rows: every CTA still gets at least one (N = 200 on 132 SMs: 2 rows each, 100 CTAs).
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.n = 200; }), 132, v4).grid, 100);
     ops::GemmOptions split = v4;
     split.small_m_splits = 2;
     expect_error_mentions([&] { ops::plan_gemm(p, 132, split); }, "has no split-K");
@@ -314,8 +324,11 @@ TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
     EXPECT_TRUE(ops::validate_gemm_args(a, mat(0x100000, DType::kBF16, 8192, 8192, 8192), d, BLayout::kNK).b_rows_contiguous);
     EXPECT_FALSE(ops::validate_gemm_args(a, mat(0x100000, DType::kBF16, 8192, 8192, 8200), d, BLayout::kNK).b_rows_contiguous);
     const auto launch = ops::detail::make_gemv_launch(plan, a, mat(0x100000, DType::kBF16, 8192, 8192, 8192), d);
-    EXPECT_EQ(launch.smem_bytes, gemv_rows_smem_bytes(1, 8192));
-    EXPECT_LE(gemv_rows_smem_bytes(kGemvRowsMaxM, kGemvRowsMaxABytes / (2 * kGemvRowsMaxM)), 227 * 1024);
+    EXPECT_EQ(launch.args.rows_per_cta, 63);
+    EXPECT_EQ(launch.smem_bytes, gemv_rows_smem_bytes(kGemvRowsStages));
+    EXPECT_EQ(gemv_smem_bytes(4, 1), gemv_rows_smem_bytes(kGemvRowsStages));
+    EXPECT_LE(gemv_smem_bytes(4, 1), 227 * 1024);
+    EXPECT_LE(gemv_smem_bytes(4, 1), 227 * 1024);
     EXPECT_EQ(launch.block.x, static_cast<unsigned>(kGemvBulkThreads));
     expect_error_mentions([&] { ops::detail::make_gemv_launch(plan, mat(0x10002, DType::kBF16, 1, 8192, 8192),
                                                               mat(0x100000, DType::kBF16, 8192, 8192, 8192), d); },

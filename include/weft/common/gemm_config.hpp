@@ -220,7 +220,7 @@ struct GemvArgs {
     int32_t m, n, k;
     int32_t k_per_split;  ///< multiple of 32
     int32_t num_splits;   ///< gridDim.y
-    int32_t reserved;
+    int32_t rows_per_cta; ///< variant 4: rows of B per CTA (the last CTA may have fewer); else unused
     float* partials;      ///< [num_splits][M][N] fp32 (when num_splits > 1)
     uint32_t* counters;   ///< [gridDim.x], zero between launches (the last CTA of a column block resets it)
 };
@@ -230,7 +230,7 @@ inline constexpr int kGemvThreads = 128;
 inline constexpr int kGemvBulkThreads = 256;
 inline constexpr int kGemvColsPerCta = 128;  ///< variant 0: 4 warps x 32 columns (variant 1: 4 x 8)
 inline constexpr int kGemvMaxM = 64;
-inline constexpr int kGemvNumVariants = 5;  ///< GemmOptions::small_m_variant is 0, 1, 2, 3 or 4
+inline constexpr int kGemvNumVariants = 5;  ///< GemmOptions::small_m_variant is 0, 1, 2, 3 or 4 (or -1: the op picks)
 
 /// Columns of D per CTA of gemv_kernel<..., n_tiles_per_warp>: 4 warps x n_tiles_per_warp n8 tiles.
 WEFT_HOST_DEVICE constexpr int gemv_cols_per_cta(int n_tiles_per_warp) { return 4 * 8 * n_tiles_per_warp; }
@@ -257,23 +257,27 @@ WEFT_HOST_DEVICE constexpr int gemv_threads(bool bulk) { return bulk ? kGemvBulk
 inline constexpr int kGemvBulkStageK = 256;
 inline constexpr int kGemvBulkBoxK = 256;
 
-/// Variant 4 (whole rows; M <= kGemvRowsMaxM, K a multiple of 256, B's rows back to back: ldb = K): a CTA's 64
-/// columns are 64 consecutive rows of B, one contiguous range, streamed in kGemvRowsStageBytes stages of one 1D
-/// bulk copy each (thread 0, one proxy fence per stage as variant 3): on the H200 such copies stream at 4.0 TB/s
-/// where variant 3's TMA row boxes reach 3.6-3.7 (`weft_bench_stream`, kernels/gemm/README.md v9). The products
-/// are CUDA-core FMAs against A, which sits whole in shared memory (M K bf16/f16 <= kGemvRowsMaxABytes); no
-/// split-K. Shared memory: barriers, the ring, A, then the per-warp row sums [64][8][kGemvRowsMaxM] (fp32).
+/// Variant 4 (whole rows; M <= kGemvRowsMaxM, K = kGemvRowsSpanElems x 1, 2, 4 or 8, B's rows back to back: ldb
+/// = K): one CTA per SM, CTA c owns rows_per_cta consecutive rows of B (GemvArgs::rows_per_cta; N spread evenly over
+/// the SMs), one contiguous range, streamed in kGemvRowsStageBytes stages of one 1D bulk copy each (thread 0, one
+/// proxy fence per stage as variant 3): on the H200 such copies stream at 4.0-4.1 TB/s where variant 3's TMA row
+/// boxes reach 3.6-3.7 (`weft_bench_stream`, kernels/gemm/README.md v9, v10). A stage is 8 spans of 4 KiB
+/// (kGemvBulkThreads x 16 bytes, one 16-byte piece per thread) and holds whole rows, so each thread meets the same
+/// k in every row and keeps its A values in registers (fp32). CUDA-core FMAs; no split-K. Shared memory: barriers,
+/// the ring, then the per-warp row sums of two stages' rows [2 x 8][8][kGemvRowsMaxM] (fp32).
 inline constexpr int kGemvRowsMaxM = 2;
-inline constexpr int kGemvRowsStages = 5;  // one more than the stream bench needed: a stage is refilled only after it is read
+inline constexpr int kGemvRowsStages = 4;  // 6 ran 1-3% slower (kernels/gemm/README.md, v10)
 inline constexpr int kGemvRowsStageBytes = 32 * 1024;
-inline constexpr int kGemvRowsMaxABytes = 32 * 1024;
-/// Offsets from the ring's start (the first 1024-byte boundary past 128 bytes of barriers): A's M rows, then the sums.
-WEFT_HOST_DEVICE constexpr int gemv_rows_a_offset() { return kGemvRowsStages * kGemvRowsStageBytes; }
-WEFT_HOST_DEVICE constexpr int gemv_rows_sums_offset(int m, int k) {
-    return gemv_rows_a_offset() + (2 * m * k + 15) / 16 * 16;
+inline constexpr int kGemvRowsSpanElems = 2048;  ///< 4 KiB of 16-bit elements: 256 threads x 16 bytes
+/// Offset of the sums from the ring's start (the first 1024-byte boundary past 128 bytes of barriers).
+WEFT_HOST_DEVICE constexpr int gemv_rows_sums_offset(int stages) { return stages * kGemvRowsStageBytes; }
+WEFT_HOST_DEVICE constexpr int gemv_rows_smem_bytes(int stages) {
+    return 128 + 1024 + gemv_rows_sums_offset(stages) + 2 * 8 * 8 * kGemvRowsMaxM * 4;
 }
-WEFT_HOST_DEVICE constexpr int gemv_rows_smem_bytes(int m, int k) {
-    return 128 + 1024 + gemv_rows_sums_offset(m, k) + 64 * 8 * kGemvRowsMaxM * 4;
+/// K that variant 4 serves: kGemvRowsSpanElems times 1, 2, 4 or 8 (a stage of 8 spans holds whole rows).
+WEFT_HOST_DEVICE constexpr bool gemv_rows_k_ok(int64_t k) {
+    return k == kGemvRowsSpanElems || k == 2 * kGemvRowsSpanElems || k == 4 * kGemvRowsSpanElems ||
+           k == 8 * kGemvRowsSpanElems;
 }
 
 /// Variant 2 keeps stages x stage_chunks x n_tiles 16-byte B loads (512 bytes per warp each) in flight per warp.
@@ -307,13 +311,13 @@ WEFT_HOST_DEVICE constexpr GemvShape gemv_shape(int variant, int m_tiles) {
     }
 }
 
-/// Dynamic shared memory of the small-M kernel (0 but for variant 3; variant 4: at most, gemv_rows_smem_bytes): 128 bytes of barriers and up to 1024
+/// Dynamic shared memory of the small-M kernel (0 but for variants 3 and 4; variant 4: gemv_rows_smem_bytes): 128 bytes of barriers and up to 1024
 /// of alignment, then the ring (at least the end's cross-warp sum buffer: warps x m_tiles x 4 n_tiles n8
 /// tiles x 4 floats x 32 lanes).
 WEFT_HOST_DEVICE constexpr int gemv_smem_bytes(int variant, int m_tiles) {
     const GemvShape s = gemv_shape(variant, m_tiles);
     if (!s.bulk) return 0;
-    if (s.whole_rows) return gemv_rows_smem_bytes(kGemvRowsMaxM, kGemvRowsMaxABytes / (2 * kGemvRowsMaxM));  // A at most
+    if (s.whole_rows) return gemv_rows_smem_bytes(s.stages);
     const int ring = s.stages * (32 * s.n_tiles + 16 * m_tiles) * 2 * kGemvBulkStageK;
     const int sums = gemv_threads(s.bulk) / 32 * m_tiles * 4 * s.n_tiles * 4 * 32 * 4;
     return 128 + 1024 + (ring > sums ? ring : sums);

@@ -39,6 +39,16 @@ __device__ __forceinline__ void tma_load_2d(unsigned smem_dst, const TmaDescript
         : "memory");
 }
 
+/// As tma_load_2d for a 3D tensor map: the box at (c0, c1, c2), innermost first.
+__device__ __forceinline__ void tma_load_3d(unsigned smem_dst, const TmaDescriptor* desc, unsigned bar, int c0,
+                                            int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+        "[%2];\n" ::"r"(smem_dst),
+        "l"(reinterpret_cast<unsigned long long>(desc)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+
 /// Copies `bytes` contiguous bytes from global memory at `src` into shared memory at `smem_dst` (1D bulk copy,
 /// no tensor map); completion adds `bytes` to the transaction count of barrier `bar`. src, smem_dst and bytes
 /// must be multiples of 16 (a destination that is not 128-byte aligned streams ~5-7% slower, bench_stream).
