@@ -632,29 +632,34 @@ __device__ __forceinline__ void gemv_rows_body(const GemvArgs& args) {
     }
 }
 
-/// Variant 4's entry: one body per row length (K / kGemvRowsSpanElems = 1, 2, 4 or 8 spans) and M (1 or 2);
-/// the op admits nothing else.
+/// Variant 4's entry: one body per row length (K / kGemvRowsSpanElems = 1, 2, 4 or 8 spans) and M (1 to 4) with
+/// M x K <= kGemvRowsMaxMK; the op admits nothing else.
 template <DType kOut, bool kIsBF16, int kStages, int kM>
 __device__ __forceinline__ void gemv_rows_m(const GemvArgs& args) {
     static_assert(kM >= 1 && kM <= kGemvRowsMaxM, "gemv_rows: M <= kGemvRowsMaxM");
-    switch (args.k / kGemvRowsSpanElems) {
+    switch (args.k / kGemvRowsSpanElems) {  // M x K <= kGemvRowsMaxMK: the bodies whose A fits in registers
         case 1: gemv_rows_body<kOut, kIsBF16, kStages, 1, kM>(args); break;
         case 2: gemv_rows_body<kOut, kIsBF16, kStages, 2, kM>(args); break;
         case 4: gemv_rows_body<kOut, kIsBF16, kStages, 4, kM>(args); break;
-        case 8: gemv_rows_body<kOut, kIsBF16, kStages, 8, kM>(args); break;
+        case 8:
+            if constexpr (kM * 8 * kGemvRowsSpanElems <= kGemvRowsMaxMK) {
+                gemv_rows_body<kOut, kIsBF16, kStages, 8, kM>(args);
+                break;
+            }
+            [[fallthrough]];
         default: __trap();
     }
 }
 
 template <DType kOut, bool kIsBF16, int kStages>
 __device__ __forceinline__ void gemv_rows(const GemvArgs& args) {
-    static_assert(kGemvRowsMaxM == 2, "gemv_rows: one body per M");
-    if (args.m == 1) {
-        gemv_rows_m<kOut, kIsBF16, kStages, 1>(args);
-    } else if (args.m == 2) {
-        gemv_rows_m<kOut, kIsBF16, kStages, 2>(args);
-    } else {
-        __trap();
+    static_assert(kGemvRowsMaxM == 4, "gemv_rows: one body per M");
+    switch (args.m) {
+        case 1: gemv_rows_m<kOut, kIsBF16, kStages, 1>(args); break;
+        case 2: gemv_rows_m<kOut, kIsBF16, kStages, 2>(args); break;
+        case 3: gemv_rows_m<kOut, kIsBF16, kStages, 3>(args); break;
+        case 4: gemv_rows_m<kOut, kIsBF16, kStages, 4>(args); break;
+        default: __trap();
     }
 }
 
@@ -672,7 +677,7 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& args) {
 ///   variant 3: kBulk: the shared-memory ring of gemv_mainloop_bulk, kStages stages of 256 k, filled by TMA
 ///              through `maps`; gemv_smem_bytes(3, kMTiles) of dynamic shared memory.
 ///   variant 4: kBulk and kWholeRows (kMTiles 1): detail::gemv_rows, whole rows of B by 1D bulk copies and FMAs
-///              (M <= 2, K = 2048 x 1, 2, 4 or 8, ldb = K, one split, one CTA per SM with args.rows_per_cta rows;
+///              (M <= 4, K = 2048 x 1, 2, 4 or 8, M K <= 32768, ldb = K, one split, one CTA per SM with args.rows_per_cta rows;
 ///              maps unused); gemv_rows_smem_bytes(kStages).
 template <int kMTiles, DType kIn, DType kOut, int kNTiles = 4, int kStages = 0, bool kBulk = false,
           bool kWholeRows = false>
@@ -687,7 +692,7 @@ __global__ void __launch_bounds__(gemv_threads(kBulk),
                   "gemv_kernel: a pipelined instance must have variant 2's or 3's shape (gemv_shape)");
     static_assert(!kBulk || kStages > 0, "gemv_kernel: the bulk variant needs its ring's stages");
     static_assert(kStages > 0 || kNTiles != 2, "gemv_kernel: the batched loop takes 1 or 4 n8 tiles per warp");
-    static_assert(!kWholeRows || (kBulk && kMTiles == 1), "gemv_kernel: variant 4 serves M <= 2 (one row tile)");
+    static_assert(!kWholeRows || (kBulk && kMTiles == 1), "gemv_kernel: variant 4 serves M <= 4 (one row tile)");
     constexpr bool kIsBF16 = kIn == DType::kBF16;
     if constexpr (kWholeRows) {
         detail::gemv_rows<kOut, kIsBF16, kStages>(args);

@@ -251,6 +251,9 @@ std::string gemv_rows_unsupported(const GemmProblem& p) {
     if (p.m > kGemvRowsMaxM) why << "M = " << p.m << " > " << kGemvRowsMaxM;
     else if (p.b_layout != BLayout::kNK || !p.b_rows_contiguous) why << "B is not [N,K] with contiguous, 16-byte aligned rows (ldb = K)";
     else if (!gemv_rows_k_ok(p.k)) why << "K = " << p.k << " is not " << kGemvRowsSpanElems << " x 1, 2, 4 or 8";
+    else if (p.m * p.k > kGemvRowsMaxMK) {
+        why << "M x K = " << p.m << " x " << p.k << " exceeds " << kGemvRowsMaxMK << " (A's values sit in registers)";
+    }
     return why.str();
 }
 
@@ -295,9 +298,10 @@ bool gemm_allows_small_m(const GemmProblem& p, const GemmOptions& options) {
 }
 
 // The small-M variant when the caller leaves it to the op: whole rows (4) where it serves and K >= 4096, else the
-// TMA ring (3). H200, bf16, 2026-11-30 (kernels/gemm/README.md, v10): variant 4 took 35.3-36.3 us at 1x8192x8192
-// against variant 3's 37.3-38.1 (cuBLASLt 37.2-37.4), and 57.8-58.7 against 64.8-65.3 at 1x28672x4096; at K = 2048
-// (one span per row) it gained nothing at M = 1 and lost 3% at M = 2.
+// TMA ring (3). H200, bf16, 2026-11-30 (kernels/gemm/README.md, v10, v11): variant 4 took 34.6-36.3 us at 1x8192x8192
+// against variant 3's 37.3-38.1 (cuBLASLt 36.5-37.4), 57.8-58.7 against 64.8-65.3 at 1x28672x4096, 36.2-36.9 against
+// 37.9-38.0 at 3x8192x8192, and was never slower at M = 3, 4 with K >= 4096; at K = 2048 (one span per row) it
+// gained nothing at M = 1 and lost 3% at M = 2.
 namespace {
 int auto_small_m_variant(const GemmProblem& p) {
     return p.k >= 2 * kGemvRowsSpanElems && gemv_rows_unsupported(p).empty() ? 4 : 3;

@@ -320,7 +320,7 @@ TEST(GemmSmallM, Variant3MatchesFp64ForEveryRowCountAndSplit) {
     check_ring_variant(3);
 }
 
-// Variant 4 (whole rows, kernels/gemm/gemv_sm90.cuh detail::gemv_rows): M = 1 and 2; every row length it takes
+// Variant 4 (whole rows, kernels/gemm/gemv_sm90.cuh detail::gemv_rows): M = 1 to 4; every row length it takes
 // (K = 2048, 4096, 8192, 16384: 1, 2, 4, 8 spans per row, so 8 to 1 rows per stage); one CTA with a few rows (N = 8)
 // or many (250: 32 stages, a partial last one; 40000 rows on the whole GPU: 304 per CTA); SM budgets that leave a
 // short last CTA; strided A and D (B's rows must be back to back); every dtype pair; the decode shapes.
@@ -333,7 +333,8 @@ TEST(GemmSmallM, Variant4WholeRowsMatchesFp64) {
     const WholeRowsCase cases[] = {{1, 8, 2048, 1},     {2, 8, 2048, 1},    {1, 250, 2048, 1},  {2, 101, 4096, 1},
                                    {1, 1000, 4096, 7},  {2, 1000, 8192, 5}, {1, 520, 16384, 3}, {2, 777, 16384, 4},
                                    {2, 4104, 4096, 0},  {1, 8192, 8192, 0}, {2, 8192, 8192, 0}, {1, 28672, 4096, 0},
-                                   {2, 40000, 4096, 0}};
+                                   {2, 40000, 4096, 0}, {3, 8, 2048, 1},     {3, 1000, 8192, 5}, {4, 250, 2048, 1},
+                                   {4, 777, 4096, 4},   {4, 8192, 8192, 0}, {3, 8192, 8192, 0}};
     for (const auto& wc : cases) {
         Case c{wc.m, wc.n, wc.k};
         c.small_m_variant = 4;
@@ -344,7 +345,7 @@ TEST(GemmSmallM, Variant4WholeRowsMatchesFp64) {
     }
     for (const auto& io : {std::array<DType, 2>{DType::kBF16, DType::kF32}, std::array<DType, 2>{DType::kF16, DType::kF16},
                            std::array<DType, 2>{DType::kF16, DType::kF32}}) {
-        for (int64_t m : {1, 2}) {
+        for (int64_t m : {1, 2, 4}) {
             Case c{m, 1000, 4096, io[0], io[1]};
             c.small_m_variant = 4;
             c.sm_budget = 4;
@@ -372,7 +373,7 @@ TEST(GemmSmallM, RepeatedCallsStayCorrect) {
     REQUIRE_SM90();
     for (int i = 0; i < 2 * kGemvNumVariants; ++i) {
         const int variant = i % kGemvNumVariants;
-        const bool whole_rows = gemv_shape(variant, 1).whole_rows;  // M <= 2 only
+        const bool whole_rows = gemv_shape(variant, 1).whole_rows;  // M <= 4 only
         Case c{whole_rows ? (i < kGemvNumVariants ? 1 : 2) : (i < kGemvNumVariants ? 3 : 40), 2000, 4096};
         c.small_m_variant = variant;
         c.small_m_max_m = kGemvMaxM;

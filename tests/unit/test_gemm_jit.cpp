@@ -114,7 +114,7 @@ TEST(GemmJitAot, SpecsCoverEveryCandidateAndSmallMKernelOnce) {
             }
         }
         for (int variant = 0; variant < kGemvNumVariants; ++variant) {
-            for (int m_tiles = 1; m_tiles <= (variant == 4 ? 1 : 4); ++m_tiles) {  // variant 4: M <= 2 only
+            for (int m_tiles = 1; m_tiles <= (variant == 4 ? 1 : 4); ++m_tiles) {  // variant 4: M <= 4 only
                 EXPECT_EQ(instantiations.count(gemv_kernel_instantiation(m_tiles, in, out, variant)), 1u);
                 ++expected;
             }
@@ -224,7 +224,7 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
     }
 
     // M <= small_m_max_m (default 64) with B [N,K]: the small-M variants that can serve it join (variant 4, whole
-    // rows, only M <= 2 with contiguous B rows); the heuristic's pick (variant 3 at M = 16) still comes first.
+    // rows, only M <= 4 with contiguous B rows); the heuristic's pick (variant 3 at M = 16) still comes first.
     constexpr int kSplitKVariants = kGemvNumVariants - 1;
     const GemmProblem small = problem(16, 8192, 8192);
     const auto sc = gemm_tune_candidates(small, 132, {});

@@ -107,7 +107,7 @@ std::vector<std::string> gemv_instantiations(const Combo& c, std::vector<int> va
     std::vector<std::string> names;
     for (int m_tiles = 1; m_tiles <= 4; ++m_tiles) {
         for (int variant : variants) {
-            if (variant == 4 && m_tiles > 1) continue;  // whole rows: M <= 2 only
+            if (variant == 4 && m_tiles > 1) continue;  // whole rows: M <= 4 only
             names.push_back(ops::gemv_kernel_instantiation(m_tiles, c.in, c.out, variant));
         }
     }

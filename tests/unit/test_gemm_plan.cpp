@@ -276,7 +276,8 @@ TEST(GemmPlan, SmallMVariant3RingFitsItsPlannedCtasPerSm) {
     }
 }
 
-// Variant 4 (whole rows) serves only M <= 2 with B's rows back to back and K = 2048 x 1, 2, 4 or 8 (no split-K);
+// Variant 4 (whole rows) serves only M <= 4 with B's rows back to back, K = 2048 x 1, 2, 4 or 8 and M K <= 32768
+// (no split-K);
 // forced elsewhere, the plan names what is missing. Where it serves: one split, no workspace, one CTA per SM with N
 // spread evenly (8192 rows on 132 SMs: 63 rows each, 131 CTAs), and the launch takes the ring's shared memory. Left
 // to the op (small_m_variant -1), it is picked where it serves and K >= 4096; variant 3 elsewhere.
@@ -300,10 +301,15 @@ TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
     EXPECT_EQ(ops::plan_gemm(p, 132).small_m_variant, 4);
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 2; q.k = 4096; }), 132).small_m_variant, 4);
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 2048; }), 132).small_m_variant, 3);
-    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 3; }), 132).small_m_variant, 3);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 4; }), 132).small_m_variant, 4);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 5; }), 132).small_m_variant, 3);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 4; q.k = 16384; }), 132).small_m_variant, 3);
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.b_rows_contiguous = false; }), 132).small_m_variant, 3);
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 6144; }), 132).small_m_variant, 3);
-    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.m = 3; }), 132, v4); }, "M = 3 > 2");
+    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.m = 5; }), 132, v4); }, "M = 5 > 4");
+    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.m = 3; q.k = 16384; }), 132, v4); },
+                          "M x K = 3 x 16384 exceeds 32768");
+    EXPECT_EQ(ops::gemv_rows_unsupported(with([](auto& q) { q.m = 4; })), "");
     expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.b_rows_contiguous = false; }), 132, v4); },
                           "contiguous, 16-byte aligned rows");
     expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.k = 8200; }), 132, v4); },

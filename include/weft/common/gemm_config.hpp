@@ -244,7 +244,7 @@ struct GemvShape {
     int stage_chunks;  ///< variant 2: 32-wide k chunks per stage (each one 16-byte load per lane and n8 tile)
     int ctas_per_sm;   ///< CTAs per SM the split count aims at; variants 2, 3: __launch_bounds__ minimum
     bool bulk = false; ///< variants 3, 4: B and A stream through a shared-memory ring (kGemvBulkThreads threads)
-    bool whole_rows = false;  ///< variant 4: B's rows stream whole, one contiguous bulk copy per stage (M <= 2)
+    bool whole_rows = false;  ///< variant 4: B's rows stream whole, one contiguous bulk copy per stage (M <= 4)
 };
 
 /// Threads per CTA of the small-M kernel (the launch's block): kGemvBulkThreads for variants 3 and 4, else
@@ -264,8 +264,10 @@ inline constexpr int kGemvBulkBoxK = 256;
 /// boxes reach 3.6-3.7 (`weft_bench_stream`, kernels/gemm/README.md v9, v10). A stage is 8 spans of 4 KiB
 /// (kGemvBulkThreads x 16 bytes, one 16-byte piece per thread) and holds whole rows, so each thread meets the same
 /// k in every row and keeps its A values in registers (fp32). CUDA-core FMAs; no split-K. Shared memory: barriers,
-/// the ring, then the per-warp row sums of two stages' rows [2 x 8][8][kGemvRowsMaxM] (fp32).
-inline constexpr int kGemvRowsMaxM = 2;
+/// the ring, then the per-warp row sums of two stages' rows [2 x 8][8][kGemvRowsMaxM] (fp32). A in registers bounds
+/// M x K (kGemvRowsMaxMK: 128 floats per thread).
+inline constexpr int kGemvRowsMaxM = 4;
+inline constexpr int kGemvRowsMaxMK = 32768;
 inline constexpr int kGemvRowsStages = 4;  // 6 ran 1-3% slower (kernels/gemm/README.md, v10)
 inline constexpr int kGemvRowsStageBytes = 32 * 1024;
 inline constexpr int kGemvRowsSpanElems = 2048;  ///< 4 KiB of 16-bit elements: 256 threads x 16 bytes
@@ -303,7 +305,7 @@ WEFT_HOST_DEVICE constexpr GemvShape gemv_shape(int variant, int m_tiles) {
         if (m_tiles <= 2) return GemvShape{2, 4, kGemvBulkStageK / 32, 1, true};
         return GemvShape{2, 3, kGemvBulkStageK / 32, 1, true};
     }
-    if (variant == 4) return GemvShape{2, kGemvRowsStages, 0, 1, true, true};  // serves m_tiles 1 only (M <= 2)
+    if (variant == 4) return GemvShape{2, kGemvRowsStages, 0, 1, true, true};  // serves m_tiles 1 only (M <= 4)
     switch (m_tiles) {
         case 1: return GemvShape{1, 6, 2, 4};
         case 2: return GemvShape{2, 4, 1, 3};
