@@ -3,6 +3,7 @@
 #include "weft/ops/gemm_ar.hpp"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "tp_common.hpp"
 #include "weft/common/tp_params.hpp"
@@ -100,6 +101,9 @@ struct GemmAr::State {
     int small_m_variant = 1;            // of the loaded small-M kernels
 
     const jit::Kernel* gemv[4] = {nullptr, nullptr, nullptr, nullptr};
+    // Small-M variant 4 (whole rows), loaded where ops::gemm would pick it for this shape with B's rows back to
+    // back; each call takes it when its b is so (small_m_plan with b_rows_contiguous).
+    const jit::Kernel* gemv_rows = nullptr;
     const jit::Kernel* tiled = nullptr;
     const jit::Kernel* reduce = nullptr;
     bool use_collective = false;  // the all-reduce half through ops::all_reduce (GemmArOptions)
@@ -119,11 +123,13 @@ struct GemmAr::State {
         p.out_dtype = gemm_out;
         return p;
     }
-    GemmPlan small_m_plan(int64_t m) const {
+    GemmPlan small_m_plan(int64_t m, bool b_rows_contiguous = false) const {
         GemmOptions o;
         o.allow_small_m = true;
         o.small_m_max_m = kGemvMaxM;  // gemm_ar serves every M <= 64 with the small-M kernels it loaded
-        return plan_gemm(problem(m), num_sms, o);
+        GemmProblem p = problem(m);
+        p.b_rows_contiguous = b_rows_contiguous;
+        return plan_gemm(p, num_sms, o);
     }
 };
 
@@ -151,6 +157,9 @@ GemmAr::GemmAr(World& world, const GemmArShape& shape, const GemmArOptions& opti
     for (int t = 1; t <= (small_max + 15) / 16; ++t) {
         s.gemv[t - 1] = &jit::compiler().get_kernel(
             detail::gemv_kernel_spec(t, shape.dtype, s.gemm_out, plan.small_m_variant));
+    }
+    if (s.small_m_plan(1, true).small_m_variant == 4) {
+        s.gemv_rows = &jit::compiler().get_kernel(detail::gemv_kernel_spec(1, shape.dtype, s.gemm_out, 4));
     }
     // The largest workspace of any M up to small_max: a variant's grid and splits may depend on ceil(M/16)
     // (variant 2's shape does), so the plan of small_max alone may not cover a smaller M.
@@ -207,8 +216,12 @@ void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     // The GEMM writes c itself in a world of one rank, else this rank's partial.
     const TensorView d = s.num_ranks == 1 ? c : TensorView(s.partial, s.partial_dtype, {m, s.shape.n}, {s.ldp, 1});
     if (m <= kGemvMaxM) {
-        const GemmPlan plan = s.small_m_plan(m);
-        WEFT_CHECK(plan.path == GemmPath::kSmallM && plan.small_m_variant == s.small_m_variant,
+        const bool b_rows_contiguous = s.gemv_rows != nullptr && (b.dim(0) <= 1 || b.stride(0) == s.shape.k) &&
+                                       reinterpret_cast<uintptr_t>(b.data) % 16 == 0;
+        const GemmPlan plan = s.small_m_plan(m, b_rows_contiguous);
+        const bool whole_rows = plan.small_m_variant == 4;
+        WEFT_CHECK(plan.path == GemmPath::kSmallM &&
+                       (whole_rows ? s.gemv_rows != nullptr : plan.small_m_variant == s.small_m_variant),
                    "gemm_ar: the small-M plan for M = " << m << " does not match the loaded kernels");
         detail::GemvLaunch launch = detail::make_gemv_launch(plan, a, b, d);
         GemvArgs& args = launch.args;
@@ -225,7 +238,7 @@ void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, 
         lp.block = launch.block;
         lp.dynamic_smem_bytes = static_cast<size_t>(launch.smem_bytes);
         lp.stream = stream;
-        s.gemv[(m + 15) / 16 - 1]->launch(lp, launch.args, launch.maps);
+        (whole_rows ? s.gemv_rows : s.gemv[(m + 15) / 16 - 1])->launch(lp, launch.args, launch.maps);
     } else {
         tp_detail::launch_plain_gemm(*s.tiled, s.config, a, b, d, s.budget, s.pipeline_timeout_ns, stream);
     }
