@@ -79,19 +79,11 @@ __global__ void ldg_kernel(const uint4* p, long long n, unsigned* sink) {
     if (acc == 0x12345678u) sink[0] = acc;  // keeps the loads alive
 }
 
-/// TMA boxes: step i of CTA c loads box (i % k_boxes) * box_k along the inner dimension at row
-/// c * rows_per_cta_view + (i / k_boxes) * box_rows of the map's view.
-__global__ void __launch_bounds__(kThreads, 1)
-    tma_ring_kernel(const __grid_constant__ TmaDescriptor map, int box_k, int box_rows, int k_boxes, int steps,
-                    int rows_per_cta_view, bool read, unsigned* sink) {
-    extern __shared__ __align__(1024) unsigned char smem[];
-    const Ring r = ring_init(smem);
-    const auto fill = [&](int i) {
-        const unsigned bar = r.bars + 8 * (i % kStages);
-        weft::ptx::mbarrier_arrive_expect_tx(bar, kStageBytes);
-        weft::ptx::tma_load_2d(r.base + (i % kStages) * kStageBytes, &map, bar, (i % k_boxes) * box_k,
-                               static_cast<int>(blockIdx.x) * rows_per_cta_view + (i / k_boxes) * box_rows);
-    };
+/// The TMA rings' schedule: thread 0 fills the first kStages stages; step i waits for its stage (every thread
+/// when `read`, which also reads it and meets at a barrier) and refills it with step i + kStages. `fill(i)` arms
+/// stage i % kStages's barrier and issues its copies.
+template <class Fill>
+__device__ void stream_ring(const Ring& r, int steps, bool read, unsigned* sink, const Fill& fill) {
     if (threadIdx.x == 0) {
         for (int i = 0; i < kStages && i < steps; ++i) fill(i);
     }
@@ -114,6 +106,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (acc == 0x12345678u) sink[0] = acc;
 }
 
+/// TMA boxes: step i of CTA c loads box (i % k_boxes) * box_k along the inner dimension at row
+/// c * rows_per_cta_view + (i / k_boxes) * box_rows of the map's view.
+__global__ void __launch_bounds__(kThreads, 1)
+    tma_ring_kernel(const __grid_constant__ TmaDescriptor map, int box_k, int box_rows, int k_boxes, int steps,
+                    int rows_per_cta_view, bool read, unsigned* sink) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const Ring r = ring_init(smem);
+    const auto fill = [&](int i) {
+        const unsigned bar = r.bars + 8 * (i % kStages);
+        weft::ptx::mbarrier_arrive_expect_tx(bar, kStageBytes);
+        weft::ptx::tma_load_2d(r.base + (i % kStages) * kStageBytes, &map, bar, (i % k_boxes) * box_k,
+                               static_cast<int>(blockIdx.x) * rows_per_cta_view + (i / k_boxes) * box_rows);
+    };
+    stream_ring(r, steps, read, sink, fill);
+}
+
 /// 3D TMA boxes {256, chunks, rows} over B viewed as [N, K / 256, 256]: step i of CTA c loads rows
 /// 64 c + (i % groups) rows .. of k block i / groups (chunks x 256 k), groups = 64 / rows.
 __global__ void __launch_bounds__(kThreads, 1)
@@ -128,26 +136,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         weft::ptx::tma_load_3d(r.base + (i % kStages) * kStageBytes, &map, bar, 0, (i / groups) * chunks,
                                static_cast<int>(blockIdx.x) * kRowsPerCta + (i % groups) * rows);
     };
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < kStages && i < steps; ++i) fill(i);
-    }
-    unsigned acc = 0;
-    for (int i = 0; i < steps; ++i) {
-        if (read || threadIdx.x == 0) wait_stage(r, i);
-        if (read) {
-            const auto* stage = reinterpret_cast<const uint4*>(r.ptr + (i % kStages) * kStageBytes);
-            for (int j = static_cast<int>(threadIdx.x); j < kStageBytes / 16; j += kThreads) {
-                const uint4 v = stage[j];
-                acc ^= v.x ^ v.y ^ v.z ^ v.w;
-            }
-            __syncthreads();
-        }
-        if (threadIdx.x == 0 && i + kStages < steps) {
-            weft::ptx::fence_proxy_async_shared_cta();
-            fill(i + kStages);
-        }
-    }
-    if (acc == 0x12345678u) sink[0] = acc;
+    stream_ring(r, steps, read, sink, fill);
 }
 
 /// 1D bulk copies: step i of CTA c copies `rows` pieces of 32 KiB / rows bytes: rows r0 + j of k block kb
