@@ -680,7 +680,7 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
     l.args.rows_per_cta = static_cast<int32_t>(ceil_div(b.dim(0), static_cast<int64_t>(plan.grid)));
     const GemvShape shape = gemv_shape(plan.small_m_variant, plan.small_m_tiles);
     if (shape.whole_rows) {
-        // One bulk copy per A row (the plan checked B): 16-byte aligned rows.
+        // A is read 16 bytes at a time (the plan checked B): 16-byte aligned rows.
         WEFT_CHECK(reinterpret_cast<uintptr_t>(a.data) % 16 == 0 &&
                        (a.dim(0) <= 1 || (a.stride(0) * dtype_bytes(a.dtype)) % 16 == 0),
                    "gemm: small-M variant 4 (whole rows) needs a's base and row stride 16-byte aligned, got "

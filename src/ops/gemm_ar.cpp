@@ -3,7 +3,6 @@
 #include "weft/ops/gemm_ar.hpp"
 
 #include <algorithm>
-#include <cstdint>
 
 #include "tp_common.hpp"
 #include "weft/common/tp_params.hpp"
@@ -216,8 +215,8 @@ void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     // The GEMM writes c itself in a world of one rank, else this rank's partial.
     const TensorView d = s.num_ranks == 1 ? c : TensorView(s.partial, s.partial_dtype, {m, s.shape.n}, {s.ldp, 1});
     if (m <= kGemvMaxM) {
-        const bool b_rows_contiguous = s.gemv_rows != nullptr && (b.dim(0) <= 1 || b.stride(0) == s.shape.k) &&
-                                       reinterpret_cast<uintptr_t>(b.data) % 16 == 0;
+        const bool b_rows_contiguous =
+            s.gemv_rows != nullptr && validate_gemm_args(a, b, d, BLayout::kNK).b_rows_contiguous;
         const GemmPlan plan = s.small_m_plan(m, b_rows_contiguous);
         const bool whole_rows = plan.small_m_variant == 4;
         WEFT_CHECK(plan.path == GemmPath::kSmallM &&
