@@ -334,11 +334,33 @@ TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
     EXPECT_EQ(launch.smem_bytes, gemv_rows_smem_bytes(kGemvRowsStages));
     EXPECT_EQ(gemv_smem_bytes(4, 1), gemv_rows_smem_bytes(kGemvRowsStages));
     EXPECT_LE(gemv_smem_bytes(4, 1), 227 * 1024);
-    EXPECT_LE(gemv_smem_bytes(4, 1), 227 * 1024);
     EXPECT_EQ(launch.block.x, static_cast<unsigned>(kGemvBulkThreads));
     expect_error_mentions([&] { ops::detail::make_gemv_launch(plan, mat(0x10002, DType::kBF16, 1, 8192, 8192),
                                                               mat(0x100000, DType::kBF16, 8192, 8192, 8192), d); },
                           "a's base and row stride 16-byte aligned");
+}
+
+// Variant 4's rows over CTAs (plan grid, launch rows_per_cta): for every N and SM budget, the CTAs cover all N rows,
+// none is empty (the kernel's last CTA takes the rest), and there are never more CTAs than the budget's SMs.
+TEST(GemmPlan, SmallMVariant4SpreadsEveryRowOverNonEmptyCtas) {
+    ops::GemmOptions v4;
+    v4.small_m_variant = 4;
+    const TensorView a = mat(0x10000, DType::kBF16, 1, 2048, 2048);
+    for (int budget : {1, 2, 3, 7, 64, 131, 132}) {
+        v4.sm_budget = budget;
+        for (int64_t n = 1; n <= 1200; n += (n < 300 ? 1 : 37)) {
+            ops::GemmProblem p{1, n, 2048, BLayout::kNK, DType::kBF16, DType::kBF16};
+            p.b_rows_contiguous = true;
+            const auto plan = ops::plan_gemm(p, 132, v4);
+            const auto launch = ops::detail::make_gemv_launch(plan, a, mat(0x100000, DType::kBF16, n, 2048, 2048),
+                                                              mat(0x4000000, DType::kBF16, 1, n, n));
+            const int64_t rows = launch.args.rows_per_cta;
+            const int64_t grid = launch.grid.x;
+            ASSERT_LE(grid, std::min<int64_t>(budget, n)) << "N " << n << " budget " << budget;
+            ASSERT_GE(grid * rows, n) << "N " << n << " budget " << budget << ": rows left over";
+            ASSERT_LT((grid - 1) * rows, n) << "N " << n << " budget " << budget << ": an empty CTA";
+        }
+    }
 }
 
 TEST(GemmPlan, SmallMVariant2FillsOneWaveOfItsShape) {
