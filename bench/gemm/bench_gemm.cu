@@ -37,8 +37,8 @@ namespace {
 using weft::BLayout;
 using weft::DType;
 using weft::GemmConfig;
-using weft::bench::median;
 using weft::bench::time_median_ms;
+using weft::bench::time_rounds_ms;
 
 #define BENCH_LT(call)                                                                                     \
     do {                                                                                                   \
@@ -187,33 +187,6 @@ struct Buffer {
     Buffer(const Buffer&) = delete;
     Buffer& operator=(const Buffer&) = delete;
 };
-
-/// Times fa(i) and fb(i) alternately, each between its own events, so that both see the same clocks and
-/// temperature (a GPU that just idled boosts higher; a long run throttles). Returns both medians (ms).
-template <class FnA, class FnB>
-std::pair<double, double> time_interleaved_ms(int warmup, int iters, FnA&& fa, FnB&& fb) {
-    for (int i = 0; i < warmup; ++i) {
-        fa(i);
-        fb(i);
-    }
-    std::vector<cudaEvent_t> ev(3 * static_cast<size_t>(iters));
-    for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
-    for (int i = 0; i < iters; ++i) {
-        BENCH_CUDA(cudaEventRecord(ev[3 * i], nullptr));
-        fa(warmup + i);
-        BENCH_CUDA(cudaEventRecord(ev[3 * i + 1], nullptr));
-        fb(warmup + i);
-        BENCH_CUDA(cudaEventRecord(ev[3 * i + 2], nullptr));
-    }
-    BENCH_CUDA(cudaDeviceSynchronize());
-    std::vector<float> a(static_cast<size_t>(iters)), b(static_cast<size_t>(iters));
-    for (int i = 0; i < iters; ++i) {
-        BENCH_CUDA(cudaEventElapsedTime(&a[i], ev[3 * i], ev[3 * i + 1]));
-        BENCH_CUDA(cudaEventElapsedTime(&b[i], ev[3 * i + 1], ev[3 * i + 2]));
-    }
-    for (auto& e : ev) cudaEventDestroy(e);
-    return {median(a), median(b)};
-}
 
 double measure_read_bw_tbs() {
     const size_t bytes = size_t{4} << 30;
@@ -396,7 +369,7 @@ int main(int argc, char** argv) {
                     r.roof_us = roof_us;
                     // Launch j (weft and cuBLAS alternate) reads input set j % sets: no launch finds the
                     // previous launch's inputs in L2.
-                    const auto [weft_ms, lt_ms] = time_interleaved_ms(
+                    const auto [weft_ms, lt_ms] = time_rounds_ms(
                         opt.warmup, opt.iters,
                         [&](int i) {
                             const Views v = views(2 * i, d_weft.ptr);

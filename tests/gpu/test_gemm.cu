@@ -114,6 +114,11 @@ void check_case(const Case& c, int sample_rows = 0) {
     expect_matches(d, ref, rows, tolerance_for(c.out), what);
 }
 
+// The (input, output) dtype pairs besides bf16 -> bf16 (the default every Case starts from).
+constexpr std::array<std::array<DType, 2>, 3> kOtherIoPairs = {{{DType::kBF16, DType::kF32},
+                                                                {DType::kF16, DType::kF16},
+                                                                {DType::kF16, DType::kF32}}};
+
 const std::vector<std::array<int64_t, 3>>& awkward_shapes() {
     static const std::vector<std::array<int64_t, 3>> shapes = {
         {1, 8, 8},        // M = 1, N = 8, K = 8: one partial tile everywhere
@@ -265,8 +270,7 @@ TEST(GemmSmallM, MatchesFp64ForEveryRowCountAndSplit) {
             }
         }
     }
-    for (const auto& io : {std::array<DType, 2>{DType::kBF16, DType::kF32}, std::array<DType, 2>{DType::kF16, DType::kF16},
-                           std::array<DType, 2>{DType::kF16, DType::kF32}}) {
+    for (const auto& io : kOtherIoPairs) {
         Case c{16, 1000, 1000, io[0], io[1]};
         check_case(c);
     }
@@ -293,8 +297,7 @@ void check_ring_variant(int variant) {
             }
         }
     }
-    for (const auto& io : {std::array<DType, 2>{DType::kBF16, DType::kF32}, std::array<DType, 2>{DType::kF16, DType::kF16},
-                           std::array<DType, 2>{DType::kF16, DType::kF32}}) {
+    for (const auto& io : kOtherIoPairs) {
         for (int64_t m : {1, 16, 64}) {
             Case c{m, 1000, 1000, io[0], io[1]};
             c.small_m_variant = variant;
@@ -343,8 +346,7 @@ TEST(GemmSmallM, Variant4WholeRowsMatchesFp64) {
         c.pad_d = 8;
         check_case(c);
     }
-    for (const auto& io : {std::array<DType, 2>{DType::kBF16, DType::kF32}, std::array<DType, 2>{DType::kF16, DType::kF16},
-                           std::array<DType, 2>{DType::kF16, DType::kF32}}) {
+    for (const auto& io : kOtherIoPairs) {
         for (int64_t m : {1, 2, 4}) {
             Case c{m, 1000, 4096, io[0], io[1]};
             c.small_m_variant = 4;

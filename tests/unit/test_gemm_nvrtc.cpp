@@ -209,48 +209,51 @@ TEST(GemmNvrtc, gemm_sass_uses_hgmma) {
     EXPECT_EQ(checked, static_cast<int>(combos().size()) * kGemmNumCandidates);
 }
 
+// Compiles small-M `variant` for every B [N,K] dtype pair (ASSERTs NVRTC succeeded, checks ptxas' report: no
+// spills, no wgmma serialisation) and collects every instance's SASS; `why_not` says why SASS cannot be checked.
+CompiledSass gemv_variant_sass(int variant, const std::string& what) {
+    CompiledSass all;
+    for (const Combo& c : combos()) {
+        if (c.layout != BLayout::kNK) continue;
+        CompiledSass r = compile_to_sass(gemv_instantiations(c, {variant}));
+        EXPECT_EQ(r.compiled.result, NVRTC_SUCCESS) << r.compiled.log;
+        expect_clean_ptxas_report(r.compiled.log, what);
+        if (r.sass.empty() && all.why_not.empty()) all.why_not = r.why_not.empty() ? "no SASS" : r.why_not;
+        all.sass.merge(r.sass);
+    }
+    return all;
+}
+
 // Variant 3 streams B and A through TMA into shared memory and multiplies on the mma.sync path: every
 // instance has TMA loads (UTMALDG), shared-memory fragment reads (LDS.128), HMMA, and nothing in local memory.
 TEST(GemmNvrtc, small_m_variant3_loads_by_tma_and_multiplies_with_hmma) {
-    int checked = 0;
-    for (const Combo& c : combos()) {
-        if (c.layout != BLayout::kNK) continue;
-        const CompiledSass r = compile_to_sass(gemv_instantiations(c, {3}));
-        ASSERT_EQ(r.compiled.result, NVRTC_SUCCESS) << r.compiled.log;
-        expect_clean_ptxas_report(r.compiled.log, "small-M variant 3");
-        if (r.sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << r.why_not;
-        for (const auto& [name, code] : r.sass) {
-            EXPECT_GT(count(code, "UTMALDG"), 0u) << name << ": no TMA loads";
-            EXPECT_GT(count(code, "LDS.128"), 0u) << name << ": no 16-byte shared-memory fragment reads";
-            EXPECT_GT(count(code, " HMMA"), 0u) << name << ": no HMMA";
-            expect_no_local_memory(code, name);
-            ++checked;
-        }
+    const CompiledSass r = gemv_variant_sass(3, "small-M variant 3");
+    if (::testing::Test::HasFailure()) return;
+    if (!r.why_not.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << r.why_not;
+    for (const auto& [name, code] : r.sass) {
+        EXPECT_GT(count(code, "UTMALDG"), 0u) << name << ": no TMA loads";
+        EXPECT_GT(count(code, "LDS.128"), 0u) << name << ": no 16-byte shared-memory fragment reads";
+        EXPECT_GT(count(code, " HMMA"), 0u) << name << ": no HMMA";
+        expect_no_local_memory(code, name);
     }
-    EXPECT_EQ(checked, 4 * 4);  // 4 dtype pairs x 4 row-tile counts
+    EXPECT_EQ(r.sass.size(), 4u * 4u);  // 4 dtype pairs x 4 row-tile counts
 }
 
 // Variant 4 streams whole rows of B by 1D bulk copies (UBLKCP, no tensor maps) and multiplies on the CUDA cores
 // (FFMA, no HMMA), reading stages and A with 16-byte shared-memory loads, nothing in local memory.
 TEST(GemmNvrtc, small_m_variant4_streams_whole_rows_by_bulk_copy_and_multiplies_with_ffma) {
-    int checked = 0;
-    for (const Combo& c : combos()) {
-        if (c.layout != BLayout::kNK) continue;
-        const CompiledSass r = compile_to_sass(gemv_instantiations(c, {4}));
-        ASSERT_EQ(r.compiled.result, NVRTC_SUCCESS) << r.compiled.log;
-        expect_clean_ptxas_report(r.compiled.log, "small-M variant 4");
-        if (r.sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << r.why_not;
-        for (const auto& [name, code] : r.sass) {
-            EXPECT_GT(count(code, "UBLKCP"), 0u) << name << ": no 1D bulk copies";
-            EXPECT_EQ(count(code, "UTMALDG"), 0u) << name << ": TMA box loads in the whole-row variant";
-            EXPECT_GT(count(code, "FFMA"), 0u) << name << ": no FFMA";
-            EXPECT_EQ(count(code, " HMMA"), 0u) << name << ": HMMA in the whole-row variant";
-            EXPECT_GT(count(code, "LDS.128"), 0u) << name << ": no 16-byte shared-memory reads";
-            expect_no_local_memory(code, name);
-            ++checked;
-        }
+    const CompiledSass r = gemv_variant_sass(4, "small-M variant 4");
+    if (::testing::Test::HasFailure()) return;
+    if (!r.why_not.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << r.why_not;
+    for (const auto& [name, code] : r.sass) {
+        EXPECT_GT(count(code, "UBLKCP"), 0u) << name << ": no 1D bulk copies";
+        EXPECT_EQ(count(code, "UTMALDG"), 0u) << name << ": TMA box loads in the whole-row variant";
+        EXPECT_GT(count(code, "FFMA"), 0u) << name << ": no FFMA";
+        EXPECT_EQ(count(code, " HMMA"), 0u) << name << ": HMMA in the whole-row variant";
+        EXPECT_GT(count(code, "LDS.128"), 0u) << name << ": no 16-byte shared-memory reads";
+        expect_no_local_memory(code, name);
     }
-    EXPECT_EQ(checked, 4);  // 4 dtype pairs, one row tile
+    EXPECT_EQ(r.sass.size(), 4u);  // 4 dtype pairs, one row tile
 }
 
 // ---- small-M variant 2: loads in flight -----------------------------------------------------------------
