@@ -49,10 +49,6 @@ struct GemmTraits {
 inline constexpr int kBarConsumer0 = 1;
 inline constexpr int kBarBothConsumers = 3;
 
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 /// Two floats to packed 16-bit (lo in the low half).
 template <DType kOut>
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
@@ -199,10 +195,10 @@ __device__ __forceinline__ void store_slab(const float (&acc)[GemmTraits<kCfg>::
     if constexpr (kJ < T::kEpiSubtiles) {
         const unsigned buf = epi_base + (wg * 2 + (epi_count & 1u)) * T::kPlan.epi_buf_bytes;
         if (tid == 0) ptx::tma_wait_group_read<1>();  // the store that last read this buffer is done reading
-        named_barrier_sync(kBarConsumer0 + wg, 128);
+        ptx::named_barrier_sync(kBarConsumer0 + wg, 128);
         stage_subtile<kCfg, kJ>(acc, buf, tid / 32, tid % 32);
         ptx::fence_proxy_async_shared_cta();  // st.shared/stmatrix -> TMA (async proxy)
-        named_barrier_sync(kBarConsumer0 + wg, 128);
+        ptx::named_barrier_sync(kBarConsumer0 + wg, 128);
         if (tid == 0) {
             const int c0 = col0 + kJ * T::kEpiCols;
             if (valid && c0 < args.n_tma && row0 < row_limit) ptx::tma_store_2d(tma_d, buf, c0, row0);
@@ -253,7 +249,7 @@ template <class Hook>
 __device__ __forceinline__ void notify_stored(const typename Hook::Params& hook_params, const GemmTile& tile,
                                               int wg, int tid) {
     if (tid == 0) ptx::tma_wait_group<0>();
-    named_barrier_sync(kBarBothConsumers, kGemmConsumerWarpgroups * 128);
+    ptx::named_barrier_sync(kBarBothConsumers, kGemmConsumerWarpgroups * 128);
     if (wg == 0 && tid == 0 && tile.valid) Hook::after_tile_stored(hook_params, tile);
 }
 

@@ -651,9 +651,209 @@ __device__ __forceinline__ void gemv_rows_m(const GemvArgs& args) {
     }
 }
 
+/// Variant 4's row-group body (the op checks M <= kGemvGroupsMaxM, K a multiple of kGemvRowsSpanElems, ldb = K, one
+/// split, 16-byte aligned A rows; gemv_rows_uses_ffma(M, K) false): tensor cores for the M the FFMA body cannot
+/// carry. kGemvGroupsThreads threads: 8 consumer warps and a producer warp. CTA c owns rows n0 = c rows_per_cta ..
+/// of B and takes them in blocks of kGemvGroupsBlockRows (64): for each block, k chunk by k chunk
+/// (kGemvRowsSpanElems = 2048 k), group by group (8 rows). A stage is one group's chunk: 8 row pieces of 4 KiB,
+/// each one 1D bulk copy issued by the producer's lane 0 into its own 4 KiB of the stage (rows past the CTA's end
+/// are not copied: their stale pieces only reach columns of D that are not written). The producer refills a
+/// stage once all 8 consumer warps have arrived on its `empty` barrier (after their MMAs took the stage's values),
+/// so no consumer waits for a copy to be issued (from one thread inside the consumers' stage barrier, the 8
+/// copies per stage held every warp up: kernels/gemm/README.md, v14).
+/// Warp w takes k = 256 w .. 256 w + 255 of every stage, lane (g, t) the 16 bytes at k 32 p + 8 t (p = 0..7) of
+/// row g: with the k permutation of the other variants these are the B fragments of two m16n8k16 MMAs (n8 = the
+/// group's 8 rows), whose A fragments (rows g and g + 8 of A, zero past M; registers, loaded once per chunk from
+/// global memory: A is read once per block) serve all the chunk's groups. Each warp keeps one accumulator per
+/// group of the block (8 x 4 floats); at the block's end the consumers' partial sums meet in shared memory (after
+/// the ring: [8 warps][8 groups][32 lanes][4]) and are added in warp order (deterministic) while the ring
+/// already streams the next block.
+template <DType kOut, bool kIsBF16, int kStages, bool kUpperHalf>
+__device__ __forceinline__ void gemv_groups_body(const GemvArgs& args) {
+    constexpr int kStageBytes = kGemvRowsStageBytes;
+    constexpr int kGroupRows = 8;
+    constexpr int kPieceBytes = kStageBytes / kGroupRows;
+    constexpr int kChunkK = kGemvRowsSpanElems;
+    constexpr int kConsumers = kGemvGroupsThreads - 32;
+    constexpr int kWarps = kConsumers / 32;
+    constexpr int kWarpK = kChunkK / kWarps;
+    constexpr int kPairs = kWarpK / 32;  // pairs of k16 steps per warp and stage
+    constexpr int kGroups = kGemvGroupsBlockRows / kGroupRows;
+    constexpr int kBarConsumers = 1;  // named barrier of the consumer warps (0 is __syncthreads)
+    static_assert(kPieceBytes == 2 * kChunkK, "gemv_groups: a stage is 8 rows of one k chunk");
+    static_assert(kWarpK % 32 == 0, "gemv_groups: each warp takes whole pairs of k16 steps");
+    extern __shared__ __align__(1024) unsigned char gemv_smem[];
+    // Barriers: [kStages] stage landed, [kStages] stage read, A's slot landed, A's slot read.
+    const unsigned full = ptx::shared_address(gemv_smem);
+    const unsigned empty = full + 8 * kStages;
+    const unsigned a_full = empty + 8 * kStages;
+    const unsigned a_empty = a_full + 8;
+    const unsigned ring = (full + 128 + 1023) & ~1023u;
+    unsigned char* const ring_ptr = gemv_smem + (ring - full);
+    float* const red = reinterpret_cast<float*>(ring_ptr + gemv_rows_sums_offset(kStages));
+    const unsigned a_slot = ring + static_cast<unsigned>(gemv_groups_a_offset(kStages));
+    const int tid = static_cast<int>(threadIdx.x);
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int n0 = static_cast<int>(blockIdx.x) * args.rows_per_cta;
+    const int rows = min(args.rows_per_cta, args.n - n0);
+    if (rows <= 0) return;  // CTA-uniform (the op's grid leaves none empty)
+    const int chunks = args.k / kChunkK;
+    const int blocks = (rows + kGemvGroupsBlockRows - 1) / kGemvGroupsBlockRows;
+    const int last_groups = (rows - (blocks - 1) * kGemvGroupsBlockRows + kGroupRows - 1) / kGroupRows;
+    const int steps = ((blocks - 1) * kGroups + last_groups) * chunks;
+
+    static_assert((2 * kStages + 2) * 8 <= 128, "gemv_groups: the barriers fit before the ring");
+    if (tid == 0) {
+        for (int s = 0; s < kStages; ++s) {
+            ptx::mbarrier_init(full + 8 * s, 1);
+            ptx::mbarrier_init(empty + 8 * s, kWarps);
+        }
+        ptx::mbarrier_init(a_full, 1);
+        ptx::mbarrier_init(a_empty, kWarps);
+        ptx::fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    if (warp == kWarps) {  // the producer
+        if (lane != 0) return;
+        const auto* b = static_cast<const unsigned char*>(args.b) + static_cast<long long>(n0) * args.k * 2;
+        const long long row_bytes = static_cast<long long>(args.k) * 2;
+        const int a_rows = min(args.m, kGemvGroupsMaxM);
+        // A's slot holds chunk j of the sequence (block, chunk) for the consumers' start of it; chunk j + 1 goes
+        // in once every consumer warp has its chunk j in registers (a whole chunk of stages ahead of its use).
+        int seq = 0;
+        const auto fill_a = [&](int c) {
+            if (seq > 0 && !ptx::mbarrier_wait_parity_bounded(a_empty, static_cast<unsigned>(seq - 1) & 1u,
+                                                              kGemvStageWaitNs)) {
+                __trap();
+            }
+            if (seq > 0) ptx::fence_proxy_async_shared_cta();
+            ptx::mbarrier_arrive_expect_tx(a_full, static_cast<unsigned>(a_rows * kPieceBytes));
+            for (int r = 0; r < a_rows; ++r) {
+                ptx::bulk_load_1d(a_slot + static_cast<unsigned>(r * kPieceBytes),
+                                  static_cast<const unsigned char*>(args.a) +
+                                      (static_cast<long long>(r) * args.lda + static_cast<long long>(c) * kChunkK) * 2,
+                                  kPieceBytes, a_full);
+            }
+            ++seq;
+        };
+        for (int step = 0; step < steps; ++step) {
+            const int s = step % kStages;
+            if (step >= kStages) {
+                if (!ptx::mbarrier_wait_parity_bounded(empty + 8 * s, static_cast<unsigned>(step / kStages - 1) & 1u,
+                                                       kGemvStageWaitNs)) {
+                    __trap();
+                }
+                ptx::fence_proxy_async_shared_cta();  // the consumers' generic reads before the copy's writes
+            }
+            // Step: block step / (kGroups chunks) (earlier blocks are full), then chunk-major within the block.
+            const int bl = step / (kGroups * chunks);
+            const int rem = step - bl * kGroups * chunks;
+            const int groups = bl == blocks - 1 ? last_groups : kGroups;
+            const int c = rem / groups;
+            const int r0 = bl * kGemvGroupsBlockRows + (rem - c * groups) * kGroupRows;
+            const int n_rows = min(kGroupRows, rows - r0);
+            if (rem - c * groups == 0) fill_a(c);  // the chunk's first stage
+            const unsigned stage = ring + static_cast<unsigned>(s * kStageBytes);
+            ptx::mbarrier_arrive_expect_tx(full + 8 * s, static_cast<unsigned>(n_rows * kPieceBytes));
+            for (int j = 0; j < n_rows; ++j) {
+                ptx::bulk_load_1d(stage + static_cast<unsigned>(j * kPieceBytes),
+                                  b + (r0 + j) * row_bytes + static_cast<long long>(c) * kPieceBytes, kPieceBytes,
+                                  full + 8 * s);
+            }
+        }
+        return;
+    }
+
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const unsigned char* const piece = ring_ptr + g * kPieceBytes + (kWarpK * warp + 8 * t) * 2;
+    const unsigned char* const a_lo = ring_ptr + gemv_groups_a_offset(kStages) + (piece - ring_ptr);
+    const unsigned char* const a_hi = a_lo + 8 * kPieceBytes;
+    float acc[kGroups][4] = {};
+    int i = 0;
+    int seq = 0;  // chunks started
+    for (int bl = 0; bl < blocks; ++bl) {
+        const int groups = bl == blocks - 1 ? last_groups : kGroups;
+        for (int c = 0; c < chunks; ++c) {
+            // A's fragments of chunk c (lo: row g, hi: row g + 8, zeros past M) from the slot into registers; the
+            // slot goes back to the producer once the first group's MMAs have taken them. (Loaded from global memory
+            // here instead, every warp stalled ~1.5 us per chunk for L2 behind the stream's traffic:
+            // kernels/gemm/README.md, v14.)
+            if (!ptx::mbarrier_wait_parity_bounded(a_full, static_cast<unsigned>(seq) & 1u, kGemvStageWaitNs)) __trap();
+            uint4 lo[kPairs], hi[kPairs];
+#pragma unroll
+            for (int p = 0; p < kPairs; ++p) {
+                lo[p] = lds_16_if(g < args.m, a_lo + 64 * p);
+                hi[p] = kUpperHalf ? lds_16_if(g + 8 < args.m, a_hi + 64 * p) : make_uint4(0u, 0u, 0u, 0u);
+            }
+            ++seq;
+#pragma unroll
+            for (int q = 0; q < kGroups; ++q) {
+                if (q < groups) {
+                    const int s = i % kStages;
+                    if (!ptx::mbarrier_wait_parity_bounded(full + 8 * s, static_cast<unsigned>(i / kStages) & 1u,
+                                                           kGemvStageWaitNs)) {
+                        __trap();
+                    }
+                    uint4 w[kPairs];
+#pragma unroll
+                    for (int p = 0; p < kPairs; ++p) w[p] = lds_16_if(true, piece + s * kStageBytes + 64 * p);
+#pragma unroll
+                    for (int p = 0; p < kPairs; ++p) {
+                        mma_m16n8k16<kIsBF16>(acc[q], lo[p].x, hi[p].x, lo[p].y, hi[p].y, w[p].x, w[p].y);
+                        mma_m16n8k16<kIsBF16>(acc[q], lo[p].z, hi[p].z, lo[p].w, hi[p].w, w[p].z, w[p].w);
+                    }
+                    // The MMAs above have taken the stage's values (in-order issue): release it, and after the
+                    // chunk's first group A's slot.
+                    __syncwarp();
+                    if (lane == 0) ptx::mbarrier_arrive(empty + 8 * s);
+                    if (q == 0 && lane == 0) ptx::mbarrier_arrive(a_empty);
+                    ++i;
+                }
+            }
+        }
+        // The block's sums: accumulator q of lane (g, t) holds rows m = g (c0, c1) and g + 8 (c2, c3) of D at
+        // the group's columns 2t, 2t + 1.
+#pragma unroll
+        for (int q = 0; q < kGroups; ++q) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                red[((warp * kGroups + q) * 32 + lane) * 4 + e] = acc[q][e];
+                acc[q][e] = 0.f;
+            }
+        }
+        ptx::named_barrier_sync(kBarConsumers, kConsumers);
+        for (int idx = tid; idx < kGroups * 32 * 4; idx += kConsumers) {
+            const int q = idx / 128;
+            const int l = (idx / 4) % 32;
+            const int e = idx % 4;
+            const int m = l / 4 + (e >= 2 ? 8 : 0);
+            const int row = bl * kGemvGroupsBlockRows + q * kGroupRows + 2 * (l % 4) + (e & 1);
+            if (m < args.m && row < rows) {
+                float total = 0.f;
+#pragma unroll
+                for (int w = 0; w < kWarps; ++w) total += red[(w * kGroups * 32 * 4) + idx];
+                store_out<kOut>(args.d, static_cast<int64_t>(m) * args.ldd + n0 + row, total);
+            }
+        }
+        ptx::named_barrier_sync(kBarConsumers, kConsumers);  // the sums are read before the next block writes them
+    }
+}
+
 template <DType kOut, bool kIsBF16, int kStages>
 __device__ __forceinline__ void gemv_rows(const GemvArgs& args) {
     static_assert(kGemvRowsMaxM == 4, "gemv_rows: one body per M");
+    if (blockDim.x != static_cast<unsigned>(gemv_rows_threads(args.m, args.k))) __trap();  // the op's launch
+    if (!gemv_rows_uses_ffma(args.m, args.k)) {
+        if (args.m <= 8) {
+            gemv_groups_body<kOut, kIsBF16, kStages, false>(args);
+        } else {
+            gemv_groups_body<kOut, kIsBF16, kStages, true>(args);
+        }
+        return;
+    }
     switch (args.m) {
         case 1: gemv_rows_m<kOut, kIsBF16, kStages, 1>(args); break;
         case 2: gemv_rows_m<kOut, kIsBF16, kStages, 2>(args); break;
@@ -676,12 +876,14 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& args) {
 ///              loads in flight per warp; A chunk by chunk from L1.
 ///   variant 3: kBulk: the shared-memory ring of gemv_mainloop_bulk, kStages stages of 256 k, filled by TMA
 ///              through `maps`; gemv_smem_bytes(3, kMTiles) of dynamic shared memory.
-///   variant 4: kBulk and kWholeRows (kMTiles 1): detail::gemv_rows, whole rows of B by 1D bulk copies and FMAs
-///              (M <= 4, K = 2048 x 1, 2, 4 or 8, M K <= 32768, ldb = K, one split, one CTA per SM with args.rows_per_cta rows;
-///              maps unused); gemv_rows_smem_bytes(kStages).
+///   variant 4: kBulk and kWholeRows (kMTiles 1): detail::gemv_rows, B's rows by 1D bulk copies (M <= 16, K a
+///              multiple of 2048, ldb = K, one split, one CTA per SM with args.rows_per_cta rows; maps unused): whole
+///              rows and FMAs where gemv_rows_uses_ffma (M <= 4, K = 2048 x 1, 2, 4 or 8, M K <= 32768; 256 threads),
+///              else 8-row groups on the tensor cores (gemv_groups_body; 288 threads: gemv_rows_threads);
+///              gemv_rows_smem_bytes(kStages).
 template <int kMTiles, DType kIn, DType kOut, int kNTiles = 4, int kStages = 0, bool kBulk = false,
           bool kWholeRows = false>
-__global__ void __launch_bounds__(gemv_threads(kBulk),
+__global__ void __launch_bounds__(kWholeRows ? kGemvGroupsThreads : gemv_threads(kBulk),
                                   detail::gemv_min_ctas_per_sm(kMTiles, kStages, kBulk))
     gemv_kernel(const GemvArgs args, const __grid_constant__ GemvMaps maps) {
     static_assert(kMTiles >= 1 && kMTiles <= 4, "gemv_kernel covers M <= 64");

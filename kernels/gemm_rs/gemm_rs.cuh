@@ -144,7 +144,7 @@ struct RsPushHook {
                 if (s != rank) wait_geq_inline(p.ctx, p.counters + rs_counter_index(s, chunk, cpr), need, __LINE__);
             }
         }
-        gemm::detail::named_barrier_sync(gemm::detail::kBarConsumer0 + wg, 128);  // the acquire covers the warpgroup
+        ptx::named_barrier_sync(gemm::detail::kBarConsumer0 + wg, 128);  // the acquire covers the warpgroup
 
         constexpr int kGroups = kC.tile_n / 8;
         constexpr int kBatch = kGroups < 8 ? kGroups : 8;  // 2 x kBatch 4-byte loads in flight per thread

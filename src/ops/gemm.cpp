@@ -248,11 +248,10 @@ GemmProblem validate_gemm_args(const TensorView& a, const TensorView& b, const T
 
 std::string gemv_rows_unsupported(const GemmProblem& p) {
     std::ostringstream why;
-    if (p.m > kGemvRowsMaxM) why << "M = " << p.m << " > " << kGemvRowsMaxM;
+    if (p.m > kGemvGroupsMaxM) why << "M = " << p.m << " > " << kGemvGroupsMaxM;
     else if (p.b_layout != BLayout::kNK || !p.b_rows_contiguous) why << "B is not [N,K] with contiguous, 16-byte aligned rows (ldb = K)";
-    else if (!gemv_rows_k_ok(p.k)) why << "K = " << p.k << " is not " << kGemvRowsSpanElems << " x 1, 2, 4 or 8";
-    else if (p.m * p.k > kGemvRowsMaxMK) {
-        why << "M x K = " << p.m << " x " << p.k << " exceeds " << kGemvRowsMaxMK << " (A's values sit in registers)";
+    else if (!gemv_rows_uses_ffma(p.m, p.k) && p.k % kGemvRowsSpanElems != 0) {
+        why << "K = " << p.k << " is not a multiple of " << kGemvRowsSpanElems;
     }
     return why.str();
 }
@@ -297,11 +296,13 @@ bool gemm_allows_small_m(const GemmProblem& p, const GemmOptions& options) {
     return !options.config && options.allow_small_m && p.m <= options.small_m_max_m && p.b_layout == BLayout::kNK;
 }
 
-// The small-M variant when the caller leaves it to the op: whole rows (4) where it serves and K >= 4096, else the
-// TMA ring (3). H200, bf16, 2026-11-30 (kernels/gemm/README.md, v10, v11): variant 4 took 34.6-36.3 us at 1x8192x8192
-// against variant 3's 37.3-38.1 (cuBLASLt 36.5-37.4), 57.8-58.7 against 64.8-65.3 at 1x28672x4096, 36.2-36.9 against
-// 37.9-38.0 at 3x8192x8192, and was never slower at M = 3, 4 with K >= 4096; at K = 2048 (one span per row) it
-// gained nothing at M = 1 and lost 3% at M = 2.
+// The small-M variant when the caller leaves it to the op: bulk-copied rows (4) where it serves and K >= 4096, else
+// the TMA ring (3). H200, bf16, 2026-11-30 (kernels/gemm/README.md, v10, v11, v14): variant 4 took 34.6-36.3 us at
+// 1x8192x8192 against variant 3's 37.3-38.1 (cuBLASLt 36.5-37.4), 57.8-58.7 against 64.8-65.3 at 1x28672x4096,
+// 36.2-36.9 against 37.9-38.0 at 3x8192x8192, and was never slower at M = 3, 4 with K >= 4096; at K = 2048 (one span
+// per row) it gained nothing at M = 1 and lost 3% at M = 2. Its row-group body (M 5..16): 35.8-37.8 us against
+// 37.6-38.9 at M = 5, 8, 16 with N = K = 8192, 63.3 against 65.8-66.2 at 16x28672x4096, 14.9-15.2 against 16.3-16.6
+// at 8x4096x4096, even at 16x8192x16384; 2.5% slower only at 16x8192x4096 (22.9-23.0 against 22.3-22.5).
 namespace {
 int auto_small_m_variant(const GemmProblem& p) {
     return p.k >= 2 * kGemvRowsSpanElems && gemv_rows_unsupported(p).empty() ? 4 : 3;
@@ -324,9 +325,9 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
         plan.grid = ceil_div(p.n, gemv_cols_per_cta(shape.n_tiles));
         if (shape.whole_rows) {
             const std::string why = gemv_rows_unsupported(p);
-            WEFT_CHECK(why.empty(), "gemm: small-M variant 4 (whole rows) cannot serve this call: " << why);
+            WEFT_CHECK(why.empty(), "gemm: small-M variant 4 (bulk-copied rows) cannot serve this call: " << why);
             WEFT_CHECK(options.small_m_splits <= 1,
-                       "gemm: small-M variant 4 (whole rows) has no split-K, got small_m_splits " << options.small_m_splits);
+                       "gemm: small-M variant 4 (bulk-copied rows) has no split-K, got small_m_splits " << options.small_m_splits);
             // One CTA per SM of the budget, N spread evenly: ceil(N / grid) rows each, none empty.
             plan.grid = static_cast<int>(ceil_div(p.n, ceil_div(p.n, static_cast<int64_t>(budget))));
             plan.small_m_k_per_split = static_cast<int32_t>(ceil_div(p.k, 32) * 32);
@@ -431,7 +432,7 @@ std::string gemv_kernel_instantiation(int m_tiles, DType in_dtype, DType out_dty
                "gemv_kernel_instantiation: variant must be 0, 1, 2, 3 or 4, got " << variant);
     const GemvShape shape = gemv_shape(variant, m_tiles);
     WEFT_CHECK(!shape.whole_rows || m_tiles == 1,
-               "gemv_kernel_instantiation: variant 4 (whole rows) serves M <= " << kGemvRowsMaxM << " (m_tiles 1), got m_tiles "
+               "gemv_kernel_instantiation: variant 4 (bulk-copied rows) serves M <= " << kGemvGroupsMaxM << " (m_tiles 1), got m_tiles "
                                                                               << m_tiles);
     std::ostringstream os;
     os << "weft::gemm::gemv_kernel<" << m_tiles << ", " << dtype_enum(in_dtype) << ", " << dtype_enum(out_dtype) << ", "
@@ -683,10 +684,10 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
         // A is read 16 bytes at a time (the plan checked B): 16-byte aligned rows.
         WEFT_CHECK(reinterpret_cast<uintptr_t>(a.data) % 16 == 0 &&
                        (a.dim(0) <= 1 || (a.stride(0) * dtype_bytes(a.dtype)) % 16 == 0),
-                   "gemm: small-M variant 4 (whole rows) needs a's base and row stride 16-byte aligned, got "
+                   "gemm: small-M variant 4 (bulk-copied rows) needs a's base and row stride 16-byte aligned, got "
                        << a.describe());
         WEFT_CHECK(b.stride(0) == b.dim(1) || b.dim(0) <= 1,
-                   "gemm: small-M variant 4 (whole rows) needs b's rows back to back (ldb = K), got " << b.describe());
+                   "gemm: small-M variant 4 (bulk-copied rows) needs b's rows back to back (ldb = K), got " << b.describe());
     } else if (shape.bulk) {
         const CUtensorMapSwizzle swizzle = kGemvBulkBoxK == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE;
         encode_2d(&l.maps.a, a, "a", static_cast<uint64_t>(a.dim(1)), static_cast<uint64_t>(a.dim(0)), kGemvBulkBoxK,
@@ -695,7 +696,8 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
                   static_cast<uint32_t>(32 * shape.n_tiles), swizzle);
     }
     l.grid = dim3(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
-    l.block = dim3(static_cast<unsigned>(gemv_threads(shape.bulk)), 1, 1);
+    l.block = dim3(static_cast<unsigned>(shape.whole_rows ? gemv_rows_threads(l.args.m, l.args.k) : gemv_threads(shape.bulk)),
+                   1, 1);
     l.smem_bytes = shape.whole_rows ? gemv_rows_smem_bytes(shape.stages)
                                     : gemv_smem_bytes(plan.small_m_variant, plan.small_m_tiles);
     return l;

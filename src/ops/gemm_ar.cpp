@@ -100,7 +100,7 @@ struct GemmAr::State {
     int small_m_variant = 1;            // of the loaded small-M kernels
 
     const jit::Kernel* gemv[4] = {nullptr, nullptr, nullptr, nullptr};
-    // Small-M variant 4 (whole rows), loaded where ops::gemm would pick it for this shape with B's rows back to
+    // Small-M variant 4 (B's rows by bulk copies), loaded where ops::gemm would pick it for this shape with B's rows back to
     // back; each call takes it when its b is so (small_m_plan with b_rows_contiguous).
     const jit::Kernel* gemv_rows = nullptr;
     const jit::Kernel* tiled = nullptr;

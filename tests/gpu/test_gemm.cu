@@ -369,14 +369,48 @@ TEST(GemmSmallM, Variant4WholeRowsMatchesFp64) {
     }
 }
 
+// Variant 4's row-group body (tensor cores; M 5..16, or K the whole-row body cannot hold: M x K > 32768 or K not
+// 2048 x 1, 2, 4, 8): M on both sides of 8 (one or two 8-row halves of A) and M = 1, 3 with such K; one CTA with
+// one partial group (N = 8, 5), a block edge (63, 64, 65 rows), several blocks per CTA with a partial last group
+// (1000 rows on 5 SMs: 200 per CTA, 4 blocks; 40000 on the whole GPU), short last CTAs; K = 2048 to 16384 (1 to 8
+// chunks); strided A and D; every dtype pair; the decode shapes.
+TEST(GemmSmallM, Variant4RowGroupsMatchFp64) {
+    REQUIRE_SM90();
+    struct GroupsCase {
+        int64_t m, n, k;
+        int budget;
+    };
+    const GroupsCase cases[] = {{5, 8, 2048, 1},     {16, 5, 4096, 1},    {8, 63, 2048, 1},    {9, 64, 8192, 1},
+                                {16, 65, 6144, 1},   {12, 1000, 4096, 5}, {16, 1000, 16384, 3}, {7, 777, 8192, 4},
+                                {1, 520, 6144, 3},   {3, 700, 16384, 2},  {16, 8192, 8192, 0},  {8, 8192, 8192, 0},
+                                {13, 40000, 4096, 0}, {16, 28672, 4096, 0}, {5, 4104, 2048, 0}};
+    for (const auto& gc : cases) {
+        ASSERT_FALSE(gemv_rows_uses_ffma(gc.m, gc.k)) << "M = " << gc.m << ", K = " << gc.k;
+        Case c{gc.m, gc.n, gc.k};
+        c.small_m_variant = 4;
+        c.sm_budget = gc.budget;
+        c.pad_a = 8;
+        c.pad_d = 8;
+        check_case(c);
+    }
+    for (const auto& io : kOtherIoPairs) {
+        for (int64_t m : {5, 16}) {
+            Case c{m, 1000, 4096, io[0], io[1]};
+            c.small_m_variant = 4;
+            c.sm_budget = 4;
+            check_case(c);
+        }
+    }
+}
+
 // Calls on one stream back to back reuse the small-M workspace: counters must be back at zero, also when
 // consecutive calls use variants with different column blocks (and so different counter counts).
 TEST(GemmSmallM, RepeatedCallsStayCorrect) {
     REQUIRE_SM90();
     for (int i = 0; i < 2 * kGemvNumVariants; ++i) {
         const int variant = i % kGemvNumVariants;
-        const bool whole_rows = gemv_shape(variant, 1).whole_rows;  // M <= 4 only
-        Case c{whole_rows ? (i < kGemvNumVariants ? 1 : 2) : (i < kGemvNumVariants ? 3 : 40), 2000, 4096};
+        const bool whole_rows = gemv_shape(variant, 1).whole_rows;  // M <= 16 only (both of its bodies)
+        Case c{whole_rows ? (i < kGemvNumVariants ? 1 : 16) : (i < kGemvNumVariants ? 3 : 40), 2000, 4096};
         c.small_m_variant = variant;
         c.small_m_max_m = kGemvMaxM;
         if (whole_rows) c.sm_budget = 8;  // 250 rows per CTA: within variant 4's 256 (it has no split-K)

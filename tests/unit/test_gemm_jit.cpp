@@ -57,7 +57,7 @@ TEST(GemmJitCodegen, InstantiationIsTheConfigWithDesignatedInitialisers) {
               "weft::gemm::gemv_kernel<1, weft::DType::kBF16, weft::DType::kBF16, 2, 4, true>");
     EXPECT_EQ(gemv_kernel_instantiation(4, DType::kF16, DType::kF32, 3),
               "weft::gemm::gemv_kernel<4, weft::DType::kF16, weft::DType::kF32, 2, 3, true>");
-    // Variant 4 (whole rows): variant 3's arguments and kWholeRows, one row tile only.
+    // Variant 4 (B's rows by bulk copies): variant 3's arguments and kWholeRows, one row tile only.
     EXPECT_EQ(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 4),
               "weft::gemm::gemv_kernel<1, weft::DType::kBF16, weft::DType::kBF16, 2, 4, true, true>");
     EXPECT_THROW(gemv_kernel_instantiation(2, DType::kBF16, DType::kBF16, 4), Error);

@@ -276,8 +276,8 @@ TEST(GemmPlan, SmallMVariant3RingFitsItsPlannedCtasPerSm) {
     }
 }
 
-// Variant 4 (whole rows) serves only M <= 4 with B's rows back to back, K = 2048 x 1, 2, 4 or 8 and M K <= 32768
-// (no split-K);
+// Variant 4 (bulk-copied rows) serves only M <= 16 with B's rows back to back and K a multiple of 2048 (its
+// whole-row FMA body: M <= 4, K = 2048 x 1, 2, 4 or 8, M K <= 32768; its row-group MMA body elsewhere), no split-K;
 // forced elsewhere, the plan names what is missing. Where it serves: one split, no workspace, one CTA per SM with N
 // spread evenly (8192 rows on 132 SMs: 63 rows each, 131 CTAs), and the launch takes the ring's shared memory. Left
 // to the op (small_m_variant -1), it is picked where it serves and K >= 4096; variant 3 elsewhere.
@@ -302,21 +302,31 @@ TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 2; q.k = 4096; }), 132).small_m_variant, 4);
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 2048; }), 132).small_m_variant, 3);
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 4; }), 132).small_m_variant, 4);
-    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 5; }), 132).small_m_variant, 3);
-    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 4; q.k = 16384; }), 132).small_m_variant, 3);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 5; }), 132).small_m_variant, 4);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 16; }), 132).small_m_variant, 4);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 17; }), 132).small_m_variant, 3);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 4; q.k = 16384; }), 132).small_m_variant, 4);
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.b_rows_contiguous = false; }), 132).small_m_variant, 3);
-    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 6144; }), 132).small_m_variant, 3);
-    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.m = 5; }), 132, v4); }, "M = 5 > 4");
-    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.m = 3; q.k = 16384; }), 132, v4); },
-                          "M x K = 3 x 16384 exceeds 32768");
-    EXPECT_EQ(ops::gemv_rows_unsupported(with([](auto& q) { q.m = 4; })), "");
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 6144; }), 132).small_m_variant, 4);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 6656; }), 132).small_m_variant, 3);
+    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.m = 17; }), 132, v4); }, "M = 17 > 16");
+    // The body: FMAs with A in registers where it fits, else the row groups on the tensor cores.
+    EXPECT_TRUE(gemv_rows_uses_ffma(4, 8192));
+    EXPECT_TRUE(gemv_rows_uses_ffma(1, 16384));
+    EXPECT_FALSE(gemv_rows_uses_ffma(3, 16384));
+    EXPECT_FALSE(gemv_rows_uses_ffma(5, 8192));
+    EXPECT_FALSE(gemv_rows_uses_ffma(1, 6144));
+    for (int64_t m : {1, 4, 5, 8, 9, 16}) EXPECT_EQ(ops::gemv_rows_unsupported(with([&](auto& q) { q.m = m; })), "");
     expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.b_rows_contiguous = false; }), 132, v4); },
                           "contiguous, 16-byte aligned rows");
     expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.k = 8200; }), 132, v4); },
-                          "K = 8200 is not 2048 x 1, 2, 4 or 8");
-    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.k = 6144; }), 132, v4); },
-                          "K = 6144 is not 2048 x 1, 2, 4 or 8");
-    for (int64_t k : {2048, 4096, 16384}) EXPECT_EQ(ops::gemv_rows_unsupported(with([&](auto& q) { q.k = k; })), "");
+                          "K = 8200 is not a multiple of 2048");
+    expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.m = 8; q.k = 3584; }), 132, v4); },
+                          "K = 3584 is not a multiple of 2048");
+    for (int64_t k : {2048, 4096, 6144, 16384, 32768}) {
+        EXPECT_EQ(ops::gemv_rows_unsupported(with([&](auto& q) { q.k = k; })), "");
+        EXPECT_EQ(ops::gemv_rows_unsupported(with([&](auto& q) { q.k = k; q.m = 16; })), "");
+    }
     // Any N: 128256 rows on 132 SMs are 972 rows per CTA, 132 CTAs.
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.n = 128256; }), 132, v4).grid, 132);
     // Few rows: every CTA still gets at least one (N = 200 on 132 SMs: 2 rows each, 100 CTAs).

@@ -244,7 +244,7 @@ struct GemvShape {
     int stage_chunks;  ///< variant 2: 32-wide k chunks per stage (each one 16-byte load per lane and n8 tile)
     int ctas_per_sm;   ///< CTAs per SM the split count aims at; variants 2, 3: __launch_bounds__ minimum
     bool bulk = false; ///< variants 3, 4: B and A stream through a shared-memory ring (kGemvBulkThreads threads)
-    bool whole_rows = false;  ///< variant 4: B's rows stream whole, one contiguous bulk copy per stage (M <= 4)
+    bool whole_rows = false;  ///< variant 4: B's rows stream by 1D bulk copies, one CTA per SM (M <= 16)
 };
 
 /// Threads per CTA of the small-M kernel (the launch's block): kGemvBulkThreads for variants 3 and 4, else
@@ -273,13 +273,35 @@ inline constexpr int kGemvRowsStageBytes = 32 * 1024;
 inline constexpr int kGemvRowsSpanElems = 2048;  ///< 4 KiB of 16-bit elements: 256 threads x 16 bytes
 /// Offset of the sums from the ring's start (the first 1024-byte boundary past 128 bytes of barriers).
 WEFT_HOST_DEVICE constexpr int gemv_rows_sums_offset(int stages) { return stages * kGemvRowsStageBytes; }
-WEFT_HOST_DEVICE constexpr int gemv_rows_smem_bytes(int stages) {
-    return 128 + 1024 + gemv_rows_sums_offset(stages) + 2 * 8 * 8 * kGemvRowsMaxM * 4;
+/// Variant 4's row-group body, for the M and K the whole-row FMA body cannot hold (gemv_rows_uses_ffma false): M <=
+/// kGemvGroupsMaxM, K any multiple of kGemvRowsSpanElems. The CTA's rows go in blocks of kGemvGroupsBlockRows; a
+/// stage is one k chunk (kGemvRowsSpanElems) of 8 rows, 8 1D bulk copies of 4 KiB; tensor cores (mma.sync
+/// m16n8k16: the 8 rows are the n8, A's 16 rows the m16); the warps' sums of a block meet in shared memory after
+/// the ring ([8 warps][8 groups][32 lanes][4] fp32, 32 KiB), then A's slot (the next k chunk of A's rows, 64 KiB).
+inline constexpr int kGemvGroupsMaxM = 16;
+inline constexpr int kGemvGroupsBlockRows = 64;
+inline constexpr int kGemvGroupsThreads = 288;  ///< 8 consumer warps and a producer warp
+/// Offset of the row-group body's A slot (A's kGemvGroupsMaxM rows of one k chunk, 4 KiB each) from the ring's start.
+WEFT_HOST_DEVICE constexpr int gemv_groups_a_offset(int stages) {
+    return gemv_rows_sums_offset(stages) + 8 * (kGemvGroupsBlockRows / 8) * 32 * 4 * 4;
 }
-/// K that variant 4 serves: kGemvRowsSpanElems times 1, 2, 4 or 8 (a stage of 8 spans holds whole rows).
+WEFT_HOST_DEVICE constexpr int gemv_rows_smem_bytes(int stages) {
+    return 128 + 1024 + gemv_groups_a_offset(stages) + kGemvGroupsMaxM * 2 * kGemvRowsSpanElems;
+}
+/// K that variant 4's whole-row FMA body serves: kGemvRowsSpanElems times 1, 2, 4 or 8 (a stage of 8 spans holds
+/// whole rows).
 WEFT_HOST_DEVICE constexpr bool gemv_rows_k_ok(int64_t k) {
     return k == kGemvRowsSpanElems || k == 2 * kGemvRowsSpanElems || k == 4 * kGemvRowsSpanElems ||
            k == 8 * kGemvRowsSpanElems;
+}
+/// Which of variant 4's bodies serves (M, K): the whole-row FMA body (A in registers) where it can, else the
+/// row-group body (tensor cores). The kernel and the op both decide by this.
+WEFT_HOST_DEVICE constexpr bool gemv_rows_uses_ffma(int64_t m, int64_t k) {
+    return m <= kGemvRowsMaxM && gemv_rows_k_ok(k) && m * k <= kGemvRowsMaxMK;
+}
+/// Variant 4's block for (M, K): kGemvBulkThreads for the whole-row body, kGemvGroupsThreads for the row groups.
+WEFT_HOST_DEVICE constexpr int gemv_rows_threads(int64_t m, int64_t k) {
+    return gemv_rows_uses_ffma(m, k) ? kGemvBulkThreads : kGemvGroupsThreads;
 }
 
 /// Variant 2 keeps stages x stage_chunks x n_tiles 16-byte B loads (512 bytes per warp each) in flight per warp.

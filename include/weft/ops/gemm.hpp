@@ -47,12 +47,14 @@ struct GemmOptions {
     int small_m_max_m = 64;
     int small_m_splits = 0;            ///< force the small-M path's split count (0 = heuristic)
     /// Small-M kernel (gemv_shape in weft/common/gemm_config.hpp, kernels/gemm/gemv_sm90.cuh): -1 = the op picks
-    /// (default): 4 where it serves (gemv_rows_unsupported is empty) and K >= 4096, else 3. 4 = whole rows of B by
-    /// 1D bulk copies into a shared-memory ring and CUDA-core FMAs, one CTA per SM (M <= 4, ldb = K, K = 2048 x 1,
-    /// 2, 4 or 8, M K <= 32768); 3 = B and A stream through a shared-memory ring filled by TMA; 2 = a register ring keeping 8-12
+    /// (default): 4 where it serves (gemv_rows_unsupported is empty) and K >= 4096, else 3. 4 = B's rows by 1D
+    /// bulk copies into a shared-memory ring, one CTA per SM (M <= 16, ldb = K, K a multiple of 2048): whole rows
+    /// and CUDA-core FMAs for M <= 4 with K = 2048 x 1, 2, 4 or 8 and M K <= 32768, else groups of 8 rows on the
+    /// tensor cores; 3 = B and A stream through a shared-memory ring filled by TMA; 2 = a register ring keeping 8-12
     /// B loads in flight per warp; 1 = 8 columns per warp, 1 KiB contiguous per row per iteration; 0 = 32 columns
     /// per warp. H200, bf16, B [N,K], one run each (kernels/gemm/README.md, v10): 1x8192x8192 v4 / v3 / cuBLASLt
-    /// 35.3-36.3 / 37.3-38.1 / 37.2-37.4 us; 1x28672x4096 57.8-58.7 / 64.8-65.3 / 58.8-59.5 us.
+    /// 35.3-36.3 / 37.3-38.1 / 37.2-37.4 us; 1x28672x4096 57.8-58.7 / 64.8-65.3 / 58.8-59.5 us; 16x8192x8192
+    /// (row groups, v14) 37.6-37.8 / 37.8-38.9 / 36.1-36.5 us.
     int small_m_variant = -1;
     void* workspace = nullptr;         ///< small-M scratch of gemm_workspace_bytes, 256-byte aligned: split-K
                                        ///< counters first (zero-filled before the first use; each call leaves
@@ -94,9 +96,9 @@ struct GemmProblem {
     bool b_rows_contiguous = false;
 };
 
-/// Why small-M variant 4 (whole rows) cannot serve `p`, or "" when it can: M <= kGemvRowsMaxM, B [N,K] with
-/// contiguous rows, K = kGemvRowsSpanElems x 1, 2, 4 or 8 (gemv_rows_k_ok) and M K <= kGemvRowsMaxMK. Any N: one CTA per SM of the budget
-/// takes ceil(N / SMs) consecutive rows (no split-K).
+/// Why small-M variant 4 (B's rows by bulk copies) cannot serve `p`, or "" when it can: M <= kGemvGroupsMaxM, B
+/// [N,K] with contiguous rows, and K a multiple of kGemvRowsSpanElems (any K of gemv_rows_k_ok for the whole-row
+/// body, gemv_rows_uses_ffma). Any N: one CTA per SM of the budget takes ceil(N / SMs) consecutive rows (no split-K).
 std::string gemv_rows_unsupported(const GemmProblem& p);
 
 /// Which kernel serves a call.
