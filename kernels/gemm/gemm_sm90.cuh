@@ -33,7 +33,9 @@ struct GemmTraits {
     static constexpr bool kIsBF16 = kCfg.in_dtype == DType::kBF16;
     static constexpr int kTransB = kCfg.b_layout == BLayout::kKN ? 1 : 0;
     static constexpr int kEpiCols = gemm_epi_cols(kCfg);
-    static constexpr int kEpiSubtiles = kCfg.tile_n / kEpiCols;
+    static constexpr int kEpiSubtiles = kCfg.tile_n / kEpiCols;  // whole store boxes
+    static constexpr int kEpiTmaCols = kEpiSubtiles * kEpiCols;  // columns of a tile stored by TMA
+    static constexpr bool kEpiTail = kEpiTmaCols < kCfg.tile_n;  // the rest by plain stores (gemm_epi_tail)
     static constexpr int kConsumerWarps = kGemmConsumerWarpgroups * 4;
     static constexpr int kRowBytes = kCfg.tile_k * 2;  // 128: one swizzle row
     // Multicast split of the shared operand between the two CTAs of a cluster.
@@ -224,8 +226,20 @@ __device__ __forceinline__ void st_global_elem(void* base, int64_t idx, float v)
     }
 }
 
-/// Columns [n_tma, N) of one slab (less than 16 bytes per row) with plain stores: a TMA store box would
-/// write the whole 16-byte chunk and overwrite the row padding past N.
+/// Two adjacent elements of D at idx (even) as one store.
+template <DType kOut>
+__device__ __forceinline__ void st_global_pair(void* base, int64_t idx, float lo, float hi) {
+    if constexpr (kOut == DType::kF32) {
+        *reinterpret_cast<float2*>(static_cast<float*>(base) + idx) = make_float2(lo, hi);
+    } else {
+        *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(base) + idx) = pack2<kOut>(lo, hi);
+    }
+}
+
+/// With plain stores: columns [n_tma, N) of one slab (less than 16 bytes per row: a TMA store box would write the
+/// whole 16-byte chunk and overwrite the row padding past N), and, for a tile width that is not a whole number of
+/// store boxes (GemmTraits::kEpiTail), the tile's columns past its last whole box (a box there would overwrite the
+/// next tile's columns).
 template <GemmConfig kCfg>
 __device__ __forceinline__ void store_slab_tail(const float (&acc)[GemmTraits<kCfg>::kAccPerSlab], int row0, int col0,
                                                 int warp_in_wg, int lane, const GemmArgs& args) {
@@ -233,10 +247,18 @@ __device__ __forceinline__ void store_slab_tail(const float (&acc)[GemmTraits<kC
     const int r_hi = r_lo + 8;
 #pragma unroll
     for (int g = 0; g < kCfg.tile_n / 8; ++g) {
+        const bool past_boxes = 8 * g >= GemmTraits<kCfg>::kEpiTmaCols;  // compile-time after unrolling
+        const int c0 = col0 + 8 * g + 2 * (lane % 4);
+        if (past_boxes && c0 + 1 < args.n) {
+            // Both columns: one 4- or 8-byte store per row (D's row stride is a multiple of 16 bytes: TMA-stored).
+            if (r_lo < args.m) st_global_pair<kCfg.out_dtype>(args.d, r_lo * args.ldd + c0, acc[4 * g], acc[4 * g + 1]);
+            if (r_hi < args.m) st_global_pair<kCfg.out_dtype>(args.d, r_hi * args.ldd + c0, acc[4 * g + 2], acc[4 * g + 3]);
+            continue;
+        }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const int c = col0 + 8 * g + 2 * (lane % 4) + e;
-            if (c >= args.n_tma && c < args.n) {
+            const int c = c0 + e;
+            if ((past_boxes || c >= args.n_tma) && c < args.n) {
                 if (r_lo < args.m) st_global_elem<kCfg.out_dtype>(args.d, r_lo * args.ldd + c, acc[4 * g + e]);
                 if (r_hi < args.m) st_global_elem<kCfg.out_dtype>(args.d, r_hi * args.ldd + c, acc[4 * g + 2 + e]);
             }
@@ -259,6 +281,9 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
                                               int32_t num_k_blocks, const GemmArgs& args,
                                               const typename Hook::Params& hook_params) {
     using T = GemmTraits<kCfg>;
+    static_assert(!T::kEpiTail || (!kHookRoutesStores<Hook> && !Hook::kNotifies),
+                  "gemm: a hook that routes the tile's stores or signals them stored needs a tile width of whole store "
+                  "boxes (the tail's plain stores are neither routed nor covered by the TMA store wait)");
     const int wg = static_cast<int>(threadIdx.x) / 128 - 1;
     const int tid = static_cast<int>(threadIdx.x) % 128;
     const int lane = tid % 32;
@@ -334,7 +359,7 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
         if constexpr (kHookRoutesStores<Hook>) {
             if (tile.valid) target = Hook::store_target(hook_params, tile, tma_d);
         }
-        const bool ragged = tile.valid && args.n_tma < args.n && tile.n0 + kCfg.tile_n > args.n_tma;
+        const bool ragged = tile.valid && ((args.n_tma < args.n && tile.n0 + kCfg.tile_n > args.n_tma) || T::kEpiTail);
 #pragma unroll
         for (int s = 0; s < T::kSlabs; ++s) {
             const int row0 = tile.m0 + (wg * T::kSlabs + s) * kGemmSlabRows;

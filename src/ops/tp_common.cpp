@@ -59,6 +59,9 @@ int device_sm_count() {
 
 void check_forced_config(const GemmConfig& c, DType in, DType out, const char* op) {
     WEFT_CHECK(is_valid(c), op << ": options.config is not a valid GemmConfig: " << format_gemm_config(c));
+    WEFT_CHECK(gemm_whole_store_boxes(c),
+               op << ": options.config must have a tile_n of whole " << gemm_epi_cols(c)
+                  << "-column store boxes (the fused ops route or signal every store), got " << format_gemm_config(c));
     WEFT_CHECK(c.cluster_m == 1 && c.cluster_n == 1,
                op << ": options.config must be cluster-free (cluster_m = cluster_n = 1), got "
                   << format_gemm_config(c));
@@ -80,12 +83,14 @@ GemmConfig choose_gemm_config(const GemmProblem& problem, int budget, const std:
     c.cluster_m = 1;
     c.cluster_n = 1;
     WEFT_CHECK(is_valid(c), op << ": no cluster-free config for " << format_gemm_config(c));
-    if (rows_multiple <= 0 || rows_multiple % c.tile_m == 0) return c;
-    // The heuristic's tile does not fit the caller's row granularity: the cheapest one that does.
+    const bool rows_fit = rows_multiple <= 0 || rows_multiple % c.tile_m == 0;
+    if (rows_fit && gemm_whole_store_boxes(c)) return c;
+    // The heuristic's tile does not fit the caller's row granularity, or ends in a partial store box (which the
+    // fused ops cannot route or signal): the cheapest candidate that fits (tune_candidates keeps whole boxes only).
     std::optional<GemmConfig> best;
     double best_cost = 0;
     for (GemmConfig cand : tune_candidates(c, problem.in_dtype, problem.out_dtype)) {
-        if (rows_multiple % cand.tile_m != 0) continue;
+        if ((rows_multiple > 0 && rows_multiple % cand.tile_m != 0) || !gemm_whole_store_boxes(cand)) continue;
         const double cost = gemm_config_cost(problem, cand, budget);
         if (!best || cost < best_cost * 0.999) {
             best = cand;
@@ -187,6 +192,7 @@ std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType
     for (GemmConfig c : gemm_candidate_configs(in, out, BLayout::kNK)) {
         c.cluster_m = c.cluster_n = 1;
         if (rows_multiple > 0 && rows_multiple % c.tile_m != 0) continue;
+        if (!gemm_whole_store_boxes(c)) continue;  // the fused ops route or signal every store (gemm_sm90.cuh)
         if (is_valid(c) && std::find(out_list.begin(), out_list.end(), c) == out_list.end()) out_list.push_back(c);
     }
     return out_list;

@@ -23,15 +23,19 @@ constexpr DType kInOut[][2] = {{DType::kBF16, DType::kBF16},
 TEST(GemmConfig, EveryCandidateIsValidAndFitsSharedMemory) {
     for (const auto& io : kInOut) {
         for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
+            size_t valid = 0;
             for (int i = 0; i < kGemmNumCandidates; ++i) {
                 const GemmConfig c = gemm_candidate(i, io[0], io[1], layout);
-                EXPECT_TRUE(is_valid(c)) << ops::format_gemm_config(c);
+                // Tiles of partial 64-column blocks exist for B [N,K] only.
+                EXPECT_EQ(is_valid(c), layout == BLayout::kNK || c.tile_n % 64 == 0) << ops::format_gemm_config(c);
+                if (!is_valid(c)) continue;
+                ++valid;
                 EXPECT_LE(gemm_smem_plan(c).alloc_bytes, kGemmMaxSmemBytes) << ops::format_gemm_config(c);
                 EXPECT_EQ(gemm_smem_plan(c).bar_offset % 8, 0);
                 EXPECT_EQ(gemm_smem_plan(c).stage_bytes % 1024, 0) << "stages must keep 1024-byte alignment";
             }
-            EXPECT_EQ(ops::gemm_candidate_configs(io[0], io[1], layout).size(),
-                      static_cast<size_t>(kGemmNumCandidates));
+            EXPECT_EQ(ops::gemm_candidate_configs(io[0], io[1], layout).size(), valid);
+            EXPECT_EQ(valid, static_cast<size_t>(layout == BLayout::kNK ? kGemmNumCandidates : kGemmNumCandidates - 1));
         }
     }
 }
@@ -46,7 +50,12 @@ TEST(GemmConfig, RejectsWhatTheKernelCannotDo) {
     };
     EXPECT_FALSE(with([](GemmConfig& x) { x.tile_k = 32; }));
     EXPECT_FALSE(with([](GemmConfig& x) { x.tile_m = 64; }));
-    EXPECT_FALSE(with([](GemmConfig& x) { x.tile_n = 96; }));
+    EXPECT_FALSE(with([](GemmConfig& x) { x.tile_n = 88; }));                     // no m64n88k16 wrapper
+    EXPECT_TRUE(with([](GemmConfig& x) { x.tile_n = 176; }));                     // partial last store box
+    EXPECT_FALSE(with([](GemmConfig& x) { x.tile_n = 176; x.b_layout = BLayout::kKN; }));
+    EXPECT_FALSE(with([](GemmConfig& x) { x.tile_n = 176; x.cluster_m = 2; }));
+    EXPECT_FALSE(gemm_whole_store_boxes([] { GemmConfig x{}; x.tile_n = 176; return x; }()));
+    EXPECT_TRUE(gemm_whole_store_boxes(c));
     EXPECT_FALSE(with([](GemmConfig& x) { x.tile_n = 320; }));
     EXPECT_FALSE(with([](GemmConfig& x) { x.tile_m = 256; x.tile_n = 256; }));  // 256 accumulators
     EXPECT_FALSE(with([](GemmConfig& x) { x.stages = 5; }));                      // > 227 KiB

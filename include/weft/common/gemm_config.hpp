@@ -68,6 +68,10 @@ WEFT_HOST_DEVICE constexpr int32_t gemm_elem_bytes(DType t) { return t == DType:
 /// Columns of D in one epilogue store box (128 bytes of output per row).
 WEFT_HOST_DEVICE constexpr int32_t gemm_epi_cols(const GemmConfig& c) { return 128 / gemm_elem_bytes(c.out_dtype); }
 
+/// Whether a tile's columns are whole store boxes. Else the columns past the last box are written with plain
+/// stores (a box would overwrite the next tile's columns): only for hooks that neither route nor signal stores.
+WEFT_HOST_DEVICE constexpr bool gemm_whole_store_boxes(const GemmConfig& c) { return c.tile_n % gemm_epi_cols(c) == 0; }
+
 WEFT_HOST_DEVICE constexpr GemmSmemPlan gemm_smem_plan(const GemmConfig& c) {
     GemmSmemPlan p{};
     const int32_t in_bytes = gemm_elem_bytes(c.in_dtype);
@@ -96,7 +100,10 @@ WEFT_HOST_DEVICE constexpr bool is_valid(const GemmConfig& c) {
     if (!in_ok || !out_ok) return false;
     if (c.tile_k != 64) return false;  // one 128B swizzle row of 16-bit elements per stage
     if (c.tile_m != 128 && c.tile_m != 256) return false;
-    if (c.tile_n < 64 || c.tile_n > 256 || c.tile_n % 64 != 0) return false;
+    // tile_n: whole 64-column blocks, or (B [N,K], no cluster) any multiple of 16 from 80 (an m64nNk16 wgmma shape;
+    // the epilogue stores the columns past its last whole box with plain stores).
+    if (c.tile_n < 64 || c.tile_n > 256 || c.tile_n % 16 != 0) return false;
+    if (c.tile_n % 64 != 0 && (c.b_layout != BLayout::kNK || c.cluster_m != 1 || c.cluster_n != 1)) return false;
     if (gemm_acc_regs(c) > 128) return false;  // accumulators must leave room in 232 registers
     if (c.stages < 2 || c.stages > 8) return false;
     if (c.raster_group < 1 || c.raster_group > 64) return false;
@@ -191,7 +198,7 @@ WEFT_HOST_DEVICE constexpr int32_t gemm_tma_store_cols(int32_t n, DType out) {
 
 /// The candidate set of tiled-kernel configs (same list for the heuristic, the autotuner and the
 /// ahead-of-time instances): tile shape, ring depth and cluster shape; dtypes and layout come from the call.
-inline constexpr int kGemmNumCandidates = 8;
+inline constexpr int kGemmNumCandidates = 9;
 
 WEFT_HOST_DEVICE constexpr GemmConfig gemm_candidate(int index, DType in_dtype, DType out_dtype, BLayout b_layout) {
     GemmConfig c{};
@@ -206,7 +213,10 @@ WEFT_HOST_DEVICE constexpr GemmConfig gemm_candidate(int index, DType in_dtype, 
         case 4: c.tile_m = 256; c.tile_n = 128; c.stages = 4; c.cluster_m = 2; break;
         case 5: c.tile_m = 128; c.tile_n = 192; c.stages = 4; break;
         case 6: c.tile_m = 128; c.tile_n = 128; c.stages = 6; break;
-        default: c.tile_m = 128; c.tile_n = 64; c.stages = 8; break;
+        case 7: c.tile_m = 128; c.tile_n = 64; c.stages = 8; break;
+        // 176 columns: N = 1376 (a TP shard) in 8 tiles, 512 per 8192 rows = 3.9 waves on 132 SMs (94.8% of the tile
+        // slots busy; every whole-64 tile: 86.9%). B [N,K] only (is_valid).
+        default: c.tile_m = 128; c.tile_n = 176; c.stages = 5; break;
     }
     return c;
 }
