@@ -302,7 +302,7 @@ bool gemm_allows_small_m(const GemmProblem& p, const GemmOptions& options) {
 // 36.2-36.9 against 37.9-38.0 at 3x8192x8192, and was never slower at M = 3, 4 with K >= 4096; at K = 2048 (one span
 // per row) it gained nothing at M = 1 and lost 3% at M = 2. Its row-group body (M 5..16): 35.8-37.8 us against
 // 37.6-38.9 at M = 5, 8, 16 with N = K = 8192, 63.3 against 65.8-66.2 at 16x28672x4096, 14.9-15.2 against 16.3-16.6
-// at 8x4096x4096, even at 16x8192x16384; 2.5% slower only at 16x8192x4096 (22.9-23.0 against 22.3-22.5).
+// at 8x4096x4096, even at 16x8192x16384 and (with its L2 hints) at 16x8192x4096 (22.5-22.6 against 22.4-22.6).
 namespace {
 int auto_small_m_variant(const GemmProblem& p) {
     return p.k >= 2 * kGemvRowsSpanElems && gemv_rows_unsupported(p).empty() ? 4 : 3;

@@ -54,7 +54,7 @@ struct GemmOptions {
     /// B loads in flight per warp; 1 = 8 columns per warp, 1 KiB contiguous per row per iteration; 0 = 32 columns
     /// per warp. H200, bf16, B [N,K], one run each (kernels/gemm/README.md, v10): 1x8192x8192 v4 / v3 / cuBLASLt
     /// 35.3-36.3 / 37.3-38.1 / 37.2-37.4 us; 1x28672x4096 57.8-58.7 / 64.8-65.3 / 58.8-59.5 us; 16x8192x8192
-    /// (row groups, v14) 37.6-37.8 / 37.8-38.9 / 36.1-36.5 us.
+    /// (row groups, v14, run K) 37.7-37.8 / 37.8-38.1 / 37.1-37.3 us.
     int small_m_variant = -1;
     void* workspace = nullptr;         ///< small-M scratch of gemm_workspace_bytes, 256-byte aligned: split-K
                                        ///< counters first (zero-filled before the first use; each call leaves

@@ -59,6 +59,29 @@ __device__ __forceinline__ void bulk_load_1d(unsigned smem_dst, const void* src,
                  : "memory");
 }
 
+/// An L2 cache policy for the `.L2::cache_hint` forms below: lines a copy brings in are evicted first (a stream
+/// read once), or last (data many CTAs read again, which a stream must not push out).
+__device__ __forceinline__ unsigned long long l2_policy_evict_first() {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+__device__ __forceinline__ unsigned long long l2_policy_evict_last() {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+
+/// bulk_load_1d with an L2 cache policy (l2_policy_evict_first / l2_policy_evict_last).
+__device__ __forceinline__ void bulk_load_1d_hint(unsigned smem_dst, const void* src, unsigned bytes, unsigned bar,
+                                                  unsigned long long policy) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
+            smem_dst),
+        "l"(reinterpret_cast<unsigned long long>(src)), "r"(bytes), "r"(bar), "l"(policy)
+        : "memory");
+}
+
 /// As tma_load_2d, but the box lands at the same shared offset in every CTA of the cluster named in
 /// `cta_mask` (bit i = CTA rank i), and completes on the barrier at the same offset in each of them.
 __device__ __forceinline__ void tma_load_2d_multicast(unsigned smem_dst, const TmaDescriptor* desc, unsigned bar,
