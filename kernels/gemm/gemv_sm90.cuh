@@ -504,6 +504,16 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
     }
 }
 
+/// Variant 4's share of B for this CTA: rows [n0, n0 + rows) (rows <= 0 for a CTA past N; the op's grid has none).
+struct GemvCtaRows {
+    int n0;
+    int rows;
+};
+__device__ __forceinline__ GemvCtaRows gemv_cta_rows(const GemvArgs& args) {
+    const int n0 = static_cast<int>(blockIdx.x) * args.rows_per_cta;
+    return {n0, min(args.rows_per_cta, args.n - n0)};
+}
+
 /// Variant 4 (gemv_shape's comment in gemm_config.hpp; the op checks M <= kGemvRowsMaxM, K = kGemvRowsSpanElems x
 /// 1, 2, 4 or 8, ldb = K, one split, 16-byte aligned A rows): CTA c owns rows n0 = c rows_per_cta .. of B, one
 /// contiguous range of spans (4 KiB, one 16-byte piece per thread), streamed through a ring of kStages stages
@@ -532,8 +542,7 @@ __device__ __forceinline__ void gemv_rows_body(const GemvArgs& args) {
     const int tid = static_cast<int>(threadIdx.x);
     const int warp = tid / 32;
     const int lane = tid % 32;
-    const int n0 = static_cast<int>(blockIdx.x) * args.rows_per_cta;
-    const int rows = min(args.rows_per_cta, args.n - n0);
+    const auto [n0, rows] = gemv_cta_rows(args);
     if (rows <= 0) return;  // CTA-uniform (the op's grid leaves none empty)
     const int spans = rows * kSpansPerRow;
     const int steps = (spans + kSpans - 1) / kSpans;
@@ -695,8 +704,7 @@ __device__ __forceinline__ void gemv_groups_body(const GemvArgs& args) {
     const int tid = static_cast<int>(threadIdx.x);
     const int warp = tid / 32;
     const int lane = tid % 32;
-    const int n0 = static_cast<int>(blockIdx.x) * args.rows_per_cta;
-    const int rows = min(args.rows_per_cta, args.n - n0);
+    const auto [n0, rows] = gemv_cta_rows(args);
     if (rows <= 0) return;  // CTA-uniform (the op's grid leaves none empty)
     const int chunks = args.k / kChunkK;
     const int blocks = (rows + kGemvGroupsBlockRows - 1) / kGemvGroupsBlockRows;

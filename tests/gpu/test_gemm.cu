@@ -327,32 +327,31 @@ TEST(GemmSmallM, Variant3MatchesFp64ForEveryRowCountAndSplit) {
 // (K = 2048, 4096, 8192, 16384: 1, 2, 4, 8 spans per row, so 8 to 1 rows per stage); one CTA with a few rows (N = 8)
 // or many (250: 32 stages, a partial last one; 40000 rows on the whole GPU: 304 per CTA); SM budgets that leave a
 // short last CTA; strided A and D (B's rows must be back to back); every dtype pair; the decode shapes.
+// One variant-4 case: M x N x K under an SM budget (0: the whole GPU), A and D with padded rows.
+struct Variant4Case {
+    int64_t m, n, k;
+    int budget;
+};
+
+void check_variant4(const Variant4Case& vc, DType in = DType::kBF16, DType out = DType::kBF16) {
+    Case c{vc.m, vc.n, vc.k, in, out};
+    c.small_m_variant = 4;
+    c.sm_budget = vc.budget;
+    c.pad_a = 8;
+    c.pad_d = 8;
+    check_case(c);
+}
+
 TEST(GemmSmallM, Variant4WholeRowsMatchesFp64) {
     REQUIRE_SM90();
-    struct WholeRowsCase {
-        int64_t m, n, k;
-        int budget;
-    };
-    const WholeRowsCase cases[] = {{1, 8, 2048, 1},     {2, 8, 2048, 1},    {1, 250, 2048, 1},  {2, 101, 4096, 1},
-                                   {1, 1000, 4096, 7},  {2, 1000, 8192, 5}, {1, 520, 16384, 3}, {2, 777, 16384, 4},
-                                   {2, 4104, 4096, 0},  {1, 8192, 8192, 0}, {2, 8192, 8192, 0}, {1, 28672, 4096, 0},
-                                   {2, 40000, 4096, 0}, {3, 8, 2048, 1},     {3, 1000, 8192, 5}, {4, 250, 2048, 1},
-                                   {4, 777, 4096, 4},   {4, 8192, 8192, 0}, {3, 8192, 8192, 0}};
-    for (const auto& wc : cases) {
-        Case c{wc.m, wc.n, wc.k};
-        c.small_m_variant = 4;
-        c.sm_budget = wc.budget;
-        c.pad_a = 8;
-        c.pad_d = 8;
-        check_case(c);
-    }
+    const Variant4Case cases[] = {{1, 8, 2048, 1},     {2, 8, 2048, 1},    {1, 250, 2048, 1},  {2, 101, 4096, 1},
+                                  {1, 1000, 4096, 7},  {2, 1000, 8192, 5}, {1, 520, 16384, 3}, {2, 777, 16384, 4},
+                                  {2, 4104, 4096, 0},  {1, 8192, 8192, 0}, {2, 8192, 8192, 0}, {1, 28672, 4096, 0},
+                                  {2, 40000, 4096, 0}, {3, 8, 2048, 1},    {3, 1000, 8192, 5}, {4, 250, 2048, 1},
+                                  {4, 777, 4096, 4},   {4, 8192, 8192, 0}, {3, 8192, 8192, 0}};
+    for (const auto& wc : cases) check_variant4(wc);
     for (const auto& io : kOtherIoPairs) {
-        for (int64_t m : {1, 2, 4}) {
-            Case c{m, 1000, 4096, io[0], io[1]};
-            c.small_m_variant = 4;
-            c.sm_budget = 4;
-            check_case(c);
-        }
+        for (int64_t m : {1, 2, 4}) check_variant4({m, 1000, 4096, 4}, io[0], io[1]);
     }
     // B with a padded row stride cannot be streamed whole: the op says so instead of reading the padding.
     const int64_t ldb = 4096 + 8;
@@ -376,30 +375,16 @@ TEST(GemmSmallM, Variant4WholeRowsMatchesFp64) {
 // chunks); strided A and D; every dtype pair; the decode shapes.
 TEST(GemmSmallM, Variant4RowGroupsMatchFp64) {
     REQUIRE_SM90();
-    struct GroupsCase {
-        int64_t m, n, k;
-        int budget;
-    };
-    const GroupsCase cases[] = {{5, 8, 2048, 1},     {16, 5, 4096, 1},    {8, 63, 2048, 1},    {9, 64, 8192, 1},
-                                {16, 65, 6144, 1},   {12, 1000, 4096, 5}, {16, 1000, 16384, 3}, {7, 777, 8192, 4},
-                                {1, 520, 6144, 3},   {3, 700, 16384, 2},  {16, 8192, 8192, 0},  {8, 8192, 8192, 0},
-                                {13, 40000, 4096, 0}, {16, 28672, 4096, 0}, {5, 4104, 2048, 0}};
+    const Variant4Case cases[] = {{5, 8, 2048, 1},      {16, 5, 4096, 1},     {8, 63, 2048, 1},     {9, 64, 8192, 1},
+                                  {16, 65, 6144, 1},    {12, 1000, 4096, 5},  {16, 1000, 16384, 3}, {7, 777, 8192, 4},
+                                  {1, 520, 6144, 3},    {3, 700, 16384, 2},   {16, 8192, 8192, 0},  {8, 8192, 8192, 0},
+                                  {13, 40000, 4096, 0}, {16, 28672, 4096, 0}, {5, 4104, 2048, 0}};
     for (const auto& gc : cases) {
         ASSERT_FALSE(gemv_rows_uses_ffma(gc.m, gc.k)) << "M = " << gc.m << ", K = " << gc.k;
-        Case c{gc.m, gc.n, gc.k};
-        c.small_m_variant = 4;
-        c.sm_budget = gc.budget;
-        c.pad_a = 8;
-        c.pad_d = 8;
-        check_case(c);
+        check_variant4(gc);
     }
     for (const auto& io : kOtherIoPairs) {
-        for (int64_t m : {5, 16}) {
-            Case c{m, 1000, 4096, io[0], io[1]};
-            c.small_m_variant = 4;
-            c.sm_budget = 4;
-            check_case(c);
-        }
+        for (int64_t m : {5, 16}) check_variant4({m, 1000, 4096, 4}, io[0], io[1]);
     }
 }
 
