@@ -672,11 +672,12 @@ __device__ __forceinline__ void gemv_rows_m(const GemvArgs& args) {
 /// copies per stage held every warp up: kernels/gemm/README.md, v14).
 /// Warp w takes k = 256 w .. 256 w + 255 of every stage, lane (g, t) the 16 bytes at k 32 p + 8 t (p = 0..7) of
 /// row g: with the k permutation of the other variants these are the B fragments of two m16n8k16 MMAs (n8 = the
-/// group's 8 rows), whose A fragments (rows g and g + 8 of A, zero past M; registers, loaded once per chunk from
-/// global memory: A is read once per block) serve all the chunk's groups. Each warp keeps one accumulator per
-/// group of the block (8 x 4 floats); at the block's end the consumers' partial sums meet in shared memory (after
-/// the ring: [8 warps][8 groups][32 lanes][4]) and are added in warp order (deterministic) while the ring
-/// already streams the next block.
+/// group's 8 rows), whose A fragments (rows g and g + 8 of A, zero past M) serve all the chunk's groups: the producer
+/// bulk-copies A's rows of the next chunk into a slot after the ring (evict-last in L2; the B copies evict-first)
+/// and each warp moves its fragments into registers at the chunk's start (A is read once per block). Each warp
+/// keeps one accumulator per group of the block (8 x 4 floats); at the block's end the consumers' partial sums meet
+/// in shared memory (after the ring: [8 warps][8 groups][32 lanes][4]) and are added in warp order (deterministic)
+/// while the ring already streams the next block.
 template <DType kOut, bool kIsBF16, int kStages, bool kUpperHalf>
 __device__ __forceinline__ void gemv_groups_body(const GemvArgs& args) {
     constexpr int kStageBytes = kGemvRowsStageBytes;
