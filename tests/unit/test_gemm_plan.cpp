@@ -354,6 +354,21 @@ TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
     EXPECT_EQ(gemv_smem_bytes(4, 1), gemv_rows_smem_bytes(kGemvRowsStages));
     EXPECT_LE(gemv_smem_bytes(4, 1), 227 * 1024);
     EXPECT_EQ(launch.block.x, static_cast<unsigned>(kGemvBulkThreads));
+    // The row-group body (M = 16 here) runs a producer warp beside 8 consumer warps; the kernel traps on any other
+    // block, so the launch must follow the body: 288 threads, the same shared memory (its ring, sums and A slot).
+    const TensorView a16 = mat(0x10000, DType::kBF16, 16, 8192, 8192);
+    const TensorView d16 = mat(0x200000, DType::kBF16, 16, 8192, 8192);
+    const auto plan16 = ops::plan_gemm(with([](auto& q) { q.m = 16; }), 132, v4);
+    const auto launch16 = ops::detail::make_gemv_launch(plan16, a16, mat(0x100000, DType::kBF16, 8192, 8192, 8192), d16);
+    EXPECT_EQ(launch16.block.x, static_cast<unsigned>(kGemvGroupsThreads));
+    EXPECT_EQ(launch16.smem_bytes, gemv_rows_smem_bytes(kGemvRowsStages));
+    EXPECT_EQ(kGemvGroupsThreads, 9 * 32);
+    EXPECT_EQ(gemv_rows_threads(16, 8192), kGemvGroupsThreads);
+    EXPECT_EQ(gemv_rows_threads(1, 8192), kGemvBulkThreads);
+    EXPECT_EQ(gemv_rows_threads(1, 6144), kGemvGroupsThreads);  // K = 2048 x 3: the whole-row body cannot take it
+    // Ring, the block sums [8 warps][8 groups][32][4] fp32, A's slot (16 rows x 4 KiB), after barriers and alignment.
+    EXPECT_EQ(gemv_rows_smem_bytes(kGemvRowsStages),
+              128 + 1024 + kGemvRowsStages * kGemvRowsStageBytes + 8 * 8 * 32 * 4 * 4 + 16 * 4096);
     expect_error_mentions([&] { ops::detail::make_gemv_launch(plan, mat(0x10002, DType::kBF16, 1, 8192, 8192),
                                                               mat(0x100000, DType::kBF16, 8192, 8192, 8192), d); },
                           "a's base and row stride 16-byte aligned");
