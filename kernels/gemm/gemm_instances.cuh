@@ -48,7 +48,7 @@ void register_dtype_instances() {
     register_gemv_instances<kIn, kOut, 1>();
     register_gemv_instances<kIn, kOut, 2>();
     register_gemv_instances<kIn, kOut, 3>();
-    register_gemv_instance<kIn, kOut, 4, 1>();  // whole rows: M <= 2 only
+    register_gemv_instance<kIn, kOut, 4, 1>();  // bulk-copied rows: one row tile (M <= 16) only
 }
 
 }  // namespace detail

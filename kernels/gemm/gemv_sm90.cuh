@@ -692,6 +692,7 @@ __device__ __forceinline__ void gemv_groups_body(const GemvArgs& args) {
     constexpr int kBarConsumers = 1;  // named barrier of the consumer warps (0 is __syncthreads)
     static_assert(kPieceBytes == 2 * kChunkK, "gemv_groups: a stage is 8 rows of one k chunk");
     static_assert(kWarpK % 32 == 0, "gemv_groups: each warp takes whole pairs of k16 steps");
+    static_assert(kWarps * kGroups * 32 * 4 * 4 == kGemvGroupsSumsBytes, "gemv_groups: the block sums' layout");
     extern __shared__ __align__(1024) unsigned char gemv_smem[];
     // Barriers: [kStages] stage landed, [kStages] stage read, A's slot landed, A's slot read.
     const unsigned full = ptx::shared_address(gemv_smem);
@@ -907,7 +908,7 @@ __global__ void __launch_bounds__(kWholeRows ? kGemvGroupsThreads : gemv_threads
                   "gemv_kernel: a pipelined instance must have variant 2's or 3's shape (gemv_shape)");
     static_assert(!kBulk || kStages > 0, "gemv_kernel: the bulk variant needs its ring's stages");
     static_assert(kStages > 0 || kNTiles != 2, "gemv_kernel: the batched loop takes 1 or 4 n8 tiles per warp");
-    static_assert(!kWholeRows || (kBulk && kMTiles == 1), "gemv_kernel: variant 4 serves M <= 4 (one row tile)");
+    static_assert(!kWholeRows || (kBulk && kMTiles == 1), "gemv_kernel: variant 4 serves M <= 16 (one row tile)");
     constexpr bool kIsBF16 = kIn == DType::kBF16;
     if constexpr (kWholeRows) {
         detail::gemv_rows<kOut, kIsBF16, kStages>(args);

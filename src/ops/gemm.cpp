@@ -698,8 +698,7 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
     l.grid = dim3(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
     l.block = dim3(static_cast<unsigned>(shape.whole_rows ? gemv_rows_threads(l.args.m, l.args.k) : gemv_threads(shape.bulk)),
                    1, 1);
-    l.smem_bytes = shape.whole_rows ? gemv_rows_smem_bytes(shape.stages)
-                                    : gemv_smem_bytes(plan.small_m_variant, plan.small_m_tiles);
+    l.smem_bytes = gemv_smem_bytes(plan.small_m_variant, plan.small_m_tiles);
     return l;
 }
 

@@ -253,12 +253,12 @@ struct GemvShape {
                        ///< stages kept in flight (variant 2): gemv_kernel's kStages
     int stage_chunks;  ///< variant 2: 32-wide k chunks per stage (each one 16-byte load per lane and n8 tile)
     int ctas_per_sm;   ///< CTAs per SM the split count aims at; variants 2, 3: __launch_bounds__ minimum
-    bool bulk = false; ///< variants 3, 4: B and A stream through a shared-memory ring (kGemvBulkThreads threads)
+    bool bulk = false; ///< variants 3, 4: B and A stream through a shared-memory ring
     bool whole_rows = false;  ///< variant 4: B's rows stream by 1D bulk copies, one CTA per SM (M <= 16)
 };
 
-/// Threads per CTA of the small-M kernel (the launch's block): kGemvBulkThreads for variants 3 and 4, else
-/// kGemvThreads.
+/// Threads per CTA of the small-M kernel (the launch's block): kGemvBulkThreads for variant 3 (and variant 4's
+/// whole-row body; its row groups take gemv_rows_threads), else kGemvThreads.
 WEFT_HOST_DEVICE constexpr int gemv_threads(bool bulk) { return bulk ? kGemvBulkThreads : kGemvThreads; }
 
 /// Variant 3's stage: 256 k of every B and A row of the CTA (512 bytes per row), loaded as TMA boxes
@@ -291,10 +291,12 @@ WEFT_HOST_DEVICE constexpr int gemv_rows_sums_offset(int stages) { return stages
 inline constexpr int kGemvGroupsMaxM = 16;
 inline constexpr int kGemvGroupsBlockRows = 64;
 inline constexpr int kGemvGroupsThreads = 288;  ///< 8 consumer warps and a producer warp
+/// The row-group body's block sums, [8 consumer warps][kGemvGroupsBlockRows / 8 groups][32 lanes][4] fp32; the
+/// whole-row body's row sums [2 x 8][8 warps][kGemvRowsMaxM] use the same place.
+inline constexpr int kGemvGroupsSumsBytes = 8 * (kGemvGroupsBlockRows / 8) * 32 * 4 * 4;
+static_assert(2 * 8 * 8 * kGemvRowsMaxM * 4 <= kGemvGroupsSumsBytes, "variant 4: the whole-row sums fit the block sums' place");
 /// Offset of the row-group body's A slot (A's kGemvGroupsMaxM rows of one k chunk, 4 KiB each) from the ring's start.
-WEFT_HOST_DEVICE constexpr int gemv_groups_a_offset(int stages) {
-    return gemv_rows_sums_offset(stages) + 8 * (kGemvGroupsBlockRows / 8) * 32 * 4 * 4;
-}
+WEFT_HOST_DEVICE constexpr int gemv_groups_a_offset(int stages) { return gemv_rows_sums_offset(stages) + kGemvGroupsSumsBytes; }
 WEFT_HOST_DEVICE constexpr int gemv_rows_smem_bytes(int stages) {
     return 128 + 1024 + gemv_groups_a_offset(stages) + kGemvGroupsMaxM * 2 * kGemvRowsSpanElems;
 }
@@ -337,7 +339,7 @@ WEFT_HOST_DEVICE constexpr GemvShape gemv_shape(int variant, int m_tiles) {
         if (m_tiles <= 2) return GemvShape{2, 4, kGemvBulkStageK / 32, 1, true};
         return GemvShape{2, 3, kGemvBulkStageK / 32, 1, true};
     }
-    if (variant == 4) return GemvShape{2, kGemvRowsStages, 0, 1, true, true};  // serves m_tiles 1 only (M <= 4)
+    if (variant == 4) return GemvShape{2, kGemvRowsStages, 0, 1, true, true};  // serves m_tiles 1 only (M <= 16)
     switch (m_tiles) {
         case 1: return GemvShape{1, 6, 2, 4};
         case 2: return GemvShape{2, 4, 1, 3};

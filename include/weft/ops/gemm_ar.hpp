@@ -79,7 +79,7 @@ namespace detail {
 jit::KernelSpec ar_reduce_kernel_spec(DType partial, DType out, const std::string& arch = "");
 /// The small-M GEMM weft::gemm::gemv_kernel for ceil(M/16) row tiles and the plan's kernel variant
 /// (GemmPlan::small_m_variant: 1 = 1 n8 tile per warp, 0 = 4, 2 = the register ring, 3 = TMA into a
-/// shared-memory ring, 4 = whole rows by 1D bulk copies, M <= 4 with b's rows back to back; gemv_shape).
+/// shared-memory ring, 4 = b's rows by 1D bulk copies, M <= 16 with b's rows back to back; gemv_shape).
 jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in, DType out, int variant, const std::string& arch = "");
 }  // namespace detail
 
