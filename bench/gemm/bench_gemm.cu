@@ -6,10 +6,13 @@
 //   weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]
 //                   [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]
 //                   [--small-m-variant 0|1|2|3|4] [--small-m-splits S] [--small-m-max-m M]
+//                   [--backend auto|jit|aot]
 // --small-m-variant / --small-m-splits / --small-m-max-m set GemmOptions for the op's own row (the one --check
 // compares with cuBLAS); forcing a variant or a split count also sets small_m_max_m to 64 (unless
 // --small-m-max-m says otherwise), so that M 17..64 measure the small-M kernels; --all-configs adds a row per
-// small-M variant and split count.
+// small-M variant and split count. --backend sets GemmOptions::backend for every weft row: `jit` compiles the
+// kernels from the headers that WEFT_HOME names (cached in WEFT_CACHE_DIR) instead of the instances built into this
+// program, so kernels edited in another source tree run against the same host code and the same cuBLASLt.
 #include <cublasLt.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -64,6 +67,7 @@ struct Options {
     int small_m_variant = -1;  // -1: the op's default
     int small_m_splits = 0;    // 0: the op's heuristic
     int small_m_max_m = -1;    // -1: the op's default (kGemvMaxM when a variant or split count is forced)
+    weft::ops::GemmBackend backend = weft::ops::GemmBackend::kAuto;
 };
 
 std::vector<Shape> default_sizes() {
@@ -136,13 +140,20 @@ Options parse(int argc, char** argv) {
                 throw std::runtime_error("--small-m-max-m takes 0.." + std::to_string(weft::kGemvMaxM) + ", got " +
                                          std::to_string(o.small_m_max_m));
             }
+        } else if (a == "--backend") {
+            const std::string v = next();
+            if (v == "auto") o.backend = weft::ops::GemmBackend::kAuto;
+            else if (v == "jit") o.backend = weft::ops::GemmBackend::kJit;
+            else if (v == "aot") o.backend = weft::ops::GemmBackend::kAot;
+            else throw std::runtime_error("--backend takes auto, jit or aot, got " + v);
         } else if (a == "--world") {
             (void)next();  // shared command line: a single-GPU GEMM ignores the world size
         } else if (a == "--help" || a == "-h") {
             std::printf(
                 "weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]\n"
                 "                [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]\n"
-                "                [--small-m-variant 0|1|2|3|4] [--small-m-splits S] [--small-m-max-m M]\n");
+                "                [--small-m-variant 0|1|2|3|4] [--small-m-splits S] [--small-m-max-m M]\n"
+                "                [--backend auto|jit|aot]\n");
             std::exit(0);
         } else {
             throw std::runtime_error("unknown option " + a + " (see --help)");
@@ -360,7 +371,8 @@ int main(int argc, char** argv) {
                     }
                 }
 
-                auto run_weft = [&](const weft::ops::GemmOptions& o, const std::string& label, bool is_auto) {
+                auto run_weft = [&](weft::ops::GemmOptions o, const std::string& label, bool is_auto) {
+                    o.backend = opt.backend;
                     Row r;
                     r.s = s;
                     r.layout = layout;
