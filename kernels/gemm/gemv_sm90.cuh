@@ -392,7 +392,11 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
     }
     __syncthreads();
 
-    // Thread 0 fills the stage of `step`: whole boxes, so the byte count never changes.
+    // Thread 0 fills the stage of `step`: whole boxes, so the byte count never changes. B's boxes are read once
+    // (evict-first in L2), A's by every CTA (evict-last): 2-3% off 32x8192x8192 and 32x28672x4096, within the
+    // spread elsewhere (kernels/gemm/README.md, v18).
+    const unsigned long long stream_policy = ptx::l2_policy_evict_first();
+    const unsigned long long shared_policy = ptx::l2_policy_evict_last();
     const auto fill = [&](int step) {
         const int s = step % kStages;
         const int k0 = k_begin + step * kGemvBulkStageK;
@@ -401,9 +405,10 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
         ptx::mbarrier_arrive_expect_tx(bar, static_cast<unsigned>(kStageBytes));
 #pragma unroll
         for (int q = 0; q < kBoxes; ++q) {
-            ptx::tma_load_2d(stage + q * kBRows * kBoxRowBytes, map_b, bar, k0 + kGemvBulkBoxK * q, n_cta);
-            ptx::tma_load_2d(stage + (kBoxes * kBRows + q * kARows) * kBoxRowBytes, map_a, bar, k0 + kGemvBulkBoxK * q,
-                             0);
+            ptx::tma_load_2d_hint(stage + q * kBRows * kBoxRowBytes, map_b, bar, k0 + kGemvBulkBoxK * q, n_cta,
+                                  stream_policy);
+            ptx::tma_load_2d_hint(stage + (kBoxes * kBRows + q * kARows) * kBoxRowBytes, map_a, bar,
+                                  k0 + kGemvBulkBoxK * q, 0, shared_policy);
         }
     };
 

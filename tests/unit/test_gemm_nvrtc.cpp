@@ -152,6 +152,16 @@ size_t count(const std::string& hay, const std::string& needle) {
     return n;
 }
 
+// Lines of `hay` that contain both `needle` and `also`.
+size_t count_lines_with(const std::string& hay, const std::string& needle, const std::string& also) {
+    size_t n = 0;
+    std::istringstream lines(hay);
+    for (std::string line; std::getline(lines, line);) {
+        n += line.find(needle) != std::string::npos && line.find(also) != std::string::npos;
+    }
+    return n;
+}
+
 // The SASS of each of `names` (instantiation -> text) in r's cubin; empty, with the reason in why_not, when no
 // disassembler works here. A name without a lowered name or without SASS is a test failure.
 std::map<std::string, std::string> sass_by_name(const Compiled& r, const std::vector<std::string>& names,
@@ -227,13 +237,17 @@ CompiledSass gemv_variant_sass(int variant, const std::string& what) {
 }
 
 // Variant 3 streams B and A through TMA into shared memory and multiplies on the mma.sync path: every
-// instance has TMA loads (UTMALDG), shared-memory fragment reads (LDS.128), HMMA, and nothing in local memory.
-TEST(GemmNvrtc, small_m_variant3_loads_by_tma_and_multiplies_with_hmma) {
+// instance has TMA loads (UTMALDG), each with an L2 cache policy (B evict-first, A evict-last: the SASS shows the
+// policy as the load's `desc[UR..]` operand), shared-memory fragment reads (LDS.128), HMMA, and nothing in local
+// memory.
+TEST(GemmNvrtc, small_m_variant3_loads_by_tma_with_l2_hints_and_multiplies_with_hmma) {
     const CompiledSass r = gemv_variant_sass(3, "small-M variant 3");
     if (::testing::Test::HasFailure()) return;
     if (!r.why_not.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << r.why_not;
     for (const auto& [name, code] : r.sass) {
         EXPECT_GT(count(code, "UTMALDG"), 0u) << name << ": no TMA loads";
+        EXPECT_EQ(count_lines_with(code, "UTMALDG", "desc["), count(code, "UTMALDG"))
+            << name << ": a TMA load without an L2 cache policy";
         EXPECT_GT(count(code, "LDS.128"), 0u) << name << ": no 16-byte shared-memory fragment reads";
         EXPECT_GT(count(code, " HMMA"), 0u) << name << ": no HMMA";
         expect_no_local_memory(code, name);

@@ -39,6 +39,16 @@ __device__ __forceinline__ void tma_load_2d(unsigned smem_dst, const TmaDescript
         : "memory");
 }
 
+/// tma_load_2d with an L2 cache policy (l2_policy_evict_first / l2_policy_evict_last).
+__device__ __forceinline__ void tma_load_2d_hint(unsigned smem_dst, const TmaDescriptor* desc, unsigned bar, int c0,
+                                                 int c1, unsigned long long policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, "
+        "{%3, %4}], [%2], %5;\n" ::"r"(smem_dst),
+        "l"(reinterpret_cast<unsigned long long>(desc)), "r"(bar), "r"(c0), "r"(c1), "l"(policy)
+        : "memory");
+}
+
 /// As tma_load_2d for a 3D tensor map: the box at (c0, c1, c2), innermost first.
 __device__ __forceinline__ void tma_load_3d(unsigned smem_dst, const TmaDescriptor* desc, unsigned bar, int c0,
                                             int c1, int c2) {
