@@ -69,8 +69,8 @@ __device__ __forceinline__ void bulk_load_1d(unsigned smem_dst, const void* src,
                  : "memory");
 }
 
-/// An L2 cache policy for the `.L2::cache_hint` forms below: lines a copy brings in are evicted first (a stream
-/// read once), or last (data many CTAs read again, which a stream must not push out).
+/// An L2 cache policy for the `.L2::cache_hint` forms (tma_load_2d_hint, bulk_load_1d_hint): lines a copy brings in
+/// are evicted first (a stream read once), or last (data many CTAs read again, which a stream must not push out).
 __device__ __forceinline__ unsigned long long l2_policy_evict_first() {
     unsigned long long policy;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
