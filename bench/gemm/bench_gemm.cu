@@ -248,6 +248,25 @@ public:
         cublasLtMatmulDescDestroy(desc_);
     }
     size_t num_algos() const { return num_algos_; }
+    /// The algorithm's configuration as cuBLASLt reports it (cublasLtMatmulAlgoConfigAttributes_t ids; tile and
+    /// cluster shape are the enums cublasLtMatmulTile_t and cublasLtClusterShape_t).
+    std::string describe(size_t algo) const {
+        // Each attribute is read at its documented width (the tile, stages and cluster ids are uint16_t).
+        auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr, size_t bytes) {
+            uint32_t v = 0;
+            size_t written = 0;
+            if (cublasLtMatmulAlgoConfigGetAttribute(&algos_[algo].algo, attr, &v, bytes, &written) !=
+                CUBLAS_STATUS_SUCCESS) {
+                return std::string("?");
+            }
+            return std::to_string(bytes == 2 ? (v & 0xffffu) : v);
+        };
+        return "id " + get(CUBLASLT_ALGO_CONFIG_ID, 4) + " tile " + get(CUBLASLT_ALGO_CONFIG_TILE_ID, 2) + " stages " +
+               get(CUBLASLT_ALGO_CONFIG_STAGES_ID, 2) + " cluster " + get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, 2) +
+               " splitk " + get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM, 4) + " reduction " +
+               get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, 4) + " swizzle " + get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, 4) +
+               " waves " + std::to_string(algos_[algo].wavesCount);
+    }
     void run(size_t algo, const void* a, const void* b, void* d) const {
         const float alpha = 1.f, beta = 0.f;
         BENCH_LT(cublasLtMatmul(h_, desc_, &alpha, b, la_, a, lb_, &beta, d, ld_, d, ld_, &algos_[algo].algo, ws_,
@@ -271,6 +290,7 @@ std::string config_label(const GemmConfig& c) {
     os << c.tile_m << "x" << c.tile_n << "s" << c.stages;
     if (c.cluster_m > 1) os << "cm" << c.cluster_m;
     if (c.cluster_n > 1) os << "cn" << c.cluster_n;
+    if (c.pingpong) os << "pp";
     return os.str();
 }
 
@@ -371,6 +391,8 @@ int main(int argc, char** argv) {
                     }
                 }
 
+                std::printf("# cuBLASLt %ldx%ldx%ld %s: algorithm %zu of %zu, %s\n", s.m, s.n, s.k,
+                            layout == BLayout::kNK ? "NK" : "KN", best_algo, g.num_algos(), g.describe(best_algo).c_str());
                 auto run_weft = [&](weft::ops::GemmOptions o, const std::string& label, bool is_auto) {
                     o.backend = opt.backend;
                     Row r;
