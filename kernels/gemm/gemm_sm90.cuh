@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 // weft's sm_90a GEMM kernel: persistent, warp-specialised (one TMA producer warpgroup, two wgmma consumer
-// warpgroups), mbarrier ring over 128B-swizzled shared memory, stmatrix + TMA-store epilogue, optional
-// 2-CTA cluster with TMA multicast, and the scheduler / epilogue hooks that communication kernels use.
+// warpgroups, cooperative on each tile or ping-pong over alternate tiles), mbarrier ring over 128B-swizzled
+// shared memory, stmatrix + TMA-store epilogue, optional 2-CTA cluster with TMA multicast, and the scheduler /
+// epilogue hooks that communication kernels use.
 //
 //   D[M,N] = A[M,K] * B     A row-major; B [N,K] row-major (BLayout::kNK) or [K,N] row-major (kKN)
 //
@@ -27,7 +28,7 @@ template <GemmConfig kCfg>
 struct GemmTraits {
     static constexpr GemmSmemPlan kPlan = gemm_smem_plan(kCfg);
     static constexpr int kClusterSize = kCfg.cluster_m * kCfg.cluster_n;
-    static constexpr int kSlabs = kCfg.tile_m / (kGemmConsumerWarpgroups * kGemmSlabRows);  // per consumer
+    static constexpr int kSlabs = gemm_slabs_per_consumer(kCfg);
     static constexpr int kAccPerSlab = kCfg.tile_n / 2;
     static constexpr int kKSteps = kCfg.tile_k / 16;
     static constexpr bool kIsBF16 = kCfg.in_dtype == DType::kBF16;
@@ -36,7 +37,8 @@ struct GemmTraits {
     static constexpr int kEpiSubtiles = kCfg.tile_n / kEpiCols;  // whole store boxes
     static constexpr int kEpiTmaCols = kEpiSubtiles * kEpiCols;  // columns of a tile stored by TMA
     static constexpr bool kEpiTail = kEpiTmaCols < kCfg.tile_n;  // the rest by plain stores (gemm_epi_tail)
-    static constexpr int kConsumerWarps = kGemmConsumerWarpgroups * 4;
+    // Warps that consume (and free) each stage: both consumer warpgroups, or one in ping-pong.
+    static constexpr int kConsumerWarps = (kCfg.pingpong ? 1 : kGemmConsumerWarpgroups) * 4;
     static constexpr int kRowBytes = kCfg.tile_k * 2;  // 128: one swizzle row
     // Multicast split of the shared operand between the two CTAs of a cluster.
     static constexpr int kARowsPerCta = kCfg.tile_m / kCfg.cluster_n;
@@ -47,9 +49,11 @@ struct GemmTraits {
     static_assert(kRowBytes == 128, "tile_k must span one 128-byte swizzle row");
 };
 
-// Named barrier ids (0 is __syncthreads): one per consumer warpgroup, one for both.
+// Named barrier ids (0 is __syncthreads): one per consumer warpgroup, one for both, and (ping-pong) one per
+// consumer warpgroup that the other arrives on when this one's mainloop may start.
 inline constexpr int kBarConsumer0 = 1;
 inline constexpr int kBarBothConsumers = 3;
+inline constexpr int kBarMainloopTurn0 = 4;
 
 /// Two floats to packed 16-bit (lo in the low half).
 template <DType kOut>
@@ -284,6 +288,9 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
     static_assert(!T::kEpiTail || (!kHookRoutesStores<Hook> && !Hook::kNotifies),
                   "gemm: a hook that routes the tile's stores or signals them stored needs a tile width of whole store "
                   "boxes (the tail's plain stores are neither routed nor covered by the TMA store wait)");
+    static_assert(!kCfg.pingpong || (!kHookAddsToTile<Hook> && !kHookRoutesStores<Hook> && !Hook::kNotifies),
+                  "gemm: ping-pong takes only hooks that neither add to, route nor signal a tile (their contracts "
+                  "split each tile between both consumer warpgroups)");
     const int wg = static_cast<int>(threadIdx.x) / 128 - 1;
     const int tid = static_cast<int>(threadIdx.x) % 128;
     const int lane = tid % 32;
@@ -292,19 +299,38 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
     float acc[T::kSlabs][T::kAccPerSlab];
     unsigned stage = 0, phase = 0;
     unsigned epi_count = 0;
+    // A full-barrier wait that expires marks the pipeline stuck; the warpgroup stops waiting, leaves the tile loop
+    // without storing and traps after it. NOTE: no trap inside the loop: a reachable trap while the accumulators
+    // are live made ptxas (CUDA 13) spill them and serialise every wgmma once they pass 128 floats per thread.
+    bool stuck = false;
     GemmTile pending{};
     bool has_pending = false;
 
+    // Ping-pong: warpgroup wg takes this CTA's tiles wg, wg + 2, ...; the producer fills the ring with every tile's
+    // k-blocks in order, so tile i starts at ring position i * num_k_blocks. Mainloops take turns: tile i's starts
+    // once tile i - 1's has waited for all its stages (the other warpgroup arrives on this one's turn barrier), so
+    // each epilogue runs under the other warpgroup's mainloop, and no wait on a full barrier can run two phases
+    // ahead of it (the parity test would pass on a stale phase).
     const int32_t num_tiles = sched.num_tiles();
-    for (int32_t i = 0; i < num_tiles; ++i) {
+    const int32_t first_tile = kCfg.pingpong ? wg : 0;
+    constexpr int32_t kTileStep = kCfg.pingpong ? kGemmConsumerWarpgroups : 1;
+    for (int32_t i = first_tile; i < num_tiles; i += kTileStep) {
         const GemmTile tile = sched.tile(i);
+        if constexpr (kCfg.pingpong) {
+            const uint32_t position = static_cast<uint32_t>(i) * static_cast<uint32_t>(num_k_blocks);
+            stage = position % kCfg.stages;
+            phase = (position / kCfg.stages) & 1u;
+            if (i > 0) ptx::named_barrier_sync(kBarMainloopTurn0 + wg, kGemmConsumerWarpgroups * 128);
+        }
 
         // ---- mainloop: wait for a full stage, issue tile_k/16 wgmma per slab, free the previous stage ----
         unsigned prev_stage = 0;
         for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
-            pipeline_wait<false>(bar_full0 + 8 * stage, phase, args.timeout_ns);
+            if (!stuck) {
+                stuck = !ptx::mbarrier_wait_parity_bounded<false>(bar_full0 + 8 * stage, phase, args.timeout_ns);
+            }
             const unsigned a_base = smem_base + stage * T::kPlan.stage_bytes +
-                                    wg * T::kSlabs * kGemmSlabRows * T::kRowBytes;
+                                    (kCfg.pingpong ? 0 : wg * T::kSlabs * kGemmSlabRows * T::kRowBytes);
             const unsigned b_base = smem_base + stage * T::kPlan.stage_bytes + T::kPlan.a_stage_bytes;
 #pragma unroll
             for (int s = 0; s < T::kSlabs; ++s) ptx::wgmma_fence_operands(acc[s]);
@@ -339,10 +365,16 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
                 phase ^= 1u;
             }
         }
+        if constexpr (kCfg.pingpong) {
+            if (i + 1 < num_tiles) {
+                ptx::named_barrier_arrive(kBarMainloopTurn0 + (wg ^ 1), kGemmConsumerWarpgroups * 128);
+            }
+        }
         ptx::wgmma_wait_group<0>();
 #pragma unroll
         for (int s = 0; s < T::kSlabs; ++s) ptx::wgmma_fence_operands(acc[s]);
         release_stage<kCfg>(bar_empty0 + 8 * prev_stage, lane);
+        if (stuck) break;
 
         // ---- the previous tile's stores have had a whole mainloop to land: signal it now ----
         if constexpr (Hook::kNotifies) {
@@ -362,7 +394,7 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
         const bool ragged = tile.valid && ((args.n_tma < args.n && tile.n0 + kCfg.tile_n > args.n_tma) || T::kEpiTail);
 #pragma unroll
         for (int s = 0; s < T::kSlabs; ++s) {
-            const int row0 = tile.m0 + (wg * T::kSlabs + s) * kGemmSlabRows;
+            const int row0 = tile.m0 + ((kCfg.pingpong ? 0 : wg * T::kSlabs) + s) * kGemmSlabRows;
             store_slab<kCfg>(acc[s], target.map, epi_base, wg, tid, epi_count, row0 - target.row_offset, tile.n0,
                              tile.valid, target.rows, args);
             if (ragged) store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args);
@@ -370,6 +402,7 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
         pending = tile;
         has_pending = true;
     }
+    if (stuck) __trap();
     if constexpr (Hook::kNotifies) {
         if (has_pending) notify_stored<Hook>(hook_params, pending, wg, tid);
     }

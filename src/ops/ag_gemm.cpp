@@ -108,7 +108,8 @@ std::vector<jit::KernelSpec> tp_aot_specs() {
     for (DType t : {DType::kBF16, DType::kF16}) {
         for (GemmConfig c : gemm_candidate_configs(t, t, BLayout::kNK)) {
             c.cluster_m = c.cluster_n = 1;
-            if (!is_valid(c) || !gemm_whole_store_boxes(c)) continue;  // the fused ops' hooks route or signal stores
+            // The fused ops' hooks route or signal stores: whole store boxes, and no ping-pong (gemm_sm90.cuh).
+            if (!is_valid(c) || !gemm_whole_store_boxes(c) || c.pingpong) continue;
             bool seen = false;
             for (const auto& s : out) seen = seen || s.instantiation == detail::ag_gemm_kernel_spec(c).instantiation;
             if (seen) continue;

@@ -56,14 +56,28 @@ void check_matrix(const TensorView& v, const char* name, const char* shape_text)
 
 int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
-// Relative cost of one tile's worth of MMAs: larger tiles reuse shared memory better (measured ratios are
-// in kernels/gemm/README.md; these are the planning estimates).
-double tile_efficiency(const GemmConfig& c) {
+// Relative speed of one tile's worth of MMAs at depth k: planning estimates fitted to the ratios measured on the
+// issue's shapes (H200, 2026-11-30, kernels/gemm/README.md v24; with them the heuristic picks the fastest measured
+// candidate or one within 1%). Larger tiles reuse shared memory better; a cooperative tile's epilogue stalls both
+// consumer warpgroups for about as long as 128 k of mainloop, which ping-pong hides under the other's mainloop.
+double tile_efficiency(const GemmConfig& c, int64_t k) {
     const int area = c.tile_m * c.tile_n;
-    if (area >= 128 * 256) return 1.0;
-    if (area >= 128 * 192) return 0.96;
-    if (area >= 128 * 128) return 0.92;  // run 3: 128x128 beat 128x192/128x256 on 8192x1792x4096
-    return 0.70;
+    if (c.pingpong) {
+        if (area >= 128 * 192) return 1.0;
+        if (area >= 128 * 176) return 0.99;
+        if (area >= 128 * 160) return 0.98;
+        return area >= 128 * 128 ? 0.95 : 0.70;
+    }
+    double e = 0.70;                 // 128x64
+    if (area >= 128 * 256) {
+        e = 1.0;                     // 128x256, 256x128
+    } else if (area == 128 * 176) {
+        e = 0.96;                    // 128x176 (its last 48 columns by plain stores)
+    } else if (area >= 128 * 128) {
+        e = 0.97;                    // 128x128, 128x192
+    }
+    constexpr double kEpilogueK = 128;
+    return e * static_cast<double>(k) / (static_cast<double>(k) + kEpilogueK);
 }
 
 struct GemvKey {
@@ -283,7 +297,7 @@ double gemm_config_cost(const GemmProblem& p, const GemmConfig& c, int budget) {
     const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
     const int clusters = std::max(1, budget / cluster);
     const int waves = ceil_div(g.num_cluster_tiles(), clusters);
-    const double cost = static_cast<double>(waves) * cluster * c.tile_m * c.tile_n / tile_efficiency(c);
+    const double cost = static_cast<double>(waves) * cluster * c.tile_m * c.tile_n / tile_efficiency(c, p.k);
     // Padding tiles of a cluster pair past the edge of D are pure waste.
     const double useful = static_cast<double>(g.num_tiles()) / (g.num_cluster_tiles() * cluster);
     return cost / useful;
@@ -406,7 +420,9 @@ std::string format_gemm_config(const GemmConfig& c) {
        << ", .raster = " << (c.raster == Raster::kAlongN ? "weft::Raster::kAlongN" : "weft::Raster::kAlongM")
        << ", .raster_group = " << c.raster_group
        << ", .b_layout = " << (c.b_layout == BLayout::kNK ? "weft::BLayout::kNK" : "weft::BLayout::kKN")
-       << ", .in_dtype = " << dt(c.in_dtype) << ", .out_dtype = " << dt(c.out_dtype) << "}";
+       << ", .in_dtype = " << dt(c.in_dtype) << ", .out_dtype = " << dt(c.out_dtype);
+    if (c.pingpong) os << ", .pingpong = true";  // omitted when false: cooperative kernels keep their names
+    os << "}";
     return os.str();
 }
 
@@ -515,6 +531,7 @@ std::string gemm_candidate_name(const GemmConfig& c) {
     std::ostringstream os;
     os << c.tile_m << "x" << c.tile_n << "x" << c.tile_k << "_s" << c.stages << "_c" << c.cluster_m << "x"
        << c.cluster_n;
+    if (c.pingpong) os << "_pp";
     return os.str();
 }
 

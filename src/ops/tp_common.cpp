@@ -65,6 +65,10 @@ void check_forced_config(const GemmConfig& c, DType in, DType out, const char* o
     WEFT_CHECK(c.cluster_m == 1 && c.cluster_n == 1,
                op << ": options.config must be cluster-free (cluster_m = cluster_n = 1), got "
                   << format_gemm_config(c));
+    WEFT_CHECK(!c.pingpong,
+               op << ": options.config must be cooperative (pingpong = false: the fused ops' hooks split each tile "
+                     "between both consumer warpgroups), got "
+                  << format_gemm_config(c));
     WEFT_CHECK(c.in_dtype == in && c.out_dtype == out && c.b_layout == BLayout::kNK,
                op << ": options.config must take " << dtype_name(in) << " inputs, write " << dtype_name(out)
                   << " and B [N,K] (BLayout::kNK), got " << format_gemm_config(c));
@@ -84,13 +88,16 @@ GemmConfig choose_gemm_config(const GemmProblem& problem, int budget, const std:
     c.cluster_n = 1;
     WEFT_CHECK(is_valid(c), op << ": no cluster-free config for " << format_gemm_config(c));
     const bool rows_fit = rows_multiple <= 0 || rows_multiple % c.tile_m == 0;
-    if (rows_fit && gemm_whole_store_boxes(c)) return c;
-    // The heuristic's tile does not fit the caller's row granularity, or ends in a partial store box (which the
-    // fused ops cannot route or signal): the cheapest candidate that fits (tune_candidates keeps whole boxes only).
+    if (rows_fit && gemm_whole_store_boxes(c) && !c.pingpong) return c;
+    // The heuristic's tile does not fit the caller's row granularity, ends in a partial store box (which the fused
+    // ops cannot route or signal) or is ping-pong (which their hooks cannot serve): the cheapest candidate that fits
+    // (tune_candidates keeps cooperative configs of whole boxes only).
     std::optional<GemmConfig> best;
     double best_cost = 0;
     for (GemmConfig cand : tune_candidates(c, problem.in_dtype, problem.out_dtype)) {
-        if ((rows_multiple > 0 && rows_multiple % cand.tile_m != 0) || !gemm_whole_store_boxes(cand)) continue;
+        if ((rows_multiple > 0 && rows_multiple % cand.tile_m != 0) || !gemm_whole_store_boxes(cand) || cand.pingpong) {
+            continue;
+        }
         const double cost = gemm_config_cost(problem, cand, budget);
         if (!best || cost < best_cost * 0.999) {
             best = cand;
@@ -188,11 +195,13 @@ cudaEvent_t StreamSet::add_event() {
 }
 
 std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out, int64_t rows_multiple) {
-    std::vector<GemmConfig> out_list = {first};
+    std::vector<GemmConfig> out_list;
+    if (!first.pingpong) out_list.push_back(first);  // the fused ops run cooperative configs only
     for (GemmConfig c : gemm_candidate_configs(in, out, BLayout::kNK)) {
         c.cluster_m = c.cluster_n = 1;
         if (rows_multiple > 0 && rows_multiple % c.tile_m != 0) continue;
-        if (!gemm_whole_store_boxes(c)) continue;  // the fused ops route or signal every store (gemm_sm90.cuh)
+        // The fused ops route or signal every store (gemm_sm90.cuh): whole store boxes, and no ping-pong.
+        if (!gemm_whole_store_boxes(c) || c.pingpong) continue;
         if (is_valid(c) && std::find(out_list.begin(), out_list.end(), c) == out_list.end()) out_list.push_back(c);
     }
     return out_list;

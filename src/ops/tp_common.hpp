@@ -124,10 +124,10 @@ private:
     std::vector<cudaEvent_t> events_;
 };
 
-/// The cluster-free candidates a fused op may tune over: `first` (the heuristic's pick), then every other
-/// valid candidate of gemm_candidate_configs with its cluster dropped and whole store boxes (gemm_whole_store_boxes:
-/// the fused ops route or signal every store), without duplicates; with `rows_multiple` > 0 only those whose tile_m
-/// divides it (`first` must).
+/// The cluster-free candidates a fused op may tune over: `first` (the heuristic's pick; left out if ping-pong), then
+/// every other valid cooperative candidate of gemm_candidate_configs with its cluster dropped and whole store boxes
+/// (gemm_whole_store_boxes: the fused ops route or signal every store), without duplicates; with `rows_multiple` > 0
+/// only those whose tile_m divides it (`first` must).
 std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out, int64_t rows_multiple = 0);
 
 /// A TuneComm over the World (host barrier, all-gather through its store). `tag` must be the same on every

@@ -17,6 +17,7 @@
 #include <regex>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "support/sass_testing.hpp"
@@ -219,6 +220,36 @@ TEST(GemmNvrtc, gemm_sass_uses_hgmma) {
         }
     }
     EXPECT_EQ(checked, static_cast<int>(expected));
+}
+
+// Ping-pong (GemmConfig::pingpong, opt-in) keeps whole tiles in one warpgroup's registers: on the wgmma path, with
+// TMA loads and stores, nothing in local memory, and ptxas' report clean, for both B layouts and both output widths.
+TEST(GemmNvrtc, pingpong_sass_uses_hgmma_without_spills) {
+    std::vector<std::string> names;
+    for (const auto& [tile_m, tile_n, stages, out, layout] :
+         {std::tuple{64, 256, 4, DType::kBF16, BLayout::kNK}, std::tuple{128, 128, 6, DType::kF32, BLayout::kKN}}) {
+        GemmConfig c{};
+        c.tile_m = tile_m;
+        c.tile_n = tile_n;
+        c.stages = stages;
+        c.out_dtype = out;
+        c.b_layout = layout;
+        c.pingpong = true;
+        ASSERT_TRUE(is_valid(c)) << ops::format_gemm_config(c);
+        names.push_back(ops::gemm_kernel_instantiation(c));
+    }
+    const CompiledSass r = compile_to_sass(names);
+    ASSERT_EQ(r.compiled.result, NVRTC_SUCCESS) << r.compiled.log;
+    expect_clean_ptxas_report(r.compiled.log, "ping-pong");
+    if (r.sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << r.why_not;
+    EXPECT_EQ(r.sass.size(), names.size());
+    for (const auto& [name, code] : r.sass) {
+        EXPECT_GT(count(code, "HGMMA"), 0u) << name << ": no HGMMA in SASS";
+        EXPECT_EQ(count(code, " HMMA"), 0u) << name << ": HMMA (mma.sync path) in a tiled kernel";
+        expect_no_local_memory(code, name);
+        EXPECT_GT(count(code, "UTMALDG"), 0u) << name << ": no TMA loads";
+        EXPECT_GT(count(code, "UTMASTG"), 0u) << name << ": no TMA stores";
+    }
 }
 
 // Compiles small-M `variant` for every B [N,K] dtype pair (ASSERTs NVRTC succeeded, checks ptxas' report: no

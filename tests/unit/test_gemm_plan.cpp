@@ -23,8 +23,9 @@ constexpr DType kInOut[][2] = {{DType::kBF16, DType::kBF16},
 TEST(GemmConfig, EveryCandidateIsValidAndFitsSharedMemory) {
     for (const auto& io : kInOut) {
         for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
-            size_t valid = 0;
+            size_t valid = 0, partial_boxes = 0;
             for (int i = 0; i < kGemmNumCandidates; ++i) {
+                if (gemm_candidate(i, io[0], io[1], layout).tile_n % 64 != 0) ++partial_boxes;
                 const GemmConfig c = gemm_candidate(i, io[0], io[1], layout);
                 // Tiles of partial 64-column blocks exist for B [N,K] only.
                 EXPECT_EQ(is_valid(c), layout == BLayout::kNK || c.tile_n % 64 == 0) << ops::format_gemm_config(c);
@@ -35,7 +36,7 @@ TEST(GemmConfig, EveryCandidateIsValidAndFitsSharedMemory) {
                 EXPECT_EQ(gemm_smem_plan(c).stage_bytes % 1024, 0) << "stages must keep 1024-byte alignment";
             }
             EXPECT_EQ(ops::gemm_candidate_configs(io[0], io[1], layout).size(), valid);
-            EXPECT_EQ(valid, static_cast<size_t>(layout == BLayout::kNK ? kGemmNumCandidates : kGemmNumCandidates - 1));
+            EXPECT_EQ(valid, static_cast<size_t>(kGemmNumCandidates) - (layout == BLayout::kNK ? 0 : partial_boxes));
         }
     }
 }
@@ -54,6 +55,15 @@ TEST(GemmConfig, RejectsWhatTheKernelCannotDo) {
     EXPECT_TRUE(with([](GemmConfig& x) { x.tile_n = 176; }));                     // partial last store box
     EXPECT_FALSE(with([](GemmConfig& x) { x.tile_n = 176; x.b_layout = BLayout::kKN; }));
     EXPECT_FALSE(with([](GemmConfig& x) { x.tile_n = 176; x.cluster_m = 2; }));
+    // Ping-pong: one warpgroup holds a whole tile (64 or 128 rows, <= 128 accumulators), no cluster.
+    EXPECT_TRUE(with([](GemmConfig& x) { x.pingpong = true; x.tile_m = 64; }));
+    EXPECT_TRUE(with([](GemmConfig& x) { x.pingpong = true; x.tile_n = 128; x.stages = 6; }));
+    EXPECT_FALSE(with([](GemmConfig& x) { x.pingpong = true; }));                 // 128x256: 256 accumulators
+    EXPECT_TRUE(with([](GemmConfig& x) { x.pingpong = true; x.tile_n = 192; }));  // 192 accumulators: the most
+    EXPECT_FALSE(with([](GemmConfig& x) { x.pingpong = true; x.tile_n = 208; x.stages = 3; }));
+    EXPECT_TRUE(with([](GemmConfig& x) { x.tile_m = 256; x.tile_n = 192; x.stages = 3; }));
+    EXPECT_FALSE(with([](GemmConfig& x) { x.pingpong = true; x.tile_m = 256; x.tile_n = 64; }));
+    EXPECT_FALSE(with([](GemmConfig& x) { x.pingpong = true; x.tile_m = 64; x.cluster_m = 2; }));
     EXPECT_FALSE(gemm_whole_store_boxes([] { GemmConfig x{}; x.tile_n = 176; return x; }()));
     EXPECT_TRUE(gemm_whole_store_boxes(c));
     EXPECT_FALSE(with([](GemmConfig& x) { x.tile_n = 320; }));
@@ -484,6 +494,31 @@ TEST(GemmPlan, SmallMMaxMBoundsTheSmallMPath) {
     }
 }
 
+// The heuristic on 132 SMs picks, for the shapes, the candidate measured fastest there or one within 1%
+// (H200, 2026-11-30, `weft_bench_gemm --all-configs`, two runs each: kernels/gemm/README.md v24).
+TEST(GemmPlan, PicksTheMeasuredFastestTiles) {
+    struct Pick {
+        int64_t m, n, k;
+        const char* name;
+    };
+    const Pick picks[] = {
+        {8192, 8192, 8192, "128x192x64_s4_c1x1_pp"}, {8192, 1376, 4096, "128x176x64_s5_c1x1_pp"},
+        {8192, 1792, 4096, "128x128x64_s6_c1x1"},    {8192, 3584, 8192, "128x256x64_s4_c1x1"},
+        {8192, 6656, 16384, "128x192x64_s4_c1x1_pp"}, {8192, 3696, 8192, "128x192x64_s4_c1x1_pp"},
+        {8192, 4096, 1376, "128x192x64_s4_c1x1_pp"}, {8192, 4096, 1792, "128x192x64_s4_c1x1_pp"},
+        {8192, 8192, 3584, "128x192x64_s4_c1x1_pp"}, {8192, 16384, 6656, "128x192x64_s4_c1x1_pp"},
+        {8192, 8192, 3696, "128x192x64_s4_c1x1_pp"}, {4096, 4096, 4096, "128x256x64_s4_c1x1"},
+        {1024, 8192, 8192, "128x256x64_s4_c1x1"},     {128, 8192, 8192, "64x128x64_s8_c1x1_pp"},
+        {128, 4096, 4096, "64x128x64_s8_c1x1_pp"},    {256, 8192, 8192, "128x128x64_s6_c1x1"},
+        {128, 28672, 4096, "128x256x64_s4_c1x1"},     {512, 8192, 8192, "128x256x64_s4_c1x1"},
+    };
+    for (const Pick& pk : picks) {
+        const ops::GemmProblem p{pk.m, pk.n, pk.k, BLayout::kNK, DType::kBF16, DType::kBF16};
+        EXPECT_EQ(ops::gemm_candidate_name(ops::plan_gemm(p, 132).config), pk.name)
+            << pk.m << "x" << pk.n << "x" << pk.k;
+    }
+}
+
 TEST(GemmPlan, TiledGridRespectsBudgetAndCluster) {
     ops::GemmProblem p{8192, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
     for (int budget : {0, 1, 7, 64, 131, 132, 500}) {
@@ -498,9 +533,10 @@ TEST(GemmPlan, TiledGridRespectsBudgetAndCluster) {
         EXPECT_LE(plan.grid, std::max(cluster, budget == 0 ? 132 : std::min(budget, 132)));
         EXPECT_EQ(plan.smem_bytes, gemm_smem_plan(plan.config).alloc_bytes);
     }
-    // Large square problems use a 128x256 / 256x128 tile (the efficient shapes).
+    // Large square problems use a ping-pong 128x192 tile (the fastest measured there).
     const auto big = ops::plan_gemm(p, 132);
-    EXPECT_EQ(big.config.tile_m * big.config.tile_n, 128 * 256) << ops::format_gemm_config(big.config);
+    EXPECT_TRUE(big.config.pingpong && big.config.tile_m * big.config.tile_n == 128 * 192)
+        << ops::format_gemm_config(big.config);
     // A tiny problem never launches more CTAs than tiles.
     ops::GemmProblem tiny{100, 100, 64, BLayout::kKN, DType::kF16, DType::kF32};
     const auto t = ops::plan_gemm(tiny, 132);
@@ -528,6 +564,12 @@ TEST(GemmFormat, PrintsDesignatedInitialisers) {
               "weft::GemmConfig{.tile_m = 128, .tile_n = 256, .tile_k = 64, .stages = 4, .cluster_m = 2, "
               ".cluster_n = 1, .raster = weft::Raster::kAlongN, .raster_group = 8, .b_layout = weft::BLayout::kKN, "
               ".in_dtype = weft::DType::kF16, .out_dtype = weft::DType::kF32}");
+    GemmConfig pp{};
+    pp.tile_m = 64;
+    pp.pingpong = true;
+    EXPECT_NE(ops::format_gemm_config(pp).find(".out_dtype = weft::DType::kBF16, .pingpong = true}"), std::string::npos)
+        << ops::format_gemm_config(pp);
+    EXPECT_EQ(ops::gemm_candidate_name(pp), "64x256x64_s4_c1x1_pp");
     const std::string k = ops::gemm_kernel_instantiation(GemmConfig{});
     EXPECT_EQ(k.rfind("weft::gemm::gemm_kernel<weft::GemmConfig{", 0), 0u) << k;
     EXPECT_NE(k.find("weft::gemm::PersistentScheduler<weft::GemmConfig{"), std::string::npos) << k;

@@ -23,7 +23,8 @@ enum class Raster : int32_t {
 /// One GEMM kernel specialisation. A C++20 structural type: it is the kernel's template argument, and the
 /// JIT prints it with designated initialisers (see weft::ops::format_gemm_config).
 struct GemmConfig {
-    int32_t tile_m = 128;  ///< rows of D per CTA tile: 128 or 256 (two consumer warpgroups, 64-row slabs)
+    int32_t tile_m = 128;  ///< rows of D per tile: 128 or 256 (cooperative: the two consumer warpgroups split it
+                           ///< into 64-row slabs), 64 or 128 (ping-pong: one warpgroup computes the whole tile)
     int32_t tile_n = 256;  ///< columns of D per CTA tile: a multiple of 64 up to 256
     int32_t tile_k = 64;   ///< K per pipeline stage: 64 (one 128-byte swizzle row of 16-bit elements)
     int32_t stages = 4;    ///< depth of the shared-memory ring
@@ -34,6 +35,10 @@ struct GemmConfig {
     BLayout b_layout = BLayout::kNK;
     DType in_dtype = DType::kBF16;   ///< A and B: kBF16 or kF16
     DType out_dtype = DType::kBF16;  ///< D: kBF16, kF16 or kF32
+    /// false (cooperative): both consumer warpgroups compute every tile, each its half of the rows. true
+    /// (ping-pong): the consumer warpgroups take alternate tiles, so one's epilogue runs under the other's
+    /// mainloop; no cluster, and only hooks that neither add to, route nor signal a tile (gemm_sm90.cuh).
+    bool pingpong = false;
 
     constexpr bool operator==(const GemmConfig&) const = default;
 };
@@ -87,9 +92,15 @@ WEFT_HOST_DEVICE constexpr GemmSmemPlan gemm_smem_plan(const GemmConfig& c) {
     return p;
 }
 
-/// Accumulator floats per consumer thread: (tile_m / 2 / 64) slabs x tile_n / 2.
+/// 64-row accumulator slabs per consumer warpgroup: its share of the tile's rows (cooperative) or all of them
+/// (ping-pong).
+WEFT_HOST_DEVICE constexpr int32_t gemm_slabs_per_consumer(const GemmConfig& c) {
+    return c.tile_m / ((c.pingpong ? 1 : kGemmConsumerWarpgroups) * kGemmSlabRows);
+}
+
+/// Accumulator floats per consumer thread: slabs x tile_n / 2.
 WEFT_HOST_DEVICE constexpr int32_t gemm_acc_regs(const GemmConfig& c) {
-    return (c.tile_m / (kGemmConsumerWarpgroups * kGemmSlabRows)) * (c.tile_n / 2);
+    return gemm_slabs_per_consumer(c) * (c.tile_n / 2);
 }
 
 /// The one rule for which configs exist: host heuristics filter candidates with it, the kernel
@@ -99,12 +110,14 @@ WEFT_HOST_DEVICE constexpr bool is_valid(const GemmConfig& c) {
     const bool out_ok = c.out_dtype == DType::kBF16 || c.out_dtype == DType::kF16 || c.out_dtype == DType::kF32;
     if (!in_ok || !out_ok) return false;
     if (c.tile_k != 64) return false;  // one 128B swizzle row of 16-bit elements per stage
-    if (c.tile_m != 128 && c.tile_m != 256) return false;
+    if (c.pingpong ? (c.tile_m != 64 && c.tile_m != 128) : (c.tile_m != 128 && c.tile_m != 256)) return false;
     // tile_n: whole 64-column blocks, or (B [N,K], no cluster) any multiple of 16 from 80 (an m64nNk16 wgmma shape;
     // the epilogue stores the columns past its last whole box with plain stores).
     if (c.tile_n < 64 || c.tile_n > 256 || c.tile_n % 16 != 0) return false;
     if (c.tile_n % 64 != 0 && (c.b_layout != BLayout::kNK || c.cluster_m != 1 || c.cluster_n != 1)) return false;
-    if (gemm_acc_regs(c) > 128) return false;  // accumulators must leave room in 232 registers
+    // Accumulators must leave room in the consumers' 232 registers: a ping-pong 128x192 tile (192 floats per thread)
+    // uses R0..R229 without spilling (kernels/gemm/README.md, v24).
+    if (gemm_acc_regs(c) > 192) return false;
     if (c.stages < 2 || c.stages > 8) return false;
     if (c.raster_group < 1 || c.raster_group > 64) return false;
     if (c.raster != Raster::kAlongN && c.raster != Raster::kAlongM) return false;
@@ -113,6 +126,7 @@ WEFT_HOST_DEVICE constexpr bool is_valid(const GemmConfig& c) {
     const bool cluster_ok = (c.cluster_m == 1 && c.cluster_n == 1) || (c.cluster_m == 2 && c.cluster_n == 1) ||
                             (c.cluster_m == 1 && c.cluster_n == 2);
     if (!cluster_ok) return false;
+    if (c.pingpong && (c.cluster_m != 1 || c.cluster_n != 1)) return false;
     if (c.cluster_m == 2 && c.b_layout == BLayout::kKN && (c.tile_n / 64) % 2 != 0) return false;
     if (gemm_smem_plan(c).alloc_bytes > kGemmMaxSmemBytes) return false;
     return true;
@@ -198,7 +212,7 @@ WEFT_HOST_DEVICE constexpr int32_t gemm_tma_store_cols(int32_t n, DType out) {
 
 /// The candidate set of tiled-kernel configs (same list for the heuristic, the autotuner and the
 /// ahead-of-time instances): tile shape, ring depth and cluster shape; dtypes and layout come from the call.
-inline constexpr int kGemmNumCandidates = 9;
+inline constexpr int kGemmNumCandidates = 13;
 
 WEFT_HOST_DEVICE constexpr GemmConfig gemm_candidate(int index, DType in_dtype, DType out_dtype, BLayout b_layout) {
     GemmConfig c{};
@@ -216,7 +230,14 @@ WEFT_HOST_DEVICE constexpr GemmConfig gemm_candidate(int index, DType in_dtype, 
         case 7: c.tile_m = 128; c.tile_n = 64; c.stages = 8; break;
         // 176 columns: N = 1376 (a TP shard) in 8 tiles, 512 per 8192 rows = 3.9 waves on 132 SMs (94.8% of the tile
         // slots busy; every whole-64 tile: 86.9%). B [N,K] only (is_valid).
-        default: c.tile_m = 128; c.tile_n = 176; c.stages = 5; break;
+        case 8: c.tile_m = 128; c.tile_n = 176; c.stages = 5; break;
+        // Ping-pong (each consumer warpgroup a whole tile, its epilogue under the other's mainloop): 128x192 for most
+        // large shapes, 128x176 for N = 1376, 128x160 where its waves fit better, 64x128 for M = 128 (half of A per
+        // CTA from L2 where 128x64 reads all of it; kernels/gemm/README.md, v24).
+        case 9: c.tile_m = 128; c.tile_n = 192; c.stages = 4; c.pingpong = true; break;
+        case 10: c.tile_m = 128; c.tile_n = 176; c.stages = 5; c.pingpong = true; break;
+        case 11: c.tile_m = 128; c.tile_n = 160; c.stages = 5; c.pingpong = true; break;
+        default: c.tile_m = 64; c.tile_n = 128; c.stages = 8; c.pingpong = true; break;
     }
     return c;
 }

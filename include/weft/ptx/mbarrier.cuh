@@ -33,6 +33,12 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+/// Arrives on named barrier `id` without waiting: the barrier completes once `threads` threads have arrived or
+/// synced (the producer side of a named-barrier hand-off; the consumer side calls named_barrier_sync).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 /// One arrival on a barrier of this CTA (release at CTA scope).
 __device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
