@@ -230,18 +230,9 @@ TEST(GemmTiled, RasterOrdersAgree) {
 // Ping-pong (GemmConfig::pingpong, opt-in: no candidate of the heuristic): the consumer warpgroups take alternate
 // tiles, turn by turn. Awkward shapes, strides, f32 output and budgets of 1..7 CTAs (many tiles per CTA: odd tile
 // counts leave one warpgroup a tile more, and the ring's phases wrap inside each warpgroup's tiles).
-constexpr GemmConfig pingpong_config(int tile_m, int tile_n, int stages, DType out, BLayout layout) {
-    GemmConfig c{};
-    c.tile_m = tile_m;
-    c.tile_n = tile_n;
-    c.stages = stages;
-    c.out_dtype = out;
-    c.b_layout = layout;
-    c.pingpong = true;
-    return c;
-}
-constexpr GemmConfig kPingPong64x256 = pingpong_config(64, 256, 4, DType::kBF16, BLayout::kNK);
-constexpr GemmConfig kPingPong128x128 = pingpong_config(128, 128, 6, DType::kF32, BLayout::kKN);
+constexpr GemmConfig kPingPong64x256{.tile_m = 64, .tile_n = 256, .stages = 4, .pingpong = true};
+constexpr GemmConfig kPingPong128x128{.tile_m = 128, .tile_n = 128, .stages = 6, .b_layout = BLayout::kKN,
+                                      .out_dtype = DType::kF32, .pingpong = true};
 
 // Plain kernels: nvcc's host stubs cannot spell a class-type template argument.
 __global__ void __launch_bounds__(kGemmThreads, 1)

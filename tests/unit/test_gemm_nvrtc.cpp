@@ -17,7 +17,6 @@
 #include <regex>
 #include <sstream>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "support/sass_testing.hpp"
@@ -200,6 +199,15 @@ void expect_no_local_memory(const std::string& code, const std::string& name) {
     EXPECT_EQ(count(code, " STL"), 0u) << name << ": local-memory stores";
 }
 
+// A tiled GEMM kernel's SASS: wgmma (HGMMA, no mma.sync HMMA), nothing in local memory, TMA loads and stores.
+void expect_tiled_sass(const std::string& code, const std::string& name) {
+    EXPECT_GT(count(code, "HGMMA"), 0u) << name << ": no HGMMA in SASS";
+    EXPECT_EQ(count(code, " HMMA"), 0u) << name << ": HMMA (mma.sync path) in a tiled kernel";
+    expect_no_local_memory(code, name);
+    EXPECT_GT(count(code, "UTMALDG"), 0u) << name << ": no TMA loads";
+    EXPECT_GT(count(code, "UTMASTG"), 0u) << name << ": no TMA stores";
+}
+
 // The tiled GEMM must run on the wgmma path: HGMMA in SASS. HMMA (mma.sync) in a tiled kernel means a slower
 // path; LDL/STL means registers went to local memory.
 TEST(GemmNvrtc, gemm_sass_uses_hgmma) {
@@ -211,11 +219,7 @@ TEST(GemmNvrtc, gemm_sass_uses_hgmma) {
         ASSERT_EQ(r.compiled.result, NVRTC_SUCCESS) << r.compiled.log;
         if (r.sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << r.why_not;
         for (const auto& [name, code] : r.sass) {
-            EXPECT_GT(count(code, "HGMMA"), 0u) << name << ": no HGMMA in SASS";
-            EXPECT_EQ(count(code, " HMMA"), 0u) << name << ": HMMA (mma.sync path) in a tiled kernel";
-            expect_no_local_memory(code, name);
-            EXPECT_GT(count(code, "UTMALDG"), 0u) << name << ": no TMA loads";
-            EXPECT_GT(count(code, "UTMASTG"), 0u) << name << ": no TMA stores";
+            expect_tiled_sass(code, name);
             ++checked;
         }
     }
@@ -226,15 +230,10 @@ TEST(GemmNvrtc, gemm_sass_uses_hgmma) {
 // TMA loads and stores, nothing in local memory, and ptxas' report clean, for both B layouts and both output widths.
 TEST(GemmNvrtc, pingpong_sass_uses_hgmma_without_spills) {
     std::vector<std::string> names;
-    for (const auto& [tile_m, tile_n, stages, out, layout] :
-         {std::tuple{64, 256, 4, DType::kBF16, BLayout::kNK}, std::tuple{128, 128, 6, DType::kF32, BLayout::kKN}}) {
-        GemmConfig c{};
-        c.tile_m = tile_m;
-        c.tile_n = tile_n;
-        c.stages = stages;
-        c.out_dtype = out;
-        c.b_layout = layout;
-        c.pingpong = true;
+    for (const GemmConfig& c :
+         {GemmConfig{.tile_m = 64, .tile_n = 256, .stages = 4, .pingpong = true},
+          GemmConfig{.tile_m = 128, .tile_n = 128, .stages = 6, .b_layout = BLayout::kKN, .out_dtype = DType::kF32,
+                     .pingpong = true}}) {
         ASSERT_TRUE(is_valid(c)) << ops::format_gemm_config(c);
         names.push_back(ops::gemm_kernel_instantiation(c));
     }
@@ -243,13 +242,7 @@ TEST(GemmNvrtc, pingpong_sass_uses_hgmma_without_spills) {
     expect_clean_ptxas_report(r.compiled.log, "ping-pong");
     if (r.sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << r.why_not;
     EXPECT_EQ(r.sass.size(), names.size());
-    for (const auto& [name, code] : r.sass) {
-        EXPECT_GT(count(code, "HGMMA"), 0u) << name << ": no HGMMA in SASS";
-        EXPECT_EQ(count(code, " HMMA"), 0u) << name << ": HMMA (mma.sync path) in a tiled kernel";
-        expect_no_local_memory(code, name);
-        EXPECT_GT(count(code, "UTMALDG"), 0u) << name << ": no TMA loads";
-        EXPECT_GT(count(code, "UTMASTG"), 0u) << name << ": no TMA stores";
-    }
+    for (const auto& [name, code] : r.sass) expect_tiled_sass(code, name);
 }
 
 // Compiles small-M `variant` for every B [N,K] dtype pair (ASSERTs NVRTC succeeded, checks ptxas' report: no
