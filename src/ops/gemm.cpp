@@ -291,13 +291,14 @@ size_t gemm_workspace_bytes(const GemmProblem& p, int splits, int small_m_varian
     return round256(blocks * 4) + round256(partials);
 }
 
-double gemm_config_cost(const GemmProblem& p, const GemmConfig& c, int budget) {
+double gemm_config_cost(const GemmProblem& p, const GemmConfig& c, int budget, double per_tile_cost) {
     const int cluster = c.cluster_m * c.cluster_n;
     if (cluster > budget) return std::numeric_limits<double>::infinity();
     const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
     const int clusters = std::max(1, budget / cluster);
     const int waves = ceil_div(g.num_cluster_tiles(), clusters);
-    const double cost = static_cast<double>(waves) * cluster * c.tile_m * c.tile_n / tile_efficiency(c, p.k);
+    const double cost =
+        static_cast<double>(waves) * cluster * (c.tile_m * c.tile_n / tile_efficiency(c, p.k) + per_tile_cost);
     // Padding tiles of a cluster pair past the edge of D are pure waste.
     const double useful = static_cast<double>(g.num_tiles()) / (g.num_cluster_tiles() * cluster);
     return cost / useful;

@@ -43,11 +43,10 @@ int device_sm_count();
 /// Checks a forced config for a fused op (valid, cluster-free, dtypes and B [N,K]); throws naming `op`.
 void check_forced_config(const GemmConfig& config, DType in, DType out, const char* op);
 
-/// The GEMM config of a fused op: `forced`, else the GEMM heuristic for `budget` SMs with any cluster pair
-/// dropped (the fused schedulers and launches are cluster-free). `rows_multiple` > 0: the config's tile_m
-/// must divide it (GemmRs's explicit chunk_rows); when the heuristic's pick does not, the cheapest candidate
-/// (gemm_config_cost) whose tile_m does; throws naming `op` when none does. A forced config is returned as
-/// is (its callers check it against their own constraints).
+/// The GEMM config of a fused op: `forced`, else the cheapest (gemm_config_cost on `budget` SMs, each tile charged
+/// the hooks' cost) cluster-free, cooperative candidate of whole store boxes (what the fused kernels run).
+/// `rows_multiple` > 0: the config's tile_m must divide it (GemmRs's explicit chunk_rows); throws naming `op` when
+/// no candidate's does. A forced config is returned as is (its callers check it against their own constraints).
 GemmConfig choose_gemm_config(const GemmProblem& problem, int budget, const std::optional<GemmConfig>& forced,
                               const char* op, int64_t rows_multiple = 0);
 

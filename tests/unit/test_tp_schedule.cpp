@@ -15,6 +15,7 @@
 #include "weft/common/tp_params.hpp"
 #include "weft/common/tp_schedule.hpp"
 #include "weft/ops/ag_gemm.hpp"
+#include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_ar.hpp"
 #include "weft/ops/gemm_rs.hpp"
 #include "weft/runtime/error.hpp"
@@ -391,6 +392,27 @@ TEST(TpPlan, GemmRsExplicitChunkRowsSteersTheConfig) {
     EXPECT_EQ(p.max_chunks_per_rank, 3);  // 300 rows per rank in chunks of 128
     o.autotune = true;
     for (const GemmConfig& c : ops::detail::plan_gemm_rs(s, 8, 15, o).configs) EXPECT_EQ(c.tile_m, 128);
+}
+
+// The fused kernels run cooperative, cluster-free tiles of whole store boxes; their hooks cost something per tile, so
+// they keep the large tile where the plain GEMM picks ping-pong (and its own model for cooperative tiles, 128x128):
+// AG+GEMM 8192x11008x4096 on 2 H200s tuned 128x256 0.531 ms against 128x128 0.557 ms (2026-11-30).
+TEST(TpPlan, FusedOpsKeepCooperativeWholeBoxTiles) {
+    const ops::GemmProblem plain{8192, 5504, 4096, BLayout::kNK, DType::kBF16, DType::kBF16};
+    ASSERT_TRUE(ops::plan_gemm(plain, 132).config.pingpong) << "the case no longer exercises a ping-pong pick";
+    const ops::GemmRsOptions o;
+    const ops::detail::GemmRsPlan p = ops::detail::plan_gemm_rs({8192, 5504, 4096, DType::kBF16}, 2, 132, o);
+    ASSERT_EQ(p.configs.size(), 1u);
+    EXPECT_EQ(ops::gemm_candidate_name(p.configs[0]), "128x256x64_s4_c1x1");
+    for (const int64_t n : {1376, 1792, 3584, 3696, 6656}) {
+        ops::GemmRsOptions tuned;
+        tuned.autotune = true;
+        for (const GemmConfig& c : ops::detail::plan_gemm_rs({8192, n, 4096, DType::kBF16}, 2, 132, tuned).configs) {
+            EXPECT_FALSE(c.pingpong) << "N " << n << ": " << ops::format_gemm_config(c);
+            EXPECT_TRUE(gemm_whole_store_boxes(c)) << "N " << n << ": " << ops::format_gemm_config(c);
+            EXPECT_EQ(c.cluster_m * c.cluster_n, 1) << "N " << n;
+        }
+    }
 }
 
 TEST(TpPlan, GemmRsEveryConfigFitsItsChunk) {

@@ -123,9 +123,10 @@ GemmProblem validate_gemm_args(const TensorView& a, const TensorView& b, const T
 /// The tiled-kernel configs the heuristic (and the autotuner) choose from for this problem's types/layout.
 std::vector<GemmConfig> gemm_candidate_configs(DType in_dtype, DType out_dtype, BLayout b_layout);
 
-/// The heuristic's estimate of the tiled kernel's run time with `config` on `budget` SMs (arbitrary units,
-/// lower is better; infinite when a cluster does not fit the budget). plan_gemm picks the cheapest candidate.
-double gemm_config_cost(const GemmProblem& problem, const GemmConfig& config, int budget);
+/// The heuristic's estimate of the tiled kernel's run time with `config` on `budget` SMs (arbitrary units: output
+/// elements of MMA work; lower is better; infinite when a cluster does not fit the budget). `per_tile_cost` adds
+/// that many units per tile (the fused ops' hooks). plan_gemm picks the cheapest candidate.
+double gemm_config_cost(const GemmProblem& problem, const GemmConfig& config, int budget, double per_tile_cost = 0);
 
 /// Whether the small-M path may serve this call: no options.config, options.allow_small_m, B [N,K] and
 /// M <= options.small_m_max_m. Throws weft::Error when small_m_max_m is outside 0..kGemvMaxM.
