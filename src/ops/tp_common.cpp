@@ -74,6 +74,24 @@ void check_forced_config(const GemmConfig& c, DType in, DType out, const char* o
                   << " and B [N,K] (BLayout::kNK), got " << format_gemm_config(c));
 }
 
+namespace {
+
+// The candidates the fused kernels can run, without duplicates: cluster-free (their schedulers and launches are),
+// cooperative and of whole store boxes (their hooks split each tile between both consumer warpgroups and route or
+// signal every store: gemm_sm90.cuh), with tile_m dividing rows_multiple when it is > 0.
+std::vector<GemmConfig> fused_candidates(DType in, DType out, int64_t rows_multiple) {
+    std::vector<GemmConfig> list;
+    for (GemmConfig c : gemm_candidate_configs(in, out, BLayout::kNK)) {
+        c.cluster_m = c.cluster_n = 1;
+        if (!is_valid(c) || c.pingpong || !gemm_whole_store_boxes(c)) continue;
+        if (rows_multiple > 0 && rows_multiple % c.tile_m != 0) continue;
+        if (std::find(list.begin(), list.end(), c) == list.end()) list.push_back(c);
+    }
+    return list;
+}
+
+}  // namespace
+
 // Per tile, the fused ops' hooks (chunk waits before its loads, a stored signal after its stores) cost about as much
 // as 1024 more output elements of MMA (3% of a 128x256 tile), which favours the larger tiles more than the plain
 // GEMM's cost model does: AG+GEMM 8192x11008x4096 on 2 H200s (autotuned, 2026-11-30) ran 128x256 in 0.531 ms,
@@ -86,16 +104,10 @@ GemmConfig choose_gemm_config(const GemmProblem& problem, int budget, const std:
         check_forced_config(*forced, problem.in_dtype, problem.out_dtype, op);
         return *forced;
     }
-    // The cheapest candidate the fused kernels can run: cluster-free (their schedulers and launches are),
-    // cooperative and of whole store boxes (their hooks split each tile between both consumer warpgroups and route
-    // or signal every store), its tile_m dividing rows_multiple; each tile charged the hooks' own cost.
+    // The cheapest candidate the fused kernels can run, each tile charged the hooks' own cost.
     std::optional<GemmConfig> best;
     double best_cost = 0;
-    for (GemmConfig cand : gemm_candidate_configs(problem.in_dtype, problem.out_dtype, BLayout::kNK)) {
-        cand.cluster_m = 1;
-        cand.cluster_n = 1;
-        if (!is_valid(cand) || cand.pingpong || !gemm_whole_store_boxes(cand)) continue;
-        if (rows_multiple > 0 && rows_multiple % cand.tile_m != 0) continue;
+    for (const GemmConfig& cand : fused_candidates(problem.in_dtype, problem.out_dtype, rows_multiple)) {
         const double cost = gemm_config_cost(problem, cand, budget, kHookedTileCost);
         if (!best || cost < best_cost * 0.999) {
             best = cand;
@@ -193,14 +205,11 @@ cudaEvent_t StreamSet::add_event() {
 }
 
 std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out, int64_t rows_multiple) {
-    std::vector<GemmConfig> out_list;
-    if (!first.pingpong) out_list.push_back(first);  // the fused ops run cooperative configs only
-    for (GemmConfig c : gemm_candidate_configs(in, out, BLayout::kNK)) {
-        c.cluster_m = c.cluster_n = 1;
-        if (rows_multiple > 0 && rows_multiple % c.tile_m != 0) continue;
-        // The fused ops route or signal every store (gemm_sm90.cuh): whole store boxes, and no ping-pong.
-        if (!gemm_whole_store_boxes(c) || c.pingpong) continue;
-        if (is_valid(c) && std::find(out_list.begin(), out_list.end(), c) == out_list.end()) out_list.push_back(c);
+    WEFT_CHECK(!first.pingpong,
+               "tune_candidates: the fused ops run cooperative configs, got " << format_gemm_config(first));
+    std::vector<GemmConfig> out_list = {first};
+    for (const GemmConfig& c : fused_candidates(in, out, rows_multiple)) {
+        if (c != first) out_list.push_back(c);
     }
     return out_list;
 }

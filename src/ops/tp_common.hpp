@@ -123,7 +123,7 @@ private:
     std::vector<cudaEvent_t> events_;
 };
 
-/// The cluster-free candidates a fused op may tune over: `first` (the heuristic's pick; left out if ping-pong), then
+/// The cluster-free candidates a fused op may tune over: `first` (the op's choice; cooperative, or this throws), then
 /// every other valid cooperative candidate of gemm_candidate_configs with its cluster dropped and whole store boxes
 /// (gemm_whole_store_boxes: the fused ops route or signal every store), without duplicates; with `rows_multiple` > 0
 /// only those whose tile_m divides it (`first` must).
