@@ -295,6 +295,8 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
     const int tid = static_cast<int>(threadIdx.x) % 128;
     const int lane = tid % 32;
     const unsigned epi_base = smem_base + T::kPlan.epi_offset;
+    // The first of this warpgroup's 64-row slabs in a tile: its half of the rows (cooperative), all (ping-pong).
+    const int slab0 = kCfg.pingpong ? 0 : wg * T::kSlabs;
 
     float acc[T::kSlabs][T::kAccPerSlab];
     unsigned stage = 0, phase = 0;
@@ -329,8 +331,7 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
             if (!stuck) {
                 stuck = !ptx::mbarrier_wait_parity_bounded<false>(bar_full0 + 8 * stage, phase, args.timeout_ns);
             }
-            const unsigned a_base = smem_base + stage * T::kPlan.stage_bytes +
-                                    (kCfg.pingpong ? 0 : wg * T::kSlabs * kGemmSlabRows * T::kRowBytes);
+            const unsigned a_base = smem_base + stage * T::kPlan.stage_bytes + slab0 * kGemmSlabRows * T::kRowBytes;
             const unsigned b_base = smem_base + stage * T::kPlan.stage_bytes + T::kPlan.a_stage_bytes;
 #pragma unroll
             for (int s = 0; s < T::kSlabs; ++s) ptx::wgmma_fence_operands(acc[s]);
@@ -394,7 +395,7 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
         const bool ragged = tile.valid && ((args.n_tma < args.n && tile.n0 + kCfg.tile_n > args.n_tma) || T::kEpiTail);
 #pragma unroll
         for (int s = 0; s < T::kSlabs; ++s) {
-            const int row0 = tile.m0 + ((kCfg.pingpong ? 0 : wg * T::kSlabs) + s) * kGemmSlabRows;
+            const int row0 = tile.m0 + (slab0 + s) * kGemmSlabRows;
             store_slab<kCfg>(acc[s], target.map, epi_base, wg, tid, epi_count, row0 - target.row_offset, tile.n0,
                              tile.valid, target.rows, args);
             if (ragged) store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args);

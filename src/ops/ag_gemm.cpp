@@ -106,13 +106,7 @@ std::vector<jit::KernelSpec> tp_aot_specs() {
     std::vector<jit::KernelSpec> out;
     out.push_back(detail::ag_notify_kernel_spec());
     for (DType t : {DType::kBF16, DType::kF16}) {
-        for (GemmConfig c : gemm_candidate_configs(t, t, BLayout::kNK)) {
-            c.cluster_m = c.cluster_n = 1;
-            // The fused ops' hooks route or signal stores: whole store boxes, and no ping-pong (gemm_sm90.cuh).
-            if (!is_valid(c) || !gemm_whole_store_boxes(c) || c.pingpong) continue;
-            bool seen = false;
-            for (const auto& s : out) seen = seen || s.instantiation == detail::ag_gemm_kernel_spec(c).instantiation;
-            if (seen) continue;
+        for (const GemmConfig& c : tp_detail::fused_candidates(t, t)) {
             out.push_back(detail::ag_gemm_kernel_spec(c));
             out.push_back(detail::gemm_rs_kernel_spec(c));
             out.push_back(detail::gemm_rs_kernel_spec(c, "", GemmRsMode::kPush));

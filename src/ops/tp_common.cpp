@@ -74,11 +74,6 @@ void check_forced_config(const GemmConfig& c, DType in, DType out, const char* o
                   << " and B [N,K] (BLayout::kNK), got " << format_gemm_config(c));
 }
 
-namespace {
-
-// The candidates the fused kernels can run, without duplicates: cluster-free (their schedulers and launches are),
-// cooperative and of whole store boxes (their hooks split each tile between both consumer warpgroups and route or
-// signal every store: gemm_sm90.cuh), with tile_m dividing rows_multiple when it is > 0.
 std::vector<GemmConfig> fused_candidates(DType in, DType out, int64_t rows_multiple) {
     std::vector<GemmConfig> list;
     for (GemmConfig c : gemm_candidate_configs(in, out, BLayout::kNK)) {
@@ -89,8 +84,6 @@ std::vector<GemmConfig> fused_candidates(DType in, DType out, int64_t rows_multi
     }
     return list;
 }
-
-}  // namespace
 
 // Per tile, the fused ops' hooks (chunk waits before its loads, a stored signal after its stores) cost about as much
 // as 1024 more output elements of MMA (3% of a 128x256 tile), which favours the larger tiles more than the plain

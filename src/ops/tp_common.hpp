@@ -40,8 +40,15 @@ std::string config_text(const GemmConfig& config);
 /// The current device's SM count.
 int device_sm_count();
 
-/// Checks a forced config for a fused op (valid, cluster-free, dtypes and B [N,K]); throws naming `op`.
+/// Checks a forced config for a fused op (valid, of whole store boxes, cluster-free, cooperative, dtypes and B [N,K]);
+/// throws naming `op`.
 void check_forced_config(const GemmConfig& config, DType in, DType out, const char* op);
+
+/// The candidates the fused kernels can run, without duplicates: those of gemm_candidate_configs(in, out, B [N,K])
+/// with their cluster dropped (the fused schedulers and launches are cluster-free), cooperative and of whole store
+/// boxes (their hooks split each tile between both consumer warpgroups and route or signal every store:
+/// gemm_sm90.cuh), with tile_m dividing `rows_multiple` when it is > 0.
+std::vector<GemmConfig> fused_candidates(DType in, DType out, int64_t rows_multiple = 0);
 
 /// The GEMM config of a fused op: `forced`, else the cheapest (gemm_config_cost on `budget` SMs, each tile charged
 /// the hooks' cost) cluster-free, cooperative candidate of whole store boxes (what the fused kernels run).

@@ -227,9 +227,10 @@ TEST(GemmTiled, RasterOrdersAgree) {
     }
 }
 
-// Ping-pong (GemmConfig::pingpong, opt-in: no candidate of the heuristic): the consumer warpgroups take alternate
-// tiles, turn by turn. Awkward shapes, strides, f32 output and budgets of 1..7 CTAs (many tiles per CTA: odd tile
-// counts leave one warpgroup a tile more, and the ring's phases wrap inside each warpgroup's tiles).
+// Ping-pong (GemmConfig::pingpong) in two configs outside the candidate set (whose ping-pong tiles the tests above
+// take): the consumer warpgroups take alternate tiles, turn by turn. Awkward shapes, strides, f32 output, B [K,N] and
+// budgets of 1..7 CTAs (many tiles per CTA: odd tile counts leave one warpgroup a tile more, and the ring's phases
+// wrap inside each warpgroup's tiles).
 constexpr GemmConfig kPingPong64x256{.tile_m = 64, .tile_n = 256, .stages = 4, .pingpong = true};
 constexpr GemmConfig kPingPong128x128{.tile_m = 128, .tile_n = 128, .stages = 6, .b_layout = BLayout::kKN,
                                       .out_dtype = DType::kF32, .pingpong = true};

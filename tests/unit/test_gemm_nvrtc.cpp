@@ -226,8 +226,9 @@ TEST(GemmNvrtc, gemm_sass_uses_hgmma) {
     EXPECT_EQ(checked, static_cast<int>(expected));
 }
 
-// Ping-pong (GemmConfig::pingpong, opt-in) keeps whole tiles in one warpgroup's registers: on the wgmma path, with
-// TMA loads and stores, nothing in local memory, and ptxas' report clean, for both B layouts and both output widths.
+// Ping-pong (GemmConfig::pingpong) keeps whole tiles in one warpgroup's registers. Two configs outside the candidate
+// set (whose ping-pong tiles the tests above take): on the wgmma path, with TMA loads and stores, nothing in local
+// memory, and ptxas' report clean, for both B layouts and both output widths.
 TEST(GemmNvrtc, pingpong_sass_uses_hgmma_without_spills) {
     std::vector<std::string> names;
     for (const GemmConfig& c :

@@ -25,8 +25,8 @@ TEST(GemmConfig, EveryCandidateIsValidAndFitsSharedMemory) {
         for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
             size_t valid = 0, partial_boxes = 0;
             for (int i = 0; i < kGemmNumCandidates; ++i) {
-                if (gemm_candidate(i, io[0], io[1], layout).tile_n % 64 != 0) ++partial_boxes;
                 const GemmConfig c = gemm_candidate(i, io[0], io[1], layout);
+                if (c.tile_n % 64 != 0) ++partial_boxes;
                 // Tiles of partial 64-column blocks exist for B [N,K] only.
                 EXPECT_EQ(is_valid(c), layout == BLayout::kNK || c.tile_n % 64 == 0) << ops::format_gemm_config(c);
                 if (!is_valid(c)) continue;
@@ -55,7 +55,7 @@ TEST(GemmConfig, RejectsWhatTheKernelCannotDo) {
     EXPECT_TRUE(with([](GemmConfig& x) { x.tile_n = 176; }));                     // partial last store box
     EXPECT_FALSE(with([](GemmConfig& x) { x.tile_n = 176; x.b_layout = BLayout::kKN; }));
     EXPECT_FALSE(with([](GemmConfig& x) { x.tile_n = 176; x.cluster_m = 2; }));
-    // Ping-pong: one warpgroup holds a whole tile (64 or 128 rows, <= 128 accumulators), no cluster.
+    // Ping-pong: one warpgroup holds a whole tile (64 or 128 rows, <= 192 accumulators per thread), no cluster.
     EXPECT_TRUE(with([](GemmConfig& x) { x.pingpong = true; x.tile_m = 64; }));
     EXPECT_TRUE(with([](GemmConfig& x) { x.pingpong = true; x.tile_n = 128; x.stages = 6; }));
     EXPECT_FALSE(with([](GemmConfig& x) { x.pingpong = true; }));                 // 128x256: 256 accumulators

@@ -25,7 +25,7 @@ enum class Raster : int32_t {
 struct GemmConfig {
     int32_t tile_m = 128;  ///< rows of D per tile: 128 or 256 (cooperative: the two consumer warpgroups split it
                            ///< into 64-row slabs), 64 or 128 (ping-pong: one warpgroup computes the whole tile)
-    int32_t tile_n = 256;  ///< columns of D per CTA tile: a multiple of 64 up to 256
+    int32_t tile_n = 256;  ///< columns of D per tile: a multiple of 64 up to 256, or of 16 from 80 (is_valid)
     int32_t tile_k = 64;   ///< K per pipeline stage: 64 (one 128-byte swizzle row of 16-bit elements)
     int32_t stages = 4;    ///< depth of the shared-memory ring
     int32_t cluster_m = 1;  ///< CTAs per cluster along M (2: the pair shares B through TMA multicast)
