@@ -667,17 +667,18 @@ __device__ __forceinline__ void gemv_rows_m(const GemvArgs& args) {
 
 /// Variant 4's row-group body (the op checks M <= kGemvGroupsMaxM, K a multiple of kGemvRowsSpanElems, ldb = K, one
 /// split, 16-byte aligned A rows; gemv_rows_uses_ffma(M, K) false): tensor cores for the M the FFMA body cannot
-/// carry. kGemvGroupsThreads threads: 8 consumer warps and a producer warp. CTA c owns rows n0 = c rows_per_cta ..
+/// carry. kGemvGroupsThreads threads: 8 consumer warps, a producer warp for B and one for A. CTA c owns rows
+/// n0 = c rows_per_cta ..
 /// of B and takes them in blocks of kGemvGroupsBlockRows (64): for each block, k chunk by k chunk
 /// (kGemvRowsSpanElems = 2048 k), group by group (8 rows). A stage is one group's chunk: 8 row pieces of 4 KiB,
-/// each one 1D bulk copy issued by the producer's lane 0 into its own 4 KiB of the stage (rows past the CTA's end
+/// each one 1D bulk copy issued by B's producer (lane 0) into its own 4 KiB of the stage (rows past the CTA's end
 /// are not copied: their stale pieces only reach columns of D that are not written). The producer refills a
 /// stage once all 8 consumer warps have arrived on its `empty` barrier (after their MMAs took the stage's values),
 /// so no consumer waits for a copy to be issued (from one thread inside the consumers' stage barrier, the 8
 /// copies per stage held every warp up: kernels/gemm/README.md, v14).
 /// Warp w takes k = 256 w .. 256 w + 255 of every stage, lane (g, t) the 16 bytes at k 32 p + 8 t (p = 0..7) of
 /// row g: with the k permutation of the other variants these are the B fragments of two m16n8k16 MMAs (n8 = the
-/// group's 8 rows), whose A fragments (rows g and g + 8 of A, zero past M) serve all the chunk's groups: the producer
+/// group's 8 rows), whose A fragments (rows g and g + 8 of A, zero past M) serve all the chunk's groups: A's producer
 /// bulk-copies A's rows of the next chunk into a slot after the ring (evict-last in L2; the B copies evict-first)
 /// and each warp moves its fragments into registers at the chunk's start (A is read once per block). Each warp
 /// keeps one accumulator per group of the block (8 x 4 floats); at the block's end the consumers' partial sums meet
@@ -689,7 +690,7 @@ __device__ __forceinline__ void gemv_groups_body(const GemvArgs& args) {
     constexpr int kGroupRows = 8;
     constexpr int kPieceBytes = kStageBytes / kGroupRows;
     constexpr int kChunkK = kGemvRowsSpanElems;
-    constexpr int kConsumers = kGemvGroupsThreads - 32;
+    constexpr int kConsumers = kGemvGroupsThreads - 64;  // the last two warps produce: B's stages, A's slot
     constexpr int kWarps = kConsumers / 32;
     constexpr int kWarpK = kChunkK / kWarps;
     constexpr int kPairs = kWarpK / 32;  // pairs of k16 steps per warp and stage
@@ -730,33 +731,37 @@ __device__ __forceinline__ void gemv_groups_body(const GemvArgs& args) {
     }
     __syncthreads();
 
-    if (warp == kWarps) {  // the producer
+    // A's slot holds chunk seq of the sequence (block, chunk) for the consumers' start of it; chunk seq + 1 goes in
+    // once every consumer warp has chunk seq in registers (after the chunk's first group). A's chunks are read by
+    // every CTA: evict-last keeps them in L2 under the stream (ncu at M = 16 without the hints: L2 hit rate 5%, A
+    // alone would make it 20%).
+    const auto fill_a = [&](int seq) {
+        if (seq > 0) {
+            if (!ptx::mbarrier_wait_parity_bounded(a_empty, static_cast<unsigned>(seq - 1) & 1u, kGemvStageWaitNs)) {
+                __trap();
+            }
+            ptx::fence_proxy_async_shared_cta();
+        }
+        const int a_rows = min(args.m, kGemvGroupsMaxM);
+        const long long k0 = static_cast<long long>(seq % chunks) * kChunkK;
+        ptx::mbarrier_arrive_expect_tx(a_full, static_cast<unsigned>(a_rows * kPieceBytes));
+        for (int r = 0; r < a_rows; ++r) {
+            ptx::bulk_load_1d_hint(a_slot + static_cast<unsigned>(r * kPieceBytes),
+                                   static_cast<const unsigned char*>(args.a) + (static_cast<long long>(r) * args.lda + k0) * 2,
+                                   kPieceBytes, a_full, ptx::l2_policy_evict_last());
+        }
+    };
+    if (warp == kWarps + 1) {  // A's producer
+        if (lane != 0) return;
+        // Its own warp: a chunk's copies (16 at M = 16) issued by B's producer held up B's stages (README, v25).
+        for (int seq = 0; seq < blocks * chunks; ++seq) fill_a(seq);
+        return;
+    }
+    if (warp == kWarps) {  // B's producer
         if (lane != 0) return;
         const auto* b = static_cast<const unsigned char*>(args.b) + static_cast<long long>(n0) * args.k * 2;
         const long long row_bytes = static_cast<long long>(args.k) * 2;
-        const int a_rows = min(args.m, kGemvGroupsMaxM);
-        // B streams through L2 once; A's chunks are read by every CTA: without these hints the stream pushed most of
-        // A out of L2 between the CTAs' reads of it (ncu at M = 16: L2 hit rate 5%, A alone would make it 20%).
-        const unsigned long long stream_policy = ptx::l2_policy_evict_first();
-        const unsigned long long shared_policy = ptx::l2_policy_evict_last();
-        // A's slot holds chunk j of the sequence (block, chunk) for the consumers' start of it; chunk j + 1 goes
-        // in once every consumer warp has its chunk j in registers (a whole chunk of stages ahead of its use).
-        int seq = 0;
-        const auto fill_a = [&](int c) {
-            if (seq > 0 && !ptx::mbarrier_wait_parity_bounded(a_empty, static_cast<unsigned>(seq - 1) & 1u,
-                                                              kGemvStageWaitNs)) {
-                __trap();
-            }
-            if (seq > 0) ptx::fence_proxy_async_shared_cta();
-            ptx::mbarrier_arrive_expect_tx(a_full, static_cast<unsigned>(a_rows * kPieceBytes));
-            for (int r = 0; r < a_rows; ++r) {
-                ptx::bulk_load_1d_hint(a_slot + static_cast<unsigned>(r * kPieceBytes),
-                                       static_cast<const unsigned char*>(args.a) +
-                                           (static_cast<long long>(r) * args.lda + static_cast<long long>(c) * kChunkK) * 2,
-                                       kPieceBytes, a_full, shared_policy);
-            }
-            ++seq;
-        };
+        const unsigned long long stream_policy = ptx::l2_policy_evict_first();  // B streams through L2 once
         for (int step = 0; step < steps; ++step) {
             const int s = step % kStages;
             if (step >= kStages) {
@@ -773,7 +778,6 @@ __device__ __forceinline__ void gemv_groups_body(const GemvArgs& args) {
             const int c = rem / groups;
             const int r0 = bl * kGemvGroupsBlockRows + (rem - c * groups) * kGroupRows;
             const int n_rows = min(kGroupRows, rows - r0);
-            if (rem - c * groups == 0) fill_a(c);  // the chunk's first stage
             const unsigned stage = ring + static_cast<unsigned>(s * kStageBytes);
             ptx::mbarrier_arrive_expect_tx(full + 8 * s, static_cast<unsigned>(n_rows * kPieceBytes));
             for (int j = 0; j < n_rows; ++j) {
@@ -863,7 +867,7 @@ __device__ __forceinline__ void gemv_groups_body(const GemvArgs& args) {
 
 template <DType kOut, bool kIsBF16, int kStages>
 __device__ __forceinline__ void gemv_rows(const GemvArgs& args) {
-    static_assert(kGemvRowsMaxM == 4, "gemv_rows: one body per M");
+    static_assert(kGemvRowsMaxM == 2, "gemv_rows: one body per M");
     if (blockDim.x != static_cast<unsigned>(gemv_rows_threads(args.m, args.k))) __trap();  // the op's launch
     if (!gemv_rows_uses_ffma(args.m, args.k)) {
         if (args.m <= 8) {
@@ -876,8 +880,6 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& args) {
     switch (args.m) {
         case 1: gemv_rows_m<kOut, kIsBF16, kStages, 1>(args); break;
         case 2: gemv_rows_m<kOut, kIsBF16, kStages, 2>(args); break;
-        case 3: gemv_rows_m<kOut, kIsBF16, kStages, 3>(args); break;
-        case 4: gemv_rows_m<kOut, kIsBF16, kStages, 4>(args); break;
         default: __trap();
     }
 }
@@ -897,8 +899,8 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& args) {
 ///              through `maps`; gemv_smem_bytes(3, kMTiles) of dynamic shared memory.
 ///   variant 4: kBulk and kWholeRows (kMTiles 1): detail::gemv_rows, B's rows by 1D bulk copies (M <= 16, K a
 ///              multiple of 2048, ldb = K, one split, one CTA per SM with args.rows_per_cta rows; maps unused): whole
-///              rows and FMAs where gemv_rows_uses_ffma (M <= 4, K = 2048 x 1, 2, 4 or 8, M K <= 32768; 256 threads),
-///              else 8-row groups on the tensor cores (gemv_groups_body; 288 threads: gemv_rows_threads);
+///              rows and FMAs where gemv_rows_uses_ffma (M <= 2, K = 2048 x 1, 2, 4 or 8, M K <= 32768; 256 threads),
+///              else 8-row groups on the tensor cores (gemv_groups_body; 320 threads: gemv_rows_threads);
 ///              gemv_rows_smem_bytes(kStages).
 template <int kMTiles, DType kIn, DType kOut, int kNTiles = 4, int kStages = 0, bool kBulk = false,
           bool kWholeRows = false>

@@ -314,8 +314,9 @@ bool gemm_allows_small_m(const GemmProblem& p, const GemmOptions& options) {
 // The small-M variant when the caller leaves it to the op: bulk-copied rows (4) where it serves and K >= 4096, else
 // the TMA ring (3). H200, bf16, 2026-11-30 (kernels/gemm/README.md, v10, v11, v14): variant 4 took 34.6-36.3 us at
 // 1x8192x8192 against variant 3's 37.3-38.1 (cuBLASLt 36.5-37.4), 57.8-58.7 against 64.8-65.3 at 1x28672x4096,
-// 36.2-36.9 against 37.9-38.0 at 3x8192x8192, and was never slower at M = 3, 4 with K >= 4096; at K = 2048 (one span
-// per row) it gained nothing at M = 1 and lost 3% at M = 2. Its row-group body (M 5..16): 35.8-37.8 us against
+// 36.2-36.9 against 37.9-38.0 at 3x8192x8192 (its whole-row body then; the row groups took M = 3, 4 over in v25), and
+// was never slower at M = 3, 4 with K >= 4096; at K = 2048 (one span per row) it gained nothing at M = 1 and lost 3%
+// at M = 2. Its row-group body (M 3..16): 35.8-37.8 us against
 // 37.6-38.9 at M = 5, 8, 16 with N = K = 8192, 63.3 against 65.8-66.2 at 16x28672x4096, 14.9-15.2 against 16.3-16.6
 // at 8x4096x4096, even at 16x8192x16384 and (with its L2 hints) at 16x8192x4096 (22.5-22.6 against 22.4-22.6).
 namespace {

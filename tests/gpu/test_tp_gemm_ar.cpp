@@ -117,7 +117,7 @@ const std::vector<ArCase>& cases() {
         {64, {1, 16, 64, 3}, 2048, 512},       // contiguous c, N % 8 == 0: the all-reduce is ops::all_reduce
         {64, {64, 17}, 8, 1000},               // N = 8
         {100, {100, 33}, 1100, 136, 0, true},  // ragged N, fp32 partials, tiled at M = 100
-        {16, {1, 2, 4, 16}, 1000, 4096},       // K = 4096, B rows back to back: small-M variant 4 at M <= 4
+        {16, {1, 2, 4, 16}, 1000, 4096},       // K = 4096, B rows back to back: small-M variant 4 at M <= 16
     };
     return v;
 }

@@ -107,7 +107,7 @@ std::vector<std::string> gemv_instantiations(const Combo& c, std::vector<int> va
     std::vector<std::string> names;
     for (int m_tiles = 1; m_tiles <= 4; ++m_tiles) {
         for (int variant : variants) {
-            if (variant == 4 && m_tiles > 1) continue;  // whole rows: M <= 4 only
+            if (variant == 4 && m_tiles > 1) continue;  // variant 4: M <= 16 (one m16 tile)
             names.push_back(ops::gemv_kernel_instantiation(m_tiles, c.in, c.out, variant));
         }
     }
@@ -282,7 +282,7 @@ TEST(GemmNvrtc, small_m_variant3_loads_by_tma_with_l2_hints_and_multiplies_with_
 
 // Variant 4 streams rows of B by 1D bulk copies (UBLKCP, no tensor maps), reads its stages with 16-byte
 // shared-memory loads and keeps nothing in local memory. It has two bodies: whole rows on the CUDA cores (FFMA; M
-// <= 4) and 8-row groups on the tensor cores (M 5..16, or K the first cannot hold): 2 instances of that body (M <=
+// <= 2) and 8-row groups on the tensor cores (M 3..16, or K the first cannot hold): 2 instances of that body (M <=
 // 8, M <= 16) x 8 groups x 16 m16n8k16 MMAs = 256 HMMA per kernel.
 TEST(GemmNvrtc, small_m_variant4_streams_rows_by_bulk_copy_and_multiplies_with_ffma_and_hmma) {
     const CompiledSass r = gemv_variant_sass(4, "small-M variant 4");

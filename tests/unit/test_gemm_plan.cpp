@@ -296,7 +296,7 @@ TEST(GemmPlan, SmallMVariant3RingFitsItsPlannedCtasPerSm) {
 }
 
 // Variant 4 (bulk-copied rows) serves only M <= 16 with B's rows back to back and K a multiple of 2048 (its
-// whole-row FMA body: M <= 4, K = 2048 x 1, 2, 4 or 8, M K <= 32768; its row-group MMA body elsewhere), no split-K;
+// whole-row FMA body: M <= 2, K = 2048 x 1, 2, 4 or 8, M K <= 32768; its row-group MMA body elsewhere), no split-K;
 // forced elsewhere, the plan names what is missing. Where it serves: one split, no workspace, one CTA per SM with N
 // spread evenly (8192 rows on 132 SMs: 63 rows each, 131 CTAs), and the launch takes the ring's shared memory. Left
 // to the op (small_m_variant -1), it is picked where it serves and K >= 4096; variant 3 elsewhere.
@@ -330,7 +330,10 @@ TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 6656; }), 132).small_m_variant, 3);
     expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.m = 17; }), 132, v4); }, "M = 17 > 16");
     // The body: FMAs with A in registers where it fits, else the row groups on the tensor cores.
-    EXPECT_TRUE(gemv_rows_uses_ffma(4, 8192));
+    EXPECT_TRUE(gemv_rows_uses_ffma(2, 8192));
+    EXPECT_TRUE(gemv_rows_uses_ffma(2, 16384));
+    EXPECT_FALSE(gemv_rows_uses_ffma(3, 8192));
+    EXPECT_FALSE(gemv_rows_uses_ffma(4, 4096));
     EXPECT_TRUE(gemv_rows_uses_ffma(1, 16384));
     EXPECT_FALSE(gemv_rows_uses_ffma(3, 16384));
     EXPECT_FALSE(gemv_rows_uses_ffma(5, 8192));
@@ -364,15 +367,15 @@ TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
     EXPECT_EQ(gemv_smem_bytes(4, 1), gemv_rows_smem_bytes(kGemvRowsStages));
     EXPECT_LE(gemv_smem_bytes(4, 1), 227 * 1024);
     EXPECT_EQ(launch.block.x, static_cast<unsigned>(kGemvBulkThreads));
-    // The row-group body (M = 16 here) runs a producer warp beside 8 consumer warps; the kernel traps on any other
-    // block, so the launch must follow the body: 288 threads, the same shared memory (its ring, sums and A slot).
+    // The row-group body (M = 16 here) runs two producer warps (B, A) beside 8 consumer warps; the kernel traps on any other
+    // block, so the launch must follow the body: 320 threads, the same shared memory (its ring, sums and A slot).
     const TensorView a16 = mat(0x10000, DType::kBF16, 16, 8192, 8192);
     const TensorView d16 = mat(0x200000, DType::kBF16, 16, 8192, 8192);
     const auto plan16 = ops::plan_gemm(with([](auto& q) { q.m = 16; }), 132, v4);
     const auto launch16 = ops::detail::make_gemv_launch(plan16, a16, mat(0x100000, DType::kBF16, 8192, 8192, 8192), d16);
     EXPECT_EQ(launch16.block.x, static_cast<unsigned>(kGemvGroupsThreads));
     EXPECT_EQ(launch16.smem_bytes, gemv_rows_smem_bytes(kGemvRowsStages));
-    EXPECT_EQ(kGemvGroupsThreads, 9 * 32);
+    EXPECT_EQ(kGemvGroupsThreads, 10 * 32);
     EXPECT_EQ(gemv_rows_threads(16, 8192), kGemvGroupsThreads);
     EXPECT_EQ(gemv_rows_threads(1, 8192), kGemvBulkThreads);
     EXPECT_EQ(gemv_rows_threads(1, 6144), kGemvGroupsThreads);  // K = 2048 x 3: the whole-row body cannot take it

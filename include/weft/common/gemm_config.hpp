@@ -297,7 +297,7 @@ inline constexpr int kGemvBulkBoxK = 256;
 /// k in every row and keeps its A values in registers (fp32). CUDA-core FMAs; no split-K. Shared memory: barriers,
 /// the ring, then the per-warp row sums of two stages' rows [2 x 8][8][kGemvRowsMaxM] (fp32). A in registers bounds
 /// M x K (kGemvRowsMaxMK: 128 floats per thread).
-inline constexpr int kGemvRowsMaxM = 4;
+inline constexpr int kGemvRowsMaxM = 2;  // M = 3, 4: the row groups ran 1-5% faster (kernels/gemm/README.md, v25)
 inline constexpr int kGemvRowsMaxMK = 32768;
 inline constexpr int kGemvRowsStages = 4;  // 6 ran 1-3% slower (kernels/gemm/README.md, v10)
 inline constexpr int kGemvRowsStageBytes = 32 * 1024;
@@ -311,7 +311,7 @@ WEFT_HOST_DEVICE constexpr int gemv_rows_sums_offset(int stages) { return stages
 /// the ring ([8 warps][8 groups][32 lanes][4] fp32, 32 KiB), then A's slot (the next k chunk of A's rows, 64 KiB).
 inline constexpr int kGemvGroupsMaxM = 16;
 inline constexpr int kGemvGroupsBlockRows = 64;
-inline constexpr int kGemvGroupsThreads = 288;  ///< 8 consumer warps and a producer warp
+inline constexpr int kGemvGroupsThreads = 320;  ///< 8 consumer warps, a producer warp for B and one for A
 /// The row-group body's block sums, [8 consumer warps][kGemvGroupsBlockRows / 8 groups][32 lanes][4] fp32; the
 /// whole-row body's row sums [2 x 8][8 warps][kGemvRowsMaxM] use the same place.
 inline constexpr int kGemvGroupsSumsBytes = 8 * (kGemvGroupsBlockRows / 8) * 32 * 4 * 4;
