@@ -13,7 +13,10 @@
 //   tma-3d C x R     3D TMA boxes over B viewed as [N, K / 256, 256]: R rows x C 512-byte chunks (C x 512
 //                    contiguous bytes per row) per stage; "+read" as above
 //   tma-contig       2D TMA boxes over B viewed as [N K / 256, 256]: 32 contiguous KiB per box
-//   bulk-contig      one 1D bulk copy of 32 contiguous KiB per stage (a CTA's 64 rows are one range)
+//   launch floor     the bulk ring kernel with no steps (barrier setup only): what any launch costs between events
+//                    (its "TB/s" is B's bytes over that time, not a rate)
+//   bulk-contig      one 1D bulk copy of 32 contiguous KiB per stage (a CTA's 64 rows are one range); "+read":
+//                    every thread reads the stage and a barrier precedes the refill
 //   bulk-rows R      R 1D bulk copies per stage, R rows x 32 KiB / R bytes, issued by thread 0 or by lane 0 of
 //                    8 warps; "pad 16": rows 16 bytes apart in shared memory (not 128-byte aligned)
 #include <cuda.h>
@@ -141,12 +144,24 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 /// 1D bulk copies: step i of CTA c copies `rows` pieces of 32 KiB / rows bytes: rows r0 + j of k block kb
 /// (kb = i / groups, r0 = (i % groups) * rows, groups = 64 / rows), from B's rows of `row_bytes`; with rows = 0
-/// one contiguous 32 KiB chunk i of the CTA's range instead. Issued by thread 0, or by lane 0 of each warp.
+/// one contiguous 32 KiB chunk i of the CTA's range instead. Issued by thread 0, or by lane 0 of each warp; with
+/// `read` (contiguous chunks only) every thread reads each stage before thread 0 refills it, as stream_ring.
 __global__ void __launch_bounds__(kThreads, 1)
-    bulk_ring_kernel(const unsigned char* b, long long row_bytes, int rows, int pad, bool all_warps, int steps) {
+    bulk_ring_kernel(const unsigned char* b, long long row_bytes, int rows, int pad, bool all_warps, int steps,
+                     bool read, unsigned* sink) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const Ring r = ring_init(smem);
     const int warp = static_cast<int>(threadIdx.x) / 32;
+    if (read && rows == 0) {  // every thread reads each stage, a barrier, then thread 0 refills it
+        const unsigned char* cta = b + static_cast<long long>(blockIdx.x) * kRowsPerCta * row_bytes;
+        stream_ring(r, steps, true, sink, [&](int i) {
+            const unsigned bar = r.bars + 8 * (i % kStages);
+            weft::ptx::mbarrier_arrive_expect_tx(bar, kStageBytes);
+            weft::ptx::bulk_load_1d(r.base + (i % kStages) * kStageBytes, cta + static_cast<long long>(i) * kStageBytes,
+                                    kStageBytes, bar);
+        });
+        return;
+    }
     if (!(threadIdx.x == 0 || (all_warps && threadIdx.x % 32 == 0))) return;
     const unsigned char* cta = b + static_cast<long long>(blockIdx.x) * kRowsPerCta * row_bytes;
     const int piece = rows > 0 ? kStageBytes / rows : kStageBytes;
@@ -278,6 +293,10 @@ int main(int argc, char** argv) {
             const auto row = [&](const std::string& name, double us) {
                 std::printf("%-11s %-44s %10.2f %8.3f\n", shape, name.c_str(), us, bytes / (us * 1e-6) / 1e12);
             };
+            row("launch floor: the ring kernel with no steps", median_us(opt.warmup, opt.iters, [&] {
+                    bulk_ring_kernel<<<ctas, kThreads, kSmemBytes>>>(static_cast<const unsigned char*>(buf), k * 2, 0, 0,
+                                                                     false, 0, false, sink);
+                }));
             row("ldg (8 CTAs x 512 threads per SM)", median_us(opt.warmup, opt.iters, [&] {
                     ldg_kernel<<<prop.multiProcessorCount * 8, 512>>>(static_cast<const uint4*>(buf), bytes / 16, sink);
                 }));
@@ -306,9 +325,11 @@ int main(int argc, char** argv) {
                                                                     static_cast<int>(k / 4), false, sink);
                 }));
             const auto* b = static_cast<const unsigned char*>(buf);
-            row("bulk-contig 32 KiB copies", median_us(opt.warmup, opt.iters, [&] {
-                    bulk_ring_kernel<<<ctas, kThreads, kSmemBytes>>>(b, k * 2, 0, 0, false, steps);
-                }));
+            for (bool read : {false, true}) {
+                row(std::string("bulk-contig 32 KiB copies") + (read ? " +read" : ""), median_us(opt.warmup, opt.iters, [&] {
+                        bulk_ring_kernel<<<ctas, kThreads, kSmemBytes>>>(b, k * 2, 0, 0, false, steps, read, sink);
+                    }));
+            }
             for (int rows : {2, 4, 8, 16, 32}) {
                 if (kStageBytes / rows > k * 2) continue;  // a piece longer than a row
                 for (bool all_warps : {false, true}) {
@@ -319,7 +340,8 @@ int main(int argc, char** argv) {
                                                  (all_warps ? ", 8 warps issue" : ", thread 0 issues") +
                                                  (pad ? ", pad 16" : "");
                         row(name, median_us(opt.warmup, opt.iters, [&] {
-                                bulk_ring_kernel<<<ctas, kThreads, kSmemBytes>>>(b, k * 2, rows, pad, all_warps, steps);
+                                bulk_ring_kernel<<<ctas, kThreads, kSmemBytes>>>(b, k * 2, rows, pad, all_warps, steps,
+                                                                                 false, sink);
                             }));
                     }
                 }
