@@ -294,8 +294,8 @@ int main(int argc, char** argv) {
                 std::printf("%-11s %-44s %10.2f %8.3f\n", shape, name.c_str(), us, bytes / (us * 1e-6) / 1e12);
             };
             row("launch floor: the ring kernel with no steps", median_us(opt.warmup, opt.iters, [&] {
-                    bulk_ring_kernel<<<ctas, kThreads, kSmemBytes>>>(static_cast<const unsigned char*>(buf), k * 2, 0, 0,
-                                                                     false, 0, false, sink);
+                    bulk_ring_kernel<<<ctas, kThreads, kSmemBytes>>>(static_cast<const unsigned char*>(buf), k * 2, 0,
+                                                                     0, false, 0, false, sink);
                 }));
             row("ldg (8 CTAs x 512 threads per SM)", median_us(opt.warmup, opt.iters, [&] {
                     ldg_kernel<<<prop.multiProcessorCount * 8, 512>>>(static_cast<const uint4*>(buf), bytes / 16, sink);
@@ -326,7 +326,8 @@ int main(int argc, char** argv) {
                 }));
             const auto* b = static_cast<const unsigned char*>(buf);
             for (bool read : {false, true}) {
-                row(std::string("bulk-contig 32 KiB copies") + (read ? " +read" : ""), median_us(opt.warmup, opt.iters, [&] {
+                const std::string name = std::string("bulk-contig 32 KiB copies") + (read ? " +read" : "");
+                row(name, median_us(opt.warmup, opt.iters, [&] {
                         bulk_ring_kernel<<<ctas, kThreads, kSmemBytes>>>(b, k * 2, 0, 0, false, steps, read, sink);
                     }));
             }

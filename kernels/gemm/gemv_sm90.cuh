@@ -672,7 +672,7 @@ __device__ __forceinline__ void gemv_rows_m(const GemvArgs& args) {
 /// of B and takes them in blocks of kGemvGroupsBlockRows (64): for each block, k chunk by k chunk
 /// (kGemvRowsSpanElems = 2048 k), group by group (8 rows). A stage is one group's chunk: 8 row pieces of 4 KiB,
 /// each one 1D bulk copy issued by B's producer (lane 0) into its own 4 KiB of the stage (rows past the CTA's end
-/// are not copied: their stale pieces only reach columns of D that are not written). The producer refills a
+/// are not copied: their stale pieces only reach columns of D that are not written). B's producer refills a
 /// stage once all 8 consumer warps have arrived on its `empty` barrier (after their MMAs took the stage's values),
 /// so no consumer waits for a copy to be issued (from one thread inside the consumers' stage barrier, the 8
 /// copies per stage held every warp up: kernels/gemm/README.md, v14).
@@ -746,9 +746,10 @@ __device__ __forceinline__ void gemv_groups_body(const GemvArgs& args) {
         const long long k0 = static_cast<long long>(seq % chunks) * kChunkK;
         ptx::mbarrier_arrive_expect_tx(a_full, static_cast<unsigned>(a_rows * kPieceBytes));
         for (int r = 0; r < a_rows; ++r) {
-            ptx::bulk_load_1d_hint(a_slot + static_cast<unsigned>(r * kPieceBytes),
-                                   static_cast<const unsigned char*>(args.a) + (static_cast<long long>(r) * args.lda + k0) * 2,
-                                   kPieceBytes, a_full, ptx::l2_policy_evict_last());
+            const auto* src =
+                static_cast<const unsigned char*>(args.a) + (static_cast<long long>(r) * args.lda + k0) * 2;
+            ptx::bulk_load_1d_hint(a_slot + static_cast<unsigned>(r * kPieceBytes), src, kPieceBytes, a_full,
+                                   ptx::l2_policy_evict_last());
         }
     };
     if (warp == kWarps + 1) {  // A's producer

@@ -429,9 +429,9 @@ TEST(GemmSmallM, Variant4WholeRowsMatchesFp64) {
 
 // Variant 4's row-group body (tensor cores; M 3..16, or K the whole-row body cannot hold: M x K > 32768 or K not
 // 2048 x 1, 2, 4, 8): M on both sides of 8 (one or two 8-row halves of A), M = 3, 4 with every K, M = 1 with such K;
-// one CTA with one partial group (N = 8, 5), a block edge (63, 64, 65 rows), several blocks per CTA with a partial last group
-// (1000 rows on 5 SMs: 200 per CTA, 4 blocks; 40000 on the whole GPU), short last CTAs; K = 2048 to 16384 (1 to 8
-// chunks); strided A and D; every dtype pair; the decode shapes.
+// one CTA with one partial group (N = 8, 5), a block edge (63, 64, 65 rows), several blocks per CTA with a partial
+// last group (1000 rows on 5 SMs: 200 per CTA, 4 blocks; 40000 on the whole GPU), short last CTAs; K = 2048 to 16384
+// (1 to 8 chunks); strided A and D; every dtype pair; the decode shapes.
 TEST(GemmSmallM, Variant4RowGroupsMatchFp64) {
     REQUIRE_SM90();
     const Variant4Case cases[] = {{5, 8, 2048, 1},      {16, 5, 4096, 1},     {8, 63, 2048, 1},     {9, 64, 8192, 1},

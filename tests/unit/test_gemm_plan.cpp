@@ -367,8 +367,8 @@ TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
     EXPECT_EQ(gemv_smem_bytes(4, 1), gemv_rows_smem_bytes(kGemvRowsStages));
     EXPECT_LE(gemv_smem_bytes(4, 1), 227 * 1024);
     EXPECT_EQ(launch.block.x, static_cast<unsigned>(kGemvBulkThreads));
-    // The row-group body (M = 16 here) runs two producer warps (B, A) beside 8 consumer warps; the kernel traps on any other
-    // block, so the launch must follow the body: 320 threads, the same shared memory (its ring, sums and A slot).
+    // The row-group body (M = 16 here) runs two producer warps (B, A) beside 8 consumer warps; the kernel traps on any
+    // other block, so the launch must follow the body: 320 threads, the same shared memory (its ring, sums and A slot).
     const TensorView a16 = mat(0x10000, DType::kBF16, 16, 8192, 8192);
     const TensorView d16 = mat(0x200000, DType::kBF16, 16, 8192, 8192);
     const auto plan16 = ops::plan_gemm(with([](auto& q) { q.m = 16; }), 132, v4);
