@@ -60,6 +60,8 @@ int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 // issue's shapes (H200, 2026-11-30, kernels/gemm/README.md v24; with them the heuristic picks the fastest measured
 // candidate or one within 1%). Larger tiles reuse shared memory better; a cooperative tile's epilogue stalls both
 // consumer warpgroups for about as long as 128 k of mainloop, which ping-pong hides under the other's mainloop.
+// Cooperative tiles in cluster pairs ran no faster than alone (v3, v12, v23): 2% less, so the plain tile wins a tie;
+// the ping-pong 128x128 pair ran 2% above the cooperative 128x128 at N = 1792 (v26).
 double tile_efficiency(const GemmConfig& c, int64_t k) {
     const int area = c.tile_m * c.tile_n;
     if (c.pingpong) {
@@ -76,6 +78,7 @@ double tile_efficiency(const GemmConfig& c, int64_t k) {
     } else if (area >= 128 * 128) {
         e = 0.97;                    // 128x128, 128x192
     }
+    if (c.cluster_m * c.cluster_n > 1) e *= 0.98;
     constexpr double kEpilogueK = 128;
     return e * static_cast<double>(k) / (static_cast<double>(k) + kEpilogueK);
 }
@@ -296,9 +299,9 @@ double gemm_config_cost(const GemmProblem& p, const GemmConfig& c, int budget, d
     if (cluster > budget) return std::numeric_limits<double>::infinity();
     const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
     const int clusters = std::max(1, budget / cluster);
+    // A wave of cluster tiles runs on `cluster` CTAs at once: one tile's time per CTA.
     const int waves = ceil_div(g.num_cluster_tiles(), clusters);
-    const double cost =
-        static_cast<double>(waves) * cluster * (c.tile_m * c.tile_n / tile_efficiency(c, p.k) + per_tile_cost);
+    const double cost = static_cast<double>(waves) * (c.tile_m * c.tile_n / tile_efficiency(c, p.k) + per_tile_cost);
     // Padding tiles of a cluster pair past the edge of D are pure waste.
     const double useful = static_cast<double>(g.num_tiles()) / (g.num_cluster_tiles() * cluster);
     return cost / useful;

@@ -177,7 +177,7 @@ TEST(GemmTiled, EveryDtypePairWithStridesMatchesFp64) {
 TEST(GemmTiled, TinySmBudgetsWrapThePipeline) {
     REQUIRE_SM90();
     for (int budget : {1, 2, 3, 7}) {
-        for (int idx : {0, 1, 3, 6, 7, 9, 10, 11, 12}) {
+        for (int idx : {0, 1, 3, 6, 7, 9, 10, 11, 12, 13}) {
             Case c{520, 1100, 456};
             c.config = gemm_candidate(idx, DType::kBF16, DType::kBF16, BLayout::kNK);
             c.sm_budget = budget;

@@ -55,7 +55,7 @@ TEST(GemmConfig, RejectsWhatTheKernelCannotDo) {
     EXPECT_TRUE(with([](GemmConfig& x) { x.tile_n = 176; }));                     // partial last store box
     EXPECT_FALSE(with([](GemmConfig& x) { x.tile_n = 176; x.b_layout = BLayout::kKN; }));
     EXPECT_FALSE(with([](GemmConfig& x) { x.tile_n = 176; x.cluster_m = 2; }));
-    // Ping-pong: one warpgroup holds a whole tile (64 or 128 rows, <= 192 accumulators per thread), no cluster.
+    // Ping-pong: one warpgroup holds a whole tile (64 or 128 rows, <= 192 accumulators per thread).
     EXPECT_TRUE(with([](GemmConfig& x) { x.pingpong = true; x.tile_m = 64; }));
     EXPECT_TRUE(with([](GemmConfig& x) { x.pingpong = true; x.tile_n = 128; x.stages = 6; }));
     EXPECT_FALSE(with([](GemmConfig& x) { x.pingpong = true; }));                 // 128x256: 256 accumulators
@@ -63,7 +63,10 @@ TEST(GemmConfig, RejectsWhatTheKernelCannotDo) {
     EXPECT_FALSE(with([](GemmConfig& x) { x.pingpong = true; x.tile_n = 208; x.stages = 3; }));
     EXPECT_TRUE(with([](GemmConfig& x) { x.tile_m = 256; x.tile_n = 192; x.stages = 3; }));
     EXPECT_FALSE(with([](GemmConfig& x) { x.pingpong = true; x.tile_m = 256; x.tile_n = 64; }));
-    EXPECT_FALSE(with([](GemmConfig& x) { x.pingpong = true; x.tile_m = 64; x.cluster_m = 2; }));
+    // Ping-pong in cluster pairs (each warpgroup releases a stage in both CTAs): whole 64-column store boxes only.
+    EXPECT_TRUE(with([](GemmConfig& x) { x.pingpong = true; x.tile_n = 128; x.stages = 6; x.cluster_m = 2; }));
+    EXPECT_TRUE(with([](GemmConfig& x) { x.pingpong = true; x.tile_n = 192; x.cluster_n = 2; }));
+    EXPECT_FALSE(with([](GemmConfig& x) { x.pingpong = true; x.tile_n = 176; x.stages = 5; x.cluster_m = 2; }));
     EXPECT_FALSE(gemm_whole_store_boxes([] { GemmConfig x{}; x.tile_n = 176; return x; }()));
     EXPECT_TRUE(gemm_whole_store_boxes(c));
     EXPECT_FALSE(with([](GemmConfig& x) { x.tile_n = 320; }));
@@ -506,7 +509,7 @@ TEST(GemmPlan, PicksTheMeasuredFastestTiles) {
     };
     const Pick picks[] = {
         {8192, 8192, 8192, "128x192x64_s4_c1x1_pp"}, {8192, 1376, 4096, "128x176x64_s5_c1x1_pp"},
-        {8192, 1792, 4096, "128x128x64_s6_c1x1"},    {8192, 3584, 8192, "128x256x64_s4_c1x1"},
+        {8192, 1792, 4096, "128x128x64_s6_c2x1_pp"}, {8192, 3584, 8192, "128x256x64_s4_c1x1"},
         {8192, 6656, 16384, "128x192x64_s4_c1x1_pp"}, {8192, 3696, 8192, "128x192x64_s4_c1x1_pp"},
         {8192, 4096, 1376, "128x192x64_s4_c1x1_pp"}, {8192, 4096, 1792, "128x192x64_s4_c1x1_pp"},
         {8192, 8192, 3584, "128x192x64_s4_c1x1_pp"}, {8192, 16384, 6656, "128x192x64_s4_c1x1_pp"},

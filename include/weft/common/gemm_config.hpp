@@ -37,7 +37,7 @@ struct GemmConfig {
     DType out_dtype = DType::kBF16;  ///< D: kBF16, kF16 or kF32
     /// false (cooperative): both consumer warpgroups compute every tile, each its half of the rows. true
     /// (ping-pong): the consumer warpgroups take alternate tiles, so one's epilogue runs under the other's
-    /// mainloop; no cluster, and only hooks that neither add to, route nor signal a tile (gemm_sm90.cuh).
+    /// mainloop; only hooks that neither add to, route nor signal a tile (gemm_sm90.cuh).
     bool pingpong = false;
 
     constexpr bool operator==(const GemmConfig&) const = default;
@@ -126,7 +126,6 @@ WEFT_HOST_DEVICE constexpr bool is_valid(const GemmConfig& c) {
     const bool cluster_ok = (c.cluster_m == 1 && c.cluster_n == 1) || (c.cluster_m == 2 && c.cluster_n == 1) ||
                             (c.cluster_m == 1 && c.cluster_n == 2);
     if (!cluster_ok) return false;
-    if (c.pingpong && (c.cluster_m != 1 || c.cluster_n != 1)) return false;
     if (c.cluster_m == 2 && c.b_layout == BLayout::kKN && (c.tile_n / 64) % 2 != 0) return false;
     if (gemm_smem_plan(c).alloc_bytes > kGemmMaxSmemBytes) return false;
     return true;
@@ -212,7 +211,7 @@ WEFT_HOST_DEVICE constexpr int32_t gemm_tma_store_cols(int32_t n, DType out) {
 
 /// The candidate set of tiled-kernel configs (same list for the heuristic, the autotuner and the
 /// ahead-of-time instances): tile shape, ring depth and cluster shape; dtypes and layout come from the call.
-inline constexpr int kGemmNumCandidates = 13;
+inline constexpr int kGemmNumCandidates = 14;
 
 WEFT_HOST_DEVICE constexpr GemmConfig gemm_candidate(int index, DType in_dtype, DType out_dtype, BLayout b_layout) {
     GemmConfig c{};
@@ -237,7 +236,10 @@ WEFT_HOST_DEVICE constexpr GemmConfig gemm_candidate(int index, DType in_dtype, 
         case 9: c.tile_m = 128; c.tile_n = 192; c.stages = 4; c.pingpong = true; break;
         case 10: c.tile_m = 128; c.tile_n = 176; c.stages = 5; c.pingpong = true; break;
         case 11: c.tile_m = 128; c.tile_n = 160; c.stages = 5; c.pingpong = true; break;
-        default: c.tile_m = 64; c.tile_n = 128; c.stages = 8; c.pingpong = true; break;
+        case 12: c.tile_m = 64; c.tile_n = 128; c.stages = 8; c.pingpong = true; break;
+        // Ping-pong 128x128 in pairs along M (B multicast): N = 1792, where 128x128 fills the waves best and
+        // cuBLASLt runs it in clusters (kernels/gemm/README.md, v26).
+        default: c.tile_m = 128; c.tile_n = 128; c.stages = 6; c.pingpong = true; c.cluster_m = 2; break;
     }
     return c;
 }
