@@ -152,8 +152,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     extern __shared__ __align__(1024) unsigned char smem[];
     const Ring r = ring_init(smem);
     const int warp = static_cast<int>(threadIdx.x) / 32;
+    const unsigned char* cta = b + static_cast<long long>(blockIdx.x) * kRowsPerCta * row_bytes;
     if (read && rows == 0) {  // every thread reads each stage, a barrier, then thread 0 refills it
-        const unsigned char* cta = b + static_cast<long long>(blockIdx.x) * kRowsPerCta * row_bytes;
         stream_ring(r, steps, true, sink, [&](int i) {
             const unsigned bar = r.bars + 8 * (i % kStages);
             weft::ptx::mbarrier_arrive_expect_tx(bar, kStageBytes);
@@ -163,7 +163,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
     }
     if (!(threadIdx.x == 0 || (all_warps && threadIdx.x % 32 == 0))) return;
-    const unsigned char* cta = b + static_cast<long long>(blockIdx.x) * kRowsPerCta * row_bytes;
     const int piece = rows > 0 ? kStageBytes / rows : kStageBytes;
     const int groups = rows > 0 ? kRowsPerCta / rows : 1;
     const auto fill = [&](int i) {

@@ -646,21 +646,16 @@ __device__ __forceinline__ void gemv_rows_body(const GemvArgs& args) {
     }
 }
 
-/// Variant 4's entry: one body per row length (K / kGemvRowsSpanElems = 1, 2, 4 or 8 spans) and M (1 to 4) with
-/// M x K <= kGemvRowsMaxMK; the op admits nothing else.
+/// Variant 4's entry: one body per row length (K / kGemvRowsSpanElems = 1, 2, 4 or 8 spans) and M (1, 2); the op
+/// admits nothing else (A of every one fits in registers: kGemvRowsMaxMK, asserted in gemm_config.hpp).
 template <DType kOut, bool kIsBF16, int kStages, int kM>
 __device__ __forceinline__ void gemv_rows_m(const GemvArgs& args) {
     static_assert(kM >= 1 && kM <= kGemvRowsMaxM, "gemv_rows: M <= kGemvRowsMaxM");
-    switch (args.k / kGemvRowsSpanElems) {  // M x K <= kGemvRowsMaxMK: the bodies whose A fits in registers
+    switch (args.k / kGemvRowsSpanElems) {
         case 1: gemv_rows_body<kOut, kIsBF16, kStages, 1, kM>(args); break;
         case 2: gemv_rows_body<kOut, kIsBF16, kStages, 2, kM>(args); break;
         case 4: gemv_rows_body<kOut, kIsBF16, kStages, 4, kM>(args); break;
-        case 8:
-            if constexpr (kM * 8 * kGemvRowsSpanElems <= kGemvRowsMaxMK) {
-                gemv_rows_body<kOut, kIsBF16, kStages, 8, kM>(args);
-                break;
-            }
-            [[fallthrough]];
+        case 8: gemv_rows_body<kOut, kIsBF16, kStages, 8, kM>(args); break;
         default: __trap();
     }
 }
@@ -900,7 +895,7 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& args) {
 ///              through `maps`; gemv_smem_bytes(3, kMTiles) of dynamic shared memory.
 ///   variant 4: kBulk and kWholeRows (kMTiles 1): detail::gemv_rows, B's rows by 1D bulk copies (M <= 16, K a
 ///              multiple of 2048, ldb = K, one split, one CTA per SM with args.rows_per_cta rows; maps unused): whole
-///              rows and FMAs where gemv_rows_uses_ffma (M <= 2, K = 2048 x 1, 2, 4 or 8, M K <= 32768; 256 threads),
+///              rows and FMAs where gemv_rows_uses_ffma (M <= 2, K = 2048 x 1, 2, 4 or 8; 256 threads),
 ///              else 8-row groups on the tensor cores (gemv_groups_body; 320 threads: gemv_rows_threads);
 ///              gemv_rows_smem_bytes(kStages).
 template <int kMTiles, DType kIn, DType kOut, int kNTiles = 4, int kStages = 0, bool kBulk = false,

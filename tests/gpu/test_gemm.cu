@@ -427,8 +427,8 @@ TEST(GemmSmallM, Variant4WholeRowsMatchesFp64) {
     }
 }
 
-// Variant 4's row-group body (tensor cores; M 3..16, or K the whole-row body cannot hold: M x K > 32768 or K not
-// 2048 x 1, 2, 4, 8): M on both sides of 8 (one or two 8-row halves of A), M = 3, 4 with every K, M = 1 with such K;
+// Variant 4's row-group body (tensor cores; M 3..16, or K the whole-row body cannot hold: K not 2048 x 1, 2, 4,
+// 8): M on both sides of 8 (one or two 8-row halves of A), M = 3, 4 with every K, M = 1 with such K;
 // one CTA with one partial group (N = 8, 5), a block edge (63, 64, 65 rows), several blocks per CTA with a partial
 // last group (1000 rows on 5 SMs: 200 per CTA, 4 blocks; 40000 on the whole GPU), short last CTAs; K = 2048 to 16384
 // (1 to 8 chunks); strided A and D; every dtype pair; the decode shapes.

@@ -299,7 +299,7 @@ TEST(GemmPlan, SmallMVariant3RingFitsItsPlannedCtasPerSm) {
 }
 
 // Variant 4 (bulk-copied rows) serves only M <= 16 with B's rows back to back and K a multiple of 2048 (its
-// whole-row FMA body: M <= 2, K = 2048 x 1, 2, 4 or 8, M K <= 32768; its row-group MMA body elsewhere), no split-K;
+// whole-row FMA body: M <= 2, K = 2048 x 1, 2, 4 or 8; its row-group MMA body elsewhere), no split-K;
 // forced elsewhere, the plan names what is missing. Where it serves: one split, no workspace, one CTA per SM with N
 // spread evenly (8192 rows on 132 SMs: 63 rows each, 131 CTAs), and the launch takes the ring's shared memory. Left
 // to the op (small_m_variant -1), it is picked where it serves and K >= 4096; variant 3 elsewhere.

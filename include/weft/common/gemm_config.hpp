@@ -298,7 +298,7 @@ inline constexpr int kGemvBulkBoxK = 256;
 /// (kGemvBulkThreads x 16 bytes, one 16-byte piece per thread) and holds whole rows, so each thread meets the same
 /// k in every row and keeps its A values in registers (fp32). CUDA-core FMAs; no split-K. Shared memory: barriers,
 /// the ring, then the per-warp row sums of two stages' rows [2 x 8][8][kGemvRowsMaxM] (fp32). A in registers bounds
-/// M x K (kGemvRowsMaxMK: 128 floats per thread).
+/// M x K (kGemvRowsMaxMK: 128 floats per thread), which every (M, K) the body takes keeps.
 inline constexpr int kGemvRowsMaxM = 2;  // M = 3, 4: the row groups ran 1-5% faster (kernels/gemm/README.md, v25)
 inline constexpr int kGemvRowsMaxMK = 32768;
 inline constexpr int kGemvRowsStages = 4;  // 6 ran 1-3% slower (kernels/gemm/README.md, v10)
@@ -330,10 +330,13 @@ WEFT_HOST_DEVICE constexpr bool gemv_rows_k_ok(int64_t k) {
            k == 8 * kGemvRowsSpanElems;
 }
 /// Which of variant 4's bodies serves (M, K): the whole-row FMA body (A in registers) where it can, else the
-/// row-group body (tensor cores). The kernel and the op both decide by this.
+/// row-group body (tensor cores). The kernel and the op both decide by this. (M x K <= kGemvRowsMaxMK holds for
+/// every M and K the first two terms admit: asserted below.)
 WEFT_HOST_DEVICE constexpr bool gemv_rows_uses_ffma(int64_t m, int64_t k) {
     return m <= kGemvRowsMaxM && gemv_rows_k_ok(k) && m * k <= kGemvRowsMaxMK;
 }
+static_assert(kGemvRowsMaxM * 8 * kGemvRowsSpanElems <= kGemvRowsMaxMK,
+              "variant 4: the whole-row body's A (M x K, the longest rows) fits in registers");
 /// Variant 4's block for (M, K): kGemvBulkThreads for the whole-row body, kGemvGroupsThreads for the row groups.
 WEFT_HOST_DEVICE constexpr int gemv_rows_threads(int64_t m, int64_t k) {
     return gemv_rows_uses_ffma(m, k) ? kGemvBulkThreads : kGemvGroupsThreads;

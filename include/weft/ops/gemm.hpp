@@ -49,7 +49,7 @@ struct GemmOptions {
     /// Small-M kernel (gemv_shape in weft/common/gemm_config.hpp, kernels/gemm/gemv_sm90.cuh): -1 = the op picks
     /// (default): 4 where it serves (gemv_rows_unsupported is empty) and K >= 4096, else 3. 4 = B's rows by 1D
     /// bulk copies into a shared-memory ring, one CTA per SM (M <= 16, ldb = K, K a multiple of 2048): whole rows
-    /// and CUDA-core FMAs for M <= 2 with K = 2048 x 1, 2, 4 or 8 and M K <= 32768, else groups of 8 rows on the
+    /// and CUDA-core FMAs for M <= 2 with K = 2048 x 1, 2, 4 or 8, else groups of 8 rows on the
     /// tensor cores; 3 = B and A stream through a shared-memory ring filled by TMA; 2 = a register ring keeping 8-12
     /// B loads in flight per warp; 1 = 8 columns per warp, 1 KiB contiguous per row per iteration; 0 = 32 columns
     /// per warp. H200, bf16, B [N,K], one run each (kernels/gemm/README.md, v10): 1x8192x8192 v4 / v3 / cuBLASLt
