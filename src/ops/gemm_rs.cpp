@@ -231,13 +231,19 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     s.num_ranks = world.num_ranks();
     s.rank = world.rank();
     validate_gemm_rs_shape(shape, s.num_ranks, options);
-    s.budget = options.sm_budget > 0 ? std::min(options.sm_budget, tp_detail::device_sm_count()) : world.sm_budget();
+    // Every rank must make the same choices (mode, config, chunks: they fix how many tiles each rank expects from
+    // each peer, the symmetric buffers' sizes and the first call's barrier), so they come from facts that are the same
+    // on every rank: where some GPUs host more ranks than others (3 ranks on 2 GPUs), a rank with a GPU of its own
+    // plans and runs as a rank of the most shared GPU.
+    const bool shared_gpus = world.max_ranks_per_device() > 1;
+    s.budget = options.sm_budget > 0 ? std::min(options.sm_budget, tp_detail::device_sm_count())
+                                     : world.shared_sm_budget();
     s.partial_dtype = options.partial_dtype.value_or(shape.dtype);
-    s.mode = detail::resolve_gemm_rs_mode(shape, s.num_ranks, options, world.num_ranks_on_device() > 1);
+    s.mode = detail::resolve_gemm_rs_mode(shape, s.num_ranks, options, shared_gpus);
     if (s.num_ranks > 1 && s.mode == GemmRsMode::kPull) {
         WEFT_CHECK(s.budget >= 2, "gemm_rs: the SM budget must be >= 2 (GEMM + reduction), got " << s.budget);
         s.reduce_ctas = options.reduce_ctas > 0 ? options.reduce_ctas
-                                                : default_reduce_ctas(s.budget, world.num_ranks_on_device() > 1);
+                                                : default_reduce_ctas(s.budget, shared_gpus);
         WEFT_CHECK(s.reduce_ctas < s.budget, "gemm_rs: options.reduce_ctas must leave the GEMM at least one SM of the "
                                              "budget " << s.budget << ", got " << s.reduce_ctas);
     }
@@ -254,7 +260,7 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     s.ldp = round_up(shape.n, 8);
     s.lda = round_up(shape.n, 8);
 
-    if (world.num_ranks_on_device() > 1) s.unsynced_first_call.assign(s.configs.size(), true);
+    if (shared_gpus) s.unsynced_first_call.assign(s.configs.size(), true);
     for (const GemmConfig& c : s.configs) {
         s.kernels.push_back(&jit::compiler().get_kernel(s.num_ranks == 1 ? detail::plain_gemm_kernel_spec(c)
                                                                          : detail::gemm_rs_kernel_spec(c, "", s.mode)));

@@ -122,6 +122,8 @@ struct WorldContext {
     int device = 0;
     int sm_budget = 1;
     int num_ranks_on_device = 1;
+    int max_ranks_per_device = 1;  ///< the most ranks any one GPU of the world hosts (the same on every rank)
+    int shared_sm_budget = 1;      ///< the budget this rank would have on that GPU (World::shared_sm_budget)
     std::chrono::milliseconds timeout{10000};
     bool same_process = true;
     std::string job_id;

@@ -197,6 +197,8 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         if (gpu_group[static_cast<size_t>(r)] == gpu_group[static_cast<size_t>(c.rank)] && r != c.rank) {
             ++c.num_ranks_on_device;
         }
+        const auto on_gpu_of_r = std::count(gpu_group.begin(), gpu_group.end(), gpu_group[static_cast<size_t>(r)]);
+        c.max_ranks_per_device = std::max(c.max_ranks_per_device, static_cast<int>(on_gpu_of_r));
     }
     if (static_cast<int>(node_members.size()) != c.local_num_ranks) {
         WEFT_LOG_WARN("the launcher says " << c.local_num_ranks << " ranks run on this host, but "
@@ -206,6 +208,8 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     }
     c.sm_budget =
         detail::resolve_sm_budget(setup.options.sm_budget, env::get("WEFT_SM_BUDGET"), sm_count, c.num_ranks_on_device);
+    c.shared_sm_budget = detail::resolve_sm_budget(setup.options.sm_budget, env::get("WEFT_SM_BUDGET"), sm_count,
+                                                   c.max_ranks_per_device);
 
     // Diagnostic record: pinned and mapped, so the host can read it even after a trap.
     Diagnostic* diag = nullptr;
@@ -305,6 +309,8 @@ int World::local_num_ranks() const { return ctx_->local_num_ranks; }
 int World::device() const { return ctx_->device; }
 int World::sm_budget() const { return ctx_->sm_budget; }
 int World::num_ranks_on_device() const { return ctx_->num_ranks_on_device; }
+int World::max_ranks_per_device() const { return ctx_->max_ranks_per_device; }
+int World::shared_sm_budget() const { return ctx_->shared_sm_budget; }
 std::chrono::milliseconds World::timeout() const { return ctx_->timeout; }
 SymmetricHeap& World::heap() { return *ctx_->heap; }
 const SymmetricHeap& World::heap() const { return *ctx_->heap; }

@@ -57,6 +57,11 @@ TEST_F(RuntimeGpu, WorldBindingAndBudget) {
             int sms = 0;
             WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, w.device()));
             WEFT_CHECK(w.sm_budget() == std::max(1, sms / sharing), "sm_budget " << w.sm_budget());
+            // The same on every rank, even where GPUs host different numbers of ranks (3 ranks on 2 GPUs).
+            const int most = (n + std::min(n, devices) - 1) / std::min(n, devices);
+            WEFT_CHECK(w.max_ranks_per_device() == most,
+                       "max_ranks_per_device " << w.max_ranks_per_device() << ", expected " << most);
+            WEFT_CHECK(w.shared_sm_budget() == std::max(1, sms / most), "shared_sm_budget " << w.shared_sm_budget());
             WEFT_CHECK(w.timeout() == std::chrono::milliseconds(30000), "timeout " << w.timeout().count());
             WEFT_CHECK(w.local_rank() == w.rank() && w.local_num_ranks() == n, "local rank/size");
             WEFT_CHECK(w.node_team().num_ranks() == n && w.node_team().rank() == w.rank(), "node team");
@@ -73,6 +78,7 @@ TEST_F(RuntimeGpu, WorldBindingAndBudget) {
             WEFT_CHECK(w.sm_budget() == 5, "sm_budget option ignored: " << w.sm_budget());
             WEFT_CHECK(w.device() == devices - 1, "device option ignored: " << w.device());
             WEFT_CHECK(w.num_ranks_on_device() == 2, "both ranks are on one device");
+            WEFT_CHECK(w.max_ranks_per_device() == 2 && w.shared_sm_budget() == 5, "shared budget of the option");
         },
         options);
 }

@@ -38,7 +38,7 @@ struct GemmRsShape {
 
 /// How the partials meet (kernels/gemm_rs/README.md draws both).
 enum class GemmRsMode {
-    kAuto,  ///< kPush where it applies (below) and each rank has a GPU of its own, else kPull
+    kAuto,  ///< kPush where it applies (below) and every rank of the world has a GPU of its own, else kPull
     kPull,  ///< the GEMM writes its partial locally; a reduction kernel on reduce_ctas SMs reads the peers'
     kPush,  ///< the GEMM stores each peer's tiles into that peer's buffer (TMA over NVLink) and adds the peers'
             ///< partials to its own tiles in the epilogue: no reduction kernel, every SM of the budget computes.

@@ -62,6 +62,13 @@ public:
     int device() const;               ///< CUDA device ordinal this rank uses (current on its thread)
     int sm_budget() const;            ///< SMs this rank's persistent kernels may use
     int num_ranks_on_device() const;  ///< ranks sharing this rank's GPU (same host and PCI bus id)
+    /// The most ranks any one GPU of the world hosts: the same on every rank (num_ranks_on_device is not when
+    /// some GPUs host more ranks than others, e.g. 3 ranks on 2 GPUs).
+    int max_ranks_per_device() const;
+    /// The SM budget a rank of the world's most shared GPU has (sm_budget's rule with max_ranks_per_device): the same
+    /// on every rank given the same WorldOptions, WEFT_SM_BUDGET and GPU model. Ops whose ranks must make the same
+    /// choices (a GEMM tile that fixes how many signals each rank expects) plan with it.
+    int shared_sm_budget() const;
     std::chrono::milliseconds timeout() const;
     SymmetricHeap& heap();
     const SymmetricHeap& heap() const;
