@@ -69,8 +69,9 @@ private:
 struct AgGemmHook {
     using Params = AgGemmHookParams;
     static constexpr bool kNotifies = true;
-    __device__ static void after_tile_stored(const Params& p, const GemmTile&) {
+    __device__ static bool after_tile_stored(const Params& p, const GemmTile&) {
         ptx::red_add<ptx::Sem::kRelease, ptx::Scope::kGpu>(p.tile_counter, 1ull);
+        return true;
     }
 };
 

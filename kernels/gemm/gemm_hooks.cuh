@@ -89,20 +89,27 @@ __device__ __forceinline__ uint64_t wait_flag_geq(const uint64_t* flag, uint64_t
 // Epilogue hooks. Interface (a type H):
 //   struct Params { ... };                        trivially copyable kernel argument
 //   static constexpr bool kNotifies;              false: the kernel never waits for stores to complete
-//   __device__ static void after_tile_stored(const Params&, const GemmTile&);
+//   __device__ static bool after_tile_stored(const Params&, const GemmTile&);
 // after_tile_stored is called by one thread, once per valid tile, after every TMA store of that tile has
-// completed (cp.async.bulk.wait_group 0 in each storing thread, then a barrier of both consumer
-// warpgroups): the tile's data is in global memory. The kernel defers the wait by one tile, so the notify
-// of tile i happens after tile i+1's mainloop (or at the end): stores never stall the tensor cores.
+// completed (cp.async.bulk.wait_group 0 in each storing thread, then a barrier of the warpgroups that
+// stored it): the tile's data is in global memory. Cooperative tiles (both consumer warpgroups store half
+// of each) defer the wait by one tile, so the notify of tile i happens after tile i+1's mainloop (or at the
+// end); a ping-pong tile's warpgroup waits right after its epilogue, under the other warpgroup's mainloop.
+// Either way stores never stall the tensor cores. In ping-pong both warpgroups call it (for their own tiles).
+// It runs inside the consumer warpgroups' tile loop and must not trap there (see tp_common/tp_sync.cuh): on a
+// failure it records its diagnostic and returns false, and the kernel traps once it has left the loop.
 // ---------------------------------------------------------------------------------------------------------
 
 // Optional, for hooks that move where a tile goes (GEMM+ReduceScatter's push mode):
 //   static constexpr bool kAddsToTile = true;
 //   template <GemmConfig kCfg, int kSlabs, int kAccPerSlab>
-//   __device__ static void add_to_tile(const Params&, const GemmTile&, float (&acc)[kSlabs][kAccPerSlab],
-//                                      int wg, int tid);
-//       called by every thread of both consumer warpgroups after a tile's mainloop, before its epilogue; may
-//       wait (bounded) and add to the fp32 accumulator (the wgmma fragment layout: see store_slab_tail);
+//   __device__ static bool add_to_tile(const Params&, const GemmTile&, float (&acc)[kSlabs][kAccPerSlab],
+//                                      int wg, int slab0, int tid);
+//       called by every thread of the warpgroups that hold the tile (both, cooperative; one, ping-pong) after
+//       its mainloop, before its epilogue; acc holds the tile's 64-row slabs slab0 .. slab0 + kSlabs - 1; a
+//       barrier inside may only span warpgroup wg (named barrier kBarConsumer0 + wg, 128 threads); may wait
+//       (bounded) and add to the fp32 accumulator (the wgmma fragment layout: see store_slab_tail); false (in
+//       any thread) when a wait expired, as after_tile_stored;
 //   static constexpr bool kRoutesStores = true;
 //   __device__ static GemmStoreTarget store_target(const Params&, const GemmTile&, const ptx::TmaDescriptor* d);
 //       the tensor map the tile's TMA stores go through (`d`: the kernel's tma_d, or one kept in Params,
@@ -126,7 +133,7 @@ inline constexpr bool kHookRoutesStores = requires { requires Hook::kRoutesStore
 struct NoEpilogueHook {
     using Params = NoEpilogueHookParams;
     static constexpr bool kNotifies = false;
-    __device__ static void after_tile_stored(const Params&, const GemmTile&) {}
+    __device__ static bool after_tile_stored(const Params&, const GemmTile&) { return true; }
 };
 
 /// Raises a system-scope signal per finished tile: a generation value per tile, or a counter per tile row
@@ -135,13 +142,14 @@ struct NoEpilogueHook {
 struct TileSignalHook {
     using Params = TileSignalParams;
     static constexpr bool kNotifies = true;
-    __device__ static void after_tile_stored(const Params& p, const GemmTile& t) {
+    __device__ static bool after_tile_stored(const Params& p, const GemmTile& t) {
         if (p.mode == TileSignalMode::kSetPerTile) {
             detail::st_release_sys(p.flags + static_cast<int64_t>(t.m_idx) * p.num_n_tiles + t.n_idx,
                                    detail::signal_value(p.value_mode, p.epoch, p.value));
         } else {
             detail::red_release_sys_add(p.flags + t.m_idx, p.value);
         }
+        return true;
     }
 };
 

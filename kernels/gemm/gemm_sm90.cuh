@@ -270,13 +270,20 @@ __device__ __forceinline__ void store_slab_tail(const float (&acc)[GemmTraits<kC
     }
 }
 
-/// The deferred notify: every store issued so far (those of `tile`) has completed; raise the hook.
-template <class Hook>
-__device__ __forceinline__ void notify_stored(const typename Hook::Params& hook_params, const GemmTile& tile,
+/// Every store of `tile` issued so far has completed: raise the hook. Cooperative (deferred by one tile): both
+/// warpgroups stored halves of it; ping-pong (right after the tile's epilogue): this warpgroup stored all of it.
+/// False in the thread that raised it when the hook failed (its diagnostic recorded).
+template <class Hook, bool kPingPong>
+__device__ __forceinline__ bool notify_stored(const typename Hook::Params& hook_params, const GemmTile& tile,
                                               int wg, int tid) {
     if (tid == 0) ptx::tma_wait_group<0>();
-    ptx::named_barrier_sync(kBarBothConsumers, kGemmConsumerWarpgroups * 128);
-    if (wg == 0 && tid == 0 && tile.valid) Hook::after_tile_stored(hook_params, tile);
+    if constexpr (kPingPong) {
+        ptx::named_barrier_sync(kBarConsumer0 + wg, 128);  // the warpgroup's plain (tail) stores come first too
+    } else {
+        ptx::named_barrier_sync(kBarBothConsumers, kGemmConsumerWarpgroups * 128);
+    }
+    if ((kPingPong || wg == 0) && tid == 0 && tile.valid) return Hook::after_tile_stored(hook_params, tile);
+    return true;
 }
 
 template <GemmConfig kCfg, class Scheduler, class Hook>
@@ -288,9 +295,6 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
     static_assert(!T::kEpiTail || (!kHookRoutesStores<Hook> && !Hook::kNotifies),
                   "gemm: a hook that routes the tile's stores or signals them stored needs a tile width of whole store "
                   "boxes (the tail's plain stores are neither routed nor covered by the TMA store wait)");
-    static_assert(!kCfg.pingpong || (!kHookAddsToTile<Hook> && !kHookRoutesStores<Hook> && !Hook::kNotifies),
-                  "gemm: ping-pong takes only hooks that neither add to, route nor signal a tile (their contracts "
-                  "split each tile between both consumer warpgroups)");
     const int wg = static_cast<int>(threadIdx.x) / 128 - 1;
     const int tid = static_cast<int>(threadIdx.x) % 128;
     const int lane = tid % 32;
@@ -302,8 +306,9 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
     unsigned stage = 0, phase = 0;
     unsigned epi_count = 0;
     // A full-barrier wait that expires marks the pipeline stuck; the warpgroup stops waiting, leaves the tile loop
-    // without storing and traps after it. NOTE: no trap inside the loop: a reachable trap while the accumulators
-    // are live made ptxas (CUDA 13) spill them and serialise every wgmma once they pass 128 floats per thread.
+    // without storing and traps after it; a hook that fails (its diagnostic recorded) does the same in the thread
+    // that ran it. NOTE: no trap inside the loop: a reachable trap while the accumulators are live made ptxas
+    // (CUDA 13) spill them and serialise every wgmma once they pass 128 floats per thread.
     bool stuck = false;
     GemmTile pending{};
     bool has_pending = false;
@@ -377,15 +382,16 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
         release_stage<kCfg>(bar_empty0 + 8 * prev_stage, lane);
         if (stuck) break;
 
-        // ---- the previous tile's stores have had a whole mainloop to land: signal it now ----
-        if constexpr (Hook::kNotifies) {
-            if (has_pending) notify_stored<Hook>(hook_params, pending, wg, tid);
+        // ---- the previous tile's stores have had a whole mainloop to land: signal it now (cooperative) ----
+        if constexpr (Hook::kNotifies && !kCfg.pingpong) {
+            if (has_pending && !notify_stored<Hook, false>(hook_params, pending, wg, tid)) stuck = true;
         }
 
         // ---- the hook may add to the tile (e.g. the peers' partials of GEMM+ReduceScatter's own rows) ----
         if constexpr (kHookAddsToTile<Hook>) {
-            if (tile.valid) Hook::template add_to_tile<kCfg>(hook_params, tile, acc, wg, tid);
+            if (tile.valid && !Hook::template add_to_tile<kCfg>(hook_params, tile, acc, wg, slab0, tid)) stuck = true;
         }
+        if (stuck) break;
 
         // ---- epilogue: registers -> shared -> TMA store (asynchronous; overlaps the next mainloop) ----
         GemmStoreTarget target{tma_d, 0, args.m};
@@ -400,13 +406,21 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
                              tile.valid, target.rows, args);
             if (ragged) store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args);
         }
-        pending = tile;
-        has_pending = true;
+        if constexpr (kCfg.pingpong) {
+            // The wait for the stores runs under the other warpgroup's mainloop, as this epilogue did.
+            if constexpr (Hook::kNotifies) {
+                if (!notify_stored<Hook, true>(hook_params, tile, wg, tid)) stuck = true;
+            }
+            if (stuck) break;
+        } else {
+            pending = tile;
+            has_pending = true;
+        }
+    }
+    if constexpr (Hook::kNotifies && !kCfg.pingpong) {
+        if (!stuck && has_pending && !notify_stored<Hook, false>(hook_params, pending, wg, tid)) stuck = true;
     }
     if (stuck) __trap();
-    if constexpr (Hook::kNotifies) {
-        if (has_pending) notify_stored<Hook>(hook_params, pending, wg, tid);
-    }
     if (tid == 0) ptx::tma_wait_group<0>();  // shared memory stays valid until every store has read it
 }
 

@@ -22,22 +22,28 @@ namespace weft::tp {
 namespace tile = device::tile;
 
 /// After a tile's TMA store completed: += 1 on destination `dest`'s counter [this rank][chunk of t] (release
-/// at system scope, after a proxy fence: TMA wrote the tile). Both modes' epilogue hooks.
-__device__ __forceinline__ void notify_tile_stored(const DeviceCtx& ctx, uint64_t* counters, const RsGemmOrder& order,
+/// at system scope, after a proxy fence: TMA wrote the tile). Both modes' epilogue hooks (consumer warpgroup:
+/// no calls, no trap; false with a diagnostic recorded when dest is unreachable).
+__device__ __forceinline__ bool notify_tile_stored(const DeviceCtx& ctx, uint64_t* counters, const RsGemmOrder& order,
                                                    const GemmTile& t, int32_t dest, int32_t line) {
     const int32_t idx = rs_counter_index(ctx.rank, order.chunk_of(t), order.map.chunks_per_rank());
     ptx::fence_proxy_async_global();
-    notify_add_inline(ctx, counters + idx, dest, 1ull, line);  // consumer warpgroup: no calls
+    return notify_add_checked_inline(ctx, counters + idx, dest, 1ull, line);
 }
 
 /// The end of a call on this rank, by one thread once every partial sent to this rank has been read: zero
 /// its `num_signals` counters (no source raises one again before it sees `released`; the next call's M, and
 /// so the layout, may differ), then released[rank] += 1 on every rank (each source's next GEMM waits for it
-/// before its first store into this rank's buffer). Both modes: the push hook's last tile and the reduction.
-__device__ __forceinline__ void release_received_partials(const DeviceCtx& ctx, uint64_t* counters, int32_t num_signals,
+/// before its first store into this rank's buffer). Both modes: the push hook's last tile and the reduction. False
+/// (diagnostic recorded, no trap) when a rank is unreachable.
+__device__ __forceinline__ bool release_received_partials(const DeviceCtx& ctx, uint64_t* counters, int32_t num_signals,
                                                           uint64_t* released, int32_t line) {
     for (int32_t i = 0; i < num_signals; ++i) ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(counters + i, 0ull);
-    for (int32_t pe = 0; pe < ctx.num_ranks; ++pe) notify_add_inline(ctx, released + ctx.rank, pe, 1ull, line);
+    bool ok = true;
+    for (int32_t pe = 0; pe < ctx.num_ranks; ++pe) {
+        ok = notify_add_checked_inline(ctx, released + ctx.rank, pe, 1ull, line) && ok;
+    }
+    return ok;
 }
 
 /// Persistent striding over RsGemmOrder (cluster-free configs). The first tile of each CTA waits until
@@ -88,12 +94,13 @@ template <GemmConfig kCfg>
 struct RsGemmHook {
     using Params = RsGemmHookParams;
     static constexpr bool kNotifies = true;
-    __device__ static void after_tile_stored(const Params& p, const GemmTile& t) {
+    __device__ static bool after_tile_stored(const Params& p, const GemmTile& t) {
         const RsGemmOrder order(kCfg, p.rows_per_rank, p.ctx.num_ranks, p.chunk_rows, p.n, p.ctx.rank);
-        notify_tile_stored(p.ctx, p.counters, order, t, order.dest_of(t), __LINE__);
+        if (!notify_tile_stored(p.ctx, p.counters, order, t, order.dest_of(t), __LINE__)) return false;
         if (arrive_last(p.tile_counter, static_cast<uint32_t>(p.num_tiles))) {
             ptx::st(p.gemm_calls, ptx::ld(p.gemm_calls) + 1);
         }
+        return true;
     }
 };
 
@@ -128,20 +135,24 @@ struct RsPushHook {
 
     /// Own tiles only: acc += every peer's partial of this tile. Fragment layout of the accumulator (per 64-row
     /// slab): thread (warp w, lane l) holds rows 16w + l/4 and +8, columns 8g + 2(l%4) + {0, 1} at acc[4g + {0,1}]
-    /// and acc[4g + {2,3}].
+    /// and acc[4g + {2,3}]. False in thread 0 when a wait expired (diagnostic recorded; the sums are then wrong
+    /// and the kernel traps after its tile loop).
     template <GemmConfig kC, int kSlabs, int kAccPerSlab>
-    __device__ static void add_to_tile(const Params& p, const GemmTile& t, float (&acc)[kSlabs][kAccPerSlab], int wg,
-                                       int tid) {
+    __device__ static bool add_to_tile(const Params& p, const GemmTile& t, float (&acc)[kSlabs][kAccPerSlab], int wg,
+                                       int slab0, int tid) {
         const RsGemmOrder o = order(p);
         const int32_t rank = p.ctx.rank;
         const int32_t num_ranks = p.ctx.num_ranks;
-        if (o.dest_of(t) != rank) return;
+        if (o.dest_of(t) != rank) return true;
         const int32_t cpr = o.map.chunks_per_rank();
         const int32_t chunk = o.chunk_of(t);
+        bool ok = true;
         if (tid == 0) {
             const auto need = static_cast<uint64_t>(o.map.expected_count(o.map.local_signal_at(rank, chunk)));
-            for (int32_t s = 0; s < num_ranks; ++s) {
-                if (s != rank) wait_geq_inline(p.ctx, p.counters + rs_counter_index(s, chunk, cpr), need, __LINE__);
+            for (int32_t s = 0; s < num_ranks && ok; ++s) {
+                uint64_t seen = 0;
+                if (s != rank) ok = wait_geq_checked_inline(p.ctx, p.counters + rs_counter_index(s, chunk, cpr), need,
+                                                            __LINE__, &seen);
             }
         }
         ptx::named_barrier_sync(gemm::detail::kBarConsumer0 + wg, 128);  // the acquire covers the warpgroup
@@ -155,7 +166,7 @@ struct RsPushHook {
         const auto* recv = static_cast<const unsigned char*>(p.recv);
 #pragma unroll
         for (int si = 0; si < kSlabs; ++si) {
-            const int64_t lo = t.m0 - rank * rows + (wg * kSlabs + si) * kGemmSlabRows + warp * 16 + lane / 4;
+            const int64_t lo = t.m0 - rank * rows + (slab0 + si) * kGemmSlabRows + warp * 16 + lane / 4;
             const bool lo_ok = lo < rows;
             const bool hi_ok = lo + 8 < rows;
             for (int32_t s = 0; s < num_ranks; ++s) {
@@ -189,17 +200,19 @@ struct RsPushHook {
                 }
             }
         }
+        return ok;
     }
 
-    __device__ static void after_tile_stored(const Params& p, const GemmTile& t) {
+    __device__ static bool after_tile_stored(const Params& p, const GemmTile& t) {
         const RsGemmOrder o = order(p);
         const int32_t dest = o.dest_of(t);
-        if (dest != p.ctx.rank) notify_tile_stored(p.ctx, p.counters, o, t, dest, __LINE__);  // reached it by TMA
+        if (dest != p.ctx.rank && !notify_tile_stored(p.ctx, p.counters, o, t, dest, __LINE__)) return false;  // by TMA
         if (arrive_last(p.tile_counter, static_cast<uint32_t>(p.num_tiles))) {
             // Every own tile waited for all its chunk's counters and has read the peers' partials.
-            release_received_partials(p.ctx, p.counters, o.map.num_signals(), p.released, __LINE__);
+            if (!release_received_partials(p.ctx, p.counters, o.map.num_signals(), p.released, __LINE__)) return false;
             ptx::st(p.gemm_calls, ptx::ld(p.gemm_calls) + 1);
         }
+        return true;
     }
 
 private:
@@ -321,7 +334,7 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
     if (threadIdx.x == 0 && arrive_last(p.exit_count, gridDim.x)) {
         // Every counter reached its count (every CTA waited for all of them).
         ptx::st(p.epoch, e);
-        release_received_partials(p.ctx, p.counters, map.num_signals(), p.released, __LINE__);
+        if (!release_received_partials(p.ctx, p.counters, map.num_signals(), p.released, __LINE__)) __trap();
     }
 }
 

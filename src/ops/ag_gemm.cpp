@@ -117,6 +117,14 @@ std::vector<jit::KernelSpec> tp_aot_specs() {
         for (DType partial : {t, DType::kF32}) {
             out.push_back(detail::rs_reduce_kernel_spec(partial, t));
             out.push_back(detail::ar_reduce_kernel_spec(partial, t));
+            // GemmAr's tiled GEMM (the plain kernel with a fused candidate): those that are not plain candidates
+            // themselves (a ping-pong pair's tile without its cluster).
+            const std::vector<GemmConfig> plain = gemm_candidate_configs(t, partial, BLayout::kNK);
+            for (const GemmConfig& c : tp_detail::fused_candidates(t, partial)) {
+                if (std::find(plain.begin(), plain.end(), c) == plain.end()) {
+                    out.push_back(detail::plain_gemm_kernel_spec(c));
+                }
+            }
         }
     }
     return out;

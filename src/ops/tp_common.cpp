@@ -45,8 +45,8 @@ std::string gemm_instantiation(const GemmConfig& config, const std::string& sche
 
 std::string config_text(const GemmConfig& c) {
     std::ostringstream os;
-    os << c.tile_m << "x" << c.tile_n << "x" << c.tile_k << "/" << c.stages << " " << dtype_name(c.in_dtype) << "->"
-       << dtype_name(c.out_dtype);
+    os << c.tile_m << "x" << c.tile_n << "x" << c.tile_k << "/" << c.stages << (c.pingpong ? " ping-pong " : " ")
+       << dtype_name(c.in_dtype) << "->" << dtype_name(c.out_dtype);
     return os.str();
 }
 
@@ -65,10 +65,6 @@ void check_forced_config(const GemmConfig& c, DType in, DType out, const char* o
     WEFT_CHECK(c.cluster_m == 1 && c.cluster_n == 1,
                op << ": options.config must be cluster-free (cluster_m = cluster_n = 1), got "
                   << format_gemm_config(c));
-    WEFT_CHECK(!c.pingpong,
-               op << ": options.config must be cooperative (pingpong = false: the fused ops' hooks split each tile "
-                     "between both consumer warpgroups), got "
-                  << format_gemm_config(c));
     WEFT_CHECK(c.in_dtype == in && c.out_dtype == out && c.b_layout == BLayout::kNK,
                op << ": options.config must take " << dtype_name(in) << " inputs, write " << dtype_name(out)
                   << " and B [N,K] (BLayout::kNK), got " << format_gemm_config(c));
@@ -78,7 +74,7 @@ std::vector<GemmConfig> fused_candidates(DType in, DType out, int64_t rows_multi
     std::vector<GemmConfig> list;
     for (GemmConfig c : gemm_candidate_configs(in, out, BLayout::kNK)) {
         c.cluster_m = c.cluster_n = 1;
-        if (!is_valid(c) || c.pingpong || !gemm_whole_store_boxes(c)) continue;
+        if (!is_valid(c) || !gemm_whole_store_boxes(c)) continue;
         if (rows_multiple > 0 && rows_multiple % c.tile_m != 0) continue;
         if (std::find(list.begin(), list.end(), c) == list.end()) list.push_back(c);
     }
@@ -108,7 +104,7 @@ GemmConfig choose_gemm_config(const GemmProblem& problem, int budget, const std:
         }
     }
     WEFT_CHECK(best.has_value(), op << ": options.chunk_rows must be a multiple of the tile_m of some GEMM config "
-                                       "(128 or 256), got " << rows_multiple);
+                                       "(64, 128 or 256), got " << rows_multiple);
     return *best;
 }
 
@@ -198,8 +194,6 @@ cudaEvent_t StreamSet::add_event() {
 }
 
 std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out, int64_t rows_multiple) {
-    WEFT_CHECK(!first.pingpong,
-               "tune_candidates: the fused ops run cooperative configs, got " << format_gemm_config(first));
     std::vector<GemmConfig> out_list = {first};
     for (const GemmConfig& c : fused_candidates(in, out, rows_multiple)) {
         if (c != first) out_list.push_back(c);

@@ -40,18 +40,18 @@ std::string config_text(const GemmConfig& config);
 /// The current device's SM count.
 int device_sm_count();
 
-/// Checks a forced config for a fused op (valid, of whole store boxes, cluster-free, cooperative, dtypes and B [N,K]);
+/// Checks a forced config for a fused op (valid, of whole store boxes, cluster-free, dtypes and B [N,K]);
 /// throws naming `op`.
 void check_forced_config(const GemmConfig& config, DType in, DType out, const char* op);
 
 /// The candidates the fused kernels can run, without duplicates: those of gemm_candidate_configs(in, out, B [N,K])
-/// with their cluster dropped (the fused schedulers and launches are cluster-free), cooperative and of whole store
-/// boxes (their hooks split each tile between both consumer warpgroups and route or signal every store:
-/// gemm_sm90.cuh), with tile_m dividing `rows_multiple` when it is > 0.
+/// with their cluster dropped (the fused schedulers and launches are cluster-free) and of whole store boxes (their
+/// hooks route or signal every store: gemm_sm90.cuh), cooperative or ping-pong, with tile_m dividing `rows_multiple`
+/// when it is > 0.
 std::vector<GemmConfig> fused_candidates(DType in, DType out, int64_t rows_multiple = 0);
 
 /// The GEMM config of a fused op: `forced`, else the cheapest (gemm_config_cost on `budget` SMs, each tile charged
-/// the hooks' cost) cluster-free, cooperative candidate of whole store boxes (what the fused kernels run).
+/// the hooks' cost) cluster-free candidate of whole store boxes (what the fused kernels run).
 /// `rows_multiple` > 0: the config's tile_m must divide it (GemmRs's explicit chunk_rows); throws naming `op` when
 /// no candidate's does. A forced config is returned as is (its callers check it against their own constraints).
 GemmConfig choose_gemm_config(const GemmProblem& problem, int budget, const std::optional<GemmConfig>& forced,
@@ -130,8 +130,8 @@ private:
     std::vector<cudaEvent_t> events_;
 };
 
-/// The cluster-free candidates a fused op may tune over: `first` (the op's choice; cooperative, or this throws), then
-/// every other valid cooperative candidate of gemm_candidate_configs with its cluster dropped and whole store boxes
+/// The cluster-free candidates a fused op may tune over: `first` (the op's choice), then every other valid candidate
+/// of gemm_candidate_configs with its cluster dropped and whole store boxes
 /// (gemm_whole_store_boxes: the fused ops route or signal every store), without duplicates; with `rows_multiple` > 0
 /// only those whose tile_m divides it (`first` must).
 std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out, int64_t rows_multiple = 0);

@@ -705,6 +705,29 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
                                                                                                   args, sp, hp);
 }
 
+// Ping-pong: each consumer warpgroup stores and signals its own tiles (pp 128x192 s4, pp 64x128 s8).
+constexpr GemmConfig kHookPingPongCfg = gemm_candidate(9, DType::kBF16, DType::kBF16, BLayout::kNK);
+constexpr GemmConfig kHookPingPong64Cfg = gemm_candidate(12, DType::kBF16, DType::kBF16, BLayout::kNK);
+static_assert(kHookPingPongCfg.pingpong && kHookPingPong64Cfg.pingpong && kHookPingPong64Cfg.tile_m == 64);
+
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    hooked_pingpong_gemm_kernel(const __grid_constant__ ptx::TmaDescriptor ta,
+                                const __grid_constant__ ptx::TmaDescriptor tb,
+                                const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
+                                const gemm::ChunkWaitParams sp, const gemm::TileSignalParams hp) {
+    gemm::gemm_device<kHookPingPongCfg, gemm::ChunkWaitScheduler<kHookPingPongCfg>, gemm::TileSignalHook>(
+        &ta, &tb, &td, args, sp, hp);
+}
+
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    hooked_pingpong64_gemm_kernel(const __grid_constant__ ptx::TmaDescriptor ta,
+                                  const __grid_constant__ ptx::TmaDescriptor tb,
+                                  const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
+                                  const gemm::ChunkWaitParams sp, const gemm::TileSignalParams hp) {
+    gemm::gemm_device<kHookPingPong64Cfg, gemm::ChunkWaitScheduler<kHookPingPong64Cfg>, gemm::TileSignalHook>(
+        &ta, &tb, &td, args, sp, hp);
+}
+
 void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t n, int64_t k, int rows_per_chunk) {
     const uint64_t seed = fresh_seed();
     std::ostringstream os;
@@ -876,6 +899,14 @@ TEST(GemmHooks, ClusterMulticastVariantWaitsAndSignals) {
 TEST(GemmHooks, ClusterBPairVariantWaitsAndSignals) {
     REQUIRE_SM90();
     run_hook_test(kHookBPairCfg, reinterpret_cast<const void*>(&hooked_bpair_gemm_kernel), 777, 1100, 256, 64);
+}
+
+// More tiles than CTAs, so both warpgroups of a CTA store and signal tiles (ragged M and N: tail stores too).
+TEST(GemmHooks, PingPongWarpgroupsEachWaitAndSignalTheirTiles) {
+    REQUIRE_SM90();
+    run_hook_test(kHookPingPongCfg, reinterpret_cast<const void*>(&hooked_pingpong_gemm_kernel), 2000, 2300, 256, 96);
+    run_hook_test(kHookPingPong64Cfg, reinterpret_cast<const void*>(&hooked_pingpong64_gemm_kernel), 1500, 1100, 256,
+                  64);
 }
 
 }  // namespace

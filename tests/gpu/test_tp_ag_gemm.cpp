@@ -156,6 +156,13 @@ const std::vector<AgCase>& cases() {
         GemmConfig cfg = gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK);  // 128x128, 6 stages
         forced.config = cfg;
         out.push_back(forced);
+        // Ping-pong (each consumer warpgroup stores and signals its own tiles) on few SMs: several tiles per CTA.
+        AgCase pingpong = ag(256, 1100, 512, 128, 0, 0, 0, 3);
+        pingpong.config = gemm_candidate(9, DType::kBF16, DType::kBF16, BLayout::kNK);  // 128x192, 4 stages
+        out.push_back(pingpong);
+        AgCase pingpong64 = ag(200, 520, 136, 96, 0, 8, 0, 4);
+        pingpong64.config = gemm_candidate(12, DType::kBF16, DType::kBF16, BLayout::kNK);  // 64x128, 8 stages
+        out.push_back(pingpong64);
         return out;
     }();
     return v;

@@ -13,6 +13,7 @@
 
 #include "support/runtime_checks.hpp"
 #include "tp_test_util.hpp"
+#include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_rs.hpp"
 #include "weft/weft.hpp"
 
@@ -31,6 +32,7 @@ struct RsCase {
     int sm_budget = 0;
     bool autotune = false;
     ops::GemmRsMode mode = ops::GemmRsMode::kAuto;  // auto: push where it applies and ranks have GPUs of their own
+    std::optional<GemmConfig> config = std::nullopt;  // forced (its dtypes set per run to the call's)
 };
 
 std::string describe(const RsCase& c, DType dt, int w, uint64_t seed) {
@@ -38,7 +40,8 @@ std::string describe(const RsCase& c, DType dt, int w, uint64_t seed) {
     os << "gemm_rs W=" << w << " rows/rank " << c.rows << " n " << c.n << " k " << c.k << " " << dtype_name(dt)
        << " chunk_rows " << c.chunk_rows << " c_pad " << c.c_pad << (c.f32_partials ? " f32 partials" : "")
        << " reduce_ctas " << c.reduce_ctas << " sm_budget " << c.sm_budget << (c.autotune ? " autotune" : "")
-       << " mode " << ops::gemm_rs_mode_name(c.mode) << " seed " << seed;
+       << " mode " << ops::gemm_rs_mode_name(c.mode)
+       << (c.config ? " forced " + ops::gemm_candidate_name(*c.config) : std::string()) << " seed " << seed;
     return os.str();
 }
 
@@ -57,6 +60,11 @@ void run_case(World& w, const RsCase& cs, DType dt, int calls, Mode mode, uint64
     opt.sm_budget = cs.sm_budget;
     opt.autotune = cs.autotune;
     opt.mode = cs.mode;
+    opt.config = cs.config;
+    if (opt.config) {
+        opt.config->in_dtype = dt;
+        opt.config->out_dtype = cs.f32_partials && nr > 1 ? DType::kF32 : dt;
+    }
 
     const int64_t ldk = ld_for(cs.k), ldc = ld_for(cs.n, cs.c_pad);
     DevBuf a_dev(static_cast<size_t>(max_m * ldk * 2)), b_dev(static_cast<size_t>(cs.n * ldk * 2)),
@@ -130,6 +138,13 @@ const std::vector<RsCase>& cases() {
         {300, 1104, 256, 128, 0, false, 0, 0, false, kPush},      // several counters per segment, short last tile
         {100, 200, 72, 0, 8, false, 0, 0, false, kPush},          // case 0 in push mode
         {100, 200, 72, 0, 8, false, 0, 0, false, ops::GemmRsMode::kPull},  // case 0 in pull mode
+        // Ping-pong (each consumer warpgroup adds to, stores and signals its own tiles) on few SMs: several tiles per
+        // CTA; 128x192 and 64x128, push and pull.
+        {300, 1104, 256, 128, 0, false, 0, 4, false, kPush,
+         gemm_candidate(9, DType::kBF16, DType::kBF16, BLayout::kNK)},
+        {300, 1100, 256, 128, 0, false, 1, 5, false, ops::GemmRsMode::kPull,
+         gemm_candidate(12, DType::kBF16, DType::kBF16, BLayout::kNK)},
+        {256, 1024, 512, 0, 0, false, 0, 3, false, kPush, gemm_candidate(12, DType::kBF16, DType::kBF16, BLayout::kNK)},
     };
     return v;
 }

@@ -85,6 +85,22 @@ TEST(TpNvrtc, GemmRsKernelsCompileClean) {
                                                              ops::GemmRsMode::kPush));  // 128x128: no spill
 }
 
+// Ping-pong tiles in the fused kernels (each consumer warpgroup adds to, stores and signals its own tiles): no
+// serialised wgmma and no spill (push: the cooperative push tiles' budget) at the widest ping-pong tile (128x192:
+// 192 accumulators per thread, which any reachable trap in the tile loop would spill) and the 64-row one.
+TEST(TpNvrtc, PingPongFusedKernelsCompileClean) {
+    jit::Compiler compiler(isolated_compiler_config(fs::path()));
+    compile_clean(compiler, ops::detail::ag_gemm_kernel_spec(cfg(9, DType::kBF16, DType::kBF16), kArch));
+    compile_clean(compiler, ops::detail::gemm_rs_kernel_spec(cfg(9, DType::kBF16, DType::kBF16), kArch));
+    compile_clean(compiler, ops::detail::gemm_rs_kernel_spec(cfg(9, DType::kF16, DType::kF32), kArch));
+    compile_clean(compiler,
+                  ops::detail::gemm_rs_kernel_spec(cfg(9, DType::kBF16, DType::kBF16), kArch, ops::GemmRsMode::kPush),
+                  kPushSpillBudget);  // 132 / 300 bytes (2026-11-30), the cooperative push tiles' budget
+    compile_clean(compiler,
+                  ops::detail::gemm_rs_kernel_spec(cfg(12, DType::kF16, DType::kF16), kArch, ops::GemmRsMode::kPush));
+    compile_clean(compiler, ops::detail::plain_gemm_kernel_spec(cfg(13, DType::kBF16, DType::kF32), kArch));
+}
+
 TEST(TpNvrtc, GemmArKernelsCompileClean) {
     jit::Compiler compiler(isolated_compiler_config(fs::path()));
     compile_clean(compiler, ops::detail::ar_reduce_kernel_spec(DType::kBF16, DType::kBF16, kArch));
