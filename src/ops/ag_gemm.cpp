@@ -147,6 +147,7 @@ struct AgGemm::State {
     std::vector<const jit::Kernel*> kernels;   // the GEMM kernel of each config
     size_t active = 0;                         // the config calls use
     bool tuned = false;
+    tp_detail::FirstCallSync first_calls;      // ranks sharing a GPU
     int64_t chunk_rows = 1;
     int32_t max_chunks_per_rank = 1;
     DeviceCtx ctx{};
@@ -231,6 +232,10 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
                                                                          : detail::ag_gemm_kernel_spec(c)));
     }
     if (s.num_ranks > 1) s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());
+    // As GemmRs: with ranks sharing a GPU a config's first call ends before anything more is launched (the same on
+    // every rank: the barrier is collective). TpAgGemm's cases on one H200 timed out in tile_wait (a chunk never
+    // signalled, its sender's kernels not in a wait) in 3 of ~9 runs without it.
+    if (s.num_ranks > 1 && world.max_ranks_per_device() > 1) s.first_calls.arm(s.configs.size());
     WEFT_LOG_INFO("ag_gemm: " << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "")
                               << ", chunk_rows " << s.chunk_rows << " ("
                               << s.max_chunks_per_rank << " per rank at max_m), " << num_copy
@@ -448,6 +453,7 @@ void launch_call(AgGemm::State& s, const AgCall& call, cudaStream_t stream) {
         WEFT_CUDA_CHECK(cudaEventRecord(s.joins[i], s.copy_streams[i]));
         WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.joins[i], 0));
     }
+    s.first_calls.after_call(*s.world, call.idx, stream);
 }
 
 }  // namespace

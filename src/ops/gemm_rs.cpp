@@ -213,7 +213,7 @@ struct GemmRs::State {
     tp_detail::StreamSet streams;
     uint64_t launches = 0;  // calls launched by this rank (numbers the debug log's lines)
     // Ranks sharing a GPU: configs whose first call has not yet been synchronised (see launch_call).
-    std::vector<bool> unsynced_first_call;
+    tp_detail::FirstCallSync first_calls;  // ranks sharing a GPU
     cudaStream_t side = nullptr;
     cudaEvent_t fork = nullptr, join = nullptr;
 
@@ -260,7 +260,7 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     s.ldp = round_up(shape.n, 8);
     s.lda = round_up(shape.n, 8);
 
-    if (shared_gpus) s.unsynced_first_call.assign(s.configs.size(), true);
+    if (shared_gpus) s.first_calls.arm(s.configs.size());
     for (const GemmConfig& c : s.configs) {
         s.kernels.push_back(&jit::compiler().get_kernel(s.num_ranks == 1 ? detail::plain_gemm_kernel_spec(c)
                                                                          : detail::gemm_rs_kernel_spec(c, "", s.mode)));
@@ -459,21 +459,6 @@ RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorV
     return call;
 }
 
-/// Ranks sharing a GPU: a config's first call on this rank ends (stream synchronised, then a barrier of all
-/// ranks) before this rank launches anything more. Measured on the H200 (kernels/gemm_rs/README.md, Known
-/// problem): a rank's first launch of a kernel could stay queued for good while a peer's call of the same
-/// kernel spun waiting for it and the peer's next calls were queued behind; once every rank had made one
-/// synchronised call, calls back to back ran. Not while the stream is being captured (graphs: see README).
-void sync_first_call(GemmRs::State& s, size_t idx, cudaStream_t stream) {
-    if (s.unsynced_first_call.empty() || !s.unsynced_first_call[idx]) return;
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone) return;
-    s.unsynced_first_call[idx] = false;
-    s.world->sync_and_check(stream);
-    s.world->barrier();
-}
-
 void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream) {
     const GemmConfig& config = s.configs[call.idx];
     const jit::Kernel& kernel = *s.kernels[call.idx];
@@ -487,7 +472,7 @@ void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream) {
     if (s.mode == GemmRsMode::kPush) {
         tp_detail::launch_gemm(kernel, config, call.maps, call.args, call.grid, call.sched, call.push, stream);
         WEFT_LOG_DEBUG("gemm_rs: launched call " << s.launches);
-        sync_first_call(s, call.idx, stream);
+        s.first_calls.after_call(*s.world, call.idx, stream);
         return;
     }
     WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
@@ -501,7 +486,7 @@ void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream) {
     WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
     WEFT_LOG_DEBUG("gemm_rs: launched call " << s.launches);
-    sync_first_call(s, call.idx, stream);
+    s.first_calls.after_call(*s.world, call.idx, stream);
 }
 
 }  // namespace

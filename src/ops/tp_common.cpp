@@ -193,6 +193,16 @@ cudaEvent_t StreamSet::add_event() {
     return e;
 }
 
+void FirstCallSync::after_call(World& world, size_t idx, cudaStream_t stream) {
+    if (idx >= pending_.size() || !pending_[idx]) return;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone) return;
+    pending_[idx] = false;
+    world.sync_and_check(stream);
+    world.barrier();
+}
+
 std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out, int64_t rows_multiple) {
     std::vector<GemmConfig> out_list = {first};
     for (const GemmConfig& c : fused_candidates(in, out, rows_multiple)) {

@@ -130,6 +130,20 @@ private:
     std::vector<cudaEvent_t> events_;
 };
 
+/// Ranks sharing a GPU: a config's first call on each rank ends (stream synchronised, then a barrier of all ranks)
+/// before the rank launches anything more: a rank's first launch of a kernel could stay queued for good while a
+/// peer's instance of it spun waiting for it (kernels/gemm_rs/README.md, "Ranks sharing a GPU"). Every rank must
+/// arm it alike (World::max_ranks_per_device: the barrier is collective). Not while the stream is being captured.
+class FirstCallSync {
+public:
+    void arm(size_t num_configs) { pending_.assign(num_configs, true); }
+    /// After the launches of a call with config `idx`.
+    void after_call(World& world, size_t idx, cudaStream_t stream);
+
+private:
+    std::vector<bool> pending_;
+};
+
 /// The cluster-free candidates a fused op may tune over: `first` (the op's choice), then every other valid candidate
 /// of gemm_candidate_configs with its cluster dropped and whole store boxes
 /// (gemm_whole_store_boxes: the fused ops route or signal every store), without duplicates; with `rows_multiple` > 0
