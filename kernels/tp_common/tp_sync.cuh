@@ -50,14 +50,6 @@ __device__ __forceinline__ void record_failure_inline(const DeviceCtx& ctx, Spin
     if (d != nullptr) device::wait_for_diagnostic_record(d);  // e.g. the other consumer warpgroup failed too
 }
 
-/// record_failure_inline, then trap. Inline.
-__device__ __forceinline__ void record_and_trap_inline(const DeviceCtx& ctx, SpinKind kind, const void* addr,
-                                                       uint64_t expected, uint64_t observed, uint64_t waited_ns,
-                                                       int32_t peer, int32_t line) {
-    record_failure_inline(ctx, kind, addr, expected, observed, waited_ns, peer, line);
-    __trap();
-}
-
 /// Rank `pe`'s copy of the symmetric object `local`, or nullptr after recording a kUnreachablePeer diagnostic
 /// when it is not load/store reachable. Inline.
 template <class T>
