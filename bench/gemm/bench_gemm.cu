@@ -6,13 +6,17 @@
 //   weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]
 //                   [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]
 //                   [--small-m-variant 0|1|2|3|4] [--small-m-splits S] [--small-m-max-m M]
-//                   [--backend auto|jit|aot]
+//                   [--backend auto|jit|aot] [--chain L]
 // --small-m-variant / --small-m-splits / --small-m-max-m set GemmOptions for the op's own row (the one --check
 // compares with cuBLAS); forcing a variant or a split count also sets small_m_max_m to 64 (unless
 // --small-m-max-m says otherwise), so that M 17..64 measure the small-M kernels; --all-configs adds a row per
 // small-M variant and split count. --backend sets GemmOptions::backend for every weft row: `jit` compiles the
 // kernels from the headers that WEFT_HOME names (cached in WEFT_CACHE_DIR) instead of the instances built into this
 // program, so kernels edited in another source tree run against the same host code and the same cuBLASLt.
+// --chain L adds, for every shape the op serves with the small-M row kernel (variant 4), the time per call of
+// chains of L calls back to back on one stream (a decode step's layers), each call on the next input set, with
+// no event between them: weft launched plainly, weft with GemmOptions::programmatic_launch, and cuBLASLt; the
+// three chains alternate round by round.
 #include <cublasLt.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -68,6 +72,7 @@ struct Options {
     int small_m_splits = 0;    // 0: the op's heuristic
     int small_m_max_m = -1;    // -1: the op's default (kGemvMaxM when a variant or split count is forced)
     weft::ops::GemmBackend backend = weft::ops::GemmBackend::kAuto;
+    int chain = 0;  // --chain L: also time chains of L calls (0: no chains)
 };
 
 std::vector<Shape> default_sizes() {
@@ -146,6 +151,9 @@ Options parse(int argc, char** argv) {
             else if (v == "jit") o.backend = weft::ops::GemmBackend::kJit;
             else if (v == "aot") o.backend = weft::ops::GemmBackend::kAot;
             else throw std::runtime_error("--backend takes auto, jit or aot, got " + v);
+        } else if (a == "--chain") {
+            o.chain = std::stoi(next());
+            if (o.chain < 0) throw std::runtime_error("--chain takes a call count >= 0 (0 = no chains)");
         } else if (a == "--world") {
             (void)next();  // shared command line: a single-GPU GEMM ignores the world size
         } else if (a == "--help" || a == "-h") {
@@ -153,7 +161,7 @@ Options parse(int argc, char** argv) {
                 "weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]\n"
                 "                [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]\n"
                 "                [--small-m-variant 0|1|2|3|4] [--small-m-splits S] [--small-m-max-m M]\n"
-                "                [--backend auto|jit|aot]\n");
+                "                [--backend auto|jit|aot] [--chain L]\n");
             std::exit(0);
         } else {
             throw std::runtime_error("unknown option " + a + " (see --help)");
@@ -304,7 +312,8 @@ struct Row {
     std::string path;
     double weft_us = 0, cublas_us = 0, roof_us = 0;
     double rel_err = -1;
-    bool best = false;  // the op's own choice (auto)
+    bool best = false;   // the op's own choice (auto)
+    bool chain = false;  // time per call of a chain (--chain), in the summary beside the op's row
 };
 
 double tflops(const Shape& s, double us) { return 2.0 * s.m * s.n * s.k / (us * 1e-6) / 1e12; }
@@ -478,6 +487,45 @@ int main(int argc, char** argv) {
                                                         std::to_string(plan.small_m_splits)
                                                   : "auto:" + config_label(plan.config);
                     run_weft(o, label, true);
+                    if (opt.chain > 0 && plan.path == weft::ops::GemmPath::kSmallM && plan.small_m_variant == 4) {
+                        // Chains of opt.chain calls, each on the next input set: plain, programmatic, cuBLASLt.
+                        weft::ops::GemmOptions pdl = o;
+                        pdl.programmatic_launch = true;
+                        o.backend = pdl.backend = opt.backend;
+                        const int L = opt.chain;
+                        const auto [plain_ms, pdl_ms, lt_ms] = time_rounds_ms(
+                            std::max(1, opt.warmup / 2), opt.iters,
+                            [&](int i) {
+                                for (int j = 0; j < L; ++j) {
+                                    const Views v = views(3 * L * i + j, d_weft.ptr);
+                                    weft::ops::gemm(v.a, v.b, v.d, layout, nullptr, o);
+                                }
+                            },
+                            [&](int i) {
+                                for (int j = 0; j < L; ++j) {
+                                    const Views v = views(3 * L * i + L + j, d_weft.ptr);
+                                    weft::ops::gemm(v.a, v.b, v.d, layout, nullptr, pdl);
+                                }
+                            },
+                            [&](int i) {
+                                for (int j = 0; j < L; ++j) {
+                                    const Views v = views(3 * L * i + 2 * L + j, d_lt.ptr);
+                                    g.run(best_algo, v.a.data, v.b.data, v.d.data);
+                                }
+                            });
+                        BENCH_CUDA(cudaGetLastError());
+                        for (const auto& [tag, ms] : {std::pair<const char*, double>{"plain", plain_ms}, {"pdl", pdl_ms}}) {
+                            Row r;
+                            r.s = s;
+                            r.layout = layout;
+                            r.path = "chain" + std::to_string(L) + ":" + tag;
+                            r.chain = true;
+                            r.roof_us = roof_us;
+                            r.weft_us = 1e3 * ms / L;
+                            r.cublas_us = 1e3 * lt_ms / L;
+                            rows.push_back(r);
+                        }
+                    }
                 }
                 if (opt.all_configs) {
                     for (const GemmConfig& c : weft::ops::gemm_candidate_configs(opt.in, out, layout)) {
@@ -516,7 +564,7 @@ int main(int argc, char** argv) {
         std::printf("\n%-20s %-3s %-22s %9s %9s %7s %9s %9s %9s %8s %7s\n", "shape (MxNxK)", "B", "path/config",
                     "weft TF/s", "cuBLAS", "ratio", "roof TF/s", "weft us", "cuBLAS us", "B GB/s", "%readBW");
         for (const Row& r : rows) {
-            if (!r.best) continue;
+            if (!r.best && !r.chain) continue;
             char shape[48];
             std::snprintf(shape, sizeof(shape), "%ldx%ldx%ld", r.s.m, r.s.n, r.s.k);
             const double b_gbs = static_cast<double>(r.s.n * r.s.k * weft::dtype_bytes(opt.in)) / (r.weft_us * 1e-6) / 1e9;
@@ -536,7 +584,8 @@ int main(int argc, char** argv) {
                 const Row& r = rows[i];
                 f << "    {\"m\": " << r.s.m << ", \"n\": " << r.s.n << ", \"k\": " << r.s.k << ", \"layout\": \""
                   << (r.layout == BLayout::kNK ? "nk" : "kn") << "\", \"path\": \"" << r.path
-                  << "\", \"auto\": " << (r.best ? "true" : "false") << ", \"weft_us\": " << r.weft_us
+                  << "\", \"auto\": " << (r.best ? "true" : "false") << ", \"chain\": " << (r.chain ? "true" : "false")
+                  << ", \"weft_us\": " << r.weft_us
                   << ", \"cublas_us\": " << r.cublas_us << ", \"weft_tflops\": " << tflops(r.s, r.weft_us)
                   << ", \"cublas_tflops\": " << tflops(r.s, r.cublas_us) << ", \"ratio\": " << r.cublas_us / r.weft_us
                   << ", \"roof_tflops\": " << tflops(r.s, r.roof_us) << ", \"rel_err_vs_cublas\": " << r.rel_err

@@ -32,6 +32,7 @@
 
 #include "weft/common/gemm_config.hpp"
 #include "weft/ptx/cvt.cuh"
+#include "weft/ptx/griddep.cuh"
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
 
@@ -571,6 +572,10 @@ __device__ __forceinline__ void gemv_rows_body(const GemvArgs& args) {
     if (tid == 0) {
         for (int i = 0; i < kStages && i < steps; ++i) fill(i);
     }
+    // Launched programmatically (GemmOptions::programmatic_launch), the ring's first stages of B stream while the
+    // kernel before this one on the stream still runs; A and D are that kernel's to write until it completes.
+    ptx::wait_for_prior_grids();
+    if (tid == 0) ptx::launch_dependents();
     // This thread's A: k = 2048 j + 8 t of every row m, as fp32.
     float a[kM][kSpansPerRow][8];
 #pragma unroll
@@ -747,6 +752,10 @@ __device__ __forceinline__ void gemv_groups_body(const GemvArgs& args) {
                                    ptx::l2_policy_evict_last());
         }
     };
+    // Launched programmatically (GemmOptions::programmatic_launch), B's producer fills the ring while the kernel
+    // before this one on the stream still runs; A's producer and the consumers (A, D) wait for it to complete.
+    if (warp != kWarps) ptx::wait_for_prior_grids();
+    if (tid == 0) ptx::launch_dependents();
     if (warp == kWarps + 1) {  // A's producer
         if (lane != 0) return;
         // Its own warp: a chunk's copies (16 at M = 16) issued by B's producer held up B's stages (README, v25).
@@ -897,7 +906,9 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& args) {
 ///              multiple of 2048, ldb = K, one split, one CTA per SM with args.rows_per_cta rows; maps unused): whole
 ///              rows and FMAs where gemv_rows_uses_ffma (M <= 2, K = 2048 x 1, 2, 4 or 8; 256 threads),
 ///              else 8-row groups on the tensor cores (gemv_groups_body; 320 threads: gemv_rows_threads);
-///              gemv_rows_smem_bytes(kStages).
+///              gemv_rows_smem_bytes(kStages). Both bodies may be launched programmatically
+///              (GemmOptions::programmatic_launch): the ring's copies of B are issued before griddepcontrol.wait,
+///              every read of A and write of D after it, and the next kernel is let go once the wait has returned.
 template <int kMTiles, DType kIn, DType kOut, int kNTiles = 4, int kStages = 0, bool kBulk = false,
           bool kWholeRows = false>
 __global__ void __launch_bounds__(kWholeRows ? kGemvGroupsThreads : gemv_threads(kBulk),

@@ -167,19 +167,26 @@ void Kernel::launch_packed(const LaunchParams& params, void** args, const size_t
     config.blockDimZ = b.z;
     config.sharedMemBytes = static_cast<unsigned>(params.dynamic_smem_bytes);
     config.hStream = params.stream;
-    CUlaunchAttribute attribute{};
+    CUlaunchAttribute attributes[2]{};
+    unsigned num_attributes = 0;
     if (params.cluster) {
         const dim3& c = *params.cluster;
         WEFT_CHECK(c.x > 0 && c.y > 0 && c.z > 0 && g.x % c.x == 0 && g.y % c.y == 0 && g.z % c.z == 0,
                    "kernel " << description_ << ": every grid dimension must be a positive multiple of the cluster's; grid "
                              << dims(g) << ", cluster " << dims(c));
-        attribute.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attribute.value.clusterDim.x = c.x;
-        attribute.value.clusterDim.y = c.y;
-        attribute.value.clusterDim.z = c.z;
-        config.attrs = &attribute;
-        config.numAttrs = 1;
+        CUlaunchAttribute& a = attributes[num_attributes++];
+        a.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        a.value.clusterDim.x = c.x;
+        a.value.clusterDim.y = c.y;
+        a.value.clusterDim.z = c.z;
     }
+    if (params.programmatic) {
+        CUlaunchAttribute& a = attributes[num_attributes++];
+        a.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        a.value.programmaticStreamSerializationAllowed = 1;
+    }
+    config.attrs = num_attributes > 0 ? attributes : nullptr;
+    config.numAttrs = num_attributes;
     const CUresult status = api.cuLaunchKernelEx(&config, state.function, args, nullptr);
     if (status != CUDA_SUCCESS) {
         const char* name = "?";
@@ -189,6 +196,7 @@ void Kernel::launch_packed(const LaunchParams& params, void** args, const size_t
         WEFT_FAIL("launching kernel " << description_ << " (grid " << dims(g) << ", block " << dims(b) << ", "
                                       << params.dynamic_smem_bytes << " bytes dynamic smem"
                                       << (params.cluster ? ", cluster " + dims(*params.cluster) : std::string())
+                                      << (params.programmatic ? ", programmatic" : "")
                                       << ") failed: " << name << " (" << text << ")");
     }
 }

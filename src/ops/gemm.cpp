@@ -328,6 +328,11 @@ int auto_small_m_variant(const GemmProblem& p) {
 }
 }  // namespace
 
+bool gemm_launches_programmatically(const GemmPlan& plan, const GemmOptions& options) {
+    return options.programmatic_launch && plan.path == GemmPath::kSmallM &&
+           gemv_shape(plan.small_m_variant, plan.small_m_tiles).whole_rows;
+}
+
 GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
     WEFT_CHECK(num_sms > 0, "gemm: the device must report a positive SM count, got " << num_sms);
     WEFT_CHECK(options.sm_budget >= 0, "gemm: options.sm_budget must be >= 0, got " << options.sm_budget);
@@ -1021,11 +1026,21 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
                    "gemm: the small-M kernel " << gemv_kernel_instantiation(plan.small_m_tiles, p.in_dtype,
                                                                             p.out_dtype, plan.small_m_variant)
                                                << kNoInstanceHint);
+        const bool programmatic = gemm_launches_programmatically(plan, options);
         if (func != nullptr) {
             if (launch.smem_bytes > 0) allow_dynamic_smem(func, device, launch.smem_bytes);
             void* params[] = {&launch.args, &launch.maps};
-            WEFT_CUDA_CHECK(cudaLaunchKernel(func, launch.grid, launch.block, params,
-                                             static_cast<size_t>(launch.smem_bytes), stream));
+            cudaLaunchConfig_t cfg{};
+            cfg.gridDim = launch.grid;
+            cfg.blockDim = launch.block;
+            cfg.dynamicSmemBytes = static_cast<size_t>(launch.smem_bytes);
+            cfg.stream = stream;
+            cudaLaunchAttribute attribute{};
+            attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            attribute.val.programmaticStreamSerializationAllowed = 1;
+            cfg.attrs = programmatic ? &attribute : nullptr;
+            cfg.numAttrs = programmatic ? 1 : 0;
+            WEFT_CUDA_CHECK(cudaLaunchKernelExC(&cfg, func, params));
             return;
         }
         jit::Kernel& kernel = gemv_jit_kernel(device, plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant);
@@ -1034,6 +1049,7 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
         lp.block = launch.block;
         lp.dynamic_smem_bytes = static_cast<size_t>(launch.smem_bytes);
         lp.stream = stream;
+        lp.programmatic = programmatic;
         kernel.launch(lp, launch.args, launch.maps);
         return;
     }

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -21,6 +22,7 @@
 #include "gemm/gemm_instances.cuh"
 #include "support/gemm_testing.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ptx/griddep.cuh"
 #include "weft/runtime/error.hpp"
 
 namespace weft {
@@ -466,6 +468,180 @@ TEST(GemmSmallM, RepeatedCallsStayCorrect) {
     Case v2{1, 8192, 8192};
     v2.small_m_variant = 2;
     check_case(v2);
+}
+
+// ---- programmatic dependent launch (GemmOptions::programmatic_launch) -----------------------------------
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+
+/// Lets the next kernel start at once, then waits `delay_ns` (bounded: the clock always advances) and only then
+/// copies `bytes` (a multiple of 16) from src to dst: a kernel after it that reads dst before it completes reads
+/// what was there before. Records its end time in *end_ns.
+__global__ void late_writer_kernel(uint4* dst, const uint4* src, size_t bytes, uint64_t delay_ns, uint64_t* end_ns) {
+    ptx::launch_dependents();
+    const uint64_t start = globaltimer_ns();
+    while (globaltimer_ns() - start < delay_ns) {
+    }
+    for (size_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) dst[i] = src[i];
+    __syncthreads();
+    if (threadIdx.x == 0) *end_ns = globaltimer_ns();
+}
+
+/// Records when it started, touching nothing of the kernel before it (so it needs no wait).
+__global__ void start_probe_kernel(uint64_t* start_ns) {
+    if (threadIdx.x == 0) *start_ns = globaltimer_ns();
+}
+
+constexpr uint64_t kLateWriterDelayNs = 200'000;
+
+// Nothing here would fail if the second kernel simply started after the first: so first check that a kernel
+// launched programmatically after late_writer_kernel does start while it still waits (this GPU and driver
+// overlap them), then that the GEMM launched the same way reads the A written at the end of that kernel, not the
+// NaNs A held before, for both of variant 4's bodies (M = 1: whole rows; M = 5, 16: row groups).
+TEST(GemmSmallM, ProgrammaticLaunchWaitsForTheKernelBefore) {
+    REQUIRE_SM90();
+    DeviceBuffer times(2 * sizeof(uint64_t));
+    ASSERT_TRUE(times.ptr);
+    auto* t = static_cast<uint64_t*>(times.ptr);
+    {
+        DeviceBuffer scratch(256);
+        ASSERT_TRUE(scratch.ptr);
+        late_writer_kernel<<<1, 128>>>(static_cast<uint4*>(scratch.ptr), static_cast<const uint4*>(scratch.ptr), 256,
+                                       kLateWriterDelayNs, t);
+        cudaLaunchConfig_t cfg{};
+        cfg.gridDim = dim3(1);
+        cfg.blockDim = dim3(32);
+        cudaLaunchAttribute attribute{};
+        attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attribute.val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = &attribute;
+        cfg.numAttrs = 1;
+        CK(cudaLaunchKernelEx(&cfg, start_probe_kernel, t + 1));
+        CK(cudaDeviceSynchronize());
+        uint64_t host[2] = {};
+        CK(cudaMemcpy(host, t, sizeof(host), cudaMemcpyDeviceToHost));
+        ASSERT_LT(host[1], host[0]) << "the programmatically launched kernel started " << (host[1] - host[0])
+                                    << " ns after the one before it ended: nothing would test the GEMM's wait";
+    }
+    for (const auto& [m, n, k] : {std::array<int64_t, 3>{1, 8192, 4096}, {16, 8192, 4096}, {5, 3000, 8192}}) {
+        const uint64_t seed = fresh_seed();
+        std::ostringstream what;
+        what << m << "x" << n << "x" << k << " seed " << seed;
+        SCOPED_TRACE(what.str());
+        std::mt19937_64 rng(seed);
+        HostMatrix a(m, k, k, DType::kBF16), b(n, k, k, DType::kBF16), d(m, n, n, DType::kBF16);
+        a.fill_random(rng);
+        b.fill_random(rng);
+        poison(d);
+        HostMatrix a_nan(m, k, k, DType::kBF16);
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t c = 0; c < k; ++c) a_nan.set(r, c, NAN);
+        DeviceBuffer da(a.bytes.size()), staged(a.bytes.size()), db(b.bytes.size()), dd(d.bytes.size());
+        ASSERT_TRUE(da.ptr && staged.ptr && db.ptr && dd.ptr);
+        upload(a_nan, da);
+        upload(a, staged);
+        upload(b, db);
+        upload(d, dd);
+        ops::GemmOptions o;
+        o.small_m_variant = 4;
+        o.programmatic_launch = true;
+        const ops::GemmPlan plan = ops::plan_gemm(ops::validate_gemm_args(view(a, da), view(b, db), view(d, dd),
+                                                                           BLayout::kNK),
+                                                  num_sms(), o);
+        ASSERT_TRUE(ops::gemm_launches_programmatically(plan, o));
+        late_writer_kernel<<<1, 128>>>(static_cast<uint4*>(da.ptr), static_cast<const uint4*>(staged.ptr),
+                                       a.bytes.size(), kLateWriterDelayNs, t);
+        CK(cudaGetLastError());
+        ops::gemm(view(a, da), view(b, db), view(d, dd), BLayout::kNK, nullptr, o);
+        CK(cudaDeviceSynchronize());
+        download(d, dd);
+        std::vector<int64_t> rows;
+        for (int64_t r = 0; r < m; ++r) rows.push_back(r);
+        expect_matches(d, reference(a, b, BLayout::kNK, n, rows), rows, tolerance_for(DType::kBF16), what.str());
+    }
+}
+
+// A decode chain: each layer's output is the next layer's A (N = K), every layer launched programmatically right
+// after the one before, by the nvcc instances, by weft::jit's, and captured into a CUDA graph (the launches become
+// programmatic edges) then replayed; each result must be bit for bit the chain launched plainly (the kernels are
+// deterministic), which the fp64 tests above vouch for layer by layer. M = 1 and 2 (whole rows), 3 and 16 (row
+// groups).
+TEST(GemmSmallM, ProgrammaticChainMatchesThePlainChain) {
+    REQUIRE_SM90();
+    constexpr int kLayers = 4;
+    constexpr int64_t kDim = 4096;
+    for (int64_t m : {1, 2, 3, 16}) {
+        const uint64_t seed = fresh_seed();
+        SCOPED_TRACE("M = " + std::to_string(m) + ", seed " + std::to_string(seed));
+        std::mt19937_64 rng(seed);
+        HostMatrix x(m, kDim, kDim, DType::kBF16);
+        x.fill_random(rng);
+        std::vector<std::unique_ptr<DeviceBuffer>> weights;
+        for (int l = 0; l < kLayers; ++l) {
+            HostMatrix w(kDim, kDim, kDim, DType::kBF16);
+            w.fill_random(rng);
+            for (int64_t r = 0; r < kDim; ++r)  // keep the activations near 1 layer after layer
+                for (int64_t c = 0; c < kDim; ++c) w.set(r, c, w.get(r, c) / 32.f);
+            weights.push_back(std::make_unique<DeviceBuffer>(w.bytes.size()));
+            ASSERT_TRUE(weights.back()->ptr);
+            upload(w, *weights.back());
+        }
+        const char* const runs[] = {"plain", "programmatic", "programmatic, weft::jit", "programmatic, graph"};
+        std::vector<uint8_t> out[4];
+        cudaStream_t stream = nullptr;
+        CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        for (int run = 0; run < 4; ++run) {
+            SCOPED_TRACE(runs[run]);
+            const bool programmatic = run > 0;
+            std::vector<std::unique_ptr<DeviceBuffer>> acts;
+            for (int l = 0; l <= kLayers; ++l) {
+                acts.push_back(std::make_unique<DeviceBuffer>(x.bytes.size()));
+                ASSERT_TRUE(acts.back()->ptr);
+                CK(cudaMemset(acts.back()->ptr, 0xff, x.bytes.size()));  // NaN until written
+            }
+            upload(x, *acts[0]);
+            CK(cudaDeviceSynchronize());  // the memsets above ran on the legacy stream; the chain runs on `stream`
+            ops::GemmOptions o;
+            o.programmatic_launch = programmatic;
+            o.backend = run == 2 ? ops::GemmBackend::kJit : ops::GemmBackend::kAuto;
+            auto act = [&](int l) { return TensorView(acts[l]->ptr, DType::kBF16, {m, kDim}); };
+            const bool graph = run == 3;
+            if (graph) CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+            for (int l = 0; l < kLayers; ++l) {
+                const TensorView w(weights[l]->ptr, DType::kBF16, {kDim, kDim});
+                const ops::GemmPlan plan = ops::plan_gemm(ops::validate_gemm_args(act(l), w, act(l + 1), BLayout::kNK),
+                                                          num_sms(), o);
+                EXPECT_EQ(ops::gemm_launches_programmatically(plan, o), programmatic);
+                ops::gemm(act(l), w, act(l + 1), BLayout::kNK, stream, o);
+            }
+            if (graph) {
+                cudaGraph_t g = nullptr;
+                CK(cudaStreamEndCapture(stream, &g));
+                cudaGraphExec_t exec = nullptr;
+                CK(cudaGraphInstantiate(&exec, g, 0));
+                CK(cudaGraphLaunch(exec, stream));
+                CK(cudaStreamSynchronize(stream));
+                CK(cudaGraphExecDestroy(exec));
+                CK(cudaGraphDestroy(g));
+            }
+            CK(cudaStreamSynchronize(stream));
+            out[run].resize(x.bytes.size());
+            CK(cudaMemcpy(out[run].data(), acts[kLayers]->ptr, x.bytes.size(), cudaMemcpyDeviceToHost));
+        }
+        CK(cudaStreamDestroy(stream));
+        HostMatrix last(m, kDim, kDim, DType::kBF16);
+        last.bytes = out[0];
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t c = 0; c < kDim; ++c)
+                ASSERT_TRUE(std::isfinite(last.get(r, c))) << "plain chain, row " << r << ", column " << c;
+        for (int run = 1; run < 4; ++run) {
+            EXPECT_EQ(out[0], out[run]) << "the chain launched " << runs[run] << " differs from the plain chain";
+        }
+    }
 }
 
 // With the default options, M <= small_m_max_m takes the small-M path and larger M the tiled kernel (B [N,K]

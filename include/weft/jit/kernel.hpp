@@ -25,6 +25,11 @@ struct LaunchParams {
     size_t dynamic_smem_bytes = 0;  ///< up to the device's opt-in maximum (the limit is raised at load)
     cudaStream_t stream = nullptr;
     std::optional<dim3> cluster = std::nullopt;
+    /// Programmatic dependent launch (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION): the kernel may start
+    /// before the previous kernel on the stream has completed, once every CTA of that kernel has executed
+    /// griddepcontrol.launch_dependents or exited; the kernel itself waits (griddepcontrol.wait,
+    /// weft/ptx/griddep.cuh) before it touches what that kernel writes or reads.
+    bool programmatic = false;
 };
 
 /// One loaded kernel. The library is loaded context-independently when the Kernel is built; the

@@ -73,6 +73,16 @@ struct GemmOptions {
     /// capture (a capture uses a cached decision, else the heuristic).
     bool autotune = false;
     jit::Autotuner* autotuner = nullptr;  ///< nullptr: weft::jit::autotuner() (tests pass their own)
+    /// Programmatic dependent launch for a chain of decode GEMMs (the layers of one decode step): the small-M
+    /// row kernel (variant 4, gemm_launches_programmatically) starts while the kernel before it on `stream`
+    /// still runs and streams its first stages of B into shared memory during that kernel's last microseconds;
+    /// it waits for that kernel to complete (griddepcontrol.wait) before it reads A or writes D, and lets the next
+    /// kernel start only after that wait. So B must not be written by the kernel launched right before this call
+    /// on `stream` (weights are not; a kernel that fills B right before the call is: leave this off there), nor,
+    /// when that kernel is itself launched programmatically and lets its dependents go before its own wait, by the
+    /// kernels it may overlap. Other paths launch as usual (gemm_launches_programmatically says which). Off by
+    /// default. Capturable: in a CUDA graph the launch becomes a programmatic edge.
+    bool programmatic_launch = false;
 };
 
 /// D[M,N] = A[M,K] * B, asynchronous on `stream`, capturable in a CUDA graph once its kernels and
@@ -116,6 +126,10 @@ struct GemmPlan {
     int small_m_variant = 3;     ///< kSmallM: which gemv_kernel (GemmOptions::small_m_variant)
     size_t workspace_bytes = 0;  ///< kSmallM: partial sums + counters
 };
+
+/// Whether a call with these options launches `plan` programmatically (GemmOptions::programmatic_launch): only the
+/// small-M row kernel (variant 4) waits for the previous kernel inside, so only it is launched that way.
+bool gemm_launches_programmatically(const GemmPlan& plan, const GemmOptions& options);
 
 /// Checks a, b, d against each other and TMA's rules; throws weft::Error naming the offending argument.
 GemmProblem validate_gemm_args(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout);
