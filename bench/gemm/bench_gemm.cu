@@ -13,9 +13,9 @@
 // small-M variant and split count. --backend sets GemmOptions::backend for every weft row: `jit` compiles the
 // kernels from the headers that WEFT_HOME names (cached in WEFT_CACHE_DIR) instead of the instances built into this
 // program, so kernels edited in another source tree run against the same host code and the same cuBLASLt.
-// --chain L adds, for every shape the op serves with the small-M row kernel (variant 4), the time per call of
-// chains of L calls back to back on one stream (a decode step's layers), each call on the next input set, with
-// no event between them: weft launched plainly, weft with GemmOptions::programmatic_launch, and cuBLASLt; the
+// --chain L adds, for every shape the op may launch programmatically (the small-M variants 3 and 4), the time per
+// call of chains of L calls back to back on one stream (a decode step's layers), each call on the next input set,
+// with no event between them: weft launched plainly, weft with GemmOptions::programmatic_launch, and cuBLASLt; the
 // three chains alternate round by round.
 #include <cublasLt.h>
 #include <cuda_fp16.h>
@@ -487,10 +487,10 @@ int main(int argc, char** argv) {
                                                         std::to_string(plan.small_m_splits)
                                                   : "auto:" + config_label(plan.config);
                     run_weft(o, label, true);
-                    if (opt.chain > 0 && plan.path == weft::ops::GemmPath::kSmallM && plan.small_m_variant == 4) {
+                    weft::ops::GemmOptions pdl = o;
+                    pdl.programmatic_launch = true;
+                    if (opt.chain > 0 && weft::ops::gemm_launches_programmatically(plan, pdl)) {
                         // Chains of opt.chain calls, each on the next input set: plain, programmatic, cuBLASLt.
-                        weft::ops::GemmOptions pdl = o;
-                        pdl.programmatic_launch = true;
                         o.backend = pdl.backend = opt.backend;
                         const int L = opt.chain;
                         const auto [plain_ms, pdl_ms, lt_ms] = time_rounds_ms(

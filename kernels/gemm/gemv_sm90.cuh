@@ -398,18 +398,23 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
     // spread elsewhere (kernels/gemm/README.md, v18).
     const unsigned long long stream_policy = ptx::l2_policy_evict_first();
     const unsigned long long shared_policy = ptx::l2_policy_evict_last();
-    const auto fill = [&](int step) {
+    // A stage's B part arms its barrier for the whole stage; its A part may follow later (the prologue below).
+    const auto fill = [&](int step, bool b_part, bool a_part) {
         const int s = step % kStages;
         const int k0 = k_begin + step * kGemvBulkStageK;
         const unsigned bar = bars + 8 * s;
         const unsigned stage = ring + static_cast<unsigned>(s * kStageBytes);
-        ptx::mbarrier_arrive_expect_tx(bar, static_cast<unsigned>(kStageBytes));
+        if (b_part) ptx::mbarrier_arrive_expect_tx(bar, static_cast<unsigned>(kStageBytes));
 #pragma unroll
         for (int q = 0; q < kBoxes; ++q) {
-            ptx::tma_load_2d_hint(stage + q * kBRows * kBoxRowBytes, map_b, bar, k0 + kGemvBulkBoxK * q, n_cta,
-                                  stream_policy);
-            ptx::tma_load_2d_hint(stage + (kBoxes * kBRows + q * kARows) * kBoxRowBytes, map_a, bar,
-                                  k0 + kGemvBulkBoxK * q, 0, shared_policy);
+            if (b_part) {
+                ptx::tma_load_2d_hint(stage + q * kBRows * kBoxRowBytes, map_b, bar, k0 + kGemvBulkBoxK * q, n_cta,
+                                      stream_policy);
+            }
+            if (a_part) {
+                ptx::tma_load_2d_hint(stage + (kBoxes * kBRows + q * kARows) * kBoxRowBytes, map_a, bar,
+                                      k0 + kGemvBulkBoxK * q, 0, shared_policy);
+            }
         }
     };
 
@@ -421,8 +426,19 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
 #pragma unroll
             for (int i = 0; i < 4; ++i) part[mt][nt][i] = 0.f;
 
+    // Launched programmatically (args.programmatic), the first stages' B boxes load while the kernel before this
+    // one on the stream still runs; their A boxes, and everything after (partials, counters, D), wait for it to
+    // complete. Launched plainly, the wait returns at once and each stage's A boxes follow its B boxes.
+    const bool b_first = args.programmatic != 0;
     if (threadIdx.x == 0) {
-        for (int i = 0; i < kStages && i < steps; ++i) fill(i);
+        for (int i = 0; i < kStages && i < steps; ++i) fill(i, true, !b_first);
+    }
+    ptx::wait_for_prior_grids();
+    if (threadIdx.x == 0) {
+        ptx::launch_dependents();
+        if (b_first) {
+            for (int i = 0; i < kStages && i < steps; ++i) fill(i, false, true);
+        }
     }
     for (int i = 0; i < steps; ++i) {
         const int s = i % kStages;
@@ -464,7 +480,7 @@ __device__ __forceinline__ void gemv_mainloop_bulk(float (&acc)[kMTiles][kNTiles
         __syncthreads();  // every warp has read stage s
         if (threadIdx.x == 0 && i + kStages < steps) {
             ptx::fence_proxy_async_shared_cta();  // the generic reads above before TMA's writes
-            fill(i + kStages);
+            fill(i + kStages, true, true);
         }
     }
 
@@ -906,9 +922,10 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& args) {
 ///              multiple of 2048, ldb = K, one split, one CTA per SM with args.rows_per_cta rows; maps unused): whole
 ///              rows and FMAs where gemv_rows_uses_ffma (M <= 2, K = 2048 x 1, 2, 4 or 8; 256 threads),
 ///              else 8-row groups on the tensor cores (gemv_groups_body; 320 threads: gemv_rows_threads);
-///              gemv_rows_smem_bytes(kStages). Both bodies may be launched programmatically
-///              (GemmOptions::programmatic_launch): the ring's copies of B are issued before griddepcontrol.wait,
-///              every read of A and write of D after it, and the next kernel is let go once the wait has returned.
+///              gemv_rows_smem_bytes(kStages).
+/// Variants 3 and 4 may be launched programmatically (GemmOptions::programmatic_launch): the ring's first copies of
+/// B are issued before griddepcontrol.wait, every read of A and write of D (and of the split-K partials and
+/// counters) after it, and the next kernel is let go once the wait has returned.
 template <int kMTiles, DType kIn, DType kOut, int kNTiles = 4, int kStages = 0, bool kBulk = false,
           bool kWholeRows = false>
 __global__ void __launch_bounds__(kWholeRows ? kGemvGroupsThreads : gemv_threads(kBulk),

@@ -330,7 +330,7 @@ int auto_small_m_variant(const GemmProblem& p) {
 
 bool gemm_launches_programmatically(const GemmPlan& plan, const GemmOptions& options) {
     return options.programmatic_launch && plan.path == GemmPath::kSmallM &&
-           gemv_shape(plan.small_m_variant, plan.small_m_tiles).whole_rows;
+           gemv_shape(plan.small_m_variant, plan.small_m_tiles).bulk;
 }
 
 GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
@@ -1027,6 +1027,7 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
                                                                             p.out_dtype, plan.small_m_variant)
                                                << kNoInstanceHint);
         const bool programmatic = gemm_launches_programmatically(plan, options);
+        args.programmatic = programmatic ? 1 : 0;
         if (func != nullptr) {
             if (launch.smem_bytes > 0) allow_dynamic_smem(func, device, launch.smem_bytes);
             void* params[] = {&launch.args, &launch.maps};

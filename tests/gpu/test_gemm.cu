@@ -501,7 +501,8 @@ constexpr uint64_t kLateWriterDelayNs = 200'000;
 // Nothing here would fail if the second kernel simply started after the first: so first check that a kernel
 // launched programmatically after late_writer_kernel does start while it still waits (this GPU and driver
 // overlap them), then that the GEMM launched the same way reads the A written at the end of that kernel, not the
-// NaNs A held before, for both of variant 4's bodies (M = 1: whole rows; M = 5, 16: row groups).
+// NaNs A held before, for both of variant 4's bodies (M = 1: whole rows; M = 5, 16: row groups) and variant 3
+// (M = 40, and M = 8 with a K variant 4 does not take; split-K, so partials and counters come after the wait).
 TEST(GemmSmallM, ProgrammaticLaunchWaitsForTheKernelBefore) {
     REQUIRE_SM90();
     DeviceBuffer times(2 * sizeof(uint64_t));
@@ -527,7 +528,8 @@ TEST(GemmSmallM, ProgrammaticLaunchWaitsForTheKernelBefore) {
         ASSERT_LT(host[1], host[0]) << "the programmatically launched kernel started " << (host[1] - host[0])
                                     << " ns after the one before it ended: nothing would test the GEMM's wait";
     }
-    for (const auto& [m, n, k] : {std::array<int64_t, 3>{1, 8192, 4096}, {16, 8192, 4096}, {5, 3000, 8192}}) {
+    for (const auto& [m, n, k] : {std::array<int64_t, 3>{1, 8192, 4096}, {16, 8192, 4096}, {5, 3000, 8192},
+                                  {40, 3000, 4096}, {8, 1000, 1000}}) {
         const uint64_t seed = fresh_seed();
         std::ostringstream what;
         what << m << "x" << n << "x" << k << " seed " << seed;
@@ -547,12 +549,12 @@ TEST(GemmSmallM, ProgrammaticLaunchWaitsForTheKernelBefore) {
         upload(b, db);
         upload(d, dd);
         ops::GemmOptions o;
-        o.small_m_variant = 4;
         o.programmatic_launch = true;
         const ops::GemmPlan plan = ops::plan_gemm(ops::validate_gemm_args(view(a, da), view(b, db), view(d, dd),
                                                                            BLayout::kNK),
                                                   num_sms(), o);
         ASSERT_TRUE(ops::gemm_launches_programmatically(plan, o));
+        ASSERT_EQ(plan.small_m_variant, m <= kGemvGroupsMaxM && k % 2048 == 0 ? 4 : 3);
         late_writer_kernel<<<1, 128>>>(static_cast<uint4*>(da.ptr), static_cast<const uint4*>(staged.ptr),
                                        a.bytes.size(), kLateWriterDelayNs, t);
         CK(cudaGetLastError());
@@ -569,12 +571,12 @@ TEST(GemmSmallM, ProgrammaticLaunchWaitsForTheKernelBefore) {
 // after the one before, by the nvcc instances, by weft::jit's, and captured into a CUDA graph (the launches become
 // programmatic edges) then replayed; each result must be bit for bit the chain launched plainly (the kernels are
 // deterministic), which the fp64 tests above vouch for layer by layer. M = 1 and 2 (whole rows), 3 and 16 (row
-// groups).
+// groups), 32 and 64 (variant 3, split-K: consecutive calls share the stream's partials and counters).
 TEST(GemmSmallM, ProgrammaticChainMatchesThePlainChain) {
     REQUIRE_SM90();
     constexpr int kLayers = 4;
     constexpr int64_t kDim = 4096;
-    for (int64_t m : {1, 2, 3, 16}) {
+    for (int64_t m : {1, 2, 3, 16, 32, 64}) {
         const uint64_t seed = fresh_seed();
         SCOPED_TRACE("M = " + std::to_string(m) + ", seed " + std::to_string(seed));
         std::mt19937_64 rng(seed);

@@ -413,25 +413,31 @@ TEST(GemmPlan, SmallMVariant4SpreadsEveryRowOverNonEmptyCtas) {
     }
 }
 
-// GemmOptions::programmatic_launch reaches only the kernel that waits for the previous one inside (variant 4, both
-// bodies), and only when asked for: variant 3 and the tiled kernel launch as usual.
-TEST(GemmPlan, OnlyTheRowKernelLaunchesProgrammatically) {
+// GemmOptions::programmatic_launch reaches only the kernels that wait for the previous one inside (the small-M
+// variants with a shared-memory ring: 4 for M <= 16, 3 up to 64), and only when asked for: the tiled kernel and the
+// register-ring variants launch as usual.
+TEST(GemmPlan, OnlyTheRingKernelsLaunchProgrammatically) {
     ops::GemmOptions on;
     on.programmatic_launch = true;
-    for (int64_t m : {1, 2, 3, 16, 17, 64, 128}) {
+    for (int64_t m : {1, 2, 3, 16, 17, 64, 65, 128}) {
         ops::GemmProblem p{m, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
         p.b_rows_contiguous = true;
         const auto plan = ops::plan_gemm(p, 132, on);
-        const bool row_kernel = plan.path == ops::GemmPath::kSmallM && plan.small_m_variant == 4;
-        EXPECT_EQ(row_kernel, m <= kGemvGroupsMaxM) << "M " << m;
-        EXPECT_EQ(ops::gemm_launches_programmatically(plan, on), row_kernel) << "M " << m;
+        const bool small_m = plan.path == ops::GemmPath::kSmallM;
+        EXPECT_EQ(small_m, m <= kGemvMaxM) << "M " << m;
+        if (small_m) EXPECT_EQ(plan.small_m_variant, m <= kGemvGroupsMaxM ? 4 : 3) << "M " << m;
+        EXPECT_EQ(ops::gemm_launches_programmatically(plan, on), small_m) << "M " << m;
         EXPECT_FALSE(ops::gemm_launches_programmatically(plan, ops::GemmOptions{})) << "M " << m << ", option off";
     }
-    ops::GemmOptions v3 = on;
-    v3.small_m_variant = 3;
-    ops::GemmProblem p{16, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
-    p.b_rows_contiguous = true;
-    EXPECT_FALSE(ops::gemm_launches_programmatically(ops::plan_gemm(p, 132, v3), v3));
+    for (int variant : {0, 1, 2}) {
+        ops::GemmOptions forced = on;
+        forced.small_m_variant = variant;
+        ops::GemmProblem p{16, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
+        p.b_rows_contiguous = true;
+        const auto plan = ops::plan_gemm(p, 132, forced);
+        ASSERT_EQ(plan.small_m_variant, variant);
+        EXPECT_FALSE(ops::gemm_launches_programmatically(plan, forced)) << "variant " << variant;
+    }
 }
 
 TEST(GemmPlan, SmallMVariant2FillsOneWaveOfItsShape) {

@@ -254,6 +254,10 @@ struct GemvArgs {
     int32_t k_per_split;  ///< multiple of 32
     int32_t num_splits;   ///< gridDim.y
     int32_t rows_per_cta; ///< variant 4: rows of B per CTA (the last CTA may have fewer); else unused
+    /// Variant 3: launched programmatically (ops::gemm_launches_programmatically), so the ring's first stages load
+    /// their B boxes before griddepcontrol.wait and their A boxes after it; 0: each stage's B and A boxes in turn
+    /// (A's first boxes queued behind every prologue B box cost up to 9% at M = 64, kernels/gemm/README.md v28).
+    int32_t programmatic;
     float* partials;      ///< [num_splits][M][N] fp32 (when num_splits > 1)
     uint32_t* counters;   ///< [gridDim.x], zero between launches (the last CTA of a column block resets it)
 };

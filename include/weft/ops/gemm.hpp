@@ -74,10 +74,10 @@ struct GemmOptions {
     bool autotune = false;
     jit::Autotuner* autotuner = nullptr;  ///< nullptr: weft::jit::autotuner() (tests pass their own)
     /// Programmatic dependent launch for a chain of decode GEMMs (the layers of one decode step): the small-M
-    /// row kernel (variant 4, gemm_launches_programmatically) starts while the kernel before it on `stream`
-    /// still runs and streams its first stages of B into shared memory during that kernel's last microseconds;
-    /// it waits for that kernel to complete (griddepcontrol.wait) before it reads A or writes D, and lets the next
-    /// kernel start only after that wait. So B must not be written by the kernel launched right before this call
+    /// kernels with a shared-memory ring (variants 3 and 4, gemm_launches_programmatically) start while the kernel
+    /// before them on `stream` still runs and stream their first stages of B into shared memory during that
+    /// kernel's last microseconds; they wait for that kernel to complete (griddepcontrol.wait) before they read A
+    /// or write anything, and let the next kernel start only after that wait. So B must not be written by the kernel launched right before this call
     /// on `stream` (weights are not; a kernel that fills B right before the call is: leave this off there), nor,
     /// when that kernel is itself launched programmatically and lets its dependents go before its own wait, by the
     /// kernels it may overlap. Other paths launch as usual (gemm_launches_programmatically says which). Off by
@@ -128,7 +128,8 @@ struct GemmPlan {
 };
 
 /// Whether a call with these options launches `plan` programmatically (GemmOptions::programmatic_launch): only the
-/// small-M row kernel (variant 4) waits for the previous kernel inside, so only it is launched that way.
+/// small-M kernels with a shared-memory ring (variants 3 and 4) wait for the previous kernel inside, so only they
+/// are launched that way (the tiled kernel and variants 0-2 launch as usual).
 bool gemm_launches_programmatically(const GemmPlan& plan, const GemmOptions& options);
 
 /// Checks a, b, d against each other and TMA's rules; throws weft::Error naming the offending argument.
