@@ -853,58 +853,30 @@ __global__ void tile_checker_kernel(const uint64_t* tile_flags, uint64_t expecte
     }
 }
 
-constexpr GemmConfig kHookCfg = gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK);  // 128x128
-constexpr GemmConfig kHookClusterCfg = gemm_candidate(2, DType::kBF16, DType::kBF16, BLayout::kNK);  // A multicast
+// The hooked kernels: candidate kIndex (bf16 -> bf16, B [N,K]) with the chunk-wait scheduler and the tile-signal
+// hook. An int template argument, which nvcc's host stubs can spell (a GemmConfig they cannot).
+template <int kIndex>
+constexpr GemmConfig kHookedCfg = gemm_candidate(kIndex, DType::kBF16, DType::kBF16, BLayout::kNK);
 
+template <int kIndex>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     hooked_gemm_kernel(const __grid_constant__ ptx::TmaDescriptor ta, const __grid_constant__ ptx::TmaDescriptor tb,
                        const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
                        const gemm::ChunkWaitParams sp, const gemm::TileSignalParams hp) {
-    gemm::gemm_device<kHookCfg, gemm::ChunkWaitScheduler<kHookCfg>, gemm::TileSignalHook>(&ta, &tb, &td, args, sp, hp);
+    constexpr GemmConfig kCfg = kHookedCfg<kIndex>;
+    gemm::gemm_device<kCfg, gemm::ChunkWaitScheduler<kCfg>, gemm::TileSignalHook>(&ta, &tb, &td, args, sp, hp);
 }
 
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    hooked_cluster_gemm_kernel(const __grid_constant__ ptx::TmaDescriptor ta,
-                               const __grid_constant__ ptx::TmaDescriptor tb,
-                               const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
-                               const gemm::ChunkWaitParams sp, const gemm::TileSignalParams hp) {
-    gemm::gemm_device<kHookClusterCfg, gemm::ChunkWaitScheduler<kHookClusterCfg>, gemm::TileSignalHook>(
-        &ta, &tb, &td, args, sp, hp);
-}
-
-constexpr GemmConfig kHookBPairCfg = gemm_candidate(1, DType::kBF16, DType::kBF16, BLayout::kNK);  // B multicast
-
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    hooked_bpair_gemm_kernel(const __grid_constant__ ptx::TmaDescriptor ta,
-                             const __grid_constant__ ptx::TmaDescriptor tb,
-                             const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
-                             const gemm::ChunkWaitParams sp, const gemm::TileSignalParams hp) {
-    gemm::gemm_device<kHookBPairCfg, gemm::ChunkWaitScheduler<kHookBPairCfg>, gemm::TileSignalHook>(&ta, &tb, &td,
-                                                                                                  args, sp, hp);
-}
-
-// Ping-pong: each consumer warpgroup stores and signals its own tiles (pp 128x192 s4, pp 64x128 s8).
-constexpr GemmConfig kHookPingPongCfg = gemm_candidate(9, DType::kBF16, DType::kBF16, BLayout::kNK);
-constexpr GemmConfig kHookPingPong64Cfg = gemm_candidate(12, DType::kBF16, DType::kBF16, BLayout::kNK);
-static_assert(kHookPingPongCfg.pingpong && kHookPingPong64Cfg.pingpong && kHookPingPong64Cfg.tile_m == 64);
-
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    hooked_pingpong_gemm_kernel(const __grid_constant__ ptx::TmaDescriptor ta,
-                                const __grid_constant__ ptx::TmaDescriptor tb,
-                                const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
-                                const gemm::ChunkWaitParams sp, const gemm::TileSignalParams hp) {
-    gemm::gemm_device<kHookPingPongCfg, gemm::ChunkWaitScheduler<kHookPingPongCfg>, gemm::TileSignalHook>(
-        &ta, &tb, &td, args, sp, hp);
-}
-
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    hooked_pingpong64_gemm_kernel(const __grid_constant__ ptx::TmaDescriptor ta,
-                                  const __grid_constant__ ptx::TmaDescriptor tb,
-                                  const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
-                                  const gemm::ChunkWaitParams sp, const gemm::TileSignalParams hp) {
-    gemm::gemm_device<kHookPingPong64Cfg, gemm::ChunkWaitScheduler<kHookPingPong64Cfg>, gemm::TileSignalHook>(
-        &ta, &tb, &td, args, sp, hp);
-}
+constexpr int kHookPlain = 6;      // 128x128
+constexpr int kHookAPairs = 2;     // A multicast (cluster along N)
+constexpr int kHookBPairs = 1;     // B multicast (cluster along M)
+constexpr int kHookPingPong = 9;   // ping-pong 128x192 s4: each consumer warpgroup stores and signals its own tiles
+constexpr int kHookPingPong64 = 12;  // ping-pong 64x128 s8
+static_assert(kHookedCfg<kHookPlain>.tile_m == 128 && kHookedCfg<kHookPlain>.tile_n == 128 &&
+              !kHookedCfg<kHookPlain>.pingpong && kHookedCfg<kHookPlain>.cluster_m * kHookedCfg<kHookPlain>.cluster_n == 1);
+static_assert(kHookedCfg<kHookAPairs>.cluster_n == 2 && kHookedCfg<kHookBPairs>.cluster_m == 2);
+static_assert(kHookedCfg<kHookPingPong>.pingpong && kHookedCfg<kHookPingPong64>.pingpong &&
+              kHookedCfg<kHookPingPong64>.tile_m == 64);
 
 void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t n, int64_t k, int rows_per_chunk) {
     const uint64_t seed = fresh_seed();
@@ -1060,31 +1032,37 @@ void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t
     cudaStreamDestroy(s_check);
 }
 
+/// run_hook_test with candidate kIndex's config and hooked kernel.
+template <int kIndex>
+void run_hooked(int64_t m, int64_t n, int64_t k, int rows_per_chunk) {
+    run_hook_test(kHookedCfg<kIndex>, reinterpret_cast<const void*>(&hooked_gemm_kernel<kIndex>), m, n, k,
+                  rows_per_chunk);
+}
+
 TEST(GemmHooks, WaitsForChunksFromAnotherStreamAndSignalsStoredTiles) {
     REQUIRE_SM90();
-    run_hook_test(kHookCfg, reinterpret_cast<const void*>(&hooked_gemm_kernel), 1000, 1024, 512, 96);
+    run_hooked<kHookPlain>(1000, 1024, 512, 96);
 }
 
 TEST(GemmHooks, ClusterMulticastVariantWaitsAndSignals) {
     REQUIRE_SM90();
     // The same shape and config without hooks first: separates a cluster bug from a hook bug.
     Case plain{777, 1100, 256};
-    plain.config = kHookClusterCfg;
+    plain.config = kHookedCfg<kHookAPairs>;
     check_case(plain);
-    run_hook_test(kHookClusterCfg, reinterpret_cast<const void*>(&hooked_cluster_gemm_kernel), 777, 1100, 256, 64);
+    run_hooked<kHookAPairs>(777, 1100, 256, 64);
 }
 
 TEST(GemmHooks, ClusterBPairVariantWaitsAndSignals) {
     REQUIRE_SM90();
-    run_hook_test(kHookBPairCfg, reinterpret_cast<const void*>(&hooked_bpair_gemm_kernel), 777, 1100, 256, 64);
+    run_hooked<kHookBPairs>(777, 1100, 256, 64);
 }
 
 // More tiles than CTAs, so both warpgroups of a CTA store and signal tiles (ragged M and N: tail stores too).
 TEST(GemmHooks, PingPongWarpgroupsEachWaitAndSignalTheirTiles) {
     REQUIRE_SM90();
-    run_hook_test(kHookPingPongCfg, reinterpret_cast<const void*>(&hooked_pingpong_gemm_kernel), 2000, 2300, 256, 96);
-    run_hook_test(kHookPingPong64Cfg, reinterpret_cast<const void*>(&hooked_pingpong64_gemm_kernel), 1500, 1100, 256,
-                  64);
+    run_hooked<kHookPingPong>(2000, 2300, 256, 96);
+    run_hooked<kHookPingPong64>(1500, 1100, 256, 64);
 }
 
 }  // namespace
