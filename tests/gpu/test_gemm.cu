@@ -23,6 +23,7 @@
 #include "support/gemm_testing.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ptx/griddep.cuh"
+#include "weft/ptx/timer.cuh"
 #include "weft/runtime/error.hpp"
 
 namespace weft {
@@ -472,28 +473,22 @@ TEST(GemmSmallM, RepeatedCallsStayCorrect) {
 
 // ---- programmatic dependent launch (GemmOptions::programmatic_launch) -----------------------------------
 
-__device__ __forceinline__ uint64_t globaltimer_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    return t;
-}
-
 /// Lets the next kernel start at once, then waits `delay_ns` (bounded: the clock always advances) and only then
 /// copies `bytes` (a multiple of 16) from src to dst: a kernel after it that reads dst before it completes reads
 /// what was there before. Records its end time in *end_ns.
 __global__ void late_writer_kernel(uint4* dst, const uint4* src, size_t bytes, uint64_t delay_ns, uint64_t* end_ns) {
     ptx::launch_dependents();
-    const uint64_t start = globaltimer_ns();
-    while (globaltimer_ns() - start < delay_ns) {
+    const uint64_t start = ptx::globaltimer();
+    while (ptx::globaltimer() - start < delay_ns) {
     }
     for (size_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) dst[i] = src[i];
     __syncthreads();
-    if (threadIdx.x == 0) *end_ns = globaltimer_ns();
+    if (threadIdx.x == 0) *end_ns = ptx::globaltimer();
 }
 
 /// Records when it started, touching nothing of the kernel before it (so it needs no wait).
 __global__ void start_probe_kernel(uint64_t* start_ns) {
-    if (threadIdx.x == 0) *start_ns = globaltimer_ns();
+    if (threadIdx.x == 0) *start_ns = ptx::globaltimer();
 }
 
 constexpr uint64_t kLateWriterDelayNs = 200'000;
