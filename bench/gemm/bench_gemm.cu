@@ -514,7 +514,8 @@ int main(int argc, char** argv) {
                                 }
                             });
                         BENCH_CUDA(cudaGetLastError());
-                        for (const auto& [tag, ms] : {std::pair<const char*, double>{"plain", plain_ms}, {"pdl", pdl_ms}}) {
+                        using Tagged = std::pair<const char*, double>;
+                        for (const auto& [tag, ms] : {Tagged{"plain", plain_ms}, Tagged{"pdl", pdl_ms}}) {
                             Row r;
                             r.s = s;
                             r.layout = layout;

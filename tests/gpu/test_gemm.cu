@@ -868,7 +868,8 @@ constexpr int kHookBPairs = 1;     // B multicast (cluster along M)
 constexpr int kHookPingPong = 9;   // ping-pong 128x192 s4: each consumer warpgroup stores and signals its own tiles
 constexpr int kHookPingPong64 = 12;  // ping-pong 64x128 s8
 static_assert(kHookedCfg<kHookPlain>.tile_m == 128 && kHookedCfg<kHookPlain>.tile_n == 128 &&
-              !kHookedCfg<kHookPlain>.pingpong && kHookedCfg<kHookPlain>.cluster_m * kHookedCfg<kHookPlain>.cluster_n == 1);
+              !kHookedCfg<kHookPlain>.pingpong &&
+              kHookedCfg<kHookPlain>.cluster_m * kHookedCfg<kHookPlain>.cluster_n == 1);
 static_assert(kHookedCfg<kHookAPairs>.cluster_n == 2 && kHookedCfg<kHookBPairs>.cluster_m == 2);
 static_assert(kHookedCfg<kHookPingPong>.pingpong && kHookedCfg<kHookPingPong64>.pingpong &&
               kHookedCfg<kHookPingPong64>.tile_m == 64);

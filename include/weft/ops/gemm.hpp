@@ -77,11 +77,12 @@ struct GemmOptions {
     /// kernels with a shared-memory ring (variants 3 and 4, gemm_launches_programmatically) start while the kernel
     /// before them on `stream` still runs and stream their first stages of B into shared memory during that
     /// kernel's last microseconds; they wait for that kernel to complete (griddepcontrol.wait) before they read A
-    /// or write anything, and let the next kernel start only after that wait. So B must not be written by the kernel launched right before this call
-    /// on `stream` (weights are not; a kernel that fills B right before the call is: leave this off there), nor,
-    /// when that kernel is itself launched programmatically and lets its dependents go before its own wait, by the
-    /// kernels it may overlap. Other paths launch as usual (gemm_launches_programmatically says which). Off by
-    /// default. Capturable: in a CUDA graph the launch becomes a programmatic edge.
+    /// or write anything, and let the next kernel start only after that wait. So B must not be written by the
+    /// kernel launched right before this call on `stream` (weights are not; a kernel that fills B right before the
+    /// call is: leave this off there), nor, when that kernel is itself launched programmatically and lets its
+    /// dependents go before its own wait, by the kernels it may overlap. Other paths launch as usual
+    /// (gemm_launches_programmatically says which). Off by default. Capturable: in a CUDA graph the launch becomes
+    /// a programmatic edge.
     bool programmatic_launch = false;
 };
 
