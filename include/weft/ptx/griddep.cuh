@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: MIT
 // griddepcontrol (sm_90): programmatic dependent launch, seen from inside the kernels.
 //
-// A kernel launched with the programmatic-stream-serialization attribute (cudaLaunchAttribute
-// ProgrammaticStreamSerialization, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION) may start while the
-// kernel before it on the stream still runs: as soon as every CTA of that kernel has called
+// A kernel launched with the programmatic-stream-serialization attribute
+// (cudaLaunchAttributeProgrammaticStreamSerialization, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION) may
+// start while the kernel before it on the stream still runs: as soon as every CTA of that kernel has called
 // launch_dependents() or exited. Until it calls wait_for_prior_grids() it may touch only memory that the earlier
 // kernel neither writes nor reads-then-expects-unchanged (a decode GEMM's weights); after that call every
 // earlier kernel on the stream has completed and its writes are visible. In a kernel launched without the
