@@ -58,4 +58,19 @@ WEFT_HOST_DEVICE constexpr const char* dtype_cpp_name(DType t) {
     return "?";
 }
 
+/// The enumerator as generated code spells it ("weft::DType::kBF16", ...): the one spelling the JIT code
+/// generators print into kernel instantiations.
+WEFT_HOST_DEVICE constexpr const char* dtype_enum_name(DType t) {
+    switch (t) {
+        case DType::kBF16: return "weft::DType::kBF16";
+        case DType::kF16: return "weft::DType::kF16";
+        case DType::kF32: return "weft::DType::kF32";
+        case DType::kF8E4M3: return "weft::DType::kF8E4M3";
+        case DType::kI32: return "weft::DType::kI32";
+        case DType::kI64: return "weft::DType::kI64";
+        case DType::kU8: return "weft::DType::kU8";
+    }
+    return "?";
+}
+
 }  // namespace weft
