@@ -2,8 +2,11 @@
 // weft-compile: compiles kernel specialisations ahead of time into a JIT cache folder (no GPU needed).
 #include <cstdio>
 #include <cstdlib>
+#include <atomic>
 #include <filesystem>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "weft/jit/aot.hpp"
@@ -34,6 +37,7 @@ loads them without compiling. Needs no GPU when --arch is given.
   --define NAME[=VAL]   add -DNAME[=VAL] (repeatable)
   --expect-cached       compile nothing; exit 1 unless every spec is already in the cache
   --load                also load every kernel on the current GPU (proves the entries load)
+  --jobs N              compile N specs at a time (default 1; NVRTC runs one compile per thread)
   -h, --help            this text
 Exit status: 0 on success, 1 when a spec failed (or is missing with --expect-cached), 2 on bad usage.
 )";
@@ -53,6 +57,7 @@ int main(int argc, char** argv) {
     std::string arch;
     std::vector<std::string> spec_files;
     bool builtin = false, list = false, expect_cached = false, load = false;
+    int jobs = 1;
     jit::CompilerConfig config;
     jit::CompileOptions options;
     try {
@@ -93,6 +98,10 @@ int main(int argc, char** argv) {
                 expect_cached = true;
             } else if (a == "--load") {
                 load = true;
+            } else if (a == "--jobs") {
+                const std::string v = value();
+                jobs = std::atoi(v.c_str());
+                if (jobs <= 0 || jobs > 256) return usage_error("--jobs needs a number in 1..256, got '" + v + "'");
             } else {
                 return usage_error("unknown option '" + a + "'");
             }
@@ -126,37 +135,75 @@ int main(int argc, char** argv) {
         jit::Compiler compiler(config);
         std::printf("weft-compile: %zu spec(s) for %s into %s\n", specs.size(), target.c_str(),
                     config.cache_dir->string().c_str());
-        int failed = 0, missing = 0;
-        for (const auto& spec : specs) {
+        std::atomic<int> failed{0}, missing{0};
+        std::mutex print_mutex;
+        // One spec on `c`: prints one line; compile errors count as failures, never stop the others.
+        const auto process = [&](jit::Compiler& c, const jit::KernelSpec& spec) {
             try {
                 if (list || expect_cached) {
-                    const std::string key = compiler.cache_key(spec);
-                    const auto status = compiler.disk_status(spec);
+                    const std::string key = c.cache_key(spec);
+                    const auto status = c.disk_status(spec);
                     const char* state = status == jit::DiskCache::LoadStatus::kHit      ? "cached "
                                         : status == jit::DiskCache::LoadStatus::kAbsent ? "missing"
                                                                                         : "corrupt";
                     if (status != jit::DiskCache::LoadStatus::kHit) ++missing;
+                    std::lock_guard<std::mutex> lock(print_mutex);
                     std::printf("  %s %s  %s\n", state, key.substr(0, 16).c_str(), spec.describe().c_str());
-                    if (load && !list && status == jit::DiskCache::LoadStatus::kHit) compiler.get_kernel(spec);
-                    continue;
+                    return;
                 }
-                const jit::CompileResult r = compiler.compile(spec);
+                const jit::CompileResult r = c.compile(spec);
                 const char* state = r.origin == jit::CompileResult::Origin::kCompiled ? "compiled" : "cached  ";
+                std::lock_guard<std::mutex> lock(print_mutex);
                 std::printf("  %s %s  %s  (%d registers, spills %d/%d bytes)\n", state, r.key.substr(0, 16).c_str(),
                             spec.describe().c_str(), r.ptxas_info.registers, r.ptxas_info.spill_store_bytes,
                             r.ptxas_info.spill_load_bytes);
-                if (load) compiler.get_kernel(spec);
             } catch (const weft::Error& e) {
                 ++failed;
+                std::lock_guard<std::mutex> lock(print_mutex);
                 std::fprintf(stderr, "weft-compile: FAILED %s\n%s\n", spec.describe().c_str(), e.what());
             }
+        };
+        jit::CompilerStats st{};
+        const size_t workers = list || expect_cached ? 1 : std::min<size_t>(static_cast<size_t>(jobs), specs.size());
+        if (workers <= 1) {
+            for (const auto& spec : specs) process(compiler, spec);
+        } else {
+            // Each worker has its own Compiler (the disk cache is shared safely: entries are written to a
+            // temporary file and renamed); specs are taken in order from one counter.
+            std::atomic<size_t> next{0};
+            std::vector<jit::CompilerStats> worker_stats(workers);
+            std::vector<std::thread> threads;
+            for (size_t w = 0; w < workers; ++w) {
+                threads.emplace_back([&, w] {
+                    jit::Compiler c(config);
+                    for (size_t i = next++; i < specs.size(); i = next++) process(c, specs[i]);
+                    worker_stats[w] = c.stats();
+                });
+            }
+            for (auto& t : threads) t.join();
+            for (const auto& ws : worker_stats) {
+                st.memory_hits += ws.memory_hits;
+                st.disk_hits += ws.disk_hits;
+                st.compiles += ws.compiles;
+            }
         }
-        const jit::CompilerStats st = compiler.stats();
-        const std::string not_cached = (list || expect_cached) ? ", " + std::to_string(missing) + " not cached" : "";
+        // Loading needs the current context: done here, in this thread, once everything is compiled.
+        if (load && !list && failed == 0) {
+            for (const auto& spec : specs) {
+                if (expect_cached && compiler.disk_status(spec) != jit::DiskCache::LoadStatus::kHit) continue;
+                compiler.get_kernel(spec);
+            }
+        }
+        const jit::CompilerStats main_stats = compiler.stats();
+        st.memory_hits += main_stats.memory_hits;
+        st.disk_hits += main_stats.disk_hits;
+        st.compiles += main_stats.compiles;
+        const std::string not_cached =
+            (list || expect_cached) ? ", " + std::to_string(missing.load()) + " not cached" : "";
         std::printf("weft-compile: %zu spec(s): %llu compiled, %llu cache hit(s), %d failed%s, %llu loaded\n",
                     specs.size(), static_cast<unsigned long long>(st.compiles),
-                    static_cast<unsigned long long>(st.hits()), failed, not_cached.c_str(),
-                    static_cast<unsigned long long>(st.loads));
+                    static_cast<unsigned long long>(st.hits()), failed.load(), not_cached.c_str(),
+                    static_cast<unsigned long long>(main_stats.loads));
         if (failed > 0 || (expect_cached && missing > 0)) return 1;
         return 0;
     } catch (const weft::Error& e) {
