@@ -7,7 +7,9 @@
 #
 # Each step is bounded by WEFT_GPU_RUN_STEP_TIMEOUT seconds (default 300), each gpu test case (its own
 # process) by WEFT_GPU_RUN_TEST_TIMEOUT (default 180). With several GPUs the cases run on one stream per GPU
-# (WEFT_GPU_RUN_STREAMS overrides the count); WEFT_GPU_TEST_FILTER selects cases.
+# (WEFT_GPU_RUN_STREAMS overrides the count); WEFT_GPU_TEST_FILTER selects cases. With weft-compile in BINDIR
+# and WEFT_CACHE_DIR set, the cache is first warmed with weft's own kernels, WEFT_GPU_RUN_WARM_JOBS (default:
+# the CPU count) compiles at a time.
 # BINDIR holds the built binaries (default build/release, searched recursively): weft_gpu_tests,
 # weft_dist_tests, weftrun and the weft_bench_* benchmarks. Binaries built on a CPU machine run here
 # (static cudart); WEFT_CACHE_DIR may point at a JIT cache warmed ahead of time with weft-compile.
@@ -42,7 +44,9 @@ run_each() {  # run_each BINARY FILTER: every test case in its own process; prin
     local disabled
     disabled=$("$bin" --gtest_list_tests --gtest_filter="$filter" | awk '/^[^ ]/{s=$1} /^  /{print s $1}' |
         grep -c 'DISABLED_')
-    local work=$(mktemp -d)
+    # The per-stream logs live in LOGDIR until the step ends, so a run cut short still leaves them.
+    local work
+    work=$(mktemp -d "$logdir/run_each.XXXXXX")
     for ((g = 0; g < streams; ++g)); do
         (
             for ((i = g; i < ${#cases[@]}; i += streams)); do
@@ -86,6 +90,13 @@ step() {  # step NAME LOGFILE COMMAND...
 
 nvidia-smi >"$logdir/nvidia-smi.txt" 2>&1
 nvidia-smi topo -m >>"$logdir/nvidia-smi.txt" 2>&1
+
+# Warm the JIT cache with weft's own kernels first, many compiles at a time (the tests would otherwise
+# compile them one by one on first use).
+weft_compile=$(find_bin weft-compile)
+if [ -n "$weft_compile" ] && [ -n "${WEFT_CACHE_DIR:-}" ]; then
+    step "warm JIT cache" warm_cache.log "$weft_compile" --builtin --jobs "${WEFT_GPU_RUN_WARM_JOBS:-$(nproc)}"
+fi
 
 if [ $run_tests = 1 ]; then
     # One process per test: a kernel that traps poisons its CUDA context and must not take the tests
