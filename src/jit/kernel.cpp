@@ -91,7 +91,8 @@ Kernel::PerContext& Kernel::state_for_current_context() const {
     state->context = ctx;
     WEFT_CU_CHECK(api.cuKernelGetFunction(&state->function, kernel_));
     // NOTE: eager on purpose. Under lazy loading a function's module loads at its first launch, which
-    // cannot happen while a spinning kernel of another stream occupies the device (DESIGN.md).
+    // cannot happen while a spinning kernel of another stream occupies the device (docs/jit.md, "Loading and
+    // launching").
     WEFT_CU_CHECK(api.cuFuncLoad(state->function));
     WEFT_CU_CHECK(api.cuFuncGetAttribute(&state->static_smem_bytes, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, state->function));
     int max_dynamic = 0;

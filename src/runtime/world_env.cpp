@@ -1,42 +1,19 @@
 // SPDX-License-Identifier: MIT
 // World::from_env: one process per rank, from the launcher's environment and the TCP store.
 #include <algorithm>
+#include <chrono>
+#include <memory>
+#include <optional>
 
 #include "runtime_internal.hpp"
 #include "weft/detail/runtime_config.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/in_process_store.hpp"
+#include "weft/runtime/launch_env.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/module_loading.hpp"
-#include "weft/runtime/world.hpp"
-
-#if __has_include("weft/runtime/launch_env.hpp") && __has_include("weft/runtime/rendezvous.hpp")
-#include "weft/runtime/launch_env.hpp"
 #include "weft/runtime/rendezvous.hpp"
-#else
-// TEMPORARY(runtime-net): the launcher and TCP store are written on another branch; these declarations
-// copy API_RUNTIME.md so that this file compiles until that branch merges. Delete this block then.
-#include <optional>
-namespace weft {
-struct LaunchEnv {
-    int rank, num_ranks, local_rank, local_num_ranks;
-    std::string master_addr;
-    int master_port;
-    std::string job_token;
-    std::string launcher;
-};
-std::optional<LaunchEnv> detect_launch_env();
-struct RendezvousOptions {
-    std::string host = "127.0.0.1";
-    int port = 0;
-    int rank = 0;
-    int num_ranks = 1;
-    std::string token;
-    std::chrono::milliseconds timeout{30000};
-};
-std::unique_ptr<Store> make_tcp_store(const RendezvousOptions& options);
-}  // namespace weft
-#endif
+#include "weft/runtime/world.hpp"
 
 namespace weft {
 
