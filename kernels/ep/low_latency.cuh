@@ -105,6 +105,16 @@ struct RowParts {
     }
 };
 
+/// A token's landing rows, for warp_weighted_sum: row j (top-k slot j) at base + j * hidden.
+struct RowsOfSlots {
+    const uint16_t* base;
+    const Geometry& g;
+    __device__ __forceinline__ int index(int j) const { return j; }
+    __device__ __forceinline__ const uint4* at(int j) const {
+        return reinterpret_cast<const uint4*>(base + static_cast<int64_t>(j) * g.hidden);
+    }
+};
+
 template <LowLatencyConfig C>
 __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatencyArgs& a, const LowLatencyShared& sh,
                                  const PeerTable& peers) {
@@ -410,41 +420,9 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
         const uint32_t slots = __ballot_sync(0xffffffffu, valid);
         const uint16_t* base = a.landing + (static_cast<int64_t>(half) * g.max_tokens + t) * k * g.hidden;
         auto* dst = reinterpret_cast<uint4*>(a.out + static_cast<int64_t>(t) * a.out_stride);
-        for (int c0 = split.begin(part); c0 < g_end; c0 += split.chunk) {
-            float acc[U][8];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-#pragma unroll
-                for (int q = 0; q < 8; ++q) {
-                    acc[u][q] = 0.0f;
-                }
-            }
-            // Two slots at a time: both rows' loads in flight before the first is accumulated (in slot order).
-            uint32_t left = slots;
-            while (left != 0) {
-                int j0 = 0, j1 = 0;
-                const bool two = take_two_lanes(left, j0, j1);  // warp-uniform
-                const float w0 = __shfl_sync(0xffffffffu, weight, j0);
-                const float w1 = __shfl_sync(0xffffffffu, weight, j1);
-                uint4 v0[U];
-                uint4 v1[U];
-                warp_load_chunk<U>(v0, reinterpret_cast<const uint4*>(base + static_cast<int64_t>(j0) * g.hidden), c0,
-                                   g_end);
-                warp_load_chunk<U>(v1, reinterpret_cast<const uint4*>(base + static_cast<int64_t>(j1) * g.hidden), c0,
-                                   two ? g_end : 0);  // end 0: no loads
-                fma_bf16x8<U>(acc, w0, v0);
-                if (two) {
-                    fma_bf16x8<U>(acc, w1, v1);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int gi = c0 + u * 32 + lane;
-                if (gi < g_end) {
-                    ptx::st(dst + gi, f32_to_bf16x8(acc[u]));
-                }
-            }
-        }
+        const detail::RowsOfSlots rows_of{base, g};
+        warp_weighted_sum<U>(slots, weight, rows_of, split.begin(part), g_end,
+                             [dst](int gi, uint4 v) { ptx::st(dst + gi, v); });
     }
 
     if (last_block_arrive(&a.state->arrivals[3])) {

@@ -69,6 +69,17 @@ struct NormalShared {
     }
 };
 
+/// The rows of a received token's receive record, for warp_weighted_sum: lane j holds the row of top-k slot j in `y`.
+struct RowsOfRecord {
+    const uint16_t* y;
+    int64_t y_stride;
+    int32_t lane_row;
+    __device__ __forceinline__ int32_t index(int j) const { return __shfl_sync(0xffffffffu, lane_row, j); }
+    __device__ __forceinline__ const uint4* at(int32_t row) const {
+        return reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * y_stride);
+    }
+};
+
 }  // namespace detail
 
 /// Normal dispatch (see the file comment). Grid: any number of blocks up to the SM budget, C.threads
@@ -429,43 +440,8 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
         const float weight = lane < k ? __int_as_float(rec[5 + 2 * lane]) : 0.0f;
         const uint32_t rows = __ballot_sync(0xffffffffu, row >= 0);
         auto* dst = reinterpret_cast<uint4*>(peers.at(ctx, a.landing + static_cast<int64_t>(slot) * hidden, src));
-        for (int c0 = 0; c0 < granules; c0 += 32 * U) {
-            float acc[U][8];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-#pragma unroll
-                for (int q = 0; q < 8; ++q) {
-                    acc[u][q] = 0.0f;
-                }
-            }
-            // Two rows at a time: both rows' loads in flight before the first is accumulated (in slot order).
-            uint32_t left = rows;
-            while (left != 0) {
-                int j0 = 0, j1 = 0;
-                const bool two = take_two_lanes(left, j0, j1);  // warp-uniform
-                const int32_t row0 = __shfl_sync(0xffffffffu, row, j0);
-                const int32_t row1 = __shfl_sync(0xffffffffu, row, j1);
-                const float w0 = __shfl_sync(0xffffffffu, weight, j0);
-                const float w1 = __shfl_sync(0xffffffffu, weight, j1);
-                uint4 v0[U];
-                uint4 v1[U];
-                warp_load_chunk<U>(v0, reinterpret_cast<const uint4*>(a.y + static_cast<int64_t>(row0) * a.y_stride),
-                                   c0, granules);
-                warp_load_chunk<U>(v1, reinterpret_cast<const uint4*>(a.y + static_cast<int64_t>(row1) * a.y_stride),
-                                   c0, two ? granules : 0);  // end 0: no loads
-                fma_bf16x8<U>(acc, w0, v0);
-                if (two) {
-                    fma_bf16x8<U>(acc, w1, v1);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int gi = c0 + u * 32 + lane;
-                if (gi < granules) {
-                    put16(dst + gi, f32_to_bf16x8(acc[u]));
-                }
-            }
-        }
+        const detail::RowsOfRecord rows_of{a.y, a.y_stride, row};
+        warp_weighted_sum<U>(rows, weight, rows_of, 0, granules, [dst](int gi, uint4 v) { put16(dst + gi, v); });
         if (lane == 0) {
             atomicAdd(&sh.sent[src], 1);
         }
