@@ -14,10 +14,8 @@ namespace weft::kernels::ep {
 
 using ptx::Scope;
 using ptx::Sem;
-using weft::ep::ceil_div;
 using weft::ep::Geometry;
 using weft::ep::KernelId;
-using weft::ep::round_up;
 using weft::ep::Status;
 using weft::ep::StatusCode;
 

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// weft::ep::Buffer: allocation, argument validation, call-order checks and kernel launches of the expert-parallel ops.
+// weft::ops::ep::Buffer: allocation, argument validation, call-order checks and kernel launches of the
+// expert-parallel ops.
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -13,7 +14,17 @@
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/world.hpp"
 
-namespace weft::ep {
+namespace weft::ops::ep {
+
+using weft::ep::kPhaseRecv;
+using weft::ep::kPhaseSend;
+using weft::ep::LayoutSmem;
+using weft::ep::LowLatencyArgs;
+using weft::ep::LowLatencySmem;
+using weft::ep::LowLatencyState;
+using weft::ep::NormalArgs;
+using weft::ep::NormalSmem;
+using weft::ep::NormalState;
 
 namespace {
 
@@ -376,8 +387,8 @@ Buffer::Buffer(World& world, const Config& config) : impl_(std::make_unique<Impl
     for (int r = 0; r < world.num_ranks(); ++r) {
         WEFT_CHECK(world.heap().symm_at(world.heap().base(), r) != nullptr,
                    "ep: rank " << r << " is not load/store reachable from rank " << world.rank()
-                               << " (another host, or no peer access between the GPUs); weft::ep needs every rank of "
-                                  "the World reachable through NVLink or PCIe P2P until a network transport exists");
+                               << " (another host, or no peer access between the GPUs); weft::ops::ep needs every rank "
+                                  "of the World reachable through NVLink or PCIe P2P until a network transport exists");
     }
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&b.alloc_stream, cudaStreamNonBlocking));
 
@@ -773,4 +784,4 @@ void Buffer::clear_status() {
     std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 
-}  // namespace weft::ep
+}  // namespace weft::ops::ep

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
-// weft::ep host maths: config validation, memory footprint, sizing estimates, default SM counts, kernel specs, status
-// text.
+// weft::ops::ep host maths: config validation, memory footprint, sizing estimates, default SM counts, kernel specs,
+// status text.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -12,7 +12,7 @@
 #include "weft/ops/ep.hpp"
 #include "weft/runtime/error.hpp"
 
-namespace weft::ep {
+namespace weft::ops::ep {
 
 namespace {
 
@@ -83,14 +83,14 @@ Geometry resolve_geometry(const Config& c, int num_ranks, int rank) {
                                                  << ") must fit in int32; set Config::max_recv_rows lower");
     WEFT_CHECK(g.max_send_rows() <= kInt32Max, "ep: max_tokens_per_rank * min(topk, ranks) must fit in int32");
 
-    const int64_t layout_smem = LayoutSmem::make(g, kThreads).total;
-    const int64_t normal_smem = NormalSmem::make(g, kThreads).total;
+    const int64_t layout_smem = weft::ep::LayoutSmem::make(g, kThreads).total;
+    const int64_t normal_smem = weft::ep::NormalSmem::make(g, kThreads).total;
     WEFT_CHECK(layout_smem <= kMaxDynamicSmemBytes && normal_smem <= kMaxDynamicSmemBytes,
                "ep: " << c.num_experts << " experts over " << num_ranks << " ranks need "
                       << std::max(layout_smem, normal_smem) << " bytes of shared memory per block, more than "
                       << kMaxDynamicSmemBytes);
     if (c.low_latency) {
-        const int64_t ll_smem = LowLatencySmem::make(g, kThreads).total;
+        const int64_t ll_smem = weft::ep::LowLatencySmem::make(g, kThreads).total;
         WEFT_CHECK(ll_smem <= kMaxDynamicSmemBytes, "ep: the low-latency kernels need "
                                                         << ll_smem << " bytes of shared memory per block for "
                                                         << c.max_tokens_per_rank << " tokens x top-" << c.topk
@@ -136,7 +136,7 @@ Footprint footprint(const Config& config, int num_ranks) {
     f.buffer_device_bytes = 0;
     if (config.normal) {
         f.buffer_symmetric_bytes += a(2 * w * static_cast<uint64_t>(g.mailbox_ints()) * 4);
-        f.buffer_device_bytes += a(sizeof(NormalState));
+        f.buffer_device_bytes += a(sizeof(weft::ep::NormalState));
         f.normal_handle_symmetric_bytes = a(static_cast<uint64_t>(g.max_recv_rows) * h * 2) +
                                           a(static_cast<uint64_t>(g.max_recv_tokens) * g.meta_ints() * 4) +
                                           a(static_cast<uint64_t>(g.max_send_rows()) * h * 2);
@@ -146,7 +146,7 @@ Footprint footprint(const Config& config, int num_ranks) {
     if (config.low_latency) {
         f.buffer_symmetric_bytes +=
             a(2 * el * w * t * static_cast<uint64_t>(g.ll_slot_bytes())) + a(2 * w * el * 4) + a(2 * t * k * h * 2);
-        f.buffer_device_bytes += a(sizeof(LowLatencyState));
+        f.buffer_device_bytes += a(sizeof(weft::ep::LowLatencyState));
         const uint64_t rows = el * w * t;
         f.low_latency_handle_device_bytes = a(rows * h * 2) + a(rows * static_cast<uint64_t>(g.ll_fp8_scales()) * 4) +
                                             a(rows * 4) + a(rows * 4) + a(el * 4);
@@ -274,4 +274,4 @@ std::string describe_status(const Status& s) {
     return os.str();
 }
 
-}  // namespace weft::ep
+}  // namespace weft::ops::ep

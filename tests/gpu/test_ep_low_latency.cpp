@@ -18,7 +18,7 @@
 #include "weft/ops/ep.hpp"
 #include "weft/weft.hpp"
 
-namespace weft::ep {
+namespace weft::ops::ep {
 namespace {
 
 namespace ref = weft::test::ep;
@@ -612,4 +612,4 @@ TEST_F(EpLowLatencyGpu, StragglersAreWaitedFor) {
 }
 
 }  // namespace
-}  // namespace weft::ep
+}  // namespace weft::ops::ep

@@ -18,7 +18,7 @@
 #include "weft/ops/ep.hpp"
 #include "weft/weft.hpp"
 
-namespace weft::ep {
+namespace weft::ops::ep {
 namespace {
 
 namespace ref = weft::test::ep;
@@ -742,4 +742,4 @@ TEST_F(EpNormalGpu, SingleBlockGridAndWideRows) {
 }
 
 }  // namespace
-}  // namespace weft::ep
+}  // namespace weft::ops::ep

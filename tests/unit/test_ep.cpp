@@ -22,7 +22,7 @@
 #include "weft/ops/ep.hpp"
 #include "weft/runtime/error.hpp"
 
-namespace weft::ep {
+namespace weft::ops::ep {
 namespace {
 
 namespace ref = weft::test::ep;
@@ -546,4 +546,4 @@ TEST(EpNvrtc, AotSpecFileMatchesTheOps) {
 }
 
 }  // namespace
-}  // namespace weft::ep
+}  // namespace weft::ops::ep

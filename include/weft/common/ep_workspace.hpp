@@ -2,12 +2,14 @@
 // Expert parallelism: limits, kernel arguments, device state, status record and shared-memory plans shared by the op
 // and its kernels.
 //
-// The host op (weft/ops/ep.hpp, src/ops/ep*.cpp) fills these structs; the kernels (kernels/ep/*.cuh,
-// compiled by NVRTC) read them. Both sides compute sizes and offsets with the same constexpr functions,
-// so they cannot disagree. Plain structs of fixed-width fields: the same layout under g++ and NVRTC.
+// The host op (weft/ops/ep.hpp, weft::ops::ep, src/ops/ep_*.cpp) fills these structs; the kernels
+// (kernels/ep/*.cuh, weft::kernels::ep, compiled by NVRTC) read them. Both sides compute sizes and offsets with
+// the same constexpr functions, so they cannot disagree. Plain structs of fixed-width fields: the same layout
+// under g++ and NVRTC. The namespace weft::ep holds what both sides share; weft::ops::ep re-exports it.
 #pragma once
 
 #include "weft/common/macros.hpp"  // fixed-width integers under g++, nvcc and NVRTC
+#include "weft/common/math.hpp"
 
 namespace weft::ep {
 
@@ -21,9 +23,6 @@ inline constexpr float kFp8Max = 448.0f;           ///< largest finite e4m3 valu
 /// A group's absolute maximum is clamped to at least this before computing its scale, so that
 /// 448 / amax stays finite: an all-zero group gets a tiny finite scale and zero codes, never NaN/inf.
 inline constexpr float kFp8MinAmax = 1e-10f;
-
-WEFT_HOST_DEVICE constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-WEFT_HOST_DEVICE constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 /// What a kernel found wrong. Input and capacity errors are reported here (never by truncation or
 /// silence); the host turns them into a weft::Error (Buffer::check).

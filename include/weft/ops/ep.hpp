@@ -1,19 +1,22 @@
 // SPDX-License-Identifier: MIT
-// Expert-parallel MoE dispatch and combine over a World: normal (throughput) and low-latency (decode) modes.
+// weft::ops::ep: expert-parallel MoE dispatch and combine over a World, normal (throughput) and low-latency
+// (decode) modes.
 //
-//     weft::ep::Config cfg{.num_experts = 256, .hidden = 7168, .topk = 8, .max_tokens_per_rank = 4096};
-//     weft::ep::Buffer ep(world, cfg);                        // collective: symmetric buffers, kernels loaded
-//     weft::ep::NormalHandle h = ep.make_normal_handle();     // collective: one in-flight dispatch
-//     ep.dispatch(h, x, topk_idx, topk_weights, stream);      // rows land expert-contiguous in h.recv_x()
-//     grouped_gemm(h.recv_x(), h.expert_offsets(), y);        // your per-expert computation
-//     ep.combine(h, y, out, stream);                          // weighted sum over the k experts, token order
-//     ep.check();                                             // device-reported errors, without a sync
+//     weft::ops::ep::Config cfg{.num_experts = 256, .hidden = 7168, .topk = 8, .max_tokens_per_rank = 4096};
+//     weft::ops::ep::Buffer ep(world, cfg);                     // collective: symmetric buffers, kernels loaded
+//     weft::ops::ep::NormalHandle h = ep.make_normal_handle();  // collective: one in-flight dispatch
+//     ep.dispatch(h, x, topk_idx, topk_weights, stream);        // rows land expert-contiguous in h.recv_x()
+//     grouped_gemm(h.recv_x(), h.expert_offsets(), y);          // your per-expert computation
+//     ep.combine(h, y, out, stream);                            // weighted sum over the k experts, token order
+//     ep.check();                                               // device-reported errors, without a sync
 //
 // Every call is asynchronous, graph-capturable and never synchronises the host: sizes are exchanged
 // between ranks on the device. Every rank of the World calls the same sequence of collective calls
 // (dispatch, combine, low-latency halves) on a non-blocking stream of its own (ranks that are threads of one
 // process share the legacy default stream, which would serialise their mutually waiting kernels: refused);
-// calls on one Buffer must be ordered (one stream, or streams joined by events). Design, diagrams and pitfalls: kernels/ep/README.md.
+// calls on one Buffer must be ordered (one stream, or streams joined by events). Design, diagrams and pitfalls:
+// kernels/ep/README.md. EP's vocabulary (a Config, a Buffer, two kinds of handle, their options and views) lives in
+// its own namespace, weft::ops::ep, rather than behind an Ep prefix on a dozen names.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -34,7 +37,27 @@ struct KernelSpec;
 }
 }  // namespace weft
 
-namespace weft::ep {
+namespace weft::ops::ep {
+
+// The structs the op shares with its kernels (weft/common/ep_workspace.hpp), under this namespace too.
+using weft::ep::Geometry;
+using weft::ep::KernelId;
+using weft::ep::kFp8GroupSize;
+using weft::ep::kFp8Max;
+using weft::ep::kFp8MinAmax;
+using weft::ep::kInfoCall;
+using weft::ep::kInfoInts;
+using weft::ep::kInfoNumTokens;
+using weft::ep::kInfoRecvRows;
+using weft::ep::kInfoRecvTokens;
+using weft::ep::kInfoValid;
+using weft::ep::kMaxExpertAlignment;
+using weft::ep::kMaxExperts;
+using weft::ep::kMaxLowLatencyTokens;
+using weft::ep::kMaxRanks;
+using weft::ep::kMaxTopk;
+using weft::ep::Status;
+using weft::ep::StatusCode;
 
 /// The limits every buffer is sized from. Fixed for a Buffer's life; a call beyond them is an error
 /// (host-checked where the host knows the size, device-reported otherwise), never a truncation.
@@ -260,4 +283,4 @@ private:
 /// The message check() throws for a status record (exposed for tests).
 std::string describe_status(const Status& status);
 
-}  // namespace weft::ep
+}  // namespace weft::ops::ep
