@@ -21,51 +21,16 @@ using weft::ep::kPhaseSend;
 using weft::ep::LayoutSmem;
 using weft::ep::LowLatencyArgs;
 using weft::ep::LowLatencySmem;
-using weft::ep::LowLatencyState;
 using weft::ep::NormalArgs;
 using weft::ep::NormalSmem;
-using weft::ep::NormalState;
 
 namespace {
 
 constexpr int kThreads = 512;  // matches kernel_specs()
 
-enum SignalArray : int {
-    kCountSignal = 0,
-    kDataSignal = 1,
-    kPartialSignal = 2,
-    kCombineDone = 3,
-    kLlDispatchSignal = 4,
-    kLlDispatchCredit = 5,
-    kLlCombineSignal = 6,
-    kLlCombineCredit = 7,
-    kNumSignalArrays = 8,
-};
-
-/// Carves several arrays out of one private, stream-ordered device allocation (stream-ordered so that
-/// allocating never synchronises the device while other ranks' kernels spin on it).
-class DeviceBlock {
-public:
-    template <class T>
-    T* take(uint64_t count) {
-        const uint64_t at = bytes_;
-        bytes_ += (count * sizeof(T) + 255) / 256 * 256;
-        offsets_.push_back(at);
-        return reinterpret_cast<T*>(static_cast<uintptr_t>(at));  // fixed up by finish()
-    }
-    uint64_t bytes() const { return bytes_; }
-
-private:
-    uint64_t bytes_ = 0;
-    std::vector<uint64_t> offsets_;
-};
-
-template <class T>
-T* rebase(T* offset_as_pointer, void* base) {
-    return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + reinterpret_cast<uintptr_t>(offset_as_pointer));
-}
-
-void* device_alloc_zeroed(uint64_t bytes, cudaStream_t stream) {
+/// A zeroed private device allocation, stream-ordered so that allocating never synchronises the device while
+/// other ranks' kernels spin on it.
+uint8_t* device_alloc_zeroed(uint64_t bytes, cudaStream_t stream) {
     void* p = nullptr;
     if (bytes == 0) {
         return nullptr;
@@ -73,7 +38,7 @@ void* device_alloc_zeroed(uint64_t bytes, cudaStream_t stream) {
     WEFT_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream));
     WEFT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream));
     WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    return p;
+    return static_cast<uint8_t*>(p);
 }
 
 const char* phase_name(Phase p) {
@@ -162,19 +127,9 @@ std::optional<Status> read_status(const Status* host) {
 
 struct NormalHandle::Impl {
     Buffer::Impl* buffer = nullptr;
-    uint16_t* recv_x = nullptr;    // symmetric
-    int32_t* recv_meta = nullptr;  // symmetric
-    uint16_t* landing = nullptr;   // symmetric
-    void* block = nullptr;         // private device memory
-    int32_t* tokens_per_expert = nullptr;
-    int32_t* tokens_per_rank = nullptr;
-    uint8_t* token_in_rank = nullptr;
-    int32_t* send_idx = nullptr;
-    int32_t* route_pos = nullptr;
-    int32_t* expert_counts = nullptr;
-    int32_t* expert_offsets = nullptr;
-    int32_t* source_offsets = nullptr;
-    int32_t* info = nullptr;
+    uint8_t* symmetric = nullptr;  // heap allocation: Workspace::normal_handle_symmetric
+    uint8_t* device = nullptr;     // private allocation: Workspace::normal_handle_device
+    NormalHandleView view{};
     int num_tokens = -1;  // of the last dispatch
     bool dispatched = false;
     ~Impl();
@@ -182,12 +137,8 @@ struct NormalHandle::Impl {
 
 struct LowLatencyHandle::Impl {
     Buffer::Impl* buffer = nullptr;
-    void* block = nullptr;
-    uint8_t* recv_x = nullptr;
-    float* recv_scales = nullptr;
-    int32_t* recv_src_info = nullptr;
-    int32_t* recv_src_slot = nullptr;
-    int32_t* expert_counts = nullptr;
+    uint8_t* device = nullptr;  // private allocation: Workspace::low_latency_handle_device
+    LowLatencyHandleView view{};
     bool fp8 = false;
     int num_tokens = -1;
     enum class State { kIdle, kDispatchSent, kDispatched, kCombineSent } state = State::kIdle;
@@ -198,16 +149,13 @@ struct Buffer::Impl {
     World* world = nullptr;
     Config config;
     Geometry geo{};
+    Workspace ws{};
     Footprint fp;
     cudaStream_t alloc_stream = nullptr;
-    uint64_t* signals = nullptr;  // symmetric [kNumSignalArrays][W]
-    int32_t* normal_mailbox = nullptr;
-    uint8_t* ll_slots = nullptr;
-    int32_t* ll_mailbox = nullptr;
-    uint16_t* ll_landing = nullptr;
-    void* state_block = nullptr;
-    NormalState* normal_state = nullptr;
-    LowLatencyState* ll_state = nullptr;
+    uint8_t* symmetric = nullptr;  // heap allocation: Workspace::buffer_symmetric
+    uint8_t* device = nullptr;     // private allocation: Workspace::buffer_device
+    weft::ep::NormalBufferView normal{};
+    weft::ep::LowLatencyBufferView low_latency{};
     Status* status_host = nullptr;
     Status* status_dev = nullptr;
     jit::Kernel* k_layout = nullptr;
@@ -219,29 +167,11 @@ struct Buffer::Impl {
     std::deque<LowLatencyHandle::Impl*> ll_dispatch_queue;  // sent, not yet received (oldest first)
     std::deque<LowLatencyHandle::Impl*> ll_combine_queue;
 
-    uint64_t* signal(SignalArray which) const { return signals + static_cast<int64_t>(which) * geo.num_ranks; }
-
     NormalArgs normal_args(const NormalHandle::Impl& h) const {
         NormalArgs a{};
         a.geo = geo;
-        a.tokens_per_expert = h.tokens_per_expert;
-        a.tokens_per_rank = h.tokens_per_rank;
-        a.token_in_rank = h.token_in_rank;
-        a.send_idx = h.send_idx;
-        a.route_pos = h.route_pos;
-        a.expert_counts = h.expert_counts;
-        a.expert_offsets = h.expert_offsets;
-        a.source_offsets = h.source_offsets;
-        a.info = h.info;
-        a.recv_x = h.recv_x;
-        a.recv_meta = h.recv_meta;
-        a.landing = h.landing;
-        a.mailbox = normal_mailbox;
-        a.count_signal = signal(kCountSignal);
-        a.data_signal = signal(kDataSignal);
-        a.partial_signal = signal(kPartialSignal);
-        a.combine_done = signal(kCombineDone);
-        a.state = normal_state;
+        a.handle = h.view;
+        a.buffer = normal;
         a.status = status_dev;
         return a;
     }
@@ -249,19 +179,8 @@ struct Buffer::Impl {
     LowLatencyArgs ll_args(const LowLatencyHandle::Impl& h) const {
         LowLatencyArgs a{};
         a.geo = geo;
-        a.recv_x = h.recv_x;
-        a.recv_scales = h.recv_scales;
-        a.recv_src_info = h.recv_src_info;
-        a.recv_src_slot = h.recv_src_slot;
-        a.expert_counts = h.expert_counts;
-        a.recv_slots = ll_slots;
-        a.mailbox = ll_mailbox;
-        a.landing = ll_landing;
-        a.dispatch_signal = signal(kLlDispatchSignal);
-        a.dispatch_credit = signal(kLlDispatchCredit);
-        a.combine_signal = signal(kLlCombineSignal);
-        a.combine_credit = signal(kLlCombineCredit);
-        a.state = ll_state;
+        a.handle = h.view;
+        a.buffer = low_latency;
         a.status = status_dev;
         return a;
     }
@@ -299,12 +218,9 @@ NormalHandle::Impl::~Impl() {
         return;
     }
     try {
-        SymmetricHeap& heap = buffer->world->heap();
-        heap.free(landing);
-        heap.free(recv_meta);
-        heap.free(recv_x);
-        if (block != nullptr) {
-            WEFT_CUDA_CHECK(cudaFreeAsync(block, buffer->alloc_stream));
+        buffer->world->heap().free(symmetric);
+        if (device != nullptr) {
+            WEFT_CUDA_CHECK(cudaFreeAsync(device, buffer->alloc_stream));
             WEFT_CUDA_CHECK(cudaStreamSynchronize(buffer->alloc_stream));
         }
     } catch (const std::exception& e) {
@@ -325,8 +241,8 @@ LowLatencyHandle::Impl::~Impl() {
             q->erase(std::remove(q->begin(), q->end(), this), q->end());
         }
     }
-    if (block != nullptr) {
-        cudaFreeAsync(block, buffer->alloc_stream);
+    if (device != nullptr) {
+        cudaFreeAsync(device, buffer->alloc_stream);
         cudaStreamSynchronize(buffer->alloc_stream);
     }
     --buffer->live_handles;
@@ -341,16 +257,12 @@ NormalHandle::~NormalHandle() = default;
 
 TensorView NormalHandle::recv_x() const {
     const Geometry& g = impl_->buffer->geo;
-    return TensorView(impl_->recv_x, DType::kBF16, {g.max_recv_rows, g.hidden});
+    return TensorView(impl_->view.recv_x, DType::kBF16, {g.max_recv_rows, g.hidden});
 }
-const int32_t* NormalHandle::expert_counts() const { return impl_->expert_counts; }
-const int32_t* NormalHandle::expert_offsets() const { return impl_->expert_offsets; }
+const int32_t* NormalHandle::expert_counts() const { return impl_->view.expert_counts; }
+const int32_t* NormalHandle::expert_offsets() const { return impl_->view.expert_offsets; }
 int NormalHandle::num_tokens() const { return impl_->num_tokens; }
-NormalView NormalHandle::view() const {
-    return NormalView{impl_->recv_x,   impl_->expert_counts,     impl_->expert_offsets,  impl_->source_offsets,
-                      impl_->info,     impl_->tokens_per_expert, impl_->tokens_per_rank, impl_->token_in_rank,
-                      impl_->send_idx, impl_->route_pos,         impl_->recv_meta};
-}
+const NormalHandleView& NormalHandle::view() const { return impl_->view; }
 
 // ---- LowLatencyHandle ----
 
@@ -361,18 +273,17 @@ LowLatencyHandle::~LowLatencyHandle() = default;
 
 TensorView LowLatencyHandle::recv_x() const {
     const Geometry& g = impl_->buffer->geo;
-    return TensorView(impl_->recv_x, impl_->fp8 ? DType::kF8E4M3 : DType::kBF16,
+    return TensorView(impl_->view.recv_x, impl_->fp8 ? DType::kF8E4M3 : DType::kBF16,
                       {g.local_experts(), g.ll_rows_per_expert(), g.hidden});
 }
 TensorView LowLatencyHandle::recv_scales() const {
     const Geometry& g = impl_->buffer->geo;
-    return TensorView(impl_->recv_scales, DType::kF32, {g.local_experts(), g.ll_rows_per_expert(), g.ll_fp8_scales()});
+    return TensorView(impl_->view.recv_scales, DType::kF32,
+                      {g.local_experts(), g.ll_rows_per_expert(), g.ll_fp8_scales()});
 }
-const int32_t* LowLatencyHandle::expert_counts() const { return impl_->expert_counts; }
+const int32_t* LowLatencyHandle::expert_counts() const { return impl_->view.expert_counts; }
 bool LowLatencyHandle::fp8() const { return impl_->fp8; }
-LowLatencyView LowLatencyHandle::view() const {
-    return LowLatencyView{impl_->recv_x, impl_->recv_scales, impl_->recv_src_info, impl_->expert_counts};
-}
+const LowLatencyHandleView& LowLatencyHandle::view() const { return impl_->view; }
 
 // ---- Buffer ----
 
@@ -381,8 +292,8 @@ Buffer::Buffer(World& world, const Config& config) : impl_(std::make_unique<Impl
     b.world = &world;
     b.config = config;
     b.geo = resolve_geometry(config, world.num_ranks(), world.rank());
+    b.ws = Workspace::make(b.geo);
     b.fp = footprint(config, world.num_ranks());
-    const Geometry& g = b.geo;
     // Only the load/store transport exists today: every rank must map every other rank's heap.
     for (int r = 0; r < world.num_ranks(); ++r) {
         WEFT_CHECK(world.heap().symm_at(world.heap().base(), r) != nullptr,
@@ -409,24 +320,17 @@ Buffer::Buffer(World& world, const Config& config) : impl_(std::make_unique<Impl
     b.k_ll_dispatch = &jit::compiler().get_kernel(specs[3]);
     b.k_ll_combine = &jit::compiler().get_kernel(specs[4]);
 
-    SymmetricHeap& heap = world.heap();
-    const uint64_t w = static_cast<uint64_t>(g.num_ranks);
-    b.signals = heap.alloc_signals(kNumSignalArrays * w);
-    if (config.normal) {
-        b.normal_mailbox = heap.alloc_array<int32_t>(2 * w * static_cast<uint64_t>(g.mailbox_ints()));
-    }
-    if (config.low_latency) {
-        const uint64_t el = static_cast<uint64_t>(g.local_experts());
-        const uint64_t t = static_cast<uint64_t>(g.max_tokens);
-        b.ll_slots = static_cast<uint8_t*>(heap.alloc(2 * el * w * t * static_cast<uint64_t>(g.ll_slot_bytes())));
-        b.ll_mailbox = heap.alloc_array<int32_t>(2 * w * el);
-        b.ll_landing =
-            heap.alloc_array<uint16_t>(2 * t * static_cast<uint64_t>(g.topk) * static_cast<uint64_t>(g.hidden));
-    }
-    b.state_block = device_alloc_zeroed(sizeof(NormalState) + sizeof(LowLatencyState) + 256, b.alloc_stream);
-    b.normal_state = static_cast<NormalState*>(b.state_block);
-    b.ll_state = reinterpret_cast<LowLatencyState*>(static_cast<uint8_t*>(b.state_block) +
-                                                    (sizeof(NormalState) + 255) / 256 * 256);
+    // One symmetric allocation (same offset on every rank) and one private one, carved by the Workspace. The
+    // signal words start at zero on every rank: no rank launches before the barrier below.
+    const weft::ep::BufferSymmetricLayout& sym = b.ws.buffer_symmetric;
+    b.symmetric = static_cast<uint8_t*>(world.heap().alloc(static_cast<uint64_t>(sym.bytes)));
+    WEFT_CUDA_CHECK(
+        cudaMemsetAsync(sym.signals.at(b.symmetric), 0, static_cast<size_t>(sym.signals.bytes()), b.alloc_stream));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(b.alloc_stream));
+    b.device = device_alloc_zeroed(static_cast<uint64_t>(b.ws.buffer_device.bytes), b.alloc_stream);
+    b.normal = b.ws.normal_buffer(b.symmetric, b.device);
+    b.low_latency = b.ws.low_latency_buffer(b.symmetric, b.device);
+
     void* host = nullptr;
     WEFT_CUDA_CHECK(cudaHostAlloc(&host, sizeof(Status), cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(host, 0, sizeof(Status));
@@ -447,17 +351,12 @@ Buffer::~Buffer() {
     }
     try {
         WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-        SymmetricHeap& heap = b.world->heap();
-        if (b.ll_landing != nullptr) heap.free(b.ll_landing);
-        if (b.ll_mailbox != nullptr) heap.free(b.ll_mailbox);
-        if (b.ll_slots != nullptr) heap.free(b.ll_slots);
-        if (b.normal_mailbox != nullptr) heap.free(b.normal_mailbox);
-        heap.free(b.signals);
+        if (b.symmetric != nullptr) b.world->heap().free(b.symmetric);
     } catch (const std::exception& e) {
         WEFT_LOG_ERROR("ep: releasing the Buffer failed: " << e.what());
     }
-    if (b.state_block != nullptr) {
-        cudaFreeAsync(b.state_block, b.alloc_stream);
+    if (b.device != nullptr) {
+        cudaFreeAsync(b.device, b.alloc_stream);
         cudaStreamSynchronize(b.alloc_stream);
     }
     if (b.status_host != nullptr) {
@@ -472,33 +371,12 @@ World& Buffer::world() const { return *impl_->world; }
 
 NormalHandle Buffer::make_normal_handle() {
     Impl& b = *impl_;
-    const Geometry& g = b.geo;
     WEFT_CHECK(b.config.normal, "ep: make_normal_handle: this Buffer was made with Config::normal = false");
     auto h = std::make_unique<NormalHandle::Impl>();
-    SymmetricHeap& heap = b.world->heap();
-    h->recv_x = heap.alloc_array<uint16_t>(static_cast<uint64_t>(g.max_recv_rows) * static_cast<uint64_t>(g.hidden));
-    h->recv_meta =
-        heap.alloc_array<int32_t>(static_cast<uint64_t>(g.max_recv_tokens) * static_cast<uint64_t>(g.meta_ints()));
-    h->landing = heap.alloc_array<uint16_t>(static_cast<uint64_t>(g.max_send_rows()) * static_cast<uint64_t>(g.hidden));
-    const uint64_t w = static_cast<uint64_t>(g.num_ranks);
-    const uint64_t t = static_cast<uint64_t>(g.max_tokens);
-    const uint64_t el = static_cast<uint64_t>(g.local_experts());
-    DeviceBlock blk;
-    h->tokens_per_expert = blk.take<int32_t>(static_cast<uint64_t>(g.num_experts));
-    h->tokens_per_rank = blk.take<int32_t>(w);
-    h->token_in_rank = blk.take<uint8_t>(t * w);
-    h->send_idx = blk.take<int32_t>(t * w);
-    h->route_pos = blk.take<int32_t>(t * static_cast<uint64_t>(g.topk));
-    h->expert_counts = blk.take<int32_t>(el);
-    h->expert_offsets = blk.take<int32_t>(el + 1);
-    h->source_offsets = blk.take<int32_t>(w + 1);
-    h->info = blk.take<int32_t>(kInfoInts);
-    h->block = device_alloc_zeroed(blk.bytes(), b.alloc_stream);
-    for (auto** p : {&h->tokens_per_expert, &h->tokens_per_rank, &h->send_idx, &h->route_pos, &h->expert_counts,
-                     &h->expert_offsets, &h->source_offsets, &h->info}) {
-        *p = rebase(*p, h->block);
-    }
-    h->token_in_rank = rebase(h->token_in_rank, h->block);
+    h->symmetric = static_cast<uint8_t*>(
+        b.world->heap().alloc(static_cast<uint64_t>(b.ws.normal_handle_symmetric.bytes)));  // collective
+    h->device = device_alloc_zeroed(static_cast<uint64_t>(b.ws.normal_handle_device.bytes), b.alloc_stream);
+    h->view = b.ws.normal_handle(h->symmetric, h->device);
     h->buffer = &b;
     ++b.live_handles;
     return NormalHandle(std::move(h));
@@ -585,23 +463,11 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
 
 LowLatencyHandle Buffer::make_low_latency_handle() {
     Impl& b = *impl_;
-    const Geometry& g = b.geo;
     WEFT_CHECK(b.config.low_latency,
                "ep: make_low_latency_handle: this Buffer was made with Config::low_latency = false");
     auto h = std::make_unique<LowLatencyHandle::Impl>();
-    const uint64_t rows = static_cast<uint64_t>(g.local_experts()) * static_cast<uint64_t>(g.ll_rows_per_expert());
-    DeviceBlock blk;
-    h->recv_x = blk.take<uint8_t>(rows * static_cast<uint64_t>(g.row_bytes()));
-    h->recv_scales = blk.take<float>(rows * static_cast<uint64_t>(g.ll_fp8_scales()));
-    h->recv_src_info = blk.take<int32_t>(rows);
-    h->recv_src_slot = blk.take<int32_t>(rows);
-    h->expert_counts = blk.take<int32_t>(static_cast<uint64_t>(g.local_experts()));
-    h->block = device_alloc_zeroed(blk.bytes(), b.alloc_stream);
-    h->recv_x = rebase(h->recv_x, h->block);
-    h->recv_scales = rebase(h->recv_scales, h->block);
-    h->recv_src_info = rebase(h->recv_src_info, h->block);
-    h->recv_src_slot = rebase(h->recv_src_slot, h->block);
-    h->expert_counts = rebase(h->expert_counts, h->block);
+    h->device = device_alloc_zeroed(static_cast<uint64_t>(b.ws.low_latency_handle_device.bytes), b.alloc_stream);
+    h->view = b.ws.low_latency_handle(h->device);
     h->buffer = &b;
     ++b.live_handles;
     return LowLatencyHandle(std::move(h));
