@@ -7,18 +7,19 @@
 #include <mutex>
 #include <sstream>
 
+#include "ep_buffer.hpp"
 #include "weft/jit/aot.hpp"
 #include "weft/jit/compiler.hpp"
-#include "weft/ops/ep.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft::ops::ep {
+
+using detail::kThreads;
 
 namespace {
 
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 constexpr int64_t kMaxDynamicSmemBytes = 227 * 1024;  // sm_90 opt-in limit per block
-constexpr int kThreads = 512;                         // every EP kernel's block size (see kernel_specs)
 
 std::string mib(uint64_t bytes) {
     std::ostringstream os;
