@@ -40,6 +40,8 @@
 namespace weft::bench {
 namespace {
 
+namespace ep = weft::ops::ep;
+
 struct Options {
     std::string mode = "all";
     std::vector<int> tokens;  // empty: per-mode defaults

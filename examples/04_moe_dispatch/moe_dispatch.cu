@@ -76,14 +76,14 @@ uint16_t float_to_bf16(float f) {
 int main(int argc, char** argv) {
     const int num_ranks = argc > 1 ? std::atoi(argv[1]) : 4;
     const int tokens = argc > 2 ? std::atoi(argv[2]) : 200;
-    weft::ep::Config cfg;
+    weft::ops::ep::Config cfg;
     cfg.hidden = argc > 3 ? std::atoi(argv[3]) : 1024;
     cfg.num_experts = argc > 4 ? std::atoi(argv[4]) : 16;
     cfg.topk = argc > 5 ? std::atoi(argv[5]) : 4;
     cfg.max_tokens_per_rank = tokens;
     cfg.expert_alignment = 64;
     try {
-        const weft::ep::Footprint fp = weft::ep::footprint(cfg, num_ranks);  // validates the config, too
+        const weft::ops::ep::Footprint fp = weft::ops::ep::footprint(cfg, num_ranks);  // validates the config, too
         std::printf("memory per rank: %s\n", fp.describe().c_str());
         weft::WorldOptions options;
         options.heap_bytes = fp.heap_bytes(1) + (64ull << 20);
@@ -150,10 +150,10 @@ int main(int argc, char** argv) {
                                                      << worst << " (relative)");
                 };
 
-                weft::ep::Buffer ep(world, cfg);  // collective
+                weft::ops::ep::Buffer ep(world, cfg);  // collective
 
                 // ---- normal mode: dispatch, experts, combine ----
-                weft::ep::NormalHandle h = ep.make_normal_handle();
+                weft::ops::ep::NormalHandle h = ep.make_normal_handle();
                 const int64_t max_rows = ep.geometry().max_recv_rows;
                 WEFT_CUDA_CHECK(cudaMallocAsync(&dy, static_cast<size_t>(max_rows) * hidden * 2, stream));
                 ep.dispatch(h, xv, iv, wv, stream);
@@ -167,14 +167,14 @@ int main(int argc, char** argv) {
                 WEFT_CUDA_CHECK(cudaFreeAsync(dy, stream));
 
                 // ---- low-latency mode: send half, (other work), receive half, experts, combine ----
-                weft::ep::LowLatencyHandle l = ep.make_low_latency_handle();
+                weft::ops::ep::LowLatencyHandle l = ep.make_low_latency_handle();
                 const int64_t rows_per_expert = ep.geometry().ll_rows_per_expert();
                 WEFT_CUDA_CHECK(
                     cudaMallocAsync(&dy, static_cast<size_t>(local) * rows_per_expert * hidden * 2, stream));
-                ep.low_latency_dispatch(l, xv, iv, stream, {.phase = weft::ep::Phase::kSend});
+                ep.low_latency_dispatch(l, xv, iv, stream, {.phase = weft::ops::ep::Phase::kSend});
                 // ... attention or a shared expert could run here while the rows travel ...
                 ep.low_latency_dispatch(l, weft::TensorView(), weft::TensorView(), stream,
-                                        {.phase = weft::ep::Phase::kRecv});
+                                        {.phase = weft::ops::ep::Phase::kRecv});
                 scale_masked_rows<<<256, 128, 0, stream>>>(static_cast<const __nv_bfloat16*>(l.recv_x().data),
                                                            static_cast<__nv_bfloat16*>(dy), l.expert_counts(), local,
                                                            me * local, rows_per_expert, hidden);

@@ -14,10 +14,8 @@ namespace weft::kernels::ep {
 
 using ptx::Scope;
 using ptx::Sem;
-using weft::ep::ceil_div;
 using weft::ep::Geometry;
 using weft::ep::KernelId;
-using weft::ep::round_up;
 using weft::ep::Status;
 using weft::ep::StatusCode;
 
@@ -133,6 +131,55 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[U][8], const uint4 (&v)[
 #pragma unroll
         for (int q = 0; q < 8; ++q) {
             acc[u][q] = __fadd_rn(acc[u][q], f[q]);
+        }
+    }
+}
+
+/// The weighted sum of a token's rows, the reduction both combines share (normal: a received token's rows on this
+/// rank; low latency: all of its slots). The calling warp reduces the rows of the set bits j of `lanes`
+/// (warp-uniform), lane j holding row j's `weight`: `rows.index(j)` (warp-uniform j; it may shuffle from lane j)
+/// names row j and `rows.at(index)` gives its 16-byte granules. For each chunk of 32 * U granules in [begin, end):
+/// acc = fma(w_j, row_j, acc) in fp32 over the rows in bit (top-k slot) order, from 0, then `store(granule,
+/// bf16x8)` for each granule < end: one rounding. Two rows' loads are in flight before the first is accumulated
+/// (warp_load_chunk), which leaves the sums those of one row at a time, bit for bit.
+// NOTE: both rows are named (index, which may shuffle) before the weights are shuffled, and addressed (at) only where
+// they are loaded: in other orders ptxas gives the normal combine one more register and about 70 more instructions.
+template <int U, class Rows, class Store>
+__device__ __forceinline__ void warp_weighted_sum(uint32_t lanes, float weight, const Rows& rows, int begin, int end,
+                                                  const Store& store) {
+    const int lane = lane_id();
+    for (int c0 = begin; c0 < end; c0 += 32 * U) {
+        float acc[U][8];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                acc[u][q] = 0.0f;
+            }
+        }
+        uint32_t left = lanes;
+        while (left != 0) {
+            int j0 = 0, j1 = 0;
+            const bool two = take_two_lanes(left, j0, j1);  // warp-uniform
+            const auto row0 = rows.index(j0);
+            const auto row1 = rows.index(j1);
+            const float w0 = __shfl_sync(0xffffffffu, weight, j0);
+            const float w1 = __shfl_sync(0xffffffffu, weight, j1);
+            uint4 v0[U];
+            uint4 v1[U];
+            warp_load_chunk<U>(v0, rows.at(row0), c0, end);
+            warp_load_chunk<U>(v1, rows.at(row1), c0, two ? end : 0);  // end 0: no loads
+            fma_bf16x8<U>(acc, w0, v0);
+            if (two) {
+                fma_bf16x8<U>(acc, w1, v1);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int gi = c0 + u * 32 + lane;
+            if (gi < end) {
+                store(gi, f32_to_bf16x8(acc[u]));
+            }
         }
     }
 }

@@ -31,8 +31,9 @@ __global__ void __launch_bounds__(C.threads, 1) layout(weft::DeviceCtx ctx, weft
     auto* hist = reinterpret_cast<int32_t*>(smem + plan.hist);
     auto* rank_hist = reinterpret_cast<int32_t*>(smem + plan.rank_hist);
     (void)ctx;
-    const uint64_t call = a.state->dispatch_calls + 1;
-    RouteOut out{a.route_pos, a.tokens_per_expert, a.token_in_rank, a.send_idx, a.tokens_per_rank};
+    const uint64_t call = a.buffer.state->dispatch_calls + 1;
+    RouteOut out{a.handle.route_pos, a.handle.tokens_per_expert, a.handle.token_in_rank, a.handle.send_idx,
+                 a.handle.tokens_per_rank};
     compute_routes(g, a.topk_idx, a.idx_stride, a.num_tokens, hist, rank_hist, out, a.status, true, call,
                    KernelId::kLayout);
 }

@@ -105,6 +105,16 @@ struct RowParts {
     }
 };
 
+/// A token's landing rows, for warp_weighted_sum: row j (top-k slot j) at base + j * hidden.
+struct RowsOfSlots {
+    const uint16_t* base;
+    const Geometry& g;
+    __device__ __forceinline__ int index(int j) const { return j; }
+    __device__ __forceinline__ const uint4* at(int j) const {
+        return reinterpret_cast<const uint4*>(base + static_cast<int64_t>(j) * g.hidden);
+    }
+};
+
 template <LowLatencyConfig C>
 __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatencyArgs& a, const LowLatencyShared& sh,
                                  const PeerTable& peers) {
@@ -119,7 +129,7 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
     const int me = ctx.rank;
     const int granules = g.hidden / 8;
     const int64_t slot_bytes = g.ll_slot_bytes();
-    const uint64_t call = a.state->dispatch_send_calls + 1;
+    const uint64_t call = a.buffer.state->dispatch_send_calls + 1;
     const int half = static_cast<int>(call & 1u);
 
     RouteOut out{sh.route_slot, sh.expert_count, nullptr, nullptr, nullptr};
@@ -127,7 +137,7 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
                    KernelId::kLowLatencyDispatch);
     // Half `half` of every destination must be free: it has received call - 2.
     if (tid < num_ranks && call > 2) {
-        wait_geq(ctx, a.dispatch_credit + tid, call - 2, tid);
+        wait_geq(ctx, a.buffer.dispatch_credit + tid, call - 2, tid);
     }
     __syncthreads();
 
@@ -145,7 +155,7 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
             if (slot >= 0) {
                 const int32_t e = a.topk_idx[static_cast<int64_t>(t) * a.idx_stride + lane];
                 const int r = e / local_experts;
-                dst = peers.at(ctx, a.recv_slots + ll_slot_offset(g, half, e % local_experts, me, slot), r);
+                dst = peers.at(ctx, a.buffer.recv_slots + ll_slot_offset(g, half, e % local_experts, me, slot), r);
             }
         }
         const uint32_t routes = __ballot_sync(0xffffffffu, dst != nullptr);
@@ -203,21 +213,21 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
         }
     }
 
-    if (last_block_arrive(&a.state->arrivals[0])) {
+    if (last_block_arrive(&a.buffer.state->arrivals[0])) {
         // Every block's rows are written (acquired above): counts, then one release per rank.
         const int units = num_ranks * local_experts;
         for (int i = tid; i < units; i += C.threads) {
             const int r = i / local_experts;
             const int le = i % local_experts;
-            int32_t* box = a.mailbox + (static_cast<int64_t>(half) * num_ranks + me) * local_experts + le;
+            int32_t* box = a.buffer.mailbox + (static_cast<int64_t>(half) * num_ranks + me) * local_experts + le;
             put4(peers.at(ctx, box, r), static_cast<uint32_t>(sh.expert_count[i]));
         }
         __syncthreads();
         if (tid < num_ranks) {
-            signal_add(peers.at(ctx, a.dispatch_signal + me, tid), 1);
+            signal_add(peers.at(ctx, a.buffer.dispatch_signal + me, tid), 1);
         }
         if (tid == 0) {
-            a.state->dispatch_send_calls = call;
+            a.buffer.state->dispatch_send_calls = call;
         }
     }
 }
@@ -235,18 +245,18 @@ __device__ void ll_dispatch_recv(const DeviceCtx& ctx, const weft::ep::LowLatenc
     const int me = ctx.rank;
     const int64_t rows_per_expert = g.ll_rows_per_expert();
     const int64_t slot_bytes = g.ll_slot_bytes();
-    const uint64_t call = a.state->dispatch_recv_calls + 1;
+    const uint64_t call = a.buffer.state->dispatch_recv_calls + 1;
     const int half = static_cast<int>(call & 1u);
     const int units = local_experts * num_ranks;
 
     if (tid < num_ranks) {
-        wait_geq(ctx, a.dispatch_signal + tid, call, tid);
+        wait_geq(ctx, a.buffer.dispatch_signal + tid, call, tid);
     }
     __syncthreads();
     for (int u = tid; u < units; u += C.threads) {
         const int le = u / num_ranks;
         const int s = u % num_ranks;
-        const int32_t n = a.mailbox[(static_cast<int64_t>(half) * num_ranks + s) * local_experts + le];
+        const int32_t n = a.buffer.mailbox[(static_cast<int64_t>(half) * num_ranks + s) * local_experts + le];
         sh.unit_count[u] = n;
         sh.unit_prefix[u] = n;
     }
@@ -258,7 +268,7 @@ __device__ void ll_dispatch_recv(const DeviceCtx& ctx, const weft::ep::LowLatenc
             run += sh.unit_count[le * num_ranks + s];
         }
         if (blockIdx.x == 0) {
-            a.expert_counts[le] = run;
+            a.handle.expert_counts[le] = run;
         }
     }
     const int32_t total = block_exclusive_scan(sh.unit_prefix, units);
@@ -279,30 +289,30 @@ __device__ void ll_dispatch_recv(const DeviceCtx& ctx, const weft::ep::LowLatenc
         const int le = u / num_ranks;
         const int s = u % num_ranks;
         const int64_t out_row = static_cast<int64_t>(le) * rows_per_expert + sh.expert_base[u] + i;
-        const uint8_t* src = a.recv_slots + ll_slot_offset(g, half, le, s, i);
-        uint8_t* dst = a.recv_x + out_row * out_row_bytes;
+        const uint8_t* src = a.buffer.recv_slots + ll_slot_offset(g, half, le, s, i);
+        uint8_t* dst = a.handle.recv_x + out_row * out_row_bytes;
         warp_copy_row<U>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src),
                          a.fp8 ? granules_fp8 : granules_bf16);
         if (a.fp8) {
             const auto* sc = reinterpret_cast<const uint32_t*>(src + g.hidden);
-            auto* out_sc = reinterpret_cast<uint32_t*>(a.recv_scales + out_row * num_scales);
+            auto* out_sc = reinterpret_cast<uint32_t*>(a.handle.recv_scales + out_row * num_scales);
             for (int q = lane; q < num_scales; q += 32) {
                 out_sc[q] = sc[q];
             }
         }
         if (lane == 0) {
             const uint4 trailer = ptx::ld(reinterpret_cast<const uint4*>(src + slot_bytes - 16));
-            a.recv_src_info[out_row] = s * g.max_tokens + static_cast<int32_t>(trailer.x);
-            a.recv_src_slot[out_row] = static_cast<int32_t>(trailer.y);
+            a.handle.recv_src_info[out_row] = s * g.max_tokens + static_cast<int32_t>(trailer.x);
+            a.handle.recv_src_slot[out_row] = static_cast<int32_t>(trailer.y);
         }
     }
 
-    if (last_block_arrive(&a.state->arrivals[1])) {
+    if (last_block_arrive(&a.buffer.state->arrivals[1])) {
         if (tid < num_ranks) {
-            signal_add(peers.at(ctx, a.dispatch_credit + me, tid), 1);
+            signal_add(peers.at(ctx, a.buffer.dispatch_credit + me, tid), 1);
         }
         if (tid == 0) {
-            a.state->dispatch_recv_calls = call;
+            a.buffer.state->dispatch_recv_calls = call;
         }
     }
 }
@@ -320,14 +330,14 @@ __device__ void ll_combine_send(const DeviceCtx& ctx, const weft::ep::LowLatency
     const int me = ctx.rank;
     const int64_t rows_per_expert = g.ll_rows_per_expert();
     const int granules = g.hidden / 8;
-    const uint64_t call = a.state->combine_send_calls + 1;
+    const uint64_t call = a.buffer.state->combine_send_calls + 1;
     const int half = static_cast<int>(call & 1u);
 
     if (tid < num_ranks && call > 2) {
-        wait_geq(ctx, a.combine_credit + tid, call - 2, tid);
+        wait_geq(ctx, a.buffer.combine_credit + tid, call - 2, tid);
     }
     for (int le = tid; le < local_experts; le += C.threads) {
-        sh.unit_prefix[le] = a.expert_counts[le];
+        sh.unit_prefix[le] = a.handle.expert_counts[le];
     }
     __syncthreads();
     const int32_t total = block_exclusive_scan(sh.unit_prefix, local_experts);
@@ -342,13 +352,13 @@ __device__ void ll_combine_send(const DeviceCtx& ctx, const weft::ep::LowLatency
         const int le = upper_bound_index(sh.unit_prefix, local_experts, f);
         const int i = f - sh.unit_prefix[le];
         const int64_t row = static_cast<int64_t>(le) * rows_per_expert + i;
-        const int32_t info = a.recv_src_info[row];
+        const int32_t info = a.handle.recv_src_info[row];
         const int s = info / g.max_tokens;
         const int t = info % g.max_tokens;
-        const int j = a.recv_src_slot[row];
+        const int j = a.handle.recv_src_slot[row];
         const auto* src = reinterpret_cast<const uint4*>(a.y + le * a.y_expert_stride + i * a.y_row_stride);
         auto* dst = reinterpret_cast<uint4*>(
-            peers.at(ctx, a.landing + ((static_cast<int64_t>(half) * g.max_tokens + t) * k + j) * g.hidden, s));
+            peers.at(ctx, a.buffer.landing + ((static_cast<int64_t>(half) * g.max_tokens + t) * k + j) * g.hidden, s));
         const int lane = lane_id();
         for (int c0 = 0; c0 < granules; c0 += 32 * U) {
             uint4 v[U];
@@ -369,12 +379,12 @@ __device__ void ll_combine_send(const DeviceCtx& ctx, const weft::ep::LowLatency
         }
     }
 
-    if (last_block_arrive(&a.state->arrivals[2])) {
+    if (last_block_arrive(&a.buffer.state->arrivals[2])) {
         if (tid < num_ranks) {
-            signal_add(peers.at(ctx, a.combine_signal + me, tid), 1);
+            signal_add(peers.at(ctx, a.buffer.combine_signal + me, tid), 1);
         }
         if (tid == 0) {
-            a.state->combine_send_calls = call;
+            a.buffer.state->combine_send_calls = call;
         }
     }
 }
@@ -390,11 +400,11 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
     const int k = g.topk;
     const int me = ctx.rank;
     const int granules = g.hidden / 8;
-    const uint64_t call = a.state->combine_recv_calls + 1;
+    const uint64_t call = a.buffer.state->combine_recv_calls + 1;
     const int half = static_cast<int>(call & 1u);
 
     if (tid < num_ranks) {
-        wait_geq(ctx, a.combine_signal + tid, call, tid);
+        wait_geq(ctx, a.buffer.combine_signal + tid, call, tid);
     }
     __syncthreads();
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
@@ -408,51 +418,19 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
         const bool valid = lane < k && route_expert(idx_row, lane, g.num_experts) >= 0;
         const float weight = valid ? a.topk_weights[static_cast<int64_t>(t) * a.weight_stride + lane] : 0.0f;
         const uint32_t slots = __ballot_sync(0xffffffffu, valid);
-        const uint16_t* base = a.landing + (static_cast<int64_t>(half) * g.max_tokens + t) * k * g.hidden;
+        const uint16_t* base = a.buffer.landing + (static_cast<int64_t>(half) * g.max_tokens + t) * k * g.hidden;
         auto* dst = reinterpret_cast<uint4*>(a.out + static_cast<int64_t>(t) * a.out_stride);
-        for (int c0 = split.begin(part); c0 < g_end; c0 += split.chunk) {
-            float acc[U][8];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-#pragma unroll
-                for (int q = 0; q < 8; ++q) {
-                    acc[u][q] = 0.0f;
-                }
-            }
-            // Two slots at a time: both rows' loads in flight before the first is accumulated (in slot order).
-            uint32_t left = slots;
-            while (left != 0) {
-                int j0 = 0, j1 = 0;
-                const bool two = take_two_lanes(left, j0, j1);  // warp-uniform
-                const float w0 = __shfl_sync(0xffffffffu, weight, j0);
-                const float w1 = __shfl_sync(0xffffffffu, weight, j1);
-                uint4 v0[U];
-                uint4 v1[U];
-                warp_load_chunk<U>(v0, reinterpret_cast<const uint4*>(base + static_cast<int64_t>(j0) * g.hidden), c0,
-                                   g_end);
-                warp_load_chunk<U>(v1, reinterpret_cast<const uint4*>(base + static_cast<int64_t>(j1) * g.hidden), c0,
-                                   two ? g_end : 0);  // end 0: no loads
-                fma_bf16x8<U>(acc, w0, v0);
-                if (two) {
-                    fma_bf16x8<U>(acc, w1, v1);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int gi = c0 + u * 32 + lane;
-                if (gi < g_end) {
-                    ptx::st(dst + gi, f32_to_bf16x8(acc[u]));
-                }
-            }
-        }
+        const detail::RowsOfSlots rows_of{base, g};
+        warp_weighted_sum<U>(slots, weight, rows_of, split.begin(part), g_end,
+                             [dst](int gi, uint4 v) { ptx::st(dst + gi, v); });
     }
 
-    if (last_block_arrive(&a.state->arrivals[3])) {
+    if (last_block_arrive(&a.buffer.state->arrivals[3])) {
         if (tid < num_ranks) {
-            signal_add(peers.at(ctx, a.combine_credit + me, tid), 1);
+            signal_add(peers.at(ctx, a.buffer.combine_credit + me, tid), 1);
         }
         if (tid == 0) {
-            a.state->combine_recv_calls = call;
+            a.buffer.state->combine_recv_calls = call;
         }
     }
 }

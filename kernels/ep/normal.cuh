@@ -69,11 +69,23 @@ struct NormalShared {
     }
 };
 
+/// The rows of a received token's receive record, for warp_weighted_sum: lane j holds the row of top-k slot j in `y`.
+struct RowsOfRecord {
+    const uint16_t* y;
+    int64_t y_stride;
+    int32_t lane_row;
+    __device__ __forceinline__ int32_t index(int j) const { return __shfl_sync(0xffffffffu, lane_row, j); }
+    __device__ __forceinline__ const uint4* at(int32_t row) const {
+        return reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * y_stride);
+    }
+};
+
 }  // namespace detail
 
 /// Normal dispatch (see the file comment). Grid: any number of blocks up to the SM budget, C.threads
 /// each, NormalSmem bytes of dynamic shared memory. Requires the layout kernel's outputs for the same
-/// topk_idx (a.tokens_per_expert ... a.route_pos) and that every rank of the team runs it (collective).
+/// topk_idx (a.handle.tokens_per_expert ... a.handle.route_pos) and that every rank of the team runs it
+/// (collective).
 template <NormalConfig C>
 __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx ctx, weft::ep::NormalArgs a) {
     static_assert(is_valid(C), "NormalConfig: threads a multiple of 32 in 64..1024, unroll 1..8");
@@ -93,34 +105,35 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
     const int meta_ints = g.meta_ints();
     const int64_t hidden = g.hidden;
     const int granules = static_cast<int>(hidden / 8);
-    const uint64_t call = a.state->dispatch_calls + 1;  // read by every block before it arrives
+    const uint64_t call = a.buffer.state->dispatch_calls + 1;  // read by every block before it arrives
     const int parity = static_cast<int>(call & 1u);
     const PeerTable peers = load_peer_table(ctx, sh.peer_base);
 
     // 1. Publish this rank's counts into every rank's mailbox (block b serves ranks b, b + grid, ...).
     for (int p = static_cast<int>(blockIdx.x); p < num_ranks; p += static_cast<int>(gridDim.x)) {
-        int32_t* row = peers.at(ctx, a.mailbox + (static_cast<int64_t>(parity) * num_ranks + me) * mailbox_ints, p);
+        int32_t* row =
+            peers.at(ctx, a.buffer.mailbox + (static_cast<int64_t>(parity) * num_ranks + me) * mailbox_ints, p);
         for (int i = tid; i < num_experts; i += C.threads) {
-            put4(row + i, static_cast<uint32_t>(a.tokens_per_expert[i]));
+            put4(row + i, static_cast<uint32_t>(a.handle.tokens_per_expert[i]));
         }
         for (int i = tid; i < num_ranks; i += C.threads) {
-            put4(row + num_experts + i, static_cast<uint32_t>(a.tokens_per_rank[i]));
+            put4(row + num_experts + i, static_cast<uint32_t>(a.handle.tokens_per_rank[i]));
         }
         __syncthreads();
         if (tid == 0) {
-            signal_add(peers.at(ctx, a.count_signal + me, p), 1);
+            signal_add(peers.at(ctx, a.buffer.count_signal + me, p), 1);
         }
     }
 
     // 2. Every rank's counts of this call, then the global layout (the same on every rank).
     if (tid < num_ranks) {
-        wait_geq(ctx, a.count_signal + tid, call, tid);
+        wait_geq(ctx, a.buffer.count_signal + tid, call, tid);
     }
     if (tid < num_ranks) {
         sh.sent[tid] = 0;
     }
     __syncthreads();
-    const int32_t* box = a.mailbox + static_cast<int64_t>(parity) * num_ranks * mailbox_ints;
+    const int32_t* box = a.buffer.mailbox + static_cast<int64_t>(parity) * num_ranks * mailbox_ints;
     for (int e = tid; e < num_experts; e += C.threads) {
         int32_t total = 0;
         int32_t before = 0;
@@ -173,7 +186,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
         run = 0;
         for (int r = 0; r < num_ranks; ++r) {
             sh.send_base[r] = run;
-            run += a.tokens_per_rank[r];
+            run += a.handle.tokens_per_rank[r];
         }
         // Capacity: every rank sees every rank's totals, so all agree on whether data moves.
         int valid = 1;
@@ -200,19 +213,19 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
     if (blockIdx.x == 0) {
         for (int le = tid; le < local_experts; le += C.threads) {
             const int e = me * local_experts + le;
-            a.expert_counts[le] = valid ? sh.exp_total[e] : 0;
-            a.expert_offsets[le] = valid ? sh.exp_start[e] : 0;
+            a.handle.expert_counts[le] = valid ? sh.exp_total[e] : 0;
+            a.handle.expert_offsets[le] = valid ? sh.exp_start[e] : 0;
         }
         if (tid == 0) {
-            a.expert_offsets[local_experts] = valid ? static_cast<int32_t>(sh.rank_rows[me]) : 0;
-            a.info[weft::ep::kInfoValid] = valid ? 1 : 0;
-            a.info[weft::ep::kInfoNumTokens] = a.num_tokens;
-            a.info[weft::ep::kInfoRecvTokens] = valid ? static_cast<int32_t>(sh.rank_tokens[me]) : 0;
-            a.info[weft::ep::kInfoRecvRows] = valid ? static_cast<int32_t>(sh.rank_rows[me]) : 0;
-            a.info[weft::ep::kInfoCall] = static_cast<int32_t>(call);
+            a.handle.expert_offsets[local_experts] = valid ? static_cast<int32_t>(sh.rank_rows[me]) : 0;
+            a.handle.info[weft::ep::kInfoValid] = valid ? 1 : 0;
+            a.handle.info[weft::ep::kInfoNumTokens] = a.num_tokens;
+            a.handle.info[weft::ep::kInfoRecvTokens] = valid ? static_cast<int32_t>(sh.rank_tokens[me]) : 0;
+            a.handle.info[weft::ep::kInfoRecvRows] = valid ? static_cast<int32_t>(sh.rank_rows[me]) : 0;
+            a.handle.info[weft::ep::kInfoCall] = static_cast<int32_t>(call);
         }
         for (int s = tid; s <= num_ranks; s += C.threads) {
-            a.source_offsets[s] = valid ? sh.src_offset[s] : 0;
+            a.handle.source_offsets[s] = valid ? sh.src_offset[s] : 0;
         }
     }
 
@@ -226,7 +239,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
         for (int t = global_warp; t < a.num_tokens; t += num_warps) {
             const int32_t* idx_row = a.topk_idx + static_cast<int64_t>(t) * a.idx_stride;
             const float* w_row = a.topk_weights + static_cast<int64_t>(t) * a.weight_stride;
-            const int32_t* pos_row = a.route_pos + static_cast<int64_t>(t) * k;
+            const int32_t* pos_row = a.handle.route_pos + static_cast<int64_t>(t) * k;
             // Lane j holds slot j's expert, destination row and weight.
             int32_t slot_expert = -1;
             int32_t slot_row = -1;
@@ -241,12 +254,12 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
             int num_dests = 0;
             for (int r0 = 0; r0 < num_ranks; r0 += 32) {
                 const int r = r0 + lane;
-                const bool in = r < num_ranks && a.token_in_rank[static_cast<int64_t>(t) * num_ranks + r] != 0;
+                const bool in = r < num_ranks && a.handle.token_in_rank[static_cast<int64_t>(t) * num_ranks + r] != 0;
                 const uint32_t ballot = __ballot_sync(0xffffffffu, in);
                 if (in) {
                     const int d = num_dests + __popc(ballot & lanemask_lt());
                     dests[d] = r;
-                    dest_meta[d] = sh.tok_base[r] + a.send_idx[static_cast<int64_t>(t) * num_ranks + r];
+                    dest_meta[d] = sh.tok_base[r] + a.handle.send_idx[static_cast<int64_t>(t) * num_ranks + r];
                 }
                 num_dests += __popc(ballot);
             }
@@ -274,7 +287,8 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
                 } else if (word == 1) {
                     v = static_cast<uint32_t>(t);
                 } else if (word == 2) {
-                    v = static_cast<uint32_t>(sh.send_base[r] + a.send_idx[static_cast<int64_t>(t) * num_ranks + r]);
+                    v = static_cast<uint32_t>(sh.send_base[r] +
+                                              a.handle.send_idx[static_cast<int64_t>(t) * num_ranks + r]);
                 } else if (word >= 4 && word < 4 + 2 * k) {
                     const int j = (word - 4) >> 1;
                     const int32_t e = j < k ? (pos_row[j] >= 0 ? idx_row[j] : -1) : -1;
@@ -285,7 +299,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
                         v = there ? __float_as_uint(w_row[j]) : 0u;
                     }
                 }
-                int32_t* rec = a.recv_meta + static_cast<int64_t>(dest_meta[d]) * meta_ints;
+                int32_t* rec = a.handle.recv_meta + static_cast<int64_t>(dest_meta[d]) * meta_ints;
                 put4(peers.at(ctx, rec + word, r), v);
             }
             // The row, loaded once, stored to every destination.
@@ -301,7 +315,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
                 }
                 for (int d = 0; d < num_dests; ++d) {
                     auto* dst = reinterpret_cast<uint4*>(
-                        peers.at(ctx, a.recv_x + static_cast<int64_t>(dest_rows[d]) * hidden, dests[d]));
+                        peers.at(ctx, a.handle.recv_x + static_cast<int64_t>(dest_rows[d]) * hidden, dests[d]));
 #pragma unroll
                     for (int u = 0; u < C.unroll; ++u) {
                         const int i = c0 + u * 32 + lane;
@@ -320,7 +334,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
         }
         __syncthreads();
         if (tid < num_ranks && sh.sent[tid] > 0) {
-            signal_add(peers.at(ctx, a.data_signal + me, tid), static_cast<uint64_t>(sh.sent[tid]));
+            signal_add(peers.at(ctx, a.buffer.data_signal + me, tid), static_cast<uint64_t>(sh.sent[tid]));
         }
 
         // 4. Receive, source by source (this rank first: its rows arrive soonest): wait for the source's
@@ -331,11 +345,12 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
                 continue;
             }
             if (tid == 0) {
-                wait_geq(ctx, a.data_signal + s, a.state->data_expected[s] + static_cast<uint64_t>(sh.recv_from[s]), s);
+                wait_geq(ctx, a.buffer.data_signal + s,
+                         a.buffer.state->data_expected[s] + static_cast<uint64_t>(sh.recv_from[s]), s);
             }
             __syncthreads();
             for (int i = sh.src_offset[s] + global_warp; i < sh.src_offset[s + 1]; i += num_warps) {
-                const int32_t* rec = a.recv_meta + static_cast<int64_t>(i) * meta_ints;
+                const int32_t* rec = a.handle.recv_meta + static_cast<int64_t>(i) * meta_ints;
                 const int32_t row = lane < k ? rec[4 + 2 * lane] : -1;
                 uint32_t rows = __ballot_sync(0xffffffffu, row >= 0);
                 if (rows == 0) {
@@ -349,20 +364,21 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
                     rows &= rows - 1;
                     const int32_t other = __shfl_sync(0xffffffffu, row, j);
                     warp_copy_row<C.unroll>(
-                        reinterpret_cast<uint4*>(a.recv_x + static_cast<int64_t>(other) * hidden),
-                        reinterpret_cast<const uint4*>(a.recv_x + static_cast<int64_t>(first_row) * hidden), granules);
+                        reinterpret_cast<uint4*>(a.handle.recv_x + static_cast<int64_t>(other) * hidden),
+                        reinterpret_cast<const uint4*>(a.handle.recv_x + static_cast<int64_t>(first_row) * hidden),
+                        granules);
                 }
             }
         }
     }
 
     // 5. The last block to finish advances this buffer's state for the next call.
-    if (last_block_arrive(&a.state->dispatch_arrivals)) {
+    if (last_block_arrive(&a.buffer.state->dispatch_arrivals)) {
         if (tid == 0) {
-            a.state->dispatch_calls = call;
+            a.buffer.state->dispatch_calls = call;
         }
         if (valid && tid < num_ranks) {
-            a.state->data_expected[tid] += static_cast<uint64_t>(sh.recv_from[tid]);
+            a.buffer.state->data_expected[tid] += static_cast<uint64_t>(sh.recv_from[tid]);
         }
     }
 }
@@ -388,9 +404,9 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
     const int granules = static_cast<int>(hidden / 8);
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp;
     const int num_warps = static_cast<int>(gridDim.x) * kWarps;
-    const int num_tokens = a.info[weft::ep::kInfoNumTokens];
+    const int num_tokens = a.handle.info[weft::ep::kInfoNumTokens];
 
-    if (a.info[weft::ep::kInfoValid] == 0) {
+    if (a.handle.info[weft::ep::kInfoValid] == 0) {
         // The dispatch moved nothing (a capacity error every rank saw): zeros, no communication.
         for (int t = global_warp; t < num_tokens; t += num_warps) {
             auto* dst = reinterpret_cast<uint4*>(a.out + static_cast<int64_t>(t) * a.out_stride);
@@ -401,11 +417,11 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
         return;
     }
 
-    const uint64_t call = a.state->combine_calls + 1;
+    const uint64_t call = a.buffer.state->combine_calls + 1;
     const PeerTable peers = load_peer_table(ctx, sh.peer_base);
     // A rank's landing is reused by every combine: wait until each rank has read its previous one.
     if (tid < num_ranks && call > 1) {
-        wait_geq(ctx, a.combine_done + tid, call - 1, tid);
+        wait_geq(ctx, a.buffer.combine_done + tid, call - 1, tid);
     }
     if (tid < num_ranks) {
         sh.sent[tid] = 0;
@@ -414,75 +430,41 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
         int32_t run = 0;
         for (int r = 0; r < num_ranks; ++r) {
             sh.send_base[r] = run;
-            run += a.tokens_per_rank[r];
+            run += a.handle.tokens_per_rank[r];
         }
     }
     __syncthreads();
 
     // A. Partial sums of the received tokens, into their sources' landing.
-    const int received = a.info[weft::ep::kInfoRecvTokens];
+    const int received = a.handle.info[weft::ep::kInfoRecvTokens];
     for (int i = global_warp; i < received; i += num_warps) {
-        const int32_t* rec = a.recv_meta + static_cast<int64_t>(i) * meta_ints;
+        const int32_t* rec = a.handle.recv_meta + static_cast<int64_t>(i) * meta_ints;
         const int src = rec[0];
         const int slot = rec[2];
         const int32_t row = lane < k ? rec[4 + 2 * lane] : -1;
         const float weight = lane < k ? __int_as_float(rec[5 + 2 * lane]) : 0.0f;
         const uint32_t rows = __ballot_sync(0xffffffffu, row >= 0);
-        auto* dst = reinterpret_cast<uint4*>(peers.at(ctx, a.landing + static_cast<int64_t>(slot) * hidden, src));
-        for (int c0 = 0; c0 < granules; c0 += 32 * U) {
-            float acc[U][8];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-#pragma unroll
-                for (int q = 0; q < 8; ++q) {
-                    acc[u][q] = 0.0f;
-                }
-            }
-            // Two rows at a time: both rows' loads in flight before the first is accumulated (in slot order).
-            uint32_t left = rows;
-            while (left != 0) {
-                int j0 = 0, j1 = 0;
-                const bool two = take_two_lanes(left, j0, j1);  // warp-uniform
-                const int32_t row0 = __shfl_sync(0xffffffffu, row, j0);
-                const int32_t row1 = __shfl_sync(0xffffffffu, row, j1);
-                const float w0 = __shfl_sync(0xffffffffu, weight, j0);
-                const float w1 = __shfl_sync(0xffffffffu, weight, j1);
-                uint4 v0[U];
-                uint4 v1[U];
-                warp_load_chunk<U>(v0, reinterpret_cast<const uint4*>(a.y + static_cast<int64_t>(row0) * a.y_stride),
-                                   c0, granules);
-                warp_load_chunk<U>(v1, reinterpret_cast<const uint4*>(a.y + static_cast<int64_t>(row1) * a.y_stride),
-                                   c0, two ? granules : 0);  // end 0: no loads
-                fma_bf16x8<U>(acc, w0, v0);
-                if (two) {
-                    fma_bf16x8<U>(acc, w1, v1);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int gi = c0 + u * 32 + lane;
-                if (gi < granules) {
-                    put16(dst + gi, f32_to_bf16x8(acc[u]));
-                }
-            }
-        }
+        auto* dst =
+            reinterpret_cast<uint4*>(peers.at(ctx, a.handle.landing + static_cast<int64_t>(slot) * hidden, src));
+        const detail::RowsOfRecord rows_of{a.y, a.y_stride, row};
+        warp_weighted_sum<U>(rows, weight, rows_of, 0, granules, [dst](int gi, uint4 v) { put16(dst + gi, v); });
         if (lane == 0) {
             atomicAdd(&sh.sent[src], 1);
         }
     }
     __syncthreads();
     if (tid < num_ranks && sh.sent[tid] > 0) {
-        signal_add(peers.at(ctx, a.partial_signal + me, tid), static_cast<uint64_t>(sh.sent[tid]));
+        signal_add(peers.at(ctx, a.buffer.partial_signal + me, tid), static_cast<uint64_t>(sh.sent[tid]));
     }
 
     // B. This rank's tokens: the partials of their destinations, in rank order.
-    if (tid < num_ranks && a.tokens_per_rank[tid] > 0) {
-        wait_geq(ctx, a.partial_signal + tid,
-                 a.state->partial_expected[tid] + static_cast<uint64_t>(a.tokens_per_rank[tid]), tid);
+    if (tid < num_ranks && a.handle.tokens_per_rank[tid] > 0) {
+        wait_geq(ctx, a.buffer.partial_signal + tid,
+                 a.buffer.state->partial_expected[tid] + static_cast<uint64_t>(a.handle.tokens_per_rank[tid]), tid);
     }
     __syncthreads();
     for (int t = global_warp; t < num_tokens; t += num_warps) {
-        const int32_t* sidx = a.send_idx + static_cast<int64_t>(t) * num_ranks;
+        const int32_t* sidx = a.handle.send_idx + static_cast<int64_t>(t) * num_ranks;
         auto* dst = reinterpret_cast<uint4*>(a.out + static_cast<int64_t>(t) * a.out_stride);
         for (int c0 = 0; c0 < granules; c0 += 32 * U) {
             float acc[U][8];
@@ -503,9 +485,9 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
                     const int32_t idx0 = __shfl_sync(0xffffffffu, my_idx, l0);
                     const int32_t idx1 = __shfl_sync(0xffffffffu, my_idx, l1);
                     const auto* part0 = reinterpret_cast<const uint4*>(
-                        a.landing + static_cast<int64_t>(sh.send_base[r0 + l0] + idx0) * hidden);
+                        a.handle.landing + static_cast<int64_t>(sh.send_base[r0 + l0] + idx0) * hidden);
                     const auto* part1 = reinterpret_cast<const uint4*>(
-                        a.landing + static_cast<int64_t>(sh.send_base[r0 + l1] + idx1) * hidden);
+                        a.handle.landing + static_cast<int64_t>(sh.send_base[r0 + l1] + idx1) * hidden);
                     uint4 v0[U];
                     uint4 v1[U];
                     warp_load_chunk<U>(v0, part0, c0, granules);
@@ -527,13 +509,13 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
     }
 
     // C. The last block: state for the next call, and "my landing is free" to every rank.
-    if (last_block_arrive(&a.state->combine_arrivals)) {
+    if (last_block_arrive(&a.buffer.state->combine_arrivals)) {
         if (tid == 0) {
-            a.state->combine_calls = call;
+            a.buffer.state->combine_calls = call;
         }
         if (tid < num_ranks) {
-            a.state->partial_expected[tid] += static_cast<uint64_t>(a.tokens_per_rank[tid]);
-            signal_add(peers.at(ctx, a.combine_done + me, tid), 1);
+            a.buffer.state->partial_expected[tid] += static_cast<uint64_t>(a.handle.tokens_per_rank[tid]);
+            signal_add(peers.at(ctx, a.buffer.combine_done + me, tid), 1);
         }
     }
 }

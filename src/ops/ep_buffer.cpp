@@ -1,99 +1,22 @@
 // SPDX-License-Identifier: MIT
-// weft::ep::Buffer: allocation, argument validation, call-order checks and kernel launches of the expert-parallel ops.
-#include <algorithm>
+// weft::ops::ep::Buffer: construction (kernels, symmetric and private allocations), status word, and the argument
+// checks the normal and low-latency ops share.
+#include "ep_buffer.hpp"
+
 #include <atomic>
 #include <cstring>
-#include <deque>
 #include <future>
-#include <sstream>
+#include <optional>
 
-#include "weft/jit/compiler.hpp"
-#include "weft/ops/ep.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
-#include "weft/runtime/world.hpp"
 
-namespace weft::ep {
+namespace weft::ops::ep {
 
-namespace {
-
-constexpr int kThreads = 512;  // matches kernel_specs()
-
-enum SignalArray : int {
-    kCountSignal = 0,
-    kDataSignal = 1,
-    kPartialSignal = 2,
-    kCombineDone = 3,
-    kLlDispatchSignal = 4,
-    kLlDispatchCredit = 5,
-    kLlCombineSignal = 6,
-    kLlCombineCredit = 7,
-    kNumSignalArrays = 8,
-};
-
-/// Carves several arrays out of one private, stream-ordered device allocation (stream-ordered so that
-/// allocating never synchronises the device while other ranks' kernels spin on it).
-class DeviceBlock {
-public:
-    template <class T>
-    T* take(uint64_t count) {
-        const uint64_t at = bytes_;
-        bytes_ += (count * sizeof(T) + 255) / 256 * 256;
-        offsets_.push_back(at);
-        return reinterpret_cast<T*>(static_cast<uintptr_t>(at));  // fixed up by finish()
-    }
-    uint64_t bytes() const { return bytes_; }
-
-private:
-    uint64_t bytes_ = 0;
-    std::vector<uint64_t> offsets_;
-};
-
-template <class T>
-T* rebase(T* offset_as_pointer, void* base) {
-    return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + reinterpret_cast<uintptr_t>(offset_as_pointer));
-}
-
-void* device_alloc_zeroed(uint64_t bytes, cudaStream_t stream) {
-    void* p = nullptr;
-    if (bytes == 0) {
-        return nullptr;
-    }
-    WEFT_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream));
-    WEFT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream));
-    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    return p;
-}
-
-const char* phase_name(Phase p) {
-    switch (p) {
-        case Phase::kSendRecv:
-            return "kSendRecv";
-        case Phase::kSend:
-            return "kSend";
-        case Phase::kRecv:
-            return "kRecv";
-    }
-    return "?";
-}
-
-int phase_bits(Phase p) {
-    switch (p) {
-        case Phase::kSendRecv:
-            return kPhaseSend | kPhaseRecv;
-        case Phase::kSend:
-            return kPhaseSend;
-        case Phase::kRecv:
-            return kPhaseRecv;
-    }
-    return 0;
-}
-
-// ---- argument validation ----
+namespace detail {
 
 int64_t row_stride_of(const TensorView& v) { return v.ndim >= 1 && v.dim(0) > 1 ? v.stride(0) : v.dim(1); }
 
-/// A 2-D row-major view with `cols` columns of `dtype`, rows 16-byte aligned when `align16`.
 void check_matrix(const char* op, const char* name, const TensorView& v, DType dtype, int64_t cols, bool align16) {
     WEFT_CHECK(v.dtype == dtype, op << ": " << name << " must be " << dtype_name(dtype) << ", got "
                                     << dtype_name(v.dtype) << " (" << v.describe() << ")");
@@ -130,6 +53,21 @@ int check_tokens(const char* op, const Geometry& g, const TensorView& idx, int64
     return static_cast<int>(t);
 }
 
+uint8_t* device_alloc_zeroed(uint64_t bytes, cudaStream_t stream) {
+    void* p = nullptr;
+    if (bytes == 0) {
+        return nullptr;
+    }
+    WEFT_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return static_cast<uint8_t*>(p);
+}
+
+}  // namespace detail
+
+namespace {
+
 std::optional<Status> read_status(const Status* host) {
     const auto* claimed = reinterpret_cast<const volatile uint32_t*>(&host->claimed);
     if (*claimed != 2u) {
@@ -147,220 +85,36 @@ std::optional<Status> read_status(const Status* host) {
 
 }  // namespace
 
-// ---------------------------------------------------------------------------------------------------
+// ---- Buffer::Impl ----
 
-struct NormalHandle::Impl {
-    Buffer::Impl* buffer = nullptr;
-    uint16_t* recv_x = nullptr;    // symmetric
-    int32_t* recv_meta = nullptr;  // symmetric
-    uint16_t* landing = nullptr;   // symmetric
-    void* block = nullptr;         // private device memory
-    int32_t* tokens_per_expert = nullptr;
-    int32_t* tokens_per_rank = nullptr;
-    uint8_t* token_in_rank = nullptr;
-    int32_t* send_idx = nullptr;
-    int32_t* route_pos = nullptr;
-    int32_t* expert_counts = nullptr;
-    int32_t* expert_offsets = nullptr;
-    int32_t* source_offsets = nullptr;
-    int32_t* info = nullptr;
-    int num_tokens = -1;  // of the last dispatch
-    bool dispatched = false;
-    ~Impl();
-};
-
-struct LowLatencyHandle::Impl {
-    Buffer::Impl* buffer = nullptr;
-    void* block = nullptr;
-    uint8_t* recv_x = nullptr;
-    float* recv_scales = nullptr;
-    int32_t* recv_src_info = nullptr;
-    int32_t* recv_src_slot = nullptr;
-    int32_t* expert_counts = nullptr;
-    bool fp8 = false;
-    int num_tokens = -1;
-    enum class State { kIdle, kDispatchSent, kDispatched, kCombineSent } state = State::kIdle;
-    ~Impl();
-};
-
-struct Buffer::Impl {
-    World* world = nullptr;
-    Config config;
-    Geometry geo{};
-    Footprint fp;
-    cudaStream_t alloc_stream = nullptr;
-    uint64_t* signals = nullptr;  // symmetric [kNumSignalArrays][W]
-    int32_t* normal_mailbox = nullptr;
-    uint8_t* ll_slots = nullptr;
-    int32_t* ll_mailbox = nullptr;
-    uint16_t* ll_landing = nullptr;
-    void* state_block = nullptr;
-    NormalState* normal_state = nullptr;
-    LowLatencyState* ll_state = nullptr;
-    Status* status_host = nullptr;
-    Status* status_dev = nullptr;
-    jit::Kernel* k_layout = nullptr;
-    jit::Kernel* k_dispatch = nullptr;
-    jit::Kernel* k_combine = nullptr;
-    jit::Kernel* k_ll_dispatch = nullptr;
-    jit::Kernel* k_ll_combine = nullptr;
-    int live_handles = 0;
-    std::deque<LowLatencyHandle::Impl*> ll_dispatch_queue;  // sent, not yet received (oldest first)
-    std::deque<LowLatencyHandle::Impl*> ll_combine_queue;
-
-    uint64_t* signal(SignalArray which) const { return signals + static_cast<int64_t>(which) * geo.num_ranks; }
-
-    NormalArgs normal_args(const NormalHandle::Impl& h) const {
-        NormalArgs a{};
-        a.geo = geo;
-        a.tokens_per_expert = h.tokens_per_expert;
-        a.tokens_per_rank = h.tokens_per_rank;
-        a.token_in_rank = h.token_in_rank;
-        a.send_idx = h.send_idx;
-        a.route_pos = h.route_pos;
-        a.expert_counts = h.expert_counts;
-        a.expert_offsets = h.expert_offsets;
-        a.source_offsets = h.source_offsets;
-        a.info = h.info;
-        a.recv_x = h.recv_x;
-        a.recv_meta = h.recv_meta;
-        a.landing = h.landing;
-        a.mailbox = normal_mailbox;
-        a.count_signal = signal(kCountSignal);
-        a.data_signal = signal(kDataSignal);
-        a.partial_signal = signal(kPartialSignal);
-        a.combine_done = signal(kCombineDone);
-        a.state = normal_state;
-        a.status = status_dev;
-        return a;
-    }
-
-    LowLatencyArgs ll_args(const LowLatencyHandle::Impl& h) const {
-        LowLatencyArgs a{};
-        a.geo = geo;
-        a.recv_x = h.recv_x;
-        a.recv_scales = h.recv_scales;
-        a.recv_src_info = h.recv_src_info;
-        a.recv_src_slot = h.recv_src_slot;
-        a.expert_counts = h.expert_counts;
-        a.recv_slots = ll_slots;
-        a.mailbox = ll_mailbox;
-        a.landing = ll_landing;
-        a.dispatch_signal = signal(kLlDispatchSignal);
-        a.dispatch_credit = signal(kLlDispatchCredit);
-        a.combine_signal = signal(kLlCombineSignal);
-        a.combine_credit = signal(kLlCombineCredit);
-        a.state = ll_state;
-        a.status = status_dev;
-        return a;
-    }
-
-    int grid(const char* op, int requested, int fallback) const {
-        const int budget = world->sm_budget();
-        WEFT_CHECK(requested >= 0, op << ": num_sms must be >= 0 (0 = default), got " << requested);
-        const int n = requested > 0 ? requested : fallback;
-        WEFT_CHECK(n <= budget, op << ": num_sms = " << n << " exceeds this rank's SM budget of " << budget
-                                   << " (every rank's kernel must stay resident; see World::sm_budget)");
-        return n;
-    }
-
-    /// Ranks of one process that share a GPU share its legacy default stream: their kernels, which wait
-    /// for each other, would be serialised there (and time out). Refuse it where that can happen.
-    void check_stream(const char* op, cudaStream_t stream) const {
-        WEFT_CHECK(!(world->num_ranks_on_device() > 1 && (stream == nullptr || stream == cudaStreamLegacy)),
-                   op << ": pass a non-blocking stream of this rank's own (cudaStreamCreateWithFlags(..., "
+void Buffer::Impl::enter(const char* op, cudaStream_t stream, const Buffer::Impl* handle_owner) const {
+    check_status(op);
+    // Ranks of one process that share a GPU share its legacy default stream: their kernels, which wait for each
+    // other, would be serialised there (and time out). Refuse it where that can happen.
+    WEFT_CHECK(!(world->num_ranks_on_device() > 1 && (stream == nullptr || stream == cudaStreamLegacy)),
+               "ep::" << op
+                      << ": pass a non-blocking stream of this rank's own (cudaStreamCreateWithFlags(..., "
                          "cudaStreamNonBlocking)); "
                       << world->num_ranks_on_device()
                       << " ranks share this GPU and the legacy default stream would serialise their kernels, "
                          "which wait for each other");
-    }
-
-    void check_status(const char* op) const {
-        if (auto s = read_status(status_host)) {
-            WEFT_FAIL(describe_status(*s)
-                      << " (reported before " << op << "; call Buffer::clear_status() after handling it)");
-        }
-    }
-};
-
-NormalHandle::Impl::~Impl() {
-    if (buffer == nullptr) {
-        return;
-    }
-    try {
-        SymmetricHeap& heap = buffer->world->heap();
-        heap.free(landing);
-        heap.free(recv_meta);
-        heap.free(recv_x);
-        if (block != nullptr) {
-            WEFT_CUDA_CHECK(cudaFreeAsync(block, buffer->alloc_stream));
-            WEFT_CUDA_CHECK(cudaStreamSynchronize(buffer->alloc_stream));
-        }
-    } catch (const std::exception& e) {
-        WEFT_LOG_ERROR("ep: freeing a NormalHandle failed: " << e.what());
-    }
-    --buffer->live_handles;
+    WEFT_CHECK(handle_owner == this, "ep: " << op << ": the handle belongs to another Buffer");
 }
 
-LowLatencyHandle::Impl::~Impl() {
-    if (buffer == nullptr) {
-        return;
+int Buffer::Impl::grid(const char* op, int requested, int fallback) const {
+    const int budget = world->sm_budget();
+    WEFT_CHECK(requested >= 0, "ep::" << op << ": num_sms must be >= 0 (0 = default), got " << requested);
+    const int n = requested > 0 ? requested : fallback;
+    WEFT_CHECK(n <= budget, "ep::" << op << ": num_sms = " << n << " exceeds this rank's SM budget of " << budget
+                                   << " (every rank's kernel must stay resident; see World::sm_budget)");
+    return n;
+}
+
+void Buffer::Impl::check_status(const char* op) const {
+    if (auto s = read_status(status_host)) {
+        WEFT_FAIL(describe_status(*s) << " (reported before " << op
+                                      << "; call Buffer::clear_status() after handling it)");
     }
-    for (auto* q : {&buffer->ll_dispatch_queue, &buffer->ll_combine_queue}) {
-        if (std::find(q->begin(), q->end(), this) != q->end()) {
-            WEFT_LOG_ERROR(
-                "ep: a LowLatencyHandle with an outstanding send is destroyed; the buffer's "
-                "low-latency calls cannot continue consistently");
-            q->erase(std::remove(q->begin(), q->end(), this), q->end());
-        }
-    }
-    if (block != nullptr) {
-        cudaFreeAsync(block, buffer->alloc_stream);
-        cudaStreamSynchronize(buffer->alloc_stream);
-    }
-    --buffer->live_handles;
-}
-
-// ---- NormalHandle ----
-
-NormalHandle::NormalHandle(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-NormalHandle::NormalHandle(NormalHandle&&) noexcept = default;
-NormalHandle& NormalHandle::operator=(NormalHandle&&) noexcept = default;
-NormalHandle::~NormalHandle() = default;
-
-TensorView NormalHandle::recv_x() const {
-    const Geometry& g = impl_->buffer->geo;
-    return TensorView(impl_->recv_x, DType::kBF16, {g.max_recv_rows, g.hidden});
-}
-const int32_t* NormalHandle::expert_counts() const { return impl_->expert_counts; }
-const int32_t* NormalHandle::expert_offsets() const { return impl_->expert_offsets; }
-int NormalHandle::num_tokens() const { return impl_->num_tokens; }
-NormalView NormalHandle::view() const {
-    return NormalView{impl_->recv_x,   impl_->expert_counts,     impl_->expert_offsets,  impl_->source_offsets,
-                      impl_->info,     impl_->tokens_per_expert, impl_->tokens_per_rank, impl_->token_in_rank,
-                      impl_->send_idx, impl_->route_pos,         impl_->recv_meta};
-}
-
-// ---- LowLatencyHandle ----
-
-LowLatencyHandle::LowLatencyHandle(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-LowLatencyHandle::LowLatencyHandle(LowLatencyHandle&&) noexcept = default;
-LowLatencyHandle& LowLatencyHandle::operator=(LowLatencyHandle&&) noexcept = default;
-LowLatencyHandle::~LowLatencyHandle() = default;
-
-TensorView LowLatencyHandle::recv_x() const {
-    const Geometry& g = impl_->buffer->geo;
-    return TensorView(impl_->recv_x, impl_->fp8 ? DType::kF8E4M3 : DType::kBF16,
-                      {g.local_experts(), g.ll_rows_per_expert(), g.hidden});
-}
-TensorView LowLatencyHandle::recv_scales() const {
-    const Geometry& g = impl_->buffer->geo;
-    return TensorView(impl_->recv_scales, DType::kF32, {g.local_experts(), g.ll_rows_per_expert(), g.ll_fp8_scales()});
-}
-const int32_t* LowLatencyHandle::expert_counts() const { return impl_->expert_counts; }
-bool LowLatencyHandle::fp8() const { return impl_->fp8; }
-LowLatencyView LowLatencyHandle::view() const {
-    return LowLatencyView{impl_->recv_x, impl_->recv_scales, impl_->recv_src_info, impl_->expert_counts};
 }
 
 // ---- Buffer ----
@@ -370,14 +124,15 @@ Buffer::Buffer(World& world, const Config& config) : impl_(std::make_unique<Impl
     b.world = &world;
     b.config = config;
     b.geo = resolve_geometry(config, world.num_ranks(), world.rank());
+    b.ws = Workspace::make(b.geo);
     b.fp = footprint(config, world.num_ranks());
-    const Geometry& g = b.geo;
     // Only the load/store transport exists today: every rank must map every other rank's heap.
     for (int r = 0; r < world.num_ranks(); ++r) {
         WEFT_CHECK(world.heap().symm_at(world.heap().base(), r) != nullptr,
                    "ep: rank " << r << " is not load/store reachable from rank " << world.rank()
-                               << " (another host, or no peer access between the GPUs); weft::ep needs every rank of "
-                                  "the World reachable through NVLink or PCIe P2P until a network transport exists");
+                               << " (another host, or no peer access between the GPUs); weft::ops::ep needs every "
+                                  "rank of the World reachable through NVLink or PCIe P2P until a network transport "
+                                  "exists");
     }
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&b.alloc_stream, cudaStreamNonBlocking));
 
@@ -398,24 +153,17 @@ Buffer::Buffer(World& world, const Config& config) : impl_(std::make_unique<Impl
     b.k_ll_dispatch = &jit::compiler().get_kernel(specs[3]);
     b.k_ll_combine = &jit::compiler().get_kernel(specs[4]);
 
-    SymmetricHeap& heap = world.heap();
-    const uint64_t w = static_cast<uint64_t>(g.num_ranks);
-    b.signals = heap.alloc_signals(kNumSignalArrays * w);
-    if (config.normal) {
-        b.normal_mailbox = heap.alloc_array<int32_t>(2 * w * static_cast<uint64_t>(g.mailbox_ints()));
-    }
-    if (config.low_latency) {
-        const uint64_t el = static_cast<uint64_t>(g.local_experts());
-        const uint64_t t = static_cast<uint64_t>(g.max_tokens);
-        b.ll_slots = static_cast<uint8_t*>(heap.alloc(2 * el * w * t * static_cast<uint64_t>(g.ll_slot_bytes())));
-        b.ll_mailbox = heap.alloc_array<int32_t>(2 * w * el);
-        b.ll_landing =
-            heap.alloc_array<uint16_t>(2 * t * static_cast<uint64_t>(g.topk) * static_cast<uint64_t>(g.hidden));
-    }
-    b.state_block = device_alloc_zeroed(sizeof(NormalState) + sizeof(LowLatencyState) + 256, b.alloc_stream);
-    b.normal_state = static_cast<NormalState*>(b.state_block);
-    b.ll_state = reinterpret_cast<LowLatencyState*>(static_cast<uint8_t*>(b.state_block) +
-                                                    (sizeof(NormalState) + 255) / 256 * 256);
+    // One symmetric allocation (same offset on every rank) and one private one, carved by the Workspace. The
+    // signal words start at zero on every rank: no rank launches before the barrier below.
+    const weft::ep::BufferSymmetricLayout& sym = b.ws.buffer_symmetric;
+    b.symmetric = static_cast<uint8_t*>(world.heap().alloc(static_cast<uint64_t>(sym.bytes)));
+    WEFT_CUDA_CHECK(
+        cudaMemsetAsync(sym.signals.at(b.symmetric), 0, static_cast<size_t>(sym.signals.bytes()), b.alloc_stream));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(b.alloc_stream));
+    b.device = detail::device_alloc_zeroed(static_cast<uint64_t>(b.ws.buffer_device.bytes), b.alloc_stream);
+    b.normal = b.ws.normal_buffer(b.symmetric, b.device);
+    b.low_latency = b.ws.low_latency_buffer(b.symmetric, b.device);
+
     void* host = nullptr;
     WEFT_CUDA_CHECK(cudaHostAlloc(&host, sizeof(Status), cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(host, 0, sizeof(Status));
@@ -436,17 +184,12 @@ Buffer::~Buffer() {
     }
     try {
         WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-        SymmetricHeap& heap = b.world->heap();
-        if (b.ll_landing != nullptr) heap.free(b.ll_landing);
-        if (b.ll_mailbox != nullptr) heap.free(b.ll_mailbox);
-        if (b.ll_slots != nullptr) heap.free(b.ll_slots);
-        if (b.normal_mailbox != nullptr) heap.free(b.normal_mailbox);
-        heap.free(b.signals);
+        if (b.symmetric != nullptr) b.world->heap().free(b.symmetric);
     } catch (const std::exception& e) {
         WEFT_LOG_ERROR("ep: releasing the Buffer failed: " << e.what());
     }
-    if (b.state_block != nullptr) {
-        cudaFreeAsync(b.state_block, b.alloc_stream);
+    if (b.device != nullptr) {
+        cudaFreeAsync(b.device, b.alloc_stream);
         cudaStreamSynchronize(b.alloc_stream);
     }
     if (b.status_host != nullptr) {
@@ -458,297 +201,6 @@ Buffer::~Buffer() {
 const Config& Buffer::config() const { return impl_->config; }
 const Geometry& Buffer::geometry() const { return impl_->geo; }
 World& Buffer::world() const { return *impl_->world; }
-
-NormalHandle Buffer::make_normal_handle() {
-    Impl& b = *impl_;
-    const Geometry& g = b.geo;
-    WEFT_CHECK(b.config.normal, "ep: make_normal_handle: this Buffer was made with Config::normal = false");
-    auto h = std::make_unique<NormalHandle::Impl>();
-    SymmetricHeap& heap = b.world->heap();
-    h->recv_x = heap.alloc_array<uint16_t>(static_cast<uint64_t>(g.max_recv_rows) * static_cast<uint64_t>(g.hidden));
-    h->recv_meta =
-        heap.alloc_array<int32_t>(static_cast<uint64_t>(g.max_recv_tokens) * static_cast<uint64_t>(g.meta_ints()));
-    h->landing = heap.alloc_array<uint16_t>(static_cast<uint64_t>(g.max_send_rows()) * static_cast<uint64_t>(g.hidden));
-    const uint64_t w = static_cast<uint64_t>(g.num_ranks);
-    const uint64_t t = static_cast<uint64_t>(g.max_tokens);
-    const uint64_t el = static_cast<uint64_t>(g.local_experts());
-    DeviceBlock blk;
-    h->tokens_per_expert = blk.take<int32_t>(static_cast<uint64_t>(g.num_experts));
-    h->tokens_per_rank = blk.take<int32_t>(w);
-    h->token_in_rank = blk.take<uint8_t>(t * w);
-    h->send_idx = blk.take<int32_t>(t * w);
-    h->route_pos = blk.take<int32_t>(t * static_cast<uint64_t>(g.topk));
-    h->expert_counts = blk.take<int32_t>(el);
-    h->expert_offsets = blk.take<int32_t>(el + 1);
-    h->source_offsets = blk.take<int32_t>(w + 1);
-    h->info = blk.take<int32_t>(kInfoInts);
-    h->block = device_alloc_zeroed(blk.bytes(), b.alloc_stream);
-    for (auto** p : {&h->tokens_per_expert, &h->tokens_per_rank, &h->send_idx, &h->route_pos, &h->expert_counts,
-                     &h->expert_offsets, &h->source_offsets, &h->info}) {
-        *p = rebase(*p, h->block);
-    }
-    h->token_in_rank = rebase(h->token_in_rank, h->block);
-    h->buffer = &b;
-    ++b.live_handles;
-    return NormalHandle(std::move(h));
-}
-
-void Buffer::layout(NormalHandle& handle, const TensorView& topk_idx, cudaStream_t stream) {
-    Impl& b = *impl_;
-    b.check_status("layout");
-    b.check_stream("ep::layout", stream);
-    WEFT_CHECK(handle.impl_ && handle.impl_->buffer == &b, "ep: layout: the handle belongs to another Buffer");
-    const int t = check_tokens("ep::layout", b.geo, topk_idx, -1, "");
-    NormalArgs a = b.normal_args(*handle.impl_);
-    a.num_tokens = t;
-    a.topk_idx = static_cast<const int32_t*>(topk_idx.data);
-    a.idx_stride = t > 0 ? row_stride_of(topk_idx) : b.geo.topk;
-    const DeviceCtx ctx = b.world->device_ctx();
-    b.k_layout->launch({.grid = dim3(1),
-                        .block = dim3(kThreads),
-                        .dynamic_smem_bytes = static_cast<size_t>(LayoutSmem::make(b.geo, kThreads).total),
-                        .stream = stream},
-                       ctx, a);
-}
-
-void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorView& topk_idx,
-                      const TensorView& topk_weights, cudaStream_t stream, const NormalOptions& options) {
-    Impl& b = *impl_;
-    const Geometry& g = b.geo;
-    b.check_status("dispatch");
-    b.check_stream("ep::dispatch", stream);
-    WEFT_CHECK(b.config.normal, "ep: dispatch: this Buffer was made with Config::normal = false");
-    WEFT_CHECK(handle.impl_ && handle.impl_->buffer == &b, "ep: dispatch: the handle belongs to another Buffer");
-    check_matrix("ep::dispatch", "x", x, DType::kBF16, g.hidden, true);
-    const int t = check_tokens("ep::dispatch", g, topk_idx, x.dim(0), "x");
-    check_matrix("ep::dispatch", "topk_weights", topk_weights, DType::kF32, g.topk, false);
-    WEFT_CHECK(topk_weights.dim(0) == t,
-               "ep::dispatch: topk_weights has " << topk_weights.dim(0) << " rows but x has " << t);
-    const int sms = b.grid("ep::dispatch", options.num_sms, default_normal_sms(t, b.world->sm_budget()));
-    layout(handle, topk_idx, stream);
-    NormalArgs a = b.normal_args(*handle.impl_);
-    a.num_tokens = t;
-    a.x = static_cast<const uint16_t*>(x.data);
-    a.x_stride = t > 0 ? row_stride_of(x) : g.hidden;
-    a.topk_idx = static_cast<const int32_t*>(topk_idx.data);
-    a.idx_stride = t > 0 ? row_stride_of(topk_idx) : g.topk;
-    a.topk_weights = static_cast<const float*>(topk_weights.data);
-    a.weight_stride = t > 0 ? row_stride_of(topk_weights) : g.topk;
-    b.k_dispatch->launch({.grid = dim3(static_cast<unsigned>(sms)),
-                          .block = dim3(kThreads),
-                          .dynamic_smem_bytes = static_cast<size_t>(NormalSmem::make(g, kThreads).total),
-                          .stream = stream},
-                         b.world->device_ctx(), a);
-    handle.impl_->num_tokens = t;
-    handle.impl_->dispatched = true;
-}
-
-void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView& out, cudaStream_t stream,
-                     const NormalOptions& options) {
-    Impl& b = *impl_;
-    const Geometry& g = b.geo;
-    b.check_status("combine");
-    b.check_stream("ep::combine", stream);
-    WEFT_CHECK(handle.impl_ && handle.impl_->buffer == &b, "ep: combine: the handle belongs to another Buffer");
-    WEFT_CHECK(handle.impl_->dispatched, "ep::combine: the handle has not been dispatched");
-    check_matrix("ep::combine", "y", y, DType::kBF16, g.hidden, true);
-    WEFT_CHECK(y.dim(0) >= g.max_recv_rows, "ep::combine: y must have at least max_recv_rows = "
-                                                << g.max_recv_rows << " rows (the rows of recv_x), got "
-                                                << y.describe());
-    const int t = handle.impl_->num_tokens;
-    check_matrix("ep::combine", "out", out, DType::kBF16, g.hidden, true);
-    WEFT_CHECK(out.dim(0) == t, "ep::combine: out must have the dispatch's " << t << " rows, got " << out.describe());
-    const int sms = b.grid("ep::combine", options.num_sms, default_normal_sms(t, b.world->sm_budget()));
-    NormalArgs a = b.normal_args(*handle.impl_);
-    a.num_tokens = t;
-    a.y = static_cast<const uint16_t*>(y.data);
-    a.y_stride = row_stride_of(y);
-    a.out = static_cast<uint16_t*>(out.data);
-    a.out_stride = t > 0 ? row_stride_of(out) : g.hidden;
-    b.k_combine->launch({.grid = dim3(static_cast<unsigned>(sms)),
-                         .block = dim3(kThreads),
-                         .dynamic_smem_bytes = static_cast<size_t>(NormalSmem::make(g, kThreads).total),
-                         .stream = stream},
-                        b.world->device_ctx(), a);
-}
-
-LowLatencyHandle Buffer::make_low_latency_handle() {
-    Impl& b = *impl_;
-    const Geometry& g = b.geo;
-    WEFT_CHECK(b.config.low_latency,
-               "ep: make_low_latency_handle: this Buffer was made with Config::low_latency = false");
-    auto h = std::make_unique<LowLatencyHandle::Impl>();
-    const uint64_t rows = static_cast<uint64_t>(g.local_experts()) * static_cast<uint64_t>(g.ll_rows_per_expert());
-    DeviceBlock blk;
-    h->recv_x = blk.take<uint8_t>(rows * static_cast<uint64_t>(g.row_bytes()));
-    h->recv_scales = blk.take<float>(rows * static_cast<uint64_t>(g.ll_fp8_scales()));
-    h->recv_src_info = blk.take<int32_t>(rows);
-    h->recv_src_slot = blk.take<int32_t>(rows);
-    h->expert_counts = blk.take<int32_t>(static_cast<uint64_t>(g.local_experts()));
-    h->block = device_alloc_zeroed(blk.bytes(), b.alloc_stream);
-    h->recv_x = rebase(h->recv_x, h->block);
-    h->recv_scales = rebase(h->recv_scales, h->block);
-    h->recv_src_info = rebase(h->recv_src_info, h->block);
-    h->recv_src_slot = rebase(h->recv_src_slot, h->block);
-    h->expert_counts = rebase(h->expert_counts, h->block);
-    h->buffer = &b;
-    ++b.live_handles;
-    return LowLatencyHandle(std::move(h));
-}
-
-void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x, const TensorView& topk_idx,
-                                  cudaStream_t stream, const LowLatencyOptions& options) {
-    Impl& b = *impl_;
-    const Geometry& g = b.geo;
-    b.check_status("low_latency_dispatch");
-    b.check_stream("ep::low_latency_dispatch", stream);
-    WEFT_CHECK(b.config.low_latency, "ep: low_latency_dispatch: this Buffer was made with Config::low_latency = false");
-    WEFT_CHECK(handle.impl_ && handle.impl_->buffer == &b,
-               "ep: low_latency_dispatch: the handle belongs to another Buffer");
-    LowLatencyHandle::Impl& h = *handle.impl_;
-    using State = LowLatencyHandle::Impl::State;
-    LowLatencyArgs a = b.ll_args(h);
-    a.phases = phase_bits(options.phase);
-    if (options.phase != Phase::kRecv) {
-        WEFT_CHECK(
-            !options.fp8 || g.hidden % kFp8GroupSize == 0,
-            "ep::low_latency_dispatch: fp8 needs hidden to be a multiple of " << kFp8GroupSize << ", got " << g.hidden);
-        check_matrix("ep::low_latency_dispatch", "x", x, DType::kBF16, g.hidden, true);
-        const int t = check_tokens("ep::low_latency_dispatch", g, topk_idx, x.dim(0), "x");
-        WEFT_CHECK(h.state != State::kDispatchSent && h.state != State::kCombineSent,
-                   "ep::low_latency_dispatch: the handle still has an outstanding send; receive it first");
-        if (options.phase == Phase::kSendRecv) {
-            WEFT_CHECK(b.ll_dispatch_queue.empty(),
-                       "ep::low_latency_dispatch(kSendRecv): " << b.ll_dispatch_queue.size()
-                                                               << " earlier send(s) are not received yet; receive "
-                                                                  "them (Phase::kRecv) first");
-        } else {
-            WEFT_CHECK(b.ll_dispatch_queue.size() < 2,
-                       "ep::low_latency_dispatch(kSend): at most 2 sends may be outstanding per Buffer; receive "
-                       "the oldest first");
-        }
-        a.num_tokens = t;
-        a.x = static_cast<const uint16_t*>(x.data);
-        a.x_stride = t > 0 ? row_stride_of(x) : g.hidden;
-        a.topk_idx = static_cast<const int32_t*>(topk_idx.data);
-        a.idx_stride = t > 0 ? row_stride_of(topk_idx) : g.topk;
-        h.fp8 = options.fp8;
-        h.num_tokens = t;
-    } else {
-        WEFT_CHECK(!b.ll_dispatch_queue.empty() && b.ll_dispatch_queue.front() == &h,
-                   "ep::low_latency_dispatch(kRecv): "
-                       << (b.ll_dispatch_queue.empty() ? std::string("no send is outstanding")
-                                                       : std::string("receives complete sends in order; this handle "
-                                                                     "is not the oldest outstanding send")));
-        WEFT_CHECK(options.fp8 == h.fp8, "ep::low_latency_dispatch(kRecv): fp8 = "
-                                             << options.fp8 << " differs from the send's fp8 = " << h.fp8);
-        a.num_tokens = h.num_tokens;
-    }
-    a.fp8 = h.fp8 ? 1 : 0;
-    const int sms = b.grid("ep::low_latency_dispatch", options.num_sms,
-                           default_low_latency_sms(g.max_tokens, g.topk, b.world->sm_budget()));
-    b.k_ll_dispatch->launch({.grid = dim3(static_cast<unsigned>(sms)),
-                             .block = dim3(kThreads),
-                             .dynamic_smem_bytes = static_cast<size_t>(LowLatencySmem::make(g, kThreads).total),
-                             .stream = stream},
-                            b.world->device_ctx(), a);
-    switch (options.phase) {
-        case Phase::kSendRecv:
-            h.state = State::kDispatched;
-            break;
-        case Phase::kSend:
-            h.state = State::kDispatchSent;
-            b.ll_dispatch_queue.push_back(&h);
-            break;
-        case Phase::kRecv:
-            h.state = State::kDispatched;
-            b.ll_dispatch_queue.pop_front();
-            break;
-    }
-}
-
-void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, const TensorView& topk_idx,
-                                 const TensorView& topk_weights, const TensorView& out, cudaStream_t stream,
-                                 const LowLatencyOptions& options) {
-    Impl& b = *impl_;
-    const Geometry& g = b.geo;
-    b.check_status("low_latency_combine");
-    b.check_stream("ep::low_latency_combine", stream);
-    WEFT_CHECK(b.config.low_latency, "ep: low_latency_combine: this Buffer was made with Config::low_latency = false");
-    WEFT_CHECK(handle.impl_ && handle.impl_->buffer == &b,
-               "ep: low_latency_combine: the handle belongs to another Buffer");
-    LowLatencyHandle::Impl& h = *handle.impl_;
-    using State = LowLatencyHandle::Impl::State;
-    LowLatencyArgs a = b.ll_args(h);
-    a.phases = phase_bits(options.phase);
-    const int t = h.num_tokens;
-    if (options.phase != Phase::kRecv) {
-        WEFT_CHECK(h.state == State::kDispatched,
-                   "ep::low_latency_combine(" << phase_name(options.phase)
-                                              << "): the handle's dispatch has not been received (or its combine "
-                                                 "send is outstanding)");
-        if (options.phase == Phase::kSendRecv) {
-            WEFT_CHECK(b.ll_combine_queue.empty(), "ep::low_latency_combine(kSendRecv): "
-                                                       << b.ll_combine_queue.size()
-                                                       << " earlier send(s) are not received yet; receive them first");
-        } else {
-            WEFT_CHECK(b.ll_combine_queue.size() < 2,
-                       "ep::low_latency_combine(kSend): at most 2 sends may be outstanding per Buffer");
-        }
-        WEFT_CHECK(y.dtype == DType::kBF16 && y.ndim == 3 && y.dim(0) == g.local_experts() &&
-                       y.dim(1) >= g.ll_rows_per_expert() && y.dim(2) == g.hidden,
-                   "ep::low_latency_combine: y must be bf16 [" << g.local_experts() << ", >= " << g.ll_rows_per_expert()
-                                                               << ", " << g.hidden << "], got " << y.describe());
-        WEFT_CHECK(y.data != nullptr && reinterpret_cast<uintptr_t>(y.data) % 16 == 0 && y.stride(2) == 1 &&
-                       (y.stride(1) * 2) % 16 == 0 && (y.stride(0) * 2) % 16 == 0 && y.stride(1) >= g.hidden,
-                   "ep::low_latency_combine: y must be 16-byte aligned, row-major with 16-byte row strides, got "
-                       << y.describe());
-        a.y = static_cast<const uint16_t*>(y.data);
-        a.y_expert_stride = y.stride(0);
-        a.y_row_stride = y.stride(1);
-    } else {
-        WEFT_CHECK(!b.ll_combine_queue.empty() && b.ll_combine_queue.front() == &h,
-                   "ep::low_latency_combine(kRecv): "
-                       << (b.ll_combine_queue.empty() ? std::string("no send is outstanding")
-                                                      : std::string("receives complete sends in order; this handle is "
-                                                                    "not the oldest outstanding send")));
-    }
-    if (options.phase != Phase::kSend) {
-        check_tokens("ep::low_latency_combine", g, topk_idx, t, "the dispatch");
-        check_matrix("ep::low_latency_combine", "topk_weights", topk_weights, DType::kF32, g.topk, false);
-        WEFT_CHECK(topk_weights.dim(0) == t, "ep::low_latency_combine: topk_weights has "
-                                                 << topk_weights.dim(0) << " rows, the dispatch had " << t);
-        check_matrix("ep::low_latency_combine", "out", out, DType::kBF16, g.hidden, true);
-        WEFT_CHECK(out.dim(0) == t,
-                   "ep::low_latency_combine: out must have the dispatch's " << t << " rows, got " << out.describe());
-        a.topk_idx = static_cast<const int32_t*>(topk_idx.data);
-        a.idx_stride = t > 0 ? row_stride_of(topk_idx) : g.topk;
-        a.topk_weights = static_cast<const float*>(topk_weights.data);
-        a.weight_stride = t > 0 ? row_stride_of(topk_weights) : g.topk;
-        a.out = static_cast<uint16_t*>(out.data);
-        a.out_stride = t > 0 ? row_stride_of(out) : g.hidden;
-    }
-    a.num_tokens = t;
-    const int sms = b.grid("ep::low_latency_combine", options.num_sms,
-                           default_low_latency_sms(g.max_tokens, g.topk, b.world->sm_budget()));
-    b.k_ll_combine->launch({.grid = dim3(static_cast<unsigned>(sms)),
-                            .block = dim3(kThreads),
-                            .dynamic_smem_bytes = static_cast<size_t>(LowLatencySmem::make(g, kThreads).total),
-                            .stream = stream},
-                           b.world->device_ctx(), a);
-    switch (options.phase) {
-        case Phase::kSendRecv:
-            break;
-        case Phase::kSend:
-            h.state = State::kCombineSent;
-            b.ll_combine_queue.push_back(&h);
-            break;
-        case Phase::kRecv:
-            h.state = State::kDispatched;
-            b.ll_combine_queue.pop_front();
-            break;
-    }
-}
 
 void Buffer::check() const { impl_->check_status("check"); }
 
@@ -773,4 +225,4 @@ void Buffer::clear_status() {
     std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 
-}  // namespace weft::ep
+}  // namespace weft::ops::ep

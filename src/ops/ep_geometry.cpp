@@ -1,27 +1,25 @@
 // SPDX-License-Identifier: MIT
-// weft::ep host maths: config validation, memory footprint, sizing estimates, default SM counts, kernel specs, status
-// text.
+// weft::ops::ep host maths: config validation, memory footprint, sizing estimates, default SM counts, kernel specs,
+// status text.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <mutex>
 #include <sstream>
 
+#include "ep_buffer.hpp"
 #include "weft/jit/aot.hpp"
 #include "weft/jit/compiler.hpp"
-#include "weft/ops/ep.hpp"
 #include "weft/runtime/error.hpp"
 
-namespace weft::ep {
+namespace weft::ops::ep {
+
+using detail::kThreads;
 
 namespace {
 
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
-constexpr uint64_t kHeapAllocAlign = 256;             // SymmetricHeap::alloc's default alignment
 constexpr int64_t kMaxDynamicSmemBytes = 227 * 1024;  // sm_90 opt-in limit per block
-constexpr int kThreads = 512;                         // every EP kernel's block size (see kernel_specs)
-
-uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 std::string mib(uint64_t bytes) {
     std::ostringstream os;
@@ -70,6 +68,7 @@ Geometry resolve_geometry(const Config& c, int num_ranks, int rank) {
     g.topk = c.topk;
     g.max_tokens = c.max_tokens_per_rank;
     g.expert_alignment = c.expert_alignment;
+    g.modes = (c.normal ? weft::ep::kNormalMode : 0) | (c.low_latency ? weft::ep::kLowLatencyMode : 0);
     const int64_t local = g.local_experts();
     const int64_t worst_tokens = int64_t{num_ranks} * c.max_tokens_per_rank;
     const int64_t worst_rows = worst_tokens * std::min<int64_t>(c.topk, local) + local * (c.expert_alignment - 1);
@@ -83,14 +82,14 @@ Geometry resolve_geometry(const Config& c, int num_ranks, int rank) {
                                                  << ") must fit in int32; set Config::max_recv_rows lower");
     WEFT_CHECK(g.max_send_rows() <= kInt32Max, "ep: max_tokens_per_rank * min(topk, ranks) must fit in int32");
 
-    const int64_t layout_smem = LayoutSmem::make(g, kThreads).total;
-    const int64_t normal_smem = NormalSmem::make(g, kThreads).total;
+    const int64_t layout_smem = weft::ep::LayoutSmem::make(g, kThreads).total;
+    const int64_t normal_smem = weft::ep::NormalSmem::make(g, kThreads).total;
     WEFT_CHECK(layout_smem <= kMaxDynamicSmemBytes && normal_smem <= kMaxDynamicSmemBytes,
                "ep: " << c.num_experts << " experts over " << num_ranks << " ranks need "
                       << std::max(layout_smem, normal_smem) << " bytes of shared memory per block, more than "
                       << kMaxDynamicSmemBytes);
     if (c.low_latency) {
-        const int64_t ll_smem = LowLatencySmem::make(g, kThreads).total;
+        const int64_t ll_smem = weft::ep::LowLatencySmem::make(g, kThreads).total;
         WEFT_CHECK(ll_smem <= kMaxDynamicSmemBytes, "ep: the low-latency kernels need "
                                                         << ll_smem << " bytes of shared memory per block for "
                                                         << c.max_tokens_per_rank << " tokens x top-" << c.topk
@@ -102,9 +101,9 @@ Geometry resolve_geometry(const Config& c, int num_ranks, int rank) {
 
 uint64_t Footprint::heap_bytes(int normal_handles) const {
     constexpr uint64_t kSlack = 2ull << 20;  // VMM granularity of the heap
-    return align_up(buffer_symmetric_bytes + static_cast<uint64_t>(normal_handles) * normal_handle_symmetric_bytes,
-                    kHeapAllocAlign) +
-           kSlack;
+    const uint64_t bytes =
+        buffer_symmetric_bytes + static_cast<uint64_t>(normal_handles) * normal_handle_symmetric_bytes;
+    return static_cast<uint64_t>(round_up(static_cast<int64_t>(bytes), weft::ep::kArrayAlign)) + kSlack;
 }
 
 uint64_t Footprint::total_bytes(int normal_handles, int low_latency_handles) const {
@@ -123,34 +122,13 @@ std::string Footprint::describe() const {
 }
 
 Footprint footprint(const Config& config, int num_ranks) {
-    const Geometry g = resolve_geometry(config, num_ranks, 0);
-    const auto a = [](uint64_t bytes) { return align_up(bytes, kHeapAllocAlign); };
-    const uint64_t w = static_cast<uint64_t>(g.num_ranks);
-    const uint64_t e = static_cast<uint64_t>(g.num_experts);
-    const uint64_t el = static_cast<uint64_t>(g.local_experts());
-    const uint64_t t = static_cast<uint64_t>(g.max_tokens);
-    const uint64_t k = static_cast<uint64_t>(g.topk);
-    const uint64_t h = static_cast<uint64_t>(g.hidden);
+    const Workspace ws = Workspace::make(resolve_geometry(config, num_ranks, 0));
     Footprint f;
-    f.buffer_symmetric_bytes = a(8 * w * sizeof(uint64_t));  // 4 normal + 4 low-latency signal arrays
-    f.buffer_device_bytes = 0;
-    if (config.normal) {
-        f.buffer_symmetric_bytes += a(2 * w * static_cast<uint64_t>(g.mailbox_ints()) * 4);
-        f.buffer_device_bytes += a(sizeof(NormalState));
-        f.normal_handle_symmetric_bytes = a(static_cast<uint64_t>(g.max_recv_rows) * h * 2) +
-                                          a(static_cast<uint64_t>(g.max_recv_tokens) * g.meta_ints() * 4) +
-                                          a(static_cast<uint64_t>(g.max_send_rows()) * h * 2);
-        f.normal_handle_device_bytes = a(e * 4) + a(w * 4) + a(t * w) + a(t * w * 4) + a(t * k * 4) + a(el * 4) +
-                                       a((el + 1) * 4) + a((w + 1) * 4) + a(kInfoInts * 4);
-    }
-    if (config.low_latency) {
-        f.buffer_symmetric_bytes +=
-            a(2 * el * w * t * static_cast<uint64_t>(g.ll_slot_bytes())) + a(2 * w * el * 4) + a(2 * t * k * h * 2);
-        f.buffer_device_bytes += a(sizeof(LowLatencyState));
-        const uint64_t rows = el * w * t;
-        f.low_latency_handle_device_bytes = a(rows * h * 2) + a(rows * static_cast<uint64_t>(g.ll_fp8_scales()) * 4) +
-                                            a(rows * 4) + a(rows * 4) + a(el * 4);
-    }
+    f.buffer_symmetric_bytes = static_cast<uint64_t>(ws.buffer_symmetric.bytes);
+    f.buffer_device_bytes = static_cast<uint64_t>(ws.buffer_device.bytes);
+    f.normal_handle_symmetric_bytes = static_cast<uint64_t>(ws.normal_handle_symmetric.bytes);
+    f.normal_handle_device_bytes = static_cast<uint64_t>(ws.normal_handle_device.bytes);
+    f.low_latency_handle_device_bytes = static_cast<uint64_t>(ws.low_latency_handle_device.bytes);
     return f;
 }
 
@@ -274,4 +252,4 @@ std::string describe_status(const Status& s) {
     return os.str();
 }
 
-}  // namespace weft::ep
+}  // namespace weft::ops::ep

@@ -18,7 +18,7 @@
 #include "weft/ops/ep.hpp"
 #include "weft/weft.hpp"
 
-namespace weft::ep {
+namespace weft::ops::ep {
 namespace {
 
 namespace ref = weft::test::ep;
@@ -119,7 +119,7 @@ struct Inputs {
 /// quantiser, and the dequantised values within the e4m3 bound of the original).
 void check_dispatch(const ref::Params& p, const Call& call, const LowLatencyHandle& h, bool fp8, int me, int max_tokens,
                     cudaStream_t s, const std::string& what) {
-    const LowLatencyView v = h.view();
+    const LowLatencyHandleView& v = h.view();
     const size_t el = static_cast<size_t>(p.local_experts());
     const size_t rpe = static_cast<size_t>(p.num_ranks) * static_cast<size_t>(max_tokens);
     const size_t hsz = static_cast<size_t>(p.hidden);
@@ -612,4 +612,4 @@ TEST_F(EpLowLatencyGpu, StragglersAreWaitedFor) {
 }
 
 }  // namespace
-}  // namespace weft::ep
+}  // namespace weft::ops::ep

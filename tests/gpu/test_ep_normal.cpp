@@ -18,7 +18,7 @@
 #include "weft/ops/ep.hpp"
 #include "weft/weft.hpp"
 
-namespace weft::ep {
+namespace weft::ops::ep {
 namespace {
 
 namespace ref = weft::test::ep;
@@ -104,7 +104,7 @@ std::vector<std::vector<uint16_t>> expected_y(const ref::Params& p, const ref::N
 void check_dispatch(const ref::Params& p, const ref::NormalPlan& plan, const std::vector<std::vector<uint16_t>>& x_all,
                     const NormalHandle& h, int me, int num_tokens, int64_t max_recv_rows, cudaStream_t s,
                     const std::string& what) {
-    const NormalView v = h.view();
+    const NormalHandleView& v = h.view();
     const size_t w = static_cast<size_t>(p.num_ranks);
     const size_t el = static_cast<size_t>(p.local_experts());
     const size_t t = static_cast<size_t>(num_tokens);
@@ -742,4 +742,4 @@ TEST_F(EpNormalGpu, SingleBlockGridAndWideRows) {
 }
 
 }  // namespace
-}  // namespace weft::ep
+}  // namespace weft::ops::ep

@@ -18,7 +18,7 @@
 #include "weft/ops/ep.hpp"
 #include "weft/weft.hpp"
 
-namespace weft::ep {
+namespace weft::ops::ep {
 namespace {
 
 enum class Scenario { kNormalDispatch, kLowLatencyDispatch };
@@ -112,4 +112,4 @@ TEST_F(EpTimeoutDeathTest, LowLatencyDispatchNamesTheMissingPeer) {
 }
 
 }  // namespace
-}  // namespace weft::ep
+}  // namespace weft::ops::ep

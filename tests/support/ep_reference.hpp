@@ -15,7 +15,7 @@
 
 namespace weft::test::ep {
 
-/// The sizes a reference needs (a subset of weft::ep::Config).
+/// The sizes a reference needs (a subset of weft::ops::ep::Config).
 struct Params {
     int num_ranks = 1;
     int num_experts = 1;

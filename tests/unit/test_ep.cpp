@@ -1,17 +1,19 @@
 // SPDX-License-Identifier: MIT
 // Unit tests of expert parallelism on the CPU: the host reference against brute force, config validation,
-// footprint and sizing maths, status messages, number formats, and NVRTC compilation of the kernels (with
-// the combines' row loads in flight together in SASS).
+// footprint and sizing maths, the workspace layout and its pointer views, status messages, number formats, and
+// NVRTC compilation of the kernels (with the combines' row loads in flight together in SASS).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <random>
 #include <regex>
 #include <set>
 #include <sstream>
+#include <type_traits>
 
 #include "support/ep_reference.hpp"
 #include "support/jit_testing.hpp"
@@ -22,7 +24,7 @@
 #include "weft/ops/ep.hpp"
 #include "weft/runtime/error.hpp"
 
-namespace weft::ep {
+namespace weft::ops::ep {
 namespace {
 
 namespace ref = weft::test::ep;
@@ -397,6 +399,284 @@ TEST(EpConfig, DefaultSmCounts) {
     EXPECT_EQ(default_low_latency_sms(1, 8, 16), 1);
 }
 
+// ---- the workspace: every array of every allocation ----
+
+struct ArrayInfo {
+    const char* name;
+    int64_t offset;
+    int64_t bytes;
+};
+
+template <class T>
+ArrayInfo info(const char* name, const weft::ep::Array<T>& a) {
+    return ArrayInfo{name, a.offset, a.bytes()};
+}
+
+// The arrays of each of the five allocations. The sizeof checks make a layout member this list misses fail the
+// tests (every member is an Array of 16 bytes, then the allocation's size).
+std::vector<ArrayInfo> arrays_of(const weft::ep::BufferSymmetricLayout& l) {
+    static_assert(sizeof(l) == 5 * 16 + 8);
+    return {info("signals", l.signals), info("normal_mailbox", l.normal_mailbox),
+            info("ll_recv_slots", l.ll_recv_slots), info("ll_mailbox", l.ll_mailbox), info("ll_landing", l.ll_landing)};
+}
+std::vector<ArrayInfo> arrays_of(const weft::ep::BufferDeviceLayout& l) {
+    static_assert(sizeof(l) == 2 * 16 + 8);
+    return {info("normal_state", l.normal_state), info("ll_state", l.ll_state)};
+}
+std::vector<ArrayInfo> arrays_of(const weft::ep::NormalHandleSymmetricLayout& l) {
+    static_assert(sizeof(l) == 3 * 16 + 8);
+    return {info("recv_x", l.recv_x), info("recv_meta", l.recv_meta), info("landing", l.landing)};
+}
+std::vector<ArrayInfo> arrays_of(const weft::ep::NormalHandleDeviceLayout& l) {
+    static_assert(sizeof(l) == 9 * 16 + 8);
+    return {info("tokens_per_expert", l.tokens_per_expert),
+            info("tokens_per_rank", l.tokens_per_rank),
+            info("token_in_rank", l.token_in_rank),
+            info("send_idx", l.send_idx),
+            info("route_pos", l.route_pos),
+            info("expert_counts", l.expert_counts),
+            info("expert_offsets", l.expert_offsets),
+            info("source_offsets", l.source_offsets),
+            info("info", l.info)};
+}
+std::vector<ArrayInfo> arrays_of(const weft::ep::LowLatencyHandleDeviceLayout& l) {
+    static_assert(sizeof(l) == 5 * 16 + 8);
+    return {info("recv_x", l.recv_x), info("recv_scales", l.recv_scales), info("recv_src_info", l.recv_src_info),
+            info("recv_src_slot", l.recv_src_slot), info("expert_counts", l.expert_counts)};
+}
+
+// Every array starts at a multiple of kArrayAlign, right after the previous one (rounded up), none overlaps the
+// next, and the allocation's size is the end of the last one, rounded up.
+void expect_packed(const std::vector<ArrayInfo>& arrays, int64_t bytes, const std::string& what) {
+    int64_t at = 0;
+    for (const ArrayInfo& a : arrays) {
+        EXPECT_GE(a.bytes, 0) << what << "." << a.name;
+        EXPECT_EQ(a.offset % weft::ep::kArrayAlign, 0) << what << "." << a.name << " at " << a.offset;
+        EXPECT_EQ(a.offset, at) << what << "." << a.name << " does not follow the previous array (gap or overlap)";
+        at = round_up(a.offset + a.bytes, weft::ep::kArrayAlign);
+    }
+    EXPECT_EQ(bytes, at) << what << ": the allocation's size";
+}
+
+void expect_workspace_packed(const Workspace& ws, const std::string& what) {
+    expect_packed(arrays_of(ws.buffer_symmetric), ws.buffer_symmetric.bytes, what + " buffer_symmetric");
+    expect_packed(arrays_of(ws.buffer_device), ws.buffer_device.bytes, what + " buffer_device");
+    expect_packed(arrays_of(ws.normal_handle_symmetric), ws.normal_handle_symmetric.bytes,
+                  what + " normal_handle_symmetric");
+    expect_packed(arrays_of(ws.normal_handle_device), ws.normal_handle_device.bytes, what + " normal_handle_device");
+    expect_packed(arrays_of(ws.low_latency_handle_device), ws.low_latency_handle_device.bytes,
+                  what + " low_latency_handle_device");
+}
+
+// A view is a struct of pointers only: its words, in declaration order.
+template <class View>
+std::vector<uintptr_t> words_of(const View& v) {
+    static_assert(std::is_trivially_copyable_v<View> && sizeof(View) % sizeof(void*) == 0);
+    std::vector<uintptr_t> w(sizeof(View) / sizeof(void*));
+    std::memcpy(w.data(), &v, sizeof(View));
+    return w;
+}
+
+// One allocation of a view: where it is mapped in the two views compared, and its size.
+struct Mapping {
+    uintptr_t base_a;
+    uintptr_t base_b;
+    int64_t bytes;
+};
+
+// Built from two sets of bases (this rank's, a peer's), every pointer of the view lies inside one of its
+// allocations in both, at the same offset from that allocation's base, 8-byte aligned, and no two pointers
+// coincide: no field is left unset, rebased against the wrong base, or aliased with another.
+template <class View>
+void expect_same_offsets(const View& a, const View& b, const std::vector<Mapping>& maps, const std::string& what) {
+    const std::vector<uintptr_t> wa = words_of(a);
+    const std::vector<uintptr_t> wb = words_of(b);
+    std::set<uintptr_t> seen;
+    for (size_t i = 0; i < wa.size(); ++i) {
+        int found = -1;
+        for (size_t m = 0; m < maps.size(); ++m) {
+            if (wa[i] >= maps[m].base_a && wa[i] < maps[m].base_a + static_cast<uintptr_t>(maps[m].bytes)) {
+                found = static_cast<int>(m);
+            }
+        }
+        ASSERT_GE(found, 0) << what << " field " << i << " (0x" << std::hex << wa[i]
+                            << ") is in none of its allocations";
+        const Mapping& m = maps[static_cast<size_t>(found)];
+        EXPECT_EQ(wa[i] - m.base_a, wb[i] - m.base_b)
+            << what << " field " << i << ": another offset from a peer's base";
+        EXPECT_EQ(wa[i] % 8, 0u) << what << " field " << i;
+        EXPECT_TRUE(seen.insert(wa[i]).second) << what << " field " << i << " points where another field does";
+    }
+}
+
+Geometry geometry_for(int ranks, int experts, int hidden, int topk, int tokens, bool normal, bool low_latency,
+                      int alignment = 1) {
+    Config c;
+    c.num_experts = experts;
+    c.hidden = hidden;
+    c.topk = topk;
+    c.max_tokens_per_rank = tokens;
+    c.normal = normal;
+    c.low_latency = low_latency;
+    c.expert_alignment = alignment;
+    return resolve_geometry(c, ranks, ranks - 1);
+}
+
+TEST(EpWorkspace, ArraysAreAlignedPackedAndSizedFromTheGeometry) {
+    auto rng = fresh_rng();
+    for (int trial = 0; trial < 200; ++trial) {
+        const int ranks = 1 + static_cast<int>(rng() % 16);
+        const int experts = ranks * (1 + static_cast<int>(rng() % 8));
+        const int topk = 1 + static_cast<int>(rng() % std::min(experts, 9));
+        const int hidden = 128 * (1 + static_cast<int>(rng() % 8)) + (trial % 2 == 0 ? 0 : 8);
+        const int tokens = 1 + static_cast<int>(rng() % 300);
+        const int modes = 1 + trial % 3;  // normal, low-latency, both
+        const Geometry g = geometry_for(ranks, experts, hidden, topk, tokens, modes & 1, (modes & 2) != 0,
+                                        1 + static_cast<int>(rng() % 64));
+        const Workspace ws = Workspace::make(g);
+        const std::string what = "W " + std::to_string(ranks) + " E " + std::to_string(experts) + " k " +
+                                 std::to_string(topk) + " H " + std::to_string(hidden) + " T " +
+                                 std::to_string(tokens) + " modes " + std::to_string(modes);
+        expect_workspace_packed(ws, what);
+        // Sizes from the geometry, and nothing for a mode the Buffer does not serve.
+        const int64_t w = ranks, t = tokens, h = hidden, k = topk, el = g.local_experts();
+        const int64_t n = g.normal() ? 1 : 0, l = g.low_latency() ? 1 : 0;
+        EXPECT_EQ(ws.buffer_symmetric.signals.count, weft::ep::kNumSignalArrays * w) << what;
+        EXPECT_EQ(ws.buffer_symmetric.normal_mailbox.count, n * 2 * w * (experts + w)) << what;
+        EXPECT_EQ(ws.buffer_symmetric.ll_recv_slots.bytes(), l * 2 * el * w * t * (2 * h + 16)) << what;
+        EXPECT_EQ(ws.buffer_symmetric.ll_mailbox.count, l * 2 * w * el) << what;
+        EXPECT_EQ(ws.buffer_symmetric.ll_landing.bytes(), l * 2 * t * k * h * 2) << what;
+        EXPECT_EQ(ws.buffer_device.normal_state.count, n) << what;
+        EXPECT_EQ(ws.buffer_device.ll_state.count, l) << what;
+        EXPECT_EQ(ws.normal_handle_symmetric.recv_x.bytes(), n * g.max_recv_rows * h * 2) << what;
+        EXPECT_EQ(ws.normal_handle_symmetric.recv_meta.count, n * g.max_recv_tokens * g.meta_ints()) << what;
+        EXPECT_EQ(ws.normal_handle_symmetric.landing.bytes(), n * t * std::min(k, w) * h * 2) << what;
+        EXPECT_EQ(ws.normal_handle_device.token_in_rank.bytes(), n * t * w) << what;
+        EXPECT_EQ(ws.normal_handle_device.send_idx.count, n * t * w) << what;
+        EXPECT_EQ(ws.normal_handle_device.route_pos.count, n * t * k) << what;
+        EXPECT_EQ(ws.normal_handle_device.expert_offsets.count, n * (el + 1)) << what;
+        EXPECT_EQ(ws.normal_handle_device.source_offsets.count, n * (w + 1)) << what;
+        EXPECT_EQ(ws.normal_handle_device.info.count, n * kInfoInts) << what;
+        const int64_t rows = l * el * w * t;
+        EXPECT_EQ(ws.low_latency_handle_device.recv_x.bytes(), rows * h * 2) << what;
+        EXPECT_EQ(ws.low_latency_handle_device.recv_scales.count, rows * (h / 128)) << what;
+        EXPECT_EQ(ws.low_latency_handle_device.recv_src_slot.count, rows) << what;
+        EXPECT_EQ(ws.low_latency_handle_device.expert_counts.count, l * el) << what;
+        if (!g.normal()) {
+            EXPECT_EQ(ws.normal_handle_symmetric.bytes, 0) << what;
+            EXPECT_EQ(ws.normal_handle_device.bytes, 0) << what;
+        }
+        if (!g.low_latency()) {
+            EXPECT_EQ(ws.low_latency_handle_device.bytes, 0) << what;
+        }
+    }
+}
+
+// Workspace::make is constexpr: the layout can be computed (and checked) at compile time, as on the device.
+TEST(EpWorkspace, IsComputedAtCompileTime) {
+    constexpr Geometry g{.num_ranks = 8,
+                         .rank = 3,
+                         .num_experts = 256,
+                         .hidden = 7168,
+                         .topk = 8,
+                         .max_tokens = 128,
+                         .expert_alignment = 1,
+                         .modes = weft::ep::kNormalMode | weft::ep::kLowLatencyMode,
+                         .max_recv_tokens = 1024,
+                         .max_recv_rows = 8192};
+    constexpr Workspace ws = Workspace::make(g);
+    static_assert(ws.buffer_symmetric.signals.offset == 0);
+    static_assert(ws.buffer_symmetric.normal_mailbox.offset == 512);  // 8 x 8 signal words, rounded up to 256
+    static_assert(ws.buffer_symmetric.ll_recv_slots.bytes() == 2ll * 32 * 8 * 128 * (2 * 7168 + 16));
+    static_assert(ws.normal_handle_symmetric.recv_meta.offset == 8192ll * 7168 * 2);
+    EXPECT_EQ(ws.buffer_symmetric.bytes, Workspace::make(g).buffer_symmetric.bytes);
+}
+
+// The footprint is the five allocations' sizes, and the benchmark shape's low-latency areas are what the README says.
+TEST(EpWorkspace, FootprintIsTheWorkspace) {
+    for (const bool normal : {false, true}) {
+        for (const bool ll : {false, true}) {
+            if (!normal && !ll) continue;
+            Config c;
+            c.num_experts = 256;
+            c.hidden = 7168;
+            c.topk = 8;
+            c.max_tokens_per_rank = 128;
+            c.normal = normal;
+            c.low_latency = ll;
+            const Footprint f = footprint(c, 8);
+            const Workspace ws = Workspace::make(resolve_geometry(c, 8, 0));
+            EXPECT_EQ(f.buffer_symmetric_bytes, static_cast<uint64_t>(ws.buffer_symmetric.bytes));
+            EXPECT_EQ(f.buffer_device_bytes, static_cast<uint64_t>(ws.buffer_device.bytes));
+            EXPECT_EQ(f.normal_handle_symmetric_bytes, static_cast<uint64_t>(ws.normal_handle_symmetric.bytes));
+            EXPECT_EQ(f.normal_handle_device_bytes, static_cast<uint64_t>(ws.normal_handle_device.bytes));
+            EXPECT_EQ(f.low_latency_handle_device_bytes, static_cast<uint64_t>(ws.low_latency_handle_device.bytes));
+        }
+    }
+}
+
+TEST(EpWorkspace, ViewsOfAPeerBaseHaveTheSameOffsets) {
+    auto rng = fresh_rng();
+    for (int trial = 0; trial < 50; ++trial) {
+        const int ranks = 1 + static_cast<int>(rng() % 16);
+        const int experts = ranks * (1 + static_cast<int>(rng() % 8));
+        const int topk = 1 + static_cast<int>(rng() % std::min(experts, 4));
+        const Geometry g =
+            geometry_for(ranks, experts, 256 + 128 * (trial % 4), topk, 1 + static_cast<int>(rng() % 200), true, true);
+        const Workspace ws = Workspace::make(g);
+        // This rank's bases and a peer's mapping of the symmetric ones: far apart, 256-byte aligned, never
+        // dereferenced.
+        const uintptr_t sym_a = 0x100000000ull + (rng() % 1024) * 256;
+        const uintptr_t dev_a = 0x900000000000ull + (rng() % 1024) * 256;
+        const uintptr_t sym_b = 0x500000000000ull + (rng() % 1024) * 256;
+        const uintptr_t dev_b = 0xd00000000000ull + (rng() % 1024) * 256;
+        const auto p = [](uintptr_t v) { return reinterpret_cast<uint8_t*>(v); };
+        const std::string what = "trial " + std::to_string(trial);
+        expect_same_offsets(ws.normal_buffer(p(sym_a), p(dev_a)), ws.normal_buffer(p(sym_b), p(dev_b)),
+                            {{sym_a, sym_b, ws.buffer_symmetric.bytes}, {dev_a, dev_b, ws.buffer_device.bytes}},
+                            what + " NormalBufferView");
+        expect_same_offsets(ws.low_latency_buffer(p(sym_a), p(dev_a)), ws.low_latency_buffer(p(sym_b), p(dev_b)),
+                            {{sym_a, sym_b, ws.buffer_symmetric.bytes}, {dev_a, dev_b, ws.buffer_device.bytes}},
+                            what + " LowLatencyBufferView");
+        expect_same_offsets(
+            ws.normal_handle(p(sym_a), p(dev_a)), ws.normal_handle(p(sym_b), p(dev_b)),
+            {{sym_a, sym_b, ws.normal_handle_symmetric.bytes}, {dev_a, dev_b, ws.normal_handle_device.bytes}},
+            what + " NormalHandleView");
+        expect_same_offsets(ws.low_latency_handle(p(dev_a)), ws.low_latency_handle(p(dev_b)),
+                            {{dev_a, dev_b, ws.low_latency_handle_device.bytes}}, what + " LowLatencyHandleView");
+        // The signal arrays: [W] words each, in SignalArray order, inside `signals`.
+        const auto nb = ws.normal_buffer(p(sym_a), p(dev_a));
+        const auto lb = ws.low_latency_buffer(p(sym_a), p(dev_a));
+        const uint64_t* signals = ws.buffer_symmetric.signals.at(p(sym_a));
+        const uint64_t* in_order[] = {nb.count_signal,    nb.data_signal,     nb.partial_signal, nb.combine_done,
+                                      lb.dispatch_signal, lb.dispatch_credit, lb.combine_signal, lb.combine_credit};
+        for (int i = 0; i < weft::ep::kNumSignalArrays; ++i) {
+            EXPECT_EQ(in_order[i], signals + static_cast<int64_t>(i) * ranks) << what << " signal array " << i;
+        }
+        // The views point at the layout's arrays, each exactly once (the Buffer's two views share its allocations;
+        // `signals` is pointed at through its SignalArray slices).
+        std::multiset<uintptr_t> buffer_arrays, buffer_fields;
+        for (const ArrayInfo& a : arrays_of(ws.buffer_symmetric)) {
+            if (std::string(a.name) == "signals") continue;
+            buffer_arrays.insert(sym_a + static_cast<uintptr_t>(a.offset));
+        }
+        for (const uint64_t* slice : in_order) buffer_arrays.insert(reinterpret_cast<uintptr_t>(slice));
+        for (const ArrayInfo& a : arrays_of(ws.buffer_device)) buffer_arrays.insert(dev_a + a.offset);
+        for (uintptr_t f : words_of(nb)) buffer_fields.insert(f);
+        for (uintptr_t f : words_of(lb)) buffer_fields.insert(f);
+        EXPECT_EQ(buffer_fields, buffer_arrays) << what << ": the Buffer's views and arrays";
+        std::multiset<uintptr_t> normal_arrays, normal_fields;
+        for (const ArrayInfo& a : arrays_of(ws.normal_handle_symmetric)) normal_arrays.insert(sym_a + a.offset);
+        for (const ArrayInfo& a : arrays_of(ws.normal_handle_device)) normal_arrays.insert(dev_a + a.offset);
+        for (uintptr_t f : words_of(ws.normal_handle(p(sym_a), p(dev_a)))) normal_fields.insert(f);
+        EXPECT_EQ(normal_fields, normal_arrays) << what << ": NormalHandleView and its arrays";
+        std::multiset<uintptr_t> ll_arrays, ll_fields;
+        for (const ArrayInfo& a : arrays_of(ws.low_latency_handle_device)) ll_arrays.insert(dev_a + a.offset);
+        for (uintptr_t f : words_of(ws.low_latency_handle(p(dev_a)))) ll_fields.insert(f);
+        EXPECT_EQ(ll_fields, ll_arrays) << what << ": LowLatencyHandleView and its arrays";
+    }
+}
+
 TEST(EpStatus, MessagesNameTheRankTheLimitAndTheValue) {
     Status s{};
     s.claimed = 2;
@@ -546,4 +826,4 @@ TEST(EpNvrtc, AotSpecFileMatchesTheOps) {
 }
 
 }  // namespace
-}  // namespace weft::ep
+}  // namespace weft::ops::ep

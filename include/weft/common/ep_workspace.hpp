@@ -1,13 +1,15 @@
 // SPDX-License-Identifier: MIT
-// Expert parallelism: limits, kernel arguments, device state, status record and shared-memory plans shared by the op
-// and its kernels.
+// Expert parallelism: limits, the workspace (where every array of every allocation lives), kernel arguments, device
+// state, status record and shared-memory plans shared by the op and its kernels.
 //
-// The host op (weft/ops/ep.hpp, src/ops/ep*.cpp) fills these structs; the kernels (kernels/ep/*.cuh,
-// compiled by NVRTC) read them. Both sides compute sizes and offsets with the same constexpr functions,
-// so they cannot disagree. Plain structs of fixed-width fields: the same layout under g++ and NVRTC.
+// The host op (weft/ops/ep.hpp, weft::ops::ep, src/ops/ep_*.cpp) fills these structs; the kernels
+// (kernels/ep/*.cuh, weft::kernels::ep, compiled by NVRTC) read them. Both sides compute sizes and offsets with
+// the same constexpr functions, so they cannot disagree. Plain structs of fixed-width fields: the same layout
+// under g++ and NVRTC. The namespace weft::ep holds what both sides share; weft::ops::ep re-exports it.
 #pragma once
 
 #include "weft/common/macros.hpp"  // fixed-width integers under g++, nvcc and NVRTC
+#include "weft/common/math.hpp"
 
 namespace weft::ep {
 
@@ -21,9 +23,6 @@ inline constexpr float kFp8Max = 448.0f;           ///< largest finite e4m3 valu
 /// A group's absolute maximum is clamped to at least this before computing its scale, so that
 /// 448 / amax stays finite: an all-zero group gets a tiny finite scale and zero codes, never NaN/inf.
 inline constexpr float kFp8MinAmax = 1e-10f;
-
-WEFT_HOST_DEVICE constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-WEFT_HOST_DEVICE constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 /// What a kernel found wrong. Input and capacity errors are reported here (never by truncation or
 /// silence); the host turns them into a weft::Error (Buffer::check).
@@ -61,6 +60,9 @@ enum class KernelId : uint32_t {
     kLowLatencyCombine = 5
 };
 
+/// The modes a Buffer serves (bit set): each mode's arrays exist only when its bit is set.
+enum Modes : int32_t { kNormalMode = 1, kLowLatencyMode = 2 };
+
 /// The limits of one Buffer, validated on the host. Every size below derives from these.
 struct Geometry {
     int32_t num_ranks;
@@ -70,10 +72,12 @@ struct Geometry {
     int32_t topk;
     int32_t max_tokens;        ///< tokens per rank per call
     int32_t expert_alignment;  ///< normal mode: each expert segment starts at a multiple of this
-    int32_t pad0;
-    int64_t max_recv_tokens;  ///< normal mode: distinct (source rank, token) pairs one rank receives
-    int64_t max_recv_rows;    ///< normal mode: expert-contiguous rows one rank receives, padding included
+    int32_t modes;             ///< Modes bits
+    int64_t max_recv_tokens;   ///< normal mode: distinct (source rank, token) pairs one rank receives
+    int64_t max_recv_rows;     ///< normal mode: expert-contiguous rows one rank receives, padding included
 
+    WEFT_HOST_DEVICE constexpr bool normal() const { return (modes & kNormalMode) != 0; }
+    WEFT_HOST_DEVICE constexpr bool low_latency() const { return (modes & kLowLatencyMode) != 0; }
     WEFT_HOST_DEVICE constexpr int32_t local_experts() const { return num_experts / num_ranks; }
     WEFT_HOST_DEVICE constexpr int32_t owner(int32_t expert) const { return expert / local_experts(); }
     WEFT_HOST_DEVICE constexpr int64_t row_bytes() const { return int64_t{hidden} * 2; }
@@ -124,6 +128,286 @@ enum NormalInfo : int32_t {
     kInfoInts = 8,
 };
 
+// ---- the workspace: every array of every allocation, placed once ----
+//
+// An EP Buffer and its handles own five allocations (the Footprint's five sizes). Workspace::make computes, from
+// the Geometry alone, the offset and size of every array in each of them; the pointer views below are then built
+// from an allocation's base address in one call. Symmetric allocations sit at the same heap offset on every rank
+// and hold their arrays at the same offsets, so a view built from a peer's mapped base points at that peer's
+// arrays. Nothing is rebased field by field.
+
+/// Alignment of every array in an EP allocation (SymmetricHeap::alloc's default alignment; cudaMallocAsync's is
+/// at least as large).
+inline constexpr int64_t kArrayAlign = 256;
+
+/// `count` elements of T at byte `offset` of an allocation.
+template <class T>
+struct Array {
+    int64_t offset;
+    int64_t count;
+    WEFT_HOST_DEVICE constexpr int64_t bytes() const { return count * static_cast<int64_t>(sizeof(T)); }
+    WEFT_HOST_DEVICE constexpr int64_t end() const { return offset + bytes(); }
+    /// The array in the allocation mapped at `base` (this rank's, or a peer's mapping of a symmetric one).
+    WEFT_HOST_DEVICE T* at(uint8_t* base) const { return reinterpret_cast<T*>(base + offset); }
+};
+
+/// Places arrays one after another, each at a multiple of kArrayAlign; `bytes` ends as the allocation's size.
+struct ArrayPlan {
+    int64_t bytes = 0;
+    template <class T>
+    WEFT_HOST_DEVICE constexpr Array<T> take(int64_t count) {
+        const Array<T> a{bytes, count};
+        bytes += round_up(a.bytes(), kArrayAlign);
+        return a;
+    }
+};
+
+/// The signal arrays of a Buffer, [W] words each, in this order inside BufferSymmetricLayout::signals.
+enum SignalArray : int32_t {
+    kCountSignal = 0,       ///< normal: per source, mailboxes written (one per dispatch)
+    kDataSignal = 1,        ///< normal: per source, rows written into this rank (cumulative)
+    kPartialSignal = 2,     ///< normal: per rank, partial rows written into this rank (cumulative)
+    kCombineDone = 3,       ///< normal: per rank, combines that finished reading their landing
+    kLlDispatchSignal = 4,  ///< low-latency: per source, dispatch sends completed into this rank
+    kLlDispatchCredit = 5,  ///< low-latency: per destination, receives it completed of this rank's data
+    kLlCombineSignal = 6,   ///< low-latency: per expert rank, combine sends completed into this rank
+    kLlCombineCredit = 7,   ///< low-latency: per source, combine receives it completed
+    kNumSignalArrays = 8,
+};
+
+/// The Buffer's symmetric allocation (one per rank, at the same heap offset on every rank). Only `signals` is
+/// zeroed, once, before any rank launches: everything else is written before it is read in every call.
+struct BufferSymmetricLayout {
+    Array<uint64_t> signals;        ///< [kNumSignalArrays][W] (SignalArray order)
+    Array<int32_t> normal_mailbox;  ///< normal: [2][W][mailbox_ints] per call parity, per source
+    Array<uint8_t> ll_recv_slots;   ///< low-latency: [2][E_local][W][max_tokens][ll_slot_bytes]
+    Array<int32_t> ll_mailbox;      ///< low-latency: [2][W][E_local] routes per (source, local expert)
+    Array<uint16_t> ll_landing;     ///< low-latency: [2][max_tokens][k][H] combine rows coming back
+    int64_t bytes;
+};
+
+/// The Buffer's private device allocation, zeroed once: the kernels' state.
+struct BufferDeviceLayout {
+    Array<NormalState> normal_state;  ///< [1] (normal)
+    Array<LowLatencyState> ll_state;  ///< [1] (low-latency)
+    int64_t bytes;
+};
+
+/// A NormalHandle's symmetric allocation (same heap offset on every rank).
+struct NormalHandleSymmetricLayout {
+    Array<uint16_t> recv_x;    ///< [max_recv_rows, H] bf16, expert-contiguous
+    Array<int32_t> recv_meta;  ///< [max_recv_tokens, meta_ints] receive records
+    Array<uint16_t> landing;   ///< [max_send_rows, H] partial sums coming back in combine
+    int64_t bytes;
+};
+
+/// A NormalHandle's private device allocation, zeroed once.
+struct NormalHandleDeviceLayout {
+    Array<int32_t> tokens_per_expert;  ///< [E]
+    Array<int32_t> tokens_per_rank;    ///< [W]
+    Array<uint8_t> token_in_rank;      ///< [max_tokens, W]
+    Array<int32_t> send_idx;           ///< [max_tokens, W]
+    Array<int32_t> route_pos;          ///< [max_tokens, k]
+    Array<int32_t> expert_counts;      ///< [E_local]
+    Array<int32_t> expert_offsets;     ///< [E_local + 1]
+    Array<int32_t> source_offsets;     ///< [W + 1]
+    Array<int32_t> info;               ///< [kInfoInts]
+    int64_t bytes;
+};
+
+/// A LowLatencyHandle's private device allocation, zeroed once.
+struct LowLatencyHandleDeviceLayout {
+    Array<uint8_t> recv_x;         ///< [E_local, W * max_tokens, H] bf16 (2 bytes a channel; e4m3 uses the first half)
+    Array<float> recv_scales;      ///< [E_local, W * max_tokens, H / 128]
+    Array<int32_t> recv_src_info;  ///< [E_local, W * max_tokens]
+    Array<int32_t> recv_src_slot;  ///< [E_local, W * max_tokens]
+    Array<int32_t> expert_counts;  ///< [E_local]
+    int64_t bytes;
+};
+
+/// The Buffer's arrays the normal kernels use (pointers into the Buffer's two allocations).
+struct NormalBufferView {
+    int32_t* mailbox;          ///< symmetric [2][W][mailbox_ints]
+    uint64_t* count_signal;    ///< symmetric [W] per source: mailboxes written (one per dispatch)
+    uint64_t* data_signal;     ///< symmetric [W] per source: rows written into this rank (cumulative)
+    uint64_t* partial_signal;  ///< symmetric [W] per rank: partial rows written into this rank (cumulative)
+    uint64_t* combine_done;    ///< symmetric [W] per rank: combines that finished reading their landing
+    NormalState* state;        ///< private
+};
+
+/// The Buffer's arrays the low-latency kernels use.
+struct LowLatencyBufferView {
+    uint8_t* recv_slots;        ///< symmetric [2][E_local][W][max_tokens][ll_slot_bytes]
+    int32_t* mailbox;           ///< symmetric [2][W][E_local] routes per (source, local expert)
+    uint16_t* landing;          ///< symmetric [2][max_tokens][k][H]
+    uint64_t* dispatch_signal;  ///< symmetric [W] per source: dispatch sends completed into this rank
+    uint64_t* dispatch_credit;  ///< symmetric [W] per destination: receives it completed of this rank's data
+    uint64_t* combine_signal;   ///< symmetric [W] per expert rank: combine sends completed into this rank
+    uint64_t* combine_credit;   ///< symmetric [W] per source: combine receives it completed
+    LowLatencyState* state;     ///< private
+};
+
+/// A NormalHandle's arrays (its two allocations).
+struct NormalHandleView {
+    // symmetric
+    uint16_t* recv_x;    ///< [max_recv_rows, H] bf16, expert-contiguous
+    int32_t* recv_meta;  ///< [max_recv_tokens, meta_ints] receive records
+    uint16_t* landing;   ///< [max_send_rows, H] partial sums coming back in combine
+    // private: the layout
+    int32_t* tokens_per_expert;  ///< [E] routes of this rank per expert
+    int32_t* tokens_per_rank;    ///< [W] distinct tokens this rank sends to each rank
+    uint8_t* token_in_rank;      ///< [max_tokens, W] 1 when the token goes to the rank
+    int32_t* send_idx;           ///< [max_tokens, W] index among this rank's tokens for that rank, or -1
+    int32_t* route_pos;          ///< [max_tokens, k] index among this rank's routes to the expert, or -1
+    // private: the dispatch's results
+    int32_t* expert_counts;   ///< [E_local] rows per local expert (unpadded)
+    int32_t* expert_offsets;  ///< [E_local + 1] padded segment starts; last = total rows
+    int32_t* source_offsets;  ///< [W + 1] first received token of each source
+    int32_t* info;            ///< [kInfoInts] (NormalInfo)
+};
+
+/// A LowLatencyHandle's arrays (one private allocation).
+struct LowLatencyHandleView {
+    uint8_t* recv_x;         ///< [E_local, W * max_tokens, H] bf16, or e4m3 codes (H bytes a row)
+    float* recv_scales;      ///< [E_local, W * max_tokens, H / 128] (fp8 only)
+    int32_t* recv_src_info;  ///< [E_local, W * max_tokens] source rank * max_tokens + token
+    int32_t* recv_src_slot;  ///< [E_local, W * max_tokens] the token's top-k slot
+    int32_t* expert_counts;  ///< [E_local] valid rows of each local expert
+};
+
+/// Where every array of a Buffer and its handles lives, from the Geometry alone (the same on every rank).
+/// The arrays of a mode the Geometry does not serve are empty (and its handle allocations 0 bytes).
+struct Workspace {
+    int32_t num_ranks;
+    int32_t pad0;
+    BufferSymmetricLayout buffer_symmetric;
+    BufferDeviceLayout buffer_device;
+    NormalHandleSymmetricLayout normal_handle_symmetric;
+    NormalHandleDeviceLayout normal_handle_device;
+    LowLatencyHandleDeviceLayout low_latency_handle_device;
+
+    WEFT_HOST_DEVICE static constexpr Workspace make(const Geometry& g) {
+        const int64_t w = g.num_ranks;
+        const int64_t t = g.max_tokens;
+        const int64_t k = g.topk;
+        const int64_t h = g.hidden;
+        const int64_t e = g.num_experts;
+        const int64_t el = g.local_experts();
+        const int64_t n = g.normal() ? 1 : 0;  // multiplies the normal mode's counts
+        const int64_t l = g.low_latency() ? 1 : 0;
+        Workspace ws{};
+        ws.num_ranks = g.num_ranks;
+        {
+            ArrayPlan p;
+            BufferSymmetricLayout& b = ws.buffer_symmetric;
+            b.signals = p.take<uint64_t>(kNumSignalArrays * w);
+            b.normal_mailbox = p.take<int32_t>(n * 2 * w * g.mailbox_ints());
+            b.ll_recv_slots = p.take<uint8_t>(l * 2 * el * w * t * g.ll_slot_bytes());
+            b.ll_mailbox = p.take<int32_t>(l * 2 * w * el);
+            b.ll_landing = p.take<uint16_t>(l * 2 * t * k * h);
+            b.bytes = p.bytes;
+        }
+        {
+            ArrayPlan p;
+            BufferDeviceLayout& b = ws.buffer_device;
+            b.normal_state = p.take<NormalState>(n);
+            b.ll_state = p.take<LowLatencyState>(l);
+            b.bytes = p.bytes;
+        }
+        {
+            ArrayPlan p;
+            NormalHandleSymmetricLayout& s = ws.normal_handle_symmetric;
+            s.recv_x = p.take<uint16_t>(n * g.max_recv_rows * h);
+            s.recv_meta = p.take<int32_t>(n * g.max_recv_tokens * g.meta_ints());
+            s.landing = p.take<uint16_t>(n * g.max_send_rows() * h);
+            s.bytes = p.bytes;
+        }
+        {
+            ArrayPlan p;
+            NormalHandleDeviceLayout& d = ws.normal_handle_device;
+            d.tokens_per_expert = p.take<int32_t>(n * e);
+            d.tokens_per_rank = p.take<int32_t>(n * w);
+            d.token_in_rank = p.take<uint8_t>(n * t * w);
+            d.send_idx = p.take<int32_t>(n * t * w);
+            d.route_pos = p.take<int32_t>(n * t * k);
+            d.expert_counts = p.take<int32_t>(n * el);
+            d.expert_offsets = p.take<int32_t>(n * (el + 1));
+            d.source_offsets = p.take<int32_t>(n * (w + 1));
+            d.info = p.take<int32_t>(n * kInfoInts);
+            d.bytes = p.bytes;
+        }
+        {
+            ArrayPlan p;
+            LowLatencyHandleDeviceLayout& d = ws.low_latency_handle_device;
+            const int64_t rows = l * el * g.ll_rows_per_expert();
+            d.recv_x = p.take<uint8_t>(rows * g.row_bytes());
+            d.recv_scales = p.take<float>(rows * g.ll_fp8_scales());
+            d.recv_src_info = p.take<int32_t>(rows);
+            d.recv_src_slot = p.take<int32_t>(rows);
+            d.expert_counts = p.take<int32_t>(l * el);
+            d.bytes = p.bytes;
+        }
+        return ws;
+    }
+
+    /// Signal array `which` ([W] words) of the Buffer's symmetric allocation at `symmetric`.
+    WEFT_HOST_DEVICE uint64_t* signal(uint8_t* symmetric, SignalArray which) const {
+        return buffer_symmetric.signals.at(symmetric) + static_cast<int64_t>(which) * num_ranks;
+    }
+
+    /// The normal kernels' Buffer arrays, from the Buffer's symmetric and device allocations.
+    WEFT_HOST_DEVICE NormalBufferView normal_buffer(uint8_t* symmetric, uint8_t* device) const {
+        return NormalBufferView{.mailbox = buffer_symmetric.normal_mailbox.at(symmetric),
+                                .count_signal = signal(symmetric, kCountSignal),
+                                .data_signal = signal(symmetric, kDataSignal),
+                                .partial_signal = signal(symmetric, kPartialSignal),
+                                .combine_done = signal(symmetric, kCombineDone),
+                                .state = buffer_device.normal_state.at(device)};
+    }
+
+    /// The low-latency kernels' Buffer arrays.
+    WEFT_HOST_DEVICE LowLatencyBufferView low_latency_buffer(uint8_t* symmetric, uint8_t* device) const {
+        return LowLatencyBufferView{.recv_slots = buffer_symmetric.ll_recv_slots.at(symmetric),
+                                    .mailbox = buffer_symmetric.ll_mailbox.at(symmetric),
+                                    .landing = buffer_symmetric.ll_landing.at(symmetric),
+                                    .dispatch_signal = signal(symmetric, kLlDispatchSignal),
+                                    .dispatch_credit = signal(symmetric, kLlDispatchCredit),
+                                    .combine_signal = signal(symmetric, kLlCombineSignal),
+                                    .combine_credit = signal(symmetric, kLlCombineCredit),
+                                    .state = buffer_device.ll_state.at(device)};
+    }
+
+    /// A NormalHandle's arrays, from its symmetric and device allocations.
+    WEFT_HOST_DEVICE NormalHandleView normal_handle(uint8_t* symmetric, uint8_t* device) const {
+        const NormalHandleSymmetricLayout& s = normal_handle_symmetric;
+        const NormalHandleDeviceLayout& d = normal_handle_device;
+        return NormalHandleView{.recv_x = s.recv_x.at(symmetric),
+                                .recv_meta = s.recv_meta.at(symmetric),
+                                .landing = s.landing.at(symmetric),
+                                .tokens_per_expert = d.tokens_per_expert.at(device),
+                                .tokens_per_rank = d.tokens_per_rank.at(device),
+                                .token_in_rank = d.token_in_rank.at(device),
+                                .send_idx = d.send_idx.at(device),
+                                .route_pos = d.route_pos.at(device),
+                                .expert_counts = d.expert_counts.at(device),
+                                .expert_offsets = d.expert_offsets.at(device),
+                                .source_offsets = d.source_offsets.at(device),
+                                .info = d.info.at(device)};
+    }
+
+    /// A LowLatencyHandle's arrays, from its device allocation.
+    WEFT_HOST_DEVICE LowLatencyHandleView low_latency_handle(uint8_t* device) const {
+        const LowLatencyHandleDeviceLayout& d = low_latency_handle_device;
+        return LowLatencyHandleView{.recv_x = d.recv_x.at(device),
+                                    .recv_scales = d.recv_scales.at(device),
+                                    .recv_src_info = d.recv_src_info.at(device),
+                                    .recv_src_slot = d.recv_src_slot.at(device),
+                                    .expert_counts = d.expert_counts.at(device)};
+    }
+};
+
+// ---- kernel arguments ----
+
 /// Arguments of the layout, normal dispatch and normal combine kernels (one struct for the three).
 struct NormalArgs {
     Geometry geo;
@@ -139,30 +423,9 @@ struct NormalArgs {
     int64_t y_stride;
     uint16_t* out;  ///< combine output [T, H] bf16
     int64_t out_stride;
-    // handle: layout (private)
-    int32_t* tokens_per_expert;  ///< [E] routes of this rank per expert
-    int32_t* tokens_per_rank;    ///< [W] distinct tokens this rank sends to each rank
-    uint8_t* token_in_rank;      ///< [max_tokens, W] 1 when the token goes to the rank
-    int32_t* send_idx;           ///< [max_tokens, W] index among this rank's tokens for that rank, or -1
-    int32_t* route_pos;          ///< [max_tokens, k] index among this rank's routes to the expert, or -1
-    // handle: dispatch results (private)
-    int32_t* expert_counts;   ///< [E_local] rows per local expert (unpadded)
-    int32_t* expert_offsets;  ///< [E_local + 1] padded segment starts; last = total rows
-    int32_t* source_offsets;  ///< [W + 1] first received token of each source
-    int32_t* info;            ///< [kInfoInts]
-    // handle: symmetric
-    uint16_t* recv_x;    ///< [max_recv_rows, H]
-    int32_t* recv_meta;  ///< [max_recv_tokens, meta_ints]
-    uint16_t* landing;   ///< [max_send_rows, H] partial sums coming back in combine
-    // buffer: symmetric
-    int32_t* mailbox;          ///< [2][W][mailbox_ints]
-    uint64_t* count_signal;    ///< [W] per source: mailboxes written (one per dispatch)
-    uint64_t* data_signal;     ///< [W] per source: rows written into this rank (cumulative)
-    uint64_t* partial_signal;  ///< [W] per rank: partial rows written into this rank (cumulative)
-    uint64_t* combine_done;    ///< [W] per rank: combines that finished reading their landing
-    // buffer: private
-    NormalState* state;
-    Status* status;  ///< host-mapped
+    NormalHandleView handle;  ///< Workspace::normal_handle of the handle's allocations
+    NormalBufferView buffer;  ///< Workspace::normal_buffer of the Buffer's allocations
+    Status* status;           ///< host-mapped
 };
 
 /// Phases of a low-latency kernel (bit set): the send half returns without waiting for anyone; the
@@ -187,23 +450,9 @@ struct LowLatencyArgs {
     int64_t y_row_stride;     ///< elements between rows
     uint16_t* out;            ///< combine output [T, H]
     int64_t out_stride;
-    // handle (private)
-    uint8_t* recv_x;         ///< [E_local, W * max_tokens, H] bf16, or e4m3 codes (H bytes a row)
-    float* recv_scales;      ///< [E_local, W * max_tokens, H / 128] (fp8 only)
-    int32_t* recv_src_info;  ///< [E_local, W * max_tokens] source rank * max_tokens + token
-    int32_t* recv_src_slot;  ///< [E_local, W * max_tokens] the token's top-k slot
-    int32_t* expert_counts;  ///< [E_local]
-    // buffer: symmetric
-    uint8_t* recv_slots;        ///< [2][E_local][W][max_tokens][ll_slot_bytes]
-    int32_t* mailbox;           ///< [2][W][E_local] routes per (source, local expert)
-    uint16_t* landing;          ///< [2][max_tokens][k][H]
-    uint64_t* dispatch_signal;  ///< [W] per source: dispatch sends completed into this rank
-    uint64_t* dispatch_credit;  ///< [W] per destination: receives it completed of this rank's data
-    uint64_t* combine_signal;   ///< [W] per expert rank: combine sends completed into this rank
-    uint64_t* combine_credit;   ///< [W] per source: combine receives it completed
-    // buffer: private
-    LowLatencyState* state;
-    Status* status;
+    LowLatencyHandleView handle;  ///< Workspace::low_latency_handle of the handle's allocation
+    LowLatencyBufferView buffer;  ///< Workspace::low_latency_buffer of the Buffer's allocations
+    Status* status;               ///< host-mapped
 };
 
 /// Carves one dynamic shared-memory allocation into 16-byte aligned arrays, identically on host and

@@ -1,19 +1,22 @@
 // SPDX-License-Identifier: MIT
-// Expert-parallel MoE dispatch and combine over a World: normal (throughput) and low-latency (decode) modes.
+// weft::ops::ep: expert-parallel MoE dispatch and combine over a World, normal (throughput) and low-latency
+// (decode) modes.
 //
-//     weft::ep::Config cfg{.num_experts = 256, .hidden = 7168, .topk = 8, .max_tokens_per_rank = 4096};
-//     weft::ep::Buffer ep(world, cfg);                        // collective: symmetric buffers, kernels loaded
-//     weft::ep::NormalHandle h = ep.make_normal_handle();     // collective: one in-flight dispatch
-//     ep.dispatch(h, x, topk_idx, topk_weights, stream);      // rows land expert-contiguous in h.recv_x()
-//     grouped_gemm(h.recv_x(), h.expert_offsets(), y);        // your per-expert computation
-//     ep.combine(h, y, out, stream);                          // weighted sum over the k experts, token order
-//     ep.check();                                             // device-reported errors, without a sync
+//     weft::ops::ep::Config cfg{.num_experts = 256, .hidden = 7168, .topk = 8, .max_tokens_per_rank = 4096};
+//     weft::ops::ep::Buffer ep(world, cfg);                     // collective: symmetric buffers, kernels loaded
+//     weft::ops::ep::NormalHandle h = ep.make_normal_handle();  // collective: one in-flight dispatch
+//     ep.dispatch(h, x, topk_idx, topk_weights, stream);        // rows land expert-contiguous in h.recv_x()
+//     grouped_gemm(h.recv_x(), h.expert_offsets(), y);          // your per-expert computation
+//     ep.combine(h, y, out, stream);                            // weighted sum over the k experts, token order
+//     ep.check();                                               // device-reported errors, without a sync
 //
 // Every call is asynchronous, graph-capturable and never synchronises the host: sizes are exchanged
 // between ranks on the device. Every rank of the World calls the same sequence of collective calls
 // (dispatch, combine, low-latency halves) on a non-blocking stream of its own (ranks that are threads of one
 // process share the legacy default stream, which would serialise their mutually waiting kernels: refused);
-// calls on one Buffer must be ordered (one stream, or streams joined by events). Design, diagrams and pitfalls: kernels/ep/README.md.
+// calls on one Buffer must be ordered (one stream, or streams joined by events). Design, diagrams and pitfalls:
+// kernels/ep/README.md. EP's vocabulary (a Config, a Buffer, two kinds of handle, their options and views) lives in
+// its own namespace, weft::ops::ep, rather than behind an Ep prefix on a dozen names.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -34,7 +37,30 @@ struct KernelSpec;
 }
 }  // namespace weft
 
-namespace weft::ep {
+namespace weft::ops::ep {
+
+// The structs the op shares with its kernels (weft/common/ep_workspace.hpp), under this namespace too.
+using weft::ep::Geometry;
+using weft::ep::KernelId;
+using weft::ep::kFp8GroupSize;
+using weft::ep::kFp8Max;
+using weft::ep::kFp8MinAmax;
+using weft::ep::kInfoCall;
+using weft::ep::kInfoInts;
+using weft::ep::kInfoNumTokens;
+using weft::ep::kInfoRecvRows;
+using weft::ep::kInfoRecvTokens;
+using weft::ep::kInfoValid;
+using weft::ep::kMaxExpertAlignment;
+using weft::ep::kMaxExperts;
+using weft::ep::kMaxLowLatencyTokens;
+using weft::ep::kMaxRanks;
+using weft::ep::kMaxTopk;
+using weft::ep::LowLatencyHandleView;
+using weft::ep::NormalHandleView;
+using weft::ep::Status;
+using weft::ep::StatusCode;
+using weft::ep::Workspace;
 
 /// The limits every buffer is sized from. Fixed for a Buffer's life; a call beyond them is an error
 /// (host-checked where the host knows the size, device-reported otherwise), never a truncation.
@@ -60,7 +86,7 @@ struct Config {
 /// field, the expectation and the value found.
 Geometry resolve_geometry(const Config& config, int num_ranks, int rank);
 
-/// Bytes each rank needs, by owner.
+/// Bytes each rank needs, by owner: the sizes of the five allocations of Workspace::make(geometry).
 struct Footprint {
     uint64_t buffer_symmetric_bytes = 0;           ///< symmetric heap: signals, mailboxes, low-latency areas
     uint64_t buffer_device_bytes = 0;              ///< private device memory of the Buffer (state)
@@ -121,21 +147,6 @@ struct StatusReport {
 
 class Buffer;
 
-/// Device pointers of a NormalHandle (private device memory unless noted).
-struct NormalView {
-    const uint16_t* recv_x;            ///< symmetric: bf16 [max_recv_rows, H], expert-contiguous
-    const int32_t* expert_counts;      ///< [E_local] rows of each local expert (unpadded)
-    const int32_t* expert_offsets;     ///< [E_local + 1] padded segment starts; [E_local] = rows in all
-    const int32_t* source_offsets;     ///< [W + 1] first received token of each source rank
-    const int32_t* info;               ///< [kInfoInts] (NormalInfo): valid, T, tokens and rows received
-    const int32_t* tokens_per_expert;  ///< layout: [E] this rank's routes per expert
-    const int32_t* tokens_per_rank;    ///< layout: [W] this rank's tokens per destination rank
-    const uint8_t* token_in_rank;      ///< layout: [max_tokens, W] token -> rank mask
-    const int32_t* send_idx;           ///< layout: [max_tokens, W] index among tokens sent to the rank, or -1
-    const int32_t* route_pos;          ///< layout: [max_tokens, k] index among routes to the expert, or -1
-    const int32_t* recv_meta;          ///< symmetric: [max_recv_tokens, meta_ints] receive records
-};
-
 /// One normal dispatch in flight: its receive buffers (symmetric), its layout and the plan its
 /// combine reuses. Created collectively by Buffer::make_normal_handle(); freed collectively by its
 /// destructor (every rank destroys its handles in the same order, before the Buffer).
@@ -151,7 +162,9 @@ public:
     TensorView recv_x() const;
     const int32_t* expert_counts() const;
     const int32_t* expert_offsets() const;
-    NormalView view() const;
+    /// Device pointers of the handle's arrays (recv_x, recv_meta and landing in the symmetric heap, the rest in
+    /// private device memory).
+    const NormalHandleView& view() const;
     /// T of the last dispatch (host-side), -1 before the first.
     int num_tokens() const;
 
@@ -160,14 +173,6 @@ private:
     struct Impl;
     explicit NormalHandle(std::unique_ptr<Impl> impl);
     std::unique_ptr<Impl> impl_;
-};
-
-/// Device pointers of a LowLatencyHandle (private device memory).
-struct LowLatencyView {
-    const uint8_t* recv_x;         ///< [E_local, W * max_tokens, H]: bf16 (2 bytes) or e4m3 codes (1 byte)
-    const float* recv_scales;      ///< [E_local, W * max_tokens, H / 128] (fp8 dispatches)
-    const int32_t* recv_src_info;  ///< [E_local, W * max_tokens]: source rank * max_tokens + token
-    const int32_t* expert_counts;  ///< [E_local] valid rows of each local expert
 };
 
 /// One low-latency dispatch's outputs (masked layout) and the plan its combine reuses. Local (not
@@ -184,7 +189,8 @@ public:
     /// f32 [E_local, W * max_tokens, H / 128]: the scale of each 128-channel group (fp8 dispatches).
     TensorView recv_scales() const;
     const int32_t* expert_counts() const;
-    LowLatencyView view() const;
+    /// Device pointers of the handle's arrays (private device memory).
+    const LowLatencyHandleView& view() const;
     bool fp8() const;
 
 private:
@@ -260,4 +266,4 @@ private:
 /// The message check() throws for a status record (exposed for tests).
 std::string describe_status(const Status& status);
 
-}  // namespace weft::ep
+}  // namespace weft::ops::ep

@@ -1,0 +1,97 @@
+// SPDX-License-Identifier: MIT
+// The state behind weft::ops::ep's Buffer and handles, and the argument checks every EP op shares (private to
+// src/ops: ep_buffer.cpp, ep_normal.cpp, ep_low_latency.cpp).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <deque>
+
+#include "weft/jit/compiler.hpp"
+#include "weft/ops/ep.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft::ops::ep {
+
+namespace detail {
+
+/// Threads per block of every EP kernel (the kernel_specs() instantiations use it).
+inline constexpr int kThreads = 512;
+
+/// Elements between rows of a row-major view (the column count for a view of at most one row).
+int64_t row_stride_of(const TensorView& v);
+
+/// Throws weft::Error naming `op` and `name` unless `v` is a 2-D row-major `dtype` view with `cols` columns
+/// (rows and row strides 16-byte aligned when `align16`). A view of 0 rows passes with any data pointer.
+void check_matrix(const char* op, const char* name, const TensorView& v, DType dtype, int64_t cols, bool align16);
+
+/// Checks topk_idx (int32 [T, k]) and returns T: T must equal `rows_expected` (the rows of `rows_from`) unless
+/// that is negative, and must not exceed max_tokens_per_rank.
+int check_tokens(const char* op, const Geometry& g, const TensorView& idx, int64_t rows_expected,
+                 const char* rows_from);
+
+/// A zeroed private device allocation of `bytes` (nullptr for 0), stream-ordered on `stream` so that it never
+/// synchronises the device while other ranks' kernels spin; synchronises `stream` before returning.
+uint8_t* device_alloc_zeroed(uint64_t bytes, cudaStream_t stream);
+
+}  // namespace detail
+
+struct NormalHandle::Impl {
+    Buffer::Impl* buffer = nullptr;
+    uint8_t* symmetric = nullptr;  // heap allocation: Workspace::normal_handle_symmetric
+    uint8_t* device = nullptr;     // private allocation: Workspace::normal_handle_device
+    NormalHandleView view{};
+    int num_tokens = -1;  // of the last dispatch
+    bool dispatched = false;
+    ~Impl();
+};
+
+struct LowLatencyHandle::Impl {
+    Buffer::Impl* buffer = nullptr;
+    uint8_t* device = nullptr;  // private allocation: Workspace::low_latency_handle_device
+    LowLatencyHandleView view{};
+    bool fp8 = false;
+    int num_tokens = -1;
+    enum class State { kIdle, kDispatchSent, kDispatched, kCombineSent } state = State::kIdle;
+    ~Impl();
+};
+
+struct Buffer::Impl {
+    World* world = nullptr;
+    Config config;
+    Geometry geo{};
+    Workspace ws{};
+    Footprint fp;
+    cudaStream_t alloc_stream = nullptr;
+    uint8_t* symmetric = nullptr;  // heap allocation: Workspace::buffer_symmetric
+    uint8_t* device = nullptr;     // private allocation: Workspace::buffer_device
+    weft::ep::NormalBufferView normal{};
+    weft::ep::LowLatencyBufferView low_latency{};
+    Status* status_host = nullptr;
+    Status* status_dev = nullptr;
+    jit::Kernel* k_layout = nullptr;
+    jit::Kernel* k_dispatch = nullptr;
+    jit::Kernel* k_combine = nullptr;
+    jit::Kernel* k_ll_dispatch = nullptr;
+    jit::Kernel* k_ll_combine = nullptr;
+    int live_handles = 0;
+    std::deque<LowLatencyHandle::Impl*> ll_dispatch_queue;  // sent, not yet received (oldest first)
+    std::deque<LowLatencyHandle::Impl*> ll_combine_queue;
+
+    /// What every op checks on entry, before anything else: no device-reported error is pending (check()), the
+    /// stream is one the ranks' kernels cannot be serialised on, and `handle_owner` is this Buffer.
+    void enter(const char* op, cudaStream_t stream, const Buffer::Impl* handle_owner) const;
+    /// The grid of a launch: `requested` blocks (0 = `fallback`), within the rank's SM budget.
+    int grid(const char* op, int requested, int fallback) const;
+    /// Throws the pending device-reported error, if any, naming `op`.
+    void check_status(const char* op) const;
+
+    /// The normal kernels' arguments with this Buffer's and `h`'s arrays; the caller adds the call's inputs.
+    weft::ep::NormalArgs normal_args(const NormalHandle::Impl& h) const;
+    /// The low-latency kernels' arguments with this Buffer's and `h`'s arrays, for `phase`.
+    weft::ep::LowLatencyArgs low_latency_args(const LowLatencyHandle::Impl& h, Phase phase) const;
+    /// Launches the layout kernel for `t` tokens of `topk_idx` (validated by the caller).
+    void launch_layout(const NormalHandle::Impl& h, const TensorView& topk_idx, int t, cudaStream_t stream) const;
+};
+
+}  // namespace weft::ops::ep

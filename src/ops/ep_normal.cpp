@@ -1,0 +1,145 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::ep normal mode: NormalHandle, and the layout, dispatch and combine launches.
+#include "ep_buffer.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+
+namespace weft::ops::ep {
+
+using detail::check_matrix;
+using detail::check_tokens;
+using detail::kThreads;
+using detail::row_stride_of;
+
+NormalHandle::Impl::~Impl() {
+    if (buffer == nullptr) {
+        return;
+    }
+    try {
+        buffer->world->heap().free(symmetric);
+        if (device != nullptr) {
+            WEFT_CUDA_CHECK(cudaFreeAsync(device, buffer->alloc_stream));
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(buffer->alloc_stream));
+        }
+    } catch (const std::exception& e) {
+        WEFT_LOG_ERROR("ep: freeing a NormalHandle failed: " << e.what());
+    }
+    --buffer->live_handles;
+}
+
+NormalHandle::NormalHandle(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+NormalHandle::NormalHandle(NormalHandle&&) noexcept = default;
+NormalHandle& NormalHandle::operator=(NormalHandle&&) noexcept = default;
+NormalHandle::~NormalHandle() = default;
+
+TensorView NormalHandle::recv_x() const {
+    const Geometry& g = impl_->buffer->geo;
+    return TensorView(impl_->view.recv_x, DType::kBF16, {g.max_recv_rows, g.hidden});
+}
+const int32_t* NormalHandle::expert_counts() const { return impl_->view.expert_counts; }
+const int32_t* NormalHandle::expert_offsets() const { return impl_->view.expert_offsets; }
+int NormalHandle::num_tokens() const { return impl_->num_tokens; }
+const NormalHandleView& NormalHandle::view() const { return impl_->view; }
+
+NormalHandle Buffer::make_normal_handle() {
+    Impl& b = *impl_;
+    WEFT_CHECK(b.config.normal, "ep: make_normal_handle: this Buffer was made with Config::normal = false");
+    auto h = std::make_unique<NormalHandle::Impl>();
+    h->symmetric = static_cast<uint8_t*>(
+        b.world->heap().alloc(static_cast<uint64_t>(b.ws.normal_handle_symmetric.bytes)));  // collective
+    h->device = detail::device_alloc_zeroed(static_cast<uint64_t>(b.ws.normal_handle_device.bytes), b.alloc_stream);
+    h->view = b.ws.normal_handle(h->symmetric, h->device);
+    h->buffer = &b;
+    ++b.live_handles;
+    return NormalHandle(std::move(h));
+}
+
+weft::ep::NormalArgs Buffer::Impl::normal_args(const NormalHandle::Impl& h) const {
+    weft::ep::NormalArgs a{};
+    a.geo = geo;
+    a.handle = h.view;
+    a.buffer = normal;
+    a.status = status_dev;
+    return a;
+}
+
+void Buffer::Impl::launch_layout(const NormalHandle::Impl& h, const TensorView& topk_idx, int t,
+                                 cudaStream_t stream) const {
+    weft::ep::NormalArgs a = normal_args(h);
+    a.num_tokens = t;
+    a.topk_idx = static_cast<const int32_t*>(topk_idx.data);
+    a.idx_stride = t > 0 ? row_stride_of(topk_idx) : geo.topk;
+    k_layout->launch({.grid = dim3(1),
+                      .block = dim3(kThreads),
+                      .dynamic_smem_bytes = static_cast<size_t>(weft::ep::LayoutSmem::make(geo, kThreads).total),
+                      .stream = stream},
+                     world->device_ctx(), a);
+}
+
+void Buffer::layout(NormalHandle& handle, const TensorView& topk_idx, cudaStream_t stream) {
+    Impl& b = *impl_;
+    b.enter("layout", stream, handle.impl_ ? handle.impl_->buffer : nullptr);
+    const int t = check_tokens("ep::layout", b.geo, topk_idx, -1, "");
+    b.launch_layout(*handle.impl_, topk_idx, t, stream);
+}
+
+void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorView& topk_idx,
+                      const TensorView& topk_weights, cudaStream_t stream, const NormalOptions& options) {
+    Impl& b = *impl_;
+    const Geometry& g = b.geo;
+    b.enter("dispatch", stream, handle.impl_ ? handle.impl_->buffer : nullptr);
+    WEFT_CHECK(b.config.normal, "ep: dispatch: this Buffer was made with Config::normal = false");
+    check_matrix("ep::dispatch", "x", x, DType::kBF16, g.hidden, true);
+    const int t = check_tokens("ep::dispatch", g, topk_idx, x.dim(0), "x");
+    check_matrix("ep::dispatch", "topk_weights", topk_weights, DType::kF32, g.topk, false);
+    WEFT_CHECK(topk_weights.dim(0) == t,
+               "ep::dispatch: topk_weights has " << topk_weights.dim(0) << " rows but x has " << t);
+    const int sms = b.grid("dispatch", options.num_sms, default_normal_sms(t, b.world->sm_budget()));
+    NormalHandle::Impl& h = *handle.impl_;
+    b.launch_layout(h, topk_idx, t, stream);
+    weft::ep::NormalArgs a = b.normal_args(h);
+    a.num_tokens = t;
+    a.x = static_cast<const uint16_t*>(x.data);
+    a.x_stride = t > 0 ? row_stride_of(x) : g.hidden;
+    a.topk_idx = static_cast<const int32_t*>(topk_idx.data);
+    a.idx_stride = t > 0 ? row_stride_of(topk_idx) : g.topk;
+    a.topk_weights = static_cast<const float*>(topk_weights.data);
+    a.weight_stride = t > 0 ? row_stride_of(topk_weights) : g.topk;
+    b.k_dispatch->launch({.grid = dim3(static_cast<unsigned>(sms)),
+                          .block = dim3(kThreads),
+                          .dynamic_smem_bytes = static_cast<size_t>(weft::ep::NormalSmem::make(g, kThreads).total),
+                          .stream = stream},
+                         b.world->device_ctx(), a);
+    h.num_tokens = t;
+    h.dispatched = true;
+}
+
+void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView& out, cudaStream_t stream,
+                     const NormalOptions& options) {
+    Impl& b = *impl_;
+    const Geometry& g = b.geo;
+    b.enter("combine", stream, handle.impl_ ? handle.impl_->buffer : nullptr);
+    NormalHandle::Impl& h = *handle.impl_;
+    WEFT_CHECK(h.dispatched, "ep::combine: the handle has not been dispatched");
+    check_matrix("ep::combine", "y", y, DType::kBF16, g.hidden, true);
+    WEFT_CHECK(y.dim(0) >= g.max_recv_rows, "ep::combine: y must have at least max_recv_rows = "
+                                                << g.max_recv_rows << " rows (the rows of recv_x), got "
+                                                << y.describe());
+    const int t = h.num_tokens;
+    check_matrix("ep::combine", "out", out, DType::kBF16, g.hidden, true);
+    WEFT_CHECK(out.dim(0) == t, "ep::combine: out must have the dispatch's " << t << " rows, got " << out.describe());
+    const int sms = b.grid("combine", options.num_sms, default_normal_sms(t, b.world->sm_budget()));
+    weft::ep::NormalArgs a = b.normal_args(h);
+    a.num_tokens = t;
+    a.y = static_cast<const uint16_t*>(y.data);
+    a.y_stride = row_stride_of(y);
+    a.out = static_cast<uint16_t*>(out.data);
+    a.out_stride = t > 0 ? row_stride_of(out) : g.hidden;
+    b.k_combine->launch({.grid = dim3(static_cast<unsigned>(sms)),
+                         .block = dim3(kThreads),
+                         .dynamic_smem_bytes = static_cast<size_t>(weft::ep::NormalSmem::make(g, kThreads).total),
+                         .stream = stream},
+                        b.world->device_ctx(), a);
+}
+
+}  // namespace weft::ops::ep
