@@ -40,17 +40,19 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <ctime>
-#include <fstream>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "common/cli.hpp"
+#include "common/json.hpp"
+#include "common/peaks.hpp"
+#include "common/ranks.hpp"
+#include "common/report.hpp"
+#include "common/timing.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/reduce_scatter.hpp"
@@ -83,122 +85,39 @@ struct Options {
     std::string json;
 };
 
-std::vector<std::string> split(const std::string& s, char sep) {
-    std::vector<std::string> out;
-    std::stringstream ss(s);
-    std::string item;
-    while (std::getline(ss, item, sep)) {
-        if (!item.empty()) out.push_back(item);
-    }
-    return out;
-}
-
-std::vector<uint64_t> parse_sizes(const std::string& text) {
-    std::vector<uint64_t> sizes;
-    if (text.find(':') != std::string::npos) {
-        const auto parts = split(text, ':');
-        WEFT_CHECK(parts.size() == 2 || parts.size() == 3, "--sizes: expected A:B or A:B:F, got '" << text << "'");
-        const uint64_t lo = env::parse_bytes(parts[0], "--sizes");
-        const uint64_t hi = env::parse_bytes(parts[1], "--sizes");
-        const uint64_t f = parts.size() == 3 ? env::parse_bytes(parts[2], "--sizes factor") : 4;
-        WEFT_CHECK(lo >= 1 && lo <= hi && f >= 2, "--sizes: need 1 <= A <= B and F >= 2, got '" << text << "'");
-        for (uint64_t s = lo; s <= hi; s *= f) sizes.push_back(s);
-    } else {
-        for (const std::string& p : split(text, ',')) sizes.push_back(env::parse_bytes(p, "--sizes"));
-    }
-    return sizes;
-}
-
 Options parse_options(int argc, char** argv) {
     Options o;
-    o.sizes = parse_sizes("8,64,512,4K,16K,64K,256K,1M,4M,16M,64M,256M");
-    for (int i = 1; i < argc; ++i) {
-        const std::string arg = argv[i];
-        const auto value = [&](const char* name) -> std::string {
-            WEFT_CHECK(i + 1 < argc, name << " needs a value");
-            return argv[++i];
-        };
-        if (arg == "--ops") {
-            o.ops.clear();
-            for (const std::string& p : split(value("--ops"), ',')) {
-                if (p == "all_reduce")
-                    o.ops.push_back(Op::kAllReduce);
-                else if (p == "all_gather")
-                    o.ops.push_back(Op::kAllGather);
-                else if (p == "reduce_scatter")
-                    o.ops.push_back(Op::kReduceScatter);
-                else
-                    WEFT_FAIL("--ops: unknown op '" << p << "' (all_reduce, all_gather, reduce_scatter)");
-            }
-        } else if (arg == "--sizes") {
-            o.sizes = parse_sizes(value("--sizes"));
-        } else if (arg == "--iters") {
-            o.iters = static_cast<int>(env::parse_int(value("--iters"), "--iters"));
-        } else if (arg == "--warmup") {
-            o.warmup = static_cast<int>(env::parse_int(value("--warmup"), "--warmup"));
-        } else if (arg == "--reps") {
-            o.reps = static_cast<int>(env::parse_int(value("--reps"), "--reps"));
-        } else if (arg == "--dtype") {
-            const std::string d = value("--dtype");
-            if (d == "bf16")
-                o.dtype = DType::kBF16;
-            else if (d == "f16")
-                o.dtype = DType::kF16;
-            else if (d == "f32")
-                o.dtype = DType::kF32;
-            else
-                WEFT_FAIL("--dtype: expected bf16, f16 or f32, got '" << d << "'");
-        } else if (arg == "--world") {
-            o.worlds.clear();
-            for (const std::string& p : split(value("--world"), ',')) {
-                const int w = static_cast<int>(env::parse_int(p, "--world"));
-                WEFT_CHECK(w >= 2 && w <= 64, "--world: sizes between 2 and 64, got " << w);
-                o.worlds.push_back(w);
-            }
-        } else if (arg == "--algos") {
-            o.algos = split(value("--algos"), ',');
-        } else if (arg == "--graph-max") {
-            o.graph_max = env::parse_bytes(value("--graph-max"), "--graph-max");
-        } else if (arg == "--buffers") {
-            const std::string b = value("--buffers");
-            WEFT_CHECK(b == "symmetric" || b == "local", "--buffers: symmetric or local, got '" << b << "'");
-            o.symmetric = b == "symmetric";
-        } else if (arg == "--no-nccl") {
-            o.nccl = false;
-        } else if (arg == "--check") {
-            o.check = true;
-        } else if (arg == "--json") {
-            o.json = value("--json");
-        } else if (arg == "--help" || arg == "-h") {
-            std::printf(
-                "usage: %s [--ops LIST] [--sizes 8,64,..|A:B[:F]] [--iters N] [--warmup N] [--reps N] "
-                "[--dtype bf16|f16|f32] [--world 2,4,8] [--algos LIST] [--graph-max BYTES] "
-                "[--buffers symmetric|local] [--no-nccl] [--check] [--json FILE]\n",
-                argv[0]);
-            std::exit(0);
-        } else {
-            WEFT_FAIL("unknown option '" << arg << "' (try --help)");
+    o.sizes = parse_byte_sizes("8,64,512,4K,16K,64K,256K,1M,4M,16M,64M,256M", "--sizes");
+    Cli cli("weft_bench_collectives", "all-reduce, all-gather, reduce-scatter: latency and bus bandwidth vs NCCL");
+    cli.option("--ops", "LIST", "all_reduce,all_gather,reduce_scatter (default all three)", [&](const std::string& v) {
+        o.ops.clear();
+        for (const std::string& p : parse_choice_list(v, "--ops", {"all_reduce", "all_gather", "reduce_scatter"})) {
+            o.ops.push_back(p == "all_reduce"   ? Op::kAllReduce
+                            : p == "all_gather" ? Op::kAllGather
+                                                : Op::kReduceScatter);
         }
-    }
-    WEFT_CHECK(o.iters >= 1 && o.reps >= 1 && o.warmup >= 0, "--iters and --reps must be >= 1, --warmup >= 0");
+    });
+    cli.sizes("8,64,...|A:B[:F]", "bytes as nccl-tests count them (default 8 .. 256M)",
+              [&](const std::string& v) { o.sizes = parse_byte_sizes(v, "--sizes"); });
+    cli.iters(&o.iters).warmup(&o.warmup);
+    cli.int_option("--reps", "repetitions of --iters calls; the median counts", &o.reps, 1, 1 << 20);
+    cli.dtype(&o.dtype, {DType::kBF16, DType::kF16, DType::kF32}).world(&o.worlds, 2, 64);
+    cli.option("--algos", "LIST", "algorithms to run (default every one of each op)", [&](const std::string& v) {
+        o.algos = parse_choice_list(v, "--algos",
+                                    {"auto", "ll", "one_shot", "two_shot", "sm_push", "ce_pull", "ce_push", "sm_pull"});
+    });
+    cli.option("--graph-max", "BYTES", "sizes up to this are timed from a CUDA graph (default 1M)",
+               [&](const std::string& v) { o.graph_max = parse_bytes(v, "--graph-max"); });
+    cli.option("--buffers", "symmetric|local", "where inputs and outputs live (default symmetric)",
+               [&](const std::string& v) {
+                   o.symmetric = parse_choice(v, "--buffers", {"symmetric", "local"}) == "symmetric";
+               });
+    bool no_nccl = false;
+    cli.flag("--no-nccl", "skip NCCL", &no_nccl);
+    cli.check(&o.check).json(&o.json);
+    cli.parse(argc, argv);
+    o.nccl = !no_nccl;
     return o;
-}
-
-std::string format_bytes(uint64_t b) {
-    const char* units[] = {"B", "K", "M", "G"};
-    int u = 0;
-    while (u < 3 && b >= 1024 && b % 1024 == 0) {
-        b /= 1024;
-        ++u;
-    }
-    return std::to_string(b) + units[u];
-}
-
-std::string utc_date() {
-    const std::time_t t = std::time(nullptr);
-    char buf[32];
-    std::strftime(buf, sizeof(buf), "%Y-%m-%d", std::gmtime(&t));
-    return buf;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -349,25 +268,14 @@ double bus_factor(Op op, int n) {
     return op == Op::kAllReduce ? 2 * f : f;
 }
 
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
 // Times `call(k)` (k = the iteration, for buffer rotation): median over reps of (events around iters calls) / iters,
 // in microseconds; from a captured graph when *graph (which is cleared if capturing fails: then eager launches).
 double time_calls(cudaStream_t s, const Options& o, bool* graph, const std::function<void(int)>& call) {
-    cudaEvent_t a = nullptr, b = nullptr;
-    WEFT_CUDA_CHECK(cudaEventCreate(&a));
-    WEFT_CUDA_CHECK(cudaEventCreate(&b));
+    EventPair ev;
     const auto timed = [&](const std::function<void()>& body) {
-        WEFT_CUDA_CHECK(cudaEventRecord(a, s));
+        ev.start(s);
         body();
-        WEFT_CUDA_CHECK(cudaEventRecord(b, s));
-        WEFT_CUDA_CHECK(cudaEventSynchronize(b));
-        float ms = 0;
-        WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-        return 1000.0 * ms / o.iters;
+        return 1000.0 * ev.stop_ms(s) / o.iters;
     };
     std::vector<double> per_call;
     cudaGraphExec_t exec = nullptr;
@@ -401,26 +309,8 @@ double time_calls(cudaStream_t s, const Options& o, bool* graph, const std::func
             }));
         }
     }
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
     return median(per_call);
 }
-
-// The slowest rank's value (ranks are threads: a shared table and two host barriers).
-class Gather {
-public:
-    explicit Gather(int n) : values_(static_cast<size_t>(n)) {}
-    double max(World& w, double v) {
-        values_[static_cast<size_t>(w.rank())] = v;
-        w.barrier();
-        const double m = *std::max_element(values_.begin(), values_.end());
-        w.barrier();
-        return m;
-    }
-
-private:
-    std::vector<double> values_;
-};
 
 std::vector<std::string> algos_of(Op op, const Options& o) {
     std::vector<std::string> all;
@@ -458,7 +348,7 @@ void run_world(int n, const Options& o, WorldResult* result) {
         o.symmetric ? (2 * pool + (256ull << 20) + (2ull << 20) - 1) / (2ull << 20) * (2ull << 20) : (256ull << 20);
     wo.timeout = std::chrono::milliseconds(60000);
     std::mutex mutex;
-    Gather gather(n);
+    SlowestRank gather(n);
     std::atomic<bool> shared_gpu{false};
     run_local(
         n,
@@ -494,15 +384,8 @@ void run_world(int n, const Options& o, WorldResult* result) {
                 WEFT_CUDA_CHECK(cudaSetDevice(dst_device));
                 WEFT_CUDA_CHECK(cudaMalloc(&dst, bytes));
                 WEFT_CUDA_CHECK(cudaSetDevice(w.device()));
-                Options ro = o;
-                ro.iters = 3;
-                bool eager = false;
-                const double us = time_calls(s, ro, &eager, [&](int) {
-                    WEFT_CUDA_CHECK(cudaMemcpyAsync(dst, in, bytes, cudaMemcpyDefault, s));
-                });
-                WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+                const double gbps = copy_bytes_per_s(dst, in, bytes, s, o.warmup, std::max(3, o.reps)) / 1e9;
                 cudaFree(dst);
-                const double gbps = static_cast<double>(bytes) / us / 1e3;
                 roof = shared ? gbps / n : gbps;
                 std::ostringstream os;
                 os << (shared ? "cudaMemcpy D2D on the shared GPU: " : "copy-engine copy GPU0 -> GPU1: ") << gbps
@@ -549,11 +432,10 @@ void run_world(int n, const Options& o, WorldResult* result) {
                     if (shard == 0) continue;
                     const uint64_t in_bytes = op == Op::kReduceScatter ? shard * n * es : shard * es;
                     const uint64_t out_bytes = op == Op::kAllGather ? shard * n * es : shard * es;
-                    const uint64_t stride = (std::max(in_bytes, out_bytes) + 255) / 256 * 256;
-                    const uint64_t slots = std::max<uint64_t>(1, std::min<uint64_t>(pool / stride, 64));
+                    const PoolRotation rotation(pool, std::max(in_bytes, out_bytes), 64);
                     const bool graph = size <= o.graph_max;
                     const auto views = [&](int k) {
-                        const uint64_t off = (static_cast<uint64_t>(k) % slots) * stride;
+                        const uint64_t off = rotation.offset(k);
                         const auto in_n = static_cast<int64_t>(in_bytes / es);
                         const auto out_n = static_cast<int64_t>(out_bytes / es);
                         return std::make_pair(TensorView(in + off, o.dtype, {in_n}),
@@ -754,30 +636,27 @@ int run(int argc, char** argv) {
         "weft time (> 1: weft faster)\n",
         o.iters);
     if (!o.json.empty()) {
-        std::ofstream f(o.json);
-        WEFT_CHECK(f.good(), "--json: cannot write '" << o.json << "'");
-        f << "{\n  \"bench\": \"collectives\",\n  \"device\": \"" << prop.name << "\",\n  \"devices\": " << devices
-          << ",\n  \"date\": \"" << utc_date() << "\",\n  \"dtype\": \"" << dtype_name(o.dtype)
-          << "\",\n  \"buffers\": \"" << (o.symmetric ? "symmetric" : "local") << "\",\n  \"iters\": " << o.iters
-          << ",\n  \"reps\": " << o.reps << ",\n  \"worlds\": [";
+        Json j;
+        j.begin_object().field("bench", "collectives").field("device", prop.name).field("devices", devices);
+        j.field("date", utc_date()).field("dtype", dtype_name(o.dtype));
+        j.field("buffers", o.symmetric ? "symmetric" : "local").field("iters", o.iters).field("reps", o.reps);
+        j.key("worlds").begin_array();
         for (size_t i = 0; i < results.size(); ++i) {
             const WorldResult& r = results[i];
-            f << (i ? "," : "") << "\n    {\"world\": " << o.worlds[i]
-              << ", \"roofline_busbw_gbps\": " << r.roofline_busbw << ", \"roofline\": \"" << r.roofline_what
-              << "\", \"nccl\": \"" << r.nccl_note << "\", \"rows\": [";
-            for (size_t k = 0; k < r.rows.size(); ++k) {
-                const Row& x = r.rows[k];
-                f << (k ? "," : "") << "\n      {\"op\": \"" << op_name(x.op) << "\", \"algo\": \"" << x.algo << "\""
-                  << (x.chosen.empty() ? "" : ", \"chosen\": \"" + x.chosen + "\"") << ", \"size_bytes\": " << x.size
-                  << ", \"shared_gpu\": " << (x.shared_gpu ? "true" : "false")
-                  << ", \"graph\": " << (x.graph ? "true" : "false") << ", \"us\": " << x.us
-                  << ", \"busbw_gbps\": " << x.busbw;
-                if (x.check >= 0) f << ", \"correct\": " << (x.check ? "true" : "false");
-                f << "}";
+            j.begin_object().field("world", o.worlds[i]).field("roofline_busbw_gbps", r.roofline_busbw);
+            j.field("roofline", r.roofline_what).field("nccl", r.nccl_note).key("rows").begin_array();
+            for (const Row& x : r.rows) {
+                j.begin_object(true).field("op", op_name(x.op)).field("algo", x.algo);
+                if (!x.chosen.empty()) j.field("chosen", x.chosen);
+                j.field("size_bytes", x.size).field("shared_gpu", x.shared_gpu).field("graph", x.graph);
+                j.field("us", x.us).field("busbw_gbps", x.busbw);
+                if (x.check >= 0) j.field("correct", x.check != 0);
+                j.end_object();
             }
-            f << "\n    ]}";
+            j.end_array().end_object();
         }
-        f << "\n  ]\n}\n";
+        j.end_array().end_object();
+        write_json_file(o.json, j);
         std::printf("wrote %s\n", o.json.c_str());
     }
     return all_ok ? 0 : 1;
@@ -787,10 +666,5 @@ int run(int argc, char** argv) {
 }  // namespace weft::bench
 
 int main(int argc, char** argv) {
-    try {
-        return weft::bench::run(argc, argv);
-    } catch (const std::exception& e) {
-        std::fprintf(stderr, "weft_bench_collectives: %s\n", e.what());
-        return 2;
-    }
+    return weft::bench::run_main("weft_bench_collectives", [&] { return weft::bench::run(argc, argv); });
 }

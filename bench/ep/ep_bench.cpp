@@ -15,7 +15,8 @@
 //   one row per (token, expert); normal: one per (token, rank)), at the transmitted dtype;
 //   crossing: only the bytes that leave a rank for another one, with weft's per-row extras (the
 //   low-latency 16-byte trailer, the normal receive record).
-// Normal mode defaults: tokens 4096, receive limits 1.25x the uniform expectation.
+// Normal mode defaults: tokens 4096, receive limits 1.25x the uniform expectation. The header gives GPU 0's
+// device-to-device copy peak (measured at start-up): the limit of HBM work when ranks share a GPU.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -23,17 +24,18 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <ctime>
-#include <fstream>
 #include <mutex>
 #include <numeric>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "common/cli.hpp"
+#include "common/json.hpp"
+#include "common/peaks.hpp"
+#include "common/report.hpp"
+#include "common/timing.hpp"
 #include "weft/ops/ep.hpp"
-#include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/world.hpp"
 
@@ -55,73 +57,22 @@ struct Options {
     std::string json;
 };
 
-std::vector<std::string> split(const std::string& s, char sep) {
-    std::vector<std::string> out;
-    std::stringstream ss(s);
-    std::string item;
-    while (std::getline(ss, item, sep)) out.push_back(item);
-    return out;
-}
-
-std::vector<int> parse_ints(const std::string& text, const char* what, int lo, int hi) {
-    std::vector<int> v;
-    for (const std::string& p : split(text, ',')) {
-        const int x = static_cast<int>(env::parse_int(p, what));
-        WEFT_CHECK(x >= lo && x <= hi, what << ": values in " << lo << ".." << hi << ", got " << x);
-        v.push_back(x);
-    }
-    WEFT_CHECK(!v.empty(), what << ": empty list");
-    return v;
-}
-
 Options parse_options(int argc, char** argv) {
     Options o;
-    for (int i = 1; i < argc; ++i) {
-        const std::string arg = argv[i];
-        const auto value = [&](const char* name) -> std::string {
-            WEFT_CHECK(i + 1 < argc, name << " needs a value");
-            return argv[++i];
-        };
-        if (arg == "--mode") {
-            o.mode = value("--mode");
-            WEFT_CHECK(o.mode == "ll" || o.mode == "normal" || o.mode == "all",
-                       "--mode: ll, normal or all, got '" << o.mode << "'");
-        } else if (arg == "--tokens") {
-            o.tokens = parse_ints(value("--tokens"), "--tokens", 0, 1 << 20);
-        } else if (arg == "--hidden") {
-            o.hidden = parse_ints(value("--hidden"), "--hidden", 8, 1 << 20)[0];
-        } else if (arg == "--experts") {
-            o.experts = parse_ints(value("--experts"), "--experts", 1, ep::kMaxExperts)[0];
-        } else if (arg == "--topk") {
-            o.topk = parse_ints(value("--topk"), "--topk", 1, ep::kMaxTopk)[0];
-        } else if (arg == "--iters") {
-            o.iters = parse_ints(value("--iters"), "--iters", 1, 1 << 20)[0];
-        } else if (arg == "--warmup") {
-            o.warmup = parse_ints(value("--warmup"), "--warmup", 0, 1 << 20)[0];
-        } else if (arg == "--world") {
-            o.worlds = parse_ints(value("--world"), "--world", 1, ep::kMaxRanks);
-        } else if (arg == "--check") {
-            o.check = true;
-        } else if (arg == "--json") {
-            o.json = value("--json");
-        } else if (arg == "--help" || arg == "-h") {
-            std::printf(
-                "usage: %s [--mode ll|normal|all] [--tokens 1,32,128,256] [--hidden 7168] [--experts 256] "
-                "[--topk 8] [--iters 20] [--warmup 5] [--world 8] [--check] [--json FILE]\n",
-                argv[0]);
-            std::exit(0);
-        } else {
-            WEFT_FAIL("unknown option '" << arg << "' (try --help)");
-        }
-    }
+    Cli cli("weft_bench_ep", "expert-parallel dispatch and combine: time per call, DeepEP's GB/s and crossing GB/s");
+    cli.option("--mode", "ll|normal|all", "low-latency kernels, normal kernels, or both (default all)",
+               [&](const std::string& v) { o.mode = parse_choice(v, "--mode", {"ll", "normal", "all"}); });
+    cli.option("--tokens", "T[,T...]", "tokens per rank (default ll: 1,32,128,256; normal: 4096)",
+               [&](const std::string& v) {
+                   o.tokens.clear();
+                   for (int64_t t : parse_int_list(v, "--tokens", 0, 1 << 20)) o.tokens.push_back(static_cast<int>(t));
+               });
+    cli.int_option("--hidden", "hidden size", &o.hidden, 8, 1 << 20);
+    cli.int_option("--experts", "experts in all", &o.experts, 1, ep::kMaxExperts);
+    cli.int_option("--topk", "experts per token", &o.topk, 1, ep::kMaxTopk);
+    cli.iters(&o.iters).warmup(&o.warmup).world(&o.worlds, 1, ep::kMaxRanks).check(&o.check).json(&o.json);
+    cli.parse(argc, argv);
     return o;
-}
-
-std::string utc_date() {
-    const std::time_t now = std::time(nullptr);
-    char buf[32];
-    std::strftime(buf, sizeof(buf), "%Y-%m-%d", std::gmtime(&now));
-    return buf;
 }
 
 uint16_t to_bf16(float f) {
@@ -250,23 +201,12 @@ std::string check_identity(const void* x, const void* out, int tokens, int hidde
     return "ok";
 }
 
-/// Times `n` back-to-back calls of `op` on this rank's stream; ms per call.
+/// Times `n` back-to-back calls of `op` on this rank's stream, every rank at once; ms per call.
 template <class F>
 double time_batch(World& world, cudaStream_t s, int n, F&& op) {
-    cudaEvent_t start = nullptr, stop = nullptr;
-    WEFT_CUDA_CHECK(cudaEventCreate(&start));
-    WEFT_CUDA_CHECK(cudaEventCreate(&stop));
     WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
     world.barrier();
-    WEFT_CUDA_CHECK(cudaEventRecord(start, s));
-    for (int i = 0; i < n; ++i) op(i);
-    WEFT_CUDA_CHECK(cudaEventRecord(stop, s));
-    world.sync_and_check(s);
-    float ms = 0;
-    WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    return static_cast<double>(ms) / n;
+    return time_batch_ms(s, 0, n, op, [&] { world.sync_and_check(s); });
 }
 
 // One (mode, dtype, tokens, world) configuration on every rank.
@@ -378,6 +318,7 @@ int run(int argc, char** argv) {
     const Options o = parse_options(argc, argv);
     cudaDeviceProp prop{};
     WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    const Peaks peaks = measure_peaks(kPeakCopy);
     int devices = 0;
     WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
     std::vector<Row> rows;
@@ -462,6 +403,7 @@ int run(int argc, char** argv) {
     std::printf("\nweft EP benchmark: %s x %d visible (%d SMs each), %s, H=%d E=%d top-%d, iters %d, warmup %d%s\n",
                 prop.name, devices, prop.multiProcessorCount, utc_date().c_str(), o.hidden, o.experts, o.topk, o.iters,
                 o.warmup, o.check ? ", checked" : "");
+    std::printf("%s\n", describe(peaks).c_str());
     if (shared) {
         std::printf(
             "NOTE: more ranks than GPUs - ranks SHARE a GPU, no byte crosses NVLink: the figures are the kernels'\n"
@@ -477,20 +419,20 @@ int run(int argc, char** argv) {
         ok = ok && (r.check.empty() || r.check == "ok");
     }
     if (!o.json.empty()) {
-        std::ofstream f(o.json);
-        WEFT_CHECK(f.good(), "--json: cannot write '" << o.json << "'");
-        f << "{\n  \"bench\": \"ep\",\n  \"device\": \"" << prop.name << "\",\n  \"devices\": " << devices
-          << ",\n  \"ranks_share_gpu\": " << (shared ? "true" : "false") << ",\n  \"date\": \"" << utc_date()
-          << "\",\n  \"hidden\": " << o.hidden << ",\n  \"experts\": " << o.experts << ",\n  \"topk\": " << o.topk
-          << ",\n  \"iters\": " << o.iters << ",\n  \"warmup\": " << o.warmup << ",\n  \"results\": [";
-        for (size_t i = 0; i < rows.size(); ++i) {
-            const Row& r = rows[i];
-            f << (i ? "," : "") << "\n    {\"mode\": \"" << r.mode << "\", \"dtype\": \"" << r.dtype << "\", \"op\": \""
-              << r.op << "\", \"tokens\": " << r.tokens << ", \"world\": " << r.world << ", \"sms\": " << r.sms
-              << ", \"us\": " << r.us << ", \"deepep_gbps\": " << r.deepep_gbps
-              << ", \"crossing_gbps\": " << r.crossing_gbps << ", \"check\": \"" << r.check << "\"}";
+        Json j;
+        j.begin_object().field("bench", "ep").field("device", prop.name).field("devices", devices);
+        j.field("ranks_share_gpu", shared).field("date", utc_date()).field("hidden", o.hidden);
+        j.field("experts", o.experts).field("topk", o.topk).field("iters", o.iters).field("warmup", o.warmup);
+        add_peaks(j, peaks);
+        j.key("results").begin_array();
+        for (const Row& r : rows) {
+            j.begin_object(true).field("mode", r.mode).field("dtype", r.dtype).field("op", r.op);
+            j.field("tokens", r.tokens).field("world", r.world).field("sms", r.sms).field("us", r.us);
+            j.field("deepep_gbps", r.deepep_gbps).field("crossing_gbps", r.crossing_gbps).field("check", r.check);
+            j.end_object();
         }
-        f << "\n  ]\n}\n";
+        j.end_array().end_object();
+        write_json_file(o.json, j);
         std::printf("\nwrote %s\n", o.json.c_str());
     }
     return ok ? 0 : 1;
@@ -500,10 +442,5 @@ int run(int argc, char** argv) {
 }  // namespace weft::bench
 
 int main(int argc, char** argv) {
-    try {
-        return weft::bench::run(argc, argv);
-    } catch (const std::exception& e) {
-        std::fprintf(stderr, "error: %s\n", e.what());
-        return 1;
-    }
+    return weft::bench::run_main("weft_bench_ep", [&] { return weft::bench::run(argc, argv); });
 }

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 // weft_bench_gemm: TFLOP/s of weft::ops::gemm and of cuBLASLt (best of its heuristic algorithms) on the same
 // random inputs in the same run, rotating input buffers to keep L2 cold, CUDA events, median; a fixed table
-// with the roofline, and JSON.
+// with the roofline (max(2MNK / the tensor-core peak, bytes / the read bandwidth), both measured at start-up),
+// and JSON.
 //
 //   weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]
 //                   [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]
@@ -17,24 +18,24 @@
 // call of chains of L calls back to back on one stream (a decode step's layers), each call on the next input set,
 // with no event between them: weft launched plainly, weft with GemmOptions::programmatic_launch, and cuBLASLt; the
 // three chains alternate round by round.
-#include <cublasLt.h>
-#include <cuda_fp16.h>
+// --world is accepted for the shared command line and ignored (one GPU).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <ctime>
-#include <fstream>
 #include <memory>
 #include <sstream>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "bench_timing.cuh"
+#include "common/cli.hpp"
+#include "common/cublaslt.hpp"
+#include "common/data.hpp"
+#include "common/json.hpp"
+#include "common/peaks.hpp"
+#include "common/timing.hpp"
 #include "gemm/gemm_instances.cuh"
 #include "weft/ops/gemm.hpp"
 #include "weft/runtime/error.hpp"
@@ -44,15 +45,17 @@ namespace {
 using weft::BLayout;
 using weft::DType;
 using weft::GemmConfig;
-using weft::bench::time_median_ms;
-using weft::bench::time_rounds_ms;
+using weft::bench::LtGemm;
 
-#define BENCH_LT(call)                                                                                     \
-    do {                                                                                                   \
-        cublasStatus_t s_ = (call);                                                                        \
-        if (s_ != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string(#call) + ": status " +        \
-                                                                  std::to_string(static_cast<int>(s_))); \
-    } while (0)
+/// Median milliseconds of each function, alternating launch by launch on the legacy stream.
+template <class... Fns>
+auto time_rounds_ms(int warmup, int iters, Fns&&... fns) {
+    return weft::bench::time_rounds_median_ms(nullptr, warmup, iters, std::forward<Fns>(fns)...);
+}
+template <class Fn>
+double time_median_ms(int warmup, int iters, Fn&& fn) {
+    return weft::bench::time_median_ms(nullptr, warmup, iters, std::forward<Fn>(fn));
+}
 
 struct Shape {
     int64_t m, n, k;
@@ -89,114 +92,42 @@ std::vector<Shape> default_sizes() {
 Options parse(int argc, char** argv) {
     Options o;
     o.sizes = default_sizes();
-    for (int i = 1; i < argc; ++i) {
-        const std::string a = argv[i];
-        auto next = [&]() -> std::string {
-            if (i + 1 >= argc) throw std::runtime_error("missing value after " + a);
-            return argv[++i];
-        };
-        if (a == "--sizes") {
-            o.sizes.clear();
-            std::stringstream ss(next());
-            std::string item;
-            while (std::getline(ss, item, ',')) {
-                Shape s{};
-                if (std::sscanf(item.c_str(), "%ldx%ldx%ld", &s.m, &s.n, &s.k) != 3) {
-                    throw std::runtime_error("--sizes takes MxNxK[,MxNxK...], got " + item);
-                }
-                o.sizes.push_back(s);
-            }
-        } else if (a == "--iters") {
-            o.iters = std::max(1, std::stoi(next()));
-        } else if (a == "--warmup") {
-            o.warmup = std::max(0, std::stoi(next()));
-        } else if (a == "--dtype") {
-            const std::string v = next();
-            if (v == "bf16") o.in = DType::kBF16;
-            else if (v == "f16") o.in = DType::kF16;
-            else throw std::runtime_error("--dtype takes bf16 or f16, got " + v);
-        } else if (a == "--out") {
-            const std::string v = next();
-            if (v != "same" && v != "f32") throw std::runtime_error("--out takes same or f32, got " + v);
-            o.out_f32 = v == "f32";
-        } else if (a == "--layout") {
-            const std::string v = next();
-            if (v == "nk") o.layouts = {BLayout::kNK};
-            else if (v == "kn") o.layouts = {BLayout::kKN};
-            else if (v == "both") o.layouts = {BLayout::kNK, BLayout::kKN};
-            else throw std::runtime_error("--layout takes nk, kn or both, got " + v);
-        } else if (a == "--all-configs") {
-            o.all_configs = true;
-        } else if (a == "--check") {
-            o.check = true;
-        } else if (a == "--json") {
-            o.json = next();
-        } else if (a == "--small-m-variant") {
-            o.small_m_variant = std::stoi(next());
-            if (o.small_m_variant < 0 || o.small_m_variant >= weft::kGemvNumVariants) {
-                throw std::runtime_error("--small-m-variant takes 0, 1, 2, 3 or 4, got " + std::to_string(o.small_m_variant));
-            }
-        } else if (a == "--small-m-splits") {
-            o.small_m_splits = std::stoi(next());
-            if (o.small_m_splits < 0) throw std::runtime_error("--small-m-splits takes a count >= 0 (0 = heuristic)");
-        } else if (a == "--small-m-max-m") {
-            o.small_m_max_m = std::stoi(next());
-            if (o.small_m_max_m < 0 || o.small_m_max_m > weft::kGemvMaxM) {
-                throw std::runtime_error("--small-m-max-m takes 0.." + std::to_string(weft::kGemvMaxM) + ", got " +
-                                         std::to_string(o.small_m_max_m));
-            }
-        } else if (a == "--backend") {
-            const std::string v = next();
-            if (v == "auto") o.backend = weft::ops::GemmBackend::kAuto;
-            else if (v == "jit") o.backend = weft::ops::GemmBackend::kJit;
-            else if (v == "aot") o.backend = weft::ops::GemmBackend::kAot;
-            else throw std::runtime_error("--backend takes auto, jit or aot, got " + v);
-        } else if (a == "--chain") {
-            o.chain = std::stoi(next());
-            if (o.chain < 0) throw std::runtime_error("--chain takes a call count >= 0 (0 = no chains)");
-        } else if (a == "--world") {
-            (void)next();  // shared command line: a single-GPU GEMM ignores the world size
-        } else if (a == "--help" || a == "-h") {
-            std::printf(
-                "weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]\n"
-                "                [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]\n"
-                "                [--small-m-variant 0|1|2|3|4] [--small-m-splits S] [--small-m-max-m M]\n"
-                "                [--backend auto|jit|aot] [--chain L]\n");
-            std::exit(0);
-        } else {
-            throw std::runtime_error("unknown option " + a + " (see --help)");
-        }
-    }
+    int world = 1;
+    weft::bench::Cli cli("weft_bench_gemm", "weft::ops::gemm against cuBLASLt (best heuristic algorithm), TFLOP/s");
+    cli.sizes("MxNxK[,...]", "GEMM shapes (default: the reference table)", [&](const std::string& v) {
+        o.sizes.clear();
+        for (const auto& [m, n, k] : weft::bench::parse_shapes3(v, "--sizes")) o.sizes.push_back({m, n, k});
+    });
+    cli.iters(&o.iters).warmup(&o.warmup).dtype(&o.in, {DType::kBF16, DType::kF16});
+    cli.world(&world, 1, 1 << 16, "accepted for the shared command line; a GEMM runs on one GPU");
+    cli.check(&o.check).json(&o.json);
+    cli.option("--out", "same|f32", "output dtype: the input's, or f32 (default same)", [&](const std::string& v) {
+        o.out_f32 = weft::bench::parse_choice(v, "--out", {"same", "f32"}) == "f32";
+    });
+    cli.option("--layout", "nk|kn|both", "B stored [N,K], [K,N], or both in turn (default nk)",
+               [&](const std::string& v) {
+                   const std::string l = weft::bench::parse_choice(v, "--layout", {"nk", "kn", "both"});
+                   o.layouts = l == "nk"   ? std::vector<BLayout>{BLayout::kNK}
+                               : l == "kn" ? std::vector<BLayout>{BLayout::kKN}
+                                           : std::vector<BLayout>{BLayout::kNK, BLayout::kKN};
+               });
+    cli.flag("--all-configs", "add a row per candidate config and small-M variant", &o.all_configs);
+    cli.int_option("--small-m-variant", "GemmOptions::small_m_variant of the op's row (-1: the op's default)",
+                   &o.small_m_variant, -1, weft::kGemvNumVariants - 1);
+    cli.int_option("--small-m-splits", "GemmOptions::small_m_splits (0: the op's heuristic)", &o.small_m_splits, 0,
+                   1 << 20);
+    cli.int_option("--small-m-max-m", "GemmOptions::small_m_max_m (-1: the op's default)", &o.small_m_max_m, -1,
+                   weft::kGemvMaxM);
+    cli.option("--backend", "auto|jit|aot", "GemmOptions::backend of every weft row (default auto)",
+               [&](const std::string& v) {
+                   const std::string b = weft::bench::parse_choice(v, "--backend", {"auto", "jit", "aot"});
+                   o.backend = b == "jit"   ? weft::ops::GemmBackend::kJit
+                               : b == "aot" ? weft::ops::GemmBackend::kAot
+                                            : weft::ops::GemmBackend::kAuto;
+               });
+    cli.int_option("--chain", "also time chains of L calls (0: no chains)", &o.chain, 0, 1 << 20);
+    cli.parse(argc, argv);
     return o;
-}
-
-// Uniform [-1, 1) in bf16/f16 from a hash of (seed, index): random data, never zeros.
-__global__ void fill_random_kernel(uint16_t* p, int64_t n, uint64_t seed, int is_bf16) {
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        uint64_t x = (static_cast<uint64_t>(i) + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-        x ^= x >> 31;
-        x *= 0xBF58476D1CE4E5B9ull;
-        x ^= x >> 29;
-        const float u = static_cast<float>(x >> 40) * (2.0f / 16777216.0f) - 1.0f;
-        uint16_t h;
-        if (is_bf16) {
-            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(u));
-        } else {
-            asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(u));
-        }
-        p[i] = h;
-    }
-}
-
-__global__ void read_bw_kernel(const uint4* p, int64_t n, uint32_t* sink) {
-    uint32_t acc = 0;
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const uint4 v = p[i];
-        acc ^= v.x ^ v.y ^ v.z ^ v.w;
-    }
-    if (acc == 0x12345678u) sink[0] = acc;  // keeps the loads alive
 }
 
 struct Buffer {
@@ -205,92 +136,6 @@ struct Buffer {
     ~Buffer() { cudaFree(ptr); }
     Buffer(const Buffer&) = delete;
     Buffer& operator=(const Buffer&) = delete;
-};
-
-double measure_read_bw_tbs() {
-    const size_t bytes = size_t{4} << 30;
-    Buffer buf(bytes), sink(256);
-    BENCH_CUDA(cudaMemset(buf.ptr, 1, bytes));
-    int sms = 0;
-    BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    const int64_t n = static_cast<int64_t>(bytes / 16);
-    const double ms = time_median_ms(2, 10, [&](int) {
-        read_bw_kernel<<<sms * 8, 512>>>(static_cast<const uint4*>(buf.ptr), n, static_cast<uint32_t*>(sink.ptr));
-    });
-    return static_cast<double>(bytes) / (ms * 1e-3) / 1e12;
-}
-
-cudaDataType cuda_type(DType t) { return t == DType::kBF16 ? CUDA_R_16BF : t == DType::kF16 ? CUDA_R_16F : CUDA_R_32F; }
-
-/// cuBLASLt's D^T = op(B) * A^T (column-major view of row-major D = A * B), best algorithm by measurement.
-class LtGemm {
-public:
-    LtGemm(cublasLtHandle_t h, const Shape& s, BLayout layout, DType in, DType out, void* ws, size_t ws_bytes)
-        : h_(h), ws_(ws), ws_bytes_(ws_bytes) {
-        BENCH_LT(cublasLtMatmulDescCreate(&desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-        const cublasOperation_t ta = layout == BLayout::kNK ? CUBLAS_OP_T : CUBLAS_OP_N, tb = CUBLAS_OP_N;
-        BENCH_LT(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-        BENCH_LT(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-        const uint64_t m = s.m, n = s.n, k = s.k;
-        if (layout == BLayout::kNK) {
-            BENCH_LT(cublasLtMatrixLayoutCreate(&la_, cuda_type(in), k, n, k));
-        } else {
-            BENCH_LT(cublasLtMatrixLayoutCreate(&la_, cuda_type(in), n, k, n));
-        }
-        BENCH_LT(cublasLtMatrixLayoutCreate(&lb_, cuda_type(in), k, m, k));
-        BENCH_LT(cublasLtMatrixLayoutCreate(&ld_, cuda_type(out), n, m, n));
-        cublasLtMatmulPreference_t pref;
-        BENCH_LT(cublasLtMatmulPreferenceCreate(&pref));
-        BENCH_LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes_,
-                                                      sizeof(ws_bytes_)));
-        int found = 0;
-        BENCH_LT(cublasLtMatmulAlgoGetHeuristic(h_, desc_, la_, lb_, ld_, ld_, pref, kMaxAlgos, algos_, &found));
-        num_algos_ = static_cast<size_t>(found);
-        cublasLtMatmulPreferenceDestroy(pref);
-        if (num_algos_ == 0) throw std::runtime_error("cuBLASLt found no algorithm");
-    }
-    ~LtGemm() {
-        cublasLtMatrixLayoutDestroy(la_);
-        cublasLtMatrixLayoutDestroy(lb_);
-        cublasLtMatrixLayoutDestroy(ld_);
-        cublasLtMatmulDescDestroy(desc_);
-    }
-    size_t num_algos() const { return num_algos_; }
-    /// The algorithm's configuration as cuBLASLt reports it (cublasLtMatmulAlgoConfigAttributes_t ids; tile and
-    /// cluster shape are the enums cublasLtMatmulTile_t and cublasLtClusterShape_t).
-    std::string describe(size_t algo) const {
-        // Each attribute is read at its documented width (the tile, stages and cluster ids are uint16_t).
-        auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr, size_t bytes) {
-            uint32_t v = 0;
-            size_t written = 0;
-            if (cublasLtMatmulAlgoConfigGetAttribute(&algos_[algo].algo, attr, &v, bytes, &written) !=
-                CUBLAS_STATUS_SUCCESS) {
-                return std::string("?");
-            }
-            return std::to_string(bytes == 2 ? (v & 0xffffu) : v);
-        };
-        return "id " + get(CUBLASLT_ALGO_CONFIG_ID, 4) + " tile " + get(CUBLASLT_ALGO_CONFIG_TILE_ID, 2) + " stages " +
-               get(CUBLASLT_ALGO_CONFIG_STAGES_ID, 2) + " cluster " + get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, 2) +
-               " splitk " + get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM, 4) + " reduction " +
-               get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, 4) + " swizzle " + get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, 4) +
-               " waves " + std::to_string(algos_[algo].wavesCount);
-    }
-    void run(size_t algo, const void* a, const void* b, void* d) const {
-        const float alpha = 1.f, beta = 0.f;
-        BENCH_LT(cublasLtMatmul(h_, desc_, &alpha, b, la_, a, lb_, &beta, d, ld_, d, ld_, &algos_[algo].algo, ws_,
-                                ws_bytes_, nullptr));
-    }
-
-private:
-    cublasLtHandle_t h_;
-    void* ws_;
-    size_t ws_bytes_;
-    cublasLtMatmulDesc_t desc_{};
-    cublasLtMatrixLayout_t la_{}, lb_{}, ld_{};
-    // WAR(CUDA 13.0): nvcc's front end crashes on std::vector<cublasLtMatmulHeuristicResult_t>.
-    static constexpr int kMaxAlgos = 8;
-    cublasLtMatmulHeuristicResult_t algos_[kMaxAlgos] = {};
-    size_t num_algos_ = 0;
 };
 
 std::string config_label(const GemmConfig& c) {
@@ -321,29 +166,29 @@ double tflops(const Shape& s, double us) { return 2.0 * s.m * s.n * s.k / (us * 
 }  // namespace
 
 int main(int argc, char** argv) {
-    try {
+    return weft::bench::run_main("weft_bench_gemm", [&] {
         const Options opt = parse(argc, argv);
         weft::gemm::register_gemm_instances();
         cudaDeviceProp prop{};
         BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
         const DType out = opt.out_f32 ? DType::kF32 : opt.in;
         const int out_bytes = weft::dtype_bytes(out);
-        const double read_bw = measure_read_bw_tbs();
-        const double peak_tflops = 989.0;  // dense bf16/f16 datasheet rate (H100/H200 SXM): a lead, not a measurement
+        // The roofline's two limits, measured on this GPU before anything else runs.
+        const weft::bench::Peaks peaks =
+            weft::bench::measure_peaks(weft::bench::kPeakRead | weft::bench::kPeakTensor, opt.in);
+        const double read_bw = peaks.read_tbs;
+        const double peak_tflops = peaks.tensor_tflops;
         char date[32];
         const std::time_t now = std::time(nullptr);
         std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
         std::printf("# weft_bench_gemm %s  GPU %s (%d SMs, %.0f MB L2)  in %s out %s  iters %d warmup %d\n", date,
                     prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6, weft::dtype_name(opt.in),
                     weft::dtype_name(out), opt.iters, opt.warmup);
-        std::printf("# measured read bandwidth %.2f TB/s; roofline = max(2MNK / %.0f TFLOP/s, bytes / read BW)\n",
-                    read_bw, peak_tflops);
+        std::printf("# %s\n# roofline = max(2MNK / %.0f TFLOP/s, bytes / %.2f TB/s)\n",
+                    weft::bench::describe(peaks).c_str(), peak_tflops, read_bw);
         std::printf("# weft and cuBLASLt (best of its heuristic algorithms) alternate launch by launch; medians\n");
 
-        cublasLtHandle_t lt;
-        BENCH_LT(cublasLtCreate(&lt));
-        const size_t ws_bytes = size_t{64} << 20;
-        Buffer lt_ws(ws_bytes);
+        weft::bench::CublasLt lt(size_t{64} << 20);
         std::vector<Row> rows;
         for (BLayout layout : opt.layouts) {
             for (const Shape& s : opt.sizes) {
@@ -352,19 +197,14 @@ int main(int argc, char** argv) {
                 const size_t b_bytes = static_cast<size_t>(s.n * s.k) * in_bytes;
                 const size_t d_bytes = static_cast<size_t>(s.m * s.n) * out_bytes;
                 // Enough input sets that one pass over them is > 3x the L2: every iteration reads from DRAM.
-                const size_t set_bytes = a_bytes + b_bytes;
-                const int sets = static_cast<int>(
-                    std::clamp<size_t>((3 * static_cast<size_t>(prop.l2CacheSize) + set_bytes - 1) / set_bytes, 2, 32));
+                const int sets = weft::bench::cold_l2_sets(a_bytes + b_bytes, static_cast<size_t>(prop.l2CacheSize));
                 std::vector<std::unique_ptr<Buffer>> as, bs;
                 for (int i = 0; i < sets; ++i) {
                     as.push_back(std::make_unique<Buffer>(a_bytes));
                     bs.push_back(std::make_unique<Buffer>(b_bytes));
-                    fill_random_kernel<<<1024, 256>>>(static_cast<uint16_t*>(as.back()->ptr), s.m * s.k,
-                                                      0x1234567ull + 977ull * i, opt.in == DType::kBF16);
-                    fill_random_kernel<<<1024, 256>>>(static_cast<uint16_t*>(bs.back()->ptr), s.n * s.k,
-                                                      0xABCDEFull + 131ull * i, opt.in == DType::kBF16);
+                    weft::bench::fill_random(as.back()->ptr, s.m * s.k, opt.in, 0x1234567ull + 977ull * i, nullptr);
+                    weft::bench::fill_random(bs.back()->ptr, s.n * s.k, opt.in, 0xABCDEFull + 131ull * i, nullptr);
                 }
-                BENCH_CUDA(cudaGetLastError());
                 Buffer d_weft(d_bytes), d_lt(d_bytes);
                 BENCH_CUDA(cudaDeviceSynchronize());
                 auto views = [&](int i, void* d) {
@@ -381,7 +221,10 @@ int main(int argc, char** argv) {
                 const double roof_us = std::max(flops / (peak_tflops * 1e12), bytes / (read_bw * 1e12)) * 1e6;
 
                 // cuBLASLt: time each heuristic algorithm briefly, keep the best, then time it fully.
-                LtGemm g(lt, s, layout, opt.in, out, lt_ws.ptr, ws_bytes);
+                const LtGemm g(lt.handle(), opt.in, out,
+                               layout == BLayout::kNK ? weft::bench::LtLayout::kNK : weft::bench::LtLayout::kKN,
+                               {s.m, s.n, s.k, s.k, layout == BLayout::kNK ? s.k : s.n, s.n}, lt.workspace(),
+                               lt.workspace_bytes(), LtGemm::kMaxAlgos);
                 size_t best_algo = 0;
                 double best_ms = 1e30;
                 for (size_t al = 0; al < g.num_algos(); ++al) {
@@ -431,42 +274,7 @@ int main(int argc, char** argv) {
                         const Views w = views(0, d_lt.ptr);
                         g.run(best_algo, w.a.data, w.b.data, w.d.data);
                         BENCH_CUDA(cudaDeviceSynchronize());
-                        const size_t count = static_cast<size_t>(s.m * s.n);
-                        std::vector<uint16_t> x16, y16;
-                        std::vector<float> x32, y32;
-                        double num = 0, den = 0;
-                        if (out == DType::kF32) {
-                            x32.resize(count);
-                            y32.resize(count);
-                            BENCH_CUDA(cudaMemcpy(x32.data(), d_weft.ptr, d_bytes, cudaMemcpyDeviceToHost));
-                            BENCH_CUDA(cudaMemcpy(y32.data(), d_lt.ptr, d_bytes, cudaMemcpyDeviceToHost));
-                            for (size_t i = 0; i < count; ++i) {
-                                num += (x32[i] - y32[i]) * static_cast<double>(x32[i] - y32[i]);
-                                den += y32[i] * static_cast<double>(y32[i]);
-                            }
-                        } else {
-                            x16.resize(count);
-                            y16.resize(count);
-                            BENCH_CUDA(cudaMemcpy(x16.data(), d_weft.ptr, d_bytes, cudaMemcpyDeviceToHost));
-                            BENCH_CUDA(cudaMemcpy(y16.data(), d_lt.ptr, d_bytes, cudaMemcpyDeviceToHost));
-                            auto f = [&](uint16_t h) {
-                                if (opt.in == DType::kBF16) {
-                                    const uint32_t u = static_cast<uint32_t>(h) << 16;
-                                    float v;
-                                    std::memcpy(&v, &u, 4);
-                                    return static_cast<double>(v);
-                                }
-                                __half hh;
-                                std::memcpy(&hh, &h, 2);
-                                return static_cast<double>(__half2float(hh));
-                            };
-                            for (size_t i = 0; i < count; ++i) {
-                                const double xv = f(x16[i]), yv = f(y16[i]);
-                                num += (xv - yv) * (xv - yv);
-                                den += yv * yv;
-                            }
-                        }
-                        r.rel_err = std::isfinite(num) ? std::sqrt(num / den) : INFINITY;
+                        r.rel_err = weft::bench::relative_error(d_weft.ptr, s.n, d_lt.ptr, s.n, s.m, s.n, out, nullptr);
                     }
                     rows.push_back(r);
                 };
@@ -575,29 +383,25 @@ int main(int argc, char** argv) {
                         r.cublas_us, b_gbs, 100.0 * b_gbs / (read_bw * 1e3));
         }
         if (!opt.json.empty()) {
-            std::ofstream f(opt.json);
-            f << "{\n  \"bench\": \"gemm\", \"date\": \"" << date << "\", \"gpu\": \"" << prop.name
-              << "\", \"sms\": " << prop.multiProcessorCount << ", \"in\": \"" << weft::dtype_name(opt.in)
-              << "\", \"out\": \"" << weft::dtype_name(out) << "\", \"iters\": " << opt.iters
-              << ", \"read_bw_tbs\": " << read_bw << ", \"peak_tflops_assumed\": " << peak_tflops
-              << ",\n  \"results\": [\n";
-            for (size_t i = 0; i < rows.size(); ++i) {
-                const Row& r = rows[i];
-                f << "    {\"m\": " << r.s.m << ", \"n\": " << r.s.n << ", \"k\": " << r.s.k << ", \"layout\": \""
-                  << (r.layout == BLayout::kNK ? "nk" : "kn") << "\", \"path\": \"" << r.path
-                  << "\", \"auto\": " << (r.best ? "true" : "false") << ", \"chain\": " << (r.chain ? "true" : "false")
-                  << ", \"weft_us\": " << r.weft_us
-                  << ", \"cublas_us\": " << r.cublas_us << ", \"weft_tflops\": " << tflops(r.s, r.weft_us)
-                  << ", \"cublas_tflops\": " << tflops(r.s, r.cublas_us) << ", \"ratio\": " << r.cublas_us / r.weft_us
-                  << ", \"roof_tflops\": " << tflops(r.s, r.roof_us) << ", \"rel_err_vs_cublas\": " << r.rel_err
-                  << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
+            weft::bench::Json j;
+            j.begin_object().field("bench", "gemm").field("date", date).field("gpu", prop.name);
+            j.field("sms", prop.multiProcessorCount).field("in", weft::dtype_name(opt.in));
+            j.field("out", weft::dtype_name(out));
+            j.field("iters", opt.iters).field("warmup", opt.warmup).field("read_bw_tbs", read_bw);
+            j.field("peak_tflops", peak_tflops);
+            weft::bench::add_peaks(j, peaks);
+            j.key("results").begin_array();
+            for (const Row& r : rows) {
+                j.begin_object(true).field("m", r.s.m).field("n", r.s.n).field("k", r.s.k);
+                j.field("layout", r.layout == BLayout::kNK ? "nk" : "kn").field("path", r.path).field("auto", r.best);
+                j.field("chain", r.chain).field("weft_us", r.weft_us).field("cublas_us", r.cublas_us);
+                j.field("weft_tflops", tflops(r.s, r.weft_us)).field("cublas_tflops", tflops(r.s, r.cublas_us));
+                j.field("ratio", r.cublas_us / r.weft_us).field("roof_tflops", tflops(r.s, r.roof_us));
+                j.field("rel_err_vs_cublas", r.rel_err).end_object();
             }
-            f << "  ]\n}\n";
+            j.end_array().end_object();
+            weft::bench::write_json_file(opt.json, j);
         }
-        cublasLtDestroy(lt);
         return 0;
-    } catch (const std::exception& e) {
-        std::fprintf(stderr, "weft_bench_gemm: %s\n", e.what());
-        return 1;
-    }
+    });
 }

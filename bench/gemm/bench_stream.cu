@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: MIT
 // weft_bench_stream: how fast one GPU streams a bf16 matrix B [N,K] from DRAM into shared memory, by copy
 // mechanism and access pattern: the ceilings behind the small-M (decode) GEMM, whose time is B's bytes over
-// this rate. Each row: the median time of --iters launches (CUDA events) and the rate in TB/s.
+// this rate. Each row: the median time of --iters launches (CUDA events) and the rate in TB/s, beside the read
+// bandwidth of plain streaming loads measured at start-up (the header line).
 //
-//   weft_bench_stream [--sizes NxK,...] [--iters N] [--warmup N]      (N a multiple of 64, K of 256)
+//   weft_bench_stream [--sizes NxK,...] [--iters N] [--warmup N] [--json FILE]   (N a multiple of 64, K of 256)
 //
 // Every ring pattern runs one CTA of 256 threads per 64 rows of B (N = 8192: 128 CTAs, one per SM, as the
 // decode GEMM), a ring of 4 stages of 32 KiB on one mbarrier each, the CTA's rows taken k block by k block:
@@ -22,14 +23,17 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "bench_timing.cuh"
+#include "common/cli.hpp"
+#include "common/json.hpp"
+#include "common/peaks.hpp"
+#include "common/timing.hpp"
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
 #include "weft/runtime/driver.hpp"
@@ -186,10 +190,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 }
 
-/// The median time of fn's launches in microseconds (bench_timing.cuh), launch errors checked.
+/// The median time of fn's launches in microseconds, launch errors checked.
 template <class Fn>
 double median_us(int warmup, int iters, Fn&& fn) {
-    const double ms = weft::bench::time_median_ms(warmup, iters, [&](int) { fn(); });
+    const double ms = weft::bench::time_median_ms(nullptr, warmup, iters, [&](int) { fn(); });
     BENCH_CUDA(cudaGetLastError());
     return ms * 1e3;
 }
@@ -231,45 +235,34 @@ struct Options {
     std::vector<std::pair<long long, long long>> sizes{{8192, 8192}, {8192, 4096}};
     int iters = 60;
     int warmup = 5;
+    std::string json;
 };
 
 Options parse(int argc, char** argv) {
     Options o;
-    for (int i = 1; i < argc; ++i) {
-        const std::string a = argv[i];
-        const auto next = [&]() -> std::string {
-            if (i + 1 >= argc) throw std::runtime_error(a + " needs a value");
-            return argv[++i];
-        };
-        if (a == "--sizes") {
-            o.sizes.clear();
-            std::string list = next() + ",";
-            for (size_t at = 0, comma; (comma = list.find(',', at)) != std::string::npos; at = comma + 1) {
-                long long n = 0, k = 0;
-                if (std::sscanf(list.substr(at, comma - at).c_str(), "%lldx%lld", &n, &k) != 2 || n <= 0 ||
-                    n % kRowsPerCta != 0 || k <= 0 || k % 256 != 0) {
-                    throw std::runtime_error("--sizes takes NxK with N a multiple of 64 and K of 256, got '" +
-                                             list.substr(at, comma - at) + "'");
-                }
-                o.sizes.emplace_back(n, k);
-            }
-        } else if (a == "--iters") {
-            o.iters = std::max(1, std::stoi(next()));
-        } else if (a == "--warmup") {
-            o.warmup = std::max(0, std::stoi(next()));
-        } else {
-            throw std::runtime_error("unknown argument '" + a + "' (usage: weft_bench_stream [--sizes NxK,...] "
-                                     "[--iters N] [--warmup N])");
-        }
-    }
+    weft::bench::Cli cli("weft_bench_stream", "the rate at which B [N,K] bf16 streams into shared memory, by pattern");
+    cli.sizes("NxK[,...]", "B's shapes, N a multiple of 64 and K of 256 (default 8192x8192,8192x4096)",
+              [&](const std::string& v) {
+                  o.sizes.clear();
+                  for (const auto& [n, k] : weft::bench::parse_shapes2(v, "--sizes")) {
+                      if (n % kRowsPerCta != 0 || k % 256 != 0) {
+                          throw weft::bench::UsageError("--sizes: N must be a multiple of 64 and K of 256, got " +
+                                                        std::to_string(n) + "x" + std::to_string(k));
+                      }
+                      o.sizes.emplace_back(n, k);
+                  }
+              });
+    cli.iters(&o.iters).warmup(&o.warmup).json(&o.json);
+    cli.parse(argc, argv);
     return o;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-    try {
+    return weft::bench::run_main("weft_bench_stream", [&] {
         const Options opt = parse(argc, argv);
+        const weft::bench::Peaks peaks = weft::bench::measure_peaks(weft::bench::kPeakRead);
         cudaDeviceProp prop{};
         BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
         BENCH_CUDA(cudaFuncSetAttribute(tma_ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
@@ -277,7 +270,13 @@ int main(int argc, char** argv) {
         BENCH_CUDA(cudaFuncSetAttribute(bulk_ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
         std::printf("# weft_bench_stream  GPU %s (%d SMs)  iters %d warmup %d; one CTA per 64 rows, 4 stages of 32 KiB\n",
                     prop.name, prop.multiProcessorCount, opt.iters, opt.warmup);
+        std::printf("# %s\n", weft::bench::describe(peaks).c_str());
         std::printf("%-11s %-44s %10s %8s\n", "B (NxK)", "pattern", "us", "TB/s");
+        weft::bench::Json j;
+        j.begin_object().field("bench", "stream").field("gpu", prop.name).field("sms", prop.multiProcessorCount);
+        j.field("iters", opt.iters).field("warmup", opt.warmup);
+        weft::bench::add_peaks(j, peaks);
+        j.key("results").begin_array();
         for (const auto& [n, k] : opt.sizes) {
             const long long bytes = n * k * 2;
             void* buf = nullptr;
@@ -290,7 +289,10 @@ int main(int argc, char** argv) {
             char shape[32];
             std::snprintf(shape, sizeof(shape), "%lldx%lld", n, k);
             const auto row = [&](const std::string& name, double us) {
-                std::printf("%-11s %-44s %10.2f %8.3f\n", shape, name.c_str(), us, bytes / (us * 1e-6) / 1e12);
+                const double tbs = static_cast<double>(bytes) / (us * 1e-6) / 1e12;
+                std::printf("%-11s %-44s %10.2f %8.3f\n", shape, name.c_str(), us, tbs);
+                j.begin_object(true).field("n", n).field("k", k).field("pattern", name).field("us", us);
+                j.field("tbs", tbs).end_object();
             };
             row("launch floor: the ring kernel with no steps", median_us(opt.warmup, opt.iters, [&] {
                     bulk_ring_kernel<<<ctas, kThreads, kSmemBytes>>>(static_cast<const unsigned char*>(buf), k * 2, 0,
@@ -349,9 +351,8 @@ int main(int argc, char** argv) {
             BENCH_CUDA(cudaFree(buf));
             BENCH_CUDA(cudaFree(sink));
         }
+        j.end_array().end_object();
+        if (!opt.json.empty()) weft::bench::write_json_file(opt.json, j);
         return 0;
-    } catch (const std::exception& e) {
-        std::fprintf(stderr, "weft_bench_stream: %s\n", e.what());
-        return 1;
-    }
+    });
 }

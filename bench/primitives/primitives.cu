@@ -10,24 +10,24 @@
 // a put is a device copy and cudaMemcpy D2D of the same bytes is its roofline (multi-GPU figures need
 // one GPU per rank and an NVLink roofline: not measured here).
 // Sizes are bytes whatever --dtype says (the dtype is recorded in the JSON). Buffers rotate through a
-// 256 MiB pool so that sizes below the L2 do not run from the L2.
+// 256 MiB pool so that sizes below the L2 do not run from the L2. The header also gives the device's copy peak
+// (a 1 GiB cudaMemcpyAsync, measured at start-up).
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <ctime>
-#include <fstream>
-#include <iostream>
-#include <sstream>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "common/cli.hpp"
+#include "common/json.hpp"
+#include "common/peaks.hpp"
+#include "common/report.hpp"
+#include "common/timing.hpp"
 #include "weft/common/dtype.hpp"
 #include "weft/device.cuh"
-#include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/world.hpp"
 
@@ -48,100 +48,24 @@ struct Options {
     std::vector<uint64_t> sizes;
     int iters = 20;
     int warmup = 3;
-    std::string dtype = "u8";
+    DType dtype = DType::kU8;
     std::vector<int> worlds = {2, 4, 8};
     bool check = false;
     std::string json;
 };
 
-std::vector<std::string> split(const std::string& s, char sep) {
-    std::vector<std::string> out;
-    std::stringstream ss(s);
-    std::string item;
-    while (std::getline(ss, item, sep)) {
-        out.push_back(item);
-    }
-    return out;
-}
-
-// "4K,1M,3G" or "A:B" (A, 4A, 16A, ... up to B) or "A:B:F" (factor F).
-std::vector<uint64_t> parse_sizes(const std::string& text) {
-    std::vector<uint64_t> sizes;
-    if (text.find(':') != std::string::npos) {
-        const auto parts = split(text, ':');
-        WEFT_CHECK(parts.size() == 2 || parts.size() == 3, "--sizes: expected A:B or A:B:F, got '" << text << "'");
-        const uint64_t lo = env::parse_bytes(parts[0], "--sizes");
-        const uint64_t hi = env::parse_bytes(parts[1], "--sizes");
-        const uint64_t factor = parts.size() == 3 ? env::parse_bytes(parts[2], "--sizes factor") : 4;
-        WEFT_CHECK(lo >= 1 && lo <= hi && factor >= 2, "--sizes: need 1 <= A <= B and F >= 2, got '" << text << "'");
-        for (uint64_t s = lo; s <= hi; s *= factor) {
-            sizes.push_back(s);
-        }
-    } else {
-        for (const std::string& p : split(text, ',')) {
-            const uint64_t s = env::parse_bytes(p, "--sizes");
-            WEFT_CHECK(s >= 1, "--sizes: sizes must be >= 1 byte, got '" << p << "'");
-            sizes.push_back(s);
-        }
-    }
-    return sizes;
-}
-
 Options parse_options(int argc, char** argv) {
     Options o;
-    o.sizes = parse_sizes("1K:1G");
-    for (int i = 1; i < argc; ++i) {
-        const std::string arg = argv[i];
-        const auto value = [&](const char* name) -> std::string {
-            WEFT_CHECK(i + 1 < argc, name << " needs a value");
-            return argv[++i];
-        };
-        if (arg == "--sizes") {
-            o.sizes = parse_sizes(value("--sizes"));
-        } else if (arg == "--iters") {
-            o.iters = static_cast<int>(env::parse_int(value("--iters"), "--iters"));
-            WEFT_CHECK(o.iters >= 1, "--iters must be >= 1, got " << o.iters);
-        } else if (arg == "--warmup") {
-            o.warmup = static_cast<int>(env::parse_int(value("--warmup"), "--warmup"));
-            WEFT_CHECK(o.warmup >= 0, "--warmup must be >= 0, got " << o.warmup);
-        } else if (arg == "--dtype") {
-            o.dtype = value("--dtype");
-            bool known = false;
-            for (DType t : {DType::kBF16, DType::kF16, DType::kF32, DType::kF8E4M3, DType::kI32, DType::kI64, DType::kU8}) {
-                known = known || o.dtype == dtype_name(t);
-            }
-            WEFT_CHECK(known, "--dtype: unknown dtype '" << o.dtype << "' (bf16, f16, f32, f8e4m3, i32, i64, u8)");
-        } else if (arg == "--world") {
-            o.worlds.clear();
-            for (const std::string& p : split(value("--world"), ',')) {
-                const int w = static_cast<int>(env::parse_int(p, "--world"));
-                WEFT_CHECK(w >= 2 && w <= 64, "--world: sizes between 2 and 64, got " << w);
-                o.worlds.push_back(w);
-            }
-        } else if (arg == "--check") {
-            o.check = true;
-        } else if (arg == "--json") {
-            o.json = value("--json");
-        } else if (arg == "--help" || arg == "-h") {
-            std::printf("usage: %s [--sizes 1K:1G[:4]|A,B,...] [--iters N] [--warmup N] [--dtype u8] "
-                        "[--world 2,4,8] [--check] [--json FILE]\n",
-                        argv[0]);
-            std::exit(0);
-        } else {
-            WEFT_FAIL("unknown option '" << arg << "' (try --help)");
-        }
-    }
+    o.sizes = parse_byte_sizes("1K:1G", "--sizes");
+    Cli cli("weft_bench_primitives", "put/get bandwidth, signal round trip and barrier latency, ranks sharing GPU 0");
+    cli.sizes("A:B[:F]|A,B,...", "message bytes (default 1K:1G: 1K, 4K, ... 1G)",
+              [&](const std::string& v) { o.sizes = parse_byte_sizes(v, "--sizes"); });
+    cli.iters(&o.iters).warmup(&o.warmup);
+    cli.dtype(&o.dtype,
+              {DType::kBF16, DType::kF16, DType::kF32, DType::kF8E4M3, DType::kI32, DType::kI64, DType::kU8});
+    cli.world(&o.worlds, 2, 64).check(&o.check).json(&o.json);
+    cli.parse(argc, argv);
     return o;
-}
-
-std::string format_bytes(uint64_t b) {
-    const char* units[] = {"B", "K", "M", "G"};
-    int u = 0;
-    while (u < 3 && b >= 1024 && b % 1024 == 0) {
-        b /= 1024;
-        ++u;
-    }
-    return std::to_string(b) + units[u];
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -322,29 +246,6 @@ private:
     cudaStream_t s_ = nullptr;
 };
 
-class Events {
-public:
-    Events() {
-        WEFT_CUDA_CHECK(cudaEventCreate(&a_));
-        WEFT_CUDA_CHECK(cudaEventCreate(&b_));
-    }
-    ~Events() {
-        cudaEventDestroy(a_);
-        cudaEventDestroy(b_);
-    }
-    void start(cudaStream_t s) { WEFT_CUDA_CHECK(cudaEventRecord(a_, s)); }
-    float stop_ms(cudaStream_t s) {
-        WEFT_CUDA_CHECK(cudaEventRecord(b_, s));
-        WEFT_CUDA_CHECK(cudaEventSynchronize(b_));
-        float ms = 0;
-        WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, a_, b_));
-        return ms;
-    }
-
-private:
-    cudaEvent_t a_ = nullptr, b_ = nullptr;
-};
-
 constexpr int kScopes = 3;
 const char* kScopeNames[kScopes] = {"thread", "warp", "block"};
 
@@ -373,21 +274,12 @@ constexpr int kThreadsPerBlock = 256;
 
 uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
-// Launch `count` timed operations on `stream` and return GB/s (bytes per op / time per op).
+// Times `iters` operations launched back to back on `stream` (after `warmup`) and returns GB/s (bytes per op / time
+// per op).
 template <class Launch>
 double time_gbps(cudaStream_t stream, uint64_t bytes, int warmup, int iters, const Launch& launch) {
-    for (int k = 0; k < warmup; ++k) {
-        launch(k);
-    }
-    WEFT_CUDA_CHECK(cudaGetLastError());
-    Events ev;
-    ev.start(stream);
-    for (int k = 0; k < iters; ++k) {
-        launch(warmup + k);
-    }
-    WEFT_CUDA_CHECK(cudaGetLastError());
-    const double ms = ev.stop_ms(stream);
-    return static_cast<double>(bytes) * iters / (ms * 1e-3) / 1e9;
+    const double ms = time_batch_ms(stream, warmup, iters, launch);
+    return static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
 }
 
 template <class G, bool kGet>
@@ -427,9 +319,8 @@ void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows) 
     for (uint64_t bytes : o.sizes) {
         BandwidthRow row;
         row.bytes = bytes;
-        const uint64_t stride = round_up(bytes, 256);
-        const uint64_t slots = std::max<uint64_t>(1, pool / stride);
-        const auto offset = [&](int k) { return (static_cast<uint64_t>(k) % slots) * stride; };
+        const PoolRotation rotation(pool, bytes);
+        const auto offset = [&](int k) { return rotation.offset(k); };
         if (w.rank() == 0) {
             row.roofline_gbps = time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
                 WEFT_CUDA_CHECK(cudaMemcpyAsync(symmetric + offset(k), local + offset(k), bytes,
@@ -532,19 +423,13 @@ void run_barrier(World& w, const Options& o, std::vector<BarrierRow>* rows) {
     w.heap().free(psync);
 }
 
-std::string utc_date() {
-    const std::time_t t = std::time(nullptr);
-    char buf[32];
-    std::strftime(buf, sizeof(buf), "%Y-%m-%d", std::gmtime(&t));
-    return buf;
-}
-
 int run(int argc, char** argv) {
     const Options o = parse_options(argc, argv);
     int sms = 0;
     cudaDeviceProp prop{};
     WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     sms = prop.multiProcessorCount;
+    const Peaks peaks = measure_peaks(kPeakCopy);
     const uint64_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
 
     // Bandwidth: rank 1 is idle while rank 0 measures, so rank 0 may use every SM.
@@ -568,7 +453,8 @@ int run(int argc, char** argv) {
 
     // Table.
     std::printf("weft primitives benchmark: %s (%d SMs), %s, ranks share one GPU, iters %d, warmup %d, dtype %s%s\n",
-                prop.name, sms, utc_date().c_str(), o.iters, o.warmup, o.dtype.c_str(), o.check ? ", checked" : "");
+                prop.name, sms, utc_date().c_str(), o.iters, o.warmup, dtype_name(o.dtype), o.check ? ", checked" : "");
+    std::printf("%s\n", describe(peaks).c_str());
     std::printf("\nput/get bandwidth, rank 0 <-> rank 1 (GB/s = bytes / time; roofline = cudaMemcpy D2D of the same bytes)\n");
     std::printf("%8s %9s | %9s %9s %9s | %9s %9s %9s | %6s%s\n", "size", "roofline", "put.thrd", "put.warp",
                 "put.block", "get.thrd", "get.warp", "get.block", "best/r", o.check ? "  check" : "");
@@ -598,36 +484,29 @@ int run(int argc, char** argv) {
     }
 
     if (!o.json.empty()) {
-        std::ofstream f(o.json);
-        WEFT_CHECK(f.good(), "--json: cannot write '" << o.json << "'");
-        f << "{\n  \"bench\": \"primitives\",\n  \"device\": \"" << prop.name << "\",\n  \"sms\": " << sms
-          << ",\n  \"date\": \"" << utc_date() << "\",\n  \"iters\": " << o.iters << ",\n  \"warmup\": " << o.warmup
-          << ",\n  \"dtype\": \"" << o.dtype << "\",\n  \"bandwidth_gbps\": [";
-        for (size_t i = 0; i < bw.size(); ++i) {
-            const BandwidthRow& r = bw[i];
-            f << (i ? "," : "") << "\n    {\"bytes\": " << r.bytes << ", \"roofline\": " << r.roofline_gbps;
-            for (int s = 0; s < kScopes; ++s) {
-                f << ", \"put_" << kScopeNames[s] << "\": " << r.put_gbps[s];
-            }
-            for (int s = 0; s < kScopes; ++s) {
-                f << ", \"get_" << kScopeNames[s] << "\": " << r.get_gbps[s];
-            }
-            if (r.checked) {
-                f << ", \"mismatches\": " << r.mismatches;
-            }
-            f << "}";
+        Json j;
+        j.begin_object().field("bench", "primitives").field("device", prop.name).field("sms", sms);
+        j.field("date", utc_date()).field("iters", o.iters).field("warmup", o.warmup);
+        j.field("dtype", dtype_name(o.dtype));
+        add_peaks(j, peaks);
+        j.key("bandwidth_gbps").begin_array();
+        for (const BandwidthRow& r : bw) {
+            j.begin_object(true).field("bytes", r.bytes).field("roofline", r.roofline_gbps);
+            for (int s = 0; s < kScopes; ++s) j.field(std::string("put_") + kScopeNames[s], r.put_gbps[s]);
+            for (int s = 0; s < kScopes; ++s) j.field(std::string("get_") + kScopeNames[s], r.get_gbps[s]);
+            if (r.checked) j.field("mismatches", r.mismatches);
+            j.end_object();
         }
-        f << "\n  ],\n  \"round_trip_us\": [";
-        for (size_t i = 0; i < pp.size(); ++i) {
-            f << (i ? "," : "") << "\n    {\"variant\": \"" << ping_pong_name(pp[i].variant)
-              << "\", \"us\": " << pp[i].round_trip_us << "}";
+        j.end_array().key("round_trip_us").begin_array();
+        for (const PingPongRow& r : pp) {
+            j.begin_object(true).field("variant", ping_pong_name(r.variant)).field("us", r.round_trip_us).end_object();
         }
-        f << "\n  ],\n  \"barrier_us\": [";
-        for (size_t i = 0; i < bar.size(); ++i) {
-            f << (i ? "," : "") << "\n    {\"world\": " << bar[i].world << ", \"group\": \"" << bar[i].group
-              << "\", \"us\": " << bar[i].us << "}";
+        j.end_array().key("barrier_us").begin_array();
+        for (const BarrierRow& r : bar) {
+            j.begin_object(true).field("world", r.world).field("group", r.group).field("us", r.us).end_object();
         }
-        f << "\n  ]\n}\n";
+        j.end_array().end_object();
+        write_json_file(o.json, j);
         std::printf("\nwrote %s\n", o.json.c_str());
     }
     return all_ok ? 0 : 1;
@@ -637,10 +516,5 @@ int run(int argc, char** argv) {
 }  // namespace weft::bench
 
 int main(int argc, char** argv) {
-    try {
-        return weft::bench::run(argc, argv);
-    } catch (const std::exception& e) {
-        std::fprintf(stderr, "weft_bench_primitives: %s\n", e.what());
-        return 2;
-    }
+    return weft::bench::run_main("weft_bench_primitives", [&] { return weft::bench::run(argc, argv); });
 }

@@ -17,28 +17,19 @@
 // --baseline-coll simple it is the weft-free code of tp_baselines.cuh (device barriers + copy-engine pulls or an
 // SM sum kernel). (b) keeps its copy-engine transfers; its GEMM+AR chunks use weft's all_reduce too (README.md
 // says why). NCCL is not used: ranks that share a GPU cannot form an NCCL communicator (see bench/tp/README.md).
-#include <cublasLt.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+// The header gives GPU 0's tensor-core peak (cuBLASLt on a random 8192^3 GEMM) and copy peak, measured at start-up.
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <ctime>
-#include <fstream>
-#include <map>
-#include <memory>
 #include <mutex>
-#include <random>
-#include <sstream>
-#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "common/cli.hpp"
+#include "common/json.hpp"
+#include "common/peaks.hpp"
 #include "tp_baselines.cuh"
 #include "weft/device.cuh"
 #include "weft/jit/compiler.hpp"
@@ -87,87 +78,42 @@ std::vector<Shape> default_shapes(const std::string& op) {
     return {{1, 8192, 8192}, {16, 8192, 8192}, {128, 8192, 8192}};
 }
 
-std::vector<std::string> split(const std::string& s, char sep) {
-    std::vector<std::string> out;
-    std::stringstream ss(s);
-    std::string item;
-    while (std::getline(ss, item, sep)) {
-        if (!item.empty()) out.push_back(item);
-    }
-    return out;
-}
-
 Options parse(int argc, char** argv) {
     Options o;
-    for (int i = 1; i < argc; ++i) {
-        const std::string a = argv[i];
-        auto next = [&]() -> std::string {
-            if (i + 1 >= argc) throw std::runtime_error(a + " needs a value");
-            return argv[++i];
-        };
-        if (a == "--op") {
-            o.ops = split(next(), ',');
-            for (const auto& op : o.ops) {
-                if (op != "ag" && op != "rs" && op != "ar")
-                    throw std::runtime_error("--op takes ag, rs, ar; got " + op);
-            }
-        } else if (a == "--shapes") {
-            for (const auto& s : split(next(), ',')) o.shape_idx.push_back(std::stoi(s));
-        } else if (a == "--sizes") {
-            for (const auto& item : split(next(), ',')) {
-                Shape s{};
-                if (std::sscanf(item.c_str(), "%ldx%ldx%ld", &s.m, &s.n, &s.k) != 3) {
-                    throw std::runtime_error("--sizes takes MxNxK[,MxNxK...], got " + item);
-                }
-                o.sizes.push_back(s);
-            }
-        } else if (a == "--iters") {
-            o.iters = std::stoi(next());
-        } else if (a == "--warmup") {
-            o.warmup = std::stoi(next());
-        } else if (a == "--dtype") {
-            const std::string v = next();
-            if (v == "bf16")
-                o.dtype = DType::kBF16;
-            else if (v == "f16")
-                o.dtype = DType::kF16;
-            else
-                throw std::runtime_error("--dtype takes bf16 or f16, got " + v);
-        } else if (a == "--world") {
-            o.world = std::stoi(next());
-        } else if (a == "--check") {
-            o.check = true;
-        } else if (a == "--tune") {
-            o.tune = true;
-        } else if (a == "--baseline-coll") {
-            o.coll = parse_baseline_coll(next());
-        } else if (a == "--reduce-ctas") {
-            o.reduce_ctas = std::stoi(next());
-        } else if (a == "--rs-mode") {
-            const std::string v = next();
-            if (v == "auto") {
-                o.rs_mode = weft::ops::GemmRsMode::kAuto;
-            } else if (v == "pull") {
-                o.rs_mode = weft::ops::GemmRsMode::kPull;
-            } else if (v == "push") {
-                o.rs_mode = weft::ops::GemmRsMode::kPush;
-            } else {
-                std::fprintf(stderr, "weft_bench_tp: --rs-mode takes auto, pull or push, got %s\n", v.c_str());
-                std::exit(2);
-            }
-        } else if (a == "--json") {
-            o.json = next();
-        } else if (a == "--help" || a == "-h") {
-            std::printf(
-                "weft_bench_tp [--op ag,rs,ar] [--shapes I,J,...] [--sizes MxNxK,...] [--iters N] [--warmup N]\n"
-                "              [--dtype bf16|f16] [--world W] [--check] [--tune] [--baseline-coll weft|simple]\n"
-                "              [--reduce-ctas R] [--rs-mode auto|pull|push] [--json FILE]\n");
-            std::exit(0);
-        } else {
-            throw std::runtime_error("unknown option " + a + " (see --help)");
-        }
-    }
-    if (o.iters < 1 || o.warmup < 0) throw std::runtime_error("--iters must be >= 1 and --warmup >= 0");
+    weft::bench::Cli cli("weft_bench_tp",
+                         "AllGather+GEMM, GEMM+ReduceScatter, GEMM+AllReduce against cuBLAS + a collective");
+    cli.option("--op", "ag,rs,ar", "the fused ops to measure (default all three)",
+               [&](const std::string& v) { o.ops = weft::bench::parse_choice_list(v, "--op", {"ag", "rs", "ar"}); });
+    cli.option("--shapes", "I,J,...", "entries of each op's default shape list, 0-based (indices past a list's end "
+               "pick nothing)", [&](const std::string& v) {
+                   o.shape_idx.clear();
+                   for (int64_t i : weft::bench::parse_int_list(v, "--shapes", 0, 1 << 20)) {
+                       o.shape_idx.push_back(static_cast<int>(i));
+                   }
+               });
+    cli.sizes("MxNxK[,...]", "layer shapes, replacing the default lists", [&](const std::string& v) {
+        o.sizes.clear();
+        for (const auto& [m, n, k] : weft::bench::parse_shapes3(v, "--sizes")) o.sizes.push_back({m, n, k});
+    });
+    cli.iters(&o.iters).warmup(&o.warmup).dtype(&o.dtype, {DType::kBF16, DType::kF16});
+    cli.world(&o.world, 0, 1 << 10, "ranks, threads over the visible GPUs (default 0: max(2, GPUs))");
+    cli.check(&o.check);
+    cli.flag("--tune", "AG+GEMM and GEMM+RS tune their GEMM config on their first call", &o.tune);
+    cli.option("--baseline-coll", "weft|simple", "(a)'s collective: weft's own op or simple kernels (default weft)",
+               [&](const std::string& v) {
+                   o.coll = weft::bench::parse_choice(v, "--baseline-coll", {"weft", "simple"}) == "weft"
+                                ? BaselineColl::kWeft
+                                : BaselineColl::kSimple;
+               });
+    cli.int_option("--reduce-ctas", "GEMM+RS reduction CTAs (0: the op's heuristic)", &o.reduce_ctas, 0, 1 << 10);
+    cli.option("--rs-mode", "auto|pull|push", "GemmRsOptions::mode (default auto)", [&](const std::string& v) {
+        const std::string m = weft::bench::parse_choice(v, "--rs-mode", {"auto", "pull", "push"});
+        o.rs_mode = m == "pull"   ? weft::ops::GemmRsMode::kPull
+                    : m == "push" ? weft::ops::GemmRsMode::kPush
+                                  : weft::ops::GemmRsMode::kAuto;
+    });
+    cli.json(&o.json);
+    cli.parse(argc, argv);
     return o;
 }
 
@@ -514,12 +460,14 @@ std::string fmt(double ms) {
     return buf;
 }
 
-void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, const std::string& device) {
+void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, const std::string& device,
+                    const weft::bench::Peaks& peaks) {
     std::printf(
         "\nweft_bench_tp: %s x%d, %s, world %d%s, %d iters (slowest rank, mean)\n", device.c_str(), gpus,
         weft::dtype_name(o.dtype), rows.empty() ? 0 : rows[0].world,
         rows.empty() || rows[0].world <= gpus ? "" : " (ranks share GPUs: figures measure overhead, not overlap)",
         o.iters);
+    std::printf("%s\n", weft::bench::describe(peaks).c_str());
     std::printf("baseline collective (coll, (a)): %s\n",
                 o.coll == BaselineColl::kWeft
                     ? "weft's standalone op (weft::ops::all_gather / reduce_scatter / all_reduce), automatic algorithm"
@@ -547,35 +495,37 @@ void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, co
         weft_coll ? "weft's automatic choice; WEFT_*_ALGO overrides it" : "--baseline-coll simple",
         weft_coll ? "weft all_reduce per chunk" : "the simple sum kernel per chunk");
     if (o.json.empty()) return;
-    std::ofstream out(o.json);
-    out << "{\"bench\": \"weft_bench_tp\", \"device\": \"" << device << "\", \"gpus\": " << gpus << ", \"dtype\": \""
-        << weft::dtype_name(o.dtype) << "\", \"iters\": " << o.iters << ", \"baseline_coll\": \""
-        << baseline_coll_name(o.coll) << "\", \"results\": [";
-    for (size_t i = 0; i < rows.size(); ++i) {
-        const Row& r = rows[i];
+    weft::bench::Json j;
+    j.begin_object().field("bench", "weft_bench_tp").field("device", device).field("gpus", gpus);
+    j.field("dtype", weft::dtype_name(o.dtype)).field("iters", o.iters).field("warmup", o.warmup);
+    j.field("baseline_coll", baseline_coll_name(o.coll));
+    weft::bench::add_peaks(j, peaks);
+    j.key("results").begin_array();
+    for (const Row& r : rows) {
         const double ideal = std::max(r.gemm, r.coll);
-        out << (i ? ", " : "") << "{\"op\": \"" << r.op << "\", \"m\": " << r.shape.m << ", \"n\": " << r.shape.n
-            << ", \"k\": " << r.shape.k << ", \"world\": " << r.world << ", \"gemm_ms\": " << r.gemm
-            << ", \"weft_gemm_ms\": " << r.engine << ", \"coll_ms\": " << r.coll << ", \"coll_algo\": \"" << r.coll_algo
-            << "\", \"a_ms\": " << r.a << ", \"b_ms\": " << r.b << ", \"weft_ms\": " << r.weft
-            << ", \"ideal_ms\": " << ideal << ", \"speedup_vs_a\": " << r.a / r.weft
-            << ", \"overlap_efficiency\": " << ideal / r.weft << ", \"err_weft\": " << r.err_weft
-            << ", \"err_b\": " << r.err_b << "}";
+        j.begin_object(true).field("op", r.op).field("m", r.shape.m).field("n", r.shape.n).field("k", r.shape.k);
+        j.field("world", r.world).field("gemm_ms", r.gemm).field("weft_gemm_ms", r.engine).field("coll_ms", r.coll);
+        j.field("coll_algo", r.coll_algo).field("a_ms", r.a).field("b_ms", r.b).field("weft_ms", r.weft);
+        j.field("ideal_ms", ideal).field("speedup_vs_a", r.a / r.weft).field("overlap_efficiency", ideal / r.weft);
+        j.field("err_weft", r.err_weft).field("err_b", r.err_b).end_object();
     }
-    out << "]}\n";
+    j.end_array().end_object();
+    weft::bench::write_json_file(o.json, j);
     std::printf("wrote %s\n", o.json.c_str());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-    try {
+    return weft::bench::run_main("weft_bench_tp", [&] {
         const Options o = parse(argc, argv);
         weft::prepare_cuda_environment();
         int gpus = 0;
         BENCH_CUDA(cudaGetDeviceCount(&gpus));
         cudaDeviceProp prop{};
         BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+        const weft::bench::Peaks peaks =
+            weft::bench::measure_peaks(weft::bench::kPeakCopy | weft::bench::kPeakTensor, o.dtype);
         const int world = o.world > 0 ? o.world : std::max(2, gpus);
         // Heap: the largest op's symmetric buffers (weft's and the baseline's), plus room, plus the collective
         // workspace (it stays allocated for the whole run once made: by the weft baselines, and by GemmAr, whose
@@ -593,8 +543,7 @@ int main(int argc, char** argv) {
         wo.timeout = std::chrono::milliseconds(60000);
         std::vector<Row> rows;
         std::mutex rows_mutex;
-        Shared sh;
-        sh.slot.assign(static_cast<size_t>(world), 0.0);
+        Shared sh(world);
         weft::run_local(
             world,
             [&](World& w) {
@@ -634,10 +583,7 @@ int main(int argc, char** argv) {
                 cudaStreamDestroy(s);
             },
             wo);
-        print_and_save(rows, o, gpus, prop.name);
-    } catch (const std::exception& e) {
-        std::fprintf(stderr, "weft_bench_tp: %s\n", e.what());
-        return 1;
-    }
-    return 0;
+        print_and_save(rows, o, gpus, prop.name, peaks);
+        return 0;
+    });
 }

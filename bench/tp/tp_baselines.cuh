@@ -1,30 +1,25 @@
 // SPDX-License-Identifier: MIT
-// Baselines for the tensor-parallel benchmarks and examples: cuBLASLt GEMMs, the baseline collectives (weft's
-// standalone ops with their automatic algorithm choice by default, or simple weft-free kernels on the symmetric
-// heap for comparison), and timing shared by rank threads (the slowest rank counts).
+// Baselines for the tensor-parallel benchmark: the baseline collectives (weft's standalone ops with their automatic
+// algorithm choice by default, or simple weft-free kernels on the symmetric heap for comparison), on top of
+// bench/common's cuBLASLt GEMMs, random inputs and timing shared by rank threads (the slowest rank counts).
 #pragma once
 
-#include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
+#include <cstdint>
 #include <functional>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <random>
 #include <stdexcept>
 #include <string>
-#include <tuple>
 #include <type_traits>
-#include <vector>
+#include <utility>
 
+#include "common/cublaslt.hpp"
+#include "common/data.hpp"
+#include "common/ranks.hpp"
+#include "common/timing.hpp"
 #include "weft/device.cuh"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
@@ -37,18 +32,6 @@ namespace weft::bench_tp {
 using weft::DType;
 using weft::World;
 namespace tile = weft::device::tile;
-
-#define BENCH_CUDA(call)                                                                                     \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
-    } while (0)
-#define BENCH_LT(call)                                                                                         \
-    do {                                                                                                       \
-        cublasStatus_t s_ = (call);                                                                            \
-        if (s_ != CUBLAS_STATUS_SUCCESS)                                                                       \
-            throw std::runtime_error(std::string(#call) + ": status " + std::to_string(static_cast<int>(s_))); \
-    } while (0)
 
 // ---- simple baseline collectives (weft-free kernels on the symmetric heap: --baseline-coll simple) --------------
 
@@ -105,196 +88,35 @@ __global__ void bench_sum_kernel(weft::DeviceCtx ctx, const T* symmetric_src, co
     }
 }
 
-// ---- cuBLASLt ---------------------------------------------------------------------------------------------
+// ---- cuBLASLt, inputs, timing (bench/common) -------------------------------------------------------------------
 
-/// D[m, n] (ldd) = A[m, k] (lda) * B[n, k]^T (ldb), row-major, with the first heuristic algorithm; plans cached.
-class Lt {
-public:
-    Lt() {
-        BENCH_LT(cublasLtCreate(&h_));
-        BENCH_CUDA(cudaMalloc(&ws_, kWs));
-    }
-    ~Lt() {
-        for (auto& [key, p] : plans_) {
-            cublasLtMatmulDescDestroy(p.desc);
-            cublasLtMatrixLayoutDestroy(p.la);
-            cublasLtMatrixLayoutDestroy(p.lb);
-            cublasLtMatrixLayoutDestroy(p.ld);
-        }
-        cudaFree(ws_);
-        cublasLtDestroy(h_);
-    }
-    void gemm(DType t, const void* a, int64_t lda, const void* b, int64_t ldb, void* d, int64_t ldd, int64_t m,
-              int64_t n, int64_t k, cudaStream_t s) {
-        const auto key = std::make_tuple(static_cast<int>(t), m, n, k, lda, ldb, ldd);
-        auto it = plans_.find(key);
-        if (it == plans_.end()) it = plans_.emplace(key, make_plan(t, m, n, k, lda, ldb, ldd)).first;
-        const Plan& p = it->second;
-        const float alpha = 1.f, beta = 0.f;
-        BENCH_LT(cublasLtMatmul(h_, p.desc, &alpha, b, p.la, a, p.lb, &beta, d, p.ld, d, p.ld, &p.algo, ws_, kWs, s));
-    }
-
-private:
-    struct Plan {
-        cublasLtMatmulDesc_t desc;
-        cublasLtMatrixLayout_t la, lb, ld;
-        cublasLtMatmulAlgo_t algo;
-    };
-    static constexpr size_t kWs = 32u << 20;
-    Plan make_plan(DType t, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldd) {
-        const cudaDataType ct = t == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
-        Plan p{};
-        BENCH_LT(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-        const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-        BENCH_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-        BENCH_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-        // Column-major view: D^T [n, m] = B [n, k] (stored as k x n, transposed) * A^T [k, m].
-        BENCH_LT(cublasLtMatrixLayoutCreate(&p.la, ct, static_cast<uint64_t>(k), static_cast<uint64_t>(n), ldb));
-        BENCH_LT(cublasLtMatrixLayoutCreate(&p.lb, ct, static_cast<uint64_t>(k), static_cast<uint64_t>(m), lda));
-        BENCH_LT(cublasLtMatrixLayoutCreate(&p.ld, ct, static_cast<uint64_t>(n), static_cast<uint64_t>(m), ldd));
-        cublasLtMatmulPreference_t pref;
-        BENCH_LT(cublasLtMatmulPreferenceCreate(&pref));
-        size_t ws = kWs;
-        BENCH_LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-        cublasLtMatmulHeuristicResult_t result{};
-        int found = 0;
-        BENCH_LT(cublasLtMatmulAlgoGetHeuristic(h_, p.desc, p.la, p.lb, p.ld, p.ld, pref, 1, &result, &found));
-        cublasLtMatmulPreferenceDestroy(pref);
-        if (found == 0) throw std::runtime_error("cuBLASLt has no algorithm for this GEMM");
-        p.algo = result.algo;
-        return p;
-    }
-    cublasLtHandle_t h_ = nullptr;
-    void* ws_ = nullptr;
-    std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>, Plan> plans_;
-};
-
-// ---- per-rank timing, shared by the rank threads ------------------------------------------------------------
-
-struct Shared {
-    std::mutex mutex;
-    std::vector<double> slot;  // per rank
-};
+/// D[m, n] (ldd) = A[m, k] (lda) * B[n, k]^T (ldb), row-major, on cuBLASLt's first heuristic algorithm.
+using Lt = weft::bench::CublasLt;
+/// The slowest rank's figures: one per World, shared by its rank threads.
+using Shared = weft::bench::SlowestRank;
+using weft::bench::fill_random;
 
 /// Times `body` (enqueues one iteration on `s`) on every rank at once; returns the slowest rank's mean ms.
 inline double time_all(World& w, Shared& sh, cudaStream_t s, int warmup, int iters, const std::function<void()>& body) {
-    for (int i = 0; i < warmup; ++i) body();
-    w.sync_and_check(s);
-    w.barrier();
-    weft::Event start(true), stop(true);
-    start.record(s);
-    for (int i = 0; i < iters; ++i) body();
-    stop.record(s);
-    w.sync_and_check(s);
-    const double ms = stop.elapsed_ms(start) / iters;
-    {
-        std::lock_guard<std::mutex> lock(sh.mutex);
-        sh.slot[static_cast<size_t>(w.rank())] = ms;
-    }
-    w.barrier();
-    double worst = 0;
-    for (double v : sh.slot) worst = std::max(worst, v);
-    w.barrier();  // nobody overwrites a slot before everyone has read it
-    return worst;
+    return weft::bench::time_batch_on_ranks_ms(w, sh, s, warmup, iters, [&](int) { body(); });
 }
-
-inline double max_over_ranks(World& w, Shared& sh, double v);
 
 /// Times `a` and `b` alternately (a, b, a, b, ...), each call between its own events, so that both see the same
 /// clocks: a run of long GEMMs heats the GPU and lowers the clocks of whatever is timed last (seen as +-10%
 /// between two timings of one kernel). Returns each one's mean ms, the slowest rank's.
 inline std::pair<double, double> time_pair(World& w, Shared& sh, cudaStream_t s, int warmup, int iters,
                                            const std::function<void()>& a, const std::function<void()>& b) {
-    for (int i = 0; i < warmup; ++i) {
-        a();
-        b();
-    }
-    w.sync_and_check(s);
-    w.barrier();
-    std::vector<std::unique_ptr<weft::Event>> ev;
-    for (int i = 0; i < 2 * iters + 1; ++i) ev.push_back(std::make_unique<weft::Event>(true));
-    ev[0]->record(s);
-    for (int i = 0; i < iters; ++i) {
-        a();
-        ev[static_cast<size_t>(2 * i + 1)]->record(s);
-        b();
-        ev[static_cast<size_t>(2 * i + 2)]->record(s);
-    }
-    w.sync_and_check(s);
-    double ta = 0, tb = 0;
-    for (int i = 0; i < iters; ++i) {
-        const size_t j = static_cast<size_t>(2 * i);
-        ta += ev[j + 1]->elapsed_ms(*ev[j]);
-        tb += ev[j + 2]->elapsed_ms(*ev[j + 1]);
-    }
-    const double slowest_a = max_over_ranks(w, sh, ta / iters);
-    const double slowest_b = max_over_ranks(w, sh, tb / iters);
-    return {slowest_a, slowest_b};
+    const auto ms = weft::bench::time_rounds_on_ranks_mean_ms(
+        w, sh, s, warmup, iters, [&](int) { a(); }, [&](int) { b(); });
+    return {ms[0], ms[1]};
 }
 
-/// Uniform values in [-1, 1) from a hash of (seed, index), written on the device (fast for GB-sized operands;
-/// never zeros: a GEMM on zeros runs faster than on data).
-template <class T>
-__global__ void bench_fill_kernel(T* p, int64_t n, uint64_t seed) {
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        uint64_t x = seed ^ (static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull);
-        x ^= x >> 33;
-        x *= 0xff51afd7ed558ccdull;
-        x ^= x >> 33;
-        x *= 0xc4ceb9fe1a85ec53ull;
-        x ^= x >> 33;
-        const float u = static_cast<float>(x >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f;
-        p[i] = from_f<T>(u);
-    }
-}
+inline double max_over_ranks(World& w, Shared& sh, double v) { return sh.max(w, v); }
 
-inline void fill_random(void* p, int64_t elems, DType t, uint64_t seed, cudaStream_t s) {
-    if (t == DType::kBF16) {
-        bench_fill_kernel<<<1024, 256, 0, s>>>(static_cast<__nv_bfloat16*>(p), elems, seed);
-    } else {
-        bench_fill_kernel<<<1024, 256, 0, s>>>(static_cast<__half*>(p), elems, seed);
-    }
-    BENCH_CUDA(cudaGetLastError());
-    BENCH_CUDA(cudaStreamSynchronize(s));
-}
-
+/// ||x - y||_F / ||y||_F of two device matrices (bench/common's relative_error).
 inline double rel_error(const void* x, int64_t lx, const void* y, int64_t ly, int64_t rows, int64_t cols, DType t,
                         cudaStream_t s) {
-    std::vector<uint16_t> hx(static_cast<size_t>(rows * lx)), hy(static_cast<size_t>(rows * ly));
-    BENCH_CUDA(cudaMemcpyAsync(hx.data(), x, hx.size() * 2, cudaMemcpyDeviceToHost, s));
-    BENCH_CUDA(cudaMemcpyAsync(hy.data(), y, hy.size() * 2, cudaMemcpyDeviceToHost, s));
-    BENCH_CUDA(cudaStreamSynchronize(s));
-    auto f = [&](uint16_t b) {
-        if (t == DType::kBF16) {
-            __nv_bfloat16_raw raw;
-            raw.x = b;
-            return static_cast<double>(__bfloat162float(__nv_bfloat16(raw)));
-        }
-        __half_raw raw;
-        raw.x = b;
-        return static_cast<double>(__half2float(__half(raw)));
-    };
-    double num = 0, den = 0;
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) {
-            const double a = f(hx[static_cast<size_t>(r * lx + c)]), b = f(hy[static_cast<size_t>(r * ly + c)]);
-            num += (a - b) * (a - b);
-            den += b * b;
-        }
-    return std::isfinite(num) ? std::sqrt(num / std::max(den, 1e-30)) : 1e30;
-}
-
-inline double max_over_ranks(World& w, Shared& sh, double v) {
-    {
-        std::lock_guard<std::mutex> lock(sh.mutex);
-        sh.slot[static_cast<size_t>(w.rank())] = v;
-    }
-    w.barrier();
-    double worst = -1;
-    for (double x : sh.slot) worst = std::max(worst, x);
-    w.barrier();
-    return worst;
+    return weft::bench::relative_error(x, lx, y, ly, rows, cols, t, s);
 }
 
 /// A small device barrier on the symmetric heap (counters + a local call count).
@@ -330,13 +152,6 @@ inline constexpr int kSumThreads = 256;
 enum class BaselineColl { kWeft, kSimple };
 
 inline const char* baseline_coll_name(BaselineColl c) { return c == BaselineColl::kWeft ? "weft" : "simple"; }
-
-/// "weft" or "simple"; anything else is an error naming the option.
-inline BaselineColl parse_baseline_coll(const std::string& v) {
-    if (v == "weft") return BaselineColl::kWeft;
-    if (v == "simple") return BaselineColl::kSimple;
-    throw std::runtime_error("--baseline-coll takes weft or simple, got '" + v + "'");
-}
 
 /// Symmetric-heap bytes weft::ops::prepare_collectives takes for `num_ranks` ranks, with room to spare: three
 /// staging regions (WEFT_COLLECTIVE_STAGING_BYTES, default 32 MiB each), the LL receive buffers (2 parities x
@@ -538,53 +353,5 @@ private:
     DeviceBarrier bar_;
     std::string algo_;
 };
-
-/// The command line both TP examples share: `[--world W] [--m M] [--n N] [--k K] [--iters I]
-/// [--baseline-coll weft|simple]`. Fields keep the caller's defaults when absent; returns false (after printing
-/// the usage) on an unknown flag or a flag without a value.
-struct ExampleArgs {
-    int world = 0;
-    int iters = 10;
-    int64_t m = 0, n = 0, k = 0;
-    BaselineColl coll = BaselineColl::kWeft;
-};
-
-inline bool parse_example_args(int argc, char** argv, ExampleArgs& args) {
-    const auto usage = [&] {
-        std::fprintf(stderr,
-                     "usage: %s [--world W] [--m M] [--n N] [--k K] [--iters I] "
-                     "[--baseline-coll weft|simple]\n",
-                     argv[0]);
-        return false;
-    };
-    int i = 1;
-    for (; i + 1 < argc; i += 2) {
-        const std::string a = argv[i];
-        if (a == "--baseline-coll") {
-            try {
-                args.coll = parse_baseline_coll(argv[i + 1]);
-            } catch (const std::exception& e) {
-                std::fprintf(stderr, "%s\n", e.what());
-                return usage();
-            }
-            continue;
-        }
-        const int64_t v = std::atoll(argv[i + 1]);
-        if (a == "--world")
-            args.world = static_cast<int>(v);
-        else if (a == "--m")
-            args.m = v;
-        else if (a == "--n")
-            args.n = v;
-        else if (a == "--k")
-            args.k = v;
-        else if (a == "--iters")
-            args.iters = static_cast<int>(v);
-        else
-            return usage();
-    }
-    if (i < argc) return usage();  // a trailing flag without its value
-    return true;
-}
 
 }  // namespace weft::bench_tp

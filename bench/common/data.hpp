@@ -1,0 +1,23 @@
+// SPDX-License-Identifier: MIT
+// Benchmark data: random device inputs (never zeros: a GEMM on zeros runs faster than on data) and the relative
+// difference of two device matrices.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "weft/common/dtype.hpp"
+
+namespace weft::bench {
+
+/// Fills `elems` elements of dtype `t` (bf16, f16 or f32) with values uniform in [-1, 1) from a hash of (seed,
+/// index), on `stream`, and waits for it: peers may read the buffer once the caller's next barrier is passed.
+void fill_random(void* p, int64_t elems, DType t, uint64_t seed, cudaStream_t stream);
+
+/// ||x - y||_F / ||y||_F over rows x cols elements of dtype `t` (bf16, f16 or f32), row pitches ldx and ldy in
+/// elements; copies both to the host on `stream`. +infinity when x holds a NaN or an infinity.
+double relative_error(const void* x, int64_t ldx, const void* y, int64_t ldy, int64_t rows, int64_t cols, DType t,
+                      cudaStream_t stream);
+
+}  // namespace weft::bench

@@ -1,0 +1,144 @@
+// SPDX-License-Identifier: MIT
+// Measured physical limits (peaks.hpp).
+#include "common/peaks.hpp"
+
+#include <cstdio>
+#include <memory>
+
+#include "common/cublaslt.hpp"
+#include "common/data.hpp"
+#include "common/json.hpp"
+#include "common/timing.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace weft::bench {
+namespace {
+
+constexpr size_t kCopyBytes = size_t{1} << 30;
+constexpr size_t kReadBytes = size_t{4} << 30;
+constexpr int64_t kTensorExtent = 8192;
+constexpr int kWarmup = 2, kIters = 10;
+
+struct DeviceBuffer {
+    void* ptr = nullptr;
+    explicit DeviceBuffer(size_t bytes) { BENCH_CUDA(cudaMalloc(&ptr, bytes)); }
+    ~DeviceBuffer() { cudaFree(ptr); }
+    DeviceBuffer(const DeviceBuffer&) = delete;
+    DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+__global__ void read_kernel(const uint4* p, int64_t n, uint32_t* sink) {
+    uint32_t acc = 0;
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const uint4 v = p[i];
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u) sink[0] = acc;  // keeps the loads alive
+}
+
+double measure_copy_tbs(cudaStream_t s) {
+    DeviceBuffer src(kCopyBytes), dst(kCopyBytes);
+    BENCH_CUDA(cudaMemsetAsync(src.ptr, 1, kCopyBytes, s));
+    return 2.0 * copy_bytes_per_s(dst.ptr, src.ptr, kCopyBytes, s, kWarmup, kIters) / 1e12;
+}
+
+double measure_read_tbs(cudaStream_t s, int sms) {
+    DeviceBuffer buf(kReadBytes), sink(256);
+    BENCH_CUDA(cudaMemsetAsync(buf.ptr, 1, kReadBytes, s));
+    const auto n = static_cast<int64_t>(kReadBytes / 16);
+    const double ms = time_median_ms(s, kWarmup, kIters, [&](int) {
+        read_kernel<<<sms * 8, 512, 0, s>>>(static_cast<const uint4*>(buf.ptr), n, static_cast<uint32_t*>(sink.ptr));
+    });
+    return static_cast<double>(kReadBytes) / (ms * 1e-3) / 1e12;
+}
+
+double measure_tensor_tflops(cudaStream_t s, DType t) {
+    WEFT_CHECK(t == DType::kBF16 || t == DType::kF16, "tensor peak: dtype " << dtype_name(t) << " (bf16 or f16)");
+    const int64_t e = kTensorExtent;
+    const size_t bytes = static_cast<size_t>(e * e) * static_cast<size_t>(dtype_bytes(t));
+    DeviceBuffer a(bytes), b(bytes), d(bytes);
+    fill_random(a.ptr, e * e, t, 0x5eed0001ull, s);
+    fill_random(b.ptr, e * e, t, 0x5eed0002ull, s);
+    CublasLt lt(size_t{64} << 20);
+    const LtGemm g(lt.handle(), t, t, LtLayout::kNK, LtGemm::Shape{e, e, e, e, e, e}, lt.workspace(),
+                   lt.workspace_bytes(), LtGemm::kMaxAlgos);
+    double best_ms = 0;
+    for (size_t algo = 0; algo < g.num_algos(); ++algo) {
+        double ms = 0;
+        try {
+            ms = time_median_ms(s, kWarmup, kIters, [&](int) { g.run(algo, a.ptr, b.ptr, d.ptr, s); });
+        } catch (const Error&) {
+            (void)cudaGetLastError();
+            continue;  // an algorithm that fails to run is skipped
+        }
+        if (best_ms == 0 || ms < best_ms) best_ms = ms;
+    }
+    WEFT_CHECK(best_ms > 0, "tensor peak: no cuBLASLt algorithm ran");
+    return 2.0 * static_cast<double>(e) * static_cast<double>(e) * static_cast<double>(e) / (best_ms * 1e-3) / 1e12;
+}
+
+}  // namespace
+
+double copy_bytes_per_s(void* dst, const void* src, size_t bytes, cudaStream_t stream, int warmup, int iters) {
+    const double ms = time_median_ms(
+        stream, warmup, iters, [&](int) { BENCH_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream)); });
+    return static_cast<double>(bytes) / (ms * 1e-3);
+}
+
+Peaks measure_peaks(unsigned which, DType tensor_dtype, int device) {
+    Peaks p;
+    p.device = device;
+    p.tensor_dtype = tensor_dtype;
+    BENCH_CUDA(cudaSetDevice(device));
+    cudaDeviceProp prop{};
+    BENCH_CUDA(cudaGetDeviceProperties(&prop, device));
+    p.gpu = prop.name;
+    cudaStream_t s = nullptr;
+    BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    try {
+        if (which & kPeakCopy) p.copy_tbs = measure_copy_tbs(s);
+        if (which & kPeakRead) p.read_tbs = measure_read_tbs(s, prop.multiProcessorCount);
+        if (which & kPeakTensor) p.tensor_tflops = measure_tensor_tflops(s, tensor_dtype);
+    } catch (...) {
+        cudaStreamDestroy(s);
+        throw;
+    }
+    BENCH_CUDA(cudaStreamSynchronize(s));
+    BENCH_CUDA(cudaStreamDestroy(s));
+    return p;
+}
+
+std::string describe(const Peaks& p) {
+    std::string out = "measured on GPU " + std::to_string(p.device) + ":";
+    char buf[128];
+    const char* sep = " ";
+    if (p.copy_tbs > 0) {
+        std::snprintf(buf, sizeof(buf), "%sD2D copy %.2f TB/s (read + write, cudaMemcpyAsync of 1 GiB)", sep,
+                      p.copy_tbs);
+        out += buf;
+        sep = ", ";
+    }
+    if (p.read_tbs > 0) {
+        std::snprintf(buf, sizeof(buf), "%sread %.2f TB/s (16-byte loads over 4 GiB)", sep, p.read_tbs);
+        out += buf;
+        sep = ", ";
+    }
+    if (p.tensor_tflops > 0) {
+        std::snprintf(buf, sizeof(buf), "%s%s tensor peak %.0f TFLOP/s (cuBLASLt, random 8192^3)", sep,
+                      dtype_name(p.tensor_dtype), p.tensor_tflops);
+        out += buf;
+    }
+    return out;
+}
+
+void add_peaks(Json& j, const Peaks& p) {
+    j.key("peaks").begin_object(true).field("device", p.device).field("gpu", p.gpu);
+    if (p.copy_tbs > 0) j.field("copy_tbs", p.copy_tbs);
+    if (p.read_tbs > 0) j.field("read_tbs", p.read_tbs);
+    if (p.tensor_tflops > 0)
+        j.field("tensor_tflops", p.tensor_tflops).field("tensor_dtype", dtype_name(p.tensor_dtype));
+    j.end_object();
+}
+
+}  // namespace weft::bench
