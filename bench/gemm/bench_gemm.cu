@@ -37,6 +37,7 @@
 #include "bench_timing.cuh"
 #include "gemm/gemm_instances.cuh"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_plan.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace {

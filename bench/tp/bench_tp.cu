@@ -40,10 +40,12 @@
 #include <vector>
 
 #include "tp_baselines.cuh"
+#include "weft/detail/gemm_launch.hpp"
 #include "weft/device.cuh"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_ar.hpp"
 #include "weft/ops/gemm_rs.hpp"
 #include "weft/weft.hpp"

@@ -6,7 +6,7 @@
 
 #include "gemm/gemm_sm90.cuh"
 #include "gemm/gemv_sm90.cuh"
-#include "weft/ops/gemm.hpp"
+#include "weft/detail/gemm_launch.hpp"
 
 namespace weft::gemm {
 namespace detail {

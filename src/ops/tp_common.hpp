@@ -14,7 +14,10 @@
 #include "weft/common/gemm_config.hpp"
 #include "weft/jit/autotune.hpp"
 #include "weft/jit/compiler.hpp"
+#include "weft/detail/gemm_launch.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/gemm_plan.hpp"
 
 namespace weft {
 class World;

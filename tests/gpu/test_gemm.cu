@@ -21,7 +21,10 @@
 
 #include "gemm/gemm_instances.cuh"
 #include "support/gemm_testing.hpp"
+#include "weft/detail/gemm_launch.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/gemm_plan.hpp"
 #include "weft/ptx/griddep.cuh"
 #include "weft/ptx/timer.cuh"
 #include "weft/runtime/error.hpp"

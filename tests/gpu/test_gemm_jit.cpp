@@ -24,7 +24,10 @@
 #include "weft/common/gemm_hook_params.hpp"
 #include "weft/jit/autotune.hpp"
 #include "weft/jit/compiler.hpp"
+#include "weft/detail/gemm_launch.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/gemm_plan.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft {

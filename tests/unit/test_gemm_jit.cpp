@@ -15,6 +15,8 @@
 #include "weft/jit/autotune.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/gemm_plan.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft::ops {

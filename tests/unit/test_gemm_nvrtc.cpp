@@ -22,6 +22,8 @@
 #include "support/sass_testing.hpp"
 #include "weft/common/gemm_config.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/gemm_plan.hpp"
 
 #ifndef WEFT_SOURCE_DIR
 #error "WEFT_SOURCE_DIR must name the source tree (tests/CMakeLists.txt defines it)"

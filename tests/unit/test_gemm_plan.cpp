@@ -9,7 +9,10 @@
 #include <tuple>
 
 #include "weft/common/gemm_config.hpp"
+#include "weft/detail/gemm_launch.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/gemm_plan.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft {

@@ -13,6 +13,7 @@
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_ar.hpp"
 #include "weft/ops/gemm_rs.hpp"
 
