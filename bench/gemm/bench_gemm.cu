@@ -5,14 +5,12 @@
 //
 //   weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]
 //                   [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]
-//                   [--small-m-variant 0|1|2|3|4] [--small-m-splits S] [--small-m-max-m M]
-//                   [--backend auto|jit|aot] [--chain L]
+//                   [--small-m-variant 0|1|2|3|4] [--small-m-splits S] [--small-m-max-m M] [--chain L]
 // --small-m-variant / --small-m-splits / --small-m-max-m set GemmOptions for the op's own row (the one --check
 // compares with cuBLAS); forcing a variant or a split count also sets small_m_max_m to 64 (unless
 // --small-m-max-m says otherwise), so that M 17..64 measure the small-M kernels; --all-configs adds a row per
-// small-M variant and split count. --backend sets GemmOptions::backend for every weft row: `jit` compiles the
-// kernels from the headers that WEFT_HOME names (cached in WEFT_CACHE_DIR) instead of the instances built into this
-// program, so kernels edited in another source tree run against the same host code and the same cuBLASLt.
+// small-M variant and split count. The kernels come from weft::jit: from the headers that WEFT_HOME names (cached in
+// WEFT_CACHE_DIR), so kernels edited in another source tree run against the same host code and the same cuBLASLt.
 // --chain L adds, for every shape the op may launch programmatically (the small-M variants 3 and 4), the time per
 // call of chains of L calls back to back on one stream (a decode step's layers), each call on the next input set,
 // with no event between them: weft launched plainly, weft with GemmOptions::programmatic_launch, and cuBLASLt; the
@@ -35,7 +33,6 @@
 #include <vector>
 
 #include "bench_timing.cuh"
-#include "gemm/gemm_instances.cuh"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_plan.hpp"
 #include "weft/runtime/error.hpp"
@@ -72,7 +69,6 @@ struct Options {
     int small_m_variant = -1;  // -1: the op's default
     int small_m_splits = 0;    // 0: the op's heuristic
     int small_m_max_m = -1;    // -1: the op's default (kGemvMaxM when a variant or split count is forced)
-    weft::ops::GemmBackend backend = weft::ops::GemmBackend::kAuto;
     int chain = 0;  // --chain L: also time chains of L calls (0: no chains)
 };
 
@@ -146,12 +142,6 @@ Options parse(int argc, char** argv) {
                 throw std::runtime_error("--small-m-max-m takes 0.." + std::to_string(weft::kGemvMaxM) + ", got " +
                                          std::to_string(o.small_m_max_m));
             }
-        } else if (a == "--backend") {
-            const std::string v = next();
-            if (v == "auto") o.backend = weft::ops::GemmBackend::kAuto;
-            else if (v == "jit") o.backend = weft::ops::GemmBackend::kJit;
-            else if (v == "aot") o.backend = weft::ops::GemmBackend::kAot;
-            else throw std::runtime_error("--backend takes auto, jit or aot, got " + v);
         } else if (a == "--chain") {
             o.chain = std::stoi(next());
             if (o.chain < 0) throw std::runtime_error("--chain takes a call count >= 0 (0 = no chains)");
@@ -162,7 +152,7 @@ Options parse(int argc, char** argv) {
                 "weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]\n"
                 "                [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]\n"
                 "                [--small-m-variant 0|1|2|3|4] [--small-m-splits S] [--small-m-max-m M]\n"
-                "                [--backend auto|jit|aot] [--chain L]\n");
+                "                [--chain L]\n");
             std::exit(0);
         } else {
             throw std::runtime_error("unknown option " + a + " (see --help)");
@@ -324,7 +314,6 @@ double tflops(const Shape& s, double us) { return 2.0 * s.m * s.n * s.k / (us * 
 int main(int argc, char** argv) {
     try {
         const Options opt = parse(argc, argv);
-        weft::gemm::register_gemm_instances();
         cudaDeviceProp prop{};
         BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
         const DType out = opt.out_f32 ? DType::kF32 : opt.in;
@@ -404,7 +393,6 @@ int main(int argc, char** argv) {
                 std::printf("# cuBLASLt %ldx%ldx%ld %s: algorithm %zu of %zu, %s\n", s.m, s.n, s.k,
                             layout == BLayout::kNK ? "NK" : "KN", best_algo, g.num_algos(), g.describe(best_algo).c_str());
                 auto run_weft = [&](weft::ops::GemmOptions o, const std::string& label, bool is_auto) {
-                    o.backend = opt.backend;
                     Row r;
                     r.s = s;
                     r.layout = layout;
@@ -492,7 +480,6 @@ int main(int argc, char** argv) {
                     pdl.programmatic_launch = true;
                     if (opt.chain > 0 && weft::ops::gemm_launches_programmatically(plan, pdl)) {
                         // Chains of opt.chain calls, each on the next input set: plain, programmatic, cuBLASLt.
-                        o.backend = pdl.backend = opt.backend;
                         const int L = opt.chain;
                         const auto [plain_ms, pdl_ms, lt_ms] = time_rounds_ms(
                             std::max(1, opt.warmup / 2), opt.iters,

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Launch of weft::ops::gemm: tensor maps, kernel arguments, the small-M scratch, kernel lookup (nvcc instance
-// registry and weft::jit), the launches, and gemm() / select_gemm() themselves.
+// Launch of weft::ops::gemm: tensor maps, kernel arguments, the small-M scratch, JIT kernel lookup, the
+// launches, and gemm() / select_gemm() themselves.
 #include "weft/detail/gemm_launch.hpp"
 
 #include <algorithm>
@@ -9,7 +9,6 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <sstream>
 #include <thread>
 #include <tuple>
@@ -39,9 +38,6 @@ struct GemvKey {
 
 struct Registry {
     std::mutex mutex;
-    std::vector<std::pair<GemmConfig, const void*>> tiled;
-    std::map<GemvKey, const void*> gemv;
-    std::set<const void*> smem_configured;
     // JIT side, per device: kernels by spec text (gemm_jit_kernel), by config (the op's hot path), arch.
     std::map<std::pair<int, std::string>, jit::Kernel*> jit_specs;
     std::vector<std::tuple<int, GemmConfig, jit::Kernel*>> jit_tiled;
@@ -241,75 +237,6 @@ uint64_t gemm_timeout_ns(const GemmOptions& options) {
     return static_cast<uint64_t>(ms) * 1000000ull;
 }
 
-void launch_gemm_kernel(const void* func, const GemmConfig& c, const GemmTensorMaps& maps, const GemmArgs& args,
-                        int grid, const void* sched_params, const void* hook_params, cudaStream_t stream) {
-    WEFT_CHECK(func != nullptr, "gemm: null kernel function");
-    const int cluster = c.cluster_m * c.cluster_n;
-    WEFT_CHECK(grid > 0 && grid % cluster == 0,
-               "gemm: grid must be a positive multiple of the cluster size " << cluster << ", got " << grid);
-    const int smem = gemm_smem_plan(c).alloc_bytes;
-    {
-        Registry& r = registry();
-        std::lock_guard<std::mutex> lock(r.mutex);
-        if (r.smem_configured.insert(func).second) {
-            WEFT_CUDA_CHECK(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        }
-    }
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
-    cfg.blockDim = dim3(kGemmThreads, 1, 1);
-    cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    if (cluster > 1) {
-        attr[0].id = cudaLaunchAttributeClusterDimension;
-        attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-        attr[0].val.clusterDim.y = 1;
-        attr[0].val.clusterDim.z = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-    }
-    GemmTensorMaps local = maps;  // the launch copies parameters; keep them alive for the call
-    GemmArgs a = args;
-    void* params[] = {&local.a, &local.b, &local.d, &a, const_cast<void*>(sched_params),
-                      const_cast<void*>(hook_params)};
-    WEFT_CUDA_CHECK(cudaLaunchKernelExC(&cfg, func, params));
-}
-
-void register_gemm_kernel(const GemmConfig& config, const void* func) {
-    Registry& r = registry();
-    std::lock_guard<std::mutex> lock(r.mutex);
-    for (auto& e : r.tiled) {
-        if (e.first == config) {
-            e.second = func;
-            return;
-        }
-    }
-    r.tiled.emplace_back(config, func);
-}
-
-const void* find_gemm_kernel(const GemmConfig& config) {
-    Registry& r = registry();
-    std::lock_guard<std::mutex> lock(r.mutex);
-    for (const auto& e : r.tiled) {
-        if (e.first == config) return e.second;
-    }
-    return nullptr;
-}
-
-void register_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype, int variant, const void* func) {
-    Registry& r = registry();
-    std::lock_guard<std::mutex> lock(r.mutex);
-    r.gemv[GemvKey{m_tiles, in_dtype, out_dtype, variant}] = func;
-}
-
-const void* find_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype, int variant) {
-    Registry& r = registry();
-    std::lock_guard<std::mutex> lock(r.mutex);
-    auto it = r.gemv.find(GemvKey{m_tiles, in_dtype, out_dtype, variant});
-    return it == r.gemv.end() ? nullptr : it->second;
-}
-
 jit::Kernel& gemm_jit_kernel(const jit::KernelSpec& spec) {
     const int device = current_device();
     std::ostringstream id;
@@ -415,18 +342,6 @@ jit::Kernel& tiled_jit_kernel(int device, const GemmConfig& config) {
     return kernel;
 }
 
-/// Raises an nvcc-compiled kernel's dynamic shared memory limit to `bytes` on `device`, once per (kernel,
-/// device): later launches make no runtime call for it.
-void allow_dynamic_smem(const void* func, int device, int bytes) {
-    static std::mutex mutex;
-    static std::map<std::pair<const void*, int>, int> raised;
-    std::lock_guard<std::mutex> lock(mutex);
-    int& have = raised[{func, device}];
-    if (have >= bytes) return;
-    WEFT_CUDA_CHECK(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    have = bytes;
-}
-
 jit::Kernel& gemv_jit_kernel(int device, int m_tiles, DType in, DType out, int variant) {
     const std::pair<int, GemvKey> key{device, GemvKey{m_tiles, in, out, variant}};
     Registry& r = registry();
@@ -440,33 +355,19 @@ jit::Kernel& gemv_jit_kernel(int device, int m_tiles, DType in, DType out, int v
     return kernel;
 }
 
-const char* const kNoInstanceHint =
-    " is not compiled into this program and options.backend is GemmBackend::kAot: include "
-    "gemm/gemm_instances.cuh in one .cu and call weft::gemm::register_gemm_instances(), or use GemmBackend::kAuto "
-    "(the default) or kJit to compile it with weft::jit";
-
-// The kernel spec a plan launches when it goes through the JIT; nullopt when a registered nvcc instance serves it.
-std::optional<jit::KernelSpec> jit_spec_for(const GemmPlan& plan, const GemmProblem& p, GemmBackend backend,
-                                            const std::string& arch) {
+// The kernel spec a plan launches.
+jit::KernelSpec jit_spec_for(const GemmPlan& plan, const GemmProblem& p, const std::string& arch) {
     if (plan.path == GemmPath::kSmallM) {
-        if (backend != GemmBackend::kJit &&
-            detail::find_gemv_kernel(plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant) != nullptr) {
-            return std::nullopt;
-        }
         return gemv_kernel_spec(plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant, arch);
     }
-    if (backend != GemmBackend::kJit && detail::find_gemm_kernel(plan.config) != nullptr) return std::nullopt;
     return gemm_kernel_spec(plan.config, arch);
 }
 
 // Compiles the JIT kernels of the candidates on several threads before the autotuner times them one by one.
-void compile_candidates(const std::vector<GemmCandidate>& candidates, const GemmProblem& p, GemmBackend backend,
-                        const std::string& arch) {
-    if (backend == GemmBackend::kAot) return;
+void compile_candidates(const std::vector<GemmCandidate>& candidates, const GemmProblem& p, const std::string& arch) {
     std::vector<jit::KernelSpec> specs;
-    for (const auto& c : candidates) {
-        if (auto spec = jit_spec_for(c.plan, p, backend, arch)) specs.push_back(std::move(*spec));
-    }
+    for (const auto& c : candidates) specs.push_back(jit_spec_for(c.plan, p, arch));
+
     if (specs.size() <= 1) return;  // the autotuner's warm-up compiles it
     const size_t num_threads = std::min<size_t>(specs.size(), std::max(1u, std::thread::hardware_concurrency()));
     std::atomic<size_t> next{0};
@@ -511,32 +412,8 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
                 args.partials = static_cast<float*>(w.partials);
             }
         }
-        const void* func = options.backend == GemmBackend::kJit
-                               ? nullptr
-                               : detail::find_gemv_kernel(plan.small_m_tiles, p.in_dtype, p.out_dtype,
-                                                          plan.small_m_variant);
-        WEFT_CHECK(func != nullptr || options.backend != GemmBackend::kAot,
-                   "gemm: the small-M kernel " << gemv_kernel_instantiation(plan.small_m_tiles, p.in_dtype,
-                                                                            p.out_dtype, plan.small_m_variant)
-                                               << kNoInstanceHint);
         const bool programmatic = gemm_launches_programmatically(plan, options);
         args.programmatic = programmatic ? 1 : 0;
-        if (func != nullptr) {
-            if (launch.smem_bytes > 0) allow_dynamic_smem(func, device, launch.smem_bytes);
-            void* params[] = {&launch.args, &launch.maps};
-            cudaLaunchConfig_t cfg{};
-            cfg.gridDim = launch.grid;
-            cfg.blockDim = launch.block;
-            cfg.dynamicSmemBytes = static_cast<size_t>(launch.smem_bytes);
-            cfg.stream = stream;
-            cudaLaunchAttribute attribute{};
-            attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            attribute.val.programmaticStreamSerializationAllowed = 1;
-            cfg.attrs = programmatic ? &attribute : nullptr;
-            cfg.numAttrs = programmatic ? 1 : 0;
-            WEFT_CUDA_CHECK(cudaLaunchKernelExC(&cfg, func, params));
-            return;
-        }
         jit::Kernel& kernel = gemv_jit_kernel(device, plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant);
         jit::LaunchParams lp;
         lp.grid = launch.grid;
@@ -552,47 +429,9 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
     const GemmArgs args = detail::make_gemm_args(a, d, detail::gemm_timeout_ns(options));
     const int32_t sched_params = 0;  // PersistentScheduler::Params and NoEpilogueHook::Params: one int32
     const int32_t hook_params = 0;
-    const void* func = options.backend == GemmBackend::kJit ? nullptr : detail::find_gemm_kernel(plan.config);
-    WEFT_CHECK(func != nullptr || options.backend != GemmBackend::kAot,
-               "gemm: kernel " << gemm_kernel_instantiation(plan.config) << kNoInstanceHint);
-    if (func == nullptr) {
-        jit::Kernel& kernel = tiled_jit_kernel(device, plan.config);
-        plan.grid = detail::fit_gemm_jit_grid(kernel, plan.config, plan.grid);
-        detail::launch_gemm_jit(kernel, plan.config, maps, args, plan.grid, sched_params, hook_params, stream);
-        return;
-    }
-    const int cluster = plan.config.cluster_m * plan.config.cluster_n;
-    if (cluster > 1) {
-        // Not every SM can host a cluster pair (GPC boundaries): never ask for more than fit at once.
-        static std::mutex mutex;
-        static std::map<const void*, int> max_clusters;
-        int fit = 0;
-        {
-            std::lock_guard<std::mutex> lock(mutex);
-            auto it = max_clusters.find(func);
-            if (it != max_clusters.end()) fit = it->second;
-        }
-        if (fit == 0) {
-            WEFT_CUDA_CHECK(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem_bytes));
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(static_cast<unsigned>(plan.grid), 1, 1);
-            cfg.blockDim = dim3(kGemmThreads, 1, 1);
-            cfg.dynamicSmemBytes = static_cast<size_t>(plan.smem_bytes);
-            cudaLaunchAttribute attr[1];
-            attr[0].id = cudaLaunchAttributeClusterDimension;
-            attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-            attr[0].val.clusterDim.y = 1;
-            attr[0].val.clusterDim.z = 1;
-            cfg.attrs = attr;
-            cfg.numAttrs = 1;
-            WEFT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&fit, func, &cfg));
-            fit = std::max(fit, 1);
-            std::lock_guard<std::mutex> lock(mutex);
-            max_clusters[func] = fit;
-        }
-        plan.grid = std::min(plan.grid, fit * cluster);
-    }
-    detail::launch_gemm_kernel(func, plan.config, maps, args, plan.grid, &sched_params, &hook_params, stream);
+    jit::Kernel& kernel = tiled_jit_kernel(device, plan.config);
+    plan.grid = detail::fit_gemm_jit_grid(kernel, plan.config, plan.grid);
+    detail::launch_gemm_jit(kernel, plan.config, maps, args, plan.grid, sched_params, hook_params, stream);
 }
 
 bool stream_is_capturing(cudaStream_t stream) {
@@ -621,7 +460,7 @@ GemmSelection select_for_views(const GemmProblem& p, const TensorView& a, const 
     const std::string arch = arch_of_device(device);
     const GemmRunPlan run = [&](const GemmPlan& plan, cudaStream_t s) { launch_plan(plan, p, a, b, d, options, s); };
     const GemmPrepareCandidates prepare = [&](const std::vector<GemmCandidate>& candidates) {
-        compile_candidates(candidates, p, options.backend, arch);
+        compile_candidates(candidates, p, arch);
     };
     return select_gemm_plan(p, num_sms, options, arch, run, stream, stream_is_capturing(stream), prepare);
 }

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
-// GPU tests of the sm_90a GEMM: an fp64 CPU reference on small and awkward shapes (every candidate config,
-// both B layouts, every dtype pair, strides, tiny SM budgets), the small-M path, cuBLASLt on large shapes,
-// and the communication hooks driven by a producer kernel on another stream.
+// GPU tests of the sm_90a GEMM (kernels from weft::jit, the library's one launch path): an fp64 CPU reference on
+// small and awkward shapes (every candidate config, both B layouts, every dtype pair, strides, tiny SM budgets), the
+// small-M path, cuBLASLt on large shapes, and the communication hooks driven by a producer kernel on another stream.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "gemm/gemm_instances.cuh"
 #include "support/gemm_testing.hpp"
+#include "weft/common/gemm_hook_params.hpp"
 #include "weft/detail/gemm_launch.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
@@ -39,11 +39,10 @@ using namespace gemm_test;
 
 #define CK(call) ASSERT_EQ((call), cudaSuccess) << #call << ": " << cudaGetErrorString(call)
 
-#define REQUIRE_SM90()                                  \
-    do {                                                \
-        std::string why_;                               \
-        if (!have_sm90(&why_)) GTEST_SKIP() << why_;    \
-        weft::gemm::register_gemm_instances();          \
+#define REQUIRE_SM90()                               \
+    do {                                             \
+        std::string why_;                            \
+        if (!have_sm90(&why_)) GTEST_SKIP() << why_; \
     } while (0)
 
 struct Case {
@@ -193,8 +192,8 @@ TEST(GemmTiled, TinySmBudgetsWrapThePipeline) {
     }
 }
 
-// Raster orders and group sizes are pure scheduling: same result. (Instances compiled here: the
-// candidate set only holds the default raster.)
+// Raster orders and group sizes are pure scheduling: same result (configs outside the candidate set, which only
+// holds the default raster: the JIT compiles them on first use).
 constexpr GemmConfig raster_variant(int index) {
     GemmConfig c = gemm_candidate(index, DType::kBF16, DType::kBF16, BLayout::kNK);
     c.raster = Raster::kAlongM;
@@ -204,25 +203,8 @@ constexpr GemmConfig raster_variant(int index) {
 constexpr GemmConfig kRasterPlain = raster_variant(0);
 constexpr GemmConfig kRasterPair = raster_variant(1);
 
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    raster_plain_kernel(const __grid_constant__ ptx::TmaDescriptor ta, const __grid_constant__ ptx::TmaDescriptor tb,
-                        const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
-                        const gemm::PersistentSchedulerParams sp, const gemm::NoEpilogueHookParams hp) {
-    gemm::gemm_device<kRasterPlain, gemm::PersistentScheduler<kRasterPlain>, gemm::NoEpilogueHook>(&ta, &tb, &td, args,
-                                                                                                  sp, hp);
-}
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    raster_pair_kernel(const __grid_constant__ ptx::TmaDescriptor ta, const __grid_constant__ ptx::TmaDescriptor tb,
-                       const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
-                       const gemm::PersistentSchedulerParams sp, const gemm::NoEpilogueHookParams hp) {
-    gemm::gemm_device<kRasterPair, gemm::PersistentScheduler<kRasterPair>, gemm::NoEpilogueHook>(&ta, &tb, &td, args,
-                                                                                                sp, hp);
-}
-
 TEST(GemmTiled, RasterOrdersAgree) {
     REQUIRE_SM90();
-    ops::detail::register_gemm_kernel(kRasterPlain, reinterpret_cast<const void*>(&raster_plain_kernel));
-    ops::detail::register_gemm_kernel(kRasterPair, reinterpret_cast<const void*>(&raster_pair_kernel));
     for (const GemmConfig& cfg : {kRasterPlain, kRasterPair}) {
         for (int budget : {0, 5}) {
             Case c{1000, 1000, 256};
@@ -241,27 +223,8 @@ constexpr GemmConfig kPingPong64x256{.tile_m = 64, .tile_n = 256, .stages = 4, .
 constexpr GemmConfig kPingPong128x128{.tile_m = 128, .tile_n = 128, .stages = 6, .b_layout = BLayout::kKN,
                                       .out_dtype = DType::kF32, .pingpong = true};
 
-// Plain kernels: nvcc's host stubs cannot spell a class-type template argument.
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    pingpong_64x256_kernel(const __grid_constant__ ptx::TmaDescriptor ta, const __grid_constant__ ptx::TmaDescriptor tb,
-                           const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
-                           const gemm::PersistentSchedulerParams sp, const gemm::NoEpilogueHookParams hp) {
-    gemm::gemm_device<kPingPong64x256, gemm::PersistentScheduler<kPingPong64x256>, gemm::NoEpilogueHook>(&ta, &tb, &td,
-                                                                                                        args, sp, hp);
-}
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    pingpong_128x128_kernel(const __grid_constant__ ptx::TmaDescriptor ta,
-                            const __grid_constant__ ptx::TmaDescriptor tb,
-                            const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
-                            const gemm::PersistentSchedulerParams sp, const gemm::NoEpilogueHookParams hp) {
-    gemm::gemm_device<kPingPong128x128, gemm::PersistentScheduler<kPingPong128x128>, gemm::NoEpilogueHook>(
-        &ta, &tb, &td, args, sp, hp);
-}
-
 TEST(GemmTiled, PingPongMatchesFp64) {
     REQUIRE_SM90();
-    ops::detail::register_gemm_kernel(kPingPong64x256, reinterpret_cast<const void*>(&pingpong_64x256_kernel));
-    ops::detail::register_gemm_kernel(kPingPong128x128, reinterpret_cast<const void*>(&pingpong_128x128_kernel));
     for (const GemmConfig& cfg : {kPingPong64x256, kPingPong128x128}) {
         SCOPED_TRACE(ops::format_gemm_config(cfg));
         for (const auto& s : awkward_shapes()) {
@@ -566,9 +529,9 @@ TEST(GemmSmallM, ProgrammaticLaunchWaitsForTheKernelBefore) {
 }
 
 // A decode chain: each layer's output is the next layer's A (N = K), every layer launched programmatically right
-// after the one before, by the nvcc instances, by weft::jit's, and captured into a CUDA graph (the launches become
-// programmatic edges) then replayed; each result must be bit for bit the chain launched plainly (the kernels are
-// deterministic), which the fp64 tests above vouch for layer by layer. M = 1 and 2 (whole rows), 3 and 16 (row
+// after the one before, and captured into a CUDA graph (the launches become programmatic edges) then replayed; each
+// result must be bit for bit the chain launched plainly (the kernels are deterministic), which the fp64 tests above
+// vouch for layer by layer. M = 1 and 2 (whole rows), 3 and 16 (row
 // groups), 32 and 64 (variant 3, split-K: consecutive calls share the stream's partials and counters).
 TEST(GemmSmallM, ProgrammaticChainMatchesThePlainChain) {
     REQUIRE_SM90();
@@ -590,11 +553,12 @@ TEST(GemmSmallM, ProgrammaticChainMatchesThePlainChain) {
             ASSERT_TRUE(weights.back()->ptr);
             upload(w, *weights.back());
         }
-        const char* const runs[] = {"plain", "programmatic", "programmatic, weft::jit", "programmatic, graph"};
-        std::vector<uint8_t> out[4];
+        const char* const runs[] = {"plain", "programmatic", "programmatic, graph"};
+        constexpr int kRuns = 3;
+        std::vector<uint8_t> out[kRuns];
         cudaStream_t stream = nullptr;
         CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-        for (int run = 0; run < 4; ++run) {
+        for (int run = 0; run < kRuns; ++run) {
             SCOPED_TRACE(runs[run]);
             const bool programmatic = run > 0;
             std::vector<std::unique_ptr<DeviceBuffer>> acts;
@@ -607,9 +571,8 @@ TEST(GemmSmallM, ProgrammaticChainMatchesThePlainChain) {
             CK(cudaDeviceSynchronize());  // the memsets above ran on the legacy stream; the chain runs on `stream`
             ops::GemmOptions o;
             o.programmatic_launch = programmatic;
-            o.backend = run == 2 ? ops::GemmBackend::kJit : ops::GemmBackend::kAuto;
             auto act = [&](int l) { return TensorView(acts[l]->ptr, DType::kBF16, {m, kDim}); };
-            const bool graph = run == 3;
+            const bool graph = run == 2;
             if (graph) CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
             for (int l = 0; l < kLayers; ++l) {
                 const TensorView w(weights[l]->ptr, DType::kBF16, {kDim, kDim});
@@ -638,7 +601,7 @@ TEST(GemmSmallM, ProgrammaticChainMatchesThePlainChain) {
         for (int64_t r = 0; r < m; ++r)
             for (int64_t c = 0; c < kDim; ++c)
                 ASSERT_TRUE(std::isfinite(last.get(r, c))) << "plain chain, row " << r << ", column " << c;
-        for (int run = 1; run < 4; ++run) {
+        for (int run = 1; run < kRuns; ++run) {
             EXPECT_EQ(out[0], out[run]) << "the chain launched " << runs[run] << " differs from the plain chain";
         }
     }
@@ -852,18 +815,9 @@ __global__ void tile_checker_kernel(const uint64_t* tile_flags, uint64_t expecte
 }
 
 // The hooked kernels: candidate kIndex (bf16 -> bf16, B [N,K]) with the chunk-wait scheduler and the tile-signal
-// hook. An int template argument, which nvcc's host stubs can spell (a GemmConfig they cannot).
+// hook, compiled by weft::jit.
 template <int kIndex>
 constexpr GemmConfig kHookedCfg = gemm_candidate(kIndex, DType::kBF16, DType::kBF16, BLayout::kNK);
-
-template <int kIndex>
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    hooked_gemm_kernel(const __grid_constant__ ptx::TmaDescriptor ta, const __grid_constant__ ptx::TmaDescriptor tb,
-                       const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
-                       const gemm::ChunkWaitParams sp, const gemm::TileSignalParams hp) {
-    constexpr GemmConfig kCfg = kHookedCfg<kIndex>;
-    gemm::gemm_device<kCfg, gemm::ChunkWaitScheduler<kCfg>, gemm::TileSignalHook>(&ta, &tb, &td, args, sp, hp);
-}
 
 constexpr int kHookPlain = 6;      // 128x128
 constexpr int kHookAPairs = 2;     // A multicast (cluster along N)
@@ -877,7 +831,7 @@ static_assert(kHookedCfg<kHookAPairs>.cluster_n == 2 && kHookedCfg<kHookBPairs>.
 static_assert(kHookedCfg<kHookPingPong>.pingpong && kHookedCfg<kHookPingPong64>.pingpong &&
               kHookedCfg<kHookPingPong64>.tile_m == 64);
 
-void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t n, int64_t k, int rows_per_chunk) {
+void run_hook_test(const GemmConfig& cfg, int64_t m, int64_t n, int64_t k, int rows_per_chunk) {
     const uint64_t seed = fresh_seed();
     std::ostringstream os;
     os << m << "x" << n << "x" << k << " rows/chunk " << rows_per_chunk << " " << ops::format_gemm_config(cfg)
@@ -903,9 +857,11 @@ void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t
     CK(cudaMemset(d_tile_flags.ptr, 0, d_tile_flags.bytes));
     CK(cudaMemset(d_row_flags.ptr, 0, d_row_flags.bytes));
 
-    // Load every kernel before anything spins (lazy loading could deadlock otherwise).
+    // Load every kernel before anything spins (lazy loading could deadlock otherwise; weft::jit loads eagerly).
+    const jit::Kernel* kernel = nullptr;
+    ASSERT_NO_THROW(kernel = &ops::detail::gemm_jit_kernel(
+                        ops::gemm_kernel_spec(cfg, "weft::gemm::ChunkWaitScheduler", "weft::gemm::TileSignalHook")));
     cudaFuncAttributes attr;
-    CK(cudaFuncGetAttributes(&attr, kernel));
     CK(cudaFuncGetAttributes(&attr, chunk_producer_kernel));
     CK(cudaFuncGetAttributes(&attr, tile_checker_kernel));
 
@@ -947,7 +903,7 @@ void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t
         hp.num_n_tiles = grid.num_n_tiles;
         hp.mode = per_tile ? gemm::TileSignalMode::kSetPerTile : gemm::TileSignalMode::kAddPerTileRow;
 
-        ASSERT_NO_THROW(ops::detail::launch_gemm_kernel(kernel, cfg, maps, args, grid_ctas, &sp, &hp, s_gemm));
+        ASSERT_NO_THROW(ops::detail::launch_gemm_jit(*kernel, cfg, maps, args, grid_ctas, sp, hp, s_gemm));
         if (per_tile) {
             tile_checker_kernel<<<1, 256, 0, s_check>>>(
                 static_cast<const uint64_t*>(d_tile_flags.ptr), static_cast<uint64_t>(round), grid.num_m_tiles,
@@ -1031,11 +987,10 @@ void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t
     cudaStreamDestroy(s_check);
 }
 
-/// run_hook_test with candidate kIndex's config and hooked kernel.
+/// run_hook_test with candidate kIndex's config.
 template <int kIndex>
 void run_hooked(int64_t m, int64_t n, int64_t k, int rows_per_chunk) {
-    run_hook_test(kHookedCfg<kIndex>, reinterpret_cast<const void*>(&hooked_gemm_kernel<kIndex>), m, n, k,
-                  rows_per_chunk);
+    run_hook_test(kHookedCfg<kIndex>, m, n, k, rows_per_chunk);
 }
 
 TEST(GemmHooks, WaitsForChunksFromAnotherStreamAndSignalsStoredTiles) {

@@ -53,19 +53,6 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
 /// The pipeline-wait bound: options.timeout, else WEFT_TIMEOUT_MS, else 10 s.
 uint64_t gemm_timeout_ns(const GemmOptions& options);
 
-/// Launches a tiled-kernel instantiation (host stub `func`) with its scheduler and hook parameters, with
-/// the cluster shape and shared memory of `config` and `grid` CTAs.
-void launch_gemm_kernel(const void* func, const GemmConfig& config, const GemmTensorMaps& maps, const GemmArgs& args,
-                        int grid, const void* sched_params, const void* hook_params, cudaStream_t stream);
-
-/// Kernel registry: the one place where a config becomes a compiled function. Today it holds instances
-/// compiled ahead of time by nvcc (kernels/gemm/gemm_instances.cuh registers them); when weft::jit lands,
-/// a miss compiles the instantiation string through it instead of failing.
-void register_gemm_kernel(const GemmConfig& config, const void* func);
-const void* find_gemm_kernel(const GemmConfig& config);
-void register_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype, int variant, const void* func);
-const void* find_gemv_kernel(int m_tiles, DType in_dtype, DType out_dtype, int variant);
-
 /// The JIT kernel of a spec (compiled or from the cache, loaded into the current context), memoised per
 /// (device, spec) so that repeated calls cost a map lookup.
 jit::Kernel& gemm_jit_kernel(const jit::KernelSpec& spec);

@@ -21,16 +21,6 @@ class Autotuner;
 
 namespace weft::ops {
 
-/// Where the GEMM kernels come from.
-enum class GemmBackend : int32_t {
-    /// An instance compiled into the program by nvcc (kernels/gemm/gemm_instances.cuh, registered with
-    /// register_gemm_instances()) when there is one, else weft::jit. A program built with g++ alone has no
-    /// instances: every kernel comes from the JIT (compiled on first use, then from the disk cache).
-    kAuto = 0,
-    kJit = 1,  ///< always weft::jit (NVRTC + cache), even when an nvcc instance is registered
-    kAot = 2,  ///< only registered nvcc instances; a missing one is an error
-};
-
 /// Knobs of one gemm call. Defaults pick everything from the problem and the device.
 struct GemmOptions {
     int sm_budget = 0;                 ///< CTAs of the persistent grid (SMs it may occupy); 0 = every SM
@@ -60,7 +50,6 @@ struct GemmOptions {
                                        ///< pass a workspace, docs/runtime.md). One call at a time per workspace.
     size_t workspace_bytes = 0;
     std::chrono::milliseconds timeout{0};  ///< bound on every pipeline wait; 0 = WEFT_TIMEOUT_MS or 10 s
-    GemmBackend backend = GemmBackend::kAuto;
     /// Time the candidate kernels (gemm_tune_candidates) on this problem with weft::jit's autotuner and keep
     /// the fastest (decision cached in memory and in <cache dir>/autotune.txt, keyed by gemm_tune_problem).
     /// Also on when WEFT_AUTOTUNE is set to a true value; WEFT_AUTOTUNE=0 turns it off (the heuristic
