@@ -15,8 +15,6 @@
 
 namespace weft::ops {
 
-using tp_detail::round_up;
-
 namespace {
 constexpr const char* kOp = "gemm_ar";
 constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
@@ -66,8 +64,8 @@ namespace detail {
 
 jit::KernelSpec ar_reduce_kernel_spec(DType partial, DType out, const std::string& arch) {
     return tp_detail::make_spec("gemm_ar/gemm_ar.cuh",
-                                "weft::tp::ar_reduce_kernel<" + tp_detail::dtype_enum(partial) + ", " +
-                                    tp_detail::dtype_enum(out) + ">",
+                                std::string("weft::tp::ar_reduce_kernel<") + dtype_enum_name(partial) + ", " +
+                                    dtype_enum_name(out) + ">",
                                 std::string("gemm_ar reduce ") + dtype_name(partial) + "->" + dtype_name(out), arch);
 }
 

@@ -14,16 +14,6 @@
 namespace weft::ops {
 namespace {
 
-const char* dtype_enum(DType t) {
-    switch (t) {
-        case DType::kBF16: return "weft::DType::kBF16";
-        case DType::kF16: return "weft::DType::kF16";
-        case DType::kF32: return "weft::DType::kF32";
-        default: break;
-    }
-    WEFT_FAIL("gemm: no kernel dtype for " << dtype_name(t));
-}
-
 // Short config text for logs and spec descriptions: "gemm 128x256x64_s4_c1x1 bf16->bf16 B[N,K]" (plus the
 // raster when it is not the default).
 std::string describe_config(const GemmConfig& c) {
@@ -39,21 +29,13 @@ std::string describe_config(const GemmConfig& c) {
 }  // namespace
 
 std::string format_gemm_config(const GemmConfig& c) {
-    auto dt = [](DType t) {
-        switch (t) {
-            case DType::kBF16: return "weft::DType::kBF16";
-            case DType::kF16: return "weft::DType::kF16";
-            case DType::kF32: return "weft::DType::kF32";
-            default: return "weft::DType(-1)";
-        }
-    };
     std::ostringstream os;
     os << "weft::GemmConfig{.tile_m = " << c.tile_m << ", .tile_n = " << c.tile_n << ", .tile_k = " << c.tile_k
        << ", .stages = " << c.stages << ", .cluster_m = " << c.cluster_m << ", .cluster_n = " << c.cluster_n
        << ", .raster = " << (c.raster == Raster::kAlongN ? "weft::Raster::kAlongN" : "weft::Raster::kAlongM")
        << ", .raster_group = " << c.raster_group
        << ", .b_layout = " << (c.b_layout == BLayout::kNK ? "weft::BLayout::kNK" : "weft::BLayout::kKN")
-       << ", .in_dtype = " << dt(c.in_dtype) << ", .out_dtype = " << dt(c.out_dtype);
+       << ", .in_dtype = " << dtype_enum_name(c.in_dtype) << ", .out_dtype = " << dtype_enum_name(c.out_dtype);
     if (c.pingpong) os << ", .pingpong = true";  // omitted when false: cooperative kernels keep their names
     os << "}";
     return os.str();
@@ -83,8 +65,13 @@ std::string gemv_kernel_instantiation(int m_tiles, DType in_dtype, DType out_dty
     WEFT_CHECK(!shape.whole_rows || m_tiles == 1,
                "gemv_kernel_instantiation: variant 4 (bulk-copied rows) serves M <= " << kGemvGroupsMaxM << " (m_tiles 1), got m_tiles "
                                                                               << m_tiles);
+    WEFT_CHECK((in_dtype == DType::kBF16 || in_dtype == DType::kF16) &&
+                   (out_dtype == DType::kBF16 || out_dtype == DType::kF16 || out_dtype == DType::kF32),
+               "gemv_kernel_instantiation: no kernel for " << dtype_name(in_dtype) << " -> " << dtype_name(out_dtype)
+                                                           << " (bf16 or f16 in; bf16, f16 or f32 out)");
     std::ostringstream os;
-    os << "weft::gemm::gemv_kernel<" << m_tiles << ", " << dtype_enum(in_dtype) << ", " << dtype_enum(out_dtype) << ", "
+    os << "weft::gemm::gemv_kernel<" << m_tiles << ", " << dtype_enum_name(in_dtype) << ", "
+       << dtype_enum_name(out_dtype) << ", "
        << shape.n_tiles;
     if (shape.stages > 0) os << ", " << shape.stages;  // variants 0 and 1 keep their four-argument names
     if (shape.bulk) os << ", true";

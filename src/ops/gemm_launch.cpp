@@ -14,6 +14,7 @@
 #include <tuple>
 #include <utility>
 
+#include "weft/common/math.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_plan.hpp"
@@ -24,8 +25,6 @@
 
 namespace weft::ops {
 namespace {
-
-int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
 struct GemvKey {
     int m_tiles;
@@ -88,8 +87,6 @@ SmallMScratch small_m_scratch(size_t counter_bytes, size_t partial_bytes, cudaSt
     return w;
 }
 
-size_t round256(size_t x) { return (x + 255) / 256 * 256; }
-
 int current_device() {
     int device = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&device));
@@ -126,7 +123,7 @@ void encode_2d(CUtensorMap* map, const TensorView& v, const char* name, uint64_t
     if (outer <= 1) {
         // One row: the stride is never followed, but must be legal (a multiple of 16 bytes): round it up.
         const int64_t row_elems = std::max<int64_t>(v.stride(0), static_cast<int64_t>(inner));
-        stride_bytes = (static_cast<uint64_t>(row_elems) * static_cast<uint64_t>(dtype_bytes(v.dtype)) + 15u) / 16u * 16u;
+        stride_bytes = static_cast<uint64_t>(round_up(row_elems * dtype_bytes(v.dtype), 16));
     } else {
         stride_bytes = static_cast<uint64_t>(v.stride(0)) * static_cast<uint64_t>(dtype_bytes(v.dtype));
         WEFT_CHECK(stride_bytes % 16 == 0, "gemm: " << name << "'s row stride must be a multiple of 16 bytes (TMA), got "
@@ -194,7 +191,7 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
     l.args.k = static_cast<int32_t>(a.dim(1));
     l.args.k_per_split = plan.small_m_k_per_split;
     l.args.num_splits = plan.small_m_splits;
-    l.args.rows_per_cta = static_cast<int32_t>(ceil_div(b.dim(0), static_cast<int64_t>(plan.grid)));
+    l.args.rows_per_cta = static_cast<int32_t>(ceil_div(b.dim(0), plan.grid));
     const GemvShape shape = gemv_shape(plan.small_m_variant, plan.small_m_tiles);
     if (shape.whole_rows) {
         // A is read 16 bytes at a time (the plan checked B): 16-byte aligned rows.
@@ -255,9 +252,9 @@ jit::Kernel& gemm_jit_kernel(const jit::KernelSpec& spec) {
     return kernel;
 }
 
-void launch_gemm_jit(const jit::Kernel& kernel, const GemmConfig& c, const GemmTensorMaps& maps, const GemmArgs& args,
-                     int grid, const void* sched_params, size_t sched_bytes, const void* hook_params, size_t hook_bytes,
-                     cudaStream_t stream) {
+void launch_gemm_kernel(const jit::Kernel& kernel, const GemmConfig& c, const GemmTensorMaps& maps,
+                        const GemmArgs& args, int grid, const void* sched_params, size_t sched_bytes,
+                        const void* hook_params, size_t hook_bytes, cudaStream_t stream) {
     WEFT_CHECK(is_valid(c), "gemm: invalid config " << format_gemm_config(c));
     WEFT_CHECK(sched_params != nullptr && hook_params != nullptr,
                "gemm: the scheduler and hook parameters must be given (kernel " << kernel.description() << ")");
@@ -278,7 +275,7 @@ void launch_gemm_jit(const jit::Kernel& kernel, const GemmConfig& c, const GemmT
     kernel.launch_packed(lp, params, bytes, 6);
 }
 
-int fit_gemm_jit_grid(const jit::Kernel& kernel, const GemmConfig& c, int grid) {
+int fit_gemm_grid(const jit::Kernel& kernel, const GemmConfig& c, int grid) {
     const int cluster = c.cluster_m * c.cluster_n;
     if (cluster <= 1) return grid;
     const int device = current_device();
@@ -290,30 +287,30 @@ int fit_gemm_jit_grid(const jit::Kernel& kernel, const GemmConfig& c, int grid) 
         if (auto it = r.jit_cluster_fit.find(key); it != r.jit_cluster_fit.end()) fit = it->second;
     }
     if (fit == 0) {
-        kernel.load_for_current_context();
-        // The runtime takes a library kernel handle (cudaKernel_t == CUkernel) wherever it takes a function.
-        const void* func = reinterpret_cast<const void*>(kernel.handle());
         const int smem = gemm_smem_plan(c).alloc_bytes;
-        cudaError_t e = cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (e == cudaSuccess) {
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
-            cfg.blockDim = dim3(kGemmThreads, 1, 1);
-            cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-            cudaLaunchAttribute attr[1];
-            attr[0].id = cudaLaunchAttributeClusterDimension;
-            attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-            attr[0].val.clusterDim.y = 1;
-            attr[0].val.clusterDim.z = 1;
-            cfg.attrs = attr;
-            cfg.numAttrs = 1;
-            e = cudaOccupancyMaxActiveClusters(&fit, func, &cfg);
-        }
-        if (e != cudaSuccess) {
-            (void)cudaGetLastError();
+        // The query needs the function's limit at the launch's shared memory: the kernel's one cache of it.
+        const CUfunction function = kernel.allow_dynamic_smem(static_cast<size_t>(smem));
+        CUlaunchConfig cfg{};
+        cfg.gridDimX = static_cast<unsigned>(grid);
+        cfg.gridDimY = 1;
+        cfg.gridDimZ = 1;
+        cfg.blockDimX = kGemmThreads;
+        cfg.blockDimY = 1;
+        cfg.blockDimZ = 1;
+        cfg.sharedMemBytes = static_cast<unsigned>(smem);
+        CUlaunchAttribute attr{};
+        attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim.x = static_cast<unsigned>(cluster);
+        attr.value.clusterDim.y = 1;
+        attr.value.clusterDim.z = 1;
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        const CUresult e = driver().cuOccupancyMaxActiveClusters(&fit, function, &cfg);
+        if (e != CUDA_SUCCESS) {
             // Not fatal: more clusters than fit at once run in waves (the persistent loop needs no co-residency).
-            WEFT_LOG_WARN("gemm: cannot query how many clusters of " << kernel.description() << " fit ("
-                                                                     << cudaGetErrorString(e)
+            const char* name = "?";
+            driver().cuGetErrorName(e, &name);
+            WEFT_LOG_WARN("gemm: cannot query how many clusters of " << kernel.description() << " fit (" << name
                                                                      << "); launching the full grid");
             fit = -1;
         }
@@ -396,7 +393,8 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
         detail::GemvLaunch launch = detail::make_gemv_launch(plan, a, b, d);
         GemvArgs& args = launch.args;
         if (plan.small_m_splits > 1) {
-            const size_t counter_bytes = round256(static_cast<size_t>(plan.grid) * 4);  // as gemm_workspace_bytes
+            // Counters first, rounded to 256 bytes, as gemm_workspace_bytes lays them out.
+            const auto counter_bytes = static_cast<size_t>(round_up(int64_t{plan.grid} * 4, 256));
             if (options.workspace != nullptr) {
                 WEFT_CHECK(options.workspace_bytes >= plan.workspace_bytes,
                            "gemm: options.workspace_bytes must be >= " << plan.workspace_bytes << ", got "
@@ -430,8 +428,8 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
     const int32_t sched_params = 0;  // PersistentScheduler::Params and NoEpilogueHook::Params: one int32
     const int32_t hook_params = 0;
     jit::Kernel& kernel = tiled_jit_kernel(device, plan.config);
-    plan.grid = detail::fit_gemm_jit_grid(kernel, plan.config, plan.grid);
-    detail::launch_gemm_jit(kernel, plan.config, maps, args, plan.grid, sched_params, hook_params, stream);
+    plan.grid = detail::fit_gemm_grid(kernel, plan.config, plan.grid);
+    detail::launch_gemm_kernel(kernel, plan.config, maps, args, plan.grid, sched_params, hook_params, stream);
 }
 
 bool stream_is_capturing(cudaStream_t stream) {

@@ -7,6 +7,7 @@
 #include <limits>
 #include <sstream>
 
+#include "weft/common/math.hpp"
 #include "weft/jit/autotune.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/runtime/env.hpp"
@@ -46,8 +47,6 @@ void check_matrix(const TensorView& v, const char* name, const char* shape_text)
                                                      << " bytes");
 }
 
-int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
-
 // Relative speed of one tile's worth of MMAs at depth k: planning estimates fitted to the ratios measured on the
 // issue's shapes (H200, 2026-11-30, kernels/gemm/README.md v24; with them the heuristic picks the fastest measured
 // candidate or one within 1%). Larger tiles reuse shared memory better; a cooperative tile's epilogue stalls both
@@ -74,8 +73,6 @@ double tile_efficiency(const GemmConfig& c, int64_t k) {
     constexpr double kEpilogueK = 128;
     return e * static_cast<double>(k) / (static_cast<double>(k) + kEpilogueK);
 }
-
-size_t round256(size_t x) { return (x + 255) / 256 * 256; }
 
 }  // namespace
 
@@ -134,10 +131,11 @@ size_t gemm_workspace_bytes(const GemmProblem& p, int splits, int small_m_varian
                "gemm_workspace_bytes: small_m_variant must be in [0, " << kGemvNumVariants - 1 << "], got "
                                                                       << small_m_variant);
     const size_t partials = static_cast<size_t>(splits) * static_cast<size_t>(p.m) * static_cast<size_t>(p.n) * 4;
-    const int m_tiles = std::clamp(ceil_div(p.m, 16), 1, kGemvMaxM / 16);
+    const int m_tiles = std::clamp(static_cast<int>(ceil_div(p.m, 16)), 1, kGemvMaxM / 16);
     const int n_tiles = gemv_shape(small_m_variant, m_tiles).n_tiles;
     const size_t blocks = static_cast<size_t>(ceil_div(p.n, gemv_cols_per_cta(n_tiles)));
-    return round256(blocks * 4) + round256(partials);
+    return static_cast<size_t>(round_up(static_cast<int64_t>(blocks * 4), 256) +
+                               round_up(static_cast<int64_t>(partials), 256));
 }
 
 double gemm_config_cost(const GemmProblem& p, const GemmConfig& c, int budget, double per_tile_cost) {
@@ -146,7 +144,7 @@ double gemm_config_cost(const GemmProblem& p, const GemmConfig& c, int budget, d
     const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
     const int clusters = std::max(1, budget / cluster);
     // A wave of cluster tiles runs on `cluster` CTAs at once: one tile's time per CTA.
-    const int waves = ceil_div(g.num_cluster_tiles(), clusters);
+    const int waves = static_cast<int>(ceil_div(g.num_cluster_tiles(), clusters));
     const double cost = static_cast<double>(waves) * (c.tile_m * c.tile_n / tile_efficiency(c, p.k) + per_tile_cost);
     // Padding tiles of a cluster pair past the edge of D are pure waste.
     const double useful = static_cast<double>(g.num_tiles()) / (g.num_cluster_tiles() * cluster);
@@ -191,17 +189,17 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
                    "gemm: options.small_m_variant must be -1 (auto), 0, 1, 2, 3 or 4, got " << options.small_m_variant);
         plan.path = GemmPath::kSmallM;
         plan.small_m_variant = options.small_m_variant >= 0 ? options.small_m_variant : auto_small_m_variant(p);
-        plan.small_m_tiles = ceil_div(p.m, 16);
+        plan.small_m_tiles = static_cast<int>(ceil_div(p.m, 16));
         const GemvShape shape = gemv_shape(plan.small_m_variant, plan.small_m_tiles);
-        plan.grid = ceil_div(p.n, gemv_cols_per_cta(shape.n_tiles));
+        plan.grid = static_cast<int>(ceil_div(p.n, gemv_cols_per_cta(shape.n_tiles)));
         if (shape.whole_rows) {
             const std::string why = gemv_rows_unsupported(p);
             WEFT_CHECK(why.empty(), "gemm: small-M variant 4 (bulk-copied rows) cannot serve this call: " << why);
             WEFT_CHECK(options.small_m_splits <= 1,
                        "gemm: small-M variant 4 (bulk-copied rows) has no split-K, got small_m_splits " << options.small_m_splits);
             // One CTA per SM of the budget, N spread evenly: ceil(N / grid) rows each, none empty.
-            plan.grid = static_cast<int>(ceil_div(p.n, ceil_div(p.n, static_cast<int64_t>(budget))));
-            plan.small_m_k_per_split = static_cast<int32_t>(ceil_div(p.k, 32) * 32);
+            plan.grid = static_cast<int>(ceil_div(p.n, ceil_div(p.n, budget)));
+            plan.small_m_k_per_split = static_cast<int>(round_up(p.k, 32));
             plan.small_m_splits = 1;
             plan.workspace_bytes = 0;
             return plan;
@@ -219,8 +217,8 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
                 while (splits > 1 && p.k % (static_cast<int64_t>(splits) * 32) != 0) --splits;
             }
         }
-        plan.small_m_k_per_split = ceil_div(ceil_div(p.k, splits), 32) * 32;
-        plan.small_m_splits = ceil_div(p.k, plan.small_m_k_per_split);
+        plan.small_m_k_per_split = static_cast<int>(round_up(ceil_div(p.k, splits), 32));
+        plan.small_m_splits = static_cast<int>(ceil_div(p.k, plan.small_m_k_per_split));
         plan.workspace_bytes = gemm_workspace_bytes(p, plan.small_m_splits, plan.small_m_variant);
         return plan;
     }

@@ -903,7 +903,7 @@ void run_hook_test(const GemmConfig& cfg, int64_t m, int64_t n, int64_t k, int r
         hp.num_n_tiles = grid.num_n_tiles;
         hp.mode = per_tile ? gemm::TileSignalMode::kSetPerTile : gemm::TileSignalMode::kAddPerTileRow;
 
-        ASSERT_NO_THROW(ops::detail::launch_gemm_jit(*kernel, cfg, maps, args, grid_ctas, sp, hp, s_gemm));
+        ASSERT_NO_THROW(ops::detail::launch_gemm_kernel(*kernel, cfg, maps, args, grid_ctas, sp, hp, s_gemm));
         if (per_tile) {
             tile_checker_kernel<<<1, 256, 0, s_check>>>(
                 static_cast<const uint64_t*>(d_tile_flags.ptr), static_cast<uint64_t>(round), grid.num_m_tiles,

@@ -404,8 +404,8 @@ TEST(GemmJit, EpochModeHooksWaitForTheirReplaysGeneration) {
         WEFT_CUDA_CHECK(cudaEventRecord(r.fork, r.s0));
         WEFT_CUDA_CHECK(cudaStreamWaitEvent(r.s1, r.fork, 0));
         WEFT_CUDA_CHECK(cudaStreamWaitEvent(r.s2, r.fork, 0));
-        ops::detail::launch_gemm_jit(consumer, cfg, maps2, args2, grid_consumer, sched2, hook2, r.s2);
-        ops::detail::launch_gemm_jit(producer, cfg, maps1, args1, grid_producer, sched1, hook1, r.s1);
+        ops::detail::launch_gemm_kernel(consumer, cfg, maps2, args2, grid_consumer, sched2, hook2, r.s2);
+        ops::detail::launch_gemm_kernel(producer, cfg, maps1, args1, grid_producer, sched1, hook1, r.s1);
         WEFT_CUDA_CHECK(cudaEventRecord(r.join1, r.s1));
         WEFT_CUDA_CHECK(cudaEventRecord(r.join2, r.s2));
         WEFT_CUDA_CHECK(cudaStreamWaitEvent(r.s0, r.join1, 0));
