@@ -26,27 +26,19 @@
 namespace weft::ops {
 namespace {
 
-struct GemvKey {
-    int m_tiles;
-    DType in, out;
-    int variant;
-    bool operator<(const GemvKey& o) const {
-        return std::tie(m_tiles, in, out, variant) < std::tie(o.m_tiles, o.in, o.out, o.variant);
-    }
-};
-
-struct Registry {
+// What the launch side remembers, per device: JIT kernels by spec text (gemm_jit_kernel) and by config (the op's
+// hot path), the JIT arch, and how many clusters of a kernel fit at once (fit_gemm_grid).
+struct LaunchMemo {
     std::mutex mutex;
-    // JIT side, per device: kernels by spec text (gemm_jit_kernel), by config (the op's hot path), arch.
     std::map<std::pair<int, std::string>, jit::Kernel*> jit_specs;
     std::vector<std::tuple<int, GemmConfig, jit::Kernel*>> jit_tiled;
-    std::map<std::pair<int, GemvKey>, jit::Kernel*> jit_gemv;
+    std::vector<std::tuple<int, GemvConfig, jit::Kernel*>> jit_gemv;
     std::map<int, std::string> arch;
     std::map<std::pair<int, const jit::Kernel*>, int> jit_cluster_fit;  // clusters that fit at once
 };
 
-Registry& registry() {
-    static Registry r;
+LaunchMemo& launch_memo() {
+    static LaunchMemo r;
     return r;
 }
 
@@ -95,7 +87,7 @@ int current_device() {
 
 // The JIT arch of a device (resolved once: WEFT_JIT_ARCH, else the device's compute capability).
 std::string arch_of_device(int device) {
-    Registry& r = registry();
+    LaunchMemo& r = launch_memo();
     {
         std::lock_guard<std::mutex> lock(r.mutex);
         if (auto it = r.arch.find(device); it != r.arch.end()) return it->second;
@@ -126,7 +118,8 @@ void encode_2d(CUtensorMap* map, const TensorView& v, const char* name, uint64_t
         stride_bytes = static_cast<uint64_t>(round_up(row_elems * dtype_bytes(v.dtype), 16));
     } else {
         stride_bytes = static_cast<uint64_t>(v.stride(0)) * static_cast<uint64_t>(dtype_bytes(v.dtype));
-        WEFT_CHECK(stride_bytes % 16 == 0, "gemm: " << name << "'s row stride must be a multiple of 16 bytes (TMA), got "
+        WEFT_CHECK(stride_bytes % 16 == 0, "gemm: " << name
+                                                    << "'s row stride must be a multiple of 16 bytes (TMA), got "
                                                     << v.stride(0) << " elements (" << v.describe() << ")");
     }
     const uint64_t strides[1] = {stride_bytes};
@@ -192,26 +185,30 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
     l.args.k_per_split = plan.small_m_k_per_split;
     l.args.num_splits = plan.small_m_splits;
     l.args.rows_per_cta = static_cast<int32_t>(ceil_div(b.dim(0), plan.grid));
-    const GemvShape shape = gemv_shape(plan.small_m_variant, plan.small_m_tiles);
-    if (shape.whole_rows) {
+    // The shape and shared memory depend on the variant and row tiles only (both kernels take 16-bit inputs).
+    const GemvConfig config{.variant = plan.small_m_variant, .m_tiles = plan.small_m_tiles};
+    const GemvShape shape = gemv_shape(config);
+    const bool whole_rows = plan.small_m_variant == GemvVariant::kBulkRows;
+    if (whole_rows) {
         // A is read 16 bytes at a time (the plan checked B): 16-byte aligned rows.
         WEFT_CHECK(reinterpret_cast<uintptr_t>(a.data) % 16 == 0 &&
                        (a.dim(0) <= 1 || (a.stride(0) * dtype_bytes(a.dtype)) % 16 == 0),
                    "gemm: small-M variant 4 (bulk-copied rows) needs a's base and row stride 16-byte aligned, got "
                        << a.describe());
         WEFT_CHECK(b.stride(0) == b.dim(1) || b.dim(0) <= 1,
-                   "gemm: small-M variant 4 (bulk-copied rows) needs b's rows back to back (ldb = K), got " << b.describe());
-    } else if (shape.bulk) {
-        const CUtensorMapSwizzle swizzle = kGemvBulkBoxK == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE;
+                   "gemm: small-M variant 4 (bulk-copied rows) needs b's rows back to back (ldb = K), got "
+                       << b.describe());
+    } else {
+        const CUtensorMapSwizzle swizzle =
+            kGemvBulkBoxK == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE;
         encode_2d(&l.maps.a, a, "a", static_cast<uint64_t>(a.dim(1)), static_cast<uint64_t>(a.dim(0)), kGemvBulkBoxK,
                   static_cast<uint32_t>(16 * plan.small_m_tiles), swizzle);
         encode_2d(&l.maps.b, b, "b", static_cast<uint64_t>(b.dim(1)), static_cast<uint64_t>(b.dim(0)), kGemvBulkBoxK,
                   static_cast<uint32_t>(32 * shape.n_tiles), swizzle);
     }
     l.grid = dim3(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
-    l.block = dim3(static_cast<unsigned>(shape.whole_rows ? gemv_rows_threads(l.args.m, l.args.k) : gemv_threads(shape.bulk)),
-                   1, 1);
-    l.smem_bytes = gemv_smem_bytes(plan.small_m_variant, plan.small_m_tiles);
+    l.block = dim3(static_cast<unsigned>(whole_rows ? gemv_rows_threads(l.args.m, l.args.k) : kGemvBulkThreads), 1, 1);
+    l.smem_bytes = gemv_smem_bytes(config);
     return l;
 }
 
@@ -240,7 +237,7 @@ jit::Kernel& gemm_jit_kernel(const jit::KernelSpec& spec) {
     id << spec.header << '\n' << spec.instantiation << '\n' << spec.arch << '\n' << spec.preamble << '\n'
        << spec.extra_code << '\n' << spec.options.canonical();
     const std::pair<int, std::string> key{device, id.str()};
-    Registry& r = registry();
+    LaunchMemo& r = launch_memo();
     {
         std::lock_guard<std::mutex> lock(r.mutex);
         if (auto it = r.jit_specs.find(key); it != r.jit_specs.end()) return *it->second;
@@ -269,7 +266,8 @@ void launch_gemm_kernel(const jit::Kernel& kernel, const GemmConfig& c, const Ge
     if (cluster > 1) lp.cluster = dim3(static_cast<unsigned>(cluster), 1, 1);
     GemmTensorMaps local = maps;  // the launch copies parameters; keep them alive for the call
     GemmArgs a = args;
-    void* params[] = {&local.a, &local.b, &local.d, &a, const_cast<void*>(sched_params), const_cast<void*>(hook_params)};
+    void* params[] = {&local.a, &local.b, &local.d,
+                      &a,        const_cast<void*>(sched_params), const_cast<void*>(hook_params)};
     const size_t bytes[] = {sizeof(CUtensorMap), sizeof(CUtensorMap), sizeof(CUtensorMap), sizeof(GemmArgs),
                             sched_bytes, hook_bytes};
     kernel.launch_packed(lp, params, bytes, 6);
@@ -280,7 +278,7 @@ int fit_gemm_grid(const jit::Kernel& kernel, const GemmConfig& c, int grid) {
     if (cluster <= 1) return grid;
     const int device = current_device();
     const std::pair<int, const jit::Kernel*> key{device, &kernel};
-    Registry& r = registry();
+    LaunchMemo& r = launch_memo();
     int fit = 0;
     {
         std::lock_guard<std::mutex> lock(r.mutex);
@@ -326,7 +324,7 @@ int fit_gemm_grid(const jit::Kernel& kernel, const GemmConfig& c, int grid) {
 namespace {
 
 jit::Kernel& tiled_jit_kernel(int device, const GemmConfig& config) {
-    Registry& r = registry();
+    LaunchMemo& r = launch_memo();
     {
         std::lock_guard<std::mutex> lock(r.mutex);
         for (const auto& [dev, c, k] : r.jit_tiled) {
@@ -339,23 +337,24 @@ jit::Kernel& tiled_jit_kernel(int device, const GemmConfig& config) {
     return kernel;
 }
 
-jit::Kernel& gemv_jit_kernel(int device, int m_tiles, DType in, DType out, int variant) {
-    const std::pair<int, GemvKey> key{device, GemvKey{m_tiles, in, out, variant}};
-    Registry& r = registry();
+jit::Kernel& gemv_jit_kernel(int device, const GemvConfig& config) {
+    LaunchMemo& r = launch_memo();
     {
         std::lock_guard<std::mutex> lock(r.mutex);
-        if (auto it = r.jit_gemv.find(key); it != r.jit_gemv.end()) return *it->second;
+        for (const auto& [dev, c, k] : r.jit_gemv) {
+            if (dev == device && c == config) return *k;
+        }
     }
-    jit::Kernel& kernel = detail::gemm_jit_kernel(gemv_kernel_spec(m_tiles, in, out, variant, arch_of_device(device)));
+    jit::Kernel& kernel = detail::gemm_jit_kernel(gemv_kernel_spec(config, arch_of_device(device)));
     std::lock_guard<std::mutex> lock(r.mutex);
-    r.jit_gemv[key] = &kernel;
+    r.jit_gemv.emplace_back(device, config, &kernel);
     return kernel;
 }
 
 // The kernel spec a plan launches.
 jit::KernelSpec jit_spec_for(const GemmPlan& plan, const GemmProblem& p, const std::string& arch) {
     if (plan.path == GemmPath::kSmallM) {
-        return gemv_kernel_spec(plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant, arch);
+        return gemv_kernel_spec(gemv_config(plan, p), arch);
     }
     return gemm_kernel_spec(plan.config, arch);
 }
@@ -412,7 +411,7 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
         }
         const bool programmatic = gemm_launches_programmatically(plan, options);
         args.programmatic = programmatic ? 1 : 0;
-        jit::Kernel& kernel = gemv_jit_kernel(device, plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant);
+        jit::Kernel& kernel = gemv_jit_kernel(device, gemv_config(plan, p));
         jit::LaunchParams lp;
         lp.grid = launch.grid;
         lp.block = launch.block;

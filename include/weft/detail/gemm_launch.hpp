@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "weft/common/gemm_config.hpp"
+#include "weft/common/gemv_config.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/jit/kernel.hpp"
 #include "weft/ops/gemm.hpp"
@@ -36,8 +37,8 @@ CUtensorMap make_gemm_store_map(const GemmConfig& config, const TensorView& d);
 GemmArgs make_gemm_args(const TensorView& a, const TensorView& d, uint64_t timeout_ns);
 
 /// One launch of the small-M kernel of `plan` (path kSmallM) for (validated) views: its arguments (the
-/// caller sets counters and partials when plan.small_m_splits > 1), its tensor maps (variant 3; zeros for
-/// the others, which take and ignore them), grid and dynamic shared memory. Launch with (args, maps).
+/// caller sets counters and partials when plan.small_m_splits > 1), its tensor maps (kTmaRing; zeros for
+/// kBulkRows, which takes and ignores them), grid, block and dynamic shared memory. Launch with (args, maps).
 struct GemvLaunch {
     GemvArgs args{};
     struct Maps {
