@@ -188,8 +188,8 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
     // The shape and shared memory depend on the variant and row tiles only (both kernels take 16-bit inputs).
     const GemvConfig config{.variant = plan.small_m_variant, .m_tiles = plan.small_m_tiles};
     const GemvShape shape = gemv_shape(config);
-    const bool whole_rows = plan.small_m_variant == GemvVariant::kBulkRows;
-    if (whole_rows) {
+    const bool bulk_rows = plan.small_m_variant == GemvVariant::kBulkRows;
+    if (bulk_rows) {
         // A is read 16 bytes at a time (the plan checked B): 16-byte aligned rows.
         WEFT_CHECK(reinterpret_cast<uintptr_t>(a.data) % 16 == 0 &&
                        (a.dim(0) <= 1 || (a.stride(0) * dtype_bytes(a.dtype)) % 16 == 0),
@@ -207,7 +207,7 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
                   static_cast<uint32_t>(32 * shape.n_tiles), swizzle);
     }
     l.grid = dim3(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
-    l.block = dim3(static_cast<unsigned>(whole_rows ? gemv_rows_threads(l.args.m, l.args.k) : kGemvBulkThreads), 1, 1);
+    l.block = dim3(static_cast<unsigned>(bulk_rows ? gemv_rows_threads(l.args.m, l.args.k) : kGemvBulkThreads), 1, 1);
     l.smem_bytes = gemv_smem_bytes(config);
     return l;
 }
