@@ -6,14 +6,14 @@
 //
 //   weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]
 //                   [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]
-//                   [--small-m-variant 0|1|2|3|4] [--small-m-splits S] [--small-m-max-m M]
-//                   [--backend auto|jit|aot] [--chain L]
+//                   [--small-m-variant 3|4] [--small-m-splits S] [--small-m-max-m M] [--chain L]
 // --small-m-variant / --small-m-splits / --small-m-max-m set GemmOptions for the op's own row (the one --check
 // compares with cuBLAS); forcing a variant or a split count also sets small_m_max_m to 64 (unless
-// --small-m-max-m says otherwise), so that M 17..64 measure the small-M kernels; --all-configs adds a row per
-// small-M variant and split count. --backend sets GemmOptions::backend for every weft row: `jit` compiles the
-// kernels from the headers that WEFT_HOME names (cached in WEFT_CACHE_DIR) instead of the instances built into this
-// program, so kernels edited in another source tree run against the same host code and the same cuBLASLt.
+// --small-m-max-m says otherwise), so that M 17..64 measure the small-M kernels (3: GemvVariant::kTmaRing, 4:
+// kBulkRows); --all-configs adds a row per tiled candidate and, for M <= 64 with B [N,K], per small-M kernel that
+// can serve the shape (variant 3 at every split count listed, variant 4). The kernels come from weft::jit: from the
+// headers that WEFT_HOME names (cached in WEFT_CACHE_DIR), so kernels edited in another source tree run against the
+// same host code and the same cuBLASLt.
 // --chain L adds, for every shape the op may launch programmatically (the small-M variants 3 and 4), the time per
 // call of chains of L calls back to back on one stream (a decode step's layers), each call on the next input set,
 // with no event between them: weft launched plainly, weft with GemmOptions::programmatic_launch, and cuBLASLt; the
@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <ctime>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -36,8 +37,8 @@
 #include "common/json.hpp"
 #include "common/peaks.hpp"
 #include "common/timing.hpp"
-#include "gemm/gemm_instances.cuh"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_plan.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace {
@@ -71,10 +72,9 @@ struct Options {
     bool all_configs = false;
     bool check = false;
     std::string json;
-    int small_m_variant = -1;  // -1: the op's default
+    std::optional<weft::GemvVariant> small_m_variant;  // unset: the op's default
     int small_m_splits = 0;    // 0: the op's heuristic
     int small_m_max_m = -1;    // -1: the op's default (kGemvMaxM when a variant or split count is forced)
-    weft::ops::GemmBackend backend = weft::ops::GemmBackend::kAuto;
     int chain = 0;  // --chain L: also time chains of L calls (0: no chains)
 };
 
@@ -112,19 +112,16 @@ Options parse(int argc, char** argv) {
                                            : std::vector<BLayout>{BLayout::kNK, BLayout::kKN};
                });
     cli.flag("--all-configs", "add a row per candidate config and small-M variant", &o.all_configs);
-    cli.int_option("--small-m-variant", "GemmOptions::small_m_variant of the op's row (-1: the op's default)",
-                   &o.small_m_variant, -1, weft::kGemvNumVariants - 1);
+    cli.option("--small-m-variant", "3|4", "GemmOptions::small_m_variant of the op's row: 3 (TMA ring) or 4 "
+               "(bulk-copied rows); default: the op's choice", [&](const std::string& v) {
+                   o.small_m_variant = weft::bench::parse_choice(v, "--small-m-variant", {"3", "4"}) == "3"
+                                           ? weft::GemvVariant::kTmaRing
+                                           : weft::GemvVariant::kBulkRows;
+               });
     cli.int_option("--small-m-splits", "GemmOptions::small_m_splits (0: the op's heuristic)", &o.small_m_splits, 0,
                    1 << 20);
     cli.int_option("--small-m-max-m", "GemmOptions::small_m_max_m (-1: the op's default)", &o.small_m_max_m, -1,
                    weft::kGemvMaxM);
-    cli.option("--backend", "auto|jit|aot", "GemmOptions::backend of every weft row (default auto)",
-               [&](const std::string& v) {
-                   const std::string b = weft::bench::parse_choice(v, "--backend", {"auto", "jit", "aot"});
-                   o.backend = b == "jit"   ? weft::ops::GemmBackend::kJit
-                               : b == "aot" ? weft::ops::GemmBackend::kAot
-                                            : weft::ops::GemmBackend::kAuto;
-               });
     cli.int_option("--chain", "also time chains of L calls (0: no chains)", &o.chain, 0, 1 << 20);
     cli.parse(argc, argv);
     return o;
@@ -168,7 +165,6 @@ double tflops(const Shape& s, double us) { return 2.0 * s.m * s.n * s.k / (us * 
 int main(int argc, char** argv) {
     return weft::bench::run_main("weft_bench_gemm", [&] {
         const Options opt = parse(argc, argv);
-        weft::gemm::register_gemm_instances();
         cudaDeviceProp prop{};
         BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
         const DType out = opt.out_f32 ? DType::kF32 : opt.in;
@@ -246,7 +242,6 @@ int main(int argc, char** argv) {
                 std::printf("# cuBLASLt %ldx%ldx%ld %s: algorithm %zu of %zu, %s\n", s.m, s.n, s.k,
                             layout == BLayout::kNK ? "NK" : "KN", best_algo, g.num_algos(), g.describe(best_algo).c_str());
                 auto run_weft = [&](weft::ops::GemmOptions o, const std::string& label, bool is_auto) {
-                    o.backend = opt.backend;
                     Row r;
                     r.s = s;
                     r.layout = layout;
@@ -283,15 +278,15 @@ int main(int argc, char** argv) {
                     const Views v0 = views(0, d_weft.ptr);
                     const weft::ops::GemmProblem p = weft::ops::validate_gemm_args(v0.a, v0.b, v0.d, layout);
                     weft::ops::GemmOptions o;
-                    if (opt.small_m_variant >= 0) o.small_m_variant = opt.small_m_variant;
+                    o.small_m_variant = opt.small_m_variant;
                     o.small_m_splits = opt.small_m_splits;
-                    const bool forced = opt.small_m_variant >= 0 || opt.small_m_splits > 0;
+                    const bool forced = opt.small_m_variant.has_value() || opt.small_m_splits > 0;
                     if (forced) o.small_m_max_m = weft::kGemvMaxM;
                     if (opt.small_m_max_m >= 0) o.small_m_max_m = opt.small_m_max_m;
                     const auto plan = weft::ops::plan_gemm(p, prop.multiProcessorCount, o);
                     const std::string label = plan.path == weft::ops::GemmPath::kSmallM
                                                   ? std::string(forced ? "opt:" : "auto:") + "smallM.v" +
-                                                        std::to_string(plan.small_m_variant) + "/s" +
+                                                        std::to_string(static_cast<int>(plan.small_m_variant)) + "/s" +
                                                         std::to_string(plan.small_m_splits)
                                                   : "auto:" + config_label(plan.config);
                     run_weft(o, label, true);
@@ -299,7 +294,6 @@ int main(int argc, char** argv) {
                     pdl.programmatic_launch = true;
                     if (opt.chain > 0 && weft::ops::gemm_launches_programmatically(plan, pdl)) {
                         // Chains of opt.chain calls, each on the next input set: plain, programmatic, cuBLASLt.
-                        o.backend = pdl.backend = opt.backend;
                         const int L = opt.chain;
                         const auto [plain_ms, pdl_ms, lt_ms] = time_rounds_ms(
                             std::max(1, opt.warmup / 2), opt.iters,
@@ -343,14 +337,19 @@ int main(int argc, char** argv) {
                         run_weft(o, config_label(c), false);
                     }
                     if (s.m <= weft::kGemvMaxM && layout == BLayout::kNK) {
-                        for (int variant : {0, 1, 2}) {
-                            for (int splits : {1, 2, 3, 4, 8, 16}) {
-                                weft::ops::GemmOptions o;
-                                o.small_m_splits = splits;
-                                o.small_m_variant = variant;
-                                o.small_m_max_m = weft::kGemvMaxM;
-                                run_weft(o, "smallM.v" + std::to_string(variant) + "/s" + std::to_string(splits), false);
-                            }
+                        for (int splits : {1, 2, 3, 4, 8, 16}) {
+                            weft::ops::GemmOptions o;
+                            o.small_m_splits = splits;
+                            o.small_m_variant = weft::GemvVariant::kTmaRing;
+                            o.small_m_max_m = weft::kGemvMaxM;
+                            run_weft(o, "smallM.v3/s" + std::to_string(splits), false);
+                        }
+                        const Views v0 = views(0, d_weft.ptr);
+                        const auto p = weft::ops::validate_gemm_args(v0.a, v0.b, v0.d, layout);
+                        if (weft::ops::gemv_rows_unsupported(p).empty()) {
+                            weft::ops::GemmOptions o;
+                            o.small_m_variant = weft::GemvVariant::kBulkRows;
+                            run_weft(o, "smallM.v4/s1", false);
                         }
                     }
                 }

@@ -20,8 +20,6 @@
 
 namespace weft::ops {
 
-using tp_detail::round_up;
-
 namespace {
 constexpr const char* kOp = "ag_gemm";
 constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
@@ -447,7 +445,7 @@ void launch_call(AgGemm::State& s, const AgCall& call, cudaStream_t stream) {
         stream_write_u64(cs, copy.signal, 1);
     }
     // 3. The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks.
-    tp_detail::launch_gemm(kernel, config, call.maps, call.args, call.grid, call.sched, call.hook, stream);
+    detail::launch_gemm_kernel(kernel, config, call.maps, call.args, call.grid, call.sched, call.hook, stream);
     // 4. Join the copy streams (finished by now: the GEMM waited for every chunk).
     for (size_t i = 0; i < s.copy_streams.size(); ++i) {
         WEFT_CUDA_CHECK(cudaEventRecord(s.joins[i], s.copy_streams[i]));

@@ -6,7 +6,7 @@
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/ep.hpp"
-#include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
 
 namespace weft::ops {
 

@@ -18,8 +18,6 @@
 
 namespace weft::ops {
 
-using tp_detail::round_up;
-
 namespace {
 constexpr const char* kOp = "gemm_rs";
 constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
@@ -176,8 +174,8 @@ jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string&
 
 jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::string& arch) {
     return tp_detail::make_spec("gemm_rs/gemm_rs.cuh",
-                                "weft::tp::rs_reduce_kernel<" + tp_detail::dtype_enum(partial) + ", " +
-                                    tp_detail::dtype_enum(out) + ">",
+                                std::string("weft::tp::rs_reduce_kernel<") + dtype_enum_name(partial) + ", " +
+                                    dtype_enum_name(out) + ">",
                                 std::string("gemm_rs reduce ") + dtype_name(partial) + "->" + dtype_name(out), arch);
 }
 
@@ -470,7 +468,7 @@ void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream) {
         return;
     }
     if (s.mode == GemmRsMode::kPush) {
-        tp_detail::launch_gemm(kernel, config, call.maps, call.args, call.grid, call.sched, call.push, stream);
+        detail::launch_gemm_kernel(kernel, config, call.maps, call.args, call.grid, call.sched, call.push, stream);
         WEFT_LOG_DEBUG("gemm_rs: launched call " << s.launches);
         s.first_calls.after_call(*s.world, call.idx, stream);
         return;
@@ -482,7 +480,7 @@ void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream) {
     lp.block = dim3(kTpReduceThreads, 1, 1);
     lp.stream = s.side;
     s.reduce_kernel->launch(lp, call.reduce);
-    tp_detail::launch_gemm(kernel, config, call.maps, call.args, call.grid, call.sched, call.hook, stream);
+    detail::launch_gemm_kernel(kernel, config, call.maps, call.args, call.grid, call.sched, call.hook, stream);
     WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
     WEFT_LOG_DEBUG("gemm_rs: launched call " << s.launches);

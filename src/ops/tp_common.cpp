@@ -13,16 +13,6 @@
 
 namespace weft::ops::tp_detail {
 
-std::string dtype_enum(DType t) {
-    switch (t) {
-        case DType::kBF16: return "weft::DType::kBF16";
-        case DType::kF16: return "weft::DType::kF16";
-        case DType::kF32: return "weft::DType::kF32";
-        default: break;
-    }
-    WEFT_FAIL("tp ops: no kernel dtype for " << dtype_name(t));
-}
-
 jit::KernelSpec make_spec(const std::string& header, const std::string& instantiation, const std::string& description,
                           const std::string& arch) {
     jit::KernelSpec spec;
@@ -132,7 +122,7 @@ void launch_plain_gemm(const jit::Kernel& kernel, const GemmConfig& config, cons
     // PersistentSchedulerParams and NoEpilogueHookParams (device headers): one int32_t each.
     const int32_t sched = 0;
     const int32_t hook = 0;
-    launch_gemm(kernel, config, call.maps, call.args, call.grid, sched, hook, stream);
+    detail::launch_gemm_kernel(kernel, config, call.maps, call.args, call.grid, sched, hook, stream);
 }
 
 void launch_plain_gemm(const jit::Kernel& kernel, const GemmConfig& config, const TensorView& a, const TensorView& b,

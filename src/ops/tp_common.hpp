@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 // Host pieces shared by the tensor-parallel fused ops (AgGemm, GemmRs, GemmAr): JIT specs, GEMM config and
-// grid choice, the GEMM launch through weft::jit, symmetric-allocation ownership, streams and events.
+// grid choice, the plain GEMM call, symmetric-allocation ownership, streams and events.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -12,18 +12,19 @@
 #include <vector>
 
 #include "weft/common/gemm_config.hpp"
+#include "weft/common/math.hpp"
+#include "weft/detail/gemm_launch.hpp"
 #include "weft/jit/autotune.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/gemm_plan.hpp"
 
 namespace weft {
 class World;
 }
 
 namespace weft::ops::tp_detail {
-
-/// "weft::DType::kBF16" ...: a dtype as generated code spells it.
-std::string dtype_enum(DType t);
 
 /// A KernelSpec for header + instantiation with a log description; `arch` as KernelSpec::arch.
 jit::KernelSpec make_spec(const std::string& header, const std::string& instantiation, const std::string& description,
@@ -64,19 +65,6 @@ int gemm_grid(const GemmConfig& config, int64_t m, int64_t n, int budget);
 /// the world's timeout, with a diagnostic) always expires first.
 uint64_t pipeline_timeout_ns(const World& world);
 
-/// Launches a gemm_kernel instantiation loaded through the JIT (cluster-free).
-template <class SchedParams, class HookParams>
-void launch_gemm(const jit::Kernel& kernel, const GemmConfig& config, const detail::GemmTensorMaps& maps,
-                 const GemmArgs& args, int grid, const SchedParams& sched, const HookParams& hook,
-                 cudaStream_t stream) {
-    jit::LaunchParams lp;
-    lp.grid = dim3(static_cast<unsigned>(grid), 1, 1);
-    lp.block = dim3(kGemmThreads, 1, 1);
-    lp.dynamic_smem_bytes = static_cast<size_t>(gemm_smem_plan(config).alloc_bytes);
-    lp.stream = stream;
-    kernel.launch(lp, maps.a, maps.b, maps.d, args, sched, hook);
-}
-
 /// A plain GEMM call (PersistentScheduler, no hook) set up on the host: launching it only enqueues.
 struct PlainGemmLaunch {
     detail::GemmTensorMaps maps{};
@@ -96,9 +84,6 @@ void launch_plain_gemm(const jit::Kernel& kernel, const GemmConfig& config, cons
 
 /// Throws when rank `r`'s copy of a symmetric object is not load/store reachable from this rank.
 void check_peers_reachable(const World& world, const void* symmetric_ptr, const char* op);
-
-/// Rounds up to a multiple of `m`.
-constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 /// Owns symmetric allocations of one op; free_all() is collective (call it from every rank, in order).
 class SymmetricAllocations {

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
-// GPU tests of the sm_90a GEMM: an fp64 CPU reference on small and awkward shapes (every candidate config,
-// both B layouts, every dtype pair, strides, tiny SM budgets), the small-M path, cuBLASLt on large shapes,
-// and the communication hooks driven by a producer kernel on another stream.
+// GPU tests of the sm_90a GEMM (kernels from weft::jit, the library's one launch path): an fp64 CPU reference on
+// small and awkward shapes (every candidate config, both B layouts, every dtype pair, strides, tiny SM budgets), the
+// small-M path, cuBLASLt on large shapes, and the communication hooks driven by a producer kernel on another stream.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -19,9 +19,12 @@
 #include <string>
 #include <vector>
 
-#include "gemm/gemm_instances.cuh"
 #include "support/gemm_testing.hpp"
+#include "weft/common/gemm_hook_params.hpp"
+#include "weft/detail/gemm_launch.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/gemm_plan.hpp"
 #include "weft/ptx/griddep.cuh"
 #include "weft/ptx/timer.cuh"
 #include "weft/runtime/error.hpp"
@@ -36,11 +39,10 @@ using namespace gemm_test;
 
 #define CK(call) ASSERT_EQ((call), cudaSuccess) << #call << ": " << cudaGetErrorString(call)
 
-#define REQUIRE_SM90()                                  \
-    do {                                                \
-        std::string why_;                               \
-        if (!have_sm90(&why_)) GTEST_SKIP() << why_;    \
-        weft::gemm::register_gemm_instances();          \
+#define REQUIRE_SM90()                               \
+    do {                                             \
+        std::string why_;                            \
+        if (!have_sm90(&why_)) GTEST_SKIP() << why_; \
     } while (0)
 
 struct Case {
@@ -52,7 +54,7 @@ struct Case {
     int sm_budget = 0;
     bool allow_small_m = true;
     int small_m_splits = 0;
-    int small_m_variant = 0;
+    std::optional<GemvVariant> small_m_variant;  // unset: the op picks
     int small_m_max_m = ops::GemmOptions{}.small_m_max_m;  // kGemvMaxM in the cases meant for the small-M path
 };
 
@@ -60,7 +62,8 @@ std::string describe(const Case& c, uint64_t seed) {
     std::ostringstream os;
     os << c.m << "x" << c.n << "x" << c.k << " " << dtype_name(c.in) << "->" << dtype_name(c.out) << " "
        << (c.layout == BLayout::kNK ? "B[N,K]" : "B[K,N]") << " pads(" << c.pad_a << "," << c.pad_b << ","
-       << c.pad_d << ") budget " << c.sm_budget << " splits " << c.small_m_splits << " variant " << c.small_m_variant
+       << c.pad_d << ") budget " << c.sm_budget << " splits " << c.small_m_splits << " variant "
+       << (c.small_m_variant ? std::to_string(static_cast<int>(*c.small_m_variant)) : std::string("auto"))
        << " small_m_max_m " << c.small_m_max_m
        << (c.config ? " config " + ops::format_gemm_config(*c.config) : std::string(" auto")) << " seed " << seed;
     return os.str();
@@ -190,8 +193,8 @@ TEST(GemmTiled, TinySmBudgetsWrapThePipeline) {
     }
 }
 
-// Raster orders and group sizes are pure scheduling: same result. (Instances compiled here: the
-// candidate set only holds the default raster.)
+// Raster orders and group sizes are pure scheduling: same result (configs outside the candidate set, which only
+// holds the default raster: the JIT compiles them on first use).
 constexpr GemmConfig raster_variant(int index) {
     GemmConfig c = gemm_candidate(index, DType::kBF16, DType::kBF16, BLayout::kNK);
     c.raster = Raster::kAlongM;
@@ -201,25 +204,8 @@ constexpr GemmConfig raster_variant(int index) {
 constexpr GemmConfig kRasterPlain = raster_variant(0);
 constexpr GemmConfig kRasterPair = raster_variant(1);
 
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    raster_plain_kernel(const __grid_constant__ ptx::TmaDescriptor ta, const __grid_constant__ ptx::TmaDescriptor tb,
-                        const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
-                        const gemm::PersistentSchedulerParams sp, const gemm::NoEpilogueHookParams hp) {
-    gemm::gemm_device<kRasterPlain, gemm::PersistentScheduler<kRasterPlain>, gemm::NoEpilogueHook>(&ta, &tb, &td, args,
-                                                                                                  sp, hp);
-}
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    raster_pair_kernel(const __grid_constant__ ptx::TmaDescriptor ta, const __grid_constant__ ptx::TmaDescriptor tb,
-                       const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
-                       const gemm::PersistentSchedulerParams sp, const gemm::NoEpilogueHookParams hp) {
-    gemm::gemm_device<kRasterPair, gemm::PersistentScheduler<kRasterPair>, gemm::NoEpilogueHook>(&ta, &tb, &td, args,
-                                                                                                sp, hp);
-}
-
 TEST(GemmTiled, RasterOrdersAgree) {
     REQUIRE_SM90();
-    ops::detail::register_gemm_kernel(kRasterPlain, reinterpret_cast<const void*>(&raster_plain_kernel));
-    ops::detail::register_gemm_kernel(kRasterPair, reinterpret_cast<const void*>(&raster_pair_kernel));
     for (const GemmConfig& cfg : {kRasterPlain, kRasterPair}) {
         for (int budget : {0, 5}) {
             Case c{1000, 1000, 256};
@@ -238,27 +224,8 @@ constexpr GemmConfig kPingPong64x256{.tile_m = 64, .tile_n = 256, .stages = 4, .
 constexpr GemmConfig kPingPong128x128{.tile_m = 128, .tile_n = 128, .stages = 6, .b_layout = BLayout::kKN,
                                       .out_dtype = DType::kF32, .pingpong = true};
 
-// Plain kernels: nvcc's host stubs cannot spell a class-type template argument.
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    pingpong_64x256_kernel(const __grid_constant__ ptx::TmaDescriptor ta, const __grid_constant__ ptx::TmaDescriptor tb,
-                           const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
-                           const gemm::PersistentSchedulerParams sp, const gemm::NoEpilogueHookParams hp) {
-    gemm::gemm_device<kPingPong64x256, gemm::PersistentScheduler<kPingPong64x256>, gemm::NoEpilogueHook>(&ta, &tb, &td,
-                                                                                                        args, sp, hp);
-}
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    pingpong_128x128_kernel(const __grid_constant__ ptx::TmaDescriptor ta,
-                            const __grid_constant__ ptx::TmaDescriptor tb,
-                            const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
-                            const gemm::PersistentSchedulerParams sp, const gemm::NoEpilogueHookParams hp) {
-    gemm::gemm_device<kPingPong128x128, gemm::PersistentScheduler<kPingPong128x128>, gemm::NoEpilogueHook>(
-        &ta, &tb, &td, args, sp, hp);
-}
-
 TEST(GemmTiled, PingPongMatchesFp64) {
     REQUIRE_SM90();
-    ops::detail::register_gemm_kernel(kPingPong64x256, reinterpret_cast<const void*>(&pingpong_64x256_kernel));
-    ops::detail::register_gemm_kernel(kPingPong128x128, reinterpret_cast<const void*>(&pingpong_128x128_kernel));
     for (const GemmConfig& cfg : {kPingPong64x256, kPingPong128x128}) {
         SCOPED_TRACE(ops::format_gemm_config(cfg));
         for (const auto& s : awkward_shapes()) {
@@ -303,44 +270,19 @@ TEST(GemmTiled, SanitizerSmoke) {
     small.small_m_splits = 3;
     small.small_m_max_m = kGemvMaxM;
     check_case(small);
-    Case ring{5, 300, 1000};  // small-M variant 2
-    ring.small_m_variant = 2;
-    ring.small_m_splits = 3;
-    check_case(ring);
-}
-
-// The small-M (decode) path: split-K with a deterministic last-CTA reduction.
-TEST(GemmSmallM, MatchesFp64ForEveryRowCountAndSplit) {
-    REQUIRE_SM90();
-    const int64_t ms[] = {1, 2, 5, 16, 17, 40, 64};
-    const std::array<int64_t, 2> nk[] = {{8, 8}, {136, 72}, {1000, 1000}, {4096, 8192}};
-    for (int64_t m : ms) {
-        for (const auto& s : nk) {
-            if (m * s[0] * s[1] > 300'000'000) continue;  // keep the CPU reference quick
-            for (int splits : {0, 1, 3}) {
-                for (int variant : {0, 1}) {
-                    Case c{m, s[0], s[1]};
-                    c.small_m_splits = splits;
-                    c.small_m_variant = variant;
-                    c.small_m_max_m = kGemvMaxM;
-                    c.pad_a = 8;
-                    c.pad_d = 8;
-                    check_case(c);
-                }
-            }
-        }
-    }
-    for (const auto& io : kOtherIoPairs) {
-        Case c{16, 1000, 1000, io[0], io[1]};
-        check_case(c);
+    for (int64_t m : {1, 5}) {  // small-M variant 4: whole rows (M = 1), row groups (M = 5)
+        Case rows{m, 300, 2048};
+        rows.small_m_variant = GemvVariant::kBulkRows;
+        check_case(rows);
     }
 }
 
-// Variants 2 (the register ring of B loads) and 3 (the shared-memory ring filled by bulk copies),
-// kernels/gemm/gemv_sm90.cuh: every row-tile count (their shapes change with it), N below one n8 tile and
-// ragged inside a CTA's columns, K below one chunk, not a multiple of a 32-wide chunk, of a ring step, of a
-// 256-wide bulk stage or of a trip, forced split counts (a shorter last split), strides, every dtype pair.
-void check_ring_variant(int variant) {
+// The small-M path's split-K kernel, variant 3 (the shared-memory ring filled by TMA, kernels/gemm/gemv_tma_sm90.cuh),
+// with its deterministic last-CTA reduction: every row-tile count (its ring changes with it), N below one n8 tile and
+// ragged inside a CTA's columns, K below one chunk, not a multiple of a 32-wide chunk or of a 256-wide stage, forced
+// split counts (a shorter last split), strides, every dtype pair.
+void check_tma_ring_variant() {
+    constexpr GemvVariant variant = GemvVariant::kTmaRing;
     const int64_t ms[] = {1, 3, 16, 17, 33, 64};
     const std::array<int64_t, 2> nk[] = {{3, 8}, {100, 72}, {1000, 1000}, {520, 8200}, {4104, 4096}};
     for (int64_t m : ms) {
@@ -366,24 +308,19 @@ void check_ring_variant(int variant) {
         }
     }
     for (int64_t m : {16, 64}) {
-        Case big{m, 8192, 8192};  // the decode shapes the variants are for (default splits)
+        Case big{m, 8192, 8192};  // the decode shapes it is for (default splits)
         big.small_m_variant = variant;
         big.small_m_max_m = kGemvMaxM;
         check_case(big, 4);
     }
 }
 
-TEST(GemmSmallM, Variant2MatchesFp64ForEveryRowCountAndSplit) {
-    REQUIRE_SM90();
-    check_ring_variant(2);
-}
-
 TEST(GemmSmallM, Variant3MatchesFp64ForEveryRowCountAndSplit) {
     REQUIRE_SM90();
-    check_ring_variant(3);
+    check_tma_ring_variant();
 }
 
-// Variant 4 (whole rows, kernels/gemm/gemv_sm90.cuh detail::gemv_rows): M = 1, 2; every row length it takes
+// Variant 4 (whole rows, kernels/gemm/gemv_rows_sm90.cuh detail::gemv_rows_body): M = 1, 2; every row length it takes
 // (K = 2048, 4096, 8192, 16384: 1, 2, 4, 8 spans per row, so 8 to 1 rows per stage); one CTA with a few rows (N = 8)
 // or many (250: 32 stages, a partial last one; 40000 rows on the whole GPU: 304 per CTA); SM budgets that leave a
 // short last CTA; strided A and D (B's rows must be back to back); every dtype pair; the decode shapes.
@@ -395,7 +332,7 @@ struct Variant4Case {
 
 void check_variant4(const Variant4Case& vc, DType in = DType::kBF16, DType out = DType::kBF16) {
     Case c{vc.m, vc.n, vc.k, in, out};
-    c.small_m_variant = 4;
+    c.small_m_variant = GemvVariant::kBulkRows;
     c.sm_budget = vc.budget;
     c.pad_a = 8;
     c.pad_d = 8;
@@ -420,7 +357,7 @@ TEST(GemmSmallM, Variant4WholeRowsMatchesFp64) {
     HostMatrix a(1, 4096, 4096, DType::kBF16), b(1000, 4096, ldb, DType::kBF16), d(1, 1000, 1000, DType::kBF16);
     DeviceBuffer da(a.bytes.size()), db(b.bytes.size()), dd(d.bytes.size());
     ops::GemmOptions o;
-    o.small_m_variant = 4;
+    o.small_m_variant = GemvVariant::kBulkRows;
     o.sm_budget = 1;
     try {
         ops::gemm(view(a, da), view(b, db), view(d, dd), BLayout::kNK, nullptr, o);
@@ -453,22 +390,24 @@ TEST(GemmSmallM, Variant4RowGroupsMatchFp64) {
 }
 
 // Calls on one stream back to back reuse the small-M workspace: counters must be back at zero, also when
-// consecutive calls use variants with different column blocks (and so different counter counts).
+// consecutive calls alternate the variants and when split-K calls have different column blocks (and so different
+// counter counts).
 TEST(GemmSmallM, RepeatedCallsStayCorrect) {
     REQUIRE_SM90();
-    for (int i = 0; i < 2 * kGemvNumVariants; ++i) {
-        const int variant = i % kGemvNumVariants;
-        const bool whole_rows = gemv_shape(variant, 1).whole_rows;  // M <= 16 only (both of its bodies)
-        Case c{whole_rows ? (i < kGemvNumVariants ? 1 : 16) : (i < kGemvNumVariants ? 3 : 40), 2000, 4096};
+    const GemvVariant variants[] = {GemvVariant::kTmaRing, GemvVariant::kBulkRows};
+    for (int i = 0; i < 4; ++i) {
+        const GemvVariant variant = variants[i % 2];
+        const bool whole_rows = variant == GemvVariant::kBulkRows;  // M <= 16 only (both of its bodies)
+        Case c{whole_rows ? (i < 2 ? 1 : 16) : (i < 2 ? 3 : 40), 2000, 4096};
         c.small_m_variant = variant;
         c.small_m_max_m = kGemvMaxM;
         if (whole_rows) c.sm_budget = 8;  // 250 rows per CTA: within variant 4's 256 (it has no split-K)
         check_case(c);
     }
     check_case(Case{1, 8192, 8192});  // a larger shape after smaller ones on the same workspace
-    Case v2{1, 8192, 8192};
-    v2.small_m_variant = 2;
-    check_case(v2);
+    Case wider{1, 4096, 8192};  // variant 3 over 64 column blocks (the calls above: 32), 2 splits on 132 SMs
+    wider.small_m_variant = GemvVariant::kTmaRing;
+    check_case(wider);
 }
 
 // ---- programmatic dependent launch (GemmOptions::programmatic_launch) -----------------------------------
@@ -549,7 +488,8 @@ TEST(GemmSmallM, ProgrammaticLaunchWaitsForTheKernelBefore) {
                                                                            BLayout::kNK),
                                                   num_sms(), o);
         ASSERT_TRUE(ops::gemm_launches_programmatically(plan, o));
-        ASSERT_EQ(plan.small_m_variant, m <= kGemvGroupsMaxM && k % 2048 == 0 ? 4 : 3);
+        ASSERT_EQ(plan.small_m_variant, m <= kGemvGroupsMaxM && k % 2048 == 0 ? GemvVariant::kBulkRows
+                                                                                : GemvVariant::kTmaRing);
         late_writer_kernel<<<1, 128>>>(static_cast<uint4*>(da.ptr), static_cast<const uint4*>(staged.ptr),
                                        a.bytes.size(), kLateWriterDelayNs, t);
         CK(cudaGetLastError());
@@ -563,9 +503,9 @@ TEST(GemmSmallM, ProgrammaticLaunchWaitsForTheKernelBefore) {
 }
 
 // A decode chain: each layer's output is the next layer's A (N = K), every layer launched programmatically right
-// after the one before, by the nvcc instances, by weft::jit's, and captured into a CUDA graph (the launches become
-// programmatic edges) then replayed; each result must be bit for bit the chain launched plainly (the kernels are
-// deterministic), which the fp64 tests above vouch for layer by layer. M = 1 and 2 (whole rows), 3 and 16 (row
+// after the one before, and captured into a CUDA graph (the launches become programmatic edges) then replayed; each
+// result must be bit for bit the chain launched plainly (the kernels are deterministic), which the fp64 tests above
+// vouch for layer by layer. M = 1 and 2 (whole rows), 3 and 16 (row
 // groups), 32 and 64 (variant 3, split-K: consecutive calls share the stream's partials and counters).
 TEST(GemmSmallM, ProgrammaticChainMatchesThePlainChain) {
     REQUIRE_SM90();
@@ -587,11 +527,12 @@ TEST(GemmSmallM, ProgrammaticChainMatchesThePlainChain) {
             ASSERT_TRUE(weights.back()->ptr);
             upload(w, *weights.back());
         }
-        const char* const runs[] = {"plain", "programmatic", "programmatic, weft::jit", "programmatic, graph"};
-        std::vector<uint8_t> out[4];
+        const char* const runs[] = {"plain", "programmatic", "programmatic, graph"};
+        constexpr int kRuns = 3;
+        std::vector<uint8_t> out[kRuns];
         cudaStream_t stream = nullptr;
         CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-        for (int run = 0; run < 4; ++run) {
+        for (int run = 0; run < kRuns; ++run) {
             SCOPED_TRACE(runs[run]);
             const bool programmatic = run > 0;
             std::vector<std::unique_ptr<DeviceBuffer>> acts;
@@ -604,9 +545,8 @@ TEST(GemmSmallM, ProgrammaticChainMatchesThePlainChain) {
             CK(cudaDeviceSynchronize());  // the memsets above ran on the legacy stream; the chain runs on `stream`
             ops::GemmOptions o;
             o.programmatic_launch = programmatic;
-            o.backend = run == 2 ? ops::GemmBackend::kJit : ops::GemmBackend::kAuto;
             auto act = [&](int l) { return TensorView(acts[l]->ptr, DType::kBF16, {m, kDim}); };
-            const bool graph = run == 3;
+            const bool graph = run == 2;
             if (graph) CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
             for (int l = 0; l < kLayers; ++l) {
                 const TensorView w(weights[l]->ptr, DType::kBF16, {kDim, kDim});
@@ -635,7 +575,7 @@ TEST(GemmSmallM, ProgrammaticChainMatchesThePlainChain) {
         for (int64_t r = 0; r < m; ++r)
             for (int64_t c = 0; c < kDim; ++c)
                 ASSERT_TRUE(std::isfinite(last.get(r, c))) << "plain chain, row " << r << ", column " << c;
-        for (int run = 1; run < 4; ++run) {
+        for (int run = 1; run < kRuns; ++run) {
             EXPECT_EQ(out[0], out[run]) << "the chain launched " << runs[run] << " differs from the plain chain";
         }
     }
@@ -849,18 +789,9 @@ __global__ void tile_checker_kernel(const uint64_t* tile_flags, uint64_t expecte
 }
 
 // The hooked kernels: candidate kIndex (bf16 -> bf16, B [N,K]) with the chunk-wait scheduler and the tile-signal
-// hook. An int template argument, which nvcc's host stubs can spell (a GemmConfig they cannot).
+// hook, compiled by weft::jit.
 template <int kIndex>
 constexpr GemmConfig kHookedCfg = gemm_candidate(kIndex, DType::kBF16, DType::kBF16, BLayout::kNK);
-
-template <int kIndex>
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    hooked_gemm_kernel(const __grid_constant__ ptx::TmaDescriptor ta, const __grid_constant__ ptx::TmaDescriptor tb,
-                       const __grid_constant__ ptx::TmaDescriptor td, const GemmArgs args,
-                       const gemm::ChunkWaitParams sp, const gemm::TileSignalParams hp) {
-    constexpr GemmConfig kCfg = kHookedCfg<kIndex>;
-    gemm::gemm_device<kCfg, gemm::ChunkWaitScheduler<kCfg>, gemm::TileSignalHook>(&ta, &tb, &td, args, sp, hp);
-}
 
 constexpr int kHookPlain = 6;      // 128x128
 constexpr int kHookAPairs = 2;     // A multicast (cluster along N)
@@ -874,7 +805,7 @@ static_assert(kHookedCfg<kHookAPairs>.cluster_n == 2 && kHookedCfg<kHookBPairs>.
 static_assert(kHookedCfg<kHookPingPong>.pingpong && kHookedCfg<kHookPingPong64>.pingpong &&
               kHookedCfg<kHookPingPong64>.tile_m == 64);
 
-void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t n, int64_t k, int rows_per_chunk) {
+void run_hook_test(const GemmConfig& cfg, int64_t m, int64_t n, int64_t k, int rows_per_chunk) {
     const uint64_t seed = fresh_seed();
     std::ostringstream os;
     os << m << "x" << n << "x" << k << " rows/chunk " << rows_per_chunk << " " << ops::format_gemm_config(cfg)
@@ -900,9 +831,11 @@ void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t
     CK(cudaMemset(d_tile_flags.ptr, 0, d_tile_flags.bytes));
     CK(cudaMemset(d_row_flags.ptr, 0, d_row_flags.bytes));
 
-    // Load every kernel before anything spins (lazy loading could deadlock otherwise).
+    // Load every kernel before anything spins (lazy loading could deadlock otherwise; weft::jit loads eagerly).
+    const jit::Kernel* kernel = nullptr;
+    ASSERT_NO_THROW(kernel = &ops::detail::gemm_jit_kernel(
+                        ops::gemm_kernel_spec(cfg, "weft::gemm::ChunkWaitScheduler", "weft::gemm::TileSignalHook")));
     cudaFuncAttributes attr;
-    CK(cudaFuncGetAttributes(&attr, kernel));
     CK(cudaFuncGetAttributes(&attr, chunk_producer_kernel));
     CK(cudaFuncGetAttributes(&attr, tile_checker_kernel));
 
@@ -944,7 +877,7 @@ void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t
         hp.num_n_tiles = grid.num_n_tiles;
         hp.mode = per_tile ? gemm::TileSignalMode::kSetPerTile : gemm::TileSignalMode::kAddPerTileRow;
 
-        ASSERT_NO_THROW(ops::detail::launch_gemm_kernel(kernel, cfg, maps, args, grid_ctas, &sp, &hp, s_gemm));
+        ASSERT_NO_THROW(ops::detail::launch_gemm_kernel(*kernel, cfg, maps, args, grid_ctas, sp, hp, s_gemm));
         if (per_tile) {
             tile_checker_kernel<<<1, 256, 0, s_check>>>(
                 static_cast<const uint64_t*>(d_tile_flags.ptr), static_cast<uint64_t>(round), grid.num_m_tiles,
@@ -1028,11 +961,10 @@ void run_hook_test(const GemmConfig& cfg, const void* kernel, int64_t m, int64_t
     cudaStreamDestroy(s_check);
 }
 
-/// run_hook_test with candidate kIndex's config and hooked kernel.
+/// run_hook_test with candidate kIndex's config.
 template <int kIndex>
 void run_hooked(int64_t m, int64_t n, int64_t k, int rows_per_chunk) {
-    run_hook_test(kHookedCfg<kIndex>, reinterpret_cast<const void*>(&hooked_gemm_kernel<kIndex>), m, n, k,
-                  rows_per_chunk);
+    run_hook_test(kHookedCfg<kIndex>, m, n, k, rows_per_chunk);
 }
 
 TEST(GemmHooks, WaitsForChunksFromAnotherStreamAndSignalsStoredTiles) {

@@ -14,6 +14,7 @@
 #include "support/runtime_checks.hpp"
 #include "tp_test_util.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_plan.hpp"
 #include "weft/ops/gemm_rs.hpp"
 #include "weft/weft.hpp"
 

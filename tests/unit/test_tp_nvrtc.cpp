@@ -13,6 +13,7 @@
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_ar.hpp"
 #include "weft/ops/gemm_rs.hpp"
 
@@ -105,8 +106,9 @@ TEST(TpNvrtc, GemmArKernelsCompileClean) {
     jit::Compiler compiler(isolated_compiler_config(fs::path()));
     compile_clean(compiler, ops::detail::ar_reduce_kernel_spec(DType::kBF16, DType::kBF16, kArch));
     compile_clean(compiler, ops::detail::ar_reduce_kernel_spec(DType::kF32, DType::kF16, kArch));
-    compile_clean(compiler, ops::detail::gemv_kernel_spec(1, DType::kBF16, DType::kBF16, 1, kArch));
-    compile_clean(compiler, ops::detail::gemv_kernel_spec(4, DType::kF16, DType::kF32, 0, kArch));
+    compile_clean(compiler,
+                  ops::detail::gemv_kernel_spec(1, DType::kBF16, DType::kBF16, GemvVariant::kBulkRows, kArch));
+    compile_clean(compiler, ops::detail::gemv_kernel_spec(4, DType::kF16, DType::kF32, GemvVariant::kTmaRing, kArch));
 }
 
 // weft-compile --builtin warms the TP ops' kernels: the list is unique and covers what the ops launch.

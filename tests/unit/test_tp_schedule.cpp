@@ -17,6 +17,8 @@
 #include "weft/common/tp_schedule.hpp"
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/gemm_plan.hpp"
 #include "weft/ops/gemm_ar.hpp"
 #include "weft/ops/gemm_rs.hpp"
 #include "weft/runtime/error.hpp"

@@ -1,0 +1,114 @@
+// SPDX-License-Identifier: MIT
+// Planning of weft::ops::gemm, testable without a GPU: validation of the views, the path and config
+// heuristics and their cost model, the autotuner's candidates and problem key, and its decision logic.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "weft/common/gemm_config.hpp"
+#include "weft/common/gemv_config.hpp"
+#include "weft/ops/gemm.hpp"
+#include "weft/runtime/tensor_view.hpp"
+
+namespace weft::ops {
+
+/// The shape and types of one call, after validation.
+struct GemmProblem {
+    int64_t m = 0, n = 0, k = 0;
+    BLayout b_layout = BLayout::kNK;
+    DType in_dtype = DType::kBF16;
+    DType out_dtype = DType::kBF16;
+    /// B [N,K] with its rows back to back (ldb = K, 16-byte aligned): what GemvVariant::kBulkRows streams whole.
+    /// validate_gemm_args sets it from the views.
+    bool b_rows_contiguous = false;
+};
+
+/// Checks a, b, d against each other and TMA's rules; throws weft::Error naming the offending argument.
+GemmProblem validate_gemm_args(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout);
+
+/// Why GemvVariant::kBulkRows (B's rows by bulk copies) cannot serve `p`, or "" when it can: M <= kGemvGroupsMaxM, B
+/// [N,K] with contiguous rows, and K a multiple of kGemvRowsSpanElems (any K of gemv_rows_k_ok for the whole-row
+/// body, gemv_rows_uses_ffma). Any N: one CTA per SM of the budget takes ceil(N / SMs) consecutive rows (no split-K).
+std::string gemv_rows_unsupported(const GemmProblem& p);
+
+/// The tiled-kernel configs the heuristic (and the autotuner) choose from for this problem's types/layout.
+std::vector<GemmConfig> gemm_candidate_configs(DType in_dtype, DType out_dtype, BLayout b_layout);
+
+/// The heuristic's estimate of the tiled kernel's run time with `config` on `budget` SMs (arbitrary units: output
+/// elements of MMA work; lower is better; infinite when a cluster does not fit the budget). `per_tile_cost` adds
+/// that many units per tile (the fused ops' hooks). plan_gemm picks the cheapest candidate.
+double gemm_config_cost(const GemmProblem& problem, const GemmConfig& config, int budget, double per_tile_cost = 0);
+
+/// Whether the small-M path may serve this call: no options.config, options.allow_small_m, B [N,K] and
+/// M <= options.small_m_max_m. Throws weft::Error when small_m_max_m is outside 0..kGemvMaxM.
+bool gemm_allows_small_m(const GemmProblem& problem, const GemmOptions& options);
+
+/// Picks the path and config. `num_sms` is the device's SM count (the budget's default).
+GemmPlan plan_gemm(const GemmProblem& problem, int num_sms, const GemmOptions& options = {});
+
+/// Scratch the small-M path needs for this problem with `splits` splits (0 when none): counters (one per
+/// column block of the variant) first, then fp32 partials, each rounded up to 256 bytes.
+size_t gemm_workspace_bytes(const GemmProblem& problem, int splits, GemvVariant variant = GemvVariant::kTmaRing);
+
+/// The small-M kernel of a kSmallM plan for a problem's dtypes.
+GemvConfig gemv_config(const GemmPlan& plan, const GemmProblem& problem);
+
+/// Whether a call with these options launches `plan` programmatically (GemmOptions::programmatic_launch): only the
+/// small-M kernels (both have a shared-memory ring) wait for the previous kernel inside, so only they are launched
+/// that way (the tiled kernel launches as usual).
+bool gemm_launches_programmatically(const GemmPlan& plan, const GemmOptions& options);
+
+// ---- autotuning ----------------------------------------------------------------------------------------
+
+/// One config the autotuner may pick for a call: a stable name and the plan it stands for.
+struct GemmCandidate {
+    std::string name;  ///< gemm_candidate_name(plan)
+    GemmPlan plan;
+};
+
+/// "128x256x64_s4_c1x1": tile, stages, cluster (raster/dtypes/layout are fixed by the call). Used as the
+/// autotuner's candidate name, so WEFT_AUTOTUNE_FORCE=gemm=<this> forces the config.
+std::string gemm_candidate_name(const GemmConfig& config);
+
+/// A plan's candidate name: gemm_candidate_name(plan.config) for the tiled path, "small_m_v<variant>" for the
+/// small-M path.
+std::string gemm_candidate_name(const GemmPlan& plan);
+
+/// The candidates for a call, the heuristic's pick (plan_gemm) first so that it wins ties and is what a
+/// disabled autotuner returns: the other valid tiled candidates that fit the SM budget, and, where the
+/// small-M path is allowed for this call (gemm_allows_small_m), the small-M kernels that can serve it (kTmaRing;
+/// kBulkRows where gemv_rows_unsupported is empty).
+std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& problem, int num_sms, const GemmOptions& options);
+
+/// The autotuner's problem key: shape, dtypes, layout, SM budget and the options that change the candidates,
+/// e.g. "m=4096,n=4096,k=4096,in=bf16,out=bf16,b=nk,sms=132,small_m=0,splits=0" (small_m: whether
+/// gemm_allows_small_m, i.e. whether the small-M variants are candidates).
+std::string gemm_tune_problem(const GemmProblem& problem, int num_sms, const GemmOptions& options);
+
+/// Whether a call asks the autotuner (pure rule): never with options.config; WEFT_AUTOTUNE_FORCE naming gemm
+/// (`env_force_names_gemm`) always; otherwise when options.autotune or WEFT_AUTOTUNE (`env_autotune`, nullopt
+/// when unset) is true, unless WEFT_AUTOTUNE is false.
+bool gemm_wants_autotuner(const GemmOptions& options, std::optional<bool> env_autotune, bool env_force_names_gemm);
+
+/// Enqueues one run of `plan` on a stream (the autotuner times it).
+using GemmRunPlan = std::function<void(const GemmPlan& plan, cudaStream_t stream)>;
+/// Called once with the candidates right before they are timed (e.g. to compile them in parallel).
+using GemmPrepareCandidates = std::function<void(const std::vector<GemmCandidate>& candidates)>;
+
+/// The plan of a call: plan_gemm's, or the autotuner's pick among gemm_tune_candidates (decision logic above;
+/// the tuner is options.autotuner or weft::jit::autotuner(), called with one rank and TuneKey{"gemm",
+/// gemm_tune_problem, 1, arch}). `capturing`: the stream is being captured, so nothing may be timed (a cached
+/// decision is used, else the heuristic). Reads WEFT_AUTOTUNE and WEFT_AUTOTUNE_FORCE; makes no CUDA call
+/// itself (only `run` and `prepare` touch the device).
+GemmSelection select_gemm_plan(const GemmProblem& problem, int num_sms, const GemmOptions& options,
+                               const std::string& arch, const GemmRunPlan& run, cudaStream_t stream,
+                               bool capturing = false, const GemmPrepareCandidates& prepare = {});
+
+}  // namespace weft::ops

@@ -1,0 +1,396 @@
+// SPDX-License-Identifier: MIT
+// Planning of weft::ops::gemm (pure host logic, no CUDA call): argument validation, the path and config
+// heuristics, the cost model, the autotuner's candidates and problem key, and its decision logic.
+#include "weft/ops/gemm_plan.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <sstream>
+
+#include "weft/common/math.hpp"
+#include "weft/jit/autotune.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+
+namespace weft::ops {
+namespace {
+
+constexpr int64_t kMaxCoord = (int64_t{1} << 31) - 1;  // TMA coordinates are int32
+constexpr int64_t kMaxStrideBytes = int64_t{1} << 40;   // TMA global strides
+
+const char* layout_name(BLayout l) { return l == BLayout::kNK ? "[N,K] row-major" : "[K,N] row-major"; }
+
+void check_matrix(const TensorView& v, const char* name, const char* shape_text) {
+    WEFT_CHECK(v.ndim == 2, "gemm: " << name << " must be a 2-D matrix " << shape_text << ", got " << v.ndim
+                                     << " dimensions (" << v.describe() << ")");
+    WEFT_CHECK(v.dim(0) >= 0 && v.dim(1) >= 0, "gemm: " << name << " has a negative extent: " << v.describe());
+    WEFT_CHECK(v.dim(1) <= 1 || v.stride(1) == 1,
+               "gemm: " << name << " must be row-major (inner stride 1), got " << v.describe());
+    WEFT_CHECK(v.dim(0) <= 1 || v.stride(0) >= v.dim(1),
+               "gemm: " << name << "'s row stride must be >= its row length " << v.dim(1) << ", got "
+                        << v.describe());
+    WEFT_CHECK(v.dim(0) <= kMaxCoord && v.dim(1) <= kMaxCoord,
+               "gemm: " << name << "'s extents must fit in 31 bits (TMA coordinates), got " << v.describe());
+    if (v.numel() == 0) return;
+    WEFT_CHECK(v.data != nullptr, "gemm: " << name << " has a null data pointer (" << v.describe() << ")");
+    const auto addr = reinterpret_cast<uintptr_t>(v.data);
+    WEFT_CHECK(addr % 16 == 0, "gemm: " << name << "'s base address must be 16-byte aligned (TMA), got 0x"
+                                        << std::hex << addr << std::dec);
+    const int64_t row_bytes = (v.dim(0) <= 1 ? std::max<int64_t>(v.stride(0), v.dim(1)) : v.stride(0)) *
+                              dtype_bytes(v.dtype);
+    WEFT_CHECK(v.dim(0) <= 1 || row_bytes % 16 == 0,
+               "gemm: " << name << "'s row stride must be a multiple of 16 bytes (TMA), got " << v.stride(0)
+                        << " elements = " << row_bytes << " bytes (" << v.describe() << ")");
+    WEFT_CHECK(row_bytes < kMaxStrideBytes, "gemm: " << name << "'s row stride is too large for TMA: " << row_bytes
+                                                     << " bytes");
+}
+
+// Relative speed of one tile's worth of MMAs at depth k: planning estimates fitted to the ratios measured on the
+// issue's shapes (H200, 2026-11-30, kernels/gemm/README.md v24; with them the heuristic picks the fastest measured
+// candidate or one within 1%). Larger tiles reuse shared memory better; a cooperative tile's epilogue stalls both
+// consumer warpgroups for about as long as 128 k of mainloop, which ping-pong hides under the other's mainloop.
+// Cooperative tiles in cluster pairs ran no faster than alone (v3, v12, v23): 2% less, so the plain tile wins a tie;
+// the ping-pong 128x128 pair ran 2% above the cooperative 128x128 at N = 1792 (v26).
+double tile_efficiency(const GemmConfig& c, int64_t k) {
+    const int area = c.tile_m * c.tile_n;
+    if (c.pingpong) {
+        if (area >= 128 * 192) return 1.0;
+        if (area >= 128 * 176) return 0.99;
+        if (area >= 128 * 160) return 0.98;
+        return area >= 128 * 128 ? 0.95 : 0.70;
+    }
+    double e = 0.70;                 // 128x64
+    if (area >= 128 * 256) {
+        e = 1.0;                     // 128x256, 256x128
+    } else if (area == 128 * 176) {
+        e = 0.96;                    // 128x176 (its last 48 columns by plain stores)
+    } else if (area >= 128 * 128) {
+        e = 0.97;                    // 128x128, 128x192
+    }
+    if (c.cluster_m * c.cluster_n > 1) e *= 0.98;
+    constexpr double kEpilogueK = 128;
+    return e * static_cast<double>(k) / (static_cast<double>(k) + kEpilogueK);
+}
+
+// Throws unless `v` names a small-M kernel (`what` names the argument).
+void check_gemv_variant(GemvVariant v, const char* what) {
+    WEFT_CHECK(v == GemvVariant::kTmaRing || v == GemvVariant::kBulkRows,
+               what << " must be GemvVariant::kTmaRing (3) or GemvVariant::kBulkRows (4), got "
+                    << static_cast<int>(v));
+}
+
+}  // namespace
+
+GemmProblem validate_gemm_args(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout) {
+    WEFT_CHECK(b_layout == BLayout::kNK || b_layout == BLayout::kKN,
+               "gemm: b_layout must be BLayout::kNK or BLayout::kKN, got " << static_cast<int>(b_layout));
+    check_matrix(a, "a", "[M,K]");
+    check_matrix(b, "b", b_layout == BLayout::kNK ? "[N,K]" : "[K,N]");
+    check_matrix(d, "d", "[M,N]");
+    WEFT_CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
+               "gemm: a must be bf16 or f16, got " << dtype_name(a.dtype));
+    WEFT_CHECK(b.dtype == a.dtype,
+               "gemm: b must have a's dtype " << dtype_name(a.dtype) << ", got " << dtype_name(b.dtype));
+    WEFT_CHECK(d.dtype == a.dtype || d.dtype == DType::kF32,
+               "gemm: d must be " << dtype_name(a.dtype) << " (the input dtype) or f32, got " << dtype_name(d.dtype));
+    GemmProblem p;
+    p.m = a.dim(0);
+    p.k = a.dim(1);
+    p.b_layout = b_layout;
+    p.in_dtype = a.dtype;
+    p.out_dtype = d.dtype;
+    const int64_t b_k = b_layout == BLayout::kNK ? b.dim(1) : b.dim(0);
+    p.n = b_layout == BLayout::kNK ? b.dim(0) : b.dim(1);
+    WEFT_CHECK(b_k == p.k, "gemm: b (" << layout_name(b_layout) << ") must have K = " << p.k
+                                      << " (a's columns), got " << b.describe());
+    WEFT_CHECK(d.dim(0) == p.m && d.dim(1) == p.n,
+               "gemm: d must be [M,N] = [" << p.m << ", " << p.n << "], got " << d.describe());
+    WEFT_CHECK(p.k >= 8 && p.k % 8 == 0, "gemm: K (a's columns) must be a positive multiple of 8, got " << p.k);
+    p.b_rows_contiguous = b_layout == BLayout::kNK && (b.dim(0) <= 1 || b.stride(0) == p.k) &&
+                          reinterpret_cast<uintptr_t>(b.data) % 16 == 0;
+    return p;
+}
+
+std::string gemv_rows_unsupported(const GemmProblem& p) {
+    std::ostringstream why;
+    if (p.m > kGemvGroupsMaxM) {
+        why << "M = " << p.m << " > " << kGemvGroupsMaxM;
+    } else if (p.b_layout != BLayout::kNK || !p.b_rows_contiguous) {
+        why << "B is not [N,K] with contiguous, 16-byte aligned rows (ldb = K)";
+    } else if (!gemv_rows_uses_ffma(p.m, p.k) && p.k % kGemvRowsSpanElems != 0) {
+        why << "K = " << p.k << " is not a multiple of " << kGemvRowsSpanElems;
+    }
+    return why.str();
+}
+
+std::vector<GemmConfig> gemm_candidate_configs(DType in_dtype, DType out_dtype, BLayout b_layout) {
+    std::vector<GemmConfig> out;
+    for (int i = 0; i < kGemmNumCandidates; ++i) {
+        const GemmConfig c = gemm_candidate(i, in_dtype, out_dtype, b_layout);
+        if (is_valid(c)) out.push_back(c);
+    }
+    return out;
+}
+
+size_t gemm_workspace_bytes(const GemmProblem& p, int splits, GemvVariant variant) {
+    if (splits <= 1) return 0;
+    check_gemv_variant(variant, "gemm_workspace_bytes: variant");
+    const size_t partials = static_cast<size_t>(splits) * static_cast<size_t>(p.m) * static_cast<size_t>(p.n) * 4;
+    const int m_tiles = std::clamp(static_cast<int>(ceil_div(p.m, 16)), 1, kGemvMaxM / 16);
+    const int n_tiles = gemv_shape(GemvConfig{.variant = variant, .m_tiles = m_tiles}).n_tiles;
+    const size_t blocks = static_cast<size_t>(ceil_div(p.n, gemv_cols_per_cta(n_tiles)));
+    return static_cast<size_t>(round_up(static_cast<int64_t>(blocks * 4), 256) +
+                               round_up(static_cast<int64_t>(partials), 256));
+}
+
+double gemm_config_cost(const GemmProblem& p, const GemmConfig& c, int budget, double per_tile_cost) {
+    const int cluster = c.cluster_m * c.cluster_n;
+    if (cluster > budget) return std::numeric_limits<double>::infinity();
+    const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
+    const int clusters = std::max(1, budget / cluster);
+    // A wave of cluster tiles runs on `cluster` CTAs at once: one tile's time per CTA.
+    const int waves = static_cast<int>(ceil_div(g.num_cluster_tiles(), clusters));
+    const double cost = static_cast<double>(waves) * (c.tile_m * c.tile_n / tile_efficiency(c, p.k) + per_tile_cost);
+    // Padding tiles of a cluster pair past the edge of D are pure waste.
+    const double useful = static_cast<double>(g.num_tiles()) / (g.num_cluster_tiles() * cluster);
+    return cost / useful;
+}
+
+bool gemm_allows_small_m(const GemmProblem& p, const GemmOptions& options) {
+    WEFT_CHECK(options.small_m_max_m >= 0 && options.small_m_max_m <= kGemvMaxM,
+               "gemm: options.small_m_max_m must be in [0, " << kGemvMaxM << "] (kGemvMaxM), got "
+                                                             << options.small_m_max_m);
+    return !options.config && options.allow_small_m && p.m <= options.small_m_max_m && p.b_layout == BLayout::kNK;
+}
+
+// The small-M kernel when the caller leaves it to the op: bulk-copied rows (kBulkRows, variant 4) where it serves and
+// K >= 4096, else the TMA ring (kTmaRing, variant 3). H200, bf16, 2026-11-30 (kernels/gemm/README.md, v10, v11, v14):
+// variant 4 took 34.6-36.3 us at 1x8192x8192 against variant 3's 37.3-38.1 (cuBLASLt 36.5-37.4), 57.8-58.7 against
+// 64.8-65.3 at 1x28672x4096, 36.2-36.9 against 37.9-38.0 at 3x8192x8192 (its whole-row body then; the row groups took
+// M = 3, 4 over in v25), and was never slower at M = 3, 4 with K >= 4096; at K = 2048 (one span per row) it gained
+// nothing at M = 1 and lost 3% at M = 2. Its row-group body (M 3..16): 35.8-37.8 us against 37.6-38.9 at M = 5, 8, 16
+// with N = K = 8192, 63.3 against 65.8-66.2 at 16x28672x4096, 14.9-15.2 against 16.3-16.6 at 8x4096x4096, even at
+// 16x8192x16384 and (with its L2 hints) at 16x8192x4096 (22.5-22.6 against 22.4-22.6).
+namespace {
+GemvVariant auto_small_m_variant(const GemmProblem& p) {
+    return p.k >= 2 * kGemvRowsSpanElems && gemv_rows_unsupported(p).empty() ? GemvVariant::kBulkRows
+                                                                             : GemvVariant::kTmaRing;
+}
+}  // namespace
+
+GemvConfig gemv_config(const GemmPlan& plan, const GemmProblem& p) {
+    WEFT_CHECK(plan.path == GemmPath::kSmallM, "gemv_config: the plan is not a small-M plan");
+    return GemvConfig{.variant = plan.small_m_variant,
+                      .m_tiles = plan.small_m_tiles,
+                      .in_dtype = p.in_dtype,
+                      .out_dtype = p.out_dtype};
+}
+
+bool gemm_launches_programmatically(const GemmPlan& plan, const GemmOptions& options) {
+    return options.programmatic_launch && plan.path == GemmPath::kSmallM;
+}
+
+GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
+    WEFT_CHECK(num_sms > 0, "gemm: the device must report a positive SM count, got " << num_sms);
+    WEFT_CHECK(options.sm_budget >= 0, "gemm: options.sm_budget must be >= 0, got " << options.sm_budget);
+    const int budget = options.sm_budget > 0 ? std::min(options.sm_budget, num_sms) : num_sms;
+    GemmPlan plan;
+
+    if (gemm_allows_small_m(p, options)) {
+        if (options.small_m_variant) check_gemv_variant(*options.small_m_variant, "gemm: options.small_m_variant");
+        plan.path = GemmPath::kSmallM;
+        plan.small_m_variant = options.small_m_variant.value_or(auto_small_m_variant(p));
+        plan.small_m_tiles = static_cast<int>(ceil_div(p.m, 16));
+        const GemvShape shape =
+            gemv_shape(GemvConfig{.variant = plan.small_m_variant, .m_tiles = plan.small_m_tiles});
+        plan.grid = static_cast<int>(ceil_div(p.n, gemv_cols_per_cta(shape.n_tiles)));
+        if (plan.small_m_variant == GemvVariant::kBulkRows) {
+            const std::string why = gemv_rows_unsupported(p);
+            WEFT_CHECK(why.empty(), "gemm: small-M variant 4 (bulk-copied rows) cannot serve this call: " << why);
+            WEFT_CHECK(options.small_m_splits <= 1, "gemm: small-M variant 4 (bulk-copied rows) has no split-K, got "
+                                                    "small_m_splits " << options.small_m_splits);
+            // One CTA per SM of the budget, N spread evenly: ceil(N / grid) rows each, none empty.
+            plan.grid = static_cast<int>(ceil_div(p.n, ceil_div(p.n, budget)));
+            plan.small_m_k_per_split = static_cast<int>(round_up(p.k, 32));
+            plan.small_m_splits = 1;
+            plan.workspace_bytes = 0;
+            return plan;
+        }
+        int splits = options.small_m_splits;
+        if (splits <= 0) {
+            // One wave of CTAs streaming B: shape.ctas_per_sm per SM (gemv_config.hpp), at least 256 k per split; a
+            // shorter last split costs nothing (it runs fewer stages).
+            splits = std::clamp(shape.ctas_per_sm * num_sms / plan.grid, 1, 32);
+            splits = std::min(splits, std::max(1, static_cast<int>(p.k / 256)));
+        }
+        plan.small_m_k_per_split = static_cast<int>(round_up(ceil_div(p.k, splits), 32));
+        plan.small_m_splits = static_cast<int>(ceil_div(p.k, plan.small_m_k_per_split));
+        plan.workspace_bytes = gemm_workspace_bytes(p, plan.small_m_splits, plan.small_m_variant);
+        return plan;
+    }
+
+    plan.path = GemmPath::kTiled;
+    if (options.config) {
+        const GemmConfig& c = *options.config;
+        WEFT_CHECK(is_valid(c), "gemm: options.config is not a valid GemmConfig: " << format_gemm_config(c));
+        WEFT_CHECK(c.in_dtype == p.in_dtype && c.out_dtype == p.out_dtype && c.b_layout == p.b_layout,
+                   "gemm: options.config's dtypes/layout must match the call (in "
+                       << dtype_name(p.in_dtype) << ", out " << dtype_name(p.out_dtype) << ", "
+                       << layout_name(p.b_layout) << "), got " << format_gemm_config(c));
+        plan.config = c;
+    } else {
+        // Minimise waves x tile work / efficiency; ties keep the earlier (preferred) candidate.
+        double best = 0;
+        bool have = false;
+        for (const GemmConfig& c : gemm_candidate_configs(p.in_dtype, p.out_dtype, p.b_layout)) {
+            if (c.cluster_m * c.cluster_n > budget) continue;  // a cluster pair would break the SM budget
+            const double cost = gemm_config_cost(p, c, budget);
+            // NOTE: no bonus for multicast pairs: on equal cost the plain config (listed first) wins until
+            // measurements say otherwise (kernels/gemm/README.md, variant log).
+            if (!have || cost < best * 0.999) {
+                best = cost;
+                plan.config = c;
+                have = true;
+            }
+        }
+        WEFT_CHECK(have, "gemm: no valid config for in " << dtype_name(p.in_dtype) << ", out "
+                                                         << dtype_name(p.out_dtype));
+    }
+    const GemmConfig& c = plan.config;
+    const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
+    const int cluster = c.cluster_m * c.cluster_n;
+    const int clusters = std::max(1, std::min(budget / cluster, g.num_cluster_tiles()));
+    plan.grid = clusters * cluster;
+    plan.smem_bytes = gemm_smem_plan(c).alloc_bytes;
+    return plan;
+}
+
+std::string gemm_candidate_name(const GemmConfig& c) {
+    std::ostringstream os;
+    os << c.tile_m << "x" << c.tile_n << "x" << c.tile_k << "_s" << c.stages << "_c" << c.cluster_m << "x"
+       << c.cluster_n;
+    if (c.pingpong) os << "_pp";
+    return os.str();
+}
+
+std::string gemm_candidate_name(const GemmPlan& plan) {
+    return plan.path == GemmPath::kSmallM ? "small_m_v" + std::to_string(static_cast<int>(plan.small_m_variant))
+                                          : gemm_candidate_name(plan.config);
+}
+
+std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& p, int num_sms, const GemmOptions& options) {
+    std::vector<GemmCandidate> out;
+    auto add = [&](const GemmPlan& plan) {
+        const std::string name = gemm_candidate_name(plan);
+        for (const auto& c : out) {
+            if (c.name == name) return;
+        }
+        out.push_back({name, plan});
+    };
+    GemmOptions base = options;
+    base.config.reset();
+    add(plan_gemm(p, num_sms, base));  // the heuristic's pick first: it wins ties
+    const int budget = options.sm_budget > 0 ? std::min(options.sm_budget, num_sms) : num_sms;
+    for (const GemmConfig& c : gemm_candidate_configs(p.in_dtype, p.out_dtype, p.b_layout)) {
+        if (c.cluster_m * c.cluster_n > budget) continue;  // as plan_gemm: a pair would break the SM budget
+        GemmOptions forced = base;
+        forced.config = c;
+        add(plan_gemm(p, num_sms, forced));
+    }
+    if (gemm_allows_small_m(p, base)) {  // as plan_gemm: only where the small-M path may serve this M
+        for (GemvVariant variant : {GemvVariant::kTmaRing, GemvVariant::kBulkRows}) {
+            if (variant == GemvVariant::kBulkRows && !gemv_rows_unsupported(p).empty()) continue;
+            GemmOptions small = base;
+            small.small_m_variant = variant;
+            add(plan_gemm(p, num_sms, small));
+        }
+    }
+    return out;
+}
+
+std::string gemm_tune_problem(const GemmProblem& p, int num_sms, const GemmOptions& options) {
+    const int budget = options.sm_budget > 0 ? std::min(options.sm_budget, num_sms) : num_sms;
+    std::ostringstream os;
+    os << "m=" << p.m << ",n=" << p.n << ",k=" << p.k << ",in=" << dtype_name(p.in_dtype)
+       << ",out=" << dtype_name(p.out_dtype) << ",b=" << (p.b_layout == BLayout::kNK ? "nk" : "kn")
+       << ",sms=" << budget << ",small_m=" << (gemm_allows_small_m(p, options) ? 1 : 0)
+       << ",splits=" << options.small_m_splits;
+    return os.str();
+}
+
+bool gemm_wants_autotuner(const GemmOptions& options, std::optional<bool> env_autotune, bool env_force_names_gemm) {
+    if (options.config) return false;           // the caller chose
+    if (env_force_names_gemm) return true;      // forcing needs no timing
+    if (env_autotune.has_value() && !*env_autotune) return false;  // WEFT_AUTOTUNE=0: the heuristic
+    return options.autotune || env_autotune.value_or(false);
+}
+
+GemmSelection select_gemm_plan(const GemmProblem& p, int num_sms, const GemmOptions& options, const std::string& arch,
+                               const GemmRunPlan& run, cudaStream_t stream, bool capturing,
+                               const GemmPrepareCandidates& prepare) {
+    GemmSelection sel;
+    sel.plan = plan_gemm(p, num_sms, options);
+    sel.candidate = gemm_candidate_name(sel.plan);
+    if (options.config) {
+        sel.origin = GemmChoice::kOptions;
+        return sel;
+    }
+    bool forced = false;
+    if (const auto f = env::get("WEFT_AUTOTUNE_FORCE")) forced = jit::parse_force_list(*f).count("gemm") > 0;
+    if (!gemm_wants_autotuner(options, env::get_bool("WEFT_AUTOTUNE"), forced)) return sel;
+
+    const std::vector<GemmCandidate> candidates = gemm_tune_candidates(p, num_sms, options);
+    jit::Autotuner& tuner = options.autotuner != nullptr ? *options.autotuner : jit::autotuner();
+    jit::TuneKey key;
+    key.op = "gemm";
+    key.problem = gemm_tune_problem(p, num_sms, options);
+    key.world_size = 1;
+    key.arch = arch;
+    auto index_of = [&](const std::string& name) -> int {
+        for (size_t i = 0; i < candidates.size(); ++i) {
+            if (candidates[i].name == name) return static_cast<int>(i);
+        }
+        return -1;
+    };
+    const std::optional<std::string> cached = tuner.cached_decision(key);
+    if (capturing && !forced) {
+        // Timing synchronises the stream, which a capture forbids: use what is known.
+        const int idx = cached ? index_of(*cached) : -1;
+        if (idx >= 0) {
+            sel.plan = candidates[static_cast<size_t>(idx)].plan;
+            sel.candidate = candidates[static_cast<size_t>(idx)].name;
+            sel.origin = GemmChoice::kCached;
+        } else {
+            WEFT_LOG_WARN("gemm: autotuning [" << key.problem << "] was asked for during CUDA graph capture, which "
+                                              "cannot time kernels; using the heuristic's " << sel.candidate
+                                              << " (tune once outside the capture to record a decision)");
+        }
+        return sel;
+    }
+    if (!forced && !(cached && index_of(*cached) >= 0) && prepare) prepare(candidates);
+
+    std::vector<jit::TuneCandidate> runs;
+    runs.reserve(candidates.size());
+    for (const GemmCandidate& c : candidates) {
+        const GemmPlan* plan = &c.plan;
+        runs.push_back({c.name, [&run, plan](cudaStream_t s) { run(*plan, s); }});
+    }
+    jit::TuneOptions tune_options;
+    tune_options.stream = stream;
+    const jit::TuneResult r = tuner.tune(key, runs, nullptr, tune_options);
+    WEFT_CHECK(r.index < candidates.size(), "gemm: the autotuner returned candidate " << r.index << " of "
+                                                                                     << candidates.size());
+    sel.plan = candidates[r.index].plan;
+    sel.candidate = candidates[r.index].name;
+    switch (r.origin) {
+        case jit::TuneResult::Origin::kTuned: sel.origin = GemmChoice::kTuned; break;
+        case jit::TuneResult::Origin::kCached: sel.origin = GemmChoice::kCached; break;
+        case jit::TuneResult::Origin::kForced: sel.origin = GemmChoice::kForced; break;
+        case jit::TuneResult::Origin::kDisabled: sel.origin = GemmChoice::kHeuristic; break;
+    }
+    return sel;
+}
+
+}  // namespace weft::ops
