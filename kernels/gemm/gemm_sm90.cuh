@@ -14,6 +14,7 @@
 #include "gemm/gemm_scheduler.cuh"
 #include "weft/common/gemm_config.hpp"
 #include "weft/device/token.cuh"
+#include "weft/ptx/cvt.cuh"
 #include "weft/ptx/matrix.cuh"
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/setmaxnreg.cuh"
@@ -55,16 +56,14 @@ inline constexpr int kBarConsumer0 = 1;
 inline constexpr int kBarBothConsumers = 3;
 inline constexpr int kBarMainloopTurn0 = 4;
 
-/// Two floats to packed 16-bit (lo in the low half).
+/// Two floats to packed 16-bit kOut (lo in the low half), rounded to nearest even.
 template <DType kOut>
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    unsigned r;
     if constexpr (kOut == DType::kBF16) {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+        return ptx::cvt_rn_bf16x2(lo, hi);
     } else {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+        return ptx::cvt_rn_f16x2(lo, hi);
     }
-    return r;
 }
 
 __device__ __forceinline__ void st_shared_v2_f32(unsigned addr, float x, float y) {
@@ -219,14 +218,10 @@ template <DType kOut>
 __device__ __forceinline__ void st_global_elem(void* base, int64_t idx, float v) {
     if constexpr (kOut == DType::kF32) {
         static_cast<float*>(base)[idx] = v;
+    } else if constexpr (kOut == DType::kBF16) {
+        static_cast<unsigned short*>(base)[idx] = ptx::cvt_rn_bf16(v);
     } else {
-        unsigned short h;
-        if constexpr (kOut == DType::kBF16) {
-            asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(v));
-        } else {
-            asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(v));
-        }
-        static_cast<unsigned short*>(base)[idx] = h;
+        static_cast<unsigned short*>(base)[idx] = ptx::cvt_rn_f16(v);
     }
 }
 
