@@ -134,8 +134,8 @@ struct RsPushHook {
 
     /// Own tiles only: acc += every peer's partial of this tile. Fragment layout of the accumulator (per 64-row
     /// slab): thread (warp w, lane l) holds rows 16w + l/4 and +8, columns 8g + 2(l%4) + {0, 1} at acc[4g + {0,1}]
-    /// and acc[4g + {2,3}]. False in every thread of the warpgroup when a wait expired (diagnostic recorded; the
-    /// sums are then wrong and the kernel traps after its tile loop).
+    /// and acc[4g + {2,3}]. False in every thread of the warpgroup, before any partial is read, when a wait expired
+    /// (diagnostic recorded; the kernel traps after its tile loop).
     template <GemmConfig kC, int kSlabs, int kAccPerSlab>
     __device__ static bool add_to_tile(const Params& p, const GemmTile& t, float (&acc)[kSlabs][kAccPerSlab], int wg,
                                        int slab0, int tid) {
@@ -152,6 +152,7 @@ struct RsPushHook {
             device::Warpgroup{static_cast<uint32_t>(gemm::detail::kBarConsumer0 + wg)}, p.ctx, num_ranks,
             [&](int s) { return s == rank ? nullptr : p.counters + rs_counter_index(s, chunk, cpr); }, Cmp::kGe,
             need);
+        if (!waited.ok()) return false;  // the same in every thread of the warpgroup: the partials are not there
 
         constexpr int kGroups = kC.tile_n / 8;
         constexpr int kBatch = kGroups < 8 ? kGroups : 8;  // 2 x kBatch 4-byte loads in flight per thread
@@ -196,7 +197,7 @@ struct RsPushHook {
                 }
             }
         }
-        return waited.ok();
+        return true;
     }
 
     __device__ static bool after_tile_stored(const Params& p, const GemmTile& t) {

@@ -145,8 +145,9 @@ __device__ void exercise(G grp, const DeviceCtx& ctx, uint8_t* buf, uint64_t* si
     const WaitResult r2 = tile::wait_each_checked<ptx::Scope::kGpu, ptx::Sem::kRelaxed>(
         grp, ctx, 4, [&](int i) { return i == 1 ? nullptr : sig + 2 * i; }, Cmp::kGe, v);
     const Token t3 = tile::wait_each(grp, ctx, 3, [&](int i) { return sig + 3 * i; }, Cmp::kEq, v);
+    const Token t4 = tile::wait_each(grp, ctx, 2, [&](int i) { return tile::SignalFrom{sig + i, i}; }, Cmp::kGe, v);
     const bool sent = tile::notify_checked(grp, ctx, sig + 5, pe, 1);
-    w32[grp.rank() + 1] = r.ok() + r2.ok() + sent + tile::consume_token(3u, r.token()) + t3.value() +
+    w32[grp.rank() + 1] = r.ok() + r2.ok() + sent + tile::consume_token(3u, r.token()) + t3.value() + t4.value() +
                           tile::consume_token(1u, r2.token_or_trap());
     trap_unless(grp.all(r.ok()));
 }

@@ -41,19 +41,27 @@ inline constexpr bool kIsToken<Token> = true;
 /// The only maker of Tokens (Token's friend). Every member polls its signals (bounded), synchronises the group and
 /// issues fence.proxy.async.global in every thread before it constructs a Token: keep it that way.
 struct TokenIssuer {
-    /// Thread i of the group polls `signal_at(j)` for j = i, i + size, ... < n (skipping nullptr), then the group
-    /// synchronises, then every thread fences. kChecked: the polls return on timeout (spin_until_checked; this
-    /// thread stops at its first expired signal) and the result, uniform over the group, says whether all arrived;
-    /// otherwise a timeout traps (spin_until) and the result is the Token.
+    /// Thread i of the group polls `signal_at(j)` for j = i, i + size, ... < n (a pointer, or a SignalFrom naming
+    /// the rank that raises it; skipping null signals), then the group synchronises, then every thread fences.
+    /// kChecked: the polls return on timeout (spin_until_checked; this thread stops at its first expired signal)
+    /// and the result, uniform over the group, says whether all arrived; otherwise a timeout traps (spin_until)
+    /// and the result is the Token.
     template <ptx::Scope C, ptx::Sem S, bool kChecked, class Group, class SignalAt>
     __device__ __forceinline__ static auto wait_each(Group group, const DeviceCtx& ctx, int n, SignalAt&& signal_at,
                                                      Cmp cmp, uint64_t value, int line) {
         static_assert(kIsGroup<Group>, "tile::wait: the group must be Thread, Warp, Warpgroup or Block");
-        const SpinSite site{SpinKind::kTileWait, -1, line};
         unsigned last = 0;
         bool ok = true;
         for (int i = static_cast<int>(group.rank()); i < n; i += static_cast<int>(group.size())) {
-            const uint64_t* signal = signal_at(i);
+            const auto at = signal_at(i);
+            const uint64_t* signal = nullptr;
+            SpinSite site{SpinKind::kTileWait, -1, line};
+            if constexpr (requires { at.peer; }) {
+                signal = at.signal;
+                site.peer = at.peer;
+            } else {
+                signal = at;
+            }
             if (signal == nullptr) {
                 continue;
             }
@@ -125,9 +133,17 @@ __device__ __forceinline__ WaitResult wait_checked(Group group, const DeviceCtx&
         group, ctx, n, [signals](int i) { return signals + i; }, cmp, value, line);
 }
 
+/// A local signal word and the team rank expected to raise it (a timeout's Diagnostic names that rank as the
+/// word's owner): what wait_each's `signal_at` may return instead of a bare pointer.
+struct SignalFrom {
+    const uint64_t* signal;
+    int32_t peer;
+};
+
 /// wait() over signals that are not one contiguous run: the local words `signal_at(i)` for i in [0, n), where
-/// `signal_at` (called with each i by the thread that polls it) returns nullptr for an i with nothing to wait for
-/// (a strided counter layout, a range with this rank's own signals skipped, ...). Same contract as wait().
+/// `signal_at` (called with each i by the thread that polls it) returns the word, or nullptr for an i with nothing
+/// to wait for (a strided counter layout, a range with this rank's own signals skipped, ...), or a SignalFrom{word,
+/// rank} when a timeout should name the rank that was to raise the word. Same contract as wait().
 template <ptx::Scope C = ptx::Scope::kSys, ptx::Sem S = ptx::Sem::kAcquire, class Group, class SignalAt>
 __device__ __forceinline__ Token wait_each(Group group, const DeviceCtx& ctx, int n, SignalAt&& signal_at, Cmp cmp,
                                            uint64_t value, int line = __builtin_LINE()) {
