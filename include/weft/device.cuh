@@ -17,6 +17,7 @@
 #include "weft/device/copy.cuh"
 #include "weft/device/scope.cuh"
 #include "weft/device/ll.cuh"
+#include "weft/device/record.cuh"
 #include "weft/device/shmem.cuh"
 #include "weft/device/signal.cuh"
 #include "weft/device/spin.cuh"

@@ -11,7 +11,6 @@
 
 #include "gemm/gemm_sm90.cuh"
 #include "tp_common/tp_device.cuh"
-#include "tp_common/tp_sync.cuh"
 #include "weft/common/tp_params.hpp"
 #include "weft/common/tp_schedule.hpp"
 #include "weft/device/tile.cuh"
@@ -23,7 +22,9 @@ namespace tile = device::tile;
 /// Persistent striding over AgGemmOrder (see weft/common/tp_schedule.hpp). Before the producer loads the A
 /// rows of a tile it waits until every chunk signal of those rows that belongs to a peer is >= 1 (its copy
 /// engine raised it after the chunk landed); this rank's own rows are in place by stream order. The waits
-/// are tile::wait's, written call-free (tp_sync.cuh): a call anywhere near the wgmma serialises them.
+/// are tile::wait_each's (one thread, ld.acquire.sys polls, fence.proxy.async.global), and its Token goes to the
+/// A loads. Every wait and notify in this kernel is the device layer's checked (inline) form followed by an inline
+/// trap: a call anywhere in a kernel that issues wgmma serialises them (ptxas C7510).
 // NOTE: the producer runs with 40 registers (setmaxnreg): the order lives in the kernel parameters (constant
 // bank) and the scheduler keeps only a reference to them.
 template <GemmConfig kCfg>
@@ -46,16 +47,15 @@ public:
 
     __device__ device::Token wait_before_load(const GemmTile& t) const {
         const SignalRange r = p_.order.signals_for(t);
-        unsigned observed = 0;
-        for (int32_t s = r.first; s <= r.last; ++s) {
-            if (!p_.order.is_local_signal(s)) {
-                observed = static_cast<unsigned>(wait_geq_inline(p_.ctx, p_.chunk_signals + s, 1ull, __LINE__));
-            }
-        }
-        // The chunks were written by a copy engine (seen through the acquire above); the A loads that take
-        // this token are TMA (async proxy) loads.
-        ptx::fence_proxy_async_global();
-        return device::Token(observed);
+        // The chunks were written by a copy engine (seen through the wait's acquire); the A loads that take this
+        // token are TMA (async proxy) loads, which the wait's proxy fence lets see them.
+        return tile::wait_each_checked(
+                   device::Thread{}, p_.ctx, r.last - r.first + 1,
+                   [&](int i) {
+                       return p_.order.is_local_signal(r.first + i) ? nullptr : p_.chunk_signals + r.first + i;
+                   },
+                   Cmp::kGe, 1ull)
+            .token_or_trap();
     }
 
 private:
@@ -81,7 +81,9 @@ struct AgGemmHook {
 /// wait until every rank is done, so that no peer still reads this rank's shard when the caller (or the next
 /// call) overwrites it. The kernel, and with it the call, ends after this.
 __device__ __forceinline__ void ag_finish_call(const AgGemmHookParams& p) {
-    wait_geq_inline(p.ctx, p.tile_counter, static_cast<uint64_t>(p.num_tiles), __LINE__);
+    const device::Thread me{};
+    const auto num_tiles = static_cast<uint64_t>(p.num_tiles);
+    device::trap_unless(tile::wait_checked(me, p.ctx, p.tile_counter, 1, Cmp::kGe, num_tiles).ok());
     ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(p.tile_counter, 0ull);
     for (int32_t s = 0; s < p.num_signals; ++s) ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(p.chunk_signals + s, 0ull);
     for (int32_t s = 0; s < p.ctx.num_ranks; ++s) {
@@ -89,9 +91,9 @@ __device__ __forceinline__ void ag_finish_call(const AgGemmHookParams& p) {
     }
     const uint64_t e = ptx::ld(p.epoch) + 1;
     for (int32_t pe = 0; pe < p.ctx.num_ranks; ++pe) {  // release: the resets above come first
-        notify_add_inline(p.ctx, p.done + p.ctx.rank, pe, 1ull, __LINE__);
+        device::trap_unless(tile::notify_checked(me, p.ctx, p.done + p.ctx.rank, pe, 1ull, device::SignalOp::kAdd));
     }
-    for (int32_t s = 0; s < p.ctx.num_ranks; ++s) wait_geq_inline(p.ctx, p.done + s, e, __LINE__);
+    device::trap_unless(tile::wait_checked(me, p.ctx, p.done, p.ctx.num_ranks, Cmp::kGe, e).ok());
     ptx::st(p.epoch, e);
 }
 

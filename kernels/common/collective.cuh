@@ -15,9 +15,6 @@
 //    kCollectiveMismatch diagnostic instead of reading the wrong memory.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "weft/common/collectives.hpp"
 #include "weft/common/device_ctx.hpp"
 #include "weft/common/diagnostics.hpp"
@@ -28,12 +25,14 @@
 #include "weft/device/spin.cuh"
 #include "weft/device/symmetric.cuh"
 #include "weft/ptx/atom.cuh"
+#include "weft/ptx/cvt.cuh"
 #include "weft/ptx/ld_st.cuh"
 
 namespace weft::kernels::collective {
 
 // ------------------------------------------------------------------------------------------------
-// Number formats: elements are handled as raw bits (uint16_t or uint32_t) and converted to fp32 to add.
+// Number formats: elements are handled as raw bits (uint16_t or uint32_t) and converted to fp32 to add (exactly),
+// and back with round to nearest even (weft/ptx/cvt.cuh).
 
 template <DType D>
 struct Num;
@@ -41,15 +40,15 @@ struct Num;
 template <>
 struct Num<DType::kBF16> {
     using Bits = uint16_t;
-    __device__ __forceinline__ static float to_float(Bits b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
-    __device__ __forceinline__ static Bits from_float(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
+    __device__ __forceinline__ static float to_float(Bits b) { return ptx::bf16_bits_to_f32(b); }
+    __device__ __forceinline__ static Bits from_float(float f) { return ptx::cvt_rn_bf16(f); }
 };
 
 template <>
 struct Num<DType::kF16> {
     using Bits = uint16_t;
-    __device__ __forceinline__ static float to_float(Bits b) { return __half2float(__ushort_as_half(b)); }
-    __device__ __forceinline__ static Bits from_float(float f) { return __half_as_ushort(__float2half_rn(f)); }
+    __device__ __forceinline__ static float to_float(Bits b) { return ptx::f16_bits_to_f32(b); }
+    __device__ __forceinline__ static Bits from_float(float f) { return ptx::cvt_rn_f16(f); }
 };
 
 template <>

@@ -9,13 +9,15 @@
 //   __device__ GemmTile tile(int32_t i) const;             its i-th tile (same answer in every warp role)
 //   __device__ device::Token wait_before_load(const GemmTile&) const;
 //        called by the producer thread before it TMA-loads the A rows of tile `tile`; returns the Token
-//        that the A loads take (Token::assume_local_data() when nothing is awaited).
+//        that the A loads take (device::tile::tma_load_2d): a device-layer wait's, or
+//        Token::assume_local_data() when nothing is awaited.
 // CTAs of a cluster must get tiles of the same cluster tile in the same order (GemmTileGrid does this).
 #pragma once
 
 #include "gemm/gemm_hooks.cuh"
 #include "weft/common/gemm_config.hpp"
 #include "weft/common/gemm_hook_params.hpp"
+#include "weft/device/tile.cuh"
 #include "weft/device/token.cuh"
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
@@ -57,7 +59,10 @@ private:
 /// signal of every chunk of `rows_per_chunk` rows that the tile touches is >= `expected` (another kernel,
 /// stream or GPU writes A chunk by chunk and raises flags[chunk] with release semantics). This is the hook
 /// an AllGather+GEMM uses; here it is generic over who writes the chunks. With value_mode kEpoch the value
-/// awaited is *epoch * expected, read when the tile is scheduled (graph-safe: see SignalValueMode).
+/// awaited is *epoch * expected, read when the tile is scheduled (graph-safe: see SignalValueMode). The wait is
+/// tile::wait's (one thread, ld.acquire.sys polls, fence.proxy.async.global after them), bounded by
+/// Params::timeout_ns; a timeout records a kTileWait Diagnostic naming Params::world_rank in Params::diag (when
+/// given) and traps, inline (the checked form: no call may sit in a kernel that issues wgmma).
 template <GemmConfig kCfg>
 class ChunkWaitScheduler {
 public:
@@ -70,19 +75,26 @@ public:
 
     __device__ device::Token wait_before_load(const GemmTile& t) const {
         const uint64_t expected = detail::signal_value(p_.value_mode, p_.epoch, p_.expected);
-        uint64_t observed = expected;
         const int32_t last_row = (t.m0 + kCfg.tile_m < m_ ? t.m0 + kCfg.tile_m : m_) - 1;
-        if (t.m0 < m_) {
-            for (int32_t c = t.m0 / p_.rows_per_chunk; c <= last_row / p_.rows_per_chunk; ++c) {
-                observed = detail::wait_flag_geq(p_.flags + c, expected, p_.timeout_ns, p_.diag, __LINE__);
-            }
-        }
-        // The chunks were written through the generic proxy; the TMA loads that follow use the async proxy.
-        ptx::fence_proxy_async_global();
-        return device::Token(static_cast<unsigned>(observed));
+        const int32_t first_chunk = t.m0 / p_.rows_per_chunk;
+        const int32_t num_chunks = t.m0 < m_ ? last_row / p_.rows_per_chunk - first_chunk + 1 : 0;
+        // The chunks were written through the generic proxy; the wait's proxy fence lets the TMA loads see them.
+        return device::tile::wait_checked(device::Thread{}, wait_ctx(), p_.flags + first_chunk, num_chunks, Cmp::kGe,
+                                          expected)
+            .token_or_trap();
     }
 
 private:
+    /// The device layer's view of this scheduler's bound and diagnostics: no team and no heap (a diagnostic names
+    /// no owner of the flag).
+    __device__ DeviceCtx wait_ctx() const {
+        DeviceCtx ctx{};
+        ctx.world_rank = p_.world_rank;
+        ctx.timeout_ns = p_.timeout_ns;
+        ctx.diag = p_.diag;
+        return ctx;
+    }
+
     PersistentScheduler<kCfg> base_;
     Params p_;
     int32_t m_;

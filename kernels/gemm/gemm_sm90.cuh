@@ -13,7 +13,9 @@
 #include "gemm/gemm_hooks.cuh"
 #include "gemm/gemm_scheduler.cuh"
 #include "weft/common/gemm_config.hpp"
+#include "weft/device/tile.cuh"
 #include "weft/device/token.cuh"
+#include "weft/ptx/cvt.cuh"
 #include "weft/ptx/matrix.cuh"
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/setmaxnreg.cuh"
@@ -55,16 +57,14 @@ inline constexpr int kBarConsumer0 = 1;
 inline constexpr int kBarBothConsumers = 3;
 inline constexpr int kBarMainloopTurn0 = 4;
 
-/// Two floats to packed 16-bit (lo in the low half).
+/// Two floats to packed 16-bit kOut (lo in the low half), rounded to nearest even.
 template <DType kOut>
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    unsigned r;
     if constexpr (kOut == DType::kBF16) {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+        return ptx::cvt_rn_bf16x2(lo, hi);
     } else {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+        return ptx::cvt_rn_f16x2(lo, hi);
     }
-    return r;
 }
 
 __device__ __forceinline__ void st_shared_v2_f32(unsigned addr, float x, float y) {
@@ -92,8 +92,7 @@ __device__ __forceinline__ void producer_loop(const Scheduler& sched, const ptx:
     const int32_t num_tiles = sched.num_tiles();
     for (int32_t i = 0; i < num_tiles; ++i) {
         const GemmTile tile = sched.tile(i);
-        const device::Token token = sched.wait_before_load(tile);
-        (void)token;  // NOTE: the A loads below are the loads the token guards
+        const device::Token token = sched.wait_before_load(tile);  // the A loads of this tile take it
         for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
             const unsigned full = bar_full0 + 8 * stage;
             pipeline_wait<(T::kClusterSize > 1)>(bar_empty0 + 8 * stage, phase ^ 1u, timeout_ns);
@@ -103,11 +102,11 @@ __device__ __forceinline__ void producer_loop(const Scheduler& sched, const ptx:
             const int k0 = kb * kCfg.tile_k;
             // A: [tile_m rows][64 k], 128B swizzle. With cluster_n = 2 each CTA loads half the rows for both.
             if constexpr (kCfg.cluster_n == 1) {
-                ptx::tma_load_2d(a_dst, tma_a, full, k0, tile.m0);
+                device::tile::tma_load_2d(token, a_dst, tma_a, full, k0, tile.m0);
             } else {
                 const int half = cta_rank;
-                ptx::tma_load_2d_multicast(a_dst + half * T::kARowsPerCta * T::kRowBytes, tma_a, full, k0,
-                                           tile.m0 + half * T::kARowsPerCta, all_ctas);
+                device::tile::tma_load_2d_multicast(token, a_dst + half * T::kARowsPerCta * T::kRowBytes, tma_a, full,
+                                                    k0, tile.m0 + half * T::kARowsPerCta, all_ctas);
             }
             // B: kNK: [tile_n rows][64 k]; kKN: tile_n/64 boxes of [64 k rows][64 n].
             if constexpr (kCfg.b_layout == BLayout::kNK) {
@@ -219,14 +218,10 @@ template <DType kOut>
 __device__ __forceinline__ void st_global_elem(void* base, int64_t idx, float v) {
     if constexpr (kOut == DType::kF32) {
         static_cast<float*>(base)[idx] = v;
+    } else if constexpr (kOut == DType::kBF16) {
+        static_cast<unsigned short*>(base)[idx] = ptx::cvt_rn_bf16(v);
     } else {
-        unsigned short h;
-        if constexpr (kOut == DType::kBF16) {
-            asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(v));
-        } else {
-            asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(v));
-        }
-        static_cast<unsigned short*>(base)[idx] = h;
+        static_cast<unsigned short*>(base)[idx] = ptx::cvt_rn_f16(v);
     }
 }
 

@@ -10,7 +10,6 @@
 #pragma once
 
 #include "tp_common/tp_device.cuh"
-#include "tp_common/tp_sync.cuh"
 #include "weft/common/tp_params.hpp"
 #include "weft/device/tile.cuh"
 
@@ -18,6 +17,8 @@ namespace weft::tp {
 
 namespace tile = device::tile;
 
+// NOTE: waits and notifies take the device layer's checked forms and trap inline: the trapping forms' shared
+// failure path is a call, whose ABI would cost this kernel registers.
 template <DType kPartial, DType kOut>
 __global__ void __launch_bounds__(kTpReduceThreads) ar_reduce_kernel(const ArReduceParams p) {
     __shared__ uint64_t s_epoch;
@@ -29,19 +30,21 @@ __global__ void __launch_bounds__(kTpReduceThreads) ar_reduce_kernel(const ArRed
     if (blockIdx.x == 0) {
         // This rank's partial was written by the GEMM before this kernel started (stream order).
         for (int pe = static_cast<int>(threadIdx.x); pe < num_ranks; pe += static_cast<int>(blockDim.x)) {
-            notify_add_inline(p.ctx, p.ready + rank, pe, 1ull, __LINE__);
+            device::trap_unless(tile::notify_checked(device::Thread{}, p.ctx, p.ready + rank, pe, 1ull));
         }
     }
-    if (static_cast<int>(threadIdx.x) < num_ranks) wait_geq_inline(p.ctx, p.ready + threadIdx.x, e, __LINE__);
-    __syncthreads();
+    // Thread s waits for rank s's partial; the block barrier extends the acquire; the partials' reads take the token.
+    const device::Token token =
+        tile::wait_checked(device::Block{}, p.ctx, p.ready, num_ranks, Cmp::kGe, e).token_or_trap();
 
     constexpr int64_t kPBytes = dtype_bytes(kPartial);
     constexpr int64_t kOBytes = dtype_bytes(kOut);
     constexpr int kMaxRanks = 8;
     __shared__ const unsigned char* s_src[kMaxRanks];  // every rank's partial as mapped here
     if (static_cast<int>(threadIdx.x) < num_ranks) {
-        s_src[threadIdx.x] = static_cast<const unsigned char*>(
-            peer_or_trap_inline(p.ctx, const_cast<void*>(p.partial), static_cast<int>(threadIdx.x), __LINE__));
+        const void* partial = device::symm_at_checked(p.ctx, p.partial, static_cast<int>(threadIdx.x), __LINE__);
+        device::trap_unless(partial != nullptr);
+        s_src[threadIdx.x] = static_cast<const unsigned char*>(tile::consume_token(partial, token));
     }
     __syncthreads();
     const int64_t vecs_per_row = (p.n + kTpVecElems - 1) / kTpVecElems;
@@ -71,8 +74,10 @@ __global__ void __launch_bounds__(kTpReduceThreads) ar_reduce_kernel(const ArRed
     }
     __syncthreads();  // this CTA has read its share of every partial
     if (threadIdx.x == 0 && arrive_last(p.exit_count, gridDim.x)) {
-        for (int32_t pe = 0; pe < num_ranks; ++pe) notify_add_inline(p.ctx, p.done + rank, pe, 1ull, __LINE__);
-        for (int32_t s = 0; s < num_ranks; ++s) wait_geq_inline(p.ctx, p.done + s, e, __LINE__);
+        for (int32_t pe = 0; pe < num_ranks; ++pe) {
+            device::trap_unless(tile::notify_checked(device::Thread{}, p.ctx, p.done + rank, pe, 1ull));
+        }
+        device::trap_unless(tile::wait_checked(device::Thread{}, p.ctx, p.done, num_ranks, Cmp::kGe, e).ok());
         ptx::st(p.epoch, e);
     }
 }

@@ -12,7 +12,6 @@
 
 #include "gemm/gemm_sm90.cuh"
 #include "tp_common/tp_device.cuh"
-#include "tp_common/tp_sync.cuh"
 #include "weft/common/tp_params.hpp"
 #include "weft/common/tp_schedule.hpp"
 #include "weft/device/tile.cuh"
@@ -28,7 +27,7 @@ __device__ __forceinline__ bool notify_tile_stored(const DeviceCtx& ctx, uint64_
                                                    const GemmTile& t, int32_t dest, int32_t line) {
     const int32_t idx = rs_counter_index(ctx.rank, order.chunk_of(t), order.map.chunks_per_rank());
     ptx::fence_proxy_async_global();
-    return notify_add_checked_inline(ctx, counters + idx, dest, 1ull, line);
+    return tile::notify_checked(device::Thread{}, ctx, counters + idx, dest, 1ull, device::SignalOp::kAdd, line);
 }
 
 /// The end of a call on this rank, by one thread once every partial sent to this rank has been read: zero
@@ -41,7 +40,8 @@ __device__ __forceinline__ bool release_received_partials(const DeviceCtx& ctx, 
     for (int32_t i = 0; i < num_signals; ++i) ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(counters + i, 0ull);
     bool ok = true;
     for (int32_t pe = 0; pe < ctx.num_ranks; ++pe) {
-        ok = notify_add_checked_inline(ctx, released + ctx.rank, pe, 1ull, line) && ok;
+        ok = tile::notify_checked(device::Thread{}, ctx, released + ctx.rank, pe, 1ull, device::SignalOp::kAdd, line) &&
+             ok;
     }
     return ok;
 }
@@ -71,11 +71,10 @@ public:
         if (waited_) return device::Token::assume_local_data();
         waited_ = true;
         const uint64_t calls = ptx::ld(p_.gemm_calls);
-        uint64_t observed = 0;
-        for (int32_t s = 0; s < p_.ctx.num_ranks; ++s)
-            observed = wait_geq_inline(p_.ctx, p_.released + s, calls, __LINE__);
-        ptx::fence_proxy_async_global();  // the TMA stores that follow overwrite what the peers read
-        return device::Token(static_cast<unsigned>(observed));
+        // One thread polls every rank's word in rank order; the wait's proxy fence orders the reads the peers
+        // released before the TMA stores that follow overwrite them.
+        return tile::wait_checked(device::Thread{}, p_.ctx, p_.released, p_.ctx.num_ranks, Cmp::kGe, calls)
+            .token_or_trap();
     }
 
 private:
@@ -135,8 +134,8 @@ struct RsPushHook {
 
     /// Own tiles only: acc += every peer's partial of this tile. Fragment layout of the accumulator (per 64-row
     /// slab): thread (warp w, lane l) holds rows 16w + l/4 and +8, columns 8g + 2(l%4) + {0, 1} at acc[4g + {0,1}]
-    /// and acc[4g + {2,3}]. False in thread 0 when a wait expired (diagnostic recorded; the sums are then wrong
-    /// and the kernel traps after its tile loop).
+    /// and acc[4g + {2,3}]. False in every thread of the warpgroup, before any partial is read, when a wait expired
+    /// (diagnostic recorded; the kernel traps after its tile loop).
     template <GemmConfig kC, int kSlabs, int kAccPerSlab>
     __device__ static bool add_to_tile(const Params& p, const GemmTile& t, float (&acc)[kSlabs][kAccPerSlab], int wg,
                                        int slab0, int tid) {
@@ -146,16 +145,14 @@ struct RsPushHook {
         if (o.dest_of(t) != rank) return true;
         const int32_t cpr = o.map.chunks_per_rank();
         const int32_t chunk = o.chunk_of(t);
-        bool ok = true;
-        if (tid == 0) {
-            const auto need = static_cast<uint64_t>(o.map.expected_count(o.map.local_signal_at(rank, chunk)));
-            for (int32_t s = 0; s < num_ranks && ok; ++s) {
-                uint64_t seen = 0;
-                if (s != rank) ok = wait_geq_checked_inline(p.ctx, p.counters + rs_counter_index(s, chunk, cpr), need,
-                                                            __LINE__, &seen);
-            }
-        }
-        ptx::named_barrier_sync(gemm::detail::kBarConsumer0 + wg, 128);  // the acquire covers the warpgroup
+        // Thread s of the warpgroup waits for peer s's counter of this chunk (checked: no call, no trap among the
+        // live accumulators); the warpgroup's barrier extends the acquire to every thread.
+        const auto need = static_cast<uint64_t>(o.map.expected_count(o.map.local_signal_at(rank, chunk)));
+        const device::WaitResult waited = tile::wait_each_checked(
+            device::Warpgroup{static_cast<uint32_t>(gemm::detail::kBarConsumer0 + wg)}, p.ctx, num_ranks,
+            [&](int s) { return s == rank ? nullptr : p.counters + rs_counter_index(s, chunk, cpr); }, Cmp::kGe,
+            need);
+        if (!waited.ok()) return false;  // the same in every thread of the warpgroup: the partials are not there
 
         constexpr int kGroups = kC.tile_n / 8;
         constexpr int kBatch = kGroups < 8 ? kGroups : 8;  // 2 x kBatch 4-byte loads in flight per thread
@@ -163,7 +160,7 @@ struct RsPushHook {
         const int warp = tid / 32;
         const int lane = tid % 32;
         const int64_t rows = p.rows_per_rank;
-        const auto* recv = static_cast<const unsigned char*>(p.recv);
+        const auto* recv = tile::consume_token(static_cast<const unsigned char*>(p.recv), waited.token());
 #pragma unroll
         for (int si = 0; si < kSlabs; ++si) {
             const int64_t lo = t.m0 - rank * rows + (slab0 + si) * kGemmSlabRows + warp * 16 + lane / 4;
@@ -200,7 +197,7 @@ struct RsPushHook {
                 }
             }
         }
-        return ok;
+        return true;
     }
 
     __device__ static bool after_tile_stored(const Params& p, const GemmTile& t) {
@@ -234,6 +231,7 @@ inline constexpr int kRsUnroll = 8;
 /// the same elements in every phase (grid-stride over 8-element vectors), so the accumulator needs no
 /// synchronisation beyond program order. The last CTA to finish zeroes the counters and releases the
 /// partials to every rank (released[d] += 1; the sources' next GEMM waits for it before its first load).
+// NOTE: as in ar_reduce_kernel, the waits take the checked forms and trap inline (a call costs registers here).
 template <DType kPartial, DType kOut>
 __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsReduceParams p) {
     __shared__ uint64_t s_epoch;
@@ -256,13 +254,19 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
         const int32_t source = rs_source_at(rank, phase, num_ranks);
         const bool first_phase = phase == 0;
         const bool last_phase = phase == num_ranks - 1;
-        const auto* src_base = static_cast<const unsigned char*>(
-            peer_or_trap_inline(p.ctx, const_cast<void*>(p.partial), source, __LINE__));
+        const auto* peer_partial =
+            static_cast<const unsigned char*>(device::symm_at_checked(p.ctx, p.partial, source, __LINE__));
+        device::trap_unless(peer_partial != nullptr);
         for (int32_t c = 0; c < cpr; ++c) {
             const int32_t sig = map.local_signal_at(rank, c);
             const auto need = static_cast<uint64_t>(map.expected_count(sig));
-            if (threadIdx.x == 0) wait_geq_inline(p.ctx, p.counters + rs_counter_index(source, c, cpr), need, __LINE__);
-            __syncthreads();
+            // Thread 0 waits for the chunk's counter, the block barrier extends the acquire; the partial's reads
+            // take the wait's token.
+            const device::Token token =
+                tile::wait_checked(device::Block{}, p.ctx, p.counters + rs_counter_index(source, c, cpr), 1, Cmp::kGe,
+                                   need)
+                    .token_or_trap();
+            const unsigned char* src_base = tile::consume_token(peer_partial, token);
             const ChunkInfo ch = map.chunk(sig);
             const int64_t local_row0 = ch.row_begin - static_cast<int64_t>(rank) * p.rows_per_rank;
             const int64_t total = ch.num_rows * vecs_per_row;
@@ -334,7 +338,7 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
     if (threadIdx.x == 0 && arrive_last(p.exit_count, gridDim.x)) {
         // Every counter reached its count (every CTA waited for all of them).
         ptx::st(p.epoch, e);
-        if (!release_received_partials(p.ctx, p.counters, map.num_signals(), p.released, __LINE__)) __trap();
+        device::trap_unless(release_received_partials(p.ctx, p.counters, map.num_signals(), p.released, __LINE__));
     }
 }
 

@@ -1,36 +1,44 @@
 // SPDX-License-Identifier: MIT
-// Device helpers shared by the tensor-parallel fused kernels (ag_gemm, gemm_rs, gemm_ar): element
-// conversion, 8-element vector loads/stores as fp32, and the "last block / last tile to finish" election.
+// Device helpers shared by the tensor-parallel fused kernels (ag_gemm, gemm_rs, gemm_ar): element conversion by
+// dtype (the instructions are weft/ptx/cvt.cuh's), 8-element vector loads/stores as fp32, and the "last block /
+// last tile to finish" election.
 #pragma once
 
 #include "weft/common/dtype.hpp"
 #include "weft/ptx/atom.cuh"
+#include "weft/ptx/cvt.cuh"
 #include "weft/ptx/ld_st.cuh"
 
 namespace weft::tp {
 
-/// One 16-bit element (bf16 or f16 bits) to fp32.
+/// One 16-bit element (bf16 or f16 bits) to fp32 (exact).
 template <DType kT>
 __device__ __forceinline__ float half_bits_to_float(unsigned short h) {
     if constexpr (kT == DType::kBF16) {
-        return __uint_as_float(static_cast<unsigned>(h) << 16);
+        return ptx::bf16_bits_to_f32(h);
     } else {
-        float f;
-        asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(h));
-        return f;
+        return ptx::f16_bits_to_f32(h);
     }
 }
 
 /// fp32 to one 16-bit element, round to nearest even.
 template <DType kT>
 __device__ __forceinline__ unsigned short float_to_half_bits(float f) {
-    unsigned short h;
     if constexpr (kT == DType::kBF16) {
-        asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(f));
+        return ptx::cvt_rn_bf16(f);
     } else {
-        asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(f));
+        return ptx::cvt_rn_f16(f);
     }
-    return h;
+}
+
+/// Two fp32 to two 16-bit elements packed little-endian (`lo` at the lower address), round to nearest even.
+template <DType kT>
+__device__ __forceinline__ uint32_t float2_to_half2_bits(float lo, float hi) {
+    if constexpr (kT == DType::kBF16) {
+        return ptx::cvt_rn_bf16x2(lo, hi);
+    } else {
+        return ptx::cvt_rn_f16x2(lo, hi);
+    }
 }
 
 /// Loads element `i` of a row of dtype kT as fp32 (plain load: the data was acquired before).
@@ -39,10 +47,7 @@ __device__ __forceinline__ float load_elem(const void* row, int64_t i) {
     if constexpr (kT == DType::kF32) {
         return ptx::ld(static_cast<const float*>(row) + i);
     } else {
-        const unsigned short* p = static_cast<const unsigned short*>(row) + i;
-        unsigned short h;
-        asm volatile("ld.u16 %0, [%1];\n" : "=h"(h) : "l"(p) : "memory");
-        return half_bits_to_float<kT>(h);
+        return half_bits_to_float<kT>(ptx::ld(static_cast<const uint16_t*>(row) + i));
     }
 }
 
@@ -106,10 +111,7 @@ __device__ __forceinline__ void store8(void* p, const float (&v)[8]) {
     } else {
         unsigned w[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            w[i] = static_cast<unsigned>(float_to_half_bits<kT>(v[2 * i])) |
-                   (static_cast<unsigned>(float_to_half_bits<kT>(v[2 * i + 1])) << 16);
-        }
+        for (int i = 0; i < 4; ++i) w[i] = float2_to_half2_bits<kT>(v[2 * i], v[2 * i + 1]);
         ptx::st(static_cast<uint4*>(p), make_uint4(w[0], w[1], w[2], w[3]));
     }
 }

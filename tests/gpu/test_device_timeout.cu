@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: MIT
 // GPU tests that a wait which can never be satisfied ends in a weft::Error naming the word it waited on
-// (and that a put to an unreachable peer fails clearly), instead of hanging.
+// (and that a put to an unreachable peer fails clearly), instead of hanging; and that the forms that return
+// instead of trapping (tile::wait_checked, tile::notify_checked) record the same diagnosis and report the failure
+// to every thread of the group, leaving the kernel running.
 //
 // A timed-out spin traps, which leaves the process's CUDA context unusable. So each scenario runs in a
 // death-test child (gtest's "threadsafe" style re-executes this binary for just that test: a fresh
@@ -11,6 +13,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <cstdlib>
 #include <sstream>
 #include <string>
@@ -44,6 +47,24 @@ __global__ void barrier_kernel(DeviceCtx ctx, uint64_t* psync) { shmem::barrier_
 
 __global__ void unreachable_put_kernel(DeviceCtx ctx, uint8_t* dst, const uint8_t* src) {
     shmem::putmem(Block{}, ctx, dst, src, 64, 1);
+}
+
+// Warpgroup 0 waits for the signals that arrived, warpgroup 1 also for the missing one (checked: no trap): every
+// thread writes what its wait returned.
+__global__ void warpgroup_wait_checked_kernel(DeviceCtx ctx, const uint64_t* sigs, int* ok_out) {
+    const uint32_t wg = threadIdx.x / 128;
+    const device::WaitResult r =
+        tile::wait_checked(device::Warpgroup{1 + wg}, ctx, sigs, wg == 0 ? kMissingSignal : kTileSignals, Cmp::kGe, 1);
+    ok_out[threadIdx.x] = r.ok() ? 1 : 0;
+}
+
+__global__ void block_wait_checked_kernel(DeviceCtx ctx, const uint64_t* sigs, int n, int* ok_out) {
+    const device::WaitResult r = tile::wait_checked(Block{}, ctx, sigs, n, Cmp::kGe, 1);
+    ok_out[threadIdx.x] = r.ok() ? 1 : 0;
+}
+
+__global__ void notify_checked_kernel(DeviceCtx ctx, uint64_t* sig, int* ok_out) {
+    ok_out[threadIdx.x] = tile::notify_checked(device::Warp{}, ctx, sig, 1, 1) ? 1 : 0;
 }
 
 enum class Scenario { kSignalWait, kTileWait, kBarrier, kUnreachablePeer };
@@ -163,6 +184,74 @@ TEST_F(DeviceTimeoutDeathTest, BarrierNamesTheMissingArrival) {
 
 TEST_F(DeviceTimeoutDeathTest, PutToUnreachablePeerFailsClearly) {
     EXPECT_EXIT(provoke(Scenario::kUnreachablePeer), ::testing::ExitedWithCode(0), "the error named 0x");
+}
+
+// The checked forms run in this process: they do not trap, so the context stays usable.
+TEST(DeviceCheckedForms, RecordTheDiagnosisAndReturnTheFailureToTheWholeGroup) {
+    WorldOptions options = test::device_test_options();
+    options.timeout = std::chrono::milliseconds(200);
+    test::run_world(1, [&](World& w) {
+        test::RankStream stream;
+        uint64_t* sigs = w.heap().alloc_signals(kTileSignals);
+        std::vector<uint64_t> ones(kTileSignals, 1);
+        ones[kMissingSignal] = 0;
+        WEFT_CUDA_CHECK(cudaMemcpy(sigs, ones.data(), ones.size() * 8, cudaMemcpyHostToDevice));
+        int* d_ok = nullptr;
+        WEFT_CUDA_CHECK(cudaMalloc(&d_ok, 256 * sizeof(int)));
+        std::vector<int> ok(256);
+        const auto run = [&](const char* what, const std::function<void()>& launch) {
+            WEFT_CUDA_CHECK(cudaMemset(d_ok, 0x7f, 256 * sizeof(int)));
+            launch();
+            std::string message;
+            try {
+                test::finish(w, stream, what);
+            } catch (const std::exception& e) {
+                message = e.what();
+            }
+            WEFT_CUDA_CHECK(cudaMemcpy(ok.data(), d_ok, ok.size() * sizeof(int), cudaMemcpyDeviceToHost));
+            w.clear_diagnostics();
+            return message;
+        };
+
+        // Everything arrived: ok in every thread, nothing recorded.
+        std::string m = run("block_wait_checked_kernel (all arrived)", [&] {
+            block_wait_checked_kernel<<<1, 128, 0, stream>>>(w.device_ctx(), sigs, kMissingSignal, d_ok);
+        });
+        EXPECT_EQ(m, "");
+        for (int t = 0; t < 128; ++t) ASSERT_EQ(ok[t], 1) << "thread " << t;
+
+        // One signal missing: one thread polls it, every thread of the block learns the wait failed.
+        m = run("block_wait_checked_kernel", [&] {
+            block_wait_checked_kernel<<<1, 128, 0, stream>>>(w.device_ctx(), sigs, kTileSignals, d_ok);
+        });
+        EXPECT_NE(m.find(hex(sigs + kMissingSignal)), std::string::npos) << m;
+        EXPECT_NE(m.find("tile_wait"), std::string::npos) << m;
+        EXPECT_EQ(m.find("trapped"), std::string::npos) << "a checked wait must not trap: " << m;
+        for (int t = 0; t < 128; ++t) ASSERT_EQ(ok[t], 0) << "thread " << t;
+
+        // Two warpgroups, each its own group (named barriers 1 and 2): only the one that waits for the missing
+        // signal fails, in all of its 128 threads.
+        m = run("warpgroup_wait_checked_kernel", [&] {
+            warpgroup_wait_checked_kernel<<<1, 256, 0, stream>>>(w.device_ctx(), sigs, d_ok);
+        });
+        EXPECT_NE(m.find(hex(sigs + kMissingSignal)), std::string::npos) << m;
+        EXPECT_EQ(m.find("trapped"), std::string::npos) << m;
+        for (int t = 0; t < 256; ++t) ASSERT_EQ(ok[t], t < 128 ? 1 : 0) << "thread " << t;
+
+        // A notify to a peer that is not load/store reachable: recorded, false in every lane, nothing raised.
+        uint8_t** table = nullptr;
+        const DeviceCtx fake = two_rank_ctx(w.device_ctx(), nullptr, &table);
+        m = run("notify_checked_kernel", [&] { notify_checked_kernel<<<1, 32, 0, stream>>>(fake, sigs, d_ok); });
+        EXPECT_NE(m.find(hex(sigs)), std::string::npos) << m;
+        EXPECT_NE(m.find("not load/store reachable"), std::string::npos) << m;
+        EXPECT_EQ(m.find("trapped"), std::string::npos) << m;
+        for (int t = 0; t < 32; ++t) ASSERT_EQ(ok[t], 0) << "lane " << t;
+        uint64_t first = 0;
+        WEFT_CUDA_CHECK(cudaMemcpy(&first, sigs, 8, cudaMemcpyDeviceToHost));
+        EXPECT_EQ(first, 1u) << "notify_checked raised a signal although it failed";
+        cudaFree(table);
+        cudaFree(d_ok);
+    }, options);
 }
 
 }  // namespace

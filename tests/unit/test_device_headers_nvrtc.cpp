@@ -140,6 +140,16 @@ __device__ void exercise(G grp, const DeviceCtx& ctx, uint8_t* buf, uint64_t* si
     w32[grp.rank()] = b[1] + tile::consume_token(7u, t2) + static_cast<uint32_t>(tile::consume_token(1.5f, t));
     tile::notify(grp, ctx, sig + 3, pe, 1);
     tile::notify<ptx::Scope::kGpu>(grp, ctx, sig + 4, pe, 2, SignalOp::kSet);
+    // The forms that return instead of trapping, and waits over signal sets that are not one run.
+    const WaitResult r = tile::wait_checked(grp, ctx, sig, 5, Cmp::kGe, v);
+    const WaitResult r2 = tile::wait_each_checked<ptx::Scope::kGpu, ptx::Sem::kRelaxed>(
+        grp, ctx, 4, [&](int i) { return i == 1 ? nullptr : sig + 2 * i; }, Cmp::kGe, v);
+    const Token t3 = tile::wait_each(grp, ctx, 3, [&](int i) { return sig + 3 * i; }, Cmp::kEq, v);
+    const Token t4 = tile::wait_each(grp, ctx, 2, [&](int i) { return tile::SignalFrom{sig + i, i}; }, Cmp::kGe, v);
+    const bool sent = tile::notify_checked(grp, ctx, sig + 5, pe, 1);
+    w32[grp.rank() + 1] = r.ok() + r2.ok() + sent + tile::consume_token(3u, r.token()) + t3.value() + t4.value() +
+                          tile::consume_token(1u, r2.token_or_trap());
+    trap_unless(grp.all(r.ok()));
 }
 template <ptx::Scope C>
 __device__ void scoped(uint64_t* p, uint32_t* q, uint4* v) {
@@ -153,10 +163,33 @@ __device__ void scoped(uint64_t* p, uint32_t* q, uint4* v) {
     ptx::fence<ptx::Sem::kAcqRel, C>();
     ptx::fence<ptx::Sem::kSc, C>();
 }
-extern "C" __global__ void primitives(DeviceCtx ctx, uint8_t* buf, uint64_t* sig, uint64_t* psync, uint32_t* w32, uint4* v) {
+extern "C" __global__ void primitives(DeviceCtx ctx, uint8_t* buf, uint64_t* sig, uint64_t* psync, uint32_t* w32,
+                                      uint4* v, const __grid_constant__ ptx::TmaDescriptor map) {
     exercise(Thread{}, ctx, buf, sig, psync, w32);
     exercise(Warp{}, ctx, buf, sig, psync, w32);
+    exercise(Warpgroup{1}, ctx, buf, sig, psync, w32);
     exercise(Block{}, ctx, buf, sig, psync, w32);
+    // The per-thread bounded calls and the diagnostic record, in both forms.
+    const SpinResult s = spin_until_checked<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(
+        ctx, sig + 8, Cmp::kNe, 0, SpinSite{SpinKind::kOther, -1, __LINE__});
+    w32[4] = static_cast<uint32_t>(s.observed) + s.ok +
+             static_cast<uint32_t>(spin_until(ctx, sig + 9, Cmp::kLe, 7, SpinSite{SpinKind::kOther, 0, __LINE__}));
+    uint8_t* peer = symm_at_checked(ctx, buf, 1, __LINE__);
+    trap_unless(peer != nullptr);
+    peer[0] = 1;
+    symm_at_or_trap(ctx, buf, 0, __LINE__)[1] = 2;
+    if (w32[5] != 0) {
+        record_diagnostic(ctx, SpinSite{SpinKind::kOther, -1, __LINE__}, Cmp::kEq, sig, 1, 2, 3);
+    }
+    w32[6] = write_record_once(w32 + 7, [&] { w32[8] = 9; }) + wait_record_complete(w32 + 7);
+    __shared__ alignas(1024) uint8_t tile_smem[4096];
+    __shared__ uint64_t tile_bar;
+    if (threadIdx.x == 0) {
+        const Token t = tile::wait(Thread{}, ctx, sig, 2, Cmp::kGe, 1);
+        tile::tma_load_2d(t, ptx::shared_address(tile_smem), &map, ptx::shared_address(&tile_bar), 0, 0);
+        tile::tma_load_2d_multicast(Token::assume_local_data(), ptx::shared_address(tile_smem), &map,
+                                    ptx::shared_address(&tile_bar), 64, 0, 3);
+    }
     scoped<ptx::Scope::kCta>(sig, w32, v);
     scoped<ptx::Scope::kGpu>(sig, w32, v);
     scoped<ptx::Scope::kSys>(sig, w32, v);
@@ -192,7 +225,8 @@ TEST(DeviceHeadersNvrtc, PrimitivesKernelCompilesToCubin) {
           "fence.proxy.async.shared::cta", "ld.v4.b32", "st.v4.b32", "nanosleep.u32", "%globaltimer", "trap",
           "atom.relaxed.sys.cas.b32", "st.relaxed.sys.b32", "ld.relaxed.sys.b64", "ld.acquire.cta.v4.b32",
           "atom.acq_rel.cta.add.u64", "fence.sc.gpu", "ld.volatile.b64", "bar.sync", "bar.warp.sync",
-          "shfl.sync.idx.b32"}) {
+          "shfl.sync.idx.b32", "bar.red.and.pred", "vote.sync.all.pred", "fence.sc.sys",
+          "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"}) {
         EXPECT_NE(r.ptx.find(insn), std::string::npos) << "PTX lacks " << insn;
     }
     // Nothing another agent writes may be read through the non-coherent path.
@@ -209,6 +243,8 @@ TEST(DeviceHeadersNvrtc, IllegalSemanticsAreRejectedAtCompileTime) {
         "ptx::fence<ptx::Sem::kRelease, ptx::Scope::kSys>();",
         "ptx::atom_add(reinterpret_cast<float*>(p), 1.0f);",
         "weft::device::spin_until<ptx::Sem::kVolatile>(weft::DeviceCtx{}, p, weft::Cmp::kEq, 0, {});",
+        "(void)weft::device::spin_until_checked<ptx::Sem::kAcqRel>(weft::DeviceCtx{}, p, weft::Cmp::kEq, 0, {});",
+        "(void)weft::device::tile::wait(1, weft::DeviceCtx{}, p, 1, weft::Cmp::kEq, 0);",
     };
     for (const char* stmt : bad) {
         const std::string src = std::string("#include \"weft/device.cuh\"\nusing namespace weft;\n"

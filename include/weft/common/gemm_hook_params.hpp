@@ -34,7 +34,7 @@ struct PersistentSchedulerParams {
 struct ChunkWaitParams {
     const uint64_t* flags;   ///< one signal per chunk of A rows
     int32_t rows_per_chunk;  ///< rows of A per signal
-    int32_t reserved;
+    int32_t world_rank;      ///< the rank a timeout's Diagnostic names (World::rank(), as DeviceCtx::world_rank)
     uint64_t expected;       ///< kArgument: the value to wait for (>=); kEpoch: the value per epoch (the wait
                              ///< is for >= *epoch * expected; 1 for a generation flag)
     uint64_t timeout_ns;     ///< bound on each wait

@@ -17,7 +17,6 @@
 #include "weft/common/diagnostics.hpp"
 #include "weft/device/spin.cuh"
 #include "weft/ptx/ld_st.cuh"
-#include "weft/ptx/timer.cuh"
 
 namespace weft::device::ll {
 
@@ -47,37 +46,20 @@ __device__ __forceinline__ bool try_load_line(const void* line, uint32_t flag, u
     return static_cast<uint32_t>(v.x >> 32) == flag && static_cast<uint32_t>(v.y >> 32) == flag;
 }
 
-/// Polls `line` until both words carry `flag` and returns the payload. Tight for the first kSpinFastPolls polls,
-/// then with __nanosleep backoff; after ctx.timeout_ns it records a kSignalWait diagnostic (address of the
-/// line, expected flag, last flag seen) and traps. Per thread.
+/// Polls `line` until both words carry `flag` and returns the payload: the poll loop of spin_until (tight for
+/// kSpinFastPolls polls, then nanosleep backoff); after ctx.timeout_ns it records a kSignalWait diagnostic (address
+/// of the line, expected flag, last flag seen) and traps. Per thread.
 __device__ __forceinline__ uint2 wait_line(const DeviceCtx& ctx, const void* line, uint32_t flag,
                                            int line_no = __builtin_LINE()) {
     uint2 payload;
-    if (try_load_line(line, flag, &payload)) {
-        return payload;
+    uint64_t waited_ns = 0;
+    if (!detail::poll_bounded(ctx.timeout_ns, [&] { return try_load_line(line, flag, &payload); }, &waited_ns)) {
+        const ulonglong2 v = ptx::ld_pair_b64<ptx::Sem::kRelaxed, ptx::Scope::kSys>(line);
+        const uint32_t seen = static_cast<uint32_t>(v.x >> 32) != flag ? static_cast<uint32_t>(v.x >> 32)
+                                                                       : static_cast<uint32_t>(v.y >> 32);
+        fail_and_trap(ctx, SpinSite{SpinKind::kSignalWait, -1, line_no}, Cmp::kEq, line, flag, seen, waited_ns);
     }
-    const uint64_t timeout_ns = ctx.timeout_ns != 0 ? ctx.timeout_ns : kDefaultTimeoutNs;
-    const uint64_t start = ptx::globaltimer();
-    uint32_t polls = 0;
-    uint32_t sleep_ns = 32;
-    while (true) {
-        if (polls < kSpinFastPolls) {
-            ++polls;
-        } else {
-            ptx::nanosleep(sleep_ns);
-            sleep_ns = sleep_ns < kSpinMaxSleepNs ? sleep_ns * 2 : kSpinMaxSleepNs;
-        }
-        if (try_load_line(line, flag, &payload)) {
-            return payload;
-        }
-        const uint64_t waited = ptx::globaltimer() - start;
-        if (waited > timeout_ns) {
-            const ulonglong2 v = ptx::ld_pair_b64<ptx::Sem::kRelaxed, ptx::Scope::kSys>(line);
-            const uint32_t seen = static_cast<uint32_t>(v.x >> 32) != flag ? static_cast<uint32_t>(v.x >> 32)
-                                                                           : static_cast<uint32_t>(v.y >> 32);
-            fail_and_trap(ctx, SpinSite{SpinKind::kSignalWait, -1, line_no}, Cmp::kEq, line, flag, seen, waited);
-        }
-    }
+    return payload;
 }
 
 }  // namespace weft::device::ll

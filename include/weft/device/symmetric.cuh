@@ -31,6 +31,26 @@ __device__ __forceinline__ T* symm_at(const DeviceCtx& ctx, T* local, int pe) {
     return reinterpret_cast<T*>(peer_base + (a - base));
 }
 
+namespace detail {
+
+/// The kUnreachablePeer diagnostic's values for `local` and `pe`: expected = pe, observed = the heap offset of
+/// `local` (~0 when it is outside this rank's heap), peer = pe when it is a rank of the team (else -1).
+struct UnreachablePeer {
+    SpinSite site;
+    uint64_t expected;
+    uint64_t offset;
+};
+
+__device__ __forceinline__ UnreachablePeer unreachable_peer(const DeviceCtx& ctx, const void* local, int pe, int line) {
+    const auto a = reinterpret_cast<uintptr_t>(local);
+    const auto base = reinterpret_cast<uintptr_t>(ctx.heap_base);
+    const uint64_t offset = (a >= base && a - base < ctx.heap_bytes) ? a - base : ~0ull;
+    const int32_t peer = (pe >= 0 && pe < ctx.num_ranks) ? pe : -1;
+    return {SpinSite{SpinKind::kUnreachablePeer, peer, line}, static_cast<uint64_t>(static_cast<int64_t>(pe)), offset};
+}
+
+}  // namespace detail
+
 /// symm_at() for the put/get/signal paths: a null result ends the kernel with a diagnostic of kind
 /// kUnreachablePeer naming the local address and the peer (expected = pe, observed = heap offset or
 /// ~0 when the pointer is outside the heap), instead of faulting on a null pointer later.
@@ -38,12 +58,21 @@ template <class T>
 __device__ __forceinline__ T* symm_at_or_trap(const DeviceCtx& ctx, T* local, int pe, int line) {
     T* p = symm_at(ctx, local, pe);
     if (p == nullptr) {
-        const auto a = reinterpret_cast<uintptr_t>(local);
-        const auto base = reinterpret_cast<uintptr_t>(ctx.heap_base);
-        const uint64_t offset = (a >= base && a - base < ctx.heap_bytes) ? a - base : ~0ull;
-        const int32_t peer = (pe >= 0 && pe < ctx.num_ranks) ? pe : -1;
-        fail_and_trap(ctx, SpinSite{SpinKind::kUnreachablePeer, peer, line}, Cmp::kEq, local,
-                      static_cast<uint64_t>(static_cast<int64_t>(pe)), offset, 0);
+        const detail::UnreachablePeer u = detail::unreachable_peer(ctx, local, pe, line);
+        fail_and_trap(ctx, u.site, Cmp::kEq, local, u.expected, u.offset, 0);
+    }
+    return p;
+}
+
+/// symm_at_or_trap that returns instead of trapping: the peer's address, or nullptr after recording the same
+/// kUnreachablePeer diagnostic (record_diagnostic). Fully inline, no reachable call and no reachable trap (see
+/// spin_until_checked); the caller ends the kernel once it may. Any thread.
+template <class T>
+__device__ __forceinline__ T* symm_at_checked(const DeviceCtx& ctx, T* local, int pe, int line) {
+    T* p = symm_at(ctx, local, pe);
+    if (p == nullptr) {
+        const detail::UnreachablePeer u = detail::unreachable_peer(ctx, local, pe, line);
+        record_diagnostic(ctx, u.site, Cmp::kEq, local, u.expected, u.offset, 0);
     }
     return p;
 }

@@ -3,16 +3,22 @@
 //
 // A producer finishes a tile and raises one signal (notify); a consumer waits for the signals of the
 // data its tile needs (wait) and receives a Token; the loads of that data take the Token
-// (consume_token, or a TMA load that requires one), so they cannot be issued before the wait.
+// (consume_token, or a TMA load that requires one), so they cannot be issued before the wait. Only a wait
+// makes a Token (weft/device/token.cuh): a kernel that forgets the wait does not compile.
 // Signal indices come from a tile map (weft/common/tile_map.hpp) that producer and consumer share.
 //
 //     Token t = tile::wait(Block{}, ctx, signals + r.first, r.count(), Cmp::kGe, epoch);
 //     const bf16* a = tile::consume_token(a_ptr, t);      // loads through `a` follow the wait
+//     tile::tma_load_2d(t, smem, &tma_a, bar, k0, m0);     // so does this TMA load
 //     ...
 //     tile::notify(Block{}, ctx, &signals[idx], peer, 1, SignalOp::kAdd);   // after the tile's stores
 //
 // Group first, DeviceCtx second, as in the shmem layer; scope (and the wait's load semantic) are
 // template parameters defaulting to system scope, which is correct between GPUs.
+// Two forms of every bounded call: wait / wait_each / notify end the kernel on failure (timeout, unreachable peer)
+// with a Diagnostic and `trap` (spin.cuh); wait_checked / wait_each_checked / notify_checked record the same
+// Diagnostic and return the failure instead, fully inline with no reachable call or trap, for code that must
+// contain neither (the GEMM's consumer warpgroups: see spin.cuh).
 #pragma once
 
 #include "weft/common/device_ctx.hpp"
@@ -22,8 +28,69 @@
 #include "weft/device/symmetric.cuh"
 #include "weft/device/token.cuh"
 #include "weft/ptx/fence.cuh"
+#include "weft/ptx/tma.cuh"
 
-namespace weft::device::tile {
+namespace weft::device {
+namespace detail {
+
+template <class T>
+inline constexpr bool kIsToken = false;
+template <>
+inline constexpr bool kIsToken<Token> = true;
+
+/// The only maker of Tokens (Token's friend). Every member polls its signals (bounded), synchronises the group and
+/// issues fence.proxy.async.global in every thread before it constructs a Token: keep it that way.
+struct TokenIssuer {
+    /// Thread i of the group polls `signal_at(j)` for j = i, i + size, ... < n (a pointer, or a SignalFrom naming
+    /// the rank that raises it; skipping null signals), then the group synchronises, then every thread fences.
+    /// kChecked: the polls return on timeout (spin_until_checked; this thread stops at its first expired signal)
+    /// and the result, uniform over the group, says whether all arrived; otherwise a timeout traps (spin_until)
+    /// and the result is the Token.
+    template <ptx::Scope C, ptx::Sem S, bool kChecked, class Group, class SignalAt>
+    __device__ __forceinline__ static auto wait_each(Group group, const DeviceCtx& ctx, int n, SignalAt&& signal_at,
+                                                     Cmp cmp, uint64_t value, int line) {
+        static_assert(kIsGroup<Group>, "tile::wait: the group must be Thread, Warp, Warpgroup or Block");
+        unsigned last = 0;
+        bool ok = true;
+        for (int i = static_cast<int>(group.rank()); i < n; i += static_cast<int>(group.size())) {
+            const auto at = signal_at(i);
+            const uint64_t* signal = nullptr;
+            SpinSite site{SpinKind::kTileWait, -1, line};
+            if constexpr (requires { at.peer; }) {
+                signal = at.signal;
+                site.peer = at.peer;
+            } else {
+                signal = at;
+            }
+            if (signal == nullptr) {
+                continue;
+            }
+            if constexpr (kChecked) {
+                const SpinResult r = spin_until_checked<S, C>(ctx, signal, cmp, value, site);
+                last = static_cast<unsigned>(r.observed);
+                if (!r.ok) {
+                    ok = false;
+                    break;
+                }
+            } else {
+                last = static_cast<unsigned>(spin_until<S, C>(ctx, signal, cmp, value, site));
+            }
+        }
+        if constexpr (kChecked) {
+            ok = group.all(ok);
+            ptx::fence_proxy_async_global();
+            return WaitResult(ok, Token(last));
+        } else {
+            group.sync();
+            ptx::fence_proxy_async_global();
+            return Token(last);
+        }
+    }
+};
+
+}  // namespace detail
+
+namespace tile {
 
 using device::SignalOp;
 using weft::Cmp;
@@ -47,18 +114,48 @@ __device__ __forceinline__ T* symm_at(const DeviceCtx& ctx, T* ptr, int pe) {
 /// one fence.acq_rel.<C> after success); then the group synchronises and every thread issues
 /// `fence.proxy.async.global`, so both its generic loads and its TMA loads of data released by the
 /// signals' writers see that data. Every thread of the group calls; n may be 0 or any count.
-/// Times out with a kTileWait diagnostic naming the first signal that did not arrive.
+/// Times out with a kTileWait diagnostic naming the first signal that did not arrive, and traps.
 template <ptx::Scope C = ptx::Scope::kSys, ptx::Sem S = ptx::Sem::kAcquire, class Group>
 __device__ __forceinline__ Token wait(Group group, const DeviceCtx& ctx, const uint64_t* signals, int n, Cmp cmp,
                                       uint64_t value, int line = __builtin_LINE()) {
-    unsigned last = 0;
-    for (int i = static_cast<int>(group.rank()); i < n; i += static_cast<int>(group.size())) {
-        last = static_cast<unsigned>(
-            spin_until<S, C>(ctx, signals + i, cmp, value, SpinSite{SpinKind::kTileWait, -1, line}));
-    }
-    group.sync();
-    ptx::fence_proxy_async_global();
-    return Token(last);
+    return detail::TokenIssuer::wait_each<C, S, false>(
+        group, ctx, n, [signals](int i) { return signals + i; }, cmp, value, line);
+}
+
+/// wait() that returns instead of trapping: on timeout the kTileWait Diagnostic is recorded (spin_until_checked),
+/// the thread that timed out stops polling, and after the group barrier (which reduces the outcome: ok() is the
+/// same in every thread) and the proxy fence the result says so (WaitResult). Fully inline, no reachable call
+/// and no reachable trap.
+template <ptx::Scope C = ptx::Scope::kSys, ptx::Sem S = ptx::Sem::kAcquire, class Group>
+__device__ __forceinline__ WaitResult wait_checked(Group group, const DeviceCtx& ctx, const uint64_t* signals, int n,
+                                                   Cmp cmp, uint64_t value, int line = __builtin_LINE()) {
+    return detail::TokenIssuer::wait_each<C, S, true>(
+        group, ctx, n, [signals](int i) { return signals + i; }, cmp, value, line);
+}
+
+/// A local signal word and the team rank expected to raise it (a timeout's Diagnostic names that rank as the
+/// word's owner): what wait_each's `signal_at` may return instead of a bare pointer.
+struct SignalFrom {
+    const uint64_t* signal;
+    int32_t peer;
+};
+
+/// wait() over signals that are not one contiguous run: the local words `signal_at(i)` for i in [0, n), where
+/// `signal_at` (called with each i by the thread that polls it) returns the word, or nullptr for an i with nothing
+/// to wait for (a strided counter layout, a range with this rank's own signals skipped, ...), or a SignalFrom{word,
+/// rank} when a timeout should name the rank that was to raise the word. Same contract as wait().
+template <ptx::Scope C = ptx::Scope::kSys, ptx::Sem S = ptx::Sem::kAcquire, class Group, class SignalAt>
+__device__ __forceinline__ Token wait_each(Group group, const DeviceCtx& ctx, int n, SignalAt&& signal_at, Cmp cmp,
+                                           uint64_t value, int line = __builtin_LINE()) {
+    return detail::TokenIssuer::wait_each<C, S, false>(group, ctx, n, signal_at, cmp, value, line);
+}
+
+/// wait_each() that returns instead of trapping, as wait_checked().
+template <ptx::Scope C = ptx::Scope::kSys, ptx::Sem S = ptx::Sem::kAcquire, class Group, class SignalAt>
+__device__ __forceinline__ WaitResult wait_each_checked(Group group, const DeviceCtx& ctx, int n,
+                                                        SignalAt&& signal_at, Cmp cmp, uint64_t value,
+                                                        int line = __builtin_LINE()) {
+    return detail::TokenIssuer::wait_each<C, S, true>(group, ctx, n, signal_at, cmp, value, line);
 }
 
 /// Returns `x` unchanged, but as a value the compiler must treat as computed from `token`: loads
@@ -79,10 +176,47 @@ __device__ __forceinline__ T consume_token(T x, Token token) {
     }
 }
 
+/// ptx::tma_load_2d of data a wait made visible: the load takes the wait's Token (whose fence.proxy.async.global
+/// lets the async proxy see the data). The TMA instruction, the wait's polls and its fence are all `asm volatile`
+/// with a "memory" clobber, which the compiler keeps in program order: the Token is the proof, no instruction.
+__device__ __forceinline__ void tma_load_2d(Token token, unsigned smem_dst, const ptx::TmaDescriptor* desc,
+                                            unsigned bar, int c0, int c1) {
+    (void)token;
+    ptx::tma_load_2d(smem_dst, desc, bar, c0, c1);
+}
+
+/// ptx::tma_load_2d_multicast of data a wait made visible (as tile::tma_load_2d).
+__device__ __forceinline__ void tma_load_2d_multicast(Token token, unsigned smem_dst, const ptx::TmaDescriptor* desc,
+                                                      unsigned bar, int c0, int c1, unsigned short cta_mask) {
+    (void)token;
+    ptx::tma_load_2d_multicast(smem_dst, desc, bar, c0, c1, cta_mask);
+}
+
+/// A TMA load of waited-for data called without the wait's Token: does not compile, and says why.
+template <class First, class... Rest>
+    requires(!detail::kIsToken<First>)
+__device__ void tma_load_2d(First, Rest...) {
+    static_assert(detail::kIsToken<First>,
+                  "tile::tma_load_2d loads data another agent wrote and takes the Token of the wait that made it "
+                  "visible as its first argument: wait first (tile::wait), or pass Token::assume_local_data() for "
+                  "data this rank wrote itself (or call ptx::tma_load_2d for data no wait guards)");
+}
+
+/// tma_load_2d_multicast without the wait's Token: does not compile, and says why (see tma_load_2d).
+template <class First, class... Rest>
+    requires(!detail::kIsToken<First>)
+__device__ void tma_load_2d_multicast(First, Rest...) {
+    static_assert(detail::kIsToken<First>,
+                  "tile::tma_load_2d_multicast loads data another agent wrote and takes the Token of the wait that "
+                  "made it visible as its first argument: wait first (tile::wait), or pass "
+                  "Token::assume_local_data() for data this rank wrote itself");
+}
+
 /// Raises rank `pe`'s copy of the symmetric signal word `signal` (add or set `value`) with release
 /// semantics at scope C, after a group barrier: every write the group made before the call (to any
 /// rank) is visible to whoever observes the new value. One thread (the leader) performs the update: a
 /// `.sys` release costs a MEMBAR, so raise one signal per tile. Prefer kAdd with waits `>= epoch`.
+/// An unreachable `pe` ends the kernel with a kUnreachablePeer diagnostic (symm_at_or_trap).
 template <ptx::Scope C = ptx::Scope::kSys, class Group>
 __device__ __forceinline__ void notify(Group group, const DeviceCtx& ctx, uint64_t* signal, int pe, uint64_t value,
                                        SignalOp op = SignalOp::kAdd, int line = __builtin_LINE()) {
@@ -93,4 +227,23 @@ __device__ __forceinline__ void notify(Group group, const DeviceCtx& ctx, uint64
     }
 }
 
-}  // namespace weft::device::tile
+/// notify() that returns instead of trapping: false, with the kUnreachablePeer diagnostic recorded and nothing
+/// raised (and no group barrier: every thread of the group finds the same), when `pe` is not load/store reachable
+/// (symm_at_checked); otherwise notify() and true. Fully inline, no reachable call and no reachable trap.
+template <ptx::Scope C = ptx::Scope::kSys, class Group>
+[[nodiscard]] __device__ __forceinline__ bool notify_checked(Group group, const DeviceCtx& ctx, uint64_t* signal,
+                                                             int pe, uint64_t value, SignalOp op = SignalOp::kAdd,
+                                                             int line = __builtin_LINE()) {
+    uint64_t* remote = symm_at_checked(ctx, signal, pe, line);
+    if (remote == nullptr) {
+        return false;
+    }
+    group.sync();
+    if (group.is_leader()) {
+        signal_release<C>(remote, value, op);
+    }
+    return true;
+}
+
+}  // namespace tile
+}  // namespace weft::device

@@ -1,17 +1,21 @@
 // SPDX-License-Identifier: MIT
-// cvt: packed float conversions to bf16x2 and fp8 e4m3x2 (round to nearest even), and e4m3x2 back to f16x2.
+// cvt: float conversions to bf16 / f16 (one value, or two packed) and fp8 e4m3x2 (round to nearest even), and
+// back (e4m3x2 to f16x2, bf16 / f16 bits to f32).
 //
 //     uint32_t two_bf16 = ptx::cvt_rn_bf16x2(lo, hi);                 // lo -> bits 0..15, hi -> 16..31
+//     uint32_t two_f16  = ptx::cvt_rn_f16x2(lo, hi);                  // the same for f16
+//     uint16_t one_bf16 = ptx::cvt_rn_bf16(x);                        // one value: cvt_rn_f16 for f16
 //     uint16_t two_fp8  = ptx::cvt_rn_satfinite_e4m3x2(lo, hi);       // lo -> bits 0..7,  hi -> 8..15
-//     uint32_t two_f16  = ptx::cvt_rn_f16x2_e4m3x2(two_fp8);          // exact
+//     uint32_t two_f16e = ptx::cvt_rn_f16x2_e4m3x2(two_fp8);          // exact
 //     float f           = ptx::bf16_bits_to_f32(bits);               // exact, no instruction
 //
 // PTX packs the value converted from its FIRST source operand into the UPPER half of the result; these
 // wrappers take (lo, hi) in memory order instead, so that storing the result little-endian puts `lo`
 // at the lower address. e4m3 is the "fn" flavour (no infinities, max finite 448, NaN = 0x7f/0xff);
-// `.satfinite` clamps finite values beyond +-448 (and infinities) to +-448 and keeps NaN a NaN.
-// bf16x2 needs sm_80; the e4m3 conversions need sm_89 (PTX 7.8). Pure register operations: no memory
-// clobber, the compiler may schedule them freely.
+// `.satfinite` clamps finite values beyond +-448 (and infinities) to +-448 and keeps NaN a NaN. bf16 and f16
+// conversions without .satfinite keep infinities and round values beyond the largest finite one to infinity
+// (f16: from 65520 on). bf16 and bf16x2 need sm_80 (f16 sm_53); the e4m3 conversions need sm_89 (PTX 7.8). Pure
+// register operations: no memory clobber, the compiler may schedule them freely.
 #pragma once
 
 #include "weft/common/macros.hpp"
@@ -24,6 +28,28 @@ __device__ __forceinline__ uint32_t cvt_rn_bf16x2(float lo, float hi) {
     uint32_t d;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     return d;
+}
+
+/// Two floats to two f16 (round to nearest, ties to even; NaN stays NaN), packed little-endian: `lo` in bits
+/// 0..15, `hi` in bits 16..31. `cvt.rn.f16x2.f32`.
+__device__ __forceinline__ uint32_t cvt_rn_f16x2(float lo, float hi) {
+    uint32_t d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+/// One float to bf16 bits (round to nearest, ties to even; NaN stays NaN). `cvt.rn.bf16.f32`.
+__device__ __forceinline__ uint16_t cvt_rn_bf16(float x) {
+    unsigned short d;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(d) : "f"(x));
+    return static_cast<uint16_t>(d);
+}
+
+/// One float to f16 bits (round to nearest, ties to even; NaN stays NaN). `cvt.rn.f16.f32`.
+__device__ __forceinline__ uint16_t cvt_rn_f16(float x) {
+    unsigned short d;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(d) : "f"(x));
+    return static_cast<uint16_t>(d);
 }
 
 /// Two floats to two fp8 e4m3 (round to nearest, ties to even, saturating to +-448), packed

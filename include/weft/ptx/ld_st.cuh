@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-// ld / st with an explicit PTX semantic and scope, for 32-bit, 64-bit and 16-byte (v4.b32, v2.b64) accesses.
+// ld / st with an explicit PTX semantic and scope, for 16-bit, 32-bit, 64-bit and 16-byte (v4.b32, v2.b64) accesses.
 //
 //     uint64_t v = ptx::ld<Sem::kAcquire, Scope::kSys>(flag);
 //     ptx::st<Sem::kRelease, Scope::kSys>(flag, v + 1);
@@ -21,6 +21,15 @@ template <Sem S>
 inline constexpr bool kIsLoadSem = S == Sem::kWeak || S == Sem::kRelaxed || S == Sem::kAcquire || S == Sem::kVolatile;
 template <Sem S>
 inline constexpr bool kIsStoreSem = S == Sem::kWeak || S == Sem::kRelaxed || S == Sem::kRelease || S == Sem::kVolatile;
+
+template <Sem S, Scope C>
+__device__ __forceinline__ uint16_t ld_b16(const void* p) {
+    unsigned short v;
+#define WEFT_EMIT(q) asm volatile("ld" q ".b16 %0, [%1];" : "=h"(v) : "l"(p) : "memory")
+    WEFT_PTX_DISPATCH_SEM_SCOPE(S, C, WEFT_EMIT)
+#undef WEFT_EMIT
+    return static_cast<uint16_t>(v);
+}
 
 template <Sem S, Scope C>
 __device__ __forceinline__ uint32_t ld_b32(const void* p) {
@@ -49,6 +58,13 @@ __device__ __forceinline__ uint4 ld_v4b32(const void* p) {
     WEFT_PTX_DISPATCH_SEM_SCOPE(S, C, WEFT_EMIT)
 #undef WEFT_EMIT
     return v;
+}
+
+template <Sem S, Scope C>
+__device__ __forceinline__ void st_b16(void* p, uint16_t v) {
+#define WEFT_EMIT(q) asm volatile("st" q ".b16 [%0], %1;" ::"l"(p), "h"(static_cast<unsigned short>(v)) : "memory")
+    WEFT_PTX_DISPATCH_SEM_SCOPE(S, C, WEFT_EMIT)
+#undef WEFT_EMIT
 }
 
 template <Sem S, Scope C>
@@ -110,13 +126,16 @@ __device__ __forceinline__ void st_pair_b64(void* p, ulonglong2 v) {
     detail::st_v2b64<S, C>(p, v);
 }
 
-/// Loads one 4-, 8- or 16-byte value (any trivially copyable T of that size, e.g. uint32_t, int64_t,
-/// float, double, uint4) with semantic S at scope C. `p` must be aligned to sizeof(T).
+/// Loads one 2-, 4-, 8- or 16-byte value (any trivially copyable T of that size, e.g. uint16_t, uint32_t,
+/// int64_t, float, double, uint4) with semantic S at scope C. `p` must be aligned to sizeof(T).
 template <Sem S = Sem::kWeak, Scope C = Scope::kGpu, class T>
 __device__ __forceinline__ T ld(const T* p) {
     static_assert(detail::kIsLoadSem<S>, "ld: semantic must be kWeak, kRelaxed, kAcquire or kVolatile");
-    static_assert(sizeof(T) == 4 || sizeof(T) == 8 || sizeof(T) == 16, "ld: 4-, 8- or 16-byte values only");
-    if constexpr (sizeof(T) == 4) {
+    static_assert(sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8 || sizeof(T) == 16,
+                  "ld: 2-, 4-, 8- or 16-byte values only");
+    if constexpr (sizeof(T) == 2) {
+        return __builtin_bit_cast(T, detail::ld_b16<S, C>(p));
+    } else if constexpr (sizeof(T) == 4) {
         return __builtin_bit_cast(T, detail::ld_b32<S, C>(p));
     } else if constexpr (sizeof(T) == 8) {
         return __builtin_bit_cast(T, detail::ld_b64<S, C>(p));
@@ -125,12 +144,15 @@ __device__ __forceinline__ T ld(const T* p) {
     }
 }
 
-/// Stores one 4-, 8- or 16-byte value with semantic S at scope C. `p` must be aligned to sizeof(T).
+/// Stores one 2-, 4-, 8- or 16-byte value with semantic S at scope C. `p` must be aligned to sizeof(T).
 template <Sem S = Sem::kWeak, Scope C = Scope::kGpu, class T>
 __device__ __forceinline__ void st(T* p, NoDeduce<T> value) {
     static_assert(detail::kIsStoreSem<S>, "st: semantic must be kWeak, kRelaxed, kRelease or kVolatile");
-    static_assert(sizeof(T) == 4 || sizeof(T) == 8 || sizeof(T) == 16, "st: 4-, 8- or 16-byte values only");
-    if constexpr (sizeof(T) == 4) {
+    static_assert(sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8 || sizeof(T) == 16,
+                  "st: 2-, 4-, 8- or 16-byte values only");
+    if constexpr (sizeof(T) == 2) {
+        detail::st_b16<S, C>(p, __builtin_bit_cast(uint16_t, value));
+    } else if constexpr (sizeof(T) == 4) {
         detail::st_b32<S, C>(p, __builtin_bit_cast(uint32_t, value));
     } else if constexpr (sizeof(T) == 8) {
         detail::st_b64<S, C>(p, __builtin_bit_cast(uint64_t, value));
