@@ -15,10 +15,10 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <vector>
 
 #include "weft/common/gemm_config.hpp"
 #include "weft/jit/compiler.hpp"
+#include "weft/ops/fused_gemm.hpp"
 #include "weft/runtime/tensor_view.hpp"
 
 namespace weft {
@@ -99,20 +99,14 @@ int64_t validate_ag_gemm_call(const AgGemmShape& shape, int num_ranks, const Ten
 /// The default chunk rows for a shard of rows_per_rank rows of k elements of elem_bytes bytes.
 int64_t ag_gemm_default_chunk_rows(int64_t rows_per_rank, int64_t k, int elem_bytes);
 
-/// Every kernel the tensor-parallel ops (AgGemm, GemmRs, GemmAr) launch with their default options plus the
-/// tuning candidates: for bf16 and f16, the AllGather+GEMM and GEMM+ReduceScatter GEMMs of every cluster-free
-/// candidate config (RS also with fp32 partials), the reductions and the notify kernel (the plain and small-M
-/// GEMMs are weft::ops::gemm's). register_tp_aot_specs() hands them to weft::jit::register_aot_spec once, so
-/// that `weft-compile --builtin` warms them (weft::ops::register_op_aot_specs calls it).
-std::vector<jit::KernelSpec> tp_aot_specs();
-void register_tp_aot_specs();
-
 namespace detail {
-/// JIT specs of the kernels AgGemm launches (arch: sm_90a when `arch` is empty and no GPU is present).
+/// AgGemm's GEMM as a fused GEMM (weft/ops/fused_gemm.hpp): AgGemmScheduler (per-chunk waits) and AgGemmHook (stored
+/// tiles counted) in weft::tp::ag_gemm_kernel, which ends each call (kernels/ag_gemm/ag_gemm.cuh). A world of one
+/// rank runs the plain GEMM instead.
+FusedGemmSpec ag_gemm_fused_spec();
+/// JIT specs of the kernels AgGemm launches (`arch` as KernelSpec::arch).
 jit::KernelSpec ag_gemm_kernel_spec(const GemmConfig& config, const std::string& arch = "");
 jit::KernelSpec ag_notify_kernel_spec(const std::string& arch = "");
-/// The plain GEMM (world of one rank): gemm_kernel with PersistentScheduler and NoEpilogueHook.
-jit::KernelSpec plain_gemm_kernel_spec(const GemmConfig& config, const std::string& arch = "");
 }  // namespace detail
 
 }  // namespace weft::ops

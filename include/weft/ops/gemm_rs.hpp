@@ -20,6 +20,7 @@
 
 #include "weft/common/gemm_config.hpp"
 #include "weft/jit/compiler.hpp"
+#include "weft/ops/fused_gemm.hpp"
 #include "weft/runtime/tensor_view.hpp"
 
 namespace weft {
@@ -114,6 +115,10 @@ std::string gemm_rs_push_unsupported(const GemmRsShape& shape, int num_ranks, co
 GemmRsMode resolve_gemm_rs_mode(const GemmRsShape& shape, int num_ranks, const GemmRsOptions& options,
                                 bool ranks_share_a_gpu = false);
 
+/// GemmRs's GEMM as a fused GEMM (weft/ops/fused_gemm.hpp) in a resolved mode: RsGemmScheduler (destination order,
+/// the first load waits for `released`) with RsGemmHook (pull: per-tile counters) or RsPushHook (push: peers' tiles
+/// stored into their buffers, own tiles add the peers' partials). A world of one rank runs the plain GEMM instead.
+FusedGemmSpec gemm_rs_fused_spec(GemmRsMode mode);
 jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch = "",
                                     GemmRsMode mode = GemmRsMode::kPull);
 jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::string& arch = "");
