@@ -48,9 +48,10 @@ int64_t validate_ag_gemm_call(const AgGemmShape& s, int num_ranks, const TensorV
     WEFT_CHECK(c.ndim == 2, "ag_gemm: c must be a 2-D [M, N] matrix, got " << c.describe());
     const int64_t rows = a_local.dim(0);
     const int64_t m = rows * num_ranks;
-    WEFT_CHECK(rows >= 1 && m <= s.max_m, "ag_gemm: a_local must have 1 .. max_m/W = " << s.max_m / num_ranks
-                                                                                    << " rows, got " << a_local.describe());
-    WEFT_CHECK(a_local.dim(1) == s.k, "ag_gemm: a_local must have K = " << s.k << " columns, got " << a_local.describe());
+    WEFT_CHECK(rows >= 1 && m <= s.max_m, "ag_gemm: a_local must have 1 .. max_m/W = "
+                                              << s.max_m / num_ranks << " rows, got " << a_local.describe());
+    WEFT_CHECK(a_local.dim(1) == s.k,
+               "ag_gemm: a_local must have K = " << s.k << " columns, got " << a_local.describe());
     WEFT_CHECK(a_local.dtype == s.dtype && b.dtype == s.dtype && c.dtype == s.dtype,
                "ag_gemm: a_local, b and c must be " << dtype_name(s.dtype) << ", got " << dtype_name(a_local.dtype)
                                                     << ", " << dtype_name(b.dtype) << ", " << dtype_name(c.dtype));
@@ -149,8 +150,8 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
     p.k = shape.k;
     p.in_dtype = p.out_dtype = shape.dtype;
     const GemmConfig first = tp_detail::choose_gemm_config(p, s.budget, options.config, kOp);
-    const std::vector<GemmConfig> configs = options.autotune ? tp_detail::tune_candidates(first, shape.dtype, shape.dtype)
-                                                             : std::vector<GemmConfig>{first};
+    const std::vector<GemmConfig> configs =
+        options.autotune ? tp_detail::tune_candidates(first, shape.dtype, shape.dtype) : std::vector<GemmConfig>{first};
     const int64_t max_rows = shape.max_m / s.num_ranks;
     s.chunk_rows = options.chunk_rows > 0 ? std::min(options.chunk_rows, max_rows)
                                           : ag_gemm_default_chunk_rows(max_rows, shape.k, dtype_bytes(shape.dtype));
@@ -273,8 +274,8 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
     const int64_t es = s.elem_bytes();
     const int64_t k = s.shape.k;
     WEFT_CHECK(a_local.data != slot.data || rows == 1 || a_local.stride(0) == k,
-               "ag_gemm: a_local starts at local_shard(M) but has row stride " << a_local.stride(0) << " instead of K = "
-                                                                               << k << " (it would be copied onto itself)");
+               "ag_gemm: a_local starts at local_shard(M) but has row stride "
+                   << a_local.stride(0) << " instead of K = " << k << " (it would be copied onto itself)");
     call.copy_local = a_local.data != slot.data;
     call.slot = slot.data;
     call.local_src = a_local.data;

@@ -49,7 +49,7 @@ FusedGemmSpec plain_gemm_fused_spec() {
     spec.header = "gemm/gemm_sm90.cuh";
     spec.scheduler = "weft::gemm::PersistentScheduler";
     spec.hook = "weft::gemm::NoEpilogueHook";
-    spec.name = "gemm";
+    spec.name = "plain_gemm";
     return spec;
 }
 
@@ -115,10 +115,11 @@ GemmConfig fused_gemm_config(const GemmProblem& problem, int budget) {
 
 void check_fused_gemm_config(const GemmConfig& c) {
     WEFT_CHECK(is_valid(c), "fused_gemm: the config is not a valid GemmConfig: " << format_gemm_config(c));
-    WEFT_CHECK(c.cluster_m == 1 && c.cluster_n == 1,
-               "fused_gemm: the config must be cluster-free (cluster_m = cluster_n = 1), got " << format_gemm_config(c));
+    WEFT_CHECK(c.cluster_m == 1 && c.cluster_n == 1, "fused_gemm: the config must be cluster-free (cluster_m = "
+                                                     "cluster_n = 1), got " << format_gemm_config(c));
     WEFT_CHECK(gemm_whole_store_boxes(c), "fused_gemm: the config must have a tile_n of whole "
-                                              << gemm_epi_cols(c) << "-column store boxes (hooks signal every store), got "
+                                              << gemm_epi_cols(c)
+                                              << "-column store boxes (hooks signal every store), got "
                                               << format_gemm_config(c));
 }
 

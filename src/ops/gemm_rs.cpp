@@ -270,7 +270,8 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
         world.barrier();
         return;
     }
-    WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&s.acc), static_cast<size_t>(max_rows * s.lda) * sizeof(float)));
+    WEFT_CUDA_CHECK(
+        cudaMalloc(reinterpret_cast<void**>(&s.acc), static_cast<size_t>(max_rows * s.lda) * sizeof(float)));
 
     s.side = s.streams.add_stream();
     s.fork = s.streams.add_event();
@@ -380,7 +381,8 @@ RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorV
         const int64_t elem = dtype_bytes(s.partial_dtype);
         for (int d = 0; d < s.num_ranks; ++d) {
             if (d == s.rank) continue;
-            auto* slot = static_cast<unsigned char*>(s.world->heap().symm_at(s.partial, d)) + s.rank * rows * s.ldp * elem;
+            auto* slot =
+                static_cast<unsigned char*>(s.world->heap().symm_at(s.partial, d)) + s.rank * rows * s.ldp * elem;
             const CUtensorMap map =
                 detail::make_gemm_store_map(config, TensorView(slot, s.partial_dtype, {rows, s.shape.n}, {s.ldp, 1}));
             std::memcpy(&ph.peer_maps[d], &map, sizeof(map));

@@ -112,9 +112,9 @@ std::unique_ptr<jit::TuneComm> make_tune_comm(World& world, uint64_t tag);
 ///       config in lockstep through weft::jit::autotuner (a TuneComm over the World; the slowest rank counts; one
 ///       winner, adopted by every rank, becomes `active`);
 ///     - then prepare(active) (host set-up: views, tensor maps, kernel parameters; may throw), and launch(call,
-///       active, stream) (only enqueues: nothing that can throw may sit between a rank's launches, or its peers wait on the
-///       device for work that never comes; the autotuner relies on it, TuneCandidate::prepare), then the first-call
-///       synchronisation of that config when armed.
+///       active, stream) (only enqueues: nothing that can throw may sit between a rank's launches, or its peers
+///       wait on the device for work that never comes; the autotuner relies on it, TuneCandidate::prepare), then
+///       the first-call synchronisation of that config when armed.
 /// The op keeps what is its own: its protocol (signal words, streams, kernels besides the GEMM), its validation (once
 /// per call, before run), its Call type and its prepare and launch.
 struct FusedOpState {
@@ -175,7 +175,8 @@ private:
     /// Whether `stream` is being captured (throws on a CUDA error).
     static bool stream_is_capturing(cudaStream_t stream);
     /// Times `cands` on every rank, adopts the winner (active, tuned) and logs it.
-    void tune(cudaStream_t stream, uint64_t tag, const std::string& problem, const std::vector<jit::TuneCandidate>& cands);
+    void tune(cudaStream_t stream, uint64_t tag, const std::string& problem,
+              const std::vector<jit::TuneCandidate>& cands);
 };
 
 }  // namespace weft::ops::tp_detail

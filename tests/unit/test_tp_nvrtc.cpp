@@ -121,7 +121,8 @@ TEST(TpNvrtc, AotSpecsCoverTheOpsKernels) {
     for (const auto& s : specs) EXPECT_TRUE(names.insert(s.header + "|" + s.instantiation).second) << s.instantiation;
     const GemmConfig c = cfg(0, DType::kBF16, DType::kBF16);
     for (const jit::KernelSpec& want :
-         {ops::detail::ag_gemm_kernel_spec(c), ops::detail::ag_notify_kernel_spec(), ops::detail::gemm_rs_kernel_spec(c),
+         {ops::detail::ag_gemm_kernel_spec(c), ops::detail::ag_notify_kernel_spec(),
+          ops::detail::gemm_rs_kernel_spec(c),
           ops::detail::rs_reduce_kernel_spec(DType::kBF16, DType::kBF16),
           ops::detail::ar_reduce_kernel_spec(DType::kF32, DType::kF16)}) {
         EXPECT_EQ(names.count(want.header + "|" + want.instantiation), 1u) << want.instantiation;

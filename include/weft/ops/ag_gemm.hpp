@@ -39,7 +39,8 @@ struct AgGemmShape {
 struct AgGemmOptions {
     std::optional<GemmConfig> config;  ///< the GEMM's tile config: cluster-free, dtypes = shape.dtype, B [N,K]
     int64_t chunk_rows = 0;            ///< rows per copy-engine chunk (one signal each); 0 = heuristic
-    int copy_streams = 0;              ///< streams pulling the peers' shards, 1 .. num_ranks-1; 0 = 1; ranks sharing a GPU use 1
+    int copy_streams = 0;              ///< streams pulling the peers' shards, 1 .. num_ranks-1; 0 = 1; ranks sharing
+                                       ///< a GPU use 1
     int sm_budget = 0;                 ///< CTAs of the persistent GEMM; 0 = World::sm_budget()
     /// Tune the GEMM config on the first run() outside graph capture: every cluster-free candidate is timed
     /// by all ranks together (the slowest rank counts; that call synchronises the host) and the fastest is

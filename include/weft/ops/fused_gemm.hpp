@@ -103,15 +103,16 @@ namespace weft::ops {
 /// Names the device code of a fused GEMM: weft::gemm::gemm_kernel<config, scheduler<config>, hook> (or
 /// kernel_template). Plain text the JIT prints into the generated translation unit.
 struct FusedGemmSpec {
-    std::string header;     ///< the header defining scheduler and hook, relative to include_root (or to weft's roots)
-    std::string scheduler;  ///< a class template over the config, e.g. "example::WaitForRows"
-    std::string hook;       ///< a type; "CFG" stands for the config: "example::NotifyNextRank", "my::Hook<CFG>"
+    std::string header{};     ///< the header defining scheduler and hook, relative to include_root (or to weft's roots)
+    std::string scheduler{};  ///< a class template over the config, e.g. "example::WaitForRows"
+    std::string hook{};       ///< a type; "CFG" stands for the config: "example::NotifyNextRank", "my::Hook<CFG>"
     /// The folder `header` is found in (searched before weft's roots; its headers are hashed into the JIT cache key).
     /// Empty: a header under weft's own roots, which includes gemm/gemm_sm90.cuh itself; otherwise weft includes it
     /// after `header`.
-    std::filesystem::path include_root;
-    std::string name;             ///< for logs and errors (default "fused_gemm")
-    std::string kernel_template;  ///< advanced (see the file comment); "CFG" stands for the config; empty: gemm_kernel
+    std::filesystem::path include_root{};
+    std::string name{};             ///< for logs and errors (default "fused_gemm")
+    /// Advanced (see the file comment): a wrapper kernel template, "CFG" standing for the config; empty: gemm_kernel.
+    std::string kernel_template{};
 };
 
 /// weft's plain GEMM as a fused GEMM: weft::gemm::PersistentScheduler (waits for nothing) and NoEpilogueHook (signals

@@ -54,7 +54,8 @@ struct GemmRsOptions {
     std::optional<GemmConfig> config;   ///< the GEMM's tile config: cluster-free, in = shape.dtype, B [N,K]
     std::optional<DType> partial_dtype;  ///< the partials' dtype: shape.dtype (default) or kF32
     int64_t chunk_rows = 0;             ///< rows per counter: a multiple of the tile's rows; 0 = heuristic
-    int reduce_ctas = 0;                ///< pull mode: CTAs of the reduction kernel; 0 = heuristic (budget/8, at most 16 with one rank per GPU)
+    int reduce_ctas = 0;                ///< pull mode: CTAs of the reduction kernel; 0 = heuristic (budget/8, at
+                                        ///< most 16 with one rank per GPU)
     int sm_budget = 0;                  ///< SMs for GEMM + reduction; 0 = World::sm_budget()
     bool autotune = false;              ///< tune the GEMM config on the first run(), as AgGemmOptions::autotune
 };
