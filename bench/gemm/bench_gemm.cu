@@ -5,12 +5,14 @@
 //
 //   weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]
 //                   [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]
-//                   [--small-m-variant 0|1|2|3|4] [--small-m-splits S] [--small-m-max-m M] [--chain L]
+//                   [--small-m-variant 3|4] [--small-m-splits S] [--small-m-max-m M] [--chain L]
 // --small-m-variant / --small-m-splits / --small-m-max-m set GemmOptions for the op's own row (the one --check
 // compares with cuBLAS); forcing a variant or a split count also sets small_m_max_m to 64 (unless
-// --small-m-max-m says otherwise), so that M 17..64 measure the small-M kernels; --all-configs adds a row per
-// small-M variant and split count. The kernels come from weft::jit: from the headers that WEFT_HOME names (cached in
-// WEFT_CACHE_DIR), so kernels edited in another source tree run against the same host code and the same cuBLASLt.
+// --small-m-max-m says otherwise), so that M 17..64 measure the small-M kernels (3: GemvVariant::kTmaRing, 4:
+// kBulkRows); --all-configs adds a row per tiled candidate and, for M <= 64 with B [N,K], per small-M kernel that
+// can serve the shape (variant 3 at every split count listed, variant 4). The kernels come from weft::jit: from the
+// headers that WEFT_HOME names (cached in WEFT_CACHE_DIR), so kernels edited in another source tree run against the
+// same host code and the same cuBLASLt.
 // --chain L adds, for every shape the op may launch programmatically (the small-M variants 3 and 4), the time per
 // call of chains of L calls back to back on one stream (a decode step's layers), each call on the next input set,
 // with no event between them: weft launched plainly, weft with GemmOptions::programmatic_launch, and cuBLASLt; the
@@ -27,6 +29,7 @@
 #include <ctime>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -66,7 +69,7 @@ struct Options {
     bool all_configs = false;
     bool check = false;
     std::string json;
-    int small_m_variant = -1;  // -1: the op's default
+    std::optional<weft::GemvVariant> small_m_variant;  // unset: the op's default
     int small_m_splits = 0;    // 0: the op's heuristic
     int small_m_max_m = -1;    // -1: the op's default (kGemvMaxM when a variant or split count is forced)
     int chain = 0;  // --chain L: also time chains of L calls (0: no chains)
@@ -129,10 +132,10 @@ Options parse(int argc, char** argv) {
         } else if (a == "--json") {
             o.json = next();
         } else if (a == "--small-m-variant") {
-            o.small_m_variant = std::stoi(next());
-            if (o.small_m_variant < 0 || o.small_m_variant >= weft::kGemvNumVariants) {
-                throw std::runtime_error("--small-m-variant takes 0, 1, 2, 3 or 4, got " + std::to_string(o.small_m_variant));
-            }
+            const std::string v = next();
+            if (v == "3") o.small_m_variant = weft::GemvVariant::kTmaRing;
+            else if (v == "4") o.small_m_variant = weft::GemvVariant::kBulkRows;
+            else throw std::runtime_error("--small-m-variant takes 3 (TMA ring) or 4 (bulk-copied rows), got " + v);
         } else if (a == "--small-m-splits") {
             o.small_m_splits = std::stoi(next());
             if (o.small_m_splits < 0) throw std::runtime_error("--small-m-splits takes a count >= 0 (0 = heuristic)");
@@ -151,7 +154,7 @@ Options parse(int argc, char** argv) {
             std::printf(
                 "weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]\n"
                 "                [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]\n"
-                "                [--small-m-variant 0|1|2|3|4] [--small-m-splits S] [--small-m-max-m M]\n"
+                "                [--small-m-variant 3|4] [--small-m-splits S] [--small-m-max-m M]\n"
                 "                [--chain L]\n");
             std::exit(0);
         } else {
@@ -464,15 +467,15 @@ int main(int argc, char** argv) {
                     const Views v0 = views(0, d_weft.ptr);
                     const weft::ops::GemmProblem p = weft::ops::validate_gemm_args(v0.a, v0.b, v0.d, layout);
                     weft::ops::GemmOptions o;
-                    if (opt.small_m_variant >= 0) o.small_m_variant = opt.small_m_variant;
+                    o.small_m_variant = opt.small_m_variant;
                     o.small_m_splits = opt.small_m_splits;
-                    const bool forced = opt.small_m_variant >= 0 || opt.small_m_splits > 0;
+                    const bool forced = opt.small_m_variant.has_value() || opt.small_m_splits > 0;
                     if (forced) o.small_m_max_m = weft::kGemvMaxM;
                     if (opt.small_m_max_m >= 0) o.small_m_max_m = opt.small_m_max_m;
                     const auto plan = weft::ops::plan_gemm(p, prop.multiProcessorCount, o);
                     const std::string label = plan.path == weft::ops::GemmPath::kSmallM
                                                   ? std::string(forced ? "opt:" : "auto:") + "smallM.v" +
-                                                        std::to_string(plan.small_m_variant) + "/s" +
+                                                        std::to_string(static_cast<int>(plan.small_m_variant)) + "/s" +
                                                         std::to_string(plan.small_m_splits)
                                                   : "auto:" + config_label(plan.config);
                     run_weft(o, label, true);
@@ -523,14 +526,19 @@ int main(int argc, char** argv) {
                         run_weft(o, config_label(c), false);
                     }
                     if (s.m <= weft::kGemvMaxM && layout == BLayout::kNK) {
-                        for (int variant : {0, 1, 2}) {
-                            for (int splits : {1, 2, 3, 4, 8, 16}) {
-                                weft::ops::GemmOptions o;
-                                o.small_m_splits = splits;
-                                o.small_m_variant = variant;
-                                o.small_m_max_m = weft::kGemvMaxM;
-                                run_weft(o, "smallM.v" + std::to_string(variant) + "/s" + std::to_string(splits), false);
-                            }
+                        for (int splits : {1, 2, 3, 4, 8, 16}) {
+                            weft::ops::GemmOptions o;
+                            o.small_m_splits = splits;
+                            o.small_m_variant = weft::GemvVariant::kTmaRing;
+                            o.small_m_max_m = weft::kGemvMaxM;
+                            run_weft(o, "smallM.v3/s" + std::to_string(splits), false);
+                        }
+                        const Views v0 = views(0, d_weft.ptr);
+                        const auto p = weft::ops::validate_gemm_args(v0.a, v0.b, v0.d, layout);
+                        if (weft::ops::gemv_rows_unsupported(p).empty()) {
+                            weft::ops::GemmOptions o;
+                            o.small_m_variant = weft::GemvVariant::kBulkRows;
+                            run_weft(o, "smallM.v4/s1", false);
                         }
                     }
                 }

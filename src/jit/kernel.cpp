@@ -126,6 +126,27 @@ Kernel::PerContext& Kernel::state_for_current_context() const {
 
 CUfunction Kernel::load_for_current_context() const { return state_for_current_context().function; }
 
+void Kernel::raise_dynamic_smem(PerContext& state, size_t bytes) const {
+    if (bytes <= static_cast<size_t>(state.max_dynamic_smem_bytes.load())) return;
+    const size_t total = bytes + static_cast<size_t>(state.static_smem_bytes);
+    WEFT_CHECK(total <= static_cast<size_t>(state.optin_smem_bytes),
+               "kernel " << description_ << " asks for " << bytes << " bytes of dynamic shared memory on top of "
+                         << state.static_smem_bytes << " static; the device allows " << state.optin_smem_bytes
+                         << " per block");
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (bytes > static_cast<size_t>(state.max_dynamic_smem_bytes.load())) {
+        WEFT_CU_CHECK(driver().cuFuncSetAttribute(state.function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                  static_cast<int>(bytes)));
+        state.max_dynamic_smem_bytes = static_cast<int>(bytes);
+    }
+}
+
+CUfunction Kernel::allow_dynamic_smem(size_t bytes) const {
+    PerContext& state = state_for_current_context();
+    raise_dynamic_smem(state, bytes);
+    return state.function;
+}
+
 void Kernel::launch_packed(const LaunchParams& params, void** args, const size_t* arg_bytes, size_t num_args) const {
     WEFT_CHECK(!params_known_ || num_args == param_bytes_.size(), "kernel " << description_ << " takes " << param_bytes_.size()
                                                           << " parameters, launch() got " << num_args << " arguments");
@@ -144,19 +165,7 @@ void Kernel::launch_packed(const LaunchParams& params, void** args, const size_t
 
     const DriverApi& api = driver();
     PerContext& state = state_for_current_context();
-    if (params.dynamic_smem_bytes > static_cast<size_t>(state.max_dynamic_smem_bytes.load())) {
-        const size_t total = params.dynamic_smem_bytes + static_cast<size_t>(state.static_smem_bytes);
-        WEFT_CHECK(total <= static_cast<size_t>(state.optin_smem_bytes),
-                   "kernel " << description_ << " asks for " << params.dynamic_smem_bytes
-                             << " bytes of dynamic shared memory on top of " << state.static_smem_bytes
-                             << " static; the device allows " << state.optin_smem_bytes << " per block");
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (params.dynamic_smem_bytes > static_cast<size_t>(state.max_dynamic_smem_bytes.load())) {
-            WEFT_CU_CHECK(api.cuFuncSetAttribute(state.function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                                 static_cast<int>(params.dynamic_smem_bytes)));
-            state.max_dynamic_smem_bytes = static_cast<int>(params.dynamic_smem_bytes);
-        }
-    }
+    raise_dynamic_smem(state, params.dynamic_smem_bytes);
 
     CUlaunchConfig config{};
     config.gridDimX = g.x;

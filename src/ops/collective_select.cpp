@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "weft/common/math.hpp"
 #include "weft/detail/collectives.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/runtime/error.hpp"
@@ -44,8 +45,6 @@ int clamp_grid(uint64_t wanted, int cap, const CollectiveTopology& topo) {
         static_cast<uint64_t>(std::max(1, std::min({cap, topo.grid_budget, static_cast<int>(kMaxCollectiveBlocks)})));
     return static_cast<int>(std::clamp<uint64_t>(wanted, 1, limit));
 }
-
-uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
 // The env value decides unless unset or "auto"; an unknown name is an error listing the choices.
 template <class Algo, size_t N>

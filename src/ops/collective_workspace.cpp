@@ -32,16 +32,10 @@ int dtype_index(DType t) {
     WEFT_FAIL("collectives: dtype " << dtype_name(t) << " cannot be reduced (bf16, f16, f32)");
 }
 
-const char* dtype_enum(DType t) {
-    switch (t) {
-        case DType::kBF16:
-            return "weft::DType::kBF16";
-        case DType::kF16:
-            return "weft::DType::kF16";
-        case DType::kF32:
-            return "weft::DType::kF32";
-        default:
-            break;
+// Throws unless a reducing kernel exists for `t`.
+void check_reducing_dtype(DType t) {
+    for (DType r : kReducibleTypes) {
+        if (r == t) return;
     }
     WEFT_FAIL("collectives: no reducing kernel for dtype " << dtype_name(t));
 }
@@ -110,7 +104,8 @@ jit::KernelSpec collective_kernel_spec(KernelId id, DType dtype, int max_ranks) 
     std::ostringstream config;
     std::ostringstream desc;
     if (kernel_is_reducing(id)) {
-        config << "weft::ReduceKernelConfig{.dtype = " << dtype_enum(dtype) << ", .max_ranks = " << max_ranks
+        check_reducing_dtype(dtype);
+        config << "weft::ReduceKernelConfig{.dtype = " << dtype_enum_name(dtype) << ", .max_ranks = " << max_ranks
                << ", .vec_bytes = 16, .block_threads = " << threads << "}";
         desc << name.description << " " << dtype_name(dtype) << " max_ranks=" << max_ranks;
     } else {

@@ -79,8 +79,10 @@ jit::KernelSpec ar_reduce_kernel_spec(DType partial, DType out, const std::strin
                                 std::string("gemm_ar reduce ") + dtype_name(partial) + "->" + dtype_name(out), arch);
 }
 
-jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in, DType out, int variant, const std::string& arch) {
-    return ops::gemv_kernel_spec(m_tiles, in, out, variant, arch);  // weft::ops::gemm's own spec (checks variant)
+jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in, DType out, GemvVariant variant, const std::string& arch) {
+    // weft::ops::gemm's own spec (checks the config)
+    return ops::gemv_kernel_spec(GemvConfig{.variant = variant, .m_tiles = m_tiles, .in_dtype = in, .out_dtype = out},
+                                 arch);
 }
 
 }  // namespace detail
@@ -99,11 +101,11 @@ struct GemmAr::State : tp_detail::FusedOpState {
     uint32_t* exit_count = nullptr;
     void* small_m_workspace = nullptr;  // split-K counters (zero) then fp32 partials
     size_t small_m_workspace_bytes = 0;
-    int small_m_variant = 1;            // of the loaded small-M kernels
+    GemvVariant small_m_variant = GemvVariant::kTmaRing;  // of the loaded small-M kernels
 
     const jit::Kernel* gemv[4] = {nullptr, nullptr, nullptr, nullptr};
-    // Small-M variant 4 (B's rows by bulk copies), loaded where ops::gemm would pick it for this shape with B's rows back to
-    // back; each call takes it when its b is so (small_m_plan with b_rows_contiguous).
+    // GemvVariant::kBulkRows (B's rows by bulk copies), loaded where ops::gemm would pick it for this shape with B's
+    // rows back to back; each call takes it when its b is so (small_m_plan with b_rows_contiguous).
     const jit::Kernel* gemv_rows = nullptr;
     const jit::Kernel* reduce = nullptr;
     bool use_collective = false;  // the all-reduce half through ops::all_reduce (GemmArOptions)
@@ -155,11 +157,12 @@ GemmAr::GemmAr(World& world, const GemmArShape& shape, const GemmArOptions& opti
         s.gemv[t - 1] = &jit::compiler().get_kernel(
             detail::gemv_kernel_spec(t, shape.dtype, s.gemm_out, plan.small_m_variant));
     }
-    if (s.small_m_plan(1, true).small_m_variant == 4) {
-        s.gemv_rows = &jit::compiler().get_kernel(detail::gemv_kernel_spec(1, shape.dtype, s.gemm_out, 4));
+    if (s.small_m_plan(1, true).small_m_variant == GemvVariant::kBulkRows) {
+        s.gemv_rows = &jit::compiler().get_kernel(
+            detail::gemv_kernel_spec(1, shape.dtype, s.gemm_out, GemvVariant::kBulkRows));
     }
     // The largest workspace of any M up to small_max: a variant's grid and splits may depend on ceil(M/16)
-    // (variant 2's shape does), so the plan of small_max alone may not cover a smaller M.
+    // in general, so the plan of small_max alone may not cover a smaller M.
     for (int t = 1; t <= (small_max + 15) / 16; ++t) {
         const GemmPlan pt = s.small_m_plan(std::min<int64_t>(16 * t, small_max));
         s.small_m_workspace_bytes = std::max(s.small_m_workspace_bytes, pt.workspace_bytes);
@@ -230,7 +233,7 @@ ArCall prepare_call(const GemmAr::State& s, const GemmProblem& p, const TensorVi
     if (m <= kGemvMaxM) {
         const bool b_rows_contiguous = s.gemv_rows != nullptr && p.b_rows_contiguous;
         const GemmPlan plan = s.small_m_plan(m, b_rows_contiguous);
-        const bool whole_rows = plan.small_m_variant == 4;
+        const bool whole_rows = plan.small_m_variant == GemvVariant::kBulkRows;
         WEFT_CHECK(plan.path == GemmPath::kSmallM &&
                        (whole_rows ? s.gemv_rows != nullptr : plan.small_m_variant == s.small_m_variant),
                    "gemm_ar: the small-M plan for M = " << m << " does not match the loaded kernels");

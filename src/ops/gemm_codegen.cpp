@@ -14,16 +14,6 @@
 namespace weft::ops {
 namespace {
 
-const char* dtype_enum(DType t) {
-    switch (t) {
-        case DType::kBF16: return "weft::DType::kBF16";
-        case DType::kF16: return "weft::DType::kF16";
-        case DType::kF32: return "weft::DType::kF32";
-        default: break;
-    }
-    WEFT_FAIL("gemm: no kernel dtype for " << dtype_name(t));
-}
-
 // Short config text for logs and spec descriptions: "gemm 128x256x64_s4_c1x1 bf16->bf16 B[N,K]" (plus the
 // raster when it is not the default).
 std::string describe_config(const GemmConfig& c) {
@@ -36,24 +26,33 @@ std::string describe_config(const GemmConfig& c) {
     return os.str();
 }
 
+// Throws weft::Error naming `what` unless is_valid(config), saying what is wrong.
+void check_gemv_config(const GemvConfig& c, const char* what) {
+    WEFT_CHECK(c.variant == GemvVariant::kTmaRing || c.variant == GemvVariant::kBulkRows,
+               what << ": the variant must be GemvVariant::kTmaRing (3) or kBulkRows (4), got "
+                    << static_cast<int>(c.variant));
+    WEFT_CHECK((c.in_dtype == DType::kBF16 || c.in_dtype == DType::kF16) &&
+                   (c.out_dtype == DType::kBF16 || c.out_dtype == DType::kF16 || c.out_dtype == DType::kF32),
+               what << ": no kernel for " << dtype_name(c.in_dtype) << " -> " << dtype_name(c.out_dtype)
+                    << " (bf16 or f16 in; bf16, f16 or f32 out)");
+    WEFT_CHECK(c.variant != GemvVariant::kBulkRows || c.m_tiles == 1,
+               what << ": variant 4 (bulk-copied rows) serves M <= " << kGemvGroupsMaxM
+                    << " (m_tiles 1), got m_tiles " << c.m_tiles);
+    WEFT_CHECK(c.m_tiles >= 1 && c.m_tiles <= kGemvMaxM / 16,
+               what << ": m_tiles must be in [1, " << kGemvMaxM / 16 << "], got " << c.m_tiles);
+    WEFT_CHECK(is_valid(c), what << ": invalid config " << format_gemv_config(c));
+}
+
 }  // namespace
 
 std::string format_gemm_config(const GemmConfig& c) {
-    auto dt = [](DType t) {
-        switch (t) {
-            case DType::kBF16: return "weft::DType::kBF16";
-            case DType::kF16: return "weft::DType::kF16";
-            case DType::kF32: return "weft::DType::kF32";
-            default: return "weft::DType(-1)";
-        }
-    };
     std::ostringstream os;
     os << "weft::GemmConfig{.tile_m = " << c.tile_m << ", .tile_n = " << c.tile_n << ", .tile_k = " << c.tile_k
        << ", .stages = " << c.stages << ", .cluster_m = " << c.cluster_m << ", .cluster_n = " << c.cluster_n
        << ", .raster = " << (c.raster == Raster::kAlongN ? "weft::Raster::kAlongN" : "weft::Raster::kAlongM")
        << ", .raster_group = " << c.raster_group
        << ", .b_layout = " << (c.b_layout == BLayout::kNK ? "weft::BLayout::kNK" : "weft::BLayout::kKN")
-       << ", .in_dtype = " << dt(c.in_dtype) << ", .out_dtype = " << dt(c.out_dtype);
+       << ", .in_dtype = " << dtype_enum_name(c.in_dtype) << ", .out_dtype = " << dtype_enum_name(c.out_dtype);
     if (c.pingpong) os << ", .pingpong = true";  // omitted when false: cooperative kernels keep their names
     os << "}";
     return os.str();
@@ -74,23 +73,21 @@ std::string gemm_kernel_instantiation(const GemmConfig& c, const std::string& sc
     return "weft::gemm::gemm_kernel<" + cfg + ", " + scheduler_template + "<" + cfg + ">, " + hook + ">";
 }
 
-std::string gemv_kernel_instantiation(int m_tiles, DType in_dtype, DType out_dtype, int variant) {
-    WEFT_CHECK(m_tiles >= 1 && m_tiles <= kGemvMaxM / 16,
-               "gemv_kernel_instantiation: m_tiles must be in [1, " << kGemvMaxM / 16 << "], got " << m_tiles);
-    WEFT_CHECK(variant >= 0 && variant < kGemvNumVariants,
-               "gemv_kernel_instantiation: variant must be 0, 1, 2, 3 or 4, got " << variant);
-    const GemvShape shape = gemv_shape(variant, m_tiles);
-    WEFT_CHECK(!shape.whole_rows || m_tiles == 1,
-               "gemv_kernel_instantiation: variant 4 (bulk-copied rows) serves M <= " << kGemvGroupsMaxM << " (m_tiles 1), got m_tiles "
-                                                                              << m_tiles);
+std::string format_gemv_config(const GemvConfig& c) {
+    const char* variant = c.variant == GemvVariant::kTmaRing    ? "weft::GemvVariant::kTmaRing"
+                          : c.variant == GemvVariant::kBulkRows ? "weft::GemvVariant::kBulkRows"
+                                                                : "weft::GemvVariant(?)";
     std::ostringstream os;
-    os << "weft::gemm::gemv_kernel<" << m_tiles << ", " << dtype_enum(in_dtype) << ", " << dtype_enum(out_dtype) << ", "
-       << shape.n_tiles;
-    if (shape.stages > 0) os << ", " << shape.stages;  // variants 0 and 1 keep their four-argument names
-    if (shape.bulk) os << ", true";
-    if (shape.whole_rows) os << ", true";
-    os << ">";
+    os << "weft::GemvConfig{.variant = " << variant << ", .m_tiles = " << c.m_tiles
+       << ", .in_dtype = " << dtype_enum_name(c.in_dtype) << ", .out_dtype = " << dtype_enum_name(c.out_dtype) << "}";
     return os.str();
+}
+
+std::string gemv_kernel_instantiation(const GemvConfig& config) {
+    check_gemv_config(config, "gemv_kernel_instantiation");
+    return std::string(config.variant == GemvVariant::kBulkRows ? "weft::gemm::gemv_rows_kernel<"
+                                                                : "weft::gemm::gemv_tma_kernel<") +
+           format_gemv_config(config) + ">";
 }
 
 jit::KernelSpec gemm_kernel_spec(const GemmConfig& config, const std::string& arch) {
@@ -114,12 +111,13 @@ jit::KernelSpec gemm_kernel_spec(const GemmConfig& config, const std::string& sc
     return spec;
 }
 
-jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in_dtype, DType out_dtype, int variant, const std::string& arch) {
+jit::KernelSpec gemv_kernel_spec(const GemvConfig& config, const std::string& arch) {
     jit::KernelSpec spec;
-    spec.header = "gemm/gemv_sm90.cuh";
-    spec.instantiation = gemv_kernel_instantiation(m_tiles, in_dtype, out_dtype, variant);
-    spec.description = "gemm small-M m_tiles " + std::to_string(m_tiles) + " " + dtype_name(in_dtype) + "->" +
-                       dtype_name(out_dtype) + " variant " + std::to_string(variant);
+    spec.header = config.variant == GemvVariant::kBulkRows ? "gemm/gemv_rows_sm90.cuh" : "gemm/gemv_tma_sm90.cuh";
+    spec.instantiation = gemv_kernel_instantiation(config);
+    spec.description = "gemm small-M variant " + std::to_string(static_cast<int>(config.variant)) + " m_tiles " +
+                       std::to_string(config.m_tiles) + " " + dtype_name(config.in_dtype) + "->" +
+                       dtype_name(config.out_dtype);
     spec.arch = arch;
     return spec;
 }
@@ -143,11 +141,13 @@ std::vector<jit::KernelSpec> gemm_aot_specs() {
         for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
             for (const GemmConfig& c : gemm_candidate_configs(in, out, layout)) specs.push_back(gemm_kernel_spec(c));
         }
-        for (int variant : {1, 0, 2, 3, 4}) {
-            for (int m_tiles = 1; m_tiles <= (gemv_shape(variant, 1).whole_rows ? 1 : kGemvMaxM / 16); ++m_tiles) {
-                specs.push_back(gemv_kernel_spec(m_tiles, in, out, variant));
-            }
+        for (int m_tiles = 1; m_tiles <= kGemvMaxM / 16; ++m_tiles) {
+            specs.push_back(gemv_kernel_spec(
+                GemvConfig{.variant = GemvVariant::kTmaRing, .m_tiles = m_tiles, .in_dtype = in, .out_dtype = out}));
         }
+        // kBulkRows serves M <= 16 only: one row tile.
+        specs.push_back(gemv_kernel_spec(
+            GemvConfig{.variant = GemvVariant::kBulkRows, .m_tiles = 1, .in_dtype = in, .out_dtype = out}));
     }
     specs.push_back(gemm_advance_epoch_spec());
     return specs;

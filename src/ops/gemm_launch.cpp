@@ -14,6 +14,7 @@
 #include <tuple>
 #include <utility>
 
+#include "weft/common/math.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_plan.hpp"
@@ -25,29 +26,19 @@
 namespace weft::ops {
 namespace {
 
-int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
-
-struct GemvKey {
-    int m_tiles;
-    DType in, out;
-    int variant;
-    bool operator<(const GemvKey& o) const {
-        return std::tie(m_tiles, in, out, variant) < std::tie(o.m_tiles, o.in, o.out, o.variant);
-    }
-};
-
-struct Registry {
+// What the launch side remembers, per device: JIT kernels by spec text (gemm_jit_kernel) and by config (the op's
+// hot path), the JIT arch, and how many clusters of a kernel fit at once (fit_gemm_grid).
+struct LaunchMemo {
     std::mutex mutex;
-    // JIT side, per device: kernels by spec text (gemm_jit_kernel), by config (the op's hot path), arch.
     std::map<std::pair<int, std::string>, jit::Kernel*> jit_specs;
     std::vector<std::tuple<int, GemmConfig, jit::Kernel*>> jit_tiled;
-    std::map<std::pair<int, GemvKey>, jit::Kernel*> jit_gemv;
+    std::vector<std::tuple<int, GemvConfig, jit::Kernel*>> jit_gemv;
     std::map<int, std::string> arch;
     std::map<std::pair<int, const jit::Kernel*>, int> jit_cluster_fit;  // clusters that fit at once
 };
 
-Registry& registry() {
-    static Registry r;
+LaunchMemo& launch_memo() {
+    static LaunchMemo r;
     return r;
 }
 
@@ -88,8 +79,6 @@ SmallMScratch small_m_scratch(size_t counter_bytes, size_t partial_bytes, cudaSt
     return w;
 }
 
-size_t round256(size_t x) { return (x + 255) / 256 * 256; }
-
 int current_device() {
     int device = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&device));
@@ -98,7 +87,7 @@ int current_device() {
 
 // The JIT arch of a device (resolved once: WEFT_JIT_ARCH, else the device's compute capability).
 std::string arch_of_device(int device) {
-    Registry& r = registry();
+    LaunchMemo& r = launch_memo();
     {
         std::lock_guard<std::mutex> lock(r.mutex);
         if (auto it = r.arch.find(device); it != r.arch.end()) return it->second;
@@ -126,10 +115,11 @@ void encode_2d(CUtensorMap* map, const TensorView& v, const char* name, uint64_t
     if (outer <= 1) {
         // One row: the stride is never followed, but must be legal (a multiple of 16 bytes): round it up.
         const int64_t row_elems = std::max<int64_t>(v.stride(0), static_cast<int64_t>(inner));
-        stride_bytes = (static_cast<uint64_t>(row_elems) * static_cast<uint64_t>(dtype_bytes(v.dtype)) + 15u) / 16u * 16u;
+        stride_bytes = static_cast<uint64_t>(round_up(row_elems * dtype_bytes(v.dtype), 16));
     } else {
         stride_bytes = static_cast<uint64_t>(v.stride(0)) * static_cast<uint64_t>(dtype_bytes(v.dtype));
-        WEFT_CHECK(stride_bytes % 16 == 0, "gemm: " << name << "'s row stride must be a multiple of 16 bytes (TMA), got "
+        WEFT_CHECK(stride_bytes % 16 == 0, "gemm: " << name
+                                                    << "'s row stride must be a multiple of 16 bytes (TMA), got "
                                                     << v.stride(0) << " elements (" << v.describe() << ")");
     }
     const uint64_t strides[1] = {stride_bytes};
@@ -194,27 +184,31 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
     l.args.k = static_cast<int32_t>(a.dim(1));
     l.args.k_per_split = plan.small_m_k_per_split;
     l.args.num_splits = plan.small_m_splits;
-    l.args.rows_per_cta = static_cast<int32_t>(ceil_div(b.dim(0), static_cast<int64_t>(plan.grid)));
-    const GemvShape shape = gemv_shape(plan.small_m_variant, plan.small_m_tiles);
-    if (shape.whole_rows) {
+    l.args.rows_per_cta = static_cast<int32_t>(ceil_div(b.dim(0), plan.grid));
+    // The shape and shared memory depend on the variant and row tiles only (both kernels take 16-bit inputs).
+    const GemvConfig config{.variant = plan.small_m_variant, .m_tiles = plan.small_m_tiles};
+    const GemvShape shape = gemv_shape(config);
+    const bool bulk_rows = plan.small_m_variant == GemvVariant::kBulkRows;
+    if (bulk_rows) {
         // A is read 16 bytes at a time (the plan checked B): 16-byte aligned rows.
         WEFT_CHECK(reinterpret_cast<uintptr_t>(a.data) % 16 == 0 &&
                        (a.dim(0) <= 1 || (a.stride(0) * dtype_bytes(a.dtype)) % 16 == 0),
                    "gemm: small-M variant 4 (bulk-copied rows) needs a's base and row stride 16-byte aligned, got "
                        << a.describe());
         WEFT_CHECK(b.stride(0) == b.dim(1) || b.dim(0) <= 1,
-                   "gemm: small-M variant 4 (bulk-copied rows) needs b's rows back to back (ldb = K), got " << b.describe());
-    } else if (shape.bulk) {
-        const CUtensorMapSwizzle swizzle = kGemvBulkBoxK == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE;
+                   "gemm: small-M variant 4 (bulk-copied rows) needs b's rows back to back (ldb = K), got "
+                       << b.describe());
+    } else {
+        const CUtensorMapSwizzle swizzle =
+            kGemvBulkBoxK == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE;
         encode_2d(&l.maps.a, a, "a", static_cast<uint64_t>(a.dim(1)), static_cast<uint64_t>(a.dim(0)), kGemvBulkBoxK,
                   static_cast<uint32_t>(16 * plan.small_m_tiles), swizzle);
         encode_2d(&l.maps.b, b, "b", static_cast<uint64_t>(b.dim(1)), static_cast<uint64_t>(b.dim(0)), kGemvBulkBoxK,
                   static_cast<uint32_t>(32 * shape.n_tiles), swizzle);
     }
     l.grid = dim3(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
-    l.block = dim3(static_cast<unsigned>(shape.whole_rows ? gemv_rows_threads(l.args.m, l.args.k) : gemv_threads(shape.bulk)),
-                   1, 1);
-    l.smem_bytes = gemv_smem_bytes(plan.small_m_variant, plan.small_m_tiles);
+    l.block = dim3(static_cast<unsigned>(bulk_rows ? gemv_rows_threads(l.args.m, l.args.k) : kGemvBulkThreads), 1, 1);
+    l.smem_bytes = gemv_smem_bytes(config);
     return l;
 }
 
@@ -243,7 +237,7 @@ jit::Kernel& gemm_jit_kernel(const jit::KernelSpec& spec) {
     id << spec.header << '\n' << spec.instantiation << '\n' << spec.arch << '\n' << spec.preamble << '\n'
        << spec.extra_code << '\n' << spec.options.canonical();
     const std::pair<int, std::string> key{device, id.str()};
-    Registry& r = registry();
+    LaunchMemo& r = launch_memo();
     {
         std::lock_guard<std::mutex> lock(r.mutex);
         if (auto it = r.jit_specs.find(key); it != r.jit_specs.end()) return *it->second;
@@ -255,9 +249,9 @@ jit::Kernel& gemm_jit_kernel(const jit::KernelSpec& spec) {
     return kernel;
 }
 
-void launch_gemm_jit(const jit::Kernel& kernel, const GemmConfig& c, const GemmTensorMaps& maps, const GemmArgs& args,
-                     int grid, const void* sched_params, size_t sched_bytes, const void* hook_params, size_t hook_bytes,
-                     cudaStream_t stream) {
+void launch_gemm_kernel(const jit::Kernel& kernel, const GemmConfig& c, const GemmTensorMaps& maps,
+                        const GemmArgs& args, int grid, const void* sched_params, size_t sched_bytes,
+                        const void* hook_params, size_t hook_bytes, cudaStream_t stream) {
     WEFT_CHECK(is_valid(c), "gemm: invalid config " << format_gemm_config(c));
     WEFT_CHECK(sched_params != nullptr && hook_params != nullptr,
                "gemm: the scheduler and hook parameters must be given (kernel " << kernel.description() << ")");
@@ -272,48 +266,49 @@ void launch_gemm_jit(const jit::Kernel& kernel, const GemmConfig& c, const GemmT
     if (cluster > 1) lp.cluster = dim3(static_cast<unsigned>(cluster), 1, 1);
     GemmTensorMaps local = maps;  // the launch copies parameters; keep them alive for the call
     GemmArgs a = args;
-    void* params[] = {&local.a, &local.b, &local.d, &a, const_cast<void*>(sched_params), const_cast<void*>(hook_params)};
+    void* params[] = {&local.a, &local.b, &local.d,
+                      &a,        const_cast<void*>(sched_params), const_cast<void*>(hook_params)};
     const size_t bytes[] = {sizeof(CUtensorMap), sizeof(CUtensorMap), sizeof(CUtensorMap), sizeof(GemmArgs),
                             sched_bytes, hook_bytes};
     kernel.launch_packed(lp, params, bytes, 6);
 }
 
-int fit_gemm_jit_grid(const jit::Kernel& kernel, const GemmConfig& c, int grid) {
+int fit_gemm_grid(const jit::Kernel& kernel, const GemmConfig& c, int grid) {
     const int cluster = c.cluster_m * c.cluster_n;
     if (cluster <= 1) return grid;
     const int device = current_device();
     const std::pair<int, const jit::Kernel*> key{device, &kernel};
-    Registry& r = registry();
+    LaunchMemo& r = launch_memo();
     int fit = 0;
     {
         std::lock_guard<std::mutex> lock(r.mutex);
         if (auto it = r.jit_cluster_fit.find(key); it != r.jit_cluster_fit.end()) fit = it->second;
     }
     if (fit == 0) {
-        kernel.load_for_current_context();
-        // The runtime takes a library kernel handle (cudaKernel_t == CUkernel) wherever it takes a function.
-        const void* func = reinterpret_cast<const void*>(kernel.handle());
         const int smem = gemm_smem_plan(c).alloc_bytes;
-        cudaError_t e = cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (e == cudaSuccess) {
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
-            cfg.blockDim = dim3(kGemmThreads, 1, 1);
-            cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-            cudaLaunchAttribute attr[1];
-            attr[0].id = cudaLaunchAttributeClusterDimension;
-            attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-            attr[0].val.clusterDim.y = 1;
-            attr[0].val.clusterDim.z = 1;
-            cfg.attrs = attr;
-            cfg.numAttrs = 1;
-            e = cudaOccupancyMaxActiveClusters(&fit, func, &cfg);
-        }
-        if (e != cudaSuccess) {
-            (void)cudaGetLastError();
+        // The query needs the function's limit at the launch's shared memory: the kernel's one cache of it.
+        const CUfunction function = kernel.allow_dynamic_smem(static_cast<size_t>(smem));
+        CUlaunchConfig cfg{};
+        cfg.gridDimX = static_cast<unsigned>(grid);
+        cfg.gridDimY = 1;
+        cfg.gridDimZ = 1;
+        cfg.blockDimX = kGemmThreads;
+        cfg.blockDimY = 1;
+        cfg.blockDimZ = 1;
+        cfg.sharedMemBytes = static_cast<unsigned>(smem);
+        CUlaunchAttribute attr{};
+        attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim.x = static_cast<unsigned>(cluster);
+        attr.value.clusterDim.y = 1;
+        attr.value.clusterDim.z = 1;
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        const CUresult e = driver().cuOccupancyMaxActiveClusters(&fit, function, &cfg);
+        if (e != CUDA_SUCCESS) {
             // Not fatal: more clusters than fit at once run in waves (the persistent loop needs no co-residency).
-            WEFT_LOG_WARN("gemm: cannot query how many clusters of " << kernel.description() << " fit ("
-                                                                     << cudaGetErrorString(e)
+            const char* name = "?";
+            driver().cuGetErrorName(e, &name);
+            WEFT_LOG_WARN("gemm: cannot query how many clusters of " << kernel.description() << " fit (" << name
                                                                      << "); launching the full grid");
             fit = -1;
         }
@@ -329,7 +324,7 @@ int fit_gemm_jit_grid(const jit::Kernel& kernel, const GemmConfig& c, int grid) 
 namespace {
 
 jit::Kernel& tiled_jit_kernel(int device, const GemmConfig& config) {
-    Registry& r = registry();
+    LaunchMemo& r = launch_memo();
     {
         std::lock_guard<std::mutex> lock(r.mutex);
         for (const auto& [dev, c, k] : r.jit_tiled) {
@@ -342,23 +337,24 @@ jit::Kernel& tiled_jit_kernel(int device, const GemmConfig& config) {
     return kernel;
 }
 
-jit::Kernel& gemv_jit_kernel(int device, int m_tiles, DType in, DType out, int variant) {
-    const std::pair<int, GemvKey> key{device, GemvKey{m_tiles, in, out, variant}};
-    Registry& r = registry();
+jit::Kernel& gemv_jit_kernel(int device, const GemvConfig& config) {
+    LaunchMemo& r = launch_memo();
     {
         std::lock_guard<std::mutex> lock(r.mutex);
-        if (auto it = r.jit_gemv.find(key); it != r.jit_gemv.end()) return *it->second;
+        for (const auto& [dev, c, k] : r.jit_gemv) {
+            if (dev == device && c == config) return *k;
+        }
     }
-    jit::Kernel& kernel = detail::gemm_jit_kernel(gemv_kernel_spec(m_tiles, in, out, variant, arch_of_device(device)));
+    jit::Kernel& kernel = detail::gemm_jit_kernel(gemv_kernel_spec(config, arch_of_device(device)));
     std::lock_guard<std::mutex> lock(r.mutex);
-    r.jit_gemv[key] = &kernel;
+    r.jit_gemv.emplace_back(device, config, &kernel);
     return kernel;
 }
 
 // The kernel spec a plan launches.
 jit::KernelSpec jit_spec_for(const GemmPlan& plan, const GemmProblem& p, const std::string& arch) {
     if (plan.path == GemmPath::kSmallM) {
-        return gemv_kernel_spec(plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant, arch);
+        return gemv_kernel_spec(gemv_config(plan, p), arch);
     }
     return gemm_kernel_spec(plan.config, arch);
 }
@@ -396,7 +392,8 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
         detail::GemvLaunch launch = detail::make_gemv_launch(plan, a, b, d);
         GemvArgs& args = launch.args;
         if (plan.small_m_splits > 1) {
-            const size_t counter_bytes = round256(static_cast<size_t>(plan.grid) * 4);  // as gemm_workspace_bytes
+            // Counters first, rounded to 256 bytes, as gemm_workspace_bytes lays them out.
+            const auto counter_bytes = static_cast<size_t>(round_up(int64_t{plan.grid} * 4, 256));
             if (options.workspace != nullptr) {
                 WEFT_CHECK(options.workspace_bytes >= plan.workspace_bytes,
                            "gemm: options.workspace_bytes must be >= " << plan.workspace_bytes << ", got "
@@ -414,7 +411,7 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
         }
         const bool programmatic = gemm_launches_programmatically(plan, options);
         args.programmatic = programmatic ? 1 : 0;
-        jit::Kernel& kernel = gemv_jit_kernel(device, plan.small_m_tiles, p.in_dtype, p.out_dtype, plan.small_m_variant);
+        jit::Kernel& kernel = gemv_jit_kernel(device, gemv_config(plan, p));
         jit::LaunchParams lp;
         lp.grid = launch.grid;
         lp.block = launch.block;
@@ -430,8 +427,8 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
     const int32_t sched_params = 0;  // PersistentScheduler::Params and NoEpilogueHook::Params: one int32
     const int32_t hook_params = 0;
     jit::Kernel& kernel = tiled_jit_kernel(device, plan.config);
-    plan.grid = detail::fit_gemm_jit_grid(kernel, plan.config, plan.grid);
-    detail::launch_gemm_jit(kernel, plan.config, maps, args, plan.grid, sched_params, hook_params, stream);
+    plan.grid = detail::fit_gemm_grid(kernel, plan.config, plan.grid);
+    detail::launch_gemm_kernel(kernel, plan.config, maps, args, plan.grid, sched_params, hook_params, stream);
 }
 
 bool stream_is_capturing(cudaStream_t stream) {

@@ -7,6 +7,7 @@
 #include <limits>
 #include <sstream>
 
+#include "weft/common/math.hpp"
 #include "weft/jit/autotune.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/runtime/env.hpp"
@@ -46,8 +47,6 @@ void check_matrix(const TensorView& v, const char* name, const char* shape_text)
                                                      << " bytes");
 }
 
-int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
-
 // Relative speed of one tile's worth of MMAs at depth k: planning estimates fitted to the ratios measured on the
 // issue's shapes (H200, 2026-11-30, kernels/gemm/README.md v24; with them the heuristic picks the fastest measured
 // candidate or one within 1%). Larger tiles reuse shared memory better; a cooperative tile's epilogue stalls both
@@ -75,7 +74,12 @@ double tile_efficiency(const GemmConfig& c, int64_t k) {
     return e * static_cast<double>(k) / (static_cast<double>(k) + kEpilogueK);
 }
 
-size_t round256(size_t x) { return (x + 255) / 256 * 256; }
+// Throws unless `v` names a small-M kernel (`what` names the argument).
+void check_gemv_variant(GemvVariant v, const char* what) {
+    WEFT_CHECK(v == GemvVariant::kTmaRing || v == GemvVariant::kBulkRows,
+               what << " must be GemvVariant::kTmaRing (3) or GemvVariant::kBulkRows (4), got "
+                    << static_cast<int>(v));
+}
 
 }  // namespace
 
@@ -111,9 +115,11 @@ GemmProblem validate_gemm_args(const TensorView& a, const TensorView& b, const T
 
 std::string gemv_rows_unsupported(const GemmProblem& p) {
     std::ostringstream why;
-    if (p.m > kGemvGroupsMaxM) why << "M = " << p.m << " > " << kGemvGroupsMaxM;
-    else if (p.b_layout != BLayout::kNK || !p.b_rows_contiguous) why << "B is not [N,K] with contiguous, 16-byte aligned rows (ldb = K)";
-    else if (!gemv_rows_uses_ffma(p.m, p.k) && p.k % kGemvRowsSpanElems != 0) {
+    if (p.m > kGemvGroupsMaxM) {
+        why << "M = " << p.m << " > " << kGemvGroupsMaxM;
+    } else if (p.b_layout != BLayout::kNK || !p.b_rows_contiguous) {
+        why << "B is not [N,K] with contiguous, 16-byte aligned rows (ldb = K)";
+    } else if (!gemv_rows_uses_ffma(p.m, p.k) && p.k % kGemvRowsSpanElems != 0) {
         why << "K = " << p.k << " is not a multiple of " << kGemvRowsSpanElems;
     }
     return why.str();
@@ -128,16 +134,15 @@ std::vector<GemmConfig> gemm_candidate_configs(DType in_dtype, DType out_dtype, 
     return out;
 }
 
-size_t gemm_workspace_bytes(const GemmProblem& p, int splits, int small_m_variant) {
+size_t gemm_workspace_bytes(const GemmProblem& p, int splits, GemvVariant variant) {
     if (splits <= 1) return 0;
-    WEFT_CHECK(small_m_variant >= 0 && small_m_variant < kGemvNumVariants,
-               "gemm_workspace_bytes: small_m_variant must be in [0, " << kGemvNumVariants - 1 << "], got "
-                                                                      << small_m_variant);
+    check_gemv_variant(variant, "gemm_workspace_bytes: variant");
     const size_t partials = static_cast<size_t>(splits) * static_cast<size_t>(p.m) * static_cast<size_t>(p.n) * 4;
-    const int m_tiles = std::clamp(ceil_div(p.m, 16), 1, kGemvMaxM / 16);
-    const int n_tiles = gemv_shape(small_m_variant, m_tiles).n_tiles;
+    const int m_tiles = std::clamp(static_cast<int>(ceil_div(p.m, 16)), 1, kGemvMaxM / 16);
+    const int n_tiles = gemv_shape(GemvConfig{.variant = variant, .m_tiles = m_tiles}).n_tiles;
     const size_t blocks = static_cast<size_t>(ceil_div(p.n, gemv_cols_per_cta(n_tiles)));
-    return round256(blocks * 4) + round256(partials);
+    return static_cast<size_t>(round_up(static_cast<int64_t>(blocks * 4), 256) +
+                               round_up(static_cast<int64_t>(partials), 256));
 }
 
 double gemm_config_cost(const GemmProblem& p, const GemmConfig& c, int budget, double per_tile_cost) {
@@ -146,7 +151,7 @@ double gemm_config_cost(const GemmProblem& p, const GemmConfig& c, int budget, d
     const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
     const int clusters = std::max(1, budget / cluster);
     // A wave of cluster tiles runs on `cluster` CTAs at once: one tile's time per CTA.
-    const int waves = ceil_div(g.num_cluster_tiles(), clusters);
+    const int waves = static_cast<int>(ceil_div(g.num_cluster_tiles(), clusters));
     const double cost = static_cast<double>(waves) * (c.tile_m * c.tile_n / tile_efficiency(c, p.k) + per_tile_cost);
     // Padding tiles of a cluster pair past the edge of D are pure waste.
     const double useful = static_cast<double>(g.num_tiles()) / (g.num_cluster_tiles() * cluster);
@@ -160,24 +165,31 @@ bool gemm_allows_small_m(const GemmProblem& p, const GemmOptions& options) {
     return !options.config && options.allow_small_m && p.m <= options.small_m_max_m && p.b_layout == BLayout::kNK;
 }
 
-
-// The small-M variant when the caller leaves it to the op: bulk-copied rows (4) where it serves and K >= 4096, else
-// the TMA ring (3). H200, bf16, 2026-11-30 (kernels/gemm/README.md, v10, v11, v14): variant 4 took 34.6-36.3 us at
-// 1x8192x8192 against variant 3's 37.3-38.1 (cuBLASLt 36.5-37.4), 57.8-58.7 against 64.8-65.3 at 1x28672x4096,
-// 36.2-36.9 against 37.9-38.0 at 3x8192x8192 (its whole-row body then; the row groups took M = 3, 4 over in v25), and
-// was never slower at M = 3, 4 with K >= 4096; at K = 2048 (one span per row) it gained nothing at M = 1 and lost 3%
-// at M = 2. Its row-group body (M 3..16): 35.8-37.8 us against
-// 37.6-38.9 at M = 5, 8, 16 with N = K = 8192, 63.3 against 65.8-66.2 at 16x28672x4096, 14.9-15.2 against 16.3-16.6
-// at 8x4096x4096, even at 16x8192x16384 and (with its L2 hints) at 16x8192x4096 (22.5-22.6 against 22.4-22.6).
+// The small-M kernel when the caller leaves it to the op: bulk-copied rows (kBulkRows, variant 4) where it serves and
+// K >= 4096, else the TMA ring (kTmaRing, variant 3). H200, bf16, 2026-11-30 (kernels/gemm/README.md, v10, v11, v14):
+// variant 4 took 34.6-36.3 us at 1x8192x8192 against variant 3's 37.3-38.1 (cuBLASLt 36.5-37.4), 57.8-58.7 against
+// 64.8-65.3 at 1x28672x4096, 36.2-36.9 against 37.9-38.0 at 3x8192x8192 (its whole-row body then; the row groups took
+// M = 3, 4 over in v25), and was never slower at M = 3, 4 with K >= 4096; at K = 2048 (one span per row) it gained
+// nothing at M = 1 and lost 3% at M = 2. Its row-group body (M 3..16): 35.8-37.8 us against 37.6-38.9 at M = 5, 8, 16
+// with N = K = 8192, 63.3 against 65.8-66.2 at 16x28672x4096, 14.9-15.2 against 16.3-16.6 at 8x4096x4096, even at
+// 16x8192x16384 and (with its L2 hints) at 16x8192x4096 (22.5-22.6 against 22.4-22.6).
 namespace {
-int auto_small_m_variant(const GemmProblem& p) {
-    return p.k >= 2 * kGemvRowsSpanElems && gemv_rows_unsupported(p).empty() ? 4 : 3;
+GemvVariant auto_small_m_variant(const GemmProblem& p) {
+    return p.k >= 2 * kGemvRowsSpanElems && gemv_rows_unsupported(p).empty() ? GemvVariant::kBulkRows
+                                                                             : GemvVariant::kTmaRing;
 }
 }  // namespace
 
+GemvConfig gemv_config(const GemmPlan& plan, const GemmProblem& p) {
+    WEFT_CHECK(plan.path == GemmPath::kSmallM, "gemv_config: the plan is not a small-M plan");
+    return GemvConfig{.variant = plan.small_m_variant,
+                      .m_tiles = plan.small_m_tiles,
+                      .in_dtype = p.in_dtype,
+                      .out_dtype = p.out_dtype};
+}
+
 bool gemm_launches_programmatically(const GemmPlan& plan, const GemmOptions& options) {
-    return options.programmatic_launch && plan.path == GemmPath::kSmallM &&
-           gemv_shape(plan.small_m_variant, plan.small_m_tiles).bulk;
+    return options.programmatic_launch && plan.path == GemmPath::kSmallM;
 }
 
 GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
@@ -187,40 +199,34 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
     GemmPlan plan;
 
     if (gemm_allows_small_m(p, options)) {
-        WEFT_CHECK(options.small_m_variant >= -1 && options.small_m_variant < kGemvNumVariants,
-                   "gemm: options.small_m_variant must be -1 (auto), 0, 1, 2, 3 or 4, got " << options.small_m_variant);
+        if (options.small_m_variant) check_gemv_variant(*options.small_m_variant, "gemm: options.small_m_variant");
         plan.path = GemmPath::kSmallM;
-        plan.small_m_variant = options.small_m_variant >= 0 ? options.small_m_variant : auto_small_m_variant(p);
-        plan.small_m_tiles = ceil_div(p.m, 16);
-        const GemvShape shape = gemv_shape(plan.small_m_variant, plan.small_m_tiles);
-        plan.grid = ceil_div(p.n, gemv_cols_per_cta(shape.n_tiles));
-        if (shape.whole_rows) {
+        plan.small_m_variant = options.small_m_variant.value_or(auto_small_m_variant(p));
+        plan.small_m_tiles = static_cast<int>(ceil_div(p.m, 16));
+        const GemvShape shape =
+            gemv_shape(GemvConfig{.variant = plan.small_m_variant, .m_tiles = plan.small_m_tiles});
+        plan.grid = static_cast<int>(ceil_div(p.n, gemv_cols_per_cta(shape.n_tiles)));
+        if (plan.small_m_variant == GemvVariant::kBulkRows) {
             const std::string why = gemv_rows_unsupported(p);
             WEFT_CHECK(why.empty(), "gemm: small-M variant 4 (bulk-copied rows) cannot serve this call: " << why);
-            WEFT_CHECK(options.small_m_splits <= 1,
-                       "gemm: small-M variant 4 (bulk-copied rows) has no split-K, got small_m_splits " << options.small_m_splits);
+            WEFT_CHECK(options.small_m_splits <= 1, "gemm: small-M variant 4 (bulk-copied rows) has no split-K, got "
+                                                    "small_m_splits " << options.small_m_splits);
             // One CTA per SM of the budget, N spread evenly: ceil(N / grid) rows each, none empty.
-            plan.grid = static_cast<int>(ceil_div(p.n, ceil_div(p.n, static_cast<int64_t>(budget))));
-            plan.small_m_k_per_split = static_cast<int32_t>(ceil_div(p.k, 32) * 32);
+            plan.grid = static_cast<int>(ceil_div(p.n, ceil_div(p.n, budget)));
+            plan.small_m_k_per_split = static_cast<int>(round_up(p.k, 32));
             plan.small_m_splits = 1;
             plan.workspace_bytes = 0;
             return plan;
         }
         int splits = options.small_m_splits;
         if (splits <= 0) {
-            // One wave of CTAs streaming B: shape.ctas_per_sm per SM (variant 1: 8, 32 columns per CTA, best
-            // measured N = K = 8192: 4 splits; variant 0: 4, 128 columns, best 8 splits; variant 2: what its
-            // registers allow, gemm_config.hpp); at least 256 k per split. Variants 0 and 1 also keep a split
-            // length that divides K into whole 32-wide chunks where possible; variant 2 keeps the full wave
-            // (a shorter last split costs nothing: its missing steps load nothing).
+            // One wave of CTAs streaming B: shape.ctas_per_sm per SM (gemv_config.hpp), at least 256 k per split; a
+            // shorter last split costs nothing (it runs fewer stages).
             splits = std::clamp(shape.ctas_per_sm * num_sms / plan.grid, 1, 32);
             splits = std::min(splits, std::max(1, static_cast<int>(p.k / 256)));
-            if (shape.stages == 0) {
-                while (splits > 1 && p.k % (static_cast<int64_t>(splits) * 32) != 0) --splits;
-            }
         }
-        plan.small_m_k_per_split = ceil_div(ceil_div(p.k, splits), 32) * 32;
-        plan.small_m_splits = ceil_div(p.k, plan.small_m_k_per_split);
+        plan.small_m_k_per_split = static_cast<int>(round_up(ceil_div(p.k, splits), 32));
+        plan.small_m_splits = static_cast<int>(ceil_div(p.k, plan.small_m_k_per_split));
         plan.workspace_bytes = gemm_workspace_bytes(p, plan.small_m_splits, plan.small_m_variant);
         return plan;
     }
@@ -230,10 +236,9 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
         const GemmConfig& c = *options.config;
         WEFT_CHECK(is_valid(c), "gemm: options.config is not a valid GemmConfig: " << format_gemm_config(c));
         WEFT_CHECK(c.in_dtype == p.in_dtype && c.out_dtype == p.out_dtype && c.b_layout == p.b_layout,
-                   "gemm: options.config's dtypes/layout must match the call (in " << dtype_name(p.in_dtype)
-                                                                                   << ", out " << dtype_name(p.out_dtype)
-                                                                                   << ", " << layout_name(p.b_layout)
-                                                                                   << "), got " << format_gemm_config(c));
+                   "gemm: options.config's dtypes/layout must match the call (in "
+                       << dtype_name(p.in_dtype) << ", out " << dtype_name(p.out_dtype) << ", "
+                       << layout_name(p.b_layout) << "), got " << format_gemm_config(c));
         plan.config = c;
     } else {
         // Minimise waves x tile work / efficiency; ties keep the earlier (preferred) candidate.
@@ -271,7 +276,7 @@ std::string gemm_candidate_name(const GemmConfig& c) {
 }
 
 std::string gemm_candidate_name(const GemmPlan& plan) {
-    return plan.path == GemmPath::kSmallM ? "small_m_v" + std::to_string(plan.small_m_variant)
+    return plan.path == GemmPath::kSmallM ? "small_m_v" + std::to_string(static_cast<int>(plan.small_m_variant))
                                           : gemm_candidate_name(plan.config);
 }
 
@@ -295,8 +300,8 @@ std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& p, int num_sm
         add(plan_gemm(p, num_sms, forced));
     }
     if (gemm_allows_small_m(p, base)) {  // as plan_gemm: only where the small-M path may serve this M
-        for (int variant : {2, 3, 1, 0, 4}) {
-            if (gemv_shape(variant, 1).whole_rows && !gemv_rows_unsupported(p).empty()) continue;
+        for (GemvVariant variant : {GemvVariant::kTmaRing, GemvVariant::kBulkRows}) {
+            if (variant == GemvVariant::kBulkRows && !gemv_rows_unsupported(p).empty()) continue;
             GemmOptions small = base;
             small.small_m_variant = variant;
             add(plan_gemm(p, num_sms, small));

@@ -54,7 +54,7 @@ struct Case {
     int sm_budget = 0;
     bool allow_small_m = true;
     int small_m_splits = 0;
-    int small_m_variant = 0;
+    std::optional<GemvVariant> small_m_variant;  // unset: the op picks
     int small_m_max_m = ops::GemmOptions{}.small_m_max_m;  // kGemvMaxM in the cases meant for the small-M path
 };
 
@@ -62,7 +62,8 @@ std::string describe(const Case& c, uint64_t seed) {
     std::ostringstream os;
     os << c.m << "x" << c.n << "x" << c.k << " " << dtype_name(c.in) << "->" << dtype_name(c.out) << " "
        << (c.layout == BLayout::kNK ? "B[N,K]" : "B[K,N]") << " pads(" << c.pad_a << "," << c.pad_b << ","
-       << c.pad_d << ") budget " << c.sm_budget << " splits " << c.small_m_splits << " variant " << c.small_m_variant
+       << c.pad_d << ") budget " << c.sm_budget << " splits " << c.small_m_splits << " variant "
+       << (c.small_m_variant ? std::to_string(static_cast<int>(*c.small_m_variant)) : std::string("auto"))
        << " small_m_max_m " << c.small_m_max_m
        << (c.config ? " config " + ops::format_gemm_config(*c.config) : std::string(" auto")) << " seed " << seed;
     return os.str();
@@ -269,44 +270,19 @@ TEST(GemmTiled, SanitizerSmoke) {
     small.small_m_splits = 3;
     small.small_m_max_m = kGemvMaxM;
     check_case(small);
-    Case ring{5, 300, 1000};  // small-M variant 2
-    ring.small_m_variant = 2;
-    ring.small_m_splits = 3;
-    check_case(ring);
-}
-
-// The small-M (decode) path: split-K with a deterministic last-CTA reduction.
-TEST(GemmSmallM, MatchesFp64ForEveryRowCountAndSplit) {
-    REQUIRE_SM90();
-    const int64_t ms[] = {1, 2, 5, 16, 17, 40, 64};
-    const std::array<int64_t, 2> nk[] = {{8, 8}, {136, 72}, {1000, 1000}, {4096, 8192}};
-    for (int64_t m : ms) {
-        for (const auto& s : nk) {
-            if (m * s[0] * s[1] > 300'000'000) continue;  // keep the CPU reference quick
-            for (int splits : {0, 1, 3}) {
-                for (int variant : {0, 1}) {
-                    Case c{m, s[0], s[1]};
-                    c.small_m_splits = splits;
-                    c.small_m_variant = variant;
-                    c.small_m_max_m = kGemvMaxM;
-                    c.pad_a = 8;
-                    c.pad_d = 8;
-                    check_case(c);
-                }
-            }
-        }
-    }
-    for (const auto& io : kOtherIoPairs) {
-        Case c{16, 1000, 1000, io[0], io[1]};
-        check_case(c);
+    for (int64_t m : {1, 5}) {  // small-M variant 4: whole rows (M = 1), row groups (M = 5)
+        Case rows{m, 300, 2048};
+        rows.small_m_variant = GemvVariant::kBulkRows;
+        check_case(rows);
     }
 }
 
-// Variants 2 (the register ring of B loads) and 3 (the shared-memory ring filled by bulk copies),
-// kernels/gemm/gemv_sm90.cuh: every row-tile count (their shapes change with it), N below one n8 tile and
-// ragged inside a CTA's columns, K below one chunk, not a multiple of a 32-wide chunk, of a ring step, of a
-// 256-wide bulk stage or of a trip, forced split counts (a shorter last split), strides, every dtype pair.
-void check_ring_variant(int variant) {
+// The small-M path's split-K kernel, variant 3 (the shared-memory ring filled by TMA, kernels/gemm/gemv_tma_sm90.cuh),
+// with its deterministic last-CTA reduction: every row-tile count (its ring changes with it), N below one n8 tile and
+// ragged inside a CTA's columns, K below one chunk, not a multiple of a 32-wide chunk or of a 256-wide stage, forced
+// split counts (a shorter last split), strides, every dtype pair.
+void check_tma_ring_variant() {
+    constexpr GemvVariant variant = GemvVariant::kTmaRing;
     const int64_t ms[] = {1, 3, 16, 17, 33, 64};
     const std::array<int64_t, 2> nk[] = {{3, 8}, {100, 72}, {1000, 1000}, {520, 8200}, {4104, 4096}};
     for (int64_t m : ms) {
@@ -332,24 +308,19 @@ void check_ring_variant(int variant) {
         }
     }
     for (int64_t m : {16, 64}) {
-        Case big{m, 8192, 8192};  // the decode shapes the variants are for (default splits)
+        Case big{m, 8192, 8192};  // the decode shapes it is for (default splits)
         big.small_m_variant = variant;
         big.small_m_max_m = kGemvMaxM;
         check_case(big, 4);
     }
 }
 
-TEST(GemmSmallM, Variant2MatchesFp64ForEveryRowCountAndSplit) {
-    REQUIRE_SM90();
-    check_ring_variant(2);
-}
-
 TEST(GemmSmallM, Variant3MatchesFp64ForEveryRowCountAndSplit) {
     REQUIRE_SM90();
-    check_ring_variant(3);
+    check_tma_ring_variant();
 }
 
-// Variant 4 (whole rows, kernels/gemm/gemv_sm90.cuh detail::gemv_rows): M = 1, 2; every row length it takes
+// Variant 4 (whole rows, kernels/gemm/gemv_rows_sm90.cuh detail::gemv_rows_body): M = 1, 2; every row length it takes
 // (K = 2048, 4096, 8192, 16384: 1, 2, 4, 8 spans per row, so 8 to 1 rows per stage); one CTA with a few rows (N = 8)
 // or many (250: 32 stages, a partial last one; 40000 rows on the whole GPU: 304 per CTA); SM budgets that leave a
 // short last CTA; strided A and D (B's rows must be back to back); every dtype pair; the decode shapes.
@@ -361,7 +332,7 @@ struct Variant4Case {
 
 void check_variant4(const Variant4Case& vc, DType in = DType::kBF16, DType out = DType::kBF16) {
     Case c{vc.m, vc.n, vc.k, in, out};
-    c.small_m_variant = 4;
+    c.small_m_variant = GemvVariant::kBulkRows;
     c.sm_budget = vc.budget;
     c.pad_a = 8;
     c.pad_d = 8;
@@ -386,7 +357,7 @@ TEST(GemmSmallM, Variant4WholeRowsMatchesFp64) {
     HostMatrix a(1, 4096, 4096, DType::kBF16), b(1000, 4096, ldb, DType::kBF16), d(1, 1000, 1000, DType::kBF16);
     DeviceBuffer da(a.bytes.size()), db(b.bytes.size()), dd(d.bytes.size());
     ops::GemmOptions o;
-    o.small_m_variant = 4;
+    o.small_m_variant = GemvVariant::kBulkRows;
     o.sm_budget = 1;
     try {
         ops::gemm(view(a, da), view(b, db), view(d, dd), BLayout::kNK, nullptr, o);
@@ -419,22 +390,24 @@ TEST(GemmSmallM, Variant4RowGroupsMatchFp64) {
 }
 
 // Calls on one stream back to back reuse the small-M workspace: counters must be back at zero, also when
-// consecutive calls use variants with different column blocks (and so different counter counts).
+// consecutive calls alternate the variants and when split-K calls have different column blocks (and so different
+// counter counts).
 TEST(GemmSmallM, RepeatedCallsStayCorrect) {
     REQUIRE_SM90();
-    for (int i = 0; i < 2 * kGemvNumVariants; ++i) {
-        const int variant = i % kGemvNumVariants;
-        const bool whole_rows = gemv_shape(variant, 1).whole_rows;  // M <= 16 only (both of its bodies)
-        Case c{whole_rows ? (i < kGemvNumVariants ? 1 : 16) : (i < kGemvNumVariants ? 3 : 40), 2000, 4096};
+    const GemvVariant variants[] = {GemvVariant::kTmaRing, GemvVariant::kBulkRows};
+    for (int i = 0; i < 4; ++i) {
+        const GemvVariant variant = variants[i % 2];
+        const bool whole_rows = variant == GemvVariant::kBulkRows;  // M <= 16 only (both of its bodies)
+        Case c{whole_rows ? (i < 2 ? 1 : 16) : (i < 2 ? 3 : 40), 2000, 4096};
         c.small_m_variant = variant;
         c.small_m_max_m = kGemvMaxM;
         if (whole_rows) c.sm_budget = 8;  // 250 rows per CTA: within variant 4's 256 (it has no split-K)
         check_case(c);
     }
     check_case(Case{1, 8192, 8192});  // a larger shape after smaller ones on the same workspace
-    Case v2{1, 8192, 8192};
-    v2.small_m_variant = 2;
-    check_case(v2);
+    Case wider{1, 4096, 8192};  // variant 3 over 64 column blocks (the calls above: 32), 2 splits on 132 SMs
+    wider.small_m_variant = GemvVariant::kTmaRing;
+    check_case(wider);
 }
 
 // ---- programmatic dependent launch (GemmOptions::programmatic_launch) -----------------------------------
@@ -515,7 +488,8 @@ TEST(GemmSmallM, ProgrammaticLaunchWaitsForTheKernelBefore) {
                                                                            BLayout::kNK),
                                                   num_sms(), o);
         ASSERT_TRUE(ops::gemm_launches_programmatically(plan, o));
-        ASSERT_EQ(plan.small_m_variant, m <= kGemvGroupsMaxM && k % 2048 == 0 ? 4 : 3);
+        ASSERT_EQ(plan.small_m_variant, m <= kGemvGroupsMaxM && k % 2048 == 0 ? GemvVariant::kBulkRows
+                                                                                : GemvVariant::kTmaRing);
         late_writer_kernel<<<1, 128>>>(static_cast<uint4*>(da.ptr), static_cast<const uint4*>(staged.ptr),
                                        a.bytes.size(), kLateWriterDelayNs, t);
         CK(cudaGetLastError());
@@ -903,7 +877,7 @@ void run_hook_test(const GemmConfig& cfg, int64_t m, int64_t n, int64_t k, int r
         hp.num_n_tiles = grid.num_n_tiles;
         hp.mode = per_tile ? gemm::TileSignalMode::kSetPerTile : gemm::TileSignalMode::kAddPerTileRow;
 
-        ASSERT_NO_THROW(ops::detail::launch_gemm_jit(*kernel, cfg, maps, args, grid_ctas, sp, hp, s_gemm));
+        ASSERT_NO_THROW(ops::detail::launch_gemm_kernel(*kernel, cfg, maps, args, grid_ctas, sp, hp, s_gemm));
         if (per_tile) {
             tile_checker_kernel<<<1, 256, 0, s_check>>>(
                 static_cast<const uint64_t*>(d_tile_flags.ptr), static_cast<uint64_t>(round), grid.num_m_tiles,

@@ -69,7 +69,7 @@ struct Case {
     BLayout layout;
     int64_t pad_a, pad_b, pad_d;  // extra elements per row
     std::optional<GemmConfig> config;
-    int small_m_variant = 1;
+    std::optional<GemvVariant> small_m_variant;  // unset: the op picks
     int small_m_max_m = ops::GemmOptions{}.small_m_max_m;
 
     Case(int64_t m_, int64_t n_, int64_t k_, DType in_ = DType::kBF16, DType out_ = DType::kBF16,
@@ -81,7 +81,9 @@ std::string describe(const Case& c) {
     std::ostringstream os;
     os << c.m << "x" << c.n << "x" << c.k << " " << dtype_name(c.in) << "->" << dtype_name(c.out)
        << (c.layout == BLayout::kNK ? " B[N,K]" : " B[K,N]") << " pads(" << c.pad_a << "," << c.pad_b << ","
-       << c.pad_d << ") variant " << c.small_m_variant << " small_m_max_m " << c.small_m_max_m
+       << c.pad_d << ") variant "
+       << (c.small_m_variant ? std::to_string(static_cast<int>(*c.small_m_variant)) : std::string("auto"))
+       << " small_m_max_m " << c.small_m_max_m
        << (c.config ? " config " + ops::gemm_candidate_name(*c.config) : std::string(" auto"));
     return os.str();
 }
@@ -176,7 +178,7 @@ std::vector<jit::KernelSpec> specs_for(const std::vector<Case>& cases) {
         p.out_dtype = c.out;
         const ops::GemmPlan plan = ops::plan_gemm(p, num_sms(), jit_options(c));
         if (plan.path == ops::GemmPath::kSmallM) {
-            specs.push_back(ops::gemv_kernel_spec(plan.small_m_tiles, c.in, c.out, plan.small_m_variant, arch));
+            specs.push_back(ops::gemv_kernel_spec(ops::gemv_config(plan, p), arch));
         } else {
             specs.push_back(ops::gemm_kernel_spec(plan.config, arch));
         }
@@ -198,9 +200,9 @@ TEST(GemmJit, MatchesFp64OnAwkwardShapesLayoutsAndDtypes) {
     const GemmConfig a_pair = gemm_candidate(2, DType::kBF16, DType::kBF16, BLayout::kNK);  // cluster 1x2
     const GemmConfig b_pair_kn = gemm_candidate(4, DType::kF16, DType::kF32, BLayout::kKN);  // 256x128, 2x1
     std::vector<Case> cases = {
-        {1, 264, 72},                                             // small M (variant 1), K not a multiple of 64
+        {1, 264, 72},                                             // small M (variant 3), K not a multiple of 64
         {37, 200, 1024, DType::kBF16, DType::kF32, BLayout::kNK, 8, 8, 8},  // small M, 3 row tiles, split-K, strides
-        {64, 1000, 512, DType::kF16, DType::kF16},                // small M, variant 0 (set below)
+        {64, 1000, 512, DType::kF16, DType::kF16},                // small M, 4 row tiles
         {100, 200, 72},                                           // tiled: nothing a multiple of the tile
         {129, 257, 136, DType::kF16, DType::kF32, BLayout::kKN},  // one past the tile, B [K,N]
         {255, 520, 328, DType::kBF16, DType::kBF16, BLayout::kNK, 16, 24, 8},  // strides everywhere
@@ -208,14 +210,14 @@ TEST(GemmJit, MatchesFp64OnAwkwardShapesLayoutsAndDtypes) {
         {100, 3, 64, DType::kBF16, DType::kBF16, BLayout::kNK, 0, 0, 5},       // tiled, no TMA-stored column
         {777, 1100, 256},                                         // ragged N through the cluster pair (below)
         {300, 384, 512, DType::kF16, DType::kF32, BLayout::kKN},  // B pair with B [K,N] (below)
-        {3, 100, 1000, DType::kBF16, DType::kBF16, BLayout::kNK, 8, 0, 8},  // small M, variant 2 (below): ragged
-        {17, 200, 1032, DType::kF16, DType::kF32},                          // variant 2, 2 row tiles, 2 n8 tiles/warp
-        {64, 136, 72, DType::kBF16, DType::kF32},                           // variant 2, 4 row tiles, K < one trip
+        {3, 100, 1000, DType::kBF16, DType::kBF16, BLayout::kNK, 8, 0, 8},  // small M: ragged N and K
+        {17, 200, 1032, DType::kF16, DType::kF32},                          // small M, 2 row tiles
+        {64, 136, 72, DType::kBF16, DType::kF32},                           // small M, 4 row tiles, K < one stage
+        {2, 520, 4096, DType::kBF16, DType::kF32, BLayout::kNK, 8, 0, 8},   // variant 4, whole rows (below)
+        {9, 700, 6144, DType::kF16, DType::kF16},                           // variant 4, row groups (below)
     };
-    cases[2].small_m_variant = 0;
-    cases[10].small_m_variant = 2;
-    cases[11].small_m_variant = 2;
-    cases[12].small_m_variant = 2;
+    cases[13].small_m_variant = GemvVariant::kBulkRows;
+    cases[14].small_m_variant = GemvVariant::kBulkRows;
     cases[8].config = a_pair;
     cases[9].config = b_pair_kn;
     // Every case with M <= 64 here is meant for the small-M kernels (the default sends M > 16 to the tiled one).
@@ -404,8 +406,8 @@ TEST(GemmJit, EpochModeHooksWaitForTheirReplaysGeneration) {
         WEFT_CUDA_CHECK(cudaEventRecord(r.fork, r.s0));
         WEFT_CUDA_CHECK(cudaStreamWaitEvent(r.s1, r.fork, 0));
         WEFT_CUDA_CHECK(cudaStreamWaitEvent(r.s2, r.fork, 0));
-        ops::detail::launch_gemm_jit(consumer, cfg, maps2, args2, grid_consumer, sched2, hook2, r.s2);
-        ops::detail::launch_gemm_jit(producer, cfg, maps1, args1, grid_producer, sched1, hook1, r.s1);
+        ops::detail::launch_gemm_kernel(consumer, cfg, maps2, args2, grid_consumer, sched2, hook2, r.s2);
+        ops::detail::launch_gemm_kernel(producer, cfg, maps1, args1, grid_producer, sched1, hook1, r.s1);
         WEFT_CUDA_CHECK(cudaEventRecord(r.join1, r.s1));
         WEFT_CUDA_CHECK(cudaEventRecord(r.join2, r.s2));
         WEFT_CUDA_CHECK(cudaStreamWaitEvent(r.s0, r.join1, 0));

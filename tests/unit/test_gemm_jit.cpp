@@ -12,6 +12,7 @@
 
 #include "support/jit_testing.hpp"
 #include "weft/common/gemm_config.hpp"
+#include "weft/common/gemv_config.hpp"
 #include "weft/jit/autotune.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/gemm.hpp"
@@ -44,28 +45,31 @@ TEST(GemmJitCodegen, InstantiationIsTheConfigWithDesignatedInitialisers) {
                   ">, weft::gemm::TileSignalHook>");
     EXPECT_THROW(gemm_kernel_instantiation(c, "", "weft::gemm::NoEpilogueHook"), Error);
 
-    EXPECT_EQ(gemv_kernel_instantiation(3, DType::kF16, DType::kF32, 0),
-              "weft::gemm::gemv_kernel<3, weft::DType::kF16, weft::DType::kF32, 4>");
-    EXPECT_EQ(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 1),
-              "weft::gemm::gemv_kernel<1, weft::DType::kBF16, weft::DType::kBF16, 1>");
-    // Variant 2 names its shape (n8 tiles per warp, ring stages) from gemv_shape.
-    EXPECT_EQ(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 2),
-              "weft::gemm::gemv_kernel<1, weft::DType::kBF16, weft::DType::kBF16, 1, 6>");
-    EXPECT_EQ(gemv_kernel_instantiation(2, DType::kF16, DType::kF32, 2),
-              "weft::gemm::gemv_kernel<2, weft::DType::kF16, weft::DType::kF32, 2, 4>");
-    EXPECT_EQ(gemv_kernel_instantiation(4, DType::kBF16, DType::kF32, 2),
-              "weft::gemm::gemv_kernel<4, weft::DType::kBF16, weft::DType::kF32, 4, 3>");
-    EXPECT_EQ(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 3),
-              "weft::gemm::gemv_kernel<1, weft::DType::kBF16, weft::DType::kBF16, 2, 4, true>");
-    EXPECT_EQ(gemv_kernel_instantiation(4, DType::kF16, DType::kF32, 3),
-              "weft::gemm::gemv_kernel<4, weft::DType::kF16, weft::DType::kF32, 2, 3, true>");
-    // Variant 4 (B's rows by bulk copies): variant 3's arguments and kWholeRows, one row tile only.
-    EXPECT_EQ(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 4),
-              "weft::gemm::gemv_kernel<1, weft::DType::kBF16, weft::DType::kBF16, 2, 4, true, true>");
-    EXPECT_THROW(gemv_kernel_instantiation(2, DType::kBF16, DType::kBF16, 4), Error);
-    EXPECT_THROW(gemv_kernel_instantiation(5, DType::kBF16, DType::kBF16, 1), Error);
-    EXPECT_THROW(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, 5), Error);
-    EXPECT_THROW(gemv_kernel_instantiation(1, DType::kBF16, DType::kBF16, -1), Error);
+    // The small-M kernels: one per family, their GemvConfig printed with designated initialisers.
+    const GemvConfig tma{
+        .variant = GemvVariant::kTmaRing, .m_tiles = 4, .in_dtype = DType::kF16, .out_dtype = DType::kF32};
+    EXPECT_EQ(format_gemv_config(tma),
+              "weft::GemvConfig{.variant = weft::GemvVariant::kTmaRing, .m_tiles = 4, .in_dtype = weft::DType::kF16, "
+              ".out_dtype = weft::DType::kF32}");
+    EXPECT_EQ(gemv_kernel_instantiation(tma), "weft::gemm::gemv_tma_kernel<" + format_gemv_config(tma) + ">");
+    const GemvConfig rows{.variant = GemvVariant::kBulkRows, .m_tiles = 1};
+    EXPECT_EQ(gemv_kernel_instantiation(rows),
+              "weft::gemm::gemv_rows_kernel<weft::GemvConfig{.variant = weft::GemvVariant::kBulkRows, .m_tiles = 1, "
+              ".in_dtype = weft::DType::kBF16, .out_dtype = weft::DType::kBF16}>");
+    auto throws_mentioning = [](const GemvConfig& bad, const std::string& needle) {
+        try {
+            (void)gemv_kernel_instantiation(bad);
+            ADD_FAILURE() << "expected weft::Error mentioning '" << needle << "' for " << format_gemv_config(bad);
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+        }
+    };
+    throws_mentioning(GemvConfig{.variant = GemvVariant::kBulkRows, .m_tiles = 2}, "serves M <= 16 (m_tiles 1)");
+    throws_mentioning(GemvConfig{.m_tiles = 5}, "m_tiles must be in [1, 4], got 5");
+    throws_mentioning(GemvConfig{.m_tiles = 0}, "m_tiles must be in [1, 4], got 0");
+    throws_mentioning(GemvConfig{.variant = static_cast<GemvVariant>(2)}, "GemvVariant::kTmaRing (3) or kBulkRows (4)");
+    throws_mentioning(GemvConfig{.in_dtype = DType::kF32}, "no kernel for f32 -> bf16");
+    throws_mentioning(GemvConfig{.out_dtype = DType::kI32}, "no kernel for bf16 -> i32");
 }
 
 TEST(GemmJitCodegen, SpecsNameTheHeaderTheInstantiationAndTheArch) {
@@ -78,9 +82,14 @@ TEST(GemmJitCodegen, SpecsNameTheHeaderTheInstantiationAndTheArch) {
     const std::string source = jit::Compiler::generate_source(tiled);
     EXPECT_NE(source.find("#include <gemm/gemm_sm90.cuh>"), std::string::npos) << source;
 
-    const jit::KernelSpec gemv = gemv_kernel_spec(2, DType::kBF16, DType::kBF16, 1, kArch);
-    EXPECT_EQ(gemv.header, "gemm/gemv_sm90.cuh");
-    EXPECT_EQ(gemv.instantiation, gemv_kernel_instantiation(2, DType::kBF16, DType::kBF16, 1));
+    const GemvConfig tma{.variant = GemvVariant::kTmaRing, .m_tiles = 2};
+    const jit::KernelSpec gemv = gemv_kernel_spec(tma, kArch);
+    EXPECT_EQ(gemv.header, "gemm/gemv_tma_sm90.cuh");
+    EXPECT_EQ(gemv.instantiation, gemv_kernel_instantiation(tma));
+    EXPECT_EQ(gemv.arch, kArch);
+    const GemvConfig rows{.variant = GemvVariant::kBulkRows, .m_tiles = 1, .out_dtype = DType::kF32};
+    EXPECT_EQ(gemv_kernel_spec(rows, kArch).header, "gemm/gemv_rows_sm90.cuh");
+    EXPECT_EQ(gemv_kernel_spec(rows, kArch).instantiation, gemv_kernel_instantiation(rows));
     EXPECT_EQ(gemm_advance_epoch_spec(kArch).instantiation, "weft::gemm::gemm_advance_epoch_kernel<0>");
 
     GemmConfig bad = c;
@@ -115,9 +124,10 @@ TEST(GemmJitAot, SpecsCoverEveryCandidateAndSmallMKernelOnce) {
                 ++expected;
             }
         }
-        for (int variant = 0; variant < kGemvNumVariants; ++variant) {
-            for (int m_tiles = 1; m_tiles <= (variant == 4 ? 1 : 4); ++m_tiles) {  // variant 4: M <= 16 only
-                EXPECT_EQ(instantiations.count(gemv_kernel_instantiation(m_tiles, in, out, variant)), 1u);
+        for (GemvVariant variant : {GemvVariant::kTmaRing, GemvVariant::kBulkRows}) {
+            for (int m_tiles = 1; m_tiles <= (variant == GemvVariant::kBulkRows ? 1 : 4); ++m_tiles) {  // M <= 16 only
+                const GemvConfig c{.variant = variant, .m_tiles = m_tiles, .in_dtype = in, .out_dtype = out};
+                EXPECT_EQ(instantiations.count(gemv_kernel_instantiation(c)), 1u) << format_gemv_config(c);
                 ++expected;
             }
         }
@@ -143,8 +153,8 @@ TEST(GemmJitCompile, NvrtcCompilesTheOpsSpecsAndTheSecondRequestHitsTheCache) {
         gemm_kernel_spec(gemm_candidate(2, DType::kF16, DType::kF32, BLayout::kKN), kArch),  // cluster pair, [K,N]
         gemm_kernel_spec(gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK), "weft::gemm::ChunkWaitScheduler",
                          "weft::gemm::TileSignalHook", kArch),
-        gemv_kernel_spec(2, DType::kBF16, DType::kF32, 1, kArch),
-        gemv_kernel_spec(1, DType::kBF16, DType::kBF16, 2, kArch),  // variant 2: the register ring
+        gemv_kernel_spec(GemvConfig{.variant = GemvVariant::kTmaRing, .m_tiles = 2, .out_dtype = DType::kF32}, kArch),
+        gemv_kernel_spec(GemvConfig{.variant = GemvVariant::kBulkRows, .m_tiles = 1}, kArch),
         gemm_advance_epoch_spec(kArch),
     };
     std::vector<std::string> keys;
@@ -225,9 +235,9 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         EXPECT_LE(c.plan.grid, 132);
     }
 
-    // M <= small_m_max_m (default 64) with B [N,K]: the small-M variants that can serve it join (variant 4, whole
-    // rows, only M <= 4 with contiguous B rows); the heuristic's pick (variant 3 at M = 16) still comes first.
-    constexpr int kSplitKVariants = kGemvNumVariants - 1;
+    // M <= small_m_max_m (default 64) with B [N,K]: the small-M kernels that can serve it join (variant 4, bulk-copied
+    // rows, only M <= 16 with contiguous B rows); the heuristic's pick (variant 3 here) still comes first.
+    constexpr int kSplitKVariants = 1;  // variant 3
     const GemmProblem small = problem(16, 8192, 8192);
     const auto sc = gemm_tune_candidates(small, 132, {});
     ASSERT_EQ(sc.size(), static_cast<size_t>(kGemmNumCandidates + kSplitKVariants));
@@ -237,14 +247,15 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
     for (const auto& c : sc) {
         if (c.plan.path != GemmPath::kSmallM) continue;
         small_names.insert(c.name);
-        EXPECT_EQ(c.name, "small_m_v" + std::to_string(c.plan.small_m_variant));
+        EXPECT_EQ(c.name, "small_m_v" + std::to_string(static_cast<int>(c.plan.small_m_variant)));
     }
-    EXPECT_EQ(small_names, (std::set<std::string>{"small_m_v0", "small_m_v1", "small_m_v2", "small_m_v3"}));
+    EXPECT_EQ(small_names, (std::set<std::string>{"small_m_v3"}));
     GemmProblem decode = problem(1, 8192, 8192);
     decode.b_rows_contiguous = true;
     const auto dc = gemm_tune_candidates(decode, 132, {});
-    ASSERT_EQ(dc.size(), static_cast<size_t>(kGemmNumCandidates + kGemvNumVariants));
+    ASSERT_EQ(dc.size(), static_cast<size_t>(kGemmNumCandidates + 2));
     EXPECT_EQ(dc[0].name, "small_m_v4");  // the heuristic's pick for decode with contiguous B rows
+    EXPECT_EQ(dc[kGemmNumCandidates + 1].name, "small_m_v3");
     GemmOptions no_small;
     no_small.allow_small_m = false;
     EXPECT_EQ(gemm_tune_candidates(small, 132, no_small).size(), static_cast<size_t>(kGemmNumCandidates));
@@ -460,11 +471,12 @@ TEST(GemmAutotuneSelect, ForcedByEnvironmentAndUnknownNamesAreErrors) {
 TEST(GemmAutotuneSelect, CaptureNeverTimesAndFailingCandidatesAreSkipped) {
     CleanAutotuneEnv env;
     FakeTimings fake;
-    fake.ms["small_m_v0"] = 0.2;
-    fake.ms["small_m_v1"] = 0.1;
-    fake.failing.insert("small_m_v1");  // fastest, but fails: disqualified
+    fake.ms["small_m_v3"] = 0.2;
+    fake.ms["128x256x64_s4_c1x1"] = 0.1;
+    fake.failing.insert("128x256x64_s4_c1x1");  // fastest, but fails: disqualified
     jit::Autotuner tuner(tuner_config(nullptr), fake.measure());
-    const GemmProblem p = problem(8, 4096, 4096);
+    GemmProblem p = problem(8, 4096, 4096);
+    p.b_rows_contiguous = true;  // the heuristic picks variant 4
     const GemmRunPlan run = [](const GemmPlan&, cudaStream_t) {};
     GemmOptions o;
     o.autotune = true;
@@ -473,20 +485,20 @@ TEST(GemmAutotuneSelect, CaptureNeverTimesAndFailingCandidatesAreSkipped) {
     // During capture with nothing cached: the heuristic, and nothing is timed.
     GemmSelection s = select_gemm_plan(p, 132, o, kArch, run, nullptr, /*capturing=*/true);
     EXPECT_EQ(s.origin, GemmChoice::kHeuristic);
-    EXPECT_EQ(s.candidate, "small_m_v3");
+    EXPECT_EQ(s.candidate, "small_m_v4");
     EXPECT_EQ(fake.calls, 0);
 
     s = select_gemm_plan(p, 132, o, kArch, run, nullptr);
     EXPECT_EQ(s.origin, GemmChoice::kTuned);
-    EXPECT_EQ(s.candidate, "small_m_v0");
+    EXPECT_EQ(s.candidate, "small_m_v3");
     EXPECT_EQ(s.plan.path, GemmPath::kSmallM);
-    EXPECT_EQ(s.plan.small_m_variant, 0);
+    EXPECT_EQ(s.plan.small_m_variant, GemvVariant::kTmaRing);
 
     // During capture with a decision: the decision.
     const int calls = fake.calls;
     s = select_gemm_plan(p, 132, o, kArch, run, nullptr, /*capturing=*/true);
     EXPECT_EQ(s.origin, GemmChoice::kCached);
-    EXPECT_EQ(s.candidate, "small_m_v0");
+    EXPECT_EQ(s.candidate, "small_m_v3");
     EXPECT_EQ(fake.calls, calls);
 }
 

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // Unit tests (CPU): NVRTC compiles every GEMM kernel specialisation for sm_90a with a clean ptxas report
-// (no wgmma serialisation, no ignored setmaxnreg, no spills), the tiled kernels' SASS uses HGMMA, and the
-// pipelined small-M kernel (variant 2) keeps its ring of B loads in flight at its first MMA.
+// (no wgmma serialisation, no ignored setmaxnreg, no spills), the tiled kernels' SASS uses HGMMA, and the small-M
+// kernels' SASS streams B as designed (TMA boxes with L2 hints; 1D bulk copies).
 #include <gtest/gtest.h>
 #include <nvrtc.h>
 #include <unistd.h>
@@ -13,14 +13,13 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <optional>
-#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "support/sass_testing.hpp"
 #include "weft/common/gemm_config.hpp"
+#include "weft/common/gemv_config.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_plan.hpp"
@@ -50,7 +49,9 @@ struct Compiled {
 // NOTE: NVRTC has no C++ standard library: fixed-width integers come from libcu++ (the toolkit's cccl
 // folder), as weft/common/macros.hpp expects; the JIT passes the same include path.
 Compiled compile(const std::vector<std::string>& instantiations, const std::string& extra_source = "") {
-    const std::string source = "#include \"gemm/gemm_sm90.cuh\"\n#include \"gemm/gemv_sm90.cuh\"\n" + extra_source;
+    const std::string source = "#include \"gemm/gemm_sm90.cuh\"\n#include \"gemm/gemv_rows_sm90.cuh\"\n"
+                               "#include \"gemm/gemv_tma_sm90.cuh\"\n" +
+                               extra_source;
     nvrtcProgram prog = nullptr;
     Compiled out;
     out.result = nvrtcCreateProgram(&prog, source.c_str(), "weft_gemm_test.cu", 0, nullptr, nullptr);
@@ -105,12 +106,14 @@ std::vector<std::string> tiled_instantiations(const Combo& c) {
     return names;
 }
 
-std::vector<std::string> gemv_instantiations(const Combo& c, std::vector<int> variants = {0, 1, 2, 3, 4}) {
+std::vector<std::string> gemv_instantiations(
+    const Combo& c, std::vector<GemvVariant> variants = {GemvVariant::kTmaRing, GemvVariant::kBulkRows}) {
     std::vector<std::string> names;
     for (int m_tiles = 1; m_tiles <= 4; ++m_tiles) {
-        for (int variant : variants) {
-            if (variant == 4 && m_tiles > 1) continue;  // variant 4: M <= 16 (one m16 tile)
-            names.push_back(ops::gemv_kernel_instantiation(m_tiles, c.in, c.out, variant));
+        for (GemvVariant variant : variants) {
+            if (variant == GemvVariant::kBulkRows && m_tiles > 1) continue;  // M <= 16 (one m16 tile)
+            names.push_back(ops::gemv_kernel_instantiation(
+                GemvConfig{.variant = variant, .m_tiles = m_tiles, .in_dtype = c.in, .out_dtype = c.out}));
         }
     }
     return names;
@@ -248,9 +251,9 @@ TEST(GemmNvrtc, pingpong_sass_uses_hgmma_without_spills) {
     for (const auto& [name, code] : r.sass) expect_tiled_sass(code, name);
 }
 
-// Compiles small-M `variant` for every B [N,K] dtype pair (ASSERTs NVRTC succeeded, checks ptxas' report: no
+// Compiles the small-M kernel `variant` for every B [N,K] dtype pair (ASSERTs NVRTC succeeded, checks ptxas' report: no
 // spills, no wgmma serialisation) and collects every instance's SASS; `why_not` says why SASS cannot be checked.
-CompiledSass gemv_variant_sass(int variant, const std::string& what) {
+CompiledSass gemv_variant_sass(GemvVariant variant, const std::string& what) {
     CompiledSass all;
     for (const Combo& c : combos()) {
         if (c.layout != BLayout::kNK) continue;
@@ -268,7 +271,7 @@ CompiledSass gemv_variant_sass(int variant, const std::string& what) {
 // policy as the load's `desc[UR..]` operand), shared-memory fragment reads (LDS.128), HMMA, and nothing in local
 // memory.
 TEST(GemmNvrtc, small_m_variant3_loads_by_tma_with_l2_hints_and_multiplies_with_hmma) {
-    const CompiledSass r = gemv_variant_sass(3, "small-M variant 3");
+    const CompiledSass r = gemv_variant_sass(GemvVariant::kTmaRing, "small-M variant 3");
     if (::testing::Test::HasFailure()) return;
     if (!r.why_not.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << r.why_not;
     for (const auto& [name, code] : r.sass) {
@@ -287,7 +290,7 @@ TEST(GemmNvrtc, small_m_variant3_loads_by_tma_with_l2_hints_and_multiplies_with_
 // <= 2) and 8-row groups on the tensor cores (M 3..16, or K the first cannot hold): 2 instances of that body (M <=
 // 8, M <= 16) x 8 groups x 16 m16n8k16 MMAs = 256 HMMA per kernel.
 TEST(GemmNvrtc, small_m_variant4_streams_rows_by_bulk_copy_and_multiplies_with_ffma_and_hmma) {
-    const CompiledSass r = gemv_variant_sass(4, "small-M variant 4");
+    const CompiledSass r = gemv_variant_sass(GemvVariant::kBulkRows, "small-M variant 4");
     if (::testing::Test::HasFailure()) return;
     if (!r.why_not.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << r.why_not;
     for (const auto& [name, code] : r.sass) {
@@ -299,177 +302,6 @@ TEST(GemmNvrtc, small_m_variant4_streams_rows_by_bulk_copy_and_multiplies_with_f
         expect_no_local_memory(code, name);
     }
     EXPECT_EQ(r.sass.size(), 4u);  // 4 dtype pairs, one row tile
-}
-
-// ---- small-M variant 2: loads in flight -----------------------------------------------------------------
-
-struct SassInstruction {
-    uint32_t addr = 0;
-    std::string text;  // "@P1 LDG.E.NA.LTC256B.128.CONSTANT R8, desc[UR8][R12.64+0x40]"
-};
-
-// Instructions of one function's SASS (cuobjdump: "/*0810*/ text ;", branch targets as addresses; nvdisasm:
-// the same lines plus ".L_x_N:" labels that branches name).
-std::vector<SassInstruction> parse_sass(const std::string& code, std::map<std::string, size_t>* labels) {
-    std::vector<SassInstruction> out;
-    const std::regex inst(R"(^\s*/\*([0-9a-f]{4,})\*/\s+([^;]*);)");
-    const std::regex label(R"(^\s*(\.L\w+):)");
-    std::stringstream ss(code);
-    std::string line;
-    std::smatch m;
-    while (std::getline(ss, line)) {
-        if (std::regex_search(line, m, label)) {
-            (*labels)[m[1].str()] = out.size();
-        } else if (std::regex_search(line, m, inst)) {
-            out.push_back({static_cast<uint32_t>(std::stoul(m[1].str(), nullptr, 16)), m[2].str()});
-        }
-    }
-    return out;
-}
-
-struct RingReport {
-    bool found_loop = false;
-    int loop_stream_loads = 0;       // B loads (LDG ... LTC256B: the L2::256B hint) in the loop body
-    int loop_mmas = 0;               // HMMA in the loop body
-    int in_flight_at_first_mma = 0;  // B loads issued and not yet consumed when the body's first HMMA issues
-    int max_in_flight_at_mma = 0;    // the most at any HMMA of the body
-    int local_memory = 0;            // LDL / STL anywhere
-};
-
-// Finds the k loop (the first backward branch whose body holds an HMMA) and replays three trips of it after
-// the code before it: a B load is outstanding from its issue until a later instruction names one of its four
-// destination registers (the consuming MMA, or a reuse that must wait for it). The count before the body's
-// first HMMA in the third trip is the steady state: what a warp has in flight when it first waits.
-RingReport analyse_ring(const std::string& code) {
-    RingReport r;
-    std::map<std::string, size_t> labels;
-    const std::vector<SassInstruction> insts = parse_sass(code, &labels);
-    for (const auto& i : insts) {
-        if (i.text.find(" LDL") != std::string::npos || i.text.find(" STL") != std::string::npos ||
-            i.text.rfind("LDL", 0) == 0 || i.text.rfind("STL", 0) == 0) {
-            ++r.local_memory;
-        }
-    }
-    const std::regex bra_addr(R"(BRA\s+0x([0-9a-f]+))");
-    const std::regex bra_label(R"(BRA\s+`\((\.L\w+)\))");
-    size_t begin = 0, end = 0;
-    for (size_t i = 0; i < insts.size() && !r.found_loop; ++i) {
-        std::smatch m;
-        std::optional<size_t> target;
-        if (std::regex_search(insts[i].text, m, bra_addr)) {
-            const uint32_t addr = static_cast<uint32_t>(std::stoul(m[1].str(), nullptr, 16));
-            for (size_t j = 0; j < insts.size(); ++j) {
-                if (insts[j].addr == addr) target = j;
-            }
-        } else if (std::regex_search(insts[i].text, m, bra_label)) {
-            if (auto it = labels.find(m[1].str()); it != labels.end()) target = it->second;
-        }
-        if (!target || *target > i) continue;
-        for (size_t j = *target; j <= i; ++j) {
-            if (insts[j].text.find("HMMA") != std::string::npos) {
-                r.found_loop = true;
-                begin = *target;
-                end = i;
-                break;
-            }
-        }
-    }
-    if (!r.found_loop) return r;
-
-    const std::regex reg(R"(\bR(\d+)\b)");
-    const std::regex dest(R"(LDG\S*\s+R(\d+))");
-    std::vector<std::set<int>> pending;  // destination registers of each outstanding B load
-    bool first_mma_seen = false;
-    auto step = [&](const SassInstruction& i, bool record) {
-        std::set<int> named;
-        for (auto it = std::sregex_iterator(i.text.begin(), i.text.end(), reg); it != std::sregex_iterator(); ++it) {
-            named.insert(std::stoi((*it)[1].str()));
-        }
-        const bool is_mma = i.text.find("HMMA") != std::string::npos;
-        if (record && is_mma) {
-            if (!first_mma_seen) r.in_flight_at_first_mma = static_cast<int>(pending.size());
-            first_mma_seen = true;
-            r.max_in_flight_at_mma = std::max(r.max_in_flight_at_mma, static_cast<int>(pending.size()));
-        }
-        std::erase_if(pending, [&](const std::set<int>& regs) {
-            for (int x : regs) {
-                if (named.count(x)) return true;
-            }
-            return false;
-        });
-        std::smatch m;
-        if (i.text.find("LDG") != std::string::npos && i.text.find("LTC256B") != std::string::npos &&
-            std::regex_search(i.text, m, dest)) {
-            const int d = std::stoi(m[1].str());
-            pending.push_back({d, d + 1, d + 2, d + 3});
-        }
-    };
-    for (size_t j = 0; j < begin; ++j) step(insts[j], false);
-    for (int trip = 0; trip < 3; ++trip) {
-        for (size_t j = begin; j <= end; ++j) step(insts[j], trip == 2);
-    }
-    for (size_t j = begin; j <= end; ++j) {
-        r.loop_stream_loads +=
-            insts[j].text.find("LDG") != std::string::npos && insts[j].text.find("LTC256B") != std::string::npos;
-        r.loop_mmas += insts[j].text.find("HMMA") != std::string::npos;
-    }
-    return r;
-}
-
-// Variant 2 exists because ptxas sinks each 16-byte B load of variants 0/1 down to its MMA (one load in
-// flight per warp). In its SASS, the ring must be in flight when the loop's first MMA waits: at least
-// (stages - 1) x stage_chunks x n_tiles loads (the full ring is stages x ...), and nothing in local memory.
-TEST(GemmNvrtc, small_m_variant2_keeps_the_ring_of_b_loads_in_flight) {
-    const fs::path dir = fs::temp_directory_path() / ("weft_gemv_sass_" + std::to_string(::getpid()));
-    fs::create_directories(dir);
-    int checked = 0;
-    for (const Combo& c : combos()) {
-        if (c.layout != BLayout::kNK) continue;
-        const std::vector<std::string> names = gemv_instantiations(c, {2, 1});
-        const Compiled r = compile(names);
-        ASSERT_EQ(r.result, NVRTC_SUCCESS) << r.log;
-        expect_clean_ptxas_report(r.log, "small-M kernels");
-        const fs::path cubin = dir / "gemv.cubin";
-        {
-            std::ofstream f(cubin, std::ios::binary);
-            f.write(r.cubin.data(), static_cast<std::streamsize>(r.cubin.size()));
-        }
-        std::string tool, why_not;
-        const auto sass = disassemble(cubin, &tool, &why_not);
-        if (sass.empty()) {
-            fs::remove_all(dir);
-            GTEST_SKIP() << "SKIPPED: cannot check SASS: " << why_not;
-        }
-        for (int m_tiles = 1; m_tiles <= 4; ++m_tiles) {
-            for (int variant : {2, 1}) {
-                const std::string name = ops::gemv_kernel_instantiation(m_tiles, c.in, c.out, variant);
-                const auto lowered = r.lowered.find(name);
-                ASSERT_NE(lowered, r.lowered.end()) << name;
-                const auto fn = sass.find(lowered->second);
-                ASSERT_NE(fn, sass.end()) << "no SASS for " << name << " (tool " << tool << ")";
-                const RingReport rep = analyse_ring(fn->second);
-                ASSERT_TRUE(rep.found_loop) << name << ": no k loop with HMMA found in\n" << fn->second;
-                EXPECT_EQ(rep.local_memory, 0) << name << ": local-memory loads/stores";
-                if (c.in == DType::kBF16 && c.out == DType::kBF16) {
-                    std::printf(
-                        "[ SASS     ] %s: B loads in flight at the k loop's first HMMA: %d, at most %d at any "
-                        "HMMA (%d B loads, %d HMMA per trip)\n",
-                        name.c_str(), rep.in_flight_at_first_mma, rep.max_in_flight_at_mma, rep.loop_stream_loads,
-                        rep.loop_mmas);
-                }
-                if (variant != 2) continue;  // variant 1: the baseline printed above (one load in flight)
-                const GemvShape shape = gemv_shape(2, m_tiles);
-                const int ring = shape.stages * shape.stage_chunks * shape.n_tiles;
-                EXPECT_EQ(rep.loop_stream_loads, ring) << name << ": one refill of every slot per trip";
-                EXPECT_GE(rep.in_flight_at_first_mma, (shape.stages - 1) * shape.stage_chunks * shape.n_tiles)
-                    << name << ": ptxas sank the refills below the MMAs\n"
-                    << fn->second;
-                ++checked;
-            }
-        }
-    }
-    fs::remove_all(dir);
-    EXPECT_EQ(checked, 4 * 4);
 }
 
 }  // namespace

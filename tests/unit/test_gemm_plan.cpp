@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "weft/common/gemm_config.hpp"
+#include "weft/common/gemv_config.hpp"
 #include "weft/detail/gemm_launch.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
@@ -208,53 +209,24 @@ TEST(GemmValidate, NamesTheBadArgument) {
 
 TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     ops::GemmProblem p{1, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
-    // The default: the op picks; here (B's rows not known to be contiguous) variant 3, faster than variant 2 at
-    // every size measured (kernels/gemm/README.md).
-    EXPECT_EQ(ops::GemmOptions{}.small_m_variant, -1);
+    // The default: the op picks; here (B's rows not known to be contiguous) the TMA ring (variant 3).
+    EXPECT_FALSE(ops::GemmOptions{}.small_m_variant.has_value());
     const auto plan3 = ops::plan_gemm(p, 132);
     EXPECT_EQ(plan3.path, ops::GemmPath::kSmallM);
     EXPECT_EQ(plan3.small_m_tiles, 1);
-    EXPECT_EQ(plan3.small_m_variant, 3);
-    EXPECT_EQ(plan3.grid, 128);  // variant 3: 64 columns per CTA
-    EXPECT_EQ(plan3.small_m_splits, 1) << "N = K = 8192 on 132 SMs, variant 3: 128 CTAs, 1 per SM, fill the SMs";
+    EXPECT_EQ(plan3.small_m_variant, GemvVariant::kTmaRing);
+    EXPECT_EQ(plan3.grid, 128);  // 64 columns per CTA
+    EXPECT_EQ(plan3.small_m_splits, 1) << "N = K = 8192 on 132 SMs: 128 CTAs, 1 per SM, fill the SMs";
     EXPECT_EQ(plan3.workspace_bytes, 0u);
     EXPECT_EQ(ops::plan_gemm(ops::GemmProblem{64, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16}, 132).grid,
               128);  // 64 columns per CTA at every row-tile count
-    ops::GemmOptions v2;
-    v2.small_m_variant = 2;
-    auto plan = ops::plan_gemm(p, 132, v2);
-    EXPECT_EQ(plan.path, ops::GemmPath::kSmallM);
-    EXPECT_EQ(plan.small_m_tiles, 1);
-    EXPECT_EQ(plan.small_m_variant, 2);
-    EXPECT_EQ(plan.grid, 256);  // variant 2 at one row tile: 32 columns per CTA
-    EXPECT_GE(plan.small_m_splits * plan.small_m_k_per_split, 8192);
-    EXPECT_LT((plan.small_m_splits - 1) * plan.small_m_k_per_split, 8192);
-    EXPECT_EQ(plan.small_m_k_per_split % 32, 0);
-    EXPECT_GE(plan.grid * plan.small_m_splits, 2 * 132) << "too few CTAs to stream B at full bandwidth";
-    EXPECT_EQ(plan.small_m_splits, 2) << "N = K = 8192 on 132 SMs, variant 2: one wave of 4 CTAs per SM";
-    EXPECT_EQ(8192 % plan.small_m_k_per_split, 0);
-    EXPECT_EQ(plan.workspace_bytes, ops::gemm_workspace_bytes(p, plan.small_m_splits, 2));
-    ops::GemmOptions v1;
-    v1.small_m_variant = 1;
-    const auto plan1 = ops::plan_gemm(p, 132, v1);
-    EXPECT_EQ(plan1.small_m_variant, 1);
-    EXPECT_EQ(plan1.grid, 256);  // variant 1: 32 columns per CTA
-    EXPECT_EQ(plan1.small_m_splits, 4) << "N = K = 8192 on 132 SMs, variant 1: 4 splits measured best";
-    EXPECT_EQ(plan1.workspace_bytes, ops::gemm_workspace_bytes(p, plan1.small_m_splits, 1));
-    ops::GemmOptions v0;
-    v0.small_m_variant = 0;
-    const auto plan0 = ops::plan_gemm(p, 132, v0);
-    EXPECT_EQ(plan0.grid, 64);  // 128 columns per CTA
-    EXPECT_EQ(plan0.small_m_splits, 8) << "variant 0: 8 splits of 1024 measured best";
-    EXPECT_EQ(plan0.workspace_bytes, ops::gemm_workspace_bytes(p, plan0.small_m_splits, 0));
-    // Counters (one per column block, rounded to 256 bytes) then fp32 partials [splits][M][N].
-    EXPECT_EQ(plan.workspace_bytes, 256u * 4 + 2u * 8192 * 4);
-    EXPECT_EQ(plan1.workspace_bytes, 256u * 4 + 4u * 8192 * 4);
-    EXPECT_EQ(plan0.workspace_bytes, 256u + 8u * 8192 * 4);
-    v0.small_m_variant = 5;
-    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be -1 (auto), 0, 1, 2, 3 or 4, got 5");
-    v0.small_m_variant = -2;
-    expect_error_mentions([&] { ops::plan_gemm(p, 132, v0); }, "options.small_m_variant must be -1 (auto), 0, 1, 2, 3 or 4, got -2");
+    ops::GemmOptions bad;
+    bad.small_m_variant = static_cast<GemvVariant>(2);
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, bad); },
+                          "options.small_m_variant must be GemvVariant::kTmaRing (3) or GemvVariant::kBulkRows (4), "
+                          "got 2");
+    bad.small_m_variant = static_cast<GemvVariant>(5);
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, bad); }, "got 5");
 
     ops::GemmOptions up_to_64;
     up_to_64.small_m_max_m = kGemvMaxM;
@@ -274,12 +246,11 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     forced_splits.small_m_splits = 3;
     EXPECT_EQ(ops::plan_gemm(p, 132, forced_splits).small_m_splits, 3);
     p.k = 8;  // tiny K: one split, no workspace
-    plan = ops::plan_gemm(p, 132);
+    const auto plan = ops::plan_gemm(p, 132);
     EXPECT_EQ(plan.small_m_splits, 1);
     EXPECT_EQ(plan.workspace_bytes, 0u);
 }
 
-// Variant 2: one wave of gemv_shape(2, m_tiles).ctas_per_sm CTAs per SM, its columns per CTA from the shape.
 // Variant 3's shared-memory plan (gemv_shape / gemv_smem_bytes): each row-tile count's ring fits the planned CTAs
 // per SM on an H200 (228 KiB per SM, 227 KiB per block, 1 KiB reserved per resident block), holds whole stages
 // of its B and A rows, and has room for the end's cross-warp sums.
@@ -287,9 +258,10 @@ TEST(GemmPlan, SmallMVariant3RingFitsItsPlannedCtasPerSm) {
     constexpr int kSmPerSm = 228 * 1024, kMaxPerBlock = 227 * 1024, kReservedPerBlock = 1024;
     for (int m_tiles = 1; m_tiles <= kGemvMaxM / 16; ++m_tiles) {
         SCOPED_TRACE("m_tiles " + std::to_string(m_tiles));
-        const GemvShape shape = gemv_shape(3, m_tiles);
-        ASSERT_TRUE(shape.bulk);
-        const int smem = gemv_smem_bytes(3, m_tiles);
+        const GemvConfig config{.variant = GemvVariant::kTmaRing, .m_tiles = m_tiles};
+        ASSERT_TRUE(is_valid(config));
+        const GemvShape shape = gemv_shape(config);
+        const int smem = gemv_smem_bytes(config);
         const int stage = (32 * shape.n_tiles + 16 * m_tiles) * 2 * kGemvBulkStageK;
         EXPECT_LE(smem, kMaxPerBlock);
         EXPECT_LE(shape.ctas_per_sm * (smem + kReservedPerBlock), kSmPerSm);
@@ -297,7 +269,6 @@ TEST(GemmPlan, SmallMVariant3RingFitsItsPlannedCtasPerSm) {
         EXPECT_GE(smem, 128 + 1024 + 4 * m_tiles * 4 * shape.n_tiles * 4 * 32 * 4) << "the cross-warp sums";
         EXPECT_GE(shape.stages, 2);
         EXPECT_EQ(kGemvBulkStageK % kGemvBulkBoxK, 0);
-        EXPECT_EQ(gemv_smem_bytes(2, m_tiles), 0) << "the register variants take no dynamic shared memory";
     }
 }
 
@@ -305,16 +276,17 @@ TEST(GemmPlan, SmallMVariant3RingFitsItsPlannedCtasPerSm) {
 // whole-row FMA body: M <= 2, K = 2048 x 1, 2, 4 or 8; its row-group MMA body elsewhere), no split-K;
 // forced elsewhere, the plan names what is missing. Where it serves: one split, no workspace, one CTA per SM with N
 // spread evenly (8192 rows on 132 SMs: 63 rows each, 131 CTAs), and the launch takes the ring's shared memory. Left
-// to the op (small_m_variant -1), it is picked where it serves and K >= 4096; variant 3 elsewhere.
+// to the op (small_m_variant unset), it is picked where it serves and K >= 4096; variant 3 elsewhere.
 TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
+    constexpr GemvVariant k3 = GemvVariant::kTmaRing, k4 = GemvVariant::kBulkRows;
     ops::GemmOptions v4;
-    v4.small_m_variant = 4;
+    v4.small_m_variant = k4;
     ops::GemmProblem p{1, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
     p.b_rows_contiguous = true;
     EXPECT_EQ(ops::gemv_rows_unsupported(p), "");
     const auto plan = ops::plan_gemm(p, 132, v4);
     EXPECT_EQ(plan.path, ops::GemmPath::kSmallM);
-    EXPECT_EQ(plan.small_m_variant, 4);
+    EXPECT_EQ(plan.small_m_variant, k4);
     EXPECT_EQ(plan.grid, 131);
     EXPECT_EQ(plan.small_m_splits, 1);
     EXPECT_EQ(plan.workspace_bytes, 0u);
@@ -323,17 +295,17 @@ TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
         change(q);
         return q;
     };
-    EXPECT_EQ(ops::plan_gemm(p, 132).small_m_variant, 4);
-    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 2; q.k = 4096; }), 132).small_m_variant, 4);
-    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 2048; }), 132).small_m_variant, 3);
-    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 4; }), 132).small_m_variant, 4);
-    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 5; }), 132).small_m_variant, 4);
-    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 16; }), 132).small_m_variant, 4);
-    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 17; }), 132).small_m_variant, 3);
-    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 4; q.k = 16384; }), 132).small_m_variant, 4);
-    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.b_rows_contiguous = false; }), 132).small_m_variant, 3);
-    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 6144; }), 132).small_m_variant, 4);
-    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 6656; }), 132).small_m_variant, 3);
+    EXPECT_EQ(ops::plan_gemm(p, 132).small_m_variant, k4);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 2; q.k = 4096; }), 132).small_m_variant, k4);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 2048; }), 132).small_m_variant, k3);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 4; }), 132).small_m_variant, k4);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 5; }), 132).small_m_variant, k4);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 16; }), 132).small_m_variant, k4);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 17; }), 132).small_m_variant, k3);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 4; q.k = 16384; }), 132).small_m_variant, k4);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.b_rows_contiguous = false; }), 132).small_m_variant, k3);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 6144; }), 132).small_m_variant, k4);
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 6656; }), 132).small_m_variant, k3);
     expect_error_mentions([&] { ops::plan_gemm(with([](auto& q) { q.m = 17; }), 132, v4); }, "M = 17 > 16");
     // The body: FMAs with A in registers where it fits, else the row groups on the tensor cores.
     EXPECT_TRUE(gemv_rows_uses_ffma(2, 8192));
@@ -370,8 +342,8 @@ TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
     const auto launch = ops::detail::make_gemv_launch(plan, a, mat(0x100000, DType::kBF16, 8192, 8192, 8192), d);
     EXPECT_EQ(launch.args.rows_per_cta, 63);
     EXPECT_EQ(launch.smem_bytes, gemv_rows_smem_bytes(kGemvRowsStages));
-    EXPECT_EQ(gemv_smem_bytes(4, 1), gemv_rows_smem_bytes(kGemvRowsStages));
-    EXPECT_LE(gemv_smem_bytes(4, 1), 227 * 1024);
+    EXPECT_EQ(gemv_smem_bytes(GemvConfig{.variant = k4}), gemv_rows_smem_bytes(kGemvRowsStages));
+    EXPECT_LE(gemv_smem_bytes(GemvConfig{.variant = k4}), 227 * 1024);
     EXPECT_EQ(launch.block.x, static_cast<unsigned>(kGemvBulkThreads));
     // The row-group body (M = 16 here) runs two producer warps (B, A) beside 8 consumer warps; the kernel traps on any
     // other block, so the launch must follow the body: 320 threads, the same shared memory (its ring, sums and A slot).
@@ -397,7 +369,7 @@ TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
 // none is empty (the kernel's last CTA takes the rest), and there are never more CTAs than the budget's SMs.
 TEST(GemmPlan, SmallMVariant4SpreadsEveryRowOverNonEmptyCtas) {
     ops::GemmOptions v4;
-    v4.small_m_variant = 4;
+    v4.small_m_variant = GemvVariant::kBulkRows;
     const TensorView a = mat(0x10000, DType::kBF16, 1, 2048, 2048);
     for (int budget : {1, 2, 3, 7, 64, 131, 132}) {
         v4.sm_budget = budget;
@@ -417,8 +389,8 @@ TEST(GemmPlan, SmallMVariant4SpreadsEveryRowOverNonEmptyCtas) {
 }
 
 // GemmOptions::programmatic_launch reaches only the kernels that wait for the previous one inside (the small-M
-// variants with a shared-memory ring: 4 for M <= 16, 3 up to 64), and only when asked for: the tiled kernel and the
-// register-ring variants launch as usual.
+// kernels, both with a shared-memory ring: variant 4 for M <= 16, 3 up to 64, forced or picked), and only when asked
+// for: the tiled kernel launches as usual.
 TEST(GemmPlan, OnlyTheRingKernelsLaunchProgrammatically) {
     ops::GemmOptions on;
     on.programmatic_launch = true;
@@ -428,63 +400,69 @@ TEST(GemmPlan, OnlyTheRingKernelsLaunchProgrammatically) {
         const auto plan = ops::plan_gemm(p, 132, on);
         const bool small_m = plan.path == ops::GemmPath::kSmallM;
         EXPECT_EQ(small_m, m <= kGemvMaxM) << "M " << m;
-        if (small_m) EXPECT_EQ(plan.small_m_variant, m <= kGemvGroupsMaxM ? 4 : 3) << "M " << m;
+        if (small_m) {
+            EXPECT_EQ(plan.small_m_variant, m <= kGemvGroupsMaxM ? GemvVariant::kBulkRows : GemvVariant::kTmaRing)
+                << "M " << m;
+        }
         EXPECT_EQ(ops::gemm_launches_programmatically(plan, on), small_m) << "M " << m;
         EXPECT_FALSE(ops::gemm_launches_programmatically(plan, ops::GemmOptions{})) << "M " << m << ", option off";
     }
-    for (int variant : {0, 1, 2}) {
+    for (GemvVariant variant : {GemvVariant::kTmaRing, GemvVariant::kBulkRows}) {
         ops::GemmOptions forced = on;
         forced.small_m_variant = variant;
         ops::GemmProblem p{16, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
         p.b_rows_contiguous = true;
         const auto plan = ops::plan_gemm(p, 132, forced);
         ASSERT_EQ(plan.small_m_variant, variant);
-        EXPECT_FALSE(ops::gemm_launches_programmatically(plan, forced)) << "variant " << variant;
+        EXPECT_TRUE(ops::gemm_launches_programmatically(plan, forced)) << "variant " << static_cast<int>(variant);
+        EXPECT_FALSE(ops::gemm_launches_programmatically(plan, ops::GemmOptions{}));
     }
 }
 
-TEST(GemmPlan, SmallMVariant2FillsOneWaveOfItsShape) {
-    ops::GemmOptions v2;
-    v2.small_m_variant = 2;
-    v2.small_m_max_m = kGemvMaxM;  // M 17..64 too
+// Variant 3's split count fills one wave of gemv_shape(config).ctas_per_sm CTAs per SM with at least 256 k per
+// split; its workspace is the counters (one per 64-column block, rounded to 256 bytes) then fp32 partials
+// [splits][M][N].
+TEST(GemmPlan, SmallMVariant3FillsOneWave) {
+    ops::GemmOptions up_to_64;
+    up_to_64.small_m_max_m = kGemvMaxM;  // M 17..64 too
     struct Expect {
-        int64_t m;
-        int m_tiles, cols_per_cta, ctas_per_sm, splits;
+        int64_t m, n, k;
+        int m_tiles, grid, splits;
     };
-    // N = K = 8192 on 132 SMs: m_tiles 1: 4 CTAs/SM, 256 column blocks -> 2 splits (512 CTAs <= 528);
-    // m_tiles 2: 3 CTAs/SM, 128 blocks -> 3 splits (384 <= 396; the last split is shorter);
-    // m_tiles 3, 4: 2 CTAs/SM, 64 blocks -> 4 splits (256 <= 264).
-    for (const Expect& e : {Expect{1, 1, 32, 4, 2}, Expect{16, 1, 32, 4, 2}, Expect{17, 2, 64, 3, 3},
-                            Expect{33, 3, 128, 2, 4}, Expect{64, 4, 128, 2, 4}}) {
-        SCOPED_TRACE("M = " + std::to_string(e.m));
-        const ops::GemmProblem p{e.m, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
-        const GemvShape shape = gemv_shape(2, e.m_tiles);
-        EXPECT_EQ(gemv_cols_per_cta(shape.n_tiles), e.cols_per_cta);
-        EXPECT_EQ(shape.ctas_per_sm, e.ctas_per_sm);
-        EXPECT_GE(shape.stages, 2);
-        EXPECT_GE(shape.stage_chunks, 1);
-        const auto plan = ops::plan_gemm(p, 132, v2);
+    // 132 SMs: N = 4096: 64 column blocks -> 2 splits; N = 2048: 32 -> 4; N = 1000: 16 -> 8; N = 8192: 128 -> 1;
+    // K = 512 allows at most 2 splits of 256.
+    for (const Expect& e : {Expect{1, 4096, 8192, 1, 64, 2}, Expect{16, 2048, 8192, 1, 32, 4},
+                            Expect{17, 1000, 4096, 2, 16, 8}, Expect{64, 8192, 8192, 4, 128, 1},
+                            Expect{40, 1000, 512, 3, 16, 2}}) {
+        SCOPED_TRACE("M x N x K = " + std::to_string(e.m) + " x " + std::to_string(e.n) + " x " + std::to_string(e.k));
+        const ops::GemmProblem p{e.m, e.n, e.k, BLayout::kNK, DType::kBF16, DType::kBF16};
+        const GemvShape shape = gemv_shape(GemvConfig{.variant = GemvVariant::kTmaRing, .m_tiles = e.m_tiles});
+        EXPECT_EQ(gemv_cols_per_cta(shape.n_tiles), 64);
+        EXPECT_EQ(shape.ctas_per_sm, 1);
+        const auto plan = ops::plan_gemm(p, 132, up_to_64);
         EXPECT_EQ(plan.path, ops::GemmPath::kSmallM);
-        EXPECT_EQ(plan.small_m_variant, 2);
+        EXPECT_EQ(plan.small_m_variant, GemvVariant::kTmaRing);
         EXPECT_EQ(plan.small_m_tiles, e.m_tiles);
-        EXPECT_EQ(plan.grid, 8192 / e.cols_per_cta);
+        EXPECT_EQ(plan.grid, e.grid);
         EXPECT_EQ(plan.small_m_splits, e.splits);
-        EXPECT_LE(plan.grid * plan.small_m_splits, e.ctas_per_sm * 132) << "more than one wave";
+        EXPECT_LE(plan.grid * plan.small_m_splits, 132) << "more than one wave";
         EXPECT_EQ(plan.small_m_k_per_split % 32, 0);
         EXPECT_GE(static_cast<int64_t>(plan.small_m_splits) * plan.small_m_k_per_split, p.k);
         EXPECT_LT(static_cast<int64_t>(plan.small_m_splits - 1) * plan.small_m_k_per_split, p.k) << "an empty split";
-        // Counters (one per column block, rounded to 256 bytes) then fp32 partials [splits][M][N].
         const size_t counters = (static_cast<size_t>(plan.grid) * 4 + 255) / 256 * 256;
-        EXPECT_EQ(plan.workspace_bytes, counters + static_cast<size_t>(plan.small_m_splits) * e.m * 8192 * 4);
-        EXPECT_EQ(plan.workspace_bytes, ops::gemm_workspace_bytes(p, plan.small_m_splits, 2));
+        const size_t partials = static_cast<size_t>(plan.small_m_splits) * e.m * e.n * 4;
+        EXPECT_EQ(plan.workspace_bytes, plan.small_m_splits > 1 ? counters + (partials + 255) / 256 * 256 : 0u);
+        EXPECT_EQ(plan.workspace_bytes, ops::gemm_workspace_bytes(p, plan.small_m_splits));
     }
     // Small N and K: at least 256 k per split, at least one column block; N not a multiple of the block.
     const ops::GemmProblem tiny{3, 100, 264, BLayout::kNK, DType::kF16, DType::kF32};
-    const auto plan = ops::plan_gemm(tiny, 132, v2);
-    EXPECT_EQ(plan.grid, 4);  // ceil(100 / 32)
+    const auto plan = ops::plan_gemm(tiny, 132);
+    EXPECT_EQ(plan.grid, 2);  // ceil(100 / 64)
     EXPECT_EQ(plan.small_m_splits, 1);
     EXPECT_EQ(plan.workspace_bytes, 0u);
-    expect_error_mentions([&] { (void)ops::gemm_workspace_bytes(tiny, 2, 5); }, "small_m_variant must be in [0, 4]");
+    EXPECT_EQ(ops::gemm_workspace_bytes(tiny, 2, GemvVariant::kBulkRows), ops::gemm_workspace_bytes(tiny, 2));
+    expect_error_mentions([&] { (void)ops::gemm_workspace_bytes(tiny, 2, static_cast<GemvVariant>(1)); },
+                          "variant must be GemvVariant::kTmaRing (3) or GemvVariant::kBulkRows (4), got 1");
 }
 
 // small_m_max_m bounds the M the small-M path takes (default 64 = kGemvMaxM: variant 3 beats the tiled kernel

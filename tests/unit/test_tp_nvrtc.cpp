@@ -110,8 +110,9 @@ TEST(TpNvrtc, GemmArKernelsCompileClean) {
     jit::Compiler compiler(isolated_compiler_config(fs::path()));
     compile_clean(compiler, ops::detail::ar_reduce_kernel_spec(DType::kBF16, DType::kBF16, kArch));
     compile_clean(compiler, ops::detail::ar_reduce_kernel_spec(DType::kF32, DType::kF16, kArch));
-    compile_clean(compiler, ops::detail::gemv_kernel_spec(1, DType::kBF16, DType::kBF16, 1, kArch));
-    compile_clean(compiler, ops::detail::gemv_kernel_spec(4, DType::kF16, DType::kF32, 0, kArch));
+    compile_clean(compiler,
+                  ops::detail::gemv_kernel_spec(1, DType::kBF16, DType::kBF16, GemvVariant::kBulkRows, kArch));
+    compile_clean(compiler, ops::detail::gemv_kernel_spec(4, DType::kF16, DType::kF32, GemvVariant::kTmaRing, kArch));
 }
 
 // weft-compile --builtin warms the TP ops' kernels: the list is unique and covers what the ops launch.

@@ -16,6 +16,7 @@
 #pragma once
 
 #include "weft/common/macros.hpp"
+#include "weft/common/math.hpp"
 
 namespace weft {
 
@@ -120,7 +121,6 @@ struct AllGatherTileMap {
         return chunk(signal_index(source, i % chunks_per_rank()));
     }
 
-    WEFT_HOST_DEVICE static constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
     WEFT_HOST_DEVICE static constexpr int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 };
 
@@ -233,7 +233,6 @@ struct ReduceScatterTileMap {
     WEFT_HOST_DEVICE constexpr int64_t effective_chunk_rows() const {
         return chunk_rows < rows_per_rank ? chunk_rows : rows_per_rank;
     }
-    WEFT_HOST_DEVICE static constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
     WEFT_HOST_DEVICE static constexpr int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 };
 

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "weft/common/gemm_config.hpp"
+#include "weft/common/gemv_config.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/jit/kernel.hpp"
 #include "weft/ops/gemm.hpp"
@@ -36,8 +37,8 @@ CUtensorMap make_gemm_store_map(const GemmConfig& config, const TensorView& d);
 GemmArgs make_gemm_args(const TensorView& a, const TensorView& d, uint64_t timeout_ns);
 
 /// One launch of the small-M kernel of `plan` (path kSmallM) for (validated) views: its arguments (the
-/// caller sets counters and partials when plan.small_m_splits > 1), its tensor maps (variant 3; zeros for
-/// the others, which take and ignore them), grid and dynamic shared memory. Launch with (args, maps).
+/// caller sets counters and partials when plan.small_m_splits > 1), its tensor maps (kTmaRing; zeros for
+/// kBulkRows, which takes and ignores them), grid, block and dynamic shared memory. Launch with (args, maps).
 struct GemvLaunch {
     GemvArgs args{};
     struct Maps {
@@ -57,25 +58,32 @@ uint64_t gemm_timeout_ns(const GemmOptions& options);
 /// (device, spec) so that repeated calls cost a map lookup.
 jit::Kernel& gemm_jit_kernel(const jit::KernelSpec& spec);
 
-/// Launches a tiled-kernel instantiation loaded through weft::jit (any scheduler and hook; their Params passed
-/// as raw bytes) with the cluster shape and shared memory of `config` and `grid` CTAs. `grid` must be a
-/// positive multiple of the cluster size.
-void launch_gemm_jit(const jit::Kernel& kernel, const GemmConfig& config, const GemmTensorMaps& maps,
-                     const GemmArgs& args, int grid, const void* sched_params, size_t sched_bytes,
-                     const void* hook_params, size_t hook_bytes, cudaStream_t stream);
+/// Launches `kernel`, a gemm_kernel<config, Scheduler<config>, Hook> instantiation loaded through weft::jit
+/// (gemm_jit_kernel(gemm_kernel_spec(config, "ns::Scheduler", "ns::Hook")), or any kernel with gemm_kernel's
+/// parameters, such as a fused op's), on `stream`: `grid` CTAs of
+/// kGemmThreads threads in clusters of config's cluster shape, config's dynamic shared memory
+/// (gemm_smem_plan), and the kernel's parameters (maps.a, maps.b, maps.d, args, the scheduler's Params, the hook's
+/// Params). `grid` must be a positive multiple of the cluster size (fit_gemm_grid bounds it to the clusters that fit
+/// at once). The Params are copied byte-wise; their sizes are checked against the kernel's parameters. The one
+/// launch of a tiled GEMM: weft::ops::gemm and the fused ops call it.
+void launch_gemm_kernel(const jit::Kernel& kernel, const GemmConfig& config, const GemmTensorMaps& maps,
+                        const GemmArgs& args, int grid, const void* sched_params, size_t sched_bytes,
+                        const void* hook_params, size_t hook_bytes, cudaStream_t stream);
 
 template <class SchedParams, class HookParams>
-void launch_gemm_jit(const jit::Kernel& kernel, const GemmConfig& config, const GemmTensorMaps& maps,
-                     const GemmArgs& args, int grid, const SchedParams& sched, const HookParams& hook,
-                     cudaStream_t stream) {
+void launch_gemm_kernel(const jit::Kernel& kernel, const GemmConfig& config, const GemmTensorMaps& maps,
+                        const GemmArgs& args, int grid, const SchedParams& sched, const HookParams& hook,
+                        cudaStream_t stream) {
     static_assert(std::is_trivially_copyable_v<SchedParams> && std::is_trivially_copyable_v<HookParams>,
                   "kernel parameters are copied byte-wise");
-    launch_gemm_jit(kernel, config, maps, args, grid, &sched, sizeof(SchedParams), &hook, sizeof(HookParams), stream);
+    launch_gemm_kernel(kernel, config, maps, args, grid, &sched, sizeof(SchedParams), &hook, sizeof(HookParams),
+                       stream);
 }
 
-/// The largest grid (a multiple of the cluster size, at most `grid`) whose clusters fit on the device at once
-/// for this JIT kernel (cudaOccupancyMaxActiveClusters; GPC boundaries leave some SMs unpaired). `grid`
+/// The largest grid (a multiple of the cluster size, at most `grid`) whose clusters of `config` fit on the current
+/// device at once for `kernel` (the driver's occupancy query, with the dynamic shared memory limit raised through
+/// jit::Kernel::allow_dynamic_smem; GPC boundaries leave some SMs unpaired), memoised per (device, kernel). `grid`
 /// unchanged for cluster-free configs, or when the query fails (logged: launches still work, in waves).
-int fit_gemm_jit_grid(const jit::Kernel& kernel, const GemmConfig& config, int grid);
+int fit_gemm_grid(const jit::Kernel& kernel, const GemmConfig& config, int grid);
 
 }  // namespace weft::ops::detail

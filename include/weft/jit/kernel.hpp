@@ -66,6 +66,12 @@ public:
     /// device's primary context current first when none is). Idempotent and cheap when done.
     CUfunction load_for_current_context() const;
 
+    /// load_for_current_context(), with the function's dynamic shared memory limit at least `bytes` in that
+    /// context (the device's opt-in maximum is set at load; a driver call only where that failed). The one
+    /// cache of this attribute, per (kernel, context): launch() goes through it too. Throws weft::Error when
+    /// `bytes` plus the static shared memory exceed the device's per-block limit.
+    CUfunction allow_dynamic_smem(size_t bytes) const;
+
     const std::string& description() const { return description_; }
     const std::string& lowered_name() const { return lowered_name_; }
     /// Byte size of each kernel parameter, from the driver (empty when the driver could not say, in
@@ -82,6 +88,8 @@ private:
         int optin_smem_bytes;        // the device's per-block opt-in limit
     };
     PerContext& state_for_current_context() const;
+    /// Raises state.function's dynamic shared memory limit to `bytes` when it is lower (see allow_dynamic_smem).
+    void raise_dynamic_smem(PerContext& state, size_t bytes) const;
 
     std::string description_;
     std::string lowered_name_;

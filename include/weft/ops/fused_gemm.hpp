@@ -181,7 +181,7 @@ public:
                 cudaStream_t stream) const {
         static_assert(std::is_trivially_copyable_v<SchedulerParams> && std::is_trivially_copyable_v<HookParams>,
                       "fused GEMM parameters are copied byte for byte into the kernel's parameter space");
-        detail::launch_gemm_jit(*kernel_, config_, call.maps, call.args, call.grid, sched, hook, stream);
+        detail::launch_gemm_kernel(*kernel_, config_, call.maps, call.args, call.grid, sched, hook, stream);
     }
 
     const GemmConfig& config() const { return config_; }

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "weft/common/gemm_config.hpp"
+#include "weft/common/gemv_config.hpp"
 #include "weft/runtime/tensor_view.hpp"
 
 namespace weft::jit {
@@ -25,23 +26,22 @@ namespace weft::ops {
 struct GemmOptions {
     int sm_budget = 0;                 ///< CTAs of the persistent grid (SMs it may occupy); 0 = every SM
     std::optional<GemmConfig> config;  ///< force this tiled-kernel config (dtypes/layout must match the call)
-    bool allow_small_m = true;         ///< let M <= small_m_max_m with B [N,K] take the split-K small-M path
+    bool allow_small_m = true;         ///< let M <= small_m_max_m with B [N,K] take the small-M path
     /// The largest M the heuristic sends to the small-M path (0..kGemvMaxM = 64; above it: the tiled kernel).
     /// Default 64: measured on an H200 (bf16, N = K = 8192, 2026-11-29), the small-M kernel (variant 3) takes
     /// 39.0 us at M = 1, 39.3 us at M = 16, 40.3 us at M = 32, 45.3 us at M = 48 and 52.6 us at M = 64; the
     /// tiled kernel 69.2 us at M = 48 and 71.4 us at M = 64.
     int small_m_max_m = 64;
     int small_m_splits = 0;            ///< force the small-M path's split count (0 = heuristic)
-    /// Small-M kernel (gemv_shape in weft/common/gemm_config.hpp, kernels/gemm/gemv_sm90.cuh): -1 = the op picks
-    /// (default): 4 where it serves (gemv_rows_unsupported is empty) and K >= 4096, else 3. 4 = B's rows by 1D
-    /// bulk copies into a shared-memory ring, one CTA per SM (M <= 16, ldb = K, K a multiple of 2048): whole rows
-    /// and CUDA-core FMAs for M <= 2 with K = 2048 x 1, 2, 4 or 8, else groups of 8 rows on the
-    /// tensor cores; 3 = B and A stream through a shared-memory ring filled by TMA; 2 = a register ring keeping 8-12
-    /// B loads in flight per warp; 1 = 8 columns per warp, 1 KiB contiguous per row per iteration; 0 = 32 columns
-    /// per warp. H200, bf16, B [N,K], one run each (kernels/gemm/README.md, v10): 1x8192x8192 v4 / v3 / cuBLASLt
+    /// Force a small-M kernel (GemvVariant in weft/common/gemv_config.hpp); unset (the default): the op picks
+    /// kBulkRows where it serves (gemv_rows_unsupported is empty) and K >= 4096, else kTmaRing. kBulkRows (variant
+    /// 4) = B's rows by 1D bulk copies into a shared-memory ring, one CTA per SM (M <= 16, ldb = K, K a multiple of
+    /// 2048): whole rows and CUDA-core FMAs for M <= 2 with K = 2048 x 1, 2, 4 or 8, else groups of 8 rows on the
+    /// tensor cores; kTmaRing (variant 3) = split-K, B and A stream through a shared-memory ring filled by TMA.
+    /// H200, bf16, B [N,K], one run each (kernels/gemm/README.md, v10): 1x8192x8192 v4 / v3 / cuBLASLt
     /// 35.3-36.3 / 37.3-38.1 / 37.2-37.4 us; 1x28672x4096 57.8-58.7 / 64.8-65.3 / 58.8-59.5 us; 16x8192x8192
     /// (row groups, v14, run K) 37.7-37.8 / 37.8-38.1 / 37.1-37.3 us.
-    int small_m_variant = -1;
+    std::optional<GemvVariant> small_m_variant;
     void* workspace = nullptr;         ///< small-M scratch of gemm_workspace_bytes, 256-byte aligned: split-K
                                        ///< counters first (zero-filled before the first use; each call leaves
                                        ///< them zero), then fp32 partials. Zero it again if N grows. nullptr =
@@ -59,13 +59,13 @@ struct GemmOptions {
     bool autotune = false;
     jit::Autotuner* autotuner = nullptr;  ///< nullptr: weft::jit::autotuner() (tests pass their own)
     /// Programmatic dependent launch for a chain of decode GEMMs (the layers of one decode step): the small-M
-    /// kernels with a shared-memory ring (variants 3 and 4, gemm_launches_programmatically) start while the kernel
+    /// kernels (both have a shared-memory ring: gemm_launches_programmatically) start while the kernel
     /// before them on `stream` still runs and stream their first stages of B into shared memory during that
     /// kernel's last microseconds; they wait for that kernel to complete (griddepcontrol.wait) before they read A
     /// or write anything, and let the next kernel start only after that wait. So B must not be written by the
     /// kernel launched right before this call on `stream` (weights are not; a kernel that fills B right before the
     /// call is: leave this off there), nor, when that kernel is itself launched programmatically and lets its
-    /// dependents go before its own wait, by the kernels it may overlap. Other paths launch as usual
+    /// dependents go before its own wait, by the kernels it may overlap. The tiled kernel launches as usual
     /// (gemm_launches_programmatically says which). Off by default. Capturable: in a CUDA graph the launch becomes
     /// a programmatic edge.
     bool programmatic_launch = false;
@@ -89,12 +89,12 @@ enum class GemmPath : int32_t { kTiled = 0, kSmallM = 1 };
 struct GemmPlan {
     GemmPath path = GemmPath::kTiled;
     GemmConfig config{};   ///< kTiled
-    int grid = 0;          ///< kTiled: persistent CTAs (multiple of the cluster size); kSmallM: column blocks
+    int grid = 0;          ///< kTiled: persistent CTAs (multiple of the cluster size); kSmallM: gridDim.x
     int smem_bytes = 0;    ///< kTiled: dynamic shared memory
     int small_m_tiles = 0;       ///< kSmallM: ceil(M / 16)
     int small_m_splits = 1;      ///< kSmallM: split-K factor (gridDim.y)
     int small_m_k_per_split = 0; ///< kSmallM: multiple of 32
-    int small_m_variant = 3;     ///< kSmallM: which gemv_kernel (GemmOptions::small_m_variant)
+    GemvVariant small_m_variant = GemvVariant::kTmaRing;  ///< kSmallM: which kernel (GemmOptions::small_m_variant)
     size_t workspace_bytes = 0;  ///< kSmallM: partial sums + counters
 };
 
@@ -110,7 +110,7 @@ enum class GemmChoice : int32_t {
 /// A call's plan and where it came from.
 struct GemmSelection {
     GemmPlan plan;
-    std::string candidate;  ///< the candidate's name (gemm_candidate_name, small_m_v<variant>)
+    std::string candidate;  ///< the candidate's name (gemm_candidate_name: "128x256x64_s4_c1x1", "small_m_v3")
     GemmChoice origin = GemmChoice::kHeuristic;
 };
 

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "weft/common/gemm_config.hpp"
+#include "weft/common/gemv_config.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/runtime/tensor_view.hpp"
 
@@ -77,10 +78,10 @@ int64_t validate_gemm_ar_call(const GemmArShape& shape, const TensorView& a, con
 
 namespace detail {
 jit::KernelSpec ar_reduce_kernel_spec(DType partial, DType out, const std::string& arch = "");
-/// The small-M GEMM weft::gemm::gemv_kernel for ceil(M/16) row tiles and the plan's kernel variant
-/// (GemmPlan::small_m_variant: 1 = 1 n8 tile per warp, 0 = 4, 2 = the register ring, 3 = TMA into a
-/// shared-memory ring, 4 = b's rows by 1D bulk copies, M <= 16 with b's rows back to back; gemv_shape).
-jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in, DType out, int variant, const std::string& arch = "");
+/// The small-M GEMM kernel for ceil(M/16) row tiles and the plan's kernel variant (GemmPlan::small_m_variant:
+/// kTmaRing = TMA into a shared-memory ring, kBulkRows = b's rows by 1D bulk copies, M <= 16 with b's rows back to
+/// back; weft/common/gemv_config.hpp).
+jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in, DType out, GemvVariant variant, const std::string& arch = "");
 }  // namespace detail
 
 }  // namespace weft::ops

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "weft/common/gemm_config.hpp"
+#include "weft/common/gemv_config.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/runtime/tensor_view.hpp"
 
@@ -24,7 +25,7 @@ struct GemmProblem {
     BLayout b_layout = BLayout::kNK;
     DType in_dtype = DType::kBF16;
     DType out_dtype = DType::kBF16;
-    /// B [N,K] with its rows back to back (ldb = K, 16-byte aligned): what small-M variant 4 streams whole.
+    /// B [N,K] with its rows back to back (ldb = K, 16-byte aligned): what GemvVariant::kBulkRows streams whole.
     /// validate_gemm_args sets it from the views.
     bool b_rows_contiguous = false;
 };
@@ -32,7 +33,7 @@ struct GemmProblem {
 /// Checks a, b, d against each other and TMA's rules; throws weft::Error naming the offending argument.
 GemmProblem validate_gemm_args(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout);
 
-/// Why small-M variant 4 (B's rows by bulk copies) cannot serve `p`, or "" when it can: M <= kGemvGroupsMaxM, B
+/// Why GemvVariant::kBulkRows (B's rows by bulk copies) cannot serve `p`, or "" when it can: M <= kGemvGroupsMaxM, B
 /// [N,K] with contiguous rows, and K a multiple of kGemvRowsSpanElems (any K of gemv_rows_k_ok for the whole-row
 /// body, gemv_rows_uses_ffma). Any N: one CTA per SM of the budget takes ceil(N / SMs) consecutive rows (no split-K).
 std::string gemv_rows_unsupported(const GemmProblem& p);
@@ -54,11 +55,14 @@ GemmPlan plan_gemm(const GemmProblem& problem, int num_sms, const GemmOptions& o
 
 /// Scratch the small-M path needs for this problem with `splits` splits (0 when none): counters (one per
 /// column block of the variant) first, then fp32 partials, each rounded up to 256 bytes.
-size_t gemm_workspace_bytes(const GemmProblem& problem, int splits, int small_m_variant = 3);
+size_t gemm_workspace_bytes(const GemmProblem& problem, int splits, GemvVariant variant = GemvVariant::kTmaRing);
+
+/// The small-M kernel of a kSmallM plan for a problem's dtypes.
+GemvConfig gemv_config(const GemmPlan& plan, const GemmProblem& problem);
 
 /// Whether a call with these options launches `plan` programmatically (GemmOptions::programmatic_launch): only the
-/// small-M kernels with a shared-memory ring (variants 3 and 4) wait for the previous kernel inside, so only they
-/// are launched that way (the tiled kernel and variants 0-2 launch as usual).
+/// small-M kernels (both have a shared-memory ring) wait for the previous kernel inside, so only they are launched
+/// that way (the tiled kernel launches as usual).
 bool gemm_launches_programmatically(const GemmPlan& plan, const GemmOptions& options);
 
 // ---- autotuning ----------------------------------------------------------------------------------------
@@ -79,7 +83,8 @@ std::string gemm_candidate_name(const GemmPlan& plan);
 
 /// The candidates for a call, the heuristic's pick (plan_gemm) first so that it wins ties and is what a
 /// disabled autotuner returns: the other valid tiled candidates that fit the SM budget, and, where the
-/// small-M path is allowed for this call (gemm_allows_small_m), the three small-M variants (2, 1, 0).
+/// small-M path is allowed for this call (gemm_allows_small_m), the small-M kernels that can serve it (kTmaRing;
+/// kBulkRows where gemv_rows_unsupported is empty).
 std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& problem, int num_sms, const GemmOptions& options);
 
 /// The autotuner's problem key: shape, dtypes, layout, SM budget and the options that change the candidates,

@@ -54,4 +54,25 @@ __device__ __forceinline__ float f16_bits_to_f32(uint16_t bits) {
     return f;
 }
 
+// bf16x2 to two floats, and scalar float to 16-bit conversions (the small-M GEMM kernels, kernels/gemm/gemv_*).
+/// The two floats a packed bf16 pair denotes (exact, no instruction): bits 0..15 -> `lo`, bits 16..31 -> `hi`.
+__device__ __forceinline__ void bf16x2_bits_to_f32x2(uint32_t two_bf16, float& lo, float& hi) {
+    lo = __uint_as_float(two_bf16 << 16);
+    hi = __uint_as_float(two_bf16 & 0xffff0000u);
+}
+
+/// A float to bf16 bits (round to nearest, ties to even; NaN stays NaN). `cvt.rn.bf16.f32`.
+__device__ __forceinline__ uint16_t cvt_rn_bf16(float f) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return static_cast<uint16_t>(h);
+}
+
+/// A float to f16 bits (round to nearest, ties to even). `cvt.rn.f16.f32`.
+__device__ __forceinline__ uint16_t cvt_rn_f16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return static_cast<uint16_t>(h);
+}
+
 }  // namespace weft::ptx

@@ -55,6 +55,7 @@
     X(cuLaunchKernel)                   \
     X(cuLaunchKernelEx)                 \
     X(cuOccupancyMaxActiveBlocksPerMultiprocessor) \
+    X(cuOccupancyMaxActiveClusters)     \
     X(cuTensorMapEncodeTiled)
 
 namespace weft {

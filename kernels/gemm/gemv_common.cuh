@@ -1,0 +1,66 @@
+// SPDX-License-Identifier: MIT
+// Pieces shared by the small-M GEMM kernels (kernels/gemm/gemv_tma_sm90.cuh, gemv_rows_sm90.cuh): their tensor-map
+// parameter, the m16n8k16 tensor-core MMA, guarded shared-memory reads, the stage-wait bound and the output store.
+//
+// Both kernels multiply with mma.sync m16n8k16 on a permuted k order: lane (g = l/4, t = l%4) reads the 16 bytes at
+// k + 8t .. k + 8t + 7 of a row, which are exactly the B fragments of two m16n8k16 MMAs when A is read with the
+// same permutation (A[row][k + 8t .. k + 8t + 7]); the dot products are unchanged.
+#pragma once
+
+#include "weft/common/gemv_config.hpp"
+#include "weft/ptx/cvt.cuh"
+#include "weft/ptx/tma.cuh"
+
+namespace weft::gemm {
+
+/// kTmaRing's tensor maps (A [M,K] with kGemvBulkBoxK x 16 m_tiles boxes, B [N,K] with kGemvBulkBoxK x 32 n_tiles
+/// boxes; 128-byte swizzled when the boxes are 64 wide); kBulkRows takes them too (one launch signature for both
+/// kernels) and ignores them.
+struct GemvMaps {
+    ptx::TmaDescriptor a;
+    ptx::TmaDescriptor b;
+};
+
+namespace detail {
+
+/// c += A * B for one m16n8k16 tile on the tensor cores (bf16 or f16 fragments a0..a3 of A, b0, b1 of B; fp32).
+template <bool kIsBF16>
+__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                             unsigned b0, unsigned b1) {
+    if constexpr (kIsBF16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+}
+
+/// Stores v, converted to kOut (round to nearest), at d[idx].
+template <DType kOut>
+__device__ __forceinline__ void store_out(void* d, int64_t idx, float v) {
+    if constexpr (kOut == DType::kF32) {
+        static_cast<float*>(d)[idx] = v;
+    } else if constexpr (kOut == DType::kBF16) {
+        static_cast<unsigned short*>(d)[idx] = ptx::cvt_rn_bf16(v);
+    } else {
+        static_cast<unsigned short*>(d)[idx] = ptx::cvt_rn_f16(v);
+    }
+}
+
+/// A stage that has not landed after this long is a kernel bug (bad tensor map, wrong byte count): trap.
+inline constexpr unsigned long long kGemvStageWaitNs = 2000ull * 1000 * 1000;
+
+/// 16 bytes of shared memory where ok, else zeros.
+__device__ __forceinline__ uint4 lds_16_if(bool ok, const unsigned char* p) {
+    return ok ? *reinterpret_cast<const uint4*>(p) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+}  // namespace detail
+}  // namespace weft::gemm
