@@ -34,6 +34,9 @@
 //     otherwise.
 //   - The producer runs with kGemmProducerRegs (40) registers: keep a reference to the Params (`const Params& p_`,
 //     in the kernel's parameter bank) rather than a copy, and 32-bit index arithmetic.
+//   - Speed: a function call anywhere in the kernel can make ptxas serialise its wgmma (warning C7510 in the JIT log,
+//     WEFT_JIT_VERBOSE_PTXAS=1): tile::wait and tile::notify report a failure through one. Correct, slower; weft's
+//     own hooks use call-free forms of the same waits and signals.
 //
 // The epilogue hook, a type (FusedGemmSpec::hook names it; "CFG" in the name stands for the config, so a hook
 // template is named "my::Hook<CFG>"):
@@ -49,8 +52,8 @@
 //   - Cooperative configs signal a tile after the next tile's mainloop (or at the end); ping-pong configs right after
 //     its epilogue: the stores never stall the tensor cores.
 //   - It runs in the consumer warpgroups' tile loop: it returns false after recording a Diagnostic (the kernel traps
-//     once it has left the loop) rather than trapping. A function call or a reachable trap there (tile::notify's
-//     unreachable-peer report is one) makes ptxas serialise the wgmma (warning C7510): correct, slower.
+//     once it has left the loop) rather than trapping (a reachable trap among the live accumulators makes ptxas spill
+//     them).
 //   - The config's tile_n must be whole store boxes (gemm_whole_store_boxes: every candidate of
 //     fused_gemm_candidates is): the kernel's static_assert says so otherwise.
 //   Optional members that move a tile's stores or add to its accumulators (kRoutesStores, kAddsToTile; weft's
