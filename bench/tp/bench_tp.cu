@@ -136,7 +136,7 @@ class EngineKernel {
 public:
     const weft::jit::Kernel& get(const weft::GemmConfig& config) {
         if (kernel_ == nullptr || !(config == config_)) {
-            kernel_ = &weft::jit::compiler().get_kernel(weft::ops::detail::plain_gemm_kernel_spec(config));
+            kernel_ = &weft::jit::compiler().get_kernel(weft::ops::gemm_kernel_spec(config));
             config_ = config;
         }
         return *kernel_;

@@ -3,13 +3,11 @@
 #include "weft/ops/ag_gemm.hpp"
 
 #include <algorithm>
-#include <mutex>
 #include <sstream>
 
 #include "tp_common.hpp"
-#include "weft/jit/aot.hpp"
-#include "weft/ops/gemm_ar.hpp"
-#include "weft/ops/gemm_rs.hpp"
+#include "weft/common/gemm_hook_params.hpp"
+#include "weft/common/math.hpp"
 #include "weft/common/tile_map.hpp"
 #include "weft/common/tp_params.hpp"
 #include "weft/common/tp_schedule.hpp"
@@ -50,9 +48,10 @@ int64_t validate_ag_gemm_call(const AgGemmShape& s, int num_ranks, const TensorV
     WEFT_CHECK(c.ndim == 2, "ag_gemm: c must be a 2-D [M, N] matrix, got " << c.describe());
     const int64_t rows = a_local.dim(0);
     const int64_t m = rows * num_ranks;
-    WEFT_CHECK(rows >= 1 && m <= s.max_m, "ag_gemm: a_local must have 1 .. max_m/W = " << s.max_m / num_ranks
-                                                                                    << " rows, got " << a_local.describe());
-    WEFT_CHECK(a_local.dim(1) == s.k, "ag_gemm: a_local must have K = " << s.k << " columns, got " << a_local.describe());
+    WEFT_CHECK(rows >= 1 && m <= s.max_m, "ag_gemm: a_local must have 1 .. max_m/W = "
+                                              << s.max_m / num_ranks << " rows, got " << a_local.describe());
+    WEFT_CHECK(a_local.dim(1) == s.k,
+               "ag_gemm: a_local must have K = " << s.k << " columns, got " << a_local.describe());
     WEFT_CHECK(a_local.dtype == s.dtype && b.dtype == s.dtype && c.dtype == s.dtype,
                "ag_gemm: a_local, b and c must be " << dtype_name(s.dtype) << ", got " << dtype_name(a_local.dtype)
                                                     << ", " << dtype_name(b.dtype) << ", " << dtype_name(c.dtype));
@@ -67,7 +66,7 @@ int64_t validate_ag_gemm_call(const AgGemmShape& s, int num_ranks, const TensorV
         c_rows.shape[0] = rows;
         validate_gemm_args(a_local, b, c_rows, BLayout::kNK);
     } catch (const Error& e) {
-        tp_detail::rethrow_with_op(kOp, e);
+        detail::rethrow_with_op(kOp, e);
     }
     return m;
 }
@@ -84,74 +83,32 @@ int64_t ag_gemm_default_chunk_rows(int64_t rows_per_rank, int64_t k, int elem_by
 
 namespace detail {
 
+FusedGemmSpec ag_gemm_fused_spec() {
+    FusedGemmSpec spec;
+    spec.header = "ag_gemm/ag_gemm.cuh";
+    spec.scheduler = "weft::tp::AgGemmScheduler";
+    spec.hook = "weft::tp::AgGemmHook";
+    spec.kernel_template = "weft::tp::ag_gemm_kernel<CFG>";  // the GEMM, then the end of the call (ag_finish_call)
+    spec.name = "ag_gemm";
+    return spec;
+}
+
 jit::KernelSpec ag_gemm_kernel_spec(const GemmConfig& config, const std::string& arch) {
-    return tp_detail::make_spec("ag_gemm/ag_gemm.cuh",
-                                "weft::tp::ag_gemm_kernel<" + format_gemm_config(config) + ">",
-                                "ag_gemm " + tp_detail::config_text(config), arch);
+    return fused_gemm_kernel_spec(ag_gemm_fused_spec(), config, arch);
 }
 
 jit::KernelSpec ag_notify_kernel_spec(const std::string& arch) {
     return tp_detail::make_spec("ag_gemm/ag_gemm.cuh", "weft::tp::ag_notify_ready_kernel<0>", "ag_gemm notify", arch);
 }
 
-jit::KernelSpec plain_gemm_kernel_spec(const GemmConfig& config, const std::string& arch) {
-    return gemm_kernel_spec(config, arch);  // weft::ops::gemm's own spec: one cache entry, one loaded kernel
-}
-
 }  // namespace detail
 
-std::vector<jit::KernelSpec> tp_aot_specs() {
-    std::vector<jit::KernelSpec> out;
-    out.push_back(detail::ag_notify_kernel_spec());
-    for (DType t : {DType::kBF16, DType::kF16}) {
-        for (const GemmConfig& c : tp_detail::fused_candidates(t, t)) {
-            out.push_back(detail::ag_gemm_kernel_spec(c));
-            out.push_back(detail::gemm_rs_kernel_spec(c));
-            out.push_back(detail::gemm_rs_kernel_spec(c, "", GemmRsMode::kPush));
-            GemmConfig f32 = c;
-            f32.out_dtype = DType::kF32;
-            if (is_valid(f32)) out.push_back(detail::gemm_rs_kernel_spec(f32));
-        }
-        for (DType partial : {t, DType::kF32}) {
-            out.push_back(detail::rs_reduce_kernel_spec(partial, t));
-            out.push_back(detail::ar_reduce_kernel_spec(partial, t));
-            // GemmAr's tiled GEMM (the plain kernel with a fused candidate): those that are not plain candidates
-            // themselves (a ping-pong pair's tile without its cluster).
-            const std::vector<GemmConfig> plain = gemm_candidate_configs(t, partial, BLayout::kNK);
-            for (const GemmConfig& c : tp_detail::fused_candidates(t, partial)) {
-                if (std::find(plain.begin(), plain.end(), c) == plain.end()) {
-                    out.push_back(detail::plain_gemm_kernel_spec(c));
-                }
-            }
-        }
-    }
-    return out;
-}
-
-void register_tp_aot_specs() {
-    static std::once_flag once;
-    std::call_once(once, [] {
-        for (auto& spec : tp_aot_specs()) jit::register_aot_spec(std::move(spec));
-    });
-}
-
-struct AgGemm::State {
-    World* world = nullptr;
+struct AgGemm::State : tp_detail::FusedOpState {
     AgGemmShape shape;
     AgGemmOptions options;
-    int num_ranks = 1, rank = 0;
-    int budget = 1;        // SMs of the persistent GEMM
-    std::vector<GemmConfig> configs;           // [0]: the heuristic's (or the forced) config; the rest: tuning
-    std::vector<const jit::Kernel*> kernels;   // the GEMM kernel of each config
-    size_t active = 0;                         // the config calls use
-    bool tuned = false;
-    tp_detail::FirstCallSync first_calls;      // ranks sharing a GPU
     int64_t chunk_rows = 1;
     int32_t max_chunks_per_rank = 1;
-    DeviceCtx ctx{};
-    uint64_t pipeline_timeout_ns = 0;
 
-    tp_detail::SymmetricAllocations heap;
     uint8_t* gathered = nullptr;
     uint64_t* chunk_signals = nullptr;  // [W * max_chunks_per_rank]
     uint64_t* ready = nullptr;          // [W]
@@ -161,14 +118,18 @@ struct AgGemm::State {
 
     const jit::Kernel* notify_kernel = nullptr;
 
-    tp_detail::StreamSet streams;
     std::vector<cudaStream_t> copy_streams;
     cudaEvent_t fork = nullptr;
     std::vector<cudaEvent_t> joins;
 
-    explicit State(World& w) : world(&w), heap(w) {}
-    ~State() { heap.free_all(); }
+    explicit State(World& w) : FusedOpState(w, kOp) {}
     int64_t elem_bytes() const { return dtype_bytes(shape.dtype); }
+    /// gathered(m) and local_shard(m) for an m the call's validation accepted.
+    TensorView gathered_view(int64_t m) const { return TensorView(gathered, shape.dtype, {m, shape.k}); }
+    TensorView shard_view(int64_t m) const {
+        const int64_t rows = m / num_ranks;
+        return TensorView(gathered + rank * rows * shape.k * elem_bytes(), shape.dtype, {rows, shape.k});
+    }
 };
 
 AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& options)
@@ -176,10 +137,8 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
     State& s = *s_;
     s.shape = shape;
     s.options = options;
-    s.num_ranks = world.num_ranks();
-    s.rank = world.rank();
     validate_ag_gemm_shape(shape, s.num_ranks, options);
-    s.budget = options.sm_budget > 0 ? std::min(options.sm_budget, tp_detail::device_sm_count()) : world.sm_budget();
+    s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
     // NOTE: ranks sharing a GPU keep one SM of their budget free of the persistent GEMM, for the helpers of
     // the copy path (the notify kernel; a driver that implements a same-device copy with a kernel).
     if (s.num_ranks > 1 && world.num_ranks_on_device() > 1 && options.sm_budget == 0) s.budget -= 1;
@@ -191,16 +150,14 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
     p.k = shape.k;
     p.in_dtype = p.out_dtype = shape.dtype;
     const GemmConfig first = tp_detail::choose_gemm_config(p, s.budget, options.config, kOp);
-    s.configs = options.autotune ? tp_detail::tune_candidates(first, shape.dtype, shape.dtype)
-                                 : std::vector<GemmConfig>{first};
+    const std::vector<GemmConfig> configs =
+        options.autotune ? tp_detail::tune_candidates(first, shape.dtype, shape.dtype) : std::vector<GemmConfig>{first};
     const int64_t max_rows = shape.max_m / s.num_ranks;
     s.chunk_rows = options.chunk_rows > 0 ? std::min(options.chunk_rows, max_rows)
                                           : ag_gemm_default_chunk_rows(max_rows, shape.k, dtype_bytes(shape.dtype));
     const AllGatherTileMap map{max_rows, s.num_ranks, s.chunk_rows, first.tile_m};
     WEFT_CHECK(map.is_valid(), "ag_gemm: " << map.invalid_reason());
     s.max_chunks_per_rank = map.chunks_per_rank();
-    s.ctx = world.device_ctx();
-    s.pipeline_timeout_ns = tp_detail::pipeline_timeout_ns(world);
 
     // Symmetric buffers (collective, same order on every rank).
     s.gathered = static_cast<uint8_t*>(s.heap.alloc(static_cast<uint64_t>(shape.max_m * shape.k * s.elem_bytes())));
@@ -225,15 +182,12 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
     s.fork = s.streams.add_event();
 
     // Every kernel a call launches is loaded now (lazy loading behind a waiting kernel can deadlock).
-    for (const GemmConfig& c : s.configs) {
-        s.kernels.push_back(&jit::compiler().get_kernel(s.num_ranks == 1 ? detail::plain_gemm_kernel_spec(c)
-                                                                         : detail::ag_gemm_kernel_spec(c)));
-    }
-    if (s.num_ranks > 1) s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());
     // As GemmRs: with ranks sharing a GPU a config's first call ends before anything more is launched (the same on
     // every rank: the barrier is collective). TpAgGemm's cases on one H200 timed out in tile_wait (a chunk never
     // signalled, its sender's kernels not in a wait) in 3 of ~9 runs without it.
-    if (s.num_ranks > 1 && world.max_ranks_per_device() > 1) s.first_calls.arm(s.configs.size());
+    s.load_gemms(configs, s.num_ranks == 1 ? plain_gemm_fused_spec() : detail::ag_gemm_fused_spec(),
+                 s.num_ranks > 1 && world.max_ranks_per_device() > 1);
+    if (s.num_ranks > 1) s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());
     WEFT_LOG_INFO("ag_gemm: " << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "")
                               << ", chunk_rows " << s.chunk_rows << " ("
                               << s.max_chunks_per_rank << " per rank at max_m), " << num_copy
@@ -244,22 +198,20 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
 AgGemm::~AgGemm() = default;
 
 const AgGemmShape& AgGemm::shape() const { return s_->shape; }
-const GemmConfig& AgGemm::config() const { return s_->configs[s_->active]; }
+const GemmConfig& AgGemm::config() const { return s_->config(); }
 int64_t AgGemm::chunk_rows() const { return s_->chunk_rows; }
-int AgGemm::gemm_grid() const { return tp_detail::gemm_grid(config(), s_->shape.max_m, s_->shape.n, s_->budget); }
+int AgGemm::gemm_grid() const { return fused_gemm_grid(config(), s_->shape.max_m, s_->shape.n, s_->budget); }
 
 TensorView AgGemm::gathered(int64_t m) const {
     const State& s = *s_;
     WEFT_CHECK(m >= 1 && m <= s.shape.max_m && m % s.num_ranks == 0,
                "ag_gemm: gathered(m) needs a multiple of num_ranks in [1, max_m = " << s.shape.max_m << "], got " << m);
-    return TensorView(s.gathered, s.shape.dtype, {m, s.shape.k});
+    return s.gathered_view(m);
 }
 
 TensorView AgGemm::local_shard(int64_t m) const {
-    const State& s = *s_;
     (void)gathered(m);  // checks m
-    const int64_t rows = m / s.num_ranks;
-    return TensorView(s.gathered + s.rank * rows * s.shape.k * s.elem_bytes(), s.shape.dtype, {rows, s.shape.k});
+    return s_->shard_view(m);
 }
 
 namespace {
@@ -278,80 +230,52 @@ struct AgCopy {
 /// launching it only enqueues. The peers' GEMMs wait for this rank's ready flag and done-barrier: nothing that
 /// can throw may sit between this rank's launches (the autotuner relies on this, TuneCandidate::prepare).
 struct AgCall {
-    size_t idx = 0;
     bool copy_local = false;  // a_local is not already local_shard(M): copy it there first
     void* slot = nullptr;
     const void* local_src = nullptr;
     size_t width_bytes = 0, src_pitch = 0;
     size_t rows = 0;
-    tp_detail::PlainGemmLaunch plain{};  // a world of one rank
     AgNotifyParams notify{};
     std::vector<AgCopy> copies;
-    detail::GemmTensorMaps maps{};
-    GemmArgs args{};
+    FusedGemmCall gemm{};  // a world of one rank: the plain GEMM on a_local
     AgGemmParams sched{};
     AgGemmHookParams hook{};
-    int grid = 1;
 };
 
-AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorView& slot, const TensorView& gathered,
-                    const TensorView& a_local, const TensorView& b, const TensorView& c);
-void launch_call(AgGemm::State& s, const AgCall& call, cudaStream_t stream);
+AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorView& a_local, const TensorView& b,
+                    const TensorView& c);
+void launch_call(AgGemm::State& s, size_t idx, const AgCall& call, cudaStream_t stream);
 
 }  // namespace
 
 void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorView& c, cudaStream_t stream) {
     State& s = *s_;
     const int64_t m = validate_ag_gemm_call(s.shape, s.num_ranks, a_local, b, c);
-    const TensorView slot = local_shard(m);
-    const TensorView g = gathered(m);
-    if (s.configs.size() > 1 && !s.tuned) {
-        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-        WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-        if (capture == cudaStreamCaptureStatusNone) {
-            // As GemmRs: every candidate is set up on every rank before any of its runs is launched anywhere,
-            // and with more than one rank its runs go in lockstep (each call ends in a cross-rank barrier).
-            std::vector<AgCall> calls(s.configs.size());
-            std::vector<jit::TuneCandidate> cands;
-            for (size_t i = 0; i < s.configs.size(); ++i) {
-                cands.emplace_back(
-                    tp_detail::config_text(s.configs[i]),
-                    [&s, &calls, i](cudaStream_t st) { launch_call(s, calls[i], st); },
-                    [&, i] { calls[i] = prepare_call(s, i, m, slot, g, a_local, b, c); });
-            }
-            std::ostringstream problem;
-            problem << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)
-                    << ",chunk_rows=" << s.chunk_rows << ",copy_streams=" << s.copy_streams.size()
-                    << ",budget=" << s.budget;
-            const auto comm = tp_detail::make_tune_comm(*s.world, s.world->heap().offset_of(s.epoch));
-            jit::TuneOptions to;
-            to.stream = stream;
-            to.collective_runs = s.num_ranks > 1;
-            jit::TuneKey key;
-            key.op = kOp;
-            key.problem = problem.str();
-            const jit::TuneResult r = jit::autotuner().tune(key, cands, comm.get(), to);
-            s.active = r.index;
-            s.tuned = true;
-            WEFT_LOG_INFO("ag_gemm: tuned " << problem.str() << " -> " << r.name);
-        }
-    }
-    launch_call(s, prepare_call(s, s.active, m, slot, g, a_local, b, c), stream);
+    const auto problem = [&] {
+        std::ostringstream os;
+        os << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)
+           << ",chunk_rows=" << s.chunk_rows << ",copy_streams=" << s.copy_streams.size() << ",budget=" << s.budget;
+        return os.str();
+    };
+    s.run(
+        stream, s.world->heap().offset_of(s.epoch), problem,
+        [&](size_t idx) { return prepare_call(s, idx, m, a_local, b, c); },
+        [&](const AgCall& call, size_t idx, cudaStream_t st) { launch_call(s, idx, call, st); });
 }
 
 namespace {
 
-AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorView& slot, const TensorView& g,
-                    const TensorView& a_local, const TensorView& b, const TensorView& c) {
+AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorView& a_local, const TensorView& b,
+                    const TensorView& c) {
     AgCall call;
-    call.idx = idx;
-    const GemmConfig& config = s.configs[idx];
+    const GemmConfig& config = s.gemms[idx].config();
+    const TensorView slot = s.shard_view(m);
     const int64_t rows = m / s.num_ranks;
     const int64_t es = s.elem_bytes();
     const int64_t k = s.shape.k;
     WEFT_CHECK(a_local.data != slot.data || rows == 1 || a_local.stride(0) == k,
-               "ag_gemm: a_local starts at local_shard(M) but has row stride " << a_local.stride(0) << " instead of K = "
-                                                                               << k << " (it would be copied onto itself)");
+               "ag_gemm: a_local starts at local_shard(M) but has row stride "
+                   << a_local.stride(0) << " instead of K = " << k << " (it would be copied onto itself)");
     call.copy_local = a_local.data != slot.data;
     call.slot = slot.data;
     call.local_src = a_local.data;
@@ -361,7 +285,8 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
 
     if (s.num_ranks == 1) {
         // The plain GEMM straight from a_local; the copy into gathered(M) runs beside it.
-        call.plain = tp_detail::prepare_plain_gemm(config, a_local, b, c, s.budget, s.pipeline_timeout_ns);
+        call.gemm = detail::make_fused_gemm_call(config, a_local, b, c, fused_gemm_grid(config, m, s.shape.n, s.budget),
+                                                 s.pipeline_timeout_ns);
         return call;
     }
     call.notify = AgNotifyParams{s.ctx, s.ready};
@@ -385,9 +310,10 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
         call.copies.push_back(copy);
     }
     // The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks.
-    call.maps = detail::make_gemm_tensor_maps(config, g, b, c);
-    call.args = detail::make_gemm_args(g, c, s.pipeline_timeout_ns);
     const AgGemmOrder order(config, rows, s.num_ranks, s.chunk_rows, static_cast<int32_t>(s.shape.n), s.rank);
+    call.gemm = detail::make_fused_gemm_call(config, s.gathered_view(m), b, c,
+                                             std::max(1, std::min(s.budget, order.num_cluster_tiles())),
+                                             s.pipeline_timeout_ns);
     call.sched = AgGemmParams{s.ctx, order, s.chunk_signals};
     AgGemmHookParams& hook = call.hook;
     hook.ctx = s.ctx;
@@ -398,13 +324,11 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
     hook.ready = s.ready;
     hook.done = s.done;
     hook.epoch = s.epoch;
-    call.grid = std::max(1, std::min(s.budget, order.num_cluster_tiles()));
     return call;
 }
 
-void launch_call(AgGemm::State& s, const AgCall& call, cudaStream_t stream) {
-    const GemmConfig& config = s.configs[call.idx];
-    const jit::Kernel& kernel = *s.kernels[call.idx];
+void launch_call(AgGemm::State& s, size_t idx, const AgCall& call, cudaStream_t stream) {
+    const FusedGemm& fused = s.gemms[idx];
     const auto copy_shard = [&](cudaStream_t on) {
         WEFT_CUDA_CHECK(cudaMemcpy2DAsync(call.slot, call.width_bytes, call.local_src, call.src_pitch, call.width_bytes,
                                           call.rows, cudaMemcpyDefault, on));
@@ -416,7 +340,7 @@ void launch_call(AgGemm::State& s, const AgCall& call, cudaStream_t stream) {
             WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.copy_streams[0], s.fork, 0));
             copy_shard(s.copy_streams[0]);
         }
-        tp_detail::launch_plain_gemm(kernel, config, call.plain, stream);
+        fused.launch(call.gemm, weft::gemm::PersistentSchedulerParams{}, weft::gemm::NoEpilogueHookParams{}, stream);
         if (call.copy_local) {
             WEFT_CUDA_CHECK(cudaEventRecord(s.joins[0], s.copy_streams[0]));
             WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.joins[0], 0));
@@ -445,13 +369,12 @@ void launch_call(AgGemm::State& s, const AgCall& call, cudaStream_t stream) {
         stream_write_u64(cs, copy.signal, 1);
     }
     // 3. The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks.
-    detail::launch_gemm_kernel(kernel, config, call.maps, call.args, call.grid, call.sched, call.hook, stream);
+    fused.launch(call.gemm, call.sched, call.hook, stream);
     // 4. Join the copy streams (finished by now: the GEMM waited for every chunk).
     for (size_t i = 0; i < s.copy_streams.size(); ++i) {
         WEFT_CUDA_CHECK(cudaEventRecord(s.joins[i], s.copy_streams[i]));
         WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.joins[i], 0));
     }
-    s.first_calls.after_call(*s.world, call.idx, stream);
 }
 
 }  // namespace

@@ -3,10 +3,10 @@
 // self-registering objects that nothing references).
 #include "weft/ops/aot.hpp"
 
-#include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/ep.hpp"
 #include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/tp_aot.hpp"
 
 namespace weft::ops {
 

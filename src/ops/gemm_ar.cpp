@@ -5,10 +5,12 @@
 #include <algorithm>
 
 #include "tp_common.hpp"
+#include "weft/common/gemm_hook_params.hpp"
+#include "weft/common/math.hpp"
 #include "weft/common/tp_params.hpp"
-#include "weft/ops/ag_gemm.hpp"  // detail::plain_gemm_kernel_spec
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/collectives.hpp"
+#include "weft/ops/gemm_codegen.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/world.hpp"
@@ -38,7 +40,10 @@ void validate_gemm_ar_shape(const GemmArShape& s, int num_ranks, const GemmArOpt
     if (o.config) tp_detail::check_forced_config(*o.config, s.dtype, o.partial_dtype.value_or(s.dtype), kOp);
 }
 
-int64_t validate_gemm_ar_call(const GemmArShape& s, const TensorView& a, const TensorView& b, const TensorView& c) {
+namespace {
+
+/// validate_gemm_ar_call's checks; returns the call's problem (M, and whether b's rows are back to back).
+GemmProblem check_gemm_ar_call(const GemmArShape& s, const TensorView& a, const TensorView& b, const TensorView& c) {
     WEFT_CHECK(a.ndim == 2, "gemm_ar: a must be a 2-D [M, K] matrix, got " << a.describe());
     WEFT_CHECK(b.ndim == 2, "gemm_ar: b must be a 2-D [N, K] matrix, got " << b.describe());
     WEFT_CHECK(c.ndim == 2, "gemm_ar: c must be a 2-D [M, N] matrix, got " << c.describe());
@@ -53,11 +58,16 @@ int64_t validate_gemm_ar_call(const GemmArShape& s, const TensorView& a, const T
     WEFT_CHECK(c.dim(0) == m && c.dim(1) == s.n,
                "gemm_ar: c must be [M, N] = [" << m << ", " << s.n << "], got " << c.describe());
     try {
-        validate_gemm_args(a, b, c, BLayout::kNK);
+        return validate_gemm_args(a, b, c, BLayout::kNK);
     } catch (const Error& e) {
-        tp_detail::rethrow_with_op(kOp, e);
+        detail::rethrow_with_op(kOp, e);
     }
-    return m;
+}
+
+}  // namespace
+
+int64_t validate_gemm_ar_call(const GemmArShape& s, const TensorView& a, const TensorView& b, const TensorView& c) {
+    return check_gemm_ar_call(s, a, b, c).m;
 }
 
 namespace detail {
@@ -77,19 +87,13 @@ jit::KernelSpec gemv_kernel_spec(int m_tiles, DType in, DType out, GemvVariant v
 
 }  // namespace detail
 
-struct GemmAr::State {
-    World* world = nullptr;
+struct GemmAr::State : tp_detail::FusedOpState {
     GemmArShape shape;
-    int num_ranks = 1, rank = 0;
-    int budget = 1, num_sms = 1, reduce_ctas = 1;
+    int num_sms = 1, reduce_ctas = 1;
     DType partial_dtype = DType::kBF16;
     DType gemm_out = DType::kBF16;  // partial_dtype, or shape.dtype for a world of one rank
-    GemmConfig config{};            // tiled path (M > kGemvMaxM)
     int64_t ldp = 0;
-    DeviceCtx ctx{};
-    uint64_t pipeline_timeout_ns = 0;
 
-    tp_detail::SymmetricAllocations heap;
     void* partial = nullptr;  // symmetric [max_m, ldp]
     uint64_t* ready = nullptr;
     uint64_t* done = nullptr;
@@ -103,11 +107,11 @@ struct GemmAr::State {
     // GemvVariant::kBulkRows (B's rows by bulk copies), loaded where ops::gemm would pick it for this shape with B's
     // rows back to back; each call takes it when its b is so (small_m_plan with b_rows_contiguous).
     const jit::Kernel* gemv_rows = nullptr;
-    const jit::Kernel* tiled = nullptr;
     const jit::Kernel* reduce = nullptr;
     bool use_collective = false;  // the all-reduce half through ops::all_reduce (GemmArOptions)
+    // The tiled path (M > kGemvMaxM): gemms[0], the plain GEMM.
 
-    explicit State(World& w) : world(&w), heap(w) {}
+    explicit State(World& w) : FusedOpState(w, kOp) {}
     ~State() {
         heap.free_all();
         if (small_m_workspace != nullptr) cudaFree(small_m_workspace);
@@ -136,17 +140,13 @@ GemmAr::GemmAr(World& world, const GemmArShape& shape, const GemmArOptions& opti
     : s_(std::make_unique<State>(world)) {
     State& s = *s_;
     s.shape = shape;
-    s.num_ranks = world.num_ranks();
-    s.rank = world.rank();
     validate_gemm_ar_shape(shape, s.num_ranks, options);
     s.num_sms = tp_detail::device_sm_count();
-    s.budget = options.sm_budget > 0 ? std::min(options.sm_budget, s.num_sms) : world.sm_budget();
+    s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
     WEFT_CHECK(s.budget >= 1, "gemm_ar: the SM budget must be >= 1, got " << s.budget);
     s.partial_dtype = options.partial_dtype.value_or(shape.dtype);
     s.gemm_out = s.num_ranks == 1 ? shape.dtype : s.partial_dtype;
     s.ldp = round_up(shape.n, 8);
-    s.ctx = world.device_ctx();
-    s.pipeline_timeout_ns = tp_detail::pipeline_timeout_ns(world);
 
     // GEMM kernels for every M up to max_m: the small-M kernels (ceil(M/16) row tiles) and the tiled one.
     const int64_t small_max = std::min<int64_t>(shape.max_m, kGemvMaxM);
@@ -172,9 +172,9 @@ GemmAr::GemmAr(World& world, const GemmArShape& shape, const GemmArOptions& opti
         WEFT_CUDA_CHECK(cudaMemset(s.small_m_workspace, 0, s.small_m_workspace_bytes));
     }
     if (shape.max_m > kGemvMaxM) {
-        s.config = tp_detail::choose_gemm_config(s.problem(shape.max_m), s.budget, options.config, kOp);
-        if (s.num_ranks == 1) s.config.out_dtype = shape.dtype;
-        s.tiled = &jit::compiler().get_kernel(detail::plain_gemm_kernel_spec(s.config));
+        GemmConfig config = tp_detail::choose_gemm_config(s.problem(shape.max_m), s.budget, options.config, kOp);
+        if (s.num_ranks == 1) config.out_dtype = shape.dtype;
+        s.load_gemms({config}, plain_gemm_fused_spec(), false);
     }
 
     if (s.num_ranks > 1) {
@@ -210,21 +210,35 @@ DType GemmAr::partial_dtype() const { return s_->partial_dtype; }
 int GemmAr::reduce_ctas() const { return s_->reduce_ctas; }
 bool GemmAr::uses_small_m_path(int64_t m) const { return m <= kGemvMaxM; }
 
-void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream) {
-    State& s = *s_;
-    const int64_t m = validate_gemm_ar_call(s.shape, a, b, c);
+namespace {
+
+/// One call set up on the host (the small-M or tiled GEMM's launch, the all-reduce half's parameters): launching it
+/// only enqueues. The peers' all-reduce kernels wait for this rank's: nothing that can throw may sit between them.
+struct ArCall {
+    int64_t m = 0;
+    const jit::Kernel* gemv = nullptr;  // the small-M path's kernel, else the tiled GEMM (gemms[0])
+    detail::GemvLaunch gemv_launch{};
+    FusedGemmCall tiled{};
+    bool collective = false;  // the all-reduce half through ops::all_reduce
+    ArReduceParams reduce{};
+};
+
+ArCall prepare_call(const GemmAr::State& s, const GemmProblem& p, const TensorView& a, const TensorView& b,
+                    const TensorView& c) {
+    ArCall call;
+    const int64_t m = p.m;
+    call.m = m;
     // The GEMM writes c itself in a world of one rank, else this rank's partial.
     const TensorView d = s.num_ranks == 1 ? c : TensorView(s.partial, s.partial_dtype, {m, s.shape.n}, {s.ldp, 1});
     if (m <= kGemvMaxM) {
-        const bool b_rows_contiguous =
-            s.gemv_rows != nullptr && validate_gemm_args(a, b, d, BLayout::kNK).b_rows_contiguous;
+        const bool b_rows_contiguous = s.gemv_rows != nullptr && p.b_rows_contiguous;
         const GemmPlan plan = s.small_m_plan(m, b_rows_contiguous);
         const bool whole_rows = plan.small_m_variant == GemvVariant::kBulkRows;
         WEFT_CHECK(plan.path == GemmPath::kSmallM &&
                        (whole_rows ? s.gemv_rows != nullptr : plan.small_m_variant == s.small_m_variant),
                    "gemm_ar: the small-M plan for M = " << m << " does not match the loaded kernels");
-        detail::GemvLaunch launch = detail::make_gemv_launch(plan, a, b, d);
-        GemvArgs& args = launch.args;
+        call.gemv_launch = detail::make_gemv_launch(plan, a, b, d);
+        GemvArgs& args = call.gemv_launch.args;
         if (plan.small_m_splits > 1) {
             const size_t counter_bytes = static_cast<size_t>(round_up(static_cast<int64_t>(plan.grid) * 4, 256));
             WEFT_CHECK(plan.workspace_bytes <= s.small_m_workspace_bytes,
@@ -233,41 +247,66 @@ void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, 
             args.counters = static_cast<uint32_t*>(s.small_m_workspace);
             args.partials = reinterpret_cast<float*>(static_cast<char*>(s.small_m_workspace) + counter_bytes);
         }
-        jit::LaunchParams lp;
-        lp.grid = launch.grid;
-        lp.block = launch.block;
-        lp.dynamic_smem_bytes = static_cast<size_t>(launch.smem_bytes);
-        lp.stream = stream;
-        (whole_rows ? s.gemv_rows : s.gemv[(m + 15) / 16 - 1])->launch(lp, launch.args, launch.maps);
+        call.gemv = whole_rows ? s.gemv_rows : s.gemv[(m + 15) / 16 - 1];
     } else {
-        tp_detail::launch_plain_gemm(*s.tiled, s.config, a, b, d, s.budget, s.pipeline_timeout_ns, stream);
+        const GemmConfig& config = s.gemms[0].config();
+        call.tiled = detail::make_fused_gemm_call(config, a, b, d, fused_gemm_grid(config, m, s.shape.n, s.budget),
+                                                  s.pipeline_timeout_ns);
     }
-    if (s.num_ranks == 1) return;
+    if (s.num_ranks == 1) return call;
 
     // The partial is [m, n] contiguous here (ldp == n); C must be too for the collective's flat view.
-    if (s.use_collective && (m == 1 || c.stride(0) == s.shape.n)) {
-        const int64_t count = m * s.shape.n;
+    call.collective = s.use_collective && (m == 1 || c.stride(0) == s.shape.n);
+    ArReduceParams& r = call.reduce;
+    r.ctx = s.ctx;
+    r.m = static_cast<int32_t>(m);
+    r.n = static_cast<int32_t>(s.shape.n);
+    r.partial = s.partial;
+    r.ldp = s.ldp;
+    r.out = c.data;
+    r.ldc = c.stride(0);
+    r.ready = s.ready;
+    r.done = s.done;
+    r.epoch = s.epoch;
+    r.exit_count = s.exit_count;
+    return call;
+}
+
+void launch_call(GemmAr::State& s, const ArCall& call, cudaStream_t stream) {
+    if (call.gemv != nullptr) {
+        jit::LaunchParams lp;
+        lp.grid = call.gemv_launch.grid;
+        lp.block = call.gemv_launch.block;
+        lp.dynamic_smem_bytes = static_cast<size_t>(call.gemv_launch.smem_bytes);
+        lp.stream = stream;
+        call.gemv->launch(lp, call.gemv_launch.args, call.gemv_launch.maps);
+    } else {
+        s.gemms[0].launch(call.tiled, weft::gemm::PersistentSchedulerParams{}, weft::gemm::NoEpilogueHookParams{},
+                          stream);
+    }
+    if (s.num_ranks == 1) return;
+    if (call.collective) {
+        const int64_t count = call.m * s.shape.n;
         ops::all_reduce(*s.world, TensorView(s.partial, s.partial_dtype, {count}),
-                        TensorView(c.data, c.dtype, {count}), stream);
+                        TensorView(call.reduce.out, s.shape.dtype, {count}), stream);
         return;
     }
-    ArReduceParams p{};
-    p.ctx = s.ctx;
-    p.m = static_cast<int32_t>(m);
-    p.n = static_cast<int32_t>(s.shape.n);
-    p.partial = s.partial;
-    p.ldp = s.ldp;
-    p.out = c.data;
-    p.ldc = c.stride(0);
-    p.ready = s.ready;
-    p.done = s.done;
-    p.epoch = s.epoch;
-    p.exit_count = s.exit_count;
     jit::LaunchParams lp;
     lp.grid = dim3(static_cast<unsigned>(s.reduce_ctas), 1, 1);
     lp.block = dim3(kTpReduceThreads, 1, 1);
     lp.stream = stream;
-    s.reduce->launch(lp, p);
+    s.reduce->launch(lp, call.reduce);
+}
+
+}  // namespace
+
+void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream) {
+    State& s = *s_;
+    const GemmProblem p = check_gemm_ar_call(s.shape, a, b, c);
+    // One config at most (the tiled path's): nothing to tune, no problem text needed.
+    s.run(
+        stream, 0, [] { return std::string(); }, [&](size_t) { return prepare_call(s, p, a, b, c); },
+        [&](const ArCall& call, size_t, cudaStream_t st) { launch_call(s, call, st); });
 }
 
 }  // namespace weft::ops

@@ -8,7 +8,8 @@
 #include <sstream>
 
 #include "tp_common.hpp"
-#include "weft/ops/ag_gemm.hpp"  // detail::plain_gemm_kernel_spec
+#include "weft/common/gemm_hook_params.hpp"
+#include "weft/common/math.hpp"
 #include "weft/common/tile_map.hpp"
 #include "weft/common/tp_params.hpp"
 #include "weft/common/tp_schedule.hpp"
@@ -95,7 +96,7 @@ int64_t validate_gemm_rs_call(const GemmRsShape& s, int num_ranks, const TensorV
                            BLayout::kNK);  // a and b (d stands for the partial buffer)
         validate_gemm_args(a_rows, b, c, BLayout::kNK);                                // c's strides
     } catch (const Error& e) {
-        tp_detail::rethrow_with_op(kOp, e);
+        detail::rethrow_with_op(kOp, e);
     }
     return m;
 }
@@ -161,15 +162,19 @@ GemmRsPlan plan_gemm_rs(const GemmRsShape& shape, int num_ranks, int gemm_budget
     return plan;
 }
 
-jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch, GemmRsMode mode) {
+FusedGemmSpec gemm_rs_fused_spec(GemmRsMode mode) {
     WEFT_CHECK(mode != GemmRsMode::kAuto, "gemm_rs: a kernel spec needs a resolved mode (pull or push)");
     const bool push = mode == GemmRsMode::kPush;
-    return tp_detail::make_spec("gemm_rs/gemm_rs.cuh",
-                                tp_detail::gemm_instantiation(config, "weft::tp::RsGemmScheduler",
-                                                              push ? "weft::tp::RsPushHook<CFG>"
-                                                                   : "weft::tp::RsGemmHook<CFG>"),
-                                std::string("gemm_rs ") + (push ? "push " : "") + tp_detail::config_text(config),
-                                arch);
+    FusedGemmSpec spec;
+    spec.header = "gemm_rs/gemm_rs.cuh";
+    spec.scheduler = "weft::tp::RsGemmScheduler";
+    spec.hook = push ? "weft::tp::RsPushHook<CFG>" : "weft::tp::RsGemmHook<CFG>";
+    spec.name = push ? "gemm_rs push" : "gemm_rs";
+    return spec;
+}
+
+jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch, GemmRsMode mode) {
+    return fused_gemm_kernel_spec(gemm_rs_fused_spec(mode), config, arch);
 }
 
 jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::string& arch) {
@@ -181,23 +186,14 @@ jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::strin
 
 }  // namespace detail
 
-struct GemmRs::State {
-    World* world = nullptr;
+struct GemmRs::State : tp_detail::FusedOpState {
     GemmRsShape shape;
-    int num_ranks = 1, rank = 0;
-    int budget = 1, reduce_ctas = 0;
+    int reduce_ctas = 0;
     GemmRsMode mode = GemmRsMode::kPull;
-    std::vector<GemmConfig> configs;          // [0]: heuristic / forced; the rest: tuning candidates
-    std::vector<const jit::Kernel*> kernels;  // the GEMM kernel of each config
-    size_t active = 0;
-    bool tuned = false;
     DType partial_dtype = DType::kBF16;
     int64_t chunk_rows = 1;
     int64_t ldp = 0, lda = 0;
-    DeviceCtx ctx{};
-    uint64_t pipeline_timeout_ns = 0;
 
-    tp_detail::SymmetricAllocations heap;
     void* partial = nullptr;       // symmetric [max_m, ldp]
     uint64_t* counters = nullptr;  // symmetric [W * max_chunks_per_rank]
     uint64_t* released = nullptr;  // symmetric [W]
@@ -208,14 +204,11 @@ struct GemmRs::State {
     float* acc = nullptr;  // pull mode: local [max_m / W, lda]
 
     const jit::Kernel* reduce_kernel = nullptr;
-    tp_detail::StreamSet streams;
     uint64_t launches = 0;  // calls launched by this rank (numbers the debug log's lines)
-    // Ranks sharing a GPU: configs whose first call has not yet been synchronised (see launch_call).
-    tp_detail::FirstCallSync first_calls;  // ranks sharing a GPU
     cudaStream_t side = nullptr;
     cudaEvent_t fork = nullptr, join = nullptr;
 
-    explicit State(World& w) : world(&w), heap(w) {}
+    explicit State(World& w) : FusedOpState(w, kOp) {}
     ~State() {
         heap.free_all();
         if (acc != nullptr) cudaFree(acc);
@@ -226,16 +219,13 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     : s_(std::make_unique<State>(world)) {
     State& s = *s_;
     s.shape = shape;
-    s.num_ranks = world.num_ranks();
-    s.rank = world.rank();
     validate_gemm_rs_shape(shape, s.num_ranks, options);
     // Every rank must make the same choices (mode, config, chunks: they fix how many tiles each rank expects from
     // each peer, the symmetric buffers' sizes and the first call's barrier), so they come from facts that are the same
     // on every rank: where some GPUs host more ranks than others (3 ranks on 2 GPUs), a rank with a GPU of its own
     // plans and runs as a rank of the most shared GPU.
     const bool shared_gpus = world.max_ranks_per_device() > 1;
-    s.budget = options.sm_budget > 0 ? std::min(options.sm_budget, tp_detail::device_sm_count())
-                                     : world.shared_sm_budget();
+    s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.shared_sm_budget());
     s.partial_dtype = options.partial_dtype.value_or(shape.dtype);
     s.mode = detail::resolve_gemm_rs_mode(shape, s.num_ranks, options, shared_gpus);
     if (s.num_ranks > 1 && s.mode == GemmRsMode::kPull) {
@@ -247,22 +237,16 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     }
     const int gemm_budget = s.budget - s.reduce_ctas;
 
-    detail::GemmRsPlan plan = detail::plan_gemm_rs(shape, s.num_ranks, gemm_budget, options);
-    s.configs = std::move(plan.configs);
+    const detail::GemmRsPlan plan = detail::plan_gemm_rs(shape, s.num_ranks, gemm_budget, options);
     s.chunk_rows = plan.chunk_rows;
     const int64_t max_rows = shape.max_m / s.num_ranks;
     const int64_t max_chunks_per_rank = plan.max_chunks_per_rank;
-    const GemmConfig& first = s.configs.front();
-    s.ctx = world.device_ctx();
-    s.pipeline_timeout_ns = tp_detail::pipeline_timeout_ns(world);
+    const GemmConfig& first = plan.configs.front();
     s.ldp = round_up(shape.n, 8);
     s.lda = round_up(shape.n, 8);
 
-    if (shared_gpus) s.first_calls.arm(s.configs.size());
-    for (const GemmConfig& c : s.configs) {
-        s.kernels.push_back(&jit::compiler().get_kernel(s.num_ranks == 1 ? detail::plain_gemm_kernel_spec(c)
-                                                                         : detail::gemm_rs_kernel_spec(c, "", s.mode)));
-    }
+    s.load_gemms(plan.configs,
+                 s.num_ranks == 1 ? plain_gemm_fused_spec() : detail::gemm_rs_fused_spec(s.mode), shared_gpus);
     if (s.num_ranks == 1) {
         world.barrier();
         return;
@@ -286,7 +270,8 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
         world.barrier();
         return;
     }
-    WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&s.acc), static_cast<size_t>(max_rows * s.lda) * sizeof(float)));
+    WEFT_CUDA_CHECK(
+        cudaMalloc(reinterpret_cast<void**>(&s.acc), static_cast<size_t>(max_rows * s.lda) * sizeof(float)));
 
     s.side = s.streams.add_stream();
     s.fork = s.streams.add_event();
@@ -302,13 +287,13 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
 GemmRs::~GemmRs() = default;
 
 const GemmRsShape& GemmRs::shape() const { return s_->shape; }
-const GemmConfig& GemmRs::config() const { return s_->configs[s_->active]; }
+const GemmConfig& GemmRs::config() const { return s_->config(); }
 DType GemmRs::partial_dtype() const { return s_->partial_dtype; }
 int64_t GemmRs::chunk_rows() const { return s_->chunk_rows; }
 int GemmRs::reduce_ctas() const { return s_->reduce_ctas; }
 GemmRsMode GemmRs::mode() const { return s_->mode; }
 int GemmRs::gemm_grid() const {
-    return tp_detail::gemm_grid(config(), s_->shape.max_m, s_->shape.n, s_->budget - s_->reduce_ctas);
+    return fused_gemm_grid(config(), s_->shape.max_m, s_->shape.n, s_->budget - s_->reduce_ctas);
 }
 
 namespace {
@@ -318,20 +303,16 @@ namespace {
 /// for, on this rank and on the peers: nothing that can throw may sit between the launches, or the peers'
 /// reductions wait for tiles that never come (the autotuner relies on this, TuneCandidate::prepare).
 struct RsCall {
-    size_t idx = 0;
-    tp_detail::PlainGemmLaunch plain{};  // a world of one rank
+    FusedGemmCall gemm{};  // a world of one rank: the plain GEMM into c
     RsReduceParams reduce{};
-    detail::GemmTensorMaps maps{};
-    GemmArgs args{};
     RsGemmParams sched{};
     RsGemmHookParams hook{};
     RsPushHookParams push{};
-    int grid = 1;
 };
 
 RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorView& a, const TensorView& b,
                     const TensorView& c);
-void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream);
+void launch_call(GemmRs::State& s, size_t idx, const RsCall& call, cudaStream_t stream);
 
 /// The fields that the push hook's, the pull hook's and the reduction's parameters share.
 template <class Params>
@@ -357,41 +338,18 @@ void set_hook_fields(Params& p, const GemmRs::State& s, int64_t rows, const RsGe
 void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream) {
     State& s = *s_;
     const int64_t m = validate_gemm_rs_call(s.shape, s.num_ranks, a, b, c);
-    if (s.configs.size() > 1 && !s.tuned) {
-        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-        WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-        if (capture == cudaStreamCaptureStatusNone) {
-            // Each candidate is set up (prepare) on every rank before any of its runs is launched anywhere;
-            // its runs only launch, and with more than one rank they run in lockstep (collective_runs): a
-            // trial call's reduction waits for every rank's GEMM of the same call.
-            std::vector<RsCall> calls(s.configs.size());
-            std::vector<jit::TuneCandidate> cands;
-            for (size_t i = 0; i < s.configs.size(); ++i) {
-                cands.emplace_back(
-                    tp_detail::config_text(s.configs[i]),
-                    [&s, &calls, i](cudaStream_t st) { launch_call(s, calls[i], st); },
-                    [&, i] { calls[i] = prepare_call(s, i, m, a, b, c); });
-            }
-            std::ostringstream problem;
-            problem << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)
-                    << ",partials=" << dtype_name(s.partial_dtype) << ",chunk_rows=" << s.chunk_rows
-                    << ",mode=" << gemm_rs_mode_name(s.mode) << ",reduce_ctas=" << s.reduce_ctas
-                    << ",budget=" << s.budget;
-            const uint64_t tag = s.num_ranks > 1 ? s.world->heap().offset_of(s.counters) : 0;
-            const auto comm = tp_detail::make_tune_comm(*s.world, tag);
-            jit::TuneOptions to;
-            to.stream = stream;
-            to.collective_runs = s.num_ranks > 1;
-            jit::TuneKey key;
-            key.op = kOp;
-            key.problem = problem.str();
-            const jit::TuneResult r = jit::autotuner().tune(key, cands, comm.get(), to);
-            s.active = r.index;
-            s.tuned = true;
-            WEFT_LOG_INFO("gemm_rs: tuned " << problem.str() << " -> " << r.name);
-        }
-    }
-    launch_call(s, prepare_call(s, s.active, m, a, b, c), stream);
+    const auto problem = [&] {
+        std::ostringstream os;
+        os << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)
+           << ",partials=" << dtype_name(s.partial_dtype) << ",chunk_rows=" << s.chunk_rows
+           << ",mode=" << gemm_rs_mode_name(s.mode) << ",reduce_ctas=" << s.reduce_ctas << ",budget=" << s.budget;
+        return os.str();
+    };
+    // With more than one rank, a trial call's reduction waits for every rank's GEMM of the same call.
+    s.run(
+        stream, s.num_ranks > 1 ? s.world->heap().offset_of(s.counters) : 0, problem,
+        [&](size_t idx) { return prepare_call(s, idx, m, a, b, c); },
+        [&](const RsCall& call, size_t idx, cudaStream_t st) { launch_call(s, idx, call, st); });
 }
 
 namespace {
@@ -399,29 +357,32 @@ namespace {
 RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorView& a, const TensorView& b,
                     const TensorView& c) {
     RsCall call;
-    call.idx = idx;
-    const GemmConfig& config = s.configs[idx];
+    const GemmConfig& config = s.gemms[idx].config();
     if (s.num_ranks == 1) {
-        call.plain = tp_detail::prepare_plain_gemm(config, a, b, c, s.budget, s.pipeline_timeout_ns);
+        call.gemm = detail::make_fused_gemm_call(config, a, b, c, fused_gemm_grid(config, m, s.shape.n, s.budget),
+                                                 s.pipeline_timeout_ns);
         return call;
     }
     const int64_t rows = m / s.num_ranks;
     const int32_t n = static_cast<int32_t>(s.shape.n);
     const TensorView partial(s.partial, s.partial_dtype, {m, s.shape.n}, {s.ldp, 1});
     const RsGemmOrder order(config, rows, s.num_ranks, s.chunk_rows, n, s.rank);
-    call.args = detail::make_gemm_args(a, partial, s.pipeline_timeout_ns);
     call.sched = RsGemmParams{s.ctx, rows, s.chunk_rows, s.released, s.gemm_calls};
 
     if (s.mode == GemmRsMode::kPush) {
         // Own tiles store C through tma_d; a peer's tiles go into its buffer's slot for this rank (rows
-        // [rank * rows, (rank+1) * rows) of its partial buffer), through a map of their own.
-        call.maps = detail::make_gemm_tensor_maps(config, a, b, c);
+        // [rank * rows, (rank+1) * rows) of its partial buffer), through a map of their own. The kernel's arguments
+        // describe the partial (plain stores of ragged columns go there: none, push mode has n % 8 == 0).
+        call.gemm = detail::make_fused_gemm_call(config, a, b, c, std::max(1, std::min(s.budget, order.num_tiles())),
+                                                 s.pipeline_timeout_ns);
+        call.gemm.args = detail::make_gemm_args(a, partial, s.pipeline_timeout_ns);
         RsPushHookParams& ph = call.push;
         static_assert(sizeof(CUtensorMap) == sizeof(TmaMapBytes), "a tensor map is 128 bytes");
         const int64_t elem = dtype_bytes(s.partial_dtype);
         for (int d = 0; d < s.num_ranks; ++d) {
             if (d == s.rank) continue;
-            auto* slot = static_cast<unsigned char*>(s.world->heap().symm_at(s.partial, d)) + s.rank * rows * s.ldp * elem;
+            auto* slot =
+                static_cast<unsigned char*>(s.world->heap().symm_at(s.partial, d)) + s.rank * rows * s.ldp * elem;
             const CUtensorMap map =
                 detail::make_gemm_store_map(config, TensorView(slot, s.partial_dtype, {rows, s.shape.n}, {s.ldp, 1}));
             std::memcpy(&ph.peer_maps[d], &map, sizeof(map));
@@ -430,7 +391,6 @@ RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorV
         ph.recv = s.partial;
         ph.ldr = s.ldp;
         ph.released = s.released;
-        call.grid = std::max(1, std::min(s.budget, order.num_tiles()));
         return call;
     }
 
@@ -451,26 +411,26 @@ RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorV
     rp.exit_count = s.exit_count;
 
     // The GEMM on the caller's stream: partial tiles in destination order, each signalled.
-    call.maps = detail::make_gemm_tensor_maps(config, a, b, partial);
+    call.gemm = detail::make_fused_gemm_call(config, a, b, partial,
+                                             std::max(1, std::min(s.budget - s.reduce_ctas, order.num_tiles())),
+                                             s.pipeline_timeout_ns);
     set_hook_fields(call.hook, s, rows, order, n);
-    call.grid = std::max(1, std::min(s.budget - s.reduce_ctas, order.num_tiles()));
     return call;
 }
 
-void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream) {
-    const GemmConfig& config = s.configs[call.idx];
-    const jit::Kernel& kernel = *s.kernels[call.idx];
+void launch_call(GemmRs::State& s, size_t idx, const RsCall& call, cudaStream_t stream) {
+    const FusedGemm& fused = s.gemms[idx];
     // Ranks that share a GPU wait on each other's kernels: WEFT_LOG=debug orders their launches in time.
-    WEFT_LOG_DEBUG("gemm_rs: launching call " << ++s.launches << " (" << tp_detail::config_text(config) << ", "
-                                              << gemm_rs_mode_name(s.mode) << ", grid " << call.grid << ")");
+    WEFT_LOG_DEBUG("gemm_rs: launching call " << ++s.launches << " (" << tp_detail::config_text(fused.config())
+                                              << ", " << gemm_rs_mode_name(s.mode) << ", grid " << call.gemm.grid
+                                              << ")");
     if (s.num_ranks == 1) {
-        tp_detail::launch_plain_gemm(kernel, config, call.plain, stream);
+        fused.launch(call.gemm, weft::gemm::PersistentSchedulerParams{}, weft::gemm::NoEpilogueHookParams{}, stream);
         return;
     }
     if (s.mode == GemmRsMode::kPush) {
-        detail::launch_gemm_kernel(kernel, config, call.maps, call.args, call.grid, call.sched, call.push, stream);
+        fused.launch(call.gemm, call.sched, call.push, stream);
         WEFT_LOG_DEBUG("gemm_rs: launched call " << s.launches);
-        s.first_calls.after_call(*s.world, call.idx, stream);
         return;
     }
     WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
@@ -480,11 +440,10 @@ void launch_call(GemmRs::State& s, const RsCall& call, cudaStream_t stream) {
     lp.block = dim3(kTpReduceThreads, 1, 1);
     lp.stream = s.side;
     s.reduce_kernel->launch(lp, call.reduce);
-    detail::launch_gemm_kernel(kernel, config, call.maps, call.args, call.grid, call.sched, call.hook, stream);
+    fused.launch(call.gemm, call.sched, call.hook, stream);
     WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
     WEFT_LOG_DEBUG("gemm_rs: launched call " << s.launches);
-    s.first_calls.after_call(*s.world, call.idx, stream);
 }
 
 }  // namespace

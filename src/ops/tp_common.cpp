@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: MIT
-// Host pieces shared by the tensor-parallel fused ops: JIT specs, config/grid choice, launches, ownership.
+// The skeleton and host pieces the tensor-parallel fused ops share: FusedOpState, config choice, ownership, tuning.
 #include "tp_common.hpp"
 
 #include <algorithm>
 #include <cstring>
 #include <sstream>
 
+#include "weft/ops/gemm_codegen.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/store.hpp"
@@ -23,28 +24,15 @@ jit::KernelSpec make_spec(const std::string& header, const std::string& instanti
     return spec;
 }
 
-std::string gemm_instantiation(const GemmConfig& config, const std::string& scheduler_template,
-                               const std::string& hook) {
-    const std::string cfg = format_gemm_config(config);
-    std::string h = hook;
-    for (size_t pos = h.find("CFG"); pos != std::string::npos; pos = h.find("CFG", pos + cfg.size())) {
-        h.replace(pos, 3, cfg);
-    }
-    return "weft::gemm::gemm_kernel<" + cfg + ", " + scheduler_template + "<" + cfg + ">, " + h + ">";
-}
-
-std::string config_text(const GemmConfig& c) {
-    std::ostringstream os;
-    os << c.tile_m << "x" << c.tile_n << "x" << c.tile_k << "/" << c.stages << (c.pingpong ? " ping-pong " : " ")
-       << dtype_name(c.in_dtype) << "->" << dtype_name(c.out_dtype);
-    return os.str();
-}
-
 int device_sm_count() {
     int device = 0, n = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&device));
     WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
     return n;
+}
+
+int resolve_sm_budget(int option, int world_default) {
+    return option > 0 ? std::min(option, device_sm_count()) : world_default;
 }
 
 void check_forced_config(const GemmConfig& c, DType in, DType out, const char* op) {
@@ -60,74 +48,24 @@ void check_forced_config(const GemmConfig& c, DType in, DType out, const char* o
                   << " and B [N,K] (BLayout::kNK), got " << format_gemm_config(c));
 }
 
-std::vector<GemmConfig> fused_candidates(DType in, DType out, int64_t rows_multiple) {
-    std::vector<GemmConfig> list;
-    for (GemmConfig c : gemm_candidate_configs(in, out, BLayout::kNK)) {
-        c.cluster_m = c.cluster_n = 1;
-        if (!is_valid(c) || !gemm_whole_store_boxes(c)) continue;
-        if (rows_multiple > 0 && rows_multiple % c.tile_m != 0) continue;
-        if (std::find(list.begin(), list.end(), c) == list.end()) list.push_back(c);
-    }
-    return list;
-}
-
-// Per tile, the fused ops' hooks (chunk waits before its loads, a stored signal after its stores) cost about as much
-// as 1024 more output elements of MMA (3% of a 128x256 tile), which favours the larger tiles more than the plain
-// GEMM's cost model does: AG+GEMM 8192x11008x4096 on 2 H200s (autotuned, 2026-11-30) ran 128x256 in 0.531 ms,
-// 256x128 0.542, 128x128 0.557, 128x192 0.575, where the plain model alone would pick 128x128.
-constexpr double kHookedTileCost = 1024;
-
 GemmConfig choose_gemm_config(const GemmProblem& problem, int budget, const std::optional<GemmConfig>& forced,
                               const char* op, int64_t rows_multiple) {
     if (forced) {
         check_forced_config(*forced, problem.in_dtype, problem.out_dtype, op);
         return *forced;
     }
-    // The cheapest candidate the fused kernels can run, each tile charged the hooks' own cost.
-    std::optional<GemmConfig> best;
-    double best_cost = 0;
-    for (const GemmConfig& cand : fused_candidates(problem.in_dtype, problem.out_dtype, rows_multiple)) {
-        const double cost = gemm_config_cost(problem, cand, budget, kHookedTileCost);
-        if (!best || cost < best_cost * 0.999) {
-            best = cand;
-            best_cost = cost;
-        }
-    }
+    const std::optional<GemmConfig> best = detail::cheapest_fused_gemm_config(problem, budget, rows_multiple);
     WEFT_CHECK(best.has_value(), op << ": options.chunk_rows must be a multiple of the tile_m of some GEMM config "
                                        "(64, 128 or 256), got " << rows_multiple);
     return *best;
 }
 
-int gemm_grid(const GemmConfig& config, int64_t m, int64_t n, int budget) {
-    const GemmTileGrid g(config, static_cast<int32_t>(m), static_cast<int32_t>(n));
-    return std::max(1, std::min(budget, g.num_tiles()));
-}
-
-uint64_t pipeline_timeout_ns(const World& world) {
-    const auto ms = static_cast<uint64_t>(std::max<int64_t>(1, world.timeout().count()));
-    return 2 * ms * 1000000ull;
-}
-
-PlainGemmLaunch prepare_plain_gemm(const GemmConfig& config, const TensorView& a, const TensorView& b,
-                                   const TensorView& d, int budget, uint64_t timeout_ns) {
-    PlainGemmLaunch call;
-    call.maps = detail::make_gemm_tensor_maps(config, a, b, d);
-    call.args = detail::make_gemm_args(a, d, timeout_ns);
-    call.grid = gemm_grid(config, a.dim(0), d.dim(1), budget);
-    return call;
-}
-
-void launch_plain_gemm(const jit::Kernel& kernel, const GemmConfig& config, const PlainGemmLaunch& call,
-                       cudaStream_t stream) {
-    // PersistentSchedulerParams and NoEpilogueHookParams (device headers): one int32_t each.
-    const int32_t sched = 0;
-    const int32_t hook = 0;
-    detail::launch_gemm_kernel(kernel, config, call.maps, call.args, call.grid, sched, hook, stream);
-}
-
-void launch_plain_gemm(const jit::Kernel& kernel, const GemmConfig& config, const TensorView& a, const TensorView& b,
-                       const TensorView& d, int budget, uint64_t timeout_ns, cudaStream_t stream) {
-    launch_plain_gemm(kernel, config, prepare_plain_gemm(config, a, b, d, budget, timeout_ns), stream);
+std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out, int64_t rows_multiple) {
+    std::vector<GemmConfig> out_list = {first};
+    for (const GemmConfig& c : fused_gemm_candidates(in, out, rows_multiple)) {
+        if (c != first) out_list.push_back(c);
+    }
+    return out_list;
 }
 
 void check_peers_reachable(const World& world, const void* symmetric_ptr, const char* op) {
@@ -193,14 +131,6 @@ void FirstCallSync::after_call(World& world, size_t idx, cudaStream_t stream) {
     world.barrier();
 }
 
-std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out, int64_t rows_multiple) {
-    std::vector<GemmConfig> out_list = {first};
-    for (const GemmConfig& c : fused_candidates(in, out, rows_multiple)) {
-        if (c != first) out_list.push_back(c);
-    }
-    return out_list;
-}
-
 std::unique_ptr<jit::TuneComm> make_tune_comm(World& world, uint64_t tag) {
     auto seq = std::make_shared<uint64_t>(0);
     World* w = &world;
@@ -221,11 +151,43 @@ std::unique_ptr<jit::TuneComm> make_tune_comm(World& world, uint64_t tag) {
         });
 }
 
-void rethrow_with_op(const char* op, const std::exception& e) {
-    std::string what = e.what();
-    const std::string prefix = "weft: ";
-    if (what.rfind(prefix, 0) == 0) what = what.substr(prefix.size());
-    throw Error("weft: " + std::string(op) + ": " + what);
+FusedOpState::FusedOpState(World& w, const char* op_name)
+    : op(op_name),
+      world(&w),
+      num_ranks(w.num_ranks()),
+      rank(w.rank()),
+      ctx(w.device_ctx()),
+      pipeline_timeout_ns(fused_gemm_timeout_ns(w)),
+      heap(w) {}
+
+FusedOpState::~FusedOpState() { heap.free_all(); }
+
+void FusedOpState::load_gemms(const std::vector<GemmConfig>& configs, const FusedGemmSpec& spec,
+                              bool sync_first_calls) {
+    if (sync_first_calls) first_calls.arm(configs.size());
+    gemms.reserve(configs.size());
+    for (const GemmConfig& c : configs) gemms.emplace_back(*world, spec, c);
+}
+
+bool FusedOpState::stream_is_capturing(cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    return capture != cudaStreamCaptureStatusNone;
+}
+
+void FusedOpState::tune(cudaStream_t stream, uint64_t tag, const std::string& problem,
+                        const std::vector<jit::TuneCandidate>& cands) {
+    const auto comm = make_tune_comm(*world, tag);
+    jit::TuneOptions to;
+    to.stream = stream;
+    to.collective_runs = num_ranks > 1;
+    jit::TuneKey key;
+    key.op = op;
+    key.problem = problem;
+    const jit::TuneResult r = jit::autotuner().tune(key, cands, comm.get(), to);
+    active = r.index;
+    tuned = true;
+    WEFT_LOG_INFO(op << ": tuned " << problem << " -> " << r.name);
 }
 
 }  // namespace weft::ops::tp_detail

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: MIT
-// Host pieces shared by the tensor-parallel fused ops (AgGemm, GemmRs, GemmAr): JIT specs, GEMM config and
-// grid choice, the plain GEMM call, symmetric-allocation ownership, streams and events.
+// The skeleton the tensor-parallel fused ops share (AgGemm, GemmRs, GemmAr; the grouped/MoE ops next):
+// FusedOpState (world, SM budget, symmetric allocations, streams, the GEMM configs with their loaded kernels, the
+// active config, tune-once, the first-call synchronisation of ranks sharing a GPU, the prepare/launch split) and the
+// host helpers around it. kernels/tp_common/README.md says how an op uses it.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -9,15 +11,15 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "weft/common/device_ctx.hpp"
 #include "weft/common/gemm_config.hpp"
-#include "weft/common/math.hpp"
-#include "weft/detail/gemm_launch.hpp"
 #include "weft/jit/autotune.hpp"
 #include "weft/jit/compiler.hpp"
-#include "weft/ops/gemm.hpp"
-#include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/fused_gemm.hpp"
 #include "weft/ops/gemm_plan.hpp"
 
 namespace weft {
@@ -30,57 +32,28 @@ namespace weft::ops::tp_detail {
 jit::KernelSpec make_spec(const std::string& header, const std::string& instantiation, const std::string& description,
                           const std::string& arch);
 
-/// "gemm_kernel<CFG, SCHED<CFG>, HOOK>" for a scheduler template and a hook type (HOOK may contain "CFG",
-/// which is replaced by the config).
-std::string gemm_instantiation(const GemmConfig& config, const std::string& scheduler_template,
-                               const std::string& hook);
-
-/// Short config text for logs: "128x256x64/4 bf16->bf16".
-std::string config_text(const GemmConfig& config);
+/// Short config text for logs and the autotuner's candidate names: "128x256x64/4 bf16->bf16".
+using ops::detail::config_text;
 
 /// The current device's SM count.
 int device_sm_count();
+
+/// An op's SM budget: options.sm_budget when > 0 (at most the device's SMs), else `world_default`.
+int resolve_sm_budget(int option, int world_default);
 
 /// Checks a forced config for a fused op (valid, of whole store boxes, cluster-free, dtypes and B [N,K]);
 /// throws naming `op`.
 void check_forced_config(const GemmConfig& config, DType in, DType out, const char* op);
 
-/// The candidates the fused kernels can run, without duplicates: those of gemm_candidate_configs(in, out, B [N,K])
-/// with their cluster dropped (the fused schedulers and launches are cluster-free) and of whole store boxes (their
-/// hooks route or signal every store: gemm_sm90.cuh), cooperative or ping-pong, with tile_m dividing `rows_multiple`
-/// when it is > 0.
-std::vector<GemmConfig> fused_candidates(DType in, DType out, int64_t rows_multiple = 0);
-
-/// The GEMM config of a fused op: `forced`, else the cheapest (gemm_config_cost on `budget` SMs, each tile charged
-/// the hooks' cost) cluster-free candidate of whole store boxes (what the fused kernels run).
-/// `rows_multiple` > 0: the config's tile_m must divide it (GemmRs's explicit chunk_rows); throws naming `op` when
-/// no candidate's does. A forced config is returned as is (its callers check it against their own constraints).
+/// The GEMM config of a fused op: `forced`, else fused_gemm_config's choice (the cheapest fused candidate on `budget`
+/// SMs). `rows_multiple` > 0: the config's tile_m must divide it (GemmRs's explicit chunk_rows); throws naming `op`
+/// when no candidate's does. A forced config is returned as is (its callers check it against their own constraints).
 GemmConfig choose_gemm_config(const GemmProblem& problem, int budget, const std::optional<GemmConfig>& forced,
                               const char* op, int64_t rows_multiple = 0);
 
-/// CTAs of the persistent GEMM: min(budget, tiles), at least 1.
-int gemm_grid(const GemmConfig& config, int64_t m, int64_t n, int budget);
-
-/// Bounds the GEMM's pipeline waits: twice the world's timeout, so that a communication wait (bounded by
-/// the world's timeout, with a diagnostic) always expires first.
-uint64_t pipeline_timeout_ns(const World& world);
-
-/// A plain GEMM call (PersistentScheduler, no hook) set up on the host: launching it only enqueues.
-struct PlainGemmLaunch {
-    detail::GemmTensorMaps maps{};
-    GemmArgs args{};
-    int grid = 1;
-};
-
-/// Builds (and checks) the plain GEMM call of a world of one rank: d = a * b^T on at most `budget` SMs.
-PlainGemmLaunch prepare_plain_gemm(const GemmConfig& config, const TensorView& a, const TensorView& b,
-                                   const TensorView& d, int budget, uint64_t timeout_ns);
-/// Launches a prepared plain GEMM call.
-void launch_plain_gemm(const jit::Kernel& kernel, const GemmConfig& config, const PlainGemmLaunch& call,
-                       cudaStream_t stream);
-/// prepare_plain_gemm then launch_plain_gemm.
-void launch_plain_gemm(const jit::Kernel& kernel, const GemmConfig& config, const TensorView& a, const TensorView& b,
-                       const TensorView& d, int budget, uint64_t timeout_ns, cudaStream_t stream);
+/// The cluster-free candidates a fused op may tune over: `first` (the op's choice), then every other candidate of
+/// fused_gemm_candidates(in, out, rows_multiple) (`first`'s tile_m must divide `rows_multiple` when it is > 0).
+std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out, int64_t rows_multiple = 0);
 
 /// Throws when rank `r`'s copy of a symmetric object is not load/store reachable from this rank.
 void check_peers_reachable(const World& world, const void* symmetric_ptr, const char* op);
@@ -92,7 +65,7 @@ public:
     void* alloc(uint64_t bytes);
     uint64_t* alloc_signals(uint64_t count);
     /// Synchronises the device, meets the other ranks at a barrier (no peer still touches these buffers),
-    /// frees everything; logs instead of throwing (destructors call it).
+    /// frees everything; logs instead of throwing (destructors call it). Idempotent.
     void free_all() noexcept;
 
 private:
@@ -129,17 +102,81 @@ private:
     std::vector<bool> pending_;
 };
 
-/// The cluster-free candidates a fused op may tune over: `first` (the op's choice), then every other valid candidate
-/// of gemm_candidate_configs with its cluster dropped and whole store boxes
-/// (gemm_whole_store_boxes: the fused ops route or signal every store), without duplicates; with `rows_multiple` > 0
-/// only those whose tile_m divides it (`first` must).
-std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out, int64_t rows_multiple = 0);
-
 /// A TuneComm over the World (host barrier, all-gather through its store). `tag` must be the same on every
 /// rank and unique among the live users of the store (e.g. the heap offset of an op's signal words).
 std::unique_ptr<jit::TuneComm> make_tune_comm(World& world, uint64_t tag);
 
-/// Wraps a validation error of a GEMM view check with the op's name.
-[[noreturn]] void rethrow_with_op(const char* op, const std::exception& e);
+/// What every fused op's State derives from, and the one path a call takes:
+///   run(stream, tag, problem, prepare, launch)
+///     - tune once: with more than one config and not yet tuned, outside graph capture, every rank times every
+///       config in lockstep through weft::jit::autotuner (a TuneComm over the World; the slowest rank counts; one
+///       winner, adopted by every rank, becomes `active`);
+///     - then prepare(active) (host set-up: views, tensor maps, kernel parameters; may throw), and launch(call,
+///       active, stream) (only enqueues: nothing that can throw may sit between a rank's launches, or its peers
+///       wait on the device for work that never comes; the autotuner relies on it, TuneCandidate::prepare), then
+///       the first-call synchronisation of that config when armed.
+/// The op keeps what is its own: its protocol (signal words, streams, kernels besides the GEMM), its validation (once
+/// per call, before run), its Call type and its prepare and launch.
+struct FusedOpState {
+    FusedOpState(World& world, const char* op_name);
+    /// Frees the symmetric allocations (collective); an op whose State owns more frees its own first.
+    ~FusedOpState();
+    FusedOpState(const FusedOpState&) = delete;
+    FusedOpState& operator=(const FusedOpState&) = delete;
+
+    const char* op;  ///< "ag_gemm" ...: logs, errors and the autotuner's key
+    World* world;
+    int num_ranks = 1, rank = 0;
+    DeviceCtx ctx{};
+    uint64_t pipeline_timeout_ns = 0;  ///< fused_gemm_timeout_ns(world)
+    int budget = 1;                    ///< SMs of the op (set by the op)
+
+    SymmetricAllocations heap;
+    StreamSet streams;
+
+    std::vector<FusedGemm> gemms;  ///< [0]: the op's choice (heuristic or forced); the rest: tuning candidates
+    size_t active = 0;             ///< the config calls use
+    bool tuned = false;
+    FirstCallSync first_calls;
+
+    /// Compiles and loads `spec`'s kernel for every config (before anything spins: lazy loading behind a waiting
+    /// kernel can deadlock) and arms the first-call synchronisation for them when `sync_first_calls`.
+    void load_gemms(const std::vector<GemmConfig>& configs, const FusedGemmSpec& spec, bool sync_first_calls);
+    const GemmConfig& config() const { return gemms[active].config(); }
+
+    /// One call (see the struct comment). `prepare(size_t config_idx)` returns the op's Call for gemms[config_idx];
+    /// `launch(const Call&, size_t config_idx, cudaStream_t)` enqueues it; `problem()` describes the call for the
+    /// autotuner's key (called only to tune).
+    template <class Problem, class Prepare, class Launch>
+    void run(cudaStream_t stream, uint64_t tune_tag, Problem&& problem, Prepare&& prepare, Launch&& launch) {
+        using Call = std::decay_t<std::invoke_result_t<Prepare&, size_t>>;
+        if (gemms.size() > 1 && !tuned && !stream_is_capturing(stream)) {
+            // Each candidate is set up (prepare) on every rank before any of its runs is launched anywhere; its
+            // runs only launch, and with more than one rank they run in lockstep (TuneOptions::collective_runs).
+            std::vector<Call> calls(gemms.size());
+            std::vector<jit::TuneCandidate> cands;
+            for (size_t i = 0; i < gemms.size(); ++i) {
+                cands.emplace_back(
+                    config_text(gemms[i].config()),
+                    [this, &calls, &launch, i](cudaStream_t st) { launch_and_sync(launch, calls[i], i, st); },
+                    [&calls, &prepare, i] { calls[i] = prepare(i); });
+            }
+            tune(stream, tune_tag, problem(), cands);
+        }
+        launch_and_sync(launch, prepare(active), active, stream);
+    }
+
+private:
+    template <class Launch, class Call>
+    void launch_and_sync(Launch& launch, const Call& call, size_t idx, cudaStream_t stream) {
+        launch(call, idx, stream);
+        first_calls.after_call(*world, idx, stream);
+    }
+    /// Whether `stream` is being captured (throws on a CUDA error).
+    static bool stream_is_capturing(cudaStream_t stream);
+    /// Times `cands` on every rank, adopts the winner (active, tuned) and logs it.
+    void tune(cudaStream_t stream, uint64_t tag, const std::string& problem,
+              const std::vector<jit::TuneCandidate>& cands);
+};
 
 }  // namespace weft::ops::tp_detail

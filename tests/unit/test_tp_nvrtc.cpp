@@ -12,10 +12,12 @@
 #include "support/jit_testing.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/ag_gemm.hpp"
+#include "weft/ops/fused_gemm.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_ar.hpp"
 #include "weft/ops/gemm_rs.hpp"
+#include "weft/ops/tp_aot.hpp"
 
 namespace weft {
 namespace {
@@ -67,7 +69,8 @@ TEST(TpNvrtc, AgGemmKernelsCompileClean) {
     compile_clean(compiler, ops::detail::ag_gemm_kernel_spec(cfg(0, DType::kBF16, DType::kBF16), kArch));
     compile_clean(compiler, ops::detail::ag_gemm_kernel_spec(cfg(3, DType::kF16, DType::kF16), kArch));
     compile_clean(compiler, ops::detail::ag_notify_kernel_spec(kArch));
-    compile_clean(compiler, ops::detail::plain_gemm_kernel_spec(cfg(0, DType::kBF16, DType::kBF16), kArch));
+    compile_clean(compiler,
+                  ops::fused_gemm_kernel_spec(ops::plain_gemm_fused_spec(), cfg(0, DType::kBF16, DType::kBF16), kArch));
 }
 
 TEST(TpNvrtc, GemmRsKernelsCompileClean) {
@@ -99,7 +102,8 @@ TEST(TpNvrtc, PingPongFusedKernelsCompileClean) {
                   kPushSpillBudget);  // 132 / 300 bytes (2026-11-30), the cooperative push tiles' budget
     compile_clean(compiler,
                   ops::detail::gemm_rs_kernel_spec(cfg(12, DType::kF16, DType::kF16), kArch, ops::GemmRsMode::kPush));
-    compile_clean(compiler, ops::detail::plain_gemm_kernel_spec(cfg(13, DType::kBF16, DType::kF32), kArch));
+    compile_clean(compiler,
+                  ops::fused_gemm_kernel_spec(ops::plain_gemm_fused_spec(), cfg(13, DType::kBF16, DType::kF32), kArch));
 }
 
 TEST(TpNvrtc, GemmArKernelsCompileClean) {
@@ -118,7 +122,8 @@ TEST(TpNvrtc, AotSpecsCoverTheOpsKernels) {
     for (const auto& s : specs) EXPECT_TRUE(names.insert(s.header + "|" + s.instantiation).second) << s.instantiation;
     const GemmConfig c = cfg(0, DType::kBF16, DType::kBF16);
     for (const jit::KernelSpec& want :
-         {ops::detail::ag_gemm_kernel_spec(c), ops::detail::ag_notify_kernel_spec(), ops::detail::gemm_rs_kernel_spec(c),
+         {ops::detail::ag_gemm_kernel_spec(c), ops::detail::ag_notify_kernel_spec(),
+          ops::detail::gemm_rs_kernel_spec(c),
           ops::detail::rs_reduce_kernel_spec(DType::kBF16, DType::kBF16),
           ops::detail::ar_reduce_kernel_spec(DType::kF32, DType::kF16)}) {
         EXPECT_EQ(names.count(want.header + "|" + want.instantiation), 1u) << want.instantiation;

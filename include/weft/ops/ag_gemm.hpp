@@ -15,10 +15,10 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <vector>
 
 #include "weft/common/gemm_config.hpp"
 #include "weft/jit/compiler.hpp"
+#include "weft/ops/fused_gemm.hpp"
 #include "weft/runtime/tensor_view.hpp"
 
 namespace weft {
@@ -39,7 +39,8 @@ struct AgGemmShape {
 struct AgGemmOptions {
     std::optional<GemmConfig> config;  ///< the GEMM's tile config: cluster-free, dtypes = shape.dtype, B [N,K]
     int64_t chunk_rows = 0;            ///< rows per copy-engine chunk (one signal each); 0 = heuristic
-    int copy_streams = 0;              ///< streams pulling the peers' shards, 1 .. num_ranks-1; 0 = 1; ranks sharing a GPU use 1
+    int copy_streams = 0;              ///< streams pulling the peers' shards, 1 .. num_ranks-1; 0 = 1; ranks sharing
+                                       ///< a GPU use 1
     int sm_budget = 0;                 ///< CTAs of the persistent GEMM; 0 = World::sm_budget()
     /// Tune the GEMM config on the first run() outside graph capture: every cluster-free candidate is timed
     /// by all ranks together (the slowest rank counts; that call synchronises the host) and the fastest is
@@ -99,20 +100,14 @@ int64_t validate_ag_gemm_call(const AgGemmShape& shape, int num_ranks, const Ten
 /// The default chunk rows for a shard of rows_per_rank rows of k elements of elem_bytes bytes.
 int64_t ag_gemm_default_chunk_rows(int64_t rows_per_rank, int64_t k, int elem_bytes);
 
-/// Every kernel the tensor-parallel ops (AgGemm, GemmRs, GemmAr) launch with their default options plus the
-/// tuning candidates: for bf16 and f16, the AllGather+GEMM and GEMM+ReduceScatter GEMMs of every cluster-free
-/// candidate config (RS also with fp32 partials), the reductions and the notify kernel (the plain and small-M
-/// GEMMs are weft::ops::gemm's). register_tp_aot_specs() hands them to weft::jit::register_aot_spec once, so
-/// that `weft-compile --builtin` warms them (weft::ops::register_op_aot_specs calls it).
-std::vector<jit::KernelSpec> tp_aot_specs();
-void register_tp_aot_specs();
-
 namespace detail {
-/// JIT specs of the kernels AgGemm launches (arch: sm_90a when `arch` is empty and no GPU is present).
+/// AgGemm's GEMM as a fused GEMM (weft/ops/fused_gemm.hpp): AgGemmScheduler (per-chunk waits) and AgGemmHook (stored
+/// tiles counted) in weft::tp::ag_gemm_kernel, which ends each call (kernels/ag_gemm/ag_gemm.cuh). A world of one
+/// rank runs the plain GEMM instead.
+FusedGemmSpec ag_gemm_fused_spec();
+/// JIT specs of the kernels AgGemm launches (`arch` as KernelSpec::arch).
 jit::KernelSpec ag_gemm_kernel_spec(const GemmConfig& config, const std::string& arch = "");
 jit::KernelSpec ag_notify_kernel_spec(const std::string& arch = "");
-/// The plain GEMM (world of one rank): gemm_kernel with PersistentScheduler and NoEpilogueHook.
-jit::KernelSpec plain_gemm_kernel_spec(const GemmConfig& config, const std::string& arch = "");
 }  // namespace detail
 
 }  // namespace weft::ops

@@ -20,6 +20,7 @@
 
 #include "weft/common/gemm_config.hpp"
 #include "weft/jit/compiler.hpp"
+#include "weft/ops/fused_gemm.hpp"
 #include "weft/runtime/tensor_view.hpp"
 
 namespace weft {
@@ -53,7 +54,8 @@ struct GemmRsOptions {
     std::optional<GemmConfig> config;   ///< the GEMM's tile config: cluster-free, in = shape.dtype, B [N,K]
     std::optional<DType> partial_dtype;  ///< the partials' dtype: shape.dtype (default) or kF32
     int64_t chunk_rows = 0;             ///< rows per counter: a multiple of the tile's rows; 0 = heuristic
-    int reduce_ctas = 0;                ///< pull mode: CTAs of the reduction kernel; 0 = heuristic (budget/8, at most 16 with one rank per GPU)
+    int reduce_ctas = 0;                ///< pull mode: CTAs of the reduction kernel; 0 = heuristic (budget/8, at
+                                        ///< most 16 with one rank per GPU)
     int sm_budget = 0;                  ///< SMs for GEMM + reduction; 0 = World::sm_budget()
     bool autotune = false;              ///< tune the GEMM config on the first run(), as AgGemmOptions::autotune
 };
@@ -114,6 +116,10 @@ std::string gemm_rs_push_unsupported(const GemmRsShape& shape, int num_ranks, co
 GemmRsMode resolve_gemm_rs_mode(const GemmRsShape& shape, int num_ranks, const GemmRsOptions& options,
                                 bool ranks_share_a_gpu = false);
 
+/// GemmRs's GEMM as a fused GEMM (weft/ops/fused_gemm.hpp) in a resolved mode: RsGemmScheduler (destination order,
+/// the first load waits for `released`) with RsGemmHook (pull: per-tile counters) or RsPushHook (push: peers' tiles
+/// stored into their buffers, own tiles add the peers' partials). A world of one rank runs the plain GEMM instead.
+FusedGemmSpec gemm_rs_fused_spec(GemmRsMode mode);
 jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch = "",
                                     GemmRsMode mode = GemmRsMode::kPull);
 jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::string& arch = "");

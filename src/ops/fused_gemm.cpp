@@ -1,0 +1,201 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::FusedGemm: the fused GEMMs' config choice, JIT specs, per-include-root compilers, call set-up.
+#include "weft/ops/fused_gemm.hpp"
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft::ops {
+namespace {
+
+// Per tile, the fused GEMMs' hooks (chunk waits before its loads, a stored signal after its stores) cost about as
+// much as 1024 more output elements of MMA (3% of a 128x256 tile), which favours the larger tiles more than the plain
+// GEMM's cost model does: AG+GEMM 8192x11008x4096 on 2 H200s (autotuned, 2026-11-30) ran 128x256 in 0.531 ms,
+// 256x128 0.542, 128x128 0.557, 128x192 0.575, where the plain model alone would pick 128x128.
+constexpr double kHookedTileCost = 1024;
+
+bool is_identifier_char(char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+}
+
+// `text` with every token CFG (not part of a longer identifier) replaced by `cfg`.
+std::string replace_cfg(const std::string& text, const std::string& cfg) {
+    std::string out;
+    size_t i = 0;
+    while (i < text.size()) {
+        const size_t pos = text.find("CFG", i);
+        if (pos == std::string::npos) break;
+        const bool starts = pos == 0 || !is_identifier_char(text[pos - 1]);
+        const bool ends = pos + 3 == text.size() || !is_identifier_char(text[pos + 3]);
+        out.append(text, i, pos - i);
+        out.append(starts && ends ? cfg : std::string("CFG"));
+        i = pos + 3;
+    }
+    out.append(text, i, std::string::npos);
+    return out;
+}
+
+}  // namespace
+
+FusedGemmSpec plain_gemm_fused_spec() {
+    FusedGemmSpec spec;
+    spec.header = "gemm/gemm_sm90.cuh";
+    spec.scheduler = "weft::gemm::PersistentScheduler";
+    spec.hook = "weft::gemm::NoEpilogueHook";
+    spec.name = "plain_gemm";
+    return spec;
+}
+
+std::vector<GemmConfig> fused_gemm_candidates(DType in, DType out, int64_t rows_multiple) {
+    std::vector<GemmConfig> list;
+    for (GemmConfig c : gemm_candidate_configs(in, out, BLayout::kNK)) {
+        c.cluster_m = c.cluster_n = 1;
+        if (!is_valid(c) || !gemm_whole_store_boxes(c)) continue;
+        if (rows_multiple > 0 && rows_multiple % c.tile_m != 0) continue;
+        if (std::find(list.begin(), list.end(), c) == list.end()) list.push_back(c);
+    }
+    return list;
+}
+
+namespace detail {
+
+std::string config_text(const GemmConfig& c) {
+    std::ostringstream os;
+    os << c.tile_m << "x" << c.tile_n << "x" << c.tile_k << "/" << c.stages << (c.pingpong ? " ping-pong " : " ")
+       << dtype_name(c.in_dtype) << "->" << dtype_name(c.out_dtype);
+    return os.str();
+}
+
+std::optional<GemmConfig> cheapest_fused_gemm_config(const GemmProblem& problem, int budget, int64_t rows_multiple) {
+    std::optional<GemmConfig> best;
+    double best_cost = 0;
+    for (const GemmConfig& cand : fused_gemm_candidates(problem.in_dtype, problem.out_dtype, rows_multiple)) {
+        const double cost = gemm_config_cost(problem, cand, budget, kHookedTileCost);
+        if (!best || cost < best_cost * 0.999) {
+            best = cand;
+            best_cost = cost;
+        }
+    }
+    return best;
+}
+
+FusedGemmCall make_fused_gemm_call(const GemmConfig& config, const TensorView& a, const TensorView& b,
+                                   const TensorView& d, int grid, uint64_t timeout_ns) {
+    FusedGemmCall call;
+    call.maps = make_gemm_tensor_maps(config, a, b, d);
+    call.args = make_gemm_args(a, d, timeout_ns);
+    call.grid = grid;
+    return call;
+}
+
+void rethrow_with_op(const std::string& op, const std::exception& e) {
+    std::string what = e.what();
+    const std::string prefix = "weft: ";
+    if (what.rfind(prefix, 0) == 0) what = what.substr(prefix.size());
+    throw Error(prefix + op + ": " + what);
+}
+
+}  // namespace detail
+
+GemmConfig fused_gemm_config(const GemmProblem& problem, int budget) {
+    WEFT_CHECK(budget >= 1, "fused_gemm_config: budget must be >= 1 SM, got " << budget);
+    const std::optional<GemmConfig> best = detail::cheapest_fused_gemm_config(problem, budget);
+    WEFT_CHECK(best.has_value(), "fused_gemm_config: no fused GEMM config takes " << dtype_name(problem.in_dtype)
+                                                                                   << " inputs and writes "
+                                                                                   << dtype_name(problem.out_dtype));
+    return *best;
+}
+
+void check_fused_gemm_config(const GemmConfig& c) {
+    WEFT_CHECK(is_valid(c), "fused_gemm: the config is not a valid GemmConfig: " << format_gemm_config(c));
+    WEFT_CHECK(c.cluster_m == 1 && c.cluster_n == 1, "fused_gemm: the config must be cluster-free (cluster_m = "
+                                                     "cluster_n = 1), got " << format_gemm_config(c));
+    WEFT_CHECK(gemm_whole_store_boxes(c), "fused_gemm: the config must have a tile_n of whole "
+                                              << gemm_epi_cols(c)
+                                              << "-column store boxes (hooks signal every store), got "
+                                              << format_gemm_config(c));
+}
+
+int fused_gemm_grid(const GemmConfig& config, int64_t m, int64_t n, int budget) {
+    const GemmTileGrid g(config, static_cast<int32_t>(m), static_cast<int32_t>(n));
+    return std::max(1, std::min(budget, g.num_tiles()));
+}
+
+uint64_t fused_gemm_timeout_ns(const World& world) {
+    const auto ms = static_cast<uint64_t>(std::max<int64_t>(1, world.timeout().count()));
+    return 2 * ms * 1000000ull;
+}
+
+jit::KernelSpec fused_gemm_kernel_spec(const FusedGemmSpec& spec, const GemmConfig& config, const std::string& arch) {
+    const std::string name = spec.name.empty() ? "fused_gemm" : spec.name;
+    WEFT_CHECK(!spec.header.empty(), name << ": FusedGemmSpec.header must name the header to compile");
+    WEFT_CHECK(!spec.kernel_template.empty() || (!spec.scheduler.empty() && !spec.hook.empty()),
+               name << ": FusedGemmSpec.scheduler and .hook must name a scheduler template and a hook type, got '"
+                    << spec.scheduler << "' and '" << spec.hook << "'");
+    check_fused_gemm_config(config);
+    const std::string cfg = format_gemm_config(config);
+    jit::KernelSpec k;
+    k.header = spec.header;
+    k.instantiation = spec.kernel_template.empty()
+                          ? gemm_kernel_instantiation(config, spec.scheduler, replace_cfg(spec.hook, cfg))
+                          : replace_cfg(spec.kernel_template, cfg);
+    // A header of the user's own names the scheduler and hook only; weft's kernel headers include the kernel.
+    if (!spec.include_root.empty()) k.extra_code = "#include <gemm/gemm_sm90.cuh>";
+    k.description = name + " " + detail::config_text(config);
+    k.arch = arch;
+    return k;
+}
+
+jit::Compiler& fused_gemm_compiler(const std::filesystem::path& include_root) {
+    if (include_root.empty()) return jit::compiler();
+    std::error_code ec;
+    std::filesystem::path root = std::filesystem::weakly_canonical(include_root, ec);
+    if (ec) root = include_root;
+    WEFT_CHECK(std::filesystem::is_directory(root, ec),
+               "fused_gemm: FusedGemmSpec.include_root must be a directory, got '" << include_root.string() << "'");
+    static std::mutex mutex;
+    // Never destroyed: the kernels a compiler loads must stay valid until the process ends (as jit::compiler()'s).
+    static auto* compilers = new std::map<std::string, std::unique_ptr<jit::Compiler>>();
+    std::lock_guard<std::mutex> lock(mutex);
+    std::unique_ptr<jit::Compiler>& c = (*compilers)[root.string()];
+    if (!c) {
+        jit::CompilerConfig config = jit::CompilerConfig::from_env();
+        config.extra_include_roots.push_back(root);
+        c = std::make_unique<jit::Compiler>(std::move(config));
+    }
+    return *c;
+}
+
+FusedGemm::FusedGemm(World& world, const FusedGemmSpec& spec, const GemmConfig& config)
+    : world_(&world), spec_(spec), config_(config), kernel_(nullptr) {
+    kernel_ = &fused_gemm_compiler(spec.include_root).get_kernel(fused_gemm_kernel_spec(spec, config));
+}
+
+FusedGemmCall FusedGemm::prepare(const TensorView& a, const TensorView& b, const TensorView& d, int max_ctas) const {
+    const std::string name = spec_.name.empty() ? "fused_gemm" : spec_.name;
+    GemmProblem p;
+    try {
+        p = validate_gemm_args(a, b, d, config_.b_layout);
+    } catch (const Error& e) {
+        detail::rethrow_with_op(name, e);
+    }
+    WEFT_CHECK(p.m >= 1 && p.n >= 1, name << ": a and d must have at least one row and b one output column, got M = "
+                                          << p.m << ", N = " << p.n);
+    WEFT_CHECK(p.in_dtype == config_.in_dtype && p.out_dtype == config_.out_dtype,
+               name << ": the views must be " << dtype_name(config_.in_dtype) << " (a, b) and "
+                    << dtype_name(config_.out_dtype) << " (d), the config's dtypes, got " << dtype_name(p.in_dtype)
+                    << " and " << dtype_name(p.out_dtype));
+    WEFT_CHECK(max_ctas >= 0, name << ": max_ctas must be >= 0 (0 = World::sm_budget()), got " << max_ctas);
+    const int budget = max_ctas > 0 ? max_ctas : world_->sm_budget();
+    return detail::make_fused_gemm_call(config_, a, b, d, fused_gemm_grid(config_, p.m, p.n, budget),
+                                        fused_gemm_timeout_ns(*world_));
+}
+
+}  // namespace weft::ops
