@@ -35,10 +35,12 @@ public:
 
     /// The producer thread, before it loads the tile's rows of X: wait (bounded, acquire at system scope) until the
     /// previous rank has stored every tile of those rows. Rank 0 waits on no signal: still a wait, whose fence lets
-    /// the TMA loads that take the Token see what it guards.
+    /// the TMA loads that take the Token see what it guards. The checked form is inline (a call anywhere in the
+    /// kernel would serialise its wgmma); on a timeout its Diagnostic is recorded and the kernel traps here.
     __device__ weft::device::Token wait_before_load(const weft::GemmTile& t) const {
-        return tile::wait(weft::device::Thread{}, p_.ctx, p_.rows_ready + t.m_idx, p_.wait != 0 ? 1 : 0,
-                          weft::Cmp::kGe, p_.expected);
+        return tile::wait_checked(weft::device::Thread{}, p_.ctx, p_.rows_ready + t.m_idx, p_.wait != 0 ? 1 : 0,
+                                  weft::Cmp::kGe, p_.expected)
+            .token_or_trap();
     }
 
 private:
@@ -54,8 +56,9 @@ struct NotifyNextRank {
     __device__ static bool after_tile_stored(const Params& p, const weft::GemmTile& t) {
         if (p.next_rank < 0) return true;
         weft::ptx::fence_proxy_async_global();  // the async-proxy stores before the generic-proxy release
-        tile::notify(weft::device::Thread{}, p.ctx, p.rows_ready + t.m_idx, p.next_rank, 1);
-        return true;
+        // Checked: runs inside the consumer warpgroups, which must not trap; false (Diagnostic recorded) when the
+        // next rank is unreachable, and the kernel traps after its tile loop.
+        return tile::notify_checked(weft::device::Thread{}, p.ctx, p.rows_ready + t.m_idx, p.next_rank, 1);
     }
 };
 
