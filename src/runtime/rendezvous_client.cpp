@@ -163,9 +163,10 @@ public:
             }
             fd_.reset();
             last_error = "HELLO attempt " + std::to_string(attempt) + ": " + e;
-            WEFT_CHECK(Clock::now() < deadline, "rendezvous: rank " << options.rank << " could not complete HELLO with "
-                                                                    << "the store at " << endpoint_ << " within "
-                                                                    << options.timeout.count() << " ms: " << last_error);
+            WEFT_CHECK(Clock::now() < deadline, "rendezvous: rank " << options.rank
+                                                                    << " could not complete HELLO with the store at "
+                                                                    << endpoint_ << " within " << options.timeout.count()
+                                                                    << " ms: " << last_error);
             WEFT_LOG_DEBUG("rendezvous: rank " << options.rank << " retrying HELLO with " << endpoint_ << ": " << e);
             std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
             backoff = std::min(backoff * 2, milliseconds(500));

@@ -147,7 +147,9 @@ std::optional<uint32_t> find_socket_owner(const char* table, const ProcEndpoint&
         // sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode ...
         std::istringstream fields(line);
         std::string slot, local_text, remote_text, state, queues, timer, retransmits, uid_text;
-        if (!(fields >> slot >> local_text >> remote_text >> state >> queues >> timer >> retransmits >> uid_text)) continue;
+        if (!(fields >> slot >> local_text >> remote_text >> state >> queues >> timer >> retransmits >> uid_text)) {
+            continue;
+        }
         std::optional<ProcEndpoint> l = parse_proc_endpoint(local_text);
         if (!l || !(*l == local)) continue;
         std::optional<ProcEndpoint> r = parse_proc_endpoint(remote_text);

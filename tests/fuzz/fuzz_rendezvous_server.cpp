@@ -103,7 +103,8 @@ void check_still_serving(weft::TcpStoreServer& server) {
     server.adopt_connection(pair[0]);
     const weft::Bytes value = {'v', 0, 'w'};
     weft::Bytes request;
-    for (const rp::Message& m : {rp::make_hello("", 0), rp::make_set("fuzz/probe", value), rp::make_get("fuzz/probe", 0)}) {
+    for (const rp::Message& m :
+         {rp::make_hello("", 0), rp::make_set("fuzz/probe", value), rp::make_get("fuzz/probe", 0)}) {
         const weft::Bytes f = rp::encode_frame(m, kLimits);
         request.insert(request.end(), f.begin(), f.end());
     }

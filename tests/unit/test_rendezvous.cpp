@@ -768,6 +768,7 @@ TEST(Rendezvous, LoopbackRejectsOtherUid) {
     ::close(out[0]);
     int status = 0;
     ASSERT_EQ(::waitpid(child, &status, 0), child);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 10) GTEST_SKIP() << "uid 65534 is not available here";
     ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
     // The answer is one ERROR naming the user, then the server closed; the GET was never served.
     rp::Message m;
