@@ -804,6 +804,28 @@ TEST(Rendezvous, LoopbackRejectsOtherUid) {
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
 }
 
+TEST(Rendezvous, TokenlessStoreKnowsItsOwnUserOverEitherLoopback) {
+    // The owner of a TCP peer's socket is looked up in /proc/net/tcp (IPv4) or /proc/net/tcp6 (IPv6).
+    for (const char* host : {"127.0.0.1", "::1", "localhost"}) {
+        RendezvousOptions o = local_options("");
+        o.host = host;
+        std::unique_ptr<TcpStoreServer> server;
+        try {
+            server = std::make_unique<TcpStoreServer>(o);
+        } catch (const Error& e) {
+            if (std::string(host) == "::1") continue;  // no IPv6 loopback on this machine
+            FAIL() << host << ": " << e.what();
+        }
+        o.port = server->port();
+        o.rank = 1;
+        o.num_ranks = 2;
+        auto store = connect_tcp_store(o);
+        store->set("k", to_bytes(host));
+        EXPECT_EQ(store->get("k", milliseconds(0)), to_bytes(host)) << host;
+        EXPECT_EQ(server->stats().rejected, 0u) << host;
+    }
+}
+
 /// A plain TCP connection to 127.0.0.1:port that sends nothing (-1 when it could not connect).
 int idle_socket(int port) {
     int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
