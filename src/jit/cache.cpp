@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-// The on-disk kernel cache: entry encoding, atomic writes, per-key file locks.
+// The on-disk kernel cache: entry encoding, trusted reads, atomic writes, per-key file locks.
 #include "weft/jit/cache.hpp"
 
 #include <fcntl.h>
@@ -9,10 +9,11 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
+#include <random>
 #include <thread>
 
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
 
 namespace weft::jit {
 
@@ -41,6 +42,122 @@ char* put_bytes(char* out, const void* data, size_t bytes) {
 }
 
 std::string errno_text() { return std::strerror(errno); }
+
+/// Owns a file descriptor.
+class Fd {
+public:
+    explicit Fd(int fd = -1) : fd_(fd) {}
+    ~Fd() {
+        if (fd_ >= 0) ::close(fd_);
+    }
+    Fd(const Fd&) = delete;
+    Fd& operator=(const Fd&) = delete;
+    int get() const { return fd_; }
+    int release() {
+        const int fd = fd_;
+        fd_ = -1;
+        return fd;
+    }
+
+private:
+    int fd_;
+};
+
+std::string octal_mode(mode_t mode) {
+    char text[8];
+    std::snprintf(text, sizeof(text), "%04o", static_cast<unsigned>(mode & 07777));
+    return text;
+}
+
+const char* kind_of(mode_t mode) {
+    if (S_ISREG(mode)) return "a regular file";
+    if (S_ISDIR(mode)) return "a folder";
+    if (S_ISFIFO(mode)) return "a FIFO";
+    if (S_ISLNK(mode)) return "a symbolic link";
+    if (S_ISSOCK(mode)) return "a socket";
+    if (S_ISCHR(mode) || S_ISBLK(mode)) return "a device";
+    return "not a regular file";
+}
+
+/// Empty when the object `st` describes may be trusted as a cache folder (`directory`) or file; otherwise
+/// why not. Trusted: owned by this user or by root (who could change weft itself), and not writable by
+/// group or others (a folder may be, with the sticky bit: others can add files there but not replace ours).
+std::string distrust(const struct stat& st, bool directory) {
+    const uid_t me = ::geteuid();
+    if (directory ? !S_ISDIR(st.st_mode) : !S_ISREG(st.st_mode)) {
+        return std::string("is ") + kind_of(st.st_mode) + ", not " + (directory ? "a folder" : "a regular file");
+    }
+    if (st.st_uid != me && st.st_uid != 0) {
+        return "is owned by uid " + std::to_string(st.st_uid) + ", not by this user (uid " + std::to_string(me) +
+               ") or root";
+    }
+    const bool others_write = (st.st_mode & (S_IWGRP | S_IWOTH)) != 0;
+    if (others_write && (!directory || (st.st_mode & S_ISVTX) == 0)) {
+        return "is writable by group or others (mode " + octal_mode(st.st_mode) + ")" +
+               (directory ? " without the sticky bit" : "");
+    }
+    return {};
+}
+
+/// Opens the folder `path` for *at() calls, requiring it to be trustworthy. The last component may be a
+/// symbolic link (a user's WEFT_CACHE_DIR may be one) unless `no_follow`. -1 with `*why` set on failure;
+/// `*absent` tells a folder that does not exist from one that is refused.
+int open_trusted_dir(int at, const char* path, bool no_follow, std::string* why, bool* absent) {
+    *absent = false;
+    Fd fd(::openat(at, path, O_RDONLY | O_DIRECTORY | O_CLOEXEC | (no_follow ? O_NOFOLLOW : 0)));
+    if (fd.get() < 0) {
+        *absent = errno == ENOENT;
+        *why = errno == ELOOP || errno == ENOTDIR ? "is a symbolic link or not a folder" : errno_text();
+        return -1;
+    }
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) {
+        *why = "cannot be examined: " + errno_text();
+        return -1;
+    }
+    *why = distrust(st, true);
+    return why->empty() ? fd.release() : -1;
+}
+
+/// Writes `bytes` to a fresh temporary file in the folder `dir_fd` and renames it to `name` there.
+void write_atomically_at(int dir_fd, const std::string& name, const std::string& shown, const void* data,
+                         size_t bytes) {
+    std::random_device random;
+    std::string tmp;
+    int fd = -1;
+    for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
+        tmp = "." + name + ".tmp." + std::to_string(random()) + std::to_string(::getpid());
+        fd = ::openat(dir_fd, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+        if (fd < 0 && errno != EEXIST) break;
+    }
+    WEFT_CHECK(fd >= 0, "cannot create a temporary file next to " << shown << ": " << errno_text());
+    const char* p = static_cast<const char*>(data);
+    size_t left = bytes;
+    while (left > 0) {
+        ssize_t n = ::write(fd, p, left);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            const std::string err = errno_text();
+            ::close(fd);
+            ::unlinkat(dir_fd, tmp.c_str(), 0);
+            WEFT_FAIL("cannot write " << tmp << " next to " << shown << ": " << err);
+        }
+        p += n;
+        left -= static_cast<size_t>(n);
+    }
+    // Readable by others like any file, writable by no one else whatever the umask (readers require it).
+    ::fchmod(fd, 0644);
+    if (::close(fd) != 0) {
+        const std::string err = errno_text();
+        ::unlinkat(dir_fd, tmp.c_str(), 0);
+        WEFT_FAIL("cannot close " << tmp << " next to " << shown << ": " << err);
+    }
+    if (::renameat(dir_fd, tmp.c_str(), dir_fd, name.c_str()) != 0) {
+        const std::string err = errno_text();
+        ::unlinkat(dir_fd, tmp.c_str(), 0);
+        WEFT_FAIL("cannot rename " << tmp << " to " << shown << ": " << err);
+    }
+}
 
 }  // namespace
 
@@ -113,72 +230,98 @@ std::optional<CacheEntry> decode_cache_entry(const std::vector<char>& bytes, con
 }
 
 std::vector<char> read_file_bytes(const fs::path& path) {
-    std::ifstream in(path, std::ios::binary | std::ios::ate);
-    WEFT_CHECK(in.good(), "cannot open " << path.string() << " for reading");
-    const std::streamoff size = in.tellg();
-    WEFT_CHECK(size >= 0, "cannot size " << path.string());
-    std::vector<char> bytes(static_cast<size_t>(size));
-    in.seekg(0);
-    in.read(bytes.data(), size);
-    WEFT_CHECK(in.gcount() == size, "error reading " << path.string() << " (read " << in.gcount() << " of " << size
-                                                      << " bytes)");
+    // O_NONBLOCK: a FIFO in the way must not block the open; only regular files are read.
+    Fd fd(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+    WEFT_CHECK(fd.get() >= 0, "cannot open " << path.string() << " for reading: " << errno_text());
+    struct stat st {};
+    WEFT_CHECK(::fstat(fd.get(), &st) == 0, "cannot examine " << path.string() << ": " << errno_text());
+    WEFT_CHECK(S_ISREG(st.st_mode), path.string() << " is " << kind_of(st.st_mode) << ", not a regular file");
+    std::vector<char> bytes(static_cast<size_t>(st.st_size));
+    size_t done = 0;
+    while (done < bytes.size()) {
+        const ssize_t n = ::read(fd.get(), bytes.data() + done, bytes.size() - done);
+        if (n < 0 && errno == EINTR) continue;
+        WEFT_CHECK(n > 0, "error reading " << path.string() << " (read " << done << " of " << bytes.size()
+                                           << " bytes): " << (n < 0 ? errno_text() : "it shrank"));
+        done += static_cast<size_t>(n);
+    }
     return bytes;
 }
 
 void write_file_atomically(const fs::path& path, const void* data, size_t bytes) {
-    std::string tmp = path.parent_path().string();
-    tmp += "/.";
-    tmp += path.filename().string();
-    tmp += ".tmp.XXXXXX";
-    int fd = mkstemp(tmp.data());
-    WEFT_CHECK(fd >= 0, "cannot create a temporary file next to " << path.string() << ": " << errno_text());
-    const char* p = static_cast<const char*>(data);
-    size_t left = bytes;
-    while (left > 0) {
-        ssize_t n = ::write(fd, p, left);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-            const std::string err = errno_text();
-            ::close(fd);
-            ::unlink(tmp.c_str());
-            WEFT_FAIL("cannot write " << tmp << ": " << err);
-        }
-        p += n;
-        left -= static_cast<size_t>(n);
-    }
-    // mkstemp creates 0600; cache entries are meant to be shared like any other file.
-    ::fchmod(fd, 0644);
-    if (::close(fd) != 0) {
-        const std::string err = errno_text();
-        ::unlink(tmp.c_str());
-        WEFT_FAIL("cannot close " << tmp << ": " << err);
-    }
-    if (::rename(tmp.c_str(), path.c_str()) != 0) {
-        const std::string err = errno_text();
-        ::unlink(tmp.c_str());
-        WEFT_FAIL("cannot rename " << tmp << " to " << path.string() << ": " << err);
-    }
+    const fs::path parent = path.has_parent_path() ? path.parent_path() : fs::path(".");
+    Fd dir(::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    WEFT_CHECK(dir.get() >= 0, "cannot open the folder of " << path.string() << ": " << errno_text());
+    write_atomically_at(dir.get(), path.filename().string(), path.string(), data, bytes);
 }
 
 DiskCache::DiskCache(fs::path dir) : dir_(std::move(dir)), jit_dir_(dir_ / "jit") {
     std::error_code ec;
+    const bool dir_existed = fs::exists(dir_, ec);
+    const bool jit_existed = fs::exists(jit_dir_, ec);
     fs::create_directories(jit_dir_, ec);
     WEFT_CHECK(!ec && fs::is_directory(jit_dir_),
                "cannot create the JIT cache folder " << jit_dir_.string() << ": " << ec.message());
+    // Folders made here are writable by this user only, whatever the umask: readers trust nothing else.
+    if (!dir_existed) ::chmod(dir_.c_str(), 0755);
+    if (!jit_existed) ::chmod(jit_dir_.c_str(), 0755);
+    std::string why;
+    Fd jit(open_jit_dir(&why));
+    if (jit.get() < 0) {
+        WEFT_LOG_WARN("jit: the cache folder " << why << "; its entries are misses and nothing is stored there");
+    }
 }
 
 fs::path DiskCache::entry_path(const Digest& key) const { return jit_dir_ / (to_hex(key) + ".wjit"); }
 
+int DiskCache::open_jit_dir(std::string* why) const {
+    bool absent = false;
+    Fd dir(open_trusted_dir(AT_FDCWD, dir_.c_str(), false, why, &absent));
+    if (dir.get() < 0) {
+        *why = dir_.string() + " " + *why;
+        return -1;
+    }
+    const int jit = open_trusted_dir(dir.get(), "jit", true, why, &absent);
+    if (jit < 0) *why = jit_dir_.string() + " " + *why;
+    return jit;
+}
+
 DiskCache::LoadStatus DiskCache::load(const Digest& key, CacheEntry* out, std::string* why) const {
     const fs::path path = entry_path(key);
-    std::error_code ec;
-    if (!fs::exists(path, ec)) return LoadStatus::kAbsent;
-    std::vector<char> bytes;
-    try {
-        bytes = read_file_bytes(path);
-    } catch (const Error& e) {
-        if (why) *why = e.what();
-        return LoadStatus::kCorrupt;
+    std::string reason;
+    // Untrusted folders and entries are misses: logged, never read.
+    auto untrusted = [&](const std::string& text) {
+        WEFT_LOG_WARN("jit: not using the cache entry " << path.string() << ": " << text);
+        if (why) *why = text;
+        return LoadStatus::kAbsent;
+    };
+    Fd jit(open_jit_dir(&reason));
+    if (jit.get() < 0) return untrusted("the cache folder " + reason);
+    // O_NOFOLLOW: a symbolic link is refused; O_NONBLOCK: a FIFO does not block the open.
+    const std::string name = path.filename().string();
+    Fd fd(::openat(jit.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+    if (fd.get() < 0) {
+        if (errno == ENOENT) return LoadStatus::kAbsent;
+        return untrusted(errno == ELOOP ? "it is a symbolic link" : "it cannot be opened: " + errno_text());
+    }
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) return untrusted("it cannot be examined: " + errno_text());
+    reason = distrust(st, false);
+    if (!reason.empty()) return untrusted("it " + reason);
+    if (static_cast<uint64_t>(st.st_size) > kMaxEntryBytes) {
+        return untrusted("it holds " + std::to_string(st.st_size) + " bytes, over the " +
+                         std::to_string(kMaxEntryBytes) + "-byte limit of an entry");
+    }
+    std::vector<char> bytes(static_cast<size_t>(st.st_size));
+    size_t done = 0;
+    while (done < bytes.size()) {
+        const ssize_t n = ::read(fd.get(), bytes.data() + done, bytes.size() - done);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            if (why) *why = "read " + std::to_string(done) + " of " + std::to_string(bytes.size()) + " bytes";
+            return LoadStatus::kCorrupt;
+        }
+        done += static_cast<size_t>(n);
     }
     std::optional<CacheEntry> entry = decode_cache_entry(bytes, key, why);
     if (!entry) return LoadStatus::kCorrupt;
@@ -187,25 +330,54 @@ DiskCache::LoadStatus DiskCache::load(const Digest& key, CacheEntry* out, std::s
 }
 
 void DiskCache::store(const Digest& key, const CacheEntry& entry) const {
+    std::string why;
+    Fd jit(open_jit_dir(&why));
+    WEFT_CHECK(jit.get() >= 0, "not storing in the JIT cache: the cache folder " << why);
     const std::vector<char> bytes = encode_cache_entry(key, entry);
-    write_file_atomically(entry_path(key), bytes.data(), bytes.size());
+    const fs::path path = entry_path(key);
+    write_atomically_at(jit.get(), path.filename().string(), path.string(), bytes.data(), bytes.size());
 }
 
 void DiskCache::remove(const Digest& key) const {
-    std::error_code ec;
-    fs::remove(entry_path(key), ec);
+    std::string why;
+    Fd jit(open_jit_dir(&why));
+    if (jit.get() >= 0) ::unlinkat(jit.get(), entry_path(key).filename().c_str(), 0);
 }
 
 fs::path DiskCache::lock_path(const Digest& key) const { return jit_dir_ / (to_hex(key) + ".lock"); }
 
 FileLock::FileLock(const fs::path& path, std::chrono::milliseconds timeout) {
-    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) return;
+    // The lock file is opened like an entry: in a trusted folder, never through a symbolic link, never
+    // blocking on a FIFO, and only a regular file of this user (or root) counts.
+    std::string why;
+    bool absent = false;
+    const fs::path parent = path.has_parent_path() ? path.parent_path() : fs::path(".");
+    Fd dir(open_trusted_dir(AT_FDCWD, parent.c_str(), false, &why, &absent));
+    if (dir.get() < 0) {
+        if (!absent) WEFT_LOG_WARN("jit: not locking " << path.string() << ": the folder " << why);
+        return;
+    }
+    Fd fd(::openat(dir.get(), path.filename().c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644));
+    if (fd.get() < 0) {
+        WEFT_LOG_WARN("jit: not locking " << path.string() << ": "
+                                          << (errno == ELOOP ? std::string("it is a symbolic link") : errno_text()));
+        return;
+    }
+    struct stat st {};
+    if (::fstat(fd.get(), &st) == 0 && st.st_uid == ::geteuid() && S_ISREG(st.st_mode)) {
+        ::fchmod(fd.get(), st.st_mode & 0644);  // made under a permissive umask: others must not write it
+        st.st_mode &= ~static_cast<mode_t>(S_IWGRP | S_IWOTH);
+    }
+    why = distrust(st, false);
+    if (!why.empty()) {
+        WEFT_LOG_WARN("jit: not locking " << path.string() << ": it " << why);
+        return;
+    }
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     auto pause = std::chrono::milliseconds(1);
     while (true) {
-        if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {
-            fd_ = fd;
+        if (::flock(fd.get(), LOCK_EX | LOCK_NB) == 0) {
+            fd_ = fd.release();
             return;
         }
         if (errno != EWOULDBLOCK && errno != EINTR) break;
@@ -213,7 +385,6 @@ FileLock::FileLock(const fs::path& path, std::chrono::milliseconds timeout) {
         std::this_thread::sleep_for(pause);
         pause = std::min(pause * 2, std::chrono::milliseconds(20));
     }
-    ::close(fd);
 }
 
 FileLock::~FileLock() {

@@ -34,6 +34,8 @@ namespace {
 
 constexpr char kMagic[8] = {'W', 'E', 'F', 'T', 'F', 'D', '0', '1'};
 constexpr size_t kJobIdBytes = 32;
+// Connections that have sent part of a message at one time; beyond this the oldest is dropped.
+constexpr size_t kMaxIncoming = 64;
 
 // The fixed message that travels with each descriptor.
 struct Message {
@@ -58,7 +60,8 @@ sockaddr_un socket_address(const std::string& name, socklen_t* length) {
 std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
 
 UniqueFd listen_on(const std::string& name) {
-    UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    // Non-blocking: the receive loop accepts until EAGAIN.
+    UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     WEFT_CHECK(fd.get() >= 0, "socket(AF_UNIX) failed: " << errno_text(errno));
     socklen_t length = 0;
     sockaddr_un addr = socket_address(name, &length);
@@ -68,11 +71,55 @@ UniqueFd listen_on(const std::string& name) {
     return fd;
 }
 
+/// This process's pid namespace ("pid:[4026531836]"), or "" when /proc cannot say.
+std::string pid_namespace() {
+    char link[128] = {};
+    const ssize_t n = ::readlink("/proc/self/ns/pid", link, sizeof(link) - 1);
+    return n > 0 ? std::string(link, static_cast<size_t>(n)) : std::string();
+}
+
+/// Who listens on a rank's heap socket and sends from it, as that rank publishes it through the store.
+struct Listener {
+    int64_t pid = 0;
+    std::string pid_namespace;  // empty: unknown (the pid is then not compared)
+};
+
+std::string listener_key(const std::string& prefix, int rank) { return prefix + "/listener/" + std::to_string(rank); }
+
+Bytes encode_listener() {
+    const std::string text = std::to_string(::getpid()) + " " + pid_namespace();
+    return Bytes(text.begin(), text.end());
+}
+
+Listener decode_listener(const Bytes& bytes, int rank) {
+    const std::string text(bytes.begin(), bytes.end());
+    const size_t space = text.find(' ');
+    Listener l;
+    try {
+        WEFT_CHECK(space != std::string::npos && space > 0, "no pid");
+        size_t used = 0;
+        l.pid = std::stoll(text.substr(0, space), &used);
+        WEFT_CHECK(used == space && l.pid > 0, "bad pid");
+    } catch (const std::exception&) {
+        WEFT_FAIL("rank " << rank << " published a malformed heap socket record '" << text.substr(0, 64) << "'");
+    }
+    l.pid_namespace = text.substr(space + 1);
+    return l;
+}
+
+/// The pid to expect from `peer`'s end of a connection, or 0 when its pid namespace is not ours (or unknown):
+/// SO_PEERCRED reports pids as seen from the reader's namespace.
+int64_t expected_pid(const Listener& peer, const std::string& own_namespace) {
+    return !own_namespace.empty() && peer.pid_namespace == own_namespace ? peer.pid : 0;
+}
+
+/// Connects to a peer's heap socket without blocking (a full backlog refuses with EAGAIN), retrying until
+/// `deadline`.
 UniqueFd connect_to(const std::string& name, std::chrono::steady_clock::time_point deadline) {
     socklen_t length = 0;
     sockaddr_un addr = socket_address(name, &length);
     for (int attempt = 0;; ++attempt) {
-        UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
         WEFT_CHECK(fd.get() >= 0, "socket(AF_UNIX) failed: " << errno_text(errno));
         if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), length) == 0) return fd;
         const int err = errno;
@@ -85,82 +132,117 @@ UniqueFd connect_to(const std::string& name, std::chrono::steady_clock::time_poi
     }
 }
 
-void send_with_fd(int sock, const Message& message, int fd) {
-    iovec iov{};
-    iov.iov_base = const_cast<Message*>(&message);
-    iov.iov_len = sizeof(message);
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
-    cmsg->cmsg_level = SOL_SOCKET;
-    cmsg->cmsg_type = SCM_RIGHTS;
-    cmsg->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(cmsg), &fd, sizeof(int));
-    for (;;) {
-        ssize_t sent = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
-        if (sent == static_cast<ssize_t>(sizeof(message))) return;
-        if (sent < 0 && errno == EINTR) continue;
-        WEFT_FAIL("sendmsg of a heap descriptor failed: " << (sent < 0 ? errno_text(errno) : "short write"));
-    }
+/// Refuses (weft::Error) unless the process listening at the other end of `sock` is ours to trust: the same
+/// user, and the pid `peer` published when both share a pid namespace.
+void check_listener(int sock, const FdExchange& ex, int peer, const Listener& published,
+                    const std::string& own_namespace) {
+    ucred cred{};
+    socklen_t length = sizeof(cred);
+    WEFT_CHECK(::getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &length) == 0,
+               "SO_PEERCRED on the connection to rank " << peer << "'s heap socket failed: " << errno_text(errno));
+    const uid_t my_uid = ::geteuid();
+    const int64_t pid = expected_pid(published, own_namespace);
+    const bool uid_ok = cred.uid == my_uid;
+    const bool pid_ok = pid == 0 || cred.pid == pid;
+    if (uid_ok && pid_ok) return;
+    WEFT_FAIL("rank " << ex.rank << " refuses to send its symmetric heap handle to rank " << peer << ": the process "
+                      << "listening on '@" << heap_socket_name(ex.job_id, peer) << "' runs as uid " << cred.uid
+                      << " (pid " << cred.pid << "), expected uid " << my_uid << " (this user)"
+                      << (pid != 0 ? " and pid " + std::to_string(pid) + " (published by rank " +
+                                         std::to_string(peer) + " through the store)"
+                                   : std::string(" (the pid is not compared: another pid namespace)")));
 }
 
-bool wait_readable(int fd, std::chrono::steady_clock::time_point deadline) {
-    for (;;) {
-        pollfd p{fd, POLLIN, 0};
-        const int rc = ::poll(&p, 1, static_cast<int>(remaining_ms(deadline).count()));
-        if (rc > 0) return true;
-        if (rc < 0 && errno != EINTR) WEFT_FAIL("poll failed: " << errno_text(errno));
-        if (rc == 0 && std::chrono::steady_clock::now() >= deadline) return false;
-    }
-}
-
-// Receives one message and the descriptors that came with it. Returns false (and closes any descriptor)
-// when the message is malformed; a valid message leaves its descriptor in *fd.
-bool receive_message(int sock, std::chrono::steady_clock::time_point deadline, Message* message, UniqueFd* fd,
-                     std::string* why) {
-    if (!wait_readable(sock, deadline)) {
-        *why = "no message before the deadline";
-        return false;
-    }
-    iovec iov{};
-    iov.iov_base = message;
-    iov.iov_len = sizeof(*message);
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    ssize_t got = 0;
-    do {
-        got = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_WAITALL);
-    } while (got < 0 && errno == EINTR);
-    // Take ownership of every descriptor that arrived before judging the message, so none leaks.
-    int fds[4] = {-1, -1, -1, -1};
-    size_t num_fds = 0;
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-        const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (size_t i = 0; i < count && num_fds < 4; ++i) {
-            std::memcpy(&fds[num_fds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+/// Sends `message` with `fd` attached, waiting for buffer space no later than `deadline`.
+void send_with_fd(int sock, const Message& message, int fd, std::chrono::steady_clock::time_point deadline) {
+    const char* data = reinterpret_cast<const char*>(&message);
+    size_t sent_bytes = 0;
+    while (sent_bytes < sizeof(message)) {
+        iovec iov{};
+        iov.iov_base = const_cast<char*>(data + sent_bytes);
+        iov.iov_len = sizeof(message) - sent_bytes;
+        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+        msghdr msg{};
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        if (sent_bytes == 0) {  // the descriptor travels with the first byte
+            msg.msg_control = control;
+            msg.msg_controllen = sizeof(control);
+            cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+            cmsg->cmsg_level = SOL_SOCKET;
+            cmsg->cmsg_type = SCM_RIGHTS;
+            cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+            std::memcpy(CMSG_DATA(cmsg), &fd, sizeof(int));
         }
+        const ssize_t sent = ::sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (sent > 0) {
+            sent_bytes += static_cast<size_t>(sent);
+            continue;
+        }
+        if (sent < 0 && errno == EINTR) continue;
+        if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            pollfd p{sock, POLLOUT, 0};
+            const int rc = ::poll(&p, 1, static_cast<int>(remaining_ms(deadline).count()));
+            if (rc == 0 && std::chrono::steady_clock::now() >= deadline) {
+                WEFT_FAIL("sendmsg of a heap descriptor did not complete before the deadline");
+            }
+            continue;
+        }
+        WEFT_FAIL("sendmsg of a heap descriptor failed: " << (sent < 0 ? errno_text(errno) : "nothing sent"));
     }
-    const bool ok_size = got == static_cast<ssize_t>(sizeof(*message));
-    const bool ok_fds = (msg.msg_flags & MSG_CTRUNC) == 0 && num_fds == 1;
-    if (ok_size && ok_fds) {
-        fd->reset(fds[0]);
-        return true;
+}
+
+/// One connection to this rank's heap socket, read without blocking until its message is whole.
+struct Incoming {
+    UniqueFd sock;
+    ucred cred{};
+    Message message{};
+    size_t bytes = 0;
+    std::vector<UniqueFd> fds;  // every descriptor that came with it, owned so none leaks
+    bool control_truncated = false;
+};
+
+/// Reads what `in` has available. Returns false when the connection is finished with (closed, failed,
+/// or whole); `*why` is empty when the message is whole, else says what went wrong.
+bool read_incoming(Incoming& in, std::string* why) {
+    while (in.bytes < sizeof(in.message)) {
+        iovec iov{};
+        iov.iov_base = reinterpret_cast<char*>(&in.message) + in.bytes;
+        iov.iov_len = sizeof(in.message) - in.bytes;
+        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
+        msghdr msg{};
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control;
+        msg.msg_controllen = sizeof(control);
+        const ssize_t got = ::recvmsg(in.sock.get(), &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;  // more later
+        // Take ownership of every descriptor that arrived before judging the message, so none leaks.
+        for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+            const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t i = 0; i < count; ++i) {
+                int received = -1;
+                std::memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+                in.fds.emplace_back(received);
+            }
+        }
+        in.control_truncated = in.control_truncated || (msg.msg_flags & MSG_CTRUNC) != 0;
+        if (got < 0) {
+            *why = "recvmsg failed: " + errno_text(errno);
+            return false;
+        }
+        if (got == 0) {
+            *why = "closed after " + std::to_string(in.bytes) + " of " + std::to_string(sizeof(in.message)) + " bytes";
+            return false;
+        }
+        in.bytes += static_cast<size_t>(got);
     }
-    if (!ok_size) {
-        *why = got < 0 ? "recvmsg failed: " + errno_text(errno) : "message of " + std::to_string(got) + " bytes";
-    } else {
-        *why = "expected exactly one descriptor, got " + std::to_string(num_fds);
+    if (in.control_truncated || in.fds.size() != 1) {
+        *why = "expected exactly one descriptor, got " + std::to_string(in.fds.size()) +
+               (in.control_truncated ? " (and more were cut off)" : "");
     }
-    for (size_t i = 0; i < num_fds; ++i) ::close(fds[i]);
     return false;
 }
 
@@ -171,11 +253,19 @@ std::map<int, UniqueFd> exchange_fds(const FdExchange& ex, int own_fd) {
     WEFT_CHECK(ex.job_id.size() < kJobIdBytes, "job id '" << ex.job_id << "' is too long");
     const auto deadline = std::chrono::steady_clock::now() + ex.timeout;
     const std::string prefix = "weft/heap/fd/" + ex.job_id;
+    const std::string own_namespace = pid_namespace();
     std::map<int, UniqueFd> received;
 
+    // Every rank publishes who it is (pid, pid namespace) before the barrier, so that senders can check who
+    // listens on a peer's socket and receivers who sent a message, before trusting either.
+    ex.store->set(listener_key(prefix, ex.rank), encode_listener());
     UniqueFd listener;
     if (!ex.local_peers.empty()) listener = listen_on(heap_socket_name(ex.job_id, ex.rank));
     ex.store->barrier(prefix + "/listening", ex.rank, ex.num_ranks, remaining_ms(deadline));
+    std::map<int, Listener> peers;
+    for (int peer : ex.local_peers) {
+        peers[peer] = decode_listener(ex.store->get(listener_key(prefix, peer), remaining_ms(deadline)), peer);
+    }
 
     Message out{};
     std::memcpy(out.magic, kMagic, sizeof(kMagic));
@@ -192,52 +282,100 @@ std::map<int, UniqueFd> exchange_fds(const FdExchange& ex, int own_fd) {
             WEFT_FAIL("rank " << ex.rank << " could not reach rank " << peer
                               << "'s heap socket (is it still running?): " << e.what());
         }
-        send_with_fd(outgoing.back().get(), out, own_fd);
+        check_listener(outgoing.back().get(), ex, peer, peers.at(peer), own_namespace);
+        send_with_fd(outgoing.back().get(), out, own_fd, deadline);
     }
 
+    // Receive from every connection at once, without blocking on any: a connection that sends part of a
+    // message and stalls holds up nobody, and every wait ends at the deadline.
     std::set<int> expected(ex.local_peers.begin(), ex.local_peers.end());
-    const uid_t my_uid = ::getuid();
+    const uid_t my_uid = ::geteuid();
+    std::vector<Incoming> incoming;
     while (!expected.empty()) {
-        if (!wait_readable(listener.get(), deadline)) {
+        if (std::chrono::steady_clock::now() >= deadline) {
             WEFT_FAIL("rank " << ex.rank << " did not receive the symmetric heap handles of "
                               << format_rank_list(std::vector<int>(expected.begin(), expected.end())) << " within "
-                              << ex.timeout.count() << " ms");
+                              << ex.timeout.count() << " ms"
+                              << (incoming.empty() ? std::string()
+                                                   : " (" + std::to_string(incoming.size()) +
+                                                         " connection(s) had sent part of a message)"));
         }
-        UniqueFd conn(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-        if (conn.get() < 0) {
-            if (errno == EINTR || errno == EAGAIN || errno == ECONNABORTED) continue;
-            WEFT_FAIL("accept on the heap socket failed: " << errno_text(errno));
+        std::vector<pollfd> fds;
+        fds.push_back({listener.get(), POLLIN, 0});
+        for (const Incoming& in : incoming) fds.push_back({in.sock.get(), POLLIN, 0});
+        const int rc = ::poll(fds.data(), fds.size(), static_cast<int>(remaining_ms(deadline).count()));
+        if (rc < 0 && errno != EINTR) WEFT_FAIL("poll on the heap socket failed: " << errno_text(errno));
+        if (rc <= 0) continue;
+
+        std::vector<Incoming> still;
+        for (size_t i = 0; i < incoming.size(); ++i) {
+            Incoming& in = incoming[i];
+            if (fds[i + 1].revents == 0) {
+                still.push_back(std::move(in));
+                continue;
+            }
+            std::string why;
+            if (read_incoming(in, &why)) {
+                still.push_back(std::move(in));
+                continue;
+            }
+            if (!why.empty()) {
+                WEFT_LOG_WARN("dropped a malformed message on the heap socket from pid " << in.cred.pid << ": " << why);
+                continue;
+            }
+            const Message& m = in.message;
+            const bool same_job = std::memcmp(m.magic, kMagic, sizeof(kMagic)) == 0 &&
+                                  std::memcmp(m.job_id, out.job_id, kJobIdBytes) == 0;
+            if (!same_job || expected.count(m.rank) == 0) {
+                WEFT_LOG_WARN("dropped a heap descriptor from pid " << in.cred.pid << " ("
+                                                                    << (same_job ? "" : "another job, ")
+                                                                    << "claimed rank " << m.rank << ")");
+                continue;
+            }
+            const int64_t pid = expected_pid(peers.at(m.rank), own_namespace);
+            if (pid != 0 && in.cred.pid != pid) {
+                WEFT_LOG_WARN("dropped a heap descriptor claiming to come from rank "
+                              << m.rank << ": it came from pid " << in.cred.pid << ", rank " << m.rank
+                              << " published pid " << pid);
+                continue;
+            }
+            WEFT_CHECK(m.heap_bytes == ex.heap_bytes, "rank " << m.rank << " sent a heap of " << m.heap_bytes
+                                                              << " bytes; this rank's heap is " << ex.heap_bytes);
+            expected.erase(m.rank);
+            received.emplace(m.rank, std::move(in.fds.front()));
         }
-        ucred cred{};
-        socklen_t cred_length = sizeof(cred);
-        if (::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_length) != 0 || cred.uid != my_uid) {
-            WEFT_LOG_WARN("dropped a connection to the heap socket from another user (uid " << cred.uid << ", pid "
-                                                                                            << cred.pid << ")");
-            continue;
+        incoming = std::move(still);
+
+        if (fds[0].revents != 0) {
+            for (;;) {
+                UniqueFd conn(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+                if (conn.get() < 0) {
+                    if (errno == EINTR || errno == ECONNABORTED) continue;
+                    if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+                    WEFT_FAIL("accept on the heap socket failed: " << errno_text(errno));
+                }
+                Incoming in;
+                socklen_t cred_length = sizeof(in.cred);
+                if (::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &in.cred, &cred_length) != 0 ||
+                    in.cred.uid != my_uid) {
+                    WEFT_LOG_WARN("dropped a connection to the heap socket from another user (uid "
+                                  << in.cred.uid << ", pid " << in.cred.pid << ")");
+                    continue;
+                }
+                if (incoming.size() >= kMaxIncoming) {
+                    WEFT_LOG_WARN("dropped a connection to the heap socket from pid "
+                                  << incoming.front().cred.pid << ": " << kMaxIncoming
+                                  << " connections had sent part of a message");
+                    incoming.erase(incoming.begin());
+                }
+                in.sock = std::move(conn);
+                incoming.push_back(std::move(in));
+            }
         }
-        Message in{};
-        UniqueFd fd;
-        std::string why;
-        // A peer sends as soon as it connects: a silent connection must not hold up the others for long.
-        const auto message_deadline = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(2));
-        if (!receive_message(conn.get(), message_deadline, &in, &fd, &why)) {
-            WEFT_LOG_WARN("dropped a malformed message on the heap socket from pid " << cred.pid << ": " << why);
-            continue;
-        }
-        const bool same_job =
-            std::memcmp(in.magic, kMagic, sizeof(kMagic)) == 0 && std::memcmp(in.job_id, out.job_id, kJobIdBytes) == 0;
-        if (!same_job || expected.count(in.rank) == 0) {
-            WEFT_LOG_WARN("dropped a heap descriptor from pid " << cred.pid << " (" << (same_job ? "" : "another job, ")
-                                                                << "claimed rank " << in.rank << ")");
-            continue;
-        }
-        WEFT_CHECK(in.heap_bytes == ex.heap_bytes, "rank " << in.rank << " sent a heap of " << in.heap_bytes
-                                                           << " bytes; this rank's heap is " << ex.heap_bytes);
-        expected.erase(in.rank);
-        received.emplace(in.rank, std::move(fd));
     }
     // Every descriptor has arrived everywhere before any sending socket closes.
     ex.store->barrier(prefix + "/received", ex.rank, ex.num_ranks, remaining_ms(deadline));
+    ex.store->erase(listener_key(prefix, ex.rank));
     return received;
 }
 

@@ -138,20 +138,39 @@ public:
           options_(capped(options)),
           limits_{options.max_key_bytes, options.max_value_bytes},
           endpoint_(options.host + ":" + std::to_string(options.port)) {
-        Clock::time_point deadline = Clock::now() + options_.timeout;
+        // Connect and HELLO, again from the start when the connection is lost before the reply: the server
+        // closes connections that wait too long for HELLO or that newer ones push out of its pending set.
+        // A refusal (an ERROR reply) is final.
+        const Clock::time_point deadline = Clock::now() + options_.timeout;
+        const Bytes hello = encode_frame(make_hello(options.token, options.rank), limits_);
         std::string last_error = "no attempt";
-        fd_ = connect_with_retry(options.host, options.port, deadline, &last_error);
-        WEFT_CHECK(fd_, "rendezvous: rank " << options.rank << " could not connect to the store at " << endpoint_
-                                           << " within " << options.timeout.count()
-                                           << " ms (is rank 0 running, and do MASTER_ADDR/MASTER_PORT match?): "
-                                           << last_error);
-        // The server may be slow to answer while many ranks connect at once: give HELLO a full timeout.
-        Message reply = exchange(make_hello(options.token, options.rank), Clock::now() + options_.timeout, "connect",
-                                 "");
-        WEFT_CHECK(reply.type != MsgType::kError, "rendezvous: the store at " << endpoint_ << " rejected rank "
-                                                                              << options.rank << ": "
-                                                                              << error_text(reply));
-        expect(reply, MsgType::kOk, "connect", "");
+        auto backoff = milliseconds(10);
+        for (int attempt = 1;; ++attempt) {
+            fd_ = connect_with_retry(options.host, options.port, deadline, &last_error);
+            WEFT_CHECK(fd_, "rendezvous: rank " << options.rank << " could not connect to the store at " << endpoint_
+                                               << " within " << options.timeout.count()
+                                               << " ms (is rank 0 running, and do MASTER_ADDR/MASTER_PORT match?): "
+                                               << last_error);
+            std::string e = send_all(fd_.get(), hello, deadline);
+            Message reply;
+            if (e.empty()) e = recv_response(fd_.get(), limits_, deadline, &reply);
+            if (e.empty()) {
+                WEFT_CHECK(reply.type != MsgType::kError, "rendezvous: the store at " << endpoint_ << " rejected rank "
+                                                                                      << options.rank << ": "
+                                                                                      << error_text(reply));
+                expect(reply, MsgType::kOk, "connect", "");
+                break;
+            }
+            fd_.reset();
+            last_error = "HELLO attempt " + std::to_string(attempt) + ": " + e;
+            WEFT_CHECK(Clock::now() < deadline, "rendezvous: rank " << options.rank
+                                                                    << " could not complete HELLO with the store at "
+                                                                    << endpoint_ << " within " << options.timeout.count()
+                                                                    << " ms: " << last_error);
+            WEFT_LOG_DEBUG("rendezvous: rank " << options.rank << " retrying HELLO with " << endpoint_ << ": " << e);
+            std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
+            backoff = std::min(backoff * 2, milliseconds(500));
+        }
         WEFT_LOG_DEBUG("rendezvous: connected to the store at " << endpoint_);
     }
 
@@ -213,12 +232,6 @@ private:
             WEFT_FAIL("store " << op << "('" << key.substr(0, 64) << (key.size() > 64 ? "...": "")
                                << "') rejected before sending: " << e.what());
         }
-        std::lock_guard<std::mutex> lock(mutex_);
-        return exchange_frame(frame, deadline, op, key);
-    }
-
-    Message exchange(const Message& request, Clock::time_point deadline, const char* op, const std::string& key) {
-        Bytes frame = encode_frame(request, limits_);
         std::lock_guard<std::mutex> lock(mutex_);
         return exchange_frame(frame, deadline, op, key);
     }

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <charconv>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <thread>
 #include <unordered_map>
@@ -31,6 +32,9 @@ namespace {
 
 constexpr size_t kReadChunkBytes = 64 * 1024;
 constexpr int kMaxReadsPerWakeup = 16;  // then let other connections have a turn
+// Accepts per wakeup, at most half the pending bound: a connection accepted in one round is read (its HELLO
+// served) at the start of the next, before newer connections can push it out of the pending set.
+constexpr int kMinAcceptsPerWakeup = 1;
 
 /// Parses a counter stored by add(): optional '-' then decimal digits, nothing else.
 std::optional<int64_t> parse_counter(const Bytes& value) {
@@ -75,18 +79,24 @@ struct TcpStoreServer::Impl {
         Bytes out;
         size_t out_offset = 0;
         std::optional<PendingGet> pending;
+
+        size_t unsent() const { return out.size() - out_offset; }
     };
 
     RendezvousOptions options;
     Limits limits;
+    uint32_t owner_uid = 0;  // the only user a server without a token serves
     UniqueFd listen_fd;
     UniqueFd wake_fd;
     int port = 0;
     std::string address;
     std::thread thread;
     std::atomic<bool> stop{false};
+    std::mutex adopted_mutex;
+    std::vector<UniqueFd> adopted;  // handed over by adopt_connection(), taken by the server thread
 
-    std::atomic<uint64_t> accepted{0}, authenticated{0}, rejected{0}, requests{0}, open_connections{0}, keys{0};
+    std::atomic<uint64_t> accepted{0}, authenticated{0}, rejected{0}, evicted{0}, errors{0}, requests{0},
+        open_connections{0}, keys{0}, buffered_bytes{0};
 
     // Owned by the server thread.
     std::map<uint64_t, Connection> connections;
@@ -99,15 +109,19 @@ struct TcpStoreServer::Impl {
     void run();
     void loop_once();
     void accept_all();
+    void take_adopted();
+    void add_connection(UniqueFd fd, std::string peer);
+    void serve(uint64_t id, Connection& c, short revents);
+    void authenticate(Connection& c, const Message& hello);
     void read_from(uint64_t id, Connection& c);
     void process_frames(uint64_t id, Connection& c);
     void handle(uint64_t id, Connection& c, Message& m);
     void respond(Connection& c, const Message& m);
     void flush(Connection& c);
     void reject(Connection& c, const std::string& why);
+    void fail(Connection& c, const char* what, const std::exception* e);
     void drop_waiter(uint64_t id, Connection& c);
     void wake_waiters(const std::string& key);
-    void expire(Clock::time_point now);
     void sweep();
 
     std::string who(const Connection& c) const {
@@ -163,13 +177,19 @@ void TcpStoreServer::Impl::listen_on(const RendezvousOptions& opts) {
 }
 
 void TcpStoreServer::Impl::run() {
-    try {
-        while (!stop.load(std::memory_order_acquire)) loop_once();
-    } catch (const std::exception& e) {
-        WEFT_LOG_ERROR("rendezvous server on " << address << " stopped: " << e.what());
+    while (!stop.load(std::memory_order_acquire)) {
+        // Errors of one connection are handled in serve(); what reaches here (poll failing, memory running
+        // out between connections) is logged, and the server keeps serving after a short pause.
+        try {
+            loop_once();
+        } catch (const std::exception& e) {
+            WEFT_LOG_ERROR("rendezvous server on " << address << ": " << e.what() << "; continuing");
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
     }
     connections.clear();
     open_connections = 0;
+    buffered_bytes = 0;
 }
 
 void TcpStoreServer::Impl::loop_once() {
@@ -188,8 +208,9 @@ void TcpStoreServer::Impl::loop_once() {
     fds.push_back({wake_fd.get(), POLLIN, 0});
     fds.push_back({listen_fd.get(), static_cast<short>(accepting ? POLLIN : 0), 0});
     for (auto& [id, c] : connections) {
-        short events = POLLIN;
-        if (c.out_offset < c.out.size()) events |= POLLOUT;
+        // A connection whose replies are not drained is not read: its requests wait in the kernel's buffers.
+        short events = c.unsent() < options.max_unsent_reply_bytes ? POLLIN : 0;
+        if (c.unsent() > 0) events |= POLLOUT;
         fds.push_back({c.fd.get(), events, 0});
         ids.push_back(id);
     }
@@ -199,22 +220,65 @@ void TcpStoreServer::Impl::loop_once() {
         return;
     }
     if (stop.load(std::memory_order_acquire)) return;
-    if (fds[1].revents != 0) accept_all();
+    if (fds[0].revents != 0) {
+        uint64_t count = 0;
+        ssize_t got = ::read(wake_fd.get(), &count, sizeof(count));
+        (void)got;  // EAGAIN when another wakeup already drained it
+        take_adopted();
+    }
+    // Connections first, then new ones: a connection accepted in the previous round has its HELLO served
+    // before newer connections can evict it.
     for (size_t i = 0; i < ids.size(); ++i) {
         short revents = fds[i + 2].revents;
         if (revents == 0) continue;
         auto it = connections.find(ids[i]);
         if (it == connections.end() || it->second.dead) continue;
-        Connection& c = it->second;
-        if (revents & POLLOUT) flush(c);
-        if (!c.dead && (revents & (POLLIN | POLLHUP | POLLERR))) read_from(ids[i], c);
+        serve(ids[i], it->second, revents);
     }
-    expire(Clock::now());
+    if (fds[1].revents != 0) accept_all();
+    now = Clock::now();
+    for (auto& [id, c] : connections) {
+        if (c.dead) continue;
+        try {
+            if (!c.authenticated && now >= c.hello_deadline) {
+                reject(c, "no HELLO within " +
+                              std::to_string(std::min(options.hello_timeout, options.timeout).count()) + " ms");
+            } else if (c.pending && now >= c.pending->deadline) {
+                drop_waiter(id, c);
+                respond(c, make_timeout());
+            }
+        } catch (const std::exception& e) {
+            fail(c, "expiring a wait", &e);
+        }
+    }
     sweep();
 }
 
+void TcpStoreServer::Impl::serve(uint64_t id, Connection& c, short revents) {
+    try {
+        if (revents & POLLOUT) flush(c);
+        if (!c.dead && (revents & (POLLIN | POLLHUP | POLLERR))) read_from(id, c);
+        // Replies drained below the bound: serve the requests that were held back, if any.
+        if (!c.dead && !c.pending && c.in_offset < c.in.size() && c.unsent() < options.max_unsent_reply_bytes) {
+            process_frames(id, c);
+        }
+    } catch (const std::exception& e) {
+        fail(c, "serving", &e);
+    } catch (...) {
+        fail(c, "serving", nullptr);
+    }
+}
+
+void TcpStoreServer::Impl::fail(Connection& c, const char* what, const std::exception* e) {
+    ++errors;
+    WEFT_LOG_ERROR("rendezvous server on " << address << ": closing the connection from " << who(c) << ": "
+                                           << what << " it failed: " << (e ? e->what() : "an unknown exception"));
+    c.dead = true;
+}
+
 void TcpStoreServer::Impl::accept_all() {
-    while (true) {
+    const int max_accepts = std::max(kMinAcceptsPerWakeup, options.max_pending_connections / 2);
+    for (int i = 0; i < max_accepts; ++i) {
         sockaddr_storage peer{};
         socklen_t len = sizeof(peer);
         int fd = ::accept4(listen_fd.get(), reinterpret_cast<sockaddr*>(&peer), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
@@ -227,27 +291,55 @@ void TcpStoreServer::Impl::accept_all() {
         }
         UniqueFd owned(fd);
         ++accepted;
-        std::string peer_text = describe_address(reinterpret_cast<sockaddr*>(&peer));
-        if (connections.size() >= static_cast<size_t>(std::max(options.max_connections, 1))) {
-            ++rejected;
-            WEFT_LOG_WARN("rendezvous server on " << address << ": refusing " << peer_text << ": already "
-                                                  << connections.size() << " connections (max_connections)");
-            continue;
-        }
-        make_nonblocking(fd);
-        Connection c;
-        c.fd = std::move(owned);
-        c.peer = std::move(peer_text);
-        c.hello_deadline = Clock::now() + options.timeout;
-        connections.emplace(next_id++, std::move(c));
-        open_connections = connections.size();
+        add_connection(std::move(owned), describe_address(reinterpret_cast<sockaddr*>(&peer)));
     }
+}
+
+void TcpStoreServer::Impl::take_adopted() {
+    std::vector<UniqueFd> taken;
+    {
+        std::lock_guard<std::mutex> lock(adopted_mutex);
+        taken.swap(adopted);
+    }
+    for (UniqueFd& fd : taken) {
+        ++accepted;
+        std::string peer = "an adopted connection (fd " + std::to_string(fd.get()) + ")";
+        add_connection(std::move(fd), std::move(peer));
+    }
+}
+
+void TcpStoreServer::Impl::add_connection(UniqueFd fd, std::string peer) {
+    // Pending connections beyond the bound: close the oldest (the map is in accept order). Its client, if it
+    // is a weft client, reconnects; an idle socket simply goes away.
+    size_t num_pending = 0;
+    for (const auto& [id, c] : connections) num_pending += (!c.dead && !c.authenticated) ? 1 : 0;
+    const size_t max_pending = static_cast<size_t>(std::max(options.max_pending_connections, 1));
+    for (auto it = connections.begin(); num_pending >= max_pending && it != connections.end(); ++it) {
+        Connection& old = it->second;
+        if (old.dead || old.authenticated) continue;
+        ++evicted;
+        WEFT_LOG_DEBUG("rendezvous server on " << address << ": closing " << who(old) << " before its HELLO: "
+                                               << max_pending << " connections await HELLO (max_pending_connections)");
+        old.dead = true;
+        old.fd.reset();  // closed now, so a flood cannot exhaust descriptors before the sweep
+        --num_pending;
+    }
+    make_nonblocking(fd.get());
+    Connection c;
+    c.fd = std::move(fd);
+    c.peer = std::move(peer);
+    c.hello_deadline = Clock::now() + std::min(options.hello_timeout, options.timeout);
+    connections.emplace(next_id++, std::move(c));
+    open_connections = connections.size();
 }
 
 void TcpStoreServer::Impl::read_from(uint64_t id, Connection& c) {
     // Before HELLO, read no more than a HELLO can be: an unauthenticated peer cannot make the server buffer.
     const size_t max_hello_bytes = kHeaderBytes + limits.max_key_bytes + 4;
     for (int i = 0; i < kMaxReadsPerWakeup && !c.dead; ++i) {
+        // Replies not drained: leave further requests in the kernel's buffers (TCP flow control holds the
+        // client back) rather than in ours.
+        if (c.unsent() >= options.max_unsent_reply_bytes) return;
         size_t old_size = c.in.size();
         size_t buffered = old_size - c.in_offset;
         size_t chunk = c.authenticated ? kReadChunkBytes
@@ -278,7 +370,7 @@ void TcpStoreServer::Impl::read_from(uint64_t id, Connection& c) {
 }
 
 void TcpStoreServer::Impl::process_frames(uint64_t id, Connection& c) {
-    while (!c.dead && !c.pending && c.in_offset < c.in.size()) {
+    while (!c.dead && !c.pending && c.in_offset < c.in.size() && c.unsent() < options.max_unsent_reply_bytes) {
         const uint8_t* p = c.in.data() + c.in_offset;
         size_t avail = c.in.size() - c.in_offset;
         Header header;
@@ -291,15 +383,18 @@ void TcpStoreServer::Impl::process_frames(uint64_t id, Connection& c) {
                                  type_name(static_cast<uint16_t>(header.type)));
         }
         if (c.authenticated && header.type == MsgType::kHello) return reject(c, "HELLO sent twice");
-        if (avail < r.frame_bytes) {
-            c.in.reserve(c.in_offset + r.frame_bytes + kReadChunkBytes);
-            break;
-        }
+        // NOTE: nothing is reserved from the header's length: the buffer grows as the bytes arrive, so a
+        // header announcing 64 MiB costs nothing until 64 MiB are actually sent.
+        if (avail < r.frame_bytes) break;
         Message m;
         r = decode_frame(p, avail, Role::kRequest, limits, &m);
         if (r.status != DecodeStatus::kComplete) return reject(c, r.error);
         c.in_offset += r.frame_bytes;
         handle(id, c, m);
+        if (c.pending && c.in_offset < c.in.size() && !c.dead) {
+            drop_waiter(id, c);
+            return reject(c, "sent a request while its get('" + m.key + "') was pending");
+        }
     }
     if (c.in_offset == c.in.size()) {
         release_if_large(c.in);
@@ -310,18 +405,41 @@ void TcpStoreServer::Impl::process_frames(uint64_t id, Connection& c) {
     }
 }
 
+void TcpStoreServer::Impl::authenticate(Connection& c, const Message& hello) {
+    if (!options.token.empty()) {
+        if (!constant_time_equal(options.token, hello.key)) {
+            return reject(c, "authentication failed: the job token (WEFT_JOB_TOKEN) does not match");
+        }
+    } else {
+        // No token: only the server's own user (the server listens on loopback only; see listen_on).
+        std::string why;
+        std::optional<uint32_t> uid = peer_uid(c.fd.get(), &why);
+        if (!uid) {
+            return reject(c, "authentication failed: cannot tell which user connected (" + why +
+                                 "); set a job token (WEFT_JOB_TOKEN) on every rank");
+        }
+        if (*uid != owner_uid) {
+            return reject(c, "authentication failed: the peer runs as uid " + std::to_string(*uid) +
+                                 ", but a store without a job token (WEFT_JOB_TOKEN) serves only its own user, uid " +
+                                 std::to_string(owner_uid));
+        }
+    }
+    size_t num_authenticated = 0;
+    for (const auto& [id, other] : connections) num_authenticated += (!other.dead && other.authenticated) ? 1 : 0;
+    if (num_authenticated >= static_cast<size_t>(std::max(options.max_connections, 1))) {
+        return reject(c, "the store already serves " + std::to_string(num_authenticated) +
+                             " connections (RendezvousOptions.max_connections)");
+    }
+    c.authenticated = true;
+    c.rank = decode_i32(hello.value);
+    ++authenticated;
+    WEFT_LOG_DEBUG("rendezvous server: " << who(c) << " authenticated");
+    respond(c, make_ok());
+}
+
 void TcpStoreServer::Impl::handle(uint64_t id, Connection& c, Message& m) {
     switch (m.type) {
-        case MsgType::kHello: {
-            if (!constant_time_equal(options.token, m.key)) {
-                return reject(c, "authentication failed: the job token (WEFT_JOB_TOKEN) does not match");
-            }
-            c.authenticated = true;
-            c.rank = decode_i32(m.value);
-            ++authenticated;
-            WEFT_LOG_DEBUG("rendezvous server: " << who(c) << " authenticated");
-            return respond(c, make_ok());
-        }
+        case MsgType::kHello: return authenticate(c, m);
         case MsgType::kSet: {
             ++requests;
             data[m.key] = std::move(m.value);
@@ -412,7 +530,7 @@ void TcpStoreServer::Impl::reject(Connection& c, const std::string& why) {
     // Best effort: tell the peer why (one non-blocking send), then close.
     Bytes frame = encode_frame(make_error(why.substr(0, std::min<size_t>(kMaxErrorBytes, limits.max_value_bytes))),
                                limits);
-    if (c.out_offset == c.out.size()) {
+    if (c.fd && c.out_offset == c.out.size()) {
         ::send(c.fd.get(), frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
     }
     c.dead = true;
@@ -442,28 +560,19 @@ void TcpStoreServer::Impl::wake_waiters(const std::string& key) {
     }
 }
 
-void TcpStoreServer::Impl::expire(Clock::time_point now) {
-    for (auto& [id, c] : connections) {
-        if (c.dead) continue;
-        if (!c.authenticated && now >= c.hello_deadline) {
-            reject(c, "no HELLO within " + std::to_string(options.timeout.count()) + " ms");
-        } else if (c.pending && now >= c.pending->deadline) {
-            drop_waiter(id, c);
-            respond(c, make_timeout());
-        }
-    }
-}
-
 void TcpStoreServer::Impl::sweep() {
+    uint64_t buffered = 0;
     for (auto it = connections.begin(); it != connections.end();) {
         if (it->second.dead) {
             drop_waiter(it->first, it->second);
             it = connections.erase(it);
         } else {
+            buffered += it->second.in.capacity() + it->second.out.capacity();
             ++it;
         }
     }
     open_connections = connections.size();
+    buffered_bytes = buffered;
 }
 
 TcpStoreServer::TcpStoreServer(const RendezvousOptions& options) : impl_(std::make_unique<Impl>()) {
@@ -474,8 +583,11 @@ TcpStoreServer::TcpStoreServer(const RendezvousOptions& options) : impl_(std::ma
     WEFT_CHECK(options.max_key_bytes >= 1, "RendezvousOptions.max_key_bytes must be at least 1, got 0");
     WEFT_CHECK(options.max_value_bytes <= (1u << 30),
                "RendezvousOptions.max_value_bytes must be at most 1 GiB, got " << options.max_value_bytes);
+    WEFT_CHECK(options.hello_timeout.count() > 0,
+               "RendezvousOptions.hello_timeout must be positive, got " << options.hello_timeout.count() << " ms");
     impl_->options = options;
     impl_->options.timeout = std::min(options.timeout, std::chrono::milliseconds(kMaxWaitMs));
+    impl_->owner_uid = static_cast<uint32_t>(::geteuid());
     impl_->limits = Limits{options.max_key_bytes, options.max_value_bytes};
     impl_->listen_on(options);
     impl_->wake_fd.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -492,6 +604,21 @@ TcpStoreServer::~TcpStoreServer() {
     if (impl_->thread.joinable()) impl_->thread.join();
 }
 
+void TcpStoreServer::adopt_connection(int fd) {
+    UniqueFd owned(fd);
+    int type = 0;
+    socklen_t len = sizeof(type);
+    WEFT_CHECK(fd >= 0 && ::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) == 0 && type == SOCK_STREAM,
+               "TcpStoreServer::adopt_connection: fd " << fd << " is not a stream socket");
+    {
+        std::lock_guard<std::mutex> lock(impl_->adopted_mutex);
+        impl_->adopted.push_back(std::move(owned));
+    }
+    uint64_t one = 1;
+    ssize_t written = ::write(impl_->wake_fd.get(), &one, sizeof(one));
+    (void)written;  // the counter cannot overflow here; poll() also wakes within a second
+}
+
 int TcpStoreServer::port() const { return impl_->port; }
 
 TcpStoreServer::Stats TcpStoreServer::stats() const {
@@ -499,9 +626,12 @@ TcpStoreServer::Stats TcpStoreServer::stats() const {
     s.accepted = impl_->accepted.load();
     s.authenticated = impl_->authenticated.load();
     s.rejected = impl_->rejected.load();
+    s.evicted = impl_->evicted.load();
+    s.errors = impl_->errors.load();
     s.requests = impl_->requests.load();
     s.open_connections = impl_->open_connections.load();
     s.keys = impl_->keys.load();
+    s.buffered_bytes = impl_->buffered_bytes.load();
     return s;
 }
 

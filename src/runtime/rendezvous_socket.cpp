@@ -6,11 +6,16 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 #include "weft/runtime/error.hpp"
 
@@ -71,6 +76,148 @@ void make_nonblocking(int fd) {
                "rendezvous: cannot make a socket non-blocking: " << errno_text(errno));
     int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+namespace {
+
+/// One TCP endpoint as /proc/net/tcp{,6} prints it: the address as 32-bit words in host order, the port.
+struct ProcEndpoint {
+    std::array<uint32_t, 4> words{};
+    int num_words = 0;  // 1 (IPv4) or 4 (IPv6)
+    uint32_t port = 0;
+    bool operator==(const ProcEndpoint& o) const {
+        return num_words == o.num_words && port == o.port &&
+               std::equal(words.begin(), words.begin() + num_words, o.words.begin());
+    }
+};
+
+/// `addr` as /proc/net/tcp (IPv4, also for an IPv4-mapped IPv6 address) or /proc/net/tcp6 lists it.
+std::optional<ProcEndpoint> proc_endpoint(const sockaddr_storage& addr) {
+    ProcEndpoint e;
+    if (addr.ss_family == AF_INET) {
+        const auto* in = reinterpret_cast<const sockaddr_in*>(&addr);
+        std::memcpy(e.words.data(), &in->sin_addr, 4);  // the kernel prints the raw word: host order
+        e.num_words = 1;
+        e.port = ntohs(in->sin_port);
+        return e;
+    }
+    if (addr.ss_family == AF_INET6) {
+        const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&addr);
+        if (IN6_IS_ADDR_V4MAPPED(&in6->sin6_addr)) {
+            std::memcpy(e.words.data(), in6->sin6_addr.s6_addr + 12, 4);
+            e.num_words = 1;
+        } else {
+            std::memcpy(e.words.data(), in6->sin6_addr.s6_addr, 16);
+            e.num_words = 4;
+        }
+        e.port = ntohs(in6->sin6_port);
+        return e;
+    }
+    return std::nullopt;
+}
+
+/// Parses "0100007F:1F90" (or 32 hex digits before the colon for IPv6).
+std::optional<ProcEndpoint> parse_proc_endpoint(const std::string& text) {
+    const size_t colon = text.find(':');
+    if (colon != 8 && colon != 32) return std::nullopt;
+    ProcEndpoint e;
+    e.num_words = static_cast<int>(colon / 8);
+    for (int w = 0; w < e.num_words; ++w) {
+        const std::string hex = text.substr(static_cast<size_t>(w) * 8, 8);
+        char* end = nullptr;
+        e.words[static_cast<size_t>(w)] = static_cast<uint32_t>(std::strtoul(hex.c_str(), &end, 16));
+        if (end != hex.c_str() + 8) return std::nullopt;
+    }
+    const std::string port = text.substr(colon + 1);
+    char* end = nullptr;
+    e.port = static_cast<uint32_t>(std::strtoul(port.c_str(), &end, 16));
+    if (port.empty() || *end != '\0') return std::nullopt;
+    return e;
+}
+
+/// Searches one /proc/net/tcp* table for the socket whose local end is `local` and remote end `remote`.
+/// Returns its uid; `*readable` says whether the table could be opened.
+std::optional<uint32_t> find_socket_owner(const char* table, const ProcEndpoint& local, const ProcEndpoint& remote,
+                                          bool* readable) {
+    std::ifstream in(table);
+    *readable = in.good();
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+        // sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode ...
+        std::istringstream fields(line);
+        std::string slot, local_text, remote_text, state, queues, timer, retransmits, uid_text;
+        if (!(fields >> slot >> local_text >> remote_text >> state >> queues >> timer >> retransmits >> uid_text)) {
+            continue;
+        }
+        std::optional<ProcEndpoint> l = parse_proc_endpoint(local_text);
+        if (!l || !(*l == local)) continue;
+        std::optional<ProcEndpoint> r = parse_proc_endpoint(remote_text);
+        if (!r || !(*r == remote)) continue;
+        char* end = nullptr;
+        const unsigned long uid = std::strtoul(uid_text.c_str(), &end, 10);
+        if (uid_text.empty() || *end != '\0') return std::nullopt;
+        return static_cast<uint32_t>(uid);
+    }
+    return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<uint32_t> peer_uid(int fd, std::string* why) {
+    sockaddr_storage local{}, peer{};
+    socklen_t local_len = sizeof(local), peer_len = sizeof(peer);
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0 ||
+        ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0) {
+        *why = "cannot read the connection's addresses: " + errno_text(errno);
+        return std::nullopt;
+    }
+    if (local.ss_family == AF_UNIX) {
+        ucred cred{};
+        socklen_t len = sizeof(cred);
+        if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+            *why = "SO_PEERCRED failed: " + errno_text(errno);
+            return std::nullopt;
+        }
+        return static_cast<uint32_t>(cred.uid);
+    }
+    std::optional<ProcEndpoint> server_end = proc_endpoint(local);
+    std::optional<ProcEndpoint> client_end = proc_endpoint(peer);
+    if (!server_end || !client_end || server_end->num_words != client_end->num_words) {
+        *why = "the connection is neither TCP nor a Unix-domain socket";
+        return std::nullopt;
+    }
+    // The peer's socket lists the peer's address as local and ours as remote. An IPv4 peer of a dual-stack
+    // listener appears in /proc/net/tcp, an IPv6 one in /proc/net/tcp6; a mapped address could be in either.
+    const bool v4 = client_end->num_words == 1;
+    bool any_readable = false;
+    for (const char* table : {v4 ? "/proc/net/tcp" : "/proc/net/tcp6", v4 ? "/proc/net/tcp6" : nullptr}) {
+        if (table == nullptr) break;
+        bool readable = false;
+        std::optional<uint32_t> uid;
+        if (std::string(table) == "/proc/net/tcp6" && v4) {
+            // An IPv6 socket connected over IPv4-mapped addresses: ::ffff:a.b.c.d is words {0, 0, 0xffff, a.b.c.d}.
+            ProcEndpoint l6 = *client_end, r6 = *server_end;
+            for (ProcEndpoint* e : {&l6, &r6}) {
+                const uint32_t v4_word = e->words[0];
+                const uint8_t mapped_prefix[4] = {0, 0, 0xff, 0xff};
+                uint32_t prefix_word = 0;
+                std::memcpy(&prefix_word, mapped_prefix, 4);
+                e->words = {0, 0, prefix_word, v4_word};
+                e->num_words = 4;
+            }
+            uid = find_socket_owner(table, l6, r6, &readable);
+        } else {
+            uid = find_socket_owner(table, *client_end, *server_end, &readable);
+        }
+        any_readable = any_readable || readable;
+        if (uid) return uid;
+    }
+    sockaddr_storage peer_copy = peer;
+    *why = any_readable ? "no socket of this network namespace connects from " +
+                              describe_address(reinterpret_cast<sockaddr*>(&peer_copy)) + " (/proc/net/tcp, tcp6)"
+                        : std::string("/proc/net/tcp and /proc/net/tcp6 cannot be read");
+    return std::nullopt;
 }
 
 }  // namespace weft::detail::rendezvous

@@ -5,6 +5,8 @@
 #include <sys/socket.h>
 
 #include <chrono>
+#include <cstdint>
+#include <optional>
 #include <string>
 
 namespace weft::detail::rendezvous {
@@ -48,5 +50,11 @@ std::string describe_address(const sockaddr* addr);
 bool is_loopback(const sockaddr* addr);
 /// Sets O_NONBLOCK and TCP_NODELAY (best effort for the latter).
 void make_nonblocking(int fd);
+
+/// The user id that owns the other end of the connected stream socket `fd`, as seen in this process's
+/// user namespace: SO_PEERCRED for a Unix-domain socket; for TCP over loopback (or any address of this
+/// network namespace) the owner of the peer's socket, found by its address pair in /proc/net/tcp or
+/// /proc/net/tcp6. nullopt, with the reason in `*why`, when it cannot be established (then trust nothing).
+std::optional<uint32_t> peer_uid(int fd, std::string* why);
 
 }  // namespace weft::detail::rendezvous

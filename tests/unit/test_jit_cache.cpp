@@ -3,7 +3,13 @@
 // parsing, the spec-file format and the WEFT_JIT_* options.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <chrono>
+#include <functional>
 #include <thread>
 
 #include "support/jit_testing.hpp"
@@ -135,6 +141,148 @@ TEST(JitFileLock, ExcludesOtherHoldersAndTimesOut) {
     holder.reset();  // release: the waiter gets it
     waiter.join();
     EXPECT_TRUE(got.load());
+}
+
+/// Runs `fn` on a thread and waits at most 2 s for it. Returns the seconds it took, or -1 when it was still
+/// blocked at 2 s; `unblock` is then called (to end a blocked open) before the thread is joined.
+double seconds_to_finish(const std::function<void()>& fn, const std::function<void()>& unblock = [] {}) {
+    std::atomic<bool> done{false};
+    const auto start = std::chrono::steady_clock::now();
+    std::thread t([&] {
+        fn();
+        done = true;
+    });
+    while (!done.load() && std::chrono::steady_clock::now() - start < std::chrono::seconds(2)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    const double seconds =
+        done.load() ? std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() : -1.0;
+    if (!done.load()) unblock();
+    t.join();
+    return seconds;
+}
+
+TEST(JitDiskCache, UntrustedEntriesAreMisses) {
+    TempDir dir("weft_jit_trust");
+    DiskCache cache(dir / "cache");
+    const fs::path jit = dir / "cache" / "jit";
+    const CacheEntry entry = sample_entry();
+    // A miss, answered within 100 ms.
+    auto expect_miss = [&](const Digest& key, const char* what, const std::function<void()>& unblock = [] {}) {
+        DiskCache::LoadStatus status = DiskCache::LoadStatus::kHit;
+        std::string why;
+        CacheEntry out;
+        const double seconds = seconds_to_finish([&] { status = cache.load(key, &out, &why); }, unblock);
+        EXPECT_GE(seconds, 0.0) << what << ": load() blocked";
+        EXPECT_LT(seconds, 0.1) << what;
+        EXPECT_EQ(status, DiskCache::LoadStatus::kAbsent) << what << ": " << why;
+        EXPECT_FALSE(why.empty()) << what << ": the reason is reported";
+    };
+
+    // A FIFO where an entry belongs: opening it for reading would wait for a writer forever.
+    const Digest fifo_key = sha256("fifo");
+    ASSERT_EQ(::mkfifo(cache.entry_path(fifo_key).c_str(), 0644), 0);
+    expect_miss(fifo_key, "FIFO", [&] {
+        const int w = ::open(cache.entry_path(fifo_key).c_str(), O_WRONLY | O_NONBLOCK);
+        if (w >= 0) ::close(w);
+    });
+    // A symbolic link to a valid entry for the same key, outside the cache.
+    const Digest link_key = sha256("link");
+    const std::vector<char> outside = encode_cache_entry(link_key, entry);
+    write_file_atomically(dir / "outside.wjit", outside.data(), outside.size());
+    fs::create_symlink(dir / "outside.wjit", cache.entry_path(link_key));
+    expect_miss(link_key, "symbolic link");
+    // A sparse file of 1 GiB: refused by its size, never read.
+    const Digest sparse_key = sha256("sparse");
+    {
+        const int fd = ::open(cache.entry_path(sparse_key).c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+        ASSERT_GE(fd, 0);
+        ASSERT_EQ(::ftruncate(fd, off_t{1} << 30), 0);
+        ::close(fd);
+    }
+    expect_miss(sparse_key, "sparse 1 GiB entry");
+    // An entry others may write.
+    const Digest writable_key = sha256("writable");
+    cache.store(writable_key, entry);
+    ASSERT_EQ(::chmod(cache.entry_path(writable_key).c_str(), 0666), 0);
+    expect_miss(writable_key, "world-writable entry");
+
+    // A valid entry becomes a miss when its folder (or the cache folder) is writable by others, and a hit
+    // again with the sticky bit (others may add files, not replace ours).
+    const Digest key = sha256("valid");
+    cache.store(key, entry);
+    CacheEntry out;
+    ASSERT_EQ(cache.load(key, &out), DiskCache::LoadStatus::kHit);
+    ASSERT_EQ(::chmod(jit.c_str(), 0777), 0);
+    expect_miss(key, "0777 jit folder");
+    EXPECT_THROW(cache.store(sha256("new"), entry), Error);  // nothing is stored there either
+    ASSERT_EQ(::chmod(jit.c_str(), 01777), 0);
+    EXPECT_EQ(cache.load(key, &out), DiskCache::LoadStatus::kHit);
+    ASSERT_EQ(::chmod(jit.c_str(), 0755), 0);
+    ASSERT_EQ(::chmod((dir / "cache").c_str(), 0777), 0);
+    expect_miss(key, "0777 cache folder");
+    ASSERT_EQ(::chmod((dir / "cache").c_str(), 0755), 0);
+    EXPECT_EQ(cache.load(key, &out), DiskCache::LoadStatus::kHit);
+
+    // A planted entry verifies (the checksum has no key): only its owner gives it away. CI runs as root,
+    // which can hand a file to another user.
+    if (::geteuid() != 0) GTEST_SKIP() << "the planted-entry case needs root (chown)";
+    ASSERT_EQ(::chown(cache.entry_path(key).c_str(), 65534, 65534), 0);
+    expect_miss(key, "entry owned by another user");
+    ASSERT_EQ(::chown(jit.c_str(), 65534, 65534), 0);
+    ASSERT_EQ(::chown(cache.entry_path(key).c_str(), 0, 0), 0);
+    expect_miss(key, "jit folder owned by another user");
+}
+
+TEST(JitFileLock, UntrustedLockFilesAreNotTaken) {
+    TempDir dir("weft_jit_lock_trust");
+    auto not_taken_quickly = [&](const fs::path& path, const char* what) {
+        bool owns = true;
+        const double seconds = seconds_to_finish([&] {
+            FileLock lock(path, std::chrono::milliseconds(5000));
+            owns = lock.owns();
+        });
+        EXPECT_GE(seconds, 0.0) << what << ": blocked";
+        EXPECT_LT(seconds, 0.1) << what;
+        EXPECT_FALSE(owns) << what;
+    };
+    // A symbolic link: following it would create (and lock) a file wherever it points.
+    fs::create_symlink(dir / "elsewhere", dir / "a.lock");
+    not_taken_quickly(dir / "a.lock", "symbolic link");
+    EXPECT_FALSE(fs::exists(dir / "elsewhere")) << "the link was followed";
+    ASSERT_EQ(::mkfifo((dir / "b.lock").c_str(), 0644), 0);
+    not_taken_quickly(dir / "b.lock", "FIFO");
+    fs::create_directories(dir / "open");
+    ASSERT_EQ(::chmod((dir / "open").c_str(), 0777), 0);
+    not_taken_quickly(dir / "open" / "c.lock", "lock in a 0777 folder");
+    // A lock file made under a permissive umask is made private to this user, and taken.
+    const mode_t old_mask = ::umask(0);
+    {
+        FileLock lock(dir / "d.lock", std::chrono::milliseconds(1000));
+        EXPECT_TRUE(lock.owns());
+    }
+    ::umask(old_mask);
+    EXPECT_EQ(fs::status(dir / "d.lock").permissions() & fs::perms::others_write, fs::perms::none);
+}
+
+TEST(JitDiskCache, ReadFileBytesRefusesAFifo) {
+    TempDir dir("weft_jit_fifo");
+    ASSERT_EQ(::mkfifo((dir / "f").c_str(), 0644), 0);
+    std::string error;
+    const double seconds = seconds_to_finish(
+        [&] {
+            try {
+                read_file_bytes(dir / "f");
+            } catch (const Error& e) {
+                error = e.what();
+            }
+        },
+        [&] {
+            const int w = ::open((dir / "f").c_str(), O_WRONLY | O_NONBLOCK);
+            if (w >= 0) ::close(w);
+        });
+    EXPECT_GE(seconds, 0.0) << "read_file_bytes blocked";
+    EXPECT_NE(error.find("a FIFO, not a regular file"), std::string::npos) << error;
 }
 
 TEST(JitPtxasInfo, ParsesTheKernelsBlock) {

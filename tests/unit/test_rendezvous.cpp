@@ -4,14 +4,18 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <set>
 #include <string>
@@ -370,6 +374,7 @@ TEST(Rendezvous, GetWaitsForALaterSet) {
     t.join();
     EXPECT_EQ(v, to_bytes("here"));
     EXPECT_GE(Clock::now() - start, milliseconds(90));
+    EXPECT_LT(Clock::now() - start, milliseconds(5000));  // woken by the set, not by the 10 s timeout
     // add() also wakes a waiter.
     std::thread t2([&] {
         std::this_thread::sleep_for(milliseconds(50));
@@ -706,11 +711,289 @@ TEST(Rendezvous, ConnectionLimit) {
     o.port = server.port();
     auto a = connect_tcp_store(o);
     auto b = connect_tcp_store(o);
+    // A third HELLO is refused, saying why; refused connections never count against the limit.
     std::string e = error_of([&] { connect_tcp_store(o); });
-    EXPECT_TRUE(contains(e, "closed") || contains(e, "reset")) << e;
+    EXPECT_TRUE(contains(e, "rejected") && contains(e, "max_connections")) << e;
     a.reset();
     ASSERT_TRUE(eventually([&] { return server.stats().open_connections == 1; }));
     EXPECT_NO_THROW(connect_tcp_store(o)->set("x", {}));
+}
+
+TEST(Rendezvous, LoopbackRejectsOtherUid) {
+    // A store without a token serves only its own user. Proving it needs a second user: CI runs as root,
+    // which can become `nobody` in a child process.
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root, to connect as another user";
+    TcpStoreServer server(local_options(""));
+    auto own = client_of(server, "");  // the server's own user is served without a token
+    own->set("secret", to_bytes("s"));
+    const uint64_t rejected_before = server.stats().rejected;
+    const uint64_t authenticated_before = server.stats().authenticated;
+
+    // Everything the child needs is prepared before fork(): after it, the child makes system calls only.
+    const Bytes hello = rp::encode_frame(rp::make_hello("", 1));
+    const Bytes get = rp::encode_frame(rp::make_get("secret", 0));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(server.port()));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    int out[2];
+    ASSERT_EQ(::pipe(out), 0);
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+        ::close(out[0]);
+        const long nobody = 65534;
+        if (::syscall(SYS_setresgid, nobody, nobody, nobody) != 0 ||
+            ::syscall(SYS_setresuid, nobody, nobody, nobody) != 0) {
+            ::_exit(10);
+        }
+        int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+        if (fd < 0 || ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) ::_exit(11);
+        (void)::send(fd, hello.data(), hello.size(), MSG_NOSIGNAL);
+        (void)::send(fd, get.data(), get.size(), MSG_NOSIGNAL);
+        // Forward whatever the server answers, until it closes (or 10 s pass).
+        uint8_t buf[4096];
+        for (;;) {
+            pollfd p{fd, POLLIN, 0};
+            if (::poll(&p, 1, 10000) <= 0) ::_exit(12);
+            ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+            if (n <= 0) ::_exit(0);
+            (void)::write(out[1], buf, static_cast<size_t>(n));
+        }
+    }
+    ::close(out[1]);
+    Bytes answer;
+    uint8_t buf[4096];
+    for (ssize_t n; (n = ::read(out[0], buf, sizeof(buf))) > 0;) answer.insert(answer.end(), buf, buf + n);
+    ::close(out[0]);
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 10) GTEST_SKIP() << "uid 65534 is not available here";
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+    // The answer is one ERROR naming the user, then the server closed; the GET was never served.
+    rp::Message m;
+    auto r = rp::decode_frame(answer.data(), answer.size(), rp::Role::kResponse, {}, &m);
+    ASSERT_EQ(r.status, rp::DecodeStatus::kComplete) << answer.size() << " bytes";
+    EXPECT_EQ(m.type, rp::MsgType::kError);
+    const std::string text(m.value.begin(), m.value.end());
+    EXPECT_TRUE(contains(text, "uid 65534") && contains(text, "WEFT_JOB_TOKEN")) << text;
+    EXPECT_EQ(r.frame_bytes, answer.size()) << "more than the ERROR came back";
+    EXPECT_TRUE(eventually([&] { return server.stats().rejected == rejected_before + 1; }));
+    EXPECT_EQ(server.stats().authenticated, authenticated_before);
+    // With a token, the token decides (as it always did): the other user holding it is served.
+    TcpStoreServer with_token(local_options("t"));
+    addr.sin_port = htons(static_cast<uint16_t>(with_token.port()));
+    const Bytes hello_with_token = rp::encode_frame(rp::make_hello("t", 1));
+    const pid_t second = ::fork();
+    ASSERT_GE(second, 0);
+    if (second == 0) {
+        const long nobody = 65534;
+        if (::syscall(SYS_setresgid, nobody, nobody, nobody) != 0 ||
+            ::syscall(SYS_setresuid, nobody, nobody, nobody) != 0) {
+            ::_exit(10);
+        }
+        int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+        if (fd < 0 || ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) ::_exit(11);
+        (void)::send(fd, hello_with_token.data(), hello_with_token.size(), MSG_NOSIGNAL);
+        uint8_t reply[rp::kHeaderBytes];
+        pollfd p{fd, POLLIN, 0};
+        if (::poll(&p, 1, 10000) <= 0 || ::recv(fd, reply, sizeof(reply), MSG_WAITALL) != sizeof(reply)) ::_exit(12);
+        ::_exit(reply[6] == static_cast<uint8_t>(rp::MsgType::kOk) ? 0 : 13);
+    }
+    ASSERT_EQ(::waitpid(second, &status, 0), second);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+}
+
+TEST(Rendezvous, TokenlessStoreKnowsItsOwnUserOverEitherLoopback) {
+    // The owner of a TCP peer's socket is looked up in /proc/net/tcp (IPv4) or /proc/net/tcp6 (IPv6).
+    for (const char* host : {"127.0.0.1", "::1", "localhost"}) {
+        RendezvousOptions o = local_options("");
+        o.host = host;
+        std::unique_ptr<TcpStoreServer> server;
+        try {
+            server = std::make_unique<TcpStoreServer>(o);
+        } catch (const Error& e) {
+            if (std::string(host) == "::1") continue;  // no IPv6 loopback on this machine
+            FAIL() << host << ": " << e.what();
+        }
+        o.port = server->port();
+        o.rank = 1;
+        o.num_ranks = 2;
+        auto store = connect_tcp_store(o);
+        store->set("k", to_bytes(host));
+        EXPECT_EQ(store->get("k", milliseconds(0)), to_bytes(host)) << host;
+        EXPECT_EQ(server->stats().rejected, 0u) << host;
+    }
+}
+
+/// A plain TCP connection to 127.0.0.1:port that sends nothing (-1 when it could not connect).
+int idle_socket(int port) {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+        ::close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+TEST(Rendezvous, IdleSocketsCannotLockOutRanks) {
+    RendezvousOptions o = local_options();
+    o.max_connections = 4;
+    o.max_pending_connections = 8;
+    TcpStoreServer server(o);
+    o.port = server.port();
+    // Far more idle sockets than either bound, opened first and kept open, and more opened while the ranks
+    // connect.
+    std::vector<int> idle;
+    for (int i = 0; i < 100; ++i) idle.push_back(idle_socket(server.port()));
+    std::atomic<bool> stop{false};
+    std::vector<int> flood;
+    std::thread flooder([&] {
+        for (int i = 0; i < 300 && !stop.load(); ++i) {
+            flood.push_back(idle_socket(server.port()));
+            std::this_thread::sleep_for(milliseconds(1));
+        }
+    });
+    std::vector<std::unique_ptr<Store>> ranks(4);
+    std::vector<std::string> errors(4);
+    std::vector<std::thread> threads;
+    const auto start = Clock::now();
+    for (int r = 0; r < 4; ++r) {
+        threads.emplace_back([&, r] {
+            RendezvousOptions mine = o;
+            mine.rank = r;
+            mine.num_ranks = 4;
+            errors[static_cast<size_t>(r)] = error_of([&] {
+                ranks[static_cast<size_t>(r)] = connect_tcp_store(mine);
+                ranks[static_cast<size_t>(r)]->add("arrived", 1);
+            });
+        });
+    }
+    for (auto& t : threads) t.join();
+    const auto took = Clock::now() - start;
+    stop = true;
+    flooder.join();
+    for (int r = 0; r < 4; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "(no error)") << "rank " << r;
+    EXPECT_LT(took, milliseconds(8000));
+    ASSERT_TRUE(ranks[0]);
+    EXPECT_EQ(ranks[0]->get("arrived", milliseconds(0)), to_bytes("4"));
+    EXPECT_GT(server.stats().evicted, 0u);
+    // At most max_pending_connections sockets wait for HELLO at any time, beside the 4 ranks.
+    EXPECT_LE(server.stats().open_connections, 4u + 8u);
+    for (int fd : idle) ::close(fd);
+    for (int fd : flood) ::close(fd);
+}
+
+/// This process's resident set size in bytes (VmRSS).
+size_t resident_bytes() {
+    std::ifstream status("/proc/self/status");
+    std::string line;
+    while (std::getline(status, line)) {
+        if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+    }
+    return 0;
+}
+
+TEST(Rendezvous, PipelinedGetsAreBounded) {
+    TcpStoreServer server(local_options());
+    auto store = client_of(server);
+    Bytes big(4u << 20);
+    for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<uint8_t>(i * 7 + i / 4096);
+    store->set("big", big);
+    RawConnection raw(server.port());
+    ASSERT_TRUE(raw.connected());
+    raw.send_message(rp::make_hello("test-token", 1));
+    ASSERT_EQ(raw.reply().type, rp::MsgType::kOk);
+    const size_t rss_before = resident_bytes();
+    const uint64_t requests_before = server.stats().requests;
+    // 100 GETs of 4 MiB (2.7 KB of requests) whose replies are not read: 400 MiB if the server queued them all.
+    constexpr int kGets = 100;
+    Bytes gets;
+    for (int i = 0; i < kGets; ++i) {
+        Bytes f = rp::encode_frame(rp::make_get("big", 0));
+        gets.insert(gets.end(), f.begin(), f.end());
+    }
+    raw.send_bytes(gets);
+    // Let the server do all it will do: wait until it stops serving (bounded).
+    uint64_t served = 0;
+    for (auto deadline = Clock::now() + milliseconds(5000); Clock::now() < deadline;) {
+        std::this_thread::sleep_for(milliseconds(300));
+        const uint64_t now_served = server.stats().requests - requests_before;
+        if (now_served == served || now_served == kGets) break;
+        served = now_served;
+    }
+    const size_t growth = resident_bytes() - std::min(resident_bytes(), rss_before);
+    EXPECT_LT(growth, size_t{32} << 20) << "served " << server.stats().requests - requests_before << " GETs";
+    EXPECT_LT(server.stats().buffered_bytes, uint64_t{32} << 20);
+    EXPECT_LT(server.stats().requests - requests_before, uint64_t{kGets});  // held back, not all served
+    // Reading resumes the service: every reply arrives, whole and in order, and the store stays usable.
+    for (int i = 0; i < kGets; ++i) {
+        rp::Message m = raw.reply();
+        ASSERT_EQ(m.type, rp::MsgType::kOk) << "reply " << i;
+        ASSERT_EQ(m.value.size(), big.size()) << "reply " << i;
+        ASSERT_TRUE(m.value.front() == big.front() && m.value[12345] == big[12345] && m.value.back() == big.back());
+    }
+    EXPECT_EQ(server.stats().rejected, 0u);
+    EXPECT_TRUE(store->check("big"));
+}
+
+TEST(Rendezvous, AnnouncedLengthsReserveNothing) {
+    // A header announcing a 64 MiB value costs the server nothing until the bytes come.
+    TcpStoreServer server(local_options());
+    std::vector<std::unique_ptr<RawConnection>> conns;
+    Bytes set_header = rp::encode_frame(rp::make_set("k", Bytes(64u << 20)));
+    set_header.resize(rp::kHeaderBytes + 1);  // the header and the key, no value
+    for (int i = 0; i < 16; ++i) {
+        conns.push_back(std::make_unique<RawConnection>(server.port()));
+        conns.back()->send_message(rp::make_hello("test-token", i));
+        ASSERT_EQ(conns.back()->reply().type, rp::MsgType::kOk);
+        conns.back()->send_bytes(set_header);
+    }
+    std::this_thread::sleep_for(milliseconds(200));
+    auto store = client_of(server);  // the server still serves
+    store->set("x", to_bytes("y"));
+    EXPECT_LT(server.stats().buffered_bytes, uint64_t{16} << 20);
+    EXPECT_EQ(server.stats().rejected, 0u);
+}
+
+TEST(Rendezvous, AdoptedSocketpairIsServedWithTheSameRules) {
+    TcpStoreServer server(local_options(""));
+    int pair[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+    server.adopt_connection(pair[0]);
+    const Bytes set = rp::encode_frame(rp::make_set("a", to_bytes("b")));
+    const Bytes hello = rp::encode_frame(rp::make_hello("", 3));
+    // Nothing but HELLO first.
+    (void)::send(pair[1], set.data(), set.size(), MSG_NOSIGNAL);
+    uint8_t buf[4096];
+    Bytes got;
+    timeval tv{5, 0};
+    ::setsockopt(pair[1], SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    for (ssize_t n; (n = ::recv(pair[1], buf, sizeof(buf), 0)) > 0;) got.insert(got.end(), buf, buf + n);
+    ::close(pair[1]);
+    rp::Message m;
+    ASSERT_EQ(rp::decode_frame(got.data(), got.size(), rp::Role::kResponse, {}, &m).status,
+              rp::DecodeStatus::kComplete);
+    EXPECT_TRUE(contains(std::string(m.value.begin(), m.value.end()), "first message must be HELLO"));
+    // The same user over a socketpair (SO_PEERCRED) is served without a token.
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+    server.adopt_connection(pair[0]);
+    ::setsockopt(pair[1], SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    (void)::send(pair[1], hello.data(), hello.size(), MSG_NOSIGNAL);
+    (void)::send(pair[1], set.data(), set.size(), MSG_NOSIGNAL);
+    got.clear();
+    while (got.size() < 2 * rp::kHeaderBytes) {
+        ssize_t n = ::recv(pair[1], buf, sizeof(buf), 0);
+        ASSERT_GT(n, 0);
+        got.insert(got.end(), buf, buf + n);
+    }
+    ::close(pair[1]);
+    EXPECT_TRUE(client_of(server, "")->check("a"));
+    EXPECT_THROW(server.adopt_connection(-1), Error);
 }
 
 int free_port() {
@@ -802,6 +1085,7 @@ TEST(Rendezvous, BarrierTimeoutOverTcpNamesTheMissingRank) {
     TcpStoreServer server(local_options());
     std::vector<std::string> errors(2);
     std::vector<std::thread> threads;
+    const auto start = Clock::now();
     for (int r = 0; r < 2; ++r) {  // rank 2 of 3 never comes
         threads.emplace_back([&, r] {
             auto store = client_of(server, "test-token", r);
@@ -809,6 +1093,7 @@ TEST(Rendezvous, BarrierTimeoutOverTcpNamesTheMissingRank) {
         });
     }
     for (auto& t : threads) t.join();
+    EXPECT_LT(Clock::now() - start, milliseconds(5000));  // the 300 ms timeout, not the 10 s connection timeout
     for (const std::string& e : errors) EXPECT_TRUE(contains(e, "lonely") && contains(e, "rank 2")) << e;
 }
 

@@ -55,9 +55,15 @@ struct FdExchange {
 std::string heap_socket_name(const std::string& job_id, int rank);
 
 /// Sends `own_fd` to every local peer and receives one descriptor from each; returns rank -> descriptor.
-/// Collective over all ranks (it runs store barriers, so ranks without local peers call it too). Messages
-/// from a process of another user, of another job, or of an unexpected rank are dropped with a warning.
-/// Throws weft::Error naming the missing ranks when not every descriptor arrives in time.
+/// Collective over all ranks (it runs store barriers, so ranks without local peers call it too). Every rank
+/// publishes its pid and pid namespace through the store first.
+/// Sending: before a descriptor leaves, the process listening on the peer's socket must be of this user
+/// (SO_PEERCRED), and, when both share a pid namespace, have the pid the peer published; otherwise this
+/// throws weft::Error naming what was expected and what was found, and nothing is sent.
+/// Receiving: connections are read together without blocking, so a sender that stalls mid-message holds up
+/// no other; messages from a process of another user, of another job, of an unexpected rank, or of a pid
+/// other than the one the claimed rank published are dropped with a warning. Every wait (connecting,
+/// sending, receiving) ends by `exchange.timeout`: weft::Error names the ranks whose descriptor is missing.
 std::map<int, UniqueFd> exchange_fds(const FdExchange& exchange, int own_fd);
 
 }  // namespace weft::detail

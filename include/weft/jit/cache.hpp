@@ -5,6 +5,12 @@
 // Entry: a fixed header {magic "WEFTJIT\0", format version, key, payload length, payload SHA-256}
 // followed by the payload {lowered name, cubin, compile log}. A reader trusts an entry only when the
 // magic, version, key, length and checksum all match; anything else is reported as corrupt.
+// The checksum has no key: anyone who can write an entry can make one that verifies. So the cache trusts
+// only what this user could have written (docs/jit.md, "Trust"): <dir> and <dir>/jit must be folders owned
+// by this user (or root) that group and others cannot write (unless sticky), and an entry or lock file a
+// regular file of this user (or root) that they cannot write, opened without following a symbolic link and
+// without blocking, and an entry at most kMaxEntryBytes long. Anything else is a miss, logged with the
+// reason; nothing is stored in an untrusted folder.
 #pragma once
 
 #include <chrono>
@@ -17,6 +23,9 @@
 #include "weft/jit/hash.hpp"
 
 namespace weft::jit {
+
+/// The largest entry a reader accepts; a larger file (a sparse one, say) is a miss, not read.
+inline constexpr uint64_t kMaxEntryBytes = 256ull << 20;
 
 /// What the cache stores for one key.
 struct CacheEntry {
@@ -34,32 +43,42 @@ std::optional<CacheEntry> decode_cache_entry(const std::vector<char>& bytes, con
 /// One cache folder. Thread-safe and multi-process safe; holds no state beside its path.
 class DiskCache {
 public:
-    /// Creates <dir>/jit if needed; throws weft::Error naming the folder when it cannot.
+    /// Creates <dir>/jit if needed (folders it creates are mode 0755, whatever the umask); throws
+    /// weft::Error naming the folder when it cannot. An existing folder that is not trusted is a warning:
+    /// every load is then a miss and every store an error.
     explicit DiskCache(std::filesystem::path dir);
 
     const std::filesystem::path& dir() const { return dir_; }
     std::filesystem::path entry_path(const Digest& key) const;
 
     enum class LoadStatus { kHit, kAbsent, kCorrupt };
-    /// Reads the entry for `key`. kCorrupt leaves the file alone (delete it under the lock).
+    /// Reads the entry for `key`. Never blocks (a FIFO is refused at open). An untrusted folder or entry
+    /// is kAbsent, a miss, with a warning and the reason in `why`. kCorrupt (a trusted file that does not
+    /// decode) leaves the file alone (delete it under the lock).
     LoadStatus load(const Digest& key, CacheEntry* out, std::string* why = nullptr) const;
     /// Writes the entry to a temporary file in the same folder, then renames it into place, so a
-    /// reader sees either no entry or a whole one. Throws weft::Error when the folder is not writable.
+    /// reader sees either no entry or a whole one. Throws weft::Error when the folder is not writable
+    /// or not trusted.
     void store(const Digest& key, const CacheEntry& entry) const;
-    /// Removes the entry for `key` (missing is fine).
+    /// Removes the entry for `key` (missing is fine; nothing is removed from an untrusted folder).
     void remove(const Digest& key) const;
 
     /// The file whose flock serialises work on `key` across threads and processes.
     std::filesystem::path lock_path(const Digest& key) const;
 
 private:
+    /// <dir>/jit opened for *at() calls after checking <dir> and <dir>/jit; -1 with `*why` when untrusted.
+    int open_jit_dir(std::string* why) const;
+
     std::filesystem::path dir_;
     std::filesystem::path jit_dir_;
 };
 
 /// An exclusive flock on `path` (created if missing, left in place afterwards), held until
 /// destruction. It excludes other processes and other FileLocks of this process alike. The wait is
-/// bounded: after `timeout` the constructor gives up and `owns()` is false.
+/// bounded: after `timeout` the constructor gives up and `owns()` is false. A lock file is trusted like a
+/// cache entry (see above): in an untrusted folder, through a symbolic link, or anything but a regular file of
+/// this user (or root) that others cannot write, it is not taken: `owns()` is false at once, with a warning.
 class FileLock {
 public:
     FileLock(const std::filesystem::path& path, std::chrono::milliseconds timeout);
@@ -72,9 +91,10 @@ private:
     int fd_ = -1;
 };
 
-/// Reads a whole file; throws weft::Error naming the path when it cannot be read.
+/// Reads a whole regular file (opened without blocking, so a FIFO is an error, not a hang); throws
+/// weft::Error naming the path when it cannot be read.
 std::vector<char> read_file_bytes(const std::filesystem::path& path);
-/// Writes `bytes` to a temporary file next to `path` and renames it over `path`.
+/// Writes `bytes` to a new temporary file next to `path` (mode 0644) and renames it over `path`.
 void write_file_atomically(const std::filesystem::path& path, const void* data, size_t bytes);
 
 }  // namespace weft::jit

@@ -111,7 +111,9 @@ private:
 /// options.device says otherwise); `fn` runs once per rank on that rank's thread, with its World. Sets
 /// eager module loading first. Exceptions thrown by any rank are collected; when one rank fails, the
 /// others' store calls fail at once. After all threads end, run_local throws weft::Error naming the first
-/// failing rank and its message.
+/// failing rank and its message. Once a rank has failed, the others have 2 x max(timeout, 60 s) to return;
+/// a rank that does not is named in the error and its thread left running, detached, with every rank's
+/// World unreleased (docs/runtime.md, "run_local's end"): end the process soon after such an error.
 void run_local(int num_ranks, const std::function<void(World&)>& fn, const WorldOptions& options = {});
 
 }  // namespace weft
