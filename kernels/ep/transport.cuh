@@ -7,7 +7,8 @@
 // ends the kernel with a kUnreachablePeer diagnostic naming it) and the puts are plain stores. A
 // network transport replaces this file: the same calls would stage rows locally and post put/signal
 // descriptors (NCCL GIN, or a host proxy), while the kernels stay unchanged. Signals are add-only
-// (GIN has add, not set).
+// (GIN has add, not set). The kernels wait for local signal words with the tile layer (tile::wait_each
+// over FromRank, bounded, naming the rank that did not arrive) and read what arrived through its Token.
 #pragma once
 
 #include "weft/common/device_ctx.hpp"
@@ -15,9 +16,15 @@
 #include "weft/device/signal.cuh"
 #include "weft/device/spin.cuh"
 #include "weft/device/symmetric.cuh"
+#include "weft/device/tile.cuh"
 #include "weft/ptx/ld_st.cuh"
 
 namespace weft::kernels::ep {
+
+namespace tile = device::tile;
+using device::Block;
+using device::Thread;
+using device::Token;
 
 /// The heap base of every rank of the team as mapped here, cached in shared memory for one kernel.
 struct PeerTable {
@@ -61,6 +68,16 @@ __device__ __forceinline__ void put4(void* remote, uint32_t v) { ptx::st(static_
 __device__ __forceinline__ void signal_add(uint64_t* remote_signal, uint64_t value) {
     device::signal_release<ptx::Scope::kSys>(remote_signal, value, device::SignalOp::kAdd);
 }
+
+/// tile::wait_each's `signal_at` for a local array of signal words indexed by source rank, word s raised only by rank
+/// s (signal_add(peers.at(ctx, signals + me, r), ...) on rank me): a timeout's Diagnostic names rank s as the word's
+/// owner (translated to the world rank).
+///
+///     const Token t = tile::wait_each(Block{}, ctx, num_ranks, FromRank{a.buffer.count_signal}, Cmp::kGe, call);
+struct FromRank {
+    const uint64_t* signals;
+    __device__ __forceinline__ device::tile::SignalFrom operator()(int s) const { return {signals + s, s}; }
+};
 
 /// Waits (one thread, bounded) until the local word `signal`, raised by rank `peer`, is >= `value`.
 /// On timeout the Diagnostic names `peer` (team rank, translated to the world rank), the word, the
