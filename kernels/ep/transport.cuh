@@ -14,7 +14,6 @@
 #include "weft/common/device_ctx.hpp"
 #include "weft/common/ep_workspace.hpp"
 #include "weft/device/signal.cuh"
-#include "weft/device/spin.cuh"
 #include "weft/device/symmetric.cuh"
 #include "weft/device/tile.cuh"
 #include "weft/ptx/ld_st.cuh"
@@ -78,14 +77,5 @@ struct FromRank {
     const uint64_t* signals;
     __device__ __forceinline__ device::tile::SignalFrom operator()(int s) const { return {signals + s, s}; }
 };
-
-/// Waits (one thread, bounded) until the local word `signal`, raised by rank `peer`, is >= `value`.
-/// On timeout the Diagnostic names `peer` (team rank, translated to the world rank), the word, the
-/// expected and observed values, and traps.
-__device__ __forceinline__ void wait_geq(const DeviceCtx& ctx, const uint64_t* signal, uint64_t value, int peer,
-                                         int line = __builtin_LINE()) {
-    device::spin_until<ptx::Sem::kAcquire, ptx::Scope::kSys>(ctx, signal, Cmp::kGe, value,
-                                                             device::SpinSite{SpinKind::kSignalWait, peer, line});
-}
 
 }  // namespace weft::kernels::ep
