@@ -343,9 +343,9 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
                 continue;
             }
             // Thread 0 waits, the block barrier extends its acquire to every thread.
-            const Token arrived = tile::wait_each(
-                Block{}, ctx, 1, [&](int) { return tile::SignalFrom{a.buffer.data_signal + s, s}; }, Cmp::kGe,
-                a.buffer.state->data_expected[s] + static_cast<uint64_t>(sh.recv_from[s]));
+            const Token arrived =
+                tile::wait_each(Block{}, ctx, 1, FromRank{a.buffer.data_signal, s}, Cmp::kGe,
+                                a.buffer.state->data_expected[s] + static_cast<uint64_t>(sh.recv_from[s]));
             const int32_t* recv_meta = tile::consume_token<const int32_t*>(a.handle.recv_meta, arrived);
             const uint16_t* recv_x = tile::consume_token<const uint16_t*>(a.handle.recv_x, arrived);
             for (int i = sh.src_offset[s] + global_warp; i < sh.src_offset[s + 1]; i += num_warps) {
@@ -364,8 +364,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
                     const int32_t other = __shfl_sync(0xffffffffu, row, j);
                     warp_copy_row<C.unroll>(
                         reinterpret_cast<uint4*>(a.handle.recv_x + static_cast<int64_t>(other) * hidden),
-                        reinterpret_cast<const uint4*>(recv_x + static_cast<int64_t>(first_row) * hidden),
-                        granules);
+                        reinterpret_cast<const uint4*>(recv_x + static_cast<int64_t>(first_row) * hidden), granules);
                 }
             }
         }
@@ -460,8 +459,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
     //    block barrier then extends every thread's acquire to the whole block.
     const bool from_rank = tid < num_ranks && a.handle.tokens_per_rank[tid] > 0;
     const Token partials = tile::wait_each(
-        Thread{}, ctx, from_rank ? 1 : 0, [&](int) { return tile::SignalFrom{a.buffer.partial_signal + tid, tid}; },
-        Cmp::kGe,
+        Thread{}, ctx, from_rank ? 1 : 0, FromRank{a.buffer.partial_signal, tid}, Cmp::kGe,
         from_rank ? a.buffer.state->partial_expected[tid] + static_cast<uint64_t>(a.handle.tokens_per_rank[tid]) : 0);
     __syncthreads();
     const uint16_t* landing = tile::consume_token<const uint16_t*>(a.handle.landing, partials);

@@ -69,13 +69,17 @@ __device__ __forceinline__ void signal_add(uint64_t* remote_signal, uint64_t val
 }
 
 /// tile::wait_each's `signal_at` for a local array of signal words indexed by source rank, word s raised only by rank
-/// s (signal_add(peers.at(ctx, signals + me, r), ...) on rank me): a timeout's Diagnostic names rank s as the word's
-/// owner (translated to the world rank).
+/// s (signal_add(peers.at(ctx, signals + me, r), ...) on rank me): index i of the wait is the word of rank first + i,
+/// and a timeout's Diagnostic names that rank as the word's owner (translated to the world rank).
 ///
 ///     const Token t = tile::wait_each(Block{}, ctx, num_ranks, FromRank{a.buffer.count_signal}, Cmp::kGe, call);
+///     const Token u = tile::wait_each(Block{}, ctx, 1, FromRank{a.buffer.data_signal, s}, Cmp::kGe, rows);  // rank s
 struct FromRank {
     const uint64_t* signals;
-    __device__ __forceinline__ device::tile::SignalFrom operator()(int s) const { return {signals + s, s}; }
+    int first = 0;
+    __device__ __forceinline__ device::tile::SignalFrom operator()(int i) const {
+        return {signals + first + i, first + i};
+    }
 };
 
 }  // namespace weft::kernels::ep
