@@ -24,8 +24,9 @@ __device__ __forceinline__ int warp_id() { return static_cast<int>(threadIdx.x >
 __device__ __forceinline__ uint32_t lanemask_lt() { return (1u << lane_id()) - 1u; }
 
 /// Records an error in this rank's status word (host-mapped) with device::write_record_once: the first error wins,
-/// and the host reads `claimed == 2` only after every field. No trap follows a report in the EP kernels, so nothing
-/// waits for the record to read back. __noinline__: one copy of the error path per kernel. Any thread.
+/// and the host reads `claimed == 2` only after every field. The kernel goes on after a report (no trap of its own
+/// follows), so the writer does not wait for the record to read back (wait_record_complete). __noinline__: one copy
+/// of the error path per kernel. Any thread.
 __device__ __noinline__ inline void report_status(Status* status, StatusCode code, int32_t rank, int32_t culprit,
                                                   int64_t value, int64_t limit, int64_t token, int64_t slot,
                                                   uint64_t call, KernelId kernel) {
