@@ -5,9 +5,9 @@
 
 #include "weft/common/device_ctx.hpp"
 #include "weft/common/ep_workspace.hpp"
+#include "weft/device/record.cuh"
 #include "weft/ptx/atom.cuh"
 #include "weft/ptx/cvt.cuh"
-#include "weft/ptx/fence.cuh"
 #include "weft/ptx/ld_st.cuh"
 
 namespace weft::kernels::ep {
@@ -23,27 +23,27 @@ __device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x &
 __device__ __forceinline__ int warp_id() { return static_cast<int>(threadIdx.x >> 5); }
 __device__ __forceinline__ uint32_t lanemask_lt() { return (1u << lane_id()) - 1u; }
 
-/// Records an error in this rank's status word (host-mapped); the first error wins. Any thread.
+/// Records an error in this rank's status word (host-mapped) with device::write_record_once: the first error wins,
+/// and the host reads `claimed == 2` only after every field. The kernel goes on after a report (no trap of its own
+/// follows), so the writer does not wait for the record to read back (wait_record_complete). __noinline__: one copy
+/// of the error path per kernel. Any thread.
 __device__ __noinline__ inline void report_status(Status* status, StatusCode code, int32_t rank, int32_t culprit,
                                                   int64_t value, int64_t limit, int64_t token, int64_t slot,
                                                   uint64_t call, KernelId kernel) {
     if (status == nullptr) {
         return;
     }
-    if (ptx::atom_cas<Sem::kRelaxed, Scope::kSys>(&status->claimed, 0u, 1u) != 0u) {
-        return;
-    }
-    status->code = code;
-    status->rank = rank;
-    status->culprit_rank = culprit;
-    status->value = value;
-    status->limit = limit;
-    status->token = token;
-    status->slot = slot;
-    status->call = call;
-    status->kernel = static_cast<uint32_t>(kernel);
-    ptx::fence<Sem::kSc, Scope::kSys>();
-    ptx::st<Sem::kRelaxed, Scope::kSys>(&status->claimed, 2u);
+    device::write_record_once(&status->claimed, [&] {
+        status->code = code;
+        status->rank = rank;
+        status->culprit_rank = culprit;
+        status->value = value;
+        status->limit = limit;
+        status->token = token;
+        status->slot = slot;
+        status->call = call;
+        status->kernel = static_cast<uint32_t>(kernel);
+    });
 }
 
 /// Every block calls this once, after all of its work, with the same counter. Returns true (to every

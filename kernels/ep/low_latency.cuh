@@ -135,11 +135,9 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
     RouteOut out{sh.route_slot, sh.expert_count, nullptr, nullptr, nullptr};
     compute_routes(g, a.topk_idx, a.idx_stride, a.num_tokens, sh.hist, nullptr, out, a.status, blockIdx.x == 0, call,
                    KernelId::kLowLatencyDispatch);
-    // Half `half` of every destination must be free: it has received call - 2.
-    if (tid < num_ranks && call > 2) {
-        wait_geq(ctx, a.buffer.dispatch_credit + tid, call - 2, tid);
-    }
-    __syncthreads();
+    // Half `half` of every destination must be free: it has received call - 2. The wait guards the stores into the
+    // destinations' slots below (no load: its Token is not needed).
+    tile::wait_each(Block{}, ctx, call > 2 ? num_ranks : 0, FromRank{a.buffer.dispatch_credit}, Cmp::kGe, call - 2);
 
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
     const int num_warps = static_cast<int>(gridDim.x) * kWarps;
@@ -249,14 +247,14 @@ __device__ void ll_dispatch_recv(const DeviceCtx& ctx, const weft::ep::LowLatenc
     const int half = static_cast<int>(call & 1u);
     const int units = local_experts * num_ranks;
 
-    if (tid < num_ranks) {
-        wait_geq(ctx, a.buffer.dispatch_signal + tid, call, tid);
-    }
-    __syncthreads();
+    // Every source's sends of this call: its counts (mailbox) and rows (receive slots) are here.
+    const Token arrived = tile::wait_each(Block{}, ctx, num_ranks, FromRank{a.buffer.dispatch_signal}, Cmp::kGe, call);
+    const int32_t* mailbox = tile::consume_token<const int32_t*>(a.buffer.mailbox, arrived);
+    const uint8_t* recv_slots = tile::consume_token<const uint8_t*>(a.buffer.recv_slots, arrived);
     for (int u = tid; u < units; u += C.threads) {
         const int le = u / num_ranks;
         const int s = u % num_ranks;
-        const int32_t n = a.buffer.mailbox[(static_cast<int64_t>(half) * num_ranks + s) * local_experts + le];
+        const int32_t n = mailbox[(static_cast<int64_t>(half) * num_ranks + s) * local_experts + le];
         sh.unit_count[u] = n;
         sh.unit_prefix[u] = n;
     }
@@ -289,7 +287,7 @@ __device__ void ll_dispatch_recv(const DeviceCtx& ctx, const weft::ep::LowLatenc
         const int le = u / num_ranks;
         const int s = u % num_ranks;
         const int64_t out_row = static_cast<int64_t>(le) * rows_per_expert + sh.expert_base[u] + i;
-        const uint8_t* src = a.buffer.recv_slots + ll_slot_offset(g, half, le, s, i);
+        const uint8_t* src = recv_slots + ll_slot_offset(g, half, le, s, i);
         uint8_t* dst = a.handle.recv_x + out_row * out_row_bytes;
         warp_copy_row<U>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src),
                          a.fp8 ? granules_fp8 : granules_bf16);
@@ -333,13 +331,12 @@ __device__ void ll_combine_send(const DeviceCtx& ctx, const weft::ep::LowLatency
     const uint64_t call = a.buffer.state->combine_send_calls + 1;
     const int half = static_cast<int>(call & 1u);
 
-    if (tid < num_ranks && call > 2) {
-        wait_geq(ctx, a.buffer.combine_credit + tid, call - 2, tid);
-    }
     for (int le = tid; le < local_experts; le += C.threads) {
         sh.unit_prefix[le] = a.handle.expert_counts[le];
     }
-    __syncthreads();
+    // Half `half` of every source's landing must be free: it has received call - 2. The wait guards the stores into
+    // the landings below (no load: its Token is not needed).
+    tile::wait_each(Block{}, ctx, call > 2 ? num_ranks : 0, FromRank{a.buffer.combine_credit}, Cmp::kGe, call - 2);
     const int32_t total = block_exclusive_scan(sh.unit_prefix, local_experts);
     if (tid == 0) {
         sh.unit_prefix[local_experts] = total;
@@ -403,10 +400,9 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
     const uint64_t call = a.buffer.state->combine_recv_calls + 1;
     const int half = static_cast<int>(call & 1u);
 
-    if (tid < num_ranks) {
-        wait_geq(ctx, a.buffer.combine_signal + tid, call, tid);
-    }
-    __syncthreads();
+    // Every expert rank's rows of this call are in the landing.
+    const Token arrived = tile::wait_each(Block{}, ctx, num_ranks, FromRank{a.buffer.combine_signal}, Cmp::kGe, call);
+    const uint16_t* landing = tile::consume_token<const uint16_t*>(a.buffer.landing, arrived);
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
     const int num_warps = static_cast<int>(gridDim.x) * kWarps;
     const RowParts split = RowParts::make(a.num_tokens, granules, num_warps, U);
@@ -418,7 +414,7 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
         const bool valid = lane < k && route_expert(idx_row, lane, g.num_experts) >= 0;
         const float weight = valid ? a.topk_weights[static_cast<int64_t>(t) * a.weight_stride + lane] : 0.0f;
         const uint32_t slots = __ballot_sync(0xffffffffu, valid);
-        const uint16_t* base = a.buffer.landing + (static_cast<int64_t>(half) * g.max_tokens + t) * k * g.hidden;
+        const uint16_t* base = landing + (static_cast<int64_t>(half) * g.max_tokens + t) * k * g.hidden;
         auto* dst = reinterpret_cast<uint4*>(a.out + static_cast<int64_t>(t) * a.out_stride);
         const detail::RowsOfSlots rows_of{base, g};
         warp_weighted_sum<U>(slots, weight, rows_of, split.begin(part), g_end,

@@ -127,13 +127,11 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
 
     // 2. Every rank's counts of this call, then the global layout (the same on every rank).
     if (tid < num_ranks) {
-        wait_geq(ctx, a.buffer.count_signal + tid, call, tid);
-    }
-    if (tid < num_ranks) {
         sh.sent[tid] = 0;
     }
-    __syncthreads();
-    const int32_t* box = a.buffer.mailbox + static_cast<int64_t>(parity) * num_ranks * mailbox_ints;
+    const Token counts = tile::wait_each(Block{}, ctx, num_ranks, FromRank{a.buffer.count_signal}, Cmp::kGe, call);
+    const int32_t* box = tile::consume_token<const int32_t*>(
+        a.buffer.mailbox + static_cast<int64_t>(parity) * num_ranks * mailbox_ints, counts);
     for (int e = tid; e < num_experts; e += C.threads) {
         int32_t total = 0;
         int32_t before = 0;
@@ -344,13 +342,14 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
             if (sh.recv_from[s] == 0) {
                 continue;
             }
-            if (tid == 0) {
-                wait_geq(ctx, a.buffer.data_signal + s,
-                         a.buffer.state->data_expected[s] + static_cast<uint64_t>(sh.recv_from[s]), s);
-            }
-            __syncthreads();
+            // Thread 0 waits, the block barrier extends its acquire to every thread.
+            const Token arrived =
+                tile::wait_each(Block{}, ctx, 1, FromRank{a.buffer.data_signal, s}, Cmp::kGe,
+                                a.buffer.state->data_expected[s] + static_cast<uint64_t>(sh.recv_from[s]));
+            const int32_t* recv_meta = tile::consume_token<const int32_t*>(a.handle.recv_meta, arrived);
+            const uint16_t* recv_x = tile::consume_token<const uint16_t*>(a.handle.recv_x, arrived);
             for (int i = sh.src_offset[s] + global_warp; i < sh.src_offset[s + 1]; i += num_warps) {
-                const int32_t* rec = a.handle.recv_meta + static_cast<int64_t>(i) * meta_ints;
+                const int32_t* rec = recv_meta + static_cast<int64_t>(i) * meta_ints;
                 const int32_t row = lane < k ? rec[4 + 2 * lane] : -1;
                 uint32_t rows = __ballot_sync(0xffffffffu, row >= 0);
                 if (rows == 0) {
@@ -365,8 +364,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
                     const int32_t other = __shfl_sync(0xffffffffu, row, j);
                     warp_copy_row<C.unroll>(
                         reinterpret_cast<uint4*>(a.handle.recv_x + static_cast<int64_t>(other) * hidden),
-                        reinterpret_cast<const uint4*>(a.handle.recv_x + static_cast<int64_t>(first_row) * hidden),
-                        granules);
+                        reinterpret_cast<const uint4*>(recv_x + static_cast<int64_t>(first_row) * hidden), granules);
                 }
             }
         }
@@ -419,10 +417,6 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
 
     const uint64_t call = a.buffer.state->combine_calls + 1;
     const PeerTable peers = load_peer_table(ctx, sh.peer_base);
-    // A rank's landing is reused by every combine: wait until each rank has read its previous one.
-    if (tid < num_ranks && call > 1) {
-        wait_geq(ctx, a.buffer.combine_done + tid, call - 1, tid);
-    }
     if (tid < num_ranks) {
         sh.sent[tid] = 0;
     }
@@ -433,9 +427,12 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
             run += a.handle.tokens_per_rank[r];
         }
     }
-    __syncthreads();
+    // A rank's landing is reused by every combine: wait until each rank has read its previous one. The wait guards
+    // the stores into the landings below (no load: its Token is not needed).
+    tile::wait_each(Block{}, ctx, call > 1 ? num_ranks : 0, FromRank{a.buffer.combine_done}, Cmp::kGe, call - 1);
 
-    // A. Partial sums of the received tokens, into their sources' landing.
+    // A. Partial sums of the received tokens, into their sources' landing. The receive records came with the
+    //    dispatch, an earlier kernel whose waits made them visible: no wait here guards them.
     const int received = a.handle.info[weft::ep::kInfoRecvTokens];
     for (int i = global_warp; i < received; i += num_warps) {
         const int32_t* rec = a.handle.recv_meta + static_cast<int64_t>(i) * meta_ints;
@@ -457,12 +454,15 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
         signal_add(peers.at(ctx, a.buffer.partial_signal + me, tid), static_cast<uint64_t>(sh.sent[tid]));
     }
 
-    // B. This rank's tokens: the partials of their destinations, in rank order.
-    if (tid < num_ranks && a.handle.tokens_per_rank[tid] > 0) {
-        wait_geq(ctx, a.buffer.partial_signal + tid,
-                 a.buffer.state->partial_expected[tid] + static_cast<uint64_t>(a.handle.tokens_per_rank[tid]), tid);
-    }
+    // B. This rank's tokens: the partials of their destinations, in rank order. Thread r waits for rank r's partials;
+    //    each rank has its own count, so each thread is its own group (n = 0 where nothing comes from r), and the
+    //    block barrier then extends every thread's acquire to the whole block.
+    const bool from_rank = tid < num_ranks && a.handle.tokens_per_rank[tid] > 0;
+    const Token partials = tile::wait_each(
+        Thread{}, ctx, from_rank ? 1 : 0, FromRank{a.buffer.partial_signal, tid}, Cmp::kGe,
+        from_rank ? a.buffer.state->partial_expected[tid] + static_cast<uint64_t>(a.handle.tokens_per_rank[tid]) : 0);
     __syncthreads();
+    const uint16_t* landing = tile::consume_token<const uint16_t*>(a.handle.landing, partials);
     for (int t = global_warp; t < num_tokens; t += num_warps) {
         const int32_t* sidx = a.handle.send_idx + static_cast<int64_t>(t) * num_ranks;
         auto* dst = reinterpret_cast<uint4*>(a.out + static_cast<int64_t>(t) * a.out_stride);
@@ -485,9 +485,9 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
                     const int32_t idx0 = __shfl_sync(0xffffffffu, my_idx, l0);
                     const int32_t idx1 = __shfl_sync(0xffffffffu, my_idx, l1);
                     const auto* part0 = reinterpret_cast<const uint4*>(
-                        a.handle.landing + static_cast<int64_t>(sh.send_base[r0 + l0] + idx0) * hidden);
+                        landing + static_cast<int64_t>(sh.send_base[r0 + l0] + idx0) * hidden);
                     const auto* part1 = reinterpret_cast<const uint4*>(
-                        a.handle.landing + static_cast<int64_t>(sh.send_base[r0 + l1] + idx1) * hidden);
+                        landing + static_cast<int64_t>(sh.send_base[r0 + l1] + idx1) * hidden);
                     uint4 v0[U];
                     uint4 v1[U];
                     warp_load_chunk<U>(v0, part0, c0, granules);

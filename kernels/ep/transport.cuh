@@ -7,17 +7,23 @@
 // ends the kernel with a kUnreachablePeer diagnostic naming it) and the puts are plain stores. A
 // network transport replaces this file: the same calls would stage rows locally and post put/signal
 // descriptors (NCCL GIN, or a host proxy), while the kernels stay unchanged. Signals are add-only
-// (GIN has add, not set).
+// (GIN has add, not set). The kernels wait for local signal words with the tile layer (tile::wait_each
+// over FromRank, bounded, naming the rank that did not arrive) and read what arrived through its Token.
 #pragma once
 
 #include "weft/common/device_ctx.hpp"
 #include "weft/common/ep_workspace.hpp"
 #include "weft/device/signal.cuh"
-#include "weft/device/spin.cuh"
 #include "weft/device/symmetric.cuh"
+#include "weft/device/tile.cuh"
 #include "weft/ptx/ld_st.cuh"
 
 namespace weft::kernels::ep {
+
+namespace tile = device::tile;
+using device::Block;
+using device::Thread;
+using device::Token;
 
 /// The heap base of every rank of the team as mapped here, cached in shared memory for one kernel.
 struct PeerTable {
@@ -62,13 +68,18 @@ __device__ __forceinline__ void signal_add(uint64_t* remote_signal, uint64_t val
     device::signal_release<ptx::Scope::kSys>(remote_signal, value, device::SignalOp::kAdd);
 }
 
-/// Waits (one thread, bounded) until the local word `signal`, raised by rank `peer`, is >= `value`.
-/// On timeout the Diagnostic names `peer` (team rank, translated to the world rank), the word, the
-/// expected and observed values, and traps.
-__device__ __forceinline__ void wait_geq(const DeviceCtx& ctx, const uint64_t* signal, uint64_t value, int peer,
-                                         int line = __builtin_LINE()) {
-    device::spin_until<ptx::Sem::kAcquire, ptx::Scope::kSys>(ctx, signal, Cmp::kGe, value,
-                                                             device::SpinSite{SpinKind::kSignalWait, peer, line});
-}
+/// tile::wait_each's `signal_at` for a local array of signal words indexed by source rank, word s raised only by rank
+/// s (signal_add(peers.at(ctx, signals + me, r), ...) on rank me): index i of the wait is the word of rank first + i,
+/// and a timeout's Diagnostic names that rank as the word's owner (translated to the world rank).
+///
+///     const Token t = tile::wait_each(Block{}, ctx, num_ranks, FromRank{a.buffer.count_signal}, Cmp::kGe, call);
+///     const Token u = tile::wait_each(Block{}, ctx, 1, FromRank{a.buffer.data_signal, s}, Cmp::kGe, rows);  // rank s
+struct FromRank {
+    const uint64_t* signals;
+    int first = 0;
+    __device__ __forceinline__ device::tile::SignalFrom operator()(int i) const {
+        return {signals + first + i, first + i};
+    }
+};
 
 }  // namespace weft::kernels::ep
