@@ -13,7 +13,17 @@
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
 
-namespace weft::gemm {
+namespace weft::kernels::gemm {
+
+// The parameter structs are host+device data (weft/common/gemm_hook_params.hpp, namespace weft::gemm): host-only
+// code fills them for a launch.
+using weft::gemm::ChunkWaitParams;
+using weft::gemm::NoEpilogueHookParams;
+using weft::gemm::PersistentSchedulerParams;
+using weft::gemm::SignalValueMode;
+using weft::gemm::TileSignalMode;
+using weft::gemm::TileSignalParams;
+
 namespace detail {
 
 /// A hook's value: the argument (SignalValueMode::kArgument) or *epoch * argument (kEpoch). The epoch word
@@ -106,4 +116,4 @@ __global__ void __launch_bounds__(32) gemm_advance_epoch_kernel(uint64_t* epoch)
     }
 }
 
-}  // namespace weft::gemm
+}  // namespace weft::kernels::gemm

@@ -22,7 +22,7 @@
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
 
-namespace weft::gemm {
+namespace weft::kernels::gemm {
 
 // Parameter structs (PersistentSchedulerParams, ChunkWaitParams): weft/common/gemm_hook_params.hpp, which
 // host-only code includes to fill them.
@@ -100,4 +100,4 @@ private:
     int32_t m_;
 };
 
-}  // namespace weft::gemm
+}  // namespace weft::kernels::gemm

@@ -22,7 +22,7 @@
 #include "weft/ptx/tma.cuh"
 #include "weft/ptx/wgmma.cuh"
 
-namespace weft::gemm {
+namespace weft::kernels::gemm {
 namespace detail {
 
 /// Compile-time facts derived from a config.
@@ -474,7 +474,7 @@ __device__ __forceinline__ void gemm_device(const ptx::TmaDescriptor* tma_a, con
     if constexpr (T::kClusterSize > 1) ptx::cluster_sync();
 }
 
-/// The kernel the JIT instantiates: "weft::gemm::gemm_kernel<weft::GemmConfig{...}, Scheduler, Hook>".
+/// The kernel the JIT instantiates: "weft::kernels::gemm::gemm_kernel<weft::GemmConfig{...}, Scheduler, Hook>".
 template <GemmConfig kCfg, class Scheduler, class Hook>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     gemm_kernel(const __grid_constant__ ptx::TmaDescriptor tma_a, const __grid_constant__ ptx::TmaDescriptor tma_b,
@@ -497,4 +497,4 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
                                                                  hook_params);
 }
 
-}  // namespace weft::gemm
+}  // namespace weft::kernels::gemm

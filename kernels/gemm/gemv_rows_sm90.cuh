@@ -13,7 +13,7 @@
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
 
-namespace weft::gemm {
+namespace weft::kernels::gemm {
 namespace detail {
 
 /// 16 bytes of global memory that no one writes during the kernel (A), through the non-coherent path.
@@ -436,4 +436,4 @@ __global__ void __launch_bounds__(kGemvGroupsThreads, gemv_shape(kConfig).ctas_p
     detail::gemv_rows<kConfig.out_dtype, kConfig.in_dtype == DType::kBF16, gemv_shape(kConfig).stages>(args);
 }
 
-}  // namespace weft::gemm
+}  // namespace weft::kernels::gemm

@@ -18,7 +18,7 @@
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
 
-namespace weft::gemm {
+namespace weft::kernels::gemm {
 namespace detail {
 
 /// The main loop (the file's header comment). Ring stage s (kStages of them, 1024-byte aligned,
@@ -280,4 +280,4 @@ __global__ void __launch_bounds__(kGemvBulkThreads, gemv_shape(kConfig).ctas_per
     if (threadIdx.x == 0) args.counters[blockIdx.x] = 0u;  // ready for the next launch on this stream
 }
 
-}  // namespace weft::gemm
+}  // namespace weft::kernels::gemm

@@ -86,9 +86,10 @@ namespace detail {
 FusedGemmSpec ag_gemm_fused_spec() {
     FusedGemmSpec spec;
     spec.header = "ag_gemm/ag_gemm.cuh";
-    spec.scheduler = "weft::tp::AgGemmScheduler";
-    spec.hook = "weft::tp::AgGemmHook";
-    spec.kernel_template = "weft::tp::ag_gemm_kernel<CFG>";  // the GEMM, then the end of the call (ag_finish_call)
+    spec.scheduler = "weft::kernels::ag_gemm::AgGemmScheduler";
+    spec.hook = "weft::kernels::ag_gemm::AgGemmHook";
+    // The GEMM, then the end of the call (ag_finish_call).
+    spec.kernel_template = "weft::kernels::ag_gemm::ag_gemm_kernel<CFG>";
     spec.name = "ag_gemm";
     return spec;
 }
@@ -98,7 +99,8 @@ jit::KernelSpec ag_gemm_kernel_spec(const GemmConfig& config, const std::string&
 }
 
 jit::KernelSpec ag_notify_kernel_spec(const std::string& arch) {
-    return tp_detail::make_spec("ag_gemm/ag_gemm.cuh", "weft::tp::ag_notify_ready_kernel<0>", "ag_gemm notify", arch);
+    return tp_detail::make_spec("ag_gemm/ag_gemm.cuh", "weft::kernels::ag_gemm::ag_notify_ready_kernel<0>",
+                                "ag_gemm notify", arch);
 }
 
 }  // namespace detail

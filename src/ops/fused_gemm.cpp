@@ -47,8 +47,8 @@ std::string replace_cfg(const std::string& text, const std::string& cfg) {
 FusedGemmSpec plain_gemm_fused_spec() {
     FusedGemmSpec spec;
     spec.header = "gemm/gemm_sm90.cuh";
-    spec.scheduler = "weft::gemm::PersistentScheduler";
-    spec.hook = "weft::gemm::NoEpilogueHook";
+    spec.scheduler = "weft::kernels::gemm::PersistentScheduler";
+    spec.hook = "weft::kernels::gemm::NoEpilogueHook";
     spec.name = "plain_gemm";
     return spec;
 }

@@ -167,8 +167,8 @@ FusedGemmSpec gemm_rs_fused_spec(GemmRsMode mode) {
     const bool push = mode == GemmRsMode::kPush;
     FusedGemmSpec spec;
     spec.header = "gemm_rs/gemm_rs.cuh";
-    spec.scheduler = "weft::tp::RsGemmScheduler";
-    spec.hook = push ? "weft::tp::RsPushHook<CFG>" : "weft::tp::RsGemmHook<CFG>";
+    spec.scheduler = "weft::kernels::gemm_rs::RsGemmScheduler";
+    spec.hook = push ? "weft::kernels::gemm_rs::RsPushHook<CFG>" : "weft::kernels::gemm_rs::RsGemmHook<CFG>";
     spec.name = push ? "gemm_rs push" : "gemm_rs";
     return spec;
 }
@@ -179,8 +179,8 @@ jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string&
 
 jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::string& arch) {
     return tp_detail::make_spec("gemm_rs/gemm_rs.cuh",
-                                std::string("weft::tp::rs_reduce_kernel<") + dtype_enum_name(partial) + ", " +
-                                    dtype_enum_name(out) + ">",
+                                std::string("weft::kernels::gemm_rs::rs_reduce_kernel<") + dtype_enum_name(partial) +
+                                    ", " + dtype_enum_name(out) + ">",
                                 std::string("gemm_rs reduce ") + dtype_name(partial) + "->" + dtype_name(out), arch);
 }
 

@@ -585,8 +585,8 @@ TEST(GemmFormat, PrintsDesignatedInitialisers) {
         << ops::format_gemm_config(pp);
     EXPECT_EQ(ops::gemm_candidate_name(pp), "64x256x64_s4_c1x1_pp");
     const std::string k = ops::gemm_kernel_instantiation(GemmConfig{});
-    EXPECT_EQ(k.rfind("weft::gemm::gemm_kernel<weft::GemmConfig{", 0), 0u) << k;
-    EXPECT_NE(k.find("weft::gemm::PersistentScheduler<weft::GemmConfig{"), std::string::npos) << k;
+    EXPECT_EQ(k.rfind("weft::kernels::gemm::gemm_kernel<weft::GemmConfig{", 0), 0u) << k;
+    EXPECT_NE(k.find("weft::kernels::gemm::PersistentScheduler<weft::GemmConfig{"), std::string::npos) << k;
 }
 
 }  // namespace

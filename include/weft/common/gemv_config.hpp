@@ -13,10 +13,10 @@ namespace weft {
 /// autotuner's candidate names ("small_m_v3", "small_m_v4") and of kernels/gemm/README.md's variant log.
 enum class GemvVariant : int32_t {
     /// Split-K; B's and A's rows of each 256-wide k stage come into a shared-memory ring as TMA boxes
-    /// (kernels/gemm/gemv_tma_sm90.cuh, weft::gemm::gemv_tma_kernel): any M <= 64, any B [N,K].
+    /// (kernels/gemm/gemv_tma_sm90.cuh, weft::kernels::gemm::gemv_tma_kernel): any M <= 64, any B [N,K].
     kTmaRing = 3,
     /// B's rows by 1D bulk copies into a shared-memory ring, one CTA per SM with a contiguous range of rows, no
-    /// split-K (kernels/gemm/gemv_rows_sm90.cuh, weft::gemm::gemv_rows_kernel): M <= 16, B's rows back to back
+    /// split-K (kernels/gemm/gemv_rows_sm90.cuh, weft::kernels::gemm::gemv_rows_kernel): M <= 16, B's rows back to back
     /// (ldb = K), K a multiple of 2048. Whole rows and CUDA-core FMAs where gemv_rows_uses_ffma, else groups of 8
     /// rows on the tensor cores.
     kBulkRows = 4,
