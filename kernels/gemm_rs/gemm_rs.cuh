@@ -280,10 +280,10 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
             const ChunkInfo ch = map.chunk(sig);
             const int64_t local_row0 = ch.row_begin - static_cast<int64_t>(rank) * p.rows_per_rank;
             const int64_t total = ch.num_rows * vecs_per_row;
-            // NOTE: a peer's partial is read over NVLink (about 2 us a round trip): each thread keeps kRsUnroll
-            // 16-byte loads in flight, or R CTAs would move only R * 256 * 16 B per round trip (~30 GB/s at R=16).
-            // (row, column) of the flat vector index advance by additions: a 64-bit division per vector made the
-            // kernel bound by integer arithmetic (~10 GB/s per SM, measured).
+            // NOTE: a peer's partial is read over NVLink (microseconds a round trip): each thread keeps kRsUnroll
+            // 16-byte loads in flight, or R CTAs would move only R * 256 * 16 B per round trip. (row, column) of the
+            // flat vector index advance by additions: a 64-bit division per vector bounds the kernel by integer
+            // arithmetic (kernels/gemm_rs/README.md, History).
             int64_t row = first / vecs_per_row;
             int64_t col_vec = first - row * vecs_per_row;
             for (int64_t i0 = first; i0 < total; i0 += stride * kRsUnroll) {

@@ -185,8 +185,8 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
 
     // Every kernel a call launches is loaded now (lazy loading behind a waiting kernel can deadlock).
     // As GemmRs: with ranks sharing a GPU a config's first call ends before anything more is launched (the same on
-    // every rank: the barrier is collective). TpAgGemm's cases on one H200 timed out in tile_wait (a chunk never
-    // signalled, its sender's kernels not in a wait) in 3 of ~9 runs without it.
+    // every rank: the barrier is collective); without it a chunk could stay unsignalled, its sender's first launch
+    // never started (kernels/ag_gemm/README.md, Pitfalls).
     s.load_gemms(configs, s.num_ranks == 1 ? plain_gemm_fused_spec() : detail::ag_gemm_fused_spec(),
                  s.num_ranks > 1 && world.max_ranks_per_device() > 1);
     if (s.num_ranks > 1) s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());

@@ -31,8 +31,8 @@ int64_t default_chunk_rows(int64_t rows_per_rank, int tile_m) {
 }
 
 int default_reduce_ctas(int budget, bool shared_gpu) {
-    // One rank per GPU: 16 of 132 SMs measured best on two H200s once the reduction kept its loads in flight
-    // (2026-11-29: 4 of the 5 bench shapes fastest at 16 rather than 32 or 64; the GEMM keeps more SMs).
+    // One rank per GPU: at most 16, the count measured fastest (kernels/gemm_rs/README.md, Knobs): more reduction
+    // CTAs take SMs from the GEMM without reading the partials any faster.
     const int r = shared_gpu ? std::max(1, budget / 8) : std::clamp(budget / 8, 1, 16);
     return std::min(r, budget - 1);
 }
@@ -124,9 +124,9 @@ GemmRsMode resolve_gemm_rs_mode(const GemmRsShape& shape, int num_ranks, const G
     const std::string why = gemm_rs_push_unsupported(shape, num_ranks, options);
     WEFT_CHECK(options.mode != GemmRsMode::kPush || why.empty(),
                "gemm_rs: options.mode = push cannot serve " << why << "; use GemmRsMode::kPull or kAuto");
-    // NOTE: kAuto keeps ranks that share a GPU on the pull mode: there, push calls launched back to back
-    // without host synchronisation time out (2026-11-29, TpGemmRs.BackToBackPushCallsWithoutHostSync on one
-    // H200; cause open, kernels/gemm_rs/README.md). Eager calls and one rank per GPU pass.
+    // NOTE: kAuto keeps ranks that share a GPU on the pull mode: there, push calls launched back to back can wait
+    // for a peer whose kernel never started (cause open: kernels/gemm_rs/README.md, "Ranks sharing a GPU"). One
+    // rank per GPU is unaffected.
     if (options.mode == GemmRsMode::kAuto && ranks_share_a_gpu) return GemmRsMode::kPull;
     return why.empty() ? GemmRsMode::kPush : GemmRsMode::kPull;
 }

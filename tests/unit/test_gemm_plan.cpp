@@ -508,8 +508,8 @@ TEST(GemmPlan, SmallMMaxMBoundsTheSmallMPath) {
     }
 }
 
-// The heuristic on 132 SMs picks, for the shapes, the candidate measured fastest there or one within 1%
-// (H200, 2026-11-30, `weft_bench_gemm --all-configs`, two runs each: kernels/gemm/README.md v24).
+// The heuristic on 132 SMs picks, for the benchmark's GEMM shapes (docs/performance.md), the candidate measured fastest
+// there or one within 1% (`weft_bench_gemm --all-configs`; the runs: kernels/gemm/README.md, variant log).
 TEST(GemmPlan, PicksTheMeasuredFastestTiles) {
     struct Pick {
         int64_t m, n, k;
