@@ -65,9 +65,8 @@ int main(int argc, char** argv) {
             auto* sym_in = world.heap().alloc_array<float>(static_cast<uint64_t>(count));
             auto* sym_out = world.heap().alloc_array<float>(static_cast<uint64_t>(count));
             // Host buffers are pinned. Copies from or to pageable memory are staged by the driver, and with ranks
-            // sharing a GPU they timed out in 7 of 11 runs of this example on an H200: every rank's thread inside
-            // its copy, one rank's all-reduce on the device, the peers' queued (docs/runtime.md, "Pageable host
-            // copies"). With pinned buffers: 1 of 61.
+            // sharing a GPU they can hang: every rank's thread inside its copy, one rank's all-reduce on the device,
+            // the peers' queued behind it (docs/runtime.md, "Shared GPUs and the runtime's own work").
             float* mine = nullptr;
             float* got = nullptr;
             WEFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&mine), bytes));

@@ -2,11 +2,12 @@
 // AllGather+GEMM device side: the GEMM's tile scheduler (local rows first, then rows in copy-engine arrival
 // order; the producer waits on exactly the chunk signals a tile needs), the epilogue hook counting stored
 // tiles, the end of a call (reset the copy-engine signals, then a done-barrier across ranks), and the kernel
-// that tells peers this rank's shard is in place. The schedule picture and the protocol are in kernels/ag_gemm/README.md.
+// that tells peers this rank's shard is in place. The schedule picture and the protocol are in
+// kernels/ag_gemm/README.md.
 //
 // JIT instantiations (weft::ops::AgGemm builds them):
-//   weft::tp::ag_gemm_kernel<CFG>
-//   weft::tp::ag_notify_ready_kernel<0>
+//   weft::kernels::ag_gemm::ag_gemm_kernel<CFG>
+//   weft::kernels::ag_gemm::ag_notify_ready_kernel<0>
 #pragma once
 
 #include "gemm/gemm_sm90.cuh"
@@ -15,7 +16,7 @@
 #include "weft/common/tp_schedule.hpp"
 #include "weft/device/tile.cuh"
 
-namespace weft::tp {
+namespace weft::kernels::ag_gemm {
 
 namespace tile = device::tile;
 
@@ -121,4 +122,4 @@ __global__ void __launch_bounds__(kTpNotifyThreads) ag_notify_ready_kernel(const
     }
 }
 
-}  // namespace weft::tp
+}  // namespace weft::kernels::ag_gemm

@@ -10,7 +10,7 @@
 
 namespace weft::kernels::all_gather {
 
-using collective::BlockState;
+using common::BlockState;
 
 /// SM push: block b meets block b of every rank (so every destination is ready), writes part b of this rank's
 /// shard into slot `rank` of every rank's `out` (symmetric), starting with the next rank, and meets again: after
@@ -62,12 +62,12 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     uint8_t* own = out + static_cast<uint64_t>(me) * p.out_stride;
     for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
         const uint64_t at = j * kLowLatencyPayloadBytes;
-        const uint2 mine = collective::load_payload(in + at, bytes - at);
+        const uint2 mine = common::load_payload(in + at, bytes - at);
         for (int k = 1; k < n; ++k) {
             device::ll::store_line(remote[(me + k) % n] + j * kLowLatencyLineBytes, mine, flag);
         }
         if (own != in) {
-            collective::store_payload(own + at, mine, bytes - at);
+            common::store_payload(own + at, mine, bytes - at);
         }
     }
     for (int k = 1; k < n; ++k) {
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
         for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
             const uint64_t at = j * kLowLatencyPayloadBytes;
             const uint2 v = device::ll::wait_line(ctx, slot + j * kLowLatencyLineBytes, flag);
-            collective::store_payload(dst + at, v, bytes - at);
+            common::store_payload(dst + at, v, bytes - at);
         }
     }
     st.finish();

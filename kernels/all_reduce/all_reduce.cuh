@@ -10,8 +10,8 @@
 
 namespace weft::kernels::all_reduce {
 
-using collective::BlockState;
-using collective::Num;
+using common::BlockState;
+using common::Num;
 
 /// One-shot: block b copies part b of its input into this epoch's staging half (when asked), meets block b of
 /// every rank, then reads part b of every rank's staging and writes the rank-ordered fp32 sum to `out`.
@@ -31,9 +31,9 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
                      part.size() * kElem);
     }
     st.enter();
-    collective::peer_pointers(ctx, srcs, src, 0);
-    collective::reduce_elements<C.dtype, C.vec_bytes, C.max_ranks>(srcs, ctx.num_ranks, part.begin, part.end,
-                                                                   static_cast<uint8_t*>(p.out), nullptr);
+    common::peer_pointers(ctx, srcs, src, 0);
+    common::reduce_elements<C.dtype, C.vec_bytes, C.max_ranks>(srcs, ctx.num_ranks, part.begin, part.end,
+                                                               static_cast<uint8_t*>(p.out), nullptr);
     if ((p.flags & kCollectiveExitBarrier) != 0) {
         st.barrier();
     }
@@ -67,9 +67,9 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     st.enter();
     // Reduce-scatter: my slice, part b, from every rank's source.
     const Span mine = split_slice_part(p.count, n, me, gridDim.x, blockIdx.x, kGranule);
-    collective::peer_pointers(ctx, srcs, src, 0);
-    collective::reduce_elements<C.dtype, C.vec_bytes, C.max_ranks>(srcs, n, mine.begin, mine.end, res,
-                                                                   out != res ? out : nullptr);
+    common::peer_pointers(ctx, srcs, src, 0);
+    common::reduce_elements<C.dtype, C.vec_bytes, C.max_ranks>(srcs, n, mine.begin, mine.end, res,
+                                                               out != res ? out : nullptr);
     st.barrier();
     // All-gather: part b of every other slice, from its owner's result (rotated so peers spread their reads).
     for (int k = 1; k < n; ++k) {
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     __syncthreads();
     for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
         const uint64_t at = j * kLowLatencyPayloadBytes;
-        const uint2 mine = collective::load_payload(in + at, bytes - at);
+        const uint2 mine = common::load_payload(in + at, bytes - at);
         for (int k = 1; k < n; ++k) {
             const int q = (me + k) % n;
             device::ll::store_line(remote[q] + j * kLowLatencyLineBytes, mine, flag);
@@ -119,9 +119,8 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     // The same thread handles line j in both loops, so in-place (out == in) reads before it writes.
     for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
         const uint64_t at = j * kLowLatencyPayloadBytes;
-        collective::store_payload(
-            out + at, collective::reduce_ll_line<C.dtype, C.max_ranks>(ctx, st, in + at, bytes - at, j, flag),
-            bytes - at);
+        common::store_payload(
+            out + at, common::reduce_ll_line<C.dtype, C.max_ranks>(ctx, st, in + at, bytes - at, j, flag), bytes - at);
     }
     st.finish();
 }

@@ -28,7 +28,7 @@
 #include "weft/ptx/cvt.cuh"
 #include "weft/ptx/ld_st.cuh"
 
-namespace weft::kernels::collective {
+namespace weft::kernels::common {
 
 // ------------------------------------------------------------------------------------------------
 // Number formats: elements are handled as raw bits (uint16_t or uint32_t) and converted to fp32 to add (exactly),
@@ -375,4 +375,4 @@ __device__ __forceinline__ uint2 reduce_ll_line(const DeviceCtx& ctx, const Bloc
     return __builtin_bit_cast(uint2, sum);
 }
 
-}  // namespace weft::kernels::collective
+}  // namespace weft::kernels::common

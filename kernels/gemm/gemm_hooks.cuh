@@ -13,7 +13,17 @@
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
 
-namespace weft::gemm {
+namespace weft::kernels::gemm {
+
+// The parameter structs are host+device data (weft/common/gemm_hook_params.hpp, namespace weft::gemm): host-only
+// code fills them for a launch.
+using weft::gemm::ChunkWaitParams;
+using weft::gemm::NoEpilogueHookParams;
+using weft::gemm::PersistentSchedulerParams;
+using weft::gemm::SignalValueMode;
+using weft::gemm::TileSignalMode;
+using weft::gemm::TileSignalParams;
+
 namespace detail {
 
 /// A hook's value: the argument (SignalValueMode::kArgument) or *epoch * argument (kEpoch). The epoch word
@@ -26,19 +36,11 @@ __device__ __forceinline__ uint64_t signal_value(SignalValueMode mode, const uin
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------------------------
-// Epilogue hooks. Interface (a type H):
-//   struct Params { ... };                        trivially copyable kernel argument
-//   static constexpr bool kNotifies;              false: the kernel never waits for stores to complete
-//   __device__ static bool after_tile_stored(const Params&, const GemmTile&);
-// after_tile_stored is called by one thread, once per valid tile, after every TMA store of that tile has
-// completed (cp.async.bulk.wait_group 0 in each storing thread, then a barrier of the warpgroups that
-// stored it): the tile's data is in global memory. Cooperative tiles (both consumer warpgroups store half
-// of each) defer the wait by one tile, so the notify of tile i happens after tile i+1's mainloop (or at the
-// end); a ping-pong tile's warpgroup waits right after its epilogue, under the other warpgroup's mainloop.
-// Either way stores never stall the tensor cores. In ping-pong both warpgroups call it (for their own tiles).
-// It runs inside the consumer warpgroups' tile loop and must not trap or call there (the device layer's *_checked
-// forms: weft/device/spin.cuh says why): on a failure it records its diagnostic and returns false, and the kernel
-// traps once it has left the loop.
+// Epilogue hooks. Interface (a type H): `using Params`, `static constexpr bool kNotifies` and
+// `__device__ static bool after_tile_stored(const Params&, const GemmTile&)`; the contract (when and by whom it
+// is called, what it may do) is weft/ops/fused_gemm.hpp's. In ping-pong both warpgroups call it, for their own
+// tiles. weft's hooks use the device layer's *_checked forms (no call, no trap in the consumer warpgroups:
+// weft/device/spin.cuh says why).
 // ---------------------------------------------------------------------------------------------------------
 
 // Optional, for hooks that move where a tile goes (GEMM+ReduceScatter's push mode):
@@ -106,4 +108,4 @@ __global__ void __launch_bounds__(32) gemm_advance_epoch_kernel(uint64_t* epoch)
     }
 }
 
-}  // namespace weft::gemm
+}  // namespace weft::kernels::gemm

@@ -2,15 +2,16 @@
 // Tile schedulers of the persistent GEMM: which tiles a CTA computes, in which order, and what the
 // producer waits for before it loads a tile's rows of A.
 //
-// Interface (a type S, the kernel's Scheduler template argument):
-//   struct Params { ... };                                 trivially copyable kernel argument
+// Interface (a type S, the kernel's Scheduler template argument; the contract in full, for schedulers written
+// outside weft too, is weft/ops/fused_gemm.hpp's):
+//   using Params = P;                                      trivially copyable kernel argument
 //   __device__ S(const Params&, const GemmArgs&);          built by every thread of the CTA
 //   __device__ int32_t num_tiles() const;                  tiles this CTA computes
 //   __device__ GemmTile tile(int32_t i) const;             its i-th tile (same answer in every warp role)
 //   __device__ device::Token wait_before_load(const GemmTile&) const;
 //        called by the producer thread before it TMA-loads the A rows of tile `tile`; returns the Token
-//        that the A loads take (device::tile::tma_load_2d): a device-layer wait's, or
-//        Token::assume_local_data() when nothing is awaited.
+//        that the A loads take (device::tile::tma_load_2d): that of a device-layer wait, on n = 0 signals
+//        when the tile waits on nothing.
 // CTAs of a cluster must get tiles of the same cluster tile in the same order (GemmTileGrid does this).
 #pragma once
 
@@ -22,7 +23,7 @@
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
 
-namespace weft::gemm {
+namespace weft::kernels::gemm {
 
 // Parameter structs (PersistentSchedulerParams, ChunkWaitParams): weft/common/gemm_hook_params.hpp, which
 // host-only code includes to fill them.
@@ -46,6 +47,7 @@ public:
         return cluster_idx_ < total ? (total - 1 - cluster_idx_) / num_clusters_ + 1 : 0;
     }
     __device__ GemmTile tile(int32_t i) const { return grid_.tile(cluster_idx_ + i * num_clusters_, cta_rank_); }
+    // NOTE: A was written before the launch, in stream order, so there is nothing to wait for or fence.
     __device__ device::Token wait_before_load(const GemmTile&) const { return device::Token::assume_local_data(); }
 
     __device__ const GemmTileGrid& grid() const { return grid_; }
@@ -100,4 +102,4 @@ private:
     int32_t m_;
 };
 
-}  // namespace weft::gemm
+}  // namespace weft::kernels::gemm

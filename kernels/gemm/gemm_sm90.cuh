@@ -22,7 +22,7 @@
 #include "weft/ptx/tma.cuh"
 #include "weft/ptx/wgmma.cuh"
 
-namespace weft::gemm {
+namespace weft::kernels::gemm {
 namespace detail {
 
 /// Compile-time facts derived from a config.
@@ -421,9 +421,9 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
 
 }  // namespace detail
 
-/// The whole GEMM as a device function: gemm_kernel (NVRTC/JIT) and the ahead-of-time entry points below
-/// are thin __global__ wrappers around it. Contract of a launch: kGemmThreads threads,
-/// gemm_smem_plan(kCfg).alloc_bytes of dynamic shared memory, a grid that is a multiple of the cluster size
+/// The whole GEMM as a device function: gemm_kernel below, and a fused GEMM's own kernel (FusedGemmSpec::
+/// kernel_template, as ag_gemm_kernel), are thin __global__ wrappers around it. Contract of a launch: kGemmThreads
+/// threads, gemm_smem_plan(kCfg).alloc_bytes of dynamic shared memory, a grid that is a multiple of the cluster size
 /// (cluster dims cluster_m * cluster_n, 1, 1), one CTA per SM (persistent: grid <= SM budget). Tensor maps
 /// (weft::ops::detail::make_gemm_tensor_maps), all 128B-swizzled:
 ///   tma_a: A [M,K], box {64, tile_m / cluster_n}; tma_b: B, box {64, tile_n / cluster_m} (kNK) or {64, 64}
@@ -474,7 +474,7 @@ __device__ __forceinline__ void gemm_device(const ptx::TmaDescriptor* tma_a, con
     if constexpr (T::kClusterSize > 1) ptx::cluster_sync();
 }
 
-/// The kernel the JIT instantiates: "weft::gemm::gemm_kernel<weft::GemmConfig{...}, Scheduler, Hook>".
+/// The kernel the JIT instantiates: "weft::kernels::gemm::gemm_kernel<weft::GemmConfig{...}, Scheduler, Hook>".
 template <GemmConfig kCfg, class Scheduler, class Hook>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     gemm_kernel(const __grid_constant__ ptx::TmaDescriptor tma_a, const __grid_constant__ ptx::TmaDescriptor tma_b,
@@ -484,17 +484,4 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     gemm_device<kCfg, Scheduler, Hook>(&tma_a, &tma_b, &tma_d, args, sched_params, hook_params);
 }
 
-/// Ahead-of-time (nvcc) entry point of candidate kIndex with the default scheduler and no hook. Integer and
-/// enum template arguments only: nvcc's host stubs cannot spell a class-type template argument.
-template <int kIndex, DType kIn, DType kOut, BLayout kLayout>
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    gemm_candidate_kernel(const __grid_constant__ ptx::TmaDescriptor tma_a,
-                          const __grid_constant__ ptx::TmaDescriptor tma_b,
-                          const __grid_constant__ ptx::TmaDescriptor tma_d, const GemmArgs args,
-                          const PersistentSchedulerParams sched_params, const NoEpilogueHookParams hook_params) {
-    constexpr GemmConfig kCfg = gemm_candidate(kIndex, kIn, kOut, kLayout);
-    gemm_device<kCfg, PersistentScheduler<kCfg>, NoEpilogueHook>(&tma_a, &tma_b, &tma_d, args, sched_params,
-                                                                 hook_params);
-}
-
-}  // namespace weft::gemm
+}  // namespace weft::kernels::gemm

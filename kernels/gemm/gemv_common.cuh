@@ -11,7 +11,7 @@
 #include "weft/ptx/cvt.cuh"
 #include "weft/ptx/tma.cuh"
 
-namespace weft::gemm {
+namespace weft::kernels::gemm {
 
 /// kTmaRing's tensor maps (A [M,K] with kGemvBulkBoxK x 16 m_tiles boxes, B [N,K] with kGemvBulkBoxK x 32 n_tiles
 /// boxes; 128-byte swizzled when the boxes are 64 wide); kBulkRows takes them too (one launch signature for both
@@ -63,4 +63,4 @@ __device__ __forceinline__ uint4 lds_16_if(bool ok, const unsigned char* p) {
 }
 
 }  // namespace detail
-}  // namespace weft::gemm
+}  // namespace weft::kernels::gemm

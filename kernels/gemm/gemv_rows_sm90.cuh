@@ -13,7 +13,7 @@
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
 
-namespace weft::gemm {
+namespace weft::kernels::gemm {
 namespace detail {
 
 /// 16 bytes of global memory that no one writes during the kernel (A), through the non-coherent path.
@@ -204,8 +204,8 @@ __device__ __forceinline__ void gemv_rows_m(const GemvArgs& args) {
 /// each one 1D bulk copy issued by B's producer (lane 0) into its own 4 KiB of the stage (rows past the CTA's end
 /// are not copied: their stale pieces only reach columns of D that are not written). B's producer refills a
 /// stage once all 8 consumer warps have arrived on its `empty` barrier (after their MMAs took the stage's values),
-/// so no consumer waits for a copy to be issued (from one thread inside the consumers' stage barrier, the 8
-/// copies per stage held every warp up: kernels/gemm/README.md, v14).
+/// so no consumer waits for a copy to be issued (issued from one thread inside the consumers' stage barrier, the 8
+/// copies per stage would hold every warp up: kernels/gemm/README.md).
 /// Warp w takes k = 256 w .. 256 w + 255 of every stage, lane (g, t) the 16 bytes at k 32 p + 8 t (p = 0..7) of
 /// row g: with the k permutation of gemv_common.cuh these are the B fragments of two m16n8k16 MMAs (n8 = the
 /// group's 8 rows), whose A fragments (rows g and g + 8 of A, zero past M) serve all the chunk's groups: A's producer
@@ -263,8 +263,8 @@ __device__ __forceinline__ void gemv_groups_body(const GemvArgs& args) {
 
     // A's slot holds chunk seq of the sequence (block, chunk) for the consumers' start of it; chunk seq + 1 goes in
     // once every consumer warp has chunk seq in registers (after the chunk's first group). A's chunks are read by
-    // every CTA: evict-last keeps them in L2 under the stream (ncu at M = 16 without the hints: L2 hit rate 5%, A
-    // alone would make it 20%).
+    // every CTA: evict-last keeps them in L2 under the stream, which would otherwise push them out (ncu,
+    // kernels/gemm/README.md).
     const auto fill_a = [&](int seq) {
         if (seq > 0) {
             if (!ptx::mbarrier_wait_parity_bounded(a_empty, static_cast<unsigned>(seq - 1) & 1u, kGemvStageWaitNs)) {
@@ -288,7 +288,7 @@ __device__ __forceinline__ void gemv_groups_body(const GemvArgs& args) {
     if (tid == 0) ptx::launch_dependents();
     if (warp == kWarps + 1) {  // A's producer
         if (lane != 0) return;
-        // Its own warp: a chunk's copies (16 at M = 16) issued by B's producer held up B's stages (README, v25).
+        // Its own warp: a chunk's copies (16 at M = 16) issued by B's producer would hold up B's stages.
         for (int seq = 0; seq < blocks * chunks; ++seq) fill_a(seq);
         return;
     }
@@ -337,8 +337,7 @@ __device__ __forceinline__ void gemv_groups_body(const GemvArgs& args) {
         for (int c = 0; c < chunks; ++c) {
             // A's fragments of chunk c (lo: row g, hi: row g + 8, zeros past M) from the slot into registers; the
             // slot goes back to the producer once the first group's MMAs have taken them. (Loaded from global memory
-            // here instead, every warp stalled ~1.5 us per chunk for L2 behind the stream's traffic:
-            // kernels/gemm/README.md, v14.)
+            // here instead, every warp would stall for L2 behind the stream's traffic: kernels/gemm/README.md.)
             if (!ptx::mbarrier_wait_parity_bounded(a_full, static_cast<unsigned>(seq) & 1u, kGemvStageWaitNs)) __trap();
             uint4 lo[kPairs], hi[kPairs];
 #pragma unroll
@@ -436,4 +435,4 @@ __global__ void __launch_bounds__(kGemvGroupsThreads, gemv_shape(kConfig).ctas_p
     detail::gemv_rows<kConfig.out_dtype, kConfig.in_dtype == DType::kBF16, gemv_shape(kConfig).stages>(args);
 }
 
-}  // namespace weft::gemm
+}  // namespace weft::kernels::gemm

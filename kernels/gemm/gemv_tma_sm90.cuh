@@ -7,9 +7,8 @@
 // B's and A's rows of each 256-wide k stage come into the ring by TMA (one 2D box per operand and stage,
 // kGemvBulkBoxK wide; one thread issues them), completing on an mbarrier per stage: the bytes in flight do not
 // depend on registers. Every warp covers all the CTA's columns for its eighth of each stage's k (so shared memory
-// is read once per byte), and the warps' sums are added once at the end. (Tried and measured,
-// kernels/gemm/README.md: one 1D bulk copy per row and stage ran at half the speed of the register ring it replaced;
-// four 64-wide swizzled boxes per stage were up to 10% slower at M = 48..64.)
+// is read once per byte), and the warps' sums are added once at the end. (One 1D bulk copy per row and stage, and
+// four 64-wide swizzled boxes per stage, ran slower: kernels/gemm/README.md, variant log.)
 #pragma once
 
 #include "gemm/gemv_common.cuh"
@@ -18,7 +17,7 @@
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
 
-namespace weft::gemm {
+namespace weft::kernels::gemm {
 namespace detail {
 
 /// The main loop (the file's header comment). Ring stage s (kStages of them, 1024-byte aligned,
@@ -64,8 +63,8 @@ __device__ __forceinline__ void gemv_tma_mainloop(float (&acc)[kMTiles][kNTiles]
     __syncthreads();
 
     // Thread 0 fills the stage of `step`: whole boxes, so the byte count never changes. B's boxes are read once
-    // (evict-first in L2), A's by every CTA (evict-last): 2-3% off 32x8192x8192 and 32x28672x4096, within the
-    // spread elsewhere (kernels/gemm/README.md, v18).
+    // (evict-first in L2), A's by every CTA (evict-last), so the stream does not push A out of L2
+    // (kernels/gemm/README.md).
     const unsigned long long stream_policy = ptx::l2_policy_evict_first();
     const unsigned long long shared_policy = ptx::l2_policy_evict_last();
     // A stage's B part arms its barrier for the whole stage; its A part may follow later (the prologue below).
@@ -280,4 +279,4 @@ __global__ void __launch_bounds__(kGemvBulkThreads, gemv_shape(kConfig).ctas_per
     if (threadIdx.x == 0) args.counters[blockIdx.x] = 0u;  // ready for the next launch on this stream
 }
 
-}  // namespace weft::gemm
+}  // namespace weft::kernels::gemm

@@ -6,16 +6,21 @@
 // done-barrier so that no rank overwrites its partial (next call) while a peer still reads it.
 // The picture and the protocol are in kernels/gemm_ar/README.md.
 //
-// JIT instantiation (weft::ops::GemmAr builds it): weft::tp::ar_reduce_kernel<PARTIAL_DTYPE, OUT_DTYPE>
+// JIT instantiation (weft::ops::GemmAr builds it): weft::kernels::gemm_ar::ar_reduce_kernel<PARTIAL_DTYPE, OUT_DTYPE>
 #pragma once
 
 #include "tp_common/tp_device.cuh"
 #include "weft/common/tp_params.hpp"
 #include "weft/device/tile.cuh"
 
-namespace weft::tp {
+namespace weft::kernels::gemm_ar {
 
 namespace tile = device::tile;
+using tp_common::arrive_last;
+using tp_common::load8;
+using tp_common::load_elem;
+using tp_common::store8;
+using tp_common::store_elem;
 
 // NOTE: waits and notifies take the device layer's checked forms and trap inline: the trapping forms' shared
 // failure path is a call, whose ABI would cost this kernel registers.
@@ -82,4 +87,4 @@ __global__ void __launch_bounds__(kTpReduceThreads) ar_reduce_kernel(const ArRed
     }
 }
 
-}  // namespace weft::tp
+}  // namespace weft::kernels::gemm_ar

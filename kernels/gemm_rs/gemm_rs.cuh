@@ -6,8 +6,9 @@
 // order they complete. The schedule picture and the protocol are in kernels/gemm_rs/README.md.
 //
 // JIT instantiations (weft::ops::GemmRs builds them):
-//   weft::gemm::gemm_kernel<CFG, weft::tp::RsGemmScheduler<CFG>, weft::tp::RsGemmHook<CFG>>
-//   weft::tp::rs_reduce_kernel<PARTIAL_DTYPE, OUT_DTYPE>
+//   weft::kernels::gemm::gemm_kernel<CFG, weft::kernels::gemm_rs::RsGemmScheduler<CFG>,
+//                                     weft::kernels::gemm_rs::RsGemmHook<CFG>>   (RsPushHook<CFG> in push mode)
+//   weft::kernels::gemm_rs::rs_reduce_kernel<PARTIAL_DTYPE, OUT_DTYPE>
 #pragma once
 
 #include "gemm/gemm_sm90.cuh"
@@ -16,9 +17,18 @@
 #include "weft/common/tp_schedule.hpp"
 #include "weft/device/tile.cuh"
 
-namespace weft::tp {
+namespace weft::kernels::gemm_rs {
 
 namespace tile = device::tile;
+using tp_common::arrive_last;
+using tp_common::half_bits_to_float;
+using tp_common::load8;
+using tp_common::load_elem;
+using tp_common::load_raw8;
+using tp_common::Raw8;
+using tp_common::store8;
+using tp_common::store_elem;
+using tp_common::unpack8;
 
 /// After a tile's TMA store completed: += 1 on destination `dest`'s counter [this rank][chunk of t] (release
 /// at system scope, after a proxy fence: TMA wrote the tile). Both modes' epilogue hooks (consumer warpgroup:
@@ -270,10 +280,10 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
             const ChunkInfo ch = map.chunk(sig);
             const int64_t local_row0 = ch.row_begin - static_cast<int64_t>(rank) * p.rows_per_rank;
             const int64_t total = ch.num_rows * vecs_per_row;
-            // NOTE: a peer's partial is read over NVLink (about 2 us a round trip): each thread keeps kRsUnroll
-            // 16-byte loads in flight, or R CTAs would move only R * 256 * 16 B per round trip (~30 GB/s at R=16).
-            // (row, column) of the flat vector index advance by additions: a 64-bit division per vector made the
-            // kernel bound by integer arithmetic (~10 GB/s per SM, measured).
+            // NOTE: a peer's partial is read over NVLink (microseconds a round trip): each thread keeps kRsUnroll
+            // 16-byte loads in flight, or R CTAs would move only R * 256 * 16 B per round trip. (row, column) of the
+            // flat vector index advance by additions: a 64-bit division per vector bounds the kernel by integer
+            // arithmetic (kernels/gemm_rs/README.md, History).
             int64_t row = first / vecs_per_row;
             int64_t col_vec = first - row * vecs_per_row;
             for (int64_t i0 = first; i0 < total; i0 += stride * kRsUnroll) {
@@ -342,4 +352,4 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
     }
 }
 
-}  // namespace weft::tp
+}  // namespace weft::kernels::gemm_rs

@@ -10,8 +10,8 @@
 
 namespace weft::kernels::reduce_scatter {
 
-using collective::BlockState;
-using collective::Num;
+using common::BlockState;
+using common::Num;
 
 /// SM pull: the input is num_ranks slices of p.count elements, slice q at element q * p.in_stride; rank q's output
 /// is the sum of every rank's slice q. Block b: copy part b of every slice into this epoch's staging half (when
@@ -37,9 +37,9 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
         }
     }
     st.enter();
-    collective::peer_pointers(ctx, srcs, src, static_cast<uint64_t>(me) * p.src_stride * kElem);
-    collective::reduce_elements<C.dtype, C.vec_bytes, C.max_ranks>(srcs, n, part.begin, part.end,
-                                                                   static_cast<uint8_t*>(p.out), nullptr);
+    common::peer_pointers(ctx, srcs, src, static_cast<uint64_t>(me) * p.src_stride * kElem);
+    common::reduce_elements<C.dtype, C.vec_bytes, C.max_ranks>(srcs, n, part.begin, part.end,
+                                                               static_cast<uint8_t*>(p.out), nullptr);
     if ((p.flags & kCollectiveExitBarrier) != 0) {
         st.barrier();
     }
@@ -80,15 +80,15 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
         const uint64_t at = j * kLowLatencyPayloadBytes;
         for (int k = 1; k < n; ++k) {
             const int q = (me + k) % n;
-            const uint2 v = collective::load_payload(in + static_cast<uint64_t>(q) * slice_bytes + at, bytes - at);
+            const uint2 v = common::load_payload(in + static_cast<uint64_t>(q) * slice_bytes + at, bytes - at);
             device::ll::store_line(remote[q] + j * kLowLatencyLineBytes, v, flag);
         }
     }
     for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
         const uint64_t at = j * kLowLatencyPayloadBytes;
-        collective::store_payload(
-            out + at, collective::reduce_ll_line<C.dtype, C.max_ranks>(ctx, st, mine + at, bytes - at, j, flag),
-            bytes - at);
+        common::store_payload(out + at,
+                              common::reduce_ll_line<C.dtype, C.max_ranks>(ctx, st, mine + at, bytes - at, j, flag),
+                              bytes - at);
     }
     st.finish();
 }

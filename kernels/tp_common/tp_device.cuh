@@ -9,7 +9,7 @@
 #include "weft/ptx/cvt.cuh"
 #include "weft/ptx/ld_st.cuh"
 
-namespace weft::tp {
+namespace weft::kernels::tp_common {
 
 /// One 16-bit element (bf16 or f16 bits) to fp32 (exact).
 template <DType kT>
@@ -127,4 +127,4 @@ __device__ __forceinline__ bool arrive_last(uint32_t* counter, uint32_t expected
     return true;
 }
 
-}  // namespace weft::tp
+}  // namespace weft::kernels::tp_common

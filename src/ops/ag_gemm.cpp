@@ -86,9 +86,10 @@ namespace detail {
 FusedGemmSpec ag_gemm_fused_spec() {
     FusedGemmSpec spec;
     spec.header = "ag_gemm/ag_gemm.cuh";
-    spec.scheduler = "weft::tp::AgGemmScheduler";
-    spec.hook = "weft::tp::AgGemmHook";
-    spec.kernel_template = "weft::tp::ag_gemm_kernel<CFG>";  // the GEMM, then the end of the call (ag_finish_call)
+    spec.scheduler = "weft::kernels::ag_gemm::AgGemmScheduler";
+    spec.hook = "weft::kernels::ag_gemm::AgGemmHook";
+    // The GEMM, then the end of the call (ag_finish_call).
+    spec.kernel_template = "weft::kernels::ag_gemm::ag_gemm_kernel<CFG>";
     spec.name = "ag_gemm";
     return spec;
 }
@@ -98,7 +99,8 @@ jit::KernelSpec ag_gemm_kernel_spec(const GemmConfig& config, const std::string&
 }
 
 jit::KernelSpec ag_notify_kernel_spec(const std::string& arch) {
-    return tp_detail::make_spec("ag_gemm/ag_gemm.cuh", "weft::tp::ag_notify_ready_kernel<0>", "ag_gemm notify", arch);
+    return tp_detail::make_spec("ag_gemm/ag_gemm.cuh", "weft::kernels::ag_gemm::ag_notify_ready_kernel<0>",
+                                "ag_gemm notify", arch);
 }
 
 }  // namespace detail
@@ -183,8 +185,8 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
 
     // Every kernel a call launches is loaded now (lazy loading behind a waiting kernel can deadlock).
     // As GemmRs: with ranks sharing a GPU a config's first call ends before anything more is launched (the same on
-    // every rank: the barrier is collective). TpAgGemm's cases on one H200 timed out in tile_wait (a chunk never
-    // signalled, its sender's kernels not in a wait) in 3 of ~9 runs without it.
+    // every rank: the barrier is collective); without it a chunk could stay unsignalled, its sender's first launch
+    // never started (kernels/ag_gemm/README.md, Pitfalls).
     s.load_gemms(configs, s.num_ranks == 1 ? plain_gemm_fused_spec() : detail::ag_gemm_fused_spec(),
                  s.num_ranks > 1 && world.max_ranks_per_device() > 1);
     if (s.num_ranks > 1) s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());

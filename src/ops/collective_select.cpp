@@ -119,8 +119,7 @@ AllReduceAlgo select_all_reduce_algo(uint64_t bytes, const CollectiveTopology& t
     if (bytes <= low_latency_threshold_bytes(topo)) return AllReduceAlgo::kLowLatency;
     // One-shot reads (n - 1) x bytes, two-shot 2 (n - 1) / n x bytes plus a barrier. Even with 2 ranks (the same
     // bytes read) two-shot wins from a few MiB: its reads spread over twice the blocks and its writes are
-    // pushes. Measured on 2 H200s (NVLink): 1 MiB one-shot 12.2 us / two-shot 16.3 us; 4 MiB 33.3 / 28.3 us;
-    // 256 MiB 1684 / 841 us.
+    // pushes (the measurements: kernels/all_reduce/README.md, "Why the thresholds").
     const uint64_t one_shot_max = topo.num_ranks <= 4 ? 1 * kMiB : 256 * kKiB;
     return bytes <= one_shot_max ? AllReduceAlgo::kOneShot : AllReduceAlgo::kTwoShot;
 }
@@ -131,7 +130,7 @@ AllGatherAlgo select_all_gather_algo(uint64_t shard_bytes, const CollectiveTopol
     // Copy engines reach NVLink's rate without SMs but cost a few microseconds of set-up per copy; between ranks
     // sharing a GPU every byte crosses the same HBM either way and SM copies start sooner.
     const uint64_t total = shard_bytes * static_cast<uint64_t>(topo.num_ranks);
-    // Measured on 2 H200s (gathered bytes): 16 MiB SM push 39 us / CE push 45 us; 64 MiB 130 / 114 us.
+    // The crossover was measured between 16 and 64 MiB gathered (kernels/all_gather/README.md, "Why the thresholds").
     if (topo.max_ranks_per_gpu > 1 || total < 64 * kMiB) return AllGatherAlgo::kSmPush;
     return AllGatherAlgo::kCopyEnginePush;
 }
@@ -139,9 +138,8 @@ AllGatherAlgo select_all_gather_algo(uint64_t shard_bytes, const CollectiveTopol
 ReduceScatterAlgo select_reduce_scatter_algo(uint64_t output_bytes, const CollectiveTopology& topo) {
     // LL sends each rank (n - 1) x output_bytes of payload (twice that in lines) and waits for nothing but the
     // data: per output byte the traffic of an LL all-reduce of output_bytes, so the same threshold. SM pull pays an
-    // entry-barrier round trip before its first read: measured on 2 H200s (bf16, output = input / 2), sm_pull
-    // 8.1 us at 4 KiB input, 8.3 us at 16 KiB, 10.2 us at 256 KiB, against NCCL's 5.4 / 5.9 / 6.9 us and the LL
-    // all-reduce's (same traffic) 3.7-4.4 us up to 16 KiB and 7.5 us at 256 KiB (the 2-rank threshold).
+    // entry-barrier round trip before its first read, which makes it slower than LL (and NCCL) for small outputs
+    // (the measurements: kernels/reduce_scatter/README.md, "Why LL for small outputs").
     if (output_bytes <= low_latency_threshold_bytes(topo)) return ReduceScatterAlgo::kLowLatency;
     return ReduceScatterAlgo::kSmPull;
 }

@@ -17,8 +17,8 @@ namespace {
 
 // Per tile, the fused GEMMs' hooks (chunk waits before its loads, a stored signal after its stores) cost about as
 // much as 1024 more output elements of MMA (3% of a 128x256 tile), which favours the larger tiles more than the plain
-// GEMM's cost model does: AG+GEMM 8192x11008x4096 on 2 H200s (autotuned, 2026-11-30) ran 128x256 in 0.531 ms,
-// 256x128 0.542, 128x128 0.557, 128x192 0.575, where the plain model alone would pick 128x128.
+// GEMM's cost model does: with it the fused ops keep the tiles the autotuner measured fastest where the plain model
+// alone would pick smaller ones (docs/performance_archive.md, "Overlapped tensor-parallel kernels").
 constexpr double kHookedTileCost = 1024;
 
 bool is_identifier_char(char c) {
@@ -47,8 +47,8 @@ std::string replace_cfg(const std::string& text, const std::string& cfg) {
 FusedGemmSpec plain_gemm_fused_spec() {
     FusedGemmSpec spec;
     spec.header = "gemm/gemm_sm90.cuh";
-    spec.scheduler = "weft::gemm::PersistentScheduler";
-    spec.hook = "weft::gemm::NoEpilogueHook";
+    spec.scheduler = "weft::kernels::gemm::PersistentScheduler";
+    spec.hook = "weft::kernels::gemm::NoEpilogueHook";
     spec.name = "plain_gemm";
     return spec;
 }

@@ -74,8 +74,8 @@ namespace detail {
 
 jit::KernelSpec ar_reduce_kernel_spec(DType partial, DType out, const std::string& arch) {
     return tp_detail::make_spec("gemm_ar/gemm_ar.cuh",
-                                std::string("weft::tp::ar_reduce_kernel<") + dtype_enum_name(partial) + ", " +
-                                    dtype_enum_name(out) + ">",
+                                std::string("weft::kernels::gemm_ar::ar_reduce_kernel<") + dtype_enum_name(partial) +
+                                    ", " + dtype_enum_name(out) + ">",
                                 std::string("gemm_ar reduce ") + dtype_name(partial) + "->" + dtype_name(out), arch);
 }
 

@@ -60,8 +60,8 @@ std::string format_gemm_config(const GemmConfig& c) {
 
 std::string gemm_kernel_instantiation(const GemmConfig& c) {
     const std::string cfg = format_gemm_config(c);
-    return "weft::gemm::gemm_kernel<" + cfg + ", weft::gemm::PersistentScheduler<" + cfg +
-           ">, weft::gemm::NoEpilogueHook>";
+    return "weft::kernels::gemm::gemm_kernel<" + cfg + ", weft::kernels::gemm::PersistentScheduler<" + cfg +
+           ">, weft::kernels::gemm::NoEpilogueHook>";
 }
 
 std::string gemm_kernel_instantiation(const GemmConfig& c, const std::string& scheduler_template,
@@ -70,7 +70,7 @@ std::string gemm_kernel_instantiation(const GemmConfig& c, const std::string& sc
                "gemm_kernel_instantiation: the scheduler template and the hook type must be named, got '"
                    << scheduler_template << "' and '" << hook << "'");
     const std::string cfg = format_gemm_config(c);
-    return "weft::gemm::gemm_kernel<" + cfg + ", " + scheduler_template + "<" + cfg + ">, " + hook + ">";
+    return "weft::kernels::gemm::gemm_kernel<" + cfg + ", " + scheduler_template + "<" + cfg + ">, " + hook + ">";
 }
 
 std::string format_gemv_config(const GemvConfig& c) {
@@ -85,8 +85,8 @@ std::string format_gemv_config(const GemvConfig& c) {
 
 std::string gemv_kernel_instantiation(const GemvConfig& config) {
     check_gemv_config(config, "gemv_kernel_instantiation");
-    return std::string(config.variant == GemvVariant::kBulkRows ? "weft::gemm::gemv_rows_kernel<"
-                                                                : "weft::gemm::gemv_tma_kernel<") +
+    return std::string(config.variant == GemvVariant::kBulkRows ? "weft::kernels::gemm::gemv_rows_kernel<"
+                                                                : "weft::kernels::gemm::gemv_tma_kernel<") +
            format_gemv_config(config) + ">";
 }
 
@@ -125,7 +125,7 @@ jit::KernelSpec gemv_kernel_spec(const GemvConfig& config, const std::string& ar
 jit::KernelSpec gemm_advance_epoch_spec(const std::string& arch) {
     jit::KernelSpec spec;
     spec.header = "gemm/gemm_hooks.cuh";
-    spec.instantiation = "weft::gemm::gemm_advance_epoch_kernel<0>";
+    spec.instantiation = "weft::kernels::gemm::gemm_advance_epoch_kernel<0>";
     spec.description = "gemm hook epoch advance";
     spec.arch = arch;
     return spec;

@@ -47,12 +47,12 @@ void check_matrix(const TensorView& v, const char* name, const char* shape_text)
                                                      << " bytes");
 }
 
-// Relative speed of one tile's worth of MMAs at depth k: planning estimates fitted to the ratios measured on the
-// issue's shapes (H200, 2026-11-30, kernels/gemm/README.md v24; with them the heuristic picks the fastest measured
-// candidate or one within 1%). Larger tiles reuse shared memory better; a cooperative tile's epilogue stalls both
-// consumer warpgroups for about as long as 128 k of mainloop, which ping-pong hides under the other's mainloop.
-// Cooperative tiles in cluster pairs ran no faster than alone (v3, v12, v23): 2% less, so the plain tile wins a tie;
-// the ping-pong 128x128 pair ran 2% above the cooperative 128x128 at N = 1792 (v26).
+// Relative speed of one tile's worth of MMAs at depth k: planning estimates fitted to the ratios measured on the large
+// shapes of docs/performance.md's GEMM table (with them the heuristic picks the fastest measured candidate or one
+// within 1%; the measurements: kernels/gemm/README.md). Larger tiles reuse shared memory better; a cooperative tile's
+// epilogue stalls both consumer warpgroups for about as long as 128 k of mainloop, which ping-pong hides under the
+// other's mainloop. Cooperative tiles in cluster pairs ran no faster than alone: 2% less, so the plain tile wins a
+// tie; the ping-pong 128x128 pair ran faster than the cooperative 128x128 at N = 1792.
 double tile_efficiency(const GemmConfig& c, int64_t k) {
     const int area = c.tile_m * c.tile_n;
     if (c.pingpong) {
@@ -166,13 +166,9 @@ bool gemm_allows_small_m(const GemmProblem& p, const GemmOptions& options) {
 }
 
 // The small-M kernel when the caller leaves it to the op: bulk-copied rows (kBulkRows, variant 4) where it serves and
-// K >= 4096, else the TMA ring (kTmaRing, variant 3). H200, bf16, 2026-11-30 (kernels/gemm/README.md, v10, v11, v14):
-// variant 4 took 34.6-36.3 us at 1x8192x8192 against variant 3's 37.3-38.1 (cuBLASLt 36.5-37.4), 57.8-58.7 against
-// 64.8-65.3 at 1x28672x4096, 36.2-36.9 against 37.9-38.0 at 3x8192x8192 (its whole-row body then; the row groups took
-// M = 3, 4 over in v25), and was never slower at M = 3, 4 with K >= 4096; at K = 2048 (one span per row) it gained
-// nothing at M = 1 and lost 3% at M = 2. Its row-group body (M 3..16): 35.8-37.8 us against 37.6-38.9 at M = 5, 8, 16
-// with N = K = 8192, 63.3 against 65.8-66.2 at 16x28672x4096, 14.9-15.2 against 16.3-16.6 at 8x4096x4096, even at
-// 16x8192x16384 and (with its L2 hints) at 16x8192x4096 (22.5-22.6 against 22.4-22.6).
+// K >= 4096, else the TMA ring (kTmaRing, variant 3). With K >= 4096 both of variant 4's bodies (whole rows, row
+// groups) ran faster than variant 3 or even with it on every shape measured; at K = 2048 (one span per row) the
+// whole-row body gained nothing at M = 1 and lost at M = 2 (the measurements: kernels/gemm/README.md, small M).
 namespace {
 GemvVariant auto_small_m_variant(const GemmProblem& p) {
     return p.k >= 2 * kGemvRowsSpanElems && gemv_rows_unsupported(p).empty() ? GemvVariant::kBulkRows

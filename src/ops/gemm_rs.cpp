@@ -31,8 +31,8 @@ int64_t default_chunk_rows(int64_t rows_per_rank, int tile_m) {
 }
 
 int default_reduce_ctas(int budget, bool shared_gpu) {
-    // One rank per GPU: 16 of 132 SMs measured best on two H200s once the reduction kept its loads in flight
-    // (2026-11-29: 4 of the 5 bench shapes fastest at 16 rather than 32 or 64; the GEMM keeps more SMs).
+    // One rank per GPU: at most 16, the count measured fastest (kernels/gemm_rs/README.md, Knobs): more reduction
+    // CTAs take SMs from the GEMM without reading the partials any faster.
     const int r = shared_gpu ? std::max(1, budget / 8) : std::clamp(budget / 8, 1, 16);
     return std::min(r, budget - 1);
 }
@@ -124,9 +124,9 @@ GemmRsMode resolve_gemm_rs_mode(const GemmRsShape& shape, int num_ranks, const G
     const std::string why = gemm_rs_push_unsupported(shape, num_ranks, options);
     WEFT_CHECK(options.mode != GemmRsMode::kPush || why.empty(),
                "gemm_rs: options.mode = push cannot serve " << why << "; use GemmRsMode::kPull or kAuto");
-    // NOTE: kAuto keeps ranks that share a GPU on the pull mode: there, push calls launched back to back
-    // without host synchronisation time out (2026-11-29, TpGemmRs.BackToBackPushCallsWithoutHostSync on one
-    // H200; cause open, kernels/gemm_rs/README.md). Eager calls and one rank per GPU pass.
+    // NOTE: kAuto keeps ranks that share a GPU on the pull mode: there, push calls launched back to back can wait
+    // for a peer whose kernel never started (cause open: kernels/gemm_rs/README.md, "Ranks sharing a GPU"). One
+    // rank per GPU is unaffected.
     if (options.mode == GemmRsMode::kAuto && ranks_share_a_gpu) return GemmRsMode::kPull;
     return why.empty() ? GemmRsMode::kPush : GemmRsMode::kPull;
 }
@@ -167,8 +167,8 @@ FusedGemmSpec gemm_rs_fused_spec(GemmRsMode mode) {
     const bool push = mode == GemmRsMode::kPush;
     FusedGemmSpec spec;
     spec.header = "gemm_rs/gemm_rs.cuh";
-    spec.scheduler = "weft::tp::RsGemmScheduler";
-    spec.hook = push ? "weft::tp::RsPushHook<CFG>" : "weft::tp::RsGemmHook<CFG>";
+    spec.scheduler = "weft::kernels::gemm_rs::RsGemmScheduler";
+    spec.hook = push ? "weft::kernels::gemm_rs::RsPushHook<CFG>" : "weft::kernels::gemm_rs::RsGemmHook<CFG>";
     spec.name = push ? "gemm_rs push" : "gemm_rs";
     return spec;
 }
@@ -179,8 +179,8 @@ jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string&
 
 jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::string& arch) {
     return tp_detail::make_spec("gemm_rs/gemm_rs.cuh",
-                                std::string("weft::tp::rs_reduce_kernel<") + dtype_enum_name(partial) + ", " +
-                                    dtype_enum_name(out) + ">",
+                                std::string("weft::kernels::gemm_rs::rs_reduce_kernel<") + dtype_enum_name(partial) +
+                                    ", " + dtype_enum_name(out) + ">",
                                 std::string("gemm_rs reduce ") + dtype_name(partial) + "->" + dtype_name(out), arch);
 }
 

@@ -833,8 +833,8 @@ void run_hook_test(const GemmConfig& cfg, int64_t m, int64_t n, int64_t k, int r
 
     // Load every kernel before anything spins (lazy loading could deadlock otherwise; weft::jit loads eagerly).
     const jit::Kernel* kernel = nullptr;
-    ASSERT_NO_THROW(kernel = &ops::detail::gemm_jit_kernel(
-                        ops::gemm_kernel_spec(cfg, "weft::gemm::ChunkWaitScheduler", "weft::gemm::TileSignalHook")));
+    ASSERT_NO_THROW(kernel = &ops::detail::gemm_jit_kernel(ops::gemm_kernel_spec(
+                        cfg, "weft::kernels::gemm::ChunkWaitScheduler", "weft::kernels::gemm::TileSignalHook")));
     cudaFuncAttributes attr;
     CK(cudaFuncGetAttributes(&attr, chunk_producer_kernel));
     CK(cudaFuncGetAttributes(&attr, tile_checker_kernel));

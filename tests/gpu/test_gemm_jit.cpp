@@ -341,9 +341,9 @@ TEST(GemmJit, EpochModeHooksWaitForTheirReplaysGeneration) {
 
     // Every kernel is compiled and loaded before anything is captured or spins.
     jit::Kernel& producer = ops::detail::gemm_jit_kernel(
-        ops::gemm_kernel_spec(cfg, "weft::gemm::PersistentScheduler", "weft::gemm::TileSignalHook"));
+        ops::gemm_kernel_spec(cfg, "weft::kernels::gemm::PersistentScheduler", "weft::kernels::gemm::TileSignalHook"));
     jit::Kernel& consumer = ops::detail::gemm_jit_kernel(
-        ops::gemm_kernel_spec(cfg, "weft::gemm::ChunkWaitScheduler", "weft::gemm::NoEpilogueHook"));
+        ops::gemm_kernel_spec(cfg, "weft::kernels::gemm::ChunkWaitScheduler", "weft::kernels::gemm::NoEpilogueHook"));
     ops::gemm_advance_epoch(static_cast<uint64_t*>(dscratch.ptr), nullptr);
     CK(cudaDeviceSynchronize());
 

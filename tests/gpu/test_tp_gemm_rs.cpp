@@ -283,8 +283,8 @@ TEST(TpGemmRs, BackToBackPushCallsWithoutHostSync) {
     f.report();
 }
 
-// Push mode with ranks sharing a GPU, calls back to back: timed out in every run on one H200 until each
-// config's first call was synchronised on every rank (GemmRs, sync_first_call; kernels/gemm_rs/README.md).
+// Push mode with ranks sharing a GPU, calls back to back: needs each config's first call synchronised on every rank
+// (tp_detail::FirstCallSync; kernels/gemm_rs/README.md, "Ranks sharing a GPU").
 TEST(TpGemmRs, BackToBackPushCallsRanksSharingAGpu) {
     std::vector<RsCase> two = {{300, 1104, 256}, {300, 1104, 256, 256}}, three = {{300, 1104, 256}};
     for (RsCase& c : two) c.mode = kPush;

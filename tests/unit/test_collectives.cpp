@@ -171,7 +171,7 @@ TEST(CollectivesSelect, AllReduceBySizeAndWorld) {
     EXPECT_EQ(select_all_reduce_algo(256 * kKiB, topo(8)), AllReduceAlgo::kOneShot);
     EXPECT_EQ(select_all_reduce_algo(256 * kKiB + 2, topo(8)), AllReduceAlgo::kTwoShot);
     EXPECT_EQ(select_all_reduce_algo(256 * kMiB, topo(8)), AllReduceAlgo::kTwoShot);
-    // 2 ranks: one-shot up to 1 MiB too (two-shot was faster from 4 MiB on two H200s).
+    // 2 ranks: one-shot up to 1 MiB too (two-shot wins from a few MiB: kernels/all_reduce/README.md).
     EXPECT_EQ(select_all_reduce_algo(256 * kKiB, topo(2)), AllReduceAlgo::kLowLatency);
     EXPECT_EQ(select_all_reduce_algo(1 * kMiB, topo(2)), AllReduceAlgo::kOneShot);
     EXPECT_EQ(select_all_reduce_algo(1 * kMiB + 2, topo(2)), AllReduceAlgo::kTwoShot);

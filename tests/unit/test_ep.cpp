@@ -724,8 +724,8 @@ TEST(EpNvrtc, KernelSpecsCompileForSm90a) {
 // The combines' reductions (normal: the partial sums over a received token's local rows and the sum of a
 // token's partials; low latency: the weighted sum over a token's slots) load two rows' chunks, each lane's
 // .unroll 16-byte granules of each, before accumulating the first: in SASS, every reduction loop must keep
-// 2 x unroll loads in flight together. A conversion right after each load once made ptxas wait for them one
-// by one (normal combine: one load in flight, 71 GB/s against the dispatch's 158).
+// 2 x unroll loads in flight together. A conversion right after each load makes ptxas wait for them one by one
+// (one load in flight: docs/performance_archive.md, "MoE expert parallelism").
 TEST(EpNvrtc, CombineReductionsKeepTheirRowLoadsInFlight) {
     struct Want {
         const char* kernel;

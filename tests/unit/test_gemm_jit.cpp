@@ -38,12 +38,14 @@ TEST(GemmJitCodegen, InstantiationIsTheConfigWithDesignatedInitialisers) {
         "weft::GemmConfig{.tile_m = 128, .tile_n = 256, .tile_k = 64, .stages = 4, .cluster_m = 2, .cluster_n = 1, "
         ".raster = weft::Raster::kAlongN, .raster_group = 8, .b_layout = weft::BLayout::kKN, "
         ".in_dtype = weft::DType::kBF16, .out_dtype = weft::DType::kF32}";
-    EXPECT_EQ(gemm_kernel_instantiation(c), "weft::gemm::gemm_kernel<" + cfg + ", weft::gemm::PersistentScheduler<" +
-                                                cfg + ">, weft::gemm::NoEpilogueHook>");
-    EXPECT_EQ(gemm_kernel_instantiation(c, "weft::gemm::ChunkWaitScheduler", "weft::gemm::TileSignalHook"),
-              "weft::gemm::gemm_kernel<" + cfg + ", weft::gemm::ChunkWaitScheduler<" + cfg +
-                  ">, weft::gemm::TileSignalHook>");
-    EXPECT_THROW(gemm_kernel_instantiation(c, "", "weft::gemm::NoEpilogueHook"), Error);
+    EXPECT_EQ(gemm_kernel_instantiation(c), "weft::kernels::gemm::gemm_kernel<" + cfg +
+                                                ", weft::kernels::gemm::PersistentScheduler<" + cfg +
+                                                ">, weft::kernels::gemm::NoEpilogueHook>");
+    EXPECT_EQ(
+        gemm_kernel_instantiation(c, "weft::kernels::gemm::ChunkWaitScheduler", "weft::kernels::gemm::TileSignalHook"),
+        "weft::kernels::gemm::gemm_kernel<" + cfg + ", weft::kernels::gemm::ChunkWaitScheduler<" + cfg +
+            ">, weft::kernels::gemm::TileSignalHook>");
+    EXPECT_THROW(gemm_kernel_instantiation(c, "", "weft::kernels::gemm::NoEpilogueHook"), Error);
 
     // The small-M kernels: one per family, their GemvConfig printed with designated initialisers.
     const GemvConfig tma{
@@ -51,11 +53,12 @@ TEST(GemmJitCodegen, InstantiationIsTheConfigWithDesignatedInitialisers) {
     EXPECT_EQ(format_gemv_config(tma),
               "weft::GemvConfig{.variant = weft::GemvVariant::kTmaRing, .m_tiles = 4, .in_dtype = weft::DType::kF16, "
               ".out_dtype = weft::DType::kF32}");
-    EXPECT_EQ(gemv_kernel_instantiation(tma), "weft::gemm::gemv_tma_kernel<" + format_gemv_config(tma) + ">");
+    EXPECT_EQ(gemv_kernel_instantiation(tma), "weft::kernels::gemm::gemv_tma_kernel<" + format_gemv_config(tma) + ">");
     const GemvConfig rows{.variant = GemvVariant::kBulkRows, .m_tiles = 1};
-    EXPECT_EQ(gemv_kernel_instantiation(rows),
-              "weft::gemm::gemv_rows_kernel<weft::GemvConfig{.variant = weft::GemvVariant::kBulkRows, .m_tiles = 1, "
-              ".in_dtype = weft::DType::kBF16, .out_dtype = weft::DType::kBF16}>");
+    EXPECT_EQ(
+        gemv_kernel_instantiation(rows),
+        "weft::kernels::gemm::gemv_rows_kernel<weft::GemvConfig{.variant = weft::GemvVariant::kBulkRows, .m_tiles = 1, "
+        ".in_dtype = weft::DType::kBF16, .out_dtype = weft::DType::kBF16}>");
     auto throws_mentioning = [](const GemvConfig& bad, const std::string& needle) {
         try {
             (void)gemv_kernel_instantiation(bad);
@@ -90,7 +93,7 @@ TEST(GemmJitCodegen, SpecsNameTheHeaderTheInstantiationAndTheArch) {
     const GemvConfig rows{.variant = GemvVariant::kBulkRows, .m_tiles = 1, .out_dtype = DType::kF32};
     EXPECT_EQ(gemv_kernel_spec(rows, kArch).header, "gemm/gemv_rows_sm90.cuh");
     EXPECT_EQ(gemv_kernel_spec(rows, kArch).instantiation, gemv_kernel_instantiation(rows));
-    EXPECT_EQ(gemm_advance_epoch_spec(kArch).instantiation, "weft::gemm::gemm_advance_epoch_kernel<0>");
+    EXPECT_EQ(gemm_advance_epoch_spec(kArch).instantiation, "weft::kernels::gemm::gemm_advance_epoch_kernel<0>");
 
     GemmConfig bad = c;
     bad.tile_n = 88;
@@ -133,7 +136,7 @@ TEST(GemmJitAot, SpecsCoverEveryCandidateAndSmallMKernelOnce) {
         }
     }
     EXPECT_EQ(specs.size(), expected);
-    EXPECT_EQ(instantiations.count("weft::gemm::gemm_advance_epoch_kernel<0>"), 1u);
+    EXPECT_EQ(instantiations.count("weft::kernels::gemm::gemm_advance_epoch_kernel<0>"), 1u);
 }
 
 // ---- NVRTC through weft::jit ------------------------------------------------------------------------------
@@ -151,8 +154,8 @@ TEST(GemmJitCompile, NvrtcCompilesTheOpsSpecsAndTheSecondRequestHitsTheCache) {
     const std::vector<jit::KernelSpec> specs = {
         gemm_kernel_spec(gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK), kArch),
         gemm_kernel_spec(gemm_candidate(2, DType::kF16, DType::kF32, BLayout::kKN), kArch),  // cluster pair, [K,N]
-        gemm_kernel_spec(gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK), "weft::gemm::ChunkWaitScheduler",
-                         "weft::gemm::TileSignalHook", kArch),
+        gemm_kernel_spec(gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK),
+                         "weft::kernels::gemm::ChunkWaitScheduler", "weft::kernels::gemm::TileSignalHook", kArch),
         gemv_kernel_spec(GemvConfig{.variant = GemvVariant::kTmaRing, .m_tiles = 2, .out_dtype = DType::kF32}, kArch),
         gemv_kernel_spec(GemvConfig{.variant = GemvVariant::kBulkRows, .m_tiles = 1}, kArch),
         gemm_advance_epoch_spec(kArch),

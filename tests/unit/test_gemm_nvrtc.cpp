@@ -122,8 +122,8 @@ std::vector<std::string> gemv_instantiations(
 // The communication-hooked variant (what the fused kernels instantiate).
 std::string hooked_instantiation() {
     const std::string cfg = ops::format_gemm_config(gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK));
-    return "weft::gemm::gemm_kernel<" + cfg + ", weft::gemm::ChunkWaitScheduler<" + cfg +
-           ">, weft::gemm::TileSignalHook>";
+    return "weft::kernels::gemm::gemm_kernel<" + cfg + ", weft::kernels::gemm::ChunkWaitScheduler<" + cfg +
+           ">, weft::kernels::gemm::TileSignalHook>";
 }
 
 TEST(GemmNvrtc, EveryCandidateCompilesForSm90aWithoutSerialisationOrSpills) {
@@ -310,12 +310,13 @@ TEST(GemmNvrtc, small_m_variant4_streams_rows_by_bulk_copy_and_multiplies_with_f
 namespace weft {
 namespace {
 
-// The GEMM+RS reduction reads peers' partials over NVLink (~2 us a round trip): its loads must be in flight
-// together, kRsUnroll (8, kernels/gemm_rs/gemm_rs.cuh) per thread: a conversion right after each load once made
-// them wait one by one (one load in flight; the fused op ran at the speed of ~2 GB/s per reduction CTA).
+// The GEMM+RS reduction reads peers' partials over NVLink (microseconds a round trip): its loads must be in flight
+// together, kRsUnroll (8, kernels/gemm_rs/gemm_rs.cuh) per thread. A conversion right after each load makes the next
+// load wait for it (one load in flight: kernels/gemm_rs/README.md, History).
 TEST(TpNvrtc, rs_reduce_keeps_its_partial_loads_in_flight) {
-    const std::vector<std::string> names = {"weft::tp::rs_reduce_kernel<weft::DType::kBF16, weft::DType::kBF16>",
-                                            "weft::tp::rs_reduce_kernel<weft::DType::kF32, weft::DType::kBF16>"};
+    const std::vector<std::string> names = {
+        "weft::kernels::gemm_rs::rs_reduce_kernel<weft::DType::kBF16, weft::DType::kBF16>",
+        "weft::kernels::gemm_rs::rs_reduce_kernel<weft::DType::kF32, weft::DType::kBF16>"};
     const Compiled r = compile(names, "#include \"gemm_rs/gemm_rs.cuh\"\n");
     ASSERT_EQ(r.result, NVRTC_SUCCESS) << r.log;
     expect_clean_ptxas_report(r.log, "the GEMM+RS reduction");

@@ -508,8 +508,8 @@ TEST(GemmPlan, SmallMMaxMBoundsTheSmallMPath) {
     }
 }
 
-// The heuristic on 132 SMs picks, for the shapes, the candidate measured fastest there or one within 1%
-// (H200, 2026-11-30, `weft_bench_gemm --all-configs`, two runs each: kernels/gemm/README.md v24).
+// The heuristic on 132 SMs picks, for the benchmark's GEMM shapes (docs/performance.md), the candidate measured fastest
+// there or one within 1% (`weft_bench_gemm --all-configs`; the runs: kernels/gemm/README.md, variant log).
 TEST(GemmPlan, PicksTheMeasuredFastestTiles) {
     struct Pick {
         int64_t m, n, k;
@@ -585,8 +585,8 @@ TEST(GemmFormat, PrintsDesignatedInitialisers) {
         << ops::format_gemm_config(pp);
     EXPECT_EQ(ops::gemm_candidate_name(pp), "64x256x64_s4_c1x1_pp");
     const std::string k = ops::gemm_kernel_instantiation(GemmConfig{});
-    EXPECT_EQ(k.rfind("weft::gemm::gemm_kernel<weft::GemmConfig{", 0), 0u) << k;
-    EXPECT_NE(k.find("weft::gemm::PersistentScheduler<weft::GemmConfig{"), std::string::npos) << k;
+    EXPECT_EQ(k.rfind("weft::kernels::gemm::gemm_kernel<weft::GemmConfig{", 0), 0u) << k;
+    EXPECT_NE(k.find("weft::kernels::gemm::PersistentScheduler<weft::GemmConfig{"), std::string::npos) << k;
 }
 
 }  // namespace

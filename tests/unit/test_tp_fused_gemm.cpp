@@ -58,13 +58,15 @@ TEST(TpFusedGemm, OpsSpecsNameTheKernelsTheyAlwaysWere) {
 
         const jit::KernelSpec ag = ops::detail::ag_gemm_kernel_spec(c, kArch);
         EXPECT_EQ(ag.header, "ag_gemm/ag_gemm.cuh");
-        EXPECT_EQ(ag.instantiation, "weft::tp::ag_gemm_kernel<" + cfg + ">");
+        EXPECT_EQ(ag.instantiation, "weft::kernels::ag_gemm::ag_gemm_kernel<" + cfg + ">");
         const jit::KernelSpec pull = ops::detail::gemm_rs_kernel_spec(c, kArch, ops::GemmRsMode::kPull);
-        EXPECT_EQ(pull.instantiation, "weft::gemm::gemm_kernel<" + cfg + ", weft::tp::RsGemmScheduler<" + cfg +
-                                          ">, weft::tp::RsGemmHook<" + cfg + ">>");
+        EXPECT_EQ(pull.instantiation, "weft::kernels::gemm::gemm_kernel<" + cfg +
+                                          ", weft::kernels::gemm_rs::RsGemmScheduler<" + cfg +
+                                          ">, weft::kernels::gemm_rs::RsGemmHook<" + cfg + ">>");
         const jit::KernelSpec push = ops::detail::gemm_rs_kernel_spec(c, kArch, ops::GemmRsMode::kPush);
-        EXPECT_EQ(push.instantiation, "weft::gemm::gemm_kernel<" + cfg + ", weft::tp::RsGemmScheduler<" + cfg +
-                                          ">, weft::tp::RsPushHook<" + cfg + ">>");
+        EXPECT_EQ(push.instantiation, "weft::kernels::gemm::gemm_kernel<" + cfg +
+                                          ", weft::kernels::gemm_rs::RsGemmScheduler<" + cfg +
+                                          ">, weft::kernels::gemm_rs::RsPushHook<" + cfg + ">>");
         for (const jit::KernelSpec* s : {&plain, &ag, &pull, &push}) {
             EXPECT_TRUE(s->preamble.empty() && s->extra_code.empty()) << s->instantiation;
         }
@@ -79,8 +81,8 @@ TEST(TpFusedGemm, SpecOfAUsersHeader) {
     const jit::KernelSpec k = ops::fused_gemm_kernel_spec(spec, c, kArch);
     EXPECT_EQ(k.header, "my/hooks.cuh");
     // "CFG" is replaced where it is a whole token only.
-    EXPECT_EQ(k.instantiation,
-              "weft::gemm::gemm_kernel<" + cfg + ", my::Wait<" + cfg + ">, my::Notify<" + cfg + ", MyCFG, CFG_>>");
+    EXPECT_EQ(k.instantiation, "weft::kernels::gemm::gemm_kernel<" + cfg + ", my::Wait<" + cfg + ">, my::Notify<" +
+                                   cfg + ", MyCFG, CFG_>>");
     EXPECT_EQ(k.extra_code, "#include <gemm/gemm_sm90.cuh>");  // a header of one's own gets weft's kernel after it
     EXPECT_EQ(k.arch, kArch);
     EXPECT_EQ(k.description.rfind("mine ", 0), 0u) << k.description;

@@ -377,9 +377,9 @@ TEST(TpValidation, GemmRsShapeAndCall) {
                  "row stride must be a multiple of 16 bytes");
 }
 
-// The W=8 GemmRs test on a shared GPU (8 ranks on one H200: a GEMM budget of 15 SMs) asked for chunk_rows 128
-// when the heuristic picked a 256-row tile, and the op threw. An explicit chunk_rows must steer the choice: 64 rows
-// leave only the 64-row tile (ping-pong 64x128), 128 rows the tiles of 64 or 128 rows.
+// An explicit chunk_rows must steer the config choice, not make the op throw when the heuristic alone would pick a
+// taller tile (TpGemmRs at W = 8 on one GPU: a GEMM budget of 15 SMs, chunk_rows 128, a 256-row pick): 64 rows leave
+// only the 64-row tile (ping-pong 64x128), 128 rows the tiles of 64 or 128 rows.
 TEST(TpPlan, GemmRsExplicitChunkRowsSteersTheConfig) {
     const ops::GemmRsShape s{2400, 1100, 256, DType::kBF16};
     ops::GemmRsOptions o;
@@ -423,10 +423,9 @@ TEST(TpPlan, FusedOpsRunClusterFreeWholeBoxTiles) {
     }
 }
 
-// GEMM+RS on 2 H200s (push mode, 132 SMs for the GEMM), every candidate timed by the autotuner in one run
-// (2026-11-30, `weft_bench_tp --world 2 --op rs --tune`, ms per call): the heuristic picks the fastest on each
-// benchmark shape. Per-rank K 5504: 128x256 0.564 (ping-pong 128x192 0.573); 7168: 0.734 (0.766); 14336: ping-pong
-// 128x192 2.757 (128x256 3.035); 26624: 10.818 (10.98); 14784: 2.769 (3.135).
+// GEMM+RS on two GPUs (push mode, 132 SMs for the GEMM), every candidate timed by the autotuner in one run
+// (`weft_bench_tp --world 2 --op rs --tune`): the heuristic picks the fastest on each benchmark shape (the figures:
+// docs/performance_archive.md, "AG+GEMM and GEMM+RS with ping-pong tiles").
 TEST(TpPlan, GemmRsPicksTheMeasuredFastestTiles) {
     const std::pair<int64_t, int64_t> shapes[] = {
         {4096, 5504}, {4096, 7168}, {8192, 14336}, {16384, 26624}, {8192, 14784}};
@@ -478,11 +477,10 @@ TEST(TpPlan, GemmRsEveryConfigFitsItsChunk) {
     }
 }
 
-// The autotuned GemmRs that hung on one H200 (TpGemmRs.AutotunedConfigStaysCorrect: W=2, 300 rows per rank,
-// N=1100, a GEMM budget of 58 SMs): its reduction waited for 18 arrivals (chunk 0 of the first candidate,
-// 128x128 under the shared 256-row chunk) and saw none. Not a layout mismatch: for every candidate of the
-// plan, at the planned M and a smaller one, every source's tiles raise exactly the counts the destination
-// waits for, at indices inside the counters the op allocates (W * max_chunks_per_rank).
+// Autotuned GemmRs (TpGemmRs.AutotunedConfigStaysCorrect's shape: W=2, 300 rows per rank, N=1100, a GEMM budget of
+// 58 SMs, where chunk 0 of the first candidate, 128x128 under the shared 256-row chunk, waits for 18 arrivals, and
+// others): for every candidate of the plan, at the planned M and a smaller one, every source's tiles raise exactly
+// the counts the destination waits for, at indices inside the counters the op allocates (W * max_chunks_per_rank).
 TEST(TpPlan, GemmRsEveryTuningCandidateCountsInsideItsCounters) {
     struct Shape {
         int w;

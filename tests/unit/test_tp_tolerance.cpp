@@ -169,8 +169,9 @@ TEST(TpTolerance, AcceptsModelledRoundingOfRandomPartials) {
     }
 }
 
-// The H200 failures: bf16 partials of magnitude 2..8 that cancel to < 1. The result's error follows the
-// partials' magnitude; the old bound (relative to the result) rejected such correct results, the new accepts.
+// Cancelling partials, as GPU runs produce them: bf16 partials of magnitude 2..8 that cancel to < 1. The result's
+// error follows the partials' magnitude; a bound relative to the result (the old one) rejects such correct results,
+// the modelled one accepts them.
 TEST(TpTolerance, AcceptsModelledRoundingOfCancellingPartials) {
     int64_t old_rejects = 0;
     int cases = 0;

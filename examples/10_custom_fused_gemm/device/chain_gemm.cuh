@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 // The chain GEMM's device side: a tile scheduler that waits for the rows of X it loads, and an epilogue hook that
-// tells the next rank a tile of its X has arrived. weft instantiates weft::gemm::gemm_kernel with both.
+// tells the next rank a tile of its X has arrived. weft instantiates weft::kernels::gemm::gemm_kernel with both.
 #pragma once
 
 #include "chain_params.hpp"

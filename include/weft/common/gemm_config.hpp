@@ -117,7 +117,7 @@ WEFT_HOST_DEVICE constexpr bool is_valid(const GemmConfig& c) {
     if (c.tile_n < 64 || c.tile_n > 256 || c.tile_n % 16 != 0) return false;
     if (c.tile_n % 64 != 0 && (c.b_layout != BLayout::kNK || c.cluster_m != 1 || c.cluster_n != 1)) return false;
     // Accumulators must leave room in the consumers' 232 registers: a ping-pong 128x192 tile (192 floats per thread)
-    // uses R0..R229 without spilling (kernels/gemm/README.md, v24).
+    // uses R0..R229 without spilling (kernels/gemm/README.md).
     if (gemm_acc_regs(c) > 192) return false;
     if (c.stages < 2 || c.stages > 8) return false;
     if (c.raster_group < 1 || c.raster_group > 64) return false;
@@ -233,13 +233,13 @@ WEFT_HOST_DEVICE constexpr GemmConfig gemm_candidate(int index, DType in_dtype, 
         case 8: c.tile_m = 128; c.tile_n = 176; c.stages = 5; break;
         // Ping-pong (each consumer warpgroup a whole tile, its epilogue under the other's mainloop): 128x192 for most
         // large shapes, 128x176 for N = 1376, 128x160 where its waves fit better, 64x128 for M = 128 (half of A per
-        // CTA from L2 where 128x64 reads all of it; kernels/gemm/README.md, v24).
+        // CTA from L2 where 128x64 reads all of it; kernels/gemm/README.md).
         case 9: c.tile_m = 128; c.tile_n = 192; c.stages = 4; c.pingpong = true; break;
         case 10: c.tile_m = 128; c.tile_n = 176; c.stages = 5; c.pingpong = true; break;
         case 11: c.tile_m = 128; c.tile_n = 160; c.stages = 5; c.pingpong = true; break;
         case 12: c.tile_m = 64; c.tile_n = 128; c.stages = 8; c.pingpong = true; break;
         // Ping-pong 128x128 in pairs along M (B multicast): N = 1792, where 128x128 fills the waves best and
-        // cuBLASLt runs it in clusters (kernels/gemm/README.md, v26).
+        // cuBLASLt runs it in clusters (kernels/gemm/README.md).
         default: c.tile_m = 128; c.tile_n = 128; c.stages = 6; c.pingpong = true; c.cluster_m = 2; break;
     }
     return c;

@@ -8,10 +8,9 @@
 
 namespace weft::gemm {
 
-// NOTE: parameter structs live at namespace scope (not nested in the class templates) so that nvcc's host
-// stubs of kernels taking them never have to spell a class-type template argument. New fields go at the
-// end, and zero means the behaviour that existed before the field: a value-initialised `Params{}` with the
-// old fields set keeps working.
+// NOTE: parameter structs live at namespace scope (not nested in the class templates) so that host-only code
+// names and fills them without the device templates. New fields go at the end, and zero means the behaviour
+// that existed before the field: a value-initialised `Params{}` with the old fields set keeps working.
 
 /// Where a hook's signal value (or awaited value) comes from.
 enum class SignalValueMode : int32_t {

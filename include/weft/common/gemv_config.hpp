@@ -13,10 +13,10 @@ namespace weft {
 /// autotuner's candidate names ("small_m_v3", "small_m_v4") and of kernels/gemm/README.md's variant log.
 enum class GemvVariant : int32_t {
     /// Split-K; B's and A's rows of each 256-wide k stage come into a shared-memory ring as TMA boxes
-    /// (kernels/gemm/gemv_tma_sm90.cuh, weft::gemm::gemv_tma_kernel): any M <= 64, any B [N,K].
+    /// (kernels/gemm/gemv_tma_sm90.cuh, weft::kernels::gemm::gemv_tma_kernel): any M <= 64, any B [N,K].
     kTmaRing = 3,
     /// B's rows by 1D bulk copies into a shared-memory ring, one CTA per SM with a contiguous range of rows, no
-    /// split-K (kernels/gemm/gemv_rows_sm90.cuh, weft::gemm::gemv_rows_kernel): M <= 16, B's rows back to back
+    /// split-K (kernels/gemm/gemv_rows_sm90.cuh, weft::kernels::gemm::gemv_rows_kernel): M <= 16, B's rows back to back
     /// (ldb = K), K a multiple of 2048. Whole rows and CUDA-core FMAs where gemv_rows_uses_ffma, else groups of 8
     /// rows on the tensor cores.
     kBulkRows = 4,
@@ -45,7 +45,7 @@ struct GemvArgs {
     int32_t rows_per_cta; ///< kBulkRows: rows of B per CTA (the last CTA may have fewer); else unused
     /// kTmaRing: launched programmatically (ops::gemm_launches_programmatically), so the ring's first stages load
     /// their B boxes before griddepcontrol.wait and their A boxes after it; 0: each stage's B and A boxes in turn
-    /// (A's first boxes queued behind every prologue B box cost up to 9% at M = 64, kernels/gemm/README.md v28).
+    /// (in a plain launch, A's first boxes queued behind every prologue B box delay the first MMAs).
     int32_t programmatic;
     float* partials;      ///< [num_splits][M][N] fp32 (when num_splits > 1)
     uint32_t* counters;   ///< [gridDim.x], zero between launches (the last CTA of a column block resets it)
@@ -86,15 +86,15 @@ inline constexpr int kGemvBulkBoxK = 256;
 /// kBulkRows (whole rows; M <= kGemvRowsMaxM, K = kGemvRowsSpanElems x 1, 2, 4 or 8, B's rows back to back: ldb
 /// = K): one CTA per SM, CTA c owns rows_per_cta consecutive rows of B (GemvArgs::rows_per_cta; N spread evenly over
 /// the SMs), one contiguous range, streamed in kGemvRowsStageBytes stages of one 1D bulk copy each (thread 0, one
-/// proxy fence per stage as kTmaRing): on the H200 such copies stream at 4.0-4.1 TB/s where kTmaRing's TMA row
-/// boxes reach 3.6-3.7 (`weft_bench_stream`, kernels/gemm/README.md v9, v10). A stage is 8 spans of 4 KiB
+/// proxy fence per stage as kTmaRing): such copies stream faster than kTmaRing's TMA row boxes (`weft_bench_stream`;
+/// the figures are in kernels/gemm/README.md). A stage is 8 spans of 4 KiB
 /// (kGemvBulkThreads x 16 bytes, one 16-byte piece per thread) and holds whole rows, so each thread meets the same
 /// k in every row and keeps its A values in registers (fp32). CUDA-core FMAs; no split-K. Shared memory: barriers,
 /// the ring, then the per-warp row sums of two stages' rows [2 x 8][8][kGemvRowsMaxM] (fp32). A in registers bounds
 /// M x K (kGemvRowsMaxMK: 128 floats per thread), which every (M, K) the body takes keeps.
-inline constexpr int kGemvRowsMaxM = 2;  // M = 3, 4: the row groups ran 1-5% faster (kernels/gemm/README.md, v25)
+inline constexpr int kGemvRowsMaxM = 2;  // from M = 3 the row groups run faster (kernels/gemm/README.md)
 inline constexpr int kGemvRowsMaxMK = 32768;
-inline constexpr int kGemvRowsStages = 4;  // 6 ran 1-3% slower (kernels/gemm/README.md, v10)
+inline constexpr int kGemvRowsStages = 4;  // a deeper ring ran slower (kernels/gemm/README.md)
 inline constexpr int kGemvRowsStageBytes = 32 * 1024;
 inline constexpr int kGemvRowsSpanElems = 2048;  ///< 4 KiB of 16-bit elements: 256 threads x 16 bytes
 /// Offset of the sums from the ring's start (the first 1024-byte boundary past 128 bytes of barriers).
@@ -140,10 +140,10 @@ WEFT_HOST_DEVICE constexpr int gemv_rows_threads(int64_t m, int64_t k) {
 
 /// kTmaRing: a CTA covers gemv_cols_per_cta(n_tiles) = 64 columns; every warp covers all of them for an eighth of
 /// each 256-wide k stage (the warps' sums are added once, at the end), so each byte of A and B is read from shared
-/// memory once. One CTA of 8 warps per SM (two warps per scheduler: one warp alone issued every ~3 cycles at M = 64
-/// and left DRAM at 62% of its peak, ncu). Stages: m_tiles 1: 4 x (64 B rows + 16 A rows) x 512 bytes = 160 KiB;
-/// m_tiles 2: 4 x (64 + 32) rows = 192 KiB; m_tiles 3, 4: 3 x (64 + 64) rows. (M <= 16 ran 2 CTAs of 4 warps and 32
-/// columns per SM before: 8% slower at M = 1, kernels/gemm/README.md, variant log v8.)
+/// memory once. One CTA of 8 warps per SM, for every M (two warps per scheduler: one warp alone does not issue fast
+/// enough to keep DRAM busy, ncu; two CTAs of 4 warps ran slower at M = 1, kernels/gemm/README.md). Stages: m_tiles
+/// 1: 4 x (64 B rows + 16 A rows) x 512 bytes = 160 KiB; m_tiles 2: 4 x (64 + 32) rows = 192 KiB; m_tiles 3, 4:
+/// 3 x (64 + 64) rows.
 /// kBulkRows: kGemvRowsStages stages, one CTA per SM (its grid is one CTA per SM of the budget; n_tiles only sizes a
 /// split-K workspace it never takes).
 WEFT_HOST_DEVICE constexpr GemvShape gemv_shape(const GemvConfig& c) {

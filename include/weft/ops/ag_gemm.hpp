@@ -102,8 +102,8 @@ int64_t ag_gemm_default_chunk_rows(int64_t rows_per_rank, int64_t k, int elem_by
 
 namespace detail {
 /// AgGemm's GEMM as a fused GEMM (weft/ops/fused_gemm.hpp): AgGemmScheduler (per-chunk waits) and AgGemmHook (stored
-/// tiles counted) in weft::tp::ag_gemm_kernel, which ends each call (kernels/ag_gemm/ag_gemm.cuh). A world of one
-/// rank runs the plain GEMM instead.
+/// tiles counted) in weft::kernels::ag_gemm::ag_gemm_kernel, which ends each call (kernels/ag_gemm/ag_gemm.cuh). A
+/// world of one rank runs the plain GEMM instead.
 FusedGemmSpec ag_gemm_fused_spec();
 /// JIT specs of the kernels AgGemm launches (`arch` as KernelSpec::arch).
 jit::KernelSpec ag_gemm_kernel_spec(const GemmConfig& config, const std::string& arch = "");

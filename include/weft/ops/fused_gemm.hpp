@@ -61,8 +61,8 @@
 //
 // FusedGemmSpec::kernel_template (advanced): a __global__ template of your own over the config with gemm_kernel's
 // parameters (tma_a, tma_b, tma_d, GemmArgs, Scheduler::Params, Hook::Params) that runs
-// weft::gemm::gemm_device<kCfg, Scheduler, Hook> and may add work after it (weft's AllGather+GEMM ends each call
-// there). Its header includes gemm/gemm_sm90.cuh itself.
+// weft::kernels::gemm::gemm_device<kCfg, Scheduler, Hook> and may add work after it (weft's AllGather+GEMM ends each
+// call there). Its header includes gemm/gemm_sm90.cuh itself.
 //
 // ---- Host side ------------------------------------------------------------------------------------------------
 // - Which ranks call: nothing here is collective. The protocol is yours: every rank whose signals a launch waits
@@ -103,7 +103,7 @@ class World;
 
 namespace weft::ops {
 
-/// Names the device code of a fused GEMM: weft::gemm::gemm_kernel<config, scheduler<config>, hook> (or
+/// Names the device code of a fused GEMM: weft::kernels::gemm::gemm_kernel<config, scheduler<config>, hook> (or
 /// kernel_template). Plain text the JIT prints into the generated translation unit.
 struct FusedGemmSpec {
     std::string header{};     ///< the header defining scheduler and hook, relative to include_root (or to weft's roots)
@@ -118,10 +118,10 @@ struct FusedGemmSpec {
     std::string kernel_template{};
 };
 
-/// weft's plain GEMM as a fused GEMM: weft::gemm::PersistentScheduler (waits for nothing) and NoEpilogueHook (signals
-/// nothing), launched with PersistentSchedulerParams{} and NoEpilogueHookParams{} (weft/common/gemm_hook_params.hpp):
-/// the same kernel, and JIT cache entry, as weft::ops::gemm's for the config. The fused ops run it in a world of one
-/// rank.
+/// weft's plain GEMM as a fused GEMM: weft::kernels::gemm::PersistentScheduler (waits for nothing) and NoEpilogueHook
+/// (signals nothing), launched with PersistentSchedulerParams{} and NoEpilogueHookParams{}
+/// (weft/common/gemm_hook_params.hpp): the same kernel, and JIT cache entry, as weft::ops::gemm's for the config. The
+/// fused ops run it in a world of one rank.
 FusedGemmSpec plain_gemm_fused_spec();
 
 /// The cluster-free candidates fused GEMMs run, without duplicates: those of gemm_candidate_configs(in, out, B [N,K])

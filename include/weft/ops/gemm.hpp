@@ -28,9 +28,8 @@ struct GemmOptions {
     std::optional<GemmConfig> config;  ///< force this tiled-kernel config (dtypes/layout must match the call)
     bool allow_small_m = true;         ///< let M <= small_m_max_m with B [N,K] take the small-M path
     /// The largest M the heuristic sends to the small-M path (0..kGemvMaxM = 64; above it: the tiled kernel).
-    /// Default 64: measured on an H200 (bf16, N = K = 8192, 2026-11-29), the small-M kernel (variant 3) takes
-    /// 39.0 us at M = 1, 39.3 us at M = 16, 40.3 us at M = 32, 45.3 us at M = 48 and 52.6 us at M = 64; the
-    /// tiled kernel 69.2 us at M = 48 and 71.4 us at M = 64.
+    /// Default 64: the small-M kernels beat the tiled kernel at every M <= 64 (figures: kernels/gemm/README.md,
+    /// "Which M takes the small-M path").
     int small_m_max_m = 64;
     int small_m_splits = 0;            ///< force the small-M path's split count (0 = heuristic)
     /// Force a small-M kernel (GemvVariant in weft/common/gemv_config.hpp); unset (the default): the op picks
@@ -38,9 +37,8 @@ struct GemmOptions {
     /// 4) = B's rows by 1D bulk copies into a shared-memory ring, one CTA per SM (M <= 16, ldb = K, K a multiple of
     /// 2048): whole rows and CUDA-core FMAs for M <= 2 with K = 2048 x 1, 2, 4 or 8, else groups of 8 rows on the
     /// tensor cores; kTmaRing (variant 3) = split-K, B and A stream through a shared-memory ring filled by TMA.
-    /// H200, bf16, B [N,K], one run each (kernels/gemm/README.md, v10): 1x8192x8192 v4 / v3 / cuBLASLt
-    /// 35.3-36.3 / 37.3-38.1 / 37.2-37.4 us; 1x28672x4096 57.8-58.7 / 64.8-65.3 / 58.8-59.5 us; 16x8192x8192
-    /// (row groups, v14, run K) 37.7-37.8 / 37.8-38.1 / 37.1-37.3 us.
+    /// kBulkRows is the default where it serves because its copies stream faster than kTmaRing's TMA boxes
+    /// (figures: kernels/gemm/README.md, the small-M sections).
     std::optional<GemvVariant> small_m_variant;
     void* workspace = nullptr;         ///< small-M scratch of gemm_workspace_bytes, 256-byte aligned: split-K
                                        ///< counters first (zero-filled before the first use; each call leaves

@@ -16,12 +16,14 @@ namespace weft::ops {
 std::string format_gemm_config(const GemmConfig& config);
 
 /// The kernel instantiation for a config with the default scheduler and no epilogue hook, e.g.
-/// "weft::gemm::gemm_kernel<C, weft::gemm::PersistentScheduler<C>, weft::gemm::NoEpilogueHook>".
+/// "weft::kernels::gemm::gemm_kernel<C, weft::kernels::gemm::PersistentScheduler<C>,
+///                                   weft::kernels::gemm::NoEpilogueHook>".
 std::string gemm_kernel_instantiation(const GemmConfig& config);
 
 /// The kernel instantiation for a config with any scheduler template and hook type, e.g.
-/// gemm_kernel_instantiation(c, "weft::gemm::ChunkWaitScheduler", "weft::gemm::TileSignalHook") ->
-/// "weft::gemm::gemm_kernel<C, weft::gemm::ChunkWaitScheduler<C>, weft::gemm::TileSignalHook>".
+/// gemm_kernel_instantiation(c, "weft::kernels::gemm::ChunkWaitScheduler", "weft::kernels::gemm::TileSignalHook") ->
+/// "weft::kernels::gemm::gemm_kernel<C, weft::kernels::gemm::ChunkWaitScheduler<C>,
+///                                   weft::kernels::gemm::TileSignalHook>".
 std::string gemm_kernel_instantiation(const GemmConfig& config, const std::string& scheduler_template,
                                       const std::string& hook);
 
@@ -29,9 +31,9 @@ std::string gemm_kernel_instantiation(const GemmConfig& config, const std::strin
 /// prints it into generated code.
 std::string format_gemv_config(const GemvConfig& config);
 
-/// The small-M kernel instantiation: "weft::gemm::gemv_tma_kernel<CFG>" (kTmaRing) or
-/// "weft::gemm::gemv_rows_kernel<CFG>" (kBulkRows), CFG = format_gemv_config(config). Throws weft::Error naming
-/// what is wrong unless is_valid(config).
+/// The small-M kernel instantiation: "weft::kernels::gemm::gemv_tma_kernel<CFG>" (kTmaRing) or
+/// "weft::kernels::gemm::gemv_rows_kernel<CFG>" (kBulkRows), CFG = format_gemv_config(config). Throws weft::Error
+/// naming what is wrong unless is_valid(config).
 std::string gemv_kernel_instantiation(const GemvConfig& config);
 
 /// The weft::jit specs of the tiled kernel (header "gemm/gemm_sm90.cuh"), of the small-M kernels

@@ -61,7 +61,7 @@ __device__ __forceinline__ void tma_load_3d(unsigned smem_dst, const TmaDescript
 
 /// Copies `bytes` contiguous bytes from global memory at `src` into shared memory at `smem_dst` (1D bulk copy,
 /// no tensor map); completion adds `bytes` to the transaction count of barrier `bar`. src, smem_dst and bytes
-/// must be multiples of 16 (a destination that is not 128-byte aligned streams ~5-7% slower, bench_stream).
+/// must be multiples of 16 (a destination that is not 128-byte aligned streams slower: weft_bench_stream).
 __device__ __forceinline__ void bulk_load_1d(unsigned smem_dst, const void* src, unsigned bytes, unsigned bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
                      smem_dst),
