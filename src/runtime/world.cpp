@@ -503,7 +503,7 @@ void run_local(int num_ranks, const std::function<void(World&)>& fn, const World
         first_record = false;
     }
     if (!diagnoses.empty() && diagnoses.size() < static_cast<size_t>(num_ranks)) {
-        // Measured on an H200: such a rank's kernel may never have started (docs/runtime.md).
+        // NOTE: ranks sharing a GPU can have a kernel that never started (docs/runtime.md, "Pageable host copies").
         os << "; the ranks without a record were not in a weft wait: with ranks sharing a GPU their kernel may "
               "never have started, queued while a peer's spun (seen around copies to or from pageable host memory: "
               "use pinned memory: docs/runtime.md, \"Pageable host copies\")";
