@@ -176,6 +176,7 @@ std::vector<jit::KernelSpec> specs_for(const std::vector<Case>& cases) {
         p.b_layout = c.layout;
         p.in_dtype = c.in;
         p.out_dtype = c.out;
+        p.b_rows_contiguous = c.layout == BLayout::kNK && c.pad_b == 0;  // as validate_gemm_args sets it (K % 8 == 0)
         const ops::GemmPlan plan = ops::plan_gemm(p, num_sms(), jit_options(c));
         if (plan.path == ops::GemmPath::kSmallM) {
             specs.push_back(ops::gemv_kernel_spec(ops::gemv_config(plan, p), arch));
