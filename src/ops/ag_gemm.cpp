@@ -77,8 +77,8 @@ int64_t ag_gemm_default_chunk_rows(int64_t rows_per_rank, int64_t k, int elem_by
     constexpr int64_t kTargetBytes = int64_t{8} << 20;
     const int64_t shard_bytes = rows_per_rank * k * elem_bytes;
     if (shard_bytes <= 2 * kTargetBytes) return rows_per_rank;
-    const int64_t chunks = (shard_bytes + kTargetBytes - 1) / kTargetBytes;
-    return std::min(rows_per_rank, round_up((rows_per_rank + chunks - 1) / chunks, 128));
+    const int64_t chunks = ceil_div(shard_bytes, kTargetBytes);
+    return std::min(rows_per_rank, round_up(ceil_div(rows_per_rank, chunks), 128));
 }
 
 namespace detail {

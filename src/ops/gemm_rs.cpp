@@ -26,8 +26,8 @@ constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
 int64_t default_chunk_rows(int64_t rows_per_rank, int tile_m) {
     // About four counters per segment: the reduction starts on a segment's first rows while the GEMM
     // still computes its last ones.
-    const int64_t m_tiles = (rows_per_rank + tile_m - 1) / tile_m;
-    return std::max<int64_t>(1, (m_tiles + 3) / 4) * tile_m;
+    const int64_t m_tiles = ceil_div(rows_per_rank, tile_m);
+    return std::max<int64_t>(1, ceil_div(m_tiles, 4)) * tile_m;
 }
 
 int default_reduce_ctas(int budget, bool shared_gpu) {
