@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <string_view>
 
 #include "weft/runtime/error.hpp"
 #include "weft_configured_install_prefix.hpp"  // generated: WEFT_CONFIGURED_INSTALL_PREFIX
@@ -51,8 +50,8 @@ void rewrite_install_prefix_slot(std::vector<char>& image, const std::string& pr
         ++count;
     }
     WEFT_CHECK(count == 1, "expected exactly one install prefix slot in the library file, found "
-                               << count << (count == 0 ? " (a library built with link-time optimisation has none; "
-                                                         "set WEFT_HOME instead)"
+                               << count << (count == 0 ? " (not weft's library, or one built with link-time "
+                                                         "optimisation, which keeps no plain slot)"
                                                        : ""));
     WEFT_CHECK(found + kInstallPrefixSlotBytes <= image.size(),
                "the install prefix slot at byte " << found << " runs past the end of the library file ("

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -69,7 +70,8 @@ TEST(JitInstallPrefix, RewritesTheSlotAndNothingElse) {
     ASSERT_EQ(image.size(), before.size());
     EXPECT_EQ(prefix_at(image, head.size()), "/opt/weft-0.1");
     for (size_t i = 0; i < image.size(); ++i) {
-        const bool in_slot_text = i >= head.size() + kInstallPrefixTagBytes && i < head.size() + kInstallPrefixSlotBytes;
+        const bool in_slot_text =
+            i >= head.size() + kInstallPrefixTagBytes && i < head.size() + kInstallPrefixSlotBytes;
         if (!in_slot_text) {
             ASSERT_EQ(image[i], before[i]) << "byte " << i << " outside the slot's text changed";
         }
@@ -115,7 +117,8 @@ TEST(JitInstallPrefix, TheLinkedProgramHoldsOneSlotHoldingTheConfiguredPrefix) {
     std::vector<char> image = read_file_bytes("/proc/self/exe");
     ASSERT_EQ(count_slots(image), 1u);
     const std::string t = tag();
-    const size_t offset = static_cast<size_t>(std::search(image.begin(), image.end(), t.begin(), t.end()) - image.begin());
+    const auto at = std::search(image.begin(), image.end(), t.begin(), t.end());
+    const size_t offset = static_cast<size_t>(at - image.begin());
     EXPECT_EQ(prefix_at(image, offset), weft::detail::installed_prefix());
     EXPECT_FALSE(weft::detail::installed_prefix().empty());
     EXPECT_EQ(weft::detail::installed_prefix().front(), '/') << weft::detail::installed_prefix();

@@ -2,9 +2,9 @@
 // The install prefix compiled into weft's library: the last place the JIT looks for weft's headers and kernels.
 //
 // The library holds the prefix in a fixed-size slot in its data: the configured CMAKE_INSTALL_PREFIX at build
-// time, rewritten in the installed file by `cmake --install` (through weft-install-prefix) when the install
-// goes elsewhere (`--prefix DIR`, DESTDIR). So a program that links the static library from an install finds
-// <prefix>/include and <prefix>/share/weft/kernels wherever the program itself lives.
+// time, rewritten in the installed file by `cmake --install` (through weft-install-prefix) to the prefix the
+// install goes to (`--prefix DIR` included; DESTDIR is not part of it). So a program that links the static
+// library from an install finds <prefix>/include and <prefix>/share/weft/kernels wherever it lives itself.
 #pragma once
 
 #include <cstddef>
