@@ -8,6 +8,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "weft/detail/install_prefix.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 
@@ -94,8 +95,12 @@ IncludeRoots find_include_roots() {
         roots->found_by = "WEFT_HOME=" + *home;
         return *roots;
     }
+    return search_include_roots(search_starts(), detail::installed_prefix());
+}
+
+IncludeRoots search_include_roots(const std::vector<fs::path>& starts, const fs::path& install_prefix) {
     std::vector<std::string> searched;
-    for (const fs::path& start : search_starts()) {
+    for (const fs::path& start : starts) {
         for (fs::path dir = start; !dir.empty(); dir = dir.parent_path()) {
             if (auto roots = weft_roots_at(dir)) {
                 roots->found_by = "searched upward from " + start.string() + ", found " + dir.string();
@@ -104,6 +109,13 @@ IncludeRoots find_include_roots() {
             searched.push_back(dir.string());
             if (dir == dir.root_path()) break;
         }
+    }
+    if (!install_prefix.empty()) {
+        if (auto roots = weft_roots_at(install_prefix)) {
+            roots->found_by = "the install prefix compiled into weft, " + install_prefix.string();
+            return *roots;
+        }
+        searched.push_back(install_prefix.string() + " (the install prefix compiled into weft)");
     }
     std::ostringstream os;
     for (const auto& s : searched) os << "\n  " << s;

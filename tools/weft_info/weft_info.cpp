@@ -14,8 +14,8 @@ int main() {
     cudaRuntimeGetVersion(&runtime_version);
     int nvrtc_major = 0, nvrtc_minor = 0;
     nvrtcVersion(&nvrtc_major, &nvrtc_minor);
-    std::printf("CUDA runtime %d.%d (static), NVRTC %d.%d\n", runtime_version / 1000, (runtime_version % 1000) / 10,
-                nvrtc_major, nvrtc_minor);
+    std::printf("CUDA runtime %d.%d (" WEFT_INFO_CUDART "), NVRTC %d.%d\n", runtime_version / 1000,
+                (runtime_version % 1000) / 10, nvrtc_major, nvrtc_minor);
     if (!weft::cuda_available()) {
         std::printf("no CUDA driver or GPU: kernels cannot run here; building, JIT compilation and unit tests can\n");
         return 0;

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 // Where the JIT finds weft's headers, the CUDA toolkit's headers and its cache, at run time.
 //
-// Nothing here is baked in at build time: a build tree or an install can move and still be found.
+// Searches start from where the program and the library are; the one path baked in at build time, the install
+// prefix, comes last and is rewritten by `cmake --install` (weft/detail/install_prefix.hpp).
 #pragma once
 
 #include <filesystem>
@@ -26,10 +27,16 @@ struct IncludeRoots {
 };
 
 /// Finds weft's roots: WEFT_HOME (a directory holding include/ and kernels/, or an install prefix
-/// holding include/ and share/weft/kernels) when set; else the nearest ancestor of the running
-/// executable and of the library's own file that holds a source tree or an install layout.
+/// holding include/ and share/weft/kernels) when set; else search_include_roots() from the running
+/// executable's folder and the library's own file's folder, then the install prefix compiled into weft.
 /// Throws weft::Error listing every place searched when none matches.
 IncludeRoots find_include_roots();
+
+/// The search behind find_include_roots() without WEFT_HOME: the nearest ancestor of each of `starts`, in
+/// order, that holds a source tree or an install layout; else `install_prefix` itself (not its ancestors;
+/// skipped when empty). Throws weft::Error listing every place searched when none matches.
+IncludeRoots search_include_roots(const std::vector<std::filesystem::path>& starts,
+                                  const std::filesystem::path& install_prefix);
 
 /// The weft roots under `dir` if it is a source tree (include/weft/device/token.cuh and kernels/) or
 /// an install prefix (include/weft/device/token.cuh and share/weft/kernels/); nullopt otherwise.
