@@ -130,6 +130,13 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     } else {
         c.device = setup.device_hint % num_devices;
     }
+    // The architecture, before the context, the first kernel or any compile: on another GPU the driver's and
+    // NVRTC's messages would not say why nothing loads.
+    cudaDeviceProp props{};
+    WEFT_CUDA_CHECK(cudaGetDeviceProperties(&props, c.device));
+    const std::string problem =
+        detail::unsupported_device_message(c.rank, c.device, props.name, props.major, props.minor);
+    if (!problem.empty()) throw Error("weft: " + problem);
     WEFT_CUDA_CHECK(cudaSetDevice(c.device));
     WEFT_CUDA_CHECK(cudaFree(nullptr));  // create the context now, so that failures surface here
     c.stream.create();
