@@ -26,6 +26,8 @@
 //     others through it. When one rank's process hosts the store (as rank 0 hosts torch's TCPStore), that
 //     rank's World waits in its destructor until every other rank has left, so it is safe for that process
 //     to exit right after destroying its World.
+// torch.distributed's Store maps onto it as: set = set, get = wait([key], timeout) then get(key), add = add,
+// check = check([key]), erase = delete_key.
 // Blocking calls throw weft::Error naming the key (and, for barrier and all_gather, the ranks that did not
 // arrive) when their timeout expires.
 #pragma once
