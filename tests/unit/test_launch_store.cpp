@@ -201,8 +201,8 @@ TEST(LaunchStore, SeveralHostsMeetOverTcpNeverOnMasterPort) {
 // ---- ranks as threads ---------------------------------------------------------------------------------
 
 TEST(LaunchStore, TorchrunRanksMeetWhileTheAgentHoldsMasterPort) {
-    // torchrun's agent listens on MASTER_PORT for the whole job. A store of weft's own on MASTER_PORT cannot
-    // start there: that is how World::from_env used to fail ("cannot bind localhost:38083").
+    // torchrun's agent listens on MASTER_PORT for the whole job, so a store of weft's own cannot start there
+    // (rank 0 would fail with "cannot bind localhost:38083"): the ranks must meet elsewhere.
     PortHolder agent;
     const std::string run_id = unique_run_id("agent");
     LaunchEnv rank0 = *parse_launch_env(torchrun_vars(0, 2, run_id, agent.port()));
