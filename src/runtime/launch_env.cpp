@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "weft/detail/launch_store.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 
@@ -80,20 +81,29 @@ std::string master_addr(const VarMap& vars, const LaunchEnv& e, const std::strin
     return fallback;
 }
 
-/// MASTER_PORT, or a port derived from `job_id`; a single rank needs none (0: it picks one).
-int master_port(const VarMap& vars, const LaunchEnv& e, const std::string& job_id, const char* job_id_vars) {
-    if (const std::string* v = find(vars, "MASTER_PORT")) return parse_port(*v, "MASTER_PORT");
-    if (!job_id.empty()) return derived_master_port(job_id);
+/// MASTER_PORT as the launcher set it, 0 when unset.
+int master_port(const VarMap& vars) {
+    const std::string* v = find(vars, "MASTER_PORT");
+    return v != nullptr ? parse_port(*v, "MASTER_PORT") : 0;
+}
+
+/// `job_id` when non-empty, else MASTER_ADDR:MASTER_PORT (a hand-made environment names its job by the port it
+/// gives); a single rank needs none.
+std::string job_id_or_master(const LaunchEnv& e, std::string job_id, const char* job_id_vars) {
+    if (!job_id.empty()) return job_id;
+    if (e.master_port != 0) return "MASTER " + e.master_addr + ":" + std::to_string(e.master_port);
     WEFT_CHECK(e.num_ranks == 1, "MASTER_PORT must be set for a job of "
-                                     << e.num_ranks << " ranks (no job id in " << job_id_vars
-                                     << " to derive one from), but it is not");
-    return 0;
+                                     << e.num_ranks << " ranks (without a job id in " << job_id_vars
+                                     << ", it names the job), but it is not");
+    return {};
 }
 
 LaunchEnv parse_torchrun(const VarMap& vars) {
     LaunchEnv e;
-    const bool torchelastic = find(vars, "TORCHELASTIC_RUN_ID") != nullptr;
-    e.launcher = (find(vars, "WEFT_JOB_TOKEN") != nullptr && !torchelastic) ? "weftrun" : "torchrun";
+    const std::string* run_id = find(vars, "TORCHELASTIC_RUN_ID");
+    const std::string* weftrun_id = find(vars, "WEFT_RUN_ID");
+    e.launcher = run_id == nullptr && (weftrun_id != nullptr || find(vars, "WEFT_JOB_TOKEN") != nullptr) ? "weftrun"
+                                                                                                          : "torchrun";
     e.rank = required_int(vars, "RANK", "when WORLD_SIZE is");
     e.num_ranks = required_int(vars, "WORLD_SIZE", "when RANK is");
     // A hand-made environment may set only RANK and WORLD_SIZE: that means one host.
@@ -103,7 +113,19 @@ LaunchEnv parse_torchrun(const VarMap& vars) {
     e.local_num_ranks = local_size ? to_int(*local_size, "LOCAL_WORLD_SIZE") : e.num_ranks;
     check_ranks(e, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
     e.master_addr = master_addr(vars, e, "");
-    e.master_port = master_port(vars, e, "", "the environment");
+    e.master_port = master_port(vars);
+    WEFT_CHECK(e.master_port != 0 || e.num_ranks == 1,
+               "MASTER_PORT must be set for a job of " << e.num_ranks << " ranks (it names the job), but it is not");
+    std::string job_id;
+    if (run_id != nullptr) {
+        // The run id alone may be the default "none"; the agent's store address is held for the job's life.
+        const std::string* restart = find(vars, "TORCHELASTIC_RESTART_COUNT");
+        job_id = "torchrun " + *run_id + " " + e.master_addr + ":" + std::to_string(e.master_port) + " restart " +
+                 (restart != nullptr ? *restart : std::string("0"));
+    } else if (weftrun_id != nullptr && !weftrun_id->empty()) {
+        job_id = "weftrun " + *weftrun_id;
+    }
+    e.job_id = job_id_or_master(e, job_id, "TORCHELASTIC_RUN_ID or WEFT_RUN_ID");
     return e;
 }
 
@@ -131,7 +153,8 @@ LaunchEnv parse_ompi(const VarMap& vars) {
     check_ranks(e, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
                 "OMPI_COMM_WORLD_LOCAL_SIZE");
     e.master_addr = master_addr(vars, e, "");
-    e.master_port = master_port(vars, e, ompi_job_id(vars),
+    e.master_port = master_port(vars);
+    e.job_id = job_id_or_master(e, ompi_job_id(vars),
                                 "OMPI_MCA_ess_base_jobid, OMPI_MCA_orte_ess_jobid, PMIX_NAMESPACE or SLURM_JOB_ID");
     return e;
 }
@@ -218,25 +241,15 @@ LaunchEnv parse_slurm(const VarMap& vars) {
         const std::string* step = find_first(vars, {"SLURM_STEP_ID", "SLURM_STEPID"}, &step_name);
         job_id = "SLURM_JOB_ID=" + *job + "." + (step ? *step : std::string());
     }
-    e.master_port = master_port(vars, e, job_id, "SLURM_JOB_ID");
+    e.master_port = master_port(vars);
+    e.job_id = job_id_or_master(e, job_id, "SLURM_JOB_ID");
     return e;
 }
 
 }  // namespace
 
-int derived_master_port(const std::string& job_id) {
-    uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a, 64 bit
-    for (unsigned char c : job_id) {
-        hash ^= c;
-        hash *= 0x100000001b3ull;
-    }
-    // FNV-1a's low bits are weak for short ids such as "12345": mix them (splitmix64's finaliser).
-    hash ^= hash >> 30;
-    hash *= 0xbf58476d1ce4e5b9ull;
-    hash ^= hash >> 27;
-    hash *= 0x94d049bb133111ebull;
-    hash ^= hash >> 31;
-    return 20000 + static_cast<int>(hash % 12768u);
+int derived_master_port(const std::string& key) {
+    return 20000 + static_cast<int>(detail::stable_hash64(key) % 12768u);
 }
 
 std::string first_slurm_host(const std::string& host_list) {
@@ -275,6 +288,7 @@ std::optional<LaunchEnv> parse_launch_env(const VarMap& vars) {
         return std::nullopt;
     }
     if (const std::string* token = find(vars, "WEFT_JOB_TOKEN")) env->job_token = *token;
+    if (const std::string* port = find(vars, "WEFT_STORE_PORT")) env->store_port = parse_port(*port, "WEFT_STORE_PORT");
     return env;
 }
 

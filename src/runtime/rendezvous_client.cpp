@@ -3,6 +3,7 @@
 #include <netdb.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -131,13 +132,50 @@ UniqueFd connect_with_retry(const std::string& host, int port, Clock::time_point
     }
 }
 
+/// Connects to the abstract Unix socket "@name", retrying until `deadline` while nobody listens there yet
+/// (ECONNREFUSED) or its backlog is full (EAGAIN).
+UniqueFd connect_unix_with_retry(const std::string& name, Clock::time_point deadline, std::string* last_error) {
+    socklen_t length = 0;
+    const sockaddr_un addr = abstract_socket_address(name, &length);
+    auto backoff = std::chrono::milliseconds(10);
+    while (true) {
+        UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+        if (!fd) {
+            *last_error = "socket(AF_UNIX) failed: " + errno_text(errno);
+        } else if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), length) == 0) {
+            return fd;
+        } else {
+            *last_error = "@" + name + ": " + errno_text(errno);
+        }
+        if (Clock::now() >= deadline) return UniqueFd();
+        std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
+        backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+    }
+}
+
+/// Anyone may bind an abstract name first: before anything (a HELLO carries the token) goes to the process
+/// listening on "@name", it must be of this process's user.
+void check_unix_server(int fd, const std::string& name, int rank) {
+    std::string why;
+    std::optional<PeerCredentials> cred = unix_peer_credentials(fd, &why);
+    WEFT_CHECK(cred, "rendezvous: rank " << rank << " cannot tell who listens on the store socket '@" << name
+                                         << "' (" << why << "); nothing was sent to it");
+    const uint32_t own = static_cast<uint32_t>(::geteuid());
+    WEFT_CHECK(cred->uid == own, "rendezvous: rank " << rank << ": the store socket '@" << name << "' is held by pid "
+                                                     << cred->pid << " of uid " << cred->uid
+                                                     << ", not by this user (uid " << own
+                                                     << "); nothing was sent to it (another user's process took "
+                                                        "the name before this job's rank 0)");
+}
+
 class TcpStoreClient final : public Store {
 public:
     TcpStoreClient(const RendezvousOptions& options, std::unique_ptr<TcpStoreServer> server)
         : server_(std::move(server)),
           options_(capped(options)),
           limits_{options.max_key_bytes, options.max_value_bytes},
-          endpoint_(options.host + ":" + std::to_string(options.port)) {
+          endpoint_(options.unix_socket.empty() ? options.host + ":" + std::to_string(options.port)
+                                                : "@" + options.unix_socket) {
         // Connect and HELLO, again from the start when the connection is lost before the reply: the server
         // closes connections that wait too long for HELLO or that newer ones push out of its pending set.
         // A refusal (an ERROR reply) is final.
@@ -146,11 +184,15 @@ public:
         std::string last_error = "no attempt";
         auto backoff = milliseconds(10);
         for (int attempt = 1;; ++attempt) {
-            fd_ = connect_with_retry(options.host, options.port, deadline, &last_error);
+            const bool unix_socket = !options.unix_socket.empty();
+            fd_ = unix_socket ? connect_unix_with_retry(options.unix_socket, deadline, &last_error)
+                              : connect_with_retry(options.host, options.port, deadline, &last_error);
             WEFT_CHECK(fd_, "rendezvous: rank " << options.rank << " could not connect to the store at " << endpoint_
-                                               << " within " << options.timeout.count()
-                                               << " ms (is rank 0 running, and do MASTER_ADDR/MASTER_PORT match?): "
-                                               << last_error);
+                                               << " within " << options.timeout.count() << " ms ("
+                                               << (unix_socket ? "is rank 0 of this job running?"
+                                                               : "is rank 0 running, and is this its address?")
+                                               << "): " << last_error);
+            if (unix_socket) check_unix_server(fd_.get(), options.unix_socket, options.rank);
             std::string e = send_all(fd_.get(), hello, deadline);
             Message reply;
             if (e.empty()) e = recv_response(fd_.get(), limits_, deadline, &reply);
@@ -272,7 +314,7 @@ private:
 };
 
 void check_common(const RendezvousOptions& o) {
-    WEFT_CHECK(!o.host.empty(), "RendezvousOptions.host (MASTER_ADDR) must not be empty");
+    WEFT_CHECK(!o.host.empty() || !o.unix_socket.empty(), "RendezvousOptions.host (MASTER_ADDR) must not be empty");
     WEFT_CHECK(o.num_ranks >= 1, "RendezvousOptions.num_ranks must be at least 1, got " << o.num_ranks);
     WEFT_CHECK(o.rank >= 0 && o.rank < o.num_ranks,
                "RendezvousOptions.rank must be in [0, num_ranks=" << o.num_ranks << "), got " << o.rank);
@@ -291,20 +333,23 @@ std::string connect_host(const std::string& host) {
 
 std::unique_ptr<Store> connect_tcp_store(const RendezvousOptions& options) {
     check_common(options);
-    WEFT_CHECK(options.port != 0, "RendezvousOptions.port must name the server's port (MASTER_PORT), got 0");
+    WEFT_CHECK(options.port != 0 || !options.unix_socket.empty(),
+               "RendezvousOptions.port must name the server's port, got 0");
     return std::make_unique<TcpStoreClient>(options, nullptr);
 }
 
 std::unique_ptr<Store> make_tcp_store(const RendezvousOptions& options) {
     check_common(options);
-    WEFT_CHECK(options.port != 0 || options.num_ranks == 1,
+    WEFT_CHECK(options.port != 0 || options.num_ranks == 1 || !options.unix_socket.empty(),
                "RendezvousOptions.port is 0 (rank 0 picks a free port), but then the other "
-                   << options.num_ranks - 1 << " rank(s) cannot find it: set MASTER_PORT / RendezvousOptions.port");
+                   << options.num_ranks - 1 << " rank(s) cannot find it: set RendezvousOptions.port");
     if (options.rank != 0) return connect_tcp_store(options);
     auto server = std::make_unique<TcpStoreServer>(options);
     RendezvousOptions client_options = options;
-    client_options.host = connect_host(options.host);
-    client_options.port = server->port();
+    if (options.unix_socket.empty()) {
+        client_options.host = connect_host(options.host);
+        client_options.port = server->port();
+    }
     return std::make_unique<TcpStoreClient>(client_options, std::move(server));
 }
 

@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -106,6 +107,7 @@ struct TcpStoreServer::Impl {
     Clock::time_point accept_paused_until{};
 
     void listen_on(const RendezvousOptions& opts);
+    void listen_on_unix(const std::string& name);
     void run();
     void loop_once();
     void accept_all();
@@ -129,7 +131,48 @@ struct TcpStoreServer::Impl {
     }
 };
 
+namespace {
+
+/// Who holds the abstract socket `name` (for the error when binding it failed), or "" when nobody answers.
+std::string describe_holder(const std::string& name) {
+    socklen_t length = 0;
+    sockaddr_un addr = abstract_socket_address(name, &length);
+    UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!fd || ::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), length) != 0) return {};
+    std::string why;
+    std::optional<PeerCredentials> cred = unix_peer_credentials(fd.get(), &why);
+    if (!cred) return {};
+    const uint32_t own = static_cast<uint32_t>(::geteuid());
+    return " (it is held by pid " + std::to_string(cred->pid) + " of uid " + std::to_string(cred->uid) +
+           (cred->uid == own ? std::string(", this user: another store of the same name is still open")
+                             : ", another user: that process took the name first; this user is uid " +
+                                   std::to_string(own)) +
+           ")";
+}
+
+}  // namespace
+
+/// An abstract Unix-domain socket: no file, no port; peers are told apart by SO_PEERCRED.
+void TcpStoreServer::Impl::listen_on_unix(const std::string& name) {
+    socklen_t length = 0;
+    sockaddr_un addr = abstract_socket_address(name, &length);
+    UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    WEFT_CHECK(fd, "rendezvous: socket(AF_UNIX) failed: " << errno_text(errno));
+    if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), length) != 0) {
+        const int err = errno;
+        WEFT_FAIL("rendezvous: cannot bind the store socket '@" << name << "': " << errno_text(err)
+                                                                << (err == EADDRINUSE ? describe_holder(name) : ""));
+    }
+    WEFT_CHECK(::listen(fd.get(), SOMAXCONN) == 0,
+               "rendezvous: listen() on '@" << name << "' failed: " << errno_text(errno));
+    listen_fd = std::move(fd);
+    address = "@" + name;
+    port = 0;
+    make_nonblocking(listen_fd.get());
+}
+
 void TcpStoreServer::Impl::listen_on(const RendezvousOptions& opts) {
+    if (!opts.unix_socket.empty()) return listen_on_unix(opts.unix_socket);
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -163,7 +206,7 @@ void TcpStoreServer::Impl::listen_on(const RendezvousOptions& opts) {
     }
     ::freeaddrinfo(list);
     WEFT_CHECK(listen_fd, "rendezvous: cannot bind " << opts.host << ":" << opts.port
-                                                     << " (is MASTER_PORT in use?): " << last_error);
+                                                     << " (is the port in use?): " << last_error);
     WEFT_CHECK(::listen(listen_fd.get(), SOMAXCONN) == 0,
                "rendezvous: listen() on " << opts.host << ":" << opts.port << " failed: " << errno_text(errno));
     sockaddr_storage bound{};
@@ -291,7 +334,14 @@ void TcpStoreServer::Impl::accept_all() {
         }
         UniqueFd owned(fd);
         ++accepted;
-        add_connection(std::move(owned), describe_address(reinterpret_cast<sockaddr*>(&peer)));
+        std::string who = describe_address(reinterpret_cast<sockaddr*>(&peer));
+        if (peer.ss_family == AF_UNIX) {
+            std::string why;
+            if (std::optional<PeerCredentials> cred = unix_peer_credentials(owned.get(), &why)) {
+                who = "pid " + std::to_string(cred->pid) + " (uid " + std::to_string(cred->uid) + ") on " + address;
+            }
+        }
+        add_connection(std::move(owned), std::move(who));
     }
 }
 

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -39,6 +40,27 @@ int poll_timeout_ms(Clock::time_point deadline) {
     return static_cast<int>(std::clamp<long long>(left + 1, 0, 24ll * 3600 * 1000));
 }
 
+sockaddr_un abstract_socket_address(const std::string& name, socklen_t* length) {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    WEFT_CHECK(!name.empty() && name.size() + 1 <= sizeof(addr.sun_path),
+               "the abstract socket name '" << name << "' must have 1 to " << sizeof(addr.sun_path) - 1 << " bytes");
+    addr.sun_path[0] = '\0';
+    std::memcpy(addr.sun_path + 1, name.data(), name.size());
+    *length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+    return addr;
+}
+
+std::optional<PeerCredentials> unix_peer_credentials(int fd, std::string* why) {
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+        *why = "SO_PEERCRED failed: " + errno_text(errno);
+        return std::nullopt;
+    }
+    return PeerCredentials{static_cast<uint32_t>(cred.uid), static_cast<int64_t>(cred.pid)};
+}
+
 std::string describe_address(const sockaddr* addr) {
     char text[INET6_ADDRSTRLEN] = {};
     if (addr->sa_family == AF_INET) {
@@ -53,6 +75,16 @@ std::string describe_address(const sockaddr* addr) {
         std::string result = "[";
         result.append(text).append("]:").append(std::to_string(ntohs(in6->sin6_port)));
         return result;
+    }
+    if (addr->sa_family == AF_UNIX) {
+        auto* un = reinterpret_cast<const sockaddr_un*>(addr);
+        if (un->sun_path[0] == '\0' && un->sun_path[1] != '\0') {
+            std::string result = "@";  // appended, for the same GCC 12 -Wrestrict false positive as above
+            result.append(un->sun_path + 1, strnlen(un->sun_path + 1, sizeof(un->sun_path) - 1));
+            return result;
+        }
+        if (un->sun_path[0] != '\0') return std::string(un->sun_path, strnlen(un->sun_path, sizeof(un->sun_path)));
+        return "a Unix-domain socket";
     }
     return "(address family " + std::to_string(addr->sa_family) + ")";
 }
@@ -173,13 +205,9 @@ std::optional<uint32_t> peer_uid(int fd, std::string* why) {
         return std::nullopt;
     }
     if (local.ss_family == AF_UNIX) {
-        ucred cred{};
-        socklen_t len = sizeof(cred);
-        if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-            *why = "SO_PEERCRED failed: " + errno_text(errno);
-            return std::nullopt;
-        }
-        return static_cast<uint32_t>(cred.uid);
+        std::optional<PeerCredentials> cred = unix_peer_credentials(fd, why);
+        if (!cred) return std::nullopt;
+        return cred->uid;
     }
     std::optional<ProcEndpoint> server_end = proc_endpoint(local);
     std::optional<ProcEndpoint> client_end = proc_endpoint(peer);

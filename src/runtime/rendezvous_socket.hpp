@@ -3,6 +3,7 @@
 #pragma once
 
 #include <sys/socket.h>
+#include <sys/un.h>
 
 #include <chrono>
 #include <cstdint>
@@ -44,7 +45,20 @@ private:
 std::string errno_text(int err);
 /// Milliseconds left until `deadline`, clamped to [0, 1 day] (a poll() timeout).
 int poll_timeout_ms(Clock::time_point deadline);
-/// "127.0.0.1:29500" / "[::1]:29500".
+/// The abstract-namespace Unix-domain address "@name" (no file: the name vanishes with the socket) and its
+/// length in `*length`. Throws weft::Error when `name` is empty or too long.
+sockaddr_un abstract_socket_address(const std::string& name, socklen_t* length);
+
+/// Who holds the other end of the connected Unix-domain socket `fd` (SO_PEERCRED: for a client, the process
+/// that called listen()), as seen in this process's namespaces.
+struct PeerCredentials {
+    uint32_t uid = 0;
+    int64_t pid = 0;
+};
+/// nullopt, with the reason in `*why`, when SO_PEERCRED fails.
+std::optional<PeerCredentials> unix_peer_credentials(int fd, std::string* why);
+
+/// "127.0.0.1:29500" / "[::1]:29500" / "@name" (abstract Unix socket) / "a Unix-domain socket" (unnamed).
 std::string describe_address(const sockaddr* addr);
 /// True for 127.0.0.0/8, ::1 and ::ffff:127.0.0.0/104.
 bool is_loopback(const sockaddr* addr);

@@ -3,6 +3,7 @@
 #include "weft/detail/runtime_config.hpp"
 
 #include <cstdio>
+#include <sstream>
 
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
@@ -59,6 +60,22 @@ int resolve_sm_budget(int option, const std::optional<std::string>& env_value, i
     WEFT_CHECK(budget >= 1 && budget <= sm_count,
                source << " must be in [1, " << sm_count << "] (the device's SMs), got " << budget);
     return budget;
+}
+
+std::string unsupported_device_message(int rank, int device, const std::string& device_name, int major, int minor) {
+    if (major == kRequiredComputeMajor && minor == kRequiredComputeMinor) return {};
+    std::ostringstream os;
+    os << "weft needs an NVIDIA Hopper GPU (compute capability " << kRequiredComputeMajor << "."
+       << kRequiredComputeMinor << ", sm_90a: H100, H200 or GH200); rank " << rank << " found "
+       << (device_name.empty() ? std::string("a GPU without a name") : device_name) << " (compute capability "
+       << major << "." << minor << ") as CUDA device " << device << ". ";
+    if (major < kRequiredComputeMajor) {
+        os << "Its kernels use Hopper instructions (wgmma, TMA, thread-block clusters) that this older GPU lacks";
+    } else {
+        os << "Its kernels are built for sm_90a, whose Hopper-specific instructions (wgmma) later GPUs do not run";
+    }
+    os << "; run on a Hopper GPU (CUDA_VISIBLE_DEVICES selects which GPUs a process sees)";
+    return os.str();
 }
 
 std::string format_bytes(uint64_t bytes) {

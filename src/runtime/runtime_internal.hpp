@@ -166,4 +166,7 @@ uint64_t heap_granularity(int device, bool exportable);
 /// 16 random hex digits (from the OS's random source).
 std::string random_hex_id();
 
+/// This host's name ("localhost" when it cannot be read).
+std::string host_name();
+
 }  // namespace weft::detail

@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: MIT
-// Store's default barrier and all-gather, built on set/get/add/check/erase (any Store implementation).
+// Store's default barrier and all-gather, built on set/get/add/check/erase (any Store implementation), and
+// the prefix view of a store.
 #include "weft/runtime/store.hpp"
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 #include "runtime_internal.hpp"
 #include "weft/runtime/error.hpp"
@@ -49,7 +51,34 @@ std::string describe_missing(Store& store, const std::string& prefix, int num_ra
            " ranks arrived; " + detail::format_rank_list(missing) + " did not arrive";
 }
 
+/// make_prefix_store's view: forwards every call with the prefix prepended.
+class PrefixStore final : public Store {
+public:
+    PrefixStore(std::shared_ptr<Store> store, std::string prefix)
+        : store_(std::move(store)), prefix_(std::move(prefix) + "/") {}
+
+    void set(const std::string& key, const Bytes& value) override { store_->set(prefix_ + key, value); }
+    Bytes get(const std::string& key, std::chrono::milliseconds timeout) override {
+        return store_->get(prefix_ + key, timeout);
+    }
+    int64_t add(const std::string& key, int64_t delta) override { return store_->add(prefix_ + key, delta); }
+    bool check(const std::string& key) override { return store_->check(prefix_ + key); }
+    void erase(const std::string& key) override { store_->erase(prefix_ + key); }
+
+private:
+    std::shared_ptr<Store> store_;
+    std::string prefix_;
+};
+
 }  // namespace
+
+std::shared_ptr<Store> make_prefix_store(std::shared_ptr<Store> store, const std::string& prefix) {
+    WEFT_CHECK(store != nullptr, "make_prefix_store: the store is null");
+    WEFT_CHECK(!prefix.empty(), "make_prefix_store: the prefix must not be empty");
+    WEFT_CHECK(std::all_of(prefix.begin(), prefix.end(), [](unsigned char ch) { return ch > 0x20 && ch < 0x7f; }),
+               "make_prefix_store: the prefix must be printable ASCII without spaces, got '" << prefix << "'");
+    return std::make_shared<PrefixStore>(std::move(store), prefix);
+}
 
 // Protocol: every rank marks `name/rank/<r>` and increments `name/arrive`; the last arriver sets `name/done`,
 // on which everyone waits. On the way out each rank removes its mark and increments `name/leave`; the last
@@ -66,7 +95,7 @@ void Store::barrier(const std::string& name, int rank, int num_ranks, std::chron
     if (arrived == num_ranks) set(name + "/done", Bytes{1});
     try {
         get(name + "/done", detail::remaining_ms(deadline));
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {  // a store of the user's may throw any std::exception
         const auto waited =
             std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
         WEFT_FAIL("barrier '" << name << "' failed on rank " << rank << " after " << waited.count() << " ms (timeout "
@@ -97,7 +126,7 @@ std::vector<Bytes> Store::all_gather(const std::string& name, int rank, int num_
         }
         try {
             blobs[static_cast<size_t>(r)] = get(prefix + std::to_string(r), detail::remaining_ms(deadline));
-        } catch (const Error& e) {
+        } catch (const std::exception& e) {  // a store of the user's may throw any std::exception
             const auto waited =
                 std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
             WEFT_FAIL("all_gather '" << name << "' failed on rank " << rank << " after " << waited.count()

@@ -61,12 +61,6 @@ namespace {
 // exchanges wait at least this long, whatever WEFT_TIMEOUT_MS says.
 constexpr std::chrono::milliseconds kMinInitTimeout{60000};
 
-std::string host_name() {
-    char name[256] = {};
-    if (::gethostname(name, sizeof(name) - 1) != 0) return "localhost";
-    return name;
-}
-
 // The start-up record: "key=value" lines (values never contain a newline).
 Bytes encode_fields(const std::map<std::string, std::string>& fields) {
     std::string text;
@@ -130,6 +124,13 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     } else {
         c.device = setup.device_hint % num_devices;
     }
+    // The architecture, before the context, the first kernel or any compile: on another GPU the driver's and
+    // NVRTC's messages would not say why nothing loads.
+    cudaDeviceProp props{};
+    WEFT_CUDA_CHECK(cudaGetDeviceProperties(&props, c.device));
+    const std::string problem =
+        detail::unsupported_device_message(c.rank, c.device, props.name, props.major, props.minor);
+    if (!problem.empty()) throw Error("weft: " + problem);
     WEFT_CUDA_CHECK(cudaSetDevice(c.device));
     WEFT_CUDA_CHECK(cudaFree(nullptr));  // create the context now, so that failures surface here
     c.stream.create();
@@ -146,13 +147,14 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         detail::resolve_heap_bytes(setup.options.heap_bytes, env::get("WEFT_SYMMETRIC_HEAP_BYTES"), 1);
 
     // Start-up exchange: who is where, and what each rank asks for.
-    std::map<std::string, std::string> mine{{"host", host_name()},
+    std::map<std::string, std::string> mine{{"host", detail::host_name()},
                                             {"pci", pci},
                                             {"device", std::to_string(c.device)},
                                             {"pid", std::to_string(::getpid())},
                                             {"heap_bytes", std::to_string(heap_request)},
                                             {"granularity", std::to_string(granularity)}};
     if (c.rank == 0) mine["job"] = detail::random_hex_id();
+    // On the store the World was given; every later key is under this World's own prefix (below).
     auto blobs = c.store->all_gather("weft/init", c.rank, c.num_ranks, encode_fields(mine), init_timeout);
     std::vector<uint64_t> heap_requests;
     uint64_t heap_granularity = 0;
@@ -168,6 +170,9 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         heap_granularity = std::max(heap_granularity, parse_u64(field(fields, "granularity", r), "granularity", r));
         if (r == 0) c.job_id = field(fields, "job", 0);
     }
+    // Keys private to this World: a store that outlives it (a store of the user's, World::from_store) may carry
+    // the next World under the same prefix, and must not see this one's keys (the shutdown's among them).
+    c.store = make_prefix_store(std::move(c.store), "weft/world/" + c.job_id);
     if (std::adjacent_find(heap_requests.begin(), heap_requests.end(), std::not_equal_to<>()) != heap_requests.end()) {
         std::map<uint64_t, std::vector<int>> by_size;
         for (int r = 0; r < c.num_ranks; ++r) by_size[heap_requests[static_cast<size_t>(r)]].push_back(r);
@@ -280,8 +285,9 @@ void World::shutdown() noexcept {
         c.diag_host.reset();
         c.diag_device = nullptr;
         c.stream.reset();
-        // Rank 0 hosts the TCP store: it closes only after every other rank has left the shutdown barrier,
-        // so that no rank loses the store halfway through it.
+        // Rank 0 hosts the store of from_env (and, by the Store contract, any store one rank's process hosts):
+        // it closes only after every other rank has left the shutdown barrier, so that no rank loses the store
+        // halfway through it.
         if (barrier_ok && !c.same_process && c.num_ranks > 1) {
             try {
                 if (c.rank != 0) {
@@ -290,6 +296,9 @@ void World::shutdown() noexcept {
                     }
                 } else {
                     c.store->get("weft/shutdown/all_left", c.timeout);
+                    // Nobody touches them any more; a long-lived store of the user's keeps nothing of this World.
+                    c.store->erase("weft/shutdown/left");
+                    c.store->erase("weft/shutdown/all_left");
                 }
             } catch (const std::exception& e) {
                 WEFT_LOG_WARN("shutdown: waiting for the other ranks to leave failed: " << e.what());

@@ -1,24 +1,25 @@
 // SPDX-License-Identifier: MIT
-// World::from_env: one process per rank, from the launcher's environment and the TCP store.
+// World::from_env: one process per rank, from the launcher's environment and the job's store.
 #include <algorithm>
 #include <chrono>
 #include <memory>
 #include <optional>
 
 #include "runtime_internal.hpp"
+#include "weft/detail/launch_store.hpp"
 #include "weft/detail/runtime_config.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/in_process_store.hpp"
 #include "weft/runtime/launch_env.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/module_loading.hpp"
-#include "weft/runtime/rendezvous.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft {
 
 std::unique_ptr<World> World::from_env(const WorldOptions& options) {
     prepare_cuda_environment();  // before this process's first CUDA call
+    const uint64_t world_index = detail::next_launch_world_index();
     detail::WorldSetup setup;
     setup.options = options;
     std::optional<LaunchEnv> launch = detect_launch_env();
@@ -35,19 +36,17 @@ std::unique_ptr<World> World::from_env(const WorldOptions& options) {
     setup.device_hint = launch->local_rank;
     setup.same_process = launch->num_ranks == 1;
     set_log_rank(launch->rank);
-    RendezvousOptions rendezvous;
-    rendezvous.host = launch->master_addr;
-    rendezvous.port = launch->master_port;
-    rendezvous.rank = launch->rank;
-    rendezvous.num_ranks = launch->num_ranks;
-    rendezvous.token = launch->job_token;
-    // Connecting waits for rank 0's server, which starts when its process does: allow at least 30 s.
-    rendezvous.timeout = std::max(detail::resolve_timeout(options.timeout, env::get("WEFT_TIMEOUT_MS")),
-                                  std::chrono::milliseconds(30000));
     WEFT_LOG_DEBUG("launched by " << launch->launcher << ": rank " << launch->rank << " of " << launch->num_ranks
                                   << ", local rank " << launch->local_rank << " of " << launch->local_num_ranks
-                                  << ", rendezvous " << launch->master_addr << ":" << launch->master_port);
-    setup.store = std::shared_ptr<Store>(make_tcp_store(rendezvous));
+                                  << ", job '" << launch->job_id << "', World " << world_index << " of this process");
+    if (launch->num_ranks == 1) {
+        setup.store = make_in_process_store();
+        return std::unique_ptr<World>(new World(std::move(setup)));
+    }
+    // Connecting waits for rank 0's store, which starts when its process does: allow at least 30 s.
+    const auto timeout = std::max(detail::resolve_timeout(options.timeout, env::get("WEFT_TIMEOUT_MS")),
+                                  std::chrono::milliseconds(30000));
+    setup.store = std::shared_ptr<Store>(detail::make_launch_store(*launch, world_index, timeout));
     return std::unique_ptr<World>(new World(std::move(setup)));
 }
 

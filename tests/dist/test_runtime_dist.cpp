@@ -1,14 +1,19 @@
 // SPDX-License-Identifier: MIT
-// The runtime with one process per rank: World::from_env, peer heaps through file descriptors, collective
-// allocation checks, teams and stream writes across processes.
+// The runtime with one process per rank: World::from_env (while rank 0 holds MASTER_PORT, as torch.distributed
+// would), peer heaps through file descriptors, collective allocation checks, teams and stream writes across
+// processes.
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <climits>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -163,13 +168,35 @@ int drive(int argc, char** argv) {
     return failures == 0 ? 0 : 1;
 }
 
+/// Rank 0 listens on MASTER_PORT for the process's life, as torch.distributed's rank 0 does when the same
+/// program also starts a process group (under torchrun its agent holds the port already, and this bind fails,
+/// which is just as well): World::from_env must not need that port. Returns the socket, or -1.
+int hold_master_port(const std::optional<LaunchEnv>& launch) {
+    if (!launch || launch->rank != 0 || launch->master_port == 0) return -1;
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(launch->master_port));
+    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 4) != 0) {
+        if (fd >= 0) ::close(fd);
+        std::printf("weft_dist_tests: MASTER_PORT %d is held by another process (the launcher's store)\n",
+                    launch->master_port);
+        return -1;
+    }
+    std::printf("weft_dist_tests: rank 0 holds MASTER_PORT %d, as torch.distributed would\n", launch->master_port);
+    return fd;
+}
+
 }  // namespace
 }  // namespace weft
 
 int main(int argc, char** argv) {
     weft::ensure_eager_module_loading();
-    if (!weft::detect_launch_env()) return weft::drive(argc, argv);
+    const std::optional<weft::LaunchEnv> launch = weft::detect_launch_env();
+    if (!launch) return weft::drive(argc, argv);
     ::testing::InitGoogleTest(&argc, argv);
+    const int master_port_fd = weft::hold_master_port(launch);
     try {
         weft::test::g_world = weft::World::from_env(weft::test::test_options());
     } catch (const std::exception& e) {
@@ -178,5 +205,6 @@ int main(int argc, char** argv) {
     }
     const int rc = RUN_ALL_TESTS();
     weft::test::g_world.reset();  // collective shutdown
+    if (master_port_fd >= 0) ::close(master_port_fd);
     return rc;
 }

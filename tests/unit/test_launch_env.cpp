@@ -35,7 +35,7 @@ TEST(LaunchEnv, NoneWhenNoLauncherVariables) {
 TEST(LaunchEnv, Weftrun) {
     Vars v = {{"RANK", "2"},         {"WORLD_SIZE", "3"},          {"LOCAL_RANK", "2"},
               {"LOCAL_WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29517"},
-              {"WEFT_JOB_TOKEN", "f00d"}};
+              {"WEFT_JOB_TOKEN", "f00d"}, {"WEFT_RUN_ID", "5eed"}};
     auto e = parse_launch_env(v);
     ASSERT_TRUE(e.has_value());
     EXPECT_EQ(e->launcher, "weftrun");
@@ -45,7 +45,13 @@ TEST(LaunchEnv, Weftrun) {
     EXPECT_EQ(e->local_num_ranks, 3);
     EXPECT_EQ(e->master_addr, "127.0.0.1");
     EXPECT_EQ(e->master_port, 29517);
+    EXPECT_EQ(e->store_port, 0);
     EXPECT_EQ(e->job_token, "f00d");
+    EXPECT_EQ(e->job_id, "weftrun 5eed");  // the run id names the job, not the secret token
+    // Without a run id the job is named by its rendezvous address.
+    v.erase("WEFT_RUN_ID");
+    EXPECT_EQ(parse_launch_env(v)->job_id, "MASTER 127.0.0.1:29517");
+    EXPECT_EQ(parse_launch_env(v)->launcher, "weftrun");
 }
 
 TEST(LaunchEnv, TorchrunMultiNode) {
@@ -62,6 +68,36 @@ TEST(LaunchEnv, TorchrunMultiNode) {
     EXPECT_EQ(e->master_addr, "node-a");
     EXPECT_EQ(e->master_port, 29500);
     EXPECT_EQ(e->job_token, "t");
+    // The run id may be torchrun's default "none": the agent's store address (held for the job's life) and the
+    // restart count complete the name.
+    EXPECT_EQ(e->job_id, "torchrun x node-a:29500 restart 0");
+    Vars restarted = v;
+    restarted["TORCHELASTIC_RESTART_COUNT"] = "2";
+    EXPECT_EQ(parse_launch_env(restarted)->job_id, "torchrun x node-a:29500 restart 2");
+}
+
+TEST(LaunchEnv, TorchrunStandalone) {
+    // What `torchrun --standalone --nproc_per_node=2` gives its second worker (the agent's store listens on
+    // MASTER_PORT; TORCHELASTIC_USE_AGENT_STORE says the workers are its clients).
+    Vars v = {{"RANK", "1"},
+              {"WORLD_SIZE", "2"},
+              {"LOCAL_RANK", "1"},
+              {"LOCAL_WORLD_SIZE", "2"},
+              {"GROUP_RANK", "0"},
+              {"ROLE_RANK", "1"},
+              {"MASTER_ADDR", "localhost"},
+              {"MASTER_PORT", "38083"},
+              {"TORCHELASTIC_RUN_ID", "8c1f5e0a-6f0e-4a57-9d43-0d1b3f0b9a11"},
+              {"TORCHELASTIC_RESTART_COUNT", "0"},
+              {"TORCHELASTIC_MAX_RESTARTS", "0"},
+              {"TORCHELASTIC_USE_AGENT_STORE", "True"}};
+    auto e = parse_launch_env(v);
+    ASSERT_TRUE(e.has_value());
+    EXPECT_EQ(e->launcher, "torchrun");
+    EXPECT_EQ(e->local_num_ranks, e->num_ranks);  // one host: the store is a Unix socket (launch_store.hpp)
+    EXPECT_EQ(e->master_port, 38083);
+    EXPECT_EQ(e->job_id, "torchrun 8c1f5e0a-6f0e-4a57-9d43-0d1b3f0b9a11 localhost:38083 restart 0");
+    EXPECT_TRUE(e->job_token.empty());
 }
 
 TEST(LaunchEnv, HandMadeEnvDefaultsToOneHost) {
@@ -72,10 +108,22 @@ TEST(LaunchEnv, HandMadeEnvDefaultsToOneHost) {
     EXPECT_EQ(e->local_num_ranks, 5);
     EXPECT_EQ(e->master_addr, "127.0.0.1");
     EXPECT_TRUE(e->job_token.empty());
-    // One rank needs no port: rank 0 picks one.
+    EXPECT_EQ(e->job_id, "MASTER 127.0.0.1:1234");
+    // One rank needs no port and no job id: it needs no store.
     auto single = parse_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "1"}});
     ASSERT_TRUE(single.has_value());
     EXPECT_EQ(single->master_port, 0);
+    EXPECT_EQ(single->job_id, "");
+}
+
+TEST(LaunchEnv, StorePortFromTheEnvironment) {
+    Vars v = {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}, {"WEFT_STORE_PORT", "31555"}};
+    EXPECT_EQ(parse_launch_env(v)->store_port, 31555);
+    EXPECT_EQ(parse_launch_env(v)->master_port, 29500);
+    v["WEFT_STORE_PORT"] = "0";
+    expect_error_naming(v, {"WEFT_STORE_PORT", "[1, 65535]"});
+    v["WEFT_STORE_PORT"] = "port";
+    expect_error_naming(v, {"WEFT_STORE_PORT", "'port'"});
 }
 
 TEST(LaunchEnv, TorchrunInconsistentValuesNameTheVariable) {
@@ -125,21 +173,22 @@ TEST(LaunchEnv, OpenMpi) {
     EXPECT_EQ(e->local_rank, 3);
     EXPECT_EQ(e->local_num_ranks, 6);
     EXPECT_EQ(e->master_addr, "127.0.0.1");
-    // Every rank derives the same port from the job id; another job gets (almost always) another port.
-    EXPECT_EQ(e->master_port, derived_master_port("OMPI_MCA_ess_base_jobid=3735552001"));
+    EXPECT_EQ(e->master_port, 0);  // mpirun sets none, and weft needs none
+    // Every rank reads the same job id; another job has another.
+    EXPECT_EQ(e->job_id, "OMPI_MCA_ess_base_jobid=3735552001");
     Vars other_rank = v;
     other_rank["OMPI_COMM_WORLD_RANK"] = "0";
     other_rank["OMPI_COMM_WORLD_LOCAL_RANK"] = "0";
-    EXPECT_EQ(parse_launch_env(other_rank)->master_port, e->master_port);
+    EXPECT_EQ(parse_launch_env(other_rank)->job_id, e->job_id);
     Vars other_job = v;
     other_job["OMPI_MCA_ess_base_jobid"] = "3735552002";
-    EXPECT_NE(parse_launch_env(other_job)->master_port, e->master_port);
+    EXPECT_NE(parse_launch_env(other_job)->job_id, e->job_id);
     // Open MPI 5 has no ess jobid but a PMIx namespace.
     Vars pmix = v;
     pmix.erase("OMPI_MCA_ess_base_jobid");
     pmix["PMIX_NAMESPACE"] = "prterun-host-4242@1";
-    EXPECT_EQ(parse_launch_env(pmix)->master_port, derived_master_port("PMIX_NAMESPACE=prterun-host-4242@1"));
-    // MASTER_ADDR / MASTER_PORT from the environment win.
+    EXPECT_EQ(parse_launch_env(pmix)->job_id, "PMIX_NAMESPACE=prterun-host-4242@1");
+    // MASTER_ADDR / MASTER_PORT from the environment are read (the job id stays Open MPI's).
     Vars given = v;
     given["MASTER_ADDR"] = "10.0.0.7";
     given["MASTER_PORT"] = "40001";
@@ -149,6 +198,7 @@ TEST(LaunchEnv, OpenMpi) {
     EXPECT_EQ(g->master_addr, "10.0.0.7");
     EXPECT_EQ(g->master_port, 40001);
     EXPECT_EQ(g->local_num_ranks, 3);
+    EXPECT_EQ(g->job_id, e->job_id);
 }
 
 TEST(LaunchEnv, OpenMpiInconsistentValuesNameTheVariable) {
@@ -183,11 +233,17 @@ TEST(LaunchEnv, SlurmSingleNode) {
     EXPECT_EQ(e->local_rank, 2);
     EXPECT_EQ(e->local_num_ranks, 4);
     EXPECT_EQ(e->master_addr, "127.0.0.1");
-    EXPECT_EQ(e->master_port, derived_master_port("SLURM_JOB_ID=98765.0"));
-    // Another step of the same job meets on another port.
+    EXPECT_EQ(e->master_port, 0);
+    EXPECT_EQ(e->job_id, "SLURM_JOB_ID=98765.0");
+    // Another step of the same job is another job.
     Vars step1 = v;
     step1["SLURM_STEP_ID"] = "1";
-    EXPECT_NE(parse_launch_env(step1)->master_port, e->master_port);
+    EXPECT_EQ(parse_launch_env(step1)->job_id, "SLURM_JOB_ID=98765.1");
+    // A torch.distributed process group in the same job sets MASTER_PORT: read, and the job id stays Slurm's.
+    Vars with_torch = v;
+    with_torch["MASTER_PORT"] = "29500";
+    EXPECT_EQ(parse_launch_env(with_torch)->master_port, 29500);
+    EXPECT_EQ(parse_launch_env(with_torch)->job_id, e->job_id);
 }
 
 TEST(LaunchEnv, SlurmMultiNode) {
@@ -200,6 +256,7 @@ TEST(LaunchEnv, SlurmMultiNode) {
     EXPECT_EQ(e->num_ranks, 7);  // the step's count wins over the job's
     EXPECT_EQ(e->local_num_ranks, 1);
     EXPECT_EQ(e->master_addr, "gpu07");
+    EXPECT_EQ(e->job_id, "SLURM_JOB_ID=5.");
     // On the first node.
     v["SLURM_PROCID"] = "1";
     v["SLURM_LOCALID"] = "1";
@@ -339,11 +396,15 @@ TEST(LaunchEnv, DetectReadsTheProcessEnvironment) {
     env.set("MASTER_PORT", "31001");
     env.set("WEFT_JOB_TOKEN", "secret=with=equals");
     env.unset("TORCHELASTIC_RUN_ID");
+    env.set("WEFT_RUN_ID", "abc");
+    env.set("WEFT_STORE_PORT", "31002");
     auto e = detect_launch_env();
     ASSERT_TRUE(e.has_value());
     EXPECT_EQ(e->launcher, "weftrun");
     EXPECT_EQ(e->rank, 1);
     EXPECT_EQ(e->master_port, 31001);
+    EXPECT_EQ(e->store_port, 31002);
+    EXPECT_EQ(e->job_id, "weftrun abc");
     EXPECT_EQ(e->job_token, "secret=with=equals");
     env.set("RANK", "2");
     EXPECT_THROW(detect_launch_env(), Error);

@@ -8,12 +8,14 @@
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/time.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -1100,7 +1102,7 @@ TEST(Rendezvous, BarrierTimeoutOverTcpNamesTheMissingRank) {
 TEST(Rendezvous, OptionErrorsNameTheOption) {
     RendezvousOptions o = local_options();
     o.num_ranks = 2;
-    EXPECT_TRUE(contains(error_of([&] { make_tcp_store(o); }), "MASTER_PORT"));  // port 0 with 2 ranks
+    EXPECT_TRUE(contains(error_of([&] { make_tcp_store(o); }), "RendezvousOptions.port"));  // port 0 with 2 ranks
     o.port = 1;
     o.rank = 2;
     EXPECT_TRUE(contains(error_of([&] { make_tcp_store(o); }), "rank"));
@@ -1163,6 +1165,211 @@ TEST(Rendezvous, ManyConnectionsAtOnce) {
     EXPECT_EQ(server.stats().open_connections, 100u);
     clients.clear();
     EXPECT_TRUE(eventually([&] { return server.stats().open_connections == 0; }));
+}
+
+// ---- the store on an abstract Unix-domain socket ------------------------------------------------------
+
+/// A name no other test (nor another run of this binary) uses.
+std::string unique_socket_name(const char* what) {
+    static std::atomic<int> counter{0};
+    return cat("weft-unit-", what, "-", std::to_string(::getpid()), "-", std::to_string(counter++));
+}
+
+sockaddr_un abstract_address(const std::string& name, socklen_t* length) {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path + 1, name.data(), name.size());
+    *length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+    return addr;
+}
+
+/// In a forked child: becomes uid/gid 65534 (nobody), or exits with 10 when it cannot.
+void become_nobody_or_exit() {
+    const long nobody = 65534;
+    if (::syscall(SYS_setresgid, nobody, nobody, nobody) != 0 ||
+        ::syscall(SYS_setresuid, nobody, nobody, nobody) != 0) {
+        ::_exit(10);
+    }
+}
+
+TEST(Rendezvous, UnixSocketStoreAcrossRanksWithALateRankZero) {
+    for (int num_ranks : {2, 5}) {
+        RendezvousOptions o = local_options("");  // no token: the socket's peers are told apart by SO_PEERCRED
+        o.unix_socket = unique_socket_name("ranks");
+        o.num_ranks = num_ranks;
+        std::vector<std::string> errors(static_cast<size_t>(num_ranks));
+        std::vector<std::unique_ptr<Store>> stores(static_cast<size_t>(num_ranks));
+        std::vector<std::thread> threads;
+        for (int r = num_ranks - 1; r >= 0; --r) {
+            threads.emplace_back([&, r] {
+                if (r == 0) std::this_thread::sleep_for(milliseconds(200));  // the others retry meanwhile
+                RendezvousOptions mine = o;
+                mine.rank = r;
+                try {
+                    auto& store = stores[static_cast<size_t>(r)];
+                    store = make_tcp_store(mine);
+                    store->barrier("b", r, num_ranks, milliseconds(10000));
+                    const Bytes mine_blob = to_bytes(std::to_string(r * 7));
+                    auto all = store->all_gather("g", r, num_ranks, mine_blob, milliseconds(10000));
+                    for (int q = 0; q < num_ranks; ++q) {
+                        if (all[static_cast<size_t>(q)] != to_bytes(std::to_string(q * 7))) {
+                            errors[static_cast<size_t>(r)] = "bad blob";
+                        }
+                    }
+                    store->barrier("end", r, num_ranks, milliseconds(10000));
+                } catch (const std::exception& e) {
+                    errors[static_cast<size_t>(r)] = e.what();
+                }
+            });
+        }
+        for (auto& t : threads) t.join();
+        for (int r = 0; r < num_ranks; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+        for (int r = num_ranks - 1; r >= 0; --r) stores[static_cast<size_t>(r)].reset();
+    }
+}
+
+TEST(Rendezvous, UnixSocketNameInUseNamesTheHolder) {
+    RendezvousOptions o = local_options("");
+    o.unix_socket = unique_socket_name("taken");
+    TcpStoreServer first(o);
+    EXPECT_EQ(first.port(), 0);
+    const std::string e = error_of([&] { TcpStoreServer second(o); });
+    EXPECT_TRUE(contains(e, "'@" + o.unix_socket + "'") && contains(e, "held by pid " + std::to_string(::getpid())) &&
+                contains(e, "this user"))
+        << e;
+}
+
+TEST(Rendezvous, UnixSocketRejectsOtherUid) {
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root, to connect as another user";
+    RendezvousOptions o = local_options("");
+    o.unix_socket = unique_socket_name("uid");
+    TcpStoreServer server(o);
+    RendezvousOptions client = o;
+    client.rank = 1;
+    client.num_ranks = 2;
+    connect_tcp_store(client)->set("secret", to_bytes("s"));  // the server's own user is served
+    const uint64_t rejected_before = server.stats().rejected;
+
+    const Bytes hello = rp::encode_frame(rp::make_hello("", 1));
+    const Bytes get = rp::encode_frame(rp::make_get("secret", 0));
+    socklen_t length = 0;
+    const sockaddr_un addr = abstract_address(o.unix_socket, &length);
+    int out[2];
+    ASSERT_EQ(::pipe(out), 0);
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+        ::close(out[0]);
+        become_nobody_or_exit();
+        int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+        if (fd < 0 || ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), length) != 0) ::_exit(11);
+        (void)::send(fd, hello.data(), hello.size(), MSG_NOSIGNAL);
+        (void)::send(fd, get.data(), get.size(), MSG_NOSIGNAL);
+        uint8_t buf[4096];
+        for (;;) {
+            pollfd p{fd, POLLIN, 0};
+            if (::poll(&p, 1, 10000) <= 0) ::_exit(12);
+            ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+            if (n <= 0) ::_exit(0);
+            (void)::write(out[1], buf, static_cast<size_t>(n));
+        }
+    }
+    ::close(out[1]);
+    Bytes answer;
+    uint8_t buf[4096];
+    for (ssize_t n; (n = ::read(out[0], buf, sizeof(buf))) > 0;) answer.insert(answer.end(), buf, buf + n);
+    ::close(out[0]);
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 10) GTEST_SKIP() << "uid 65534 is not available here";
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+    rp::Message m;
+    auto r = rp::decode_frame(answer.data(), answer.size(), rp::Role::kResponse, {}, &m);
+    ASSERT_EQ(r.status, rp::DecodeStatus::kComplete) << answer.size() << " bytes";
+    EXPECT_EQ(m.type, rp::MsgType::kError);
+    EXPECT_TRUE(contains(std::string(m.value.begin(), m.value.end()), "uid 65534"));
+    EXPECT_EQ(r.frame_bytes, answer.size()) << "more than the ERROR came back";
+    EXPECT_TRUE(eventually([&] { return server.stats().rejected == rejected_before + 1; }));
+}
+
+TEST(Rendezvous, UnixSocketOfAnotherUserGetsNothing) {
+    // Anyone may bind an abstract name first. A client finding another user's process there fails, naming
+    // it, and sends it nothing (not even the HELLO, which would carry a token); rank 0 cannot bind the name
+    // and says who holds it.
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root, to listen as another user";
+    const std::string name = unique_socket_name("squat");
+    socklen_t length = 0;
+    const sockaddr_un addr = abstract_address(name, &length);
+    int ready[2], stop[2];
+    ASSERT_EQ(::pipe(ready), 0);
+    ASSERT_EQ(::pipe(stop), 0);
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+        ::close(ready[0]);
+        ::close(stop[1]);
+        become_nobody_or_exit();
+        int listener = ::socket(AF_UNIX, SOCK_STREAM, 0);
+        if (listener < 0 || ::bind(listener, reinterpret_cast<const sockaddr*>(&addr), length) != 0 ||
+            ::listen(listener, 16) != 0) {
+            ::_exit(11);
+        }
+        (void)::write(ready[1], "R", 1);
+        // Count every byte any connection sends until the parent says stop; report the count.
+        uint64_t received = 0;
+        int conns[16];
+        int num_conns = 0;
+        for (;;) {
+            pollfd p[18];
+            p[0] = {stop[0], POLLIN, 0};
+            p[1] = {listener, POLLIN, 0};
+            for (int i = 0; i < num_conns; ++i) p[2 + i] = {conns[i], POLLIN, 0};
+            if (::poll(p, static_cast<nfds_t>(2 + num_conns), 20000) <= 0) ::_exit(12);
+            if (p[0].revents != 0) break;
+            if (p[1].revents != 0 && num_conns < 16) {
+                int c = ::accept(listener, nullptr, nullptr);
+                if (c >= 0) conns[num_conns++] = c;
+            }
+            for (int i = 0; i < num_conns; ++i) {
+                if (p[2 + i].revents == 0) continue;
+                uint8_t buf[256];
+                ssize_t n = ::recv(conns[i], buf, sizeof(buf), MSG_DONTWAIT);
+                if (n > 0) received += static_cast<uint64_t>(n);
+            }
+        }
+        (void)::write(ready[1], &received, sizeof(received));
+        ::_exit(0);
+    }
+    ::close(ready[1]);
+    ::close(stop[0]);
+    char r = 0;
+    const bool listening = ::read(ready[0], &r, 1) == 1;
+    std::string client_error, server_error;
+    if (listening) {
+        RendezvousOptions o = local_options("secret-token");
+        o.unix_socket = name;
+        o.rank = 1;
+        o.num_ranks = 2;
+        o.timeout = milliseconds(2000);
+        client_error = error_of([&] { connect_tcp_store(o); });
+        o.rank = 0;
+        server_error = error_of([&] { make_tcp_store(o); });
+    }
+    (void)::write(stop[1], "S", 1);
+    uint64_t received = ~0ull;
+    const bool reported = ::read(ready[0], &received, sizeof(received)) == sizeof(received);
+    ::close(ready[0]);
+    ::close(stop[1]);
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 10) GTEST_SKIP() << "uid 65534 is not available here";
+    ASSERT_TRUE(listening && reported && WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+    EXPECT_TRUE(contains(client_error, "of uid 65534, not by this user (uid 0)") &&
+                contains(client_error, "nothing was sent"))
+        << client_error;
+    EXPECT_TRUE(contains(server_error, "'@" + name + "'") && contains(server_error, "of uid 65534, another user"))
+        << server_error;
+    EXPECT_EQ(received, 0u) << "the other user's process received bytes";
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 
 #include "weft/common/diagnostics.hpp"
 #include "weft/detail/runtime_config.hpp"
@@ -155,6 +156,35 @@ TEST(RuntimeModuleLoading, ThirtyTwoHardwareQueuesUnlessTheUserChose) {
         EXPECT_STREQ(after, before);
     }
     EXPECT_EQ(ensure_device_connections(), set_by_weft);  // idempotent
+}
+
+TEST(RuntimeArchitecture, HopperPassesEverythingElseGetsASentence) {
+    EXPECT_EQ(unsupported_device_message(0, 0, "NVIDIA H200", 9, 0), "");
+    EXPECT_EQ(unsupported_device_message(3, 1, "NVIDIA H100 80GB HBM3", 9, 0), "");
+
+    const std::string a100 = unsupported_device_message(1, 0, "NVIDIA A100-SXM4-80GB", 8, 0);
+    EXPECT_EQ(a100.rfind("weft needs an NVIDIA Hopper GPU (compute capability 9.0, sm_90a", 0), 0u) << a100;
+    EXPECT_NE(a100.find("rank 1 found NVIDIA A100-SXM4-80GB (compute capability 8.0) as CUDA device 0"),
+              std::string::npos)
+        << a100;
+    EXPECT_NE(a100.find("older GPU"), std::string::npos) << a100;
+    EXPECT_EQ(a100.find("NVRTC"), std::string::npos) << a100;  // plain words, no compiler log
+
+    // Later architectures do not run sm_90a code either; the message says so rather than "older".
+    const std::string b200 = unsupported_device_message(6, 2, "NVIDIA B200", 10, 0);
+    EXPECT_NE(b200.find("rank 6 found NVIDIA B200 (compute capability 10.0) as CUDA device 2"), std::string::npos)
+        << b200;
+    EXPECT_NE(b200.find("later GPUs"), std::string::npos) << b200;
+    EXPECT_EQ(b200.find("older"), std::string::npos) << b200;
+
+    // Every capability but 9.0 is refused, including other minors and a nameless device.
+    for (auto [major, minor] : {std::pair{7, 0}, {7, 5}, {8, 6}, {8, 9}, {9, 1}, {12, 0}}) {
+        const std::string m = unsupported_device_message(0, 0, "", major, minor);
+        EXPECT_NE(m.find("compute capability " + std::to_string(major) + "." + std::to_string(minor) + ")"),
+                  std::string::npos)
+            << m;
+        EXPECT_NE(m.find("a GPU without a name"), std::string::npos) << m;
+    }
 }
 
 }  // namespace

@@ -1,9 +1,12 @@
 // SPDX-License-Identifier: MIT
-// Unit tests for the in-process store and Store's default barrier and all-gather (ranks as threads).
+// Unit tests for the in-process store, Store's default barrier and all-gather (ranks as threads), and prefix views.
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -164,6 +167,141 @@ TEST(RuntimeStoreAllGather, MissingRankIsNamed) {
     });
     EXPECT_NE(errors[0].find("2 of 3 ranks arrived; rank 2 did not arrive"), std::string::npos) << errors[0];
     EXPECT_NE(errors[1].find("rank 2 did not arrive"), std::string::npos) << errors[1];
+}
+
+/// A store of the user's own, written against the contract in store.hpp only (what a torch.distributed store
+/// adapter provides): a map under a mutex, no barrier or all_gather of its own, and a get that throws a
+/// plain std::runtime_error.
+class UserStore final : public Store {
+public:
+    void set(const std::string& key, const Bytes& value) override {
+        std::lock_guard<std::mutex> lock(mutex_);
+        values_[key] = value;
+        changed_.notify_all();
+    }
+    Bytes get(const std::string& key, std::chrono::milliseconds timeout) override {
+        std::unique_lock<std::mutex> lock(mutex_);
+        if (!changed_.wait_for(lock, timeout, [&] { return values_.count(key) != 0; })) {
+            throw std::runtime_error("user store: timed out waiting for " + key);
+        }
+        return values_.at(key);
+    }
+    int64_t add(const std::string& key, int64_t delta) override {
+        std::lock_guard<std::mutex> lock(mutex_);
+        int64_t v = counters_[key] += delta;
+        values_[key] = text_bytes(std::to_string(v));
+        changed_.notify_all();
+        return v;
+    }
+    bool check(const std::string& key) override {
+        std::lock_guard<std::mutex> lock(mutex_);
+        return values_.count(key) != 0;
+    }
+    void erase(const std::string& key) override {
+        std::lock_guard<std::mutex> lock(mutex_);
+        values_.erase(key);
+        counters_.erase(key);
+    }
+    std::vector<std::string> keys() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        std::vector<std::string> out;
+        for (const auto& kv : values_) out.push_back(kv.first);
+        return out;
+    }
+
+private:
+    std::mutex mutex_;
+    std::condition_variable changed_;
+    std::map<std::string, Bytes> values_;
+    std::map<std::string, int64_t> counters_;
+};
+
+TEST(RuntimePrefixStore, KeysLandUnderThePrefix) {
+    auto inner = std::make_shared<InProcessStore>();
+    auto view = make_prefix_store(inner, "torch/job7");
+    view->set("k", text_bytes("v"));
+    EXPECT_TRUE(inner->check("torch/job7/k"));
+    EXPECT_FALSE(inner->check("k"));
+    EXPECT_TRUE(view->check("k"));
+    EXPECT_EQ(view->get("k", 10ms), text_bytes("v"));
+    EXPECT_EQ(view->add("n", 3), 3);
+    EXPECT_EQ(inner->add("torch/job7/n", 1), 4);  // one counter, seen through either name
+    view->erase("k");
+    EXPECT_FALSE(inner->check("torch/job7/k"));
+    // The inner store's own keys are invisible through the view.
+    inner->set("k", text_bytes("outside"));
+    EXPECT_FALSE(view->check("k"));
+    // A view of a view nests the prefixes.
+    auto nested = make_prefix_store(view, "world");
+    nested->set("x", {});
+    EXPECT_TRUE(inner->check("torch/job7/world/x"));
+    // A timeout names the whole key, so the error shows which World's key was missing.
+    try {
+        view->get("weft/init/2", 20ms);
+        FAIL() << "get did not time out";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("'torch/job7/weft/init/2'"), std::string::npos) << e.what();
+    }
+}
+
+TEST(RuntimePrefixStore, ViewsOfOneUserStoreDoNotCollide) {
+    // Two Worlds' worth of ranks (3 and 2) on one user store, with the same barrier and all-gather names at
+    // the same time: each group meets only its own ranks, and nothing is left behind.
+    auto user = std::make_shared<UserStore>();
+    auto a = make_prefix_store(user, "a");
+    auto b = make_prefix_store(user, "b");
+    std::vector<std::vector<Bytes>> gathered(5);
+    auto errors = on_threads(5, [&](int t) {
+        const bool in_a = t < 3;
+        Store& view = in_a ? *a : *b;
+        const int rank = in_a ? t : t - 3;
+        const int n = in_a ? 3 : 2;
+        std::string mine(in_a ? "a" : "b");
+        mine.append(std::to_string(rank));
+        for (int round = 0; round < 10; ++round) {
+            view.barrier("weft/barrier/" + std::to_string(round), rank, n, 10000ms);
+            gathered[static_cast<size_t>(t)] = view.all_gather("weft/init", rank, n, text_bytes(mine), 10000ms);
+        }
+    });
+    for (int t = 0; t < 5; ++t) EXPECT_EQ(errors[static_cast<size_t>(t)], "") << "thread " << t;
+    for (int t = 0; t < 3; ++t) {
+        EXPECT_EQ(gathered[static_cast<size_t>(t)],
+                  (std::vector<Bytes>{text_bytes("a0"), text_bytes("a1"), text_bytes("a2")}));
+    }
+    for (int t = 3; t < 5; ++t) {
+        EXPECT_EQ(gathered[static_cast<size_t>(t)], (std::vector<Bytes>{text_bytes("b0"), text_bytes("b1")}));
+    }
+    EXPECT_TRUE(user->keys().empty()) << user->keys().size() << " keys left, e.g. " << user->keys().front();
+}
+
+TEST(RuntimePrefixStore, BarrierThroughAUserStoreNamesTheMissingRank) {
+    // The user store's own exception text is carried into the barrier's error.
+    auto view = make_prefix_store(std::make_shared<UserStore>(), "p");
+    auto errors = on_threads(3, [&](int r) {
+        if (r == 1) return;
+        view->barrier("late", r, 3, 100ms);
+    });
+    for (int r : {0, 2}) {
+        const std::string& e = errors[static_cast<size_t>(r)];
+        EXPECT_NE(e.find("barrier 'late' failed on rank " + std::to_string(r)), std::string::npos) << e;
+        EXPECT_NE(e.find("rank 1 did not arrive"), std::string::npos) << e;
+        EXPECT_NE(e.find("user store: timed out waiting for p/late/done"), std::string::npos) << e;
+    }
+}
+
+TEST(RuntimePrefixStore, BadArgumentsAreNamed) {
+    auto store = std::make_shared<InProcessStore>();
+    auto error_of = [](const std::function<void()>& fn) -> std::string {
+        try {
+            fn();
+        } catch (const Error& e) {
+            return e.what();
+        }
+        return "(no error)";
+    };
+    EXPECT_NE(error_of([] { make_prefix_store(nullptr, "p"); }).find("store is null"), std::string::npos);
+    EXPECT_NE(error_of([&] { make_prefix_store(store, ""); }).find("prefix must not be empty"), std::string::npos);
+    EXPECT_NE(error_of([&] { make_prefix_store(store, "a b"); }).find("'a b'"), std::string::npos);
 }
 
 }  // namespace

@@ -187,7 +187,7 @@ TEST_F(WeftrunTest, EchoRankPrintsEachRankWithItsPrefix) {
 
 TEST_F(WeftrunTest, SetsTheLaunchEnvironment) {
     const char* script = "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT "
-                         "$WEFT_JOB_TOKEN ${CUDA_VISIBLE_DEVICES-unset}\"";
+                         "$WEFT_JOB_TOKEN ${CUDA_VISIBLE_DEVICES-unset} $WEFT_RUN_ID\"";
     auto parse = [](const Result& r, int num_ranks) {
         std::vector<std::vector<std::string>> rows(static_cast<size_t>(num_ranks));
         for (const std::string& line : lines(r.out)) {
@@ -204,10 +204,10 @@ TEST_F(WeftrunTest, SetsTheLaunchEnvironment) {
     Result r = run({"-n", "4", "--", "sh", "-c", script}, {"CUDA_VISIBLE_DEVICES=7"});
     ASSERT_EQ(r.exit_code, 0) << r.err;
     auto rows = parse(r, 4);
-    std::set<std::string> ports, tokens;
+    std::set<std::string> ports, tokens, run_ids;
     for (int k = 0; k < 4; ++k) {
         const auto& f = rows[static_cast<size_t>(k)];
-        ASSERT_EQ(f.size(), 8u) << r.out;
+        ASSERT_EQ(f.size(), 9u) << r.out;
         EXPECT_EQ(f[0], std::to_string(k));
         EXPECT_EQ(f[1], "4");
         EXPECT_EQ(f[2], std::to_string(k));
@@ -218,11 +218,15 @@ TEST_F(WeftrunTest, SetsTheLaunchEnvironment) {
         EXPECT_EQ(f[6].size(), 64u);
         EXPECT_EQ(f[6].find_first_not_of("0123456789abcdef"), std::string::npos);
         EXPECT_EQ(f[7], "7");  // without --gpus the inherited value is left alone
+        EXPECT_EQ(f[8].size(), 32u);  // the run id: public, its own random draw
+        EXPECT_EQ(f[6].find(f[8]), std::string::npos);
         ports.insert(f[5]);
         tokens.insert(f[6]);
+        run_ids.insert(f[8]);
     }
     EXPECT_EQ(ports.size(), 1u);
     EXPECT_EQ(tokens.size(), 1u);
+    EXPECT_EQ(run_ids.size(), 1u);
 
     // --gpus: rank i gets element i % len; --port is passed through; a new job gets a new token.
     Result g = run({"-n", "3", "--gpus", "2,5", "--port", "41234", "--", "sh", "-c", script});
@@ -233,6 +237,7 @@ TEST_F(WeftrunTest, SetsTheLaunchEnvironment) {
     EXPECT_EQ(grows[2].at(7), "2");
     EXPECT_EQ(grows[0].at(5), "41234");
     EXPECT_NE(grows[0].at(6), *tokens.begin());
+    EXPECT_NE(grows[0].at(8), *run_ids.begin());
 }
 
 TEST_F(WeftrunTest, RoutesStdoutAndStderrAndFlushesPartialLines) {

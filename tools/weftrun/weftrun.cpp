@@ -4,10 +4,11 @@
 //   weftrun -n N [--gpus LIST] [--timeout S] [--port P] [--grace S] [--] prog args...
 //
 // Each rank is a child process in its own process group (so a stop reaches its children too) with RANK,
-// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT, WEFT_JOB_TOKEN and, with
-// --gpus, CUDA_VISIBLE_DEVICES set. stdin is /dev/null. Every line a rank writes to stdout / stderr is
-// copied to weftrun's stdout / stderr prefixed with "[rank K] ". One thread, one poll() loop: child pipes,
-// a signalfd for SIGCHLD / SIGINT / SIGTERM / SIGHUP, and the deadlines.
+// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT, WEFT_RUN_ID (names the job:
+// its ranks meet at a store named after it), WEFT_JOB_TOKEN and, with --gpus, CUDA_VISIBLE_DEVICES set.
+// stdin is /dev/null. Every line a rank writes to stdout / stderr is copied to weftrun's stdout / stderr
+// prefixed with "[rank K] ". One thread, one poll() loop: child pipes, a signalfd for SIGCHLD / SIGINT /
+// SIGTERM / SIGHUP, and the deadlines.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -44,13 +45,14 @@ const char* kUsage =
     "usage: weftrun -n N [--gpus LIST] [--timeout S] [--port P] [--grace S] [--] prog [args...]\n"
     "\n"
     "Starts N processes of prog on this host, each with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,\n"
-    "MASTER_ADDR=127.0.0.1, MASTER_PORT and WEFT_JOB_TOKEN set, and prefixes their output with \"[rank K] \".\n"
+    "MASTER_ADDR=127.0.0.1, MASTER_PORT, WEFT_RUN_ID and WEFT_JOB_TOKEN set, and prefixes their output with\n"
+    "\"[rank K] \".\n"
     "\n"
     "  -n, --nproc N   number of ranks (1..4096)\n"
     "  --gpus LIST     comma-separated CUDA devices; rank i gets CUDA_VISIBLE_DEVICES=LIST[i % len]\n"
     "                  (without it CUDA_VISIBLE_DEVICES is left as it is)\n"
     "  --timeout S     stop every rank after S seconds (exit 124); default: no limit\n"
-    "  --port P        MASTER_PORT to use; default: a free port weftrun picks\n"
+    "  --port P        MASTER_PORT to set (for torch.distributed; weft meets elsewhere); default: a free port\n"
     "  --grace S       seconds between SIGTERM and SIGKILL when stopping ranks; default 5\n"
     "  -h, --help      this text\n"
     "\n"
@@ -263,6 +265,8 @@ public:
         if (o_.port == 0) return fatal("cannot find a free TCP port on 127.0.0.1 (use --port)");
         token_ = random_token();
         if (token_.empty()) return fatal("cannot read /dev/urandom for the job token");
+        run_id_ = random_token().substr(0, 32);  // its own draw: the run id is public, the token is not
+        if (run_id_.empty()) return fatal("cannot read /dev/urandom for the run id");
 
         sigset_t mask;
         sigemptyset(&mask);
@@ -298,6 +302,7 @@ private:
             "LOCAL_WORLD_SIZE=" + std::to_string(o_.num_ranks),
             "MASTER_ADDR=127.0.0.1",
             "MASTER_PORT=" + std::to_string(o_.port),
+            "WEFT_RUN_ID=" + run_id_,
             "WEFT_JOB_TOKEN=" + token_,
         };
         if (!o_.gpus.empty()) {
@@ -613,6 +618,7 @@ private:
 
     Options o_;
     std::string token_;
+    std::string run_id_;
     sigset_t old_mask_{};
     int signal_fd_ = -1;
     Clock::time_point start_;

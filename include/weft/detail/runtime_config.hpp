@@ -25,6 +25,16 @@ std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds option,
 /// (at least 1). Throws weft::Error when the chosen value is outside [1, sm_count].
 int resolve_sm_budget(int option, const std::optional<std::string>& env_value, int sm_count, int ranks_on_device);
 
+/// The compute capability weft's kernels are built for: 9.0 (Hopper: H100, H200, GH200), as sm_90a.
+inline constexpr int kRequiredComputeMajor = 9;
+inline constexpr int kRequiredComputeMinor = 0;
+
+/// The architecture check every World makes before anything is compiled or launched: empty when a device of
+/// compute capability `major`.`minor` runs weft's kernels, otherwise the plain sentence of the error, naming
+/// what weft needs and what `rank` found (`device_name` as CUDA reports it, the capability, the CUDA ordinal
+/// `device`). sm_90a code runs on compute capability 9.0 only: neither on earlier GPUs nor on later ones.
+std::string unsupported_device_message(int rank, int device, const std::string& device_name, int major, int minor);
+
 /// "4096 bytes", "64 KiB", "1 GiB", "1.50 GiB (1610612736 bytes)": for messages.
 std::string format_bytes(uint64_t bytes);
 

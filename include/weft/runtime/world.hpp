@@ -40,6 +40,20 @@ struct WorldOptions {
     std::chrono::milliseconds timeout{0};  ///< 0: WEFT_TIMEOUT_MS, else 10 s
 };
 
+/// Who this rank is in a World built on a store of your own (World::from_store).
+struct WorldMembership {
+    int rank = -1;      ///< this rank, in [0, num_ranks)
+    int num_ranks = 0;  ///< ranks of the World (at least 1)
+    /// This rank's index among the ranks of its host, and their number. -1 and 0 (the defaults): derived from
+    /// the host names every rank publishes, in rank order. Give both or neither.
+    int local_rank = -1;
+    int local_num_ranks = 0;
+    /// Every key the World reads or writes in the store starts with key_prefix + "/" (printable ASCII, no
+    /// spaces). Worlds that share one store at the same time need different prefixes; one World after another
+    /// may reuse a prefix (each World keeps its keys under an id of its own and removes them as it goes).
+    std::string key_prefix = "weft";
+};
+
 /// One rank's view of the job. Created collectively (every rank creates its World; the constructor
 /// exchanges device, host and heap information and maps the peers' heaps, and before that launches one
 /// empty kernel per CUDA context: docs/runtime.md, "A context's first kernel launch"); destroyed collectively (the
@@ -47,9 +61,24 @@ struct WorldOptions {
 /// anything). All methods are called from the rank's own thread (the one that created the World).
 class World {
 public:
-    /// One process per rank, started by weftrun, torchrun, mpirun or srun (see detect_launch_env). Without
-    /// any launcher environment it returns a world of one rank. Sets eager module loading first.
+    /// One process per rank, started by weftrun, torchrun, mpirun or srun (see detect_launch_env), with nothing
+    /// set beyond what the launcher sets. Without any launcher environment it returns a world of one rank.
+    /// The ranks meet at a store rank 0 starts: on one host an abstract Unix socket named after the user, the
+    /// job and the World (the n-th from_env of each process meets the n-th of the others), across hosts TCP
+    /// on rank 0's host at WEFT_STORE_PORT or a port derived from the job; never the launcher's MASTER_PORT
+    /// (docs/runtime.md, "Finding the store"). Sets eager module loading first.
     static std::unique_ptr<World> from_env(const WorldOptions& options = {});
+
+    /// Every rank calls it with the same `store` (one shared object for ranks that are threads of one process,
+    /// or clients of one store for processes: torch.distributed's store, through an adapter) and its own
+    /// `membership`. Everything the World exchanges (start-up records, heap handles, the pids the descriptor
+    /// checks compare, barriers, teams, the ops' and autotuner's agreements) goes through `store`, under
+    /// `membership.key_prefix`; weft opens no store or port of its own. The store must honour the contract in
+    /// store.hpp. Whether the ranks are threads of one process or processes of their own is found from what
+    /// they publish (a mix is an error). Sets eager module loading first. Throws weft::Error naming the field
+    /// of `membership` that is wrong, or the ranks that did not arrive within the start-up timeout.
+    static std::unique_ptr<World> from_store(std::shared_ptr<Store> store, const WorldMembership& membership,
+                                             const WorldOptions& options = {});
 
     ~World();
     World(const World&) = delete;
@@ -72,6 +101,7 @@ public:
     std::chrono::milliseconds timeout() const;
     SymmetricHeap& heap();
     const SymmetricHeap& heap() const;
+    /// The World's store: the one it was built on, with every key under a prefix private to this World.
     Store& store();
     const Team& team() const;       ///< the world team
     const Team& node_team() const;  ///< the ranks on this host (same host name)

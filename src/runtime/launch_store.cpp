@@ -1,0 +1,133 @@
+// SPDX-License-Identifier: MIT
+// The store of a launched job: an abstract Unix socket on one host, TCP on a derived port across hosts.
+#include "weft/detail/launch_store.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <thread>
+
+#include "runtime_internal.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+#include "weft/runtime/rendezvous.hpp"
+
+namespace weft::detail {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+/// Where rank 0 publishes the World id in its store.
+constexpr const char* kWorldIdKey = "weft/launch/world";
+
+std::string hex16(uint64_t v) {
+    char text[17];
+    std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(v));
+    return text;
+}
+
+std::string describe(const LaunchEnv& env, uint64_t world_index, const LaunchStoreAddress& where) {
+    const std::string at =
+        where.unix_socket.empty() ? where.host + ":" + std::to_string(where.port) : "@" + where.unix_socket;
+    return env.launcher + " job '" + env.job_id + "', rank " + std::to_string(env.rank) + " of " +
+           std::to_string(env.num_ranks) + ", World " + std::to_string(world_index) + " of this process, store at " +
+           at;
+}
+
+}  // namespace
+
+uint64_t stable_hash64(const std::string& text) {
+    uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a, 64 bit
+    for (unsigned char c : text) {
+        hash ^= c;
+        hash *= 0x100000001b3ull;
+    }
+    hash ^= hash >> 30;
+    hash *= 0xbf58476d1ce4e5b9ull;
+    hash ^= hash >> 27;
+    hash *= 0x94d049bb133111ebull;
+    hash ^= hash >> 31;
+    return hash;
+}
+
+LaunchStoreAddress launch_store_address(const LaunchEnv& env, uint32_t uid, uint64_t world_index) {
+    WEFT_CHECK(env.num_ranks > 1, "a job of " << env.num_ranks << " rank needs no store");
+    WEFT_CHECK(!env.job_id.empty(), "the launch environment names no job (LaunchEnv::job_id is empty)");
+    LaunchStoreAddress where;
+    where.world_id = env.job_id + " / World " + std::to_string(world_index);
+    if (env.local_num_ranks == env.num_ranks) {
+        // One host: the ranks share a network namespace (the runtime needs that anyway: the heap's descriptors
+        // travel over abstract sockets too), so an abstract name reaches them all, and binding it is atomic.
+        where.unix_socket = "weft-store-" + hex16(stable_hash64(std::to_string(uid) + "\n" + where.world_id));
+        return where;
+    }
+    where.host = env.master_addr;
+    if (env.store_port != 0) {
+        where.port = env.store_port;
+        return where;
+    }
+    where.port = derived_master_port(where.world_id);
+    if (where.port == env.master_port) where.port = where.port == 32767 ? 20000 : where.port + 1;
+    return where;
+}
+
+std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_index, milliseconds timeout) {
+    const LaunchStoreAddress where = launch_store_address(env, static_cast<uint32_t>(::geteuid()), world_index);
+    RendezvousOptions options;
+    options.rank = env.rank;
+    options.num_ranks = env.num_ranks;
+    options.token = env.job_token;
+    options.timeout = timeout;
+    options.unix_socket = where.unix_socket;
+    if (where.unix_socket.empty()) {
+        options.host = where.host;
+        options.port = where.port;
+    }
+    const Bytes world_id(where.world_id.begin(), where.world_id.end());
+    WEFT_LOG_DEBUG("rendezvous: " << describe(env, world_index, where));
+    const auto deadline = Clock::now() + timeout;
+    std::string last_error = "no attempt";
+    try {
+        if (env.rank == 0) {
+            std::unique_ptr<Store> store = make_tcp_store(options);
+            store->set(kWorldIdKey, world_id);
+            return store;
+        }
+        // A store at this address may still be a previous World's (its rank 0 closes it only after every rank
+        // has left it): such a store is left for the next attempt, until this World's appears.
+        auto backoff = milliseconds(10);
+        while (true) {
+            options.timeout = remaining_ms(deadline);
+            std::unique_ptr<Store> store = connect_tcp_store(options);  // refused, or out of time: final
+            try {
+                const Bytes found = store->get(kWorldIdKey, remaining_ms(deadline));
+                if (found == world_id) return store;
+                last_error = "the store there belongs to '" + std::string(found.begin(), found.end()) + "'";
+            } catch (const Error& e) {
+                last_error = e.what();  // a closing store: try again
+            }
+            store.reset();
+            WEFT_CHECK(Clock::now() < deadline, "no store of this World within " << timeout.count()
+                                                                                 << " ms; last: " << last_error);
+            std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
+            backoff = std::min(backoff * 2, milliseconds(500));
+        }
+    } catch (const Error& e) {
+        std::string what = e.what();
+        if (what.rfind("weft: ", 0) == 0) what.erase(0, 6);
+        throw Error("weft: World::from_env (" + describe(env, world_index, where) + "): " + what +
+                    " (the ranks of a job meet at the store of their n-th World::from_env: every process makes "
+                    "the same calls in the same order)");
+    }
+}
+
+uint64_t next_launch_world_index() {
+    static std::atomic<uint64_t> next{0};
+    return next.fetch_add(1);
+}
+
+}  // namespace weft::detail

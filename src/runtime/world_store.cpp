@@ -1,0 +1,67 @@
+// SPDX-License-Identifier: MIT
+// World::from_store: a World on a store of the user's (torch.distributed's, say), scoped by a key prefix.
+#include <algorithm>
+#include <chrono>
+#include <memory>
+
+#include "runtime_internal.hpp"
+#include "weft/detail/runtime_config.hpp"
+#include "weft/detail/runtime_placement.hpp"
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+#include "weft/runtime/module_loading.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft {
+
+std::unique_ptr<World> World::from_store(std::shared_ptr<Store> store, const WorldMembership& membership,
+                                         const WorldOptions& options) {
+    const WorldMembership& m = membership;
+    WEFT_CHECK(store != nullptr, "World::from_store: the store is null");
+    WEFT_CHECK(m.num_ranks >= 1, "WorldMembership::num_ranks must be at least 1, got " << m.num_ranks);
+    WEFT_CHECK(m.rank >= 0 && m.rank < m.num_ranks,
+               "WorldMembership::rank must be in [0, num_ranks=" << m.num_ranks << "), got " << m.rank);
+    const bool local_given = m.local_rank >= 0 || m.local_num_ranks > 0;
+    if (local_given) {
+        WEFT_CHECK(m.local_num_ranks >= 1 && m.local_num_ranks <= m.num_ranks,
+                   "WorldMembership::local_num_ranks must be in [1, num_ranks="
+                       << m.num_ranks << "] when local_rank is given, got " << m.local_num_ranks);
+        WEFT_CHECK(m.local_rank >= 0 && m.local_rank < m.local_num_ranks,
+                   "WorldMembership::local_rank must be in [0, local_num_ranks="
+                       << m.local_num_ranks << ") when local_num_ranks is given, got " << m.local_rank);
+    } else {
+        WEFT_CHECK(m.local_rank == -1 && m.local_num_ranks == 0,
+                   "WorldMembership::local_rank and local_num_ranks are given together or left at -1 and 0, got "
+                       << m.local_rank << " and " << m.local_num_ranks);
+    }
+    WEFT_CHECK(!m.key_prefix.empty() && std::all_of(m.key_prefix.begin(), m.key_prefix.end(),
+                                                    [](unsigned char ch) { return ch > 0x20 && ch < 0x7f; }),
+               "WorldMembership::key_prefix must be non-empty printable ASCII without spaces, got '" << m.key_prefix
+                                                                                                    << "'");
+    // Validation first: a wrong argument is reported before this process's CUDA environment changes.
+    const auto timeout = detail::resolve_timeout(options.timeout, env::get("WEFT_TIMEOUT_MS"));
+    prepare_cuda_environment();  // before this process's first CUDA call, if it has made none
+    set_log_rank(m.rank);
+
+    detail::WorldSetup setup;
+    setup.options = options;
+    setup.rank = m.rank;
+    setup.num_ranks = m.num_ranks;
+    setup.store = make_prefix_store(std::move(store), m.key_prefix);
+    // Processes start seconds apart: the same start-up allowance as the World's own exchanges.
+    const detail::Placement placement = detail::exchange_placement(
+        *setup.store, "weft/placement", m.rank, m.num_ranks, std::max(timeout, std::chrono::milliseconds(60000)));
+    setup.local_rank = local_given ? m.local_rank : placement.local_rank;
+    setup.local_num_ranks = local_given ? m.local_num_ranks : placement.local_num_ranks;
+    setup.device_hint = setup.local_rank;
+    setup.same_process = placement.same_process;
+    WEFT_LOG_DEBUG("World::from_store: rank " << m.rank << " of " << m.num_ranks << ", local rank "
+                                              << setup.local_rank << " of " << setup.local_num_ranks
+                                              << (placement.same_process ? ", ranks are threads of one process"
+                                                                         : ", one process per rank")
+                                              << ", keys under '" << m.key_prefix << "/'");
+    return std::unique_ptr<World>(new World(std::move(setup)));
+}
+
+}  // namespace weft
