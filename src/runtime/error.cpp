@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "weft/runtime/driver.hpp"
+#include "weft/runtime/module_loading.hpp"
 
 namespace weft {
 namespace detail {
@@ -115,6 +116,9 @@ const DriverApi& driver() {
 bool cuda_available() noexcept {
     try {
         if (!driver_load().error.empty()) return false;
+        // This may be the process's first CUDA call (the JIT asks it before any World exists): choose eager
+        // module loading first, as World::from_env and run_local would, since the mode is fixed from here on.
+        ensure_eager_module_loading();
         int count = 0;
         return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
     } catch (...) {
