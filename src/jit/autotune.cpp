@@ -27,6 +27,19 @@ constexpr const char* kDecisionFile = "autotune.txt";
 constexpr const char* kDecisionLock = "autotune.lock";
 constexpr const char* kDecisionFormat = "v1";
 
+// The decision file, read as the kernel cache reads its entries: a file that is not trusted (a symbolic
+// link, a FIFO, another user's, writable by others, oversized) is ignored with a warning, never read.
+constexpr uint64_t kMaxDecisionBytes = uint64_t{16} << 20;
+
+std::optional<std::vector<char>> read_decisions(const fs::path& dir) {
+    std::string why;
+    std::optional<std::vector<char>> bytes = read_trusted_file(dir, kDecisionFile, kMaxDecisionBytes, &why);
+    if (!bytes && !why.empty()) {
+        WEFT_LOG_WARN("autotune: not using " << (dir / kDecisionFile).string() << ": " << why);
+    }
+    return bytes;
+}
+
 std::string trim(const std::string& s) {
     const size_t b = s.find_first_not_of(" \t\r\n");
     if (b == std::string::npos) return {};
@@ -196,18 +209,10 @@ std::optional<std::string> Autotuner::cached_decision(const TuneKey& key) const 
         if (auto it = memory_.find(id); it != memory_.end()) return it->second;
     }
     if (!config_.cache_dir) return std::nullopt;
-    const fs::path path = *config_.cache_dir / kDecisionFile;
-    std::error_code ec;
-    if (!fs::exists(path, ec)) return std::nullopt;
-    std::vector<char> bytes;
-    try {
-        bytes = read_file_bytes(path);
-    } catch (const Error& e) {
-        WEFT_LOG_WARN("autotune: cannot read " << path.string() << ": " << e.what());
-        return std::nullopt;
-    }
+    std::optional<std::vector<char>> bytes = read_decisions(*config_.cache_dir);
+    if (!bytes) return std::nullopt;
     std::optional<std::string> found;
-    std::istringstream in(std::string(bytes.begin(), bytes.end()));
+    std::istringstream in(std::string(bytes->begin(), bytes->end()));
     std::string line;
     while (std::getline(in, line)) {
         // v1 \t op \t problem \t world \t arch \t version \t candidate \t time_ms
@@ -237,9 +242,8 @@ void Autotuner::store_decision(const TuneKey& key, const std::string& name, doub
         WEFT_CHECK(lock.owns(), "cannot lock " << (*config_.cache_dir / kDecisionLock).string());
         const fs::path path = *config_.cache_dir / kDecisionFile;
         std::string kept;
-        if (fs::exists(path, ec)) {
-            const std::vector<char> bytes = read_file_bytes(path);
-            std::istringstream in(std::string(bytes.begin(), bytes.end()));
+        if (std::optional<std::vector<char>> bytes = read_decisions(*config_.cache_dir)) {
+            std::istringstream in(std::string(bytes->begin(), bytes->end()));
             std::string line;
             while (std::getline(in, line)) {
                 const auto fields = split(line, '\t');

@@ -248,6 +248,49 @@ std::vector<char> read_file_bytes(const fs::path& path) {
     return bytes;
 }
 
+std::optional<std::vector<char>> read_trusted_file(const fs::path& dir, const std::string& name, uint64_t max_bytes,
+                                                   std::string* why) {
+    why->clear();
+    bool absent = false;
+    Fd dir_fd(open_trusted_dir(AT_FDCWD, dir.c_str(), false, why, &absent));
+    if (dir_fd.get() < 0) {
+        if (absent) why->clear();
+        else *why = "the folder " + dir.string() + " " + *why;
+        return std::nullopt;
+    }
+    // O_NOFOLLOW: a symbolic link is refused; O_NONBLOCK: a FIFO does not block the open.
+    Fd fd(::openat(dir_fd.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+    if (fd.get() < 0) {
+        if (errno != ENOENT) *why = errno == ELOOP ? "it is a symbolic link" : "it cannot be opened: " + errno_text();
+        return std::nullopt;
+    }
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) {
+        *why = "it cannot be examined: " + errno_text();
+        return std::nullopt;
+    }
+    if (std::string reason = distrust(st, false); !reason.empty()) {
+        *why = "it " + reason;
+        return std::nullopt;
+    }
+    if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+        *why = "it holds " + std::to_string(st.st_size) + " bytes, over the limit of " + std::to_string(max_bytes);
+        return std::nullopt;
+    }
+    std::vector<char> bytes(static_cast<size_t>(st.st_size));
+    size_t done = 0;
+    while (done < bytes.size()) {
+        const ssize_t n = ::read(fd.get(), bytes.data() + done, bytes.size() - done);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            *why = "read " + std::to_string(done) + " of " + std::to_string(bytes.size()) + " bytes";
+            return std::nullopt;
+        }
+        done += static_cast<size_t>(n);
+    }
+    return bytes;
+}
+
 void write_file_atomically(const fs::path& path, const void* data, size_t bytes) {
     const fs::path parent = path.has_parent_path() ? path.parent_path() : fs::path(".");
     Fd dir(::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));

@@ -14,8 +14,11 @@
 #include <set>
 #include <thread>
 
+#include <sys/stat.h>
+
 #include "support/jit_testing.hpp"
 #include "weft/jit/autotune.hpp"
+#include "weft/jit/cache.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft::jit {
@@ -141,6 +144,52 @@ TEST(JitAutotune, OneRankTunesThenReusesTheDecision) {
     size_t lines = 0;
     for (size_t p = after.find("\tm=128,n=256\t"); p != std::string::npos; p = after.find("\tm=128,n=256\t", p + 1)) ++lines;
     EXPECT_EQ(lines, 1u) << after;
+}
+
+TEST(JitAutotune, UntrustedDecisionFilesAreIgnored) {
+    // A decision file the kernel cache would not trust is never read: each case plants a file naming
+    // candidate "a" (the slowest), and the tuner must measure instead of taking it.
+    FakeTimes fake;
+    fake.table = {{{0, "a"}, 3.0}, {{0, "b"}, 1.5}};
+    const std::string planted = std::string("v1\tgemm\tm=128,n=256\t1\tsm_90a\t") + WEFT_VERSION_STRING + "\ta\t0.1\n";
+    auto expect_ignored = [&](const fs::path& dir, const char* what) {
+        Autotuner tuner(config_in(dir), fake.measure_for(0));
+        const auto started = std::chrono::steady_clock::now();
+        EXPECT_FALSE(tuner.cached_decision(key()).has_value()) << what;
+        EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::milliseconds(100)) << what;
+        EXPECT_EQ(tuner.tune(key(), candidates({"a", "b"})).name, "b") << what;
+    };
+    {
+        TempDir dir("weft_tune_link");
+        write_file_atomically(dir / "elsewhere.txt", planted.data(), planted.size());
+        fs::create_symlink(dir / "elsewhere.txt", dir / "autotune.txt");
+        expect_ignored(dir.path(), "symbolic link");
+    }
+    {
+        TempDir dir("weft_tune_writable");
+        write_file_atomically(dir / "autotune.txt", planted.data(), planted.size());
+        fs::permissions(dir / "autotune.txt", fs::perms::all);
+        expect_ignored(dir.path(), "file writable by others");
+    }
+    {
+        TempDir dir("weft_tune_fifo");
+        ASSERT_EQ(::mkfifo((dir / "autotune.txt").c_str(), 0644), 0);
+        expect_ignored(dir.path(), "FIFO");
+    }
+    {
+        TempDir dir("weft_tune_open_dir");
+        fs::create_directories(dir / "open");
+        write_file_atomically(dir / "open" / "autotune.txt", planted.data(), planted.size());
+        fs::permissions(dir / "open", fs::perms::all);  // 0777 without the sticky bit
+        expect_ignored(dir / "open", "folder writable by others");
+    }
+    {
+        // The same file, trusted, is taken (the cases above fail for the reason they name).
+        TempDir dir("weft_tune_trusted");
+        write_file_atomically(dir / "autotune.txt", planted.data(), planted.size());
+        Autotuner tuner(config_in(dir.path()), fake.measure_for(0));
+        EXPECT_EQ(tuner.cached_decision(key()), std::optional<std::string>("a"));
+    }
 }
 
 TEST(JitAutotune, ForcedAndDisabled) {

@@ -94,6 +94,11 @@ private:
 /// Reads a whole regular file (opened without blocking, so a FIFO is an error, not a hang); throws
 /// weft::Error naming the path when it cannot be read.
 std::vector<char> read_file_bytes(const std::filesystem::path& path);
+/// Reads `dir`/`name` only when it is trusted as a cache entry is (a trusted `dir`; `name` a regular file, not
+/// a symbolic link, owned by this user or root, not writable by others, at most `max_bytes` long); never
+/// blocks. nullopt when it is absent (`*why` empty) or refused or unreadable (`*why` says why).
+std::optional<std::vector<char>> read_trusted_file(const std::filesystem::path& dir, const std::string& name,
+                                                   uint64_t max_bytes, std::string* why);
 /// Writes `bytes` to a new temporary file next to `path` (mode 0644) and renames it over `path`.
 void write_file_atomically(const std::filesystem::path& path, const void* data, size_t bytes);
 
