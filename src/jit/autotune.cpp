@@ -289,26 +289,18 @@ TuneResult Autotuner::tune(const TuneKey& key_in, const std::vector<TuneCandidat
         return -1;
     };
     TuneResult result;
-    if (auto it = config_.forced.find(key.op); it != config_.forced.end()) {
-        const int idx = index_of(it->second);
-        if (idx < 0) {
-            std::ostringstream names;
-            for (const auto& c : candidates) names << " " << c.name;
-            WEFT_FAIL("WEFT_AUTOTUNE_FORCE names candidate '" << it->second << "' for op " << key.op
-                                                               << ", which has only:" << names.str());
-        }
-        result.index = static_cast<size_t>(idx);
-        result.name = it->second;
-        result.origin = TuneResult::Origin::kForced;
-        return result;
+    // This rank's setting for the op: a forced candidate's index, kNotForced (tune or reuse a decision),
+    // kDisabled (WEFT_AUTOTUNE=0: the first candidate), or kUnknownForced (forced to a name not in the list).
+    // Ranks must agree on it like on any decision: a forced rank would otherwise run another config than its
+    // peers, whose kernels then wait for work that never comes.
+    constexpr int kNotForced = -1, kDisabled = -2, kUnknownForced = -3;
+    const auto forced = config_.forced.find(key.op);
+    int setting = kNotForced;
+    if (forced != config_.forced.end()) {
+        setting = index_of(forced->second) >= 0 ? index_of(forced->second) : kUnknownForced;
+    } else if (!config_.enabled) {
+        setting = kDisabled;
     }
-    if (!config_.enabled) {
-        result.index = 0;
-        result.name = candidates[0].name;
-        result.origin = TuneResult::Origin::kDisabled;
-        return result;
-    }
-
     const bool distributed = comm != nullptr && num_ranks > 1;
     if (distributed) {
         const double mine = list_fingerprint(key, candidates);
@@ -316,7 +308,40 @@ TuneResult Autotuner::tune(const TuneKey& key_in, const std::vector<TuneCandidat
             WEFT_CHECK(other == mine, "autotune " << key.op << " [" << key.problem
                                                   << "]: ranks called tune() with different keys or candidate lists");
         }
+        const std::vector<double> settings = comm->all_gather(static_cast<double>(setting));
+        auto describe = [&](double v) -> std::string {
+            const int s = static_cast<int>(v);
+            if (s >= 0) return "forces '" + candidates[static_cast<size_t>(s)].name + "' (WEFT_AUTOTUNE_FORCE)";
+            if (s == kDisabled) return "has autotuning off (WEFT_AUTOTUNE=0: the first candidate)";
+            if (s == kUnknownForced) return "forces a candidate the op does not have (WEFT_AUTOTUNE_FORCE)";
+            return "tunes";
+        };
+        for (size_t r = 0; r < settings.size(); ++r) {
+            WEFT_CHECK(settings[r] == settings[0],
+                       "autotune " << key.op << " [" << key.problem << "]: ranks disagree on how to choose: rank 0 "
+                                   << describe(settings[0]) << ", rank " << r << " " << describe(settings[r])
+                                   << "; set WEFT_AUTOTUNE_FORCE and WEFT_AUTOTUNE alike on every rank");
+        }
     }
+    if (setting == kUnknownForced) {
+        std::ostringstream names;
+        for (const auto& c : candidates) names << " " << c.name;
+        WEFT_FAIL("WEFT_AUTOTUNE_FORCE names candidate '" << forced->second << "' for op " << key.op
+                                                           << ", which has only:" << names.str());
+    }
+    if (setting >= 0) {
+        result.index = static_cast<size_t>(setting);
+        result.name = forced->second;
+        result.origin = TuneResult::Origin::kForced;
+        return result;
+    }
+    if (setting == kDisabled) {
+        result.index = 0;
+        result.name = candidates[0].name;
+        result.origin = TuneResult::Origin::kDisabled;
+        return result;
+    }
+
     // Reuse a decision only when every rank has it: a rank that would tune alone would wait forever
     // for the others at the first barrier.
     const auto cached = cached_decision(key);

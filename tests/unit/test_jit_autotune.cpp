@@ -237,7 +237,8 @@ TEST(JitAutotune, FailingCandidateIsSkippedAndBadCandidateListsAreErrors) {
 
 // Runs tune() on `n` rank threads; returns each rank's result (or rethrows the first error).
 std::vector<TuneResult> tune_on_ranks(int n, FakeTimes& fake, const std::vector<std::vector<TuneCandidate>>& lists,
-                                      const std::vector<std::optional<fs::path>>& dirs, std::vector<std::string>* errors) {
+                                      const std::vector<std::optional<fs::path>>& dirs, std::vector<std::string>* errors,
+                                      const std::vector<AutotuneConfig>& configs = {}) {
     weft::testing::ThreadTuneComm comm(n);
     std::vector<std::unique_ptr<TuneComm>> comms;
     for (int r = 0; r < n; ++r) comms.push_back(comm.for_rank(r));
@@ -246,7 +247,7 @@ std::vector<TuneResult> tune_on_ranks(int n, FakeTimes& fake, const std::vector<
     errors->assign(static_cast<size_t>(n), "");
     for (int r = 0; r < n; ++r) {
         threads.emplace_back([&, r] {
-            AutotuneConfig config;
+            AutotuneConfig config = configs.empty() ? AutotuneConfig{} : configs[static_cast<size_t>(r)];
             config.cache_dir = dirs[static_cast<size_t>(r)];
             Autotuner tuner(config, fake.measure_for(r));
             try {
@@ -329,6 +330,35 @@ TEST(JitAutotune, RanksWithDifferentCandidateListsAllFail) {
     std::vector<std::string> errors;
     tune_on_ranks(2, fake, {candidates({"x"}), candidates({"x", "z"})}, {std::nullopt, std::nullopt}, &errors);
     for (const auto& e : errors) EXPECT_NE(e.find("different keys or candidate lists"), std::string::npos) << e;
+    EXPECT_EQ(fake.calls, 0);
+}
+
+TEST(JitAutotune, ForcedChoiceMustAgree) {
+    FakeTimes fake;
+    fake.table = {{{0, "x"}, 1.0}, {{1, "x"}, 1.0}, {{2, "x"}, 1.0}, {{0, "y"}, 2.0}, {{1, "y"}, 2.0}, {{2, "y"}, 2.0}};
+    const auto list = candidates({"x", "y"});
+    std::vector<std::string> errors;
+    AutotuneConfig forced;
+    forced.forced = {{"ag_gemm", "y"}};
+    AutotuneConfig off;
+    off.enabled = false;
+    // Rank 1 alone forces "y": every rank fails, naming both settings, and nothing is timed.
+    tune_on_ranks(3, fake, {list, list, list}, {std::nullopt, std::nullopt, std::nullopt}, &errors,
+                  {AutotuneConfig{}, forced, AutotuneConfig{}});
+    for (const auto& e : errors) {
+        EXPECT_NE(e.find("ranks disagree on how to choose: rank 0 tunes, rank 1 forces 'y'"), std::string::npos) << e;
+    }
+    EXPECT_EQ(fake.calls, 0);
+    // One rank with autotuning off, the others forcing: an error too.
+    tune_on_ranks(2, fake, {list, list}, {std::nullopt, std::nullopt}, &errors, {forced, off});
+    for (const auto& e : errors) EXPECT_NE(e.find("WEFT_AUTOTUNE=0"), std::string::npos) << e;
+    // Every rank forcing the same candidate: agreed, nothing timed.
+    const auto results = tune_on_ranks(2, fake, {list, list}, {std::nullopt, std::nullopt}, &errors, {forced, forced});
+    EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
+    for (const auto& r : results) {
+        EXPECT_EQ(r.name, "y");
+        EXPECT_EQ(r.origin, TuneResult::Origin::kForced);
+    }
     EXPECT_EQ(fake.calls, 0);
 }
 
