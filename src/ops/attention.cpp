@@ -284,19 +284,27 @@ jit::KernelSpec decode_attention_kernel_spec(const AttentionDecodeConfig& config
     return spec;
 }
 
-uint64_t decode_attention_workspace_bytes(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                                          int64_t max_seq_len, const DecodeAttentionOptions& options) {
+AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+                                               int64_t head_dim, int64_t max_seq_len,
+                                               const DecodeAttentionOptions& options) {
     WEFT_CHECK(batch >= 0 && num_kv_heads >= 1 && num_q_heads >= 1 && max_seq_len >= 0,
-               kOp << ": workspace size needs batch >= 0, heads >= 1 and max_seq_len >= 0, got batch " << batch
+               kOp << ": the split plan needs batch >= 0, heads >= 1 and max_seq_len >= 0, got batch " << batch
                    << ", num_q_heads " << num_q_heads << ", num_kv_heads " << num_kv_heads << ", max_seq_len "
                    << max_seq_len);
     WEFT_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256,
                kOp << ": head_dim must be 64, 128 or 256, got " << head_dim);
+    WEFT_CHECK(options.num_splits >= 0, kOp << ": options.num_splits must be >= 0 (0: automatic), got "
+                                            << options.num_splits);
     AttentionDecodeConfig c;
     c.head_dim = static_cast<int32_t>(head_dim);
     c.stages = attention_default_stages(c.head_dim);
+    return plan_attention_splits(batch, num_kv_heads, max_seq_len, resident_blocks_here(c), options.num_splits);
+}
+
+uint64_t decode_attention_workspace_bytes(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                                          int64_t max_seq_len, const DecodeAttentionOptions& options) {
     const AttentionSplitPlan s =
-        plan_attention_splits(batch, num_kv_heads, max_seq_len, resident_blocks_here(c), options.num_splits);
+        decode_attention_split_plan(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, options);
     if (s.num_splits <= 1) return 0;
     const uint64_t rows = static_cast<uint64_t>(batch) * static_cast<uint64_t>(num_q_heads) *
                           static_cast<uint64_t>(s.num_splits);

@@ -54,6 +54,11 @@ void decode_attention(const TensorView& q, const TensorView& k_cache, const Tens
                       const TensorView& out, const TensorView& lse, cudaStream_t stream,
                       const DecodeAttentionOptions& options = {});
 
+/// The KV splits decode_attention uses on the current device for these sizes and options.
+AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+                                               int64_t head_dim, int64_t max_seq_len,
+                                               const DecodeAttentionOptions& options = {});
+
 /// Bytes of options.workspace decode_attention needs on the current device for these sizes (0 when one split
 /// suffices).
 uint64_t decode_attention_workspace_bytes(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
