@@ -9,6 +9,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "weft/jit/aot.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 
@@ -282,6 +283,19 @@ jit::KernelSpec decode_attention_kernel_spec(const AttentionDecodeConfig& config
     spec.instantiation = inst.str();
     spec.description = desc.str();
     return spec;
+}
+
+void register_attention_aot_specs() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        for (DType t : {DType::kBF16, DType::kF16}) {
+            for (int32_t d : {64, 128, 256}) {
+                const AttentionDecodeConfig c{.dtype = t, .head_dim = d, .stages = attention_default_stages(d)};
+                jit::register_aot_spec(decode_attention_kernel_spec(c, false));
+                jit::register_aot_spec(decode_attention_kernel_spec(c, true));
+            }
+        }
+    });
 }
 
 AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,

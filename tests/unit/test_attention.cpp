@@ -5,12 +5,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "support/jit_testing.hpp"
 #include "support/sass_testing.hpp"
 #include "weft/common/attention.hpp"
+#include "weft/jit/aot.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/attention.hpp"
 #include "weft/runtime/error.hpp"
@@ -293,6 +295,20 @@ TEST(AttentionNvrtc, EverySpecialisationCompilesWithTheExpectedSass) {
     }
     if (checked_sass == 0) GTEST_SKIP() << "SKIPPED: SASS not checked: " << why_not;
     EXPECT_EQ(checked_sass, 12);
+}
+
+TEST(AttentionNvrtc, AotRegistrationListsEverySpecialisationOnce) {
+    register_attention_aot_specs();
+    register_attention_aot_specs();  // idempotent
+    int split = 0, combine = 0;
+    std::set<std::string> seen;
+    for (const jit::KernelSpec& s : jit::aot_specs()) {
+        if (s.header != "attention/decode.cuh") continue;
+        EXPECT_TRUE(seen.insert(s.instantiation).second) << "listed twice: " << s.instantiation;
+        (s.instantiation.find("decode_split") != std::string::npos ? split : combine) += 1;
+    }
+    EXPECT_EQ(split, 6);
+    EXPECT_EQ(combine, 6);
 }
 
 }  // namespace

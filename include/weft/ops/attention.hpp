@@ -68,6 +68,10 @@ uint64_t decode_attention_workspace_bytes(int64_t batch, int64_t num_q_heads, in
 /// The JIT spec of the split kernel (combine = false) or the combine kernel for `config`.
 jit::KernelSpec decode_attention_kernel_spec(const AttentionDecodeConfig& config, bool combine);
 
+/// Registers (once per process) the specs decode_attention can launch (bf16 and f16, head_dim 64/128/256, the default
+/// depths) with weft::jit::register_aot_spec, for weft-compile --builtin. Thread-safe.
+void register_attention_aot_specs();
+
 namespace detail {
 
 /// What decode_attention launches, computed on the CPU from the arguments alone.
