@@ -46,7 +46,8 @@ struct Options {
 
 Options parse(int argc, char** argv) {
     Options o;
-    weft::bench::Cli cli("weft_bench_attention", "paged decode attention: KV bytes read per second vs the read roofline");
+    weft::bench::Cli cli("weft_bench_attention",
+                         "paged decode attention: KV bytes read per second vs the read roofline");
     cli.sizes("L[,L...]", "KV tokens per sequence (default 1K..1M, powers of 4 and 32K)", [&](const std::string& v) {
         o.kv_lens.clear();
         for (const std::string& s : weft::bench::split(v, ',')) {
@@ -135,7 +136,8 @@ int main(int argc, char** argv) {
                         const int64_t used = batch * pages_per_seq;
                         const int64_t rotations = std::clamp<int64_t>(
                             static_cast<int64_t>((256ull << 20) / std::max<uint64_t>(cache_bytes, 1)) + 1, 1,
-                            std::max<int64_t>(1, static_cast<int64_t>(opt.max_bytes / std::max<uint64_t>(cache_bytes, 1))));
+                            std::max<int64_t>(
+                                1, static_cast<int64_t>(opt.max_bytes / std::max<uint64_t>(cache_bytes, 1))));
                         const int64_t num_pages = used * rotations;
                         DeviceBuffer k(static_cast<size_t>(num_pages * page_bytes));
                         DeviceBuffer v(static_cast<size_t>(num_pages * page_bytes));
@@ -149,7 +151,8 @@ int main(int argc, char** argv) {
                         BENCH_CUDA(cudaMemcpy(tables.ptr, order.data(), order.size() * 4, cudaMemcpyHostToDevice));
                         std::vector<int32_t> lens_host(static_cast<size_t>(batch), static_cast<int32_t>(len));
                         DeviceBuffer lens(lens_host.size() * 4);
-                        BENCH_CUDA(cudaMemcpy(lens.ptr, lens_host.data(), lens_host.size() * 4, cudaMemcpyHostToDevice));
+                        BENCH_CUDA(
+                            cudaMemcpy(lens.ptr, lens_host.data(), lens_host.size() * 4, cudaMemcpyHostToDevice));
                         const int64_t q_elems = batch * h.q * opt.dim;
                         DeviceBuffer q(static_cast<size_t>(q_elems * elem));
                         DeviceBuffer out(static_cast<size_t>(q_elems * elem));
@@ -166,7 +169,8 @@ int main(int argc, char** argv) {
                         const uint64_t ws_bytes =
                             weft::ops::decode_attention_workspace_bytes(batch, h.q, h.kv, opt.dim, len, o);
                         DeviceBuffer ws(static_cast<size_t>(ws_bytes));
-                        o.workspace = TensorView(ws.ptr, DType::kU8, {static_cast<int64_t>(std::max<uint64_t>(ws_bytes, 16))});
+                        o.workspace =
+                            TensorView(ws.ptr, DType::kU8, {static_cast<int64_t>(std::max<uint64_t>(ws_bytes, 16))});
                         const auto call = [&](int i) {
                             const int64_t r = i % rotations;
                             const TensorView table(static_cast<int32_t*>(tables.ptr) + r * used, DType::kI32,
@@ -176,13 +180,15 @@ int main(int argc, char** argv) {
                         const double ms = weft::bench::time_batch_ms(stream, opt.warmup, opt.iters, call);
                         const double us = ms * 1e3;
                         const double tbs = static_cast<double>(kv_bytes) / (us * 1e-6) / 1e12;
-                        const double roof_us = peaks.read_tbs > 0 ? static_cast<double>(kv_bytes) / (peaks.read_tbs * 1e12) * 1e6 : 0;
+                        const double roof_us =
+                            peaks.read_tbs > 0 ? static_cast<double>(kv_bytes) / (peaks.read_tbs * 1e12) * 1e6 : 0;
                         const double pct = peaks.read_tbs > 0 ? 100.0 * tbs / peaks.read_tbs : 0;
                         const int32_t splits =
                             weft::ops::decode_attention_split_plan(batch, h.q, h.kv, opt.dim, len, o).num_splits;
                         std::string check;
                         if (opt.check) {
-                            // One split (the split kernel writes out directly) against the chosen plan (split + combine).
+                            // One split (the split kernel writes out directly) against the chosen plan (split +
+                            // combine).
                             weft::ops::DecodeAttentionOptions one;
                             one.num_splits = 1;
                             const TensorView tref(out_ref.ptr, opt.dtype, {batch, h.q, opt.dim});

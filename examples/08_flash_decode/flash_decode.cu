@@ -108,7 +108,8 @@ int main(int argc, char** argv) {
         // The roofline: a streaming read of the whole K cache.
         int sms = 0;
         WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-        const float read_ms = time_ms([&] { stream_read<<<sms * 8, 512>>>(reinterpret_cast<const uint4*>(k), cache_elems / 8, sink); }, 10);
+        const float read_ms = time_ms(
+            [&] { stream_read<<<sms * 8, 512>>>(reinterpret_cast<const uint4*>(k), cache_elems / 8, sink); }, 10);
         const double read_tbs = static_cast<double>(cache_elems) * 2 / (read_ms * 1e-3) / 1e12;
         std::printf("decode attention, bf16, %d q-heads / %d KV heads, head_dim %d, batch %d, page %d (random order)\n",
                     kQHeads, kKvHeads, kDim, batch, page);
@@ -125,7 +126,8 @@ int main(int argc, char** argv) {
             WEFT_CUDA_CHECK(cudaMemcpy(seq_lens, l.data(), l.size() * 4, cudaMemcpyHostToDevice));
             const TensorView ttable(table, DType::kI32, {batch, pages_per_seq});
             const TensorView tlens(seq_lens, DType::kI32, {batch});
-            const float ms = time_ms([&] { weft::ops::decode_attention(tq, tk, tv, ttable, tlens, len, tout, tlse, nullptr); }, 20);
+            const float ms =
+                time_ms([&] { weft::ops::decode_attention(tq, tk, tv, ttable, tlens, len, tout, tlse, nullptr); }, 20);
             const double bytes = 2.0 * batch * len * kKvHeads * kDim * 2;
             const double tbs = bytes / (ms * 1e-3) / 1e12;
             const int splits = weft::ops::decode_attention_split_plan(batch, kQHeads, kKvHeads, kDim, len).num_splits;
@@ -153,7 +155,8 @@ int main(int argc, char** argv) {
         };
         for (int t = 0; t < len; ++t) {
             double dot = 0;
-            for (int e = 0; e < kDim; ++e) dot += bf16_to_float(hq[e]) * static_cast<double>(bf16_to_float(hk[at(t) + e]));
+            for (int e = 0; e < kDim; ++e)
+                dot += bf16_to_float(hq[e]) * static_cast<double>(bf16_to_float(hk[at(t) + e]));
             s[static_cast<size_t>(t)] = dot / std::sqrt(static_cast<double>(kDim));
             m = std::max(m, s[static_cast<size_t>(t)]);
         }

@@ -73,12 +73,12 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
     using E = Elem<C.dtype>;
     constexpr int kDim = C.head_dim;
     constexpr int kRowBytes = kDim * 2;
-    constexpr int kChunks = kDim / 8;                    // 16-byte chunks per row
+    constexpr int kChunks = kDim / 8;  // 16-byte chunks per row
     constexpr int kTile = kAttentionTileTokens;
     constexpr int kStageBytes = kTile * kRowBytes;
     constexpr int kRowsPerPass = kAttentionThreads / kChunks;
     constexpr int kLoadsPerThread = kTile / kRowsPerPass;  // per tensor and tile
-    constexpr int kNTiles = kDim / 8;                    // 8-column output tiles per row block
+    constexpr int kNTiles = kDim / 8;                      // 8-column output tiles per row block
     static_assert(kAttentionThreads % kChunks == 0 && kTile % kRowsPerPass == 0, "tile loads must divide evenly");
 
     extern __shared__ __align__(128) uint8_t smem[];
@@ -130,14 +130,14 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
     // table's latency does not stall the copies. At head_dim 256 (16 rows per thread, 128 accumulators) the pages are
     // read just before their copies instead: holding them a tile longer would spill.
     constexpr bool kPrefetchPages = kLoadsPerThread <= 8;
-    auto lookup = [&](int tile, int32_t (&pages)[kLoadsPerThread]) {
+    auto lookup = [&](int tile, int32_t(&pages)[kLoadsPerThread]) {
 #pragma unroll
         for (int i = 0; i < kLoadsPerThread; ++i) {
             const int t = first + tile * kTile + my_row + i * kRowsPerPass;
             pages[i] = t < end ? table[static_cast<unsigned>(t) / page_size] : 0;
         }
     };
-    auto issue = [&](int tile, int stage, int32_t (&pages)[kLoadsPerThread]) {
+    auto issue = [&](int tile, int stage, int32_t(&pages)[kLoadsPerThread]) {
         if constexpr (!kPrefetchPages) lookup(tile, pages);
 #pragma unroll
         for (int i = 0; i < kLoadsPerThread; ++i) {
@@ -191,8 +191,7 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
             ptx::ldmatrix_x4(a[0], a[1], a[2], a[3], q_base + swizzled<kRowBytes>(q_row, kk * 2 + (lane >> 4)));
             unsigned b0, b1, b2, b3;
             const int k_row = warp * 16 + (lane & 7) + (lane >> 4) * 8;
-            ptx::ldmatrix_x4(b0, b1, b2, b3,
-                             k_base + stage + swizzled<kRowBytes>(k_row, kk * 2 + ((lane >> 3) & 1)));
+            ptx::ldmatrix_x4(b0, b1, b2, b3, k_base + stage + swizzled<kRowBytes>(k_row, kk * 2 + ((lane >> 3) & 1)));
             E::mma(s[0], a, b0, b1);
             E::mma(s[1], a, b2, b3);
         }
@@ -252,11 +251,11 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
     // over the (now idle) K/V stages; then each output element sums its 4 warps' values.
     ptx::cp_async_wait<0>();
     __syncthreads();
-    float* const warp_max = reinterpret_cast<float*>(q_smem);     // [warps][16]
-    float* const warp_sum = warp_max + kAttentionWarps * 16;      // [warps][16]
-    float* const block_max = warp_sum + kAttentionWarps * 16;     // [16]
-    float* const block_sum = block_max + 16;                      // [16]
-    float* const buf = reinterpret_cast<float*>(k_smem);          // [warps][16][kDim]
+    float* const warp_max = reinterpret_cast<float*>(q_smem);  // [warps][16]
+    float* const warp_sum = warp_max + kAttentionWarps * 16;   // [warps][16]
+    float* const block_max = warp_sum + kAttentionWarps * 16;  // [16]
+    float* const block_sum = block_max + 16;                   // [16]
+    float* const buf = reinterpret_cast<float*>(k_smem);       // [warps][16][kDim]
     row_sum[0] = quad_sum(row_sum[0]);
     row_sum[1] = quad_sum(row_sum[1]);
     if (t4 == 0) {
@@ -282,7 +281,8 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
         float l = 0.f;
         if (m != neg_inf()) {
 #pragma unroll
-            for (int w = 0; w < kAttentionWarps; ++w) l += warp_sum[w * 16 + tid] * fast_exp2(warp_max[w * 16 + tid] - m);
+            for (int w = 0; w < kAttentionWarps; ++w)
+                l += warp_sum[w * 16 + tid] * fast_exp2(warp_max[w * 16 + tid] - m);
         }
         block_max[tid] = m;
         block_sum[tid] = l;
@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(kAttentionCombineThreads) decode_combine(Atten
     static_assert(is_valid(C), "AttentionDecodeConfig: see is_valid() in weft/common/attention.hpp");
     using E = Elem<C.dtype>;
     constexpr int kDim = C.head_dim;
-    constexpr int kVecs = kDim / 4;                       // float4 per row
+    constexpr int kVecs = kDim / 4;  // float4 per row
     constexpr int kVecsPerLane = (kVecs + 31) / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const int64_t row = static_cast<int64_t>(blockIdx.x) * (kAttentionCombineThreads / 32) + threadIdx.x / 32;

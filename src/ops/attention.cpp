@@ -29,8 +29,8 @@ void check_basic(const TensorView& v, const char* what, int ndim, size_t align) 
     for (int i = 0; i < ndim; ++i) {
         WEFT_CHECK(v.dim(i) >= 0, kOp << ": " << what << " has a negative extent: " << shape_of(v));
     }
-    WEFT_CHECK(v.numel() == 0 || v.data != nullptr, kOp << ": " << what << " is null but holds " << v.numel()
-                                                        << " elements (" << shape_of(v) << ")");
+    WEFT_CHECK(v.numel() == 0 || v.data != nullptr,
+               kOp << ": " << what << " is null but holds " << v.numel() << " elements (" << shape_of(v) << ")");
     WEFT_CHECK(v.dim(ndim - 1) <= 1 || v.stride(ndim - 1) == 1,
                kOp << ": " << what << " must have innermost stride 1, got " << shape_of(v));
     WEFT_CHECK(reinterpret_cast<uintptr_t>(v.data) % align == 0,
@@ -40,9 +40,9 @@ void check_basic(const TensorView& v, const char* what, int ndim, size_t align) 
 // Outer strides of a 16-bit tensor read with 16-byte loads: non-negative multiples of 8 elements.
 void check_vector_strides(const TensorView& v, const char* what) {
     for (int i = 0; i + 1 < v.ndim; ++i) {
-        WEFT_CHECK(v.stride(i) >= 0 && v.stride(i) % 8 == 0,
-                   kOp << ": " << what << " stride " << i << " must be a non-negative multiple of 8 elements "
-                       << "(16-byte rows), got " << shape_of(v));
+        WEFT_CHECK(v.stride(i) >= 0 && v.stride(i) % 8 == 0, kOp << ": " << what << " stride " << i
+                                                                 << " must be a non-negative multiple of 8 elements "
+                                                                 << "(16-byte rows), got " << shape_of(v));
     }
 }
 
@@ -91,12 +91,12 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
     const int64_t num_pages = k_cache.dim(0);
     const int64_t page_size = k_cache.dim(1);
     const int64_t num_kv_heads = k_cache.dim(2);
-    WEFT_CHECK(k_cache.dim(3) == head_dim, kOp << ": k_cache's head_dim must be q's (" << head_dim << "), got "
-                                               << shape_of(k_cache));
+    WEFT_CHECK(k_cache.dim(3) == head_dim,
+               kOp << ": k_cache's head_dim must be q's (" << head_dim << "), got " << shape_of(k_cache));
     WEFT_CHECK(page_size >= 1 && page_size <= (int64_t{1} << 30),
                kOp << ": page_size (k_cache extent 1) must be at least 1, got " << shape_of(k_cache));
-    WEFT_CHECK(num_kv_heads >= 1, kOp << ": num_kv_heads (k_cache extent 2) must be at least 1, got "
-                                      << shape_of(k_cache));
+    WEFT_CHECK(num_kv_heads >= 1,
+               kOp << ": num_kv_heads (k_cache extent 2) must be at least 1, got " << shape_of(k_cache));
     WEFT_CHECK(num_q_heads >= num_kv_heads && num_q_heads % num_kv_heads == 0,
                kOp << ": num_q_heads (" << num_q_heads << ") must be a positive multiple of num_kv_heads ("
                    << num_kv_heads << ")");
@@ -110,8 +110,8 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
                kOp << ": block_table must be i32, got " << dtype_name(block_table.dtype));
     WEFT_CHECK(block_table.dim(0) == batch,
                kOp << ": block_table must have batch (" << batch << ") rows, got " << shape_of(block_table));
-    WEFT_CHECK(block_table.stride(0) >= 0, kOp << ": block_table's row stride must be >= 0, got "
-                                               << shape_of(block_table));
+    WEFT_CHECK(block_table.stride(0) >= 0,
+               kOp << ": block_table's row stride must be >= 0, got " << shape_of(block_table));
     check_basic(seq_lens, "seq_lens", 1, 4);
     WEFT_CHECK(seq_lens.dtype == DType::kI32, kOp << ": seq_lens must be i32, got " << dtype_name(seq_lens.dtype));
     WEFT_CHECK(seq_lens.dim(0) == batch,
@@ -119,17 +119,16 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
     WEFT_CHECK(max_seq_len >= 0 && max_seq_len < kMaxSeqLen,
                kOp << ": max_seq_len must be in [0, " << kMaxSeqLen << "), got " << max_seq_len);
     WEFT_CHECK(max_seq_len <= block_table.dim(1) * page_size,
-               kOp << ": max_seq_len (" << max_seq_len << ") exceeds what block_table holds ("
-                   << block_table.dim(1) << " pages of " << page_size << " tokens)");
-    WEFT_CHECK(max_seq_len == 0 || num_pages >= 1,
-               kOp << ": k_cache has no pages but max_seq_len is " << max_seq_len);
+               kOp << ": max_seq_len (" << max_seq_len << ") exceeds what block_table holds (" << block_table.dim(1)
+                   << " pages of " << page_size << " tokens)");
+    WEFT_CHECK(max_seq_len == 0 || num_pages >= 1, kOp << ": k_cache has no pages but max_seq_len is " << max_seq_len);
 
     check_basic(out, "out", 3, 16);
     WEFT_CHECK(out.dtype == q.dtype,
                kOp << ": out must have q's dtype " << dtype_name(q.dtype) << ", got " << dtype_name(out.dtype));
-    WEFT_CHECK(out.dim(0) == batch && out.dim(1) == num_q_heads && out.dim(2) == head_dim,
-               kOp << ": out must be [" << batch << ", " << num_q_heads << ", " << head_dim << "], got "
-                   << shape_of(out));
+    WEFT_CHECK(
+        out.dim(0) == batch && out.dim(1) == num_q_heads && out.dim(2) == head_dim,
+        kOp << ": out must be [" << batch << ", " << num_q_heads << ", " << head_dim << "], got " << shape_of(out));
     WEFT_CHECK(out.is_contiguous(), kOp << ": out must be contiguous, got " << shape_of(out));
     const bool want_lse = !is_empty_view(lse);
     if (want_lse) {
@@ -141,8 +140,8 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
     }
     const float scale = options.scale.value_or(1.f / std::sqrt(static_cast<float>(head_dim)));
     WEFT_CHECK(std::isfinite(scale), kOp << ": options.scale must be finite, got " << scale);
-    WEFT_CHECK(options.num_splits >= 0, kOp << ": options.num_splits must be >= 0 (0: automatic), got "
-                                            << options.num_splits);
+    WEFT_CHECK(options.num_splits >= 0,
+               kOp << ": options.num_splits must be >= 0 (0: automatic), got " << options.num_splits);
     WEFT_CHECK(batch <= 65535 && num_kv_heads <= 65535,
                kOp << ": batch and num_kv_heads must be at most 65535 (grid limits), got " << batch << " and "
                    << num_kv_heads);
@@ -178,8 +177,8 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
     p.num_splits = plan.splits.num_splits;
     p.scale_log2 = scale * 1.4426950408889634f;
     if (p.num_splits > 1) {
-        const uint64_t rows = static_cast<uint64_t>(batch) * static_cast<uint64_t>(num_q_heads) *
-                              static_cast<uint64_t>(p.num_splits);
+        const uint64_t rows =
+            static_cast<uint64_t>(batch) * static_cast<uint64_t>(num_q_heads) * static_cast<uint64_t>(p.num_splits);
         const uint64_t o_bytes = rows * static_cast<uint64_t>(head_dim) * 4;
         plan.workspace_bytes = o_bytes + (rows * 4 + 15) / 16 * 16;
     }
@@ -307,8 +306,8 @@ AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_head
                    << max_seq_len);
     WEFT_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256,
                kOp << ": head_dim must be 64, 128 or 256, got " << head_dim);
-    WEFT_CHECK(options.num_splits >= 0, kOp << ": options.num_splits must be >= 0 (0: automatic), got "
-                                            << options.num_splits);
+    WEFT_CHECK(options.num_splits >= 0,
+               kOp << ": options.num_splits must be >= 0 (0: automatic), got " << options.num_splits);
     AttentionDecodeConfig c;
     c.head_dim = static_cast<int32_t>(head_dim);
     c.stages = attention_default_stages(c.head_dim);
@@ -320,8 +319,8 @@ uint64_t decode_attention_workspace_bytes(int64_t batch, int64_t num_q_heads, in
     const AttentionSplitPlan s =
         decode_attention_split_plan(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, options);
     if (s.num_splits <= 1) return 0;
-    const uint64_t rows = static_cast<uint64_t>(batch) * static_cast<uint64_t>(num_q_heads) *
-                          static_cast<uint64_t>(s.num_splits);
+    const uint64_t rows =
+        static_cast<uint64_t>(batch) * static_cast<uint64_t>(num_q_heads) * static_cast<uint64_t>(s.num_splits);
     return rows * static_cast<uint64_t>(head_dim) * 4 + (rows * 4 + 15) / 16 * 16;
 }
 
@@ -351,8 +350,8 @@ void decode_attention(const TensorView& q, const TensorView& k_cache, const Tens
         } else {
             ws = internal_workspace(plan.workspace_bytes, stream);
         }
-        const uint64_t rows = static_cast<uint64_t>(p.batch) * static_cast<uint64_t>(p.num_q_heads) *
-                              static_cast<uint64_t>(p.num_splits);
+        const uint64_t rows =
+            static_cast<uint64_t>(p.batch) * static_cast<uint64_t>(p.num_q_heads) * static_cast<uint64_t>(p.num_splits);
         p.partial_o = static_cast<float*>(ws);
         p.partial_lse = p.partial_o + rows * static_cast<uint64_t>(plan.config.head_dim);
     }

@@ -135,14 +135,14 @@ struct Case {
     Layout layout = Layout::kSlotsHeads;
     bool want_lse = true;
     bool explicit_workspace = false;
-    int extra_max_len = 0;   // max_seq_len above the longest sequence
-    float q_scale = 2.f;     // q in [-q_scale, q_scale]: peaked and flat softmax rows both occur
+    int extra_max_len = 0;  // max_seq_len above the longest sequence
+    float q_scale = 2.f;    // q in [-q_scale, q_scale]: peaked and flat softmax rows both occur
 };
 
 std::string describe(const Case& c) {
     std::ostringstream os;
-    os << dtype_name(c.dtype) << " dim " << c.dim << " kv_heads " << c.num_kv_heads << " group " << c.group
-       << " page " << c.page_size << " splits " << c.num_splits << " layout "
+    os << dtype_name(c.dtype) << " dim " << c.dim << " kv_heads " << c.num_kv_heads << " group " << c.group << " page "
+       << c.page_size << " splits " << c.num_splits << " layout "
        << (c.layout == Layout::kSlotsHeads ? "slots-heads" : "heads-slots") << " lens {";
     for (size_t i = 0; i < c.lens.size() && i < 8; ++i) os << (i ? ", " : "") << c.lens[i];
     if (c.lens.size() > 8) os << ", ... (" << c.lens.size() << ")";
@@ -218,18 +218,16 @@ void run_case(const Case& c, cudaStream_t stream, bool via_graph = false) {
     CK(cudaMemcpy(dv.get(), v.data(), v.size() * 2, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dtable.get(), table.data(), table.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dlens.get(), lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemset(dout.get(), 0xff, q.size() * 2));                          // NaN
+    CK(cudaMemset(dout.get(), 0xff, q.size() * 2));                         // NaN
     CK(cudaMemset(dlse.get(), 0xff, static_cast<size_t>(batch) * hq * 4));  // NaN
 
     const TensorView tq(dq.get(), c.dtype, {batch, hq, d});
-    const TensorView tk = c.layout == Layout::kSlotsHeads
-                              ? TensorView(dk.get(), c.dtype, {num_pages, ps, hkv, d})
-                              : TensorView(dk.get(), c.dtype, {num_pages, ps, hkv, d},
-                                           {page_stride, slot_stride, head_stride, 1});
-    const TensorView tv = c.layout == Layout::kSlotsHeads
-                              ? TensorView(dv.get(), c.dtype, {num_pages, ps, hkv, d})
-                              : TensorView(dv.get(), c.dtype, {num_pages, ps, hkv, d},
-                                           {page_stride, slot_stride, head_stride, 1});
+    const TensorView tk = c.layout == Layout::kSlotsHeads ? TensorView(dk.get(), c.dtype, {num_pages, ps, hkv, d})
+                                                          : TensorView(dk.get(), c.dtype, {num_pages, ps, hkv, d},
+                                                                       {page_stride, slot_stride, head_stride, 1});
+    const TensorView tv = c.layout == Layout::kSlotsHeads ? TensorView(dv.get(), c.dtype, {num_pages, ps, hkv, d})
+                                                          : TensorView(dv.get(), c.dtype, {num_pages, ps, hkv, d},
+                                                                       {page_stride, slot_stride, head_stride, 1});
     const TensorView ttable(dtable.get(), DType::kI32, {batch, max_pages});
     const TensorView tlens(dlens.get(), DType::kI32, {batch});
     const TensorView tout(dout.get(), c.dtype, {batch, hq, d});
@@ -282,7 +280,8 @@ void run_case(const Case& c, cudaStream_t stream, bool via_graph = false) {
             for (int t = 0; t < len; ++t) {
                 const size_t base = at(b, t, kvh);
                 double dot = 0;
-                for (int e = 0; e < d; ++e) dot += static_cast<double>(qf[static_cast<size_t>(e)]) * from_bits(k[base + e], c.dtype);
+                for (int e = 0; e < d; ++e)
+                    dot += static_cast<double>(qf[static_cast<size_t>(e)]) * from_bits(k[base + e], c.dtype);
                 s[static_cast<size_t>(t)] = dot * scale;
                 m = std::max(m, s[static_cast<size_t>(t)]);
             }

@@ -101,7 +101,8 @@ void expect_rejected(const Args& a, std::vector<std::string> words) {
         ADD_FAILURE() << "accepted; expected an error naming: " << words.front();
     } catch (const Error& e) {
         const std::string msg = e.what();
-        for (const std::string& w : words) EXPECT_NE(msg.find(w), std::string::npos) << msg << "\n(missing " << w << ")";
+        for (const std::string& w : words)
+            EXPECT_NE(msg.find(w), std::string::npos) << msg << "\n(missing " << w << ")";
     }
 }
 

@@ -46,9 +46,7 @@ WEFT_HOST_DEVICE constexpr bool is_valid(const AttentionDecodeConfig& c) {
 
 /// The default pipeline depth per head dimension: 2 blocks per SM at 64 and 128 (>= 64 KiB in flight per SM),
 /// one at 256 (two 64 KiB tiles in flight).
-WEFT_HOST_DEVICE constexpr int32_t attention_default_stages(int32_t head_dim) {
-    return head_dim <= 64 ? 4 : 3;
-}
+WEFT_HOST_DEVICE constexpr int32_t attention_default_stages(int32_t head_dim) { return head_dim <= 64 ? 4 : 3; }
 
 /// How the KV range of every (sequence, KV head) is cut: split s covers tokens
 /// [s * tokens_per_split, (s + 1) * tokens_per_split), clipped to the sequence's length.
@@ -115,15 +113,15 @@ struct AttentionDecodeParams {
     int64_t slot_stride = 0;
     int64_t head_stride = 0;
     int64_t block_table_stride = 0;
-    int64_t max_seq_len = 0;       ///< lengths above it are clipped to it (the block table holds this many tokens)
+    int64_t max_seq_len = 0;  ///< lengths above it are clipped to it (the block table holds this many tokens)
     int64_t tokens_per_split = 0;
     int32_t batch = 0;
     int32_t num_q_heads = 0;
     int32_t num_kv_heads = 0;
-    int32_t group = 1;             ///< num_q_heads / num_kv_heads, 1..16
+    int32_t group = 1;  ///< num_q_heads / num_kv_heads, 1..16
     int32_t page_size = 1;
-    int32_t num_splits = 1;        ///< 1: the split kernel writes out and lse itself; no combine kernel
-    float scale_log2 = 0.f;        ///< softmax scale x log2(e): scores are kept in base 2
+    int32_t num_splits = 1;  ///< 1: the split kernel writes out and lse itself; no combine kernel
+    float scale_log2 = 0.f;  ///< softmax scale x log2(e): scores are kept in base 2
 };
 
 }  // namespace weft

@@ -43,6 +43,7 @@ enum class KernelId : int {
     kAllGatherLowLatency,
     kCopyEngineEnter,
     kCopyEngineExit,
+    kAllToAllPull,
     kCount
 };
 

@@ -61,9 +61,8 @@ AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_head
 
 /// Bytes of options.workspace decode_attention needs on the current device for these sizes (0 when one split
 /// suffices).
-uint64_t decode_attention_workspace_bytes(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
-                                          int64_t head_dim, int64_t max_seq_len,
-                                          const DecodeAttentionOptions& options = {});
+uint64_t decode_attention_workspace_bytes(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                                          int64_t max_seq_len, const DecodeAttentionOptions& options = {});
 
 /// The JIT spec of the split kernel (combine = false) or the combine kernel for `config`.
 jit::KernelSpec decode_attention_kernel_spec(const AttentionDecodeConfig& config, bool combine);
@@ -77,10 +76,10 @@ namespace detail {
 /// What decode_attention launches, computed on the CPU from the arguments alone.
 struct DecodeAttentionPlan {
     AttentionDecodeConfig config;
-    AttentionDecodeParams params;     ///< partial_o / partial_lse are offsets from null until bound to a workspace
+    AttentionDecodeParams params;  ///< partial_o / partial_lse are offsets from null until bound to a workspace
     AttentionSplitPlan splits;
-    uint64_t workspace_bytes = 0;     ///< 0 when num_splits == 1
-    bool empty = false;               ///< batch 0: nothing to launch
+    uint64_t workspace_bytes = 0;  ///< 0 when num_splits == 1
+    bool empty = false;            ///< batch 0: nothing to launch
 };
 
 /// Checks every argument (throws weft::Error naming the argument) and plans the launch for a GPU on which

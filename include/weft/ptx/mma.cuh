@@ -11,8 +11,7 @@
 namespace weft::ptx {
 
 /// d = A x B + d, bf16 inputs. A pure register operation (no memory clobber): the compiler may schedule it freely.
-__device__ __forceinline__ void mma_m16n8k16_f32_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0,
-                                                      unsigned b1) {
+__device__ __forceinline__ void mma_m16n8k16_f32_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -20,8 +19,7 @@ __device__ __forceinline__ void mma_m16n8k16_f32_bf16(float (&d)[4], const unsig
 }
 
 /// d = A x B + d, f16 inputs.
-__device__ __forceinline__ void mma_m16n8k16_f32_f16(float (&d)[4], const unsigned (&a)[4], unsigned b0,
-                                                     unsigned b1) {
+__device__ __forceinline__ void mma_m16n8k16_f32_f16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
