@@ -8,6 +8,9 @@
 #pragma once
 
 #include "weft/common/attention.hpp"
+#include "weft/common/collectives.hpp"
+#include "weft/device/ll.cuh"
+#include "weft/device/symmetric.cuh"
 #include "weft/ptx/cp_async.cuh"
 #include "weft/ptx/cvt.cuh"
 #include "weft/ptx/matrix.cuh"
@@ -54,6 +57,37 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+/// Sequence-parallel decode: sends columns col..col+3 of final row `row` (and, when `with_lse`, the row's LSE) as LL
+/// lines to slot `rank` of every rank's LL buffer, flagged for the epoch the cross-rank combine kernel runs under
+/// (AttentionPeerPush). Per thread; the receiver polls the lines, nothing else orders them.
+template <int kDim>
+__device__ __forceinline__ void push_row_part(const AttentionDecodeParams& p, int64_t row, int col, float4 v, float lse,
+                                              bool with_lse) {
+    const AttentionPeerPush& x = p.push;
+    const uint64_t epoch = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(x.epoch);
+    const uint32_t flag = low_latency_flag(epoch);
+    const int n = x.ctx.num_ranks;
+    const int me = x.ctx.rank;
+    uint8_t* const slot =
+        x.ll_buffer + ((epoch & 1u) * static_cast<uint64_t>(n) + static_cast<uint64_t>(me)) * x.ll_slot_bytes;
+    const uint64_t line = static_cast<uint64_t>(row) * attention_push_row_lines(kDim);
+    for (int k = 0; k < n; ++k) {
+        const int q = (me + k) % n;
+        // Checked without a trap (no call, no local memory in this kernel): an unreachable peer is recorded as a
+        // diagnostic and skipped; its combine kernel then times out naming the missing lines.
+        uint8_t* const remote = device::symm_at_checked(x.ctx, slot, q, __LINE__);
+        if (remote == nullptr) continue;
+        const uint64_t at = (line + static_cast<uint64_t>(col / 2)) * device::ll::kLineBytes;
+        device::ll::store_line(remote + at, make_uint2(__float_as_uint(v.x), __float_as_uint(v.y)), flag);
+        device::ll::store_line(remote + at + device::ll::kLineBytes,
+                               make_uint2(__float_as_uint(v.z), __float_as_uint(v.w)), flag);
+        if (with_lse) {
+            device::ll::store_line(remote + (line + kDim / 2) * device::ll::kLineBytes,
+                                   make_uint2(__float_as_uint(lse), 0u), flag);
+        }
+    }
+}
+
 /// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `kRowBytes`-byte rows. Chunks are XOR-swizzled by
 /// the row's low 3 bits so that the 8 rows an ldmatrix reads at one chunk index hit 8 different bank groups.
 template <int kRowBytes>
@@ -65,8 +99,9 @@ __device__ __forceinline__ unsigned swizzled(int row, int chunk) {
 /// of dynamic shared memory. Block (s, h, b) reads tokens [s * tokens_per_split, ...) of sequence b, clipped to its
 /// length, of KV head h, once, for the `group` q-heads of h. Warp w takes tokens 16w..16w+15 of every tile and keeps
 /// its own running max, sum and output rows; the warps merge in shared memory at the end. With one split the block
-/// writes `out` and `lse`; otherwise the normalised partial output and its log-sum-exp (natural log) of the split,
-/// which decode_combine merges. A split with no tokens writes zeros and -inf.
+/// writes `out` and `lse` (or, with p.push_enabled, pushes them to every rank: push_row_part); otherwise the
+/// normalised partial output and its log-sum-exp (natural log) of the split, which decode_combine merges. A split
+/// with no tokens writes zeros and -inf.
 template <AttentionDecodeConfig C>
 __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecodeParams p) {
     static_assert(is_valid(C), "AttentionDecodeConfig: see is_valid() in weft/common/attention.hpp");
@@ -323,7 +358,9 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
         // ln(sum of e^(scale q.k)) = (M + log2 L) ln 2, scores being scale x log2(e) x q.k.
         const float lse = l > 0.f ? (block_max[row] + __log2f(l)) * 0.69314718055994531f : neg_inf();
         const int64_t head_row = static_cast<int64_t>(b) * num_q_heads + kv_head * group + row;
-        if (p.num_splits == 1) {
+        if (p.num_splits == 1 && p.push_enabled != 0) {
+            push_row_part<kDim>(p, head_row, col, sum, lse, col == 0);
+        } else if (p.num_splits == 1) {
             const uint2 packed = make_uint2(E::pack(sum.x, sum.y), E::pack(sum.z, sum.w));
             *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + head_row * kDim + col) = packed;
             if (p.lse != nullptr && col == 0) p.lse[head_row] = lse;
@@ -337,7 +374,8 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
 
 /// Combine kernel. Grid ceil(batch * num_q_heads / 4), kAttentionCombineThreads threads: warp w of block x merges
 /// row 4x + w (one (sequence, q-head)) over its num_splits partials, weighting split s by e^(lse_s - max) / sum,
-/// and writes `out` and `lse` (natural log; -inf and zeros when every split was empty).
+/// and writes `out` and `lse` (natural log; -inf and zeros when every split was empty), or pushes them to every rank
+/// (p.push_enabled, sequence-parallel decode).
 template <AttentionDecodeConfig C>
 __global__ void __launch_bounds__(kAttentionCombineThreads) decode_combine(AttentionDecodeParams p) {
     static_assert(is_valid(C), "AttentionDecodeConfig: see is_valid() in weft/common/attention.hpp");
@@ -384,15 +422,20 @@ __global__ void __launch_bounds__(kAttentionCombineThreads) decode_combine(Atten
             }
         }
     }
+    const float lse = m != neg_inf() ? m + __logf(total) : neg_inf();
 #pragma unroll
     for (int v = 0; v < kVecsPerLane; ++v) {
         const int c = lane + 32 * v;
         if (c < kVecs) {
-            const uint2 packed = make_uint2(E::pack(sum[v].x, sum[v].y), E::pack(sum[v].z, sum[v].w));
-            *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + row * kDim + c * 4) = packed;
+            if (p.push_enabled != 0) {
+                push_row_part<kDim>(p, row, c * 4, sum[v], lse, c == 0);
+            } else {
+                const uint2 packed = make_uint2(E::pack(sum[v].x, sum[v].y), E::pack(sum[v].z, sum[v].w));
+                *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + row * kDim + c * 4) = packed;
+            }
         }
     }
-    if (p.lse != nullptr && lane == 0) p.lse[row] = m != neg_inf() ? m + __logf(total) : neg_inf();
+    if (p.push_enabled == 0 && p.lse != nullptr && lane == 0) p.lse[row] = lse;
 }
 
 }  // namespace weft::kernels::attention

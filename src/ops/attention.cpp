@@ -324,15 +324,18 @@ uint64_t decode_attention_workspace_bytes(int64_t batch, int64_t num_q_heads, in
     return rows * static_cast<uint64_t>(head_dim) * 4 + (rows * 4 + 15) / 16 * 16;
 }
 
-void decode_attention(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
-                      const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
-                      const TensorView& out, const TensorView& lse, cudaStream_t stream,
-                      const DecodeAttentionOptions& options) {
-    AttentionDecodeConfig probe;
-    probe.head_dim = q.ndim == 3 && (q.dim(2) == 64 || q.dim(2) == 256) ? static_cast<int32_t>(q.dim(2)) : 128;
-    probe.stages = attention_default_stages(probe.head_dim);
-    detail::DecodeAttentionPlan plan = detail::plan_decode_attention(
-        q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, options, resident_blocks_here(probe));
+namespace detail {
+
+int64_t attention_resident_blocks_here(int64_t head_dim) {
+    AttentionDecodeConfig c;
+    c.head_dim = head_dim == 64 || head_dim == 256 ? static_cast<int32_t>(head_dim) : 128;
+    c.stages = attention_default_stages(c.head_dim);
+    return resident_blocks_here(c);
+}
+
+void load_decode_attention_kernels(const AttentionDecodeConfig& config) { (void)kernels_for(config); }
+
+void launch_decode_attention(DecodeAttentionPlan& plan, const DecodeAttentionOptions& options, cudaStream_t stream) {
     if (plan.empty) return;
     AttentionDecodeParams& p = plan.params;
     if (plan.workspace_bytes > 0) {
@@ -372,6 +375,18 @@ void decode_attention(const TensorView& q, const TensorView& k_cache, const Tens
         combine.stream = stream;
         k.combine->launch(combine, p);
     }
+}
+
+}  // namespace detail
+
+void decode_attention(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                      const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
+                      const TensorView& out, const TensorView& lse, cudaStream_t stream,
+                      const DecodeAttentionOptions& options) {
+    detail::DecodeAttentionPlan plan =
+        detail::plan_decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, options,
+                                      detail::attention_resident_blocks_here(q.ndim == 3 ? q.dim(2) : 128));
+    detail::launch_decode_attention(plan, options, stream);
 }
 
 }  // namespace weft::ops

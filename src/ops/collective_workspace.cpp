@@ -72,6 +72,9 @@ KernelName kernel_name(KernelId id) {
             return {"all_gather/all_gather.cuh", "weft::kernels::all_gather::copy_engine_exit", "copy_engine exit"};
         case KernelId::kAllToAllPull:
             return {"all_to_all/all_to_all.cuh", "weft::kernels::all_to_all::all_to_all_pull", "all_to_all pull"};
+        case KernelId::kAttentionSpCombine:
+            return {"attention/sp_combine.cuh", "weft::kernels::attention::attention_sp_combine",
+                    "attention sp_combine"};
         case KernelId::kCount:
             break;
     }
@@ -90,7 +93,7 @@ struct SetupRecord {
 bool kernel_is_reducing(KernelId id) {
     return id == KernelId::kAllReduceOneShot || id == KernelId::kAllReduceTwoShot ||
            id == KernelId::kAllReduceLowLatency || id == KernelId::kReduceScatterPull ||
-           id == KernelId::kReduceScatterLowLatency;
+           id == KernelId::kReduceScatterLowLatency || id == KernelId::kAttentionSpCombine;
 }
 
 int kernel_block_threads(KernelId id, int max_ranks) {

@@ -3,6 +3,7 @@
 // the host op (src/ops/attention.cpp) and the kernels (kernels/attention/decode.cuh).
 #pragma once
 
+#include "weft/common/device_ctx.hpp"
 #include "weft/common/dtype.hpp"
 #include "weft/common/macros.hpp"
 
@@ -88,6 +89,21 @@ WEFT_HOST_DEVICE constexpr AttentionSplitPlan plan_attention_splits(int64_t batc
     return plan;
 }
 
+/// Where a sequence-parallel decode pushes this rank's final rows instead of writing `out` and `lse`: as LL lines
+/// (weft/device/ll.cuh) into slot `rank` of every rank's LL buffer of the collective workspace, flagged with the
+/// epoch the next collective kernel (the cross-rank combine) runs under. Row r (= b * num_q_heads + h of the call) is
+/// attention_push_row_lines(head_dim) lines from line r * that: head_dim fp32 values (normalised), then its LSE
+/// (natural log) and 4 bytes of padding.
+struct AttentionPeerPush {
+    DeviceCtx ctx{};                  ///< the World's context: rank, num_ranks, peer heap bases
+    const uint64_t* epoch = nullptr;  ///< the workspace's epoch word (read here, advanced by the combine kernel)
+    uint8_t* ll_buffer = nullptr;     ///< symmetric [2 parities][num_ranks senders][ll_slot_bytes]
+    uint64_t ll_slot_bytes = 0;
+};
+
+/// LL lines (8 bytes of payload each) of one pushed row.
+WEFT_HOST_DEVICE constexpr int64_t attention_push_row_lines(int64_t head_dim) { return (head_dim + 2) / 2; }
+
 /// Everything the split and combine kernels read, by value. Strides are in elements. Layouts:
 ///   q            [batch, num_q_heads, head_dim]           (row strides q_batch_stride, q_head_stride)
 ///   k, v         [num_pages, page_size, num_kv_heads, head_dim] (strides page_stride, slot_stride, head_stride)
@@ -120,8 +136,10 @@ struct AttentionDecodeParams {
     int32_t num_kv_heads = 0;
     int32_t group = 1;  ///< num_q_heads / num_kv_heads, 1..16
     int32_t page_size = 1;
-    int32_t num_splits = 1;  ///< 1: the split kernel writes out and lse itself; no combine kernel
-    float scale_log2 = 0.f;  ///< softmax scale x log2(e): scores are kept in base 2
+    int32_t num_splits = 1;    ///< 1: the split kernel writes out and lse itself; no combine kernel
+    float scale_log2 = 0.f;    ///< softmax scale x log2(e): scores are kept in base 2
+    int32_t push_enabled = 0;  ///< 1: the final rows go to `push` (sequence-parallel), not to out / lse
+    AttentionPeerPush push{};
 };
 
 }  // namespace weft

@@ -44,6 +44,7 @@ enum class KernelId : int {
     kCopyEngineEnter,
     kCopyEngineExit,
     kAllToAllPull,
+    kAttentionSpCombine,
     kCount
 };
 

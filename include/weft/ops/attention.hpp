@@ -12,6 +12,10 @@
 #include "weft/jit/compiler.hpp"
 #include "weft/runtime/tensor_view.hpp"
 
+namespace weft {
+class World;
+}
+
 namespace weft::ops {
 
 struct DecodeAttentionOptions {
@@ -59,6 +63,22 @@ AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_head
                                                int64_t head_dim, int64_t max_seq_len,
                                                const DecodeAttentionOptions& options = {});
 
+/// Sequence-parallel decode: every rank holds a shard of every sequence's KV cache (its own pages, block table and
+/// lengths: the tokens of one sequence are split across the ranks in any way) and the same `q`; every rank gets the
+/// attention over the whole sequence in `out` and `lse`, as decode_attention would give over the concatenated shards.
+/// Each rank runs decode_attention's kernels on its shard, whose last kernel pushes every final row (fp32 output and
+/// LSE) as LL lines into every rank's collective workspace; a collective kernel then waits for every rank's rows and
+/// merges them by their LSE in fp32. Arguments as for decode_attention, per rank (q, out, lse and the head counts the
+/// same on every rank). Collective (every rank calls it, in the same order as its other collectives, with the same
+/// shapes); asynchronous, graph-capturable (the LL flags are the workspace's epochs, in device memory), bounded
+/// waits (a missing rank ends in a timeout diagnostic). Sequences go in rounds of as many as the LL buffer holds
+/// (256 KiB per rank by default: batch x q-heads x (head_dim + 2) x 8 bytes per round). The first call with a
+/// head_dim and dtype compiles and loads its kernels and meets every rank (host barrier) before launching.
+void sp_decode_attention(World& world, const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                         const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
+                         const TensorView& out, const TensorView& lse, cudaStream_t stream,
+                         const DecodeAttentionOptions& options = {});
+
 /// Bytes of options.workspace decode_attention needs on the current device for these sizes (0 when one split
 /// suffices).
 uint64_t decode_attention_workspace_bytes(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -91,6 +111,14 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
 
 /// Split blocks resident at once on a GPU with `num_sms` SMs of `smem_per_sm_bytes` shared memory each.
 int64_t attention_resident_blocks(const AttentionDecodeConfig& config, int64_t num_sms, int64_t smem_per_sm_bytes);
+/// The same for the current device and the default config of `head_dim`.
+int64_t attention_resident_blocks_here(int64_t head_dim);
+
+/// Binds the plan's partial buffers (options.workspace or the internal one) and launches its kernels on `stream`.
+void launch_decode_attention(DecodeAttentionPlan& plan, const DecodeAttentionOptions& options, cudaStream_t stream);
+
+/// Compiles (or finds) and loads both kernels of `config` into the current context.
+void load_decode_attention_kernels(const AttentionDecodeConfig& config);
 
 }  // namespace detail
 
