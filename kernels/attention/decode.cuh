@@ -160,6 +160,11 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
     const auto* k_gmem = static_cast<const uint16_t*>(p.k) + kv_head * p.head_stride + my_chunk * 8;
     const auto* v_gmem = static_cast<const uint16_t*>(p.v) + kv_head * p.head_stride + my_chunk * 8;
     const unsigned page_size = static_cast<unsigned>(p.page_size);
+    const int page_shift = p.page_shift;
+    // Logical page of token t: a shift for power-of-two page sizes (the common ones), else a division.
+    auto page_of = [&](int t) {
+        return page_shift >= 0 ? static_cast<unsigned>(t) >> page_shift : static_cast<unsigned>(t) / page_size;
+    };
 
     // The physical pages of this thread's rows of `tile`, read one tile ahead of their copies so that the block
     // table's latency does not stall the copies. At head_dim 256 (16 rows per thread, 128 accumulators) the pages are
@@ -169,7 +174,7 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
 #pragma unroll
         for (int i = 0; i < kLoadsPerThread; ++i) {
             const int t = first + tile * kTile + my_row + i * kRowsPerPass;
-            pages[i] = t < end ? table[static_cast<unsigned>(t) / page_size] : 0;
+            pages[i] = t < end ? table[page_of(t)] : 0;
         }
     };
     auto issue = [&](int tile, int stage, int32_t(&pages)[kLoadsPerThread]) {
@@ -179,7 +184,7 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
             const int row = my_row + i * kRowsPerPass;
             const int t = first + tile * kTile + row;
             const bool valid = t < end;
-            const unsigned slot = static_cast<unsigned>(t) % page_size;
+            const unsigned slot = static_cast<unsigned>(t) - page_of(t) * page_size;
             const int64_t at = valid ? pages[i] * p.page_stride + slot * p.slot_stride : 0;
             const unsigned dst = static_cast<unsigned>(stage * kStageBytes) + swizzled<kRowBytes>(row, my_chunk);
             ptx::cp_async_16_zfill(k_base + dst, k_gmem + at, valid);

@@ -174,6 +174,11 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
     p.num_kv_heads = static_cast<int32_t>(num_kv_heads);
     p.group = static_cast<int32_t>(group);
     p.page_size = static_cast<int32_t>(page_size);
+    p.page_shift = -1;
+    if ((page_size & (page_size - 1)) == 0) {
+        p.page_shift = 0;
+        while ((int64_t{1} << p.page_shift) < page_size) ++p.page_shift;
+    }
     p.num_splits = plan.splits.num_splits;
     p.scale_log2 = scale * 1.4426950408889634f;
     if (p.num_splits > 1) {

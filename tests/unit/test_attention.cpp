@@ -111,6 +111,7 @@ TEST(AttentionArgs, ValidArgumentsPlanTheLaunch) {
     const detail::DecodeAttentionPlan p = a.plan();
     EXPECT_EQ(p.params.group, 4);
     EXPECT_EQ(p.params.page_size, 16);
+    EXPECT_EQ(p.params.page_shift, 4);
     EXPECT_EQ(p.params.slot_stride, 8 * 128);
     EXPECT_EQ(p.params.page_stride, 16 * 8 * 128);
     EXPECT_EQ(p.params.head_stride, 128);
@@ -133,6 +134,11 @@ TEST(AttentionArgs, ValidArgumentsPlanTheLaunch) {
     EXPECT_EQ(s.params.head_stride, 16 * 128);
     EXPECT_EQ(s.params.num_splits, 3);
     EXPECT_FLOAT_EQ(s.params.scale_log2, 0.5f * 1.4426950408889634f);
+    // A page size that is not a power of two divides instead of shifting.
+    Args odd;
+    odd.k = TensorView(Args::at(0x100000), DType::kBF16, {100, 24, 8, 128});
+    odd.v = TensorView(Args::at(0x900000), DType::kBF16, {100, 24, 8, 128});
+    EXPECT_EQ(odd.plan().params.page_shift, -1);
     // batch 0 plans nothing.
     Args e;
     e.q = TensorView(Args::at(0x10000), DType::kBF16, {0, 32, 128});
@@ -250,9 +256,9 @@ TEST(AttentionArgs, BadArgumentsNameTheArgument) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// NVRTC: every specialisation compiles for sm_90a without spills or local memory; the split kernel copies with
-// 16-byte cp.async (LDGSTS.E.BYPASS.128), reads shared memory with ldmatrix (LDSM) and multiplies on tensor cores
-// (HMMA.16816.F32); the combine kernel reads the partials with 16-byte loads (LDG.E.128).
+// NVRTC: every split specialisation (and the bf16 combine ones) compiles for sm_90a without spills or local memory; the
+// split kernel copies with 16-byte cp.async (LDGSTS.E.BYPASS.128), reads shared memory with ldmatrix (LDSM) and
+// multiplies on tensor cores (HMMA.16816.F32); the combine kernel reads the partials with 16-byte loads (LDG.E.128).
 
 TEST(AttentionNvrtc, EverySpecialisationCompilesWithTheExpectedSass) {
     weft::testing::TempDir cache("weft_attention_nvrtc");
@@ -262,7 +268,9 @@ TEST(AttentionNvrtc, EverySpecialisationCompilesWithTheExpectedSass) {
     for (DType t : {DType::kBF16, DType::kF16}) {
         for (int d : {64, 128, 256}) {
             const AttentionDecodeConfig config{.dtype = t, .head_dim = d, .stages = attention_default_stages(d)};
+            // The combine kernel differs between dtypes only in its final conversion: bf16 is enough to check.
             for (bool combine : {false, true}) {
+                if (combine && t != DType::kBF16) continue;
                 jit::KernelSpec spec = decode_attention_kernel_spec(config, combine);
                 spec.arch = "sm_90a";
                 SCOPED_TRACE(spec.describe());
@@ -295,7 +303,7 @@ TEST(AttentionNvrtc, EverySpecialisationCompilesWithTheExpectedSass) {
         }
     }
     if (checked_sass == 0) GTEST_SKIP() << "SKIPPED: SASS not checked: " << why_not;
-    EXPECT_EQ(checked_sass, 12);
+    EXPECT_EQ(checked_sass, 9);
 }
 
 TEST(AttentionNvrtc, AotRegistrationListsEverySpecialisationOnce) {

@@ -136,6 +136,7 @@ struct AttentionDecodeParams {
     int32_t num_kv_heads = 0;
     int32_t group = 1;  ///< num_q_heads / num_kv_heads, 1..16
     int32_t page_size = 1;
+    int32_t page_shift = -1;   ///< log2(page_size) when it is a power of two (shift and mask), else -1 (divide)
     int32_t num_splits = 1;    ///< 1: the split kernel writes out and lse itself; no combine kernel
     float scale_log2 = 0.f;    ///< softmax scale x log2(e): scores are kept in base 2
     int32_t push_enabled = 0;  ///< 1: the final rows go to `push` (sequence-parallel), not to out / lse
