@@ -197,6 +197,7 @@ TEST_P(AllToAll, GraphReplaysWithNewInputs) {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device visible";
     const int n = GetParam();
     const uint64_t seed = fresh_seed();
+    const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("1M"));  // fits the test's heap
     run_ranks(
         n,
         [&](World& w) {
@@ -289,6 +290,7 @@ TEST_P(AllToAll, UlyssesReshardRoundTrip) {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device visible";
     const int n = GetParam();
     const uint64_t seed = fresh_seed();
+    const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("1M"));
     run_ranks(
         n,
         [&](World& w) {
@@ -348,17 +350,21 @@ INSTANTIATE_TEST_SUITE_P(Worlds, AllToAll, ::testing::Values(1, 2, 3, 4, 5, 8),
 // Bad arguments are errors on every rank before any launch.
 TEST(AllToAllErrors, BadArgumentsThrow) {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device visible";
-    run_ranks(2, [&](World& w) {
-        Buffers b(w);
-        const TensorView in(b.local_in, DType::kF32, {10});
-        EXPECT_THROW(ops::all_to_all(w, in, TensorView(b.out, DType::kF32, {8}), b.stream), Error);  // sizes differ
-        const std::vector<int64_t> one = {3};
-        EXPECT_THROW(ops::all_to_all_v(w, in, one, TensorView(b.out, DType::kF32, {3}), one, b.stream), Error);
-        EXPECT_THROW(
-            ops::all_to_all(w, TensorView(b.local_in, DType::kF32, {7}), TensorView(b.out, DType::kF32, {7}), b.stream),
-            Error);
-        b.release();
-    });
+    const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("1M"));
+    run_ranks(
+        2,
+        [&](World& w) {
+            Buffers b(w);
+            const TensorView in(b.local_in, DType::kF32, {10});
+            EXPECT_THROW(ops::all_to_all(w, in, TensorView(b.out, DType::kF32, {8}), b.stream), Error);  // sizes differ
+            const std::vector<int64_t> one = {3};
+            EXPECT_THROW(ops::all_to_all_v(w, in, one, TensorView(b.out, DType::kF32, {3}), one, b.stream), Error);
+            EXPECT_THROW(ops::all_to_all(w, TensorView(b.local_in, DType::kF32, {7}),
+                                         TensorView(b.out, DType::kF32, {7}), b.stream),
+                         Error);
+            b.release();
+        },
+        test_options(64ull << 20));
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "support/jit_testing.hpp"
 #include "support/runtime_checks.hpp"
 #include "weft/ops/attention.hpp"
 #include "weft/ops/collectives.hpp"
@@ -145,6 +146,9 @@ void check(const Problem& pr, const std::vector<uint16_t>& out, const std::vecto
 // Every rank builds its shard, calls sp_decode_attention `calls` times (eagerly, then from a graph when asked) and
 // checks its output after each.
 void run_sp(int n, const Problem& pr, bool graph) {
+    // A small staging region keeps the collective workspace within the test's heap (the LL buffer is what this op
+    // uses).
+    const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("1M"));
     run_ranks(
         n,
         [&](World& w) {
