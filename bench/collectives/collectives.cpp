@@ -2,12 +2,15 @@
 // Benchmark of the collectives: latency and bus bandwidth per size and algorithm, beside NCCL (same run, when the
 // ranks have a GPU each) and the copy roofline.
 //
-//   weft_bench_collectives [--ops all_reduce,all_gather,reduce_scatter] [--sizes 8,64,...|A:B[:F]] [--iters N]
+//   weft_bench_collectives [--ops all_reduce,all_gather,reduce_scatter,all_to_all] [--sizes 8,64,...|A:B[:F]] [--iters
+//   N]
 //                          [--warmup N] [--reps N] [--dtype bf16|f16|f32] [--world 2,4,8] [--algos LIST]
 //                          [--graph-max BYTES] [--buffers symmetric|local] [--no-nccl] [--check] [--json FILE]
 //
 // Sizes follow nccl-tests: all_reduce = bytes per rank, all_gather = bytes gathered (output), reduce_scatter =
-// bytes scattered (input). Bus bandwidth: all_reduce 2 (n-1)/n x size / time, the others (n-1)/n x size / time.
+// bytes scattered (input), all_to_all = bytes each rank sends (equal splits). Bus bandwidth: all_reduce
+// 2 (n-1)/n x size / time, the others (n-1)/n x size / time. NCCL's all-to-all is ncclAlltoAll where the library
+// has it, else grouped ncclSend/ncclRecv.
 // Ranks are threads of this process over the visible GPUs (rank r on GPU r % GPUs). Each figure is the median,
 // over --reps repetitions, of (time of --iters back-to-back calls) / iters, measured with CUDA events on every rank;
 // the slowest rank counts. Sizes up to --graph-max are timed from a CUDA graph of --iters calls (no launch
@@ -55,6 +58,7 @@
 #include "common/timing.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
+#include "weft/ops/all_to_all.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/weft.hpp"
 
@@ -64,13 +68,16 @@ namespace {
 // ------------------------------------------------------------------------------------------------
 // Command line.
 
-enum class Op { kAllReduce, kAllGather, kReduceScatter };
+enum class Op { kAllReduce, kAllGather, kReduceScatter, kAllToAll };
 const char* op_name(Op op) {
-    return op == Op::kAllReduce ? "all_reduce" : op == Op::kAllGather ? "all_gather" : "reduce_scatter";
+    return op == Op::kAllReduce       ? "all_reduce"
+           : op == Op::kAllGather     ? "all_gather"
+           : op == Op::kReduceScatter ? "reduce_scatter"
+                                      : "all_to_all";
 }
 
 struct Options {
-    std::vector<Op> ops = {Op::kAllReduce, Op::kAllGather, Op::kReduceScatter};
+    std::vector<Op> ops = {Op::kAllReduce, Op::kAllGather, Op::kReduceScatter, Op::kAllToAll};
     std::vector<uint64_t> sizes;
     int iters = 20;
     int warmup = 5;
@@ -88,23 +95,27 @@ struct Options {
 Options parse_options(int argc, char** argv) {
     Options o;
     o.sizes = parse_byte_sizes("8,64,512,4K,16K,64K,256K,1M,4M,16M,64M,256M", "--sizes");
-    Cli cli("weft_bench_collectives", "all-reduce, all-gather, reduce-scatter: latency and bus bandwidth vs NCCL");
-    cli.option("--ops", "LIST", "all_reduce,all_gather,reduce_scatter (default all three)", [&](const std::string& v) {
-        o.ops.clear();
-        for (const std::string& p : parse_choice_list(v, "--ops", {"all_reduce", "all_gather", "reduce_scatter"})) {
-            o.ops.push_back(p == "all_reduce"   ? Op::kAllReduce
-                            : p == "all_gather" ? Op::kAllGather
-                                                : Op::kReduceScatter);
-        }
-    });
+    Cli cli("weft_bench_collectives",
+            "all-reduce, all-gather, reduce-scatter, all-to-all: latency and bus bandwidth vs NCCL");
+    cli.option("--ops", "LIST", "all_reduce,all_gather,reduce_scatter,all_to_all (default all four)",
+               [&](const std::string& v) {
+                   o.ops.clear();
+                   for (const std::string& p :
+                        parse_choice_list(v, "--ops", {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})) {
+                       o.ops.push_back(p == "all_reduce"       ? Op::kAllReduce
+                                       : p == "all_gather"     ? Op::kAllGather
+                                       : p == "reduce_scatter" ? Op::kReduceScatter
+                                                               : Op::kAllToAll);
+                   }
+               });
     cli.sizes("8,64,...|A:B[:F]", "bytes as nccl-tests count them (default 8 .. 256M)",
               [&](const std::string& v) { o.sizes = parse_byte_sizes(v, "--sizes"); });
     cli.iters(&o.iters).warmup(&o.warmup);
     cli.int_option("--reps", "repetitions of --iters calls; the median counts", &o.reps, 1, 1 << 20);
     cli.dtype(&o.dtype, {DType::kBF16, DType::kF16, DType::kF32}).world(&o.worlds, 2, 64);
     cli.option("--algos", "LIST", "algorithms to run (default every one of each op)", [&](const std::string& v) {
-        o.algos = parse_choice_list(v, "--algos",
-                                    {"auto", "ll", "one_shot", "two_shot", "sm_push", "ce_pull", "ce_push", "sm_pull"});
+        o.algos = parse_choice_list(
+            v, "--algos", {"auto", "ll", "one_shot", "two_shot", "sm_push", "ce_pull", "ce_push", "sm_pull", "pull"});
     });
     cli.option("--graph-max", "BYTES", "sizes up to this are timed from a CUDA graph (default 1M)",
                [&](const std::string& v) { o.graph_max = parse_bytes(v, "--graph-max"); });
@@ -135,6 +146,12 @@ struct Nccl {
     decltype(&ncclReduceScatter) reduce_scatter = nullptr;
     decltype(&ncclGetErrorString) error_string = nullptr;
     decltype(&ncclGetVersion) get_version = nullptr;
+    // Optional: all-to-all as ncclAlltoAll, else as grouped send/recv (absent: no NCCL all-to-all column).
+    decltype(&ncclAlltoAll) all_to_all = nullptr;
+    decltype(&ncclSend) send = nullptr;
+    decltype(&ncclRecv) recv = nullptr;
+    decltype(&ncclGroupStart) group_start = nullptr;
+    decltype(&ncclGroupEnd) group_end = nullptr;
     std::string why_not;  // when not loaded
 };
 
@@ -185,6 +202,11 @@ const Nccl& nccl() {
         a.reduce_scatter = reinterpret_cast<decltype(a.reduce_scatter)>(sym("ncclReduceScatter"));
         a.error_string = reinterpret_cast<decltype(a.error_string)>(sym("ncclGetErrorString"));
         a.get_version = reinterpret_cast<decltype(a.get_version)>(sym("ncclGetVersion"));
+        a.all_to_all = reinterpret_cast<decltype(a.all_to_all)>(sym("ncclAlltoAll"));
+        a.send = reinterpret_cast<decltype(a.send)>(sym("ncclSend"));
+        a.recv = reinterpret_cast<decltype(a.recv)>(sym("ncclRecv"));
+        a.group_start = reinterpret_cast<decltype(a.group_start)>(sym("ncclGroupStart"));
+        a.group_end = reinterpret_cast<decltype(a.group_end)>(sym("ncclGroupEnd"));
         if (!a.get_unique_id || !a.comm_init_rank || !a.comm_destroy || !a.all_reduce || !a.all_gather ||
             !a.reduce_scatter || !a.error_string || !a.get_version) {
             a.why_not = a.path + " lacks an NCCL entry point";
@@ -317,6 +339,7 @@ std::vector<std::string> algos_of(Op op, const Options& o) {
     if (op == Op::kAllReduce) all = {"auto", "ll", "one_shot", "two_shot"};
     if (op == Op::kAllGather) all = {"auto", "ll", "sm_push", "ce_pull", "ce_push"};
     if (op == Op::kReduceScatter) all = {"auto", "sm_pull", "ll"};
+    if (op == Op::kAllToAll) all = {"pull"};
     if (o.algos.empty()) return all;
     std::vector<std::string> picked;
     for (const std::string& a : all) {
@@ -428,10 +451,13 @@ void run_world(int n, const Options& o, WorldResult* result) {
                     // Element counts: all_reduce `size` bytes per rank; all_gather / reduce_scatter `size` bytes in
                     // total.
                     const uint64_t total_elems = size / static_cast<uint64_t>(es);
+                    // all_to_all: `shard` elements to each rank.
                     const uint64_t shard = op == Op::kAllReduce ? total_elems : total_elems / static_cast<uint64_t>(n);
                     if (shard == 0) continue;
-                    const uint64_t in_bytes = op == Op::kReduceScatter ? shard * n * es : shard * es;
-                    const uint64_t out_bytes = op == Op::kAllGather ? shard * n * es : shard * es;
+                    const bool whole_in = op == Op::kReduceScatter || op == Op::kAllToAll;
+                    const bool whole_out = op == Op::kAllGather || op == Op::kAllToAll;
+                    const uint64_t in_bytes = whole_in ? shard * n * es : shard * es;
+                    const uint64_t out_bytes = whole_out ? shard * n * es : shard * es;
                     const PoolRotation rotation(pool, std::max(in_bytes, out_bytes), 64);
                     const bool graph = size <= o.graph_max;
                     const auto views = [&](int k) {
@@ -454,9 +480,13 @@ void run_world(int n, const Options& o, WorldResult* result) {
                             if (op == Op::kReduceScatter) {
                                 ops::reduce_scatter(w, vi, vo, s, {.algo = *ops::parse_reduce_scatter_algo(a)});
                             }
+                            if (op == Op::kAllToAll) ops::all_to_all(w, vi, vo, s);
                         });
                     }
-                    if (comm != nullptr) {
+                    const bool nccl_has_op = op != Op::kAllToAll || nccl().all_to_all != nullptr ||
+                                             (nccl().send != nullptr && nccl().recv != nullptr &&
+                                              nccl().group_start != nullptr && nccl().group_end != nullptr);
+                    if (comm != nullptr && nccl_has_op) {
                         variants.emplace_back("nccl", [&](int k) {
                             const auto [vi, vo] = views(k);
                             if (op == Op::kAllReduce) {
@@ -465,6 +495,21 @@ void run_world(int n, const Options& o, WorldResult* result) {
                             } else if (op == Op::kAllGather) {
                                 BENCH_NCCL_CHECK(
                                     nccl().all_gather(vi.data, vo.data, shard, nccl_type(o.dtype), comm, s));
+                            } else if (op == Op::kAllToAll) {
+                                if (nccl().all_to_all != nullptr) {
+                                    BENCH_NCCL_CHECK(
+                                        nccl().all_to_all(vi.data, vo.data, shard, nccl_type(o.dtype), comm, s));
+                                } else {
+                                    const uint64_t chunk = shard * static_cast<uint64_t>(es);
+                                    BENCH_NCCL_CHECK(nccl().group_start());
+                                    for (int q = 0; q < n; ++q) {
+                                        BENCH_NCCL_CHECK(nccl().send(static_cast<const uint8_t*>(vi.data) + q * chunk,
+                                                                     shard, nccl_type(o.dtype), q, comm, s));
+                                        BENCH_NCCL_CHECK(nccl().recv(static_cast<uint8_t*>(vo.data) + q * chunk, shard,
+                                                                     nccl_type(o.dtype), q, comm, s));
+                                    }
+                                    BENCH_NCCL_CHECK(nccl().group_end());
+                                }
                             } else {
                                 BENCH_NCCL_CHECK(nccl().reduce_scatter(vi.data, vo.data, shard, nccl_type(o.dtype),
                                                                        ncclSum, comm, s));
@@ -498,6 +543,9 @@ void run_world(int n, const Options& o, WorldResult* result) {
                                     for (int r = 0; r < n; ++r) want += pattern_value(r, i % kPatternElems);
                                 } else if (op == Op::kAllGather) {
                                     want = pattern_value(static_cast<int>(i / shard), (i % shard) % kPatternElems);
+                                } else if (op == Op::kAllToAll) {
+                                    const uint64_t j = static_cast<uint64_t>(w.rank()) * shard + i % shard;
+                                    want = pattern_value(static_cast<int>(i / shard), j % kPatternElems);
                                 } else {
                                     const uint64_t j = static_cast<uint64_t>(w.rank()) * shard + i;
                                     for (int r = 0; r < n; ++r) want += pattern_value(r, j % kPatternElems);

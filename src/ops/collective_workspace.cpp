@@ -70,6 +70,11 @@ KernelName kernel_name(KernelId id) {
             return {"all_gather/all_gather.cuh", "weft::kernels::all_gather::copy_engine_enter", "copy_engine enter"};
         case KernelId::kCopyEngineExit:
             return {"all_gather/all_gather.cuh", "weft::kernels::all_gather::copy_engine_exit", "copy_engine exit"};
+        case KernelId::kAllToAllPull:
+            return {"all_to_all/all_to_all.cuh", "weft::kernels::all_to_all::all_to_all_pull", "all_to_all pull"};
+        case KernelId::kAttentionSpCombine:
+            return {"attention/sp_combine.cuh", "weft::kernels::attention::attention_sp_combine",
+                    "attention sp_combine"};
         case KernelId::kCount:
             break;
     }
@@ -88,7 +93,7 @@ struct SetupRecord {
 bool kernel_is_reducing(KernelId id) {
     return id == KernelId::kAllReduceOneShot || id == KernelId::kAllReduceTwoShot ||
            id == KernelId::kAllReduceLowLatency || id == KernelId::kReduceScatterPull ||
-           id == KernelId::kReduceScatterLowLatency;
+           id == KernelId::kReduceScatterLowLatency || id == KernelId::kAttentionSpCombine;
 }
 
 int kernel_block_threads(KernelId id, int max_ranks) {
@@ -329,16 +334,28 @@ uint64_t* CollectiveWorkspace::copy_engine_flag_on(int peer) const {
     return static_cast<uint64_t*>(peer_pointer(ce_flags_ + rank_, peer));
 }
 
-void CollectiveWorkspace::launch(KernelId id, DType dtype, int grid, cudaStream_t stream, const CollectiveParams& p) {
+jit::Kernel& CollectiveWorkspace::kernel_for_launch(KernelId id, DType dtype, int grid) const {
     const int t = kernel_is_reducing(id) ? dtype_index(dtype) : 0;
     jit::Kernel* k = kernels_[static_cast<size_t>(id)][static_cast<size_t>(t)];
     WEFT_CHECK(k != nullptr, "collectives: kernel " << static_cast<int>(id) << " was not loaded");
     WEFT_CHECK(grid >= 1 && grid <= static_cast<int>(kMaxCollectiveBlocks),
                "collectives: grid " << grid << " outside [1, " << kMaxCollectiveBlocks << "]");
-    k->launch(jit::LaunchParams{.grid = dim3(static_cast<unsigned>(grid)),
-                                .block = dim3(static_cast<unsigned>(kernel_block_threads(id, max_ranks_))),
-                                .stream = stream},
-              ctx_, p);
+    return *k;
+}
+
+jit::LaunchParams CollectiveWorkspace::launch_params(KernelId id, int grid, cudaStream_t stream) const {
+    return jit::LaunchParams{.grid = dim3(static_cast<unsigned>(grid)),
+                             .block = dim3(static_cast<unsigned>(kernel_block_threads(id, max_ranks_))),
+                             .stream = stream};
+}
+
+void CollectiveWorkspace::launch(KernelId id, DType dtype, int grid, cudaStream_t stream, const CollectiveParams& p) {
+    kernel_for_launch(id, dtype, grid).launch(launch_params(id, grid, stream), ctx_, p);
+}
+
+void CollectiveWorkspace::launch(KernelId id, int grid, cudaStream_t stream, const CollectiveParams& p,
+                                 const AllToAllTable& table) {
+    kernel_for_launch(id, DType::kU8, grid).launch(launch_params(id, grid, stream), ctx_, p, table);
 }
 
 void CollectiveWorkspace::fork(cudaStream_t stream, int count) {

@@ -9,6 +9,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "weft/common/all_to_all.hpp"
 #include "weft/common/collectives.hpp"
 #include "weft/common/device_ctx.hpp"
 #include "weft/detail/collectives.hpp"
@@ -55,6 +56,8 @@ public:
 
     /// Launches `id` (specialised on `dtype` when reducing) with `grid` blocks on `stream`.
     void launch(KernelId id, DType dtype, int grid, cudaStream_t stream, const CollectiveParams& p);
+    /// The same for a byte-moving kernel that also takes an all-to-all table (kAllToAllPull).
+    void launch(KernelId id, int grid, cudaStream_t stream, const CollectiveParams& p, const AllToAllTable& table);
 
     /// Side streams for copy-engine work (none when ranks share a GPU: the copies then go on the caller's stream):
     /// fork() makes the first `count` of them wait for `stream`'s work so far; join() makes `stream` wait for
@@ -66,6 +69,8 @@ public:
 
 private:
     explicit CollectiveWorkspace(const Team& team);
+    jit::Kernel& kernel_for_launch(KernelId id, DType dtype, int grid) const;
+    jit::LaunchParams launch_params(KernelId id, int grid, cudaStream_t stream) const;
     void release() noexcept;
 
     Team team_;

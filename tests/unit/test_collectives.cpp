@@ -398,7 +398,8 @@ TEST(CollectivesNvrtc, RepresentativeSpecsCompileForSm90a) {
          {Case{KernelId::kAllReduceLowLatency, DType::kBF16}, Case{KernelId::kAllReduceTwoShot, DType::kF32},
           Case{KernelId::kReduceScatterPull, DType::kF16}, Case{KernelId::kReduceScatterLowLatency, DType::kBF16},
           Case{KernelId::kReduceScatterLowLatency, DType::kF32}, Case{KernelId::kAllGatherPush, DType::kU8},
-          Case{KernelId::kCopyEngineExit, DType::kU8}}) {
+          Case{KernelId::kCopyEngineExit, DType::kU8}, Case{KernelId::kAllToAllPull, DType::kU8},
+          Case{KernelId::kAttentionSpCombine, DType::kBF16}}) {
         const jit::KernelSpec spec = detail::collective_kernel_spec(k.id, k.dtype, 8);
         SCOPED_TRACE(spec.describe());
         const jit::CompileResult r = compile_spec(c, spec);
@@ -430,7 +431,7 @@ TEST(CollectivesNvrtc, AotRegistrationCoversEveryKernelOnce) {
     EXPECT_EQ(specs.size() - before, detail::collective_kernel_specs(8).size());
     std::set<std::string> names;
     for (const auto& s : detail::collective_kernel_specs(8)) names.insert(s.instantiation);
-    EXPECT_EQ(names.size(), 19u);  // 5 reducing kernels x 3 dtypes + 4 byte-moving kernels
+    EXPECT_EQ(names.size(), 23u);  // 6 reducing kernels x 3 dtypes + 5 byte-moving kernels
     for (const char* kernel : {"reduce_scatter_low_latency", "reduce_scatter_pull", "all_reduce_low_latency"}) {
         for (const char* dtype : {"kBF16", "kF16", "kF32"}) {
             EXPECT_EQ(std::count_if(names.begin(), names.end(),

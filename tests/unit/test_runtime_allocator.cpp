@@ -259,7 +259,9 @@ TEST(RuntimeOffsetAllocator, TeamAllocationsAgreeOnTheLowestOffsetFreeOnEveryMem
             for (int m : members) heaps[static_cast<size_t>(m)].reserve(*got, bytes);
             for (int r = 0; r < kRanks; ++r) {
                 const bool member = std::find(members.begin(), members.end(), r) != members.end();
-                if (!member) ASSERT_EQ(heaps[static_cast<size_t>(r)].free_blocks(), before[static_cast<size_t>(r)]);
+                if (!member) {
+                    ASSERT_EQ(heaps[static_cast<size_t>(r)].free_blocks(), before[static_cast<size_t>(r)]);
+                }
             }
             live.push_back({*got, members});
         }

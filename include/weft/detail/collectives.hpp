@@ -43,6 +43,8 @@ enum class KernelId : int {
     kAllGatherLowLatency,
     kCopyEngineEnter,
     kCopyEngineExit,
+    kAllToAllPull,
+    kAttentionSpCombine,
     kCount
 };
 

@@ -1,0 +1,223 @@
+// SPDX-License-Identifier: MIT
+// weft_bench_attention: weft::ops::decode_attention (one query token per sequence, paged KV cache) by KV length,
+// batch, heads and page size; the figure is bytes of K and V read per second, shown beside the streaming-read
+// bandwidth measured in the same run (the roofline of a memory-bound kernel) and its share of it.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/cli.hpp"
+#include "common/data.hpp"
+#include "common/json.hpp"
+#include "common/peaks.hpp"
+#include "common/report.hpp"
+#include "common/timing.hpp"
+#include "weft/ops/attention.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace {
+
+using weft::DType;
+using weft::TensorView;
+
+struct Heads {
+    int q = 32;
+    int kv = 8;
+};
+
+struct Options {
+    std::vector<int64_t> kv_lens = {1024, 4096, 16384, 32768, 65536, 131072, 262144, 524288, 1048576};
+    std::vector<int64_t> batches = {1, 8, 64};
+    std::vector<Heads> heads = {{32, 8}, {96, 12}};
+    std::vector<int64_t> pages = {1, 16};
+    int dim = 128;
+    DType dtype = DType::kBF16;
+    int iters = 20;
+    int warmup = 3;
+    bool check = false;
+    uint64_t max_bytes = 48ull << 30;  // KV bytes per configuration; larger ones are skipped
+    std::string json;
+};
+
+Options parse(int argc, char** argv) {
+    Options o;
+    weft::bench::Cli cli("weft_bench_attention",
+                         "paged decode attention: KV bytes read per second vs the read roofline");
+    cli.sizes("L[,L...]", "KV tokens per sequence (default 1K..1M, powers of 4 and 32K)", [&](const std::string& v) {
+        o.kv_lens.clear();
+        for (const std::string& s : weft::bench::split(v, ',')) {
+            const uint64_t n = weft::bench::parse_bytes(s, "--sizes");  // K/M suffixes read as 1024 / 1048576
+            if (n >= (1ull << 31) - (1ull << 20)) throw weft::bench::UsageError("--sizes: at most 2^31 - 2^20 tokens");
+            o.kv_lens.push_back(static_cast<int64_t>(n));
+        }
+    });
+    cli.option("--batch", "B[,B...]", "sequences per call (default 1,8,64)",
+               [&](const std::string& v) { o.batches = weft::bench::parse_int_list(v, "--batch", 1, 65535); });
+    cli.option("--heads", "Q/KV[,Q/KV...]", "q-heads / KV heads (default 32/8,96/12)", [&](const std::string& v) {
+        o.heads.clear();
+        for (const std::string& s : weft::bench::split(v, ',')) {
+            const auto slash = s.find('/');
+            if (slash == std::string::npos) throw weft::bench::UsageError("--heads: expected Q/KV, got " + s);
+            Heads h;
+            h.q = static_cast<int>(weft::bench::parse_int(s.substr(0, slash), "--heads", 1, 4096));
+            h.kv = static_cast<int>(weft::bench::parse_int(s.substr(slash + 1), "--heads", 1, 4096));
+            if (h.q % h.kv != 0 || h.q / h.kv > 16) {
+                throw weft::bench::UsageError("--heads: Q must be a multiple of KV with Q / KV <= 16, got " + s);
+            }
+            o.heads.push_back(h);
+        }
+    });
+    cli.option("--page", "P[,P...]", "page sizes in tokens (default 1,16)",
+               [&](const std::string& v) { o.pages = weft::bench::parse_int_list(v, "--page", 1, 4096); });
+    cli.option("--dim", "D", "head dimension: 64, 128 or 256 (default 128)", [&](const std::string& v) {
+        o.dim = static_cast<int>(weft::bench::parse_int(v, "--dim", 64, 256));
+        if (o.dim != 64 && o.dim != 128 && o.dim != 256) throw weft::bench::UsageError("--dim: 64, 128 or 256");
+    });
+    cli.option("--max-bytes", "BYTES", "skip configurations whose KV cache exceeds this (default 48G)",
+               [&](const std::string& v) { o.max_bytes = weft::bench::parse_bytes(v, "--max-bytes"); });
+    cli.dtype(&o.dtype, {DType::kBF16, DType::kF16}).iters(&o.iters).warmup(&o.warmup).check(&o.check).json(&o.json);
+    cli.parse(argc, argv);
+    return o;
+}
+
+struct DeviceBuffer {
+    void* ptr = nullptr;
+    explicit DeviceBuffer(size_t bytes) { BENCH_CUDA(cudaMalloc(&ptr, std::max<size_t>(bytes, 16))); }
+    ~DeviceBuffer() { cudaFree(ptr); }
+    DeviceBuffer(const DeviceBuffer&) = delete;
+    DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    return weft::bench::run_main("weft_bench_attention", [&] {
+        const Options opt = parse(argc, argv);
+        const weft::bench::Peaks peaks = weft::bench::measure_peaks(weft::bench::kPeakRead);
+        cudaDeviceProp prop{};
+        BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+        cudaStream_t stream = nullptr;
+        BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        std::printf("# weft_bench_attention  GPU %s (%d SMs)  %s dim %d  iters %d warmup %d  %s\n", prop.name,
+                    prop.multiProcessorCount, weft::dtype_name(opt.dtype), opt.dim, opt.iters, opt.warmup,
+                    weft::bench::utc_date().c_str());
+        std::printf("# %s\n", weft::bench::describe(peaks).c_str());
+        std::printf("# pages in random order; inputs rotated over >= 256 MiB of pages so that L2 holds none\n");
+        std::printf("%6s %7s %5s %9s %7s %10s %10s %8s %8s %s\n", "batch", "heads", "page", "kv_len", "splits", "us",
+                    "roof_us", "TB/s", "%roof", opt.check ? "check" : "");
+        weft::bench::Json j;
+        j.begin_object().field("bench", "attention").field("gpu", prop.name).field("sms", prop.multiProcessorCount);
+        j.field("dtype", weft::dtype_name(opt.dtype)).field("dim", opt.dim).field("iters", opt.iters);
+        j.field("warmup", opt.warmup).field("date", weft::bench::utc_date());
+        weft::bench::add_peaks(j, peaks);
+        j.key("results").begin_array();
+        bool all_ok = true;
+        const int64_t elem = 2;
+        for (const Heads& h : opt.heads) {
+            for (int64_t batch : opt.batches) {
+                for (int64_t page : opt.pages) {
+                    for (int64_t len : opt.kv_lens) {
+                        const int64_t pages_per_seq = (len + page - 1) / page;
+                        const int64_t page_bytes = page * h.kv * opt.dim * elem;
+                        const uint64_t kv_bytes = static_cast<uint64_t>(batch * len * h.kv * opt.dim * elem * 2);
+                        const uint64_t cache_bytes = static_cast<uint64_t>(batch * pages_per_seq * page_bytes * 2);
+                        if (cache_bytes > opt.max_bytes) {
+                            std::printf("%6lld %3d/%-3d %5lld %9lld   skipped: %s of KV > --max-bytes\n",
+                                        static_cast<long long>(batch), h.q, h.kv, static_cast<long long>(page),
+                                        static_cast<long long>(len), weft::bench::format_bytes(cache_bytes).c_str());
+                            continue;
+                        }
+                        // Enough page sets that consecutive calls read different memory (>= 256 MiB in all).
+                        const int64_t used = batch * pages_per_seq;
+                        const int64_t rotations = std::clamp<int64_t>(
+                            static_cast<int64_t>((256ull << 20) / std::max<uint64_t>(cache_bytes, 1)) + 1, 1,
+                            std::max<int64_t>(
+                                1, static_cast<int64_t>(opt.max_bytes / std::max<uint64_t>(cache_bytes, 1))));
+                        const int64_t num_pages = used * rotations;
+                        DeviceBuffer k(static_cast<size_t>(num_pages * page_bytes));
+                        DeviceBuffer v(static_cast<size_t>(num_pages * page_bytes));
+                        weft::bench::fill_random(k.ptr, num_pages * page_bytes / elem, opt.dtype, 1, stream);
+                        weft::bench::fill_random(v.ptr, num_pages * page_bytes / elem, opt.dtype, 2, stream);
+                        std::vector<int32_t> order(static_cast<size_t>(num_pages));
+                        std::iota(order.begin(), order.end(), 0);
+                        std::mt19937_64 rng(42);
+                        std::shuffle(order.begin(), order.end(), rng);
+                        DeviceBuffer tables(order.size() * 4);
+                        BENCH_CUDA(cudaMemcpy(tables.ptr, order.data(), order.size() * 4, cudaMemcpyHostToDevice));
+                        std::vector<int32_t> lens_host(static_cast<size_t>(batch), static_cast<int32_t>(len));
+                        DeviceBuffer lens(lens_host.size() * 4);
+                        BENCH_CUDA(
+                            cudaMemcpy(lens.ptr, lens_host.data(), lens_host.size() * 4, cudaMemcpyHostToDevice));
+                        const int64_t q_elems = batch * h.q * opt.dim;
+                        DeviceBuffer q(static_cast<size_t>(q_elems * elem));
+                        DeviceBuffer out(static_cast<size_t>(q_elems * elem));
+                        DeviceBuffer out_ref(static_cast<size_t>(q_elems * elem));
+                        DeviceBuffer lse(static_cast<size_t>(batch * h.q * 4));
+                        weft::bench::fill_random(q.ptr, q_elems, opt.dtype, 3, stream);
+                        const TensorView tq(q.ptr, opt.dtype, {batch, h.q, opt.dim});
+                        const TensorView tk(k.ptr, opt.dtype, {num_pages, page, h.kv, opt.dim});
+                        const TensorView tv(v.ptr, opt.dtype, {num_pages, page, h.kv, opt.dim});
+                        const TensorView tlens(lens.ptr, DType::kI32, {batch});
+                        const TensorView tout(out.ptr, opt.dtype, {batch, h.q, opt.dim});
+                        const TensorView tlse(lse.ptr, DType::kF32, {batch, h.q});
+                        weft::ops::DecodeAttentionOptions o;
+                        const uint64_t ws_bytes =
+                            weft::ops::decode_attention_workspace_bytes(batch, h.q, h.kv, opt.dim, len, o);
+                        DeviceBuffer ws(static_cast<size_t>(ws_bytes));
+                        o.workspace =
+                            TensorView(ws.ptr, DType::kU8, {static_cast<int64_t>(std::max<uint64_t>(ws_bytes, 16))});
+                        const auto call = [&](int i) {
+                            const int64_t r = i % rotations;
+                            const TensorView table(static_cast<int32_t*>(tables.ptr) + r * used, DType::kI32,
+                                                   {batch, pages_per_seq});
+                            weft::ops::decode_attention(tq, tk, tv, table, tlens, len, tout, tlse, stream, o);
+                        };
+                        const double ms = weft::bench::time_batch_ms(stream, opt.warmup, opt.iters, call);
+                        const double us = ms * 1e3;
+                        const double tbs = static_cast<double>(kv_bytes) / (us * 1e-6) / 1e12;
+                        const double roof_us =
+                            peaks.read_tbs > 0 ? static_cast<double>(kv_bytes) / (peaks.read_tbs * 1e12) * 1e6 : 0;
+                        const double pct = peaks.read_tbs > 0 ? 100.0 * tbs / peaks.read_tbs : 0;
+                        const int32_t splits =
+                            weft::ops::decode_attention_split_plan(batch, h.q, h.kv, opt.dim, len, o).num_splits;
+                        std::string check;
+                        if (opt.check) {
+                            // One split (the split kernel writes out directly) against the chosen plan (split +
+                            // combine).
+                            weft::ops::DecodeAttentionOptions one;
+                            one.num_splits = 1;
+                            const TensorView tref(out_ref.ptr, opt.dtype, {batch, h.q, opt.dim});
+                            const TensorView table(tables.ptr, DType::kI32, {batch, pages_per_seq});
+                            weft::ops::decode_attention(tq, tk, tv, table, tlens, len, tref, TensorView(), stream, one);
+                            weft::ops::decode_attention(tq, tk, tv, table, tlens, len, tout, tlse, stream, o);
+                            const double err = weft::bench::relative_error(out.ptr, opt.dim, out_ref.ptr, opt.dim,
+                                                                           batch * h.q, opt.dim, opt.dtype, stream);
+                            const bool ok = err < (opt.dtype == DType::kBF16 ? 1e-2 : 3e-3);
+                            all_ok = all_ok && ok;
+                            char buf[48];
+                            std::snprintf(buf, sizeof(buf), "%s rel %.1e", ok ? "ok" : "FAIL", err);
+                            check = buf;
+                        }
+                        std::printf("%6lld %3d/%-3d %5lld %9lld %7d %10.2f %10.2f %8.3f %7.1f%% %s\n",
+                                    static_cast<long long>(batch), h.q, h.kv, static_cast<long long>(page),
+                                    static_cast<long long>(len), splits, us, roof_us, tbs, pct, check.c_str());
+                        std::fflush(stdout);
+                        j.begin_object(true).field("batch", batch).field("q_heads", h.q).field("kv_heads", h.kv);
+                        j.field("page", page).field("kv_len", len).field("splits", splits).field("kv_bytes", kv_bytes);
+                        j.field("us", us).field("roofline_us", roof_us).field("tbs", tbs).field("pct_of_read", pct);
+                        j.end_object();
+                    }
+                }
+            }
+        }
+        j.end_array().end_object();
+        if (!opt.json.empty()) weft::bench::write_json_file(opt.json, j);
+        BENCH_CUDA(cudaStreamDestroy(stream));
+        return all_ok ? 0 : 1;
+    });
+}

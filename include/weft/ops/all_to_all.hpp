@@ -1,0 +1,80 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::all_to_all / all_to_all_v: every rank sends a chunk of its input to every rank (itself included) and
+// receives one chunk from each, in rank order; and the Ulysses re-shard helpers built on it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "weft/common/all_to_all.hpp"
+#include "weft/runtime/tensor_view.hpp"
+
+namespace weft {
+class World;
+class Team;
+}  // namespace weft
+
+namespace weft::ops {
+
+/// Equal splits: with c = input.numel() / num_ranks, output[q * c + i] = input of rank q [rank * c + i] for every
+/// rank q. Collective (see collectives.hpp: every rank calls the same ops in the same order with the same count and
+/// dtype). `input` and `output`: contiguous, the same dtype (any: bytes are moved), the same number of elements, a
+/// multiple of num_ranks (0 included); they must not overlap. Any device memory: a symmetric `input` (the same heap
+/// allocation on every rank) is read by the peers in place, any other is staged through the collective workspace in
+/// rounds. Asynchronous on `stream`, graph-capturable, bounded waits (a missing peer ends in a diagnosed timeout).
+void all_to_all(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream);
+/// The same on `world.team()`.
+void all_to_all(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream);
+
+/// Uneven splits: this rank sends send_counts[q] elements to rank q and receives recv_counts[q] from it; chunks lie
+/// back to back in rank order in `input` (sum of send_counts elements) and `output` (sum of recv_counts). Rank q's
+/// send_counts[rank] must equal this rank's recv_counts[q] (not checked across ranks: a mismatch moves the sender's
+/// count). Counts may be 0. Collective; `input`/`output` as for all_to_all except the sizes. A local (non-symmetric)
+/// `input` is staged in one piece: every rank's must fit the workspace's staging region
+/// (WEFT_COLLECTIVE_STAGING_BYTES, 32 MiB by default, less 16 bytes per chunk of alignment and a 512-byte header) —
+/// larger inputs must be symmetric. A rank whose staged input does not fit throws weft::Error; its peers then end in a
+/// timeout diagnostic, as with any call one rank does not make.
+void all_to_all_v(const Team& team, const TensorView& input, std::span<const int64_t> send_counts,
+                  const TensorView& output, std::span<const int64_t> recv_counts, cudaStream_t stream);
+/// The same on `world.team()`.
+void all_to_all_v(World& world, const TensorView& input, std::span<const int64_t> send_counts, const TensorView& output,
+                  std::span<const int64_t> recv_counts, cudaStream_t stream);
+
+/// Ulysses, sequence-sharded to head-sharded: `input` [S / W, H, D] (this rank's tokens, all heads) becomes `output`
+/// [S, H / W, D] (all tokens, this rank's heads: rank r holds heads [r H / W, (r + 1) H / W)). `scratch`: a
+/// contiguous device buffer of at least input's bytes, not overlapping either. S and H multiples of W = num_ranks.
+/// Collective, asynchronous, graph-capturable (a strided copy into `scratch`, then all_to_all).
+void ulysses_seq_to_head(const Team& team, const TensorView& input, const TensorView& output, const TensorView& scratch,
+                         cudaStream_t stream);
+/// The same on `world.team()`.
+void ulysses_seq_to_head(World& world, const TensorView& input, const TensorView& output, const TensorView& scratch,
+                         cudaStream_t stream);
+
+/// The inverse: `input` [S, H / W, D] becomes `output` [S / W, H, D] (all_to_all into `scratch`, then a strided copy).
+void ulysses_head_to_seq(const Team& team, const TensorView& input, const TensorView& output, const TensorView& scratch,
+                         cudaStream_t stream);
+/// The same on `world.team()`.
+void ulysses_head_to_seq(World& world, const TensorView& input, const TensorView& output, const TensorView& scratch,
+                         cudaStream_t stream);
+
+namespace detail {
+
+/// What one all-to-all call launches: one kernel per table, the input staged or read in place.
+struct AllToAllPlan {
+    bool staged = false;
+    std::vector<AllToAllTable> rounds;
+};
+
+/// Checks the arguments (weft::Error naming the argument) and lays the call out. `send_counts` / `recv_counts` in
+/// elements, one per rank; `equal` for all_to_all (both empty then: the counts follow from the sizes).
+/// `staging_capacity`: bytes of an epoch's staging half after the header. Pure (no CUDA call).
+AllToAllPlan plan_all_to_all(const TensorView& input, std::span<const int64_t> send_counts, const TensorView& output,
+                             std::span<const int64_t> recv_counts, int num_ranks, bool equal, bool input_symmetric,
+                             uint64_t staging_capacity);
+
+}  // namespace detail
+
+}  // namespace weft::ops

@@ -1,0 +1,67 @@
+// SPDX-License-Identifier: MIT
+// All-to-all (pull): every rank publishes where its chunk for each peer lies, meets every rank, then reads the chunk
+// each peer holds for it into its own output.
+//
+// Counts are bytes. Launched by weft::ops::all_to_all / all_to_all_v (src/ops/all_to_all.cpp) through the collective
+// workspace, one specialisation per CopyKernelConfig. Schedule and pitfalls: README.md here; the protocol shared by
+// every collective kernel: kernels/common/collective.cuh.
+#pragma once
+
+#include "common/collective.cuh"
+#include "weft/common/all_to_all.hpp"
+
+namespace weft::kernels::all_to_all {
+
+using common::BlockState;
+
+/// Block b, for every peer q (starting with this rank):
+///   staged (kCollectiveStageInput): copy part b of this rank's chunk for q from `in` into this epoch's staging half
+///     at kAllToAllHeaderBytes + t.source_offset[q];
+///   publish t.source_offset[q] into slot `rank` of q's staging header (every block writes the same value, so that
+///     its own barrier orders it for the peer block that reads it);
+/// meet block b of every rank; then, for every peer q, copy part b of q's chunk for this rank (t.recv_bytes[q] bytes
+/// at the offset q published, in q's `src` or staging) into `out` at t.recv_offset[q]. With a user `src`
+/// (direct) the peers read this rank's buffer until they are done: meet again before returning
+/// (kCollectiveExitBarrier). Parts are split the same way on both sides (same byte count, same grid).
+template <CopyKernelConfig C>
+__global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
+    all_to_all_pull(DeviceCtx ctx, CollectiveParams p, AllToAllTable t) {
+    static_assert(is_valid(C), "CopyKernelConfig: see is_valid() in weft/common/collectives.hpp");
+    static_assert(C.max_ranks <= kMaxAllToAllRanks, "the table has kMaxAllToAllRanks rows");
+    BlockState st(ctx, p);
+    const int n = ctx.num_ranks;
+    const int me = ctx.rank;
+    const bool staged = (p.flags & kCollectiveStageInput) != 0;
+    uint8_t* const half = st.staging();
+    auto* const header = reinterpret_cast<uint64_t*>(half);
+    uint8_t* const source = staged ? half + kAllToAllHeaderBytes : static_cast<uint8_t*>(p.src);
+    if (staged) {
+        const auto* in = static_cast<const uint8_t*>(p.in);
+        for (int k = 0; k < n; ++k) {
+            const int q = (me + k) % n;
+            const Span part = split_span(t.send_bytes[q], gridDim.x, blockIdx.x, kCollectiveGranuleBytes);
+            device::copy(device::Block{}, source + t.source_offset[q] + part.begin, in + t.send_offset[q] + part.begin,
+                         part.size());
+        }
+    }
+    for (int q = static_cast<int>(threadIdx.x); q < n; q += static_cast<int>(blockDim.x)) {
+        ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(device::symm_at_or_trap(ctx, header + me, q, __LINE__),
+                                                      t.source_offset[q]);
+    }
+    st.enter();
+    auto* out = static_cast<uint8_t*>(p.out);
+    for (int k = 0; k < n; ++k) {
+        const int q = (me + k) % n;  // rotated: the ranks spread their reads over different peers
+        const Span part = split_span(t.recv_bytes[q], gridDim.x, blockIdx.x, kCollectiveGranuleBytes);
+        if (part.size() == 0) continue;
+        const uint64_t at = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(header + q);
+        const uint8_t* from = device::symm_at_or_trap(ctx, source, q, __LINE__) + at + part.begin;
+        device::copy(device::Block{}, out + t.recv_offset[q] + part.begin, from, part.size());
+    }
+    if ((p.flags & kCollectiveExitBarrier) != 0) {
+        st.barrier();
+    }
+    st.finish();
+}
+
+}  // namespace weft::kernels::all_to_all

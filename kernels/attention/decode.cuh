@@ -1,0 +1,446 @@
+// SPDX-License-Identifier: MIT
+// Decode attention over a paged KV cache: a split-KV kernel (one block per (split, KV head, sequence), all q-heads
+// of the KV head in the 16 rows of m16n8k16 mma tiles, K and V streamed once through a cp.async pipeline) and a
+// combine kernel that merges the splits' partial outputs by their log-sum-exp.
+//
+// Launched by weft::ops::decode_attention (src/ops/attention.cpp) through the JIT, one specialisation per
+// AttentionDecodeConfig{dtype, head_dim, stages}. Schedule, knobs and pitfalls: README.md here.
+#pragma once
+
+#include "weft/common/attention.hpp"
+#include "weft/common/collectives.hpp"
+#include "weft/device/ll.cuh"
+#include "weft/device/symmetric.cuh"
+#include "weft/ptx/cp_async.cuh"
+#include "weft/ptx/cvt.cuh"
+#include "weft/ptx/matrix.cuh"
+#include "weft/ptx/mma.cuh"
+
+namespace weft::kernels::attention {
+
+template <DType T>
+struct Elem;
+
+template <>
+struct Elem<DType::kBF16> {
+    static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+        ptx::mma_m16n8k16_f32_bf16(d, a, b0, b1);
+    }
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) { return ptx::cvt_rn_bf16x2(lo, hi); }
+};
+
+template <>
+struct Elem<DType::kF16> {
+    static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+        ptx::mma_m16n8k16_f32_f16(d, a, b0, b1);
+    }
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) { return ptx::cvt_rn_f16x2(lo, hi); }
+};
+
+/// -infinity: the log-sum-exp of no token, the running max of a row that has seen none.
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+/// 2^x, one MUFU instruction; 2^-inf = +0.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+/// Sequence-parallel decode: sends columns col..col+3 of final row `row` (and, when `with_lse`, the row's LSE) as LL
+/// lines to slot `rank` of every rank's LL buffer, flagged for the epoch the cross-rank combine kernel runs under
+/// (AttentionPeerPush). Per thread; the receiver polls the lines, nothing else orders them.
+template <int kDim>
+__device__ __forceinline__ void push_row_part(const AttentionDecodeParams& p, int64_t row, int col, float4 v, float lse,
+                                              bool with_lse) {
+    const AttentionPeerPush& x = p.push;
+    const uint64_t epoch = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(x.epoch);
+    const uint32_t flag = low_latency_flag(epoch);
+    const int n = x.ctx.num_ranks;
+    const int me = x.ctx.rank;
+    uint8_t* const slot =
+        x.ll_buffer + ((epoch & 1u) * static_cast<uint64_t>(n) + static_cast<uint64_t>(me)) * x.ll_slot_bytes;
+    const uint64_t line = static_cast<uint64_t>(row) * attention_push_row_lines(kDim);
+    for (int k = 0; k < n; ++k) {
+        const int q = (me + k) % n;
+        // Checked without a trap (no call, no local memory in this kernel): an unreachable peer is recorded as a
+        // diagnostic and skipped; its combine kernel then times out naming the missing lines.
+        uint8_t* const remote = device::symm_at_checked(x.ctx, slot, q, __LINE__);
+        if (remote == nullptr) continue;
+        const uint64_t at = (line + static_cast<uint64_t>(col / 2)) * device::ll::kLineBytes;
+        device::ll::store_line(remote + at, make_uint2(__float_as_uint(v.x), __float_as_uint(v.y)), flag);
+        device::ll::store_line(remote + at + device::ll::kLineBytes,
+                               make_uint2(__float_as_uint(v.z), __float_as_uint(v.w)), flag);
+        if (with_lse) {
+            device::ll::store_line(remote + (line + kDim / 2) * device::ll::kLineBytes,
+                                   make_uint2(__float_as_uint(lse), 0u), flag);
+        }
+    }
+}
+
+/// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `kRowBytes`-byte rows. Chunks are XOR-swizzled by
+/// the row's low 3 bits so that the 8 rows an ldmatrix reads at one chunk index hit 8 different bank groups.
+template <int kRowBytes>
+__device__ __forceinline__ unsigned swizzled(int row, int chunk) {
+    return static_cast<unsigned>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+
+/// Split kernel. Grid (num_splits, num_kv_heads, batch), kAttentionThreads threads, attention_decode_smem_bytes(C)
+/// of dynamic shared memory. Block (s, h, b) reads tokens [s * tokens_per_split, ...) of sequence b, clipped to its
+/// length, of KV head h, once, for the `group` q-heads of h. Warp w takes tokens 16w..16w+15 of every tile and keeps
+/// its own running max, sum and output rows; the warps merge in shared memory at the end. With one split the block
+/// writes `out` and `lse` (or, with p.push_enabled, pushes them to every rank: push_row_part); otherwise the
+/// normalised partial output and its log-sum-exp (natural log) of the split, which decode_combine merges. A split
+/// with no tokens writes zeros and -inf.
+template <AttentionDecodeConfig C>
+__global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecodeParams p) {
+    static_assert(is_valid(C), "AttentionDecodeConfig: see is_valid() in weft/common/attention.hpp");
+    using E = Elem<C.dtype>;
+    constexpr int kDim = C.head_dim;
+    constexpr int kRowBytes = kDim * 2;
+    constexpr int kChunks = kDim / 8;  // 16-byte chunks per row
+    constexpr int kTile = kAttentionTileTokens;
+    constexpr int kStageBytes = kTile * kRowBytes;
+    constexpr int kRowsPerPass = kAttentionThreads / kChunks;
+    constexpr int kLoadsPerThread = kTile / kRowsPerPass;  // per tensor and tile
+    constexpr int kNTiles = kDim / 8;                      // 8-column output tiles per row block
+    static_assert(kAttentionThreads % kChunks == 0 && kTile % kRowsPerPass == 0, "tile loads must divide evenly");
+
+    extern __shared__ __align__(128) uint8_t smem[];
+    uint8_t* const q_smem = smem;
+    uint8_t* const k_smem = smem + 16 * kRowBytes;
+    const unsigned q_base = static_cast<unsigned>(__cvta_generic_to_shared(q_smem));
+    const unsigned k_base = static_cast<unsigned>(__cvta_generic_to_shared(k_smem));
+    const unsigned v_base = k_base + C.stages * kStageBytes;
+
+    const int split = static_cast<int>(blockIdx.x);
+    const int kv_head = static_cast<int>(blockIdx.y);
+    const int b = static_cast<int>(blockIdx.z);
+    const int tid = static_cast<int>(threadIdx.x);
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int group = p.group;
+
+    int64_t len = p.seq_lens[b];
+    len = len < 0 ? 0 : (len > p.max_seq_len ? p.max_seq_len : len);
+    const int64_t begin = static_cast<int64_t>(split) * p.tokens_per_split;
+    const int64_t end_64 = begin + p.tokens_per_split < len ? begin + p.tokens_per_split : len;
+    // Token indices fit 32 bits (the host checks max_seq_len < 2^31): page arithmetic stays in 32-bit integers.
+    const int first = static_cast<int>(begin);
+    const int end = end_64 > begin ? static_cast<int>(end_64) : first;
+    const int num_tiles = (end - first + kTile - 1) / kTile;
+
+    // Q rows 0..group-1 are the group's q-heads; rows group..15 are zero.
+    for (int i = tid; i < 16 * kChunks; i += kAttentionThreads) {
+        const int row = i / kChunks;
+        const int chunk = i % kChunks;
+        uint4 val = make_uint4(0u, 0u, 0u, 0u);
+        if (row < group) {
+            const auto* src = static_cast<const uint16_t*>(p.q) + b * p.q_batch_stride +
+                              static_cast<int64_t>(kv_head * group + row) * p.q_head_stride + chunk * 8;
+            val = *reinterpret_cast<const uint4*>(src);
+        }
+        *reinterpret_cast<uint4*>(q_smem + swizzled<kRowBytes>(row, chunk)) = val;
+    }
+
+    // Thread tid copies chunk (tid % kChunks) of rows tid / kChunks + kRowsPerPass * i of every K and V tile.
+    const int my_chunk = tid % kChunks;
+    const int my_row = tid / kChunks;
+    const int32_t* table = p.block_table + b * p.block_table_stride;
+    const auto* k_gmem = static_cast<const uint16_t*>(p.k) + kv_head * p.head_stride + my_chunk * 8;
+    const auto* v_gmem = static_cast<const uint16_t*>(p.v) + kv_head * p.head_stride + my_chunk * 8;
+    const unsigned page_size = static_cast<unsigned>(p.page_size);
+    const int page_shift = p.page_shift;
+    // Logical page of token t: a shift for power-of-two page sizes (the common ones), else a division.
+    auto page_of = [&](int t) {
+        return page_shift >= 0 ? static_cast<unsigned>(t) >> page_shift : static_cast<unsigned>(t) / page_size;
+    };
+
+    // The physical pages of this thread's rows of `tile`, read one tile ahead of their copies so that the block
+    // table's latency does not stall the copies. At head_dim 256 (16 rows per thread, 128 accumulators) the pages are
+    // read just before their copies instead: holding them a tile longer would spill.
+    constexpr bool kPrefetchPages = kLoadsPerThread <= 8;
+    auto lookup = [&](int tile, int32_t(&pages)[kLoadsPerThread]) {
+#pragma unroll
+        for (int i = 0; i < kLoadsPerThread; ++i) {
+            const int t = first + tile * kTile + my_row + i * kRowsPerPass;
+            pages[i] = t < end ? table[page_of(t)] : 0;
+        }
+    };
+    auto issue = [&](int tile, int stage, int32_t(&pages)[kLoadsPerThread]) {
+        if constexpr (!kPrefetchPages) lookup(tile, pages);
+#pragma unroll
+        for (int i = 0; i < kLoadsPerThread; ++i) {
+            const int row = my_row + i * kRowsPerPass;
+            const int t = first + tile * kTile + row;
+            const bool valid = t < end;
+            const unsigned slot = static_cast<unsigned>(t) - page_of(t) * page_size;
+            const int64_t at = valid ? pages[i] * p.page_stride + slot * p.slot_stride : 0;
+            const unsigned dst = static_cast<unsigned>(stage * kStageBytes) + swizzled<kRowBytes>(row, my_chunk);
+            ptx::cp_async_16_zfill(k_base + dst, k_gmem + at, valid);
+            ptx::cp_async_16_zfill(v_base + dst, v_gmem + at, valid);
+        }
+    };
+
+    float acc[kNTiles][4];
+#pragma unroll
+    for (int n = 0; n < kNTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    float row_max[2] = {neg_inf(), neg_inf()};  // rows lane/4 and lane/4 + 8, base-2 scaled scores
+    float row_sum[2] = {0.f, 0.f};              // this lane's share; summed over the quad at the end
+
+    int32_t pages[kLoadsPerThread];
+    if constexpr (kPrefetchPages) lookup(0, pages);
+#pragma unroll
+    for (int s = 0; s < C.stages - 1; ++s) {
+        if (s < num_tiles) {
+            issue(s, s, pages);
+            if constexpr (kPrefetchPages) lookup(s + 1, pages);
+        }
+        ptx::cp_async_commit();
+    }
+
+    const int g = lane / 4;
+    const int t4 = lane % 4;
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        ptx::cp_async_wait<C.stages - 2>();
+        __syncthreads();  // tile `tile` is visible to all; every warp is done with the stage refilled below
+        const int next = tile + C.stages - 1;
+        if (next < num_tiles) {
+            issue(next, next % C.stages, pages);
+            if constexpr (kPrefetchPages) lookup(next + 1, pages);
+        }
+        ptx::cp_async_commit();
+
+        const unsigned stage = static_cast<unsigned>((tile % C.stages) * kStageBytes);
+        // S = Q K^T for this warp's 16 tokens: two 8-token n-tiles.
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int kk = 0; kk < kDim / 16; ++kk) {
+            unsigned a[4];
+            const int q_row = (lane & 7) + ((lane >> 3) & 1) * 8;
+            ptx::ldmatrix_x4(a[0], a[1], a[2], a[3], q_base + swizzled<kRowBytes>(q_row, kk * 2 + (lane >> 4)));
+            unsigned b0, b1, b2, b3;
+            const int k_row = warp * 16 + (lane & 7) + (lane >> 4) * 8;
+            ptx::ldmatrix_x4(b0, b1, b2, b3, k_base + stage + swizzled<kRowBytes>(k_row, kk * 2 + ((lane >> 3) & 1)));
+            E::mma(s[0], a, b0, b1);
+            E::mma(s[1], a, b2, b3);
+        }
+        // Scale to base 2, mask tokens past the end, online softmax per row.
+        const int tok0 = first + tile * kTile + warp * 16 + 2 * t4;
+        float tile_max[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = tok0 + n * 8 + (e & 1);
+                s[n][e] = t < end ? s[n][e] * p.scale_log2 : neg_inf();
+                tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
+            }
+        }
+        float base[2];
+        float correction[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float m = fmaxf(row_max[r], quad_max(tile_max[r]));
+            base[r] = m == neg_inf() ? 0.f : m;  // a row with no token yet: keep exponents finite
+            correction[r] = fast_exp2(row_max[r] - base[r]);
+            row_max[r] = m;
+        }
+        float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[n][e] = fast_exp2(s[n][e] - base[e >> 1]);
+                tile_sum[e >> 1] += s[n][e];
+            }
+        }
+        row_sum[0] = row_sum[0] * correction[0] + tile_sum[0];
+        row_sum[1] = row_sum[1] * correction[1] + tile_sum[1];
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n) {
+            acc[n][0] *= correction[0];
+            acc[n][1] *= correction[0];
+            acc[n][2] *= correction[1];
+            acc[n][3] *= correction[1];
+        }
+        // O += P V: P's accumulator registers are the A operand of the k = 16-token step.
+        const unsigned pa[4] = {E::pack(s[0][0], s[0][1]), E::pack(s[0][2], s[0][3]), E::pack(s[1][0], s[1][1]),
+                                E::pack(s[1][2], s[1][3])};
+#pragma unroll
+        for (int j = 0; j < kDim / 16; ++j) {
+            unsigned b0, b1, b2, b3;
+            const int v_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            ptx::ldmatrix_x4_trans(b0, b1, b2, b3, v_base + stage + swizzled<kRowBytes>(v_row, j * 2 + (lane >> 4)));
+            E::mma(acc[2 * j], pa, b0, b1);
+            E::mma(acc[2 * j + 1], pa, b2, b3);
+        }
+    }
+
+    // Merge the warps: per row, the block's max M and sum L; every warp's rows rescaled to M into an fp32 buffer
+    // over the (now idle) K/V stages; then each output element sums its 4 warps' values.
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+    float* const warp_max = reinterpret_cast<float*>(q_smem);  // [warps][16]
+    float* const warp_sum = warp_max + kAttentionWarps * 16;   // [warps][16]
+    float* const block_max = warp_sum + kAttentionWarps * 16;  // [16]
+    float* const block_sum = block_max + 16;                   // [16]
+    float* const buf = reinterpret_cast<float*>(k_smem);       // [warps][16][kDim]
+    row_sum[0] = quad_sum(row_sum[0]);
+    row_sum[1] = quad_sum(row_sum[1]);
+    if (t4 == 0) {
+        warp_max[warp * 16 + g] = row_max[0];
+        warp_max[warp * 16 + g + 8] = row_max[1];
+        warp_sum[warp * 16 + g] = row_sum[0];
+        warp_sum[warp * 16 + g + 8] = row_sum[1];
+    }
+    __syncthreads();
+    float factor[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        float m = neg_inf();
+#pragma unroll
+        for (int w = 0; w < kAttentionWarps; ++w) m = fmaxf(m, warp_max[w * 16 + row]);
+        factor[r] = m == neg_inf() ? 0.f : fast_exp2(row_max[r] - m);
+    }
+    if (tid < 16) {
+        float m = neg_inf();
+#pragma unroll
+        for (int w = 0; w < kAttentionWarps; ++w) m = fmaxf(m, warp_max[w * 16 + tid]);
+        float l = 0.f;
+        if (m != neg_inf()) {
+#pragma unroll
+            for (int w = 0; w < kAttentionWarps; ++w)
+                l += warp_sum[w * 16 + tid] * fast_exp2(warp_max[w * 16 + tid] - m);
+        }
+        block_max[tid] = m;
+        block_sum[tid] = l;
+    }
+#pragma unroll
+    for (int n = 0; n < kNTiles; ++n) {
+        const int col = n * 8 + 2 * t4;
+        if (g < group) {
+            *reinterpret_cast<float2*>(buf + (warp * 16 + g) * kDim + col) =
+                make_float2(acc[n][0] * factor[0], acc[n][1] * factor[0]);
+        }
+        if (g + 8 < group) {
+            *reinterpret_cast<float2*>(buf + (warp * 16 + g + 8) * kDim + col) =
+                make_float2(acc[n][2] * factor[1], acc[n][3] * factor[1]);
+        }
+    }
+    __syncthreads();
+
+    const int num_q_heads = p.num_q_heads;
+    for (int i = tid; i < group * (kDim / 4); i += kAttentionThreads) {
+        const int row = i / (kDim / 4);
+        const int col = (i % (kDim / 4)) * 4;
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < kAttentionWarps; ++w) {
+            const float4 x = *reinterpret_cast<const float4*>(buf + (w * 16 + row) * kDim + col);
+            sum.x += x.x;
+            sum.y += x.y;
+            sum.z += x.z;
+            sum.w += x.w;
+        }
+        const float l = block_sum[row];
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        sum.x *= inv;
+        sum.y *= inv;
+        sum.z *= inv;
+        sum.w *= inv;
+        // ln(sum of e^(scale q.k)) = (M + log2 L) ln 2, scores being scale x log2(e) x q.k.
+        const float lse = l > 0.f ? (block_max[row] + __log2f(l)) * 0.69314718055994531f : neg_inf();
+        const int64_t head_row = static_cast<int64_t>(b) * num_q_heads + kv_head * group + row;
+        if (p.num_splits == 1 && p.push_enabled != 0) {
+            push_row_part<kDim>(p, head_row, col, sum, lse, col == 0);
+        } else if (p.num_splits == 1) {
+            const uint2 packed = make_uint2(E::pack(sum.x, sum.y), E::pack(sum.z, sum.w));
+            *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + head_row * kDim + col) = packed;
+            if (p.lse != nullptr && col == 0) p.lse[head_row] = lse;
+        } else {
+            const int64_t slot = head_row * p.num_splits + split;
+            *reinterpret_cast<float4*>(p.partial_o + slot * kDim + col) = sum;
+            if (col == 0) p.partial_lse[slot] = lse;
+        }
+    }
+}
+
+/// Combine kernel. Grid ceil(batch * num_q_heads / 4), kAttentionCombineThreads threads: warp w of block x merges
+/// row 4x + w (one (sequence, q-head)) over its num_splits partials, weighting split s by e^(lse_s - max) / sum,
+/// and writes `out` and `lse` (natural log; -inf and zeros when every split was empty), or pushes them to every rank
+/// (p.push_enabled, sequence-parallel decode).
+template <AttentionDecodeConfig C>
+__global__ void __launch_bounds__(kAttentionCombineThreads) decode_combine(AttentionDecodeParams p) {
+    static_assert(is_valid(C), "AttentionDecodeConfig: see is_valid() in weft/common/attention.hpp");
+    using E = Elem<C.dtype>;
+    constexpr int kDim = C.head_dim;
+    constexpr int kVecs = kDim / 4;  // float4 per row
+    constexpr int kVecsPerLane = (kVecs + 31) / 32;
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * (kAttentionCombineThreads / 32) + threadIdx.x / 32;
+    if (row >= static_cast<int64_t>(p.batch) * p.num_q_heads) return;
+    const int num_splits = p.num_splits;
+    const float* lses = p.partial_lse + row * num_splits;
+    const float* parts = p.partial_o + row * num_splits * kDim;
+
+    float m = neg_inf();
+    for (int s = lane; s < num_splits; s += 32) m = fmaxf(m, lses[s]);
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
+    float total = 0.f;
+    if (m != neg_inf()) {
+        for (int s = lane; s < num_splits; s += 32) total += __expf(lses[s] - m);
+#pragma unroll
+        for (int x = 16; x > 0; x >>= 1) total += __shfl_xor_sync(0xffffffffu, total, x);
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+
+    float4 sum[kVecsPerLane];
+#pragma unroll
+    for (int v = 0; v < kVecsPerLane; ++v) sum[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m != neg_inf()) {
+#pragma unroll 4
+        for (int s = 0; s < num_splits; ++s) {
+            const float w = __expf(lses[s] - m) * inv;  // 0 for an empty split (lse -inf)
+#pragma unroll
+            for (int v = 0; v < kVecsPerLane; ++v) {
+                const int c = lane + 32 * v;
+                if (c < kVecs) {
+                    const float4 x = *reinterpret_cast<const float4*>(parts + s * kDim + c * 4);
+                    sum[v].x += w * x.x;
+                    sum[v].y += w * x.y;
+                    sum[v].z += w * x.z;
+                    sum[v].w += w * x.w;
+                }
+            }
+        }
+    }
+    const float lse = m != neg_inf() ? m + __logf(total) : neg_inf();
+#pragma unroll
+    for (int v = 0; v < kVecsPerLane; ++v) {
+        const int c = lane + 32 * v;
+        if (c < kVecs) {
+            if (p.push_enabled != 0) {
+                push_row_part<kDim>(p, row, c * 4, sum[v], lse, c == 0);
+            } else {
+                const uint2 packed = make_uint2(E::pack(sum[v].x, sum[v].y), E::pack(sum[v].z, sum[v].w));
+                *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + row * kDim + c * 4) = packed;
+            }
+        }
+    }
+    if (p.push_enabled == 0 && p.lse != nullptr && lane == 0) p.lse[row] = lse;
+}
+
+}  // namespace weft::kernels::attention

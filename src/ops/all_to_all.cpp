@@ -1,0 +1,264 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::all_to_all / all_to_all_v: argument checks, the per-round layout, the kernel launches; the Ulysses
+// re-shard helpers.
+#include "weft/ops/all_to_all.hpp"
+
+#include <algorithm>
+#include <numeric>
+
+#include "collective_workspace.hpp"
+#include "weft/detail/collectives.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/team.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft::ops {
+
+namespace detail {
+
+namespace {
+
+constexpr uint64_t align16(uint64_t x) { return (x + 15) / 16 * 16; }
+
+void check_a2a_view(const TensorView& v, const char* what, const char* op) {
+    WEFT_CHECK(v.ndim >= 0 && v.ndim <= TensorView::kMaxDims, op << ": " << what << " has " << v.ndim << " dimensions");
+    WEFT_CHECK(v.numel() >= 0, op << ": " << what << " has a negative extent: " << v.describe());
+    WEFT_CHECK(v.numel() == 0 || v.data != nullptr,
+               op << ": " << what << " is null but holds " << v.numel() << " elements (" << v.describe() << ")");
+    WEFT_CHECK(v.is_contiguous(), op << ": " << what << " must be contiguous, got " << v.describe());
+}
+
+uint64_t sum_counts(std::span<const int64_t> counts, const char* what, const char* op) {
+    uint64_t s = 0;
+    for (size_t q = 0; q < counts.size(); ++q) {
+        WEFT_CHECK(counts[q] >= 0, op << ": " << what << "[" << q << "] must be >= 0, got " << counts[q]);
+        s += static_cast<uint64_t>(counts[q]);
+    }
+    return s;
+}
+
+}  // namespace
+
+AllToAllPlan plan_all_to_all(const TensorView& input, std::span<const int64_t> send_counts, const TensorView& output,
+                             std::span<const int64_t> recv_counts, int num_ranks, bool equal, bool input_symmetric,
+                             uint64_t staging_capacity) {
+    const char* op = equal ? "all_to_all" : "all_to_all_v";
+    const int n = num_ranks;
+    WEFT_CHECK(n >= 1 && n <= kMaxAllToAllRanks, op << ": up to " << kMaxAllToAllRanks << " ranks, got " << n);
+    check_a2a_view(input, "input", op);
+    check_a2a_view(output, "output", op);
+    WEFT_CHECK(input.dtype == output.dtype, op << ": input and output must have the same dtype, got "
+                                               << dtype_name(input.dtype) << " and " << dtype_name(output.dtype));
+    const auto elem = static_cast<uint64_t>(dtype_bytes(input.dtype));
+    const auto in_bytes = static_cast<uint64_t>(input.size_bytes());
+    const auto out_bytes = static_cast<uint64_t>(output.size_bytes());
+    const auto x = reinterpret_cast<uintptr_t>(input.data);
+    const auto y = reinterpret_cast<uintptr_t>(output.data);
+    WEFT_CHECK(in_bytes == 0 || out_bytes == 0 || x + in_bytes <= y || y + out_bytes <= x,
+               op << ": input and output must not overlap (" << input.data << ", " << in_bytes << " bytes; "
+                  << output.data << ", " << out_bytes << " bytes)");
+    AllToAllPlan plan;
+    plan.staged = !input_symmetric;
+    if (equal) {
+        WEFT_CHECK(input.numel() == output.numel(), op << ": output must have as many elements as input ("
+                                                       << input.numel() << "), got " << output.numel());
+        WEFT_CHECK(input.numel() % n == 0,
+                   op << ": the element count (" << input.numel() << ") must be a multiple of num_ranks (" << n << ")");
+        const uint64_t chunk = in_bytes / static_cast<uint64_t>(n);
+        if (chunk == 0) return plan;  // nothing to move on any rank (the count is the same everywhere)
+        // Staged rounds: each peer's slot of the staging half holds `per_round` bytes of its chunk.
+        uint64_t per_round = chunk;
+        if (plan.staged) {
+            per_round = staging_capacity / static_cast<uint64_t>(n) / 16 * 16;
+            WEFT_CHECK(per_round >= 16, op << ": the staging region is too small for " << n << " ranks");
+        }
+        for (uint64_t begin = 0; begin < chunk; begin += per_round) {
+            const uint64_t len = std::min(per_round, chunk - begin);
+            AllToAllTable t{};
+            for (int q = 0; q < n; ++q) {
+                const uint64_t at = static_cast<uint64_t>(q) * chunk + begin;
+                t.send_offset[q] = at;
+                t.send_bytes[q] = len;
+                t.source_offset[q] = plan.staged ? static_cast<uint64_t>(q) * per_round : at;
+                t.recv_offset[q] = at;
+                t.recv_bytes[q] = len;
+            }
+            plan.rounds.push_back(t);
+        }
+        return plan;
+    }
+    WEFT_CHECK(send_counts.size() == static_cast<size_t>(n),
+               op << ": send_counts must have num_ranks (" << n << ") entries, got " << send_counts.size());
+    WEFT_CHECK(recv_counts.size() == static_cast<size_t>(n),
+               op << ": recv_counts must have num_ranks (" << n << ") entries, got " << recv_counts.size());
+    const uint64_t sent = sum_counts(send_counts, "send_counts", op);
+    const uint64_t received = sum_counts(recv_counts, "recv_counts", op);
+    WEFT_CHECK(static_cast<uint64_t>(input.numel()) == sent,
+               op << ": input must hold sum(send_counts) = " << sent << " elements, got " << input.numel());
+    WEFT_CHECK(static_cast<uint64_t>(output.numel()) == received,
+               op << ": output must hold sum(recv_counts) = " << received << " elements, got " << output.numel());
+    AllToAllTable t{};
+    uint64_t send_at = 0, recv_at = 0, stage_at = 0;
+    for (int q = 0; q < n; ++q) {
+        const uint64_t s = static_cast<uint64_t>(send_counts[static_cast<size_t>(q)]) * elem;
+        const uint64_t r = static_cast<uint64_t>(recv_counts[static_cast<size_t>(q)]) * elem;
+        t.send_offset[q] = send_at;
+        t.send_bytes[q] = s;
+        t.source_offset[q] = plan.staged ? stage_at : send_at;
+        t.recv_offset[q] = recv_at;
+        t.recv_bytes[q] = r;
+        send_at += s;
+        recv_at += r;
+        stage_at += align16(s);  // each staged chunk starts 16-byte aligned: the copies stay vectorised
+    }
+    WEFT_CHECK(!plan.staged || stage_at <= staging_capacity,
+               op << ": a local input of " << sent * elem << " bytes (" << stage_at
+                  << " staged) exceeds the staging region (" << staging_capacity
+                  << " bytes; WEFT_COLLECTIVE_STAGING_BYTES): put the input on the symmetric heap");
+    plan.rounds.push_back(t);
+    return plan;
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::CollectiveWorkspace;
+using detail::KernelId;
+
+void run_all_to_all(const Team& team, const TensorView& input, std::span<const int64_t> send_counts,
+                    const TensorView& output, std::span<const int64_t> recv_counts, bool equal, cudaStream_t stream) {
+    const char* op = equal ? "all_to_all" : "all_to_all_v";
+    team.require_member(op);
+    const int n = team.num_ranks();
+    if (n == 1) {
+        (void)detail::plan_all_to_all(input, send_counts, output, recv_counts, 1, equal, true, 0);
+        if (input.size_bytes() > 0) {
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(output.data, input.data, static_cast<size_t>(input.size_bytes()),
+                                            cudaMemcpyDeviceToDevice, stream));
+        }
+        return;
+    }
+    CollectiveWorkspace& ws = CollectiveWorkspace::get(team);
+    const auto in_bytes = static_cast<uint64_t>(input.size_bytes());
+    const bool in_sym = in_bytes > 0 && ws.symmetric(input.data, in_bytes);
+    const uint64_t capacity = ws.info().staging_region_bytes - kAllToAllHeaderBytes;
+    const detail::AllToAllPlan plan =
+        detail::plan_all_to_all(input, send_counts, output, recv_counts, n, equal, in_sym, capacity);
+    if (plan.rounds.empty()) return;
+    if (!in_sym && in_bytes > 0) detail::check_device_pointer(input.data, "input", op, stream);
+    if (output.size_bytes() > 0 && !ws.symmetric(output.data, static_cast<uint64_t>(output.size_bytes()))) {
+        detail::check_device_pointer(output.data, "output", op, stream);
+    }
+    const CollectiveTopology& topo = ws.topology();
+    // The same grid on every rank: from the (equal) chunk size, or the largest for uneven splits.
+    const uint64_t grid_bytes = equal ? in_bytes : (1ull << 30);
+    const int grid = all_gather_grid(AllGatherAlgo::kSmPush, grid_bytes, topo);
+    const uint64_t in_offset = in_sym ? ws.offset_or_none(input.data) : ~0ull;
+    for (size_t r = 0; r < plan.rounds.size(); ++r) {
+        CollectiveParams p = ws.params();
+        p.in = input.data;
+        p.out = output.data;
+        p.src = in_sym ? input.data : nullptr;
+        p.count = equal ? in_bytes : 0;
+        p.flags = plan.staged ? kCollectiveStageInput : kCollectiveExitBarrier;
+        p.descriptor = detail::call_descriptor({4, equal ? 1u : 2u, plan.staged ? 1u : 0u, p.count, r, in_offset});
+        ws.launch(KernelId::kAllToAllPull, grid, stream, p, plan.rounds[r]);
+    }
+}
+
+// The [S/W, H, D] <-> [W, S/W, H/W, D] permutation: for every rank q, S/W rows of H/W x D elements (one head group)
+// between a row pitch of H x D (the sequence-sharded side) and a packed block (the all-to-all's chunk q).
+struct UlyssesShape {
+    int64_t tokens_per_rank, heads_per_rank, dim, elem;
+};
+
+UlyssesShape ulysses_shape(const TensorView& seq_sharded, const TensorView& head_sharded, const TensorView& scratch,
+                           int n, const char* op) {
+    WEFT_CHECK(seq_sharded.ndim == 3 && seq_sharded.is_contiguous(),
+               op << ": the sequence-sharded tensor must be contiguous [S / W, H, D], got " << seq_sharded.describe());
+    WEFT_CHECK(head_sharded.ndim == 3 && head_sharded.is_contiguous(),
+               op << ": the head-sharded tensor must be contiguous [S, H / W, D], got " << head_sharded.describe());
+    WEFT_CHECK(seq_sharded.dtype == head_sharded.dtype, op << ": input and output must have the same dtype");
+    const int64_t s_local = seq_sharded.dim(0), h = seq_sharded.dim(1), d = seq_sharded.dim(2);
+    WEFT_CHECK(h % n == 0, op << ": H (" << h << ") must be a multiple of num_ranks (" << n << ")");
+    WEFT_CHECK(head_sharded.dim(0) == s_local * n && head_sharded.dim(1) == h / n && head_sharded.dim(2) == d,
+               op << ": shapes do not match: [S / W, H, D] = " << seq_sharded.describe() << " needs [S, H / W, D] = ["
+                  << s_local * n << ", " << h / n << ", " << d << "], got " << head_sharded.describe());
+    WEFT_CHECK(scratch.is_contiguous() && scratch.size_bytes() >= seq_sharded.size_bytes() &&
+                   (seq_sharded.numel() == 0 || scratch.data != nullptr),
+               op << ": scratch must be a contiguous buffer of at least " << seq_sharded.size_bytes() << " bytes, got "
+                  << scratch.describe());
+    return {s_local, h / n, d, dtype_bytes(seq_sharded.dtype)};
+}
+
+// seq_to_head = true: seq-sharded [S/W, W, H/W, D] -> packed [W, S/W, H/W, D]; false: the reverse.
+void ulysses_permute(const UlyssesShape& u, int n, void* packed, void* strided, bool to_packed, cudaStream_t stream) {
+    const auto group_bytes = static_cast<size_t>(u.heads_per_rank * u.dim * u.elem);
+    const size_t row_pitch = group_bytes * static_cast<size_t>(n);
+    const auto rows = static_cast<size_t>(u.tokens_per_rank);
+    if (rows == 0 || group_bytes == 0) return;
+    for (int q = 0; q < n; ++q) {
+        auto* block = static_cast<uint8_t*>(packed) + static_cast<size_t>(q) * rows * group_bytes;
+        auto* column = static_cast<uint8_t*>(strided) + static_cast<size_t>(q) * group_bytes;
+        if (to_packed) {
+            WEFT_CUDA_CHECK(cudaMemcpy2DAsync(block, group_bytes, column, row_pitch, group_bytes, rows,
+                                              cudaMemcpyDeviceToDevice, stream));
+        } else {
+            WEFT_CUDA_CHECK(cudaMemcpy2DAsync(column, row_pitch, block, group_bytes, group_bytes, rows,
+                                              cudaMemcpyDeviceToDevice, stream));
+        }
+    }
+}
+
+}  // namespace
+
+void all_to_all(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream) {
+    run_all_to_all(team, input, {}, output, {}, true, stream);
+}
+
+void all_to_all_v(const Team& team, const TensorView& input, std::span<const int64_t> send_counts,
+                  const TensorView& output, std::span<const int64_t> recv_counts, cudaStream_t stream) {
+    run_all_to_all(team, input, send_counts, output, recv_counts, false, stream);
+}
+
+void ulysses_seq_to_head(const Team& team, const TensorView& input, const TensorView& output, const TensorView& scratch,
+                         cudaStream_t stream) {
+    const int n = team.num_ranks();
+    const UlyssesShape u = ulysses_shape(input, output, scratch, n, "ulysses_seq_to_head");
+    ulysses_permute(u, n, scratch.data, input.data, true, stream);
+    // Chunk q of scratch (my tokens, q's heads) goes to rank q, landing at rows [rank S/W, (rank + 1) S/W) there.
+    all_to_all(team, TensorView(scratch.data, input.dtype, {input.numel()}),
+               TensorView(output.data, output.dtype, {output.numel()}), stream);
+}
+
+void ulysses_head_to_seq(const Team& team, const TensorView& input, const TensorView& output, const TensorView& scratch,
+                         cudaStream_t stream) {
+    const int n = team.num_ranks();
+    const UlyssesShape u = ulysses_shape(output, input, scratch, n, "ulysses_head_to_seq");
+    // Chunk q of input (q's tokens, my heads) goes to rank q; chunk q received is my tokens of q's heads.
+    all_to_all(team, TensorView(input.data, input.dtype, {input.numel()}),
+               TensorView(scratch.data, input.dtype, {input.numel()}), stream);
+    ulysses_permute(u, n, scratch.data, output.data, false, stream);
+}
+
+void all_to_all(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream) {
+    all_to_all(world.team(), input, output, stream);
+}
+
+void all_to_all_v(World& world, const TensorView& input, std::span<const int64_t> send_counts, const TensorView& output,
+                  std::span<const int64_t> recv_counts, cudaStream_t stream) {
+    all_to_all_v(world.team(), input, send_counts, output, recv_counts, stream);
+}
+
+void ulysses_seq_to_head(World& world, const TensorView& input, const TensorView& output, const TensorView& scratch,
+                         cudaStream_t stream) {
+    ulysses_seq_to_head(world.team(), input, output, scratch, stream);
+}
+
+void ulysses_head_to_seq(World& world, const TensorView& input, const TensorView& output, const TensorView& scratch,
+                         cudaStream_t stream) {
+    ulysses_head_to_seq(world.team(), input, output, scratch, stream);
+}
+
+}  // namespace weft::ops

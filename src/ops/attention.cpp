@@ -1,0 +1,397 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::decode_attention: argument checks, the split plan, the workspace, the JIT kernels and their launches.
+#include "weft/ops/attention.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <tuple>
+
+#include "weft/jit/aot.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+
+namespace weft::ops {
+
+namespace {
+
+constexpr const char* kOp = "decode_attention";
+constexpr int64_t kMaxSeqLen = (int64_t{1} << 31) - (int64_t{1} << 20);
+
+std::string shape_of(const TensorView& v) { return v.describe(); }
+
+// A view of `ndim` dimensions, every extent >= 0, innermost stride 1, non-null when it holds elements, data aligned
+// to `align` bytes.
+void check_basic(const TensorView& v, const char* what, int ndim, size_t align) {
+    WEFT_CHECK(v.ndim == ndim, kOp << ": " << what << " must have " << ndim << " dimensions, got " << shape_of(v));
+    for (int i = 0; i < ndim; ++i) {
+        WEFT_CHECK(v.dim(i) >= 0, kOp << ": " << what << " has a negative extent: " << shape_of(v));
+    }
+    WEFT_CHECK(v.numel() == 0 || v.data != nullptr,
+               kOp << ": " << what << " is null but holds " << v.numel() << " elements (" << shape_of(v) << ")");
+    WEFT_CHECK(v.dim(ndim - 1) <= 1 || v.stride(ndim - 1) == 1,
+               kOp << ": " << what << " must have innermost stride 1, got " << shape_of(v));
+    WEFT_CHECK(reinterpret_cast<uintptr_t>(v.data) % align == 0,
+               kOp << ": " << what << " must be " << align << "-byte aligned, got " << v.data);
+}
+
+// Outer strides of a 16-bit tensor read with 16-byte loads: non-negative multiples of 8 elements.
+void check_vector_strides(const TensorView& v, const char* what) {
+    for (int i = 0; i + 1 < v.ndim; ++i) {
+        WEFT_CHECK(v.stride(i) >= 0 && v.stride(i) % 8 == 0, kOp << ": " << what << " stride " << i
+                                                                 << " must be a non-negative multiple of 8 elements "
+                                                                 << "(16-byte rows), got " << shape_of(v));
+    }
+}
+
+bool is_empty_view(const TensorView& v) { return v.data == nullptr && v.ndim == 0; }
+
+}  // namespace
+
+namespace detail {
+
+int64_t attention_resident_blocks(const AttentionDecodeConfig& config, int64_t num_sms, int64_t smem_per_sm_bytes) {
+    // The driver reserves 1 KiB of shared memory per block.
+    const int64_t per_block = attention_decode_smem_bytes(config) + 1024;
+    const int64_t by_smem = std::max<int64_t>(1, smem_per_sm_bytes / per_block);
+    // 128 threads of at most 255 registers: two blocks always fit the register file; more only with fewer registers,
+    // which the heuristic does not count on.
+    return std::max<int64_t>(1, num_sms) * std::min<int64_t>(by_smem, 2);
+}
+
+DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                                          const TensorView& block_table, const TensorView& seq_lens,
+                                          int64_t max_seq_len, const TensorView& out, const TensorView& lse,
+                                          const DecodeAttentionOptions& options, int64_t resident_blocks) {
+    check_basic(q, "q", 3, 16);
+    WEFT_CHECK(q.dtype == DType::kBF16 || q.dtype == DType::kF16,
+               kOp << ": q must be bf16 or f16, got " << dtype_name(q.dtype));
+    check_vector_strides(q, "q");
+    const int64_t batch = q.dim(0);
+    const int64_t num_q_heads = q.dim(1);
+    const int64_t head_dim = q.dim(2);
+    WEFT_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256,
+               kOp << ": head_dim (q's last extent) must be 64, 128 or 256, got " << shape_of(q));
+
+    check_basic(k_cache, "k_cache", 4, 16);
+    check_basic(v_cache, "v_cache", 4, 16);
+    WEFT_CHECK(k_cache.dtype == q.dtype,
+               kOp << ": k_cache must have q's dtype " << dtype_name(q.dtype) << ", got " << dtype_name(k_cache.dtype));
+    WEFT_CHECK(v_cache.dtype == q.dtype,
+               kOp << ": v_cache must have q's dtype " << dtype_name(q.dtype) << ", got " << dtype_name(v_cache.dtype));
+    check_vector_strides(k_cache, "k_cache");
+    check_vector_strides(v_cache, "v_cache");
+    for (int i = 0; i < 4; ++i) {
+        WEFT_CHECK(v_cache.dim(i) == k_cache.dim(i) && v_cache.stride(i) == k_cache.stride(i),
+                   kOp << ": v_cache must have k_cache's shape and strides, got " << shape_of(v_cache) << " and "
+                       << shape_of(k_cache));
+    }
+    const int64_t num_pages = k_cache.dim(0);
+    const int64_t page_size = k_cache.dim(1);
+    const int64_t num_kv_heads = k_cache.dim(2);
+    WEFT_CHECK(k_cache.dim(3) == head_dim,
+               kOp << ": k_cache's head_dim must be q's (" << head_dim << "), got " << shape_of(k_cache));
+    WEFT_CHECK(page_size >= 1 && page_size <= (int64_t{1} << 30),
+               kOp << ": page_size (k_cache extent 1) must be at least 1, got " << shape_of(k_cache));
+    WEFT_CHECK(num_kv_heads >= 1,
+               kOp << ": num_kv_heads (k_cache extent 2) must be at least 1, got " << shape_of(k_cache));
+    WEFT_CHECK(num_q_heads >= num_kv_heads && num_q_heads % num_kv_heads == 0,
+               kOp << ": num_q_heads (" << num_q_heads << ") must be a positive multiple of num_kv_heads ("
+                   << num_kv_heads << ")");
+    const int64_t group = num_q_heads / num_kv_heads;
+    WEFT_CHECK(group <= kAttentionMaxGroup, kOp << ": at most " << kAttentionMaxGroup
+                                                << " q-heads per KV head are supported, got " << num_q_heads << " / "
+                                                << num_kv_heads << " = " << group);
+
+    check_basic(block_table, "block_table", 2, 4);
+    WEFT_CHECK(block_table.dtype == DType::kI32,
+               kOp << ": block_table must be i32, got " << dtype_name(block_table.dtype));
+    WEFT_CHECK(block_table.dim(0) == batch,
+               kOp << ": block_table must have batch (" << batch << ") rows, got " << shape_of(block_table));
+    WEFT_CHECK(block_table.stride(0) >= 0,
+               kOp << ": block_table's row stride must be >= 0, got " << shape_of(block_table));
+    check_basic(seq_lens, "seq_lens", 1, 4);
+    WEFT_CHECK(seq_lens.dtype == DType::kI32, kOp << ": seq_lens must be i32, got " << dtype_name(seq_lens.dtype));
+    WEFT_CHECK(seq_lens.dim(0) == batch,
+               kOp << ": seq_lens must have batch (" << batch << ") entries, got " << shape_of(seq_lens));
+    WEFT_CHECK(max_seq_len >= 0 && max_seq_len < kMaxSeqLen,
+               kOp << ": max_seq_len must be in [0, " << kMaxSeqLen << "), got " << max_seq_len);
+    WEFT_CHECK(max_seq_len <= block_table.dim(1) * page_size,
+               kOp << ": max_seq_len (" << max_seq_len << ") exceeds what block_table holds (" << block_table.dim(1)
+                   << " pages of " << page_size << " tokens)");
+    WEFT_CHECK(max_seq_len == 0 || num_pages >= 1, kOp << ": k_cache has no pages but max_seq_len is " << max_seq_len);
+
+    check_basic(out, "out", 3, 16);
+    WEFT_CHECK(out.dtype == q.dtype,
+               kOp << ": out must have q's dtype " << dtype_name(q.dtype) << ", got " << dtype_name(out.dtype));
+    WEFT_CHECK(
+        out.dim(0) == batch && out.dim(1) == num_q_heads && out.dim(2) == head_dim,
+        kOp << ": out must be [" << batch << ", " << num_q_heads << ", " << head_dim << "], got " << shape_of(out));
+    WEFT_CHECK(out.is_contiguous(), kOp << ": out must be contiguous, got " << shape_of(out));
+    const bool want_lse = !is_empty_view(lse);
+    if (want_lse) {
+        check_basic(lse, "lse", 2, 4);
+        WEFT_CHECK(lse.dtype == DType::kF32, kOp << ": lse must be f32, got " << dtype_name(lse.dtype));
+        WEFT_CHECK(lse.dim(0) == batch && lse.dim(1) == num_q_heads,
+                   kOp << ": lse must be [" << batch << ", " << num_q_heads << "], got " << shape_of(lse));
+        WEFT_CHECK(lse.is_contiguous(), kOp << ": lse must be contiguous, got " << shape_of(lse));
+    }
+    const float scale = options.scale.value_or(1.f / std::sqrt(static_cast<float>(head_dim)));
+    WEFT_CHECK(std::isfinite(scale), kOp << ": options.scale must be finite, got " << scale);
+    WEFT_CHECK(options.num_splits >= 0,
+               kOp << ": options.num_splits must be >= 0 (0: automatic), got " << options.num_splits);
+    WEFT_CHECK(batch <= 65535 && num_kv_heads <= 65535,
+               kOp << ": batch and num_kv_heads must be at most 65535 (grid limits), got " << batch << " and "
+                   << num_kv_heads);
+
+    DecodeAttentionPlan plan;
+    plan.config.dtype = q.dtype;
+    plan.config.head_dim = static_cast<int32_t>(head_dim);
+    plan.config.stages = attention_default_stages(plan.config.head_dim);
+    plan.empty = batch == 0;
+    plan.splits = plan_attention_splits(batch, num_kv_heads, max_seq_len, resident_blocks, options.num_splits);
+
+    AttentionDecodeParams& p = plan.params;
+    p.q = q.data;
+    p.k = k_cache.data;
+    p.v = v_cache.data;
+    p.block_table = static_cast<const int32_t*>(block_table.data);
+    p.seq_lens = static_cast<const int32_t*>(seq_lens.data);
+    p.out = out.data;
+    p.lse = want_lse ? static_cast<float*>(lse.data) : nullptr;
+    p.q_batch_stride = q.stride(0);
+    p.q_head_stride = q.stride(1);
+    p.page_stride = k_cache.stride(0);
+    p.slot_stride = k_cache.stride(1);
+    p.head_stride = k_cache.stride(2);
+    p.block_table_stride = block_table.stride(0);
+    p.max_seq_len = max_seq_len;
+    p.tokens_per_split = plan.splits.tokens_per_split;
+    p.batch = static_cast<int32_t>(batch);
+    p.num_q_heads = static_cast<int32_t>(num_q_heads);
+    p.num_kv_heads = static_cast<int32_t>(num_kv_heads);
+    p.group = static_cast<int32_t>(group);
+    p.page_size = static_cast<int32_t>(page_size);
+    p.page_shift = -1;
+    if ((page_size & (page_size - 1)) == 0) {
+        p.page_shift = 0;
+        while ((int64_t{1} << p.page_shift) < page_size) ++p.page_shift;
+    }
+    p.num_splits = plan.splits.num_splits;
+    p.scale_log2 = scale * 1.4426950408889634f;
+    if (p.num_splits > 1) {
+        const uint64_t rows =
+            static_cast<uint64_t>(batch) * static_cast<uint64_t>(num_q_heads) * static_cast<uint64_t>(p.num_splits);
+        const uint64_t o_bytes = rows * static_cast<uint64_t>(head_dim) * 4;
+        plan.workspace_bytes = o_bytes + (rows * 4 + 15) / 16 * 16;
+    }
+    return plan;
+}
+
+}  // namespace detail
+
+namespace {
+
+struct DeviceFacts {
+    int64_t num_sms = 0;
+    int64_t smem_per_sm = 0;
+};
+
+DeviceFacts device_facts() {
+    static std::mutex mutex;
+    static std::map<int, DeviceFacts> cache;
+    int device = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find(device);
+    if (it != cache.end()) return it->second;
+    int sms = 0;
+    int smem = 0;
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    const DeviceFacts f{sms, smem};
+    cache[device] = f;
+    return f;
+}
+
+int64_t resident_blocks_here(const AttentionDecodeConfig& config) {
+    const DeviceFacts f = device_facts();
+    return detail::attention_resident_blocks(config, f.num_sms, f.smem_per_sm);
+}
+
+// Both kernels of one config, compiled and loaded on first use (per device: get_kernel loads into the current
+// context each call, cheaply once done).
+struct AttentionKernels {
+    jit::Kernel* split = nullptr;
+    jit::Kernel* combine = nullptr;
+};
+
+AttentionKernels kernels_for(const AttentionDecodeConfig& c) {
+    static std::mutex mutex;
+    static std::map<std::tuple<int, int, int, int>, AttentionKernels> memo;
+    int device = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    const auto key = std::make_tuple(device, static_cast<int>(c.dtype), c.head_dim, c.stages);
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        auto it = memo.find(key);
+        if (it != memo.end()) return it->second;
+    }
+    AttentionKernels k;
+    k.split = &jit::compiler().get_kernel(decode_attention_kernel_spec(c, false));
+    k.combine = &jit::compiler().get_kernel(decode_attention_kernel_spec(c, true));
+    k.split->allow_dynamic_smem(static_cast<size_t>(attention_decode_smem_bytes(c)));
+    std::lock_guard<std::mutex> lock(mutex);
+    memo[key] = k;
+    return k;
+}
+
+// The internal workspace per (device, stream). Outgrown buffers are kept: launches already enqueued may use them.
+void* internal_workspace(uint64_t bytes, cudaStream_t stream) {
+    static std::mutex mutex;
+    static std::map<std::pair<int, cudaStream_t>, std::pair<void*, uint64_t>> cache;
+    int device = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> lock(mutex);
+    auto& slot = cache[{device, stream}];
+    if (slot.second >= bytes) return slot.first;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    WEFT_CHECK(capture == cudaStreamCaptureStatusNone,
+               kOp << ": the internal workspace must grow to " << bytes << " bytes while the stream is being captured; "
+                   << "pass options.workspace (decode_attention_workspace_bytes() bytes) or run once before capture");
+    const uint64_t grow = std::max<uint64_t>(bytes, 2 * slot.second);
+    void* ptr = nullptr;
+    WEFT_CUDA_CHECK(cudaMalloc(&ptr, grow));
+    WEFT_LOG_DEBUG(kOp << ": workspace " << grow << " bytes on device " << device);
+    slot = {ptr, grow};
+    return ptr;
+}
+
+}  // namespace
+
+jit::KernelSpec decode_attention_kernel_spec(const AttentionDecodeConfig& config, bool combine) {
+    WEFT_CHECK(is_valid(config), kOp << ": invalid AttentionDecodeConfig (dtype " << dtype_name(config.dtype)
+                                     << ", head_dim " << config.head_dim << ", stages " << config.stages << ")");
+    std::ostringstream inst;
+    inst << "weft::kernels::attention::" << (combine ? "decode_combine" : "decode_split")
+         << "<weft::AttentionDecodeConfig{.dtype = " << dtype_enum_name(config.dtype)
+         << ", .head_dim = " << config.head_dim << ", .stages = " << config.stages << "}>";
+    std::ostringstream desc;
+    desc << "attention " << (combine ? "decode_combine " : "decode_split ") << dtype_name(config.dtype)
+         << " head_dim=" << config.head_dim << " stages=" << config.stages;
+    jit::KernelSpec spec;
+    spec.header = "attention/decode.cuh";
+    spec.instantiation = inst.str();
+    spec.description = desc.str();
+    return spec;
+}
+
+void register_attention_aot_specs() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        for (DType t : {DType::kBF16, DType::kF16}) {
+            for (int32_t d : {64, 128, 256}) {
+                const AttentionDecodeConfig c{.dtype = t, .head_dim = d, .stages = attention_default_stages(d)};
+                jit::register_aot_spec(decode_attention_kernel_spec(c, false));
+                jit::register_aot_spec(decode_attention_kernel_spec(c, true));
+            }
+        }
+    });
+}
+
+AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+                                               int64_t head_dim, int64_t max_seq_len,
+                                               const DecodeAttentionOptions& options) {
+    WEFT_CHECK(batch >= 0 && num_kv_heads >= 1 && num_q_heads >= 1 && max_seq_len >= 0,
+               kOp << ": the split plan needs batch >= 0, heads >= 1 and max_seq_len >= 0, got batch " << batch
+                   << ", num_q_heads " << num_q_heads << ", num_kv_heads " << num_kv_heads << ", max_seq_len "
+                   << max_seq_len);
+    WEFT_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256,
+               kOp << ": head_dim must be 64, 128 or 256, got " << head_dim);
+    WEFT_CHECK(options.num_splits >= 0,
+               kOp << ": options.num_splits must be >= 0 (0: automatic), got " << options.num_splits);
+    AttentionDecodeConfig c;
+    c.head_dim = static_cast<int32_t>(head_dim);
+    c.stages = attention_default_stages(c.head_dim);
+    return plan_attention_splits(batch, num_kv_heads, max_seq_len, resident_blocks_here(c), options.num_splits);
+}
+
+uint64_t decode_attention_workspace_bytes(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                                          int64_t max_seq_len, const DecodeAttentionOptions& options) {
+    const AttentionSplitPlan s =
+        decode_attention_split_plan(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, options);
+    if (s.num_splits <= 1) return 0;
+    const uint64_t rows =
+        static_cast<uint64_t>(batch) * static_cast<uint64_t>(num_q_heads) * static_cast<uint64_t>(s.num_splits);
+    return rows * static_cast<uint64_t>(head_dim) * 4 + (rows * 4 + 15) / 16 * 16;
+}
+
+namespace detail {
+
+int64_t attention_resident_blocks_here(int64_t head_dim) {
+    AttentionDecodeConfig c;
+    c.head_dim = head_dim == 64 || head_dim == 256 ? static_cast<int32_t>(head_dim) : 128;
+    c.stages = attention_default_stages(c.head_dim);
+    return resident_blocks_here(c);
+}
+
+void load_decode_attention_kernels(const AttentionDecodeConfig& config) { (void)kernels_for(config); }
+
+void launch_decode_attention(DecodeAttentionPlan& plan, const DecodeAttentionOptions& options, cudaStream_t stream) {
+    if (plan.empty) return;
+    AttentionDecodeParams& p = plan.params;
+    if (plan.workspace_bytes > 0) {
+        void* ws = nullptr;
+        if (!is_empty_view(options.workspace)) {
+            const TensorView& w = options.workspace;
+            WEFT_CHECK(w.data != nullptr && w.is_contiguous(),
+                       kOp << ": options.workspace must be a contiguous device buffer, got " << w.describe());
+            WEFT_CHECK(reinterpret_cast<uintptr_t>(w.data) % 16 == 0,
+                       kOp << ": options.workspace must be 16-byte aligned, got " << w.data);
+            WEFT_CHECK(static_cast<uint64_t>(w.size_bytes()) >= plan.workspace_bytes,
+                       kOp << ": options.workspace holds " << w.size_bytes() << " bytes, " << plan.workspace_bytes
+                           << " needed (decode_attention_workspace_bytes)");
+            ws = w.data;
+        } else {
+            ws = internal_workspace(plan.workspace_bytes, stream);
+        }
+        const uint64_t rows =
+            static_cast<uint64_t>(p.batch) * static_cast<uint64_t>(p.num_q_heads) * static_cast<uint64_t>(p.num_splits);
+        p.partial_o = static_cast<float*>(ws);
+        p.partial_lse = p.partial_o + rows * static_cast<uint64_t>(plan.config.head_dim);
+    }
+    const AttentionKernels k = kernels_for(plan.config);
+    jit::LaunchParams split;
+    split.grid = dim3(static_cast<unsigned>(p.num_splits), static_cast<unsigned>(p.num_kv_heads),
+                      static_cast<unsigned>(p.batch));
+    split.block = dim3(kAttentionThreads);
+    split.dynamic_smem_bytes = static_cast<size_t>(attention_decode_smem_bytes(plan.config));
+    split.stream = stream;
+    k.split->launch(split, p);
+    if (p.num_splits > 1) {
+        constexpr int64_t kRowsPerBlock = kAttentionCombineThreads / 32;
+        const int64_t rows = static_cast<int64_t>(p.batch) * p.num_q_heads;
+        jit::LaunchParams combine;
+        combine.grid = dim3(static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock));
+        combine.block = dim3(kAttentionCombineThreads);
+        combine.stream = stream;
+        k.combine->launch(combine, p);
+    }
+}
+
+}  // namespace detail
+
+void decode_attention(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                      const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
+                      const TensorView& out, const TensorView& lse, cudaStream_t stream,
+                      const DecodeAttentionOptions& options) {
+    detail::DecodeAttentionPlan plan =
+        detail::plan_decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, options,
+                                      detail::attention_resident_blocks_here(q.ndim == 3 ? q.dim(2) : 128));
+    detail::launch_decode_attention(plan, options, stream);
+}
+
+}  // namespace weft::ops

@@ -1,0 +1,111 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::sp_decode_attention: decode attention over a KV cache sharded across ranks by sequence; each rank's
+// final rows are pushed to every rank by its decode kernels (LL lines) and merged by a collective kernel.
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <tuple>
+
+#include "collective_workspace.hpp"
+#include "weft/detail/collectives.hpp"
+#include "weft/ops/attention.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/team.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft::ops {
+
+namespace {
+
+// Loads the decode kernels of `config` the first time a team uses them, then meets the team: no rank launches
+// the spinning combine kernel while another is still loading a module (CUDA may wait for the context to idle).
+void ensure_loaded(const Team& team, const AttentionDecodeConfig& config) {
+    static std::mutex mutex;
+    static std::set<std::tuple<const World*, std::string, int, int, int>> loaded;
+    const auto key =
+        std::make_tuple(&team.world(), team.id(), static_cast<int>(config.dtype), config.head_dim, config.stages);
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (loaded.count(key) != 0) return;
+    }
+    detail::load_decode_attention_kernels(config);
+    team.barrier();
+    std::lock_guard<std::mutex> lock(mutex);
+    loaded.insert(key);
+}
+
+}  // namespace
+
+void sp_decode_attention(const Team& team, const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                         const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
+                         const TensorView& out, const TensorView& lse, cudaStream_t stream,
+                         const DecodeAttentionOptions& options) {
+    team.require_member("sp_decode_attention");
+    if (team.num_ranks() == 1) {
+        decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, stream, options);
+        return;
+    }
+    detail::DecodeAttentionPlan plan =
+        detail::plan_decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, options,
+                                      detail::attention_resident_blocks_here(q.dim(2)));
+    if (plan.empty) return;
+    detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team);
+    ensure_loaded(team, plan.config);
+    const int64_t batch = plan.params.batch;
+    const int64_t heads = plan.params.num_q_heads;
+    const int64_t dim = plan.config.head_dim;
+    const auto row_bytes = static_cast<uint64_t>(attention_push_row_lines(dim)) * kLowLatencyLineBytes;
+    const uint64_t slot = ws.info().ll_slot_bytes;
+    WEFT_CHECK(static_cast<uint64_t>(heads) * row_bytes <= slot, "sp_decode_attention: one sequence's rows ("
+                                                                     << heads << " q-heads x " << row_bytes
+                                                                     << " bytes of LL lines) exceed the LL buffer of "
+                                                                     << slot << " bytes per rank");
+    const int64_t per_round =
+        std::max<int64_t>(1, static_cast<int64_t>(slot / (static_cast<uint64_t>(heads) * row_bytes)));
+
+    CollectiveParams base = ws.params();
+    AttentionPeerPush push;
+    push.ctx = team.device_ctx();
+    push.epoch = &base.state->epoch;
+    push.ll_buffer = base.ll_buffer;
+    push.ll_slot_bytes = base.ll_slot_bytes;
+    const CollectiveTopology& topo = ws.topology();
+    const auto elem = static_cast<int64_t>(dtype_bytes(q.dtype));
+    for (int64_t b0 = 0; b0 < batch; b0 += per_round) {
+        const int64_t nb = std::min(per_round, batch - b0);
+        detail::DecodeAttentionPlan round = plan;
+        AttentionDecodeParams& p = round.params;
+        p.q = static_cast<const uint8_t*>(p.q) + b0 * p.q_batch_stride * elem;
+        p.block_table += b0 * p.block_table_stride;
+        p.seq_lens += b0;
+        p.batch = static_cast<int32_t>(nb);
+        p.out = nullptr;
+        p.lse = nullptr;
+        p.push_enabled = 1;
+        p.push = push;
+        detail::launch_decode_attention(round, options, stream);
+
+        const int64_t rows = nb * heads;
+        CollectiveParams cp = base;
+        cp.count = static_cast<uint64_t>(rows);
+        cp.out_stride = static_cast<uint64_t>(dim);
+        cp.out = static_cast<uint8_t*>(out.data) + b0 * heads * dim * elem;
+        cp.res = lse.data != nullptr ? static_cast<float*>(lse.data) + b0 * heads : nullptr;
+        cp.descriptor = detail::call_descriptor(
+            {5, static_cast<uint64_t>(q.dtype), static_cast<uint64_t>(dim), static_cast<uint64_t>(rows)});
+        const int grid = all_gather_grid(AllGatherAlgo::kLowLatency, static_cast<uint64_t>(rows * dim / 4) * 8, topo);
+        ws.launch(detail::KernelId::kAttentionSpCombine, q.dtype, grid, stream, cp);
+    }
+}
+
+void sp_decode_attention(World& world, const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                         const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
+                         const TensorView& out, const TensorView& lse, cudaStream_t stream,
+                         const DecodeAttentionOptions& options) {
+    sp_decode_attention(world.team(), q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, stream,
+                        options);
+}
+
+}  // namespace weft::ops

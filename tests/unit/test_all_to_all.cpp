@@ -1,0 +1,140 @@
+// SPDX-License-Identifier: MIT
+// All-to-all on the CPU: the per-round layout (offsets tile input and output exactly, staged chunks fit the staging
+// half and stay 16-byte aligned), argument checks, and the Ulysses helpers' shape checks.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "weft/ops/all_to_all.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace weft::ops {
+namespace {
+
+void* at(uintptr_t a) { return reinterpret_cast<void*>(a); }
+
+// Every byte of input is sent exactly once and every byte of output received exactly once over all rounds.
+void expect_tiles(const detail::AllToAllPlan& plan, int n, uint64_t in_bytes, uint64_t out_bytes, uint64_t capacity) {
+    std::vector<int> sent(in_bytes, 0), got(out_bytes, 0);
+    for (const AllToAllTable& t : plan.rounds) {
+        uint64_t staged_end = 0;
+        for (int q = 0; q < n; ++q) {
+            for (uint64_t i = 0; i < t.send_bytes[q]; ++i) ++sent[t.send_offset[q] + i];
+            for (uint64_t i = 0; i < t.recv_bytes[q]; ++i) ++got[t.recv_offset[q] + i];
+            if (plan.staged) {
+                EXPECT_EQ(t.source_offset[q] % 16, 0u);
+                staged_end = std::max(staged_end, t.source_offset[q] + t.send_bytes[q]);
+            } else {
+                EXPECT_EQ(t.source_offset[q], t.send_offset[q]);
+            }
+        }
+        if (plan.staged) {
+            EXPECT_LE(staged_end, capacity);
+        }
+    }
+    EXPECT_TRUE(std::all_of(sent.begin(), sent.end(), [](int c) { return c == 1; }));
+    EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](int c) { return c == 1; }));
+}
+
+TEST(AllToAllPlan, EqualSplitsStagedInRoundsOrDirect) {
+    for (int n : {1, 2, 3, 5, 8}) {
+        for (int64_t per_peer : {1, 7, 1000, 5000}) {
+            const int64_t count = per_peer * n;
+            const TensorView in(at(0x100000), DType::kBF16, {count});
+            const TensorView out(at(0x10000000), DType::kBF16, {count});
+            const uint64_t capacity = 4096;
+            const detail::AllToAllPlan staged = detail::plan_all_to_all(in, {}, out, {}, n, true, false, capacity);
+            EXPECT_TRUE(staged.staged);
+            const uint64_t chunk = static_cast<uint64_t>(per_peer) * 2;
+            const uint64_t per_round = capacity / static_cast<uint64_t>(n) / 16 * 16;
+            EXPECT_EQ(staged.rounds.size(), (chunk + per_round - 1) / per_round) << n << " " << per_peer;
+            expect_tiles(staged, n, static_cast<uint64_t>(count) * 2, static_cast<uint64_t>(count) * 2, capacity);
+            const detail::AllToAllPlan direct = detail::plan_all_to_all(in, {}, out, {}, n, true, true, capacity);
+            EXPECT_FALSE(direct.staged);
+            EXPECT_EQ(direct.rounds.size(), 1u);
+            expect_tiles(direct, n, static_cast<uint64_t>(count) * 2, static_cast<uint64_t>(count) * 2, capacity);
+        }
+    }
+    // Nothing to move: no kernel at all (the count is the same on every rank).
+    const TensorView empty(at(0x100000), DType::kF32, {0});
+    EXPECT_TRUE(detail::plan_all_to_all(empty, {}, empty, {}, 4, true, false, 4096).rounds.empty());
+}
+
+TEST(AllToAllPlan, UnevenSplitsIncludingZeros) {
+    const std::vector<int64_t> send = {0, 5, 17, 0, 1};
+    const std::vector<int64_t> recv = {3, 0, 0, 9, 2};
+    const int64_t s = std::accumulate(send.begin(), send.end(), int64_t{0});
+    const int64_t r = std::accumulate(recv.begin(), recv.end(), int64_t{0});
+    const TensorView in(at(0x100000), DType::kF32, {s});
+    const TensorView out(at(0x10000000), DType::kF32, {r});
+    for (bool sym : {false, true}) {
+        const detail::AllToAllPlan p = detail::plan_all_to_all(in, send, out, recv, 5, false, sym, 1 << 20);
+        ASSERT_EQ(p.rounds.size(), 1u);  // every rank launches exactly one kernel, even with nothing to move
+        expect_tiles(p, 5, static_cast<uint64_t>(s) * 4, static_cast<uint64_t>(r) * 4, 1 << 20);
+        EXPECT_EQ(p.rounds[0].recv_offset[3], 12u);
+        EXPECT_EQ(p.rounds[0].recv_bytes[4], 8u);
+    }
+    // All zero on this rank: still one kernel (peers meet it).
+    const std::vector<int64_t> zeros(3, 0);
+    const TensorView none(at(0x100000), DType::kF32, {0});
+    EXPECT_EQ(detail::plan_all_to_all(none, zeros, none, zeros, 3, false, false, 4096).rounds.size(), 1u);
+}
+
+void expect_error(const std::function<void()>& f, const std::string& words) {
+    try {
+        f();
+        ADD_FAILURE() << "accepted; expected an error mentioning " << words;
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+}
+
+TEST(AllToAllArgs, BadArgumentsNameTheArgument) {
+    const TensorView in(at(0x100000), DType::kBF16, {12});
+    const TensorView out(at(0x10000000), DType::kBF16, {12});
+    expect_error(
+        [&] {
+            detail::plan_all_to_all(in, {}, TensorView(at(0x10000000), DType::kBF16, {10}), {}, 4, true, false, 4096);
+        },
+        "output must have as many elements");
+    expect_error([&] { detail::plan_all_to_all(in, {}, out, {}, 5, true, false, 4096); }, "multiple of num_ranks");
+    expect_error(
+        [&] {
+            detail::plan_all_to_all(in, {}, TensorView(at(0x10000000), DType::kF16, {12}), {}, 4, true, false, 4096);
+        },
+        "same dtype");
+    expect_error(
+        [&] {
+            detail::plan_all_to_all(in, {}, TensorView(at(0x100008), DType::kBF16, {12}), {}, 4, true, false, 4096);
+        },
+        "must not overlap");
+    const std::vector<int64_t> three = {4, 4, 4};
+    const std::vector<int64_t> bad = {4, -1, 9};
+    const std::vector<int64_t> two = {6, 6};
+    expect_error([&] { detail::plan_all_to_all(in, two, out, three, 3, false, false, 4096); }, "send_counts must have");
+    expect_error([&] { detail::plan_all_to_all(in, three, out, two, 3, false, false, 4096); }, "recv_counts must have");
+    expect_error([&] { detail::plan_all_to_all(in, bad, out, three, 3, false, false, 4096); }, "send_counts[1]");
+    expect_error(
+        [&] {
+            detail::plan_all_to_all(in, three, TensorView(at(0x10000000), DType::kBF16, {11}), three, 3, false, false,
+                                    4096);
+        },
+        "sum(recv_counts)");
+    // A local input larger than the staging region: an error that says to use the symmetric heap.
+    const std::vector<int64_t> big = {3000, 3000, 3000};
+    const TensorView big_in(at(0x100000), DType::kBF16, {9000});
+    expect_error(
+        [&] {
+            detail::plan_all_to_all(big_in, big, TensorView(at(0x10000000), DType::kBF16, {9000}), big, 3, false, false,
+                                    4096);
+        },
+        "symmetric heap");
+    EXPECT_NO_THROW(detail::plan_all_to_all(big_in, big, TensorView(at(0x10000000), DType::kBF16, {9000}), big, 3,
+                                            false, true, 4096));
+}
+
+}  // namespace
+}  // namespace weft::ops

@@ -1,0 +1,324 @@
+// SPDX-License-Identifier: MIT
+// Decode attention on the CPU: the split plan, argument checks, and NVRTC compilation of every kernel
+// specialisation with the SASS the bandwidth depends on (cp.async 16-byte copies, tensor-core mma, no local memory).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "support/jit_testing.hpp"
+#include "support/sass_testing.hpp"
+#include "weft/common/attention.hpp"
+#include "weft/jit/aot.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/ops/attention.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace weft::ops {
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// Split plan
+
+TEST(AttentionPlan, SplitsCoverEveryTokenOnceInWholeTiles) {
+    for (int64_t len : {0, 1, 63, 64, 65, 1000, 33000, 1 << 20}) {
+        for (int64_t batch : {1, 8, 64, 256}) {
+            for (int32_t requested : {0, 1, 3, 1000}) {
+                const AttentionSplitPlan s = plan_attention_splits(batch, 8, len, 264, requested);
+                SCOPED_TRACE(::testing::Message() << "len " << len << " batch " << batch << " req " << requested);
+                ASSERT_GE(s.num_splits, 1);
+                EXPECT_LE(s.num_splits, kAttentionMaxSplits);
+                EXPECT_EQ(s.tokens_per_split % kAttentionTileTokens, 0);
+                EXPECT_GT(s.tokens_per_split, 0);
+                // Every token is in exactly one split, and the last split is not empty (when there are tokens).
+                EXPECT_GE(static_cast<int64_t>(s.num_splits) * s.tokens_per_split, len);
+                if (len > 0) {
+                    EXPECT_LT(static_cast<int64_t>(s.num_splits - 1) * s.tokens_per_split, len);
+                }
+                if (requested > 0 && len > 0) {
+                    EXPECT_LE(s.num_splits, requested);
+                }
+            }
+        }
+    }
+}
+
+TEST(AttentionPlan, AutomaticSplitsFillTheGpuAtLongContexts) {
+    // batch 1, 8 KV heads, 32K tokens on 132 SMs x 2 blocks: close to two waves (whole tiles per split).
+    const AttentionSplitPlan a = plan_attention_splits(1, 8, 32768, 264, 0);
+    EXPECT_GE(static_cast<int64_t>(a.num_splits) * 8, 3 * 264 / 2);
+    // Many sequences already fill the GPU: one split each.
+    const AttentionSplitPlan b = plan_attention_splits(256, 8, 32768, 264, 0);
+    EXPECT_EQ(b.num_splits, 1);
+    // Short sequences keep at least two tiles per split.
+    const AttentionSplitPlan c = plan_attention_splits(1, 1, 1000, 264, 0);
+    EXPECT_GE(c.tokens_per_split, 2 * kAttentionTileTokens);
+}
+
+TEST(AttentionPlan, ConfigValidityAndSharedMemory) {
+    for (int d : {64, 128, 256}) {
+        AttentionDecodeConfig c{.dtype = DType::kBF16, .head_dim = d, .stages = attention_default_stages(d)};
+        EXPECT_TRUE(is_valid(c)) << d;
+        EXPECT_LE(attention_decode_smem_bytes(c), 227 * 1024);
+        // Default depths: two blocks per SM up to head_dim 128.
+        const int64_t blocks = detail::attention_resident_blocks(c, 132, 228 * 1024) / 132;
+        EXPECT_EQ(blocks, d <= 128 ? 2 : 1) << d;
+    }
+    EXPECT_FALSE(is_valid(AttentionDecodeConfig{.dtype = DType::kF32, .head_dim = 128, .stages = 3}));
+    EXPECT_FALSE(is_valid(AttentionDecodeConfig{.dtype = DType::kBF16, .head_dim = 96, .stages = 3}));
+    EXPECT_FALSE(is_valid(AttentionDecodeConfig{.dtype = DType::kBF16, .head_dim = 128, .stages = 1}));
+    EXPECT_FALSE(is_valid(AttentionDecodeConfig{.dtype = DType::kBF16, .head_dim = 256, .stages = 4}));  // > 227 KiB
+}
+
+// ------------------------------------------------------------------------------------------------
+// Argument checks (no CUDA call: plan_decode_attention is pure)
+
+struct Args {
+    // Fake, aligned, never dereferenced addresses.
+    static void* at(uintptr_t a) { return reinterpret_cast<void*>(a); }
+    int64_t batch = 4, hq = 32, hkv = 8, dim = 128, pages = 100, page = 16, max_pages = 20, max_len = 300;
+    TensorView q{at(0x10000), DType::kBF16, {batch, hq, dim}};
+    TensorView k{at(0x100000), DType::kBF16, {pages, page, hkv, dim}};
+    TensorView v{at(0x900000), DType::kBF16, {pages, page, hkv, dim}};
+    TensorView table{at(0x2000000), DType::kI32, {batch, max_pages}};
+    TensorView lens{at(0x3000000), DType::kI32, {batch}};
+    TensorView out{at(0x4000000), DType::kBF16, {batch, hq, dim}};
+    TensorView lse{at(0x5000000), DType::kF32, {batch, hq}};
+    DecodeAttentionOptions options;
+
+    detail::DecodeAttentionPlan plan() const {
+        return detail::plan_decode_attention(q, k, v, table, lens, max_len, out, lse, options, 264);
+    }
+};
+
+// Expects plan() to throw a weft::Error whose message contains every one of `words`.
+void expect_rejected(const Args& a, std::vector<std::string> words) {
+    try {
+        (void)a.plan();
+        ADD_FAILURE() << "accepted; expected an error naming: " << words.front();
+    } catch (const Error& e) {
+        const std::string msg = e.what();
+        for (const std::string& w : words)
+            EXPECT_NE(msg.find(w), std::string::npos) << msg << "\n(missing " << w << ")";
+    }
+}
+
+TEST(AttentionArgs, ValidArgumentsPlanTheLaunch) {
+    Args a;
+    const detail::DecodeAttentionPlan p = a.plan();
+    EXPECT_EQ(p.params.group, 4);
+    EXPECT_EQ(p.params.page_size, 16);
+    EXPECT_EQ(p.params.page_shift, 4);
+    EXPECT_EQ(p.params.slot_stride, 8 * 128);
+    EXPECT_EQ(p.params.page_stride, 16 * 8 * 128);
+    EXPECT_EQ(p.params.head_stride, 128);
+    EXPECT_NEAR(p.params.scale_log2, 1.4426950408889634 / std::sqrt(128.0), 1e-6);
+    EXPECT_EQ(p.config.head_dim, 128);
+    EXPECT_EQ(p.params.lse, Args::at(0x5000000));
+    if (p.params.num_splits > 1) {
+        EXPECT_EQ(p.workspace_bytes, static_cast<uint64_t>(4 * 32 * p.params.num_splits) * (128 * 4) +
+                                         (static_cast<uint64_t>(4 * 32 * p.params.num_splits) * 4 + 15) / 16 * 16);
+    }
+    // The [pages, heads, slots, dim] layout as a strided view, lse omitted, an explicit scale and split count.
+    a.k = TensorView(Args::at(0x100000), DType::kBF16, {100, 16, 8, 128}, {16 * 8 * 128, 128, 16 * 128, 1});
+    a.v = TensorView(Args::at(0x900000), DType::kBF16, {100, 16, 8, 128}, {16 * 8 * 128, 128, 16 * 128, 1});
+    a.lse = TensorView();
+    a.options.scale = 0.5f;
+    a.options.num_splits = 3;
+    const detail::DecodeAttentionPlan s = a.plan();
+    EXPECT_EQ(s.params.lse, nullptr);
+    EXPECT_EQ(s.params.slot_stride, 128);
+    EXPECT_EQ(s.params.head_stride, 16 * 128);
+    EXPECT_EQ(s.params.num_splits, 3);
+    EXPECT_FLOAT_EQ(s.params.scale_log2, 0.5f * 1.4426950408889634f);
+    // A page size that is not a power of two divides instead of shifting.
+    Args odd;
+    odd.k = TensorView(Args::at(0x100000), DType::kBF16, {100, 24, 8, 128});
+    odd.v = TensorView(Args::at(0x900000), DType::kBF16, {100, 24, 8, 128});
+    EXPECT_EQ(odd.plan().params.page_shift, -1);
+    // batch 0 plans nothing.
+    Args e;
+    e.q = TensorView(Args::at(0x10000), DType::kBF16, {0, 32, 128});
+    e.out = TensorView(Args::at(0x4000000), DType::kBF16, {0, 32, 128});
+    e.table = TensorView(Args::at(0x2000000), DType::kI32, {0, 20});
+    e.lens = TensorView(Args::at(0x3000000), DType::kI32, {0});
+    e.lse = TensorView(Args::at(0x5000000), DType::kF32, {0, 32});
+    EXPECT_TRUE(e.plan().empty);
+}
+
+TEST(AttentionArgs, BadArgumentsNameTheArgument) {
+    {
+        Args a;
+        a.q.dtype = DType::kF32;
+        expect_rejected(a, {"q", "bf16 or f16"});
+    }
+    {
+        Args a;
+        a.q = TensorView(Args::at(0x10000), DType::kBF16, {4, 32, 96});
+        expect_rejected(a, {"head_dim", "64, 128 or 256"});
+    }
+    {
+        Args a;
+        a.q = TensorView(Args::at(0x10008), DType::kBF16, {4, 32, 128});
+        expect_rejected(a, {"q", "16-byte aligned"});
+    }
+    {
+        Args a;
+        a.q = TensorView(Args::at(0x10000), DType::kBF16, {4, 32, 128}, {32 * 132, 132, 1});
+        expect_rejected(a, {"q", "multiple of 8"});
+    }
+    {
+        Args a;
+        a.k.dtype = DType::kF16;
+        expect_rejected(a, {"k_cache", "dtype"});
+    }
+    {
+        Args a;
+        a.v = TensorView(Args::at(0x900000), DType::kBF16, {100, 8, 8, 128});
+        expect_rejected(a, {"v_cache", "k_cache's shape"});
+    }
+    {
+        Args a;
+        a.k = TensorView(Args::at(0x100000), DType::kBF16, {100, 16, 8, 64});
+        a.v = TensorView(Args::at(0x900000), DType::kBF16, {100, 16, 8, 64});
+        expect_rejected(a, {"k_cache", "head_dim"});
+    }
+    {
+        Args a;
+        a.q = TensorView(Args::at(0x10000), DType::kBF16, {4, 30, 128});
+        a.out = TensorView(Args::at(0x4000000), DType::kBF16, {4, 30, 128});
+        expect_rejected(a, {"num_q_heads", "multiple of num_kv_heads"});
+    }
+    {
+        Args a;  // 17 q-heads per KV head
+        a.q = TensorView(Args::at(0x10000), DType::kBF16, {4, 136, 128});
+        a.out = TensorView(Args::at(0x4000000), DType::kBF16, {4, 136, 128});
+        expect_rejected(a, {"16 q-heads per KV head"});
+    }
+    {
+        Args a;
+        a.table.dtype = DType::kI64;
+        expect_rejected(a, {"block_table", "i32"});
+    }
+    {
+        Args a;
+        a.table = TensorView(Args::at(0x2000000), DType::kI32, {3, 20});
+        expect_rejected(a, {"block_table", "batch"});
+    }
+    {
+        Args a;
+        a.lens = TensorView(Args::at(0x3000000), DType::kI32, {5});
+        expect_rejected(a, {"seq_lens", "batch"});
+    }
+    {
+        Args a;
+        a.max_len = 20 * 16 + 1;
+        expect_rejected(a, {"max_seq_len", "block_table"});
+    }
+    {
+        Args a;
+        a.max_len = -1;
+        expect_rejected(a, {"max_seq_len"});
+    }
+    {
+        Args a;
+        a.out = TensorView(Args::at(0x4000000), DType::kBF16, {4, 32, 64});
+        expect_rejected(a, {"out", "[4, 32, 128]"});
+    }
+    {
+        Args a;
+        a.out.dtype = DType::kF16;
+        expect_rejected(a, {"out", "dtype"});
+    }
+    {
+        Args a;
+        a.lse = TensorView(Args::at(0x5000000), DType::kBF16, {4, 32});
+        expect_rejected(a, {"lse", "f32"});
+    }
+    {
+        Args a;
+        a.lse = TensorView(Args::at(0x5000000), DType::kF32, {4, 8});
+        expect_rejected(a, {"lse", "[4, 32]"});
+    }
+    {
+        Args a;
+        a.options.scale = std::nanf("");
+        expect_rejected(a, {"options.scale", "finite"});
+    }
+    {
+        Args a;
+        a.options.num_splits = -2;
+        expect_rejected(a, {"options.num_splits"});
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// NVRTC: every split specialisation (and the bf16 combine ones) compiles for sm_90a without spills or local memory; the
+// split kernel copies with 16-byte cp.async (LDGSTS.E.BYPASS.128), reads shared memory with ldmatrix (LDSM) and
+// multiplies on tensor cores (HMMA.16816.F32); the combine kernel reads the partials with 16-byte loads (LDG.E.128).
+
+TEST(AttentionNvrtc, EverySpecialisationCompilesWithTheExpectedSass) {
+    weft::testing::TempDir cache("weft_attention_nvrtc");
+    jit::Compiler c(weft::testing::isolated_compiler_config(cache.path()));
+    int checked_sass = 0;
+    std::string why_not;
+    for (DType t : {DType::kBF16, DType::kF16}) {
+        for (int d : {64, 128, 256}) {
+            const AttentionDecodeConfig config{.dtype = t, .head_dim = d, .stages = attention_default_stages(d)};
+            // The combine kernel differs between dtypes only in its final conversion: bf16 is enough to check.
+            for (bool combine : {false, true}) {
+                if (combine && t != DType::kBF16) continue;
+                jit::KernelSpec spec = decode_attention_kernel_spec(config, combine);
+                spec.arch = "sm_90a";
+                SCOPED_TRACE(spec.describe());
+                const jit::CompileResult r = c.compile(spec);
+                ASSERT_TRUE(r.cubin && !r.cubin->empty()) << r.log;
+                weft::testing::expect_clean_ptxas_report(r.log, spec.describe());
+                EXPECT_EQ(r.ptxas_info.spill_store_bytes, 0) << r.ptxas_info.text;
+                EXPECT_EQ(r.ptxas_info.stack_frame_bytes, 0) << r.ptxas_info.text;
+                std::printf("[ PTXAS    ] %s: %d registers\n", spec.describe().c_str(), r.ptxas_info.registers);
+                std::string tool;
+                const auto sass = weft::testing::disassemble(*r.cubin, &tool, &why_not);
+                if (sass.empty()) continue;
+                const auto fn = sass.find(r.lowered_name);
+                ASSERT_NE(fn, sass.end()) << "no SASS for " << r.lowered_name << " (" << tool << ")";
+                const std::string& text = fn->second;
+                EXPECT_EQ(text.find("LDL"), std::string::npos) << "local memory loads";
+                EXPECT_EQ(text.find("STL"), std::string::npos) << "local memory stores";
+                if (!combine) {
+                    EXPECT_NE(text.find("LDGSTS.E.BYPASS.128"), std::string::npos) << "K/V: 16-byte cp.async.cg";
+                    EXPECT_NE(text.find("LDSM.16.M88.4"), std::string::npos) << "ldmatrix.x4";
+                    EXPECT_NE(text.find("LDSM.16.MT88.4"), std::string::npos) << "ldmatrix.x4.trans (V)";
+                    EXPECT_NE(text.find(t == DType::kBF16 ? "HMMA.16816.F32.BF16" : "HMMA.16816.F32"),
+                              std::string::npos)
+                        << "tensor-core mma";
+                } else {
+                    EXPECT_NE(text.find("LDG.E.128"), std::string::npos) << "partials: 16-byte loads";
+                }
+                ++checked_sass;
+            }
+        }
+    }
+    if (checked_sass == 0) GTEST_SKIP() << "SKIPPED: SASS not checked: " << why_not;
+    EXPECT_EQ(checked_sass, 9);
+}
+
+TEST(AttentionNvrtc, AotRegistrationListsEverySpecialisationOnce) {
+    register_attention_aot_specs();
+    register_attention_aot_specs();  // idempotent
+    int split = 0, combine = 0;
+    std::set<std::string> seen;
+    for (const jit::KernelSpec& s : jit::aot_specs()) {
+        if (s.header != "attention/decode.cuh") continue;
+        EXPECT_TRUE(seen.insert(s.instantiation).second) << "listed twice: " << s.instantiation;
+        (s.instantiation.find("decode_split") != std::string::npos ? split : combine) += 1;
+    }
+    EXPECT_EQ(split, 6);
+    EXPECT_EQ(combine, 6);
+}
+
+}  // namespace
+}  // namespace weft::ops
