@@ -113,7 +113,13 @@ std::string WorldContext::abort_text() const {
         if (!abort_reason.empty()) return abort_reason;
     }
     const std::string diagnosis = read_diagnostic(*this, true);
-    return "rank " + std::to_string(rank) + ": a device wait gave up" + (diagnosis.empty() ? "" : ": " + diagnosis);
+    // The word was raised on the device: by a wait that gave up, or (before a trap) by a put to an unreachable
+    // peer or a collective mismatch, which are no waits.
+    const Diagnostic* record = diag_host.get();
+    const bool wait = record == nullptr || diagnosis.empty() ||
+                      (record->kind != SpinKind::kUnreachablePeer && record->kind != SpinKind::kCollectiveMismatch);
+    return "rank " + std::to_string(rank) + (wait ? ": a device wait gave up" : ": a device operation failed") +
+           (diagnosis.empty() ? "" : ": " + diagnosis);
 }
 
 std::optional<std::string> WorldContext::store_wait_stop() const {

@@ -412,6 +412,12 @@ void World::sync_and_check(cudaStream_t stream) {
     cudaError_t st = cudaStreamSynchronize(stream);
     if (st != cudaSuccess) {
         const std::string cuda = std::string(cudaGetErrorName(st)) + " (" + cudaGetErrorString(st) + ")";
+        // The peers may wait for this rank's kernel: they stop at their next heartbeat rather than at their bound.
+        if (ctx_->abort_word() == kAbortNone) {
+            const std::string why = "rank " + std::to_string(ctx_->rank) + ": a kernel failed: " + cuda;
+            ctx_->raise_abort(why, false);
+            if (ctx_->watchdog) ctx_->watchdog->publish('A', why);
+        }
         const std::string diagnosis = failure_message();
         if (!diagnosis.empty()) {
             throw Error("weft: " + diagnosis + "; the kernel then trapped: cudaStreamSynchronize returned " + cuda);
