@@ -2,8 +2,10 @@
 // Loading a cubin through the driver API and launching its kernel with cuLaunchKernelEx.
 #include "weft/jit/kernel.hpp"
 
+#include <optional>
 #include <sstream>
 
+#include "weft/detail/cubin_params.hpp"
 #include "weft/runtime/driver.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
@@ -53,20 +55,28 @@ Kernel::Kernel(std::string description, std::string lowered_name, std::shared_pt
         api.cuGetErrorName(status, &name);
         WEFT_FAIL("cuLibraryGetKernel(" << lowered_name_ << ") failed (" << name << ") for JIT kernel " << description_);
     }
-    // Parameter sizes, so that launch() can reject a wrong argument list instead of corrupting it.
-    // The driver answers CUDA_ERROR_INVALID_VALUE one past the last parameter.
-    for (size_t i = 0; i < 4096; ++i) {
+    // Parameter sizes, so that launch() can reject a wrong argument list instead of corrupting it. The count comes
+    // from the cubin (the driver has no count query): the driver is asked about existing indices only, so a
+    // loaded kernel costs no failing driver call (compute-sanitizer reports each one as an API error).
+    const std::optional<size_t> count = detail::cubin_kernel_param_count(cubin_->data(), cubin_->size(), lowered_name_);
+    params_known_ = count.has_value();
+    for (size_t i = 0; params_known_ && i < *count; ++i) {
         size_t offset = 0, bytes = 0;
         status = api.cuKernelGetParamInfo(kernel_, i, &offset, &bytes);
-        if (status != CUDA_SUCCESS) break;
+        if (status != CUDA_SUCCESS) {
+            const char* name = "?";
+            api.cuGetErrorName(status, &name);
+            WEFT_LOG_WARN("jit: cuKernelGetParamInfo(" << i << ") failed (" << name << ") for " << description_
+                                                       << "; launch() cannot check its arguments");
+            params_known_ = false;
+        }
         param_bytes_.push_back(bytes);
     }
-    params_known_ = status == CUDA_ERROR_INVALID_VALUE;
     if (!params_known_) {
-        const char* name = "?";
-        api.cuGetErrorName(status, &name);
-        WEFT_LOG_WARN("jit: cuKernelGetParamInfo failed (" << name << ") for " << description_
-                                                           << "; launch() cannot check its arguments");
+        if (!count) {
+            WEFT_LOG_WARN("jit: the cubin of " << description_ << " does not say how many parameters " << lowered_name_
+                                               << " takes; launch() cannot check its arguments");
+        }
         param_bytes_.clear();
     }
 }

@@ -103,7 +103,8 @@ std::string format_diagnostic(const Diagnostic& d) {
     // Round to whole milliseconds: the device clock advances in 32 ns steps, so more digits add nothing.
     const uint64_t waited_ms = (d.waited_ns + 500000) / 1000000;
     os << "rank " << d.rank << " block (" << d.block_x << "," << d.block_y << "," << d.block_z << ") thread "
-       << d.thread_x << " timed out after " << waited_ms << " ms in " << spin_kind_name(d.kind) << " ("
+       << d.thread_x << (d.aborted != 0 ? " stopped (the World was aborted) after " : " timed out after ") << waited_ms
+       << " ms in " << spin_kind_name(d.kind) << " ("
        << cmp_name(d.cmp) << ") on signal 0x" << std::hex << d.signal_addr << std::dec;
     if (d.peer >= 0) os << " owned by rank " << d.peer;
     os << ": expected " << cmp_symbol(d.cmp) << " " << d.expected << ", observed " << d.observed;

@@ -75,8 +75,9 @@ LaunchStoreAddress launch_store_address(const LaunchEnv& env, uint32_t uid, uint
     return where;
 }
 
-std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_index, milliseconds timeout) {
-    const LaunchStoreAddress where = launch_store_address(env, static_cast<uint32_t>(::geteuid()), world_index);
+namespace {
+
+RendezvousOptions launch_store_options(const LaunchEnv& env, const LaunchStoreAddress& where, milliseconds timeout) {
     RendezvousOptions options;
     options.rank = env.rank;
     options.num_ranks = env.num_ranks;
@@ -87,6 +88,19 @@ std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_in
         options.host = where.host;
         options.port = where.port;
     }
+    return options;
+}
+
+}  // namespace
+
+std::unique_ptr<Store> connect_launch_store(const LaunchEnv& env, uint64_t world_index, milliseconds timeout) {
+    const LaunchStoreAddress where = launch_store_address(env, static_cast<uint32_t>(::geteuid()), world_index);
+    return connect_tcp_store(launch_store_options(env, where, timeout));
+}
+
+std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_index, milliseconds timeout) {
+    const LaunchStoreAddress where = launch_store_address(env, static_cast<uint32_t>(::geteuid()), world_index);
+    RendezvousOptions options = launch_store_options(env, where, timeout);
     const Bytes world_id(where.world_id.begin(), where.world_id.end());
     WEFT_LOG_DEBUG("rendezvous: " << describe(env, world_index, where));
     const auto deadline = Clock::now() + timeout;

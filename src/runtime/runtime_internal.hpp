@@ -2,12 +2,17 @@
 // Private types and helpers shared by the runtime's source files (not installed, not part of the API).
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -115,13 +120,53 @@ struct WorldSetup {
     int local_num_ranks = 1;
     int device_hint = 0;  ///< device = device_hint % visible devices unless options.device is set
     std::shared_ptr<Store> store;
+    /// A second connection to the same store for the World's watchdog (so that its beats never queue behind a
+    /// blocking call of the rank's thread on a client that serialises calls), or null: the watchdog shares `store`
+    /// (an in-process store, or a store of the user's, which must serve concurrent calls).
+    std::function<std::shared_ptr<Store>()> connect_watchdog_store;
     bool same_process = true;
     WorldOptions options;
 };
 
-/// Frees the pinned diagnostic record.
+/// Frees the pinned diagnostic record and the pinned abort word.
 struct PinnedFree {
     void operator()(Diagnostic* p) const;
+    void operator()(uint32_t* p) const;
+};
+
+struct WorldContext;
+
+/// A World's watchdog: one thread that, every heartbeat, beats (sets this rank's heartbeat key), checks the peers
+/// it watches (detail::watched_peers) and every peer process of this host, applies the abort records other ranks
+/// published, and publishes this rank's own abort (a device wait that gave up, World::abort, a dead peer). Made
+/// when the World has more than one rank, after its start-up; stopped by the World's shutdown.
+class Watchdog {
+public:
+    Watchdog(WorldContext* world, std::shared_ptr<Store> store);
+    ~Watchdog();
+    Watchdog(const Watchdog&) = delete;
+    Watchdog& operator=(const Watchdog&) = delete;
+
+    /// Publishes an abort record (detail::encode_abort_record) for every other rank; false when the store failed.
+    bool publish(char kind, const std::string& reason) noexcept;
+    /// Stops and joins the thread, then removes this rank's heartbeat key and the abort records it published
+    /// (`last_out`: and the records' index). Idempotent.
+    void stop(bool last_out) noexcept;
+
+private:
+    void run();
+    void beat();
+
+    WorldContext* world_;
+    std::shared_ptr<Store> store_;
+    std::mutex mutex_;  // guards stop_ and the store's use by publish() from other threads
+    std::condition_variable wake_;
+    bool stop_ = false;
+    bool stopped_ = false;
+    int64_t beats_ = 0;
+    int64_t seen_records_ = 0;              ///< abort records applied so far (1 .. seen_records_)
+    std::vector<int64_t> published_;        ///< indices of the records this rank wrote
+    std::thread thread_;
 };
 
 /// The World's state; teams point at it (a team must not outlive its World).
@@ -156,7 +201,39 @@ struct WorldContext {
     std::map<std::string, uint64_t> team_seq;
 
     std::map<std::string, std::unique_ptr<WorldExtension>> extensions;  // destroyed before the heap
+
+    // Late and dead peers (docs/reliability.md, "Late and dead peers").
+    std::unique_ptr<uint32_t, PinnedFree> abort_host;  ///< the abort word (an AbortCode), host-mapped
+    uint32_t* abort_device = nullptr;                  ///< its device address (DeviceCtx::abort_flag)
+    std::chrono::milliseconds heartbeat{1000};
+    std::chrono::milliseconds dead_peer{10000};
+    std::atomic<bool> shutting_down{false};  ///< store waits then stop only for a dead peer
+    std::atomic<bool> past_shutdown_barrier{false};  ///< peers may exit now: the watchdog stops counting deaths
+    std::atomic<bool> dead_peer_known{false};
+    std::atomic<bool> device_abort_published{false};  ///< the watchdog told the peers of a device wait's abort
+    mutable std::mutex abort_mutex;
+    std::string abort_reason;  ///< guarded by abort_mutex: why the World was aborted (empty: not by the host)
+    std::unique_ptr<Watchdog> watchdog;
+
+    /// Sets the abort word (kAbortByHost unless a value is there) and, when none is recorded yet, the reason.
+    /// `is_dead_peer`: the reason is a dead peer (store waits stop even during shutdown). Thread-safe.
+    void raise_abort(const std::string& reason, bool is_dead_peer);
+    /// The abort word's value (0: not aborted).
+    uint32_t abort_word() const;
+    /// The recorded reason, or, when a device wait set the word, the device diagnostic; empty when not aborted.
+    std::string abort_text() const;
+    /// Why a store wait of the World must stop now, or nullopt: the World is aborted (during shutdown: only a dead
+    /// peer or a failed store stops it).
+    std::optional<std::string> store_wait_stop() const;
 };
+
+/// The text of the World's diagnostic record (format_diagnostic), or "" when none was written; with
+/// `wait_for_writer`, a record caught mid-write gets 100 ms to complete.
+std::string read_diagnostic(const WorldContext& world, bool wait_for_writer);
+
+/// A view of `store` whose get() (and so barrier and all_gather) waits in slices, asking world.store_wait_stop()
+/// between them: a World's store waits end within a slice once the World is aborted or a peer is dead.
+std::shared_ptr<Store> make_abortable_store(std::shared_ptr<Store> store, const WorldContext* world);
 
 /// A team's shared state: members, this rank's place, and its device tables.
 struct TeamState {

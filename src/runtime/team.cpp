@@ -260,6 +260,7 @@ DeviceCtx Team::device_ctx() const {
     ctx.timeout_ns = static_cast<uint64_t>(world.timeout.count()) * 1000000ull;
     ctx.diag = world.diag_device;
     ctx.team_to_world = static_cast<const int32_t*>(state_->rank_table.get());
+    ctx.abort_flag = world.abort_device;
     return ctx;
 }
 

@@ -16,6 +16,7 @@
 #include "runtime_internal.hpp"
 #include "weft/detail/rank_threads.hpp"
 #include "weft/detail/runtime_config.hpp"
+#include "weft/detail/watchdog.hpp"
 #include "weft/runtime/diagnostics.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
@@ -31,6 +32,12 @@ void PinnedFree::operator()(Diagnostic* p) const {
     if (p == nullptr) return;
     cudaError_t st = cudaFreeHost(p);
     if (st != cudaSuccess) WEFT_LOG_WARN("cudaFreeHost of the diagnostic record failed: " << cudaGetErrorName(st));
+}
+
+void PinnedFree::operator()(uint32_t* p) const {
+    if (p == nullptr) return;
+    cudaError_t st = cudaFreeHost(p);
+    if (st != cudaSuccess) WEFT_LOG_WARN("cudaFreeHost of the abort word failed: " << cudaGetErrorName(st));
 }
 
 void OwnedStream::create() {
@@ -112,6 +119,8 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     set_log_rank(c.rank);
     prepare_cuda_environment();  // before this rank's first CUDA call
     c.timeout = detail::resolve_timeout(setup.options.timeout, env::get("WEFT_TIMEOUT_MS"));
+    c.heartbeat = detail::resolve_heartbeat(setup.options.heartbeat, env::get("WEFT_HEARTBEAT_MS"));
+    c.dead_peer = detail::resolve_dead_peer(setup.options.dead_peer_timeout, env::get("WEFT_DEAD_PEER_MS"), c.heartbeat);
     const auto init_timeout = std::max(c.timeout, kMinInitTimeout);
 
     // Device binding.
@@ -173,7 +182,13 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     }
     // Keys private to this World: a store that outlives it (a store of the user's, World::from_store) may carry
     // the next World under the same prefix, and must not see this one's keys (the shutdown's among them).
-    c.store = make_prefix_store(std::move(c.store), "weft/world/" + c.job_id);
+    const std::string world_prefix = "weft/world/" + c.job_id;
+    c.store = make_prefix_store(std::move(c.store), world_prefix);
+    // The watchdog's view of the store (its own connection where the World can make one), and the World's own
+    // view, whose waits stop once the World is aborted.
+    std::shared_ptr<Store> watchdog_store =
+        setup.connect_watchdog_store ? make_prefix_store(setup.connect_watchdog_store(), world_prefix) : c.store;
+    c.store = detail::make_abortable_store(std::move(c.store), &c);
     if (std::adjacent_find(heap_requests.begin(), heap_requests.end(), std::not_equal_to<>()) != heap_requests.end()) {
         std::map<uint64_t, std::vector<int>> by_size;
         for (int r = 0; r < c.num_ranks; ++r) by_size[heap_requests[static_cast<size_t>(r)]].push_back(r);
@@ -226,6 +241,14 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     void* diag_device = nullptr;
     WEFT_CUDA_CHECK(cudaHostGetDevicePointer(&diag_device, diag, 0));
     c.diag_device = static_cast<Diagnostic*>(diag_device);
+    // The abort word: pinned and mapped, so that the host sets it while kernels run and every wait reads it.
+    uint32_t* abort_word = nullptr;
+    WEFT_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&abort_word), 64, cudaHostAllocMapped | cudaHostAllocPortable));
+    c.abort_host.reset(abort_word);
+    std::memset(abort_word, 0, 64);
+    void* abort_device = nullptr;
+    WEFT_CUDA_CHECK(cudaHostGetDevicePointer(&abort_device, abort_word, 0));
+    c.abort_device = static_cast<uint32_t*>(abort_device);
 
     detail::HeapSetup heap;
     heap.rank = c.rank;
@@ -249,10 +272,12 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
                                           "node" + std::to_string(host_group[static_cast<size_t>(c.rank)]), false);
 
     c.store->barrier("weft/init/ready", c.rank, c.num_ranks, init_timeout);
+    if (c.num_ranks > 1) c.watchdog = std::make_unique<detail::Watchdog>(&c, std::move(watchdog_store));
     WEFT_LOG_INFO("rank " << c.rank << "/" << c.num_ranks << " on device " << c.device << " (" << pci << "), "
                           << c.num_ranks_on_device << " rank(s) on this GPU, SM budget " << c.sm_budget << " of "
                           << sm_count << ", heap " << detail::format_bytes(heap_bytes) << ", timeout "
-                          << c.timeout.count() << " ms");
+                          << c.timeout.count() << " ms, heartbeat " << c.heartbeat.count() << " ms, dead peer after "
+                          << c.dead_peer.count() << " ms");
 }
 
 World::~World() { shutdown(); }
@@ -264,6 +289,9 @@ void World::shutdown() noexcept {
     detail::WorldContext& c = *ctx_;
     try {
         detail::DeviceGuard guard(c.device);
+        // From now on the World's store waits stop only for a dead peer (an aborted World still meets its live
+        // peers to shut down); the watchdog still runs, so a kernel that waits for a dead peer ends too.
+        c.shutting_down = true;
         cudaError_t st = cudaDeviceSynchronize();
         if (st != cudaSuccess) {
             WEFT_LOG_WARN("shutdown: cudaDeviceSynchronize returned " << cudaGetErrorName(st) << "; releasing anyway");
@@ -278,18 +306,20 @@ void World::shutdown() noexcept {
                               << e.what());
             }
         }
+        c.past_shutdown_barrier = true;  // peers may now exit: the watchdog no longer counts them dead
         // Extensions (the collectives' workspace ...) hold streams and device memory; the device is idle.
         c.extensions.clear();
         c.heap.reset();
         c.world_team = Team();
         c.node_team = Team();
+        if (c.watchdog) c.watchdog->stop(c.rank == 0);  // before the records it reads go
         c.diag_host.reset();
         c.diag_device = nullptr;
         c.stream.reset();
         // Rank 0 hosts the store of from_env (and, by the Store contract, any store one rank's process hosts):
         // it closes only after every other rank has left the shutdown barrier, so that no rank loses the store
         // halfway through it.
-        if (barrier_ok && !c.same_process && c.num_ranks > 1) {
+        if (barrier_ok && !c.same_process && c.num_ranks > 1 && !c.dead_peer_known) {
             try {
                 if (c.rank != 0) {
                     if (c.store->add("weft/shutdown/left", 1) == c.num_ranks - 1) {
@@ -309,6 +339,7 @@ void World::shutdown() noexcept {
     } catch (const std::exception& e) {
         WEFT_LOG_ERROR("shutdown failed: " << e.what());
     }
+    if (c.watchdog) c.watchdog->stop(false);  // when the release above threw before it
     ctx_.reset();
 }
 
@@ -335,38 +366,60 @@ void World::barrier() {
 }
 
 std::string World::diagnostic_message(bool wait_for_writer) const {
-    Diagnostic* record = ctx_->diag_host.get();
-    if (record == nullptr) return "";
-    uint32_t claimed = __atomic_load_n(&record->claimed, __ATOMIC_ACQUIRE);
-    // A writer sets 1, fills the fields, then sets 2; give one caught mid-write a moment to finish.
-    for (int i = 0; i < 100 && wait_for_writer && claimed == 1; ++i) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        claimed = __atomic_load_n(&record->claimed, __ATOMIC_ACQUIRE);
-    }
-    if (claimed == 0) return "";
-    Diagnostic copy;
-    std::memcpy(&copy, record, sizeof(copy));
-    copy.claimed = claimed;
-    return format_diagnostic(copy);
+    return detail::read_diagnostic(*ctx_, wait_for_writer);
+}
+
+// "rank R: the World was aborted: <reason>; <this rank's record>", or the record alone, or "" when neither.
+std::string World::failure_message() const {
+    const detail::WorldContext& c = *ctx_;
+    const std::string diagnosis = diagnostic_message(true);
+    const std::string reason = c.abort_text();
+    if (reason.empty()) return diagnosis;
+    std::string text = "rank " + std::to_string(c.rank) + ": the World was aborted: " + reason;
+    if (!diagnosis.empty() && reason.find(diagnosis) == std::string::npos) text += "; on this rank: " + diagnosis;
+    return text;
 }
 
 void World::check_diagnostics() const {
-    std::string message = diagnostic_message(true);
+    std::string message = failure_message();
     if (!message.empty()) throw Error("weft: " + message);
 }
 
 void World::clear_diagnostics() {
-    Diagnostic* record = ctx_->diag_host.get();
-    if (record == nullptr) return;
-    std::memset(record, 0, sizeof(Diagnostic));
+    detail::WorldContext& c = *ctx_;
+    if (Diagnostic* record = c.diag_host.get()) std::memset(record, 0, sizeof(Diagnostic));
+    {
+        std::lock_guard<std::mutex> lock(c.abort_mutex);
+        c.abort_reason.clear();
+    }
+    c.dead_peer_known = false;
+    c.device_abort_published = false;
+    if (c.abort_host) __atomic_store_n(c.abort_host.get(), uint32_t{kAbortNone}, __ATOMIC_SEQ_CST);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
+
+void World::abort(const std::string& reason) {
+    detail::WorldContext& c = *ctx_;
+    const std::string text =
+        "rank " + std::to_string(c.rank) + " called World::abort" + (reason.empty() ? std::string() : ": " + reason);
+    const bool first = c.abort_word() == kAbortNone;
+    c.raise_abort(text, false);
+    if (first && c.watchdog) c.watchdog->publish('A', text);
+}
+
+bool World::aborted() const { return ctx_->abort_word() != kAbortNone; }
 
 void World::sync_and_check(cudaStream_t stream) {
     cudaError_t st = cudaStreamSynchronize(stream);
     if (st != cudaSuccess) {
         const std::string cuda = std::string(cudaGetErrorName(st)) + " (" + cudaGetErrorString(st) + ")";
-        const std::string diagnosis = diagnostic_message(true);
+        // The peers may wait for this rank's kernel: they stop at their next heartbeat rather than at their bound.
+        if (ctx_->abort_word() == kAbortNone) {
+            const std::string why = "rank " + std::to_string(ctx_->rank) + ": a kernel failed: " + cuda;
+            ctx_->raise_abort(why, false);
+            if (ctx_->watchdog) ctx_->watchdog->publish('A', why);
+        }
+        const std::string diagnosis = failure_message();
         if (!diagnosis.empty()) {
             throw Error("weft: " + diagnosis + "; the kernel then trapped: cudaStreamSynchronize returned " + cuda);
         }

@@ -47,6 +47,10 @@ std::unique_ptr<World> World::from_env(const WorldOptions& options) {
     const auto timeout = std::max(detail::resolve_timeout(options.timeout, env::get("WEFT_TIMEOUT_MS")),
                                   std::chrono::milliseconds(30000));
     setup.store = std::shared_ptr<Store>(detail::make_launch_store(*launch, world_index, timeout));
+    // The watchdog's own client: its beats must not queue behind a blocking call of this rank's thread.
+    setup.connect_watchdog_store = [env = *launch, world_index, timeout]() -> std::shared_ptr<Store> {
+        return detail::connect_launch_store(env, world_index, timeout);
+    };
     return std::unique_ptr<World>(new World(std::move(setup)));
 }
 

@@ -146,7 +146,7 @@ int drive(int argc, char** argv) {
     }
     int failures = 0;
     for (int n : {2, 3, 4}) {
-        std::vector<std::string> args{weftrun, "-n", std::to_string(n), "--timeout", "120", "--", argv[0]};
+        std::vector<std::string> args{weftrun, "-n", std::to_string(n), "--timeout", "300", "--", argv[0]};
         for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
         std::vector<char*> c_args;
         for (auto& a : args) c_args.push_back(a.data());
@@ -193,6 +193,7 @@ int hold_master_port(const std::optional<LaunchEnv>& launch) {
 
 int main(int argc, char** argv) {
     weft::ensure_eager_module_loading();
+    if (weft::test::is_dist_child(argc, argv)) return weft::test::run_dist_child(argc, argv);
     const std::optional<weft::LaunchEnv> launch = weft::detect_launch_env();
     if (!launch) return weft::drive(argc, argv);
     ::testing::InitGoogleTest(&argc, argv);

@@ -1,13 +1,14 @@
 // SPDX-License-Identifier: MIT
-// GPU tests that a wait which can never be satisfied ends in a weft::Error naming the word it waited on
-// (and that a put to an unreachable peer fails clearly), instead of hanging; and that the forms that return
-// instead of trapping (tile::wait_checked, tile::notify_checked) record the same diagnosis and report the failure
-// to every thread of the group, leaving the kernel running.
+// GPU tests that a wait which can never be satisfied ends in a weft::Error naming the word it waited on, instead of
+// hanging, and ends its kernel cleanly: the CUDA context stays usable, and so does the World once every rank has
+// cleared its diagnostics (World::clear_diagnostics); that World::abort and a wait that gives up on one rank stop
+// the waits of every rank within seconds, whatever the timeout; that a put to an unreachable peer fails clearly;
+// and that the forms that return (tile::wait_checked, tile::notify_checked) record the same diagnosis and report
+// the failure to every thread of the group, leaving the kernel running.
 //
-// A timed-out spin traps, which leaves the process's CUDA context unusable. So each scenario runs in a
-// death-test child (gtest's "threadsafe" style re-executes this binary for just that test: a fresh
-// process and context, whatever ran before in the parent). The child exits 0 only if the error names
-// the right address; an alarm bounds it, so a hang is a failure, not a stuck test run.
+// A put to an unreachable peer still traps (a programming error, not a wait), which leaves the process's CUDA
+// context unusable: it runs in a death-test child (gtest's "threadsafe" style re-executes this binary for just that
+// test). Every scenario is bounded: an alarm in the child, and a bound on how long each error may take.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gpu/device_test_util.cuh"
@@ -89,78 +91,101 @@ DeviceCtx two_rank_ctx(const DeviceCtx& ctx, uint8_t* peer1_base, uint8_t*** tab
     return fake;
 }
 
-// Runs in the death-test child: provokes the failure, checks the error, exits.
-[[noreturn]] void provoke(Scenario scenario) {
-    alarm(120);  // a hang ends the child with SIGALRM: the death test then fails instead of hanging
-    WorldOptions options = test::device_test_options();
-    options.timeout = std::chrono::milliseconds(200);
-    std::string expected_addr;
+// Provokes `scenario` on a World of one rank (200 ms timeout) and returns the error, the address it must name and
+// how long the error took. The waits end their kernels cleanly; the unreachable peer traps (death test only).
+struct Provoked {
     std::string message;
+    std::string expected_addr;
     double seconds = 0;
-    try {
-        run_local(1, [&](World& w) {
-            test::RankStream stream;
-            SymmetricHeap& heap = w.heap();
-            uint64_t* sigs = heap.alloc_signals(kTileSignals);
-            uint8_t** table = nullptr;
-            const auto start = std::chrono::steady_clock::now();
-            switch (scenario) {
-                case Scenario::kSignalWait:
-                    expected_addr = hex(sigs + 3);
-                    never_signalled_kernel<<<2, 64, 0, stream>>>(w.device_ctx(), sigs + 3);
-                    break;
-                case Scenario::kTileWait: {
-                    std::vector<uint64_t> ones(kTileSignals, 1);
-                    ones[kMissingSignal] = 0;
-                    WEFT_CUDA_CHECK(cudaMemcpy(sigs, ones.data(), ones.size() * 8, cudaMemcpyHostToDevice));
-                    expected_addr = hex(sigs + kMissingSignal);
-                    tile_wait_kernel<<<1, 128, 0, stream>>>(w.device_ctx(), sigs);
-                    break;
-                }
-                case Scenario::kBarrier: {
-                    const DeviceCtx ctx = w.device_ctx();
-                    // "Rank 1" maps to the upper half of this heap: its arrivals land there, harmlessly,
-                    // and its own arrival here (psync[1]) never comes.
-                    const DeviceCtx fake = two_rank_ctx(ctx, ctx.heap_base + ctx.heap_bytes / 2, &table);
-                    expected_addr = hex(sigs + 1);
-                    barrier_kernel<<<1, 64, 0, stream>>>(fake, sigs);
-                    break;
-                }
-                case Scenario::kUnreachablePeer: {
-                    auto* buf = static_cast<uint8_t*>(heap.alloc(256));
-                    const DeviceCtx fake = two_rank_ctx(w.device_ctx(), nullptr, &table);
-                    expected_addr = hex(buf);
-                    unreachable_put_kernel<<<1, 64, 0, stream>>>(fake, buf, buf + 128);
-                    break;
-                }
-            }
-            try {
-                test::finish(w, stream, "the provoking kernel");
-            } catch (...) {
-                seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-                throw;
-            }
-        }, options);
-    } catch (const std::exception& e) {
-        message = e.what();
+};
+
+Provoked provoke_in(World& w, Scenario scenario) {
+    Provoked out;
+    test::RankStream stream;
+    SymmetricHeap& heap = w.heap();
+    uint64_t* sigs = heap.alloc_signals(kTileSignals);
+    uint8_t** table = nullptr;
+    const auto start = std::chrono::steady_clock::now();
+    switch (scenario) {
+        case Scenario::kSignalWait:
+            out.expected_addr = hex(sigs + 3);
+            never_signalled_kernel<<<2, 64, 0, stream>>>(w.device_ctx(), sigs + 3);
+            break;
+        case Scenario::kTileWait: {
+            std::vector<uint64_t> ones(kTileSignals, 1);
+            ones[kMissingSignal] = 0;
+            WEFT_CUDA_CHECK(cudaMemcpy(sigs, ones.data(), ones.size() * 8, cudaMemcpyHostToDevice));
+            out.expected_addr = hex(sigs + kMissingSignal);
+            tile_wait_kernel<<<1, 128, 0, stream>>>(w.device_ctx(), sigs);
+            break;
+        }
+        case Scenario::kBarrier: {
+            const DeviceCtx ctx = w.device_ctx();
+            // "Rank 1" maps to the upper half of this heap: its arrivals land there, harmlessly,
+            // and its own arrival here (psync[1]) never comes.
+            const DeviceCtx fake = two_rank_ctx(ctx, ctx.heap_base + ctx.heap_bytes / 2, &table);
+            out.expected_addr = hex(sigs + 1);
+            barrier_kernel<<<1, 64, 0, stream>>>(fake, sigs);
+            break;
+        }
+        case Scenario::kUnreachablePeer: {
+            auto* buf = static_cast<uint8_t*>(heap.alloc(256));
+            const DeviceCtx fake = two_rank_ctx(w.device_ctx(), nullptr, &table);
+            out.expected_addr = hex(buf);
+            unreachable_put_kernel<<<1, 64, 0, stream>>>(fake, buf, buf + 128);
+            break;
+        }
     }
-    std::fprintf(stderr, "error after %.3f s: %s\n", seconds, message.c_str());
+    try {
+        test::finish(w, stream, "the provoking kernel");
+    } catch (const std::exception& e) {
+        out.message = e.what();
+    }
+    out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (table != nullptr) cudaFree(table);
+    return out;
+}
+
+// The error names the address, came after the timeout (waits) and well within a generous bound.
+bool check_provoked(const Provoked& p, Scenario scenario) {
+    std::fprintf(stderr, "error after %.3f s: %s\n", p.seconds, p.message.c_str());
     bool ok = true;
-    if (message.empty()) {
+    if (p.message.empty()) {
         std::fprintf(stderr, "FAIL: no error was raised\n");
         ok = false;
     }
-    if (message.find(expected_addr) == std::string::npos) {
-        std::fprintf(stderr, "FAIL: the error does not name the address %s\n", expected_addr.c_str());
+    if (p.message.find(p.expected_addr) == std::string::npos) {
+        std::fprintf(stderr, "FAIL: the error does not name the address %s\n", p.expected_addr.c_str());
         ok = false;
     }
-    if (scenario != Scenario::kUnreachablePeer && seconds < 0.15) {
-        std::fprintf(stderr, "FAIL: gave up after %.3f s, before the 0.2 s timeout\n", seconds);
+    if (scenario != Scenario::kUnreachablePeer && p.seconds < 0.15) {
+        std::fprintf(stderr, "FAIL: gave up after %.3f s, before the 0.2 s timeout\n", p.seconds);
         ok = false;
     }
-    if (ok) {
-        std::fprintf(stderr, "the error named %s\n", expected_addr.c_str());
+    if (p.seconds > 30) {
+        std::fprintf(stderr, "FAIL: the error took %.3f s (bound 30 s)\n", p.seconds);
+        ok = false;
     }
+    return ok;
+}
+
+WorldOptions short_timeout_options() {
+    WorldOptions options = test::device_test_options();
+    options.timeout = std::chrono::milliseconds(200);
+    return options;
+}
+
+// Runs in the death-test child: provokes the trap, checks the error, exits.
+[[noreturn]] void provoke_trap(Scenario scenario) {
+    alarm(120);  // a hang ends the child with SIGALRM: the death test then fails instead of hanging
+    Provoked p;
+    try {
+        run_local(1, [&](World& w) { p = provoke_in(w, scenario); }, short_timeout_options());
+    } catch (const std::exception& e) {
+        if (p.message.empty()) p.message = e.what();
+    }
+    const bool ok = check_provoked(p, scenario);
+    if (ok) std::fprintf(stderr, "the error named %s\n", p.expected_addr.c_str());
     std::fflush(stderr);
     std::_Exit(ok ? 0 : 1);
 }
@@ -170,20 +195,136 @@ protected:
     void SetUp() override { GTEST_FLAG_SET(death_test_style, "threadsafe"); }
 };
 
-TEST_F(DeviceTimeoutDeathTest, SignalWaitUntilNamesTheSignal) {
-    EXPECT_EXIT(provoke(Scenario::kSignalWait), ::testing::ExitedWithCode(0), "the error named 0x");
-}
-
-TEST_F(DeviceTimeoutDeathTest, TileWaitNamesTheMissingSignal) {
-    EXPECT_EXIT(provoke(Scenario::kTileWait), ::testing::ExitedWithCode(0), "the error named 0x");
-}
-
-TEST_F(DeviceTimeoutDeathTest, BarrierNamesTheMissingArrival) {
-    EXPECT_EXIT(provoke(Scenario::kBarrier), ::testing::ExitedWithCode(0), "the error named 0x");
-}
-
 TEST_F(DeviceTimeoutDeathTest, PutToUnreachablePeerFailsClearly) {
-    EXPECT_EXIT(provoke(Scenario::kUnreachablePeer), ::testing::ExitedWithCode(0), "the error named 0x");
+    EXPECT_EXIT(provoke_trap(Scenario::kUnreachablePeer), ::testing::ExitedWithCode(0), "the error named 0x");
+}
+
+// Writes `value` into out[threadIdx.x]: a kernel that runs only if the context is usable.
+__global__ void fill_kernel(int* out, int value) { out[threadIdx.x] = value; }
+
+void expect_context_and_world_usable(World& w, const char* after) {
+    SCOPED_TRACE(after);
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    test::RankStream stream;
+    test::DeviceArray<int> out(64, stream);
+    fill_kernel<<<1, 64, 0, stream>>>(out.get(), 7);
+    EXPECT_NO_THROW(test::finish(w, stream, "fill_kernel after a failed wait"));
+    for (int v : out.to_host()) ASSERT_EQ(v, 7);
+}
+
+// A wait that can never be satisfied ends its kernel cleanly (no trap): the error names the word, and after
+// clear_diagnostics the same World and the same context run the next kernel; so does a fresh World.
+TEST(DeviceTimeout, AWaitThatGivesUpEndsItsKernelAndTheContextStaysUsable) {
+    for (Scenario scenario : {Scenario::kSignalWait, Scenario::kTileWait, Scenario::kBarrier}) {
+        SCOPED_TRACE(static_cast<int>(scenario));
+        test::run_world(1, [&](World& w) {
+            const Provoked p = provoke_in(w, scenario);
+            EXPECT_TRUE(check_provoked(p, scenario)) << p.message;
+            EXPECT_EQ(p.message.find("trapped"), std::string::npos) << "a wait must not trap: " << p.message;
+            EXPECT_TRUE(w.aborted());
+            w.clear_diagnostics();
+            EXPECT_FALSE(w.aborted());
+            expect_context_and_world_usable(w, "the same World after clear_diagnostics");
+        }, short_timeout_options());
+        test::run_world(1, [&](World& w) { expect_context_and_world_usable(w, "a fresh World"); },
+                        short_timeout_options());
+    }
+}
+
+__global__ void notify_kernel(DeviceCtx ctx, uint64_t* sig, int pe) {
+    if (threadIdx.x == 0) shmem::signal_op(Thread{}, ctx, sig, 1, device::SignalOp::kAdd, pe);
+}
+
+__global__ void wait_kernel(DeviceCtx ctx, const uint64_t* sig, uint64_t value) {
+    shmem::signal_wait_until(Block{}, ctx, sig, Cmp::kGe, value);
+}
+
+// Two ranks: rank 0 notifies rank 1, which waits; checks the pair works (after an abort was cleared).
+void round_trip(World& w, uint64_t* sig, uint64_t value, cudaStream_t stream) {
+    if (w.rank() == 0) {
+        notify_kernel<<<1, 32, 0, stream>>>(w.device_ctx(), sig, 1);
+    } else {
+        wait_kernel<<<1, 64, 0, stream>>>(w.device_ctx(), sig, value);
+    }
+    test::finish(w, stream, "the round trip");
+}
+
+// World::abort on one rank stops a wait on another within seconds, under a ten-minute timeout; every rank then
+// reports the abort, clears it, and the next op of the same Worlds works.
+TEST(DeviceAbort, WorldAbortStopsEveryRanksWaitsAndTheWorldRunsAgainOnceCleared) {
+    WorldOptions options = test::device_test_options();
+    options.timeout = std::chrono::minutes(10);  // the abort, not the bound, must end the wait
+    options.heartbeat = std::chrono::milliseconds(200);
+    test::run_world(2, [&](World& w) {
+        test::RankStream stream;
+        uint64_t* sigs = w.heap().alloc_signals(4);
+        w.barrier();
+        std::string message;
+        double seconds = 0;
+        if (w.rank() == 0) {
+            const auto start = std::chrono::steady_clock::now();
+            never_signalled_kernel<<<2, 64, 0, stream>>>(w.device_ctx(), sigs + 3);
+            try {
+                test::finish(w, stream, "the wait that rank 1 aborts");
+            } catch (const std::exception& e) {
+                message = e.what();
+            }
+            seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            EXPECT_NE(message.find("rank 1 called World::abort: the test aborts"), std::string::npos) << message;
+            EXPECT_NE(message.find(hex(sigs + 3)), std::string::npos) << "the error names the signal: " << message;
+            EXPECT_NE(message.find("stopped (the World was aborted)"), std::string::npos) << message;
+            EXPECT_LT(seconds, 10.0) << message;
+        } else {
+            std::this_thread::sleep_for(std::chrono::milliseconds(500));
+            w.abort("the test aborts");
+            EXPECT_TRUE(w.aborted());
+            try {
+                w.check_diagnostics();
+            } catch (const std::exception& e) {
+                message = e.what();
+            }
+            EXPECT_NE(message.find("rank 1 called World::abort"), std::string::npos) << message;
+        }
+        // Every rank clears, meets, and runs a round trip on the same World.
+        std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // the abort reached every rank
+        w.clear_diagnostics();
+        w.barrier();
+        round_trip(w, sigs, 1, stream);
+        w.barrier();
+    }, options);
+}
+
+// A wait that gives up on one rank (its own short bound) aborts the World: the other rank's wait, under a ten-minute
+// bound, ends within seconds and its error names the rank and the signal that gave up.
+TEST(DeviceAbort, AWaitThatGivesUpOnOneRankStopsThePeersWaits) {
+    WorldOptions options = test::device_test_options();
+    options.timeout = std::chrono::minutes(10);
+    options.heartbeat = std::chrono::milliseconds(200);
+    test::run_world(2, [&](World& w) {
+        test::RankStream stream;
+        uint64_t* sigs = w.heap().alloc_signals(4);
+        w.barrier();
+        DeviceCtx ctx = w.device_ctx();
+        if (w.rank() == 0) ctx.timeout_ns = 300'000'000ull;  // this rank's wait gives up first
+        const auto start = std::chrono::steady_clock::now();
+        never_signalled_kernel<<<1, 64, 0, stream>>>(ctx, sigs + w.rank());
+        std::string message;
+        try {
+            test::finish(w, stream, "a wait that never completes");
+        } catch (const std::exception& e) {
+            message = e.what();
+        }
+        const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        EXPECT_LT(seconds, 15.0) << message;
+        EXPECT_NE(message.find("timed out after"), std::string::npos) << "rank 0's record: " << message;
+        if (w.rank() == 0) {
+            EXPECT_NE(message.find(hex(sigs + 0)), std::string::npos) << "its signal: " << message;
+        } else {
+            EXPECT_NE(message.find("rank 0: a device wait gave up"), std::string::npos) << message;
+            EXPECT_NE(message.find(hex(sigs + 1)), std::string::npos) << "its own wait: " << message;
+        }
+        EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    }, options);
 }
 
 // The checked forms run in this process: they do not trap, so the context stays usable.

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Unit tests for how the host words the device layer's unreachable-peer record (SpinKind::kUnreachablePeer).
+// Unit tests for how the host words the device layer's records: unreachable peers (SpinKind::kUnreachablePeer), and
+// waits that timed out or stopped because the World was aborted.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -53,6 +54,25 @@ TEST(DeviceDiagnostics, UnreachablePeerOtherCauses) {
     const std::string text = format_diagnostic(d);
     EXPECT_NE(text.find("rank -1"), std::string::npos) << text;
     EXPECT_NE(text.find("no such rank"), std::string::npos) << text;
+}
+
+TEST(DeviceDiagnostics, AWaitThatTheAbortStoppedSaysSoInsteadOfTimedOut) {
+    Diagnostic d{};
+    d.claimed = 2;
+    d.kind = SpinKind::kSignalWait;
+    d.cmp = Cmp::kGe;
+    d.rank = 1;
+    d.signal_addr = 0x7f00aa000008ull;
+    d.expected = 1;
+    d.observed = 0;
+    d.waited_ns = 2'400'000'000ull;
+    d.peer = 2;
+    EXPECT_EQ(format_diagnostic(d), "rank 1 block (0,0,0) thread 0 timed out after 2400 ms in signal_wait (GE) on "
+                                    "signal 0x7f00aa000008 owned by rank 2: expected >= 1, observed 0");
+    d.aborted = 1;
+    EXPECT_EQ(format_diagnostic(d), "rank 1 block (0,0,0) thread 0 stopped (the World was aborted) after 2400 ms in "
+                                    "signal_wait (GE) on signal 0x7f00aa000008 owned by rank 2: expected >= 1, "
+                                    "observed 0");
 }
 
 }  // namespace

@@ -150,6 +150,8 @@ __device__ void exercise(G grp, const DeviceCtx& ctx, uint8_t* buf, uint64_t* si
     w32[grp.rank() + 1] = r.ok() + r2.ok() + sent + tile::consume_token(3u, r.token()) + t3.value() + t4.value() +
                           tile::consume_token(1u, r2.token_or_trap());
     trap_unless(grp.all(r.ok()));
+    w32[grp.rank() + 2] = tile::consume_token(2u, r2.token_or_exit());
+    exit_unless(grp.all(r2.ok()));
 }
 template <ptx::Scope C>
 __device__ void scoped(uint64_t* p, uint32_t* q, uint4* v) {
@@ -226,7 +228,8 @@ TEST(DeviceHeadersNvrtc, PrimitivesKernelCompilesToCubin) {
           "atom.relaxed.sys.cas.b32", "st.relaxed.sys.b32", "ld.relaxed.sys.b64", "ld.acquire.cta.v4.b32",
           "atom.acq_rel.cta.add.u64", "fence.sc.gpu", "ld.volatile.b64", "bar.sync", "bar.warp.sync",
           "shfl.sync.idx.b32", "bar.red.and.pred", "vote.sync.all.pred", "fence.sc.sys",
-          "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"}) {
+          "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes", "exit;",
+          "ld.relaxed.sys.b32"}) {
         EXPECT_NE(r.ptx.find(insn), std::string::npos) << "PTX lacks " << insn;
     }
     // Nothing another agent writes may be read through the non-coherent path.

@@ -19,10 +19,12 @@ struct DeviceCtx {
                                       ///< nullptr where the peer is not load/store reachable
     int32_t sm_budget;                ///< SMs this rank's persistent kernels may occupy
     int32_t world_rank;               ///< this rank in the world (for diagnostics)
-    uint64_t timeout_ns;              ///< every spin gives up after this long (WEFT_TIMEOUT_MS)
+    uint64_t timeout_ns;              ///< every spin gives up after this long (WEFT_TIMEOUT_MS; 0: 10 min)
     Diagnostic* diag;                 ///< host-mapped record of the first timed-out spin, or nullptr
     const int32_t* team_to_world;     ///< device array [num_ranks]: team rank -> world rank, or nullptr
                                       ///< for the world team
+    uint32_t* abort_flag;             ///< host-mapped abort word of the World (an AbortCode), or nullptr:
+                                      ///< every bounded spin polls it and stops once it is non-zero
 };
 
 }  // namespace weft

@@ -21,9 +21,17 @@ enum class SpinKind : uint32_t {
 /// Comparison a wait was waiting for (OpenSHMEM's SHMEM_CMP_*).
 enum class Cmp : uint32_t { kEq = 0, kNe = 1, kGt = 2, kGe = 3, kLt = 4, kLe = 5 };
 
-/// Written by the first spin that times out on a rank (claimed with an atomic on `claimed`), read by
-/// the host after the kernel traps. Lives in host-mapped pinned memory so that the host can read it
-/// even after the trap has made the CUDA context unusable.
+/// Values of a World's abort word (DeviceCtx::abort_flag): zero while the World runs; the first non-zero value
+/// stays until World::clear_diagnostics. Every bounded device spin polls it (spin.cuh) and stops when it is set.
+enum AbortCode : uint32_t {
+    kAbortNone = 0,
+    kAbortByDeviceWait = 1,  ///< a device wait on this rank gave up (its Diagnostic says which)
+    kAbortByHost = 2,        ///< the host: World::abort, a dead peer, a peer's abort (World::check_diagnostics says)
+};
+
+/// Written by the first spin that gives up on a rank (claimed with an atomic on `claimed`), read by the host
+/// after the kernel ends. Lives in host-mapped pinned memory so that the host can read it even after a trap
+/// (symm_at_or_trap, the GEMM kernels) has made the CUDA context unusable.
 struct Diagnostic {
     uint32_t claimed;       ///< 0 = empty; set to 1 by the writer before the fields, to 2 after them
     SpinKind kind;
@@ -37,6 +45,7 @@ struct Diagnostic {
     uint64_t waited_ns;     ///< how long it spun
     int32_t peer;           ///< rank that owns the signal, or -1 when unknown
     int32_t line;           ///< source line of the spin (for weft's own kernels)
+    uint32_t aborted;       ///< 1: the spin stopped because the World's abort word was set, not at its bound
 };
 
 }  // namespace weft

@@ -10,14 +10,16 @@
 namespace weft::detail {
 
 inline constexpr uint64_t kDefaultHeapBytes = 1ull << 30;           ///< WEFT_SYMMETRIC_HEAP_BYTES default
-inline constexpr std::chrono::milliseconds kDefaultTimeout{10000};  ///< WEFT_TIMEOUT_MS default
+/// WEFT_TIMEOUT_MS default: ten minutes, like NCCL's and PyTorch's, so that a rank that starts a collective late
+/// (checkpointing, data loading) is waited for; dead ranks are the watchdog's (WEFT_DEAD_PEER_MS, seconds).
+inline constexpr std::chrono::milliseconds kDefaultTimeout{600000};
 
 /// Heap size: `option_bytes` when non-zero, else `env_value` (WEFT_SYMMETRIC_HEAP_BYTES, e.g. "512M"), else
 /// 1 GiB; rounded up to a multiple of `granularity`. Throws weft::Error naming the variable when it is
 /// malformed or zero.
 uint64_t resolve_heap_bytes(uint64_t option_bytes, const std::optional<std::string>& env_value, uint64_t granularity);
 
-/// Timeout: `option` when positive, else `env_value` (WEFT_TIMEOUT_MS, whole milliseconds > 0), else 10 s.
+/// Timeout: `option` when positive, else `env_value` (WEFT_TIMEOUT_MS, whole milliseconds > 0), else 10 min.
 std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds option,
                                           const std::optional<std::string>& env_value);
 

@@ -28,7 +28,8 @@ namespace weft::device {
 /// Guarantees: every write the block made before the call (to any rank's memory) is visible to every peer block
 /// after its call returns, and vice versa (block barrier, then thread t arrives at peer t with
 /// red.release.sys.add and waits for peer t with ld.acquire.sys, then a block barrier). Bounded: a missing peer
-/// ends the kernel with a kBarrier diagnostic naming its counter word after ctx.timeout_ns.
+/// (after ctx.timeout_ns), or an aborted World, ends the whole block (`exit`) with a kBarrier diagnostic naming the
+/// counter word, and raises the abort word.
 __device__ __forceinline__ uint64_t block_barrier(Block block, const DeviceCtx& ctx, uint64_t* flags, uint32_t slot,
                                                   uint64_t completed, int line = __builtin_LINE()) {
     const int n = ctx.num_ranks;
@@ -41,13 +42,15 @@ __device__ __forceinline__ uint64_t block_barrier(Block block, const DeviceCtx& 
             signal_release<ptx::Scope::kSys>(symm_at_or_trap(ctx, row + me, t, line), 1, SignalOp::kAdd);
         }
     }
-    for (int t = static_cast<int>(block.rank()); t < n; t += static_cast<int>(block.size())) {
+    bool ok = true;
+    for (int t = static_cast<int>(block.rank()); ok && t < n; t += static_cast<int>(block.size())) {
         if (t != me) {
-            spin_until<ptx::Sem::kAcquire, ptx::Scope::kSys>(ctx, row + t, Cmp::kGe, target,
-                                                             SpinSite{SpinKind::kBarrier, t, line});
+            ok = spin_until_or_record<ptx::Sem::kAcquire, ptx::Scope::kSys>(ctx, row + t, Cmp::kGe, target,
+                                                                            SpinSite{SpinKind::kBarrier, t, line})
+                     .ok;
         }
     }
-    block.sync();
+    exit_unless(block.all(ok));  // a wait that gave up ends the whole block together
     return target;
 }
 

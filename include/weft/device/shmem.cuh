@@ -13,7 +13,8 @@
 //    reachable ends the kernel with a kUnreachablePeer diagnostic (only load/store transport exists).
 //  - Ranks are the team ranks of `ctx` (ctx.rank, ctx.num_ranks).
 //  - Synchronising operations are at system scope (.sys): correct between GPUs and with the host.
-//  - Every wait is bounded by ctx.timeout_ns and reports a Diagnostic on expiry (see spin.cuh).
+//  - Every wait is bounded by ctx.timeout_ns and by the World's abort word, and reports a Diagnostic when it gives up
+//    (see spin.cuh: the thread, or the group, then ends with `exit`).
 //  - The trailing `line` parameter defaults to the caller's source line (for diagnostics): leave it.
 // Completion: with load/store transport a put's data is written by the time the call returns; `quiet`
 // (or a signal, or barrier_all) makes it visible to other ranks in order. The _nbi variants skip the
@@ -129,7 +130,9 @@ __device__ __forceinline__ uint64_t signal_fetch(const DeviceCtx& /*ctx*/, const
 /// Waits until the local signal word satisfies `compare(*sig_addr, cmp, value)`; returns the value
 /// that satisfied it, to every thread of the group. The group's leader polls (ld.acquire.sys, bounded,
 /// backoff), then the group synchronises, so every thread's later reads see the data the signal
-/// released. Times out after ctx.timeout_ns with a kSignalWait diagnostic naming the word.
+/// released. Bounded: after ctx.timeout_ns, or once the World is aborted, the leader records a kSignalWait diagnostic
+/// naming the word, raises the abort word and exits; the other threads go on to their own next wait (spin.cuh's
+/// rule: one lane keeps the round trip at one barrier).
 template <class Group>
 __device__ __forceinline__ uint64_t signal_wait_until(Group group, const DeviceCtx& ctx, const uint64_t* sig_addr,
                                                       Cmp cmp, uint64_t value, int line = __builtin_LINE()) {
@@ -166,8 +169,8 @@ __device__ __forceinline__ void quiet(Group group, const DeviceCtx& /*ctx*/) {
 /// `psync`: a symmetric array of at least n_pes zero-initialised 64-bit words (heap.alloc_signals),
 /// used by nothing else. It carries the epoch: rank r's word r counts its own barriers, and word q
 /// counts rank q's arrivals here. Arrival is an add, the wait is `>= epoch`, so nothing is ever reset
-/// between calls, kernels or graph replays. Bounded: times out with a kBarrier diagnostic naming the
-/// word of the missing rank.
+/// between calls, kernels or graph replays. Bounded: after ctx.timeout_ns, or once the World is aborted, a kBarrier
+/// diagnostic names the word of the missing rank, the abort word is raised and the whole group ends (`exit`).
 template <class Group>
 __device__ __forceinline__ void barrier_all(Group group, const DeviceCtx& ctx, uint64_t* psync,
                                          int line = __builtin_LINE()) {
@@ -180,13 +183,16 @@ __device__ __forceinline__ void barrier_all(Group group, const DeviceCtx& ctx, u
             ptx::red_add<ptx::Sem::kRelease, ptx::Scope::kSys>(symm_at_or_trap(ctx, psync + me, p, line), uint64_t{1});
         }
     }
-    for (int q = static_cast<int>(group.rank()); q < n; q += static_cast<int>(group.size())) {
+    bool ok = true;
+    for (int q = static_cast<int>(group.rank()); ok && q < n; q += static_cast<int>(group.size())) {
         if (q != me) {
-            spin_until<ptx::Sem::kAcquire, ptx::Scope::kSys>(ctx, psync + q, Cmp::kGe, epoch,
-                                                             SpinSite{SpinKind::kBarrier, q, line});
+            ok = spin_until_or_record<ptx::Sem::kAcquire, ptx::Scope::kSys>(ctx, psync + q, Cmp::kGe, epoch,
+                                                                            SpinSite{SpinKind::kBarrier, q, line})
+                     .ok;
         }
     }
-    group.sync();  // every thread is after every arrival
+    // Every thread is after every arrival; or, when a wait gave up, the whole group ends together.
+    exit_unless(group.all(ok));
     if (group.is_leader()) {
         ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(psync + me, epoch);
     }

@@ -15,10 +15,11 @@
 //
 // Group first, DeviceCtx second, as in the shmem layer; scope (and the wait's load semantic) are
 // template parameters defaulting to system scope, which is correct between GPUs.
-// Two forms of every bounded call: wait / wait_each / notify end the kernel on failure (timeout, unreachable peer)
-// with a Diagnostic and `trap` (spin.cuh); wait_checked / wait_each_checked / notify_checked record the same
-// Diagnostic and return the failure instead, fully inline with no reachable call or trap, for code that must
-// contain neither (the GEMM's consumer warpgroups: see spin.cuh).
+// Two forms of every bounded call: wait / wait_each end the group on failure (timeout, or the World aborted) with a
+// Diagnostic, the abort word raised and PTX `exit` in every thread of the group together (spin.cuh), and notify
+// traps on an unreachable peer (a programming error); wait_checked / wait_each_checked / notify_checked record the
+// same Diagnostic and return the failure instead, fully inline with no reachable call, exit or trap, for code that
+// must contain none (the GEMM's consumer warpgroups: see spin.cuh).
 #pragma once
 
 #include "weft/common/device_ctx.hpp"
@@ -43,9 +44,11 @@ inline constexpr bool kIsToken<Token> = true;
 struct TokenIssuer {
     /// Thread i of the group polls `signal_at(j)` for j = i, i + size, ... < n (a pointer, or a SignalFrom naming
     /// the rank that raises it; skipping null signals), then the group synchronises, then every thread fences.
-    /// kChecked: the polls return on timeout (spin_until_checked; this thread stops at its first expired signal)
-    /// and the result, uniform over the group, says whether all arrived; otherwise a timeout traps (spin_until)
-    /// and the result is the Token.
+    /// A thread stops polling at its first failed signal (timeout or abort: Diagnostic recorded, abort word raised);
+    /// the group barrier reduces the outcome (Group::all). kChecked: the result, uniform over the group, says
+    /// whether all arrived (spin_until_checked: inline). Otherwise (spin_until_or_record: the failure path is a call)
+    /// every thread of the group ends together with `exit` when any failed, and the result is the Token: ending the
+    /// group together keeps a counted named barrier (Warpgroup) from waiting for a warp that exited.
     template <ptx::Scope C, ptx::Sem S, bool kChecked, class Group, class SignalAt>
     __device__ __forceinline__ static auto wait_each(Group group, const DeviceCtx& ctx, int n, SignalAt&& signal_at,
                                                      Cmp cmp, uint64_t value, int line) {
@@ -65,23 +68,24 @@ struct TokenIssuer {
             if (signal == nullptr) {
                 continue;
             }
+            SpinResult r;
             if constexpr (kChecked) {
-                const SpinResult r = spin_until_checked<S, C>(ctx, signal, cmp, value, site);
-                last = static_cast<unsigned>(r.observed);
-                if (!r.ok) {
-                    ok = false;
-                    break;
-                }
+                r = spin_until_checked<S, C>(ctx, signal, cmp, value, site);
             } else {
-                last = static_cast<unsigned>(spin_until<S, C>(ctx, signal, cmp, value, site));
+                r = spin_until_or_record<S, C>(ctx, signal, cmp, value, site);
+            }
+            last = static_cast<unsigned>(r.observed);
+            if (!r.ok) {
+                ok = false;
+                break;
             }
         }
+        ok = group.all(ok);
         if constexpr (kChecked) {
-            ok = group.all(ok);
             ptx::fence_proxy_async_global();
             return WaitResult(ok, Token(last));
         } else {
-            group.sync();
+            exit_unless(ok);
             ptx::fence_proxy_async_global();
             return Token(last);
         }
@@ -114,7 +118,8 @@ __device__ __forceinline__ T* symm_at(const DeviceCtx& ctx, T* ptr, int pe) {
 /// one fence.acq_rel.<C> after success); then the group synchronises and every thread issues
 /// `fence.proxy.async.global`, so both its generic loads and its TMA loads of data released by the
 /// signals' writers see that data. Every thread of the group calls; n may be 0 or any count.
-/// Times out with a kTileWait diagnostic naming the first signal that did not arrive, and traps.
+/// Bounded: after ctx.timeout_ns, or once the World is aborted, a kTileWait diagnostic names the first signal that
+/// did not arrive, the abort word is raised, and every thread of the group ends together (`exit`).
 template <ptx::Scope C = ptx::Scope::kSys, ptx::Sem S = ptx::Sem::kAcquire, class Group>
 __device__ __forceinline__ Token wait(Group group, const DeviceCtx& ctx, const uint64_t* signals, int n, Cmp cmp,
                                       uint64_t value, int line = __builtin_LINE()) {

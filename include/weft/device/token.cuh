@@ -36,9 +36,10 @@ private:
 };
 
 /// The outcome of a wait that returns instead of trapping (tile::wait_checked, tile::wait_each_checked): ok() is
-/// the same in every thread of the group. When it is false the wait timed out (its Diagnostic is recorded): the
-/// data it guarded is not valid, the token() only keeps the code that follows well-formed, and the kernel must not
-/// publish what it computes from that data and must end (trap) once it may.
+/// the same in every thread of the group. When it is false the wait timed out or the World was aborted (its
+/// Diagnostic is recorded, the abort word raised): the data it guarded is not valid, the token() only keeps the code
+/// that follows well-formed, and the kernel must not publish what it computes from that data and must end once it
+/// may (token_or_exit, device::exit_unless; or trap where its pipelines cannot drain).
 class [[nodiscard]] WaitResult {
 public:
     __device__ __forceinline__ bool ok() const { return ok_; }
@@ -49,6 +50,16 @@ public:
     __device__ __forceinline__ Token token_or_trap() const {
         if (!ok_) {
             __trap();
+        }
+        return token_;
+    }
+    /// token(), after ending every thread of the group with PTX `exit` when the wait failed (ok() is uniform, so the
+    /// whole group ends together; see the rule in weft/device/spin.cuh). Inline: no call, and the CUDA context
+    /// stays usable.
+    __device__ __forceinline__ Token token_or_exit() const {
+        if (!ok_) {
+            asm volatile("exit;" ::: "memory");
+            __builtin_unreachable();
         }
         return token_;
     }

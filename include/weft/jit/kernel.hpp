@@ -74,8 +74,9 @@ public:
 
     const std::string& description() const { return description_; }
     const std::string& lowered_name() const { return lowered_name_; }
-    /// Byte size of each kernel parameter, from the driver (empty when the driver could not say, in
-    /// which case launch() checks nothing; a warning was logged).
+    /// Byte size of each kernel parameter, from the driver, asked about the parameters the cubin lists
+    /// (detail::cubin_kernel_param_count); empty when either could not say, in which case launch() checks
+    /// nothing (a warning was logged).
     const std::vector<size_t>& param_bytes() const { return param_bytes_; }
     CUkernel handle() const { return kernel_; }
 

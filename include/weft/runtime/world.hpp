@@ -37,7 +37,14 @@ struct WorldOptions {
     int device = -1;                       ///< -1: LOCAL_RANK % visible devices (run_local: rank % devices)
     uint64_t heap_bytes = 0;               ///< 0: WEFT_SYMMETRIC_HEAP_BYTES, else 1 GiB
     int sm_budget = 0;                     ///< 0: WEFT_SM_BUDGET, else the device's SMs / ranks sharing it
-    std::chrono::milliseconds timeout{0};  ///< 0: WEFT_TIMEOUT_MS, else 10 s
+    /// Bound on every host wait and device spin: how long a LATE peer is waited for. 0: WEFT_TIMEOUT_MS, else 10 min.
+    std::chrono::milliseconds timeout{0};
+    /// How often the World's watchdog beats and checks its peers. 0: WEFT_HEARTBEAT_MS, else 1 s.
+    std::chrono::milliseconds heartbeat{0};
+    /// How long a peer's heartbeat may stand still before the peer counts as DEAD and the World is aborted (a peer
+    /// process of this host that exits is noticed at the next beat). 0: WEFT_DEAD_PEER_MS, else 10 s; at least two
+    /// heartbeats.
+    std::chrono::milliseconds dead_peer_timeout{0};
 };
 
 /// Who this rank is in a World built on a store of your own (World::from_store).
@@ -112,15 +119,27 @@ public:
     /// that did not arrive.
     void barrier();
 
-    /// Throws weft::Error built from the Diagnostic record (rank, block, signal address, expected and
-    /// observed values) when a device spin wrote one; no-op otherwise. The record stays (see clear_diagnostics).
+    /// Throws weft::Error when the World was aborted (naming this rank and the reason: a dead peer, a peer's or the
+    /// user's abort, a device wait that gave up) or a device spin wrote its Diagnostic record (rank, block, signal
+    /// address, expected and observed values); no-op otherwise. Both stay (see clear_diagnostics).
     void check_diagnostics() const;
-    /// Zeroes the diagnostic record (after a handled timeout in a kernel that did not trap).
+    /// Zeroes the diagnostic record and this rank's abort word and reason: waits on this rank run again (after a
+    /// handled failure, on every rank, before the next op). A peer that is dead stays dead: its watchdog aborts
+    /// the World again at the next beat.
     void clear_diagnostics();
-    /// cudaStreamSynchronize(stream) then check_diagnostics(). When the synchronisation fails (a timed-out
-    /// spin traps, which leaves the CUDA context unusable), throws weft::Error with the diagnosis if one was
-    /// written and the CUDA error's name.
+    /// cudaStreamSynchronize(stream) then check_diagnostics(). A wait that gives up ends its kernel cleanly (the
+    /// CUDA context stays usable) and aborts the World, so this throws weft::Error naming the rank, the reason and
+    /// the signal. When the synchronisation itself fails (a trap: symm_at_or_trap, the GEMM kernels), the error
+    /// also names the CUDA error.
     void sync_and_check(cudaStream_t stream);
+
+    /// Aborts the World: sets this rank's abort word (every device wait of this rank stops within microseconds and
+    /// its kernel ends), makes the World's later store waits fail, and tells every other rank through the store
+    /// (their watchdogs set theirs at their next beat). `reason` appears in every rank's error. Any thread of this
+    /// process may call it; idempotent (the first reason stays).
+    void abort(const std::string& reason);
+    /// True once the World was aborted (by abort(), a peer, a dead peer or a device wait), until clear_diagnostics.
+    bool aborted() const;
 
     /// The extension registered under `name`, or nullptr. Called from the rank's own thread.
     WorldExtension* find_extension(const std::string& name) const;
@@ -132,6 +151,7 @@ private:
     explicit World(detail::WorldSetup&& setup);
 
     std::string diagnostic_message(bool wait_for_writer) const;
+    std::string failure_message() const;
     void shutdown() noexcept;
 
     std::unique_ptr<detail::WorldContext> ctx_;

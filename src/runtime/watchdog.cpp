@@ -1,0 +1,252 @@
+// SPDX-License-Identifier: MIT
+// Late and dead peers: the World's abort word, its watchdog thread, and store waits that stop once the World is
+// aborted (docs/reliability.md, "Late and dead peers").
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "runtime_internal.hpp"
+#include "weft/detail/watchdog.hpp"
+#include "weft/runtime/diagnostics.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+
+namespace weft::detail {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+// Store keys, under the World's own prefix.
+std::string heartbeat_key(int rank) { return "weft/watchdog/beat/" + std::to_string(rank); }
+std::string record_key(int64_t index) { return "weft/watchdog/abort/" + std::to_string(index); }
+constexpr const char* kRecordIndexKey = "weft/watchdog/abort/next";
+
+// How long a slice of a store wait lasts before the abort state is asked again.
+constexpr milliseconds kStoreWaitSlice{250};
+// A watchdog get of a key that check() found set: it is there, so this only bounds a store that stopped.
+constexpr milliseconds kPresentKeyGet{5000};
+
+/// make_abortable_store's view.
+class AbortableStore final : public Store {
+public:
+    AbortableStore(std::shared_ptr<Store> store, const WorldContext* world) : store_(std::move(store)), world_(world) {}
+
+    void set(const std::string& key, const Bytes& value) override { store_->set(key, value); }
+    int64_t add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
+    bool check(const std::string& key) override { return store_->check(key); }
+    void erase(const std::string& key) override { store_->erase(key); }
+
+    Bytes get(const std::string& key, milliseconds timeout) override {
+        const auto start = Clock::now();
+        const auto deadline = start + timeout;
+        while (true) {
+            if (auto why = world_->store_wait_stop()) {
+                const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
+                WEFT_FAIL("rank " << world_->rank << ": store get('" << key << "') stopped after " << waited.count()
+                                  << " ms: " << *why);
+            }
+            const auto left = deadline - Clock::now();
+            if (left <= Clock::duration::zero()) return store_->get(key, milliseconds(0));
+            const milliseconds slice = std::min(kStoreWaitSlice, remaining_ms(deadline));
+            const auto slice_start = Clock::now();
+            try {
+                return store_->get(key, slice);
+            } catch (const std::exception&) {
+                // A slice that ended early failed for another reason than its timeout (a store that is gone):
+                // that failure is the answer. One that ran its course is a timeout: ask again.
+                if (Clock::now() - slice_start < slice / 2 || Clock::now() >= deadline) throw;
+            }
+        }
+    }
+
+private:
+    std::shared_ptr<Store> store_;
+    const WorldContext* world_;
+};
+
+}  // namespace
+
+std::shared_ptr<Store> make_abortable_store(std::shared_ptr<Store> store, const WorldContext* world) {
+    return std::make_shared<AbortableStore>(std::move(store), world);
+}
+
+std::string read_diagnostic(const WorldContext& world, bool wait_for_writer) {
+    Diagnostic* record = world.diag_host.get();
+    if (record == nullptr) return "";
+    uint32_t claimed = __atomic_load_n(&record->claimed, __ATOMIC_ACQUIRE);
+    // A writer sets 1, fills the fields, then sets 2; give one caught mid-write a moment to finish.
+    for (int i = 0; i < 100 && wait_for_writer && claimed == 1; ++i) {
+        std::this_thread::sleep_for(milliseconds(1));
+        claimed = __atomic_load_n(&record->claimed, __ATOMIC_ACQUIRE);
+    }
+    if (claimed == 0) return "";
+    Diagnostic copy;
+    std::memcpy(&copy, record, sizeof(copy));
+    copy.claimed = claimed;
+    return format_diagnostic(copy);
+}
+
+void WorldContext::raise_abort(const std::string& reason, bool is_dead_peer) {
+    if (is_dead_peer) dead_peer_known = true;
+    {
+        std::lock_guard<std::mutex> lock(abort_mutex);
+        if (abort_reason.empty()) abort_reason = reason;
+    }
+    if (abort_host) {
+        uint32_t expected = kAbortNone;
+        __atomic_compare_exchange_n(abort_host.get(), &expected, uint32_t{kAbortByHost}, false, __ATOMIC_SEQ_CST,
+                                    __ATOMIC_SEQ_CST);
+    }
+}
+
+uint32_t WorldContext::abort_word() const {
+    return abort_host ? __atomic_load_n(abort_host.get(), __ATOMIC_ACQUIRE) : uint32_t{kAbortNone};
+}
+
+std::string WorldContext::abort_text() const {
+    if (abort_word() == kAbortNone) return "";
+    {
+        std::lock_guard<std::mutex> lock(abort_mutex);
+        if (!abort_reason.empty()) return abort_reason;
+    }
+    const std::string diagnosis = read_diagnostic(*this, true);
+    // The word was raised on the device: by a wait that gave up, or (before a trap) by a put to an unreachable
+    // peer or a collective mismatch, which are no waits.
+    const Diagnostic* record = diag_host.get();
+    const bool wait = record == nullptr || diagnosis.empty() ||
+                      (record->kind != SpinKind::kUnreachablePeer && record->kind != SpinKind::kCollectiveMismatch);
+    return "rank " + std::to_string(rank) + (wait ? ": a device wait gave up" : ": a device operation failed") +
+           (diagnosis.empty() ? "" : ": " + diagnosis);
+}
+
+std::optional<std::string> WorldContext::store_wait_stop() const {
+    if (shutting_down && !dead_peer_known) return std::nullopt;
+    if (abort_word() == kAbortNone) return std::nullopt;
+    return "the World was aborted: " + abort_text();
+}
+
+Watchdog::Watchdog(WorldContext* world, std::shared_ptr<Store> store) : world_(world), store_(std::move(store)) {
+    beat();  // the first beat before any peer may count this rank's silence
+    thread_ = std::thread([this] { run(); });
+}
+
+Watchdog::~Watchdog() { stop(false); }
+
+void Watchdog::beat() {
+    const std::string text = std::to_string(++beats_);
+    store_->set(heartbeat_key(world_->rank), Bytes(text.begin(), text.end()));
+}
+
+bool Watchdog::publish(char kind, const std::string& reason) noexcept {
+    try {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (stopped_) return false;
+        const int64_t index = store_->add(kRecordIndexKey, 1);
+        const std::string record = encode_abort_record(kind, reason);
+        store_->set(record_key(index), Bytes(record.begin(), record.end()));
+        published_.push_back(index);
+        return true;
+    } catch (const std::exception& e) {
+        WEFT_LOG_WARN("watchdog: publishing the abort to the other ranks failed: " << e.what());
+        return false;
+    }
+}
+
+void Watchdog::stop(bool last_out) noexcept {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (stopped_) return;
+        stop_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopped_ = true;
+    try {
+        store_->erase(heartbeat_key(world_->rank));
+        for (int64_t index : published_) store_->erase(record_key(index));
+        if (last_out) store_->erase(kRecordIndexKey);
+    } catch (const std::exception& e) {
+        WEFT_LOG_DEBUG("watchdog: removing its keys failed: " << e.what());
+    }
+}
+
+void Watchdog::run() {
+    WorldContext& w = *world_;
+    set_log_rank(w.rank);
+    // The peers to watch: a few through their heartbeats (any host), and every peer process of this host by pid.
+    std::vector<int> peers = w.same_process ? std::vector<int>() : watched_peers(w.rank, w.num_ranks);
+    std::vector<int> local_processes;
+    if (!w.same_process) {
+        const std::string& my_host = w.ranks[static_cast<size_t>(w.rank)].host;
+        for (int r = 0; r < w.num_ranks; ++r) {
+            if (r == w.rank || w.ranks[static_cast<size_t>(r)].host != my_host) continue;
+            local_processes.push_back(r);
+            if (std::find(peers.begin(), peers.end(), r) == peers.end()) peers.push_back(r);
+        }
+    }
+    HeartbeatBook book(peers, w.dead_peer, Clock::now());
+    const auto describe = [&](int r) {
+        const RankInfo& info = w.ranks[static_cast<size_t>(r)];
+        return "host " + info.host + ", pid " + std::to_string(info.pid);
+    };
+    while (true) {
+        {
+            std::unique_lock<std::mutex> lock(mutex_);
+            if (wake_.wait_for(lock, w.heartbeat, [this] { return stop_; })) return;
+        }
+        const auto now = Clock::now();
+        try {
+            std::lock_guard<std::mutex> lock(mutex_);
+            beat();
+            // Peers' heartbeats: a value that changed renews the peer (a key not there yet renews nothing).
+            for (int p : book.peers()) {
+                if (w.same_process || !store_->check(heartbeat_key(p))) continue;
+                const Bytes value = store_->get(heartbeat_key(p), kPresentKeyGet);
+                const std::string text(value.begin(), value.end());
+                book.observe(p, text.empty() ? -1 : std::strtoll(text.c_str(), nullptr, 10), now);
+            }
+            // Abort records other ranks published (and this rank's own, which it skips).
+            while (store_->check(record_key(seen_records_ + 1))) {
+                ++seen_records_;
+                const Bytes bytes = store_->get(record_key(seen_records_), kPresentKeyGet);
+                if (std::find(published_.begin(), published_.end(), seen_records_) != published_.end()) continue;
+                const auto [kind, reason] = decode_abort_record(std::string(bytes.begin(), bytes.end()));
+                if (w.abort_word() == kAbortNone) {
+                    WEFT_LOG_ERROR("watchdog: aborting the World: " << reason);
+                }
+                w.raise_abort(reason, kind == 'D');
+            }
+        } catch (const std::exception& e) {
+            // The store is the World's meeting point: without it no rank can be told anything.
+            if (w.abort_word() == kAbortNone) WEFT_LOG_ERROR("watchdog: the World's store failed: " << e.what());
+            w.raise_abort("rank " + std::to_string(w.rank) + " lost the World's store (" + e.what() + ")", true);
+            return;
+        }
+        if (w.past_shutdown_barrier) continue;  // peers that met at the shutdown barrier may exit now
+        for (int p : local_processes) {
+            const int64_t pid = w.ranks[static_cast<size_t>(p)].pid;
+            if (!process_running(pid)) book.mark_gone(p, "its process " + std::to_string(pid) + " on this host has exited");
+        }
+        // This rank's own news: a dead peer, or a device wait that gave up (World::abort publishes itself).
+        if (const auto dead = book.first_dead(Clock::now())) {
+            const std::string reason =
+                book.reason(*dead, Clock::now(), describe(*dead) + "; noticed by rank " + std::to_string(w.rank));
+            if (!w.dead_peer_known.exchange(true)) {
+                WEFT_LOG_ERROR("watchdog: aborting the World: " << reason);
+                w.raise_abort(reason, true);
+                publish('D', reason);
+            }
+        }
+        if (w.abort_word() == kAbortByDeviceWait && !w.device_abort_published.exchange(true)) {
+            const std::string reason = w.abort_text();
+            WEFT_LOG_ERROR("watchdog: a device wait gave up; aborting the World: " << reason);
+            publish('A', reason);
+        }
+    }
+}
+
+}  // namespace weft::detail
