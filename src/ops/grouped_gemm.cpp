@@ -6,10 +6,15 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <sstream>
+#include <tuple>
+#include <utility>
 
 #include "weft/common/math.hpp"
 #include "weft/detail/gemm_launch.hpp"
+#include "weft/jit/aot.hpp"
+#include "weft/jit/kernel.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_plan.hpp"
 #include "weft/runtime/driver.hpp"
@@ -245,18 +250,21 @@ GroupedGemmProblem validate_grouped_gemm_args(GroupedLayout layout, const Tensor
 
 std::vector<GemmConfig> grouped_gemm_candidate_configs(DType in_dtype, DType out_dtype, BLayout b_layout) {
     // The dense candidates that a grouped call can run (is_valid_grouped), then ping-pong 128x128 (the dense set has
-    // it only in cluster pairs).
+    // it only in cluster pairs) and ping-pong 64x256 (groups of a few hundred rows: 64-row tiles waste at most 63 rows
+    // per group, with the arithmetic intensity of a 128x128 tile).
     std::vector<GemmConfig> out;
     for (int i = 0; i < kGemmNumCandidates; ++i) {
         const GemmConfig c = gemm_candidate(i, in_dtype, out_dtype, b_layout);
         if (is_valid_grouped(c)) out.push_back(c);
     }
-    GemmConfig pp = gemm_candidate(0, in_dtype, out_dtype, b_layout);
-    pp.tile_m = 128;
-    pp.tile_n = 128;
-    pp.stages = 6;
-    pp.pingpong = true;
-    if (is_valid_grouped(pp)) out.push_back(pp);
+    for (const auto& [tile_m, tile_n, stages] : {std::tuple{128, 128, 6}, std::tuple{64, 256, 4}}) {
+        GemmConfig pp = gemm_candidate(0, in_dtype, out_dtype, b_layout);
+        pp.tile_m = tile_m;
+        pp.tile_n = tile_n;
+        pp.stages = stages;
+        pp.pingpong = true;
+        if (is_valid_grouped(pp)) out.push_back(pp);
+    }
     return out;
 }
 
@@ -270,7 +278,8 @@ GroupedGemmPlan plan_grouped_gemm(const GroupedGemmProblem& p, int num_sms, cons
     const int64_t groups = std::max<int64_t>(p.groups, 1);
     const int64_t per_group = options.expected_rows_per_group > 0
                                   ? options.expected_rows_per_group
-                                  : (p.layout == GroupedLayout::kMasked ? p.capacity : ceil_div(p.rows, groups));
+                                  : (p.layout == GroupedLayout::kMasked ? std::max<int64_t>(p.capacity / 2, 1)
+                                                                                : ceil_div(p.rows, groups));
     if (options.config) {
         const GemmConfig& c = *options.config;
         WEFT_CHECK(is_valid_grouped(c), "grouped_gemm: options.config must be a valid cluster-free config of whole "
@@ -329,6 +338,89 @@ std::vector<jit::KernelSpec> grouped_gemm_aot_specs() {
         }
     }
     return specs;
+}
+
+jit::KernelSpec grouped_dequant_kernel_spec(const std::string& arch) {
+    jit::KernelSpec spec;
+    spec.header = "gemm/grouped_dequant.cuh";
+    spec.instantiation = "weft::kernels::gemm::grouped_dequant_fp8_kernel<0>";
+    spec.description = "grouped gemm fp8 rows to bf16";
+    spec.arch = arch;
+    return spec;
+}
+
+void register_grouped_gemm_aot_specs() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        for (auto& spec : grouped_gemm_aot_specs()) jit::register_aot_spec(std::move(spec));
+        jit::register_aot_spec(grouped_dequant_kernel_spec());
+    });
+}
+
+void validate_grouped_fp8_args(const GroupedGemmProblem& p, const TensorView& a, const TensorView& a_scales) {
+    WEFT_CHECK(p.layout == GroupedLayout::kMasked, "grouped_gemm_masked_fp8: the bf16 call must be masked");
+    WEFT_CHECK(a.dtype == DType::kF8E4M3, "grouped_gemm_masked_fp8: a must be f8e4m3, got " << dtype_name(a.dtype));
+    check_view(a, "a", 3, "[G, capacity, K] (e4m3)");
+    WEFT_CHECK(a.dim(0) == p.groups && a.dim(1) == p.capacity && a.dim(2) == p.k,
+               "grouped_gemm_masked_fp8: a must be [G, capacity, K] = [" << p.groups << ", " << p.capacity << ", "
+                                                                         << p.k << "] (a_bf16's shape), got "
+                                                                         << a.describe());
+    WEFT_CHECK(p.k % 128 == 0, "grouped_gemm_masked_fp8: K must be a multiple of 128 (one scale per 128 channels), "
+                               "got " << p.k);
+    WEFT_CHECK(a.dim(0) <= 1 || a.dim(1) == 0 || a.stride(0) == a.dim(1) * a.stride(1),
+               "grouped_gemm_masked_fp8: a's groups must be back to back (stride(0) = capacity x stride(1)), got "
+                   << a.describe());
+    WEFT_CHECK(a_scales.dtype == DType::kF32,
+               "grouped_gemm_masked_fp8: a_scales must be f32, got " << dtype_name(a_scales.dtype));
+    WEFT_CHECK(a_scales.ndim == 3 && a_scales.dim(0) == p.groups && a_scales.dim(1) == p.capacity &&
+                   a_scales.dim(2) == p.k / 128,
+               "grouped_gemm_masked_fp8: a_scales must be [G, capacity, K / 128] = ["
+                   << p.groups << ", " << p.capacity << ", " << p.k / 128 << "], got " << a_scales.describe());
+    WEFT_CHECK(a_scales.stride(2) == 1 &&
+                   (a_scales.dim(0) <= 1 || a_scales.dim(1) == 0 || a_scales.stride(0) == a_scales.dim(1) * a_scales.stride(1)),
+               "grouped_gemm_masked_fp8: a_scales must be row-major with its groups back to back, got "
+                   << a_scales.describe());
+    WEFT_CHECK(p.groups * p.capacity == 0 || a_scales.data != nullptr,
+               "grouped_gemm_masked_fp8: a_scales has a null data pointer");
+    WEFT_CHECK(reinterpret_cast<uintptr_t>(a_scales.data) % 4 == 0,
+               "grouped_gemm_masked_fp8: a_scales must be 4-byte aligned");
+}
+
+void grouped_gemm_masked_fp8(const TensorView& a, const TensorView& a_scales, const TensorView& b, const TensorView& d,
+                             BLayout b_layout, const int32_t* counts, const TensorView& a_bf16, cudaStream_t stream,
+                             const GroupedGemmOptions& options) {
+    WEFT_CHECK(a_bf16.dtype == DType::kBF16,
+               "grouped_gemm_masked_fp8: a_bf16 (the workspace) must be bf16, got " << dtype_name(a_bf16.dtype));
+    const GroupedGemmProblem p =
+        validate_grouped_gemm_args(GroupedLayout::kMasked, a_bf16, b, d, b_layout, nullptr, counts);
+    validate_grouped_fp8_args(p, a, a_scales);
+    WEFT_CHECK(a.data != a_bf16.data, "grouped_gemm_masked_fp8: a_bf16 must not alias a");
+    check_options(options, p);
+    if (p.groups == 0 || p.capacity == 0 || p.n == 0) return;
+
+    const int device = current_device();
+    int num_sms = 0;
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+    weft::gemm::GroupedDequantArgs args{};
+    args.codes = static_cast<const unsigned char*>(a.data);
+    args.scales = static_cast<const float*>(a_scales.data);
+    args.out = static_cast<unsigned short*>(a_bf16.data);
+    args.counts = counts;
+    args.lda_codes = a.stride(1);
+    args.lds = a_scales.stride(1);
+    args.ldo = a_bf16.stride(1);
+    args.groups = static_cast<int32_t>(p.groups);
+    args.capacity = static_cast<int32_t>(p.capacity);
+    args.k = static_cast<int32_t>(p.k);
+    constexpr int kThreads = weft::gemm::kGroupedDequantThreads, kWarps = kThreads / 32;
+    const int64_t rows = p.groups * p.capacity;
+    jit::Kernel& kernel = detail::gemm_jit_kernel(grouped_dequant_kernel_spec());
+    jit::LaunchParams lp;
+    lp.grid = dim3(static_cast<unsigned>(std::min<int64_t>(ceil_div(rows, kWarps), int64_t{4} * num_sms)), 1, 1);
+    lp.block = dim3(kThreads, 1, 1);
+    lp.stream = stream;
+    kernel.launch(lp, args);
+    launch(p, a_bf16, b, d, nullptr, counts, stream, options);
 }
 
 std::string describe_grouped_status(const GroupedStatus& s) {

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <optional>
@@ -163,13 +164,19 @@ std::vector<double> group_reference(const GroupedCase& c, const GroupedOperands&
 
 /// Uploads, runs (through `run`, default: one call), downloads and checks every group's rows against the reference
 /// and every other row of D against its poison.
-template <class Run>
-void check_with(const GroupedCase& c, Run&& run) {
+/// `prepare(o, rng)` may change the host operands before they are uploaded.
+struct NoPrepare {
+    void operator()(GroupedOperands&, std::mt19937_64&) const {}
+};
+
+template <class Run, class Prepare = NoPrepare>
+void check_with(const GroupedCase& c, Run&& run, Prepare&& prepare = {}) {
     const uint64_t seed = fresh_seed();
     SCOPED_TRACE(describe(c) + " seed " + std::to_string(seed));
     std::mt19937_64 rng(seed);
     GroupedOperands o(c, rng);
     ASSERT_TRUE(o.da.ptr && o.db.ptr && o.dd.ptr && o.dcounts.ptr && o.doffsets.ptr);
+    prepare(o, rng);
     upload(o.a, o.da);
     upload(o.b, o.db);
     upload(o.d, o.dd);
@@ -321,6 +328,64 @@ TEST(GroupedGemm, MaskedUniformSkewedAndEmpty) {
     c.counts = {100, 0, 37, 64, 99};
     c.out = DType::kBF16;
     check(c);
+}
+
+// The value of an e4m3 code (bits: sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities).
+float e4m3_value(uint8_t code) {
+    const int sign = code >> 7, exp = (code >> 3) & 15, man = code & 7;
+    const float mag = exp == 0 ? std::ldexp(static_cast<float>(man) / 8.0f, -6)
+                               : std::ldexp(1.0f + static_cast<float>(man) / 8.0f, exp - 7);
+    return sign ? -mag : mag;
+}
+
+// fp8 rows with a scale per 128 channels (as the low-latency dispatch produces): dequantised on the device into the
+// bf16 workspace (poisoned first), then multiplied; the reference multiplies the host's dequantisation
+// (bf16_rn(float(code) * scale)) of the same codes.
+TEST(GroupedGemm, MaskedFp8RowsWithBlockScales) {
+    REQUIRE_SM90();
+    for (DType out : {DType::kBF16, DType::kF32}) {
+        GroupedCase c;
+        c.layout = ops::GroupedLayout::kMasked;
+        c.capacity = 192;
+        c.counts = {192, 0, 65, 1, 130, 7};
+        c.n = 320;
+        c.k = 384;
+        c.out = out;
+        const int64_t groups = static_cast<int64_t>(c.counts.size()), rows = groups * c.capacity;
+        std::vector<uint8_t> codes(static_cast<size_t>(rows * c.k));
+        std::vector<float> scales(static_cast<size_t>(rows * c.k / 128));
+        DeviceBuffer dcodes(codes.size()), dscales(scales.size() * 4);
+        ASSERT_TRUE(dcodes.ptr && dscales.ptr);
+        auto prepare = [&](GroupedOperands& o, std::mt19937_64& rng) {
+            std::uniform_int_distribution<int> byte(0, 255);
+            std::uniform_real_distribution<float> scale(1e-3f, 1e-2f);
+            for (auto& b : codes) {
+                b = static_cast<uint8_t>(byte(rng));
+                if ((b & 0x7F) == 0x7F) b = 0;  // no NaN codes
+            }
+            for (auto& s : scales) s = scale(rng);
+            for (int64_t r = 0; r < rows; ++r) {
+                for (int64_t kk = 0; kk < c.k; ++kk) {
+                    const float v = e4m3_value(codes[static_cast<size_t>(r * c.k + kk)]) *
+                                    scales[static_cast<size_t>(r * (c.k / 128) + kk / 128)];
+                    o.a.set(r, kk, v);
+                }
+            }
+        };
+        check_with(
+            c,
+            [&](const GroupedCase& cc, GroupedOperands& o, cudaStream_t s) {
+                ASSERT_EQ(cudaMemcpy(dcodes.ptr, codes.data(), codes.size(), cudaMemcpyHostToDevice), cudaSuccess);
+                ASSERT_EQ(cudaMemcpy(dscales.ptr, scales.data(), scales.size() * 4, cudaMemcpyHostToDevice),
+                          cudaSuccess);
+                ASSERT_EQ(cudaMemset(o.da.ptr, 0xFF, o.a.bytes.size()), cudaSuccess);  // the workspace: NaN
+                ops::grouped_gemm_masked_fp8(TensorView(dcodes.ptr, DType::kF8E4M3, {groups, cc.capacity, cc.k}),
+                                             TensorView(dscales.ptr, DType::kF32, {groups, cc.capacity, cc.k / 128}),
+                                             b_view(cc, o), d_view(cc, o), cc.b_layout,
+                                             static_cast<const int32_t*>(o.dcounts.ptr), a_view(cc, o), s);
+            },
+            prepare);
+    }
 }
 
 // Counts over capacity (masked) or rows past A (contiguous) are clamped and recorded in the status word.

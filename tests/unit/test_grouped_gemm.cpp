@@ -12,6 +12,8 @@
 #include "support/sass_testing.hpp"
 #include "weft/common/gemm_config.hpp"
 #include "weft/ops/gemm_codegen.hpp"
+#include "weft/jit/aot.hpp"
+#include "weft/ops/aot.hpp"
 #include "weft/ops/grouped_gemm.hpp"
 #include "weft/runtime/error.hpp"
 
@@ -37,7 +39,7 @@ struct Compiled {
 };
 
 Compiled compile(const std::vector<std::string>& instantiations) {
-    const std::string source = "#include \"gemm/gemm_sm90.cuh\"\n";
+    const std::string source = "#include \"gemm/gemm_sm90.cuh\"\n#include \"gemm/grouped_dequant.cuh\"\n";
     nvrtcProgram prog = nullptr;
     Compiled out;
     out.result = nvrtcCreateProgram(&prog, source.c_str(), "weft_grouped_gemm_test.cu", 0, nullptr, nullptr);
@@ -148,6 +150,41 @@ TEST(GroupedGemmNvrtc, WaitAndSignalHooksCompileWithHgmmaAndNoSpills) {
     EXPECT_EQ(checked, static_cast<int>(names.size()));
 }
 
+// The fp8 front of the masked call: e4m3 codes to bf16 with 16-byte loads and stores (LDG.E.128 / STG.E.128), the
+// e4m3 conversion in hardware (F2FP), nothing in local memory.
+TEST(GroupedGemmNvrtc, Fp8DequantisationLoadsAndStores16BytesAndConvertsInHardware) {
+    const std::string name = ops::grouped_dequant_kernel_spec("sm_90a").instantiation;
+    const Compiled r = compile({name});
+    ASSERT_EQ(r.result, NVRTC_SUCCESS) << r.log;
+    testing::expect_clean_ptxas_report(r.log, "grouped fp8 dequantisation");
+    std::string tool, why_not;
+    const auto sass = testing::disassemble(r.cubin, &tool, &why_not);
+    if (sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << why_not;
+    const auto lowered = r.lowered.find(name);
+    ASSERT_NE(lowered, r.lowered.end());
+    const auto fn = sass.find(lowered->second);
+    ASSERT_NE(fn, sass.end()) << "no SASS for " << name;
+    const std::string& code = fn->second;
+    EXPECT_GT(count(code, "LDG.E.128"), 0u) << code;
+    EXPECT_GE(count(code, "STG.E.128"), 2u) << code;
+    EXPECT_GT(count(code, "F2FP"), 0u) << code;
+    EXPECT_EQ(count(code, " LDL"), 0u);
+    EXPECT_EQ(count(code, " STL"), 0u);
+}
+
+// weft-compile --builtin warms the grouped kernels (through weft::ops::register_op_aot_specs).
+TEST(GroupedGemmPlan, KernelsAreInTheAotRegistry) {
+    ops::register_op_aot_specs();
+    const std::vector<jit::KernelSpec> registered = jit::aot_specs();
+    std::vector<jit::KernelSpec> wanted = ops::grouped_gemm_aot_specs();
+    wanted.push_back(ops::grouped_dequant_kernel_spec());
+    for (const auto& w : wanted) {
+        bool found = false;
+        for (const auto& r : registered) found = found || (r.header == w.header && r.instantiation == w.instantiation);
+        EXPECT_TRUE(found) << w.instantiation << " is not in weft::jit::aot_specs()";
+    }
+}
+
 // ---- planning and argument checks -------------------------------------------------------------------------------
 
 // A view of a fake (aligned, never dereferenced) device address.
@@ -228,6 +265,30 @@ TEST(GroupedGemmPlan, ValidatesContiguousAndMaskedViews) {
               std::string::npos);
 }
 
+TEST(GroupedGemmPlan, ValidatesFp8Operands) {
+    const GroupedGemmProblem p = ops::validate_grouped_gemm_args(
+        GroupedLayout::kMasked, view(DType::kBF16, {4, 64, 256}), view(DType::kBF16, {4, 128, 256}),
+        view(DType::kBF16, {4, 64, 128}), BLayout::kNK, nullptr, fake_counts());
+    const auto codes = view(DType::kF8E4M3, {4, 64, 256});
+    const auto scales = view(DType::kF32, {4, 64, 2});
+    EXPECT_NO_THROW(ops::validate_grouped_fp8_args(p, codes, scales));
+    auto err = [&](const TensorView& a, const TensorView& s) {
+        return error_of([&] { ops::validate_grouped_fp8_args(p, a, s); });
+    };
+    EXPECT_NE(err(view(DType::kBF16, {4, 64, 256}), scales).find("f8e4m3"), std::string::npos);
+    EXPECT_NE(err(view(DType::kF8E4M3, {4, 32, 256}), scales).find("a must be [G, capacity, K]"), std::string::npos);
+    EXPECT_NE(err(codes, view(DType::kF32, {4, 64, 4})).find("K / 128"), std::string::npos);
+    EXPECT_NE(err(codes, view(DType::kBF16, {4, 64, 2})).find("f32"), std::string::npos);
+    const GroupedGemmProblem odd_k = ops::validate_grouped_gemm_args(
+        GroupedLayout::kMasked, view(DType::kBF16, {4, 64, 192}), view(DType::kBF16, {4, 128, 192}),
+        view(DType::kBF16, {4, 64, 128}), BLayout::kNK, nullptr, fake_counts());
+    EXPECT_NE(error_of([&] {
+                  ops::validate_grouped_fp8_args(odd_k, view(DType::kF8E4M3, {4, 64, 192}),
+                                                 view(DType::kF32, {4, 64, 1}));
+              }).find("multiple of 128"),
+              std::string::npos);
+}
+
 TEST(GroupedGemmPlan, CandidatesAreGroupedValidAndThePlanFitsTheBudget) {
     for (DType out : {DType::kBF16, DType::kF32}) {
         for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
@@ -258,6 +319,13 @@ TEST(GroupedGemmPlan, CandidatesAreGroupedValidAndThePlanFitsTheBudget) {
     m.rows = 32 * 64;
     const ops::GroupedGemmPlan small = ops::plan_grouped_gemm(m, 132);
     EXPECT_LE(small.config.tile_m, 128) << ops::format_gemm_config(small.config);
+    // Groups of 192 rows (3/4 of a 256 capacity): 64-row tiles waste nothing where 128-row ones waste a quarter.
+    m.capacity = 256;
+    m.rows = 32 * 256;
+    GroupedGemmOptions hint;
+    hint.expected_rows_per_group = 192;
+    EXPECT_EQ(ops::plan_grouped_gemm(m, 132, hint).config.tile_m, 64)
+        << ops::format_gemm_config(ops::plan_grouped_gemm(m, 132, hint).config);
 
     // A grid never exceeds the tiles any counts could make, nor the budget.
     GroupedGemmProblem tiny = p;

@@ -131,4 +131,19 @@ struct GroupedWaitParams {
     const uint64_t* epoch;          ///< kEpoch: the call counter (device memory); unused otherwise
 };
 
+/// Arguments of the fp8 front of the masked grouped GEMM (kernels/gemm/grouped_dequant.cuh, one kernel parameter).
+struct GroupedDequantArgs {
+    const unsigned char* codes;  ///< e4m3 [G, capacity, K]
+    const float* scales;         ///< [G, capacity, K / 128]
+    unsigned short* out;         ///< bf16 [G, capacity, K]
+    const int32_t* counts;       ///< [G] valid rows per group (device memory, written before the launch)
+    int64_t lda_codes;           ///< codes' row stride (bytes = elements), a multiple of 16
+    int64_t lds;                 ///< scales' row stride (floats)
+    int64_t ldo;                 ///< out's row stride (elements), a multiple of 8
+    int32_t groups, capacity, k;  ///< k: a multiple of 128
+};
+
+/// Threads per CTA of the dequantisation kernel (one warp per row).
+inline constexpr int kGroupedDequantThreads = 256;
+
 }  // namespace weft::gemm

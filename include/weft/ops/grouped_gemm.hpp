@@ -46,8 +46,9 @@ enum class GroupedLayout : int32_t { kContiguous = 0, kMasked = 1 };
 struct GroupedGemmOptions {
     int sm_budget = 0;                 ///< CTAs of the persistent grid; 0 = every SM
     std::optional<GemmConfig> config;  ///< force a config (is_valid_grouped; dtypes and layout must match the call)
-    /// Rows per group the heuristic plans for (its tile height): 0 = the mean of the upper bound (contiguous: rows of
-    /// A / groups; masked: capacity). The kernel reads the real counts on the device whatever this says.
+    /// Rows per group the heuristic plans for (its tile height): 0 = contiguous: rows of A / groups; masked: capacity
+    /// / 2 (the mean of counts spread evenly over [0, capacity]). The kernel reads the real counts on the device
+    /// whatever this says; a good hint saves padding rows (groups of ~200 rows run 64-row tiles).
     int64_t expected_rows_per_group = 0;
     std::chrono::milliseconds timeout{0};  ///< bound on every pipeline wait; 0 = WEFT_TIMEOUT_MS or 10 s
     /// Where the kernel records a bad count (device or host-mapped memory, zero-initialised by the caller; the first
@@ -56,7 +57,8 @@ struct GroupedGemmOptions {
     /// says which group, what it held and the bound. check_grouped_status turns a record into a weft::Error.
     /// nullptr: clamped silently.
     GroupedStatus* status = nullptr;
-    /// Per-tile wait before loading A (GroupedWaitScheduler), for fused layers; unset: none.
+    /// Per-tile wait before loading A (GroupedWaitScheduler), for fused layers; unset: none. The op fills its
+    /// `groups` from the call (and a zero timeout_ns with the call's bound); the rest is the caller's.
     std::optional<GroupedWaitParams> wait;
     /// Per-tile signal once a tile is stored (GroupedTileSignalHook, add-only counters), for fused layers; unset:
     /// none.
@@ -78,6 +80,17 @@ void grouped_gemm_contiguous(const TensorView& a, const TensorView& b, const Ten
 /// back to back (stride(0) = capacity * stride(1)), rows with a row stride. Otherwise as grouped_gemm_contiguous.
 void grouped_gemm_masked(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
                          const int32_t* counts, cudaStream_t stream, const GroupedGemmOptions& options = {});
+
+/// masked, fp8 rows (what ep::Buffer::low_latency_dispatch with fp8 produces): a [G, capacity, K] e4m3 (kF8E4M3)
+/// with a_scales [G, capacity, K / 128] fp32 (one scale per 128 channels: value = float(code) * scale), b bf16 as in
+/// grouped_gemm_masked, d [G, capacity, N] bf16 or f32. Two kernels on `stream`: the rows [0, counts[g]) of each
+/// group are dequantised into a_bf16 ([G, capacity, K] bf16, the caller's workspace, groups back to back: each value
+/// rounded once to bf16), then grouped_gemm_masked(a_bf16, b, d, ...) multiplies them. K must be a multiple of 128;
+/// codes' rows 16-byte aligned. The engine's mainloop multiplies 16-bit operands: an fp8 mainloop (fp8 wgmma with the
+/// block scales applied per k-block to an fp32 accumulator) would save the bf16 round trip and is not there yet.
+void grouped_gemm_masked_fp8(const TensorView& a, const TensorView& a_scales, const TensorView& b, const TensorView& d,
+                             BLayout b_layout, const int32_t* counts, const TensorView& a_bf16, cudaStream_t stream,
+                             const GroupedGemmOptions& options = {});
 
 // ---- planning (pure host logic, tested on the CPU) ----------------------------------------------------------
 
@@ -121,6 +134,17 @@ jit::KernelSpec grouped_gemm_kernel_spec(const GemmConfig& config, bool wait, bo
 /// The specs of every grouped kernel the op may launch without wait or signal (each candidate, bf16 -> bf16 / f32,
 /// both B layouts), for weft-compile.
 std::vector<jit::KernelSpec> grouped_gemm_aot_specs();
+
+/// The fp8 dequantisation kernel of grouped_gemm_masked_fp8 (header gemm/grouped_dequant.cuh).
+jit::KernelSpec grouped_dequant_kernel_spec(const std::string& arch = "");
+
+/// Checks the fp8 operands of grouped_gemm_masked_fp8 against `problem` (the bf16 call on a_bf16, validated); throws
+/// weft::Error naming the argument.
+void validate_grouped_fp8_args(const GroupedGemmProblem& problem, const TensorView& a, const TensorView& a_scales);
+
+/// Registers grouped_gemm_aot_specs() and the dequantisation kernel with weft::jit's ahead-of-time registry (once per
+/// process; weft::ops::register_op_aot_specs calls it, so `weft-compile --builtin` warms them).
+void register_grouped_gemm_aot_specs();
 
 /// "" for a zero record, else what the kernel found ("grouped gemm: group 3 has 300 rows, over the capacity 256
 /// (clamped)").
