@@ -109,7 +109,6 @@ struct GroupedOperands {
         b.fill_random(rng);
         poison(d);
     }
-
 };
 
 TensorView a_view(const GroupedCase& c, const GroupedOperands& o) {
