@@ -18,6 +18,8 @@ namespace weft::kernels::gemm {
 // The parameter structs are host+device data (weft/common/gemm_hook_params.hpp, namespace weft::gemm): host-only
 // code fills them for a launch.
 using weft::gemm::ChunkWaitParams;
+using weft::gemm::GroupedSignalMode;
+using weft::gemm::GroupedTileSignalParams;
 using weft::gemm::NoEpilogueHookParams;
 using weft::gemm::PersistentSchedulerParams;
 using weft::gemm::SignalValueMode;
@@ -93,6 +95,21 @@ struct TileSignalHook {
         } else {
             device::signal_release<ptx::Scope::kSys>(p.flags + t.m_idx, p.value, device::SignalOp::kAdd);
         }
+        return true;
+    }
+};
+
+/// Grouped GEMM (GroupedScheduler): raises a system-scope add-only counter per finished tile, per group or per (group,
+/// row of tiles) of the group (GemmTile::group, GemmTile::m_idx): what a fused MoE consumer of one expert's rows
+/// waits for (>= its expected total per call, which it knows from the same counts).
+struct GroupedTileSignalHook {
+    using Params = GroupedTileSignalParams;
+    static constexpr bool kNotifies = true;
+    __device__ static bool after_tile_stored(const Params& p, const GemmTile& t) {
+        const int64_t idx = p.mode == GroupedSignalMode::kAddPerGroup
+                                ? static_cast<int64_t>(t.group)
+                                : static_cast<int64_t>(t.group) * p.group_stride + t.m_idx;
+        device::signal_release<ptx::Scope::kSys>(p.flags + idx, p.value, device::SignalOp::kAdd);
         return true;
     }
 };

@@ -13,6 +13,10 @@
 //        that the A loads take (device::tile::tma_load_2d): that of a device-layer wait, on n = 0 signals
 //        when the tile waits on nothing.
 // CTAs of a cluster must get tiles of the same cluster tile in the same order (GemmTileGrid does this).
+// The kernel calls tile(i) with increasing i in each thread (the producer i = 0, 1, ...; a consumer warpgroup its own
+// subsequence), so a scheduler may walk a cursor forward (GroupedScheduler does).
+// Optional: `static constexpr bool kGrouped = true` (kSchedulerGrouped) makes the tile's `group` select B's slice
+// (a 3D tensor map [groups, ...]) and its `m_end` bound the rows the epilogue stores (GroupedScheduler).
 #pragma once
 
 #include "gemm/gemm_hooks.cuh"
@@ -30,6 +34,14 @@ namespace weft::kernels::gemm {
 
 /// Persistent striding over the swizzled tile grid: cluster c takes cluster tiles c, c + C, c + 2C, ...
 /// where C is the number of clusters in the grid. Waits for nothing.
+using weft::gemm::GroupedSchedulerParams;
+using weft::gemm::GroupedStatus;
+using weft::gemm::GroupedStatusCode;
+
+/// Whether a scheduler hands out grouped tiles (GemmTile::group, GemmTile::m_end; GroupedScheduler).
+template <class Scheduler>
+inline constexpr bool kSchedulerGrouped = requires { requires Scheduler::kGrouped; };
+
 template <GemmConfig kCfg>
 class PersistentScheduler {
 public:
@@ -100,6 +112,137 @@ private:
     PersistentScheduler<kCfg> base_;
     Params p_;
     int32_t m_;
+};
+
+/// Grouped GEMM (MoE experts): one persistent walk over every group's tiles. The groups' row counts (and, contiguous,
+/// row offsets) are read from device memory when the kernel starts, so a kernel on the device (an expert-parallel
+/// dispatch) may produce them and a captured launch replays with the counts of its replay. Group g has
+/// ceil(count_g / tile_m) x ceil(N / tile_n) tiles; the tiles of all groups form one linear sequence (group 0's in
+/// GemmTileGrid's swizzled order over its own rows, then group 1's, ...) and CTA c takes tiles c, c + C, c + 2C, ...
+/// of it: a hot group is spread over every CTA, an empty group has no tile (one count read). Each thread walks a
+/// cursor over the groups as it asks for tiles in increasing order (the kernel's contract), so the whole walk costs
+/// O(groups + tiles) per thread. Cluster-free (is_valid_grouped). A bad count (negative, over capacity, rows outside
+/// A) is clamped into its bounds, never read or written past them, and block 0 records the first one in
+/// Params::status (when given). Waits for nothing (A was written in stream order before the launch).
+template <GemmConfig kCfg>
+class GroupedScheduler {
+public:
+    using Params = GroupedSchedulerParams;
+    static constexpr bool kGrouped = true;
+    static_assert(kCfg.cluster_m == 1 && kCfg.cluster_n == 1, "GroupedScheduler: cluster-free configs only");
+
+    __device__ GroupedScheduler(const Params& p, const GemmArgs& args)
+        : p_(p),
+          rows_(args.m),
+          n_tiles_((args.n + kCfg.tile_n - 1) / kCfg.tile_n),
+          cta_(static_cast<int32_t>(blockIdx.x)),
+          num_ctas_(static_cast<int32_t>(gridDim.x)) {
+        int32_t total = 0;
+        for (int32_t g = 0; g < p_.num_groups; ++g) {
+            int32_t offset = 0;
+            const int32_t count = group_rows(g, &offset, true);
+            total += (count + kCfg.tile_m - 1) / kCfg.tile_m * n_tiles_;
+        }
+        total_ = total;
+    }
+
+    __device__ int32_t num_tiles() const { return cta_ < total_ ? (total_ - 1 - cta_) / num_ctas_ + 1 : 0; }
+
+    __device__ GemmTile tile(int32_t i) const {
+        const int32_t t = cta_ + i * num_ctas_;
+        while (t >= base_ + group_tiles_) {  // t < total_: stops at a group that holds it
+            base_ += group_tiles_;
+            ++group_;
+            group_count_ = group_rows(group_, &group_offset_, false);
+            group_tiles_ = (group_count_ + kCfg.tile_m - 1) / kCfg.tile_m * n_tiles_;
+        }
+        const GemmTileGrid grid(kCfg, group_count_, n_tiles_ * kCfg.tile_n);
+        GemmTile out = grid.tile(t - base_, 0);
+        out.m0 += group_offset_;
+        out.group = group_;
+        out.m_end = group_offset_ + group_count_;
+        return out;
+    }
+
+    __device__ device::Token wait_before_load(const GemmTile&) const { return device::Token::assume_local_data(); }
+
+private:
+    /// Group g's rows, clamped into its bounds; its first row in *offset. With `report` (the constructor's walk),
+    /// block 0's thread 0 records a bad count.
+    __device__ int32_t group_rows(int32_t g, int32_t* offset, bool report) const {
+        const int32_t raw = p_.counts[g];
+        int32_t count = raw < 0 ? 0 : raw;
+        GroupedStatusCode code = raw < 0 ? GroupedStatusCode::kCountNegative : GroupedStatusCode::kOk;
+        int32_t value = raw, limit = 0;
+        if (p_.offsets == nullptr) {
+            *offset = g * p_.capacity;
+            if (count > p_.capacity) {
+                code = GroupedStatusCode::kCountOverCapacity;
+                limit = p_.capacity;
+                count = p_.capacity;
+            }
+        } else {
+            const int32_t first = p_.offsets[g];
+            *offset = first < 0 ? 0 : (first > rows_ ? rows_ : first);
+            const int32_t room = rows_ - *offset;
+            if (first < 0 || count > room) {
+                if (code == GroupedStatusCode::kOk) {
+                    code = GroupedStatusCode::kRowsOutOfRange;
+                    value = first < 0 ? first : first + count;
+                    limit = rows_;
+                }
+                count = first < 0 ? 0 : room;
+            }
+        }
+        if (report && code != GroupedStatusCode::kOk && p_.status != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+            record(g, code, value, limit);
+        }
+        return count;
+    }
+
+    __device__ void record(int32_t g, GroupedStatusCode code, int32_t value, int32_t limit) const {
+        // The first bad group of the first launch that finds one claims the record.
+        if (atomicCAS(&p_.status->code, 0, -1) == 0) {
+            p_.status->group = g;
+            p_.status->value = value;
+            p_.status->limit = limit;
+            __threadfence_system();
+            atomicExch(&p_.status->code, static_cast<int32_t>(code));
+        }
+    }
+
+    const Params& p_;
+    int32_t rows_, n_tiles_, cta_, num_ctas_, total_ = 0;
+    // The cursor: the group holding the last tile asked for, the index of its first tile, its tiles and rows.
+    mutable int32_t group_ = -1, base_ = 0, group_tiles_ = 0, group_count_ = 0, group_offset_ = 0;
+};
+
+/// GroupedScheduler whose producer waits, before loading a tile's rows of A, until its group's signal reaches the
+/// expected value (GroupedWaitParams): a fused MoE layer starts an expert's tiles as soon as its rows have arrived.
+template <GemmConfig kCfg>
+class GroupedWaitScheduler {
+public:
+    using Params = weft::gemm::GroupedWaitParams;
+    static constexpr bool kGrouped = true;
+
+    __device__ GroupedWaitScheduler(const Params& p, const GemmArgs& args) : base_(p.groups, args), p_(p) {}
+
+    __device__ int32_t num_tiles() const { return base_.num_tiles(); }
+    __device__ GemmTile tile(int32_t i) const { return base_.tile(i); }
+
+    __device__ device::Token wait_before_load(const GemmTile& t) const {
+        const uint64_t expected = detail::signal_value(p_.value_mode, p_.epoch, p_.expected);
+        DeviceCtx ctx{};
+        ctx.world_rank = p_.world_rank;
+        ctx.timeout_ns = p_.timeout_ns;
+        ctx.diag = p_.diag;
+        return device::tile::wait_checked(device::Thread{}, ctx, p_.flags + t.group, 1, Cmp::kGe, expected)
+            .token_or_trap();
+    }
+
+private:
+    GroupedScheduler<kCfg> base_;
+    const Params& p_;
 };
 
 }  // namespace weft::kernels::gemm

@@ -108,8 +108,18 @@ __device__ __forceinline__ void producer_loop(const Scheduler& sched, const ptx:
                 device::tile::tma_load_2d_multicast(token, a_dst + half * T::kARowsPerCta * T::kRowBytes, tma_a, full,
                                                     k0, tile.m0 + half * T::kARowsPerCta, all_ctas);
             }
-            // B: kNK: [tile_n rows][64 k]; kKN: tile_n/64 boxes of [64 k rows][64 n].
-            if constexpr (kCfg.b_layout == BLayout::kNK) {
+            // B: kNK: [tile_n rows][64 k]; kKN: tile_n/64 boxes of [64 k rows][64 n]. A grouped scheduler's B is a 3D
+            // map [groups, N, K] / [groups, K, N]: the box of the tile's group (zero-filled past its N and K).
+            if constexpr (kSchedulerGrouped<Scheduler>) {
+                if constexpr (kCfg.b_layout == BLayout::kNK) {
+                    ptx::tma_load_3d(b_dst, tma_b, full, k0, tile.n0, tile.group);
+                } else {
+#pragma unroll
+                    for (int c = 0; c < T::kBChunks; ++c) {
+                        ptx::tma_load_3d(b_dst + c * T::kBChunkBytes, tma_b, full, tile.n0 + c * 64, k0, tile.group);
+                    }
+                }
+            } else if constexpr (kCfg.b_layout == BLayout::kNK) {
                 if constexpr (kCfg.cluster_m == 1) {
                     ptx::tma_load_2d(b_dst, tma_b, full, k0, tile.n0);
                 } else {
@@ -238,28 +248,33 @@ __device__ __forceinline__ void st_global_pair(void* base, int64_t idx, float lo
 /// With plain stores: columns [n_tma, N) of one slab (less than 16 bytes per row: a TMA store box would write the
 /// whole 16-byte chunk and overwrite the row padding past N), and, for a tile width that is not a whole number of
 /// store boxes (GemmTraits::kEpiTail), the tile's columns past its last whole box (a box there would overwrite the
-/// next tile's columns).
+/// next tile's columns); with `all_columns`, every column of the slab (a grouped tile's slab that its group's rows
+/// end inside: a box would overwrite the next group's rows). Rows from `row_end` on are not stored.
 template <GemmConfig kCfg>
 __device__ __forceinline__ void store_slab_tail(const float (&acc)[GemmTraits<kCfg>::kAccPerSlab], int row0, int col0,
-                                                int warp_in_wg, int lane, const GemmArgs& args) {
+                                                int warp_in_wg, int lane, const GemmArgs& args, int row_end,
+                                                bool all_columns = false) {
     const int r_lo = row0 + warp_in_wg * 16 + lane / 4;
     const int r_hi = r_lo + 8;
 #pragma unroll
     for (int g = 0; g < kCfg.tile_n / 8; ++g) {
-        const bool past_boxes = 8 * g >= GemmTraits<kCfg>::kEpiTmaCols;  // compile-time after unrolling
+        const bool past_boxes = all_columns || 8 * g >= GemmTraits<kCfg>::kEpiTmaCols;  // compile-time after unrolling
+                                                                                       // (all_columns: dense false)
         const int c0 = col0 + 8 * g + 2 * (lane % 4);
         if (past_boxes && c0 + 1 < args.n) {
             // Both columns: one 4- or 8-byte store per row (D's row stride is a multiple of 16 bytes: TMA-stored).
-            if (r_lo < args.m) st_global_pair<kCfg.out_dtype>(args.d, r_lo * args.ldd + c0, acc[4 * g], acc[4 * g + 1]);
-            if (r_hi < args.m) st_global_pair<kCfg.out_dtype>(args.d, r_hi * args.ldd + c0, acc[4 * g + 2], acc[4 * g + 3]);
+            if (r_lo < row_end) st_global_pair<kCfg.out_dtype>(args.d, r_lo * args.ldd + c0, acc[4 * g], acc[4 * g + 1]);
+            if (r_hi < row_end) {
+                st_global_pair<kCfg.out_dtype>(args.d, r_hi * args.ldd + c0, acc[4 * g + 2], acc[4 * g + 3]);
+            }
             continue;
         }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int c = c0 + e;
             if ((past_boxes || c >= args.n_tma) && c < args.n) {
-                if (r_lo < args.m) st_global_elem<kCfg.out_dtype>(args.d, r_lo * args.ldd + c, acc[4 * g + e]);
-                if (r_hi < args.m) st_global_elem<kCfg.out_dtype>(args.d, r_hi * args.ldd + c, acc[4 * g + 2 + e]);
+                if (r_lo < row_end) st_global_elem<kCfg.out_dtype>(args.d, r_lo * args.ldd + c, acc[4 * g + e]);
+                if (r_hi < row_end) st_global_elem<kCfg.out_dtype>(args.d, r_hi * args.ldd + c, acc[4 * g + 2 + e]);
             }
         }
     }
@@ -290,6 +305,9 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
     static_assert(!T::kEpiTail || (!kHookRoutesStores<Hook> && !Hook::kNotifies),
                   "gemm: a hook that routes the tile's stores or signals them stored needs a tile width of whole store "
                   "boxes (the tail's plain stores are neither routed nor covered by the TMA store wait)");
+    constexpr bool kGrouped = kSchedulerGrouped<Scheduler>;
+    static_assert(!kGrouped || !kHookRoutesStores<Hook>,
+                  "gemm: a grouped scheduler's tiles end at their group's rows; a hook may not route their stores");
     const int wg = static_cast<int>(threadIdx.x) / 128 - 1;
     const int tid = static_cast<int>(threadIdx.x) % 128;
     const int lane = tid % 32;
@@ -397,9 +415,20 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
 #pragma unroll
         for (int s = 0; s < T::kSlabs; ++s) {
             const int row0 = tile.m0 + (slab0 + s) * kGemmSlabRows;
-            store_slab<kCfg>(acc[s], target.map, epi_base, wg, tid, epi_count, row0 - target.row_offset, tile.n0,
-                             tile.valid, target.rows, args);
-            if (ragged) store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args);
+            if constexpr (kGrouped) {
+                // A slab wholly inside its group's rows goes out by TMA; one that the group's rows end inside by plain
+                // stores of its rows (a box would write the next group's rows); one past them not at all.
+                const bool whole = row0 + kGemmSlabRows <= tile.m_end;
+                store_slab<kCfg>(acc[s], target.map, epi_base, wg, tid, epi_count, row0, tile.n0, tile.valid,
+                                 whole ? target.rows : row0, args);
+                if (tile.valid && row0 < tile.m_end && (ragged || !whole)) {
+                    store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args, tile.m_end, !whole);
+                }
+            } else {
+                store_slab<kCfg>(acc[s], target.map, epi_base, wg, tid, epi_count, row0 - target.row_offset, tile.n0,
+                                 tile.valid, target.rows, args);
+                if (ragged) store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args, args.m);
+            }
         }
         if constexpr (kCfg.pingpong) {
             // The wait for the stores runs under the other warpgroup's mainloop, as this epilogue did.

@@ -132,6 +132,13 @@ WEFT_HOST_DEVICE constexpr bool is_valid(const GemmConfig& c) {
     return true;
 }
 
+/// The configs a grouped GEMM (kernels/gemm GroupedScheduler) runs: valid, cluster-free (the groups' tiles are not
+/// paired), tile_n whole 64-column blocks (every B box within its group's 3D slice), and at most 128 accumulator floats
+/// per consumer thread (the scheduler's cursor lives in the consumers' registers beside them).
+WEFT_HOST_DEVICE constexpr bool is_valid_grouped(const GemmConfig& c) {
+    return is_valid(c) && c.cluster_m == 1 && c.cluster_n == 1 && c.tile_n % 64 == 0 && gemm_acc_regs(c) <= 128;
+}
+
 /// A tile of D as the scheduler hands it out.
 struct GemmTile {
     int32_t m_idx;  ///< tile row index
@@ -139,6 +146,12 @@ struct GemmTile {
     int32_t m0;     ///< first row of D
     int32_t n0;     ///< first column of D
     bool valid;     ///< false for the padding tile a cluster partner computes past the edge of D
+    /// Grouped schedulers only (kernels/gemm/gemm_scheduler.cuh, kSchedulerGrouped): the group (expert) of the tile,
+    /// whose B is slice `group` of a [groups, ...] tensor, and the end (exclusive) of its group's rows of D, past which
+    /// the epilogue stores nothing. m_idx is then the tile row within the group; m0 the first row of D. Other
+    /// schedulers leave both 0 (the kernel reads them only for grouped schedulers).
+    int32_t group = 0;
+    int32_t m_end = 0;
 };
 
 /// The grid of output tiles and the swizzled order of "cluster tiles" (cluster_m x cluster_n tiles that

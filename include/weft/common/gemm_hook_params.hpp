@@ -43,6 +43,38 @@ struct ChunkWaitParams {
     const uint64_t* epoch;   ///< kEpoch: the call counter (device memory); unused otherwise
 };
 
+/// What a grouped GEMM's device-side check of its group sizes found (GroupedScheduler). Zero-initialised by its
+/// owner; the first launch that finds a bad size claims `code` (0 -> a GroupedStatusCode) and fills the rest.
+enum class GroupedStatusCode : int32_t {
+    kOk = 0,
+    kCountNegative = 1,       ///< counts[group] < 0: clamped to 0
+    kCountOverCapacity = 2,   ///< masked: counts[group] > capacity: clamped to capacity
+    kRowsOutOfRange = 3,      ///< contiguous: offsets[group] < 0 or offsets[group] + counts[group] > rows of A
+                              ///< (clamped to the rows inside A)
+};
+
+/// The record of GroupedStatusCode (device or host-mapped memory, 16 bytes, written once per claim).
+struct GroupedStatus {
+    int32_t code;   ///< GroupedStatusCode; 0 = nothing found
+    int32_t group;  ///< the first group found bad (by the kernel's block 0)
+    int32_t value;  ///< counts[group] as read (kRowsOutOfRange: offsets[group] + counts[group])
+    int32_t limit;  ///< the bound it broke (capacity, or rows of A; 0 for kCountNegative)
+};
+
+/// GroupedScheduler's parameters: the groups (experts) of a grouped GEMM, read on the device at run time.
+///   contiguous (offsets != nullptr): group g's rows of A and D are [offsets[g], offsets[g] + counts[g]) of the
+///     [rows, K] / [rows, N] views;
+///   masked (offsets == nullptr): group g's rows are [g * capacity, g * capacity + counts[g]) (A [groups, capacity,
+///     K] seen as [groups * capacity, K]), counts clamped to [0, capacity].
+/// B is [groups, N, K] (or [groups, K, N]) through a 3D tensor map: B's coordinate `group` is the tile's group.
+struct GroupedSchedulerParams {
+    const int32_t* counts;   ///< [num_groups] rows of each group (device memory, written before the launch)
+    const int32_t* offsets;  ///< [num_groups] first row of each group (contiguous), or nullptr (masked)
+    int32_t num_groups;
+    int32_t capacity;        ///< masked: rows per group of A and D; contiguous: unused (0)
+    GroupedStatus* status;   ///< where a bad count is recorded (device or host-mapped), or nullptr
+};
+
 /// NoEpilogueHook's parameters (none).
 struct NoEpilogueHookParams {
     int32_t unused = 0;
@@ -67,5 +99,51 @@ struct TileSignalParams {
     int32_t reserved;
     const uint64_t* epoch;  ///< kEpoch: the call counter (device memory); unused otherwise
 };
+
+/// How GroupedTileSignalHook raises its signal (add-only counters: nothing to reset between calls, graph-safe).
+enum class GroupedSignalMode : int32_t {
+    kAddPerGroup = 0,       ///< flags[group] += value per finished tile: a group's counter grows by
+                            ///< ceil(count / tile_m) * ceil(N / tile_n) * value per call
+    kAddPerGroupTileRow = 1,  ///< flags[group * group_stride + m_idx] += value: a counter per (group, row of tiles),
+                              ///< growing by ceil(N / tile_n) * value per call
+};
+
+/// GroupedTileSignalHook's parameters.
+struct GroupedTileSignalParams {
+    uint64_t* flags;       ///< kAddPerGroup: [groups]; kAddPerGroupTileRow: [groups * group_stride]
+    uint64_t value;        ///< the increment
+    int32_t group_stride;  ///< kAddPerGroupTileRow: counters per group (>= the most tile rows a group can have)
+    GroupedSignalMode mode;
+};
+
+/// GroupedWaitScheduler's parameters: per-group wait before a tile's rows of A are loaded (a fused MoE layer whose A
+/// arrives on the device while the GEMM runs). The producer waits until flags[group] >= expected (kArgument) or
+/// >= *epoch * expected (kEpoch), acquire at system scope then the proxy fence TMA needs, bounded by timeout_ns; a
+/// timeout records a kTileWait Diagnostic in `diag` (when given) naming world_rank and traps.
+struct GroupedWaitParams {
+    GroupedSchedulerParams groups;  ///< the groups (GroupedScheduler's parameters)
+    const uint64_t* flags;          ///< [groups] one signal per group
+    uint64_t expected;
+    uint64_t timeout_ns;
+    Diagnostic* diag;
+    SignalValueMode value_mode;
+    int32_t world_rank;
+    const uint64_t* epoch;          ///< kEpoch: the call counter (device memory); unused otherwise
+};
+
+/// Arguments of the fp8 front of the masked grouped GEMM (kernels/gemm/grouped_dequant.cuh, one kernel parameter).
+struct GroupedDequantArgs {
+    const unsigned char* codes;  ///< e4m3 [G, capacity, K]
+    const float* scales;         ///< [G, capacity, K / 128]
+    unsigned short* out;         ///< bf16 [G, capacity, K]
+    const int32_t* counts;       ///< [G] valid rows per group (device memory, written before the launch)
+    int64_t lda_codes;           ///< codes' row stride (bytes = elements), a multiple of 16
+    int64_t lds;                 ///< scales' row stride (floats)
+    int64_t ldo;                 ///< out's row stride (elements), a multiple of 8
+    int32_t groups, capacity, k;  ///< k: a multiple of 128
+};
+
+/// Threads per CTA of the dequantisation kernel (one warp per row).
+inline constexpr int kGroupedDequantThreads = 256;
 
 }  // namespace weft::gemm

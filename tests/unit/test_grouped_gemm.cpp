@@ -1,0 +1,361 @@
+// SPDX-License-Identifier: MIT
+// Unit tests (CPU) of the grouped GEMM (weft/ops/grouped_gemm.hpp): NVRTC compiles every grouped kernel the op may
+// launch for sm_90a with a clean ptxas report, its SASS multiplies with wgmma (HGMMA) and keeps nothing in local
+// memory; argument checks, the candidate set, the plan and the status messages.
+#include <gtest/gtest.h>
+#include <nvrtc.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "support/sass_testing.hpp"
+#include "weft/common/gemm_config.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/jit/aot.hpp"
+#include "weft/ops/aot.hpp"
+#include "weft/ops/grouped_gemm.hpp"
+#include "weft/runtime/error.hpp"
+
+#ifndef WEFT_SOURCE_DIR
+#error "WEFT_SOURCE_DIR must name the source tree (tests/CMakeLists.txt defines it)"
+#endif
+#ifndef WEFT_CUDA_INCLUDE_DIR
+#error "WEFT_CUDA_INCLUDE_DIR must name the toolkit's include folder (tests/CMakeLists.txt defines it)"
+#endif
+
+namespace weft {
+namespace {
+
+using ops::GroupedGemmOptions;
+using ops::GroupedGemmProblem;
+using ops::GroupedLayout;
+
+struct Compiled {
+    nvrtcResult result = NVRTC_SUCCESS;
+    std::string log;
+    std::vector<char> cubin;
+    std::map<std::string, std::string> lowered;  // instantiation -> mangled name
+};
+
+Compiled compile(const std::vector<std::string>& instantiations) {
+    const std::string source = "#include \"gemm/gemm_sm90.cuh\"\n#include \"gemm/grouped_dequant.cuh\"\n";
+    nvrtcProgram prog = nullptr;
+    Compiled out;
+    out.result = nvrtcCreateProgram(&prog, source.c_str(), "weft_grouped_gemm_test.cu", 0, nullptr, nullptr);
+    if (out.result != NVRTC_SUCCESS) return out;
+    for (const auto& name : instantiations) nvrtcAddNameExpression(prog, name.c_str());
+    const std::string inc = std::string("-I") + WEFT_SOURCE_DIR + "/include";
+    const std::string kinc = std::string("-I") + WEFT_SOURCE_DIR + "/kernels";
+    const std::string cccl = std::string("-I") + WEFT_CUDA_INCLUDE_DIR + "/cccl";
+    const std::string cuda_inc = std::string("-I") + WEFT_CUDA_INCLUDE_DIR;
+    const char* opts[] = {"-arch=sm_90a", "-std=c++20", "--ptxas-options=-v", inc.c_str(),
+                          kinc.c_str(),   cccl.c_str(), cuda_inc.c_str()};
+    out.result = nvrtcCompileProgram(prog, static_cast<int>(std::size(opts)), opts);
+    size_t log_size = 0;
+    nvrtcGetProgramLogSize(prog, &log_size);
+    out.log.assign(log_size, '\0');
+    nvrtcGetProgramLog(prog, out.log.data());
+    if (out.result == NVRTC_SUCCESS) {
+        size_t cubin_size = 0;
+        nvrtcGetCUBINSize(prog, &cubin_size);
+        out.cubin.resize(cubin_size);
+        nvrtcGetCUBIN(prog, out.cubin.data());
+        for (const auto& name : instantiations) {
+            const char* lowered = nullptr;
+            if (nvrtcGetLoweredName(prog, name.c_str(), &lowered) == NVRTC_SUCCESS && lowered) {
+                out.lowered[name] = lowered;
+            }
+        }
+    }
+    nvrtcDestroyProgram(&prog);
+    return out;
+}
+
+size_t count(const std::string& hay, const std::string& needle) {
+    size_t n = 0;
+    for (size_t p = hay.find(needle); p != std::string::npos; p = hay.find(needle, p + 1)) ++n;
+    return n;
+}
+
+// Compiles `names` together: NVRTC succeeds, ptxas' report is clean (no spills, no wgmma serialisation, setmaxnreg
+// honoured), and, where a disassembler works, each kernel's SASS has HGMMA (no HMMA), TMA loads and stores, and no
+// local-memory access. Returns how many kernels' SASS was checked.
+int check_kernels(const std::vector<std::string>& names, const std::string& what) {
+    const Compiled r = compile(names);
+    EXPECT_EQ(r.result, NVRTC_SUCCESS) << what << ":\n" << r.log;
+    if (r.result != NVRTC_SUCCESS) return 0;
+    EXPECT_EQ(r.lowered.size(), names.size()) << what << ": some instantiation has no lowered name";
+    testing::expect_clean_ptxas_report(r.log, what);
+    std::string tool, why_not;
+    const auto sass = testing::disassemble(r.cubin, &tool, &why_not);
+    if (sass.empty()) return 0;
+    int checked = 0;
+    for (const auto& name : names) {
+        const auto lowered = r.lowered.find(name);
+        if (lowered == r.lowered.end()) continue;
+        const auto fn = sass.find(lowered->second);
+        EXPECT_NE(fn, sass.end()) << "no SASS for " << name << " (tool " << tool << ")";
+        if (fn == sass.end()) continue;
+        const std::string& code = fn->second;
+        EXPECT_GT(count(code, "HGMMA"), 0u) << name << ": no HGMMA in SASS";
+        EXPECT_EQ(count(code, " HMMA"), 0u) << name << ": HMMA (mma.sync path)";
+        EXPECT_EQ(count(code, " LDL"), 0u) << name << ": local-memory loads";
+        EXPECT_EQ(count(code, " STL"), 0u) << name << ": local-memory stores";
+        EXPECT_GT(count(code, "UTMALDG"), 0u) << name << ": no TMA loads";
+        EXPECT_GT(count(code, "UTMASTG"), 0u) << name << ": no TMA stores";
+        ++checked;
+    }
+    return checked;
+}
+
+std::vector<std::string> grouped_instantiations(DType out, BLayout layout, bool wait, bool signal) {
+    std::vector<std::string> names;
+    for (const GemmConfig& c : ops::grouped_gemm_candidate_configs(DType::kBF16, out, layout)) {
+        names.push_back(ops::grouped_gemm_kernel_spec(c, wait, signal, "sm_90a").instantiation);
+    }
+    return names;
+}
+
+TEST(GroupedGemmNvrtc, EveryCandidateCompilesWithHgmmaAndNoSpills) {
+    int checked = 0;
+    size_t expected = 0;
+    bool have_sass = true;
+    for (DType out : {DType::kBF16, DType::kF32}) {
+        for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
+            const auto names = grouped_instantiations(out, layout, false, false);
+            ASSERT_FALSE(names.empty());
+            expected += names.size();
+            const int n = check_kernels(names, std::string("grouped ") + dtype_name(out) +
+                                                   (layout == BLayout::kNK ? " kNK" : " kKN"));
+            have_sass = have_sass && n > 0;
+            checked += n;
+        }
+    }
+    if (!have_sass) GTEST_SKIP() << "SKIPPED: SASS not checked (no disassembler); ptxas reports were";
+    EXPECT_EQ(checked, static_cast<int>(expected));
+}
+
+// The hooks fused MoE layers build on: the per-group wait before loading A and the per-tile signal.
+TEST(GroupedGemmNvrtc, WaitAndSignalHooksCompileWithHgmmaAndNoSpills) {
+    std::vector<std::string> names;
+    for (bool wait : {false, true}) {
+        for (bool signal : {false, true}) {
+            if (!wait && !signal) continue;
+            for (auto& n : grouped_instantiations(DType::kBF16, BLayout::kNK, wait, signal)) names.push_back(n);
+        }
+    }
+    const int checked = check_kernels(names, "grouped hooks");
+    if (checked == 0) GTEST_SKIP() << "SKIPPED: SASS not checked (no disassembler); ptxas reports were";
+    EXPECT_EQ(checked, static_cast<int>(names.size()));
+}
+
+// The fp8 front of the masked call: e4m3 codes to bf16 with 16-byte loads and stores (LDG.E.128 / STG.E.128), the
+// e4m3 conversion in hardware (F2FP), nothing in local memory.
+TEST(GroupedGemmNvrtc, Fp8DequantisationLoadsAndStores16BytesAndConvertsInHardware) {
+    const std::string name = ops::grouped_dequant_kernel_spec("sm_90a").instantiation;
+    const Compiled r = compile({name});
+    ASSERT_EQ(r.result, NVRTC_SUCCESS) << r.log;
+    testing::expect_clean_ptxas_report(r.log, "grouped fp8 dequantisation");
+    std::string tool, why_not;
+    const auto sass = testing::disassemble(r.cubin, &tool, &why_not);
+    if (sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << why_not;
+    const auto lowered = r.lowered.find(name);
+    ASSERT_NE(lowered, r.lowered.end());
+    const auto fn = sass.find(lowered->second);
+    ASSERT_NE(fn, sass.end()) << "no SASS for " << name;
+    const std::string& code = fn->second;
+    EXPECT_GT(count(code, "LDG.E.128"), 0u) << code;
+    EXPECT_GE(count(code, "STG.E.128"), 2u) << code;
+    EXPECT_GT(count(code, "F2FP"), 0u) << code;
+    EXPECT_EQ(count(code, " LDL"), 0u);
+    EXPECT_EQ(count(code, " STL"), 0u);
+}
+
+// weft-compile --builtin warms the grouped kernels (through weft::ops::register_op_aot_specs).
+TEST(GroupedGemmPlan, KernelsAreInTheAotRegistry) {
+    ops::register_op_aot_specs();
+    const std::vector<jit::KernelSpec> registered = jit::aot_specs();
+    std::vector<jit::KernelSpec> wanted = ops::grouped_gemm_aot_specs();
+    wanted.push_back(ops::grouped_dequant_kernel_spec());
+    for (const auto& w : wanted) {
+        bool found = false;
+        for (const auto& r : registered) found = found || (r.header == w.header && r.instantiation == w.instantiation);
+        EXPECT_TRUE(found) << w.instantiation << " is not in weft::jit::aot_specs()";
+    }
+}
+
+// ---- planning and argument checks -------------------------------------------------------------------------------
+
+// A view of a fake (aligned, never dereferenced) device address.
+TensorView view(DType t, std::initializer_list<int64_t> dims) {
+    return TensorView(reinterpret_cast<void*>(uintptr_t{1} << 20), t, dims);
+}
+const int32_t* fake_counts() { return reinterpret_cast<const int32_t*>(uintptr_t{1} << 21); }
+
+template <class F>
+std::string error_of(F&& f) {
+    try {
+        f();
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return "";
+}
+
+TEST(GroupedGemmPlan, ValidatesContiguousAndMaskedViews) {
+    const auto a = view(DType::kBF16, {1000, 256});
+    const auto b = view(DType::kBF16, {8, 512, 256});
+    const auto d = view(DType::kF32, {1000, 512});
+    const GroupedGemmProblem p = ops::validate_grouped_gemm_args(GroupedLayout::kContiguous, a, b, d, BLayout::kNK,
+                                                                 fake_counts(), fake_counts());
+    EXPECT_EQ(p.groups, 8);
+    EXPECT_EQ(p.rows, 1000);
+    EXPECT_EQ(p.n, 512);
+    EXPECT_EQ(p.k, 256);
+    EXPECT_EQ(p.out_dtype, DType::kF32);
+
+    const auto bkn = view(DType::kBF16, {8, 256, 512});
+    EXPECT_EQ(ops::validate_grouped_gemm_args(GroupedLayout::kContiguous, a, bkn, d, BLayout::kKN, fake_counts(),
+                                              fake_counts())
+                  .n,
+              512);
+
+    const GroupedGemmProblem m = ops::validate_grouped_gemm_args(
+        GroupedLayout::kMasked, view(DType::kBF16, {8, 256, 256}), b, view(DType::kBF16, {8, 256, 512}),
+        BLayout::kNK, nullptr, fake_counts());
+    EXPECT_EQ(m.capacity, 256);
+    EXPECT_EQ(m.rows, 8 * 256);
+
+    auto contiguous = [&](const TensorView& aa, const TensorView& bb, const TensorView& dd, const int32_t* offsets,
+                          const int32_t* counts) {
+        return error_of([&] {
+            ops::validate_grouped_gemm_args(GroupedLayout::kContiguous, aa, bb, dd, BLayout::kNK, offsets, counts);
+        });
+    };
+    EXPECT_NE(contiguous(a, b, d, nullptr, fake_counts()).find("offsets"), std::string::npos);
+    EXPECT_NE(contiguous(a, b, d, fake_counts(), nullptr).find("counts"), std::string::npos);
+    EXPECT_NE(contiguous(a, view(DType::kBF16, {8, 512, 128}), d, fake_counts(), fake_counts()).find("K = 256"),
+              std::string::npos);
+    EXPECT_NE(contiguous(a, view(DType::kF16, {8, 512, 256}), d, fake_counts(), fake_counts()).find("b must"),
+              std::string::npos);
+    EXPECT_NE(contiguous(a, b, view(DType::kF32, {999, 512}), fake_counts(), fake_counts()).find("d must be"),
+              std::string::npos);
+    void* base = reinterpret_cast<void*>(uintptr_t{1} << 20);
+    EXPECT_NE(contiguous(TensorView(base, DType::kBF16, {1000, 12}, {16, 1}),
+                         TensorView(base, DType::kBF16, {8, 512, 12}, {512 * 16, 16, 1}), d, fake_counts(),
+                         fake_counts())
+                  .find("multiple of 8"),
+              std::string::npos);
+    EXPECT_NE(contiguous(a, view(DType::kBF16, {512, 256}), d, fake_counts(), fake_counts()).find("[G, N, K]"),
+              std::string::npos);
+    // Masked: groups of A must be back to back.
+    const TensorView padded(reinterpret_cast<void*>(uintptr_t{1} << 20), DType::kBF16, {8, 256, 256},
+                            {300 * 256, 256, 1});
+    EXPECT_NE(error_of([&] {
+                  ops::validate_grouped_gemm_args(GroupedLayout::kMasked, padded, b, view(DType::kBF16, {8, 256, 512}),
+                                                  BLayout::kNK, nullptr, fake_counts());
+              }).find("back to back"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] {
+                  ops::validate_grouped_gemm_args(GroupedLayout::kMasked, view(DType::kBF16, {4, 256, 256}), b,
+                                                  view(DType::kBF16, {4, 256, 512}), BLayout::kNK, nullptr,
+                                                  fake_counts());
+              }).find("G = 8"),
+              std::string::npos);
+}
+
+TEST(GroupedGemmPlan, ValidatesFp8Operands) {
+    const GroupedGemmProblem p = ops::validate_grouped_gemm_args(
+        GroupedLayout::kMasked, view(DType::kBF16, {4, 64, 256}), view(DType::kBF16, {4, 128, 256}),
+        view(DType::kBF16, {4, 64, 128}), BLayout::kNK, nullptr, fake_counts());
+    const auto codes = view(DType::kF8E4M3, {4, 64, 256});
+    const auto scales = view(DType::kF32, {4, 64, 2});
+    EXPECT_NO_THROW(ops::validate_grouped_fp8_args(p, codes, scales));
+    auto err = [&](const TensorView& a, const TensorView& s) {
+        return error_of([&] { ops::validate_grouped_fp8_args(p, a, s); });
+    };
+    EXPECT_NE(err(view(DType::kBF16, {4, 64, 256}), scales).find("f8e4m3"), std::string::npos);
+    EXPECT_NE(err(view(DType::kF8E4M3, {4, 32, 256}), scales).find("a must be [G, capacity, K]"), std::string::npos);
+    EXPECT_NE(err(codes, view(DType::kF32, {4, 64, 4})).find("K / 128"), std::string::npos);
+    EXPECT_NE(err(codes, view(DType::kBF16, {4, 64, 2})).find("f32"), std::string::npos);
+    const GroupedGemmProblem odd_k = ops::validate_grouped_gemm_args(
+        GroupedLayout::kMasked, view(DType::kBF16, {4, 64, 192}), view(DType::kBF16, {4, 128, 192}),
+        view(DType::kBF16, {4, 64, 128}), BLayout::kNK, nullptr, fake_counts());
+    EXPECT_NE(error_of([&] {
+                  ops::validate_grouped_fp8_args(odd_k, view(DType::kF8E4M3, {4, 64, 192}),
+                                                 view(DType::kF32, {4, 64, 1}));
+              }).find("multiple of 128"),
+              std::string::npos);
+}
+
+TEST(GroupedGemmPlan, CandidatesAreGroupedValidAndThePlanFitsTheBudget) {
+    for (DType out : {DType::kBF16, DType::kF32}) {
+        for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
+            const auto configs = ops::grouped_gemm_candidate_configs(DType::kBF16, out, layout);
+            EXPECT_GE(configs.size(), 4u);
+            for (const GemmConfig& c : configs) {
+                EXPECT_TRUE(is_valid_grouped(c)) << ops::format_gemm_config(c);
+                EXPECT_EQ(c.cluster_m * c.cluster_n, 1);
+            }
+        }
+    }
+    GroupedGemmProblem p;
+    p.layout = GroupedLayout::kContiguous;
+    p.groups = 8;
+    p.rows = 8 * 4096;
+    p.n = 4096;
+    p.k = 7168;
+    const ops::GroupedGemmPlan big = ops::plan_grouped_gemm(p, 132);
+    EXPECT_EQ(big.grid, 132);
+    EXPECT_TRUE(is_valid_grouped(big.config));
+    EXPECT_GE(big.config.tile_m * big.config.tile_n, 128 * 128) << ops::format_gemm_config(big.config);
+
+    // Masked decode: small capacity prefers a tile no taller than the capacity needs.
+    GroupedGemmProblem m = p;
+    m.layout = GroupedLayout::kMasked;
+    m.groups = 32;
+    m.capacity = 64;
+    m.rows = 32 * 64;
+    const ops::GroupedGemmPlan small = ops::plan_grouped_gemm(m, 132);
+    EXPECT_LE(small.config.tile_m, 128) << ops::format_gemm_config(small.config);
+    // Groups of 192 rows (3/4 of a 256 capacity): 64-row tiles waste nothing where 128-row ones waste a quarter.
+    m.capacity = 256;
+    m.rows = 32 * 256;
+    GroupedGemmOptions hint;
+    hint.expected_rows_per_group = 192;
+    EXPECT_EQ(ops::plan_grouped_gemm(m, 132, hint).config.tile_m, 64)
+        << ops::format_gemm_config(ops::plan_grouped_gemm(m, 132, hint).config);
+
+    // A grid never exceeds the tiles any counts could make, nor the budget.
+    GroupedGemmProblem tiny = p;
+    tiny.groups = 1;
+    tiny.rows = 64;
+    tiny.n = 64;
+    GroupedGemmOptions o;
+    o.sm_budget = 16;
+    EXPECT_LE(ops::plan_grouped_gemm(tiny, 132, o).grid, 2);
+    EXPECT_LE(ops::plan_grouped_gemm(p, 132, o).grid, 16);
+
+    // A forced config must be grouped-valid and match the call.
+    o.config = gemm_candidate(1, DType::kBF16, DType::kBF16, BLayout::kNK);  // a cluster pair
+    EXPECT_NE(error_of([&] { ops::plan_grouped_gemm(p, 132, o); }).find("is_valid_grouped"), std::string::npos);
+    o.config = gemm_candidate(0, DType::kBF16, DType::kF32, BLayout::kNK);
+    EXPECT_NE(error_of([&] { ops::plan_grouped_gemm(p, 132, o); }).find("match the call"), std::string::npos);
+}
+
+TEST(GroupedGemmPlan, StatusRecordsBecomeErrorsThatNameTheGroup) {
+    EXPECT_EQ(ops::describe_grouped_status({}), "");
+    EXPECT_NO_THROW(ops::check_grouped_status({}));
+    const ops::GroupedStatus over{static_cast<int32_t>(ops::GroupedStatusCode::kCountOverCapacity), 3, 300, 256};
+    const std::string msg = ops::describe_grouped_status(over);
+    EXPECT_NE(msg.find("group 3"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("300"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("256"), std::string::npos) << msg;
+    EXPECT_THROW(ops::check_grouped_status(over), Error);
+    const ops::GroupedStatus range{static_cast<int32_t>(ops::GroupedStatusCode::kRowsOutOfRange), 1, 1100, 1000};
+    EXPECT_NE(ops::describe_grouped_status(range).find("1000"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace weft
