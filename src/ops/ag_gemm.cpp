@@ -24,9 +24,10 @@ constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
 }  // namespace
 
 void validate_ag_gemm_shape(const AgGemmShape& s, int num_ranks, const AgGemmOptions& o) {
-    WEFT_CHECK(num_ranks >= 1, "ag_gemm: num_ranks must be >= 1, got " << num_ranks);
+    WEFT_CHECK(num_ranks >= 1, "ag_gemm: the team's num_ranks must be >= 1, got " << num_ranks);
     WEFT_CHECK(s.max_m > 0 && s.max_m % num_ranks == 0,
-               "ag_gemm: shape.max_m must be a positive multiple of num_ranks " << num_ranks << ", got " << s.max_m);
+               "ag_gemm: shape.max_m must be a positive multiple of the team's num_ranks " << num_ranks << ", got "
+                                                                                          << s.max_m);
     WEFT_CHECK(s.max_m <= kMaxDim, "ag_gemm: shape.max_m must fit in 31 bits, got " << s.max_m);
     WEFT_CHECK(s.n > 0 && s.n <= kMaxDim, "ag_gemm: shape.n must be in [1, 2^31), got " << s.n);
     WEFT_CHECK(s.k >= 8 && s.k % 8 == 0 && s.k <= kMaxDim,
@@ -61,7 +62,7 @@ int64_t validate_ag_gemm_call(const AgGemmShape& s, int num_ranks, const TensorV
                                                                                << "] (M = W * a_local rows), got "
                                                                                << c.describe());
     try {
-        // a_local against the TMA rules too (a world of one rank reads it with TMA), with c's first rows.
+        // a_local against the TMA rules too (a team of one rank reads it with TMA), with c's first rows.
         TensorView c_rows = c;
         c_rows.shape[0] = rows;
         validate_gemm_args(a_local, b, c_rows, BLayout::kNK);
@@ -124,7 +125,7 @@ struct AgGemm::State : tp_detail::FusedOpState {
     cudaEvent_t fork = nullptr;
     std::vector<cudaEvent_t> joins;
 
-    explicit State(World& w) : FusedOpState(w, kOp) {}
+    explicit State(const Team& t) : FusedOpState(t, kOp) {}
     int64_t elem_bytes() const { return dtype_bytes(shape.dtype); }
     /// gathered(m) and local_shard(m) for an m the call's validation accepted.
     TensorView gathered_view(int64_t m) const { return TensorView(gathered, shape.dtype, {m, shape.k}); }
@@ -135,14 +136,19 @@ struct AgGemm::State : tp_detail::FusedOpState {
 };
 
 AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& options)
-    : s_(std::make_unique<State>(world)) {
+    : AgGemm(world.team(), shape, options) {}
+
+AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& options)
+    : s_(std::make_unique<State>(team)) {
     State& s = *s_;
+    World& world = *s.world;
     s.shape = shape;
     s.options = options;
     validate_ag_gemm_shape(shape, s.num_ranks, options);
     s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
     // NOTE: ranks sharing a GPU keep one SM of their budget free of the persistent GEMM, for the helpers of
-    // the copy path (the notify kernel; a driver that implements a same-device copy with a kernel).
+    // the copy path (the notify kernel; a driver that implements a same-device copy with a kernel). The budget and
+    // the sharing are per device, whichever teams the ranks on it belong to.
     if (s.num_ranks > 1 && world.num_ranks_on_device() > 1 && options.sm_budget == 0) s.budget -= 1;
     WEFT_CHECK(s.budget >= 1, "ag_gemm: the SM budget must be >= 1, got " << s.budget);
 
@@ -161,7 +167,7 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
     WEFT_CHECK(map.is_valid(), "ag_gemm: " << map.invalid_reason());
     s.max_chunks_per_rank = map.chunks_per_rank();
 
-    // Symmetric buffers (collective, same order on every rank).
+    // Symmetric buffers (collective over the team, same order on every member).
     s.gathered = static_cast<uint8_t*>(s.heap.alloc(static_cast<uint64_t>(shape.max_m * shape.k * s.elem_bytes())));
     const int64_t num_signals = static_cast<int64_t>(s.num_ranks) * s.max_chunks_per_rank;
     uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(num_signals + 2 * s.num_ranks + 2));
@@ -170,7 +176,7 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
     s.done = s.ready + s.num_ranks;
     s.epoch = s.done + s.num_ranks;
     s.tile_counter = s.epoch + 1;
-    tp_detail::check_peers_reachable(world, s.gathered, kOp);
+    tp_detail::check_peers_reachable(team, s.gathered, kOp);
 
     // Streams: the copy streams pull the peers' shards; fork/join events tie them to the caller's stream.
     // Ranks sharing a GPU use one: their streams must stay within the process's hardware queues
@@ -185,16 +191,16 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
 
     // Every kernel a call launches is loaded now (lazy loading behind a waiting kernel can deadlock).
     // As GemmRs: with ranks sharing a GPU a config's first call ends before anything more is launched (the same on
-    // every rank: the barrier is collective); without it a chunk could stay unsignalled, its sender's first launch
-    // never started (kernels/ag_gemm/README.md, Pitfalls).
+    // every member: the team barrier is collective); without it a chunk could stay unsignalled, its sender's first
+    // launch never started (kernels/ag_gemm/README.md, Pitfalls).
     s.load_gemms(configs, s.num_ranks == 1 ? plain_gemm_fused_spec() : detail::ag_gemm_fused_spec(),
                  s.num_ranks > 1 && world.max_ranks_per_device() > 1);
     if (s.num_ranks > 1) s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());
     WEFT_LOG_INFO("ag_gemm: " << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "")
                               << ", chunk_rows " << s.chunk_rows << " ("
                               << s.max_chunks_per_rank << " per rank at max_m), " << num_copy
-                              << " copy stream(s), SM budget " << s.budget);
-    world.barrier();
+                              << " copy stream(s), SM budget " << s.budget << ", team of " << s.num_ranks);
+    team.barrier();
 }
 
 AgGemm::~AgGemm() = default;
@@ -207,7 +213,8 @@ int AgGemm::gemm_grid() const { return fused_gemm_grid(config(), s_->shape.max_m
 TensorView AgGemm::gathered(int64_t m) const {
     const State& s = *s_;
     WEFT_CHECK(m >= 1 && m <= s.shape.max_m && m % s.num_ranks == 0,
-               "ag_gemm: gathered(m) needs a multiple of num_ranks in [1, max_m = " << s.shape.max_m << "], got " << m);
+               "ag_gemm: gathered(m) needs a multiple of the team's num_ranks " << s.num_ranks << " in [1, max_m = "
+                                                                                << s.shape.max_m << "], got " << m);
     return s.gathered_view(m);
 }
 
@@ -239,7 +246,7 @@ struct AgCall {
     size_t rows = 0;
     AgNotifyParams notify{};
     std::vector<AgCopy> copies;
-    FusedGemmCall gemm{};  // a world of one rank: the plain GEMM on a_local
+    FusedGemmCall gemm{};  // a team of one rank: the plain GEMM on a_local
     AgGemmParams sched{};
     AgGemmHookParams hook{};
 };
@@ -305,8 +312,11 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
         copy.wait_ready = ch.chunk == 0 ? s.ready + ch.rank : nullptr;
         uint8_t* dst = s.gathered + ch.row_begin * k * es;
         copy.dst = dst;
-        copy.src = s.world->heap().symm_at(static_cast<const void*>(dst), ch.rank);
-        WEFT_CHECK(copy.src != nullptr, "ag_gemm: rank " << ch.rank << "'s gathered buffer is not reachable");
+        // ch.rank is a team rank; the heap maps peers by world rank.
+        copy.src = s.world->heap().symm_at(static_cast<const void*>(dst), s.team.world_rank(ch.rank));
+        WEFT_CHECK(copy.src != nullptr, "ag_gemm: the gathered buffer of team rank "
+                                            << ch.rank << " (world rank " << s.team.world_rank(ch.rank)
+                                            << ") is not reachable");
         copy.bytes = static_cast<size_t>(ch.num_rows * k * es);
         copy.signal = s.chunk_signals + ch.signal_idx;
         call.copies.push_back(copy);

@@ -10,6 +10,7 @@
 
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/team.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops {
@@ -133,6 +134,8 @@ uint64_t fused_gemm_timeout_ns(const World& world) {
     return 2 * ms * 1000000ull;
 }
 
+uint64_t fused_gemm_timeout_ns(const Team& team) { return fused_gemm_timeout_ns(team.world()); }
+
 jit::KernelSpec fused_gemm_kernel_spec(const FusedGemmSpec& spec, const GemmConfig& config, const std::string& arch) {
     const std::string name = spec.name.empty() ? "fused_gemm" : spec.name;
     WEFT_CHECK(!spec.header.empty(), name << ": FusedGemmSpec.header must name the header to compile");
@@ -173,10 +176,15 @@ jit::Compiler& fused_gemm_compiler(const std::filesystem::path& include_root) {
     return *c;
 }
 
-FusedGemm::FusedGemm(World& world, const FusedGemmSpec& spec, const GemmConfig& config)
-    : world_(&world), spec_(spec), config_(config), kernel_(nullptr) {
+FusedGemm::FusedGemm(const Team& team, const FusedGemmSpec& spec, const GemmConfig& config)
+    : world_(nullptr), spec_(spec), config_(config), kernel_(nullptr) {
+    team.require_member(spec.name.empty() ? "fused_gemm" : spec.name);
+    world_ = &team.world();
     kernel_ = &fused_gemm_compiler(spec.include_root).get_kernel(fused_gemm_kernel_spec(spec, config));
 }
+
+FusedGemm::FusedGemm(World& world, const FusedGemmSpec& spec, const GemmConfig& config)
+    : FusedGemm(world.team(), spec, config) {}
 
 FusedGemmCall FusedGemm::prepare(const TensorView& a, const TensorView& b, const TensorView& d, int max_ctas) const {
     const std::string name = spec_.name.empty() ? "fused_gemm" : spec_.name;

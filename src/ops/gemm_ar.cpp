@@ -23,7 +23,7 @@ constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
 }  // namespace
 
 void validate_gemm_ar_shape(const GemmArShape& s, int num_ranks, const GemmArOptions& o) {
-    WEFT_CHECK(num_ranks >= 1 && num_ranks <= 8, "gemm_ar: num_ranks must be in [1, 8], got " << num_ranks);
+    WEFT_CHECK(num_ranks >= 1 && num_ranks <= 8, "gemm_ar: the team's num_ranks must be in [1, 8], got " << num_ranks);
     WEFT_CHECK(s.max_m > 0 && s.max_m <= kMaxDim, "gemm_ar: shape.max_m must be positive, got " << s.max_m);
     WEFT_CHECK(s.n > 0 && s.n <= kMaxDim, "gemm_ar: shape.n must be in [1, 2^31), got " << s.n);
     WEFT_CHECK(s.k >= 8 && s.k % 8 == 0 && s.k <= kMaxDim,
@@ -91,7 +91,7 @@ struct GemmAr::State : tp_detail::FusedOpState {
     GemmArShape shape;
     int num_sms = 1, reduce_ctas = 1;
     DType partial_dtype = DType::kBF16;
-    DType gemm_out = DType::kBF16;  // partial_dtype, or shape.dtype for a world of one rank
+    DType gemm_out = DType::kBF16;  // partial_dtype, or shape.dtype for a team of one rank
     int64_t ldp = 0;
 
     void* partial = nullptr;  // symmetric [max_m, ldp]
@@ -108,10 +108,10 @@ struct GemmAr::State : tp_detail::FusedOpState {
     // rows back to back; each call takes it when its b is so (small_m_plan with b_rows_contiguous).
     const jit::Kernel* gemv_rows = nullptr;
     const jit::Kernel* reduce = nullptr;
-    bool use_collective = false;  // the all-reduce half through ops::all_reduce (GemmArOptions)
+    bool use_collective = false;  // the all-reduce half through ops::all_reduce over the team (GemmArOptions)
     // The tiled path (M > kGemvMaxM): gemms[0], the plain GEMM.
 
-    explicit State(World& w) : FusedOpState(w, kOp) {}
+    explicit State(const Team& t) : FusedOpState(t, kOp) {}
     ~State() {
         heap.free_all();
         if (small_m_workspace != nullptr) cudaFree(small_m_workspace);
@@ -137,8 +137,12 @@ struct GemmAr::State : tp_detail::FusedOpState {
 };
 
 GemmAr::GemmAr(World& world, const GemmArShape& shape, const GemmArOptions& options)
-    : s_(std::make_unique<State>(world)) {
+    : GemmAr(world.team(), shape, options) {}
+
+GemmAr::GemmAr(const Team& team, const GemmArShape& shape, const GemmArOptions& options)
+    : s_(std::make_unique<State>(team)) {
     State& s = *s_;
+    World& world = *s.world;
     s.shape = shape;
     validate_gemm_ar_shape(shape, s.num_ranks, options);
     s.num_sms = tp_detail::device_sm_count();
@@ -192,15 +196,18 @@ GemmAr::GemmAr(World& world, const GemmArShape& shape, const GemmArOptions& opti
         s.done = words + s.num_ranks;
         s.epoch = s.done + s.num_ranks;
         s.exit_count = reinterpret_cast<uint32_t*>(s.epoch + 1);
-        tp_detail::check_peers_reachable(world, s.partial, kOp);
+        tp_detail::check_peers_reachable(team, s.partial, kOp);
         s.reduce = &jit::compiler().get_kernel(detail::ar_reduce_kernel_spec(s.partial_dtype, shape.dtype));
-        s.use_collective = options.collective_all_reduce && s.partial_dtype == shape.dtype && shape.n % 8 == 0;
-        if (s.use_collective) ops::prepare_collectives(world);  // collective: every rank decides alike
+        // The collectives run on the world team only: another team's all-reduce half is the op's own kernel.
+        s.use_collective = options.collective_all_reduce && s.partial_dtype == shape.dtype && shape.n % 8 == 0 &&
+                           team.is_world();
+        if (s.use_collective) ops::prepare_collectives(world);  // collective: every member decides alike
     }
     WEFT_LOG_INFO("gemm_ar: partials " << dtype_name(s.partial_dtype) << ", all-reduce "
                                        << (s.use_collective ? "ops::all_reduce (contiguous C), else " : "")
-                                       << s.reduce_ctas << " CTAs of the op's kernel, SM budget " << s.budget);
-    world.barrier();
+                                       << s.reduce_ctas << " CTAs of the op's kernel, SM budget " << s.budget
+                                       << ", team of " << s.num_ranks);
+    team.barrier();
 }
 
 GemmAr::~GemmAr() = default;
@@ -228,7 +235,7 @@ ArCall prepare_call(const GemmAr::State& s, const GemmProblem& p, const TensorVi
     ArCall call;
     const int64_t m = p.m;
     call.m = m;
-    // The GEMM writes c itself in a world of one rank, else this rank's partial.
+    // The GEMM writes c itself in a team of one rank, else this rank's partial.
     const TensorView d = s.num_ranks == 1 ? c : TensorView(s.partial, s.partial_dtype, {m, s.shape.n}, {s.ldp, 1});
     if (m <= kGemvMaxM) {
         const bool b_rows_contiguous = s.gemv_rows != nullptr && p.b_rows_contiguous;

@@ -48,9 +48,10 @@ const char* gemm_rs_mode_name(GemmRsMode mode) {
 }
 
 void validate_gemm_rs_shape(const GemmRsShape& s, int num_ranks, const GemmRsOptions& o) {
-    WEFT_CHECK(num_ranks >= 1, "gemm_rs: num_ranks must be >= 1, got " << num_ranks);
+    WEFT_CHECK(num_ranks >= 1, "gemm_rs: the team's num_ranks must be >= 1, got " << num_ranks);
     WEFT_CHECK(s.max_m > 0 && s.max_m % num_ranks == 0 && s.max_m <= kMaxDim,
-               "gemm_rs: shape.max_m must be a positive multiple of num_ranks " << num_ranks << ", got " << s.max_m);
+               "gemm_rs: shape.max_m must be a positive multiple of the team's num_ranks " << num_ranks << ", got "
+                                                                                          << s.max_m);
     WEFT_CHECK(s.n > 0 && s.n <= kMaxDim, "gemm_rs: shape.n must be in [1, 2^31), got " << s.n);
     WEFT_CHECK(s.k >= 8 && s.k % 8 == 0 && s.k <= kMaxDim,
                "gemm_rs: shape.k (this rank's K) must be a positive multiple of 8, got " << s.k);
@@ -79,8 +80,8 @@ int64_t validate_gemm_rs_call(const GemmRsShape& s, int num_ranks, const TensorV
     WEFT_CHECK(c.ndim == 2, "gemm_rs: c must be a 2-D [M/W, N] matrix, got " << c.describe());
     const int64_t m = a.dim(0);
     WEFT_CHECK(m >= num_ranks && m % num_ranks == 0 && m <= s.max_m,
-               "gemm_rs: a's rows M must be a multiple of num_ranks " << num_ranks << " in [" << num_ranks << ", "
-                                                                      << s.max_m << "], got " << a.describe());
+               "gemm_rs: a's rows M must be a multiple of the team's num_ranks "
+                   << num_ranks << " in [" << num_ranks << ", " << s.max_m << "], got " << a.describe());
     WEFT_CHECK(a.dim(1) == s.k, "gemm_rs: a must have K = " << s.k << " columns, got " << a.describe());
     WEFT_CHECK(a.dtype == s.dtype && b.dtype == s.dtype && c.dtype == s.dtype,
                "gemm_rs: a, b and c must be " << dtype_name(s.dtype) << ", got " << dtype_name(a.dtype) << ", "
@@ -208,7 +209,7 @@ struct GemmRs::State : tp_detail::FusedOpState {
     cudaStream_t side = nullptr;
     cudaEvent_t fork = nullptr, join = nullptr;
 
-    explicit State(World& w) : FusedOpState(w, kOp) {}
+    explicit State(const Team& t) : FusedOpState(t, kOp) {}
     ~State() {
         heap.free_all();
         if (acc != nullptr) cudaFree(acc);
@@ -216,14 +217,19 @@ struct GemmRs::State : tp_detail::FusedOpState {
 };
 
 GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& options)
-    : s_(std::make_unique<State>(world)) {
+    : GemmRs(world.team(), shape, options) {}
+
+GemmRs::GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& options)
+    : s_(std::make_unique<State>(team)) {
     State& s = *s_;
+    World& world = *s.world;
     s.shape = shape;
     validate_gemm_rs_shape(shape, s.num_ranks, options);
     // Every rank must make the same choices (mode, config, chunks: they fix how many tiles each rank expects from
     // each peer, the symmetric buffers' sizes and the first call's barrier), so they come from facts that are the same
     // on every rank: where some GPUs host more ranks than others (3 ranks on 2 GPUs), a rank with a GPU of its own
-    // plans and runs as a rank of the most shared GPU.
+    // plans and runs as a rank of the most shared GPU. They are the World's, not the team's: ranks of other teams that
+    // share a GPU with this team's run their kernels beside it.
     const bool shared_gpus = world.max_ranks_per_device() > 1;
     s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.shared_sm_budget());
     s.partial_dtype = options.partial_dtype.value_or(shape.dtype);
@@ -248,7 +254,7 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     s.load_gemms(plan.configs,
                  s.num_ranks == 1 ? plain_gemm_fused_spec() : detail::gemm_rs_fused_spec(s.mode), shared_gpus);
     if (s.num_ranks == 1) {
-        world.barrier();
+        team.barrier();
         return;
     }
     s.partial = s.heap.alloc(static_cast<uint64_t>(shape.max_m * s.ldp * dtype_bytes(s.partial_dtype)));
@@ -260,14 +266,15 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     s.red_epoch = s.gemm_calls + 1;
     s.tile_counter = reinterpret_cast<uint32_t*>(s.red_epoch + 1);
     s.exit_count = s.tile_counter + 1;
-    tp_detail::check_peers_reachable(world, s.partial, kOp);
+    tp_detail::check_peers_reachable(team, s.partial, kOp);
     if (s.mode == GemmRsMode::kPush) {
         WEFT_LOG_INFO("gemm_rs: push mode, " << tp_detail::config_text(first)
                                              << (options.autotune ? " (to be tuned)" : "") << ", chunk_rows "
                                              << s.chunk_rows << ", SM budget " << s.budget << "; signals at "
                                              << static_cast<const void*>(s.counters) << " (" << num_counters
-                                             << " counters, " << s.num_ranks << " released, calls, epoch, tiles)");
-        world.barrier();
+                                             << " counters, " << s.num_ranks << " released, calls, epoch, tiles), "
+                                             << "team of " << s.num_ranks);
+        team.barrier();
         return;
     }
     WEFT_CUDA_CHECK(
@@ -280,8 +287,8 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     WEFT_LOG_INFO("gemm_rs: pull mode, " << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "")
                               << ", partials " << dtype_name(s.partial_dtype)
                               << ", chunk_rows " << s.chunk_rows << ", " << s.reduce_ctas
-                              << " reduction CTAs, SM budget " << s.budget);
-    world.barrier();
+                              << " reduction CTAs, SM budget " << s.budget << ", team of " << s.num_ranks);
+    team.barrier();
 }
 
 GemmRs::~GemmRs() = default;
@@ -299,11 +306,11 @@ int GemmRs::gemm_grid() const {
 namespace {
 
 /// One call of one config, set up on the host (views, tensor maps, kernel parameters): launching it only
-/// enqueues. A world of more than one rank launches the reduction first, then the GEMM whose tiles it waits
+/// enqueues. A team of more than one rank launches the reduction first, then the GEMM whose tiles it waits
 /// for, on this rank and on the peers: nothing that can throw may sit between the launches, or the peers'
 /// reductions wait for tiles that never come (the autotuner relies on this, TuneCandidate::prepare).
 struct RsCall {
-    FusedGemmCall gemm{};  // a world of one rank: the plain GEMM into c
+    FusedGemmCall gemm{};  // a team of one rank: the plain GEMM into c
     RsReduceParams reduce{};
     RsGemmParams sched{};
     RsGemmHookParams hook{};
@@ -381,8 +388,9 @@ RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorV
         const int64_t elem = dtype_bytes(s.partial_dtype);
         for (int d = 0; d < s.num_ranks; ++d) {
             if (d == s.rank) continue;
-            auto* slot =
-                static_cast<unsigned char*>(s.world->heap().symm_at(s.partial, d)) + s.rank * rows * s.ldp * elem;
+            // d is a team rank; the heap maps peers by world rank.
+            auto* slot = static_cast<unsigned char*>(s.world->heap().symm_at(s.partial, s.team.world_rank(d))) +
+                         s.rank * rows * s.ldp * elem;
             const CUtensorMap map =
                 detail::make_gemm_store_map(config, TensorView(slot, s.partial_dtype, {rows, s.shape.n}, {s.ldp, 1}));
             std::memcpy(&ph.peer_maps[d], &map, sizeof(map));

@@ -9,7 +9,7 @@
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
-#include "weft/runtime/store.hpp"
+#include "weft/runtime/symmetric_heap.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops::tp_detail {
@@ -68,23 +68,31 @@ std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType
     return out_list;
 }
 
-void check_peers_reachable(const World& world, const void* symmetric_ptr, const char* op) {
-    for (int r = 0; r < world.num_ranks(); ++r) {
-        WEFT_CHECK(world.heap().symm_at(symmetric_ptr, r) != nullptr,
-                   op << ": rank " << world.rank() << " cannot load/store rank " << r
-                      << "'s symmetric heap (another host, or no peer access between their GPUs); the fused "
-                         "tensor-parallel ops need every peer load/store reachable");
+const Team& require_member(const Team& team, const char* op) {
+    team.require_member(op);
+    return team;
+}
+
+void check_peers_reachable(const Team& team, const void* symmetric_ptr, const char* op) {
+    const World& world = team.world();
+    for (int t = 0; t < team.num_ranks(); ++t) {
+        WEFT_CHECK(world.heap().symm_at(symmetric_ptr, team.world_rank(t)) != nullptr,
+                   op << ": team rank " << team.rank() << " (world rank " << world.rank()
+                      << ") cannot load/store the symmetric heap of team rank " << t << " (world rank "
+                      << team.world_rank(t)
+                      << "): another host, or no peer access between their GPUs; the fused tensor-parallel ops need "
+                         "every member of the team load/store reachable");
     }
 }
 
 void* SymmetricAllocations::alloc(uint64_t bytes) {
-    void* p = world_->heap().alloc(bytes, 256);
+    void* p = team_.world().heap().alloc(team_, bytes, 256);
     ptrs_.push_back(p);
     return p;
 }
 
 uint64_t* SymmetricAllocations::alloc_signals(uint64_t count) {
-    uint64_t* p = world_->heap().alloc_signals(count);
+    uint64_t* p = team_.world().heap().alloc_signals(team_, count);
     ptrs_.push_back(p);
     return p;
 }
@@ -94,8 +102,9 @@ void SymmetricAllocations::free_all() noexcept {
     try {
         // Work still queued (ours, or a peer's reading these buffers) must end before the memory is reused.
         WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-        world_->barrier();
-        for (auto it = ptrs_.rbegin(); it != ptrs_.rend(); ++it) world_->heap().free(*it);
+        team_.barrier();
+        SymmetricHeap& heap = team_.world().heap();
+        for (auto it = ptrs_.rbegin(); it != ptrs_.rend(); ++it) heap.free(team_, *it);
     } catch (const std::exception& e) {
         WEFT_LOG_ERROR("tp ops: releasing symmetric buffers failed: " << e.what());
     }
@@ -121,44 +130,46 @@ cudaEvent_t StreamSet::add_event() {
     return e;
 }
 
-void FirstCallSync::after_call(World& world, size_t idx, cudaStream_t stream) {
+void FirstCallSync::after_call(const Team& team, size_t idx, cudaStream_t stream) {
     if (idx >= pending_.size() || !pending_[idx]) return;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     if (capture != cudaStreamCaptureStatusNone) return;
     pending_[idx] = false;
-    world.sync_and_check(stream);
-    world.barrier();
+    team.world().sync_and_check(stream);
+    team.barrier();
 }
 
-std::unique_ptr<jit::TuneComm> make_tune_comm(World& world, uint64_t tag) {
+std::unique_ptr<jit::TuneComm> make_tune_comm(const Team& team, uint64_t tag) {
     auto seq = std::make_shared<uint64_t>(0);
-    World* w = &world;
     return std::make_unique<jit::FunctionTuneComm>(
-        world.rank(), world.num_ranks(), [w] { w->barrier(); },
-        [w, seq, tag](double v) {
-            Bytes blob(sizeof(double));
+        team.rank(), team.num_ranks(), [team] { team.barrier(); },
+        [team, seq, tag](double v) {
+            std::vector<uint8_t> blob(sizeof(double));
             std::memcpy(blob.data(), &v, sizeof(double));
-            const std::string name = "weft_tp_tune_" + std::to_string(tag) + "_" + std::to_string((*seq)++);
-            const std::vector<Bytes> all = w->store().all_gather(name, w->rank(), w->num_ranks(), blob, w->timeout());
+            const std::string key = "weft_tp_tune_" + std::to_string(tag) + "_" + std::to_string((*seq)++);
+            const std::vector<std::vector<uint8_t>> all = team.all_gather(key, blob);
             std::vector<double> out(all.size());
             for (size_t i = 0; i < all.size(); ++i) {
                 WEFT_CHECK(all[i].size() == sizeof(double), "tp ops: tuning all-gather got a blob of "
-                                                                << all[i].size() << " bytes from rank " << i);
+                                                                << all[i].size() << " bytes from team rank " << i
+                                                                << " (world rank " << team.world_rank(static_cast<int>(i))
+                                                                << ")");
                 std::memcpy(&out[i], all[i].data(), sizeof(double));
             }
             return out;
         });
 }
 
-FusedOpState::FusedOpState(World& w, const char* op_name)
+FusedOpState::FusedOpState(const Team& t, const char* op_name)
     : op(op_name),
-      world(&w),
-      num_ranks(w.num_ranks()),
-      rank(w.rank()),
-      ctx(w.device_ctx()),
-      pipeline_timeout_ns(fused_gemm_timeout_ns(w)),
-      heap(w) {}
+      team(require_member(t, op_name)),
+      world(&team.world()),
+      num_ranks(team.num_ranks()),
+      rank(team.rank()),
+      ctx(team.device_ctx()),
+      pipeline_timeout_ns(fused_gemm_timeout_ns(*world)),
+      heap(team) {}
 
 FusedOpState::~FusedOpState() { heap.free_all(); }
 
@@ -166,7 +177,7 @@ void FusedOpState::load_gemms(const std::vector<GemmConfig>& configs, const Fuse
                               bool sync_first_calls) {
     if (sync_first_calls) first_calls.arm(configs.size());
     gemms.reserve(configs.size());
-    for (const GemmConfig& c : configs) gemms.emplace_back(*world, spec, c);
+    for (const GemmConfig& c : configs) gemms.emplace_back(team, spec, c);
 }
 
 bool FusedOpState::stream_is_capturing(cudaStream_t stream) {
@@ -177,7 +188,7 @@ bool FusedOpState::stream_is_capturing(cudaStream_t stream) {
 
 void FusedOpState::tune(cudaStream_t stream, uint64_t tag, const std::string& problem,
                         const std::vector<jit::TuneCandidate>& cands) {
-    const auto comm = make_tune_comm(*world, tag);
+    const auto comm = make_tune_comm(team, tag);
     jit::TuneOptions to;
     to.stream = stream;
     to.collective_runs = num_ranks > 1;

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 // The skeleton the tensor-parallel fused ops share (AgGemm, GemmRs, GemmAr; the grouped/MoE ops next):
-// FusedOpState (world, SM budget, symmetric allocations, streams, the GEMM configs with their loaded kernels, the
+// FusedOpState (team, SM budget, symmetric allocations, streams, the GEMM configs with their loaded kernels, the
 // active config, tune-once, the first-call synchronisation of ranks sharing a GPU, the prepare/launch split) and the
 // host helpers around it. kernels/tp_common/README.md says how an op uses it.
 #pragma once
@@ -21,6 +21,7 @@
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/fused_gemm.hpp"
 #include "weft/ops/gemm_plan.hpp"
+#include "weft/runtime/team.hpp"
 
 namespace weft {
 class World;
@@ -55,21 +56,30 @@ GemmConfig choose_gemm_config(const GemmProblem& problem, int budget, const std:
 /// fused_gemm_candidates(in, out, rows_multiple) (`first`'s tile_m must divide `rows_multiple` when it is > 0).
 std::vector<GemmConfig> tune_candidates(const GemmConfig& first, DType in, DType out, int64_t rows_multiple = 0);
 
-/// Throws when rank `r`'s copy of a symmetric object is not load/store reachable from this rank.
-void check_peers_reachable(const World& world, const void* symmetric_ptr, const char* op);
+/// `team` itself when this rank is one of its members; otherwise throws Team::require_member's weft::Error naming
+/// `op`, this rank and the team's world ranks ("ag_gemm: world rank 5 is not a member of this team (world ranks 0, 1,
+/// 2, 3)").
+const Team& require_member(const Team& team, const char* op);
 
-/// Owns symmetric allocations of one op; free_all() is collective (call it from every rank, in order).
+/// Throws when a member's copy of a symmetric object is not load/store reachable from this rank (the error names
+/// its team rank and world rank).
+void check_peers_reachable(const Team& team, const void* symmetric_ptr, const char* op);
+
+/// Owns symmetric allocations of one op, made team-collectively (SymmetricHeap::alloc(team, ...)); free_all() is
+/// collective over the team's members (call it from every member, in order).
 class SymmetricAllocations {
 public:
-    explicit SymmetricAllocations(World& world) : world_(&world) {}
+    explicit SymmetricAllocations(const Team& team) : team_(team) {}
     void* alloc(uint64_t bytes);
     uint64_t* alloc_signals(uint64_t count);
-    /// Synchronises the device, meets the other ranks at a barrier (no peer still touches these buffers),
+    /// Synchronises the device, meets the team's other members at a barrier (no peer still touches these buffers),
     /// frees everything; logs instead of throwing (destructors call it). Idempotent.
+    /// NOTE: ranks that are threads of one process share the device: the synchronisation also waits for the
+    /// other teams' kernels there, which end as long as their members (never this rank) launch their parts.
     void free_all() noexcept;
 
 private:
-    World* world_;
+    Team team_;
     std::vector<void*> ptrs_;
 };
 
@@ -88,29 +98,31 @@ private:
     std::vector<cudaEvent_t> events_;
 };
 
-/// Ranks sharing a GPU: a config's first call on each rank ends (stream synchronised, then a barrier of all ranks)
-/// before the rank launches anything more: a rank's first launch of a kernel could stay queued for good while a
-/// peer's instance of it spun waiting for it (kernels/gemm_rs/README.md, "Ranks sharing a GPU"). Every rank must
-/// arm it alike (World::max_ranks_per_device: the barrier is collective). Not while the stream is being captured.
+/// Ranks sharing a GPU: a config's first call on each rank ends (stream synchronised, then a barrier of the team's
+/// members) before the rank launches anything more: a rank's first launch of a kernel could stay queued for good
+/// while a peer's instance of it spun waiting for it (kernels/gemm_rs/README.md, "Ranks sharing a GPU"). Every member
+/// must arm it alike (World::max_ranks_per_device, the same on every rank: the barrier is collective). Not while the
+/// stream is being captured.
 class FirstCallSync {
 public:
     void arm(size_t num_configs) { pending_.assign(num_configs, true); }
     /// After the launches of a call with config `idx`.
-    void after_call(World& world, size_t idx, cudaStream_t stream);
+    void after_call(const Team& team, size_t idx, cudaStream_t stream);
 
 private:
     std::vector<bool> pending_;
 };
 
-/// A TuneComm over the World (host barrier, all-gather through its store). `tag` must be the same on every
-/// rank and unique among the live users of the store (e.g. the heap offset of an op's signal words).
-std::unique_ptr<jit::TuneComm> make_tune_comm(World& world, uint64_t tag);
+/// A TuneComm over the team's members (Team::barrier, Team::all_gather: ranks are team ranks). `tag` must be the same
+/// on every member and unique among the team's live tuning ops (e.g. the heap offset of an op's signal words); the
+/// exchanges are scoped to the team, so other teams may use the same tag at the same time.
+std::unique_ptr<jit::TuneComm> make_tune_comm(const Team& team, uint64_t tag);
 
 /// What every fused op's State derives from, and the one path a call takes:
 ///   run(stream, tag, problem, prepare, launch)
-///     - tune once: with more than one config and not yet tuned, outside graph capture, every rank times every
-///       config in lockstep through weft::jit::autotuner (a TuneComm over the World; the slowest rank counts; one
-///       winner, adopted by every rank, becomes `active`);
+///     - tune once: with more than one config and not yet tuned, outside graph capture, every member times every
+///       config in lockstep through weft::jit::autotuner (a TuneComm over the team; the slowest member counts; one
+///       winner, adopted by every member, becomes `active`);
 ///     - then prepare(active) (host set-up: views, tensor maps, kernel parameters; may throw), and launch(call,
 ///       active, stream) (only enqueues: nothing that can throw may sit between a rank's launches, or its peers
 ///       wait on the device for work that never comes; the autotuner relies on it, TuneCandidate::prepare), then
@@ -118,16 +130,18 @@ std::unique_ptr<jit::TuneComm> make_tune_comm(World& world, uint64_t tag);
 /// The op keeps what is its own: its protocol (signal words, streams, kernels besides the GEMM), its validation (once
 /// per call, before run), its Call type and its prepare and launch.
 struct FusedOpState {
-    FusedOpState(World& world, const char* op_name);
-    /// Frees the symmetric allocations (collective); an op whose State owns more frees its own first.
+    /// Throws weft::Error naming `op_name` when this rank is not a member of `team` (require_member).
+    FusedOpState(const Team& team, const char* op_name);
+    /// Frees the symmetric allocations (collective over the team); an op whose State owns more frees its own first.
     ~FusedOpState();
     FusedOpState(const FusedOpState&) = delete;
     FusedOpState& operator=(const FusedOpState&) = delete;
 
     const char* op;  ///< "ag_gemm" ...: logs, errors and the autotuner's key
-    World* world;
+    Team team;       ///< the ranks the op runs on; rank and num_ranks below are team values
+    World* world;    ///< the team's World: heap, SM budget (per device, not per team), timeout, diagnostics
     int num_ranks = 1, rank = 0;
-    DeviceCtx ctx{};
+    DeviceCtx ctx{};                   ///< team.device_ctx(): peers indexed by team rank
     uint64_t pipeline_timeout_ns = 0;  ///< fused_gemm_timeout_ns(world)
     int budget = 1;                    ///< SMs of the op (set by the op)
 
@@ -170,11 +184,11 @@ private:
     template <class Launch, class Call>
     void launch_and_sync(Launch& launch, const Call& call, size_t idx, cudaStream_t stream) {
         launch(call, idx, stream);
-        first_calls.after_call(*world, idx, stream);
+        first_calls.after_call(team, idx, stream);
     }
     /// Whether `stream` is being captured (throws on a CUDA error).
     static bool stream_is_capturing(cudaStream_t stream);
-    /// Times `cands` on every rank, adopts the winner (active, tuned) and logs it.
+    /// Times `cands` on every member, adopts the winner (active, tuned) and logs it.
     void tune(cudaStream_t stream, uint64_t tag, const std::string& problem,
               const std::vector<jit::TuneCandidate>& cands);
 };

@@ -24,6 +24,17 @@ namespace weft::detail {
 /// "rank 2" / "ranks 0, 1, 3" / "no rank".
 std::string format_rank_list(const std::vector<int>& ranks);
 
+/// Store::all_gather among a team's members under the full store key `name`: `team_rank` is this rank's index
+/// in `members` (world ranks). A failure (the timeout) is rethrown as a weft::Error that names the team ranks
+/// that did not arrive and their world ranks, then the store's message.
+std::vector<Bytes> team_all_gather(Store& store, const std::string& name, const TeamMembers& members, int team_rank,
+                                   const Bytes& blob, std::chrono::milliseconds timeout);
+/// Store::barrier among a team's members, with team_all_gather's errors.
+void team_barrier(Store& store, const std::string& name, const TeamMembers& members, int team_rank,
+                  std::chrono::milliseconds timeout);
+/// "world ranks 0, 1, 2, 3" (format_rank_list with "world ").
+std::string format_world_ranks(const std::vector<int>& world_ranks);
+
 /// Milliseconds left until `deadline` (at least 1, so that a final check still happens).
 std::chrono::milliseconds remaining_ms(std::chrono::steady_clock::time_point deadline);
 
@@ -115,6 +126,7 @@ struct PinnedFree {
 
 /// The World's state; teams point at it (a team must not outlive its World).
 struct WorldContext {
+    World* owner = nullptr;  ///< the World this is the state of (Team::world)
     int rank = 0;
     int num_ranks = 1;
     int local_rank = 0;
@@ -140,6 +152,8 @@ struct WorldContext {
 
     std::mutex split_mutex;  // split_color sequence numbers, per team id
     std::map<std::string, uint64_t> split_seq;
+    std::mutex team_mutex;  // Team::barrier / all_gather sequence numbers, per team id (and key)
+    std::map<std::string, uint64_t> team_seq;
 
     std::map<std::string, std::unique_ptr<WorldExtension>> extensions;  // destroyed before the heap
 };
@@ -151,6 +165,8 @@ struct TeamState {
     TeamMembers members;
     int rank = -1;
     bool is_world = false;
+    int num_ranks_on_device = 0;   ///< members on this rank's GPU (0 for a non-member)
+    int max_ranks_per_device = 0;  ///< the most members on any one GPU
     std::shared_ptr<void> peer_table;  ///< device uint8_t*[size]
     std::shared_ptr<void> rank_table;  ///< device int32_t[size] (nullptr for the world team)
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <sstream>
 
 #include "runtime_internal.hpp"
@@ -24,33 +25,59 @@ namespace {
 
 constexpr uint64_t kOutsideHeap = std::numeric_limits<uint64_t>::max();
 enum class HeapOp : uint64_t { kAlloc = 1, kFree = 2 };
+// What a rank finds at the offset it is asked to free (the record's `b` for a free).
+enum FreeStatus : uint64_t { kLive = 0, kNotLive = 1, kOtherTeam = 2 };
 
 // One collective call as every rank describes it; compared across ranks before anything changes.
 struct CallRecord {
     uint64_t seq = 0;
     HeapOp op = HeapOp::kAlloc;
     uint64_t a = 0;  // alloc: bytes; free: offset (kOutsideHeap when the pointer was not in the heap)
-    uint64_t b = 0;  // alloc: align
+    uint64_t b = 0;  // alloc: align; free: FreeStatus
     bool operator==(const CallRecord&) const = default;
 };
 
+constexpr size_t kRecordBytes = 32;
+
+void put_u64(Bytes& out, uint64_t v) {
+    for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+
+uint64_t get_u64(const Bytes& in, size_t at) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(in[at + static_cast<size_t>(i)]) << (8 * i);
+    return v;
+}
+
 Bytes encode(const CallRecord& r) {
-    Bytes out(32);
-    const uint64_t words[4] = {r.seq, static_cast<uint64_t>(r.op), r.a, r.b};
-    for (int w = 0; w < 4; ++w) {
-        for (int i = 0; i < 8; ++i) out[static_cast<size_t>(w * 8 + i)] = static_cast<uint8_t>(words[w] >> (8 * i));
-    }
+    Bytes out;
+    for (uint64_t w : {r.seq, static_cast<uint64_t>(r.op), r.a, r.b}) put_u64(out, w);
     return out;
 }
 
 CallRecord decode(const Bytes& in, int from_rank) {
-    WEFT_CHECK(in.size() == 32, "symmetric heap: rank " << from_rank << " published a call record of " << in.size()
-                                                        << " bytes, expected 32");
-    uint64_t words[4] = {};
-    for (int w = 0; w < 4; ++w) {
-        for (int i = 0; i < 8; ++i) words[w] |= static_cast<uint64_t>(in[static_cast<size_t>(w * 8 + i)]) << (8 * i);
+    WEFT_CHECK(in.size() >= kRecordBytes, "symmetric heap: world rank " << from_rank << " published a call record of "
+                                                                        << in.size() << " bytes, expected at least "
+                                                                        << kRecordBytes);
+    return CallRecord{get_u64(in, 0), static_cast<HeapOp>(get_u64(in, 8)), get_u64(in, 16), get_u64(in, 24)};
+}
+
+// The free list that follows an alloc's record: (offset, size) pairs.
+Bytes encode_free_list(const FreeBlocks& list) {
+    Bytes out;
+    for (const auto& [offset, size] : list) {
+        put_u64(out, offset);
+        put_u64(out, size);
     }
-    return CallRecord{words[0], static_cast<HeapOp>(words[1]), words[2], words[3]};
+    return out;
+}
+
+FreeBlocks decode_free_list(const Bytes& in, int from_rank) {
+    WEFT_CHECK((in.size() - kRecordBytes) % 16 == 0,
+               "symmetric heap: world rank " << from_rank << " published a malformed free list");
+    FreeBlocks list;
+    for (size_t at = kRecordBytes; at < in.size(); at += 16) list.emplace_back(get_u64(in, at), get_u64(in, at + 8));
+    return list;
 }
 
 std::string describe(const CallRecord& r) {
@@ -62,12 +89,24 @@ std::string describe(const CallRecord& r) {
             os << "free(a pointer outside the heap)";
         } else {
             os << "free(offset " << r.a << ")";
+            if (r.b == kNotLive) os << " where it has no live allocation";
+            if (r.b == kOtherTeam) os << " of an allocation another team made";
         }
     } else {
         os << "an unknown heap call (" << static_cast<uint64_t>(r.op) << ")";
     }
     return os.str();
 }
+
+// The ranks of one collective heap call: the world, or a team's members.
+struct CallGroup {
+    std::string id;         // "world" or the team's id
+    bool is_world = true;
+    int rank = 0;           // this rank's index in `members`
+    TeamMembers members;    // world ranks
+    std::string key_scope;  // "" for the world (its keys predate teams), else "team/<id>/"
+    std::string who() const { return is_world ? std::string() : " of the team of " + format_world_ranks(members); }
+};
 
 // Calls a driver function and turns a failure into a weft::Error that says what weft was doing.
 void cu_call(CUresult status, const std::string& what) {
@@ -131,7 +170,8 @@ struct HeapImpl {
     Mapping own;
     std::vector<Mapping> peers;  // imported mappings (processes mode), by rank
     std::vector<uint8_t*> peer_bases;
-    uint64_t call_seq = 0;
+    std::map<std::string, uint64_t> call_seq;  // per team id ("world" for the world)
+    std::map<uint64_t, std::string> owner;     // live allocation's offset -> id of the team that made it
 
     uint8_t* base() const { return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(own.va)); }
     std::string key(const std::string& what) const { return "weft/heap/" + setup.job_id + "/" + what; }
@@ -140,7 +180,17 @@ struct HeapImpl {
     void share_in_process();
     void share_across_processes();
     void import_peer(int peer, UniqueFd fd);
-    void agree(const CallRecord& mine);
+
+    CallGroup world_group() const;
+    /// The group of `team`'s members; `team_heap` is the heap of the team's World (checked to be this one).
+    CallGroup team_group(const Team& team, const char* what, const SymmetricHeap& team_heap,
+                         const SymmetricHeap& this_heap) const;
+    /// Exchanges this rank's record (and `extra` after it) with the group; throws weft::Error on every member
+    /// when the records differ. Returns every member's blob, by team rank.
+    std::vector<Bytes> agree(const CallGroup& g, const CallRecord& mine, const Bytes& extra);
+    void* alloc(const CallGroup& g, uint64_t bytes, uint64_t align);
+    void free(const CallGroup& g, void* ptr);
+    uint64_t* alloc_signals(const CallGroup& g, uint64_t count);
 
     // Peers' mappings first, then our own: the shutdown order in docs/runtime.md.
     void release() noexcept {
@@ -264,36 +314,129 @@ void HeapImpl::share_across_processes() {
     // Ranks on other hosts stay nullptr: not load/store reachable (a network transport serves them).
 }
 
-void HeapImpl::agree(const CallRecord& mine) {
-    auto blobs = setup.store->all_gather(key("call/" + std::to_string(mine.seq)), setup.rank, setup.num_ranks,
-                                         encode(mine), setup.timeout);
+CallGroup HeapImpl::world_group() const {
+    CallGroup g;
+    g.id = "world";
+    g.is_world = true;
+    g.rank = setup.rank;
+    g.members.resize(static_cast<size_t>(setup.num_ranks));
+    for (int r = 0; r < setup.num_ranks; ++r) g.members[static_cast<size_t>(r)] = r;
+    return g;
+}
+
+CallGroup HeapImpl::team_group(const Team& team, const char* what, const SymmetricHeap& team_heap,
+                               const SymmetricHeap& this_heap) const {
+    WEFT_CHECK(&team_heap == &this_heap, "symmetric heap " << what << ": the team belongs to another World");
+    if (team.is_world()) return world_group();
+    CallGroup g;
+    g.id = team.id();
+    g.is_world = false;
+    g.rank = team.rank();
+    g.members = team.members();
+    g.key_scope = "team/" + g.id + "/";
+    return g;
+}
+
+std::vector<Bytes> HeapImpl::agree(const CallGroup& g, const CallRecord& mine, const Bytes& extra) {
+    Bytes blob = encode(mine);
+    blob.insert(blob.end(), extra.begin(), extra.end());
+    auto blobs = team_all_gather(*setup.store, key(g.key_scope + "call/" + std::to_string(mine.seq)), g.members,
+                                 g.rank, blob, setup.timeout);
     std::vector<CallRecord> calls;
     calls.reserve(blobs.size());
     bool same = true;
     for (size_t r = 0; r < blobs.size(); ++r) {
-        calls.push_back(decode(blobs[r], static_cast<int>(r)));
+        calls.push_back(decode(blobs[r], g.members[r]));
         same = same && calls.back() == calls.front();
     }
-    if (same) return;
+    if (same) return blobs;
     // Group ranks by what they asked, in order of first appearance; every rank builds the same message.
     std::vector<std::pair<CallRecord, std::vector<int>>> groups;
     for (size_t r = 0; r < calls.size(); ++r) {
-        auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == calls[r]; });
+        auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& x) { return x.first == calls[r]; });
         if (it == groups.end()) {
-            groups.push_back({calls[r], {static_cast<int>(r)}});
+            groups.push_back({calls[r], {g.members[r]}});
         } else {
-            it->second.push_back(static_cast<int>(r));
+            it->second.push_back(g.members[r]);
         }
     }
     std::ostringstream os;
-    os << "symmetric heap call #" << mine.seq
+    os << "symmetric heap call #" << mine.seq << g.who()
        << " differs across ranks (every rank must make the same alloc/free calls, with the same arguments, in "
           "the same order): ";
-    for (size_t g = 0; g < groups.size(); ++g) {
-        os << (g ? "; " : "") << format_rank_list(groups[g].second) << " asked " << describe(groups[g].first);
-        if (groups[g].first.seq != mine.seq) os << " as its call #" << groups[g].first.seq;
+    for (size_t i = 0; i < groups.size(); ++i) {
+        os << (i ? "; " : "") << (g.is_world ? "" : "world ") << format_rank_list(groups[i].second) << " asked "
+           << describe(groups[i].first);
+        if (groups[i].first.seq != mine.seq) os << " as its call #" << groups[i].first.seq;
     }
     WEFT_FAIL(os.str());
+}
+
+void* HeapImpl::alloc(const CallGroup& g, uint64_t bytes, uint64_t align) {
+    const CallRecord call{++call_seq[g.id], HeapOp::kAlloc, bytes, align};
+    // Every member posts its free blocks that could hold the allocation; all pick the lowest aligned offset
+    // free on every member. With identical heaps (only world allocations so far) that is plain first fit.
+    const auto blobs = agree(g, call, encode_free_list(allocator.free_list(std::max<uint64_t>(bytes, 1))));
+    // From here on every member holds the same arguments and free lists: errors are raised on all of them.
+    WEFT_CHECK(bytes > 0, "symmetric heap alloc #" << call.seq << g.who() << ": bytes must be positive, got 0");
+    WEFT_CHECK(align > 0 && (align & (align - 1)) == 0 && align <= setup.granularity,
+               "symmetric heap alloc #" << call.seq << g.who() << ": align must be a power of two no larger than "
+                                        << setup.granularity << " (the VMM granularity), got " << align);
+    std::vector<FreeBlocks> lists;
+    lists.reserve(blobs.size());
+    for (size_t r = 0; r < blobs.size(); ++r) lists.push_back(decode_free_list(blobs[r], g.members[r]));
+    const auto offset = lowest_common_fit(lists, bytes, align);
+    WEFT_CHECK(offset.has_value(), "symmetric heap alloc #"
+                                       << call.seq << g.who() << " of " << format_bytes(bytes) << " (align " << align
+                                       << ") does not fit: the heap is " << format_bytes(setup.bytes)
+                                       << " per rank, and no aligned range of that size is free on every rank"
+                                       << (g.is_world ? "" : " of the team") << " (this rank has "
+                                       << format_bytes(allocator.bytes_in_use()) << " in use and a largest free block of "
+                                       << format_bytes(allocator.largest_free_block())
+                                       << "); enlarge it with WEFT_SYMMETRIC_HEAP_BYTES (or WorldOptions::heap_bytes)");
+    allocator.reserve(*offset, bytes);
+    owner[*offset] = g.id;
+    return base() + *offset;
+}
+
+void HeapImpl::free(const CallGroup& g, void* ptr) {
+    const auto p = reinterpret_cast<uintptr_t>(ptr);
+    const auto b = reinterpret_cast<uintptr_t>(base());
+    const uint64_t offset = p >= b && p - b < setup.bytes ? static_cast<uint64_t>(p - b) : kOutsideHeap;
+    uint64_t status = kLive;
+    if (offset != kOutsideHeap) {
+        auto it = owner.find(offset);
+        status = it == owner.end() ? kNotLive : it->second == g.id ? kLive : kOtherTeam;
+    }
+    const CallRecord call{++call_seq[g.id], HeapOp::kFree, offset, offset == kOutsideHeap ? 0 : status};
+    agree(g, call, {});
+    WEFT_CHECK(offset != kOutsideHeap,
+               "symmetric heap free (call #" << call.seq << g.who() << "): pointer " << ptr << " is not in the heap");
+    WEFT_CHECK(status != kNotLive, "symmetric heap free (call #"
+                                       << call.seq << g.who() << "): no live allocation starts at offset " << offset
+                                       << " (double free, or not a pointer alloc returned)");
+    WEFT_CHECK(status != kOtherTeam, "symmetric heap free (call #"
+                                         << call.seq << g.who() << "): the allocation at offset " << offset
+                                         << " was made by another team ('" << owner[offset]
+                                         << "'): free it with the team that allocated it");
+    allocator.release(offset);
+    owner.erase(offset);
+}
+
+uint64_t* HeapImpl::alloc_signals(const CallGroup& g, uint64_t count) {
+    // Oversized counts saturate so that alloc reports them (identically on every member).
+    const uint64_t bytes =
+        count > std::numeric_limits<uint64_t>::max() / 8 ? std::numeric_limits<uint64_t>::max() : count * 8;
+    auto* signals = static_cast<uint64_t*>(alloc(g, bytes, 256));
+    const uint64_t seq = call_seq[g.id];
+    {
+        DeviceGuard guard(setup.device);
+        // The World's non-blocking stream does not wait for other ranks' kernels on a shared GPU.
+        WEFT_CUDA_CHECK(cudaMemsetAsync(signals, 0, bytes, setup.stream));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(setup.stream));
+    }
+    team_barrier(*setup.store, key(g.key_scope + "signals/" + std::to_string(seq)), g.members, g.rank, setup.timeout);
+    return signals;
 }
 
 uint64_t heap_granularity(int device, bool exportable) {
@@ -329,55 +472,30 @@ SymmetricHeap::SymmetricHeap(std::unique_ptr<detail::HeapImpl> impl) : impl_(std
 
 SymmetricHeap::~SymmetricHeap() = default;
 
-void* SymmetricHeap::alloc(uint64_t bytes, uint64_t align) {
-    detail::HeapImpl& h = *impl_;
-    const detail::CallRecord call{++h.call_seq, detail::HeapOp::kAlloc, bytes, align};
-    h.agree(call);
-    // From here on every rank holds the same arguments and allocator state: errors are raised everywhere.
-    WEFT_CHECK(bytes > 0, "symmetric heap alloc #" << call.seq << ": bytes must be positive, got 0");
-    WEFT_CHECK(align > 0 && (align & (align - 1)) == 0 && align <= h.setup.granularity,
-               "symmetric heap alloc #" << call.seq << ": align must be a power of two no larger than "
-                                        << h.setup.granularity << " (the VMM granularity), got " << align);
-    auto offset = h.allocator.allocate(bytes, align);
-    WEFT_CHECK(offset.has_value(), "symmetric heap alloc #"
-                                       << call.seq << " of " << detail::format_bytes(bytes) << " (align " << align
-                                       << ") does not fit: the heap is " << detail::format_bytes(h.setup.bytes)
-                                       << " per rank with " << detail::format_bytes(h.allocator.bytes_in_use())
-                                       << " in use and a largest free block of "
-                                       << detail::format_bytes(h.allocator.largest_free_block())
-                                       << "; enlarge it with WEFT_SYMMETRIC_HEAP_BYTES (or WorldOptions::heap_bytes)");
-    return h.base() + *offset;
+void* SymmetricHeap::alloc(uint64_t bytes, uint64_t align) { return impl_->alloc(impl_->world_group(), bytes, align); }
+
+void SymmetricHeap::free(void* ptr) { impl_->free(impl_->world_group(), ptr); }
+
+uint64_t* SymmetricHeap::alloc_signals(uint64_t count) { return impl_->alloc_signals(impl_->world_group(), count); }
+
+namespace {
+
+// The members of `team` as the heap's call group; throws weft::Error naming `what` when this rank is not a member.
+detail::CallGroup group_of(const Team& team, const char* what, const SymmetricHeap& heap, const detail::HeapImpl& impl) {
+    team.require_member(std::string("symmetric heap ") + what);
+    return impl.team_group(team, what, team.world().heap(), heap);
 }
 
-void SymmetricHeap::free(void* ptr) {
-    detail::HeapImpl& h = *impl_;
-    const uint64_t offset =
-        contains(ptr) ? static_cast<uint64_t>(static_cast<uint8_t*>(ptr) - h.base()) : detail::kOutsideHeap;
-    const detail::CallRecord call{++h.call_seq, detail::HeapOp::kFree, offset, 0};
-    h.agree(call);
-    WEFT_CHECK(offset != detail::kOutsideHeap,
-               "symmetric heap free (call #" << call.seq << "): pointer " << ptr << " is not in the heap");
-    WEFT_CHECK(h.allocator.allocation_size(offset).has_value(),
-               "symmetric heap free (call #" << call.seq << "): no live allocation starts at offset " << offset
-                                             << " (double free, or not a pointer alloc returned)");
-    h.allocator.release(offset);
+}  // namespace
+
+void* SymmetricHeap::alloc(const Team& team, uint64_t bytes, uint64_t align) {
+    return impl_->alloc(group_of(team, "alloc", *this, *impl_), bytes, align);
 }
 
-uint64_t* SymmetricHeap::alloc_signals(uint64_t count) {
-    // Oversized counts saturate so that alloc reports them (identically on every rank).
-    const uint64_t bytes =
-        count > std::numeric_limits<uint64_t>::max() / 8 ? std::numeric_limits<uint64_t>::max() : count * 8;
-    auto* signals = static_cast<uint64_t*>(alloc(bytes, 256));
-    const uint64_t seq = impl_->call_seq;
-    {
-        detail::DeviceGuard guard(impl_->setup.device);
-        // The World's non-blocking stream does not wait for other ranks' kernels on a shared GPU.
-        WEFT_CUDA_CHECK(cudaMemsetAsync(signals, 0, bytes, impl_->setup.stream));
-        WEFT_CUDA_CHECK(cudaStreamSynchronize(impl_->setup.stream));
-    }
-    impl_->setup.store->barrier(impl_->key("signals/" + std::to_string(seq)), impl_->setup.rank, impl_->setup.num_ranks,
-                                impl_->setup.timeout);
-    return signals;
+void SymmetricHeap::free(const Team& team, void* ptr) { impl_->free(group_of(team, "free", *this, *impl_), ptr); }
+
+uint64_t* SymmetricHeap::alloc_signals(const Team& team, uint64_t count) {
+    return impl_->alloc_signals(group_of(team, "alloc_signals", *this, *impl_), count);
 }
 
 bool SymmetricHeap::contains(const void* ptr, uint64_t bytes) const {

@@ -2,6 +2,7 @@
 // Teams: membership, splits, rank translation and the per-team device tables.
 #include "weft/runtime/team.hpp"
 
+#include <algorithm>
 #include <cstring>
 
 #include "runtime_internal.hpp"
@@ -46,7 +47,56 @@ std::shared_ptr<void> upload(int device, cudaStream_t stream, const void* host, 
     return owned;
 }
 
+// Team ranks r (and their world ranks) whose key `prefix + r` is not set; empty when none is missing or the
+// store cannot say.
+std::string missing_members(Store& store, const std::string& prefix, const TeamMembers& members) {
+    std::vector<int> team_ranks, world_ranks;
+    try {
+        for (size_t r = 0; r < members.size(); ++r) {
+            if (!store.check(prefix + std::to_string(r))) {
+                team_ranks.push_back(static_cast<int>(r));
+                world_ranks.push_back(members[r]);
+            }
+        }
+    } catch (const std::exception&) {
+        return "";
+    }
+    if (team_ranks.empty()) return "";
+    return "team " + format_rank_list(team_ranks) + " (" + format_world_ranks(world_ranks) + ") did not arrive; ";
+}
+
+[[noreturn]] void fail_team_exchange(Store& store, const char* what, const std::string& name,
+                                     const std::string& prefix, const TeamMembers& members, int team_rank,
+                                     std::chrono::milliseconds timeout, const std::exception& e) {
+    WEFT_FAIL("team " << what << " '" << name << "' of the team of " << format_world_ranks(members)
+                      << " failed on team rank " << team_rank << " (world rank "
+                      << members[static_cast<size_t>(team_rank)] << ") within " << timeout.count() << " ms: "
+                      << missing_members(store, prefix, members) << e.what());
+}
+
 }  // namespace
+
+std::string format_world_ranks(const std::vector<int>& world_ranks) {
+    return world_ranks.empty() ? "no world rank" : "world " + format_rank_list(world_ranks);
+}
+
+std::vector<Bytes> team_all_gather(Store& store, const std::string& name, const TeamMembers& members, int team_rank,
+                                   const Bytes& blob, std::chrono::milliseconds timeout) {
+    try {
+        return store.all_gather(name, team_rank, static_cast<int>(members.size()), blob, timeout);
+    } catch (const std::exception& e) {
+        fail_team_exchange(store, "all_gather", name, name + "/", members, team_rank, timeout, e);
+    }
+}
+
+void team_barrier(Store& store, const std::string& name, const TeamMembers& members, int team_rank,
+                  std::chrono::milliseconds timeout) {
+    try {
+        store.barrier(name, team_rank, static_cast<int>(members.size()), timeout);
+    } catch (const std::exception& e) {
+        fail_team_exchange(store, "barrier", name, name + "/rank/", members, team_rank, timeout, e);
+    }
+}
 
 Team TeamState::make(WorldContext* world, TeamMembers members, std::string id, bool is_world) {
     auto state = std::make_shared<TeamState>();
@@ -55,6 +105,20 @@ Team TeamState::make(WorldContext* world, TeamMembers members, std::string id, b
     state->members = std::move(members);
     state->is_world = is_world;
     state->rank = team_rank_of(state->members, world->rank);
+    // Members per GPU (same host and PCI bus id), from what every rank published when the World started.
+    std::vector<std::string> gpus;
+    for (int w : state->members) {
+        const RankInfo& info = world->ranks[static_cast<size_t>(w)];
+        gpus.push_back(info.host + "|" + info.pci_bus_id);
+    }
+    const std::vector<int> gpu_group = group_by_label(gpus);
+    for (size_t r = 0; r < gpu_group.size(); ++r) {
+        const int on_gpu = static_cast<int>(std::count(gpu_group.begin(), gpu_group.end(), gpu_group[r]));
+        state->max_ranks_per_device = std::max(state->max_ranks_per_device, on_gpu);
+        if (state->rank >= 0 && gpu_group[r] == gpu_group[static_cast<size_t>(state->rank)]) {
+            ++state->num_ranks_on_device;
+        }
+    }
     if (state->rank >= 0) {
         const auto& bases = world->heap->peer_bases();
         std::vector<uint8_t*> peer_table;
@@ -89,6 +153,63 @@ int Team::team_rank(int world_rank) const { return detail::team_rank_of(state_->
 
 const std::vector<int>& Team::members() const { return state_->members; }
 
+World& Team::world() const {
+    WEFT_CHECK(state_->world != nullptr && state_->world->owner != nullptr, "Team::world of an empty team");
+    return *state_->world->owner;
+}
+
+const std::string& Team::id() const { return state_->id; }
+
+bool Team::is_world() const { return state_->is_world; }
+
+std::chrono::milliseconds Team::timeout() const {
+    WEFT_CHECK(state_->world != nullptr, "Team::timeout of an empty team");
+    return state_->world->timeout;
+}
+
+std::string Team::describe() const { return detail::format_world_ranks(state_->members); }
+
+void Team::require_member(const std::string& what) const {
+    WEFT_CHECK(state_->world != nullptr, what << ": the team is empty (a default-constructed Team)");
+    WEFT_CHECK(is_member(), what << ": world rank " << state_->world->rank << " is not a member of this team ("
+                                 << describe() << ")");
+}
+
+void Team::barrier() const {
+    require_member("Team::barrier");
+    detail::WorldContext& world = *state_->world;
+    uint64_t seq = 0;
+    {
+        std::lock_guard<std::mutex> lock(world.team_mutex);
+        seq = world.team_seq[state_->id + "/barrier"]++;
+    }
+    detail::team_barrier(*world.store, "weft/team/" + state_->id + "/barrier/" + std::to_string(seq), state_->members,
+                         rank(), world.timeout);
+}
+
+std::vector<std::vector<uint8_t>> Team::all_gather(const std::string& key, const std::vector<uint8_t>& bytes) const {
+    require_member("Team::all_gather('" + key + "')");
+    WEFT_CHECK(!key.empty() && std::all_of(key.begin(), key.end(), [](unsigned char ch) { return ch > 0x20 && ch < 0x7f; }),
+               "Team::all_gather: the key must be printable ASCII without spaces, got '" << key << "'");
+    detail::WorldContext& world = *state_->world;
+    uint64_t seq = 0;
+    {
+        std::lock_guard<std::mutex> lock(world.team_mutex);
+        seq = world.team_seq[state_->id + "/ag/" + key]++;
+    }
+    // The sequence number makes each call's keys fresh: a member that has left the n-th exchange and starts the
+    // next with the same key must not overwrite a value a slower member has yet to read.
+    return detail::team_all_gather(*world.store, "weft/team/" + state_->id + "/ag/" + key + "/" + std::to_string(seq),
+                                   state_->members, rank(), bytes, world.timeout);
+}
+
+int Team::num_ranks_on_device() const {
+    require_member("Team::num_ranks_on_device");
+    return state_->num_ranks_on_device;
+}
+
+int Team::max_ranks_per_device() const { return state_->max_ranks_per_device; }
+
 Team Team::split_strided(int start, int stride, int size) const {
     WEFT_CHECK(state_->world != nullptr, "split_strided of an empty team");
     auto members = detail::split_strided_members(state_->members, start, stride, size);
@@ -111,8 +232,8 @@ Team Team::split_color(int color, int key) const {
     Bytes blob(8);
     std::memcpy(blob.data(), &color, 4);
     std::memcpy(blob.data() + 4, &key, 4);
-    auto all = world.store->all_gather("weft/team/" + state_->id + "/split/" + std::to_string(seq), rank(), num_ranks(),
-                                       blob, world.timeout);
+    auto all = detail::team_all_gather(*world.store, "weft/team/" + state_->id + "/split/" + std::to_string(seq),
+                                       state_->members, rank(), blob, world.timeout);
     std::vector<int> colors(all.size()), keys(all.size());
     for (size_t r = 0; r < all.size(); ++r) {
         WEFT_CHECK(all[r].size() == 8, "split_color: team rank " << r << " published a malformed record");
@@ -126,7 +247,7 @@ Team Team::split_color(int color, int key) const {
 
 DeviceCtx Team::device_ctx() const {
     WEFT_CHECK(state_->world != nullptr, "device_ctx of an empty team");
-    WEFT_CHECK(is_member(), "device_ctx: world rank " << state_->world->rank << " is not a member of this team");
+    require_member("device_ctx");
     const detail::WorldContext& world = *state_->world;
     DeviceCtx ctx{};
     ctx.rank = rank();

@@ -99,6 +99,7 @@ uint64_t parse_u64(const std::string& text, const char* name, int from_rank) {
 
 World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldContext>()) {
     detail::WorldContext& c = *ctx_;
+    c.owner = this;
     WEFT_CHECK(setup.store != nullptr, "World needs a store");
     WEFT_CHECK(setup.num_ranks >= 1 && setup.rank >= 0 && setup.rank < setup.num_ranks,
                "World: rank " << setup.rank << " is outside [0, " << setup.num_ranks << ")");

@@ -2,6 +2,8 @@
 // Unit tests for the symmetric heap's offset allocator, against a brute-force reference model.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <random>
@@ -154,6 +156,159 @@ TEST(RuntimeOffsetAllocator, RejectsBadArguments) {
     } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find("not the start of a live allocation"), std::string::npos) << e.what();
     }
+}
+
+// The lowest aligned offset that is free in every byte map, the slow way.
+std::optional<uint64_t> reference_common_fit(const std::vector<std::vector<bool>>& used, uint64_t capacity,
+                                             uint64_t bytes, uint64_t align) {
+    if (used.empty()) return std::nullopt;
+    for (uint64_t a = 0; a + bytes <= capacity; a += align) {
+        bool free = true;
+        for (const auto& map : used) {
+            for (uint64_t i = a; i < a + bytes && free; ++i) free = !map[i];
+        }
+        if (free) return a;
+    }
+    return std::nullopt;
+}
+
+std::vector<bool> byte_map(const OffsetAllocator& alloc) {
+    std::vector<bool> used(alloc.capacity(), true);
+    for (const auto& [offset, size] : alloc.free_blocks()) {
+        for (uint64_t i = offset; i < offset + size; ++i) used[i] = false;
+    }
+    return used;
+}
+
+TEST(RuntimeOffsetAllocator, AllocateIsTheLowestFitOfItsOwnFreeListThenReserve) {
+    const uint32_t seed = std::random_device{}();
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    std::mt19937 rng(seed);
+    OffsetAllocator first_fit(5000);
+    OffsetAllocator by_reserve(5000);
+    std::vector<uint64_t> live;
+    for (int step = 0; step < 2000; ++step) {
+        if (!live.empty() && rng() % 100 < 40) {
+            const size_t k = rng() % live.size();
+            first_fit.release(live[k]);
+            by_reserve.release(live[k]);
+            live.erase(live.begin() + static_cast<long>(k));
+        } else {
+            const uint64_t bytes = 1 + rng() % 300;
+            const uint64_t align = 1ull << (rng() % 8);
+            const auto want = first_fit.allocate(bytes, align);
+            // Only blocks of `bytes` or more are posted, as the heap does.
+            const auto got = lowest_common_fit({by_reserve.free_list(bytes)}, bytes, align);
+            ASSERT_EQ(got, want) << "step " << step;
+            if (got) {
+                by_reserve.reserve(*got, bytes);
+                live.push_back(*got);
+            }
+        }
+        ASSERT_EQ(by_reserve.free_blocks(), first_fit.free_blocks()) << "step " << step;
+        ASSERT_EQ(by_reserve.bytes_in_use(), first_fit.bytes_in_use());
+    }
+}
+
+// Eight heaps; random teams (subsets) allocate together by posting free lists and reserving the agreed offset,
+// and free together. Every result must be the lowest aligned offset free on every member (reference: byte maps),
+// and non-members' heaps must not change.
+TEST(RuntimeOffsetAllocator, TeamAllocationsAgreeOnTheLowestOffsetFreeOnEveryMember) {
+    const uint32_t base_seed = std::random_device{}();
+    for (int round = 0; round < 20; ++round) {
+        const uint32_t seed = base_seed + static_cast<uint32_t>(round);
+        SCOPED_TRACE("seed " + std::to_string(seed));
+        std::mt19937 rng(seed);
+        constexpr int kRanks = 8;
+        const uint64_t capacity = 2000 + rng() % 2000;
+        std::vector<OffsetAllocator> heaps(kRanks, OffsetAllocator(capacity));
+        struct Live {
+            uint64_t offset;
+            std::vector<int> members;
+        };
+        std::vector<Live> live;
+        for (int step = 0; step < 300; ++step) {
+            if (!live.empty() && rng() % 100 < 35) {
+                const size_t k = rng() % live.size();
+                for (int m : live[k].members) heaps[static_cast<size_t>(m)].release(live[k].offset);
+                live.erase(live.begin() + static_cast<long>(k));
+                continue;
+            }
+            std::vector<int> members;
+            if (rng() % 4 == 0) {
+                for (int r = 0; r < kRanks; ++r) members.push_back(r);  // the world team
+            } else {
+                for (int r = 0; r < kRanks; ++r) {
+                    if (rng() % 2 == 0) members.push_back(r);
+                }
+                if (members.empty()) members.push_back(static_cast<int>(rng() % kRanks));
+            }
+            const uint64_t bytes = 1 + rng() % (rng() % 5 == 0 ? 400 : 60);
+            const uint64_t align = 1ull << (rng() % 7);
+            std::vector<FreeBlocks> lists;
+            std::vector<std::vector<bool>> maps;
+            for (int m : members) {
+                lists.push_back(heaps[static_cast<size_t>(m)].free_list(bytes));
+                maps.push_back(byte_map(heaps[static_cast<size_t>(m)]));
+            }
+            const auto got = lowest_common_fit(lists, bytes, align);
+            ASSERT_EQ(got, reference_common_fit(maps, capacity, bytes, align)) << "step " << step;
+            if (!got) continue;
+            std::vector<std::map<uint64_t, uint64_t>> before;
+            for (const auto& h : heaps) before.push_back(h.free_blocks());
+            for (int m : members) heaps[static_cast<size_t>(m)].reserve(*got, bytes);
+            for (int r = 0; r < kRanks; ++r) {
+                const bool member = std::find(members.begin(), members.end(), r) != members.end();
+                if (!member) ASSERT_EQ(heaps[static_cast<size_t>(r)].free_blocks(), before[static_cast<size_t>(r)]);
+            }
+            live.push_back({*got, members});
+        }
+    }
+}
+
+TEST(RuntimeOffsetAllocator, LowestCommonFitCases) {
+    // Two lists whose free blocks overlap only in [300, 400).
+    const FreeBlocks a{{0, 100}, {200, 200}};
+    const FreeBlocks b{{100, 50}, {300, 500}};
+    EXPECT_EQ(lowest_common_fit({a, b}, 100, 1), 300u);
+    EXPECT_EQ(lowest_common_fit({a, b}, 100, 256), std::nullopt);  // 256 is free in neither
+    EXPECT_EQ(lowest_common_fit({a, b}, 64, 64), 320u);
+    EXPECT_EQ(lowest_common_fit({a, b}, 101, 1), std::nullopt);
+    EXPECT_EQ(lowest_common_fit({a}, 100, 1), 0u);
+    EXPECT_EQ(lowest_common_fit({a, {}}, 1, 1), std::nullopt);
+    EXPECT_EQ(lowest_common_fit({}, 1, 1), std::nullopt);
+    // A block at the very top of the address range does not overflow.
+    const FreeBlocks top{{UINT64_MAX - 1000, 1000}};
+    EXPECT_EQ(lowest_common_fit({top}, 500, 256), (UINT64_MAX - 1000 + 255) / 256 * 256);
+    EXPECT_EQ(lowest_common_fit({top}, 1000, 1ull << 63), std::nullopt);
+    EXPECT_THROW(lowest_common_fit({a}, 0, 1), Error);
+    EXPECT_THROW(lowest_common_fit({a}, 1, 3), Error);
+    EXPECT_THROW(lowest_common_fit({FreeBlocks{{200, 10}, {100, 10}}}, 1, 1), Error);  // not sorted
+    EXPECT_THROW(lowest_common_fit({FreeBlocks{{100, 20}, {110, 10}}}, 1, 1), Error);  // overlapping
+    EXPECT_THROW(lowest_common_fit({FreeBlocks{{100, 0}}}, 1, 1), Error);              // empty block
+}
+
+TEST(RuntimeOffsetAllocator, ReserveTakesExactlyTheRangeOrNothing) {
+    OffsetAllocator alloc(1024);
+    alloc.reserve(100, 50);
+    EXPECT_EQ(alloc.allocation_size(100), 50u);
+    EXPECT_EQ(alloc.bytes_in_use(), 50u);
+    EXPECT_EQ(alloc.free_blocks(), (std::map<uint64_t, uint64_t>{{0, 100}, {150, 874}}));
+    const auto before = alloc.free_blocks();
+    EXPECT_THROW(alloc.reserve(120, 10), Error);   // inside a live allocation
+    EXPECT_THROW(alloc.reserve(90, 20), Error);    // straddles a free block and an allocation
+    EXPECT_THROW(alloc.reserve(1000, 25), Error);  // past the end
+    EXPECT_THROW(alloc.reserve(0, 0), Error);
+    EXPECT_EQ(alloc.free_blocks(), before);
+    alloc.reserve(0, 100);  // a whole block
+    alloc.reserve(1023, 1);
+    EXPECT_EQ(alloc.free_blocks(), (std::map<uint64_t, uint64_t>{{150, 873}}));
+    alloc.release(100);
+    alloc.release(0);
+    alloc.release(1023);
+    EXPECT_EQ(alloc.free_blocks(), (std::map<uint64_t, uint64_t>{{0, 1024}}));
+    EXPECT_EQ(alloc.free_list(1000), (FreeBlocks{{0, 1024}}));
+    EXPECT_TRUE(alloc.free_list(1025).empty());
 }
 
 }  // namespace

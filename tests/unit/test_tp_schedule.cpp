@@ -370,7 +370,7 @@ TEST(TpValidation, GemmRsShapeAndCall) {
     const TensorView c(fake(0x30000), DType::kF16, {256, 300}, {304, 1});
     EXPECT_EQ(ops::validate_gemm_rs_call(s, 4, a, b, c), 1024);
     expect_error([&] { ops::validate_gemm_rs_call(s, 4, TensorView(fake(0x10000), DType::kF16, {1022, 512}), b, c); },
-                 "multiple of num_ranks");
+                 "multiple of the team's num_ranks");
     expect_error([&] { ops::validate_gemm_rs_call(s, 4, a, b, TensorView(fake(0x30000), DType::kF16, {1024, 300})); },
                  "c must be [M/W, N]");
     expect_error([&] { ops::validate_gemm_rs_call(s, 4, a, b, TensorView(fake(0x30000), DType::kF16, {256, 300})); },

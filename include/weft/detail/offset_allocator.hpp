@@ -6,8 +6,12 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <vector>
 
 namespace weft::detail {
+
+/// A free list: (offset, size) of free blocks, sorted by offset, non-overlapping.
+using FreeBlocks = std::vector<std::pair<uint64_t, uint64_t>>;
 
 /// Hands out offsets in [0, capacity). First fit over a free list kept sorted by offset; freed blocks
 /// coalesce with their neighbours, so the free list always holds maximal free intervals.
@@ -23,6 +27,10 @@ public:
     /// The lowest aligned offset with `bytes` free, or nullopt when none fits (the state is then
     /// unchanged). Throws weft::Error when `bytes` is 0 or `align` is not a power of two.
     std::optional<uint64_t> allocate(uint64_t bytes, uint64_t align);
+    /// Marks [offset, offset + bytes) used, as an allocation that starts at `offset` (release frees it). Throws
+    /// weft::Error, leaving the state unchanged, when `bytes` is 0 or the range is not inside one free block.
+    /// allocate(bytes, align) is lowest_common_fit({free_list()}, bytes, align) followed by reserve.
+    void reserve(uint64_t offset, uint64_t bytes);
     /// Returns the block that starts at `offset`. Throws weft::Error when no live allocation starts there.
     void release(uint64_t offset);
 
@@ -35,6 +43,8 @@ public:
     size_t num_allocations() const { return used_.size(); }
     /// Free blocks (offset -> size), sorted by offset; for tests and diagnostics.
     const std::map<uint64_t, uint64_t>& free_blocks() const { return free_; }
+    /// The free blocks of at least `min_bytes` (the only ones an allocation of that size can use), by offset.
+    FreeBlocks free_list(uint64_t min_bytes = 1) const;
 
 private:
     uint64_t capacity_;
@@ -42,5 +52,11 @@ private:
     std::map<uint64_t, uint64_t> free_;  // offset -> size, maximal intervals
     std::map<uint64_t, uint64_t> used_;  // offset -> size
 };
+
+/// The lowest offset that is a multiple of `align` and starts `bytes` free bytes in every one of `lists` (each
+/// sorted by offset, blocks not overlapping), or nullopt when there is none (or `lists` is empty). The
+/// symmetric heap's team allocation: each member posts its free list and all reserve the same result.
+/// Throws weft::Error when `bytes` is 0, `align` is not a power of two, or a list is not sorted and disjoint.
+std::optional<uint64_t> lowest_common_fit(const std::vector<FreeBlocks>& lists, uint64_t bytes, uint64_t align);
 
 }  // namespace weft::detail

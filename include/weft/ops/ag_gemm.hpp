@@ -2,11 +2,12 @@
 // weft::ops::AgGemm: AllGather+GEMM (column-parallel linear layer) with the all-gather on copy engines
 // overlapped with a persistent GEMM that waits per tile on exactly the chunks it needs.
 //
-//     weft::ops::AgGemm op(world, {.max_m = 8192, .n = 1376, .k = 4096, .dtype = weft::DType::kBF16});
+//     weft::ops::AgGemm op(tp_team, {.max_m = 8192, .n = 1376, .k = 4096, .dtype = weft::DType::kBF16});
 //     op.run(a_local /*[M/W, K]*/, b /*[N, K]*/, c /*[M, N]*/, stream);  // C = AllGather(A) * B^T
 //     weft::TensorView a_full = op.gathered(8192);                        // [M, K], for the backward pass
 //
-// Schedule, protocol and knobs: kernels/ag_gemm/README.md.
+// W is the team's size and r a team rank (a World& means its world team). Schedule, protocol and knobs:
+// kernels/ag_gemm/README.md.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -22,6 +23,7 @@
 #include "weft/runtime/tensor_view.hpp"
 
 namespace weft {
+class Team;
 class World;
 }
 
@@ -29,7 +31,7 @@ namespace weft::ops {
 
 /// Problem bounds, fixed when the op is made (the symmetric buffers are sized from them).
 struct AgGemmShape {
-    int64_t max_m = 0;  ///< largest M (rows of the gathered A) of a call; a positive multiple of num_ranks
+    int64_t max_m = 0;  ///< largest M (rows of the gathered A) of a call; a positive multiple of the team's size
     int64_t n = 0;      ///< columns of C = rows of this rank's B [n, k] (its shard of the layer's outputs)
     int64_t k = 0;      ///< a positive multiple of 8
     DType dtype = DType::kBF16;  ///< of A, B and C: kBF16 or kF16
@@ -41,37 +43,42 @@ struct AgGemmOptions {
     int64_t chunk_rows = 0;            ///< rows per copy-engine chunk (one signal each); 0 = heuristic
     int copy_streams = 0;              ///< streams pulling the peers' shards, 1 .. num_ranks-1; 0 = 1; ranks sharing
                                        ///< a GPU use 1
-    int sm_budget = 0;                 ///< CTAs of the persistent GEMM; 0 = World::sm_budget()
+    int sm_budget = 0;                 ///< CTAs of the persistent GEMM; 0 = World::sm_budget() (per device: ranks of
+                                       ///< other teams on the GPU keep theirs)
     /// Tune the GEMM config on the first run() outside graph capture: every cluster-free candidate is timed
-    /// by all ranks together (the slowest rank counts; that call synchronises the host) and the fastest is
+    /// by the team's members together (the slowest counts; that call synchronises the host) and the fastest is
     /// kept (weft::jit::autotuner: decisions cached on disk; WEFT_AUTOTUNE=0 keeps `config` / the heuristic's).
     bool autotune = false;
 };
 
-/// AllGather+GEMM for the ranks of a World. Construction and destruction are collective (every rank, same
-/// shape and options, same order as its other collectives). Not thread-safe: one rank's thread uses it.
+/// AllGather+GEMM for the members of a Team (a TP group; a World& means its world team). Construction and
+/// destruction are collective over the team's members (every member, same shape and options, same order as its other
+/// collectives on that team); teams without common members may run theirs at the same time, each on its own stream.
+/// Not thread-safe: one rank's thread uses it.
 class AgGemm {
 public:
-    /// Allocates the gathered buffer [max_m, k] and the signal words in the symmetric heap, creates the copy
-    /// streams, compiles (JIT, cached on disk) and loads every kernel a call launches, and ends with a
-    /// barrier, so that no rank launches a waiting kernel before every rank's kernels are loaded. Throws
-    /// weft::Error (on every rank) for a bad shape or options, or when a peer's heap is not load/store
-    /// reachable from this rank.
+    /// Allocates the gathered buffer [max_m, k] and the signal words in the symmetric heap (team-collectively),
+    /// creates the copy streams, compiles (JIT, cached on disk) and loads every kernel a call launches, and ends with
+    /// a team barrier, so that no member launches a waiting kernel before every member's kernels are loaded. Throws
+    /// weft::Error (on every member) for a bad shape or options, or when a member's heap is not load/store reachable
+    /// from this rank; on a rank that is not a member, a weft::Error naming the team's world ranks.
+    AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& options = {});
+    /// AgGemm(world.team(), shape, options).
     AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& options = {});
-    /// Collective: synchronises the device, then frees the symmetric allocations.
+    /// Collective over the team: synchronises the device, then frees the symmetric allocations.
     ~AgGemm();
     AgGemm(const AgGemm&) = delete;
     AgGemm& operator=(const AgGemm&) = delete;
 
-    /// C[M, N] = AllGather(A) * B^T, where rank r's a_local holds rows [r*M/W, (r+1)*M/W) of A.
+    /// C[M, N] = AllGather(A) * B^T, where team rank r's a_local holds rows [r*M/W, (r+1)*M/W) of A.
     ///   a_local: [M/W, k] (any device memory; local_shard(M) itself skips the local copy), row stride >= k
     ///   b:       [n, k] row-major with a row stride (a linear layer's weight)
     ///   c:       [M, n] row-major with a row stride; every row stride a multiple of 16 bytes, bases 16-byte
     ///            aligned (TMA); same dtype as shape.dtype
-    /// Every rank calls with the same M (1 <= M/W, M <= max_m). Asynchronous on `stream` (it forks the copy
+    /// Every member calls with the same M (1 <= M/W, M <= max_m). Asynchronous on `stream` (it forks the copy
     /// streams from it and joins them back); never synchronises the host; capturable in a CUDA graph (no
     /// value of a call is frozen into the graph: see kernels/ag_gemm/README.md). After the call's work on
-    /// `stream`, gathered(M) holds A until the next call. A world of one rank runs the plain GEMM on a_local
+    /// `stream`, gathered(M) holds A until the next call. A team of one rank runs the plain GEMM on a_local
     /// (and copies it into gathered(M) beside it).
     void run(const TensorView& a_local, const TensorView& b, const TensorView& c, cudaStream_t stream);
 
@@ -91,8 +98,8 @@ private:
     std::unique_ptr<State> s_;
 };
 
-/// Checks a shape and options against a world size (CPU only; the constructor calls it). Throws weft::Error
-/// naming the argument.
+/// Checks a shape and options against a team size `num_ranks` (CPU only; the constructor calls it). Throws
+/// weft::Error naming the argument.
 void validate_ag_gemm_shape(const AgGemmShape& shape, int num_ranks, const AgGemmOptions& options = {});
 /// Checks one call's views against the shape; returns M. Throws weft::Error naming the argument.
 int64_t validate_ag_gemm_call(const AgGemmShape& shape, int num_ranks, const TensorView& a_local,
@@ -103,7 +110,7 @@ int64_t ag_gemm_default_chunk_rows(int64_t rows_per_rank, int64_t k, int elem_by
 namespace detail {
 /// AgGemm's GEMM as a fused GEMM (weft/ops/fused_gemm.hpp): AgGemmScheduler (per-chunk waits) and AgGemmHook (stored
 /// tiles counted) in weft::kernels::ag_gemm::ag_gemm_kernel, which ends each call (kernels/ag_gemm/ag_gemm.cuh). A
-/// world of one rank runs the plain GEMM instead.
+/// team of one rank runs the plain GEMM instead.
 FusedGemmSpec ag_gemm_fused_spec();
 /// JIT specs of the kernels AgGemm launches (`arch` as KernelSpec::arch).
 jit::KernelSpec ag_gemm_kernel_spec(const GemmConfig& config, const std::string& arch = "");

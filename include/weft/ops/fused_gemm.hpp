@@ -4,8 +4,8 @@
 // stored), compiled by weft's JIT, set up from TensorViews and launched on a stream. weft's own AllGather+GEMM,
 // GEMM+ReduceScatter and GEMM+AllReduce launch their GEMMs through it.
 //
-//     weft::ops::FusedGemm gemm(world, {.header = "chain.cuh", .scheduler = "example::WaitForRows",
-//                                       .hook = "example::NotifyNextRank", .include_root = dir},
+//     weft::ops::FusedGemm gemm(team, {.header = "chain.cuh", .scheduler = "example::WaitForRows",
+//                                      .hook = "example::NotifyNextRank", .include_root = dir},
 //                               weft::ops::fused_gemm_config({.m = m, .n = n, .k = k}, world.shared_sm_budget()));
 //     const weft::ops::FusedGemmCall call = gemm.prepare(a, b, d);   // checks the views; may throw
 //     gemm.launch(call, ChainWait{...}, ChainNotify{...}, stream);   // only enqueues
@@ -65,18 +65,21 @@
 // call there). Its header includes gemm/gemm_sm90.cuh itself.
 //
 // ---- Host side ------------------------------------------------------------------------------------------------
-// - Which ranks call: nothing here is collective. The protocol is yours: every rank whose signals a launch waits
-//   for must launch its side (or a bounded wait expires with a Diagnostic, which World::sync_and_check reports).
-//   Build every rank's FusedGemm (it loads the kernel) and meet at World::barrier() before the first launch that
-//   waits: a kernel loaded lazily behind a spinning one can deadlock (docs/jit.md).
+// - Which ranks call: the members of the team it is made for (a World& means its world team); nothing here is
+//   collective. The protocol is yours: every member whose signals a launch waits for must launch its side (or a
+//   bounded wait expires with a Diagnostic, which World::sync_and_check reports). Pass your kernels
+//   team.device_ctx() (ranks are team ranks, peers indexed by team rank). Build every member's FusedGemm (it loads
+//   the kernel) and meet at team.barrier() before the first launch that waits: a kernel loaded lazily behind a
+//   spinning one can deadlock (docs/jit.md).
 // - Streams: launch() enqueues one kernel on `stream` and returns; it never synchronises the host.
 // - Graph capture: prepare() and launch() are capturable. A captured launch replays its Params as captured: a value
 //   that must change per call (an epoch, an expected count) belongs in device memory, advanced by the kernels
 //   (weft's ops do that; SignalValueMode::kEpoch in weft/common/gemm_hook_params.hpp reads one at run time).
 // - Ranks sharing a GPU: prepare()'s grid stays within World::sm_budget(), so every rank's persistent grid is
 //   resident at once (a spinning CTA whose producer cannot start waits for good). A config's first launch on
-//   each rank should end (World::sync_and_check, then World::barrier) before more is launched
-//   (kernels/gemm_rs/README.md, "Ranks sharing a GPU").
+//   each rank should end (World::sync_and_check, then team.barrier()) before more is launched
+//   (kernels/gemm_rs/README.md, "Ranks sharing a GPU"). World::sm_budget() is per device, not per team: ranks of
+//   other teams on the same GPU keep their SMs.
 // - Timeouts: the GEMM's pipeline waits are bounded by twice World::timeout(), so the waits of your scheduler and
 //   hook (bounded by World::timeout() through the DeviceCtx) expire first, with their diagnosis.
 #pragma once
@@ -98,6 +101,7 @@
 #include "weft/runtime/tensor_view.hpp"
 
 namespace weft {
+class Team;
 class World;
 }
 
@@ -121,7 +125,7 @@ struct FusedGemmSpec {
 /// weft's plain GEMM as a fused GEMM: weft::kernels::gemm::PersistentScheduler (waits for nothing) and NoEpilogueHook
 /// (signals nothing), launched with PersistentSchedulerParams{} and NoEpilogueHookParams{}
 /// (weft/common/gemm_hook_params.hpp): the same kernel, and JIT cache entry, as weft::ops::gemm's for the config. The
-/// fused ops run it in a world of one rank.
+/// fused ops run it in a team of one rank.
 FusedGemmSpec plain_gemm_fused_spec();
 
 /// The cluster-free candidates fused GEMMs run, without duplicates: those of gemm_candidate_configs(in, out, B [N,K])
@@ -142,6 +146,8 @@ int fused_gemm_grid(const GemmConfig& config, int64_t m, int64_t n, int budget);
 
 /// The bound on a fused GEMM's pipeline waits: twice the world's timeout (its signal waits expire first).
 uint64_t fused_gemm_timeout_ns(const World& world);
+/// The same for a team's kernels (a team's timeout is its World's).
+uint64_t fused_gemm_timeout_ns(const Team& team);
 
 /// The weft::jit spec of spec's kernel for `config` (checked with check_fused_gemm_config). `arch` as
 /// KernelSpec::arch (empty: WEFT_JIT_ARCH, else the current device's). Compile it with a Compiler whose extra include
@@ -165,8 +171,11 @@ struct FusedGemmCall {
 /// Copyable; the kernel lives as long as the process.
 class FusedGemm {
 public:
-    /// Compiles and loads spec's kernel for `config` (check_fused_gemm_config). Throws weft::Error for a bad spec or
-    /// config, and with NVRTC's log when the header does not compile.
+    /// Compiles and loads spec's kernel for `config` (check_fused_gemm_config), for the members of `team`. Throws
+    /// weft::Error for a bad spec or config, with NVRTC's log when the header does not compile, and naming the team's
+    /// world ranks when this rank is not a member.
+    FusedGemm(const Team& team, const FusedGemmSpec& spec, const GemmConfig& config);
+    /// The world team's: FusedGemm(world.team(), spec, config).
     FusedGemm(World& world, const FusedGemmSpec& spec, const GemmConfig& config);
 
     /// Checks and sets up one call D[M, N] = A[M, K] * B^T:

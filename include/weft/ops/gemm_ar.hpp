@@ -2,10 +2,10 @@
 // weft::ops::GemmAr: GEMM+AllReduce for small M (decode): the small-M (or tiled) GEMM writes this rank's
 // partial into a symmetric buffer, then a one-shot all-reduce kernel sums every rank's partial in fp32.
 //
-//     weft::ops::GemmAr op(world, {.max_m = 128, .n = 8192, .k = 1024, .dtype = weft::DType::kBF16});
+//     weft::ops::GemmAr op(tp_team, {.max_m = 128, .n = 8192, .k = 1024, .dtype = weft::DType::kBF16});
 //     op.run(a /*[M, K/W]*/, b /*[N, K/W]*/, c /*[M, N]*/, stream);  // C = AllReduce(A * B^T)
 //
-// Protocol and knobs: kernels/gemm_ar/README.md.
+// W is the team's size (a World& means its world team). Protocol and knobs: kernels/gemm_ar/README.md.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,6 +21,7 @@
 #include "weft/runtime/tensor_view.hpp"
 
 namespace weft {
+class Team;
 class World;
 }
 
@@ -38,25 +39,32 @@ struct GemmArOptions {
     std::optional<DType> partial_dtype;  ///< the partials' dtype: shape.dtype (default) or kF32
     int reduce_ctas = 0;                 ///< CTAs of the all-reduce kernel; 0 = heuristic
     int sm_budget = 0;                   ///< 0 = World::sm_budget()
-    /// The all-reduce half: weft's ops::all_reduce (automatic algorithm: low-latency for decode sizes) when the
-    /// partials have the output dtype, N % 8 == 0 and C's rows are contiguous; it needs the collective
-    /// workspace on the symmetric heap (ops::prepare_collectives, made by the constructor). false, or when
-    /// those conditions fail: the op's own one-shot kernel (a ready and a done barrier around the reads).
+    /// The all-reduce half: weft's ops::all_reduce over the op's team (automatic algorithm: low-latency for decode
+    /// sizes) when the partials have the output dtype, N % 8 == 0 and C's rows are contiguous; it needs the team's
+    /// collective workspace on the symmetric heap (ops::prepare_collectives(team), made by the constructor). false,
+    /// or when those conditions fail: the op's own one-shot kernel (a ready and a done barrier around the reads).
     bool collective_all_reduce = true;
 };
 
-/// GEMM+AllReduce for the ranks of a World. Construction and destruction are collective.
+/// GEMM+AllReduce for the members of a Team (at most 8; a World& means its world team). Construction and destruction
+/// are collective over the team's members (as AgGemm); teams without common members may run theirs at the same time.
 class GemmAr {
 public:
+    /// Allocates the partial and the signal words team-collectively, loads the kernels (and makes the team's
+    /// collective workspace when the all-reduce half is ops::all_reduce), ends with a team barrier. Throws
+    /// weft::Error on every member for a bad shape or options, or when a member's heap is not load/store reachable;
+    /// on a rank that is not a member, a weft::Error naming the team's world ranks.
+    GemmAr(const Team& team, const GemmArShape& shape, const GemmArOptions& options = {});
+    /// GemmAr(world.team(), shape, options).
     GemmAr(World& world, const GemmArShape& shape, const GemmArOptions& options = {});
     ~GemmAr();
     GemmAr(const GemmAr&) = delete;
     GemmAr& operator=(const GemmAr&) = delete;
 
-    /// C[M, N] = sum over ranks s of A_s * B_s^T on every rank (bit-identical on every rank: the ranks'
-    /// partials are summed in rank order).
+    /// C[M, N] = sum over the team's ranks s of A_s * B_s^T on every member (bit-identical on every member: the
+    /// partials are summed in team rank order).
     ///   a: [M, k]; b: [n, k]; c: [M, n] (row strides multiples of 16 bytes, bases 16-byte aligned)
-    /// Every rank calls with the same M. Asynchronous on `stream`; graph-capturable. A world of one rank
+    /// Every member calls with the same M. Asynchronous on `stream`; graph-capturable. A team of one rank
     /// runs the plain GEMM into c.
     void run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream);
 

@@ -4,10 +4,11 @@
 // adds the peers' partials to its own tiles in the epilogue. Pull mode: a reduction on a few SMs beside the
 // GEMM sums the ranks' partials of its own rows in fp32 as they complete.
 //
-//     weft::ops::GemmRs op(world, {.max_m = 8192, .n = 4096, .k = 1376, .dtype = weft::DType::kBF16});
+//     weft::ops::GemmRs op(tp_team, {.max_m = 8192, .n = 4096, .k = 1376, .dtype = weft::DType::kBF16});
 //     op.run(a /*[M, K/W]*/, b /*[N, K/W]*/, c /*[M/W, N]*/, stream);  // C = ReduceScatter(A * B^T)
 //
-// Schedule, protocol and knobs: kernels/gemm_rs/README.md.
+// W is the team's size and r a team rank (a World& means its world team). Schedule, protocol and knobs:
+// kernels/gemm_rs/README.md.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -24,6 +25,7 @@
 #include "weft/runtime/tensor_view.hpp"
 
 namespace weft {
+class Team;
 class World;
 }
 
@@ -31,7 +33,7 @@ namespace weft::ops {
 
 /// Problem bounds, fixed when the op is made.
 struct GemmRsShape {
-    int64_t max_m = 0;  ///< largest M of a call (rows of A and of the unreduced product); a multiple of num_ranks
+    int64_t max_m = 0;  ///< largest M of a call (rows of A and of the unreduced product); a multiple of the team's size
     int64_t n = 0;      ///< columns of C
     int64_t k = 0;      ///< this rank's K (its shard of the layer's inputs); a positive multiple of 8
     DType dtype = DType::kBF16;  ///< of A, B and C: kBF16 or kF16
@@ -39,7 +41,8 @@ struct GemmRsShape {
 
 /// How the partials meet (kernels/gemm_rs/README.md draws both).
 enum class GemmRsMode {
-    kAuto,  ///< kPush where it applies (below) and every rank of the world has a GPU of its own, else kPull
+    kAuto,  ///< kPush where it applies (below) and every rank of the world (not only of the team: other teams' ranks
+            ///< on a shared GPU run beside it) has a GPU of its own, else kPull
     kPull,  ///< the GEMM writes its partial locally; a reduction kernel on reduce_ctas SMs reads the peers'
     kPush,  ///< the GEMM stores each peer's tiles into that peer's buffer (TMA over NVLink) and adds the peers'
             ///< partials to its own tiles in the epilogue: no reduction kernel, every SM of the budget computes.
@@ -56,25 +59,29 @@ struct GemmRsOptions {
     int64_t chunk_rows = 0;             ///< rows per counter: a multiple of the tile's rows; 0 = heuristic
     int reduce_ctas = 0;                ///< pull mode: CTAs of the reduction kernel; 0 = heuristic (budget/8, at
                                         ///< most 16 with one rank per GPU)
-    int sm_budget = 0;                  ///< SMs for GEMM + reduction; 0 = World::sm_budget()
+    int sm_budget = 0;                  ///< SMs for GEMM + reduction; 0 = World::shared_sm_budget() (per device)
     bool autotune = false;              ///< tune the GEMM config on the first run(), as AgGemmOptions::autotune
 };
 
-/// GEMM+ReduceScatter for the ranks of a World. Construction and destruction are collective.
+/// GEMM+ReduceScatter for the members of a Team (a World& means its world team). Construction and destruction are
+/// collective over the team's members (as AgGemm); teams without common members may run theirs at the same time.
 class GemmRs {
 public:
-    /// Allocates the partial buffer [max_m, n] and the counters in the symmetric heap and an fp32
-    /// accumulator, compiles and loads the kernels, ends with a barrier. Throws weft::Error on every rank
-    /// for a bad shape or options, or when a peer's heap is not load/store reachable.
+    /// Allocates the partial buffer [max_m, n] and the counters in the symmetric heap (team-collectively) and an fp32
+    /// accumulator, compiles and loads the kernels, ends with a team barrier. Throws weft::Error on every member
+    /// for a bad shape or options, or when a member's heap is not load/store reachable; on a rank that is not a
+    /// member, a weft::Error naming the team's world ranks.
+    GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& options = {});
+    /// GemmRs(world.team(), shape, options).
     GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& options = {});
     ~GemmRs();
     GemmRs(const GemmRs&) = delete;
     GemmRs& operator=(const GemmRs&) = delete;
 
-    /// C[M/W, N] = rows [r*M/W, (r+1)*M/W) of sum over ranks s of A_s * B_s^T (fp32 accumulation).
+    /// C[M/W, N] = rows [r*M/W, (r+1)*M/W) of sum over the team's ranks s of A_s * B_s^T (fp32 accumulation).
     ///   a: [M, k] this rank's A; b: [n, k] this rank's weight shard; c: [M/W, n] (TMA rules as AgGemm::run)
-    /// Every rank calls with the same M. Asynchronous on `stream` (the reduction runs on a side stream forked
-    /// from it and joined back); graph-capturable. A world of one rank runs the plain GEMM into c.
+    /// Every member calls with the same M. Asynchronous on `stream` (the reduction runs on a side stream forked
+    /// from it and joined back); graph-capturable. A team of one rank runs the plain GEMM into c.
     void run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream);
 
     const GemmRsShape& shape() const;
@@ -83,7 +90,7 @@ public:
     int64_t chunk_rows() const;
     int gemm_grid() const;
     int reduce_ctas() const;  ///< 0 in push mode
-    GemmRsMode mode() const;  ///< kPull or kPush (a world of one rank runs the plain GEMM in either)
+    GemmRsMode mode() const;  ///< kPull or kPush (a team of one rank runs the plain GEMM in either)
 
     struct State;
 
@@ -118,7 +125,7 @@ GemmRsMode resolve_gemm_rs_mode(const GemmRsShape& shape, int num_ranks, const G
 
 /// GemmRs's GEMM as a fused GEMM (weft/ops/fused_gemm.hpp) in a resolved mode: RsGemmScheduler (destination order,
 /// the first load waits for `released`) with RsGemmHook (pull: per-tile counters) or RsPushHook (push: peers' tiles
-/// stored into their buffers, own tiles add the peers' partials). A world of one rank runs the plain GEMM instead.
+/// stored into their buffers, own tiles add the peers' partials). A team of one rank runs the plain GEMM instead.
 FusedGemmSpec gemm_rs_fused_spec(GemmRsMode mode);
 jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch = "",
                                     GemmRsMode mode = GemmRsMode::kPull);

@@ -10,7 +10,8 @@
 //     and add() on that key see its effect (the store is linearizable per key).
 //   - Keys are printable ASCII text, '/'-separated, at most a few hundred bytes (the World's own keys are
 //     under 200 bytes before any prefix). Values are arbitrary bytes (NUL included); the World's own values
-//     are small (under 4 KiB per key).
+//     are small (under 4 KiB per key, except a heap allocation's record: 32 bytes and 16 per free block of the
+//     requested size or larger on the posting rank, a few hundred bytes in practice).
 //   - get(key, timeout) blocks until the key is set, then returns its value; when `timeout` passes first it
 //     throws (weft::Error, or any std::exception: its message is passed on). It never returns a value for a
 //     key that was not set, and it honours `timeout` (a store whose own deadline is shorter may throw

@@ -2,13 +2,17 @@
 // Team: an ordered subset of the world's ranks (a node, a TP group ...), with rank translation.
 #pragma once
 
+#include <chrono>
+#include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "weft/common/device_ctx.hpp"
 
 namespace weft {
 
+class World;
 namespace detail {
 struct TeamState;
 }
@@ -17,10 +21,25 @@ struct TeamState;
 /// state). A team object belongs to one rank and must not be used after its World is destroyed.
 /// A rank may hold a team it is not a member of (split results for non-members): then rank() is -1 and
 /// only membership queries work.
+///
+/// Collectives over a team (barrier, all_gather, split_color, the team-collective heap calls, and ops run on
+/// the team) are called by every member, in the same order; non-members take no part. Teams that share no
+/// member may run their collectives at the same time. Two Team objects with the same id() are the same team:
+/// copies, and the same split of the same parent made again, share keys and sequence numbers.
 class Team {
 public:
-    /// An empty team (no members).
+    /// An empty team (no members, no World).
     Team();
+
+    /// The World this team belongs to. Throws weft::Error for an empty team (Team()).
+    World& world() const;
+    /// Names the team: identical on every member and on non-members holding it, unique per team in the World
+    /// (the world team's is "world"). Empty for Team().
+    const std::string& id() const;
+    /// True for the World's own team (World::team()).
+    bool is_world() const;
+    /// The World's timeout, which bounds every collective of the team. Throws weft::Error for an empty team.
+    std::chrono::milliseconds timeout() const;
 
     /// This rank's index in the team, or -1 when it is not a member.
     int rank() const;
@@ -41,6 +60,27 @@ public:
     /// empty team. Throws weft::Error when this rank is not a member, or after the timeout when a member
     /// does not call it.
     Team split_color(int color, int key) const;
+
+    /// Collective over the members: returns once every member has called it. Throws weft::Error when this rank
+    /// is not a member, or after timeout() naming the team ranks (and their world ranks) that did not arrive.
+    void barrier() const;
+    /// Collective over the members: every member's `bytes`, indexed by team rank. `key` names the exchange
+    /// (every member passes the same key; any printable text without spaces); it is scoped to the team, so two
+    /// teams may use one key at once, and a team may reuse a key (the n-th call with a key meets the n-th call
+    /// of the other members). Throws weft::Error when this rank is not a member, or after timeout() naming the
+    /// team ranks (and their world ranks) that did not arrive.
+    std::vector<std::vector<uint8_t>> all_gather(const std::string& key, const std::vector<uint8_t>& bytes) const;
+
+    /// Members that share this rank's GPU (same host and PCI bus id), this rank included. Throws weft::Error
+    /// when this rank is not a member.
+    int num_ranks_on_device() const;
+    /// The most members any one GPU hosts: the same on every member.
+    int max_ranks_per_device() const;
+    /// "world ranks 0, 1, 2, 3": the members, for error messages.
+    std::string describe() const;
+    /// Throws weft::Error "<what>: world rank 5 is not a member of this team (world ranks 0, 1, 2, 3)" when this
+    /// rank is not a member (or the team is empty); ops call it first.
+    void require_member(const std::string& what) const;
 
     /// The DeviceCtx for kernels run by this team: rank/num_ranks are team values; peer_bases and
     /// team_to_world are device arrays indexed by team rank (allocated once per team, at its creation;
