@@ -8,6 +8,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -25,6 +26,7 @@
 #include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/runtime/driver.hpp"
+#include "weft/runtime/team.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/weft.hpp"
 
@@ -59,6 +61,10 @@ TensorView make_view(uintptr_t ptr, int dtype, const std::vector<int64_t>& shape
         v.strides[i] = strides[i];
     }
     return v;
+}
+
+std::vector<int64_t> dims(const std::array<int64_t, TensorView::kMaxDims>& values, int32_t ndim) {
+    return std::vector<int64_t>(values.begin(), values.begin() + ndim);
 }
 
 std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
@@ -172,9 +178,8 @@ NB_MODULE(_weft, m) {
              "ptr"_a, "dtype"_a, "shape"_a, "strides"_a = nb::none())
         .def_prop_ro("ptr", [](const TensorView& v) { return reinterpret_cast<uintptr_t>(v.data); })
         .def_prop_ro("dtype", [](const TensorView& v) { return static_cast<int>(v.dtype); })
-        .def_prop_ro("shape", [](const TensorView& v) { return std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.ndim); })
-        .def_prop_ro("strides",
-                     [](const TensorView& v) { return std::vector<int64_t>(v.strides.begin(), v.strides.begin() + v.ndim); })
+        .def_prop_ro("shape", [](const TensorView& v) { return dims(v.shape, v.ndim); })
+        .def_prop_ro("strides", [](const TensorView& v) { return dims(v.strides, v.ndim); })
         .def("numel", &TensorView::numel)
         .def("is_contiguous", &TensorView::is_contiguous)
         .def("__repr__", [](const TensorView& v) { return "TensorView(" + v.describe() + ")"; });
@@ -214,8 +219,8 @@ NB_MODULE(_weft, m) {
                  a.store->barrier(name, rank, num_ranks, std::chrono::milliseconds(timeout_ms));
              },
              Release())
-        .def("all_gather", [](PyStoreAdapter& a, const std::string& name, int rank, int num_ranks, const nb::bytes& blob,
-                              int64_t timeout_ms) {
+        .def("all_gather", [](PyStoreAdapter& a, const std::string& name, int rank, int num_ranks,
+                              const nb::bytes& blob, int64_t timeout_ms) {
             Bytes mine = from_bytes(blob);
             std::vector<Bytes> all;
             {
@@ -304,6 +309,15 @@ NB_MODULE(_weft, m) {
         });
 
     nb::class_<PyTeam>(m, "Team")
+        .def_prop_ro("id", [](const PyTeam& t) { return t.team.id(); })
+        .def_prop_ro("is_world", [](const PyTeam& t) { return t.team.is_world(); })
+        .def("barrier", [](const PyTeam& t) { t.team.barrier(); }, Release())
+        .def("alloc", [](const PyTeam& t, uint64_t bytes, uint64_t align) {
+                 return reinterpret_cast<uintptr_t>(t.h->get().heap().alloc(t.team, bytes, align));
+             }, "bytes"_a, "align"_a = 256, Release())
+        .def("free", [](const PyTeam& t, uintptr_t ptr) {
+                 t.h->get().heap().free(t.team, reinterpret_cast<void*>(ptr));
+             }, "ptr"_a, Release())
         .def_prop_ro("rank", [](const PyTeam& t) { return t.team.rank(); })
         .def_prop_ro("num_ranks", [](const PyTeam& t) { return t.team.num_ranks(); })
         .def_prop_ro("is_member", [](const PyTeam& t) { return t.team.is_member(); })
@@ -374,7 +388,7 @@ NB_MODULE(_weft, m) {
     nb::class_<PyAgGemm>(m, "AgGemm")
         .def("__init__",
              [](PyAgGemm* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype, int64_t chunk_rows,
-                int copy_streams, int sm_budget, bool autotune) {
+                int copy_streams, int sm_budget, bool autotune, const PyTeam* team) {
                  ops::AgGemmShape shape{max_m, n, k, as_dtype(dtype)};
                  ops::AgGemmOptions o;
                  o.chunk_rows = chunk_rows;
@@ -385,12 +399,13 @@ NB_MODULE(_weft, m) {
                  std::unique_ptr<ops::AgGemm> op;
                  {
                      nb::gil_scoped_release release;
-                     op = std::make_unique<ops::AgGemm>(world, shape, o);
+                     op = team ? std::make_unique<ops::AgGemm>(team->team, shape, o)
+                               : std::make_unique<ops::AgGemm>(world, shape, o);
                  }
                  new (self) PyAgGemm(w.h, std::move(op), "AgGemm");
              },
              "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "chunk_rows"_a = 0, "copy_streams"_a = 0,
-             "sm_budget"_a = 0, "autotune"_a = false)
+             "sm_budget"_a = 0, "autotune"_a = false, "team"_a = nb::none())
         .def("run", [](PyAgGemm& op, const TensorView& a, const TensorView& b, const TensorView& c,
                        uintptr_t stream) { op.get().run(a, b, c, as_stream(stream)); }, Release())
         .def("gathered", [](const PyAgGemm& op, int64_t m) { return op.get().gathered(m); })
@@ -405,7 +420,8 @@ NB_MODULE(_weft, m) {
     nb::class_<PyGemmRs>(m, "GemmRs")
         .def("__init__",
              [](PyGemmRs* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype, const std::string& mode,
-                std::optional<int> partial_dtype, int64_t chunk_rows, int reduce_ctas, int sm_budget, bool autotune) {
+                std::optional<int> partial_dtype, int64_t chunk_rows, int reduce_ctas, int sm_budget, bool autotune,
+                const PyTeam* team) {
                  ops::GemmRsShape shape{max_m, n, k, as_dtype(dtype)};
                  ops::GemmRsOptions o;
                  o.mode = parse_gemm_rs_mode(mode);
@@ -418,12 +434,13 @@ NB_MODULE(_weft, m) {
                  std::unique_ptr<ops::GemmRs> op;
                  {
                      nb::gil_scoped_release release;
-                     op = std::make_unique<ops::GemmRs>(world, shape, o);
+                     op = team ? std::make_unique<ops::GemmRs>(team->team, shape, o)
+                               : std::make_unique<ops::GemmRs>(world, shape, o);
                  }
                  new (self) PyGemmRs(w.h, std::move(op), "GemmRs");
              },
              "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "mode"_a = "auto", "partial_dtype"_a = nb::none(),
-             "chunk_rows"_a = 0, "reduce_ctas"_a = 0, "sm_budget"_a = 0, "autotune"_a = false)
+             "chunk_rows"_a = 0, "reduce_ctas"_a = 0, "sm_budget"_a = 0, "autotune"_a = false, "team"_a = nb::none())
         .def("run", [](PyGemmRs& op, const TensorView& a, const TensorView& b, const TensorView& c,
                        uintptr_t stream) { op.get().run(a, b, c, as_stream(stream)); }, Release())
         .def_prop_ro("max_m", [](const PyGemmRs& op) { return op.get().shape().max_m; })
@@ -436,7 +453,8 @@ NB_MODULE(_weft, m) {
     nb::class_<PyGemmAr>(m, "GemmAr")
         .def("__init__",
              [](PyGemmAr* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype,
-                std::optional<int> partial_dtype, int reduce_ctas, int sm_budget, bool collective_all_reduce) {
+                std::optional<int> partial_dtype, int reduce_ctas, int sm_budget, bool collective_all_reduce,
+                const PyTeam* team) {
                  ops::GemmArShape shape{max_m, n, k, as_dtype(dtype)};
                  ops::GemmArOptions o;
                  o.partial_dtype = optional_dtype(partial_dtype);
@@ -447,12 +465,13 @@ NB_MODULE(_weft, m) {
                  std::unique_ptr<ops::GemmAr> op;
                  {
                      nb::gil_scoped_release release;
-                     op = std::make_unique<ops::GemmAr>(world, shape, o);
+                     op = team ? std::make_unique<ops::GemmAr>(team->team, shape, o)
+                               : std::make_unique<ops::GemmAr>(world, shape, o);
                  }
                  new (self) PyGemmAr(w.h, std::move(op), "GemmAr");
              },
              "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "partial_dtype"_a = nb::none(), "reduce_ctas"_a = 0,
-             "sm_budget"_a = 0, "collective_all_reduce"_a = true)
+             "sm_budget"_a = 0, "collective_all_reduce"_a = true, "team"_a = nb::none())
         .def("run", [](PyGemmAr& op, const TensorView& a, const TensorView& b, const TensorView& c,
                        uintptr_t stream) { op.get().run(a, b, c, as_stream(stream)); }, Release())
         .def_prop_ro("max_m", [](const PyGemmAr& op) { return op.get().shape().max_m; })

@@ -67,3 +67,61 @@ def test_weft_torch_registers_custom_ops_with_fake_implementations(fake_world):
     assert torch.ops.weft.gemm_rs(x, w).shape == (4, 32)
     assert torch.ops.weft.gemm_ar(x, w).shape == (8, 32)
     assert torch.ops.weft.gemm(x, w).shape == (8, 32)
+
+
+def _meta(*shape, grad=True):
+    return torch.empty(*shape, dtype=torch.bfloat16, device="meta", requires_grad=grad)
+
+
+def test_autograd_formulas_give_gradients_of_the_inputs_shapes(fake_world):
+    import weft.torch  # noqa: F401
+    # 2 ranks (the stand-in World): ag_gemm [8, 16] x [32, 16] -> [16, 32]; gemm_rs [16, 32] x [24, 32] -> [8, 24].
+    cases = [
+        (torch.ops.weft.ag_gemm, (_meta(8, 16), _meta(32, 16)), (16, 32)),
+        (torch.ops.weft.gemm_rs, (_meta(16, 32), _meta(24, 32)), (8, 24)),
+        (torch.ops.weft.gemm_ar, (_meta(4, 32), _meta(24, 32)), (4, 24)),
+        (torch.ops.weft.gemm, (_meta(4, 32), _meta(24, 32)), (4, 24)),
+        (torch.ops.weft.all_reduce, (_meta(6, 8),), (6, 8)),
+        (torch.ops.weft.all_gather, (_meta(6, 8),), (12, 8)),
+        (torch.ops.weft.reduce_scatter, (_meta(6, 8),), (3, 8)),
+    ]
+    for op, inputs, out_shape in cases:
+        out = op(*inputs)
+        assert tuple(out.shape) == out_shape, op
+        out.sum().backward()
+        for x in inputs:
+            assert x.grad is not None and x.grad.shape == x.shape, op
+
+
+def test_tensor_parallel_mlp_traces_forward_and_backward(fake_world):
+    import weft.nn
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mlp = weft.nn.TensorParallelMLP(16, 64, device="meta")
+    assert mlp.w1.shape == (32, 16) and mlp.w2.shape == (16, 32)  # this rank's shards of 2
+    x = _meta(8, 16)
+    y = mlp(x)
+    assert y.shape == (8, 16)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and mlp.w1.grad.shape == mlp.w1.shape and mlp.w2.grad.shape == mlp.w2.shape
+
+    params = {name: p.detach() for name, p in mlp.named_parameters()}
+    graph = make_fx(lambda p, t: torch.func.functional_call(mlp, p, (t,)), tracing_mode="fake")(
+        params, _meta(8, 16, grad=False))
+    ops = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
+    assert {"weft.ag_gemm.default", "weft.gemm_rs.default"} <= ops, ops
+    with pytest.raises(ValueError, match="ffn_hidden: expected a multiple of the 2 ranks, got 63"):
+        weft.nn.TensorParallelMLP(16, 63, device="meta")
+
+
+def test_torch_compile_fullgraph_traces_the_custom_ops_and_their_backward(fake_world):
+    import weft.nn
+
+    torch._dynamo.reset()
+    mlp = weft.nn.TensorParallelMLP(16, 64, device="meta")
+    compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")  # no GPU here: eager kernels on meta tensors
+    x = _meta(8, 16)
+    y = compiled(x)
+    assert y.shape == (8, 16)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and mlp.w1.grad.shape == mlp.w1.shape

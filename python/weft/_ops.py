@@ -117,9 +117,13 @@ class _FusedOp:
     """What AgGemm, GemmRs and GemmAr share: a collective C++ object closed explicitly (or by weft.finalize)."""
     _kind = None
 
-    def __init__(self, make, team):
+    def __init__(self, make, team, teams=False):
         torch = torch_module()
-        self._world = _runtime._world_for(team, self._kind)
+        if teams:
+            self._world, self._team = _runtime._team_for(team, self._kind)
+        else:
+            self._world, self._team = _runtime._world_for(team, self._kind), None
+        self.num_ranks = self._team.num_ranks if self._team is not None else self._world.num_ranks
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise Error(f"{self._kind}: making the op is collective (symmetric allocation, kernel loading, a barrier) "
                         "and cannot happen during CUDA graph capture; make it (or call it once) before capturing")
@@ -161,8 +165,8 @@ class AgGemm(_FusedOp):
         self.dtype = dtype or torch.bfloat16
         code = dtype_code(self.dtype)
         super().__init__(lambda w: _weft.AgGemm(w, max_m, n, k, code, chunk_rows=chunk_rows,
-                                                copy_streams=copy_streams, sm_budget=sm_budget, autotune=autotune),
-                         team)
+                                                copy_streams=copy_streams, sm_budget=sm_budget, autotune=autotune,
+                                                team=self._team), team, teams=True)
         self.max_m, self.n, self.k = max_m, n, k
 
     def run(self, a_local, b, out=None):
@@ -171,7 +175,7 @@ class AgGemm(_FusedOp):
         av = matrix_view(a_local, "a_local", world, (self.dtype,))
         bv = matrix_view(b, "b", world, (self.dtype,))
         if out is None:
-            out = torch_module().empty((a_local.shape[0] * world.num_ranks, self.n), dtype=self.dtype,
+            out = torch_module().empty((a_local.shape[0] * self.num_ranks, self.n), dtype=self.dtype,
                                        device=a_local.device)
         cv = matrix_view(out, "out", world, (self.dtype,))
         op.run(av, bv, cv, _stream(world))
@@ -196,7 +200,7 @@ class GemmRs(_FusedOp):
         partial = dtype_code(partial_dtype, "partial_dtype") if partial_dtype is not None else None
         super().__init__(lambda w: _weft.GemmRs(w, max_m, n, k, code, mode=mode, partial_dtype=partial,
                                                 chunk_rows=chunk_rows, reduce_ctas=reduce_ctas, sm_budget=sm_budget,
-                                                autotune=autotune), team)
+                                                autotune=autotune, team=self._team), team, teams=True)
         self.max_m, self.n, self.k = max_m, n, k
 
     @property
@@ -209,10 +213,10 @@ class GemmRs(_FusedOp):
         av = matrix_view(a, "a", world, (self.dtype,))
         bv = matrix_view(b, "b", world, (self.dtype,))
         if out is None:
-            if a.shape[0] % world.num_ranks != 0:
-                raise ValueError(f"a: expected M a multiple of the {world.num_ranks} ranks, got shape "
+            if a.shape[0] % self.num_ranks != 0:
+                raise ValueError(f"a: expected M a multiple of the {self.num_ranks} ranks, got shape "
                                  f"{tuple(a.shape)}")
-            out = torch_module().empty((a.shape[0] // world.num_ranks, self.n), dtype=self.dtype, device=a.device)
+            out = torch_module().empty((a.shape[0] // self.num_ranks, self.n), dtype=self.dtype, device=a.device)
         cv = matrix_view(out, "out", world, (self.dtype,))
         op.run(av, bv, cv, _stream(world))
         return out
@@ -229,8 +233,8 @@ class GemmAr(_FusedOp):
         code = dtype_code(self.dtype)
         partial = dtype_code(partial_dtype, "partial_dtype") if partial_dtype is not None else None
         super().__init__(lambda w: _weft.GemmAr(w, max_m, n, k, code, partial_dtype=partial, reduce_ctas=reduce_ctas,
-                                                sm_budget=sm_budget, collective_all_reduce=collective_all_reduce),
-                         team)
+                                                sm_budget=sm_budget, collective_all_reduce=collective_all_reduce,
+                                                team=self._team), team, teams=True)
         self.max_m, self.n, self.k = max_m, n, k
 
     def run(self, a, b, out=None):
@@ -253,17 +257,18 @@ def _round_max_m(m, num_ranks):
     return -(-p // num_ranks) * num_ranks
 
 
-def _cached(cls, m, n, k, dtype):
-    """The cached op of `cls` for (n, k, dtype) with max_m >= m, remade (collectively, like every call) when m grows.
-    Every rank makes the same calls with the same shapes, so every rank remakes the same ops at the same call."""
+def _cached(cls, m, n, k, dtype, team):
+    """The cached op of `cls` for (n, k, dtype, team) with max_m >= m, remade (collectively, like every call) when m
+    grows. Every rank makes the same calls with the same shapes, so every rank remakes the same ops at the same call."""
     state = _runtime._get_state()
-    key = (cls._kind, n, k, dtype)
+    key = (cls._kind, n, k, dtype, None if team is None else team.id)
     op = state.op_cache.get(key)
     if op is not None and op.max_m >= m and not op.closed:
         return op
     if op is not None:
         op.close()
-    op = cls(_round_max_m(m, state.world.num_ranks), n, k, dtype)
+    size = team.num_ranks if team is not None else state.world.num_ranks
+    op = cls(_round_max_m(m, size), n, k, dtype, team=team)
     state.op_cache[key] = op
     return op
 
@@ -277,26 +282,26 @@ def _shape_check(a, name, dims=2):
 
 
 def ag_gemm(a_local, b, out=None, *, team=None):
-    """AllGather(a_local) @ b.T through a cached AgGemm (made on the first call with these n, k, dtype; remade when
-    M grows). Collective; on torch's current stream."""
-    _runtime._world_for(team, "ag_gemm")
+    """AllGather(a_local) @ b.T through a cached AgGemm (made on the first call with these n, k, dtype and team;
+    remade when M grows). Collective over the team (default: the World); on torch's current stream."""
+    _runtime._team_for(team, "ag_gemm")
     _shape_check(a_local, "a_local")
     _shape_check(b, "b")
-    m = a_local.shape[0] * _runtime.num_ranks()
-    return _cached(AgGemm, m, b.shape[0], b.shape[1], a_local.dtype).run(a_local, b, out)
+    size = team.num_ranks if team is not None else _runtime.num_ranks()
+    return _cached(AgGemm, a_local.shape[0] * size, b.shape[0], b.shape[1], a_local.dtype, team).run(a_local, b, out)
 
 
 def gemm_rs(a, b, out=None, *, team=None):
-    """ReduceScatter(a @ b.T) through a cached GemmRs. Collective; on torch's current stream."""
-    _runtime._world_for(team, "gemm_rs")
+    """ReduceScatter(a @ b.T) through a cached GemmRs. Collective over the team; on torch's current stream."""
+    _runtime._team_for(team, "gemm_rs")
     _shape_check(a, "a")
     _shape_check(b, "b")
-    return _cached(GemmRs, a.shape[0], b.shape[0], b.shape[1], a.dtype).run(a, b, out)
+    return _cached(GemmRs, a.shape[0], b.shape[0], b.shape[1], a.dtype, team).run(a, b, out)
 
 
 def gemm_ar(a, b, out=None, *, team=None):
-    """AllReduce(a @ b.T) through a cached GemmAr. Collective; on torch's current stream."""
-    _runtime._world_for(team, "gemm_ar")
+    """AllReduce(a @ b.T) through a cached GemmAr. Collective over the team; on torch's current stream."""
+    _runtime._team_for(team, "gemm_ar")
     _shape_check(a, "a")
     _shape_check(b, "b")
-    return _cached(GemmAr, a.shape[0], b.shape[0], b.shape[1], a.dtype).run(a, b, out)
+    return _cached(GemmAr, a.shape[0], b.shape[0], b.shape[1], a.dtype, team).run(a, b, out)

@@ -192,16 +192,39 @@ class Team:
     def is_world(self):
         return self.ranks == list(range(_get_state().world.num_ranks))
 
+    @property
+    def id(self):
+        """The team's name, the same on every member and unique in the World."""
+        return self._team.id
+
+    def barrier(self):
+        """Collective over the members."""
+        self._team.barrier()
+
     def __repr__(self):
         return f"weft.Team(ranks={self.ranks}, rank={self.rank})"
 
 
 def _world_for(team, op):
-    """The World an op on `team` runs on. Ops run on the whole World in this build (see docs/python.md, Teams)."""
+    """The World a collective op runs on: weft's collectives (all_reduce, all_gather, reduce_scatter, EP) run on the
+    whole World in this build; a team other than the World's is refused (docs/python.md, Teams)."""
     state = _get_state()
-    if team is not None and not (isinstance(team, Team) and team.is_world):
+    if team is not None:
         if not isinstance(team, Team):
             raise TypeError(f"team: expected a weft.Team or None, got {type(team).__name__}")
-        raise NotImplementedError(f"{op}: team={team!r}: ops on a Team other than the World's are not in this build "
-                                  "of weft yet (docs/python.md, Teams)")
+        if not team.is_world:
+            raise NotImplementedError(f"{op}: team={team!r}: this op runs on the whole World in this build of weft "
+                                      "(the fused ops AgGemm, GemmRs, GemmAr and weft.empty take a Team)")
     return state.world
+
+
+def _team_for(team, op):
+    """(World, the C++ team or None for the World's) for an op that runs on a Team."""
+    state = _get_state()
+    if team is None:
+        return state.world, None
+    if not isinstance(team, Team):
+        raise TypeError(f"team: expected a weft.Team or None, got {type(team).__name__}")
+    if not team.is_member:
+        raise Error(f"{op}: world rank {state.world.rank} is not a member of {team!r}")
+    return state.world, (None if team.is_world else team._team)

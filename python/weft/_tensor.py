@@ -27,7 +27,7 @@ def torch_module():
 
 
 def dtype_code(dtype, name="dtype"):
-    torch = torch_module()
+    torch_module()  # fills the dtype table
     code = _codes.get(dtype)
     if code is None:
         supported = ", ".join(str(t).replace("torch.", "") for t in _codes)
@@ -80,14 +80,15 @@ def heap_tensor(view, world, torch_dtype):
 def empty(shape, dtype=None, *, team=None):
     """A tensor on the symmetric heap (uninitialised; every rank's is at the same offset, so peers' kernels reach it).
 
-    Collective: every rank calls it with the same shape and dtype, in the same order as its other collectives.
+    Collective over the World's ranks, or over `team`'s members (weft.Team): each calls it with the same shape and
+    dtype, in the same order as its other collectives.
     The memory is freed by weft.free(tensor) (collective) or by weft.finalize(), never by the garbage collector:
     ranks drop their last reference at different moments, and a collective free run from a finalizer would meet
     the other ranks in an order nobody chose (a mismatch error, or a wait until the timeout). After weft.free the
     tensor (and every view of it) must not be used. dtype default: torch.bfloat16.
     """
     torch = torch_module()
-    world = _runtime._world_for(team, "empty")
+    world, cpp_team = _runtime._team_for(team, "empty")
     if dtype is None:
         dtype = torch.bfloat16
     code = dtype_code(dtype)
@@ -100,14 +101,16 @@ def empty(shape, dtype=None, *, team=None):
     nbytes = numel * _weft.dtype_bytes(code)
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise Error("empty: symmetric allocation is collective and cannot happen during CUDA graph capture")
-    ptr = world.alloc(max(nbytes, 1))
-    _runtime._get_state().heap_blocks[ptr] = nbytes
+    owner = cpp_team if cpp_team is not None else world
+    ptr = owner.alloc(max(nbytes, 1))
+    _runtime._get_state().heap_blocks[ptr] = owner
     flat = heap_tensor(TensorView(ptr, code, (max(numel, 1),), (1,)), world, dtype)
     return flat[:numel].view(shape)
 
 
 def free(tensor):
-    """Collective: frees a tensor weft.empty returned (the same tensors, in the same order, on every rank)."""
+    """Collective over the ranks that allocated it: frees a tensor weft.empty returned (the same tensors, in the same
+    order, on every one of them)."""
     torch = torch_module()
     state = _runtime._get_state()
     if not isinstance(tensor, torch.Tensor):
@@ -116,7 +119,7 @@ def free(tensor):
     if ptr not in state.heap_blocks:
         raise ValueError("tensor: not a live tensor of weft.empty (pass the tensor it returned, not a view "
                          "that starts elsewhere; freed tensors cannot be freed again)")
-    state.world.free(ptr)
+    state.heap_blocks[ptr].free(ptr)  # the World or the team that allocated it
     del state.heap_blocks[ptr]
 
 

@@ -1,0 +1,77 @@
+# SPDX-License-Identifier: MIT
+# weft.Team from a list of ranks and from a torch process group: fused ops and symmetric tensors over a team, two
+# teams at once, against references gathered with NCCL over the matching process group.
+import pytest
+import torch
+import torch.distributed as dist
+
+import weft
+from conftest import rank_generator, rel_error
+
+
+def _halves(num_ranks):
+    half = max(num_ranks // 2, 1)
+    return [list(range(0, half)), list(range(half, num_ranks))] if num_ranks > 1 else [[0]]
+
+
+@pytest.fixture(scope="module")
+def my_team(world):
+    groups = _halves(world.num_ranks)
+    pgs = [dist.new_group(g) for g in groups]  # collective in torch: every rank makes every group
+    mine = next(i for i, g in enumerate(groups) if world.rank in g)
+    teams = [weft.Team(g) for g in groups]  # collective over the World, in the same order on every rank
+    return teams[mine], pgs[mine], groups[mine]
+
+
+def test_team_membership(world, my_team):
+    team, pg, ranks = my_team
+    assert team.is_member and team.ranks == ranks and team.num_ranks == len(ranks)
+    assert team.rank == ranks.index(world.rank)
+    assert team.is_world == (len(ranks) == world.num_ranks)
+    team.barrier()
+
+
+def test_team_from_a_process_group(world):
+    pg = dist.new_group(list(range(world.num_ranks)))
+    team = weft.Team(pg)
+    assert team.ranks == list(range(world.num_ranks)) and team.is_world and team.rank == world.rank
+
+
+def test_ag_gemm_and_gemm_rs_on_two_teams_at_once(world, my_team):
+    team, pg, ranks = my_team
+    w = len(ranks)
+    dtype = torch.bfloat16
+    g = rank_generator(100 + world.rank)
+    a_local = torch.randn((32, 256), generator=g, device="cuda").to(dtype)
+    b = (torch.randn((128, 256), generator=g, device="cuda") * 0.1).to(dtype)
+
+    out = weft.ag_gemm(a_local, b, team=team)
+    gathered = torch.empty((w * 32, 256), dtype=dtype, device="cuda")
+    dist.all_gather_into_tensor(gathered, a_local, group=pg)
+    assert out.shape == (w * 32, 128)
+    assert rel_error(out, gathered.float() @ b.float().t()) < 2e-2
+
+    a = torch.randn((w * 32, 256), generator=g, device="cuda").to(dtype)
+    out = weft.gemm_rs(a, b, team=team)
+    expected = torch.empty((32, 128), device="cuda")
+    dist.reduce_scatter_tensor(expected, a.float() @ b.float().t(), group=pg)
+    assert rel_error(out, expected) < 2e-2
+
+
+def test_symmetric_tensor_on_a_team(world, my_team):
+    team, _, _ = my_team
+    x = weft.empty((team.num_ranks, 64), torch.float32, team=team)
+    try:
+        assert weft.is_symmetric(x)
+        x.fill_(1.0)
+        team.barrier()
+    finally:
+        weft.free(x)
+
+
+def test_collectives_on_a_team_are_refused_until_weft_has_them(my_team):
+    team, _, _ = my_team
+    if team.is_world:
+        pytest.skip("a team of every rank is the World")
+    with pytest.raises(NotImplementedError, match="runs on the whole World"):
+        weft.all_reduce(torch.zeros(4, device="cuda"), team=team)
