@@ -84,8 +84,9 @@ def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
 def finalize():
     """Collective: closes every op, buffer and handle still open (newest first, the same order on every rank),
     then the World; its symmetric heap, and so every weft.empty tensor not yet freed, goes with it. A no-op when
-    weft is not initialised. Registered with atexit by init (after torch.distributed's own exit handlers were
-    registered, so it runs before them)."""
+    weft is not initialised. Registered with atexit when weft is imported: it runs before the interpreter tears down
+    torch.distributed's objects (the store the World's last barrier goes through). Call it yourself before
+    torch.distributed.destroy_process_group()."""
     global _state
     with _lock:
         state, _state = _state, None

@@ -36,15 +36,3 @@ def rank(world):
 @pytest.fixture
 def num_ranks(world):
     return world.num_ranks
-
-
-def rank_generator(seed):
-    """A CUDA generator seeded the same on every rank (for data every rank must share)."""
-    g = torch.Generator(device="cuda")
-    g.manual_seed(seed)
-    return g
-
-
-def rel_error(actual, expected):
-    actual, expected = actual.double(), expected.double()
-    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()

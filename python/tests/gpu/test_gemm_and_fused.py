@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import weft
-from conftest import rank_generator, rel_error
+from weft_gpu_helpers import rank_generator, rel_error
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 

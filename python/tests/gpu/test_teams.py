@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import weft
-from conftest import rank_generator, rel_error
+from weft_gpu_helpers import rank_generator, rel_error
 
 
 def _halves(num_ranks):

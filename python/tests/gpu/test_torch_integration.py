@@ -10,7 +10,7 @@ import torch.distributed as dist
 import weft
 import weft.nn
 import weft.torch
-from conftest import rank_generator, rel_error
+from weft_gpu_helpers import rank_generator, rel_error
 
 
 def test_nccl_process_group_and_weft_share_the_process(world, rank, num_ranks):
