@@ -13,7 +13,7 @@ import weft  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
-def world():
+def _session():
     """torch.distributed with the NCCL backend first, then weft.init() in the same process, on torch's store."""
     if "WORLD_SIZE" not in os.environ or not torch.cuda.is_available():
         pytest.skip("GPU tests: run under torchrun on a machine with one GPU per rank")
@@ -22,10 +22,16 @@ def world():
         pytest.skip("GPU tests: one GPU per rank needed (NCCL refuses ranks sharing a GPU)")
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    w = weft.init()
-    yield w
+    weft.init()
+    yield
     weft.finalize()
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def world():
+    """The current World (a test may finalize and init again: later tests get the new one)."""
+    return weft.init()
 
 
 @pytest.fixture

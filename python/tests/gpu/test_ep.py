@@ -31,8 +31,8 @@ def _expected_counts(idx, rank, num_ranks, num_experts):
 
 
 @pytest.fixture(scope="module")
-def buffer(world):
-    buf = weft.ep.Buffer(num_experts=8 * world.num_ranks, hidden=HIDDEN, topk=TOPK, max_tokens_per_rank=TOKENS)
+def buffer():
+    buf = weft.ep.Buffer(num_experts=8 * weft.num_ranks(), hidden=HIDDEN, topk=TOPK, max_tokens_per_rank=TOKENS)
     yield buf
     buf.close()
 

@@ -15,7 +15,8 @@ def _halves(num_ranks):
 
 
 @pytest.fixture(scope="module")
-def my_team(world):
+def my_team():
+    world = weft.world()
     groups = _halves(world.num_ranks)
     pgs = [dist.new_group(g) for g in groups]  # collective in torch: every rank makes every group
     mine = next(i for i, g in enumerate(groups) if world.rank in g)
