@@ -81,3 +81,31 @@ def test_a_world_on_a_machine_without_a_gpu_is_a_weft_error():
     adapter = _weft.StoreAdapter(DictStore())
     with pytest.raises(weft.Error):
         _weft.World.from_store(adapter, rank=0, num_ranks=1, timeout_ms=5000)
+
+
+def test_finalize_closes_the_newest_first_then_the_world():
+    from weft import _runtime
+
+    order = []
+
+    class Closable:
+        def __init__(self, name, fail=False):
+            self.name, self.fail = name, fail
+
+        def close(self):
+            order.append(self.name)
+            if self.fail:
+                raise weft.Error(f"{self.name} refused")
+
+    _runtime._state = _runtime._State(Closable("world"), None, None)
+    _runtime._state.objects += [Closable("buffer"), Closable("handle")]
+    weft.finalize()
+    assert order == ["handle", "buffer", "world"] and not weft.is_initialized()
+
+    # One refusal does not keep the others open; the first error is raised and the World is left to its owner.
+    order.clear()
+    _runtime._state = _runtime._State(Closable("world"), None, None)
+    _runtime._state.objects += [Closable("a"), Closable("b", fail=True), Closable("c")]
+    with pytest.raises(weft.Error, match="b refused"):
+        weft.finalize()
+    assert order == ["c", "b", "a"] and not weft.is_initialized()

@@ -133,9 +133,9 @@ class _FusedOp:
     def close(self):
         """Collective: frees the op's symmetric buffers (every rank, in the same order)."""
         if self._op is not None:
-            op, self._op = self._op, None
+            self._op.close()  # may refuse (an EP buffer with open handles): then it stays open here too
+            self._op = None
             _runtime._unregister(self)
-            op.close()
 
     @property
     def closed(self):

@@ -92,14 +92,18 @@ def finalize():
         state, _state = _state, None
     if state is None:
         return
-    try:
-        for obj in reversed(list(state.objects)):  # the newest first: handles before the buffers they came from
+    first_error = None
+    for obj in reversed(list(state.objects)):  # the newest first: handles before the buffers they came from
+        try:
             obj.close()
-    finally:
-        state.objects.clear()
-        state.op_cache.clear()
-        state.heap_blocks.clear()
-        state.world.close()
+        except Exception as e:  # noqa: BLE001 -- the others are closed all the same; the first error is raised
+            first_error = first_error or e
+    state.objects.clear()
+    state.op_cache.clear()
+    state.heap_blocks.clear()
+    if first_error is not None:
+        raise first_error
+    state.world.close()
 
 
 atexit.register(finalize)

@@ -44,9 +44,9 @@ class _Handle:
 
     def close(self):
         if self._h is not None:
-            h, self._h = self._h, None
+            self._h.close()
+            self._h = None
             _runtime._unregister(self)
-            h.close()
 
     def _get(self):
         if self._h is None:
