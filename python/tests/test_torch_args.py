@@ -125,3 +125,26 @@ def test_torch_compile_fullgraph_traces_the_custom_ops_and_their_backward(fake_w
     assert y.shape == (8, 16)
     y.sum().backward()
     assert x.grad.shape == x.shape and mlp.w1.grad.shape == mlp.w1.shape
+
+
+def test_team_custom_ops_and_their_backward_on_a_team_of_four(fake_world):
+    import weft.torch  # noqa: F401
+
+    class _FakeTeam:  # what team_by_handle returns; only its size is read while tracing
+        num_ranks = 4
+
+    _runtime._state.teams.append(_FakeTeam())
+    a_local, b = _meta(8, 16), _meta(32, 16)
+    out, gathered = torch.ops.weft.ag_gemm_saving(a_local, b, 0)
+    assert out.shape == (32, 32) and gathered.shape == (32, 16)
+    out.sum().backward()
+    assert a_local.grad.shape == a_local.shape and b.grad.shape == b.shape
+
+    h, w = _meta(32, 32), _meta(24, 32)
+    y = torch.ops.weft.gemm_rs(h, w, 0)
+    assert y.shape == (8, 24)
+    y.sum().backward()
+    assert h.grad.shape == h.shape and w.grad.shape == w.shape
+    assert torch.ops.weft.gemm_ar(_meta(4, 32), w, 0).shape == (4, 24)
+    with pytest.raises(TypeError, match="team: expected a weft.Team or None, got int"):
+        weft.torch.gemm_rs(h, w, team=3)

@@ -19,6 +19,7 @@ class _State:
         self.objects = []  # ops and buffers, creation order
         self.heap_blocks = {}  # pointer -> bytes, for weft.empty tensors not freed yet
         self.op_cache = {}  # functional ops' cached fused-op objects
+        self.teams = []  # weft.Team objects by handle (the integer weft.torch's custom ops take)
         self.algo_codes = {}
 
 
@@ -179,6 +180,8 @@ class Team:
         key = ranks.index(me) if me in ranks else 0
         self._team = state.world.team().split_color(color, key)
         self.ranks = ranks
+        self.handle = len(state.teams)  # this process's index of the team, for weft.torch's custom ops
+        state.teams.append(self)
 
     @property
     def rank(self):
@@ -208,6 +211,22 @@ class Team:
 
     def __repr__(self):
         return f"weft.Team(ranks={self.ranks}, rank={self.rank})"
+
+
+def team_by_handle(handle):
+    """The weft.Team with this handle (Team.handle), or None for -1 (the World)."""
+    if handle < 0:
+        return None
+    teams = _get_state().teams
+    if handle >= len(teams):
+        raise Error(f"team: no weft.Team has handle {handle} in this World")
+    return teams[handle]
+
+
+def team_size(handle):
+    """Ranks of the team with this handle (-1: the World's)."""
+    team = team_by_handle(handle)
+    return team.num_ranks if team is not None else num_ranks()
 
 
 def _world_for(team, op):

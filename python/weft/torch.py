@@ -15,12 +15,19 @@ Autograd (sums are over ranks; W = number of ranks):
     gemm_rs(a, b)   grad_a = ag_gemm(grad_out, b.T), grad_b = all_gather(grad_out).T @ a
     gemm(a, b)      grad_a = grad_out @ b, grad_b = grad_out.T @ a
 so a column-parallel AG+GEMM's backward is GEMM+RS and a row-parallel GEMM+RS's backward is AG+GEMM.
+
+Teams: ag_gemm(a, b, team=...), gemm_rs and gemm_ar (the Python functions of this module) run on a weft.Team; the
+custom ops take the team's handle (an int, -1 for the World). On a team, ag_gemm runs weft::ag_gemm_saving, which also
+returns a copy of the gathered input for the weight gradient (weft has no team all-gather yet), and gemm_rs's
+backward takes the gathered output gradient from the same op. The collectives run on the World.
 """
 import torch
 
 from . import _ops, _runtime
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "gemm", "ag_gemm", "gemm_rs", "gemm_ar"]
+# ag_gemm, gemm_rs and gemm_ar below are Python functions over the custom ops torch.ops.weft.ag_gemm,
+# ag_gemm_saving, gemm_rs and gemm_ar (which take a team handle).
 
 
 def _contiguous(x):
@@ -99,38 +106,82 @@ def _(a, b):
 
 
 @torch.library.custom_op("weft::ag_gemm", mutates_args=(), device_types="cuda")
-def ag_gemm(a_local: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """AllGather(a_local) @ b.T: a_local [M/W, k], b [n, k] -> [M, n]."""
+def _ag_gemm(a_local: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """AllGather(a_local) @ b.T over the World: a_local [M/W, k], b [n, k] -> [M, n]."""
     return _ops.ag_gemm(_contiguous(a_local), _contiguous(b))
 
 
-@ag_gemm.register_fake
+@_ag_gemm.register_fake
 def _(a_local, b):
     return a_local.new_empty((_runtime.num_ranks() * a_local.shape[0], b.shape[0]))
 
 
+@torch.library.custom_op("weft::ag_gemm_saving", mutates_args=(), device_types="cuda")
+def _ag_gemm_saving(a_local: torch.Tensor, b: torch.Tensor, team: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(AllGather(a_local) @ b.T, a copy of AllGather(a_local)) over the team with handle `team` (-1: the World).
+    The copy is what the backward pass needs for the weight gradient (a team has no all-gather of its own yet)."""
+    t = _runtime.team_by_handle(team)
+    a_local, b = _contiguous(a_local), _contiguous(b)
+    m = a_local.shape[0] * _runtime.team_size(team)
+    op = _ops._cached(_ops.AgGemm, m, b.shape[0], b.shape[1], a_local.dtype, t)
+    out = op.run(a_local, b)
+    return out, op.gathered(m).clone()
+
+
+@_ag_gemm_saving.register_fake
+def _(a_local, b, team):
+    m = _runtime.team_size(team) * a_local.shape[0]
+    return a_local.new_empty((m, b.shape[0])), a_local.new_empty((m, a_local.shape[1]))
+
+
 @torch.library.custom_op("weft::gemm_rs", mutates_args=(), device_types="cuda")
-def gemm_rs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """ReduceScatter(a @ b.T): a [M, k], b [n, k] -> [M/W, n]."""
-    return _ops.gemm_rs(_contiguous(a), _contiguous(b))
+def _gemm_rs(a: torch.Tensor, b: torch.Tensor, team: int = -1) -> torch.Tensor:
+    """ReduceScatter(a @ b.T) over the team with handle `team` (-1: the World): a [M, k], b [n, k] -> [M/W, n]."""
+    return _ops.gemm_rs(_contiguous(a), _contiguous(b), team=_runtime.team_by_handle(team))
 
 
-@gemm_rs.register_fake
-def _(a, b):
-    n = _runtime.num_ranks()
+@_gemm_rs.register_fake
+def _(a, b, team=-1):
+    n = _runtime.team_size(team)
     torch._check(a.shape[0] % n == 0, lambda: f"a: M must be a multiple of the {n} ranks")
     return a.new_empty((a.shape[0] // n, b.shape[0]))
 
 
 @torch.library.custom_op("weft::gemm_ar", mutates_args=(), device_types="cuda")
-def gemm_ar(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """AllReduce(a @ b.T): a [M, k], b [n, k] -> [M, n] on every rank."""
-    return _ops.gemm_ar(_contiguous(a), _contiguous(b))
+def _gemm_ar(a: torch.Tensor, b: torch.Tensor, team: int = -1) -> torch.Tensor:
+    """AllReduce(a @ b.T) over the team with handle `team` (-1: the World): a [M, k], b [n, k] -> [M, n]."""
+    return _ops.gemm_ar(_contiguous(a), _contiguous(b), team=_runtime.team_by_handle(team))
 
 
-@gemm_ar.register_fake
-def _(a, b):
+@_gemm_ar.register_fake
+def _(a, b, team=-1):
     return a.new_empty((a.shape[0], b.shape[0]))
+
+
+def _handle(team):
+    if team is None:
+        return -1
+    if not isinstance(team, _runtime.Team):
+        raise TypeError(f"team: expected a weft.Team or None, got {type(team).__name__}")
+    return team.handle
+
+
+def ag_gemm(a_local, b, team=None):
+    """AllGather(a_local) @ b.T over `team` (a weft.Team; None: the World), differentiable. On a team it saves the
+    gathered input for the backward pass (memory of M x k); on the World the backward all-gathers it again."""
+    if team is None:
+        return torch.ops.weft.ag_gemm(a_local, b)
+    return torch.ops.weft.ag_gemm_saving(a_local, b, _handle(team))[0]
+
+
+def gemm_rs(a, b, team=None):
+    """ReduceScatter(a @ b.T) over `team` (None: the World), differentiable."""
+    return torch.ops.weft.gemm_rs(a, b, _handle(team))
+
+
+def gemm_ar(a, b, team=None):
+    """AllReduce(a @ b.T) over `team` (None: the World), differentiable."""
+    return torch.ops.weft.gemm_ar(a, b, _handle(team))
 
 
 def _save_inputs(ctx, inputs, output):
@@ -147,17 +198,41 @@ def _gemm_backward(ctx, grad):
 def _ag_gemm_backward(ctx, grad):
     a_local, b = ctx.saved_tensors
     grad = _contiguous(grad)
-    grad_a = gemm_rs(grad, b.t().contiguous()) if ctx.needs_input_grad[0] else None
+    grad_a = torch.ops.weft.gemm_rs(grad, b.t().contiguous()) if ctx.needs_input_grad[0] else None
     grad_b = grad.t() @ all_gather(a_local) if ctx.needs_input_grad[1] else None
     return grad_a, grad_b
+
+
+def _save_saving(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], output[1])
+    ctx.team = inputs[2]
+
+
+def _ag_gemm_saving_backward(ctx, grad, grad_gathered):
+    # The gathered copy is an internal output: gradients through it are not propagated (nothing differentiates it).
+    b, a_full = ctx.saved_tensors
+    grad = _contiguous(grad)
+    grad_a = torch.ops.weft.gemm_rs(grad, b.t().contiguous(), ctx.team) if ctx.needs_input_grad[0] else None
+    grad_b = grad.t() @ a_full if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None
+
+
+def _save_with_team(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.team = inputs[2]
 
 
 def _gemm_rs_backward(ctx, grad):
     a, b = ctx.saved_tensors
     grad = _contiguous(grad)
-    grad_a = ag_gemm(grad, b.t().contiguous()) if ctx.needs_input_grad[0] else None
-    grad_b = all_gather(grad).t() @ a if ctx.needs_input_grad[1] else None
-    return grad_a, grad_b
+    if ctx.team < 0:
+        grad_a = torch.ops.weft.ag_gemm(grad, b.t().contiguous()) if ctx.needs_input_grad[0] else None
+        grad_b = all_gather(grad).t() @ a if ctx.needs_input_grad[1] else None
+    else:
+        grad_a, grad_full = torch.ops.weft.ag_gemm_saving(grad, b.t().contiguous(), ctx.team)
+        grad_a = grad_a if ctx.needs_input_grad[0] else None
+        grad_b = grad_full.t() @ a if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None
 
 
 def _gemm_ar_backward(ctx, grad):
@@ -165,10 +240,11 @@ def _gemm_ar_backward(ctx, grad):
     a, b = ctx.saved_tensors
     grad_a = grad @ b if ctx.needs_input_grad[0] else None
     grad_b = grad.t() @ a if ctx.needs_input_grad[1] else None
-    return grad_a, grad_b
+    return grad_a, grad_b, None
 
 
 gemm.register_autograd(_gemm_backward, setup_context=_save_inputs)
-ag_gemm.register_autograd(_ag_gemm_backward, setup_context=_save_inputs)
-gemm_rs.register_autograd(_gemm_rs_backward, setup_context=_save_inputs)
-gemm_ar.register_autograd(_gemm_ar_backward, setup_context=_save_inputs)
+_ag_gemm.register_autograd(_ag_gemm_backward, setup_context=_save_inputs)
+_ag_gemm_saving.register_autograd(_ag_gemm_saving_backward, setup_context=_save_saving)
+_gemm_rs.register_autograd(_gemm_rs_backward, setup_context=_save_with_team)
+_gemm_ar.register_autograd(_gemm_ar_backward, setup_context=_save_with_team)

@@ -76,3 +76,34 @@ def test_collectives_on_a_team_are_refused_until_weft_has_them(my_team):
         pytest.skip("a team of every rank is the World")
     with pytest.raises(NotImplementedError, match="runs on the whole World"):
         weft.all_reduce(torch.zeros(4, device="cuda"), team=team)
+
+
+def test_tensor_parallel_mlp_on_a_team_matches_a_single_gpu_reference(my_team):
+    import weft.nn
+
+    team, _, ranks = my_team
+    w, t = len(ranks), team.rank
+    hidden, ffn, m = 128, 512, 32 * w
+    dtype = torch.bfloat16
+    g = rank_generator(7)  # the same full weights, tokens and gradient on every rank of every team
+    w1 = (torch.randn((ffn, hidden), generator=g, device="cuda") * 0.05).to(dtype)
+    w2 = (torch.randn((hidden, ffn), generator=g, device="cuda") * 0.05).to(dtype)
+    x = torch.randn((m, hidden), generator=g, device="cuda").to(dtype)
+    grad = torch.randn((m, hidden), generator=g, device="cuda").to(dtype)
+
+    mlp = weft.nn.TensorParallelMLP(hidden, ffn, dtype=dtype, team=team)
+    assert mlp.num_ranks == w and mlp.rank == t
+    mlp.load_full_weights(w1, w2)
+    rows = slice(t * (m // w), (t + 1) * (m // w))
+    x_local = x[rows].clone().requires_grad_()
+    y_local = mlp(x_local)
+    y_local.backward(grad[rows])
+
+    xr, w1r, w2r = (v.float().requires_grad_() for v in (x, w1, w2))
+    yr = torch.nn.functional.gelu(xr @ w1r.t()) @ w2r.t()
+    yr.backward(grad.float())
+    shard = slice(t * (ffn // w), (t + 1) * (ffn // w))
+    assert rel_error(y_local, yr[rows]) < 3e-2
+    assert rel_error(x_local.grad, xr.grad[rows]) < 3e-2
+    assert rel_error(mlp.w1.grad, w1r.grad[shard]) < 3e-2
+    assert rel_error(mlp.w2.grad, w2r.grad[:, shard]) < 3e-2
