@@ -27,7 +27,7 @@ void validate_ag_gemm_shape(const AgGemmShape& s, int num_ranks, const AgGemmOpt
     WEFT_CHECK(num_ranks >= 1, "ag_gemm: the team's num_ranks must be >= 1, got " << num_ranks);
     WEFT_CHECK(s.max_m > 0 && s.max_m % num_ranks == 0,
                "ag_gemm: shape.max_m must be a positive multiple of the team's num_ranks " << num_ranks << ", got "
-                                                                                          << s.max_m);
+                                                                                           << s.max_m);
     WEFT_CHECK(s.max_m <= kMaxDim, "ag_gemm: shape.max_m must fit in 31 bits, got " << s.max_m);
     WEFT_CHECK(s.n > 0 && s.n <= kMaxDim, "ag_gemm: shape.n must be in [1, 2^31), got " << s.n);
     WEFT_CHECK(s.k >= 8 && s.k % 8 == 0 && s.k <= kMaxDim,
@@ -197,9 +197,9 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
                  s.num_ranks > 1 && world.max_ranks_per_device() > 1);
     if (s.num_ranks > 1) s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());
     WEFT_LOG_INFO("ag_gemm: " << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "")
-                              << ", chunk_rows " << s.chunk_rows << " ("
-                              << s.max_chunks_per_rank << " per rank at max_m), " << num_copy
-                              << " copy stream(s), SM budget " << s.budget << ", team of " << s.num_ranks);
+                              << ", chunk_rows " << s.chunk_rows << " (" << s.max_chunks_per_rank
+                              << " per rank at max_m), " << num_copy << " copy stream(s), SM budget " << s.budget
+                              << ", team of " << s.num_ranks);
     team.barrier();
 }
 
@@ -213,8 +213,8 @@ int AgGemm::gemm_grid() const { return fused_gemm_grid(config(), s_->shape.max_m
 TensorView AgGemm::gathered(int64_t m) const {
     const State& s = *s_;
     WEFT_CHECK(m >= 1 && m <= s.shape.max_m && m % s.num_ranks == 0,
-               "ag_gemm: gathered(m) needs a multiple of the team's num_ranks " << s.num_ranks << " in [1, max_m = "
-                                                                                << s.shape.max_m << "], got " << m);
+               "ag_gemm: gathered(m) needs a multiple of the team's num_ranks "
+                   << s.num_ranks << " in [1, max_m = " << s.shape.max_m << "], got " << m);
     return s.gathered_view(m);
 }
 
@@ -314,9 +314,9 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
         copy.dst = dst;
         // ch.rank is a team rank; the heap maps peers by world rank.
         copy.src = s.world->heap().symm_at(static_cast<const void*>(dst), s.team.world_rank(ch.rank));
-        WEFT_CHECK(copy.src != nullptr, "ag_gemm: the gathered buffer of team rank "
-                                            << ch.rank << " (world rank " << s.team.world_rank(ch.rank)
-                                            << ") is not reachable");
+        WEFT_CHECK(copy.src != nullptr, "ag_gemm: the gathered buffer of team rank " << ch.rank << " (world rank "
+                                                                                     << s.team.world_rank(ch.rank)
+                                                                                     << ") is not reachable");
         copy.bytes = static_cast<size_t>(ch.num_rows * k * es);
         copy.signal = s.chunk_signals + ch.signal_idx;
         call.copies.push_back(copy);

@@ -65,10 +65,11 @@ void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_
 
 }  // namespace
 
-void all_gather(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream,
+void all_gather(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream,
                 const AllGatherOptions& options) {
-    const int n = world.num_ranks();
-    const int me = world.rank();
+    team.require_member("all_gather");
+    const int n = team.num_ranks();
+    const int me = team.rank();
     detail::check_all_gather_args(input, output, n, me);
     const auto shard = static_cast<uint64_t>(input.size_bytes());
     const uint64_t total = shard * static_cast<uint64_t>(n);
@@ -79,7 +80,7 @@ void all_gather(World& world, const TensorView& input, const TensorView& output,
         if (in != out) WEFT_CUDA_CHECK(cudaMemcpyAsync(out, in, shard, cudaMemcpyDeviceToDevice, stream));
         return;
     }
-    CollectiveWorkspace& ws = CollectiveWorkspace::get(world);
+    CollectiveWorkspace& ws = CollectiveWorkspace::get(team);
     const CollectiveTopology& topo = ws.topology();
     const bool in_sym = ws.symmetric(in, shard);
     const bool out_sym = ws.symmetric(out, total);
@@ -156,6 +157,11 @@ void all_gather(World& world, const TensorView& input, const TensorView& output,
             break;
     }
     WEFT_FAIL("all_gather: the algorithm was not resolved");
+}
+
+void all_gather(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream,
+                const AllGatherOptions& options) {
+    all_gather(world.team(), input, output, stream, options);
 }
 
 }  // namespace weft::ops

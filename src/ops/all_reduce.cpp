@@ -12,20 +12,21 @@
 
 namespace weft::ops {
 
-void all_reduce(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream,
+void all_reduce(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream,
                 const AllReduceOptions& options) {
+    team.require_member("all_reduce");
     detail::check_all_reduce_args(input, output);
     const auto count = static_cast<uint64_t>(input.numel());
     const auto elem = static_cast<uint64_t>(dtype_bytes(input.dtype));
     const uint64_t bytes = count * elem;
     if (count == 0) return;
-    if (world.num_ranks() == 1) {
+    if (team.num_ranks() == 1) {
         if (input.data != output.data) {
             WEFT_CUDA_CHECK(cudaMemcpyAsync(output.data, input.data, bytes, cudaMemcpyDeviceToDevice, stream));
         }
         return;
     }
-    detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(world);
+    detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team);
     const CollectiveTopology& topo = ws.topology();
     const AllReduceAlgo algo = resolve_all_reduce_algo(options.algo, env::get("WEFT_ALLREDUCE_ALGO"), bytes, topo);
     const bool in_sym = ws.symmetric(input.data, bytes);
@@ -85,6 +86,11 @@ void all_reduce(World& world, const TensorView& input, const TensorView& output,
                                                 res_offset == ~0ull ? res_offset : res_offset + begin * elem});
         ws.launch(kernel, input.dtype, all_reduce_grid(algo, n * elem, topo), stream, p);
     }
+}
+
+void all_reduce(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream,
+                const AllReduceOptions& options) {
+    all_reduce(world.team(), input, output, stream, options);
 }
 
 }  // namespace weft::ops

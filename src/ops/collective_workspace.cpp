@@ -151,20 +151,28 @@ void check_device_pointer(const void* ptr, const char* what, const char* op, cud
                   << (attr.type == cudaMemoryTypeHost ? "pinned host memory" : "unregistered host memory"));
 }
 
-CollectiveWorkspace& CollectiveWorkspace::get(World& world) {
-    if (WorldExtension* e = world.find_extension(kExtensionName)) {
-        return static_cast<CollectiveWorkspace&>(*e);
-    }
-    std::unique_ptr<CollectiveWorkspace> ws(new CollectiveWorkspace(world));
-    return static_cast<CollectiveWorkspace&>(world.add_extension(kExtensionName, std::move(ws)));
+std::string CollectiveWorkspace::extension_name(const Team& team) {
+    return team.is_world() ? std::string(kExtensionName) : std::string(kExtensionName) + "/" + team.id();
 }
 
-CollectiveWorkspace::CollectiveWorkspace(World& world) : world_(world) {
-    rank_ = world.rank();
-    num_ranks_ = world.num_ranks();
+CollectiveWorkspace& CollectiveWorkspace::get(const Team& team) {
+    World& world = team.world();
+    const std::string name = extension_name(team);
+    if (WorldExtension* e = world.find_extension(name)) {
+        return static_cast<CollectiveWorkspace&>(*e);
+    }
+    std::unique_ptr<CollectiveWorkspace> ws(new CollectiveWorkspace(team));
+    return static_cast<CollectiveWorkspace&>(world.add_extension(name, std::move(ws)));
+}
+
+CollectiveWorkspace::CollectiveWorkspace(const Team& team) : team_(team), world_(team.world()) {
+    World& world = world_;
+    rank_ = team.rank();
+    num_ranks_ = team.num_ranks();
     max_ranks_ = collective_rank_bucket(num_ranks_);
-    WEFT_CHECK(max_ranks_ > 0, "collectives support up to 64 ranks, the World has " << num_ranks_);
-    ctx_ = world.device_ctx();
+    WEFT_CHECK(max_ranks_ > 0, "collectives support up to 64 ranks, the team has " << num_ranks_ << " ("
+                                                                                    << team.describe() << ")");
+    ctx_ = team.device_ctx();
     info_.topology.num_ranks = num_ranks_;
     if (num_ranks_ == 1) return;  // one rank: the ops copy, nothing to share or launch
     try {
@@ -172,35 +180,36 @@ CollectiveWorkspace::CollectiveWorkspace(World& world) : world_(world) {
         uint64_t region = env::get_bytes("WEFT_COLLECTIVE_STAGING_BYTES").value_or(kDefaultStagingRegionBytes);
         region = std::max<uint64_t>((region + 255) / 256 * 256, kMinStagingRegionBytes);
 
-        // Agree on the facts the kernels' grids and the algorithm choice depend on, and check reachability.
-        const SetupRecord mine{world.sm_budget(), world.num_ranks_on_device(), region};
+        // Agree on the facts the kernels' grids and the algorithm choice depend on, and check reachability. The
+        // SM budget is the World's per-GPU one: ranks of other teams may share the GPU and run at the same time.
+        const SetupRecord mine{world.sm_budget(), team.num_ranks_on_device(), region};
         const auto* mine_bytes = reinterpret_cast<const uint8_t*>(&mine);
         Bytes blob(mine_bytes, mine_bytes + sizeof(mine));
         for (int q = 0; q < num_ranks_; ++q) {
-            blob.push_back(heap.peer_bases()[static_cast<size_t>(q)] != nullptr ? 1 : 0);
+            blob.push_back(heap.peer_bases()[static_cast<size_t>(team.world_rank(q))] != nullptr ? 1 : 0);
         }
-        const std::vector<Bytes> all =
-            world.store().all_gather("weft/ops/collectives/setup", rank_, num_ranks_, blob, world.timeout());
+        const std::vector<Bytes> all = team.all_gather("weft.ops.collectives.setup", blob);
         CollectiveTopology topo;
         topo.num_ranks = num_ranks_;
         topo.grid_budget = static_cast<int>(kMaxCollectiveBlocks);
         topo.max_ranks_per_gpu = 1;
         for (int r = 0; r < num_ranks_; ++r) {
             const Bytes& b = all[static_cast<size_t>(r)];
-            WEFT_CHECK(b.size() == blob.size(), "collectives: rank " << r << " sent a setup record of " << b.size()
-                                                                     << " bytes, expected " << blob.size());
+            WEFT_CHECK(b.size() == blob.size(), "collectives: world rank " << team.world_rank(r)
+                                                                           << " sent a setup record of " << b.size()
+                                                                           << " bytes, expected " << blob.size());
             SetupRecord rec{};
             std::memcpy(&rec, b.data(), sizeof(rec));
             topo.grid_budget = std::min(topo.grid_budget, std::max(1, rec.sm_budget));
             topo.max_ranks_per_gpu = std::max(topo.max_ranks_per_gpu, rec.ranks_on_device);
             WEFT_CHECK(rec.staging_region_bytes == region,
-                       "collectives: WEFT_COLLECTIVE_STAGING_BYTES differs between ranks: rank "
-                           << rank_ << " uses " << region << " bytes per region, rank " << r << " "
-                           << rec.staging_region_bytes);
+                       "collectives: WEFT_COLLECTIVE_STAGING_BYTES differs between ranks: world rank "
+                           << world.rank() << " uses " << region << " bytes per region, world rank "
+                           << team.world_rank(r) << " " << rec.staging_region_bytes);
             for (int q = 0; q < num_ranks_; ++q) {
                 WEFT_CHECK(b[sizeof(SetupRecord) + static_cast<size_t>(q)] != 0,
-                           "collectives need load/store access between every pair of ranks, but rank "
-                               << r << " cannot reach rank " << q
+                           "collectives need load/store access between every pair of ranks of the team, but world rank "
+                               << team.world_rank(r) << " cannot reach world rank " << team.world_rank(q)
                                << "'s symmetric heap (another host, or no peer access between their GPUs); a "
                                   "network transport for collectives is not implemented yet");
             }
@@ -211,11 +220,11 @@ CollectiveWorkspace::CollectiveWorkspace(World& world) : world_(world) {
 
         const auto n = static_cast<uint64_t>(num_ranks_);
         const uint64_t before = heap.bytes_in_use();
-        barrier_flags_ = heap.alloc_signals(uint64_t{kMaxCollectiveBlocks} * n);
-        descriptors_ = heap.alloc_signals(2 * n);
-        ce_flags_ = heap.alloc_signals(n);
-        ll_buffer_ = reinterpret_cast<uint8_t*>(heap.alloc_signals(2 * n * info_.ll_slot_bytes / 8));
-        staging_ = static_cast<uint8_t*>(heap.alloc(3 * region, 256));
+        barrier_flags_ = heap.alloc_signals(team, uint64_t{kMaxCollectiveBlocks} * n);
+        descriptors_ = heap.alloc_signals(team, 2 * n);
+        ce_flags_ = heap.alloc_signals(team, n);
+        ll_buffer_ = reinterpret_cast<uint8_t*>(heap.alloc_signals(team, 2 * n * info_.ll_slot_bytes / 8));
+        staging_ = static_cast<uint8_t*>(heap.alloc(team, 3 * region, 256));
         info_.heap_bytes = heap.bytes_in_use() - before;
 
         WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&setup_stream_, cudaStreamNonBlocking));
@@ -224,7 +233,7 @@ CollectiveWorkspace::CollectiveWorkspace(World& world) : world_(world) {
         WEFT_CUDA_CHECK(cudaStreamSynchronize(setup_stream_));
         WEFT_CUDA_CHECK(cudaStreamDestroy(setup_stream_));  // one stream fewer in the hardware queues
         setup_stream_ = nullptr;
-        // NOTE: ranks of one process sharing a GPU share its hardware queues. Then the copy-engine schedule runs
+        // NOTE: ranks of one process sharing a GPU (of any team) share its hardware queues. Then the copy-engine schedule runs
         // on the caller's stream (no side stream at all), which keeps every rank's streams in queues of their own
         // (module_loading.hpp, ensure_device_connections) and a captured call a single chain of graph nodes
         // (all_gather.cpp, copy_engine_round).
@@ -254,8 +263,8 @@ CollectiveWorkspace::CollectiveWorkspace(World& world) : world_(world) {
             for (int t = 0; t < copies; ++t) kernels_[static_cast<size_t>(k)][static_cast<size_t>(t)] = loaded[i++];
         }
         info_.num_kernels = static_cast<int>(specs.size());
-        world.barrier();  // nobody launches a spinning kernel before every rank has loaded everything
-        WEFT_LOG_INFO("collectives: workspace ready: "
+        team.barrier();  // nobody launches a spinning kernel before every member has loaded everything
+        WEFT_LOG_INFO("collectives: workspace ready for the team of " << team.describe() << ": "
                       << info_.heap_bytes << " heap bytes (3 x " << region << " staging, LL " << info_.ll_slot_bytes
                       << " per sender), " << info_.num_kernels << " kernels, grid budget " << topo.grid_budget
                       << ", up to " << topo.max_ranks_per_gpu << " ranks per GPU");
@@ -296,8 +305,10 @@ uint64_t CollectiveWorkspace::offset_or_none(const void* ptr) const {
 }
 
 void* CollectiveWorkspace::peer_pointer(const void* ptr, int peer) const {
-    void* p = world_.heap().symm_at(ptr, peer);
-    WEFT_CHECK(p != nullptr, "collectives: rank " << peer << " is not load/store reachable from rank " << rank_);
+    void* p = world_.heap().symm_at(ptr, team_.world_rank(peer));
+    WEFT_CHECK(p != nullptr, "collectives: world rank " << team_.world_rank(peer)
+                                                       << " is not load/store reachable from world rank "
+                                                       << world_.rank());
     return p;
 }
 
@@ -346,9 +357,12 @@ void CollectiveWorkspace::join(cudaStream_t stream, int count) {
 
 }  // namespace detail
 
-const CollectiveWorkspaceInfo& prepare_collectives(World& world) {
-    return detail::CollectiveWorkspace::get(world).info();
+const CollectiveWorkspaceInfo& prepare_collectives(const Team& team) {
+    team.require_member("prepare_collectives");
+    return detail::CollectiveWorkspace::get(team).info();
 }
+
+const CollectiveWorkspaceInfo& prepare_collectives(World& world) { return prepare_collectives(world.team()); }
 
 void register_collective_aot_specs(int max_ranks) {
     static std::mutex mutex;

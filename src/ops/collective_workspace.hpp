@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-// The per-World collective workspace (private to src/ops): symmetric buffers, device state, kernels, side streams.
+// The per-team collective workspace (private to src/ops): symmetric buffers, device state, kernels, side streams.
 #pragma once
 
 #include <array>
@@ -18,27 +18,32 @@
 
 namespace weft::ops::detail {
 
-/// Symmetric buffers, the rank's device state, loaded kernels and side streams; one per World, made
-/// collectively on first use (prepare_collectives) and destroyed with the World.
+/// Symmetric buffers (team-collective allocations), the rank's device state, loaded kernels and side streams; one
+/// per team, made collectively over the team's members on first use (prepare_collectives) and destroyed with the
+/// World (a World extension named extension_name(team)).
 class CollectiveWorkspace final : public WorldExtension {
 public:
     static constexpr const char* kExtensionName = "weft.ops.collectives";
+    /// kExtensionName for the world team, kExtensionName + "/" + team.id() for any other.
+    static std::string extension_name(const Team& team);
 
-    /// The World's workspace, made (collectively) if it does not exist yet.
-    static CollectiveWorkspace& get(World& world);
+    /// The team's workspace, made (collectively over its members) if it does not exist yet. The caller has
+    /// checked that this rank is a member.
+    static CollectiveWorkspace& get(const Team& team);
     ~CollectiveWorkspace() override;
 
     const CollectiveWorkspaceInfo& info() const { return info_; }
     const CollectiveTopology& topology() const { return info_.topology; }
     World& world() { return world_; }
-    int rank() const { return rank_; }
+    const Team& team() const { return team_; }
+    int rank() const { return rank_; }  ///< team rank
     int num_ranks() const { return num_ranks_; }
 
     /// True when [ptr, ptr + bytes) is on this rank's symmetric heap.
     bool symmetric(const void* ptr, uint64_t bytes) const;
     /// Heap offset of a symmetric pointer, or ~0 for any other (for call descriptors).
     uint64_t offset_or_none(const void* ptr) const;
-    /// Rank `peer`'s copy of the symmetric `ptr` (weft::Error when unreachable: checked at creation).
+    /// Team rank `peer`'s copy of the symmetric `ptr` (weft::Error when unreachable: checked at creation).
     void* peer_pointer(const void* ptr, int peer) const;
 
     /// Params with the workspace fields filled in (the op fills in buffers, count, strides, flags, descriptor).
@@ -60,9 +65,10 @@ public:
     void join(cudaStream_t stream, int count);
 
 private:
-    explicit CollectiveWorkspace(World& world);
+    explicit CollectiveWorkspace(const Team& team);
     void release() noexcept;
 
+    Team team_;
     World& world_;
     int rank_ = 0;
     int num_ranks_ = 1;

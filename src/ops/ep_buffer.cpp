@@ -112,27 +112,44 @@ int Buffer::Impl::grid(const char* op, int requested, int fallback) const {
 
 void Buffer::Impl::check_status(const char* op) const {
     if (auto s = read_status(status_host)) {
-        WEFT_FAIL(describe_status(*s) << " (reported before " << op
-                                      << "; call Buffer::clear_status() after handling it)");
+        WEFT_FAIL(describe(*s) << " (reported before " << op << "; call Buffer::clear_status() after handling it)");
     }
+}
+
+std::string Buffer::Impl::describe(const Status& s) const {
+    if (team.is_world()) {
+        return describe_status(s);
+    }
+    Status world_ranks = s;
+    const auto to_world = [&](int32_t r) { return r >= 0 && r < team.num_ranks() ? team.world_rank(r) : r; };
+    world_ranks.rank = to_world(s.rank);
+    world_ranks.culprit_rank = to_world(s.culprit_rank);
+    return describe_status(world_ranks) + " (ranks are world ranks; the Buffer's team is " + team.describe() + ")";
 }
 
 // ---- Buffer ----
 
-Buffer::Buffer(World& world, const Config& config) : impl_(std::make_unique<Impl>()) {
+Buffer::Buffer(World& world, const Config& config) : Buffer(world.team(), config) {}
+
+Buffer::Buffer(const Team& team, const Config& config) : impl_(std::make_unique<Impl>()) {
+    team.require_member("ep::Buffer");
     Impl& b = *impl_;
+    World& world = team.world();
     b.world = &world;
+    b.team = team;
+    b.ctx = team.device_ctx();
     b.config = config;
-    b.geo = resolve_geometry(config, world.num_ranks(), world.rank());
+    b.geo = resolve_geometry(config, team.num_ranks(), team.rank());
     b.ws = Workspace::make(b.geo);
-    b.fp = footprint(config, world.num_ranks());
-    // Only the load/store transport exists today: every rank must map every other rank's heap.
-    for (int r = 0; r < world.num_ranks(); ++r) {
-        WEFT_CHECK(world.heap().symm_at(world.heap().base(), r) != nullptr,
-                   "ep: rank " << r << " is not load/store reachable from rank " << world.rank()
-                               << " (another host, or no peer access between the GPUs); weft::ops::ep needs every "
-                                  "rank of the World reachable through NVLink or PCIe P2P until a network transport "
-                                  "exists");
+    b.fp = footprint(config, team.num_ranks());
+    // Only the load/store transport exists today: every member must map every other member's heap.
+    for (int r = 0; r < team.num_ranks(); ++r) {
+        WEFT_CHECK(world.heap().symm_at(world.heap().base(), team.world_rank(r)) != nullptr,
+                   "ep: world rank " << team.world_rank(r) << " is not load/store reachable from world rank "
+                                     << world.rank()
+                                     << " (another host, or no peer access between the GPUs); weft::ops::ep needs every "
+                                        "rank of the team reachable through NVLink or PCIe P2P until a network "
+                                        "transport exists");
     }
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&b.alloc_stream, cudaStreamNonBlocking));
 
@@ -153,10 +170,10 @@ Buffer::Buffer(World& world, const Config& config) : impl_(std::make_unique<Impl
     b.k_ll_dispatch = &jit::compiler().get_kernel(specs[3]);
     b.k_ll_combine = &jit::compiler().get_kernel(specs[4]);
 
-    // One symmetric allocation (same offset on every rank) and one private one, carved by the Workspace. The
-    // signal words start at zero on every rank: no rank launches before the barrier below.
+    // One symmetric allocation (same offset on every member) and one private one, carved by the Workspace. The
+    // signal words start at zero on every member: no member launches before the barrier below.
     const weft::ep::BufferSymmetricLayout& sym = b.ws.buffer_symmetric;
-    b.symmetric = static_cast<uint8_t*>(world.heap().alloc(static_cast<uint64_t>(sym.bytes)));
+    b.symmetric = static_cast<uint8_t*>(world.heap().alloc(team, static_cast<uint64_t>(sym.bytes)));
     WEFT_CUDA_CHECK(
         cudaMemsetAsync(sym.signals.at(b.symmetric), 0, static_cast<size_t>(sym.signals.bytes()), b.alloc_stream));
     WEFT_CUDA_CHECK(cudaStreamSynchronize(b.alloc_stream));
@@ -171,8 +188,8 @@ Buffer::Buffer(World& world, const Config& config) : impl_(std::make_unique<Impl
     void* dev = nullptr;
     WEFT_CUDA_CHECK(cudaHostGetDevicePointer(&dev, host, 0));
     b.status_dev = static_cast<Status*>(dev);
-    // Nobody launches before every rank has its buffers and kernels.
-    world.barrier();
+    // Nobody launches before every member has its buffers and kernels.
+    team.barrier();
     WEFT_LOG_INFO("ep: buffer ready: " << b.fp.describe());
 }
 
@@ -184,7 +201,7 @@ Buffer::~Buffer() {
     }
     try {
         WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-        if (b.symmetric != nullptr) b.world->heap().free(b.symmetric);
+        if (b.symmetric != nullptr) b.world->heap().free(b.team, b.symmetric);
     } catch (const std::exception& e) {
         WEFT_LOG_ERROR("ep: releasing the Buffer failed: " << e.what());
     }
@@ -201,6 +218,7 @@ Buffer::~Buffer() {
 const Config& Buffer::config() const { return impl_->config; }
 const Geometry& Buffer::geometry() const { return impl_->geo; }
 World& Buffer::world() const { return *impl_->world; }
+const Team& Buffer::team() const { return impl_->team; }
 
 void Buffer::check() const { impl_->check_status("check"); }
 
@@ -214,7 +232,7 @@ std::optional<StatusReport> Buffer::status() const {
     if (!s) {
         return std::nullopt;
     }
-    return StatusReport{s->code, *s, describe_status(*s)};
+    return StatusReport{s->code, *s, impl_->describe(*s)};
 }
 
 void Buffer::clear_status() {

@@ -58,6 +58,8 @@ struct LowLatencyHandle::Impl {
 
 struct Buffer::Impl {
     World* world = nullptr;
+    Team team;         // the members the Buffer's collectives run over (a copy: it keeps the team's device tables)
+    DeviceCtx ctx{};   // team.device_ctx(), for every launch
     Config config;
     Geometry geo{};
     Workspace ws{};
@@ -85,6 +87,9 @@ struct Buffer::Impl {
     int grid(const char* op, int requested, int fallback) const;
     /// Throws the pending device-reported error, if any, naming `op`.
     void check_status(const char* op) const;
+    /// describe_status with the ranks as world ranks (the kernels write team ranks) and, for a team other than
+    /// the world, the team's members.
+    std::string describe(const Status& s) const;
 
     /// The normal kernels' arguments with this Buffer's and `h`'s arrays; the caller adds the call's inputs.
     weft::ep::NormalArgs normal_args(const NormalHandle::Impl& h) const;

@@ -158,7 +158,7 @@ void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x,
          .block = dim3(kThreads),
          .dynamic_smem_bytes = static_cast<size_t>(weft::ep::LowLatencySmem::make(g, kThreads).total),
          .stream = stream},
-        b.world->device_ctx(), a);
+        b.ctx, a);
     switch (options.phase) {
         case Phase::kSendRecv:
             h.state = State::kDispatched;
@@ -239,7 +239,7 @@ void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, 
          .block = dim3(kThreads),
          .dynamic_smem_bytes = static_cast<size_t>(weft::ep::LowLatencySmem::make(g, kThreads).total),
          .stream = stream},
-        b.world->device_ctx(), a);
+        b.ctx, a);
     switch (options.phase) {
         case Phase::kSendRecv:
             break;

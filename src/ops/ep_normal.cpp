@@ -16,7 +16,7 @@ NormalHandle::Impl::~Impl() {
         return;
     }
     try {
-        buffer->world->heap().free(symmetric);
+        buffer->world->heap().free(buffer->team, symmetric);
         if (device != nullptr) {
             WEFT_CUDA_CHECK(cudaFreeAsync(device, buffer->alloc_stream));
             WEFT_CUDA_CHECK(cudaStreamSynchronize(buffer->alloc_stream));
@@ -46,7 +46,7 @@ NormalHandle Buffer::make_normal_handle() {
     WEFT_CHECK(b.config.normal, "ep: make_normal_handle: this Buffer was made with Config::normal = false");
     auto h = std::make_unique<NormalHandle::Impl>();
     h->symmetric = static_cast<uint8_t*>(
-        b.world->heap().alloc(static_cast<uint64_t>(b.ws.normal_handle_symmetric.bytes)));  // collective
+        b.world->heap().alloc(b.team, static_cast<uint64_t>(b.ws.normal_handle_symmetric.bytes)));  // collective
     h->device = detail::device_alloc_zeroed(static_cast<uint64_t>(b.ws.normal_handle_device.bytes), b.alloc_stream);
     h->view = b.ws.normal_handle(h->symmetric, h->device);
     h->buffer = &b;
@@ -73,7 +73,7 @@ void Buffer::Impl::launch_layout(const NormalHandle::Impl& h, const TensorView& 
                       .block = dim3(kThreads),
                       .dynamic_smem_bytes = static_cast<size_t>(weft::ep::LayoutSmem::make(geo, kThreads).total),
                       .stream = stream},
-                     world->device_ctx(), a);
+                     ctx, a);
 }
 
 void Buffer::layout(NormalHandle& handle, const TensorView& topk_idx, cudaStream_t stream) {
@@ -109,7 +109,7 @@ void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorVie
                           .block = dim3(kThreads),
                           .dynamic_smem_bytes = static_cast<size_t>(weft::ep::NormalSmem::make(g, kThreads).total),
                           .stream = stream},
-                         b.world->device_ctx(), a);
+                         b.ctx, a);
     h.num_tokens = t;
     h.dispatched = true;
 }
@@ -139,7 +139,7 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
                          .block = dim3(kThreads),
                          .dynamic_smem_bytes = static_cast<size_t>(weft::ep::NormalSmem::make(g, kThreads).total),
                          .stream = stream},
-                        b.world->device_ctx(), a);
+                        b.ctx, a);
 }
 
 }  // namespace weft::ops::ep

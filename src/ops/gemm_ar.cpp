@@ -198,10 +198,8 @@ GemmAr::GemmAr(const Team& team, const GemmArShape& shape, const GemmArOptions& 
         s.exit_count = reinterpret_cast<uint32_t*>(s.epoch + 1);
         tp_detail::check_peers_reachable(team, s.partial, kOp);
         s.reduce = &jit::compiler().get_kernel(detail::ar_reduce_kernel_spec(s.partial_dtype, shape.dtype));
-        // The collectives run on the world team only: another team's all-reduce half is the op's own kernel.
-        s.use_collective = options.collective_all_reduce && s.partial_dtype == shape.dtype && shape.n % 8 == 0 &&
-                           team.is_world();
-        if (s.use_collective) ops::prepare_collectives(world);  // collective: every member decides alike
+        s.use_collective = options.collective_all_reduce && s.partial_dtype == shape.dtype && shape.n % 8 == 0;
+        if (s.use_collective) ops::prepare_collectives(team);  // collective: every member decides alike
     }
     WEFT_LOG_INFO("gemm_ar: partials " << dtype_name(s.partial_dtype) << ", all-reduce "
                                        << (s.use_collective ? "ops::all_reduce (contiguous C), else " : "")
@@ -294,7 +292,7 @@ void launch_call(GemmAr::State& s, const ArCall& call, cudaStream_t stream) {
     if (s.num_ranks == 1) return;
     if (call.collective) {
         const int64_t count = call.m * s.shape.n;
-        ops::all_reduce(*s.world, TensorView(s.partial, s.partial_dtype, {count}),
+        ops::all_reduce(s.team, TensorView(s.partial, s.partial_dtype, {count}),
                         TensorView(call.reduce.out, s.shape.dtype, {count}), stream);
         return;
     }

@@ -51,7 +51,7 @@ void validate_gemm_rs_shape(const GemmRsShape& s, int num_ranks, const GemmRsOpt
     WEFT_CHECK(num_ranks >= 1, "gemm_rs: the team's num_ranks must be >= 1, got " << num_ranks);
     WEFT_CHECK(s.max_m > 0 && s.max_m % num_ranks == 0 && s.max_m <= kMaxDim,
                "gemm_rs: shape.max_m must be a positive multiple of the team's num_ranks " << num_ranks << ", got "
-                                                                                          << s.max_m);
+                                                                                           << s.max_m);
     WEFT_CHECK(s.n > 0 && s.n <= kMaxDim, "gemm_rs: shape.n must be in [1, 2^31), got " << s.n);
     WEFT_CHECK(s.k >= 8 && s.k % 8 == 0 && s.k <= kMaxDim,
                "gemm_rs: shape.k (this rank's K) must be a positive multiple of 8, got " << s.k);
@@ -268,12 +268,12 @@ GemmRs::GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& 
     s.exit_count = s.tile_counter + 1;
     tp_detail::check_peers_reachable(team, s.partial, kOp);
     if (s.mode == GemmRsMode::kPush) {
-        WEFT_LOG_INFO("gemm_rs: push mode, " << tp_detail::config_text(first)
-                                             << (options.autotune ? " (to be tuned)" : "") << ", chunk_rows "
-                                             << s.chunk_rows << ", SM budget " << s.budget << "; signals at "
-                                             << static_cast<const void*>(s.counters) << " (" << num_counters
-                                             << " counters, " << s.num_ranks << " released, calls, epoch, tiles), "
-                                             << "team of " << s.num_ranks);
+        WEFT_LOG_INFO("gemm_rs: push mode, "
+                      << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "") << ", chunk_rows "
+                      << s.chunk_rows << ", SM budget " << s.budget << "; signals at "
+                      << static_cast<const void*>(s.counters) << " (" << num_counters << " counters, " << s.num_ranks
+                      << " released, calls, epoch, tiles), "
+                      << "team of " << s.num_ranks);
         team.barrier();
         return;
     }
@@ -285,9 +285,9 @@ GemmRs::GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& 
     s.join = s.streams.add_event();
     s.reduce_kernel = &jit::compiler().get_kernel(detail::rs_reduce_kernel_spec(s.partial_dtype, shape.dtype));
     WEFT_LOG_INFO("gemm_rs: pull mode, " << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "")
-                              << ", partials " << dtype_name(s.partial_dtype)
-                              << ", chunk_rows " << s.chunk_rows << ", " << s.reduce_ctas
-                              << " reduction CTAs, SM budget " << s.budget << ", team of " << s.num_ranks);
+                                         << ", partials " << dtype_name(s.partial_dtype) << ", chunk_rows "
+                                         << s.chunk_rows << ", " << s.reduce_ctas << " reduction CTAs, SM budget "
+                                         << s.budget << ", team of " << s.num_ranks);
     team.barrier();
 }
 

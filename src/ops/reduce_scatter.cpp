@@ -12,10 +12,11 @@
 
 namespace weft::ops {
 
-void reduce_scatter(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream,
+void reduce_scatter(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream,
                     const ReduceScatterOptions& options) {
-    const int n = world.num_ranks();
-    const int me = world.rank();
+    team.require_member("reduce_scatter");
+    const int n = team.num_ranks();
+    const int me = team.rank();
     detail::check_reduce_scatter_args(input, output, n, me);
     const auto count = static_cast<uint64_t>(output.numel());
     const auto elem = static_cast<uint64_t>(dtype_bytes(output.dtype));
@@ -27,7 +28,7 @@ void reduce_scatter(World& world, const TensorView& input, const TensorView& out
         if (in != out) WEFT_CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream));
         return;
     }
-    detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(world);
+    detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team);
     const CollectiveTopology& topo = ws.topology();
     const ReduceScatterAlgo algo =
         resolve_reduce_scatter_algo(options.algo, env::get("WEFT_REDUCESCATTER_ALGO"), bytes, topo);
@@ -77,6 +78,11 @@ void reduce_scatter(World& world, const TensorView& input, const TensorView& out
         ws.launch(detail::KernelId::kReduceScatterPull, output.dtype, reduce_scatter_grid(algo, len * elem, topo),
                   stream, p);
     }
+}
+
+void reduce_scatter(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream,
+                    const ReduceScatterOptions& options) {
+    reduce_scatter(world.team(), input, output, stream, options);
 }
 
 }  // namespace weft::ops

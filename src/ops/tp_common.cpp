@@ -153,8 +153,8 @@ std::unique_ptr<jit::TuneComm> make_tune_comm(const Team& team, uint64_t tag) {
             for (size_t i = 0; i < all.size(); ++i) {
                 WEFT_CHECK(all[i].size() == sizeof(double), "tp ops: tuning all-gather got a blob of "
                                                                 << all[i].size() << " bytes from team rank " << i
-                                                                << " (world rank " << team.world_rank(static_cast<int>(i))
-                                                                << ")");
+                                                                << " (world rank "
+                                                                << team.world_rank(static_cast<int>(i)) << ")");
                 std::memcpy(&out[i], all[i].data(), sizeof(double));
             }
             return out;

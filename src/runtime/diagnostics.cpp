@@ -81,16 +81,21 @@ std::string format_diagnostic(const Diagnostic& d) {
     if (d.kind == SpinKind::kUnreachablePeer) {
         // Written by the device layer's symm_at_or_trap: expected = the rank asked for, observed = the
         // heap offset of the address (~0 when it is not inside this rank's symmetric heap).
+        // `peer` is the world rank of team rank `expected` (the same for the world team).
+        const auto target = static_cast<int64_t>(d.expected);
+        std::ostringstream who;
+        who << "rank " << (d.peer >= 0 ? d.peer : target);
+        if (d.peer >= 0 && d.peer != target) who << " (team rank " << target << ")";
         os << "rank " << d.rank << " block (" << d.block_x << "," << d.block_y << "," << d.block_z << ") thread "
-           << d.thread_x << ": a put/get/signal to rank " << static_cast<int64_t>(d.expected) << " on symmetric address 0x"
-           << std::hex << d.signal_addr << std::dec << " failed: ";
+           << d.thread_x << ": a put/get/signal to " << (d.peer >= 0 ? who.str() : "team rank " + std::to_string(target))
+           << " on symmetric address 0x" << std::hex << d.signal_addr << std::dec << " failed: ";
         if (d.observed == ~0ull) {
             os << "the address is not inside this rank's symmetric heap";
         } else if (d.peer < 0) {
             os << "no such rank in the team";
         } else {
-            os << "rank " << static_cast<int64_t>(d.expected) << " is not load/store reachable from here (heap offset "
-               << d.observed << "; only the load/store transport exists)";
+            os << who.str() << " is not load/store reachable from here (heap offset " << d.observed
+               << "; only the load/store transport exists)";
         }
         if (d.line > 0) os << " (source line " << d.line << ")";
         return os.str();

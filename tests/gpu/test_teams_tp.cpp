@@ -78,7 +78,7 @@ struct RankBuffers {
 
 void check_fits(const HostMat& h, const char* what) {
     WEFT_CHECK(h.bytes() <= kBufBytes, "test: " << what << " needs " << h.bytes() << " bytes, more than the "
-                                                 << kBufBytes << " of the test's buffers");
+                                                << kBufBytes << " of the test's buffers");
 }
 
 /// AgGemm on the team: kCalls calls, C against fp64 of AllGather(A) * B^T.
@@ -119,8 +119,8 @@ void check_ag_gemm(World& w, const TeamOf& t, const TeamShapes& sh, RankBuffers&
 }
 
 /// GemmRs on the team: kCalls calls, this member's rows of sum over members of A_r * B_r^T.
-void check_gemm_rs(World& w, const TeamOf& t, const TeamShapes& sh, RankBuffers& buf, cudaStream_t st,
-                   uint64_t base, Failures& f) {
+void check_gemm_rs(World& w, const TeamOf& t, const TeamShapes& sh, RankBuffers& buf, cudaStream_t st, uint64_t base,
+                   Failures& f) {
     const Team& team = t.team;
     const int nr = team.num_ranks(), me = team.rank();
     const int64_t ldk = ld_for(sh.rs_k), ldc = ld_for(sh.rs_n, 8);
@@ -149,10 +149,12 @@ void check_gemm_rs(World& w, const TeamOf& t, const TeamShapes& sh, RankBuffers&
         op.run(view(a, buf.a.ptr), view(b, buf.b.ptr), view(c, buf.c.ptr), st);
         w.sync_and_check(st);
         download(c, buf.c.ptr, st);
-        const std::vector<int64_t> rows_checked = rows_to_check(rows, rows, static_cast<double>(sh.rs_n * sh.rs_k * nr),
-                                                                seed_of(base, 5, w.rank(), call));
+        const std::vector<int64_t> rows_checked =
+            rows_to_check(rows, rows, static_cast<double>(sh.rs_n * sh.rs_k * nr), seed_of(base, 5, w.rank(), call));
         Reference ref(static_cast<int64_t>(rows_checked.size()), sh.rs_n);
-        for (int r = 0; r < nr; ++r) ref.add(as[static_cast<size_t>(r)], me * rows, rows_checked, bs[static_cast<size_t>(r)]);
+        for (int r = 0; r < nr; ++r) {
+            ref.add(as[static_cast<size_t>(r)], me * rows, rows_checked, bs[static_cast<size_t>(r)]);
+        }
         const std::string bad = compare(c, rows_checked, ref, ErrorModel::tp_sum(kDtype, op.partial_dtype(), nr));
         if (!bad.empty()) f.add(at + ": " + bad);
     }
@@ -182,8 +184,8 @@ struct ArHashes {
 };
 
 /// GemmAr on the team: kCalls calls, sum over members of A_r * B_r^T on every member.
-void check_gemm_ar(World& w, const TeamOf& t, const TeamShapes& sh, RankBuffers& buf, cudaStream_t st,
-                   uint64_t base, Failures& f, ArHashes& hashes) {
+void check_gemm_ar(World& w, const TeamOf& t, const TeamShapes& sh, RankBuffers& buf, cudaStream_t st, uint64_t base,
+                   Failures& f, ArHashes& hashes) {
     const Team& team = t.team;
     const int nr = team.num_ranks(), me = team.rank();
     const int64_t ldk = ld_for(sh.ar_k), ldc = ld_for(sh.ar_n, sh.ar_c_pad);
@@ -291,8 +293,8 @@ std::string error_of(Fn&& fn) {
 }
 
 void expect_contains(const std::string& what, const std::string& part, const std::string& context) {
-    EXPECT_NE(what.find(part), std::string::npos) << context << ": expected an error containing '" << part
-                                                  << "', got '" << what << "'";
+    EXPECT_NE(what.find(part), std::string::npos)
+        << context << ": expected an error containing '" << part << "', got '" << what << "'";
 }
 
 // The odd ranks hold the team of the even ranks without being members: each op's constructor (and FusedGemm's) is a
@@ -322,9 +324,15 @@ TEST(TpTeams, NonMemberCallIsAnErrorNamingTheTeam) {
                 } else {
                     const std::string rank = "world rank " + std::to_string(w.rank()) + " is not a member";
                     const std::vector<std::pair<std::string, std::string>> calls = {
-                        {"ag_gemm", error_of([&] { ops::AgGemm op(evens, {400, 200, 72, kDtype}); })},
-                        {"gemm_rs", error_of([&] { ops::GemmRs op(evens, {400, 264, 128, kDtype}); })},
-                        {"gemm_ar", error_of([&] { ops::GemmAr op(evens, {1, 1000, 256, kDtype}); })},
+                        {"ag_gemm", error_of([&] {
+                             ops::AgGemm op(evens, {400, 200, 72, kDtype});
+                         })},
+                        {"gemm_rs", error_of([&] {
+                             ops::GemmRs op(evens, {400, 264, 128, kDtype});
+                         })},
+                        {"gemm_ar", error_of([&] {
+                             ops::GemmAr op(evens, {1, 1000, 256, kDtype});
+                         })},
                         {"fused_gemm", error_of([&] {
                              ops::FusedGemm g(evens, ops::plain_gemm_fused_spec(),
                                               ops::fused_gemm_config({.m = 128, .n = 128, .k = 64}, 4));

@@ -34,6 +34,15 @@ TEST(DeviceDiagnostics, UnreachablePeerNamesRankAndAddress) {
     EXPECT_STREQ(spin_kind_name(SpinKind::kUnreachablePeer), "unreachable_peer");
 }
 
+TEST(DeviceDiagnostics, UnreachablePeerOfATeamNamesTheWorldAndTeamRank) {
+    Diagnostic d = unreachable_record();
+    d.peer = 6;  // team rank 3 is world rank 6
+    EXPECT_EQ(format_diagnostic(d),
+              "rank 0 block (2,0,0) thread 5: a put/get/signal to rank 6 (team rank 3) on symmetric address "
+              "0x7f0012345600 failed: rank 6 (team rank 3) is not load/store reachable from here (heap offset 1024; "
+              "only the load/store transport exists) (source line 42)");
+}
+
 TEST(DeviceDiagnostics, UnreachablePeerOtherCauses) {
     Diagnostic d = unreachable_record();
     d.observed = ~0ull;

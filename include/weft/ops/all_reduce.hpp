@@ -8,8 +8,9 @@
 #include "weft/runtime/tensor_view.hpp"
 
 namespace weft {
+class Team;
 class World;
-}
+}  // namespace weft
 
 namespace weft::ops {
 
@@ -17,12 +18,15 @@ struct AllReduceOptions {
     AllReduceAlgo algo = AllReduceAlgo::kAuto;  ///< kAuto: WEFT_ALLREDUCE_ALGO, else select_all_reduce_algo
 };
 
-/// output[i] = input_0[i] + input_1[i] + ... over the World's ranks (sum, added in rank order in fp32, so every
-/// rank gets the same bits; bf16 and f16 are rounded once, at the end). Collective (see collectives.hpp for the
-/// contract every collective op follows). `input` and `output`: contiguous, same dtype (bf16, f16 or f32), same
+/// output[i] = input_0[i] + input_1[i] + ... over the team's ranks (sum, added in team-rank order in fp32, so every
+/// member gets the same bits; bf16 and f16 are rounded once, at the end). Collective over the team's members (see
+/// collectives.hpp for the contract every collective op follows; a non-member caller gets weft::Error). `input` and `output`: contiguous, same dtype (bf16, f16 or f32), same
 /// number of elements (any, including 0 and 1); `output` may equal `input` (in place) but must not partly
 /// overlap it. Asynchronous on `stream`. Any device memory; symmetric buffers save the two-shot's staging copy.
 /// Bad arguments throw weft::Error naming the argument.
+void all_reduce(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream,
+                const AllReduceOptions& options = {});
+/// all_reduce over world.team().
 void all_reduce(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream,
                 const AllReduceOptions& options = {});
 

@@ -1,19 +1,27 @@
 // SPDX-License-Identifier: MIT
-// What the collective ops share: algorithm names, the pure selection rules, and the per-World workspace.
+// What the collective ops share: algorithm names, the pure selection rules, and the per-team workspace.
 //
-// The ops themselves are in all_reduce.hpp, all_gather.hpp and reduce_scatter.hpp. Contract common to all three:
-//  - Collective: every rank of the World calls the same op, in the same order, with the same count, dtype and
-//    algorithm (checked on the device: a rank that differs traps with a diagnostic naming both ranks).
+// The ops themselves are in all_reduce.hpp, all_gather.hpp and reduce_scatter.hpp. Each runs on a weft::Team (a TP
+// group, a node ...; the World& overloads run on world.team()), and ranks and rank order are the team's. Contract
+// common to all three:
+//  - Collective over the team's members: every member calls the same op, in the same order, with the same count,
+//    dtype and algorithm (checked on the device: a member that differs traps with a diagnostic naming both world
+//    ranks). A rank that is not a member gets weft::Error naming the op and the team's world ranks.
 //  - Asynchronous on `stream`, never synchronises the host, capturable in a CUDA graph (signals compare against
-//    epochs the kernels keep in device memory). Calls on one World are stream-ordered: issue them on one stream,
-//    or order the streams with events. Use a non-blocking stream of the rank's own: ranks that are threads of one
-//    process share the legacy default stream, which would serialise their (mutually waiting) kernels.
+//    epochs the kernels keep in device memory, per team). Calls on one team are stream-ordered: issue them on one
+//    stream, or order the streams with events. Teams that share no member may run at the same time; a rank in
+//    two teams orders its calls on them (same stream, or events). Use a non-blocking stream of the rank's own:
+//    ranks that are threads of one process share the legacy default stream, which would serialise their (mutually
+//    waiting) kernels.
 //  - Buffers: any device memory. A buffer on the symmetric heap (SymmetricHeap::contains) lets peers read or
-//    write it directly (no staging copy, no rounds); pass symmetric buffers on every rank or on none, and then
-//    the same allocation. The push all-gathers need a symmetric output.
-//  - The first call (or prepare_collectives) is itself collective: it allocates the workspace on the heap,
-//    agrees the SM budget, compiles or loads every collective kernel and ends with a host barrier.
-//  - Every peer must be load/store reachable (same host, peer access); otherwise weft::Error on every rank.
+//    write it directly (no staging copy, no rounds); pass symmetric buffers on every member or on none, and then
+//    the same allocation (made by this team's members or the world: the same offset on every member). The push
+//    all-gathers need a symmetric output.
+//  - The first call on a team (or prepare_collectives) is itself collective over the team: it allocates the
+//    team's workspace on the heap (team-collective allocations), agrees the SM budget, compiles or loads every
+//    collective kernel and ends with a barrier of the team.
+//  - Every member must be load/store reachable from every other (same host, peer access); otherwise weft::Error
+//    on every member.
 #pragma once
 
 #include <cstdint>
@@ -24,8 +32,9 @@
 #include "weft/common/collectives.hpp"
 
 namespace weft {
+class Team;
 class World;
-}
+}  // namespace weft
 
 namespace weft::ops {
 
@@ -65,9 +74,9 @@ std::optional<ReduceScatterAlgo> parse_reduce_scatter_algo(std::string_view name
 /// Facts every rank agrees on (exchanged once, when the workspace is made); the selection rules depend only
 /// on these and the message size, so every rank picks the same algorithm and grid.
 struct CollectiveTopology {
-    int num_ranks = 1;
-    int max_ranks_per_gpu = 1;  ///< most ranks sharing one GPU (> 1: traffic is local HBM, not NVLink)
-    int grid_budget = 1;        ///< most blocks per kernel: min over ranks of World::sm_budget()
+    int num_ranks = 1;          ///< ranks of the team
+    int max_ranks_per_gpu = 1;  ///< most team members sharing one GPU (> 1: traffic is local HBM, not NVLink)
+    int grid_budget = 1;        ///< most blocks per kernel: min over members of World::sm_budget() (per GPU)
     uint64_t low_latency_capacity_bytes = 256 * 1024;  ///< LL payload per rank per kernel (larger: rounds)
 };
 
@@ -108,7 +117,7 @@ int all_reduce_grid(AllReduceAlgo algo, uint64_t bytes, const CollectiveTopology
 int all_gather_grid(AllGatherAlgo algo, uint64_t shard_bytes, const CollectiveTopology& topo);
 int reduce_scatter_grid(ReduceScatterAlgo algo, uint64_t output_bytes, const CollectiveTopology& topo);
 
-/// The per-World workspace, as prepare_collectives reports it.
+/// A team's workspace, as prepare_collectives reports it.
 struct CollectiveWorkspaceInfo {
     CollectiveTopology topology;
     uint64_t staging_region_bytes = 0;  ///< each of the 3 staging regions (2 epoch parities + copy engine)
@@ -117,15 +126,18 @@ struct CollectiveWorkspaceInfo {
     int num_kernels = 0;                ///< kernels compiled (or loaded from the cache) and loaded
 };
 
-/// Collective: creates this World's collective workspace unless it exists, and returns its description.
-/// Allocates on the symmetric heap (3 x WEFT_COLLECTIVE_STAGING_BYTES, default 3 x 32 MiB, plus the LL buffers:
-/// 2 x num_ranks x 512 KiB, plus a few KiB of signals), agrees the SM budget and checks that every peer is
-/// load/store reachable (all through the store), compiles or loads every collective kernel (so no module loads
-/// later while kernels spin), and ends with a host barrier. The ops call it on first use; call it yourself
-/// before capturing a graph or launching kernels that spin. The workspace lives until the World is destroyed.
+/// Collective over the team's members: creates the team's collective workspace unless it exists, and returns its
+/// description. Allocates on the symmetric heap, over the members (3 x WEFT_COLLECTIVE_STAGING_BYTES, default
+/// 3 x 32 MiB, plus the LL buffers: 2 x num_ranks x 512 KiB, plus a few KiB of signals), agrees the SM budget and
+/// checks that every member is load/store reachable (all through the team's all_gather), compiles or loads every
+/// collective kernel (so no module loads later while kernels spin), and ends with a barrier of the team. The ops
+/// call it on first use; call it yourself before capturing a graph or launching kernels that spin. The workspace
+/// lives until the World is destroyed (one per team id). A non-member caller gets weft::Error.
+const CollectiveWorkspaceInfo& prepare_collectives(const Team& team);
+/// prepare_collectives(world.team()).
 const CollectiveWorkspaceInfo& prepare_collectives(World& world);
 
-/// Registers the kernel specialisations the collectives launch for worlds of up to `max_ranks` ranks with
+/// Registers the kernel specialisations the collectives launch for teams of up to `max_ranks` ranks with
 /// weft::jit::register_aot_spec, so `weft-compile --builtin` warms them (weft::ops::register_op_aot_specs calls it).
 void register_collective_aot_specs(int max_ranks = 8);
 

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: MIT
-// weft::ops::ep: expert-parallel MoE dispatch and combine over a World, normal (throughput) and low-latency
-// (decode) modes.
+// weft::ops::ep: expert-parallel MoE dispatch and combine over a team (a World's, or any weft::Team), normal
+// (throughput) and low-latency (decode) modes.
 //
 //     weft::ops::ep::Config cfg{.num_experts = 256, .hidden = 7168, .topk = 8, .max_tokens_per_rank = 4096};
-//     weft::ops::ep::Buffer ep(world, cfg);                     // collective: symmetric buffers, kernels loaded
+//     weft::ops::ep::Buffer ep(team, cfg);                      // collective: symmetric buffers, kernels loaded
 //     weft::ops::ep::NormalHandle h = ep.make_normal_handle();  // collective: one in-flight dispatch
 //     ep.dispatch(h, x, topk_idx, topk_weights, stream);        // rows land expert-contiguous in h.recv_x()
 //     grouped_gemm(h.recv_x(), h.expert_offsets(), y);          // your per-expert computation
@@ -11,10 +11,12 @@
 //     ep.check();                                               // device-reported errors, without a sync
 //
 // Every call is asynchronous, graph-capturable and never synchronises the host: sizes are exchanged
-// between ranks on the device. Every rank of the World calls the same sequence of collective calls
-// (dispatch, combine, low-latency halves) on a non-blocking stream of its own (ranks that are threads of one
+// between ranks on the device. A Buffer belongs to a team (World::team() for the whole World, or a split of it):
+// ranks, experts and rank order are the team's. Every member of the team calls the same sequence of collective
+// calls (dispatch, combine, low-latency halves) on a non-blocking stream of its own (ranks that are threads of one
 // process share the legacy default stream, which would serialise their mutually waiting kernels: refused);
-// calls on one Buffer must be ordered (one stream, or streams joined by events). Design, diagrams and pitfalls:
+// calls on one Buffer must be ordered (one stream, or streams joined by events). Buffers of teams that share no
+// member may run at the same time. Design, diagrams and pitfalls:
 // kernels/ep/README.md. EP's vocabulary (a Config, a Buffer, two kinds of handle, their options and views) lives in
 // its own namespace, weft::ops::ep, rather than behind an Ep prefix on a dozen names.
 #pragma once
@@ -31,6 +33,7 @@
 #include "weft/runtime/tensor_view.hpp"
 
 namespace weft {
+class Team;
 class World;
 namespace jit {
 struct KernelSpec;
@@ -141,15 +144,15 @@ struct LowLatencyOptions {
 /// A device-reported error, as read from the status word.
 struct StatusReport {
     StatusCode code = StatusCode::kOk;
-    Status raw{};
-    std::string message;  ///< names the rank, the limit and the value
+    Status raw{};         ///< as the kernel wrote it (rank and culprit_rank are team ranks)
+    std::string message;  ///< names the world rank, the limit and the value (and the team, for a Buffer of a split)
 };
 
 class Buffer;
 
 /// One normal dispatch in flight: its receive buffers (symmetric), its layout and the plan its
-/// combine reuses. Created collectively by Buffer::make_normal_handle(); freed collectively by its
-/// destructor (every rank destroys its handles in the same order, before the Buffer).
+/// combine reuses. Created collectively (over the Buffer's team) by Buffer::make_normal_handle(); freed
+/// collectively by its destructor (every member destroys its handles in the same order, before the Buffer).
 class NormalHandle {
 public:
     NormalHandle(NormalHandle&&) noexcept;
@@ -200,11 +203,16 @@ private:
     std::unique_ptr<Impl> impl_;
 };
 
-/// The expert-parallel communication buffers of one rank. Collective construction and destruction.
+/// The expert-parallel communication buffers of one rank of a team. Collective construction and destruction
+/// (over the team's members).
 class Buffer {
 public:
-    /// Collective: every rank calls with the same config. Allocates the symmetric buffers and the
-    /// device state, and compiles and loads every kernel (before any of them can spin).
+    /// Collective over the team's members: every member calls with the same config (num_experts a multiple of
+    /// team.num_ranks()). Allocates the symmetric buffers (team-collective heap allocations) and the device
+    /// state, and compiles and loads every kernel (before any of them can spin). A rank that is not a member of
+    /// `team` gets weft::Error naming the team's world ranks. The Buffer keeps a copy of `team`.
+    Buffer(const Team& team, const Config& config);
+    /// Buffer(world.team(), config).
     Buffer(World& world, const Config& config);
     ~Buffer();
     Buffer(const Buffer&) = delete;
@@ -213,6 +221,7 @@ public:
     const Config& config() const;
     const Geometry& geometry() const;
     World& world() const;
+    const Team& team() const;
 
     // ---- normal mode ----
     /// Collective: a handle with its own receive buffers (symmetric heap, Footprint's per-handle size).
@@ -251,7 +260,7 @@ public:
     /// entry, so an error surfaces at the next call at the latest. The word stays set until
     /// clear_status().
     void check() const;
-    /// world.sync_and_check(stream), then check().
+    /// world().sync_and_check(stream), then check().
     void sync_and_check(cudaStream_t stream);
     std::optional<StatusReport> status() const;
     void clear_status();

@@ -8,8 +8,9 @@
 #include "weft/runtime/tensor_view.hpp"
 
 namespace weft {
+class Team;
 class World;
-}
+}  // namespace weft
 
 namespace weft::ops {
 
@@ -17,11 +18,14 @@ struct ReduceScatterOptions {
     ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto;  ///< kAuto: WEFT_REDUCESCATTER_ALGO, else the selection
 };
 
-/// output[i] = sum over ranks q of (input of rank q)[rank * n + i], with n = output.numel() (added in rank order in
-/// fp32). Collective (see collectives.hpp). `input`: contiguous, bf16, f16 or f32, num_ranks * n elements;
-/// `output`: same dtype, n elements (any n). In place when `output` is this rank's slice of `input`
-/// (output.data == input.data + rank * n elements); otherwise they must not overlap. A symmetric `input` is read
+/// output[i] = sum over team ranks q of (input of team rank q)[team.rank() * n + i], with n = output.numel() (added
+/// in team-rank order in fp32). Collective over the team's members (see collectives.hpp). `input`: contiguous,
+/// bf16, f16 or f32, team.num_ranks() * n elements; `output`: same dtype, n elements (any n). In place when
+/// `output` is this rank's slice of `input` (output.data == input.data + team.rank() * n elements); otherwise they must not overlap. A symmetric `input` is read
 /// by the peers directly (no staging copy, no rounds).
+void reduce_scatter(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream,
+                    const ReduceScatterOptions& options = {});
+/// reduce_scatter over world.team().
 void reduce_scatter(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream,
                     const ReduceScatterOptions& options = {});
 
