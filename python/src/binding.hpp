@@ -12,6 +12,7 @@
 
 #include "weft/runtime/store.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/team.hpp"
 #include "weft/runtime/tensor_view.hpp"
 #include "weft/runtime/world.hpp"
 
@@ -72,6 +73,12 @@ struct PyWorld {
         nb::gil_scoped_release release;
         world.reset();
     }
+};
+
+/// A Team of a World (the World stays while the team's holder does).
+struct PyTeam {
+    WorldRef h;
+    Team team;
 };
 
 /// Binds weft::ops::ep into the submodule `ep` of `m` (ep.cpp).

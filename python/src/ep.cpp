@@ -131,7 +131,7 @@ void bind_ep(nb::module_& m) {
         .def("__init__",
              [](PyEpBuffer* self, PyWorld& w, int num_experts, int hidden, int topk, int max_tokens_per_rank,
                 bool normal, bool low_latency, int64_t max_recv_tokens, int64_t max_recv_rows,
-                int expert_alignment) {
+                int expert_alignment, const PyTeam* team) {
                  ep::Config c;
                  c.num_experts = num_experts;
                  c.hidden = hidden;
@@ -146,14 +146,16 @@ void bind_ep(nb::module_& m) {
                  std::unique_ptr<ep::Buffer> buffer;
                  {
                      nb::gil_scoped_release release;
-                     buffer = std::make_unique<ep::Buffer>(world, c);
+                     buffer = team != nullptr ? std::make_unique<ep::Buffer>(team->team, c)
+                                              : std::make_unique<ep::Buffer>(world, c);
                  }
                  auto* made = new (self) PyEpBuffer{w.h};
                  made->s->buffer = std::move(buffer);
                  ++made->h->live_objects;
              },
              "world"_a, "num_experts"_a, "hidden"_a, "topk"_a, "max_tokens_per_rank"_a, "normal"_a = true,
-             "low_latency"_a = true, "max_recv_tokens"_a = 0, "max_recv_rows"_a = 0, "expert_alignment"_a = 1)
+             "low_latency"_a = true, "max_recv_tokens"_a = 0, "max_recv_rows"_a = 0, "expert_alignment"_a = 1,
+             "team"_a = nb::none())
         .def_prop_ro("num_local_experts", [](const PyEpBuffer& b) { return b.s->get().geometry().local_experts(); })
         .def_prop_ro("max_recv_rows", [](const PyEpBuffer& b) { return b.s->get().geometry().max_recv_rows; })
         .def_prop_ro("closed", [](const PyEpBuffer& b) { return b.s->buffer == nullptr; })

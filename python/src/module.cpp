@@ -77,11 +77,6 @@ struct PyStoreAdapter {
     std::shared_ptr<Store> store;
 };
 
-struct PyTeam {
-    WorldRef h;
-    Team team;
-};
-
 // An op or buffer made on a World: counted by the World, destroyed collectively by close().
 template <class Op>
 struct PyOp {
@@ -337,22 +332,36 @@ NB_MODULE(_weft, m) {
         });
 
     // ---- collectives (stream: a cudaStream_t as an integer) ----
-    m.def("all_reduce", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo) {
+    m.def("all_reduce", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
+                   const PyTeam* team) {
               ops::AllReduceOptions o;
               o.algo = static_cast<ops::AllReduceAlgo>(algo);
-              ops::all_reduce(w.h->get(), input, output, as_stream(stream), o);
-          }, "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, Release());
-    m.def("all_gather", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo) {
+              if (team != nullptr) {
+                  ops::all_reduce(team->team, input, output, as_stream(stream), o);
+              } else {
+                  ops::all_reduce(w.h->get(), input, output, as_stream(stream), o);
+              }
+          }, "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
+    m.def("all_gather", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
+                   const PyTeam* team) {
               ops::AllGatherOptions o;
               o.algo = static_cast<ops::AllGatherAlgo>(algo);
-              ops::all_gather(w.h->get(), input, output, as_stream(stream), o);
-          }, "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, Release());
-    m.def("reduce_scatter", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream,
-                               int algo) {
+              if (team != nullptr) {
+                  ops::all_gather(team->team, input, output, as_stream(stream), o);
+              } else {
+                  ops::all_gather(w.h->get(), input, output, as_stream(stream), o);
+              }
+          }, "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
+    m.def("reduce_scatter", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
+                   const PyTeam* team) {
               ops::ReduceScatterOptions o;
               o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
-              ops::reduce_scatter(w.h->get(), input, output, as_stream(stream), o);
-          }, "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, Release());
+              if (team != nullptr) {
+                  ops::reduce_scatter(team->team, input, output, as_stream(stream), o);
+              } else {
+                  ops::reduce_scatter(w.h->get(), input, output, as_stream(stream), o);
+              }
+          }, "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
     // Benchmark support: `iters` back-to-back all_reduce calls made from C++ (no Python between them); returns the
     // host seconds they took, the floor the Python layers are measured against (bench/python/bench_overhead.py).
     m.def("time_all_reduce_calls", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream,

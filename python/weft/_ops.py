@@ -46,8 +46,9 @@ def _check_out(out, name, like_dtype, numel, world):
 
 def all_reduce(tensor, out=None, *, algo="auto", team=None):
     """out = the element-wise sum of every rank's `tensor` (bf16, f16 or f32, contiguous). In place when out is None
-    (like torch.distributed.all_reduce). Returns out. Collective; on torch's current stream."""
-    world = _runtime._world_for(team, "all_reduce")
+    (like torch.distributed.all_reduce). Returns out. Collective over `team` (a weft.Team; None: the World); on
+    torch's current stream."""
+    world, cpp_team = _runtime._team_for(team, "all_reduce")
     reducible, _ = _dtypes()
     x = flat_view(tensor, "tensor", world, reducible)
     if out is None:
@@ -55,7 +56,7 @@ def all_reduce(tensor, out=None, *, algo="auto", team=None):
     else:
         _check_out(out, "out", tensor.dtype, tensor.numel(), world)
         o = flat_view(out, "out", world)
-    _weft.all_reduce(world, x, o, _stream(world), _algo("all_reduce", algo))
+    _weft.all_reduce(world, x, o, _stream(world), _algo("all_reduce", algo), cpp_team)
     return out
 
 
@@ -63,15 +64,15 @@ def all_gather(tensor, out=None, *, algo="auto", team=None):
     """out = every rank's `tensor` concatenated along dim 0 in rank order (any dtype, contiguous): shape
     [num_ranks * tensor.shape[0], ...]. Returns out (allocated when None). Collective; on torch's current stream.
     A symmetric out (weft.empty) lets the push algorithms write into it directly."""
-    world = _runtime._world_for(team, "all_gather")
+    world, cpp_team = _runtime._team_for(team, "all_gather")
     x = flat_view(tensor, "tensor", world)
-    n = world.num_ranks
+    n = cpp_team.num_ranks if cpp_team is not None else world.num_ranks
     if out is None:
         shape = (n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() > 0 else (n,)
         out = torch_module().empty(shape, dtype=tensor.dtype, device=tensor.device)
     else:
         _check_out(out, "out", tensor.dtype, n * tensor.numel(), world)
-    _weft.all_gather(world, x, flat_view(out, "out", world), _stream(world), _algo("all_gather", algo))
+    _weft.all_gather(world, x, flat_view(out, "out", world), _stream(world), _algo("all_gather", algo), cpp_team)
     return out
 
 
@@ -79,10 +80,10 @@ def reduce_scatter(tensor, out=None, *, algo="auto", team=None):
     """out = slice `rank` (along dim 0) of the element-wise sum of every rank's `tensor` (bf16, f16 or f32,
     contiguous, dim 0 a multiple of num_ranks): shape [tensor.shape[0] / num_ranks, ...]. Returns out (allocated
     when None). Collective; on torch's current stream."""
-    world = _runtime._world_for(team, "reduce_scatter")
+    world, cpp_team = _runtime._team_for(team, "reduce_scatter")
     reducible, _ = _dtypes()
     x = flat_view(tensor, "tensor", world, reducible)
-    n = world.num_ranks
+    n = cpp_team.num_ranks if cpp_team is not None else world.num_ranks
     if tensor.dim() == 0 or tensor.shape[0] % n != 0:
         raise ValueError(f"tensor: expected dim 0 a multiple of the {n} ranks, got shape {tuple(tensor.shape)}")
     if out is None:
@@ -90,7 +91,8 @@ def reduce_scatter(tensor, out=None, *, algo="auto", team=None):
                                    device=tensor.device)
     else:
         _check_out(out, "out", tensor.dtype, tensor.numel() // n, world)
-    _weft.reduce_scatter(world, x, flat_view(out, "out", world), _stream(world), _algo("reduce_scatter", algo))
+    _weft.reduce_scatter(world, x, flat_view(out, "out", world), _stream(world), _algo("reduce_scatter", algo),
+                         cpp_team)
     return out
 
 
@@ -117,12 +119,9 @@ class _FusedOp:
     """What AgGemm, GemmRs and GemmAr share: a collective C++ object closed explicitly (or by weft.finalize)."""
     _kind = None
 
-    def __init__(self, make, team, teams=False):
+    def __init__(self, make, team):
         torch = torch_module()
-        if teams:
-            self._world, self._team = _runtime._team_for(team, self._kind)
-        else:
-            self._world, self._team = _runtime._world_for(team, self._kind), None
+        self._world, self._team = _runtime._team_for(team, self._kind)
         self.num_ranks = self._team.num_ranks if self._team is not None else self._world.num_ranks
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise Error(f"{self._kind}: making the op is collective (symmetric allocation, kernel loading, a barrier) "
@@ -166,7 +165,7 @@ class AgGemm(_FusedOp):
         code = dtype_code(self.dtype)
         super().__init__(lambda w: _weft.AgGemm(w, max_m, n, k, code, chunk_rows=chunk_rows,
                                                 copy_streams=copy_streams, sm_budget=sm_budget, autotune=autotune,
-                                                team=self._team), team, teams=True)
+                                                team=self._team), team)
         self.max_m, self.n, self.k = max_m, n, k
 
     def run(self, a_local, b, out=None):
@@ -200,7 +199,7 @@ class GemmRs(_FusedOp):
         partial = dtype_code(partial_dtype, "partial_dtype") if partial_dtype is not None else None
         super().__init__(lambda w: _weft.GemmRs(w, max_m, n, k, code, mode=mode, partial_dtype=partial,
                                                 chunk_rows=chunk_rows, reduce_ctas=reduce_ctas, sm_budget=sm_budget,
-                                                autotune=autotune, team=self._team), team, teams=True)
+                                                autotune=autotune, team=self._team), team)
         self.max_m, self.n, self.k = max_m, n, k
 
     @property
@@ -234,7 +233,7 @@ class GemmAr(_FusedOp):
         partial = dtype_code(partial_dtype, "partial_dtype") if partial_dtype is not None else None
         super().__init__(lambda w: _weft.GemmAr(w, max_m, n, k, code, partial_dtype=partial, reduce_ctas=reduce_ctas,
                                                 sm_budget=sm_budget, collective_all_reduce=collective_all_reduce,
-                                                team=self._team), team, teams=True)
+                                                team=self._team), team)
         self.max_m, self.n, self.k = max_m, n, k
 
     def run(self, a, b, out=None):

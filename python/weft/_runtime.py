@@ -229,21 +229,8 @@ def team_size(handle):
     return team.num_ranks if team is not None else num_ranks()
 
 
-def _world_for(team, op):
-    """The World a collective op runs on: weft's collectives (all_reduce, all_gather, reduce_scatter, EP) run on the
-    whole World in this build; a team other than the World's is refused (docs/python.md, Teams)."""
-    state = _get_state()
-    if team is not None:
-        if not isinstance(team, Team):
-            raise TypeError(f"team: expected a weft.Team or None, got {type(team).__name__}")
-        if not team.is_world:
-            raise NotImplementedError(f"{op}: team={team!r}: this op runs on the whole World in this build of weft "
-                                      "(the fused ops AgGemm, GemmRs, GemmAr and weft.empty take a Team)")
-    return state.world
-
-
 def _team_for(team, op):
-    """(World, the C++ team or None for the World's) for an op that runs on a Team."""
+    """(World, the C++ team, or None for the World's own) for an op on `team` (a weft.Team or None: the World)."""
     state = _get_state()
     if team is None:
         return state.world, None

@@ -84,15 +84,16 @@ class LowLatencyHandle(_Handle):
 
 
 class Buffer(_FusedOp):
-    """The expert-parallel buffers of this rank (collective to make and to close)."""
+    """The expert-parallel buffers of this rank (collective over the World, or over `team`'s members, to make and to
+    close)."""
     _kind = "ep.Buffer"
 
     def __init__(self, num_experts, hidden, topk, max_tokens_per_rank, *, normal=True, low_latency=True,
                  max_recv_tokens=0, max_recv_rows=0, expert_alignment=1, team=None):
         super().__init__(lambda w: _weft.ep.Buffer(w, num_experts, hidden, topk, max_tokens_per_rank, normal=normal,
                                                    low_latency=low_latency, max_recv_tokens=max_recv_tokens,
-                                                   max_recv_rows=max_recv_rows, expert_alignment=expert_alignment),
-                         team)
+                                                   max_recv_rows=max_recv_rows, expert_alignment=expert_alignment,
+                                                   team=self._team), team)
         self.num_experts, self.hidden, self.topk = num_experts, hidden, topk
 
     @property

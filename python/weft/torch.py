@@ -18,8 +18,9 @@ so a column-parallel AG+GEMM's backward is GEMM+RS and a row-parallel GEMM+RS's 
 
 Teams: ag_gemm(a, b, team=...), gemm_rs and gemm_ar (the Python functions of this module) run on a weft.Team; the
 custom ops take the team's handle (an int, -1 for the World). On a team, ag_gemm runs weft::ag_gemm_saving, which also
-returns a copy of the gathered input for the weight gradient (weft has no team all-gather yet), and gemm_rs's
-backward takes the gathered output gradient from the same op. The collectives run on the World.
+returns a copy of the gathered input for the weight gradient (memory instead of a second all-gather), and gemm_rs's
+backward takes the gathered output gradient from the same op. The collectives take a team handle too
+(all_reduce(x, team.handle)).
 """
 import torch
 
@@ -37,59 +38,63 @@ def _contiguous(x):
 # ---- collectives ----
 
 @torch.library.custom_op("weft::all_reduce", mutates_args=(), device_types="cuda")
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The element-wise sum of every rank's x (a new tensor)."""
+def all_reduce(x: torch.Tensor, team: int = -1) -> torch.Tensor:
+    """The element-wise sum of every rank's x (a new tensor), over the team with handle `team` (-1: the World)."""
     x = _contiguous(x)
     out = torch.empty_like(x)
-    _ops.all_reduce(x, out)
+    _ops.all_reduce(x, out, team=_runtime.team_by_handle(team))
     return out
 
 
 @all_reduce.register_fake
-def _(x):
+def _(x, team=-1):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("weft::all_gather", mutates_args=(), device_types="cuda")
-def all_gather(x: torch.Tensor) -> torch.Tensor:
+def all_gather(x: torch.Tensor, team: int = -1) -> torch.Tensor:
     """Every rank's x concatenated along dim 0, in rank order."""
-    return _ops.all_gather(_contiguous(x))
+    return _ops.all_gather(_contiguous(x), team=_runtime.team_by_handle(team))
 
 
 @all_gather.register_fake
-def _(x):
-    n = _runtime.num_ranks()
+def _(x, team=-1):
+    n = _runtime.team_size(team)
     return x.new_empty((n * x.shape[0], *x.shape[1:]))
 
 
 @torch.library.custom_op("weft::reduce_scatter", mutates_args=(), device_types="cuda")
-def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, team: int = -1) -> torch.Tensor:
     """Slice `rank` (dim 0) of the element-wise sum of every rank's x."""
-    return _ops.reduce_scatter(_contiguous(x))
+    return _ops.reduce_scatter(_contiguous(x), team=_runtime.team_by_handle(team))
 
 
 @reduce_scatter.register_fake
-def _(x):
-    n = _runtime.num_ranks()
+def _(x, team=-1):
+    n = _runtime.team_size(team)
     torch._check(x.shape[0] % n == 0, lambda: f"x: dim 0 must be a multiple of the {n} ranks")
     return x.new_empty((x.shape[0] // n, *x.shape[1:]))
 
 
+def _save_team(ctx, inputs, output):
+    ctx.team = inputs[1]
+
+
 def _all_reduce_backward(ctx, grad):
-    return all_reduce(grad)
+    return all_reduce(grad, ctx.team), None
 
 
 def _all_gather_backward(ctx, grad):
-    return reduce_scatter(_contiguous(grad))
+    return reduce_scatter(_contiguous(grad), ctx.team), None
 
 
 def _reduce_scatter_backward(ctx, grad):
-    return all_gather(_contiguous(grad))
+    return all_gather(_contiguous(grad), ctx.team), None
 
 
-all_reduce.register_autograd(_all_reduce_backward)
-all_gather.register_autograd(_all_gather_backward)
-reduce_scatter.register_autograd(_reduce_scatter_backward)
+all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_team)
+all_gather.register_autograd(_all_gather_backward, setup_context=_save_team)
+reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_team)
 
 
 # ---- GEMMs ----
@@ -119,7 +124,7 @@ def _(a_local, b):
 @torch.library.custom_op("weft::ag_gemm_saving", mutates_args=(), device_types="cuda")
 def _ag_gemm_saving(a_local: torch.Tensor, b: torch.Tensor, team: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(AllGather(a_local) @ b.T, a copy of AllGather(a_local)) over the team with handle `team` (-1: the World).
-    The copy is what the backward pass needs for the weight gradient (a team has no all-gather of its own yet)."""
+    The copy is what the backward pass needs for the weight gradient (kept instead of gathered again)."""
     t = _runtime.team_by_handle(team)
     a_local, b = _contiguous(a_local), _contiguous(b)
     m = a_local.shape[0] * _runtime.team_size(team)

@@ -70,12 +70,25 @@ def test_symmetric_tensor_on_a_team(world, my_team):
         weft.free(x)
 
 
-def test_collectives_on_a_team_are_refused_until_weft_has_them(my_team):
-    team, _, _ = my_team
-    if team.is_world:
-        pytest.skip("a team of every rank is the World")
-    with pytest.raises(NotImplementedError, match="runs on the whole World"):
-        weft.all_reduce(torch.zeros(4, device="cuda"), team=team)
+def test_collectives_on_two_teams_at_once_match_nccl_on_the_groups(world, my_team):
+    team, pg, ranks = my_team
+    w = len(ranks)
+    g = rank_generator(200 + world.rank)
+    x = torch.randint(-15, 16, (w * 1000,), generator=g, device="cuda").to(torch.float32)
+    expected = x.clone()
+    dist.all_reduce(expected, group=pg)
+    assert torch.equal(weft.all_reduce(x.clone(), team=team), expected)
+    gathered = torch.empty((w * x.numel(),), device="cuda")
+    dist.all_gather_into_tensor(gathered, x, group=pg)
+    assert torch.equal(weft.all_gather(x, team=team), gathered)
+    scattered = torch.empty((1000,), device="cuda")
+    dist.reduce_scatter_tensor(scattered, x, group=pg)
+    assert torch.equal(weft.reduce_scatter(x, team=team), scattered)
+    # The custom ops and their backward on the team: d(sum(all_gather(x)))/dx = W (reduce-scatter of ones).
+    import weft.torch
+    y = x.clone().requires_grad_()
+    torch.ops.weft.all_gather(y, team.handle).sum().backward()
+    assert torch.all(y.grad == w)
 
 
 def test_tensor_parallel_mlp_on_a_team_matches_a_single_gpu_reference(my_team):
