@@ -1,0 +1,502 @@
+// SPDX-License-Identifier: MIT
+// weft._weft: the Python binding of weft's runtime and ops (nanobind). Tensors cross as TensorViews built from raw
+// device pointers, shapes, strides and dtype codes, and streams as integers (cudaStream_t), so the extension has no
+// dependency on PyTorch; python/weft converts torch tensors. Every call that may block, meet other ranks or launch
+// work runs with the GIL released (the store adapter takes it back for its Python calls).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "binding.hpp"
+#include "weft/ops/ag_gemm.hpp"
+#include "weft/ops/all_gather.hpp"
+#include "weft/ops/all_reduce.hpp"
+#include "weft/ops/collectives.hpp"
+#include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_ar.hpp"
+#include "weft/ops/gemm_rs.hpp"
+#include "weft/ops/reduce_scatter.hpp"
+#include "weft/runtime/driver.hpp"
+#include "weft/runtime/team.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/weft.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace weft::python {
+
+namespace {
+
+cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+DType as_dtype(int code) {
+    WEFT_CHECK(code >= static_cast<int>(DType::kBF16) && code <= static_cast<int>(DType::kU8),
+               "dtype: expected a weft dtype code in [0, 6], got " << code);
+    return static_cast<DType>(code);
+}
+
+TensorView make_view(uintptr_t ptr, int dtype, const std::vector<int64_t>& shape,
+                     const std::vector<int64_t>& strides) {
+    WEFT_CHECK(!shape.empty() && shape.size() <= static_cast<size_t>(TensorView::kMaxDims),
+               "shape: expected 1 to " << TensorView::kMaxDims << " dimensions, got " << shape.size());
+    WEFT_CHECK(strides.size() == shape.size(),
+               "strides: expected " << shape.size() << " strides (one per dimension), got " << strides.size());
+    TensorView v;
+    v.data = reinterpret_cast<void*>(ptr);
+    v.dtype = as_dtype(dtype);
+    v.ndim = static_cast<int32_t>(shape.size());
+    for (size_t i = 0; i < shape.size(); ++i) {
+        WEFT_CHECK(shape[i] >= 0, "shape: dimension " << i << " is negative (" << shape[i] << ")");
+        v.shape[i] = shape[i];
+        v.strides[i] = strides[i];
+    }
+    return v;
+}
+
+std::vector<int64_t> dims(const std::array<int64_t, TensorView::kMaxDims>& values, int32_t ndim) {
+    return std::vector<int64_t>(values.begin(), values.begin() + ndim);
+}
+
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
+    std::vector<int64_t> strides(shape.size(), 1);
+    for (size_t i = shape.size(); i-- > 1;) strides[i - 1] = strides[i] * shape[i];
+    return strides;
+}
+
+struct PyStoreAdapter {
+    std::shared_ptr<Store> store;
+};
+
+// An op or buffer made on a World: counted by the World, destroyed collectively by close().
+template <class Op>
+struct PyOp {
+    WorldRef h;
+    std::unique_ptr<Op> op;
+    const char* name;
+
+    PyOp(WorldRef world, std::unique_ptr<Op> made, const char* op_name)
+        : h(std::move(world)), op(std::move(made)), name(op_name) {
+        ++h->live_objects;
+    }
+    ~PyOp() {
+        if (op) {
+            op.reset();
+            --h->live_objects;
+        }
+    }
+    Op& get() const {
+        WEFT_CHECK(op != nullptr, name << " is closed");
+        return *op;
+    }
+    void close() {
+        if (!op) return;
+        std::unique_ptr<Op> gone = std::move(op);
+        {
+            nb::gil_scoped_release release;
+            gone.reset();
+        }
+        --h->live_objects;
+    }
+};
+
+using PyAgGemm = PyOp<ops::AgGemm>;
+using PyGemmRs = PyOp<ops::GemmRs>;
+using PyGemmAr = PyOp<ops::GemmAr>;
+
+WorldOptions make_options(int device, uint64_t heap_bytes, int sm_budget, int64_t timeout_ms) {
+    WorldOptions o;
+    o.device = device;
+    o.heap_bytes = heap_bytes;
+    o.sm_budget = sm_budget;
+    o.timeout = std::chrono::milliseconds(timeout_ms);
+    return o;
+}
+
+ops::GemmRsMode parse_gemm_rs_mode(const std::string& mode) {
+    if (mode == "auto") return ops::GemmRsMode::kAuto;
+    if (mode == "pull") return ops::GemmRsMode::kPull;
+    if (mode == "push") return ops::GemmRsMode::kPush;
+    WEFT_FAIL("mode: expected 'auto', 'pull' or 'push', got '" << mode << "'");
+}
+
+std::optional<DType> optional_dtype(std::optional<int> code) {
+    if (!code) return std::nullopt;
+    return as_dtype(*code);
+}
+
+nb::bytes to_bytes(const Bytes& b) { return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size()); }
+
+Bytes from_bytes(const nb::bytes& b) {
+    const auto* p = static_cast<const uint8_t*>(b.data());
+    return Bytes(p, p + b.size());
+}
+
+}  // namespace
+
+}  // namespace weft::python
+
+NB_MODULE(_weft, m) {
+    using namespace weft;
+    using namespace weft::python;
+    using Release = nb::call_guard<nb::gil_scoped_release>;
+
+    m.doc() = "weft's C++ runtime and ops (use the Python package weft, which converts torch tensors)";
+    nb::exception<weft::Error>(m, "Error", PyExc_RuntimeError);
+    m.attr("__version__") = WEFT_VERSION_STRING;
+    bind_ep(m);
+
+    nb::dict dtypes;
+    for (DType t : {DType::kBF16, DType::kF16, DType::kF32, DType::kF8E4M3, DType::kI32, DType::kI64, DType::kU8}) {
+        dtypes[dtype_name(t)] = static_cast<int>(t);
+    }
+    m.attr("DTYPES") = dtypes;
+    m.def("dtype_bytes", [](int code) { return dtype_bytes(as_dtype(code)); });
+    m.def("cuda_available", [] { return cuda_available(); }, Release());
+
+    // ---- tensors ----
+    nb::class_<TensorView>(m, "TensorView")
+        .def("__init__",
+             [](TensorView* self, uintptr_t ptr, int dtype, const std::vector<int64_t>& shape,
+                const std::optional<std::vector<int64_t>>& strides) {
+                 new (self) TensorView(make_view(ptr, dtype, shape, strides ? *strides : contiguous_strides(shape)));
+             },
+             "ptr"_a, "dtype"_a, "shape"_a, "strides"_a = nb::none())
+        .def_prop_ro("ptr", [](const TensorView& v) { return reinterpret_cast<uintptr_t>(v.data); })
+        .def_prop_ro("dtype", [](const TensorView& v) { return static_cast<int>(v.dtype); })
+        .def_prop_ro("shape", [](const TensorView& v) { return dims(v.shape, v.ndim); })
+        .def_prop_ro("strides", [](const TensorView& v) { return dims(v.strides, v.ndim); })
+        .def("numel", &TensorView::numel)
+        .def("is_contiguous", &TensorView::is_contiguous)
+        .def("__repr__", [](const TensorView& v) { return "TensorView(" + v.describe() + ")"; });
+    m.def("dlpack", [](const TensorView& view, int device) { return make_dlpack_capsule(view, device); }, "view"_a,
+          "device"_a, "A DLPack capsule over `view` on CUDA device `device` (the memory stays weft's).");
+
+    // ---- stores ----
+    nb::class_<PyStoreAdapter>(m, "StoreAdapter")
+        .def("__init__",
+             [](PyStoreAdapter* self, nb::object store, const std::optional<std::string>& prefix) {
+                 std::shared_ptr<Store> s = std::make_shared<PythonStore>(std::move(store));
+                 if (prefix) s = make_prefix_store(std::move(s), *prefix);
+                 new (self) PyStoreAdapter{std::move(s)};
+             },
+             "store"_a.none(), "prefix"_a = nb::none())
+        .def("set",
+             [](PyStoreAdapter& a, const std::string& key, const nb::bytes& value) {
+                 Bytes v = from_bytes(value);
+                 nb::gil_scoped_release release;
+                 a.store->set(key, v);
+             })
+        .def("get",
+             [](PyStoreAdapter& a, const std::string& key, int64_t timeout_ms) {
+                 Bytes v;
+                 {
+                     nb::gil_scoped_release release;
+                     v = a.store->get(key, std::chrono::milliseconds(timeout_ms));
+                 }
+                 return to_bytes(v);
+             })
+        .def("add", [](PyStoreAdapter& a, const std::string& key, int64_t delta) { return a.store->add(key, delta); },
+             Release())
+        .def("check", [](PyStoreAdapter& a, const std::string& key) { return a.store->check(key); }, Release())
+        .def("erase", [](PyStoreAdapter& a, const std::string& key) { a.store->erase(key); }, Release())
+        .def("barrier",
+             [](PyStoreAdapter& a, const std::string& name, int rank, int num_ranks, int64_t timeout_ms) {
+                 a.store->barrier(name, rank, num_ranks, std::chrono::milliseconds(timeout_ms));
+             },
+             Release())
+        .def("all_gather", [](PyStoreAdapter& a, const std::string& name, int rank, int num_ranks,
+                              const nb::bytes& blob, int64_t timeout_ms) {
+            Bytes mine = from_bytes(blob);
+            std::vector<Bytes> all;
+            {
+                nb::gil_scoped_release release;
+                all = a.store->all_gather(name, rank, num_ranks, mine, std::chrono::milliseconds(timeout_ms));
+            }
+            nb::list out;
+            for (const Bytes& b : all) out.append(to_bytes(b));
+            return out;
+        });
+
+    // ---- World ----
+    nb::class_<PyWorld>(m, "World")
+        .def_static(
+            "from_env",
+            [](int device, uint64_t heap_bytes, int sm_budget, int64_t timeout_ms) {
+                std::unique_ptr<World> w;
+                {
+                    nb::gil_scoped_release release;
+                    w = World::from_env(make_options(device, heap_bytes, sm_budget, timeout_ms));
+                }
+                return new PyWorld(std::move(w));
+            },
+            "device"_a = -1, "heap_bytes"_a = 0, "sm_budget"_a = 0, "timeout_ms"_a = 0, nb::rv_policy::take_ownership)
+        .def_static(
+            "from_store",
+            [](const PyStoreAdapter& store, int rank, int num_ranks, int local_rank, int local_num_ranks,
+               const std::string& key_prefix, int device, uint64_t heap_bytes, int sm_budget, int64_t timeout_ms) {
+                WorldMembership membership;
+                membership.rank = rank;
+                membership.num_ranks = num_ranks;
+                membership.local_rank = local_rank;
+                membership.local_num_ranks = local_num_ranks;
+                membership.key_prefix = key_prefix;
+                std::unique_ptr<World> w;
+                {
+                    nb::gil_scoped_release release;
+                    w = World::from_store(store.store, membership,
+                                          make_options(device, heap_bytes, sm_budget, timeout_ms));
+                }
+                return new PyWorld(std::move(w));
+            },
+            "store"_a, "rank"_a, "num_ranks"_a, "local_rank"_a = -1, "local_num_ranks"_a = 0, "key_prefix"_a = "weft",
+            "device"_a = -1, "heap_bytes"_a = 0, "sm_budget"_a = 0, "timeout_ms"_a = 0, nb::rv_policy::take_ownership)
+        .def("close", &PyWorld::close)
+        .def_prop_ro("closed", [](const PyWorld& w) { return w.h->world == nullptr; })
+        .def_prop_ro("live_objects", [](const PyWorld& w) { return w.h->live_objects; })
+        .def_prop_ro("rank", [](const PyWorld& w) { return w.h->get().rank(); })
+        .def_prop_ro("num_ranks", [](const PyWorld& w) { return w.h->get().num_ranks(); })
+        .def_prop_ro("local_rank", [](const PyWorld& w) { return w.h->get().local_rank(); })
+        .def_prop_ro("local_num_ranks", [](const PyWorld& w) { return w.h->get().local_num_ranks(); })
+        .def_prop_ro("device", [](const PyWorld& w) { return w.h->get().device(); })
+        .def_prop_ro("sm_budget", [](const PyWorld& w) { return w.h->get().sm_budget(); })
+        .def_prop_ro("num_ranks_on_device", [](const PyWorld& w) { return w.h->get().num_ranks_on_device(); })
+        .def_prop_ro("timeout_ms", [](const PyWorld& w) { return static_cast<int64_t>(w.h->get().timeout().count()); })
+        .def("barrier", [](PyWorld& w) { w.h->get().barrier(); }, Release())
+        .def("sync_and_check", [](PyWorld& w, uintptr_t stream) { w.h->get().sync_and_check(as_stream(stream)); },
+             "stream"_a, Release())
+        .def("check_diagnostics", [](PyWorld& w) { w.h->get().check_diagnostics(); })
+        // The symmetric heap (collective alloc and free: every rank, same arguments, same order).
+        .def("alloc", [](PyWorld& w, uint64_t bytes, uint64_t align) {
+                 return reinterpret_cast<uintptr_t>(w.h->get().heap().alloc(bytes, align));
+             }, "bytes"_a, "align"_a = 256, Release())
+        .def("free", [](PyWorld& w, uintptr_t ptr) { w.h->get().heap().free(reinterpret_cast<void*>(ptr)); }, "ptr"_a,
+             Release())
+        .def("heap_contains", [](const PyWorld& w, uintptr_t ptr, uint64_t bytes) {
+                 return w.h->get().heap().contains(reinterpret_cast<const void*>(ptr), bytes);
+             }, "ptr"_a, "bytes"_a = 1)
+        .def_prop_ro("heap_bytes", [](const PyWorld& w) { return w.h->get().heap().bytes(); })
+        .def_prop_ro("heap_bytes_in_use", [](const PyWorld& w) { return w.h->get().heap().bytes_in_use(); })
+        .def("team", [](PyWorld& w) { return PyTeam{w.h, w.h->get().team()}; })
+        .def("node_team", [](PyWorld& w) { return PyTeam{w.h, w.h->get().node_team()}; })
+        .def("prepare_collectives", [](PyWorld& w) {
+            ops::CollectiveWorkspaceInfo info;
+            {
+                nb::gil_scoped_release release;
+                info = ops::prepare_collectives(w.h->get());
+            }
+            nb::dict d;
+            d["num_ranks"] = info.topology.num_ranks;
+            d["max_ranks_per_gpu"] = info.topology.max_ranks_per_gpu;
+            d["grid_budget"] = info.topology.grid_budget;
+            d["heap_bytes"] = info.heap_bytes;
+            d["num_kernels"] = info.num_kernels;
+            return d;
+        });
+
+    nb::class_<PyTeam>(m, "Team")
+        .def_prop_ro("id", [](const PyTeam& t) { return t.team.id(); })
+        .def_prop_ro("is_world", [](const PyTeam& t) { return t.team.is_world(); })
+        .def("barrier", [](const PyTeam& t) { t.team.barrier(); }, Release())
+        .def("alloc", [](const PyTeam& t, uint64_t bytes, uint64_t align) {
+                 return reinterpret_cast<uintptr_t>(t.h->get().heap().alloc(t.team, bytes, align));
+             }, "bytes"_a, "align"_a = 256, Release())
+        .def("free", [](const PyTeam& t, uintptr_t ptr) {
+                 t.h->get().heap().free(t.team, reinterpret_cast<void*>(ptr));
+             }, "ptr"_a, Release())
+        .def_prop_ro("rank", [](const PyTeam& t) { return t.team.rank(); })
+        .def_prop_ro("num_ranks", [](const PyTeam& t) { return t.team.num_ranks(); })
+        .def_prop_ro("is_member", [](const PyTeam& t) { return t.team.is_member(); })
+        .def_prop_ro("members", [](const PyTeam& t) { return t.team.members(); })
+        .def("world_rank", [](const PyTeam& t, int r) { return t.team.world_rank(r); })
+        .def("team_rank", [](const PyTeam& t, int r) { return t.team.team_rank(r); })
+        .def("split_strided", [](const PyTeam& t, int start, int stride, int size) {
+            return PyTeam{t.h, t.team.split_strided(start, stride, size)};
+        })
+        .def("split_color", [](const PyTeam& t, int color, int key) {
+            Team made;
+            {
+                nb::gil_scoped_release release;
+                made = t.team.split_color(color, key);
+            }
+            return PyTeam{t.h, made};
+        });
+
+    // ---- collectives (stream: a cudaStream_t as an integer) ----
+    m.def("all_reduce", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
+                   const PyTeam* team) {
+              ops::AllReduceOptions o;
+              o.algo = static_cast<ops::AllReduceAlgo>(algo);
+              if (team != nullptr) {
+                  ops::all_reduce(team->team, input, output, as_stream(stream), o);
+              } else {
+                  ops::all_reduce(w.h->get(), input, output, as_stream(stream), o);
+              }
+          }, "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
+    m.def("all_gather", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
+                   const PyTeam* team) {
+              ops::AllGatherOptions o;
+              o.algo = static_cast<ops::AllGatherAlgo>(algo);
+              if (team != nullptr) {
+                  ops::all_gather(team->team, input, output, as_stream(stream), o);
+              } else {
+                  ops::all_gather(w.h->get(), input, output, as_stream(stream), o);
+              }
+          }, "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
+    m.def("reduce_scatter", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
+                   const PyTeam* team) {
+              ops::ReduceScatterOptions o;
+              o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
+              if (team != nullptr) {
+                  ops::reduce_scatter(team->team, input, output, as_stream(stream), o);
+              } else {
+                  ops::reduce_scatter(w.h->get(), input, output, as_stream(stream), o);
+              }
+          }, "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
+    // Benchmark support: `iters` back-to-back all_reduce calls made from C++ (no Python between them); returns the
+    // host seconds they took, the floor the Python layers are measured against (bench/python/bench_overhead.py).
+    m.def("time_all_reduce_calls", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream,
+                                      int iters) {
+              WEFT_CHECK(iters > 0, "iters: expected a positive count, got " << iters);
+              World& world = w.h->get();
+              const auto start = std::chrono::steady_clock::now();
+              for (int i = 0; i < iters; ++i) ops::all_reduce(world, input, output, as_stream(stream));
+              return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          }, "world"_a, "input"_a, "output"_a, "stream"_a, "iters"_a, Release());
+    m.def("parse_algo", [](const std::string& op, const std::string& name) -> int {
+        std::optional<int> code;
+        if (op == "all_reduce") {
+            if (auto a = ops::parse_all_reduce_algo(name)) code = static_cast<int>(*a);
+        } else if (op == "all_gather") {
+            if (auto a = ops::parse_all_gather_algo(name)) code = static_cast<int>(*a);
+        } else if (op == "reduce_scatter") {
+            if (auto a = ops::parse_reduce_scatter_algo(name)) code = static_cast<int>(*a);
+        } else {
+            WEFT_FAIL("op: expected 'all_reduce', 'all_gather' or 'reduce_scatter', got '" << op << "'");
+        }
+        WEFT_CHECK(code.has_value(), "algo: '" << name << "' is not an algorithm of " << op);
+        return *code;
+    }, "op"_a, "name"_a);
+
+    // ---- GEMM ----
+    m.def("gemm", [](const TensorView& a, const TensorView& b, const TensorView& d, int b_layout, uintptr_t stream) {
+              WEFT_CHECK(b_layout == 0 || b_layout == 1, "b_layout: expected 0 (nk) or 1 (kn), got " << b_layout);
+              ops::gemm(a, b, d, static_cast<BLayout>(b_layout), as_stream(stream));
+          }, "a"_a, "b"_a, "d"_a, "b_layout"_a, "stream"_a, Release());
+
+    // ---- fused TP ops ----
+    nb::class_<PyAgGemm>(m, "AgGemm")
+        .def("__init__",
+             [](PyAgGemm* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype, int64_t chunk_rows,
+                int copy_streams, int sm_budget, bool autotune, const PyTeam* team) {
+                 ops::AgGemmShape shape{max_m, n, k, as_dtype(dtype)};
+                 ops::AgGemmOptions o;
+                 o.chunk_rows = chunk_rows;
+                 o.copy_streams = copy_streams;
+                 o.sm_budget = sm_budget;
+                 o.autotune = autotune;
+                 World& world = w.h->get();
+                 std::unique_ptr<ops::AgGemm> op;
+                 {
+                     nb::gil_scoped_release release;
+                     op = team ? std::make_unique<ops::AgGemm>(team->team, shape, o)
+                               : std::make_unique<ops::AgGemm>(world, shape, o);
+                 }
+                 new (self) PyAgGemm(w.h, std::move(op), "AgGemm");
+             },
+             "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "chunk_rows"_a = 0, "copy_streams"_a = 0,
+             "sm_budget"_a = 0, "autotune"_a = false, "team"_a = nb::none())
+        .def("run", [](PyAgGemm& op, const TensorView& a, const TensorView& b, const TensorView& c,
+                       uintptr_t stream) { op.get().run(a, b, c, as_stream(stream)); }, Release())
+        .def("gathered", [](const PyAgGemm& op, int64_t m) { return op.get().gathered(m); })
+        .def("local_shard", [](const PyAgGemm& op, int64_t m) { return op.get().local_shard(m); })
+        .def_prop_ro("max_m", [](const PyAgGemm& op) { return op.get().shape().max_m; })
+        .def_prop_ro("n", [](const PyAgGemm& op) { return op.get().shape().n; })
+        .def_prop_ro("k", [](const PyAgGemm& op) { return op.get().shape().k; })
+        .def_prop_ro("chunk_rows", [](const PyAgGemm& op) { return op.get().chunk_rows(); })
+        .def_prop_ro("closed", [](const PyAgGemm& op) { return op.op == nullptr; })
+        .def("close", &PyAgGemm::close);
+
+    nb::class_<PyGemmRs>(m, "GemmRs")
+        .def("__init__",
+             [](PyGemmRs* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype, const std::string& mode,
+                std::optional<int> partial_dtype, int64_t chunk_rows, int reduce_ctas, int sm_budget, bool autotune,
+                const PyTeam* team) {
+                 ops::GemmRsShape shape{max_m, n, k, as_dtype(dtype)};
+                 ops::GemmRsOptions o;
+                 o.mode = parse_gemm_rs_mode(mode);
+                 o.partial_dtype = optional_dtype(partial_dtype);
+                 o.chunk_rows = chunk_rows;
+                 o.reduce_ctas = reduce_ctas;
+                 o.sm_budget = sm_budget;
+                 o.autotune = autotune;
+                 World& world = w.h->get();
+                 std::unique_ptr<ops::GemmRs> op;
+                 {
+                     nb::gil_scoped_release release;
+                     op = team ? std::make_unique<ops::GemmRs>(team->team, shape, o)
+                               : std::make_unique<ops::GemmRs>(world, shape, o);
+                 }
+                 new (self) PyGemmRs(w.h, std::move(op), "GemmRs");
+             },
+             "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "mode"_a = "auto", "partial_dtype"_a = nb::none(),
+             "chunk_rows"_a = 0, "reduce_ctas"_a = 0, "sm_budget"_a = 0, "autotune"_a = false, "team"_a = nb::none())
+        .def("run", [](PyGemmRs& op, const TensorView& a, const TensorView& b, const TensorView& c,
+                       uintptr_t stream) { op.get().run(a, b, c, as_stream(stream)); }, Release())
+        .def_prop_ro("max_m", [](const PyGemmRs& op) { return op.get().shape().max_m; })
+        .def_prop_ro("n", [](const PyGemmRs& op) { return op.get().shape().n; })
+        .def_prop_ro("k", [](const PyGemmRs& op) { return op.get().shape().k; })
+        .def_prop_ro("mode", [](const PyGemmRs& op) { return std::string(ops::gemm_rs_mode_name(op.get().mode())); })
+        .def_prop_ro("closed", [](const PyGemmRs& op) { return op.op == nullptr; })
+        .def("close", &PyGemmRs::close);
+
+    nb::class_<PyGemmAr>(m, "GemmAr")
+        .def("__init__",
+             [](PyGemmAr* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype,
+                std::optional<int> partial_dtype, int reduce_ctas, int sm_budget, bool collective_all_reduce,
+                const PyTeam* team) {
+                 ops::GemmArShape shape{max_m, n, k, as_dtype(dtype)};
+                 ops::GemmArOptions o;
+                 o.partial_dtype = optional_dtype(partial_dtype);
+                 o.reduce_ctas = reduce_ctas;
+                 o.sm_budget = sm_budget;
+                 o.collective_all_reduce = collective_all_reduce;
+                 World& world = w.h->get();
+                 std::unique_ptr<ops::GemmAr> op;
+                 {
+                     nb::gil_scoped_release release;
+                     op = team ? std::make_unique<ops::GemmAr>(team->team, shape, o)
+                               : std::make_unique<ops::GemmAr>(world, shape, o);
+                 }
+                 new (self) PyGemmAr(w.h, std::move(op), "GemmAr");
+             },
+             "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "partial_dtype"_a = nb::none(), "reduce_ctas"_a = 0,
+             "sm_budget"_a = 0, "collective_all_reduce"_a = true, "team"_a = nb::none())
+        .def("run", [](PyGemmAr& op, const TensorView& a, const TensorView& b, const TensorView& c,
+                       uintptr_t stream) { op.get().run(a, b, c, as_stream(stream)); }, Release())
+        .def_prop_ro("max_m", [](const PyGemmAr& op) { return op.get().shape().max_m; })
+        .def_prop_ro("n", [](const PyGemmAr& op) { return op.get().shape().n; })
+        .def_prop_ro("k", [](const PyGemmAr& op) { return op.get().shape().k; })
+        .def_prop_ro("closed", [](const PyGemmAr& op) { return op.op == nullptr; })
+        .def("close", &PyGemmAr::close);
+
+    // CPU-only checks the ops run before they touch a GPU (tests and argument errors without a World).
+    m.def("validate_ag_gemm_shape", [](int64_t max_m, int64_t n, int64_t k, int dtype, int num_ranks) {
+        ops::validate_ag_gemm_shape({max_m, n, k, as_dtype(dtype)}, num_ranks);
+    }, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "num_ranks"_a);
+    m.def("validate_gemm_rs_shape", [](int64_t max_m, int64_t n, int64_t k, int dtype, int num_ranks) {
+        ops::validate_gemm_rs_shape({max_m, n, k, as_dtype(dtype)}, num_ranks);
+    }, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "num_ranks"_a);
+    m.def("validate_gemm_ar_shape", [](int64_t max_m, int64_t n, int64_t k, int dtype, int num_ranks) {
+        ops::validate_gemm_ar_shape({max_m, n, k, as_dtype(dtype)}, num_ranks);
+    }, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "num_ranks"_a);
+}

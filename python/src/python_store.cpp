@@ -1,0 +1,116 @@
+// SPDX-License-Identifier: MIT
+// PythonStore: weft::Store over a Python object that speaks torch.distributed.Store's methods.
+#include <Python.h>
+
+#include "binding.hpp"
+
+#include <nanobind/stl/string.h>
+
+#include "weft/runtime/error.hpp"
+
+namespace weft::python {
+
+using namespace nb::literals;
+
+namespace {
+
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing() != 0;
+#else
+    return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// "TypeName: message" of a Python exception (its traceback belongs to the Python side, not to weft's message).
+std::string describe(nb::python_error& e) {
+    try {
+        std::string name = nb::cast<std::string>(e.type().attr("__qualname__"));
+        std::string message = nb::cast<std::string>(nb::str(e.value()));
+        return message.empty() ? name : name + ": " + message;
+    } catch (...) {
+        return e.what();
+    }
+}
+
+// Runs `fn` (which calls into Python) with the GIL held; a Python exception becomes a weft::Error thrown after the
+// GIL is released again, so the exception object never needs the GIL.
+template <class Fn>
+auto with_gil(const char* method, const std::string& key, Fn&& fn) -> decltype(fn()) {
+    std::string failure;
+    {
+        nb::gil_scoped_acquire gil;
+        try {
+            return fn();
+        } catch (nb::python_error& e) {
+            failure = describe(e);
+        } catch (const std::exception& e) {
+            failure = e.what();
+        }
+    }
+    WEFT_FAIL("store." << method << "('" << key << "') raised: " << failure);
+}
+
+}  // namespace
+
+PythonStore::PythonStore(nb::object store) : store_(std::move(store)) {
+    WEFT_CHECK(store_.is_valid() && !store_.is_none(), "store: expected a store object, got None");
+    for (const char* method : {"set", "get", "wait", "add", "check", "delete_key"}) {
+        WEFT_CHECK(nb::hasattr(store_, method),
+                   "store: expected an object with torch.distributed.Store's methods (set, get, wait, add, check, "
+                   "delete_key); it has no '" << method << "'");
+    }
+    timedelta_ = nb::module_::import_("datetime").attr("timedelta");
+}
+
+PythonStore::~PythonStore() {
+    if (!Py_IsInitialized() || interpreter_finalizing()) {
+        // NOTE: Python can no longer be entered; the references are leaked on purpose.
+        store_.release();
+        timedelta_.release();
+        return;
+    }
+    nb::gil_scoped_acquire gil;
+    store_.reset();
+    timedelta_.reset();
+}
+
+void PythonStore::set(const std::string& key, const Bytes& value) {
+    with_gil("set", key, [&] {
+        store_.attr("set")(key, nb::bytes(reinterpret_cast<const char*>(value.data()), value.size()));
+    });
+}
+
+Bytes PythonStore::get(const std::string& key, std::chrono::milliseconds timeout) {
+    return with_gil("get", key, [&] {
+        nb::list keys;
+        keys.append(nb::str(key.c_str(), key.size()));
+        store_.attr("wait")(keys, timedelta_("milliseconds"_a = static_cast<double>(timeout.count())));
+        nb::object value = store_.attr("get")(key);
+        if (nb::isinstance<nb::str>(value)) value = value.attr("encode")("utf-8");
+        WEFT_CHECK(nb::isinstance<nb::bytes>(value), "store.get('" << key << "') returned "
+                                                                   << nb::type_name(value.type()).c_str()
+                                                                   << ", expected bytes");
+        nb::bytes b = nb::borrow<nb::bytes>(value);
+        const auto* data = static_cast<const uint8_t*>(b.data());
+        return Bytes(data, data + b.size());
+    });
+}
+
+int64_t PythonStore::add(const std::string& key, int64_t delta) {
+    return with_gil("add", key, [&] { return nb::cast<int64_t>(store_.attr("add")(key, delta)); });
+}
+
+bool PythonStore::check(const std::string& key) {
+    return with_gil("check", key, [&] {
+        nb::list keys;
+        keys.append(nb::str(key.c_str(), key.size()));
+        return nb::cast<bool>(store_.attr("check")(keys));
+    });
+}
+
+void PythonStore::erase(const std::string& key) {
+    with_gil("delete_key", key, [&] { store_.attr("delete_key")(key); });
+}
+
+}  // namespace weft::python

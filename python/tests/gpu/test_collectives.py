@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: MIT
+# weft's collectives on torch tensors against torch.distributed's (NCCL) in the same process.
+import pytest
+import torch
+import torch.distributed as dist
+
+import weft
+
+SIZES = [1, 7, 4096, 1 << 20]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _integers(numel, dtype, rank, seed):
+    # Small integers: every sum is exact in every dtype (up to 8 ranks: |sum| <= 8 * 15 < 256).
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed * 1000 + rank)
+    return torch.randint(-15, 16, (numel,), generator=g, device="cuda").to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", SIZES)
+def test_all_reduce_matches_nccl(rank, dtype, numel):
+    x = _integers(numel, dtype, rank, 1)
+    expected = x.clone()
+    dist.all_reduce(expected)
+    out = torch.full_like(x, float("nan"))
+    assert weft.all_reduce(x, out) is out
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+    in_place = x.clone()
+    weft.all_reduce(in_place)
+    assert torch.equal(in_place, expected)
+
+
+@pytest.mark.parametrize("algo", ["ll", "one_shot", "two_shot"])
+def test_all_reduce_each_algorithm_on_symmetric_memory(rank, algo):
+    x = weft.empty((3, 5000), torch.bfloat16)
+    try:
+        assert weft.is_symmetric(x)
+        x.copy_(_integers(x.numel(), torch.bfloat16, rank, 2).view(3, 5000))
+        expected = x.clone()
+        dist.all_reduce(expected)
+        weft.all_reduce(x, algo=algo)
+        torch.cuda.synchronize()
+        assert torch.equal(x, expected)
+    finally:
+        weft.free(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+@pytest.mark.parametrize("rows", [1, 33, 4096])
+def test_all_gather_matches_nccl(rank, num_ranks, dtype, rows):
+    x = _integers(rows * 8, torch.float32, rank, 3).to(dtype).view(rows, 8)
+    expected = torch.empty((num_ranks * rows, 8), dtype=dtype, device="cuda")
+    dist.all_gather_into_tensor(expected, x)
+    out = weft.all_gather(x)
+    assert out.shape == (num_ranks * rows, 8)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
+def test_all_gather_into_a_symmetric_output_with_sm_push(rank, num_ranks):
+    x = _integers(4096, torch.bfloat16, rank, 4)
+    out = weft.empty((num_ranks * 4096,), torch.bfloat16)
+    try:
+        out.fill_(float("nan"))
+        weft.all_gather(x, out, algo="sm_push")
+        expected = torch.empty_like(out)
+        dist.all_gather_into_tensor(expected, x)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+    finally:
+        weft.free(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows_per_rank", [1, 100, 8192])
+def test_reduce_scatter_matches_nccl(rank, num_ranks, dtype, rows_per_rank):
+    x = _integers(num_ranks * rows_per_rank * 4, dtype, rank, 5).view(num_ranks * rows_per_rank, 4)
+    expected = torch.empty((rows_per_rank, 4), dtype=dtype, device="cuda")
+    dist.reduce_scatter_tensor(expected, x)
+    out = weft.reduce_scatter(x)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
+def test_collectives_follow_torchs_current_stream(rank):
+    s = torch.cuda.Stream()
+    x = _integers(1 << 16, torch.float32, rank, 6)
+    expected = x.clone()
+    dist.all_reduce(expected)
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = x * 1  # queued on s: the all-reduce must come after it on s
+        weft.all_reduce(y)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    assert torch.equal(y, expected)
+
+
+def test_bad_arguments_name_the_argument(num_ranks):
+    x = torch.zeros(16, device="cuda")
+    with pytest.raises(TypeError, match="tensor: expected dtype bfloat16 or float16 or float32, got int32"):
+        weft.all_reduce(torch.zeros(16, dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match="tensor: expected a contiguous tensor"):
+        weft.all_reduce(torch.zeros(16, 16, device="cuda").t())
+    with pytest.raises(ValueError, match="out: expected 16 elements, got 8"):
+        weft.all_reduce(x, torch.zeros(8, device="cuda"))
+    with pytest.raises(TypeError, match="out: expected dtype torch.float32, got torch.bfloat16"):
+        weft.all_reduce(x, torch.zeros(16, dtype=torch.bfloat16, device="cuda"))
+    with pytest.raises(ValueError, match="algo: 'fast' is not an algorithm of all_reduce"):
+        weft.all_reduce(x, algo="fast")
+    with pytest.raises(ValueError, match=f"tensor: expected dim 0 a multiple of the {num_ranks} ranks"):
+        weft.reduce_scatter(torch.zeros(num_ranks + 1, device="cuda"))
+    # The checks are local and raise on every rank alike: the ranks stay in step.
+    weft.world().barrier()
+
+
+def test_weft_errors_from_the_op_keep_weft_message(num_ranks):
+    # Python's checks pass (right device, dtype, count); the C++ op refuses a push into memory peers cannot reach.
+    x = torch.zeros(16, device="cuda")
+    out = torch.zeros(num_ranks * 16, device="cuda")
+    with pytest.raises(weft.Error, match="all_gather: algorithm sm_push writes into the peers. outputs"):
+        weft.all_gather(x, out, algo="sm_push")  # sm_push needs a symmetric output
+    weft.world().barrier()

@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: MIT
+# Importing weft needs neither torch nor a GPU; weft.Error is a RuntimeError carrying weft's message.
+import subprocess
+import sys
+
+import pytest
+
+import weft
+from weft import _weft
+
+
+def test_import_without_torch_leaves_torch_unimported():
+    code = "import sys, weft; assert 'torch' not in sys.modules, 'importing weft imported torch'; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_version_and_dtypes():
+    assert weft.__version__.count(".") == 2
+    assert _weft.DTYPES == {"bf16": 0, "f16": 1, "f32": 2, "f8e4m3": 3, "i32": 4, "i64": 5, "u8": 6}
+    assert [_weft.dtype_bytes(c) for c in range(7)] == [2, 2, 4, 1, 4, 8, 1]
+
+
+def test_package_carries_headers_and_kernels_for_the_jit():
+    import os
+    home = os.environ.get("WEFT_HOME")
+    assert home, "weft's package should point WEFT_HOME at itself when the user did not"
+    assert os.path.isfile(os.path.join(home, "include", "weft", "device", "token.cuh"))
+    assert os.path.isdir(os.path.join(home, "kernels")) or os.path.isdir(os.path.join(home, "share", "weft", "kernels"))
+
+
+def test_error_is_a_runtime_error_with_weft_message():
+    assert issubclass(weft.Error, RuntimeError)
+    with pytest.raises(weft.Error, match=r"dtype: expected a weft dtype code in \[0, 6\], got 9"):
+        _weft.dtype_bytes(9)
+
+
+def test_tensor_view_checks_name_the_argument():
+    v = weft.TensorView(4096, 0, (8, 16))
+    assert v.shape == [8, 16] and v.strides == [16, 1] and v.numel() == 128 and v.is_contiguous()
+    assert "bf16[8, 16]" in repr(v)
+    with pytest.raises(weft.Error, match="shape: expected 1 to 4 dimensions, got 5"):
+        weft.TensorView(0, 0, (1, 1, 1, 1, 1))
+    with pytest.raises(weft.Error, match="strides: expected 2 strides"):
+        weft.TensorView(0, 0, (2, 2), (1,))
+    with pytest.raises(weft.Error, match="shape: dimension 1 is negative"):
+        weft.TensorView(0, 0, (2, -2))
+
+
+def test_op_shape_errors_become_weft_errors_naming_the_field():
+    with pytest.raises(weft.Error, match="ag_gemm: shape.max_m must be"):
+        _weft.validate_ag_gemm_shape(max_m=7, n=128, k=128, dtype=0, num_ranks=2)
+    with pytest.raises(weft.Error, match=r"gemm_rs: shape.k \(this rank's K\) must be a positive multiple of 8, "
+                                         r"got 12"):
+        _weft.validate_gemm_rs_shape(max_m=128, n=128, k=12, dtype=0, num_ranks=2)
+    with pytest.raises(weft.Error, match="gemm_ar: shape.dtype must be bf16 or f16, got f32"):
+        _weft.validate_gemm_ar_shape(max_m=16, n=128, k=128, dtype=2, num_ranks=2)
+    _weft.validate_ag_gemm_shape(max_m=256, n=128, k=128, dtype=0, num_ranks=2)  # a good shape passes
+
+
+def test_algorithm_names():
+    assert _weft.parse_algo("all_reduce", "one_shot") == 2
+    assert _weft.parse_algo("all_gather", "ce_pull") == 3
+    assert _weft.parse_algo("reduce_scatter", "ll") == 2
+    with pytest.raises(weft.Error, match="algo: 'nope' is not an algorithm of all_reduce"):
+        _weft.parse_algo("all_reduce", "nope")
+
+
+def test_using_weft_before_init_says_so():
+    assert not weft.is_initialized()
+    with pytest.raises(weft.Error, match=r"weft is not initialised: call weft.init\(\) first"):
+        weft.world()
+    weft.finalize()  # a no-op without a World
+
+
+def test_a_world_on_a_machine_without_a_gpu_is_a_weft_error():
+    if _weft.cuda_available():
+        pytest.skip("this machine has a GPU")
+    from dict_store import DictStore
+    adapter = _weft.StoreAdapter(DictStore())
+    with pytest.raises(weft.Error):
+        _weft.World.from_store(adapter, rank=0, num_ranks=1, timeout_ms=5000)
+
+
+def test_finalize_closes_the_newest_first_then_the_world():
+    from weft import _runtime
+
+    order = []
+
+    class Closable:
+        def __init__(self, name, fail=False):
+            self.name, self.fail = name, fail
+
+        def close(self):
+            order.append(self.name)
+            if self.fail:
+                raise weft.Error(f"{self.name} refused")
+
+    _runtime._state = _runtime._State(Closable("world"), None, None)
+    _runtime._state.objects += [Closable("buffer"), Closable("handle")]
+    weft.finalize()
+    assert order == ["handle", "buffer", "world"] and not weft.is_initialized()
+
+    # One refusal does not keep the others open; the first error is raised and the World is left to its owner.
+    order.clear()
+    _runtime._state = _runtime._State(Closable("world"), None, None)
+    _runtime._state.objects += [Closable("a"), Closable("b", fail=True), Closable("c")]
+    with pytest.raises(weft.Error, match="b refused"):
+        weft.finalize()
+    assert order == ["c", "b", "a"] and not weft.is_initialized()

@@ -1,0 +1,150 @@
+# SPDX-License-Identifier: MIT
+# Argument checks of the torch layer that need torch but no GPU (skipped where torch is absent): a stand-in World
+# that fails the test if any op reaches it.
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import weft  # noqa: E402
+from weft import _runtime  # noqa: E402
+
+
+class _NoGpuWorld:
+    rank, num_ranks, device = 0, 2, 0
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the argument check should have failed before World.{name}")
+
+
+@pytest.fixture
+def fake_world():
+    _runtime._state = _runtime._State(_NoGpuWorld(), None, None)
+    yield
+    _runtime._state = None
+
+
+def test_a_non_tensor_is_a_type_error_naming_the_argument(fake_world):
+    with pytest.raises(TypeError, match="tensor: expected a torch.Tensor, got list"):
+        weft.all_reduce([1.0, 2.0])
+    with pytest.raises(TypeError, match="b: expected a torch.Tensor, got int"):
+        weft.gemm_rs(torch.zeros(4, 8), 3)
+
+
+def test_a_cpu_tensor_is_a_value_error_naming_the_argument_and_the_device(fake_world):
+    with pytest.raises(ValueError, match=r"tensor: expected a tensor on cuda:0 \(this rank's GPU\), got one on cpu"):
+        weft.all_reduce(torch.zeros(16))
+    with pytest.raises(ValueError, match="a: expected a tensor on cuda:0"):
+        weft.gemm(torch.zeros(16, 16, dtype=torch.bfloat16), torch.zeros(16, 16, dtype=torch.bfloat16))
+
+
+def test_shape_errors_name_the_argument(fake_world):
+    with pytest.raises(ValueError, match=r"a_local: expected a 2-D tensor, got shape \(4,\)"):
+        weft.ag_gemm(torch.zeros(4), torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="b: expected a 2-D tensor"):
+        weft.gemm_ar(torch.zeros(4, 4), torch.zeros(4, 4, 4))
+
+
+def test_bad_options_name_the_argument(fake_world):
+    with pytest.raises(TypeError, match="dtype: weft does not take torch.float64"):
+        weft.empty((4,), torch.float64)
+    with pytest.raises(ValueError, match=r"shape: expected non-negative sizes, got \(4, -1\)"):
+        weft.empty((4, -1))
+    with pytest.raises(TypeError, match="team: expected a weft.Team or None, got str"):
+        weft.all_reduce(torch.zeros(4), team="tp")
+    with pytest.raises(TypeError, match="tensor: expected a torch.Tensor, got int"):
+        weft.free(3)
+
+
+def test_weft_torch_registers_custom_ops_with_fake_implementations(fake_world):
+    import weft.torch  # noqa: F401  (registers torch.ops.weft.*)
+    # Meta tensors run the fake implementations (what torch.compile traces with).
+    x = torch.empty(8, 16, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(32, 16, dtype=torch.bfloat16, device="meta")
+    assert torch.ops.weft.all_reduce(x).shape == (8, 16)
+    assert torch.ops.weft.all_gather(x).shape == (16, 16)
+    assert torch.ops.weft.reduce_scatter(x).shape == (4, 16)
+    assert torch.ops.weft.ag_gemm(x, w).shape == (16, 32)
+    assert torch.ops.weft.gemm_rs(x, w).shape == (4, 32)
+    assert torch.ops.weft.gemm_ar(x, w).shape == (8, 32)
+    assert torch.ops.weft.gemm(x, w).shape == (8, 32)
+
+
+def _meta(*shape, grad=True):
+    return torch.empty(*shape, dtype=torch.bfloat16, device="meta", requires_grad=grad)
+
+
+def test_autograd_formulas_give_gradients_of_the_inputs_shapes(fake_world):
+    import weft.torch  # noqa: F401
+    # 2 ranks (the stand-in World): ag_gemm [8, 16] x [32, 16] -> [16, 32]; gemm_rs [16, 32] x [24, 32] -> [8, 24].
+    cases = [
+        (torch.ops.weft.ag_gemm, (_meta(8, 16), _meta(32, 16)), (16, 32)),
+        (torch.ops.weft.gemm_rs, (_meta(16, 32), _meta(24, 32)), (8, 24)),
+        (torch.ops.weft.gemm_ar, (_meta(4, 32), _meta(24, 32)), (4, 24)),
+        (torch.ops.weft.gemm, (_meta(4, 32), _meta(24, 32)), (4, 24)),
+        (torch.ops.weft.all_reduce, (_meta(6, 8),), (6, 8)),
+        (torch.ops.weft.all_gather, (_meta(6, 8),), (12, 8)),
+        (torch.ops.weft.reduce_scatter, (_meta(6, 8),), (3, 8)),
+    ]
+    for op, inputs, out_shape in cases:
+        out = op(*inputs)
+        assert tuple(out.shape) == out_shape, op
+        out.sum().backward()
+        for x in inputs:
+            assert x.grad is not None and x.grad.shape == x.shape, op
+
+
+def test_tensor_parallel_mlp_traces_forward_and_backward(fake_world):
+    import weft.nn
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mlp = weft.nn.TensorParallelMLP(16, 64, device="meta")
+    assert mlp.w1.shape == (32, 16) and mlp.w2.shape == (16, 32)  # this rank's shards of 2
+    x = _meta(8, 16)
+    y = mlp(x)
+    assert y.shape == (8, 16)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and mlp.w1.grad.shape == mlp.w1.shape and mlp.w2.grad.shape == mlp.w2.shape
+
+    params = {name: p.detach() for name, p in mlp.named_parameters()}
+    graph = make_fx(lambda p, t: torch.func.functional_call(mlp, p, (t,)), tracing_mode="fake")(
+        params, _meta(8, 16, grad=False))
+    ops = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
+    assert {"weft.ag_gemm.default", "weft.gemm_rs.default"} <= ops, ops
+    with pytest.raises(ValueError, match="ffn_hidden: expected a multiple of the 2 ranks, got 63"):
+        weft.nn.TensorParallelMLP(16, 63, device="meta")
+
+
+def test_torch_compile_fullgraph_traces_the_custom_ops_and_their_backward(fake_world):
+    import weft.nn
+
+    torch._dynamo.reset()
+    mlp = weft.nn.TensorParallelMLP(16, 64, device="meta")
+    compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")  # no GPU here: eager kernels on meta tensors
+    x = _meta(8, 16)
+    y = compiled(x)
+    assert y.shape == (8, 16)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and mlp.w1.grad.shape == mlp.w1.shape
+
+
+def test_team_custom_ops_and_their_backward_on_a_team_of_four(fake_world):
+    import weft.torch  # noqa: F401
+
+    class _FakeTeam:  # what team_by_handle returns; only its size is read while tracing
+        num_ranks = 4
+
+    _runtime._state.teams.append(_FakeTeam())
+    a_local, b = _meta(8, 16), _meta(32, 16)
+    out, gathered = torch.ops.weft.ag_gemm_saving(a_local, b, 0)
+    assert out.shape == (32, 32) and gathered.shape == (32, 16)
+    out.sum().backward()
+    assert a_local.grad.shape == a_local.shape and b.grad.shape == b.shape
+
+    h, w = _meta(32, 32), _meta(24, 32)
+    y = torch.ops.weft.gemm_rs(h, w, 0)
+    assert y.shape == (8, 24)
+    y.sum().backward()
+    assert h.grad.shape == h.shape and w.grad.shape == w.shape
+    assert torch.ops.weft.gemm_ar(_meta(4, 32), w, 0).shape == (4, 24)
+    with pytest.raises(TypeError, match="team: expected a weft.Team or None, got int"):
+        weft.torch.gemm_rs(h, w, team=3)

@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: MIT
+"""weft from Python: compute-communication overlapping kernels driven from PyTorch.
+
+    import torch, torch.distributed as dist, weft
+    dist.init_process_group("nccl")               # optional: weft then meets on torch's store
+    torch.cuda.set_device(local_rank)
+    weft.init()                                   # collective
+    x = weft.empty((1024, 4096), torch.bfloat16)  # on the symmetric heap (zero copy)
+    weft.all_reduce(x)                            # on torch's current stream
+    weft.free(x)                                  # collective
+    weft.finalize()                               # collective (also at exit)
+
+Importing weft needs neither torch nor a GPU; every function that takes tensors needs torch. The API:
+docs/python.md.
+"""
+import os as _os
+
+from . import _weft
+from ._weft import Error, TensorView
+
+# The JIT reads weft's headers and kernel templates at run time; the package carries them (include/,
+# share/weft/kernels/). Pointing WEFT_HOME here, unless the user set it, keeps a weft source tree found upward from
+# the Python interpreter's folder from shadowing the headers this extension was built with.
+_package_dir = _os.path.dirname(_os.path.abspath(__file__))
+if "WEFT_HOME" not in _os.environ and _os.path.isfile(
+        _os.path.join(_package_dir, "include", "weft", "device", "token.cuh")):
+    _os.environ["WEFT_HOME"] = _package_dir
+
+from ._runtime import (Team, finalize, init, is_initialized, num_ranks, rank, world)  # noqa: E402
+from ._tensor import empty, free, is_symmetric  # noqa: E402
+from . import ep  # noqa: E402
+from ._ops import (AgGemm, GemmAr, GemmRs, ag_gemm, all_gather, all_reduce, gemm, gemm_ar, gemm_rs,  # noqa: E402
+                   reduce_scatter)
+
+__version__ = _weft.__version__
+
+__all__ = [
+    "Error", "TensorView", "Team", "init", "finalize", "is_initialized", "world", "rank", "num_ranks",
+    "empty", "free", "is_symmetric", "all_reduce", "all_gather", "reduce_scatter", "gemm", "ag_gemm", "gemm_rs",
+    "gemm_ar", "AgGemm", "GemmRs", "GemmAr", "ep",
+]

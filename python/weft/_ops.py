@@ -1,0 +1,306 @@
+# SPDX-License-Identifier: MIT
+"""weft's ops on torch tensors, launched on torch's current CUDA stream (asynchronous, graph-capturable)."""
+from . import _runtime, _weft
+from ._tensor import check_tensor, dtype_code, flat_view, heap_tensor, matrix_view, torch_module
+from ._weft import Error
+
+_REDUCIBLE = None
+_GEMM_IN = None
+
+
+def _dtypes():
+    global _REDUCIBLE, _GEMM_IN
+    if _REDUCIBLE is None:
+        torch = torch_module()
+        _REDUCIBLE = (torch.bfloat16, torch.float16, torch.float32)
+        _GEMM_IN = (torch.bfloat16, torch.float16)
+    return _REDUCIBLE, _GEMM_IN
+
+
+def _stream(world):
+    return torch_module().cuda.current_stream(world.device).cuda_stream
+
+
+def _algo(op, name):
+    state = _runtime._get_state()
+    key = (op, name)
+    code = state.algo_codes.get(key)
+    if code is None:
+        if not isinstance(name, str):
+            raise TypeError(f"algo: expected an algorithm name (str), got {type(name).__name__}")
+        try:
+            code = _weft.parse_algo(op, name)
+        except Error as e:
+            raise ValueError(str(e)) from None
+        state.algo_codes[key] = code
+    return code
+
+
+def _check_out(out, name, like_dtype, numel, world):
+    check_tensor(out, name, world)
+    if out.dtype != like_dtype:
+        raise TypeError(f"{name}: expected dtype {like_dtype}, got {out.dtype}")
+    if out.numel() != numel:
+        raise ValueError(f"{name}: expected {numel} elements, got {out.numel()} (shape {tuple(out.shape)})")
+
+
+def all_reduce(tensor, out=None, *, algo="auto", team=None):
+    """out = the element-wise sum of every rank's `tensor` (bf16, f16 or f32, contiguous). In place when out is None
+    (like torch.distributed.all_reduce). Returns out. Collective over `team` (a weft.Team; None: the World); on
+    torch's current stream."""
+    world, cpp_team = _runtime._team_for(team, "all_reduce")
+    reducible, _ = _dtypes()
+    x = flat_view(tensor, "tensor", world, reducible)
+    if out is None:
+        out, o = tensor, x
+    else:
+        _check_out(out, "out", tensor.dtype, tensor.numel(), world)
+        o = flat_view(out, "out", world)
+    _weft.all_reduce(world, x, o, _stream(world), _algo("all_reduce", algo), cpp_team)
+    return out
+
+
+def all_gather(tensor, out=None, *, algo="auto", team=None):
+    """out = every rank's `tensor` concatenated along dim 0 in rank order (any dtype, contiguous): shape
+    [num_ranks * tensor.shape[0], ...]. Returns out (allocated when None). Collective; on torch's current stream.
+    A symmetric out (weft.empty) lets the push algorithms write into it directly."""
+    world, cpp_team = _runtime._team_for(team, "all_gather")
+    x = flat_view(tensor, "tensor", world)
+    n = cpp_team.num_ranks if cpp_team is not None else world.num_ranks
+    if out is None:
+        shape = (n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() > 0 else (n,)
+        out = torch_module().empty(shape, dtype=tensor.dtype, device=tensor.device)
+    else:
+        _check_out(out, "out", tensor.dtype, n * tensor.numel(), world)
+    _weft.all_gather(world, x, flat_view(out, "out", world), _stream(world), _algo("all_gather", algo), cpp_team)
+    return out
+
+
+def reduce_scatter(tensor, out=None, *, algo="auto", team=None):
+    """out = slice `rank` (along dim 0) of the element-wise sum of every rank's `tensor` (bf16, f16 or f32,
+    contiguous, dim 0 a multiple of num_ranks): shape [tensor.shape[0] / num_ranks, ...]. Returns out (allocated
+    when None). Collective; on torch's current stream."""
+    world, cpp_team = _runtime._team_for(team, "reduce_scatter")
+    reducible, _ = _dtypes()
+    x = flat_view(tensor, "tensor", world, reducible)
+    n = cpp_team.num_ranks if cpp_team is not None else world.num_ranks
+    if tensor.dim() == 0 or tensor.shape[0] % n != 0:
+        raise ValueError(f"tensor: expected dim 0 a multiple of the {n} ranks, got shape {tuple(tensor.shape)}")
+    if out is None:
+        out = torch_module().empty((tensor.shape[0] // n, *tensor.shape[1:]), dtype=tensor.dtype,
+                                   device=tensor.device)
+    else:
+        _check_out(out, "out", tensor.dtype, tensor.numel() // n, world)
+    _weft.reduce_scatter(world, x, flat_view(out, "out", world), _stream(world), _algo("reduce_scatter", algo),
+                         cpp_team)
+    return out
+
+
+def gemm(a, b, out=None, *, b_layout="nk", out_dtype=None):
+    """out[M, N] = a[M, K] @ B with b [N, K] (b_layout "nk": a linear layer's weight, out = a @ b.T) or [K, N]
+    ("kn": out = a @ b). bf16 or f16 in (same dtype), fp32 accumulation; out dtype: out_dtype, else a's. Rows may be
+    strided (inner stride 1); K a multiple of 8; 16-byte aligned bases and row strides. Local (one GPU)."""
+    torch = torch_module()
+    world = _runtime.world()
+    _, gemm_in = _dtypes()
+    av = matrix_view(a, "a", world, gemm_in)
+    bv = matrix_view(b, "b", world, (a.dtype,))
+    if b_layout not in ("nk", "kn"):
+        raise ValueError(f"b_layout: expected 'nk' or 'kn', got {b_layout!r}")
+    n = b.shape[0] if b_layout == "nk" else b.shape[1]
+    if out is None:
+        out = torch.empty((a.shape[0], n), dtype=out_dtype or a.dtype, device=a.device)
+    dv = matrix_view(out, "out", world)
+    _weft.gemm(av, bv, dv, 0 if b_layout == "nk" else 1, _stream(world))
+    return out
+
+
+class _FusedOp:
+    """What AgGemm, GemmRs and GemmAr share: a collective C++ object closed explicitly (or by weft.finalize)."""
+    _kind = None
+
+    def __init__(self, make, team):
+        torch = torch_module()
+        self._world, self._team = _runtime._team_for(team, self._kind)
+        self.num_ranks = self._team.num_ranks if self._team is not None else self._world.num_ranks
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise Error(f"{self._kind}: making the op is collective (symmetric allocation, kernel loading, a barrier) "
+                        "and cannot happen during CUDA graph capture; make it (or call it once) before capturing")
+        self._op = make(self._world)
+        _runtime._register(self)
+
+    def close(self):
+        """Collective: frees the op's symmetric buffers (every rank, in the same order)."""
+        if self._op is not None:
+            self._op.close()  # may refuse (an EP buffer with open handles): then it stays open here too
+            self._op = None
+            _runtime._unregister(self)
+
+    @property
+    def closed(self):
+        return self._op is None
+
+    def _get(self):
+        if self._op is None:
+            raise Error(f"{self._kind} is closed")
+        return self._op
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AgGemm(_FusedOp):
+    """AllGather+GEMM (column-parallel linear layer): out[M, n] = AllGather(a_local) @ b.T, with a_local [M/W, k]
+    on each rank and b [n, k] this rank's weight shard. Collective to make and to close; run() on torch's current
+    stream. max_m: largest M (a multiple of num_ranks); dtype: torch.bfloat16 or torch.float16."""
+    _kind = "AgGemm"
+
+    def __init__(self, max_m, n, k, dtype=None, *, chunk_rows=0, copy_streams=0, sm_budget=0, autotune=False,
+                 team=None):
+        torch = torch_module()
+        self.dtype = dtype or torch.bfloat16
+        code = dtype_code(self.dtype)
+        super().__init__(lambda w: _weft.AgGemm(w, max_m, n, k, code, chunk_rows=chunk_rows,
+                                                copy_streams=copy_streams, sm_budget=sm_budget, autotune=autotune,
+                                                team=self._team), team)
+        self.max_m, self.n, self.k = max_m, n, k
+
+    def run(self, a_local, b, out=None):
+        op = self._get()
+        world = self._world
+        av = matrix_view(a_local, "a_local", world, (self.dtype,))
+        bv = matrix_view(b, "b", world, (self.dtype,))
+        if out is None:
+            out = torch_module().empty((a_local.shape[0] * self.num_ranks, self.n), dtype=self.dtype,
+                                       device=a_local.device)
+        cv = matrix_view(out, "out", world, (self.dtype,))
+        op.run(av, bv, cv, _stream(world))
+        return out
+
+    def gathered(self, m):
+        """[m, k] tensor over the gathered A (symmetric heap, zero copy), as the last run with M = m left it; valid
+        until the next run (stream-ordered)."""
+        return heap_tensor(self._get().gathered(m), self._world, self.dtype)
+
+
+class GemmRs(_FusedOp):
+    """GEMM+ReduceScatter (row-parallel linear layer): out[M/W, n] = rows [r*M/W, (r+1)*M/W) of the sum over ranks
+    of a @ b.T, with a [M, k] and b [n, k] this rank's shards. mode: "auto", "pull" or "push"."""
+    _kind = "GemmRs"
+
+    def __init__(self, max_m, n, k, dtype=None, *, mode="auto", partial_dtype=None, chunk_rows=0, reduce_ctas=0,
+                 sm_budget=0, autotune=False, team=None):
+        torch = torch_module()
+        self.dtype = dtype or torch.bfloat16
+        code = dtype_code(self.dtype)
+        partial = dtype_code(partial_dtype, "partial_dtype") if partial_dtype is not None else None
+        super().__init__(lambda w: _weft.GemmRs(w, max_m, n, k, code, mode=mode, partial_dtype=partial,
+                                                chunk_rows=chunk_rows, reduce_ctas=reduce_ctas, sm_budget=sm_budget,
+                                                autotune=autotune, team=self._team), team)
+        self.max_m, self.n, self.k = max_m, n, k
+
+    @property
+    def mode(self):
+        return self._get().mode
+
+    def run(self, a, b, out=None):
+        op = self._get()
+        world = self._world
+        av = matrix_view(a, "a", world, (self.dtype,))
+        bv = matrix_view(b, "b", world, (self.dtype,))
+        if out is None:
+            if a.shape[0] % self.num_ranks != 0:
+                raise ValueError(f"a: expected M a multiple of the {self.num_ranks} ranks, got shape "
+                                 f"{tuple(a.shape)}")
+            out = torch_module().empty((a.shape[0] // self.num_ranks, self.n), dtype=self.dtype, device=a.device)
+        cv = matrix_view(out, "out", world, (self.dtype,))
+        op.run(av, bv, cv, _stream(world))
+        return out
+
+
+class GemmAr(_FusedOp):
+    """GEMM+AllReduce for small M (decode): out[M, n] = the sum over ranks of a @ b.T, on every rank."""
+    _kind = "GemmAr"
+
+    def __init__(self, max_m, n, k, dtype=None, *, partial_dtype=None, reduce_ctas=0, sm_budget=0,
+                 collective_all_reduce=True, team=None):
+        torch = torch_module()
+        self.dtype = dtype or torch.bfloat16
+        code = dtype_code(self.dtype)
+        partial = dtype_code(partial_dtype, "partial_dtype") if partial_dtype is not None else None
+        super().__init__(lambda w: _weft.GemmAr(w, max_m, n, k, code, partial_dtype=partial, reduce_ctas=reduce_ctas,
+                                                sm_budget=sm_budget, collective_all_reduce=collective_all_reduce,
+                                                team=self._team), team)
+        self.max_m, self.n, self.k = max_m, n, k
+
+    def run(self, a, b, out=None):
+        op = self._get()
+        world = self._world
+        av = matrix_view(a, "a", world, (self.dtype,))
+        bv = matrix_view(b, "b", world, (self.dtype,))
+        if out is None:
+            out = torch_module().empty((a.shape[0], self.n), dtype=self.dtype, device=a.device)
+        cv = matrix_view(out, "out", world, (self.dtype,))
+        op.run(av, bv, cv, _stream(world))
+        return out
+
+
+def _round_max_m(m, num_ranks):
+    """The max_m a cached op is made with for a call with M = m: the next power of two, a multiple of num_ranks."""
+    p = 1
+    while p < m:
+        p *= 2
+    return -(-p // num_ranks) * num_ranks
+
+
+def _cached(cls, m, n, k, dtype, team):
+    """The cached op of `cls` for (n, k, dtype, team) with max_m >= m, remade (collectively, like every call) when m
+    grows. Every rank makes the same calls with the same shapes, so every rank remakes the same ops at the same call."""
+    state = _runtime._get_state()
+    key = (cls._kind, n, k, dtype, None if team is None else team.id)
+    op = state.op_cache.get(key)
+    if op is not None and op.max_m >= m and not op.closed:
+        return op
+    if op is not None:
+        op.close()
+    size = team.num_ranks if team is not None else state.world.num_ranks
+    op = cls(_round_max_m(m, size), n, k, dtype, team=team)
+    state.op_cache[key] = op
+    return op
+
+
+def _shape_check(a, name, dims=2):
+    torch = torch_module()
+    if not isinstance(a, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(a).__name__}")
+    if a.dim() != dims:
+        raise ValueError(f"{name}: expected a {dims}-D tensor, got shape {tuple(a.shape)}")
+
+
+def ag_gemm(a_local, b, out=None, *, team=None):
+    """AllGather(a_local) @ b.T through a cached AgGemm (made on the first call with these n, k, dtype and team;
+    remade when M grows). Collective over the team (default: the World); on torch's current stream."""
+    _runtime._team_for(team, "ag_gemm")
+    _shape_check(a_local, "a_local")
+    _shape_check(b, "b")
+    size = team.num_ranks if team is not None else _runtime.num_ranks()
+    return _cached(AgGemm, a_local.shape[0] * size, b.shape[0], b.shape[1], a_local.dtype, team).run(a_local, b, out)
+
+
+def gemm_rs(a, b, out=None, *, team=None):
+    """ReduceScatter(a @ b.T) through a cached GemmRs. Collective over the team; on torch's current stream."""
+    _runtime._team_for(team, "gemm_rs")
+    _shape_check(a, "a")
+    _shape_check(b, "b")
+    return _cached(GemmRs, a.shape[0], b.shape[0], b.shape[1], a.dtype, team).run(a, b, out)
+
+
+def gemm_ar(a, b, out=None, *, team=None):
+    """AllReduce(a @ b.T) through a cached GemmAr. Collective over the team; on torch's current stream."""
+    _runtime._team_for(team, "gemm_ar")
+    _shape_check(a, "a")
+    _shape_check(b, "b")
+    return _cached(GemmAr, a.shape[0], b.shape[0], b.shape[1], a.dtype, team).run(a, b, out)

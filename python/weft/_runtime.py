@@ -1,0 +1,241 @@
+# SPDX-License-Identifier: MIT
+"""The process's weft World: init, finalize, teams, and the registry of what must be closed collectively."""
+import atexit
+import hashlib
+import sys
+import threading
+
+from . import _weft
+from ._weft import Error
+
+
+class _State:
+    """One World per process, the objects made on it (closed in creation order by finalize), its heap blocks."""
+
+    def __init__(self, world, group_ranks, store_adapter):
+        self.world = world
+        self.group_ranks = group_ranks  # torch global rank of each weft rank (None: not built on torch)
+        self.store_adapter = store_adapter
+        self.objects = []  # ops and buffers, creation order
+        self.heap_blocks = {}  # pointer -> bytes, for weft.empty tensors not freed yet
+        self.op_cache = {}  # functional ops' cached fused-op objects
+        self.teams = []  # weft.Team objects by handle (the integer weft.torch's custom ops take)
+        self.algo_codes = {}
+
+
+_state = None
+_lock = threading.Lock()
+_init_count = {}  # key prefix base -> Worlds made on it by this process (the same count on every rank)
+
+
+def _torch_distributed():
+    """torch.distributed when torch is imported and a default process group exists, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist
+
+
+def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
+    """Creates this process's weft World (collective over the World's ranks) and returns it.
+
+    With torch.distributed initialised, the World's ranks are those of `group` (default: the default process group)
+    and it meets through torch's store (World::from_store, keys under a prefix of weft's own; no second port);
+    ranks outside `group` get None. Without torch.distributed, the ranks come from the launcher's environment
+    (weftrun, torchrun, mpirun, srun: World::from_env). `device`: the CUDA device (None: torch's current device when
+    torch is imported, else LOCAL_RANK modulo the visible devices). heap_bytes, sm_budget, timeout_ms: 0 = from
+    the environment (WEFT_SYMMETRIC_HEAP_BYTES, WEFT_SM_BUDGET, WEFT_TIMEOUT_MS), else weft's defaults.
+    Calling init again returns the existing World (weft.finalize first to make another).
+    """
+    global _state
+    with _lock:
+        if _state is not None:
+            return _state.world
+        if device is None:
+            torch = sys.modules.get("torch")
+            device = torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else -1
+        dist = _torch_distributed()
+        if group is not None and dist is None:
+            raise ValueError("group: a process group needs torch.distributed to be initialised first")
+        if dist is None:
+            world = _weft.World.from_env(device=device, heap_bytes=heap_bytes, sm_budget=sm_budget,
+                                         timeout_ms=timeout_ms)
+            _state = _State(world, None, None)
+        else:
+            ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(
+                range(dist.get_world_size()))
+            me = dist.get_rank()
+            if me not in ranks:
+                return None
+            base = "weft/" + (hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
+                              if group is not None else "world")
+            count = _init_count.get(base, 0)
+            _init_count[base] = count + 1
+            adapter = _weft.StoreAdapter(dist.distributed_c10d._get_default_store())
+            world = _weft.World.from_store(adapter, rank=ranks.index(me), num_ranks=len(ranks),
+                                           key_prefix=f"{base}/{count}", device=device, heap_bytes=heap_bytes,
+                                           sm_budget=sm_budget, timeout_ms=timeout_ms)
+            _state = _State(world, ranks, adapter)
+        return _state.world
+
+
+def finalize():
+    """Collective: closes every op, buffer and handle still open (newest first, the same order on every rank),
+    then the World; its symmetric heap, and so every weft.empty tensor not yet freed, goes with it. A no-op when
+    weft is not initialised. Registered with atexit when weft is imported: it runs before the interpreter tears down
+    torch.distributed's objects (the store the World's last barrier goes through). Call it yourself before
+    torch.distributed.destroy_process_group()."""
+    global _state
+    with _lock:
+        state, _state = _state, None
+    if state is None:
+        return
+    first_error = None
+    for obj in reversed(list(state.objects)):  # the newest first: handles before the buffers they came from
+        try:
+            obj.close()
+        except Exception as e:  # noqa: BLE001 -- the others are closed all the same; the first error is raised
+            first_error = first_error or e
+    state.objects.clear()
+    state.op_cache.clear()
+    state.heap_blocks.clear()
+    if first_error is not None:
+        raise first_error
+    state.world.close()
+
+
+atexit.register(finalize)
+
+
+def is_initialized():
+    return _state is not None
+
+
+def _get_state():
+    if _state is None:
+        raise Error("weft is not initialised: call weft.init() first (after torch.distributed.init_process_group, "
+                    "when you use it)")
+    return _state
+
+
+def world():
+    """The process's World (weft._weft.World: rank, num_ranks, device, barrier(), ...)."""
+    return _get_state().world
+
+
+def rank():
+    return _get_state().world.rank
+
+
+def num_ranks():
+    return _get_state().world.num_ranks
+
+
+def _register(obj):
+    _get_state().objects.append(obj)
+    return obj
+
+
+def _unregister(obj):
+    state = _state
+    if state is not None and obj in state.objects:
+        state.objects.remove(obj)
+
+
+class Team:
+    """An ordered subset of the World's ranks: Team([0, 2]) or Team(process_group).
+
+    Collective over every rank of the World (each passes the same ranks, in the same order of calls): the members
+    agree on it through the World's store (Team::split_color). A rank outside the list gets a team with
+    is_member False. Ranks are weft World ranks; with a torch process group they are translated from torch's global
+    ranks (torch.distributed.get_process_group_ranks).
+    """
+
+    def __init__(self, ranks):
+        state = _get_state()
+        if not isinstance(ranks, (list, tuple, range)):
+            dist = _torch_distributed()
+            if dist is None:
+                raise TypeError("ranks: expected a list of ranks or a torch.distributed process group, got "
+                                f"{type(ranks).__name__}")
+            global_ranks = dist.get_process_group_ranks(ranks)
+            try:
+                ranks = [state.group_ranks.index(r) if state.group_ranks is not None else r for r in global_ranks]
+            except ValueError:
+                raise ValueError("ranks: the process group has ranks outside weft's World") from None
+        ranks = list(ranks)
+        n = state.world.num_ranks
+        if not ranks:
+            raise ValueError("ranks: expected at least one rank")
+        for r in ranks:
+            if not isinstance(r, int) or not 0 <= r < n:
+                raise ValueError(f"ranks: expected World ranks in [0, {n}), got {r!r}")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"ranks: expected distinct ranks, got {ranks}")
+        me = state.world.rank
+        color = 0 if me in ranks else -1
+        key = ranks.index(me) if me in ranks else 0
+        self._team = state.world.team().split_color(color, key)
+        self.ranks = ranks
+        self.handle = len(state.teams)  # this process's index of the team, for weft.torch's custom ops
+        state.teams.append(self)
+
+    @property
+    def rank(self):
+        """This rank's index in the team, -1 for a non-member."""
+        return self._team.rank
+
+    @property
+    def num_ranks(self):
+        return len(self.ranks)
+
+    @property
+    def is_member(self):
+        return self._team.is_member
+
+    @property
+    def is_world(self):
+        return self.ranks == list(range(_get_state().world.num_ranks))
+
+    @property
+    def id(self):
+        """The team's name, the same on every member and unique in the World."""
+        return self._team.id
+
+    def barrier(self):
+        """Collective over the members."""
+        self._team.barrier()
+
+    def __repr__(self):
+        return f"weft.Team(ranks={self.ranks}, rank={self.rank})"
+
+
+def team_by_handle(handle):
+    """The weft.Team with this handle (Team.handle), or None for -1 (the World)."""
+    if handle < 0:
+        return None
+    teams = _get_state().teams
+    if handle >= len(teams):
+        raise Error(f"team: no weft.Team has handle {handle} in this World")
+    return teams[handle]
+
+
+def team_size(handle):
+    """Ranks of the team with this handle (-1: the World's)."""
+    team = team_by_handle(handle)
+    return team.num_ranks if team is not None else num_ranks()
+
+
+def _team_for(team, op):
+    """(World, the C++ team, or None for the World's own) for an op on `team` (a weft.Team or None: the World)."""
+    state = _get_state()
+    if team is None:
+        return state.world, None
+    if not isinstance(team, Team):
+        raise TypeError(f"team: expected a weft.Team or None, got {type(team).__name__}")
+    if not team.is_member:
+        raise Error(f"{op}: world rank {state.world.rank} is not a member of {team!r}")
+    return state.world, (None if team.is_world else team._team)

@@ -1,0 +1,133 @@
+# SPDX-License-Identifier: MIT
+"""torch tensors <-> weft TensorViews, and tensors on the symmetric heap (weft.empty / weft.free)."""
+import math
+
+from . import _runtime, _weft
+from ._weft import Error, TensorView
+
+_torch = None
+_codes = None  # torch dtype -> weft dtype code
+
+
+def torch_module():
+    """torch, imported on first use (importing weft does not need it)."""
+    global _torch, _codes
+    if _torch is None:
+        try:
+            import torch
+        except ImportError as e:
+            raise ImportError("this weft function takes torch tensors: install PyTorch") from e
+        d = _weft.DTYPES
+        _codes = {torch.bfloat16: d["bf16"], torch.float16: d["f16"], torch.float32: d["f32"],
+                  torch.int32: d["i32"], torch.int64: d["i64"], torch.uint8: d["u8"]}
+        if hasattr(torch, "float8_e4m3fn"):
+            _codes[torch.float8_e4m3fn] = d["f8e4m3"]
+        _torch = torch
+    return _torch
+
+
+def dtype_code(dtype, name="dtype"):
+    torch_module()  # fills the dtype table
+    code = _codes.get(dtype)
+    if code is None:
+        supported = ", ".join(str(t).replace("torch.", "") for t in _codes)
+        raise TypeError(f"{name}: weft does not take {dtype} (it takes {supported})")
+    return code
+
+
+def check_tensor(t, name, world, dtypes=None):
+    """Raises TypeError (not a tensor, wrong dtype) or ValueError (wrong device) naming the argument."""
+    torch = torch_module()
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda" or t.device.index != world.device:
+        raise ValueError(f"{name}: expected a tensor on cuda:{world.device} (this rank's GPU), got one on {t.device}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(str(d).replace('torch.', '') for d in dtypes)}, "
+                        f"got {str(t.dtype).replace('torch.', '')}")
+
+
+def flat_view(t, name, world, dtypes=None):
+    """A 1-D view of a contiguous tensor (any number of dimensions, 0 included)."""
+    check_tensor(t, name, world, dtypes)
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (shape {tuple(t.shape)}, strides {t.stride()}); "
+                         "call .contiguous()")
+    return TensorView(t.data_ptr(), dtype_code(t.dtype, name), (t.numel(),), (1,))
+
+
+def matrix_view(t, name, world, dtypes=None):
+    """A 2-D view with unit inner stride and any row stride (what weft's GEMMs take)."""
+    check_tensor(t, name, world, dtypes)
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor, got shape {tuple(t.shape)}")
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        raise ValueError(f"{name}: expected rows stored contiguously (inner stride 1), got strides {t.stride()}; "
+                         "call .contiguous()")
+    return TensorView(t.data_ptr(), dtype_code(t.dtype, name), tuple(t.shape), (t.stride(0), 1))
+
+
+def heap_tensor(view, world, torch_dtype):
+    """A torch tensor over weft-owned device memory described by `view` (zero copy, through a DLPack capsule)."""
+    torch = torch_module()
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if torch_dtype == fp8:
+        u8 = TensorView(view.ptr, _weft.DTYPES["u8"], view.shape, view.strides)
+        return torch.utils.dlpack.from_dlpack(_weft.dlpack(u8, world.device)).view(torch_dtype)
+    return torch.utils.dlpack.from_dlpack(_weft.dlpack(view, world.device))
+
+
+def empty(shape, dtype=None, *, team=None):
+    """A tensor on the symmetric heap (uninitialised; every rank's is at the same offset, so peers' kernels reach it).
+
+    Collective over the World's ranks, or over `team`'s members (weft.Team): each calls it with the same shape and
+    dtype, in the same order as its other collectives.
+    The memory is freed by weft.free(tensor) (collective) or by weft.finalize(), never by the garbage collector:
+    ranks drop their last reference at different moments, and a collective free run from a finalizer would meet
+    the other ranks in an order nobody chose (a mismatch error, or a wait until the timeout). After weft.free the
+    tensor (and every view of it) must not be used. dtype default: torch.bfloat16.
+    """
+    torch = torch_module()
+    world, cpp_team = _runtime._team_for(team, "empty")
+    if dtype is None:
+        dtype = torch.bfloat16
+    code = dtype_code(dtype)
+    if isinstance(shape, int):
+        shape = (shape,)
+    shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"shape: expected non-negative sizes, got {shape}")
+    numel = math.prod(shape)
+    nbytes = numel * _weft.dtype_bytes(code)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise Error("empty: symmetric allocation is collective and cannot happen during CUDA graph capture")
+    owner = cpp_team if cpp_team is not None else world
+    ptr = owner.alloc(max(nbytes, 1))
+    _runtime._get_state().heap_blocks[ptr] = owner
+    flat = heap_tensor(TensorView(ptr, code, (max(numel, 1),), (1,)), world, dtype)
+    return flat[:numel].view(shape)
+
+
+def free(tensor):
+    """Collective over the ranks that allocated it: frees a tensor weft.empty returned (the same tensors, in the same
+    order, on every one of them)."""
+    torch = torch_module()
+    state = _runtime._get_state()
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
+    ptr = tensor.data_ptr()
+    if ptr not in state.heap_blocks:
+        raise ValueError("tensor: not a live tensor of weft.empty (pass the tensor it returned, not a view "
+                         "that starts elsewhere; freed tensors cannot be freed again)")
+    state.heap_blocks[ptr].free(ptr)  # the World or the team that allocated it
+    del state.heap_blocks[ptr]
+
+
+def is_symmetric(tensor):
+    """True when the tensor's memory lies in this rank's symmetric heap."""
+    torch = torch_module()
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
+    world = _runtime.world()
+    nbytes = max(tensor.numel() * tensor.element_size(), 1)
+    return tensor.is_cuda and world.heap_contains(tensor.data_ptr(), nbytes)

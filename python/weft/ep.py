@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: MIT
+"""MoE expert parallelism from PyTorch: weft::ops::ep's Buffer (normal and low-latency dispatch and combine).
+
+    buf = weft.ep.Buffer(num_experts=64, hidden=4096, topk=8, max_tokens_per_rank=4096)   # collective
+    h = buf.make_normal_handle()                          # collective
+    buf.dispatch(h, x, topk_idx, topk_weights)            # rows land expert-contiguous in h.recv_x
+    y = my_experts(h.recv_x, h.expert_offsets, h.expert_counts)
+    out = buf.combine(h, y)                               # weighted sum over each token's k experts
+    h.close(); buf.close()                                # collective (or weft.finalize())
+
+x: bf16 [T, hidden]; topk_idx: int32 [T, k] (-1 drops a slot); topk_weights: f32 [T, k]. Every call runs on torch's
+current stream, never synchronises the host, and is collective over the World's ranks (same order everywhere).
+Contracts, limits and layouts: include/weft/ops/ep.hpp and kernels/ep/README.md. The handles' tensors (recv_x,
+expert_counts, ...) are zero-copy views of weft's buffers: valid until the handle is closed, their contents until
+the next dispatch on that handle.
+"""
+from . import _runtime, _weft
+from ._ops import _FusedOp, _stream
+from ._tensor import check_tensor, heap_tensor, matrix_view, torch_module
+from ._weft import TensorView
+
+
+def _tensor(view, world):
+    torch = torch_module()
+    dtypes = {_weft.DTYPES["bf16"]: torch.bfloat16, _weft.DTYPES["i32"]: torch.int32,
+              _weft.DTYPES["f32"]: torch.float32, _weft.DTYPES["u8"]: torch.uint8,
+              _weft.DTYPES["f8e4m3"]: getattr(torch, "float8_e4m3fn", None)}
+    return heap_tensor(view, world, dtypes[view.dtype])
+
+
+def _view(t, name, world, dtype):
+    torch = torch_module()
+    v = matrix_view(t, name, world, (dtype,))
+    if dtype == torch.int32 or dtype == torch.float32:
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor; call .contiguous()")
+    return v
+
+
+class _Handle:
+    def __init__(self, buffer, handle):
+        self._buffer, self._h = buffer, handle
+        _runtime._register(self)
+
+    def close(self):
+        if self._h is not None:
+            self._h.close()
+            self._h = None
+            _runtime._unregister(self)
+
+    def _get(self):
+        if self._h is None:
+            raise _weft.Error(f"{type(self).__name__} is closed")
+        return self._h
+
+    @property
+    def recv_x(self):
+        return _tensor(self._get().recv_x, self._buffer._world)
+
+    @property
+    def expert_counts(self):
+        return _tensor(self._get().expert_counts, self._buffer._world)
+
+
+class NormalHandle(_Handle):
+    """One normal dispatch in flight (collective to make and to close)."""
+
+    @property
+    def expert_offsets(self):
+        return _tensor(self._get().expert_offsets, self._buffer._world)
+
+    @property
+    def num_tokens(self):
+        return self._get().num_tokens
+
+
+class LowLatencyHandle(_Handle):
+    """One low-latency dispatch's outputs: recv_x [E_local, W * max_tokens, hidden] (bf16, or fp8 after an fp8
+    dispatch), recv_scales (fp8), expert_counts."""
+
+    @property
+    def recv_scales(self):
+        return _tensor(self._get().recv_scales, self._buffer._world)
+
+
+class Buffer(_FusedOp):
+    """The expert-parallel buffers of this rank (collective over the World, or over `team`'s members, to make and to
+    close)."""
+    _kind = "ep.Buffer"
+
+    def __init__(self, num_experts, hidden, topk, max_tokens_per_rank, *, normal=True, low_latency=True,
+                 max_recv_tokens=0, max_recv_rows=0, expert_alignment=1, team=None):
+        super().__init__(lambda w: _weft.ep.Buffer(w, num_experts, hidden, topk, max_tokens_per_rank, normal=normal,
+                                                   low_latency=low_latency, max_recv_tokens=max_recv_tokens,
+                                                   max_recv_rows=max_recv_rows, expert_alignment=expert_alignment,
+                                                   team=self._team), team)
+        self.num_experts, self.hidden, self.topk = num_experts, hidden, topk
+
+    @property
+    def num_local_experts(self):
+        return self._get().num_local_experts
+
+    def make_normal_handle(self):
+        return NormalHandle(self, self._get().make_normal_handle())
+
+    def make_low_latency_handle(self):
+        return LowLatencyHandle(self, self._get().make_low_latency_handle())
+
+    def _routing(self, x, topk_idx, topk_weights=None):
+        torch = torch_module()
+        w = self._world
+        views = [_view(x, "x", w, torch.bfloat16), _view(topk_idx, "topk_idx", w, torch.int32)]
+        if topk_weights is not None:
+            views.append(_view(topk_weights, "topk_weights", w, torch.float32))
+        return views
+
+    def dispatch(self, handle, x, topk_idx, topk_weights, *, num_sms=0):
+        xv, iv, wv = self._routing(x, topk_idx, topk_weights)
+        self._get().dispatch(handle._get(), xv, iv, wv, _stream(self._world), num_sms=num_sms)
+
+    def combine(self, handle, y, out=None, *, num_sms=0):
+        torch = torch_module()
+        if out is None:
+            out = torch.empty((handle.num_tokens, self.hidden), dtype=torch.bfloat16, device=y.device)
+        yv = _view(y, "y", self._world, torch.bfloat16)
+        ov = _view(out, "out", self._world, torch.bfloat16)
+        self._get().combine(handle._get(), yv, ov, _stream(self._world), num_sms=num_sms)
+        return out
+
+    def low_latency_dispatch(self, handle, x, topk_idx, *, fp8=False, phase="send_recv", num_sms=0):
+        xv, iv = self._routing(x, topk_idx)
+        self._get().low_latency_dispatch(handle._get(), xv, iv, _stream(self._world), fp8=fp8, phase=phase,
+                                         num_sms=num_sms)
+
+    def low_latency_combine(self, handle, y, topk_idx, topk_weights, out=None, *, phase="send_recv", num_sms=0):
+        torch = torch_module()
+        if out is None:
+            out = torch.empty((topk_idx.shape[0], self.hidden), dtype=torch.bfloat16, device=topk_idx.device)
+        _, iv, wv = self._routing(out, topk_idx, topk_weights)
+        y3 = y
+        check_tensor(y, "y", self._world, (torch.bfloat16,))
+        if y.dim() != 3:
+            raise ValueError(f"y: expected a 3-D tensor [E_local, W * max_tokens, hidden], got shape {tuple(y.shape)}")
+        if y3.stride(2) != 1 or y3.stride(0) != y3.shape[1] * y3.stride(1):
+            raise ValueError(f"y: expected rows with inner stride 1, stacked evenly, got strides {y3.stride()}")
+        yv = TensorView(y3.data_ptr(), _weft.DTYPES["bf16"], tuple(y3.shape), y3.stride())
+        ov = _view(out, "out", self._world, torch.bfloat16)
+        self._get().low_latency_combine(handle._get(), yv, iv, wv, ov, _stream(self._world), phase=phase,
+                                        num_sms=num_sms)
+        return out
+
+    def check(self):
+        """Raises weft.Error for an error a kernel reported (capacity overflow, bad expert index ...)."""
+        self._get().check()
+
+    def sync_and_check(self):
+        self._get().sync_and_check(_stream(self._world))

@@ -1,0 +1,255 @@
+# SPDX-License-Identifier: MIT
+"""weft's ops as PyTorch custom operators (torch.ops.weft.*), with fake (meta) implementations and autograd.
+
+They trace into torch.compile(fullgraph=True) graphs and replay in CUDA graphs. Every op is functional (returns a
+new tensor, allocated by PyTorch: under a CUDA graph, from the graph's pool). Each runs on the World weft.init()
+made; the fake implementations read its number of ranks, so call weft.init() before tracing. The fused ops'
+objects (AgGemm, GemmRs, GemmAr) are made, collectively, by the first call with a new (n, k, dtype) or a larger M:
+call every op once eagerly before capturing a CUDA graph (making one during capture is an error).
+
+Autograd (sums are over ranks; W = number of ranks):
+    all_reduce      grad_in = all_reduce(grad_out)
+    all_gather      grad_in = reduce_scatter(grad_out)
+    reduce_scatter  grad_in = all_gather(grad_out)
+    ag_gemm(a, b)   grad_a = gemm_rs(grad_out, b.T), grad_b = grad_out.T @ all_gather(a)
+    gemm_rs(a, b)   grad_a = ag_gemm(grad_out, b.T), grad_b = all_gather(grad_out).T @ a
+    gemm(a, b)      grad_a = grad_out @ b, grad_b = grad_out.T @ a
+so a column-parallel AG+GEMM's backward is GEMM+RS and a row-parallel GEMM+RS's backward is AG+GEMM.
+
+Teams: ag_gemm(a, b, team=...), gemm_rs and gemm_ar (the Python functions of this module) run on a weft.Team; the
+custom ops take the team's handle (an int, -1 for the World). On a team, ag_gemm runs weft::ag_gemm_saving, which also
+returns a copy of the gathered input for the weight gradient (memory instead of a second all-gather), and gemm_rs's
+backward takes the gathered output gradient from the same op. The collectives take a team handle too
+(all_reduce(x, team.handle)).
+"""
+import torch
+
+from . import _ops, _runtime
+
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "gemm", "ag_gemm", "gemm_rs", "gemm_ar"]
+# ag_gemm, gemm_rs and gemm_ar below are Python functions over the custom ops torch.ops.weft.ag_gemm,
+# ag_gemm_saving, gemm_rs and gemm_ar (which take a team handle).
+
+
+def _contiguous(x):
+    return x if x.is_contiguous() else x.contiguous()
+
+
+# ---- collectives ----
+
+@torch.library.custom_op("weft::all_reduce", mutates_args=(), device_types="cuda")
+def all_reduce(x: torch.Tensor, team: int = -1) -> torch.Tensor:
+    """The element-wise sum of every rank's x (a new tensor), over the team with handle `team` (-1: the World)."""
+    x = _contiguous(x)
+    out = torch.empty_like(x)
+    _ops.all_reduce(x, out, team=_runtime.team_by_handle(team))
+    return out
+
+
+@all_reduce.register_fake
+def _(x, team=-1):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("weft::all_gather", mutates_args=(), device_types="cuda")
+def all_gather(x: torch.Tensor, team: int = -1) -> torch.Tensor:
+    """Every rank's x concatenated along dim 0, in rank order."""
+    return _ops.all_gather(_contiguous(x), team=_runtime.team_by_handle(team))
+
+
+@all_gather.register_fake
+def _(x, team=-1):
+    n = _runtime.team_size(team)
+    return x.new_empty((n * x.shape[0], *x.shape[1:]))
+
+
+@torch.library.custom_op("weft::reduce_scatter", mutates_args=(), device_types="cuda")
+def reduce_scatter(x: torch.Tensor, team: int = -1) -> torch.Tensor:
+    """Slice `rank` (dim 0) of the element-wise sum of every rank's x."""
+    return _ops.reduce_scatter(_contiguous(x), team=_runtime.team_by_handle(team))
+
+
+@reduce_scatter.register_fake
+def _(x, team=-1):
+    n = _runtime.team_size(team)
+    torch._check(x.shape[0] % n == 0, lambda: f"x: dim 0 must be a multiple of the {n} ranks")
+    return x.new_empty((x.shape[0] // n, *x.shape[1:]))
+
+
+def _save_team(ctx, inputs, output):
+    ctx.team = inputs[1]
+
+
+def _all_reduce_backward(ctx, grad):
+    return all_reduce(grad, ctx.team), None
+
+
+def _all_gather_backward(ctx, grad):
+    return reduce_scatter(_contiguous(grad), ctx.team), None
+
+
+def _reduce_scatter_backward(ctx, grad):
+    return all_gather(_contiguous(grad), ctx.team), None
+
+
+all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_team)
+all_gather.register_autograd(_all_gather_backward, setup_context=_save_team)
+reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_team)
+
+
+# ---- GEMMs ----
+
+@torch.library.custom_op("weft::gemm", mutates_args=(), device_types="cuda")
+def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b.T with b [N, K] (a linear layer's weight), on this GPU."""
+    return _ops.gemm(a, b)
+
+
+@gemm.register_fake
+def _(a, b):
+    return a.new_empty((a.shape[0], b.shape[0]))
+
+
+@torch.library.custom_op("weft::ag_gemm", mutates_args=(), device_types="cuda")
+def _ag_gemm(a_local: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """AllGather(a_local) @ b.T over the World: a_local [M/W, k], b [n, k] -> [M, n]."""
+    return _ops.ag_gemm(_contiguous(a_local), _contiguous(b))
+
+
+@_ag_gemm.register_fake
+def _(a_local, b):
+    return a_local.new_empty((_runtime.num_ranks() * a_local.shape[0], b.shape[0]))
+
+
+@torch.library.custom_op("weft::ag_gemm_saving", mutates_args=(), device_types="cuda")
+def _ag_gemm_saving(a_local: torch.Tensor, b: torch.Tensor, team: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(AllGather(a_local) @ b.T, a copy of AllGather(a_local)) over the team with handle `team` (-1: the World).
+    The copy is what the backward pass needs for the weight gradient (kept instead of gathered again)."""
+    t = _runtime.team_by_handle(team)
+    a_local, b = _contiguous(a_local), _contiguous(b)
+    m = a_local.shape[0] * _runtime.team_size(team)
+    op = _ops._cached(_ops.AgGemm, m, b.shape[0], b.shape[1], a_local.dtype, t)
+    out = op.run(a_local, b)
+    return out, op.gathered(m).clone()
+
+
+@_ag_gemm_saving.register_fake
+def _(a_local, b, team):
+    m = _runtime.team_size(team) * a_local.shape[0]
+    return a_local.new_empty((m, b.shape[0])), a_local.new_empty((m, a_local.shape[1]))
+
+
+@torch.library.custom_op("weft::gemm_rs", mutates_args=(), device_types="cuda")
+def _gemm_rs(a: torch.Tensor, b: torch.Tensor, team: int = -1) -> torch.Tensor:
+    """ReduceScatter(a @ b.T) over the team with handle `team` (-1: the World): a [M, k], b [n, k] -> [M/W, n]."""
+    return _ops.gemm_rs(_contiguous(a), _contiguous(b), team=_runtime.team_by_handle(team))
+
+
+@_gemm_rs.register_fake
+def _(a, b, team=-1):
+    n = _runtime.team_size(team)
+    torch._check(a.shape[0] % n == 0, lambda: f"a: M must be a multiple of the {n} ranks")
+    return a.new_empty((a.shape[0] // n, b.shape[0]))
+
+
+@torch.library.custom_op("weft::gemm_ar", mutates_args=(), device_types="cuda")
+def _gemm_ar(a: torch.Tensor, b: torch.Tensor, team: int = -1) -> torch.Tensor:
+    """AllReduce(a @ b.T) over the team with handle `team` (-1: the World): a [M, k], b [n, k] -> [M, n]."""
+    return _ops.gemm_ar(_contiguous(a), _contiguous(b), team=_runtime.team_by_handle(team))
+
+
+@_gemm_ar.register_fake
+def _(a, b, team=-1):
+    return a.new_empty((a.shape[0], b.shape[0]))
+
+
+def _handle(team):
+    if team is None:
+        return -1
+    if not isinstance(team, _runtime.Team):
+        raise TypeError(f"team: expected a weft.Team or None, got {type(team).__name__}")
+    return team.handle
+
+
+def ag_gemm(a_local, b, team=None):
+    """AllGather(a_local) @ b.T over `team` (a weft.Team; None: the World), differentiable. On a team it saves the
+    gathered input for the backward pass (memory of M x k); on the World the backward all-gathers it again."""
+    if team is None:
+        return torch.ops.weft.ag_gemm(a_local, b)
+    return torch.ops.weft.ag_gemm_saving(a_local, b, _handle(team))[0]
+
+
+def gemm_rs(a, b, team=None):
+    """ReduceScatter(a @ b.T) over `team` (None: the World), differentiable."""
+    return torch.ops.weft.gemm_rs(a, b, _handle(team))
+
+
+def gemm_ar(a, b, team=None):
+    """AllReduce(a @ b.T) over `team` (None: the World), differentiable."""
+    return torch.ops.weft.gemm_ar(a, b, _handle(team))
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _gemm_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    grad_a = grad @ b if ctx.needs_input_grad[0] else None
+    grad_b = grad.t() @ a if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b
+
+
+def _ag_gemm_backward(ctx, grad):
+    a_local, b = ctx.saved_tensors
+    grad = _contiguous(grad)
+    grad_a = torch.ops.weft.gemm_rs(grad, b.t().contiguous()) if ctx.needs_input_grad[0] else None
+    grad_b = grad.t() @ all_gather(a_local) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b
+
+
+def _save_saving(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], output[1])
+    ctx.team = inputs[2]
+
+
+def _ag_gemm_saving_backward(ctx, grad, grad_gathered):
+    # The gathered copy is an internal output: gradients through it are not propagated (nothing differentiates it).
+    b, a_full = ctx.saved_tensors
+    grad = _contiguous(grad)
+    grad_a = torch.ops.weft.gemm_rs(grad, b.t().contiguous(), ctx.team) if ctx.needs_input_grad[0] else None
+    grad_b = grad.t() @ a_full if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None
+
+
+def _save_with_team(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.team = inputs[2]
+
+
+def _gemm_rs_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    grad = _contiguous(grad)
+    if ctx.team < 0:
+        grad_a = torch.ops.weft.ag_gemm(grad, b.t().contiguous()) if ctx.needs_input_grad[0] else None
+        grad_b = all_gather(grad).t() @ a if ctx.needs_input_grad[1] else None
+    else:
+        grad_a, grad_full = torch.ops.weft.ag_gemm_saving(grad, b.t().contiguous(), ctx.team)
+        grad_a = grad_a if ctx.needs_input_grad[0] else None
+        grad_b = grad_full.t() @ a if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None
+
+
+def _gemm_ar_backward(ctx, grad):
+    # out = sum_r a_r @ b_r.T, the same on every rank: each rank's inputs get the (replicated) output gradient.
+    a, b = ctx.saved_tensors
+    grad_a = grad @ b if ctx.needs_input_grad[0] else None
+    grad_b = grad.t() @ a if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None
+
+
+gemm.register_autograd(_gemm_backward, setup_context=_save_inputs)
+_ag_gemm.register_autograd(_ag_gemm_backward, setup_context=_save_inputs)
+_ag_gemm_saving.register_autograd(_ag_gemm_saving_backward, setup_context=_save_saving)
+_gemm_rs.register_autograd(_gemm_rs_backward, setup_context=_save_with_team)
+_gemm_ar.register_autograd(_gemm_ar_backward, setup_context=_save_with_team)
