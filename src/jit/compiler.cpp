@@ -594,7 +594,7 @@ CompileResult Compiler::compile(const KernelSpec& spec) {
                                    << r.ptxas_info.spill_load_bytes << " bytes (store/load)");
     if (p.spec.options.verbose_ptxas) {
         // Explicitly requested output: shown whatever WEFT_LOG says.
-        log_line(LogLevel::kInfo, "jit: ptxas report for " + p.spec.describe() + ":\n" + r.log);
+        log_line(LogSubsystem::kJit, LogLevel::kInfo, "jit: ptxas report for " + p.spec.describe() + ":\n" + r.log);
     }
     return r;
 }
