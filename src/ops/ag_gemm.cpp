@@ -188,7 +188,8 @@ AgGemm::AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& opti
     // every rank: the barrier is collective); without it a chunk could stay unsignalled, its sender's first launch
     // never started (kernels/ag_gemm/README.md, Pitfalls).
     s.load_gemms(configs, s.num_ranks == 1 ? plain_gemm_fused_spec() : detail::ag_gemm_fused_spec(),
-                 s.num_ranks > 1 && world.max_ranks_per_device() > 1);
+                 s.num_ranks > 1 && world.max_ranks_per_device() > 1,
+                 tp_detail::problem_text(shape.max_m, shape.n, shape.k, shape.dtype));
     if (s.num_ranks > 1) s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());
     WEFT_LOG_INFO("ag_gemm: " << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "")
                               << ", chunk_rows " << s.chunk_rows << " ("

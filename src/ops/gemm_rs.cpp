@@ -246,7 +246,8 @@ GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& opti
     s.lda = round_up(shape.n, 8);
 
     s.load_gemms(plan.configs,
-                 s.num_ranks == 1 ? plain_gemm_fused_spec() : detail::gemm_rs_fused_spec(s.mode), shared_gpus);
+                 s.num_ranks == 1 ? plain_gemm_fused_spec() : detail::gemm_rs_fused_spec(s.mode), shared_gpus,
+                 tp_detail::problem_text(shape.max_m, shape.n, shape.k, shape.dtype));
     if (s.num_ranks == 1) {
         world.barrier();
         return;

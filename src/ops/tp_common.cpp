@@ -151,6 +151,10 @@ std::unique_ptr<jit::TuneComm> make_tune_comm(World& world, uint64_t tag) {
         });
 }
 
+std::string problem_text(int64_t m, int64_t n, int64_t k, DType dtype) {
+    return std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) + " " + dtype_name(dtype);
+}
+
 FusedOpState::FusedOpState(World& w, const char* op_name)
     : op(op_name),
       world(&w),
@@ -163,8 +167,11 @@ FusedOpState::FusedOpState(World& w, const char* op_name)
 FusedOpState::~FusedOpState() { heap.free_all(); }
 
 void FusedOpState::load_gemms(const std::vector<GemmConfig>& configs, const FusedGemmSpec& spec,
-                              bool sync_first_calls) {
+                              bool sync_first_calls, const std::string& problem) {
     if (sync_first_calls) first_calls.arm(configs.size());
+    std::vector<jit::KernelSpec> specs;
+    for (const GemmConfig& c : configs) specs.push_back(fused_gemm_kernel_spec(spec, c));
+    fused_gemm_compiler(spec.include_root).warm(specs, std::string(op) + (problem.empty() ? "" : " " + problem));
     gemms.reserve(configs.size());
     for (const GemmConfig& c : configs) gemms.emplace_back(*world, spec, c);
 }
