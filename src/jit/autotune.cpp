@@ -17,6 +17,7 @@
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/progress.hpp"
 
 namespace weft::jit {
@@ -348,6 +349,7 @@ TuneResult Autotuner::tune(const TuneKey& key_in, const std::vector<TuneCandidat
     const LogLevel progress = rank == 0 ? LogLevel::kNotice : LogLevel::kInfo;
     WEFT_LOG(progress, "autotune " << key.op << " [" << key.problem << "]: timing " << candidates.size()
                                    << " candidates on " << num_ranks << " rank(s) (first use; the decision is cached)");
+    const NvtxRange nvtx_tune(("autotune " + key.op).c_str());
     const auto tune_start = std::chrono::steady_clock::now();
     std::vector<std::vector<double>> times(candidates.size());
     for (size_t c = 0; c < candidates.size(); ++c) {

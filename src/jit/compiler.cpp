@@ -18,6 +18,7 @@
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/progress.hpp"
 
 namespace weft::jit {
@@ -574,6 +575,7 @@ CompileResult Compiler::compile(const KernelSpec& spec) {
         WEFT_LOG(progress_level(), "jit: compiling " << p.spec.describe() << " for " << p.spec.arch
                                                      << " (first use; cached afterwards)");
     }
+    const NvtxRange nvtx_compile(("jit compile " + p.spec.describe()).c_str());
     const auto start = std::chrono::steady_clock::now();
     Compiled compiled;
     try {

@@ -13,6 +13,7 @@
 #include "weft/common/tp_schedule.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/stream.hpp"
 #include "weft/runtime/world.hpp"
 
@@ -252,6 +253,7 @@ void launch_call(AgGemm::State& s, size_t idx, const AgCall& call, cudaStream_t 
 }  // namespace
 
 void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorView& c, cudaStream_t stream) {
+    WEFT_NVTX_RANGE("ag_gemm");
     State& s = *s_;
     const int64_t m = validate_ag_gemm_call(s.shape, s.num_ranks, a_local, b, c);
     const auto problem = [&] {

@@ -15,6 +15,7 @@
 #include "weft/common/tp_schedule.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops {
@@ -337,6 +338,7 @@ void set_hook_fields(Params& p, const GemmRs::State& s, int64_t rows, const RsGe
 }  // namespace
 
 void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream) {
+    WEFT_NVTX_RANGE("gemm_rs");
     State& s = *s_;
     const int64_t m = validate_gemm_rs_call(s.shape, s.num_ranks, a, b, c);
     const auto problem = [&] {

@@ -8,12 +8,14 @@
 #include "weft/detail/collectives.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops {
 
 void reduce_scatter(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream,
                     const ReduceScatterOptions& options) {
+    WEFT_NVTX_RANGE("reduce_scatter");
     const int n = world.num_ranks();
     const int me = world.rank();
     detail::check_reduce_scatter_args(input, output, n, me);

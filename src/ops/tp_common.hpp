@@ -21,6 +21,7 @@
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/fused_gemm.hpp"
 #include "weft/ops/gemm_plan.hpp"
+#include "weft/runtime/nvtx.hpp"
 
 namespace weft {
 class World;
@@ -166,9 +167,16 @@ struct FusedOpState {
                     [this, &calls, &launch, i](cudaStream_t st) { launch_and_sync(launch, calls[i], i, st); },
                     [&calls, &prepare, i] { calls[i] = prepare(i); });
             }
+            WEFT_NVTX_RANGE("autotune");
             tune(stream, tune_tag, problem(), cands);
         }
-        launch_and_sync(launch, prepare(active), active, stream);
+        std::optional<Call> call;
+        {
+            WEFT_NVTX_RANGE("setup");
+            call.emplace(prepare(active));
+        }
+        WEFT_NVTX_RANGE("launch");
+        launch_and_sync(launch, *call, active, stream);
     }
 
 private:
