@@ -247,6 +247,7 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     c.node_team = detail::TeamState::make(&c, std::move(node_members),
                                           "node" + std::to_string(host_group[static_cast<size_t>(c.rank)]), false);
 
+    detail::start_trace_if_asked(*this, c.diag_host.get());
     c.store->barrier("weft/init/ready", c.rank, c.num_ranks, init_timeout);
     WEFT_LOG_INFO("rank " << c.rank << "/" << c.num_ranks << " on device " << c.device << " (" << pci << "), "
                           << c.num_ranks_on_device << " rank(s) on this GPU, SM budget " << c.sm_budget << " of "
@@ -267,6 +268,7 @@ void World::shutdown() noexcept {
         if (st != cudaSuccess) {
             WEFT_LOG_WARN("shutdown: cudaDeviceSynchronize returned " << cudaGetErrorName(st) << "; releasing anyway");
         }
+        detail::finish_trace_at_shutdown(*this);
         bool barrier_ok = c.store != nullptr;
         if (c.store) {
             try {
@@ -357,7 +359,9 @@ void World::check_diagnostics() const {
 void World::clear_diagnostics() {
     Diagnostic* record = ctx_->diag_host.get();
     if (record == nullptr) return;
+    const uint64_t trace_buffer = record->trace_buffer;
     std::memset(record, 0, sizeof(Diagnostic));
+    record->trace_buffer = trace_buffer;
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
 

@@ -37,6 +37,9 @@ struct Diagnostic {
     uint64_t waited_ns;     ///< how long it spun
     int32_t peer;           ///< rank that owns the signal, or -1 when unknown
     int32_t line;           ///< source line of the spin (for weft's own kernels)
+    /// Not part of a diagnosis: the device address of this rank's TraceBuffer (weft/common/trace.hpp) when the World
+    /// traces (WEFT_TRACE), else 0. Written by the host before any traced kernel runs; kept by clear_diagnostics.
+    uint64_t trace_buffer;
 };
 
 }  // namespace weft
