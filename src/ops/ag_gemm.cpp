@@ -15,6 +15,7 @@
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/stream.hpp"
+#include "weft/runtime/trace.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops {
@@ -228,6 +229,8 @@ struct AgCopy {
     const void* src = nullptr;
     size_t bytes = 0;
     uint64_t* signal = nullptr;
+    int32_t chunk_idx = 0;  // the signal's index (the trace's "copy chunk")
+    int32_t peer = 0;
 };
 
 /// One call of one config, set up on the host (views, peer addresses, tensor maps, kernel parameters):
@@ -312,6 +315,8 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
         WEFT_CHECK(copy.src != nullptr, "ag_gemm: rank " << ch.rank << "'s gathered buffer is not reachable");
         copy.bytes = static_cast<size_t>(ch.num_rows * k * es);
         copy.signal = s.chunk_signals + ch.signal_idx;
+        copy.chunk_idx = ch.signal_idx;
+        copy.peer = ch.rank;
         call.copies.push_back(copy);
     }
     // The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks.
@@ -370,7 +375,11 @@ void launch_call(AgGemm::State& s, size_t idx, const AgCall& call, cudaStream_t 
     for (const AgCopy& copy : call.copies) {
         cudaStream_t cs = s.copy_streams[static_cast<size_t>(copy.stream)];
         if (copy.wait_ready != nullptr) stream_wait_u64_geq(cs, copy.wait_ready, 1);
+        const TraceCopyEvents ev =
+            trace_copy_events(*s.world, static_cast<uint16_t>(copy.stream), copy.chunk_idx, copy.peer);
+        if (ev.begin != nullptr) WEFT_CUDA_CHECK(cudaEventRecord(ev.begin, cs));
         WEFT_CUDA_CHECK(cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyDefault, cs));
+        if (ev.end != nullptr) WEFT_CUDA_CHECK(cudaEventRecord(ev.end, cs));
         stream_write_u64(cs, copy.signal, 1);
     }
     // 3. The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks.

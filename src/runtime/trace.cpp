@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -15,6 +16,7 @@
 #include <sstream>
 
 #include "runtime_internal.hpp"
+#include "weft/runtime/driver.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
@@ -29,6 +31,35 @@ constexpr uint32_t kDefaultCapacity = 262144;
 constexpr uint32_t kMaxCapacity = 1u << 26;
 constexpr int kNumTraceRoles = 5;  // TraceRole's values
 
+// Writes %globaltimer to *out: in PTX, so that the runtime needs no compiler of weft's (the driver compiles it).
+constexpr char kTimerKernelPtx[] =
+    ".version 7.0\n"
+    ".target sm_75\n"
+    ".address_size 64\n"
+    ".visible .entry weft_read_globaltimer(.param .u64 out)\n"
+    "{\n"
+    "    .reg .b64 %rd<3>;\n"
+    "    ld.param.u64 %rd1, [out];\n"
+    "    cvta.to.global.u64 %rd2, %rd1;\n"
+    "    mov.u64 %rd0, %globaltimer;\n"
+    "    st.global.u64 [%rd2], %rd0;\n"
+    "    ret;\n"
+    "}\n";
+
+/// Where CUDA event times fall on %globaltimer, and this host's clock against it, measured by one tiny kernel.
+struct ClockCalibration {
+    cudaEvent_t reference = nullptr;  ///< recorded half an event window before `globaltimer_ns`
+    uint64_t globaltimer_ns = 0;
+    int64_t host_minus_globaltimer_ns = 0;  ///< CLOCK_REALTIME - %globaltimer at the same moment
+};
+
+/// A copy timed with two CUDA events, resolved onto %globaltimer when the trace is taken.
+struct PendingCopy {
+    cudaEvent_t begin = nullptr, end = nullptr;
+    uint16_t stream = 0;
+    int32_t chunk = 0, peer = 0;
+};
+
 /// The rank's trace: its device buffer (the address is in the World's diagnostic record, where kernels find it),
 /// the events timed on the host, and where the trace goes when the World is destroyed.
 class Tracer final : public WorldExtension {
@@ -42,7 +73,30 @@ public:
         diag_host->trace_buffer = reinterpret_cast<uint64_t>(buffer_);
     }
     ~Tracer() override {
+        for (const PendingCopy& c : copies_) {
+            cudaEventDestroy(c.begin);
+            cudaEventDestroy(c.end);
+        }
+        if (timer_library_ != nullptr) driver().cuLibraryUnload(timer_library_);
+        if (timer_out_ != nullptr) cudaFree(timer_out_);
         if (buffer_ != nullptr) cudaFree(buffer_);
+    }
+
+    /// Two timing events for a copy (empty when this rank already holds `capacity` of them).
+    TraceCopyEvents copy_events(uint16_t stream, int32_t chunk, int32_t peer) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (copies_.size() + host_events_.size() >= capacity_) return {};
+        PendingCopy c;
+        c.stream = stream;
+        c.chunk = chunk;
+        c.peer = peer;
+        WEFT_CUDA_CHECK(cudaEventCreate(&c.begin));
+        if (cudaEventCreate(&c.end) != cudaSuccess) {
+            cudaEventDestroy(c.begin);
+            WEFT_FAIL("trace: cudaEventCreate failed");
+        }
+        copies_.push_back(c);
+        return {c.begin, c.end};
     }
 
     const std::string& path() const { return path_; }
@@ -63,7 +117,31 @@ public:
         }
         WEFT_CUDA_CHECK(cudaMemset(&buffer_->count, 0, sizeof(uint32_t)));
         t.recorded = header.count;
+        const ClockCalibration clock = calibrate();
+        t.clock_offset_ns = clock.host_minus_globaltimer_ns;  // rank 0 turns these into offsets against its clock
         std::lock_guard<std::mutex> lock(mutex_);
+        for (const PendingCopy& c : copies_) {
+            float begin_ms = 0, end_ms = 0;
+            // A copy recorded during graph capture, or not run yet, has no time: it is left out.
+            const bool timed = cudaEventElapsedTime(&begin_ms, clock.reference, c.begin) == cudaSuccess &&
+                               cudaEventElapsedTime(&end_ms, clock.reference, c.end) == cudaSuccess;
+            cudaEventDestroy(c.begin);
+            cudaEventDestroy(c.end);
+            ++t.recorded;
+            if (!timed) continue;
+            TraceEvent e{};
+            e.kind = static_cast<uint16_t>(TraceKind::kCopyChunk);
+            e.role = static_cast<uint8_t>(TraceRole::kCopyEngine);
+            e.sm = c.stream;
+            e.begin_ns = clock.globaltimer_ns + static_cast<uint64_t>(static_cast<int64_t>(begin_ms * 1e6));
+            e.end_ns = clock.globaltimer_ns + static_cast<uint64_t>(static_cast<int64_t>(end_ms * 1e6));
+            e.args[0] = c.chunk;
+            e.args[1] = c.peer;
+            t.events.push_back(e);
+        }
+        copies_.clear();
+        cudaEventDestroy(clock.reference);
+        (void)cudaGetLastError();  // an elapsed-time query of an unrecorded event leaves its error behind
         t.events.insert(t.events.end(), host_events_.begin(), host_events_.end());
         t.recorded += host_events_.size();
         host_events_.clear();
@@ -78,6 +156,61 @@ public:
     uint64_t next_seq() { return seq_++; }
 
 private:
+    /// Runs the timer kernel between two timing events on a stream of its own (a few times; the tightest window
+    /// counts): the reference event lies half a window before the %globaltimer it read, and the host's clock, read
+    /// around it, gives CLOCK_REALTIME - %globaltimer.
+    ClockCalibration calibrate() {
+        const DriverApi& api = driver();
+        if (timer_library_ == nullptr) {
+            WEFT_CU_CHECK(api.cuLibraryLoadData(&timer_library_, kTimerKernelPtx, nullptr, nullptr, 0, nullptr,
+                                                nullptr, 0));
+            CUkernel kernel = nullptr;
+            WEFT_CU_CHECK(api.cuLibraryGetKernel(&kernel, timer_library_, "weft_read_globaltimer"));
+            WEFT_CU_CHECK(api.cuKernelGetFunction(&timer_fn_, kernel));
+            WEFT_CUDA_CHECK(cudaMalloc(&timer_out_, sizeof(uint64_t)));
+        }
+        cudaStream_t stream = nullptr;
+        WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        ClockCalibration best;
+        double best_window_ms = 1e30;
+        for (int attempt = 0; attempt < 5; ++attempt) {
+            cudaEvent_t before = nullptr, after = nullptr;
+            WEFT_CUDA_CHECK(cudaEventCreate(&before));
+            WEFT_CUDA_CHECK(cudaEventCreate(&after));
+            const auto host0 = std::chrono::system_clock::now();
+            WEFT_CUDA_CHECK(cudaEventRecord(before, stream));
+            void* args[] = {&timer_out_};
+            WEFT_CU_CHECK(api.cuLaunchKernel(timer_fn_, 1, 1, 1, 1, 1, 1, 0, reinterpret_cast<CUstream>(stream), args,
+                                             nullptr));
+            WEFT_CUDA_CHECK(cudaEventRecord(after, stream));
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+            const auto host1 = std::chrono::system_clock::now();
+            uint64_t gt = 0;
+            WEFT_CUDA_CHECK(cudaMemcpy(&gt, timer_out_, sizeof(gt), cudaMemcpyDeviceToHost));
+            float window_ms = 0;
+            WEFT_CUDA_CHECK(cudaEventElapsedTime(&window_ms, before, after));
+            cudaEventDestroy(after);
+            if (window_ms >= best_window_ms) {
+                cudaEventDestroy(before);
+                continue;
+            }
+            if (best.reference != nullptr) cudaEventDestroy(best.reference);
+            best_window_ms = window_ms;
+            best.reference = before;
+            best.globaltimer_ns = gt - static_cast<uint64_t>(window_ms * 0.5e6);
+            const int64_t host_mid_ns =
+                std::chrono::duration_cast<std::chrono::nanoseconds>(host0.time_since_epoch()).count() / 2 +
+                std::chrono::duration_cast<std::chrono::nanoseconds>(host1.time_since_epoch()).count() / 2;
+            best.host_minus_globaltimer_ns = host_mid_ns - static_cast<int64_t>(gt);
+        }
+        cudaStreamDestroy(stream);
+        return best;
+    }
+
+    CUlibrary timer_library_ = nullptr;
+    CUfunction timer_fn_ = nullptr;
+    void* timer_out_ = nullptr;
+    std::vector<PendingCopy> copies_;
     std::string path_;
     uint32_t capacity_;
     TraceBuffer* buffer_ = nullptr;
@@ -154,6 +287,11 @@ void add_trace_event(World& world, const TraceEvent& event) {
     if (Tracer* t = find_tracer(world)) t->add(event);
 }
 
+TraceCopyEvents trace_copy_events(World& world, uint16_t stream_idx, int32_t chunk, int32_t peer) {
+    Tracer* t = find_tracer(world);
+    return t == nullptr ? TraceCopyEvents{} : t->copy_events(stream_idx, chunk, peer);
+}
+
 void write_trace(World& world, const std::string& path) {
     Tracer* tracer = find_tracer(world);
     WEFT_CHECK(tracer != nullptr, "write_trace: this World records no trace (set WEFT_TRACE=path before making it)");
@@ -168,12 +306,10 @@ void write_trace(World& world, const std::string& path) {
     uint64_t dropped = 0, kept = 0;
     for (const Bytes& blob : all) {
         ranks.push_back(detail::decode_rank_trace(blob));
-        // Ranks on one host share %globaltimer; ranks on other hosts read their own GPUs' timers, which the driver
-        // keeps on its host's clock: they line up as well as the hosts' clocks do (no shift applied).
-        ranks.back().clock_offset_ns = 0;
         kept += ranks.back().events.size();
         dropped += ranks.back().recorded - ranks.back().events.size();
     }
+    detail::align_rank_clocks(ranks);
     const std::string json = detail::chrome_trace_json(ranks);
     const std::filesystem::path target(path);
     const std::filesystem::path tmp = target.string() + ".tmp";
@@ -209,6 +345,15 @@ void finish_trace_at_shutdown(World& world) noexcept {
         write_trace(world, tracer->path());
     } catch (const std::exception& e) {
         WEFT_LOG_ERROR("trace: writing " << tracer->path() << " failed: " << e.what());
+    }
+}
+
+void align_rank_clocks(std::vector<RankTrace>& ranks) {
+    if (ranks.empty()) return;
+    const std::string host0 = ranks[0].host;
+    const int64_t ref = ranks[0].clock_offset_ns;
+    for (RankTrace& r : ranks) {
+        r.clock_offset_ns = r.host == host0 ? 0 : r.clock_offset_ns - ref;
     }
 }
 

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <cuda_runtime_api.h>
+
 #include "weft/common/trace.hpp"
 #include "weft/runtime/store.hpp"
 
@@ -35,16 +37,33 @@ void write_trace(World& world, const std::string& path);
 /// times in %globaltimer nanoseconds. Thread-safe per World. No-op when `world` does not trace.
 void add_trace_event(World& world, const TraceEvent& event);
 
+/// Two timing events for one copy a copy engine makes (record `begin` on the copy's stream before it, `end` after
+/// it); the trace shows it as "copy chunk `chunk`" on the rank's track "copy engine `stream_idx`", its times mapped
+/// onto %globaltimer when the trace is written. Both null when `world` does not trace (or holds its capacity of
+/// pending copies): record nothing then. Copies recorded during graph capture get no time and are left out.
+struct TraceCopyEvents {
+    cudaEvent_t begin = nullptr;
+    cudaEvent_t end = nullptr;
+};
+TraceCopyEvents trace_copy_events(World& world, uint16_t stream_idx, int32_t chunk, int32_t peer);
+
 namespace detail {
 
 /// One rank's part of a trace, as gathered.
 struct RankTrace {
     int32_t rank = 0;
     std::string host;
-    int64_t clock_offset_ns = 0;  ///< added to this rank's times to put them on rank 0's clock
+    /// As gathered: CLOCK_REALTIME - %globaltimer on this rank; after align_rank_clocks: what to add to this rank's
+    /// times to put them on rank 0's clock.
+    int64_t clock_offset_ns = 0;
     uint64_t recorded = 0;        ///< events the kernels tried to record (more than events.size(): some dropped)
     std::vector<TraceEvent> events;
 };
+
+/// Ranks on rank 0's host share its %globaltimer: offset 0. A rank on another host is shifted by the difference of
+/// the two hosts' (CLOCK_REALTIME - %globaltimer): its times land on rank 0's clock as well as the hosts' clocks agree
+/// (NTP: about a millisecond; PTP: microseconds).
+void align_rank_clocks(std::vector<RankTrace>& ranks);
 
 Bytes encode_rank_trace(const RankTrace& trace);
 /// Throws weft::Error on a truncated or malformed blob.
