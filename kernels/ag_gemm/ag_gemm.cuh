@@ -59,7 +59,8 @@ public:
                    },
                    Cmp::kGe, 1ull)
             .token_or_trap();
-        WEFT_TRACE_RECORD(p_.ctx, TraceKind::kWaitChunk, TraceRole::kProducer, wait_t0, r.first, r.last, t.m_idx, t.n_idx);
+        WEFT_TRACE_RECORD(p_.ctx, TraceKind::kWaitChunk, TraceRole::kProducer, wait_t0, r.first, r.last, t.m_idx,
+                          t.n_idx);
         return token;
     }
 
@@ -129,7 +130,9 @@ __global__ void __launch_bounds__(kTpNotifyThreads) ag_notify_ready_kernel(const
             tile::notify(device::Thread{}, p.ctx, p.ready + p.ctx.rank, pe, 1ull, device::SignalOp::kSet);
         }
     }
-    if (threadIdx.x == 0) WEFT_TRACE_RECORD(p.ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, p.ctx.rank, -1, 0, 0);
+    if (threadIdx.x == 0) {
+        WEFT_TRACE_RECORD(p.ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, p.ctx.rank, -1, 0, 0);
+    }
 }
 
 }  // namespace weft::kernels::ag_gemm

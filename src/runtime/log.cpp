@@ -27,7 +27,8 @@ LogSink g_sink;  // guarded by g_log_mutex
 
 std::string lower(std::string_view text) {
     std::string out(text);
-    std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    std::transform(out.begin(), out.end(), out.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
     return out;
 }
 
@@ -110,7 +111,8 @@ LogLevels parse_log_levels(std::string_view text) {
     size_t begin = 0;
     while (true) {
         const size_t comma = text.find(',', begin);
-        const std::string_view entry = trim(text.substr(begin, comma == std::string_view::npos ? text.npos : comma - begin));
+        const size_t length = comma == std::string_view::npos ? text.npos : comma - begin;
+        const std::string_view entry = trim(text.substr(begin, length));
         WEFT_CHECK(!entry.empty(), "WEFT_LOG: empty entry in '" << text << "'; expected LEVEL or SUBSYSTEM=LEVEL "
                                                                 << "entries separated by commas, e.g. warn,jit=info");
         const size_t eq = entry.find('=');

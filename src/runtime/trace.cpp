@@ -393,8 +393,9 @@ RankTrace decode_rank_trace(const Bytes& in) {
 
 std::string trace_event_name(const TraceEvent& e) {
     switch (static_cast<TraceKind>(e.kind)) {
-        case TraceKind::kWaitChunk: return e.args[1] > e.args[0] ? "wait chunks " + std::to_string(e.args[0]) + "-" + std::to_string(e.args[1])
-                                                    : "wait chunk " + std::to_string(e.args[0]);
+        case TraceKind::kWaitChunk:
+            if (e.args[1] > e.args[0]) return "wait chunks " + std::to_string(e.args[0]) + "-" + std::to_string(e.args[1]);
+            return "wait chunk " + std::to_string(e.args[0]);
         case TraceKind::kTile: return "tile (" + std::to_string(e.args[0]) + ", " + std::to_string(e.args[1]) + ")";
         case TraceKind::kCopyChunk: return "copy chunk " + std::to_string(e.args[0]);
         case TraceKind::kNotify: return "notify";
@@ -434,8 +435,8 @@ std::string chrome_trace_json(const std::vector<RankTrace>& ranks) {
         json_string(os, "rank " + std::to_string(r.rank) + " (" + r.host + ")");
         os << "}}";
         sep();
-        os << "{\"ph\":\"M\",\"name\":\"process_sort_index\",\"pid\":" << r.rank << ",\"args\":{\"sort_index\":" << r.rank
-           << "}}";
+        os << "{\"ph\":\"M\",\"name\":\"process_sort_index\",\"pid\":" << r.rank
+           << ",\"args\":{\"sort_index\":" << r.rank << "}}";
         // One track per (SM, role), sorted by SM then role; copy engines last.
         std::map<int, std::pair<uint16_t, uint8_t>> tracks;
         for (const TraceEvent& e : r.events) {

@@ -45,7 +45,8 @@ for r in ranks:
         m, n = a['args'][0], a['args'][1]
         ok = [w for w in waits if w['args']['block'] == a['block'] and w['args']['args'][2] == m
               and w['args']['args'][3] == n and w['args']['end_ns'] <= a['begin_ns']]
-        if not ok: bad.append('rank %d: tile (%d, %d) on block %d has no wait that ended before it' % (r, m, n, a['block']))
+        if not ok:
+            bad.append('rank %d: tile (%d, %d) on block %d: no wait ended before it' % (r, m, n, a['block']))
     for w in waits:
         first, last = w['args']['args'][0], w['args']['args'][1]
         for c in copies:

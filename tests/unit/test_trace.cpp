@@ -22,6 +22,7 @@
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/fused_gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/gemm_rs.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/trace.hpp"
 
@@ -151,6 +152,19 @@ TEST(TraceWriter, RankBlobsRoundTripAndBadBlobsAreErrors) {
     EXPECT_THROW((void)detail::decode_rank_trace(Bytes{}), Error);
 }
 
+TEST(TraceWriter, RanksOnRankZerosHostKeepTheirClockOthersAreShiftedByTheHostClocks) {
+    std::vector<detail::RankTrace> ranks(3);
+    ranks[0].host = ranks[1].host = "node-a";
+    ranks[2].host = "node-b";
+    ranks[0].clock_offset_ns = 1'000;  // as gathered: CLOCK_REALTIME - %globaltimer per rank
+    ranks[1].clock_offset_ns = 1'700;  // same host: its GPU shares %globaltimer whatever the measurement says
+    ranks[2].clock_offset_ns = 5'000;  // node-b's timers read 4 us less than node-a's at the same wall time
+    detail::align_rank_clocks(ranks);
+    EXPECT_EQ(ranks[0].clock_offset_ns, 0);
+    EXPECT_EQ(ranks[1].clock_offset_ns, 0);
+    EXPECT_EQ(ranks[2].clock_offset_ns, 4'000);
+}
+
 TEST(TraceEnv, PathCapacityAndTheJitDefine) {
     {
         ScopedEnv unset("WEFT_TRACE", std::nullopt);
@@ -178,30 +192,37 @@ TEST(TraceEnv, PathCapacityAndTheJitDefine) {
 
 // ---- the instrumentation costs nothing when off ----
 
-/// `text` with its WEFT_TRACE_* lines and its include of the trace header blanked (logical lines: a backslash
-/// continues one), so that every other line keeps its number (spins record theirs in diagnostics): the kernel as it
-/// reads without the trace.
+/// `text` with every statement that names WEFT_TRACE_ (up to where its parentheses close and no backslash continues
+/// it) and its include of the trace header blanked, so that every other line keeps its number (spins record theirs in
+/// diagnostics): the kernel as it reads without the trace.
 std::string strip_trace_lines(const std::string& text) {
     std::istringstream in(text);
-    std::string line, logical, out;
-    int physical = 0;
+    std::string line, out;
+    bool blanking = false;
+    int depth = 0;
     while (std::getline(in, line)) {
-        logical += line + "\n";
-        ++physical;
-        if (!line.empty() && line.back() == '\\') continue;
-        const bool traced = logical.find("WEFT_TRACE_") != std::string::npos ||
-                            logical.find("#include \"weft/device/trace.cuh\"") != std::string::npos;
-        out += traced ? std::string(static_cast<size_t>(physical), '\n') : logical;
-        logical.clear();
-        physical = 0;
+        if (!blanking && (line.find("WEFT_TRACE_") != std::string::npos ||
+                          line.find("#include \"weft/device/trace.cuh\"") != std::string::npos)) {
+            blanking = true;
+            depth = 0;
+        }
+        if (!blanking) {
+            out += line + "\n";
+            continue;
+        }
+        depth += static_cast<int>(std::count(line.begin(), line.end(), '(')) -
+                 static_cast<int>(std::count(line.begin(), line.end(), ')'));
+        out += "\n";
+        if (depth <= 0 && (line.empty() || line.back() != '\\')) blanking = false;
     }
-    return out + logical;
+    return out;
 }
 
 /// The instrumented kernel sources, stripped, under `root` (searched before weft's own: they shadow them).
 void write_stripped_kernels(const fs::path& root) {
     const fs::path kernels = jit::find_include_roots().weft_kernels;
-    for (const char* rel : {"ag_gemm/ag_gemm.cuh", "gemm/gemm_sm90.cuh", "gemm/gemm_hooks.cuh"}) {
+    for (const char* rel :
+         {"ag_gemm/ag_gemm.cuh", "gemm/gemm_sm90.cuh", "gemm/gemm_hooks.cuh", "gemm_rs/gemm_rs.cuh"}) {
         const std::string text = testing::read_text_file(kernels / rel);
         ASSERT_NE(text.find("WEFT_TRACE_"), std::string::npos) << rel << " is no longer instrumented: update this test";
         const std::string stripped = strip_trace_lines(text);
@@ -224,7 +245,8 @@ TEST(TraceNvrtc, UntracedKernelsAreTheKernelsWithoutTheInstrumentationAndTracedO
     GemmConfig config = gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK);
     config.cluster_m = config.cluster_n = 1;
     const std::vector<jit::KernelSpec> specs = {ops::detail::ag_gemm_kernel_spec(config, "sm_90a"),
-                                                ops::detail::ag_notify_kernel_spec("sm_90a")};
+                                                ops::detail::ag_notify_kernel_spec("sm_90a"),
+                                                ops::detail::rs_reduce_kernel_spec(DType::kF32, DType::kBF16, "sm_90a")};
     for (const jit::KernelSpec& spec : specs) {
         SCOPED_TRACE(spec.describe());
         const jit::CompileResult off = compiler.compile(spec);

@@ -29,8 +29,9 @@ bool tracing(const World& world);
 
 /// Writes every event the ranks recorded since the last write (or since the World was made) to `path` as one JSON
 /// file, then empties the buffers. Collective: every rank calls it, with the same path; rank 0 writes the file.
-/// Synchronises this rank's device first. Throws weft::Error when `world` does not trace or the file cannot be
-/// written. A World that traces also writes its trace to WEFT_TRACE's path when it is destroyed.
+/// Synchronises this rank's device first: call it where no kernel of any rank waits for work this rank has yet to
+/// launch (after the ops' streams are synchronised, for instance). Throws weft::Error when `world` does not trace or
+/// the file cannot be written. A World that traces also writes its trace to WEFT_TRACE's path when it is destroyed.
 void write_trace(World& world, const std::string& path);
 
 /// Adds an event timed on the host's side of the device (a copy engine's copy, from CUDA events) to this rank's trace;
