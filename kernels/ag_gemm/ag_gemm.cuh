@@ -15,6 +15,7 @@
 #include "weft/common/tp_params.hpp"
 #include "weft/common/tp_schedule.hpp"
 #include "weft/device/tile.cuh"
+#include "weft/device/trace.cuh"
 
 namespace weft::kernels::ag_gemm {
 
@@ -48,15 +49,19 @@ public:
 
     __device__ device::Token wait_before_load(const GemmTile& t) const {
         const SignalRange r = p_.order.signals_for(t);
+        WEFT_TRACE_BEGIN(wait_t0);
         // The chunks were written by a copy engine (seen through the wait's acquire); the A loads that take this
         // token are TMA (async proxy) loads, which the wait's proxy fence lets see them.
-        return tile::wait_each_checked(
+        const device::Token token = tile::wait_each_checked(
                    device::Thread{}, p_.ctx, r.last - r.first + 1,
                    [&](int i) {
                        return p_.order.is_local_signal(r.first + i) ? nullptr : p_.chunk_signals + r.first + i;
                    },
                    Cmp::kGe, 1ull)
             .token_or_trap();
+        WEFT_TRACE_RECORD(p_.ctx, TraceKind::kWaitChunk, TraceRole::kProducer, wait_t0, r.first, r.last, t.m_idx,
+                          t.n_idx);
+        return token;
     }
 
 private:
@@ -91,10 +96,14 @@ __device__ __forceinline__ void ag_finish_call(const AgGemmHookParams& p) {
         if (s != p.ctx.rank) ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(p.ready + s, 0ull);
     }
     const uint64_t e = ptx::ld(p.epoch) + 1;
+    WEFT_TRACE_BEGIN(notify_t0);
     for (int32_t pe = 0; pe < p.ctx.num_ranks; ++pe) {  // release: the resets above come first
         device::trap_unless(tile::notify_checked(me, p.ctx, p.done + p.ctx.rank, pe, 1ull, device::SignalOp::kAdd));
     }
+    WEFT_TRACE_RECORD(p.ctx, TraceKind::kNotify, TraceRole::kProducer, notify_t0, -1, -1, 0, 0);
+    WEFT_TRACE_BEGIN(done_t0);
     device::trap_unless(tile::wait_checked(me, p.ctx, p.done, p.ctx.num_ranks, Cmp::kGe, e).ok());
+    WEFT_TRACE_RECORD(p.ctx, TraceKind::kWaitPeers, TraceRole::kProducer, done_t0, static_cast<int32_t>(e), 0, 0, 0);
     ptx::st(p.epoch, e);
 }
 
@@ -115,10 +124,14 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 /// that a header included by several translation units defines no non-inline kernel.
 template <int kUnused>
 __global__ void __launch_bounds__(kTpNotifyThreads) ag_notify_ready_kernel(const AgNotifyParams p) {
+    WEFT_TRACE_BEGIN(notify_t0);
     for (int pe = static_cast<int>(threadIdx.x); pe < p.ctx.num_ranks; pe += static_cast<int>(blockDim.x)) {
         if (pe != p.ctx.rank) {
             tile::notify(device::Thread{}, p.ctx, p.ready + p.ctx.rank, pe, 1ull, device::SignalOp::kSet);
         }
+    }
+    if (threadIdx.x == 0) {
+        WEFT_TRACE_RECORD(p.ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, p.ctx.rank, -1, 0, 0);
     }
 }
 

@@ -9,6 +9,7 @@
 #include "weft/common/gemm_hook_params.hpp"
 #include "weft/device/signal.cuh"
 #include "weft/device/tile.cuh"
+#include "weft/device/trace.cuh"
 #include "weft/ptx/ld_st.cuh"
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/tma.cuh"
@@ -113,6 +114,24 @@ struct GroupedTileSignalHook {
         return true;
     }
 };
+
+#if defined(WEFT_TRACE)
+/// The trace's tile event (weft/device/trace.cuh), for hooks whose Params carry the kernel's DeviceCtx as `ctx`; other
+/// hooks (a plain GEMM) record nothing. Called through WEFT_TRACE_GEMM_TILE; untraced builds do not see it.
+template <class Params>
+__device__ __forceinline__ void trace_tile(const Params& p, const GemmTile& t, int wg, uint64_t begin_ns) {
+    if constexpr (requires { p.ctx.rank; }) {
+        if (t.valid) {
+            device::trace::record(p.ctx, TraceKind::kTile, wg == 0 ? TraceRole::kConsumer0 : TraceRole::kConsumer1,
+                                  begin_ns, t.m_idx, t.n_idx, 0, 0);
+        }
+    }
+}
+#define WEFT_TRACE_GEMM_TILE(params, tile, wg, tid, begin) \
+    if ((tid) == 0) ::weft::kernels::gemm::trace_tile((params), (tile), (wg), (begin))
+#else
+#define WEFT_TRACE_GEMM_TILE(params, tile, wg, tid, begin) static_cast<void>(0)
+#endif
 
 /// Advances a hook's epoch word (SignalValueMode::kEpoch) by one: launch it with one thread, in stream order
 /// before the launches that read the word (weft::ops::gemm_advance_epoch does). kUnused: a template, so that a

@@ -345,10 +345,12 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
 
         // ---- mainloop: wait for a full stage, issue tile_k/16 wgmma per slab, free the previous stage ----
         unsigned prev_stage = 0;
+        WEFT_TRACE_DECLARE(tile_t0);  // traced builds: the tile starts when its first stage has landed
         for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
             if (!stuck) {
                 stuck = !ptx::mbarrier_wait_parity_bounded<false>(bar_full0 + 8 * stage, phase, args.timeout_ns);
             }
+            WEFT_TRACE_STAMP_IF(kb == 0, tile_t0);
             const unsigned a_base = smem_base + stage * T::kPlan.stage_bytes + slab0 * kGemmSlabRows * T::kRowBytes;
             const unsigned b_base = smem_base + stage * T::kPlan.stage_bytes + T::kPlan.a_stage_bytes;
 #pragma unroll
@@ -430,6 +432,7 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
                 if (ragged) store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args, args.m);
             }
         }
+        WEFT_TRACE_GEMM_TILE(hook_params, tile, wg, tid, tile_t0);
         if constexpr (kCfg.pingpong) {
             // The wait for the stores runs under the other warpgroup's mainloop, as this epilogue did.
             if constexpr (Hook::kNotifies) {

@@ -16,6 +16,7 @@
 #include "weft/common/tp_params.hpp"
 #include "weft/common/tp_schedule.hpp"
 #include "weft/device/tile.cuh"
+#include "weft/device/trace.cuh"
 
 namespace weft::kernels::gemm_rs {
 
@@ -272,10 +273,15 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
             const auto need = static_cast<uint64_t>(map.expected_count(sig));
             // Thread 0 waits for the chunk's counter, the block barrier extends the acquire; the partial's reads
             // take the wait's token.
+            WEFT_TRACE_BEGIN(wait_t0);
             const device::Token token =
                 tile::wait_checked(device::Block{}, p.ctx, p.counters + rs_counter_index(source, c, cpr), 1, Cmp::kGe,
                                    need)
                     .token_or_trap();
+            if (threadIdx.x == 0) {
+                WEFT_TRACE_RECORD(p.ctx, TraceKind::kWaitChunk, TraceRole::kComm, wait_t0, sig, sig, -1, source);
+            }
+            WEFT_TRACE_BEGIN(reduce_t0);
             const unsigned char* src_base = tile::consume_token(peer_partial, token);
             const ChunkInfo ch = map.chunk(sig);
             const int64_t local_row0 = ch.row_begin - static_cast<int64_t>(rank) * p.rows_per_rank;
@@ -341,6 +347,9 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
                         }
                     }
                 }
+            }
+            if (threadIdx.x == 0) {
+                WEFT_TRACE_RECORD(p.ctx, TraceKind::kReduce, TraceRole::kComm, reduce_t0, sig, source, 0, 0);
             }
         }
     }

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -16,6 +17,8 @@
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
+#include "weft/runtime/progress.hpp"
 
 namespace weft::jit {
 
@@ -371,6 +374,12 @@ TuneResult Autotuner::tune(const TuneKey& key_in, const std::vector<TuneCandidat
         };
     }
     const int rank = comm ? comm->rank() : 0;
+    // Progress (notice) from rank 0 only: every rank times alike.
+    const LogLevel progress = rank == 0 ? LogLevel::kNotice : LogLevel::kInfo;
+    WEFT_LOG(progress, "autotune " << key.op << " [" << key.problem << "]: timing " << candidates.size()
+                                   << " candidates on " << num_ranks << " rank(s) (first use; the decision is cached)");
+    const NvtxRange nvtx_tune(("autotune " + key.op).c_str());
+    const auto tune_start = std::chrono::steady_clock::now();
     std::vector<std::vector<double>> times(candidates.size());
     for (size_t c = 0; c < candidates.size(); ++c) {
         const TuneCandidate& cand = candidates[c];
@@ -421,6 +430,12 @@ TuneResult Autotuner::tune(const TuneKey& key_in, const std::vector<TuneCandidat
     }
     WEFT_LOG_INFO("autotune " << key.op << " [" << key.problem << "] on " << num_ranks << " rank(s): " << result.name
                               << " wins;" << summary.str());
+    WEFT_LOG(progress, "autotune " << key.op << ": " << result.name << " wins ("
+                                   << result.times_ms[result.index] << " ms against " << result.times_ms[0]
+                                   << " ms for the first candidate); tuned in "
+                                   << format_duration(std::chrono::duration<double>(
+                                                          std::chrono::steady_clock::now() - tune_start)
+                                                          .count()));
     store_decision(key, result.name, result.times_ms[result.index]);
     return result;
 }

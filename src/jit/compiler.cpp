@@ -18,6 +18,8 @@
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
+#include "weft/runtime/progress.hpp"
 
 namespace weft::jit {
 
@@ -348,6 +350,12 @@ DiskCache::LoadStatus Compiler::disk_status(const KernelSpec& spec) const {
 
 namespace {
 
+// Inside warm(): its own lines report each compile, compile() adds none.
+thread_local bool t_in_warm = false;
+
+// Progress lines (notice) come from rank 0 or a thread without a rank: every rank waits alike, one says so.
+LogLevel progress_level() { return log_rank() <= 0 ? LogLevel::kNotice : LogLevel::kInfo; }
+
 struct Compiled {
     CacheEntry entry;
     std::string ptx;
@@ -563,6 +571,11 @@ CompileResult Compiler::compile(const KernelSpec& spec) {
     }
 
     ++stats_.misses;
+    if (!t_in_warm) {
+        WEFT_LOG(progress_level(), "jit: compiling " << p.spec.describe() << " for " << p.spec.arch
+                                                     << " (first use; cached afterwards)");
+    }
+    const NvtxRange nvtx_compile(("jit compile " + p.spec.describe()).c_str());
     const auto start = std::chrono::steady_clock::now();
     Compiled compiled;
     try {
@@ -594,9 +607,48 @@ CompileResult Compiler::compile(const KernelSpec& spec) {
                                    << r.ptxas_info.spill_load_bytes << " bytes (store/load)");
     if (p.spec.options.verbose_ptxas) {
         // Explicitly requested output: shown whatever WEFT_LOG says.
-        log_line(LogLevel::kInfo, "jit: ptxas report for " + p.spec.describe() + ":\n" + r.log);
+        log_line(LogSubsystem::kJit, LogLevel::kInfo, "jit: ptxas report for " + p.spec.describe() + ":\n" + r.log);
     }
     return r;
+}
+
+bool Compiler::is_cached(const KernelSpec& spec) const {
+    const Prepared p = prepare(spec);
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (memory_.count(p.key_hex) != 0) return true;
+    }
+    if (!disk_) return false;
+    CacheEntry entry;
+    return disk_->load(p.key, &entry) == DiskCache::LoadStatus::kHit;
+}
+
+size_t Compiler::warm(const std::vector<KernelSpec>& specs, const std::string& what) {
+    std::vector<const KernelSpec*> missing;
+    for (const KernelSpec& spec : specs) {
+        if (!is_cached(spec)) missing.push_back(&spec);
+    }
+    if (missing.empty()) return 0;
+    const LogLevel level = progress_level();
+    WEFT_LOG(level, "jit: compiling " << missing.size() << " of " << specs.size() << " kernels for " << what
+                                      << " (first use; cached afterwards)");
+    const auto start = std::chrono::steady_clock::now();
+    struct InWarm {
+        InWarm() { t_in_warm = true; }
+        ~InWarm() { t_in_warm = false; }
+    } in_warm;
+    for (size_t i = 0; i < missing.size(); ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        const CompileResult r = compile(*missing[i]);
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        WEFT_LOG(level, "jit: [" << i + 1 << "/" << missing.size() << "] " << missing[i]->describe()
+                                 << (r.origin == CompileResult::Origin::kCompiled ? " compiled in "
+                                                                                  : " found in the cache after ")
+                                 << format_duration(s));
+    }
+    const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    WEFT_LOG(level, "jit: " << missing.size() << " kernels for " << what << " ready in " << format_duration(total));
+    return missing.size();
 }
 
 Kernel& Compiler::get_kernel(const KernelSpec& spec) {

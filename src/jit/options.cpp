@@ -37,6 +37,8 @@ CompileOptions apply_env_options(CompileOptions base) {
         base.max_registers = static_cast<int>(*v);
     }
     if (auto v = env::get("WEFT_JIT_DUMP_DIR")) base.dump_dir = *v;
+    // The intra-kernel trace (weft/device/trace.cuh): kernels record only when compiled with it.
+    if (auto v = env::get("WEFT_TRACE"); v && !v->empty()) base.defines.push_back("WEFT_TRACE=1");
     return base;
 }
 

@@ -13,7 +13,9 @@
 #include "weft/common/tp_schedule.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/stream.hpp"
+#include "weft/runtime/trace.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops {
@@ -194,7 +196,8 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
     // every member: the team barrier is collective); without it a chunk could stay unsignalled, its sender's first
     // launch never started (kernels/ag_gemm/README.md, Pitfalls).
     s.load_gemms(configs, s.num_ranks == 1 ? plain_gemm_fused_spec() : detail::ag_gemm_fused_spec(),
-                 s.num_ranks > 1 && world.max_ranks_per_device() > 1);
+                 s.num_ranks > 1 && world.max_ranks_per_device() > 1,
+                 tp_detail::problem_text(shape.max_m, shape.n, shape.k, shape.dtype));
     if (s.num_ranks > 1) s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());
     WEFT_LOG_INFO("ag_gemm: " << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "")
                               << ", chunk_rows " << s.chunk_rows << " (" << s.max_chunks_per_rank
@@ -233,6 +236,8 @@ struct AgCopy {
     const void* src = nullptr;
     size_t bytes = 0;
     uint64_t* signal = nullptr;
+    int32_t chunk_idx = 0;  // the signal's index (the trace's "copy chunk")
+    int32_t peer = 0;
 };
 
 /// One call of one config, set up on the host (views, peer addresses, tensor maps, kernel parameters):
@@ -258,6 +263,7 @@ void launch_call(AgGemm::State& s, size_t idx, const AgCall& call, cudaStream_t 
 }  // namespace
 
 void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorView& c, cudaStream_t stream) {
+    WEFT_NVTX_RANGE("ag_gemm");
     State& s = *s_;
     const int64_t m = validate_ag_gemm_call(s.shape, s.num_ranks, a_local, b, c);
     const auto problem = [&] {
@@ -319,6 +325,8 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
                                                                                      << ") is not reachable");
         copy.bytes = static_cast<size_t>(ch.num_rows * k * es);
         copy.signal = s.chunk_signals + ch.signal_idx;
+        copy.chunk_idx = ch.signal_idx;
+        copy.peer = ch.rank;
         call.copies.push_back(copy);
     }
     // The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks.
@@ -377,7 +385,11 @@ void launch_call(AgGemm::State& s, size_t idx, const AgCall& call, cudaStream_t 
     for (const AgCopy& copy : call.copies) {
         cudaStream_t cs = s.copy_streams[static_cast<size_t>(copy.stream)];
         if (copy.wait_ready != nullptr) stream_wait_u64_geq(cs, copy.wait_ready, 1);
+        const TraceCopyEvents ev =
+            trace_copy_events(*s.world, static_cast<uint16_t>(copy.stream), copy.chunk_idx, copy.peer);
+        if (ev.begin != nullptr) WEFT_CUDA_CHECK(cudaEventRecord(ev.begin, cs));
         WEFT_CUDA_CHECK(cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyDefault, cs));
+        if (ev.end != nullptr) WEFT_CUDA_CHECK(cudaEventRecord(ev.end, cs));
         stream_write_u64(cs, copy.signal, 1);
     }
     // 3. The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks.

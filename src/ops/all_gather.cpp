@@ -8,6 +8,7 @@
 #include "weft/detail/collectives.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/stream.hpp"
 #include "weft/runtime/world.hpp"
 
@@ -67,6 +68,7 @@ void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_
 
 void all_gather(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream,
                 const AllGatherOptions& options) {
+    WEFT_NVTX_RANGE("all_gather");
     team.require_member("all_gather");
     const int n = team.num_ranks();
     const int me = team.rank();

@@ -8,12 +8,14 @@
 #include "weft/detail/collectives.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops {
 
 void all_reduce(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream,
                 const AllReduceOptions& options) {
+    WEFT_NVTX_RANGE("all_reduce");
     team.require_member("all_reduce");
     detail::check_all_reduce_args(input, output);
     const auto count = static_cast<uint64_t>(input.numel());

@@ -6,6 +6,7 @@
 #include "ep_buffer.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
 
 namespace weft::ops::ep {
 
@@ -105,6 +106,7 @@ LowLatencyHandle Buffer::make_low_latency_handle() {
 
 void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x, const TensorView& topk_idx,
                                   cudaStream_t stream, const LowLatencyOptions& options) {
+    WEFT_NVTX_RANGE("ep low_latency_dispatch");
     Impl& b = *impl_;
     const Geometry& g = b.geo;
     b.enter("low_latency_dispatch", stream, handle.impl_ ? handle.impl_->buffer : nullptr);
@@ -177,6 +179,7 @@ void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x,
 void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, const TensorView& topk_idx,
                                  const TensorView& topk_weights, const TensorView& out, cudaStream_t stream,
                                  const LowLatencyOptions& options) {
+    WEFT_NVTX_RANGE("ep low_latency_combine");
     Impl& b = *impl_;
     const Geometry& g = b.geo;
     b.enter("low_latency_combine", stream, handle.impl_ ? handle.impl_->buffer : nullptr);

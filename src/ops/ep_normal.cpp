@@ -3,6 +3,7 @@
 #include "ep_buffer.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
 
 namespace weft::ops::ep {
 
@@ -77,6 +78,7 @@ void Buffer::Impl::launch_layout(const NormalHandle::Impl& h, const TensorView& 
 }
 
 void Buffer::layout(NormalHandle& handle, const TensorView& topk_idx, cudaStream_t stream) {
+    WEFT_NVTX_RANGE("ep layout");
     Impl& b = *impl_;
     b.enter("layout", stream, handle.impl_ ? handle.impl_->buffer : nullptr);
     const int t = check_tokens("ep::layout", b.geo, topk_idx, -1, "");
@@ -85,6 +87,7 @@ void Buffer::layout(NormalHandle& handle, const TensorView& topk_idx, cudaStream
 
 void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorView& topk_idx,
                       const TensorView& topk_weights, cudaStream_t stream, const NormalOptions& options) {
+    WEFT_NVTX_RANGE("ep dispatch");
     Impl& b = *impl_;
     const Geometry& g = b.geo;
     b.enter("dispatch", stream, handle.impl_ ? handle.impl_->buffer : nullptr);
@@ -116,6 +119,7 @@ void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorVie
 
 void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView& out, cudaStream_t stream,
                      const NormalOptions& options) {
+    WEFT_NVTX_RANGE("ep combine");
     Impl& b = *impl_;
     const Geometry& g = b.geo;
     b.enter("combine", stream, handle.impl_ ? handle.impl_->buffer : nullptr);

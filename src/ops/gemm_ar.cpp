@@ -13,6 +13,7 @@
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops {
@@ -306,6 +307,7 @@ void launch_call(GemmAr::State& s, const ArCall& call, cudaStream_t stream) {
 }  // namespace
 
 void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream) {
+    WEFT_NVTX_RANGE("gemm_ar");
     State& s = *s_;
     const GemmProblem p = check_gemm_ar_call(s.shape, a, b, c);
     // One config at most (the tiled path's): nothing to tune, no problem text needed.

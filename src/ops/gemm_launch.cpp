@@ -22,6 +22,7 @@
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
 
 namespace weft::ops {
 namespace {
@@ -472,6 +473,7 @@ GemmSelection select_gemm(const TensorView& a, const TensorView& b, const Tensor
 
 void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout, cudaStream_t stream,
           const GemmOptions& options) {
+    WEFT_NVTX_RANGE("gemm");
     const GemmProblem p = validate_gemm_args(a, b, d, b_layout);
     if (p.m == 0 || p.n == 0) return;  // nothing to write
     const GemmSelection sel = select_for_views(p, a, b, d, stream, options);

@@ -15,6 +15,7 @@
 #include "weft/common/tp_schedule.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops {
@@ -252,7 +253,8 @@ GemmRs::GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& 
     s.lda = round_up(shape.n, 8);
 
     s.load_gemms(plan.configs,
-                 s.num_ranks == 1 ? plain_gemm_fused_spec() : detail::gemm_rs_fused_spec(s.mode), shared_gpus);
+                 s.num_ranks == 1 ? plain_gemm_fused_spec() : detail::gemm_rs_fused_spec(s.mode), shared_gpus,
+                 tp_detail::problem_text(shape.max_m, shape.n, shape.k, shape.dtype));
     if (s.num_ranks == 1) {
         team.barrier();
         return;
@@ -343,6 +345,7 @@ void set_hook_fields(Params& p, const GemmRs::State& s, int64_t rows, const RsGe
 }  // namespace
 
 void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream) {
+    WEFT_NVTX_RANGE("gemm_rs");
     State& s = *s_;
     const int64_t m = validate_gemm_rs_call(s.shape, s.num_ranks, a, b, c);
     const auto problem = [&] {

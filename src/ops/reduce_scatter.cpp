@@ -8,12 +8,14 @@
 #include "weft/detail/collectives.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops {
 
 void reduce_scatter(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream,
                     const ReduceScatterOptions& options) {
+    WEFT_NVTX_RANGE("reduce_scatter");
     team.require_member("reduce_scatter");
     const int n = team.num_ranks();
     const int me = team.rank();

@@ -161,6 +161,10 @@ std::unique_ptr<jit::TuneComm> make_tune_comm(const Team& team, uint64_t tag) {
         });
 }
 
+std::string problem_text(int64_t m, int64_t n, int64_t k, DType dtype) {
+    return std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) + " " + dtype_name(dtype);
+}
+
 FusedOpState::FusedOpState(const Team& t, const char* op_name)
     : op(op_name),
       team(require_member(t, op_name)),
@@ -174,8 +178,11 @@ FusedOpState::FusedOpState(const Team& t, const char* op_name)
 FusedOpState::~FusedOpState() { heap.free_all(); }
 
 void FusedOpState::load_gemms(const std::vector<GemmConfig>& configs, const FusedGemmSpec& spec,
-                              bool sync_first_calls) {
+                              bool sync_first_calls, const std::string& problem) {
     if (sync_first_calls) first_calls.arm(configs.size());
+    std::vector<jit::KernelSpec> specs;
+    for (const GemmConfig& c : configs) specs.push_back(fused_gemm_kernel_spec(spec, c));
+    fused_gemm_compiler(spec.include_root).warm(specs, std::string(op) + (problem.empty() ? "" : " " + problem));
     gemms.reserve(configs.size());
     for (const GemmConfig& c : configs) gemms.emplace_back(team, spec, c);
 }

@@ -21,6 +21,7 @@
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/fused_gemm.hpp"
 #include "weft/ops/gemm_plan.hpp"
+#include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/team.hpp"
 
 namespace weft {
@@ -35,6 +36,9 @@ jit::KernelSpec make_spec(const std::string& header, const std::string& instanti
 
 /// Short config text for logs and the autotuner's candidate names: "128x256x64/4 bf16->bf16".
 using ops::detail::config_text;
+
+/// "8192x14336x4096 bf16" (M x N x K): an op's problem in progress lines.
+std::string problem_text(int64_t m, int64_t n, int64_t k, DType dtype);
 
 /// The current device's SM count.
 int device_sm_count();
@@ -154,8 +158,10 @@ struct FusedOpState {
     FirstCallSync first_calls;
 
     /// Compiles and loads `spec`'s kernel for every config (before anything spins: lazy loading behind a waiting
-    /// kernel can deadlock) and arms the first-call synchronisation for them when `sync_first_calls`.
-    void load_gemms(const std::vector<GemmConfig>& configs, const FusedGemmSpec& spec, bool sync_first_calls);
+    /// kernel can deadlock) and arms the first-call synchronisation for them when `sync_first_calls`. Kernels not yet
+    /// cached are compiled first with progress lines naming the op and `problem` (e.g. "8192x14336x4096 bf16").
+    void load_gemms(const std::vector<GemmConfig>& configs, const FusedGemmSpec& spec, bool sync_first_calls,
+                    const std::string& problem = {});
     const GemmConfig& config() const { return gemms[active].config(); }
 
     /// One call (see the struct comment). `prepare(size_t config_idx)` returns the op's Call for gemms[config_idx];
@@ -175,9 +181,16 @@ struct FusedOpState {
                     [this, &calls, &launch, i](cudaStream_t st) { launch_and_sync(launch, calls[i], i, st); },
                     [&calls, &prepare, i] { calls[i] = prepare(i); });
             }
+            WEFT_NVTX_RANGE("autotune");
             tune(stream, tune_tag, problem(), cands);
         }
-        launch_and_sync(launch, prepare(active), active, stream);
+        std::optional<Call> call;
+        {
+            WEFT_NVTX_RANGE("setup");
+            call.emplace(prepare(active));
+        }
+        WEFT_NVTX_RANGE("launch");
+        launch_and_sync(launch, *call, active, stream);
     }
 
 private:

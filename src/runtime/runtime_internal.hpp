@@ -262,4 +262,9 @@ std::string random_hex_id();
 /// This host's name ("localhost" when it cannot be read).
 std::string host_name();
 
+/// With WEFT_TRACE set: gives `world` its trace buffer (its address into `diag_host`, where kernels find it).
+void start_trace_if_asked(World& world, Diagnostic* diag_host);
+/// Writes the trace of a World that traces to WEFT_TRACE's path (collective; errors are logged).
+void finish_trace_at_shutdown(World& world) noexcept;
+
 }  // namespace weft::detail

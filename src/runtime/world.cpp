@@ -271,6 +271,7 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     c.node_team = detail::TeamState::make(&c, std::move(node_members),
                                           "node" + std::to_string(host_group[static_cast<size_t>(c.rank)]), false);
 
+    detail::start_trace_if_asked(*this, c.diag_host.get());
     c.store->barrier("weft/init/ready", c.rank, c.num_ranks, init_timeout);
     if (c.num_ranks > 1) c.watchdog = std::make_unique<detail::Watchdog>(&c, std::move(watchdog_store));
     WEFT_LOG_INFO("rank " << c.rank << "/" << c.num_ranks << " on device " << c.device << " (" << pci << "), "
@@ -296,6 +297,7 @@ void World::shutdown() noexcept {
         if (st != cudaSuccess) {
             WEFT_LOG_WARN("shutdown: cudaDeviceSynchronize returned " << cudaGetErrorName(st) << "; releasing anyway");
         }
+        detail::finish_trace_at_shutdown(*this);
         bool barrier_ok = c.store != nullptr;
         if (c.store) {
             try {
@@ -387,7 +389,11 @@ void World::check_diagnostics() const {
 
 void World::clear_diagnostics() {
     detail::WorldContext& c = *ctx_;
-    if (Diagnostic* record = c.diag_host.get()) std::memset(record, 0, sizeof(Diagnostic));
+    if (Diagnostic* record = c.diag_host.get()) {
+        const uint64_t trace_buffer = record->trace_buffer;
+        std::memset(record, 0, sizeof(Diagnostic));
+        record->trace_buffer = trace_buffer;
+    }
     {
         std::lock_guard<std::mutex> lock(c.abort_mutex);
         c.abort_reason.clear();

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <filesystem>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -14,7 +15,10 @@
 #include "weft/jit/compiler.hpp"
 #include "weft/jit/paths.hpp"
 #include "weft/ops/aot.hpp"
+#include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+#include "weft/runtime/progress.hpp"
 
 namespace {
 
@@ -132,11 +136,20 @@ int main(int argc, char** argv) {
             s.options.defines.insert(s.options.defines.end(), options.defines.begin(), options.defines.end());
         }
 
+        // This tool reports every spec itself: the JIT's own progress lines would repeat them.
+        if (!weft::env::get("WEFT_LOG")) {
+            weft::LogLevels levels = weft::default_log_levels();
+            levels.level[static_cast<size_t>(weft::LogSubsystem::kJit)] = weft::LogLevel::kWarn;
+            weft::set_log_levels(levels);
+        }
         jit::Compiler compiler(config);
         std::printf("weft-compile: %zu spec(s) for %s into %s\n", specs.size(), target.c_str(),
                     config.cache_dir->string().c_str());
         std::atomic<int> failed{0}, missing{0};
         std::mutex print_mutex;
+        // On stderr: a bar redrawn in place on a terminal, else a line at every tenth of the specs (and every 10 s).
+        std::optional<weft::ProgressReporter> progress;
+        if (!list && !expect_cached && !specs.empty()) progress.emplace("weft-compile", specs.size());
         // One spec on `c`: prints one line; compile errors count as failures, never stop the others.
         const auto process = [&](jit::Compiler& c, const jit::KernelSpec& spec) {
             try {
@@ -154,13 +167,18 @@ int main(int argc, char** argv) {
                 const jit::CompileResult r = c.compile(spec);
                 const char* state = r.origin == jit::CompileResult::Origin::kCompiled ? "compiled" : "cached  ";
                 std::lock_guard<std::mutex> lock(print_mutex);
+                if (progress) progress->clear();
                 std::printf("  %s %s  %s  (%d registers, spills %d/%d bytes)\n", state, r.key.substr(0, 16).c_str(),
                             spec.describe().c_str(), r.ptxas_info.registers, r.ptxas_info.spill_store_bytes,
                             r.ptxas_info.spill_load_bytes);
+                std::fflush(stdout);
+                if (progress) progress->advance(spec.describe());
             } catch (const weft::Error& e) {
                 ++failed;
                 std::lock_guard<std::mutex> lock(print_mutex);
+                if (progress) progress->clear();
                 std::fprintf(stderr, "weft-compile: FAILED %s\n%s\n", spec.describe().c_str(), e.what());
+                if (progress) progress->advance(spec.describe());
             }
         };
         jit::CompilerStats st{};
@@ -187,6 +205,7 @@ int main(int argc, char** argv) {
                 st.compiles += ws.compiles;
             }
         }
+        if (progress) progress->finish();
         // Loading needs the current context: done here, in this thread, once everything is compiled.
         if (load && !list && failed == 0) {
             for (const auto& spec : specs) {

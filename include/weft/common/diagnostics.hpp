@@ -46,6 +46,9 @@ struct Diagnostic {
     int32_t peer;           ///< rank that owns the signal, or -1 when unknown
     int32_t line;           ///< source line of the spin (for weft's own kernels)
     uint32_t aborted;       ///< 1: the spin stopped because the World's abort word was set, not at its bound
+    /// Not part of a diagnosis: the device address of this rank's TraceBuffer (weft/common/trace.hpp) when the World
+    /// traces (WEFT_TRACE), else 0. Written by the host before any traced kernel runs; kept by clear_diagnostics.
+    uint64_t trace_buffer;
 };
 
 }  // namespace weft

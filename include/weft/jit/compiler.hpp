@@ -119,6 +119,13 @@ public:
     /// Whether the disk cache holds a valid entry for `spec` (compiles and loads nothing; kAbsent when
     /// the disk cache is off).
     DiskCache::LoadStatus disk_status(const KernelSpec& spec) const;
+    /// Whether compile(spec) would find `spec` compiled (in memory or a valid disk entry): nothing to wait for.
+    bool is_cached(const KernelSpec& spec) const;
+    /// Compiles every spec not yet cached, in order, with progress at notice level when there is any (on rank 0, or
+    /// without a rank; the other ranks log it at info): "compiling 3 of 12 kernels for `what` (first use; cached
+    /// afterwards)", one line per kernel, then the total time. A later get_kernel() of these specs finds them in
+    /// memory. Returns how many specs were not cached. Throws as compile() on the first spec that fails.
+    size_t warm(const std::vector<KernelSpec>& specs, const std::string& what);
     /// The generated translation unit for `spec`.
     static std::string generate_source(const KernelSpec& spec);
     /// `arch` validated ("sm_90a" ...), or the default when empty (WEFT_JIT_ARCH, else the current

@@ -1,0 +1,477 @@
+// SPDX-License-Identifier: MIT
+// The intra-kernel trace on the host: the per-rank device buffer (a World extension), the gather, the JSON writer.
+#include "weft/runtime/trace.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+#include "runtime_internal.hpp"
+#include "weft/runtime/driver.hpp"
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft {
+
+namespace {
+
+constexpr const char* kExtensionName = "weft.trace";
+constexpr uint32_t kDefaultCapacity = 262144;
+constexpr uint32_t kMaxCapacity = 1u << 26;
+constexpr int kNumTraceRoles = 5;  // TraceRole's values
+
+// Writes %globaltimer to *out: in PTX, so that the runtime needs no compiler of weft's (the driver compiles it).
+constexpr char kTimerKernelPtx[] =
+    ".version 7.0\n"
+    ".target sm_75\n"
+    ".address_size 64\n"
+    ".visible .entry weft_read_globaltimer(.param .u64 out)\n"
+    "{\n"
+    "    .reg .b64 %rd<3>;\n"
+    "    ld.param.u64 %rd1, [out];\n"
+    "    cvta.to.global.u64 %rd2, %rd1;\n"
+    "    mov.u64 %rd0, %globaltimer;\n"
+    "    st.global.u64 [%rd2], %rd0;\n"
+    "    ret;\n"
+    "}\n";
+
+/// Where CUDA event times fall on %globaltimer, and this host's clock against it, measured by one tiny kernel.
+struct ClockCalibration {
+    cudaEvent_t reference = nullptr;  ///< recorded half an event window before `globaltimer_ns`
+    uint64_t globaltimer_ns = 0;
+    int64_t host_minus_globaltimer_ns = 0;  ///< CLOCK_REALTIME - %globaltimer at the same moment
+};
+
+/// A copy timed with two CUDA events, resolved onto %globaltimer when the trace is taken.
+struct PendingCopy {
+    cudaEvent_t begin = nullptr, end = nullptr;
+    uint16_t stream = 0;
+    int32_t chunk = 0, peer = 0;
+};
+
+/// The rank's trace: its device buffer (the address is in the World's diagnostic record, where kernels find it),
+/// the events timed on the host, and where the trace goes when the World is destroyed.
+class Tracer final : public WorldExtension {
+public:
+    Tracer(std::string path, uint32_t capacity, Diagnostic* diag_host) : path_(std::move(path)), capacity_(capacity) {
+        const uint64_t bytes = trace_buffer_bytes(capacity);
+        WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&buffer_), bytes));
+        TraceBuffer header{};
+        header.capacity = capacity;
+        WEFT_CUDA_CHECK(cudaMemcpy(buffer_, &header, offsetof(TraceBuffer, events), cudaMemcpyHostToDevice));
+        diag_host->trace_buffer = reinterpret_cast<uint64_t>(buffer_);
+    }
+    ~Tracer() override {
+        for (const PendingCopy& c : copies_) {
+            cudaEventDestroy(c.begin);
+            cudaEventDestroy(c.end);
+        }
+        if (timer_library_ != nullptr) driver().cuLibraryUnload(timer_library_);
+        if (timer_out_ != nullptr) cudaFree(timer_out_);
+        if (buffer_ != nullptr) cudaFree(buffer_);
+    }
+
+    /// Two timing events for a copy (empty when this rank already holds `capacity` of them).
+    TraceCopyEvents copy_events(uint16_t stream, int32_t chunk, int32_t peer) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (copies_.size() + host_events_.size() >= capacity_) return {};
+        PendingCopy c;
+        c.stream = stream;
+        c.chunk = chunk;
+        c.peer = peer;
+        WEFT_CUDA_CHECK(cudaEventCreate(&c.begin));
+        if (cudaEventCreate(&c.end) != cudaSuccess) {
+            cudaEventDestroy(c.begin);
+            WEFT_FAIL("trace: cudaEventCreate failed");
+        }
+        copies_.push_back(c);
+        return {c.begin, c.end};
+    }
+
+    const std::string& path() const { return path_; }
+
+    /// This rank's events so far (device, then host), and empties both.
+    detail::RankTrace take(int rank) {
+        TraceBuffer header{};
+        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+        WEFT_CUDA_CHECK(cudaMemcpy(&header, buffer_, offsetof(TraceBuffer, events), cudaMemcpyDeviceToHost));
+        detail::RankTrace t;
+        t.rank = rank;
+        t.host = detail::host_name();
+        const uint32_t kept = std::min(header.count, capacity_);
+        t.events.resize(kept);
+        if (kept > 0) {
+            WEFT_CUDA_CHECK(cudaMemcpy(t.events.data(), buffer_->events, kept * sizeof(TraceEvent),
+                                       cudaMemcpyDeviceToHost));
+        }
+        WEFT_CUDA_CHECK(cudaMemset(&buffer_->count, 0, sizeof(uint32_t)));
+        t.recorded = header.count;
+        const ClockCalibration clock = calibrate();
+        t.clock_offset_ns = clock.host_minus_globaltimer_ns;  // rank 0 turns these into offsets against its clock
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (const PendingCopy& c : copies_) {
+            float begin_ms = 0, end_ms = 0;
+            // A copy recorded during graph capture, or not run yet, has no time: it is left out.
+            const bool timed = cudaEventElapsedTime(&begin_ms, clock.reference, c.begin) == cudaSuccess &&
+                               cudaEventElapsedTime(&end_ms, clock.reference, c.end) == cudaSuccess;
+            cudaEventDestroy(c.begin);
+            cudaEventDestroy(c.end);
+            ++t.recorded;
+            if (!timed) continue;
+            TraceEvent e{};
+            e.kind = static_cast<uint16_t>(TraceKind::kCopyChunk);
+            e.role = static_cast<uint8_t>(TraceRole::kCopyEngine);
+            e.sm = c.stream;
+            e.begin_ns = clock.globaltimer_ns + static_cast<uint64_t>(static_cast<int64_t>(begin_ms * 1e6));
+            e.end_ns = clock.globaltimer_ns + static_cast<uint64_t>(static_cast<int64_t>(end_ms * 1e6));
+            e.args[0] = c.chunk;
+            e.args[1] = c.peer;
+            t.events.push_back(e);
+        }
+        copies_.clear();
+        cudaEventDestroy(clock.reference);
+        (void)cudaGetLastError();  // an elapsed-time query of an unrecorded event leaves its error behind
+        t.events.insert(t.events.end(), host_events_.begin(), host_events_.end());
+        t.recorded += host_events_.size();
+        host_events_.clear();
+        return t;
+    }
+
+    void add(const TraceEvent& e) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (host_events_.size() < capacity_) host_events_.push_back(e);
+    }
+
+    uint64_t next_seq() { return seq_++; }
+
+private:
+    /// Runs the timer kernel between two timing events on a stream of its own (a few times; the tightest window
+    /// counts): the reference event lies half a window before the %globaltimer it read, and the host's clock, read
+    /// around it, gives CLOCK_REALTIME - %globaltimer.
+    ClockCalibration calibrate() {
+        const DriverApi& api = driver();
+        if (timer_library_ == nullptr) {
+            WEFT_CU_CHECK(api.cuLibraryLoadData(&timer_library_, kTimerKernelPtx, nullptr, nullptr, 0, nullptr,
+                                                nullptr, 0));
+            CUkernel kernel = nullptr;
+            WEFT_CU_CHECK(api.cuLibraryGetKernel(&kernel, timer_library_, "weft_read_globaltimer"));
+            WEFT_CU_CHECK(api.cuKernelGetFunction(&timer_fn_, kernel));
+            WEFT_CUDA_CHECK(cudaMalloc(&timer_out_, sizeof(uint64_t)));
+        }
+        cudaStream_t stream = nullptr;
+        WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        ClockCalibration best;
+        double best_window_ms = 1e30;
+        for (int attempt = 0; attempt < 5; ++attempt) {
+            cudaEvent_t before = nullptr, after = nullptr;
+            WEFT_CUDA_CHECK(cudaEventCreate(&before));
+            WEFT_CUDA_CHECK(cudaEventCreate(&after));
+            const auto host0 = std::chrono::system_clock::now();
+            WEFT_CUDA_CHECK(cudaEventRecord(before, stream));
+            void* args[] = {&timer_out_};
+            WEFT_CU_CHECK(api.cuLaunchKernel(timer_fn_, 1, 1, 1, 1, 1, 1, 0, reinterpret_cast<CUstream>(stream), args,
+                                             nullptr));
+            WEFT_CUDA_CHECK(cudaEventRecord(after, stream));
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+            const auto host1 = std::chrono::system_clock::now();
+            uint64_t gt = 0;
+            WEFT_CUDA_CHECK(cudaMemcpy(&gt, timer_out_, sizeof(gt), cudaMemcpyDeviceToHost));
+            float window_ms = 0;
+            WEFT_CUDA_CHECK(cudaEventElapsedTime(&window_ms, before, after));
+            cudaEventDestroy(after);
+            if (window_ms >= best_window_ms) {
+                cudaEventDestroy(before);
+                continue;
+            }
+            if (best.reference != nullptr) cudaEventDestroy(best.reference);
+            best_window_ms = window_ms;
+            best.reference = before;
+            best.globaltimer_ns = gt - static_cast<uint64_t>(window_ms * 0.5e6);
+            const int64_t host_mid_ns =
+                std::chrono::duration_cast<std::chrono::nanoseconds>(host0.time_since_epoch()).count() / 2 +
+                std::chrono::duration_cast<std::chrono::nanoseconds>(host1.time_since_epoch()).count() / 2;
+            best.host_minus_globaltimer_ns = host_mid_ns - static_cast<int64_t>(gt);
+        }
+        cudaStreamDestroy(stream);
+        return best;
+    }
+
+    CUlibrary timer_library_ = nullptr;
+    CUfunction timer_fn_ = nullptr;
+    void* timer_out_ = nullptr;
+    std::vector<PendingCopy> copies_;
+    std::string path_;
+    uint32_t capacity_;
+    TraceBuffer* buffer_ = nullptr;
+    std::mutex mutex_;
+    std::vector<TraceEvent> host_events_;
+    uint64_t seq_ = 0;
+};
+
+Tracer* find_tracer(const World& world) { return dynamic_cast<Tracer*>(world.find_extension(kExtensionName)); }
+
+void put_bytes(Bytes& out, const void* data, size_t bytes) {
+    const size_t at = out.size();
+    out.resize(at + bytes);
+    if (bytes > 0) std::memcpy(out.data() + at, data, bytes);
+}
+
+template <class T>
+void put(Bytes& out, const T& v) {
+    put_bytes(out, &v, sizeof(T));
+}
+
+template <class T>
+T get(const Bytes& in, size_t& at) {
+    WEFT_CHECK(at + sizeof(T) <= in.size(), "trace: a rank's blob is truncated (" << in.size() << " bytes)");
+    T v;
+    std::memcpy(&v, in.data() + at, sizeof(T));
+    at += sizeof(T);
+    return v;
+}
+
+void json_string(std::ostream& os, std::string_view s) {
+    os << '"';
+    for (char c : s) {
+        if (c == '"' || c == '\\') {
+            os << '\\' << c;
+        } else if (static_cast<unsigned char>(c) < 0x20) {
+            char buf[8];
+            std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+            os << buf;
+        } else {
+            os << c;
+        }
+    }
+    os << '"';
+}
+
+/// Microseconds with nanosecond digits: "12.345".
+std::string micros(int64_t ns) {
+    char buf[40];
+    std::snprintf(buf, sizeof(buf), "%lld.%03lld", static_cast<long long>(ns / 1000),
+                  static_cast<long long>(ns % 1000 < 0 ? -(ns % 1000) : ns % 1000));
+    return buf;
+}
+
+}  // namespace
+
+std::optional<std::string> trace_path_from_env() {
+    auto v = env::get("WEFT_TRACE");
+    if (!v || v->empty()) return std::nullopt;
+    return v;
+}
+
+uint32_t trace_capacity_from_env() {
+    const auto v = env::get_int("WEFT_TRACE_EVENTS");
+    if (!v) return kDefaultCapacity;
+    WEFT_CHECK(*v >= 1 && *v <= kMaxCapacity,
+               "WEFT_TRACE_EVENTS must be in [1, " << kMaxCapacity << "] events, got " << *v);
+    return static_cast<uint32_t>(*v);
+}
+
+bool tracing(const World& world) { return find_tracer(world) != nullptr; }
+
+void add_trace_event(World& world, const TraceEvent& event) {
+    if (Tracer* t = find_tracer(world)) t->add(event);
+}
+
+TraceCopyEvents trace_copy_events(World& world, uint16_t stream_idx, int32_t chunk, int32_t peer) {
+    Tracer* t = find_tracer(world);
+    return t == nullptr ? TraceCopyEvents{} : t->copy_events(stream_idx, chunk, peer);
+}
+
+void write_trace(World& world, const std::string& path) {
+    Tracer* tracer = find_tracer(world);
+    WEFT_CHECK(tracer != nullptr, "write_trace: this World records no trace (set WEFT_TRACE=path before making it)");
+    WEFT_CHECK(!path.empty(), "write_trace: the path must not be empty");
+    const detail::DeviceGuard guard(world.device());
+    const detail::RankTrace mine = tracer->take(world.rank());
+    const std::vector<Bytes> all =
+        world.store().all_gather("weft/trace/" + std::to_string(tracer->next_seq()), world.rank(), world.num_ranks(),
+                                 detail::encode_rank_trace(mine), world.timeout());
+    if (world.rank() != 0) return;
+    std::vector<detail::RankTrace> ranks;
+    uint64_t dropped = 0, kept = 0;
+    for (const Bytes& blob : all) {
+        ranks.push_back(detail::decode_rank_trace(blob));
+        kept += ranks.back().events.size();
+        dropped += ranks.back().recorded - ranks.back().events.size();
+    }
+    detail::align_rank_clocks(ranks);
+    const std::string json = detail::chrome_trace_json(ranks);
+    const std::filesystem::path target(path);
+    const std::filesystem::path tmp = target.string() + ".tmp";
+    {
+        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+        out << json;
+        WEFT_CHECK(out.good(), "write_trace: cannot write " << tmp.string());
+    }
+    std::error_code ec;
+    std::filesystem::rename(tmp, target, ec);
+    WEFT_CHECK(!ec, "write_trace: cannot rename " << tmp.string() << " to " << path << ": " << ec.message());
+    WEFT_LOG_NOTICE("trace: " << kept << " events of " << ranks.size() << " rank(s) written to " << path
+                              << (dropped > 0 ? " (" + std::to_string(dropped) +
+                                                    " dropped: the buffers were full; raise WEFT_TRACE_EVENTS)"
+                                              : std::string()));
+}
+
+namespace detail {
+
+void start_trace_if_asked(World& world, Diagnostic* diag_host) {
+    const auto path = trace_path_from_env();
+    if (!path) return;
+    const uint32_t capacity = trace_capacity_from_env();
+    world.add_extension(kExtensionName, std::make_unique<Tracer>(*path, capacity, diag_host));
+    WEFT_LOG_INFO("trace: recording up to " << capacity << " events per rank; written to " << *path
+                                            << " when the World is destroyed");
+}
+
+void finish_trace_at_shutdown(World& world) noexcept {
+    Tracer* tracer = find_tracer(world);
+    if (tracer == nullptr) return;
+    try {
+        write_trace(world, tracer->path());
+    } catch (const std::exception& e) {
+        WEFT_LOG_ERROR("trace: writing " << tracer->path() << " failed: " << e.what());
+    }
+}
+
+void align_rank_clocks(std::vector<RankTrace>& ranks) {
+    if (ranks.empty()) return;
+    const std::string host0 = ranks[0].host;
+    const int64_t ref = ranks[0].clock_offset_ns;
+    for (RankTrace& r : ranks) {
+        r.clock_offset_ns = r.host == host0 ? 0 : r.clock_offset_ns - ref;
+    }
+}
+
+Bytes encode_rank_trace(const RankTrace& t) {
+    Bytes out;
+    out.reserve(64 + t.host.size() + t.events.size() * sizeof(TraceEvent));
+    put(out, uint32_t{0x57545243});  // "WTRC"
+    put(out, t.rank);
+    put(out, static_cast<uint32_t>(t.host.size()));
+    put_bytes(out, t.host.data(), t.host.size());
+    put(out, t.clock_offset_ns);
+    put(out, t.recorded);
+    put(out, static_cast<uint64_t>(t.events.size()));
+    put_bytes(out, t.events.data(), t.events.size() * sizeof(TraceEvent));
+    return out;
+}
+
+RankTrace decode_rank_trace(const Bytes& in) {
+    size_t at = 0;
+    WEFT_CHECK(get<uint32_t>(in, at) == 0x57545243, "trace: a rank's blob does not start with the trace magic");
+    RankTrace t;
+    t.rank = get<int32_t>(in, at);
+    const auto host_bytes = get<uint32_t>(in, at);
+    WEFT_CHECK(at + host_bytes <= in.size(), "trace: a rank's blob is truncated in its host name");
+    t.host.assign(reinterpret_cast<const char*>(in.data() + at), host_bytes);
+    at += host_bytes;
+    t.clock_offset_ns = get<int64_t>(in, at);
+    t.recorded = get<uint64_t>(in, at);
+    const auto n = get<uint64_t>(in, at);
+    WEFT_CHECK(n <= (in.size() - at) / sizeof(TraceEvent) && at + n * sizeof(TraceEvent) == in.size(),
+               "trace: rank " << t.rank << "'s blob holds " << in.size() - at << " event bytes, not " << n
+                              << " events of " << sizeof(TraceEvent));
+    t.events.resize(n);
+    if (n > 0) std::memcpy(t.events.data(), in.data() + at, n * sizeof(TraceEvent));
+    return t;
+}
+
+std::string trace_event_name(const TraceEvent& e) {
+    switch (static_cast<TraceKind>(e.kind)) {
+        case TraceKind::kWaitChunk:
+            if (e.args[1] > e.args[0]) return "wait chunks " + std::to_string(e.args[0]) + "-" + std::to_string(e.args[1]);
+            return "wait chunk " + std::to_string(e.args[0]);
+        case TraceKind::kTile: return "tile (" + std::to_string(e.args[0]) + ", " + std::to_string(e.args[1]) + ")";
+        case TraceKind::kCopyChunk: return "copy chunk " + std::to_string(e.args[0]);
+        case TraceKind::kNotify: return "notify";
+        case TraceKind::kReduce: return "reduce";
+        case TraceKind::kWaitPeers: return "wait peers";
+    }
+    return "event " + std::to_string(e.kind);
+}
+
+std::string trace_track_name(uint16_t sm, uint8_t role) {
+    switch (static_cast<TraceRole>(role)) {
+        case TraceRole::kProducer: return "SM " + std::to_string(sm) + " producer";
+        case TraceRole::kConsumer0: return "SM " + std::to_string(sm) + " consumer 0";
+        case TraceRole::kConsumer1: return "SM " + std::to_string(sm) + " consumer 1";
+        case TraceRole::kComm: return "SM " + std::to_string(sm) + " comm";
+        case TraceRole::kCopyEngine: return "copy engine " + std::to_string(sm);
+    }
+    return "SM " + std::to_string(sm) + " role " + std::to_string(role);
+}
+
+std::string chrome_trace_json(const std::vector<RankTrace>& ranks) {
+    int64_t t0 = std::numeric_limits<int64_t>::max();
+    for (const RankTrace& r : ranks) {
+        for (const TraceEvent& e : r.events) t0 = std::min(t0, static_cast<int64_t>(e.begin_ns) + r.clock_offset_ns);
+    }
+    if (t0 == std::numeric_limits<int64_t>::max()) t0 = 0;
+    std::ostringstream os;
+    os << "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[";
+    bool first = true;
+    const auto sep = [&] {
+        os << (first ? "\n" : ",\n");
+        first = false;
+    };
+    for (const RankTrace& r : ranks) {
+        sep();
+        os << "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":" << r.rank << ",\"args\":{\"name\":";
+        json_string(os, "rank " + std::to_string(r.rank) + " (" + r.host + ")");
+        os << "}}";
+        sep();
+        os << "{\"ph\":\"M\",\"name\":\"process_sort_index\",\"pid\":" << r.rank
+           << ",\"args\":{\"sort_index\":" << r.rank << "}}";
+        // One track per (SM, role), sorted by SM then role; copy engines last.
+        std::map<int, std::pair<uint16_t, uint8_t>> tracks;
+        for (const TraceEvent& e : r.events) {
+            const int tid = (e.role == static_cast<uint8_t>(TraceRole::kCopyEngine) ? 1 << 20 : 0) +
+                            e.sm * kNumTraceRoles + e.role;
+            tracks.emplace(tid, std::make_pair(e.sm, e.role));
+        }
+        for (const auto& [tid, track] : tracks) {
+            sep();
+            os << "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" << r.rank << ",\"tid\":" << tid
+               << ",\"args\":{\"name\":";
+            json_string(os, trace_track_name(track.first, track.second));
+            os << "}}";
+            sep();
+            os << "{\"ph\":\"M\",\"name\":\"thread_sort_index\",\"pid\":" << r.rank << ",\"tid\":" << tid
+               << ",\"args\":{\"sort_index\":" << tid << "}}";
+        }
+        for (const TraceEvent& e : r.events) {
+            const int tid = (e.role == static_cast<uint8_t>(TraceRole::kCopyEngine) ? 1 << 20 : 0) +
+                            e.sm * kNumTraceRoles + e.role;
+            const int64_t begin = static_cast<int64_t>(e.begin_ns) + r.clock_offset_ns - t0;
+            const int64_t dur = e.end_ns >= e.begin_ns ? static_cast<int64_t>(e.end_ns - e.begin_ns) : 0;
+            sep();
+            os << "{\"ph\":\"X\",\"name\":";
+            json_string(os, trace_event_name(e));
+            os << ",\"cat\":\"weft\",\"pid\":" << r.rank << ",\"tid\":" << tid << ",\"ts\":" << micros(begin)
+               << ",\"dur\":" << micros(dur) << ",\"args\":{\"kind\":" << e.kind << ",\"block\":" << e.block
+               << ",\"args\":[" << e.args[0] << "," << e.args[1] << "," << e.args[2] << "," << e.args[3]
+               << "],\"begin_ns\":" << e.begin_ns << ",\"end_ns\":" << e.end_ns << "}}";
+        }
+    }
+    os << "\n]}\n";
+    return os.str();
+}
+
+}  // namespace detail
+
+}  // namespace weft

@@ -1,0 +1,277 @@
+// SPDX-License-Identifier: MIT
+// Unit tests for the intra-kernel trace: the rank blobs and the Chrome-trace JSON (read back by a JSON parser), the
+// environment, and that a kernel compiled without WEFT_TRACE is exactly the kernel without the instrumentation
+// (same SASS) while a traced one records.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "support/jit_testing.hpp"
+#include "support/sass_testing.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/jit/options.hpp"
+#include "weft/jit/paths.hpp"
+#include "weft/ops/ag_gemm.hpp"
+#include "weft/ops/fused_gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/gemm_rs.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/trace.hpp"
+
+namespace weft {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::ScopedEnv;
+using testing::TempDir;
+
+TraceEvent event(TraceKind kind, TraceRole role, uint16_t sm, uint64_t begin, uint64_t end, int32_t a0 = 0,
+                 int32_t a1 = 0, int32_t a2 = 0, int32_t a3 = 0) {
+    TraceEvent e{};
+    e.kind = static_cast<uint16_t>(kind);
+    e.role = static_cast<uint8_t>(role);
+    e.sm = sm;
+    e.begin_ns = begin;
+    e.end_ns = end;
+    e.block = sm;
+    e.args[0] = a0;
+    e.args[1] = a1;
+    e.args[2] = a2;
+    e.args[3] = a3;
+    return e;
+}
+
+std::vector<detail::RankTrace> two_ranks() {
+    detail::RankTrace r0;
+    r0.rank = 0;
+    r0.host = "node-a";
+    r0.recorded = 5;
+    r0.events = {event(TraceKind::kWaitChunk, TraceRole::kProducer, 3, 1'000'000'500, 1'000'002'000, 2, 3, 1, 0),
+                 event(TraceKind::kTile, TraceRole::kConsumer0, 3, 1'000'002'500, 1'000'010'000, 1, 0),
+                 event(TraceKind::kTile, TraceRole::kConsumer1, 3, 1'000'002'500, 1'000'010'250, 1, 0),
+                 event(TraceKind::kCopyChunk, TraceRole::kCopyEngine, 0, 1'000'000'000, 1'000'001'900, 2, 1),
+                 event(TraceKind::kNotify, TraceRole::kProducer, 0, 1'000'011'000, 1'000'011'100, -1, -1)};
+    detail::RankTrace r1;
+    r1.rank = 1;
+    r1.host = "node-a";
+    r1.recorded = 4;  // two dropped
+    r1.events = {event(TraceKind::kReduce, TraceRole::kComm, 7, 1'000'003'000, 1'000'004'000, 0, 0),
+                 event(TraceKind::kWaitPeers, TraceRole::kProducer, 0, 1'000'012'000, 1'000'013'000, 1)};
+    return {r0, r1};
+}
+
+bool have_python() { return std::system("python3 -c 'import json' >/dev/null 2>&1") == 0; }
+
+/// Parses `json_path` with Python's json module and prints, one per line and sorted: every process name, every thread
+/// name, every complete event as "pid|thread name|event name|ts|dur".
+std::string summary_by_python(const fs::path& json_path, const fs::path& out_path) {
+    const std::string script =
+        "import json,sys\n"
+        "d=json.load(open(sys.argv[1]))\n"
+        "ev=d['traceEvents']\n"
+        "threads={(e['pid'],e['tid']):e['args']['name'] for e in ev if e['ph']=='M' and e['name']=='thread_name'}\n"
+        "lines=['process %d %s'%(e['pid'],e['args']['name']) for e in ev if e['ph']=='M' and "
+        "e['name']=='process_name']\n"
+        "lines+=['thread %d %s'%(k[0],v) for k,v in threads.items()]\n"
+        "lines+=['X %d|%s|%s|%.3f|%.3f'%(e['pid'],threads[(e['pid'],e['tid'])],e['name'],e['ts'],e['dur']) "
+        "for e in ev if e['ph']=='X']\n"
+        "open(sys.argv[2],'w').write('\\n'.join(sorted(lines))+'\\n')\n";
+    const fs::path script_path = out_path.parent_path() / "summary.py";
+    testing::write_text_file(script_path, script);
+    const std::string cmd = "python3 " + script_path.string() + " " + json_path.string() + " " + out_path.string();
+    if (std::system(cmd.c_str()) != 0) return "(python could not parse the trace)";
+    return testing::read_text_file(out_path);
+}
+
+TEST(TraceWriter, JsonReadsBackWithAProcessPerRankATrackPerSmAndRoleAndNamedEvents) {
+    if (!have_python()) GTEST_SKIP() << "SKIPPED: python3 with its json module is needed to read the trace back";
+    TempDir dir("weft_trace");
+    const std::string json = detail::chrome_trace_json(two_ranks());
+    testing::write_text_file(dir / "trace.json", json);
+    const std::string got = summary_by_python(dir / "trace.json", dir / "summary.txt");
+    // Times: microseconds from the earliest event of all ranks (rank 0's copy at 1'000'000'000 ns).
+    const std::string want =
+        "X 0|SM 0 producer|notify|11.000|0.100\n"
+        "X 0|SM 3 consumer 0|tile (1, 0)|2.500|7.500\n"
+        "X 0|SM 3 consumer 1|tile (1, 0)|2.500|7.750\n"
+        "X 0|SM 3 producer|wait chunks 2-3|0.500|1.500\n"
+        "X 0|copy engine 0|copy chunk 2|0.000|1.900\n"
+        "X 1|SM 0 producer|wait peers|12.000|1.000\n"
+        "X 1|SM 7 comm|reduce|3.000|1.000\n"
+        "process 0 rank 0 (node-a)\n"
+        "process 1 rank 1 (node-a)\n"
+        "thread 0 SM 0 producer\n"
+        "thread 0 SM 3 consumer 0\n"
+        "thread 0 SM 3 consumer 1\n"
+        "thread 0 SM 3 producer\n"
+        "thread 0 copy engine 0\n"
+        "thread 1 SM 0 producer\n"
+        "thread 1 SM 7 comm\n";
+    EXPECT_EQ(got, want) << json;
+}
+
+TEST(TraceWriter, AClockOffsetShiftsARanksEventsAndAnEmptyTraceIsValid) {
+    if (!have_python()) GTEST_SKIP() << "SKIPPED: python3 with its json module is needed to read the trace back";
+    TempDir dir("weft_trace");
+    auto ranks = two_ranks();
+    ranks[1].clock_offset_ns = 500;  // rank 1's clock runs 500 ns behind rank 0's
+    testing::write_text_file(dir / "shifted.json", detail::chrome_trace_json(ranks));
+    const std::string got = summary_by_python(dir / "shifted.json", dir / "shifted.txt");
+    EXPECT_NE(got.find("X 1|SM 7 comm|reduce|3.500|1.000"), std::string::npos) << got;
+    EXPECT_NE(got.find("X 0|copy engine 0|copy chunk 2|0.000|1.900"), std::string::npos) << got;
+
+    testing::write_text_file(dir / "empty.json", detail::chrome_trace_json({}));
+    EXPECT_EQ(summary_by_python(dir / "empty.json", dir / "empty.txt"), "\n");
+}
+
+TEST(TraceWriter, RankBlobsRoundTripAndBadBlobsAreErrors) {
+    const auto ranks = two_ranks();
+    const Bytes blob = detail::encode_rank_trace(ranks[0]);
+    const detail::RankTrace back = detail::decode_rank_trace(blob);
+    EXPECT_EQ(back.rank, 0);
+    EXPECT_EQ(back.host, "node-a");
+    EXPECT_EQ(back.recorded, 5u);
+    ASSERT_EQ(back.events.size(), ranks[0].events.size());
+    for (size_t i = 0; i < back.events.size(); ++i) {
+        EXPECT_EQ(std::memcmp(&back.events[i], &ranks[0].events[i], sizeof(TraceEvent)), 0) << i;
+    }
+    Bytes cut = blob;
+    cut.resize(blob.size() - 10);
+    EXPECT_THROW((void)detail::decode_rank_trace(cut), Error);
+    Bytes foreign = blob;
+    foreign[0] ^= 0xff;
+    EXPECT_THROW((void)detail::decode_rank_trace(foreign), Error);
+    EXPECT_THROW((void)detail::decode_rank_trace(Bytes{}), Error);
+}
+
+TEST(TraceWriter, RanksOnRankZerosHostKeepTheirClockOthersAreShiftedByTheHostClocks) {
+    std::vector<detail::RankTrace> ranks(3);
+    ranks[0].host = ranks[1].host = "node-a";
+    ranks[2].host = "node-b";
+    ranks[0].clock_offset_ns = 1'000;  // as gathered: CLOCK_REALTIME - %globaltimer per rank
+    ranks[1].clock_offset_ns = 1'700;  // same host: its GPU shares %globaltimer whatever the measurement says
+    ranks[2].clock_offset_ns = 5'000;  // node-b's timers read 4 us less than node-a's at the same wall time
+    detail::align_rank_clocks(ranks);
+    EXPECT_EQ(ranks[0].clock_offset_ns, 0);
+    EXPECT_EQ(ranks[1].clock_offset_ns, 0);
+    EXPECT_EQ(ranks[2].clock_offset_ns, 4'000);
+}
+
+TEST(TraceEnv, PathCapacityAndTheJitDefine) {
+    {
+        ScopedEnv unset("WEFT_TRACE", std::nullopt);
+        EXPECT_FALSE(trace_path_from_env());
+        const jit::CompileOptions o = jit::apply_env_options({});
+        for (const auto& d : o.defines) EXPECT_EQ(d.find("WEFT_TRACE"), std::string::npos) << d;
+    }
+    {
+        ScopedEnv set("WEFT_TRACE", std::string("out.json"));
+        EXPECT_EQ(trace_path_from_env().value_or(""), "out.json");
+        const jit::CompileOptions o = jit::apply_env_options({});
+        EXPECT_NE(std::find(o.defines.begin(), o.defines.end(), "WEFT_TRACE=1"), o.defines.end());
+    }
+    {
+        ScopedEnv events("WEFT_TRACE_EVENTS", std::string("0"));
+        EXPECT_THROW((void)trace_capacity_from_env(), Error);
+    }
+    {
+        ScopedEnv events("WEFT_TRACE_EVENTS", std::nullopt);
+        EXPECT_EQ(trace_capacity_from_env(), 262144u);
+    }
+    EXPECT_EQ(trace_buffer_bytes(1), sizeof(TraceBuffer));
+    EXPECT_EQ(trace_buffer_bytes(3), sizeof(TraceBuffer) + 2 * sizeof(TraceEvent));
+}
+
+// ---- the instrumentation costs nothing when off ----
+
+/// `text` with every statement that names WEFT_TRACE_ (up to where its parentheses close and no backslash continues
+/// it) and its include of the trace header blanked, so that every other line keeps its number (spins record theirs in
+/// diagnostics): the kernel as it reads without the trace.
+std::string strip_trace_lines(const std::string& text) {
+    std::istringstream in(text);
+    std::string line, out;
+    bool blanking = false;
+    int depth = 0;
+    while (std::getline(in, line)) {
+        if (!blanking && (line.find("WEFT_TRACE_") != std::string::npos ||
+                          line.find("#include \"weft/device/trace.cuh\"") != std::string::npos)) {
+            blanking = true;
+            depth = 0;
+        }
+        if (!blanking) {
+            out += line + "\n";
+            continue;
+        }
+        depth += static_cast<int>(std::count(line.begin(), line.end(), '(')) -
+                 static_cast<int>(std::count(line.begin(), line.end(), ')'));
+        out += "\n";
+        if (depth <= 0 && (line.empty() || line.back() != '\\')) blanking = false;
+    }
+    return out;
+}
+
+/// The instrumented kernel sources, stripped, under `root` (searched before weft's own: they shadow them).
+void write_stripped_kernels(const fs::path& root) {
+    const fs::path kernels = jit::find_include_roots().weft_kernels;
+    for (const char* rel :
+         {"ag_gemm/ag_gemm.cuh", "gemm/gemm_sm90.cuh", "gemm/gemm_hooks.cuh", "gemm_rs/gemm_rs.cuh"}) {
+        const std::string text = testing::read_text_file(kernels / rel);
+        ASSERT_NE(text.find("WEFT_TRACE_"), std::string::npos) << rel << " is no longer instrumented: update this test";
+        const std::string stripped = strip_trace_lines(text);
+        ASSERT_EQ(stripped.find("WEFT_TRACE_"), std::string::npos) << rel;
+        testing::write_text_file(root / rel, stripped);
+    }
+}
+
+std::map<std::string, std::string> sass_of(const jit::CompileResult& r, std::string* why_not) {
+    std::string tool;
+    return testing::disassemble(*r.cubin, &tool, why_not);
+}
+
+TEST(TraceNvrtc, UntracedKernelsAreTheKernelsWithoutTheInstrumentationAndTracedOnesRecord) {
+    TempDir stripped_root("weft_trace_stripped");
+    write_stripped_kernels(stripped_root.path());
+    jit::Compiler compiler(testing::isolated_compiler_config(fs::path()));
+    jit::Compiler stripped(testing::isolated_compiler_config(fs::path(), {stripped_root.path()}));
+
+    GemmConfig config = gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK);
+    config.cluster_m = config.cluster_n = 1;
+    const std::vector<jit::KernelSpec> specs = {ops::detail::ag_gemm_kernel_spec(config, "sm_90a"),
+                                                ops::detail::ag_notify_kernel_spec("sm_90a"),
+                                                ops::detail::rs_reduce_kernel_spec(DType::kF32, DType::kBF16, "sm_90a")};
+    for (const jit::KernelSpec& spec : specs) {
+        SCOPED_TRACE(spec.describe());
+        const jit::CompileResult off = compiler.compile(spec);
+        const jit::CompileResult without = stripped.compile(spec);
+        ASSERT_NE(off.key, without.key) << "the stripped sources were not used";
+        jit::KernelSpec traced_spec = spec;
+        traced_spec.options.defines.push_back("WEFT_TRACE=1");
+        const jit::CompileResult traced = compiler.compile(traced_spec);
+
+        std::string why_not;
+        const auto off_sass = sass_of(off, &why_not);
+        if (off_sass.empty()) GTEST_SKIP() << "SKIPPED: cannot disassemble: " << why_not;
+        const auto without_sass = sass_of(without, &why_not);
+        const auto traced_sass = sass_of(traced, &why_not);
+        ASSERT_EQ(off_sass.count(off.lowered_name), 1u) << off.lowered_name;
+        ASSERT_EQ(without_sass.count(off.lowered_name), 1u);
+        ASSERT_EQ(traced_sass.count(off.lowered_name), 1u);
+        EXPECT_TRUE(off_sass == without_sass) << "an untraced build differs from the kernel without the trace lines";
+        // Spins read %globaltimer for their bound in every build; only a traced one reads %smid (SR_VIRTUALSMID).
+        EXPECT_EQ(off_sass.at(off.lowered_name).find("SMID"), std::string::npos);
+        const std::string& t = traced_sass.at(off.lowered_name);
+        EXPECT_NE(t.find("SMID"), std::string::npos) << "a traced build reads no %smid";
+        EXPECT_NE(t, off_sass.at(off.lowered_name));
+    }
+}
+
+}  // namespace
+}  // namespace weft
