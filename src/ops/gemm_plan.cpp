@@ -158,11 +158,35 @@ double gemm_config_cost(const GemmProblem& p, const GemmConfig& c, int budget, d
     return cost / useful;
 }
 
+GemmConfig gemm_few_rows_config(const GemmProblem& p, const GemmConfig& picked, int budget) {
+    WEFT_CHECK(budget > 0, "gemm_few_rows_config: budget must be positive, got " << budget);
+    auto tiles = [&](const GemmConfig& c) {
+        return GemmTileGrid(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n)).num_tiles();
+    };
+    if (picked.cluster_m * picked.cluster_n != 1 || tiles(picked) > budget) return picked;
+    // 129..192 rows: the second 128-row m-tile is at most half full. The cooperative 128x192 (candidate 5) ran 1.2x and
+    // 1.0x the 128x128 at M = 160 / 192, N = K = 8192 (63.8 / 65.0 against 80.0 / 66.1 µs), where its tiles fill a wave.
+    if (p.m > 128 && p.m <= 192) {
+        const GemmConfig c = gemm_candidate(5, p.in_dtype, p.out_dtype, p.b_layout);
+        if (is_valid(c) && tiles(c) <= budget && 2 * tiles(c) >= budget) return c;
+    }
+    return picked;
+}
+
 bool gemm_allows_small_m(const GemmProblem& p, const GemmOptions& options) {
     WEFT_CHECK(options.small_m_max_m >= 0 && options.small_m_max_m <= kGemvMaxM,
                "gemm: options.small_m_max_m must be in [0, " << kGemvMaxM << "] (kGemvMaxM), got "
                                                              << options.small_m_max_m);
     return !options.config && options.allow_small_m && p.m <= options.small_m_max_m && p.b_layout == BLayout::kNK;
+}
+
+int gemv_auto_splits(int grid, int ctas_per_sm, int num_sms, int64_t k) {
+    WEFT_CHECK(grid > 0 && ctas_per_sm > 0 && num_sms > 0 && k > 0,
+               "gemv_auto_splits: grid, ctas_per_sm, num_sms and k must be positive, got " << grid << ", " << ctas_per_sm
+                                                                                          << ", " << num_sms << ", " << k);
+    if (3 * grid > num_sms) return 1;
+    const int splits = std::clamp(ctas_per_sm * num_sms / grid, 1, 32);
+    return std::min(splits, std::max(1, static_cast<int>(k / 256)));
 }
 
 // The small-M kernel when the caller leaves it to the op: bulk-copied rows (kBulkRows, variant 4) where it serves and
@@ -215,12 +239,7 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
             return plan;
         }
         int splits = options.small_m_splits;
-        if (splits <= 0) {
-            // One wave of CTAs streaming B: shape.ctas_per_sm per SM (gemv_config.hpp), at least 256 k per split; a
-            // shorter last split costs nothing (it runs fewer stages).
-            splits = std::clamp(shape.ctas_per_sm * num_sms / plan.grid, 1, 32);
-            splits = std::min(splits, std::max(1, static_cast<int>(p.k / 256)));
-        }
+        if (splits <= 0) splits = gemv_auto_splits(plan.grid, shape.ctas_per_sm, num_sms, p.k);
         plan.small_m_k_per_split = static_cast<int>(round_up(ceil_div(p.k, splits), 32));
         plan.small_m_splits = static_cast<int>(ceil_div(p.k, plan.small_m_k_per_split));
         plan.workspace_bytes = gemm_workspace_bytes(p, plan.small_m_splits, plan.small_m_variant);
@@ -253,6 +272,7 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
         }
         WEFT_CHECK(have, "gemm: no valid config for in " << dtype_name(p.in_dtype) << ", out "
                                                          << dtype_name(p.out_dtype));
+        plan.config = gemm_few_rows_config(p, plan.config, budget);
     }
     const GemmConfig& c = plan.config;
     const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));

@@ -238,7 +238,7 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         EXPECT_LE(c.plan.grid, 132);
     }
 
-    // M <= small_m_max_m (default 64) with B [N,K]: the small-M kernels that can serve it join (variant 4, bulk-copied
+    // M <= small_m_max_m (default 32) with B [N,K]: the small-M kernels that can serve it join (variant 4, bulk-copied
     // rows, only M <= 16 with contiguous B rows); the heuristic's pick (variant 3 here) still comes first.
     constexpr int kSplitKVariants = 1;  // variant 3
     const GemmProblem small = problem(16, 8192, 8192);
@@ -268,9 +268,13 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
     for (int64_t m : {33, 40, 64}) {
         SCOPED_TRACE("M = " + std::to_string(m));
         const GemmProblem mid = problem(m, 8192, 8192);
-        const auto mc = gemm_tune_candidates(mid, 132, {});
+        GemmOptions up_to_64;
+        up_to_64.small_m_max_m = 64;
+        const auto mc = gemm_tune_candidates(mid, 132, up_to_64);
         ASSERT_EQ(mc.size(), static_cast<size_t>(kGemmNumCandidates + kSplitKVariants));
         EXPECT_EQ(mc[0].name, "small_m_v3");
+        EXPECT_EQ(gemm_tune_candidates(mid, 132, {}).size(), static_cast<size_t>(kGemmNumCandidates))
+            << "the default small_m_max_m is 32";
         GemmOptions up_to_32;
         up_to_32.small_m_max_m = 32;
         const auto mc32 = gemm_tune_candidates(mid, 132, up_to_32);
@@ -300,10 +304,11 @@ TEST(GemmAutotuneCandidates, ProblemKeyNamesWhatChangesTheCandidates) {
               "m=100,n=200,k=72,in=f16,out=f32,b=kn,sms=66,small_m=0,splits=0");
     EXPECT_EQ(gemm_tune_problem(problem(8, 16, 32), 132, {}), "m=8,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0");
     // small_m says whether the small-M variants are candidates (gemm_allows_small_m), so small_m_max_m counts.
-    EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, {}), "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0");
-    GemmOptions up_to_32;
-    up_to_32.small_m_max_m = 32;
-    EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, up_to_32),
+    GemmOptions up_to_64;
+    up_to_64.small_m_max_m = 64;
+    EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, up_to_64),
+              "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0");
+    EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, {}),
               "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=0,splits=0");
     EXPECT_NE(gemm_tune_problem(problem(8, 16, 32), 132, {}), gemm_tune_problem(problem(8, 16, 32), 114, {}));
 }

@@ -218,7 +218,11 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     EXPECT_EQ(plan3.grid, 128);  // 64 columns per CTA
     EXPECT_EQ(plan3.small_m_splits, 1) << "N = K = 8192 on 132 SMs: 128 CTAs, 1 per SM, fill the SMs";
     EXPECT_EQ(plan3.workspace_bytes, 0u);
-    EXPECT_EQ(ops::plan_gemm(ops::GemmProblem{64, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16}, 132).grid,
+    ops::GemmOptions small_up_to_64;
+    small_up_to_64.small_m_max_m = kGemvMaxM;
+    EXPECT_EQ(ops::plan_gemm(ops::GemmProblem{64, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16}, 132,
+                             small_up_to_64)
+                  .grid,
               128);  // 64 columns per CTA at every row-tile count
     ops::GemmOptions bad;
     bad.small_m_variant = static_cast<GemvVariant>(2);
@@ -389,11 +393,12 @@ TEST(GemmPlan, SmallMVariant4SpreadsEveryRowOverNonEmptyCtas) {
 }
 
 // GemmOptions::programmatic_launch reaches only the kernels that wait for the previous one inside (the small-M
-// kernels, both with a shared-memory ring: variant 4 for M <= 16, 3 up to 64, forced or picked), and only when asked
-// for: the tiled kernel launches as usual.
+// kernels, both with a shared-memory ring: variant 4 for M <= 16, 3 up to small_m_max_m, forced or picked), and only
+// when asked for: the tiled kernel launches as usual.
 TEST(GemmPlan, OnlyTheRingKernelsLaunchProgrammatically) {
     ops::GemmOptions on;
     on.programmatic_launch = true;
+    on.small_m_max_m = kGemvMaxM;
     for (int64_t m : {1, 2, 3, 16, 17, 64, 65, 128}) {
         ops::GemmProblem p{m, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
         p.b_rows_contiguous = true;
@@ -419,8 +424,8 @@ TEST(GemmPlan, OnlyTheRingKernelsLaunchProgrammatically) {
     }
 }
 
-// Variant 3's split count fills one wave of gemv_shape(config).ctas_per_sm CTAs per SM with at least 256 k per
-// split; its workspace is the counters (one per 64-column block, rounded to 256 bytes) then fp32 partials
+// Variant 3's split count (gemv_auto_splits): none while its column blocks occupy more than a third of the SMs, else
+// one wave of gemv_shape(config).ctas_per_sm CTAs per SM with at least 256 k per split; its workspace is the counters (one per 64-column block, rounded to 256 bytes) then fp32 partials
 // [splits][M][N].
 TEST(GemmPlan, SmallMVariant3FillsOneWave) {
     ops::GemmOptions up_to_64;
@@ -429,9 +434,9 @@ TEST(GemmPlan, SmallMVariant3FillsOneWave) {
         int64_t m, n, k;
         int m_tiles, grid, splits;
     };
-    // 132 SMs: N = 4096: 64 column blocks -> 2 splits; N = 2048: 32 -> 4; N = 1000: 16 -> 8; N = 8192: 128 -> 1;
-    // K = 512 allows at most 2 splits of 256.
-    for (const Expect& e : {Expect{1, 4096, 8192, 1, 64, 2}, Expect{16, 2048, 8192, 1, 32, 4},
+    // 132 SMs: N = 4096: 64 column blocks (more than a third of the SMs) -> 1 split; N = 2048: 32 -> 4; N = 1000:
+    // 16 -> 8; N = 8192: 128 -> 1; K = 512 allows at most 2 splits of 256.
+    for (const Expect& e : {Expect{1, 4096, 8192, 1, 64, 1}, Expect{16, 2048, 8192, 1, 32, 4},
                             Expect{17, 1000, 4096, 2, 16, 8}, Expect{64, 8192, 8192, 4, 128, 1},
                             Expect{40, 1000, 512, 3, 16, 2}}) {
         SCOPED_TRACE("M x N x K = " + std::to_string(e.m) + " x " + std::to_string(e.n) + " x " + std::to_string(e.k));
@@ -465,14 +470,14 @@ TEST(GemmPlan, SmallMVariant3FillsOneWave) {
                           "variant must be GemvVariant::kTmaRing (3) or GemvVariant::kBulkRows (4), got 1");
 }
 
-// small_m_max_m bounds the M the small-M path takes (default 64 = kGemvMaxM: variant 3 beats the tiled kernel
-// up to there); out-of-range values are an error.
+// small_m_max_m bounds the M the small-M path takes (default 32: the small-M kernels beat the tiled kernel up to
+// there, the ping-pong 64x128 tile from M = 48); out-of-range values are an error.
 TEST(GemmPlan, SmallMMaxMBoundsTheSmallMPath) {
-    EXPECT_EQ(ops::GemmOptions{}.small_m_max_m, kGemvMaxM);
-    ops::GemmProblem p{64, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
+    EXPECT_EQ(ops::GemmOptions{}.small_m_max_m, 32);
+    ops::GemmProblem p{32, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
     EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kSmallM);
     EXPECT_TRUE(ops::gemm_allows_small_m(p, {}));
-    p.m = 65;
+    p.m = 33;
     EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kTiled);
     EXPECT_FALSE(ops::gemm_allows_small_m(p, {}));
 
@@ -505,6 +510,47 @@ TEST(GemmPlan, SmallMMaxMBoundsTheSmallMPath) {
         p.m = 1000;  // rejected whatever the path
         expect_error_mentions([&] { ops::plan_gemm(p, 132, o); }, msg);
         p.m = 16;
+    }
+}
+
+// gemv_auto_splits: no split-K while the column blocks occupy more than a third of the SMs (N = K = 4096: one split
+// ran 13-18% faster than two at M = 24..64); else one wave, at least 256 k per split, at most 32.
+TEST(GemmPlan, SmallMSplitsOnlyWhereFewColumnBlocks) {
+    EXPECT_EQ(ops::gemv_auto_splits(64, 1, 132, 4096), 1);   // N = 4096
+    EXPECT_EQ(ops::gemv_auto_splits(128, 1, 132, 8192), 1);  // N = 8192
+    EXPECT_EQ(ops::gemv_auto_splits(44, 1, 132, 8192), 3);   // a third exactly: split
+    EXPECT_EQ(ops::gemv_auto_splits(45, 1, 132, 8192), 1);
+    EXPECT_EQ(ops::gemv_auto_splits(32, 1, 132, 8192), 4);
+    EXPECT_EQ(ops::gemv_auto_splits(1, 1, 132, 1 << 20), 32);
+    EXPECT_EQ(ops::gemv_auto_splits(2, 1, 132, 512), 2);  // 256 k per split at least
+    EXPECT_EQ(ops::gemv_auto_splits(2, 1, 132, 8), 1);
+    EXPECT_EQ(ops::gemv_auto_splits(16, 2, 132, 8192), 16);  // two CTAs per SM
+    expect_error_mentions([] { (void)ops::gemv_auto_splits(0, 1, 132, 8); }, "must be positive");
+}
+
+// gemm_few_rows_config: 129..192 rows with the pick's tiles in one wave take the cooperative 128x192 where its tiles
+// fill at least half a wave (N = K = 8192: 1.2x the 128x128 at M = 160); elsewhere the pick stands.
+TEST(GemmPlan, FewRowsTakeTheTileThatFillsTheWave) {
+    const GemmConfig c128 = gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK);
+    const GemmConfig c192 = gemm_candidate(5, DType::kBF16, DType::kBF16, BLayout::kNK);
+    const GemmConfig pp64 = gemm_candidate(12, DType::kBF16, DType::kBF16, BLayout::kNK);
+    auto rule = [](int64_t m, int64_t n, const GemmConfig& picked, int budget = 132) {
+        return ops::gemm_few_rows_config(ops::GemmProblem{m, n, n, BLayout::kNK, DType::kBF16, DType::kBF16}, picked,
+                                         budget);
+    };
+    EXPECT_EQ(rule(160, 8192, c128), c192);
+    EXPECT_EQ(rule(192, 8192, c128), c192);
+    EXPECT_EQ(rule(128, 8192, c128), c128);
+    EXPECT_EQ(rule(193, 8192, c128), c128);
+    EXPECT_EQ(rule(160, 4096, pp64), pp64) << "128x192: 44 tiles, a third of the SMs";
+    EXPECT_EQ(rule(160, 8192, c128, 64), c128) << "the pick's tiles are more than one wave";
+    EXPECT_EQ(rule(160, 8192 * 2, c128), c128);
+    const GemmConfig pair = gemm_candidate(13, DType::kBF16, DType::kBF16, BLayout::kNK);
+    EXPECT_EQ(rule(160, 8192, pair), pair) << "cluster picks stand";
+    // Through plan_gemm (132 SMs, the cost model's pick first).
+    for (int64_t m : {160, 192}) {
+        const ops::GemmProblem p{m, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
+        EXPECT_EQ(ops::gemm_candidate_name(ops::plan_gemm(p, 132).config), "128x192x64_s4_c1x1") << "M " << m;
     }
 }
 

@@ -28,9 +28,9 @@ struct GemmOptions {
     std::optional<GemmConfig> config;  ///< force this tiled-kernel config (dtypes/layout must match the call)
     bool allow_small_m = true;         ///< let M <= small_m_max_m with B [N,K] take the small-M path
     /// The largest M the heuristic sends to the small-M path (0..kGemvMaxM = 64; above it: the tiled kernel).
-    /// Default 64: the small-M kernels beat the tiled kernel at every M <= 64 (figures: kernels/gemm/README.md,
-    /// "Which M takes the small-M path").
-    int small_m_max_m = 64;
+    /// Default 32: the small-M kernels beat the tiled kernel up to M = 32, the ping-pong 64x128 tile from M = 48
+    /// (figures: kernels/gemm/README.md, "Which M takes the small-M path").
+    int small_m_max_m = 32;
     int small_m_splits = 0;            ///< force the small-M path's split count (0 = heuristic)
     /// Force a small-M kernel (GemvVariant in weft/common/gemv_config.hpp); unset (the default): the op picks
     /// kBulkRows where it serves (gemv_rows_unsupported is empty) and K >= 4096, else kTmaRing. kBulkRows (variant

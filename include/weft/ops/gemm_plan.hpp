@@ -46,9 +46,21 @@ std::vector<GemmConfig> gemm_candidate_configs(DType in_dtype, DType out_dtype, 
 /// that many units per tile (the fused ops' hooks). plan_gemm picks the cheapest candidate.
 double gemm_config_cost(const GemmProblem& problem, const GemmConfig& config, int budget, double per_tile_cost = 0);
 
+/// The tiled config for a problem of few rows, given the cost model's pick `picked` on `budget` SMs (pure rule, part of
+/// plan_gemm; kernels/gemm/README.md, "Few rows"): `picked` unless it is cluster-free with all its tiles in one wave
+/// and 128 < M <= 192, where the cooperative 128x192 takes over if its tiles fill at least half a wave.
+GemmConfig gemm_few_rows_config(const GemmProblem& problem, const GemmConfig& picked, int budget);
+
 /// Whether the small-M path may serve this call: no options.config, options.allow_small_m, B [N,K] and
 /// M <= options.small_m_max_m. Throws weft::Error when small_m_max_m is outside 0..kGemvMaxM.
 bool gemm_allows_small_m(const GemmProblem& problem, const GemmOptions& options);
+
+/// The small-M kernel kTmaRing's split count when the caller leaves it to the op (pure rule): 1 (no split-K) while its
+/// `grid` column blocks occupy more than a third of the `num_sms` SMs; else one wave of CTAs streaming B
+/// (ctas_per_sm x num_sms / grid, at most 32) with at least 256 k per split. Measured (bf16, H200, N = K = 4096, a grid
+/// of 64 on 132 SMs): one split ran 13-18% faster than two at M = 24..64 (the split-K partials and their last-CTA sum
+/// cost more than the 64 idle SMs give back).
+int gemv_auto_splits(int grid, int ctas_per_sm, int num_sms, int64_t k);
 
 /// Picks the path and config. `num_sms` is the device's SM count (the budget's default).
 GemmPlan plan_gemm(const GemmProblem& problem, int num_sms, const GemmOptions& options = {});
