@@ -351,7 +351,7 @@ TEST(GemmTiled, PingPongMatchesFp64) {
     }
 }
 
-// A few small cases, for compute-sanitizer (memcheck / synccheck) runs: every kernel flavour once.
+// A few small cases, for compute-sanitizer (memcheck / synccheck) runs: every kernel flavour once (split-K too).
 TEST(GemmTiled, SanitizerSmoke) {
     REQUIRE_SM90();
     for (int idx : {0, 1, 2, 4}) {
@@ -363,6 +363,12 @@ TEST(GemmTiled, SanitizerSmoke) {
     Case f32{100, 72, 200, DType::kF16, DType::kF32, BLayout::kKN};
     f32.allow_small_m = false;
     check_case(f32);
+    for (int idx : {6, 12}) {  // split-K: cooperative 128x128 in 2 splits, ping-pong 64x128 in 4
+        Case split{77, 1000, 1000};
+        split.config = gemm_candidate(idx, DType::kBF16, DType::kBF16, BLayout::kNK);
+        split.config->splits = idx == 6 ? 2 : 4;
+        check_case(split);
+    }
     Case small{17, 1000, 1000};
     small.small_m_splits = 3;
     small.small_m_max_m = kGemvMaxM;
