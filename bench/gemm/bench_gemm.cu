@@ -6,14 +6,16 @@
 //
 //   weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]
 //                   [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]
-//                   [--small-m-variant 3|4] [--small-m-splits S] [--small-m-max-m M] [--chain L]
+//                   [--small-m-variant 3|4] [--small-m-splits S] [--small-m-max-m M] [--split-k S] [--chain L]
 // --small-m-variant / --small-m-splits / --small-m-max-m set GemmOptions for the op's own row (the one --check
 // compares with cuBLAS); forcing a variant or a split count also sets small_m_max_m to 64 (unless
 // --small-m-max-m says otherwise), so that M 17..64 measure the small-M kernels (3: GemvVariant::kTmaRing, 4:
-// kBulkRows); --all-configs adds a row per tiled candidate and, for M <= 64 with B [N,K], per small-M kernel that
-// can serve the shape (variant 3 at every split count listed, variant 4). The kernels come from weft::jit: from the
-// headers that WEFT_HOME names (cached in WEFT_CACHE_DIR), so kernels edited in another source tree run against the
-// same host code and the same cuBLASLt.
+// kBulkRows); --split-k S sets GemmOptions::split_k of the op's row (0: the op's rule, 1: none, S: S splits of the
+// heuristic's tile); --all-configs adds a row per tiled candidate, per split-K config (gemm_split_k_configs, label
+// suffix kS, where each split gets at least 8 k-blocks) and, for M <= 64 with B [N,K], per small-M kernel that can
+// serve the shape (variant 3 at every split count listed, variant 4). --check compares every row with cuBLASLt.
+// The kernels come from weft::jit: from the headers that WEFT_HOME names (cached in WEFT_CACHE_DIR), so kernels
+// edited in another source tree run against the same host code and the same cuBLASLt.
 // --chain L adds, for every shape the op may launch programmatically (the small-M variants 3 and 4), the time per
 // call of chains of L calls back to back on one stream (a decode step's layers), each call on the next input set,
 // with no event between them: weft launched plainly, weft with GemmOptions::programmatic_launch, and cuBLASLt; the
@@ -75,6 +77,7 @@ struct Options {
     std::optional<weft::GemvVariant> small_m_variant;  // unset: the op's default
     int small_m_splits = 0;    // 0: the op's heuristic
     int small_m_max_m = -1;    // -1: the op's default (kGemvMaxM when a variant or split count is forced)
+    int split_k = 0;           // GemmOptions::split_k of the op's row
     int chain = 0;  // --chain L: also time chains of L calls (0: no chains)
 };
 
@@ -122,6 +125,8 @@ Options parse(int argc, char** argv) {
                    1 << 20);
     cli.int_option("--small-m-max-m", "GemmOptions::small_m_max_m (-1: the op's default)", &o.small_m_max_m, -1,
                    weft::kGemvMaxM);
+    cli.int_option("--split-k", "GemmOptions::split_k of the op's row (0: the op's rule, 1: none, S: S splits)",
+                   &o.split_k, 0, weft::kGemmMaxSplits);
     cli.int_option("--chain", "also time chains of L calls (0: no chains)", &o.chain, 0, 1 << 20);
     cli.parse(argc, argv);
     return o;
@@ -141,6 +146,7 @@ std::string config_label(const GemmConfig& c) {
     if (c.cluster_m > 1) os << "cm" << c.cluster_m;
     if (c.cluster_n > 1) os << "cn" << c.cluster_n;
     if (c.pingpong) os << "pp";
+    if (c.splits > 1) os << "k" << c.splits;
     return os.str();
 }
 
@@ -263,7 +269,7 @@ int main(int argc, char** argv) {
                     r.weft_us = 1e3 * weft_ms;
                     r.cublas_us = 1e3 * lt_ms;
                     BENCH_CUDA(cudaGetLastError());
-                    if (opt.check && is_auto) {
+                    if (opt.check) {
                         const Views v = views(0, d_weft.ptr);
                         weft::ops::gemm(v.a, v.b, v.d, layout, nullptr, o);
                         const Views w = views(0, d_lt.ptr);
@@ -280,6 +286,7 @@ int main(int argc, char** argv) {
                     weft::ops::GemmOptions o;
                     o.small_m_variant = opt.small_m_variant;
                     o.small_m_splits = opt.small_m_splits;
+                    o.split_k = opt.split_k;
                     const bool forced = opt.small_m_variant.has_value() || opt.small_m_splits > 0;
                     if (forced) o.small_m_max_m = weft::kGemvMaxM;
                     if (opt.small_m_max_m >= 0) o.small_m_max_m = opt.small_m_max_m;
@@ -332,6 +339,13 @@ int main(int argc, char** argv) {
                 }
                 if (opt.all_configs) {
                     for (const GemmConfig& c : weft::ops::gemm_candidate_configs(opt.in, out, layout)) {
+                        weft::ops::GemmOptions o;
+                        o.config = c;
+                        run_weft(o, config_label(c), false);
+                    }
+                    for (const GemmConfig& c : weft::ops::gemm_split_k_configs(opt.in, out, layout)) {
+                        const int64_t k_blocks = (s.k + c.tile_k - 1) / c.tile_k;
+                        if (k_blocks < int64_t{weft::ops::kGemmMinSplitKBlocks} * c.splits) continue;
                         weft::ops::GemmOptions o;
                         o.config = c;
                         run_weft(o, config_label(c), false);

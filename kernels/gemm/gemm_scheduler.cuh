@@ -32,8 +32,6 @@ namespace weft::kernels::gemm {
 // Parameter structs (PersistentSchedulerParams, ChunkWaitParams): weft/common/gemm_hook_params.hpp, which
 // host-only code includes to fill them.
 
-/// Persistent striding over the swizzled tile grid: cluster c takes cluster tiles c, c + C, c + 2C, ...
-/// where C is the number of clusters in the grid. Waits for nothing.
 using weft::gemm::GroupedSchedulerParams;
 using weft::gemm::GroupedStatus;
 using weft::gemm::GroupedStatusCode;
@@ -42,6 +40,13 @@ using weft::gemm::GroupedStatusCode;
 template <class Scheduler>
 inline constexpr bool kSchedulerGrouped = requires { requires Scheduler::kGrouped; };
 
+/// Persistent striding over the swizzled tile grid: cluster c takes cluster tiles c, c + C, c + 2C, ...
+/// where C is the number of clusters in the grid. Waits for nothing.
+/// Split-K (kCfg.splits > 1, no clusters): S = min(kCfg.splits, k-blocks) splits, so none is empty; the work units are
+/// (tile, split) pairs, T x S of them for T tiles, unit u = tile u % T in swizzled order, split u / T (the units
+/// running at once share A's and B's k ranges in L2); CTA c takes units c, c + C, ... as above; `split(i)` names its
+/// i-th unit's split and `num_splits()` S (the optional scheduler capability the kernel's split-K path needs:
+/// gemm_sm90.cuh).
 template <GemmConfig kCfg>
 class PersistentScheduler {
 public:
@@ -52,13 +57,22 @@ public:
         : grid_(kCfg, args.m, args.n),
           cluster_idx_(static_cast<int32_t>(blockIdx.x) / kClusterSize),
           num_clusters_(static_cast<int32_t>(gridDim.x) / kClusterSize),
-          cta_rank_(kClusterSize == 1 ? 0 : static_cast<int32_t>(ptx::cluster_cta_rank())) {}
+          cta_rank_(kClusterSize == 1 ? 0 : static_cast<int32_t>(ptx::cluster_cta_rank())),
+          splits_(min(kCfg.splits, (args.k + kCfg.tile_k - 1) / kCfg.tile_k)) {}
 
     __device__ int32_t num_tiles() const {
-        const int32_t total = grid_.num_cluster_tiles();
+        const int32_t total = grid_.num_cluster_tiles() * splits_;
         return cluster_idx_ < total ? (total - 1 - cluster_idx_) / num_clusters_ + 1 : 0;
     }
-    __device__ GemmTile tile(int32_t i) const { return grid_.tile(cluster_idx_ + i * num_clusters_, cta_rank_); }
+    __device__ GemmTile tile(int32_t i) const {
+        const int32_t u = cluster_idx_ + i * num_clusters_;
+        return grid_.tile(kCfg.splits == 1 ? u : u % grid_.num_cluster_tiles(), cta_rank_);
+    }
+    /// The split of this CTA's i-th work unit (0 without split-K), and how many splits each tile has.
+    __device__ int32_t split(int32_t i) const {
+        return kCfg.splits == 1 ? 0 : (cluster_idx_ + i * num_clusters_) / grid_.num_cluster_tiles();
+    }
+    __device__ int32_t num_splits() const { return splits_; }
     // NOTE: A was written before the launch, in stream order, so there is nothing to wait for or fence.
     __device__ device::Token wait_before_load(const GemmTile&) const { return device::Token::assume_local_data(); }
 
@@ -67,6 +81,7 @@ public:
 private:
     GemmTileGrid grid_;
     int32_t cluster_idx_, num_clusters_, cta_rank_;
+    int32_t splits_;
 };
 
 /// Persistent striding as above, but before loading the A rows of a tile the producer waits until the

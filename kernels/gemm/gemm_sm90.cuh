@@ -78,6 +78,21 @@ __device__ __forceinline__ void pipeline_wait(unsigned bar, unsigned parity, uin
     if (!ptx::mbarrier_wait_parity_bounded<kClusterScope>(bar, parity, timeout_ns)) __trap();
 }
 
+/// Whether a scheduler names each work unit's k split (`split(i)`, PersistentScheduler): what a split-K config needs.
+template <class Scheduler>
+inline constexpr bool kSchedulerSplitsK = requires(const Scheduler& s) { s.split(int32_t{0}); };
+
+/// The k blocks of this CTA's i-th work unit: all of them, or (split-K) its split's balanced range (never empty: the
+/// scheduler splits K at most num_k_blocks ways).
+template <GemmConfig kCfg, class Scheduler>
+__device__ __forceinline__ GemmKRange unit_k_range(const Scheduler& sched, int32_t i, int32_t num_k_blocks) {
+    if constexpr (kCfg.splits == 1) {
+        return GemmKRange{0, num_k_blocks};
+    } else {
+        return gemm_split_k_range(num_k_blocks, sched.num_splits(), sched.split(i));
+    }
+}
+
 /// Producer: one thread walks this CTA's tiles and k-blocks, waits for a free stage, and issues the TMA
 /// loads of A (after the scheduler's wait, whose Token it takes) and B into it.
 template <GemmConfig kCfg, class Scheduler>
@@ -93,7 +108,8 @@ __device__ __forceinline__ void producer_loop(const Scheduler& sched, const ptx:
     for (int32_t i = 0; i < num_tiles; ++i) {
         const GemmTile tile = sched.tile(i);
         const device::Token token = sched.wait_before_load(tile);  // the A loads of this tile take it
-        for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
+        const GemmKRange kr = unit_k_range<kCfg>(sched, i, num_k_blocks);
+        for (int32_t kb = kr.begin; kb < kr.begin + kr.count; ++kb) {
             const unsigned full = bar_full0 + 8 * stage;
             pipeline_wait<(T::kClusterSize > 1)>(bar_empty0 + 8 * stage, phase ^ 1u, timeout_ns);
             ptx::mbarrier_arrive_expect_tx(full, T::kPlan.stage_bytes);
@@ -296,6 +312,82 @@ __device__ __forceinline__ bool notify_stored(const typename Hook::Params& hook_
     return true;
 }
 
+/// Split-K, after a unit's mainloop (`num_splits`: the scheduler's, at most kCfg.splits): stores its fp32 partial tile
+/// into the workspace (GemmArgs::partials, gemm_split_k_layout) and counts it in (GemmArgs::counters); true in the unit
+/// that arrived last, which then holds in `acc` the sum of the tile's partials added in split order 0, 1, ... (its own
+/// read back too): the same bits whichever unit arrives last. Called by every thread that holds the tile (both consumer
+/// warpgroups, cooperative; one, ping-pong), each for its own slabs; no thread waits for another CTA (nothing to
+/// bound).
+template <GemmConfig kCfg>
+__device__ __forceinline__ bool split_k_reduce(float (&acc)[GemmTraits<kCfg>::kSlabs][GemmTraits<kCfg>::kAccPerSlab],
+                                               const GemmArgs& args, const GemmTile& tile, int32_t split,
+                                               int32_t num_splits, int wg, int tid, int slab0) {
+    using T = GemmTraits<kCfg>;
+    constexpr int kQuads = T::kAccPerSlab / 4;
+    constexpr int64_t kTileFloats = static_cast<int64_t>(kCfg.tile_m) * kCfg.tile_n;
+    constexpr int kThreads = (kCfg.pingpong ? 1 : kGemmConsumerWarpgroups) * 128;
+    const int bar = kCfg.pingpong ? kBarConsumer0 + wg : kBarBothConsumers;
+    const int32_t num_n_tiles = (args.n + kCfg.tile_n - 1) / kCfg.tile_n;
+    const int64_t tile_idx = static_cast<int64_t>(tile.m_idx) * num_n_tiles + tile.n_idx;
+    // Inside a split's tile: [slab][quad of accumulators][128 threads] float4, so a warp's accesses are contiguous;
+    // (s, q) is a constant offset from this thread's first float4 (immediate offsets, no address per element).
+    float* const first = args.partials + tile_idx * kCfg.splits * kTileFloats +
+                         (static_cast<int64_t>(slab0 * kQuads) * 128 + tid) * 4;
+    constexpr int kQuadStride = 128 * 4;  // floats between a thread's consecutive float4s
+    float4* const mine = reinterpret_cast<float4*>(first + split * kTileFloats);
+#pragma unroll
+    for (int s = 0; s < T::kSlabs; ++s) {
+#pragma unroll
+        for (int q = 0; q < kQuads; ++q) {
+            __stcg(mine + (s * kQuads + q) * (kQuadStride / 4),
+                   make_float4(acc[s][4 * q], acc[s][4 * q + 1], acc[s][4 * q + 2], acc[s][4 * q + 3]));
+        }
+    }
+    __threadfence();  // release this thread's partials at GPU scope before the tile's count includes them
+    ptx::named_barrier_sync(bar, kThreads);
+    bool last = false;
+    if (tid == 0 && (kCfg.pingpong || wg == 0)) {
+        last = atomicAdd(args.counters + tile_idx, 1u) == static_cast<uint32_t>(num_splits - 1);
+        if (last) args.counters[tile_idx] = 0;  // every split has arrived: zero again for the next launch
+    }
+    last = ptx::named_barrier_sync_or(bar, kThreads, last);
+    if (!last) return false;
+    __threadfence();  // acquire: every other split's partials are visible
+    // Chunks of quads in flight per split (one round trip to L2 per split and chunk): 16 (64 floats) beside up to 64
+    // accumulators, fewer beside more (at 8 quads beside 128 accumulators ptxas spilled, CUDA 13.0).
+    constexpr int kAccFloats = T::kSlabs * T::kAccPerSlab;
+    constexpr int kChunk = kAccFloats <= 64 ? 16 : kAccFloats <= 96 ? 8 : 4;
+    constexpr int kAllQuads = T::kSlabs * kQuads;
+    const float4* const first4 = reinterpret_cast<const float4*>(first);
+    constexpr int64_t kSplitStride4 = kTileFloats / 4;
+#pragma unroll
+    for (int c0 = 0; c0 < kAllQuads; c0 += kChunk) {
+#pragma unroll
+        for (int c = c0; c < (c0 + kChunk < kAllQuads ? c0 + kChunk : kAllQuads); ++c) {
+            const float4 v = __ldcg(first4 + c * (kQuadStride / 4));
+            float* const a = &acc[c / kQuads][4 * (c % kQuads)];
+            a[0] = v.x;
+            a[1] = v.y;
+            a[2] = v.z;
+            a[3] = v.w;
+        }
+#pragma unroll 1
+        for (int32_t t = 1; t < num_splits; ++t) {
+            const float4* const split_first = first4 + t * kSplitStride4;
+#pragma unroll
+            for (int c = c0; c < (c0 + kChunk < kAllQuads ? c0 + kChunk : kAllQuads); ++c) {
+                const float4 v = __ldcg(split_first + c * (kQuadStride / 4));
+                float* const a = &acc[c / kQuads][4 * (c % kQuads)];
+                a[0] += v.x;
+                a[1] += v.y;
+                a[2] += v.z;
+                a[3] += v.w;
+            }
+        }
+    }
+    return true;
+}
+
 template <GemmConfig kCfg, class Scheduler, class Hook>
 __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx::TmaDescriptor* tma_d,
                                               unsigned smem_base, unsigned bar_full0, unsigned bar_empty0,
@@ -308,6 +400,10 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
     constexpr bool kGrouped = kSchedulerGrouped<Scheduler>;
     static_assert(!kGrouped || !kHookRoutesStores<Hook>,
                   "gemm: a grouped scheduler's tiles end at their group's rows; a hook may not route their stores");
+    static_assert(kCfg.splits == 1 || (kSchedulerSplitsK<Scheduler> && !Hook::kNotifies && !kHookAddsToTile<Hook> &&
+                                       !kHookRoutesStores<Hook>),
+                  "gemm: split-K (GemmConfig::splits > 1) needs a scheduler that names each unit's split "
+                  "(PersistentScheduler) and a hook that neither signals, adds to nor routes a tile (NoEpilogueHook)");
     const int wg = static_cast<int>(threadIdx.x) / 128 - 1;
     const int tid = static_cast<int>(threadIdx.x) % 128;
     const int lane = tid % 32;
@@ -336,8 +432,14 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
     constexpr int32_t kTileStep = kCfg.pingpong ? kGemmConsumerWarpgroups : 1;
     for (int32_t i = first_tile; i < num_tiles; i += kTileStep) {
         const GemmTile tile = sched.tile(i);
+        const GemmKRange kr = unit_k_range<kCfg>(sched, i, num_k_blocks);
         if constexpr (kCfg.pingpong) {
-            const uint32_t position = static_cast<uint32_t>(i) * static_cast<uint32_t>(num_k_blocks);
+            // The ring position where tile i's k-blocks start: the k-blocks of this CTA's earlier units.
+            uint32_t position = static_cast<uint32_t>(i) * static_cast<uint32_t>(num_k_blocks);
+            if constexpr (kCfg.splits > 1) {
+                position = 0;
+                for (int32_t j = 0; j < i; ++j) position += unit_k_range<kCfg>(sched, j, num_k_blocks).count;
+            }
             stage = position % kCfg.stages;
             phase = (position / kCfg.stages) & 1u;
             if (i > 0) ptx::named_barrier_sync(kBarMainloopTurn0 + wg, kGemmConsumerWarpgroups * 128);
@@ -346,11 +448,11 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
         // ---- mainloop: wait for a full stage, issue tile_k/16 wgmma per slab, free the previous stage ----
         unsigned prev_stage = 0;
         WEFT_TRACE_DECLARE(tile_t0);  // traced builds: the tile starts when its first stage has landed
-        for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
+        for (int32_t kb = kr.begin; kb < kr.begin + kr.count; ++kb) {
             if (!stuck) {
                 stuck = !ptx::mbarrier_wait_parity_bounded<false>(bar_full0 + 8 * stage, phase, args.timeout_ns);
             }
-            WEFT_TRACE_STAMP_IF(kb == 0, tile_t0);
+            WEFT_TRACE_STAMP_IF(kb == kr.begin, tile_t0);
             const unsigned a_base = smem_base + stage * T::kPlan.stage_bytes + slab0 * kGemmSlabRows * T::kRowBytes;
             const unsigned b_base = smem_base + stage * T::kPlan.stage_bytes + T::kPlan.a_stage_bytes;
 #pragma unroll
@@ -370,13 +472,13 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
                     const unsigned long long desc_a = ptx::make_smem_desc(
                         a_base + s * kGemmSlabRows * T::kRowBytes + kk * 32, 16, 1024, ptx::SmemSwizzle::k128B);
                     ptx::wgmma<kCfg.tile_n, T::kIsBF16, T::kTransB>(acc[s], desc_a, desc_b,
-                                                                     (kb > 0 || kk > 0) ? 1 : 0);
+                                                                     (kb > kr.begin || kk > 0) ? 1 : 0);
                 }
             }
             ptx::wgmma_commit_group();
 #pragma unroll
             for (int s = 0; s < T::kSlabs; ++s) ptx::wgmma_fence_operands(acc[s]);
-            if (kb > 0) {
+            if (kb > kr.begin) {
                 ptx::wgmma_wait_group<1>();  // the previous k-block's wgmma have read their stage
                 release_stage<kCfg>(bar_empty0 + 8 * prev_stage, lane);
             }
@@ -394,8 +496,13 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
         ptx::wgmma_wait_group<0>();
 #pragma unroll
         for (int s = 0; s < T::kSlabs; ++s) ptx::wgmma_fence_operands(acc[s]);
-        release_stage<kCfg>(bar_empty0 + 8 * prev_stage, lane);
+        release_stage<kCfg>(bar_empty0 + 8 * prev_stage, lane);  // NOTE: every unit has >= 1 k-block
         if (stuck) break;
+
+        // ---- split-K: every unit leaves its partial tile; the tile's last unit sums them and stores D ----
+        if constexpr (kCfg.splits > 1) {
+            if (!split_k_reduce<kCfg>(acc, args, tile, sched.split(i), sched.num_splits(), wg, tid, slab0)) continue;
+        }
 
         // ---- the previous tile's stores have had a whole mainloop to land: signal it now (cooperative) ----
         if constexpr (Hook::kNotifies && !kCfg.pingpong) {

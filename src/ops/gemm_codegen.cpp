@@ -54,6 +54,7 @@ std::string format_gemm_config(const GemmConfig& c) {
        << ", .b_layout = " << (c.b_layout == BLayout::kNK ? "weft::BLayout::kNK" : "weft::BLayout::kKN")
        << ", .in_dtype = " << dtype_enum_name(c.in_dtype) << ", .out_dtype = " << dtype_enum_name(c.out_dtype);
     if (c.pingpong) os << ", .pingpong = true";  // omitted when false: cooperative kernels keep their names
+    if (c.splits != 1) os << ", .splits = " << c.splits;  // omitted when 1: kernels without split-K keep their names
     os << "}";
     return os.str();
 }
@@ -140,6 +141,7 @@ std::vector<jit::KernelSpec> gemm_aot_specs() {
     for (const auto& [in, out] : pairs) {
         for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
             for (const GemmConfig& c : gemm_candidate_configs(in, out, layout)) specs.push_back(gemm_kernel_spec(c));
+            for (const GemmConfig& c : gemm_split_k_configs(in, out, layout)) specs.push_back(gemm_kernel_spec(c));
         }
         for (int m_tiles = 1; m_tiles <= kGemvMaxM / 16; ++m_tiles) {
             specs.push_back(gemv_kernel_spec(

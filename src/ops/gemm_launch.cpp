@@ -43,10 +43,10 @@ LaunchMemo& launch_memo() {
     return r;
 }
 
-// Per-(device, stream) scratch for the small-M path: split-K counters (zero between calls: each call's last
-// CTA resets its counter) and fp32 partial sums. The counters get their own allocation so that a later call
-// with another shape never finds partial sums where it expects zero counters. Outgrown buffers are kept
-// (launches already enqueued may still use them); growth doubles.
+// Per-(device, stream) scratch for split-K (the small-M path's and the tiled kernel's): counters (zero between calls:
+// each call's last CTA of a column block or tile resets its counter) and fp32 partial sums. The counters get their own
+// allocation so that a later call with another shape never finds partial sums where it expects zero counters. Outgrown
+// buffers are kept (launches already enqueued may still use them); growth doubles.
 struct SmallMScratch {
     void* counters = nullptr;
     size_t counter_bytes = 0;
@@ -256,6 +256,9 @@ void launch_gemm_kernel(const jit::Kernel& kernel, const GemmConfig& c, const Ge
     WEFT_CHECK(is_valid(c), "gemm: invalid config " << format_gemm_config(c));
     WEFT_CHECK(sched_params != nullptr && hook_params != nullptr,
                "gemm: the scheduler and hook parameters must be given (kernel " << kernel.description() << ")");
+    WEFT_CHECK(c.splits == 1 || (args.partials != nullptr && args.counters != nullptr),
+               "gemm: a split-K config (splits " << c.splits << ") needs GemmArgs::partials and counters (kernel "
+                                                 << kernel.description() << ")");
     const int cluster = c.cluster_m * c.cluster_n;
     WEFT_CHECK(grid > 0 && grid % cluster == 0,
                "gemm: grid must be a positive multiple of the cluster size " << cluster << ", got " << grid);
@@ -384,6 +387,23 @@ void compile_candidates(const std::vector<GemmCandidate>& candidates, const Gemm
     for (auto& t : threads) t.join();
 }
 
+// The split-K counters (`counter_bytes`, zero) and partials of a plan: the caller's options.workspace or the
+// per-(device, stream) scratch.
+std::pair<uint32_t*, float*> split_k_workspace(const GemmPlan& plan, size_t counter_bytes, const GemmOptions& options,
+                                               cudaStream_t stream) {
+    if (options.workspace != nullptr) {
+        WEFT_CHECK(options.workspace_bytes >= plan.workspace_bytes,
+                   "gemm: options.workspace_bytes must be >= " << plan.workspace_bytes << ", got "
+                                                              << options.workspace_bytes);
+        WEFT_CHECK(reinterpret_cast<uintptr_t>(options.workspace) % 256 == 0,
+                   "gemm: options.workspace must be 256-byte aligned");
+        return {static_cast<uint32_t*>(options.workspace),
+                reinterpret_cast<float*>(static_cast<char*>(options.workspace) + counter_bytes)};
+    }
+    const SmallMScratch w = small_m_scratch(counter_bytes, plan.workspace_bytes - counter_bytes, stream);
+    return {static_cast<uint32_t*>(w.counters), static_cast<float*>(w.partials)};
+}
+
 // Enqueues one plan (plan_gemm's or the autotuner's) for validated views.
 void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView& a, const TensorView& b,
                  const TensorView& d, const GemmOptions& options, cudaStream_t stream) {
@@ -395,20 +415,7 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
         if (plan.small_m_splits > 1) {
             // Counters first, rounded to 256 bytes, as gemm_workspace_bytes lays them out.
             const auto counter_bytes = static_cast<size_t>(round_up(int64_t{plan.grid} * 4, 256));
-            if (options.workspace != nullptr) {
-                WEFT_CHECK(options.workspace_bytes >= plan.workspace_bytes,
-                           "gemm: options.workspace_bytes must be >= " << plan.workspace_bytes << ", got "
-                                                                      << options.workspace_bytes);
-                WEFT_CHECK(reinterpret_cast<uintptr_t>(options.workspace) % 256 == 0,
-                           "gemm: options.workspace must be 256-byte aligned");
-                args.counters = static_cast<uint32_t*>(options.workspace);
-                args.partials = reinterpret_cast<float*>(static_cast<char*>(options.workspace) + counter_bytes);
-            } else {
-                const SmallMScratch w =
-                    small_m_scratch(counter_bytes, plan.workspace_bytes - counter_bytes, stream);
-                args.counters = static_cast<uint32_t*>(w.counters);
-                args.partials = static_cast<float*>(w.partials);
-            }
+            std::tie(args.counters, args.partials) = split_k_workspace(plan, counter_bytes, options, stream);
         }
         const bool programmatic = gemm_launches_programmatically(plan, options);
         args.programmatic = programmatic ? 1 : 0;
@@ -424,7 +431,15 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
     }
 
     const detail::GemmTensorMaps maps = detail::make_gemm_tensor_maps(plan.config, a, b, d);
-    const GemmArgs args = detail::make_gemm_args(a, d, detail::gemm_timeout_ns(options));
+    GemmArgs args = detail::make_gemm_args(a, d, detail::gemm_timeout_ns(options));
+    if (plan.config.splits > 1) {
+        const GemmSplitKLayout l = gemm_split_k_layout(plan.config, args.m, args.n);
+        WEFT_CHECK(plan.workspace_bytes >= static_cast<size_t>(l.counter_bytes + l.partial_bytes),
+                   "gemm: the plan's workspace_bytes " << plan.workspace_bytes << " is smaller than split-K needs ("
+                                                       << l.counter_bytes + l.partial_bytes << ")");
+        std::tie(args.counters, args.partials) =
+            split_k_workspace(plan, static_cast<size_t>(l.counter_bytes), options, stream);
+    }
     const int32_t sched_params = 0;  // PersistentScheduler::Params and NoEpilogueHook::Params: one int32
     const int32_t hook_params = 0;
     jit::Kernel& kernel = tiled_jit_kernel(device, plan.config);

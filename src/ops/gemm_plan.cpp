@@ -134,6 +134,62 @@ std::vector<GemmConfig> gemm_candidate_configs(DType in_dtype, DType out_dtype, 
     return out;
 }
 
+std::vector<GemmConfig> gemm_split_k_configs(DType in_dtype, DType out_dtype, BLayout b_layout) {
+    std::vector<GemmConfig> out;
+    // The cluster-free tiles that fill the SMs in one wave for few rows (kernels/gemm/README.md, "Few rows"): ping-pong
+    // 64x128 (candidate 12), 128x128 (6), 128x192 (5), 128x256 (0). Not 256x128: its split-K epilogue spilled (two
+    // 64-row slabs per warpgroup; CUDA 13.0).
+    for (int index : {12, 6, 5, 0}) {
+        for (int splits : kGemmSplitKCounts) {
+            GemmConfig c = gemm_candidate(index, in_dtype, out_dtype, b_layout);
+            c.splits = splits;
+            if (is_valid(c)) out.push_back(c);
+        }
+    }
+    return out;
+}
+
+int gemm_fill_splits(const GemmProblem& p, const GemmConfig& c, int budget) {
+    const int64_t tiles = GemmTileGrid(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n)).num_tiles();
+    const int64_t k_blocks = ceil_div(p.k, c.tile_k);
+    int best = 1;
+    for (int splits : kGemmSplitKCounts) {
+        const bool fits = tiles * splits <= budget && k_blocks >= int64_t{kGemmMinSplitKBlocks} * splits;
+        if (fits) best = std::max(best, splits);
+    }
+    return best;
+}
+
+GemmConfig gemm_split_k_config(const GemmProblem& p, const GemmConfig& picked, int budget) {
+    WEFT_CHECK(budget > 0, "gemm_split_k_config: budget must be positive, got " << budget);
+    const auto tiles = [&](const GemmConfig& c) {
+        return GemmTileGrid(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n)).num_tiles();
+    };
+    const int64_t picked_tiles = tiles(picked);
+    if (picked.splits != 1 || picked.cluster_m * picked.cluster_n != 1 || picked_tiles >= budget || p.m > 384) {
+        return picked;
+    }
+    auto candidate = [&](int index) { return gemm_candidate(index, p.in_dtype, p.out_dtype, p.b_layout); };
+    GemmConfig tile = picked;
+    if (p.m <= 64 || (p.m > 96 && p.m <= 128)) {
+        tile = candidate(12);  // ping-pong 64x128: whole or three-quarter-full 64-row m-tiles
+    } else if (p.m <= 96) {
+        tile = candidate(6);  // 128x128: a second 64-row m-tile would be mostly padding and read B again
+    } else if (p.m <= 192) {
+        // The ping-pong 64x128 where its tiles fit a wave (N = 4096: 1.0-1.2x cuBLASLt); else 128x256 (B read twice,
+        // the fewest tiles) split to fill the SMs.
+        if (tiles(candidate(12)) <= budget) return picked;
+        tile = candidate(0);
+    } else {
+        // 193..384 rows: the cooperative 128x192 split where the pick leaves a quarter of the SMs idle.
+        if (4 * picked_tiles > 3 * static_cast<int64_t>(budget)) return picked;
+        tile = candidate(5);
+    }
+    if (!is_valid(tile)) return picked;
+    tile.splits = gemm_fill_splits(p, tile, budget);
+    return tile.splits > 1 ? tile : picked;
+}
+
 size_t gemm_workspace_bytes(const GemmProblem& p, int splits, GemvVariant variant) {
     if (splits <= 1) return 0;
     check_gemv_variant(variant, "gemm_workspace_bytes: variant");
@@ -158,11 +214,36 @@ double gemm_config_cost(const GemmProblem& p, const GemmConfig& c, int budget, d
     return cost / useful;
 }
 
+GemmConfig gemm_few_rows_config(const GemmProblem& p, const GemmConfig& picked, int budget) {
+    WEFT_CHECK(budget > 0, "gemm_few_rows_config: budget must be positive, got " << budget);
+    auto tiles = [&](const GemmConfig& c) {
+        return GemmTileGrid(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n)).num_tiles();
+    };
+    if (picked.cluster_m * picked.cluster_n != 1 || tiles(picked) > budget) return picked;
+    // 129..192 rows: the second 128-row m-tile is at most half full. The cooperative 128x192 (candidate 5) ran 1.2x
+    // and 1.0x the 128x128 at M = 160 / 192, N = K = 8192 (63.8 / 65.0 against 80.0 / 66.1 µs), where its tiles fill a
+    // wave.
+    if (p.m > 128 && p.m <= 192) {
+        const GemmConfig c = gemm_candidate(5, p.in_dtype, p.out_dtype, p.b_layout);
+        if (is_valid(c) && tiles(c) <= budget && 2 * tiles(c) >= budget) return c;
+    }
+    return picked;
+}
+
 bool gemm_allows_small_m(const GemmProblem& p, const GemmOptions& options) {
     WEFT_CHECK(options.small_m_max_m >= 0 && options.small_m_max_m <= kGemvMaxM,
                "gemm: options.small_m_max_m must be in [0, " << kGemvMaxM << "] (kGemvMaxM), got "
                                                              << options.small_m_max_m);
     return !options.config && options.allow_small_m && p.m <= options.small_m_max_m && p.b_layout == BLayout::kNK;
+}
+
+int gemv_auto_splits(int grid, int ctas_per_sm, int num_sms, int64_t k) {
+    WEFT_CHECK(grid > 0 && ctas_per_sm > 0 && num_sms > 0 && k > 0,
+               "gemv_auto_splits: grid, ctas_per_sm, num_sms and k must be positive, got "
+                   << grid << ", " << ctas_per_sm << ", " << num_sms << ", " << k);
+    if (3 * grid > num_sms) return 1;
+    const int splits = std::clamp(ctas_per_sm * num_sms / grid, 1, 32);
+    return std::min(splits, std::max(1, static_cast<int>(k / 256)));
 }
 
 // The small-M kernel when the caller leaves it to the op: bulk-copied rows (kBulkRows, variant 4) where it serves and
@@ -191,6 +272,9 @@ bool gemm_launches_programmatically(const GemmPlan& plan, const GemmOptions& opt
 GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
     WEFT_CHECK(num_sms > 0, "gemm: the device must report a positive SM count, got " << num_sms);
     WEFT_CHECK(options.sm_budget >= 0, "gemm: options.sm_budget must be >= 0, got " << options.sm_budget);
+    WEFT_CHECK(options.split_k >= 0 && options.split_k <= kGemmMaxSplits,
+               "gemm: options.split_k must be in [0, " << kGemmMaxSplits << "] (0: the op's rule, 1: none), got "
+                                                       << options.split_k);
     const int budget = options.sm_budget > 0 ? std::min(options.sm_budget, num_sms) : num_sms;
     GemmPlan plan;
 
@@ -215,12 +299,7 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
             return plan;
         }
         int splits = options.small_m_splits;
-        if (splits <= 0) {
-            // One wave of CTAs streaming B: shape.ctas_per_sm per SM (gemv_config.hpp), at least 256 k per split; a
-            // shorter last split costs nothing (it runs fewer stages).
-            splits = std::clamp(shape.ctas_per_sm * num_sms / plan.grid, 1, 32);
-            splits = std::min(splits, std::max(1, static_cast<int>(p.k / 256)));
-        }
+        if (splits <= 0) splits = gemv_auto_splits(plan.grid, shape.ctas_per_sm, num_sms, p.k);
         plan.small_m_k_per_split = static_cast<int>(round_up(ceil_div(p.k, splits), 32));
         plan.small_m_splits = static_cast<int>(ceil_div(p.k, plan.small_m_k_per_split));
         plan.workspace_bytes = gemm_workspace_bytes(p, plan.small_m_splits, plan.small_m_variant);
@@ -253,13 +332,28 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
         }
         WEFT_CHECK(have, "gemm: no valid config for in " << dtype_name(p.in_dtype) << ", out "
                                                          << dtype_name(p.out_dtype));
+        plan.config = gemm_few_rows_config(p, plan.config, budget);
+        if (options.split_k == 0) plan.config = gemm_split_k_config(p, plan.config, budget);
+        if (options.split_k > 1) {
+            // Forced: that many splits of the heuristic's tile, without its cluster pair.
+            plan.config.cluster_m = plan.config.cluster_n = 1;
+            plan.config.splits = options.split_k;
+            WEFT_CHECK(is_valid(plan.config), "gemm: options.split_k " << options.split_k << " does not fit the tile "
+                                                                     << gemm_candidate_name(plan.config));
+        }
     }
     const GemmConfig& c = plan.config;
     const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
     const int cluster = c.cluster_m * c.cluster_n;
     const int clusters = std::max(1, std::min(budget / cluster, g.num_cluster_tiles()));
-    plan.grid = clusters * cluster;
+    // Split-K: one CTA per work unit (tile x split) up to the budget.
+    const int64_t units = static_cast<int64_t>(g.num_cluster_tiles()) * c.splits;
+    plan.grid = c.splits == 1 ? clusters * cluster : static_cast<int>(std::min<int64_t>(budget, units));
     plan.smem_bytes = gemm_smem_plan(c).alloc_bytes;
+    if (c.splits > 1) {
+        const GemmSplitKLayout l = gemm_split_k_layout(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
+        plan.workspace_bytes = static_cast<size_t>(l.counter_bytes + round_up(l.partial_bytes, 256));
+    }
     return plan;
 }
 
@@ -268,6 +362,7 @@ std::string gemm_candidate_name(const GemmConfig& c) {
     os << c.tile_m << "x" << c.tile_n << "x" << c.tile_k << "_s" << c.stages << "_c" << c.cluster_m << "x"
        << c.cluster_n;
     if (c.pingpong) os << "_pp";
+    if (c.splits != 1) os << "_k" << c.splits;
     return os.str();
 }
 
@@ -295,6 +390,16 @@ std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& p, int num_sm
         forced.config = c;
         add(plan_gemm(p, num_sms, forced));
     }
+    if (options.split_k != 1) {
+        // The split-K configs whose tiles are fewer than the SMs, with at least kGemmMinSplitKBlocks k-blocks per split.
+        for (const GemmConfig& c : gemm_split_k_configs(p.in_dtype, p.out_dtype, p.b_layout)) {
+            if (ceil_div(p.k, c.tile_k) < int64_t{kGemmMinSplitKBlocks} * c.splits) continue;
+            if (GemmTileGrid(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n)).num_tiles() >= budget) continue;
+            GemmOptions forced = base;
+            forced.config = c;
+            add(plan_gemm(p, num_sms, forced));
+        }
+    }
     if (gemm_allows_small_m(p, base)) {  // as plan_gemm: only where the small-M path may serve this M
         for (GemvVariant variant : {GemvVariant::kTmaRing, GemvVariant::kBulkRows}) {
             if (variant == GemvVariant::kBulkRows && !gemv_rows_unsupported(p).empty()) continue;
@@ -313,6 +418,7 @@ std::string gemm_tune_problem(const GemmProblem& p, int num_sms, const GemmOptio
        << ",out=" << dtype_name(p.out_dtype) << ",b=" << (p.b_layout == BLayout::kNK ? "nk" : "kn")
        << ",sms=" << budget << ",small_m=" << (gemm_allows_small_m(p, options) ? 1 : 0)
        << ",splits=" << options.small_m_splits;
+    if (options.split_k != 0) os << ",split_k=" << options.split_k;  // absent when 0: earlier keys stay valid
     return os.str();
 }
 

@@ -56,6 +56,7 @@ struct Case {
     int small_m_splits = 0;
     std::optional<GemvVariant> small_m_variant;  // unset: the op picks
     int small_m_max_m = ops::GemmOptions{}.small_m_max_m;  // kGemvMaxM in the cases meant for the small-M path
+    int split_k = 0;  // GemmOptions::split_k
 };
 
 std::string describe(const Case& c, uint64_t seed) {
@@ -64,7 +65,7 @@ std::string describe(const Case& c, uint64_t seed) {
        << (c.layout == BLayout::kNK ? "B[N,K]" : "B[K,N]") << " pads(" << c.pad_a << "," << c.pad_b << ","
        << c.pad_d << ") budget " << c.sm_budget << " splits " << c.small_m_splits << " variant "
        << (c.small_m_variant ? std::to_string(static_cast<int>(*c.small_m_variant)) : std::string("auto"))
-       << " small_m_max_m " << c.small_m_max_m
+       << " small_m_max_m " << c.small_m_max_m << " split_k " << c.split_k
        << (c.config ? " config " + ops::format_gemm_config(*c.config) : std::string(" auto")) << " seed " << seed;
     return os.str();
 }
@@ -100,6 +101,7 @@ void check_case(const Case& c, int sample_rows = 0) {
     o.small_m_splits = c.small_m_splits;
     o.small_m_variant = c.small_m_variant;
     o.small_m_max_m = c.small_m_max_m;
+    o.split_k = c.split_k;
     try {
         ops::gemm(view(a, da), view(b, db), view(d, dd), c.layout, nullptr, o);
     } catch (const Error& e) {
@@ -193,6 +195,101 @@ TEST(GemmTiled, TinySmBudgetsWrapThePipeline) {
     }
 }
 
+// ---- split-K of the tiled kernel (GemmConfig::splits) ------------------------------------------------------
+
+// Every split-K config the op may run (gemm_split_k_configs), both layouts, bf16 -> bf16, on awkward shapes (K with a
+// partial last block, fewer k-blocks than splits: the scheduler splits K at most k-blocks ways; ragged N; M past one
+// tile), poisoned outputs, then every dtype pair with strides through two of them.
+TEST(GemmSplitK, EveryConfigMatchesFp64OnAwkwardShapes) {
+    REQUIRE_SM90();
+    for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
+        for (const GemmConfig& cfg : ops::gemm_split_k_configs(DType::kBF16, DType::kBF16, layout)) {
+            for (const auto& s : awkward_shapes()) {
+                Case c{s[0], s[1], s[2]};
+                c.layout = layout;
+                c.config = cfg;
+                check_case(c);
+            }
+        }
+    }
+    for (const auto& io : kOtherIoPairs) {
+        for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
+            for (int index : {12, 0}) {
+                GemmConfig cfg = gemm_candidate(index, io[0], io[1], layout);
+                cfg.splits = 3;
+                Case c{77, 1000, 1000, io[0], io[1], layout};
+                c.pad_a = 8;
+                c.pad_b = 24;
+                c.pad_d = 16;
+                c.config = cfg;
+                check_case(c);
+            }
+        }
+    }
+}
+
+// The shapes split-K is for: M = 1, 7, 24, 77, 160, 320, 513 at N = K = 4096 and 8192 and at an awkward N x K
+// (1000 x 1000, 1032 x 4104), through the op's rule (split_k 0, small-M path off so that every M runs the tiled
+// kernel) and forced 2 and 4 splits of the heuristic's tile; sampled rows of the fp64 reference for the large shapes.
+TEST(GemmSplitK, OpRuleAndForcedSplitsMatchFp64) {
+    REQUIRE_SM90();
+    const std::array<int64_t, 2> nks[] = {{4096, 4096}, {8192, 8192}, {1000, 1000}, {1032, 4104}};
+    for (const auto& nk : nks) {
+        for (int64_t m : {1, 7, 24, 77, 160, 320, 513}) {
+            for (int split_k : {0, 2, 4}) {
+                Case c{m, nk[0], nk[1]};
+                c.allow_small_m = false;
+                c.split_k = split_k;
+                check_case(c, nk[0] * nk[1] >= 4096 * 4096 ? 24 : 0);
+            }
+        }
+    }
+}
+
+// Split-K sums the partials in split order whichever unit arrives last: the same inputs give the same bits under
+// SM budgets that change which CTA runs which unit and when (1, 5, 64, all), and calls back to back on one stream with
+// different tile counts find their counters at zero.
+TEST(GemmSplitK, DeterministicAndRepeatable) {
+    REQUIRE_SM90();
+    const int64_t m = 77, n = 2056, k = 4096;
+    std::mt19937_64 rng(fresh_seed());
+    HostMatrix a(m, k, k, DType::kBF16), b(n, k, k, DType::kBF16);
+    a.fill_random(rng);
+    b.fill_random(rng);
+    DeviceBuffer da(a.bytes.size()), db(b.bytes.size());
+    ASSERT_TRUE(da.ptr && db.ptr);
+    upload(a, da);
+    upload(b, db);
+    GemmConfig cfg = gemm_candidate(12, DType::kBF16, DType::kBF16, BLayout::kNK);
+    cfg.splits = 4;
+    std::vector<uint8_t> first;
+    for (int budget : {0, 1, 5, 64, 0}) {
+        HostMatrix d(m, n, n, DType::kBF16);
+        poison(d);
+        DeviceBuffer dd(d.bytes.size());
+        ASSERT_TRUE(dd.ptr);
+        upload(d, dd);
+        ops::GemmOptions o;
+        o.config = cfg;
+        o.sm_budget = budget;
+        ops::gemm(view(a, da), view(b, db), view(d, dd), BLayout::kNK, nullptr, o);
+        CK(cudaDeviceSynchronize());
+        download(d, dd);
+        if (first.empty()) {
+            first = d.bytes;
+            const std::vector<int64_t> rows = {0, 1, 40, m - 1};
+            expect_matches(d, reference(a, b, BLayout::kNK, n, rows), rows, tolerance_for(DType::kBF16), "split-K");
+        } else {
+            EXPECT_EQ(d.bytes, first) << "budget " << budget << ": not the same bits";
+        }
+        // A different tile count in between: its counters must come back to zero too.
+        Case other{200, 1000, 2048};
+        other.config = gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK);
+        other.config->splits = 2;
+        check_case(other);
+    }
+}
+
 // Raster orders and group sizes are pure scheduling: same result (configs outside the candidate set, which only
 // holds the default raster: the JIT compiles them on first use).
 constexpr GemmConfig raster_variant(int index) {
@@ -254,7 +351,7 @@ TEST(GemmTiled, PingPongMatchesFp64) {
     }
 }
 
-// A few small cases, for compute-sanitizer (memcheck / synccheck) runs: every kernel flavour once.
+// A few small cases, for compute-sanitizer (memcheck / synccheck) runs: every kernel flavour once (split-K too).
 TEST(GemmTiled, SanitizerSmoke) {
     REQUIRE_SM90();
     for (int idx : {0, 1, 2, 4}) {
@@ -266,6 +363,12 @@ TEST(GemmTiled, SanitizerSmoke) {
     Case f32{100, 72, 200, DType::kF16, DType::kF32, BLayout::kKN};
     f32.allow_small_m = false;
     check_case(f32);
+    for (int idx : {6, 12}) {  // split-K: cooperative 128x128 in 2 splits, ping-pong 64x128 in 4
+        Case split{77, 1000, 1000};
+        split.config = gemm_candidate(idx, DType::kBF16, DType::kBF16, BLayout::kNK);
+        split.config->splits = idx == 6 ? 2 : 4;
+        check_case(split);
+    }
     Case small{17, 1000, 1000};
     small.small_m_splits = 3;
     small.small_m_max_m = kGemvMaxM;

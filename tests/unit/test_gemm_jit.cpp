@@ -126,6 +126,11 @@ TEST(GemmJitAot, SpecsCoverEveryCandidateAndSmallMKernelOnce) {
                 EXPECT_EQ(instantiations.count(gemm_kernel_instantiation(c)), 1u) << format_gemm_config(c);
                 ++expected;
             }
+            for (const GemmConfig& c : gemm_split_k_configs(in, out, l)) {
+                EXPECT_EQ(c.splits > 1, true);
+                EXPECT_EQ(instantiations.count(gemm_kernel_instantiation(c)), 1u) << format_gemm_config(c);
+                ++expected;
+            }
         }
         for (GemvVariant variant : {GemvVariant::kTmaRing, GemvVariant::kBulkRows}) {
             for (int m_tiles = 1; m_tiles <= (variant == GemvVariant::kBulkRows ? 1 : 4); ++m_tiles) {  // M <= 16 only
@@ -238,12 +243,14 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         EXPECT_LE(c.plan.grid, 132);
     }
 
-    // M <= small_m_max_m (default 64) with B [N,K]: the small-M kernels that can serve it join (variant 4, bulk-copied
+    // M <= small_m_max_m (default 32) with B [N,K]: the small-M kernels that can serve it join (variant 4, bulk-copied
     // rows, only M <= 16 with contiguous B rows); the heuristic's pick (variant 3 here) still comes first.
     constexpr int kSplitKVariants = 1;  // variant 3
+    // Few rows at N = K = 8192: every split-K config (its tiles fewer than the SMs) joins the tiled candidates.
+    const size_t kTiled = kGemmNumCandidates + gemm_split_k_configs(DType::kBF16, DType::kBF16, BLayout::kNK).size();
     const GemmProblem small = problem(16, 8192, 8192);
     const auto sc = gemm_tune_candidates(small, 132, {});
-    ASSERT_EQ(sc.size(), static_cast<size_t>(kGemmNumCandidates + kSplitKVariants));
+    ASSERT_EQ(sc.size(), kTiled + kSplitKVariants);
     EXPECT_EQ(sc[0].name, "small_m_v3");
     EXPECT_EQ(sc[0].plan.path, GemmPath::kSmallM);
     std::set<std::string> small_names;
@@ -256,32 +263,45 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
     GemmProblem decode = problem(1, 8192, 8192);
     decode.b_rows_contiguous = true;
     const auto dc = gemm_tune_candidates(decode, 132, {});
-    ASSERT_EQ(dc.size(), static_cast<size_t>(kGemmNumCandidates + 2));
+    ASSERT_EQ(dc.size(), kTiled + 2);
     EXPECT_EQ(dc[0].name, "small_m_v4");  // the heuristic's pick for decode with contiguous B rows
-    EXPECT_EQ(dc[kGemmNumCandidates + 1].name, "small_m_v3");
+    EXPECT_EQ(dc[kTiled + 1].name, "small_m_v3");
     GemmOptions no_small;
     no_small.allow_small_m = false;
-    EXPECT_EQ(gemm_tune_candidates(small, 132, no_small).size(), static_cast<size_t>(kGemmNumCandidates));
+    EXPECT_EQ(gemm_tune_candidates(small, 132, no_small).size(), kTiled);
     EXPECT_EQ(gemm_tune_candidates(problem(16, 8192, 8192, BLayout::kKN), 132, {}).size(),
-              gemm_candidate_configs(DType::kBF16, DType::kBF16, BLayout::kKN).size());
+              gemm_candidate_configs(DType::kBF16, DType::kBF16, BLayout::kKN).size() +
+                  gemm_split_k_configs(DType::kBF16, DType::kBF16, BLayout::kKN).size());
+    GemmOptions never_split;
+    never_split.split_k = 1;
+    never_split.allow_small_m = false;
+    EXPECT_EQ(gemm_tune_candidates(small, 132, never_split).size(), static_cast<size_t>(kGemmNumCandidates));
+    // K = 1024: 16 k-blocks, so only the 2-way splits get their 8 k-blocks each; K = 512: none.
+    EXPECT_EQ(gemm_tune_candidates(problem(64, 8192, 1024), 132, no_small).size(),
+              static_cast<size_t>(kGemmNumCandidates) + 4);
+    EXPECT_EQ(gemm_tune_candidates(problem(64, 8192, 512), 132, no_small).size(),
+              static_cast<size_t>(kGemmNumCandidates));
     // M = 33..64: only where small_m_max_m lets the small-M path serve it (as plan_gemm).
     for (int64_t m : {33, 40, 64}) {
         SCOPED_TRACE("M = " + std::to_string(m));
         const GemmProblem mid = problem(m, 8192, 8192);
-        const auto mc = gemm_tune_candidates(mid, 132, {});
-        ASSERT_EQ(mc.size(), static_cast<size_t>(kGemmNumCandidates + kSplitKVariants));
+        GemmOptions up_to_64;
+        up_to_64.small_m_max_m = 64;
+        const auto mc = gemm_tune_candidates(mid, 132, up_to_64);
+        ASSERT_EQ(mc.size(), kTiled + kSplitKVariants);
         EXPECT_EQ(mc[0].name, "small_m_v3");
+        EXPECT_EQ(gemm_tune_candidates(mid, 132, {}).size(), kTiled) << "the default small_m_max_m is 32";
         GemmOptions up_to_32;
         up_to_32.small_m_max_m = 32;
         const auto mc32 = gemm_tune_candidates(mid, 132, up_to_32);
-        ASSERT_EQ(mc32.size(), static_cast<size_t>(kGemmNumCandidates));
+        ASSERT_EQ(mc32.size(), kTiled);
         EXPECT_EQ(mc32[0].plan.path, GemmPath::kTiled);
         EXPECT_EQ(mc32[0].plan.config, plan_gemm(mid, 132, up_to_32).config);
         for (const auto& c : mc32) EXPECT_EQ(c.plan.path, GemmPath::kTiled) << c.name;
         GemmOptions up_to_48;
         up_to_48.small_m_max_m = 48;
         EXPECT_EQ(gemm_tune_candidates(mid, 132, up_to_48).size(),
-                  static_cast<size_t>(kGemmNumCandidates) + (m <= 48 ? kSplitKVariants : 0));
+                  kTiled + (m <= 48 ? kSplitKVariants : 0));
     }
 
     // A budget of one SM leaves no room for cluster pairs.
@@ -300,10 +320,11 @@ TEST(GemmAutotuneCandidates, ProblemKeyNamesWhatChangesTheCandidates) {
               "m=100,n=200,k=72,in=f16,out=f32,b=kn,sms=66,small_m=0,splits=0");
     EXPECT_EQ(gemm_tune_problem(problem(8, 16, 32), 132, {}), "m=8,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0");
     // small_m says whether the small-M variants are candidates (gemm_allows_small_m), so small_m_max_m counts.
-    EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, {}), "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0");
-    GemmOptions up_to_32;
-    up_to_32.small_m_max_m = 32;
-    EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, up_to_32),
+    GemmOptions up_to_64;
+    up_to_64.small_m_max_m = 64;
+    EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, up_to_64),
+              "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0");
+    EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, {}),
               "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=0,splits=0");
     EXPECT_NE(gemm_tune_problem(problem(8, 16, 32), 132, {}), gemm_tune_problem(problem(8, 16, 32), 114, {}));
 }

@@ -251,6 +251,35 @@ TEST(GemmNvrtc, pingpong_sass_uses_hgmma_without_spills) {
     for (const auto& [name, code] : r.sass) expect_tiled_sass(code, name);
 }
 
+// Split-K (GemmConfig::splits > 1): every split-K config the op may run (gemm_split_k_configs) for bf16 -> bf16 with
+// B [N,K], and two with f16 -> f32 and B [K,N], compile with ptxas' report clean (the partials' stores and the last
+// unit's sum must not make ptxas spill the accumulators or serialise the wgmma), on the wgmma path, nothing in local
+// memory, the tile counter taken by an atomic add and the last-unit test broadcast by a barrier reduction.
+TEST(GemmNvrtc, split_k_sass_uses_hgmma_without_spills) {
+    std::vector<std::string> names;
+    for (const GemmConfig& c : ops::gemm_split_k_configs(DType::kBF16, DType::kBF16, BLayout::kNK)) {
+        names.push_back(ops::gemm_kernel_instantiation(c));
+    }
+    ASSERT_EQ(names.size(), 8u);
+    for (int index : {12, 0}) {
+        GemmConfig c = gemm_candidate(index, DType::kF16, DType::kF32, BLayout::kKN);
+        c.splits = 3;
+        ASSERT_TRUE(is_valid(c)) << ops::format_gemm_config(c);
+        names.push_back(ops::gemm_kernel_instantiation(c));
+    }
+    const CompiledSass r = compile_to_sass(names);
+    ASSERT_EQ(r.compiled.result, NVRTC_SUCCESS) << r.compiled.log;
+    EXPECT_EQ(r.compiled.lowered.size(), names.size());
+    expect_clean_ptxas_report(r.compiled.log, "split-K");
+    if (r.sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << r.why_not;
+    EXPECT_EQ(r.sass.size(), names.size());
+    for (const auto& [name, code] : r.sass) {
+        expect_tiled_sass(code, name);
+        EXPECT_GT(count(code, "ATOMG"), 0u) << name << ": no atomic on the tile counter";
+        EXPECT_GT(count(code, "BAR.RED.OR"), 0u) << name << ": no barrier reduction for the last unit";
+    }
+}
+
 // Compiles the small-M kernel `variant` for every B [N,K] dtype pair (ASSERTs NVRTC succeeded, checks ptxas' report: no
 // spills, no wgmma serialisation) and collects every instance's SASS; `why_not` says why SASS cannot be checked.
 CompiledSass gemv_variant_sass(GemvVariant variant, const std::string& what) {

@@ -218,7 +218,11 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     EXPECT_EQ(plan3.grid, 128);  // 64 columns per CTA
     EXPECT_EQ(plan3.small_m_splits, 1) << "N = K = 8192 on 132 SMs: 128 CTAs, 1 per SM, fill the SMs";
     EXPECT_EQ(plan3.workspace_bytes, 0u);
-    EXPECT_EQ(ops::plan_gemm(ops::GemmProblem{64, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16}, 132).grid,
+    ops::GemmOptions small_up_to_64;
+    small_up_to_64.small_m_max_m = kGemvMaxM;
+    EXPECT_EQ(ops::plan_gemm(ops::GemmProblem{64, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16}, 132,
+                             small_up_to_64)
+                  .grid,
               128);  // 64 columns per CTA at every row-tile count
     ops::GemmOptions bad;
     bad.small_m_variant = static_cast<GemvVariant>(2);
@@ -389,11 +393,12 @@ TEST(GemmPlan, SmallMVariant4SpreadsEveryRowOverNonEmptyCtas) {
 }
 
 // GemmOptions::programmatic_launch reaches only the kernels that wait for the previous one inside (the small-M
-// kernels, both with a shared-memory ring: variant 4 for M <= 16, 3 up to 64, forced or picked), and only when asked
-// for: the tiled kernel launches as usual.
+// kernels, both with a shared-memory ring: variant 4 for M <= 16, 3 up to small_m_max_m, forced or picked), and only
+// when asked for: the tiled kernel launches as usual.
 TEST(GemmPlan, OnlyTheRingKernelsLaunchProgrammatically) {
     ops::GemmOptions on;
     on.programmatic_launch = true;
+    on.small_m_max_m = kGemvMaxM;
     for (int64_t m : {1, 2, 3, 16, 17, 64, 65, 128}) {
         ops::GemmProblem p{m, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
         p.b_rows_contiguous = true;
@@ -419,9 +424,9 @@ TEST(GemmPlan, OnlyTheRingKernelsLaunchProgrammatically) {
     }
 }
 
-// Variant 3's split count fills one wave of gemv_shape(config).ctas_per_sm CTAs per SM with at least 256 k per
-// split; its workspace is the counters (one per 64-column block, rounded to 256 bytes) then fp32 partials
-// [splits][M][N].
+// Variant 3's split count (gemv_auto_splits): none while its column blocks occupy more than a third of the SMs, else
+// one wave of gemv_shape(config).ctas_per_sm CTAs per SM with at least 256 k per split; its workspace is the counters
+// (one per 64-column block, rounded to 256 bytes) then fp32 partials [splits][M][N].
 TEST(GemmPlan, SmallMVariant3FillsOneWave) {
     ops::GemmOptions up_to_64;
     up_to_64.small_m_max_m = kGemvMaxM;  // M 17..64 too
@@ -429,9 +434,9 @@ TEST(GemmPlan, SmallMVariant3FillsOneWave) {
         int64_t m, n, k;
         int m_tiles, grid, splits;
     };
-    // 132 SMs: N = 4096: 64 column blocks -> 2 splits; N = 2048: 32 -> 4; N = 1000: 16 -> 8; N = 8192: 128 -> 1;
-    // K = 512 allows at most 2 splits of 256.
-    for (const Expect& e : {Expect{1, 4096, 8192, 1, 64, 2}, Expect{16, 2048, 8192, 1, 32, 4},
+    // 132 SMs: N = 4096: 64 column blocks (more than a third of the SMs) -> 1 split; N = 2048: 32 -> 4; N = 1000:
+    // 16 -> 8; N = 8192: 128 -> 1; K = 512 allows at most 2 splits of 256.
+    for (const Expect& e : {Expect{1, 4096, 8192, 1, 64, 1}, Expect{16, 2048, 8192, 1, 32, 4},
                             Expect{17, 1000, 4096, 2, 16, 8}, Expect{64, 8192, 8192, 4, 128, 1},
                             Expect{40, 1000, 512, 3, 16, 2}}) {
         SCOPED_TRACE("M x N x K = " + std::to_string(e.m) + " x " + std::to_string(e.n) + " x " + std::to_string(e.k));
@@ -465,14 +470,14 @@ TEST(GemmPlan, SmallMVariant3FillsOneWave) {
                           "variant must be GemvVariant::kTmaRing (3) or GemvVariant::kBulkRows (4), got 1");
 }
 
-// small_m_max_m bounds the M the small-M path takes (default 64 = kGemvMaxM: variant 3 beats the tiled kernel
-// up to there); out-of-range values are an error.
+// small_m_max_m bounds the M the small-M path takes (default 32: the small-M kernels beat the tiled kernel up to
+// there, the ping-pong 64x128 tile from M = 48); out-of-range values are an error.
 TEST(GemmPlan, SmallMMaxMBoundsTheSmallMPath) {
-    EXPECT_EQ(ops::GemmOptions{}.small_m_max_m, kGemvMaxM);
-    ops::GemmProblem p{64, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
+    EXPECT_EQ(ops::GemmOptions{}.small_m_max_m, 32);
+    ops::GemmProblem p{32, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
     EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kSmallM);
     EXPECT_TRUE(ops::gemm_allows_small_m(p, {}));
-    p.m = 65;
+    p.m = 33;
     EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kTiled);
     EXPECT_FALSE(ops::gemm_allows_small_m(p, {}));
 
@@ -508,6 +513,50 @@ TEST(GemmPlan, SmallMMaxMBoundsTheSmallMPath) {
     }
 }
 
+// gemv_auto_splits: no split-K while the column blocks occupy more than a third of the SMs (N = K = 4096: one split
+// ran 13-18% faster than two at M = 24..64); else one wave, at least 256 k per split, at most 32.
+TEST(GemmPlan, SmallMSplitsOnlyWhereFewColumnBlocks) {
+    EXPECT_EQ(ops::gemv_auto_splits(64, 1, 132, 4096), 1);   // N = 4096
+    EXPECT_EQ(ops::gemv_auto_splits(128, 1, 132, 8192), 1);  // N = 8192
+    EXPECT_EQ(ops::gemv_auto_splits(44, 1, 132, 8192), 3);   // a third exactly: split
+    EXPECT_EQ(ops::gemv_auto_splits(45, 1, 132, 8192), 1);
+    EXPECT_EQ(ops::gemv_auto_splits(32, 1, 132, 8192), 4);
+    EXPECT_EQ(ops::gemv_auto_splits(1, 1, 132, 1 << 20), 32);
+    EXPECT_EQ(ops::gemv_auto_splits(2, 1, 132, 512), 2);  // 256 k per split at least
+    EXPECT_EQ(ops::gemv_auto_splits(2, 1, 132, 8), 1);
+    EXPECT_EQ(ops::gemv_auto_splits(16, 2, 132, 8192), 16);  // two CTAs per SM
+    expect_error_mentions([] { (void)ops::gemv_auto_splits(0, 1, 132, 8); }, "must be positive");
+}
+
+// gemm_few_rows_config: 129..192 rows with the pick's tiles in one wave take the cooperative 128x192 where its tiles
+// fill at least half a wave (N = K = 8192: 1.2x the 128x128 at M = 160); elsewhere the pick stands.
+TEST(GemmPlan, FewRowsTakeTheTileThatFillsTheWave) {
+    const GemmConfig c128 = gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK);
+    const GemmConfig c192 = gemm_candidate(5, DType::kBF16, DType::kBF16, BLayout::kNK);
+    const GemmConfig pp64 = gemm_candidate(12, DType::kBF16, DType::kBF16, BLayout::kNK);
+    auto rule = [](int64_t m, int64_t n, const GemmConfig& picked, int budget = 132) {
+        return ops::gemm_few_rows_config(ops::GemmProblem{m, n, n, BLayout::kNK, DType::kBF16, DType::kBF16}, picked,
+                                         budget);
+    };
+    EXPECT_EQ(rule(160, 8192, c128), c192);
+    EXPECT_EQ(rule(192, 8192, c128), c192);
+    EXPECT_EQ(rule(128, 8192, c128), c128);
+    EXPECT_EQ(rule(193, 8192, c128), c128);
+    EXPECT_EQ(rule(160, 4096, pp64), pp64) << "128x192: 44 tiles, a third of the SMs";
+    EXPECT_EQ(rule(160, 8192, c128, 64), c128) << "the pick's tiles are more than one wave";
+    EXPECT_EQ(rule(160, 8192 * 2, c128), c128);
+    const GemmConfig pair = gemm_candidate(13, DType::kBF16, DType::kBF16, BLayout::kNK);
+    EXPECT_EQ(rule(160, 8192, pair), pair) << "cluster picks stand";
+    // Through plan_gemm (132 SMs, the cost model's pick first; without split-K, which takes these shapes further).
+    ops::GemmOptions no_split;
+    no_split.split_k = 1;
+    for (int64_t m : {160, 192}) {
+        const ops::GemmProblem p{m, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
+        EXPECT_EQ(ops::gemm_candidate_name(ops::plan_gemm(p, 132, no_split).config), "128x192x64_s4_c1x1")
+            << "M " << m;
+    }
+}
+
 // The heuristic on 132 SMs picks, for the benchmark's GEMM shapes (docs/performance.md), the candidate measured fastest
 // there or one within 1% (`weft_bench_gemm --all-configs`; the runs: kernels/gemm/README.md, variant log).
 TEST(GemmPlan, PicksTheMeasuredFastestTiles) {
@@ -523,7 +572,8 @@ TEST(GemmPlan, PicksTheMeasuredFastestTiles) {
         {8192, 8192, 3584, "128x192x64_s4_c1x1_pp"}, {8192, 16384, 6656, "128x192x64_s4_c1x1_pp"},
         {8192, 8192, 3696, "128x192x64_s4_c1x1_pp"}, {4096, 4096, 4096, "128x256x64_s4_c1x1"},
         {1024, 8192, 8192, "128x256x64_s4_c1x1"},     {128, 8192, 8192, "64x128x64_s8_c1x1_pp"},
-        {128, 4096, 4096, "64x128x64_s8_c1x1_pp"},    {256, 8192, 8192, "128x128x64_s6_c1x1"},
+        {256, 8192, 8192, "128x128x64_s6_c1x1"},      {128, 8192, 4096, "64x128x64_s8_c1x1_pp"},
+        {128, 8192, 1024, "64x128x64_s8_c1x1_pp"},
         {128, 28672, 4096, "128x256x64_s4_c1x1"},     {512, 8192, 8192, "128x256x64_s4_c1x1"},
     };
     for (const Pick& pk : picks) {
@@ -531,6 +581,101 @@ TEST(GemmPlan, PicksTheMeasuredFastestTiles) {
         EXPECT_EQ(ops::gemm_candidate_name(ops::plan_gemm(p, 132).config), pk.name)
             << pk.m << "x" << pk.n << "x" << pk.k;
     }
+}
+
+// Split-K (GemmConfig::splits): the configs the op adds, how many splits fill a wave, and the op's rule by M
+// (gemm_split_k_config; kernels/gemm/README.md, "Few rows") on 132 SMs, with the plan's grid and workspace.
+TEST(GemmPlan, SplitKFillsTheSmsForFewRows) {
+    const auto split_configs = ops::gemm_split_k_configs(DType::kBF16, DType::kBF16, BLayout::kNK);
+    ASSERT_EQ(split_configs.size(), 8u);
+    for (const GemmConfig& c : split_configs) {
+        EXPECT_TRUE(is_valid(c)) << ops::format_gemm_config(c);
+        EXPECT_TRUE(c.splits == 2 || c.splits == 4);
+        EXPECT_EQ(c.cluster_m * c.cluster_n, 1);
+        for (const GemmConfig& plain : ops::gemm_candidate_configs(DType::kBF16, DType::kBF16, BLayout::kNK)) {
+            EXPECT_NE(c, plain) << "the fused ops' candidates never split K";
+        }
+    }
+    GemmConfig bad = split_configs[0];
+    bad.cluster_m = 2;
+    EXPECT_FALSE(is_valid(bad)) << "split-K without clusters";
+    bad = split_configs[0];
+    bad.splits = kGemmMaxSplits + 1;
+    EXPECT_FALSE(is_valid(bad));
+    bad.splits = 0;
+    EXPECT_FALSE(is_valid(bad));
+
+    const auto problem = [](int64_t m, int64_t n, int64_t k) {
+        return ops::GemmProblem{m, n, k, BLayout::kNK, DType::kBF16, DType::kBF16};
+    };
+    const GemmConfig pp64 = gemm_candidate(12, DType::kBF16, DType::kBF16, BLayout::kNK);
+    EXPECT_EQ(ops::gemm_fill_splits(problem(64, 4096, 4096), pp64, 132), 4);   // 32 tiles
+    EXPECT_EQ(ops::gemm_fill_splits(problem(64, 8192, 8192), pp64, 132), 2);   // 64 tiles
+    EXPECT_EQ(ops::gemm_fill_splits(problem(128, 8192, 8192), pp64, 132), 1);  // 128 tiles
+    EXPECT_EQ(ops::gemm_fill_splits(problem(64, 4096, 4096), pp64, 64), 2);
+    EXPECT_EQ(ops::gemm_fill_splits(problem(64, 4096, 1024), pp64, 132), 2) << "8 k-blocks per split at least";
+    EXPECT_EQ(ops::gemm_fill_splits(problem(64, 4096, 960), pp64, 132), 1);
+
+    struct Pick {
+        int64_t m, n, k;
+        const char* name;
+    };
+    // The op's plan (tiled path: small-M off) by M at N = K = 4096 and 8192, and the shapes it leaves alone.
+    const Pick picks[] = {
+        {33, 4096, 4096, "64x128x64_s8_c1x1_pp_k4"},  {64, 4096, 4096, "64x128x64_s8_c1x1_pp_k4"},
+        {65, 4096, 4096, "128x128x64_s6_c1x1_k4"},    {96, 4096, 4096, "128x128x64_s6_c1x1_k4"},
+        {97, 4096, 4096, "64x128x64_s8_c1x1_pp_k2"},  {128, 4096, 4096, "64x128x64_s8_c1x1_pp_k2"},
+        {160, 4096, 4096, "64x128x64_s8_c1x1_pp"},    {192, 4096, 4096, "64x128x64_s8_c1x1_pp"},
+        {320, 4096, 4096, "128x192x64_s4_c1x1_k2"},   {384, 4096, 4096, "128x192x64_s4_c1x1_k2"},
+        {24, 8192, 8192, "64x128x64_s8_c1x1_pp_k2"},  {64, 8192, 8192, "64x128x64_s8_c1x1_pp_k2"},
+        {65, 8192, 8192, "128x128x64_s6_c1x1_k2"},    {96, 8192, 8192, "128x128x64_s6_c1x1_k2"},
+        {112, 8192, 8192, "64x128x64_s8_c1x1_pp"},    {160, 8192, 8192, "128x256x64_s4_c1x1_k2"},
+        {192, 8192, 8192, "128x256x64_s4_c1x1_k2"},   {256, 8192, 8192, "128x128x64_s6_c1x1"},
+        {320, 8192, 8192, "128x192x64_s4_c1x1_pp"},   {513, 4096, 4096, "128x160x64_s5_c1x1_pp"},
+        {128, 28672, 4096, "128x256x64_s4_c1x1"},
+    };
+    ops::GemmOptions tiled;
+    tiled.allow_small_m = false;
+    for (const Pick& pk : picks) {
+        const ops::GemmProblem p = problem(pk.m, pk.n, pk.k);
+        const ops::GemmPlan plan = ops::plan_gemm(p, 132, tiled);
+        EXPECT_EQ(ops::gemm_candidate_name(plan.config), pk.name) << pk.m << "x" << pk.n << "x" << pk.k;
+        const GemmTileGrid g(plan.config, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
+        EXPECT_LE(plan.grid, 132);
+        if (plan.config.splits > 1) {
+            EXPECT_EQ(plan.grid, std::min(132, g.num_tiles() * plan.config.splits));
+            const size_t counters = (static_cast<size_t>(g.num_tiles()) * 4 + 255) / 256 * 256;
+            const size_t partials = static_cast<size_t>(g.num_tiles()) * plan.config.splits * plan.config.tile_m *
+                                    plan.config.tile_n * 4;
+            EXPECT_EQ(plan.workspace_bytes, counters + (partials + 255) / 256 * 256);
+        } else {
+            EXPECT_EQ(plan.workspace_bytes, 0u);
+        }
+    }
+    // split_k = 1: never; S: S splits of the heuristic's tile without its pair; out of range: an error.
+    ops::GemmOptions none = tiled;
+    none.split_k = 1;
+    EXPECT_EQ(ops::plan_gemm(problem(64, 4096, 4096), 132, none).config.splits, 1);
+    ops::GemmOptions three = tiled;
+    three.split_k = 3;
+    const auto forced = ops::plan_gemm(problem(513, 4096, 4096), 132, three);
+    EXPECT_EQ(ops::gemm_candidate_name(forced.config), "128x160x64_s5_c1x1_pp_k3");
+    three.config = gemm_candidate(13, DType::kBF16, DType::kBF16, BLayout::kNK);  // a forced config keeps its splits
+    EXPECT_EQ(ops::plan_gemm(problem(513, 4096, 4096), 132, three).config, *three.config);
+    ops::GemmOptions pair_then_split = tiled;
+    pair_then_split.split_k = 2;
+    const auto dropped = ops::plan_gemm(problem(8192, 1792, 4096), 132, pair_then_split);
+    EXPECT_EQ(ops::gemm_candidate_name(dropped.config), "128x128x64_s6_c1x1_pp_k2") << "the pair is dropped";
+    EXPECT_GT(forced.workspace_bytes, 0u);
+    ops::GemmOptions too_many = tiled;
+    too_many.split_k = kGemmMaxSplits + 1;
+    expect_error_mentions([&] { ops::plan_gemm(problem(64, 4096, 4096), 132, too_many); },
+                          "options.split_k must be in [0, 16]");
+    // A budget of 64 SMs: half the splits.
+    ops::GemmOptions half = tiled;
+    half.sm_budget = 64;
+    EXPECT_EQ(ops::gemm_candidate_name(ops::plan_gemm(problem(64, 4096, 4096), 132, half).config),
+              "64x128x64_s8_c1x1_pp_k2");
 }
 
 TEST(GemmPlan, TiledGridRespectsBudgetAndCluster) {

@@ -40,9 +40,17 @@ struct GemmConfig {
     /// (ping-pong): the consumer warpgroups take alternate tiles, so one's epilogue runs under the other's
     /// mainloop; only hooks that neither add to, route nor signal a tile (gemm_sm90.cuh).
     bool pingpong = false;
+    /// Split-K: each tile's k blocks are split into `splits` balanced ranges, each computed by its own work unit (a
+    /// CTA's turn); every unit writes its fp32 partial tile to a workspace, and the last unit of a tile to finish
+    /// sums the partials in split order (deterministic) and stores D. 1: off. Only for the plain GEMM
+    /// (PersistentScheduler, NoEpilogueHook) without clusters; fills the SMs where the tiles are fewer than them.
+    int32_t splits = 1;
 
     constexpr bool operator==(const GemmConfig&) const = default;
 };
+
+/// The most k splits of a split-K config (is_valid).
+inline constexpr int32_t kGemmMaxSplits = 16;
 
 /// Threads per CTA: one producer warpgroup (TMA) and two consumer warpgroups (wgmma).
 inline constexpr int kGemmThreads = 384;
@@ -129,6 +137,9 @@ WEFT_HOST_DEVICE constexpr bool is_valid(const GemmConfig& c) {
     if (!cluster_ok) return false;
     if (c.cluster_m == 2 && c.b_layout == BLayout::kKN && (c.tile_n / 64) % 2 != 0) return false;
     if (gemm_smem_plan(c).alloc_bytes > kGemmMaxSmemBytes) return false;
+    if (c.splits < 1 || c.splits > kGemmMaxSplits) return false;
+    // Split-K without clusters (a pair would share one operand across two k ranges).
+    if (c.splits > 1 && (c.cluster_m != 1 || c.cluster_n != 1)) return false;
     return true;
 }
 
@@ -215,7 +226,41 @@ struct GemmArgs {
     uint64_t timeout_ns;  ///< bound on every pipeline wait; expiry traps (a hang is a bug)
     void* d;              ///< D, for the columns [n_tma, N) written with plain stores
     int64_t ldd;          ///< D's row stride in elements
+    /// Split-K (GemmConfig::splits > 1) only, else null: gemm_split_k_layout's fp32 partial tiles and per-tile
+    /// arrival counters (zero before the launch; the kernel leaves them zero).
+    float* partials;
+    uint32_t* counters;
 };
+
+/// The k blocks one split of a tile computes: [begin, begin + count), balanced (counts differ by at most one; none is
+/// empty while splits <= num_k_blocks).
+struct GemmKRange {
+    int32_t begin;
+    int32_t count;
+};
+
+WEFT_HOST_DEVICE constexpr GemmKRange gemm_split_k_range(int32_t num_k_blocks, int32_t splits, int32_t split) {
+    const int32_t begin = static_cast<int32_t>(static_cast<int64_t>(split) * num_k_blocks / splits);
+    const int32_t end = static_cast<int32_t>(static_cast<int64_t>(split + 1) * num_k_blocks / splits);
+    return GemmKRange{begin, end - begin};
+}
+
+/// The split-K workspace of a config on an M x N output: one uint32 arrival counter per tile (rounded up to 256
+/// bytes), then fp32 partials, `splits` tiles of tile_m x tile_n per tile of D, tile-major ([tile][split][...]).
+struct GemmSplitKLayout {
+    int64_t counter_bytes;
+    int64_t partial_bytes;
+    int64_t tile_floats;  ///< tile_m x tile_n: one split's partial tile
+};
+
+WEFT_HOST_DEVICE constexpr GemmSplitKLayout gemm_split_k_layout(const GemmConfig& c, int32_t m, int32_t n) {
+    const int64_t tiles = static_cast<int64_t>((m + c.tile_m - 1) / c.tile_m) * ((n + c.tile_n - 1) / c.tile_n);
+    GemmSplitKLayout l{};
+    l.tile_floats = static_cast<int64_t>(c.tile_m) * c.tile_n;
+    l.counter_bytes = c.splits > 1 ? (tiles * 4 + 255) / 256 * 256 : 0;
+    l.partial_bytes = c.splits > 1 ? tiles * c.splits * l.tile_floats * 4 : 0;
+    return l;
+}
 
 /// Columns of D a TMA store may cover: the largest multiple of 16 bytes <= N.
 WEFT_HOST_DEVICE constexpr int32_t gemm_tma_store_cols(int32_t n, DType out) {

@@ -28,10 +28,14 @@ struct GemmOptions {
     std::optional<GemmConfig> config;  ///< force this tiled-kernel config (dtypes/layout must match the call)
     bool allow_small_m = true;         ///< let M <= small_m_max_m with B [N,K] take the small-M path
     /// The largest M the heuristic sends to the small-M path (0..kGemvMaxM = 64; above it: the tiled kernel).
-    /// Default 64: the small-M kernels beat the tiled kernel at every M <= 64 (figures: kernels/gemm/README.md,
-    /// "Which M takes the small-M path").
-    int small_m_max_m = 64;
+    /// Default 32: the small-M kernels beat the tiled kernel up to M = 32, the ping-pong 64x128 tile from M = 48
+    /// (figures: kernels/gemm/README.md, "Which M takes the small-M path").
+    int small_m_max_m = 32;
     int small_m_splits = 0;            ///< force the small-M path's split count (0 = heuristic)
+    /// Split-K of the tiled kernel (GemmConfig::splits): 0 = the op's rule (gemm_split_k_config), 1 = never, 2..16 =
+    /// that many splits of the heuristic's tile (without its cluster pair). Ignored when `config` is set (its own
+    /// splits count). Needs a workspace (`workspace`, GemmPlan::workspace_bytes) like the small-M split-K.
+    int split_k = 0;
     /// Force a small-M kernel (GemvVariant in weft/common/gemv_config.hpp); unset (the default): the op picks
     /// kBulkRows where it serves (gemv_rows_unsupported is empty) and K >= 4096, else kTmaRing. kBulkRows (variant
     /// 4) = B's rows by 1D bulk copies into a shared-memory ring, one CTA per SM (M <= 16, ldb = K, K a multiple of
@@ -40,9 +44,10 @@ struct GemmOptions {
     /// kBulkRows is the default where it serves because its copies stream faster than kTmaRing's TMA boxes
     /// (figures: kernels/gemm/README.md, the small-M sections).
     std::optional<GemvVariant> small_m_variant;
-    void* workspace = nullptr;         ///< small-M scratch of gemm_workspace_bytes, 256-byte aligned: split-K
+    void* workspace = nullptr;         ///< split-K scratch of GemmPlan::workspace_bytes, 256-byte aligned: split-K
                                        ///< counters first (zero-filled before the first use; each call leaves
-                                       ///< them zero), then fp32 partials. Zero it again if N grows. nullptr =
+                                       ///< them zero), then fp32 partials. Zero it again if the counters grow
+                                       ///< (N of the small-M path, the tiles of a tiled split-K). nullptr =
                                        ///< weft's per-(device, stream) scratch, grown by cudaMalloc at the first
                                        ///< call that needs more (a device-wide wait: on a GPU shared by ranks,
                                        ///< pass a workspace, docs/runtime.md). One call at a time per workspace.
@@ -93,7 +98,7 @@ struct GemmPlan {
     int small_m_splits = 1;      ///< kSmallM: split-K factor (gridDim.y)
     int small_m_k_per_split = 0; ///< kSmallM: multiple of 32
     GemvVariant small_m_variant = GemvVariant::kTmaRing;  ///< kSmallM: which kernel (GemmOptions::small_m_variant)
-    size_t workspace_bytes = 0;  ///< kSmallM: partial sums + counters
+    size_t workspace_bytes = 0;  ///< split-K (kSmallM, or kTiled with config.splits > 1): counters + partial sums
 };
 
 /// Where a call's plan came from.

@@ -45,10 +45,10 @@ jit::KernelSpec gemm_kernel_spec(const GemmConfig& config, const std::string& sc
 jit::KernelSpec gemv_kernel_spec(const GemvConfig& config, const std::string& arch = "");
 jit::KernelSpec gemm_advance_epoch_spec(const std::string& arch = "");
 
-/// Every kernel weft::ops::gemm may launch: each valid candidate config for every dtype pair (bf16->bf16,
-/// bf16->f32, f16->f16, f16->f32) and B layout, each small-M kernel (kTmaRing with m_tiles 1..4, kBulkRows), and
-/// the epoch-advance kernel. register_gemm_aot_specs() hands them to weft::jit::register_aot_spec (once per
-/// process), so that `weft-compile --builtin` warms them.
+/// Every kernel weft::ops::gemm may launch: each valid candidate config and split-K config (gemm_split_k_configs) for
+/// every dtype pair (bf16->bf16, bf16->f32, f16->f16, f16->f32) and B layout, each small-M kernel (kTmaRing with
+/// m_tiles 1..4, kBulkRows), and the epoch-advance kernel. register_gemm_aot_specs() hands them to
+/// weft::jit::register_aot_spec (once per process), so that `weft-compile --builtin` warms them.
 std::vector<jit::KernelSpec> gemm_aot_specs();
 void register_gemm_aot_specs();
 

@@ -46,9 +46,42 @@ std::vector<GemmConfig> gemm_candidate_configs(DType in_dtype, DType out_dtype, 
 /// that many units per tile (the fused ops' hooks). plan_gemm picks the cheapest candidate.
 double gemm_config_cost(const GemmProblem& problem, const GemmConfig& config, int budget, double per_tile_cost = 0);
 
+/// The tiled config for a problem of few rows, given the cost model's pick `picked` on `budget` SMs (pure rule, part of
+/// plan_gemm; kernels/gemm/README.md, "Few rows"): `picked` unless it is cluster-free with all its tiles in one wave
+/// and 128 < M <= 192, where the cooperative 128x192 takes over if its tiles fill at least half a wave.
+GemmConfig gemm_few_rows_config(const GemmProblem& problem, const GemmConfig& picked, int budget);
+
+/// Split counts of the split-K configs, and the fewest k-blocks (of 64 k) a split may get from the op's rule and the
+/// autotuner.
+inline constexpr int kGemmSplitKCounts[] = {2, 4};
+inline constexpr int kGemmMinSplitKBlocks = 8;
+
+/// The split-K configs the plain GEMM may run besides gemm_candidate_configs (never the fused ops): the cluster-free
+/// ping-pong 64x128, 128x128, 128x192 and 128x256 tiles with each of kGemmSplitKCounts.
+std::vector<GemmConfig> gemm_split_k_configs(DType in_dtype, DType out_dtype, BLayout b_layout);
+
+/// The most splits of kGemmSplitKCounts (or 1) whose work units (tiles x splits) fit one wave of `budget` CTAs with at
+/// least kGemmMinSplitKBlocks k-blocks each.
+int gemm_fill_splits(const GemmProblem& problem, const GemmConfig& tile, int budget);
+
+/// The op's split-K rule (pure, part of plan_gemm when GemmOptions::split_k is 0; kernels/gemm/README.md, "Few rows"),
+/// given the pick `picked` (after gemm_few_rows_config): only where the pick is cluster-free, its tiles fill less than
+/// one wave and M <= 384, a tile is taken by M and split so that its units fill the SMs (gemm_fill_splits):
+///   M <= 64 and 97..128: ping-pong 64x128; 65..96: 128x128; 129..192: the pick where the ping-pong 64x128's tiles fit
+///   a wave, else 128x256; 193..384: 128x192 where the pick leaves more than a quarter of the SMs idle.
+/// The pick stands where that tile gets no second split.
+GemmConfig gemm_split_k_config(const GemmProblem& problem, const GemmConfig& picked, int budget);
+
 /// Whether the small-M path may serve this call: no options.config, options.allow_small_m, B [N,K] and
 /// M <= options.small_m_max_m. Throws weft::Error when small_m_max_m is outside 0..kGemvMaxM.
 bool gemm_allows_small_m(const GemmProblem& problem, const GemmOptions& options);
+
+/// The small-M kernel kTmaRing's split count when the caller leaves it to the op (pure rule): 1 (no split-K) while its
+/// `grid` column blocks occupy more than a third of the `num_sms` SMs; else one wave of CTAs streaming B
+/// (ctas_per_sm x num_sms / grid, at most 32) with at least 256 k per split. Measured (bf16, H200, N = K = 4096, a grid
+/// of 64 on 132 SMs): one split ran 13-18% faster than two at M = 24..64 (the split-K partials and their last-CTA sum
+/// cost more than the 64 idle SMs give back).
+int gemv_auto_splits(int grid, int ctas_per_sm, int num_sms, int64_t k);
 
 /// Picks the path and config. `num_sms` is the device's SM count (the budget's default).
 GemmPlan plan_gemm(const GemmProblem& problem, int num_sms, const GemmOptions& options = {});
@@ -73,8 +106,9 @@ struct GemmCandidate {
     GemmPlan plan;
 };
 
-/// "128x256x64_s4_c1x1": tile, stages, cluster (raster/dtypes/layout are fixed by the call). Used as the
-/// autotuner's candidate name, so WEFT_AUTOTUNE_FORCE=gemm=<this> forces the config.
+/// "128x256x64_s4_c1x1": tile, stages, cluster (raster/dtypes/layout are fixed by the call), "_pp" for ping-pong and
+/// "_k<splits>" for split-K. Used as the autotuner's candidate name, so WEFT_AUTOTUNE_FORCE=gemm=<this> forces the
+/// config.
 std::string gemm_candidate_name(const GemmConfig& config);
 
 /// A plan's candidate name: gemm_candidate_name(plan.config) for the tiled path, "small_m_v<variant>" for the
@@ -82,7 +116,9 @@ std::string gemm_candidate_name(const GemmConfig& config);
 std::string gemm_candidate_name(const GemmPlan& plan);
 
 /// The candidates for a call, the heuristic's pick (plan_gemm) first so that it wins ties and is what a
-/// disabled autotuner returns: the other valid tiled candidates that fit the SM budget, and, where the
+/// disabled autotuner returns: the other valid tiled candidates that fit the SM budget, the split-K configs
+/// (gemm_split_k_configs; not with options.split_k = 1) whose tiles are fewer than the SMs of the budget and whose
+/// splits get at least kGemmMinSplitKBlocks k-blocks each, and, where the
 /// small-M path is allowed for this call (gemm_allows_small_m), the small-M kernels that can serve it (kTmaRing;
 /// kBulkRows where gemv_rows_unsupported is empty).
 std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& problem, int num_sms, const GemmOptions& options);

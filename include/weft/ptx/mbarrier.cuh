@@ -50,6 +50,23 @@ __device__ __forceinline__ bool named_barrier_sync_and(int id, int threads, bool
     return all != 0;
 }
 
+/// named_barrier_sync that also reduces a predicate: true in every participating thread when `pred` is true in any
+/// of them (`bar.red.or.pred`; memory ordered among the threads as by bar.sync).
+__device__ __forceinline__ bool named_barrier_sync_or(int id, int threads, bool pred) {
+    unsigned any;
+    asm volatile(
+        "{\n"
+        ".reg .pred p, q;\n"
+        "setp.ne.u32 q, %1, 0;\n"
+        "bar.red.or.pred p, %2, %3, q;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(any)
+        : "r"(static_cast<unsigned>(pred)), "r"(id), "r"(threads)
+        : "memory");
+    return any != 0;
+}
+
 /// Arrives on named barrier `id` without waiting: the barrier completes once `threads` threads have arrived or
 /// synced (the producer side of a named-barrier hand-off; the consumer side calls named_barrier_sync).
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
