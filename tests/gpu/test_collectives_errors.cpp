@@ -136,8 +136,9 @@ TEST(CollectivesErrors, WorkspaceIsAWorldExtensionDestroyedWithTheWorld) {
             EXPECT_EQ(info.topology.num_ranks, 2);
             EXPECT_GE(info.topology.grid_budget, 1);
             EXPECT_LE(info.topology.grid_budget, w.sm_budget());
-            EXPECT_EQ(info.num_kernels, 19);  // all-reduce ll, one-shot, two-shot and reduce-scatter sm_pull, ll
-                                              // x 3 dtypes; all-gather ll, push, CE enter, CE exit
+            EXPECT_EQ(info.num_kernels, 23);  // all-reduce ll, one-shot, two-shot, reduce-scatter sm_pull, ll and
+                                              // the attention combine x 3 dtypes; all-gather ll, push, CE enter,
+                                              // CE exit; all-to-all pull
             EXPECT_GE(info.heap_bytes, 3 * info.staging_region_bytes + 2 * 2 * info.ll_slot_bytes);
             w.add_extension("test.probe", std::make_unique<Probe>(&mine));
             EXPECT_THROW(w.add_extension("test.probe", std::make_unique<Probe>(&mine)), Error);

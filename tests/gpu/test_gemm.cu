@@ -587,6 +587,7 @@ TEST(GemmSmallM, ProgrammaticLaunchWaitsForTheKernelBefore) {
         upload(d, dd);
         ops::GemmOptions o;
         o.programmatic_launch = true;
+        o.small_m_max_m = kGemvMaxM;  // the small-M kernels (the only programmatic ones) up to their limit
         const ops::GemmPlan plan = ops::plan_gemm(ops::validate_gemm_args(view(a, da), view(b, db), view(d, dd),
                                                                            BLayout::kNK),
                                                   num_sms(), o);
@@ -648,6 +649,7 @@ TEST(GemmSmallM, ProgrammaticChainMatchesThePlainChain) {
             CK(cudaDeviceSynchronize());  // the memsets above ran on the legacy stream; the chain runs on `stream`
             ops::GemmOptions o;
             o.programmatic_launch = programmatic;
+            o.small_m_max_m = kGemvMaxM;  // M up to 64 on the small-M kernels, the programmatic ones
             auto act = [&](int l) { return TensorView(acts[l]->ptr, DType::kBF16, {m, kDim}); };
             const bool graph = run == 2;
             if (graph) CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));

@@ -509,6 +509,7 @@ TEST(Teams, CollectivesRunInEveryTeamAtOnce) {
 // reduce_scatter of the gathered vector on the 2x4 team again. Every value is an exact small integer in f32.
 TEST(Teams, OverlappingTeamsOneAfterTheOther) {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    const auto staging = small_staging();  // three teams' workspaces fit the test heap
     const uint64_t seed = test_seed() ^ 0x5eedull;
     run_ranks(
         kWorld,
@@ -628,6 +629,7 @@ TEST(Teams, TeamOfOne) {
 // team's world ranks; nothing is allocated, and the rank's own team still works afterwards.
 TEST(Teams, CallWithATeamThisRankIsNotInIsAnError) {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    const auto staging = small_staging();  // the members' workspace fits the test heap
     run_ranks(kWorld, [](World& w) {
         RankStream rs;
         const int me = w.rank();
@@ -830,6 +832,10 @@ TEST(Teams, EpDispatchCombineInEveryTeamAtOnce) {
             std::vector<std::string> failures;
             for (Split s : kSplits) {
                 const TeamOf t = make_team(w, s);
+                // Ranks sharing a GPU: every team's EP kernels are loaded (by a Buffer's construction) before any
+                // team's kernels spin; a module load can wait for the context to idle (docs/runtime.md, "Teams").
+                { ops::ep::Buffer warm(t.team, ep_config(t.team.num_ranks(), t.index)); }
+                w.barrier();
                 run_ep(t.team, t.index, seed + 17u * static_cast<uint32_t>(s) + static_cast<uint32_t>(t.index), rs.s,
                        &failures);
             }

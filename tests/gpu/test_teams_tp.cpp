@@ -237,6 +237,13 @@ void run_teams(const std::function<TeamOf(World&)>& team_of) {
             cudaStream_t st = nullptr;
             WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
             {
+                // Ranks sharing a GPU: every team's kernels are loaded before any team's kernels spin (a module load
+                // can wait for the context to idle, i.e. for another team's spinning kernels; docs/runtime.md,
+                // "Teams"). Making each op once loads everything its calls launch.
+                const int nr = t.team.num_ranks();
+                { ops::AgGemm warm(t.team, {sh.ag_rows * nr, sh.ag_n, sh.ag_k, kDtype}); }
+                { ops::GemmRs warm(t.team, {sh.rs_rows * nr, sh.rs_n, sh.rs_k, kDtype}); }
+                { ops::GemmAr warm(t.team, {sh.ar_m, sh.ar_n, sh.ar_k, kDtype}); }
                 RankBuffers buf;
                 w.barrier();  // every rank's buffers exist before any team's kernels wait (RankBuffers)
                 check_ag_gemm(w, t, sh, buf, st, base, f);

@@ -18,10 +18,18 @@ def _session():
     if "WORLD_SIZE" not in os.environ or not torch.cuda.is_available():
         pytest.skip("GPU tests: run under torchrun on a machine with one GPU per rank")
     local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
-        pytest.skip("GPU tests: one GPU per rank needed (NCCL refuses ranks sharing a GPU)")
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    # WEFT_TEST_TORCH_BACKEND=gloo lets ranks share a GPU (NCCL refuses that); the torch references then run on
+    # gloo, which lacks some collectives on CUDA tensors (those tests fail in torch, not in weft).
+    backend = os.environ.get("WEFT_TEST_TORCH_BACKEND", "nccl")
+    if backend == "nccl" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        pytest.skip("GPU tests: one GPU per rank needed (NCCL refuses ranks sharing a GPU); "
+                    "WEFT_TEST_TORCH_BACKEND=gloo shares one")
+    device = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(device)
+    if backend == "nccl":
+        dist.init_process_group("nccl", device_id=torch.device("cuda", device))
+    else:
+        dist.init_process_group(backend)
     weft.init()
     yield
     weft.finalize()
