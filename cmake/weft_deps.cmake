@@ -11,7 +11,7 @@ find_library(WEFT_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
 if(WEFT_NCCL_LIBRARY)
   add_library(weft_nccl SHARED IMPORTED)
   set_target_properties(weft_nccl PROPERTIES IMPORTED_LOCATION ${WEFT_NCCL_LIBRARY}
-                        INTERFACE_INCLUDE_DIRECTORIES ${CUDAToolkit_INCLUDE_DIRS})
+                        INTERFACE_INCLUDE_DIRECTORIES "${CUDAToolkit_INCLUDE_DIRS}")
 endif()
 
 find_package(OpenSSL REQUIRED COMPONENTS Crypto)

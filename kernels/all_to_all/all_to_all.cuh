@@ -17,12 +17,13 @@ using common::BlockState;
 /// Block b, for every peer q (starting with this rank):
 ///   staged (kCollectiveStageInput): copy part b of this rank's chunk for q from `in` into this epoch's staging half
 ///     at kAllToAllHeaderBytes + t.source_offset[q];
-///   publish t.source_offset[q] into slot `rank` of q's staging header (every block writes the same value, so that
-///     its own barrier orders it for the peer block that reads it);
+///   publish the heap offset of its chunk for q (in the staging half or in `src`) into slot `rank` of q's staging
+///     header (every block writes the same value, so that its own barrier orders it for the peer block that reads it);
 /// meet block b of every rank; then, for every peer q, copy part b of q's chunk for this rank (t.recv_bytes[q] bytes
-/// at the offset q published, in q's `src` or staging) into `out` at t.recv_offset[q]. With a user `src`
-/// (direct) the peers read this rank's buffer until they are done: meet again before returning
-/// (kCollectiveExitBarrier). Parts are split the same way on both sides (same byte count, same grid).
+/// at the heap offset q published: ranks may differ in staging or not) into `out` at t.recv_offset[q]. With a user
+/// `src` (direct) on any rank the peers read that rank's buffer until they are done: meet again before returning
+/// (kCollectiveExitBarrier, then set on every rank). Parts are split the same way on both sides (same byte count,
+/// same grid).
 template <CopyKernelConfig C>
 __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
     all_to_all_pull(DeviceCtx ctx, CollectiveParams p, AllToAllTable t) {
@@ -44,9 +45,12 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
                          part.size());
         }
     }
+    // Published as an offset in the heap, so that each rank may read its chunks from its staging or its own `src`.
+    uint8_t* const heap_base = ctx.peer_bases[me];
+    const auto source_at = static_cast<uint64_t>(source - heap_base);
     for (int q = static_cast<int>(threadIdx.x); q < n; q += static_cast<int>(blockDim.x)) {
         ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(device::symm_at_or_trap(ctx, header + me, q, __LINE__),
-                                                      t.source_offset[q]);
+                                                      source_at + t.source_offset[q]);
     }
     st.enter();
     auto* out = static_cast<uint8_t*>(p.out);
@@ -55,7 +59,7 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
         const Span part = split_span(t.recv_bytes[q], gridDim.x, blockIdx.x, kCollectiveGranuleBytes);
         if (part.size() == 0) continue;
         const uint64_t at = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(header + q);
-        const uint8_t* from = device::symm_at_or_trap(ctx, source, q, __LINE__) + at + part.begin;
+        const uint8_t* from = device::symm_at_or_trap(ctx, heap_base + at, q, __LINE__) + part.begin;
         device::copy(device::Block{}, out + t.recv_offset[q] + part.begin, from, part.size());
     }
     if ((p.flags & kCollectiveExitBarrier) != 0) {

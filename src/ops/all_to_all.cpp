@@ -161,8 +161,14 @@ void run_all_to_all(const Team& team, const TensorView& input, std::span<const i
         p.out = output.data;
         p.src = in_sym ? input.data : nullptr;
         p.count = equal ? in_bytes : 0;
-        p.flags = plan.staged ? kCollectiveStageInput : kCollectiveExitBarrier;
-        p.descriptor = detail::call_descriptor({4, equal ? 1u : 2u, plan.staged ? 1u : 0u, p.count, r, in_offset});
+        // Equal splits: every rank has the same bytes and passes a symmetric input on all ranks or on none, so the
+        // staging and the input's offset are part of the call. Uneven: a rank may send nothing (its input then
+        // counts as local) while others send from the heap: each rank publishes where its chunks lie, and every rank
+        // meets at the exit (a direct rank's input is read until then).
+        p.flags = equal ? (plan.staged ? kCollectiveStageInput : kCollectiveExitBarrier)
+                        : ((plan.staged ? kCollectiveStageInput : 0u) | kCollectiveExitBarrier);
+        p.descriptor = equal ? detail::call_descriptor({4, 1u, plan.staged ? 1u : 0u, p.count, r, in_offset})
+                             : detail::call_descriptor({4, 2u, r});
         ws.launch(KernelId::kAllToAllPull, grid, stream, p, plan.rounds[r]);
     }
 }
