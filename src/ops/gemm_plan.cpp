@@ -170,20 +170,20 @@ GemmConfig gemm_split_k_config(const GemmProblem& p, const GemmConfig& picked, i
         return picked;
     }
     auto candidate = [&](int index) { return gemm_candidate(index, p.in_dtype, p.out_dtype, p.b_layout); };
+    // Only where split-K measured faster than the unsplit pick (one H200, interleaved with cuBLASLt): up to 64 rows
+    // (4096^2: 0.57-0.64x -> 0.77-0.78x cuBLASLt) and 129..192 rows at N = K = 8192 (0.53-0.70x -> 0.80-0.87x). Split
+    // 128x128 at 65..96 rows, 64x128 at 97..128 and 128x192 at 193..384 measured 6-19% slower than the unsplit pick
+    // at N = K = 4096 (the partials' round trip costs more than the idle SMs), so those keep the pick.
     GemmConfig tile = picked;
-    if (p.m <= 64 || (p.m > 96 && p.m <= 128)) {
-        tile = candidate(12);  // ping-pong 64x128: whole or three-quarter-full 64-row m-tiles
-    } else if (p.m <= 96) {
-        tile = candidate(6);  // 128x128: a second 64-row m-tile would be mostly padding and read B again
-    } else if (p.m <= 192) {
+    if (p.m <= 64) {
+        tile = candidate(12);  // ping-pong 64x128: whole 64-row m-tiles
+    } else if (p.m > 128 && p.m <= 192) {
         // The ping-pong 64x128 where its tiles fit a wave (N = 4096: 1.0-1.2x cuBLASLt); else 128x256 (B read twice,
         // the fewest tiles) split to fill the SMs.
         if (tiles(candidate(12)) <= budget) return picked;
         tile = candidate(0);
     } else {
-        // 193..384 rows: the cooperative 128x192 split where the pick leaves a quarter of the SMs idle.
-        if (4 * picked_tiles > 3 * static_cast<int64_t>(budget)) return picked;
-        tile = candidate(5);
+        return picked;
     }
     if (!is_valid(tile)) return picked;
     tile.splits = gemm_fill_splits(p, tile, budget);
