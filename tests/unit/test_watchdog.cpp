@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <regex>
 #include <thread>
 
 #include "../../src/runtime/runtime_internal.hpp"
@@ -181,9 +182,14 @@ TEST(WatchdogThread, APeerThatStopsBeatingAbortsTheWorldNamingIt) {
     w1.c.watchdog->stop(false);  // rank 1 stops beating (and removes its key), as a dead process would
     ASSERT_TRUE(wait_until([&] { return w0.word != 0; }, 3000ms)) << "rank 0 never noticed";
     const auto after = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - silenced);
-    EXPECT_GE(after.count(), 350) << "declared dead before the bound";
+    EXPECT_LT(after.count(), 2000) << "noticed within the bound and a few beats";
     EXPECT_EQ(w0.word, uint32_t{kAbortByHost});
     const std::string why = w0.c.abort_text();
+    // Not declared dead before the bound: the silence the watchdog saw (from the last beat it saw change, which on
+    // a loaded machine may come well before `silenced`) is at least the bound.
+    std::smatch stood;
+    ASSERT_TRUE(std::regex_search(why, stood, std::regex("stood still for ([0-9]+) ms"))) << why;
+    EXPECT_GE(std::stol(stood[1].str()), 400) << why;
     EXPECT_NE(why.find("rank 1 is gone"), std::string::npos) << why;
     EXPECT_NE(why.find("host host-b, pid 222"), std::string::npos) << why;
     EXPECT_TRUE(w0.c.dead_peer_known);
