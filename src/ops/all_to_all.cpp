@@ -9,6 +9,7 @@
 #include "collective_workspace.hpp"
 #include "weft/detail/collectives.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/team.hpp"
 #include "weft/runtime/world.hpp"
 
@@ -130,6 +131,7 @@ void run_all_to_all(const Team& team, const TensorView& input, std::span<const i
                     const TensorView& output, std::span<const int64_t> recv_counts, bool equal, cudaStream_t stream) {
     const char* op = equal ? "all_to_all" : "all_to_all_v";
     team.require_member(op);
+    WEFT_NVTX_RANGE(equal ? "all_to_all" : "all_to_all_v");
     const int n = team.num_ranks();
     if (n == 1) {
         (void)detail::plan_all_to_all(input, send_counts, output, recv_counts, 1, equal, true, 0);

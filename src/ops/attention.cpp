@@ -12,6 +12,7 @@
 #include "weft/jit/aot.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
 
 namespace weft::ops {
 
@@ -388,6 +389,7 @@ void decode_attention(const TensorView& q, const TensorView& k_cache, const Tens
                       const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
                       const TensorView& out, const TensorView& lse, cudaStream_t stream,
                       const DecodeAttentionOptions& options) {
+    WEFT_NVTX_RANGE("decode_attention");
     detail::DecodeAttentionPlan plan =
         detail::plan_decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, options,
                                       detail::attention_resident_blocks_here(q.ndim == 3 ? q.dim(2) : 128));

@@ -12,6 +12,7 @@
 #include "weft/detail/collectives.hpp"
 #include "weft/ops/attention.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/team.hpp"
 #include "weft/runtime/world.hpp"
 
@@ -43,6 +44,7 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
                          const TensorView& out, const TensorView& lse, cudaStream_t stream,
                          const DecodeAttentionOptions& options) {
     team.require_member("sp_decode_attention");
+    WEFT_NVTX_RANGE("sp_decode_attention");
     if (team.num_ranks() == 1) {
         decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, stream, options);
         return;

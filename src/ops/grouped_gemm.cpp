@@ -19,6 +19,7 @@
 #include "weft/ops/gemm_plan.hpp"
 #include "weft/runtime/driver.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/nvtx.hpp"
 
 namespace weft::ops {
 namespace {
@@ -389,6 +390,7 @@ void validate_grouped_fp8_args(const GroupedGemmProblem& p, const TensorView& a,
 void grouped_gemm_masked_fp8(const TensorView& a, const TensorView& a_scales, const TensorView& b, const TensorView& d,
                              BLayout b_layout, const int32_t* counts, const TensorView& a_bf16, cudaStream_t stream,
                              const GroupedGemmOptions& options) {
+    WEFT_NVTX_RANGE("grouped_gemm_masked_fp8");
     WEFT_CHECK(a_bf16.dtype == DType::kBF16,
                "grouped_gemm_masked_fp8: a_bf16 (the workspace) must be bf16, got " << dtype_name(a_bf16.dtype));
     const GroupedGemmProblem p =
@@ -451,6 +453,7 @@ void check_grouped_status(const GroupedStatus& status) {
 void grouped_gemm_contiguous(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
                              const int32_t* offsets, const int32_t* counts, cudaStream_t stream,
                              const GroupedGemmOptions& options) {
+    WEFT_NVTX_RANGE("grouped_gemm_contiguous");
     const GroupedGemmProblem p =
         validate_grouped_gemm_args(GroupedLayout::kContiguous, a, b, d, b_layout, offsets, counts);
     check_options(options, p);
@@ -459,6 +462,7 @@ void grouped_gemm_contiguous(const TensorView& a, const TensorView& b, const Ten
 
 void grouped_gemm_masked(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
                          const int32_t* counts, cudaStream_t stream, const GroupedGemmOptions& options) {
+    WEFT_NVTX_RANGE("grouped_gemm_masked");
     const GroupedGemmProblem p = validate_grouped_gemm_args(GroupedLayout::kMasked, a, b, d, b_layout, nullptr, counts);
     check_options(options, p);
     launch(p, a, b, d, nullptr, counts, stream, options);
