@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "support/nvrtc_testing.hpp"
 #include "support/sass_testing.hpp"
 #include "weft/common/gemm_config.hpp"
 #include "weft/common/gemv_config.hpp"
@@ -39,49 +40,13 @@ using testing::disassemble;
 using testing::expect_clean_ptxas_report;
 using testing::max_loads_in_flight;
 
-struct Compiled {
-    nvrtcResult result = NVRTC_SUCCESS;
-    std::string log;
-    std::vector<char> cubin;
-    std::map<std::string, std::string> lowered;  // instantiation -> mangled name
-};
+using Compiled = testing::NvrtcCompiled;
 
-// NOTE: NVRTC has no C++ standard library: fixed-width integers come from libcu++ (the toolkit's cccl
-// folder), as weft/common/macros.hpp expects; the JIT passes the same include path.
 Compiled compile(const std::vector<std::string>& instantiations, const std::string& extra_source = "") {
-    const std::string source = "#include \"gemm/gemm_sm90.cuh\"\n#include \"gemm/gemv_rows_sm90.cuh\"\n"
-                               "#include \"gemm/gemv_tma_sm90.cuh\"\n" +
-                               extra_source;
-    nvrtcProgram prog = nullptr;
-    Compiled out;
-    out.result = nvrtcCreateProgram(&prog, source.c_str(), "weft_gemm_test.cu", 0, nullptr, nullptr);
-    if (out.result != NVRTC_SUCCESS) return out;
-    for (const auto& name : instantiations) nvrtcAddNameExpression(prog, name.c_str());
-    const std::string inc = std::string("-I") + WEFT_SOURCE_DIR + "/include";
-    const std::string kinc = std::string("-I") + WEFT_SOURCE_DIR + "/kernels";
-    const std::string cccl = std::string("-I") + WEFT_CUDA_INCLUDE_DIR + "/cccl";
-    const std::string cuda_inc = std::string("-I") + WEFT_CUDA_INCLUDE_DIR;
-    const char* opts[] = {"-arch=sm_90a", "-std=c++20", "--ptxas-options=-v", inc.c_str(),
-                          kinc.c_str(),   cccl.c_str(), cuda_inc.c_str()};
-    out.result = nvrtcCompileProgram(prog, static_cast<int>(std::size(opts)), opts);
-    size_t log_size = 0;
-    nvrtcGetProgramLogSize(prog, &log_size);
-    out.log.assign(log_size, '\0');
-    nvrtcGetProgramLog(prog, out.log.data());
-    if (out.result == NVRTC_SUCCESS) {
-        size_t cubin_size = 0;
-        nvrtcGetCUBINSize(prog, &cubin_size);
-        out.cubin.resize(cubin_size);
-        nvrtcGetCUBIN(prog, out.cubin.data());
-        for (const auto& name : instantiations) {
-            const char* lowered = nullptr;
-            if (nvrtcGetLoweredName(prog, name.c_str(), &lowered) == NVRTC_SUCCESS && lowered) {
-                out.lowered[name] = lowered;
-            }
-        }
-    }
-    nvrtcDestroyProgram(&prog);
-    return out;
+    return testing::nvrtc_compile("#include \"gemm/gemm_sm90.cuh\"\n#include \"gemm/gemv_rows_sm90.cuh\"\n"
+                                  "#include \"gemm/gemv_tma_sm90.cuh\"\n" +
+                                      extra_source,
+                                  "weft_gemm_test.cu", instantiations);
 }
 
 struct Combo {
