@@ -10,9 +10,10 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
-#include <regex>
+#include <optional>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 #include "weft/runtime/driver.hpp"
 #include "weft/runtime/env.hpp"
@@ -172,14 +173,26 @@ void write_text(const fs::path& path, const void* data, size_t bytes) {
 
 // ---------------------------------------------------------------------------------------------------
 
+namespace {
+
+// The decimal number that ends right before `suffix`'s first occurrence in `line` (nullopt without one): plain
+// scanning, which is all ptxas's fixed phrases need.
+std::optional<int> number_before(const std::string& line, std::string_view suffix) {
+    const size_t at = line.find(suffix);
+    if (at == std::string::npos) return std::nullopt;
+    size_t begin = at;
+    while (begin > 0 && line[begin - 1] >= '0' && line[begin - 1] <= '9') --begin;
+    if (begin == at || at - begin > 9) return std::nullopt;
+    return std::stoi(line.substr(begin, at - begin));
+}
+
+}  // namespace
+
 PtxasInfo parse_ptxas_info(const std::string& log, const std::string& lowered_name) {
     PtxasInfo info;
     std::istringstream in(log);
     std::string line;
     bool inside = false;
-    static const std::regex kRegisters(R"(Used (\d+) registers)");
-    static const std::regex kSpills(R"((\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads)");
-    static const std::regex kSmem(R"((\d+) bytes smem)");
     while (std::getline(in, line)) {
         const bool entry = line.find("Compiling entry function '") != std::string::npos;
         if (entry) {
@@ -188,14 +201,20 @@ PtxasInfo parse_ptxas_info(const std::string& log, const std::string& lowered_na
         }
         if (!inside) continue;
         info.text += line + "\n";
-        std::smatch m;
-        if (std::regex_search(line, m, kRegisters)) info.registers = std::stoi(m[1]);
-        if (std::regex_search(line, m, kSpills)) {
-            info.stack_frame_bytes = std::stoi(m[1]);
-            info.spill_store_bytes = std::stoi(m[2]);
-            info.spill_load_bytes = std::stoi(m[3]);
+        // "Used 168 registers, ..., 1024 bytes smem" and "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill
+        // loads".
+        if (line.find("Used ") != std::string::npos) {
+            if (auto v = number_before(line, " registers")) info.registers = *v;
         }
-        if (std::regex_search(line, m, kSmem)) info.static_smem_bytes = std::stoi(m[1]);
+        const auto frame = number_before(line, " bytes stack frame, ");
+        const auto stores = number_before(line, " bytes spill stores, ");
+        const auto loads = number_before(line, " bytes spill loads");
+        if (frame && stores && loads) {
+            info.stack_frame_bytes = *frame;
+            info.spill_store_bytes = *stores;
+            info.spill_load_bytes = *loads;
+        }
+        if (auto v = number_before(line, " bytes smem")) info.static_smem_bytes = *v;
     }
     return info;
 }
@@ -270,14 +289,18 @@ std::string Compiler::resolve_arch(const std::string& requested) {
         // From Hopper on, the "a" variant unlocks the architecture-specific instructions (wgmma, setmaxnreg).
         arch = "sm_" + std::to_string(major * 10 + minor) + (major >= 9 ? "a" : "");
     }
-    static const std::regex kArch(R"(sm_(\d{2,3})([af]?))");
-    std::smatch m;
-    WEFT_CHECK(std::regex_match(arch, m, kArch), "arch must look like sm_90a (sm_<number>[a|f]), got '" << arch << "'");
+    // sm_<2 or 3 digits>[a|f]
+    size_t digits = 0;
+    while (3 + digits < arch.size() && arch[3 + digits] >= '0' && arch[3 + digits] <= '9') ++digits;
+    const size_t rest = arch.size() - std::min(arch.size(), 3 + digits);
+    const bool well_formed = arch.rfind("sm_", 0) == 0 && digits >= 2 && digits <= 3 &&
+                             (rest == 0 || (rest == 1 && (arch.back() == 'a' || arch.back() == 'f')));
+    WEFT_CHECK(well_formed, "arch must look like sm_90a (sm_<number>[a|f]), got '" << arch << "'");
     int num = 0;
     WEFT_NVRTC_CHECK(nvrtcGetNumSupportedArchs(&num));
     std::vector<int> supported(static_cast<size_t>(num));
     WEFT_NVRTC_CHECK(nvrtcGetSupportedArchs(supported.data()));
-    const int sm = std::stoi(m[1]);
+    const int sm = std::stoi(arch.substr(3, digits));
     if (std::find(supported.begin(), supported.end(), sm) == supported.end()) {
         std::ostringstream os;
         for (int s : supported) os << " sm_" << s;

@@ -8,6 +8,7 @@
 #include <future>
 #include <optional>
 
+#include "weft/detail/host_mapped_pool.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 
@@ -181,13 +182,11 @@ Buffer::Buffer(const Team& team, const Config& config) : impl_(std::make_unique<
     b.normal = b.ws.normal_buffer(b.symmetric, b.device);
     b.low_latency = b.ws.low_latency_buffer(b.symmetric, b.device);
 
-    void* host = nullptr;
-    WEFT_CUDA_CHECK(cudaHostAlloc(&host, sizeof(Status), cudaHostAllocMapped | cudaHostAllocPortable));
-    std::memset(host, 0, sizeof(Status));
-    b.status_host = static_cast<Status*>(host);
-    void* dev = nullptr;
-    WEFT_CUDA_CHECK(cudaHostGetDevicePointer(&dev, host, 0));
-    b.status_dev = static_cast<Status*>(dev);
+    // From the process's pool, not cudaHostAlloc: that would wait for kernels spinning anywhere on the GPU.
+    static_assert(sizeof(Status) <= weft::detail::kHostMappedBlockBytes);
+    const weft::detail::HostMappedBlock words = weft::detail::host_mapped_alloc(sizeof(Status));
+    b.status_host = static_cast<Status*>(words.host);
+    b.status_dev = static_cast<Status*>(words.device);
     // Nobody launches before every member has its buffers and kernels.
     team.barrier();
     WEFT_LOG_INFO("ep: buffer ready: " << b.fp.describe());
@@ -199,8 +198,8 @@ Buffer::~Buffer() {
         WEFT_LOG_ERROR("ep: Buffer destroyed with " << b.live_handles
                                                     << " live handle(s); destroy handles first (their memory leaks)");
     }
+    b.uses.wait_all();  // this Buffer's kernels, not the whole GPU's (other teams' may spin on a member behind us)
     try {
-        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
         if (b.symmetric != nullptr) b.world->heap().free(b.team, b.symmetric);
     } catch (const std::exception& e) {
         WEFT_LOG_ERROR("ep: releasing the Buffer failed: " << e.what());
@@ -209,9 +208,7 @@ Buffer::~Buffer() {
         cudaFreeAsync(b.device, b.alloc_stream);
         cudaStreamSynchronize(b.alloc_stream);
     }
-    if (b.status_host != nullptr) {
-        cudaFreeHost(b.status_host);
-    }
+    weft::detail::host_mapped_free(b.status_host);
     cudaStreamDestroy(b.alloc_stream);
 }
 

@@ -9,6 +9,7 @@
 
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/ep.hpp"
+#include "weft/runtime/stream.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops::ep {
@@ -77,6 +78,7 @@ struct Buffer::Impl {
     jit::Kernel* k_ll_dispatch = nullptr;
     jit::Kernel* k_ll_combine = nullptr;
     int live_handles = 0;
+    mutable StreamUses uses;  // the streams this Buffer's kernels ran on: waited for before its memory is freed
     std::deque<LowLatencyHandle::Impl*> ll_dispatch_queue;  // sent, not yet received (oldest first)
     std::deque<LowLatencyHandle::Impl*> ll_combine_queue;
 

@@ -161,6 +161,7 @@ void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x,
          .dynamic_smem_bytes = static_cast<size_t>(weft::ep::LowLatencySmem::make(g, kThreads).total),
          .stream = stream},
         b.ctx, a);
+    b.uses.note(stream);
     switch (options.phase) {
         case Phase::kSendRecv:
             h.state = State::kDispatched;
@@ -243,6 +244,7 @@ void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, 
          .dynamic_smem_bytes = static_cast<size_t>(weft::ep::LowLatencySmem::make(g, kThreads).total),
          .stream = stream},
         b.ctx, a);
+    b.uses.note(stream);
     switch (options.phase) {
         case Phase::kSendRecv:
             break;

@@ -17,6 +17,7 @@ NormalHandle::Impl::~Impl() {
         return;
     }
     try {
+        buffer->uses.wait_all();  // no kernel of this Buffer still reads the handle's buffers here
         buffer->world->heap().free(buffer->team, symmetric);
         if (device != nullptr) {
             WEFT_CUDA_CHECK(cudaFreeAsync(device, buffer->alloc_stream));
@@ -75,6 +76,7 @@ void Buffer::Impl::launch_layout(const NormalHandle::Impl& h, const TensorView& 
                       .dynamic_smem_bytes = static_cast<size_t>(weft::ep::LayoutSmem::make(geo, kThreads).total),
                       .stream = stream},
                      ctx, a);
+    uses.note(stream);
 }
 
 void Buffer::layout(NormalHandle& handle, const TensorView& topk_idx, cudaStream_t stream) {
@@ -113,6 +115,7 @@ void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorVie
                           .dynamic_smem_bytes = static_cast<size_t>(weft::ep::NormalSmem::make(g, kThreads).total),
                           .stream = stream},
                          b.ctx, a);
+    b.uses.note(stream);
     h.num_tokens = t;
     h.dispatched = true;
 }
@@ -144,6 +147,7 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
                          .dynamic_smem_bytes = static_cast<size_t>(weft::ep::NormalSmem::make(g, kThreads).total),
                          .stream = stream},
                         b.ctx, a);
+    b.uses.note(stream);
 }
 
 }  // namespace weft::ops::ep

@@ -115,7 +115,6 @@ struct GemmAr::State : tp_detail::FusedOpState {
     explicit State(const Team& t) : FusedOpState(t, kOp) {}
     ~State() {
         heap.free_all();
-        if (small_m_workspace != nullptr) cudaFree(small_m_workspace);
     }
 
     GemmProblem problem(int64_t m) const {
@@ -173,8 +172,7 @@ GemmAr::GemmAr(const Team& team, const GemmArShape& shape, const GemmArOptions& 
         s.small_m_workspace_bytes = std::max(s.small_m_workspace_bytes, pt.workspace_bytes);
     }
     if (s.small_m_workspace_bytes > 0) {
-        WEFT_CUDA_CHECK(cudaMalloc(&s.small_m_workspace, s.small_m_workspace_bytes));
-        WEFT_CUDA_CHECK(cudaMemset(s.small_m_workspace, 0, s.small_m_workspace_bytes));
+        s.small_m_workspace = s.heap.alloc_private(s.small_m_workspace_bytes);
     }
     if (shape.max_m > kGemvMaxM) {
         GemmConfig config = tp_detail::choose_gemm_config(s.problem(shape.max_m), s.budget, options.config, kOp);

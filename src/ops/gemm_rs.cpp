@@ -213,7 +213,6 @@ struct GemmRs::State : tp_detail::FusedOpState {
     explicit State(const Team& t) : FusedOpState(t, kOp) {}
     ~State() {
         heap.free_all();
-        if (acc != nullptr) cudaFree(acc);
     }
 };
 
@@ -279,8 +278,7 @@ GemmRs::GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& 
         team.barrier();
         return;
     }
-    WEFT_CUDA_CHECK(
-        cudaMalloc(reinterpret_cast<void**>(&s.acc), static_cast<size_t>(max_rows * s.lda) * sizeof(float)));
+    s.acc = static_cast<float*>(s.heap.alloc_private(static_cast<uint64_t>(max_rows * s.lda) * sizeof(float)));
 
     s.side = s.streams.add_stream();
     s.fork = s.streams.add_event();

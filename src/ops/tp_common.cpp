@@ -97,18 +97,40 @@ uint64_t* SymmetricAllocations::alloc_signals(uint64_t count) {
     return p;
 }
 
+void* SymmetricAllocations::alloc_private(uint64_t bytes) {
+    if (private_stream_ == nullptr) {
+        WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&private_stream_, cudaStreamNonBlocking));
+    }
+    void* p = nullptr;
+    WEFT_CUDA_CHECK(cudaMallocAsync(&p, bytes, private_stream_));
+    private_.push_back(p);
+    WEFT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, private_stream_));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(private_stream_));
+    return p;
+}
+
 void SymmetricAllocations::free_all() noexcept {
-    if (ptrs_.empty()) return;
+    if (ptrs_.empty() && private_.empty()) return;
+    // Work still queued (ours, or a peer's reading these buffers) must end before the memory is reused: our own
+    // launches here, the peers' behind the barrier.
+    uses_.wait_all();
     try {
-        // Work still queued (ours, or a peer's reading these buffers) must end before the memory is reused.
-        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-        team_.barrier();
-        SymmetricHeap& heap = team_.world().heap();
-        for (auto it = ptrs_.rbegin(); it != ptrs_.rend(); ++it) heap.free(team_, *it);
+        if (!ptrs_.empty()) {
+            team_.barrier();
+            SymmetricHeap& heap = team_.world().heap();
+            for (auto it = ptrs_.rbegin(); it != ptrs_.rend(); ++it) heap.free(team_, *it);
+        }
     } catch (const std::exception& e) {
         WEFT_LOG_ERROR("tp ops: releasing symmetric buffers failed: " << e.what());
     }
     ptrs_.clear();
+    if (private_stream_ != nullptr) {
+        for (void* p : private_) cudaFreeAsync(p, private_stream_);
+        cudaStreamSynchronize(private_stream_);
+        cudaStreamDestroy(private_stream_);
+        private_stream_ = nullptr;
+    }
+    private_.clear();
 }
 
 StreamSet::~StreamSet() {

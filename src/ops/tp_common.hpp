@@ -22,6 +22,7 @@
 #include "weft/ops/fused_gemm.hpp"
 #include "weft/ops/gemm_plan.hpp"
 #include "weft/runtime/nvtx.hpp"
+#include "weft/runtime/stream.hpp"
 #include "weft/runtime/team.hpp"
 
 namespace weft {
@@ -76,15 +77,22 @@ public:
     explicit SymmetricAllocations(const Team& team) : team_(team) {}
     void* alloc(uint64_t bytes);
     uint64_t* alloc_signals(uint64_t count);
-    /// Synchronises the device, meets the team's other members at a barrier (no peer still touches these buffers),
-    /// frees everything; logs instead of throwing (destructors call it). Idempotent.
-    /// NOTE: ranks that are threads of one process share the device: the synchronisation also waits for the
-    /// other teams' kernels there, which end as long as their members (never this rank) launch their parts.
+    /// A zeroed private device buffer, stream-ordered (cudaMalloc/cudaFree would wait for every kernel on the
+    /// device, e.g. another team's spinning ones); freed by free_all.
+    void* alloc_private(uint64_t bytes);
+    /// Records that work touching these buffers was enqueued on `stream` (after each launch).
+    void note_use(cudaStream_t stream) { uses_.note(stream); }
+    /// Waits for the work noted (this op's, not the whole device's), meets the team's other members at a barrier
+    /// (no peer still touches these buffers), frees everything; logs instead of throwing (destructors call it).
+    /// Idempotent.
     void free_all() noexcept;
 
 private:
     Team team_;
     std::vector<void*> ptrs_;
+    std::vector<void*> private_;
+    StreamUses uses_;
+    cudaStream_t private_stream_ = nullptr;
 };
 
 /// Non-blocking streams and events created on the current device, destroyed with the owner.
@@ -197,6 +205,7 @@ private:
     template <class Launch, class Call>
     void launch_and_sync(Launch& launch, const Call& call, size_t idx, cudaStream_t stream) {
         launch(call, idx, stream);
+        heap.note_use(stream);
         first_calls.after_call(team, idx, stream);
     }
     /// Whether `stream` is being captured (throws on a CUDA error).

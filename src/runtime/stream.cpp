@@ -91,4 +91,38 @@ float Event::elapsed_ms(const Event& start) const {
     return ms;
 }
 
+void StreamUses::note(cudaStream_t stream) {
+    for (auto& [s, e] : uses_) {
+        if (s == stream) {
+            e.record(stream);
+            return;
+        }
+    }
+    // A new stream. A caller cycling through short-lived streams would grow the list: past a few entries, drop
+    // those whose work has finished (not on every new stream: no queries while a capture may be under way).
+    if (uses_.size() >= 8) {
+        std::erase_if(uses_, [](const std::pair<cudaStream_t, Event>& u) {
+            const cudaError_t st = cudaEventQuery(u.second.get());
+            if (st == cudaErrorNotReady) return false;
+            if (st != cudaSuccess) (void)cudaGetLastError();  // e.g. cudaErrorCapturedEvent: nothing to wait for
+            return true;
+        });
+    }
+    uses_.emplace_back(stream, Event());
+    uses_.back().second.record(stream);
+}
+
+void StreamUses::wait_all() noexcept {
+    for (auto& [s, e] : uses_) {
+        const cudaError_t st = cudaEventSynchronize(e.get());
+        if (st == cudaErrorCapturedEvent) {
+            (void)cudaGetLastError();  // last recorded during capture: the graph's replays are the caller's
+        } else if (st != cudaSuccess) {
+            (void)cudaGetLastError();
+            WEFT_LOG_WARN("waiting for an op's work before releasing it: " << cudaGetErrorName(st));
+        }
+    }
+    uses_.clear();
+}
+
 }  // namespace weft

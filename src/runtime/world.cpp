@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "runtime_internal.hpp"
+#include "weft/detail/host_mapped_pool.hpp"
 #include "weft/detail/rank_threads.hpp"
 #include "weft/detail/runtime_config.hpp"
 #include "weft/detail/watchdog.hpp"
@@ -232,6 +233,8 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     c.shared_sm_budget = detail::resolve_sm_budget(setup.options.sm_budget, env::get("WEFT_SM_BUDGET"), sm_count,
                                                    c.max_ranks_per_device);
 
+    // The pool ops take their host-mapped status words from: ready before any kernel spins (docs/runtime.md).
+    detail::host_mapped_reserve();
     // Diagnostic record: pinned and mapped, so the host can read it even after a trap.
     Diagnostic* diag = nullptr;
     WEFT_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&diag), sizeof(Diagnostic),

@@ -459,6 +459,20 @@ TEST(JitCompiler, ArchComesFromTheSpecTheEnvironmentOrTheDevice) {
     }
 }
 
+TEST(JitCompiler, MalformedArchIsAnErrorNamingIt) {
+    EXPECT_EQ(Compiler::resolve_arch("sm_90"), "sm_90");
+    EXPECT_EQ(Compiler::resolve_arch("sm_100f"), "sm_100f");
+    for (const char* bad : {"sm_9", "sm_90x", "sm_90aa", "90a", "sm_1000a", "SM_90a", "sm_", "sm_a90", " sm_90a"}) {
+        try {
+            Compiler::resolve_arch(bad);
+            ADD_FAILURE() << "'" << bad << "' was accepted";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("arch must look like sm_90a"), std::string::npos) << e.what();
+            EXPECT_NE(std::string(e.what()).find(std::string("'") + bad + "'"), std::string::npos) << e.what();
+        }
+    }
+}
+
 TEST(JitCompiler, LtoGoesThroughNvJitLink) {
     Compiler compiler(isolated_compiler_config(fs::path()));
     KernelSpec spec = saxpy(4);

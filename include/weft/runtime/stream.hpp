@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -44,6 +46,23 @@ public:
 
 private:
     cudaEvent_t event_ = nullptr;
+};
+
+/// The streams an object (an op, an EP buffer) launched work on, each with an event recorded after its latest
+/// launch there. Before such an object frees memory its kernels use, it waits here for its own work only:
+/// cudaDeviceSynchronize would also wait for every other kernel on the GPU, e.g. another team's kernels that spin
+/// on a member which is itself held up behind this wait.
+/// Not thread-safe (one owner, like the op). Launches recorded during stream capture are not waited for: a graph
+/// that uses the object must not outlive it (the graph's replays are the caller's to synchronise).
+class StreamUses {
+public:
+    /// Records `stream`'s latest work (call right after enqueueing on it).
+    void note(cudaStream_t stream);
+    /// Waits until everything noted has finished; errors are logged, not thrown (destructors call it).
+    void wait_all() noexcept;
+
+private:
+    std::vector<std::pair<cudaStream_t, Event>> uses_;
 };
 
 }  // namespace weft
