@@ -118,6 +118,7 @@ def gemm(a, b, out=None, *, b_layout="nk", out_dtype=None):
 class _FusedOp:
     """What AgGemm, GemmRs and GemmAr share: a collective C++ object closed explicitly (or by weft.finalize)."""
     _kind = None
+    _a_name = "a"
 
     def __init__(self, make, team):
         torch = torch_module()
@@ -145,6 +146,22 @@ class _FusedOp:
             raise Error(f"{self._kind} is closed")
         return self._op
 
+    def _out_rows(self, a):
+        """Rows of the output of a call whose first operand is `a` (the op's own rule)."""
+        raise NotImplementedError
+
+    def run(self, a, b, out=None):
+        """One call on torch's current stream; out is allocated when None. Returns out."""
+        op = self._get()
+        world = self._world
+        av = matrix_view(a, self._a_name, world, (self.dtype,))
+        bv = matrix_view(b, "b", world, (self.dtype,))
+        if out is None:
+            out = torch_module().empty((self._out_rows(a), self.n), dtype=self.dtype, device=a.device)
+        cv = matrix_view(out, "out", world, (self.dtype,))
+        op.run(av, bv, cv, _stream(world))
+        return out
+
     def __enter__(self):
         return self
 
@@ -157,6 +174,7 @@ class AgGemm(_FusedOp):
     on each rank and b [n, k] this rank's weight shard. Collective to make and to close; run() on torch's current
     stream. max_m: largest M (a multiple of num_ranks); dtype: torch.bfloat16 or torch.float16."""
     _kind = "AgGemm"
+    _a_name = "a_local"
 
     def __init__(self, max_m, n, k, dtype=None, *, chunk_rows=0, copy_streams=0, sm_budget=0, autotune=False,
                  team=None):
@@ -168,17 +186,8 @@ class AgGemm(_FusedOp):
                                                 team=self._team), team)
         self.max_m, self.n, self.k = max_m, n, k
 
-    def run(self, a_local, b, out=None):
-        op = self._get()
-        world = self._world
-        av = matrix_view(a_local, "a_local", world, (self.dtype,))
-        bv = matrix_view(b, "b", world, (self.dtype,))
-        if out is None:
-            out = torch_module().empty((a_local.shape[0] * self.num_ranks, self.n), dtype=self.dtype,
-                                       device=a_local.device)
-        cv = matrix_view(out, "out", world, (self.dtype,))
-        op.run(av, bv, cv, _stream(world))
-        return out
+    def _out_rows(self, a_local):
+        return a_local.shape[0] * self.num_ranks
 
     def gathered(self, m):
         """[m, k] tensor over the gathered A (symmetric heap, zero copy), as the last run with M = m left it; valid
@@ -206,19 +215,10 @@ class GemmRs(_FusedOp):
     def mode(self):
         return self._get().mode
 
-    def run(self, a, b, out=None):
-        op = self._get()
-        world = self._world
-        av = matrix_view(a, "a", world, (self.dtype,))
-        bv = matrix_view(b, "b", world, (self.dtype,))
-        if out is None:
-            if a.shape[0] % self.num_ranks != 0:
-                raise ValueError(f"a: expected M a multiple of the {self.num_ranks} ranks, got shape "
-                                 f"{tuple(a.shape)}")
-            out = torch_module().empty((a.shape[0] // self.num_ranks, self.n), dtype=self.dtype, device=a.device)
-        cv = matrix_view(out, "out", world, (self.dtype,))
-        op.run(av, bv, cv, _stream(world))
-        return out
+    def _out_rows(self, a):
+        if a.shape[0] % self.num_ranks != 0:
+            raise ValueError(f"a: expected M a multiple of the {self.num_ranks} ranks, got shape {tuple(a.shape)}")
+        return a.shape[0] // self.num_ranks
 
 
 class GemmAr(_FusedOp):
@@ -236,16 +236,8 @@ class GemmAr(_FusedOp):
                                                 team=self._team), team)
         self.max_m, self.n, self.k = max_m, n, k
 
-    def run(self, a, b, out=None):
-        op = self._get()
-        world = self._world
-        av = matrix_view(a, "a", world, (self.dtype,))
-        bv = matrix_view(b, "b", world, (self.dtype,))
-        if out is None:
-            out = torch_module().empty((a.shape[0], self.n), dtype=self.dtype, device=a.device)
-        cv = matrix_view(out, "out", world, (self.dtype,))
-        op.run(av, bv, cv, _stream(world))
-        return out
+    def _out_rows(self, a):
+        return a.shape[0]
 
 
 def _round_max_m(m, num_ranks):

@@ -3,7 +3,7 @@
 // final rows are pushed to every rank by its decode kernels (LL lines) and merged by a collective kernel.
 #include <algorithm>
 #include <map>
-#include <mutex>
+#include <memory>
 #include <set>
 #include <string>
 #include <tuple>
@@ -20,21 +20,27 @@ namespace weft::ops {
 
 namespace {
 
+// The decode configs a World's teams have loaded and met over: a World extension, so that it ends with its World.
+struct LoadedDecodeConfigs final : WorldExtension {
+    std::set<std::tuple<std::string, int, int, int>> loaded;  // team id, dtype, head dim, stages
+};
+
 // Loads the decode kernels of `config` the first time a team uses them, then meets the team: no rank launches
 // the spinning combine kernel while another is still loading a module (CUDA may wait for the context to idle).
+// The World's extensions belong to the rank's own thread: no lock.
 void ensure_loaded(const Team& team, const AttentionDecodeConfig& config) {
-    static std::mutex mutex;
-    static std::set<std::tuple<const World*, std::string, int, int, int>> loaded;
-    const auto key =
-        std::make_tuple(&team.world(), team.id(), static_cast<int>(config.dtype), config.head_dim, config.stages);
-    {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (loaded.count(key) != 0) return;
+    constexpr const char* kExtension = "weft.sp_decode_attention.loaded";
+    World& world = team.world();
+    auto* ext = static_cast<LoadedDecodeConfigs*>(world.find_extension(kExtension));
+    if (ext == nullptr) {
+        ext = static_cast<LoadedDecodeConfigs*>(
+            &world.add_extension(kExtension, std::make_unique<LoadedDecodeConfigs>()));
     }
+    const auto key = std::make_tuple(team.id(), static_cast<int>(config.dtype), config.head_dim, config.stages);
+    if (ext->loaded.count(key) != 0) return;
     detail::load_decode_attention_kernels(config);
     team.barrier();
-    std::lock_guard<std::mutex> lock(mutex);
-    loaded.insert(key);
+    ext->loaded.insert(key);
 }
 
 }  // namespace

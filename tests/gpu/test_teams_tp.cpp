@@ -81,6 +81,20 @@ void check_fits(const HostMat& h, const char* what) {
                                                 << kBufBytes << " of the test's buffers");
 }
 
+/// One call of `op` on this rank's a, b and (poisoned) c through the rank's buffers; c comes back with the result.
+template <class Op>
+void run_op(World& w, Op& op, const HostMat& a, const HostMat& b, HostMat& c, RankBuffers& buf, cudaStream_t st) {
+    check_fits(a, "a");
+    check_fits(b, "b");
+    check_fits(c, "c");
+    upload(a, buf.a.ptr, st);
+    upload(b, buf.b.ptr, st);
+    upload(c, buf.c.ptr, st);
+    op.run(view(a, buf.a.ptr), view(b, buf.b.ptr), view(c, buf.c.ptr), st);
+    w.sync_and_check(st);
+    download(c, buf.c.ptr, st);
+}
+
 /// AgGemm on the team: kCalls calls, C against fp64 of AllGather(A) * B^T.
 void check_ag_gemm(World& w, const TeamOf& t, const TeamShapes& sh, RankBuffers& buf, cudaStream_t st, uint64_t base,
                    Failures& f) {
@@ -100,15 +114,7 @@ void check_ag_gemm(World& w, const TeamOf& t, const TeamShapes& sh, RankBuffers&
         b.fill_random(seed_of(base, role_of(t.index, 1), me, call));
         HostMat c(m, sh.ag_n, ldc, kDtype);
         poison(c);
-        check_fits(a, "a");
-        check_fits(b, "b");
-        check_fits(c, "c");
-        upload(a, buf.a.ptr, st);
-        upload(b, buf.b.ptr, st);
-        upload(c, buf.c.ptr, st);
-        op.run(view(a, buf.a.ptr), view(b, buf.b.ptr), view(c, buf.c.ptr), st);
-        w.sync_and_check(st);
-        download(c, buf.c.ptr, st);
+        run_op(w, op, a, b, c, buf, st);
         const std::vector<int64_t> rows_checked =
             rows_to_check(m, rows, static_cast<double>(sh.ag_n * sh.ag_k), seed_of(base, 2, w.rank(), call));
         Reference ref(static_cast<int64_t>(rows_checked.size()), sh.ag_n);
@@ -140,15 +146,7 @@ void check_gemm_rs(World& w, const TeamOf& t, const TeamShapes& sh, RankBuffers&
         const HostMat& b = bs[static_cast<size_t>(me)];
         HostMat c(rows, sh.rs_n, ldc, kDtype);
         poison(c);
-        check_fits(a, "a");
-        check_fits(b, "b");
-        check_fits(c, "c");
-        upload(a, buf.a.ptr, st);
-        upload(b, buf.b.ptr, st);
-        upload(c, buf.c.ptr, st);
-        op.run(view(a, buf.a.ptr), view(b, buf.b.ptr), view(c, buf.c.ptr), st);
-        w.sync_and_check(st);
-        download(c, buf.c.ptr, st);
+        run_op(w, op, a, b, c, buf, st);
         const std::vector<int64_t> rows_checked =
             rows_to_check(rows, rows, static_cast<double>(sh.rs_n * sh.rs_k * nr), seed_of(base, 5, w.rank(), call));
         Reference ref(static_cast<int64_t>(rows_checked.size()), sh.rs_n);
@@ -204,15 +202,7 @@ void check_gemm_ar(World& w, const TeamOf& t, const TeamShapes& sh, RankBuffers&
         const HostMat& b = bs[static_cast<size_t>(me)];
         HostMat c(m, sh.ar_n, ldc, kDtype);
         poison(c);
-        check_fits(a, "a");
-        check_fits(b, "b");
-        check_fits(c, "c");
-        upload(a, buf.a.ptr, st);
-        upload(b, buf.b.ptr, st);
-        upload(c, buf.c.ptr, st);
-        op.run(view(a, buf.a.ptr), view(b, buf.b.ptr), view(c, buf.c.ptr), st);
-        w.sync_and_check(st);
-        download(c, buf.c.ptr, st);
+        run_op(w, op, a, b, c, buf, st);
         std::vector<int64_t> rows(static_cast<size_t>(m));
         for (int64_t r = 0; r < m; ++r) rows[static_cast<size_t>(r)] = r;
         Reference ref(m, sh.ar_n);
