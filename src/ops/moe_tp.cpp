@@ -296,7 +296,8 @@ struct MoeLayerBase : tp_detail::FusedOpState {
         : FusedOpState(t, op_name), shape(s), options(o) {
         validate_moe_tp_shape(s, num_ranks, o, op_name);
         budget = tp_detail::resolve_sm_budget(o.sm_budget, world->sm_budget());
-        comm_blocks = o.comm_blocks > 0 ? o.comm_blocks : std::clamp(budget / 8, 1, 16);
+        // Uniform over the team (the members count each other's blocks): from the world's shared budget.
+        comm_blocks = o.comm_blocks > 0 ? o.comm_blocks : std::clamp(world->shared_sm_budget() / 8, 1, 16);
         gemm_budget = budget - comm_blocks;
         WEFT_CHECK(gemm_budget >= 1, op << ": the SM budget " << budget << " leaves no SM for the GEMM beside "
                                         << comm_blocks << " communication CTAs (options.comm_blocks)");
