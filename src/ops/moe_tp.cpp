@@ -200,6 +200,50 @@ void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const Tenso
     grouped_gemm_contiguous(a_rows, b, d, b_layout, routing.offsets, routing.counts, stream, options);
 }
 
+void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
+                 const TensorView& acc, const TensorView& out, cudaStream_t stream) {
+    WEFT_NVTX_RANGE("moe_combine");
+    constexpr const char* kOp = "moe_combine";
+    WEFT_CHECK(mode == MoeCombineMode::kPerSlot || mode == MoeCombineMode::kWeightedSum,
+               kOp << ": mode must be kPerSlot or kWeightedSum, got " << static_cast<int>(mode));
+    check_routing(routing, kOp);
+    const int64_t n = d_rows.ndim == 2 ? d_rows.dim(1) : -1;
+    WEFT_CHECK(n >= 0 && n % 8 == 0 && n <= kMaxIndex,
+               kOp << ": d_rows must be [rows, N] with N a multiple of 8, got " << d_rows.describe());
+    check_matrix(d_rows, kOp, "d_rows", DType::kF32, routing.rows_capacity, n);
+    const bool sum = mode == MoeCombineMode::kWeightedSum;
+    WEFT_CHECK(out.dtype == DType::kBF16 || out.dtype == DType::kF32,
+               kOp << ": out must be bf16 or f32, got " << dtype_name(out.dtype));
+    check_matrix(out, kOp, "out", out.dtype, sum ? routing.tokens : routing.tokens * routing.topk, n);
+    if (sum) {
+        check_matrix(acc, kOp, "acc", DType::kF32, routing.tokens, n);
+        WEFT_CHECK(acc.dim(0) <= 1 || acc.stride(0) == n, kOp << ": acc must be densely packed [T, N]");
+    }
+    if (weights.numel() > 0 || weights.data != nullptr) {
+        check_dense(weights, kOp, "weights", DType::kF32, routing.tokens, routing.topk);
+    }
+    if (routing.tokens == 0 || n == 0) return;
+    weft::moe::MoeCombineArgs c{};
+    c.partials[0] = static_cast<const float*>(d_rows.data);
+    c.slot_rows = routing.slot_rows;
+    c.counts = routing.counts;
+    c.offsets = routing.offsets;
+    c.weights = static_cast<const float*>(weights.data);
+    c.acc = static_cast<float*>(acc.data);
+    c.out = out.data;
+    c.ldp = d_rows.stride(0);
+    c.ldo = out.stride(0);
+    c.num_sources = 1;
+    c.num_experts = static_cast<int32_t>(routing.num_experts);
+    c.topk = static_cast<int32_t>(routing.topk);
+    c.n = static_cast<int32_t>(n);
+    c.token_begin = 0;
+    c.tokens = static_cast<int32_t>(routing.tokens);
+    c.mode = mode;
+    c.out_f32 = out.dtype == DType::kF32 ? 1 : 0;
+    moe_kernel("combine").launch(launch_params(memory_grid(routing.tokens), kMoeThreads, stream), c);
+}
+
 void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, const TensorView& out, BLayout b_layout,
                                    const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
                                    const TensorView& a_rows, const TensorView& d_rows, const TensorView& acc,
@@ -224,26 +268,7 @@ void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, con
         check_dense(weights, kOp, "weights", DType::kF32, routing.tokens, routing.topk);
     }
     grouped_gemm_gathered(a, b, d_rows, b_layout, routing, a_rows, stream, options);
-    if (routing.tokens == 0 || n == 0) return;
-    weft::moe::MoeCombineArgs c{};
-    c.partials[0] = static_cast<const float*>(d_rows.data);
-    c.slot_rows = routing.slot_rows;
-    c.counts = routing.counts;
-    c.offsets = routing.offsets;
-    c.weights = static_cast<const float*>(weights.data);
-    c.acc = static_cast<float*>(acc.data);
-    c.out = out.data;
-    c.ldp = d_rows.stride(0);
-    c.ldo = out.stride(0);
-    c.num_sources = 1;
-    c.num_experts = static_cast<int32_t>(routing.num_experts);
-    c.topk = static_cast<int32_t>(routing.topk);
-    c.n = static_cast<int32_t>(n);
-    c.token_begin = 0;
-    c.tokens = static_cast<int32_t>(routing.tokens);
-    c.mode = mode;
-    c.out_f32 = out.dtype == DType::kF32 ? 1 : 0;
-    moe_kernel("combine").launch(launch_params(memory_grid(routing.tokens), kMoeThreads, stream), c);
+    moe_combine(d_rows, routing, mode, weights, acc, out, stream);
 }
 
 // ---- TP MoE layers ---------------------------------------------------------------------------------------------

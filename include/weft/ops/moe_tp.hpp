@@ -94,6 +94,12 @@ void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, con
                                    const TensorView& a_rows, const TensorView& d_rows, const TensorView& acc,
                                    cudaStream_t stream, const GroupedGemmOptions& options = {});
 
+/// The combine alone: d_rows [rows_capacity, N] f32 (expert-ordered rows, e.g. a contiguous grouped GEMM's output on
+/// the gathered rows) back to token order as grouped_gemm_gathered_combine does (kPerSlot / kWeightedSum, weights, acc,
+/// out). One launch on `stream`; deterministic.
+void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
+                 const TensorView& acc, const TensorView& out, cudaStream_t stream);
+
 // ---- TP MoE layers ---------------------------------------------------------------------------------------------
 
 /// Problem bounds of a TP MoE layer, fixed when the op is made (symmetric buffers are sized from them).
