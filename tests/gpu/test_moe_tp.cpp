@@ -543,10 +543,12 @@ TEST(MoeTpLayers, BadArgumentsThrowOnEveryRank) {
     Failures f;
     test::run_ranks(2, [&](World& w) {
         const ops::MoeTpShape shape{.max_tokens = 64, .hidden = 64, .ffn = 64, .num_experts = 4, .topk = 2};
+        const int64_t rows = ops::moe_gathered_rows(64, 2, 4);
+        DevBuf x(32 * 64 * 2), idx(64 * 2 * 4), wt(4 * 64 * 64 * 2), y(static_cast<size_t>(rows * 64 * 2));
         ops::MoeAgGroupedGemm up(w, shape);
-        DevBuf x(32 * 64 * 2), idx(64 * 2 * 4), wt(4 * 64 * 64 * 2), y(static_cast<size_t>(up.rows_capacity() * 64 * 2));
+        EXPECT_EQ(up.rows_capacity(), rows);
         const TensorView xv(x.ptr, DType::kBF16, {32, 64}), iv(idx.ptr, DType::kI32, {64, 2}),
-            wv(wt.ptr, DType::kBF16, {4, 64, 64}), yv(y.ptr, DType::kBF16, {up.rows_capacity(), 64});
+            wv(wt.ptr, DType::kBF16, {4, 64, 64}), yv(y.ptr, DType::kBF16, {rows, 64});
         auto expect_error = [&](const char* needle, auto&& fn) {
             try {
                 fn();

@@ -124,7 +124,7 @@ TEST(MoeTpNvrtc, UnknownKernelNameIsAnError) {
 
 // A view of a fake (aligned, never dereferenced) device address; views of different `slot`s do not alias.
 TensorView view(DType t, std::initializer_list<int64_t> dims, int slot = 0) {
-    return TensorView(reinterpret_cast<void*>((uintptr_t{1} << 32) + (uintptr_t{slot} << 28)), t, dims);
+    return TensorView(reinterpret_cast<void*>((uintptr_t{1} << 32) + (static_cast<uintptr_t>(slot) << 28)), t, dims);
 }
 int32_t* fake_ints(int i) { return reinterpret_cast<int32_t*>(uintptr_t{1} << (22 + i)); }
 
