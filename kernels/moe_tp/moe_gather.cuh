@@ -101,7 +101,7 @@ __device__ __forceinline__ float4 sources_sum(const MoeCombineArgs& a, int32_t r
 }  // namespace detail
 
 /// Expert-sorted fp32 rows back to token order (MoeCombineArgs). Each warp owns tokens warp, warp + W, ... of the
-/// launch; the block walks the groups in order: with `done` set, it first waits (thread 0, bounded) until every source
+/// launch; the block walks the groups in order: with `done` set, it first waits (the block, bounded) until every source
 /// finished the group, then each warp handles its tokens' slots that the group holds (kPerSlot: writes the slot's row;
 /// kWeightedSum: adds weight * row into the token's fp32 accumulator). kWeightedSum ends with the accumulators cast to
 /// `out`. A token's slots sit in distinct rows and only its warp touches its accumulator and rows of `out`: no
