@@ -550,7 +550,8 @@ MoeGroupedGemmRs::MoeGroupedGemmRs(const Team& team, const MoeTpShape& shape, co
     s.epoch = words + e + s.num_ranks;
     // The counters return to zero at the end of every call (the group's last tile resets its own): zeroed once here.
     s.counters = static_cast<uint32_t*>(s.heap.alloc(static_cast<uint64_t>(e) * sizeof(uint32_t)));
-    WEFT_CUDA_CHECK(cudaMemset(s.counters, 0, static_cast<size_t>(e) * sizeof(uint32_t)));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(s.counters, 0, static_cast<size_t>(e) * sizeof(uint32_t), s.side));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(s.side));  // before any call (the team barrier below orders the peers')
     s.acc = static_cast<float*>(
         s.heap.alloc(static_cast<uint64_t>(shape.max_tokens / s.num_ranks * shape.hidden) * sizeof(float)));
     tp_detail::check_peers_reachable(team, s.partial, s.op);
@@ -567,7 +568,6 @@ MoeGroupedGemmRs::MoeGroupedGemmRs(const Team& team, const MoeTpShape& shape, co
     s.gemm = &ops::detail::gemm_jit_kernel(detail::moe_gemm_rs_kernel_spec(s.config));
     for (const char* k : {"combine", "wait"}) (void)moe_kernel(k);
     (void)ops::detail::gemm_jit_kernel(gemm_advance_epoch_spec());
-    WEFT_CUDA_CHECK(cudaDeviceSynchronize());  // the counters' memset, before any peer's call
     WEFT_LOG_INFO(s.op << ": " << tp_detail::config_text(s.config) << ", " << s.comm_blocks
                        << " combine CTAs, SM budget " << s.budget << ", team of " << s.num_ranks);
     team.barrier();
