@@ -121,14 +121,15 @@ Row run_shape(World& w, weft::bench::SlowestRank& slowest, const MoeShape& s, co
     r.topk = s.topk;
     const std::vector<int32_t> idx_host = routing_for(s);
 
-    Buffer x(static_cast<size_t>(tpr * h) * 2), idx(idx_host.size() * 4), w0(static_cast<size_t>(s.experts * fl * h) * 2),
-        y(static_cast<size_t>(rows * fl) * 2), y_base(static_cast<size_t>(rows * fl) * 2),
-        hb(static_cast<size_t>(rows * fl) * 2), w1(static_cast<size_t>(s.experts * h * fl) * 2),
-        weights(static_cast<size_t>(m * s.topk) * 4), out(static_cast<size_t>(tpr * h) * 4),
-        out_base(static_cast<size_t>(tpr * h) * 4), counts(static_cast<size_t>(s.experts) * 4),
-        offsets(static_cast<size_t>(s.experts + 1) * 4), gather(static_cast<size_t>(rows) * 4),
-        slots(static_cast<size_t>(m * s.topk) * 4), a_rows(static_cast<size_t>(rows * h) * 2),
-        d_rows(static_cast<size_t>(rows * h) * 4), acc(static_cast<size_t>(m * h) * 4);
+    Buffer x(static_cast<size_t>(tpr * h) * 2), idx(idx_host.size() * 4),
+        w0(static_cast<size_t>(s.experts * fl * h) * 2), y(static_cast<size_t>(rows * fl) * 2),
+        y_base(static_cast<size_t>(rows * fl) * 2), hb(static_cast<size_t>(rows * fl) * 2),
+        w1(static_cast<size_t>(s.experts * h * fl) * 2), weights(static_cast<size_t>(m * s.topk) * 4),
+        out(static_cast<size_t>(tpr * h) * 4), out_base(static_cast<size_t>(tpr * h) * 4),
+        counts(static_cast<size_t>(s.experts) * 4), offsets(static_cast<size_t>(s.experts + 1) * 4),
+        gather(static_cast<size_t>(rows) * 4), slots(static_cast<size_t>(m * s.topk) * 4),
+        a_rows(static_cast<size_t>(rows * h) * 2), d_rows(static_cast<size_t>(rows * h) * 4),
+        acc(static_cast<size_t>(m * h) * 4);
     weft::SymmetricHeap& heap = w.heap();
     void* x_full = heap.alloc(w.team(), static_cast<uint64_t>(m * h) * 2);
     void* combined = heap.alloc(w.team(), static_cast<uint64_t>(m * h) * 4);
@@ -161,8 +162,8 @@ Row run_shape(World& w, weft::bench::SlowestRank& slowest, const MoeShape& s, co
     const TensorView drv(d_rows.ptr, DType::kF32, {rows, h}), accv(acc.ptr, DType::kF32, {m, h});
     const TensorView cv(combined, DType::kF32, {m, h});
     {
-        const weft::ops::MoeTpShape shape{.max_tokens = m, .hidden = h, .ffn = fl, .num_experts = s.experts,
-                                          .topk = s.topk};
+        const weft::ops::MoeTpShape shape{
+            .max_tokens = m, .hidden = h, .ffn = fl, .num_experts = s.experts, .topk = s.topk};
         weft::ops::MoeAgGroupedGemm up(w, shape);
         weft::ops::MoeGroupedGemmRs down(w, shape);
         r.l0_tile = weft::ops::detail::config_text(up.config());
@@ -184,8 +185,8 @@ Row run_shape(World& w, weft::bench::SlowestRank& slowest, const MoeShape& s, co
         base0(0);
         w.sync_and_check(st);
         w.barrier();
-        const auto ms = weft::bench::time_rounds_on_ranks_mean_ms(w, slowest, st, o.warmup, o.iters, layer0, base0,
-                                                                  layer1, base1);
+        const auto ms =
+            weft::bench::time_rounds_on_ranks_mean_ms(w, slowest, st, o.warmup, o.iters, layer0, base0, layer1, base1);
         r.l0_ms = ms[0];
         r.l0_base_ms = ms[1];
         r.l1_ms = ms[2];
@@ -232,10 +233,12 @@ int main(int argc, char** argv) {
         std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
         std::printf("# weft_bench_moe_tp %s  %s x %d  iters %d warmup %d\n# %s\n", date, peaks.gpu.c_str(), gpus,
                     opt.iters, opt.warmup, weft::bench::describe(peaks).c_str());
-        std::printf("# ms: means of alternating calls, the slowest rank's; x: the layer's speed over its baseline "
-                    "(target >= 1.3 at world 8 on 8 GPUs); roof: the layer's GEMM at the measured peak\n");
-        std::printf("# layer 0 baseline: all_gather + moe_route + grouped_gemm_gathered; layer 1 baseline: "
-                    "grouped_gemm_contiguous + moe_combine + reduce_scatter\n");
+        std::printf(
+            "# ms: means of alternating calls, the slowest rank's; x: the layer's speed over its baseline "
+            "(target >= 1.3 at world 8 on 8 GPUs); roof: the layer's GEMM at the measured peak\n");
+        std::printf(
+            "# layer 0 baseline: all_gather + moe_route + grouped_gemm_gathered; layer 1 baseline: "
+            "grouped_gemm_contiguous + moe_combine + reduce_scatter\n");
         std::printf("%-9s %2s %6s %5s %6s %4s %4s %9s %9s %6s %9s %9s %6s %8s %-24s %8s %8s\n", "case", "W", "M", "H",
                     "F", "E", "topk", "layer0", "ag+gemm", "x", "layer1", "gemm+rs", "x", "roof", "tiles (l0 / l1)",
                     "err0", "err1");
@@ -266,14 +269,15 @@ int main(int argc, char** argv) {
                         if (w.rank() != 0) continue;
                         std::lock_guard<std::mutex> lock(rows_mutex);
                         rows.push_back(r);
-                        std::printf("%-9s %2d %6lld %5lld %6lld %4lld %4lld %9.3f %9.3f %6.3f %9.3f %9.3f %6.3f %8.3f "
-                                    "%-24s %8.1e %8.1e\n",
-                                    r.name.c_str(), r.world, static_cast<long long>(r.tokens),
-                                    static_cast<long long>(r.hidden), static_cast<long long>(r.ffn),
-                                    static_cast<long long>(r.experts), static_cast<long long>(r.topk), r.l0_ms,
-                                    r.l0_base_ms, r.l0_ms > 0 ? r.l0_base_ms / r.l0_ms : 0, r.l1_ms, r.l1_base_ms,
-                                    r.l1_ms > 0 ? r.l1_base_ms / r.l1_ms : 0, r.roof_ms,
-                                    (r.l0_tile + " / " + r.l1_tile).c_str(), r.l0_err, r.l1_err);
+                        std::printf(
+                            "%-9s %2d %6lld %5lld %6lld %4lld %4lld %9.3f %9.3f %6.3f %9.3f %9.3f %6.3f %8.3f "
+                            "%-24s %8.1e %8.1e\n",
+                            r.name.c_str(), r.world, static_cast<long long>(r.tokens), static_cast<long long>(r.hidden),
+                            static_cast<long long>(r.ffn), static_cast<long long>(r.experts),
+                            static_cast<long long>(r.topk), r.l0_ms, r.l0_base_ms,
+                            r.l0_ms > 0 ? r.l0_base_ms / r.l0_ms : 0, r.l1_ms, r.l1_base_ms,
+                            r.l1_ms > 0 ? r.l1_base_ms / r.l1_ms : 0, r.roof_ms,
+                            (r.l0_tile + " / " + r.l1_tile).c_str(), r.l0_err, r.l1_err);
                         std::fflush(stdout);
                     }
                     w.barrier();

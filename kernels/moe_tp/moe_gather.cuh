@@ -200,7 +200,9 @@ __global__ void __launch_bounds__(32) moe_wait_kernel(const MoeWaitArgs a) {
     const uint64_t expected = e > a.lag ? e - a.lag : 0;
     detail::wait_words(
         device::Warp{}, a.ctx, a.n,
-        [&](int i) { return device::tile::SignalFrom{detail::pick(a.words, i), detail::pick(a.owner, i)}; },
+        [&](int i) {
+            return device::tile::SignalFrom{detail::pick(a.words, i), detail::pick(a.owner, i)};
+        },
         expected);
 }
 
@@ -222,7 +224,10 @@ __global__ void __launch_bounds__(kMoeThreads) moe_push_rows_kernel(const MoePus
         if (q != a.rank) {
             // q's GEMM of the previous call has read its gathered A (q adds 1 to consumed[this rank] per call).
             detail::wait_words(
-                device::Block{}, a.ctx, 1, [&](int) { return device::tile::SignalFrom{a.consumed + q, q}; },
+                device::Block{}, a.ctx, 1,
+                [&](int) {
+                    return device::tile::SignalFrom{a.consumed + q, q};
+                },
                 epoch - 1);
         }
         unsigned short* dst = detail::pick(a.dst, q);

@@ -46,12 +46,12 @@ jit::LaunchParams launch_params(int grid, int block, cudaStream_t stream) {
 // stride; `what` names it.
 void check_matrix(const TensorView& v, const char* op, const char* what, DType dtype, int64_t rows, int64_t cols) {
     WEFT_CHECK(v.ndim == 2, op << ": " << what << " must be a 2-D matrix, got " << v.describe());
-    WEFT_CHECK(v.dtype == dtype, op << ": " << what << " must be " << dtype_name(dtype) << ", got "
-                                    << dtype_name(v.dtype));
-    WEFT_CHECK(rows < 0 || v.dim(0) == rows, op << ": " << what << " must have " << rows << " rows, got "
-                                                << v.describe());
-    WEFT_CHECK(cols < 0 || v.dim(1) == cols, op << ": " << what << " must have " << cols << " columns, got "
-                                                << v.describe());
+    WEFT_CHECK(v.dtype == dtype,
+               op << ": " << what << " must be " << dtype_name(dtype) << ", got " << dtype_name(v.dtype));
+    WEFT_CHECK(rows < 0 || v.dim(0) == rows,
+               op << ": " << what << " must have " << rows << " rows, got " << v.describe());
+    WEFT_CHECK(cols < 0 || v.dim(1) == cols,
+               op << ": " << what << " must have " << cols << " columns, got " << v.describe());
     WEFT_CHECK(v.dim(1) <= 1 || v.stride(1) == 1, op << ": " << what << " must be row-major, got " << v.describe());
     if (v.numel() == 0) return;
     WEFT_CHECK(v.data != nullptr, op << ": " << what << " has a null data pointer");
@@ -64,15 +64,14 @@ void check_matrix(const TensorView& v, const char* op, const char* what, DType d
 // A densely packed row-major [rows, cols] array of `dtype` read element by element (indices, weights): 4-byte aligned.
 void check_dense(const TensorView& v, const char* op, const char* what, DType dtype, int64_t rows, int64_t cols) {
     WEFT_CHECK(v.ndim == 2, op << ": " << what << " must be a 2-D matrix, got " << v.describe());
-    WEFT_CHECK(v.dtype == dtype, op << ": " << what << " must be " << dtype_name(dtype) << ", got "
-                                    << dtype_name(v.dtype));
-    WEFT_CHECK(rows < 0 || v.dim(0) == rows, op << ": " << what << " must have " << rows << " rows, got "
-                                                << v.describe());
-    WEFT_CHECK(cols < 0 || v.dim(1) == cols, op << ": " << what << " must have " << cols << " columns, got "
-                                                << v.describe());
+    WEFT_CHECK(v.dtype == dtype,
+               op << ": " << what << " must be " << dtype_name(dtype) << ", got " << dtype_name(v.dtype));
+    WEFT_CHECK(rows < 0 || v.dim(0) == rows,
+               op << ": " << what << " must have " << rows << " rows, got " << v.describe());
+    WEFT_CHECK(cols < 0 || v.dim(1) == cols,
+               op << ": " << what << " must have " << cols << " columns, got " << v.describe());
     WEFT_CHECK((v.dim(1) <= 1 || v.stride(1) == 1) && (v.dim(0) <= 1 || v.stride(0) == v.dim(1)),
-               op << ": " << what << " must be densely packed (row-major, row stride = columns), got "
-                  << v.describe());
+               op << ": " << what << " must be densely packed (row-major, row stride = columns), got " << v.describe());
     if (v.numel() == 0) return;
     WEFT_CHECK(v.data != nullptr, op << ": " << what << " has a null data pointer");
     WEFT_CHECK(reinterpret_cast<uintptr_t>(v.data) % 4 == 0,
@@ -82,12 +81,11 @@ void check_dense(const TensorView& v, const char* op, const char* what, DType dt
 void check_routing(const MoeRouting& r, const char* op) {
     WEFT_CHECK(r.num_experts >= 1 && r.num_experts <= kMaxIndex,
                op << ": routing.num_experts must be >= 1, got " << r.num_experts);
-    WEFT_CHECK(r.topk >= 1 && r.topk <= kMaxTopk, op << ": routing.topk must be in [1, " << kMaxTopk << "], got "
-                                                    << r.topk);
+    WEFT_CHECK(r.topk >= 1 && r.topk <= kMaxTopk,
+               op << ": routing.topk must be in [1, " << kMaxTopk << "], got " << r.topk);
     WEFT_CHECK(r.tokens >= 0 && r.tokens * r.topk <= kMaxIndex,
                op << ": routing.tokens x topk must fit in 31 bits, got " << r.tokens << " x " << r.topk);
-    WEFT_CHECK(r.rows_capacity >= moe_gathered_rows(r.tokens, r.topk, r.num_experts, 1) &&
-                   r.rows_capacity <= kMaxIndex,
+    WEFT_CHECK(r.rows_capacity >= moe_gathered_rows(r.tokens, r.topk, r.num_experts, 1) && r.rows_capacity <= kMaxIndex,
                op << ": routing.rows_capacity must be at least tokens x topk = " << r.tokens * r.topk
                   << " (and fit in 31 bits), got " << r.rows_capacity);
     WEFT_CHECK(r.counts != nullptr && r.offsets != nullptr && r.gather_index != nullptr && r.slot_rows != nullptr,
@@ -176,8 +174,8 @@ void moe_route(const TensorView& topk_idx, MoeRouting& routing, int64_t align, c
 std::string describe_routing_status(const MoeRoutingStatus& s) {
     if (s.code == 0) return "";
     std::ostringstream os;
-    os << "moe_route: slot " << s.slot << " (token x topk + k) has expert index " << s.value
-       << ", outside [-1, " << s.limit << ") (the slot was dropped)";
+    os << "moe_route: slot " << s.slot << " (token x topk + k) has expert index " << s.value << ", outside [-1, "
+       << s.limit << ") (the slot was dropped)";
     return os.str();
 }
 
@@ -277,8 +275,8 @@ void validate_moe_tp_shape(const MoeTpShape& s, int num_ranks, const MoeTpOption
     WEFT_CHECK(num_ranks >= 1 && num_ranks <= kMoeMaxRanks,
                op << ": the team must have 1 .. " << kMoeMaxRanks << " ranks, got " << num_ranks);
     WEFT_CHECK(s.max_tokens > 0 && s.max_tokens % num_ranks == 0,
-               op << ": shape.max_tokens must be a positive multiple of the team's num_ranks " << num_ranks
-                  << ", got " << s.max_tokens);
+               op << ": shape.max_tokens must be a positive multiple of the team's num_ranks " << num_ranks << ", got "
+                  << s.max_tokens);
     WEFT_CHECK(s.hidden >= 8 && s.hidden % 8 == 0 && s.hidden <= kMaxIndex,
                op << ": shape.hidden must be a positive multiple of 8, got " << s.hidden);
     WEFT_CHECK(s.ffn >= 8 && s.ffn % 8 == 0 && s.ffn <= kMaxIndex,
@@ -294,10 +292,10 @@ void validate_moe_tp_shape(const MoeTpShape& s, int num_ranks, const MoeTpOption
                op << ": options.comm_blocks must be in [0, 64], got " << o.comm_blocks);
     WEFT_CHECK(o.timeout.count() >= 0, op << ": options.timeout must be >= 0");
     if (o.config) {
-        WEFT_CHECK(is_valid_grouped(*o.config) && o.config->in_dtype == DType::kBF16 &&
-                       o.config->b_layout == BLayout::kNK,
-                   op << ": options.config must be a valid grouped config with bf16 inputs and B [N, K], got "
-                      << format_gemm_config(*o.config));
+        WEFT_CHECK(
+            is_valid_grouped(*o.config) && o.config->in_dtype == DType::kBF16 && o.config->b_layout == BLayout::kNK,
+            op << ": options.config must be a valid grouped config with bf16 inputs and B [N, K], got "
+               << format_gemm_config(*o.config));
     }
 }
 
@@ -416,8 +414,8 @@ MoeAgGroupedGemm::MoeAgGroupedGemm(const Team& team, const MoeTpShape& shape, co
     s.routing.rows_capacity = s.rows_capacity;
     s.routing.topk = shape.topk;
     tp_detail::check_peers_reachable(team, s.gathered, s.op);
-    WEFT_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.status_host), sizeof(MoeRoutingStatus),
-                                  cudaHostAllocMapped));
+    WEFT_CUDA_CHECK(
+        cudaHostAlloc(reinterpret_cast<void**>(&s.status_host), sizeof(MoeRoutingStatus), cudaHostAllocMapped));
     *s.status_host = MoeRoutingStatus{};
     WEFT_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.status_dev), s.status_host, 0));
 
@@ -454,24 +452,22 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
     const int64_t tpr = x_local.dim(0);
     const int64_t m = tpr * s.num_ranks;
     WEFT_CHECK(tpr >= 1 && m <= s.shape.max_tokens,
-               op << ": x_local must have 1 .. max_tokens / W = " << s.shape.max_tokens / s.num_ranks
-                  << " rows, got " << x_local.describe());
+               op << ": x_local must have 1 .. max_tokens / W = " << s.shape.max_tokens / s.num_ranks << " rows, got "
+                  << x_local.describe());
     check_dense(topk_idx, op, "topk_idx", DType::kI32, m, topk);
-    WEFT_CHECK(w.ndim == 3 && w.dtype == DType::kBF16 && w.dim(0) == e && w.dim(1) == f && w.dim(2) == h,
-               op << ": w must be bf16 [E, ffn, hidden] = [" << e << ", " << f << ", " << h << "], got "
-                  << w.describe());
+    WEFT_CHECK(
+        w.ndim == 3 && w.dtype == DType::kBF16 && w.dim(0) == e && w.dim(1) == f && w.dim(2) == h,
+        op << ": w must be bf16 [E, ffn, hidden] = [" << e << ", " << f << ", " << h << "], got " << w.describe());
     check_matrix(y, op, "y", DType::kBF16, s.rows_capacity, f);
     const TensorView a_rows(s.gathered, DType::kBF16, {s.rows_capacity, h});
-    const GroupedGemmProblem p =
-        validate_grouped_gemm_args(GroupedLayout::kContiguous, a_rows, w, y, BLayout::kNK, s.routing.offsets,
-                                   s.routing.counts);
+    const GroupedGemmProblem p = validate_grouped_gemm_args(GroupedLayout::kContiguous, a_rows, w, y, BLayout::kNK,
+                                                            s.routing.offsets, s.routing.counts);
     s.routing.tokens = m;
     const GroupedGemmOptions go = s.gemm_options(m);
     GroupedGemmOptions go_forced = go;
     go_forced.config = s.config;
-    const ops::detail::GroupedGemmLaunch gl =
-        ops::detail::prepare_grouped_gemm_launch(p, a_rows, w, y, s.routing.offsets, s.routing.counts,
-                                                 num_sms(), go_forced);
+    const ops::detail::GroupedGemmLaunch gl = ops::detail::prepare_grouped_gemm_launch(
+        p, a_rows, w, y, s.routing.offsets, s.routing.counts, num_sms(), go_forced);
     weft::moe::GatheredWaitParams wait{};
     wait.groups = gl.groups;
     wait.gather_index = s.routing.gather_index;
@@ -525,10 +521,10 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
 // ---- layer 1 ----
 
 struct MoeGroupedGemmRs::State : MoeLayerBase {
-    float* partial = nullptr;     // symmetric [rows_capacity, hidden] fp32
-    uint64_t* done = nullptr;     // symmetric [E]
-    uint32_t* counters = nullptr; // [E]
-    float* acc = nullptr;         // [max_tokens / W, hidden] fp32
+    float* partial = nullptr;      // symmetric [rows_capacity, hidden] fp32
+    uint64_t* done = nullptr;      // symmetric [E]
+    uint32_t* counters = nullptr;  // [E]
+    float* acc = nullptr;          // [max_tokens / W, hidden] fp32
     jit::Kernel* gemm = nullptr;
 
     State(const Team& t, const MoeTpShape& s, const MoeTpOptions& o) : MoeLayerBase(t, "moe_grouped_gemm_rs", s, o) {}
@@ -542,8 +538,8 @@ MoeGroupedGemmRs::MoeGroupedGemmRs(const Team& team, const MoeTpShape& shape, co
     : s_(std::make_unique<State>(team, shape, options)) {
     State& s = *s_;
     const int64_t e = shape.num_experts;
-    s.partial = static_cast<float*>(
-        s.heap.alloc(static_cast<uint64_t>(s.rows_capacity * shape.hidden) * sizeof(float)));
+    s.partial =
+        static_cast<float*>(s.heap.alloc(static_cast<uint64_t>(s.rows_capacity * shape.hidden) * sizeof(float)));
     uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(e + s.num_ranks + 1));
     s.done = words;
     s.consumed = words + e;
@@ -585,20 +581,19 @@ void MoeGroupedGemmRs::run(const TensorView& h, const TensorView& w, const MoeRo
     const char* op = s.op;
     const int64_t hid = s.shape.hidden, f = s.shape.ffn, e = s.shape.num_experts, topk = s.shape.topk;
     check_routing(routing, op);
-    WEFT_CHECK(routing.num_experts == e && routing.topk == topk,
-               op << ": routing must have num_experts = " << e << " and topk = " << topk << ", got "
-                  << routing.num_experts << " and " << routing.topk);
+    WEFT_CHECK(routing.num_experts == e && routing.topk == topk, op << ": routing must have num_experts = " << e
+                                                                    << " and topk = " << topk << ", got "
+                                                                    << routing.num_experts << " and " << routing.topk);
     const int64_t m = routing.tokens;
     WEFT_CHECK(m >= s.num_ranks && m % s.num_ranks == 0 && m <= s.shape.max_tokens,
                op << ": routing.tokens must be a positive multiple of the team's num_ranks " << s.num_ranks
                   << " up to max_tokens = " << s.shape.max_tokens << ", got " << m);
-    WEFT_CHECK(routing.rows_capacity <= s.rows_capacity,
-               op << ": routing.rows_capacity must be <= " << s.rows_capacity << " (the op's), got "
-                  << routing.rows_capacity);
+    WEFT_CHECK(routing.rows_capacity <= s.rows_capacity, op << ": routing.rows_capacity must be <= " << s.rows_capacity
+                                                            << " (the op's), got " << routing.rows_capacity);
     check_matrix(h, op, "h", DType::kBF16, routing.rows_capacity, f);
-    WEFT_CHECK(w.ndim == 3 && w.dtype == DType::kBF16 && w.dim(0) == e && w.dim(1) == hid && w.dim(2) == f,
-               op << ": w must be bf16 [E, hidden, ffn] = [" << e << ", " << hid << ", " << f << "], got "
-                  << w.describe());
+    WEFT_CHECK(
+        w.ndim == 3 && w.dtype == DType::kBF16 && w.dim(0) == e && w.dim(1) == hid && w.dim(2) == f,
+        op << ": w must be bf16 [E, hidden, ffn] = [" << e << ", " << hid << ", " << f << "], got " << w.describe());
     check_dense(weights, op, "weights", DType::kF32, m, topk);
     const int64_t tpr = m / s.num_ranks;
     WEFT_CHECK(out.dtype == DType::kBF16 || out.dtype == DType::kF32,
@@ -609,8 +604,8 @@ void MoeGroupedGemmRs::run(const TensorView& h, const TensorView& w, const MoeRo
                                                             routing.offsets, routing.counts);
     GroupedGemmOptions go = s.gemm_options(m);
     go.config = s.config;
-    const ops::detail::GroupedGemmLaunch gl = ops::detail::prepare_grouped_gemm_launch(
-        p, h, w, d_rows, routing.offsets, routing.counts, num_sms(), go);
+    const ops::detail::GroupedGemmLaunch gl =
+        ops::detail::prepare_grouped_gemm_launch(p, h, w, d_rows, routing.offsets, routing.counts, num_sms(), go);
     weft::moe::GroupDoneParams hook{};
     hook.counters = s.counters;
     hook.done = s.done;
@@ -696,8 +691,8 @@ jit::KernelSpec moe_ag_gemm_kernel_spec(const GemmConfig& config, const std::str
 
 jit::KernelSpec moe_gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch) {
     WEFT_CHECK(is_valid_grouped(config), "moe_grouped_gemm_rs: invalid grouped config " << format_gemm_config(config));
-    jit::KernelSpec spec = gemm_kernel_spec(config, "weft::kernels::gemm::GroupedScheduler",
-                                            "weft::kernels::gemm::GroupDoneHook", arch);
+    jit::KernelSpec spec =
+        gemm_kernel_spec(config, "weft::kernels::gemm::GroupedScheduler", "weft::kernels::gemm::GroupDoneHook", arch);
     spec.header = "moe_tp/moe_tp_gemm.cuh";
     return spec;
 }

@@ -28,9 +28,9 @@ namespace {
 
 using namespace tp_test;
 
-#define REQUIRE_SM90()                                         \
-    do {                                                       \
-        std::string why_;                                      \
+#define REQUIRE_SM90()                                          \
+    do {                                                        \
+        std::string why_;                                       \
         if (!gemm_test::have_sm90(&why_)) GTEST_SKIP() << why_; \
     } while (0)
 
@@ -40,12 +40,18 @@ enum class Routing { kRandom, kHotExpert, kFewExperts, kDropped, kRankWithoutTok
 
 const char* routing_name(Routing r) {
     switch (r) {
-        case Routing::kRandom: return "random";
-        case Routing::kHotExpert: return "hot expert";
-        case Routing::kFewExperts: return "experts without tokens";
-        case Routing::kDropped: return "-1 slots";
-        case Routing::kRankWithoutTokens: return "rank 0's tokens all -1";
-        case Routing::kBadIndex: return "bad indices";
+        case Routing::kRandom:
+            return "random";
+        case Routing::kHotExpert:
+            return "hot expert";
+        case Routing::kFewExperts:
+            return "experts without tokens";
+        case Routing::kDropped:
+            return "-1 slots";
+        case Routing::kRankWithoutTokens:
+            return "rank 0's tokens all -1";
+        case Routing::kBadIndex:
+            return "bad indices";
     }
     return "?";
 }
@@ -61,8 +67,7 @@ std::vector<int32_t> make_topk(Routing kind, int64_t tokens, int64_t topk, int64
         std::shuffle(perm.begin(), perm.end(), rng);
         if (kind == Routing::kFewExperts) {
             // Only the odd experts, and never the last one.
-            std::stable_partition(perm.begin(), perm.end(),
-                                  [&](int32_t e) { return e % 2 == 1 && e != experts - 1; });
+            std::stable_partition(perm.begin(), perm.end(), [&](int32_t e) { return e % 2 == 1 && e != experts - 1; });
         }
         if (kind == Routing::kHotExpert) {
             std::iter_swap(perm.begin(), std::find(perm.begin(), perm.end(), 0));  // expert 0 is every token's first
@@ -72,7 +77,8 @@ std::vector<int32_t> make_topk(Routing kind, int64_t tokens, int64_t topk, int64
             if (kind == Routing::kFewExperts && (e % 2 == 0 || e == experts - 1)) e = -1;
             if (kind == Routing::kDropped && rng() % 4 == 0) e = -1;
             if (kind == Routing::kRankWithoutTokens && t < tokens_per_rank) e = -1;
-            if (kind == Routing::kBadIndex && rng() % 8 == 0) e = rng() % 2 == 0 ? static_cast<int32_t>(experts + 3) : -7;
+            if (kind == Routing::kBadIndex && rng() % 8 == 0)
+                e = rng() % 2 == 0 ? static_cast<int32_t>(experts + 3) : -7;
             out[static_cast<size_t>(t * topk + k)] = e;
         }
     }
@@ -126,7 +132,9 @@ std::vector<uint16_t> random_bf16(int64_t rows, int64_t cols, uint64_t seed) {
     return out;
 }
 
-float bf(const std::vector<uint16_t>& m, int64_t idx) { return bits_to_float(DType::kBF16, m[static_cast<size_t>(idx)]); }
+float bf(const std::vector<uint16_t>& m, int64_t idx) {
+    return bits_to_float(DType::kBF16, m[static_cast<size_t>(idx)]);
+}
 
 /// Dot product of a[a_row, 0:k] and b[b_row, 0:k] (row strides lda, ldb) in fp64, and the sum of |products|.
 void dot(const std::vector<uint16_t>& a, int64_t lda, int64_t a_row, const std::vector<uint16_t>& b, int64_t ldb,
@@ -145,8 +153,8 @@ void dot(const std::vector<uint16_t>& a, int64_t lda, int64_t a_row, const std::
 /// (terms: products accumulated in fp32, abs_sum the sum of their magnitudes).
 bool close(double got, double want, double abs_sum, int64_t terms, DType out) {
     const double u = out == DType::kBF16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -23);
-    return std::fabs(got - want) <= u * std::fabs(want) + std::ldexp(1.0, -22) * static_cast<double>(terms) * abs_sum +
-                                        1e-30;
+    return std::fabs(got - want) <=
+           u * std::fabs(want) + std::ldexp(1.0, -22) * static_cast<double>(terms) * abs_sum + 1e-30;
 }
 
 float out_value(const std::vector<uint8_t>& raw, DType t, int64_t idx) {
@@ -211,7 +219,8 @@ void run_gathered(const GatheredCase& c, uint64_t seed) {
         slots_d(idx.size() * 4), a_d(a.size() * 2), b_d(b.size() * 2), a_rows_d(static_cast<size_t>(rows * c.k) * 2),
         d_d(static_cast<size_t>(rows * c.n * ob)), d32_d(static_cast<size_t>(rows * c.n) * 4),
         acc_d(static_cast<size_t>(c.tokens * c.n) * 4), w_d(weights.size() * 4),
-        slot_out_d(static_cast<size_t>(c.tokens * c.topk * c.n * ob)), sum_out_d(static_cast<size_t>(c.tokens * c.n * ob));
+        slot_out_d(static_cast<size_t>(c.tokens * c.topk * c.n * ob)),
+        sum_out_d(static_cast<size_t>(c.tokens * c.n * ob));
     ops::MoeRoutingStatus* status = nullptr;
     WEFT_CUDA_CHECK(cudaMallocManaged(reinterpret_cast<void**>(&status), sizeof(*status)));
     *status = {};
@@ -312,13 +321,13 @@ TEST(MoeGatheredGemm, MatchesTheHostReferenceOverRoutingCases) {
     REQUIRE_SM90();
     const uint64_t seed = fresh_seed();
     const std::vector<GatheredCase> cases = {
-        {100, 2, 8, 136, 72},                                           // awkward sizes
-        {257, 1, 5, 64, 64, Routing::kRandom, 1, DType::kF32},          // top-1, f32 out
-        {64, 8, 16, 128, 128, Routing::kDropped},                       // top-8, -1 slots
-        {200, 2, 8, 256, 256, Routing::kHotExpert, 64},                 // one hot expert, padded groups
-        {130, 2, 12, 200, 96, Routing::kFewExperts},                    // experts with no token
-        {90, 2, 4, 72, 64, Routing::kBadIndex},                         // bad indices dropped and recorded
-        {33, 8, 8, 64, 200, Routing::kRandom, 8, DType::kF32},          // every expert in every token
+        {100, 2, 8, 136, 72},                                   // awkward sizes
+        {257, 1, 5, 64, 64, Routing::kRandom, 1, DType::kF32},  // top-1, f32 out
+        {64, 8, 16, 128, 128, Routing::kDropped},               // top-8, -1 slots
+        {200, 2, 8, 256, 256, Routing::kHotExpert, 64},         // one hot expert, padded groups
+        {130, 2, 12, 200, 96, Routing::kFewExperts},            // experts with no token
+        {90, 2, 4, 72, 64, Routing::kBadIndex},                 // bad indices dropped and recorded
+        {33, 8, 8, 64, 200, Routing::kRandom, 8, DType::kF32},  // every expert in every token
     };
     for (size_t i = 0; i < cases.size(); ++i) run_gathered(cases[i], seed + i);
 }
@@ -356,8 +365,8 @@ void run_layers(World& world, const LayerCase& c, int calls, uint64_t base, Fail
         h_d(static_cast<size_t>(rows_cap * fl) * 2), w1_d(static_cast<size_t>(c.experts * c.hidden * fl) * 2),
         wt_d(static_cast<size_t>(max_m * c.topk) * 4), out_d(static_cast<size_t>(c.tokens_per_rank * c.hidden * ob));
     {
-        const ops::MoeTpShape shape{.max_tokens = max_m, .hidden = c.hidden, .ffn = fl, .num_experts = c.experts,
-                                    .topk = c.topk};
+        const ops::MoeTpShape shape{
+            .max_tokens = max_m, .hidden = c.hidden, .ffn = fl, .num_experts = c.experts, .topk = c.topk};
         ops::MoeAgGroupedGemm up(world, shape);
         ops::MoeGroupedGemmRs down(world, shape);
         cudaGraphExec_t graph_exec = nullptr;
@@ -501,12 +510,12 @@ void run_layer_cases(int world_size, const std::vector<LayerCase>& cases) {
 
 const std::vector<LayerCase>& layer_cases() {
     static const std::vector<LayerCase> v = {
-        {40, 128, 48, 8, 2},                                             // Mixtral-like in miniature
-        {24, 136, 24, 16, 8, Routing::kDropped},                         // top-8 with -1 slots, awkward H and F
-        {33, 64, 64, 5, 1, Routing::kHotExpert, false, DType::kF32},     // top-1, one hot expert, f32 out
-        {20, 128, 32, 12, 2, Routing::kFewExperts},                      // experts with no token
-        {16, 64, 16, 8, 2, Routing::kRankWithoutTokens},                 // rank 0 routes nothing
-        {32, 128, 64, 8, 2, Routing::kRandom, true},                     // graph replay
+        {40, 128, 48, 8, 2},                                          // Mixtral-like in miniature
+        {24, 136, 24, 16, 8, Routing::kDropped},                      // top-8 with -1 slots, awkward H and F
+        {33, 64, 64, 5, 1, Routing::kHotExpert, false, DType::kF32},  // top-1, one hot expert, f32 out
+        {20, 128, 32, 12, 2, Routing::kFewExperts},                   // experts with no token
+        {16, 64, 16, 8, 2, Routing::kRankWithoutTokens},              // rank 0 routes nothing
+        {32, 128, 64, 8, 2, Routing::kRandom, true},                  // graph replay
     };
     return v;
 }
@@ -559,7 +568,9 @@ TEST(MoeTpLayers, BadArgumentsThrowOnEveryRank) {
         };
         expect_error("x_local", [&] { up.run(TensorView(x.ptr, DType::kBF16, {40, 64}), iv, wv, yv, nullptr); });
         expect_error("topk_idx", [&] { up.run(xv, TensorView(idx.ptr, DType::kI32, {64, 3}), wv, yv, nullptr); });
-        expect_error("w must be bf16", [&] { up.run(xv, iv, TensorView(wt.ptr, DType::kBF16, {3, 64, 64}), yv, nullptr); });
+        expect_error("w must be bf16", [&] {
+            up.run(xv, iv, TensorView(wt.ptr, DType::kBF16, {3, 64, 64}), yv, nullptr);
+        });
         expect_error("y", [&] { up.run(xv, iv, wv, TensorView(y.ptr, DType::kBF16, {10, 64}), nullptr); });
         w.barrier();
     });

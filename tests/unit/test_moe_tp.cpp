@@ -116,9 +116,7 @@ TEST(MoeTpNvrtc, MemoryKernelsCompileCleanly) {
     }
 }
 
-TEST(MoeTpNvrtc, UnknownKernelNameIsAnError) {
-    EXPECT_THROW(ops::detail::moe_kernel_spec("no_such_kernel"), Error);
-}
+TEST(MoeTpNvrtc, UnknownKernelNameIsAnError) { EXPECT_THROW(ops::detail::moe_kernel_spec("no_such_kernel"), Error); }
 
 // ---- argument checks ---------------------------------------------------------------------------------------------
 
@@ -163,14 +161,18 @@ TEST(MoeTpArgs, RouteNamesTheBadArgument) {
     MoeRouting r = fake_routing(0, 0, 8);
     r.rows_capacity = 100 * 2;
     const auto idx = view(DType::kI32, {100, 2});
-    EXPECT_NE(error_of([&] { ops::moe_route(view(DType::kF32, {100, 2}), r, 1, nullptr); }).find("topk_idx must be i32"),
+    EXPECT_NE(error_of([&] {
+                  ops::moe_route(view(DType::kF32, {100, 2}), r, 1, nullptr);
+              }).find("topk_idx must be i32"),
               std::string::npos);
     EXPECT_NE(error_of([&] { ops::moe_route(idx, r, 4, nullptr); }).find("rows_capacity"), std::string::npos);
     EXPECT_NE(error_of([&] { ops::moe_route(idx, r, 0, nullptr); }).find("align"), std::string::npos);
     MoeRouting no_arrays = r;
     no_arrays.slot_rows = nullptr;
     EXPECT_NE(error_of([&] { ops::moe_route(idx, no_arrays, 1, nullptr); }).find("slot_rows"), std::string::npos);
-    EXPECT_NE(error_of([&] { ops::moe_route(view(DType::kI32, {100, 65}), r, 1, nullptr); }).find("topk"),
+    EXPECT_NE(error_of([&] {
+                  ops::moe_route(view(DType::kI32, {100, 65}), r, 1, nullptr);
+              }).find("topk"),
               std::string::npos);
 }
 
@@ -181,28 +183,29 @@ TEST(MoeTpArgs, GatheredGemmNamesTheBadArgument) {
     const auto b = view(DType::kBF16, {8, 512, 256});
     const auto d = view(DType::kBF16, {200, 512});
     const auto a_rows = view(DType::kBF16, {200, 256}, 1);
-    EXPECT_NE(error_of([&] { ops::grouped_gemm_gathered(view(DType::kBF16, {99, 256}), b, d, BLayout::kNK, r, a_rows,
-                                                        nullptr); })
-                  .find("a must have 100 rows"),
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(view(DType::kBF16, {99, 256}), b, d, BLayout::kNK, r, a_rows, nullptr);
+              }).find("a must have 100 rows"),
               std::string::npos);
-    EXPECT_NE(error_of([&] { ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, r, view(DType::kBF16, {199, 256}, 1),
-                                                        nullptr); })
-                  .find("a_rows must have 200 rows"),
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, r, view(DType::kBF16, {199, 256}, 1), nullptr);
+              }).find("a_rows must have 200 rows"),
               std::string::npos);
-    EXPECT_NE(error_of([&] { ops::grouped_gemm_gathered(a, view(DType::kBF16, {7, 512, 256}), d, BLayout::kNK, r,
-                                                        a_rows, nullptr); })
-                  .find("b must be [E, ...]"),
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, view(DType::kBF16, {7, 512, 256}), d, BLayout::kNK, r, a_rows, nullptr);
+              }).find("b must be [E, ...]"),
               std::string::npos);
-    EXPECT_NE(error_of([&] { ops::grouped_gemm_gathered(a, b, view(DType::kBF16, {200, 520}), BLayout::kNK, r, a_rows,
-                                                        nullptr); })
-                  .find("d must be [rows, N]"),
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, b, view(DType::kBF16, {200, 520}), BLayout::kNK, r, a_rows, nullptr);
+              }).find("d must be [rows, N]"),
               std::string::npos);
     EXPECT_NE(error_of([&] { ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, top1, a, nullptr); }).find("alias"),
               std::string::npos);
     MoeRouting small = r;
     small.rows_capacity = 150;
-    EXPECT_NE(error_of([&] { ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, small, a_rows, nullptr); })
-                  .find("rows_capacity"),
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, small, a_rows, nullptr);
+              }).find("rows_capacity"),
               std::string::npos);
 }
 
@@ -214,8 +217,8 @@ TEST(MoeTpArgs, CombineNamesTheBadArgument) {
     const auto d_rows = view(DType::kF32, {200, 512});
     const auto acc = view(DType::kF32, {100, 512});
     const auto w = view(DType::kF32, {100, 2});
-    auto combine = [&](const TensorView& out, ops::MoeCombineMode mode, const TensorView& weights,
-                       const TensorView& dr, const TensorView& ac) {
+    auto combine = [&](const TensorView& out, ops::MoeCombineMode mode, const TensorView& weights, const TensorView& dr,
+                       const TensorView& ac) {
         return error_of([&] {
             ops::grouped_gemm_gathered_combine(a, b, out, BLayout::kNK, r, mode, weights, a_rows, dr, ac, nullptr);
         });
@@ -227,18 +230,18 @@ TEST(MoeTpArgs, CombineNamesTheBadArgument) {
     EXPECT_NE(combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kPerSlot, w, d_rows, acc)
                   .find("out must have 200 rows"),
               std::string::npos);
-    EXPECT_NE(combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kWeightedSum, view(DType::kF32, {100, 3}), d_rows,
-                      acc)
-                  .find("weights must have 2 columns"),
-              std::string::npos);
-    EXPECT_NE(combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kWeightedSum, w,
-                      view(DType::kBF16, {200, 512}), acc)
-                  .find("d_rows must be f32"),
-              std::string::npos);
-    EXPECT_NE(combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kWeightedSum, w, d_rows,
-                      view(DType::kF32, {99, 512}))
-                  .find("acc must have 100 rows"),
-              std::string::npos);
+    EXPECT_NE(
+        combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kWeightedSum, view(DType::kF32, {100, 3}), d_rows, acc)
+            .find("weights must have 2 columns"),
+        std::string::npos);
+    EXPECT_NE(
+        combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kWeightedSum, w, view(DType::kBF16, {200, 512}), acc)
+            .find("d_rows must be f32"),
+        std::string::npos);
+    EXPECT_NE(
+        combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kWeightedSum, w, d_rows, view(DType::kF32, {99, 512}))
+            .find("acc must have 100 rows"),
+        std::string::npos);
     EXPECT_NE(combine(view(DType::kF16, {100, 512}), MoeCombineMode::kWeightedSum, w, d_rows, acc)
                   .find("out must be bf16 or f32"),
               std::string::npos);

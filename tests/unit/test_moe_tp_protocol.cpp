@@ -68,8 +68,8 @@ std::string run_layer0(int ranks, int blocks, int ctas, int calls, uint64_t seed
     }
     struct RankState {
         int call = 0;
-        int phase = 0;  // 0: advance epoch; 1: GEMM + push running; 2: notify; 3: join, next call
-        Vec<int> cta_next;    // next tile index (in this CTA's stride) per GEMM CTA
+        int phase = 0;         // 0: advance epoch; 1: GEMM + push running; 2: notify; 3: join, next call
+        Vec<int> cta_next;     // next tile index (in this CTA's stride) per GEMM CTA
         Vec<int> push_member;  // next member index (0 .. W) per push block
         Vec<int> push_stage;   // 0: wait consumed, 1: write + signal
     };
@@ -95,33 +95,33 @@ std::string run_layer0(int ranks, int blocks, int ctas, int calls, uint64_t seed
             return true;
         };
         // The main stream: epoch, (GEMM), notify, join.
-        actors.push_back(Actor{
-            [&, r, gemm_done, push_done] {
-                const RankState& st = rs[static_cast<size_t>(r)];
-                if (st.phase == 1) return gemm_done();
-                if (st.phase == 3) return push_done();
-                return true;
-            },
-            [&, r] {
-                RankState& st = rs[static_cast<size_t>(r)];
-                const auto ru = static_cast<size_t>(r);
-                if (st.phase == 0) {
-                    ++epoch[ru];
-                    std::fill(st.cta_next.begin(), st.cta_next.end(), 0);
-                    std::fill(st.push_member.begin(), st.push_member.end(), 0);
-                    std::fill(st.push_stage.begin(), st.push_stage.end(), 0);
-                    st.phase = 1;
-                } else if (st.phase == 1) {
-                    st.phase = 2;
-                } else if (st.phase == 2) {
-                    for (size_t q = 0; q < w; ++q) consumed[q][ru] += 1;  // this rank's gathered A is read
-                    st.phase = 3;
-                } else {
-                    st.phase = 0;
-                    ++st.call;
-                }
-            },
-            [&, r] { return rs[static_cast<size_t>(r)].call >= calls; }});
+        actors.push_back(Actor{[&, r, gemm_done, push_done] {
+                                   const RankState& st = rs[static_cast<size_t>(r)];
+                                   if (st.phase == 1) return gemm_done();
+                                   if (st.phase == 3) return push_done();
+                                   return true;
+                               },
+                               [&, r] {
+                                   RankState& st = rs[static_cast<size_t>(r)];
+                                   const auto ru = static_cast<size_t>(r);
+                                   if (st.phase == 0) {
+                                       ++epoch[ru];
+                                       std::fill(st.cta_next.begin(), st.cta_next.end(), 0);
+                                       std::fill(st.push_member.begin(), st.push_member.end(), 0);
+                                       std::fill(st.push_stage.begin(), st.push_stage.end(), 0);
+                                       st.phase = 1;
+                                   } else if (st.phase == 1) {
+                                       st.phase = 2;
+                                   } else if (st.phase == 2) {
+                                       for (size_t q = 0; q < w; ++q)
+                                           consumed[q][ru] += 1;  // this rank's gathered A is read
+                                       st.phase = 3;
+                                   } else {
+                                       st.phase = 0;
+                                       ++st.call;
+                                   }
+                               },
+                               [&, r] { return rs[static_cast<size_t>(r)].call >= calls; }});
         // GEMM CTAs: tile c, c + ctas, ...; each waits arrived[s] >= epoch * blocks for its sources, then reads them.
         for (int c = 0; c < ctas; ++c) {
             auto tile_of = [&, r, c](int* lo, int* hi) {
@@ -133,66 +133,64 @@ std::string run_layer0(int ranks, int blocks, int ctas, int calls, uint64_t seed
                 *hi = t[static_cast<size_t>(i)].second;
                 return true;
             };
-            actors.push_back(Actor{
-                [&, r, tile_of] {
-                    const RankState& st = rs[static_cast<size_t>(r)];
-                    int lo = 0, hi = 0;
-                    if (st.phase != 1 || !tile_of(&lo, &hi)) return false;
-                    for (int s = lo; s <= hi; ++s) {
-                        if (arrived[static_cast<size_t>(r)][static_cast<size_t>(s)] <
-                            epoch[static_cast<size_t>(r)] * static_cast<U64>(blocks)) {
-                            return false;
-                        }
-                    }
-                    return true;
-                },
-                [&, r, c, tile_of] {
-                    RankState& st = rs[static_cast<size_t>(r)];
-                    int lo = 0, hi = 0;
-                    tile_of(&lo, &hi);
-                    for (int s = lo; s <= hi; ++s) {
-                        for (int v : buf[static_cast<size_t>(r)][static_cast<size_t>(s)]) {
-                            if (v != st.call && failure.empty()) {
-                                std::ostringstream os;
-                                os << "layer 0: rank " << r << " call " << st.call << " read rows of source " << s
-                                   << " from call " << v;
-                                failure = os.str();
-                            }
-                        }
-                    }
-                    ++st.cta_next[static_cast<size_t>(c)];
-                },
-                [&, r] { return rs[static_cast<size_t>(r)].call >= calls; }});
+            actors.push_back(Actor{[&, r, tile_of] {
+                                       const RankState& st = rs[static_cast<size_t>(r)];
+                                       int lo = 0, hi = 0;
+                                       if (st.phase != 1 || !tile_of(&lo, &hi)) return false;
+                                       for (int s = lo; s <= hi; ++s) {
+                                           if (arrived[static_cast<size_t>(r)][static_cast<size_t>(s)] <
+                                               epoch[static_cast<size_t>(r)] * static_cast<U64>(blocks)) {
+                                               return false;
+                                           }
+                                       }
+                                       return true;
+                                   },
+                                   [&, r, c, tile_of] {
+                                       RankState& st = rs[static_cast<size_t>(r)];
+                                       int lo = 0, hi = 0;
+                                       tile_of(&lo, &hi);
+                                       for (int s = lo; s <= hi; ++s) {
+                                           for (int v : buf[static_cast<size_t>(r)][static_cast<size_t>(s)]) {
+                                               if (v != st.call && failure.empty()) {
+                                                   std::ostringstream os;
+                                                   os << "layer 0: rank " << r << " call " << st.call
+                                                      << " read rows of source " << s << " from call " << v;
+                                                   failure = os.str();
+                                               }
+                                           }
+                                       }
+                                       ++st.cta_next[static_cast<size_t>(c)];
+                                   },
+                                   [&, r] { return rs[static_cast<size_t>(r)].call >= calls; }});
         }
         // Push blocks: members in rotated order; wait consumed[q] >= epoch - 1 (not for itself), write, signal.
         for (int b = 0; b < blocks; ++b) {
-            actors.push_back(Actor{
-                [&, r, b] {
-                    const RankState& st = rs[static_cast<size_t>(r)];
-                    const int i = st.push_member[static_cast<size_t>(b)];
-                    // Forked after the call's epoch advance; runs beside the GEMM until the join.
-                    if (st.phase == 0 || i >= ranks || st.call >= calls) return false;
-                    const int q = (r + i) % ranks;
-                    if (st.push_stage[static_cast<size_t>(b)] == 0 && q != r && !broken) {
-                        return consumed[static_cast<size_t>(r)][static_cast<size_t>(q)] + 1 >=
-                               epoch[static_cast<size_t>(r)];
-                    }
-                    return true;
-                },
-                [&, r, b] {
-                    RankState& st = rs[static_cast<size_t>(r)];
-                    const auto bu = static_cast<size_t>(b);
-                    const int q = (r + st.push_member[bu]) % ranks;
-                    if (st.push_stage[bu] == 0) {
-                        st.push_stage[bu] = 1;
-                        return;
-                    }
-                    buf[static_cast<size_t>(q)][static_cast<size_t>(r)][bu] = st.call;
-                    arrived[static_cast<size_t>(q)][static_cast<size_t>(r)] += 1;
-                    st.push_stage[bu] = 0;
-                    ++st.push_member[bu];
-                },
-                [&, r] { return rs[static_cast<size_t>(r)].call >= calls; }});
+            actors.push_back(Actor{[&, r, b] {
+                                       const RankState& st = rs[static_cast<size_t>(r)];
+                                       const int i = st.push_member[static_cast<size_t>(b)];
+                                       // Forked after the call's epoch advance; runs beside the GEMM until the join.
+                                       if (st.phase == 0 || i >= ranks || st.call >= calls) return false;
+                                       const int q = (r + i) % ranks;
+                                       if (st.push_stage[static_cast<size_t>(b)] == 0 && q != r && !broken) {
+                                           return consumed[static_cast<size_t>(r)][static_cast<size_t>(q)] + 1 >=
+                                                  epoch[static_cast<size_t>(r)];
+                                       }
+                                       return true;
+                                   },
+                                   [&, r, b] {
+                                       RankState& st = rs[static_cast<size_t>(r)];
+                                       const auto bu = static_cast<size_t>(b);
+                                       const int q = (r + st.push_member[bu]) % ranks;
+                                       if (st.push_stage[bu] == 0) {
+                                           st.push_stage[bu] = 1;
+                                           return;
+                                       }
+                                       buf[static_cast<size_t>(q)][static_cast<size_t>(r)][bu] = st.call;
+                                       arrived[static_cast<size_t>(q)][static_cast<size_t>(r)] += 1;
+                                       st.push_stage[bu] = 0;
+                                       ++st.push_member[bu];
+                                   },
+                                   [&, r] { return rs[static_cast<size_t>(r)].call >= calls; }});
         }
     }
     return schedule(actors, rng, &failure);
@@ -248,61 +246,61 @@ std::string run_layer1(int ranks, int blocks, int ctas, int experts, int calls, 
             }
             return true;
         };
-        actors.push_back(Actor{
-            [&, r, gemm_done, combine_done] {
-                const RankState& st = rs[static_cast<size_t>(r)];
-                const auto rr = static_cast<size_t>(r);
-                if (st.phase == 1 && !broken) {
-                    for (size_t q = 0; q < w; ++q) {
-                        if (consumed[rr][q] + static_cast<U64>(blocks) < epoch[rr] * static_cast<U64>(blocks)) {
-                            return false;
-                        }
-                    }
-                    return true;
-                }
-                if (st.phase == 2) return gemm_done();
-                if (st.phase == 3) return combine_done();
-                return true;
-            },
-            [&, r] {
-                RankState& st = rs[static_cast<size_t>(r)];
-                if (st.phase == 0) {
-                    ++epoch[static_cast<size_t>(r)];
-                    std::fill(st.cta_next.begin(), st.cta_next.end(), 0);
-                    std::fill(st.combine_group.begin(), st.combine_group.end(), 0);
-                    st.phase = 1;
-                } else if (st.phase == 1) {
-                    st.phase = 2;  // the wait kernel passed; the GEMM starts
-                } else if (st.phase == 2) {
-                    st.phase = 3;
-                } else {
-                    st.phase = 0;
-                    ++st.call;
-                }
-            },
-            [&, r] { return rs[static_cast<size_t>(r)].call >= calls; }});
+        actors.push_back(Actor{[&, r, gemm_done, combine_done] {
+                                   const RankState& st = rs[static_cast<size_t>(r)];
+                                   const auto rr = static_cast<size_t>(r);
+                                   if (st.phase == 1 && !broken) {
+                                       for (size_t q = 0; q < w; ++q) {
+                                           if (consumed[rr][q] + static_cast<U64>(blocks) <
+                                               epoch[rr] * static_cast<U64>(blocks)) {
+                                               return false;
+                                           }
+                                       }
+                                       return true;
+                                   }
+                                   if (st.phase == 2) return gemm_done();
+                                   if (st.phase == 3) return combine_done();
+                                   return true;
+                               },
+                               [&, r] {
+                                   RankState& st = rs[static_cast<size_t>(r)];
+                                   if (st.phase == 0) {
+                                       ++epoch[static_cast<size_t>(r)];
+                                       std::fill(st.cta_next.begin(), st.cta_next.end(), 0);
+                                       std::fill(st.combine_group.begin(), st.combine_group.end(), 0);
+                                       st.phase = 1;
+                                   } else if (st.phase == 1) {
+                                       st.phase = 2;  // the wait kernel passed; the GEMM starts
+                                   } else if (st.phase == 2) {
+                                       st.phase = 3;
+                                   } else {
+                                       st.phase = 0;
+                                       ++st.call;
+                                   }
+                               },
+                               [&, r] { return rs[static_cast<size_t>(r)].call >= calls; }});
         for (int c = 0; c < ctas; ++c) {
-            actors.push_back(Actor{
-                [&, r, c] {
-                    const RankState& st = rs[static_cast<size_t>(r)];
-                    if (st.phase != 2) return false;
-                    const auto& wk = walk[static_cast<size_t>(st.call)];
-                    return c + st.cta_next[static_cast<size_t>(c)] * ctas < static_cast<int>(wk.size());
-                },
-                [&, r, c] {
-                    RankState& st = rs[static_cast<size_t>(r)];
-                    const auto rr = static_cast<size_t>(r);
-                    const auto [g, t] =
-                        walk[static_cast<size_t>(st.call)][static_cast<size_t>(c + st.cta_next[static_cast<size_t>(c)] * ctas)];
-                    const auto gu = static_cast<size_t>(g);
-                    partial[rr][gu][static_cast<size_t>(t)] = st.call;
-                    if (++counters[rr][gu] == static_cast<U64>(tiles_of[static_cast<size_t>(st.call)][gu])) {
-                        counters[rr][gu] = 0;
-                        done[rr][gu] = epoch[rr];
-                    }
-                    ++st.cta_next[static_cast<size_t>(c)];
-                },
-                [&, r] { return rs[static_cast<size_t>(r)].call >= calls; }});
+            actors.push_back(
+                Actor{[&, r, c] {
+                          const RankState& st = rs[static_cast<size_t>(r)];
+                          if (st.phase != 2) return false;
+                          const auto& wk = walk[static_cast<size_t>(st.call)];
+                          return c + st.cta_next[static_cast<size_t>(c)] * ctas < static_cast<int>(wk.size());
+                      },
+                      [&, r, c] {
+                          RankState& st = rs[static_cast<size_t>(r)];
+                          const auto rr = static_cast<size_t>(r);
+                          const auto [g, t] = walk[static_cast<size_t>(st.call)]
+                                                  [static_cast<size_t>(c + st.cta_next[static_cast<size_t>(c)] * ctas)];
+                          const auto gu = static_cast<size_t>(g);
+                          partial[rr][gu][static_cast<size_t>(t)] = st.call;
+                          if (++counters[rr][gu] == static_cast<U64>(tiles_of[static_cast<size_t>(st.call)][gu])) {
+                              counters[rr][gu] = 0;
+                              done[rr][gu] = epoch[rr];
+                          }
+                          ++st.cta_next[static_cast<size_t>(c)];
+                      },
+                      [&, r] { return rs[static_cast<size_t>(r)].call >= calls; }});
         }
         for (int b = 0; b < blocks; ++b) {
             // Combine block: experts in order (those with rows), waiting done[q][g] >= epoch on every member and
@@ -313,40 +311,42 @@ std::string run_layer1(int ranks, int blocks, int ctas, int experts, int calls, 
                 while (g < experts && tiles_of[static_cast<size_t>(st.call)][static_cast<size_t>(g)] == 0) ++g;
                 return g;
             };
-            actors.push_back(Actor{
-                [&, r, next_group] {
-                    const RankState& st = rs[static_cast<size_t>(r)];
-                    if (st.phase == 0 || st.call >= calls) return false;
-                    const int g = next_group();
-                    if (g > experts) return false;
-                    if (g == experts) return true;
-                    for (size_t q = 0; q < w; ++q) {
-                        if (done[q][static_cast<size_t>(g)] < epoch[static_cast<size_t>(r)]) return false;
-                    }
-                    return true;
-                },
-                [&, r, b, next_group] {
-                    RankState& st = rs[static_cast<size_t>(r)];
-                    const int g = next_group();
-                    if (g == experts) {
-                        for (size_t q = 0; q < w; ++q) consumed[q][static_cast<size_t>(r)] += 1;
-                    } else {
-                        const int n = tiles_of[static_cast<size_t>(st.call)][static_cast<size_t>(g)];
-                        for (size_t q = 0; q < w; ++q) {
-                            for (int t = 0; t < n; ++t) {
-                                const int v = partial[q][static_cast<size_t>(g)][static_cast<size_t>(t)];
-                                if (v != st.call && failure.empty()) {
-                                    std::ostringstream os;
-                                    os << "layer 1: rank " << r << " call " << st.call << " read expert " << g
-                                       << " tile " << t << " of rank " << q << " from call " << v;
-                                    failure = os.str();
-                                }
-                            }
-                        }
-                    }
-                    ++st.combine_group[static_cast<size_t>(b)];
-                },
-                [&, r] { return rs[static_cast<size_t>(r)].call >= calls; }});
+            actors.push_back(Actor{[&, r, next_group] {
+                                       const RankState& st = rs[static_cast<size_t>(r)];
+                                       if (st.phase == 0 || st.call >= calls) return false;
+                                       const int g = next_group();
+                                       if (g > experts) return false;
+                                       if (g == experts) return true;
+                                       for (size_t q = 0; q < w; ++q) {
+                                           if (done[q][static_cast<size_t>(g)] < epoch[static_cast<size_t>(r)])
+                                               return false;
+                                       }
+                                       return true;
+                                   },
+                                   [&, r, b, next_group] {
+                                       RankState& st = rs[static_cast<size_t>(r)];
+                                       const int g = next_group();
+                                       if (g == experts) {
+                                           for (size_t q = 0; q < w; ++q) consumed[q][static_cast<size_t>(r)] += 1;
+                                       } else {
+                                           const int n = tiles_of[static_cast<size_t>(st.call)][static_cast<size_t>(g)];
+                                           for (size_t q = 0; q < w; ++q) {
+                                               for (int t = 0; t < n; ++t) {
+                                                   const int v =
+                                                       partial[q][static_cast<size_t>(g)][static_cast<size_t>(t)];
+                                                   if (v != st.call && failure.empty()) {
+                                                       std::ostringstream os;
+                                                       os << "layer 1: rank " << r << " call " << st.call
+                                                          << " read expert " << g << " tile " << t << " of rank " << q
+                                                          << " from call " << v;
+                                                       failure = os.str();
+                                                   }
+                                               }
+                                           }
+                                       }
+                                       ++st.combine_group[static_cast<size_t>(b)];
+                                   },
+                                   [&, r] { return rs[static_cast<size_t>(r)].call >= calls; }});
         }
     }
     return schedule(actors, rng, &failure);
@@ -355,8 +355,8 @@ std::string run_layer1(int ranks, int blocks, int ctas, int experts, int calls, 
 TEST(MoeTpProtocol, Layer0NeverDeadlocksNorReadsAnotherCallsRows) {
     for (int ranks : {1, 2, 3, 4, 8}) {
         for (uint64_t seed = 0; seed < 40; ++seed) {
-            const std::string bad = run_layer0(ranks, 1 + static_cast<int>(seed % 3), 1 + static_cast<int>(seed % 4),
-                                               4, seed * 7919 + static_cast<uint64_t>(ranks));
+            const std::string bad = run_layer0(ranks, 1 + static_cast<int>(seed % 3), 1 + static_cast<int>(seed % 4), 4,
+                                               seed * 7919 + static_cast<uint64_t>(ranks));
             ASSERT_EQ(bad, "") << "W=" << ranks << " seed " << seed;
         }
     }
@@ -365,8 +365,9 @@ TEST(MoeTpProtocol, Layer0NeverDeadlocksNorReadsAnotherCallsRows) {
 TEST(MoeTpProtocol, Layer1NeverDeadlocksNorReadsAnotherCallsPartial) {
     for (int ranks : {1, 2, 3, 4, 8}) {
         for (uint64_t seed = 0; seed < 40; ++seed) {
-            const std::string bad = run_layer1(ranks, 1 + static_cast<int>(seed % 3), 1 + static_cast<int>(seed % 4),
-                                               1 + static_cast<int>(seed % 5), 4, seed * 104729 + static_cast<uint64_t>(ranks));
+            const std::string bad =
+                run_layer1(ranks, 1 + static_cast<int>(seed % 3), 1 + static_cast<int>(seed % 4),
+                           1 + static_cast<int>(seed % 5), 4, seed * 104729 + static_cast<uint64_t>(ranks));
             ASSERT_EQ(bad, "") << "W=" << ranks << " seed " << seed;
         }
     }

@@ -28,22 +28,22 @@ struct MoeRoutingStatus {
 /// the gathered layout: expert e's rows are [offsets[e], offsets[e] + counts[e]) of the gathered rows, its slots in
 /// (token, k) order; its padding rows (up to a multiple of `align`) and the rows from offsets[E] on hold -1.
 struct MoeRoutingArgs {
-    const int32_t* topk_idx;  ///< [tokens, topk]
-    int32_t* counts;          ///< [E] rows of each expert
-    int32_t* offsets;         ///< [E + 1] first row of each expert; offsets[E] = rows used (padding included)
-    int32_t* gather_index;    ///< [rows_capacity] token of each gathered row, -1 for padding and unused rows
-    int32_t* slot_rows;       ///< [tokens * topk] gathered row of each slot, -1 for a dropped (-1 or bad) slot
-    MoeRoutingStatus* status; ///< or nullptr
+    const int32_t* topk_idx;   ///< [tokens, topk]
+    int32_t* counts;           ///< [E] rows of each expert
+    int32_t* offsets;          ///< [E + 1] first row of each expert; offsets[E] = rows used (padding included)
+    int32_t* gather_index;     ///< [rows_capacity] token of each gathered row, -1 for padding and unused rows
+    int32_t* slot_rows;        ///< [tokens * topk] gathered row of each slot, -1 for a dropped (-1 or bad) slot
+    MoeRoutingStatus* status;  ///< or nullptr
     int32_t tokens, topk, num_experts, align, rows_capacity;
 };
 
 /// The gather kernel's arguments: out[r] = a[gather_index[r]] for r in [0, rows), zeros where gather_index[r] < 0.
 struct MoeGatherArgs {
-    const unsigned short* a;     ///< [tokens, K] 16-bit rows, row stride lda elements
-    unsigned short* out;         ///< [rows, K] row stride ldo elements
-    const int32_t* gather_index; ///< [rows]
+    const unsigned short* a;      ///< [tokens, K] 16-bit rows, row stride lda elements
+    unsigned short* out;          ///< [rows, K] row stride ldo elements
+    const int32_t* gather_index;  ///< [rows]
     int64_t lda, ldo;
-    int32_t rows, k, tokens;     ///< k: a multiple of 8; indices >= tokens are treated as -1
+    int32_t rows, k, tokens;  ///< k: a multiple of 8; indices >= tokens are treated as -1
 };
 
 /// How the top-k reduce kernel writes the expert-sorted rows D back to token order.
@@ -59,23 +59,23 @@ enum class MoeCombineMode : int32_t {
 /// launch's; out rows are relative to token_begin. The sum over a token's slots runs in (group, k) order for every
 /// token: ascending expert index, then k; deterministic whatever the launch's grid.
 struct MoeCombineArgs {
-    const float* partials[kMoeMaxRanks];   ///< D of each source [rows, N] (row stride ldp floats)
-    const uint64_t* done[kMoeMaxRanks];    ///< [E] per-group "stored" words of each source, or nullptr: no waits
-    uint64_t* consumed[kMoeMaxRanks];      ///< after the launch's reads, each block adds 1 to *consumed[s], or nullptr
-    const int32_t* slot_rows;              ///< [total tokens, topk]
-    const int32_t* counts;                 ///< [E]
-    const int32_t* offsets;                ///< [E]
-    const float* weights;                  ///< [total tokens, topk] (kWeightedSum), or nullptr: weight 1
-    float* acc;                            ///< kWeightedSum: fp32 scratch [tokens, N] (row stride N)
-    void* out;                             ///< bf16 or f32 (out_f32), row stride ldo elements
-    const uint64_t* epoch;                 ///< with done: the call counter (the wait is for >= *epoch)
-    DeviceCtx ctx;                         ///< bound and diagnostics of the waits
+    const float* partials[kMoeMaxRanks];  ///< D of each source [rows, N] (row stride ldp floats)
+    const uint64_t* done[kMoeMaxRanks];   ///< [E] per-group "stored" words of each source, or nullptr: no waits
+    uint64_t* consumed[kMoeMaxRanks];     ///< after the launch's reads, each block adds 1 to *consumed[s], or nullptr
+    const int32_t* slot_rows;             ///< [total tokens, topk]
+    const int32_t* counts;                ///< [E]
+    const int32_t* offsets;               ///< [E]
+    const float* weights;                 ///< [total tokens, topk] (kWeightedSum), or nullptr: weight 1
+    float* acc;                           ///< kWeightedSum: fp32 scratch [tokens, N] (row stride N)
+    void* out;                            ///< bf16 or f32 (out_f32), row stride ldo elements
+    const uint64_t* epoch;                ///< with done: the call counter (the wait is for >= *epoch)
+    DeviceCtx ctx;                        ///< bound and diagnostics of the waits
     int64_t ldp, ldo;
     int32_t num_sources, num_experts, topk, n;
     int32_t token_begin, tokens;
     MoeCombineMode mode;
     int32_t out_f32;
-    int32_t done_owner[kMoeMaxRanks];      ///< team rank of each source (named by a timeout's diagnostic)
+    int32_t done_owner[kMoeMaxRanks];  ///< team rank of each source (named by a timeout's diagnostic)
 };
 
 /// The TP MoE layer 0 push kernel's arguments (moe_tp.cuh, moe_push_rows_kernel): this rank's tokens' rows, one per
@@ -84,11 +84,11 @@ struct MoeCombineArgs {
 /// the kernel waits until q's GEMM of the previous call is over: *consumed[q] >= *epoch - 1 (q adds 1 per call).
 struct MoePushArgs {
     DeviceCtx ctx;
-    unsigned short* dst[kMoeMaxRanks];      ///< member q's gathered A
-    uint64_t* arrived[kMoeMaxRanks];        ///< &(member q's arrived[this rank])
-    const uint64_t* consumed;               ///< [W] local words the members' end-of-call notify adds to
-    const unsigned short* x;                ///< [tokens_per_rank, K] this rank's tokens, row stride ldx
-    const int32_t* slot_rows;               ///< [W * tokens_per_rank, topk]
+    unsigned short* dst[kMoeMaxRanks];  ///< member q's gathered A
+    uint64_t* arrived[kMoeMaxRanks];    ///< &(member q's arrived[this rank])
+    const uint64_t* consumed;           ///< [W] local words the members' end-of-call notify adds to
+    const unsigned short* x;            ///< [tokens_per_rank, K] this rank's tokens, row stride ldx
+    const int32_t* slot_rows;           ///< [W * tokens_per_rank, topk]
     const uint64_t* epoch;
     int64_t ldx, ldd;
     int32_t tokens_per_rank, topk, k, num_ranks, rank;
@@ -121,7 +121,7 @@ struct GatheredWaitParams {
     const int32_t* gather_index;  ///< [rows] token of each row (global index)
     const uint64_t* arrived;      ///< [W] local words, raised by the members' push kernels
     const uint64_t* epoch;
-    uint64_t per_epoch;           ///< adds per member per call (the push kernel's blocks)
+    uint64_t per_epoch;  ///< adds per member per call (the push kernel's blocks)
     uint64_t timeout_ns;
     Diagnostic* diag;
     int32_t tokens_per_rank;
@@ -133,9 +133,9 @@ struct GatheredWaitParams {
 /// completes its group (ceil(counts[g] / tile_m) * ceil(n / tile_n) tiles) resets the counter and raises done[group]
 /// to *epoch with release semantics at system scope.
 struct GroupDoneParams {
-    uint32_t* counters;      ///< [E] zero between calls
-    uint64_t* done;          ///< [E]
-    const int32_t* counts;   ///< [E]
+    uint32_t* counters;     ///< [E] zero between calls
+    uint64_t* done;         ///< [E]
+    const int32_t* counts;  ///< [E]
     const uint64_t* epoch;
     int32_t tile_m, tile_n, n, capacity;  ///< capacity: clamp of a count (rows of the GEMM)
 };

@@ -57,7 +57,7 @@ struct MoeRouting {
     int32_t* gather_index = nullptr;  ///< [rows_capacity]
     int32_t* slot_rows = nullptr;     ///< [tokens * topk]
     int64_t num_experts = 0;
-    int64_t rows_capacity = 0;        ///< >= moe_gathered_rows(tokens, topk, E, align)
+    int64_t rows_capacity = 0;  ///< >= moe_gathered_rows(tokens, topk, E, align)
     int64_t tokens = 0;
     int64_t topk = 0;
 };
@@ -113,9 +113,9 @@ struct MoeTpShape {
 
 /// Knobs. Zero / empty: chosen from the problem and the device.
 struct MoeTpOptions {
-    int sm_budget = 0;                 ///< SMs of the op's kernels; 0 = World::sm_budget()
-    int comm_blocks = 0;               ///< CTAs of the push (layer 0) / combine (layer 1) kernel; 0 = heuristic
-    std::optional<GemmConfig> config;  ///< the grouped GEMM's config (is_valid_grouped, bf16 in, B [N, K])
+    int sm_budget = 0;                     ///< SMs of the op's kernels; 0 = World::sm_budget()
+    int comm_blocks = 0;                   ///< CTAs of the push (layer 0) / combine (layer 1) kernel; 0 = heuristic
+    std::optional<GemmConfig> config;      ///< the grouped GEMM's config (is_valid_grouped, bf16 in, B [N, K])
     std::chrono::milliseconds timeout{0};  ///< bound on every wait; 0 = WEFT_TIMEOUT_MS or 10 s
 };
 
