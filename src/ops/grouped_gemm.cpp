@@ -3,6 +3,8 @@
 // tile scheduler (kernels/gemm/gemm_scheduler.cuh, GroupedScheduler).
 #include "weft/ops/grouped_gemm.hpp"
 
+#include "grouped_gemm_internal.hpp"
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -467,5 +469,31 @@ void grouped_gemm_masked(const TensorView& a, const TensorView& b, const TensorV
     check_options(options, p);
     launch(p, a, b, d, nullptr, counts, stream, options);
 }
+
+namespace detail {
+
+GroupedGemmLaunch prepare_grouped_gemm_launch(const GroupedGemmProblem& p, const TensorView& a, const TensorView& b,
+                                              const TensorView& d, const int32_t* offsets, const int32_t* counts,
+                                              int num_sms, const GroupedGemmOptions& options) {
+    WEFT_CHECK(p.groups > 0 && p.rows > 0 && p.n > 0, "grouped_gemm: a fused launch needs groups, rows and columns");
+    GroupedGemmLaunch out;
+    const GroupedGemmPlan plan = plan_grouped_gemm(p, num_sms, options);
+    out.config = plan.config;
+    out.grid = plan.grid;
+    const TensorView a_rows = as_rows(a);
+    const TensorView d_rows = as_rows(d);
+    out.maps = make_maps(plan.config, a_rows, b, d_rows);
+    GemmOptions dense_options;
+    dense_options.timeout = options.timeout;
+    out.args = make_gemm_args(a_rows, d_rows, gemm_timeout_ns(dense_options));
+    out.groups.counts = counts;
+    out.groups.offsets = p.layout == GroupedLayout::kContiguous ? offsets : nullptr;
+    out.groups.num_groups = static_cast<int32_t>(p.groups);
+    out.groups.capacity = static_cast<int32_t>(p.capacity);
+    out.groups.status = options.status;
+    return out;
+}
+
+}  // namespace detail
 
 }  // namespace weft::ops

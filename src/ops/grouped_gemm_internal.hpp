@@ -1,0 +1,26 @@
+// SPDX-License-Identifier: MIT
+// What a fused grouped op (the TP MoE layers) needs from the grouped GEMM to launch weft's GEMM kernel with its own
+// grouped scheduler and hook: the plan, tensor maps and arguments of a validated call.
+#pragma once
+
+#include "weft/detail/gemm_launch.hpp"
+#include "weft/ops/grouped_gemm.hpp"
+
+namespace weft::ops::detail {
+
+/// One grouped launch set up on the host: config, persistent grid, tensor maps, GemmArgs and the scheduler's groups.
+struct GroupedGemmLaunch {
+    GemmConfig config{};
+    int grid = 0;
+    GemmTensorMaps maps{};
+    GemmArgs args{};
+    GroupedSchedulerParams groups{};
+};
+
+/// The launch of a grouped call `p` (validate_grouped_gemm_args) on the views: plan_grouped_gemm(p, num_sms, options),
+/// its tensor maps over a and d seen as rows, and the groups from offsets/counts. p must have rows, groups and n > 0.
+GroupedGemmLaunch prepare_grouped_gemm_launch(const GroupedGemmProblem& p, const TensorView& a, const TensorView& b,
+                                              const TensorView& d, const int32_t* offsets, const int32_t* counts,
+                                              int num_sms, const GroupedGemmOptions& options);
+
+}  // namespace weft::ops::detail

@@ -1,0 +1,702 @@
+// SPDX-License-Identifier: MIT
+// weft::ops TP MoE: routing to the gathered layout, the gathered grouped GEMM (gather, contiguous grouped GEMM,
+// combine) and the two fused tensor-parallel MoE layers (kernels/moe_tp/README.md).
+#include "weft/ops/moe_tp.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+#include "grouped_gemm_internal.hpp"
+#include "tp_common.hpp"
+#include "weft/common/math.hpp"
+#include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
+#include "weft/runtime/symmetric_heap.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft::ops {
+
+using weft::moe::kMoeMaxRanks;
+using weft::moe::kMoeThreads;
+
+namespace {
+
+constexpr int64_t kMaxIndex = (int64_t{1} << 31) - 1;
+constexpr int64_t kMaxTopk = 64;
+
+int num_sms() {
+    int device = 0, n = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    return n;
+}
+
+jit::LaunchParams launch_params(int grid, int block, cudaStream_t stream) {
+    jit::LaunchParams lp;
+    lp.grid = dim3(static_cast<unsigned>(std::max(grid, 1)), 1, 1);
+    lp.block = dim3(static_cast<unsigned>(block), 1, 1);
+    lp.stream = stream;
+    return lp;
+}
+
+// A row-major 2-D view of `dtype` with `rows` x `cols` (cols < 0: any), inner stride 1, 16-byte aligned base and row
+// stride; `what` names it.
+void check_matrix(const TensorView& v, const char* op, const char* what, DType dtype, int64_t rows, int64_t cols) {
+    WEFT_CHECK(v.ndim == 2, op << ": " << what << " must be a 2-D matrix, got " << v.describe());
+    WEFT_CHECK(v.dtype == dtype,
+               op << ": " << what << " must be " << dtype_name(dtype) << ", got " << dtype_name(v.dtype));
+    WEFT_CHECK(rows < 0 || v.dim(0) == rows,
+               op << ": " << what << " must have " << rows << " rows, got " << v.describe());
+    WEFT_CHECK(cols < 0 || v.dim(1) == cols,
+               op << ": " << what << " must have " << cols << " columns, got " << v.describe());
+    WEFT_CHECK(v.dim(1) <= 1 || v.stride(1) == 1, op << ": " << what << " must be row-major, got " << v.describe());
+    if (v.numel() == 0) return;
+    WEFT_CHECK(v.data != nullptr, op << ": " << what << " has a null data pointer");
+    WEFT_CHECK(reinterpret_cast<uintptr_t>(v.data) % 16 == 0,
+               op << ": " << what << "'s base address must be 16-byte aligned, got " << v.data);
+    WEFT_CHECK(v.dim(0) <= 1 || (v.stride(0) * dtype_bytes(dtype)) % 16 == 0,
+               op << ": " << what << "'s row stride must be a multiple of 16 bytes, got " << v.describe());
+}
+
+// A densely packed row-major [rows, cols] array of `dtype` read element by element (indices, weights): 4-byte aligned.
+void check_dense(const TensorView& v, const char* op, const char* what, DType dtype, int64_t rows, int64_t cols) {
+    WEFT_CHECK(v.ndim == 2, op << ": " << what << " must be a 2-D matrix, got " << v.describe());
+    WEFT_CHECK(v.dtype == dtype,
+               op << ": " << what << " must be " << dtype_name(dtype) << ", got " << dtype_name(v.dtype));
+    WEFT_CHECK(rows < 0 || v.dim(0) == rows,
+               op << ": " << what << " must have " << rows << " rows, got " << v.describe());
+    WEFT_CHECK(cols < 0 || v.dim(1) == cols,
+               op << ": " << what << " must have " << cols << " columns, got " << v.describe());
+    WEFT_CHECK((v.dim(1) <= 1 || v.stride(1) == 1) && (v.dim(0) <= 1 || v.stride(0) == v.dim(1)),
+               op << ": " << what << " must be densely packed (row-major, row stride = columns), got " << v.describe());
+    if (v.numel() == 0) return;
+    WEFT_CHECK(v.data != nullptr, op << ": " << what << " has a null data pointer");
+    WEFT_CHECK(reinterpret_cast<uintptr_t>(v.data) % 4 == 0,
+               op << ": " << what << " must be 4-byte aligned, got " << v.data);
+}
+
+void check_routing(const MoeRouting& r, const char* op) {
+    WEFT_CHECK(r.num_experts >= 1 && r.num_experts <= kMaxIndex,
+               op << ": routing.num_experts must be >= 1, got " << r.num_experts);
+    WEFT_CHECK(r.topk >= 1 && r.topk <= kMaxTopk,
+               op << ": routing.topk must be in [1, " << kMaxTopk << "], got " << r.topk);
+    WEFT_CHECK(r.tokens >= 0 && r.tokens * r.topk <= kMaxIndex,
+               op << ": routing.tokens x topk must fit in 31 bits, got " << r.tokens << " x " << r.topk);
+    WEFT_CHECK(r.rows_capacity >= moe_gathered_rows(r.tokens, r.topk, r.num_experts, 1) && r.rows_capacity <= kMaxIndex,
+               op << ": routing.rows_capacity must be at least tokens x topk = " << r.tokens * r.topk
+                  << " (and fit in 31 bits), got " << r.rows_capacity);
+    WEFT_CHECK(r.counts != nullptr && r.offsets != nullptr && r.gather_index != nullptr && r.slot_rows != nullptr,
+               op << ": routing's arrays (counts, offsets, gather_index, slot_rows) must all be given");
+}
+
+// The kernels of this file (header, instantiation).
+struct MoeKernelName {
+    const char* name;
+    const char* header;
+    const char* instantiation;
+};
+constexpr MoeKernelName kMoeKernels[] = {
+    {"routing_count", "moe_tp/moe_routing.cuh", "weft::kernels::moe_tp::moe_routing_count_kernel<0>"},
+    {"routing_place", "moe_tp/moe_routing.cuh", "weft::kernels::moe_tp::moe_routing_place_kernel<0>"},
+    {"gather", "moe_tp/moe_gather.cuh", "weft::kernels::moe_tp::moe_gather_kernel<0>"},
+    {"combine", "moe_tp/moe_gather.cuh", "weft::kernels::moe_tp::moe_combine_kernel<0>"},
+    {"notify", "moe_tp/moe_gather.cuh", "weft::kernels::moe_tp::moe_notify_kernel<0>"},
+    {"wait", "moe_tp/moe_gather.cuh", "weft::kernels::moe_tp::moe_wait_kernel<0>"},
+    {"push", "moe_tp/moe_gather.cuh", "weft::kernels::moe_tp::moe_push_rows_kernel<0>"},
+};
+
+jit::Kernel& moe_kernel(const char* name) { return ops::detail::gemm_jit_kernel(detail::moe_kernel_spec(name)); }
+
+// A grid for a memory-bound kernel over `items` warps of work: ~4 CTAs per SM at most.
+int memory_grid(int64_t items) {
+    return static_cast<int>(std::clamp<int64_t>(ceil_div(items, kMoeThreads / 32), 1, int64_t{4} * num_sms()));
+}
+
+void launch_route(const int32_t* topk_idx, const MoeRouting& r, int64_t align, cudaStream_t stream,
+                  MoeRoutingStatus* status) {
+    weft::moe::MoeRoutingArgs args{};
+    args.topk_idx = topk_idx;
+    args.counts = r.counts;
+    args.offsets = r.offsets;
+    args.gather_index = r.gather_index;
+    args.slot_rows = r.slot_rows;
+    args.status = status;
+    args.tokens = static_cast<int32_t>(r.tokens);
+    args.topk = static_cast<int32_t>(r.topk);
+    args.num_experts = static_cast<int32_t>(r.num_experts);
+    args.align = static_cast<int32_t>(align);
+    args.rows_capacity = static_cast<int32_t>(r.rows_capacity);
+    moe_kernel("routing_count").launch(launch_params(static_cast<int>(r.num_experts), kMoeThreads, stream), args);
+    moe_kernel("routing_place").launch(launch_params(static_cast<int>(r.num_experts) + 1, kMoeThreads, stream), args);
+}
+
+void launch_gather(const TensorView& a, const MoeRouting& r, const TensorView& a_rows, cudaStream_t stream) {
+    weft::moe::MoeGatherArgs g{};
+    g.a = static_cast<const unsigned short*>(a.data);
+    g.out = static_cast<unsigned short*>(a_rows.data);
+    g.gather_index = r.gather_index;
+    g.lda = a.stride(0);
+    g.ldo = a_rows.stride(0);
+    g.rows = static_cast<int32_t>(r.rows_capacity);
+    g.k = static_cast<int32_t>(a.dim(1));
+    g.tokens = static_cast<int32_t>(a.dim(0));
+    moe_kernel("gather").launch(launch_params(memory_grid(r.rows_capacity), kMoeThreads, stream), g);
+}
+
+}  // namespace
+
+int64_t moe_gathered_rows(int64_t tokens, int64_t topk, int64_t num_experts, int64_t align) {
+    WEFT_CHECK(tokens >= 0 && topk >= 0 && num_experts >= 0 && align >= 1,
+               "moe_gathered_rows: tokens, topk, num_experts must be >= 0 and align >= 1, got "
+                   << tokens << ", " << topk << ", " << num_experts << ", " << align);
+    return tokens * topk + num_experts * (align - 1);
+}
+
+void moe_route(const TensorView& topk_idx, MoeRouting& routing, int64_t align, cudaStream_t stream,
+               MoeRoutingStatus* status) {
+    WEFT_NVTX_RANGE("moe_route");
+    check_dense(topk_idx, "moe_route", "topk_idx", DType::kI32, -1, -1);
+    routing.tokens = topk_idx.dim(0);
+    routing.topk = topk_idx.dim(1);
+    WEFT_CHECK(align >= 1 && align <= 4096, "moe_route: align must be in [1, 4096], got " << align);
+    WEFT_CHECK(routing.rows_capacity >= moe_gathered_rows(routing.tokens, routing.topk, routing.num_experts, align),
+               "moe_route: routing.rows_capacity must be >= tokens x topk + E x (align - 1) = "
+                   << moe_gathered_rows(routing.tokens, routing.topk, routing.num_experts, align) << ", got "
+                   << routing.rows_capacity);
+    check_routing(routing, "moe_route");
+    WEFT_CHECK(reinterpret_cast<uintptr_t>(status) % 4 == 0, "moe_route: status must be 4-byte aligned");
+    launch_route(static_cast<const int32_t*>(topk_idx.data), routing, align, stream, status);
+}
+
+std::string describe_routing_status(const MoeRoutingStatus& s) {
+    if (s.code == 0) return "";
+    std::ostringstream os;
+    os << "moe_route: slot " << s.slot << " (token x topk + k) has expert index " << s.value << ", outside [-1, "
+       << s.limit << ") (the slot was dropped)";
+    return os.str();
+}
+
+void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
+                           const MoeRouting& routing, const TensorView& a_rows, cudaStream_t stream,
+                           const GroupedGemmOptions& options) {
+    WEFT_NVTX_RANGE("grouped_gemm_gathered");
+    constexpr const char* kOp = "grouped_gemm_gathered";
+    check_routing(routing, kOp);
+    check_matrix(a, kOp, "a", DType::kBF16, routing.tokens, -1);
+    check_matrix(a_rows, kOp, "a_rows", DType::kBF16, routing.rows_capacity, a.dim(1));
+    WEFT_CHECK(a_rows.data != a.data, kOp << ": a_rows (the workspace) must not alias a");
+    WEFT_CHECK(b.ndim == 3 && b.dim(0) == routing.num_experts,
+               kOp << ": b must be [E, ...] with E = routing.num_experts = " << routing.num_experts << ", got "
+                   << b.describe());
+    // The grouped GEMM checks b, d and the dtypes against a_rows.
+    validate_grouped_gemm_args(GroupedLayout::kContiguous, a_rows, b, d, b_layout, routing.offsets, routing.counts);
+    if (routing.rows_capacity == 0) return;
+    launch_gather(a, routing, a_rows, stream);
+    grouped_gemm_contiguous(a_rows, b, d, b_layout, routing.offsets, routing.counts, stream, options);
+}
+
+void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
+                 const TensorView& acc, const TensorView& out, cudaStream_t stream) {
+    WEFT_NVTX_RANGE("moe_combine");
+    constexpr const char* kOp = "moe_combine";
+    WEFT_CHECK(mode == MoeCombineMode::kPerSlot || mode == MoeCombineMode::kWeightedSum,
+               kOp << ": mode must be kPerSlot or kWeightedSum, got " << static_cast<int>(mode));
+    check_routing(routing, kOp);
+    const int64_t n = d_rows.ndim == 2 ? d_rows.dim(1) : -1;
+    WEFT_CHECK(n >= 0 && n % 8 == 0 && n <= kMaxIndex,
+               kOp << ": d_rows must be [rows, N] with N a multiple of 8, got " << d_rows.describe());
+    check_matrix(d_rows, kOp, "d_rows", DType::kF32, routing.rows_capacity, n);
+    const bool sum = mode == MoeCombineMode::kWeightedSum;
+    WEFT_CHECK(out.dtype == DType::kBF16 || out.dtype == DType::kF32,
+               kOp << ": out must be bf16 or f32, got " << dtype_name(out.dtype));
+    check_matrix(out, kOp, "out", out.dtype, sum ? routing.tokens : routing.tokens * routing.topk, n);
+    if (sum) {
+        check_matrix(acc, kOp, "acc", DType::kF32, routing.tokens, n);
+        WEFT_CHECK(acc.dim(0) <= 1 || acc.stride(0) == n, kOp << ": acc must be densely packed [T, N]");
+    }
+    if (weights.numel() > 0 || weights.data != nullptr) {
+        check_dense(weights, kOp, "weights", DType::kF32, routing.tokens, routing.topk);
+    }
+    if (routing.tokens == 0 || n == 0) return;
+    weft::moe::MoeCombineArgs c{};
+    c.partials[0] = static_cast<const float*>(d_rows.data);
+    c.slot_rows = routing.slot_rows;
+    c.counts = routing.counts;
+    c.offsets = routing.offsets;
+    c.weights = static_cast<const float*>(weights.data);
+    c.acc = static_cast<float*>(acc.data);
+    c.out = out.data;
+    c.ldp = d_rows.stride(0);
+    c.ldo = out.stride(0);
+    c.num_sources = 1;
+    c.num_experts = static_cast<int32_t>(routing.num_experts);
+    c.topk = static_cast<int32_t>(routing.topk);
+    c.n = static_cast<int32_t>(n);
+    c.token_begin = 0;
+    c.tokens = static_cast<int32_t>(routing.tokens);
+    c.mode = mode;
+    c.out_f32 = out.dtype == DType::kF32 ? 1 : 0;
+    moe_kernel("combine").launch(launch_params(memory_grid(routing.tokens), kMoeThreads, stream), c);
+}
+
+void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, const TensorView& out, BLayout b_layout,
+                                   const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
+                                   const TensorView& a_rows, const TensorView& d_rows, const TensorView& acc,
+                                   cudaStream_t stream, const GroupedGemmOptions& options) {
+    WEFT_NVTX_RANGE("grouped_gemm_gathered_combine");
+    constexpr const char* kOp = "grouped_gemm_gathered_combine";
+    WEFT_CHECK(mode == MoeCombineMode::kPerSlot || mode == MoeCombineMode::kWeightedSum,
+               kOp << ": mode must be kPerSlot or kWeightedSum, got " << static_cast<int>(mode));
+    check_routing(routing, kOp);
+    const int64_t n = b.ndim == 3 ? (b_layout == BLayout::kNK ? b.dim(1) : b.dim(2)) : -1;
+    WEFT_CHECK(n >= 0 && n % 8 == 0, kOp << ": N (b's output columns) must be a multiple of 8, got " << b.describe());
+    check_matrix(d_rows, kOp, "d_rows", DType::kF32, routing.rows_capacity, n);
+    const bool sum = mode == MoeCombineMode::kWeightedSum;
+    WEFT_CHECK(out.dtype == DType::kBF16 || out.dtype == DType::kF32,
+               kOp << ": out must be bf16 or f32, got " << dtype_name(out.dtype));
+    check_matrix(out, kOp, "out", out.dtype, sum ? routing.tokens : routing.tokens * routing.topk, n);
+    if (sum) {
+        check_matrix(acc, kOp, "acc", DType::kF32, routing.tokens, n);
+        WEFT_CHECK(acc.dim(0) <= 1 || acc.stride(0) == n, kOp << ": acc must be densely packed [T, N]");
+    }
+    if (weights.numel() > 0 || weights.data != nullptr) {
+        check_dense(weights, kOp, "weights", DType::kF32, routing.tokens, routing.topk);
+    }
+    grouped_gemm_gathered(a, b, d_rows, b_layout, routing, a_rows, stream, options);
+    moe_combine(d_rows, routing, mode, weights, acc, out, stream);
+}
+
+// ---- TP MoE layers ---------------------------------------------------------------------------------------------
+
+void validate_moe_tp_shape(const MoeTpShape& s, int num_ranks, const MoeTpOptions& o, const char* op) {
+    WEFT_CHECK(num_ranks >= 1 && num_ranks <= kMoeMaxRanks,
+               op << ": the team must have 1 .. " << kMoeMaxRanks << " ranks, got " << num_ranks);
+    WEFT_CHECK(s.max_tokens > 0 && s.max_tokens % num_ranks == 0,
+               op << ": shape.max_tokens must be a positive multiple of the team's num_ranks " << num_ranks << ", got "
+                  << s.max_tokens);
+    WEFT_CHECK(s.hidden >= 8 && s.hidden % 8 == 0 && s.hidden <= kMaxIndex,
+               op << ": shape.hidden must be a positive multiple of 8, got " << s.hidden);
+    WEFT_CHECK(s.ffn >= 8 && s.ffn % 8 == 0 && s.ffn <= kMaxIndex,
+               op << ": shape.ffn (this rank's shard) must be a positive multiple of 8, got " << s.ffn);
+    WEFT_CHECK(s.num_experts >= 1 && s.num_experts <= 4096,
+               op << ": shape.num_experts must be in [1, 4096], got " << s.num_experts);
+    WEFT_CHECK(s.topk >= 1 && s.topk <= kMaxTopk && s.topk <= s.num_experts,
+               op << ": shape.topk must be in [1, min(" << kMaxTopk << ", num_experts)], got " << s.topk);
+    WEFT_CHECK(s.max_tokens * s.topk <= kMaxIndex,
+               op << ": shape.max_tokens x topk must fit in 31 bits, got " << s.max_tokens * s.topk);
+    WEFT_CHECK(o.sm_budget >= 0, op << ": options.sm_budget must be >= 0, got " << o.sm_budget);
+    WEFT_CHECK(o.comm_blocks >= 0 && o.comm_blocks <= 64,
+               op << ": options.comm_blocks must be in [0, 64], got " << o.comm_blocks);
+    WEFT_CHECK(o.timeout.count() >= 0, op << ": options.timeout must be >= 0");
+    if (o.config) {
+        WEFT_CHECK(
+            is_valid_grouped(*o.config) && o.config->in_dtype == DType::kBF16 && o.config->b_layout == BLayout::kNK,
+            op << ": options.config must be a valid grouped config with bf16 inputs and B [N, K], got "
+               << format_gemm_config(*o.config));
+    }
+}
+
+namespace {
+
+// What both layers share: the team skeleton, the epoch word, the side stream, the SM split.
+struct MoeLayerBase : tp_detail::FusedOpState {
+    MoeTpShape shape;
+    MoeTpOptions options;
+    int comm_blocks = 1;
+    int gemm_budget = 1;
+    int64_t rows_capacity = 0;
+    uint64_t* epoch = nullptr;
+    uint64_t* consumed = nullptr;  // [W]
+    cudaStream_t side = nullptr;
+    cudaEvent_t fork = nullptr, join = nullptr;
+    GemmConfig config{};
+    bool first_call_pending = false;
+
+    MoeLayerBase(const Team& t, const char* op_name, const MoeTpShape& s, const MoeTpOptions& o)
+        : FusedOpState(t, op_name), shape(s), options(o) {
+        validate_moe_tp_shape(s, num_ranks, o, op_name);
+        budget = tp_detail::resolve_sm_budget(o.sm_budget, world->sm_budget());
+        // Uniform over the team (the members count each other's blocks): from the world's shared budget.
+        comm_blocks = o.comm_blocks > 0 ? o.comm_blocks : std::clamp(world->shared_sm_budget() / 8, 1, 16);
+        gemm_budget = budget - comm_blocks;
+        WEFT_CHECK(gemm_budget >= 1, op << ": the SM budget " << budget << " leaves no SM for the GEMM beside "
+                                        << comm_blocks << " communication CTAs (options.comm_blocks)");
+        rows_capacity = moe_gathered_rows(s.max_tokens, s.topk, s.num_experts, 1);
+        side = streams.add_stream();
+        fork = streams.add_event();
+        join = streams.add_event();
+        first_call_pending = num_ranks > 1 && world->max_ranks_per_device() > 1;
+    }
+
+    GroupedGemmOptions gemm_options(int64_t tokens) const {
+        GroupedGemmOptions g;
+        g.sm_budget = gemm_budget;
+        g.config = options.config;
+        g.expected_rows_per_group = std::max<int64_t>(1, tokens * shape.topk / shape.num_experts);
+        g.timeout = options.timeout;
+        return g;
+    }
+
+    uint64_t wait_timeout_ns() const {
+        return options.timeout.count() > 0 ? static_cast<uint64_t>(options.timeout.count()) * 1000000ull
+                                           : pipeline_timeout_ns;
+    }
+
+    DeviceCtx wait_ctx() const {
+        DeviceCtx c = ctx;
+        c.timeout_ns = wait_timeout_ns();
+        return c;
+    }
+
+    template <class T>
+    T* peer(T* local, int team_rank) const {
+        T* p = world->heap().symm_at(local, team.world_rank(team_rank));
+        WEFT_CHECK(p != nullptr, op << ": the symmetric buffer of team rank " << team_rank << " is not reachable");
+        return p;
+    }
+
+    /// Ranks sharing a GPU: the first call ends on every member before any launches more (a member's first launch
+    /// could stay queued behind a peer's spinning kernel: kernels/gemm_rs/README.md, "Ranks sharing a GPU").
+    void after_call(cudaStream_t stream) {
+        if (!first_call_pending) return;
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+        if (capture != cudaStreamCaptureStatusNone) return;
+        first_call_pending = false;
+        world->sync_and_check(stream);
+        team.barrier();
+    }
+};
+
+}  // namespace
+
+// ---- layer 0 ----
+
+struct MoeAgGroupedGemm::State : MoeLayerBase {
+    unsigned short* gathered = nullptr;  // symmetric [rows_capacity, hidden]
+    uint64_t* arrived = nullptr;         // [W]
+    int32_t* routing_words = nullptr;    // counts, offsets, gather_index, slot_rows
+    MoeRouting routing;
+    MoeRoutingStatus* status_host = nullptr;
+    MoeRoutingStatus* status_dev = nullptr;
+    jit::Kernel* gemm = nullptr;
+
+    State(const Team& t, const MoeTpShape& s, const MoeTpOptions& o) : MoeLayerBase(t, "moe_ag_grouped_gemm", s, o) {}
+    ~State() {
+        heap.free_all();
+        if (status_host != nullptr) cudaFreeHost(status_host);
+    }
+};
+
+MoeAgGroupedGemm::MoeAgGroupedGemm(World& world, const MoeTpShape& shape, const MoeTpOptions& options)
+    : MoeAgGroupedGemm(world.team(), shape, options) {}
+
+MoeAgGroupedGemm::MoeAgGroupedGemm(const Team& team, const MoeTpShape& shape, const MoeTpOptions& options)
+    : s_(std::make_unique<State>(team, shape, options)) {
+    State& s = *s_;
+    const int64_t e = shape.num_experts;
+    s.gathered = static_cast<unsigned short*>(
+        s.heap.alloc(static_cast<uint64_t>(s.rows_capacity * shape.hidden) * sizeof(unsigned short)));
+    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(2 * s.num_ranks + 1));
+    s.arrived = words;
+    s.consumed = words + s.num_ranks;
+    s.epoch = words + 2 * s.num_ranks;
+    const int64_t index_words = e + (e + 1) + s.rows_capacity + shape.max_tokens * shape.topk;
+    s.routing_words = static_cast<int32_t*>(s.heap.alloc(static_cast<uint64_t>(index_words) * sizeof(int32_t)));
+    s.routing.counts = s.routing_words;
+    s.routing.offsets = s.routing.counts + e;
+    s.routing.gather_index = s.routing.offsets + e + 1;
+    s.routing.slot_rows = s.routing.gather_index + s.rows_capacity;
+    s.routing.num_experts = e;
+    s.routing.rows_capacity = s.rows_capacity;
+    s.routing.topk = shape.topk;
+    tp_detail::check_peers_reachable(team, s.gathered, s.op);
+    WEFT_CUDA_CHECK(
+        cudaHostAlloc(reinterpret_cast<void**>(&s.status_host), sizeof(MoeRoutingStatus), cudaHostAllocMapped));
+    *s.status_host = MoeRoutingStatus{};
+    WEFT_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.status_dev), s.status_host, 0));
+
+    GroupedGemmProblem p;
+    p.layout = GroupedLayout::kContiguous;
+    p.groups = e;
+    p.rows = s.rows_capacity;
+    p.n = shape.ffn;
+    p.k = shape.hidden;
+    s.config = plan_grouped_gemm(p, num_sms(), s.gemm_options(shape.max_tokens)).config;
+    // Every kernel a call launches is loaded now (lazy loading behind a waiting kernel can deadlock).
+    s.gemm = &ops::detail::gemm_jit_kernel(detail::moe_ag_gemm_kernel_spec(s.config));
+    for (const char* k : {"routing_count", "routing_place", "push", "notify"}) (void)moe_kernel(k);
+    (void)ops::detail::gemm_jit_kernel(gemm_advance_epoch_spec());
+    WEFT_LOG_INFO(s.op << ": " << tp_detail::config_text(s.config) << ", " << s.comm_blocks << " push CTAs, SM budget "
+                       << s.budget << ", team of " << s.num_ranks);
+    team.barrier();
+}
+
+MoeAgGroupedGemm::~MoeAgGroupedGemm() = default;
+
+MoeRouting MoeAgGroupedGemm::routing() const { return s_->routing; }
+int64_t MoeAgGroupedGemm::rows_capacity() const { return s_->rows_capacity; }
+const GemmConfig& MoeAgGroupedGemm::config() const { return s_->config; }
+const MoeRoutingStatus& MoeAgGroupedGemm::routing_status() const { return *s_->status_host; }
+
+void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx, const TensorView& w,
+                           const TensorView& y, cudaStream_t stream) {
+    WEFT_NVTX_RANGE("moe_ag_grouped_gemm");
+    State& s = *s_;
+    const char* op = s.op;
+    const int64_t h = s.shape.hidden, f = s.shape.ffn, e = s.shape.num_experts, topk = s.shape.topk;
+    check_matrix(x_local, op, "x_local", DType::kBF16, -1, h);
+    const int64_t tpr = x_local.dim(0);
+    const int64_t m = tpr * s.num_ranks;
+    WEFT_CHECK(tpr >= 1 && m <= s.shape.max_tokens,
+               op << ": x_local must have 1 .. max_tokens / W = " << s.shape.max_tokens / s.num_ranks << " rows, got "
+                  << x_local.describe());
+    check_dense(topk_idx, op, "topk_idx", DType::kI32, m, topk);
+    WEFT_CHECK(
+        w.ndim == 3 && w.dtype == DType::kBF16 && w.dim(0) == e && w.dim(1) == f && w.dim(2) == h,
+        op << ": w must be bf16 [E, ffn, hidden] = [" << e << ", " << f << ", " << h << "], got " << w.describe());
+    check_matrix(y, op, "y", DType::kBF16, s.rows_capacity, f);
+    const TensorView a_rows(s.gathered, DType::kBF16, {s.rows_capacity, h});
+    const GroupedGemmProblem p = validate_grouped_gemm_args(GroupedLayout::kContiguous, a_rows, w, y, BLayout::kNK,
+                                                            s.routing.offsets, s.routing.counts);
+    s.routing.tokens = m;
+    const GroupedGemmOptions go = s.gemm_options(m);
+    GroupedGemmOptions go_forced = go;
+    go_forced.config = s.config;
+    const ops::detail::GroupedGemmLaunch gl = ops::detail::prepare_grouped_gemm_launch(
+        p, a_rows, w, y, s.routing.offsets, s.routing.counts, num_sms(), go_forced);
+    weft::moe::GatheredWaitParams wait{};
+    wait.groups = gl.groups;
+    wait.gather_index = s.routing.gather_index;
+    wait.arrived = s.arrived;
+    wait.epoch = s.epoch;
+    wait.per_epoch = static_cast<uint64_t>(s.comm_blocks);
+    wait.timeout_ns = s.wait_timeout_ns();
+    wait.diag = s.ctx.diag;
+    wait.tokens_per_rank = static_cast<int32_t>(tpr);
+    wait.world_rank = s.ctx.world_rank;
+    wait.num_ranks = s.num_ranks;
+
+    weft::moe::MoePushArgs push{};
+    push.ctx = s.wait_ctx();
+    for (int q = 0; q < s.num_ranks; ++q) {
+        push.dst[q] = s.peer(s.gathered, q);
+        push.arrived[q] = s.peer(s.arrived + s.rank, q);
+    }
+    push.consumed = s.consumed;
+    push.x = static_cast<const unsigned short*>(x_local.data);
+    push.slot_rows = s.routing.slot_rows;
+    push.epoch = s.epoch;
+    push.ldx = x_local.stride(0);
+    push.ldd = h;
+    push.tokens_per_rank = static_cast<int32_t>(tpr);
+    push.topk = static_cast<int32_t>(topk);
+    push.k = static_cast<int32_t>(h);
+    push.num_ranks = s.num_ranks;
+    push.rank = s.rank;
+
+    weft::moe::MoeNotifyArgs notify{};
+    for (int q = 0; q < s.num_ranks; ++q) notify.words[q] = s.peer(s.consumed + s.rank, q);
+    notify.value = 1;
+    notify.n = s.num_ranks;
+
+    // Launches only from here: nothing that can throw may sit between them (a peer waits for each on the device).
+    gemm_advance_epoch(s.epoch, stream);
+    launch_route(static_cast<const int32_t*>(topk_idx.data), s.routing, 1, stream, s.status_dev);
+    WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
+    moe_kernel("push").launch(launch_params(s.comm_blocks, kMoeThreads, s.side), push);
+    ops::detail::launch_gemm_kernel(*s.gemm, gl.config, gl.maps, gl.args, gl.grid, wait,
+                                    weft::gemm::NoEpilogueHookParams{}, stream);
+    // This rank's gathered A is read: the members may push the next call's rows into it.
+    moe_kernel("notify").launch(launch_params(1, 32, stream), notify);
+    WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+    s.after_call(stream);
+}
+
+// ---- layer 1 ----
+
+struct MoeGroupedGemmRs::State : MoeLayerBase {
+    float* partial = nullptr;      // symmetric [rows_capacity, hidden] fp32
+    uint64_t* done = nullptr;      // symmetric [E]
+    uint32_t* counters = nullptr;  // [E]
+    float* acc = nullptr;          // [max_tokens / W, hidden] fp32
+    jit::Kernel* gemm = nullptr;
+
+    State(const Team& t, const MoeTpShape& s, const MoeTpOptions& o) : MoeLayerBase(t, "moe_grouped_gemm_rs", s, o) {}
+    ~State() { heap.free_all(); }
+};
+
+MoeGroupedGemmRs::MoeGroupedGemmRs(World& world, const MoeTpShape& shape, const MoeTpOptions& options)
+    : MoeGroupedGemmRs(world.team(), shape, options) {}
+
+MoeGroupedGemmRs::MoeGroupedGemmRs(const Team& team, const MoeTpShape& shape, const MoeTpOptions& options)
+    : s_(std::make_unique<State>(team, shape, options)) {
+    State& s = *s_;
+    const int64_t e = shape.num_experts;
+    s.partial =
+        static_cast<float*>(s.heap.alloc(static_cast<uint64_t>(s.rows_capacity * shape.hidden) * sizeof(float)));
+    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(e + s.num_ranks + 1));
+    s.done = words;
+    s.consumed = words + e;
+    s.epoch = words + e + s.num_ranks;
+    // The counters return to zero at the end of every call (the group's last tile resets its own): zeroed once here.
+    s.counters = static_cast<uint32_t*>(s.heap.alloc(static_cast<uint64_t>(e) * sizeof(uint32_t)));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(s.counters, 0, static_cast<size_t>(e) * sizeof(uint32_t), s.side));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(s.side));  // before any call (the team barrier below orders the peers')
+    s.acc = static_cast<float*>(
+        s.heap.alloc(static_cast<uint64_t>(shape.max_tokens / s.num_ranks * shape.hidden) * sizeof(float)));
+    tp_detail::check_peers_reachable(team, s.partial, s.op);
+
+    GroupedGemmProblem p;
+    p.layout = GroupedLayout::kContiguous;
+    p.groups = e;
+    p.rows = s.rows_capacity;
+    p.n = shape.hidden;
+    p.k = shape.ffn;
+    p.out_dtype = DType::kF32;
+    s.config = plan_grouped_gemm(p, num_sms(), s.gemm_options(shape.max_tokens)).config;
+    WEFT_CHECK(s.config.out_dtype == DType::kF32, s.op << ": options.config must write f32 (the partial products)");
+    s.gemm = &ops::detail::gemm_jit_kernel(detail::moe_gemm_rs_kernel_spec(s.config));
+    for (const char* k : {"combine", "wait"}) (void)moe_kernel(k);
+    (void)ops::detail::gemm_jit_kernel(gemm_advance_epoch_spec());
+    WEFT_LOG_INFO(s.op << ": " << tp_detail::config_text(s.config) << ", " << s.comm_blocks
+                       << " combine CTAs, SM budget " << s.budget << ", team of " << s.num_ranks);
+    team.barrier();
+}
+
+MoeGroupedGemmRs::~MoeGroupedGemmRs() = default;
+
+int64_t MoeGroupedGemmRs::rows_capacity() const { return s_->rows_capacity; }
+const GemmConfig& MoeGroupedGemmRs::config() const { return s_->config; }
+
+void MoeGroupedGemmRs::run(const TensorView& h, const TensorView& w, const MoeRouting& routing,
+                           const TensorView& weights, const TensorView& out, cudaStream_t stream) {
+    WEFT_NVTX_RANGE("moe_grouped_gemm_rs");
+    State& s = *s_;
+    const char* op = s.op;
+    const int64_t hid = s.shape.hidden, f = s.shape.ffn, e = s.shape.num_experts, topk = s.shape.topk;
+    check_routing(routing, op);
+    WEFT_CHECK(routing.num_experts == e && routing.topk == topk, op << ": routing must have num_experts = " << e
+                                                                    << " and topk = " << topk << ", got "
+                                                                    << routing.num_experts << " and " << routing.topk);
+    const int64_t m = routing.tokens;
+    WEFT_CHECK(m >= s.num_ranks && m % s.num_ranks == 0 && m <= s.shape.max_tokens,
+               op << ": routing.tokens must be a positive multiple of the team's num_ranks " << s.num_ranks
+                  << " up to max_tokens = " << s.shape.max_tokens << ", got " << m);
+    WEFT_CHECK(routing.rows_capacity <= s.rows_capacity, op << ": routing.rows_capacity must be <= " << s.rows_capacity
+                                                            << " (the op's), got " << routing.rows_capacity);
+    check_matrix(h, op, "h", DType::kBF16, routing.rows_capacity, f);
+    WEFT_CHECK(
+        w.ndim == 3 && w.dtype == DType::kBF16 && w.dim(0) == e && w.dim(1) == hid && w.dim(2) == f,
+        op << ": w must be bf16 [E, hidden, ffn] = [" << e << ", " << hid << ", " << f << "], got " << w.describe());
+    check_dense(weights, op, "weights", DType::kF32, m, topk);
+    const int64_t tpr = m / s.num_ranks;
+    WEFT_CHECK(out.dtype == DType::kBF16 || out.dtype == DType::kF32,
+               op << ": out must be bf16 or f32, got " << dtype_name(out.dtype));
+    check_matrix(out, op, "out", out.dtype, tpr, hid);
+    const TensorView d_rows(s.partial, DType::kF32, {routing.rows_capacity, hid});
+    const GroupedGemmProblem p = validate_grouped_gemm_args(GroupedLayout::kContiguous, h, w, d_rows, BLayout::kNK,
+                                                            routing.offsets, routing.counts);
+    GroupedGemmOptions go = s.gemm_options(m);
+    go.config = s.config;
+    const ops::detail::GroupedGemmLaunch gl =
+        ops::detail::prepare_grouped_gemm_launch(p, h, w, d_rows, routing.offsets, routing.counts, num_sms(), go);
+    weft::moe::GroupDoneParams hook{};
+    hook.counters = s.counters;
+    hook.done = s.done;
+    hook.counts = routing.counts;
+    hook.epoch = s.epoch;
+    hook.tile_m = gl.config.tile_m;
+    hook.tile_n = gl.config.tile_n;
+    hook.n = static_cast<int32_t>(hid);
+    hook.capacity = static_cast<int32_t>(routing.rows_capacity);
+
+    weft::moe::MoeWaitArgs wait{};
+    wait.ctx = s.wait_ctx();
+    for (int q = 0; q < s.num_ranks; ++q) {
+        wait.words[q] = s.consumed + q;
+        wait.owner[q] = q;
+    }
+    wait.epoch = s.epoch;
+    wait.per_epoch = static_cast<uint64_t>(s.comm_blocks);
+    wait.lag = static_cast<uint64_t>(s.comm_blocks);  // the previous call's combines: (epoch - 1) * blocks
+    wait.n = s.num_ranks;
+
+    weft::moe::MoeCombineArgs c{};
+    for (int q = 0; q < s.num_ranks; ++q) {
+        c.partials[q] = s.peer(s.partial, q);
+        c.done[q] = s.peer(s.done, q);
+        c.consumed[q] = s.peer(s.consumed + s.rank, q);
+        c.done_owner[q] = q;
+    }
+    c.slot_rows = routing.slot_rows;
+    c.counts = routing.counts;
+    c.offsets = routing.offsets;
+    c.weights = static_cast<const float*>(weights.data);
+    c.acc = s.acc;
+    c.out = out.data;
+    c.epoch = s.epoch;
+    c.ctx = s.wait_ctx();
+    c.ldp = hid;
+    c.ldo = out.stride(0);
+    c.num_sources = s.num_ranks;
+    c.num_experts = static_cast<int32_t>(e);
+    c.topk = static_cast<int32_t>(topk);
+    c.n = static_cast<int32_t>(hid);
+    c.token_begin = static_cast<int32_t>(tpr * s.rank);
+    c.tokens = static_cast<int32_t>(tpr);
+    c.mode = MoeCombineMode::kWeightedSum;
+    c.out_f32 = out.dtype == DType::kF32 ? 1 : 0;
+
+    // Launches only from here.
+    gemm_advance_epoch(s.epoch, stream);
+    WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
+    // The members' combines of the previous call have read this rank's partial products.
+    moe_kernel("wait").launch(launch_params(1, 32, stream), wait);
+    ops::detail::launch_gemm_kernel(*s.gemm, gl.config, gl.maps, gl.args, gl.grid, gl.groups, hook, stream);
+    moe_kernel("combine").launch(launch_params(s.comm_blocks, kMoeThreads, s.side), c);
+    WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+    s.after_call(stream);
+}
+
+namespace detail {
+
+jit::KernelSpec moe_kernel_spec(const std::string& name, const std::string& arch) {
+    for (const MoeKernelName& k : kMoeKernels) {
+        if (name == k.name) return tp_detail::make_spec(k.header, k.instantiation, std::string("moe ") + k.name, arch);
+    }
+    WEFT_FAIL("moe: no kernel named '" << name << "'");
+}
+
+std::vector<std::string> moe_kernel_names() {
+    std::vector<std::string> out;
+    for (const MoeKernelName& k : kMoeKernels) out.emplace_back(k.name);
+    return out;
+}
+
+jit::KernelSpec moe_ag_gemm_kernel_spec(const GemmConfig& config, const std::string& arch) {
+    WEFT_CHECK(is_valid_grouped(config), "moe_ag_grouped_gemm: invalid grouped config " << format_gemm_config(config));
+    jit::KernelSpec spec = gemm_kernel_spec(config, "weft::kernels::gemm::GatheredWaitScheduler",
+                                            "weft::kernels::gemm::NoEpilogueHook", arch);
+    spec.header = "moe_tp/moe_tp_gemm.cuh";
+    return spec;
+}
+
+jit::KernelSpec moe_gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch) {
+    WEFT_CHECK(is_valid_grouped(config), "moe_grouped_gemm_rs: invalid grouped config " << format_gemm_config(config));
+    jit::KernelSpec spec =
+        gemm_kernel_spec(config, "weft::kernels::gemm::GroupedScheduler", "weft::kernels::gemm::GroupDoneHook", arch);
+    spec.header = "moe_tp/moe_tp_gemm.cuh";
+    return spec;
+}
+
+}  // namespace detail
+
+}  // namespace weft::ops

@@ -1,0 +1,293 @@
+// SPDX-License-Identifier: MIT
+// Unit tests (CPU) of the gathered grouped GEMM and the TP MoE layers (weft/ops/moe_tp.hpp): NVRTC compiles every
+// kernel they launch for sm_90a with a clean ptxas report (the layers' GEMMs with HGMMA, TMA and nothing in local
+// memory; the memory-bound kernels with 16-byte accesses), and the argument checks.
+#include <gtest/gtest.h>
+#include <nvrtc.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "support/nvrtc_testing.hpp"
+#include "support/sass_testing.hpp"
+#include "weft/common/gemm_config.hpp"
+#include "weft/ops/grouped_gemm.hpp"
+#include "weft/ops/moe_tp.hpp"
+#include "weft/runtime/error.hpp"
+
+#ifndef WEFT_SOURCE_DIR
+#error "WEFT_SOURCE_DIR must name the source tree (tests/CMakeLists.txt defines it)"
+#endif
+#ifndef WEFT_CUDA_INCLUDE_DIR
+#error "WEFT_CUDA_INCLUDE_DIR must name the toolkit's include folder (tests/CMakeLists.txt defines it)"
+#endif
+
+namespace weft {
+namespace {
+
+using ops::MoeRouting;
+using ops::MoeTpOptions;
+using ops::MoeTpShape;
+using Compiled = testing::NvrtcCompiled;
+
+constexpr const char* kSource =
+    "#include \"moe_tp/moe_tp_gemm.cuh\"\n#include \"moe_tp/moe_gather.cuh\"\n#include \"moe_tp/moe_routing.cuh\"\n";
+
+size_t count(const std::string& hay, const std::string& needle) {
+    size_t n = 0;
+    for (size_t p = hay.find(needle); p != std::string::npos; p = hay.find(needle, p + 1)) ++n;
+    return n;
+}
+
+// The SASS of `names` compiled together (empty when no disassembler works; `why_not` says why).
+std::map<std::string, std::string> compile_sass(const std::vector<std::string>& names, const std::string& what,
+                                                std::string* why_not) {
+    const Compiled r = testing::nvrtc_compile(kSource, "weft_moe_tp_test.cu", names);
+    EXPECT_EQ(r.result, NVRTC_SUCCESS) << what << ":\n" << r.log;
+    if (r.result != NVRTC_SUCCESS) return {};
+    EXPECT_EQ(r.lowered.size(), names.size()) << what << ": some instantiation has no lowered name";
+    testing::expect_clean_ptxas_report(r.log, what);
+    std::string tool;
+    const auto sass = testing::disassemble(r.cubin, &tool, why_not);
+    std::map<std::string, std::string> out;
+    for (const auto& name : names) {
+        const auto lowered = r.lowered.find(name);
+        if (lowered == r.lowered.end()) continue;
+        const auto fn = sass.find(lowered->second);
+        if (fn != sass.end()) out[name] = fn->second;
+    }
+    return out;
+}
+
+// Both layers' GEMMs over every grouped candidate their heuristic may pick: wgmma (HGMMA, no HMMA), TMA loads and
+// stores, no local memory (a reachable call or trap in the consumer warpgroups would spill the accumulators).
+TEST(MoeTpNvrtc, LayerGemmsCompileWithHgmmaAndNoSpills) {
+    std::vector<std::string> names;
+    for (const GemmConfig& c : ops::grouped_gemm_candidate_configs(DType::kBF16, DType::kBF16, BLayout::kNK)) {
+        names.push_back(ops::detail::moe_ag_gemm_kernel_spec(c, "sm_90a").instantiation);
+    }
+    for (const GemmConfig& c : ops::grouped_gemm_candidate_configs(DType::kBF16, DType::kF32, BLayout::kNK)) {
+        names.push_back(ops::detail::moe_gemm_rs_kernel_spec(c, "sm_90a").instantiation);
+    }
+    ASSERT_FALSE(names.empty());
+    EXPECT_EQ(ops::detail::moe_ag_gemm_kernel_spec(
+                  ops::grouped_gemm_candidate_configs(DType::kBF16, DType::kBF16, BLayout::kNK)[0])
+                  .header,
+              "moe_tp/moe_tp_gemm.cuh");
+    std::string why_not;
+    const auto sass = compile_sass(names, "moe tp gemms", &why_not);
+    if (sass.empty()) GTEST_SKIP() << "SKIPPED: SASS not checked (" << why_not << "); ptxas reports were";
+    for (const auto& name : names) {
+        const auto fn = sass.find(name);
+        ASSERT_NE(fn, sass.end()) << "no SASS for " << name;
+        const std::string& code = fn->second;
+        EXPECT_GT(count(code, "HGMMA"), 0u) << name;
+        EXPECT_EQ(count(code, " HMMA"), 0u) << name;
+        EXPECT_EQ(count(code, " LDL"), 0u) << name << ": local-memory loads";
+        EXPECT_EQ(count(code, " STL"), 0u) << name << ": local-memory stores";
+        EXPECT_GT(count(code, "UTMALDG"), 0u) << name;
+        EXPECT_GT(count(code, "UTMASTG"), 0u) << name;
+    }
+}
+
+// The routing, gather, combine, push and protocol kernels: clean ptxas reports, nothing in local memory, and the row
+// copies (gather, push) move 16 bytes per access.
+TEST(MoeTpNvrtc, MemoryKernelsCompileCleanly) {
+    std::vector<std::string> names;
+    for (const std::string& k : ops::detail::moe_kernel_names()) {
+        const jit::KernelSpec spec = ops::detail::moe_kernel_spec(k, "sm_90a");
+        EXPECT_NE(std::string(kSource).find(spec.header), std::string::npos) << spec.header;
+        names.push_back(spec.instantiation);
+    }
+    ASSERT_EQ(names.size(), 7u);
+    std::string why_not;
+    const auto sass = compile_sass(names, "moe tp memory kernels", &why_not);
+    if (sass.empty()) GTEST_SKIP() << "SKIPPED: SASS not checked (" << why_not << "); ptxas reports were";
+    for (const auto& name : names) {
+        const auto fn = sass.find(name);
+        ASSERT_NE(fn, sass.end()) << "no SASS for " << name;
+        EXPECT_EQ(count(fn->second, " LDL"), 0u) << name;
+        EXPECT_EQ(count(fn->second, " STL"), 0u) << name;
+    }
+    for (const char* copy : {"gather", "push"}) {
+        const std::string name = ops::detail::moe_kernel_spec(copy, "sm_90a").instantiation;
+        EXPECT_GT(count(sass.at(name), ".128"), 0u) << name << ": no 16-byte accesses\n" << sass.at(name);
+    }
+}
+
+TEST(MoeTpNvrtc, UnknownKernelNameIsAnError) { EXPECT_THROW(ops::detail::moe_kernel_spec("no_such_kernel"), Error); }
+
+// ---- argument checks ---------------------------------------------------------------------------------------------
+
+// A view of a fake (aligned, never dereferenced) device address; views of different `slot`s do not alias.
+TensorView view(DType t, std::initializer_list<int64_t> dims, int slot = 0) {
+    return TensorView(reinterpret_cast<void*>((uintptr_t{1} << 32) + (static_cast<uintptr_t>(slot) << 28)), t, dims);
+}
+int32_t* fake_ints(int i) { return reinterpret_cast<int32_t*>(uintptr_t{1} << (22 + i)); }
+
+template <class F>
+std::string error_of(F&& f) {
+    try {
+        f();
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return "";
+}
+
+TEST(MoeTpArgs, GatheredRows) {
+    EXPECT_EQ(ops::moe_gathered_rows(100, 2, 8), 200);
+    EXPECT_EQ(ops::moe_gathered_rows(100, 2, 8, 64), 200 + 8 * 63);
+    EXPECT_EQ(ops::moe_gathered_rows(0, 8, 4), 0);
+    EXPECT_THROW(ops::moe_gathered_rows(10, 2, 8, 0), Error);
+    EXPECT_THROW(ops::moe_gathered_rows(-1, 2, 8), Error);
+}
+
+MoeRouting fake_routing(int64_t tokens, int64_t topk, int64_t experts) {
+    MoeRouting r;
+    r.counts = fake_ints(0);
+    r.offsets = fake_ints(1);
+    r.gather_index = fake_ints(2);
+    r.slot_rows = fake_ints(3);
+    r.num_experts = experts;
+    r.tokens = tokens;
+    r.topk = topk;
+    r.rows_capacity = tokens * topk;
+    return r;
+}
+
+TEST(MoeTpArgs, RouteNamesTheBadArgument) {
+    MoeRouting r = fake_routing(0, 0, 8);
+    r.rows_capacity = 100 * 2;
+    const auto idx = view(DType::kI32, {100, 2});
+    EXPECT_NE(error_of([&] {
+                  ops::moe_route(view(DType::kF32, {100, 2}), r, 1, nullptr);
+              }).find("topk_idx must be i32"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { ops::moe_route(idx, r, 4, nullptr); }).find("rows_capacity"), std::string::npos);
+    EXPECT_NE(error_of([&] { ops::moe_route(idx, r, 0, nullptr); }).find("align"), std::string::npos);
+    MoeRouting no_arrays = r;
+    no_arrays.slot_rows = nullptr;
+    EXPECT_NE(error_of([&] { ops::moe_route(idx, no_arrays, 1, nullptr); }).find("slot_rows"), std::string::npos);
+    EXPECT_NE(error_of([&] {
+                  ops::moe_route(view(DType::kI32, {100, 65}), r, 1, nullptr);
+              }).find("topk"),
+              std::string::npos);
+}
+
+TEST(MoeTpArgs, GatheredGemmNamesTheBadArgument) {
+    const MoeRouting r = fake_routing(100, 2, 8);
+    const MoeRouting top1 = fake_routing(100, 1, 8);
+    const auto a = view(DType::kBF16, {100, 256});
+    const auto b = view(DType::kBF16, {8, 512, 256});
+    const auto d = view(DType::kBF16, {200, 512});
+    const auto a_rows = view(DType::kBF16, {200, 256}, 1);
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(view(DType::kBF16, {99, 256}), b, d, BLayout::kNK, r, a_rows, nullptr);
+              }).find("a must have 100 rows"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, r, view(DType::kBF16, {199, 256}, 1), nullptr);
+              }).find("a_rows must have 200 rows"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, view(DType::kBF16, {7, 512, 256}), d, BLayout::kNK, r, a_rows, nullptr);
+              }).find("b must be [E, ...]"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, b, view(DType::kBF16, {200, 520}), BLayout::kNK, r, a_rows, nullptr);
+              }).find("d must be [rows, N]"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, top1, a, nullptr); }).find("alias"),
+              std::string::npos);
+    MoeRouting small = r;
+    small.rows_capacity = 150;
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, small, a_rows, nullptr);
+              }).find("rows_capacity"),
+              std::string::npos);
+}
+
+TEST(MoeTpArgs, CombineNamesTheBadArgument) {
+    const MoeRouting r = fake_routing(100, 2, 8);
+    const auto a = view(DType::kBF16, {100, 256});
+    const auto b = view(DType::kBF16, {8, 512, 256});
+    const auto a_rows = view(DType::kBF16, {200, 256}, 1);
+    const auto d_rows = view(DType::kF32, {200, 512});
+    const auto acc = view(DType::kF32, {100, 512});
+    const auto w = view(DType::kF32, {100, 2});
+    auto combine = [&](const TensorView& out, ops::MoeCombineMode mode, const TensorView& weights, const TensorView& dr,
+                       const TensorView& ac) {
+        return error_of([&] {
+            ops::grouped_gemm_gathered_combine(a, b, out, BLayout::kNK, r, mode, weights, a_rows, dr, ac, nullptr);
+        });
+    };
+    using ops::MoeCombineMode;
+    EXPECT_NE(combine(view(DType::kBF16, {200, 512}), MoeCombineMode::kWeightedSum, w, d_rows, acc)
+                  .find("out must have 100 rows"),
+              std::string::npos);
+    EXPECT_NE(combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kPerSlot, w, d_rows, acc)
+                  .find("out must have 200 rows"),
+              std::string::npos);
+    EXPECT_NE(
+        combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kWeightedSum, view(DType::kF32, {100, 3}), d_rows, acc)
+            .find("weights must have 2 columns"),
+        std::string::npos);
+    EXPECT_NE(
+        combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kWeightedSum, w, view(DType::kBF16, {200, 512}), acc)
+            .find("d_rows must be f32"),
+        std::string::npos);
+    EXPECT_NE(
+        combine(view(DType::kBF16, {100, 512}), MoeCombineMode::kWeightedSum, w, d_rows, view(DType::kF32, {99, 512}))
+            .find("acc must have 100 rows"),
+        std::string::npos);
+    EXPECT_NE(combine(view(DType::kF16, {100, 512}), MoeCombineMode::kWeightedSum, w, d_rows, acc)
+                  .find("out must be bf16 or f32"),
+              std::string::npos);
+    EXPECT_NE(combine(view(DType::kBF16, {100, 512}), static_cast<MoeCombineMode>(7), w, d_rows, acc).find("mode"),
+              std::string::npos);
+}
+
+TEST(MoeTpArgs, ShapeChecksNameTheField) {
+    const MoeTpShape ok{.max_tokens = 8192, .hidden = 4096, .ffn = 14336 / 8, .num_experts = 8, .topk = 2};
+    EXPECT_NO_THROW(ops::validate_moe_tp_shape(ok, 8, {}, "op"));
+    auto err = [&](MoeTpShape s, int w, MoeTpOptions o = {}) {
+        return error_of([&] { ops::validate_moe_tp_shape(s, w, o, "op"); });
+    };
+    MoeTpShape s = ok;
+    s.max_tokens = 8190;
+    EXPECT_NE(err(s, 8).find("max_tokens"), std::string::npos);
+    s = ok;
+    s.hidden = 100;
+    EXPECT_NE(err(s, 8).find("hidden"), std::string::npos);
+    s = ok;
+    s.ffn = 0;
+    EXPECT_NE(err(s, 8).find("ffn"), std::string::npos);
+    s = ok;
+    s.topk = 9;
+    EXPECT_NE(err(s, 8).find("topk"), std::string::npos);
+    s = ok;
+    s.num_experts = 0;
+    EXPECT_NE(err(s, 8).find("num_experts"), std::string::npos);
+    EXPECT_NE(err(ok, 9).find("1 .. 8 ranks"), std::string::npos);
+    MoeTpOptions o;
+    o.comm_blocks = 65;
+    EXPECT_NE(err(ok, 8, o).find("comm_blocks"), std::string::npos);
+    o = {};
+    GemmConfig clustered = ops::grouped_gemm_candidate_configs(DType::kBF16, DType::kBF16, BLayout::kNK)[0];
+    clustered.cluster_m = 2;
+    o.config = clustered;
+    EXPECT_NE(err(ok, 8, o).find("options.config"), std::string::npos);
+}
+
+TEST(MoeTpArgs, RoutingStatusMessage) {
+    EXPECT_EQ(ops::describe_routing_status(ops::MoeRoutingStatus{}), "");
+    const std::string what = ops::describe_routing_status(ops::MoeRoutingStatus{1, 7, 12, 8});
+    EXPECT_NE(what.find("slot 7"), std::string::npos) << what;
+    EXPECT_NE(what.find("12"), std::string::npos) << what;
+    EXPECT_NE(what.find("[-1, 8)"), std::string::npos) << what;
+}
+
+}  // namespace
+}  // namespace weft
