@@ -276,33 +276,38 @@ void GinBackend::init(const Team& team) {
         }
 
         // The whole heap is one window: a kernel's heap offset is its window offset on every member.
+        // NOTE: NCCL writes window_ and dev_comm_ from its own thread when the communicator is non-blocking: they
+        // are members, so that a wait that times out leaves NCCL no dangling destination (release() aborts it).
         SymmetricHeap& heap = world.heap();
-        ncclWindow_t window = nullptr;
         ncclResult_t r = wait_comm(comm_,
-                                   n.ncclCommWindowRegister(comm_, heap.base(), heap.bytes(), &window,
+                                   n.ncclCommWindowRegister(comm_, heap.base(), heap.bytes(), &window_,
                                                             NCCL_WIN_COLL_SYMMETRIC),
                                    timeout);
-        if (r != ncclSuccess || window == nullptr) {
+        if (r != ncclSuccess || window_ == nullptr) {
             WEFT_FAIL(gin_refusal_message(
                 asked + " (first step: register the " + std::to_string(heap.bytes()) +
                     "-byte symmetric heap as a window)",
-                r != ncclSuccess ? result_text(r) : "success, but registered no window (its symmetric memory support "
+                r == ncclInProgress ? "no answer within " + std::to_string(timeout.count()) + " ms"
+                : r != ncclSuccess  ? result_text(r)
+                                    : "success, but registered no window (its symmetric memory support "
                                                     "is off: it needs CUDA VMM memory, NCCL_CUMEM_ENABLE not 0)",
                 last_error(comm_), found));
         }
-        window_ = window;
 
         ncclDevCommRequirements reqs{};
         reqs.ginForceEnable = true;
         reqs.ginContextCount = options_.context_count;
         reqs.ginSignalCount = options_.signal_count;
         reqs.ginCounterCount = options_.counter_count;
-        ncclDevComm dev{};
-        r = wait_comm(comm_, n.ncclDevCommCreate(comm_, &reqs, &dev), timeout);
+        r = wait_comm(comm_, n.ncclDevCommCreate(comm_, &reqs, &dev_comm_), timeout);
         if (r != ncclSuccess) {
-            WEFT_FAIL(gin_refusal_message(asked, "ncclDevCommCreate: " + result_text(r), last_error(comm_), found));
+            WEFT_FAIL(gin_refusal_message(asked,
+                                          "ncclDevCommCreate: " + (r == ncclInProgress
+                                                                       ? "no answer within " +
+                                                                             std::to_string(timeout.count()) + " ms"
+                                                                       : result_text(r)),
+                                          last_error(comm_), found));
         }
-        dev_comm_ = dev;
         has_dev_comm_ = true;
         WEFT_CHECK(dev_comm_.ginContextCount > 0 && dev_comm_.ginSignalCount >= options_.signal_count,
                    gin_refusal_message(asked,
@@ -313,7 +318,16 @@ void GinBackend::init(const Team& team) {
                                                << " contexts, " << dev_comm_.ginSignalCount << " signals, NCCL "
                                                << version_text(n.version));
     } catch (...) {
-        release();
+        if (owns_comm_) {
+            // Abort is local (no peer needs to answer) and frees the window and devComm with the communicator.
+            nccl().ncclCommAbort(comm_);
+            comm_ = nullptr;
+            owns_comm_ = false;
+            window_ = nullptr;
+            has_dev_comm_ = false;
+        } else {
+            release();
+        }
         throw;
     }
 }
