@@ -22,8 +22,8 @@
 // in the DOCA GPUNetIO verbs headers of the GDAKI backend) are ignored ("attribute does not apply to any entity"),
 // which changes the descriptor layouts (the proxy's 64-byte descriptor static_assert fails), and
 // nccl::utility::loadConst declares zero-length arrays in branches of a plain `if`, an error outside GNU mode. Besides,
-// nccl_device/core.h declares `__host__` functions, which NVRTC rejects. Kernels that call GIN are therefore built
-// by nvcc (kernels/net/README.md).
+// nccl_device/core.h declares `__host__` functions, which NVRTC rejects. So this header is for nvcc kernels; JIT
+// kernels use gin_jit.cuh's GinLinked, whose calls an nvcc-built library provides (kernels/net/README.md).
 #pragma once
 
 #if defined(__CUDACC_RTC__)
@@ -37,6 +37,8 @@
 #include "weft/common/diagnostics.hpp"
 #include "weft/device/scope.cuh"
 #include "weft/device/spin.cuh"
+
+#include "net/gin_wait.cuh"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 28, 0)
 #error "kernels/net/gin.cuh needs NCCL >= 2.28 (its device API with GIN)"
@@ -131,27 +133,8 @@ public:
     template <class Group>
     __device__ __forceinline__ uint64_t wait_signal_ge(Group group, uint32_t signal_idx, uint64_t expected,
                                                        int from_peer = -1, int line = 0) const {
-        bool ok = true;
-        uint64_t observed = 0;
-        if (group.is_leader()) {
-            uint64_t waited_ns = 0;
-            bool aborted = false;
-            const auto probe = [&] {
-                observed = read_signal(signal_idx);
-                return observed >= expected;
-            };
-            ok = device::detail::poll_bounded(ctx_.timeout_ns, ctx_.abort_flag, probe, &waited_ns, &aborted);
-            if (!ok) {
-                // The signal lives in NCCL's signal pool, not the heap: its index stands in for the address.
-                device::record_failure(ctx_, device::SpinSite{SpinKind::kSignalWait, from_peer, line}, Cmp::kGe,
-                                       reinterpret_cast<const void*>(static_cast<uintptr_t>(signal_idx)), expected,
-                                       observed, waited_ns, aborted);
-            }
-        }
-        if (!group.all(ok)) {
-            device::exit_thread();
-        }
-        return group.broadcast(observed);
+        return detail::wait_signal_ge(group, ctx_, [&] { return read_signal(signal_idx); }, signal_idx, expected,
+                                      from_peer, line);
     }
 
     __device__ __forceinline__ const ncclDevComm& comm() const { return comm_; }

@@ -198,6 +198,31 @@ std::string gin_refusal_message(const std::string& asked, const std::string& ncc
     return os.str();
 }
 
+std::string GinBackend::device_library() {
+    std::vector<std::string> tried;
+    if (auto path = env::get("WEFT_GIN_DEVICE_LIBRARY"); path && !path->empty()) {
+        std::error_code ec;
+        WEFT_CHECK(std::filesystem::is_regular_file(*path, ec),
+                   "WEFT_GIN_DEVICE_LIBRARY='" << *path << "' is not a file (expected weft's GIN device library, "
+                                                 "weft_gin_device_sm90a.fatbin)");
+        return *path;
+    }
+#ifdef WEFT_GIN_DEVICE_LIBRARY_BUILD_PATH
+    {
+        std::error_code ec;
+        if (std::filesystem::is_regular_file(WEFT_GIN_DEVICE_LIBRARY_BUILD_PATH, ec)) {
+            return WEFT_GIN_DEVICE_LIBRARY_BUILD_PATH;
+        }
+        tried.push_back(WEFT_GIN_DEVICE_LIBRARY_BUILD_PATH);
+    }
+#endif
+    std::ostringstream os;
+    for (const auto& t : tried) os << " " << t;
+    WEFT_FAIL("weft's GIN device library (weft_gin_device_sm90a.fatbin, built with libweft by nvcc) was not found; "
+              "set WEFT_GIN_DEVICE_LIBRARY to its path. Tried:"
+              << (tried.empty() ? std::string(" nothing (this libweft was built without it)") : os.str()));
+}
+
 GinBackend::GinBackend(const Team& team, const GinOptions& options) : team_(team), options_(options) {
     team.require_member("GinBackend");
     init(team);
@@ -309,6 +334,8 @@ void GinBackend::init(const Team& team) {
                                           last_error(comm_), found));
         }
         has_dev_comm_ = true;
+        WEFT_CUDA_CHECK(cudaMalloc(&dev_comm_device_, sizeof(ncclDevComm)));
+        WEFT_CUDA_CHECK(cudaMemcpy(dev_comm_device_, &dev_comm_, sizeof(ncclDevComm), cudaMemcpyHostToDevice));
         WEFT_CHECK(dev_comm_.ginContextCount > 0 && dev_comm_.ginSignalCount >= options_.signal_count,
                    gin_refusal_message(asked,
                                        "success with " + std::to_string(dev_comm_.ginContextCount) +
@@ -318,6 +345,10 @@ void GinBackend::init(const Team& team) {
                                                << " contexts, " << dev_comm_.ginSignalCount << " signals, NCCL "
                                                << version_text(n.version));
     } catch (...) {
+        if (dev_comm_device_ != nullptr) {
+            cudaFree(dev_comm_device_);
+            dev_comm_device_ = nullptr;
+        }
         if (owns_comm_) {
             // Abort is local (no peer needs to answer) and frees the window and devComm with the communicator.
             nccl().ncclCommAbort(comm_);
@@ -333,6 +364,10 @@ void GinBackend::init(const Team& team) {
 }
 
 void GinBackend::release() noexcept {
+    if (dev_comm_device_ != nullptr) {
+        cudaFree(dev_comm_device_);
+        dev_comm_device_ = nullptr;
+    }
     const NcclApi& n = nccl();
     if (!n.loaded || comm_ == nullptr) return;
     const std::chrono::milliseconds timeout = team_.is_member() ? team_.timeout() : std::chrono::milliseconds(60000);

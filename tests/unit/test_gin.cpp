@@ -8,8 +8,11 @@
 #include <filesystem>
 #include <string>
 
+#include "support/jit_testing.hpp"
 #include "support/nvrtc_testing.hpp"
 #include "support/sass_testing.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/runtime/error.hpp"
 #include "weft/net/gin.hpp"
 
 namespace weft {
@@ -46,6 +49,46 @@ TEST(GinKernels, NvrtcCompileRefusesWithTheReason) {
     const auto r = testing::nvrtc_compile("#include \"net/gin_ring.cuh\"\n", "gin_nvrtc.cu", {});
     EXPECT_NE(r.result, NVRTC_SUCCESS);
     EXPECT_NE(r.log.find("needs nvcc: NVRTC cannot compile NCCL's GIN device headers"), std::string::npos) << r.log;
+}
+
+TEST(GinKernels, JitKernelLinksTheDeviceLibraryInline) {
+    // NVRTC compiles the ring through GinLinked (no NCCL header), nvJitLink links weft's nvcc-built GIN library
+    // with LTO: the kernel must hold NCCL's put code itself, inlined, and weft's bounded wait.
+    jit::Compiler compiler(testing::isolated_compiler_config(std::filesystem::path()));
+    jit::KernelSpec spec;
+    spec.header = "net/gin_ring_linked.cuh";
+    spec.instantiation = "weft::kernels::net::gin_ring_put_tile_linked";
+    spec.arch = "sm_90a";
+    spec.options.lto = true;
+    spec.options.link_files = {net::GinBackend::device_library()};
+    const jit::CompileResult r = compiler.compile(spec);
+    ASSERT_TRUE(r.cubin && !r.cubin->empty());
+    std::string tool, why_not;
+    const auto functions = testing::disassemble(*r.cubin, &tool, &why_not);
+    if (functions.empty()) GTEST_SKIP() << "no disassembler: " << why_not;
+    const auto kernel = functions.find(r.lowered_name);
+    ASSERT_NE(kernel, functions.end()) << r.lowered_name << " not in the linked cubin (" << tool << ")";
+    const std::string& sass = kernel->second;
+    EXPECT_GE(count_of(sass, "MMIO.SYS"), 1u) << "no GDAKI doorbell store";
+    EXPECT_GE(count_of(sass, "STG.E.128.STRONG.SYS"), 4u) << "no proxy descriptor stores";
+    EXPECT_GE(count_of(sass, "GLOBALTIMER"), 1u);
+    EXPECT_GE(count_of(sass, "NANOSLEEP"), 1u);
+    for (const auto& [name, text] : functions) {
+        EXPECT_EQ(name.find("weft_gin_"), std::string::npos) << name << " was not inlined";
+    }
+}
+
+TEST(GinKernels, DeviceLibraryOverrideMustBeAFile) {
+    const testing::ScopedEnv env("WEFT_GIN_DEVICE_LIBRARY", "/nonexistent/weft_gin_device_sm90a.fatbin");
+    try {
+        (void)net::GinBackend::device_library();
+        ADD_FAILURE() << "a missing WEFT_GIN_DEVICE_LIBRARY was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("WEFT_GIN_DEVICE_LIBRARY='/nonexistent/weft_gin_device_sm90a.fatbin' is "
+                                             "not a file"),
+                  std::string::npos)
+            << e.what();
+    }
 }
 
 net::GinProbeInputs ready_inputs() {

@@ -3,7 +3,8 @@
 //
 //     if (weft::net::GinBackend::available()) {
 //         weft::net::GinBackend gin(world.team());       // collective over the team
-//         launch(kernel, ctx, gin.device_comm(), gin.heap_window(), ...);   // kernels/net/gin.cuh
+//         launch(kernel, ctx, gin.device_comm(), gin.heap_window(), ...);   // nvcc kernel: kernels/net/gin.cuh
+//         // JIT kernel (kernels/net/gin_jit.cuh): gin.device_comm_ptr(), linked with GinBackend::device_library()
 //     }
 //
 // It registers the World's symmetric heap as an NCCL window and creates an ncclDevComm with GIN signals over an
@@ -80,9 +81,17 @@ public:
     static GinAvailability probe() noexcept;
     static bool available() noexcept { return probe().available; }
 
-    /// The kernel arguments of kernels/net/gin.cuh: pass by value.
+    /// The kernel arguments of kernels/net/gin.cuh (nvcc kernels): pass by value.
     const ncclDevComm& device_comm() const { return dev_comm_; }
     ncclWindow_t heap_window() const { return window_; }
+    /// The same ncclDevComm in device memory, for JIT kernels (kernels/net/gin_jit.cuh's GinLinked).
+    const void* device_comm_ptr() const { return dev_comm_device_; }
+
+    /// weft's GIN device library for JIT kernels that include net/gin_jit.cuh: LTO IR for sm_90a, built by nvcc
+    /// with libweft (kernels/net/gin_link.cuh). Pass it in CompileOptions::link_files with lto = true.
+    /// WEFT_GIN_DEVICE_LIBRARY (a path) overrides the build's file. Throws weft::Error naming the paths tried
+    /// when neither is a file.
+    static std::string device_library();
     ncclComm_t comm() const { return comm_; }
     const GinOptions& options() const { return options_; }
     /// GIN contexts NCCL gave (kernels may pass any context index; it is taken modulo this).
@@ -99,6 +108,7 @@ private:
     ncclWindow_t window_ = nullptr;
     ncclDevComm dev_comm_{};
     bool has_dev_comm_ = false;
+    void* dev_comm_device_ = nullptr;
 };
 
 /// The text of a refusal (exposed for tests): what was asked (`asked`), NCCL's answer (`nccl_result`, and its last
