@@ -1,12 +1,16 @@
 // SPDX-License-Identifier: MIT
 // GPU tests of the GIN network backend. Where NCCL cannot give GIN (no RDMA NIC: the test machines) making a
 // GinBackend throws weft::Error in plain words, leaves nothing behind (a second attempt answers the same), and the
-// probe says no with a reason. Where it can, the backend is made and reports its GIN contexts and signals.
+// probe says no with a reason. Where it can, the backend is made and reports its GIN contexts and signals. A JIT
+// kernel linked with weft's GIN device library loads on the GPU (launching it needs a GIN devComm).
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <string>
 
+#include <cuda_runtime.h>
+
+#include "weft/jit/compiler.hpp"
 #include "weft/net/gin.hpp"
 #include "weft/weft.hpp"
 
@@ -71,6 +75,18 @@ TEST(GinGpu, MadeWhereRdmaExists) {
             EXPECT_GE(gin.device_comm().ginSignalCount, 8);
         },
         small_world());
+}
+
+TEST(GinGpu, LinkedJitKernelLoads) {
+    ASSERT_TRUE(cuda_available()) << "the gpu tier needs a CUDA driver and a GPU";
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    ASSERT_EQ(cudaFree(nullptr), cudaSuccess);  // the primary context, current on this thread
+    jit::KernelSpec spec;
+    spec.header = "net/gin_ring_linked.cuh";
+    spec.instantiation = "weft::kernels::net::gin_ring_put_tile_linked";
+    spec.options.lto = true;
+    spec.options.link_files = {net::GinBackend::device_library()};
+    EXPECT_NO_THROW((void)jit::compiler().get_kernel(spec));
 }
 
 TEST(GinGpu, RejectsBadOptions) {
