@@ -29,6 +29,8 @@ namespace {
 
 constexpr int kMinNcclVersion = 22800;  // 2.28.0: the device API with GIN
 constexpr const char* kNcclLibrary = "libnccl.so.2";
+constexpr const char* kGinDeviceLibraryName = "weft_gin_device_sm90a.fatbin";
+using fs_path = std::filesystem::path;
 
 // The NCCL functions the backend calls, resolved from libnccl.so.2 on first use.
 #define WEFT_NCCL_FUNCTIONS(X)                                                                      \
@@ -206,6 +208,18 @@ std::string GinBackend::device_library() {
                    "WEFT_GIN_DEVICE_LIBRARY='" << *path << "' is not a file (expected weft's GIN device library, "
                                                  "weft_gin_device_sm90a.fatbin)");
         return *path;
+    }
+    // Beside the running program's build tree (build/lib/ for build/tests/x), as weft finds its headers from there.
+    {
+        std::error_code ec;
+        fs_path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+        for (int up = 0; !ec && up < 4 && exe.has_parent_path() && exe != exe.parent_path(); ++up) {
+            exe = exe.parent_path();
+            const fs_path candidate = exe / "lib" / kGinDeviceLibraryName;
+            if (std::filesystem::is_regular_file(candidate, ec)) return candidate.string();
+            tried.push_back(candidate.string());
+            ec.clear();
+        }
     }
 #ifdef WEFT_GIN_DEVICE_LIBRARY_BUILD_PATH
     {

@@ -89,8 +89,9 @@ public:
 
     /// weft's GIN device library for JIT kernels that include net/gin_jit.cuh: LTO IR for sm_90a, built by nvcc
     /// with libweft (kernels/net/gin_link.cuh). Pass it in CompileOptions::link_files with lto = true.
-    /// WEFT_GIN_DEVICE_LIBRARY (a path) overrides the build's file. Throws weft::Error naming the paths tried
-    /// when neither is a file.
+    /// Found at WEFT_GIN_DEVICE_LIBRARY (a path) when set, else in lib/ of the running program's folder or one of
+    /// its parents (a build tree: build/lib/ for build/tests/x), else where libweft's build put it. Throws
+    /// weft::Error naming the paths tried when none is a file.
     static std::string device_library();
     ncclComm_t comm() const { return comm_; }
     const GinOptions& options() const { return options_; }
