@@ -18,8 +18,9 @@
 //
 // NOTE: nvcc only. NVRTC (CUDA 13.0) cannot compile NCCL 2.28's device headers faithfully: it is not a GNU-mode
 // front end, so the GNU attributes that follow a struct's closing brace (`} __attribute__((packed)) flag;` in
-// nccl_device/gin/proxy/gin_proxy_device_host_common.h, `} __attribute__((__packed__)) __attribute__((__aligned__(4)));`
-// in the DOCA GPUNetIO verbs headers of the GDAKI backend) are ignored ("attribute does not apply to any entity"),
+// nccl_device/gin/proxy/gin_proxy_device_host_common.h,
+// `} __attribute__((__packed__)) __attribute__((__aligned__(4)));` in the DOCA GPUNetIO verbs headers of the GDAKI
+// backend) are ignored ("attribute does not apply to any entity"),
 // which changes the descriptor layouts (the proxy's 64-byte descriptor static_assert fails), and
 // nccl::utility::loadConst declares zero-length arrays in branches of a plain `if`, an error outside GNU mode. Besides,
 // nccl_device/core.h declares `__host__` functions, which NVRTC rejects. So this header is for nvcc kernels; JIT

@@ -264,7 +264,8 @@ void GinBackend::init(const Team& team) {
         WEFT_FAIL(gin_refusal_message(asked, "nothing: it could not be loaded", n.error, found));
     }
     WEFT_CHECK(n.version >= kMinNcclVersion,
-               gin_refusal_message(asked, "nothing: NCCL " + version_text(n.version) + " has no device API", "", found));
+               gin_refusal_message(asked, "nothing: NCCL " + version_text(n.version) + " has no device API", "",
+                                   found));
     WEFT_CHECK(cuda_available(), gin_refusal_message(asked, "nothing: no CUDA GPU is visible", "", found));
 
     World& world = team.world();

@@ -26,8 +26,8 @@ WorldOptions small_world() {
 TEST(GinGpu, ProbeAgreesWithTheMachine) {
     ASSERT_TRUE(cuda_available()) << "the gpu tier needs a CUDA driver and a GPU";
     const net::GinAvailability a = net::GinBackend::probe();
-    std::printf("GIN probe: %s%s (NCCL version code %d, %zu RDMA devices)\n", a.available ? "available" : "unavailable: ",
-                a.reason.c_str(), a.nccl_version, a.rdma_devices.size());
+    std::printf("GIN probe: %s%s (NCCL version code %d, %zu RDMA devices)\n",
+                a.available ? "available" : "unavailable: ", a.reason.c_str(), a.nccl_version, a.rdma_devices.size());
     EXPECT_GE(a.nccl_version, 22800);
     EXPECT_EQ(a.available, !a.rdma_devices.empty()) << a.reason;
 }
