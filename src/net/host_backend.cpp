@@ -218,11 +218,15 @@ struct HostBackend::Impl {
     std::string who;  // "the team of world ranks ..., column <l>", for errors
     std::chrono::milliseconds timeout{0};
 
+    // A network step: registered before NCCL is called (the call itself may block, e.g. while NCCL connects to a
+    // peer), given its event once enqueued.
     struct Pending {
-        cudaEvent_t done;
+        uint64_t id = 0;
+        cudaEvent_t done = nullptr;  // nullptr: NCCL is still being called
         std::chrono::steady_clock::time_point deadline;
         std::string what;
     };
+    uint64_t next_id = 0;
     std::mutex mutex;
     std::condition_variable wake;
     std::deque<Pending> pending;
@@ -250,7 +254,7 @@ void HostBackend::Impl::watch() {
         wake.wait_for(lock, std::chrono::milliseconds(20));
         while (!pending.empty()) {
             Pending& p = pending.front();
-            const cudaError_t st = cudaEventQuery(p.done);
+            const cudaError_t st = p.done != nullptr ? cudaEventQuery(p.done) : cudaErrorNotReady;
             if (st == cudaSuccess) {
                 cudaEventDestroy(p.done);
                 pending.pop_front();
@@ -269,13 +273,17 @@ void HostBackend::Impl::watch() {
                 lock.unlock();
                 abort_comm(reason);
                 lock.lock();
-                for (Pending& q : pending) cudaEventDestroy(q.done);
+                for (Pending& q : pending) {
+                    if (q.done != nullptr) cudaEventDestroy(q.done);
+                }
                 pending.clear();
             }
             break;
         }
     }
-    for (Pending& q : pending) cudaEventDestroy(q.done);
+    for (Pending& q : pending) {
+        if (q.done != nullptr) cudaEventDestroy(q.done);
+    }
     pending.clear();
 }
 
@@ -432,25 +440,49 @@ void HostBackend::wait_arrived(cudaStream_t stream, int chunk) {
     stream_wait_u64_geq(stream, flags_ + kMaxChunks + chunk, 1);
 }
 
-// Records an event after the step just enqueued on the comm stream; the watcher aborts when it is late. Not while the
-// comm stream is being captured (a captured event cannot be queried: graph replays are bounded by NCCL alone).
-void HostBackend::track(const char* what) {
+// Every network step is registered with its deadline before NCCL is called, and gets an event once enqueued; the
+// watcher aborts the communicator (and the World) when a step is not done by its deadline, which also ends an NCCL
+// call blocked on an absent peer. While the comm stream is captured no event is recorded (a captured event cannot be
+// queried): graph replays are bounded by NCCL alone.
+// NOTE: NCCL is called only while the communicator is not aborted; the watcher aborts it from its own thread, which
+// NCCL supports for a call that is blocked.
+uint64_t HostBackend::begin_step(const char* what) {
+    WEFT_CHECK(!impl_->aborted.load(), "network backend: the NCCL communicator of " << impl_->who
+                                                                                   << " was aborted earlier");
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    const uint64_t id = ++impl_->next_id;
+    impl_->pending.push_back({id, nullptr, std::chrono::steady_clock::now() + impl_->timeout, what});
+    return id;
+}
+
+void HostBackend::end_step(uint64_t id) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     WEFT_CUDA_CHECK(cudaStreamIsCapturing(comm_stream_, &capture));
-    if (capture != cudaStreamCaptureStatusNone) return;
     cudaEvent_t done = nullptr;
-    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    WEFT_CUDA_CHECK(cudaEventRecord(done, comm_stream_));
+    if (capture == cudaStreamCaptureStatusNone) {
+        WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+        WEFT_CUDA_CHECK(cudaEventRecord(done, comm_stream_));
+    }
     {
         std::lock_guard<std::mutex> lock(impl_->mutex);
-        impl_->pending.push_back({done, std::chrono::steady_clock::now() + impl_->timeout, what});
+        auto it = std::find_if(impl_->pending.begin(), impl_->pending.end(),
+                               [&](const Impl::Pending& p) { return p.id == id; });
+        if (it == impl_->pending.end()) {  // the watcher gave up on it already
+            if (done != nullptr) cudaEventDestroy(done);
+        } else if (done != nullptr) {
+            it->done = done;
+        } else {
+            impl_->pending.erase(it);
+        }
     }
     impl_->wake.notify_all();
 }
 
 void HostBackend::exchange(const void* send, uint64_t bytes, const std::function<void*(int node)>& recv_at) {
 #if WEFT_NET_HAVE_NCCL_HEADER
+    if (bytes == 0) return;
     const NcclApi& api = nccl();
+    const uint64_t step = begin_step("exchange");
     WEFT_NCCL_CHECK(api.group_start(), "ncclGroupStart");
     for (int k = 1; k < num_nodes(); ++k) {
         // Rotated order: node n first talks to n + 1, so no two ranks start on the same peer.
@@ -460,7 +492,7 @@ void HostBackend::exchange(const void* send, uint64_t bytes, const std::function
                         "ncclRecv for " << impl_->who);
     }
     WEFT_NCCL_CHECK(api.group_end(), "ncclGroupEnd (send/recv) for " << impl_->who);
-    track("exchange");
+    end_step(step);
 #else
     (void)send, (void)bytes, (void)recv_at;
     WEFT_FAIL(nccl_unavailable_reason());
@@ -469,9 +501,11 @@ void HostBackend::exchange(const void* send, uint64_t bytes, const std::function
 
 void HostBackend::reduce_scatter(const void* send, void* recv, uint64_t recv_count, DType dtype) {
 #if WEFT_NET_HAVE_NCCL_HEADER
+    if (recv_count == 0) return;
+    const uint64_t step = begin_step("reduce_scatter");
     WEFT_NCCL_CHECK(nccl().reduce_scatter(send, recv, recv_count, nccl_type(dtype), ncclSum, impl_->comm, comm_stream_),
                     "ncclReduceScatter for " << impl_->who);
-    track("reduce_scatter");
+    end_step(step);
 #else
     (void)send, (void)recv, (void)recv_count, (void)dtype;
     WEFT_FAIL(nccl_unavailable_reason());
@@ -480,9 +514,11 @@ void HostBackend::reduce_scatter(const void* send, void* recv, uint64_t recv_cou
 
 void HostBackend::all_reduce(void* buffer, uint64_t count, DType dtype) {
 #if WEFT_NET_HAVE_NCCL_HEADER
+    if (count == 0) return;
+    const uint64_t step = begin_step("all_reduce");
     WEFT_NCCL_CHECK(nccl().all_reduce(buffer, buffer, count, nccl_type(dtype), ncclSum, impl_->comm, comm_stream_),
                     "ncclAllReduce for " << impl_->who);
-    track("all_reduce");
+    end_step(step);
 #else
     (void)buffer, (void)count, (void)dtype;
     WEFT_FAIL(nccl_unavailable_reason());

@@ -9,6 +9,7 @@
 #include "weft/net/chunk_schedule.hpp"
 #include "weft/net/host_backend.hpp"
 #include "weft/ops/all_gather.hpp"
+#include "weft/ops/collectives.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/nvtx.hpp"
@@ -48,6 +49,14 @@ TensorView elems_view(void* p, DType dtype, uint64_t count) {
 
 uint64_t chunk_bytes() { return net::resolve_chunk_bytes(std::getenv("WEFT_NET_CHUNK_BYTES")); }
 
+// The team's backend, and its node team's collectives ready (kernels loaded) before anything is enqueued: no module
+// loads while NCCL's or weft's kernels wait.
+net::HostBackend& backend(const Team& team) {
+    net::HostBackend& net = net::HostBackend::get(team);
+    prepare_collectives(net.node_team());
+    return net;
+}
+
 }  // namespace
 
 // Per chunk c of every shard: the comm stream gathers chunk c of the column's N shards (this rank's own and, by
@@ -55,7 +64,7 @@ uint64_t chunk_bytes() { return net::resolve_chunk_bytes(std::getenv("WEFT_NET_C
 // over the node's L members (weft), and unpacks the L x N chunks into their team ranks' output slots.
 void hierarchical_all_gather(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream) {
     WEFT_NVTX_RANGE("all_gather.hierarchical");
-    net::HostBackend& net = net::HostBackend::get(team);
+    net::HostBackend& net = backend(team);
     const int num_nodes = net.num_nodes(), per_node = net.ranks_per_node(), me = net.node_index();
     const auto shard = static_cast<uint64_t>(input.size_bytes());
     const auto* in = static_cast<const uint8_t*>(input.data);
@@ -96,7 +105,7 @@ void hierarchical_all_gather(const Team& team, const TensorView& input, const Te
 void hierarchical_reduce_scatter(const Team& team, const TensorView& input, const TensorView& output,
                                  cudaStream_t stream) {
     WEFT_NVTX_RANGE("reduce_scatter.hierarchical");
-    net::HostBackend& net = net::HostBackend::get(team);
+    net::HostBackend& net = backend(team);
     const int num_nodes = net.num_nodes(), per_node = net.ranks_per_node();
     const DType dtype = output.dtype;
     const auto es = static_cast<uint64_t>(dtype_bytes(dtype));
@@ -135,7 +144,7 @@ void hierarchical_reduce_scatter(const Team& team, const TensorView& input, cons
 // members (weft). Enqueued so that chunk c's network step runs while the node reduces chunk c + 1 and gathers c - 1.
 void hierarchical_all_reduce(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream) {
     WEFT_NVTX_RANGE("all_reduce.hierarchical");
-    net::HostBackend& net = net::HostBackend::get(team);
+    net::HostBackend& net = backend(team);
     const DType dtype = output.dtype;
     const auto es = static_cast<uint64_t>(dtype_bytes(dtype));
     const auto count = static_cast<uint64_t>(output.numel());

@@ -92,7 +92,8 @@ public:
 
 private:
     HostBackend(const Team& team, Team node_team);
-    void track(const char* what);
+    uint64_t begin_step(const char* what);
+    void end_step(uint64_t id);
 
     Team team_;
     Team node_team_;
