@@ -397,8 +397,13 @@ HostBackend::~HostBackend() {
     }
 #if WEFT_NET_HAVE_NCCL_HEADER
     if (impl_->comm != nullptr && !impl_->aborted.load()) {
-        const ncclResult_t r = nccl().comm_destroy(impl_->comm);
-        if (r != ncclSuccess) WEFT_LOG_WARN("ncclCommDestroy for " << impl_->who << ": " << nccl().error_string(r));
+        // After a failure a peer may be gone: abort rather than destroy, which may wait for it.
+        const bool failed = impl_->world->aborted();
+        const ncclResult_t r = failed ? nccl().comm_abort(impl_->comm) : nccl().comm_destroy(impl_->comm);
+        if (r != ncclSuccess) {
+            WEFT_LOG_WARN((failed ? "ncclCommAbort" : "ncclCommDestroy") << " for " << impl_->who << ": "
+                                                                         << nccl().error_string(r));
+        }
     }
 #endif
     if (fork_ != nullptr) cudaEventDestroy(fork_);
