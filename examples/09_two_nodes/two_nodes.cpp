@@ -67,12 +67,12 @@ int main(int argc, char** argv) {
 
         const auto upload = [&](int64_t elems, int64_t index_offset) {
             for (int64_t i = 0; i < elems; ++i) host[i] = value(w.rank(), index_offset + i);
-            WEFT_CUDA_CHECK(cudaMemcpyAsync(in, host, static_cast<size_t>(elems) * sizeof(float),
-                                            cudaMemcpyHostToDevice, stream));
+            WEFT_CUDA_CHECK(
+                cudaMemcpyAsync(in, host, static_cast<size_t>(elems) * sizeof(float), cudaMemcpyHostToDevice, stream));
         };
         const auto download = [&](int64_t elems) {
-            WEFT_CUDA_CHECK(cudaMemcpyAsync(host, out, static_cast<size_t>(elems) * sizeof(float),
-                                            cudaMemcpyDeviceToHost, stream));
+            WEFT_CUDA_CHECK(
+                cudaMemcpyAsync(host, out, static_cast<size_t>(elems) * sizeof(float), cudaMemcpyDeviceToHost, stream));
             w.sync_and_check(stream);
         };
         // Times 5 calls after one that also makes the network backend (collectively, on first use).
@@ -113,7 +113,8 @@ int main(int argc, char** argv) {
         download(static_cast<int64_t>(total));
         ag.correct = true;
         for (size_t k = 0; k < total && ag.correct; ++k) {
-            ag.correct = host[k] == value(static_cast<int>(k / static_cast<size_t>(count)), static_cast<int64_t>(k) % count);
+            ag.correct =
+                host[k] == value(static_cast<int>(k / static_cast<size_t>(count)), static_cast<int64_t>(k) % count);
         }
         results.push_back(ag);
 

@@ -133,9 +133,9 @@ const NcclApi& nccl() {
     return api;
 }
 
-#define WEFT_NCCL_CHECK(call, what)                                                                   \
-    do {                                                                                              \
-        const ncclResult_t weft_nccl_r_ = (call);                                                     \
+#define WEFT_NCCL_CHECK(call, what)                                                                        \
+    do {                                                                                                   \
+        const ncclResult_t weft_nccl_r_ = (call);                                                          \
         WEFT_CHECK(weft_nccl_r_ == ncclSuccess, what << " failed: " << nccl().error_string(weft_nccl_r_)); \
     } while (0)
 
@@ -201,9 +201,10 @@ void prepare_nccl_environment(const World& world, bool ranks_are_threads) {
         ::setenv("NCCL_HOSTID", id.c_str(), 1);
         ::setenv("NCCL_P2P_DISABLE", "1", 0);
         ::setenv("NCCL_SHM_DISABLE", "1", 0);
-        WEFT_LOG_INFO("virtual node " << world.node() << ": NCCL_HOSTID=" << id << ", NCCL_P2P_DISABLE="
-                                      << std::getenv("NCCL_P2P_DISABLE") << ", NCCL_SHM_DISABLE="
-                                      << std::getenv("NCCL_SHM_DISABLE") << " (NCCL's network transport carries "
+        WEFT_LOG_INFO("virtual node " << world.node() << ": NCCL_HOSTID=" << id
+                                      << ", NCCL_P2P_DISABLE=" << std::getenv("NCCL_P2P_DISABLE")
+                                      << ", NCCL_SHM_DISABLE=" << std::getenv("NCCL_SHM_DISABLE")
+                                      << " (NCCL's network transport carries "
                                       << "the bytes between virtual nodes)");
     });
 }
@@ -338,7 +339,9 @@ HostBackend::HostBackend(const Team& team, Team node_team)
         auto all = team.all_gather("weft.net.where", mine);
         for (auto& b : all) wheres.emplace_back(b.begin(), b.end() - (b.empty() ? 0 : 1));
     }
-    const auto process_of = [&](int t) { return wheres[static_cast<size_t>(t)].substr(0, wheres[static_cast<size_t>(t)].rfind('|')); };
+    const auto process_of = [&](int t) {
+        return wheres[static_cast<size_t>(t)].substr(0, wheres[static_cast<size_t>(t)].rfind('|'));
+    };
     bool threads = false;
     for (int n = 0; n < num_nodes(); ++n) {
         for (int m = 0; m < n; ++m) {
@@ -354,8 +357,9 @@ HostBackend::HostBackend(const Team& team, Team node_team)
         }
     }
     if (threads && world.virtual_nodes() > 1) {
-        WEFT_LOG_WARN("network backend: virtual nodes with ranks as threads of one process: NCCL sees one host and may "
-                      "move bytes through P2P or shared memory instead of its network transport");
+        WEFT_LOG_WARN(
+            "network backend: virtual nodes with ranks as threads of one process: NCCL sees one host and may "
+            "move bytes through P2P or shared memory instead of its network transport");
     }
     prepare_nccl_environment(world, threads);
     std::vector<uint8_t> id_blob;
@@ -367,9 +371,9 @@ HostBackend::HostBackend(const Team& team, Team node_team)
     // The World's store carries the ids; a member that does not arrive is named, after the World's timeout.
     const auto ids = team.all_gather("weft.net.ids", id_blob);
     const auto& head = ids[static_cast<size_t>(column_[0])];
-    WEFT_CHECK(head.size() == sizeof(ncclUniqueId),
-               "network backend: team rank " << column_[0] << " published a malformed NCCL unique id for "
-                                             << impl_->who);
+    WEFT_CHECK(head.size() == sizeof(ncclUniqueId), "network backend: team rank "
+                                                        << column_[0] << " published a malformed NCCL unique id for "
+                                                        << impl_->who);
     ncclUniqueId id{};
     std::memcpy(&id, head.data(), sizeof(id));
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
@@ -381,8 +385,8 @@ HostBackend::HostBackend(const Team& team, Team node_team)
     WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     impl_->watcher = std::thread([impl = impl_.get()] { impl->watch(); });
     WEFT_LOG_INFO("network backend for " << impl_->who << ": NCCL " << nccl().version << " from " << nccl().path
-                                         << ", node " << node_index_ << " of " << num_nodes() << ", "
-                                         << ranks_per_node_ << " member(s) per node");
+                                         << ", node " << node_index_ << " of " << num_nodes() << ", " << ranks_per_node_
+                                         << " member(s) per node");
 #endif
 }
 
@@ -401,8 +405,8 @@ HostBackend::~HostBackend() {
         const bool failed = impl_->world->aborted();
         const ncclResult_t r = failed ? nccl().comm_abort(impl_->comm) : nccl().comm_destroy(impl_->comm);
         if (r != ncclSuccess) {
-            WEFT_LOG_WARN((failed ? "ncclCommAbort" : "ncclCommDestroy") << " for " << impl_->who << ": "
-                                                                         << nccl().error_string(r));
+            WEFT_LOG_WARN((failed ? "ncclCommAbort" : "ncclCommDestroy")
+                          << " for " << impl_->who << ": " << nccl().error_string(r));
         }
     }
 #endif
@@ -413,8 +417,8 @@ HostBackend::~HostBackend() {
 }
 
 void HostBackend::begin_call(cudaStream_t stream) {
-    WEFT_CHECK(!impl_->aborted.load(), "network backend: the NCCL communicator of " << impl_->who
-                                                                                   << " was aborted earlier");
+    WEFT_CHECK(!impl_->aborted.load(),
+               "network backend: the NCCL communicator of " << impl_->who << " was aborted earlier");
     WEFT_CUDA_CHECK(cudaMemsetAsync(flags_, 0, 2 * kMaxChunks * sizeof(uint64_t), stream));
     WEFT_CUDA_CHECK(cudaEventRecord(fork_, stream));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, fork_, 0));
@@ -426,22 +430,26 @@ void HostBackend::end_call(cudaStream_t stream) {
 }
 
 void HostBackend::mark_ready(cudaStream_t stream, int chunk) {
-    WEFT_CHECK(chunk >= 0 && chunk < kMaxChunks, "network backend: chunk " << chunk << " outside [0, " << kMaxChunks << ")");
+    WEFT_CHECK(chunk >= 0 && chunk < kMaxChunks,
+               "network backend: chunk " << chunk << " outside [0, " << kMaxChunks << ")");
     stream_write_u64(stream, flags_ + chunk, 1);
 }
 
 void HostBackend::comm_wait_ready(int chunk) {
-    WEFT_CHECK(chunk >= 0 && chunk < kMaxChunks, "network backend: chunk " << chunk << " outside [0, " << kMaxChunks << ")");
+    WEFT_CHECK(chunk >= 0 && chunk < kMaxChunks,
+               "network backend: chunk " << chunk << " outside [0, " << kMaxChunks << ")");
     stream_wait_u64_geq(comm_stream_, flags_ + chunk, 1);
 }
 
 void HostBackend::comm_mark_arrived(int chunk) {
-    WEFT_CHECK(chunk >= 0 && chunk < kMaxChunks, "network backend: chunk " << chunk << " outside [0, " << kMaxChunks << ")");
+    WEFT_CHECK(chunk >= 0 && chunk < kMaxChunks,
+               "network backend: chunk " << chunk << " outside [0, " << kMaxChunks << ")");
     stream_write_u64(comm_stream_, flags_ + kMaxChunks + chunk, 1);
 }
 
 void HostBackend::wait_arrived(cudaStream_t stream, int chunk) {
-    WEFT_CHECK(chunk >= 0 && chunk < kMaxChunks, "network backend: chunk " << chunk << " outside [0, " << kMaxChunks << ")");
+    WEFT_CHECK(chunk >= 0 && chunk < kMaxChunks,
+               "network backend: chunk " << chunk << " outside [0, " << kMaxChunks << ")");
     stream_wait_u64_geq(stream, flags_ + kMaxChunks + chunk, 1);
 }
 
@@ -452,8 +460,8 @@ void HostBackend::wait_arrived(cudaStream_t stream, int chunk) {
 // NOTE: NCCL is called only while the communicator is not aborted; the watcher aborts it from its own thread, which
 // NCCL supports for a call that is blocked.
 uint64_t HostBackend::begin_step(const char* what) {
-    WEFT_CHECK(!impl_->aborted.load(), "network backend: the NCCL communicator of " << impl_->who
-                                                                                   << " was aborted earlier");
+    WEFT_CHECK(!impl_->aborted.load(),
+               "network backend: the NCCL communicator of " << impl_->who << " was aborted earlier");
     std::lock_guard<std::mutex> lock(impl_->mutex);
     const uint64_t id = ++impl_->next_id;
     impl_->pending.push_back({id, nullptr, std::chrono::steady_clock::now() + impl_->timeout, what});
@@ -492,7 +500,8 @@ void HostBackend::exchange(const void* send, uint64_t bytes, const std::function
     for (int k = 1; k < num_nodes(); ++k) {
         // Rotated order: node n first talks to n + 1, so no two ranks start on the same peer.
         const int peer = (node_index_ + k) % num_nodes();
-        WEFT_NCCL_CHECK(api.send(send, bytes, ncclUint8, peer, impl_->comm, comm_stream_), "ncclSend for " << impl_->who);
+        WEFT_NCCL_CHECK(api.send(send, bytes, ncclUint8, peer, impl_->comm, comm_stream_),
+                        "ncclSend for " << impl_->who);
         WEFT_NCCL_CHECK(api.recv(recv_at(peer), bytes, ncclUint8, peer, impl_->comm, comm_stream_),
                         "ncclRecv for " << impl_->who);
     }

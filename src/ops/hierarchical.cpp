@@ -71,8 +71,8 @@ void hierarchical_all_gather(const Team& team, const TensorView& input, const Te
     auto* out = static_cast<uint8_t*>(output.data);
     const std::vector<net::Chunk> chunks = net::plan_chunks(shard, 1, 1, chunk_bytes());
     const auto n = static_cast<uint64_t>(num_nodes), l = static_cast<uint64_t>(per_node);
-    Scratch column(n * shard, stream);          // chunk c at n * begin: [node][len]
-    Scratch gathered(l * n * shard, stream);    // chunk c at l * n * begin: [local][node][len]
+    Scratch column(n * shard, stream);        // chunk c at n * begin: [node][len]
+    Scratch gathered(l * n * shard, stream);  // chunk c at l * n * begin: [local][node][len]
     net.begin_call(stream);
     for (size_t c = 0; c < chunks.size(); ++c) {
         const uint64_t begin = chunks[c].begin, len = chunks[c].count;
@@ -154,9 +154,9 @@ void hierarchical_all_reduce(const Team& team, const TensorView& input, const Te
     const std::vector<net::Chunk> chunks = net::plan_chunks(count, es, l, chunk_bytes());
     const auto padded = [&](const net::Chunk& ch) { return (ch.count + l - 1) / l * l; };
     const uint64_t total = chunks.empty() ? 0 : chunks.back().begin + padded(chunks.back());
-    Scratch staged(total * es, stream);     // chunk c at begin: its elements, zero-padded
+    Scratch staged(total * es, stream);      // chunk c at begin: its elements, zero-padded
     Scratch slices(total / l * es, stream);  // chunk c at begin / l: this member's slice
-    Scratch gathered(total * es, stream);   // chunk c at begin
+    Scratch gathered(total * es, stream);    // chunk c at begin
     net.begin_call(stream);
     const auto gather = [&](size_t c) {
         const uint64_t begin = chunks[c].begin, p = padded(chunks[c]);
@@ -170,8 +170,8 @@ void hierarchical_all_reduce(const Team& team, const TensorView& input, const Te
         uint8_t* s = staged.get() + begin * es;
         copy(s, in + begin * es, len * es, stream);
         if (p > len) WEFT_CUDA_CHECK(cudaMemsetAsync(s + len * es, 0, (p - len) * es, stream));
-        reduce_scatter(net.node_team(), elems_view(s, dtype, p), elems_view(slices.get() + begin / l * es, dtype, p / l),
-                       stream);
+        reduce_scatter(net.node_team(), elems_view(s, dtype, p),
+                       elems_view(slices.get() + begin / l * es, dtype, p / l), stream);
         net.mark_ready(stream, static_cast<int>(c));
         net.comm_wait_ready(static_cast<int>(c));
         net.all_reduce(slices.get() + begin / l * es, p / l, dtype);

@@ -30,9 +30,9 @@ int resolve_virtual_nodes(int option, const std::optional<std::string>& env_valu
 }
 
 int virtual_node_of(int rank, int num_ranks, int virtual_nodes) {
-    WEFT_CHECK(virtual_nodes >= 1 && num_ranks % virtual_nodes == 0 && rank >= 0 && rank < num_ranks,
-               "virtual_node_of: rank " << rank << " of " << num_ranks << " with " << virtual_nodes
-                                        << " virtual nodes");
+    WEFT_CHECK(
+        virtual_nodes >= 1 && num_ranks % virtual_nodes == 0 && rank >= 0 && rank < num_ranks,
+        "virtual_node_of: rank " << rank << " of " << num_ranks << " with " << virtual_nodes << " virtual nodes");
     return rank / (num_ranks / virtual_nodes);
 }
 
@@ -48,7 +48,8 @@ std::vector<std::string> node_labels(const std::vector<std::string>& hosts, int 
 
 NodeLayout node_layout(const std::vector<int>& member_nodes, int team_rank) {
     const int n = static_cast<int>(member_nodes.size());
-    WEFT_CHECK(team_rank >= -1 && team_rank < n, "node_layout: team rank " << team_rank << " outside [-1, " << n << ")");
+    WEFT_CHECK(team_rank >= -1 && team_rank < n,
+               "node_layout: team rank " << team_rank << " outside [-1, " << n << ")");
     NodeLayout layout;
     std::map<int, int> index;  // node label -> node index (order of first appearance)
     std::vector<int> node_of(static_cast<size_t>(n)), local_of(static_cast<size_t>(n));

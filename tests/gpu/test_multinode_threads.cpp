@@ -70,7 +70,8 @@ TEST(MultiNodeThreads, TopologyAndReachability) {
 }
 
 TEST(MultiNodeThreads, VirtualNodesMustDivideTheWorld) {
-    const std::string e = run_local_error(3, [](World&) {}, virtual_nodes(2));
+    const std::string e = run_local_error(
+        3, [](World&) {}, virtual_nodes(2));
     EXPECT_NE(e.find("WorldOptions::virtual_nodes = 2 must divide the world size 3"), std::string::npos) << e;
 }
 
