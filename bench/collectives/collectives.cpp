@@ -387,7 +387,10 @@ void run_world(int n, bool launched, const Options& o, WorldResult* result) {
             // A world that spans (virtual) nodes: weft's collectives are the hierarchical ones (auto), beside NCCL's
             // flat collectives over the same ranks; no all-to-all across nodes.
             const bool spans = w.num_nodes() > 1;
-            const ops::CollectiveWorkspaceInfo& info = ops::prepare_collectives(spans ? w.node_team() : w.team());
+            // The node team's workspace across nodes (none for a node of one rank).
+            const Team& local = spans ? w.node_team() : w.team();
+            const ops::CollectiveWorkspaceInfo* info =
+                local.num_ranks() > 1 || !spans ? &ops::prepare_collectives(local) : nullptr;
             const bool shared = w.max_ranks_per_device() > 1;
             cudaStream_t s = nullptr;
             WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -544,7 +547,7 @@ void run_world(int n, bool launched, const Options& o, WorldResult* result) {
                         if (name == "auto" && spans) {
                             row.chosen = "hierarchical";
                         } else if (name == "auto") {
-                            const ops::CollectiveTopology& t = info.topology;
+                            const ops::CollectiveTopology& t = info->topology;
                             if (op == Op::kAllReduce)
                                 row.chosen = ops::algo_name(ops::select_all_reduce_algo(shard * es, t));
                             if (op == Op::kAllGather) {

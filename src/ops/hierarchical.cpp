@@ -53,7 +53,7 @@ uint64_t chunk_bytes() { return net::resolve_chunk_bytes(std::getenv("WEFT_NET_C
 // loads while NCCL's or weft's kernels wait.
 net::HostBackend& backend(const Team& team) {
     net::HostBackend& net = net::HostBackend::get(team);
-    prepare_collectives(net.node_team());
+    if (net.node_team().num_ranks() > 1) prepare_collectives(net.node_team());
     return net;
 }
 

@@ -9,7 +9,9 @@
 #include <cuda_runtime.h>
 
 #include "weft/net/host_backend.hpp"
+#include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
+#include "weft/ops/reduce_scatter.hpp"
 #include "weft/weft.hpp"
 
 namespace weft::test {
@@ -119,6 +121,76 @@ TEST(MultiNodeThreads, TheNetworkOnOneGpuInOneProcessIsRefusedClearly) {
                 }
             }
             cudaFree(buf);
+            cudaStreamDestroy(s);
+        },
+        virtual_nodes(2));
+}
+
+// One GPU per rank (a multi-GPU machine): NCCL accepts a column of threads on different GPUs, so the hierarchical
+// collectives run with ranks as threads (NCCL may carry the bytes through P2P: correctness, not the network path).
+TEST(MultiNodeThreads, CollectivesAcrossVirtualNodesWithAGpuPerRank) {
+    int devices = 0;
+    WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    if (devices < 2) GTEST_SKIP() << "needs a GPU per rank (2 or more GPUs)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    const int n = devices - devices % 2;
+    ::setenv("WEFT_NET_CHUNK_BYTES", "64K", 1);
+    run_local(
+        n,
+        [n](World& w) {
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            const int64_t count = 100003;  // per rank; not a multiple of anything
+            const auto total = static_cast<size_t>(count) * static_cast<size_t>(n);
+            float *in = nullptr, *out = nullptr, *host = nullptr;
+            WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&in), total * 4, s));
+            WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&out), total * 4, s));
+            WEFT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host), total * 4));
+            const auto value = [](int rank, size_t i) { return static_cast<float>((rank * 5 + i * 3) % 13) - 6.0f; };
+            const auto upload = [&](size_t elems) {
+                for (size_t i = 0; i < elems; ++i) host[i] = value(w.rank(), i);
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(in, host, elems * 4, cudaMemcpyHostToDevice, s));
+            };
+            const auto download = [&](size_t elems) {
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(host, out, elems * 4, cudaMemcpyDeviceToHost, s));
+                w.sync_and_check(s);
+            };
+            upload(static_cast<size_t>(count));
+            ops::all_reduce(w, TensorView(in, DType::kF32, {count}), TensorView(out, DType::kF32, {count}), s);
+            download(static_cast<size_t>(count));
+            size_t bad = 0;
+            for (size_t i = 0; i < static_cast<size_t>(count); ++i) {
+                float want = 0;
+                for (int r = 0; r < n; ++r) want += value(r, i);
+                bad += host[i] != want;
+            }
+            EXPECT_EQ(bad, 0u) << "all_reduce, rank " << w.rank();
+            upload(static_cast<size_t>(count));
+            ops::all_gather(w, TensorView(in, DType::kF32, {count}),
+                            TensorView(out, DType::kF32, {static_cast<int64_t>(total)}), s);
+            download(total);
+            bad = 0;
+            for (size_t k = 0; k < total; ++k) {
+                bad +=
+                    host[k] != value(static_cast<int>(k / static_cast<size_t>(count)), k % static_cast<size_t>(count));
+            }
+            EXPECT_EQ(bad, 0u) << "all_gather, rank " << w.rank();
+            upload(total);
+            ops::reduce_scatter(w, TensorView(in, DType::kF32, {static_cast<int64_t>(total)}),
+                                TensorView(out, DType::kF32, {count}), s);
+            download(static_cast<size_t>(count));
+            bad = 0;
+            for (size_t i = 0; i < static_cast<size_t>(count); ++i) {
+                float want = 0;
+                for (int r = 0; r < n; ++r)
+                    want += value(r, static_cast<size_t>(w.rank()) * static_cast<size_t>(count) + i);
+                bad += host[i] != want;
+            }
+            EXPECT_EQ(bad, 0u) << "reduce_scatter, rank " << w.rank();
+            cudaFreeHost(host);
+            WEFT_CUDA_CHECK(cudaFreeAsync(in, s));
+            WEFT_CUDA_CHECK(cudaFreeAsync(out, s));
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
             cudaStreamDestroy(s);
         },
         virtual_nodes(2));
