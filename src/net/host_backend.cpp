@@ -37,7 +37,8 @@
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/stream.hpp"
 
-#if __has_include(<nccl.h>)
+// WEFT_NO_NCCL builds the backend without NCCL even where nccl.h exists (it then refuses, as without the header).
+#if __has_include(<nccl.h>) && !defined(WEFT_NO_NCCL)
 #include <nccl.h>
 #define WEFT_NET_HAVE_NCCL_HEADER 1
 #else
