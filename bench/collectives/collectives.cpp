@@ -46,6 +46,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -60,6 +61,7 @@
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/all_to_all.hpp"
 #include "weft/ops/reduce_scatter.hpp"
+#include "weft/runtime/launch_env.hpp"
 #include "weft/weft.hpp"
 
 namespace weft::bench {
@@ -90,6 +92,7 @@ struct Options {
     bool nccl = true;
     bool check = false;
     std::string json;
+    int virtual_nodes = 0;  // 0: WEFT_VIRTUAL_NODES, else one node per host
 };
 
 Options parse_options(int argc, char** argv) {
@@ -125,6 +128,9 @@ Options parse_options(int argc, char** argv) {
                });
     bool no_nccl = false;
     cli.flag("--no-nccl", "skip NCCL", &no_nccl);
+    cli.int_option("--virtual-nodes", "split the ranks into K virtual nodes (docs/multinode.md; default "
+                   "WEFT_VIRTUAL_NODES): weft runs its hierarchical collectives, NCCL its flat ones",
+                   &o.virtual_nodes, 0, 1 << 16);
     cli.check(&o.check).json(&o.json);
     cli.parse(argc, argv);
     o.nccl = !no_nccl;
@@ -357,28 +363,35 @@ bool worth_running(Op op, const std::string& algo, uint64_t size, int n) {
 }
 
 struct WorldResult {
+    int world = 0;
+    bool printer = true;  // this process prints the results (rank 0 of a launched job; always with run_local)
+    int num_nodes = 1;
     std::vector<Row> rows;
     double roofline_busbw = 0;
     std::string roofline_what;
     std::string nccl_note;
 };
 
-void run_world(int n, const Options& o, WorldResult* result) {
+// `launched`: this process is one rank of a job (weftrun, torchrun, srun: World::from_env); else run_local's threads.
+void run_world(int n, bool launched, const Options& o, WorldResult* result) {
     const uint64_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
     const uint64_t pool = std::max<uint64_t>(max_size, 64ull << 20);
     WorldOptions wo;
     wo.heap_bytes =
         o.symmetric ? (2 * pool + (256ull << 20) + (2ull << 20) - 1) / (2ull << 20) * (2ull << 20) : (256ull << 20);
     wo.timeout = std::chrono::milliseconds(60000);
+    wo.virtual_nodes = o.virtual_nodes;
     std::mutex mutex;
     SlowestRank gather(n);
-    std::atomic<bool> shared_gpu{false};
-    run_local(
-        n,
-        [&](World& w) {
-            const ops::CollectiveWorkspaceInfo& info = ops::prepare_collectives(w);
-            const bool shared = info.topology.max_ranks_per_gpu > 1;
-            shared_gpu = shared;
+    const std::function<void(World&)> body = [&](World& w) {
+            // A world that spans (virtual) nodes: weft's collectives are the hierarchical ones (auto), beside NCCL's
+            // flat collectives over the same ranks; no all-to-all across nodes.
+            const bool spans = w.num_nodes() > 1;
+            // The node team's workspace across nodes (none for a node of one rank).
+            const Team& local = spans ? w.node_team() : w.team();
+            const ops::CollectiveWorkspaceInfo* info =
+                local.num_ranks() > 1 || !spans ? &ops::prepare_collectives(local) : nullptr;
+            const bool shared = w.max_ranks_per_device() > 1;
             cudaStream_t s = nullptr;
             WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
             uint8_t* in = nullptr;
@@ -422,12 +435,21 @@ void run_world(int n, const Options& o, WorldResult* result) {
             std::string nccl_note;
             if (!o.nccl) {
                 nccl_note = "NCCL: off (--no-nccl)";
-            } else if (shared) {
+            } else if (shared && (!launched || !spans)) {
                 nccl_note = "NCCL: n/a (ranks share a GPU)";
             } else if (nccl().handle == nullptr) {
                 nccl_note = "NCCL: n/a (" + nccl().why_not + ")";
             } else {
                 ::setenv("NCCL_NVLS_ENABLE", "0", 0);
+                if (shared) {
+                    // Processes on one GPU over virtual nodes: NCCL refuses two ranks of one host on one GPU, so every
+                    // rank is a host of its own to NCCL (set before this process's first NCCL call) and NCCL's network
+                    // transport carries all of the flat baseline's bytes.
+                    const std::string id = "weft-bench-rank" + std::to_string(w.rank());
+                    ::setenv("NCCL_HOSTID", id.c_str(), 1);
+                    ::setenv("NCCL_P2P_DISABLE", "1", 0);
+                    ::setenv("NCCL_SHM_DISABLE", "1", 0);
+                }
                 ncclUniqueId id{};
                 const std::string key = "bench/nccl_id/" + std::to_string(n);
                 if (w.rank() == 0) {
@@ -440,13 +462,15 @@ void run_world(int n, const Options& o, WorldResult* result) {
                 std::memcpy(&id, blob.data(), sizeof(id));
                 BENCH_NCCL_CHECK(nccl().comm_init_rank(&comm, n, id, w.rank()));
                 std::ostringstream os;
-                os << "NCCL " << nccl().version << " from " << nccl().path;
+                os << "NCCL " << nccl().version << " from " << nccl().path
+                   << (spans ? " (flat, over every rank)" : "");
                 nccl_note = os.str();
             }
 
             std::vector<Row> rows;
             const int es = dtype_bytes(o.dtype);
             for (Op op : o.ops) {
+                if (spans && op == Op::kAllToAll) continue;
                 for (uint64_t size : o.sizes) {
                     // Element counts: all_reduce `size` bytes per rank; all_gather / reduce_scatter `size` bytes in
                     // total.
@@ -459,7 +483,8 @@ void run_world(int n, const Options& o, WorldResult* result) {
                     const uint64_t in_bytes = whole_in ? shard * n * es : shard * es;
                     const uint64_t out_bytes = whole_out ? shard * n * es : shard * es;
                     const PoolRotation rotation(pool, std::max(in_bytes, out_bytes), 64);
-                    const bool graph = size <= o.graph_max;
+                    // Across nodes: eager (the network backend is made on the first call, through the store).
+                    const bool graph = size <= o.graph_max && !spans;
                     const auto views = [&](int k) {
                         const uint64_t off = rotation.offset(k);
                         const auto in_n = static_cast<int64_t>(in_bytes / es);
@@ -469,6 +494,7 @@ void run_world(int n, const Options& o, WorldResult* result) {
                     };
                     std::vector<std::pair<std::string, std::function<void(int)>>> variants;
                     for (const std::string& a : algos_of(op, o)) {
+                        if (spans && a != "auto") continue;  // single-node algorithms need every peer reachable
                         if (!worth_running(op, a, size, n)) continue;
                         if (!o.symmetric && (a == "sm_push" || a == "ce_push")) continue;  // need a symmetric output
                         variants.emplace_back(a, [&, a](int k) {
@@ -518,8 +544,10 @@ void run_world(int n, const Options& o, WorldResult* result) {
                     }
                     for (auto& [name, call] : variants) {
                         Row row{op, size, n, shared, name, "", 0, 0, graph, -1};
-                        if (name == "auto") {
-                            const ops::CollectiveTopology& t = info.topology;
+                        if (name == "auto" && spans) {
+                            row.chosen = "hierarchical";
+                        } else if (name == "auto") {
+                            const ops::CollectiveTopology& t = info->topology;
                             if (op == Op::kAllReduce)
                                 row.chosen = ops::algo_name(ops::select_all_reduce_algo(shard * es, t));
                             if (op == Op::kAllGather) {
@@ -588,10 +616,17 @@ void run_world(int n, const Options& o, WorldResult* result) {
                 result->roofline_busbw = roofline;
                 result->roofline_what = roof_what;
                 result->nccl_note = nccl_note;
+                result->num_nodes = w.num_nodes();
             }
-        },
-        wo);
-    (void)shared_gpu;
+    };
+    if (launched) {
+        std::unique_ptr<World> w = World::from_env(wo);
+        WEFT_CHECK(w->num_ranks() == n, "launched with " << w->num_ranks() << " ranks, expected " << n);
+        body(*w);
+        result->printer = w->rank() == 0;
+    } else {
+        run_local(n, body, wo);
+    }
 }
 
 int run(int argc, char** argv) {
@@ -609,10 +644,16 @@ int run(int argc, char** argv) {
         o.check ? ", checked" : "");
     std::vector<WorldResult> results;
     bool all_ok = true;
-    for (int n : o.worlds) {
+    // Under a launcher every process is one rank of the launched world (--world is ignored).
+    const std::optional<LaunchEnv> launch = detect_launch_env();
+    std::vector<int> worlds = launch && launch->num_ranks > 1 ? std::vector<int>{launch->num_ranks} : o.worlds;
+    for (int n : worlds) {
         WorldResult r;
-        run_world(n, o, &r);
+        r.world = n;
+        run_world(n, launch && launch->num_ranks > 1, o, &r);
+        if (!r.printer) continue;
         const bool shared = !r.rows.empty() && r.rows.front().shared_gpu;
+        if (r.num_nodes > 1) std::printf("\n(%d virtual nodes: weft's auto = hierarchical)", r.num_nodes);
         std::printf("\n== world %d (%s) ==  roofline bus bandwidth %.1f GB/s (%s);  %s%s\n", n,
                     shared ? "ranks share a GPU" : "one GPU per rank", r.roofline_busbw, r.roofline_what.c_str(),
                     r.nccl_note.c_str(), shared ? ";  copy-engine algorithms timed eagerly (no graph)" : "");
@@ -683,7 +724,7 @@ int run(int argc, char** argv) {
         "hung in its shared hardware queues, docs/runtime.md); '!': wrong result (--check); best/nc: NCCL time / best "
         "weft time (> 1: weft faster)\n",
         o.iters);
-    if (!o.json.empty()) {
+    if (!o.json.empty() && !results.empty()) {
         Json j;
         j.begin_object().field("bench", "collectives").field("device", prop.name).field("devices", devices);
         j.field("date", utc_date()).field("dtype", dtype_name(o.dtype));
@@ -691,7 +732,7 @@ int run(int argc, char** argv) {
         j.key("worlds").begin_array();
         for (size_t i = 0; i < results.size(); ++i) {
             const WorldResult& r = results[i];
-            j.begin_object().field("world", o.worlds[i]).field("roofline_busbw_gbps", r.roofline_busbw);
+            j.begin_object().field("world", r.world).field("roofline_busbw_gbps", r.roofline_busbw);
             j.field("roofline", r.roofline_what).field("nccl", r.nccl_note).key("rows").begin_array();
             for (const Row& x : r.rows) {
                 j.begin_object(true).field("op", op_name(x.op)).field("algo", x.algo);

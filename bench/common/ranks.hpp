@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: MIT
-// Timing on every rank of a World at once (ranks are threads of one process): the slowest rank's figure counts.
+// Timing on every rank of a World at once: the slowest rank's figure counts.
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <utility>
@@ -15,29 +17,27 @@
 
 namespace weft::bench {
 
-/// The largest of the ranks' values: every rank calls max() with its own (collective: two host barriers).
-/// One object per World, shared by its rank threads.
+/// The largest of the ranks' values: every rank calls max() with its own (collective over the World's team, through
+/// its store: the ranks may be threads of one process or processes of their own).
 class SlowestRank {
 public:
-    explicit SlowestRank(int num_ranks) : values_(static_cast<size_t>(num_ranks)) {}
+    explicit SlowestRank(int num_ranks) : num_ranks_(num_ranks) {}
     double max(World& w, double v) {
-        {
-            std::lock_guard<std::mutex> lock(mutex_);
-            values_[static_cast<size_t>(w.rank())] = v;
-        }
-        w.barrier();
+        std::vector<uint8_t> mine(sizeof(double));
+        std::memcpy(mine.data(), &v, sizeof(double));
+        const auto all = w.team().all_gather("bench.slowest", mine);
         double worst = -std::numeric_limits<double>::infinity();
-        {
-            std::lock_guard<std::mutex> lock(mutex_);
-            for (double x : values_) worst = std::max(worst, x);
+        for (const auto& b : all) {
+            double x = 0;
+            if (b.size() == sizeof(double)) std::memcpy(&x, b.data(), sizeof(double));
+            worst = std::max(worst, x);
         }
-        w.barrier();  // nobody overwrites a value before every rank has read them all
         return worst;
     }
+    int num_ranks() const { return num_ranks_; }
 
 private:
-    std::mutex mutex_;
-    std::vector<double> values_;
+    int num_ranks_;
 };
 
 /// time_batch_ms on every rank at once (collective): `warmup` untimed calls, every rank's stream drained and a

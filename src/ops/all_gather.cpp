@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "collective_workspace.hpp"
+#include "hierarchical.hpp"
 #include "weft/detail/collectives.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
@@ -80,6 +81,12 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
     auto* out = static_cast<uint8_t*>(output.data);
     if (n == 1) {
         if (in != out) WEFT_CUDA_CHECK(cudaMemcpyAsync(out, in, shard, cudaMemcpyDeviceToDevice, stream));
+        return;
+    }
+    const auto env_algo = env::get("WEFT_ALLGATHER_ALGO");
+    if (select_hierarchical("all_gather", team.num_nodes(),
+                            options.algo != AllGatherAlgo::kAuto ? algo_name(options.algo) : env_algo.value_or(""))) {
+        detail::hierarchical_all_gather(team, input, output, stream);
         return;
     }
     CollectiveWorkspace& ws = CollectiveWorkspace::get(team);

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "collective_workspace.hpp"
+#include "hierarchical.hpp"
 #include "weft/detail/collectives.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
@@ -26,6 +27,12 @@ void all_reduce(const Team& team, const TensorView& input, const TensorView& out
         if (input.data != output.data) {
             WEFT_CUDA_CHECK(cudaMemcpyAsync(output.data, input.data, bytes, cudaMemcpyDeviceToDevice, stream));
         }
+        return;
+    }
+    const auto env_algo = env::get("WEFT_ALLREDUCE_ALGO");
+    if (select_hierarchical("all_reduce", team.num_nodes(),
+                            options.algo != AllReduceAlgo::kAuto ? algo_name(options.algo) : env_algo.value_or(""))) {
+        detail::hierarchical_all_reduce(team, input, output, stream);
         return;
     }
     detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team);

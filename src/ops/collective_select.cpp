@@ -106,6 +106,14 @@ std::optional<ReduceScatterAlgo> parse_reduce_scatter_algo(std::string_view name
     return parse_name(name, kReduceScatterAlgos);
 }
 
+bool select_hierarchical(const char* op, int num_nodes, std::string_view forced) {
+    if (num_nodes <= 1) return false;
+    WEFT_CHECK(forced.empty() || forced == "auto",
+               op << ": the algorithm '" << forced << "' needs every member load/store reachable, but the team spans "
+                  << num_nodes << " nodes (docs/multinode.md): leave the algorithm on auto (the hierarchical one)");
+    return true;
+}
+
 uint64_t low_latency_threshold_bytes(const CollectiveTopology& topo) {
     const uint64_t peers = static_cast<uint64_t>(std::max(1, topo.num_ranks - 1));
     uint64_t t = 512 * kKiB / peers;

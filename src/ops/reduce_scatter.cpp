@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "collective_workspace.hpp"
+#include "hierarchical.hpp"
 #include "weft/detail/collectives.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
@@ -28,6 +29,13 @@ void reduce_scatter(const Team& team, const TensorView& input, const TensorView&
     auto* out = static_cast<uint8_t*>(output.data);
     if (n == 1) {
         if (in != out) WEFT_CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream));
+        return;
+    }
+    const auto env_algo = env::get("WEFT_REDUCESCATTER_ALGO");
+    if (select_hierarchical("reduce_scatter", team.num_nodes(),
+                            options.algo != ReduceScatterAlgo::kAuto ? algo_name(options.algo)
+                                                                     : env_algo.value_or(""))) {
+        detail::hierarchical_reduce_scatter(team, input, output, stream);
         return;
     }
     detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team);

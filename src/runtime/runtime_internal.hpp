@@ -18,6 +18,7 @@
 #include <cuda_runtime_api.h>
 
 #include "weft/common/diagnostics.hpp"
+#include "weft/detail/node_topology.hpp"
 #include "weft/detail/team_math.hpp"
 #include "weft/runtime/store.hpp"
 #include "weft/runtime/symmetric_heap.hpp"
@@ -91,6 +92,7 @@ private:
 /// What every rank publishes about itself when the World starts.
 struct RankInfo {
     std::string host;        ///< host name
+    std::string node;        ///< node label: the host name, plus "/vnode<i>" with virtual nodes (node_topology.hpp)
     std::string pci_bus_id;  ///< of the rank's GPU, e.g. "0000:19:00.0"
     int device = -1;         ///< CUDA ordinal in that rank's process
     int64_t pid = 0;
@@ -180,6 +182,9 @@ struct WorldContext {
     int sm_budget = 1;
     int num_ranks_on_device = 1;
     int max_ranks_per_device = 1;  ///< the most ranks any one GPU of the world hosts (the same on every rank)
+    int virtual_nodes = 1;         ///< WorldOptions::virtual_nodes, resolved
+    int node = 0;                  ///< this rank's node (World::node)
+    int num_nodes = 1;
     int shared_sm_budget = 1;      ///< the budget this rank would have on that GPU (World::shared_sm_budget)
     std::chrono::milliseconds timeout{10000};
     bool same_process = true;
@@ -244,6 +249,7 @@ struct TeamState {
     bool is_world = false;
     int num_ranks_on_device = 0;   ///< members on this rank's GPU (0 for a non-member)
     int max_ranks_per_device = 0;  ///< the most members on any one GPU
+    NodeLayout nodes;              ///< how the members lie over nodes (node_topology.hpp)
     std::shared_ptr<void> peer_table;  ///< device uint8_t*[size]
     std::shared_ptr<void> rank_table;  ///< device int32_t[size] (nullptr for the world team)
 

@@ -240,13 +240,17 @@ void HeapImpl::share_in_process() {
         uint64_t peer_va = 0;
         WEFT_CHECK(all[static_cast<size_t>(p)].size() == 8, "rank " << p << " published a malformed heap base");
         std::memcpy(&peer_va, all[static_cast<size_t>(p)].data(), 8);
-        // Rank p granted our device access exactly when our device can reach p's (see create_own).
-        const bool reachable = can_access(setup.device, setup.ranks[static_cast<size_t>(p)].device);
+        // Rank p granted our device access exactly when our device can reach p's (see create_own). A rank on
+        // another (virtual) node is never load/store reachable, even when its GPU is.
+        const RankInfo& info = setup.ranks[static_cast<size_t>(p)];
+        const bool same_node = info.node == setup.ranks[static_cast<size_t>(setup.rank)].node;
+        const bool reachable = same_node && can_access(setup.device, info.device);
         peer_bases[static_cast<size_t>(p)] =
             reachable ? reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(peer_va)) : nullptr;
         if (!reachable) {
             WEFT_LOG_INFO("rank " << p << "'s heap is not reachable from device " << setup.device
-                                  << " (no peer access): symm_at returns nullptr for it");
+                                  << (same_node ? " (no peer access)" : " (another node)")
+                                  << ": symm_at returns nullptr for it");
         }
     }
     peer_bases[static_cast<size_t>(setup.rank)] = base();
@@ -293,7 +297,11 @@ void HeapImpl::share_across_processes() {
     std::vector<int> local_peers;
     const RankInfo& me = setup.ranks[static_cast<size_t>(setup.rank)];
     for (int p = 0; p < setup.num_ranks; ++p) {
-        if (p != setup.rank && setup.ranks[static_cast<size_t>(p)].host == me.host) local_peers.push_back(p);
+        // Only the ranks of this node: a rank on another virtual node of this host is reached through the network.
+        if (p != setup.rank && setup.ranks[static_cast<size_t>(p)].host == me.host &&
+            setup.ranks[static_cast<size_t>(p)].node == me.node) {
+            local_peers.push_back(p);
+        }
     }
     peer_bases[static_cast<size_t>(setup.rank)] = base();
     int raw_fd = -1;

@@ -112,6 +112,9 @@ Team TeamState::make(WorldContext* world, TeamMembers members, std::string id, b
         gpus.push_back(info.host + "|" + info.pci_bus_id);
     }
     const std::vector<int> gpu_group = group_by_label(gpus);
+    std::vector<std::string> node_names;
+    for (int w : state->members) node_names.push_back(world->ranks[static_cast<size_t>(w)].node);
+    state->nodes = node_layout(group_by_label(node_names), state->rank);
     for (size_t r = 0; r < gpu_group.size(); ++r) {
         const int on_gpu = static_cast<int>(std::count(gpu_group.begin(), gpu_group.end(), gpu_group[r]));
         state->max_ranks_per_device = std::max(state->max_ranks_per_device, on_gpu);
@@ -209,6 +212,20 @@ int Team::num_ranks_on_device() const {
 }
 
 int Team::max_ranks_per_device() const { return state_->max_ranks_per_device; }
+
+int Team::num_nodes() const { return state_->nodes.num_nodes; }
+
+int Team::ranks_per_node() const { return state_->nodes.ranks_per_node; }
+
+int Team::node_index() const { return state_->nodes.node_index; }
+
+int Team::local_index() const { return state_->nodes.local_index; }
+
+const std::vector<int>& Team::node_members(int node_index) const {
+    WEFT_CHECK(node_index >= 0 && node_index < state_->nodes.num_nodes,
+               "Team::node_members: node_index must be in [0, " << state_->nodes.num_nodes << "), got " << node_index);
+    return state_->nodes.members_by_node[static_cast<size_t>(node_index)];
+}
 
 Team Team::split_strided(int start, int stride, int size) const {
     WEFT_CHECK(state_->world != nullptr, "split_strided of an empty team");

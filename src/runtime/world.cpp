@@ -15,6 +15,7 @@
 
 #include "runtime_internal.hpp"
 #include "weft/detail/host_mapped_pool.hpp"
+#include "weft/detail/node_topology.hpp"
 #include "weft/detail/rank_threads.hpp"
 #include "weft/detail/runtime_config.hpp"
 #include "weft/detail/watchdog.hpp"
@@ -123,6 +124,8 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     c.heartbeat = detail::resolve_heartbeat(setup.options.heartbeat, env::get("WEFT_HEARTBEAT_MS"));
     c.dead_peer = detail::resolve_dead_peer(setup.options.dead_peer_timeout, env::get("WEFT_DEAD_PEER_MS"), c.heartbeat);
     const auto init_timeout = std::max(c.timeout, kMinInitTimeout);
+    c.virtual_nodes =
+        detail::resolve_virtual_nodes(setup.options.virtual_nodes, env::get("WEFT_VIRTUAL_NODES"), c.num_ranks);
 
     // Device binding.
     int num_devices = 0;
@@ -205,26 +208,34 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     }
     const uint64_t heap_bytes = detail::resolve_heap_bytes(heap_requests[0], std::nullopt, heap_granularity);
 
-    // Ranks that share this host, and this GPU (same host and PCI bus id).
+    // Ranks that share this node (host, or virtual node: node_topology.hpp), this host, and this GPU (same host and
+    // PCI bus id).
     std::vector<std::string> hosts, gpus;
     for (const auto& info : c.ranks) {
         hosts.push_back(info.host);
         gpus.push_back(info.host + "|" + info.pci_bus_id);
     }
+    const std::vector<std::string> nodes = detail::node_labels(hosts, c.virtual_nodes);
+    for (int r = 0; r < c.num_ranks; ++r) c.ranks[static_cast<size_t>(r)].node = nodes[static_cast<size_t>(r)];
     const auto host_group = detail::group_by_label(hosts);
+    const auto node_group = detail::group_by_label(nodes);
     const auto gpu_group = detail::group_by_label(gpus);
+    c.node = node_group[static_cast<size_t>(c.rank)];
+    c.num_nodes = *std::max_element(node_group.begin(), node_group.end()) + 1;
     detail::TeamMembers node_members;
+    int host_members = 0;
     for (int r = 0; r < c.num_ranks; ++r) {
-        if (host_group[static_cast<size_t>(r)] == host_group[static_cast<size_t>(c.rank)]) node_members.push_back(r);
+        if (node_group[static_cast<size_t>(r)] == node_group[static_cast<size_t>(c.rank)]) node_members.push_back(r);
+        if (host_group[static_cast<size_t>(r)] == host_group[static_cast<size_t>(c.rank)]) ++host_members;
         if (gpu_group[static_cast<size_t>(r)] == gpu_group[static_cast<size_t>(c.rank)] && r != c.rank) {
             ++c.num_ranks_on_device;
         }
         const auto on_gpu_of_r = std::count(gpu_group.begin(), gpu_group.end(), gpu_group[static_cast<size_t>(r)]);
         c.max_ranks_per_device = std::max(c.max_ranks_per_device, static_cast<int>(on_gpu_of_r));
     }
-    if (static_cast<int>(node_members.size()) != c.local_num_ranks) {
+    if (host_members != c.local_num_ranks) {
         WEFT_LOG_WARN("the launcher says " << c.local_num_ranks << " ranks run on this host, but "
-                                           << node_members.size() << " ranks report host name '"
+                                           << host_members << " ranks report host name '"
                                            << hosts[static_cast<size_t>(c.rank)]
                                            << "'; the node team follows the host names");
     }
@@ -271,12 +282,16 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     detail::TeamMembers everyone(static_cast<size_t>(c.num_ranks));
     for (int r = 0; r < c.num_ranks; ++r) everyone[static_cast<size_t>(r)] = r;
     c.world_team = detail::TeamState::make(&c, std::move(everyone), "world", true);
-    c.node_team = detail::TeamState::make(&c, std::move(node_members),
-                                          "node" + std::to_string(host_group[static_cast<size_t>(c.rank)]), false);
+    c.node_team = detail::TeamState::make(&c, std::move(node_members), "node" + std::to_string(c.node), false);
 
     detail::start_trace_if_asked(*this, c.diag_host.get());
     c.store->barrier("weft/init/ready", c.rank, c.num_ranks, init_timeout);
     if (c.num_ranks > 1) c.watchdog = std::make_unique<detail::Watchdog>(&c, std::move(watchdog_store));
+    if (c.virtual_nodes > 1) {
+        WEFT_LOG_INFO("virtual nodes: " << c.virtual_nodes << " of " << c.num_ranks / c.virtual_nodes
+                                        << " ranks; this rank is on node " << c.node << " of " << c.num_nodes
+                                        << " (peers on other nodes: network only, symm_at returns nullptr)");
+    }
     WEFT_LOG_INFO("rank " << c.rank << "/" << c.num_ranks << " on device " << c.device << " (" << pci << "), "
                           << c.num_ranks_on_device << " rank(s) on this GPU, SM budget " << c.sm_budget << " of "
                           << sm_count << ", heap " << detail::format_bytes(heap_bytes) << ", timeout "
@@ -363,6 +378,12 @@ const SymmetricHeap& World::heap() const { return *ctx_->heap; }
 Store& World::store() { return *ctx_->store; }
 const Team& World::team() const { return ctx_->world_team; }
 const Team& World::node_team() const { return ctx_->node_team; }
+
+int World::node() const { return ctx_->node; }
+
+int World::num_nodes() const { return ctx_->num_nodes; }
+
+int World::virtual_nodes() const { return ctx_->virtual_nodes; }
 DeviceCtx World::device_ctx() const { return ctx_->world_team.device_ctx(); }
 
 void World::barrier() {

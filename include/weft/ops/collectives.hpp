@@ -110,6 +110,12 @@ ReduceScatterAlgo resolve_reduce_scatter_algo(ReduceScatterAlgo requested, const
                                               uint64_t output_bytes, const CollectiveTopology& topo,
                                               const char* env_name = "WEFT_REDUCESCATTER_ALGO");
 
+/// Whether a collective on a team whose members span `num_nodes` nodes takes the hierarchical path (weft's collectives
+/// within each node, NCCL across nodes: docs/multinode.md): exactly when num_nodes > 1. `forced` is the algorithm the
+/// call or its WEFT_*_ALGO variable asked for ("" or "auto": none). Throws weft::Error naming `op` when a single-node
+/// algorithm is forced on a team that spans nodes (its kernels need every peer load/store reachable).
+bool select_hierarchical(const char* op, int num_nodes, std::string_view forced);
+
 /// Blocks of the main kernel of each algorithm (the same on every rank: a function of agreed facts only).
 /// At least 1, at most topo.grid_budget (so ranks sharing a GPU stay co-resident) and 32 (latency kernels) or
 /// 64 (bandwidth kernels).

@@ -76,6 +76,17 @@ public:
     int num_ranks_on_device() const;
     /// The most members any one GPU hosts: the same on every member.
     int max_ranks_per_device() const;
+    /// Nodes the members span (hosts, or virtual nodes: docs/multinode.md); the same on every member and non-member.
+    int num_nodes() const;
+    /// Members per node when every spanned node holds the same number of members, else 0.
+    int ranks_per_node() const;
+    /// This member's node among the team's nodes (numbered in order of first appearance in team-rank order), or -1
+    /// for a non-member.
+    int node_index() const;
+    /// This member's index among the team's members on its node (in team-rank order), or -1 for a non-member.
+    int local_index() const;
+    /// Team ranks of the members on team node `node_index` (in [0, num_nodes())), in team-rank order.
+    const std::vector<int>& node_members(int node_index) const;
     /// "world ranks 0, 1, 2, 3": the members, for error messages.
     std::string describe() const;
     /// Throws weft::Error "<what>: world rank 5 is not a member of this team (world ranks 0, 1, 2, 3)" when this

@@ -45,6 +45,10 @@ struct WorldOptions {
     /// process of this host that exits is noticed at the next beat). 0: WEFT_DEAD_PEER_MS, else 10 s; at least two
     /// heartbeats.
     std::chrono::milliseconds dead_peer_timeout{0};
+    /// Split the world's ranks into this many virtual nodes of world / k consecutive ranks (docs/multinode.md): peers
+    /// on another virtual node are reached through the network only. 0: WEFT_VIRTUAL_NODES, else 1 (real hosts).
+    /// Must divide the world size.
+    int virtual_nodes = 0;
 };
 
 /// Who this rank is in a World built on a store of your own (World::from_store).
@@ -111,7 +115,13 @@ public:
     /// The World's store: the one it was built on, with every key under a prefix private to this World.
     Store& store();
     const Team& team() const;       ///< the world team
-    const Team& node_team() const;  ///< the ranks on this host (same host name)
+    const Team& node_team() const;  ///< the ranks on this rank's node (same host name and virtual node)
+    /// This rank's node, numbered in order of first appearance in rank order, and the number of nodes: hosts, each
+    /// split into virtual nodes when WorldOptions::virtual_nodes / WEFT_VIRTUAL_NODES asks (docs/multinode.md).
+    int node() const;
+    int num_nodes() const;
+    /// The virtual nodes per world (1 when none were asked for).
+    int virtual_nodes() const;
     /// The world team's DeviceCtx (rank, num_ranks, heap_base, peer_bases, sm_budget, timeout_ns, diag).
     DeviceCtx device_ctx() const;
 

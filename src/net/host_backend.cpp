@@ -1,0 +1,543 @@
+// SPDX-License-Identifier: MIT
+// The host-API network backend (docs/multinode.md): how a chunk crosses nodes.
+//
+//   compute stream                       comm stream (this file)                      peer on another node
+//   ──────────────                       ───────────────────────                      ────────────────────
+//   kernel or copy produces chunk c
+//   mark_ready(c)  ── ready[c] = 1 ──▶   comm_wait_ready(c)   (cuStreamWaitValue64)
+//                                        ncclGroupStart; ncclSend/ncclRecv (or an
+//                                        NCCL collective) of chunk c; ncclGroupEnd  ◀──────▶  the same, mirrored
+//                                        comm_mark_arrived(c)  arrived[c] = 1
+//   wait_arrived(c) ◀────────────────────
+//   kernel consumes chunk c
+//
+// A stream only waits for a word whose writer is already enqueued (the driver's waits have no bound); NCCL's own
+// waits for a peer are bounded by the watcher thread below, which aborts the communicator and the World when a step is
+// not done within the World's timeout. The words are zeroed at the start of every call in stream order, so a value
+// of 1 always means "this call's chunk", also when a captured graph is replayed.
+#include "weft/net/host_backend.hpp"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "weft/net/chunk_schedule.hpp"
+#include "weft/runtime/env.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+#include "weft/runtime/stream.hpp"
+
+// WEFT_NO_NCCL builds the backend without NCCL even where nccl.h exists (it then refuses, as without the header).
+#if __has_include(<nccl.h>) && !defined(WEFT_NO_NCCL)
+#include <nccl.h>
+#define WEFT_NET_HAVE_NCCL_HEADER 1
+#else
+#define WEFT_NET_HAVE_NCCL_HEADER 0
+#endif
+
+namespace weft::net {
+
+namespace {
+
+std::string this_host_name() {
+    char name[256] = {};
+    if (::gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "localhost";
+    return name;
+}
+
+#if WEFT_NET_HAVE_NCCL_HEADER
+
+// NCCL, loaded at run time: weft's programs start on machines without it, and only the network path needs it.
+struct NcclApi {
+    void* handle = nullptr;
+    std::string path;
+    std::string why_not;
+    int version = 0;
+    decltype(&ncclGetVersion) get_version = nullptr;
+    decltype(&ncclGetErrorString) error_string = nullptr;
+    decltype(&ncclGetUniqueId) get_unique_id = nullptr;
+    decltype(&ncclCommInitRank) comm_init_rank = nullptr;
+    decltype(&ncclCommDestroy) comm_destroy = nullptr;
+    decltype(&ncclCommAbort) comm_abort = nullptr;
+    decltype(&ncclGroupStart) group_start = nullptr;
+    decltype(&ncclGroupEnd) group_end = nullptr;
+    decltype(&ncclSend) send = nullptr;
+    decltype(&ncclRecv) recv = nullptr;
+    decltype(&ncclReduceScatter) reduce_scatter = nullptr;
+    decltype(&ncclAllReduce) all_reduce = nullptr;
+};
+
+// Loads NCCL from the first of `candidates` that dlopen accepts; why_not says why none did.
+NcclApi load_nccl(const std::vector<std::string>& candidates) {
+    NcclApi a;
+    std::string tried;
+    for (const std::string& c : candidates) {
+        a.handle = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL);
+        if (a.handle != nullptr) {
+            a.path = c;
+            break;
+        }
+        tried += (tried.empty() ? "" : ", ") + c;
+    }
+    if (a.handle == nullptr) {
+        a.why_not = "libnccl.so.2 could not be loaded (tried " + tried + "; set WEFT_NCCL_LIBRARY to its path)";
+        return a;
+    }
+    bool complete = true;
+    const auto load = [&](auto& fn, const char* name) {
+        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(a.handle, name));
+        complete = complete && fn != nullptr;
+    };
+    load(a.get_version, "ncclGetVersion");
+    load(a.error_string, "ncclGetErrorString");
+    load(a.get_unique_id, "ncclGetUniqueId");
+    load(a.comm_init_rank, "ncclCommInitRank");
+    load(a.comm_destroy, "ncclCommDestroy");
+    load(a.comm_abort, "ncclCommAbort");
+    load(a.group_start, "ncclGroupStart");
+    load(a.group_end, "ncclGroupEnd");
+    load(a.send, "ncclSend");
+    load(a.recv, "ncclRecv");
+    load(a.reduce_scatter, "ncclReduceScatter");
+    load(a.all_reduce, "ncclAllReduce");
+    if (!complete) {
+        a.why_not = a.path + " lacks an NCCL entry point weft needs (NCCL >= 2.19 is needed)";
+        dlclose(a.handle);
+        a.handle = nullptr;
+        return a;
+    }
+    a.get_version(&a.version);
+    return a;
+}
+
+// WEFT_NCCL_LIBRARY alone when set (the user said where); else the loader's path, then the toolkit's.
+const NcclApi& nccl() {
+    static const NcclApi api = [] {
+        if (const auto e = env::get("WEFT_NCCL_LIBRARY"); e && !e->empty()) return load_nccl({*e});
+        std::vector<std::string> candidates{"libnccl.so.2"};
+        for (const char* var : {"CUDA_HOME", "CUDA_PATH"}) {
+            if (const auto e = env::get(var)) candidates.push_back(*e + "/lib64/libnccl.so.2");
+        }
+        candidates.push_back("/usr/local/cuda/lib64/libnccl.so.2");
+        return load_nccl(candidates);
+    }();
+    return api;
+}
+
+#define WEFT_NCCL_CHECK(call, what)                                                                        \
+    do {                                                                                                   \
+        const ncclResult_t weft_nccl_r_ = (call);                                                          \
+        WEFT_CHECK(weft_nccl_r_ == ncclSuccess, what << " failed: " << nccl().error_string(weft_nccl_r_)); \
+    } while (0)
+
+ncclDataType_t nccl_type(DType t) {
+    switch (t) {
+        case DType::kBF16:
+            return ncclBfloat16;
+        case DType::kF16:
+            return ncclFloat16;
+        case DType::kF32:
+            return ncclFloat32;
+        case DType::kI32:
+            return ncclInt32;
+        case DType::kI64:
+            return ncclInt64;
+        case DType::kU8:
+        case DType::kF8E4M3:
+            return ncclUint8;
+    }
+    return ncclUint8;
+}
+
+#endif  // WEFT_NET_HAVE_NCCL_HEADER
+
+}  // namespace
+
+std::string nccl_unavailable_reason() {
+#if WEFT_NET_HAVE_NCCL_HEADER
+    return nccl().why_not;
+#else
+    return "weft was built without nccl.h (the CUDA toolkit's NCCL headers): the network backend is not compiled in";
+#endif
+}
+
+namespace detail {
+std::string try_load_nccl(const std::string& path) {
+#if WEFT_NET_HAVE_NCCL_HEADER
+    NcclApi a = load_nccl({path});
+    if (a.handle != nullptr) dlclose(a.handle);
+    return a.why_not;
+#else
+    (void)path;
+    return nccl_unavailable_reason();
+#endif
+}
+}  // namespace detail
+
+int nccl_version() {
+#if WEFT_NET_HAVE_NCCL_HEADER
+    return nccl().handle != nullptr ? nccl().version : 0;
+#else
+    return 0;
+#endif
+}
+
+void prepare_nccl_environment(const World& world, bool ranks_are_threads) {
+    static std::once_flag once;
+    if (world.virtual_nodes() <= 1 || ranks_are_threads) return;
+    std::call_once(once, [&] {
+        const auto user_id = env::get("NCCL_HOSTID");
+        const std::string base = user_id && !user_id->empty() ? *user_id : this_host_name();
+        const std::string id = base + "-vnode" + std::to_string(world.node());
+        ::setenv("NCCL_HOSTID", id.c_str(), 1);
+        ::setenv("NCCL_P2P_DISABLE", "1", 0);
+        ::setenv("NCCL_SHM_DISABLE", "1", 0);
+        WEFT_LOG_INFO("virtual node " << world.node() << ": NCCL_HOSTID=" << id
+                                      << ", NCCL_P2P_DISABLE=" << std::getenv("NCCL_P2P_DISABLE")
+                                      << ", NCCL_SHM_DISABLE=" << std::getenv("NCCL_SHM_DISABLE")
+                                      << " (NCCL's network transport carries "
+                                      << "the bytes between virtual nodes)");
+    });
+}
+
+// The communicator, and the watcher that bounds every network step.
+struct HostBackend::Impl {
+#if WEFT_NET_HAVE_NCCL_HEADER
+    ncclComm_t comm = nullptr;
+#endif
+    World* world = nullptr;
+    int device = 0;
+    std::string who;  // "the team of world ranks ..., column <l>", for errors
+    std::chrono::milliseconds timeout{0};
+
+    // A network step: registered before NCCL is called (the call itself may block, e.g. while NCCL connects to a
+    // peer), given its event once enqueued.
+    struct Pending {
+        uint64_t id = 0;
+        cudaEvent_t done = nullptr;  // nullptr: NCCL is still being called
+        std::chrono::steady_clock::time_point deadline;
+        std::string what;
+    };
+    uint64_t next_id = 0;
+    std::mutex mutex;
+    std::condition_variable wake;
+    std::deque<Pending> pending;
+    bool stop = false;
+    std::atomic<bool> aborted{false};
+    std::thread watcher;
+
+    void watch();
+    void abort_comm(const std::string& reason);
+};
+
+void HostBackend::Impl::abort_comm(const std::string& reason) {
+    if (aborted.exchange(true)) return;
+#if WEFT_NET_HAVE_NCCL_HEADER
+    // NCCL's kernels stop waiting for the peer and end: the comm stream drains, the World's error explains why.
+    if (comm != nullptr) nccl().comm_abort(comm);
+#endif
+    world->abort(reason);
+}
+
+void HostBackend::Impl::watch() {
+    cudaSetDevice(device);
+    std::unique_lock<std::mutex> lock(mutex);
+    while (!stop) {
+        wake.wait_for(lock, std::chrono::milliseconds(20));
+        while (!pending.empty()) {
+            Pending& p = pending.front();
+            const cudaError_t st = p.done != nullptr ? cudaEventQuery(p.done) : cudaErrorNotReady;
+            if (st == cudaSuccess) {
+                cudaEventDestroy(p.done);
+                pending.pop_front();
+                continue;
+            }
+            if (st != cudaErrorNotReady) (void)cudaGetLastError();
+            const bool late = std::chrono::steady_clock::now() > p.deadline;
+            if (late || world->aborted()) {
+                const std::string reason =
+                    late ? "the network step '" + p.what + "' of " + who + " did not complete within " +
+                               std::to_string(timeout.count()) +
+                               " ms (a peer on another node did not take part, or the network failed); the NCCL "
+                               "communicator was aborted"
+                         : "the World was aborted while the network step '" + p.what + "' of " + who +
+                               " was pending; the NCCL communicator was aborted";
+                lock.unlock();
+                abort_comm(reason);
+                lock.lock();
+                for (Pending& q : pending) {
+                    if (q.done != nullptr) cudaEventDestroy(q.done);
+                }
+                pending.clear();
+            }
+            break;
+        }
+    }
+    for (Pending& q : pending) {
+        if (q.done != nullptr) cudaEventDestroy(q.done);
+    }
+    pending.clear();
+}
+
+HostBackend& HostBackend::get(const Team& team) {
+    team.require_member("network backend");
+    World& world = team.world();
+    const std::string name = "weft.net.host/" + team.id();
+    if (WorldExtension* e = world.find_extension(name)) return static_cast<HostBackend&>(*e);
+    WEFT_CHECK(team.num_nodes() > 1, "network backend: the team of " << team.describe() << " lies on one node");
+    WEFT_CHECK(team.ranks_per_node() > 0, "network backend: the team of "
+                                              << team.describe() << " spans " << team.num_nodes()
+                                              << " nodes with different numbers of members on them; the hierarchical "
+                                                 "collectives need the same number of members on every node");
+    const std::string why_not = nccl_unavailable_reason();
+    WEFT_CHECK(why_not.empty(), "the team of " << team.describe() << " spans " << team.num_nodes()
+                                               << " nodes and the network backend is unavailable: " << why_not);
+    // Collective over the team (every member calls get in the same order): the node-local sub-team first.
+    Team node_team = team.split_color(team.node_index(), team.local_index());
+    std::unique_ptr<HostBackend> backend(new HostBackend(team, std::move(node_team)));
+    return static_cast<HostBackend&>(world.add_extension(name, std::move(backend)));
+}
+
+int HostBackend::team_rank_at(int node, int local) const {
+    WEFT_CHECK(node >= 0 && node < num_nodes() && local >= 0 && local < ranks_per_node_,
+               "network backend: no member at node " << node << ", local index " << local);
+    return by_node_[static_cast<size_t>(node)][static_cast<size_t>(local)];
+}
+
+HostBackend::HostBackend(const Team& team, Team node_team)
+    : team_(team), node_team_(std::move(node_team)), impl_(std::make_unique<Impl>()) {
+    World& world = team.world();
+    ranks_per_node_ = team.ranks_per_node();
+    node_index_ = team.node_index();
+    local_index_ = team.local_index();
+    for (int n = 0; n < team.num_nodes(); ++n) {
+        by_node_.push_back(team.node_members(n));
+        column_.push_back(by_node_.back()[static_cast<size_t>(local_index_)]);
+    }
+    impl_->world = &world;
+    impl_->device = world.device();
+    impl_->timeout = world.timeout();
+    impl_->who = "the team of " + team.describe() + " (column of local index " + std::to_string(local_index_) + ")";
+#if WEFT_NET_HAVE_NCCL_HEADER
+    // Where every member is (host, process, GPU), and the column heads' unique ids: one bounded exchange.
+    char pci[64] = {};
+    WEFT_CUDA_CHECK(cudaDeviceGetPCIBusId(pci, sizeof(pci), world.device()));
+    const std::string where = this_host_name() + "|" + std::to_string(::getpid()) + "|" + pci;
+    std::vector<uint8_t> mine(where.begin(), where.end());
+    mine.push_back('\n');
+    std::vector<std::string> wheres;
+    {
+        auto all = team.all_gather("weft.net.where", mine);
+        for (auto& b : all) wheres.emplace_back(b.begin(), b.end() - (b.empty() ? 0 : 1));
+    }
+    const auto process_of = [&](int t) {
+        return wheres[static_cast<size_t>(t)].substr(0, wheres[static_cast<size_t>(t)].rfind('|'));
+    };
+    bool threads = false;
+    for (int n = 0; n < num_nodes(); ++n) {
+        for (int m = 0; m < n; ++m) {
+            const int a = column_[static_cast<size_t>(n)], b = column_[static_cast<size_t>(m)];
+            if (process_of(a) != process_of(b)) continue;
+            threads = true;
+            WEFT_CHECK(wheres[static_cast<size_t>(a)] != wheres[static_cast<size_t>(b)],
+                       "network backend: team ranks " << b << " and " << a << " of " << impl_->who
+                                                      << " are threads of one process on one GPU, on different nodes; "
+                                                         "NCCL refuses two ranks of a communicator on one GPU in one "
+                                                         "process (its host identity is per process): run virtual "
+                                                         "nodes as processes (weftrun), or give each rank a GPU");
+        }
+    }
+    if (threads && world.virtual_nodes() > 1) {
+        WEFT_LOG_WARN(
+            "network backend: virtual nodes with ranks as threads of one process: NCCL sees one host and may "
+            "move bytes through P2P or shared memory instead of its network transport");
+    }
+    prepare_nccl_environment(world, threads);
+    std::vector<uint8_t> id_blob;
+    if (node_index_ == 0) {
+        ncclUniqueId id{};
+        WEFT_NCCL_CHECK(nccl().get_unique_id(&id), "ncclGetUniqueId for " << impl_->who);
+        id_blob.assign(reinterpret_cast<const uint8_t*>(&id), reinterpret_cast<const uint8_t*>(&id) + sizeof(id));
+    }
+    // The World's store carries the ids; a member that does not arrive is named, after the World's timeout.
+    const auto ids = team.all_gather("weft.net.ids", id_blob);
+    const auto& head = ids[static_cast<size_t>(column_[0])];
+    WEFT_CHECK(head.size() == sizeof(ncclUniqueId), "network backend: team rank "
+                                                        << column_[0] << " published a malformed NCCL unique id for "
+                                                        << impl_->who);
+    ncclUniqueId id{};
+    std::memcpy(&id, head.data(), sizeof(id));
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+    WEFT_NCCL_CHECK(nccl().comm_init_rank(&impl_->comm, num_nodes(), id, node_index_),
+                    "ncclCommInitRank (" << num_nodes() << " ranks, rank " << node_index_ << ") for " << impl_->who);
+    WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&flags_), 2 * kMaxChunks * sizeof(uint64_t)));
+    WEFT_CUDA_CHECK(cudaMemset(flags_, 0, 2 * kMaxChunks * sizeof(uint64_t)));
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+    impl_->watcher = std::thread([impl = impl_.get()] { impl->watch(); });
+    WEFT_LOG_INFO("network backend for " << impl_->who << ": NCCL " << nccl().version << " from " << nccl().path
+                                         << ", node " << node_index_ << " of " << num_nodes() << ", " << ranks_per_node_
+                                         << " member(s) per node");
+#endif
+}
+
+HostBackend::~HostBackend() {
+    if (impl_->watcher.joinable()) {
+        {
+            std::lock_guard<std::mutex> lock(impl_->mutex);
+            impl_->stop = true;
+        }
+        impl_->wake.notify_all();
+        impl_->watcher.join();
+    }
+#if WEFT_NET_HAVE_NCCL_HEADER
+    if (impl_->comm != nullptr && !impl_->aborted.load()) {
+        // After a failure a peer may be gone: abort rather than destroy, which may wait for it.
+        const bool failed = impl_->world->aborted();
+        const ncclResult_t r = failed ? nccl().comm_abort(impl_->comm) : nccl().comm_destroy(impl_->comm);
+        if (r != ncclSuccess) {
+            WEFT_LOG_WARN((failed ? "ncclCommAbort" : "ncclCommDestroy")
+                          << " for " << impl_->who << ": " << nccl().error_string(r));
+        }
+    }
+#endif
+    if (fork_ != nullptr) cudaEventDestroy(fork_);
+    if (join_ != nullptr) cudaEventDestroy(join_);
+    if (flags_ != nullptr) cudaFree(flags_);
+    if (comm_stream_ != nullptr) cudaStreamDestroy(comm_stream_);
+}
+
+void HostBackend::begin_call(cudaStream_t stream) {
+    WEFT_CHECK(!impl_->aborted.load(),
+               "network backend: the NCCL communicator of " << impl_->who << " was aborted earlier");
+    WEFT_CUDA_CHECK(cudaMemsetAsync(flags_, 0, 2 * kMaxChunks * sizeof(uint64_t), stream));
+    WEFT_CUDA_CHECK(cudaEventRecord(fork_, stream));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, fork_, 0));
+}
+
+void HostBackend::end_call(cudaStream_t stream) {
+    WEFT_CUDA_CHECK(cudaEventRecord(join_, comm_stream_));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
+}
+
+void HostBackend::mark_ready(cudaStream_t stream, int chunk) {
+    WEFT_CHECK(chunk >= 0 && chunk < kMaxChunks,
+               "network backend: chunk " << chunk << " outside [0, " << kMaxChunks << ")");
+    stream_write_u64(stream, flags_ + chunk, 1);
+}
+
+void HostBackend::comm_wait_ready(int chunk) {
+    WEFT_CHECK(chunk >= 0 && chunk < kMaxChunks,
+               "network backend: chunk " << chunk << " outside [0, " << kMaxChunks << ")");
+    stream_wait_u64_geq(comm_stream_, flags_ + chunk, 1);
+}
+
+void HostBackend::comm_mark_arrived(int chunk) {
+    WEFT_CHECK(chunk >= 0 && chunk < kMaxChunks,
+               "network backend: chunk " << chunk << " outside [0, " << kMaxChunks << ")");
+    stream_write_u64(comm_stream_, flags_ + kMaxChunks + chunk, 1);
+}
+
+void HostBackend::wait_arrived(cudaStream_t stream, int chunk) {
+    WEFT_CHECK(chunk >= 0 && chunk < kMaxChunks,
+               "network backend: chunk " << chunk << " outside [0, " << kMaxChunks << ")");
+    stream_wait_u64_geq(stream, flags_ + kMaxChunks + chunk, 1);
+}
+
+// Every network step is registered with its deadline before NCCL is called, and gets an event once enqueued; the
+// watcher aborts the communicator (and the World) when a step is not done by its deadline, which also ends an NCCL
+// call blocked on an absent peer. While the comm stream is captured no event is recorded (a captured event cannot be
+// queried): graph replays are bounded by NCCL alone.
+// NOTE: NCCL is called only while the communicator is not aborted; the watcher aborts it from its own thread, which
+// NCCL supports for a call that is blocked.
+uint64_t HostBackend::begin_step(const char* what) {
+    WEFT_CHECK(!impl_->aborted.load(),
+               "network backend: the NCCL communicator of " << impl_->who << " was aborted earlier");
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    const uint64_t id = ++impl_->next_id;
+    impl_->pending.push_back({id, nullptr, std::chrono::steady_clock::now() + impl_->timeout, what});
+    return id;
+}
+
+void HostBackend::end_step(uint64_t id) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    WEFT_CUDA_CHECK(cudaStreamIsCapturing(comm_stream_, &capture));
+    cudaEvent_t done = nullptr;
+    if (capture == cudaStreamCaptureStatusNone) {
+        WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+        WEFT_CUDA_CHECK(cudaEventRecord(done, comm_stream_));
+    }
+    {
+        std::lock_guard<std::mutex> lock(impl_->mutex);
+        auto it = std::find_if(impl_->pending.begin(), impl_->pending.end(),
+                               [&](const Impl::Pending& p) { return p.id == id; });
+        if (it == impl_->pending.end()) {  // the watcher gave up on it already
+            if (done != nullptr) cudaEventDestroy(done);
+        } else if (done != nullptr) {
+            it->done = done;
+        } else {
+            impl_->pending.erase(it);
+        }
+    }
+    impl_->wake.notify_all();
+}
+
+void HostBackend::exchange(const void* send, uint64_t bytes, const std::function<void*(int node)>& recv_at) {
+#if WEFT_NET_HAVE_NCCL_HEADER
+    if (bytes == 0) return;
+    const NcclApi& api = nccl();
+    const uint64_t step = begin_step("exchange");
+    WEFT_NCCL_CHECK(api.group_start(), "ncclGroupStart");
+    for (int k = 1; k < num_nodes(); ++k) {
+        // Rotated order: node n first talks to n + 1, so no two ranks start on the same peer.
+        const int peer = (node_index_ + k) % num_nodes();
+        WEFT_NCCL_CHECK(api.send(send, bytes, ncclUint8, peer, impl_->comm, comm_stream_),
+                        "ncclSend for " << impl_->who);
+        WEFT_NCCL_CHECK(api.recv(recv_at(peer), bytes, ncclUint8, peer, impl_->comm, comm_stream_),
+                        "ncclRecv for " << impl_->who);
+    }
+    WEFT_NCCL_CHECK(api.group_end(), "ncclGroupEnd (send/recv) for " << impl_->who);
+    end_step(step);
+#else
+    (void)send, (void)bytes, (void)recv_at;
+    WEFT_FAIL(nccl_unavailable_reason());
+#endif
+}
+
+void HostBackend::reduce_scatter(const void* send, void* recv, uint64_t recv_count, DType dtype) {
+#if WEFT_NET_HAVE_NCCL_HEADER
+    if (recv_count == 0) return;
+    const uint64_t step = begin_step("reduce_scatter");
+    WEFT_NCCL_CHECK(nccl().reduce_scatter(send, recv, recv_count, nccl_type(dtype), ncclSum, impl_->comm, comm_stream_),
+                    "ncclReduceScatter for " << impl_->who);
+    end_step(step);
+#else
+    (void)send, (void)recv, (void)recv_count, (void)dtype;
+    WEFT_FAIL(nccl_unavailable_reason());
+#endif
+}
+
+void HostBackend::all_reduce(void* buffer, uint64_t count, DType dtype) {
+#if WEFT_NET_HAVE_NCCL_HEADER
+    if (count == 0) return;
+    const uint64_t step = begin_step("all_reduce");
+    WEFT_NCCL_CHECK(nccl().all_reduce(buffer, buffer, count, nccl_type(dtype), ncclSum, impl_->comm, comm_stream_),
+                    "ncclAllReduce for " << impl_->who);
+    end_step(step);
+#else
+    (void)buffer, (void)count, (void)dtype;
+    WEFT_FAIL(nccl_unavailable_reason());
+#endif
+}
+
+}  // namespace weft::net

@@ -1,0 +1,259 @@
+// SPDX-License-Identifier: MIT
+// Teams that span (virtual) nodes, one process per rank: the hierarchical collectives against a host reference on
+// awkward sizes, and a rank on another node that never arrives (docs/multinode.md). Run under virtual nodes, e.g.
+//   WEFT_VIRTUAL_NODES=2 weftrun -n 4 -- weft_dist_tests --gtest_filter='MultiNode*'
+// Without virtual nodes (one node) every test here skips.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "dist/dist_world.hpp"
+#include "gpu/collectives_test_kernels.hpp"
+#include "weft/net/host_backend.hpp"
+#include "weft/ops/all_gather.hpp"
+#include "weft/ops/all_reduce.hpp"
+#include "weft/ops/reduce_scatter.hpp"
+#include "weft/weft.hpp"
+
+namespace weft::test {
+namespace {
+
+// Small chunks, so that every size above a few KiB runs the pipeline over several chunks; small staging for the
+// node teams' workspaces (the dist World's heap is small). Every process sets the same.
+void set_test_environment() {
+    ::setenv("WEFT_NET_CHUNK_BYTES", "64K", 1);
+    ::setenv("WEFT_COLLECTIVE_STAGING_BYTES", "1M", 1);
+}
+
+bool spans_nodes(const World& w) { return w.num_nodes() > 1; }
+
+struct Buffers {
+    cudaStream_t stream = nullptr;
+    uint8_t* in = nullptr;
+    uint8_t* out = nullptr;
+    explicit Buffers(uint64_t bytes) {
+        WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&in), bytes));
+        WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&out), bytes));
+    }
+    ~Buffers() {
+        cudaStreamSynchronize(stream);
+        cudaFree(in);
+        cudaFree(out);
+        cudaStreamDestroy(stream);
+    }
+};
+
+void upload(cudaStream_t s, void* dst, DType t, uint64_t count, uint64_t seed, int rank) {
+    const int es = dtype_bytes(t);
+    std::vector<uint8_t> h(count * static_cast<uint64_t>(es));
+    for (uint64_t i = 0; i < count; ++i) {
+        const uint32_t b = int_bits(pattern_value(seed, rank, i), t);
+        std::memcpy(h.data() + i * static_cast<uint64_t>(es), &b, static_cast<size_t>(es));
+    }
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(dst, h.data(), h.size(), cudaMemcpyHostToDevice, s));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+std::vector<uint32_t> download(cudaStream_t s, const void* src, DType t, uint64_t count) {
+    const int es = dtype_bytes(t);
+    std::vector<uint8_t> h(count * static_cast<uint64_t>(es));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(h.data(), src, h.size(), cudaMemcpyDeviceToHost, s));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+    std::vector<uint32_t> bits(count, 0);
+    for (uint64_t i = 0; i < count; ++i) {
+        std::memcpy(&bits[i], h.data() + i * static_cast<uint64_t>(es), static_cast<size_t>(es));
+    }
+    return bits;
+}
+
+// The teams to test: the world, and (with at least 2 ranks per node) every other rank, which spans the nodes with
+// half the members per node and interleaves them in team-rank order.
+std::vector<Team> teams_under_test(World& w) {
+    std::vector<Team> teams{w.team()};
+    if (w.num_ranks() / w.num_nodes() >= 2) teams.push_back(w.team().split_strided(0, 2, w.num_ranks() / 2));
+    return teams;
+}
+
+TEST(MultiNode, TopologyOfVirtualNodes) {
+    World& w = dist_world();
+    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    const int per_node = w.num_ranks() / w.num_nodes();
+    EXPECT_EQ(w.node(), w.rank() / per_node);
+    EXPECT_EQ(w.node_team().num_ranks(), per_node);
+    EXPECT_EQ(w.team().num_nodes(), w.num_nodes());
+    EXPECT_EQ(w.team().ranks_per_node(), per_node);
+    EXPECT_EQ(w.team().local_index(), w.rank() % per_node);
+    // Peers on another node are not load/store reachable; peers on this node are.
+    auto* probe = static_cast<uint8_t*>(w.heap().alloc(256));
+    for (int r = 0; r < w.num_ranks(); ++r) {
+        void* at = w.heap().symm_at(probe, r);
+        if (r / per_node == w.node()) {
+            EXPECT_NE(at, nullptr) << "rank " << r << " is on this node";
+        } else {
+            EXPECT_EQ(at, nullptr) << "rank " << r << " is on another node";
+        }
+    }
+    w.heap().free(probe);
+}
+
+TEST(MultiNode, AllGatherMatchesTheReference) {
+    World& w = dist_world();
+    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    for (const Team& team : teams_under_test(w)) {
+        if (!team.is_member()) continue;
+        const int n = team.num_ranks();
+        for (DType t : {DType::kU8, DType::kBF16}) {
+            for (uint64_t count : {1ull, 37ull, 4099ull, 100003ull}) {
+                const uint64_t total = count * static_cast<uint64_t>(n);
+                Buffers b(total * static_cast<uint64_t>(dtype_bytes(t)));
+                const uint64_t seed = count * 13 + static_cast<uint64_t>(t);
+                WEFT_CUDA_CHECK(cudaMemsetAsync(b.out, 0xA5, total * dtype_bytes(t), b.stream));
+                upload(b.stream, b.in, t, count, seed, team.rank());
+                ops::all_gather(team, TensorView(b.in, t, {static_cast<int64_t>(count)}),
+                                TensorView(b.out, t, {static_cast<int64_t>(total)}), b.stream);
+                w.sync_and_check(b.stream);
+                const std::vector<uint32_t> got = download(b.stream, b.out, t, total);
+                const uint32_t mask = t == DType::kU8 ? 0xFFu : 0xFFFFu;
+                uint64_t bad = 0;
+                for (uint64_t k = 0; k < total; ++k) {
+                    bad += got[k] != (int_bits(pattern_value(seed, static_cast<int>(k / count), k % count), t) & mask);
+                }
+                EXPECT_EQ(bad, 0u) << "rank " << w.rank() << ": all_gather on " << team.describe() << " "
+                                   << dtype_name(t) << " count " << count;
+            }
+        }
+    }
+}
+
+TEST(MultiNode, ReduceScatterMatchesTheReference) {
+    World& w = dist_world();
+    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    for (const Team& team : teams_under_test(w)) {
+        if (!team.is_member()) continue;
+        const int n = team.num_ranks();
+        for (DType t : {DType::kBF16, DType::kF32}) {
+            for (uint64_t count : {1ull, 129ull, 70001ull}) {
+                const uint64_t total = count * static_cast<uint64_t>(n);
+                Buffers b(total * static_cast<uint64_t>(dtype_bytes(t)));
+                const uint64_t seed = count * 17 + static_cast<uint64_t>(t);
+                WEFT_CUDA_CHECK(cudaMemsetAsync(b.out, 0xFF, count * dtype_bytes(t), b.stream));
+                upload(b.stream, b.in, t, total, seed, team.rank());
+                ops::reduce_scatter(team, TensorView(b.in, t, {static_cast<int64_t>(total)}),
+                                    TensorView(b.out, t, {static_cast<int64_t>(count)}), b.stream);
+                w.sync_and_check(b.stream);
+                const std::vector<uint32_t> got = download(b.stream, b.out, t, count);
+                uint64_t bad = 0;
+                for (uint64_t i = 0; i < count; ++i) {
+                    int32_t sum = 0;
+                    for (int r = 0; r < n; ++r) {
+                        sum += pattern_value(seed, r, static_cast<uint64_t>(team.rank()) * count + i);
+                    }
+                    bad += got[i] != int_bits(sum, t);
+                }
+                EXPECT_EQ(bad, 0u) << "rank " << w.rank() << ": reduce_scatter on " << team.describe() << " "
+                                   << dtype_name(t) << " count " << count;
+            }
+        }
+    }
+}
+
+TEST(MultiNode, AllReduceMatchesTheReference) {
+    World& w = dist_world();
+    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    for (const Team& team : teams_under_test(w)) {
+        if (!team.is_member()) continue;
+        const int n = team.num_ranks();
+        for (DType t : {DType::kBF16, DType::kF32}) {
+            for (uint64_t count : {1ull, 7ull, 1001ull, 300001ull}) {
+                for (bool in_place : {false, true}) {
+                    Buffers b(count * static_cast<uint64_t>(dtype_bytes(t)));
+                    const uint64_t seed = count * 7 + static_cast<uint64_t>(t) + (in_place ? 3 : 0);
+                    uint8_t* out = in_place ? b.in : b.out;
+                    if (!in_place) WEFT_CUDA_CHECK(cudaMemsetAsync(b.out, 0xFF, count * dtype_bytes(t), b.stream));
+                    upload(b.stream, b.in, t, count, seed, team.rank());
+                    ops::all_reduce(team, TensorView(b.in, t, {static_cast<int64_t>(count)}),
+                                    TensorView(out, t, {static_cast<int64_t>(count)}), b.stream);
+                    w.sync_and_check(b.stream);
+                    const std::vector<uint32_t> got = download(b.stream, out, t, count);
+                    uint64_t bad = 0;
+                    for (uint64_t i = 0; i < count; ++i) {
+                        int32_t sum = 0;
+                        for (int r = 0; r < n; ++r) sum += pattern_value(seed, r, i);
+                        bad += got[i] != int_bits(sum, t);
+                    }
+                    EXPECT_EQ(bad, 0u) << "rank " << w.rank() << ": all_reduce on " << team.describe() << " "
+                                       << dtype_name(t) << " count " << count << (in_place ? " in place" : "");
+                }
+            }
+        }
+    }
+}
+
+TEST(MultiNode, ForcingASingleNodeAlgorithmIsAnError) {
+    World& w = dist_world();
+    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    Buffers b(4096);
+    try {
+        ops::all_reduce(w, TensorView(b.in, DType::kF32, {16}), TensorView(b.out, DType::kF32, {16}), b.stream,
+                        {.algo = ops::AllReduceAlgo::kOneShot});
+        ADD_FAILURE() << "a one-shot all-reduce across nodes was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("spans " + std::to_string(w.num_nodes()) + " nodes"), std::string::npos)
+            << e.what();
+    }
+}
+
+// A World of its own with a short timeout: the last rank (on the last node) takes part in the first all-reduce (the
+// backend exists then) and skips the second. Every other rank gets a weft::Error within the bound: its column peers
+// from the network watcher, its node's members from their device waits.
+TEST(MultiNode, ARankOnAnotherNodeThatNeverArrivesIsAnErrorWithinTheTimeout) {
+    World& main_world = dist_world();
+    if (!spans_nodes(main_world)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    WorldOptions options;
+    options.timeout = std::chrono::milliseconds(5000);
+    options.heap_bytes = 64ull << 20;
+    std::unique_ptr<World> w = World::from_env(options);
+    ASSERT_GT(w->num_nodes(), 1);
+    const int absent = w->num_ranks() - 1;
+    const uint64_t count = 200000;
+    Buffers b(count * 4);
+    upload(b.stream, b.in, DType::kF32, count, 5, w->rank());
+    const TensorView in(b.in, DType::kF32, {static_cast<int64_t>(count)});
+    const TensorView out(b.out, DType::kF32, {static_cast<int64_t>(count)});
+    ops::all_reduce(*w, in, out, b.stream);
+    w->sync_and_check(b.stream);
+    w->barrier();
+    if (w->rank() != absent) {
+        const auto start = std::chrono::steady_clock::now();
+        std::string error;
+        try {
+            ops::all_reduce(*w, in, out, b.stream);
+            w->sync_and_check(b.stream);
+        } catch (const Error& e) {
+            error = e.what();
+        }
+        const auto waited = std::chrono::steady_clock::now() - start;
+        EXPECT_FALSE(error.empty()) << "rank " << w->rank() << ": no error although rank " << absent << " never came";
+        EXPECT_LT(waited, std::chrono::milliseconds(3 * 5000 + 10000)) << error;
+        std::printf("rank %d: %s\n", w->rank(), error.c_str());
+    }
+    // Every rank leaves together: the World's shutdown is collective (an aborted World still meets its peers).
+    w.reset();
+}
+
+}  // namespace
+}  // namespace weft::test

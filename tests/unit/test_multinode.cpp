@@ -1,0 +1,205 @@
+// SPDX-License-Identifier: MIT
+// Unit tests for the multi-node pieces that need no GPU: virtual nodes, a team's layout over nodes, the network
+// path's chunk schedule, the hierarchical selection, and NCCL's loading (docs/multinode.md).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <numeric>
+#include <random>
+
+#include "weft/detail/node_topology.hpp"
+#include "weft/net/chunk_schedule.hpp"
+#include "weft/net/host_backend.hpp"
+#include "weft/ops/collectives.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace weft {
+namespace {
+
+using detail::node_labels;
+using detail::node_layout;
+using detail::resolve_virtual_nodes;
+
+std::string error_of(const std::function<void()>& fn) {
+    try {
+        fn();
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return "";
+}
+
+TEST(MultiNodeTopology, ResolveVirtualNodes) {
+    EXPECT_EQ(resolve_virtual_nodes(0, std::nullopt, 8), 1);
+    EXPECT_EQ(resolve_virtual_nodes(0, std::string(), 8), 1);
+    EXPECT_EQ(resolve_virtual_nodes(0, std::string("2"), 8), 2);
+    EXPECT_EQ(resolve_virtual_nodes(4, std::string("2"), 8), 4);  // the option wins
+    EXPECT_EQ(resolve_virtual_nodes(0, std::string("8"), 8), 8);
+    EXPECT_EQ(resolve_virtual_nodes(0, std::string("1"), 3), 1);
+    const std::string not_dividing = error_of([] { resolve_virtual_nodes(0, std::string("3"), 8); });
+    EXPECT_NE(not_dividing.find("WEFT_VIRTUAL_NODES = 3 must divide the world size 8"), std::string::npos)
+        << not_dividing;
+    const std::string option = error_of([] { resolve_virtual_nodes(3, std::nullopt, 4); });
+    EXPECT_NE(option.find("WorldOptions::virtual_nodes = 3"), std::string::npos) << option;
+    for (const char* bad : {"0", "-1", "two", "2x", " 2"}) {
+        EXPECT_NE(error_of([&] { resolve_virtual_nodes(0, std::string(bad), 8); }).find("WEFT_VIRTUAL_NODES"),
+                  std::string::npos)
+            << bad;
+    }
+}
+
+TEST(MultiNodeTopology, NodeLabels) {
+    const std::vector<std::string> one_host(8, "h");
+    EXPECT_EQ(node_labels(one_host, 1), one_host);
+    const auto two = node_labels(one_host, 2);
+    for (int r = 0; r < 8; ++r) EXPECT_EQ(two[static_cast<size_t>(r)], r < 4 ? "h/vnode0" : "h/vnode1") << r;
+    const auto four = node_labels(one_host, 4);
+    for (int r = 0; r < 8; ++r) EXPECT_EQ(four[static_cast<size_t>(r)], "h/vnode" + std::to_string(r / 2)) << r;
+    // Two real hosts of 2 ranks, split in 4: every virtual node is on one host.
+    const auto mixed = node_labels({"a", "a", "b", "b"}, 4);
+    EXPECT_EQ(mixed, (std::vector<std::string>{"a/vnode0", "a/vnode1", "b/vnode2", "b/vnode3"}));
+    EXPECT_EQ(detail::virtual_node_of(5, 8, 2), 1);
+    EXPECT_EQ(detail::virtual_node_of(0, 6, 3), 0);
+    EXPECT_EQ(detail::virtual_node_of(5, 6, 3), 2);
+    EXPECT_THROW(detail::virtual_node_of(8, 8, 2), Error);
+    EXPECT_THROW(detail::virtual_node_of(0, 8, 3), Error);
+}
+
+TEST(MultiNodeTopology, LayoutOfAnEvenTeam) {
+    // 2 nodes x 3: node-major.
+    const std::vector<int> nodes{7, 7, 7, 9, 9, 9};
+    for (int t = 0; t < 6; ++t) {
+        const auto l = node_layout(nodes, t);
+        EXPECT_EQ(l.num_nodes, 2);
+        EXPECT_EQ(l.ranks_per_node, 3);
+        EXPECT_EQ(l.node_index, t / 3);
+        EXPECT_EQ(l.local_index, t % 3);
+        EXPECT_EQ(l.column, (std::vector<int>{t % 3, 3 + t % 3}));
+    }
+    EXPECT_EQ(node_layout(nodes, -1).members_by_node, (std::vector<std::vector<int>>{{0, 1, 2}, {3, 4, 5}}));
+    EXPECT_EQ(node_layout(nodes, -1).node_index, -1);
+    EXPECT_TRUE(node_layout(nodes, -1).column.empty());
+}
+
+TEST(MultiNodeTopology, LayoutOfAnInterleavedTeam) {
+    // Team ranks alternate between two nodes (a strided team): nodes in order of first appearance.
+    const std::vector<int> nodes{1, 0, 1, 0};
+    const auto l = node_layout(nodes, 3);
+    EXPECT_EQ(l.num_nodes, 2);
+    EXPECT_EQ(l.ranks_per_node, 2);
+    EXPECT_EQ(l.node_index, 1);
+    EXPECT_EQ(l.local_index, 1);
+    EXPECT_EQ(l.members_by_node, (std::vector<std::vector<int>>{{0, 2}, {1, 3}}));
+    EXPECT_EQ(l.column, (std::vector<int>{2, 3}));
+}
+
+TEST(MultiNodeTopology, LayoutOfAnUnevenTeam) {
+    const std::vector<int> nodes{0, 0, 0, 1};
+    const auto l = node_layout(nodes, 1);
+    EXPECT_EQ(l.num_nodes, 2);
+    EXPECT_EQ(l.ranks_per_node, 0);
+    EXPECT_EQ(l.local_index, 1);
+    EXPECT_EQ(l.column, (std::vector<int>{1}));  // node 1 has no local index 1
+    EXPECT_EQ(node_layout({5}, 0).num_nodes, 1);
+    EXPECT_EQ(node_layout({5}, 0).ranks_per_node, 1);
+    EXPECT_EQ(node_layout({}, -1).num_nodes, 0);
+    EXPECT_THROW(node_layout({0, 1}, 2), Error);
+}
+
+TEST(MultiNodeTopology, RandomLayoutsAreConsistent) {
+    std::mt19937 rng(1234);
+    for (int trial = 0; trial < 200; ++trial) {
+        const int n = 1 + static_cast<int>(rng() % 16);
+        std::vector<int> nodes(static_cast<size_t>(n));
+        for (int& x : nodes) x = static_cast<int>(rng() % 4);
+        int seen = 0;
+        for (int t = 0; t < n; ++t) {
+            const auto l = node_layout(nodes, t);
+            const auto& members = l.members_by_node[static_cast<size_t>(l.node_index)];
+            ASSERT_EQ(members[static_cast<size_t>(l.local_index)], t);
+            for (int m : members) ASSERT_EQ(nodes[static_cast<size_t>(m)], nodes[static_cast<size_t>(t)]);
+            for (int c : l.column) ASSERT_EQ(node_layout(nodes, c).local_index, l.local_index);
+            seen += l.local_index == 0 ? 1 : 0;
+        }
+        EXPECT_EQ(seen, node_layout(nodes, -1).num_nodes);
+    }
+}
+
+TEST(MultiNodeChunks, PlanCoversTheMessage) {
+    for (uint64_t units : {1ull, 2ull, 7ull, 1000ull, 1048577ull, 123456789ull}) {
+        for (uint64_t multiple : {1ull, 2ull, 3ull, 8ull}) {
+            const auto chunks = net::plan_chunks(units, 2, multiple, 1 << 20);
+            ASSERT_FALSE(chunks.empty());
+            ASSERT_LE(chunks.size(), static_cast<size_t>(net::kMaxChunks));
+            uint64_t next = 0;
+            for (size_t c = 0; c < chunks.size(); ++c) {
+                ASSERT_EQ(chunks[c].begin, next);
+                ASSERT_GT(chunks[c].count, 0u);
+                if (c + 1 < chunks.size()) {
+                    ASSERT_EQ(chunks[c].count % multiple, 0u) << units << " " << multiple;
+                    ASSERT_EQ(chunks[c].count, chunks[0].count);
+                }
+                next += chunks[c].count;
+            }
+            ASSERT_EQ(next, units);
+        }
+    }
+}
+
+TEST(MultiNodeChunks, SizesFollowTheChunkBytes) {
+    auto chunks = net::plan_chunks(10 << 20, 1, 1, 4 << 20);
+    ASSERT_EQ(chunks.size(), 3u);
+    EXPECT_EQ(chunks[0].count, 4u << 20);
+    EXPECT_EQ(chunks[2].count, 2u << 20);
+    // A chunk smaller than a unit still holds one multiple.
+    chunks = net::plan_chunks(10, 4, 3, 1);
+    EXPECT_EQ(chunks[0].count, 3u);
+    EXPECT_EQ(chunks.back().count, 1u);
+    // Too many chunks: they grow.
+    chunks = net::plan_chunks(1000, 1, 1, 1);
+    EXPECT_EQ(chunks.size(), 63u);  // ceil(1000 / 64) = 16 units each
+    EXPECT_EQ(chunks[0].count, 16u);
+    EXPECT_TRUE(net::plan_chunks(0, 4, 1, 16).empty());
+    EXPECT_THROW(net::plan_chunks(4, 0, 1, 16), Error);
+    EXPECT_THROW(net::plan_chunks(4, 1, 0, 16), Error);
+    EXPECT_THROW(net::plan_chunks(4, 1, 1, 0), Error);
+}
+
+TEST(MultiNodeChunks, ResolveChunkBytes) {
+    EXPECT_EQ(net::resolve_chunk_bytes(nullptr), net::kDefaultChunkBytes);
+    EXPECT_EQ(net::resolve_chunk_bytes(""), net::kDefaultChunkBytes);
+    EXPECT_EQ(net::resolve_chunk_bytes("1M"), 1u << 20);
+    EXPECT_EQ(net::resolve_chunk_bytes("65536"), 65536u);
+    EXPECT_NE(error_of([] { net::resolve_chunk_bytes("lots"); }).find("WEFT_NET_CHUNK_BYTES"), std::string::npos);
+    EXPECT_NE(error_of([] { net::resolve_chunk_bytes("0"); }).find("WEFT_NET_CHUNK_BYTES"), std::string::npos);
+}
+
+TEST(MultiNodeSelect, HierarchicalExactlyWhenTheTeamSpansNodes) {
+    EXPECT_FALSE(ops::select_hierarchical("all_gather", 1, ""));
+    EXPECT_FALSE(ops::select_hierarchical("all_gather", 1, "sm_push"));  // single node: the forced algorithm runs
+    EXPECT_TRUE(ops::select_hierarchical("all_gather", 2, ""));
+    EXPECT_TRUE(ops::select_hierarchical("all_reduce", 4, "auto"));
+    const std::string forced = error_of([] { ops::select_hierarchical("reduce_scatter", 2, "sm_pull"); });
+    EXPECT_NE(forced.find("reduce_scatter: the algorithm 'sm_pull'"), std::string::npos) << forced;
+    EXPECT_NE(forced.find("spans 2 nodes"), std::string::npos) << forced;
+}
+
+TEST(MultiNodeNccl, LoadingRefusesWhatIsNotNccl) {
+    const std::string missing = net::detail::try_load_nccl("/nonexistent/libnccl.so.2");
+    EXPECT_NE(missing.find("could not be loaded"), std::string::npos) << missing;
+    EXPECT_NE(missing.find("/nonexistent/libnccl.so.2"), std::string::npos) << missing;
+    // A library that loads but is not NCCL (when weft was built with nccl.h).
+    const std::string not_nccl = net::detail::try_load_nccl("libc.so.6");
+    EXPECT_FALSE(not_nccl.empty());
+}
+
+TEST(MultiNodeNccl, TheToolkitsNcclLoads) {
+    const char* toolkit = "/usr/local/cuda/lib64/libnccl.so.2";
+    if (!std::filesystem::exists(toolkit)) GTEST_SKIP() << "no NCCL in the toolkit here";
+    const std::string why = net::detail::try_load_nccl(toolkit);
+    if (why.find("without nccl.h") != std::string::npos) GTEST_SKIP() << why;
+    EXPECT_EQ(why, "");
+}
+
+}  // namespace
+}  // namespace weft
