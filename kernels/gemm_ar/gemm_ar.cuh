@@ -3,7 +3,10 @@
 // buffer (stream order), a one-shot all-reduce: CTA 0 tells every rank the partial is complete, every CTA
 // waits for all ranks' partials, sums its share of the elements over the ranks in rank order (fp32, the
 // same order on every rank: every rank gets bit-identical results), and the last CTA to finish runs a
-// done-barrier so that no rank overwrites its partial (next call) while a peer still reads it.
+// done-barrier so that no rank overwrites its partial (next call) while a peer still reads it. Every rank's call
+// descriptor (M, n, dtypes) rides with its ready flag; every CTA compares them after its wait and, before reading a
+// partial, ends (exit, a kCollectiveMismatch diagnostic, the abort word raised) when a rank called with another
+// shape, so that no rank reads rows a peer never wrote.
 // The picture and the protocol are in kernels/gemm_ar/README.md.
 //
 // JIT instantiation (weft::ops::GemmAr builds it): weft::kernels::gemm_ar::ar_reduce_kernel<PARTIAL_DTYPE, OUT_DTYPE>
@@ -32,15 +35,35 @@ __global__ void __launch_bounds__(kTpReduceThreads) ar_reduce_kernel(const ArRed
     const uint64_t e = s_epoch;
     const int32_t num_ranks = p.ctx.num_ranks;
     const int32_t rank = p.ctx.rank;
+    uint64_t* const signatures = p.signatures + (e & 1u) * static_cast<uint64_t>(num_ranks);
     if (blockIdx.x == 0) {
-        // This rank's partial was written by the GEMM before this kernel started (stream order).
+        // This rank's partial was written by the GEMM before this kernel started (stream order). The signature store
+        // precedes the notify (a release) in program order: a rank that sees the flag sees the signature.
         for (int pe = static_cast<int>(threadIdx.x); pe < num_ranks; pe += static_cast<int>(blockDim.x)) {
+            uint64_t* remote = device::symm_at_checked(p.ctx, signatures + rank, pe, __LINE__);
+            device::trap_unless(remote != nullptr);
+            ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(remote, p.signature);
             device::trap_unless(tile::notify_checked(device::Thread{}, p.ctx, p.ready + rank, pe, 1ull));
         }
     }
     // Thread s waits for rank s's partial; the block barrier extends the acquire; the partials' reads take the token.
     const device::Token token =
         tile::wait_checked(device::Block{}, p.ctx, p.ready, num_ranks, Cmp::kGe, e).token_or_trap();
+    // Every CTA checks every rank's call before it reads any partial (the same words for every CTA).
+    bool same = true;
+    if (static_cast<int>(threadIdx.x) < num_ranks) {
+        const uint64_t* word = tile::consume_token(signatures + threadIdx.x, token);
+        const uint64_t theirs = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(word);
+        if (theirs != p.signature) {
+            same = false;
+            device::record_diagnostic(p.ctx,
+                                      device::SpinSite{SpinKind::kCollectiveMismatch, static_cast<int32_t>(threadIdx.x),
+                                                       __LINE__},
+                                      Cmp::kEq, word, p.signature, theirs, 0);
+            device::raise_abort(p.ctx);
+        }
+    }
+    device::exit_unless(device::Block{}.all(same));
 
     constexpr int64_t kPBytes = dtype_bytes(kPartial);
     constexpr int64_t kOBytes = dtype_bytes(kOut);
