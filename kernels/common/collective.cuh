@@ -18,7 +18,9 @@
 //        after it (enter);
 //      LL kernels: every block sends it as one LL line (the epoch's flag in both words) to every peer before its
 //        data lines, and waits for the peers' before it writes any output (send_ll_descriptor, check_ll_descriptor);
-//        the headers travel with the data, so waiting for them overlaps the wait for the data lines.
+//        the headers travel with the data, so waiting for them overlaps the wait for the data lines. Barrier kernels
+//        send the header too, so that ranks that chose different algorithms (LL on one, a barrier kernel on another)
+//        are diagnosed by the LL side, whose abort then stops the barrier side's wait.
 //    On a mismatch a block records a kCollectiveMismatch diagnostic (this rank's descriptor and the peer's), raises
 //    the abort word and ends all its threads with `exit` before touching the output; the other blocks of the rank do
 //    the same or stop at their next wait (the abort word), so the op throws on every rank and the CUDA context stays
@@ -169,6 +171,9 @@ public:
         const int n = ctx_.num_ranks;
         const int me = ctx_.rank;
         uint64_t* row = p_.descriptors + static_cast<uint64_t>(parity()) * static_cast<uint64_t>(n);
+        // The LL header too (one store per peer, no wait): a peer that runs an LL kernel at this epoch (another
+        // algorithm) then diagnoses the mismatch and aborts, which stops this block's barrier wait.
+        send_ll_descriptor(line);
         // Thread t writes to peer t and then, in the barrier, arrives at peer t: its release covers this store in
         // program order. Every block writes the same value, so the slot is this epoch's once any block arrived.
         for (int t = static_cast<int>(threadIdx.x); t < n; t += static_cast<int>(blockDim.x)) {

@@ -278,6 +278,28 @@ TEST(CollectivesMismatch, EveryBlockOfAManyBlockGridStopsBeforeWritingTheOutput)
     }
 }
 
+// One rank low-latency, the other a barrier algorithm (the same call otherwise): the LL rank reads the barrier
+// rank's header line and diagnoses the mismatch; its abort stops the barrier rank's entry barrier, whose error
+// carries the LL rank's diagnosis.
+TEST(CollectivesMismatch, RanksThatChoseDifferentAlgorithmsAreDiagnosed) {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    for (AllReduceAlgo other : {AllReduceAlgo::kOneShot, AllReduceAlgo::kTwoShot}) {
+        SCOPED_TRACE(ops::algo_name(other));
+        const std::string a = ops::algo_name(other);
+        expect_mismatch_on_every_rank(
+            2, {[&](World& w, cudaStream_t s, uint8_t* in, uint8_t* out) {
+                    const AllReduceAlgo algo = w.rank() == 0 ? AllReduceAlgo::kLowLatency : other;
+                    ops::all_reduce(w, TensorView(in, DType::kBF16, {4096}), TensorView(out, DType::kBF16, {4096}), s,
+                                    {.algo = algo});
+                },
+                8192, [&](int) {
+                    return std::vector<std::string>{"collective call differs from rank",
+                                                    "rank 0 called all_reduce (ll) of 4096 bf16 elements",
+                                                    "rank 1 called all_reduce (" + a + ") of 4096 bf16 elements"};
+                }});
+    }
+}
+
 TEST(CollectivesMismatch, AllGatherOfDifferentShardsThrowsOnEveryRank) {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
     for (AllGatherAlgo algo : {AllGatherAlgo::kLowLatency, AllGatherAlgo::kSmPush}) {
