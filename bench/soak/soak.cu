@@ -239,7 +239,7 @@ Plan draw_plan(uint64_t seed, uint64_t call, int w, int forced_kind = -1) {
         case Kind::kReduceScatter:
             p.algo = 1 + pick(2);  // sm_pull, ll
             p.dtype = kReducing[pick(3)];
-            p.count = log_uniform(rng, 2, std::min<uint64_t>(per_rank_cap, 2ull << 20)) /
+            p.count = log_uniform(rng, 2, std::min<uint64_t>(per_rank_cap - 64, 2ull << 20)) /
                           static_cast<uint64_t>(dtype_bytes(p.dtype)) +
                       1;
             p.in_sym = coin();

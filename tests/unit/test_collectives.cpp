@@ -473,7 +473,8 @@ TEST(CollectivesNvrtc, RepresentativeSpecsCompileForSm90a) {
           Case{KernelId::kReduceScatterPull, DType::kF16}, Case{KernelId::kReduceScatterLowLatency, DType::kBF16},
           Case{KernelId::kReduceScatterLowLatency, DType::kF32}, Case{KernelId::kAllGatherPush, DType::kU8},
           Case{KernelId::kCopyEngineExit, DType::kU8}, Case{KernelId::kAllToAllPull, DType::kU8},
-          Case{KernelId::kAttentionSpCombine, DType::kBF16}}) {
+          Case{KernelId::kAttentionSpCombine, DType::kBF16}, Case{KernelId::kCopyEngineEnter, DType::kU8},
+          Case{KernelId::kAllGatherLowLatency, DType::kU8}, Case{KernelId::kAllReduceOneShot, DType::kF16}}) {
         const jit::KernelSpec spec = detail::collective_kernel_spec(k.id, k.dtype, 8);
         SCOPED_TRACE(spec.describe());
         const jit::CompileResult r = compile_spec(c, spec);
