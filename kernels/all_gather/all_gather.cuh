@@ -38,8 +38,9 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
 }
 
 /// Low-latency: every thread sends its LL lines of this rank's shard to slot `rank` of every peer's receive buffer
-/// (and copies them into its own output slot), then polls the lines of every peer's slot and writes them into
-/// that peer's output slot. No barrier; buffers alternate by epoch parity and are never cleared.
+/// and, once every peer's call descriptor (a header line sent ahead of the data) matched this call's, copies them into
+/// its own output slot, then polls the lines of every peer's slot and writes them into that peer's output slot. No
+/// barrier; buffers alternate by epoch parity and are never cleared.
 /// p.count = shard bytes (at most p.ll_slot_bytes / 2), p.out_stride = bytes between output slots.
 template <CopyKernelConfig C>
 __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
@@ -47,6 +48,7 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     static_assert(is_valid(C), "CopyKernelConfig: see is_valid() in weft/common/collectives.hpp");
     __shared__ uint8_t* remote[C.max_ranks];
     BlockState st(ctx, p);
+    st.send_ll_descriptor();
     const int n = ctx.num_ranks;
     const int me = ctx.rank;
     const uint32_t flag = low_latency_flag(st.epoch());
@@ -66,8 +68,12 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
         for (int k = 1; k < n; ++k) {
             device::ll::store_line(remote[(me + k) % n] + j * kLowLatencyLineBytes, mine, flag);
         }
-        if (own != in) {
-            common::store_payload(own + at, mine, bytes - at);
+    }
+    st.check_ll_descriptor();
+    if (own != in) {  // after the check: nothing is written to the output before every peer's call matched
+        for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
+            const uint64_t at = j * kLowLatencyPayloadBytes;
+            common::store_payload(own + at, common::load_payload(in + at, bytes - at), bytes - at);
         }
     }
     for (int k = 1; k < n; ++k) {
@@ -90,7 +96,7 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     copy_engine_enter(DeviceCtx ctx, CollectiveParams p) {
     static_assert(is_valid(C), "CopyKernelConfig: see is_valid() in weft/common/collectives.hpp");
     BlockState st(ctx, p);
-    st.enter();
+    st.enter<BlockState::OnMismatch::kTrap>();  // the copies queued after this kernel cannot be stopped otherwise
     st.finish();
 }
 

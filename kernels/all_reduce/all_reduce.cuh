@@ -87,7 +87,9 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
 /// Low-latency one-shot: every thread sends its LL lines (8 bytes of input + the epoch's flag in every 8-byte
 /// word) to every peer's receive buffer for this rank, then polls the lines every peer sent it and writes the
 /// rank-ordered fp32 sum. No barrier, no flag round trip; the receive buffers alternate by epoch parity and are
-/// never cleared (the flag changes every epoch). p.count elements, at most p.ll_slot_bytes / 2 bytes.
+/// never cleared (the flag changes every epoch). The call descriptor travels as a header line ahead of the data and
+/// is checked before the first output write (BlockState::check_ll_descriptor). p.count elements, at most
+/// p.ll_slot_bytes / 2 bytes.
 template <ReduceKernelConfig C>
 __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
     all_reduce_low_latency(DeviceCtx ctx, CollectiveParams p) {
@@ -95,6 +97,7 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     constexpr uint64_t kElem = sizeof(typename Num<C.dtype>::Bits);
     __shared__ uint8_t* remote[C.max_ranks];
     BlockState st(ctx, p);
+    st.send_ll_descriptor();
     const int n = ctx.num_ranks;
     const int me = ctx.rank;
     const uint32_t flag = low_latency_flag(st.epoch());
@@ -116,6 +119,7 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
             device::ll::store_line(remote[q] + j * kLowLatencyLineBytes, mine, flag);
         }
     }
+    st.check_ll_descriptor();
     // The same thread handles line j in both loops, so in-place (out == in) reads before it writes.
     for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
         const uint64_t at = j * kLowLatencyPayloadBytes;

@@ -10,9 +10,22 @@
 //  - Block b of every rank handles the same part of the message and meets only block b of the other ranks
 //    (device::block_barrier, add-only counters; the count lives in CollectiveState::arrivals[b]). All ranks launch
 //    the same grid (the host agrees on the SM budget once), so the counts stay equal on every rank.
-//  - Block 0 sends this call's descriptor (a hash of count, dtype, algorithm and buffer offsets) to every peer
-//    before the entry barrier and compares the peers' after it: a rank that called something else traps with a
-//    kCollectiveMismatch diagnostic instead of reading the wrong memory.
+//  - Every rank's call carries a descriptor (make_call_descriptor: op, algorithm, dtype, count, a digest of offsets
+//    and flags), and every block compares the peers' with its own before it moves any data, in the handshake the
+//    kernel makes anyway, so the check adds no round trip:
+//      barrier kernels: every block writes it into its slot of every peer's descriptor row before the entry barrier
+//        (the same thread then arrives at that peer: the arrival's release covers the store) and reads the peers'
+//        after it (enter);
+//      LL kernels: every block sends it as one LL line (the epoch's flag in both words) to every peer before its
+//        data lines, and waits for the peers' before it writes any output (send_ll_descriptor, check_ll_descriptor);
+//        the headers travel with the data, so waiting for them overlaps the wait for the data lines. Barrier kernels
+//        send the header too, so that ranks that chose different algorithms (LL on one, a barrier kernel on another)
+//        are diagnosed by the LL side, whose abort then stops the barrier side's wait.
+//    On a mismatch a block records a kCollectiveMismatch diagnostic (this rank's descriptor and the peer's), raises
+//    the abort word and ends all its threads with `exit` before touching the output; the other blocks of the rank do
+//    the same or stop at their next wait (the abort word), so the op throws on every rank and the CUDA context stays
+//    usable. The copy-engine algorithms trap instead: the copies that follow their entry kernel are already queued
+//    on the host and only a trap stops them.
 #pragma once
 
 #include "weft/common/collectives.hpp"
@@ -132,30 +145,98 @@ public:
                                   p_.ll_slot_bytes;
     }
 
+    /// This epoch's LL header line of this block for lines sent by `sender` (local address).
+    __device__ __forceinline__ uint8_t* ll_header(int sender) const {
+        return p_.ll_headers + ((static_cast<uint64_t>(parity()) * static_cast<uint64_t>(ctx_.num_ranks) +
+                                 static_cast<uint64_t>(sender)) *
+                                    kMaxCollectiveBlocks +
+                                blockIdx.x) *
+                                   kLowLatencyLineBytes;
+    }
+
     /// Meets block blockIdx.x of every rank (see device::block_barrier). Every thread calls.
     __device__ __forceinline__ void barrier(int line = __builtin_LINE()) {
         completed_ = device::block_barrier(device::Block{}, ctx_, p_.barrier_flags, blockIdx.x, completed_, line);
     }
 
-    /// The entry barrier; block 0 also exchanges and checks the call descriptor. Every thread calls.
+    /// What a block does when a peer's call descriptor differs from this rank's.
+    enum class OnMismatch { kExit, kTrap };
+
+    /// The entry barrier, with the call descriptor check (top of this file): every block writes its descriptor into
+    /// slot `rank` of every peer's row before the barrier and compares the peers' after it; on a mismatch the block
+    /// records it and ends (kExit: all its threads, before any data moves; kTrap: the kernel, for the copy-engine
+    /// entry). Every thread calls.
+    template <OnMismatch kOn = OnMismatch::kExit>
     __device__ __forceinline__ void enter(int line = __builtin_LINE()) {
         const int n = ctx_.num_ranks;
         const int me = ctx_.rank;
         uint64_t* row = p_.descriptors + static_cast<uint64_t>(parity()) * static_cast<uint64_t>(n);
-        const int t = static_cast<int>(threadIdx.x);
-        if (blockIdx.x == 0 && t < n && t != me) {
-            // Thread t also arrives at peer t in the barrier: its release covers this store in program order.
-            ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(device::symm_at_or_trap(ctx_, row + me, t, line),
-                                                          p_.descriptor);
-        }
-        barrier(line);
-        if (blockIdx.x == 0 && t < n && t != me) {
-            const uint64_t theirs = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(row + t);
-            if (theirs != p_.descriptor) {
-                device::fail_and_trap(ctx_, device::SpinSite{SpinKind::kCollectiveMismatch, t, line}, Cmp::kEq, row + t,
-                                      p_.descriptor, theirs, 0);
+        // The LL header too (one store per peer, no wait): a peer that runs an LL kernel at this epoch (another
+        // algorithm) then diagnoses the mismatch and aborts, which stops this block's barrier wait.
+        send_ll_descriptor(line);
+        // Thread t writes to peer t and then, in the barrier, arrives at peer t: its release covers this store in
+        // program order. Every block writes the same value, so the slot is this epoch's once any block arrived.
+        for (int t = static_cast<int>(threadIdx.x); t < n; t += static_cast<int>(blockDim.x)) {
+            if (t != me) {
+                ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(device::symm_at_or_trap(ctx_, row + me, t, line),
+                                                              p_.descriptor);
             }
         }
+        barrier(line);
+        bool same = true;
+        for (int t = static_cast<int>(threadIdx.x); t < n; t += static_cast<int>(blockDim.x)) {
+            if (t != me) {
+                const uint64_t theirs = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(row + t);
+                if (theirs != p_.descriptor) {
+                    same = false;
+                    if constexpr (kOn == OnMismatch::kTrap) {
+                        device::fail_and_trap(ctx_, device::SpinSite{SpinKind::kCollectiveMismatch, t, line}, Cmp::kEq,
+                                              row + t, p_.descriptor, theirs, 0);
+                    } else {
+                        device::record_failure(ctx_, device::SpinSite{SpinKind::kCollectiveMismatch, t, line},
+                                               Cmp::kEq, row + t, p_.descriptor, theirs, 0, false);
+                    }
+                }
+            }
+        }
+        device::exit_unless(device::Block{}.all(same));  // the whole block ends before any data moves
+    }
+
+    /// LL kernels, first thing after constructing the state: sends this block's call descriptor to every peer, as
+    /// line blockIdx.x of slot `rank` of its LL headers with the epoch's flag. Every thread calls; no sync.
+    __device__ __forceinline__ void send_ll_descriptor(int line = __builtin_LINE()) const {
+        const int n = ctx_.num_ranks;
+        const int me = ctx_.rank;
+        const uint2 d = make_uint2(static_cast<uint32_t>(p_.descriptor), static_cast<uint32_t>(p_.descriptor >> 32));
+        for (int t = static_cast<int>(threadIdx.x); t < n; t += static_cast<int>(blockDim.x)) {
+            if (t != me) {
+                device::ll::store_line(device::symm_at_or_trap(ctx_, ll_header(me), t, line), d,
+                                       low_latency_flag(epoch_));
+            }
+        }
+    }
+
+    /// LL kernels, before the first write of any output: waits for every peer's header line (this epoch's flag) for
+    /// this block and compares its descriptor with this call's; on a mismatch the block records it and ends all its
+    /// threads (exit). A header that never comes is a wait that gives up (ll::wait_line). Every thread calls; syncs
+    /// the block.
+    __device__ __forceinline__ void check_ll_descriptor(int line = __builtin_LINE()) const {
+        const int n = ctx_.num_ranks;
+        const int me = ctx_.rank;
+        bool same = true;
+        for (int t = static_cast<int>(threadIdx.x); t < n; t += static_cast<int>(blockDim.x)) {
+            if (t != me) {
+                const uint8_t* header = ll_header(t);
+                const uint2 v = device::ll::wait_line(ctx_, header, low_latency_flag(epoch_), line);
+                const uint64_t theirs = (static_cast<uint64_t>(v.y) << 32) | v.x;
+                if (theirs != p_.descriptor) {
+                    same = false;
+                    device::record_failure(ctx_, device::SpinSite{SpinKind::kCollectiveMismatch, t, line}, Cmp::kEq,
+                                           header, p_.descriptor, theirs, 0, false);
+                }
+            }
+        }
+        device::exit_unless(device::Block{}.all(same));
     }
 
     /// Records the slot's barrier count and, in the last block to finish, advances the epoch. Every thread calls.

@@ -3,7 +3,10 @@
 // buffer (stream order), a one-shot all-reduce: CTA 0 tells every rank the partial is complete, every CTA
 // waits for all ranks' partials, sums its share of the elements over the ranks in rank order (fp32, the
 // same order on every rank: every rank gets bit-identical results), and the last CTA to finish runs a
-// done-barrier so that no rank overwrites its partial (next call) while a peer still reads it.
+// done-barrier so that no rank overwrites its partial (next call) while a peer still reads it. Every rank's call
+// descriptor (M, n, dtypes) rides with its ready flag; every CTA compares them after its wait and, before reading a
+// partial, ends (exit, a kCollectiveMismatch diagnostic, the abort word raised) when a rank called with another
+// shape, so that no rank reads rows a peer never wrote.
 // The picture and the protocol are in kernels/gemm_ar/README.md.
 //
 // JIT instantiation (weft::ops::GemmAr builds it): weft::kernels::gemm_ar::ar_reduce_kernel<PARTIAL_DTYPE, OUT_DTYPE>
@@ -23,19 +26,26 @@ using tp_common::store8;
 using tp_common::store_elem;
 
 // NOTE: waits and notifies take the device layer's checked forms and trap inline: the trapping forms' shared
-// failure path is a call, whose ABI would cost this kernel registers.
+// failure path is a call, whose ABI would cost this kernel registers. The launch bound's minimum of 4 CTAs per SM
+// (at most 64 registers) keeps ptxas from squeezing the kernel into 32 registers and spilling the reduction.
 template <DType kPartial, DType kOut>
-__global__ void __launch_bounds__(kTpReduceThreads) ar_reduce_kernel(const ArReduceParams p) {
+__global__ void __launch_bounds__(kTpReduceThreads, 4) ar_reduce_kernel(const ArReduceParams p) {
     __shared__ uint64_t s_epoch;
     if (threadIdx.x == 0) s_epoch = ptx::ld(p.epoch) + 1;
     __syncthreads();
     const uint64_t e = s_epoch;
     const int32_t num_ranks = p.ctx.num_ranks;
     const int32_t rank = p.ctx.rank;
+    uint64_t* const signatures = p.signatures + (e & 1u) * static_cast<uint64_t>(num_ranks);
     if (blockIdx.x == 0) {
-        // This rank's partial was written by the GEMM before this kernel started (stream order).
+        // This rank's partial was written by the GEMM before this kernel started (stream order). The signature store
+        // precedes the notify (a release) in program order: a rank that sees the flag sees the signature.
         for (int pe = static_cast<int>(threadIdx.x); pe < num_ranks; pe += static_cast<int>(blockDim.x)) {
-            device::trap_unless(tile::notify_checked(device::Thread{}, p.ctx, p.ready + rank, pe, 1ull));
+            // notify_checked, with the signature stored through the same translation (one allocation holds both).
+            uint64_t* ready = device::symm_at_checked(p.ctx, p.ready + rank, pe, __LINE__);
+            device::trap_unless(ready != nullptr);
+            ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(ready + (signatures - p.ready), p.signature);
+            device::signal_release<ptx::Scope::kSys>(ready, 1ull, device::SignalOp::kAdd);
         }
     }
     // Thread s waits for rank s's partial; the block barrier extends the acquire; the partials' reads take the token.
@@ -51,7 +61,20 @@ __global__ void __launch_bounds__(kTpReduceThreads) ar_reduce_kernel(const ArRed
         device::trap_unless(partial != nullptr);
         s_src[threadIdx.x] = static_cast<const unsigned char*>(tile::consume_token(partial, token));
     }
-    __syncthreads();
+    // Every CTA checks every rank's call before it reads any partial (the same words for every CTA).
+    bool agrees = true;
+    if (static_cast<int>(threadIdx.x) < num_ranks) {
+        const uint64_t* word = signatures + threadIdx.x;
+        const uint64_t theirs = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(word);
+        if (theirs != p.signature) {
+            agrees = false;
+            device::record_diagnostic(
+                p.ctx, device::SpinSite{SpinKind::kCollectiveMismatch, static_cast<int32_t>(threadIdx.x), __LINE__},
+                Cmp::kEq, word, p.signature, theirs, 0);
+            device::raise_abort(p.ctx);
+        }
+    }
+    device::exit_unless(device::Block{}.all(agrees));  // also the barrier that publishes s_src
     const int64_t vecs_per_row = (p.n + kTpVecElems - 1) / kTpVecElems;
     const int64_t total = static_cast<int64_t>(p.m) * vecs_per_row;
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;

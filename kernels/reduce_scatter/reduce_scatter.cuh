@@ -53,7 +53,8 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
 /// round trip: every rank waits for lines from every peer, so (as in the LL all-reduce) a rank running kernel e + 2
 /// knows every peer has left kernel e, and the parity-alternated slots are reused without clearing. The same thread
 /// handles line j in both loops, so in place (out = slice `rank` of in) reads a line before it writes it.
-/// p.count elements, at most p.ll_slot_bytes / 2 bytes.
+/// The call descriptor travels as a header line ahead of the data and is checked before the first output write
+/// (BlockState::check_ll_descriptor). p.count elements, at most p.ll_slot_bytes / 2 bytes.
 template <ReduceKernelConfig C>
 __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
     reduce_scatter_low_latency(DeviceCtx ctx, CollectiveParams p) {
@@ -61,6 +62,7 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     constexpr uint64_t kElem = sizeof(typename Num<C.dtype>::Bits);
     __shared__ uint8_t* remote[C.max_ranks];
     BlockState st(ctx, p);
+    st.send_ll_descriptor();
     const int n = ctx.num_ranks;
     const int me = ctx.rank;
     const uint32_t flag = low_latency_flag(st.epoch());
@@ -84,6 +86,7 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
             device::ll::store_line(remote[q] + j * kLowLatencyLineBytes, v, flag);
         }
     }
+    st.check_ll_descriptor();
     for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
         const uint64_t at = j * kLowLatencyPayloadBytes;
         common::store_payload(out + at,

@@ -99,7 +99,8 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
     if (!in_sym) detail::check_device_pointer(in, "input", "all_gather", stream);
     if (!out_sym) detail::check_device_pointer(out, "output", "all_gather", stream);
     const uint64_t out_offset = ws.offset_or_none(out);
-    const uint64_t kind = 1;
+    const auto kind = CollectiveOp::kAllGather;
+    const auto a = static_cast<uint32_t>(algo);
 
     switch (algo) {
         case AllGatherAlgo::kLowLatency: {
@@ -111,7 +112,7 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
                 p.out = out + begin;
                 p.count = len;
                 p.out_stride = shard;
-                p.descriptor = detail::call_descriptor({kind, static_cast<uint64_t>(algo), len});
+                p.descriptor = detail::call_descriptor_bytes(kind, a, shard, {begin, len});
                 ws.launch(KernelId::kAllGatherLowLatency, DType::kU8, all_gather_grid(algo, len, topo), stream, p);
             }
             return;
@@ -122,7 +123,7 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
             p.out = out;
             p.count = shard;
             p.out_stride = shard;
-            p.descriptor = detail::call_descriptor({kind, static_cast<uint64_t>(algo), shard, out_offset});
+            p.descriptor = detail::call_descriptor_bytes(kind, a, shard, {out_offset});
             ws.launch(KernelId::kAllGatherPush, DType::kU8, all_gather_grid(algo, shard, topo), stream, p);
             return;
         }
@@ -133,7 +134,7 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
                     return static_cast<const uint8_t*>(ws.peer_pointer(out, q)) + static_cast<uint64_t>(q) * shard;
                 };
                 copy_engine_round(ws, algo, in, out, source, shard, 0, shard,
-                                  detail::call_descriptor({kind, static_cast<uint64_t>(algo), shard, 2, out_offset}),
+                                  detail::call_descriptor_bytes(kind, a, shard, {2, out_offset}),
                                   stream);
                 return;
             }
@@ -141,7 +142,7 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
                 const auto source = [&](int q) { return static_cast<const uint8_t*>(ws.peer_pointer(in, q)); };
                 copy_engine_round(
                     ws, algo, in, out, source, shard, 0, shard,
-                    detail::call_descriptor({kind, static_cast<uint64_t>(algo), shard, 0, ws.offset_or_none(in)}),
+                    detail::call_descriptor_bytes(kind, a, shard, {0, ws.offset_or_none(in)}),
                     stream);
                 return;
             }
@@ -153,14 +154,14 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
                 WEFT_CUDA_CHECK(cudaMemcpyAsync(region, in + begin, len, cudaMemcpyDeviceToDevice, stream));
                 const auto source = [&](int q) { return static_cast<const uint8_t*>(ws.peer_pointer(region, q)); };
                 copy_engine_round(ws, algo, in, out, source, shard, begin, len,
-                                  detail::call_descriptor({kind, static_cast<uint64_t>(algo), len, 1}), stream);
+                                  detail::call_descriptor_bytes(kind, a, shard, {1, begin, len}), stream);
             }
             return;
         }
         case AllGatherAlgo::kCopyEnginePush:
             copy_engine_round(
                 ws, algo, in, out, [](int) { return static_cast<const uint8_t*>(nullptr); }, shard, 0, shard,
-                detail::call_descriptor({kind, static_cast<uint64_t>(algo), shard, out_offset}), stream);
+                detail::call_descriptor_bytes(kind, a, shard, {out_offset}), stream);
             return;
         case AllGatherAlgo::kAuto:
             break;

@@ -90,8 +90,8 @@ void all_reduce(const Team& team, const TensorView& input, const TensorView& out
         p.src = direct ? const_cast<uint8_t*>(in) + begin * elem : nullptr;
         p.res = res_is_user ? (input.data == output.data ? const_cast<uint8_t*>(in) : out) + begin * elem : nullptr;
         p.count = n;
-        p.descriptor = detail::call_descriptor({3, static_cast<uint64_t>(algo), static_cast<uint64_t>(input.dtype), n,
-                                                p.flags, in_offset == ~0ull ? in_offset : in_offset + begin * elem,
+        p.descriptor = detail::call_descriptor(CollectiveOp::kAllReduce, static_cast<uint32_t>(algo), input.dtype, count,
+                                               {begin, n, p.flags, in_offset == ~0ull ? in_offset : in_offset + begin * elem,
                                                 res_offset == ~0ull ? res_offset : res_offset + begin * elem});
         ws.launch(kernel, input.dtype, all_reduce_grid(algo, n * elem, topo), stream, p);
     }

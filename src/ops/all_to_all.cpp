@@ -169,8 +169,9 @@ void run_all_to_all(const Team& team, const TensorView& input, std::span<const i
         // meets at the exit (a direct rank's input is read until then).
         p.flags = equal ? (plan.staged ? kCollectiveStageInput : kCollectiveExitBarrier)
                         : ((plan.staged ? kCollectiveStageInput : 0u) | kCollectiveExitBarrier);
-        p.descriptor = equal ? detail::call_descriptor({4, 1u, plan.staged ? 1u : 0u, p.count, r, in_offset})
-                             : detail::call_descriptor({4, 2u, r});
+        p.descriptor = equal ? detail::call_descriptor_bytes(CollectiveOp::kAllToAll, plan.staged ? 1u : 0u, in_bytes,
+                                                             {r, in_offset})
+                             : detail::call_descriptor_bytes(CollectiveOp::kAllToAllV, plan.staged ? 1u : 0u, 0, {r});
         ws.launch(KernelId::kAllToAllPull, grid, stream, p, plan.rounds[r]);
     }
 }

@@ -101,8 +101,8 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
         cp.out_stride = static_cast<uint64_t>(dim);
         cp.out = static_cast<uint8_t*>(out.data) + b0 * heads * dim * elem;
         cp.res = lse.data != nullptr ? static_cast<float*>(lse.data) + b0 * heads : nullptr;
-        cp.descriptor = detail::call_descriptor(
-            {5, static_cast<uint64_t>(q.dtype), static_cast<uint64_t>(dim), static_cast<uint64_t>(rows)});
+        cp.descriptor = detail::call_descriptor(CollectiveOp::kAttentionCombine, 0, q.dtype, static_cast<uint64_t>(rows),
+                                                {static_cast<uint64_t>(dim)});
         const int grid = all_gather_grid(AllGatherAlgo::kLowLatency, static_cast<uint64_t>(rows * dim / 4) * 8, topo);
         ws.launch(detail::KernelId::kAttentionSpCombine, q.dtype, grid, stream, cp);
     }

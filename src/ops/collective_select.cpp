@@ -299,13 +299,23 @@ void check_all_gather_output(AllGatherAlgo algo, bool output_symmetric) {
                                            "(SymmetricHeap::alloc); it is not (use ll, ce_pull or auto)");
 }
 
-uint64_t call_descriptor(std::initializer_list<uint64_t> words) {
-    uint64_t h = 0x9e3779b97f4a7c15ull;
-    for (uint64_t w : words) {
-        h ^= w + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-        h = (h ^ (h >> 31)) * 0xbf58476d1ce4e5b9ull;
-    }
-    return h == 0 ? 1 : h;
+namespace {
+
+uint64_t mix_words(std::initializer_list<uint64_t> words) {
+    uint64_t h = 0;
+    for (uint64_t w : words) h = call_descriptor_mix(h, w);
+    return h;
+}
+
+}  // namespace
+
+uint64_t call_descriptor(CollectiveOp op, uint32_t algo, DType dtype, uint64_t count,
+                         std::initializer_list<uint64_t> words) {
+    return make_call_descriptor(op, algo, true, dtype, count, mix_words(words));
+}
+
+uint64_t call_descriptor_bytes(CollectiveOp op, uint32_t algo, uint64_t bytes, std::initializer_list<uint64_t> words) {
+    return make_call_descriptor(op, algo, false, DType::kU8, bytes, mix_words(words));
 }
 
 uint64_t round_units(uint64_t capacity_bytes, uint64_t bytes_per_unit, uint64_t granule_units) {

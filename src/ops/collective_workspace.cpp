@@ -229,6 +229,8 @@ CollectiveWorkspace::CollectiveWorkspace(const Team& team) : team_(team), world_
         descriptors_ = heap.alloc_signals(team, 2 * n);
         ce_flags_ = heap.alloc_signals(team, n);
         ll_buffer_ = reinterpret_cast<uint8_t*>(heap.alloc_signals(team, 2 * n * info_.ll_slot_bytes / 8));
+        ll_headers_ = reinterpret_cast<uint8_t*>(
+            heap.alloc_signals(team, 2 * n * uint64_t{kMaxCollectiveBlocks} * kLowLatencyLineBytes / 8));
         staging_ = static_cast<uint8_t*>(heap.alloc(team, 3 * region, 256));
         info_.heap_bytes = heap.bytes_in_use() - before;
 
@@ -327,6 +329,7 @@ CollectiveParams CollectiveWorkspace::params() const {
     p.staging_half_bytes = info_.staging_region_bytes;
     p.ll_buffer = ll_buffer_;
     p.ll_slot_bytes = info_.ll_slot_bytes;
+    p.ll_headers = ll_headers_;
     return p;
 }
 

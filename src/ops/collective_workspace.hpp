@@ -84,6 +84,7 @@ private:
     uint64_t* descriptors_ = nullptr;
     uint64_t* ce_flags_ = nullptr;
     uint8_t* ll_buffer_ = nullptr;
+    uint8_t* ll_headers_ = nullptr;  // [2][n][kMaxCollectiveBlocks] LL lines carrying the LL kernels' descriptors
     uint8_t* staging_ = nullptr;
     CollectiveState* state_ = nullptr;
     cudaStream_t setup_stream_ = nullptr;

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "tp_common.hpp"
+#include "weft/common/collectives.hpp"
 #include "weft/common/gemm_hook_params.hpp"
 #include "weft/common/math.hpp"
 #include "weft/common/tp_params.hpp"
@@ -100,6 +101,7 @@ struct GemmAr::State : tp_detail::FusedOpState {
     uint64_t* done = nullptr;
     uint64_t* epoch = nullptr;
     uint32_t* exit_count = nullptr;
+    uint64_t* signatures = nullptr;  // symmetric [2][num_ranks] call descriptors (ArReduceParams::signatures)
     void* small_m_workspace = nullptr;  // split-K counters (zero) then fp32 partials
     size_t small_m_workspace_bytes = 0;
     GemvVariant small_m_variant = GemvVariant::kTmaRing;  // of the loaded small-M kernels
@@ -190,11 +192,12 @@ GemmAr::GemmAr(const Team& team, const GemmArShape& shape, const GemmArOptions& 
                                                                                                   << ", got "
                                                                                                   << s.reduce_ctas);
         s.partial = s.heap.alloc(static_cast<uint64_t>(shape.max_m * s.ldp * dtype_bytes(s.partial_dtype)));
-        uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(2 * s.num_ranks + 2));
+        uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(4 * s.num_ranks + 2));
         s.ready = words;
         s.done = words + s.num_ranks;
         s.epoch = s.done + s.num_ranks;
         s.exit_count = reinterpret_cast<uint32_t*>(s.epoch + 1);
+        s.signatures = s.epoch + 2;
         tp_detail::check_peers_reachable(team, s.partial, kOp);
         s.reduce = &jit::compiler().get_kernel(detail::ar_reduce_kernel_spec(s.partial_dtype, shape.dtype));
         s.use_collective = options.collective_all_reduce && s.partial_dtype == shape.dtype && shape.n % 8 == 0;
@@ -273,6 +276,11 @@ ArCall prepare_call(const GemmAr::State& s, const GemmProblem& p, const TensorVi
     r.done = s.done;
     r.epoch = s.epoch;
     r.exit_count = s.exit_count;
+    r.signatures = s.signatures;
+    // What every rank's call must agree on: M (the rows every rank's partial holds), n and the dtypes.
+    uint64_t mix = call_descriptor_mix(0, static_cast<uint64_t>(s.shape.n));
+    mix = call_descriptor_mix(mix, static_cast<uint64_t>(s.partial_dtype));
+    r.signature = make_call_descriptor(CollectiveOp::kGemmAr, 0, true, s.shape.dtype, static_cast<uint64_t>(m), mix);
     return call;
 }
 

@@ -62,6 +62,8 @@ void reduce_scatter(const Team& team, const TensorView& input, const TensorView&
             p.out = out + begin * elem;
             p.count = len;
             p.in_stride = count;
+            p.descriptor = detail::call_descriptor(CollectiveOp::kReduceScatter, static_cast<uint32_t>(algo),
+                                                   output.dtype, count, {begin, len});
             ws.launch(detail::KernelId::kReduceScatterLowLatency, output.dtype,
                       reduce_scatter_grid(algo, len * elem, topo), stream, p);
         }
@@ -83,8 +85,8 @@ void reduce_scatter(const Team& team, const TensorView& input, const TensorView&
         p.src = in_sym ? const_cast<uint8_t*>(in) + begin * elem : nullptr;
         p.src_stride = in_sym ? count : (len + granule - 1) / granule * granule;  // staged slices stay 16-byte aligned
         p.flags = in_sym ? kCollectiveExitBarrier : kCollectiveStageInput;
-        p.descriptor = detail::call_descriptor({2, static_cast<uint64_t>(algo), static_cast<uint64_t>(output.dtype),
-                                                len, count, p.flags, in_sym ? in_offset + begin * elem : in_offset});
+        p.descriptor = detail::call_descriptor(CollectiveOp::kReduceScatter, static_cast<uint32_t>(algo), output.dtype,
+                                               count, {begin, len, p.flags, in_sym ? in_offset + begin * elem : in_offset});
         ws.launch(detail::KernelId::kReduceScatterPull, output.dtype, reduce_scatter_grid(algo, len * elem, topo),
                   stream, p);
     }

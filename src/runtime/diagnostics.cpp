@@ -4,6 +4,9 @@
 
 #include <sstream>
 
+#include "weft/common/collectives.hpp"
+#include "weft/common/dtype.hpp"
+
 namespace weft {
 
 const char* spin_kind_name(SpinKind kind) {
@@ -62,6 +65,72 @@ const char* cmp_symbol(Cmp cmp) {
     return "?";
 }
 
+namespace {
+
+const char* op_name(CollectiveOp op) {
+    switch (op) {
+        case CollectiveOp::kNone: return nullptr;
+        case CollectiveOp::kAllGather: return "all_gather";
+        case CollectiveOp::kReduceScatter: return "reduce_scatter";
+        case CollectiveOp::kAllReduce: return "all_reduce";
+        case CollectiveOp::kAllToAll: return "all_to_all";
+        case CollectiveOp::kAttentionCombine: return "sp_decode_attention's combine";
+        case CollectiveOp::kAllToAllV: return "all_to_all_v";
+        case CollectiveOp::kGemmAr: return "gemm_ar";
+    }
+    return nullptr;
+}
+
+// The names ops::algo_name gives (a unit test keeps them equal); nullptr for an op without algorithms.
+const char* algo_name_of(CollectiveOp op, uint32_t algo) {
+    static constexpr const char* kAllReduce[] = {"auto", "ll", "one_shot", "two_shot"};
+    static constexpr const char* kAllGather[] = {"auto", "ll", "sm_push", "ce_pull", "ce_push"};
+    static constexpr const char* kReduceScatter[] = {"auto", "sm_pull", "ll"};
+    static constexpr const char* kAllToAll[] = {"direct", "staged"};
+    switch (op) {
+        case CollectiveOp::kAllReduce: return algo < 4 ? kAllReduce[algo] : "?";
+        case CollectiveOp::kAllGather: return algo < 5 ? kAllGather[algo] : "?";
+        case CollectiveOp::kReduceScatter: return algo < 3 ? kReduceScatter[algo] : "?";
+        case CollectiveOp::kAllToAll:
+        case CollectiveOp::kAllToAllV: return algo < 2 ? kAllToAll[algo] : "?";
+        default: return nullptr;
+    }
+}
+
+}  // namespace
+
+std::string describe_call_descriptor(uint64_t descriptor) {
+    std::ostringstream os;
+    const CollectiveOp op = call_descriptor_op(descriptor);
+    const uint32_t algo = call_descriptor_algo(descriptor);
+    const uint32_t dtype_plus_one = call_descriptor_dtype_plus_one(descriptor);
+    const uint64_t count = call_descriptor_count(descriptor);
+    const char* name = op_name(op);
+    if (name == nullptr) {
+        os << "an unknown call (op " << static_cast<uint32_t>(op) << ")";
+    } else {
+        os << name;
+        const char* a = algo_name_of(op, algo);
+        if (a != nullptr) os << " (" << (a[0] == '?' ? "algorithm " + std::to_string(algo) : std::string(a)) << ")";
+        const std::string at_least = count >= kCallDescriptorMaxCount ? "at least " : "";
+        const std::string dt = dtype_plus_one == 0 ? std::string()
+                                                   : std::string(dtype_name(static_cast<DType>(dtype_plus_one - 1)));
+        if (op == CollectiveOp::kGemmAr) {
+            os << " with M = " << at_least << count << (dt.empty() ? "" : ", " + dt + " output");
+        } else if (op == CollectiveOp::kAllToAllV) {
+            os << " (uneven splits)";
+        } else if (op == CollectiveOp::kAttentionCombine) {
+            os << " of " << at_least << count << " rows" << (dt.empty() ? "" : " of " + dt);
+        } else if (dt.empty()) {
+            os << " of " << at_least << count << " bytes";
+        } else {
+            os << " of " << at_least << count << " " << dt << " elements";
+        }
+    }
+    os << " [descriptor 0x" << std::hex << descriptor << "]";
+    return os.str();
+}
+
 std::string format_diagnostic(const Diagnostic& d) {
     std::ostringstream os;
     if (d.claimed != 2) {
@@ -71,9 +140,10 @@ std::string format_diagnostic(const Diagnostic& d) {
     }
     if (d.kind == SpinKind::kCollectiveMismatch) {
         os << "rank " << d.rank << " block (" << d.block_x << "," << d.block_y << "," << d.block_z
-           << "): collective call differs from rank " << d.peer << "'s (call descriptor 0x" << std::hex << d.expected
-           << " here, 0x" << d.observed << std::dec
-           << " there): every rank must make the same collective calls in the same order, with the same count, "
+           << "): collective call differs from rank " << d.peer << "'s: rank " << d.rank << " called "
+           << describe_call_descriptor(d.expected) << ", rank " << d.peer << " called "
+           << describe_call_descriptor(d.observed)
+           << "; every rank must make the same collective calls in the same order, with the same shape, "
               "dtype and algorithm, and pass symmetric buffers on all ranks or on none (same allocation)";
         if (d.line > 0) os << " (source line " << d.line << ")";
         return os.str();

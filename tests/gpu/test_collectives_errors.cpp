@@ -1,13 +1,16 @@
 // SPDX-License-Identifier: MIT
 // GPU tests of the collectives' failure paths: bad buffers are weft::Errors on every rank before anything is
-// launched; ranks that call different collectives, or wait for data that never comes, end in a diagnosis (not a
-// hang). A trap leaves the process's CUDA context unusable, so those scenarios run in death-test children
-// (gtest's "threadsafe" style re-executes this binary for just that test).
+// launched; ranks that call different collectives (shape, dtype, algorithm) get a weft::Error on every rank naming
+// both calls, with every block of every algorithm stopped before it wrote the output; data that never comes ends in a
+// diagnosis (not a hang). A trap (the copy-engine algorithms' mismatch) leaves the process's CUDA context unusable,
+// so those scenarios run in death-test children (gtest's "threadsafe" style re-executes this binary for just that
+// test).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <thread>
 #include <cstdio>
 #include <memory>
 #include <mutex>
@@ -19,6 +22,7 @@
 #include "support/runtime_checks.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
+#include "weft/ops/all_to_all.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/weft.hpp"
 
@@ -151,10 +155,204 @@ TEST(CollectivesErrors, WorkspaceIsAWorldExtensionDestroyedWithTheWorld) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// Ranks that call a collective with different arguments. Each rank calls with its own arguments into an output
+// poisoned beforehand; every rank's call must throw naming both calls, and no block of any rank may have written
+// its output (every block checks the descriptors before it moves data, not only block 0). The kernels end with
+// `exit`, so the context stays usable: after every rank has cleared its diagnostics the ranks meet again.
+
+constexpr uint8_t kPoison = 0xA5;
+
+struct MismatchCall {
+    std::function<void(World&, cudaStream_t, uint8_t* in, uint8_t* out)> call;
+    uint64_t out_bytes = 0;  // bytes of `out` that must stay poisoned on every rank
+    std::function<std::vector<std::string>(int rank)> words;
+};
+
+void expect_mismatch_on_every_rank(int num_ranks, const MismatchCall& c) {
+    WorldOptions options = test_options(256ull << 20);
+    options.heartbeat = std::chrono::milliseconds(200);  // the abort reaches every rank quickly
+    std::mutex mutex;
+    std::vector<std::string> messages(static_cast<size_t>(num_ranks));
+    std::vector<uint64_t> touched(static_cast<size_t>(num_ranks), 0);
+    run_ranks(
+        num_ranks,
+        [&](World& w) {
+            ops::prepare_collectives(w);
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            auto* in = static_cast<uint8_t*>(w.heap().alloc(16ull << 20));
+            auto* out = static_cast<uint8_t*>(w.heap().alloc(16ull << 20));
+            std::vector<uint8_t> ramp(16ull << 20);
+            for (size_t i = 0; i < ramp.size(); ++i) ramp[i] = static_cast<uint8_t>((i * 7 + 1) & 0x3f);  // small values
+            WEFT_CUDA_CHECK(cudaMemcpy(in, ramp.data(), ramp.size(), cudaMemcpyHostToDevice));
+            WEFT_CUDA_CHECK(cudaMemset(out, kPoison, 16ull << 20));
+            WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+            w.barrier();
+            std::string message;
+            try {
+                c.call(w, s, in, out);
+                w.sync_and_check(s);
+            } catch (const Error& e) {
+                message = e.what();
+            }
+            std::vector<uint8_t> back(c.out_bytes);
+            WEFT_CUDA_CHECK(cudaMemcpy(back.data(), out, back.size(), cudaMemcpyDeviceToHost));
+            uint64_t changed = 0;
+            for (uint8_t b : back) changed += b != kPoison ? 1 : 0;
+            {
+                std::lock_guard<std::mutex> lock(mutex);
+                messages[static_cast<size_t>(w.rank())] = message;
+                touched[static_cast<size_t>(w.rank())] = changed;
+            }
+            EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "the context stays usable";
+            std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // every rank's abort reached every rank
+            w.clear_diagnostics();
+            w.barrier();
+            WEFT_CUDA_CHECK(cudaStreamDestroy(s));
+        },
+        options);
+    for (int r = 0; r < num_ranks; ++r) {
+        const std::string& m = messages[static_cast<size_t>(r)];
+        EXPECT_FALSE(m.empty()) << "rank " << r << " did not throw weft::Error";
+        for (const std::string& word : c.words(r)) {
+            EXPECT_NE(m.find(word), std::string::npos) << "rank " << r << ": '" << word << "' not in: " << m;
+        }
+        EXPECT_EQ(touched[static_cast<size_t>(r)], 0u) << "rank " << r << ": bytes of the output were written";
+    }
+}
+
+// "rank r called <what r did>" and "rank q called <what q did>" for the pair of ranks 0 and 1.
+std::function<std::vector<std::string>(int)> both_calls(const std::string& rank0, const std::string& rank1) {
+    return [=](int r) {
+        return std::vector<std::string>{"collective call differs from rank", "rank 0 called " + rank0,
+                                        "rank 1 called " + rank1, r == 0 ? "rank 0 block" : "rank 1 block"};
+    };
+}
+
+TEST(CollectivesMismatch, AllReduceOfThousandBf16AndFiveHundredF32ThrowsOnEveryRankNamingBoth) {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    for (AllReduceAlgo algo : {AllReduceAlgo::kLowLatency, AllReduceAlgo::kOneShot, AllReduceAlgo::kTwoShot}) {
+        SCOPED_TRACE(ops::algo_name(algo));
+        const std::string a = ops::algo_name(algo);
+        expect_mismatch_on_every_rank(
+            2, {[&](World& w, cudaStream_t s, uint8_t* in, uint8_t* out) {
+                    const bool odd = w.rank() == 1;  // the same 2000 bytes on both ranks
+                    const DType dt = odd ? DType::kF32 : DType::kBF16;
+                    const int64_t n = odd ? 500 : 1000;
+                    ops::all_reduce(w, TensorView(in, dt, {n}), TensorView(out, dt, {n}), s, {.algo = algo});
+                },
+                2000, both_calls("all_reduce (" + a + ") of 1000 bf16 elements",
+                                 "all_reduce (" + a + ") of 500 f32 elements")});
+    }
+}
+
+// Large messages on 3 ranks: many blocks per kernel, every one of which must stop (a poisoned output stays poisoned
+// everywhere), whether the ranks differ in dtype (same bytes, same grid) or in count.
+TEST(CollectivesMismatch, EveryBlockOfAManyBlockGridStopsBeforeWritingTheOutput) {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    struct Case {
+        AllReduceAlgo algo;
+        int64_t bf16_count;
+    };
+    for (const Case& k : {Case{AllReduceAlgo::kLowLatency, 64 * 1024}, Case{AllReduceAlgo::kOneShot, 2 * 1024 * 1024},
+                          Case{AllReduceAlgo::kTwoShot, 2 * 1024 * 1024}}) {
+        SCOPED_TRACE(ops::algo_name(k.algo));
+        for (bool dtype_differs : {true, false}) {
+            std::atomic<int> grid{0};
+            expect_mismatch_on_every_rank(
+                3, {[&](World& w, cudaStream_t s, uint8_t* in, uint8_t* out) {
+                        const ops::CollectiveWorkspaceInfo& info = ops::prepare_collectives(w);
+                        grid = ops::all_reduce_grid(k.algo, static_cast<uint64_t>(k.bf16_count) * 2, info.topology);
+                        const bool odd = w.rank() == 2;
+                        const DType dt = odd && dtype_differs ? DType::kF32 : DType::kBF16;
+                        const int64_t n = !odd ? k.bf16_count : dtype_differs ? k.bf16_count / 2 : k.bf16_count - 8;
+                        ops::all_reduce(w, TensorView(in, dt, {n}), TensorView(out, dt, {n}), s, {.algo = k.algo});
+                    },
+                    static_cast<uint64_t>(k.bf16_count) * 2,
+                    [](int r) {
+                        return std::vector<std::string>{"collective call differs from rank",
+                                                        r == 2 ? "rank 2 called all_reduce" : "rank 2 called"};
+                    }});
+            EXPECT_GT(grid.load(), 1) << "the case must launch more than one block";
+        }
+    }
+}
+
+// One rank low-latency, the other a barrier algorithm (the same call otherwise): the LL rank reads the barrier
+// rank's header line and diagnoses the mismatch; its abort stops the barrier rank's entry barrier, whose error
+// carries the LL rank's diagnosis.
+TEST(CollectivesMismatch, RanksThatChoseDifferentAlgorithmsAreDiagnosed) {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    for (AllReduceAlgo other : {AllReduceAlgo::kOneShot, AllReduceAlgo::kTwoShot}) {
+        SCOPED_TRACE(ops::algo_name(other));
+        const std::string a = ops::algo_name(other);
+        expect_mismatch_on_every_rank(
+            2, {[&](World& w, cudaStream_t s, uint8_t* in, uint8_t* out) {
+                    const AllReduceAlgo algo = w.rank() == 0 ? AllReduceAlgo::kLowLatency : other;
+                    ops::all_reduce(w, TensorView(in, DType::kBF16, {4096}), TensorView(out, DType::kBF16, {4096}), s,
+                                    {.algo = algo});
+                },
+                8192, [&](int) {
+                    return std::vector<std::string>{"collective call differs from rank",
+                                                    "rank 0 called all_reduce (ll) of 4096 bf16 elements",
+                                                    "rank 1 called all_reduce (" + a + ") of 4096 bf16 elements"};
+                }});
+    }
+}
+
+TEST(CollectivesMismatch, AllGatherOfDifferentShardsThrowsOnEveryRank) {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    for (AllGatherAlgo algo : {AllGatherAlgo::kLowLatency, AllGatherAlgo::kSmPush}) {
+        SCOPED_TRACE(ops::algo_name(algo));
+        const std::string a = ops::algo_name(algo);
+        expect_mismatch_on_every_rank(
+            2, {[&](World& w, cudaStream_t s, uint8_t* in, uint8_t* out) {
+                    const int64_t shard = w.rank() == 1 ? 2048 : 1024;
+                    ops::all_gather(w, TensorView(in, DType::kU8, {shard}), TensorView(out, DType::kU8, {2 * shard}),
+                                    s, {.algo = algo});
+                },
+                4096, both_calls("all_gather (" + a + ") of 1024 bytes", "all_gather (" + a + ") of 2048 bytes")});
+    }
+}
+
+TEST(CollectivesMismatch, ReduceScatterOfDifferentDtypesThrowsOnEveryRank) {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    for (ReduceScatterAlgo algo : {ReduceScatterAlgo::kLowLatency, ReduceScatterAlgo::kSmPull}) {
+        SCOPED_TRACE(ops::algo_name(algo));
+        const std::string a = ops::algo_name(algo);
+        expect_mismatch_on_every_rank(
+            2, {[&](World& w, cudaStream_t s, uint8_t* in, uint8_t* out) {
+                    const bool odd = w.rank() == 1;
+                    const DType dt = odd ? DType::kF32 : DType::kBF16;
+                    const int64_t n = odd ? 500 : 1000;
+                    ops::reduce_scatter(w, TensorView(in, dt, {2 * n}), TensorView(out, dt, {n}), s, {.algo = algo});
+                },
+                2000, both_calls("reduce_scatter (" + a + ") of 1000 bf16 elements",
+                                 "reduce_scatter (" + a + ") of 500 f32 elements")});
+    }
+}
+
+TEST(CollectivesMismatch, AllToAllOfDifferentChunksThrowsOnEveryRank) {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    expect_mismatch_on_every_rank(
+        2, {[&](World& w, cudaStream_t s, uint8_t* in, uint8_t* out) {
+                const int64_t total = w.rank() == 1 ? 8192 : 4096;
+                ops::all_to_all(w, TensorView(in, DType::kU8, {total}), TensorView(out, DType::kU8, {total}), s);
+            },
+            8192, both_calls("all_to_all (direct) of 4096 bytes", "all_to_all (direct) of 8192 bytes")});
+}
+
+// ------------------------------------------------------------------------------------------------
 // Death-test scenarios: the child provokes the failure on 2 ranks, collects every rank's error, and exits 0 only if
 // one of them carries the expected diagnosis. An alarm bounds the child: a hang fails the test.
 
-enum class Scenario { kCountMismatch, kDtypeMismatch, kLowLatencyNeverArrives, kLowLatencyReduceScatterNeverArrives };
+enum class Scenario {
+    kCountMismatch,
+    kDtypeMismatch,
+    kLowLatencyNeverArrives,
+    kLowLatencyReduceScatterNeverArrives,
+    kCopyEngineMismatch
+};
 
 [[noreturn]] void provoke(Scenario scenario, const std::string& expected) {
     alarm(120);
@@ -185,15 +383,24 @@ enum class Scenario { kCountMismatch, kDtypeMismatch, kLowLatencyNeverArrives, k
                                             TensorView(buf + 65536, odd ? DType::kF16 : DType::kBF16, {512}), s,
                                             {.algo = AllReduceAlgo::kTwoShot});
                             break;
-                        case Scenario::kLowLatencyNeverArrives:  // rank 1 expects lines rank 0 never sends
-                            ops::all_reduce(w, TensorView(buf, DType::kF32, {odd ? 2000 : 1000}),
-                                            TensorView(buf + 65536, DType::kF32, {odd ? 2000 : 1000}), s,
-                                            {.algo = AllReduceAlgo::kLowLatency});
+                        case Scenario::kLowLatencyNeverArrives:  // rank 1 waits for lines rank 0 never sends
+                            if (odd) {
+                                ops::all_reduce(w, TensorView(buf, DType::kF32, {1000}),
+                                                TensorView(buf + 65536, DType::kF32, {1000}), s,
+                                                {.algo = AllReduceAlgo::kLowLatency});
+                            }
                             break;
-                        case Scenario::kLowLatencyReduceScatterNeverArrives:  // rank 1's slice is twice rank 0's
-                            ops::reduce_scatter(w, TensorView(buf, DType::kF32, {odd ? 2000 : 1000}),
-                                                TensorView(buf + 65536, DType::kF32, {odd ? 1000 : 500}), s,
-                                                {.algo = ReduceScatterAlgo::kLowLatency});
+                        case Scenario::kLowLatencyReduceScatterNeverArrives:  // rank 0 never calls
+                            if (odd) {
+                                ops::reduce_scatter(w, TensorView(buf, DType::kF32, {2000}),
+                                                    TensorView(buf + 65536, DType::kF32, {1000}), s,
+                                                    {.algo = ReduceScatterAlgo::kLowLatency});
+                            }
+                            break;
+                        case Scenario::kCopyEngineMismatch:  // the entry kernel traps: the queued copies never run
+                            ops::all_gather(w, TensorView(buf, DType::kU8, {odd ? 2048 : 1024}),
+                                            TensorView(buf + 65536, DType::kU8, {odd ? 4096 : 2048}), s,
+                                            {.algo = AllGatherAlgo::kCopyEnginePush});
                             break;
                     }
                     w.sync_and_check(s);
@@ -232,6 +439,11 @@ TEST_F(CollectivesDeathTest, RanksCallingDifferentCountsAreDiagnosed) {
 TEST_F(CollectivesDeathTest, RanksCallingDifferentDtypesAreDiagnosed) {
     EXPECT_EXIT(provoke(Scenario::kDtypeMismatch, "collective call differs from rank"), ::testing::ExitedWithCode(0),
                 "diagnosed");
+}
+
+TEST_F(CollectivesDeathTest, CopyEngineAllGatherOfDifferentShardsIsDiagnosed) {
+    EXPECT_EXIT(provoke(Scenario::kCopyEngineMismatch, "all_gather (ce_push) of 1024 bytes"),
+                ::testing::ExitedWithCode(0), "diagnosed");
 }
 
 TEST_F(CollectivesDeathTest, LowLatencyDataThatNeverArrivesTimesOut) {

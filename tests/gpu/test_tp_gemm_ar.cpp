@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "support/runtime_checks.hpp"
@@ -152,6 +153,80 @@ TEST(TpGemmAr, WorldSize4) { run_world(4, cases(), {DType::kBF16}, 4); }
 TEST(TpGemmAr, WorldSize8) { run_world(8, cases(), {DType::kBF16, DType::kF16}, 4); }
 
 TEST(TpGemmAr, GraphReplayWithoutReset) { run_world(2, {cases()[0]}, {DType::kBF16}, 4, Mode::kGraph); }
+
+// Ranks that call with different M: every rank's call throws naming both ranks' M (the op's own reduction kernel) or
+// both all-reduce counts (the all-reduce half through ops::all_reduce), and no rank's C is written (its poison
+// stays). The kernels end with `exit`: after every rank cleared its diagnostics the ranks meet again.
+TEST(TpGemmAr, DifferentMOnTwoRanksIsDiagnosedOnBoth) {
+    const int64_t n = 1024, k = 256, max_m = 64;
+    for (bool collective : {false, true}) {
+        SCOPED_TRACE(collective ? "ops::all_reduce" : "the op's reduction kernel");
+        std::mutex mutex;
+        std::vector<std::string> messages(2);
+        std::vector<int64_t> written(2, -1);
+        WorldOptions options = test::test_options(256ull << 20);
+        options.heartbeat = std::chrono::milliseconds(200);
+        test::run_ranks(
+            2,
+            [&](World& w) {
+                const int me = w.rank();
+                const int64_t m = me == 0 ? 16 : 32;
+                const DType dt = DType::kBF16;
+                cudaStream_t st = nullptr;
+                WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+                {
+                    ops::GemmArOptions opt;
+                    opt.collective_all_reduce = collective;
+                    ops::GemmAr op(w, {max_m, n, k, dt}, opt);
+                    HostMat a(m, k, ld_for(k), dt), b(n, k, ld_for(k), dt), c(m, n, ld_for(n), dt);
+                    a.fill_random(seed_of(11, 0, me, 0));
+                    b.fill_random(seed_of(11, 1, me, 0));
+                    poison(c);
+                    const HostMat c_poisoned = c;
+                    DevBuf a_dev(a.bytes()), b_dev(b.bytes()), c_dev(c.bytes());
+                    upload(a, a_dev.ptr, st);
+                    upload(b, b_dev.ptr, st);
+                    upload(c, c_dev.ptr, st);
+                    w.barrier();
+                    std::string message;
+                    try {
+                        op.run(view(a, a_dev.ptr), view(b, b_dev.ptr), view(c, c_dev.ptr), st);
+                        w.sync_and_check(st);
+                    } catch (const Error& e) {
+                        message = e.what();
+                    }
+                    download(c, c_dev.ptr, st);
+                    int64_t changed = 0;
+                    for (size_t i = 0; i < c.bits.size(); ++i) changed += c.bits[i] != c_poisoned.bits[i] ? 1 : 0;
+                    {
+                        std::lock_guard<std::mutex> lock(mutex);
+                        messages[static_cast<size_t>(me)] = message;
+                        written[static_cast<size_t>(me)] = changed;
+                    }
+                    EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "the context stays usable";
+                    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the aborts reached every rank
+                    w.clear_diagnostics();
+                    w.barrier();
+                }
+                WEFT_CUDA_CHECK(cudaStreamDestroy(st));
+            },
+            options);
+        const std::vector<std::string> words =
+            collective ? std::vector<std::string>{"collective call differs from rank", "all_reduce",
+                                                  std::to_string(16 * n) + " bf16 elements",
+                                                  std::to_string(32 * n) + " bf16 elements"}
+                       : std::vector<std::string>{"collective call differs from rank", "rank 0 called gemm_ar with M = 16",
+                                                  "rank 1 called gemm_ar with M = 32"};
+        for (int r = 0; r < 2; ++r) {
+            const std::string& m = messages[static_cast<size_t>(r)];
+            EXPECT_FALSE(m.empty()) << "rank " << r << " did not throw";
+            for (const std::string& word : words) {
+                EXPECT_NE(m.find(word), std::string::npos) << "rank " << r << ": '" << word << "' not in: " << m;
+            }
+            EXPECT_EQ(written[static_cast<size_t>(r)], 0) << "rank " << r << ": elements of C were written";
+        }
+    }
+}
 
 }  // namespace
 }  // namespace weft

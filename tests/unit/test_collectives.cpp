@@ -348,16 +348,90 @@ TEST(CollectivesArgs, ReduceScatterChecks) {
 
 TEST(CollectivesArgs, DescriptorsAndRounds) {
     using detail::call_descriptor;
-    const uint64_t d = call_descriptor({3, 2, 0, 1000, 1, ~0ull, ~0ull});
+    using detail::call_descriptor_bytes;
+    const auto ar = CollectiveOp::kAllReduce;
+    const uint64_t d = call_descriptor(ar, 2, DType::kBF16, 1000, {0, 1000, 1, ~0ull, ~0ull});
     EXPECT_NE(d, 0u);
-    EXPECT_EQ(d, call_descriptor({3, 2, 0, 1000, 1, ~0ull, ~0ull}));
-    EXPECT_NE(d, call_descriptor({3, 2, 0, 1001, 1, ~0ull, ~0ull}));
-    EXPECT_NE(d, call_descriptor({3, 3, 0, 1000, 1, ~0ull, ~0ull}));
-    EXPECT_NE(d, call_descriptor({3, 2, 0, 1000, 1, 4096, ~0ull}));
-    EXPECT_NE(call_descriptor({1, 2}), call_descriptor({2, 1}));
+    EXPECT_EQ(d, call_descriptor(ar, 2, DType::kBF16, 1000, {0, 1000, 1, ~0ull, ~0ull}));
+    EXPECT_NE(d, call_descriptor(ar, 2, DType::kBF16, 1001, {0, 1000, 1, ~0ull, ~0ull}));  // the call's count
+    EXPECT_NE(d, call_descriptor(ar, 2, DType::kBF16, 1000, {0, 1001, 1, ~0ull, ~0ull}));  // the round's
+    EXPECT_NE(d, call_descriptor(ar, 3, DType::kBF16, 1000, {0, 1000, 1, ~0ull, ~0ull}));
+    EXPECT_NE(d, call_descriptor(ar, 2, DType::kF16, 1000, {0, 1000, 1, ~0ull, ~0ull}));
+    EXPECT_NE(d, call_descriptor(ar, 2, DType::kBF16, 1000, {0, 1000, 1, 4096, ~0ull}));
+    EXPECT_NE(d, call_descriptor(CollectiveOp::kReduceScatter, 2, DType::kBF16, 1000, {0, 1000, 1, ~0ull, ~0ull}));
+    // The same bytes in another dtype (1000 bf16, 500 f32) is another call.
+    EXPECT_NE(call_descriptor(ar, 1, DType::kBF16, 1000, {0, 1000}), call_descriptor(ar, 1, DType::kF32, 500, {0, 500}));
+    EXPECT_NE(call_descriptor_bytes(CollectiveOp::kAllGather, 1, 1000, {}),
+              call_descriptor(CollectiveOp::kAllGather, 1, DType::kU8, 1000, {}));
     EXPECT_EQ(detail::round_units(256 * kKiB, 2, 8), 128 * kKiB);
     EXPECT_EQ(detail::round_units(100, 3, 8), 32u);  // 33 elements fit, rounded down to the granule
     EXPECT_ERROR_MENTIONS(detail::round_units(16, 4, 8), "WEFT_COLLECTIVE_STAGING_BYTES");
+}
+
+TEST(CallDescriptor, FieldsReadBackAndLargeCountsSaturate) {
+    const uint64_t d = make_call_descriptor(CollectiveOp::kReduceScatter, 2, true, DType::kF32, 123456, 77);
+    EXPECT_EQ(call_descriptor_op(d), CollectiveOp::kReduceScatter);
+    EXPECT_EQ(call_descriptor_algo(d), 2u);
+    EXPECT_EQ(call_descriptor_dtype_plus_one(d), static_cast<uint32_t>(DType::kF32) + 1);
+    EXPECT_EQ(call_descriptor_count(d), 123456u);
+    const uint64_t bytes = make_call_descriptor(CollectiveOp::kAllGather, 3, false, DType::kBF16, 4096, 0);
+    EXPECT_EQ(call_descriptor_dtype_plus_one(bytes), 0u);
+    const uint64_t big = make_call_descriptor(CollectiveOp::kAllReduce, 1, true, DType::kBF16, 1ull << 40, 0);
+    const uint64_t bigger = make_call_descriptor(CollectiveOp::kAllReduce, 1, true, DType::kBF16, (1ull << 40) + 1, 0);
+    EXPECT_EQ(call_descriptor_count(big), kCallDescriptorMaxCount);
+    EXPECT_NE(big, bigger) << "counts past the field still differ through the digest";
+    EXPECT_NE(describe_call_descriptor(big).find("at least 4294967295 bf16 elements"), std::string::npos)
+        << describe_call_descriptor(big);
+    // Every field change is a different word, and the digest changes with the words.
+    EXPECT_NE(make_call_descriptor(CollectiveOp::kAllReduce, 1, true, DType::kBF16, 8, 1),
+              make_call_descriptor(CollectiveOp::kAllReduce, 1, true, DType::kBF16, 8, 2));
+}
+
+TEST(CallDescriptor, DescriptionsUseTheOpsAlgorithmNames) {
+    for (AllReduceAlgo a : {AllReduceAlgo::kLowLatency, AllReduceAlgo::kOneShot, AllReduceAlgo::kTwoShot}) {
+        const std::string text = describe_call_descriptor(
+            detail::call_descriptor(CollectiveOp::kAllReduce, static_cast<uint32_t>(a), DType::kBF16, 1000, {}));
+        EXPECT_NE(text.find(std::string("all_reduce (") + algo_name(a) + ") of 1000 bf16 elements"), std::string::npos)
+            << text;
+    }
+    for (AllGatherAlgo a : {AllGatherAlgo::kLowLatency, AllGatherAlgo::kSmPush, AllGatherAlgo::kCopyEnginePull,
+                            AllGatherAlgo::kCopyEnginePush}) {
+        const std::string text = describe_call_descriptor(
+            detail::call_descriptor_bytes(CollectiveOp::kAllGather, static_cast<uint32_t>(a), 4096, {}));
+        EXPECT_NE(text.find(std::string("all_gather (") + algo_name(a) + ") of 4096 bytes"), std::string::npos) << text;
+    }
+    for (ReduceScatterAlgo a : {ReduceScatterAlgo::kSmPull, ReduceScatterAlgo::kLowLatency}) {
+        const std::string text = describe_call_descriptor(
+            detail::call_descriptor(CollectiveOp::kReduceScatter, static_cast<uint32_t>(a), DType::kF16, 64, {}));
+        EXPECT_NE(text.find(std::string("reduce_scatter (") + algo_name(a) + ") of 64 f16 elements"),
+                  std::string::npos)
+            << text;
+    }
+    EXPECT_NE(describe_call_descriptor(
+                  make_call_descriptor(CollectiveOp::kGemmAr, 0, true, DType::kBF16, 64, 0))
+                  .find("gemm_ar with M = 64, bf16 output"),
+              std::string::npos);
+    EXPECT_NE(describe_call_descriptor(detail::call_descriptor_bytes(CollectiveOp::kAllToAll, 1, 512, {}))
+                  .find("all_to_all (staged) of 512 bytes"),
+              std::string::npos);
+    EXPECT_NE(describe_call_descriptor(0xabc).find("an unknown call"), std::string::npos);
+}
+
+TEST(CallDescriptor, MismatchOfThousandBf16AndFiveHundredF32NamesBothCalls) {
+    Diagnostic d{};
+    d.claimed = 2;
+    d.kind = SpinKind::kCollectiveMismatch;
+    d.cmp = Cmp::kEq;
+    d.rank = 0;
+    d.peer = 1;
+    d.block_x = 17;
+    d.expected = detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 1000, {0, 1000});
+    d.observed = detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kF32, 500, {0, 500});
+    const std::string m = format_diagnostic(d);
+    for (const char* word : {"rank 0 block (17,0,0)", "differs from rank 1", "rank 0 called all_reduce (ll) of 1000 bf16",
+                             "rank 1 called all_reduce (ll) of 500 f32 elements"}) {
+        EXPECT_NE(m.find(word), std::string::npos) << "'" << word << "' not in: " << m;
+    }
 }
 
 TEST(CollectivesArgs, MismatchDiagnosticNamesBothRanksAndDescriptors) {
@@ -399,7 +473,8 @@ TEST(CollectivesNvrtc, RepresentativeSpecsCompileForSm90a) {
           Case{KernelId::kReduceScatterPull, DType::kF16}, Case{KernelId::kReduceScatterLowLatency, DType::kBF16},
           Case{KernelId::kReduceScatterLowLatency, DType::kF32}, Case{KernelId::kAllGatherPush, DType::kU8},
           Case{KernelId::kCopyEngineExit, DType::kU8}, Case{KernelId::kAllToAllPull, DType::kU8},
-          Case{KernelId::kAttentionSpCombine, DType::kBF16}}) {
+          Case{KernelId::kAttentionSpCombine, DType::kBF16}, Case{KernelId::kCopyEngineEnter, DType::kU8},
+          Case{KernelId::kAllGatherLowLatency, DType::kU8}, Case{KernelId::kAllReduceOneShot, DType::kF16}}) {
         const jit::KernelSpec spec = detail::collective_kernel_spec(k.id, k.dtype, 8);
         SCOPED_TRACE(spec.describe());
         const jit::CompileResult r = compile_spec(c, spec);

@@ -60,6 +60,59 @@ WEFT_HOST_DEVICE constexpr uint32_t low_latency_flag(uint64_t epoch) {
     return static_cast<uint32_t>(epoch % 0xFFFFFFFFull) + 1u;
 }
 
+// ------------------------------------------------------------------------------------------------
+// Call descriptors: every rank's kernel carries one 64-bit word describing its call, and every block that moves
+// data compares the peers' words with its own before it does (the entry barrier's descriptor row, the LL header
+// lines, the GEMM+AR's ready flags). The high 32 bits say what the call is, so that a mismatch reads in words on
+// the host (weft::format_diagnostic); the low 20 bits digest everything else (buffer offsets, flags, rounds):
+//
+//   63..60 op (CollectiveOp)   59..56 algorithm (the op's enum value)   55..52 dtype + 1 (0: bytes)
+//   51..20 count (elements, or bytes with no dtype; saturates at 2^32 - 1)   19..0 digest of every field and word
+
+/// The op a call descriptor names.
+enum class CollectiveOp : uint32_t {
+    kNone = 0,
+    kAllGather = 1,
+    kReduceScatter = 2,
+    kAllReduce = 3,
+    kAllToAll = 4,
+    kAttentionCombine = 5,
+    kAllToAllV = 6,
+    kGemmAr = 7,
+};
+
+/// Count values at and above this read as "at least" in a descriptor.
+inline constexpr uint64_t kCallDescriptorMaxCount = 0xFFFFFFFFull;
+
+/// The digest of the words after the op's fields (a 64-bit mix, folded to 20 bits by make_call_descriptor).
+WEFT_HOST_DEVICE constexpr uint64_t call_descriptor_mix(uint64_t h, uint64_t w) {
+    h ^= w + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    return (h ^ (h >> 31)) * 0xbf58476d1ce4e5b9ull;
+}
+
+/// The descriptor of a call: op, algorithm (0..15), dtype (or none: counts are bytes), count and the digest `mix`
+/// of the other words (start from 0, fold each word in with call_descriptor_mix). Never 0.
+WEFT_HOST_DEVICE constexpr uint64_t make_call_descriptor(CollectiveOp op, uint32_t algo, bool has_dtype, DType dtype,
+                                                         uint64_t count, uint64_t mix) {
+    const uint64_t dt = has_dtype ? static_cast<uint64_t>(dtype) + 1 : 0;
+    const uint64_t shown = count < kCallDescriptorMaxCount ? count : kCallDescriptorMaxCount;
+    uint64_t h = call_descriptor_mix(mix, static_cast<uint64_t>(op));
+    h = call_descriptor_mix(h, algo);
+    h = call_descriptor_mix(h, dt);
+    h = call_descriptor_mix(h, count);
+    const uint64_t digest = (h ^ (h >> 20) ^ (h >> 40)) & 0xFFFFFull;
+    return (static_cast<uint64_t>(op) & 0xFull) << 60 | (static_cast<uint64_t>(algo) & 0xFull) << 56 |
+           (dt & 0xFull) << 52 | shown << 20 | digest;
+}
+
+WEFT_HOST_DEVICE constexpr CollectiveOp call_descriptor_op(uint64_t d) { return static_cast<CollectiveOp>(d >> 60); }
+WEFT_HOST_DEVICE constexpr uint32_t call_descriptor_algo(uint64_t d) { return static_cast<uint32_t>(d >> 56) & 0xFu; }
+/// The dtype's value + 1, or 0 when the count is in bytes.
+WEFT_HOST_DEVICE constexpr uint32_t call_descriptor_dtype_plus_one(uint64_t d) {
+    return static_cast<uint32_t>(d >> 52) & 0xFu;
+}
+WEFT_HOST_DEVICE constexpr uint64_t call_descriptor_count(uint64_t d) { return (d >> 20) & 0xFFFFFFFFull; }
+
 /// Compile-time knobs of the reducing kernels (all-reduce one-shot / two-shot / low-latency, reduce-scatter).
 struct ReduceKernelConfig {
     DType dtype = DType::kBF16;   ///< bf16, f16 or f32; 16-bit types accumulate in fp32
@@ -138,7 +191,13 @@ struct CollectiveParams {
     uint64_t staging_half_bytes;
     uint8_t* ll_buffer;  ///< symmetric LL receive buffer: [2 parities][num_ranks senders][ll_slot_bytes]
     uint64_t ll_slot_bytes;
-    uint64_t descriptor;  ///< this call's descriptor; every rank's must match (checked after the entry barrier)
+    /// symmetric LL header lines: [2 parities][num_ranks senders][kMaxCollectiveBlocks] lines of
+    /// kLowLatencyLineBytes; block b of an LL kernel sends its call descriptor to every peer in line b of its
+    /// sender slot, with the epoch's flag (BlockState::send_ll_descriptor)
+    uint8_t* ll_headers;
+    /// this call's descriptor (make_call_descriptor); every rank's must match: every block compares it with the
+    /// peers' after the entry barrier (barrier kernels) or before writing its output (LL kernels)
+    uint64_t descriptor;
     uint32_t flags;       ///< CollectiveFlags
     uint32_t reserved;
 };

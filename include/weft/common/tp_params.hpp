@@ -131,6 +131,12 @@ struct ArReduceParams {
     uint64_t* done;        ///< symmetric [num_ranks]
     uint64_t* epoch;       ///< local
     uint32_t* exit_count;  ///< local
+    /// symmetric [2 parities][num_ranks], in the allocation of `ready` (the kernel reaches a peer's copy through the
+    /// translation of its ready word): CTA 0 writes `signature` into slot `rank` of every rank's row for this
+    /// call's parity before it notifies `ready` (whose release covers it); every CTA compares every rank's after its
+    /// wait and ends (exit, with a kCollectiveMismatch diagnostic) when one differs
+    uint64_t* signatures;
+    uint64_t signature;  ///< this call's descriptor (make_call_descriptor: CollectiveOp::kGemmAr, M, n, dtypes)
 };
 
 /// Threads per CTA of the reduction kernels (rs_reduce_kernel, ar_reduce_kernel) and of the notify kernel.

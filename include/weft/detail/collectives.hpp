@@ -24,9 +24,13 @@ void check_reduce_scatter_args(const TensorView& input, const TensorView& output
 /// The push all-gathers write into peers' outputs: weft::Error unless the output is symmetric.
 void check_all_gather_output(AllGatherAlgo algo, bool output_symmetric);
 
-/// A 64-bit digest of a call's shape (kind, algorithm, dtype, count, buffer offsets ...) that every rank must
-/// agree on; never 0.
-uint64_t call_descriptor(std::initializer_list<uint64_t> words);
+/// The descriptor of a call (weft/common/collectives.hpp, make_call_descriptor) that every rank must agree on:
+/// `op`, `algo` (the op's algorithm enum value), the element `dtype` and `count` (the whole call's, not a round's),
+/// and a digest of `words` (buffer offsets, flags, the round ...). Never 0.
+uint64_t call_descriptor(CollectiveOp op, uint32_t algo, DType dtype, uint64_t count,
+                         std::initializer_list<uint64_t> words);
+/// As above for calls that move bytes (no dtype): `bytes` is the count.
+uint64_t call_descriptor_bytes(CollectiveOp op, uint32_t algo, uint64_t bytes, std::initializer_list<uint64_t> words);
 
 /// How many units fit in `capacity_bytes` at `bytes_per_unit` each, rounded down to a multiple of `granule_units`
 /// (so rounds keep 16-byte alignment); weft::Error when not even one granule fits.

@@ -13,6 +13,10 @@ namespace weft {
 /// (claimed == 2); an incomplete one is described as such.
 std::string format_diagnostic(const Diagnostic& record);
 
+/// A call descriptor (weft/common/collectives.hpp, make_call_descriptor) in words, e.g. "all_reduce (ll) of 1000
+/// bf16 elements [0x3100...]" or "all_gather (sm_push) of 4096 bytes [...]"; unknown ops and algorithms by number.
+std::string describe_call_descriptor(uint64_t descriptor);
+
 /// "signal_wait", "barrier", "tile_wait", "spin" ...; "EQ", "GE" ...; "==", ">=" ...
 const char* spin_kind_name(SpinKind kind);
 const char* cmp_name(Cmp cmp);
