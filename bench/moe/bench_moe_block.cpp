@@ -189,7 +189,8 @@ int run(int argc, char** argv) {
                 wo.heap_bytes = ep::footprint(c.ep, w).heap_bytes(1) + (64ull << 20);
                 SlowestRank slowest(w);
                 Shared shared;
-                run_local(w, [&](World& world) { run_config(world, o, c, tokens, &slowest, &shared); }, wo);
+                run_local(
+                    w, [&](World& world) { run_config(world, o, c, tokens, &slowest, &shared); }, wo);
                 Row r;
                 r.hidden = shape[0];
                 r.experts = shape[1];
@@ -214,8 +215,9 @@ int run(int argc, char** argv) {
                 prop.name, devices, prop.multiProcessorCount, utc_date().c_str(), o.ffn, o.iters, o.warmup,
                 o.check ? ", checked" : "");
     if (shared_gpu) {
-        std::printf("NOTE: more ranks than GPUs - ranks SHARE a GPU: no byte crosses NVLink, each rank has its share of "
-                    "the SMs.\n");
+        std::printf(
+            "NOTE: more ranks than GPUs - ranks SHARE a GPU: no byte crosses NVLink, each rank has its share of "
+            "the SMs.\n");
     }
     std::printf("%6s %5s %4s %6s %5s %4s | %12s %12s %8s%s\n", "hidden", "exp", "topk", "tokens", "world", "comm",
                 "fused us", "separate us", "speedup", o.check ? "  check" : "");

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Example 07: a whole MoE layer over expert parallelism, as one op (weft::ops::ep::MoeBlock) and as weft's separate ops.
+// Example 07: a whole MoE layer over expert parallelism, as one op (weft::ops::ep::MoeBlock) and as weft's separate
+// ops.
 //
 //   weft_example_07_moe_layer [num_ranks=4] [tokens_per_rank=256] [hidden=2048] [experts=32] [topk=4] [ffn=1024]
 //
@@ -92,7 +93,8 @@ int main(int argc, char** argv) {
                 std::uniform_real_distribution<float> value(-1.0f, 1.0f);
                 std::vector<uint16_t> x(static_cast<size_t>(tokens * h));
                 for (auto& v : x) v = float_to_bf16(value(rng));
-                std::vector<uint16_t> gate_up(static_cast<size_t>(local * 2 * f * h)), down(static_cast<size_t>(local * h * f));
+                std::vector<uint16_t> gate_up(static_cast<size_t>(local * 2 * f * h)),
+                    down(static_cast<size_t>(local * h * f));
                 for (auto& v : gate_up) v = float_to_bf16(value(rng) / 16.0f);
                 for (auto& v : down) v = float_to_bf16(value(rng) / 16.0f);
                 std::vector<int32_t> idx;
@@ -148,8 +150,8 @@ int main(int argc, char** argv) {
                     weft::ops::grouped_gemm_contiguous(hd.recv_x(), mw.gate_up, gu_out, weft::BLayout::kNK,
                                                        hd.expert_offsets(), hd.expert_counts(), stream);
                     swiglu_rows<<<512, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(dgu_out),
-                                                         static_cast<__nv_bfloat16*>(dact),
-                                                         hd.expert_offsets() + local, static_cast<int>(f));
+                                                         static_cast<__nv_bfloat16*>(dact), hd.expert_offsets() + local,
+                                                         static_cast<int>(f));
                     WEFT_CUDA_CHECK(cudaGetLastError());
                     weft::ops::grouped_gemm_contiguous(act, mw.down, y, weft::BLayout::kNK, hd.expert_offsets(),
                                                        hd.expert_counts(), stream);
@@ -170,9 +172,11 @@ int main(int argc, char** argv) {
                 double worst = 0;
                 for (int t = 0; t < tokens; ++t) {
                     double scale = 1e-3;
-                    for (int c = 0; c < h; ++c) scale = std::max(scale, std::fabs(double{bf16_to_float(ref[t * h + c])}));
+                    for (int c = 0; c < h; ++c)
+                        scale = std::max(scale, std::fabs(double{bf16_to_float(ref[t * h + c])}));
                     for (int c = 0; c < h; ++c) {
-                        const double d = std::fabs(double{bf16_to_float(out[t * h + c])} - bf16_to_float(ref[t * h + c]));
+                        const double d =
+                            std::fabs(double{bf16_to_float(out[t * h + c])} - bf16_to_float(ref[t * h + c]));
                         worst = std::max(worst, std::isfinite(d) ? d / scale : 1e30);
                     }
                 }

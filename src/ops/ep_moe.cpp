@@ -85,9 +85,9 @@ MoePlan plan_moe_block(const MoeConfig& config, int num_ranks, int num_sms) {
     options.expected_rows_per_group = expected_rows;
     MoePlan plan;
     plan.max_recv_rows = g.max_recv_rows;
-    plan.up = plan_grouped_gemm(grouped_problem(local, g.max_recv_rows, 2 * int64_t{config.ffn}, g.hidden), num_sms,
-                                options)
-                  .config;
+    plan.up =
+        plan_grouped_gemm(grouped_problem(local, g.max_recv_rows, 2 * int64_t{config.ffn}, g.hidden), num_sms, options)
+            .config;
     plan.down =
         plan_grouped_gemm(grouped_problem(local, g.max_recv_rows, g.hidden, config.ffn), num_sms, options).config;
     plan.tile_stride = static_cast<int32_t>(std::max<int64_t>(1, ceil_div(g.max_recv_rows, plan.down.tile_m)));
@@ -127,7 +127,8 @@ struct MoeBlock::Impl {
         return reinterpret_cast<T*>(device + offset);
     }
     TensorView gate_up_out() const {
-        return TensorView(at<uint16_t>(layout.gate_up_out), DType::kBF16, {plan.max_recv_rows, 2 * int64_t{config.ffn}});
+        return TensorView(at<uint16_t>(layout.gate_up_out), DType::kBF16,
+                          {plan.max_recv_rows, 2 * int64_t{config.ffn}});
     }
     TensorView activation() const {
         return TensorView(at<uint16_t>(layout.activation), DType::kBF16, {plan.max_recv_rows, int64_t{config.ffn}});
@@ -177,9 +178,10 @@ MoeBlock::MoeBlock(const Team& team, const MoeConfig& config) : impl_(std::make_
     WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
     m.plan = plan_moe_block(m.config, team.num_ranks(), std::min(num_sms, m.world->sm_budget()));
     m.local_experts = m.config.ep.num_experts / team.num_ranks();
-    WEFT_CHECK(m.world->sm_budget() >= 2, "ep::MoeBlock: the rank's SM budget must be at least 2 (communication and "
-                                          "the GEMMs run side by side), got "
-                                              << m.world->sm_budget());
+    WEFT_CHECK(m.world->sm_budget() >= 2,
+               "ep::MoeBlock: the rank's SM budget must be at least 2 (communication and "
+               "the GEMMs run side by side), got "
+                   << m.world->sm_budget());
 
     // Every kernel of both forms, compiled in parallel and loaded before any of them can spin (the Buffer's
     // constructor ends at a barrier of the team, after which ranks may launch).
@@ -217,7 +219,7 @@ MoeBlock::MoeBlock(const Team& team, const MoeConfig& config) : impl_(std::make_
     m.status_dev = static_cast<GroupedStatus*>(dev);
 
     m.buffer = std::make_unique<Buffer>(team, m.config.ep);  // collective; ends at a team barrier
-    m.handle.emplace(m.buffer->make_normal_handle());         // collective
+    m.handle.emplace(m.buffer->make_normal_handle());        // collective
 }
 
 MoeBlock::~MoeBlock() {
@@ -290,15 +292,14 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
                "ep::MoeBlock::forward: weights.down must be bf16 [E_local, H, F] = ["
                    << m.local_experts << ", " << g.hidden << ", " << ffn << "], got " << weights.down.describe());
     const NormalHandle& h = *m.handle;
-    validate_grouped_gemm_args(GroupedLayout::kContiguous, h.recv_x(), weights.gate_up, m.gate_up_out(),
-                               BLayout::kNK, h.expert_offsets(), h.expert_counts());
+    validate_grouped_gemm_args(GroupedLayout::kContiguous, h.recv_x(), weights.gate_up, m.gate_up_out(), BLayout::kNK,
+                               h.expert_offsets(), h.expert_counts());
     validate_grouped_gemm_args(GroupedLayout::kContiguous, m.activation(), weights.down, m.expert_out(), BLayout::kNK,
                                h.expert_offsets(), h.expert_counts());
     const int budget = m.world->sm_budget();
     WEFT_CHECK(options.comm_sms >= 0 && options.comm_sms < budget,
-               "ep::MoeBlock::forward: options.comm_sms must be in [0, SM budget " << budget
-                                                                                  << ") (0 = default), got "
-                                                                                  << options.comm_sms);
+               "ep::MoeBlock::forward: options.comm_sms must be in [0, SM budget " << budget << ") (0 = default), got "
+                                                                                   << options.comm_sms);
     const int comm = options.comm_sms > 0 ? options.comm_sms : default_normal_sms(t, budget - 1);
     NormalHandle& hm = *m.handle;
 

@@ -76,7 +76,8 @@ WorldOptions options_for(const MoeConfig& c, int num_ranks) {
 
 // Expert weights from a hash of (expert, matrix, index): multiples of 1/1024 in [-1/16, 1/16] (exact in bf16).
 uint16_t weight_bits(int expert, int matrix, int64_t i) {
-    uint64_t z = (static_cast<uint64_t>(expert) << 40) ^ (static_cast<uint64_t>(matrix) << 36) ^ static_cast<uint64_t>(i);
+    uint64_t z =
+        (static_cast<uint64_t>(expert) << 40) ^ (static_cast<uint64_t>(matrix) << 36) ^ static_cast<uint64_t>(i);
     z += 0x9e3779b97f4a7c15ull;
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -217,16 +218,16 @@ struct Io {
 };
 
 /// Both forms on one routing: fused == sequential bit for bit, and both within the reference's tolerance.
-void run_case(World& world, MoeBlock& moe, const Experts& ex, Io& io, const ref::Params& p, Scenario sc,
-              uint32_t seed, cudaStream_t s, int comm_sms = 0) {
+void run_case(World& world, MoeBlock& moe, const Experts& ex, Io& io, const ref::Params& p, Scenario sc, uint32_t seed,
+              cudaStream_t s, int comm_sms = 0) {
     const int me = world.rank();
     const MoeConfig& c = moe.config();
     const auto all = ref::make_routing(sc, p, c.ep.max_tokens_per_rank, seed);
     const ref::Routing& mine = all[static_cast<size_t>(me)];
     const std::vector<uint16_t> rows = random_rows(mine.num_tokens, c.ep.hidden, seed * 31 + static_cast<uint32_t>(me));
     io.load(mine, rows);
-    const std::string what = std::string(ref::scenario_name(sc)) + ", top-" + std::to_string(p.topk) + ", seed " +
-                             std::to_string(seed);
+    const std::string what =
+        std::string(ref::scenario_name(sc)) + ", top-" + std::to_string(p.topk) + ", seed " + std::to_string(seed);
     io.out_fused.poison(0xFF);
     io.out_seq.poison(0xFF);
     moe.forward(io.x_view(), io.idx_view(), io.w_view(), ex.views(c), io.out_view(io.out_fused), s,

@@ -421,7 +421,8 @@ struct Workspace {
 ///   tile_done      [E_local * tile_stride]: counter of finished tiles per (local expert, row of tiles of tile_m rows
 ///                  of y, from the expert's offset) raised by the GEMM that writes y (GroupedTileSignalHook,
 ///                  kAddPerGroupTileRow); a received token's weighted sum waits until the counters of its rows reach
-///                  tile_target (y's tiles per row of tiles); the combine's last block returns the ones it used to zero.
+///                  tile_target (y's tiles per row of tiles); the combine's last block returns the ones it used to
+///                  zero.
 struct NormalFused {
     uint64_t* counts_ready;
     uint64_t* expert_ready;

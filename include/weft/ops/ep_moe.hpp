@@ -38,9 +38,9 @@ namespace weft::ops::ep {
 
 /// A MoE block's shape: the EP buffer's limits and the experts' intermediate size.
 struct MoeConfig {
-    Config ep;     ///< hidden, experts, top-k, tokens and receive limits (normal mode is used; low_latency is ignored)
-    int ffn = 0;   ///< F: each expert's intermediate size (the gate and the up projection each have F outputs), a
-                   ///< positive multiple of 8
+    Config ep;    ///< hidden, experts, top-k, tokens and receive limits (normal mode is used; low_latency is ignored)
+    int ffn = 0;  ///< F: each expert's intermediate size (the gate and the up projection each have F outputs), a
+                  ///< positive multiple of 8
 };
 
 /// The experts of this rank (local experts e_local = 0 .. E/W - 1, i.e. global experts rank * E/W + e_local).
@@ -61,7 +61,7 @@ struct MoePlan {
     GemmConfig up{};    ///< [rows, H] x [2F, H]^T -> [rows, 2F]
     GemmConfig down{};  ///< [rows, F] x [H, F]^T -> [rows, H]
     int64_t max_recv_rows = 0;
-    int32_t tile_stride = 0;  ///< rows of down tiles an expert can have: ceil(max_recv_rows / down.tile_m)
+    int32_t tile_stride = 0;   ///< rows of down tiles an expert can have: ceil(max_recv_rows / down.tile_m)
     int32_t down_n_tiles = 0;  ///< ceil(H / down.tile_n): the tiles of one row of down tiles
 };
 
