@@ -152,7 +152,7 @@ void run_config(World& world, const Options& o, const ep::MoeConfig& c, int toke
     {
         std::lock_guard<std::mutex> lock(shared->mutex);
         shared->ms = ms;
-        shared->comm_sms = o.comm_sms > 0 ? o.comm_sms : ep::default_normal_sms(tokens, world.sm_budget() - 1);
+        shared->comm_sms = o.comm_sms > 0 ? o.comm_sms : ep::moe_comm_sms(tokens, world.sm_budget());
         if (!error.empty()) shared->errors.push_back(error);
     }
     for (void* p : {x, idx, wt, gate_up, down, out_f, out_s}) cudaFreeAsync(p, s);

@@ -95,6 +95,14 @@ MoePlan plan_moe_block(const MoeConfig& config, int num_ranks, int num_sms) {
     return plan;
 }
 
+int moe_comm_sms(int num_tokens, int sm_budget) {
+    WEFT_CHECK(sm_budget >= 2,
+               "ep::MoeBlock: the rank's SM budget must be at least 2 (communication and the GEMMs "
+               "run side by side), got "
+                   << sm_budget);
+    return std::max(1, std::min(default_normal_sms(num_tokens, sm_budget - 1), sm_budget / 4));
+}
+
 jit::KernelSpec moe_swiglu_kernel_spec(const std::string& arch) {
     jit::KernelSpec spec;
     spec.header = "ep/moe.cuh";
@@ -300,7 +308,7 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
     WEFT_CHECK(options.comm_sms >= 0 && options.comm_sms < budget,
                "ep::MoeBlock::forward: options.comm_sms must be in [0, SM budget " << budget << ") (0 = default), got "
                                                                                    << options.comm_sms);
-    const int comm = options.comm_sms > 0 ? options.comm_sms : default_normal_sms(t, budget - 1);
+    const int comm = options.comm_sms > 0 ? options.comm_sms : moe_comm_sms(t, budget);
     NormalHandle& hm = *m.handle;
 
     if (!options.fused) {

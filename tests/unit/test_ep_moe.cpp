@@ -55,6 +55,23 @@ TEST(EpMoePlan, RefusesBadConfigsNamingTheField) {
     EXPECT_NE(error_of([&] { plan_moe_block(c, 2, 0); }).find("num_sms"), std::string::npos);
 }
 
+// Communication keeps at most a quarter of the SMs, at least one, and never more than the EP default.
+TEST(EpMoePlan, CommunicationSmsLeaveTheGemmsMostOfTheBudget) {
+    for (int budget : {2, 3, 16, 33, 66, 132}) {
+        for (int tokens : {0, 1, 8, 128, 4096, 65536}) {
+            const int comm = moe_comm_sms(tokens, budget);
+            EXPECT_GE(comm, 1);
+            EXPECT_LT(comm, budget);
+            EXPECT_LE(comm, std::max(1, budget / 4));
+            EXPECT_LE(comm, default_normal_sms(tokens, budget - 1));
+        }
+    }
+    EXPECT_EQ(moe_comm_sms(4096, 132), 24);
+    EXPECT_EQ(moe_comm_sms(4096, 16), 4);
+    EXPECT_EQ(moe_comm_sms(8, 16), 1);
+    EXPECT_NE(error_of([] { moe_comm_sms(8, 1); }).find("SM budget"), std::string::npos);
+}
+
 // The combine waits on a counter per (expert, row of down tiles): the stride covers the most rows an expert can
 // receive, and the target is the tiles of one row of tiles.
 TEST(EpMoePlan, TileCountersCoverEveryExpertsRows) {

@@ -51,8 +51,8 @@ struct MoeWeights {
 
 struct MoeOptions {
     bool fused = true;  ///< false: the separate ops one after another on the caller's stream
-    /// Blocks of the dispatch and combine kernels; 0 = default_normal_sms(T, SM budget - 1). Fused: the GEMMs get
-    /// the rest of the rank's SM budget (so at least one must be left).
+    /// Blocks of the dispatch and combine kernels, below the rank's SM budget; 0 = moe_comm_sms(T, budget). Fused:
+    /// the GEMMs get the rest of the budget.
     int comm_sms = 0;
 };
 
@@ -68,6 +68,10 @@ struct MoePlan {
 /// Validates `config` for `num_ranks` ranks (weft::Error naming the field) and picks the GEMMs' configs for the
 /// expected rows per expert (uniform routing of max_tokens_per_rank) on `num_sms` SMs.
 MoePlan plan_moe_block(const MoeConfig& config, int num_ranks, int num_sms);
+
+/// The default blocks of a block's dispatch and combine: default_normal_sms(T, budget - 1), at most a quarter of the
+/// budget (at least 1), so that the expert GEMMs beside them keep most of the SMs.
+int moe_comm_sms(int num_tokens, int sm_budget);
 
 /// The SwiGLU kernel (header ep/moe.cuh) the block launches between its GEMMs.
 jit::KernelSpec moe_swiglu_kernel_spec(const std::string& arch = "");
