@@ -281,7 +281,7 @@ TEST_F(EpMoeGpu, CapacityOverflowIsAnErrorAndTheBlockRecovers) {
     const uint32_t seed = fresh_seed();
     const int n = 4;
     MoeConfig c = moe_config(n, 2, 1);
-    c.ep.max_recv_rows = c.ep.max_tokens_per_rank * 2;  // the hot expert's owner receives n * T rows
+    c.ep.max_recv_rows = c.ep.max_tokens_per_rank;  // the hot expert's owner receives a slot-0 row per token
     run_ranks(
         n,
         [&](World& world) {
