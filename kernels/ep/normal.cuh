@@ -55,6 +55,7 @@ struct NormalShared {
     int32_t* dest_rows;
     int32_t* dest_meta;
     int32_t* flags;
+    int32_t* exp_rows;
 
     __device__ static NormalShared carve(uint8_t* smem, const weft::ep::NormalSmem& p) {
         return NormalShared{
@@ -65,7 +66,7 @@ struct NormalShared {
             reinterpret_cast<int32_t*>(smem + p.src_offset), reinterpret_cast<int32_t*>(smem + p.send_base),
             reinterpret_cast<int32_t*>(smem + p.sent),       reinterpret_cast<int32_t*>(smem + p.dests),
             reinterpret_cast<int32_t*>(smem + p.dest_rows),  reinterpret_cast<int32_t*>(smem + p.dest_meta),
-            reinterpret_cast<int32_t*>(smem + p.flags)};
+            reinterpret_cast<int32_t*>(smem + p.flags),      reinterpret_cast<int32_t*>(smem + p.exp_rows)};
     }
 };
 
@@ -79,6 +80,45 @@ struct RowsOfRecord {
         return reinterpret_cast<const uint4*>(y + static_cast<int64_t>(row) * y_stride);
     }
 };
+
+/// The local expert whose rows hold `row`: the last of `starts[0..n)` (ascending segment starts, empty experts'
+/// included) at or below it.
+__device__ __forceinline__ int local_expert_of_row(const int32_t* starts, int n, int32_t row) {
+    int lo = 0;
+    int hi = n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (starts[mid] <= row) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return lo;
+}
+
+/// Fused dispatch: adds the rows of local experts this block completed since the last flush (sh.exp_rows, then
+/// zeroed) to the rank's counters; the add that completes an expert's `totals[le]` rows raises its ready word. Every
+/// thread of the block calls (two block barriers). The acq_rel atomic orders this block's stores (and the arrivals it
+/// waited for) before the count, and the counts of every block before the ready signal of the last one.
+__device__ __forceinline__ void flush_expert_rows(const weft::ep::NormalFused& f, int32_t* exp_rows,
+                                                  const int32_t* totals, int local_experts, int tid, int threads) {
+    __syncthreads();
+    for (int le = tid; le < local_experts; le += threads) {
+        const int32_t n = exp_rows[le];
+        if (n > 0) {
+            exp_rows[le] = 0;
+            __threadfence();
+            const uint32_t before =
+                ptx::atom_add<ptx::Sem::kAcqRel, ptx::Scope::kGpu>(f.expert_rows + le, static_cast<uint32_t>(n));
+            if (before + static_cast<uint32_t>(n) == static_cast<uint32_t>(totals[le])) {
+                __threadfence();
+                device::signal_release<ptx::Scope::kSys>(f.expert_ready + le, 1, device::SignalOp::kAdd);
+            }
+        }
+    }
+    __syncthreads();
+}
 
 }  // namespace detail
 
@@ -108,6 +148,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
     const uint64_t call = a.buffer.state->dispatch_calls + 1;  // read by every block before it arrives
     const int parity = static_cast<int>(call & 1u);
     const PeerTable peers = load_peer_table(ctx, sh.peer_base);
+    const bool fused = a.fused.counts_ready != nullptr;
 
     // 1. Publish this rank's counts into every rank's mailbox (block b serves ranks b, b + grid, ...).
     for (int p = static_cast<int>(blockIdx.x); p < num_ranks; p += static_cast<int>(gridDim.x)) {
@@ -224,6 +265,24 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
         }
         for (int s = tid; s <= num_ranks; s += C.threads) {
             a.handle.source_offsets[s] = valid ? sh.src_offset[s] : 0;
+        }
+        if (fused) {
+            // The counts are out: a GEMM running alongside may plan its tiles; experts without rows are complete.
+            __syncthreads();
+            if (tid == 0) {
+                __threadfence();
+                device::signal_release<ptx::Scope::kSys>(a.fused.counts_ready, 1, device::SignalOp::kAdd);
+            }
+            for (int le = tid; le < local_experts; le += C.threads) {
+                if (!valid || sh.exp_total[me * local_experts + le] == 0) {
+                    device::signal_release<ptx::Scope::kSys>(a.fused.expert_ready + le, 1, device::SignalOp::kAdd);
+                }
+            }
+        }
+    }
+    if (fused) {
+        for (int le = tid; le < local_experts; le += C.threads) {
+            sh.exp_rows[le] = 0;
         }
     }
 
@@ -366,14 +425,31 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
                         reinterpret_cast<uint4*>(a.handle.recv_x + static_cast<int64_t>(other) * hidden),
                         reinterpret_cast<const uint4*>(recv_x + static_cast<int64_t>(first_row) * hidden), granules);
                 }
+                if (fused && row >= 0) {
+                    // This row is in place: the first arrived (the wait above), the others were copied by this warp
+                    // (the flush's block barrier orders the copies before the count).
+                    atomicAdd(&sh.exp_rows[detail::local_expert_of_row(sh.exp_start + me * local_experts,
+                                                                       local_experts, row)],
+                              1);
+                }
+            }
+            if (fused) {
+                detail::flush_expert_rows(a.fused, sh.exp_rows, sh.exp_total + me * local_experts, local_experts, tid,
+                                          C.threads);
             }
         }
     }
 
-    // 5. The last block to finish advances this buffer's state for the next call.
+    // 5. The last block to finish advances this buffer's state for the next call (every block's rows are counted:
+    //    the fused counters start the next call at zero).
     if (last_block_arrive(&a.buffer.state->dispatch_arrivals)) {
         if (tid == 0) {
             a.buffer.state->dispatch_calls = call;
+        }
+        if (fused) {
+            for (int le = tid; le < local_experts; le += C.threads) {
+                a.fused.expert_rows[le] = 0;
+            }
         }
         if (valid && tid < num_ranks) {
             a.buffer.state->data_expected[tid] += static_cast<uint64_t>(sh.recv_from[tid]);
@@ -433,7 +509,18 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
 
     // A. Partial sums of the received tokens, into their sources' landing. The receive records came with the
     //    dispatch, an earlier kernel whose waits made them visible: no wait here guards them.
+    //    Fused (a.fused.tile_done): y is being written by a GEMM running alongside; a token's sum first waits until
+    //    the tiles holding its rows are stored (one lane per row), so tokens of finished experts go out while the
+    //    others compute.
     const int received = a.handle.info[weft::ep::kInfoRecvTokens];
+    const int local_experts = g.local_experts();
+    const bool fused = a.fused.tile_done != nullptr;
+    if (fused) {
+        for (int le = tid; le < local_experts; le += C.threads) {
+            sh.exp_start[le] = a.handle.expert_offsets[le];
+        }
+        __syncthreads();
+    }
     for (int i = global_warp; i < received; i += num_warps) {
         const int32_t* rec = a.handle.recv_meta + static_cast<int64_t>(i) * meta_ints;
         const int src = rec[0];
@@ -443,7 +530,23 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
         const uint32_t rows = __ballot_sync(0xffffffffu, row >= 0);
         auto* dst =
             reinterpret_cast<uint4*>(peers.at(ctx, a.handle.landing + static_cast<int64_t>(slot) * hidden, src));
-        const detail::RowsOfRecord rows_of{a.y, a.y_stride, row};
+        const uint16_t* y = a.y;
+        if (fused) {
+            const Token stored = tile::wait_each(
+                device::Warp{}, ctx, k,
+                [&](int j) -> const uint64_t* {
+                    const int32_t r = rec[4 + 2 * j];
+                    if (r < 0) {
+                        return nullptr;
+                    }
+                    const int le = detail::local_expert_of_row(sh.exp_start, local_experts, r);
+                    return a.fused.tile_done + static_cast<int64_t>(le) * a.fused.tile_stride +
+                           (r - sh.exp_start[le]) / a.fused.tile_m;
+                },
+                Cmp::kGe, a.fused.tile_target);
+            y = tile::consume_token<const uint16_t*>(a.y, stored);
+        }
+        const detail::RowsOfRecord rows_of{y, a.y_stride, row};
         warp_weighted_sum<U>(rows, weight, rows_of, 0, granules, [dst](int gi, uint4 v) { put16(dst + gi, v); });
         if (lane == 0) {
             atomicAdd(&sh.sent[src], 1);
@@ -512,6 +615,16 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
     if (last_block_arrive(&a.buffer.state->combine_arrivals)) {
         if (tid == 0) {
             a.buffer.state->combine_calls = call;
+        }
+        if (fused) {
+            // Every row of every local expert belongs to a received token whose wait saw its tile row complete: the
+            // GEMM's adds are all in, and the counters it used start the next call at zero.
+            for (int le = warp; le < local_experts; le += kWarps) {
+                const int32_t tile_rows = (a.handle.expert_counts[le] + a.fused.tile_m - 1) / a.fused.tile_m;
+                for (int m = lane; m < tile_rows; m += 32) {
+                    a.fused.tile_done[static_cast<int64_t>(le) * a.fused.tile_stride + m] = 0;
+                }
+            }
         }
         if (tid < num_ranks) {
             a.buffer.state->partial_expected[tid] += static_cast<uint64_t>(a.handle.tokens_per_rank[tid]);

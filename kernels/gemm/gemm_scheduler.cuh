@@ -234,28 +234,45 @@ private:
 
 /// GroupedScheduler whose producer waits, before loading a tile's rows of A, until its group's signal reaches the
 /// expected value (GroupedWaitParams): a fused MoE layer starts an expert's tiles as soon as its rows have arrived.
+/// With Params::groups_ready, the counts themselves come from a kernel running alongside: the constructor (every
+/// thread of the CTA, right after the kernel's barrier) first waits for that word, then reads them.
 template <GemmConfig kCfg>
 class GroupedWaitScheduler {
 public:
     using Params = weft::gemm::GroupedWaitParams;
     static constexpr bool kGrouped = true;
 
-    __device__ GroupedWaitScheduler(const Params& p, const GemmArgs& args) : base_(p.groups, args), p_(p) {}
+    __device__ GroupedWaitScheduler(const Params& p, const GemmArgs& args) : base_(counts_ready(p), args), p_(p) {}
 
     __device__ int32_t num_tiles() const { return base_.num_tiles(); }
     __device__ GemmTile tile(int32_t i) const { return base_.tile(i); }
 
     __device__ device::Token wait_before_load(const GemmTile& t) const {
-        const uint64_t expected = detail::signal_value(p_.value_mode, p_.epoch, p_.expected);
-        DeviceCtx ctx{};
-        ctx.world_rank = p_.world_rank;
-        ctx.timeout_ns = p_.timeout_ns;
-        ctx.diag = p_.diag;
-        return device::tile::wait_checked(device::Thread{}, ctx, p_.flags + t.group, 1, Cmp::kGe, expected)
+        return device::tile::wait_checked(device::Thread{}, wait_ctx(p_), p_.flags + t.group, 1, Cmp::kGe,
+                                          expected(p_))
             .token_or_trap();
     }
 
 private:
+    __device__ static uint64_t expected(const Params& p) {
+        return detail::signal_value(p.value_mode, p.epoch, p.expected);
+    }
+    __device__ static DeviceCtx wait_ctx(const Params& p) {
+        DeviceCtx ctx{};
+        ctx.world_rank = p.world_rank;
+        ctx.timeout_ns = p.timeout_ns;
+        ctx.diag = p.diag;
+        return ctx;
+    }
+    /// The groups, once their counts may be read (a bounded whole-CTA wait on groups_ready when it is given).
+    __device__ static const GroupedSchedulerParams& counts_ready(const Params& p) {
+        if (p.groups_ready != nullptr) {
+            device::tile::wait_checked(device::Block{}, wait_ctx(p), p.groups_ready, 1, Cmp::kGe, expected(p))
+                .token_or_trap();
+        }
+        return p.groups;
+    }
+
     GroupedScheduler<kCfg> base_;
     const Params& p_;
 };

@@ -100,6 +100,15 @@ void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorVie
     WEFT_CHECK(topk_weights.dim(0) == t,
                "ep::dispatch: topk_weights has " << topk_weights.dim(0) << " rows but x has " << t);
     const int sms = b.grid("dispatch", options.num_sms, default_normal_sms(t, b.world->sm_budget()));
+    const NormalFused& f = options.fused;
+    const int fused_words = (f.counts_ready != nullptr) + (f.expert_ready != nullptr) + (f.expert_rows != nullptr);
+    WEFT_CHECK(fused_words == 0 || fused_words == 3,
+               "ep::dispatch: options.fused needs counts_ready, expert_ready and expert_rows together (or none), got "
+                   << fused_words << " of them");
+    WEFT_CHECK(reinterpret_cast<uintptr_t>(f.counts_ready) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(f.expert_ready) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(f.expert_rows) % 4 == 0,
+               "ep::dispatch: options.fused's words must be aligned to their size");
     NormalHandle::Impl& h = *handle.impl_;
     b.launch_layout(h, topk_idx, t, stream);
     weft::ep::NormalArgs a = b.normal_args(h);
@@ -110,6 +119,9 @@ void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorVie
     a.idx_stride = t > 0 ? row_stride_of(topk_idx) : g.topk;
     a.topk_weights = static_cast<const float*>(topk_weights.data);
     a.weight_stride = t > 0 ? row_stride_of(topk_weights) : g.topk;
+    a.fused.counts_ready = options.fused.counts_ready;
+    a.fused.expert_ready = options.fused.expert_ready;
+    a.fused.expert_rows = options.fused.expert_rows;
     b.k_dispatch->launch({.grid = dim3(static_cast<unsigned>(sms)),
                           .block = dim3(kThreads),
                           .dynamic_smem_bytes = static_cast<size_t>(weft::ep::NormalSmem::make(g, kThreads).total),
@@ -136,12 +148,30 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
     check_matrix("ep::combine", "out", out, DType::kBF16, g.hidden, true);
     WEFT_CHECK(out.dim(0) == t, "ep::combine: out must have the dispatch's " << t << " rows, got " << out.describe());
     const int sms = b.grid("combine", options.num_sms, default_normal_sms(t, b.world->sm_budget()));
+    const NormalFused& f = options.fused;
+    if (f.tile_done != nullptr) {
+        WEFT_CHECK(reinterpret_cast<uintptr_t>(f.tile_done) % 8 == 0,
+                   "ep::combine: options.fused.tile_done must be 8-byte aligned");
+        WEFT_CHECK(f.tile_m > 0 && f.tile_target > 0,
+                   "ep::combine: options.fused needs tile_m > 0 and tile_target > 0, got tile_m "
+                       << f.tile_m << ", tile_target " << f.tile_target);
+        const int64_t rows_of_tiles = (g.max_recv_rows + f.tile_m - 1) / f.tile_m;
+        WEFT_CHECK(f.tile_stride >= rows_of_tiles,
+                   "ep::combine: options.fused.tile_stride must cover an expert's rows of tiles (ceil(max_recv_rows "
+                   "/ tile_m) = " << rows_of_tiles << "), got " << f.tile_stride);
+    }
     weft::ep::NormalArgs a = b.normal_args(h);
     a.num_tokens = t;
     a.y = static_cast<const uint16_t*>(y.data);
     a.y_stride = row_stride_of(y);
     a.out = static_cast<uint16_t*>(out.data);
     a.out_stride = t > 0 ? row_stride_of(out) : g.hidden;
+    if (f.tile_done != nullptr) {
+        a.fused.tile_done = f.tile_done;
+        a.fused.tile_stride = f.tile_stride;
+        a.fused.tile_m = f.tile_m;
+        a.fused.tile_target = f.tile_target;
+    }
     b.k_combine->launch({.grid = dim3(static_cast<unsigned>(sms)),
                          .block = dim3(kThreads),
                          .dynamic_smem_bytes = static_cast<size_t>(weft::ep::NormalSmem::make(g, kThreads).total),

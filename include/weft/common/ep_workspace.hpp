@@ -408,6 +408,31 @@ struct Workspace {
 
 // ---- kernel arguments ----
 
+/// A normal dispatch and combine fused with the expert GEMMs that run alongside them (weft::ops::ep::MoeBlock): device
+/// words of this rank, in private device memory. Every pointer null: not fused (the kernels touch none of them).
+/// Dispatch (all three or none):
+///   counts_ready   += 1 once the handle's expert_counts / expert_offsets hold this call's values (release, gpu scope);
+///   expert_ready   [E_local] += 1 once every row of local expert e is in recv_x (its direct rows arrived and its
+///                  local copies stored): exactly once per dispatch for every local expert, empty ones included, so
+///                  after n fused dispatches each word is n (what a GroupedWaitScheduler waits for, epoch-counted);
+///   expert_rows    [E_local] scratch: the rows completed so far; zero before the call, returned to zero by its last
+///                  block.
+/// Combine (tile_done null or not):
+///   tile_done      [E_local * tile_stride]: counter of finished tiles per (local expert, row of tiles of tile_m rows
+///                  of y, from the expert's offset) raised by the GEMM that writes y (GroupedTileSignalHook,
+///                  kAddPerGroupTileRow); a received token's weighted sum waits until the counters of its rows reach
+///                  tile_target (y's tiles per row of tiles); the combine's last block returns the ones it used to
+///                  zero.
+struct NormalFused {
+    uint64_t* counts_ready;
+    uint64_t* expert_ready;
+    uint32_t* expert_rows;
+    uint64_t* tile_done;
+    int32_t tile_stride;
+    int32_t tile_m;
+    uint64_t tile_target;
+};
+
 /// Arguments of the layout, normal dispatch and normal combine kernels (one struct for the three).
 struct NormalArgs {
     Geometry geo;
@@ -426,6 +451,20 @@ struct NormalArgs {
     NormalHandleView handle;  ///< Workspace::normal_handle of the handle's allocations
     NormalBufferView buffer;  ///< Workspace::normal_buffer of the Buffer's allocations
     Status* status;           ///< host-mapped
+    NormalFused fused;        ///< expert GEMMs running alongside (all null: none)
+};
+
+/// Arguments of the SwiGLU between a MoE block's two expert GEMMs (kernels/ep/moe.cuh): for the rows
+/// [0, *rows_end) of `gate_up` ([rows, 2F] bf16: gate in columns [0, F), up in [F, 2F)),
+/// out[r][j] = bf16(silu(gate) * up) computed in fp32 from the bf16 inputs (silu(g) = g / (1 + exp(-g))).
+struct MoeSwigluArgs {
+    const uint16_t* gate_up;
+    int64_t gate_up_stride;  ///< elements between rows
+    uint16_t* out;           ///< [rows, F] bf16
+    int64_t out_stride;
+    const int32_t* rows_end;  ///< device word: the rows to compute (a normal handle's expert_offsets[E_local])
+    int32_t max_rows;         ///< bound on *rows_end (the views' rows)
+    int32_t ffn;              ///< F, a multiple of 8
 };
 
 /// Phases of a low-latency kernel (bit set): the send half returns without waiting for anyone; the
@@ -497,6 +536,7 @@ struct NormalSmem {
     int64_t dest_rows;    ///< [warps][W] per warp: first row on each destination
     int64_t dest_meta;    ///< [warps][W] per warp: receive record index on each destination
     int64_t flags;        ///< [4] block-wide flags
+    int64_t exp_rows;     ///< [E_local] fused dispatch: rows of each local expert this block completed
     int64_t total;
     WEFT_HOST_DEVICE static constexpr NormalSmem make(const Geometry& g, int threads) {
         SmemPlan p;
@@ -519,6 +559,7 @@ struct NormalSmem {
         s.dest_rows = p.take(warps * w * 4);
         s.dest_meta = p.take(warps * w * 4);
         s.flags = p.take(4 * 4);
+        s.exp_rows = p.take(int64_t{g.local_experts()} * 4);
         s.total = p.bytes;
         return s;
     }

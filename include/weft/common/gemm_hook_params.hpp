@@ -129,6 +129,10 @@ struct GroupedWaitParams {
     SignalValueMode value_mode;
     int32_t world_rank;
     const uint64_t* epoch;          ///< kEpoch: the call counter (device memory); unused otherwise
+    /// nullptr: the counts (and offsets) were written before the launch, in stream order. Otherwise a kernel running
+    /// alongside writes them and then raises this word: every CTA waits (its thread 0 polls, the CTA synchronises)
+    /// until it reaches the value `flags` are waited for (expected, or *epoch * expected), before it reads any count.
+    const uint64_t* groups_ready;
 };
 
 /// Arguments of the fp8 front of the masked grouped GEMM (kernels/gemm/grouped_dequant.cuh, one kernel parameter).

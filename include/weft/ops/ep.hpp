@@ -60,6 +60,7 @@ using weft::ep::kMaxLowLatencyTokens;
 using weft::ep::kMaxRanks;
 using weft::ep::kMaxTopk;
 using weft::ep::LowLatencyHandleView;
+using weft::ep::NormalFused;
 using weft::ep::NormalHandleView;
 using weft::ep::Status;
 using weft::ep::StatusCode;
@@ -133,6 +134,10 @@ enum class Phase {
 
 struct NormalOptions {
     int num_sms = 0;  ///< blocks of the dispatch/combine kernel; 0 = default_normal_sms()
+    /// Expert GEMMs running alongside (MoeBlock, weft/ops/ep_moe.hpp; the contract of each word: NormalFused in
+    /// weft/common/ep_workspace.hpp). Dispatch: counts_ready, expert_ready and expert_rows, all or none; combine:
+    /// tile_done with its geometry, or null. Default: none.
+    NormalFused fused{};
 };
 
 struct LowLatencyOptions {

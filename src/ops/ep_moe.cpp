@@ -1,0 +1,378 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::ep::MoeBlock: planning, workspaces and the fused and sequential launches of a MoE block.
+#include "weft/ops/ep_moe.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <future>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "ep_buffer.hpp"
+#include "weft/common/math.hpp"
+#include "weft/detail/gemm_launch.hpp"
+#include "weft/jit/kernel.hpp"
+#include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/grouped_gemm.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
+#include "weft/runtime/team.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft::ops::ep {
+namespace {
+
+constexpr int kSwigluThreads = 256;
+
+GroupedGemmProblem grouped_problem(int64_t groups, int64_t rows, int64_t n, int64_t k) {
+    GroupedGemmProblem p;
+    p.layout = GroupedLayout::kContiguous;
+    p.groups = groups;
+    p.rows = rows;
+    p.n = n;
+    p.k = k;
+    p.b_layout = BLayout::kNK;
+    p.in_dtype = DType::kBF16;
+    p.out_dtype = DType::kBF16;
+    return p;
+}
+
+// Places the block's private arrays in one allocation (each at a multiple of 256 bytes).
+struct MoeLayout {
+    int64_t gate_up_out = 0, activation = 0, expert_out = 0;
+    int64_t epoch = 0, counts_ready = 0, scratch = 0, expert_ready = 0, expert_rows = 0, tile_done = 0;
+    int64_t bytes = 0;
+    static MoeLayout make(const MoePlan& plan, int64_t local_experts, int64_t hidden, int64_t ffn) {
+        MoeLayout l;
+        int64_t at = 0;
+        const auto take = [&at](int64_t n) {
+            const int64_t here = at;
+            at += round_up(std::max<int64_t>(n, 1), 256);
+            return here;
+        };
+        const int64_t rows = plan.max_recv_rows;
+        l.gate_up_out = take(rows * 2 * ffn * 2);
+        l.activation = take(rows * ffn * 2);
+        l.expert_out = take(rows * hidden * 2);
+        l.epoch = take(8);
+        l.counts_ready = take(8);
+        l.scratch = take(8);
+        l.expert_ready = take(local_experts * 8);
+        l.expert_rows = take(local_experts * 4);
+        l.tile_done = take(local_experts * plan.tile_stride * 8);
+        l.bytes = at;
+        return l;
+    }
+};
+
+}  // namespace
+
+MoePlan plan_moe_block(const MoeConfig& config, int num_ranks, int num_sms) {
+    WEFT_CHECK(config.ep.normal, "ep::MoeBlock: config.ep.normal must be true (the block dispatches in normal mode)");
+    WEFT_CHECK(config.ffn > 0 && config.ffn % 8 == 0,
+               "ep::MoeBlock: config.ffn (each expert's intermediate size) must be a positive multiple of 8, got "
+                   << config.ffn);
+    WEFT_CHECK(num_sms > 0, "ep::MoeBlock: num_sms must be positive, got " << num_sms);
+    Config ep = config.ep;
+    ep.low_latency = false;
+    const Geometry g = resolve_geometry(ep, num_ranks, 0);
+    const int64_t local = g.local_experts();
+    const int64_t expected_rows = std::max<int64_t>(1, expected_recv_rows(ep, num_ranks) / std::max<int64_t>(local, 1));
+    GroupedGemmOptions options;
+    options.expected_rows_per_group = expected_rows;
+    MoePlan plan;
+    plan.max_recv_rows = g.max_recv_rows;
+    plan.up =
+        plan_grouped_gemm(grouped_problem(local, g.max_recv_rows, 2 * int64_t{config.ffn}, g.hidden), num_sms, options)
+            .config;
+    plan.down =
+        plan_grouped_gemm(grouped_problem(local, g.max_recv_rows, g.hidden, config.ffn), num_sms, options).config;
+    plan.tile_stride = static_cast<int32_t>(std::max<int64_t>(1, ceil_div(g.max_recv_rows, plan.down.tile_m)));
+    plan.down_n_tiles = static_cast<int32_t>(ceil_div(int64_t{g.hidden}, plan.down.tile_n));
+    return plan;
+}
+
+int moe_comm_sms(int num_tokens, int sm_budget) {
+    WEFT_CHECK(sm_budget >= 2,
+               "ep::MoeBlock: the rank's SM budget must be at least 2 (communication and the GEMMs "
+               "run side by side), got "
+                   << sm_budget);
+    return std::max(1, std::min(default_normal_sms(num_tokens, sm_budget - 1), sm_budget / 4));
+}
+
+jit::KernelSpec moe_swiglu_kernel_spec(const std::string& arch) {
+    jit::KernelSpec spec;
+    spec.header = "ep/moe.cuh";
+    spec.instantiation = "weft::kernels::ep::moe_swiglu<" + std::to_string(kSwigluThreads) + ">";
+    spec.description = "ep::moe_swiglu";
+    spec.arch = arch;
+    return spec;
+}
+
+struct MoeBlock::Impl {
+    World* world = nullptr;
+    Team team;
+    MoeConfig config;
+    MoePlan plan;
+    int local_experts = 0;
+    std::unique_ptr<Buffer> buffer;
+    std::optional<NormalHandle> handle;
+    cudaStream_t alloc_stream = nullptr;
+    cudaStream_t gemm_stream = nullptr;
+    cudaEvent_t fork = nullptr;
+    cudaEvent_t join = nullptr;
+    MoeLayout layout;
+    uint8_t* device = nullptr;
+    GroupedStatus* status_host = nullptr;  // [2]: up, down (host-mapped)
+    GroupedStatus* status_dev = nullptr;
+    jit::Kernel* k_swiglu = nullptr;
+
+    template <class T>
+    T* at(int64_t offset) const {
+        return reinterpret_cast<T*>(device + offset);
+    }
+    TensorView gate_up_out() const {
+        return TensorView(at<uint16_t>(layout.gate_up_out), DType::kBF16,
+                          {plan.max_recv_rows, 2 * int64_t{config.ffn}});
+    }
+    TensorView activation() const {
+        return TensorView(at<uint16_t>(layout.activation), DType::kBF16, {plan.max_recv_rows, int64_t{config.ffn}});
+    }
+    TensorView expert_out() const {
+        return TensorView(at<uint16_t>(layout.expert_out), DType::kBF16,
+                          {plan.max_recv_rows, int64_t{config.ep.hidden}});
+    }
+
+    void swiglu(cudaStream_t stream, int grid) const {
+        weft::ep::MoeSwigluArgs a{};
+        a.gate_up = at<uint16_t>(layout.gate_up_out);
+        a.gate_up_stride = 2 * int64_t{config.ffn};
+        a.out = at<uint16_t>(layout.activation);
+        a.out_stride = config.ffn;
+        a.rows_end = handle->expert_offsets() + local_experts;
+        a.max_rows = static_cast<int32_t>(plan.max_recv_rows);
+        a.ffn = config.ffn;
+        jit::LaunchParams lp;
+        lp.grid = dim3(static_cast<unsigned>(std::max(grid, 1)), 1, 1);
+        lp.block = dim3(kSwigluThreads, 1, 1);
+        lp.stream = stream;
+        k_swiglu->launch(lp, a);
+    }
+
+    GroupedGemmOptions gemm_options(const GemmConfig& c, int sm_budget, int which) const {
+        GroupedGemmOptions o;
+        o.config = c;
+        o.sm_budget = sm_budget;
+        o.status = status_dev + which;
+        return o;
+    }
+};
+
+MoeBlock::MoeBlock(World& world, const MoeConfig& config) : MoeBlock(world.team(), config) {}
+
+MoeBlock::MoeBlock(const Team& team, const MoeConfig& config) : impl_(std::make_unique<Impl>()) {
+    team.require_member("ep::MoeBlock");
+    Impl& m = *impl_;
+    m.world = &team.world();
+    m.team = team;
+    m.config = config;
+    m.config.ep.low_latency = false;
+    int device = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    int num_sms = 0;
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+    m.plan = plan_moe_block(m.config, team.num_ranks(), std::min(num_sms, m.world->sm_budget()));
+    m.local_experts = m.config.ep.num_experts / team.num_ranks();
+    WEFT_CHECK(m.world->sm_budget() >= 2,
+               "ep::MoeBlock: the rank's SM budget must be at least 2 (communication and "
+               "the GEMMs run side by side), got "
+                   << m.world->sm_budget());
+
+    // Every kernel of both forms, compiled in parallel and loaded before any of them can spin (the Buffer's
+    // constructor ends at a barrier of the team, after which ranks may launch).
+    const std::vector<jit::KernelSpec> gemms = {
+        grouped_gemm_kernel_spec(m.plan.up, true, false), grouped_gemm_kernel_spec(m.plan.up, false, false),
+        grouped_gemm_kernel_spec(m.plan.down, false, true), grouped_gemm_kernel_spec(m.plan.down, false, false)};
+    {
+        std::vector<std::future<void>> compiles;
+        for (const jit::KernelSpec& s : gemms) {
+            compiles.push_back(std::async(std::launch::async, [&s] { jit::compiler().compile(s); }));
+        }
+        const jit::KernelSpec swiglu = moe_swiglu_kernel_spec();
+        compiles.push_back(std::async(std::launch::async, [swiglu] { jit::compiler().compile(swiglu); }));
+        for (auto& f : compiles) f.get();
+    }
+    for (const jit::KernelSpec& s : gemms) ops::detail::gemm_jit_kernel(s);
+    m.k_swiglu = &jit::compiler().get_kernel(moe_swiglu_kernel_spec());
+
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&m.alloc_stream, cudaStreamNonBlocking));
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&m.gemm_stream, cudaStreamNonBlocking));
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&m.fork, cudaEventDisableTiming));
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&m.join, cudaEventDisableTiming));
+    m.layout = MoeLayout::make(m.plan, m.local_experts, m.config.ep.hidden, m.config.ffn);
+    m.device = detail::device_alloc_zeroed(static_cast<uint64_t>(m.layout.bytes), m.alloc_stream);
+    // The epoch kernel, loaded here on the spare word (the epoch itself counts forward calls only).
+    gemm_advance_epoch(m.at<uint64_t>(m.layout.scratch), m.alloc_stream);
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(m.alloc_stream));
+
+    void* host = nullptr;
+    WEFT_CUDA_CHECK(cudaHostAlloc(&host, 2 * sizeof(GroupedStatus), cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(host, 0, 2 * sizeof(GroupedStatus));
+    m.status_host = static_cast<GroupedStatus*>(host);
+    void* dev = nullptr;
+    WEFT_CUDA_CHECK(cudaHostGetDevicePointer(&dev, host, 0));
+    m.status_dev = static_cast<GroupedStatus*>(dev);
+
+    m.buffer = std::make_unique<Buffer>(team, m.config.ep);  // collective; ends at a team barrier
+    m.handle.emplace(m.buffer->make_normal_handle());        // collective
+}
+
+MoeBlock::~MoeBlock() {
+    Impl& m = *impl_;
+    try {
+        if (m.gemm_stream != nullptr) WEFT_CUDA_CHECK(cudaStreamSynchronize(m.gemm_stream));
+    } catch (const std::exception& e) {
+        WEFT_LOG_ERROR("ep::MoeBlock: waiting for the GEMM stream failed: " << e.what());
+    }
+    m.handle.reset();  // collective, before the Buffer
+    m.buffer.reset();
+    if (m.device != nullptr) {
+        cudaFreeAsync(m.device, m.alloc_stream);
+        cudaStreamSynchronize(m.alloc_stream);
+    }
+    if (m.status_host != nullptr) cudaFreeHost(m.status_host);
+    if (m.fork != nullptr) cudaEventDestroy(m.fork);
+    if (m.join != nullptr) cudaEventDestroy(m.join);
+    if (m.gemm_stream != nullptr) cudaStreamDestroy(m.gemm_stream);
+    if (m.alloc_stream != nullptr) cudaStreamDestroy(m.alloc_stream);
+}
+
+const MoeConfig& MoeBlock::config() const { return impl_->config; }
+const MoePlan& MoeBlock::plan() const { return impl_->plan; }
+Buffer& MoeBlock::buffer() { return *impl_->buffer; }
+NormalHandle& MoeBlock::handle() { return *impl_->handle; }
+TensorView MoeBlock::gate_up_out() const { return impl_->gate_up_out(); }
+TensorView MoeBlock::activation() const { return impl_->activation(); }
+TensorView MoeBlock::expert_out() const { return impl_->expert_out(); }
+
+void MoeBlock::check() const {
+    impl_->buffer->check();
+    for (int i = 0; i < 2; ++i) {
+        GroupedStatus s;
+        std::memcpy(&s, const_cast<const GroupedStatus*>(impl_->status_host + i), sizeof(s));
+        const std::string what = describe_grouped_status(s);
+        WEFT_CHECK(what.empty(), "ep::MoeBlock: " << (i == 0 ? "up" : "down") << "-projection " << what);
+    }
+}
+
+void MoeBlock::sync_and_check(cudaStream_t stream) {
+    impl_->buffer->sync_and_check(stream);
+    check();
+}
+
+void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
+                       const MoeWeights& weights, const TensorView& out, cudaStream_t stream,
+                       const MoeOptions& options) {
+    WEFT_NVTX_RANGE("ep moe block");
+    Impl& m = *impl_;
+    const Geometry& g = m.buffer->geometry();
+    const int64_t ffn = m.config.ffn;
+    // Everything the launches below could refuse is checked first: once the dispatch is out, every rank must reach
+    // its combine.
+    m.buffer->check();
+    detail::check_matrix("ep::MoeBlock::forward", "x", x, DType::kBF16, g.hidden, true);
+    const int t = detail::check_tokens("ep::MoeBlock::forward", g, topk_idx, x.dim(0), "x");
+    detail::check_matrix("ep::MoeBlock::forward", "topk_weights", topk_weights, DType::kF32, g.topk, false);
+    WEFT_CHECK(topk_weights.dim(0) == t,
+               "ep::MoeBlock::forward: topk_weights has " << topk_weights.dim(0) << " rows but x has " << t);
+    detail::check_matrix("ep::MoeBlock::forward", "out", out, DType::kBF16, g.hidden, true);
+    WEFT_CHECK(out.dim(0) == t, "ep::MoeBlock::forward: out must have x's " << t << " rows, got " << out.describe());
+    WEFT_CHECK(weights.gate_up.ndim == 3 && weights.gate_up.dim(0) == m.local_experts &&
+                   weights.gate_up.dim(1) == 2 * ffn && weights.gate_up.dim(2) == g.hidden,
+               "ep::MoeBlock::forward: weights.gate_up must be bf16 [E_local, 2F, H] = ["
+                   << m.local_experts << ", " << 2 * ffn << ", " << g.hidden << "], got "
+                   << weights.gate_up.describe());
+    WEFT_CHECK(weights.down.ndim == 3 && weights.down.dim(0) == m.local_experts && weights.down.dim(1) == g.hidden &&
+                   weights.down.dim(2) == ffn,
+               "ep::MoeBlock::forward: weights.down must be bf16 [E_local, H, F] = ["
+                   << m.local_experts << ", " << g.hidden << ", " << ffn << "], got " << weights.down.describe());
+    const NormalHandle& h = *m.handle;
+    validate_grouped_gemm_args(GroupedLayout::kContiguous, h.recv_x(), weights.gate_up, m.gate_up_out(), BLayout::kNK,
+                               h.expert_offsets(), h.expert_counts());
+    validate_grouped_gemm_args(GroupedLayout::kContiguous, m.activation(), weights.down, m.expert_out(), BLayout::kNK,
+                               h.expert_offsets(), h.expert_counts());
+    const int budget = m.world->sm_budget();
+    WEFT_CHECK(options.comm_sms >= 0 && options.comm_sms < budget,
+               "ep::MoeBlock::forward: options.comm_sms must be in [0, SM budget " << budget << ") (0 = default), got "
+                                                                                   << options.comm_sms);
+    const int comm = options.comm_sms > 0 ? options.comm_sms : moe_comm_sms(t, budget);
+    NormalHandle& hm = *m.handle;
+
+    if (!options.fused) {
+        NormalOptions comm_options;
+        comm_options.num_sms = comm;
+        m.buffer->dispatch(hm, x, topk_idx, topk_weights, stream, comm_options);
+        grouped_gemm_contiguous(hm.recv_x(), weights.gate_up, m.gate_up_out(), BLayout::kNK, hm.expert_offsets(),
+                                hm.expert_counts(), stream, m.gemm_options(m.plan.up, budget, 0));
+        m.swiglu(stream, budget);
+        grouped_gemm_contiguous(m.activation(), weights.down, m.expert_out(), BLayout::kNK, hm.expert_offsets(),
+                                hm.expert_counts(), stream, m.gemm_options(m.plan.down, budget, 1));
+        m.buffer->combine(hm, m.expert_out(), out, stream, comm_options);
+        return;
+    }
+
+    // Fused: communication on `stream` with `comm` SMs, the GEMMs on the block's stream with the rest of the budget.
+    const int gemm_sms = budget - comm;
+    WEFT_CUDA_CHECK(cudaEventRecord(m.fork, stream));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(m.gemm_stream, m.fork, 0));
+
+    NormalOptions dispatch_options;
+    dispatch_options.num_sms = comm;
+    dispatch_options.fused.counts_ready = m.at<uint64_t>(m.layout.counts_ready);
+    dispatch_options.fused.expert_ready = m.at<uint64_t>(m.layout.expert_ready);
+    dispatch_options.fused.expert_rows = m.at<uint32_t>(m.layout.expert_rows);
+    m.buffer->dispatch(hm, x, topk_idx, topk_weights, stream, dispatch_options);
+
+    // This call's epoch: each fused dispatch raises counts_ready and every expert_ready word by one, so the up
+    // projection waits for them to reach the number of forward calls.
+    uint64_t* epoch = m.at<uint64_t>(m.layout.epoch);
+    gemm_advance_epoch(epoch, m.gemm_stream);
+    GroupedGemmOptions up = m.gemm_options(m.plan.up, gemm_sms, 0);
+    GroupedWaitParams wait{};
+    wait.flags = m.at<uint64_t>(m.layout.expert_ready);
+    wait.expected = 1;
+    wait.value_mode = weft::gemm::SignalValueMode::kEpoch;
+    wait.epoch = epoch;
+    wait.groups_ready = m.at<uint64_t>(m.layout.counts_ready);
+    wait.world_rank = m.world->rank();
+    wait.diag = m.team.device_ctx().diag;
+    up.wait = wait;
+    grouped_gemm_contiguous(hm.recv_x(), weights.gate_up, m.gate_up_out(), BLayout::kNK, hm.expert_offsets(),
+                            hm.expert_counts(), m.gemm_stream, up);
+    m.swiglu(m.gemm_stream, gemm_sms);
+    GroupedGemmOptions down = m.gemm_options(m.plan.down, gemm_sms, 1);
+    GroupedTileSignalParams signal{};
+    signal.flags = m.at<uint64_t>(m.layout.tile_done);
+    signal.value = 1;
+    signal.group_stride = m.plan.tile_stride;
+    signal.mode = GroupedSignalMode::kAddPerGroupTileRow;
+    down.signal = signal;
+    grouped_gemm_contiguous(m.activation(), weights.down, m.expert_out(), BLayout::kNK, hm.expert_offsets(),
+                            hm.expert_counts(), m.gemm_stream, down);
+
+    NormalOptions combine_options;
+    combine_options.num_sms = comm;
+    combine_options.fused.tile_done = m.at<uint64_t>(m.layout.tile_done);
+    combine_options.fused.tile_stride = m.plan.tile_stride;
+    combine_options.fused.tile_m = m.plan.down.tile_m;
+    combine_options.fused.tile_target = static_cast<uint64_t>(m.plan.down_n_tiles);
+    m.buffer->combine(hm, m.expert_out(), out, stream, combine_options);
+
+    WEFT_CUDA_CHECK(cudaEventRecord(m.join, m.gemm_stream));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, m.join, 0));
+}
+
+}  // namespace weft::ops::ep

@@ -1,0 +1,155 @@
+// SPDX-License-Identifier: MIT
+// Unit tests (CPU) of the expert-parallel MoE block (weft/ops/ep_moe.hpp): its plan and config checks, the fused
+// counters' places in the EP kernels' arguments and shared memory, and NVRTC compiles of the kernels it adds (the
+// SwiGLU; the grouped GEMMs with the dispatch's count wait and the combine's tile signals).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <functional>
+#include <string>
+
+#include "support/jit_testing.hpp"
+#include "weft/common/ep_workspace.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/ops/ep_moe.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/grouped_gemm.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace weft::ops::ep {
+namespace {
+
+MoeConfig small_config() {
+    MoeConfig c;
+    c.ep.num_experts = 16;
+    c.ep.hidden = 256;
+    c.ep.topk = 4;
+    c.ep.max_tokens_per_rank = 64;
+    c.ffn = 128;
+    return c;
+}
+
+std::string error_of(const std::function<void()>& f) {
+    try {
+        f();
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return "";
+}
+
+TEST(EpMoePlan, RefusesBadConfigsNamingTheField) {
+    MoeConfig c = small_config();
+    c.ffn = 0;
+    EXPECT_NE(error_of([&] { plan_moe_block(c, 2, 132); }).find("config.ffn"), std::string::npos);
+    c.ffn = 100;  // not a multiple of 8
+    EXPECT_NE(error_of([&] { plan_moe_block(c, 2, 132); }).find("multiple of 8"), std::string::npos);
+    c = small_config();
+    c.ep.normal = false;
+    EXPECT_NE(error_of([&] { plan_moe_block(c, 2, 132); }).find("config.ep.normal"), std::string::npos);
+    c = small_config();
+    c.ep.num_experts = 15;  // not a multiple of the ranks: the EP buffer's own check
+    EXPECT_NE(error_of([&] { plan_moe_block(c, 2, 132); }), "");
+    c = small_config();
+    EXPECT_NE(error_of([&] { plan_moe_block(c, 2, 0); }).find("num_sms"), std::string::npos);
+}
+
+// Communication keeps at most a quarter of the SMs, at least one, and never more than the EP default.
+TEST(EpMoePlan, CommunicationSmsLeaveTheGemmsMostOfTheBudget) {
+    for (int budget : {2, 3, 16, 33, 66, 132}) {
+        for (int tokens : {0, 1, 8, 128, 4096, 65536}) {
+            const int comm = moe_comm_sms(tokens, budget);
+            EXPECT_GE(comm, 1);
+            EXPECT_LT(comm, budget);
+            EXPECT_LE(comm, std::max(1, budget / 4));
+            EXPECT_LE(comm, default_normal_sms(tokens, budget - 1));
+        }
+    }
+    EXPECT_EQ(moe_comm_sms(4096, 132), 24);
+    EXPECT_EQ(moe_comm_sms(4096, 16), 4);
+    EXPECT_EQ(moe_comm_sms(8, 16), 1);
+    EXPECT_NE(error_of([] { moe_comm_sms(8, 1); }).find("SM budget"), std::string::npos);
+}
+
+// The combine waits on a counter per (expert, row of down tiles): the stride covers the most rows an expert can
+// receive, and the target is the tiles of one row of tiles.
+TEST(EpMoePlan, TileCountersCoverEveryExpertsRows) {
+    for (int ranks : {1, 2, 4, 8}) {
+        for (int tokens : {1, 8, 128, 4096}) {
+            MoeConfig c = small_config();
+            c.ep.num_experts = 64;
+            c.ep.hidden = 4096;
+            c.ep.topk = 8;
+            c.ep.max_tokens_per_rank = tokens;
+            c.ffn = 1024;
+            const MoePlan p = plan_moe_block(c, ranks, 132 / ranks);
+            Config ep = c.ep;
+            ep.low_latency = false;
+            const Geometry g = resolve_geometry(ep, ranks, 0);
+            EXPECT_EQ(p.max_recv_rows, g.max_recv_rows);
+            EXPECT_TRUE(is_valid_grouped(p.up)) << format_gemm_config(p.up);
+            EXPECT_TRUE(is_valid_grouped(p.down)) << format_gemm_config(p.down);
+            EXPECT_GE(int64_t{p.tile_stride} * p.down.tile_m, g.max_recv_rows);
+            EXPECT_LT(int64_t{p.tile_stride - 1} * p.down.tile_m, std::max<int64_t>(g.max_recv_rows, 1));
+            EXPECT_EQ(p.down_n_tiles, (4096 + p.down.tile_n - 1) / p.down.tile_n);
+            EXPECT_EQ(p.up.in_dtype, DType::kBF16);
+            EXPECT_EQ(p.up.out_dtype, DType::kBF16);
+            EXPECT_EQ(p.up.b_layout, BLayout::kNK);
+        }
+    }
+}
+
+// The fused words are appended to the kernels' arguments and shared memory: the normal kernels' existing fields
+// keep their places, and an unfused call (zeroed NormalFused) touches none of them.
+TEST(EpMoePlan, FusedWordsAreAppendedToTheNormalKernelsState) {
+    weft::ep::Geometry g{};
+    g.num_ranks = 4;
+    g.num_experts = 32;
+    g.topk = 4;
+    g.hidden = 256;
+    const auto s = weft::ep::NormalSmem::make(g, 512);
+    EXPECT_GT(s.exp_rows, s.flags);
+    EXPECT_GE(s.total - s.exp_rows, int64_t{g.local_experts()} * 4);
+    EXPECT_EQ(s.exp_rows % 16, 0);
+    const NormalOptions o{};
+    EXPECT_EQ(o.fused.counts_ready, nullptr);
+    EXPECT_EQ(o.fused.expert_ready, nullptr);
+    EXPECT_EQ(o.fused.expert_rows, nullptr);
+    EXPECT_EQ(o.fused.tile_done, nullptr);
+    EXPECT_GT(offsetof(weft::ep::NormalArgs, fused), offsetof(weft::ep::NormalArgs, status));
+}
+
+TEST(EpMoeNvrtc, SwigluCompilesForSm90aWithoutSpills) {
+    weft::testing::TempDir cache("weft_ep_moe_cache");
+    jit::Compiler compiler(weft::testing::isolated_compiler_config(cache.path()));
+    jit::KernelSpec s = moe_swiglu_kernel_spec("sm_90a");
+    const jit::CompileResult r = compiler.compile(s);
+    ASSERT_TRUE(r.cubin && !r.cubin->empty()) << s.describe() << "\n" << r.log;
+    EXPECT_GT(r.ptxas_info.registers, 0) << r.log;
+    EXPECT_EQ(r.ptxas_info.spill_store_bytes, 0) << r.ptxas_info.text;
+}
+
+// The two grouped GEMMs a fused block launches for a DeepSeek-like shape: the up-projection with the per-expert wait
+// (and the wait for the dispatch's counts in its scheduler's constructor), the down-projection with per-(expert, row
+// of tiles) signals.
+TEST(EpMoeNvrtc, FusedExpertGemmsOfAPlanCompileWithoutSpills) {
+    MoeConfig c;
+    c.ep.num_experts = 256;
+    c.ep.hidden = 4096;
+    c.ep.topk = 8;
+    c.ep.max_tokens_per_rank = 128;
+    c.ffn = 2048;
+    const MoePlan p = plan_moe_block(c, 8, 16);
+    weft::testing::TempDir cache("weft_ep_moe_gemm_cache");
+    jit::Compiler compiler(weft::testing::isolated_compiler_config(cache.path()));
+    for (jit::KernelSpec s : {grouped_gemm_kernel_spec(p.up, true, false, "sm_90a"),
+                              grouped_gemm_kernel_spec(p.down, false, true, "sm_90a")}) {
+        const jit::CompileResult r = compiler.compile(s);
+        ASSERT_TRUE(r.cubin && !r.cubin->empty()) << s.instantiation << "\n" << r.log;
+        EXPECT_EQ(r.ptxas_info.spill_store_bytes, 0) << s.instantiation << "\n" << r.ptxas_info.text;
+    }
+}
+
+}  // namespace
+}  // namespace weft::ops::ep
