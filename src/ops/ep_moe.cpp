@@ -12,6 +12,7 @@
 #include "ep_buffer.hpp"
 #include "weft/common/math.hpp"
 #include "weft/detail/gemm_launch.hpp"
+#include "weft/detail/host_mapped_pool.hpp"
 #include "weft/jit/kernel.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
@@ -218,13 +219,11 @@ MoeBlock::MoeBlock(const Team& team, const MoeConfig& config) : impl_(std::make_
     gemm_advance_epoch(m.at<uint64_t>(m.layout.scratch), m.alloc_stream);
     WEFT_CUDA_CHECK(cudaStreamSynchronize(m.alloc_stream));
 
-    void* host = nullptr;
-    WEFT_CUDA_CHECK(cudaHostAlloc(&host, 2 * sizeof(GroupedStatus), cudaHostAllocMapped | cudaHostAllocPortable));
-    std::memset(host, 0, 2 * sizeof(GroupedStatus));
-    m.status_host = static_cast<GroupedStatus*>(host);
-    void* dev = nullptr;
-    WEFT_CUDA_CHECK(cudaHostGetDevicePointer(&dev, host, 0));
-    m.status_dev = static_cast<GroupedStatus*>(dev);
+    // From the process's pool, not cudaHostAlloc: that would wait for kernels spinning anywhere on the GPU.
+    static_assert(2 * sizeof(GroupedStatus) <= weft::detail::kHostMappedBlockBytes);
+    const weft::detail::HostMappedBlock words = weft::detail::host_mapped_alloc(2 * sizeof(GroupedStatus));
+    m.status_host = static_cast<GroupedStatus*>(words.host);
+    m.status_dev = static_cast<GroupedStatus*>(words.device);
 
     m.buffer = std::make_unique<Buffer>(team, m.config.ep);  // collective; ends at a team barrier
     m.handle.emplace(m.buffer->make_normal_handle());        // collective
@@ -243,7 +242,7 @@ MoeBlock::~MoeBlock() {
         cudaFreeAsync(m.device, m.alloc_stream);
         cudaStreamSynchronize(m.alloc_stream);
     }
-    if (m.status_host != nullptr) cudaFreeHost(m.status_host);
+    weft::detail::host_mapped_free(m.status_host);
     if (m.fork != nullptr) cudaEventDestroy(m.fork);
     if (m.join != nullptr) cudaEventDestroy(m.join);
     if (m.gemm_stream != nullptr) cudaStreamDestroy(m.gemm_stream);

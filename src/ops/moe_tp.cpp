@@ -9,6 +9,7 @@
 #include "grouped_gemm_internal.hpp"
 #include "tp_common.hpp"
 #include "weft/common/math.hpp"
+#include "weft/detail/host_mapped_pool.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/runtime/error.hpp"
@@ -361,6 +362,7 @@ struct MoeLayerBase : tp_detail::FusedOpState {
     /// Ranks sharing a GPU: the first call ends on every member before any launches more (a member's first launch
     /// could stay queued behind a peer's spinning kernel: kernels/gemm_rs/README.md, "Ranks sharing a GPU").
     void after_call(cudaStream_t stream) {
+        heap.note_use(stream);  // the release waits for this call (the side stream joined `stream`)
         if (!first_call_pending) return;
         cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
         WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
@@ -387,7 +389,7 @@ struct MoeAgGroupedGemm::State : MoeLayerBase {
     State(const Team& t, const MoeTpShape& s, const MoeTpOptions& o) : MoeLayerBase(t, "moe_ag_grouped_gemm", s, o) {}
     ~State() {
         heap.free_all();
-        if (status_host != nullptr) cudaFreeHost(status_host);
+        weft::detail::host_mapped_free(status_host);
     }
 };
 
@@ -414,10 +416,12 @@ MoeAgGroupedGemm::MoeAgGroupedGemm(const Team& team, const MoeTpShape& shape, co
     s.routing.rows_capacity = s.rows_capacity;
     s.routing.topk = shape.topk;
     tp_detail::check_peers_reachable(team, s.gathered, s.op);
-    WEFT_CUDA_CHECK(
-        cudaHostAlloc(reinterpret_cast<void**>(&s.status_host), sizeof(MoeRoutingStatus), cudaHostAllocMapped));
+    // From the process's pool, not cudaHostAlloc: that would wait for kernels spinning anywhere on the GPU.
+    static_assert(sizeof(MoeRoutingStatus) <= weft::detail::kHostMappedBlockBytes);
+    const weft::detail::HostMappedBlock words = weft::detail::host_mapped_alloc(sizeof(MoeRoutingStatus));
+    s.status_host = static_cast<MoeRoutingStatus*>(words.host);
     *s.status_host = MoeRoutingStatus{};
-    WEFT_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.status_dev), s.status_host, 0));
+    s.status_dev = static_cast<MoeRoutingStatus*>(words.device);
 
     GroupedGemmProblem p;
     p.layout = GroupedLayout::kContiguous;
