@@ -418,10 +418,10 @@ MoeAgGroupedGemm::MoeAgGroupedGemm(const Team& team, const MoeTpShape& shape, co
     tp_detail::check_peers_reachable(team, s.gathered, s.op);
     // From the process's pool, not cudaHostAlloc: that would wait for kernels spinning anywhere on the GPU.
     static_assert(sizeof(MoeRoutingStatus) <= weft::detail::kHostMappedBlockBytes);
-    const weft::detail::HostMappedBlock words = weft::detail::host_mapped_alloc(sizeof(MoeRoutingStatus));
-    s.status_host = static_cast<MoeRoutingStatus*>(words.host);
+    const weft::detail::HostMappedBlock status_block = weft::detail::host_mapped_alloc(sizeof(MoeRoutingStatus));
+    s.status_host = static_cast<MoeRoutingStatus*>(status_block.host);
     *s.status_host = MoeRoutingStatus{};
-    s.status_dev = static_cast<MoeRoutingStatus*>(words.device);
+    s.status_dev = static_cast<MoeRoutingStatus*>(status_block.device);
 
     GroupedGemmProblem p;
     p.layout = GroupedLayout::kContiguous;
