@@ -150,7 +150,8 @@ double check_rows(const TensorView& q, const TensorView& k, const TensorView& v,
         for (int64_t j = 0; j < visible; ++j) {
             const double p = std::exp(s[static_cast<size_t>(j)] - m);
             l += p;
-            for (int64_t e = 0; e < dim; ++e) o[static_cast<size_t>(e)] += p * host_value(vh[static_cast<size_t>(j * dim + e)], t);
+            for (int64_t e = 0; e < dim; ++e)
+                o[static_cast<size_t>(e)] += p * host_value(vh[static_cast<size_t>(j * dim + e)], t);
         }
         for (int64_t e = 0; e < dim; ++e) {
             const double got = host_value(orow[static_cast<size_t>(e)], t);
@@ -242,25 +243,35 @@ int run_ag_rows(const Options& opt, weft::bench::Json& j) {
                 const TensorView tv(v.ptr, opt.dtype, {rows, opt.hkv, opt.dim});
                 const TensorView tout(out.ptr, opt.dtype, {rows, opt.hq, opt.dim});
                 weft::ops::prepare_collectives(w);
-                weft::ops::AgAttention op(w, {.max_seq = seq,
-                                              .num_q_heads = opt.hq,
-                                              .num_kv_heads = opt.hkv,
-                                              .head_dim = opt.dim,
-                                              .dtype = opt.dtype,
-                                              .mask = opt.causal ? weft::AttentionMask::kCausal
-                                                                 : weft::AttentionMask::kNone});
+                weft::ops::AgAttention op(
+                    w, {.max_seq = seq,
+                        .num_q_heads = opt.hq,
+                        .num_kv_heads = opt.hkv,
+                        .head_dim = opt.dim,
+                        .dtype = opt.dtype,
+                        .mask = opt.causal ? weft::AttentionMask::kCausal : weft::AttentionMask::kNone});
                 // The baseline gathers into the op's symmetric buffers (the same memory), then runs the same kernel.
                 const TensorView gk = op.gathered_k(seq), gv = op.gathered_v(seq);
                 weft::ops::FlashAttentionOptions fo;
                 fo.mask = opt.causal ? weft::AttentionMask::kCausal : weft::AttentionMask::kNone;
                 fo.q_position = me * rows;
-                const TensorView flat_k(k.ptr, opt.dtype, {kv_elems}), flat_v(v.ptr, opt.dtype, {kv_elems});
                 const TensorView all_k(gk.data, opt.dtype, {seq * opt.hkv * opt.dim});
                 const TensorView all_v(gv.data, opt.dtype, {seq * opt.hkv * opt.dim});
                 const auto ag = [&](int) { op.run(tq, tk, tv, tout, TensorView(), s); };
+                // In place from this rank's slot (a symmetric input: no staging), after the same local copy the op
+                // makes.
+                const TensorView slot_k(op.local_k(seq).data, opt.dtype, {kv_elems});
+                const TensorView slot_v(op.local_v(seq).data, opt.dtype, {kv_elems});
+                const auto gather = [&] {
+                    BENCH_CUDA(cudaMemcpyAsync(slot_k.data, k.ptr, static_cast<size_t>(kv_elems * 2),
+                                               cudaMemcpyDeviceToDevice, s));
+                    BENCH_CUDA(cudaMemcpyAsync(slot_v.data, v.ptr, static_cast<size_t>(kv_elems * 2),
+                                               cudaMemcpyDeviceToDevice, s));
+                    weft::ops::all_gather(w, slot_k, all_k, s);
+                    weft::ops::all_gather(w, slot_v, all_v, s);
+                };
                 const auto base = [&](int) {
-                    weft::ops::all_gather(w, flat_k, all_k, s);
-                    weft::ops::all_gather(w, flat_v, all_v, s);
+                    gather();
                     weft::ops::flash_attention(tq, gk, gv, tout, TensorView(), s, fo);
                 };
                 const auto t =
@@ -274,8 +285,7 @@ int run_ag_rows(const Options& opt, weft::bench::Json& j) {
                     DeviceBuffer ref(static_cast<size_t>(q_elems * 2));
                     const TensorView tref(ref.ptr, opt.dtype, {rows, opt.hq, opt.dim});
                     op.run(tq, tk, tv, tout, TensorView(), s);
-                    weft::ops::all_gather(w, flat_k, all_k, s);
-                    weft::ops::all_gather(w, flat_v, all_v, s);
+                    gather();
                     weft::ops::flash_attention(tq, gk, gv, tref, TensorView(), s, fo);
                     const double err = weft::bench::relative_error(out.ptr, opt.hq * opt.dim, ref.ptr, opt.hq * opt.dim,
                                                                    rows, opt.hq * opt.dim, opt.dtype, s);
@@ -310,9 +320,9 @@ int main(int argc, char** argv) {
         const weft::bench::Peaks peaks = weft::bench::measure_peaks(weft::bench::kPeakTensor, opt.dtype);
         cudaDeviceProp prop{};
         BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
-        std::printf("# weft_bench_prefill  GPU %s (%d SMs)  %s dim %d heads %d/%d  iters %d warmup %d  %s\n",
-                    prop.name, prop.multiProcessorCount, weft::dtype_name(opt.dtype), opt.dim, opt.hq, opt.hkv,
-                    opt.iters, opt.warmup, weft::bench::utc_date().c_str());
+        std::printf("# weft_bench_prefill  GPU %s (%d SMs)  %s dim %d heads %d/%d  iters %d warmup %d  %s\n", prop.name,
+                    prop.multiProcessorCount, weft::dtype_name(opt.dtype), opt.dim, opt.hq, opt.hkv, opt.iters,
+                    opt.warmup, weft::bench::utc_date().c_str());
         std::printf("# %s\n", weft::bench::describe(peaks).c_str());
         weft::bench::Json j;
         j.begin_object().field("bench", "prefill").field("gpu", prop.name).field("sms", prop.multiProcessorCount);

@@ -320,8 +320,8 @@ __global__ void __launch_bounds__(attention_prefill_threads(C)) prefill_forward(
             const int row = m0 + warp * 16 + g + 8 * r;
             if (row < p.seq_q) {
                 const float inv = sum > 0.f ? 1.f / sum : 0.f;
-                auto* dst = static_cast<uint16_t*>(p.out) +
-                            (static_cast<int64_t>(row) * p.num_q_heads + head) * kDim + 2 * t4;
+                auto* dst =
+                    static_cast<uint16_t*>(p.out) + (static_cast<int64_t>(row) * p.num_q_heads + head) * kDim + 2 * t4;
 #pragma unroll
                 for (int n = 0; n < kNTiles; ++n) {
                     *reinterpret_cast<unsigned*>(dst + n * 8) = E::pack(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);

@@ -14,6 +14,7 @@
 
 #include "tp_common.hpp"
 #include "weft/common/tp_params.hpp"
+#include "weft/jit/aot.hpp"
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/runtime/driver.hpp"
 #include "weft/runtime/error.hpp"
@@ -66,10 +67,9 @@ void check_config(const AttentionPrefillConfig& c, DType dtype, int64_t head_dim
     WEFT_CHECK(is_valid(c), op << ": options.config is not a valid AttentionPrefillConfig (head_dim 64 or 128, block_m "
                                << "64 or 128, stages 2 or 3): got head_dim " << c.head_dim << ", block_m " << c.block_m
                                << ", stages " << c.stages);
-    WEFT_CHECK(c.dtype == dtype && c.head_dim == head_dim, op << ": options.config must have the inputs' dtype "
-                                                              << dtype_name(dtype) << " and head_dim " << head_dim
-                                                              << ", got " << dtype_name(c.dtype) << " and "
-                                                              << c.head_dim);
+    WEFT_CHECK(c.dtype == dtype && c.head_dim == head_dim,
+               op << ": options.config must have the inputs' dtype " << dtype_name(dtype) << " and head_dim "
+                  << head_dim << ", got " << dtype_name(c.dtype) << " and " << c.head_dim);
 }
 
 // The prefill kernel of one config, compiled and loaded on first use per device.
@@ -112,6 +112,17 @@ jit::KernelSpec attention_prefill_kernel_spec(const AttentionPrefillConfig& conf
     return spec;
 }
 
+void register_prefill_attention_aot_specs() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        for (DType t : {DType::kBF16, DType::kF16}) {
+            for (int32_t d : {64, 128}) {
+                jit::register_aot_spec(attention_prefill_kernel_spec(attention_prefill_default_config(t, d)));
+            }
+        }
+    });
+}
+
 namespace detail {
 
 FlashAttentionPlan plan_flash_attention(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -128,10 +139,10 @@ FlashAttentionPlan plan_flash_attention(const TensorView& q, const TensorView& k
                op << ": head_dim (q's last extent) must be 64 or 128, got " << q.describe());
     check_basic(k, op, "k", 3, 16);
     check_basic(v, op, "v", 3, 16);
-    WEFT_CHECK(k.dtype == q.dtype, op << ": k must have q's dtype " << dtype_name(q.dtype) << ", got "
-                                      << dtype_name(k.dtype));
-    WEFT_CHECK(v.dtype == q.dtype, op << ": v must have q's dtype " << dtype_name(q.dtype) << ", got "
-                                      << dtype_name(v.dtype));
+    WEFT_CHECK(k.dtype == q.dtype,
+               op << ": k must have q's dtype " << dtype_name(q.dtype) << ", got " << dtype_name(k.dtype));
+    WEFT_CHECK(v.dtype == q.dtype,
+               op << ": v must have q's dtype " << dtype_name(q.dtype) << ", got " << dtype_name(v.dtype));
     check_vector_strides(k, op, "k");
     check_vector_strides(v, op, "v");
     for (int i = 0; i < 3; ++i) {
@@ -154,8 +165,8 @@ FlashAttentionPlan plan_flash_attention(const TensorView& q, const TensorView& k
     WEFT_CHECK(num_q_heads <= 65536, op << ": at most 65536 q-heads, got " << num_q_heads);
 
     check_basic(out, op, "out", 3, 16);
-    WEFT_CHECK(out.dtype == q.dtype, op << ": out must have q's dtype " << dtype_name(q.dtype) << ", got "
-                                        << dtype_name(out.dtype));
+    WEFT_CHECK(out.dtype == q.dtype,
+               op << ": out must have q's dtype " << dtype_name(q.dtype) << ", got " << dtype_name(out.dtype));
     WEFT_CHECK(out.dim(0) == seq_q && out.dim(1) == num_q_heads && out.dim(2) == head_dim && out.is_contiguous(),
                op << ": out must be contiguous [" << seq_q << ", " << num_q_heads << ", " << head_dim << "], got "
                   << out.describe());
@@ -163,8 +174,7 @@ FlashAttentionPlan plan_flash_attention(const TensorView& q, const TensorView& k
         check_basic(lse, op, "lse", 2, 4);
         WEFT_CHECK(lse.dtype == DType::kF32, op << ": lse must be f32, got " << dtype_name(lse.dtype));
         WEFT_CHECK(lse.dim(0) == seq_q && lse.dim(1) == num_q_heads && lse.is_contiguous(),
-                   op << ": lse must be contiguous [" << seq_q << ", " << num_q_heads << "], got "
-                      << lse.describe());
+                   op << ": lse must be contiguous [" << seq_q << ", " << num_q_heads << "], got " << lse.describe());
     }
     WEFT_CHECK(options.mask == AttentionMask::kNone || options.mask == AttentionMask::kCausal,
                op << ": options.mask must be kNone or kCausal, got " << static_cast<int>(options.mask));
@@ -172,8 +182,8 @@ FlashAttentionPlan plan_flash_attention(const TensorView& q, const TensorView& k
                op << ": options.q_position must be in [0, 2^31), got " << options.q_position);
 
     FlashAttentionPlan plan;
-    plan.config = options.config ? *options.config
-                                 : attention_prefill_default_config(q.dtype, static_cast<int32_t>(head_dim));
+    plan.config =
+        options.config ? *options.config : attention_prefill_default_config(q.dtype, static_cast<int32_t>(head_dim));
     check_config(plan.config, q.dtype, head_dim, op);
     const int64_t m_tiles = attention_prefill_num_m_tiles(static_cast<int32_t>(seq_q), plan.config.block_m);
     plan.num_items = m_tiles * num_q_heads;
@@ -209,8 +219,8 @@ int attention_prefill_blocks_per_sm(const AttentionPrefillConfig& config) {
     const size_t smem = static_cast<size_t>(attention_prefill_smem_bytes(config));
     const CUfunction fn = k.allow_dynamic_smem(smem);
     int blocks = 0;
-    WEFT_CU_CHECK(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, attention_prefill_threads(config),
-                                                                       smem));
+    WEFT_CU_CHECK(
+        driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, attention_prefill_threads(config), smem));
     return std::max(1, blocks);
 }
 
@@ -291,8 +301,12 @@ struct AgAttention::State {
     cudaEvent_t join = nullptr;
 
     explicit State(const Team& t)
-        : team(tp_detail::require_member(t, kOp)), world(&t.world()), num_ranks(t.num_ranks()), rank(t.rank()),
-          ctx(t.device_ctx()), heap(t) {}
+        : team(tp_detail::require_member(t, kOp)),
+          world(&t.world()),
+          num_ranks(t.num_ranks()),
+          rank(t.rank()),
+          ctx(t.device_ctx()),
+          heap(t) {}
     ~State() { heap.free_all(); }
 
     int64_t row_bytes() const { return shape.num_kv_heads * shape.head_dim * dtype_bytes(shape.dtype); }
@@ -305,9 +319,8 @@ struct AgAttention::State {
     }
     void check_seq(int64_t seq) const {
         WEFT_CHECK(seq >= num_ranks && seq <= shape.max_seq && seq % num_ranks == 0,
-                   "ag_attention: seq must be a multiple of the team's num_ranks " << num_ranks << " in [" << num_ranks
-                                                                                   << ", max_seq = " << shape.max_seq
-                                                                                   << "], got " << seq);
+                   "ag_attention: seq must be a multiple of the team's num_ranks "
+                       << num_ranks << " in [" << num_ranks << ", max_seq = " << shape.max_seq << "], got " << seq);
     }
 };
 
@@ -345,8 +358,7 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
     int budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
     if (s.num_ranks > 1 && shared_gpu && options.sm_budget == 0) budget -= 1;
     WEFT_CHECK(budget >= 1, "ag_attention: the SM budget must be >= 1, got " << budget);
-    s.grid = options.sm_budget > 0 || shared_gpu ? budget
-                                                 : budget * detail::attention_prefill_blocks_per_sm(s.config);
+    s.grid = options.sm_budget > 0 || shared_gpu ? budget : budget * detail::attention_prefill_blocks_per_sm(s.config);
     if (s.num_ranks > 1) {
         s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());
         s.copy_stream = s.streams.add_stream();
@@ -396,8 +408,8 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     const int64_t seq = rows * s.num_ranks;
     WEFT_CHECK(rows >= 1 && seq <= sh.max_seq, "ag_attention: q_local must have 1 .. max_seq/W = "
                                                    << sh.max_seq / s.num_ranks << " rows, got " << q_local.describe());
-    WEFT_CHECK(q_local.dtype == sh.dtype, "ag_attention: q_local must be " << dtype_name(sh.dtype) << ", got "
-                                                                          << dtype_name(q_local.dtype));
+    WEFT_CHECK(q_local.dtype == sh.dtype,
+               "ag_attention: q_local must be " << dtype_name(sh.dtype) << ", got " << dtype_name(q_local.dtype));
     WEFT_CHECK(q_local.dim(1) == sh.num_q_heads && q_local.dim(2) == sh.head_dim,
                "ag_attention: q_local must be [S/W, " << sh.num_q_heads << ", " << sh.head_dim << "], got "
                                                       << q_local.describe());
@@ -460,9 +472,9 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
         pull.dst_v = s.gathered_v + c * shard_bytes;
         pull.src_k = s.world->heap().symm_at(pull.dst_k, s.team.world_rank(c));
         pull.src_v = s.world->heap().symm_at(pull.dst_v, s.team.world_rank(c));
-        WEFT_CHECK(pull.src_k != nullptr && pull.src_v != nullptr,
-                   "ag_attention: the gathered K/V of team rank " << c << " (world rank " << s.team.world_rank(c)
-                                                                  << ") is not reachable");
+        WEFT_CHECK(pull.src_k != nullptr && pull.src_v != nullptr, "ag_attention: the gathered K/V of team rank "
+                                                                       << c << " (world rank " << s.team.world_rank(c)
+                                                                       << ") is not reachable");
         pulls.push_back(pull);
     }
     AttentionPrefillParams& p = plan.params;

@@ -107,7 +107,8 @@ Problem make_problem(int seq_q, int seq_kv, int hq, int hkv, int dim, bool causa
     std::vector<double> s(static_cast<size_t>(seq_kv));
     for (int i = 0; i < seq_q; ++i) {
         const int64_t pos = q_position + i;
-        const int visible = causal ? static_cast<int>(std::min<int64_t>(seq_kv, std::max<int64_t>(0, pos + 1))) : seq_kv;
+        const int visible =
+            causal ? static_cast<int>(std::min<int64_t>(seq_kv, std::max<int64_t>(0, pos + 1))) : seq_kv;
         for (int h = 0; h < hq; ++h) {
             const size_t row = static_cast<size_t>(i) * hq + h;
             const int kvh = h / group;
@@ -185,12 +186,11 @@ struct Case {
 };
 
 void run_case(const Case& c, uint64_t seed) {
-    const Problem pr =
-        make_problem(c.seq_q, c.seq_kv, c.hq, c.hkv, c.dim, c.causal, c.q_position, c.dtype, seed);
+    const Problem pr = make_problem(c.seq_q, c.seq_kv, c.hq, c.hkv, c.dim, c.causal, c.q_position, c.dtype, seed);
     const std::string what = "seq_q " + std::to_string(c.seq_q) + " seq_kv " + std::to_string(c.seq_kv) + " heads " +
                              std::to_string(c.hq) + "/" + std::to_string(c.hkv) + " dim " + std::to_string(c.dim) +
-                             (c.causal ? " causal" : " no mask") + " q_position " + std::to_string(c.q_position) +
-                             " " + dtype_name(c.dtype) + " pad " + std::to_string(c.kv_row_pad) + " block_m " +
+                             (c.causal ? " causal" : " no mask") + " q_position " + std::to_string(c.q_position) + " " +
+                             dtype_name(c.dtype) + " pad " + std::to_string(c.kv_row_pad) + " block_m " +
                              std::to_string(c.block_m);
     SCOPED_TRACE(what);
     const int64_t kv_row = static_cast<int64_t>(c.hkv) * c.dim + c.kv_row_pad;
@@ -243,15 +243,15 @@ TEST(FlashAttention, MatchesTheReference) {
         {1, 1, 1, 1, 64, true, 0},
         {77, 77, 4, 4, 64, true, 0},
         {77, 77, 4, 4, 128, false, 0},
-        {200, 200, 8, 2, 128, true, 0},                    // GQA 4, a partial query and key tile
-        {129, 300, 16, 1, 64, true, 171},                  // GQA 16, queries at the end of the keys
-        {129, 300, 16, 1, 128, false, 0},                  // GQA 16, more keys than queries
-        {64, 1000, 2, 1, 128, true, 500},                  // keys past the queries' positions are masked
-        {150, 150, 6, 3, 128, true, 0, DType::kF16},       // f16
-        {90, 250, 4, 2, 64, false, 0, DType::kBF16, 24},   // strided K/V
+        {200, 200, 8, 2, 128, true, 0},                       // GQA 4, a partial query and key tile
+        {129, 300, 16, 1, 64, true, 171},                     // GQA 16, queries at the end of the keys
+        {129, 300, 16, 1, 128, false, 0},                     // GQA 16, more keys than queries
+        {64, 1000, 2, 1, 128, true, 500},                     // keys past the queries' positions are masked
+        {150, 150, 6, 3, 128, true, 0, DType::kF16},          // f16
+        {90, 250, 4, 2, 64, false, 0, DType::kBF16, 24},      // strided K/V
         {300, 300, 4, 2, 128, true, 0, DType::kBF16, 8, 64},  // block_m 64
         {513, 513, 2, 2, 64, true, 0, DType::kBF16, 0, 64},
-        {40, 0, 2, 1, 64, false, 0},                       // no keys: zeros and -inf
+        {40, 0, 2, 1, 64, false, 0},  // no keys: zeros and -inf
     };
     for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], seed + i);
 }
@@ -362,15 +362,9 @@ TEST(AgAttention, ShardedSequenceMatchesTheWholeSequenceReference) {
     if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
     const uint64_t seed = fresh_seed();
     const std::vector<AgCase> cases = {
-        {1, 100, 4, 2, 128, true},
-        {2, 77, 4, 2, 128, true, true},
-        {2, 64, 8, 8, 64, false},
-        {3, 45, 16, 1, 64, true, true},
-        {3, 130, 4, 4, 128, false},
-        {4, 129, 8, 2, 128, true},
-        {4, 33, 2, 1, 64, false, true},
-        {8, 40, 4, 1, 128, true},
-        {8, 17, 2, 2, 64, false},
+        {1, 100, 4, 2, 128, true},      {2, 77, 4, 2, 128, true, true}, {2, 64, 8, 8, 64, false},
+        {3, 45, 16, 1, 64, true, true}, {3, 130, 4, 4, 128, false},     {4, 129, 8, 2, 128, true},
+        {4, 33, 2, 1, 64, false, true}, {8, 40, 4, 1, 128, true},       {8, 17, 2, 2, 64, false},
     };
     for (size_t i = 0; i < cases.size(); ++i) run_ag(cases[i], seed + i);
 }

@@ -13,6 +13,7 @@
 #include "support/jit_testing.hpp"
 #include "support/sass_testing.hpp"
 #include "weft/common/attention_prefill.hpp"
+#include "weft/jit/aot.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/ag_attention.hpp"
 #include "weft/runtime/error.hpp"
@@ -106,7 +107,8 @@ void expect_rejected(const Args& a, const std::vector<std::string>& words) {
         ADD_FAILURE() << "accepted; expected an error naming: " << words.front();
     } catch (const Error& e) {
         const std::string msg = e.what();
-        for (const std::string& w : words) EXPECT_NE(msg.find(w), std::string::npos) << msg << "\n(missing " << w << ")";
+        for (const std::string& w : words)
+            EXPECT_NE(msg.find(w), std::string::npos) << msg << "\n(missing " << w << ")";
     }
 }
 
@@ -313,6 +315,25 @@ TEST(AttentionPrefillNvrtc, EverySpecialisationCompilesWithTheExpectedSass) {
     EXPECT_EQ(compiled, 6);
     if (checked_sass == 0) GTEST_SKIP() << "SKIPPED: SASS not checked: " << why_not;
     EXPECT_EQ(checked_sass, 6);
+}
+
+TEST(AttentionPrefillNvrtc, AotRegistrationListsTheDefaultSpecialisationsOnce) {
+    register_prefill_attention_aot_specs();
+    register_prefill_attention_aot_specs();  // idempotent
+    std::set<std::string> seen;
+    int count = 0;
+    for (const jit::KernelSpec& s : jit::aot_specs()) {
+        if (s.header != "attention/prefill.cuh") continue;
+        EXPECT_TRUE(seen.insert(s.instantiation).second) << "listed twice: " << s.instantiation;
+        ++count;
+    }
+    EXPECT_EQ(count, 4);
+    for (DType t : {DType::kBF16, DType::kF16}) {
+        for (int32_t d : {64, 128}) {
+            EXPECT_EQ(seen.count(attention_prefill_kernel_spec(attention_prefill_default_config(t, d)).instantiation),
+                      1u);
+        }
+    }
 }
 
 }  // namespace

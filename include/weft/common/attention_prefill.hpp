@@ -118,7 +118,7 @@ struct AttentionPrefillParams {
     int32_t num_q_heads = 0;
     int32_t num_kv_heads = 0;
     int32_t group = 1;
-    int32_t mask = 0;  ///< AttentionMask
+    int32_t mask = 0;        ///< AttentionMask
     float scale_log2 = 0.f;  ///< softmax scale x log2(e)
     int32_t chunk_keys = 0;
     int32_t num_chunks = 1;

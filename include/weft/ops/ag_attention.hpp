@@ -58,14 +58,14 @@ void flash_attention(const TensorView& q, const TensorView& k, const TensorView&
 struct AgAttentionShape {
     int64_t max_seq = 0;  ///< largest total sequence S of a call: a positive multiple of the team's size
     int64_t num_q_heads = 0;
-    int64_t num_kv_heads = 0;  ///< num_q_heads a multiple of it, at most 16 q-heads per KV head
-    int64_t head_dim = 128;    ///< 64 or 128
-    DType dtype = DType::kBF16;                  ///< of Q, K, V and the output: kBF16 or kF16
+    int64_t num_kv_heads = 0;                     ///< num_q_heads a multiple of it, at most 16 q-heads per KV head
+    int64_t head_dim = 128;                       ///< 64 or 128
+    DType dtype = DType::kBF16;                   ///< of Q, K, V and the output: kBF16 or kF16
     AttentionMask mask = AttentionMask::kCausal;  ///< over the global positions
 };
 
 struct AgAttentionOptions {
-    std::optional<float> scale = std::nullopt;  ///< as FlashAttentionOptions::scale
+    std::optional<float> scale = std::nullopt;                    ///< as FlashAttentionOptions::scale
     std::optional<AttentionPrefillConfig> config = std::nullopt;  ///< as FlashAttentionOptions::config
     int sm_budget = 0;  ///< blocks of the persistent attention kernel; 0 = the world's SM budget (one SM less when
                         ///< ranks share a GPU) times the blocks that fit one SM (one when ranks share a GPU)
@@ -132,6 +132,10 @@ void validate_ag_attention_shape(const AgAttentionShape& shape, int num_ranks, c
 
 /// JIT spec of the prefill kernel for `config` (`arch` as KernelSpec::arch).
 jit::KernelSpec attention_prefill_kernel_spec(const AttentionPrefillConfig& config, const std::string& arch = "");
+
+/// Registers (once per process) the specs flash_attention and AgAttention launch by default (bf16 and f16, head_dim 64
+/// and 128) with weft::jit::register_aot_spec, for weft-compile --builtin. Thread-safe.
+void register_prefill_attention_aot_specs();
 
 namespace detail {
 
