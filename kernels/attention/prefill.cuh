@@ -19,46 +19,6 @@ namespace weft::kernels::attention {
 
 namespace prefill_detail {
 
-/// Walks the K/V tiles of one work item: chunk by chunk in attention_prefill_chunk_at order, kPrefillTileKeys keys at
-/// a time, every key below `key_end` once; chunks with no such key are skipped (and never awaited). Tiles never
-/// straddle chunks: a chunk's last tile may be short.
-struct TileCursor {
-    int32_t step;   // chunk ordinal; == num_chunks when done
-    int32_t chunk;  // attention_prefill_chunk_at(local, num_chunks, step)
-    int32_t begin;  // first key of this tile
-    int32_t stop;   // one past the chunk's last visible key
-    bool first_of_chunk;
-
-    __device__ __forceinline__ bool valid(const AttentionPrefillParams& p) const { return step < p.num_chunks; }
-
-    __device__ __forceinline__ void seek(const AttentionPrefillParams& p, int32_t key_end) {
-        for (; step < p.num_chunks; ++step) {
-            chunk = attention_prefill_chunk_at(p.local_chunk, p.num_chunks, step);
-            const int32_t lo = chunk * p.chunk_keys;
-            const int32_t hi_chunk = lo + p.chunk_keys < p.seq_kv ? lo + p.chunk_keys : p.seq_kv;
-            const int32_t hi = hi_chunk < key_end ? hi_chunk : key_end;
-            if (lo < hi) {
-                begin = lo;
-                stop = hi;
-                first_of_chunk = true;
-                return;
-            }
-        }
-    }
-    __device__ __forceinline__ void start(const AttentionPrefillParams& p, int32_t key_end) {
-        step = 0;
-        seek(p, key_end);
-    }
-    __device__ __forceinline__ void next(const AttentionPrefillParams& p, int32_t key_end) {
-        begin += kPrefillTileKeys;
-        first_of_chunk = false;
-        if (begin >= stop) {
-            ++step;
-            seek(p, key_end);
-        }
-    }
-};
-
 /// The end of an all-gather call, by thread 0 of the last block to finish: every block is past all its waits, so
 /// every chunk signal and every ready flag of this call has been consumed: reset them (stream order puts the next
 /// call's copies after this kernel), tell every rank this one is done, wait until every rank is done (no peer still
@@ -97,7 +57,7 @@ template <AttentionPrefillConfig C>
 __global__ void __launch_bounds__(attention_prefill_threads(C)) prefill_forward(const AttentionPrefillParams p) {
     static_assert(is_valid(C), "AttentionPrefillConfig: see is_valid() in weft/common/attention_prefill.hpp");
     using E = Elem<C.dtype>;
-    using prefill_detail::TileCursor;
+    using TileCursor = AttentionPrefillTileCursor;
     constexpr int kDim = C.head_dim;
     constexpr int kBM = C.block_m;
     constexpr int kBN = kPrefillTileKeys;
@@ -137,12 +97,7 @@ __global__ void __launch_bounds__(attention_prefill_threads(C)) prefill_forward(
         const int kv_head = head / p.group;
         const int m0 = item.m_tile * kBM;
         const int rows = p.seq_q - m0 < kBM ? p.seq_q - m0 : kBM;
-        // Keys below key_end are visible to some row of the tile.
-        int32_t key_end = p.seq_kv;
-        if (causal) {
-            const int64_t last = p.q_position + m0 + rows;  // one past the last row's position
-            key_end = last < key_end ? static_cast<int32_t>(last < 0 ? 0 : last) : key_end;
-        }
+        const int32_t key_end = attention_prefill_key_end(p, m0, rows);
         __syncthreads();  // the previous item's shared-memory reads are done
 
         // The Q tile (rows past seq_q are zero), its own commit group ahead of the K/V tiles'.

@@ -4,6 +4,7 @@
 // tensor-core mma, no local memory).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <set>
@@ -62,6 +63,67 @@ TEST(AttentionPrefillOrder, ItemsCoverEveryTileAndHeadOnceLongestFirst) {
             EXPECT_EQ(static_cast<int32_t>(seen.size()), m_tiles * heads);
         }
     }
+}
+
+// The kernel's tile walk, run on the CPU: every key below key_end exactly once, in tiles of at most 64 keys inside
+// one chunk, chunks in attention_prefill_chunk_at order, first_of_chunk on each chunk's first tile only; chunks with
+// no visible key never entered (so never awaited): under a causal mask, rank r's items never enter chunks above r.
+TEST(AttentionPrefillOrder, TileWalkVisitsEveryVisibleKeyOnce) {
+    for (int32_t w : {1, 2, 3, 4, 8}) {
+        for (int32_t chunk_keys : {1, 17, 64, 65, 130}) {
+            for (bool causal : {false, true}) {
+                for (int32_t r = 0; r < w; ++r) {
+                    AttentionPrefillParams p;
+                    p.seq_q = chunk_keys;
+                    p.seq_kv = w * chunk_keys;
+                    p.chunk_keys = chunk_keys;
+                    p.num_chunks = w;
+                    p.local_chunk = r;
+                    p.q_position = static_cast<int64_t>(r) * chunk_keys;
+                    p.mask = static_cast<int32_t>(causal ? AttentionMask::kCausal : AttentionMask::kNone);
+                    for (int32_t bm : {64, 128}) {
+                        for (int32_t m0 = 0; m0 < p.seq_q; m0 += bm) {
+                            const int32_t rows = std::min(bm, p.seq_q - m0);
+                            const int32_t key_end = attention_prefill_key_end(p, m0, rows);
+                            ASSERT_EQ(key_end,
+                                      causal ? std::min<int64_t>(p.seq_kv, p.q_position + m0 + rows) : p.seq_kv);
+                            std::vector<int> seen(static_cast<size_t>(p.seq_kv), 0);
+                            std::vector<int32_t> chunks;
+                            AttentionPrefillTileCursor c;
+                            for (c.start(p, key_end); c.valid(p); c.next(p, key_end)) {
+                                ASSERT_TRUE(c.begin >= c.chunk * chunk_keys && c.begin < c.stop);
+                                ASSERT_LE(c.stop, std::min((c.chunk + 1) * chunk_keys, key_end));
+                                ASSERT_EQ(c.chunk, attention_prefill_chunk_at(r, w, c.step));
+                                ASSERT_EQ(c.first_of_chunk, chunks.empty() || chunks.back() != c.chunk);
+                                if (c.first_of_chunk) chunks.push_back(c.chunk);
+                                for (int32_t k = c.begin; k < std::min(c.begin + kPrefillTileKeys, c.stop); ++k) {
+                                    ++seen[static_cast<size_t>(k)];
+                                }
+                            }
+                            for (int32_t k = 0; k < p.seq_kv; ++k) {
+                                ASSERT_EQ(seen[static_cast<size_t>(k)], k < key_end ? 1 : 0)
+                                    << "w " << w << " chunk_keys " << chunk_keys << " r " << r << " key " << k;
+                            }
+                            EXPECT_EQ(chunks.front(), r);  // the own chunk first
+                            for (int32_t ch : chunks) EXPECT_TRUE(!causal || ch <= r);
+                            // The last query tile needs every chunk a rank pulls (AgAttention relies on it).
+                            if (m0 + bm >= p.seq_q) {
+                                EXPECT_EQ(static_cast<int32_t>(chunks.size()), causal ? r + 1 : w);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // One GPU: a single chunk of seq_kv keys; no keys at all visits nothing.
+    AttentionPrefillParams one;
+    one.seq_q = 10;
+    one.seq_kv = 0;
+    one.chunk_keys = 1;
+    AttentionPrefillTileCursor c;
+    c.start(one, attention_prefill_key_end(one, 0, 10));
+    EXPECT_FALSE(c.valid(one));
 }
 
 TEST(AttentionPrefillConfigs, ValidityAndSharedMemory) {

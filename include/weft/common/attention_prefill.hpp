@@ -127,4 +127,53 @@ struct AttentionPrefillParams {
     AttentionPrefillFinish finish{};
 };
 
+/// One past the last key that some row of the query tile [m0, m0 + rows) sees.
+WEFT_HOST_DEVICE constexpr int32_t attention_prefill_key_end(const AttentionPrefillParams& p, int32_t m0,
+                                                             int32_t rows) {
+    if (p.mask != static_cast<int32_t>(AttentionMask::kCausal)) return p.seq_kv;
+    const int64_t last = p.q_position + m0 + rows;  // one past the last row's position
+    return last < p.seq_kv ? static_cast<int32_t>(last < 0 ? 0 : last) : p.seq_kv;
+}
+
+/// Walks the K/V tiles of one work item: chunk by chunk in attention_prefill_chunk_at order, kPrefillTileKeys keys at
+/// a time, every key below `key_end` once; chunks with no such key are skipped (and never awaited). Tiles never
+/// straddle chunks: a chunk's last tile may be short. The kernel runs two (the loads ahead, the tile computed).
+struct AttentionPrefillTileCursor {
+    int32_t step = 0;   ///< chunk ordinal; == p.num_chunks when done
+    int32_t chunk = 0;  ///< attention_prefill_chunk_at(p.local_chunk, p.num_chunks, step)
+    int32_t begin = 0;  ///< first key of this tile
+    int32_t stop = 0;   ///< one past the chunk's last visible key
+    bool first_of_chunk = false;
+
+    WEFT_HOST_DEVICE constexpr bool valid(const AttentionPrefillParams& p) const { return step < p.num_chunks; }
+    WEFT_HOST_DEVICE constexpr void start(const AttentionPrefillParams& p, int32_t key_end) {
+        step = 0;
+        seek(p, key_end);
+    }
+    WEFT_HOST_DEVICE constexpr void next(const AttentionPrefillParams& p, int32_t key_end) {
+        begin += kPrefillTileKeys;
+        first_of_chunk = false;
+        if (begin >= stop) {
+            ++step;
+            seek(p, key_end);
+        }
+    }
+
+private:
+    WEFT_HOST_DEVICE constexpr void seek(const AttentionPrefillParams& p, int32_t key_end) {
+        for (; step < p.num_chunks; ++step) {
+            chunk = attention_prefill_chunk_at(p.local_chunk, p.num_chunks, step);
+            const int32_t lo = chunk * p.chunk_keys;
+            const int32_t hi_chunk = lo + p.chunk_keys < p.seq_kv ? lo + p.chunk_keys : p.seq_kv;
+            const int32_t hi = hi_chunk < key_end ? hi_chunk : key_end;
+            if (lo < hi) {
+                begin = lo;
+                stop = hi;
+                first_of_chunk = true;
+                return;
+            }
+        }
+    }
+};
+
 }  // namespace weft
