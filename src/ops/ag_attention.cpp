@@ -448,6 +448,7 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
                                               static_cast<size_t>(s.row_bytes()), static_cast<size_t>(rows),
                                               cudaMemcpyDefault, stream));
         }
+        s.heap.note_use(stream);  // the destructor waits for this op's work before freeing its buffers
         return;
     }
 
@@ -525,6 +526,7 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     // 4. Join the copy stream (finished by now: the kernel waited for every shard it pulled).
     WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.copy_stream));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+    s.heap.note_use(stream);  // the destructor waits for this op's work (the copy stream joined) before freeing
     s.first_call.after_call(s.team, 0, stream);
 }
 

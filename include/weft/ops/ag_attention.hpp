@@ -88,7 +88,8 @@ public:
     AgAttention(const Team& team, const AgAttentionShape& shape, const AgAttentionOptions& options = {});
     /// AgAttention(world.team(), shape, options).
     AgAttention(World& world, const AgAttentionShape& shape, const AgAttentionOptions& options = {});
-    /// Collective over the team: synchronises the device, then frees the symmetric allocations.
+    /// Collective over the team: waits for this op's work (not the whole device's), meets the team, then frees the
+    /// symmetric allocations. A graph that captured run() must not outlive the op.
     ~AgAttention();
     AgAttention(const AgAttention&) = delete;
     AgAttention& operator=(const AgAttention&) = delete;
