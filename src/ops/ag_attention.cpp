@@ -427,6 +427,10 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
                    "ag_attention: " << name << " must have contiguous heads and dims and a row stride >= "
                                     << sh.num_kv_heads * sh.head_dim << " (a multiple of 8), got " << t.describe());
     }
+    // A single row's stride may be anything: its copy reads one row.
+    const auto src_pitch = [&](const TensorView& t) {
+        return static_cast<size_t>(rows == 1 ? s.row_bytes() : t.stride(0) * dtype_bytes(sh.dtype));
+    };
     const TensorView gk = s.view(s.gathered_k, seq);
     const TensorView gv = s.view(s.gathered_v, seq);
     FlashAttentionOptions fo;
@@ -443,8 +447,7 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
         detail::launch_flash_attention(local, s.grid, stream);
         for (const auto& [src, dst] : {std::pair{&k_local, s.gathered_k}, std::pair{&v_local, s.gathered_v}}) {
             if (src->data == dst) continue;
-            WEFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(s.row_bytes()), src->data,
-                                              static_cast<size_t>(src->stride(0) * dtype_bytes(sh.dtype)),
+            WEFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(s.row_bytes()), src->data, src_pitch(*src),
                                               static_cast<size_t>(s.row_bytes()), static_cast<size_t>(rows),
                                               cudaMemcpyDefault, stream));
         }
@@ -499,8 +502,7 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     // 1. This rank's shard into its slot of the gathered buffers, then ready[rank] = 1 on every peer.
     for (const auto& [src, dst] : {std::pair{&k_local, slot_k}, std::pair{&v_local, slot_v}}) {
         if (src->data == dst) continue;
-        WEFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(s.row_bytes()), src->data,
-                                          static_cast<size_t>(src->stride(0) * dtype_bytes(sh.dtype)),
+        WEFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(s.row_bytes()), src->data, src_pitch(*src),
                                           static_cast<size_t>(s.row_bytes()), static_cast<size_t>(rows),
                                           cudaMemcpyDefault, stream));
     }
