@@ -3,6 +3,7 @@
 // self-registering objects that nothing references).
 #include "weft/ops/aot.hpp"
 
+#include "weft/ops/ag_attention.hpp"
 #include "weft/ops/attention.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/ep.hpp"
@@ -19,6 +20,7 @@ void register_op_aot_specs() {
     ep::register_ep_aot_specs();
     register_tp_aot_specs();
     register_attention_aot_specs();
+    register_prefill_attention_aot_specs();
 }
 
 }  // namespace weft::ops

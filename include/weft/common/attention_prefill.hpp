@@ -1,0 +1,179 @@
+// SPDX-License-Identifier: MIT
+// Flash-attention forward (prefill): the kernel's config, its parameter block, the work order and the chunk order,
+// shared by the host ops (src/ops/ag_attention.cpp) and the kernel (kernels/attention/prefill.cuh).
+#pragma once
+
+#include "weft/common/device_ctx.hpp"
+#include "weft/common/dtype.hpp"
+#include "weft/common/macros.hpp"
+
+namespace weft {
+
+/// Keys per K/V tile of the prefill kernel (one pipeline stage holds a K and a V tile of this many rows).
+inline constexpr int32_t kPrefillTileKeys = 64;
+/// q-heads per KV head the prefill ops accept (grouped-query attention).
+inline constexpr int32_t kPrefillMaxGroup = 16;
+
+/// Which keys a query sees.
+enum class AttentionMask : int32_t {
+    kNone = 0,    ///< every key
+    kCausal = 1,  ///< keys at global positions <= the query's global position
+};
+
+/// Compile-time knobs of the prefill kernel. One specialisation per (dtype, head_dim, block_m, stages).
+struct AttentionPrefillConfig {
+    DType dtype = DType::kBF16;  ///< Q, K, V and the output: bf16 or f16; scores, softmax and sums in fp32
+    int32_t head_dim = 128;      ///< 64 or 128
+    int32_t block_m = 128;       ///< query rows per work item: 64 or 128 (16 per warp: 4 or 8 warps)
+    int32_t stages = 2;          ///< cp.async pipeline depth in K/V tiles: 2 or 3
+};
+
+/// Threads of one block: a warp per 16 query rows.
+WEFT_HOST_DEVICE constexpr int32_t attention_prefill_threads(const AttentionPrefillConfig& c) {
+    return c.block_m / 16 * 32;
+}
+
+/// Dynamic shared memory of one block: the Q tile and `stages` K and V tiles.
+WEFT_HOST_DEVICE constexpr int64_t attention_prefill_smem_bytes(const AttentionPrefillConfig& c) {
+    const int64_t row_bytes = static_cast<int64_t>(c.head_dim) * 2;
+    return static_cast<int64_t>(c.block_m) * row_bytes +
+           static_cast<int64_t>(c.stages) * 2 * kPrefillTileKeys * row_bytes;
+}
+
+/// Shared by host heuristics and the kernel's static_assert.
+WEFT_HOST_DEVICE constexpr bool is_valid(const AttentionPrefillConfig& c) {
+    return (c.dtype == DType::kBF16 || c.dtype == DType::kF16) && (c.head_dim == 64 || c.head_dim == 128) &&
+           (c.block_m == 64 || c.block_m == 128) && c.stages >= 2 && c.stages <= 3 &&
+           attention_prefill_smem_bytes(c) <= 227 * 1024;
+}
+
+/// The default config of a head dimension.
+WEFT_HOST_DEVICE constexpr AttentionPrefillConfig attention_prefill_default_config(DType dtype, int32_t head_dim) {
+    AttentionPrefillConfig c;
+    c.dtype = dtype;
+    c.head_dim = head_dim;
+    c.block_m = 128;
+    c.stages = head_dim <= 64 ? 3 : 2;
+    return c;
+}
+
+/// Chunk visited (and, by AgAttention, pulled) at step `i` of `num_chunks` by the rank whose own chunk is `local`:
+/// its own first, then the chunks below it nearest first (under a causal mask those are the ones it needs), then the
+/// ones above it from the top down. A permutation of [0, num_chunks) for i in [0, num_chunks).
+WEFT_HOST_DEVICE constexpr int32_t attention_prefill_chunk_at(int32_t local, int32_t num_chunks, int32_t i) {
+    return ((local - i) % num_chunks + num_chunks) % num_chunks;
+}
+
+/// Work items of the kernel: (query tile, q-head) pairs, q-head-major, each head's query tiles from the last
+/// (the most keys under a causal mask) to the first, so that the longest items start first.
+struct AttentionPrefillItem {
+    int32_t q_head = 0;
+    int32_t m_tile = 0;
+};
+WEFT_HOST_DEVICE constexpr int32_t attention_prefill_num_m_tiles(int32_t seq_q, int32_t block_m) {
+    return (seq_q + block_m - 1) / block_m;
+}
+WEFT_HOST_DEVICE constexpr AttentionPrefillItem attention_prefill_item(int32_t idx, int32_t num_m_tiles) {
+    AttentionPrefillItem it;
+    it.q_head = idx / num_m_tiles;
+    it.m_tile = num_m_tiles - 1 - idx % num_m_tiles;
+    return it;
+}
+
+/// The end of an all-gather attention call, run by the last block to finish (AgAttention's protocol,
+/// kernels/attention/README.md): every chunk signal and the peers' ready flags are reset, the done-barrier across the
+/// team is passed and the epoch advanced. All words symmetric except `block_counter` (local).
+struct AttentionPrefillFinish {
+    uint64_t* block_counter = nullptr;  ///< blocks of this launch that are done (reset to 0 by the last one); null:
+                                        ///< no end of call (a one-GPU launch)
+    uint64_t* chunk_signals = nullptr;  ///< [num_chunks], set to 1 by the copy engine when chunk c landed
+    uint64_t* ready = nullptr;          ///< [num_ranks]: ready[s] = 1 when rank s's shard is in its gathered buffer
+    uint64_t* done = nullptr;           ///< [num_ranks]: add-only, one add per call by rank s
+    uint64_t* epoch = nullptr;          ///< calls this rank has finished
+};
+
+/// Everything the prefill kernel reads, by value. Strides in elements. Layouts:
+///   q    [seq_q, num_q_heads, head_dim]   (strides q_row_stride, q_head_stride; innermost 1)
+///   k, v [seq_kv, num_kv_heads, head_dim] (strides kv_row_stride, kv_head_stride; innermost 1; k and v alike)
+///   out  [seq_q, num_q_heads, head_dim]   contiguous, dtype of q
+///   lse  fp32 [seq_q, num_q_heads] contiguous (natural log), or null
+/// q-head h reads KV head h / group. Query row i sits at global position q_position + i; key j at position j. The
+/// keys are cut into num_chunks chunks of chunk_keys (the last may be shorter): chunk c = keys [c * chunk_keys, ...).
+/// Before its first load from chunk c != local_chunk a block waits until chunk_signals[c] >= 1 (acquire, system
+/// scope, bounded by ctx.timeout_ns); chunk_signals null: nothing is awaited.
+struct AttentionPrefillParams {
+    DeviceCtx ctx{};
+    const void* q = nullptr;
+    const void* k = nullptr;
+    const void* v = nullptr;
+    void* out = nullptr;
+    float* lse = nullptr;
+    int64_t q_row_stride = 0;
+    int64_t q_head_stride = 0;
+    int64_t kv_row_stride = 0;
+    int64_t kv_head_stride = 0;
+    int64_t q_position = 0;
+    int32_t seq_q = 0;
+    int32_t seq_kv = 0;
+    int32_t num_q_heads = 0;
+    int32_t num_kv_heads = 0;
+    int32_t group = 1;
+    int32_t mask = 0;        ///< AttentionMask
+    float scale_log2 = 0.f;  ///< softmax scale x log2(e)
+    int32_t chunk_keys = 0;
+    int32_t num_chunks = 1;
+    int32_t local_chunk = 0;
+    const uint64_t* chunk_signals = nullptr;
+    AttentionPrefillFinish finish{};
+};
+
+/// One past the last key that some row of the query tile [m0, m0 + rows) sees.
+WEFT_HOST_DEVICE constexpr int32_t attention_prefill_key_end(const AttentionPrefillParams& p, int32_t m0,
+                                                             int32_t rows) {
+    if (p.mask != static_cast<int32_t>(AttentionMask::kCausal)) return p.seq_kv;
+    const int64_t last = p.q_position + m0 + rows;  // one past the last row's position
+    return last < p.seq_kv ? static_cast<int32_t>(last < 0 ? 0 : last) : p.seq_kv;
+}
+
+/// Walks the K/V tiles of one work item: chunk by chunk in attention_prefill_chunk_at order, kPrefillTileKeys keys at
+/// a time, every key below `key_end` once; chunks with no such key are skipped (and never awaited). Tiles never
+/// straddle chunks: a chunk's last tile may be short. The kernel runs two (the loads ahead, the tile computed).
+struct AttentionPrefillTileCursor {
+    int32_t step = 0;   ///< chunk ordinal; == p.num_chunks when done
+    int32_t chunk = 0;  ///< attention_prefill_chunk_at(p.local_chunk, p.num_chunks, step)
+    int32_t begin = 0;  ///< first key of this tile
+    int32_t stop = 0;   ///< one past the chunk's last visible key
+    bool first_of_chunk = false;
+
+    WEFT_HOST_DEVICE constexpr bool valid(const AttentionPrefillParams& p) const { return step < p.num_chunks; }
+    WEFT_HOST_DEVICE constexpr void start(const AttentionPrefillParams& p, int32_t key_end) {
+        step = 0;
+        seek(p, key_end);
+    }
+    WEFT_HOST_DEVICE constexpr void next(const AttentionPrefillParams& p, int32_t key_end) {
+        begin += kPrefillTileKeys;
+        first_of_chunk = false;
+        if (begin >= stop) {
+            ++step;
+            seek(p, key_end);
+        }
+    }
+
+private:
+    WEFT_HOST_DEVICE constexpr void seek(const AttentionPrefillParams& p, int32_t key_end) {
+        for (; step < p.num_chunks; ++step) {
+            chunk = attention_prefill_chunk_at(p.local_chunk, p.num_chunks, step);
+            const int32_t lo = chunk * p.chunk_keys;
+            const int32_t hi_chunk = lo + p.chunk_keys < p.seq_kv ? lo + p.chunk_keys : p.seq_kv;
+            const int32_t hi = hi_chunk < key_end ? hi_chunk : key_end;
+            if (lo < hi) {
+                begin = lo;
+                stop = hi;
+                first_of_chunk = true;
+                return;
+            }
+        }
+    }
+};
+
+}  // namespace weft

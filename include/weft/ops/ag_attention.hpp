@@ -1,0 +1,163 @@
+// SPDX-License-Identifier: MIT
+// Prefill attention on the tensor cores: weft::ops::flash_attention (one GPU, contiguous Q/K/V) and
+// weft::ops::AgAttention, all-gather attention for a sequence sharded by rank, whose K/V all-gather (copy engines)
+// overlaps the attention kernel, which waits per chunk for the peers' K/V as it arrives, its own chunk first.
+//
+//     weft::ops::AgAttention op(team, {.max_seq = 65536, .num_q_heads = 32, .num_kv_heads = 8, .head_dim = 128});
+//     op.run(q_local /*[S/W, 32, 128]*/, k_local, v_local /*[S/W, 8, 128]*/, out /*[S/W, 32, 128]*/, {}, stream);
+//
+// Schedule, protocol and knobs: kernels/attention/README.md.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "weft/common/attention_prefill.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/runtime/tensor_view.hpp"
+
+namespace weft {
+class World;
+class Team;
+}  // namespace weft
+
+namespace weft::ops {
+
+struct FlashAttentionOptions {
+    /// Softmax scale applied to q.k; nullopt: 1 / sqrt(head_dim). Must be finite.
+    std::optional<float> scale = std::nullopt;
+    AttentionMask mask = AttentionMask::kNone;
+    /// Global position of q's row 0 for the causal mask (key j is at position j): query i sees keys
+    /// j <= q_position + i. 0 (the default) is PyTorch's is_causal=True for seq_q == seq_kv. In [0, 2^31).
+    int64_t q_position = 0;
+    /// The kernel's config (dtype and head_dim must be q's); nullopt: attention_prefill_default_config.
+    std::optional<AttentionPrefillConfig> config = std::nullopt;
+};
+
+/// Attention forward on one GPU:
+///   out[i, h, :] = sum_j softmax_j(scale * q[i, h, :] . k[j, h / group, :]) v[j, h / group, :]
+///   lse[i, h]    = ln sum_j exp(scale * q[i, h, :] . k[j, h / group, :])       (fp32)
+/// over the keys j query i sees (options.mask; group = num_q_heads / num_kv_heads).
+///   q    bf16 or f16 [seq_q, num_q_heads, head_dim]; innermost stride 1, other strides multiples of 8
+///   k, v q's dtype [seq_kv, num_kv_heads, head_dim], the same shape and strides; innermost stride 1, other
+///        strides multiples of 8
+///   out  q's dtype [seq_q, num_q_heads, head_dim], contiguous
+///   lse  f32 [seq_q, num_q_heads], contiguous; or an empty view (data null) when not wanted
+/// head_dim 64 or 128; num_q_heads a multiple of num_kv_heads, at most 16 q-heads per KV head; seq_q, seq_kv in
+/// [0, 2^31 - 2^20) (seq_q 0: nothing to do; a row that sees no key gets zeros and lse -inf). Pointers 16-byte
+/// aligned. Asynchronous on `stream`, no host synchronisation, capturable in a CUDA graph. The kernel is
+/// JIT-compiled on first use. Bad arguments throw weft::Error naming the argument.
+void flash_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                     const TensorView& lse, cudaStream_t stream, const FlashAttentionOptions& options = {});
+
+/// Problem bounds of an AgAttention, fixed when the op is made (the symmetric K/V buffers are sized from them).
+struct AgAttentionShape {
+    int64_t max_seq = 0;  ///< largest total sequence S of a call: a positive multiple of the team's size
+    int64_t num_q_heads = 0;
+    int64_t num_kv_heads = 0;                     ///< num_q_heads a multiple of it, at most 16 q-heads per KV head
+    int64_t head_dim = 128;                       ///< 64 or 128
+    DType dtype = DType::kBF16;                   ///< of Q, K, V and the output: kBF16 or kF16
+    AttentionMask mask = AttentionMask::kCausal;  ///< over the global positions
+};
+
+struct AgAttentionOptions {
+    std::optional<float> scale = std::nullopt;                    ///< as FlashAttentionOptions::scale
+    std::optional<AttentionPrefillConfig> config = std::nullopt;  ///< as FlashAttentionOptions::config
+    int sm_budget = 0;  ///< blocks of the persistent attention kernel; 0 = the world's SM budget (one SM less when
+                        ///< ranks share a GPU) times the blocks that fit one SM (one when ranks share a GPU)
+};
+
+/// All-gather attention for the members of a Team (a World& means its world team): the sequence of S tokens is
+/// sharded by team rank, rank r holding tokens [r*S/W, (r+1)*S/W) of Q, K and V (equal shards: S a multiple of W;
+/// uneven shards are refused). Each call gathers every shard of K and V a rank needs into the symmetric heap (copy
+/// engines: the causal mask needs only shards 0..r on rank r; no mask, all) while the attention kernel computes,
+/// over the global positions, this rank's S/W queries against the gathered keys: its own shard first, every peer's
+/// after waiting for that shard's arrival flag. Construction and destruction are collective over the team's members
+/// (same shape and options, same order as their other collectives on the team). Not thread-safe: one rank's thread
+/// uses it.
+class AgAttention {
+public:
+    /// Allocates the gathered K and V [max_seq, num_kv_heads, head_dim] and the signal words (team-collectively),
+    /// creates the copy stream, compiles (JIT, cached on disk) and loads every kernel a call launches, and meets the
+    /// team (barrier). Throws weft::Error (on every member) for a bad shape or options, or when a member's heap is
+    /// not load/store reachable from this rank; on a rank that is not a member, a weft::Error naming the team.
+    AgAttention(const Team& team, const AgAttentionShape& shape, const AgAttentionOptions& options = {});
+    /// AgAttention(world.team(), shape, options).
+    AgAttention(World& world, const AgAttentionShape& shape, const AgAttentionOptions& options = {});
+    /// Collective over the team: waits for this op's work (not the whole device's), meets the team, then frees the
+    /// symmetric allocations. A graph that captured run() must not outlive the op.
+    ~AgAttention();
+    AgAttention(const AgAttention&) = delete;
+    AgAttention& operator=(const AgAttention&) = delete;
+
+    /// out = attention of this rank's queries (global positions r*S/W ...) over the gathered keys, S = W * rows:
+    ///   q_local  [S/W, num_q_heads, head_dim]: innermost stride 1, other strides multiples of 8
+    ///   k_local, v_local [S/W, num_kv_heads, head_dim]: heads and dims contiguous (head stride head_dim), row
+    ///            stride >= num_kv_heads * head_dim (any device memory; local_k(S) / local_v(S) themselves skip the
+    ///            local copy)
+    ///   out      [S/W, num_q_heads, head_dim] contiguous;  lse f32 [S/W, num_q_heads] contiguous, or empty
+    /// all of shape.dtype, 16-byte aligned. Every member calls with the same S (1 <= S/W, S <= max_seq).
+    /// Asynchronous on `stream` (it forks the copy stream from it and joins it back); never synchronises the host
+    /// (but the first call on ranks sharing a GPU: see kernels/attention/README.md); capturable in a CUDA graph
+    /// (nothing of a call is a host value frozen into the graph). After the call's work on `stream`, gathered_k(S) /
+    /// gathered_v(S) hold the shards this rank needed (all of them without a mask, shards 0..r under the causal
+    /// mask) until the next call. A team of one rank runs flash_attention on its inputs.
+    void run(const TensorView& q_local, const TensorView& k_local, const TensorView& v_local, const TensorView& out,
+             const TensorView& lse, cudaStream_t stream);
+
+    /// [seq, num_kv_heads, head_dim] views of the gathered K and V (symmetric heap).
+    TensorView gathered_k(int64_t seq) const;
+    TensorView gathered_v(int64_t seq) const;
+    /// This rank's rows of gathered_k(seq) / gathered_v(seq): writing K/V there (stream-ordered before run) skips the
+    /// local copy.
+    TensorView local_k(int64_t seq) const;
+    TensorView local_v(int64_t seq) const;
+
+    const AgAttentionShape& shape() const;
+    const AttentionPrefillConfig& config() const;
+    int grid() const;  ///< blocks of the attention kernel (the items of max_seq bound it further per call)
+
+    struct State;
+
+private:
+    std::unique_ptr<State> s_;
+};
+
+/// Checks a shape and options against a team size (CPU only; the constructor calls it). Throws weft::Error naming
+/// the argument.
+void validate_ag_attention_shape(const AgAttentionShape& shape, int num_ranks, const AgAttentionOptions& options = {});
+
+/// JIT spec of the prefill kernel for `config` (`arch` as KernelSpec::arch).
+jit::KernelSpec attention_prefill_kernel_spec(const AttentionPrefillConfig& config, const std::string& arch = "");
+
+/// Registers (once per process) the specs flash_attention and AgAttention launch by default (bf16 and f16, head_dim 64
+/// and 128) with weft::jit::register_aot_spec, for weft-compile --builtin. Thread-safe.
+void register_prefill_attention_aot_specs();
+
+namespace detail {
+
+/// What flash_attention launches, computed on the CPU from the arguments alone.
+struct FlashAttentionPlan {
+    AttentionPrefillConfig config;
+    AttentionPrefillParams params;
+    int64_t num_items = 0;  ///< (query tile, q-head) pairs; 0: nothing to launch
+};
+
+/// Checks every argument (throws weft::Error naming it, `op` first) and plans the launch. No CUDA call.
+FlashAttentionPlan plan_flash_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                                        const TensorView& out, const TensorView& lse,
+                                        const FlashAttentionOptions& options, const char* op = "flash_attention");
+
+/// Launches a plan's kernel with `grid` blocks (<= 0: one per item) on `stream`; compiles and loads it on first use.
+void launch_flash_attention(const FlashAttentionPlan& plan, int64_t grid, cudaStream_t stream);
+
+/// Blocks of `config`'s kernel that fit one SM of the current device.
+int attention_prefill_blocks_per_sm(const AttentionPrefillConfig& config);
+
+}  // namespace detail
+
+}  // namespace weft::ops

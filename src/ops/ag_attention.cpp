@@ -1,0 +1,535 @@
+// SPDX-License-Identifier: MIT
+// weft::ops::flash_attention and weft::ops::AgAttention: argument checks, the JIT prefill kernel and its launch, and
+// the all-gather of K/V on a copy stream with one arrival flag per rank's shard.
+#include "weft/ops/ag_attention.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "tp_common.hpp"
+#include "weft/common/tp_params.hpp"
+#include "weft/jit/aot.hpp"
+#include "weft/ops/ag_gemm.hpp"
+#include "weft/runtime/driver.hpp"
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
+#include "weft/runtime/nvtx.hpp"
+#include "weft/runtime/stream.hpp"
+#include "weft/runtime/team.hpp"
+#include "weft/runtime/world.hpp"
+
+namespace weft::ops {
+
+namespace {
+
+constexpr int64_t kMaxSeq = (int64_t{1} << 31) - (int64_t{1} << 20);
+constexpr float kLog2e = 1.4426950408889634f;
+
+// A view of `ndim` dimensions, every extent >= 0, innermost stride 1, non-null when it holds elements, data aligned
+// to `align` bytes.
+void check_basic(const TensorView& v, const char* op, const char* what, int ndim, size_t align) {
+    WEFT_CHECK(v.ndim == ndim, op << ": " << what << " must have " << ndim << " dimensions, got " << v.describe());
+    for (int i = 0; i < ndim; ++i) {
+        WEFT_CHECK(v.dim(i) >= 0, op << ": " << what << " has a negative extent: " << v.describe());
+    }
+    WEFT_CHECK(v.numel() == 0 || v.data != nullptr,
+               op << ": " << what << " is null but holds " << v.numel() << " elements (" << v.describe() << ")");
+    WEFT_CHECK(v.dim(ndim - 1) <= 1 || v.stride(ndim - 1) == 1,
+               op << ": " << what << " must have innermost stride 1, got " << v.describe());
+    WEFT_CHECK(reinterpret_cast<uintptr_t>(v.data) % align == 0,
+               op << ": " << what << " must be " << align << "-byte aligned, got " << v.data);
+}
+
+// Outer strides of a 16-bit tensor read with 16-byte copies: non-negative multiples of 8 elements.
+void check_vector_strides(const TensorView& v, const char* op, const char* what) {
+    for (int i = 0; i + 1 < v.ndim; ++i) {
+        WEFT_CHECK(v.stride(i) >= 0 && v.stride(i) % 8 == 0, op << ": " << what << " stride " << i
+                                                                << " must be a non-negative multiple of 8 elements "
+                                                                << "(16-byte rows), got " << v.describe());
+    }
+}
+
+bool is_empty_view(const TensorView& v) { return v.data == nullptr && v.ndim == 0; }
+
+float resolve_scale(const std::optional<float>& scale, int64_t head_dim, const char* op) {
+    const float s = scale ? *scale : 1.f / std::sqrt(static_cast<float>(head_dim));
+    WEFT_CHECK(std::isfinite(s), op << ": options.scale must be finite, got " << s);
+    return s;
+}
+
+void check_config(const AttentionPrefillConfig& c, DType dtype, int64_t head_dim, const char* op) {
+    WEFT_CHECK(is_valid(c), op << ": options.config is not a valid AttentionPrefillConfig (head_dim 64 or 128, block_m "
+                               << "64 or 128, stages 2 or 3): got head_dim " << c.head_dim << ", block_m " << c.block_m
+                               << ", stages " << c.stages);
+    WEFT_CHECK(c.dtype == dtype && c.head_dim == head_dim,
+               op << ": options.config must have the inputs' dtype " << dtype_name(dtype) << " and head_dim "
+                  << head_dim << ", got " << dtype_name(c.dtype) << " and " << c.head_dim);
+}
+
+// The prefill kernel of one config, compiled and loaded on first use per device.
+jit::Kernel& kernel_for(const AttentionPrefillConfig& c) {
+    static std::mutex mutex;
+    static std::map<std::tuple<int, int, int, int, int>, jit::Kernel*> memo;
+    int device = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    const auto key = std::make_tuple(device, static_cast<int>(c.dtype), c.head_dim, c.block_m, c.stages);
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        auto it = memo.find(key);
+        if (it != memo.end()) return *it->second;
+    }
+    jit::Kernel& k = jit::compiler().get_kernel(attention_prefill_kernel_spec(c));
+    k.allow_dynamic_smem(static_cast<size_t>(attention_prefill_smem_bytes(c)));
+    std::lock_guard<std::mutex> lock(mutex);
+    memo[key] = &k;
+    return k;
+}
+
+}  // namespace
+
+jit::KernelSpec attention_prefill_kernel_spec(const AttentionPrefillConfig& config, const std::string& arch) {
+    WEFT_CHECK(is_valid(config), "attention_prefill_kernel_spec: invalid AttentionPrefillConfig (dtype "
+                                     << dtype_name(config.dtype) << ", head_dim " << config.head_dim << ", block_m "
+                                     << config.block_m << ", stages " << config.stages << ")");
+    std::ostringstream inst;
+    inst << "weft::kernels::attention::prefill_forward<weft::AttentionPrefillConfig{.dtype = "
+         << dtype_enum_name(config.dtype) << ", .head_dim = " << config.head_dim << ", .block_m = " << config.block_m
+         << ", .stages = " << config.stages << "}>";
+    std::ostringstream desc;
+    desc << "attention prefill " << dtype_name(config.dtype) << " head_dim=" << config.head_dim
+         << " block_m=" << config.block_m << " stages=" << config.stages;
+    jit::KernelSpec spec;
+    spec.header = "attention/prefill.cuh";
+    spec.instantiation = inst.str();
+    spec.description = desc.str();
+    spec.arch = arch;
+    return spec;
+}
+
+void register_prefill_attention_aot_specs() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        for (DType t : {DType::kBF16, DType::kF16}) {
+            for (int32_t d : {64, 128}) {
+                jit::register_aot_spec(attention_prefill_kernel_spec(attention_prefill_default_config(t, d)));
+            }
+        }
+    });
+}
+
+namespace detail {
+
+FlashAttentionPlan plan_flash_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                                        const TensorView& out, const TensorView& lse,
+                                        const FlashAttentionOptions& options, const char* op) {
+    check_basic(q, op, "q", 3, 16);
+    WEFT_CHECK(q.dtype == DType::kBF16 || q.dtype == DType::kF16,
+               op << ": q must be bf16 or f16, got " << dtype_name(q.dtype));
+    check_vector_strides(q, op, "q");
+    const int64_t seq_q = q.dim(0);
+    const int64_t num_q_heads = q.dim(1);
+    const int64_t head_dim = q.dim(2);
+    WEFT_CHECK(head_dim == 64 || head_dim == 128,
+               op << ": head_dim (q's last extent) must be 64 or 128, got " << q.describe());
+    check_basic(k, op, "k", 3, 16);
+    check_basic(v, op, "v", 3, 16);
+    WEFT_CHECK(k.dtype == q.dtype,
+               op << ": k must have q's dtype " << dtype_name(q.dtype) << ", got " << dtype_name(k.dtype));
+    WEFT_CHECK(v.dtype == q.dtype,
+               op << ": v must have q's dtype " << dtype_name(q.dtype) << ", got " << dtype_name(v.dtype));
+    check_vector_strides(k, op, "k");
+    check_vector_strides(v, op, "v");
+    for (int i = 0; i < 3; ++i) {
+        WEFT_CHECK(v.dim(i) == k.dim(i) && v.stride(i) == k.stride(i),
+                   op << ": v must have k's shape and strides, got " << v.describe() << " and " << k.describe());
+    }
+    const int64_t seq_kv = k.dim(0);
+    const int64_t num_kv_heads = k.dim(1);
+    WEFT_CHECK(k.dim(2) == head_dim, op << ": k's head_dim must be q's (" << head_dim << "), got " << k.describe());
+    WEFT_CHECK(num_kv_heads >= 1, op << ": num_kv_heads (k extent 1) must be at least 1, got " << k.describe());
+    WEFT_CHECK(num_q_heads >= num_kv_heads && num_q_heads % num_kv_heads == 0,
+               op << ": num_q_heads (" << num_q_heads << ") must be a positive multiple of num_kv_heads ("
+                  << num_kv_heads << ")");
+    const int64_t group = num_q_heads / num_kv_heads;
+    WEFT_CHECK(group <= kPrefillMaxGroup, op << ": at most " << kPrefillMaxGroup
+                                             << " q-heads per KV head are supported, got " << num_q_heads << " / "
+                                             << num_kv_heads << " = " << group);
+    WEFT_CHECK(seq_q < kMaxSeq && seq_kv < kMaxSeq,
+               op << ": seq_q and seq_kv must be below " << kMaxSeq << ", got " << seq_q << " and " << seq_kv);
+    WEFT_CHECK(num_q_heads <= 65536, op << ": at most 65536 q-heads, got " << num_q_heads);
+
+    check_basic(out, op, "out", 3, 16);
+    WEFT_CHECK(out.dtype == q.dtype,
+               op << ": out must have q's dtype " << dtype_name(q.dtype) << ", got " << dtype_name(out.dtype));
+    WEFT_CHECK(out.dim(0) == seq_q && out.dim(1) == num_q_heads && out.dim(2) == head_dim && out.is_contiguous(),
+               op << ": out must be contiguous [" << seq_q << ", " << num_q_heads << ", " << head_dim << "], got "
+                  << out.describe());
+    if (!is_empty_view(lse)) {
+        check_basic(lse, op, "lse", 2, 4);
+        WEFT_CHECK(lse.dtype == DType::kF32, op << ": lse must be f32, got " << dtype_name(lse.dtype));
+        WEFT_CHECK(lse.dim(0) == seq_q && lse.dim(1) == num_q_heads && lse.is_contiguous(),
+                   op << ": lse must be contiguous [" << seq_q << ", " << num_q_heads << "], got " << lse.describe());
+    }
+    WEFT_CHECK(options.mask == AttentionMask::kNone || options.mask == AttentionMask::kCausal,
+               op << ": options.mask must be kNone or kCausal, got " << static_cast<int>(options.mask));
+    WEFT_CHECK(options.q_position >= 0 && options.q_position < (int64_t{1} << 31),
+               op << ": options.q_position must be in [0, 2^31), got " << options.q_position);
+
+    FlashAttentionPlan plan;
+    plan.config =
+        options.config ? *options.config : attention_prefill_default_config(q.dtype, static_cast<int32_t>(head_dim));
+    check_config(plan.config, q.dtype, head_dim, op);
+    const int64_t m_tiles = attention_prefill_num_m_tiles(static_cast<int32_t>(seq_q), plan.config.block_m);
+    plan.num_items = m_tiles * num_q_heads;
+    WEFT_CHECK(plan.num_items < (int64_t{1} << 31),
+               op << ": " << plan.num_items << " work items (query tiles x q-heads) exceed 2^31 - 1");
+
+    AttentionPrefillParams& p = plan.params;
+    p.q = q.data;
+    p.k = k.data;
+    p.v = v.data;
+    p.out = out.data;
+    p.lse = is_empty_view(lse) ? nullptr : static_cast<float*>(lse.data);
+    p.q_row_stride = q.stride(0);
+    p.q_head_stride = q.stride(1);
+    p.kv_row_stride = k.stride(0);
+    p.kv_head_stride = k.stride(1);
+    p.q_position = options.q_position;
+    p.seq_q = static_cast<int32_t>(seq_q);
+    p.seq_kv = static_cast<int32_t>(seq_kv);
+    p.num_q_heads = static_cast<int32_t>(num_q_heads);
+    p.num_kv_heads = static_cast<int32_t>(num_kv_heads);
+    p.group = static_cast<int32_t>(group);
+    p.mask = static_cast<int32_t>(options.mask);
+    p.scale_log2 = resolve_scale(options.scale, head_dim, op) * kLog2e;
+    p.chunk_keys = static_cast<int32_t>(std::max<int64_t>(seq_kv, 1));
+    p.num_chunks = 1;
+    p.local_chunk = 0;
+    return plan;
+}
+
+int attention_prefill_blocks_per_sm(const AttentionPrefillConfig& config) {
+    jit::Kernel& k = kernel_for(config);
+    const size_t smem = static_cast<size_t>(attention_prefill_smem_bytes(config));
+    const CUfunction fn = k.allow_dynamic_smem(smem);
+    int blocks = 0;
+    WEFT_CU_CHECK(
+        driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, attention_prefill_threads(config), smem));
+    return std::max(1, blocks);
+}
+
+void launch_flash_attention(const FlashAttentionPlan& plan, int64_t grid, cudaStream_t stream) {
+    if (plan.num_items == 0) return;
+    jit::Kernel& k = kernel_for(plan.config);
+    jit::LaunchParams lp;
+    lp.grid = dim3(static_cast<unsigned>(grid <= 0 ? plan.num_items : std::min(grid, plan.num_items)));
+    lp.block = dim3(static_cast<unsigned>(attention_prefill_threads(plan.config)));
+    lp.dynamic_smem_bytes = static_cast<size_t>(attention_prefill_smem_bytes(plan.config));
+    lp.stream = stream;
+    k.launch(lp, plan.params);
+}
+
+}  // namespace detail
+
+void flash_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                     const TensorView& lse, cudaStream_t stream, const FlashAttentionOptions& options) {
+    WEFT_NVTX_RANGE("flash_attention");
+    const detail::FlashAttentionPlan plan = detail::plan_flash_attention(q, k, v, out, lse, options);
+    // One block per item: the hardware hands the longest items (first in the order) out first and balances the rest.
+    detail::launch_flash_attention(plan, 0, stream);
+}
+
+// ------------------------------------------------------------------------------------------------
+// AgAttention
+
+namespace {
+constexpr const char* kOp = "ag_attention";
+}  // namespace
+
+void validate_ag_attention_shape(const AgAttentionShape& s, int num_ranks, const AgAttentionOptions& o) {
+    WEFT_CHECK(num_ranks >= 1, "ag_attention: the team's num_ranks must be >= 1, got " << num_ranks);
+    WEFT_CHECK(s.max_seq > 0 && s.max_seq % num_ranks == 0,
+               "ag_attention: shape.max_seq must be a positive multiple of the team's num_ranks "
+                   << num_ranks << " (equal shards; uneven shards are not supported), got " << s.max_seq);
+    WEFT_CHECK(s.max_seq < kMaxSeq, "ag_attention: shape.max_seq must be below " << kMaxSeq << ", got " << s.max_seq);
+    WEFT_CHECK(s.head_dim == 64 || s.head_dim == 128,
+               "ag_attention: shape.head_dim must be 64 or 128, got " << s.head_dim);
+    WEFT_CHECK(s.num_kv_heads >= 1 && s.num_q_heads >= s.num_kv_heads && s.num_q_heads % s.num_kv_heads == 0 &&
+                   s.num_q_heads / s.num_kv_heads <= kPrefillMaxGroup && s.num_q_heads <= 65536,
+               "ag_attention: shape.num_q_heads must be a multiple of shape.num_kv_heads >= 1 with at most "
+                   << kPrefillMaxGroup << " q-heads per KV head, got " << s.num_q_heads << " and " << s.num_kv_heads);
+    WEFT_CHECK(s.dtype == DType::kBF16 || s.dtype == DType::kF16,
+               "ag_attention: shape.dtype must be bf16 or f16, got " << dtype_name(s.dtype));
+    WEFT_CHECK(s.mask == AttentionMask::kNone || s.mask == AttentionMask::kCausal,
+               "ag_attention: shape.mask must be kNone or kCausal, got " << static_cast<int>(s.mask));
+    WEFT_CHECK(o.sm_budget >= 0, "ag_attention: options.sm_budget must be >= 0 (0 = the world's), got " << o.sm_budget);
+    (void)resolve_scale(o.scale, s.head_dim, kOp);
+    if (o.config) check_config(*o.config, s.dtype, s.head_dim, kOp);
+}
+
+struct AgAttention::State {
+    Team team;
+    World* world;
+    int num_ranks = 1, rank = 0;
+    DeviceCtx ctx{};
+    AgAttentionShape shape;
+    AgAttentionOptions options;
+    AttentionPrefillConfig config;
+    int grid = 1;
+
+    tp_detail::SymmetricAllocations heap;
+    tp_detail::StreamSet streams;
+    tp_detail::FirstCallSync first_call;
+
+    uint8_t* gathered_k = nullptr;  // [max_seq, num_kv_heads, head_dim]
+    uint8_t* gathered_v = nullptr;
+    uint64_t* chunk_signals = nullptr;  // [W]
+    uint64_t* ready = nullptr;          // [W]
+    uint64_t* done = nullptr;           // [W]
+    uint64_t* epoch = nullptr;
+    uint64_t* block_counter = nullptr;
+
+    const jit::Kernel* notify_kernel = nullptr;
+    cudaStream_t copy_stream = nullptr;
+    cudaEvent_t fork = nullptr;
+    cudaEvent_t join = nullptr;
+
+    explicit State(const Team& t)
+        : team(tp_detail::require_member(t, kOp)),
+          world(&t.world()),
+          num_ranks(t.num_ranks()),
+          rank(t.rank()),
+          ctx(t.device_ctx()),
+          heap(t) {}
+    ~State() { heap.free_all(); }
+
+    int64_t row_bytes() const { return shape.num_kv_heads * shape.head_dim * dtype_bytes(shape.dtype); }
+    TensorView view(uint8_t* base, int64_t seq) const {
+        return TensorView(base, shape.dtype, {seq, shape.num_kv_heads, shape.head_dim});
+    }
+    TensorView shard(uint8_t* base, int64_t seq) const {
+        const int64_t rows = seq / num_ranks;
+        return TensorView(base + rank * rows * row_bytes(), shape.dtype, {rows, shape.num_kv_heads, shape.head_dim});
+    }
+    void check_seq(int64_t seq) const {
+        WEFT_CHECK(seq >= num_ranks && seq <= shape.max_seq && seq % num_ranks == 0,
+                   "ag_attention: seq must be a multiple of the team's num_ranks "
+                       << num_ranks << " in [" << num_ranks << ", max_seq = " << shape.max_seq << "], got " << seq);
+    }
+};
+
+AgAttention::AgAttention(World& world, const AgAttentionShape& shape, const AgAttentionOptions& options)
+    : AgAttention(world.team(), shape, options) {}
+
+AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const AgAttentionOptions& options)
+    : s_(std::make_unique<State>(team)) {
+    State& s = *s_;
+    World& world = *s.world;
+    validate_ag_attention_shape(shape, s.num_ranks, options);
+    s.shape = shape;
+    s.options = options;
+    s.config = options.config ? *options.config
+                              : attention_prefill_default_config(shape.dtype, static_cast<int32_t>(shape.head_dim));
+
+    // Symmetric buffers (collective over the team, same order on every member).
+    const auto kv_bytes = static_cast<uint64_t>(shape.max_seq * s.row_bytes());
+    s.gathered_k = static_cast<uint8_t*>(s.heap.alloc(kv_bytes));
+    s.gathered_v = static_cast<uint8_t*>(s.heap.alloc(kv_bytes));
+    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(3 * s.num_ranks + 2));
+    s.chunk_signals = words;
+    s.ready = words + s.num_ranks;
+    s.done = s.ready + s.num_ranks;
+    s.epoch = s.done + s.num_ranks;
+    s.block_counter = s.epoch + 1;
+    tp_detail::check_peers_reachable(team, s.gathered_k, kOp);
+
+    // Every kernel a call launches is loaded now (lazy loading behind a waiting kernel can deadlock).
+    jit::Kernel& kernel = kernel_for(s.config);
+    (void)kernel;
+    const bool shared_gpu = world.num_ranks_on_device() > 1;
+    // NOTE: ranks sharing a GPU keep one SM of their budget free of the persistent kernel (for the notify kernel and
+    // copy helpers of the other ranks) and run one block per SM, so that every rank's blocks are resident together.
+    int budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
+    if (s.num_ranks > 1 && shared_gpu && options.sm_budget == 0) budget -= 1;
+    WEFT_CHECK(budget >= 1, "ag_attention: the SM budget must be >= 1, got " << budget);
+    s.grid = options.sm_budget > 0 || shared_gpu ? budget : budget * detail::attention_prefill_blocks_per_sm(s.config);
+    if (s.num_ranks > 1) {
+        s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());
+        s.copy_stream = s.streams.add_stream();
+        s.fork = s.streams.add_event();
+        s.join = s.streams.add_event();
+        // The first call on ranks sharing a GPU ends before anything more is launched (the same on every member).
+        if (world.max_ranks_per_device() > 1) s.first_call.arm(1);
+    }
+    WEFT_LOG_INFO("ag_attention: " << dtype_name(shape.dtype) << " head_dim " << shape.head_dim << ", block_m "
+                                   << s.config.block_m << ", stages " << s.config.stages << ", grid " << s.grid
+                                   << ", team of " << s.num_ranks);
+    team.barrier();
+}
+
+AgAttention::~AgAttention() = default;
+
+const AgAttentionShape& AgAttention::shape() const { return s_->shape; }
+const AttentionPrefillConfig& AgAttention::config() const { return s_->config; }
+int AgAttention::grid() const { return s_->grid; }
+
+TensorView AgAttention::gathered_k(int64_t seq) const {
+    s_->check_seq(seq);
+    return s_->view(s_->gathered_k, seq);
+}
+TensorView AgAttention::gathered_v(int64_t seq) const {
+    s_->check_seq(seq);
+    return s_->view(s_->gathered_v, seq);
+}
+TensorView AgAttention::local_k(int64_t seq) const {
+    s_->check_seq(seq);
+    return s_->shard(s_->gathered_k, seq);
+}
+TensorView AgAttention::local_v(int64_t seq) const {
+    s_->check_seq(seq);
+    return s_->shard(s_->gathered_v, seq);
+}
+
+void AgAttention::run(const TensorView& q_local, const TensorView& k_local, const TensorView& v_local,
+                      const TensorView& out, const TensorView& lse, cudaStream_t stream) {
+    WEFT_NVTX_RANGE("ag_attention");
+    State& s = *s_;
+    const AgAttentionShape& sh = s.shape;
+    WEFT_CHECK(q_local.ndim == 3 && k_local.ndim == 3 && v_local.ndim == 3,
+               "ag_attention: q_local, k_local and v_local must be 3-D [S/W, heads, head_dim], got "
+                   << q_local.describe() << ", " << k_local.describe() << ", " << v_local.describe());
+    const int64_t rows = q_local.dim(0);
+    const int64_t seq = rows * s.num_ranks;
+    WEFT_CHECK(rows >= 1 && seq <= sh.max_seq, "ag_attention: q_local must have 1 .. max_seq/W = "
+                                                   << sh.max_seq / s.num_ranks << " rows, got " << q_local.describe());
+    WEFT_CHECK(q_local.dtype == sh.dtype,
+               "ag_attention: q_local must be " << dtype_name(sh.dtype) << ", got " << dtype_name(q_local.dtype));
+    WEFT_CHECK(q_local.dim(1) == sh.num_q_heads && q_local.dim(2) == sh.head_dim,
+               "ag_attention: q_local must be [S/W, " << sh.num_q_heads << ", " << sh.head_dim << "], got "
+                                                      << q_local.describe());
+    for (const auto& [view, name] : {std::pair{&k_local, "k_local"}, std::pair{&v_local, "v_local"}}) {
+        const TensorView& t = *view;
+        WEFT_CHECK(t.dtype == sh.dtype,
+                   "ag_attention: " << name << " must be " << dtype_name(sh.dtype) << ", got " << dtype_name(t.dtype));
+        WEFT_CHECK(t.dim(0) == rows && t.dim(1) == sh.num_kv_heads && t.dim(2) == sh.head_dim,
+                   "ag_attention: " << name << " must be [" << rows << ", " << sh.num_kv_heads << ", " << sh.head_dim
+                                    << "] (q_local's rows), got " << t.describe());
+        WEFT_CHECK(t.data != nullptr && reinterpret_cast<uintptr_t>(t.data) % 16 == 0,
+                   "ag_attention: " << name << " must be a non-null 16-byte aligned device pointer, got " << t.data);
+        WEFT_CHECK(t.stride(2) == 1 && t.stride(1) == sh.head_dim &&
+                       (rows == 1 || t.stride(0) >= sh.num_kv_heads * sh.head_dim) && t.stride(0) % 8 == 0,
+                   "ag_attention: " << name << " must have contiguous heads and dims and a row stride >= "
+                                    << sh.num_kv_heads * sh.head_dim << " (a multiple of 8), got " << t.describe());
+    }
+    // A single row's stride may be anything: its copy reads one row.
+    const auto src_pitch = [&](const TensorView& t) {
+        return static_cast<size_t>(rows == 1 ? s.row_bytes() : t.stride(0) * dtype_bytes(sh.dtype));
+    };
+    const TensorView gk = s.view(s.gathered_k, seq);
+    const TensorView gv = s.view(s.gathered_v, seq);
+    FlashAttentionOptions fo;
+    fo.scale = s.options.scale;
+    fo.mask = sh.mask;
+    fo.q_position = s.rank * rows;
+    fo.config = s.config;
+    // The full argument check (q strides, out, lse) against the gathered K/V.
+    detail::FlashAttentionPlan plan = detail::plan_flash_attention(q_local, gk, gv, out, lse, fo, kOp);
+
+    if (s.num_ranks == 1) {
+        // The kernel straight on the caller's K/V; the copy into the gathered buffer is what a call leaves behind.
+        detail::FlashAttentionPlan local = detail::plan_flash_attention(q_local, k_local, v_local, out, lse, fo, kOp);
+        detail::launch_flash_attention(local, s.grid, stream);
+        for (const auto& [src, dst] : {std::pair{&k_local, s.gathered_k}, std::pair{&v_local, s.gathered_v}}) {
+            if (src->data == dst) continue;
+            WEFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(s.row_bytes()), src->data, src_pitch(*src),
+                                              static_cast<size_t>(s.row_bytes()), static_cast<size_t>(rows),
+                                              cudaMemcpyDefault, stream));
+        }
+        s.heap.note_use(stream);  // the destructor waits for this op's work before freeing its buffers
+        return;
+    }
+
+    // Set-up on the host first: nothing that can throw may sit between this rank's launches (the peers would wait
+    // on the device for work that never comes).
+    const int64_t shard_bytes = rows * s.row_bytes();
+    struct Pull {
+        int peer;
+        void* dst_k;
+        void* dst_v;
+        const void* src_k;
+        const void* src_v;
+    };
+    std::vector<Pull> pulls;
+    for (int32_t i = 1; i < s.num_ranks; ++i) {
+        const int32_t c = attention_prefill_chunk_at(s.rank, s.num_ranks, i);
+        // The causal mask: rank r's queries see shards 0..r only; the others are neither pulled nor awaited.
+        if (sh.mask == AttentionMask::kCausal && c > s.rank) continue;
+        Pull pull{};
+        pull.peer = c;
+        pull.dst_k = s.gathered_k + c * shard_bytes;
+        pull.dst_v = s.gathered_v + c * shard_bytes;
+        pull.src_k = s.world->heap().symm_at(pull.dst_k, s.team.world_rank(c));
+        pull.src_v = s.world->heap().symm_at(pull.dst_v, s.team.world_rank(c));
+        WEFT_CHECK(pull.src_k != nullptr && pull.src_v != nullptr, "ag_attention: the gathered K/V of team rank "
+                                                                       << c << " (world rank " << s.team.world_rank(c)
+                                                                       << ") is not reachable");
+        pulls.push_back(pull);
+    }
+    AttentionPrefillParams& p = plan.params;
+    p.ctx = s.ctx;
+    p.chunk_keys = static_cast<int32_t>(rows);
+    p.num_chunks = s.num_ranks;
+    p.local_chunk = s.rank;
+    p.chunk_signals = s.chunk_signals;
+    p.finish.block_counter = s.block_counter;
+    p.finish.chunk_signals = s.chunk_signals;
+    p.finish.ready = s.ready;
+    p.finish.done = s.done;
+    p.finish.epoch = s.epoch;
+    const AgNotifyParams notify{s.ctx, s.ready};
+    uint8_t* const slot_k = s.gathered_k + s.rank * shard_bytes;
+    uint8_t* const slot_v = s.gathered_v + s.rank * shard_bytes;
+
+    // 0. Fork the copy stream: it only needs the previous call to be over (it is, in stream order).
+    WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.copy_stream, s.fork, 0));
+    // 1. This rank's shard into its slot of the gathered buffers, then ready[rank] = 1 on every peer.
+    for (const auto& [src, dst] : {std::pair{&k_local, slot_k}, std::pair{&v_local, slot_v}}) {
+        if (src->data == dst) continue;
+        WEFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(s.row_bytes()), src->data, src_pitch(*src),
+                                          static_cast<size_t>(s.row_bytes()), static_cast<size_t>(rows),
+                                          cudaMemcpyDefault, stream));
+    }
+    {
+        jit::LaunchParams lp;
+        lp.grid = dim3(1, 1, 1);
+        lp.block = dim3(kTpNotifyThreads, 1, 1);
+        lp.stream = stream;
+        s.notify_kernel->launch(lp, notify);
+    }
+    // 2. The copy stream pulls each needed peer's shard (K then V) in the kernel's visiting order, then raises the
+    //    shard's flag (constant 1: reset by the kernel's end of call, so nothing is frozen in a graph).
+    for (const Pull& pull : pulls) {
+        stream_wait_u64_geq(s.copy_stream, s.ready + pull.peer, 1);
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(pull.dst_k, pull.src_k, static_cast<size_t>(shard_bytes), cudaMemcpyDefault,
+                                        s.copy_stream));
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(pull.dst_v, pull.src_v, static_cast<size_t>(shard_bytes), cudaMemcpyDefault,
+                                        s.copy_stream));
+        stream_write_u64(s.copy_stream, s.chunk_signals + pull.peer, 1);
+    }
+    // 3. The attention kernel: own shard first, then each peer's after its flag; its last block ends the call.
+    detail::launch_flash_attention(plan, s.grid, stream);
+    // 4. Join the copy stream (finished by now: the kernel waited for every shard it pulled).
+    WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.copy_stream));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+    s.heap.note_use(stream);  // the destructor waits for this op's work (the copy stream joined) before freeing
+    s.first_call.after_call(s.team, 0, stream);
+}
+
+}  // namespace weft::ops

@@ -1,0 +1,409 @@
+// SPDX-License-Identifier: MIT
+// GPU tests of the prefill attention: weft::ops::flash_attention on one GPU and weft::ops::AgAttention with ranks as
+// threads sharing the visible GPUs (worlds 1, 2, 3, 4, 8), against an fp64 host reference: causal and no mask,
+// grouped-query attention, head dims 64 and 128, lengths that are not multiples of the tiles, strided K/V, outputs
+// poisoned (NaN) before every call, repeated calls (the end-of-call protocol) and a CUDA graph replayed.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "support/runtime_checks.hpp"
+#include "weft/ops/ag_attention.hpp"
+#include "weft/weft.hpp"
+
+namespace weft::test {
+namespace {
+
+bool have_sm90() {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return false;
+    cudaDeviceProp prop{};
+    cudaGetDeviceProperties(&prop, 0);
+    return prop.major == 9;
+}
+
+uint16_t to_bits(float x, DType t) {
+    if (t == DType::kF16) {
+        // Round to nearest even by hand (no host half type): the generators below give values in [-2, 2].
+        const float a = std::fabs(x);
+        uint32_t u;
+        std::memcpy(&u, &x, 4);
+        const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+        if (a < 6.1035156e-05f) return sign;  // subnormal range: zero (the reference reads the same bits)
+        int e = 0;
+        const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+        const int exp16 = e - 1 + 15;
+        const float frac = (m * 2.f - 1.f) * 1024.f;
+        auto mant = static_cast<uint32_t>(std::nearbyint(frac));
+        uint32_t bits = (static_cast<uint32_t>(exp16) << 10) + mant;  // a carry into the exponent is correct
+        return static_cast<uint16_t>(sign | bits);
+    }
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+double to_value(uint16_t b, DType t) {
+    if (t == DType::kF16) {
+        const int e = (b >> 10) & 0x1f;
+        const int m = b & 0x3ff;
+        const double mag = e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25);
+        return (b & 0x8000) ? -mag : mag;
+    }
+    const uint32_t u = static_cast<uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+/// A whole sequence: q [seq, hq, dim], k and v [seq_kv, hkv, dim], and the fp64 reference for queries at positions
+/// q_position + i.
+struct Problem {
+    int seq_q = 0, seq_kv = 0, hq = 0, hkv = 0, dim = 0;
+    int64_t q_position = 0;
+    bool causal = false;
+    DType dtype = DType::kBF16;
+    std::vector<uint16_t> q, k, v;
+    std::vector<double> out, lse;
+};
+
+Problem make_problem(int seq_q, int seq_kv, int hq, int hkv, int dim, bool causal, int64_t q_position, DType dtype,
+                     uint64_t seed) {
+    Problem pr;
+    pr.seq_q = seq_q;
+    pr.seq_kv = seq_kv;
+    pr.hq = hq;
+    pr.hkv = hkv;
+    pr.dim = dim;
+    pr.causal = causal;
+    pr.q_position = q_position;
+    pr.dtype = dtype;
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<float> u(-1.f, 1.f);
+    pr.q.resize(static_cast<size_t>(seq_q) * hq * dim);
+    pr.k.resize(static_cast<size_t>(seq_kv) * hkv * dim);
+    pr.v.resize(pr.k.size());
+    // Scores of a few units: softmax far from uniform, so that a wrong key or mask shows.
+    for (auto& x : pr.q) x = to_bits(2.f * u(rng), dtype);
+    for (auto& x : pr.k) x = to_bits(u(rng), dtype);
+    for (auto& x : pr.v) x = to_bits(u(rng), dtype);
+    pr.out.assign(pr.q.size(), 0.0);
+    pr.lse.assign(static_cast<size_t>(seq_q) * hq, -INFINITY);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+    const int group = hq / hkv;
+    std::vector<double> qd(pr.q.size()), kd(pr.k.size()), vd(pr.v.size());
+    for (size_t i = 0; i < qd.size(); ++i) qd[i] = to_value(pr.q[i], dtype);
+    for (size_t i = 0; i < kd.size(); ++i) kd[i] = to_value(pr.k[i], dtype);
+    for (size_t i = 0; i < vd.size(); ++i) vd[i] = to_value(pr.v[i], dtype);
+    std::vector<double> s(static_cast<size_t>(seq_kv));
+    for (int i = 0; i < seq_q; ++i) {
+        const int64_t pos = q_position + i;
+        const int visible =
+            causal ? static_cast<int>(std::min<int64_t>(seq_kv, std::max<int64_t>(0, pos + 1))) : seq_kv;
+        for (int h = 0; h < hq; ++h) {
+            const size_t row = static_cast<size_t>(i) * hq + h;
+            const int kvh = h / group;
+            if (visible == 0) continue;
+            double m = -INFINITY;
+            for (int j = 0; j < visible; ++j) {
+                double dot = 0;
+                const size_t kb = (static_cast<size_t>(j) * hkv + kvh) * dim;
+                for (int e = 0; e < dim; ++e) dot += qd[row * dim + e] * kd[kb + e];
+                s[static_cast<size_t>(j)] = dot * scale;
+                m = std::max(m, s[static_cast<size_t>(j)]);
+            }
+            double l = 0;
+            for (int j = 0; j < visible; ++j) {
+                const double p = std::exp(s[static_cast<size_t>(j)] - m);
+                l += p;
+                const size_t vb = (static_cast<size_t>(j) * hkv + kvh) * dim;
+                for (int e = 0; e < dim; ++e) pr.out[row * dim + e] += p * vd[vb + e];
+            }
+            for (int e = 0; e < dim; ++e) pr.out[row * dim + e] /= l;
+            pr.lse[row] = m + std::log(l);
+        }
+    }
+    return pr;
+}
+
+/// Checks rows [row0, row0 + rows) of the reference against `out` / `lse` (which hold just those rows).
+void check_rows(const Problem& pr, int row0, int rows, const std::vector<uint16_t>& out, const std::vector<float>& lse,
+                const std::string& what) {
+    int bad = 0;
+    const size_t width = static_cast<size_t>(pr.hq) * pr.dim;
+    for (int i = 0; i < rows && bad < 8; ++i) {
+        for (int h = 0; h < pr.hq && bad < 8; ++h) {
+            const size_t ref_row = static_cast<size_t>(row0 + i) * pr.hq + h;
+            const size_t got_row = static_cast<size_t>(i) * pr.hq + h;
+            const double want_lse = pr.lse[ref_row];
+            const float got_lse = lse[got_row];
+            const bool empty = std::isinf(want_lse);
+            if (empty ? !(std::isinf(got_lse) && got_lse < 0) : !(std::fabs(got_lse - want_lse) <= 2e-3)) {
+                ADD_FAILURE() << what << ": lse[" << row0 + i << ", " << h << "] = " << got_lse << ", want "
+                              << want_lse;
+                ++bad;
+            }
+            for (int e = 0; e < pr.dim; ++e) {
+                const double want = pr.out[ref_row * pr.dim + e];
+                const double got = to_value(out[static_cast<size_t>(i) * width + h * pr.dim + e], pr.dtype);
+                if (!(std::fabs(got - want) <= 6e-3 + 1.6e-2 * std::fabs(want))) {
+                    ADD_FAILURE() << what << ": out[" << row0 + i << ", " << h << ", " << e << "] = " << got
+                                  << ", want " << want;
+                    ++bad;
+                    break;
+                }
+            }
+        }
+    }
+}
+
+uint64_t fresh_seed() {
+    std::random_device rd;
+    const uint64_t seed = (uint64_t{rd()} << 20) ^ rd();
+    std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(seed));
+    return seed;
+}
+
+// ------------------------------------------------------------------------------------------------
+// One GPU
+
+struct Case {
+    int seq_q, seq_kv, hq, hkv, dim;
+    bool causal;
+    int64_t q_position;
+    DType dtype = DType::kBF16;
+    int kv_row_pad = 0;  // extra elements per K/V row: a strided view into a wider buffer
+    int block_m = 0;     // 0: the default config
+};
+
+void run_case(const Case& c, uint64_t seed) {
+    const Problem pr = make_problem(c.seq_q, c.seq_kv, c.hq, c.hkv, c.dim, c.causal, c.q_position, c.dtype, seed);
+    const std::string what = "seq_q " + std::to_string(c.seq_q) + " seq_kv " + std::to_string(c.seq_kv) + " heads " +
+                             std::to_string(c.hq) + "/" + std::to_string(c.hkv) + " dim " + std::to_string(c.dim) +
+                             (c.causal ? " causal" : " no mask") + " q_position " + std::to_string(c.q_position) + " " +
+                             dtype_name(c.dtype) + " pad " + std::to_string(c.kv_row_pad) + " block_m " +
+                             std::to_string(c.block_m);
+    SCOPED_TRACE(what);
+    const int64_t kv_row = static_cast<int64_t>(c.hkv) * c.dim + c.kv_row_pad;
+    std::vector<uint16_t> kp(static_cast<size_t>(std::max(1, c.seq_kv) * kv_row), 0x7fc0);  // NaN in the padding
+    std::vector<uint16_t> vp(kp.size(), 0x7fc0);
+    for (int j = 0; j < c.seq_kv; ++j) {
+        std::copy_n(pr.k.begin() + static_cast<std::ptrdiff_t>(j) * c.hkv * c.dim, c.hkv * c.dim,
+                    kp.begin() + static_cast<std::ptrdiff_t>(j * kv_row));
+        std::copy_n(pr.v.begin() + static_cast<std::ptrdiff_t>(j) * c.hkv * c.dim, c.hkv * c.dim,
+                    vp.begin() + static_cast<std::ptrdiff_t>(j * kv_row));
+    }
+    void *dq, *dk, *dv, *dout, *dlse;
+    WEFT_CUDA_CHECK(cudaMalloc(&dq, std::max<size_t>(16, pr.q.size() * 2)));
+    WEFT_CUDA_CHECK(cudaMalloc(&dk, kp.size() * 2));
+    WEFT_CUDA_CHECK(cudaMalloc(&dv, vp.size() * 2));
+    WEFT_CUDA_CHECK(cudaMalloc(&dout, std::max<size_t>(16, pr.q.size() * 2)));
+    WEFT_CUDA_CHECK(cudaMalloc(&dlse, std::max<size_t>(16, pr.lse.size() * 4)));
+    WEFT_CUDA_CHECK(cudaMemcpy(dq, pr.q.data(), pr.q.size() * 2, cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemcpy(dk, kp.data(), kp.size() * 2, cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemcpy(dv, vp.data(), vp.size() * 2, cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemset(dout, 0xff, pr.q.size() * 2));
+    WEFT_CUDA_CHECK(cudaMemset(dlse, 0xff, pr.lse.size() * 4));
+    const TensorView tq(dq, c.dtype, {c.seq_q, c.hq, c.dim});
+    const TensorView tk(dk, c.dtype, {c.seq_kv, c.hkv, c.dim}, {kv_row, c.dim, 1});
+    const TensorView tv(dv, c.dtype, {c.seq_kv, c.hkv, c.dim}, {kv_row, c.dim, 1});
+    const TensorView tout(dout, c.dtype, {c.seq_q, c.hq, c.dim});
+    const TensorView tlse(dlse, DType::kF32, {c.seq_q, c.hq});
+    ops::FlashAttentionOptions o;
+    o.mask = c.causal ? AttentionMask::kCausal : AttentionMask::kNone;
+    o.q_position = c.q_position;
+    if (c.block_m != 0) {
+        AttentionPrefillConfig cfg = attention_prefill_default_config(c.dtype, c.dim);
+        cfg.block_m = c.block_m;
+        o.config = cfg;
+    }
+    ops::flash_attention(tq, tk, tv, tout, tlse, nullptr, o);
+    WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<uint16_t> out(pr.q.size());
+    std::vector<float> lse(pr.lse.size());
+    WEFT_CUDA_CHECK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
+    WEFT_CUDA_CHECK(cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost));
+    check_rows(pr, 0, c.seq_q, out, lse, what);
+    for (void* p : {dq, dk, dv, dout, dlse}) cudaFree(p);
+}
+
+TEST(FlashAttention, MatchesTheReference) {
+    if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+    const uint64_t seed = fresh_seed();
+    const std::vector<Case> cases = {
+        {1, 1, 1, 1, 64, true, 0},
+        {77, 77, 4, 4, 64, true, 0},
+        {77, 77, 4, 4, 128, false, 0},
+        {200, 200, 8, 2, 128, true, 0},                       // GQA 4, a partial query and key tile
+        {129, 300, 16, 1, 64, true, 171},                     // GQA 16, queries at the end of the keys
+        {129, 300, 16, 1, 128, false, 0},                     // GQA 16, more keys than queries
+        {64, 1000, 2, 1, 128, true, 500},                     // keys past the queries' positions are masked
+        {150, 150, 6, 3, 128, true, 0, DType::kF16},          // f16
+        {90, 250, 4, 2, 64, false, 0, DType::kBF16, 24},      // strided K/V
+        {300, 300, 4, 2, 128, true, 0, DType::kBF16, 8, 64},  // block_m 64
+        {513, 513, 2, 2, 64, true, 0, DType::kBF16, 0, 64},
+        {40, 0, 2, 1, 64, false, 0},  // no keys: zeros and -inf
+    };
+    for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], seed + i);
+}
+
+// ------------------------------------------------------------------------------------------------
+// All-gather attention
+
+struct AgCase {
+    int world, rows, hq, hkv, dim;
+    bool causal;
+    bool graph = false;
+};
+
+void run_ag(const AgCase& c, uint64_t seed) {
+    const int seq = c.world * c.rows;
+    const Problem pr = make_problem(seq, seq, c.hq, c.hkv, c.dim, c.causal, 0, DType::kBF16, seed);
+    const std::string what = "world " + std::to_string(c.world) + " rows " + std::to_string(c.rows) + " heads " +
+                             std::to_string(c.hq) + "/" + std::to_string(c.hkv) + " dim " + std::to_string(c.dim) +
+                             (c.causal ? " causal" : " no mask");
+    SCOPED_TRACE(what);
+    run_ranks(
+        c.world,
+        [&](World& w) {
+            const int me = w.rank();
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            const size_t q_elems = static_cast<size_t>(c.rows) * c.hq * c.dim;
+            const size_t kv_elems = static_cast<size_t>(c.rows) * c.hkv * c.dim;
+            void *dq, *dk, *dv, *dout, *dlse;
+            WEFT_CUDA_CHECK(cudaMalloc(&dq, q_elems * 2));
+            WEFT_CUDA_CHECK(cudaMalloc(&dk, kv_elems * 2));
+            WEFT_CUDA_CHECK(cudaMalloc(&dv, kv_elems * 2));
+            WEFT_CUDA_CHECK(cudaMalloc(&dout, q_elems * 2));
+            WEFT_CUDA_CHECK(cudaMalloc(&dlse, static_cast<size_t>(c.rows) * c.hq * 4));
+            WEFT_CUDA_CHECK(cudaMemcpy(dq, pr.q.data() + me * q_elems, q_elems * 2, cudaMemcpyHostToDevice));
+            WEFT_CUDA_CHECK(cudaMemcpy(dk, pr.k.data() + me * kv_elems, kv_elems * 2, cudaMemcpyHostToDevice));
+            WEFT_CUDA_CHECK(cudaMemcpy(dv, pr.v.data() + me * kv_elems, kv_elems * 2, cudaMemcpyHostToDevice));
+            const TensorView tq(dq, DType::kBF16, {c.rows, c.hq, c.dim});
+            const TensorView tk(dk, DType::kBF16, {c.rows, c.hkv, c.dim});
+            const TensorView tv(dv, DType::kBF16, {c.rows, c.hkv, c.dim});
+            const TensorView tout(dout, DType::kBF16, {c.rows, c.hq, c.dim});
+            const TensorView tlse(dlse, DType::kF32, {c.rows, c.hq});
+            ops::AgAttention op(w, {.max_seq = seq + c.world * 7,  // calls may use less than the bound
+                                    .num_q_heads = c.hq,
+                                    .num_kv_heads = c.hkv,
+                                    .head_dim = c.dim,
+                                    .dtype = DType::kBF16,
+                                    .mask = c.causal ? AttentionMask::kCausal : AttentionMask::kNone});
+            const auto poison = [&] {
+                WEFT_CUDA_CHECK(cudaMemsetAsync(dout, 0xff, q_elems * 2, s));
+                WEFT_CUDA_CHECK(cudaMemsetAsync(dlse, 0xff, static_cast<size_t>(c.rows) * c.hq * 4, s));
+            };
+            const auto download_and_check = [&](const std::string& call) {
+                w.sync_and_check(s);
+                std::vector<uint16_t> out(q_elems);
+                std::vector<float> lse(static_cast<size_t>(c.rows) * c.hq);
+                WEFT_CUDA_CHECK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
+                WEFT_CUDA_CHECK(cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost));
+                check_rows(pr, me * c.rows, c.rows, out, lse, what + ", rank " + std::to_string(me) + ", " + call);
+                // The gathered K holds every shard this rank needed.
+                const TensorView gk = op.gathered_k(seq);
+                const int needed = c.causal ? me + 1 : c.world;
+                std::vector<uint16_t> got(static_cast<size_t>(needed) * kv_elems);
+                WEFT_CUDA_CHECK(cudaMemcpy(got.data(), gk.data, got.size() * 2, cudaMemcpyDeviceToHost));
+                EXPECT_TRUE(std::equal(got.begin(), got.end(), pr.k.begin()))
+                    << what << ", rank " << me << ", " << call << ": gathered K differs";
+            };
+            for (int call = 0; call < 3; ++call) {
+                poison();
+                if (call == 2) {
+                    // K/V written straight into this rank's slots: the local copy is skipped.
+                    const TensorView lk = op.local_k(seq), lv = op.local_v(seq);
+                    WEFT_CUDA_CHECK(cudaMemcpyAsync(lk.data, dk, kv_elems * 2, cudaMemcpyDeviceToDevice, s));
+                    WEFT_CUDA_CHECK(cudaMemcpyAsync(lv.data, dv, kv_elems * 2, cudaMemcpyDeviceToDevice, s));
+                    op.run(tq, lk, lv, tout, tlse, s);
+                } else {
+                    op.run(tq, tk, tv, tout, tlse, s);
+                }
+                download_and_check("eager call " + std::to_string(call));
+            }
+            if (c.graph) {
+                cudaGraph_t g = nullptr;
+                WEFT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+                op.run(tq, tk, tv, tout, tlse, s);
+                WEFT_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+                cudaGraphExec_t exec = nullptr;
+                WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+                WEFT_CUDA_CHECK(cudaGraphUpload(exec, s));
+                w.sync_and_check(s);
+                w.barrier();
+                for (int r = 0; r < 3; ++r) {
+                    poison();
+                    WEFT_CUDA_CHECK(cudaGraphLaunch(exec, s));
+                    download_and_check("graph replay " + std::to_string(r));
+                }
+                WEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+                WEFT_CUDA_CHECK(cudaGraphDestroy(g));
+            }
+            w.sync_and_check(s);
+            w.barrier();
+            for (void* p : {dq, dk, dv, dout, dlse}) cudaFree(p);
+            cudaStreamDestroy(s);
+        },
+        test_options(64ull << 20));
+}
+
+TEST(AgAttention, ShardedSequenceMatchesTheWholeSequenceReference) {
+    if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+    const uint64_t seed = fresh_seed();
+    const std::vector<AgCase> cases = {
+        {1, 100, 4, 2, 128, true},      {2, 77, 4, 2, 128, true, true}, {2, 64, 8, 8, 64, false},
+        {3, 45, 16, 1, 64, true, true}, {3, 130, 4, 4, 128, false},     {4, 129, 8, 2, 128, true},
+        {4, 33, 2, 1, 64, false, true}, {8, 40, 4, 1, 128, true},       {8, 17, 2, 2, 64, false},
+    };
+    for (size_t i = 0; i < cases.size(); ++i) run_ag(cases[i], seed + i);
+}
+
+TEST(AgAttention, RefusesUnevenShardsAndBadCalls) {
+    if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+    run_ranks(
+        2,
+        [&](World& w) {
+            try {
+                ops::AgAttention bad(w, {.max_seq = 101, .num_q_heads = 4, .num_kv_heads = 2, .head_dim = 64});
+                ADD_FAILURE() << "an odd max_seq on 2 ranks was accepted";
+            } catch (const Error& e) {
+                EXPECT_NE(std::string(e.what()).find("uneven shards"), std::string::npos) << e.what();
+            }
+            ops::AgAttention op(w, {.max_seq = 128, .num_q_heads = 4, .num_kv_heads = 2, .head_dim = 64});
+            void* buf = nullptr;
+            WEFT_CUDA_CHECK(cudaMalloc(&buf, 1 << 20));
+            const TensorView q(buf, DType::kBF16, {100, 4, 64});  // 200 tokens > max_seq
+            const TensorView kv(buf, DType::kBF16, {100, 2, 64});
+            try {
+                op.run(q, kv, kv, q, TensorView(), nullptr);
+                ADD_FAILURE() << "a call longer than max_seq was accepted";
+            } catch (const Error& e) {
+                EXPECT_NE(std::string(e.what()).find("max_seq"), std::string::npos) << e.what();
+            }
+            const TensorView q2(buf, DType::kBF16, {32, 4, 64});
+            const TensorView kv_wrong(buf, DType::kBF16, {31, 2, 64});
+            try {
+                op.run(q2, kv_wrong, kv_wrong, q2, TensorView(), nullptr);
+                ADD_FAILURE() << "k_local with the wrong rows was accepted";
+            } catch (const Error& e) {
+                EXPECT_NE(std::string(e.what()).find("k_local"), std::string::npos) << e.what();
+            }
+            w.barrier();
+            cudaFree(buf);
+        },
+        test_options(64ull << 20));
+}
+
+}  // namespace
+}  // namespace weft::test

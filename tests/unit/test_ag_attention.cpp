@@ -1,0 +1,402 @@
+// SPDX-License-Identifier: MIT
+// Prefill attention on the CPU: the work and chunk orders, argument checks of flash_attention and AgAttention, and
+// NVRTC compilation of every prefill kernel specialisation with the SASS it depends on (16-byte cp.async, ldmatrix,
+// tensor-core mma, no local memory).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "support/jit_testing.hpp"
+#include "support/sass_testing.hpp"
+#include "weft/common/attention_prefill.hpp"
+#include "weft/jit/aot.hpp"
+#include "weft/jit/compiler.hpp"
+#include "weft/ops/ag_attention.hpp"
+#include "weft/runtime/error.hpp"
+
+namespace weft::ops {
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// Orders
+
+TEST(AttentionPrefillOrder, ChunksVisitOwnFirstThenBelowNearestFirst) {
+    EXPECT_EQ(attention_prefill_chunk_at(2, 4, 0), 2);
+    EXPECT_EQ(attention_prefill_chunk_at(2, 4, 1), 1);
+    EXPECT_EQ(attention_prefill_chunk_at(2, 4, 2), 0);
+    EXPECT_EQ(attention_prefill_chunk_at(2, 4, 3), 3);
+    for (int32_t w = 1; w <= 9; ++w) {
+        for (int32_t r = 0; r < w; ++r) {
+            std::set<int32_t> seen;
+            for (int32_t i = 0; i < w; ++i) {
+                const int32_t c = attention_prefill_chunk_at(r, w, i);
+                ASSERT_TRUE(c >= 0 && c < w);
+                seen.insert(c);
+                // The first r + 1 steps are exactly the chunks a causal rank r needs.
+                EXPECT_EQ(i <= r, c <= r) << "w " << w << " r " << r << " i " << i;
+            }
+            EXPECT_EQ(static_cast<int32_t>(seen.size()), w);
+        }
+    }
+}
+
+TEST(AttentionPrefillOrder, ItemsCoverEveryTileAndHeadOnceLongestFirst) {
+    for (int32_t seq : {1, 63, 64, 65, 1000}) {
+        for (int32_t bm : {64, 128}) {
+            const int32_t m_tiles = attention_prefill_num_m_tiles(seq, bm);
+            EXPECT_EQ(m_tiles, (seq + bm - 1) / bm);
+            const int32_t heads = 3;
+            std::set<std::pair<int32_t, int32_t>> seen;
+            for (int32_t i = 0; i < m_tiles * heads; ++i) {
+                const AttentionPrefillItem it = attention_prefill_item(i, m_tiles);
+                ASSERT_TRUE(it.q_head >= 0 && it.q_head < heads && it.m_tile >= 0 && it.m_tile < m_tiles);
+                seen.insert({it.q_head, it.m_tile});
+                if (i % m_tiles == 0) {
+                    EXPECT_EQ(it.m_tile, m_tiles - 1);
+                }
+            }
+            EXPECT_EQ(static_cast<int32_t>(seen.size()), m_tiles * heads);
+        }
+    }
+}
+
+// The kernel's tile walk, run on the CPU: every key below key_end exactly once, in tiles of at most 64 keys inside
+// one chunk, chunks in attention_prefill_chunk_at order, first_of_chunk on each chunk's first tile only; chunks with
+// no visible key never entered (so never awaited): under a causal mask, rank r's items never enter chunks above r.
+TEST(AttentionPrefillOrder, TileWalkVisitsEveryVisibleKeyOnce) {
+    for (int32_t w : {1, 2, 3, 4, 8}) {
+        for (int32_t chunk_keys : {1, 17, 64, 65, 130}) {
+            for (bool causal : {false, true}) {
+                for (int32_t r = 0; r < w; ++r) {
+                    AttentionPrefillParams p;
+                    p.seq_q = chunk_keys;
+                    p.seq_kv = w * chunk_keys;
+                    p.chunk_keys = chunk_keys;
+                    p.num_chunks = w;
+                    p.local_chunk = r;
+                    p.q_position = static_cast<int64_t>(r) * chunk_keys;
+                    p.mask = static_cast<int32_t>(causal ? AttentionMask::kCausal : AttentionMask::kNone);
+                    for (int32_t bm : {64, 128}) {
+                        for (int32_t m0 = 0; m0 < p.seq_q; m0 += bm) {
+                            const int32_t rows = std::min(bm, p.seq_q - m0);
+                            const int32_t key_end = attention_prefill_key_end(p, m0, rows);
+                            ASSERT_EQ(key_end,
+                                      causal ? std::min<int64_t>(p.seq_kv, p.q_position + m0 + rows) : p.seq_kv);
+                            std::vector<int> seen(static_cast<size_t>(p.seq_kv), 0);
+                            std::vector<int32_t> chunks;
+                            AttentionPrefillTileCursor c;
+                            for (c.start(p, key_end); c.valid(p); c.next(p, key_end)) {
+                                ASSERT_TRUE(c.begin >= c.chunk * chunk_keys && c.begin < c.stop);
+                                ASSERT_LE(c.stop, std::min((c.chunk + 1) * chunk_keys, key_end));
+                                ASSERT_EQ(c.chunk, attention_prefill_chunk_at(r, w, c.step));
+                                ASSERT_EQ(c.first_of_chunk, chunks.empty() || chunks.back() != c.chunk);
+                                if (c.first_of_chunk) chunks.push_back(c.chunk);
+                                for (int32_t k = c.begin; k < std::min(c.begin + kPrefillTileKeys, c.stop); ++k) {
+                                    ++seen[static_cast<size_t>(k)];
+                                }
+                            }
+                            for (int32_t k = 0; k < p.seq_kv; ++k) {
+                                ASSERT_EQ(seen[static_cast<size_t>(k)], k < key_end ? 1 : 0)
+                                    << "w " << w << " chunk_keys " << chunk_keys << " r " << r << " key " << k;
+                            }
+                            EXPECT_EQ(chunks.front(), r);  // the own chunk first
+                            for (int32_t ch : chunks) EXPECT_TRUE(!causal || ch <= r);
+                            // The last query tile needs every chunk a rank pulls (AgAttention relies on it).
+                            if (m0 + bm >= p.seq_q) {
+                                EXPECT_EQ(static_cast<int32_t>(chunks.size()), causal ? r + 1 : w);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // One GPU: a single chunk of seq_kv keys; no keys at all visits nothing.
+    AttentionPrefillParams one;
+    one.seq_q = 10;
+    one.seq_kv = 0;
+    one.chunk_keys = 1;
+    AttentionPrefillTileCursor c;
+    c.start(one, attention_prefill_key_end(one, 0, 10));
+    EXPECT_FALSE(c.valid(one));
+}
+
+TEST(AttentionPrefillConfigs, ValidityAndSharedMemory) {
+    for (DType t : {DType::kBF16, DType::kF16}) {
+        for (int32_t d : {64, 128}) {
+            const AttentionPrefillConfig c = attention_prefill_default_config(t, d);
+            EXPECT_TRUE(is_valid(c));
+            EXPECT_EQ(attention_prefill_threads(c), c.block_m * 2);
+            EXPECT_EQ(attention_prefill_smem_bytes(c), (c.block_m + 2 * c.stages * 64) * d * 2);
+        }
+    }
+    AttentionPrefillConfig c;
+    c.head_dim = 256;
+    EXPECT_FALSE(is_valid(c));
+    c.head_dim = 128;
+    c.block_m = 32;
+    EXPECT_FALSE(is_valid(c));
+    c.block_m = 64;
+    c.stages = 4;
+    EXPECT_FALSE(is_valid(c));
+    c.stages = 3;
+    c.dtype = DType::kF32;
+    EXPECT_FALSE(is_valid(c));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Arguments (fake, never dereferenced device addresses)
+
+struct Args {
+    static void* at(uintptr_t a) { return reinterpret_cast<void*>(a); }
+    TensorView q = TensorView(at(0x10000), DType::kBF16, {100, 32, 128});
+    TensorView k = TensorView(at(0x1000000), DType::kBF16, {300, 8, 128});
+    TensorView v = TensorView(at(0x2000000), DType::kBF16, {300, 8, 128});
+    TensorView out = TensorView(at(0x3000000), DType::kBF16, {100, 32, 128});
+    TensorView lse = TensorView(at(0x4000000), DType::kF32, {100, 32});
+    FlashAttentionOptions options;
+    detail::FlashAttentionPlan plan() const { return detail::plan_flash_attention(q, k, v, out, lse, options); }
+};
+
+void expect_rejected(const Args& a, const std::vector<std::string>& words) {
+    try {
+        (void)a.plan();
+        ADD_FAILURE() << "accepted; expected an error naming: " << words.front();
+    } catch (const Error& e) {
+        const std::string msg = e.what();
+        for (const std::string& w : words)
+            EXPECT_NE(msg.find(w), std::string::npos) << msg << "\n(missing " << w << ")";
+    }
+}
+
+TEST(AttentionPrefillArgs, ValidArgumentsPlanTheLaunch) {
+    Args a;
+    a.options.mask = AttentionMask::kCausal;
+    a.options.q_position = 200;
+    const detail::FlashAttentionPlan p = a.plan();
+    EXPECT_EQ(p.params.group, 4);
+    EXPECT_EQ(p.params.seq_q, 100);
+    EXPECT_EQ(p.params.seq_kv, 300);
+    EXPECT_EQ(p.params.q_row_stride, 32 * 128);
+    EXPECT_EQ(p.params.q_head_stride, 128);
+    EXPECT_EQ(p.params.kv_row_stride, 8 * 128);
+    EXPECT_EQ(p.params.kv_head_stride, 128);
+    EXPECT_EQ(p.params.q_position, 200);
+    EXPECT_EQ(p.params.mask, static_cast<int32_t>(AttentionMask::kCausal));
+    EXPECT_EQ(p.params.num_chunks, 1);
+    EXPECT_EQ(p.params.chunk_keys, 300);
+    EXPECT_EQ(p.params.chunk_signals, nullptr);
+    EXPECT_EQ(p.params.finish.block_counter, nullptr);
+    EXPECT_NEAR(p.params.scale_log2, 1.4426950408889634 / std::sqrt(128.0), 1e-6);
+    EXPECT_EQ(p.params.lse, Args::at(0x4000000));
+    EXPECT_EQ(p.num_items, 1 * 32);  // one 128-row tile per head
+    // Strided K/V (a slice of a wider buffer), no lse, an explicit scale, a forced config.
+    Args s;
+    s.k = TensorView(Args::at(0x1000000), DType::kBF16, {300, 8, 128}, {3 * 8 * 128, 128, 1});
+    s.v = TensorView(Args::at(0x2000000), DType::kBF16, {300, 8, 128}, {3 * 8 * 128, 128, 1});
+    s.lse = TensorView();
+    s.options.scale = 0.25f;
+    s.options.config = AttentionPrefillConfig{.dtype = DType::kBF16, .head_dim = 128, .block_m = 64, .stages = 3};
+    const detail::FlashAttentionPlan q = s.plan();
+    EXPECT_EQ(q.params.lse, nullptr);
+    EXPECT_EQ(q.params.kv_row_stride, 3 * 8 * 128);
+    EXPECT_FLOAT_EQ(q.params.scale_log2, 0.25f * 1.4426950408889634f);
+    EXPECT_EQ(q.num_items, 2 * 32);
+    // seq_q 0 plans nothing; seq_kv 0 is allowed (rows see no key).
+    Args e;
+    e.q = TensorView(Args::at(0x10000), DType::kBF16, {0, 32, 128});
+    e.out = TensorView(Args::at(0x3000000), DType::kBF16, {0, 32, 128});
+    e.lse = TensorView();
+    EXPECT_EQ(e.plan().num_items, 0);
+    Args z;
+    z.k = TensorView(Args::at(0x1000000), DType::kBF16, {0, 8, 128});
+    z.v = TensorView(Args::at(0x2000000), DType::kBF16, {0, 8, 128});
+    EXPECT_EQ(z.plan().params.seq_kv, 0);
+}
+
+TEST(AttentionPrefillArgs, BadArgumentsNameTheArgument) {
+    {
+        Args a;
+        a.q.dtype = DType::kF32;
+        expect_rejected(a, {"q", "bf16 or f16"});
+    }
+    {
+        Args a;
+        a.q = TensorView(Args::at(0x10000), DType::kBF16, {100, 32, 256});
+        expect_rejected(a, {"head_dim", "64 or 128"});
+    }
+    {
+        Args a;
+        a.q = TensorView(Args::at(0x10008), DType::kBF16, {100, 32, 128});
+        expect_rejected(a, {"q", "16-byte aligned"});
+    }
+    {
+        Args a;
+        a.q = TensorView(Args::at(0x10000), DType::kBF16, {100, 32, 128}, {32 * 128 + 4, 128, 1});
+        expect_rejected(a, {"q", "multiple of 8"});
+    }
+    {
+        Args a;
+        a.k.dtype = DType::kF16;
+        expect_rejected(a, {"k", "dtype"});
+    }
+    {
+        Args a;
+        a.v = TensorView(Args::at(0x2000000), DType::kBF16, {299, 8, 128});
+        expect_rejected(a, {"v", "k's shape"});
+    }
+    {
+        Args a;
+        a.k = TensorView(Args::at(0x1000000), DType::kBF16, {300, 6, 128});
+        a.v = TensorView(Args::at(0x2000000), DType::kBF16, {300, 6, 128});
+        expect_rejected(a, {"num_q_heads", "multiple of num_kv_heads"});
+    }
+    {
+        Args a;
+        a.k = TensorView(Args::at(0x1000000), DType::kBF16, {300, 1, 128});
+        a.v = TensorView(Args::at(0x2000000), DType::kBF16, {300, 1, 128});
+        expect_rejected(a, {"16 q-heads per KV head"});
+    }
+    {
+        Args a;
+        a.out = TensorView(Args::at(0x3000000), DType::kBF16, {100, 32, 128}, {32 * 128 * 2, 128, 1});
+        expect_rejected(a, {"out", "contiguous"});
+    }
+    {
+        Args a;
+        a.lse = TensorView(Args::at(0x4000000), DType::kF32, {100, 16});
+        expect_rejected(a, {"lse", "[100, 32]"});
+    }
+    {
+        Args a;
+        a.lse = TensorView(Args::at(0x4000000), DType::kBF16, {100, 32});
+        expect_rejected(a, {"lse", "f32"});
+    }
+    {
+        Args a;
+        a.options.scale = std::nanf("");
+        expect_rejected(a, {"scale", "finite"});
+    }
+    {
+        Args a;
+        a.options.q_position = -1;
+        expect_rejected(a, {"q_position"});
+    }
+    {
+        Args a;
+        a.options.config = AttentionPrefillConfig{.dtype = DType::kBF16, .head_dim = 64, .block_m = 128, .stages = 2};
+        expect_rejected(a, {"options.config", "head_dim 128"});
+    }
+    {
+        Args a;
+        a.options.config = AttentionPrefillConfig{.dtype = DType::kBF16, .head_dim = 128, .block_m = 96, .stages = 2};
+        expect_rejected(a, {"options.config", "block_m"});
+    }
+}
+
+TEST(AgAttentionShape, BadShapesNameTheArgument) {
+    const AgAttentionShape good{.max_seq = 4096, .num_q_heads = 32, .num_kv_heads = 8, .head_dim = 128};
+    EXPECT_NO_THROW(validate_ag_attention_shape(good, 4));
+    auto rejected = [&](AgAttentionShape s, int w, const std::string& word, AgAttentionOptions o = {}) {
+        try {
+            validate_ag_attention_shape(s, w, o);
+            ADD_FAILURE() << "accepted; expected an error naming " << word;
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(word), std::string::npos) << e.what();
+        }
+    };
+    AgAttentionShape s = good;
+    s.max_seq = 4098;
+    rejected(s, 4, "uneven shards are not supported");
+    s = good;
+    s.head_dim = 256;
+    rejected(s, 4, "shape.head_dim");
+    s = good;
+    s.num_kv_heads = 3;
+    rejected(s, 4, "shape.num_q_heads");
+    s = good;
+    s.dtype = DType::kF32;
+    rejected(s, 4, "shape.dtype");
+    AgAttentionOptions o;
+    o.sm_budget = -1;
+    rejected(good, 4, "options.sm_budget", o);
+    o = {};
+    o.config = AttentionPrefillConfig{.dtype = DType::kF16, .head_dim = 128, .block_m = 128, .stages = 2};
+    rejected(good, 4, "options.config", o);
+}
+
+// ------------------------------------------------------------------------------------------------
+// NVRTC: every specialisation compiles for sm_90a without spills or local memory; it copies with 16-byte cp.async
+// (LDGSTS.E.BYPASS.128), reads shared memory with ldmatrix (LDSM, .trans for V) and multiplies on the tensor cores
+// (HMMA.16816.F32).
+
+TEST(AttentionPrefillNvrtc, EverySpecialisationCompilesWithTheExpectedSass) {
+    weft::testing::TempDir cache("weft_attention_prefill_nvrtc");
+    jit::Compiler c(weft::testing::isolated_compiler_config(cache.path()));
+    int checked_sass = 0;
+    int compiled = 0;
+    std::string why_not;
+    for (DType t : {DType::kBF16, DType::kF16}) {
+        for (int32_t d : {64, 128}) {
+            for (int32_t bm : {64, 128}) {
+                AttentionPrefillConfig config = attention_prefill_default_config(t, d);
+                config.block_m = bm;
+                // f16 differs only in its mma and conversions: its default block_m is enough.
+                if (t == DType::kF16 && bm != 128) continue;
+                jit::KernelSpec spec = attention_prefill_kernel_spec(config, "sm_90a");
+                SCOPED_TRACE(spec.describe());
+                const jit::CompileResult r = c.compile(spec);
+                ASSERT_TRUE(r.cubin && !r.cubin->empty()) << r.log;
+                ++compiled;
+                weft::testing::expect_clean_ptxas_report(r.log, spec.describe());
+                EXPECT_EQ(r.ptxas_info.spill_store_bytes, 0) << r.ptxas_info.text;
+                EXPECT_EQ(r.ptxas_info.stack_frame_bytes, 0) << r.ptxas_info.text;
+                std::printf("[ PTXAS    ] %s: %d registers\n", spec.describe().c_str(), r.ptxas_info.registers);
+                std::string tool;
+                const auto sass = weft::testing::disassemble(*r.cubin, &tool, &why_not);
+                if (sass.empty()) continue;
+                const auto fn = sass.find(r.lowered_name);
+                ASSERT_NE(fn, sass.end()) << "no SASS for " << r.lowered_name << " (" << tool << ")";
+                const std::string& text = fn->second;
+                EXPECT_EQ(text.find("LDL"), std::string::npos) << "local memory loads";
+                EXPECT_EQ(text.find("STL"), std::string::npos) << "local memory stores";
+                EXPECT_NE(text.find("LDGSTS.E.BYPASS.128"), std::string::npos) << "16-byte cp.async.cg";
+                EXPECT_NE(text.find("LDSM.16.M88.4"), std::string::npos) << "ldmatrix.x4";
+                EXPECT_NE(text.find("LDSM.16.MT88.4"), std::string::npos) << "ldmatrix.x4.trans (V)";
+                EXPECT_NE(text.find(t == DType::kBF16 ? "HMMA.16816.F32.BF16" : "HMMA.16816.F32"), std::string::npos)
+                    << "tensor-core mma";
+                ++checked_sass;
+            }
+        }
+    }
+    EXPECT_EQ(compiled, 6);
+    if (checked_sass == 0) GTEST_SKIP() << "SKIPPED: SASS not checked: " << why_not;
+    EXPECT_EQ(checked_sass, 6);
+}
+
+TEST(AttentionPrefillNvrtc, AotRegistrationListsTheDefaultSpecialisationsOnce) {
+    register_prefill_attention_aot_specs();
+    register_prefill_attention_aot_specs();  // idempotent
+    std::set<std::string> seen;
+    int count = 0;
+    for (const jit::KernelSpec& s : jit::aot_specs()) {
+        if (s.header != "attention/prefill.cuh") continue;
+        EXPECT_TRUE(seen.insert(s.instantiation).second) << "listed twice: " << s.instantiation;
+        ++count;
+    }
+    EXPECT_EQ(count, 4);
+    for (DType t : {DType::kBF16, DType::kF16}) {
+        for (int32_t d : {64, 128}) {
+            EXPECT_EQ(seen.count(attention_prefill_kernel_spec(attention_prefill_default_config(t, d)).instantiation),
+                      1u);
+        }
+    }
+}
+
+}  // namespace
+}  // namespace weft::ops
