@@ -13,6 +13,10 @@
 //  - Block 0 sends this call's descriptor (a hash of count, dtype, algorithm and buffer offsets) to every peer
 //    before the entry barrier and compares the peers' after it: a rank that called something else traps with a
 //    kCollectiveMismatch diagnostic instead of reading the wrong memory.
+//
+// Traced builds (weft/device/trace.cuh, docs/profiling.md): the barriers record "wait peer p" per peer (thread p of
+// each block); the kernels record their block's steps from thread 0 ("stage chunk b", "push chunk b to p", "pull
+// chunk b from p", "recv from p", "reduce"), chunk b being block b's part of the message, timed as thread 0 saw it.
 #pragma once
 
 #include "weft/common/collectives.hpp"
