@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: MIT
-// GPU tests of the intra-kernel trace on a collective and on EP at world 2 (ranks as threads): a traced one-shot
+// GPU tests of the intra-kernel trace on collectives and on EP at world 2 (ranks as threads): a traced one-shot
 // all_reduce yields per rank its blocks' staging, their waits for the peer and their reductions, each wait ending
-// after the peer staged that block's part and before the block reduces it; a traced EP dispatch yields per rank
+// after the peer staged that block's part and before the block reduces it; a traced copy-engine all_gather yields
+// every copy, each peer's pull of this rank's shard ending before this rank's exit stops waiting for that peer; a
+// traced EP dispatch yields per rank
 // the layout, sends to both ranks, receives from both ranks, each receive ending after every send to it began, and a
 // traced combine's weighted sums begin after the block's waits and after the partials sent to it.
 #include <cuda_runtime_api.h>
@@ -17,6 +19,7 @@
 #include "support/jit_testing.hpp"
 #include "support/runtime_checks.hpp"
 #include "tp_test_util.hpp"
+#include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/ep.hpp"
 #include "weft/runtime/trace.hpp"
@@ -72,6 +75,22 @@ if mode == 'all_reduce':
             elif t(w) + tol < t(s):
                 bad.append('rank %d: block %d stopped waiting for peer %d %d ns before the peer staged the block' %
                            (r, blk(w), p, t(s) - t(w)))
+elif mode == 'all_gather_ce':
+    cetol = 50_000  # ns: copies are timed with CUDA events mapped onto %globaltimer
+    for r in ranks:
+        p = 1 - r
+        copies, waits = of(r, 'copy chunk %d' % p), of(r, 'wait peer %d' % p)
+        counts['copy'] = counts.get('copy', 0) + len(copies)
+        counts['wait'] = counts.get('wait', 0) + len(waits)
+        if not copies or not waits:
+            bad.append('rank %d: %d copies of chunk %d, %d waits for peer %d' % (r, len(copies), p, len(waits), p))
+            continue
+        if any(a(c, 1) != p for c in copies): bad.append('rank %d: a copy of chunk %d names another peer' % (r, p))
+        # The peer pulled this rank's shard (its chunk r), then raised this rank's flag: the exit's wait ends later.
+        for c in of(p, 'copy chunk %d' % r):
+            if max(t(w) for w in waits) + cetol < t(c):
+                bad.append('rank %d: its last wait for peer %d ended %d ns before the peer\'s copy of chunk %d' %
+                           (r, p, t(c) - max(t(w) for w in waits), r))
 elif mode == 'dispatch':
     for r in ranks:
         for what in ['layout', 'send to 0', 'send to 1', 'recv from 0', 'recv from 1', 'wait peer 0', 'wait peer 1',
@@ -165,9 +184,43 @@ TEST(TraceCollectives, OneShotAllReduceWaitsFollowThePeersStagingAndPrecedeTheRe
             cudaFree(in);
             WEFT_CUDA_CHECK(cudaStreamDestroy(s));
         },
-        test::test_options());
+        test::test_options(192ull << 20));  // the collective workspace: 3 staging regions of 32 MiB
     f.report();
     expect_trace_ok(dir.path(), "all_reduce", path);
+}
+
+TEST(TraceCollectives, CopyEngineAllGatherCopiesAreTimedAndPrecedeThePeersExitWaits) {
+    if (!have_python()) GTEST_SKIP() << "SKIPPED: python3 with its json module reads the trace";
+    testing::TempDir dir("weft_trace_all_gather");
+    const fs::path path = dir / "all_gather.json";
+    const testing::ScopedEnv trace("WEFT_TRACE", (dir / "at_exit.json").string());
+    constexpr uint64_t kShard = 1 << 20;  // bytes per rank
+    test::run_ranks(
+        2,
+        [&](World& w) {
+            ASSERT_TRUE(tracing(w));
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            void* in = nullptr;
+            void* out = nullptr;
+            WEFT_CUDA_CHECK(cudaMalloc(&in, kShard));
+            WEFT_CUDA_CHECK(cudaMalloc(&out, 2 * kShard));
+            WEFT_CUDA_CHECK(cudaMemsetAsync(in, w.rank() + 1, kShard, s));
+            const TensorView vin(in, DType::kU8, {static_cast<int64_t>(kShard)});
+            const TensorView vout(out, DType::kU8, {static_cast<int64_t>(2 * kShard)});
+            const ops::AllGatherOptions opt{.algo = ops::AllGatherAlgo::kCopyEnginePull};
+            ops::all_gather(w, vin, vout, s, opt);  // warm-up: its events go to a file of their own
+            w.sync_and_check(s);
+            write_trace(w, (dir / "warmup.json").string());
+            ops::all_gather(w, vin, vout, s, opt);
+            w.sync_and_check(s);
+            write_trace(w, path.string());
+            cudaFree(out);
+            cudaFree(in);
+            WEFT_CUDA_CHECK(cudaStreamDestroy(s));
+        },
+        test::test_options(192ull << 20));  // the collective workspace: 3 staging regions of 32 MiB
+    expect_trace_ok(dir.path(), "all_gather_ce", path);
 }
 
 TEST(TraceEp, DispatchReceivesFollowTheSendsAndCombineFollowsItsWaits) {
