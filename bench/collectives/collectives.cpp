@@ -6,6 +6,7 @@
 //   N]
 //                          [--warmup N] [--reps N] [--dtype bf16|f16|f32] [--world 2,4,8] [--algos LIST]
 //                          [--graph-max BYTES] [--buffers symmetric|local] [--no-nccl] [--check] [--json FILE]
+//                          [--trace PATH] [--trace-overhead]
 //
 // Sizes follow nccl-tests: all_reduce = bytes per rank, all_gather = bytes gathered (output), reduce_scatter =
 // bytes scattered (input), all_to_all = bytes each rank sends (equal splits). Bus bandwidth: all_reduce
@@ -31,6 +32,11 @@
 // else libnccl.so.2 on the loader's path or in $CUDA_HOME/lib64. NCCL refuses two ranks on one GPU, so it runs
 // only when every rank has its own GPU ("NCCL: n/a (ranks share a GPU)" otherwise). NVLink multicast stays off
 // (NCCL_NVLS_ENABLE=0 unless set).
+//
+// Tracing (docs/profiling.md): with --trace PATH or WEFT_TRACE every weft kernel records the intra-kernel trace; each
+// figure starts with an empty buffer and the file holds the last one measured. --trace-overhead runs every world
+// twice, untraced then traced, and each cell shows "untraced/traced +overhead%" (JSON: us and us_traced, with the
+// events recorded per call).
 #include <dlfcn.h>
 #include <nccl.h>
 
@@ -57,6 +63,7 @@
 #include "common/ranks.hpp"
 #include "common/report.hpp"
 #include "common/timing.hpp"
+#include "common/tracing.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/all_to_all.hpp"
@@ -93,6 +100,7 @@ struct Options {
     bool check = false;
     std::string json;
     int virtual_nodes = 0;  // 0: WEFT_VIRTUAL_NODES, else one node per host
+    TraceOptions trace;
 };
 
 Options parse_options(int argc, char** argv) {
@@ -132,6 +140,7 @@ Options parse_options(int argc, char** argv) {
                    "WEFT_VIRTUAL_NODES): weft runs its hierarchical collectives, NCCL its flat ones",
                    &o.virtual_nodes, 0, 1 << 16);
     cli.check(&o.check).json(&o.json);
+    add_trace_options(cli, &o.trace);
     cli.parse(argc, argv);
     o.nccl = !no_nccl;
     return o;
@@ -289,6 +298,9 @@ struct Row {
     double busbw = 0;    // GB/s
     bool graph = false;
     int check = -1;  // -1 not checked, 0 wrong, 1 right
+    // Traced figures: the traced time (--trace-overhead: beside `us`, the untraced one) and the events per call.
+    double us_traced = 0;
+    double trace_events_per_call = 0;
 };
 
 double bus_factor(Op op, int n) {
@@ -298,7 +310,8 @@ double bus_factor(Op op, int n) {
 
 // Times `call(k)` (k = the iteration, for buffer rotation): median over reps of (events around iters calls) / iters,
 // in microseconds; from a captured graph when *graph (which is cleared if capturing fails: then eager launches).
-double time_calls(cudaStream_t s, const Options& o, bool* graph, const std::function<void(int)>& call) {
+/// `*calls` counts the calls made (the warm-up's included).
+double time_calls(cudaStream_t s, const Options& o, bool* graph, const std::function<void(int)>& call, int* calls) {
     EventPair ev;
     const auto timed = [&](const std::function<void()>& body) {
         ev.start(s);
@@ -326,10 +339,13 @@ double time_calls(cudaStream_t s, const Options& o, bool* graph, const std::func
         if (g != nullptr) cudaGraphDestroy(g);
     }
     if (exec != nullptr) {
-        for (int k = 0; k < std::max(1, o.warmup / o.iters + 1); ++k) WEFT_CUDA_CHECK(cudaGraphLaunch(exec, s));
+        const int warm = std::max(1, o.warmup / o.iters + 1);
+        for (int k = 0; k < warm; ++k) WEFT_CUDA_CHECK(cudaGraphLaunch(exec, s));
         for (int r = 0; r < o.reps; ++r) per_call.push_back(timed([&] { WEFT_CUDA_CHECK(cudaGraphLaunch(exec, s)); }));
         cudaGraphExecDestroy(exec);
+        *calls = (warm + o.reps) * o.iters;
     } else {
+        *calls = o.warmup + o.reps * o.iters;
         for (int k = 0; k < o.warmup; ++k) call(k);
         for (int r = 0; r < o.reps; ++r) {
             per_call.push_back(timed([&] {
@@ -591,9 +607,17 @@ void run_world(int n, bool launched, const Options& o, WorldResult* result) {
                         const std::string& algo = row.chosen.empty() ? name : row.chosen;
                         const bool copy_engines = op == Op::kAllGather && (algo == "ce_pull" || algo == "ce_push");
                         bool use_graph = graph && !(shared && copy_engines);
-                        const double us = time_calls(s, o, &use_graph, call);
+                        start_traced_measurement(w);
+                        int calls = 0;
+                        const double us = time_calls(s, o, &use_graph, call, &calls);
                         row.graph = use_graph;
                         row.us = gather.max(w, us);
+                        if (tracing(w) && name != "nccl") {
+                            w.sync_and_check(s);
+                            const double events = static_cast<double>(traced_events(w));
+                            row.trace_events_per_call = gather.max(w, events / std::max(1, calls));
+                            row.us_traced = row.us;
+                        }
                         row.busbw = static_cast<double>(size) * bus_factor(op, n) / (row.us * 1e3);
                         rows.push_back(row);
                     }
@@ -642,6 +666,12 @@ int run(int argc, char** argv) {
         prop.name, devices, prop.multiProcessorCount, utc_date().c_str(), dtype_name(o.dtype),
         o.symmetric ? "symmetric" : "local", o.iters, o.reps, format_bytes(o.graph_max).c_str(),
         o.check ? ", checked" : "");
+    const std::string trace_path = traced_pass_path(o.trace, "weft_bench_collectives");
+    if (!trace_path.empty()) {
+        std::printf("intra-kernel trace: %s%s\n", trace_path.c_str(),
+                    o.trace.overhead ? " (each world untraced, then traced: untraced/traced +overhead%)" : "");
+    }
+    const int cell = o.trace.overhead ? 25 : 19;
     std::vector<WorldResult> results;
     bool all_ok = true;
     // Under a launcher every process is one rank of the launched world (--world is ignored).
@@ -650,7 +680,26 @@ int run(int argc, char** argv) {
     for (int n : worlds) {
         WorldResult r;
         r.world = n;
-        run_world(n, launch && launch->num_ranks > 1, o, &r);
+        const bool launched = launch && launch->num_ranks > 1;
+        if (o.trace.overhead) {
+            set_trace_env("");
+            run_world(n, launched, o, &r);
+            set_trace_env(trace_path);
+            WorldResult traced;
+            traced.world = n;
+            run_world(n, launched, o, &traced);
+            for (Row& x : r.rows) {
+                for (const Row& y : traced.rows) {
+                    if (y.op == x.op && y.size == x.size && y.algo == x.algo) {
+                        x.us_traced = y.us_traced;
+                        x.trace_events_per_call = y.trace_events_per_call;
+                    }
+                }
+            }
+        } else {
+            set_trace_env(trace_path);
+            run_world(n, launched, o, &r);
+        }
         if (!r.printer) continue;
         const bool shared = !r.rows.empty() && r.rows.front().shared_gpu;
         if (r.num_nodes > 1) std::printf("\n(%d virtual nodes: weft's auto = hierarchical)", r.num_nodes);
@@ -663,7 +712,7 @@ int run(int argc, char** argv) {
             std::printf("\n%s: microseconds per call (bus GB/s); roofline = bus bytes / roofline bandwidth\n",
                         op_name(op));
             std::printf("%8s", "size");
-            for (const std::string& a : names) std::printf(" %19s", a.c_str());
+            for (const std::string& a : names) std::printf(" %*s", cell, a.c_str());
             std::printf(" %19s %8s\n", "roofline", "best/nc");
             for (uint64_t size : o.sizes) {
                 double best = 0, nccl_us = 0;
@@ -675,13 +724,19 @@ int run(int argc, char** argv) {
                         if (x.op == op && x.size == size && x.algo == a) row = &x;
                     }
                     if (row == nullptr) {
-                        std::printf(" %19s", "-");
+                        std::printf(" %*s", cell, "-");
                         continue;
                     }
-                    char cell[64];
-                    std::snprintf(cell, sizeof(cell), "%.2f (%.1f)%s%s", row->us, row->busbw,
-                                  row->check == 0 ? "!" : "", row->graph ? "g" : "");
-                    std::printf(" %19s", cell);
+                    char text[64];
+                    if (o.trace.overhead && row->us_traced > 0) {
+                        std::snprintf(text, sizeof(text), "%.2f/%.2f %+.1f%%%s%s", row->us, row->us_traced,
+                                      100.0 * (row->us_traced / row->us - 1.0), row->check == 0 ? "!" : "",
+                                      row->graph ? "g" : "");
+                    } else {
+                        std::snprintf(text, sizeof(text), "%.2f (%.1f)%s%s", row->us, row->busbw,
+                                      row->check == 0 ? "!" : "", row->graph ? "g" : "");
+                    }
+                    std::printf(" %*s", cell, text);
                     all_ok = all_ok && row->check != 0;
                     any = true;
                     if (a == "nccl")
@@ -695,9 +750,9 @@ int run(int argc, char** argv) {
                 }
                 const double bus = static_cast<double>(size) * bus_factor(op, n);
                 const double roof_us = r.roofline_busbw > 0 ? bus / (r.roofline_busbw * 1e3) : 0;
-                char cell[64];
-                std::snprintf(cell, sizeof(cell), "%.2f (%.1f)", roof_us, r.roofline_busbw);
-                std::printf(" %19s", cell);
+                char roof[64];
+                std::snprintf(roof, sizeof(roof), "%.2f (%.1f)", roof_us, r.roofline_busbw);
+                std::printf(" %19s", roof);
                 if (nccl_us > 0)
                     std::printf(" %8.2f", nccl_us / best);
                 else
@@ -722,13 +777,17 @@ int run(int argc, char** argv) {
         "copy-engine algorithms whenever ranks share a GPU: graphs of many copy-engine calls of ranks sharing a GPU "
         "have "
         "hung in its shared hardware queues, docs/runtime.md); '!': wrong result (--check); best/nc: NCCL time / best "
-        "weft time (> 1: weft faster)\n",
-        o.iters);
+        "weft time (> 1: weft faster)%s\n",
+        o.iters,
+        o.trace.overhead ? "; with --trace-overhead a weft cell is 'untraced/traced microseconds +overhead%' (NCCL: "
+                           "untraced only)"
+                         : "");
     if (!o.json.empty() && !results.empty()) {
         Json j;
         j.begin_object().field("bench", "collectives").field("device", prop.name).field("devices", devices);
         j.field("date", utc_date()).field("dtype", dtype_name(o.dtype));
         j.field("buffers", o.symmetric ? "symmetric" : "local").field("iters", o.iters).field("reps", o.reps);
+        j.field("trace", trace_path).field("trace_overhead", o.trace.overhead);
         j.key("worlds").begin_array();
         for (size_t i = 0; i < results.size(); ++i) {
             const WorldResult& r = results[i];
@@ -739,6 +798,9 @@ int run(int argc, char** argv) {
                 if (!x.chosen.empty()) j.field("chosen", x.chosen);
                 j.field("size_bytes", x.size).field("shared_gpu", x.shared_gpu).field("graph", x.graph);
                 j.field("us", x.us).field("busbw_gbps", x.busbw);
+                if (x.us_traced > 0) {
+                    j.field("us_traced", x.us_traced).field("trace_events_per_call", x.trace_events_per_call);
+                }
                 if (x.check >= 0) j.field("correct", x.check != 0);
                 j.end_object();
             }

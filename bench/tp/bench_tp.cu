@@ -8,6 +8,7 @@
 //   weft_bench_tp [--op ag,rs,ar] [--shapes I,J,...] [--sizes MxNxK,...] [--iters N] [--warmup N]
 //                 [--dtype bf16|f16] [--world W] [--check] [--tune] [--baseline-coll weft|simple]
 //                 [--reduce-ctas R (GEMM+RS reduction CTAs)] [--rs-mode auto|pull|push] [--json FILE]
+//                 [--trace PATH] [--trace-overhead]
 //
 // Shapes are whole layers: AG+GEMM shards N over the ranks (each computes [M, N/W] from all of A[M, K]);
 // GEMM+RS shards K (each holds A[M, K/W], B[N, K/W]; out [M/W, N]); GEMM+AR shards K (out [M, N]).
@@ -18,6 +19,9 @@
 // SM sum kernel). (b) keeps its copy-engine transfers; its GEMM+AR chunks use weft's all_reduce too (README.md
 // says why). NCCL is not used: ranks that share a GPU cannot form an NCCL communicator (see bench/tp/README.md).
 // The header gives GPU 0's tensor-core peak (cuBLASLt on a random 8192^3 GEMM) and copy peak, measured at start-up.
+// Tracing (docs/profiling.md): --trace PATH (or WEFT_TRACE) records the intra-kernel trace of every kernel; the fused
+// op's measurement starts with an empty buffer, and the file holds the last op measured. --trace-overhead runs the
+// shapes untraced, then the fused ops alone traced, and adds their traced time and the overhead to the table.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -30,6 +34,7 @@
 #include "common/cli.hpp"
 #include "common/json.hpp"
 #include "common/peaks.hpp"
+#include "common/tracing.hpp"
 #include "tp_baselines.cuh"
 #include "weft/detail/gemm_launch.hpp"
 #include "weft/device.cuh"
@@ -68,6 +73,8 @@ struct Options {
     int reduce_ctas = 0;  // GEMM+RS reduction CTAs (0: the op's heuristic)
     weft::ops::GemmRsMode rs_mode = weft::ops::GemmRsMode::kAuto;
     std::string json;
+    weft::bench::TraceOptions trace;
+    bool weft_only = false;  // the traced pass of --trace-overhead: the fused op (and its engine) only
 };
 
 std::vector<Shape> default_shapes(const std::string& op) {
@@ -115,6 +122,7 @@ Options parse(int argc, char** argv) {
                                   : weft::ops::GemmRsMode::kAuto;
     });
     cli.json(&o.json);
+    weft::bench::add_trace_options(cli, &o.trace);
     cli.parse(argc, argv);
     return o;
 }
@@ -126,7 +134,23 @@ struct Row {
     double gemm = 0, engine = -1, coll = 0, a = 0, b = 0, weft = 0;
     double err_weft = -1, err_b = -1;  // relative to (a), max over ranks
     std::string coll_algo = "";        // the algorithm of (a)'s collective and of "coll" (weft's choice or "simple")
+    double weft_traced = -1;           // --trace-overhead: the fused op traced
+    double trace_events_per_call = 0;  // traced: events the fused op recorded per call (slowest rank)
 };
+
+/// A baseline's time_all, or -1 (not measured) in the traced pass of --trace-overhead.
+double time_baseline(World& w, Shared& sh, const Options& o, cudaStream_t s, const std::function<void()>& body) {
+    return o.weft_only ? -1 : time_all(w, sh, s, o.warmup, o.iters, body);
+}
+
+/// Starts the fused op's traced measurement (an empty buffer; collective; the streams drained). No-op untraced.
+void start_weft_measurement(World& w) { weft::bench::start_traced_measurement(w); }
+
+/// Events per fused-op call since start_weft_measurement (`calls` of them), the slowest rank's; 0 untraced.
+double weft_events_per_call(World& w, Shared& sh, int calls) {
+    if (!weft::tracing(w)) return 0;
+    return max_over_ranks(w, sh, static_cast<double>(weft::bench::traced_events(w)) / std::max(1, calls));
+}
 
 // ---- AllGather + GEMM -------------------------------------------------------------------------------------
 
@@ -188,13 +212,13 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     };
     auto gemm_full = [&](void* c) { lt.gemm(t, g_base, k, b_dev, k, c, n, m, n, k, s); };
 
-    row.gemm = time_all(w, sh, s, o.warmup, o.iters, [&] { gemm_full(c_a); });
-    row.coll = time_all(w, sh, s, o.warmup, o.iters, [&] { coll(s); });
-    row.a = time_all(w, sh, s, o.warmup, o.iters, [&] {
+    row.gemm = time_baseline(w, sh, o, s, [&] { gemm_full(c_a); });
+    row.coll = time_baseline(w, sh, o, s, [&] { coll(s); });
+    row.a = time_baseline(w, sh, o, s, [&] {
         coll(s);
         gemm_full(c_a);
     });
-    row.b = time_all(w, sh, s, o.warmup, o.iters, [&] {
+    row.b = time_baseline(w, sh, o, s, [&] {
         bar(s);
         ev_fork.record(s);
         ev_fork.wait(comm);
@@ -214,6 +238,7 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     const TensorView a_local = op.local_shard(m), bv(b_dev, t, {n, k}), cw(c_w, t, {m, n});
     // The fused op and the engine alone with the same config, alternately (the fused op tunes on its first
     // call with --tune: in the warm-up).
+    start_weft_measurement(w);
     std::tie(row.weft, row.engine) = time_pair(
         w, sh, s, o.warmup, o.iters, [&] { op.run(a_local, bv, cw, s); },
         [&] {
@@ -228,6 +253,7 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
             lp.stream = s;
             engine.get(op.config()).launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
         });
+    row.trace_events_per_call = weft_events_per_call(w, sh, o.warmup + o.iters);
     if (o.check) {
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, m, n, t, s));
         row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, m, n, t, s));
@@ -283,15 +309,15 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     engine.get(engine_config());  // loaded before anything is timed (--tune may change the config in the warm-up)
     w.barrier();
 
-    row.gemm = time_all(w, sh, s, o.warmup, o.iters, [&] { lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s); });
-    row.coll = time_all(w, sh, s, o.warmup, o.iters, [&] { coll(s); });
-    row.a = time_all(w, sh, s, o.warmup, o.iters, [&] {
+    row.gemm = time_baseline(w, sh, o, s, [&] { lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s); });
+    row.coll = time_baseline(w, sh, o, s, [&] { coll(s); });
+    row.a = time_baseline(w, sh, o, s, [&] {
         lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s);
         coll(s);
     });
     weft::Event ev_fork, ev_join;
     std::vector<weft::Event> ev_seg(static_cast<size_t>(nr));
-    row.b = time_all(w, sh, s, o.warmup, o.iters, [&] {
+    row.b = time_baseline(w, sh, o, s, [&] {
         bar(s);  // every rank's receive buffer is free
         ev_fork.record(s);
         ev_fork.wait(comm);
@@ -318,6 +344,7 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     });
     const TensorView av(a_dev, t, {m, k}), bv(b_dev, t, {n, k}), cw(c_w, t, {rows, n});
     // The fused op and the engine alone with the same config, alternately (--tune: tuned in the warm-up).
+    start_weft_measurement(w);
     std::tie(row.weft, row.engine) = time_pair(
         w, sh, s, o.warmup, o.iters, [&] { op.run(av, bv, cw, s); },
         [&] {
@@ -333,6 +360,7 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
             lp.stream = s;
             engine.get(c).launch(lp, maps.a, maps.b, maps.d, args, int32_t{0}, int32_t{0});
         });
+    row.trace_events_per_call = weft_events_per_call(w, sh, o.warmup + o.iters);
     if (o.check) {
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, rows, n, t, s));
         row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, rows, n, t, s));
@@ -375,9 +403,9 @@ Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     fill_random(b_dev, n * k, t, seed + 100, s);
     w.barrier();
 
-    row.gemm = time_all(w, sh, s, o.warmup, o.iters, [&] { lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s); });
-    row.coll = time_all(w, sh, s, o.warmup, o.iters, [&] { coll(s); });
-    row.a = time_all(w, sh, s, o.warmup, o.iters, [&] {
+    row.gemm = time_baseline(w, sh, o, s, [&] { lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s); });
+    row.coll = time_baseline(w, sh, o, s, [&] { coll(s); });
+    row.a = time_baseline(w, sh, o, s, [&] {
         lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s);
         coll(s);
     });
@@ -404,7 +432,7 @@ Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
         });
         BENCH_CUDA(cudaGetLastError());
     };
-    row.b = time_all(w, sh, s, o.warmup, o.iters, [&] {
+    row.b = time_baseline(w, sh, o, s, [&] {
         ev_fork.record(s);
         ev_fork.wait(comm);
         for (int j = 0; j < kChunks; ++j) {
@@ -424,7 +452,9 @@ Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
         ev_join.wait(s);
     });
     const TensorView av(a_dev, t, {m, k}), bv(b_dev, t, {n, k}), cw(c_w, t, {m, n});
+    start_weft_measurement(w);
     row.weft = time_all(w, sh, s, o.warmup, o.iters, [&] { op.run(av, bv, cw, s); });
+    row.trace_events_per_call = weft_events_per_call(w, sh, o.warmup + o.iters);
     if (o.check) {
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, m, n, t, s));
         void* b_rows = c_b;                   // (b)'s result as row-major [m, n]
@@ -474,19 +504,25 @@ void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, co
                 o.coll == BaselineColl::kWeft
                     ? "weft's standalone op (weft::ops::all_gather / reduce_scatter / all_reduce), automatic algorithm"
                     : "simple weft-free kernels (device barriers + copy-engine pulls / SM sum kernel)");
-    std::printf("%-3s %-22s %10s %10s %10s %-9s %10s %10s %10s %10s %8s %6s %s\n", "op", "M x N x K (layer)", "gemm",
+    const bool overhead = o.trace.overhead;
+    std::printf("%-3s %-22s %10s %10s %10s %-9s %10s %10s %10s %10s %8s %6s %s%s\n", "op", "M x N x K (layer)", "gemm",
                 "weft-gemm", "coll", "algo", "(a)seq", "(b)decomp", "weft", "ideal", "vs (a)", "eff",
-                o.check ? "err weft/(b)" : "");
+                overhead ? " weft+trace   trace  ev/call " : "", o.check ? "err weft/(b)" : "");
     for (const Row& r : rows) {
         const double ideal = std::max(r.gemm, r.coll);
         char shape[64];
         std::snprintf(shape, sizeof(shape), "%ldx%ldx%ld", r.shape.m, r.shape.n, r.shape.k);
         char check[64] = "";
         if (o.check) std::snprintf(check, sizeof(check), "%.1e/%.1e", r.err_weft, r.err_b);
-        std::printf("%-3s %-22s %10s %10s %10s %-9s %10s %10s %10s %10s %7.2fx %5.0f%% %s\n", r.op.c_str(), shape,
+        char traced[64] = "";
+        if (overhead) {
+            std::snprintf(traced, sizeof(traced), " %10s %+6.1f%% %7.0f ", fmt(r.weft_traced).c_str(),
+                          r.weft_traced > 0 ? 100.0 * (r.weft_traced / r.weft - 1.0) : 0.0, r.trace_events_per_call);
+        }
+        std::printf("%-3s %-22s %10s %10s %10s %-9s %10s %10s %10s %10s %7.2fx %5.0f%% %s%s\n", r.op.c_str(), shape,
                     fmt(r.gemm).c_str(), fmt(r.engine).c_str(), fmt(r.coll).c_str(), r.coll_algo.c_str(),
                     fmt(r.a).c_str(), fmt(r.b).c_str(), fmt(r.weft).c_str(), fmt(ideal).c_str(), r.a / r.weft,
-                    100.0 * ideal / r.weft, check);
+                    100.0 * ideal / r.weft, traced, check);
     }
     const bool weft_coll = o.coll == BaselineColl::kWeft;
     std::printf(
@@ -496,11 +532,17 @@ void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, co
         "beside %s); ideal = max(gemm, coll); vs (a) = (a) / weft; eff = ideal / weft.\n",
         weft_coll ? "weft's automatic choice; WEFT_*_ALGO overrides it" : "--baseline-coll simple",
         weft_coll ? "weft all_reduce per chunk" : "the simple sum kernel per chunk");
+    if (overhead) {
+        std::printf(
+            "weft+trace: the fused op with the intra-kernel trace on (WEFT_TRACE; a pass of its own, the fused ops "
+            "alone);\ntrace = weft+trace / weft - 1; ev/call: trace events the fused op records per call (slowest "
+            "rank).\n");
+    }
     if (o.json.empty()) return;
     weft::bench::Json j;
     j.begin_object().field("bench", "weft_bench_tp").field("device", device).field("gpus", gpus);
     j.field("dtype", weft::dtype_name(o.dtype)).field("iters", o.iters).field("warmup", o.warmup);
-    j.field("baseline_coll", baseline_coll_name(o.coll));
+    j.field("baseline_coll", baseline_coll_name(o.coll)).field("trace_overhead", o.trace.overhead);
     weft::bench::add_peaks(j, peaks);
     j.key("results").begin_array();
     for (const Row& r : rows) {
@@ -509,7 +551,11 @@ void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, co
         j.field("world", r.world).field("gemm_ms", r.gemm).field("weft_gemm_ms", r.engine).field("coll_ms", r.coll);
         j.field("coll_algo", r.coll_algo).field("a_ms", r.a).field("b_ms", r.b).field("weft_ms", r.weft);
         j.field("ideal_ms", ideal).field("speedup_vs_a", r.a / r.weft).field("overlap_efficiency", ideal / r.weft);
-        j.field("err_weft", r.err_weft).field("err_b", r.err_b).end_object();
+        j.field("err_weft", r.err_weft).field("err_b", r.err_b);
+        if (r.weft_traced > 0) {
+            j.field("weft_traced_ms", r.weft_traced).field("trace_events_per_call", r.trace_events_per_call);
+        }
+        j.end_object();
     }
     j.end_array().end_object();
     weft::bench::write_json_file(o.json, j);
@@ -543,48 +589,73 @@ int main(int argc, char** argv) {
         weft::WorldOptions wo;
         wo.heap_bytes = (heap + (2ull << 20) - 1) / (2ull << 20) * (2ull << 20);
         wo.timeout = std::chrono::milliseconds(60000);
-        std::vector<Row> rows;
         std::mutex rows_mutex;
         Shared sh(world);
-        weft::run_local(
-            world,
-            [&](World& w) {
-                cudaStream_t s = nullptr, comm = nullptr;
-                BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-                BENCH_CUDA(cudaStreamCreateWithFlags(&comm, cudaStreamNonBlocking));
-                prepare_baseline_collectives(w, o.coll);  // collective, once per World, before any timing
-                {
-                    Lt lt;
-                    for (const std::string& op : o.ops) {
-                        std::vector<Shape> shapes = o.sizes.empty() ? default_shapes(op) : o.sizes;
-                        if (!o.shape_idx.empty() && o.sizes.empty()) {
-                            std::vector<Shape> pick;
-                            for (int i : o.shape_idx) {
-                                if (i >= 0 && i < static_cast<int>(shapes.size()))
-                                    pick.push_back(shapes[static_cast<size_t>(i)]);
+        const auto run_pass = [&](const Options& pass, std::vector<Row>& rows) {
+            weft::run_local(
+                world,
+                [&](World& w) {
+                    cudaStream_t s = nullptr, comm = nullptr;
+                    BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+                    BENCH_CUDA(cudaStreamCreateWithFlags(&comm, cudaStreamNonBlocking));
+                    prepare_baseline_collectives(w, pass.coll);  // collective, once per World, before any timing
+                    {
+                        Lt lt;
+                        for (const std::string& op : pass.ops) {
+                            std::vector<Shape> shapes = pass.sizes.empty() ? default_shapes(op) : pass.sizes;
+                            if (!pass.shape_idx.empty() && pass.sizes.empty()) {
+                                std::vector<Shape> pick;
+                                for (int i : pass.shape_idx) {
+                                    if (i >= 0 && i < static_cast<int>(shapes.size()))
+                                        pick.push_back(shapes[static_cast<size_t>(i)]);
+                                }
+                                shapes = pick;
                             }
-                            shapes = pick;
-                        }
-                        for (const Shape& sz : shapes) {
-                            Row r = op == "ag"   ? bench_ag(w, sh, o, sz, lt, s, comm)
-                                    : op == "rs" ? bench_rs(w, sh, o, sz, lt, s, comm)
-                                                 : bench_ar(w, sh, o, sz, lt, s, comm);
-                            if (w.rank() == 0) {
-                                std::lock_guard<std::mutex> lock(rows_mutex);
-                                rows.push_back(r);
-                                std::printf("  %s %ldx%ldx%ld: (a) %s (coll %s, %s), weft %s\n", r.op.c_str(),
-                                            r.shape.m, r.shape.n, r.shape.k, fmt(r.a).c_str(), fmt(r.coll).c_str(),
-                                            r.coll_algo.c_str(), fmt(r.weft).c_str());
-                                std::fflush(stdout);
+                            for (const Shape& sz : shapes) {
+                                Row r = op == "ag"   ? bench_ag(w, sh, pass, sz, lt, s, comm)
+                                        : op == "rs" ? bench_rs(w, sh, pass, sz, lt, s, comm)
+                                                     : bench_ar(w, sh, pass, sz, lt, s, comm);
+                                if (w.rank() == 0) {
+                                    std::lock_guard<std::mutex> lock(rows_mutex);
+                                    rows.push_back(r);
+                                    std::printf("  %s %ldx%ldx%ld: (a) %s (coll %s, %s), weft %s\n", r.op.c_str(),
+                                                r.shape.m, r.shape.n, r.shape.k, fmt(r.a).c_str(), fmt(r.coll).c_str(),
+                                                r.coll_algo.c_str(), fmt(r.weft).c_str());
+                                    std::fflush(stdout);
+                                }
                             }
                         }
                     }
+                    w.barrier();
+                    cudaStreamDestroy(comm);
+                    cudaStreamDestroy(s);
+                },
+                wo);
+        };
+        const std::string trace_path = weft::bench::traced_pass_path(o.trace, "weft_bench_tp");
+        std::vector<Row> rows;
+        if (o.trace.overhead) {
+            weft::bench::set_trace_env("");
+            run_pass(o, rows);
+            std::printf("traced pass (the fused ops alone; trace: %s)\n", trace_path.c_str());
+            weft::bench::set_trace_env(trace_path);
+            Options traced_options = o;
+            traced_options.weft_only = true;
+            traced_options.check = false;
+            std::vector<Row> traced;
+            run_pass(traced_options, traced);
+            for (Row& r : rows) {
+                for (const Row& t : traced) {
+                    if (t.op == r.op && t.shape.m == r.shape.m && t.shape.n == r.shape.n && t.shape.k == r.shape.k) {
+                        r.weft_traced = t.weft;
+                        r.trace_events_per_call = t.trace_events_per_call;
+                    }
                 }
-                w.barrier();
-                cudaStreamDestroy(comm);
-                cudaStreamDestroy(s);
-            },
-            wo);
+            }
+        } else {
+            weft::bench::set_trace_env(trace_path);
+            run_pass(o, rows);
+        }
         print_and_save(rows, o, gpus, prop.name, peaks);
         return 0;
     });

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "common/collective.cuh"
+#include "weft/device/trace.cuh"
 
 namespace weft::kernels::all_gather {
 
@@ -30,7 +31,10 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
         const int q = (me + k) % n;
         uint8_t* dst = device::symm_at_or_trap(ctx, static_cast<uint8_t*>(p.out), q, __LINE__) + slot;
         if (dst != in) {  // in place: this rank's slot already holds its shard
+            WEFT_TRACE_BEGIN(push_t0);
             device::copy(device::Block{}, dst, in, part.size());
+            WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kPushChunk, TraceRole::kComm, push_t0, blockIdx.x, q,
+                                 0, 0);
         }
     }
     st.barrier();
@@ -62,6 +66,7 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     }
     __syncthreads();
     uint8_t* own = out + static_cast<uint64_t>(me) * p.out_stride;
+    WEFT_TRACE_BEGIN(push_t0);
     for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
         const uint64_t at = j * kLowLatencyPayloadBytes;
         const uint2 mine = common::load_payload(in + at, bytes - at);
@@ -76,15 +81,18 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
             common::store_payload(own + at, common::load_payload(in + at, bytes - at), bytes - at);
         }
     }
+    WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kPushChunk, TraceRole::kComm, push_t0, blockIdx.x, -1, 0, 0);
     for (int k = 1; k < n; ++k) {
         const int q = (me + k) % n;
         const uint8_t* slot = st.ll_slot(q);
         uint8_t* dst = out + static_cast<uint64_t>(q) * p.out_stride;
+        WEFT_TRACE_BEGIN(recv_t0);  // the lines' waits included
         for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
             const uint64_t at = j * kLowLatencyPayloadBytes;
             const uint2 v = device::ll::wait_line(ctx, slot + j * kLowLatencyLineBytes, flag);
             common::store_payload(dst + at, v, bytes - at);
         }
+        WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kRecv, TraceRole::kComm, recv_t0, q, -1, 0, 0);
     }
     st.finish();
 }
@@ -112,8 +120,10 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     const int n = ctx.num_ranks;
     for (int q = static_cast<int>(threadIdx.x); q < n; q += static_cast<int>(blockDim.x)) {
         if (q != ctx.rank) {
+            WEFT_TRACE_BEGIN(wait_t0);
             device::spin_until<ptx::Sem::kAcquire, ptx::Scope::kSys>(
                 ctx, p.ce_flags + q, Cmp::kGe, 1, device::SpinSite{SpinKind::kSignalWait, q, __LINE__});
+            WEFT_TRACE_RECORD(ctx, TraceKind::kWaitPeer, TraceRole::kComm, wait_t0, q, __LINE__, 1, 0);
             ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(p.ce_flags + q, uint64_t{0});
         }
     }

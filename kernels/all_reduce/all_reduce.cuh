@@ -7,6 +7,7 @@
 #pragma once
 
 #include "common/collective.cuh"
+#include "weft/device/trace.cuh"
 
 namespace weft::kernels::all_reduce {
 
@@ -27,13 +28,17 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     const Span part = split_span(p.count, gridDim.x, blockIdx.x, kCollectiveGranuleBytes / kElem);
     uint8_t* src = p.src != nullptr ? static_cast<uint8_t*>(p.src) : st.staging();
     if ((p.flags & kCollectiveStageInput) != 0) {
+        WEFT_TRACE_BEGIN(stage_t0);
         device::copy(device::Block{}, src + part.begin * kElem, static_cast<const uint8_t*>(p.in) + part.begin * kElem,
                      part.size() * kElem);
+        WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kStage, TraceRole::kComm, stage_t0, blockIdx.x, 0, 0, 0);
     }
     st.enter();
+    WEFT_TRACE_BEGIN(reduce_t0);
     common::peer_pointers(ctx, srcs, src, 0);
     common::reduce_elements<C.dtype, C.vec_bytes, C.max_ranks>(srcs, ctx.num_ranks, part.begin, part.end,
                                                                static_cast<uint8_t*>(p.out), nullptr);
+    WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kReduce, TraceRole::kComm, reduce_t0, blockIdx.x, -1, 0, 0);
     if ((p.flags & kCollectiveExitBarrier) != 0) {
         st.barrier();
     }
@@ -58,25 +63,32 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     uint8_t* res = p.res != nullptr ? static_cast<uint8_t*>(p.res) : st.staging();
     auto* out = static_cast<uint8_t*>(p.out);
     if ((p.flags & kCollectiveStageInput) != 0) {
+        WEFT_TRACE_BEGIN(stage_t0);
         for (int q = 0; q < n; ++q) {
             const Span s = split_slice_part(p.count, n, q, gridDim.x, blockIdx.x, kGranule);
             device::copy(device::Block{}, src + s.begin * kElem, static_cast<const uint8_t*>(p.in) + s.begin * kElem,
                          s.size() * kElem);
         }
+        WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kStage, TraceRole::kComm, stage_t0, blockIdx.x, 0, 0, 0);
     }
     st.enter();
     // Reduce-scatter: my slice, part b, from every rank's source.
+    WEFT_TRACE_BEGIN(reduce_t0);
     const Span mine = split_slice_part(p.count, n, me, gridDim.x, blockIdx.x, kGranule);
     common::peer_pointers(ctx, srcs, src, 0);
     common::reduce_elements<C.dtype, C.vec_bytes, C.max_ranks>(srcs, n, mine.begin, mine.end, res,
                                                                out != res ? out : nullptr);
+    WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kReduce, TraceRole::kComm, reduce_t0, blockIdx.x, -1, 0, 0);
     st.barrier();
     // All-gather: part b of every other slice, from its owner's result (rotated so peers spread their reads).
     for (int k = 1; k < n; ++k) {
         const int q = (me + k) % n;
+        WEFT_TRACE_BEGIN(pull_t0);
         const Span s = split_slice_part(p.count, n, q, gridDim.x, blockIdx.x, kGranule);
         const uint8_t* theirs = device::symm_at_or_trap(ctx, res, q, __LINE__);
         device::copy(device::Block{}, out + s.begin * kElem, theirs + s.begin * kElem, s.size() * kElem);
+        WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kPullChunk, TraceRole::kComm, pull_t0, blockIdx.x, q,
+                             0, 0);
     }
     if ((p.flags & kCollectiveExitBarrier) != 0) {
         st.barrier();
@@ -111,6 +123,7 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
         remote[q] = device::symm_at_or_trap(ctx, st.ll_slot(me), q, __LINE__);
     }
     __syncthreads();
+    WEFT_TRACE_BEGIN(push_t0);
     for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
         const uint64_t at = j * kLowLatencyPayloadBytes;
         const uint2 mine = common::load_payload(in + at, bytes - at);
@@ -119,13 +132,16 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
             device::ll::store_line(remote[q] + j * kLowLatencyLineBytes, mine, flag);
         }
     }
+    WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kPushChunk, TraceRole::kComm, push_t0, blockIdx.x, -1, 0, 0);
     st.check_ll_descriptor();
     // The same thread handles line j in both loops, so in-place (out == in) reads before it writes.
+    WEFT_TRACE_BEGIN(reduce_t0);  // the lines' waits included
     for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
         const uint64_t at = j * kLowLatencyPayloadBytes;
         common::store_payload(
             out + at, common::reduce_ll_line<C.dtype, C.max_ranks>(ctx, st, in + at, bytes - at, j, flag), bytes - at);
     }
+    WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kReduce, TraceRole::kComm, reduce_t0, blockIdx.x, -1, 0, 0);
     st.finish();
 }
 

@@ -9,6 +9,7 @@
 
 #include "common/collective.cuh"
 #include "weft/common/all_to_all.hpp"
+#include "weft/device/trace.cuh"
 
 namespace weft::kernels::all_to_all {
 
@@ -37,6 +38,7 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     auto* const header = reinterpret_cast<uint64_t*>(half);
     uint8_t* const source = staged ? half + kAllToAllHeaderBytes : static_cast<uint8_t*>(p.src);
     if (staged) {
+        WEFT_TRACE_BEGIN(stage_t0);
         const auto* in = static_cast<const uint8_t*>(p.in);
         for (int k = 0; k < n; ++k) {
             const int q = (me + k) % n;
@@ -44,6 +46,7 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
             device::copy(device::Block{}, source + t.source_offset[q] + part.begin, in + t.send_offset[q] + part.begin,
                          part.size());
         }
+        WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kStage, TraceRole::kComm, stage_t0, blockIdx.x, 0, 0, 0);
     }
     // Published as an offset in the heap, so that each rank may read its chunks from its staging or its own `src`.
     uint8_t* const heap_base = ctx.peer_bases[me];
@@ -58,9 +61,12 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
         const int q = (me + k) % n;  // rotated: the ranks spread their reads over different peers
         const Span part = split_span(t.recv_bytes[q], gridDim.x, blockIdx.x, kCollectiveGranuleBytes);
         if (part.size() == 0) continue;
+        WEFT_TRACE_BEGIN(pull_t0);
         const uint64_t at = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(header + q);
         const uint8_t* from = device::symm_at_or_trap(ctx, heap_base + at, q, __LINE__) + part.begin;
         device::copy(device::Block{}, out + t.recv_offset[q] + part.begin, from, part.size());
+        WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kPullChunk, TraceRole::kComm, pull_t0, blockIdx.x, q,
+                             0, 0);
     }
     if ((p.flags & kCollectiveExitBarrier) != 0) {
         st.barrier();

@@ -26,6 +26,10 @@
 //    the same or stop at their next wait (the abort word), so the op throws on every rank and the CUDA context stays
 //    usable. The copy-engine algorithms trap instead: the copies that follow their entry kernel are already queued
 //    on the host and only a trap stops them.
+//
+// Traced builds (weft/device/trace.cuh, docs/profiling.md): the barriers record "wait peer p" per peer (thread p of
+// each block); the kernels record their block's steps from thread 0 ("stage chunk b", "push chunk b to p", "pull
+// chunk b from p", "recv from p", "reduce"), chunk b being block b's part of the message, timed as thread 0 saw it.
 #pragma once
 
 #include "weft/common/collectives.hpp"

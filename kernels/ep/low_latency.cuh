@@ -16,10 +16,14 @@
 // Combine send: each output row goes back to its source's landing [token, top-k slot]; the last block
 //   adds 1 to each rank's combine signal. Combine receive: wait for all ranks, then each token's
 //   weighted sum over its valid slots in slot order (fp32 fma), rounded once to bf16.
+// Traced builds (weft/device/trace.cuh, docs/profiling.md): "wait peer r" per signal awaited (tile::wait_each);
+// from thread 0 of each block "send" (its rows, after the credit wait), "recv" (the wait and the copies into the
+// masked output) and "combine" (the wait and the weighted sums); "notify" per rank from the last block of a send.
 #pragma once
 
 #include "ep/common.cuh"
 #include "ep/transport.cuh"
+#include "weft/device/trace.cuh"
 #include "weft/common/device_ctx.hpp"
 #include "weft/common/ep_workspace.hpp"
 
@@ -139,6 +143,7 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
     // destinations' slots below (no load: its Token is not needed).
     tile::wait_each(Block{}, ctx, call > 2 ? num_ranks : 0, FromRank{a.buffer.dispatch_credit}, Cmp::kGe, call - 2);
 
+    WEFT_TRACE_BEGIN(send_t0);
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
     const int num_warps = static_cast<int>(gridDim.x) * kWarps;
     const RowParts split = RowParts::make(a.num_tokens, granules, num_warps, U);
@@ -210,9 +215,11 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
             put16(dst + slot_bytes - 16, uint4{static_cast<uint32_t>(t), static_cast<uint32_t>(lane), 0u, 0u});
         }
     }
+    WEFT_TRACE_RECORD_IF(tid == 0, ctx, TraceKind::kSend, TraceRole::kComm, send_t0, -1, a.num_tokens, 0, 0);
 
     if (last_block_arrive(&a.buffer.state->arrivals[0])) {
         // Every block's rows are written (acquired above): counts, then one release per rank.
+        WEFT_TRACE_BEGIN(notify_t0);
         const int units = num_ranks * local_experts;
         for (int i = tid; i < units; i += C.threads) {
             const int r = i / local_experts;
@@ -223,6 +230,7 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
         __syncthreads();
         if (tid < num_ranks) {
             signal_add(peers.at(ctx, a.buffer.dispatch_signal + me, tid), 1);
+            WEFT_TRACE_RECORD(ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, me, tid, 0, 0);
         }
         if (tid == 0) {
             a.buffer.state->dispatch_send_calls = call;
@@ -248,6 +256,7 @@ __device__ void ll_dispatch_recv(const DeviceCtx& ctx, const weft::ep::LowLatenc
     const int units = local_experts * num_ranks;
 
     // Every source's sends of this call: its counts (mailbox) and rows (receive slots) are here.
+    WEFT_TRACE_BEGIN(recv_t0);
     const Token arrived = tile::wait_each(Block{}, ctx, num_ranks, FromRank{a.buffer.dispatch_signal}, Cmp::kGe, call);
     const int32_t* mailbox = tile::consume_token<const int32_t*>(a.buffer.mailbox, arrived);
     const uint8_t* recv_slots = tile::consume_token<const uint8_t*>(a.buffer.recv_slots, arrived);
@@ -304,6 +313,7 @@ __device__ void ll_dispatch_recv(const DeviceCtx& ctx, const weft::ep::LowLatenc
             a.handle.recv_src_slot[out_row] = static_cast<int32_t>(trailer.y);
         }
     }
+    WEFT_TRACE_RECORD_IF(tid == 0, ctx, TraceKind::kRecv, TraceRole::kComm, recv_t0, -1, total, 0, 0);
 
     if (last_block_arrive(&a.buffer.state->arrivals[1])) {
         if (tid < num_ranks) {
@@ -343,6 +353,7 @@ __device__ void ll_combine_send(const DeviceCtx& ctx, const weft::ep::LowLatency
     }
     __syncthreads();
 
+    WEFT_TRACE_BEGIN(send_t0);
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
     const int num_warps = static_cast<int>(gridDim.x) * kWarps;
     for (int f = global_warp; f < total; f += num_warps) {
@@ -375,10 +386,13 @@ __device__ void ll_combine_send(const DeviceCtx& ctx, const weft::ep::LowLatency
             }
         }
     }
+    WEFT_TRACE_RECORD_IF(tid == 0, ctx, TraceKind::kSend, TraceRole::kComm, send_t0, -1, total, 0, 0);
 
     if (last_block_arrive(&a.buffer.state->arrivals[2])) {
+        WEFT_TRACE_BEGIN(notify_t0);
         if (tid < num_ranks) {
             signal_add(peers.at(ctx, a.buffer.combine_signal + me, tid), 1);
+            WEFT_TRACE_RECORD(ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, me, tid, 0, 0);
         }
         if (tid == 0) {
             a.buffer.state->combine_send_calls = call;
@@ -401,6 +415,7 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
     const int half = static_cast<int>(call & 1u);
 
     // Every expert rank's rows of this call are in the landing.
+    WEFT_TRACE_BEGIN(combine_t0);  // the wait included
     const Token arrived = tile::wait_each(Block{}, ctx, num_ranks, FromRank{a.buffer.combine_signal}, Cmp::kGe, call);
     const uint16_t* landing = tile::consume_token<const uint16_t*>(a.buffer.landing, arrived);
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
@@ -420,6 +435,7 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
         warp_weighted_sum<U>(slots, weight, rows_of, split.begin(part), g_end,
                              [dst](int gi, uint4 v) { ptx::st(dst + gi, v); });
     }
+    WEFT_TRACE_RECORD_IF(tid == 0, ctx, TraceKind::kCombine, TraceRole::kComm, combine_t0, a.num_tokens, 0, 0, 0);
 
     if (last_block_arrive(&a.buffer.state->arrivals[3])) {
         if (tid < num_ranks) {

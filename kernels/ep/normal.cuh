@@ -17,10 +17,14 @@
 // Combine: each received token's weighted sum over its local experts (fp32, top-k slot order, rounded
 // once to bf16) is written into its source's landing; the source adds the partials of its
 // destinations in rank order (fp32) and rounds to bf16.
+// Traced builds (weft/device/trace.cuh, docs/profiling.md): "notify" per count mailbox written, "wait peer r" per
+// signal awaited (tile::wait_each), "send to r" per destination a block sent rows to (from the start of its sends to
+// its signal), "recv from r" per source (thread 0: the wait and the copies), "combine" (thread 0).
 #pragma once
 
 #include "ep/common.cuh"
 #include "ep/transport.cuh"
+#include "weft/device/trace.cuh"
 #include "weft/common/device_ctx.hpp"
 #include "weft/common/ep_workspace.hpp"
 
@@ -152,6 +156,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
 
     // 1. Publish this rank's counts into every rank's mailbox (block b serves ranks b, b + grid, ...).
     for (int p = static_cast<int>(blockIdx.x); p < num_ranks; p += static_cast<int>(gridDim.x)) {
+        WEFT_TRACE_BEGIN(count_t0);
         int32_t* row =
             peers.at(ctx, a.buffer.mailbox + (static_cast<int64_t>(parity) * num_ranks + me) * mailbox_ints, p);
         for (int i = tid; i < num_experts; i += C.threads) {
@@ -163,6 +168,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
         __syncthreads();
         if (tid == 0) {
             signal_add(peers.at(ctx, a.buffer.count_signal + me, p), 1);
+            WEFT_TRACE_RECORD(ctx, TraceKind::kNotify, TraceRole::kComm, count_t0, me, p, 0, 0);
         }
     }
 
@@ -288,6 +294,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
 
     if (valid) {
         // 3. Send: one warp per token; the row goes once to each destination rank.
+        WEFT_TRACE_BEGIN(send_t0);
         const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp;
         const int num_warps = static_cast<int>(gridDim.x) * kWarps;
         int32_t* dests = sh.dests + warp * num_ranks;
@@ -392,6 +399,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
         __syncthreads();
         if (tid < num_ranks && sh.sent[tid] > 0) {
             signal_add(peers.at(ctx, a.buffer.data_signal + me, tid), static_cast<uint64_t>(sh.sent[tid]));
+            WEFT_TRACE_RECORD(ctx, TraceKind::kSend, TraceRole::kComm, send_t0, tid, sh.sent[tid], 0, 0);
         }
 
         // 4. Receive, source by source (this rank first: its rows arrive soonest): wait for the source's
@@ -401,6 +409,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
             if (sh.recv_from[s] == 0) {
                 continue;
             }
+            WEFT_TRACE_BEGIN(recv_t0);
             // Thread 0 waits, the block barrier extends its acquire to every thread.
             const Token arrived =
                 tile::wait_each(Block{}, ctx, 1, FromRank{a.buffer.data_signal, s}, Cmp::kGe,
@@ -437,6 +446,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
                 detail::flush_expert_rows(a.fused, sh.exp_rows, sh.exp_total + me * local_experts, local_experts, tid,
                                           C.threads);
             }
+            WEFT_TRACE_RECORD_IF(tid == 0, ctx, TraceKind::kRecv, TraceRole::kComm, recv_t0, s, sh.recv_from[s], 0, 0);
         }
     }
 
@@ -521,6 +531,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
         }
         __syncthreads();
     }
+    WEFT_TRACE_BEGIN(send_t0);
     for (int i = global_warp; i < received; i += num_warps) {
         const int32_t* rec = a.handle.recv_meta + static_cast<int64_t>(i) * meta_ints;
         const int src = rec[0];
@@ -555,6 +566,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
     __syncthreads();
     if (tid < num_ranks && sh.sent[tid] > 0) {
         signal_add(peers.at(ctx, a.buffer.partial_signal + me, tid), static_cast<uint64_t>(sh.sent[tid]));
+        WEFT_TRACE_RECORD(ctx, TraceKind::kSend, TraceRole::kComm, send_t0, tid, sh.sent[tid], 0, 0);
     }
 
     // B. This rank's tokens: the partials of their destinations, in rank order. Thread r waits for rank r's partials;
@@ -566,6 +578,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
         from_rank ? a.buffer.state->partial_expected[tid] + static_cast<uint64_t>(a.handle.tokens_per_rank[tid]) : 0);
     __syncthreads();
     const uint16_t* landing = tile::consume_token<const uint16_t*>(a.handle.landing, partials);
+    WEFT_TRACE_BEGIN(combine_t0);
     for (int t = global_warp; t < num_tokens; t += num_warps) {
         const int32_t* sidx = a.handle.send_idx + static_cast<int64_t>(t) * num_ranks;
         auto* dst = reinterpret_cast<uint4*>(a.out + static_cast<int64_t>(t) * a.out_stride);
@@ -610,6 +623,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
             }
         }
     }
+    WEFT_TRACE_RECORD_IF(tid == 0, ctx, TraceKind::kCombine, TraceRole::kComm, combine_t0, num_tokens, 0, 0, 0);
 
     // C. The last block: state for the next call, and "my landing is free" to every rank.
     if (last_block_arrive(&a.buffer.state->combine_arrivals)) {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "common/collective.cuh"
+#include "weft/device/trace.cuh"
 
 namespace weft::kernels::reduce_scatter {
 
@@ -30,16 +31,20 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     const Span part = split_span(p.count, gridDim.x, blockIdx.x, kCollectiveGranuleBytes / kElem);
     uint8_t* src = p.src != nullptr ? static_cast<uint8_t*>(p.src) : st.staging();
     if ((p.flags & kCollectiveStageInput) != 0) {
+        WEFT_TRACE_BEGIN(stage_t0);
         for (int q = 0; q < n; ++q) {
             device::copy(device::Block{}, src + (q * p.src_stride + part.begin) * kElem,
                          static_cast<const uint8_t*>(p.in) + (q * p.in_stride + part.begin) * kElem,
                          part.size() * kElem);
         }
+        WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kStage, TraceRole::kComm, stage_t0, blockIdx.x, 0, 0, 0);
     }
     st.enter();
+    WEFT_TRACE_BEGIN(reduce_t0);
     common::peer_pointers(ctx, srcs, src, static_cast<uint64_t>(me) * p.src_stride * kElem);
     common::reduce_elements<C.dtype, C.vec_bytes, C.max_ranks>(srcs, n, part.begin, part.end,
                                                                static_cast<uint8_t*>(p.out), nullptr);
+    WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kReduce, TraceRole::kComm, reduce_t0, blockIdx.x, -1, 0, 0);
     if ((p.flags & kCollectiveExitBarrier) != 0) {
         st.barrier();
     }
@@ -78,6 +83,7 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
         remote[q] = device::symm_at_or_trap(ctx, st.ll_slot(me), q, __LINE__);
     }
     __syncthreads();
+    WEFT_TRACE_BEGIN(push_t0);
     for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
         const uint64_t at = j * kLowLatencyPayloadBytes;
         for (int k = 1; k < n; ++k) {
@@ -86,13 +92,16 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
             device::ll::store_line(remote[q] + j * kLowLatencyLineBytes, v, flag);
         }
     }
+    WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kPushChunk, TraceRole::kComm, push_t0, blockIdx.x, -1, 0, 0);
     st.check_ll_descriptor();
+    WEFT_TRACE_BEGIN(reduce_t0);  // the lines' waits included
     for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
         const uint64_t at = j * kLowLatencyPayloadBytes;
         common::store_payload(out + at,
                               common::reduce_ll_line<C.dtype, C.max_ranks>(ctx, st, mine + at, bytes - at, j, flag),
                               bytes - at);
     }
+    WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kReduce, TraceRole::kComm, reduce_t0, blockIdx.x, -1, 0, 0);
     st.finish();
 }
 

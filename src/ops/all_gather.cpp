@@ -11,6 +11,7 @@
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/stream.hpp"
+#include "weft/runtime/trace.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops {
@@ -32,6 +33,8 @@ using detail::KernelId;
 // that the ranks' graphs (one context) may share: a rank's copies for call k could then wait in an in-order queue
 // behind another rank's branch for call k + 1, whose entry barrier waits for the first rank to leave call k, i.e.
 // for those very copies (docs/runtime.md, "Hardware queues").
+// A World that traces (WEFT_TRACE) times each copy with CUDA events: "copy chunk q" (the output slot written) on the
+// track of its stream (copy engine i: side stream i, or 0 for `stream`).
 template <class Source>
 void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_t* in, uint8_t* out,
                        const Source& source, uint64_t shard, uint64_t begin, uint64_t len, uint64_t descriptor,
@@ -46,8 +49,12 @@ void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_
     if (sides > 0) ws.fork(stream, sides);
     for (int k = 1; k < n; ++k) {
         const int q = (me + k) % n;
-        cudaStream_t s = sides > 0 ? ws.side_stream((k - 1) % sides) : stream;
-        if (algo == AllGatherAlgo::kCopyEnginePull) {
+        const int side = sides > 0 ? (k - 1) % sides : 0;
+        cudaStream_t s = sides > 0 ? ws.side_stream(side) : stream;
+        const bool pull = algo == AllGatherAlgo::kCopyEnginePull;
+        const TraceCopyEvents ev = trace_copy_events(ws.world(), static_cast<uint16_t>(side), pull ? q : me, q);
+        if (ev.begin != nullptr) WEFT_CUDA_CHECK(cudaEventRecord(ev.begin, s));
+        if (pull) {
             const uint8_t* from = source(q);
             WEFT_CUDA_CHECK(cudaMemcpyAsync(out + static_cast<uint64_t>(q) * shard + begin, from, len,
                                             cudaMemcpyDeviceToDevice, s));
@@ -55,6 +62,7 @@ void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_
             auto* to = static_cast<uint8_t*>(ws.peer_pointer(out, q)) + static_cast<uint64_t>(me) * shard + begin;
             WEFT_CUDA_CHECK(cudaMemcpyAsync(to, in + begin, len, cudaMemcpyDeviceToDevice, s));
         }
+        if (ev.end != nullptr) WEFT_CUDA_CHECK(cudaEventRecord(ev.end, s));
         stream_write_u64(s, ws.copy_engine_flag_on(q), 1);
     }
     uint8_t* own = out + static_cast<uint64_t>(me) * shard + begin;

@@ -148,6 +148,33 @@ public:
         return t;
     }
 
+    /// Events the buffer, the pending copies and the host events were asked to hold since the last take or discard.
+    uint64_t count() {
+        TraceBuffer header{};
+        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+        WEFT_CUDA_CHECK(cudaMemcpy(&header, buffer_, offsetof(TraceBuffer, events), cudaMemcpyDeviceToHost));
+        std::lock_guard<std::mutex> lock(mutex_);
+        return header.count + copies_.size() + host_events_.size();
+    }
+
+    /// Empties the device buffer, the pending copies and the host events; returns how many events they were asked to
+    /// hold since the last take or discard.
+    uint64_t discard() {
+        TraceBuffer header{};
+        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+        WEFT_CUDA_CHECK(cudaMemcpy(&header, buffer_, offsetof(TraceBuffer, events), cudaMemcpyDeviceToHost));
+        WEFT_CUDA_CHECK(cudaMemset(&buffer_->count, 0, sizeof(uint32_t)));
+        std::lock_guard<std::mutex> lock(mutex_);
+        const uint64_t recorded = header.count + copies_.size() + host_events_.size();
+        for (const PendingCopy& c : copies_) {
+            cudaEventDestroy(c.begin);
+            cudaEventDestroy(c.end);
+        }
+        copies_.clear();
+        host_events_.clear();
+        return recorded;
+    }
+
     void add(const TraceEvent& e) {
         std::lock_guard<std::mutex> lock(mutex_);
         if (host_events_.size() < capacity_) host_events_.push_back(e);
@@ -287,6 +314,20 @@ void add_trace_event(World& world, const TraceEvent& event) {
     if (Tracer* t = find_tracer(world)) t->add(event);
 }
 
+uint64_t discard_trace(World& world) {
+    Tracer* t = find_tracer(world);
+    if (t == nullptr) return 0;
+    const detail::DeviceGuard guard(world.device());
+    return t->discard();
+}
+
+uint64_t trace_event_count(World& world) {
+    Tracer* t = find_tracer(world);
+    if (t == nullptr) return 0;
+    const detail::DeviceGuard guard(world.device());
+    return t->count();
+}
+
 TraceCopyEvents trace_copy_events(World& world, uint16_t stream_idx, int32_t chunk, int32_t peer) {
     Tracer* t = find_tracer(world);
     return t == nullptr ? TraceCopyEvents{} : t->copy_events(stream_idx, chunk, peer);
@@ -401,6 +442,17 @@ std::string trace_event_name(const TraceEvent& e) {
         case TraceKind::kNotify: return "notify";
         case TraceKind::kReduce: return "reduce";
         case TraceKind::kWaitPeers: return "wait peers";
+        case TraceKind::kWaitPeer: return "wait peer " + std::to_string(e.args[0]);
+        case TraceKind::kPushChunk:
+            if (e.args[1] < 0) return "push chunk " + std::to_string(e.args[0]);
+            return "push chunk " + std::to_string(e.args[0]) + " to " + std::to_string(e.args[1]);
+        case TraceKind::kPullChunk:
+            return "pull chunk " + std::to_string(e.args[0]) + " from " + std::to_string(e.args[1]);
+        case TraceKind::kStage: return "stage chunk " + std::to_string(e.args[0]);
+        case TraceKind::kSend: return e.args[0] < 0 ? std::string("send") : "send to " + std::to_string(e.args[0]);
+        case TraceKind::kRecv: return e.args[0] < 0 ? std::string("recv") : "recv from " + std::to_string(e.args[0]);
+        case TraceKind::kLayout: return "layout";
+        case TraceKind::kCombine: return "combine";
     }
     return "event " + std::to_string(e.kind);
 }

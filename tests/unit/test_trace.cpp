@@ -16,10 +16,12 @@
 
 #include "support/jit_testing.hpp"
 #include "support/sass_testing.hpp"
+#include "weft/detail/collectives.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/jit/options.hpp"
 #include "weft/jit/paths.hpp"
 #include "weft/ops/ag_gemm.hpp"
+#include "weft/ops/ep.hpp"
 #include "weft/ops/fused_gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_rs.hpp"
@@ -132,6 +134,25 @@ TEST(TraceWriter, AClockOffsetShiftsARanksEventsAndAnEmptyTraceIsValid) {
     EXPECT_EQ(summary_by_python(dir / "empty.json", dir / "empty.txt"), "\n");
 }
 
+TEST(TraceWriter, CollectiveAndEpEventsAreNamedAfterTheirPeerChunkOrSource) {
+    const auto name = [](TraceKind kind, int32_t a0, int32_t a1 = 0) {
+        return detail::trace_event_name(event(kind, TraceRole::kComm, 0, 0, 1, a0, a1));
+    };
+    EXPECT_EQ(name(TraceKind::kWaitPeer, 3, 120), "wait peer 3");
+    EXPECT_EQ(name(TraceKind::kPushChunk, 5, 2), "push chunk 5 to 2");
+    EXPECT_EQ(name(TraceKind::kPushChunk, 5, -1), "push chunk 5");
+    EXPECT_EQ(name(TraceKind::kPullChunk, 4, 1), "pull chunk 4 from 1");
+    EXPECT_EQ(name(TraceKind::kStage, 7), "stage chunk 7");
+    EXPECT_EQ(name(TraceKind::kSend, 6, 40), "send to 6");
+    EXPECT_EQ(name(TraceKind::kSend, -1, 40), "send");
+    EXPECT_EQ(name(TraceKind::kRecv, 0, 12), "recv from 0");
+    EXPECT_EQ(name(TraceKind::kRecv, -1, 12), "recv");
+    EXPECT_EQ(name(TraceKind::kLayout, 128), "layout");
+    EXPECT_EQ(name(TraceKind::kCombine, 128), "combine");
+    EXPECT_EQ(name(TraceKind::kReduce, 2, -1), "reduce");
+    EXPECT_EQ(name(static_cast<TraceKind>(99), 0), "event 99");
+}
+
 TEST(TraceWriter, RankBlobsRoundTripAndBadBlobsAreErrors) {
     const auto ranks = two_ranks();
     const Bytes blob = detail::encode_rank_trace(ranks[0]);
@@ -218,12 +239,27 @@ std::string strip_trace_lines(const std::string& text) {
     return out;
 }
 
-/// The instrumented kernel sources, stripped, under `root` (searched before weft's own: they shadow them).
+/// The instrumented sources (kernels and device headers), stripped, under `root` (searched before weft's own: they
+/// shadow them).
 void write_stripped_kernels(const fs::path& root) {
-    const fs::path kernels = jit::find_include_roots().weft_kernels;
-    for (const char* rel :
-         {"ag_gemm/ag_gemm.cuh", "gemm/gemm_sm90.cuh", "gemm/gemm_hooks.cuh", "gemm_rs/gemm_rs.cuh"}) {
-        const std::string text = testing::read_text_file(kernels / rel);
+    const jit::IncludeRoots roots = jit::find_include_roots();
+    const std::pair<fs::path, const char*> files[] = {
+        {roots.weft_kernels, "ag_gemm/ag_gemm.cuh"},
+        {roots.weft_kernels, "gemm/gemm_sm90.cuh"},
+        {roots.weft_kernels, "gemm/gemm_hooks.cuh"},
+        {roots.weft_kernels, "gemm_rs/gemm_rs.cuh"},
+        {roots.weft_kernels, "all_reduce/all_reduce.cuh"},
+        {roots.weft_kernels, "all_gather/all_gather.cuh"},
+        {roots.weft_kernels, "reduce_scatter/reduce_scatter.cuh"},
+        {roots.weft_kernels, "all_to_all/all_to_all.cuh"},
+        {roots.weft_kernels, "ep/layout.cuh"},
+        {roots.weft_kernels, "ep/normal.cuh"},
+        {roots.weft_kernels, "ep/low_latency.cuh"},
+        {roots.weft_include, "weft/device/block_barrier.cuh"},
+        {roots.weft_include, "weft/device/tile.cuh"},
+    };
+    for (const auto& [base, rel] : files) {
+        const std::string text = testing::read_text_file(base / rel);
         ASSERT_NE(text.find("WEFT_TRACE_"), std::string::npos) << rel << " is no longer instrumented: update this test";
         const std::string stripped = strip_trace_lines(text);
         ASSERT_EQ(stripped.find("WEFT_TRACE_"), std::string::npos) << rel;
@@ -244,9 +280,16 @@ TEST(TraceNvrtc, UntracedKernelsAreTheKernelsWithoutTheInstrumentationAndTracedO
 
     GemmConfig config = gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK);
     config.cluster_m = config.cluster_n = 1;
-    const std::vector<jit::KernelSpec> specs = {ops::detail::ag_gemm_kernel_spec(config, "sm_90a"),
-                                                ops::detail::ag_notify_kernel_spec("sm_90a"),
-                                                ops::detail::rs_reduce_kernel_spec(DType::kF32, DType::kBF16, "sm_90a")};
+    std::vector<jit::KernelSpec> specs = {ops::detail::ag_gemm_kernel_spec(config, "sm_90a"),
+                                          ops::detail::ag_notify_kernel_spec("sm_90a"),
+                                          ops::detail::rs_reduce_kernel_spec(DType::kF32, DType::kBF16, "sm_90a")};
+    // A collective (entry barrier, stage, reduce) and an EP kernel (peer-named waits, sends, receives).
+    specs.push_back(ops::detail::collective_kernel_spec(ops::detail::KernelId::kAllReduceOneShot, DType::kBF16, 8));
+    for (const jit::KernelSpec& s : ops::ep::kernel_specs()) {
+        if (s.instantiation.find("normal_dispatch") != std::string::npos) specs.push_back(s);
+    }
+    ASSERT_EQ(specs.size(), 5u) << "no normal_dispatch among the EP kernel specs";
+    for (jit::KernelSpec& s : specs) s.arch = "sm_90a";
     for (const jit::KernelSpec& spec : specs) {
         SCOPED_TRACE(spec.describe());
         const jit::CompileResult off = compiler.compile(spec);

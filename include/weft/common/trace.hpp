@@ -18,6 +18,15 @@ enum class TraceKind : uint16_t {
     kNotify = 4,     ///< signals raised for peers: args = signal index (or -1), peer (or -1: every peer)
     kReduce = 5,     ///< a reduction step: args = chunk index, peer (or -1)
     kWaitPeers = 6,  ///< waited for every peer at the end of a call (a done-barrier): args = the epoch awaited
+    kWaitPeer = 7,   ///< waited for one peer's signal (a barrier arrival, a count, rows): args = peer, source line of
+                     ///< the wait, low 32 bits of the value awaited
+    kPushChunk = 8,  ///< a chunk written into peers' memory: args = chunk (the block's part), peer (or -1: every peer)
+    kPullChunk = 9,  ///< a chunk read from a peer's memory: args = chunk (the block's part), peer
+    kStage = 10,     ///< the input copied into the symmetric staging buffer: args = chunk (the block's part)
+    kSend = 11,      ///< EP rows sent: args = destination rank (or -1: every destination), rows (or tokens)
+    kRecv = 12,      ///< EP rows received and placed: args = source rank (or -1: every source), rows (or -1)
+    kLayout = 13,    ///< EP routing layout (counts, masks, offsets): args = tokens
+    kCombine = 14,   ///< EP weighted sum of the rows that came back: args = tokens
 };
 
 /// Which part of a CTA wrote an event (a track per SM and role in the trace file).

@@ -17,6 +17,7 @@
 #include "weft/device/signal.cuh"
 #include "weft/device/spin.cuh"
 #include "weft/device/symmetric.cuh"
+#include "weft/device/trace.cuh"
 
 namespace weft::device {
 
@@ -30,6 +31,7 @@ namespace weft::device {
 /// red.release.sys.add and waits for peer t with ld.acquire.sys, then a block barrier). Bounded: a missing peer
 /// (after ctx.timeout_ns), or an aborted World, ends the whole block (`exit`) with a kBarrier diagnostic naming the
 /// counter word, and raises the abort word.
+/// Traced builds (weft/device/trace.cuh): thread t records "wait peer t" (args: t, `line`, the count awaited).
 __device__ __forceinline__ uint64_t block_barrier(Block block, const DeviceCtx& ctx, uint64_t* flags, uint32_t slot,
                                                   uint64_t completed, int line = __builtin_LINE()) {
     const int n = ctx.num_ranks;
@@ -45,9 +47,12 @@ __device__ __forceinline__ uint64_t block_barrier(Block block, const DeviceCtx& 
     bool ok = true;
     for (int t = static_cast<int>(block.rank()); ok && t < n; t += static_cast<int>(block.size())) {
         if (t != me) {
+            WEFT_TRACE_BEGIN(wait_t0);
             ok = spin_until_or_record<ptx::Sem::kAcquire, ptx::Scope::kSys>(ctx, row + t, Cmp::kGe, target,
                                                                             SpinSite{SpinKind::kBarrier, t, line})
                      .ok;
+            WEFT_TRACE_RECORD(ctx, TraceKind::kWaitPeer, TraceRole::kComm, wait_t0, t, line,
+                              static_cast<int32_t>(target), 0);
         }
     }
     exit_unless(block.all(ok));  // a wait that gave up ends the whole block together

@@ -28,6 +28,7 @@
 #include "weft/device/spin.cuh"
 #include "weft/device/symmetric.cuh"
 #include "weft/device/token.cuh"
+#include "weft/device/trace.cuh"
 #include "weft/ptx/fence.cuh"
 #include "weft/ptx/tma.cuh"
 
@@ -45,7 +46,9 @@ struct TokenIssuer {
     /// Thread i of the group polls `signal_at(j)` for j = i, i + size, ... < n (a pointer, or a SignalFrom naming
     /// the rank that raises it; skipping null signals), then the group synchronises, then every thread fences.
     /// A thread stops polling at its first failed signal (timeout or abort: Diagnostic recorded, abort word raised);
-    /// the group barrier reduces the outcome (Group::all). kChecked: the result, uniform over the group, says
+    /// the group barrier reduces the outcome (Group::all). Traced builds (weft/device/trace.cuh): a thread that polls
+    /// a SignalFrom records "wait peer <its rank>" (args: the rank, `line`, the value awaited); bare pointers record
+    /// nothing. kChecked: the result, uniform over the group, says
     /// whether all arrived (spin_until_checked: inline). Otherwise (spin_until_or_record: the failure path is a call)
     /// every thread of the group ends together with `exit` when any failed, and the result is the Token: ending the
     /// group together keeps a counted named barrier (Warpgroup) from waiting for a warp that exited.
@@ -68,12 +71,16 @@ struct TokenIssuer {
             if (signal == nullptr) {
                 continue;
             }
+            WEFT_TRACE_DECLARE(wait_t0);
+            WEFT_TRACE_STAMP_IF(site.peer >= 0, wait_t0);
             SpinResult r;
             if constexpr (kChecked) {
                 r = spin_until_checked<S, C>(ctx, signal, cmp, value, site);
             } else {
                 r = spin_until_or_record<S, C>(ctx, signal, cmp, value, site);
             }
+            WEFT_TRACE_RECORD_IF(site.peer >= 0, ctx, TraceKind::kWaitPeer, TraceRole::kComm, wait_t0, site.peer, line,
+                                 static_cast<int32_t>(value), 0);
             last = static_cast<unsigned>(r.observed);
             if (!r.ok) {
                 ok = false;

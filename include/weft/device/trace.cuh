@@ -7,6 +7,7 @@
 //   WEFT_TRACE_DECLARE(t1); ... WEFT_TRACE_STAMP_IF(kb == 0, t1);    // a time taken later, e.g. inside a loop
 //   ... the work ...
 //   WEFT_TRACE_RECORD(ctx, TraceKind::kTile, TraceRole::kConsumer0, t0, m_idx, n_idx, 0, 0);
+//   WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kReduce, TraceRole::kComm, t0, chunk, -1, 0, 0);
 //
 // Keep each use on one line: the test that proves an untraced kernel unchanged (TraceNvrtc) strips every line that
 // names WEFT_TRACE_ from the kernel sources and compares the SASS with the untraced build's.
@@ -71,9 +72,12 @@ __device__ __forceinline__ void record(const DeviceCtx& ctx, TraceKind kind, Tra
     if (cond) var = ::weft::ptx::globaltimer()
 #define WEFT_TRACE_RECORD(ctx, kind, role, begin, a0, a1, a2, a3) \
     ::weft::device::trace::record((ctx), ::weft::kind, ::weft::role, (begin), (a0), (a1), (a2), (a3))
+#define WEFT_TRACE_RECORD_IF(cond, ctx, kind, role, begin, a0, a1, a2, a3) \
+    if (cond) ::weft::device::trace::record((ctx), ::weft::kind, ::weft::role, (begin), (a0), (a1), (a2), (a3))
 #else
 #define WEFT_TRACE_BEGIN(var) static_cast<void>(0)
 #define WEFT_TRACE_DECLARE(var) static_cast<void>(0)
 #define WEFT_TRACE_STAMP_IF(cond, var) static_cast<void>(0)
 #define WEFT_TRACE_RECORD(ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
+#define WEFT_TRACE_RECORD_IF(cond, ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
 #endif

@@ -34,6 +34,19 @@ bool tracing(const World& world);
 /// the file cannot be written. A World that traces also writes its trace to WEFT_TRACE's path when it is destroyed.
 void write_trace(World& world, const std::string& path);
 
+/// Drops every event this rank recorded since the last write or discard (its device buffer, its timed copies, its
+/// host events) and returns how many its kernels and copies tried to record in that time, kept or dropped: what a
+/// benchmark calls between measurements so that each starts with an empty buffer (and learns whether one overflowed).
+/// Not collective, but it synchronises this rank's device as write_trace does: call it where no kernel of any rank
+/// waits for work this rank has yet to launch (between two host barriers, the streams drained). 0 when `world` does
+/// not trace.
+uint64_t discard_trace(World& world);
+
+/// How many events this rank's kernels and copies tried to record since the last write or discard, kept or dropped
+/// (more than trace_capacity_from_env(): some were dropped). Synchronises this rank's device as write_trace does.
+/// 0 when `world` does not trace.
+uint64_t trace_event_count(World& world);
+
 /// Adds an event timed on the host's side of the device (a copy engine's copy, from CUDA events) to this rank's trace;
 /// times in %globaltimer nanoseconds. Thread-safe per World. No-op when `world` does not trace.
 void add_trace_event(World& world, const TraceEvent& event);

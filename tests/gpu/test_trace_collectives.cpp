@@ -1,0 +1,287 @@
+// SPDX-License-Identifier: MIT
+// GPU tests of the intra-kernel trace on collectives and on EP at world 2 (ranks as threads): a traced one-shot
+// all_reduce yields per rank its blocks' staging, their waits for the peer and their reductions, each wait ending
+// after the peer staged that block's part and before the block reduces it; a traced copy-engine all_gather yields
+// every copy, each peer's pull of this rank's shard ending before this rank's exit stops waiting for that peer; a
+// traced EP dispatch yields per rank
+// the layout, sends to both ranks, receives from both ranks, each receive ending after every send to it began, and a
+// traced combine's weighted sums begin after the block's waits and after the partials sent to it.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "support/ep_testing.hpp"
+#include "support/jit_testing.hpp"
+#include "support/runtime_checks.hpp"
+#include "tp_test_util.hpp"
+#include "weft/ops/all_gather.hpp"
+#include "weft/ops/all_reduce.hpp"
+#include "weft/ops/ep.hpp"
+#include "weft/runtime/trace.hpp"
+#include "weft/weft.hpp"
+
+namespace weft {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Reads a trace with Python's json module and checks what `mode` expects; prints "ok <counts>" or the first
+// violations. Device events of ranks on one host share %globaltimer; `tol` covers its granularity.
+constexpr const char* kCheckScript = R"PY(
+import json, sys
+mode, path = sys.argv[1], sys.argv[2]
+d = json.load(open(path))
+ev = [e for e in d['traceEvents'] if e['ph'] == 'X']
+ranks = sorted({e['pid'] for e in d['traceEvents'] if e['ph'] == 'M' and e['name'] == 'process_name'})
+tol = 2_000  # ns
+bad = []
+def of(r, prefix):
+    return [e for e in ev if e['pid'] == r and e['name'].startswith(prefix)]
+def a(e, i): return e['args']['args'][i]
+def blk(e): return e['args']['block']
+def b(e): return e['args']['begin_ns']
+def t(e): return e['args']['end_ns']
+if len(ranks) != 2: bad.append('%d processes, expected 2' % len(ranks))
+counts = {}
+if mode == 'all_reduce':
+    for r in ranks:
+        p = 1 - r
+        stages, waits, reduces = of(r, 'stage chunk'), of(r, 'wait peer %d' % p), of(r, 'reduce')
+        counts['stage'] = counts.get('stage', 0) + len(stages)
+        counts['wait'] = counts.get('wait', 0) + len(waits)
+        counts['reduce'] = counts.get('reduce', 0) + len(reduces)
+        if not stages or not waits or not reduces:
+            bad.append('rank %d: %d stages, %d waits for peer %d, %d reduces' % (r, len(stages), len(waits), p,
+                                                                                 len(reduces)))
+        if of(r, 'wait peer %d' % r): bad.append('rank %d waited for itself' % r)
+        peer_stage = {blk(s): s for s in of(p, 'stage chunk')}
+        for red in reduces:
+            if a(red, 0) != blk(red): bad.append('rank %d: reduce of chunk %d on block %d' % (r, a(red, 0), blk(red)))
+            w = [x for x in waits if blk(x) == blk(red)]
+            if not w:
+                bad.append('rank %d: block %d reduced without waiting for peer %d' % (r, blk(red), p))
+            elif max(t(x) for x in w) > b(red) + tol:
+                bad.append('rank %d: block %d reduced %d ns before its wait ended' % (r, blk(red),
+                                                                                   max(t(x) for x in w) - b(red)))
+        for w in waits:
+            s = peer_stage.get(blk(w))
+            if s is None:
+                bad.append('rank %d: block %d waited for peer %d, which staged no such block' % (r, blk(w), p))
+            elif t(w) + tol < t(s):
+                bad.append('rank %d: block %d stopped waiting for peer %d %d ns before the peer staged the block' %
+                           (r, blk(w), p, t(s) - t(w)))
+elif mode == 'all_gather_ce':
+    cetol = 50_000  # ns: copies are timed with CUDA events mapped onto %globaltimer
+    for r in ranks:
+        p = 1 - r
+        copies, waits = of(r, 'copy chunk %d' % p), of(r, 'wait peer %d' % p)
+        counts['copy'] = counts.get('copy', 0) + len(copies)
+        counts['wait'] = counts.get('wait', 0) + len(waits)
+        if not copies or not waits:
+            bad.append('rank %d: %d copies of chunk %d, %d waits for peer %d' % (r, len(copies), p, len(waits), p))
+            continue
+        if any(a(c, 1) != p for c in copies): bad.append('rank %d: a copy of chunk %d names another peer' % (r, p))
+        # The peer pulled this rank's shard (its chunk r), then raised this rank's flag: the exit's wait ends later.
+        for c in of(p, 'copy chunk %d' % r):
+            if max(t(w) for w in waits) + cetol < t(c):
+                bad.append('rank %d: its last wait for peer %d ended %d ns before the peer\'s copy of chunk %d' %
+                           (r, p, t(c) - max(t(w) for w in waits), r))
+elif mode == 'dispatch':
+    for r in ranks:
+        for what in ['layout', 'send to 0', 'send to 1', 'recv from 0', 'recv from 1', 'wait peer 0', 'wait peer 1',
+                     'notify']:
+            n = len(of(r, what))
+            counts[what] = counts.get(what, 0) + n
+            if n == 0: bad.append('rank %d: no "%s" event' % (r, what))
+        for rec in of(r, 'recv from'):
+            s = a(rec, 0)
+            for snd in of(s, 'send to %d' % r):
+                if t(rec) + tol < b(snd):
+                    bad.append('rank %d: recv from %d (block %d) ended %d ns before a send of rank %d to it began' %
+                               (r, s, blk(rec), b(snd) - t(rec), s))
+elif mode == 'combine':
+    for r in ranks:
+        for what in ['send to 0', 'send to 1', 'wait peer', 'combine']:
+            n = len(of(r, what))
+            counts[what] = counts.get(what, 0) + n
+            if n == 0: bad.append('rank %d: no "%s" event' % (r, what))
+        for c in of(r, 'combine'):
+            for w in of(r, 'wait peer'):
+                if blk(w) == blk(c) and t(w) > b(c) + tol:
+                    bad.append('rank %d: block %d combined %d ns before its wait for peer %d ended' %
+                               (r, blk(c), t(w) - b(c), a(w, 0)))
+            for s in ranks:
+                for snd in of(s, 'send to %d' % r):
+                    if b(c) + tol < b(snd):
+                        bad.append('rank %d: block %d combined %d ns before rank %d began sending it partials' %
+                                   (r, blk(c), b(snd) - b(c), s))
+else:
+    bad.append('unknown mode ' + mode)
+print('\n'.join(bad[:20]) if bad else 'ok ' + ' '.join('%s=%d' % (k.replace(' ', '_'), v)
+                                                          for k, v in sorted(counts.items())))
+)PY";
+
+bool have_python() { return std::system("python3 -c 'import json' >/dev/null 2>&1") == 0; }
+
+/// Runs the check script on `trace` in `mode`; fails the test unless it prints "ok ...".
+void expect_trace_ok(const fs::path& dir, const std::string& mode, const fs::path& trace) {
+    ASSERT_TRUE(fs::exists(trace)) << "no trace at " << trace.string();
+    testing::write_text_file(dir / "check.py", kCheckScript);
+    const fs::path result = dir / ("result_" + mode + ".txt");
+    const std::string cmd =
+        "python3 " + (dir / "check.py").string() + " " + mode + " " + trace.string() + " > " + result.string();
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << "python could not read the trace " << trace.string();
+    const std::string text = testing::read_text_file(result);
+    EXPECT_EQ(text.rfind("ok", 0), 0u) << mode << ":\n" << text;
+    std::printf("[ TRACE    ] %s: %s", mode.c_str(), text.c_str());
+}
+
+TEST(TraceCollectives, OneShotAllReduceWaitsFollowThePeersStagingAndPrecedeTheReduction) {
+    if (!have_python()) GTEST_SKIP() << "SKIPPED: python3 with its json module reads the trace";
+    testing::TempDir dir("weft_trace_all_reduce");
+    const fs::path path = dir / "all_reduce.json";
+    const testing::ScopedEnv trace("WEFT_TRACE", (dir / "at_exit.json").string());
+    constexpr int64_t kCount = 1 << 18;  // f32: 1 MiB, a part for every block
+    tp_test::Failures f;
+    test::run_ranks(
+        2,
+        [&](World& w) {
+            ASSERT_TRUE(tracing(w));
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            std::vector<float> host(kCount);
+            for (int64_t i = 0; i < kCount; ++i) {
+                host[static_cast<size_t>(i)] = static_cast<float>((w.rank() + 1) * (i % 7));
+            }
+            void* in = nullptr;
+            void* out = nullptr;
+            WEFT_CUDA_CHECK(cudaMalloc(&in, kCount * sizeof(float)));
+            WEFT_CUDA_CHECK(cudaMalloc(&out, kCount * sizeof(float)));
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(in, host.data(), kCount * sizeof(float), cudaMemcpyHostToDevice, s));
+            const TensorView vin(in, DType::kF32, {kCount}), vout(out, DType::kF32, {kCount});
+            const ops::AllReduceOptions opt{.algo = ops::AllReduceAlgo::kOneShot};
+            ops::all_reduce(w, vin, vout, s, opt);  // warm-up: its events go to a file of their own
+            w.sync_and_check(s);
+            write_trace(w, (dir / "warmup.json").string());
+            ops::all_reduce(w, vin, vout, s, opt);
+            w.sync_and_check(s);
+            write_trace(w, path.string());
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(host.data(), out, kCount * sizeof(float), cudaMemcpyDeviceToHost, s));
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+            for (int64_t i = 0; i < kCount; ++i) {
+                if (host[static_cast<size_t>(i)] != static_cast<float>(3 * (i % 7))) {
+                    f.add("rank " + std::to_string(w.rank()) + ": out[" + std::to_string(i) + "] = " +
+                          std::to_string(host[static_cast<size_t>(i)]));
+                    break;
+                }
+            }
+            cudaFree(out);
+            cudaFree(in);
+            WEFT_CUDA_CHECK(cudaStreamDestroy(s));
+        },
+        test::test_options(192ull << 20));  // the collective workspace: 3 staging regions of 32 MiB
+    f.report();
+    expect_trace_ok(dir.path(), "all_reduce", path);
+}
+
+TEST(TraceCollectives, CopyEngineAllGatherCopiesAreTimedAndPrecedeThePeersExitWaits) {
+    if (!have_python()) GTEST_SKIP() << "SKIPPED: python3 with its json module reads the trace";
+    testing::TempDir dir("weft_trace_all_gather");
+    const fs::path path = dir / "all_gather.json";
+    const testing::ScopedEnv trace("WEFT_TRACE", (dir / "at_exit.json").string());
+    constexpr uint64_t kShard = 1 << 20;  // bytes per rank
+    test::run_ranks(
+        2,
+        [&](World& w) {
+            ASSERT_TRUE(tracing(w));
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            void* in = nullptr;
+            void* out = nullptr;
+            WEFT_CUDA_CHECK(cudaMalloc(&in, kShard));
+            WEFT_CUDA_CHECK(cudaMalloc(&out, 2 * kShard));
+            WEFT_CUDA_CHECK(cudaMemsetAsync(in, w.rank() + 1, kShard, s));
+            const TensorView vin(in, DType::kU8, {static_cast<int64_t>(kShard)});
+            const TensorView vout(out, DType::kU8, {static_cast<int64_t>(2 * kShard)});
+            const ops::AllGatherOptions opt{.algo = ops::AllGatherAlgo::kCopyEnginePull};
+            ops::all_gather(w, vin, vout, s, opt);  // warm-up: its events go to a file of their own
+            w.sync_and_check(s);
+            write_trace(w, (dir / "warmup.json").string());
+            ops::all_gather(w, vin, vout, s, opt);
+            w.sync_and_check(s);
+            write_trace(w, path.string());
+            cudaFree(out);
+            cudaFree(in);
+            WEFT_CUDA_CHECK(cudaStreamDestroy(s));
+        },
+        test::test_options(192ull << 20));  // the collective workspace: 3 staging regions of 32 MiB
+    expect_trace_ok(dir.path(), "all_gather_ce", path);
+}
+
+TEST(TraceEp, DispatchReceivesFollowTheSendsAndCombineFollowsItsWaits) {
+    if (!have_python()) GTEST_SKIP() << "SKIPPED: python3 with its json module reads the trace";
+    testing::TempDir dir("weft_trace_ep");
+    const testing::ScopedEnv trace("WEFT_TRACE", (dir / "at_exit.json").string());
+    ops::ep::Config c;
+    c.num_experts = 8;  // 4 per rank
+    c.hidden = 256;
+    c.topk = 2;
+    c.max_tokens_per_rank = 64;
+    c.low_latency = false;
+    constexpr int kTokens = 64;
+    WorldOptions wo = test::test_options();
+    wo.heap_bytes = std::max<uint64_t>(64ull << 20, ops::ep::footprint(c, 2).heap_bytes(1) + (16ull << 20));
+    tp_test::Failures f;
+    test::run_ranks(
+        2,
+        [&](World& w) {
+            ASSERT_TRUE(tracing(w));
+            test::ep::RankStream rs;
+            ops::ep::Buffer ep(w, c);
+            ops::ep::NormalHandle h = ep.make_normal_handle();
+            // Token t goes to experts t % 4 (rank 0) and 4 + (t + 1) % 4 (rank 1): every rank sends to both ranks.
+            std::vector<int32_t> idx(static_cast<size_t>(kTokens) * 2);
+            std::vector<float> weights(idx.size(), 0.5f);
+            for (int t = 0; t < kTokens; ++t) {
+                idx[static_cast<size_t>(t) * 2] = t % 4;
+                idx[static_cast<size_t>(t) * 2 + 1] = 4 + (t + 1) % 4;
+            }
+            const std::vector<uint16_t> rows = test::ep::payload_rows(w.rank(), kTokens, c.hidden, 7, false);
+            test::ep::DeviceArray<uint16_t> x(rows.size(), rs.s);
+            test::ep::DeviceArray<int32_t> di(idx.size(), rs.s);
+            test::ep::DeviceArray<float> dw(weights.size(), rs.s);
+            test::ep::DeviceArray<uint16_t> out(rows.size(), rs.s);
+            x.upload(rows);
+            di.upload(idx);
+            dw.upload(weights);
+            const TensorView vx(x.get(), DType::kBF16, {kTokens, c.hidden});
+            const TensorView vi(di.get(), DType::kI32, {kTokens, 2});
+            const TensorView vw(dw.get(), DType::kF32, {kTokens, 2});
+            const TensorView vo(out.get(), DType::kBF16, {kTokens, c.hidden});
+            const ops::ep::NormalOptions opt{.num_sms = std::min(2, w.sm_budget())};  // several blocks
+            // Warm-up: the first calls load the kernels; their events go to a file of their own.
+            ep.dispatch(h, vx, vi, vw, rs.s, opt);
+            ep.combine(h, h.recv_x(), vo, rs.s, opt);
+            ep.sync_and_check(rs.s);
+            write_trace(w, (dir / "warmup.json").string());
+            ep.dispatch(h, vx, vi, vw, rs.s, opt);
+            ep.sync_and_check(rs.s);
+            write_trace(w, (dir / "dispatch.json").string());
+            ep.combine(h, h.recv_x(), vo, rs.s, opt);
+            ep.sync_and_check(rs.s);
+            write_trace(w, (dir / "combine.json").string());
+            if (w.rank() == 0 && !fs::exists(dir / "combine.json")) f.add("rank 0 wrote no trace");
+        },
+        wo);
+    f.report();
+    expect_trace_ok(dir.path(), "dispatch", dir / "dispatch.json");
+    expect_trace_ok(dir.path(), "combine", dir / "combine.json");
+}
+
+}  // namespace
+}  // namespace weft
