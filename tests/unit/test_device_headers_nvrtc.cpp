@@ -225,7 +225,7 @@ TEST(DeviceHeadersNvrtc, PrimitivesKernelCompilesToCubin) {
          {"ld.acquire.sys.b64", "red.release.sys.add.u64", "st.release.sys.b64", "st.release.gpu.b64",
           "ld.relaxed.gpu.b64", "fence.acq_rel.sys", "fence.acq_rel.gpu", "fence.proxy.async.global",
           "fence.proxy.async.shared::cta", "ld.v4.b32", "st.v4.b32", "nanosleep.u32", "%globaltimer", "trap",
-          "atom.relaxed.sys.cas.b32", "st.relaxed.sys.b32", "ld.relaxed.sys.b64", "ld.acquire.cta.v4.b32",
+          "atom.relaxed.gpu.cas.b32", "st.relaxed.sys.b32", "ld.relaxed.sys.b64", "ld.acquire.cta.v4.b32",
           "atom.acq_rel.cta.add.u64", "fence.sc.gpu", "ld.volatile.b64", "bar.sync", "bar.warp.sync",
           "shfl.sync.idx.b32", "bar.red.and.pred", "vote.sync.all.pred", "fence.sc.sys",
           "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes", "exit;",

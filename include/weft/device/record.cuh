@@ -25,7 +25,9 @@ inline constexpr uint64_t kRecordDrainNs = 100ull * 1000 * 1000;
 /// wait_record_complete). Inline, no call and no trap (pass `fill` as a lambda, which is inlined too). Any thread.
 template <class Fill>
 __device__ __forceinline__ bool write_record_once(uint32_t* claimed, Fill&& fill) {
-    if (ptx::atom_cas<ptx::Sem::kRelaxed, ptx::Scope::kSys>(claimed, 0u, 1u) != 0u) {
+    // GPU scope: the contenders are this GPU's threads (the host only reads), and a system-scoped atomic on
+    // host-mapped memory needs host-native atomics, which a PCIe-attached GPU lacks (compute-sanitizer flags it).
+    if (ptx::atom_cas<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(claimed, 0u, 1u) != 0u) {
         return false;
     }
     fill();

@@ -174,7 +174,10 @@ __device__ __forceinline__ void record_diagnostic(const DeviceCtx& ctx, SpinSite
 /// ctx.abort_flag is null. Inline. Any thread.
 __device__ __forceinline__ void raise_abort(const DeviceCtx& ctx) {
     if (ctx.abort_flag != nullptr) {
-        (void)ptx::atom_cas<ptx::Sem::kRelaxed, ptx::Scope::kSys>(ctx.abort_flag, 0u, uint32_t{kAbortByDeviceWait});
+        // GPU scope, as in write_record_once: the device's raises are atomic among this GPU's threads; against the
+        // host's own compare-and-swap (World::abort) it is not, so a raise within the same instant may replace the
+        // host's code by this one: either way the World is aborted.
+        (void)ptx::atom_cas<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(ctx.abort_flag, 0u, uint32_t{kAbortByDeviceWait});
     }
 }
 
