@@ -17,15 +17,18 @@ endif()
 # NCCL's GIN device API (nccl_device.h of NCCL >= 2.28 beside the toolkit's headers): weft's GIN backend
 # (src/net/gin.cpp, its nvcc-built device library and tests) is built only where it is; the host-API network
 # backend needs no headers at build time.
+option(WEFT_ENABLE_GIN "Build the NCCL GIN backend where NCCL's GIN device API is found" ON)
 set(WEFT_HAVE_NCCL_GIN OFF)
 find_file(WEFT_NCCL_HEADER nccl.h PATHS ${CUDAToolkit_INCLUDE_DIRS} NO_DEFAULT_PATH)
-if(WEFT_NCCL_HEADER)
+if(NOT WEFT_ENABLE_GIN)
+  message(STATUS "weft: GIN backend: OFF (WEFT_ENABLE_GIN)")
+elseif(WEFT_NCCL_HEADER)
   get_filename_component(weft_nccl_include_dir ${WEFT_NCCL_HEADER} DIRECTORY)
   file(STRINGS ${WEFT_NCCL_HEADER} weft_nccl_major REGEX "^#define NCCL_MAJOR +[0-9]+")
   file(STRINGS ${WEFT_NCCL_HEADER} weft_nccl_minor REGEX "^#define NCCL_MINOR +[0-9]+")
   string(REGEX MATCH "[0-9]+$" weft_nccl_major "${weft_nccl_major}")
   string(REGEX MATCH "[0-9]+$" weft_nccl_minor "${weft_nccl_minor}")
-  if(weft_nccl_major AND EXISTS ${weft_nccl_include_dir}/nccl_device.h AND
+  if(weft_nccl_major AND EXISTS ${weft_nccl_include_dir}/nccl_device/gin.h AND
      (weft_nccl_major GREATER 2 OR (weft_nccl_major EQUAL 2 AND weft_nccl_minor GREATER_EQUAL 28)))
     set(WEFT_HAVE_NCCL_GIN ON)
   endif()
