@@ -91,8 +91,10 @@ std::optional<Status> read_status(const Status* host) {
 void Buffer::Impl::enter(const char* op, cudaStream_t stream, const Buffer::Impl* handle_owner) const {
     check_status(op);
     // Ranks of one process that share a GPU share its legacy default stream: their kernels, which wait for each
-    // other, would be serialised there (and time out). Refuse it where that can happen.
-    WEFT_CHECK(!(world->num_ranks_on_device() > 1 && (stream == nullptr || stream == cudaStreamLegacy)),
+    // other, would be serialised there (and time out). Refuse it where that can happen (processes sharing a GPU
+    // each have their own context and default stream).
+    WEFT_CHECK(!(world->same_process() && world->num_ranks_on_device() > 1 &&
+                 (stream == nullptr || stream == cudaStreamLegacy)),
                "ep::" << op
                       << ": pass a non-blocking stream of this rank's own (cudaStreamCreateWithFlags(..., "
                          "cudaStreamNonBlocking)); "

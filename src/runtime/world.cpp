@@ -370,6 +370,7 @@ int World::local_num_ranks() const { return ctx_->local_num_ranks; }
 int World::device() const { return ctx_->device; }
 int World::sm_budget() const { return ctx_->sm_budget; }
 int World::num_ranks_on_device() const { return ctx_->num_ranks_on_device; }
+bool World::same_process() const { return ctx_->same_process; }
 int World::max_ranks_per_device() const { return ctx_->max_ranks_per_device; }
 int World::shared_sm_budget() const { return ctx_->shared_sm_budget; }
 std::chrono::milliseconds World::timeout() const { return ctx_->timeout; }

@@ -102,6 +102,9 @@ public:
     int device() const;               ///< CUDA device ordinal this rank uses (current on its thread)
     int sm_budget() const;            ///< SMs this rank's persistent kernels may use
     int num_ranks_on_device() const;  ///< ranks sharing this rank's GPU (same host and PCI bus id)
+    /// Whether the World's ranks are threads of one process (run_local, an in-process store): ranks sharing a GPU
+    /// then share its CUDA context, legacy default stream included; processes sharing a GPU do not.
+    bool same_process() const;
     /// The most ranks any one GPU of the world hosts: the same on every rank (num_ranks_on_device is not when
     /// some GPUs host more ranks than others, e.g. 3 ranks on 2 GPUs).
     int max_ranks_per_device() const;

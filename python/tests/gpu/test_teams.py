@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import weft
+import weft.torch  # noqa: F401  (torch.ops.weft)
 from weft_gpu_helpers import rank_generator, rel_error
 
 
@@ -85,7 +86,6 @@ def test_collectives_on_two_teams_at_once_match_nccl_on_the_groups(world, my_tea
     dist.reduce_scatter_tensor(scattered, x, group=pg)
     assert torch.equal(weft.reduce_scatter(x, team=team), scattered)
     # The custom ops and their backward on the team: d(sum(all_gather(x)))/dx = W (reduce-scatter of ones).
-    import weft.torch
     y = x.clone().requires_grad_()
     torch.ops.weft.all_gather(y, team.handle).sum().backward()
     assert torch.all(y.grad == w)
