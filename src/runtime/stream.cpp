@@ -92,6 +92,14 @@ float Event::elapsed_ms(const Event& start) const {
 }
 
 void StreamUses::note(cudaStream_t stream) {
+    // Work enqueued while the stream is being captured runs at the graph's replays, which are the caller's to
+    // synchronise: nothing to record (an event recorded in a capture cannot be waited for afterwards).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
+    if (capture != cudaStreamCaptureStatusNone) return;
     for (auto& [s, e] : uses_) {
         if (s == stream) {
             e.record(stream);
@@ -115,9 +123,7 @@ void StreamUses::note(cudaStream_t stream) {
 void StreamUses::wait_all() noexcept {
     for (auto& [s, e] : uses_) {
         const cudaError_t st = cudaEventSynchronize(e.get());
-        if (st == cudaErrorCapturedEvent) {
-            (void)cudaGetLastError();  // last recorded during capture: the graph's replays are the caller's
-        } else if (st != cudaSuccess) {
+        if (st != cudaSuccess) {
             (void)cudaGetLastError();
             WEFT_LOG_WARN("waiting for an op's work before releasing it: " << cudaGetErrorName(st));
         }

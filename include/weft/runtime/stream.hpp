@@ -52,7 +52,7 @@ private:
 /// launch there. Before such an object frees memory its kernels use, it waits here for its own work only:
 /// cudaDeviceSynchronize would also wait for every other kernel on the GPU, e.g. another team's kernels that spin
 /// on a member which is itself held up behind this wait.
-/// Not thread-safe (one owner, like the op). Launches recorded during stream capture are not waited for: a graph
+/// Not thread-safe (one owner, like the op). Launches made while the stream is captured are not noted: a graph
 /// that uses the object must not outlive it (the graph's replays are the caller's to synchronise).
 class StreamUses {
 public:
