@@ -393,8 +393,14 @@ public:
         ar_.reset();
         rs_.reset();
         ag_.reset();
-        w_.heap().free(sym_out_);
-        w_.heap().free(sym_in_);
+        // Collective: after a failed call (an aborted World, ranks leaving at different calls) it can throw, which a
+        // destructor must not let out.
+        try {
+            w_.heap().free(sym_out_);
+            w_.heap().free(sym_in_);
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "weft_soak: rank %d: releasing the heap buffers failed: %s\n", me_, e.what());
+        }
         cudaStreamDestroy(s_);
     }
 
