@@ -199,6 +199,29 @@ void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const Tenso
     grouped_gemm_contiguous(a_rows, b, d, b_layout, routing.offsets, routing.counts, stream, options);
 }
 
+namespace {
+
+// The operands of a combine of `n` columns (d_rows, out, acc, weights) against the routing: moe_combine's checks,
+// which grouped_gemm_gathered_combine makes before it launches its GEMM.
+void check_combine_operands(const char* op, const MoeRouting& routing, MoeCombineMode mode, int64_t n,
+                            const TensorView& d_rows, const TensorView& weights, const TensorView& acc,
+                            const TensorView& out) {
+    check_matrix(d_rows, op, "d_rows", DType::kF32, routing.rows_capacity, n);
+    const bool sum = mode == MoeCombineMode::kWeightedSum;
+    WEFT_CHECK(out.dtype == DType::kBF16 || out.dtype == DType::kF32,
+               op << ": out must be bf16 or f32, got " << dtype_name(out.dtype));
+    check_matrix(out, op, "out", out.dtype, sum ? routing.tokens : routing.tokens * routing.topk, n);
+    if (sum) {
+        check_matrix(acc, op, "acc", DType::kF32, routing.tokens, n);
+        WEFT_CHECK(acc.dim(0) <= 1 || acc.stride(0) == n, op << ": acc must be densely packed [T, N]");
+    }
+    if (weights.numel() > 0 || weights.data != nullptr) {
+        check_dense(weights, op, "weights", DType::kF32, routing.tokens, routing.topk);
+    }
+}
+
+}  // namespace
+
 void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
                  const TensorView& acc, const TensorView& out, cudaStream_t stream) {
     WEFT_NVTX_RANGE("moe_combine");
@@ -209,18 +232,7 @@ void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombine
     const int64_t n = d_rows.ndim == 2 ? d_rows.dim(1) : -1;
     WEFT_CHECK(n >= 0 && n % 8 == 0 && n <= kMaxIndex,
                kOp << ": d_rows must be [rows, N] with N a multiple of 8, got " << d_rows.describe());
-    check_matrix(d_rows, kOp, "d_rows", DType::kF32, routing.rows_capacity, n);
-    const bool sum = mode == MoeCombineMode::kWeightedSum;
-    WEFT_CHECK(out.dtype == DType::kBF16 || out.dtype == DType::kF32,
-               kOp << ": out must be bf16 or f32, got " << dtype_name(out.dtype));
-    check_matrix(out, kOp, "out", out.dtype, sum ? routing.tokens : routing.tokens * routing.topk, n);
-    if (sum) {
-        check_matrix(acc, kOp, "acc", DType::kF32, routing.tokens, n);
-        WEFT_CHECK(acc.dim(0) <= 1 || acc.stride(0) == n, kOp << ": acc must be densely packed [T, N]");
-    }
-    if (weights.numel() > 0 || weights.data != nullptr) {
-        check_dense(weights, kOp, "weights", DType::kF32, routing.tokens, routing.topk);
-    }
+    check_combine_operands(kOp, routing, mode, n, d_rows, weights, acc, out);
     if (routing.tokens == 0 || n == 0) return;
     weft::moe::MoeCombineArgs c{};
     c.partials[0] = static_cast<const float*>(d_rows.data);
@@ -254,18 +266,7 @@ void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, con
     check_routing(routing, kOp);
     const int64_t n = b.ndim == 3 ? (b_layout == BLayout::kNK ? b.dim(1) : b.dim(2)) : -1;
     WEFT_CHECK(n >= 0 && n % 8 == 0, kOp << ": N (b's output columns) must be a multiple of 8, got " << b.describe());
-    check_matrix(d_rows, kOp, "d_rows", DType::kF32, routing.rows_capacity, n);
-    const bool sum = mode == MoeCombineMode::kWeightedSum;
-    WEFT_CHECK(out.dtype == DType::kBF16 || out.dtype == DType::kF32,
-               kOp << ": out must be bf16 or f32, got " << dtype_name(out.dtype));
-    check_matrix(out, kOp, "out", out.dtype, sum ? routing.tokens : routing.tokens * routing.topk, n);
-    if (sum) {
-        check_matrix(acc, kOp, "acc", DType::kF32, routing.tokens, n);
-        WEFT_CHECK(acc.dim(0) <= 1 || acc.stride(0) == n, kOp << ": acc must be densely packed [T, N]");
-    }
-    if (weights.numel() > 0 || weights.data != nullptr) {
-        check_dense(weights, kOp, "weights", DType::kF32, routing.tokens, routing.topk);
-    }
+    check_combine_operands(kOp, routing, mode, n, d_rows, weights, acc, out);
     grouped_gemm_gathered(a, b, d_rows, b_layout, routing, a_rows, stream, options);
     moe_combine(d_rows, routing, mode, weights, acc, out, stream);
 }
