@@ -820,13 +820,24 @@ ops::ep::Footprint largest_ep_footprint() {
     return most;
 }
 
+// World options with room in the heap for the largest EP buffer any team of the tests makes.
+WorldOptions ep_team_options() {
+    WorldOptions options = test_options();
+    options.heap_bytes = std::max<uint64_t>(64ull << 20, largest_ep_footprint().heap_bytes(1) + (16ull << 20));
+    return options;
+}
+
+// The EP data seed of team `index` of split `s`: every team of every split draws its own routing.
+uint32_t ep_seed(uint32_t seed, Split s, int index) {
+    return seed + 17u * static_cast<uint32_t>(s) + static_cast<uint32_t>(index);
+}
+
 // Every team of each split in turn (the others wait at a world barrier): EP's rank translation and team workspace,
 // without teams running at once.
 TEST(Teams, EpDispatchCombineInEveryTeamInTurn) {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
     const uint32_t seed = static_cast<uint32_t>(test_seed() ^ 0xe7ull);
-    WorldOptions options = test_options();
-    options.heap_bytes = std::max<uint64_t>(64ull << 20, largest_ep_footprint().heap_bytes(1) + (16ull << 20));
+    const WorldOptions options = ep_team_options();
     run_ranks(
         kWorld,
         [&](World& w) {
@@ -837,9 +848,7 @@ TEST(Teams, EpDispatchCombineInEveryTeamInTurn) {
                 const int teams = kWorld / t.team.num_ranks();
                 for (int turn = 0; turn < teams; ++turn) {
                     if (t.index == turn) {
-                        run_ep(t.team, t.index,
-                               seed + 17u * static_cast<uint32_t>(s) + static_cast<uint32_t>(t.index), rs.s,
-                               &failures);
+                        run_ep(t.team, t.index, ep_seed(seed, s, t.index), rs.s, &failures);
                     }
                     w.barrier();
                 }
@@ -855,8 +864,7 @@ TEST(Teams, EpDispatchCombineInEveryTeamInTurn) {
 TEST(Teams, EpDispatchCombineInEveryTeamAtOnce) {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
     const uint32_t seed = static_cast<uint32_t>(test_seed() ^ 0xe9ull);
-    WorldOptions options = test_options();
-    options.heap_bytes = std::max<uint64_t>(64ull << 20, largest_ep_footprint().heap_bytes(1) + (16ull << 20));
+    const WorldOptions options = ep_team_options();
     run_ranks(
         kWorld,
         [&](World& w) {
@@ -868,8 +876,7 @@ TEST(Teams, EpDispatchCombineInEveryTeamAtOnce) {
                 // team's kernels spin; a module load can wait for the context to idle (docs/runtime.md, "Teams").
                 { ops::ep::Buffer warm(t.team, ep_config(t.team.num_ranks(), t.index)); }
                 w.barrier();
-                run_ep(t.team, t.index, seed + 17u * static_cast<uint32_t>(s) + static_cast<uint32_t>(t.index), rs.s,
-                       &failures);
+                run_ep(t.team, t.index, ep_seed(seed, s, t.index), rs.s, &failures);
             }
             report(failures);
             w.barrier();
@@ -880,8 +887,7 @@ TEST(Teams, EpDispatchCombineInEveryTeamAtOnce) {
 TEST(Teams, EpOnATeamOfOne) {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
     const uint32_t seed = static_cast<uint32_t>(test_seed() ^ 0x1e9ull);
-    WorldOptions options = test_options();
-    options.heap_bytes = std::max<uint64_t>(64ull << 20, largest_ep_footprint().heap_bytes(1) + (16ull << 20));
+    const WorldOptions options = ep_team_options();
     run_ranks(
         4,
         [&](World& w) {
