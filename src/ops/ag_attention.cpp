@@ -296,6 +296,7 @@ struct AgAttention::State {
     uint64_t* block_counter = nullptr;
 
     const jit::Kernel* notify_kernel = nullptr;
+    const jit::Kernel* pull_kernel = nullptr;  // ranks of one process sharing a GPU (tp_detail::pulls_with_kernel)
     cudaStream_t copy_stream = nullptr;
     cudaEvent_t fork = nullptr;
     cudaEvent_t join = nullptr;
@@ -361,6 +362,9 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
     s.grid = options.sm_budget > 0 || shared_gpu ? budget : budget * detail::attention_prefill_blocks_per_sm(s.config);
     if (s.num_ranks > 1) {
         s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());
+        if (tp_detail::pulls_with_kernel(world)) {
+            s.pull_kernel = &jit::compiler().get_kernel(tp_detail::peer_pull_kernel_spec());
+        }
         s.copy_stream = s.streams.add_stream();
         s.fork = s.streams.add_event();
         s.join = s.streams.add_event();
@@ -481,6 +485,16 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
                                                                        << ") is not reachable");
         pulls.push_back(pull);
     }
+    // The same pulls as pull-kernel items (K, then V and the shard's flag), for ranks of one process sharing a GPU.
+    std::vector<PeerPullItem> items;
+    if (s.pull_kernel != nullptr) {
+        const auto bytes = static_cast<uint64_t>(shard_bytes);
+        for (const Pull& pull : pulls) {
+            items.push_back(PeerPullItem{s.ready + pull.peer, pull.dst_k, pull.src_k, nullptr, bytes, pull.peer, -1});
+            items.push_back(
+                PeerPullItem{nullptr, pull.dst_v, pull.src_v, s.chunk_signals + pull.peer, bytes, pull.peer, pull.peer});
+        }
+    }
     AttentionPrefillParams& p = plan.params;
     p.ctx = s.ctx;
     p.chunk_keys = static_cast<int32_t>(rows);
@@ -515,13 +529,18 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     }
     // 2. The copy stream pulls each needed peer's shard (K then V) in the kernel's visiting order, then raises the
     //    shard's flag (constant 1: reset by the kernel's end of call, so nothing is frozen in a graph).
-    for (const Pull& pull : pulls) {
-        stream_wait_u64_geq(s.copy_stream, s.ready + pull.peer, 1);
-        WEFT_CUDA_CHECK(cudaMemcpyAsync(pull.dst_k, pull.src_k, static_cast<size_t>(shard_bytes), cudaMemcpyDefault,
-                                        s.copy_stream));
-        WEFT_CUDA_CHECK(cudaMemcpyAsync(pull.dst_v, pull.src_v, static_cast<size_t>(shard_bytes), cudaMemcpyDefault,
-                                        s.copy_stream));
-        stream_write_u64(s.copy_stream, s.chunk_signals + pull.peer, 1);
+    //    Ranks of one process sharing a GPU: the pull kernel, whose waits leave the hardware queues free.
+    if (!items.empty()) {
+        tp_detail::launch_peer_pulls(*s.pull_kernel, s.ctx, items, s.copy_stream);
+    } else {
+        for (const Pull& pull : pulls) {
+            stream_wait_u64_geq(s.copy_stream, s.ready + pull.peer, 1);
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(pull.dst_k, pull.src_k, static_cast<size_t>(shard_bytes),
+                                            cudaMemcpyDefault, s.copy_stream));
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(pull.dst_v, pull.src_v, static_cast<size_t>(shard_bytes),
+                                            cudaMemcpyDefault, s.copy_stream));
+            stream_write_u64(s.copy_stream, s.chunk_signals + pull.peer, 1);
+        }
     }
     // 3. The attention kernel: own shard first, then each peer's after its flag; its last block ends the call.
     detail::launch_flash_attention(plan, s.grid, stream);

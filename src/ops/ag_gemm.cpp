@@ -122,6 +122,7 @@ struct AgGemm::State : tp_detail::FusedOpState {
     uint64_t* tile_counter = nullptr;
 
     const jit::Kernel* notify_kernel = nullptr;
+    const jit::Kernel* pull_kernel = nullptr;  // ranks of one process sharing a GPU (tp_detail::pulls_with_kernel)
 
     std::vector<cudaStream_t> copy_streams;
     cudaEvent_t fork = nullptr;
@@ -199,6 +200,9 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
                  s.num_ranks > 1 && world.max_ranks_per_device() > 1,
                  tp_detail::problem_text(shape.max_m, shape.n, shape.k, shape.dtype));
     if (s.num_ranks > 1) s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());
+    if (s.num_ranks > 1 && tp_detail::pulls_with_kernel(world)) {
+        s.pull_kernel = &jit::compiler().get_kernel(tp_detail::peer_pull_kernel_spec());
+    }
     WEFT_LOG_INFO("ag_gemm: " << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "")
                               << ", chunk_rows " << s.chunk_rows << " (" << s.max_chunks_per_rank
                               << " per rank at max_m), " << num_copy << " copy stream(s), SM budget " << s.budget
@@ -251,6 +255,7 @@ struct AgCall {
     size_t rows = 0;
     AgNotifyParams notify{};
     std::vector<AgCopy> copies;
+    std::vector<PeerPullItem> pulls;  // the copies as pull-kernel items (State::pull_kernel), or empty
     FusedGemmCall gemm{};  // a team of one rank: the plain GEMM on a_local
     AgGemmParams sched{};
     AgGemmHookParams hook{};
@@ -328,6 +333,10 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
         copy.chunk_idx = ch.signal_idx;
         copy.peer = ch.rank;
         call.copies.push_back(copy);
+        if (s.pull_kernel != nullptr) {
+            call.pulls.push_back(PeerPullItem{copy.wait_ready, copy.dst, copy.src, copy.signal, copy.bytes, copy.peer,
+                                              copy.chunk_idx});
+        }
     }
     // The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks.
     const AgGemmOrder order(config, rows, s.num_ranks, s.chunk_rows, static_cast<int32_t>(s.shape.n), s.rank);
@@ -381,16 +390,21 @@ void launch_call(AgGemm::State& s, size_t idx, const AgCall& call, cudaStream_t 
         lp.stream = stream;
         s.notify_kernel->launch(lp, call.notify);
     }
-    // 2. Copy streams: the peers' chunks, each signalled once it landed.
-    for (const AgCopy& copy : call.copies) {
-        cudaStream_t cs = s.copy_streams[static_cast<size_t>(copy.stream)];
-        if (copy.wait_ready != nullptr) stream_wait_u64_geq(cs, copy.wait_ready, 1);
-        const TraceCopyEvents ev =
-            trace_copy_events(*s.world, static_cast<uint16_t>(copy.stream), copy.chunk_idx, copy.peer);
-        if (ev.begin != nullptr) WEFT_CUDA_CHECK(cudaEventRecord(ev.begin, cs));
-        WEFT_CUDA_CHECK(cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyDefault, cs));
-        if (ev.end != nullptr) WEFT_CUDA_CHECK(cudaEventRecord(ev.end, cs));
-        stream_write_u64(cs, copy.signal, 1);
+    // 2. Copy streams: the peers' chunks, each signalled once it landed (ranks of one process sharing a GPU: by the
+    //    pull kernel, whose waits leave the hardware queues free).
+    if (!call.pulls.empty()) {
+        tp_detail::launch_peer_pulls(*s.pull_kernel, s.ctx, call.pulls, s.copy_streams[0]);
+    } else {
+        for (const AgCopy& copy : call.copies) {
+            cudaStream_t cs = s.copy_streams[static_cast<size_t>(copy.stream)];
+            if (copy.wait_ready != nullptr) stream_wait_u64_geq(cs, copy.wait_ready, 1);
+            const TraceCopyEvents ev =
+                trace_copy_events(*s.world, static_cast<uint16_t>(copy.stream), copy.chunk_idx, copy.peer);
+            if (ev.begin != nullptr) WEFT_CUDA_CHECK(cudaEventRecord(ev.begin, cs));
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyDefault, cs));
+            if (ev.end != nullptr) WEFT_CUDA_CHECK(cudaEventRecord(ev.end, cs));
+            stream_write_u64(cs, copy.signal, 1);
+        }
     }
     // 3. The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks.
     fused.launch(call.gemm, call.sched, call.hook, stream);

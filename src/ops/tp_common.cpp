@@ -24,6 +24,27 @@ jit::KernelSpec make_spec(const std::string& header, const std::string& instanti
     return spec;
 }
 
+bool pulls_with_kernel(const World& world) { return world.same_process() && world.num_ranks_on_device() > 1; }
+
+jit::KernelSpec peer_pull_kernel_spec(const std::string& arch) {
+    return make_spec("tp_common/peer_pull.cuh", "weft::kernels::tp_common::peer_pull_kernel<0>", "peer pull", arch);
+}
+
+void launch_peer_pulls(const jit::Kernel& kernel, const DeviceCtx& ctx, const std::vector<PeerPullItem>& items,
+                       cudaStream_t stream) {
+    for (size_t first = 0; first < items.size(); first += kPeerPullMaxItems) {
+        PeerPullParams p{};
+        p.ctx = ctx;
+        p.num_items = static_cast<int32_t>(std::min<size_t>(kPeerPullMaxItems, items.size() - first));
+        std::copy_n(items.begin() + static_cast<std::ptrdiff_t>(first), p.num_items, p.items);
+        jit::LaunchParams lp;
+        lp.grid = dim3(1, 1, 1);
+        lp.block = dim3(kPeerPullThreads, 1, 1);
+        lp.stream = stream;
+        kernel.launch(lp, p);
+    }
+}
+
 int device_sm_count() {
     int device = 0, n = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&device));

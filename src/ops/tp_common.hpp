@@ -17,6 +17,7 @@
 
 #include "weft/common/device_ctx.hpp"
 #include "weft/common/gemm_config.hpp"
+#include "weft/common/tp_params.hpp"
 #include "weft/jit/autotune.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/fused_gemm.hpp"
@@ -43,6 +44,16 @@ std::string problem_text(int64_t m, int64_t n, int64_t k, DType dtype);
 
 /// The current device's SM count.
 int device_sm_count();
+
+/// Whether the peer pulls of AgGemm and AgAttention run as peer_pull_kernel launches (kernels/tp_common/peer_pull.cuh)
+/// instead of stream memory waits and copy-engine copies: where ranks of one process share a GPU (their streams may
+/// share a hardware queue, and a stream memory wait blocks the queue it sits in).
+bool pulls_with_kernel(const World& world);
+/// The pull kernel's spec (one CTA of kPeerPullThreads).
+jit::KernelSpec peer_pull_kernel_spec(const std::string& arch = "");
+/// Launches `items` in order on `stream`, kPeerPullMaxItems per launch of `kernel` (peer_pull_kernel_spec's).
+void launch_peer_pulls(const jit::Kernel& kernel, const DeviceCtx& ctx, const std::vector<PeerPullItem>& items,
+                       cudaStream_t stream);
 
 /// An op's SM budget: options.sm_budget when > 0 (at most the device's SMs), else `world_default`.
 int resolve_sm_budget(int option, int world_default);

@@ -139,6 +139,31 @@ struct ArReduceParams {
     uint64_t signature;  ///< this call's descriptor (make_call_descriptor: CollectiveOp::kGemmAr, M, n, dtypes)
 };
 
+/// One copy of the shared-GPU pull kernel (kernels/tp_common/peer_pull.cuh): optionally wait for a peer's ready
+/// word, copy `bytes` from the peer's buffer (an address this rank can load from) into this rank's, then optionally
+/// set a local signal word to 1 (release at GPU scope).
+struct PeerPullItem {
+    const uint64_t* wait_ready;  ///< local word to await >= 1 before the copy (the peer's ready flag), or null
+    void* dst;                   ///< this rank's buffer
+    const void* src;             ///< the peer's buffer, mapped for loads
+    uint64_t* signal;            ///< local word set to 1 once this item's bytes (and every earlier item's) landed, or null
+    uint64_t bytes;
+    int32_t peer;   ///< team rank the bytes come from (diagnostics, trace)
+    int32_t chunk;  ///< the signal's index (trace), or -1
+};
+
+/// Items per launch of the pull kernel; a call with more launches it again on the same stream.
+inline constexpr int kPeerPullMaxItems = 48;
+/// Threads of the pull kernel's single CTA.
+inline constexpr int kPeerPullThreads = 512;
+
+/// The pull kernel's parameters: items[0, num_items) in order, by one CTA.
+struct PeerPullParams {
+    DeviceCtx ctx;
+    int32_t num_items;
+    PeerPullItem items[kPeerPullMaxItems];
+};
+
 /// Threads per CTA of the reduction kernels (rs_reduce_kernel, ar_reduce_kernel) and of the notify kernel.
 inline constexpr int kTpReduceThreads = 256;
 inline constexpr int kTpNotifyThreads = 32;

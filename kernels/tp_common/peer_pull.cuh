@@ -1,0 +1,45 @@
+// SPDX-License-Identifier: MIT
+// The shared-GPU pull kernel: ranks of one process sharing a GPU pull their peers' shards with one CTA instead of
+// copy-engine copies behind stream memory waits (cuStreamWaitValue). A stream memory wait blocks the hardware queue
+// it sits in, and with many ranks' streams in one context CUDA puts several streams in one queue: the wait can hold
+// up the very peer launch it waits for. A spinning kernel leaves its queue free (docs/runtime.md, "Shared GPUs").
+// Used by weft::ops::AgGemm and weft::ops::AgAttention when ranks share a process and a GPU.
+//
+// JIT instantiation: weft::kernels::tp_common::peer_pull_kernel<0>
+#pragma once
+
+#include "weft/common/tp_params.hpp"
+#include "weft/device/copy.cuh"
+#include "weft/device/signal.cuh"
+#include "weft/device/spin.cuh"
+#include "weft/device/tile.cuh"
+#include "weft/device/trace.cuh"
+
+namespace weft::kernels::tp_common {
+
+/// Runs p.items[0, p.num_items) in order with one CTA of kPeerPullThreads threads: wait (bounded, diagnosed; the CTA
+/// ends together when the wait gives up), copy, block barrier, then thread 0 sets the item's signal with release at
+/// GPU scope (the waiting GEMM or attention kernel acquires it and fences the async proxy itself). kUnused: a
+/// template, so that a header included by several translation units defines no non-inline kernel.
+template <int kUnused>
+__global__ void __launch_bounds__(kPeerPullThreads) peer_pull_kernel(const PeerPullParams p) {
+    for (int i = 0; i < p.num_items; ++i) {
+        const PeerPullItem& it = p.items[i];
+        if (it.wait_ready != nullptr) {
+            const device::tile::SignalFrom from{it.wait_ready, it.peer};
+            device::exit_unless(device::tile::wait_each_checked(
+                                    device::Block{}, p.ctx, 1, [from](int) { return from; }, Cmp::kGe, 1ull)
+                                    .ok());
+        }
+        WEFT_TRACE_BEGIN(copy_t0);
+        device::copy(device::Block{}, it.dst, it.src, it.bytes);
+        __syncthreads();
+        if (threadIdx.x == 0 && it.signal != nullptr) {
+            __threadfence();
+            device::signal_release<ptx::Scope::kGpu>(it.signal, 1ull, device::SignalOp::kSet);
+            WEFT_TRACE_RECORD(p.ctx, TraceKind::kCopyChunk, TraceRole::kComm, copy_t0, it.chunk, it.peer, 0, 0);
+        }
+    }
+}
+
+}  // namespace weft::kernels::tp_common
