@@ -83,8 +83,11 @@ struct Buffer::Impl {
     std::deque<LowLatencyHandle::Impl*> ll_combine_queue;
 
     /// What every op checks on entry, before anything else: no device-reported error is pending (check()), the
-    /// stream is one the ranks' kernels cannot be serialised on, and `handle_owner` is this Buffer.
-    void enter(const char* op, cudaStream_t stream, const Buffer::Impl* handle_owner) const;
+    /// stream is one the ranks' kernels cannot be serialised on, and `handle_owner` is this Buffer. A call that
+    /// completes one already launched (a combine, a receive half) passes `check_pending = false`: the error its own
+    /// dispatch reported may or may not be visible yet on this rank, and every rank must make that call alike (the
+    /// kernels handle the dispatch's error: a normal combine after an overflow writes zeros).
+    void enter(const char* op, cudaStream_t stream, const Buffer::Impl* handle_owner, bool check_pending = true) const;
     /// The grid of a launch: `requested` blocks (0 = `fallback`), within the rank's SM budget.
     int grid(const char* op, int requested, int fallback) const;
     /// Throws the pending device-reported error, if any, naming `op`.

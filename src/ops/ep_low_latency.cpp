@@ -109,7 +109,8 @@ void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x,
     WEFT_NVTX_RANGE("ep low_latency_dispatch");
     Impl& b = *impl_;
     const Geometry& g = b.geo;
-    b.enter("low_latency_dispatch", stream, handle.impl_ ? handle.impl_->buffer : nullptr);
+    b.enter("low_latency_dispatch", stream, handle.impl_ ? handle.impl_->buffer : nullptr,
+            options.phase != Phase::kRecv);
     WEFT_CHECK(b.config.low_latency, "ep: low_latency_dispatch: this Buffer was made with Config::low_latency = false");
     LowLatencyHandle::Impl& h = *handle.impl_;
     using State = LowLatencyHandle::Impl::State;
@@ -183,7 +184,7 @@ void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, 
     WEFT_NVTX_RANGE("ep low_latency_combine");
     Impl& b = *impl_;
     const Geometry& g = b.geo;
-    b.enter("low_latency_combine", stream, handle.impl_ ? handle.impl_->buffer : nullptr);
+    b.enter("low_latency_combine", stream, handle.impl_ ? handle.impl_->buffer : nullptr, false);
     WEFT_CHECK(b.config.low_latency, "ep: low_latency_combine: this Buffer was made with Config::low_latency = false");
     LowLatencyHandle::Impl& h = *handle.impl_;
     using State = LowLatencyHandle::Impl::State;

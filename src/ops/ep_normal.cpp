@@ -137,7 +137,7 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
     WEFT_NVTX_RANGE("ep combine");
     Impl& b = *impl_;
     const Geometry& g = b.geo;
-    b.enter("combine", stream, handle.impl_ ? handle.impl_->buffer : nullptr);
+    b.enter("combine", stream, handle.impl_ ? handle.impl_->buffer : nullptr, false);
     NormalHandle::Impl& h = *handle.impl_;
     WEFT_CHECK(h.dispatched, "ep::combine: the handle has not been dispatched");
     check_matrix("ep::combine", "y", y, DType::kBF16, g.hidden, true);

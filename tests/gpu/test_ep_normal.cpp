@@ -258,8 +258,8 @@ TEST_F(EpNormalGpu, RoutingScenariosAtEveryWorldSize) {
     }
 }
 
-// A receive capacity that a skewed routing exceeds: every rank reports it, nothing moves, the combine
-// gives zeros, and after clear_status the next (fitting) call works.
+// A receive capacity that a skewed routing exceeds: every rank reports it, nothing moves, the combine (with the
+// error still pending) gives zeros, and after clear_status the next (fitting) call works.
 TEST_F(EpNormalGpu, CapacityOverflowIsReportedByEveryRankAndRecoverable) {
     const uint32_t seed = fresh_seed();
     const int n = 4;
@@ -308,17 +308,19 @@ TEST_F(EpNormalGpu, CapacityOverflowIsReportedByEveryRankAndRecoverable) {
                     for (int v : counts)
                         WEFT_CHECK(v == 0, "rank " << me << ": expert counts must be 0 after an overflow");
                 });
-                ep.clear_status();
+                // The combine completes the exchange its dispatch began: the overflow still pending (seen by every
+                // rank here), it must not refuse, and it gives zeros.
                 DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
                 out.poison(0xFF);
                 const int t = all[static_cast<size_t>(me)].num_tokens;
                 ep.combine(h, h.recv_x(), TensorView(out.get(), DType::kBF16, {t, c.hidden}), rs.s);
-                ep.sync_and_check(rs.s);
+                world.sync_and_check(rs.s);
                 ref::collective_check(world, [&] {
                     for (uint16_t v : download(out.get(), static_cast<size_t>(t) * c.hidden, rs.s)) {
                         WEFT_CHECK(v == 0, "rank " << me << ": combine after an overflow must give zeros");
                     }
                 });
+                ep.clear_status();
                 // The buffer's state stayed consistent: a call that fits works.
                 DeviceArray<uint16_t> y(static_cast<size_t>(ep.geometry().max_recv_rows) * c.hidden, rs.s);
                 run_case(ep, h, in, y, out, p, Scenario::kOneToken, seed + 1, false, rs.s);
