@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: MIT
 """weft's ops on torch tensors, launched on torch's current CUDA stream (asynchronous, graph-capturable).
 
-The collectives run per call only what their result depends on: the per-World constants (device, dtype tables,
-algorithm codes, torch's current-stream lookup) come from the World's CallContext, and contiguous tensors cross to
-the extension as pointers and element counts."""
+Per call, the collectives read the World's constants (device, dtype tables, algorithm codes, torch's current-stream
+lookup) from its CallContext and pass contiguous tensors to the extension as pointers and element counts."""
 from . import _runtime, _weft
 from ._tensor import CallContext, dtype_code, flat_arg, heap_tensor, matrix_view, out_arg, torch_module
 from ._weft import Error
