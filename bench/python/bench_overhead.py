@@ -5,10 +5,12 @@
         [--sizes 8,16384] [--iters 300] [--warmup 50] [--json out.json]
 
 For each message size (bytes of f32 per rank), all-reduce through:
-    cpp         _weft.time_all_reduce_calls: the C++ op called in a C++ loop (no Python between calls)
+    cpp         _weft.time_all_reduce_calls: the C++ op called in a C++ loop (no Python between calls), in place
+    cpp out     the same into a second tensor (what weft.all_reduce(x, out) and the custom op run)
     binding     _weft.all_reduce with views and stream made once (one nanobind call per op)
-    weft        weft.all_reduce(x) (torch tensor checks, view, current stream)
-    torch.ops   torch.ops.weft.all_reduce(x) (the custom op: dispatcher, output allocation)
+    weft        weft.all_reduce(x) (torch tensor checks, current stream), in place
+    weft out    weft.all_reduce(x, out)
+    torch.ops   torch.ops.weft.all_reduce(x) (the custom op: dispatcher, output allocation, weft.all_reduce(x, out))
     nccl        torch.distributed.all_reduce(x)
 Eager: host µs per call = host time of `iters` back-to-back calls / iters (iters stays below the launch queue's
 depth, about a thousand pending launches, so the host never waits for the GPU), and device µs per call from CUDA
@@ -87,7 +89,9 @@ def main():
     for size in (int(s) for s in args.sizes.split(",")):
         numel = max(size // 4, 1)
         x = torch.zeros(numel, device="cuda")  # stays zero under repeated in-place sums
+        y = torch.zeros_like(x)
         view = weft.TensorView(x.data_ptr(), _weft.DTYPES["f32"], (numel,))
+        out_view = weft.TensorView(y.data_ptr(), _weft.DTYPES["f32"], (numel,))
         stream = torch.cuda.current_stream().cuda_stream
 
         def binding():
@@ -96,16 +100,18 @@ def main():
         paths = {
             "binding": binding,
             "weft": lambda: weft.all_reduce(x),
+            "weft out": lambda: weft.all_reduce(x, y),
             "torch.ops": lambda: torch.ops.weft.all_reduce(x),
             "nccl": lambda: dist.all_reduce(x),
         }
         binding()
         torch.cuda.synchronize()
         dist.barrier()
-        host_s = _weft.time_all_reduce_calls(world, view, view, stream, args.iters)
-        torch.cuda.synchronize()
-        rows.append({"bytes": numel * 4, "path": "cpp", "mode": "eager", "host_us": host_s / args.iters * 1e6,
-                     "device_us": float("nan")})
+        for name, out in (("cpp", view), ("cpp out", out_view)):
+            host_s = _weft.time_all_reduce_calls(world, view, out, stream, args.iters)
+            torch.cuda.synchronize()
+            rows.append({"bytes": numel * 4, "path": name, "mode": "eager", "host_us": host_s / args.iters * 1e6,
+                         "device_us": float("nan")})
         for name, fn in paths.items():
             h, d = measure(fn, args.iters, args.warmup)
             rows.append({"bytes": numel * 4, "path": name, "mode": "eager", "host_us": h, "device_us": d})

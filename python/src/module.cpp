@@ -63,6 +63,12 @@ TensorView make_view(uintptr_t ptr, int dtype, const std::vector<int64_t>& shape
     return v;
 }
 
+// A contiguous 1-D view of `numel` elements: the collectives' form from the Python wrappers (python/weft/_ops.py).
+TensorView flat_view(uintptr_t ptr, int dtype, int64_t numel) {
+    WEFT_CHECK(numel >= 0, "numel: expected a non-negative element count, got " << numel);
+    return TensorView(reinterpret_cast<void*>(ptr), as_dtype(dtype), {numel});
+}
+
 std::vector<int64_t> dims(const std::array<int64_t, TensorView::kMaxDims>& values, int32_t ndim) {
     return std::vector<int64_t>(values.begin(), values.begin() + ndim);
 }
@@ -362,6 +368,44 @@ NB_MODULE(_weft, m) {
                   ops::reduce_scatter(w.h->get(), input, output, as_stream(stream), o);
               }
           }, "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
+    // The same collectives on contiguous buffers given as a data pointer and an element count (the Python wrappers'
+    // form: no TensorView object is made per call).
+    m.def("all_reduce_flat", [](PyWorld& w, uintptr_t input, uintptr_t output, int64_t numel, int dtype,
+                                uintptr_t stream, int algo, const PyTeam* team) {
+              ops::AllReduceOptions o;
+              o.algo = static_cast<ops::AllReduceAlgo>(algo);
+              const TensorView in = flat_view(input, dtype, numel), out = flat_view(output, dtype, numel);
+              if (team != nullptr) {
+                  ops::all_reduce(team->team, in, out, as_stream(stream), o);
+              } else {
+                  ops::all_reduce(w.h->get(), in, out, as_stream(stream), o);
+              }
+          }, "world"_a, "input"_a, "output"_a, "numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(),
+          Release());
+    m.def("all_gather_flat", [](PyWorld& w, uintptr_t input, int64_t input_numel, uintptr_t output,
+                                int64_t output_numel, int dtype, uintptr_t stream, int algo, const PyTeam* team) {
+              ops::AllGatherOptions o;
+              o.algo = static_cast<ops::AllGatherAlgo>(algo);
+              const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
+              if (team != nullptr) {
+                  ops::all_gather(team->team, in, out, as_stream(stream), o);
+              } else {
+                  ops::all_gather(w.h->get(), in, out, as_stream(stream), o);
+              }
+          }, "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
+          "team"_a = nb::none(), Release());
+    m.def("reduce_scatter_flat", [](PyWorld& w, uintptr_t input, int64_t input_numel, uintptr_t output,
+                                    int64_t output_numel, int dtype, uintptr_t stream, int algo, const PyTeam* team) {
+              ops::ReduceScatterOptions o;
+              o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
+              const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
+              if (team != nullptr) {
+                  ops::reduce_scatter(team->team, in, out, as_stream(stream), o);
+              } else {
+                  ops::reduce_scatter(w.h->get(), in, out, as_stream(stream), o);
+              }
+          }, "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
+          "team"_a = nb::none(), Release());
     // Benchmark support: `iters` back-to-back all_reduce calls made from C++ (no Python between them); returns the
     // host seconds they took, the floor the Python layers are measured against (bench/python/bench_overhead.py).
     m.def("time_all_reduce_calls", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream,

@@ -1,30 +1,34 @@
 # SPDX-License-Identifier: MIT
-"""weft's ops on torch tensors, launched on torch's current CUDA stream (asynchronous, graph-capturable)."""
+"""weft's ops on torch tensors, launched on torch's current CUDA stream (asynchronous, graph-capturable).
+
+Per call, the collectives read the World's constants (device, dtype tables, algorithm codes, torch's current-stream
+lookup) from its CallContext and pass contiguous tensors to the extension as pointers and element counts."""
 from . import _runtime, _weft
-from ._tensor import check_tensor, dtype_code, flat_view, heap_tensor, matrix_view, torch_module
+from ._tensor import CallContext, dtype_code, flat_arg, heap_tensor, matrix_view, out_arg, torch_module
 from ._weft import Error
 
-_REDUCIBLE = None
-_GEMM_IN = None
+
+def _context(team, op):
+    """(the World's CallContext, the C++ team or None for the World's own) for an op on `team` (a weft.Team or None:
+    the World)."""
+    state = _runtime._state
+    if state is None:
+        state = _runtime._get_state()  # raises: not initialised
+    ctx = state.call_context
+    if ctx is None:
+        ctx = state.call_context = CallContext(state.world)
+    if team is None:
+        return ctx, None
+    return ctx, _runtime._cpp_team(team, op, state)
 
 
-def _dtypes():
-    global _REDUCIBLE, _GEMM_IN
-    if _REDUCIBLE is None:
-        torch = torch_module()
-        _REDUCIBLE = (torch.bfloat16, torch.float16, torch.float32)
-        _GEMM_IN = (torch.bfloat16, torch.float16)
-    return _REDUCIBLE, _GEMM_IN
+def _stream(ctx):
+    """torch's current CUDA stream on the World's device, as an integer (cudaStream_t)."""
+    return ctx.stream(ctx.device_index)
 
 
-def _stream(world):
-    return torch_module().cuda.current_stream(world.device).cuda_stream
-
-
-def _algo(op, name):
-    state = _runtime._get_state()
-    key = (op, name)
-    code = state.algo_codes.get(key)
+def _algo(ctx, op, name):
+    code = ctx.algo_codes[op].get(name)
     if code is None:
         if not isinstance(name, str):
             raise TypeError(f"algo: expected an algorithm name (str), got {type(name).__name__}")
@@ -32,31 +36,22 @@ def _algo(op, name):
             code = _weft.parse_algo(op, name)
         except Error as e:
             raise ValueError(str(e)) from None
-        state.algo_codes[key] = code
+        ctx.algo_codes[op][name] = code
     return code
-
-
-def _check_out(out, name, like_dtype, numel, world):
-    check_tensor(out, name, world)
-    if out.dtype != like_dtype:
-        raise TypeError(f"{name}: expected dtype {like_dtype}, got {out.dtype}")
-    if out.numel() != numel:
-        raise ValueError(f"{name}: expected {numel} elements, got {out.numel()} (shape {tuple(out.shape)})")
 
 
 def all_reduce(tensor, out=None, *, algo="auto", team=None):
     """out = the element-wise sum of every rank's `tensor` (bf16, f16 or f32, contiguous). In place when out is None
     (like torch.distributed.all_reduce). Returns out. Collective over `team` (a weft.Team; None: the World); on
     torch's current stream."""
-    world, cpp_team = _runtime._team_for(team, "all_reduce")
-    reducible, _ = _dtypes()
-    x = flat_view(tensor, "tensor", world, reducible)
+    ctx, cpp_team = _context(team, "all_reduce")
+    ptr, numel, code = flat_arg(tensor, "tensor", ctx, ctx.reducible)
     if out is None:
-        out, o = tensor, x
+        out, out_ptr = tensor, ptr
     else:
-        _check_out(out, "out", tensor.dtype, tensor.numel(), world)
-        o = flat_view(out, "out", world)
-    _weft.all_reduce(world, x, o, _stream(world), _algo("all_reduce", algo), cpp_team)
+        out_ptr = out_arg(out, "out", ctx, tensor.dtype, numel)
+    _weft.all_reduce_flat(ctx.world, ptr, out_ptr, numel, code, ctx.stream(ctx.device_index),
+                          _algo(ctx, "all_reduce", algo), cpp_team)
     return out
 
 
@@ -64,15 +59,18 @@ def all_gather(tensor, out=None, *, algo="auto", team=None):
     """out = every rank's `tensor` concatenated along dim 0 in rank order (any dtype, contiguous): shape
     [num_ranks * tensor.shape[0], ...]. Returns out (allocated when None). Collective; on torch's current stream.
     A symmetric out (weft.empty) lets the push algorithms write into it directly."""
-    world, cpp_team = _runtime._team_for(team, "all_gather")
-    x = flat_view(tensor, "tensor", world)
-    n = cpp_team.num_ranks if cpp_team is not None else world.num_ranks
+    ctx, cpp_team = _context(team, "all_gather")
+    ptr, numel, code = flat_arg(tensor, "tensor", ctx, ctx.all_dtypes)
+    n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
     if out is None:
-        shape = (n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() > 0 else (n,)
-        out = torch_module().empty(shape, dtype=tensor.dtype, device=tensor.device)
+        shape = tensor.shape
+        out = torch_module().empty((n * shape[0], *shape[1:]) if shape else (n,), dtype=tensor.dtype,
+                                   device=tensor.device)
+        out_ptr = out.data_ptr()
     else:
-        _check_out(out, "out", tensor.dtype, n * tensor.numel(), world)
-    _weft.all_gather(world, x, flat_view(out, "out", world), _stream(world), _algo("all_gather", algo), cpp_team)
+        out_ptr = out_arg(out, "out", ctx, tensor.dtype, n * numel)
+    _weft.all_gather_flat(ctx.world, ptr, numel, out_ptr, n * numel, code, ctx.stream(ctx.device_index),
+                          _algo(ctx, "all_gather", algo), cpp_team)
     return out
 
 
@@ -80,19 +78,19 @@ def reduce_scatter(tensor, out=None, *, algo="auto", team=None):
     """out = slice `rank` (along dim 0) of the element-wise sum of every rank's `tensor` (bf16, f16 or f32,
     contiguous, dim 0 a multiple of num_ranks): shape [tensor.shape[0] / num_ranks, ...]. Returns out (allocated
     when None). Collective; on torch's current stream."""
-    world, cpp_team = _runtime._team_for(team, "reduce_scatter")
-    reducible, _ = _dtypes()
-    x = flat_view(tensor, "tensor", world, reducible)
-    n = cpp_team.num_ranks if cpp_team is not None else world.num_ranks
-    if tensor.dim() == 0 or tensor.shape[0] % n != 0:
-        raise ValueError(f"tensor: expected dim 0 a multiple of the {n} ranks, got shape {tuple(tensor.shape)}")
+    ctx, cpp_team = _context(team, "reduce_scatter")
+    ptr, numel, code = flat_arg(tensor, "tensor", ctx, ctx.reducible)
+    n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
+    shape = tensor.shape
+    if not shape or shape[0] % n != 0:
+        raise ValueError(f"tensor: expected dim 0 a multiple of the {n} ranks, got shape {tuple(shape)}")
     if out is None:
-        out = torch_module().empty((tensor.shape[0] // n, *tensor.shape[1:]), dtype=tensor.dtype,
-                                   device=tensor.device)
+        out = torch_module().empty((shape[0] // n, *shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        out_ptr = out.data_ptr()
     else:
-        _check_out(out, "out", tensor.dtype, tensor.numel() // n, world)
-    _weft.reduce_scatter(world, x, flat_view(out, "out", world), _stream(world), _algo("reduce_scatter", algo),
-                         cpp_team)
+        out_ptr = out_arg(out, "out", ctx, tensor.dtype, numel // n)
+    _weft.reduce_scatter_flat(ctx.world, ptr, numel, out_ptr, numel // n, code, ctx.stream(ctx.device_index),
+                              _algo(ctx, "reduce_scatter", algo), cpp_team)
     return out
 
 
@@ -100,18 +98,16 @@ def gemm(a, b, out=None, *, b_layout="nk", out_dtype=None):
     """out[M, N] = a[M, K] @ B with b [N, K] (b_layout "nk": a linear layer's weight, out = a @ b.T) or [K, N]
     ("kn": out = a @ b). bf16 or f16 in (same dtype), fp32 accumulation; out dtype: out_dtype, else a's. Rows may be
     strided (inner stride 1); K a multiple of 8; 16-byte aligned bases and row strides. Local (one GPU)."""
-    torch = torch_module()
-    world = _runtime.world()
-    _, gemm_in = _dtypes()
-    av = matrix_view(a, "a", world, gemm_in)
-    bv = matrix_view(b, "b", world, (a.dtype,))
+    ctx, _ = _context(None, "gemm")
+    av = matrix_view(a, "a", ctx, ctx.gemm_in)
+    bv = matrix_view(b, "b", ctx, (a.dtype,))
     if b_layout not in ("nk", "kn"):
         raise ValueError(f"b_layout: expected 'nk' or 'kn', got {b_layout!r}")
     n = b.shape[0] if b_layout == "nk" else b.shape[1]
     if out is None:
-        out = torch.empty((a.shape[0], n), dtype=out_dtype or a.dtype, device=a.device)
-    dv = matrix_view(out, "out", world)
-    _weft.gemm(av, bv, dv, 0 if b_layout == "nk" else 1, _stream(world))
+        out = torch_module().empty((a.shape[0], n), dtype=out_dtype or a.dtype, device=a.device)
+    dv = matrix_view(out, "out", ctx)
+    _weft.gemm(av, bv, dv, 0 if b_layout == "nk" else 1, _stream(ctx))
     return out
 
 
@@ -122,7 +118,8 @@ class _FusedOp:
 
     def __init__(self, make, team):
         torch = torch_module()
-        self._world, self._team = _runtime._team_for(team, self._kind)
+        self._ctx, self._team = _context(team, self._kind)
+        self._world = self._ctx.world
         self.num_ranks = self._team.num_ranks if self._team is not None else self._world.num_ranks
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise Error(f"{self._kind}: making the op is collective (symmetric allocation, kernel loading, a barrier) "
@@ -153,13 +150,14 @@ class _FusedOp:
     def run(self, a, b, out=None):
         """One call on torch's current stream; out is allocated when None. Returns out."""
         op = self._get()
-        world = self._world
-        av = matrix_view(a, self._a_name, world, (self.dtype,))
-        bv = matrix_view(b, "b", world, (self.dtype,))
+        ctx = self._ctx
+        dtypes = (self.dtype,)
+        av = matrix_view(a, self._a_name, ctx, dtypes)
+        bv = matrix_view(b, "b", ctx, dtypes)
         if out is None:
             out = torch_module().empty((self._out_rows(a), self.n), dtype=self.dtype, device=a.device)
-        cv = matrix_view(out, "out", world, (self.dtype,))
-        op.run(av, bv, cv, _stream(world))
+        cv = matrix_view(out, "out", ctx, dtypes)
+        op.run(av, bv, cv, ctx.stream(ctx.device_index))
         return out
 
     def __enter__(self):

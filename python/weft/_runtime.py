@@ -20,7 +20,7 @@ class _State:
         self.heap_blocks = {}  # pointer -> bytes, for weft.empty tensors not freed yet
         self.op_cache = {}  # functional ops' cached fused-op objects
         self.teams = []  # weft.Team objects by handle (the integer weft.torch's custom ops take)
-        self.algo_codes = {}
+        self.call_context = None  # _tensor.CallContext, made by the first op call
 
 
 _state = None
@@ -180,6 +180,11 @@ class Team:
         key = ranks.index(me) if me in ranks else 0
         self._team = state.world.team().split_color(color, key)
         self.ranks = ranks
+        # Fixed for the team's life, read by every op call: membership, and the C++ team the ops take (None for a
+        # team of every rank in order, which runs as the World's own ops).
+        self._is_member = self._team.is_member
+        self._cpp = None if ranks == list(range(n)) else self._team
+        self._id = self._team.id
         self.handle = len(state.teams)  # this process's index of the team, for weft.torch's custom ops
         state.teams.append(self)
 
@@ -194,16 +199,16 @@ class Team:
 
     @property
     def is_member(self):
-        return self._team.is_member
+        return self._is_member
 
     @property
     def is_world(self):
-        return self.ranks == list(range(_get_state().world.num_ranks))
+        return self._cpp is None
 
     @property
     def id(self):
         """The team's name, the same on every member and unique in the World."""
-        return self._team.id
+        return self._id
 
     def barrier(self):
         """Collective over the members."""
@@ -234,8 +239,13 @@ def _team_for(team, op):
     state = _get_state()
     if team is None:
         return state.world, None
+    return state.world, _cpp_team(team, op, state)
+
+
+def _cpp_team(team, op, state):
+    """The C++ team an op on `team` (a weft.Team) runs on, None for the World's own; raises for a non-member."""
     if not isinstance(team, Team):
         raise TypeError(f"team: expected a weft.Team or None, got {type(team).__name__}")
-    if not team.is_member:
+    if not team._is_member:
         raise Error(f"{op}: world rank {state.world.rank} is not a member of {team!r}")
-    return state.world, (None if team.is_world else team._team)
+    return team._cpp

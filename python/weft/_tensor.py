@@ -6,12 +6,14 @@ from . import _runtime, _weft
 from ._weft import Error, TensorView
 
 _torch = None
+_Tensor = None  # torch.Tensor
 _codes = None  # torch dtype -> weft dtype code
+_raw_stream = None  # device index -> torch's current CUDA stream on it, as an integer (cudaStream_t)
 
 
 def torch_module():
     """torch, imported on first use (importing weft does not need it)."""
-    global _torch, _codes
+    global _torch, _Tensor, _codes, _raw_stream
     if _torch is None:
         try:
             import torch
@@ -22,49 +24,125 @@ def torch_module():
                   torch.int32: d["i32"], torch.int64: d["i64"], torch.uint8: d["u8"]}
         if hasattr(torch, "float8_e4m3fn"):
             _codes[torch.float8_e4m3fn] = d["f8e4m3"]
+        # The same stream as torch.cuda.current_stream(device).cuda_stream without making a Stream object (a few
+        # µs per call).
+        _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda device: torch.cuda.current_stream(device).cuda_stream)
+        _Tensor = torch.Tensor
         _torch = torch
     return _torch
+
+
+class CallContext:
+    """What an op call reads of its World and of torch, looked up once per World (weft.init makes a new one): the
+    World, its device (as torch.device, compared with a tensor's in one step), torch's current-stream lookup, the
+    dtype tables and the algorithm codes parsed so far."""
+    __slots__ = ("world", "num_ranks", "device", "device_index", "stream", "all_dtypes", "reducible", "gemm_in",
+                 "algo_codes")
+
+    def __init__(self, world):
+        torch = torch_module()
+        self.world = world
+        self.num_ranks = world.num_ranks
+        self.device_index = world.device
+        self.device = torch.device("cuda", self.device_index)
+        self.stream = _raw_stream
+        self.all_dtypes = _codes
+        self.reducible = {t: _codes[t] for t in (torch.bfloat16, torch.float16, torch.float32)}
+        self.gemm_in = {t: _codes[t] for t in (torch.bfloat16, torch.float16)}
+        self.algo_codes = {"all_reduce": {}, "all_gather": {}, "reduce_scatter": {}}
+
+
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
 
 
 def dtype_code(dtype, name="dtype"):
     torch_module()  # fills the dtype table
     code = _codes.get(dtype)
     if code is None:
-        supported = ", ".join(str(t).replace("torch.", "") for t in _codes)
+        supported = ", ".join(_dtype_name(t) for t in _codes)
         raise TypeError(f"{name}: weft does not take {dtype} (it takes {supported})")
     return code
 
 
-def check_tensor(t, name, world, dtypes=None):
-    """Raises TypeError (not a tensor, wrong dtype) or ValueError (wrong device) naming the argument."""
-    torch = torch_module()
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cuda" or t.device.index != world.device:
-        raise ValueError(f"{name}: expected a tensor on cuda:{world.device} (this rank's GPU), got one on {t.device}")
+def _not_a_tensor(t, name):
+    return TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
+def _wrong_device(t, name, ctx):
+    return ValueError(f"{name}: expected a tensor on cuda:{ctx.device_index} (this rank's GPU), got one on {t.device}")
+
+
+def _wrong_dtype(t, name, dtypes):
+    return TypeError(f"{name}: expected dtype {' or '.join(_dtype_name(d) for d in dtypes)}, got "
+                     f"{_dtype_name(t.dtype)}")
+
+
+def _not_contiguous(t, name):
+    return ValueError(f"{name}: expected a contiguous tensor (shape {tuple(t.shape)}, strides {t.stride()}); "
+                      "call .contiguous()")
+
+
+def check_tensor(t, name, ctx, dtypes=None):
+    """Raises TypeError (not a tensor, wrong dtype) or ValueError (not on this rank's GPU) naming the argument.
+    ctx: the World's CallContext; dtypes: the torch dtypes taken (None: any)."""
+    if not isinstance(t, _Tensor):
+        raise _not_a_tensor(t, name)
+    if t.device != ctx.device:
+        raise _wrong_device(t, name, ctx)
     if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype {' or '.join(str(d).replace('torch.', '') for d in dtypes)}, "
-                        f"got {str(t.dtype).replace('torch.', '')}")
+        raise _wrong_dtype(t, name, dtypes)
 
 
-def flat_view(t, name, world, dtypes=None):
-    """A 1-D view of a contiguous tensor (any number of dimensions, 0 included)."""
-    check_tensor(t, name, world, dtypes)
+def flat_arg(t, name, ctx, codes):
+    """(data pointer, element count, weft dtype code) of a contiguous tensor (any number of dimensions, 0 included)
+    on this rank's GPU whose dtype is a key of `codes` (torch dtype -> weft code; ctx.all_dtypes: any weft takes).
+    Raises TypeError or ValueError naming the argument, in check_tensor's order, then contiguity."""
+    if not isinstance(t, _Tensor):
+        raise _not_a_tensor(t, name)
+    if t.device != ctx.device:
+        raise _wrong_device(t, name, ctx)
+    code = codes.get(t.dtype)
+    if code is None and codes is not ctx.all_dtypes:
+        raise _wrong_dtype(t, name, codes)
     if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor (shape {tuple(t.shape)}, strides {t.stride()}); "
-                         "call .contiguous()")
-    return TensorView(t.data_ptr(), dtype_code(t.dtype, name), (t.numel(),), (1,))
+        raise _not_contiguous(t, name)
+    if code is None:
+        dtype_code(t.dtype, name)  # raises: a dtype weft does not take
+    return t.data_ptr(), t.numel(), code
 
 
-def matrix_view(t, name, world, dtypes=None):
+def out_arg(out, name, ctx, like_dtype, numel):
+    """The data pointer of an output argument: checked as flat_arg does, plus its dtype (like_dtype) and element
+    count."""
+    if not isinstance(out, _Tensor):
+        raise _not_a_tensor(out, name)
+    if out.device != ctx.device:
+        raise _wrong_device(out, name, ctx)
+    if out.dtype != like_dtype:
+        raise TypeError(f"{name}: expected dtype {like_dtype}, got {out.dtype}")
+    if out.numel() != numel:
+        raise ValueError(f"{name}: expected {numel} elements, got {out.numel()} (shape {tuple(out.shape)})")
+    if not out.is_contiguous():
+        raise _not_contiguous(out, name)
+    return out.data_ptr()
+
+
+def matrix_view(t, name, ctx, dtypes=None):
     """A 2-D view with unit inner stride and any row stride (what weft's GEMMs take)."""
-    check_tensor(t, name, world, dtypes)
+    check_tensor(t, name, ctx, dtypes)
     if t.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D tensor, got shape {tuple(t.shape)}")
-    if t.stride(1) != 1 and t.shape[1] > 1:
+    rows, cols = t.shape
+    row_stride, inner_stride = t.stride()
+    if inner_stride != 1 and cols > 1:
         raise ValueError(f"{name}: expected rows stored contiguously (inner stride 1), got strides {t.stride()}; "
                          "call .contiguous()")
-    return TensorView(t.data_ptr(), dtype_code(t.dtype, name), tuple(t.shape), (t.stride(0), 1))
+    code = _codes.get(t.dtype)
+    if code is None:
+        dtype_code(t.dtype, name)  # raises
+    return TensorView(t.data_ptr(), code, (rows, cols), (row_stride, 1))
 
 
 def heap_tensor(view, world, torch_dtype):

@@ -28,9 +28,9 @@ def _tensor(view, world):
     return heap_tensor(view, world, dtypes[view.dtype])
 
 
-def _view(t, name, world, dtype):
+def _view(t, name, ctx, dtype):
     torch = torch_module()
-    v = matrix_view(t, name, world, (dtype,))
+    v = matrix_view(t, name, ctx, (dtype,))
     if dtype == torch.int32 or dtype == torch.float32:
         if not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor; call .contiguous()")
@@ -108,28 +108,28 @@ class Buffer(_FusedOp):
 
     def _routing(self, x, topk_idx, topk_weights=None):
         torch = torch_module()
-        w = self._world
-        views = [_view(x, "x", w, torch.bfloat16), _view(topk_idx, "topk_idx", w, torch.int32)]
+        ctx = self._ctx
+        views = [_view(x, "x", ctx, torch.bfloat16), _view(topk_idx, "topk_idx", ctx, torch.int32)]
         if topk_weights is not None:
-            views.append(_view(topk_weights, "topk_weights", w, torch.float32))
+            views.append(_view(topk_weights, "topk_weights", ctx, torch.float32))
         return views
 
     def dispatch(self, handle, x, topk_idx, topk_weights, *, num_sms=0):
         xv, iv, wv = self._routing(x, topk_idx, topk_weights)
-        self._get().dispatch(handle._get(), xv, iv, wv, _stream(self._world), num_sms=num_sms)
+        self._get().dispatch(handle._get(), xv, iv, wv, _stream(self._ctx), num_sms=num_sms)
 
     def combine(self, handle, y, out=None, *, num_sms=0):
         torch = torch_module()
         if out is None:
             out = torch.empty((handle.num_tokens, self.hidden), dtype=torch.bfloat16, device=y.device)
-        yv = _view(y, "y", self._world, torch.bfloat16)
-        ov = _view(out, "out", self._world, torch.bfloat16)
-        self._get().combine(handle._get(), yv, ov, _stream(self._world), num_sms=num_sms)
+        yv = _view(y, "y", self._ctx, torch.bfloat16)
+        ov = _view(out, "out", self._ctx, torch.bfloat16)
+        self._get().combine(handle._get(), yv, ov, _stream(self._ctx), num_sms=num_sms)
         return out
 
     def low_latency_dispatch(self, handle, x, topk_idx, *, fp8=False, phase="send_recv", num_sms=0):
         xv, iv = self._routing(x, topk_idx)
-        self._get().low_latency_dispatch(handle._get(), xv, iv, _stream(self._world), fp8=fp8, phase=phase,
+        self._get().low_latency_dispatch(handle._get(), xv, iv, _stream(self._ctx), fp8=fp8, phase=phase,
                                          num_sms=num_sms)
 
     def low_latency_combine(self, handle, y, topk_idx, topk_weights, out=None, *, phase="send_recv", num_sms=0):
@@ -138,14 +138,14 @@ class Buffer(_FusedOp):
             out = torch.empty((topk_idx.shape[0], self.hidden), dtype=torch.bfloat16, device=topk_idx.device)
         _, iv, wv = self._routing(out, topk_idx, topk_weights)
         y3 = y
-        check_tensor(y, "y", self._world, (torch.bfloat16,))
+        check_tensor(y, "y", self._ctx, (torch.bfloat16,))
         if y.dim() != 3:
             raise ValueError(f"y: expected a 3-D tensor [E_local, W * max_tokens, hidden], got shape {tuple(y.shape)}")
         if y3.stride(2) != 1 or y3.stride(0) != y3.shape[1] * y3.stride(1):
             raise ValueError(f"y: expected rows with inner stride 1, stacked evenly, got strides {y3.stride()}")
         yv = TensorView(y3.data_ptr(), _weft.DTYPES["bf16"], tuple(y3.shape), y3.stride())
-        ov = _view(out, "out", self._world, torch.bfloat16)
-        self._get().low_latency_combine(handle._get(), yv, iv, wv, ov, _stream(self._world), phase=phase,
+        ov = _view(out, "out", self._ctx, torch.bfloat16)
+        self._get().low_latency_combine(handle._get(), yv, iv, wv, ov, _stream(self._ctx), phase=phase,
                                         num_sms=num_sms)
         return out
 
@@ -154,4 +154,4 @@ class Buffer(_FusedOp):
         self._get().check()
 
     def sync_and_check(self):
-        self._get().sync_and_check(_stream(self._world))
+        self._get().sync_and_check(_stream(self._ctx))

@@ -1,0 +1,132 @@
+# SPDX-License-Identifier: MIT
+# The collectives' Python wrappers without a GPU (skipped where torch is absent): a stand-in World whose device, for
+# the wrappers' checks, is the CPU, and the extension's op calls recorded instead of run. What the wrappers pass to
+# the extension (pointers, element counts, dtype codes, stream, algorithm, team) and the errors they raise.
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import weft  # noqa: E402
+from weft import _runtime, _tensor, _weft  # noqa: E402
+
+_STREAM = 0x5000
+
+
+class _StandInWorld:
+    rank, num_ranks, device = 0, 2, 0
+
+
+class _StandInCppTeam:
+    rank, num_ranks, is_member, id = 0, 1, True, "t0"
+
+
+def _team(is_member=True):
+    """A weft.Team of rank 0 alone, as Team.__init__ leaves it (or a team rank 0 is not a member of)."""
+    team = object.__new__(_runtime.Team)
+    team._team = team._cpp = _StandInCppTeam()
+    team._is_member, team._id, team.ranks, team.handle = is_member, "t0", [0] if is_member else [1], 0
+    return team
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The extension's calls, recorded as (name, arguments); the World's device is the CPU for the checks."""
+    made = []
+    for name in ("all_reduce_flat", "all_gather_flat", "reduce_scatter_flat"):
+        monkeypatch.setattr(_weft, name, lambda *args, _name=name: made.append((_name, args)))
+    state = _runtime._State(_StandInWorld(), None, None)
+    ctx = state.call_context = _tensor.CallContext(state.world)
+    ctx.device = torch.device("cpu")
+    ctx.stream = lambda device: _STREAM + device
+    _runtime._state = state
+    yield made
+    _runtime._state = None
+
+
+def test_the_stream_lookup_is_torchs_raw_current_stream():
+    _tensor.torch_module()
+    if hasattr(torch._C, "_cuda_getCurrentRawStream"):
+        assert _tensor._raw_stream is torch._C._cuda_getCurrentRawStream
+
+
+def test_all_reduce_passes_pointers_counts_dtype_stream_and_algorithm(calls):
+    world = _runtime._state.world
+    x, out = torch.zeros(3, 4), torch.zeros(12)
+    assert weft.all_reduce(x) is x
+    assert weft.all_reduce(x, out, algo="one_shot") is out
+    f32, one_shot = _weft.DTYPES["f32"], _weft.parse_algo("all_reduce", "one_shot")
+    auto = _weft.parse_algo("all_reduce", "auto")
+    assert calls == [
+        ("all_reduce_flat", (world, x.data_ptr(), x.data_ptr(), 12, f32, _STREAM, auto, None)),
+        ("all_reduce_flat", (world, x.data_ptr(), out.data_ptr(), 12, f32, _STREAM, one_shot, None)),
+    ]
+
+
+def test_all_gather_and_reduce_scatter_allocate_their_output(calls):
+    x = torch.zeros(4, 3, dtype=torch.bfloat16)
+    gathered = weft.all_gather(x)
+    scattered = weft.reduce_scatter(x)
+    assert gathered.shape == (8, 3) and gathered.dtype == torch.bfloat16
+    assert scattered.shape == (2, 3) and scattered.dtype == torch.bfloat16
+    assert weft.all_gather(torch.zeros((), dtype=torch.int32)).shape == (2,)
+    bf16, i32 = _weft.DTYPES["bf16"], _weft.DTYPES["i32"]
+    assert calls[0][1][1:6] == (x.data_ptr(), 12, gathered.data_ptr(), 24, bf16)
+    assert calls[1][1][1:6] == (x.data_ptr(), 12, scattered.data_ptr(), 6, bf16)
+    assert calls[2][0] == "all_gather_flat" and calls[2][1][2] == 1 and calls[2][1][4:6] == (2, i32)
+
+
+def test_a_team_passes_its_cpp_team_and_a_non_member_is_refused(calls):
+    team = _team()
+    weft.all_reduce(torch.zeros(4), team=team)
+    assert calls[-1][1][-1] is team._cpp
+    weft.all_gather(torch.zeros(4), team=team)
+    assert calls[-1][1][4] == 4  # a team of one gathers one slice
+    with pytest.raises(weft.Error, match="all_reduce: world rank 0 is not a member of"):
+        weft.all_reduce(torch.zeros(4), team=_team(is_member=False))
+
+
+def test_argument_errors_name_the_argument(calls):
+    x = torch.zeros(16)
+    with pytest.raises(TypeError, match="tensor: expected a torch.Tensor, got list"):
+        weft.all_reduce([1.0])
+    with pytest.raises(ValueError, match=r"tensor: expected a tensor on cuda:0 \(this rank's GPU\), got one on meta"):
+        weft.all_reduce(torch.zeros(16, device="meta"))
+    with pytest.raises(TypeError, match="tensor: expected dtype bfloat16 or float16 or float32, got int32"):
+        weft.all_reduce(torch.zeros(16, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"tensor: expected a contiguous tensor \(shape \(4, 4\), strides \(1, 4\)\)"):
+        weft.all_reduce(torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match=r"out: expected 16 elements, got 8 \(shape \(8,\)\)"):
+        weft.all_reduce(x, torch.zeros(8))
+    with pytest.raises(TypeError, match="out: expected dtype torch.float32, got torch.bfloat16"):
+        weft.all_reduce(x, torch.zeros(16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out: expected a contiguous tensor"):
+        weft.all_reduce(x, torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="algo: 'fast' is not an algorithm of all_reduce"):
+        weft.all_reduce(x, algo="fast")
+    with pytest.raises(TypeError, match="algo: expected an algorithm name"):
+        weft.all_gather(x, algo=3)
+    with pytest.raises(ValueError, match=r"tensor: expected dim 0 a multiple of the 2 ranks, got shape \(3,\)"):
+        weft.reduce_scatter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"out: expected 32 elements"):
+        weft.all_gather(x, torch.zeros(16))
+    # Any dtype weft takes gathers; another is refused after the layout check, as before.
+    with pytest.raises(TypeError, match=r"tensor: weft does not take torch.float64 \(it takes bfloat16, "):
+        weft.all_gather(torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="tensor: expected a contiguous tensor"):
+        weft.all_gather(torch.zeros(4, 4, dtype=torch.float64).t())
+    assert calls == []  # every check fails before the extension is called
+
+
+def test_the_custom_op_allocates_its_output_and_calls_the_wrapper(calls):
+    import weft.torch
+
+    lib = torch.library.Library("weft", "IMPL")  # its CUDA kernel registered for CPU while the test runs
+    try:
+        lib.impl("all_reduce", weft.torch._all_reduce, "CPU")
+        x = torch.ones(2, 3)
+        out = torch.ops.weft.all_reduce(x)
+        assert out.shape == x.shape and out.data_ptr() != x.data_ptr()
+        assert calls == [("all_reduce_flat", (_runtime._state.world, x.data_ptr(), out.data_ptr(), 6,
+                                              _weft.DTYPES["f32"], _STREAM, 0, None))]
+    finally:
+        lib._destroy()
