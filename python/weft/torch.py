@@ -30,21 +30,6 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "gemm", "ag_gemm", "gem
 # ag_gemm, gemm_rs and gemm_ar below are Python functions over the custom ops torch.ops.weft.ag_gemm,
 # ag_gemm_saving, gemm_rs and gemm_ar (which take a team handle).
 
-# The ops are defined on a torch.library.Library with a CUDA kernel, a fake implementation and an autograd formula
-# each: the CUDA kernel is the Python function itself, called by the dispatcher with nothing around it (a
-# torch.library.custom_op wraps its kernels in checks that cost about a microsecond a call).
-_lib = torch.library.Library("weft", "FRAGMENT")
-_TAGS = (torch.Tag.pt2_compliant_tag,)
-
-
-def _define(schema, impl, fake):
-    """torch.ops.weft.<name> with `impl` as its CUDA kernel and `fake` as its fake (meta) implementation."""
-    name = schema[:schema.index("(")]
-    _lib.define(schema, tags=_TAGS)
-    _lib.impl(name, impl, "CUDA")
-    torch.library.register_fake(f"weft::{name}", fake, lib=_lib)
-    return getattr(torch.ops.weft, name).default
-
 
 def _contiguous(x):
     return x if x.is_contiguous() else x.contiguous()
@@ -59,48 +44,40 @@ def _all_reduce(x, team=-1):
     return out
 
 
-def _all_reduce_fake(x, team=-1):
+@torch.library.custom_op("weft::all_reduce", mutates_args=(), device_types="cuda")
+def all_reduce(x: torch.Tensor, team: int = -1) -> torch.Tensor:
+    """The element-wise sum of every rank's x (a new tensor), over the team with handle `team` (-1: the World)."""
+    return _all_reduce(x, team)
+
+
+@all_reduce.register_fake
+def _(x, team=-1):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _all_gather(x, team=-1):
+@torch.library.custom_op("weft::all_gather", mutates_args=(), device_types="cuda")
+def all_gather(x: torch.Tensor, team: int = -1) -> torch.Tensor:
+    """Every rank's x concatenated along dim 0, in rank order."""
     return _ops.all_gather(_contiguous(x), team=_runtime.team_by_handle(team))
 
 
-def _all_gather_fake(x, team=-1):
+@all_gather.register_fake
+def _(x, team=-1):
     n = _runtime.team_size(team)
     return x.new_empty((n * x.shape[0], *x.shape[1:]))
 
 
-def _reduce_scatter(x, team=-1):
+@torch.library.custom_op("weft::reduce_scatter", mutates_args=(), device_types="cuda")
+def reduce_scatter(x: torch.Tensor, team: int = -1) -> torch.Tensor:
+    """Slice `rank` (dim 0) of the element-wise sum of every rank's x."""
     return _ops.reduce_scatter(_contiguous(x), team=_runtime.team_by_handle(team))
 
 
-def _reduce_scatter_fake(x, team=-1):
+@reduce_scatter.register_fake
+def _(x, team=-1):
     n = _runtime.team_size(team)
     torch._check(x.shape[0] % n == 0, lambda: f"x: dim 0 must be a multiple of the {n} ranks")
     return x.new_empty((x.shape[0] // n, *x.shape[1:]))
-
-
-_all_reduce_op = _define("all_reduce(Tensor x, SymInt team=-1) -> Tensor", _all_reduce, _all_reduce_fake)
-_all_gather_op = _define("all_gather(Tensor x, SymInt team=-1) -> Tensor", _all_gather, _all_gather_fake)
-_reduce_scatter_op = _define("reduce_scatter(Tensor x, SymInt team=-1) -> Tensor", _reduce_scatter,
-                             _reduce_scatter_fake)
-
-
-def all_reduce(x, team=-1):
-    """The element-wise sum of every rank's x (a new tensor), over the team with handle `team` (-1: the World)."""
-    return _all_reduce_op(x, team)
-
-
-def all_gather(x, team=-1):
-    """Every rank's x concatenated along dim 0, in rank order."""
-    return _all_gather_op(x, team)
-
-
-def reduce_scatter(x, team=-1):
-    """Slice `rank` (dim 0) of the element-wise sum of every rank's x."""
-    return _reduce_scatter_op(x, team)
 
 
 def _save_team(ctx, inputs, output):
@@ -119,25 +96,39 @@ def _reduce_scatter_backward(ctx, grad):
     return all_gather(_contiguous(grad), ctx.team), None
 
 
+all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_team)
+all_gather.register_autograd(_all_gather_backward, setup_context=_save_team)
+reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_team)
+
+
 # ---- GEMMs ----
 
-def _gemm(a, b):
+@torch.library.custom_op("weft::gemm", mutates_args=(), device_types="cuda")
+def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b.T with b [N, K] (a linear layer's weight), on this GPU."""
     return _ops.gemm(a, b)
 
 
-def _gemm_fake(a, b):
+@gemm.register_fake
+def _(a, b):
     return a.new_empty((a.shape[0], b.shape[0]))
 
 
-def _ag_gemm(a_local, b):
+@torch.library.custom_op("weft::ag_gemm", mutates_args=(), device_types="cuda")
+def _ag_gemm(a_local: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """AllGather(a_local) @ b.T over the World: a_local [M/W, k], b [n, k] -> [M, n]."""
     return _ops.ag_gemm(_contiguous(a_local), _contiguous(b))
 
 
-def _ag_gemm_fake(a_local, b):
+@_ag_gemm.register_fake
+def _(a_local, b):
     return a_local.new_empty((_runtime.num_ranks() * a_local.shape[0], b.shape[0]))
 
 
-def _ag_gemm_saving(a_local, b, team):
+@torch.library.custom_op("weft::ag_gemm_saving", mutates_args=(), device_types="cuda")
+def _ag_gemm_saving(a_local: torch.Tensor, b: torch.Tensor, team: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(AllGather(a_local) @ b.T, a copy of AllGather(a_local)) over the team with handle `team` (-1: the World).
+    The copy is what the backward pass needs for the weight gradient (kept instead of gathered again)."""
     t = _runtime.team_by_handle(team)
     a_local, b = _contiguous(a_local), _contiguous(b)
     m = a_local.shape[0] * _runtime.team_size(team)
@@ -146,45 +137,34 @@ def _ag_gemm_saving(a_local, b, team):
     return out, op.gathered(m).clone()
 
 
-def _ag_gemm_saving_fake(a_local, b, team):
+@_ag_gemm_saving.register_fake
+def _(a_local, b, team):
     m = _runtime.team_size(team) * a_local.shape[0]
     return a_local.new_empty((m, b.shape[0])), a_local.new_empty((m, a_local.shape[1]))
 
 
-def _gemm_rs(a, b, team=-1):
+@torch.library.custom_op("weft::gemm_rs", mutates_args=(), device_types="cuda")
+def _gemm_rs(a: torch.Tensor, b: torch.Tensor, team: int = -1) -> torch.Tensor:
+    """ReduceScatter(a @ b.T) over the team with handle `team` (-1: the World): a [M, k], b [n, k] -> [M/W, n]."""
     return _ops.gemm_rs(_contiguous(a), _contiguous(b), team=_runtime.team_by_handle(team))
 
 
-def _gemm_rs_fake(a, b, team=-1):
+@_gemm_rs.register_fake
+def _(a, b, team=-1):
     n = _runtime.team_size(team)
     torch._check(a.shape[0] % n == 0, lambda: f"a: M must be a multiple of the {n} ranks")
     return a.new_empty((a.shape[0] // n, b.shape[0]))
 
 
-def _gemm_ar(a, b, team=-1):
+@torch.library.custom_op("weft::gemm_ar", mutates_args=(), device_types="cuda")
+def _gemm_ar(a: torch.Tensor, b: torch.Tensor, team: int = -1) -> torch.Tensor:
+    """AllReduce(a @ b.T) over the team with handle `team` (-1: the World): a [M, k], b [n, k] -> [M, n]."""
     return _ops.gemm_ar(_contiguous(a), _contiguous(b), team=_runtime.team_by_handle(team))
 
 
-def _gemm_ar_fake(a, b, team=-1):
+@_gemm_ar.register_fake
+def _(a, b, team=-1):
     return a.new_empty((a.shape[0], b.shape[0]))
-
-
-_gemm_op = _define("gemm(Tensor a, Tensor b) -> Tensor", _gemm, _gemm_fake)
-# a_local [M/W, k], b [n, k] -> AllGather(a_local) @ b.T [M, n], over the World.
-_define("ag_gemm(Tensor a_local, Tensor b) -> Tensor", _ag_gemm, _ag_gemm_fake)
-# (AllGather(a_local) @ b.T, a copy of AllGather(a_local)) over the team with handle `team` (-1: the World). The copy
-# is what the backward pass needs for the weight gradient (kept instead of gathered again).
-_define("ag_gemm_saving(Tensor a_local, Tensor b, SymInt team) -> (Tensor, Tensor)", _ag_gemm_saving,
-        _ag_gemm_saving_fake)
-# ReduceScatter(a @ b.T) over a team: a [M, k], b [n, k] -> [M/W, n].
-_define("gemm_rs(Tensor a, Tensor b, SymInt team=-1) -> Tensor", _gemm_rs, _gemm_rs_fake)
-# AllReduce(a @ b.T) over a team: a [M, k], b [n, k] -> [M, n].
-_define("gemm_ar(Tensor a, Tensor b, SymInt team=-1) -> Tensor", _gemm_ar, _gemm_ar_fake)
-
-
-def gemm(a, b):
-    """a @ b.T with b [N, K] (a linear layer's weight), on this GPU."""
-    return _gemm_op(a, b)
 
 
 def _handle(team):
@@ -272,15 +252,8 @@ def _gemm_ar_backward(ctx, grad):
     return grad_a, grad_b, None
 
 
-def _register_autograd(name, backward, setup_context):
-    torch.library.register_autograd(f"weft::{name}", backward, setup_context=setup_context, lib=_lib)
-
-
-_register_autograd("all_reduce", _all_reduce_backward, _save_team)
-_register_autograd("all_gather", _all_gather_backward, _save_team)
-_register_autograd("reduce_scatter", _reduce_scatter_backward, _save_team)
-_register_autograd("gemm", _gemm_backward, _save_inputs)
-_register_autograd("ag_gemm", _ag_gemm_backward, _save_inputs)
-_register_autograd("ag_gemm_saving", _ag_gemm_saving_backward, _save_saving)
-_register_autograd("gemm_rs", _gemm_rs_backward, _save_with_team)
-_register_autograd("gemm_ar", _gemm_ar_backward, _save_with_team)
+gemm.register_autograd(_gemm_backward, setup_context=_save_inputs)
+_ag_gemm.register_autograd(_ag_gemm_backward, setup_context=_save_inputs)
+_ag_gemm_saving.register_autograd(_ag_gemm_saving_backward, setup_context=_save_saving)
+_gemm_rs.register_autograd(_gemm_rs_backward, setup_context=_save_with_team)
+_gemm_ar.register_autograd(_gemm_ar_backward, setup_context=_save_with_team)
