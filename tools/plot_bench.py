@@ -36,7 +36,7 @@ def _title(doc, what):
     device = doc.get("device") or doc.get("gpu") or ""
     date = doc.get("date", "")
     extra = ", ".join(x for x in (device, date) if x)
-    return f"{what} ({extra})" if extra else what
+    return f"{what}\n({extra})" if extra else what  # two lines: long titles stay inside the figure
 
 
 def _save(plt, fig, out_dir, name, written):
