@@ -27,6 +27,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from graph_timing import captured
 
 import weft
 import weft.nn
@@ -115,20 +116,7 @@ def measure(fn, iters, warmup):
 
 def measure_graph(fn, iters, warmup):
     """Device ms per call of `iters` calls captured in one CUDA graph, from one replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
+    graph = captured(fn, iters, warmup)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     graph.replay()
