@@ -3,7 +3,7 @@
 // that cross GPUs.
 //
 //   weft_bench_ep [--mode ll|normal|all] [--tokens 1,32,128,256] [--hidden 7168] [--experts 256] [--topk 8]
-//                 [--iters 20] [--warmup 5] [--world 8] [--check] [--json FILE]
+//                 [--iters 20] [--warmup 5] [--world 8] [--check] [--json FILE] [--trace PATH] [--trace-overhead]
 //
 // Ranks are threads of this process (weft::run_local) over the visible GPUs: with one GPU every rank shares
 // it, no byte crosses NVLink, and the figures measure the kernels' own overhead (their "GB/s" is a rate
@@ -17,6 +17,8 @@
 //   low-latency 16-byte trailer, the normal receive record).
 // Normal mode defaults: tokens 4096, receive limits 1.25x the uniform expectation. The header gives GPU 0's
 // device-to-device copy peak (measured at start-up): the limit of HBM work when ranks share a GPU.
+// --trace-overhead times every row untraced, then traced (WEFT_TRACE; each timed batch starts with an empty buffer),
+// and shows both; at world 1 (a rank dispatching to itself, nothing shared) it measures the instrumentation alone.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -35,6 +37,7 @@
 #include "common/peaks.hpp"
 #include "common/report.hpp"
 #include "common/timing.hpp"
+#include "common/tracing.hpp"
 #include "weft/ops/ep.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/world.hpp"
@@ -55,6 +58,7 @@ struct Options {
     std::vector<int> worlds = {8};
     bool check = false;
     std::string json;
+    TraceOptions trace;
 };
 
 Options parse_options(int argc, char** argv) {
@@ -71,6 +75,7 @@ Options parse_options(int argc, char** argv) {
     cli.int_option("--experts", "experts in all", &o.experts, 1, ep::kMaxExperts);
     cli.int_option("--topk", "experts per token", &o.topk, 1, ep::kMaxTopk);
     cli.iters(&o.iters).warmup(&o.warmup).world(&o.worlds, 1, ep::kMaxRanks).check(&o.check).json(&o.json);
+    add_trace_options(cli, &o.trace);
     cli.parse(argc, argv);
     return o;
 }
@@ -152,7 +157,8 @@ struct Row {
     std::string mode, dtype, op;
     int tokens = 0, world = 0, sms = 0;
     double us = 0, deepep_gbps = 0, crossing_gbps = 0;
-    std::string check;  // "", "ok", "FAILED: ..."
+    std::string check;     // "", "ok", "FAILED: ..."
+    double us_traced = 0;  // --trace-overhead: the same call traced (0: not measured)
 };
 
 /// Per-rank timings, gathered after the run (ms per call).
@@ -201,10 +207,12 @@ std::string check_identity(const void* x, const void* out, int tokens, int hidde
     return "ok";
 }
 
-/// Times `n` back-to-back calls of `op` on this rank's stream, every rank at once; ms per call.
+/// Times `n` back-to-back calls of `op` on this rank's stream, every rank at once; ms per call. A traced World starts
+/// each batch with an empty trace buffer.
 template <class F>
 double time_batch(World& world, cudaStream_t s, int n, F&& op) {
     WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+    start_traced_measurement(world);
     world.barrier();
     return time_batch_ms(s, 0, n, op, [&] { world.sync_and_check(s); });
 }
@@ -314,13 +322,8 @@ void run_config(World& world, const Options& o, bool low_latency, bool fp8, int 
     cudaStreamDestroy(s);
 }
 
-int run(int argc, char** argv) {
-    const Options o = parse_options(argc, argv);
-    cudaDeviceProp prop{};
-    WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    const Peaks peaks = measure_peaks(kPeakCopy);
-    int devices = 0;
-    WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
+/// Every (world, mode, tokens) row of the options, measured (Worlds made now pick WEFT_TRACE up).
+std::vector<Row> measure_rows(const Options& o) {
     std::vector<Row> rows;
     struct Mode {
         bool ll;
@@ -398,6 +401,37 @@ int run(int argc, char** argv) {
             }
         }
     }
+    return rows;
+}
+
+int run(int argc, char** argv) {
+    const Options o = parse_options(argc, argv);
+    cudaDeviceProp prop{};
+    WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    const Peaks peaks = measure_peaks(kPeakCopy);
+    int devices = 0;
+    WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    const std::string trace_path = traced_pass_path(o.trace, "weft_bench_ep");
+    std::vector<Row> rows;
+    if (o.trace.overhead) {
+        set_trace_env("");
+        rows = measure_rows(o);
+        std::printf("traced pass (trace: %s)\n", trace_path.c_str());
+        set_trace_env(trace_path);
+        Options traced_options = o;
+        traced_options.check = false;
+        for (const Row& t : measure_rows(traced_options)) {
+            for (Row& r : rows) {
+                if (r.mode == t.mode && r.dtype == t.dtype && r.op == t.op && r.tokens == t.tokens &&
+                    r.world == t.world) {
+                    r.us_traced = t.us;
+                }
+            }
+        }
+    } else {
+        set_trace_env(trace_path);
+        rows = measure_rows(o);
+    }
 
     const bool shared = o.worlds.empty() ? false : *std::max_element(o.worlds.begin(), o.worlds.end()) > devices;
     std::printf("\nweft EP benchmark: %s x %d visible (%d SMs each), %s, H=%d E=%d top-%d, iters %d, warmup %d%s\n",
@@ -409,12 +443,18 @@ int run(int argc, char** argv) {
             "NOTE: more ranks than GPUs - ranks SHARE a GPU, no byte crosses NVLink: the figures are the kernels'\n"
             "own overhead (GB/s = rate of HBM work), not link bandwidth.\n");
     }
-    std::printf("%-12s %-5s %-9s %6s %5s %4s | %10s %12s %12s%s\n", "mode", "dtype", "op", "tokens", "world", "sms",
-                "us/call", "DeepEP GB/s", "cross GB/s", o.check ? "  check" : "");
+    std::printf("%-12s %-5s %-9s %6s %5s %4s | %10s %12s %12s%s%s\n", "mode", "dtype", "op", "tokens", "world", "sms",
+                "us/call", "DeepEP GB/s", "cross GB/s", o.trace.overhead ? "  traced us  trace" : "",
+                o.check ? "  check" : "");
     bool ok = true;
     for (const Row& r : rows) {
-        std::printf("%-12s %-5s %-9s %6d %5d %4d | %10.1f %12.1f %12.1f%s%s\n", r.mode.c_str(), r.dtype.c_str(),
-                    r.op.c_str(), r.tokens, r.world, r.sms, r.us, r.deepep_gbps, r.crossing_gbps,
+        char traced[48] = "";
+        if (o.trace.overhead) {
+            std::snprintf(traced, sizeof(traced), "  %9.1f %+6.1f%%", r.us_traced,
+                          r.us > 0 && r.us_traced > 0 ? 100.0 * (r.us_traced / r.us - 1.0) : 0.0);
+        }
+        std::printf("%-12s %-5s %-9s %6d %5d %4d | %10.1f %12.1f %12.1f%s%s%s\n", r.mode.c_str(), r.dtype.c_str(),
+                    r.op.c_str(), r.tokens, r.world, r.sms, r.us, r.deepep_gbps, r.crossing_gbps, traced,
                     r.check.empty() ? "" : "  ", r.check.c_str());
         ok = ok && (r.check.empty() || r.check == "ok");
     }
@@ -429,6 +469,7 @@ int run(int argc, char** argv) {
             j.begin_object(true).field("mode", r.mode).field("dtype", r.dtype).field("op", r.op);
             j.field("tokens", r.tokens).field("world", r.world).field("sms", r.sms).field("us", r.us);
             j.field("deepep_gbps", r.deepep_gbps).field("crossing_gbps", r.crossing_gbps).field("check", r.check);
+            if (r.us_traced > 0) j.field("us_traced", r.us_traced);
             j.end_object();
         }
         j.end_array().end_object();
