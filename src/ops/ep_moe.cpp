@@ -358,6 +358,7 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
     signal.value = 1;
     signal.group_stride = m.plan.tile_stride;
     signal.mode = GroupedSignalMode::kAddPerGroupTileRow;
+    signal.ctx = m.team.device_ctx();  // the down-projection's tiles in a traced World's timeline
     down.signal = signal;
     grouped_gemm_contiguous(m.activation(), weights.down, m.expert_out(), BLayout::kNK, hm.expert_offsets(),
                             hm.expert_counts(), m.gemm_stream, down);

@@ -3,6 +3,7 @@
 // gemm_hooks.cuh), in a header that host-only code can include to fill them for a JIT launch.
 #pragma once
 
+#include "weft/common/device_ctx.hpp"
 #include "weft/common/diagnostics.hpp"
 #include "weft/common/macros.hpp"
 
@@ -114,6 +115,8 @@ struct GroupedTileSignalParams {
     uint64_t value;        ///< the increment
     int32_t group_stride;  ///< kAddPerGroupTileRow: counters per group (>= the most tile rows a group can have)
     GroupedSignalMode mode;
+    DeviceCtx ctx;  ///< traced builds (WEFT_TRACE) record a "tile (m, n)" event per stored tile in ctx's trace buffer;
+                    ///< zero: none
 };
 
 /// GroupedWaitScheduler's parameters: per-group wait before a tile's rows of A are loaded (a fused MoE layer whose A
