@@ -27,7 +27,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from graph_timing import captured
+from graph_timing import captured, warmed_up
 
 import weft
 import weft.nn
@@ -101,10 +101,7 @@ def rel_error(actual, expected):
 
 def measure(fn, iters, warmup):
     """Device ms per call of `iters` back-to-back calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
+    warmed_up(fn, warmup)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):

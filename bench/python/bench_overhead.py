@@ -25,7 +25,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from graph_timing import captured
+from graph_timing import captured, warmed_up
 
 import weft
 import weft.torch  # noqa: F401  (torch.ops.weft)
@@ -33,10 +33,7 @@ from weft import _weft
 
 
 def measure(fn, iters, warmup):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
+    warmed_up(fn, warmup)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     t0 = time.perf_counter()

@@ -1,7 +1,15 @@
 # SPDX-License-Identifier: MIT
-"""The Python benchmarks' CUDA-graph capture (bench_overhead.py, bench_mlp.py import it from their own folder)."""
+"""What the Python benchmarks share before they time (bench_overhead.py, bench_mlp.py import it from their folder)."""
 import torch
 import torch.distributed as dist
+
+
+def warmed_up(fn, warmup):
+    """`warmup` calls of fn, the device synchronised, every rank past a barrier: ready for a timed loop."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
 
 
 def captured(fn, iters, warmup):

@@ -254,8 +254,8 @@ struct AgCall {
     size_t width_bytes = 0, src_pitch = 0;
     size_t rows = 0;
     AgNotifyParams notify{};
-    std::vector<AgCopy> copies;
-    std::vector<PeerPullItem> pulls;  // the copies as pull-kernel items (State::pull_kernel), or empty
+    std::vector<AgCopy> copies;       // by copy engines, or
+    std::vector<PeerPullItem> pulls;  // by the pull kernel (State::pull_kernel): one of the two is empty
     FusedGemmCall gemm{};  // a team of one rank: the plain GEMM on a_local
     AgGemmParams sched{};
     AgGemmHookParams hook{};
@@ -332,10 +332,11 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
         copy.signal = s.chunk_signals + ch.signal_idx;
         copy.chunk_idx = ch.signal_idx;
         copy.peer = ch.rank;
-        call.copies.push_back(copy);
         if (s.pull_kernel != nullptr) {
             call.pulls.push_back(PeerPullItem{copy.wait_ready, copy.dst, copy.src, copy.signal, copy.bytes, copy.peer,
                                               copy.chunk_idx});
+        } else {
+            call.copies.push_back(copy);
         }
     }
     // The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks.
