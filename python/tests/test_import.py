@@ -91,6 +91,8 @@ def test_finalize_closes_the_newest_first_then_the_world():
     order = []
 
     class Closable:
+        num_ranks = 1
+
         def __init__(self, name, fail=False):
             self.name, self.fail = name, fail
 

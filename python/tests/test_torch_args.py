@@ -61,11 +61,16 @@ def test_weft_torch_registers_custom_ops_with_fake_implementations(fake_world):
     x = torch.empty(8, 16, dtype=torch.bfloat16, device="meta")
     w = torch.empty(32, 16, dtype=torch.bfloat16, device="meta")
     assert torch.ops.weft.all_reduce(x).shape == (8, 16)
-    assert torch.ops.weft.all_gather(x).shape == (16, 16)
-    assert torch.ops.weft.reduce_scatter(x).shape == (4, 16)
-    assert torch.ops.weft.ag_gemm(x, w).shape == (16, 32)
-    assert torch.ops.weft.gemm_rs(x, w).shape == (4, 32)
+    assert torch.ops.weft.all_gather(x, -1, 2).shape == (16, 16)
+    assert torch.ops.weft.reduce_scatter(x, -1, 2).shape == (4, 16)
+    assert torch.ops.weft.ag_gemm(x, w, 2).shape == (16, 32)
+    assert torch.ops.weft.gemm_rs(x, w, -1, 2).shape == (4, 32)
     assert torch.ops.weft.gemm_ar(x, w).shape == (8, 32)
+    # The Python functions pass the World's count (2 in the stand-in World).
+    assert weft.torch.all_gather(x).shape == (16, 16)
+    assert weft.torch.reduce_scatter(x).shape == (4, 16)
+    assert weft.torch.ag_gemm(x, w).shape == (16, 32)
+    assert weft.torch.gemm_rs(x, w).shape == (4, 32)
     assert torch.ops.weft.gemm(x, w).shape == (8, 32)
 
 
@@ -77,13 +82,13 @@ def test_autograd_formulas_give_gradients_of_the_inputs_shapes(fake_world):
     import weft.torch  # noqa: F401
     # 2 ranks (the stand-in World): ag_gemm [8, 16] x [32, 16] -> [16, 32]; gemm_rs [16, 32] x [24, 32] -> [8, 24].
     cases = [
-        (torch.ops.weft.ag_gemm, (_meta(8, 16), _meta(32, 16)), (16, 32)),
-        (torch.ops.weft.gemm_rs, (_meta(16, 32), _meta(24, 32)), (8, 24)),
-        (torch.ops.weft.gemm_ar, (_meta(4, 32), _meta(24, 32)), (4, 24)),
-        (torch.ops.weft.gemm, (_meta(4, 32), _meta(24, 32)), (4, 24)),
-        (torch.ops.weft.all_reduce, (_meta(6, 8),), (6, 8)),
-        (torch.ops.weft.all_gather, (_meta(6, 8),), (12, 8)),
-        (torch.ops.weft.reduce_scatter, (_meta(6, 8),), (3, 8)),
+        (weft.torch.ag_gemm, (_meta(8, 16), _meta(32, 16)), (16, 32)),
+        (weft.torch.gemm_rs, (_meta(16, 32), _meta(24, 32)), (8, 24)),
+        (weft.torch.gemm_ar, (_meta(4, 32), _meta(24, 32)), (4, 24)),
+        (weft.torch.gemm, (_meta(4, 32), _meta(24, 32)), (4, 24)),
+        (weft.torch.all_reduce, (_meta(6, 8),), (6, 8)),
+        (weft.torch.all_gather, (_meta(6, 8),), (12, 8)),
+        (weft.torch.reduce_scatter, (_meta(6, 8),), (3, 8)),
     ]
     for op, inputs, out_shape in cases:
         out = op(*inputs)
@@ -135,16 +140,46 @@ def test_team_custom_ops_and_their_backward_on_a_team_of_four(fake_world):
 
     _runtime._state.teams.append(_FakeTeam())
     a_local, b = _meta(8, 16), _meta(32, 16)
-    out, gathered = torch.ops.weft.ag_gemm_saving(a_local, b, 0)
+    out, gathered = torch.ops.weft.ag_gemm_saving(a_local, b, 0, 4)
     assert out.shape == (32, 32) and gathered.shape == (32, 16)
     out.sum().backward()
     assert a_local.grad.shape == a_local.shape and b.grad.shape == b.shape
 
     h, w = _meta(32, 32), _meta(24, 32)
-    y = torch.ops.weft.gemm_rs(h, w, 0)
+    y = torch.ops.weft.gemm_rs(h, w, 0, 4)
     assert y.shape == (8, 24)
     y.sum().backward()
     assert h.grad.shape == h.shape and w.grad.shape == w.shape
     assert torch.ops.weft.gemm_ar(_meta(4, 32), w, 0).shape == (4, 24)
     with pytest.raises(TypeError, match="team: expected a weft.Team or None, got int"):
         weft.torch.gemm_rs(h, w, team=3)
+
+
+def test_shapes_follow_the_count_argument_and_graphs_carry_it(fake_world):
+    # A compiled graph's shapes must not depend on state outside its code: torch.compile's caches on disk key on the
+    # graph, and a job with another number of ranks on the same host must not get this one's shapes.
+    import weft.torch  # noqa: F401
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, w = _meta(6, 8, grad=False), _meta(24, 8, grad=False)
+    assert torch.ops.weft.ag_gemm(x, w, 3).shape == (18, 24)  # 3 ranks, whatever the World says (2)
+    assert torch.ops.weft.all_gather(x, -1, 3).shape == (18, 8)
+    assert torch.ops.weft.reduce_scatter(x, -1, 3).shape == (2, 8)
+    assert torch.ops.weft.gemm_rs(x, w, -1, 3).shape == (2, 24)
+    with pytest.raises(RuntimeError, match="num_ranks: expected at least 1, got 0"):
+        torch.ops.weft.all_gather(x, -1, 0)
+
+    graph = make_fx(lambda a, b: weft.torch.gemm_rs(weft.torch.ag_gemm(a, b), b.t().contiguous()),
+                    tracing_mode="fake")(x, w)
+    calls = {str(n.target): n.args for n in graph.graph.nodes if n.op == "call_function"}
+    assert calls["weft.ag_gemm.default"][2] == 2, calls
+    assert tuple(calls["weft.gemm_rs.default"][2:]) == (-1, 2), calls
+
+
+def test_a_count_that_is_not_the_teams_is_a_value_error(fake_world):
+    import weft.torch
+
+    with pytest.raises(ValueError, match=r"num_ranks: expected 2 \(the ranks of the World\), got 3"):
+        weft.torch._check_ranks(-1, 3, "ag_gemm")
+    with pytest.raises(TypeError, match="team: expected a weft.Team, a team handle or None, got str"):
+        weft.torch.all_gather(_meta(4, 4), team="tp")

@@ -14,6 +14,7 @@ class _State:
 
     def __init__(self, world, group_ranks, store_adapter):
         self.world = world
+        self.num_ranks = world.num_ranks  # a plain int: what torch.compile reads while tracing weft.torch's ops
         self.group_ranks = group_ranks  # torch global rank of each weft rank (None: not built on torch)
         self.store_adapter = store_adapter
         self.objects = []  # ops and buffers, creation order
@@ -231,7 +232,7 @@ def team_by_handle(handle):
 def team_size(handle):
     """Ranks of the team with this handle (-1: the World's)."""
     team = team_by_handle(handle)
-    return team.num_ranks if team is not None else num_ranks()
+    return team.num_ranks if team is not None else _get_state().num_ranks
 
 
 def _team_for(team, op):

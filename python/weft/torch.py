@@ -16,19 +16,24 @@ Autograd (sums are over ranks; W = number of ranks):
     gemm(a, b)      grad_a = grad_out @ b, grad_b = grad_out.T @ a
 so a column-parallel AG+GEMM's backward is GEMM+RS and a row-parallel GEMM+RS's backward is AG+GEMM.
 
-Teams: ag_gemm(a, b, team=...), gemm_rs and gemm_ar (the Python functions of this module) run on a weft.Team; the
-custom ops take the team's handle (an int, -1 for the World). On a team, ag_gemm runs weft::ag_gemm_saving, which also
+Teams: all_gather(x, team=...), reduce_scatter, ag_gemm(a, b, team=...), gemm_rs and gemm_ar (the Python functions
+of this module) run on a weft.Team (None: the World); the custom ops take the team's handle (an int, -1 for the World),
+and all_reduce(x, team.handle) is the custom op itself. On a team, ag_gemm runs weft::ag_gemm_saving, which also
 returns a copy of the gathered input for the weight gradient (memory instead of a second all-gather), and gemm_rs's
-backward takes the gathered output gradient from the same op. The collectives take a team handle too
-(all_reduce(x, team.handle)).
+backward takes the gathered output gradient from the same op.
+
+The ops whose output shape depends on the number of ranks (all_gather, reduce_scatter, ag_gemm, ag_gemm_saving,
+gemm_rs) take it as an argument, as torch's own functional collectives take the group size: the fake implementations
+read nothing but their arguments, and a compiled graph (and torch.compile's caches on disk, shared by every job on the
+host) keys on the count. The Python functions pass it; a count that is not the team's is a ValueError.
 """
 import torch
 
 from . import _ops, _runtime
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "gemm", "ag_gemm", "gemm_rs", "gemm_ar"]
-# ag_gemm, gemm_rs and gemm_ar below are Python functions over the custom ops torch.ops.weft.ag_gemm,
-# ag_gemm_saving, gemm_rs and gemm_ar (which take a team handle).
+# all_reduce and gemm are custom ops themselves; the others are Python functions over the custom ops
+# torch.ops.weft.{all_gather, reduce_scatter, ag_gemm, ag_gemm_saving, gemm_rs, gemm_ar}.
 
 
 def _contiguous(x):
@@ -55,29 +60,70 @@ def _(x, team=-1):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _ranks_of(team):
+    """(handle, number of ranks) of `team`: a weft.Team, its handle (an int; -1: the World) or None (the World).
+    Plain Python over plain attributes, so torch.compile traces it and bakes the count into its graph."""
+    if team is None:
+        return -1, _runtime._get_state().num_ranks
+    if isinstance(team, _runtime.Team):
+        return team.handle, team.num_ranks
+    if isinstance(team, int) and not isinstance(team, bool):
+        return team, _runtime.team_size(team)
+    raise TypeError(f"team: expected a weft.Team, a team handle or None, got {type(team).__name__}")
+
+
+def _check_ranks(team, num_ranks, op):
+    # The count is an argument (as in torch's own functional collectives) so that a compiled graph's shapes, and
+    # torch.compile's on-disk caches, key on it; a stale count must not reach the op.
+    expected = _runtime.team_size(team)
+    if num_ranks != expected:
+        of = "the World" if team < 0 else f"the team with handle {team}"
+        raise ValueError(f"num_ranks: expected {expected} (the ranks of {of}), got {num_ranks}; "
+                         f"weft.torch.{op}(...) passes the right count")
+
+
+def _check_fake_ranks(num_ranks):
+    torch._check(num_ranks >= 1, lambda: f"num_ranks: expected at least 1, got {num_ranks}")
+
+
 @torch.library.custom_op("weft::all_gather", mutates_args=(), device_types="cuda")
-def all_gather(x: torch.Tensor, team: int = -1) -> torch.Tensor:
-    """Every rank's x concatenated along dim 0, in rank order."""
+def _all_gather(x: torch.Tensor, team: int, num_ranks: int) -> torch.Tensor:
+    """Every rank's x concatenated along dim 0, in rank order, over the team with handle `team` (num_ranks ranks)."""
+    _check_ranks(team, num_ranks, "all_gather")
     return _ops.all_gather(_contiguous(x), team=_runtime.team_by_handle(team))
 
 
-@all_gather.register_fake
-def _(x, team=-1):
-    n = _runtime.team_size(team)
-    return x.new_empty((n * x.shape[0], *x.shape[1:]))
+@_all_gather.register_fake
+def _(x, team, num_ranks):
+    _check_fake_ranks(num_ranks)
+    return x.new_empty((num_ranks * x.shape[0], *x.shape[1:]))
 
 
 @torch.library.custom_op("weft::reduce_scatter", mutates_args=(), device_types="cuda")
-def reduce_scatter(x: torch.Tensor, team: int = -1) -> torch.Tensor:
-    """Slice `rank` (dim 0) of the element-wise sum of every rank's x."""
+def _reduce_scatter(x: torch.Tensor, team: int, num_ranks: int) -> torch.Tensor:
+    """Slice `rank` (dim 0) of the element-wise sum of every rank's x, over the team with handle `team`."""
+    _check_ranks(team, num_ranks, "reduce_scatter")
     return _ops.reduce_scatter(_contiguous(x), team=_runtime.team_by_handle(team))
 
 
-@reduce_scatter.register_fake
-def _(x, team=-1):
-    n = _runtime.team_size(team)
-    torch._check(x.shape[0] % n == 0, lambda: f"x: dim 0 must be a multiple of the {n} ranks")
-    return x.new_empty((x.shape[0] // n, *x.shape[1:]))
+@_reduce_scatter.register_fake
+def _(x, team, num_ranks):
+    _check_fake_ranks(num_ranks)
+    torch._check(x.shape[0] % num_ranks == 0, lambda: f"x: dim 0 must be a multiple of the {num_ranks} ranks")
+    return x.new_empty((x.shape[0] // num_ranks, *x.shape[1:]))
+
+
+def all_gather(x, team=None):
+    """Every rank's x concatenated along dim 0 (torch.ops.weft.all_gather), over `team` (a weft.Team, its handle,
+    or None: the World), differentiable."""
+    handle, n = _ranks_of(team)
+    return torch.ops.weft.all_gather(x, handle, n)
+
+
+def reduce_scatter(x, team=None):
+    """This rank's slice of the sum of every rank's x (torch.ops.weft.reduce_scatter), differentiable."""
+    handle, n = _ranks_of(team)
+    return torch.ops.weft.reduce_scatter(x, handle, n)
 
 
 def _save_team(ctx, inputs, output):
@@ -88,17 +134,21 @@ def _all_reduce_backward(ctx, grad):
     return all_reduce(grad, ctx.team), None
 
 
+def _save_team_and_ranks(ctx, inputs, output):
+    ctx.team, ctx.num_ranks = inputs[1], inputs[2]
+
+
 def _all_gather_backward(ctx, grad):
-    return reduce_scatter(_contiguous(grad), ctx.team), None
+    return torch.ops.weft.reduce_scatter(_contiguous(grad), ctx.team, ctx.num_ranks), None, None
 
 
 def _reduce_scatter_backward(ctx, grad):
-    return all_gather(_contiguous(grad), ctx.team), None
+    return torch.ops.weft.all_gather(_contiguous(grad), ctx.team, ctx.num_ranks), None, None
 
 
 all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_team)
-all_gather.register_autograd(_all_gather_backward, setup_context=_save_team)
-reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_team)
+_all_gather.register_autograd(_all_gather_backward, setup_context=_save_team_and_ranks)
+_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_team_and_ranks)
 
 
 # ---- GEMMs ----
@@ -115,20 +165,24 @@ def _(a, b):
 
 
 @torch.library.custom_op("weft::ag_gemm", mutates_args=(), device_types="cuda")
-def _ag_gemm(a_local: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """AllGather(a_local) @ b.T over the World: a_local [M/W, k], b [n, k] -> [M, n]."""
+def _ag_gemm(a_local: torch.Tensor, b: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """AllGather(a_local) @ b.T over the World (num_ranks ranks): a_local [M/W, k], b [n, k] -> [M, n]."""
+    _check_ranks(-1, num_ranks, "ag_gemm")
     return _ops.ag_gemm(_contiguous(a_local), _contiguous(b))
 
 
 @_ag_gemm.register_fake
-def _(a_local, b):
-    return a_local.new_empty((_runtime.num_ranks() * a_local.shape[0], b.shape[0]))
+def _(a_local, b, num_ranks):
+    _check_fake_ranks(num_ranks)
+    return a_local.new_empty((num_ranks * a_local.shape[0], b.shape[0]))
 
 
 @torch.library.custom_op("weft::ag_gemm_saving", mutates_args=(), device_types="cuda")
-def _ag_gemm_saving(a_local: torch.Tensor, b: torch.Tensor, team: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _ag_gemm_saving(a_local: torch.Tensor, b: torch.Tensor, team: int,
+                    num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(AllGather(a_local) @ b.T, a copy of AllGather(a_local)) over the team with handle `team` (-1: the World).
     The copy is what the backward pass needs for the weight gradient (kept instead of gathered again)."""
+    _check_ranks(team, num_ranks, "ag_gemm")
     t = _runtime.team_by_handle(team)
     a_local, b = _contiguous(a_local), _contiguous(b)
     m = a_local.shape[0] * _runtime.team_size(team)
@@ -138,22 +192,24 @@ def _ag_gemm_saving(a_local: torch.Tensor, b: torch.Tensor, team: int) -> tuple[
 
 
 @_ag_gemm_saving.register_fake
-def _(a_local, b, team):
-    m = _runtime.team_size(team) * a_local.shape[0]
+def _(a_local, b, team, num_ranks):
+    _check_fake_ranks(num_ranks)
+    m = num_ranks * a_local.shape[0]
     return a_local.new_empty((m, b.shape[0])), a_local.new_empty((m, a_local.shape[1]))
 
 
 @torch.library.custom_op("weft::gemm_rs", mutates_args=(), device_types="cuda")
-def _gemm_rs(a: torch.Tensor, b: torch.Tensor, team: int = -1) -> torch.Tensor:
+def _gemm_rs(a: torch.Tensor, b: torch.Tensor, team: int, num_ranks: int) -> torch.Tensor:
     """ReduceScatter(a @ b.T) over the team with handle `team` (-1: the World): a [M, k], b [n, k] -> [M/W, n]."""
+    _check_ranks(team, num_ranks, "gemm_rs")
     return _ops.gemm_rs(_contiguous(a), _contiguous(b), team=_runtime.team_by_handle(team))
 
 
 @_gemm_rs.register_fake
-def _(a, b, team=-1):
-    n = _runtime.team_size(team)
-    torch._check(a.shape[0] % n == 0, lambda: f"a: M must be a multiple of the {n} ranks")
-    return a.new_empty((a.shape[0] // n, b.shape[0]))
+def _(a, b, team, num_ranks):
+    _check_fake_ranks(num_ranks)
+    torch._check(a.shape[0] % num_ranks == 0, lambda: f"a: M must be a multiple of the {num_ranks} ranks")
+    return a.new_empty((a.shape[0] // num_ranks, b.shape[0]))
 
 
 @torch.library.custom_op("weft::gemm_ar", mutates_args=(), device_types="cuda")
@@ -167,34 +223,39 @@ def _(a, b, team=-1):
     return a.new_empty((a.shape[0], b.shape[0]))
 
 
-def _handle(team):
-    if team is None:
-        return -1
-    if not isinstance(team, _runtime.Team):
+def _team_arg(team):
+    """(handle, number of ranks) of the fused ops' `team` argument: a weft.Team or None (the World)."""
+    if team is not None and not isinstance(team, _runtime.Team):
         raise TypeError(f"team: expected a weft.Team or None, got {type(team).__name__}")
-    return team.handle
+    return _ranks_of(team)
 
 
 def ag_gemm(a_local, b, team=None):
     """AllGather(a_local) @ b.T over `team` (a weft.Team; None: the World), differentiable. On a team it saves the
     gathered input for the backward pass (memory of M x k); on the World the backward all-gathers it again."""
+    handle, n = _team_arg(team)
     if team is None:
-        return torch.ops.weft.ag_gemm(a_local, b)
-    return torch.ops.weft.ag_gemm_saving(a_local, b, _handle(team))[0]
+        return torch.ops.weft.ag_gemm(a_local, b, n)
+    return torch.ops.weft.ag_gemm_saving(a_local, b, handle, n)[0]
 
 
 def gemm_rs(a, b, team=None):
     """ReduceScatter(a @ b.T) over `team` (None: the World), differentiable."""
-    return torch.ops.weft.gemm_rs(a, b, _handle(team))
+    return torch.ops.weft.gemm_rs(a, b, *_team_arg(team))
 
 
 def gemm_ar(a, b, team=None):
     """AllReduce(a @ b.T) over `team` (None: the World), differentiable."""
-    return torch.ops.weft.gemm_ar(a, b, _handle(team))
+    return torch.ops.weft.gemm_ar(a, b, _team_arg(team)[0])
 
 
 def _save_inputs(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
+
+
+def _save_world_inputs(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.num_ranks = inputs[2]
 
 
 def _gemm_backward(ctx, grad):
@@ -207,41 +268,44 @@ def _gemm_backward(ctx, grad):
 def _ag_gemm_backward(ctx, grad):
     a_local, b = ctx.saved_tensors
     grad = _contiguous(grad)
-    grad_a = torch.ops.weft.gemm_rs(grad, b.t().contiguous()) if ctx.needs_input_grad[0] else None
-    grad_b = grad.t() @ all_gather(a_local) if ctx.needs_input_grad[1] else None
-    return grad_a, grad_b
+    grad_a = torch.ops.weft.gemm_rs(grad, b.t().contiguous(), -1, ctx.num_ranks) if ctx.needs_input_grad[0] else None
+    grad_b = grad.t() @ torch.ops.weft.all_gather(a_local, -1, ctx.num_ranks) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None
 
 
 def _save_saving(ctx, inputs, output):
     ctx.save_for_backward(inputs[1], output[1])
-    ctx.team = inputs[2]
+    ctx.team, ctx.num_ranks = inputs[2], inputs[3]
 
 
 def _ag_gemm_saving_backward(ctx, grad, grad_gathered):
     # The gathered copy is an internal output: gradients through it are not propagated (nothing differentiates it).
     b, a_full = ctx.saved_tensors
     grad = _contiguous(grad)
-    grad_a = torch.ops.weft.gemm_rs(grad, b.t().contiguous(), ctx.team) if ctx.needs_input_grad[0] else None
+    grad_a = (torch.ops.weft.gemm_rs(grad, b.t().contiguous(), ctx.team, ctx.num_ranks) if ctx.needs_input_grad[0]
+              else None)
     grad_b = grad.t() @ a_full if ctx.needs_input_grad[1] else None
-    return grad_a, grad_b, None
+    return grad_a, grad_b, None, None
 
 
 def _save_with_team(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], inputs[1])
     ctx.team = inputs[2]
+    ctx.num_ranks = inputs[3] if len(inputs) > 3 else None
 
 
 def _gemm_rs_backward(ctx, grad):
     a, b = ctx.saved_tensors
     grad = _contiguous(grad)
     if ctx.team < 0:
-        grad_a = torch.ops.weft.ag_gemm(grad, b.t().contiguous()) if ctx.needs_input_grad[0] else None
-        grad_b = all_gather(grad).t() @ a if ctx.needs_input_grad[1] else None
+        grad_a = torch.ops.weft.ag_gemm(grad, b.t().contiguous(), ctx.num_ranks) if ctx.needs_input_grad[0] else None
+        grad_b = (torch.ops.weft.all_gather(grad, -1, ctx.num_ranks).t() @ a if ctx.needs_input_grad[1]
+                  else None)
     else:
-        grad_a, grad_full = torch.ops.weft.ag_gemm_saving(grad, b.t().contiguous(), ctx.team)
+        grad_a, grad_full = torch.ops.weft.ag_gemm_saving(grad, b.t().contiguous(), ctx.team, ctx.num_ranks)
         grad_a = grad_a if ctx.needs_input_grad[0] else None
         grad_b = grad_full.t() @ a if ctx.needs_input_grad[1] else None
-    return grad_a, grad_b, None
+    return grad_a, grad_b, None, None
 
 
 def _gemm_ar_backward(ctx, grad):
@@ -253,7 +317,7 @@ def _gemm_ar_backward(ctx, grad):
 
 
 gemm.register_autograd(_gemm_backward, setup_context=_save_inputs)
-_ag_gemm.register_autograd(_ag_gemm_backward, setup_context=_save_inputs)
+_ag_gemm.register_autograd(_ag_gemm_backward, setup_context=_save_world_inputs)
 _ag_gemm_saving.register_autograd(_ag_gemm_saving_backward, setup_context=_save_saving)
 _gemm_rs.register_autograd(_gemm_rs_backward, setup_context=_save_with_team)
 _gemm_ar.register_autograd(_gemm_ar_backward, setup_context=_save_with_team)

@@ -87,7 +87,7 @@ def test_collectives_on_two_teams_at_once_match_nccl_on_the_groups(world, my_tea
     assert torch.equal(weft.reduce_scatter(x, team=team), scattered)
     # The custom ops and their backward on the team: d(sum(all_gather(x)))/dx = W (reduce-scatter of ones).
     y = x.clone().requires_grad_()
-    torch.ops.weft.all_gather(y, team.handle).sum().backward()
+    weft.torch.all_gather(y, team).sum().backward()
     assert torch.all(y.grad == w)
 
 

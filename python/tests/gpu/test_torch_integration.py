@@ -52,8 +52,8 @@ def test_custom_ops_under_torch_compile_fullgraph(rank, num_ranks):
     w2 = _randn((128, 256), dtype, 2, rank, 0.1)
 
     def block(x_local):
-        h = torch.relu(torch.ops.weft.ag_gemm(x_local, w1))
-        y = torch.ops.weft.gemm_rs(h, w2)
+        h = torch.relu(weft.torch.ag_gemm(x_local, w1))
+        y = weft.torch.gemm_rs(h, w2)
         return torch.ops.weft.all_reduce(y) * 0.5
 
     x_local = _randn((64, 128), dtype, 3, rank)
