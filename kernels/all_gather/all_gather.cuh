@@ -103,8 +103,8 @@ template <CopyKernelConfig C>
 __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
     copy_engine_enter(DeviceCtx ctx, CollectiveParams p) {
     static_assert(is_valid(C), "CopyKernelConfig: see is_valid() in weft/common/collectives.hpp");
-    BlockState st(ctx, p);
-    st.enter<BlockState::OnMismatch::kTrap>();  // the copies queued after this kernel cannot be stopped otherwise
+    BlockState st(ctx, p, BlockState::OnMismatch::kTrap);  // the copies queued after this kernel cannot be stopped
+    st.enter<BlockState::OnMismatch::kTrap>();             // otherwise
     st.finish();
 }
 

@@ -7,6 +7,13 @@
 //    it. Collectives of one World run in stream order and every kernel waits on every peer, so a rank running
 //    kernel e + 2 knows every peer has finished kernel e: buffers indexed by the epoch's parity (staging, LL lines,
 //    descriptors) are therefore reused without clearing and without an exit barrier.
+//  - The whole protocol assumes each kernel of a rank runs under an epoch of its own. Every block checks it before it
+//    writes anything (check_collective_start): the last kernel whose blocks finished left its claim (epoch and
+//    descriptor) in CollectiveState::claim, and `done` must count fewer blocks than this grid has. A kernel that
+//    starts under the epoch of a finished kernel with another descriptor (the advance between them was lost) would
+//    otherwise send its LL lines and descriptors into the very slots its slower peers are still reading for the
+//    earlier kernel, under a flag they accept (a peer past its header check then reads wrong data, with no error).
+//    Such a block records a kCollectiveEpoch diagnostic and ends instead.
 //  - Block b of every rank handles the same part of the message and meets only block b of the other ranks
 //    (device::block_barrier, add-only counters; the count lives in CollectiveState::arrivals[b]). All ranks launch
 //    the same grid (the host agrees on the SM budget once), so the counts stay equal on every rank.
@@ -127,15 +134,38 @@ struct Lanes {
 /// Construct it first thing in the kernel (every thread); call finish() last (every thread).
 class BlockState {
 public:
-    __device__ __forceinline__ BlockState(const DeviceCtx& ctx, const CollectiveParams& p) : ctx_(ctx), p_(p) {
-        __shared__ uint64_t shared_state[2];
+    /// What a block does when the call (a peer's descriptor) or this rank's collective state is out of step.
+    enum class OnMismatch { kExit, kTrap };
+
+    /// Reads the epoch and the slot's barrier count, and checks this rank's state (check_collective_start: the
+    /// epoch was advanced since the last kernel, no block was miscounted) before the kernel writes anything: out of
+    /// step, the block records a kCollectiveEpoch diagnostic and ends (kExit: all its threads; kTrap: the kernel, for
+    /// the copy-engine entry, whose queued copies only a trap stops), so that it never overwrites the lines and
+    /// descriptors its peers are still reading under that epoch. Every thread constructs it, first thing.
+    __device__ __forceinline__ BlockState(const DeviceCtx& ctx, const CollectiveParams& p,
+                                          OnMismatch on = OnMismatch::kExit)
+        : ctx_(ctx), p_(p) {
+        __shared__ uint64_t shared_state[3];
         if (threadIdx.x == 0) {
-            shared_state[0] = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&p.state->epoch);
+            // One round trip: the three words share a sector.
+            const uint64_t epoch = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&p.state->epoch);
+            const uint64_t claim = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&p.state->claim);
+            const uint32_t done = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&p.state->done);
+            shared_state[0] = epoch;
             shared_state[1] = p.state->arrivals[blockIdx.x];
+            const CollectiveStart check = check_collective_start(claim, epoch, p.descriptor, done, gridDim.x);
+            shared_state[2] = check == CollectiveStart::kOk ? 1u : 0u;
+            if (check != CollectiveStart::kOk) {
+                const bool reused = check == CollectiveStart::kEpochReused;
+                out_of_step(ctx, p, on, reused ? Cmp::kNe : Cmp::kLt, reused ? claim : state_count(gridDim.x, done),
+                            epoch_and_count(epoch, done),
+                            reused ? static_cast<const void*>(&p.state->claim) : &p.state->done);
+            }
         }
         __syncthreads();
         epoch_ = shared_state[0];
         completed_ = shared_state[1];
+        device::exit_unless(shared_state[2] != 0);  // the whole block ends before anything moves
     }
 
     __device__ __forceinline__ uint64_t epoch() const { return epoch_; }
@@ -162,9 +192,6 @@ public:
     __device__ __forceinline__ void barrier(int line = __builtin_LINE()) {
         completed_ = device::block_barrier(device::Block{}, ctx_, p_.barrier_flags, blockIdx.x, completed_, line);
     }
-
-    /// What a block does when a peer's call descriptor differs from this rank's.
-    enum class OnMismatch { kExit, kTrap };
 
     /// The entry barrier, with the call descriptor check (top of this file): every block writes its descriptor into
     /// slot `rank` of every peer's row before the barrier and compares the peers' after it; on a mismatch the block
@@ -243,21 +270,51 @@ public:
         device::exit_unless(device::Block{}.all(same));
     }
 
-    /// Records the slot's barrier count and, in the last block to finish, advances the epoch. Every thread calls.
+    /// Records the slot's barrier count and this kernel's claim and, in the last block to finish, advances the epoch.
+    /// A count past the grid (a block miscounted: the epoch is not advanced) records a kCollectiveEpoch diagnostic.
+    /// Every thread calls.
     __device__ __forceinline__ void finish() {
         __syncthreads();
         if (threadIdx.x == 0) {
             p_.state->arrivals[blockIdx.x] = completed_;
+            // The next kernel's blocks check that the epoch moved on from this claim (check_collective_start).
+            ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&p_.state->claim,
+                                                          collective_epoch_claim(epoch_, p_.descriptor));
             // Every block read the epoch before it counts itself done here, so the last one may advance it.
             const uint32_t before = ptx::atom_add<ptx::Sem::kAcqRel, ptx::Scope::kGpu>(&p_.state->done, 1u);
             if (before == gridDim.x - 1) {
                 p_.state->done = 0;
                 ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&p_.state->epoch, epoch_ + 1);
+            } else if (before >= gridDim.x) {
+                device::record_failure(ctx_, device::SpinSite{SpinKind::kCollectiveEpoch, -1, __LINE__}, Cmp::kGe,
+                                       &p_.state->done, p_.descriptor, state_count(gridDim.x, before),
+                                       epoch_and_count(epoch_, before), false);
             }
         }
     }
 
 private:
+    /// A kCollectiveEpoch diagnostic's `observed` for a miscount: the grid above the count found.
+    __device__ __forceinline__ static uint64_t state_count(uint32_t grid, uint32_t done) {
+        return static_cast<uint64_t>(grid) << 32 | done;
+    }
+    /// A kCollectiveEpoch diagnostic's `waited_ns`: the epoch above the count found (at most 0xFFFF).
+    __device__ __forceinline__ static uint64_t epoch_and_count(uint64_t epoch, uint32_t done) {
+        return epoch << 16 | (done < 0xFFFFu ? done : 0xFFFFu);
+    }
+
+    /// Records the kCollectiveEpoch diagnostic (expected = the call's descriptor), raises the abort word, and traps
+    /// for kTrap; the caller ends the block for kExit. Thread 0.
+    __device__ __noinline__ static void out_of_step(const DeviceCtx& ctx, const CollectiveParams& p, OnMismatch on,
+                                                    Cmp cmp, uint64_t observed, uint64_t epoch_count,
+                                                    const void* word) {
+        const device::SpinSite site{SpinKind::kCollectiveEpoch, -1, __LINE__};
+        if (on == OnMismatch::kTrap) {
+            device::fail_and_trap(ctx, site, cmp, word, p.descriptor, observed, epoch_count);
+        }
+        device::record_failure(ctx, site, cmp, word, p.descriptor, observed, epoch_count, false);
+    }
+
     const DeviceCtx& ctx_;
     const CollectiveParams& p_;
     uint64_t epoch_;

@@ -25,6 +25,8 @@ const char* spin_kind_name(SpinKind kind) {
             return "unreachable_peer";
         case SpinKind::kCollectiveMismatch:
             return "collective_mismatch";
+        case SpinKind::kCollectiveEpoch:
+            return "collective_epoch";
     }
     return "an unknown spin";
 }
@@ -145,6 +147,33 @@ std::string format_diagnostic(const Diagnostic& d) {
            << describe_call_descriptor(d.observed)
            << "; every rank must make the same collective calls in the same order, with the same shape, "
               "dtype and algorithm, and pass symmetric buffers on all ranks or on none (same allocation)";
+        if (d.line > 0) os << " (source line " << d.line << ")";
+        return os.str();
+    }
+    if (d.kind == SpinKind::kCollectiveEpoch) {
+        // Written by BlockState (kernels/common/collective.cuh): expected = the kernel's call descriptor, waited_ns =
+        // its epoch << 16 | the done count it found; kNe (at its start): observed = the claim another kernel left
+        // under that epoch; kLt (at its start) and kGe (at its end): observed = grid << 32 | the done count.
+        const uint64_t done = d.observed & 0xFFFFFFFFull;
+        const uint64_t grid = d.observed >> 32;
+        os << "rank " << d.rank << " block (" << d.block_x << "," << d.block_y << "," << d.block_z
+           << "): this rank's collective kernels are out of step: " << describe_call_descriptor(d.expected)
+           << " runs under epoch " << (d.waited_ns >> 16) << ", ";
+        if (d.cmp == Cmp::kNe) {
+            os << "under which another collective kernel of this rank (descriptor ending 0x" << std::hex
+               << (d.observed & 0xFFFFFFFFull) << std::dec
+               << ") already finished blocks: the epoch was not advanced between the two (" << (d.waited_ns & 0xFFFF)
+               << " blocks counted done at this kernel's start); this kernel ended before writing anything";
+        } else if (d.cmp == Cmp::kLt) {
+            os << "but " << done << " blocks were counted done before it started, for its grid of " << grid
+               << ": an earlier kernel's blocks were miscounted, or ended early (so the epoch may not have "
+                  "advanced); this kernel ended before writing anything";
+        } else {
+            os << "and counted " << done + 1 << " blocks done at its end for its grid of " << grid
+               << ": blocks were counted that are not its own, so it did not advance the epoch (its data moved)";
+        }
+        os << ". The peers' calls now pair with other kernels of this rank: replace the World (its collective state "
+              "is not repaired)";
         if (d.line > 0) os << " (source line " << d.line << ")";
         return os.str();
     }

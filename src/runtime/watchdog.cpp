@@ -117,7 +117,8 @@ std::string WorldContext::abort_text() const {
     // peer or a collective mismatch, which are no waits.
     const Diagnostic* record = diag_host.get();
     const bool wait = record == nullptr || diagnosis.empty() ||
-                      (record->kind != SpinKind::kUnreachablePeer && record->kind != SpinKind::kCollectiveMismatch);
+                      (record->kind != SpinKind::kUnreachablePeer && record->kind != SpinKind::kCollectiveMismatch &&
+                       record->kind != SpinKind::kCollectiveEpoch);
     return "rank " + std::to_string(rank) + (wait ? ": a device wait gave up" : ": a device operation failed") +
            (diagnosis.empty() ? "" : ": " + diagnosis);
 }

@@ -110,6 +110,202 @@ TEST(CollectivesPartition, LowLatencyFlagsNeverZeroAndChangeEveryEpoch) {
     }
 }
 
+// ------------------------------------------------------------------------------------------------
+// Epochs: every collective kernel of a rank must run under an epoch of its own. BlockState checks it at each block's
+// start (check_collective_start) before the kernel writes anything; this is the same check on a host model of one
+// rank's CollectiveState.
+
+TEST(CollectivesEpoch, ClaimsAndStartChecks) {
+    const uint64_t d0 =
+        detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 147527, {0, 131072, 0, ~0ull, ~0ull});
+    const uint64_t d1 =
+        detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 147527, {131072, 16455, 0, ~0ull, ~0ull});
+    ASSERT_NE(d0 & 0xFFFFFFFFull, d1 & 0xFFFFFFFFull) << "the two launches of one call differ in the claimed bits";
+    EXPECT_NE(collective_epoch_claim(0, 0), 0u) << "a claim is never the empty state";
+    EXPECT_NE(collective_epoch_claim(7, d0), collective_epoch_claim(8, d0));
+    EXPECT_NE(collective_epoch_claim(7, d0), collective_epoch_claim(7, d1));
+    using S = CollectiveStart;
+    EXPECT_EQ(check_collective_start(0, 0, d0, 0, 16), S::kOk) << "the first kernel";
+    EXPECT_EQ(check_collective_start(collective_epoch_claim(6, d1), 7, d0, 0, 16), S::kOk) << "the epoch moved on";
+    EXPECT_EQ(check_collective_start(collective_epoch_claim(7, d0), 7, d0, 5, 16), S::kOk)
+        << "a block of the same kernel finished first";
+    EXPECT_EQ(check_collective_start(collective_epoch_claim(7, d0), 7, d1, 0, 16), S::kEpochReused)
+        << "launch 1 under launch 0's epoch";
+    EXPECT_EQ(check_collective_start(collective_epoch_claim(7, d0), 7, d1, 16, 16), S::kDoneCount);
+    EXPECT_EQ(check_collective_start(collective_epoch_claim(6, d1), 7, d0, 16, 16), S::kDoneCount);
+    EXPECT_EQ(check_collective_start(collective_epoch_claim(6, d1), 7, d0, 15, 16), S::kOk);
+    EXPECT_EQ(collective_epoch_claim(6 + (1ull << 31), d0), collective_epoch_claim(6, d0))
+        << "31 bits of the epoch: enough, since only consecutive kernels' claims meet";
+}
+
+// One rank's CollectiveState as BlockState uses it: every block reads epoch, claim and done at its start and checks
+// them; at its end it stores the claim and counts itself done, and the last one advances the epoch.
+struct RankStateModel {
+    CollectiveState s{};
+    struct Kernel {
+        uint64_t descriptor;
+        uint32_t grid;
+        std::vector<uint64_t> epoch;  // per block, as read at its start
+        uint32_t started = 0, finished = 0;
+    };
+    std::vector<CollectiveStart> found;  // every block start's check that was not kOk
+
+    Kernel launch(uint64_t descriptor, uint32_t grid) { return Kernel{descriptor, grid, {}, 0, 0}; }
+    // Block `k.started` starts; false when it found the state out of step (it then ends without finishing).
+    bool start(Kernel& k) {
+        k.epoch.push_back(s.epoch);
+        ++k.started;
+        const CollectiveStart c = check_collective_start(s.claim, s.epoch, k.descriptor, s.done, k.grid);
+        if (c != CollectiveStart::kOk) found.push_back(c);
+        return c == CollectiveStart::kOk;
+    }
+    uint32_t counted_past_grid = 0;  // finishes that found more blocks counted than the grid (a kGe record)
+    void finish(Kernel& k, uint32_t block) {
+        s.claim = collective_epoch_claim(k.epoch[block], k.descriptor);
+        const uint32_t before = s.done++;
+        if (before == k.grid - 1) {
+            s.done = 0;
+            s.epoch = k.epoch[block] + 1;
+        } else if (before >= k.grid) {
+            ++counted_past_grid;
+        }
+        ++k.finished;
+    }
+    // A whole kernel, its blocks starting and finishing in a shuffled order (some start after others finished).
+    // Returns the epochs its blocks ran under, or an empty set when a block found the state out of step.
+    std::set<uint64_t> run(uint64_t descriptor, uint32_t grid, uint64_t seed) {
+        Kernel k = launch(descriptor, grid);
+        std::vector<uint32_t> running;
+        uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+        while (k.finished < grid) {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            if (k.started < grid && (running.empty() || (x & 1) != 0)) {
+                running.push_back(k.started);
+                if (!start(k)) return {};
+            } else {
+                const size_t i = (x >> 8) % running.size();
+                finish(k, running[i]);
+                running.erase(running.begin() + static_cast<std::ptrdiff_t>(i));
+            }
+        }
+        return std::set<uint64_t>(k.epoch.begin(), k.epoch.end());
+    }
+};
+
+TEST(CollectivesEpoch, ConsecutiveKernelsEachRunUnderAnEpochOfTheirOwnAndNothingFires) {
+    RankStateModel m;
+    uint64_t last = ~0ull;
+    for (uint64_t i = 0; i < 2000; ++i) {
+        const uint32_t grid = 1 + static_cast<uint32_t>((i * 7) % 64);
+        // Identical calls back to back, as well as different ones.
+        const uint64_t d =
+            detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 1000 + (i / 2) % 3, {(i / 2) % 5});
+        const std::set<uint64_t> epochs = m.run(d, grid, i);
+        ASSERT_EQ(epochs.size(), 1u) << "kernel " << i << ": every block under one epoch";
+        EXPECT_NE(*epochs.begin(), last) << "kernel " << i;
+        last = *epochs.begin();
+        EXPECT_EQ(last, i);
+        EXPECT_EQ(m.s.done, 0u);
+    }
+    EXPECT_TRUE(m.found.empty());
+}
+
+TEST(CollectivesEpoch, ALostAdvanceIsFoundBeforeTheNextKernelWritesAnything) {
+    const uint64_t d0 = detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 147527, {0, 131072});
+    const uint64_t d1 = detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 147527, {131072, 16455});
+    const auto prepared = [] {
+        RankStateModel m;
+        for (uint64_t i = 0; i < 10; ++i) {
+            m.run(detail::call_descriptor(CollectiveOp::kReduceScatter, 1, DType::kF32, 99, {i}), 4, i);
+        }
+        return m;
+    };
+    {  // Another grid's worth of blocks counted while launch 0 runs (a kernel of this rank on another stream, say):
+       // its last block never sees the count it advances at, and the count left behind stops launch 1.
+        RankStateModel m = prepared();
+        RankStateModel::Kernel k = m.launch(d0, 16);
+        for (uint32_t b = 0; b < 16; ++b) ASSERT_TRUE(m.start(k));
+        m.s.done += 16;
+        for (uint32_t b = 0; b < 16; ++b) m.finish(k, b);
+        EXPECT_EQ(m.s.epoch, 10u) << "the advance was lost";
+        EXPECT_EQ(m.counted_past_grid, 16u) << "each block's end saw it too";
+        RankStateModel::Kernel k1 = m.launch(d1, 16);
+        EXPECT_FALSE(m.start(k1)) << "launch 1's first block ends before it sends";
+        EXPECT_EQ(m.found.back(), CollectiveStart::kDoneCount);
+    }
+    {  // The count reset while launch 0 runs: too few blocks counted, no advance, launch 1 under launch 0's epoch.
+        RankStateModel m = prepared();
+        RankStateModel::Kernel k = m.launch(d0, 16);
+        for (uint32_t b = 0; b < 16; ++b) ASSERT_TRUE(m.start(k));
+        for (uint32_t b = 0; b < 8; ++b) m.finish(k, b);
+        m.s.done = 0;
+        for (uint32_t b = 8; b < 16; ++b) m.finish(k, b);
+        EXPECT_EQ(m.s.epoch, 10u);
+        RankStateModel::Kernel k1 = m.launch(d1, 16);
+        EXPECT_FALSE(m.start(k1));
+        EXPECT_EQ(m.found.back(), CollectiveStart::kEpochReused);
+    }
+    {  // The epoch word written back after the advance.
+        RankStateModel m = prepared();
+        m.run(d0, 16, 1);
+        m.s.epoch -= 1;
+        RankStateModel::Kernel k1 = m.launch(d1, 16);
+        EXPECT_FALSE(m.start(k1));
+        EXPECT_EQ(m.found.back(), CollectiveStart::kEpochReused);
+    }
+    {  // A count left over from before (blocks of an earlier kernel counted but never advanced): found at the start.
+        RankStateModel m = prepared();
+        m.s.done = 16;
+        RankStateModel::Kernel k = m.launch(d0, 16);
+        EXPECT_FALSE(m.start(k));
+        EXPECT_EQ(m.found.back(), CollectiveStart::kDoneCount);
+    }
+    {  // A kernel whose every block ended before finishing (an LL call mismatch) leaves no claim and no count: this
+       // check does not fire on the next kernel for that reason.
+        RankStateModel m = prepared();
+        RankStateModel::Kernel k = m.launch(d0, 16);
+        for (uint32_t b = 0; b < 16; ++b) ASSERT_TRUE(m.start(k));  // each then exits at its descriptor check
+        EXPECT_EQ(m.run(d1, 16, 3), std::set<uint64_t>{10});
+        EXPECT_EQ(m.found.size(), 0u);
+    }
+}
+
+TEST(CollectivesEpoch, TheDiagnosticNamesTheCallTheEpochAndTheCause) {
+    const uint64_t d0 = detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 147527, {0, 131072});
+    const uint64_t d1 = detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 147527, {131072, 16455});
+    Diagnostic d{};
+    d.claimed = 2;
+    d.kind = SpinKind::kCollectiveEpoch;
+    d.cmp = Cmp::kNe;
+    d.rank = 5;
+    d.peer = -1;
+    d.block_x = 3;
+    d.expected = d1;
+    d.observed = collective_epoch_claim(5371, d0);
+    d.waited_ns = 5371ull << 16 | 7;
+    std::string m = format_diagnostic(d);
+    for (const char* word : {"rank 5 block (3,0,0)", "out of step", "all_reduce (ll) of 147527 bf16 elements",
+                             "epoch 5371,", "already finished", "not advanced", "7 blocks counted done",
+                             "replace the World"}) {
+        EXPECT_NE(m.find(word), std::string::npos) << "'" << word << "' not in: " << m;
+    }
+    d.cmp = Cmp::kLt;
+    d.observed = 16ull << 32 | 17;
+    m = format_diagnostic(d);
+    for (const char* word : {"17 blocks were counted done before it started", "grid of 16", "miscounted"}) {
+        EXPECT_NE(m.find(word), std::string::npos) << "'" << word << "' not in: " << m;
+    }
+    d.cmp = Cmp::kGe;
+    d.observed = 16ull << 32 | 16;
+    m = format_diagnostic(d);
+    for (const char* word : {"counted 17 blocks done at its end", "grid of 16", "did not advance the epoch"}) {
+        EXPECT_NE(m.find(word), std::string::npos) << "'" << word << "' not in: " << m;
+    }
+    EXPECT_STREQ(spin_kind_name(SpinKind::kCollectiveEpoch), "collective_epoch");
+}
+
 TEST(CollectivesPartition, RankBucketsAndConfigValidity) {
     EXPECT_EQ(collective_rank_bucket(2), 8);
     EXPECT_EQ(collective_rank_bucket(8), 8);

@@ -163,8 +163,43 @@ struct CollectiveState {
     uint64_t epoch;  ///< kernels launched so far; picks the buffer parity and the LL flag
     uint32_t done;   ///< blocks of the running kernel that finished (the last one advances `epoch`)
     uint32_t pad;
+    /// collective_epoch_claim of the last kernel a block of which finished here (0: none yet): what the next kernel's
+    /// blocks compare their own epoch with (check_collective_start)
+    uint64_t claim;
     uint64_t arrivals[kMaxCollectiveBlocks];  ///< barriers block slot b has completed (add-only counting)
 };
+
+/// The claim a collective kernel's blocks leave in CollectiveState::claim when they finish: bit 63 set (so that it is
+/// never 0), the low 31 bits of the kernel's epoch in bits 62..32, the low 32 bits of its call descriptor (the digest
+/// and the count's low bits) below.
+WEFT_HOST_DEVICE constexpr uint64_t collective_epoch_claim(uint64_t epoch, uint64_t descriptor) {
+    return 1ull << 63 | (epoch & 0x7FFFFFFFull) << 32 | (descriptor & 0xFFFFFFFFull);
+}
+
+/// What a collective kernel's block finds at its start (check_collective_start).
+enum class CollectiveStart : uint32_t {
+    kOk = 0,
+    /// Another kernel (another descriptor) already finished blocks under this kernel's epoch: the epoch was not
+    /// advanced between two kernels of this rank, whose lines and descriptors would then land in the slots its peers
+    /// are still reading for the earlier one.
+    kEpochReused = 1,
+    /// CollectiveState::done counts at least as many finished blocks as this kernel has: an earlier kernel's blocks
+    /// were miscounted, so the last of them never advanced the epoch (or will advance it early).
+    kDoneCount = 2,
+};
+
+/// The check every block of a collective kernel makes before it writes anything (BlockState): `claim` and `done` as
+/// read from this rank's CollectiveState at the block's start, next to the `epoch` it runs under; `descriptor` and
+/// `grid` are the kernel's own. Pure: unit-tested on the CPU.
+WEFT_HOST_DEVICE constexpr CollectiveStart check_collective_start(uint64_t claim, uint64_t epoch, uint64_t descriptor,
+                                                                  uint64_t done, uint64_t grid) {
+    if (done >= grid) return CollectiveStart::kDoneCount;
+    const uint64_t mine = collective_epoch_claim(epoch, descriptor);
+    // A block of this very kernel may have finished already (same claim); an earlier kernel of another epoch is the
+    // normal case.
+    if (claim != 0 && claim != mine && (claim >> 32) == (mine >> 32)) return CollectiveStart::kEpochReused;
+    return CollectiveStart::kOk;
+}
 
 /// Flags of CollectiveParams::flags.
 enum CollectiveFlags : uint32_t {

@@ -16,6 +16,12 @@ enum class SpinKind : uint32_t {
     kUnreachablePeer = 5,  ///< not a spin: a put/get/signal named a peer that is not load/store reachable
     kCollectiveMismatch = 6,  ///< not a spin: ranks called a collective with different arguments
                               ///< (expected = this rank's call descriptor, observed = the peer's)
+    /// Not a spin: a collective kernel found this rank's collective state out of step at its start
+    /// (check_collective_start) or end: expected = its call descriptor, waited_ns = the epoch it runs under << 16 |
+    /// CollectiveState::done as found (at most 0xFFFF); cmp kNe (start): another kernel already finished under that
+    /// epoch, observed = that kernel's claim (collective_epoch_claim); cmp kLt (start) / kGe (end): the done count
+    /// was too large, observed = grid << 32 | the count.
+    kCollectiveEpoch = 7,
 };
 
 /// Comparison a wait was waiting for (OpenSHMEM's SHMEM_CMP_*).
