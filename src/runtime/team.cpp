@@ -130,6 +130,9 @@ Team TeamState::make(WorldContext* world, TeamMembers members, std::string id, b
             peer_table.push_back(bases[static_cast<size_t>(w)]);
             rank_table.push_back(w);
         }
+        // One entry past the peers: the World's trace buffer (or nullptr), where traced kernels find it in device
+        // memory (include/weft/device/trace.cuh) instead of reading the host-mapped diagnostic record per event.
+        peer_table.push_back(world->diag_host ? reinterpret_cast<uint8_t*>(world->diag_host->trace_buffer) : nullptr);
         state->peer_table =
             upload(world->device, world->stream.get(), peer_table.data(), peer_table.size() * sizeof(uint8_t*));
         if (!is_world) {

@@ -279,12 +279,12 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     heap.ranks = c.ranks;
     c.heap = detail::make_symmetric_heap(heap);
 
+    // The trace buffer first: every team's peer table carries its address (TeamState::make).
+    detail::start_trace_if_asked(*this, c.diag_host.get());
     detail::TeamMembers everyone(static_cast<size_t>(c.num_ranks));
     for (int r = 0; r < c.num_ranks; ++r) everyone[static_cast<size_t>(r)] = r;
     c.world_team = detail::TeamState::make(&c, std::move(everyone), "world", true);
     c.node_team = detail::TeamState::make(&c, std::move(node_members), "node" + std::to_string(c.node), false);
-
-    detail::start_trace_if_asked(*this, c.diag_host.get());
     c.store->barrier("weft/init/ready", c.rank, c.num_ranks, init_timeout);
     if (c.num_ranks > 1) c.watchdog = std::make_unique<detail::Watchdog>(&c, std::move(watchdog_store));
     if (c.virtual_nodes > 1) {

@@ -15,8 +15,9 @@ struct DeviceCtx {
     int32_t num_ranks;                ///< team size
     uint8_t* heap_base;               ///< this rank's symmetric heap (device address)
     uint64_t heap_bytes;              ///< size of every rank's heap
-    uint8_t* const* peer_bases;       ///< device array [num_ranks]: peer heap bases mapped here, or
-                                      ///< nullptr where the peer is not load/store reachable
+    uint8_t* const* peer_bases;       ///< device array [num_ranks + 1]: peer heap bases mapped here, or
+                                      ///< nullptr where the peer is not load/store reachable; then the
+                                      ///< World's trace buffer or nullptr (include/weft/device/trace.cuh)
     int32_t sm_budget;                ///< SMs this rank's persistent kernels may occupy
     int32_t world_rank;               ///< this rank in the world (for diagnostics)
     uint64_t timeout_ns;              ///< every spin gives up after this long (WEFT_TIMEOUT_MS; 0: 10 min)

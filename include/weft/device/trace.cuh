@@ -12,9 +12,10 @@
 // Keep each use on one line: the test that proves an untraced kernel unchanged (TraceNvrtc) strips every line that
 // names WEFT_TRACE_ from the kernel sources and compares the SASS with the untraced build's.
 //
-// `ctx` is the kernel's DeviceCtx: the buffer's address is in its diagnostic record (host-mapped, written by the
-// host before any traced kernel runs; read through the cache). One thread per event: a warp that records from every
-// lane writes 32 events.
+// `ctx` is the kernel's DeviceCtx: the buffer's address is the entry after the peers in its peer table
+// (ctx.peer_bases[ctx.num_ranks], device memory written when the team was made; nullptr when the World does not
+// trace), not the host-mapped diagnostic record, which every recording CTA would read across PCIe. One thread per
+// event: a warp that records from every lane writes 32 events.
 #pragma once
 
 #include "weft/common/device_ctx.hpp"
@@ -28,8 +29,9 @@ namespace weft::device::trace {
 
 /// This rank's trace buffer, or nullptr when the host set none.
 __device__ __forceinline__ TraceBuffer* buffer(const DeviceCtx& ctx) {
-    if (ctx.diag == nullptr) return nullptr;
-    return reinterpret_cast<TraceBuffer*>(__ldg(reinterpret_cast<const unsigned long long*>(&ctx.diag->trace_buffer)));
+    if (ctx.peer_bases == nullptr) return nullptr;
+    return reinterpret_cast<TraceBuffer*>(
+        __ldg(reinterpret_cast<const unsigned long long*>(ctx.peer_bases + ctx.num_ranks)));
 }
 
 __device__ __forceinline__ uint32_t sm_id() {
