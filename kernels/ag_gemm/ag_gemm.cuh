@@ -21,12 +21,30 @@ namespace weft::kernels::ag_gemm {
 
 namespace tile = device::tile;
 
+/// AgGemmScheduler's drop marker: the index (in this CTA's tile order) of the first tile whose rows came from a rank
+/// whose call descriptor differs from this rank's, or kAgKeepAllTiles. Shared memory of the CTA: set by
+/// ag_gemm_kernel before the GEMM's first barrier, written at most once more by the producer thread (before the loads
+/// of that tile), read by the consumers after the stages of a tile have landed.
+inline constexpr int32_t kAgKeepAllTiles = 0x7fffffff;
+__device__ __forceinline__ int32_t* ag_drop_from() {
+    __shared__ int32_t drop_from;
+    return &drop_from;
+}
+
 /// Persistent striding over AgGemmOrder (see weft/common/tp_schedule.hpp). Before the producer loads the A
 /// rows of a tile it waits until every chunk signal of those rows that belongs to a peer is >= 1 (its copy
 /// engine raised it after the chunk landed); this rank's own rows are in place by stream order. The waits
 /// are tile::wait_each's (one thread, ld.acquire.sys polls, fence.proxy.async.global), and its Token goes to the
 /// A loads. Every wait and notify in this kernel is the device layer's checked (inline) form followed by an inline
 /// trap: a call anywhere in a kernel that issues wgmma serialises them (ptxas C7510).
+/// After the wait, the producer compares the call descriptor of every peer whose rows the tile reads (slot s of
+/// `signatures`, stored by s's notify kernel before the ready flag that its chunk's copy awaited) with this rank's:
+/// one load and compare per peer and tile, no new wait. On a difference it records a kCollectiveMismatch diagnostic
+/// (both descriptors; sync_and_check throws on it) and marks this tile and every later one of the CTA dropped
+/// (ag_drop_from): they are computed, counted and signalled as usual (the call's protocol ends as always, so the op
+/// stays usable), but not stored. Rows of this rank's own shard, and of peers that agree, loaded before, may be
+/// stored. No abort word: every rank finds its own mismatch, and an abort would stop a slower peer's waits of this
+/// very call (which trap: the GEMM family's failure path).
 // NOTE: the producer runs with 40 registers (setmaxnreg): the order lives in the kernel parameters (constant
 // bank) and the scheduler keeps only a reference to them.
 template <GemmConfig kCfg>
@@ -47,7 +65,7 @@ public:
         return p_.order.tile(cluster_idx() + i * num_clusters(), cta_rank);
     }
 
-    __device__ device::Token wait_before_load(const GemmTile& t) const {
+    __device__ device::Token wait_before_load(const GemmTile& t, int32_t index) const {
         const SignalRange r = p_.order.signals_for(t);
         WEFT_TRACE_BEGIN(wait_t0);
         // The chunks were written by a copy engine (seen through the wait's acquire); the A loads that take this
@@ -61,7 +79,28 @@ public:
             .token_or_trap();
         WEFT_TRACE_RECORD(p_.ctx, TraceKind::kWaitChunk, TraceRole::kProducer, wait_t0, r.first, r.last, t.m_idx,
                           t.n_idx);
+        // The ranks whose rows the tile reads: their descriptors arrived before their ready flags, which the chunks'
+        // copies awaited before the signals this wait acquired.
+        if (r.last >= r.first) {
+            const int32_t cpr = p_.order.chunks_per_rank;
+            for (int32_t s = r.first / cpr; s <= r.last / cpr; ++s) {
+                if (s == p_.ctx.rank) continue;
+                const uint64_t theirs = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(p_.signatures + s);
+                if (theirs != p_.signature && *ag_drop_from() == kAgKeepAllTiles) {
+                    *ag_drop_from() = index;
+                    device::record_diagnostic(p_.ctx, device::SpinSite{SpinKind::kCollectiveMismatch, s, __LINE__},
+                                              Cmp::kEq, p_.signatures + s, p_.signature, theirs, 0);
+                }
+            }
+        }
         return token;
+    }
+
+    /// Whether the CTA's i-th tile is dropped (not stored). Every consumer thread reads it after the tile's stages
+    /// landed: the producer marked a tile j <= i before loading it, so all see j; a mark j > i reads as kept either
+    /// way.
+    __device__ bool dropped(int32_t i) const {
+        return i >= *static_cast<volatile int32_t*>(ag_drop_from());
     }
 
 private:
@@ -114,19 +153,28 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     ag_gemm_kernel(const __grid_constant__ ptx::TmaDescriptor tma_a, const __grid_constant__ ptx::TmaDescriptor tma_b,
                    const __grid_constant__ ptx::TmaDescriptor tma_d, const GemmArgs args, const AgGemmParams sched_params,
                    const AgGemmHookParams hook_params) {
+    if (threadIdx.x == 0) *ag_drop_from() = kAgKeepAllTiles;  // the GEMM's first barrier publishes it
     gemm::gemm_device<kCfg, AgGemmScheduler<kCfg>, AgGemmHook>(&tma_a, &tma_b, &tma_d, args, sched_params,
                                                                hook_params);
     if (blockIdx.x == 0 && threadIdx.x == 0) ag_finish_call(hook_params);
 }
 
 /// Tells every peer that this rank's shard is in its gathered buffer (ready[rank] = 1 on each peer, release
-/// at system scope). Launched with one warp after the local copy, in stream order. kUnused: a template so
-/// that a header included by several translation units defines no non-inline kernel.
+/// at system scope), after storing this call's descriptor into signatures[rank] on that peer (when the op passes
+/// signatures: the release orders the descriptor before the flag). Launched with one warp after the local copy, in
+/// stream order. kUnused: a template so that a header included by several translation units defines no non-inline
+/// kernel.
 template <int kUnused>
 __global__ void __launch_bounds__(kTpNotifyThreads) ag_notify_ready_kernel(const AgNotifyParams p) {
     WEFT_TRACE_BEGIN(notify_t0);
     for (int pe = static_cast<int>(threadIdx.x); pe < p.ctx.num_ranks; pe += static_cast<int>(blockDim.x)) {
-        if (pe != p.ctx.rank) {
+        if (pe == p.ctx.rank) continue;
+        if (p.signatures != nullptr) {
+            // notify(), with the descriptor stored through the same translation (one allocation holds both).
+            uint64_t* ready = device::symm_at_or_trap(p.ctx, p.ready + p.ctx.rank, pe, __LINE__);
+            ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(ready + (p.signatures - p.ready), p.signature);
+            device::signal_release<ptx::Scope::kSys>(ready, 1ull, device::SignalOp::kSet);
+        } else {
             tile::notify(device::Thread{}, p.ctx, p.ready + p.ctx.rank, pe, 1ull, device::SignalOp::kSet);
         }
     }

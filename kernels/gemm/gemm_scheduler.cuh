@@ -17,6 +17,10 @@
 // subsequence), so a scheduler may walk a cursor forward (GroupedScheduler does).
 // Optional: `static constexpr bool kGrouped = true` (kSchedulerGrouped) makes the tile's `group` select B's slice
 // (a 3D tensor map [groups, ...]) and its `m_end` bound the rows the epilogue stores (GroupedScheduler).
+// Optional: `__device__ bool dropped(int32_t i) const` (kSchedulerDropsTiles) makes the producer call
+// `wait_before_load(tile, i)` instead, and the consumers store nothing of a tile i it calls dropped (the hook still
+// hears of the tile); every consumer thread must get the same answer once the tile's stages landed
+// (AgGemmScheduler: a differing call descriptor found by the producer).
 #pragma once
 
 #include "gemm/gemm_hooks.cuh"

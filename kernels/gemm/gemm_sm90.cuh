@@ -82,6 +82,23 @@ __device__ __forceinline__ void pipeline_wait(unsigned bar, unsigned parity, uin
 template <class Scheduler>
 inline constexpr bool kSchedulerSplitsK = requires(const Scheduler& s) { s.split(int32_t{0}); };
 
+/// Whether a scheduler may drop tiles (`dropped(i)`: the CTA's i-th tile is computed but not stored, AgGemmScheduler
+/// on a call descriptor mismatch): its producer's wait takes the tile's index too (`wait_before_load(tile, i)`), and
+/// the consumers skip the epilogue's stores of a dropped tile (the hook still hears of it: the call's counts stay
+/// whole). `dropped(i)` must give every consumer thread the same answer once the tile's stages have landed.
+template <class Scheduler>
+inline constexpr bool kSchedulerDropsTiles = requires(const Scheduler& s) { s.dropped(int32_t{0}); };
+
+/// The scheduler's wait before the A loads of the CTA's i-th tile.
+template <class Scheduler>
+__device__ __forceinline__ device::Token scheduler_wait(const Scheduler& sched, const GemmTile& tile, int32_t i) {
+    if constexpr (kSchedulerDropsTiles<Scheduler>) {
+        return sched.wait_before_load(tile, i);
+    } else {
+        return sched.wait_before_load(tile);
+    }
+}
+
 /// The k blocks of this CTA's i-th work unit: all of them, or (split-K) its split's balanced range (never empty: the
 /// scheduler splits K at most num_k_blocks ways).
 template <GemmConfig kCfg, class Scheduler>
@@ -107,7 +124,7 @@ __device__ __forceinline__ void producer_loop(const Scheduler& sched, const ptx:
     const int32_t num_tiles = sched.num_tiles();
     for (int32_t i = 0; i < num_tiles; ++i) {
         const GemmTile tile = sched.tile(i);
-        const device::Token token = sched.wait_before_load(tile);  // the A loads of this tile take it
+        const device::Token token = scheduler_wait(sched, tile, i);  // the A loads of this tile take it
         const GemmKRange kr = unit_k_range<kCfg>(sched, i, num_k_blocks);
         for (int32_t kb = kr.begin; kb < kr.begin + kr.count; ++kb) {
             const unsigned full = bar_full0 + 8 * stage;
@@ -516,11 +533,16 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
         if (stuck) break;
 
         // ---- epilogue: registers -> shared -> TMA store (asynchronous; overlaps the next mainloop) ----
+        // A dropped tile (kSchedulerDropsTiles) goes through the epilogue as an invalid one: staged, never stored (the
+        // same answer in every thread: the scheduler's rule). NOTE: a predicate, not a branch around the epilogue: the
+        // branch made ptxas spill the 128x192 ping-pong accumulators.
+        bool store = tile.valid;
+        if constexpr (kSchedulerDropsTiles<Scheduler>) store = store && !sched.dropped(i);
         GemmStoreTarget target{tma_d, 0, args.m};
         if constexpr (kHookRoutesStores<Hook>) {
             if (tile.valid) target = Hook::store_target(hook_params, tile, tma_d);
         }
-        const bool ragged = tile.valid && ((args.n_tma < args.n && tile.n0 + kCfg.tile_n > args.n_tma) || T::kEpiTail);
+        const bool ragged = store && ((args.n_tma < args.n && tile.n0 + kCfg.tile_n > args.n_tma) || T::kEpiTail);
 #pragma unroll
         for (int s = 0; s < T::kSlabs; ++s) {
             const int row0 = tile.m0 + (slab0 + s) * kGemmSlabRows;
@@ -528,14 +550,14 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
                 // A slab wholly inside its group's rows goes out by TMA; one that the group's rows end inside by plain
                 // stores of its rows (a box would write the next group's rows); one past them not at all.
                 const bool whole = row0 + kGemmSlabRows <= tile.m_end;
-                store_slab<kCfg>(acc[s], target.map, epi_base, wg, tid, epi_count, row0, tile.n0, tile.valid,
+                store_slab<kCfg>(acc[s], target.map, epi_base, wg, tid, epi_count, row0, tile.n0, store,
                                  whole ? target.rows : row0, args);
-                if (tile.valid && row0 < tile.m_end && (ragged || !whole)) {
+                if (store && row0 < tile.m_end && (ragged || !whole)) {
                     store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args, tile.m_end, !whole);
                 }
             } else {
                 store_slab<kCfg>(acc[s], target.map, epi_base, wg, tid, epi_count, row0 - target.row_offset, tile.n0,
-                                 tile.valid, target.rows, args);
+                                 store, target.rows, args);
                 if (ragged) store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args, args.m);
             }
         }

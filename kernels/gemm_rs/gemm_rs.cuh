@@ -3,11 +3,14 @@
 // the first load waits until every rank has finished reading the previous call's partials), the epilogue
 // hook that raises the destination's per-(source, chunk) counter after each tile's TMA store, and the
 // reduction kernel that runs beside the GEMM on a few SMs and sums the partials of its rows in fp32 in the
-// order they complete. The schedule picture and the protocol are in kernels/gemm_rs/README.md.
+// order they complete. Every rank's call descriptor (M, n, dtypes, tiles, chunks, mode) goes from each CTA of its
+// GEMM into a slot on every peer before any of its tiles counts there; the reader of a peer's partial waits for the
+// chunk's count or a differing descriptor, and compares before it reads (kCollectiveMismatch: the reduction's
+// CTAs exit, no C is written). The schedule picture and the protocol are in kernels/gemm_rs/README.md.
 //
 // JIT instantiations (weft::ops::GemmRs builds them):
-//   weft::kernels::gemm::gemm_kernel<CFG, weft::kernels::gemm_rs::RsGemmScheduler<CFG>,
-//                                     weft::kernels::gemm_rs::RsGemmHook<CFG>>   (RsPushHook<CFG> in push mode)
+//   weft::kernels::gemm_rs::rs_gemm_kernel<CFG, weft::kernels::gemm_rs::RsGemmHook<CFG>>   (RsPushHook<CFG> in push
+//                                                                                          mode)
 //   weft::kernels::gemm_rs::rs_reduce_kernel<PARTIAL_DTYPE, OUT_DTYPE>
 #pragma once
 
@@ -42,19 +45,55 @@ __device__ __forceinline__ bool notify_tile_stored(const DeviceCtx& ctx, uint64_
 }
 
 /// The end of a call on this rank, by one thread once every partial sent to this rank has been read: zero
-/// its `num_signals` counters (no source raises one again before it sees `released`; the next call's M, and
-/// so the layout, may differ), then released[rank] += 1 on every rank (each source's next GEMM waits for it
-/// before its first store into this rank's buffer). Both modes: the push hook's last tile and the reduction. False
-/// (diagnostic recorded, no trap) when a rank is unreachable.
+/// its `num_signals` counters (no source raises one again before it sees `released`; the next call's M, and so the
+/// layout, may differ) and the sources' descriptor slots of this call's parity `signatures[num_ranks]` (written again
+/// two calls on, by sources that have seen this `released`), then released[rank] += 1
+/// on every rank (each source's next GEMM waits for it before its first store into this rank's buffer). Both modes:
+/// the push hook's last tile and the reduction. False (diagnostic recorded, no trap) when a rank is unreachable.
 __device__ __forceinline__ bool release_received_partials(const DeviceCtx& ctx, uint64_t* counters, int32_t num_signals,
-                                                          uint64_t* released, int32_t line) {
+                                                          uint64_t* signatures, uint64_t* released, int32_t line) {
     for (int32_t i = 0; i < num_signals; ++i) ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(counters + i, 0ull);
+    for (int32_t i = 0; i < ctx.num_ranks; ++i) ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(signatures + i, 0ull);
     bool ok = true;
     for (int32_t pe = 0; pe < ctx.num_ranks; ++pe) {
         ok = tile::notify_checked(device::Thread{}, ctx, released + ctx.rank, pe, 1ull, device::SignalOp::kAdd, line) &&
              ok;
     }
     return ok;
+}
+
+/// Waits (one thread) until source `source`'s count `*counter` of a chunk reaches `need` with its call descriptor
+/// `*slot` (this call's parity) equal to `mine`, and returns true; or, once the slot holds another descriptor (0: not
+/// written yet this call), records a kCollectiveMismatch diagnostic naming both, raises the abort word and returns
+/// false: a source that called with another M sends other counts (never enough, or more than awaited, some on other
+/// sources' counters), so the slot, not the count, decides. A timeout or an aborted World: the kTileWait diagnostic,
+/// the abort word, false. The slot is polled first: a count is trusted only once its source's descriptor agrees.
+/// Inline: no call, no trap.
+__device__ __forceinline__ bool wait_count_or_mismatch(const DeviceCtx& ctx, const uint64_t* counter, uint64_t need,
+                                                       const uint64_t* slot, uint64_t mine, int32_t source,
+                                                       int32_t line) {
+    uint64_t theirs = 0, count = 0, waited_ns = 0;
+    bool aborted = false;
+    const auto probe = [&] {
+        theirs = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(slot);
+        if (theirs == 0) return false;
+        if (theirs != mine) return true;
+        count = ptx::ld<ptx::Sem::kAcquire, ptx::Scope::kSys>(counter);
+        return count >= need;
+    };
+    if (!device::detail::poll_bounded(ctx.timeout_ns, ctx.abort_flag, probe, &waited_ns, &aborted)) {
+        device::record_diagnostic(ctx, device::SpinSite{SpinKind::kTileWait, source, line}, Cmp::kGe, counter, need,
+                                  count, waited_ns, aborted);
+        device::raise_abort(ctx);
+        return false;
+    }
+    if (theirs != mine) {
+        device::record_diagnostic(ctx, device::SpinSite{SpinKind::kCollectiveMismatch, source, line}, Cmp::kEq, slot,
+                                  mine, theirs, 0);
+        device::raise_abort(ctx);
+        return false;
+    }
+    return true;
 }
 
 /// Persistent striding over RsGemmOrder (cluster-free configs). The first tile of each CTA waits until
@@ -157,8 +196,17 @@ struct RsPushHook {
         const int32_t cpr = o.map.chunks_per_rank();
         const int32_t chunk = o.chunk_of(t);
         // Thread s of the warpgroup waits for peer s's counter of this chunk (checked: no call, no trap among the
-        // live accumulators); the warpgroup's barrier extends the acquire to every thread.
+        // live accumulators), ending at a peer's differing call descriptor (wait_count_or_mismatch: the kernel then
+        // traps after its tile loop, diagnosed); the warpgroup's barrier extends the acquire to every thread.
         const auto need = static_cast<uint64_t>(o.map.expected_count(o.map.local_signal_at(rank, chunk)));
+        {
+            const int32_t s = tid;
+            const uint64_t* slots = p.signatures + (ptx::ld(p.gemm_calls) & 1u) * static_cast<uint64_t>(num_ranks);
+            const bool ok = s >= num_ranks || s == rank ||
+                            wait_count_or_mismatch(p.ctx, p.counters + rs_counter_index(s, chunk, cpr), need,
+                                                   slots + s, p.signature, s, __LINE__);
+            if (!device::Warpgroup{static_cast<uint32_t>(gemm::detail::kBarConsumer0 + wg)}.all(ok)) return false;
+        }
         const device::WaitResult waited = tile::wait_each_checked(
             device::Warpgroup{static_cast<uint32_t>(gemm::detail::kBarConsumer0 + wg)}, p.ctx, num_ranks,
             [&](int s) { return s == rank ? nullptr : p.counters + rs_counter_index(s, chunk, cpr); }, Cmp::kGe,
@@ -217,7 +265,10 @@ struct RsPushHook {
         if (dest != p.ctx.rank && !notify_tile_stored(p.ctx, p.counters, o, t, dest, __LINE__)) return false;  // by TMA
         if (arrive_last(p.tile_counter, static_cast<uint32_t>(p.num_tiles))) {
             // Every own tile waited for all its chunk's counters and has read the peers' partials.
-            if (!release_received_partials(p.ctx, p.counters, o.map.num_signals(), p.released, __LINE__)) return false;
+            uint64_t* slots = p.signatures + (ptx::ld(p.gemm_calls) & 1u) * static_cast<uint64_t>(p.ctx.num_ranks);
+            if (!release_received_partials(p.ctx, p.counters, o.map.num_signals(), slots, p.released, __LINE__)) {
+                return false;
+            }
             ptx::st(p.gemm_calls, ptx::ld(p.gemm_calls) + 1);
         }
         return true;
@@ -251,6 +302,8 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
     const uint64_t e = s_epoch;
     const int32_t num_ranks = p.ctx.num_ranks;
     const int32_t rank = p.ctx.rank;
+    // The sources' descriptors of this call (its parity: calls completed, the same count as the sources' GEMMs').
+    uint64_t* const signatures = p.signatures + ((e - 1) & 1u) * static_cast<uint64_t>(num_ranks);
     const ReduceScatterTileMap map{p.rows_per_rank, num_ranks, p.n, p.tile_m, p.tile_n, p.chunk_rows};
     const int32_t cpr = map.chunks_per_rank();
     const int64_t vecs_per_row = (p.n + kTpVecElems - 1) / kTpVecElems;
@@ -274,6 +327,17 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
             // Thread 0 waits for the chunk's counter, the block barrier extends the acquire; the partial's reads
             // take the wait's token.
             WEFT_TRACE_BEGIN(wait_t0);
+            if (source != rank) {
+                // A peer's count, or its differing descriptor: then every CTA ends here (no C written: this rank's
+                // own partial, the last phase, is the only one that writes C).
+                bool ok = true;
+                if (threadIdx.x == 0) {
+                    ok = wait_count_or_mismatch(p.ctx, p.counters + rs_counter_index(source, c, cpr), need,
+                                                signatures + source, p.signature, source, __LINE__);
+                }
+                device::exit_unless(device::Block{}.all(ok));
+            }
+            // (For a peer's chunk the count is complete by now: the wait acquires it and makes the Token.)
             const device::Token token =
                 tile::wait_checked(device::Block{}, p.ctx, p.counters + rs_counter_index(source, c, cpr), 1, Cmp::kGe,
                                    need)
@@ -357,8 +421,35 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
     if (threadIdx.x == 0 && arrive_last(p.exit_count, gridDim.x)) {
         // Every counter reached its count (every CTA waited for all of them).
         ptx::st(p.epoch, e);
-        device::trap_unless(release_received_partials(p.ctx, p.counters, map.num_signals(), p.released, __LINE__));
+        device::trap_unless(
+            release_received_partials(p.ctx, p.counters, map.num_signals(), signatures, p.released, __LINE__));
     }
+}
+
+/// Stores this call's descriptor into slot [parity][rank] on every peer (parity: calls completed, gemm_calls; the
+/// peer zeroed that slot at the end of the call two back, before the `released` this rank's previous call awaited).
+/// One thread, before the GEMM (its producer's 40 registers have no room for it).
+__device__ __forceinline__ void publish_signature(const RsGemmParams& p) {
+    const uint64_t parity = ptx::ld(p.gemm_calls) & 1u;
+    uint64_t* const mine = p.signatures + parity * static_cast<uint64_t>(p.ctx.num_ranks) + p.ctx.rank;
+    for (int32_t pe = 0; pe < p.ctx.num_ranks; ++pe) {
+        if (pe == p.ctx.rank) continue;
+        uint64_t* slot = device::symm_at(p.ctx, mine, pe);  // no call in a kernel that issues wgmma: trap inline
+        device::trap_unless(slot != nullptr);
+        ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(slot, p.signature);
+    }
+}
+
+/// The GEMM+ReduceScatter kernel: CTA 0 publishes the call's descriptor (publish_signature), then weft's GEMM with
+/// RsGemmScheduler and `Hook` (RsGemmHook<CFG>, pull; RsPushHook<CFG>, push: its parameters __grid_constant__, the
+/// peer maps are read in place).
+template <GemmConfig kCfg, class Hook>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    rs_gemm_kernel(const __grid_constant__ ptx::TmaDescriptor tma_a, const __grid_constant__ ptx::TmaDescriptor tma_b,
+                   const __grid_constant__ ptx::TmaDescriptor tma_d, const GemmArgs args,
+                   const RsGemmParams sched_params, const __grid_constant__ typename Hook::Params hook_params) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) publish_signature(sched_params);
+    gemm::gemm_device<kCfg, RsGemmScheduler<kCfg>, Hook>(&tma_a, &tma_b, &tma_d, args, sched_params, hook_params);
 }
 
 }  // namespace weft::kernels::gemm_rs

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "tp_common.hpp"
+#include "weft/common/collectives.hpp"
 #include "weft/common/gemm_hook_params.hpp"
 #include "weft/common/math.hpp"
 #include "weft/common/tile_map.hpp"
@@ -120,6 +121,7 @@ struct AgGemm::State : tp_detail::FusedOpState {
     uint64_t* done = nullptr;           // [W]
     uint64_t* epoch = nullptr;
     uint64_t* tile_counter = nullptr;
+    uint64_t* signatures = nullptr;  // [W] call descriptors, in ready's allocation (AgNotifyParams::signatures)
 
     const jit::Kernel* notify_kernel = nullptr;
     const jit::Kernel* pull_kernel = nullptr;  // ranks of one process sharing a GPU (tp_detail::pulls_with_kernel)
@@ -173,12 +175,13 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
     // Symmetric buffers (collective over the team, same order on every member).
     s.gathered = static_cast<uint8_t*>(s.heap.alloc(static_cast<uint64_t>(shape.max_m * shape.k * s.elem_bytes())));
     const int64_t num_signals = static_cast<int64_t>(s.num_ranks) * s.max_chunks_per_rank;
-    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(num_signals + 2 * s.num_ranks + 2));
+    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(num_signals + 3 * s.num_ranks + 2));
     s.chunk_signals = words;
     s.ready = words + num_signals;
     s.done = s.ready + s.num_ranks;
     s.epoch = s.done + s.num_ranks;
     s.tile_counter = s.epoch + 1;
+    s.signatures = s.tile_counter + 1;
     tp_detail::check_peers_reachable(team, s.gathered, kOp);
 
     // Streams: the copy streams pull the peers' shards; fork/join events tie them to the caller's stream.
@@ -309,7 +312,13 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
                                                  s.pipeline_timeout_ns);
         return call;
     }
-    call.notify = AgNotifyParams{s.ctx, s.ready};
+    // What every rank's call must agree on: M (so every rank's shard sits where the peers copy it from), K and the
+    // dtype (fixed by the op's shape, which the ranks may still have built differently). N and the chunking are this
+    // rank's own (its weight shard, its copies).
+    const uint64_t signature =
+        make_call_descriptor(CollectiveOp::kAgGemm, 0, true, s.shape.dtype, static_cast<uint64_t>(m),
+                             call_descriptor_mix(0, static_cast<uint64_t>(s.shape.k)));
+    call.notify = AgNotifyParams{s.ctx, s.ready, s.signatures, signature};
     // The copy streams: for each peer in rank-rotated order, wait for its ready flag, pull its chunks, raise
     // one signal per chunk (constant 1: reset by the GEMM's last tile, so nothing is frozen in a graph).
     const AllGatherTileMap map{rows, s.num_ranks, s.chunk_rows, config.tile_m};
@@ -344,7 +353,7 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
     call.gemm = detail::make_fused_gemm_call(config, s.gathered_view(m), b, c,
                                              std::max(1, std::min(s.budget, order.num_cluster_tiles())),
                                              s.pipeline_timeout_ns);
-    call.sched = AgGemmParams{s.ctx, order, s.chunk_signals};
+    call.sched = AgGemmParams{s.ctx, order, s.chunk_signals, s.signatures, signature};
     AgGemmHookParams& hook = call.hook;
     hook.ctx = s.ctx;
     hook.tile_counter = s.tile_counter;

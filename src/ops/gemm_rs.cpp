@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "tp_common.hpp"
+#include "weft/common/collectives.hpp"
 #include "weft/common/gemm_hook_params.hpp"
 #include "weft/common/math.hpp"
 #include "weft/common/tile_map.hpp"
@@ -171,6 +172,8 @@ FusedGemmSpec gemm_rs_fused_spec(GemmRsMode mode) {
     spec.header = "gemm_rs/gemm_rs.cuh";
     spec.scheduler = "weft::kernels::gemm_rs::RsGemmScheduler";
     spec.hook = push ? "weft::kernels::gemm_rs::RsPushHook<CFG>" : "weft::kernels::gemm_rs::RsGemmHook<CFG>";
+    // The GEMM, after CTA 0 published the call's descriptor to the peers (publish_signature).
+    spec.kernel_template = "weft::kernels::gemm_rs::rs_gemm_kernel<CFG, " + spec.hook + ">";
     spec.name = push ? "gemm_rs push" : "gemm_rs";
     return spec;
 }
@@ -203,6 +206,7 @@ struct GemmRs::State : tp_detail::FusedOpState {
     uint64_t* red_epoch = nullptr;
     uint32_t* tile_counter = nullptr;
     uint32_t* exit_count = nullptr;
+    uint64_t* signatures = nullptr;  // symmetric [2][W]: the sources' call descriptors (RsGemmParams::signatures)
     float* acc = nullptr;  // pull mode: local [max_m / W, lda]
 
     const jit::Kernel* reduce_kernel = nullptr;
@@ -260,13 +264,14 @@ GemmRs::GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& 
     }
     s.partial = s.heap.alloc(static_cast<uint64_t>(shape.max_m * s.ldp * dtype_bytes(s.partial_dtype)));
     const int64_t num_counters = static_cast<int64_t>(s.num_ranks) * max_chunks_per_rank;
-    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(num_counters + s.num_ranks + 3));
+    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(num_counters + 3 * s.num_ranks + 3));
     s.counters = words;
     s.released = words + num_counters;
     s.gemm_calls = s.released + s.num_ranks;
     s.red_epoch = s.gemm_calls + 1;
     s.tile_counter = reinterpret_cast<uint32_t*>(s.red_epoch + 1);
     s.exit_count = s.tile_counter + 1;
+    s.signatures = s.red_epoch + 2;  // after the word that holds tile_counter and exit_count
     tp_detail::check_peers_reachable(team, s.partial, kOp);
     if (s.mode == GemmRsMode::kPush) {
         WEFT_LOG_INFO("gemm_rs: push mode, "
@@ -331,6 +336,18 @@ void set_shared_fields(Params& p, const GemmRs::State& s, int64_t rows) {
 }
 
 /// ... and those both GEMM hooks' parameters share.
+/// This call's descriptor: what every rank's call must agree on (M, so the partials' segments and the counts each
+/// source sends; n and the partials' dtype, so a peer's partial reads right; the tiles, chunks and mode, so the
+/// counts match).
+uint64_t call_signature(const GemmRs::State& s, const GemmConfig& config, int64_t m) {
+    uint64_t mix = call_descriptor_mix(0, static_cast<uint64_t>(s.shape.n));
+    mix = call_descriptor_mix(mix, static_cast<uint64_t>(s.shape.dtype));
+    mix = call_descriptor_mix(mix, static_cast<uint64_t>(s.chunk_rows));
+    mix = call_descriptor_mix(mix, static_cast<uint64_t>(config.tile_m) << 32 | static_cast<uint64_t>(config.tile_n));
+    mix = call_descriptor_mix(mix, static_cast<uint64_t>(s.mode));
+    return make_call_descriptor(CollectiveOp::kGemmRs, 0, true, s.partial_dtype, static_cast<uint64_t>(m), mix);
+}
+
 template <class Params>
 void set_hook_fields(Params& p, const GemmRs::State& s, int64_t rows, const RsGemmOrder& order, int32_t n) {
     set_shared_fields(p, s, rows);
@@ -375,7 +392,8 @@ RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorV
     const int32_t n = static_cast<int32_t>(s.shape.n);
     const TensorView partial(s.partial, s.partial_dtype, {m, s.shape.n}, {s.ldp, 1});
     const RsGemmOrder order(config, rows, s.num_ranks, s.chunk_rows, n, s.rank);
-    call.sched = RsGemmParams{s.ctx, rows, s.chunk_rows, s.released, s.gemm_calls};
+    const uint64_t signature = call_signature(s, config, m);
+    call.sched = RsGemmParams{s.ctx, rows, s.chunk_rows, s.released, s.gemm_calls, s.signatures, signature};
 
     if (s.mode == GemmRsMode::kPush) {
         // Own tiles store C through tma_d; a peer's tiles go into its buffer's slot for this rank (rows
@@ -400,6 +418,8 @@ RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorV
         ph.recv = s.partial;
         ph.ldr = s.ldp;
         ph.released = s.released;
+        ph.signatures = s.signatures;
+        ph.signature = signature;
         return call;
     }
 
@@ -418,6 +438,8 @@ RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorV
     rp.released = s.released;
     rp.epoch = s.red_epoch;
     rp.exit_count = s.exit_count;
+    rp.signatures = s.signatures;
+    rp.signature = signature;
 
     // The GEMM on the caller's stream: partial tiles in destination order, each signalled.
     call.gemm = detail::make_fused_gemm_call(config, a, b, partial,

@@ -79,6 +79,8 @@ const char* op_name(CollectiveOp op) {
         case CollectiveOp::kAttentionCombine: return "sp_decode_attention's combine";
         case CollectiveOp::kAllToAllV: return "all_to_all_v";
         case CollectiveOp::kGemmAr: return "gemm_ar";
+        case CollectiveOp::kAgGemm: return "ag_gemm";
+        case CollectiveOp::kGemmRs: return "gemm_rs";
     }
     return nullptr;
 }
@@ -117,8 +119,9 @@ std::string describe_call_descriptor(uint64_t descriptor) {
         const std::string at_least = count >= kCallDescriptorMaxCount ? "at least " : "";
         const std::string dt = dtype_plus_one == 0 ? std::string()
                                                    : std::string(dtype_name(static_cast<DType>(dtype_plus_one - 1)));
-        if (op == CollectiveOp::kGemmAr) {
-            os << " with M = " << at_least << count << (dt.empty() ? "" : ", " + dt + " output");
+        if (op == CollectiveOp::kGemmAr || op == CollectiveOp::kAgGemm || op == CollectiveOp::kGemmRs) {
+            const char* role = op == CollectiveOp::kGemmAr ? " output" : op == CollectiveOp::kGemmRs ? " partials" : "";
+            os << " with M = " << at_least << count << (dt.empty() ? "" : ", " + dt + role);
         } else if (op == CollectiveOp::kAllToAllV) {
             os << " (uneven splits)";
         } else if (op == CollectiveOp::kAttentionCombine) {

@@ -2,10 +2,12 @@
 // GPU tests of weft::ops::AgGemm (AllGather+GEMM) with ranks as threads sharing the visible GPUs: an fp64 CPU
 // reference on awkward shapes, world sizes 1, 2, 3, 4, 8, bf16 and f16, poisoned outputs, fresh random data
 // on every call, repeated calls without any reset, the zero-copy local shard, the gathered A checked bit for
-// bit, and a CUDA-graph replay.
+// bit, a CUDA-graph replay, and ranks that call with different M (diagnosed on every rank).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -225,6 +227,121 @@ TEST(TpAgGemm, BadCallThrowsNamingTheArgument) {
         w.barrier();
     });
     f.report();
+}
+
+// Ranks that call with different M (rank 0 with 64 rows, rank 1 with 32): every rank's call throws naming both
+// ranks' M, and no row of C that depends on a peer's shard is written (its poison stays; rows of the rank's own shard
+// may hold its own correct products). The call's protocol still ends on every rank (no abort is raised): after every
+// rank cleared its diagnostics, a second call on the same op with agreeing M is right.
+TEST(TpAgGemm, DifferentMOnTwoRanksIsDiagnosedOnBoth) {
+    const int64_t n = 256, k = 128, max_rows = 64, max_m = 2 * max_rows;
+    const DType dt = DType::kBF16;
+    const uint64_t base = fresh_seed();
+    std::mutex mutex;
+    std::vector<std::string> messages(2);
+    std::vector<int64_t> written(2, -1);
+    Failures f;
+    WorldOptions options = test::test_options(256ull << 20);
+    options.heartbeat = std::chrono::milliseconds(200);
+    test::run_ranks(
+        2,
+        [&](World& w) {
+            const int me = w.rank();
+            cudaStream_t st = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+            {
+                DevBuf a_dev(static_cast<size_t>(max_rows * k * 2)), b_dev(static_cast<size_t>(n * k * 2)),
+                    c_dev(static_cast<size_t>(max_m * n * 2));
+                ops::AgGemm op(w, {max_m, n, k, dt});
+                HostMat b(n, k, k, dt);
+                b.fill_random(seed_of(base, 1, me, 0));
+                upload(b, b_dev.ptr, st);
+                // Call 0: M = 128 on rank 0, 64 on rank 1.
+                {
+                    const int64_t rows = me == 0 ? max_rows : max_rows / 2;
+                    const int64_t m = 2 * rows;
+                    HostMat a(rows, k, k, dt), c(m, n, n, dt);
+                    a.fill_random(seed_of(base, 0, me, 0));
+                    poison(c);
+                    const HostMat c_poisoned = c;
+                    upload(a, a_dev.ptr, st);
+                    upload(c, c_dev.ptr, st);
+                    w.barrier();
+                    std::string message;
+                    try {
+                        op.run(view(a, a_dev.ptr), view(b, b_dev.ptr), view(c, c_dev.ptr), st);
+                        w.sync_and_check(st);
+                    } catch (const Error& e) {
+                        message = e.what();
+                    }
+                    download(c, c_dev.ptr, st);
+                    int64_t changed = 0;  // outside this rank's own rows [me * rows, (me + 1) * rows)
+                    for (int64_t r = 0; r < m; ++r) {
+                        if (r >= me * rows && r < (me + 1) * rows) continue;
+                        for (int64_t j = 0; j < n; ++j) {
+                            const auto i = static_cast<size_t>(r * n + j);
+                            changed += c.bits[i] != c_poisoned.bits[i] ? 1 : 0;
+                        }
+                    }
+                    {
+                        std::lock_guard<std::mutex> lock(mutex);
+                        messages[static_cast<size_t>(me)] = message;
+                        written[static_cast<size_t>(me)] = changed;
+                    }
+                    EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "the context stays usable";
+                    EXPECT_FALSE(w.aborted()) << "no abort: every rank found the mismatch itself";
+                    w.barrier();  // every rank read its record before any clears it
+                    w.clear_diagnostics();
+                    w.barrier();
+                }
+                // Call 1: the ranks agree (M = 96): the op's protocol state came out of call 0 whole.
+                {
+                    const int64_t rows = 48, m = 2 * rows;
+                    std::vector<HostMat> shards;
+                    for (int r = 0; r < 2; ++r) {
+                        shards.emplace_back(rows, k, k, dt);
+                        shards.back().fill_random(seed_of(base, 0, r, 1));
+                    }
+                    HostMat c(m, n, n, dt);
+                    poison(c);
+                    upload(shards[static_cast<size_t>(me)], a_dev.ptr, st);
+                    upload(c, c_dev.ptr, st);
+                    try {
+                        op.run(view(shards[static_cast<size_t>(me)], a_dev.ptr), view(b, b_dev.ptr), view(c, c_dev.ptr),
+                               st);
+                        w.sync_and_check(st);
+                        download(c, c_dev.ptr, st);
+                        HostMat a_full(m, k, k, dt);
+                        for (int r = 0; r < 2; ++r) {
+                            const auto& sh = shards[static_cast<size_t>(r)].bits;
+                            std::copy(sh.begin(), sh.end(), a_full.bits.begin() + r * rows * k);
+                        }
+                        const std::vector<int64_t> check_rows =
+                            rows_to_check(m, rows, static_cast<double>(n * k), seed_of(base, 2, me, 1));
+                        Reference ref(static_cast<int64_t>(check_rows.size()), n);
+                        ref.add(a_full, 0, check_rows, b);
+                        const std::string bad = compare(c, check_rows, ref, ErrorModel::gemm(dt));
+                        if (!bad.empty()) f.add("rank " + std::to_string(me) + ": the agreeing call after: " + bad);
+                    } catch (const Error& e) {
+                        f.add("rank " + std::to_string(me) + ": the agreeing call after threw: " + e.what());
+                    }
+                    w.barrier();
+                }
+            }
+            WEFT_CUDA_CHECK(cudaStreamDestroy(st));
+        },
+        options);
+    f.report();
+    const std::vector<std::string> words = {"collective call differs from rank", "rank 0 called ag_gemm with M = 128",
+                                            "rank 1 called ag_gemm with M = 64"};
+    for (int r = 0; r < 2; ++r) {
+        const std::string& m = messages[static_cast<size_t>(r)];
+        EXPECT_FALSE(m.empty()) << "rank " << r << " did not throw";
+        for (const std::string& word : words) {
+            EXPECT_NE(m.find(word), std::string::npos) << "rank " << r << ": '" << word << "' not in: " << m;
+        }
+        EXPECT_EQ(written[static_cast<size_t>(r)], 0) << "rank " << r << ": rows of C from a peer were written";
+    }
 }
 
 }  // namespace

@@ -2,13 +2,17 @@
 // GPU tests of weft::ops::GemmRs (GEMM+ReduceScatter) with ranks as threads sharing the visible GPUs: an fp64
 // CPU reference of sum_s A_s B_s^T on each rank's rows, awkward shapes (segments not a multiple of the
 // tile, ragged N), world sizes 1, 2, 3, 4, 8, bf16 and f16, bf16 and fp32 partials, poisoned outputs, fresh
-// data on every call, repeated calls without reset, and a CUDA-graph replay.
+// data on every call, repeated calls without reset, a CUDA-graph replay, and ranks that call with different M
+// (diagnosed on every rank).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "support/runtime_checks.hpp"
@@ -294,6 +298,121 @@ TEST(TpGemmRs, BackToBackPushCallsRanksSharingAGpu) {
 
 TEST(TpGemmRs, GraphReplayWithoutReset) {
     run_world(3, {cases()[0], cases()[2], cases()[6] /* push */}, {DType::kBF16}, 4, Mode::kGraph);
+}
+
+// Ranks that call with different M (pull mode, the one ranks sharing a GPU run): after an agreeing call, rank 0 calls
+// with M = 256 and rank 1 with M = 128. Every rank's call throws naming both ranks' M, and no element of C is written
+// (the reductions stop at the peer's descriptor, before the last phase, the only one that writes C). The kernels end
+// with `exit`: after every rank cleared its diagnostics the ranks meet again, and a new op's agreeing call is right
+// (the mismatched call leaves the op's counters behind: as with GemmAr, the op is dropped).
+TEST(TpGemmRs, DifferentMOnTwoRanksIsDiagnosedOnBoth) {
+    const int64_t n = 256, k = 128, max_m = 256;
+    const DType dt = DType::kBF16;
+    const uint64_t base = fresh_seed();
+    std::mutex mutex;
+    std::vector<std::string> messages(2);
+    std::vector<int64_t> written(2, -1);
+    Failures f;
+    WorldOptions options = test::test_options(256ull << 20);
+    options.heartbeat = std::chrono::milliseconds(200);
+    ops::GemmRsOptions opt;
+    opt.mode = ops::GemmRsMode::kPull;
+    test::run_ranks(
+        2,
+        [&](World& w) {
+            const int me = w.rank();
+            cudaStream_t st = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+            {
+                DevBuf a_dev(static_cast<size_t>(max_m * k * 2)), b_dev(static_cast<size_t>(n * k * 2)),
+                    c_dev(static_cast<size_t>(max_m / 2 * n * 2));
+                // One call on `op` with M = rows * 2 on this rank into *c_out ([rows, n], poisoned first, read back
+                // after): checked against the reference when `check`; returns the error text (empty: no throw).
+                const auto call = [&](ops::GemmRs& op, int64_t rows, int call_idx, bool check, HostMat* c_out) {
+                    const int64_t m = 2 * rows;
+                    std::vector<HostMat> as, bs;
+                    for (int r = 0; r < 2; ++r) {
+                        as.emplace_back(m, k, k, dt);
+                        as.back().fill_random(seed_of(base, 0, r, call_idx));
+                        bs.emplace_back(n, k, k, dt);
+                        bs.back().fill_random(seed_of(base, 1, r, call_idx));
+                    }
+                    upload(as[static_cast<size_t>(me)], a_dev.ptr, st);
+                    upload(bs[static_cast<size_t>(me)], b_dev.ptr, st);
+                    HostMat& c = *c_out;  // [rows, n]
+                    poison(c);
+                    upload(c, c_dev.ptr, st);
+                    std::string message;
+                    try {
+                        const auto mine = static_cast<size_t>(me);
+                        op.run(view(as[mine], a_dev.ptr), view(bs[mine], b_dev.ptr), view(c, c_dev.ptr), st);
+                        w.sync_and_check(st);
+                    } catch (const Error& e) {
+                        message = e.what();
+                    }
+                    download(c, c_dev.ptr, st);
+                    if (check) {
+                        if (!message.empty()) {
+                            f.add("rank " + std::to_string(me) + ": agreeing call " + std::to_string(call_idx) +
+                                  " threw: " + message);
+                            return message;
+                        }
+                        const std::vector<int64_t> check_rows =
+                            rows_to_check(rows, rows, static_cast<double>(n * k * 2), seed_of(base, 2, me, call_idx));
+                        Reference ref(static_cast<int64_t>(check_rows.size()), n);
+                        for (int r = 0; r < 2; ++r) {
+                            ref.add(as[static_cast<size_t>(r)], me * rows, check_rows, bs[static_cast<size_t>(r)]);
+                        }
+                        const std::string bad =
+                            compare(c, check_rows, ref, ErrorModel::tp_sum(dt, op.partial_dtype(), 2));
+                        if (!bad.empty()) {
+                            f.add("rank " + std::to_string(me) + ": agreeing call " + std::to_string(call_idx) + ": " +
+                                  bad);
+                        }
+                    }
+                    return message;
+                };
+                {
+                    ops::GemmRs op(w, {max_m, n, k, dt}, opt);
+                    HostMat c0(64, n, n, dt);
+                    call(op, 64, 0, true, &c0);  // agreeing: M = 128
+                    const int64_t rows = me == 0 ? 128 : 64;
+                    HostMat c(rows, n, n, dt);
+                    poison(c);
+                    const HostMat c_poisoned = c;
+                    w.barrier();
+                    const std::string message = call(op, rows, 1, false, &c);  // M = 256 on rank 0, 128 on rank 1
+                    int64_t changed = 0;
+                    for (size_t i = 0; i < c.bits.size(); ++i) changed += c.bits[i] != c_poisoned.bits[i] ? 1 : 0;
+                    {
+                        std::lock_guard<std::mutex> lock(mutex);
+                        messages[static_cast<size_t>(me)] = message;
+                        written[static_cast<size_t>(me)] = changed;
+                    }
+                    EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "the context stays usable";
+                    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the aborts reached every rank
+                    w.clear_diagnostics();
+                    w.barrier();
+                }
+                ops::GemmRs op(w, {max_m, n, k, dt}, opt);
+                HostMat c2(96, n, n, dt);
+                call(op, 96, 2, true, &c2);  // agreeing again, on a new op: M = 192
+                w.barrier();
+            }
+            WEFT_CUDA_CHECK(cudaStreamDestroy(st));
+        },
+        options);
+    f.report();
+    const std::vector<std::string> words = {"collective call differs from rank", "rank 0 called gemm_rs with M = 256",
+                                            "rank 1 called gemm_rs with M = 128"};
+    for (int r = 0; r < 2; ++r) {
+        const std::string& m = messages[static_cast<size_t>(r)];
+        EXPECT_FALSE(m.empty()) << "rank " << r << " did not throw";
+        for (const std::string& word : words) {
+            EXPECT_NE(m.find(word), std::string::npos) << "rank " << r << ": '" << word << "' not in: " << m;
+        }
+        EXPECT_EQ(written[static_cast<size_t>(r)], 0) << "rank " << r << ": elements of C were written";
+    }
 }
 
 }  // namespace

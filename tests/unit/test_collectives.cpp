@@ -607,6 +607,12 @@ TEST(CallDescriptor, DescriptionsUseTheOpsAlgorithmNames) {
                   make_call_descriptor(CollectiveOp::kGemmAr, 0, true, DType::kBF16, 64, 0))
                   .find("gemm_ar with M = 64, bf16 output"),
               std::string::npos);
+    EXPECT_NE(describe_call_descriptor(make_call_descriptor(CollectiveOp::kAgGemm, 0, true, DType::kF16, 256, 7))
+                  .find("ag_gemm with M = 256, f16 ["),
+              std::string::npos);
+    EXPECT_NE(describe_call_descriptor(make_call_descriptor(CollectiveOp::kGemmRs, 0, true, DType::kF32, 128, 7))
+                  .find("gemm_rs with M = 128, f32 partials"),
+              std::string::npos);
     EXPECT_NE(describe_call_descriptor(detail::call_descriptor_bytes(CollectiveOp::kAllToAll, 1, 512, {}))
                   .find("all_to_all (staged) of 512 bytes"),
               std::string::npos);
@@ -627,6 +633,27 @@ TEST(CallDescriptor, MismatchOfThousandBf16AndFiveHundredF32NamesBothCalls) {
     for (const char* word : {"rank 0 block (17,0,0)", "differs from rank 1", "rank 0 called all_reduce (ll) of 1000 bf16",
                              "rank 1 called all_reduce (ll) of 500 f32 elements"}) {
         EXPECT_NE(m.find(word), std::string::npos) << "'" << word << "' not in: " << m;
+    }
+}
+
+// The fused ops' mismatch (AgGemm, GemmRs): both ranks' M in the op's words.
+TEST(CallDescriptor, FusedOpsMismatchNamesBothM) {
+    for (CollectiveOp op : {CollectiveOp::kAgGemm, CollectiveOp::kGemmRs}) {
+        const char* name = op == CollectiveOp::kAgGemm ? "ag_gemm" : "gemm_rs";
+        Diagnostic d{};
+        d.claimed = 2;
+        d.kind = SpinKind::kCollectiveMismatch;
+        d.cmp = Cmp::kEq;
+        d.rank = 1;
+        d.peer = 0;
+        d.expected = make_call_descriptor(op, 0, true, DType::kBF16, 128, call_descriptor_mix(0, 256));
+        d.observed = make_call_descriptor(op, 0, true, DType::kBF16, 256, call_descriptor_mix(0, 256));
+        const std::string m = format_diagnostic(d);
+        for (const std::string& word : {std::string("differs from rank 0"),
+                                        "rank 1 called " + std::string(name) + " with M = 128",
+                                        "rank 0 called " + std::string(name) + " with M = 256"}) {
+            EXPECT_NE(m.find(word), std::string::npos) << "'" << word << "' not in: " << m;
+        }
     }
 }
 

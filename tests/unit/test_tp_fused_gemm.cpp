@@ -60,13 +60,11 @@ TEST(TpFusedGemm, OpsSpecsNameTheKernelsTheyAlwaysWere) {
         EXPECT_EQ(ag.header, "ag_gemm/ag_gemm.cuh");
         EXPECT_EQ(ag.instantiation, "weft::kernels::ag_gemm::ag_gemm_kernel<" + cfg + ">");
         const jit::KernelSpec pull = ops::detail::gemm_rs_kernel_spec(c, kArch, ops::GemmRsMode::kPull);
-        EXPECT_EQ(pull.instantiation, "weft::kernels::gemm::gemm_kernel<" + cfg +
-                                          ", weft::kernels::gemm_rs::RsGemmScheduler<" + cfg +
-                                          ">, weft::kernels::gemm_rs::RsGemmHook<" + cfg + ">>");
+        EXPECT_EQ(pull.instantiation, "weft::kernels::gemm_rs::rs_gemm_kernel<" + cfg +
+                                          ", weft::kernels::gemm_rs::RsGemmHook<" + cfg + ">>");
         const jit::KernelSpec push = ops::detail::gemm_rs_kernel_spec(c, kArch, ops::GemmRsMode::kPush);
-        EXPECT_EQ(push.instantiation, "weft::kernels::gemm::gemm_kernel<" + cfg +
-                                          ", weft::kernels::gemm_rs::RsGemmScheduler<" + cfg +
-                                          ">, weft::kernels::gemm_rs::RsPushHook<" + cfg + ">>");
+        EXPECT_EQ(push.instantiation, "weft::kernels::gemm_rs::rs_gemm_kernel<" + cfg +
+                                          ", weft::kernels::gemm_rs::RsPushHook<" + cfg + ">>");
         for (const jit::KernelSpec* s : {&plain, &ag, &pull, &push}) {
             EXPECT_TRUE(s->preamble.empty() && s->extra_code.empty()) << s->instantiation;
         }

@@ -10,11 +10,20 @@
 //                               reset to 0 by this rank's GEMM's last tile, before `done` is raised
 //       done[W]                 done[s] += 1 by rank s's last GEMM tile: s finished call e (read every shard)
 //       epoch                   local; calls completed (advanced by the last GEMM tile)
+//       signatures[W]           signatures[s] = rank s's call descriptor, stored by s's notify before its ready
+//                               release (same allocation as ready); compared by every producer that loads a tile of
+//                               s's rows, after the tile's chunk wait. Overwritten each call, never reset
 //   rs  counters[W * cpr]       on destination d: [source s][chunk c] += 1 per finished tile of s for d; zeroed
 //                               by d's reduction (pull mode) or d's last GEMM tile (push mode) once complete,
 //                               before it raises `released`
 //       released[W]             released[d] += 1 when rank d finished reading call e's partials
 //       gemm_calls, red_epoch   local; calls completed by the GEMM / by the reduction
+//       signatures[2][W]        on destination d: [parity of the call][source s] = s's call descriptor, stored by
+//                               CTA 0 of s's GEMM kernel at its start; zeroed by d with its counters, before it
+//                               raises `released` (s writes that parity again only two calls on, after it awaited
+//                               that `released`). The reader of s's partial polls the slot, then the count: it goes
+//                               on once the slot agrees and the count is complete, and stops at a slot holding
+//                               another descriptor (kCollectiveMismatch), whatever the counts
 //   ar  ready[W], done[W]       += 1 per call: partial complete / finished reading every partial
 // Every wait compares with >= against a value derived from a device-side counter (never a host value frozen
 // in a CUDA graph), or against the constant 1 of a word that is reset in stream order.
@@ -31,6 +40,10 @@ struct AgGemmParams {
     DeviceCtx ctx;
     AgGemmOrder order;              ///< built by the host for this call
     const uint64_t* chunk_signals;  ///< local [order.num_signals()]
+    /// local view of the symmetric [num_ranks] descriptor slots: slot s holds rank s's `signature` of this call,
+    /// stored there by s's notify kernel before it raised ready[s] (AgNotifyParams::signatures)
+    const uint64_t* signatures;
+    uint64_t signature;  ///< this call's descriptor (make_call_descriptor: CollectiveOp::kAgGemm, M, K, dtype)
 };
 
 /// AllGather+GEMM epilogue hook (AgGemmHook: counts stored tiles) and end-of-call (ag_finish_call, run by
@@ -50,6 +63,10 @@ struct AgGemmHookParams {
 struct AgNotifyParams {
     DeviceCtx ctx;
     uint64_t* ready;  ///< symmetric [num_ranks]
+    /// symmetric [num_ranks], in the allocation of `ready` (reached through the translation of the peer's ready word),
+    /// or null (AgAttention: no descriptor): `signature` is stored into slot `rank` on every peer before ready[rank]
+    uint64_t* signatures;
+    uint64_t signature;
 };
 
 /// GEMM+ReduceScatter scheduler (RsGemmScheduler) parameters.
@@ -59,6 +76,8 @@ struct RsGemmParams {
     int64_t chunk_rows;
     const uint64_t* released;    ///< symmetric [num_ranks]
     const uint64_t* gemm_calls;  ///< local
+    uint64_t* signatures;        ///< symmetric [2][num_ranks]: slot [calls & 1][rank] on every peer gets `signature`
+    uint64_t signature;          ///< this call's descriptor (make_call_descriptor: CollectiveOp::kGemmRs, M, ...)
 };
 
 /// GEMM+ReduceScatter epilogue hook (RsGemmHook) parameters.
@@ -97,6 +116,8 @@ struct RsPushHookParams {
     int32_t num_tiles;
     int32_t n;               ///< columns of C
     uint64_t* gemm_calls;    ///< local
+    uint64_t* signatures;    ///< symmetric [2][num_ranks] (RsGemmParams::signatures): compared by own tiles, zeroed
+    uint64_t signature;      ///< this call's descriptor
 };
 
 /// GEMM+ReduceScatter reduction kernel (rs_reduce_kernel) parameters.
@@ -117,6 +138,8 @@ struct RsReduceParams {
     uint64_t* released;        ///< symmetric [num_ranks]
     uint64_t* epoch;           ///< local
     uint32_t* exit_count;      ///< local
+    uint64_t* signatures;      ///< symmetric [2][num_ranks] (RsGemmParams::signatures): compared per chunk, zeroed
+    uint64_t signature;        ///< this call's descriptor
 };
 
 /// GEMM+AllReduce one-shot reduction kernel (ar_reduce_kernel) parameters.

@@ -75,9 +75,13 @@ public:
     ///   b:       [n, k] row-major with a row stride (a linear layer's weight)
     ///   c:       [M, n] row-major with a row stride; every row stride a multiple of 16 bytes, bases 16-byte
     ///            aligned (TMA); same dtype as shape.dtype
-    /// Every member calls with the same M (1 <= M/W, M <= max_m). Asynchronous on `stream` (it forks the copy
-    /// streams from it and joins them back); never synchronises the host; capturable in a CUDA graph (no
-    /// value of a call is frozen into the graph: see kernels/ag_gemm/README.md). After the call's work on
+    /// Every member calls with the same M (1 <= M/W, M <= max_m). A member that calls with another M (or was built
+    /// with another K or dtype) is diagnosed on every rank: the call throws weft::Error at the next sync_and_check,
+    /// naming both ranks' M, and no row of c that depends on a differing rank's shard is written (rows computed
+    /// before from this rank's own shard or agreeing peers' may be); the op stays usable once every rank cleared
+    /// its diagnostics (kernels/ag_gemm/README.md, "Ranks that call differently"). Asynchronous on `stream` (it
+    /// forks the copy streams from it and joins them back); never synchronises the host; capturable in a CUDA
+    /// graph (no value of a call is frozen into the graph: see kernels/ag_gemm/README.md). After the call's work on
     /// `stream`, gathered(M) holds A until the next call. A team of one rank runs the plain GEMM on a_local
     /// (and copies it into gathered(M) beside it).
     void run(const TensorView& a_local, const TensorView& b, const TensorView& c, cudaStream_t stream);

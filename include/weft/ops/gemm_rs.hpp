@@ -80,7 +80,11 @@ public:
 
     /// C[M/W, N] = rows [r*M/W, (r+1)*M/W) of sum over the team's ranks s of A_s * B_s^T (fp32 accumulation).
     ///   a: [M, k] this rank's A; b: [n, k] this rank's weight shard; c: [M/W, n] (TMA rules as AgGemm::run)
-    /// Every member calls with the same M. Asynchronous on `stream` (the reduction runs on a side stream forked
+    /// Every member calls with the same M. A member that calls with another M (or another n, partial dtype, tiles,
+    /// chunks or mode) is diagnosed on every rank: the call throws weft::Error at the next sync_and_check naming
+    /// both ranks' M, and in pull mode no element of c is written; push mode traps after recording the diagnosis
+    /// (kernels/gemm_rs/README.md). Replace the op after such an error. Asynchronous on `stream` (the reduction
+    /// runs on a side stream forked
     /// from it and joined back); graph-capturable. A team of one rank runs the plain GEMM into c.
     void run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream);
 
@@ -123,9 +127,10 @@ std::string gemm_rs_push_unsupported(const GemmRsShape& shape, int num_ranks, co
 GemmRsMode resolve_gemm_rs_mode(const GemmRsShape& shape, int num_ranks, const GemmRsOptions& options,
                                 bool ranks_share_a_gpu = false);
 
-/// GemmRs's GEMM as a fused GEMM (weft/ops/fused_gemm.hpp) in a resolved mode: RsGemmScheduler (destination order,
-/// the first load waits for `released`) with RsGemmHook (pull: per-tile counters) or RsPushHook (push: peers' tiles
-/// stored into their buffers, own tiles add the peers' partials). A team of one rank runs the plain GEMM instead.
+/// GemmRs's GEMM as a fused GEMM (weft/ops/fused_gemm.hpp) in a resolved mode: its own kernel rs_gemm_kernel (CTA 0
+/// publishes the call's descriptor to the peers, then the GEMM) over RsGemmScheduler (destination order, the first
+/// load waits for `released`) with RsGemmHook (pull: per-tile counters) or RsPushHook (push: peers' tiles stored into
+/// their buffers, own tiles add the peers' partials). A team of one rank runs the plain GEMM instead.
 FusedGemmSpec gemm_rs_fused_spec(GemmRsMode mode);
 jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch = "",
                                     GemmRsMode mode = GemmRsMode::kPull);
