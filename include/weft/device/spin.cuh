@@ -5,9 +5,9 @@
 // Every wait in weft goes through one poll loop (detail::poll_bounded). It polls a 64-bit word with the requested
 // load semantic, tight for the first kSpinFastPolls polls (so a signal that is about to arrive costs no sleep), then
 // with __nanosleep backoff doubling up to kSpinMaxSleepNs. In the backoff phase it also reads the World's abort word
-// (ctx.abort_flag, host-mapped) once every kSpinAbortPollNs of %globaltimer: the tight phase, where a signal round
-// trip is measured, is the same code as without an abort word (no extra load; SpinSass tests check it). A wait
-// ends in one of three ways:
+// (ctx.abort_flag, host-mapped) at its first step, then once every kSpinAbortPollNs of %globaltimer: the tight phase,
+// where a signal round trip is measured, is the same code as without an abort word (no extra load; SpinSass tests
+// check it). A wait ends in one of three ways:
 //  - the word satisfied the comparison: the wait returns;
 //  - ctx.timeout_ns passed (0 means kDefaultTimeoutNs, 10 minutes: a late peer is not a dead one; the host's
 //    watchdog notices dead peers within seconds and sets the abort word);
@@ -59,7 +59,7 @@
 #define WEFT_SPIN_MAX_SLEEP_NS 1024
 #endif
 #ifndef WEFT_SPIN_ABORT_POLL_NS
-#define WEFT_SPIN_ABORT_POLL_NS 8192
+#define WEFT_SPIN_ABORT_POLL_NS 16777216
 #endif
 
 namespace weft::device {
@@ -71,8 +71,12 @@ using ptx::Sem;
 inline constexpr uint32_t kSpinFastPolls = WEFT_SPIN_FAST_POLLS;
 /// Longest single backoff sleep (the hardware sleeps up to twice this).
 inline constexpr uint32_t kSpinMaxSleepNs = WEFT_SPIN_MAX_SLEEP_NS;
-/// How often (in %globaltimer nanoseconds) a wait in its backoff phase reads the World's abort word: one load of
-/// host-mapped memory (about a microsecond over PCIe) per this many nanoseconds of waiting.
+/// How often (in %globaltimer nanoseconds) a wait in its backoff phase reads the World's abort word: once at its first
+/// backoff step, then once per this many nanoseconds of waiting (about 16 ms; the watchdog that raises the word acts
+/// in seconds). Each read is a load of host-mapped memory across PCIe, and every waiting thread makes its own: at
+/// the former 8 us, ep::MoeBlock's fused combine (a spinning lane per top-k slot of each token its warps wait on,
+/// 256 to 3072 of them) made the block 7x to 200x slower than its separate ops on one H200; 1 ms still cost 1.6 ms
+/// of 7 at 4096 tokens, 16 ms nothing measurable (#31).
 inline constexpr uint64_t kSpinAbortPollNs = WEFT_SPIN_ABORT_POLL_NS;
 /// Used when ctx.timeout_ns is 0: ten minutes, so that a peer that starts late (checkpointing, data loading) is
 /// waited for; dead peers are the host watchdog's (World, WEFT_DEAD_PEER_MS), which stops every wait in seconds.
