@@ -73,10 +73,9 @@ inline constexpr uint32_t kSpinFastPolls = WEFT_SPIN_FAST_POLLS;
 inline constexpr uint32_t kSpinMaxSleepNs = WEFT_SPIN_MAX_SLEEP_NS;
 /// How often (in %globaltimer nanoseconds) a wait in its backoff phase reads the World's abort word: once at its first
 /// backoff step, then once per this many nanoseconds of waiting (about 16 ms; the watchdog that raises the word acts
-/// in seconds). Each read is a load of host-mapped memory across PCIe, and every waiting thread makes its own: at
-/// the former 8 us, ep::MoeBlock's fused combine (a spinning lane per top-k slot of each token its warps wait on,
-/// 256 to 3072 of them) made the block 7x to 200x slower than its separate ops on one H200; 1 ms still cost 1.6 ms
-/// of 7 at 4096 tokens, 16 ms nothing measurable (#31).
+/// in seconds). Each read is a load of host-mapped memory across PCIe, and every waiting thread makes its own: with
+/// thousands of threads waiting at once (ep::MoeBlock's fused combine: a lane per top-k slot of each token its warps
+/// wait on) reads every few microseconds slowed the whole GPU several-fold on one H200 (docs/memory_model.md).
 inline constexpr uint64_t kSpinAbortPollNs = WEFT_SPIN_ABORT_POLL_NS;
 /// Used when ctx.timeout_ns is 0: ten minutes, so that a peer that starts late (checkpointing, data loading) is
 /// waited for; dead peers are the host watchdog's (World, WEFT_DEAD_PEER_MS), which stops every wait in seconds.
