@@ -37,6 +37,7 @@
 #include "weft/ops/moe_tp.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/module_loading.hpp"
 #include "weft/runtime/symmetric_heap.hpp"
 #include "weft/runtime/world.hpp"
 
@@ -223,6 +224,10 @@ int main(int argc, char** argv) {
     cli.check(&opt.check).json(&opt.json);
     return weft::bench::run_main("weft_bench_moe_tp", [&] {
         cli.parse(argc, argv);
+        // Before the first CUDA call (cudaSetDevice creates the context): eager module loading and 32 hardware queues.
+        // Set later (run_local does), they are ignored, and 8 ranks' streams then share CUDA's default 8 queues, where
+        // a rank's spinning kernel can sit ahead of the peer work it waits for (docs/runtime.md, "Hardware queues").
+        weft::prepare_cuda_environment();
         BENCH_CUDA(cudaSetDevice(0));
         int gpus = 0;
         BENCH_CUDA(cudaGetDeviceCount(&gpus));

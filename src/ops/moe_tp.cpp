@@ -315,12 +315,14 @@ struct MoeLayerBase : tp_detail::FusedOpState {
     cudaStream_t side = nullptr;
     cudaEvent_t fork = nullptr, join = nullptr;
     GemmConfig config{};
+    detail::MoeTpTimeouts timeouts;
     bool first_call_pending = false;
 
     MoeLayerBase(const Team& t, const char* op_name, const MoeTpShape& s, const MoeTpOptions& o)
         : FusedOpState(t, op_name), shape(s), options(o) {
         validate_moe_tp_shape(s, num_ranks, o, op_name);
         budget = tp_detail::resolve_sm_budget(o.sm_budget, world->sm_budget());
+        timeouts = detail::moe_tp_timeouts(world->timeout(), o.timeout);
         // Uniform over the team (the members count each other's blocks): from the world's shared budget.
         comm_blocks = o.comm_blocks > 0 ? o.comm_blocks : std::clamp(world->shared_sm_budget() / 8, 1, 16);
         gemm_budget = budget - comm_blocks;
@@ -342,9 +344,18 @@ struct MoeLayerBase : tp_detail::FusedOpState {
         return g;
     }
 
-    uint64_t wait_timeout_ns() const {
-        return options.timeout.count() > 0 ? static_cast<uint64_t>(options.timeout.count()) * 1000000ull
-                                           : pipeline_timeout_ns;
+    uint64_t wait_timeout_ns() const { return timeouts.wait_ns; }
+
+    /// The call's grouped GEMM launch with its pipeline waits bounded by timeouts.pipeline_ns: longer than every peer
+    /// wait (layer 0's producer waits for the members' pushes while its consumers wait for the producer; at the
+    /// grouped GEMM's own bound, WEFT_TIMEOUT_MS or 10 s, a peer slower than that trapped them with no diagnostic).
+    ops::detail::GroupedGemmLaunch prepare_gemm(const GroupedGemmProblem& p, const TensorView& a, const TensorView& b,
+                                                const TensorView& d, const int32_t* offsets, const int32_t* counts,
+                                                const GroupedGemmOptions& go) const {
+        ops::detail::GroupedGemmLaunch gl =
+            ops::detail::prepare_grouped_gemm_launch(p, a, b, d, offsets, counts, num_sms(), go);
+        gl.args.timeout_ns = timeouts.pipeline_ns;
+        return gl;
     }
 
     DeviceCtx wait_ctx() const {
@@ -471,8 +482,8 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
     const GroupedGemmOptions go = s.gemm_options(m);
     GroupedGemmOptions go_forced = go;
     go_forced.config = s.config;
-    const ops::detail::GroupedGemmLaunch gl = ops::detail::prepare_grouped_gemm_launch(
-        p, a_rows, w, y, s.routing.offsets, s.routing.counts, num_sms(), go_forced);
+    const ops::detail::GroupedGemmLaunch gl =
+        s.prepare_gemm(p, a_rows, w, y, s.routing.offsets, s.routing.counts, go_forced);
     weft::moe::GatheredWaitParams wait{};
     wait.groups = gl.groups;
     wait.gather_index = s.routing.gather_index;
@@ -609,8 +620,7 @@ void MoeGroupedGemmRs::run(const TensorView& h, const TensorView& w, const MoeRo
                                                             routing.offsets, routing.counts);
     GroupedGemmOptions go = s.gemm_options(m);
     go.config = s.config;
-    const ops::detail::GroupedGemmLaunch gl =
-        ops::detail::prepare_grouped_gemm_launch(p, h, w, d_rows, routing.offsets, routing.counts, num_sms(), go);
+    const ops::detail::GroupedGemmLaunch gl = s.prepare_gemm(p, h, w, d_rows, routing.offsets, routing.counts, go);
     weft::moe::GroupDoneParams hook{};
     hook.counters = s.counters;
     hook.done = s.done;
@@ -678,6 +688,16 @@ jit::KernelSpec moe_kernel_spec(const std::string& name, const std::string& arch
         if (name == k.name) return tp_detail::make_spec(k.header, k.instantiation, std::string("moe ") + k.name, arch);
     }
     WEFT_FAIL("moe: no kernel named '" << name << "'");
+}
+
+MoeTpTimeouts moe_tp_timeouts(std::chrono::milliseconds world_timeout, std::chrono::milliseconds option) {
+    WEFT_CHECK(option.count() >= 0, "moe_tp: options.timeout must be >= 0, got " << option.count() << " ms");
+    const auto ms =
+        static_cast<uint64_t>(std::max<int64_t>(1, option.count() > 0 ? option.count() : world_timeout.count()));
+    MoeTpTimeouts t;
+    t.wait_ns = ms * 1000000ull;
+    t.pipeline_ns = 2 * t.wait_ns;
+    return t;
 }
 
 std::vector<std::string> moe_kernel_names() {

@@ -5,7 +5,7 @@
 // sum (bit-identical over runs); MoeAgGroupedGemm and MoeGroupedGemmRs at worlds 1, 2, 3, 4, 8 (ranks as threads on
 // the visible GPUs) with fresh data per call, a smaller M on a later call, a CUDA-graph replay, and the routing cases
 // that break MoE layers: one hot expert, experts with no token, a rank whose tokens all have -1 slots, -1 slots,
-// top-k 1, 2 and 8. Outputs are poisoned before every call.
+// top-k 1, 2 and 8, and the bench's DeepSeek FFN shard at world 8. Outputs are poisoned before every call.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -539,6 +539,13 @@ TEST(MoeTpLayers, World4) {
 TEST(MoeTpLayers, World8) {
     REQUIRE_SM90();
     run_layer_cases(8, layer_cases());
+}
+
+// The bench's DeepSeek shard at world 8 (F 1408 / 8 = 176 per rank: layer 0's N and layer 1's K neither a multiple of
+// 64, so three k-blocks with a zero-filled tail), 64 experts and top-6, on fewer tokens and a narrower H.
+TEST(MoeTpLayers, World8DeepseekShard) {
+    REQUIRE_SM90();
+    run_layer_cases(8, {{64, 256, 176, 64, 6}});
 }
 
 TEST(MoeTpLayers, BadIndicesAreRecorded) {

@@ -5,8 +5,11 @@
 #include <gtest/gtest.h>
 #include <nvrtc.h>
 
+#include <algorithm>
+#include <chrono>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/nvrtc_testing.hpp"
@@ -287,6 +290,25 @@ TEST(MoeTpArgs, RoutingStatusMessage) {
     EXPECT_NE(what.find("slot 7"), std::string::npos) << what;
     EXPECT_NE(what.find("12"), std::string::npos) << what;
     EXPECT_NE(what.find("[-1, 8)"), std::string::npos) << what;
+}
+
+// A peer that stalls must expire a peer wait (a Diagnostic naming it) before the GEMM's pipeline waits, which trap
+// without one: layer 0's consumers wait on the producer while it waits for the members' pushes. The GEMM's bound was
+// the grouped GEMM's own (WEFT_TIMEOUT_MS or 10 s) under peer waits of twice the World's timeout: at world 8 on one
+// GPU the bench's stall ended in a bare cudaErrorLaunchFailure.
+TEST(MoeTpArgs, GemmPipelineOutlastsEveryPeerWait) {
+    using std::chrono::milliseconds;
+    for (const auto& [world, option] :
+         {std::pair{milliseconds(10000), milliseconds(0)}, std::pair{milliseconds(60000), milliseconds(0)},
+          std::pair{milliseconds(60000), milliseconds(500)}, std::pair{milliseconds(1), milliseconds(0)},
+          std::pair{milliseconds(0), milliseconds(0)}}) {
+        const ops::detail::MoeTpTimeouts t = ops::detail::moe_tp_timeouts(world, option);
+        const int64_t want_ms = option.count() > 0 ? option.count() : std::max<int64_t>(1, world.count());
+        EXPECT_EQ(t.wait_ns, static_cast<uint64_t>(want_ms) * 1000000ull) << world.count() << " " << option.count();
+        EXPECT_EQ(t.pipeline_ns, 2 * t.wait_ns) << world.count() << " " << option.count();
+        EXPECT_GT(t.pipeline_ns, t.wait_ns);
+    }
+    EXPECT_THROW(ops::detail::moe_tp_timeouts(milliseconds(1000), milliseconds(-1)), Error);
 }
 
 }  // namespace

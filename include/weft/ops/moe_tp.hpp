@@ -116,7 +116,8 @@ struct MoeTpOptions {
     int sm_budget = 0;                     ///< SMs of the op's kernels; 0 = World::sm_budget()
     int comm_blocks = 0;                   ///< CTAs of the push (layer 0) / combine (layer 1) kernel; 0 = heuristic
     std::optional<GemmConfig> config;      ///< the grouped GEMM's config (is_valid_grouped, bf16 in, B [N, K])
-    std::chrono::milliseconds timeout{0};  ///< bound on every wait; 0 = WEFT_TIMEOUT_MS or 10 s
+    std::chrono::milliseconds timeout{0};  ///< bound on every wait on a peer; 0 = World::timeout() (the GEMM's
+                                           ///< pipeline waits: twice it)
 };
 
 /// TP MoE layer 0: AllGather + grouped GEMM. Construction and destruction are collective over the team's members
@@ -196,6 +197,16 @@ jit::KernelSpec moe_ag_gemm_kernel_spec(const GemmConfig& config, const std::str
 jit::KernelSpec moe_gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch = "");
 /// Names accepted by moe_kernel_spec.
 std::vector<std::string> moe_kernel_names();
+
+/// The bounds of a TP MoE layer's waits: `wait_ns` for every wait on a peer (the push, combine and wait kernels and
+/// layer 0's per-tile wait): options.timeout, else the World's timeout; `pipeline_ns` = 2 x wait_ns for its GEMM's
+/// pipeline waits, so a peer that stalls expires a peer wait first, whose Diagnostic names it, and not the GEMM's
+/// pipeline, which traps without one (the rule of the other fused GEMMs: fused_gemm_timeout_ns).
+struct MoeTpTimeouts {
+    uint64_t wait_ns = 0;
+    uint64_t pipeline_ns = 0;
+};
+MoeTpTimeouts moe_tp_timeouts(std::chrono::milliseconds world_timeout, std::chrono::milliseconds option);
 }  // namespace detail
 
 }  // namespace weft::ops
