@@ -35,6 +35,7 @@ struct Options {
     std::vector<int64_t> batches = {1, 8, 64};
     std::vector<Heads> heads = {{32, 8}, {96, 12}};
     std::vector<int64_t> pages = {1, 16};
+    std::vector<int64_t> splits = {0};  // DecodeAttentionOptions::num_splits; 0 = the automatic plan
     int dim = 128;
     DType dtype = DType::kBF16;
     int iters = 20;
@@ -74,6 +75,8 @@ Options parse(int argc, char** argv) {
     });
     cli.option("--page", "P[,P...]", "page sizes in tokens (default 1,16)",
                [&](const std::string& v) { o.pages = weft::bench::parse_int_list(v, "--page", 1, 4096); });
+    cli.option("--splits", "S[,S...]", "KV splits per (sequence, KV head); 0 = automatic (default 0)",
+               [&](const std::string& v) { o.splits = weft::bench::parse_int_list(v, "--splits", 0, 256); });
     cli.option("--dim", "D", "head dimension: 64, 128 or 256 (default 128)", [&](const std::string& v) {
         o.dim = static_cast<int>(weft::bench::parse_int(v, "--dim", 64, 256));
         if (o.dim != 64 && o.dim != 128 && o.dim != 256) throw weft::bench::UsageError("--dim: 64, 128 or 256");
@@ -165,52 +168,59 @@ int main(int argc, char** argv) {
                         const TensorView tlens(lens.ptr, DType::kI32, {batch});
                         const TensorView tout(out.ptr, opt.dtype, {batch, h.q, opt.dim});
                         const TensorView tlse(lse.ptr, DType::kF32, {batch, h.q});
-                        weft::ops::DecodeAttentionOptions o;
-                        const uint64_t ws_bytes =
-                            weft::ops::decode_attention_workspace_bytes(batch, h.q, h.kv, opt.dim, len, o);
-                        DeviceBuffer ws(static_cast<size_t>(ws_bytes));
-                        o.workspace =
-                            TensorView(ws.ptr, DType::kU8, {static_cast<int64_t>(std::max<uint64_t>(ws_bytes, 16))});
-                        const auto call = [&](int i) {
-                            const int64_t r = i % rotations;
-                            const TensorView table(static_cast<int32_t*>(tables.ptr) + r * used, DType::kI32,
-                                                   {batch, pages_per_seq});
-                            weft::ops::decode_attention(tq, tk, tv, table, tlens, len, tout, tlse, stream, o);
-                        };
-                        const double ms = weft::bench::time_batch_ms(stream, opt.warmup, opt.iters, call);
-                        const double us = ms * 1e3;
-                        const double tbs = static_cast<double>(kv_bytes) / (us * 1e-6) / 1e12;
-                        const double roof_us =
-                            peaks.read_tbs > 0 ? static_cast<double>(kv_bytes) / (peaks.read_tbs * 1e12) * 1e6 : 0;
-                        const double pct = peaks.read_tbs > 0 ? 100.0 * tbs / peaks.read_tbs : 0;
-                        const int32_t splits =
-                            weft::ops::decode_attention_split_plan(batch, h.q, h.kv, opt.dim, len, o).num_splits;
-                        std::string check;
-                        if (opt.check) {
-                            // One split (the split kernel writes out directly) against the chosen plan (split +
-                            // combine).
-                            weft::ops::DecodeAttentionOptions one;
-                            one.num_splits = 1;
-                            const TensorView tref(out_ref.ptr, opt.dtype, {batch, h.q, opt.dim});
-                            const TensorView table(tables.ptr, DType::kI32, {batch, pages_per_seq});
-                            weft::ops::decode_attention(tq, tk, tv, table, tlens, len, tref, TensorView(), stream, one);
-                            weft::ops::decode_attention(tq, tk, tv, table, tlens, len, tout, tlse, stream, o);
-                            const double err = weft::bench::relative_error(out.ptr, opt.dim, out_ref.ptr, opt.dim,
-                                                                           batch * h.q, opt.dim, opt.dtype, stream);
-                            const bool ok = err < (opt.dtype == DType::kBF16 ? 1e-2 : 3e-3);
-                            all_ok = all_ok && ok;
-                            char buf[48];
-                            std::snprintf(buf, sizeof(buf), "%s rel %.1e", ok ? "ok" : "FAIL", err);
-                            check = buf;
+                        for (int64_t requested : opt.splits) {
+                            weft::ops::DecodeAttentionOptions o;
+                            o.num_splits = static_cast<int32_t>(requested);
+                            const uint64_t ws_bytes =
+                                weft::ops::decode_attention_workspace_bytes(batch, h.q, h.kv, opt.dim, len, o);
+                            DeviceBuffer ws(static_cast<size_t>(ws_bytes));
+                            o.workspace = TensorView(ws.ptr, DType::kU8,
+                                                     {static_cast<int64_t>(std::max<uint64_t>(ws_bytes, 16))});
+                            const auto call = [&](int i) {
+                                const int64_t r = i % rotations;
+                                const TensorView table(static_cast<int32_t*>(tables.ptr) + r * used, DType::kI32,
+                                                       {batch, pages_per_seq});
+                                weft::ops::decode_attention(tq, tk, tv, table, tlens, len, tout, tlse, stream, o);
+                            };
+                            const double ms = weft::bench::time_batch_ms(stream, opt.warmup, opt.iters, call);
+                            const double us = ms * 1e3;
+                            const double tbs = static_cast<double>(kv_bytes) / (us * 1e-6) / 1e12;
+                            const double roof_us =
+                                peaks.read_tbs > 0 ? static_cast<double>(kv_bytes) / (peaks.read_tbs * 1e12) * 1e6 : 0;
+                            const double pct = peaks.read_tbs > 0 ? 100.0 * tbs / peaks.read_tbs : 0;
+                            const int32_t splits =
+                                weft::ops::decode_attention_split_plan(batch, h.q, h.kv, opt.dim, len, o).num_splits;
+                            std::string check;
+                            if (opt.check) {
+                                // One split (the split kernel writes out directly) against the chosen plan (split +
+                                // combine).
+                                weft::ops::DecodeAttentionOptions one;
+                                one.num_splits = 1;
+                                const TensorView tref(out_ref.ptr, opt.dtype, {batch, h.q, opt.dim});
+                                const TensorView table(tables.ptr, DType::kI32, {batch, pages_per_seq});
+                                weft::ops::decode_attention(tq, tk, tv, table, tlens, len, tref, TensorView(), stream,
+                                                            one);
+                                weft::ops::decode_attention(tq, tk, tv, table, tlens, len, tout, tlse, stream, o);
+                                const double err = weft::bench::relative_error(out.ptr, opt.dim, out_ref.ptr, opt.dim,
+                                                                               batch * h.q, opt.dim, opt.dtype, stream);
+                                const bool ok = err < (opt.dtype == DType::kBF16 ? 1e-2 : 3e-3);
+                                all_ok = all_ok && ok;
+                                char buf[48];
+                                std::snprintf(buf, sizeof(buf), "%s rel %.1e", ok ? "ok" : "FAIL", err);
+                                check = buf;
+                            }
+                            std::printf("%6lld %3d/%-3d %5lld %9lld %7d %10.2f %10.2f %8.3f %7.1f%% %s\n",
+                                        static_cast<long long>(batch), h.q, h.kv, static_cast<long long>(page),
+                                        static_cast<long long>(len), splits, us, roof_us, tbs, pct, check.c_str());
+                            std::fflush(stdout);
+                            j.begin_object(true).field("batch", batch).field("q_heads", h.q).field("kv_heads", h.kv);
+                            j.field("page", page)
+                                .field("kv_len", len)
+                                .field("splits", splits)
+                                .field("kv_bytes", kv_bytes);
+                            j.field("us", us).field("roofline_us", roof_us).field("tbs", tbs).field("pct_of_read", pct);
+                            j.end_object();
                         }
-                        std::printf("%6lld %3d/%-3d %5lld %9lld %7d %10.2f %10.2f %8.3f %7.1f%% %s\n",
-                                    static_cast<long long>(batch), h.q, h.kv, static_cast<long long>(page),
-                                    static_cast<long long>(len), splits, us, roof_us, tbs, pct, check.c_str());
-                        std::fflush(stdout);
-                        j.begin_object(true).field("batch", batch).field("q_heads", h.q).field("kv_heads", h.kv);
-                        j.field("page", page).field("kv_len", len).field("splits", splits).field("kv_bytes", kv_bytes);
-                        j.field("us", us).field("roofline_us", roof_us).field("tbs", tbs).field("pct_of_read", pct);
-                        j.end_object();
                     }
                 }
             }

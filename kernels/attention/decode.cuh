@@ -13,6 +13,7 @@
 #include "weft/device/symmetric.cuh"
 #include "weft/ptx/cp_async.cuh"
 #include "weft/ptx/cvt.cuh"
+#include "weft/ptx/griddep.cuh"
 #include "weft/ptx/matrix.cuh"
 #include "weft/ptx/mma.cuh"
 
@@ -123,6 +124,9 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
     const unsigned k_base = static_cast<unsigned>(__cvta_generic_to_shared(k_smem));
     const unsigned v_base = k_base + C.stages * kStageBytes;
 
+    // The combine kernel (launched programmatically) may be scheduled once every split block has started; it waits
+    // for this grid to complete before it reads the partials.
+    ptx::launch_dependents();
     const int split = static_cast<int>(blockIdx.x);
     const int kv_head = static_cast<int>(blockIdx.y);
     const int b = static_cast<int>(blockIdx.z);
@@ -130,6 +134,23 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
     const int warp = tid / 32;
     const int lane = tid % 32;
     const int group = p.group;
+
+    // Q rows 0..group-1 are the group's q-heads; rows group..15 are zero. Their loads are issued first, beside the
+    // sequence length's, so that neither latency waits for the other.
+    constexpr int kQPerThread = 16 * kChunks / kAttentionThreads;
+    static_assert(16 * kChunks % kAttentionThreads == 0, "Q tile loads must divide evenly");
+    uint4 q_regs[kQPerThread];
+#pragma unroll
+    for (int i = 0; i < kQPerThread; ++i) {
+        const int idx = tid + i * kAttentionThreads;
+        const int row = idx / kChunks;
+        q_regs[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (row < group) {
+            const auto* src = static_cast<const uint16_t*>(p.q) + b * p.q_batch_stride +
+                              static_cast<int64_t>(kv_head * group + row) * p.q_head_stride + (idx % kChunks) * 8;
+            q_regs[i] = *reinterpret_cast<const uint4*>(src);
+        }
+    }
 
     int64_t len = p.seq_lens[b];
     len = len < 0 ? 0 : (len > p.max_seq_len ? p.max_seq_len : len);
@@ -139,19 +160,6 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
     const int first = static_cast<int>(begin);
     const int end = end_64 > begin ? static_cast<int>(end_64) : first;
     const int num_tiles = (end - first + kTile - 1) / kTile;
-
-    // Q rows 0..group-1 are the group's q-heads; rows group..15 are zero.
-    for (int i = tid; i < 16 * kChunks; i += kAttentionThreads) {
-        const int row = i / kChunks;
-        const int chunk = i % kChunks;
-        uint4 val = make_uint4(0u, 0u, 0u, 0u);
-        if (row < group) {
-            const auto* src = static_cast<const uint16_t*>(p.q) + b * p.q_batch_stride +
-                              static_cast<int64_t>(kv_head * group + row) * p.q_head_stride + chunk * 8;
-            val = *reinterpret_cast<const uint4*>(src);
-        }
-        *reinterpret_cast<uint4*>(q_smem + swizzled<kRowBytes>(row, chunk)) = val;
-    }
 
     // Thread tid copies chunk (tid % kChunks) of rows tid / kChunks + kRowsPerPass * i of every K and V tile.
     const int my_chunk = tid % kChunks;
@@ -199,14 +207,30 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
     float row_sum[2] = {0.f, 0.f};              // this lane's share; summed over the quad at the end
 
     int32_t pages[kLoadsPerThread];
-    if constexpr (kPrefetchPages) lookup(0, pages);
+    if constexpr (kPrefetchPages) {
+        // Every prologue tile's pages first: their loads overlap instead of chaining one latency per tile.
+        int32_t first_pages[C.stages - 1][kLoadsPerThread];
 #pragma unroll
-    for (int s = 0; s < C.stages - 1; ++s) {
-        if (s < num_tiles) {
-            issue(s, s, pages);
-            if constexpr (kPrefetchPages) lookup(s + 1, pages);
+        for (int s = 0; s < C.stages - 1; ++s) lookup(s, first_pages[s]);
+        lookup(C.stages - 1, pages);
+#pragma unroll
+        for (int s = 0; s < C.stages - 1; ++s) {
+            if (s < num_tiles) issue(s, s, first_pages[s]);
+            ptx::cp_async_commit();
         }
-        ptx::cp_async_commit();
+    } else {
+#pragma unroll
+        for (int s = 0; s < C.stages - 1; ++s) {
+            if (s < num_tiles) issue(s, s, pages);
+            ptx::cp_async_commit();
+        }
+    }
+
+    // Q (read at the kernel's start) into shared memory; the loop's first barrier publishes it.
+#pragma unroll
+    for (int i = 0; i < kQPerThread; ++i) {
+        const int idx = tid + i * kAttentionThreads;
+        *reinterpret_cast<uint4*>(q_smem + swizzled<kRowBytes>(idx / kChunks, idx % kChunks)) = q_regs[i];
     }
 
     const int g = lane / 4;
@@ -377,70 +401,105 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
     }
 }
 
-/// Combine kernel. Grid ceil(batch * num_q_heads / 4), kAttentionCombineThreads threads: warp w of block x merges
-/// row 4x + w (one (sequence, q-head)) over its num_splits partials, weighting split s by e^(lse_s - max) / sum,
-/// and writes `out` and `lse` (natural log; -inf and zeros when every split was empty), or pushes them to every rank
-/// (p.push_enabled, sequence-parallel decode).
+/// Combine kernel. Grid batch * num_q_heads, kAttentionCombineThreads threads: block x merges row x (one (sequence,
+/// q-head)) over its num_splits partials, weighting split s by e^(lse_s - max) / sum, and writes `out` and `lse`
+/// (natural log; -inf and zeros when every split was empty), or pushes them to every rank (p.push_enabled,
+/// sequence-parallel decode). The block's threads split the row's float4 columns x the splits, so that a row's loads
+/// are all in flight at once (a warp looping over the splits waits one memory latency per few splits). The minimum
+/// of one block per SM in its launch bounds lets ptxas use the registers the diagnostic path needs (without it, it
+/// keeps to 32 and spills there).
 template <AttentionDecodeConfig C>
-__global__ void __launch_bounds__(kAttentionCombineThreads) decode_combine(AttentionDecodeParams p) {
+__global__ void __launch_bounds__(kAttentionCombineThreads, 1) decode_combine(AttentionDecodeParams p) {
     static_assert(is_valid(C), "AttentionDecodeConfig: see is_valid() in weft/common/attention.hpp");
     using E = Elem<C.dtype>;
     constexpr int kDim = C.head_dim;
-    constexpr int kVecs = kDim / 4;  // float4 per row
-    constexpr int kVecsPerLane = (kVecs + 31) / 32;
-    const int lane = static_cast<int>(threadIdx.x) % 32;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * (kAttentionCombineThreads / 32) + threadIdx.x / 32;
+    constexpr int kVecs = kDim / 4;                             // float4 per row
+    constexpr int kLanes = kAttentionCombineThreads / kVecs;    // splits read side by side
+    constexpr int kWarps = kAttentionCombineThreads / 32;
+    static_assert(kAttentionCombineThreads % kVecs == 0 && kLanes >= 1, "a row's columns must divide the block");
+    __shared__ float weight[kAttentionMaxSplits];
+    __shared__ float warp_red[kWarps];
+    __shared__ float4 part_sum[kLanes][kVecs];
+    // Launched programmatically behind the split kernel: its partials are complete and visible after this.
+    ptx::wait_for_prior_grids();
+    const int tid = static_cast<int>(threadIdx.x);
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    const int64_t row = blockIdx.x;
     if (row >= static_cast<int64_t>(p.batch) * p.num_q_heads) return;
     const int num_splits = p.num_splits;
     const float* lses = p.partial_lse + row * num_splits;
     const float* parts = p.partial_o + row * num_splits * kDim;
 
+    // The row's max LSE and sum of e^(lse - max) over the splits, by the whole block.
+    constexpr int kLsePerThread = (kAttentionMaxSplits + kAttentionCombineThreads - 1) / kAttentionCombineThreads;
+    float my_lse[kLsePerThread];
     float m = neg_inf();
-    for (int s = lane; s < num_splits; s += 32) m = fmaxf(m, lses[s]);
+#pragma unroll
+    for (int i = 0; i < kLsePerThread; ++i) {
+        const int sp = tid + i * kAttentionCombineThreads;
+        my_lse[i] = sp < num_splits ? lses[sp] : neg_inf();
+        m = fmaxf(m, my_lse[i]);
+    }
 #pragma unroll
     for (int x = 16; x > 0; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
+    if (lane == 0) warp_red[warp] = m;
+    __syncthreads();
+    m = warp_red[0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) m = fmaxf(m, warp_red[w]);
+    __syncthreads();  // every thread has read warp_red before it is reused for the sums
     float total = 0.f;
-    if (m != neg_inf()) {
-        for (int s = lane; s < num_splits; s += 32) total += __expf(lses[s] - m);
 #pragma unroll
-        for (int x = 16; x > 0; x >>= 1) total += __shfl_xor_sync(0xffffffffu, total, x);
+    for (int i = 0; i < kLsePerThread; ++i) {
+        const int sp = tid + i * kAttentionCombineThreads;
+        const float w = m != neg_inf() && sp < num_splits ? __expf(my_lse[i] - m) : 0.f;  // 0 for an empty split
+        if (sp < num_splits) weight[sp] = w;
+        total += w;
     }
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-
-    float4 sum[kVecsPerLane];
 #pragma unroll
-    for (int v = 0; v < kVecsPerLane; ++v) sum[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int x = 16; x > 0; x >>= 1) total += __shfl_xor_sync(0xffffffffu, total, x);
+    if (lane == 0) warp_red[warp] = total;
+    __syncthreads();
+    total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += warp_red[w];
+    const float inv = total > 0.f ? __frcp_rn(total) : 0.f;
+
+    // Thread (j, c) sums column c of splits j, j + kLanes, ...; then the kLanes partial sums of each column meet.
+    const int c = tid % kVecs;
+    const int j = tid / kVecs;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
     if (m != neg_inf()) {
 #pragma unroll 4
-        for (int s = 0; s < num_splits; ++s) {
-            const float w = __expf(lses[s] - m) * inv;  // 0 for an empty split (lse -inf)
-#pragma unroll
-            for (int v = 0; v < kVecsPerLane; ++v) {
-                const int c = lane + 32 * v;
-                if (c < kVecs) {
-                    const float4 x = *reinterpret_cast<const float4*>(parts + s * kDim + c * 4);
-                    sum[v].x += w * x.x;
-                    sum[v].y += w * x.y;
-                    sum[v].z += w * x.z;
-                    sum[v].w += w * x.w;
-                }
-            }
+        for (int sp = j; sp < num_splits; sp += kLanes) {
+            const float w = weight[sp] * inv;
+            const float4 x = *reinterpret_cast<const float4*>(parts + static_cast<int64_t>(sp) * kDim + c * 4);
+            sum.x += w * x.x;
+            sum.y += w * x.y;
+            sum.z += w * x.z;
+            sum.w += w * x.w;
         }
+    }
+    part_sum[j][c] = sum;
+    __syncthreads();
+    if (j != 0) return;
+#pragma unroll
+    for (int i = 1; i < kLanes; ++i) {
+        const float4 x = part_sum[i][c];
+        sum.x += x.x;
+        sum.y += x.y;
+        sum.z += x.z;
+        sum.w += x.w;
     }
     const float lse = m != neg_inf() ? m + __logf(total) : neg_inf();
-#pragma unroll
-    for (int v = 0; v < kVecsPerLane; ++v) {
-        const int c = lane + 32 * v;
-        if (c < kVecs) {
-            if (p.push_enabled != 0) {
-                push_row_part<kDim>(p, row, c * 4, sum[v], lse, c == 0);
-            } else {
-                const uint2 packed = make_uint2(E::pack(sum[v].x, sum[v].y), E::pack(sum[v].z, sum[v].w));
-                *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + row * kDim + c * 4) = packed;
-            }
-        }
+    if (p.push_enabled != 0) {
+        push_row_part<kDim>(p, row, c * 4, sum, lse, c == 0);
+    } else {
+        const uint2 packed = make_uint2(E::pack(sum.x, sum.y), E::pack(sum.z, sum.w));
+        *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + row * kDim + c * 4) = packed;
+        if (p.lse != nullptr && c == 0) p.lse[row] = lse;
     }
-    if (p.push_enabled == 0 && p.lse != nullptr && lane == 0) p.lse[row] = lse;
 }
 
 }  // namespace weft::kernels::attention

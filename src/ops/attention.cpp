@@ -373,12 +373,14 @@ void launch_decode_attention(DecodeAttentionPlan& plan, const DecodeAttentionOpt
     split.stream = stream;
     k.split->launch(split, p);
     if (p.num_splits > 1) {
-        constexpr int64_t kRowsPerBlock = kAttentionCombineThreads / 32;
         const int64_t rows = static_cast<int64_t>(p.batch) * p.num_q_heads;
         jit::LaunchParams combine;
-        combine.grid = dim3(static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock));
+        combine.grid = dim3(static_cast<unsigned>(rows));  // one block per row
         combine.block = dim3(kAttentionCombineThreads);
         combine.stream = stream;
+        // Scheduled while the split kernel's last blocks run (decode_split calls launch_dependents); the combine
+        // waits for it to complete before reading the partials.
+        combine.programmatic = true;
         k.combine->launch(combine, p);
     }
 }

@@ -46,16 +46,32 @@ TEST(AttentionPlan, SplitsCoverEveryTokenOnceInWholeTiles) {
     }
 }
 
-TEST(AttentionPlan, AutomaticSplitsFillTheGpuAtLongContexts) {
-    // batch 1, 8 KV heads, 32K tokens on 132 SMs x 2 blocks: close to two waves (whole tiles per split).
+TEST(AttentionPlan, AutomaticSplitsFillWholeWaves) {
+    // 132 SMs x 2 blocks. The blocks of a plan run in waves of 264; a wave that is mostly empty costs as much as a
+    // full one, so the plan's last wave is well filled wherever there are enough tiles to fill it.
+    const auto last_wave = [](const AttentionSplitPlan& s, int64_t base) {
+        const int64_t blocks = base * s.num_splits;
+        return blocks % 264 == 0 ? 264 : blocks % 264;
+    };
+    for (int64_t batch : {1, 2, 8, 16}) {
+        for (int64_t len : {int64_t{32768}, int64_t{131072}, int64_t{1} << 20}) {
+            const AttentionSplitPlan s = plan_attention_splits(batch, 8, len, 264, 0);
+            SCOPED_TRACE(::testing::Message() << "batch " << batch << " len " << len << " splits " << s.num_splits);
+            EXPECT_GE(last_wave(s, batch * 8), 3 * 264 / 4);
+        }
+    }
+    // batch 1, 8 KV heads, 32K tokens: one wave of 16-tile splits (a second wave of 8-tile splits costs its blocks'
+    // overhead twice).
     const AttentionSplitPlan a = plan_attention_splits(1, 8, 32768, 264, 0);
-    EXPECT_GE(static_cast<int64_t>(a.num_splits) * 8, 3 * 264 / 2);
-    // Many sequences already fill the GPU: one split each.
+    EXPECT_EQ(a.num_splits, 32);
+    EXPECT_EQ(a.tokens_per_split, 16 * kAttentionTileTokens);
+    // Many sequences already fill the GPU: one split each (no combine).
     const AttentionSplitPlan b = plan_attention_splits(256, 8, 32768, 264, 0);
     EXPECT_EQ(b.num_splits, 1);
     // Short sequences keep at least two tiles per split.
     const AttentionSplitPlan c = plan_attention_splits(1, 1, 1000, 264, 0);
     EXPECT_GE(c.tokens_per_split, 2 * kAttentionTileTokens);
+    EXPECT_GT(c.num_splits, 1);
 }
 
 TEST(AttentionPlan, ConfigValidityAndSharedMemory) {

@@ -17,7 +17,7 @@ inline constexpr int32_t kAttentionThreads = 32 * kAttentionWarps;
 inline constexpr int32_t kAttentionMaxGroup = 16;
 /// Upper bound on the KV splits of one (sequence, KV head); the combine kernel loops over them.
 inline constexpr int32_t kAttentionMaxSplits = 256;
-/// Rows of the combine kernel's block (one warp per (sequence, q-head) row).
+/// Threads of the combine kernel's block (one block per (sequence, q-head) row).
 inline constexpr int32_t kAttentionCombineThreads = 128;
 
 /// Compile-time knobs of the split kernel. One specialisation per (dtype, head_dim, stages).
@@ -56,10 +56,18 @@ struct AttentionSplitPlan {
     int64_t tokens_per_split = 0;  ///< a multiple of kAttentionTileTokens
 };
 
+/// What a split block costs beyond its tiles, in tiles: the dependent loads before its first K/V bytes arrive
+/// (sequence length, page table), the pipeline's fill and the epilogue's merge and stores. Fitted on an H200 to
+/// `weft_bench_attention --splits` sweeps (kernels/attention/README.md, "Split plan").
+inline constexpr int64_t kAttentionBlockOverheadTiles = 4;
+
 /// The split plan for `batch` sequences of at most `max_seq_len` tokens with `num_kv_heads` KV heads on a GPU where
 /// `resident_blocks` split blocks run at once (SMs x blocks per SM). `requested` > 0 asks for that many splits
-/// (clamped to [1, kAttentionMaxSplits] and to one tile per split); 0 chooses: enough blocks for two waves, at
-/// least two tiles per split (so that the pipeline overlaps), at most kAttentionMaxSplits.
+/// (clamped to [1, kAttentionMaxSplits] and to one tile per split); 0 chooses the count with the least modelled time:
+/// the blocks run in waves of `resident_blocks`, a wave lasts as long as its longest block (its tiles plus
+/// kAttentionBlockOverheadTiles), so the plan trades the last wave's idle slots against per-block overhead; at least
+/// two tiles per split (so that the pipeline overlaps), at most kAttentionMaxSplits; on a tie, fewer splits (less
+/// for the combine to read).
 WEFT_HOST_DEVICE constexpr AttentionSplitPlan plan_attention_splits(int64_t batch, int64_t num_kv_heads,
                                                                     int64_t max_seq_len, int64_t resident_blocks,
                                                                     int32_t requested) {
@@ -70,20 +78,28 @@ WEFT_HOST_DEVICE constexpr AttentionSplitPlan plan_attention_splits(int64_t batc
         plan.tokens_per_split = kAttentionTileTokens;
         return plan;
     }
-    int64_t want = 1;
+    int64_t tiles_per_split = tiles;
     if (requested > 0) {
-        want = requested;
+        int64_t want = requested > kAttentionMaxSplits ? kAttentionMaxSplits : requested;
         if (want > tiles) want = tiles;
+        tiles_per_split = (tiles + want - 1) / want;
     } else {
         const int64_t base = batch * num_kv_heads > 0 ? batch * num_kv_heads : 1;
-        const int64_t target = 2 * (resident_blocks > 0 ? resident_blocks : 1);
-        want = (target + base - 1) / base;
-        const int64_t most_by_tiles = tiles / 2 > 0 ? tiles / 2 : 1;
-        if (want > most_by_tiles) want = most_by_tiles;
+        const int64_t slots = resident_blocks > 0 ? resident_blocks : 1;
+        int64_t most = tiles / 2 > 0 ? tiles / 2 : 1;
+        if (most > kAttentionMaxSplits) most = kAttentionMaxSplits;
+        int64_t best_cost = -1;
+        for (int64_t want = 1; want <= most; ++want) {
+            const int64_t per = (tiles + want - 1) / want;
+            const int64_t splits = (tiles + per - 1) / per;
+            const int64_t waves = (base * splits + slots - 1) / slots;
+            const int64_t cost = waves * (per + kAttentionBlockOverheadTiles);
+            if (best_cost < 0 || cost < best_cost) {
+                best_cost = cost;
+                tiles_per_split = per;
+            }
+        }
     }
-    if (want > kAttentionMaxSplits) want = kAttentionMaxSplits;
-    if (want < 1) want = 1;
-    const int64_t tiles_per_split = (tiles + want - 1) / want;
     plan.tokens_per_split = tiles_per_split * kAttentionTileTokens;
     plan.num_splits = static_cast<int32_t>((tiles + tiles_per_split - 1) / tiles_per_split);
     return plan;
