@@ -151,7 +151,9 @@ class GroupedScheduler {
 public:
     using Params = GroupedSchedulerParams;
     static constexpr bool kGrouped = true;
-    static constexpr int32_t kLookahead = 4;  // groups whose counts one step of the cursor's walk reads at once
+    // Groups whose counts one step of the cursor's walk reads at once. NOTE: 8 spilled in the producer's 40 registers
+    // under the wait schedulers (GroupedWaitScheduler, GatheredWaitScheduler).
+    static constexpr int32_t kLookahead = 4;
     static_assert(kCfg.cluster_m == 1 && kCfg.cluster_n == 1, "GroupedScheduler: cluster-free configs only");
 
     /// Warp-collective: every lane of every warp of the CTA must call it, converged.
