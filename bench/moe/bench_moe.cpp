@@ -11,7 +11,7 @@
 // the grouped call must read.
 //
 //   weft_bench_moe [--sizes GxRxNxK,...] [--masked GxCAPxNxK,...] [--counts uniform,skewed,one]
-//                  [--out bf16|f32] [--iters N] [--warmup N] [--check] [--json FILE]
+//                  [--out bf16|f32] [--grouped-config NAME] [--iters N] [--warmup N] [--check] [--json FILE]
 // --sizes: contiguous cases, G experts of R rows each (A [G*R, K], B [G, N, K]); default 8x4096x4096x7168 and
 // 8x4096x7168x2048. --masked: masked cases, G experts of capacity CAP (A [G, CAP, K]); default 32x256x4096x7168 and
 // 32x256x7168x2048. --counts: uniform (contiguous: R rows each; masked: 3/4 of CAP each), skewed (expert e gets
@@ -37,6 +37,7 @@
 #include "common/peaks.hpp"
 #include "common/timing.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_plan.hpp"
 #include "weft/ops/grouped_gemm.hpp"
 #include "weft/runtime/error.hpp"
 
@@ -92,7 +93,19 @@ struct Options {
     int warmup = 3;
     bool check = false;
     std::string json;
+    std::string grouped_config;  // --grouped-config: a grouped candidate's name (gemm_candidate_name), "" = the plan's
 };
+
+// The grouped candidate named `name` for these dtypes, or a usage error listing the names.
+weft::GemmConfig grouped_config_named(const std::string& name, DType out) {
+    std::string names;
+    for (const weft::GemmConfig& c : weft::ops::grouped_gemm_candidate_configs(DType::kBF16, out, BLayout::kNK)) {
+        if (weft::ops::gemm_candidate_name(c) == name) return c;
+        names += (names.empty() ? "" : ", ") + weft::ops::gemm_candidate_name(c);
+    }
+    throw weft::bench::UsageError("--grouped-config: no grouped candidate named '" + name + "'; the candidates: " +
+                                  names);
+}
 
 std::vector<MoeCase> parse_cases(const std::string& text, const std::string& option, bool masked) {
     std::vector<MoeCase> out;
@@ -169,6 +182,7 @@ Row run_case(const MoeCase& c, const Options& opt, const weft::bench::Peaks& pea
     const auto* counts_d = static_cast<const int32_t*>(dcounts.ptr);
     weft::ops::GroupedGemmOptions gopt;
     gopt.expected_rows_per_group = std::max<int64_t>(1, total / std::max<int64_t>(groups, 1));
+    if (!opt.grouped_config.empty()) gopt.config = grouped_config_named(opt.grouped_config, opt.out);
     auto grouped = [&](int) {
         if (c.masked) {
             weft::ops::grouped_gemm_masked(TensorView(a.ptr, DType::kBF16, {groups, c.rows, c.k}),
@@ -325,11 +339,17 @@ int main(int argc, char** argv) {
         opt.out = weft::bench::parse_dtype(v, "--out", {DType::kBF16, DType::kF32});
     });
     cli.dtype(&opt.dtype, {DType::kBF16}).world(&opt.world, 1, 1).iters(&opt.iters).warmup(&opt.warmup);
+    cli.option("--grouped-config", "NAME",
+               "force weft grouped's config, a grouped candidate by name (e.g. 128x256x64_s4_c1x1, "
+               "64x256x64_s4_c1x1_pp; default: the plan's)",
+               [&](const std::string& v) { opt.grouped_config = v; });
     cli.check(&opt.check).json(&opt.json);
     return weft::bench::run_main("weft_bench_moe", [&] {
         cli.parse(argc, argv);
+        if (!opt.grouped_config.empty()) (void)grouped_config_named(opt.grouped_config, opt.out);  // fails early
         BENCH_CUDA(cudaSetDevice(0));
-        const weft::bench::Peaks peaks = weft::bench::measure_peaks(weft::bench::kPeakTensor | weft::bench::kPeakRead, DType::kBF16);
+        const weft::bench::Peaks peaks =
+            weft::bench::measure_peaks(weft::bench::kPeakTensor | weft::bench::kPeakRead, DType::kBF16);
         cudaStream_t stream = nullptr;
         BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
         cublasHandle_t blas = nullptr;
@@ -343,9 +363,9 @@ int main(int argc, char** argv) {
         std::printf("# ms: medians, the four alternating launch by launch; x: weft grouped's speed over the column's\n");
         std::printf("# targets: contiguous x(weftDense) >= 0.9 and x(cublasGrp) >= 1.0; masked x(weftDense) >= 0.85; "
                     "counts 'one' x(weftDense) >= 0.95\n");
-        std::printf("# roofline: max(2 rows N K / tensor peak, (weights of the E experts with rows + A rows + D rows) / "
-                    "read bandwidth), bound c(ompute) or m(emory); %%roof: roofline / grouped; xDenseMem: max(weftDense, memory "
-                    "term) / grouped\n");
+        std::printf("# roofline: max(2 rows N K / tensor peak, (weights of the E experts with rows + A rows + D rows) "
+                    "/ read bandwidth), bound c(ompute) or m(emory); %%roof: roofline / grouped; xDenseMem: "
+                    "max(weftDense, memory term) / grouped\n");
         std::printf("%-10s %-7s %4s %4s %7s %5s %5s %-9s %9s %7s %9s %6s %9s %6s %9s %6s %9s %5s %6s %9s %8s\n",
                     "layout", "counts", "G", "E", "rows", "N", "K", "tile", "grouped", "TFLOP/s", "cublasGrp", "x",
                     "cublasLoop", "x", "weftDense", "x", "roofline", "bound", "%roof", "xDenseMem", "err");

@@ -259,8 +259,8 @@ private:
     }
 
     /// Records the first bad group (one thread, when Params::status is given): kReportBatch groups per round of loads.
-    // NOTE: one thread, apart from the warps' sum: a warp-collective report (ballot, then one lane's record) left a word
-    // of the kernel's state spilled across the warp-role split (CUDA 13).
+    // NOTE: one thread, apart from the warps' sum: a warp-collective report (ballot, then one lane's record) left a
+    // word of the kernel's state spilled across the warp-role split (CUDA 13).
     __device__ void report_first_bad_group() const {
         constexpr int32_t kReportBatch = 8;
         for (int32_t g0 = 0; g0 < p_.num_groups; g0 += kReportBatch) {

@@ -467,7 +467,9 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
         // its group's rows (a 192-row group's second tile) issues no wgmma (its result is never stored; the SM's tensor
         // cores go to the other warpgroup); it waits for and frees each stage as usual.
         bool idle_slab = false;
-        if constexpr (kGrouped && !kCfg.pingpong && T::kSlabs == 1) idle_slab = tile.m0 + slab0 * kGemmSlabRows >= tile.m_end;
+        if constexpr (kGrouped && !kCfg.pingpong && T::kSlabs == 1) {
+            idle_slab = tile.m0 + slab0 * kGemmSlabRows >= tile.m_end;
+        }
         unsigned prev_stage = 0;
         WEFT_TRACE_DECLARE(tile_t0);  // traced builds: the tile starts when its first stage has landed
         if (idle_slab) {

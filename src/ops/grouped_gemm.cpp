@@ -190,7 +190,8 @@ void check_options(const GroupedGemmOptions& options, const GroupedGemmProblem& 
 GroupedRowSpread grouped_row_spreads(const GroupedGemmProblem& p, int64_t rows_per_group) {
     const int64_t groups = std::max<int64_t>(p.groups, 1);
     const bool masked = p.layout == GroupedLayout::kMasked && p.capacity > 0;
-    const int64_t per_group = std::min(std::max<int64_t>(rows_per_group, 1), masked ? p.capacity : std::numeric_limits<int64_t>::max());
+    const int64_t per_group =
+        std::min(std::max<int64_t>(rows_per_group, 1), masked ? p.capacity : std::numeric_limits<int64_t>::max());
     GroupedRowSpread s;
     s.even_groups = groups;
     s.even_rows = per_group;
