@@ -228,6 +228,7 @@ double grouped_config_cost(const GroupedGemmProblem& p, const GemmConfig& c, int
 }  // namespace
 
 GemmConfig pick_grouped_config(const GroupedGemmProblem& p, int64_t rows_per_group, int budget) {
+    WEFT_CHECK(budget > 0, "grouped_gemm: the SM budget must be positive, got " << budget);
     const std::vector<GemmConfig> configs = grouped_gemm_candidate_configs(p.in_dtype, p.out_dtype, p.b_layout);
     WEFT_CHECK(!configs.empty(), "grouped_gemm: no config for in " << dtype_name(p.in_dtype) << ", out "
                                                                    << dtype_name(p.out_dtype));
