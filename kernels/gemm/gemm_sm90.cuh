@@ -463,67 +463,46 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
         }
 
         // ---- mainloop: wait for a full stage, issue tile_k/16 wgmma per slab, free the previous stage ----
-        // Grouped, one slab per consumer warpgroup (cooperative 128-row tiles): a warpgroup whose slab lies wholly past
-        // its group's rows (a 192-row group's second tile) issues no wgmma (its result is never stored; the SM's tensor
-        // cores go to the other warpgroup); it waits for and frees each stage as usual.
-        bool idle_slab = false;
-        if constexpr (kGrouped && !kCfg.pingpong && T::kSlabs == 1) {
-            idle_slab = tile.m0 + slab0 * kGemmSlabRows >= tile.m_end;
-        }
         unsigned prev_stage = 0;
         WEFT_TRACE_DECLARE(tile_t0);  // traced builds: the tile starts when its first stage has landed
-        if (idle_slab) {
-            for (int32_t kb = kr.begin; kb < kr.begin + kr.count; ++kb) {
-                if (!stuck) {
-                    stuck = !ptx::mbarrier_wait_parity_bounded<false>(bar_full0 + 8 * stage, phase, args.timeout_ns);
+        for (int32_t kb = kr.begin; kb < kr.begin + kr.count; ++kb) {
+            if (!stuck) {
+                stuck = !ptx::mbarrier_wait_parity_bounded<false>(bar_full0 + 8 * stage, phase, args.timeout_ns);
+            }
+            WEFT_TRACE_STAMP_IF(kb == kr.begin, tile_t0);
+            const unsigned a_base = smem_base + stage * T::kPlan.stage_bytes + slab0 * kGemmSlabRows * T::kRowBytes;
+            const unsigned b_base = smem_base + stage * T::kPlan.stage_bytes + T::kPlan.a_stage_bytes;
+#pragma unroll
+            for (int s = 0; s < T::kSlabs; ++s) ptx::wgmma_fence_operands(acc[s]);
+            ptx::wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < T::kKSteps; ++kk) {
+                unsigned long long desc_b;
+                if constexpr (kCfg.b_layout == BLayout::kNK) {
+                    desc_b = ptx::make_smem_desc(b_base + kk * 32, 16, 1024, ptx::SmemSwizzle::k128B);
+                } else {
+                    desc_b = ptx::make_smem_desc(b_base + kk * 16 * 128, T::kBChunkBytes, 1024,
+                                                 ptx::SmemSwizzle::k128B);
                 }
-                if (kb > kr.begin) release_stage<kCfg>(bar_empty0 + 8 * prev_stage, lane);
-                prev_stage = stage;
-                if (++stage == static_cast<unsigned>(kCfg.stages)) {
-                    stage = 0;
-                    phase ^= 1u;
+#pragma unroll
+                for (int s = 0; s < T::kSlabs; ++s) {
+                    const unsigned long long desc_a = ptx::make_smem_desc(
+                        a_base + s * kGemmSlabRows * T::kRowBytes + kk * 32, 16, 1024, ptx::SmemSwizzle::k128B);
+                    ptx::wgmma<kCfg.tile_n, T::kIsBF16, T::kTransB>(acc[s], desc_a, desc_b,
+                                                                     (kb > kr.begin || kk > 0) ? 1 : 0);
                 }
             }
-        } else {
-            for (int32_t kb = kr.begin; kb < kr.begin + kr.count; ++kb) {
-                if (!stuck) {
-                    stuck = !ptx::mbarrier_wait_parity_bounded<false>(bar_full0 + 8 * stage, phase, args.timeout_ns);
-                }
-                WEFT_TRACE_STAMP_IF(kb == kr.begin, tile_t0);
-                const unsigned a_base = smem_base + stage * T::kPlan.stage_bytes + slab0 * kGemmSlabRows * T::kRowBytes;
-                const unsigned b_base = smem_base + stage * T::kPlan.stage_bytes + T::kPlan.a_stage_bytes;
+            ptx::wgmma_commit_group();
 #pragma unroll
-                for (int s = 0; s < T::kSlabs; ++s) ptx::wgmma_fence_operands(acc[s]);
-                ptx::wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < T::kKSteps; ++kk) {
-                    unsigned long long desc_b;
-                    if constexpr (kCfg.b_layout == BLayout::kNK) {
-                        desc_b = ptx::make_smem_desc(b_base + kk * 32, 16, 1024, ptx::SmemSwizzle::k128B);
-                    } else {
-                        desc_b = ptx::make_smem_desc(b_base + kk * 16 * 128, T::kBChunkBytes, 1024,
-                                                     ptx::SmemSwizzle::k128B);
-                    }
-#pragma unroll
-                    for (int s = 0; s < T::kSlabs; ++s) {
-                        const unsigned long long desc_a = ptx::make_smem_desc(
-                            a_base + s * kGemmSlabRows * T::kRowBytes + kk * 32, 16, 1024, ptx::SmemSwizzle::k128B);
-                        ptx::wgmma<kCfg.tile_n, T::kIsBF16, T::kTransB>(acc[s], desc_a, desc_b,
-                                                                         (kb > kr.begin || kk > 0) ? 1 : 0);
-                    }
-                }
-                ptx::wgmma_commit_group();
-#pragma unroll
-                for (int s = 0; s < T::kSlabs; ++s) ptx::wgmma_fence_operands(acc[s]);
-                if (kb > kr.begin) {
-                    ptx::wgmma_wait_group<1>();  // the previous k-block's wgmma have read their stage
-                    release_stage<kCfg>(bar_empty0 + 8 * prev_stage, lane);
-                }
-                prev_stage = stage;
-                if (++stage == static_cast<unsigned>(kCfg.stages)) {
-                    stage = 0;
-                    phase ^= 1u;
-                }
+            for (int s = 0; s < T::kSlabs; ++s) ptx::wgmma_fence_operands(acc[s]);
+            if (kb > kr.begin) {
+                ptx::wgmma_wait_group<1>();  // the previous k-block's wgmma have read their stage
+                release_stage<kCfg>(bar_empty0 + 8 * prev_stage, lane);
+            }
+            prev_stage = stage;
+            if (++stage == static_cast<unsigned>(kCfg.stages)) {
+                stage = 0;
+                phase ^= 1u;
             }
         }
         if constexpr (kCfg.pingpong) {
