@@ -2,11 +2,16 @@
 // weft_bench_moe: weft's grouped GEMM (weft::ops::grouped_gemm_contiguous / grouped_gemm_masked) against cuBLAS's
 // grouped GEMM (cublasGemmGroupedBatchedEx, one problem per expert), a loop of per-expert cuBLASLt GEMMs, and weft's
 // dense GEMM over the same total rows (the bound a grouped GEMM aims at), on the same random inputs in the same run;
-// each launch alternates with the others (CUDA events, medians); a fixed table with the roofline (2 * rows * N * K
-// over the measured tensor-core peak) and JSON.
+// each launch alternates with the others (CUDA events, medians); a fixed table with the roofline and JSON.
+// Roofline of a row: max(2 * rows * N * K over the measured tensor-core peak, the bytes the call must move over the
+// measured read bandwidth), rows = the sum of the counts; the bytes: the weights of every expert with rows (each
+// expert has its own N x K matrix: a grouped call over E experts reads E of them where the dense GEMM of the same rows
+// reads one), A's rows read and D's rows written. "%roof" is the roofline over weft grouped's time; "xDenseMem" weft
+// grouped's speed over max(weft dense's time, the memory term): the dense engine's rate on these rows with the weights
+// the grouped call must read.
 //
 //   weft_bench_moe [--sizes GxRxNxK,...] [--masked GxCAPxNxK,...] [--counts uniform,skewed,one]
-//                  [--out bf16|f32] [--iters N] [--warmup N] [--check] [--json FILE]
+//                  [--out bf16|f32] [--grouped-config NAME] [--iters N] [--warmup N] [--check] [--json FILE]
 // --sizes: contiguous cases, G experts of R rows each (A [G*R, K], B [G, N, K]); default 8x4096x4096x7168 and
 // 8x4096x7168x2048. --masked: masked cases, G experts of capacity CAP (A [G, CAP, K]); default 32x256x4096x7168 and
 // 32x256x7168x2048. --counts: uniform (contiguous: R rows each; masked: 3/4 of CAP each), skewed (expert e gets
@@ -32,6 +37,7 @@
 #include "common/peaks.hpp"
 #include "common/timing.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_plan.hpp"
 #include "weft/ops/grouped_gemm.hpp"
 #include "weft/runtime/error.hpp"
 
@@ -87,7 +93,19 @@ struct Options {
     int warmup = 3;
     bool check = false;
     std::string json;
+    std::string grouped_config;  // --grouped-config: a grouped candidate's name (gemm_candidate_name), "" = the plan's
 };
+
+// The grouped candidate named `name` for these dtypes, or a usage error listing the names.
+weft::GemmConfig grouped_config_named(const std::string& name, DType out) {
+    std::string names;
+    for (const weft::GemmConfig& c : weft::ops::grouped_gemm_candidate_configs(DType::kBF16, out, BLayout::kNK)) {
+        if (weft::ops::gemm_candidate_name(c) == name) return c;
+        names += (names.empty() ? "" : ", ") + weft::ops::gemm_candidate_name(c);
+    }
+    throw weft::bench::UsageError("--grouped-config: no grouped candidate named '" + name + "'; the candidates: " +
+                                  names);
+}
 
 std::vector<MoeCase> parse_cases(const std::string& text, const std::string& option, bool masked) {
     std::vector<MoeCase> out;
@@ -108,12 +126,28 @@ std::vector<MoeCase> parse_cases(const std::string& text, const std::string& opt
 struct Row {
     std::string layout, counts;
     int64_t groups = 0, total_rows = 0, n = 0, k = 0;
-    double grouped_ms = 0, cublas_grouped_ms = 0, cublas_loop_ms = 0, dense_ms = 0, roofline_ms = 0;
+    double grouped_ms = 0, cublas_grouped_ms = 0, cublas_loop_ms = 0, dense_ms = 0;
+    int64_t experts = 0;  // experts with rows
+    double compute_ms = 0, memory_ms = 0, roofline_ms = 0;  // roofline_ms = max(compute_ms, memory_ms)
     double err = -1;
     std::string config;
 };
 
 double tflops(const Row& r, double ms) { return ms > 0 ? 2.0 * r.total_rows * r.n * r.k / (ms * 1e9) : 0; }
+
+// The roofline of a grouped call (the file's header): compute at the measured tensor peak, bytes at the measured read
+// bandwidth; `counts` per expert, bf16 inputs, `out_bytes` per element of D.
+void set_roofline(Row& r, const std::vector<int32_t>& counts, size_t out_bytes, const weft::bench::Peaks& peaks) {
+    r.experts = std::count_if(counts.begin(), counts.end(), [](int32_t c) { return c > 0; });
+    const double bytes = 2.0 * r.experts * r.n * r.k + 2.0 * r.total_rows * r.k +
+                         static_cast<double>(out_bytes) * r.total_rows * r.n;
+    r.compute_ms = peaks.tensor_tflops > 0 ? 2.0 * r.total_rows * r.n * r.k / (peaks.tensor_tflops * 1e9) : 0;
+    r.memory_ms = peaks.read_tbs > 0 ? bytes / (peaks.read_tbs * 1e9) : 0;
+    r.roofline_ms = std::max(r.compute_ms, r.memory_ms);
+}
+
+// Weft grouped's speed over max(weft dense's time on the same rows, the memory term).
+double dense_mem(const Row& r) { return r.grouped_ms > 0 ? std::max(r.dense_ms, r.memory_ms) / r.grouped_ms : 0; }
 
 Row run_case(const MoeCase& c, const Options& opt, const weft::bench::Peaks& peaks, cublasHandle_t blas,
              weft::bench::CublasLt& lt, cudaStream_t stream) {
@@ -143,11 +177,12 @@ Row run_case(const MoeCase& c, const Options& opt, const weft::bench::Peaks& pea
     row.total_rows = total;
     row.n = c.n;
     row.k = c.k;
-    row.roofline_ms = 2.0 * total * c.n * c.k / (peaks.tensor_tflops * 1e9);
+    set_roofline(row, counts, out_bytes, peaks);
 
     const auto* counts_d = static_cast<const int32_t*>(dcounts.ptr);
     weft::ops::GroupedGemmOptions gopt;
     gopt.expected_rows_per_group = std::max<int64_t>(1, total / std::max<int64_t>(groups, 1));
+    if (!opt.grouped_config.empty()) gopt.config = grouped_config_named(opt.grouped_config, opt.out);
     auto grouped = [&](int) {
         if (c.masked) {
             weft::ops::grouped_gemm_masked(TensorView(a.ptr, DType::kBF16, {groups, c.rows, c.k}),
@@ -304,11 +339,17 @@ int main(int argc, char** argv) {
         opt.out = weft::bench::parse_dtype(v, "--out", {DType::kBF16, DType::kF32});
     });
     cli.dtype(&opt.dtype, {DType::kBF16}).world(&opt.world, 1, 1).iters(&opt.iters).warmup(&opt.warmup);
+    cli.option("--grouped-config", "NAME",
+               "force weft grouped's config, a grouped candidate by name (e.g. 128x256x64_s4_c1x1, "
+               "64x256x64_s4_c1x1_pp; default: the plan's)",
+               [&](const std::string& v) { opt.grouped_config = v; });
     cli.check(&opt.check).json(&opt.json);
     return weft::bench::run_main("weft_bench_moe", [&] {
         cli.parse(argc, argv);
+        if (!opt.grouped_config.empty()) (void)grouped_config_named(opt.grouped_config, opt.out);  // fails early
         BENCH_CUDA(cudaSetDevice(0));
-        const weft::bench::Peaks peaks = weft::bench::measure_peaks(weft::bench::kPeakTensor, DType::kBF16);
+        const weft::bench::Peaks peaks =
+            weft::bench::measure_peaks(weft::bench::kPeakTensor | weft::bench::kPeakRead, DType::kBF16);
         cudaStream_t stream = nullptr;
         BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
         cublasHandle_t blas = nullptr;
@@ -322,23 +363,29 @@ int main(int argc, char** argv) {
         std::printf("# ms: medians, the four alternating launch by launch; x: weft grouped's speed over the column's\n");
         std::printf("# targets: contiguous x(weftDense) >= 0.9 and x(cublasGrp) >= 1.0; masked x(weftDense) >= 0.85; "
                     "counts 'one' x(weftDense) >= 0.95\n");
-        std::printf("%-10s %-7s %4s %7s %5s %5s %-9s %9s %7s %9s %6s %9s %6s %9s %6s %9s %8s\n", "layout", "counts",
-                    "G", "rows", "N", "K", "tile", "grouped", "TFLOP/s", "cublasGrp", "x", "cublasLoop", "x",
-                    "weftDense", "x", "roofline", "err");
+        std::printf("# roofline: max(2 rows N K / tensor peak, (weights of the E experts with rows + A rows + D rows) "
+                    "/ read bandwidth), bound c(ompute) or m(emory); %%roof: roofline / grouped; xDenseMem: "
+                    "max(weftDense, memory term) / grouped\n");
+        std::printf("%-10s %-7s %4s %4s %7s %5s %5s %-9s %9s %7s %9s %6s %9s %6s %9s %6s %9s %5s %6s %9s %8s\n",
+                    "layout", "counts", "G", "E", "rows", "N", "K", "tile", "grouped", "TFLOP/s", "cublasGrp", "x",
+                    "cublasLoop", "x", "weftDense", "x", "roofline", "bound", "%roof", "xDenseMem", "err");
         std::vector<Row> rows;
         for (const auto& list : {opt.contiguous, opt.masked}) {
             for (MoeCase c : list) {
                 for (const std::string& counts : opt.counts) {
                     c.counts = counts;
                     const Row r = run_case(c, opt, peaks, blas, lt, stream);
-                    std::printf("%-10s %-7s %4lld %7lld %5lld %5lld %-9s %9.3f %7.1f %9.3f %6.3f %9.3f %6.3f %9.3f "
-                                "%6.3f %9.3f %8.1e\n",
+                    std::printf("%-10s %-7s %4lld %4lld %7lld %5lld %5lld %-9s %9.3f %7.1f %9.3f %6.3f %9.3f %6.3f "
+                                "%9.3f %6.3f %9.3f %5s %6.1f %9.3f %8.1e\n",
                                 r.layout.c_str(), r.counts.c_str(), static_cast<long long>(r.groups),
-                                static_cast<long long>(r.total_rows), static_cast<long long>(r.n),
-                                static_cast<long long>(r.k), r.config.c_str(), r.grouped_ms, tflops(r, r.grouped_ms),
-                                r.cublas_grouped_ms, r.grouped_ms > 0 ? r.cublas_grouped_ms / r.grouped_ms : 0,
-                                r.cublas_loop_ms, r.grouped_ms > 0 ? r.cublas_loop_ms / r.grouped_ms : 0, r.dense_ms,
-                                r.grouped_ms > 0 ? r.dense_ms / r.grouped_ms : 0, r.roofline_ms, r.err);
+                                static_cast<long long>(r.experts), static_cast<long long>(r.total_rows),
+                                static_cast<long long>(r.n), static_cast<long long>(r.k), r.config.c_str(),
+                                r.grouped_ms, tflops(r, r.grouped_ms), r.cublas_grouped_ms,
+                                r.grouped_ms > 0 ? r.cublas_grouped_ms / r.grouped_ms : 0, r.cublas_loop_ms,
+                                r.grouped_ms > 0 ? r.cublas_loop_ms / r.grouped_ms : 0, r.dense_ms,
+                                r.grouped_ms > 0 ? r.dense_ms / r.grouped_ms : 0, r.roofline_ms,
+                                r.memory_ms > r.compute_ms ? "m" : "c",
+                                r.grouped_ms > 0 ? 100.0 * r.roofline_ms / r.grouped_ms : 0, dense_mem(r), r.err);
                     std::fflush(stdout);
                     rows.push_back(r);
                 }
@@ -370,7 +417,13 @@ int main(int argc, char** argv) {
                     .field("cublas_grouped_ms", r.cublas_grouped_ms)
                     .field("cublas_loop_ms", r.cublas_loop_ms)
                     .field("weft_dense_ms", r.dense_ms)
+                    .field("experts_with_rows", r.experts)
                     .field("roofline_ms", r.roofline_ms)
+                    .field("roofline_compute_ms", r.compute_ms)
+                    .field("roofline_memory_ms", r.memory_ms)
+                    .field("roofline_bound", r.memory_ms > r.compute_ms ? "memory" : "compute")
+                    .field("pct_of_roofline", r.grouped_ms > 0 ? 100.0 * r.roofline_ms / r.grouped_ms : 0)
+                    .field("x_dense_or_memory", dense_mem(r))
                     .field("rel_err", r.err)
                     .end_object();
             }

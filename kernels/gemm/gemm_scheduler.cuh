@@ -138,31 +138,44 @@ private:
 /// dispatch) may produce them and a captured launch replays with the counts of its replay. Group g has
 /// ceil(count_g / tile_m) x ceil(N / tile_n) tiles; the tiles of all groups form one linear sequence (group 0's in
 /// GemmTileGrid's swizzled order over its own rows, then group 1's, ...) and CTA c takes tiles c, c + C, c + 2C, ...
-/// of it: a hot group is spread over every CTA, an empty group has no tile (one count read). Each thread walks a
-/// cursor over the groups as it asks for tiles in increasing order (the kernel's contract), so the whole walk costs
-/// O(groups + tiles) per thread. Cluster-free (is_valid_grouped). A bad count (negative, over capacity, rows outside
-/// A) is clamped into its bounds, never read or written past them, and block 0 records the first one in
-/// Params::status (when given). Waits for nothing (A was written in stream order before the launch).
+/// of it: a hot group is spread over every CTA, an empty group has no tile (its B is never read). The constructor is
+/// warp-collective (every thread of the CTA builds the scheduler, converged, as the kernel does): each warp reads 32
+/// groups' counts per round of loads and sums their tiles with a warp reduction. Each thread then walks a cursor
+/// forward as it asks for tiles in increasing order (the kernel's contract), reading kLookahead groups per round of
+/// loads: the memory latencies of a launch are about groups / 32 + groups / kLookahead per thread, not 2 x groups.
+/// Cluster-free (is_valid_grouped). A bad count (negative, over capacity, rows outside A) is clamped into its bounds,
+/// never read or written past them, and block 0 records the first one in Params::status (when given). Waits for
+/// nothing (A was written in stream order before the launch).
 template <GemmConfig kCfg>
 class GroupedScheduler {
 public:
     using Params = GroupedSchedulerParams;
     static constexpr bool kGrouped = true;
+    // Groups whose counts one step of the cursor's walk reads at once. NOTE: 8 spilled in the producer's 40 registers
+    // under the wait schedulers (GroupedWaitScheduler, GatheredWaitScheduler).
+    static constexpr int32_t kLookahead = 4;
     static_assert(kCfg.cluster_m == 1 && kCfg.cluster_n == 1, "GroupedScheduler: cluster-free configs only");
 
+    /// Warp-collective: every lane of every warp of the CTA must call it, converged.
+    // NOTE: the cursor leaves the constructor at its start (constants): a cursor placed here, live into the producer's
+    // 40 registers, spilled there (GatheredWaitScheduler).
     __device__ GroupedScheduler(const Params& p, const GemmArgs& args)
         : p_(p),
           rows_(args.m),
           n_tiles_((args.n + kCfg.tile_n - 1) / kCfg.tile_n),
           cta_(static_cast<int32_t>(blockIdx.x)),
           num_ctas_(static_cast<int32_t>(gridDim.x)) {
+        constexpr unsigned kAll = 0xffffffffu;
+        const int32_t lane = static_cast<int32_t>(threadIdx.x % 32);
         int32_t total = 0;
-        for (int32_t g = 0; g < p_.num_groups; ++g) {
-            int32_t offset = 0;
-            const int32_t count = group_rows(g, &offset, true);
-            total += (count + kCfg.tile_m - 1) / kCfg.tile_m * n_tiles_;
+        for (int32_t g0 = 0; g0 < p_.num_groups; g0 += 32) {
+            const int32_t g = g0 + lane;
+            int32_t count = 0;
+            if (g < p_.num_groups) count = group_rows(g, p_.counts[g], p_.offsets != nullptr ? p_.offsets[g] : 0);
+            total += __reduce_add_sync(kAll, static_cast<unsigned>(group_tiles(count)));
         }
         total_ = total;
+        if (p_.status != nullptr && blockIdx.x == 0 && threadIdx.x == 0) report_first_bad_group();
     }
 
     __device__ int32_t num_tiles() const { return cta_ < total_ ? (total_ - 1 - cta_) / num_ctas_ + 1 : 0; }
@@ -170,10 +183,26 @@ public:
     __device__ GemmTile tile(int32_t i) const {
         const int32_t t = cta_ + i * num_ctas_;
         while (t >= base_ + group_tiles_) {  // t < total_: stops at a group that holds it
-            base_ += group_tiles_;
-            ++group_;
-            group_count_ = group_rows(group_, &group_offset_, false);
-            group_tiles_ = (group_count_ + kCfg.tile_m - 1) / kCfg.tile_m * n_tiles_;
+            // The next kLookahead groups' counts (and offsets) in one round of independent loads; the cursor then
+            // moves over them up to the group that holds t.
+            int32_t raw[kLookahead], first[kLookahead];
+#pragma unroll
+            for (int32_t j = 0; j < kLookahead; ++j) {
+                const int32_t g = group_ + 1 + j;
+                raw[j] = g < p_.num_groups ? p_.counts[g] : 0;
+                first[j] = g < p_.num_groups && p_.offsets != nullptr ? p_.offsets[g] : 0;
+            }
+#pragma unroll
+            for (int32_t j = 0; j < kLookahead; ++j) {
+                if (t >= base_ + group_tiles_) {
+                    base_ += group_tiles_;
+                    ++group_;
+                    int32_t value = 0, limit = 0;
+                    GroupedStatusCode code = GroupedStatusCode::kOk;
+                    group_count_ = clamp_rows(group_, raw[j], first[j], &group_offset_, &code, &value, &limit);
+                    group_tiles_ = group_tiles(group_count_);
+                }
+            }
         }
         const GemmTileGrid grid(kCfg, group_count_, n_tiles_ * kCfg.tile_n);
         GemmTile out = grid.tile(t - base_, 0);
@@ -186,37 +215,73 @@ public:
     __device__ device::Token wait_before_load(const GemmTile&) const { return device::Token::assume_local_data(); }
 
 private:
-    /// Group g's rows, clamped into its bounds; its first row in *offset. With `report` (the constructor's walk),
-    /// block 0's thread 0 records a bad count.
-    __device__ int32_t group_rows(int32_t g, int32_t* offset, bool report) const {
-        const int32_t raw = p_.counts[g];
+    __device__ __forceinline__ int32_t group_tiles(int32_t count) const {
+        return (count + kCfg.tile_m - 1) / kCfg.tile_m * n_tiles_;
+    }
+
+    /// Group g's rows from its count `raw` (and, contiguous, its first row `first`), clamped into its bounds; its
+    /// first row in *offset; a bad count's code, value and bound in the rest (unchanged when the count is good).
+    __device__ __forceinline__ int32_t clamp_rows(int32_t g, int32_t raw, int32_t first, int32_t* offset,
+                                                  GroupedStatusCode* code, int32_t* value, int32_t* limit) const {
         int32_t count = raw < 0 ? 0 : raw;
-        GroupedStatusCode code = raw < 0 ? GroupedStatusCode::kCountNegative : GroupedStatusCode::kOk;
-        int32_t value = raw, limit = 0;
+        if (raw < 0) {
+            *code = GroupedStatusCode::kCountNegative;
+            *value = raw;
+        }
         if (p_.offsets == nullptr) {
             *offset = g * p_.capacity;
             if (count > p_.capacity) {
-                code = GroupedStatusCode::kCountOverCapacity;
-                limit = p_.capacity;
+                *code = GroupedStatusCode::kCountOverCapacity;
+                *value = raw;
+                *limit = p_.capacity;
                 count = p_.capacity;
             }
         } else {
-            const int32_t first = p_.offsets[g];
             *offset = first < 0 ? 0 : (first > rows_ ? rows_ : first);
             const int32_t room = rows_ - *offset;
             if (first < 0 || count > room) {
-                if (code == GroupedStatusCode::kOk) {
-                    code = GroupedStatusCode::kRowsOutOfRange;
-                    value = first < 0 ? first : first + count;
-                    limit = rows_;
+                if (*code == GroupedStatusCode::kOk) {
+                    *code = GroupedStatusCode::kRowsOutOfRange;
+                    *value = first < 0 ? first : first + count;
+                    *limit = rows_;
                 }
                 count = first < 0 ? 0 : room;
             }
         }
-        if (report && code != GroupedStatusCode::kOk && p_.status != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
-            record(g, code, value, limit);
-        }
         return count;
+    }
+
+    /// Group g's rows from its count and first row, clamped (clamp_rows without the report).
+    __device__ __forceinline__ int32_t group_rows(int32_t g, int32_t raw, int32_t first) const {
+        int32_t offset = 0, value = 0, limit = 0;
+        GroupedStatusCode code = GroupedStatusCode::kOk;
+        return clamp_rows(g, raw, first, &offset, &code, &value, &limit);
+    }
+
+    /// Records the first bad group (one thread, when Params::status is given): kReportBatch groups per round of loads.
+    // NOTE: one thread, apart from the warps' sum: a warp-collective report (ballot, then one lane's record) left a
+    // word of the kernel's state spilled across the warp-role split (CUDA 13).
+    __device__ void report_first_bad_group() const {
+        constexpr int32_t kReportBatch = 8;
+        for (int32_t g0 = 0; g0 < p_.num_groups; g0 += kReportBatch) {
+            int32_t raw[kReportBatch], first[kReportBatch];
+#pragma unroll
+            for (int32_t j = 0; j < kReportBatch; ++j) {
+                const int32_t g = g0 + j;
+                raw[j] = g < p_.num_groups ? p_.counts[g] : 0;
+                first[j] = g < p_.num_groups && p_.offsets != nullptr ? p_.offsets[g] : 0;
+            }
+#pragma unroll
+            for (int32_t j = 0; j < kReportBatch; ++j) {
+                int32_t offset = 0, value = 0, limit = 0;
+                GroupedStatusCode code = GroupedStatusCode::kOk;
+                (void)clamp_rows(g0 + j, raw[j], first[j], &offset, &code, &value, &limit);
+                if (g0 + j < p_.num_groups && code != GroupedStatusCode::kOk) {
+                    record(g0 + j, code, value, limit);
+                    return;
+                }
+            }
+        }
     }
 
     __device__ void record(int32_t g, GroupedStatusCode code, int32_t value, int32_t limit) const {

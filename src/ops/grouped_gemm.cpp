@@ -187,6 +187,74 @@ void check_options(const GroupedGemmOptions& options, const GroupedGemmProblem& 
 
 }  // namespace
 
+GroupedRowSpread grouped_row_spreads(const GroupedGemmProblem& p, int64_t rows_per_group) {
+    const int64_t groups = std::max<int64_t>(p.groups, 1);
+    const bool masked = p.layout == GroupedLayout::kMasked && p.capacity > 0;
+    const int64_t per_group =
+        std::min(std::max<int64_t>(rows_per_group, 1), masked ? p.capacity : std::numeric_limits<int64_t>::max());
+    GroupedRowSpread s;
+    s.even_groups = groups;
+    s.even_rows = per_group;
+    // The same rows in as few groups as hold them: masked, groups filled to the capacity; contiguous, one group.
+    const int64_t total = groups * per_group;
+    if (masked) {
+        s.full_groups = std::min(groups, total / p.capacity);
+        s.full_rows = p.capacity;
+        s.rest_rows = s.full_groups < groups ? std::min(total - s.full_groups * p.capacity, p.capacity) : 0;
+    } else {
+        s.full_groups = 0;
+        s.full_rows = 0;
+        s.rest_rows = total;
+    }
+    return s;
+}
+
+namespace {
+
+// The dense cost model (gemm_config_cost) on the rows a grouped call's tiles cover: `groups` groups of `rows_each`
+// rows and one of `extra_rows`, each rounded up to whole tiles.
+double grouped_config_cost(const GroupedGemmProblem& p, const GemmConfig& c, int budget, int64_t groups,
+                           int64_t rows_each, int64_t extra_rows) {
+    GemmProblem dense;
+    dense.m = std::max<int64_t>(1, groups * round_up(rows_each, c.tile_m) + round_up(extra_rows, c.tile_m));
+    dense.n = p.n;
+    dense.k = p.k;
+    dense.b_layout = p.b_layout;
+    dense.in_dtype = p.in_dtype;
+    dense.out_dtype = p.out_dtype;
+    return gemm_config_cost(dense, c, budget);
+}
+
+}  // namespace
+
+GemmConfig pick_grouped_config(const GroupedGemmProblem& p, int64_t rows_per_group, int budget) {
+    WEFT_CHECK(budget > 0, "grouped_gemm: the SM budget must be positive, got " << budget);
+    const std::vector<GemmConfig> configs = grouped_gemm_candidate_configs(p.in_dtype, p.out_dtype, p.b_layout);
+    WEFT_CHECK(!configs.empty(), "grouped_gemm: no config for in " << dtype_name(p.in_dtype) << ", out "
+                                                                   << dtype_name(p.out_dtype));
+    const GroupedRowSpread s = grouped_row_spreads(p, rows_per_group);
+    std::vector<double> even(configs.size()), packed(configs.size());
+    double best_even = std::numeric_limits<double>::infinity(), best_packed = best_even;
+    for (size_t i = 0; i < configs.size(); ++i) {
+        even[i] = grouped_config_cost(p, configs[i], budget, s.even_groups, s.even_rows, 0);
+        packed[i] = grouped_config_cost(p, configs[i], budget, s.full_groups, s.full_rows, s.rest_rows);
+        best_even = std::min(best_even, even[i]);
+        best_packed = std::min(best_packed, packed[i]);
+    }
+    // The counts are read on the device, so the plan does not know how the expected rows fall: the pick is the config
+    // whose worse ratio to the best config of each spread is smallest (ties: the earlier candidate).
+    size_t pick = 0;
+    double pick_regret = std::numeric_limits<double>::infinity();
+    for (size_t i = 0; i < configs.size(); ++i) {
+        const double regret = std::max(even[i] / best_even, packed[i] / best_packed);
+        if (regret < pick_regret * 0.999) {
+            pick_regret = regret;
+            pick = i;
+        }
+    }
+    return configs[pick];
+}
+
 GroupedGemmProblem validate_grouped_gemm_args(GroupedLayout layout, const TensorView& a, const TensorView& b,
                                               const TensorView& d, BLayout b_layout, const int32_t* offsets,
                                               const int32_t* counts) {
@@ -292,26 +360,7 @@ GroupedGemmPlan plan_grouped_gemm(const GroupedGemmProblem& p, int num_sms, cons
                    "grouped_gemm: options.config's dtypes/layout must match the call, got " << format_gemm_config(c));
         plan.config = c;
     } else {
-        // The dense cost model on the expected rows, each group charged its last tile's padding rows.
-        double best = std::numeric_limits<double>::infinity();
-        bool have = false;
-        for (const GemmConfig& c : grouped_gemm_candidate_configs(p.in_dtype, p.out_dtype, p.b_layout)) {
-            GemmProblem dense;
-            dense.m = groups * round_up(std::max<int64_t>(per_group, 1), c.tile_m);
-            dense.n = p.n;
-            dense.k = p.k;
-            dense.b_layout = p.b_layout;
-            dense.in_dtype = p.in_dtype;
-            dense.out_dtype = p.out_dtype;
-            const double cost = gemm_config_cost(dense, c, budget);
-            if (!have || cost < best * 0.999) {
-                best = cost;
-                plan.config = c;
-                have = true;
-            }
-        }
-        WEFT_CHECK(have, "grouped_gemm: no config for in " << dtype_name(p.in_dtype) << ", out "
-                                                           << dtype_name(p.out_dtype));
+        plan.config = pick_grouped_config(p, per_group, budget);
     }
     // The most tiles any counts can make: every row in a group of its own tile rows, plus a partial tile per group.
     const GemmConfig& c = plan.config;

@@ -329,6 +329,56 @@ TEST(GroupedGemm, MaskedUniformSkewedAndEmpty) {
     check(c);
 }
 
+// The scheduler sums the groups' tiles 32 groups per warp and walks its cursor 4 groups per round of loads: more than
+// two chunks of 32 groups with counts 0, 1, capacity - 1 and capacity, one hot group in the third chunk with every
+// other group empty, SM budgets that leave CTAs without a tile or walk one CTA over every group, each tile height.
+TEST(GroupedGemm, MaskedCountsAcrossWarpChunksAndBudgets) {
+    REQUIRE_SM90();
+    GroupedCase c;
+    c.layout = ops::GroupedLayout::kMasked;
+    c.capacity = 130;  // 64-row tiles: 3 per full group; 128-row: 2 (the last of 2 rows)
+    c.n = 192;
+    c.k = 128;
+    const std::vector<int32_t> edge = {0, 1, 129, 130, 0, 0, 64, 65};
+    c.counts.assign(70, 0);
+    for (size_t g = 0; g < c.counts.size(); ++g) c.counts[g] = edge[g % edge.size()];
+    for (const int budget : {0, 1, 7}) {
+        c.sm_budget = budget;
+        check(c);
+    }
+    c.counts.assign(70, 0);
+    c.counts[67] = 130;  // one hot group in the third chunk of 32
+    for (const int budget : {0, 3}) {
+        c.sm_budget = budget;
+        check(c);
+    }
+    c.counts[67] = 1;  // one row in all
+    c.sm_budget = 0;
+    check(c);
+    c.counts[67] = 0;
+    c.counts[31] = 129;  // the last group of the first chunk, then the first of the second
+    c.counts[32] = 130;
+    for (const int tile_m : {64, 128, 256}) {
+        for (const GemmConfig& cfg : ops::grouped_gemm_candidate_configs(DType::kBF16, DType::kBF16, BLayout::kNK)) {
+            if (cfg.tile_m != tile_m) continue;
+            c.config = cfg;
+            check(c);
+            break;
+        }
+    }
+
+    GroupedCase ct;  // contiguous: 40 groups at 16-row alignment, one hot group in the second chunk
+    ct.counts = random_counts(40, 150, fresh_seed());
+    ct.counts[35] = 700;
+    ct.alignment = 16;
+    ct.n = 128;
+    ct.k = 64;
+    for (const int budget : {0, 2}) {
+        ct.sm_budget = budget;
+        check(ct);
+    }
+}
+
 // The value of an e4m3 code (bits: sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities).
 float e4m3_value(uint8_t code) {
     const int sign = code >> 7, exp = (code >> 3) & 15, man = code & 7;
@@ -408,6 +458,17 @@ TEST(GroupedGemm, BadCountsAreClampedAndRecorded) {
     EXPECT_EQ(status->value, 300);
     EXPECT_EQ(status->limit, 128);
     EXPECT_THROW(ops::check_grouped_status(*status), Error);
+
+    // The first bad group when it is in the second chunk of 32 groups the scheduler reads at once, another after it.
+    std::memset(status, 0, sizeof(*status));
+    c.counts.assign(40, 5);
+    c.counts[33] = -7;
+    c.counts[38] = 129;
+    check(c, options);
+    EXPECT_EQ(status->code, static_cast<int32_t>(ops::GroupedStatusCode::kCountNegative));
+    EXPECT_EQ(status->group, 33);
+    EXPECT_EQ(status->value, -7);
+    EXPECT_EQ(status->limit, 0);
     CK(cudaFreeHost(status));
 }
 

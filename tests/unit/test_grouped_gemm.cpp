@@ -13,6 +13,7 @@
 #include "support/sass_testing.hpp"
 #include "weft/common/gemm_config.hpp"
 #include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/gemm_plan.hpp"
 #include "weft/jit/aot.hpp"
 #include "weft/ops/aot.hpp"
 #include "weft/ops/grouped_gemm.hpp"
@@ -309,6 +310,102 @@ TEST(GroupedGemmPlan, CandidatesAreGroupedValidAndThePlanFitsTheBudget) {
     EXPECT_NE(error_of([&] { ops::plan_grouped_gemm(p, 132, o); }).find("is_valid_grouped"), std::string::npos);
     o.config = gemm_candidate(0, DType::kBF16, DType::kF32, BLayout::kNK);
     EXPECT_NE(error_of([&] { ops::plan_grouped_gemm(p, 132, o); }).find("match the call"), std::string::npos);
+}
+
+TEST(GroupedGemmPlan, RowSpreadsKeepTheExpectedRows) {
+    GroupedGemmProblem m;
+    m.layout = GroupedLayout::kMasked;
+    m.groups = 32;
+    m.capacity = 256;
+    m.rows = 32 * 256;
+    m.n = 4096;
+    m.k = 7168;
+    // 8 rows per expert: 256 rows, evenly or all in one expert.
+    ops::GroupedRowSpread s = ops::grouped_row_spreads(m, 8);
+    EXPECT_EQ(s.even_groups, 32);
+    EXPECT_EQ(s.even_rows, 8);
+    EXPECT_EQ(s.full_groups, 1);
+    EXPECT_EQ(s.full_rows, 256);
+    EXPECT_EQ(s.rest_rows, 0);
+    // 100 rows per expert: 3200 rows = 12 full experts and 128 rows in a thirteenth.
+    s = ops::grouped_row_spreads(m, 100);
+    EXPECT_EQ(s.full_groups, 12);
+    EXPECT_EQ(s.rest_rows, 128);
+    EXPECT_EQ(s.full_groups * s.full_rows + s.rest_rows, s.even_groups * s.even_rows);
+    // More than the capacity: clamped to it (every expert full); 0: at least one row.
+    s = ops::grouped_row_spreads(m, 1000);
+    EXPECT_EQ(s.even_rows, 256);
+    EXPECT_EQ(s.full_groups, 32);
+    EXPECT_EQ(s.rest_rows, 0);
+    s = ops::grouped_row_spreads(m, 0);
+    EXPECT_EQ(s.even_rows, 1);
+    EXPECT_EQ(s.full_groups, 0);
+    EXPECT_EQ(s.rest_rows, 32);
+    // Contiguous: one group holds them all.
+    GroupedGemmProblem c = m;
+    c.layout = GroupedLayout::kContiguous;
+    c.capacity = 0;
+    s = ops::grouped_row_spreads(c, 300);
+    EXPECT_EQ(s.even_rows, 300);
+    EXPECT_EQ(s.full_groups, 0);
+    EXPECT_EQ(s.rest_rows, 32 * 300);
+}
+
+// The measured shapes of weft_bench_moe (docs/performance.md, "Grouped GEMM"): the pick is the dense cost model's over
+// both spreads of the expected rows.
+TEST(GroupedGemmPlan, FewRowsInOneExpertGetTilesThatFillTheSms) {
+    GroupedGemmProblem m;
+    m.layout = GroupedLayout::kMasked;
+    m.groups = 32;
+    m.capacity = 256;
+    m.rows = 32 * 256;
+    m.n = 4096;
+    m.k = 7168;
+    GroupedGemmOptions o;
+    // 256 rows expected in all (8 per expert): if they are one expert's, ping-pong 64x128 makes 128 tiles on 132 SMs
+    // (the dense GEMM's pick for 256 x 4096 x 7168) where ping-pong 64x256, the even spread's cheapest, makes 64.
+    o.expected_rows_per_group = 8;
+    const GemmConfig one = ops::plan_grouped_gemm(m, 132, o).config;
+    EXPECT_TRUE(one.pingpong && one.tile_m == 64 && one.tile_n == 128) << ops::format_gemm_config(one);
+    ops::GemmProblem dense;
+    dense.m = 256;
+    dense.n = m.n;
+    dense.k = m.k;
+    const ops::GemmPlan dense_plan = ops::plan_gemm(dense, 132);
+    ASSERT_EQ(dense_plan.path, ops::GemmPath::kTiled);
+    EXPECT_EQ(ops::gemm_candidate_name(dense_plan.config), ops::gemm_candidate_name(one));
+    EXPECT_GE(GemmTileGrid(one, 256, 4096).num_tiles(), 3 * 132 / 4);
+
+    // 192 rows per expert (uniform): 64-row tiles, no padding; 32 per expert (skewed) keeps them too.
+    o.expected_rows_per_group = 192;
+    GemmConfig c = ops::plan_grouped_gemm(m, 132, o).config;
+    EXPECT_TRUE(c.pingpong && c.tile_m == 64 && c.tile_n == 256) << ops::format_gemm_config(c);
+    o.expected_rows_per_group = 32;
+    c = ops::plan_grouped_gemm(m, 132, o).config;
+    EXPECT_TRUE(c.pingpong && c.tile_m == 64 && c.tile_n == 256) << ops::format_gemm_config(c);
+    // No hint: capacity / 2 per expert, 4096 rows whichever way they fall: the cooperative 128x256.
+    o.expected_rows_per_group = 0;
+    c = ops::plan_grouped_gemm(m, 132, o).config;
+    EXPECT_TRUE(!c.pingpong && c.tile_m == 128 && c.tile_n == 256) << ops::format_gemm_config(c);
+
+    // Contiguous: 8 experts of 4096 rows (or 4096 rows in one): the cooperative 128x256 at N x K = 4096 x 7168, the
+    // ping-pong 128x128 at 7168 x 2048, as the even spread alone picked them.
+    GroupedGemmProblem ct;
+    ct.layout = GroupedLayout::kContiguous;
+    ct.groups = 8;
+    ct.n = 4096;
+    ct.k = 7168;
+    for (const int64_t rows : {int64_t{8 * 4096}, int64_t{11131}, int64_t{4096}}) {
+        ct.rows = rows;
+        ct.n = 4096;
+        ct.k = 7168;
+        c = ops::plan_grouped_gemm(ct, 132).config;
+        EXPECT_TRUE(!c.pingpong && c.tile_m == 128 && c.tile_n == 256) << rows << ": " << ops::format_gemm_config(c);
+        ct.n = 7168;
+        ct.k = 2048;
+        c = ops::plan_grouped_gemm(ct, 132).config;
+        EXPECT_TRUE(c.pingpong && c.tile_m == 128 && c.tile_n == 128) << rows << ": " << ops::format_gemm_config(c);
+    }
 }
 
 TEST(GroupedGemmPlan, StatusRecordsBecomeErrorsThatNameTheGroup) {

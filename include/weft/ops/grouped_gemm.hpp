@@ -121,8 +121,26 @@ struct GroupedGemmPlan {
     int grid = 0;
 };
 
-/// Picks the config (the dense cost model over the expected rows, each group charged half a tile of padding rows)
-/// and the grid (the SM budget, or fewer when the most tiles any counts could make are fewer).
+/// Two ways the expected rows (G x rows per group) may fall over the groups, which the planner weighs (the counts are
+/// read on the device): evenly (even_groups groups of even_rows rows), and packed into as few groups as hold them
+/// (masked: full_groups groups of full_rows = capacity rows plus one of rest_rows; contiguous: one group of rest_rows).
+struct GroupedRowSpread {
+    int64_t even_groups = 0, even_rows = 0;
+    int64_t full_groups = 0, full_rows = 0, rest_rows = 0;
+};
+
+/// The spreads of `rows_per_group` expected rows per group (at least 1; masked: at most the capacity).
+GroupedRowSpread grouped_row_spreads(const GroupedGemmProblem& problem, int64_t rows_per_group);
+
+/// The config a grouped call runs when none is forced: each candidate (grouped_gemm_candidate_configs) costed by the
+/// dense GEMM's cost model (gemm_config_cost) on the rows its tiles cover in each spread of grouped_row_spreads (each
+/// group's rows rounded up to whole tiles); the pick has the smallest worse ratio to the cheapest candidate of each
+/// spread (ties: the earlier candidate). So few rows in one group (256 rows of one expert) get tiles that fill the
+/// SMs, where the even spread alone (32 experts of 8 rows) would pick the tiles of the most work per tile.
+GemmConfig pick_grouped_config(const GroupedGemmProblem& problem, int64_t rows_per_group, int budget);
+
+/// Picks the config (pick_grouped_config over the expected rows per group: GroupedGemmOptions::
+/// expected_rows_per_group) and the grid (the SM budget, or fewer when the most tiles any counts could make are fewer).
 GroupedGemmPlan plan_grouped_gemm(const GroupedGemmProblem& problem, int num_sms,
                                   const GroupedGemmOptions& options = {});
 
