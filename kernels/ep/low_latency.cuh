@@ -10,6 +10,8 @@
 // Dispatch receive: wait for every source's signal, read the counts, and copy each (expert, source)
 //   area into the masked output [local expert, rank-major rows, H] (source rank, then token order),
 //   recording each row's source token and slot. The last block adds 1 to every source's credit.
+//   Each count word also carries its sender's call signature (fp8 or bf16, the geometry's digest): when a source's
+//   differs, every block receives nothing (kCallMismatch in the status word; the handle's combine writes zeros).
 // Receive areas and mailboxes are double-buffered by call parity; a send of call c waits until every
 // destination has received call c - 2 (its credit), so any interleaving of sends and receives with at
 // most two sends outstanding is safe, and nothing is cleared between calls.
@@ -228,7 +230,7 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
             const int r = i / local_experts;
             const int le = i % local_experts;
             int32_t* box = a.buffer.mailbox + (static_cast<int64_t>(half) * num_ranks + me) * local_experts + le;
-            put4(peers.at(ctx, box, r), static_cast<uint32_t>(sh.expert_count[i]));
+            put4(peers.at(ctx, box, r), weft::ep::ll_mailbox_word(a.signature, sh.expert_count[i]));
         }
         __syncthreads();
         if (tid < num_ranks) {
@@ -264,14 +266,37 @@ __device__ void ll_dispatch_recv(const DeviceCtx& ctx, const weft::ep::LowLatenc
         tile::wait_each(Block{}, ctx, num_ranks, FromRankLogged{a.buffer.dispatch_signal}, Cmp::kGe, call);
     const int32_t* mailbox = tile::consume_token<const int32_t*>(a.buffer.mailbox, arrived);
     const uint8_t* recv_slots = tile::consume_token<const uint8_t*>(a.buffer.recv_slots, arrived);
+    // Each word: a count and its source's call signature. A source whose call differs from this rank's (fp8 against
+    // bf16, another geometry) makes every block of every rank receive nothing (each rank sees some differing source):
+    // no row is read in a layout it was not written in, and every block still reaches the credit below.
+    bool differs = false;
     for (int u = tid; u < units; u += C.threads) {
         const int le = u / num_ranks;
         const int s = u % num_ranks;
-        const int32_t n = mailbox[(static_cast<int64_t>(half) * num_ranks + s) * local_experts + le];
+        const auto word =
+            static_cast<uint32_t>(mailbox[(static_cast<int64_t>(half) * num_ranks + s) * local_experts + le]);
+        const int32_t n = weft::ep::ll_mailbox_count(word);
+        if (weft::ep::ll_mailbox_signature(word) != a.signature && !differs) {
+            differs = true;
+            if (blockIdx.x == 0) {
+                report_status(a.status, StatusCode::kCallMismatch, me, s, a.signature,
+                              weft::ep::ll_mailbox_signature(word), -1, -1, call, KernelId::kLowLatencyDispatch);
+            }
+        }
         sh.unit_count[u] = n;
         sh.unit_prefix[u] = n;
     }
-    __syncthreads();
+    const bool mismatch = __syncthreads_or(differs) != 0;
+    if (mismatch) {
+        for (int u = tid; u < units; u += C.threads) {
+            sh.unit_count[u] = 0;
+            sh.unit_prefix[u] = 0;
+        }
+        __syncthreads();
+    }
+    if (blockIdx.x == 0 && tid == 0) {
+        a.handle.mismatch[0] = mismatch ? 1 : 0;
+    }
     for (int le = tid; le < local_experts; le += C.threads) {
         int32_t run = 0;
         for (int s = 0; s < num_ranks; ++s) {
@@ -427,12 +452,14 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
     const int num_warps = static_cast<int>(gridDim.x) * kWarps;
     const RowParts split = RowParts::make(a.num_tokens, granules, num_warps, U);
+    // After a dispatch whose calls differed (kCallMismatch, seen by every rank) nothing came back: zeros.
+    const bool received = a.handle.mismatch[0] == 0;
     for (int item = global_warp; item < a.num_tokens * split.parts; item += num_warps) {
         const int t = item / split.parts;
         const int part = item % split.parts;
         const int g_end = split.end(part, granules);
         const int32_t* idx_row = a.topk_idx + static_cast<int64_t>(t) * a.idx_stride;
-        const bool valid = lane < k && route_expert(idx_row, lane, g.num_experts) >= 0;
+        const bool valid = received && lane < k && route_expert(idx_row, lane, g.num_experts) >= 0;
         const float weight = valid ? a.topk_weights[static_cast<int64_t>(t) * a.weight_stride + lane] : 0.0f;
         const uint32_t slots = __ballot_sync(0xffffffffu, valid);
         const uint16_t* base = landing + (static_cast<int64_t>(half) * g.max_tokens + t) * k * g.hidden;

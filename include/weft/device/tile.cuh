@@ -72,10 +72,11 @@ struct TokenIssuer {
     /// A thread stops polling at its first failed signal (timeout or abort: Diagnostic recorded, abort word raised);
     /// the group barrier reduces the outcome (Group::all). Traced builds (weft/device/trace.cuh): a thread that polls
     /// a SignalFrom records "wait peer <its rank>" (args: the rank, `line`, the value awaited) after the group's
-    /// barrier (into the block's trace log when the functor has kTraceToBlockLog); bare pointers record nothing. kChecked: the result, uniform over the group, says
-    /// whether all arrived (spin_until_checked: inline). Otherwise (spin_until_or_record: the failure path is a call)
-    /// every thread of the group ends together with `exit` when any failed, and the result is the Token: ending the
-    /// group together keeps a counted named barrier (Warpgroup) from waiting for a warp that exited.
+    /// barrier (into the block's trace log when the functor has kTraceToBlockLog); bare pointers record nothing.
+    /// kChecked: the result, uniform over the group, says whether all arrived (spin_until_checked: inline). Otherwise
+    /// (spin_until_or_record: the failure path is a call) every thread of the group ends together with `exit` when any
+    /// failed, and the result is the Token: ending the group together keeps a counted named barrier (Warpgroup) from
+    /// waiting for a warp that exited.
     template <ptx::Scope C, ptx::Sem S, bool kChecked, class Group, class SignalAt>
     __device__ __forceinline__ static auto wait_each(Group group, const DeviceCtx& ctx, int n, SignalAt&& signal_at,
                                                      Cmp cmp, uint64_t value, int line) {
