@@ -554,15 +554,17 @@ TEST_F(EpLowLatencyGpu, DispatchWithFp8OnOneRankAndBf16OnTheOtherFailsOnEveryRan
                                                         << " is 0x" << std::hex << got[i] << ", expected 0");
                     }
                 });
-                // A call that starts an exchange refuses while the status is set; clear it and go on.
-                bool refused = false;
-                try {
-                    ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), rs.s, LowLatencyOptions{.fp8 = fp8});
-                } catch (const Error&) {
-                    refused = true;
-                }
-                WEFT_CHECK(refused, "rank " << me << ": a dispatch went on with the mismatch unhandled");
-                world.barrier();  // every rank has seen its refusal before any clears
+                // A call that starts an exchange refuses while the status is set (before it launches anything);
+                // clear it and go on.
+                ref::collective_check(world, [&] {
+                    bool refused = false;
+                    try {
+                        ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), rs.s, LowLatencyOptions{.fp8 = fp8});
+                    } catch (const Error&) {
+                        refused = true;
+                    }
+                    WEFT_CHECK(refused, "rank " << me << ", " << what << ": a dispatch went on unrefused");
+                });
                 ep.clear_status();
             }
         },
