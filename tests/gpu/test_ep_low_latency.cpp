@@ -571,6 +571,33 @@ TEST_F(EpLowLatencyGpu, DispatchWithFp8OnOneRankAndBf16OnTheOtherFailsOnEveryRan
         options_for(c, n));
 }
 
+// Buffers made with different Configs are refused at construction, on every rank, naming both.
+TEST_F(EpLowLatencyGpu, BuffersOfDifferentConfigsAreRefusedOnEveryRank) {
+    const int n = 2;
+    const Config c = ll_config(n);
+    run_ranks(
+        n,
+        [&](World& world) {
+            Config mine = c;
+            mine.hidden = world.rank() == 0 ? 384 : 512;
+            std::string error;
+            try {
+                Buffer ep(world, mine);
+            } catch (const Error& e) {
+                error = e.what();
+            }
+            ref::collective_check(world, [&] {
+                for (const char* frag :
+                     {"Configs differ", "world rank 0", "world rank 1", "hidden = 384", "hidden = 512"}) {
+                    WEFT_CHECK(error.find(frag) != std::string::npos,
+                               "rank " << world.rank() << ": the error lacks '" << frag << "': " << error);
+                }
+            });
+            Buffer same(world, c);  // the same Config on both ranks goes through
+        },
+        options_for(ll_config(n), n));
+}
+
 // Dispatch + combine captured in a CUDA graph per rank, replayed with new routing (fp8 and bf16 graphs).
 TEST_F(EpLowLatencyGpu, GraphReplayWithChangingRouting) {
     const uint32_t seed = fresh_seed();
