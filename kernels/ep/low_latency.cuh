@@ -10,6 +10,8 @@
 // Dispatch receive: wait for every source's signal, read the counts, and copy each (expert, source)
 //   area into the masked output [local expert, rank-major rows, H] (source rank, then token order),
 //   recording each row's source token and slot. The last block adds 1 to every source's credit.
+//   Each count word also carries its sender's call signature (fp8 or bf16, the geometry's digest): when a source's
+//   differs, every block receives nothing (kCallMismatch in the status word; the handle's combine writes zeros).
 // Receive areas and mailboxes are double-buffered by call parity; a send of call c waits until every
 // destination has received call c - 2 (its credit), so any interleaving of sends and receives with at
 // most two sends outstanding is safe, and nothing is cleared between calls.
@@ -19,6 +21,8 @@
 // Traced builds (weft/device/trace.cuh, docs/profiling.md): "wait peer r" per signal awaited (tile::wait_each);
 // from thread 0 of each block "send" (its rows, after the credit wait), "recv" (the wait and the copies into the
 // masked output) and "combine" (the wait and the weighted sums); "notify" per rank from the last block of a send.
+// Every event is kept in the block's trace log (shared memory) and written at the kernel's end, after its signals:
+// recording costs these short kernels no global atomic before a signal that a peer waits for.
 #pragma once
 
 #include "ep/common.cuh"
@@ -141,7 +145,8 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
                    KernelId::kLowLatencyDispatch);
     // Half `half` of every destination must be free: it has received call - 2. The wait guards the stores into the
     // destinations' slots below (no load: its Token is not needed).
-    tile::wait_each(Block{}, ctx, call > 2 ? num_ranks : 0, FromRank{a.buffer.dispatch_credit}, Cmp::kGe, call - 2);
+    tile::wait_each(Block{}, ctx, call > 2 ? num_ranks : 0, FromRankLogged{a.buffer.dispatch_credit}, Cmp::kGe,
+                    call - 2);
 
     WEFT_TRACE_BEGIN(send_t0);
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
@@ -215,7 +220,7 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
             put16(dst + slot_bytes - 16, uint4{static_cast<uint32_t>(t), static_cast<uint32_t>(lane), 0u, 0u});
         }
     }
-    WEFT_TRACE_RECORD_IF(tid == 0, ctx, TraceKind::kSend, TraceRole::kComm, send_t0, -1, a.num_tokens, 0, 0);
+    WEFT_TRACE_DEFER_IF(tid == 0, ctx, TraceKind::kSend, TraceRole::kComm, send_t0, -1, a.num_tokens, 0, 0);
 
     if (last_block_arrive(&a.buffer.state->arrivals[0])) {
         // Every block's rows are written (acquired above): counts, then one release per rank.
@@ -225,12 +230,12 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
             const int r = i / local_experts;
             const int le = i % local_experts;
             int32_t* box = a.buffer.mailbox + (static_cast<int64_t>(half) * num_ranks + me) * local_experts + le;
-            put4(peers.at(ctx, box, r), static_cast<uint32_t>(sh.expert_count[i]));
+            put4(peers.at(ctx, box, r), weft::ep::ll_mailbox_word(a.signature, sh.expert_count[i]));
         }
         __syncthreads();
         if (tid < num_ranks) {
             signal_add(peers.at(ctx, a.buffer.dispatch_signal + me, tid), 1);
-            WEFT_TRACE_RECORD(ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, me, tid, 0, 0);
+            WEFT_TRACE_DEFER(ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, me, tid, 0, 0);
         }
         if (tid == 0) {
             a.buffer.state->dispatch_send_calls = call;
@@ -257,17 +262,41 @@ __device__ void ll_dispatch_recv(const DeviceCtx& ctx, const weft::ep::LowLatenc
 
     // Every source's sends of this call: its counts (mailbox) and rows (receive slots) are here.
     WEFT_TRACE_BEGIN(recv_t0);
-    const Token arrived = tile::wait_each(Block{}, ctx, num_ranks, FromRank{a.buffer.dispatch_signal}, Cmp::kGe, call);
+    const Token arrived =
+        tile::wait_each(Block{}, ctx, num_ranks, FromRankLogged{a.buffer.dispatch_signal}, Cmp::kGe, call);
     const int32_t* mailbox = tile::consume_token<const int32_t*>(a.buffer.mailbox, arrived);
     const uint8_t* recv_slots = tile::consume_token<const uint8_t*>(a.buffer.recv_slots, arrived);
+    // Each word: a count and its source's call signature. A source whose call differs from this rank's (fp8 against
+    // bf16, another geometry) makes every block of every rank receive nothing (each rank sees some differing source):
+    // no row is read in a layout it was not written in, and every block still reaches the credit below.
+    bool differs = false;
     for (int u = tid; u < units; u += C.threads) {
         const int le = u / num_ranks;
         const int s = u % num_ranks;
-        const int32_t n = mailbox[(static_cast<int64_t>(half) * num_ranks + s) * local_experts + le];
+        const auto word =
+            static_cast<uint32_t>(mailbox[(static_cast<int64_t>(half) * num_ranks + s) * local_experts + le]);
+        const int32_t n = weft::ep::ll_mailbox_count(word);
+        if (weft::ep::ll_mailbox_signature(word) != a.signature && !differs) {
+            differs = true;
+            if (blockIdx.x == 0) {
+                report_status(a.status, StatusCode::kCallMismatch, me, s, a.signature,
+                              weft::ep::ll_mailbox_signature(word), -1, -1, call, KernelId::kLowLatencyDispatch);
+            }
+        }
         sh.unit_count[u] = n;
         sh.unit_prefix[u] = n;
     }
-    __syncthreads();
+    const bool mismatch = __syncthreads_or(differs) != 0;
+    if (mismatch) {
+        for (int u = tid; u < units; u += C.threads) {
+            sh.unit_count[u] = 0;
+            sh.unit_prefix[u] = 0;
+        }
+        __syncthreads();
+    }
+    if (blockIdx.x == 0 && tid == 0) {
+        a.handle.mismatch[0] = mismatch ? 1 : 0;
+    }
     for (int le = tid; le < local_experts; le += C.threads) {
         int32_t run = 0;
         for (int s = 0; s < num_ranks; ++s) {
@@ -313,7 +342,7 @@ __device__ void ll_dispatch_recv(const DeviceCtx& ctx, const weft::ep::LowLatenc
             a.handle.recv_src_slot[out_row] = static_cast<int32_t>(trailer.y);
         }
     }
-    WEFT_TRACE_RECORD_IF(tid == 0, ctx, TraceKind::kRecv, TraceRole::kComm, recv_t0, -1, total, 0, 0);
+    WEFT_TRACE_DEFER_IF(tid == 0, ctx, TraceKind::kRecv, TraceRole::kComm, recv_t0, -1, total, 0, 0);
 
     if (last_block_arrive(&a.buffer.state->arrivals[1])) {
         if (tid < num_ranks) {
@@ -346,7 +375,8 @@ __device__ void ll_combine_send(const DeviceCtx& ctx, const weft::ep::LowLatency
     }
     // Half `half` of every source's landing must be free: it has received call - 2. The wait guards the stores into
     // the landings below (no load: its Token is not needed).
-    tile::wait_each(Block{}, ctx, call > 2 ? num_ranks : 0, FromRank{a.buffer.combine_credit}, Cmp::kGe, call - 2);
+    tile::wait_each(Block{}, ctx, call > 2 ? num_ranks : 0, FromRankLogged{a.buffer.combine_credit}, Cmp::kGe,
+                    call - 2);
     const int32_t total = block_exclusive_scan(sh.unit_prefix, local_experts);
     if (tid == 0) {
         sh.unit_prefix[local_experts] = total;
@@ -386,13 +416,13 @@ __device__ void ll_combine_send(const DeviceCtx& ctx, const weft::ep::LowLatency
             }
         }
     }
-    WEFT_TRACE_RECORD_IF(tid == 0, ctx, TraceKind::kSend, TraceRole::kComm, send_t0, -1, total, 0, 0);
+    WEFT_TRACE_DEFER_IF(tid == 0, ctx, TraceKind::kSend, TraceRole::kComm, send_t0, -1, total, 0, 0);
 
     if (last_block_arrive(&a.buffer.state->arrivals[2])) {
         WEFT_TRACE_BEGIN(notify_t0);
         if (tid < num_ranks) {
             signal_add(peers.at(ctx, a.buffer.combine_signal + me, tid), 1);
-            WEFT_TRACE_RECORD(ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, me, tid, 0, 0);
+            WEFT_TRACE_DEFER(ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, me, tid, 0, 0);
         }
         if (tid == 0) {
             a.buffer.state->combine_send_calls = call;
@@ -416,17 +446,20 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
 
     // Every expert rank's rows of this call are in the landing.
     WEFT_TRACE_BEGIN(combine_t0);  // the wait included
-    const Token arrived = tile::wait_each(Block{}, ctx, num_ranks, FromRank{a.buffer.combine_signal}, Cmp::kGe, call);
+    const Token arrived =
+        tile::wait_each(Block{}, ctx, num_ranks, FromRankLogged{a.buffer.combine_signal}, Cmp::kGe, call);
     const uint16_t* landing = tile::consume_token<const uint16_t*>(a.buffer.landing, arrived);
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
     const int num_warps = static_cast<int>(gridDim.x) * kWarps;
     const RowParts split = RowParts::make(a.num_tokens, granules, num_warps, U);
+    // After a dispatch whose calls differed (kCallMismatch, seen by every rank) nothing came back: zeros.
+    const bool received = a.handle.mismatch[0] == 0;
     for (int item = global_warp; item < a.num_tokens * split.parts; item += num_warps) {
         const int t = item / split.parts;
         const int part = item % split.parts;
         const int g_end = split.end(part, granules);
         const int32_t* idx_row = a.topk_idx + static_cast<int64_t>(t) * a.idx_stride;
-        const bool valid = lane < k && route_expert(idx_row, lane, g.num_experts) >= 0;
+        const bool valid = received && lane < k && route_expert(idx_row, lane, g.num_experts) >= 0;
         const float weight = valid ? a.topk_weights[static_cast<int64_t>(t) * a.weight_stride + lane] : 0.0f;
         const uint32_t slots = __ballot_sync(0xffffffffu, valid);
         const uint16_t* base = landing + (static_cast<int64_t>(half) * g.max_tokens + t) * k * g.hidden;
@@ -435,7 +468,7 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
         warp_weighted_sum<U>(slots, weight, rows_of, split.begin(part), g_end,
                              [dst](int gi, uint4 v) { ptx::st(dst + gi, v); });
     }
-    WEFT_TRACE_RECORD_IF(tid == 0, ctx, TraceKind::kCombine, TraceRole::kComm, combine_t0, a.num_tokens, 0, 0, 0);
+    WEFT_TRACE_DEFER_IF(tid == 0, ctx, TraceKind::kCombine, TraceRole::kComm, combine_t0, a.num_tokens, 0, 0, 0);
 
     if (last_block_arrive(&a.buffer.state->arrivals[3])) {
         if (tid < num_ranks) {
@@ -457,6 +490,7 @@ __global__ void __launch_bounds__(C.threads, 1) low_latency_dispatch(weft::Devic
     extern __shared__ __align__(16) uint8_t smem[];
     const detail::LowLatencyShared sh =
         detail::LowLatencyShared::carve(smem, weft::ep::LowLatencySmem::make(a.geo, C.threads));
+    WEFT_TRACE_OPEN_BLOCK_LOG();  // before load_peer_table's barrier
     const PeerTable peers = load_peer_table(ctx, sh.peer_base);
     if (a.phases & weft::ep::kPhaseSend) {
         detail::ll_dispatch_send<C>(ctx, a, sh, peers);
@@ -464,6 +498,7 @@ __global__ void __launch_bounds__(C.threads, 1) low_latency_dispatch(weft::Devic
     if (a.phases & weft::ep::kPhaseRecv) {
         detail::ll_dispatch_recv<C>(ctx, a, sh, peers);
     }
+    WEFT_TRACE_FLUSH_BLOCK_LOG(ctx);  // after every signal of the launch
 }
 
 /// Low-latency combine: the phases in a.phases. Same grid rules as low_latency_dispatch. Collective.
@@ -473,6 +508,7 @@ __global__ void __launch_bounds__(C.threads, 1) low_latency_combine(weft::Device
     extern __shared__ __align__(16) uint8_t smem[];
     const detail::LowLatencyShared sh =
         detail::LowLatencyShared::carve(smem, weft::ep::LowLatencySmem::make(a.geo, C.threads));
+    WEFT_TRACE_OPEN_BLOCK_LOG();  // before load_peer_table's barrier
     const PeerTable peers = load_peer_table(ctx, sh.peer_base);
     if (a.phases & weft::ep::kPhaseSend) {
         detail::ll_combine_send<C>(ctx, a, sh, peers);
@@ -480,6 +516,7 @@ __global__ void __launch_bounds__(C.threads, 1) low_latency_combine(weft::Device
     if (a.phases & weft::ep::kPhaseRecv) {
         detail::ll_combine_recv<C>(ctx, a, peers);
     }
+    WEFT_TRACE_FLUSH_BLOCK_LOG(ctx);  // after every signal of the launch
 }
 
 }  // namespace weft::kernels::ep

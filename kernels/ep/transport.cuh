@@ -82,4 +82,12 @@ struct FromRank {
     }
 };
 
+/// FromRank whose waits record their "wait peer" trace events into the block's trace log (weft/device/trace.cuh),
+/// written when the block ends, instead of into the trace buffer at once: for the low-latency kernels, which flush
+/// the log after their last signal. The same wait otherwise (untraced builds: identical).
+struct FromRankLogged : FromRank {
+    static constexpr bool kTraceToBlockLog = true;
+    __device__ __forceinline__ explicit FromRankLogged(const uint64_t* s, int f = 0) : FromRank{s, f} {}
+};
+
 }  // namespace weft::kernels::ep

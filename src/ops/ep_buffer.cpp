@@ -3,10 +3,14 @@
 // checks the normal and low-latency ops share.
 #include "ep_buffer.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <future>
 #include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "weft/detail/host_mapped_pool.hpp"
 #include "weft/runtime/error.hpp"
@@ -68,6 +72,23 @@ uint8_t* device_alloc_zeroed(uint64_t bytes, cudaStream_t stream) {
 }  // namespace detail
 
 namespace {
+
+// The Config fields every member must agree on, as the resolved geometry holds them (the rank zeroed).
+std::vector<uint8_t> geometry_record(Geometry g) {
+    static_assert(sizeof(Geometry) == 8 * 4 + 2 * 8, "Geometry has no padding: its bytes compare");
+    g.rank = 0;
+    const auto* p = reinterpret_cast<const uint8_t*>(&g);
+    return std::vector<uint8_t>(p, p + sizeof(g));
+}
+
+std::string describe_config(const Geometry& g) {
+    std::ostringstream os;
+    os << "{num_experts = " << g.num_experts << ", hidden = " << g.hidden << ", topk = " << g.topk
+       << ", max_tokens_per_rank = " << g.max_tokens << ", normal = " << g.normal()
+       << ", low_latency = " << g.low_latency() << ", expert_alignment = " << g.expert_alignment
+       << ", max_recv_tokens = " << g.max_recv_tokens << ", max_recv_rows = " << g.max_recv_rows << "}";
+    return os.str();
+}
 
 std::optional<Status> read_status(const Status* host) {
     const auto* claimed = reinterpret_cast<const volatile uint32_t*>(&host->claimed);
@@ -144,6 +165,22 @@ Buffer::Buffer(const Team& team, const Config& config) : impl_(std::make_unique<
     b.ctx = team.device_ctx();
     b.config = config;
     b.geo = resolve_geometry(config, team.num_ranks(), team.rank());
+    // Every member's kernels trust the others' layouts and limits: the Configs must agree (checked once, here; the
+    // low-latency count words carry a digest of the geometry as well, with the fp8 flag of each call).
+    {
+        const std::vector<uint8_t> mine = geometry_record(b.geo);
+        const std::vector<std::vector<uint8_t>> all = team.all_gather("weft.ops.ep.config", mine);
+        for (int r = 0; r < team.num_ranks(); ++r) {
+            const std::vector<uint8_t>& theirs = all[static_cast<size_t>(r)];
+            if (theirs == mine) continue;
+            Geometry other{};
+            std::memcpy(&other, theirs.data(), std::min(theirs.size(), sizeof(other)));
+            WEFT_FAIL("ep::Buffer: the members' Configs differ: world rank "
+                      << world.rank() << " made its Buffer with " << describe_config(b.geo) << ", world rank "
+                      << team.world_rank(r) << " with " << describe_config(other)
+                      << " (defaults resolved); every member must pass the same Config");
+        }
+    }
     b.ws = Workspace::make(b.geo);
     b.fp = footprint(config, team.num_ranks());
     // Only the load/store transport exists today: every member must map every other member's heap.

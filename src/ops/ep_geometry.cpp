@@ -199,6 +199,23 @@ void register_ep_aot_specs() {
     });
 }
 
+namespace {
+
+// Two low-latency call signatures (weft::ep::ll_call_signature) in words.
+std::string describe_ll_call_mismatch(uint32_t mine, uint32_t theirs, int32_t rank, int32_t peer) {
+    std::ostringstream os;
+    const auto dtype = [](uint32_t sig) { return weft::ep::ll_signature_fp8(sig) ? "fp8 (e4m3)" : "bf16"; };
+    os << "rank " << rank << " called it with " << dtype(mine) << ", rank " << peer << " with " << dtype(theirs);
+    if (weft::ep::ll_signature_digest(mine) != weft::ep::ll_signature_digest(theirs)) {
+        os << ", and their Buffers' geometries differ (hidden, num_experts, topk, max_tokens_per_rank or ranks; digest "
+           << std::hex << "0x" << weft::ep::ll_signature_digest(mine) << " against 0x"
+           << weft::ep::ll_signature_digest(theirs) << std::dec << ")";
+    }
+    return os.str();
+}
+
+}  // namespace
+
 std::string describe_status(const Status& s) {
     std::ostringstream os;
     os << "ep: rank " << s.rank << ": ";
@@ -244,6 +261,13 @@ std::string describe_status(const Status& s) {
         case StatusCode::kDuplicateExpert:
             os << "expert id " << s.value << " repeated at topk_idx[" << s.token << "][" << s.slot << "] in " << kernel
                << " call " << s.call << ": each token's top-k experts must be distinct; the repeat was dropped";
+            break;
+        case StatusCode::kCallMismatch:
+            os << kernel << " call " << s.call << " differs from rank " << s.culprit_rank << "'s: "
+               << describe_ll_call_mismatch(static_cast<uint32_t>(s.value), static_cast<uint32_t>(s.limit), s.rank,
+                                            s.culprit_rank)
+               << "; nothing was received (every rank skipped the call; its combine returns zeros). Every rank must "
+                  "make the same low-latency calls with the same fp8 flag, on Buffers made with the same Config";
             break;
         default:
             os << "unknown status code " << static_cast<uint32_t>(s.code);

@@ -156,6 +156,9 @@ void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x,
         h.num_tokens = a.num_tokens;
     }
     a.fp8 = h.fp8 ? 1 : 0;
+    // Sent with every count and compared by every receiver: a rank whose call differs (fp8 against bf16) is reported
+    // by every rank (kCallMismatch) and nothing is received.
+    a.signature = weft::ep::ll_call_signature(g, h.fp8);
     b.k_ll_dispatch->launch(
         {.grid = dim3(static_cast<unsigned>(sms)),
          .block = dim3(kThreads),

@@ -469,6 +469,135 @@ TEST_F(EpLowLatencyGpu, CallOrderAndCapacityErrorsAreHostErrors) {
         options_for(c, n));
 }
 
+// Arguments that differ across ranks are found in the count words the ranks exchange anyway: one rank dispatches fp8,
+// the other bf16 (each a valid call on its own). Every rank reports kCallMismatch naming both calls, receives nothing
+// (counts 0, the combine gives zeros), nothing hangs; after clear_status the same Buffer serves matching calls
+// (checked against the host reference), in both orders of the dtypes and with split halves.
+TEST_F(EpLowLatencyGpu, DispatchWithFp8OnOneRankAndBf16OnTheOtherFailsOnEveryRank) {
+    const uint32_t seed = fresh_seed();
+    const int n = 2;
+    const Config c = ll_config(n);
+    run_ranks(
+        n,
+        [&](World& world) {
+            RankStream rs;
+            const int me = world.rank();
+            Buffer ep(world, c);
+            const ref::Params p = params_of(c, n);
+            LowLatencyHandle h = ep.make_low_latency_handle();
+            Inputs in(c, rs.s);
+            const size_t y_elems = static_cast<size_t>(p.local_experts()) * n * c.max_tokens_per_rank * c.hidden;
+            DeviceArray<uint16_t> y(y_elems, rs.s);
+            DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
+            for (int round = 0; round < 3; ++round) {
+                const Call call =
+                    make_call(p, Scenario::kUniform, c.max_tokens_per_rank, seed + static_cast<uint32_t>(round), true);
+                in.load(call, me);
+                const std::string what = "round " + std::to_string(round);
+                // Round 0: rank 0 fp8, rank 1 bf16; round 1 the other way round, split into halves; round 2 matches.
+                const bool fp8 = round == 2 ? true : (me == round % 2);
+                if (round == 1) {
+                    ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), rs.s,
+                                            LowLatencyOptions{.fp8 = fp8, .phase = Phase::kSend});
+                    ep.low_latency_dispatch(h, TensorView(), TensorView(), rs.s,
+                                            LowLatencyOptions{.fp8 = fp8, .phase = Phase::kRecv});
+                } else {
+                    ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), rs.s, LowLatencyOptions{.fp8 = fp8});
+                }
+                std::string error;
+                try {
+                    ep.sync_and_check(rs.s);
+                } catch (const Error& e) {
+                    error = e.what();
+                }
+                const std::vector<uint16_t> y_me = expected_y(p, call, me, c.max_tokens_per_rank);
+                y.upload(y_me);
+                out.poison(0xFF);
+                // The combine completes the exchange whatever the dispatch found (it never refuses on the status).
+                ep.low_latency_combine(h, y_view(y.get(), p, c.max_tokens_per_rank), in.idx_view(), in.w_view(),
+                                       TensorView(out.get(), DType::kBF16, {in.num_tokens, c.hidden}), rs.s);
+                world.sync_and_check(rs.s);
+                const std::vector<uint16_t> got =
+                    download(out.get(), static_cast<size_t>(in.num_tokens) * c.hidden, rs.s);
+                if (round == 2) {
+                    WEFT_CHECK(error.empty(), "rank " << me << ", " << what << ": matching calls failed: " << error);
+                    ep.check();
+                    ref::collective_check(
+                        world, [&] { check_dispatch(p, call, h, true, me, c.max_tokens_per_rank, rs.s, what); });
+                    ref::collective_check(world, [&] {
+                        check_combine(
+                            p, call, [&](int r) { return expected_y(p, call, r, c.max_tokens_per_rank); }, got, me,
+                            c.max_tokens_per_rank, what);
+                    });
+                    continue;
+                }
+                const int peer = 1 - me;
+                const std::string mine = fp8 ? "rank " + std::to_string(me) + " called it with fp8"
+                                             : "rank " + std::to_string(me) + " called it with bf16";
+                const std::string theirs =
+                    std::string("rank ") + std::to_string(peer) + " with " + (fp8 ? "bf16" : "fp8");
+                ref::collective_check(world, [&] {
+                    WEFT_CHECK(!error.empty(), "rank " << me << ", " << what << ": no error for differing calls");
+                    for (const std::string& frag : {std::string("low-latency dispatch"), std::string("differs from"),
+                                                    mine, theirs, std::string("nothing was received")}) {
+                        WEFT_CHECK(error.find(frag) != std::string::npos,
+                                   "rank " << me << ", " << what << ": the error lacks '" << frag << "': " << error);
+                    }
+                    const std::vector<int32_t> counts =
+                        download(h.view().expert_counts, static_cast<size_t>(p.local_experts()), rs.s);
+                    for (size_t le = 0; le < counts.size(); ++le) {
+                        WEFT_CHECK(counts[le] == 0, "rank " << me << ", " << what << ": expert " << le << " received "
+                                                            << counts[le] << " rows from differing calls");
+                    }
+                    for (size_t i = 0; i < got.size(); ++i) {
+                        WEFT_CHECK(got[i] == 0, "rank " << me << ", " << what << ": combine out element " << i
+                                                        << " is 0x" << std::hex << got[i] << ", expected 0");
+                    }
+                });
+                // A call that starts an exchange refuses while the status is set (before it launches anything);
+                // clear it and go on.
+                ref::collective_check(world, [&] {
+                    bool refused = false;
+                    try {
+                        ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), rs.s, LowLatencyOptions{.fp8 = fp8});
+                    } catch (const Error&) {
+                        refused = true;
+                    }
+                    WEFT_CHECK(refused, "rank " << me << ", " << what << ": a dispatch went on unrefused");
+                });
+                ep.clear_status();
+            }
+        },
+        options_for(c, n));
+}
+
+// Buffers made with different Configs are refused at construction, on every rank, naming both.
+TEST_F(EpLowLatencyGpu, BuffersOfDifferentConfigsAreRefusedOnEveryRank) {
+    const int n = 2;
+    const Config c = ll_config(n);
+    run_ranks(
+        n,
+        [&](World& world) {
+            Config mine = c;
+            mine.hidden = world.rank() == 0 ? 384 : 512;
+            std::string error;
+            try {
+                Buffer ep(world, mine);
+            } catch (const Error& e) {
+                error = e.what();
+            }
+            ref::collective_check(world, [&] {
+                for (const char* frag :
+                     {"Configs differ", "world rank 0", "world rank 1", "hidden = 384", "hidden = 512"}) {
+                    WEFT_CHECK(error.find(frag) != std::string::npos,
+                               "rank " << world.rank() << ": the error lacks '" << frag << "': " << error);
+                }
+            });
+            Buffer same(world, c);  // the same Config on both ranks goes through
+        },
+        options_for(ll_config(n), n));
+}
+
 // Dispatch + combine captured in a CUDA graph per rank, replayed with new routing (fp8 and bf16 graphs).
 TEST_F(EpLowLatencyGpu, GraphReplayWithChangingRouting) {
     const uint32_t seed = fresh_seed();

@@ -5,7 +5,9 @@
 // every copy, each peer's pull of this rank's shard ending before this rank's exit stops waiting for that peer; a
 // traced EP dispatch yields per rank
 // the layout, sends to both ranks, receives from both ranks, each receive ending after every send to it began, and a
-// traced combine's weighted sums begin after the block's waits and after the partials sent to it.
+// traced combine's weighted sums begin after the block's waits and after the partials sent to it; traced low-latency
+// dispatch and combine (whose events are written at the kernels' end) yield sends, one notify per rank, waits for both
+// ranks, and receives / weighted sums that end after every rank's notify to them began.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -120,6 +122,25 @@ elif mode == 'combine':
                     if b(c) + tol < b(snd):
                         bad.append('rank %d: block %d combined %d ns before rank %d began sending it partials' %
                                    (r, blk(c), b(snd) - b(c), s))
+elif mode in ('ll_dispatch', 'll_combine'):
+    # Low-latency: every event is written at the kernel's end (the block's trace log); their times are unchanged.
+    # Per rank: "send" (every destination), one "notify" per destination from the last block, "wait peer p" for both
+    # ranks, and "recv" (dispatch) or "combine" (the wait included) that ends after every rank's notify to it began.
+    last = 'recv' if mode == 'll_dispatch' else 'combine'
+    for r in ranks:
+        for what in ['send', 'notify', 'wait peer 0', 'wait peer 1', last]:
+            n = len([e for e in of(r, what) if e['name'] == what])
+            counts[what] = counts.get(what, 0) + n
+            if n == 0: bad.append('rank %d: no "%s" event' % (r, what))
+        notes = of(r, 'notify')
+        if sorted(a(n, 1) for n in notes) != ranks:
+            bad.append('rank %d: notified ranks %s, expected one notify per rank' % (r, sorted(a(n, 1) for n in notes)))
+        for e in [x for x in of(r, last) if x['name'] == last]:
+            for s in ranks:
+                for n in [x for x in of(s, 'notify') if a(x, 1) == r]:
+                    if t(e) + tol < b(n):
+                        bad.append('rank %d: %s (block %d) ended %d ns before rank %d began notifying it' %
+                                   (r, last, blk(e), b(n) - t(e), s))
 else:
     bad.append('unknown mode ' + mode)
 print('\n'.join(bad[:20]) if bad else 'ok ' + ' '.join('%s=%d' % (k.replace(' ', '_'), v)
@@ -281,6 +302,69 @@ TEST(TraceEp, DispatchReceivesFollowTheSendsAndCombineFollowsItsWaits) {
     f.report();
     expect_trace_ok(dir.path(), "dispatch", dir / "dispatch.json");
     expect_trace_ok(dir.path(), "combine", dir / "combine.json");
+}
+
+TEST(TraceEp, LowLatencyEventsKeptUntilTheKernelsEndReadAsTheyHappened) {
+    if (!have_python()) GTEST_SKIP() << "SKIPPED: python3 with its json module reads the trace";
+    testing::TempDir dir("weft_trace_ep_ll");
+    const testing::ScopedEnv trace("WEFT_TRACE", (dir / "at_exit.json").string());
+    ops::ep::Config c;
+    c.num_experts = 8;  // 4 per rank
+    c.hidden = 256;
+    c.topk = 2;
+    c.max_tokens_per_rank = 64;
+    c.normal = false;
+    c.low_latency = true;
+    constexpr int kTokens = 64;
+    WorldOptions wo = test::test_options();
+    wo.heap_bytes = std::max<uint64_t>(64ull << 20, ops::ep::footprint(c, 2).heap_bytes(0) + (16ull << 20));
+    tp_test::Failures f;
+    test::run_ranks(
+        2,
+        [&](World& w) {
+            ASSERT_TRUE(tracing(w));
+            test::ep::RankStream rs;
+            ops::ep::Buffer ep(w, c);
+            ops::ep::LowLatencyHandle h = ep.make_low_latency_handle();
+            // Token t goes to experts t % 4 (rank 0) and 4 + (t + 1) % 4 (rank 1): every rank sends to both ranks.
+            std::vector<int32_t> idx(static_cast<size_t>(kTokens) * 2);
+            std::vector<float> weights(idx.size(), 0.5f);
+            for (int t = 0; t < kTokens; ++t) {
+                idx[static_cast<size_t>(t) * 2] = t % 4;
+                idx[static_cast<size_t>(t) * 2 + 1] = 4 + (t + 1) % 4;
+            }
+            const std::vector<uint16_t> rows = test::ep::payload_rows(w.rank(), kTokens, c.hidden, 7, false);
+            test::ep::DeviceArray<uint16_t> x(rows.size(), rs.s);
+            test::ep::DeviceArray<int32_t> di(idx.size(), rs.s);
+            test::ep::DeviceArray<float> dw(weights.size(), rs.s);
+            test::ep::DeviceArray<uint16_t> out(rows.size(), rs.s);
+            x.upload(rows);
+            di.upload(idx);
+            dw.upload(weights);
+            const TensorView vx(x.get(), DType::kBF16, {kTokens, c.hidden});
+            const TensorView vi(di.get(), DType::kI32, {kTokens, 2});
+            const TensorView vw(dw.get(), DType::kF32, {kTokens, 2});
+            const TensorView vo(out.get(), DType::kBF16, {kTokens, c.hidden});
+            const ops::ep::LowLatencyOptions opt{.num_sms = std::min(2, w.sm_budget())};  // several blocks
+            // Three calls: the third send waits for a credit (call > 2), so its waits name both ranks.
+            for (int i = 0; i < 2; ++i) {
+                ep.low_latency_dispatch(h, vx, vi, rs.s, opt);
+                ep.low_latency_combine(h, h.recv_x(), vi, vw, vo, rs.s, opt);
+            }
+            ep.sync_and_check(rs.s);
+            write_trace(w, (dir / "warmup.json").string());
+            ep.low_latency_dispatch(h, vx, vi, rs.s, opt);
+            ep.sync_and_check(rs.s);
+            write_trace(w, (dir / "ll_dispatch.json").string());
+            ep.low_latency_combine(h, h.recv_x(), vi, vw, vo, rs.s, opt);
+            ep.sync_and_check(rs.s);
+            write_trace(w, (dir / "ll_combine.json").string());
+            if (w.rank() == 0 && !fs::exists(dir / "ll_combine.json")) f.add("rank 0 wrote no trace");
+        },
+        wo);
+    f.report();
+    expect_trace_ok(dir.path(), "ll_dispatch", dir / "ll_dispatch.json");
+    expect_trace_ok(dir.path(), "ll_combine", dir / "ll_combine.json");
 }
 
 }  // namespace

@@ -440,9 +440,13 @@ std::vector<ArrayInfo> arrays_of(const weft::ep::NormalHandleDeviceLayout& l) {
             info("info", l.info)};
 }
 std::vector<ArrayInfo> arrays_of(const weft::ep::LowLatencyHandleDeviceLayout& l) {
-    static_assert(sizeof(l) == 5 * 16 + 8);
-    return {info("recv_x", l.recv_x), info("recv_scales", l.recv_scales), info("recv_src_info", l.recv_src_info),
-            info("recv_src_slot", l.recv_src_slot), info("expert_counts", l.expert_counts)};
+    static_assert(sizeof(l) == 6 * 16 + 8);
+    return {info("recv_x", l.recv_x),
+            info("recv_scales", l.recv_scales),
+            info("recv_src_info", l.recv_src_info),
+            info("recv_src_slot", l.recv_src_slot),
+            info("expert_counts", l.expert_counts),
+            info("mismatch", l.mismatch)};
 }
 
 // Every array starts at a multiple of kArrayAlign, right after the previous one (rounded up), none overlaps the
@@ -562,6 +566,7 @@ TEST(EpWorkspace, ArraysAreAlignedPackedAndSizedFromTheGeometry) {
         EXPECT_EQ(ws.low_latency_handle_device.recv_scales.count, rows * (h / 128)) << what;
         EXPECT_EQ(ws.low_latency_handle_device.recv_src_slot.count, rows) << what;
         EXPECT_EQ(ws.low_latency_handle_device.expert_counts.count, l * el) << what;
+        EXPECT_EQ(ws.low_latency_handle_device.mismatch.count, l) << what;
         if (!g.normal()) {
             EXPECT_EQ(ws.normal_handle_symmetric.bytes, 0) << what;
             EXPECT_EQ(ws.normal_handle_device.bytes, 0) << what;
@@ -699,6 +704,89 @@ TEST(EpStatus, MessagesNameTheRankTheLimitAndTheValue) {
     const std::string m2 = describe_status(s);
     EXPECT_NE(m2.find("topk_idx[11][2]"), std::string::npos) << m2;
     EXPECT_NE(m2.find("300"), std::string::npos) << m2;
+}
+
+// The low-latency mailbox word: a count and the sender's call signature, read back apart; the signature tells fp8 from
+// bf16 and one geometry from another, and never looks like a zeroed word.
+TEST(EpLowLatencyMailbox, WordsCarryTheCountAndTheCallSignature) {
+    using weft::ep::ll_call_signature;
+    using weft::ep::ll_mailbox_count;
+    using weft::ep::ll_mailbox_signature;
+    using weft::ep::ll_mailbox_word;
+    using weft::ep::ll_signature_digest;
+    using weft::ep::ll_signature_fp8;
+    const Geometry g = geometry_for(8, 256, 7168, 8, 128, false, true);
+    for (bool fp8 : {false, true}) {
+        const uint32_t sig = ll_call_signature(g, fp8);
+        EXPECT_EQ(ll_mailbox_count(sig), 0) << "a signature has no count bits";
+        EXPECT_EQ(ll_signature_fp8(sig), fp8);
+        EXPECT_NE(ll_signature_digest(sig), 0u);
+        EXPECT_NE(ll_mailbox_signature(ll_mailbox_word(sig, 0)), ll_mailbox_signature(0u)) << "a zeroed word matches";
+        for (int count : {0, 1, 2, 127, 128, 1000, kMaxLowLatencyTokens}) {
+            const uint32_t w = ll_mailbox_word(sig, count);
+            EXPECT_EQ(ll_mailbox_count(w), count) << "fp8 " << fp8;
+            EXPECT_EQ(ll_mailbox_signature(w), sig) << "fp8 " << fp8 << " count " << count;
+        }
+    }
+    // fp8 against bf16: same digest, other signature.
+    EXPECT_NE(ll_call_signature(g, true), ll_call_signature(g, false));
+    EXPECT_EQ(ll_signature_digest(ll_call_signature(g, true)), ll_signature_digest(ll_call_signature(g, false)));
+    // The same Config gives every rank the same signature (the rank is not in it).
+    Config c;
+    c.num_experts = 256;
+    c.hidden = 7168;
+    c.topk = 8;
+    c.max_tokens_per_rank = 128;
+    c.normal = false;
+    for (int r = 0; r < 8; ++r) {
+        EXPECT_EQ(ll_call_signature(resolve_geometry(c, 8, r), true), ll_call_signature(g, true)) << "rank " << r;
+    }
+    // Each geometry field changes the digest.
+    const Geometry others[] = {
+        geometry_for(8, 256, 4096, 8, 128, false, true), geometry_for(8, 128, 7168, 8, 128, false, true),
+        geometry_for(8, 256, 7168, 6, 128, false, true), geometry_for(8, 256, 7168, 8, 256, false, true),
+        geometry_for(4, 256, 7168, 8, 128, false, true)};
+    for (const Geometry& o : others) {
+        EXPECT_NE(ll_signature_digest(ll_call_signature(o, true)), ll_signature_digest(ll_call_signature(g, true)))
+            << "hidden " << o.hidden << " experts " << o.num_experts << " topk " << o.topk << " tokens " << o.max_tokens
+            << " ranks " << o.num_ranks;
+    }
+    // Computed alike at compile time (as on the device).
+    constexpr Geometry kSmall{.num_ranks = 2,
+                              .rank = 0,
+                              .num_experts = 8,
+                              .hidden = 256,
+                              .topk = 2,
+                              .max_tokens = 64,
+                              .expert_alignment = 1,
+                              .modes = weft::ep::kLowLatencyMode,
+                              .max_recv_tokens = 0,
+                              .max_recv_rows = 0};
+    static_assert(ll_mailbox_count(ll_mailbox_word(ll_call_signature(kSmall, true), 1024)) == 1024);
+    static_assert(ll_signature_fp8(ll_mailbox_signature(ll_mailbox_word(ll_call_signature(kSmall, true), 7))));
+}
+
+TEST(EpStatus, ACallMismatchNamesBothRanksAndWhatDiffered) {
+    const Geometry g = geometry_for(2, 8, 384, 2, 40, false, true);
+    Status s{};
+    s.claimed = 2;
+    s.code = StatusCode::kCallMismatch;
+    s.rank = 1;
+    s.culprit_rank = 0;
+    s.value = weft::ep::ll_call_signature(g, false);
+    s.limit = weft::ep::ll_call_signature(g, true);
+    s.call = 4;
+    s.kernel = static_cast<uint32_t>(KernelId::kLowLatencyDispatch);
+    const std::string m = describe_status(s);
+    for (const char* frag : {"rank 1", "low-latency dispatch call 4", "differs from rank 0's",
+                             "rank 1 called it with bf16", "rank 0 with fp8", "nothing was received"}) {
+        EXPECT_NE(m.find(frag), std::string::npos) << frag << " missing from: " << m;
+    }
+    EXPECT_EQ(m.find("geometries differ"), std::string::npos) << m;
+    s.limit = weft::ep::ll_call_signature(geometry_for(2, 8, 512, 2, 40, false, true), false);
+    const std::string m2 = describe_status(s);
+    EXPECT_NE(m2.find("rank 0 with bf16"), std::string::npos) << m2;
+    EXPECT_NE(m2.find("geometries differ"), std::string::npos) << m2;
 }
 
 // The EP kernels, as the op launches them, compile for sm_90a without spills and within the register

@@ -283,12 +283,16 @@ TEST(TraceNvrtc, UntracedKernelsAreTheKernelsWithoutTheInstrumentationAndTracedO
     std::vector<jit::KernelSpec> specs = {ops::detail::ag_gemm_kernel_spec(config, "sm_90a"),
                                           ops::detail::ag_notify_kernel_spec("sm_90a"),
                                           ops::detail::rs_reduce_kernel_spec(DType::kF32, DType::kBF16, "sm_90a")};
-    // A collective (entry barrier, stage, reduce) and an EP kernel (peer-named waits, sends, receives).
+    // A collective (entry barrier, stage, reduce) and EP kernels (peer-named waits, sends, receives; the low-latency
+    // ones keep their events in the block's trace log until their end).
     specs.push_back(ops::detail::collective_kernel_spec(ops::detail::KernelId::kAllReduceOneShot, DType::kBF16, 8));
     for (const jit::KernelSpec& s : ops::ep::kernel_specs()) {
-        if (s.instantiation.find("normal_dispatch") != std::string::npos) specs.push_back(s);
+        for (const char* name : {"normal_dispatch<", "low_latency_dispatch<", "low_latency_combine<"}) {
+            if (s.instantiation.find(name) != std::string::npos) specs.push_back(s);
+        }
     }
-    ASSERT_EQ(specs.size(), 5u) << "no normal_dispatch among the EP kernel specs";
+    ASSERT_EQ(specs.size(), 7u) << "normal_dispatch, low_latency_dispatch or low_latency_combine is missing from the "
+                                   "EP kernel specs";
     for (jit::KernelSpec& s : specs) s.arch = "sm_90a";
     for (const jit::KernelSpec& spec : specs) {
         SCOPED_TRACE(spec.describe());

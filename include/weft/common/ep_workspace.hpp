@@ -32,6 +32,10 @@ enum class StatusCode : uint32_t {
     kRecvRowsOverflow = 2,    ///< normal dispatch: a rank's expert-contiguous rows exceed max_recv_rows
     kInvalidExpert = 3,       ///< an expert id outside [-1, num_experts): the route is dropped
     kDuplicateExpert = 4,     ///< an expert id repeated within one token's top-k: the repeat is dropped
+    /// low-latency dispatch: a source's call differs from this rank's (fp8 against bf16, or another Buffer
+    /// geometry): value = this rank's call signature, limit = the source's (ll_call_signature), culprit = the source;
+    /// nothing was received (counts 0; the handle's combine writes zeros)
+    kCallMismatch = 5,
 };
 
 /// One rank's status record, in host-mapped pinned memory (readable by the host without a
@@ -108,6 +112,41 @@ struct NormalState {
     uint64_t data_expected[kMaxRanks];     ///< rows received from each source so far (its signal's value)
     uint64_t partial_expected[kMaxRanks];  ///< partial rows received from each rank so far
 };
+
+// ---- low-latency mailbox words: a count and the sender's call signature ----
+//
+// Each (source, local expert) word of the low-latency mailbox, which every receiving block reads before it copies a
+// row, carries the route count in its low bits and the sender's call signature in the others. A receiver compares
+// every source's signature with its own: the arguments that must agree across ranks (fp8 or bf16, the Buffer's
+// geometry) are checked with no word and no wait added.
+//
+//   31..12 digest of the geometry (hidden, num_experts, topk, max_tokens, num_ranks; 20 bits)   11 fp8   10..0 count
+
+inline constexpr uint32_t kLlCountBits = 11;  ///< counts up to kMaxLowLatencyTokens (1024) fit
+inline constexpr uint32_t kLlCountMask = (1u << kLlCountBits) - 1u;
+inline constexpr uint32_t kLlFp8Bit = 1u << kLlCountBits;
+static_assert(kMaxLowLatencyTokens <= static_cast<int>(kLlCountMask), "a low-latency count must fit its bits");
+
+/// The mailbox word's signature of a low-latency dispatch on a Buffer of geometry `g` (count bits zero; never 0).
+WEFT_HOST_DEVICE constexpr uint32_t ll_call_signature(const Geometry& g, bool fp8) {
+    uint64_t h = 0x243f6a8885a308d3ull;
+    const int64_t words[5] = {g.hidden, g.num_experts, g.topk, g.max_tokens, g.num_ranks};
+    for (int i = 0; i < 5; ++i) {
+        h ^= static_cast<uint64_t>(words[i]) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+        h = (h ^ (h >> 31)) * 0xbf58476d1ce4e5b9ull;
+    }
+    uint32_t digest = static_cast<uint32_t>((h ^ (h >> 20) ^ (h >> 40)) & 0xFFFFFull);
+    digest = digest == 0 ? 1u : digest;  // a zeroed word never matches
+    return digest << (kLlCountBits + 1) | (fp8 ? kLlFp8Bit : 0u);
+}
+/// The word a source writes: its signature and a route count (0..kMaxLowLatencyTokens).
+WEFT_HOST_DEVICE constexpr uint32_t ll_mailbox_word(uint32_t signature, int32_t count) {
+    return signature | (static_cast<uint32_t>(count) & kLlCountMask);
+}
+WEFT_HOST_DEVICE constexpr int32_t ll_mailbox_count(uint32_t word) { return static_cast<int32_t>(word & kLlCountMask); }
+WEFT_HOST_DEVICE constexpr uint32_t ll_mailbox_signature(uint32_t word) { return word & ~kLlCountMask; }
+WEFT_HOST_DEVICE constexpr bool ll_signature_fp8(uint32_t signature) { return (signature & kLlFp8Bit) != 0; }
+WEFT_HOST_DEVICE constexpr uint32_t ll_signature_digest(uint32_t signature) { return signature >> (kLlCountBits + 1); }
 
 /// Low-latency device state (private, zeroed once, advanced by the kernels).
 struct LowLatencyState {
@@ -222,6 +261,7 @@ struct LowLatencyHandleDeviceLayout {
     Array<int32_t> recv_src_info;  ///< [E_local, W * max_tokens]
     Array<int32_t> recv_src_slot;  ///< [E_local, W * max_tokens]
     Array<int32_t> expert_counts;  ///< [E_local]
+    Array<int32_t> mismatch;       ///< [1] 1 when the last dispatch received found a call mismatch
     int64_t bytes;
 };
 
@@ -273,6 +313,9 @@ struct LowLatencyHandleView {
     int32_t* recv_src_info;  ///< [E_local, W * max_tokens] source rank * max_tokens + token
     int32_t* recv_src_slot;  ///< [E_local, W * max_tokens] the token's top-k slot
     int32_t* expert_counts;  ///< [E_local] valid rows of each local expert
+    /// [1] written by every dispatch receive: 1 when a source's call differed (kCallMismatch: nothing received, the
+    /// combine writes zeros), else 0
+    int32_t* mismatch;
 };
 
 /// Where every array of a Buffer and its handles lives, from the Geometry alone (the same on every rank).
@@ -345,6 +388,7 @@ struct Workspace {
             d.recv_src_info = p.take<int32_t>(rows);
             d.recv_src_slot = p.take<int32_t>(rows);
             d.expert_counts = p.take<int32_t>(l * el);
+            d.mismatch = p.take<int32_t>(l);
             d.bytes = p.bytes;
         }
         return ws;
@@ -402,7 +446,8 @@ struct Workspace {
                                     .recv_scales = d.recv_scales.at(device),
                                     .recv_src_info = d.recv_src_info.at(device),
                                     .recv_src_slot = d.recv_src_slot.at(device),
-                                    .expert_counts = d.expert_counts.at(device)};
+                                    .expert_counts = d.expert_counts.at(device),
+                                    .mismatch = d.mismatch.at(device)};
     }
 };
 
@@ -475,10 +520,10 @@ enum LowLatencyPhase : int32_t { kPhaseSend = 1, kPhaseRecv = 2 };
 struct LowLatencyArgs {
     Geometry geo;
     int32_t num_tokens;
-    int32_t phases;  ///< LowLatencyPhase bits
-    int32_t fp8;     ///< dispatch: 1 = quantise to e4m3 with one scale per 128 channels
-    int32_t pad0;
-    const uint16_t* x;  ///< [T, H] bf16
+    int32_t phases;      ///< LowLatencyPhase bits
+    int32_t fp8;         ///< dispatch: 1 = quantise to e4m3 with one scale per 128 channels
+    uint32_t signature;  ///< dispatch: ll_call_signature(geo, fp8), sent in and compared with every mailbox word
+    const uint16_t* x;   ///< [T, H] bf16
     int64_t x_stride;
     const int32_t* topk_idx;  ///< [T, k]
     int64_t idx_stride;

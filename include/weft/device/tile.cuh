@@ -40,6 +40,30 @@ inline constexpr bool kIsToken = false;
 template <>
 inline constexpr bool kIsToken<Token> = true;
 
+#if defined(WEFT_TRACE)
+/// A polling thread's "wait peer" event, written after the group's barrier (off the path of the group's other
+/// threads); into the block's trace log when the signal functor asks for it (kTraceToBlockLog: the kernel flushes
+/// one), else straight into the trace buffer.
+struct PendingWait {
+    uint64_t begin_ns = 0;
+    uint64_t end_ns = 0;
+    int32_t peer = -1;
+
+    template <class SignalAt>
+    __device__ __forceinline__ void write(const DeviceCtx& ctx, const SignalAt& signal_at, int line, uint64_t value) {
+        if (peer < 0) return;
+        if constexpr (requires { signal_at.kTraceToBlockLog; }) {
+            trace::defer_span(ctx, TraceKind::kWaitPeer, TraceRole::kComm, begin_ns, end_ns, peer, line,
+                              static_cast<int32_t>(value), 0);
+        } else {
+            trace::record_span(ctx, TraceKind::kWaitPeer, TraceRole::kComm, begin_ns, end_ns, peer, line,
+                               static_cast<int32_t>(value), 0);
+        }
+        peer = -1;
+    }
+};
+#endif
+
 /// The only maker of Tokens (Token's friend). Every member polls its signals (bounded), synchronises the group and
 /// issues fence.proxy.async.global in every thread before it constructs a Token: keep it that way.
 struct TokenIssuer {
@@ -47,17 +71,19 @@ struct TokenIssuer {
     /// the rank that raises it; skipping null signals), then the group synchronises, then every thread fences.
     /// A thread stops polling at its first failed signal (timeout or abort: Diagnostic recorded, abort word raised);
     /// the group barrier reduces the outcome (Group::all). Traced builds (weft/device/trace.cuh): a thread that polls
-    /// a SignalFrom records "wait peer <its rank>" (args: the rank, `line`, the value awaited); bare pointers record
-    /// nothing. kChecked: the result, uniform over the group, says
-    /// whether all arrived (spin_until_checked: inline). Otherwise (spin_until_or_record: the failure path is a call)
-    /// every thread of the group ends together with `exit` when any failed, and the result is the Token: ending the
-    /// group together keeps a counted named barrier (Warpgroup) from waiting for a warp that exited.
+    /// a SignalFrom records "wait peer <its rank>" (args: the rank, `line`, the value awaited) after the group's
+    /// barrier (into the block's trace log when the functor has kTraceToBlockLog); bare pointers record nothing.
+    /// kChecked: the result, uniform over the group, says whether all arrived (spin_until_checked: inline). Otherwise
+    /// (spin_until_or_record: the failure path is a call) every thread of the group ends together with `exit` when any
+    /// failed, and the result is the Token: ending the group together keeps a counted named barrier (Warpgroup) from
+    /// waiting for a warp that exited.
     template <ptx::Scope C, ptx::Sem S, bool kChecked, class Group, class SignalAt>
     __device__ __forceinline__ static auto wait_each(Group group, const DeviceCtx& ctx, int n, SignalAt&& signal_at,
                                                      Cmp cmp, uint64_t value, int line) {
         static_assert(kIsGroup<Group>, "tile::wait: the group must be Thread, Warp, Warpgroup or Block");
         unsigned last = 0;
         bool ok = true;
+        WEFT_TRACE_DO(PendingWait pending);  // this thread's last "wait peer" event, written after the barrier
         for (int i = static_cast<int>(group.rank()); i < n; i += static_cast<int>(group.size())) {
             const auto at = signal_at(i);
             const uint64_t* signal = nullptr;
@@ -71,6 +97,7 @@ struct TokenIssuer {
             if (signal == nullptr) {
                 continue;
             }
+            WEFT_TRACE_DO(pending.write(ctx, signal_at, line, value));  // a thread's earlier signal
             WEFT_TRACE_DECLARE(wait_t0);
             WEFT_TRACE_STAMP_IF(site.peer >= 0, wait_t0);
             SpinResult r;
@@ -79,8 +106,7 @@ struct TokenIssuer {
             } else {
                 r = spin_until_or_record<S, C>(ctx, signal, cmp, value, site);
             }
-            WEFT_TRACE_RECORD_IF(site.peer >= 0, ctx, TraceKind::kWaitPeer, TraceRole::kComm, wait_t0, site.peer, line,
-                                 static_cast<int32_t>(value), 0);
+            WEFT_TRACE_DO(if (site.peer >= 0) pending = PendingWait{wait_t0, ptx::globaltimer(), site.peer});
             last = static_cast<unsigned>(r.observed);
             if (!r.ok) {
                 ok = false;
@@ -88,6 +114,7 @@ struct TokenIssuer {
             }
         }
         ok = group.all(ok);
+        WEFT_TRACE_DO(pending.write(ctx, signal_at, line, value));
         if constexpr (kChecked) {
             ptx::fence_proxy_async_global();
             return WaitResult(ok, Token(last));
