@@ -8,6 +8,7 @@
 // JIT instantiations (weft::ops::AgGemm builds them):
 //   weft::kernels::ag_gemm::ag_gemm_kernel<CFG>
 //   weft::kernels::ag_gemm::ag_notify_ready_kernel<0>
+//   weft::kernels::ag_gemm::ag_relay_notify_kernel<0>   (a team that spans nodes)
 #pragma once
 
 #include "gemm/gemm_sm90.cuh"
@@ -134,14 +135,25 @@ __device__ __forceinline__ void ag_finish_call(const AgGemmHookParams& p) {
     for (int32_t s = 0; s < p.ctx.num_ranks; ++s) {
         if (s != p.ctx.rank) ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(p.ready + s, 0ull);
     }
+    // A team that spans nodes: the relay words too, and the done-barrier meets this node's members only (the network's
+    // readers of this rank's shard are its comm stream's sends, which the caller's stream joins before the next call).
+    if (p.relay_ready != nullptr) {
+        for (int32_t s = 0; s < p.num_signals; ++s) ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(p.relay_ready + s, 0ull);
+    }
+    const bool all = p.peers.num == 0;
+    const int32_t num_peers = all ? p.ctx.num_ranks : p.peers.num;
     const uint64_t e = ptx::ld(p.epoch) + 1;
     WEFT_TRACE_BEGIN(notify_t0);
-    for (int32_t pe = 0; pe < p.ctx.num_ranks; ++pe) {  // release: the resets above come first
+    for (int32_t i = 0; i < num_peers; ++i) {  // release: the resets above come first
+        const int32_t pe = all ? i : p.peers.rank[i];
         device::trap_unless(tile::notify_checked(me, p.ctx, p.done + p.ctx.rank, pe, 1ull, device::SignalOp::kAdd));
     }
     WEFT_TRACE_RECORD(p.ctx, TraceKind::kNotify, TraceRole::kProducer, notify_t0, -1, -1, 0, 0);
     WEFT_TRACE_BEGIN(done_t0);
-    device::trap_unless(tile::wait_checked(me, p.ctx, p.done, p.ctx.num_ranks, Cmp::kGe, e).ok());
+    device::trap_unless(tile::wait_each_checked(
+                            me, p.ctx, num_peers, [&](int i) { return p.done + (all ? i : p.peers.rank[i]); },
+                            Cmp::kGe, e)
+                            .ok());
     WEFT_TRACE_RECORD(p.ctx, TraceKind::kWaitPeers, TraceRole::kProducer, done_t0, static_cast<int32_t>(e), 0, 0, 0);
     ptx::st(p.epoch, e);
 }
@@ -164,10 +176,14 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 /// signatures: the release orders the descriptor before the flag). Launched with one warp after the local copy, in
 /// stream order. kUnused: a template so that a header included by several translation units defines no non-inline
 /// kernel.
+/// A team that spans nodes: only this node's members (p.peers); the others learn of it through the network.
 template <int kUnused>
 __global__ void __launch_bounds__(kTpNotifyThreads) ag_notify_ready_kernel(const AgNotifyParams p) {
     WEFT_TRACE_BEGIN(notify_t0);
-    for (int pe = static_cast<int>(threadIdx.x); pe < p.ctx.num_ranks; pe += static_cast<int>(blockDim.x)) {
+    const bool all = p.peers.num == 0;
+    const int num_peers = all ? p.ctx.num_ranks : p.peers.num;
+    for (int i = static_cast<int>(threadIdx.x); i < num_peers; i += static_cast<int>(blockDim.x)) {
+        const int pe = all ? i : p.peers.rank[i];
         if (pe == p.ctx.rank) continue;
         if (p.signatures != nullptr) {
             // notify(), with the descriptor stored through the same translation (one allocation holds both).
@@ -180,6 +196,28 @@ __global__ void __launch_bounds__(kTpNotifyThreads) ag_notify_ready_kernel(const
     }
     if (threadIdx.x == 0) {
         WEFT_TRACE_RECORD(p.ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, p.ctx.rank, -1, 0, 0);
+    }
+}
+
+/// AllGather+GEMM across nodes (docs/multinode.md): launched on the network backend's comm stream after chunks of
+/// other nodes' shards arrived in this rank's gathered buffer (stream order: the receive is complete). For each item
+/// and each other member of this node: the slot's call descriptor (received over the network beside the shard) into
+/// signatures[slot] there, then relay_ready[signal] = 1 there (release, system scope: the descriptor and, through
+/// the receive's completion before this kernel, the chunk's bytes come first). That member's copy stream awaits
+/// the word, copies the chunk from this rank's gathered buffer and raises its own chunk signal, as for a peer's shard.
+template <int kUnused>
+__global__ void __launch_bounds__(kTpNotifyThreads) ag_relay_notify_kernel(const AgRelayParams p) {
+    const int n = p.num_items * p.peers.num;
+    for (int j = static_cast<int>(threadIdx.x); j < n; j += static_cast<int>(blockDim.x)) {
+        const int item = j / p.peers.num;
+        const int pe = p.peers.rank[j % p.peers.num];
+        if (pe == p.ctx.rank) continue;
+        const int32_t slot = p.slot[item];
+        const uint64_t descriptor = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(p.signatures + slot);
+        uint64_t* sig = device::symm_at_or_trap(p.ctx, p.signatures + slot, pe, __LINE__);
+        ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(sig, descriptor);
+        uint64_t* word = device::symm_at_or_trap(p.ctx, p.relay_ready + p.signal[item], pe, __LINE__);
+        device::signal_release<ptx::Scope::kSys>(word, 1ull, device::SignalOp::kSet);
     }
 }
 

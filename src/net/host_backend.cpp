@@ -514,6 +514,30 @@ void HostBackend::exchange(const void* send, uint64_t bytes, const std::function
 #endif
 }
 
+void HostBackend::send_recv(const void* send, uint64_t bytes, int to_node, void* recv, int from_node) {
+    WEFT_CHECK(to_node >= 0 && to_node < num_nodes() && from_node >= 0 && from_node < num_nodes(),
+               "network backend: send_recv between nodes " << to_node << " and " << from_node << " of " << num_nodes());
+#if WEFT_NET_HAVE_NCCL_HEADER
+    if (bytes == 0 || (to_node == node_index_ && from_node == node_index_)) return;
+    const NcclApi& api = nccl();
+    const uint64_t step = begin_step("send_recv");
+    WEFT_NCCL_CHECK(api.group_start(), "ncclGroupStart");
+    if (to_node != node_index_) {
+        WEFT_NCCL_CHECK(api.send(send, bytes, ncclUint8, to_node, impl_->comm, comm_stream_),
+                        "ncclSend for " << impl_->who);
+    }
+    if (from_node != node_index_) {
+        WEFT_NCCL_CHECK(api.recv(recv, bytes, ncclUint8, from_node, impl_->comm, comm_stream_),
+                        "ncclRecv for " << impl_->who);
+    }
+    WEFT_NCCL_CHECK(api.group_end(), "ncclGroupEnd (send_recv) for " << impl_->who);
+    end_step(step);
+#else
+    (void)send, (void)recv;
+    WEFT_FAIL(nccl_unavailable_reason());
+#endif
+}
+
 void HostBackend::reduce_scatter(const void* send, void* recv, uint64_t recv_count, DType dtype) {
 #if WEFT_NET_HAVE_NCCL_HEADER
     if (recv_count == 0) return;

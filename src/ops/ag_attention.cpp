@@ -506,7 +506,7 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     p.finish.ready = s.ready;
     p.finish.done = s.done;
     p.finish.epoch = s.epoch;
-    const AgNotifyParams notify{s.ctx, s.ready, nullptr, 0};  // no call descriptor (AgAttention)
+    const AgNotifyParams notify{s.ctx, s.ready, nullptr, 0, {}};  // no call descriptor (AgAttention)
     uint8_t* const slot_k = s.gathered_k + s.rank * shard_bytes;
     uint8_t* const slot_v = s.gathered_v + s.rank * shard_bytes;
 

@@ -12,6 +12,8 @@
 #include "weft/common/tile_map.hpp"
 #include "weft/common/tp_params.hpp"
 #include "weft/common/tp_schedule.hpp"
+#include "weft/net/ag_gemm_plan.hpp"
+#include "weft/net/host_backend.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
@@ -24,6 +26,8 @@ namespace weft::ops {
 namespace {
 constexpr const char* kOp = "ag_gemm";
 constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
+/// SMs a team that spans nodes keeps free of its persistent GEMM by default, for the comm stream's kernels.
+constexpr int kNetworkSms = 8;
 }  // namespace
 
 void validate_ag_gemm_shape(const AgGemmShape& s, int num_ranks, const AgGemmOptions& o) {
@@ -107,6 +111,11 @@ jit::KernelSpec ag_notify_kernel_spec(const std::string& arch) {
                                 "ag_gemm notify", arch);
 }
 
+jit::KernelSpec ag_relay_kernel_spec(const std::string& arch) {
+    return tp_detail::make_spec("ag_gemm/ag_gemm.cuh", "weft::kernels::ag_gemm::ag_relay_notify_kernel<0>",
+                                "ag_gemm relay notify", arch);
+}
+
 }  // namespace detail
 
 struct AgGemm::State : tp_detail::FusedOpState {
@@ -129,6 +138,13 @@ struct AgGemm::State : tp_detail::FusedOpState {
     std::vector<cudaStream_t> copy_streams;
     cudaEvent_t fork = nullptr;
     std::vector<cudaEvent_t> joins;
+
+    // A team that spans nodes (docs/multinode.md, "AllGather+GEMM across nodes"); null / empty on one node.
+    net::HostBackend* net = nullptr;
+    net::AgInterNodePlan plan;
+    uint64_t* relay_ready = nullptr;  // symmetric [W * max_chunks_per_rank]
+    AgNodePeers node_peers{};         // num == 0 on one node
+    const jit::Kernel* relay_kernel = nullptr;
 
     explicit State(const Team& t) : FusedOpState(t, kOp) {}
     int64_t elem_bytes() const { return dtype_bytes(shape.dtype); }
@@ -155,6 +171,12 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
     // the copy path (the notify kernel; a driver that implements a same-device copy with a kernel). The budget and
     // the sharing are per device, whichever teams the ranks on it belong to.
     if (s.num_ranks > 1 && world.num_ranks_on_device() > 1 && options.sm_budget == 0) s.budget -= 1;
+    // NOTE: a team that spans nodes leaves kNetworkSms SMs of its default budget to NCCL's kernels and the relay
+    // kernel on the comm stream: the persistent GEMM's CTAs fill their SMs (shared memory, registers), and a tile
+    // waiting for a chunk that NCCL's kernel has yet to receive would otherwise wait for an SM that never frees up.
+    // An explicit options.sm_budget is taken as is (it must leave SMs free the same way).
+    const bool spans_nodes = s.num_ranks > 1 && team.num_nodes() > 1;
+    if (spans_nodes && options.sm_budget == 0) s.budget = std::max(1, s.budget - kNetworkSms);
     WEFT_CHECK(s.budget >= 1, "ag_gemm: the SM budget must be >= 1, got " << s.budget);
 
     GemmProblem p;
@@ -172,6 +194,26 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
     WEFT_CHECK(map.is_valid(), "ag_gemm: " << map.invalid_reason());
     s.max_chunks_per_rank = map.chunks_per_rank();
 
+    // A team that spans nodes: the network backend of its columns (collective over the team: made before the
+    // symmetric allocations, in the same order on every member) and where each shard comes from.
+    if (spans_nodes) {
+        WEFT_CHECK(!options.autotune, "ag_gemm: options.autotune on a team that spans nodes ("
+                                          << team.describe() << ") is not supported yet; tune on one node and pass "
+                                          << "the winner as options.config");
+        s.net = &net::HostBackend::get(team);
+        std::vector<std::vector<int>> by_node;
+        for (int n = 0; n < s.net->num_nodes(); ++n) {
+            by_node.emplace_back();
+            for (int l = 0; l < s.net->ranks_per_node(); ++l) by_node.back().push_back(s.net->team_rank_at(n, l));
+        }
+        s.plan = net::plan_ag_internode(by_node, s.rank);
+        WEFT_CHECK(s.plan.per_node <= kAgMaxNodePeers, "ag_gemm: " << s.plan.per_node
+                                                                   << " members per node on a team that spans nodes; "
+                                                                   << "at most " << kAgMaxNodePeers);
+        s.node_peers.num = s.plan.per_node;
+        for (int l = 0; l < s.plan.per_node; ++l) s.node_peers.rank[l] = s.plan.node_peers[static_cast<size_t>(l)];
+    }
+
     // Symmetric buffers (collective over the team, same order on every member).
     s.gathered = static_cast<uint8_t*>(s.heap.alloc(static_cast<uint64_t>(shape.max_m * shape.k * s.elem_bytes())));
     const int64_t num_signals = static_cast<int64_t>(s.num_ranks) * s.max_chunks_per_rank;
@@ -182,7 +224,17 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
     s.epoch = s.done + s.num_ranks;
     s.tile_counter = s.epoch + 1;
     s.signatures = s.tile_counter + 1;
-    tp_detail::check_peers_reachable(team, s.gathered, kOp);
+    if (spans_nodes) {
+        s.relay_ready = s.heap.alloc_signals(static_cast<uint64_t>(num_signals));
+        // This node's members by load/store; the others through the network.
+        for (int t : s.plan.node_peers) {
+            WEFT_CHECK(world.heap().symm_at(s.gathered, team.world_rank(t)) != nullptr,
+                       kOp << ": team rank " << s.rank << " cannot load/store the symmetric heap of team rank " << t
+                           << " (world rank " << team.world_rank(t) << ") on its own node");
+        }
+    } else {
+        tp_detail::check_peers_reachable(team, s.gathered, kOp);
+    }
 
     // Streams: the copy streams pull the peers' shards; fork/join events tie them to the caller's stream.
     // Ranks sharing a GPU use one: their streams must stay within the process's hardware queues
@@ -203,13 +255,20 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
                  s.num_ranks > 1 && world.max_ranks_per_device() > 1,
                  tp_detail::problem_text(shape.max_m, shape.n, shape.k, shape.dtype));
     if (s.num_ranks > 1) s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());
+    if (spans_nodes && s.plan.per_node > 1) {
+        s.relay_kernel = &jit::compiler().get_kernel(detail::ag_relay_kernel_spec());
+    }
     if (s.num_ranks > 1 && tp_detail::pulls_with_kernel(world)) {
         s.pull_kernel = &jit::compiler().get_kernel(tp_detail::peer_pull_kernel_spec());
     }
     WEFT_LOG_INFO("ag_gemm: " << tp_detail::config_text(first) << (options.autotune ? " (to be tuned)" : "")
                               << ", chunk_rows " << s.chunk_rows << " (" << s.max_chunks_per_rank
                               << " per rank at max_m), " << num_copy << " copy stream(s), SM budget " << s.budget
-                              << ", team of " << s.num_ranks);
+                              << ", team of " << s.num_ranks
+                              << (spans_nodes ? " across " + std::to_string(s.plan.num_nodes) +
+                                                    " nodes (NCCL host API, " + std::to_string(s.plan.per_node) +
+                                                    " member(s) per node)"
+                                              : std::string()));
     team.barrier();
 }
 
@@ -247,6 +306,18 @@ struct AgCopy {
     int32_t peer = 0;
 };
 
+/// A team that spans nodes: one network step of a call on the comm stream (net::AgNetStep for one chunk): send
+/// this rank's chunk to node `to`, receive the chunk of slot `slot` from node `from` into its place, then raise its
+/// chunk signal here and (with other members on this node) its relay word on them.
+struct AgNetChunk {
+    int32_t to = 0, from = 0;
+    const void* send = nullptr;
+    void* recv = nullptr;
+    size_t bytes = 0;
+    int32_t slot = 0;
+    int32_t signal = 0;
+};
+
 /// One call of one config, set up on the host (views, peer addresses, tensor maps, kernel parameters):
 /// launching it only enqueues. The peers' GEMMs wait for this rank's ready flag and done-barrier: nothing that
 /// can throw may sit between this rank's launches (the autotuner relies on this, TuneCandidate::prepare).
@@ -262,6 +333,10 @@ struct AgCall {
     FusedGemmCall gemm{};  // a team of one rank: the plain GEMM on a_local
     AgGemmParams sched{};
     AgGemmHookParams hook{};
+    // A team that spans nodes: this call's descriptor (stored into signatures[rank] here, exchanged over the column
+    // first) and the network steps, distance-major, chunk by chunk.
+    uint64_t signature = 0;
+    std::vector<AgNetChunk> net;
 };
 
 AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorView& a_local, const TensorView& b,
@@ -287,6 +362,57 @@ void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorVie
 }
 
 namespace {
+
+/// A team that spans nodes (net::AgInterNodePlan): the copies of this node's members' shards (as on one node) and of
+/// the relayed chunks (each awaiting its relay word, from the holder's gathered buffer), in the plan's copy order;
+/// the network steps (distance-major, chunk by chunk: the order in which the tile order needs them).
+void prepare_internode(const AgGemm::State& s, const AllGatherTileMap& map, AgCall& call) {
+    const int64_t es = s.elem_bytes();
+    const int64_t k = s.shape.k;
+    const int32_t cpr = map.chunks_per_rank();
+    const int num_copy = static_cast<int>(s.copy_streams.size());
+    for (size_t j = 0; j < s.plan.copy_order.size(); ++j) {
+        const net::AgSlotSource& from = s.plan.slot(s.plan.copy_order[j]);
+        for (int32_t c = 0; c < cpr; ++c) {
+            const ChunkInfo ch = map.chunk(map.signal_index(from.slot, c));
+            AgCopy copy;
+            copy.stream = static_cast<int>(j % static_cast<size_t>(num_copy));
+            copy.wait_ready = from.source == net::AgSource::kPeer ? (c == 0 ? s.ready + from.slot : nullptr)
+                                                                  : s.relay_ready + ch.signal_idx;
+            uint8_t* dst = s.gathered + ch.row_begin * k * es;
+            copy.dst = dst;
+            copy.src = s.world->heap().symm_at(static_cast<const void*>(dst), s.team.world_rank(from.holder));
+            WEFT_CHECK(copy.src != nullptr, "ag_gemm: the gathered buffer of team rank "
+                                                << from.holder << " (world rank " << s.team.world_rank(from.holder)
+                                                << ", on this node) is not reachable");
+            copy.bytes = static_cast<size_t>(ch.num_rows * k * es);
+            copy.signal = s.chunk_signals + ch.signal_idx;
+            copy.chunk_idx = ch.signal_idx;
+            copy.peer = from.holder;
+            if (s.pull_kernel != nullptr) {
+                call.pulls.push_back(PeerPullItem{copy.wait_ready, copy.dst, copy.src, copy.signal, copy.bytes,
+                                                  copy.peer, copy.chunk_idx});
+            } else {
+                call.copies.push_back(copy);
+            }
+        }
+    }
+    for (const net::AgNetStep& step : s.plan.net_steps) {
+        for (int32_t c = 0; c < cpr; ++c) {
+            const ChunkInfo mine = map.chunk(map.signal_index(s.rank, c));
+            const ChunkInfo theirs = map.chunk(map.signal_index(step.from_slot, c));
+            AgNetChunk x;
+            x.to = step.to_node;
+            x.from = step.from_node;
+            x.send = s.gathered + mine.row_begin * k * es;
+            x.recv = s.gathered + theirs.row_begin * k * es;
+            x.bytes = static_cast<size_t>(theirs.num_rows * k * es);
+            x.slot = step.from_slot;
+            x.signal = theirs.signal_idx;
+            call.net.push_back(x);
+        }
+    }
+}
 
 AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorView& a_local, const TensorView& b,
                     const TensorView& c) {
@@ -318,13 +444,15 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
     const uint64_t signature =
         make_call_descriptor(CollectiveOp::kAgGemm, 0, true, s.shape.dtype, static_cast<uint64_t>(m),
                              call_descriptor_mix(0, static_cast<uint64_t>(s.shape.k)));
-    call.notify = AgNotifyParams{s.ctx, s.ready, s.signatures, signature};
+    call.notify = AgNotifyParams{s.ctx, s.ready, s.signatures, signature, s.node_peers};
+    call.signature = signature;
     // The copy streams: for each peer in rank-rotated order, wait for its ready flag, pull its chunks, raise
     // one signal per chunk (constant 1: reset by the GEMM's last tile, so nothing is frozen in a graph).
     const AllGatherTileMap map{rows, s.num_ranks, s.chunk_rows, config.tile_m};
     const int32_t cpr = map.chunks_per_rank();
     const int num_copy = static_cast<int>(s.copy_streams.size());
-    for (int32_t i = cpr; i < map.num_signals(); ++i) {  // chunk_at(rank, i): own shard first, skipped
+    if (s.net != nullptr) prepare_internode(s, map, call);
+    for (int32_t i = cpr; s.net == nullptr && i < map.num_signals(); ++i) {  // chunk_at(rank, i): own shard first
         const ChunkInfo ch = map.chunk_at(s.rank, i);
         const int step = i / cpr;  // 1 .. W-1: the peer's distance
         AgCopy copy;
@@ -348,8 +476,10 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
             call.copies.push_back(copy);
         }
     }
-    // The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks.
-    const AgGemmOrder order(config, rows, s.num_ranks, s.chunk_rows, static_cast<int32_t>(s.shape.n), s.rank);
+    // The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks. Across nodes: this
+    // node's slots first (the plan's rotation slot), then the other nodes' in the order the network delivers them.
+    AgGemmOrder order(config, rows, s.num_ranks, s.chunk_rows, static_cast<int32_t>(s.shape.n), s.rank);
+    if (s.net != nullptr) order.rotation_start = order.rows().tile_at(s.plan.rotation_slot, 0);
     call.gemm = detail::make_fused_gemm_call(config, s.gathered_view(m), b, c,
                                              std::max(1, std::min(s.budget, order.num_cluster_tiles())),
                                              s.pipeline_timeout_ns);
@@ -363,7 +493,43 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
     hook.ready = s.ready;
     hook.done = s.done;
     hook.epoch = s.epoch;
+    hook.relay_ready = s.relay_ready;
+    hook.peers = s.node_peers;
     return call;
+}
+
+/// A team that spans nodes, after the local copy: this call's descriptor into signatures[rank], the comm stream forked
+/// (it sends this rank's slot), the descriptors exchanged over the column (one ring step per distance), then per
+/// network step and chunk: the send/receive, the chunk's signal here (the GEMM's tiles wait for it as for a copied
+/// chunk: constant 1, reset by the GEMM's end of call) and the relay words on this node's other members. Every
+/// network step runs under the backend's watcher (a peer that never comes aborts the communicator and the World).
+void launch_network(AgGemm::State& s, const AgCall& call, cudaStream_t stream) {
+    net::HostBackend& net = *s.net;
+    stream_write_u64(stream, s.signatures + s.rank, call.signature);
+    net.begin_call(stream);
+    for (const net::AgNetStep& step : s.plan.net_steps) {
+        net.send_recv(s.signatures + s.rank, sizeof(uint64_t), step.to_node, s.signatures + step.from_slot,
+                      step.from_node);
+    }
+    for (const AgNetChunk& x : call.net) {
+        net.send_recv(x.send, x.bytes, x.to, x.recv, x.from);
+        stream_write_u64(net.comm_stream(), s.chunk_signals + x.signal, 1);
+        if (s.relay_kernel != nullptr) {
+            AgRelayParams p{};
+            p.ctx = s.ctx;
+            p.relay_ready = s.relay_ready;
+            p.signatures = s.signatures;
+            p.peers = s.node_peers;
+            p.num_items = 1;
+            p.slot[0] = x.slot;
+            p.signal[0] = x.signal;
+            jit::LaunchParams lp;
+            lp.grid = dim3(1, 1, 1);
+            lp.block = dim3(kTpNotifyThreads, 1, 1);
+            lp.stream = net.comm_stream();
+            s.relay_kernel->launch(lp, p);
+        }
+    }
 }
 
 void launch_call(AgGemm::State& s, size_t idx, const AgCall& call, cudaStream_t stream) {
@@ -400,6 +566,9 @@ void launch_call(AgGemm::State& s, size_t idx, const AgCall& call, cudaStream_t 
         lp.stream = stream;
         s.notify_kernel->launch(lp, call.notify);
     }
+    // 1b. A team that spans nodes: the network steps on the comm stream, forked here (after the local copy; after the
+    //     notify, so that this node's members never wait on this host's NCCL calls).
+    if (s.net != nullptr) launch_network(s, call, stream);
     // 2. Copy streams: the peers' chunks, each signalled once it landed (ranks of one process sharing a GPU: by the
     //    pull kernel, whose waits leave the hardware queues free).
     if (!call.pulls.empty()) {
@@ -418,11 +587,13 @@ void launch_call(AgGemm::State& s, size_t idx, const AgCall& call, cudaStream_t 
     }
     // 3. The GEMM: local tiles first, then tiles in arrival order, each waiting on its chunks.
     fused.launch(call.gemm, call.sched, call.hook, stream);
-    // 4. Join the copy streams (finished by now: the GEMM waited for every chunk).
+    // 4. Join the copy streams (finished by now: the GEMM waited for every chunk) and the comm stream (its sends of
+    //    this rank's shard are over before the next call may overwrite it).
     for (size_t i = 0; i < s.copy_streams.size(); ++i) {
         WEFT_CUDA_CHECK(cudaEventRecord(s.joins[i], s.copy_streams[i]));
         WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.joins[i], 0));
     }
+    if (s.net != nullptr) s.net->end_call(stream);
 }
 
 }  // namespace

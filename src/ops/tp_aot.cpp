@@ -17,6 +17,7 @@ namespace weft::ops {
 std::vector<jit::KernelSpec> tp_aot_specs() {
     std::vector<jit::KernelSpec> out;
     out.push_back(detail::ag_notify_kernel_spec());
+    out.push_back(detail::ag_relay_kernel_spec());
     out.push_back(tp_detail::peer_pull_kernel_spec());
     for (DType t : {DType::kBF16, DType::kF16}) {
         for (const GemmConfig& c : fused_gemm_candidates(t, t)) {

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
-// Teams that span (virtual) nodes, one process per rank: the hierarchical collectives against a host reference on
-// awkward sizes, and a rank on another node that never arrives (docs/multinode.md). Run under virtual nodes, e.g.
+// Teams that span (virtual) nodes, one process per rank: the hierarchical collectives and AgGemm (AllGather+GEMM)
+// against a host reference on awkward sizes, and a rank on another node that never arrives (docs/multinode.md). Run
+// under virtual nodes, e.g.
 //   WEFT_VIRTUAL_NODES=2 weftrun -n 4 -- weft_dist_tests --gtest_filter='MultiNode*'
 // Without virtual nodes (one node) every test here skips.
 #include <gtest/gtest.h>
@@ -14,7 +15,9 @@
 
 #include "dist/dist_world.hpp"
 #include "gpu/collectives_test_kernels.hpp"
+#include "gpu/tp_test_util.hpp"
 #include "weft/net/host_backend.hpp"
+#include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/reduce_scatter.hpp"
@@ -213,6 +216,131 @@ TEST(MultiNode, ForcingASingleNodeAlgorithmIsAnError) {
         EXPECT_NE(std::string(e.what()).find("spans " + std::to_string(w.num_nodes()) + " nodes"), std::string::npos)
             << e.what();
     }
+}
+
+// AgGemm on a team that spans nodes (docs/multinode.md, "AllGather+GEMM across nodes"): awkward M/N/K (nothing a
+// multiple of a tile), one and several chunks per shard, one row per rank, poisoned C and gathered buffer, fresh
+// data every call, a second call with another M; C against an fp64 reference, the gathered A bit for bit. The world
+// team (L members per node: this node's shards by copy engine, this column's over the network, the others relayed)
+// and, with 2 or more ranks per node, every other rank (fewer members per node, interleaved team ranks: the
+// rank-rotated tile order). `graph`: the second and third calls replay a CUDA graph captured after the first.
+struct AgNodesCase {
+    int64_t rows, n, k, chunk_rows;
+    int sm_budget;
+};
+
+void run_ag_gemm_across_nodes(bool graph) {
+    using namespace tp_test;
+    World& w = dist_world();
+    const std::vector<AgNodesCase> cases = {{100, 200, 72, 0, 0}, {300, 136, 256, 64, 4}, {1, 8, 8, 0, 2}};
+    const DType dt = DType::kBF16;
+    for (const Team& team : teams_under_test(w)) {
+        if (!team.is_member()) continue;
+        const int nr = team.num_ranks(), me = team.rank();
+        for (const AgNodesCase& cs : cases) {
+            const uint64_t base = 0x5eed0000ull + static_cast<uint64_t>(cs.rows * 31 + cs.n) + (graph ? 7 : 0);
+            const int64_t max_m = cs.rows * nr;
+            const std::string what =
+                "ag_gemm across " + std::to_string(team.num_nodes()) + " nodes on " + team.describe() + " rows/rank " +
+                std::to_string(cs.rows) + " n " + std::to_string(cs.n) + " k " + std::to_string(cs.k) + " chunk_rows " +
+                std::to_string(cs.chunk_rows) + (graph ? " graph" : "") + ", team rank " + std::to_string(me);
+            ops::AgGemmOptions opt;
+            opt.chunk_rows = cs.chunk_rows;
+            opt.sm_budget = cs.sm_budget;
+            const int64_t lda = ld_for(cs.k, 8), ldc = ld_for(cs.n, 8);
+            HostMat b(cs.n, cs.k, ld_for(cs.k), dt);
+            DevBuf a_dev(static_cast<size_t>(cs.rows * lda * 2)), b_dev(b.bytes()),
+                c_dev(static_cast<size_t>(max_m * ldc * 2));
+            cudaStream_t st = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+            {
+                ops::AgGemm op(team, {max_m, cs.n, cs.k, dt}, opt);
+                cudaGraphExec_t exec = nullptr;
+                for (int call = 0; call < 3; ++call) {
+                    const int64_t rows = !graph && call == 1 ? std::max<int64_t>(1, cs.rows * 2 / 3) : cs.rows;
+                    const int64_t m = rows * nr;
+                    const std::string at = what + " call " + std::to_string(call) + " M " + std::to_string(m);
+                    std::vector<HostMat> shards;
+                    for (int r = 0; r < nr; ++r) {
+                        shards.emplace_back(rows, cs.k, cs.k, dt);
+                        shards.back().fill_random(seed_of(base, 0, r, call));
+                    }
+                    b.fill_random(seed_of(base, 1, me, call));
+                    upload(b, b_dev.ptr, st);
+                    const TensorView g = op.gathered(m);
+                    WEFT_CUDA_CHECK(cudaMemsetAsync(g.data, 0xFF, static_cast<size_t>(g.size_bytes()), st));
+                    HostMat c(m, cs.n, ldc, dt);
+                    poison(c);
+                    upload(c, c_dev.ptr, st);
+                    HostMat a(rows, cs.k, lda, dt);
+                    for (int64_t r = 0; r < rows; ++r) {
+                        for (int64_t j = 0; j < cs.k; ++j) a.set(r, j, shards[static_cast<size_t>(me)].at(r, j));
+                    }
+                    upload(a, a_dev.ptr, st);
+                    // Nobody may overwrite a gathered buffer a peer still reads: the poison above is this rank's
+                    // own, and every member finished the previous call (sync_and_check) before anyone poisons.
+                    team.barrier();
+                    const TensorView av = view(a, a_dev.ptr), bv = view(b, b_dev.ptr), cv = view(c, c_dev.ptr);
+                    if (!graph || call == 0) {
+                        op.run(av, bv, cv, st);
+                        if (graph) {
+                            // The communicators exist (first call); capture the next call and replay it from call 1.
+                            w.sync_and_check(st);
+                            team.barrier();
+                            cudaGraph_t gr = nullptr;
+                            WEFT_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+                            op.run(av, bv, cv, st);
+                            WEFT_CUDA_CHECK(cudaStreamEndCapture(st, &gr));
+                            WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, gr, 0));
+                            WEFT_CUDA_CHECK(cudaGraphDestroy(gr));
+                        }
+                    } else {
+                        WEFT_CUDA_CHECK(cudaGraphLaunch(exec, st));
+                    }
+                    w.sync_and_check(st);
+
+                    download(c, c_dev.ptr, st);
+                    const std::vector<int64_t> check_rows =
+                        rows_to_check(m, rows, static_cast<double>(cs.n * cs.k), seed_of(base, 2, me, call));
+                    HostMat a_full(m, cs.k, cs.k, dt);
+                    for (int r = 0; r < nr; ++r) {
+                        const auto& sh = shards[static_cast<size_t>(r)].bits;
+                        std::copy(sh.begin(), sh.end(), a_full.bits.begin() + r * rows * cs.k);
+                    }
+                    Reference ref(static_cast<int64_t>(check_rows.size()), cs.n);
+                    ref.add(a_full, 0, check_rows, b);
+                    const std::string bad = compare(c, check_rows, ref, ErrorModel::gemm(dt));
+                    EXPECT_TRUE(bad.empty()) << at << ": C: " << bad;
+                    HostMat gathered(m, cs.k, cs.k, dt);
+                    download(gathered, g.data, st);
+                    for (int r = 0; r < nr; ++r) {
+                        const auto& sh = shards[static_cast<size_t>(r)].bits;
+                        EXPECT_TRUE(std::equal(sh.begin(), sh.end(), gathered.bits.begin() + r * rows * cs.k))
+                            << at << ": the gathered A differs in the shard of team rank " << r;
+                    }
+                    team.barrier();  // every member checked its gathered buffer before anyone's next call
+                }
+                if (exec != nullptr) WEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+            }
+            WEFT_CUDA_CHECK(cudaStreamDestroy(st));
+        }
+    }
+}
+
+TEST(MultiNode, AgGemmMatchesTheReference) {
+    World& w = dist_world();
+    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    run_ag_gemm_across_nodes(false);
+}
+
+TEST(MultiNode, AgGemmGraphReplay) {
+    World& w = dist_world();
+    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    run_ag_gemm_across_nodes(true);
 }
 
 // A World of its own with a short timeout: the last rank (on the last node) takes part in the first all-reduce (the

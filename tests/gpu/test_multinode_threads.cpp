@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "weft/net/host_backend.hpp"
+#include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/reduce_scatter.hpp"
@@ -122,6 +123,32 @@ TEST(MultiNodeThreads, TheNetworkOnOneGpuInOneProcessIsRefusedClearly) {
             }
             cudaFree(buf);
             cudaStreamDestroy(s);
+        },
+        virtual_nodes(2));
+}
+
+// AgGemm on a team that spans virtual nodes of one GPU, ranks as threads: its network backend refuses the columns
+// (threads of one process on one GPU), on every member, in its constructor, before any kernel runs; the AgGemm across
+// nodes itself runs as processes (tests/dist, MultiNode.AgGemm*).
+TEST(MultiNodeThreads, AgGemmAcrossNodesOnOneGpuInOneProcessIsRefusedClearly) {
+    int devices = 0;
+    WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    if (devices > 1) GTEST_SKIP() << "ranks on several GPUs";
+    const std::string unavailable = net::nccl_unavailable_reason();
+    run_local(
+        4,
+        [&](World& w) {
+            try {
+                ops::AgGemm op(w, {64, 64, 64, DType::kBF16});
+                ADD_FAILURE() << "an AgGemm across virtual nodes of one GPU in one process was accepted";
+            } catch (const Error& e) {
+                const std::string what = e.what();
+                if (unavailable.empty()) {
+                    EXPECT_NE(what.find("threads of one process on one GPU"), std::string::npos) << what;
+                } else {
+                    EXPECT_NE(what.find("network backend is unavailable"), std::string::npos) << what;
+                }
+            }
         },
         virtual_nodes(2));
 }

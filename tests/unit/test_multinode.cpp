@@ -1,13 +1,17 @@
 // SPDX-License-Identifier: MIT
 // Unit tests for the multi-node pieces that need no GPU: virtual nodes, a team's layout over nodes, the network
-// path's chunk schedule, the hierarchical selection, and NCCL's loading (docs/multinode.md).
+// path's chunk schedule, the hierarchical selection, NCCL's loading, and AgGemm's plan across nodes (which shard comes
+// from where, in what order; docs/multinode.md).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <numeric>
 #include <random>
 
+#include "weft/common/tp_schedule.hpp"
 #include "weft/detail/node_topology.hpp"
+#include "weft/net/ag_gemm_plan.hpp"
 #include "weft/net/chunk_schedule.hpp"
 #include "weft/net/host_backend.hpp"
 #include "weft/ops/collectives.hpp"
@@ -199,6 +203,188 @@ TEST(MultiNodeNccl, TheToolkitsNcclLoads) {
     const std::string why = net::detail::try_load_nccl(toolkit);
     if (why.find("without nccl.h") != std::string::npos) GTEST_SKIP() << why;
     EXPECT_EQ(why, "");
+}
+
+// ---- AgGemm across nodes (include/weft/net/ag_gemm_plan.hpp) ----
+
+using net::AgInterNodePlan;
+using net::AgSource;
+using net::plan_ag_internode;
+
+std::vector<std::vector<int>> node_major(int nodes, int per_node) {
+    std::vector<std::vector<int>> by_node(static_cast<size_t>(nodes));
+    for (int n = 0; n < nodes; ++n) {
+        for (int l = 0; l < per_node; ++l) by_node[static_cast<size_t>(n)].push_back(n * per_node + l);
+    }
+    return by_node;
+}
+
+// Two nodes of two: rank 1 (node 0, local 1) copies rank 0 from its node, receives rank 3 (its column) over the
+// network, and copies rank 2 from rank 0, which received it over the network.
+TEST(MultiNodeAgPlan, TwoNodesOfTwo) {
+    const AgInterNodePlan p = plan_ag_internode(node_major(2, 2), 1);
+    EXPECT_EQ(p.node, 0);
+    EXPECT_EQ(p.local, 1);
+    EXPECT_TRUE(p.node_major);
+    EXPECT_EQ(p.rotation_slot, 0);
+    EXPECT_EQ(p.node_peers, (std::vector<int32_t>{0, 1}));
+    EXPECT_EQ(p.slot(1).source, AgSource::kOwn);
+    EXPECT_EQ(p.slot(0).source, AgSource::kPeer);
+    EXPECT_EQ(p.slot(0).holder, 0);
+    EXPECT_EQ(p.slot(3).source, AgSource::kNetwork);
+    EXPECT_EQ(p.slot(3).holder, 1);
+    EXPECT_EQ(p.slot(2).source, AgSource::kRelay);
+    EXPECT_EQ(p.slot(2).holder, 0);
+    EXPECT_EQ(p.copy_order, (std::vector<int32_t>{0, 2}));
+    ASSERT_EQ(p.net_steps.size(), 1u);
+    EXPECT_EQ(p.net_steps[0].to_node, 1);
+    EXPECT_EQ(p.net_steps[0].from_node, 1);
+    EXPECT_EQ(p.net_steps[0].from_slot, 3);
+}
+
+// One rank per node: every other shard comes over the network, nothing is copied on the node.
+TEST(MultiNodeAgPlan, OneRankPerNode) {
+    for (int me = 0; me < 3; ++me) {
+        const AgInterNodePlan p = plan_ag_internode(node_major(3, 1), me);
+        EXPECT_TRUE(p.copy_order.empty());
+        EXPECT_EQ(p.node_peers, (std::vector<int32_t>{me}));
+        EXPECT_EQ(p.rotation_slot, me);
+        ASSERT_EQ(p.net_steps.size(), 2u);
+        for (int k = 1; k <= 2; ++k) {
+            const auto& st = p.net_steps[static_cast<size_t>(k - 1)];
+            EXPECT_EQ(st.distance, k);
+            EXPECT_EQ(st.from_node, (me + k) % 3);
+            EXPECT_EQ(st.to_node, (me - k + 3) % 3);
+            EXPECT_EQ(st.from_slot, (me + k) % 3);
+            EXPECT_EQ(p.slot(st.from_slot).source, AgSource::kNetwork);
+        }
+    }
+}
+
+// Every layout (node-major and shuffled), every member: each other slot is either received over the network (one per
+// other node: this rank's column) or copied exactly once, from a holder on this node with the slot's local index;
+// the network steps pair up (node n's send at distance k is node n - k's receive at distance k); copies of relayed
+// slots follow the network steps' order.
+TEST(MultiNodeAgPlan, EveryShardComesFromExactlyOneSourceAndTheStepsPairUp) {
+    std::mt19937 rng(7);
+    for (const auto& [nodes, per_node] : {std::pair{2, 1}, std::pair{2, 2}, std::pair{2, 4}, std::pair{3, 2},
+                                          std::pair{4, 2}, std::pair{4, 8}, std::pair{3, 3}}) {
+        for (int shuffle = 0; shuffle < 3; ++shuffle) {
+            std::vector<int> ranks(static_cast<size_t>(nodes * per_node));
+            std::iota(ranks.begin(), ranks.end(), 0);
+            if (shuffle > 0) std::shuffle(ranks.begin(), ranks.end(), rng);
+            std::vector<std::vector<int>> by_node(static_cast<size_t>(nodes));
+            for (size_t i = 0; i < ranks.size(); ++i) by_node[i / static_cast<size_t>(per_node)].push_back(ranks[i]);
+            std::vector<AgInterNodePlan> plans;
+            for (int me = 0; me < nodes * per_node; ++me) plans.push_back(plan_ag_internode(by_node, me));
+            for (const AgInterNodePlan& p : plans) {
+                SCOPED_TRACE(std::to_string(nodes) + " nodes x " + std::to_string(per_node) + ", shuffle " +
+                             std::to_string(shuffle) + ", rank " + std::to_string(p.me));
+                std::vector<int> copied(static_cast<size_t>(p.num_ranks), 0);
+                for (int32_t t : p.copy_order) copied[static_cast<size_t>(t)] += 1;
+                int network = 0;
+                for (const auto& s : p.slots) {
+                    const int c = copied[static_cast<size_t>(s.slot)];
+                    switch (s.source) {
+                        case AgSource::kOwn:
+                            EXPECT_EQ(s.slot, p.me);
+                            EXPECT_EQ(c, 0);
+                            break;
+                        case AgSource::kPeer:
+                            EXPECT_EQ(s.node, p.node);
+                            EXPECT_EQ(s.holder, s.slot);
+                            EXPECT_EQ(c, 1);
+                            break;
+                        case AgSource::kNetwork:
+                            EXPECT_NE(s.node, p.node);
+                            EXPECT_EQ(s.local, p.local);
+                            EXPECT_EQ(c, 0);
+                            ++network;
+                            break;
+                        case AgSource::kRelay: {
+                            EXPECT_NE(s.node, p.node);
+                            EXPECT_NE(s.local, p.local);
+                            EXPECT_EQ(c, 1);
+                            // The holder is on this node, with the slot's local index, and receives it itself.
+                            const AgInterNodePlan& h = plans[static_cast<size_t>(s.holder)];
+                            EXPECT_EQ(h.node, p.node);
+                            EXPECT_EQ(h.local, s.local);
+                            EXPECT_EQ(h.slot(s.slot).source, AgSource::kNetwork);
+                            break;
+                        }
+                    }
+                }
+                EXPECT_EQ(network, nodes - 1);
+                ASSERT_EQ(p.net_steps.size(), static_cast<size_t>(nodes - 1));
+                for (const auto& st : p.net_steps) {
+                    // The receiver of this send receives from this node at the same distance, in the same column.
+                    const int32_t peer = by_node[static_cast<size_t>(st.to_node)][static_cast<size_t>(p.local)];
+                    const auto& q = plans[static_cast<size_t>(peer)].net_steps[static_cast<size_t>(st.distance - 1)];
+                    EXPECT_EQ(q.from_node, p.node);
+                    EXPECT_EQ(q.from_slot, p.me);
+                }
+                // This node's members first, then the relayed slots by network distance.
+                int32_t last_distance = 0;
+                for (int32_t t : p.copy_order) {
+                    const int32_t d = (p.slot(t).node - p.node + nodes) % nodes;
+                    EXPECT_GE(d, last_distance) << "slot " << t;
+                    last_distance = d;
+                }
+                if (shuffle == 0) {
+                    EXPECT_TRUE(p.node_major);
+                }
+                EXPECT_EQ(p.rotation_slot, p.node_major ? by_node[static_cast<size_t>(p.node)][0] : p.me);
+            }
+        }
+    }
+}
+
+TEST(MultiNodeAgPlan, RefusesBadLayouts) {
+    EXPECT_NE(error_of([] { (void)plan_ag_internode({{0, 1}, {2}}, 0); }).find("same number"), std::string::npos);
+    EXPECT_NE(error_of([] { (void)plan_ag_internode({{0, 1}, {1, 2}}, 0); }).find("appears twice"), std::string::npos);
+    EXPECT_NE(error_of([] {
+                  (void)plan_ag_internode({{0, 1}, {2, 3}}, 5);
+              }).find("not in the layout"),
+              std::string::npos);
+}
+
+// The GEMM's tile order from the plan's rotation slot (AgGemmOrder::rotation_start, as AgGemm sets it): on a
+// node-major team whose shards are whole cluster rows, every tile of this node's slots comes before any tile of node
+// n+1's, and those before node n+2's (the order the network steps deliver them), with a raster group of one M-tile;
+// a larger group (L2 reuse of B) mixes the M-rows inside a group, as on one node. Every tile exactly once.
+TEST(MultiNodeAgPlan, TileOrderTakesThisNodeFirstThenTheNetworksOrder) {
+    for (const int group : {1, 4}) {
+        for (const auto& [nodes, per_node] : {std::pair{2, 1}, std::pair{2, 2}, std::pair{3, 2}, std::pair{4, 2}}) {
+            GemmConfig c;
+            c.tile_m = 128;
+            c.tile_n = 128;
+            c.cluster_m = c.cluster_n = 1;
+            c.raster_group = group;
+            const int w = nodes * per_node;
+            for (int64_t rows : {int64_t{128}, int64_t{384}, int64_t{100}, int64_t{300}}) {
+                for (int me = 0; me < w; ++me) {
+                    const AgInterNodePlan p = plan_ag_internode(node_major(nodes, per_node), me);
+                    AgGemmOrder o(c, rows, w, 64, 520, me);
+                    o.rotation_start = o.rows().tile_at(p.rotation_slot, 0);
+                    std::vector<int> seen(static_cast<size_t>(o.num_m_tiles * o.num_n_tiles), 0);
+                    int32_t last_distance = 0;
+                    for (int32_t t = 0; t < o.num_cluster_tiles(); ++t) {
+                        const GemmTile g = o.tile(t, 0);
+                        if (!g.valid) continue;
+                        seen[static_cast<size_t>(g.m_idx * o.num_n_tiles + g.n_idx)] += 1;
+                        // Tiles that straddle shards, or a raster group of several M-rows: only coverage is checked.
+                        if (rows % c.tile_m != 0 || group > 1) continue;
+                        const SignalRange r = o.signals_for(g);
+                        const int32_t slot = r.last / o.chunks_per_rank;
+                        const int32_t d = (p.slot(slot).node - p.node + nodes) % nodes;
+                        EXPECT_GE(d, last_distance) << "rank " << me << " position " << t << " rows " << rows;
+                        last_distance = d;
+                    }
+                    for (int v : seen) ASSERT_EQ(v, 1) << "rank " << me << " rows " << rows;
+                }
+            }
+        }
+    }
 }
 
 }  // namespace

@@ -70,6 +70,7 @@ TEST(TpNvrtc, AgGemmKernelsCompileClean) {
     compile_clean(compiler, ops::detail::ag_gemm_kernel_spec(cfg(0, DType::kBF16, DType::kBF16), kArch));
     compile_clean(compiler, ops::detail::ag_gemm_kernel_spec(cfg(3, DType::kF16, DType::kF16), kArch));
     compile_clean(compiler, ops::detail::ag_notify_kernel_spec(kArch));
+    compile_clean(compiler, ops::detail::ag_relay_kernel_spec(kArch));
     compile_clean(compiler,
                   ops::fused_gemm_kernel_spec(ops::plain_gemm_fused_spec(), cfg(0, DType::kBF16, DType::kBF16), kArch));
 }
@@ -124,6 +125,7 @@ TEST(TpNvrtc, AotSpecsCoverTheOpsKernels) {
     const GemmConfig c = cfg(0, DType::kBF16, DType::kBF16);
     for (const jit::KernelSpec& want :
          {ops::detail::ag_gemm_kernel_spec(c), ops::detail::ag_notify_kernel_spec(),
+          ops::detail::ag_relay_kernel_spec(),
           ops::detail::gemm_rs_kernel_spec(c),
           ops::detail::rs_reduce_kernel_spec(DType::kBF16, DType::kBF16),
           ops::detail::ar_reduce_kernel_spec(DType::kF32, DType::kF16)}) {

@@ -13,6 +13,11 @@
 //       signatures[W]           signatures[s] = rank s's call descriptor, stored by s's notify before its ready
 //                               release (same allocation as ready); compared by every producer that loads a tile of
 //                               s's rows, after the tile's chunk wait. Overwritten each call, never reset
+//       relay_ready[W * cpr]    a team that spans nodes only: relay_ready[s * cpr + c] = 1 set by the member of
+//                               this node that received chunk (s, c) over the network (s on another node, in that
+//                               member's column), after it stored signatures[s] here; reset to 0 by this rank's GEMM
+//                               with the chunk signals. Chunks of this rank's own column are signalled by its comm
+//                               stream (chunk_signals, = 1 after the receive); ready/done then only among the node
 //   rs  counters[W * cpr]       on destination d: [source s][chunk c] += 1 per finished tile of s for d; zeroed
 //                               by d's reduction (pull mode) or d's last GEMM tile (push mode) once complete,
 //                               before it raises `released`
@@ -34,6 +39,15 @@
 #include "weft/common/tp_schedule.hpp"
 
 namespace weft {
+
+/// The members of this rank's node (team ranks, this one included) when the team spans nodes: the AllGather+GEMM
+/// kernels notify and meet only them (peers on other nodes are reached through the network backend). num == 0: every
+/// rank of the DeviceCtx (one node: the kernels as before).
+inline constexpr int kAgMaxNodePeers = 32;
+struct AgNodePeers {
+    int32_t num;
+    int32_t rank[kAgMaxNodePeers];
+};
 
 /// AllGather+GEMM scheduler (AgGemmScheduler) parameters.
 struct AgGemmParams {
@@ -57,6 +71,10 @@ struct AgGemmHookParams {
     uint64_t* ready;          ///< symmetric [num_ranks]
     uint64_t* done;           ///< symmetric [num_ranks]
     uint64_t* epoch;          ///< local
+    /// A team that spans nodes (docs/multinode.md): local [num_signals] relay words, reset with the chunk signals;
+    /// null on one node
+    uint64_t* relay_ready;
+    AgNodePeers peers;  ///< whom the done-barrier meets: num == 0 (one node) every rank of ctx
 };
 
 /// AllGather+GEMM's ready notification (ag_notify_ready_kernel) parameters.
@@ -67,6 +85,21 @@ struct AgNotifyParams {
     /// or null (AgAttention: no descriptor): `signature` is stored into slot `rank` on every peer before ready[rank]
     uint64_t* signatures;
     uint64_t signature;
+    AgNodePeers peers;  ///< whom to notify: num == 0 (one node) every rank of ctx but this one
+};
+
+/// AllGather+GEMM across nodes: a member that received chunks over the network tells this node's other members
+/// (ag_relay_notify_kernel, on the comm stream after the receive): for each item, the slot's call descriptor into
+/// signatures[slot] on every peer, then relay_ready[signal] = 1 there (release, system scope).
+inline constexpr int kAgMaxRelayItems = 16;
+struct AgRelayParams {
+    DeviceCtx ctx;
+    uint64_t* relay_ready;  ///< symmetric [num_signals]
+    uint64_t* signatures;   ///< symmetric [num_ranks] (AgNotifyParams::signatures)
+    AgNodePeers peers;
+    int32_t num_items;
+    int32_t slot[kAgMaxRelayItems];    ///< team rank whose chunk arrived
+    int32_t signal[kAgMaxRelayItems];  ///< its chunk signal index
 };
 
 /// GEMM+ReduceScatter scheduler (RsGemmScheduler) parameters.

@@ -83,6 +83,10 @@ public:
     /// Comm-stream steps over the column (ranks = node indices). exchange: sends `bytes` at `send` to every other
     /// node's column member and receives each one's bytes at recv_at(node) (grouped ncclSend/ncclRecv).
     void exchange(const void* send, uint64_t bytes, const std::function<void*(int node)>& recv_at);
+    /// One shift of a ring over the column: sends `bytes` at `send` to node `to_node` and receives `bytes` from node
+    /// `from_node` at `recv` (one grouped ncclSend/ncclRecv; either side skipped when its node is this one). Every
+    /// member pairs so that the sends and receives of a step match (AgGemm across nodes: to = n - k, from = n + k).
+    void send_recv(const void* send, uint64_t bytes, int to_node, void* recv, int from_node);
     /// ncclReduceScatter (sum) of num_nodes() x `recv_count` elements at `send` into `recv`.
     void reduce_scatter(const void* send, void* recv, uint64_t recv_count, DType dtype);
     /// ncclAllReduce (sum) of `count` elements, in place.

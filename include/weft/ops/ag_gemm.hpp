@@ -61,7 +61,9 @@ public:
     /// creates the copy streams, compiles (JIT, cached on disk) and loads every kernel a call launches, and ends with
     /// a team barrier, so that no member launches a waiting kernel before every member's kernels are loaded. Throws
     /// weft::Error (on every member) for a bad shape or options, or when a member's heap is not load/store reachable
-    /// from this rank; on a rank that is not a member, a weft::Error naming the team's world ranks.
+    /// from this rank; on a rank that is not a member, a weft::Error naming the team's world ranks. A team that spans
+    /// nodes gathers the other nodes' shards through the network backend (weft/net/host_backend.hpp; made here,
+    /// collectively; its errors are thrown here): docs/multinode.md, "AllGather+GEMM across nodes".
     AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& options = {});
     /// AgGemm(world.team(), shape, options).
     AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& options = {});
@@ -119,6 +121,8 @@ FusedGemmSpec ag_gemm_fused_spec();
 /// JIT specs of the kernels AgGemm launches (`arch` as KernelSpec::arch).
 jit::KernelSpec ag_gemm_kernel_spec(const GemmConfig& config, const std::string& arch = "");
 jit::KernelSpec ag_notify_kernel_spec(const std::string& arch = "");
+/// A team that spans nodes, with more than one member per node: the relay notification (ag_relay_notify_kernel).
+jit::KernelSpec ag_relay_kernel_spec(const std::string& arch = "");
 }  // namespace detail
 
 }  // namespace weft::ops
