@@ -69,6 +69,7 @@ struct NcclApi {
     decltype(&ncclCommInitRank) comm_init_rank = nullptr;
     decltype(&ncclCommDestroy) comm_destroy = nullptr;
     decltype(&ncclCommAbort) comm_abort = nullptr;
+    decltype(&ncclCommGetAsyncError) comm_get_async_error = nullptr;
     decltype(&ncclGroupStart) group_start = nullptr;
     decltype(&ncclGroupEnd) group_end = nullptr;
     decltype(&ncclSend) send = nullptr;
@@ -104,6 +105,7 @@ NcclApi load_nccl(const std::vector<std::string>& candidates) {
     load(a.comm_init_rank, "ncclCommInitRank");
     load(a.comm_destroy, "ncclCommDestroy");
     load(a.comm_abort, "ncclCommAbort");
+    load(a.comm_get_async_error, "ncclCommGetAsyncError");
     load(a.group_start, "ncclGroupStart");
     load(a.group_end, "ncclGroupEnd");
     load(a.send, "ncclSend");
@@ -238,7 +240,23 @@ struct HostBackend::Impl {
 
     void watch();
     void abort_comm(const std::string& reason);
+    /// Aborts the communicator and the World when NCCL reports an asynchronous error on it; true then.
+    bool abort_on_async_error();
 };
+
+bool HostBackend::Impl::abort_on_async_error() {
+#if WEFT_NET_HAVE_NCCL_HEADER
+    if (comm == nullptr || aborted.load()) return false;
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t r = nccl().comm_get_async_error(comm, &async);
+    if (r != ncclSuccess || async == ncclSuccess || async == ncclInProgress) return false;
+    abort_comm("the NCCL communicator of " + who + " reported an asynchronous error: " +
+               nccl().error_string(async) + " (a peer on another node left or the network failed); it was aborted");
+    return true;
+#else
+    return false;
+#endif
+}
 
 void HostBackend::Impl::abort_comm(const std::string& reason) {
     if (aborted.exchange(true)) return;
@@ -260,6 +278,17 @@ void HostBackend::Impl::watch() {
             if (st == cudaSuccess) {
                 cudaEventDestroy(p.done);
                 pending.pop_front();
+                // NCCL may end a step's kernels on a peer's failure without failing the stream.
+                lock.unlock();
+                const bool failed = abort_on_async_error();
+                lock.lock();
+                if (failed) {
+                    for (Pending& q : pending) {
+                        if (q.done != nullptr) cudaEventDestroy(q.done);
+                    }
+                    pending.clear();
+                    break;
+                }
                 continue;
             }
             if (st != cudaErrorNotReady) (void)cudaGetLastError();
@@ -390,6 +419,8 @@ HostBackend::HostBackend(const Team& team, Team node_team)
                                          << " member(s) per node");
 #endif
 }
+
+void HostBackend::check_after_sync() { impl_->abort_on_async_error(); }
 
 HostBackend::~HostBackend() {
     if (impl_->watcher.joinable()) {

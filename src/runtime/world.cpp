@@ -459,6 +459,7 @@ void World::sync_and_check(cudaStream_t stream) {
                                           "this process may have trapped)"
                                         : "; no diagnostic record was written (not a weft spin timeout)"));
     }
+    for (auto& [name, extension] : ctx_->extensions) extension->check_after_sync();
     check_diagnostics();
 }
 

@@ -30,6 +30,10 @@ struct WorldContext;
 class WorldExtension {
 public:
     virtual ~WorldExtension() = default;
+    /// Called by World::sync_and_check after the stream has completed, before the World's diagnostics are read: an
+    /// extension whose own machinery failed without a kernel noticing (a network communicator's asynchronous error)
+    /// aborts the World here, so that the call that used it fails. Must not block.
+    virtual void check_after_sync() {}
 };
 
 /// Zero means "from the environment, else the default".
