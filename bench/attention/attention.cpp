@@ -36,6 +36,7 @@ struct Options {
     std::vector<Heads> heads = {{32, 8}, {96, 12}};
     std::vector<int64_t> pages = {1, 16};
     std::vector<int64_t> splits = {0};  // DecodeAttentionOptions::num_splits; 0 = the automatic plan
+    bool programmatic = false;          // DecodeAttentionOptions::programmatic_launch
     int dim = 128;
     DType dtype = DType::kBF16;
     int iters = 20;
@@ -77,6 +78,8 @@ Options parse(int argc, char** argv) {
                [&](const std::string& v) { o.pages = weft::bench::parse_int_list(v, "--page", 1, 4096); });
     cli.option("--splits", "S[,S...]", "KV splits per (sequence, KV head); 0 = automatic (default 0)",
                [&](const std::string& v) { o.splits = weft::bench::parse_int_list(v, "--splits", 0, 256); });
+    cli.flag("--programmatic", "launch the split kernel programmatically (DecodeAttentionOptions::programmatic_launch)",
+             &o.programmatic);
     cli.option("--dim", "D", "head dimension: 64, 128 or 256 (default 128)", [&](const std::string& v) {
         o.dim = static_cast<int>(weft::bench::parse_int(v, "--dim", 64, 256));
         if (o.dim != 64 && o.dim != 128 && o.dim != 256) throw weft::bench::UsageError("--dim: 64, 128 or 256");
@@ -171,6 +174,7 @@ int main(int argc, char** argv) {
                         for (int64_t requested : opt.splits) {
                             weft::ops::DecodeAttentionOptions o;
                             o.num_splits = static_cast<int32_t>(requested);
+                            o.programmatic_launch = opt.programmatic;
                             const uint64_t ws_bytes =
                                 weft::ops::decode_attention_workspace_bytes(batch, h.q, h.kv, opt.dim, len, o);
                             DeviceBuffer ws(static_cast<size_t>(ws_bytes));

@@ -124,8 +124,11 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
     const unsigned k_base = static_cast<unsigned>(__cvta_generic_to_shared(k_smem));
     const unsigned v_base = k_base + C.stages * kStageBytes;
 
-    // The combine kernel (launched programmatically) may be scheduled once every split block has started; it waits
-    // for this grid to complete before it reads the partials.
+    // Launched programmatically (DecodeAttentionOptions::programmatic_launch): nothing is read or written before the
+    // kernel before this one has completed; otherwise a no-op. The combine kernel (launched programmatically) may
+    // then be scheduled once every split block has started; it waits for this grid to complete before it reads the
+    // partials.
+    ptx::wait_for_prior_grids();
     ptx::launch_dependents();
     const int split = static_cast<int>(blockIdx.x);
     const int kv_head = static_cast<int>(blockIdx.y);

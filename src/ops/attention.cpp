@@ -371,6 +371,7 @@ void launch_decode_attention(DecodeAttentionPlan& plan, const DecodeAttentionOpt
     split.block = dim3(kAttentionThreads);
     split.dynamic_smem_bytes = static_cast<size_t>(attention_decode_smem_bytes(plan.config));
     split.stream = stream;
+    split.programmatic = options.programmatic_launch;
     k.split->launch(split, p);
     if (p.num_splits > 1) {
         const int64_t rows = static_cast<int64_t>(p.batch) * p.num_q_heads;

@@ -135,6 +135,7 @@ struct Case {
     Layout layout = Layout::kSlotsHeads;
     bool want_lse = true;
     bool explicit_workspace = false;
+    bool programmatic = false;  // DecodeAttentionOptions::programmatic_launch
     int extra_max_len = 0;  // max_seq_len above the longest sequence
     float q_scale = 2.f;    // q in [-q_scale, q_scale]: peaked and flat softmax rows both occur
 };
@@ -234,6 +235,7 @@ void run_case(const Case& c, cudaStream_t stream, bool via_graph = false) {
     const TensorView tlse = c.want_lse ? TensorView(dlse.get(), DType::kF32, {batch, hq}) : TensorView();
     ops::DecodeAttentionOptions opt;
     opt.num_splits = c.num_splits;
+    opt.programmatic_launch = c.programmatic;
     DevicePtr dws;
     if (c.explicit_workspace) {
         const uint64_t bytes = ops::decode_attention_workspace_bytes(batch, hq, hkv, d, max_len, opt);
@@ -425,6 +427,20 @@ TEST_F(DecodeAttention, CudaGraphReplay) {
     c.explicit_workspace = true;
     c.lens = {1000, 33000, 7};
     run_case(c, stream_, /*via_graph=*/true);
+    c.programmatic = true;  // the split kernel's launch becomes a programmatic edge behind the poisoning memset
+    run_case(c, stream_, /*via_graph=*/true);
+}
+
+// The split kernel launched programmatically: one split and several, twice each, `out` poisoned before each call.
+TEST_F(DecodeAttention, ProgrammaticLaunchWaitsForWhatCameBefore) {
+    Case c;
+    c.programmatic = true;
+    c.lens = {33000, 1, 0, 4096};
+    for (int32_t splits : {0, 1, 7}) {
+        c.num_splits = splits;
+        run_case(c, stream_);
+        run_case(c, stream_);
+    }
 }
 
 // Bad arguments are errors before anything launches (no device memory touched).

@@ -29,6 +29,12 @@ struct DecodeAttentionOptions {
     /// decode_attention_workspace_bytes() bytes; not touched when one split suffices. Empty (data null): weft keeps
     /// a buffer per (device, stream), grown as needed; growing it during CUDA graph capture is an error (pass one).
     TensorView workspace = {};
+    /// Programmatic dependent launch of the split kernel, for a decode step's chain of kernels: it may be scheduled
+    /// while the kernel before it on `stream` still runs (hiding its launch latency and block setup) and waits for
+    /// that kernel to complete (griddepcontrol.wait) before it reads or writes anything. Off by default.
+    /// Capturable: in a CUDA graph the launch becomes a programmatic edge. (The combine kernel always launches so
+    /// behind the split kernel.)
+    bool programmatic_launch = false;
 };
 
 /// Decode attention for `batch` sequences, each with one query token:
