@@ -133,7 +133,13 @@ TEST(CollectivesEpoch, ClaimsAndStartChecks) {
         << "launch 1 under launch 0's epoch";
     EXPECT_EQ(check_collective_start(collective_epoch_claim(7, d0), 7, d1, 16, 16), S::kDoneCount);
     EXPECT_EQ(check_collective_start(collective_epoch_claim(6, d1), 7, d0, 16, 16), S::kDoneCount);
-    EXPECT_EQ(check_collective_start(collective_epoch_claim(6, d1), 7, d0, 15, 16), S::kOk);
+    EXPECT_EQ(check_collective_start(collective_epoch_claim(7, d0), 7, d0, 15, 16), S::kOk)
+        << "15 of its own blocks finished first";
+    EXPECT_EQ(check_collective_start(collective_epoch_claim(6, d1), 7, d0, 15, 16), S::kDoneCount)
+        << "15 blocks counted under another kernel's claim: a count left over (done is read before claim, with "
+           "acquire, so this kernel's own finished blocks always show its claim)";
+    EXPECT_EQ(check_collective_start(collective_epoch_claim(6, d1), 7, d0, 1, 1), S::kDoneCount);
+    EXPECT_EQ(check_collective_start(collective_epoch_claim(6, d1), 7, d0, 1, 16), S::kDoneCount);
     EXPECT_EQ(collective_epoch_claim(6 + (1ull << 31), d0), collective_epoch_claim(6, d0))
         << "31 bits of the epoch: enough, since only consecutive kernels' claims meet";
 }
@@ -261,6 +267,24 @@ TEST(CollectivesEpoch, ALostAdvanceIsFoundBeforeTheNextKernelWritesAnything) {
         RankStateModel::Kernel k = m.launch(d0, 16);
         EXPECT_FALSE(m.start(k));
         EXPECT_EQ(m.found.back(), CollectiveStart::kDoneCount);
+    }
+    {  // One count too many while launch 0 runs, and the epoch still advances (at its second-to-last block): the count
+       // left behind is below any grid and the claim is launch 0's under an older epoch, so only the count's claim
+       // gives it away. Unchecked, launch 1 would advance the epoch one block early: a block of it that starts after
+       // that runs under the next epoch, its lines under a flag its peers' blocks do not wait for.
+        RankStateModel m = prepared();
+        RankStateModel::Kernel k = m.launch(d0, 16);
+        for (uint32_t b = 0; b < 16; ++b) ASSERT_TRUE(m.start(k));
+        m.s.done += 1;
+        for (uint32_t b = 0; b < 16; ++b) m.finish(k, b);
+        EXPECT_EQ(m.s.epoch, 11u) << "advanced, at the 15th block";
+        EXPECT_EQ(m.s.done, 1u) << "the extra count stays";
+        EXPECT_EQ(m.counted_past_grid, 0u) << "no end saw a count past the grid";
+        RankStateModel::Kernel k1 = m.launch(d1, 16);
+        EXPECT_FALSE(m.start(k1)) << "launch 1's first block ends before it sends";
+        EXPECT_EQ(m.found.back(), CollectiveStart::kDoneCount);
+        RankStateModel::Kernel k2 = m.launch(d1, 1);
+        EXPECT_FALSE(m.start(k2)) << "and a one-block kernel (the copy-engine entry) too";
     }
     {  // A kernel whose every block ended before finishing (an LL call mismatch) leaves no claim and no count: this
        // check does not fire on the next kernel for that reason.
