@@ -353,7 +353,7 @@ std::vector<PeerPullItem> copy_engine_kernel_items(bool pull, int num_ranks, int
         it.signal = flag_on[qi];
         it.bytes = len;
         it.peer = q;
-        it.chunk = q;
+        it.chunk = pull ? q : rank;  // the output slot written, as the copy-engine path's traced copies name it
         items.push_back(it);
     }
     uint8_t* own = out + static_cast<uint64_t>(rank) * shard + begin;

@@ -774,7 +774,11 @@ TEST(CollectivesCopyEngine, KernelItemsCopyEveryPeersBytesThenSignalThatPeer) {
         EXPECT_EQ(items[k].dst, to[q]);
         EXPECT_EQ(items[k].src, in.data());
         EXPECT_EQ(items[k].signal, &flag_words[q]);
+        EXPECT_EQ(items[k].chunk, me) << "the slot written (trace: copy chunk " << me << ")";
     }
+    EXPECT_EQ(detail::copy_engine_kernel_items(true, n, me, in.data(), out.data(), shard, 0, shard, from, to, flags)[0]
+                  .chunk,
+              2);
     // One entry per rank, or a clear error.
     const std::string e = error_of([&] {
         detail::copy_engine_kernel_items(true, n, me, in.data(), out.data(), shard, 0, shard,
