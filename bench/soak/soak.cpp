@@ -165,7 +165,8 @@ void rank_main(World& w, Shared& sh) {
             std::lock_guard<std::mutex> lock(sh.mutex);
             (hang ? sh.result.hangs : sh.result.errors) += 1;
             if (!sh.failed.exchange(true)) {
-                sh.result.at_first_failure = "rank " + std::to_string(me) + " failed first; then " + sh.where_ranks_are();
+                sh.result.at_first_failure =
+                    "rank " + std::to_string(me) + " failed first; then " + sh.where_ranks_are();
             }
             return false;
         }

@@ -341,8 +341,8 @@ std::vector<PeerPullItem> copy_engine_kernel_items(bool pull, int num_ranks, int
                "copy_engine_kernel_items: rank " << rank << " outside a team of " << num_ranks);
     WEFT_CHECK(flag_on.size() == n && (pull ? from.size() : to.size()) == n,
                "copy_engine_kernel_items: one " << (pull ? "source" : "destination") << " and one flag per rank ("
-                                                << num_ranks << "), got " << (pull ? from.size() : to.size())
-                                                << " and " << flag_on.size());
+                                                << num_ranks << "), got " << (pull ? from.size() : to.size()) << " and "
+                                                << flag_on.size());
     std::vector<PeerPullItem> items;
     for (int k = 1; k < num_ranks; ++k) {
         const int q = (rank + k) % num_ranks;
