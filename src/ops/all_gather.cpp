@@ -50,8 +50,8 @@ void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_
     CollectiveParams p = ws.params();
     p.count = len;
     p.descriptor = descriptor;
-    ws.launch(KernelId::kCopyEngineEnter, DType::kU8, 1, stream, p);
     if (ws.copies_with_kernel()) {
+        // Set up before the entry kernel: nothing that can throw sits between a rank's launches.
         const bool pull = algo == AllGatherAlgo::kCopyEnginePull;
         std::vector<const uint8_t*> from(static_cast<size_t>(n), nullptr);
         std::vector<uint8_t*> to(static_cast<size_t>(n), nullptr);
@@ -66,11 +66,14 @@ void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_
             }
             flags[qi] = ws.copy_engine_flag_on(q);
         }
-        ws.launch_pulls(detail::copy_engine_kernel_items(pull, n, me, in, out, shard, begin, len, from, to, flags),
-                        stream);
+        const std::vector<PeerPullItem> items =
+            detail::copy_engine_kernel_items(pull, n, me, in, out, shard, begin, len, from, to, flags);
+        ws.launch(KernelId::kCopyEngineEnter, DType::kU8, 1, stream, p);
+        ws.launch_pulls(items, stream);
         ws.launch(KernelId::kCopyEngineExit, DType::kU8, 1, stream, p);
         return;
     }
+    ws.launch(KernelId::kCopyEngineEnter, DType::kU8, 1, stream, p);
     const int sides = std::min(ws.num_side_streams(), n - 1);
     if (sides > 0) ws.fork(stream, sides);
     for (int k = 1; k < n; ++k) {
