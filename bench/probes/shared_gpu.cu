@@ -103,11 +103,19 @@ struct ProbeResult {
     double host_call_ms = 0;
 };
 
-// Spinner on `spin_on`, then host_call(), then the setter on `set_on`; both streams synchronised after. With
-// `queue_behind`, a kernel queued behind the spinner on its own stream: where streams share a hardware queue, it
-// sits in front of everything queued after it, the setter included.
+// What probe() queues behind the spinner on its own stream, where streams share a hardware queue in front of
+// everything queued after it, the setter included.
+enum class Behind {
+    kNothing,
+    kKernel,  // a kernel (waits for the spinner)
+    kCopies,  // a 1 MiB device-to-device copy and a stream write (as the copy-engine all-gather queued them), and a
+              // 1 MiB copy ahead of the setter on its stream (as a peer's staging copy or result download)
+};
+
+// Spinner on `spin_on`, then host_call(), then the setter on `set_on`; both streams synchronised after; `behind`: what
+// else is queued (Behind).
 ProbeResult probe(cudaStream_t spin_on, cudaStream_t set_on, const std::function<void()>& host_call, unsigned want,
-                  bool queue_behind = false) {
+                  Behind behind = Behind::kNothing) {
     unsigned* flag = nullptr;
     unsigned* outcome = nullptr;
     PROBE_CUDA(cudaMalloc(&flag, sizeof(unsigned)));
@@ -115,14 +123,24 @@ ProbeResult probe(cudaStream_t spin_on, cudaStream_t set_on, const std::function
     PROBE_CUDA(cudaMemset(flag, 0, sizeof(unsigned)));
     PROBE_CUDA(cudaMemset(outcome, 0, sizeof(unsigned)));
     PROBE_CUDA(cudaDeviceSynchronize());
+    void* copy_bytes = nullptr;  // [2][1 MiB] source and destination, and a word for the stream write
+    if (behind == Behind::kCopies) PROBE_CUDA(cudaMalloc(&copy_bytes, (2 << 20) + 8));
+    auto* copy_src = static_cast<unsigned char*>(copy_bytes);
     probe_spin_until<<<1, 1, 0, spin_on>>>(flag, want, outcome);
     PROBE_CUDA(cudaGetLastError());
-    if (queue_behind) probe_noop<<<1, 1, 0, spin_on>>>();
+    if (behind == Behind::kKernel) probe_noop<<<1, 1, 0, spin_on>>>();
+    if (behind == Behind::kCopies) {
+        PROBE_CUDA(cudaMemcpyAsync(copy_src + (1 << 20), copy_src, 1 << 20, cudaMemcpyDeviceToDevice, spin_on));
+        weft::stream_write_u64(spin_on, reinterpret_cast<uint64_t*>(copy_src + (2 << 20)), 1);
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));  // the spinner is running
     ProbeResult r;
     const auto t0 = std::chrono::steady_clock::now();
     if (host_call) host_call();
     r.host_call_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (behind == Behind::kCopies) {
+        PROBE_CUDA(cudaMemcpyAsync(copy_src, copy_src + (1 << 20), 1 << 20, cudaMemcpyDeviceToDevice, set_on));
+    }
     probe_set_flag<<<1, 1, 0, set_on>>>(flag, want);
     PROBE_CUDA(cudaGetLastError());
     PROBE_CUDA(cudaDeviceSynchronize());
@@ -131,6 +149,7 @@ ProbeResult probe(cudaStream_t spin_on, cudaStream_t set_on, const std::function
     r.saw_flag = got == 1;
     PROBE_CUDA(cudaFree(flag));
     PROBE_CUDA(cudaFree(outcome));
+    if (copy_bytes != nullptr) PROBE_CUDA(cudaFree(copy_bytes));
     return r;
 }
 
@@ -155,7 +174,7 @@ void probe_streams() {
         }
         std::string held_back;
         for (size_t j = 1; j < streams.size(); ++j) {
-            if (!probe(streams[0], streams[j], nullptr, static_cast<unsigned>(j), true).saw_flag) {
+            if (!probe(streams[0], streams[j], nullptr, static_cast<unsigned>(j), Behind::kKernel).saw_flag) {
                 held_back += " " + std::to_string(j);
             }
         }
@@ -165,6 +184,20 @@ void probe_streams() {
                     held_back.empty() ? " none" : held_back.c_str());
         if (connections() >= 8) expect(held_back.empty(), "streams held back behind a spinning kernel:" + held_back);
     }
+    // Copies and a stream write queued behind the spinner, a copy ahead of each setter, 64 streams (8 ranks with a few
+    // ops each): the copy-engine all-gather's schedule when ranks share a GPU, before it moved its bytes with the pull
+    // kernel. Informational: weft no longer queues copies behind a spinning kernel there.
+    std::vector<cudaStream_t> streams(64);
+    for (auto& s : streams) PROBE_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    std::string held_back;
+    for (size_t j = 1; j < streams.size(); ++j) {
+        if (!probe(streams[0], streams[j], nullptr, static_cast<unsigned>(j), Behind::kCopies).saw_flag) {
+            held_back += " " + std::to_string(j);
+        }
+    }
+    for (auto& s : streams) PROBE_CUDA(cudaStreamDestroy(s));
+    std::printf("  %-52s held back:%s\n", "64 streams, copies queued behind the spinner and ahead of the setter",
+                held_back.empty() ? " none" : held_back.c_str());
 }
 
 // ---- host calls ------------------------------------------------------------------------------------------------

@@ -86,6 +86,7 @@ struct WorldResult {
     uint64_t planned = 0, done = 0, wrong = 0, hangs = 0, errors = 0, delays = 0;
     std::array<KindStats, kKinds> kinds{};
     std::vector<std::string> first_problems;
+    std::string at_first_failure;  // every rank's call and phase when the first rank's call failed
     Usage warm, end;
     bool steady_measured = false;
     double seconds = 0;
@@ -102,11 +103,25 @@ struct Shared {
     std::atomic<bool> finished{false};
     std::vector<std::atomic<int64_t>> progress_ns;  // per rank: steady-clock time of its last finished call
     std::vector<std::atomic<int64_t>> at_call;      // per rank: the call it is in
+    std::vector<std::atomic<int>> phase;            // per rank: where in that call (Phase)
     std::chrono::steady_clock::time_point start;
-    explicit Shared(int w) : progress_ns(static_cast<size_t>(w)), at_call(static_cast<size_t>(w)) {}
+    explicit Shared(int w)
+        : progress_ns(static_cast<size_t>(w)), at_call(static_cast<size_t>(w)), phase(static_cast<size_t>(w)) {}
     void problem(const std::string& text) {
         std::lock_guard<std::mutex> lock(mutex);
         if (result.first_problems.size() < 10) result.first_problems.push_back(text);
+    }
+    /// "rank 0 call 2640 waiting for the device, rank 1 call 2639 copying results out, ...": where every rank's thread
+    /// is now. A rank that the hang's waiters name but that never failed shows where it was held up (host or device).
+    std::string where_ranks_are() const {
+        std::string s;
+        for (size_t r = 0; r < phase.size(); ++r) {
+            const int ph = phase[r].load();
+            s += (r == 0 ? "" : ", ");
+            s += "rank " + std::to_string(r) + " call " + std::to_string(at_call[r].load()) + " " +
+                 (ph >= 0 && ph <= static_cast<int>(Phase::kCheck) ? kPhaseNames[ph] : "?");
+        }
+        return s;
     }
 };
 
@@ -125,11 +140,14 @@ void rank_main(World& w, Shared& sh) {
     const int me = w.rank();
     const int n = w.num_ranks();
     RankOps ops_here(w);
+    std::atomic<int>& phase = sh.phase[static_cast<size_t>(me)];
+    ops_here.report_phase_to(&phase);
     std::mt19937_64 delay_rng(o.seed * 0x2545F4914F6CDD1Dull + static_cast<uint64_t>(me) + 1);
     std::uniform_real_distribution<double> unit(0.0, 1.0);
     const auto one_call = [&](int64_t call, const Plan& p, bool counted) {
         sh.at_call[static_cast<size_t>(me)] = call;
         if (counted && unit(delay_rng) < o.delay_prob) {
+            phase = static_cast<int>(Phase::kDelay);
             const int ms = static_cast<int>(unit(delay_rng) * o.max_delay_ms);
             std::this_thread::sleep_for(std::chrono::milliseconds(ms));
             std::lock_guard<std::mutex> lock(sh.mutex);
@@ -140,14 +158,19 @@ void rank_main(World& w, Shared& sh) {
         try {
             bad = ops_here.run(p);
         } catch (const std::exception& e) {
+            phase = static_cast<int>(Phase::kBetween);
             const std::string m = e.what();
             const bool hang = m.find("timed out") != std::string::npos;
             sh.problem(call_label(me, call, p) + ": " + (hang ? "HANG: " : "ERROR: ") + m);
             std::lock_guard<std::mutex> lock(sh.mutex);
             (hang ? sh.result.hangs : sh.result.errors) += 1;
-            sh.failed = true;
+            if (!sh.failed.exchange(true)) {
+                sh.result.at_first_failure =
+                    "rank " + std::to_string(me) + " failed first; then " + sh.where_ranks_are();
+            }
             return false;
         }
+        phase = static_cast<int>(Phase::kBetween);
         const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         sh.progress_ns[static_cast<size_t>(me)] = now_ns();
         if (!bad.empty()) sh.problem(call_label(me, call, p) + ": WRONG: " + bad);
@@ -238,7 +261,8 @@ WorldResult run_world(const Options& o, int w, int calls) {
                     for (int q = 0; q < w; ++q) {
                         std::printf(" %lld", static_cast<long long>(sh.at_call[static_cast<size_t>(q)]));
                     }
-                    std::printf(" (seed 0x%llx)\n", static_cast<unsigned long long>(o.seed));
+                    std::printf(" (seed 0x%llx)\n  %s\n", static_cast<unsigned long long>(o.seed),
+                                sh.where_ranks_are().c_str());
                     std::fflush(stdout);
                     std::_Exit(3);
                 }
@@ -383,6 +407,7 @@ int run(int argc, char** argv) {
                     static_cast<unsigned long long>(r.wrong), static_cast<unsigned long long>(r.hangs),
                     static_cast<unsigned long long>(r.errors), static_cast<unsigned long long>(r.delays));
         for (const std::string& p : r.first_problems) std::printf("  %s\n", p.c_str());
+        if (!r.at_first_failure.empty()) std::printf("  at the first failure: %s\n", r.at_first_failure.c_str());
         std::fflush(stdout);
         results.push_back(std::move(r));
         if (results.back().hangs + results.back().errors > 0) {

@@ -251,6 +251,7 @@ RankOps::~RankOps() {
 }
 
 std::string RankOps::run(const Plan& p) {
+    set_phase(Phase::kLaunch);
     switch (p.kind) {
         case Kind::kAllReduce: return all_reduce(p);
         case Kind::kAllGather: return all_gather(p);
@@ -269,7 +270,13 @@ std::string RankOps::run(const Plan& p) {
 // ------------------------------------------------------------------------------------------------
 // Shared by the calls.
 
+void RankOps::sync() {
+    set_phase(Phase::kDevice);
+    w_.sync_and_check(s_);
+}
+
 const std::vector<uint8_t>& RankOps::download(const void* src, uint64_t bytes) {
+    set_phase(Phase::kCheck);
     host_.resize(bytes);
     WEFT_CUDA_CHECK(cudaMemcpyAsync(host_.data(), src, bytes, cudaMemcpyDeviceToHost, s_));
     WEFT_CUDA_CHECK(cudaStreamSynchronize(s_));
@@ -309,7 +316,7 @@ void RankOps::run_gemm(Op& op, const Plan& p, int64_t a_rows, int64_t c_rows) {
     op.run(TensorView(gemm_a_.ptr, DType::kBF16, {a_rows, kGemmK}),
            TensorView(gemm_b_.ptr, DType::kBF16, {kGemmN, kGemmK}),
            TensorView(gemm_c_.ptr, DType::kBF16, {c_rows, kGemmN}), s_);
-    w_.sync_and_check(s_);
+    sync();
 }
 
 /// Checks kGemmSamples entries of C [rows, N] (the last one first); `ref(row, col, &partials)` is the exact value and
@@ -340,7 +347,7 @@ std::string RankOps::all_reduce(const Plan& p) {
     const auto n = static_cast<int64_t>(p.count);
     ops::all_reduce(w_, TensorView(in, p.dtype, {n}), TensorView(out, p.dtype, {n}), s_,
                     {.algo = static_cast<ops::AllReduceAlgo>(p.algo)});
-    w_.sync_and_check(s_);
+    sync();
     return check_sums(p, out, p.count, 0);
 }
 
@@ -352,7 +359,7 @@ std::string RankOps::all_gather(const Plan& p) {
     ops::all_gather(w_, TensorView(in, DType::kU8, {static_cast<int64_t>(shard)}),
                     TensorView(out, DType::kU8, {static_cast<int64_t>(shard) * n_}), s_,
                     {.algo = static_cast<ops::AllGatherAlgo>(p.algo)});
-    w_.sync_and_check(s_);
+    sync();
     return check_gathered(p, out, shard, 0);
 }
 
@@ -365,7 +372,7 @@ std::string RankOps::reduce_scatter(const Plan& p) {
     ops::reduce_scatter(w_, TensorView(in, p.dtype, {static_cast<int64_t>(count) * n_}),
                         TensorView(out, p.dtype, {static_cast<int64_t>(count)}), s_,
                         {.algo = static_cast<ops::ReduceScatterAlgo>(p.algo)});
-    w_.sync_and_check(s_);
+    sync();
     return check_sums(p, out, count, static_cast<uint64_t>(me_) * count);
 }
 
@@ -377,7 +384,7 @@ std::string RankOps::all_to_all(const Plan& p) {
     fill_bytes(in, total, p.salt, me_, s_);
     ops::all_to_all(w_, TensorView(in, DType::kU8, {static_cast<int64_t>(total)}),
                     TensorView(out, DType::kU8, {static_cast<int64_t>(total)}), s_);
-    w_.sync_and_check(s_);
+    sync();
     // Chunk q of the output is rank q's input chunk me.
     return check_gathered(p, out, chunk, static_cast<uint64_t>(me_) * chunk);
 }
@@ -430,6 +437,7 @@ std::string RankOps::ep_call(const Plan& p, bool low_latency) {
         ep_->dispatch(*normal_, x, idx, weights, s_);
         ep_->combine(*normal_, normal_->recv_x(), out, s_);
     }
+    set_phase(Phase::kDevice);
     ep_->sync_and_check(s_);
     // Every element: the identity expert gives x times the sum of the token's weights (bf16 tolerance).
     const std::vector<uint8_t>& h = download(ep_out_.ptr, static_cast<uint64_t>(tokens) * kEpHidden * 2);

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -22,6 +23,18 @@ namespace weft::bench::soak {
 
 /// The EP Buffer's configuration for a World of num_ranks: kEpExpertsPerRank experts per rank, normal and low-latency.
 ops::ep::Config ep_config(int num_ranks);
+
+/// Where a rank's thread is in its calls (weft_soak reports every rank's at the first failure): a rank that a hang's
+/// waiters name but that never failed itself was here.
+enum class Phase : int {
+    kBetween,  ///< between calls (the plan, the loop, a collective barrier every 64 calls)
+    kDelay,    ///< sleeping before a call (the random delay)
+    kLaunch,   ///< in the call: filling inputs, launching the op
+    kDevice,   ///< waiting for its stream (sync_and_check)
+    kCheck,    ///< copying results to the host and checking them
+};
+inline constexpr const char* kPhaseNames[] = {"between calls", "delay", "launching", "waiting for the device",
+                                              "copying results out"};
 
 /// A cudaMalloc'd buffer, freed with it.
 struct DeviceBuffer {
@@ -44,6 +57,8 @@ public:
     RankOps& operator=(const RankOps&) = delete;
 
     cudaStream_t stream() const { return s_; }
+    /// Where run() records its phase (nullptr: nowhere).
+    void report_phase_to(std::atomic<int>* phase) { phase_ = phase; }
 
     /// Runs the call and checks this rank's result: "" when right, else what was wrong. Throws weft::Error when the
     /// call fails (a diagnosed device wait, an abort). Every rank of the World runs the same plan.
@@ -63,6 +78,10 @@ private:
     // Shared by the calls.
     uint8_t* in_buffer(const Plan& p) const { return p.in_sym ? sym_in_ : dev_in_.bytes(); }
     uint8_t* out_buffer(const Plan& p) const { return p.out_sym ? sym_out_ : dev_out_.bytes(); }
+    void set_phase(Phase p) const {
+        if (phase_ != nullptr) phase_->store(static_cast<int>(p));
+    }
+    void sync();  // w_.sync_and_check(s_), in phase kDevice
     const std::vector<uint8_t>& download(const void* src, uint64_t bytes);
     std::string check_sums(const Plan& p, const void* out, uint64_t count, uint64_t first);
     std::string check_gathered(const Plan& p, const void* out, uint64_t block, uint64_t first);
@@ -84,6 +103,7 @@ private:
     std::unique_ptr<ops::ep::NormalHandle> normal_;
     std::unique_ptr<ops::ep::LowLatencyHandle> low_latency_;
     std::vector<uint8_t> host_;  // the last download
+    std::atomic<int>* phase_ = nullptr;
 };
 
 }  // namespace weft::bench::soak

@@ -147,10 +147,11 @@ public:
         : ctx_(ctx), p_(p) {
         __shared__ uint64_t shared_state[3];
         if (threadIdx.x == 0) {
-            // One round trip: the three words share a sector.
+            // The three words share a sector. `done` first, with acquire: the blocks it counts (this kernel's, if the
+            // state is in step) stored their claim before their releasing count (check_collective_start).
+            const uint32_t done = ptx::ld<ptx::Sem::kAcquire, ptx::Scope::kGpu>(&p.state->done);
             const uint64_t epoch = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&p.state->epoch);
             const uint64_t claim = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&p.state->claim);
-            const uint32_t done = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&p.state->done);
             shared_state[0] = epoch;
             shared_state[1] = p.state->arrivals[blockIdx.x];
             const CollectiveStart check = check_collective_start(claim, epoch, p.descriptor, done, gridDim.x);

@@ -3,6 +3,7 @@
 #include "weft/ops/all_gather.hpp"
 
 #include <algorithm>
+#include <vector>
 
 #include "collective_workspace.hpp"
 #include "hierarchical.hpp"
@@ -35,6 +36,11 @@ using detail::KernelId;
 // for those very copies (docs/runtime.md, "Hardware queues").
 // A World that traces (WEFT_TRACE) times each copy with CUDA events: "copy chunk q" (the output slot written) on the
 // track of its stream (copy engine i: side stream i, or 0 for `stream`).
+// A team wholly on one GPU of this process (ws.copies_with_kernel()) moves the bytes with the one-CTA pull kernel
+// instead, which also sets the peers' flags: the copies and stream writes would otherwise sit behind the spinning
+// entry kernel on `stream`, and in a hardware queue that ranks' streams share (they outnumber the queues at 8 ranks
+// with a few ops each) a peer's work queued behind them could not run until the entry gave up
+// (detail::copy_engine_copies_with_kernel). The pull kernel records "copy chunk q" itself when traced.
 template <class Source>
 void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_t* in, uint8_t* out,
                        const Source& source, uint64_t shard, uint64_t begin, uint64_t len, uint64_t descriptor,
@@ -44,6 +50,29 @@ void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_
     CollectiveParams p = ws.params();
     p.count = len;
     p.descriptor = descriptor;
+    if (ws.copies_with_kernel()) {
+        // Set up before the entry kernel: nothing that can throw sits between a rank's launches.
+        const bool pull = algo == AllGatherAlgo::kCopyEnginePull;
+        std::vector<const uint8_t*> from(static_cast<size_t>(n), nullptr);
+        std::vector<uint8_t*> to(static_cast<size_t>(n), nullptr);
+        std::vector<uint64_t*> flags(static_cast<size_t>(n), nullptr);
+        for (int q = 0; q < n; ++q) {
+            if (q == me) continue;
+            const auto qi = static_cast<size_t>(q);
+            if (pull) {
+                from[qi] = source(q);
+            } else {
+                to[qi] = static_cast<uint8_t*>(ws.peer_pointer(out, q)) + static_cast<uint64_t>(me) * shard + begin;
+            }
+            flags[qi] = ws.copy_engine_flag_on(q);
+        }
+        const std::vector<PeerPullItem> items =
+            detail::copy_engine_kernel_items(pull, n, me, in, out, shard, begin, len, from, to, flags);
+        ws.launch(KernelId::kCopyEngineEnter, DType::kU8, 1, stream, p);
+        ws.launch_pulls(items, stream);
+        ws.launch(KernelId::kCopyEngineExit, DType::kU8, 1, stream, p);
+        return;
+    }
     ws.launch(KernelId::kCopyEngineEnter, DType::kU8, 1, stream, p);
     const int sides = std::min(ws.num_side_streams(), n - 1);
     if (sides > 0) ws.fork(stream, sides);
@@ -159,7 +188,17 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
             uint8_t* region = ws.copy_engine_region();
             for (uint64_t begin = 0; begin < shard; begin += round) {
                 const uint64_t len = std::min(round, shard - begin);
-                WEFT_CUDA_CHECK(cudaMemcpyAsync(region, in + begin, len, cudaMemcpyDeviceToDevice, stream));
+                if (ws.copies_with_kernel()) {  // behind the previous round's spinning exit kernel: no queued copy
+                    PeerPullItem stage{};
+                    stage.dst = region;
+                    stage.src = in + begin;
+                    stage.bytes = len;
+                    stage.peer = me;
+                    stage.chunk = -1;
+                    ws.launch_pulls({stage}, stream);
+                } else {
+                    WEFT_CUDA_CHECK(cudaMemcpyAsync(region, in + begin, len, cudaMemcpyDeviceToDevice, stream));
+                }
                 const auto source = [&](int q) { return static_cast<const uint8_t*>(ws.peer_pointer(region, q)); };
                 copy_engine_round(ws, algo, in, out, source, shard, begin, len,
                                   detail::call_descriptor_bytes(kind, a, shard, {1, begin, len}), stream);

@@ -328,6 +328,47 @@ uint64_t round_units(uint64_t capacity_bytes, uint64_t bytes_per_unit, uint64_t 
     return units;
 }
 
+bool copy_engine_copies_with_kernel(bool same_process, int team_ranks_on_device, int team_ranks) {
+    return same_process && team_ranks > 1 && team_ranks_on_device == team_ranks;
+}
+
+std::vector<PeerPullItem> copy_engine_kernel_items(bool pull, int num_ranks, int rank, const uint8_t* in, uint8_t* out,
+                                                   uint64_t shard, uint64_t begin, uint64_t len,
+                                                   std::span<const uint8_t* const> from, std::span<uint8_t* const> to,
+                                                   std::span<uint64_t* const> flag_on) {
+    const auto n = static_cast<size_t>(num_ranks);
+    WEFT_CHECK(num_ranks >= 1 && rank >= 0 && rank < num_ranks,
+               "copy_engine_kernel_items: rank " << rank << " outside a team of " << num_ranks);
+    WEFT_CHECK(flag_on.size() == n && (pull ? from.size() : to.size()) == n,
+               "copy_engine_kernel_items: one " << (pull ? "source" : "destination") << " and one flag per rank ("
+                                                << num_ranks << "), got " << (pull ? from.size() : to.size()) << " and "
+                                                << flag_on.size());
+    std::vector<PeerPullItem> items;
+    for (int k = 1; k < num_ranks; ++k) {
+        const int q = (rank + k) % num_ranks;
+        const auto qi = static_cast<size_t>(q);
+        PeerPullItem it{};
+        it.dst = pull ? static_cast<void*>(out + static_cast<uint64_t>(q) * shard + begin) : static_cast<void*>(to[qi]);
+        it.src = pull ? static_cast<const void*>(from[qi]) : static_cast<const void*>(in + begin);
+        it.signal = flag_on[qi];
+        it.bytes = len;
+        it.peer = q;
+        it.chunk = pull ? q : rank;  // the output slot written, as the copy-engine path's traced copies name it
+        items.push_back(it);
+    }
+    uint8_t* own = out + static_cast<uint64_t>(rank) * shard + begin;
+    if (own != in + begin) {
+        PeerPullItem it{};
+        it.dst = own;
+        it.src = in + begin;
+        it.bytes = len;
+        it.peer = rank;
+        it.chunk = rank;
+        items.push_back(it);
+    }
+    return items;
+}
+
 }  // namespace detail
 
 }  // namespace weft::ops

@@ -67,6 +67,12 @@ public:
     void fork(cudaStream_t stream, int count);
     void join(cudaStream_t stream, int count);
 
+    /// Whether the copy-engine all-gathers move their bytes with the one-CTA pull kernel
+    /// (copy_engine_copies_with_kernel: every member a thread of this process on this GPU).
+    bool copies_with_kernel() const { return pull_kernel_ != nullptr; }
+    /// Launches the pull kernel on `items` (in order) on `stream`. Only when copies_with_kernel().
+    void launch_pulls(const std::vector<PeerPullItem>& items, cudaStream_t stream) const;
+
 private:
     explicit CollectiveWorkspace(const Team& team);
     jit::Kernel& kernel_for_launch(KernelId id, DType dtype, int grid) const;
@@ -92,6 +98,7 @@ private:
     cudaEvent_t fork_event_ = nullptr;
     std::vector<cudaEvent_t> join_events_;
     std::array<std::array<jit::Kernel*, 3>, static_cast<size_t>(KernelId::kCount)> kernels_{};
+    const jit::Kernel* pull_kernel_ = nullptr;  // copy-engine all-gathers' copies (copies_with_kernel)
 };
 
 /// Throws weft::Error unless `ptr` is device memory (or managed memory). Skipped while `stream` is being captured

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -133,7 +134,13 @@ TEST(CollectivesEpoch, ClaimsAndStartChecks) {
         << "launch 1 under launch 0's epoch";
     EXPECT_EQ(check_collective_start(collective_epoch_claim(7, d0), 7, d1, 16, 16), S::kDoneCount);
     EXPECT_EQ(check_collective_start(collective_epoch_claim(6, d1), 7, d0, 16, 16), S::kDoneCount);
-    EXPECT_EQ(check_collective_start(collective_epoch_claim(6, d1), 7, d0, 15, 16), S::kOk);
+    EXPECT_EQ(check_collective_start(collective_epoch_claim(7, d0), 7, d0, 15, 16), S::kOk)
+        << "15 of its own blocks finished first";
+    EXPECT_EQ(check_collective_start(collective_epoch_claim(6, d1), 7, d0, 15, 16), S::kDoneCount)
+        << "15 blocks counted under another kernel's claim: a count left over (done is read before claim, with "
+           "acquire, so this kernel's own finished blocks always show its claim)";
+    EXPECT_EQ(check_collective_start(collective_epoch_claim(6, d1), 7, d0, 1, 1), S::kDoneCount);
+    EXPECT_EQ(check_collective_start(collective_epoch_claim(6, d1), 7, d0, 1, 16), S::kDoneCount);
     EXPECT_EQ(collective_epoch_claim(6 + (1ull << 31), d0), collective_epoch_claim(6, d0))
         << "31 bits of the epoch: enough, since only consecutive kernels' claims meet";
 }
@@ -261,6 +268,24 @@ TEST(CollectivesEpoch, ALostAdvanceIsFoundBeforeTheNextKernelWritesAnything) {
         RankStateModel::Kernel k = m.launch(d0, 16);
         EXPECT_FALSE(m.start(k));
         EXPECT_EQ(m.found.back(), CollectiveStart::kDoneCount);
+    }
+    {  // One count too many while launch 0 runs, and the epoch still advances (at its second-to-last block): the count
+       // left behind is below any grid and the claim is launch 0's under an older epoch, so only the count's claim
+       // gives it away. Unchecked, launch 1 would advance the epoch one block early: a block of it that starts after
+       // that runs under the next epoch, its lines under a flag its peers' blocks do not wait for.
+        RankStateModel m = prepared();
+        RankStateModel::Kernel k = m.launch(d0, 16);
+        for (uint32_t b = 0; b < 16; ++b) ASSERT_TRUE(m.start(k));
+        m.s.done += 1;
+        for (uint32_t b = 0; b < 16; ++b) m.finish(k, b);
+        EXPECT_EQ(m.s.epoch, 11u) << "advanced, at the 15th block";
+        EXPECT_EQ(m.s.done, 1u) << "the extra count stays";
+        EXPECT_EQ(m.counted_past_grid, 0u) << "no end saw a count past the grid";
+        RankStateModel::Kernel k1 = m.launch(d1, 16);
+        EXPECT_FALSE(m.start(k1)) << "launch 1's first block ends before it sends";
+        EXPECT_EQ(m.found.back(), CollectiveStart::kDoneCount);
+        RankStateModel::Kernel k2 = m.launch(d1, 1);
+        EXPECT_FALSE(m.start(k2)) << "and a one-block kernel (the copy-engine entry) too";
     }
     {  // A kernel whose every block ended before finishing (an LL call mismatch) leaves no claim and no count: this
        // check does not fire on the next kernel for that reason.
@@ -681,6 +706,85 @@ TEST(CollectivesArgs, MismatchDiagnosticNamesBothRanksAndDescriptors) {
 jit::CompileResult compile_spec(jit::Compiler& c, jit::KernelSpec spec) {
     spec.arch = "sm_90a";
     return c.compile(spec);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Copy-engine all-gathers of a team wholly on one GPU of this process: the bytes move in the pull kernel, so nothing
+// but kernels sits behind the spinning entry kernel in the ranks' shared hardware queues.
+
+TEST(CollectivesCopyEngine, TeamsOnOneGpuOfOneProcessCopyWithTheKernel) {
+    EXPECT_TRUE(detail::copy_engine_copies_with_kernel(true, 8, 8)) << "weft_soak --world 8: 8 threads on one GPU";
+    EXPECT_TRUE(detail::copy_engine_copies_with_kernel(true, 3, 3));
+    EXPECT_FALSE(detail::copy_engine_copies_with_kernel(false, 8, 8)) << "processes: queues of their own contexts";
+    EXPECT_FALSE(detail::copy_engine_copies_with_kernel(true, 4, 8)) << "members on other GPUs: GPU-scope signals";
+    EXPECT_FALSE(detail::copy_engine_copies_with_kernel(true, 1, 1)) << "one rank launches nothing";
+    EXPECT_FALSE(detail::copy_engine_copies_with_kernel(true, 1, 8)) << "a GPU per rank: side streams, copy engines";
+}
+
+TEST(CollectivesCopyEngine, KernelItemsCopyEveryPeersBytesThenSignalThatPeer) {
+    constexpr int n = 4;
+    constexpr int me = 1;
+    constexpr uint64_t shard = 100;
+    std::vector<uint8_t> out(n * shard), in(shard), region(shard);
+    std::vector<std::vector<uint8_t>> peer_out(n, std::vector<uint8_t>(n * shard));
+    uint64_t flag_words[n] = {};
+    std::vector<uint64_t*> flags(n, nullptr);
+    std::vector<const uint8_t*> from(n, nullptr);
+    std::vector<uint8_t*> to(n, nullptr);
+    for (int q = 0; q < n; ++q) {
+        if (q == me) continue;
+        flags[q] = &flag_words[q];
+        from[q] = peer_out[q].data() + q * shard;  // pull in place: q's own slot of its output
+        to[q] = peer_out[q].data() + me * shard;   // push: slot `me` of q's output
+    }
+    // Pull, out of place: the peers from rank me + 1 on, each signalled, then this rank's own bytes without a signal.
+    std::vector<PeerPullItem> items =
+        detail::copy_engine_kernel_items(true, n, me, in.data(), out.data(), shard, 0, shard, from, to, flags);
+    ASSERT_EQ(items.size(), 4u);
+    const int order[] = {2, 3, 0};
+    for (int k = 0; k < 3; ++k) {
+        const int q = order[k];
+        EXPECT_EQ(items[k].peer, q);
+        EXPECT_EQ(items[k].dst, out.data() + q * shard);
+        EXPECT_EQ(items[k].src, from[q]);
+        EXPECT_EQ(items[k].signal, &flag_words[q]);
+        EXPECT_EQ(items[k].bytes, shard);
+        EXPECT_EQ(items[k].wait_ready, nullptr) << "the entry kernel before it is the only wait";
+    }
+    EXPECT_EQ(items[3].dst, out.data() + me * shard);
+    EXPECT_EQ(items[3].src, in.data());
+    EXPECT_EQ(items[3].signal, nullptr) << "nobody waits for this rank's own slot";
+    // In place: the own bytes are there already.
+    items = detail::copy_engine_kernel_items(true, n, me, out.data() + me * shard, out.data(), shard, 0, shard, from,
+                                             to, flags);
+    EXPECT_EQ(items.size(), 3u);
+    // A staged round [40, 100): every peer's staging region holds the round's bytes at its start.
+    for (int q = 0; q < n; ++q) from[q] = q == me ? nullptr : region.data();
+    items = detail::copy_engine_kernel_items(true, n, me, in.data(), out.data(), shard, 40, 60, from, to, flags);
+    ASSERT_EQ(items.size(), 4u);
+    EXPECT_EQ(items[0].dst, out.data() + 2 * shard + 40);
+    EXPECT_EQ(items[0].bytes, 60u);
+    EXPECT_EQ(items[3].dst, out.data() + me * shard + 40);
+    EXPECT_EQ(items[3].src, in.data() + 40);
+    // Push: this rank's bytes into slot `me` of every peer's output, each peer signalled.
+    items = detail::copy_engine_kernel_items(false, n, me, in.data(), out.data(), shard, 0, shard, from, to, flags);
+    ASSERT_EQ(items.size(), 4u);
+    for (int k = 0; k < 3; ++k) {
+        const int q = order[k];
+        EXPECT_EQ(items[k].dst, to[q]);
+        EXPECT_EQ(items[k].src, in.data());
+        EXPECT_EQ(items[k].signal, &flag_words[q]);
+        EXPECT_EQ(items[k].chunk, me) << "the slot written (trace: copy chunk " << me << ")";
+    }
+    EXPECT_EQ(detail::copy_engine_kernel_items(true, n, me, in.data(), out.data(), shard, 0, shard, from, to, flags)[0]
+                  .chunk,
+              2);
+    // One entry per rank, or a clear error.
+    const std::string e = error_of([&] {
+        detail::copy_engine_kernel_items(true, n, me, in.data(), out.data(), shard, 0, shard,
+                                         std::span<const uint8_t* const>(from).first(2), to, flags);
+    });
+    EXPECT_NE(e.find("one source and one flag per rank (4), got 2 and 4"), std::string::npos) << e;
 }
 
 TEST(CollectivesNvrtc, RepresentativeSpecsCompileForSm90a) {

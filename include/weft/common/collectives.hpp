@@ -185,14 +185,16 @@ enum class CollectiveStart : uint32_t {
     /// advanced between two kernels of this rank, whose lines and descriptors would then land in the slots its peers
     /// are still reading for the earlier one.
     kEpochReused = 1,
-    /// CollectiveState::done counts at least as many finished blocks as this kernel has: an earlier kernel's blocks
-    /// were miscounted, so the last of them never advanced the epoch (or will advance it early).
+    /// CollectiveState::done counts at least as many finished blocks as this kernel has, or counts finished blocks
+    /// under another kernel's claim: an earlier kernel's blocks were miscounted, so the last of them never advanced
+    /// the epoch, or this kernel's count reaches its grid early and advances the epoch while blocks of it have yet to
+    /// start (those would run under the next epoch).
     kDoneCount = 2,
 };
 
 /// The check every block of a collective kernel makes before it writes anything (BlockState): `claim` and `done` as
-/// read from this rank's CollectiveState at the block's start, next to the `epoch` it runs under; `descriptor` and
-/// `grid` are the kernel's own. Pure: unit-tested on the CPU.
+/// read from this rank's CollectiveState at the block's start (done first, with acquire: see below), next to the
+/// `epoch` it runs under; `descriptor` and `grid` are the kernel's own. Pure: unit-tested on the CPU.
 WEFT_HOST_DEVICE constexpr CollectiveStart check_collective_start(uint64_t claim, uint64_t epoch, uint64_t descriptor,
                                                                   uint64_t done, uint64_t grid) {
     if (done >= grid) return CollectiveStart::kDoneCount;
@@ -200,6 +202,12 @@ WEFT_HOST_DEVICE constexpr CollectiveStart check_collective_start(uint64_t claim
     // A block of this very kernel may have finished already (same claim); an earlier kernel of another epoch is the
     // normal case.
     if (claim != 0 && claim != mine && (claim >> 32) == (mine >> 32)) return CollectiveStart::kEpochReused;
+    // NOTE: blocks counted done at a block's start are blocks of this very kernel (the last block of the kernel before
+    // reset the count), and each stored this kernel's claim before counting itself with release; `done` read with
+    // acquire before `claim` therefore shows them with this kernel's claim. A count under another claim was left by
+    // another kernel: it would reach this grid early and advance the epoch while blocks of this kernel have yet to
+    // start (CollectiveState::done, finish).
+    if (done != 0 && claim != mine) return CollectiveStart::kDoneCount;
     return CollectiveStart::kOk;
 }
 

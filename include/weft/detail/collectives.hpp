@@ -4,8 +4,10 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <span>
 #include <vector>
 
+#include "weft/common/tp_params.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/runtime/tensor_view.hpp"
@@ -60,5 +62,26 @@ int kernel_block_threads(KernelId id, int max_ranks);
 jit::KernelSpec collective_kernel_spec(KernelId id, DType dtype, int max_ranks);
 /// Every spec a workspace for a `max_ranks` bucket loads (reducing kernels for bf16, f16 and f32).
 std::vector<jit::KernelSpec> collective_kernel_specs(int max_ranks);
+
+/// Whether a team's copy-engine all-gathers (ce_pull, ce_push) move their bytes with the one-CTA pull kernel
+/// (kernels/tp_common/peer_pull.cuh) instead of copy-engine copies and stream writes: when every member is a thread
+/// of this process on this rank's GPU. There the copies go on the caller's stream, behind the entry kernel that spins
+/// until every peer arrives, and the ranks' streams outnumber the context's hardware queues: a peer's work queued
+/// behind such a copy in a shared queue (its own staging copy, or a copy before its entry kernel) could not run until
+/// the spin gave up. A spinning kernel holds no queue (docs/runtime.md, "Hardware queues"). The pull kernel signals
+/// at GPU scope, so the members must share the GPU: `team_ranks_on_device` == `team_ranks`.
+bool copy_engine_copies_with_kernel(bool same_process, int team_ranks_on_device, int team_ranks);
+
+/// The pull kernel's items of one copy-engine all-gather round (copy_engine_copies_with_kernel) on team rank `rank` of
+/// `num_ranks`: bytes [begin, begin + len) of every shard of `shard` bytes. Pull: from every peer q (rank + 1 first)
+/// `len` bytes at `from[q]` into slot q of `out`, then flag_on[q] = 1 (q's exit kernel: "done reading your shard").
+/// Push: this rank's bytes at `in` + begin into `to[q]` (their place in slot `rank` of q's output, mapped here), then
+/// flag_on[q] = 1 ("your slot is written"). Last, without a signal, this rank's own bytes into its slot of `out` unless
+/// they are there already (in place). `from` (pull) or `to` (push) and `flag_on` hold one entry per team rank (the
+/// addresses of this round; this rank's own entry is not read).
+std::vector<PeerPullItem> copy_engine_kernel_items(bool pull, int num_ranks, int rank, const uint8_t* in, uint8_t* out,
+                                                   uint64_t shard, uint64_t begin, uint64_t len,
+                                                   std::span<const uint8_t* const> from, std::span<uint8_t* const> to,
+                                                   std::span<uint64_t* const> flag_on);
 
 }  // namespace weft::ops::detail
