@@ -375,7 +375,10 @@ TEST(MultiNode, ARankOnAnotherNodeThatNeverArrivesIsAnErrorWithinTheTimeout) {
             error = e.what();
         }
         const auto waited = std::chrono::steady_clock::now() - start;
-        EXPECT_FALSE(error.empty()) << "rank " << w->rank() << ": no error although rank " << absent << " never came";
+        EXPECT_FALSE(error.empty()) << "rank " << w->rank() << ": no error although rank " << absent
+                                    << " never came (after "
+                                    << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()
+                                    << " ms; World aborted: " << (w->aborted() ? "yes" : "no") << ")";
         EXPECT_LT(waited, std::chrono::milliseconds(3 * 5000 + 10000)) << error;
         std::printf("rank %d: %s\n", w->rank(), error.c_str());
     }
