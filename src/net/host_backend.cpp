@@ -236,6 +236,7 @@ struct HostBackend::Impl {
     std::deque<Pending> pending;
     bool stop = false;
     std::atomic<bool> aborted{false};
+    std::atomic<bool> stepped{false};  // a network operation was enqueued since the last check_after_sync
     std::thread watcher;
 
     void watch();
@@ -420,7 +421,10 @@ HostBackend::HostBackend(const Team& team, Team node_team)
 #endif
 }
 
-void HostBackend::check_after_sync() { impl_->abort_on_async_error(); }
+bool HostBackend::check_after_sync() {
+    impl_->abort_on_async_error();
+    return impl_->stepped.exchange(false);
+}
 
 HostBackend::~HostBackend() {
     if (impl_->watcher.joinable()) {
@@ -501,6 +505,7 @@ uint64_t HostBackend::begin_step(const char* what) {
 }
 
 void HostBackend::end_step(uint64_t id) {
+    impl_->stepped.store(true);
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     WEFT_CUDA_CHECK(cudaStreamIsCapturing(comm_stream_, &capture));
     cudaEvent_t done = nullptr;

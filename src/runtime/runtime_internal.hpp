@@ -150,14 +150,21 @@ public:
     Watchdog& operator=(const Watchdog&) = delete;
 
     /// Publishes an abort record (detail::encode_abort_record) for every other rank; false when the store failed.
-    bool publish(char kind, const std::string& reason) noexcept;
+    /// `keep`: the record stays in the store after stop() (a rank that leaves while its peers may still be in a call
+    /// with it: they read it after this rank is gone).
+    bool publish(char kind, const std::string& reason, bool keep = false) noexcept;
+    /// Reads the abort records the other ranks published since the last read, now (not at the next beat), and
+    /// applies them to the World. For a call that cannot tell by itself whether a peer left before its result was
+    /// complete (a network operation that NCCL ends when the peer closes its connection). Does nothing once stopped.
+    void read_records_now() noexcept;
     /// Stops and joins the thread, then removes this rank's heartbeat key and the abort records it published
-    /// (`last_out`: and the records' index). Idempotent.
+    /// (`last_out`: and the records' index), except those published with `keep`. Idempotent.
     void stop(bool last_out) noexcept;
 
 private:
     void run();
     void beat();
+    void read_records();  // with mutex_ held; throws what the store throws
 
     WorldContext* world_;
     std::shared_ptr<Store> store_;
@@ -166,8 +173,10 @@ private:
     bool stop_ = false;
     bool stopped_ = false;
     int64_t beats_ = 0;
-    int64_t seen_records_ = 0;              ///< abort records applied so far (1 .. seen_records_)
+    int64_t seen_records_ = 0;              ///< abort record indices looked at so far (1 .. seen_records_)
+    std::vector<int64_t> unread_records_;   ///< of those, the ones whose record was not there (yet, or any more)
     std::vector<int64_t> published_;        ///< indices of the records this rank wrote
+    std::vector<int64_t> kept_;             ///< those of them that stay after stop()
     std::thread thread_;
 };
 

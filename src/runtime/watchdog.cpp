@@ -141,7 +141,7 @@ void Watchdog::beat() {
     store_->set(heartbeat_key(world_->rank), Bytes(text.begin(), text.end()));
 }
 
-bool Watchdog::publish(char kind, const std::string& reason) noexcept {
+bool Watchdog::publish(char kind, const std::string& reason, bool keep) noexcept {
     try {
         std::lock_guard<std::mutex> lock(mutex_);
         if (stopped_) return false;
@@ -149,6 +149,7 @@ bool Watchdog::publish(char kind, const std::string& reason) noexcept {
         const std::string record = encode_abort_record(kind, reason);
         store_->set(record_key(index), Bytes(record.begin(), record.end()));
         published_.push_back(index);
+        if (keep) kept_.push_back(index);
         return true;
     } catch (const std::exception& e) {
         WEFT_LOG_WARN("watchdog: publishing the abort to the other ranks failed: " << e.what());
@@ -168,10 +169,55 @@ void Watchdog::stop(bool last_out) noexcept {
     stopped_ = true;
     try {
         store_->erase(heartbeat_key(world_->rank));
-        for (int64_t index : published_) store_->erase(record_key(index));
+        for (int64_t index : published_) {
+            if (std::find(kept_.begin(), kept_.end(), index) == kept_.end()) store_->erase(record_key(index));
+        }
         if (last_out) store_->erase(kRecordIndexKey);
     } catch (const std::exception& e) {
         WEFT_LOG_DEBUG("watchdog: removing its keys failed: " << e.what());
+    }
+}
+
+void Watchdog::read_records() {
+    WorldContext& w = *world_;
+    // Abort records other ranks published (and this rank's own, which it skips), up to the index the last publisher
+    // took. An index without its record is either being written (the publisher takes the index, then writes) or was
+    // removed by a rank that stopped: it is looked at again on later reads, so that neither a late write nor a gap
+    // hides the records after it.
+    if (!store_->check(kRecordIndexKey)) return;  // no record yet (add would create the key)
+    const int64_t last = store_->add(kRecordIndexKey, 0);
+    std::vector<int64_t> to_read;
+    to_read.swap(unread_records_);
+    for (int64_t i = seen_records_ + 1; i <= last; ++i) to_read.push_back(i);
+    if (last > seen_records_) seen_records_ = last;
+    for (int64_t i : to_read) {
+        if (std::find(published_.begin(), published_.end(), i) != published_.end()) continue;
+        if (!store_->check(record_key(i))) {
+            unread_records_.push_back(i);
+            continue;
+        }
+        const Bytes bytes = store_->get(record_key(i), kPresentKeyGet);
+        const auto [kind, reason] = decode_abort_record(std::string(bytes.begin(), bytes.end()));
+        if (w.abort_word() == kAbortNone) {
+            WEFT_LOG_ERROR("watchdog: aborting the World: " << reason);
+        }
+        w.raise_abort(reason, kind == 'D');
+    }
+    // Removed records stay missing: keep looking at the most recent few only.
+    constexpr size_t kMaxUnread = 64;
+    if (unread_records_.size() > kMaxUnread) {
+        unread_records_.erase(unread_records_.begin(),
+                              unread_records_.end() - static_cast<std::ptrdiff_t>(kMaxUnread));
+    }
+}
+
+void Watchdog::read_records_now() noexcept {
+    try {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (stopped_) return;
+        read_records();
+    } catch (const std::exception& e) {
+        WEFT_LOG_WARN("watchdog: reading the other ranks' abort records failed: " << e.what());
     }
 }
 
@@ -210,17 +256,7 @@ void Watchdog::run() {
                 const std::string text(value.begin(), value.end());
                 book.observe(p, text.empty() ? -1 : std::strtoll(text.c_str(), nullptr, 10), now);
             }
-            // Abort records other ranks published (and this rank's own, which it skips).
-            while (store_->check(record_key(seen_records_ + 1))) {
-                ++seen_records_;
-                const Bytes bytes = store_->get(record_key(seen_records_), kPresentKeyGet);
-                if (std::find(published_.begin(), published_.end(), seen_records_) != published_.end()) continue;
-                const auto [kind, reason] = decode_abort_record(std::string(bytes.begin(), bytes.end()));
-                if (w.abort_word() == kAbortNone) {
-                    WEFT_LOG_ERROR("watchdog: aborting the World: " << reason);
-                }
-                w.raise_abort(reason, kind == 'D');
-            }
+            read_records();
         } catch (const std::exception& e) {
             // The store is the World's meeting point: without it no rank can be told anything.
             if (w.abort_word() == kAbortNone) WEFT_LOG_ERROR("watchdog: the World's store failed: " << e.what());

@@ -324,6 +324,14 @@ void World::shutdown() noexcept {
                 barrier_ok = false;
                 WEFT_LOG_WARN("shutdown barrier failed (a peer may be gone); releasing this rank's resources anyway: "
                               << e.what());
+                // The peers that did not come may be inside a call with this rank; releasing its resources (a network
+                // communicator) can end their side of it early without an error. Tell them first, in a record that
+                // outlives this rank, and release as an aborted World (a communicator is aborted, not destroyed).
+                const std::string why = "rank " + std::to_string(c.rank) +
+                                        " left the World before the other ranks met it at its shutdown barrier (" +
+                                        e.what() + "); a call they are in with it cannot complete";
+                if (c.watchdog) c.watchdog->publish('A', why, /*keep=*/true);
+                c.raise_abort(why, false);
             }
         }
         c.past_shutdown_barrier = true;  // peers may now exit: the watchdog no longer counts them dead
@@ -459,7 +467,9 @@ void World::sync_and_check(cudaStream_t stream) {
                                           "this process may have trapped)"
                                         : "; no diagnostic record was written (not a weft spin timeout)"));
     }
-    for (auto& [name, extension] : ctx_->extensions) extension->check_after_sync();
+    bool read_peers = false;
+    for (auto& [name, extension] : ctx_->extensions) read_peers = extension->check_after_sync() || read_peers;
+    if (read_peers && ctx_->watchdog) ctx_->watchdog->read_records_now();
     check_diagnostics();
 }
 

@@ -266,6 +266,32 @@ TEST(WatchdogThread, AnAbortReachesEveryRankAndClearingAllowsTheNextOne) {
     EXPECT_EQ(store->num_keys(), 0u);
 }
 
+TEST(WatchdogThread, ARecordKeptPastStopIsReadNowByAPeer) {
+    auto store = std::make_shared<InProcessStore>();
+    const auto ranks = ranks_on({"host-a", "host-b"}, {1, 2});
+    // Beats a minute apart: only read_records_now() reads the records during this test.
+    FakeWorld w0(0, 2, ranks, 60000ms, 120000ms);
+    FakeWorld w1(1, 2, ranks, 60000ms, 120000ms);
+    w0.c.watchdog = std::make_unique<detail::Watchdog>(&w0.c, store);
+    w1.c.watchdog = std::make_unique<detail::Watchdog>(&w1.c, store);
+    // A record not kept goes with its rank: a peer reading after the stop finds nothing.
+    ASSERT_TRUE(w1.c.watchdog->publish('A', "rank 1: a passing remark"));
+    // A leaving rank's record stays after it stops.
+    ASSERT_TRUE(w1.c.watchdog->publish('A', "rank 1 left the World before the other ranks met it", /*keep=*/true));
+    w1.c.watchdog->stop(false);
+    EXPECT_FALSE(w1.c.watchdog->publish('A', "after the stop")) << "a stopped watchdog publishes nothing";
+    EXPECT_EQ(w0.word, 0u);
+    w0.c.watchdog->read_records_now();
+    EXPECT_EQ(w0.word, uint32_t{kAbortByHost});
+    const std::string why = w0.c.abort_text();
+    EXPECT_NE(why.find("rank 1 left the World"), std::string::npos) << why;
+    EXPECT_EQ(why.find("passing remark"), std::string::npos) << "a record that was not kept was read: " << why;
+    // The kept record is all that stays once both have stopped.
+    w0.c.watchdog->stop(true);
+    EXPECT_EQ(store->num_keys(), 1u);
+    w0.c.watchdog->read_records_now();  // stopped: does nothing, throws nothing
+}
+
 TEST(WatchdogThread, ALostStoreAbortsTheWorld) {
     auto store = std::make_shared<InProcessStore>();
     const auto ranks = ranks_on({"host-a", "host-b"}, {1, 2});

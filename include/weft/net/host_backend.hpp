@@ -54,9 +54,11 @@ public:
     /// them), or a member does not arrive within the World's timeout.
     static HostBackend& get(const Team& team);
     ~HostBackend() override;
-    /// A communicator that reports an asynchronous error (a peer on another node closed its end, the network failed)
-    /// aborts the World, naming the error: NCCL may end its kernels on such an error without failing the stream.
-    void check_after_sync() override;
+    /// A communicator that reports an asynchronous error (the network failed) aborts the World, naming the error.
+    /// After network operations it asks the World to read its peers' abort records now: a column member that left
+    /// (its World destroyed) closes its connections, and NCCL then ends the others' pending operation without an
+    /// error; the leaving World publishes why before it releases its communicator.
+    bool check_after_sync() override;
 
     const Team& team() const { return team_; }
     /// The members on this member's node, as a team (its own collectives run over it).

@@ -32,8 +32,11 @@ public:
     virtual ~WorldExtension() = default;
     /// Called by World::sync_and_check after the stream has completed, before the World's diagnostics are read: an
     /// extension whose own machinery failed without a kernel noticing (a network communicator's asynchronous error)
-    /// aborts the World here, so that the call that used it fails. Must not block.
-    virtual void check_after_sync() {}
+    /// aborts the World here, so that the call that used it fails. Returns true when the World should also read the
+    /// other ranks' abort records now (one store round trip) rather than at its next heartbeat: the extension ran
+    /// work that a peer leaving could have ended early without an error (NCCL ends an operation when its peer closes
+    /// the connection). Must not block.
+    virtual bool check_after_sync() { return false; }
 };
 
 /// Zero means "from the environment, else the default".
