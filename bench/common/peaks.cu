@@ -2,6 +2,7 @@
 // Measured physical limits (peaks.hpp).
 #include "common/peaks.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 
@@ -84,6 +85,40 @@ double copy_bytes_per_s(void* dst, const void* src, size_t bytes, cudaStream_t s
     const double ms = time_median_ms(
         stream, warmup, iters, [&](int) { BENCH_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream)); });
     return static_cast<double>(bytes) / (ms * 1e-3);
+}
+
+namespace {
+__global__ void read_pair_kernel(const uint4* a, const uint4* b, int64_t n, uint32_t* sink) {
+    uint32_t acc = 0;
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const uint4 v = a[i];
+        const uint4 w = b[i];
+        acc ^= v.x ^ v.y ^ v.z ^ v.w ^ w.x ^ w.y ^ w.z ^ w.w;
+    }
+    if (acc == 0x12345678u) sink[0] = acc;  // keeps the loads alive
+}
+}  // namespace
+
+double read_pair_us(const void* a, const void* b, size_t bytes, size_t stride, int rotations, cudaStream_t stream,
+                    int warmup, int iters) {
+    WEFT_CHECK(bytes % 16 == 0 && stride % 16 == 0 && rotations >= 1,
+               "read_pair_us: bytes and stride must be multiples of 16, rotations >= 1");
+    int device = 0, sms = 0;
+    BENCH_CUDA(cudaGetDevice(&device));
+    BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    DeviceBuffer sink(256);
+    const auto n = static_cast<int64_t>(bytes / 16);
+    // As many blocks as the read needs, up to 4 per SM of 512 threads: one wave, all resident (a second wave of
+    // blocks would start late and leave a tail that a 4 GiB read hides but a small one does not).
+    const int64_t blocks = std::min<int64_t>(static_cast<int64_t>(sms) * 4, std::max<int64_t>(1, (n + 511) / 512));
+    const double ms = time_batch_ms(stream, warmup, iters, [&](int i) {
+        const size_t at = static_cast<size_t>(i % rotations) * stride;
+        read_pair_kernel<<<static_cast<unsigned>(blocks), 512, 0, stream>>>(
+            reinterpret_cast<const uint4*>(static_cast<const char*>(a) + at),
+            reinterpret_cast<const uint4*>(static_cast<const char*>(b) + at), n, static_cast<uint32_t*>(sink.ptr));
+    });
+    return ms * 1e3;
 }
 
 Peaks measure_peaks(unsigned which, DType tensor_dtype, int device) {

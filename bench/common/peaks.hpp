@@ -41,6 +41,14 @@ Peaks measure_peaks(unsigned which, DType tensor_dtype = DType::kBF16, int devic
 /// second (count each byte once; a device-local copy also reads it, so it moves twice that through memory).
 double copy_bytes_per_s(void* dst, const void* src, size_t bytes, cudaStream_t stream, int warmup = 2, int iters = 10);
 
+/// Microseconds per call of a streaming read of `bytes` at `a` plus `bytes` at `b` (16-byte loads, one kernel per
+/// call, calls back to back between one pair of events as time_batch_ms times them): what a kernel that must read
+/// those 2 x `bytes` costs at best, launch and ramp included, where the 4 GiB figure of measure_peaks hides both.
+/// Call i reads at byte offset (i % rotations) x `stride` of both, so consecutive calls miss in L2 as the
+/// benchmark's own rotated inputs do. `bytes` and `stride` must be multiples of 16.
+double read_pair_us(const void* a, const void* b, size_t bytes, size_t stride, int rotations, cudaStream_t stream,
+                    int warmup, int iters);
+
 /// One line for a table's header: "measured on GPU 0: D2D copy 4.15 TB/s (read + write), ...".
 std::string describe(const Peaks& p);
 
