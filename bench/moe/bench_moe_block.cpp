@@ -253,5 +253,10 @@ int run(int argc, char** argv) {
 }  // namespace weft::bench
 
 int main(int argc, char** argv) {
+    // Before the first CUDA call (run() asks the device's properties before any World): eager module loading and 32
+    // hardware queues. Set later (run_local does), they are ignored: 8 ranks' streams then share CUDA's default 8
+    // queues, where a rank's waiting work can sit ahead of the peer work it waits for (docs/runtime.md, "Hardware
+    // queues").
+    weft::prepare_cuda_environment();
     return weft::bench::run_main("weft_bench_moe_block", [&] { return weft::bench::run(argc, argv); });
 }
