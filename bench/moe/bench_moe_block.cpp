@@ -125,6 +125,9 @@ void run_config(World& world, const Options& o, const ep::MoeConfig& c, int toke
     WEFT_CUDA_CHECK(cudaMemcpyAsync(idx, hidx.data(), hidx.size() * 4, cudaMemcpyHostToDevice, s));
     WEFT_CUDA_CHECK(cudaMemcpyAsync(wt, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice, s));
     WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+    // Ranks sharing a GPU: no rank allocates or copies from pageable memory while a peer's first call may already
+    // spin (docs/runtime.md, "Shared GPUs and the runtime's own work").
+    world.barrier();
     const TensorView xv(x, DType::kBF16, {tokens, h});
     const TensorView iv(idx, DType::kI32, {tokens, k});
     const TensorView wv(wt, DType::kF32, {tokens, k});

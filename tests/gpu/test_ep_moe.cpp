@@ -417,6 +417,8 @@ TEST_F(EpMoeGpu, WorldEightSharingOneGpuRunsFullGridsBackToBack) {
                 ios.back()->out_fused.poison(0xFF);
                 ios.back()->out_seq.poison(0xFF);
             }
+            // Every rank's inputs are in place before any rank's first call can spin (as the benchmark does).
+            world.barrier();
             for (int i = 0; i < kPairs; ++i) {
                 Io& io = *ios[static_cast<size_t>(i)];
                 moe.forward(io.x_view(), io.idx_view(), io.w_view(), ex.views(c), io.out_view(io.out_fused), rs.s,
