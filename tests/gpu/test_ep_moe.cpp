@@ -398,7 +398,9 @@ TEST_F(EpMoeGpu, WorldEightSharingOneGpuRunsFullGridsBackToBack) {
             for (bool fused : {true, false}) {
                 const MoeGrids g =
                     moe_block_grids(c, moe.plan(), n, c.ep.max_tokens_per_rank, world.sm_budget(), {.fused = fused});
-                EXPECT_EQ(g.up, g.gemm_sms) << "rank " << me << ": the up-projection should fill its share";
+                if (world.num_ranks_on_device() == n) {  // all eight on one GPU: a share of 132 / 8 = 16 SMs
+                    EXPECT_EQ(g.up, g.gemm_sms) << "rank " << me << ": the up-projection should fill its share";
+                }
                 EXPECT_EQ(g.resident(), world.sm_budget()) << "rank " << me;
             }
             const Experts ex(c, n, me, rs.s);

@@ -136,6 +136,20 @@ TEST(EpMoePlan, EveryRanksKernelsFitItsShareOfASharedGpu) {
         EXPECT_EQ(g.down, 16 - comm);
         EXPECT_EQ(g.resident(), 16);
     }
+    // EpMoeGpu.WorldEightSharingOneGpuRunsFullGridsBackToBack's case: its GEMMs fill the share too.
+    MoeConfig t;
+    t.ep.num_experts = 32;
+    t.ep.hidden = 256;
+    t.ep.topk = 8;
+    t.ep.max_tokens_per_rank = 96;
+    t.ffn = 512;
+    for (bool fused : {true, false}) {
+        const MoeGrids g = moe_block_grids(t, plan_moe_block(t, 8, 16), 8, 96, 16, {.fused = fused});
+        EXPECT_EQ(g.comm, 2);
+        EXPECT_EQ(g.up, g.gemm_sms);
+        EXPECT_EQ(g.down, g.gemm_sms);
+        EXPECT_EQ(g.resident(), 16);
+    }
 }
 
 TEST(EpMoePlan, GridsRefuseBadBudgetsAndCommSms) {
