@@ -40,6 +40,7 @@
 #include "common/tracing.hpp"
 #include "weft/ops/ep.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/module_loading.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::bench {
@@ -483,5 +484,8 @@ int run(int argc, char** argv) {
 }  // namespace weft::bench
 
 int main(int argc, char** argv) {
+    // Before the first CUDA call (run() asks the device's properties and measures peaks before any World): eager
+    // module loading and 32 hardware queues (docs/runtime.md, "Hardware queues"); set later, CUDA ignores them.
+    weft::prepare_cuda_environment();
     return weft::bench::run_main("weft_bench_ep", [&] { return weft::bench::run(argc, argv); });
 }

@@ -125,6 +125,9 @@ void run_config(World& world, const Options& o, const ep::MoeConfig& c, int toke
     WEFT_CUDA_CHECK(cudaMemcpyAsync(idx, hidx.data(), hidx.size() * 4, cudaMemcpyHostToDevice, s));
     WEFT_CUDA_CHECK(cudaMemcpyAsync(wt, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice, s));
     WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+    // Ranks sharing a GPU: no rank allocates or copies from pageable memory while a peer's first call may already
+    // spin (docs/runtime.md, "Shared GPUs and the runtime's own work").
+    world.barrier();
     const TensorView xv(x, DType::kBF16, {tokens, h});
     const TensorView iv(idx, DType::kI32, {tokens, k});
     const TensorView wv(wt, DType::kF32, {tokens, k});
@@ -253,5 +256,10 @@ int run(int argc, char** argv) {
 }  // namespace weft::bench
 
 int main(int argc, char** argv) {
+    // Before the first CUDA call (run() asks the device's properties before any World): eager module loading and 32
+    // hardware queues. Set later (run_local does), they are ignored: 8 ranks' streams then share CUDA's default 8
+    // queues, where a rank's waiting work can sit ahead of the peer work it waits for (docs/runtime.md, "Hardware
+    // queues").
+    weft::prepare_cuda_environment();
     return weft::bench::run_main("weft_bench_moe_block", [&] { return weft::bench::run(argc, argv); });
 }

@@ -304,7 +304,10 @@ private:
 /// GroupedScheduler whose producer waits, before loading a tile's rows of A, until its group's signal reaches the
 /// expected value (GroupedWaitParams): a fused MoE layer starts an expert's tiles as soon as its rows have arrived.
 /// With Params::groups_ready, the counts themselves come from a kernel running alongside: the constructor (every
-/// thread of the CTA, right after the kernel's barrier) first waits for that word, then reads them.
+/// thread of the CTA, right after the kernel's barrier) first waits for that word, then reads them. That wait comes
+/// before any role starts (no mbarrier has an arrival or a TMA load pending), so a CTA whose wait gives up ends there,
+/// every thread together, with `exit` (Diagnostic recorded, abort word raised; no trap). The producer's per-group
+/// wait, inside the pipeline, still traps on failure (its consumers' full barriers cannot drain).
 template <GemmConfig kCfg>
 class GroupedWaitScheduler {
 public:
@@ -331,13 +334,15 @@ private:
         ctx.world_rank = p.world_rank;
         ctx.timeout_ns = p.timeout_ns;
         ctx.diag = p.diag;
+        ctx.abort_flag = p.abort_flag;
         return ctx;
     }
-    /// The groups, once their counts may be read (a bounded whole-CTA wait on groups_ready when it is given).
+    /// The groups, once their counts may be read (a bounded whole-CTA wait on groups_ready when it is given). A wait
+    /// that gives up ends the CTA here (ok() is the same in every thread: they exit together, before the pipeline).
     __device__ static const GroupedSchedulerParams& counts_ready(const Params& p) {
         if (p.groups_ready != nullptr) {
             device::tile::wait_checked(device::Block{}, wait_ctx(p), p.groups_ready, 1, Cmp::kGe, expected(p))
-                .token_or_trap();
+                .token_or_exit();
         }
         return p.groups;
     }

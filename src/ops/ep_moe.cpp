@@ -104,6 +104,44 @@ int moe_comm_sms(int num_tokens, int sm_budget) {
     return std::max(1, std::min(default_normal_sms(num_tokens, sm_budget - 1), sm_budget / 4));
 }
 
+int MoeGrids::resident() const {
+    const int gemm = std::max({up, swiglu, down});
+    return fused ? comm + gemm : std::max(comm, gemm);
+}
+
+MoeGrids moe_block_grids(const MoeConfig& config, const MoePlan& plan, int num_ranks, int num_tokens, int sm_budget,
+                         const MoeOptions& options) {
+    WEFT_CHECK(num_ranks > 0 && config.ep.num_experts > 0 && config.ep.num_experts % num_ranks == 0,
+               "ep::MoeBlock: config.ep.num_experts (" << config.ep.num_experts << ") must be a positive multiple of "
+                                                       << "the ranks (" << num_ranks << ")");
+    const int comm = moe_comm_sms(num_tokens, sm_budget);  // checks the budget
+    WEFT_CHECK(options.comm_sms >= 0 && options.comm_sms < sm_budget,
+               "ep::MoeBlock::forward: options.comm_sms must be in [0, SM budget "
+                   << sm_budget << ") (0 = default), got " << options.comm_sms);
+    MoeGrids g;
+    g.fused = options.fused;
+    g.comm = options.comm_sms > 0 ? options.comm_sms : comm;
+    g.gemm_sms = options.fused ? sm_budget - g.comm : sm_budget;
+    const int64_t local = config.ep.num_experts / num_ranks;
+    const int64_t ffn = config.ffn;
+    const int64_t hidden = config.ep.hidden;
+    // The launches' own planning (grouped_gemm_contiguous: the grid of a forced config within sm_budget).
+    GroupedGemmOptions o;
+    o.sm_budget = g.gemm_sms;
+    o.config = plan.up;
+    g.up = plan_grouped_gemm(grouped_problem(local, plan.max_recv_rows, 2 * ffn, hidden), g.gemm_sms, o).grid;
+    o.config = plan.down;
+    g.down = plan_grouped_gemm(grouped_problem(local, plan.max_recv_rows, hidden, ffn), g.gemm_sms, o).grid;
+    g.swiglu = g.gemm_sms;
+    return g;
+}
+
+uint64_t moe_gemm_timeout_ns(std::chrono::milliseconds world_timeout) {
+    WEFT_CHECK(world_timeout.count() > 0,
+               "ep::MoeBlock: the World's timeout must be positive, got " << world_timeout.count() << " ms");
+    return 2 * static_cast<uint64_t>(world_timeout.count()) * 1000000ull;
+}
+
 jit::KernelSpec moe_swiglu_kernel_spec(const std::string& arch) {
     jit::KernelSpec spec;
     spec.header = "ep/moe.cuh";
@@ -121,7 +159,8 @@ struct MoeBlock::Impl {
     int local_experts = 0;
     std::unique_ptr<Buffer> buffer;
     std::optional<NormalHandle> handle;
-    cudaStream_t alloc_stream = nullptr;
+    // The block's one stream of its own (the GEMMs; also its allocation): with ranks sharing a GPU every stream a
+    // rank adds may share a hardware queue with a peer's (docs/runtime.md, "Hardware queues").
     cudaStream_t gemm_stream = nullptr;
     cudaEvent_t fork = nullptr;
     cudaEvent_t join = nullptr;
@@ -130,6 +169,21 @@ struct MoeBlock::Impl {
     GroupedStatus* status_host = nullptr;  // [2]: up, down (host-mapped)
     GroupedStatus* status_dev = nullptr;
     jit::Kernel* k_swiglu = nullptr;
+    uint64_t gemm_timeout_ns = 0;  // moe_gemm_timeout_ns(the World's timeout)
+    // Ranks sharing a GPU: the first call of each form (fused, sequential) ends on every member before the rank
+    // launches more (kernels/gemm_rs/README.md, "Ranks sharing a GPU"; the other fused ops do the same).
+    bool first_call_pending[2] = {false, false};
+
+    void after_first_call(bool fused, cudaStream_t stream) {
+        bool& pending = first_call_pending[fused ? 1 : 0];
+        if (!pending) return;
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+        if (capture != cudaStreamCaptureStatusNone) return;
+        pending = false;
+        world->sync_and_check(stream);
+        team.barrier();
+    }
 
     template <class T>
     T* at(int64_t offset) const {
@@ -170,6 +224,13 @@ struct MoeBlock::Impl {
         o.status = status_dev + which;
         return o;
     }
+    /// The fused form's: pipeline waits bounded by gemm_timeout_ns (the GEMMs run beside kernels that wait for peers
+    /// for up to the World's timeout; at the grouped GEMM's own 10 s bound a slow peer trapped them undiagnosed).
+    GroupedGemmOptions fused_gemm_options(const GemmConfig& c, int sm_budget, int which) const {
+        GroupedGemmOptions o = gemm_options(c, sm_budget, which);
+        o.timeout = std::chrono::milliseconds(static_cast<int64_t>(gemm_timeout_ns / 1000000ull));
+        return o;
+    }
 };
 
 MoeBlock::MoeBlock(World& world, const MoeConfig& config) : MoeBlock(world.team(), config) {}
@@ -191,6 +252,18 @@ MoeBlock::MoeBlock(const Team& team, const MoeConfig& config) : impl_(std::make_
                "ep::MoeBlock: the rank's SM budget must be at least 2 (communication and "
                "the GEMMs run side by side), got "
                    << m.world->sm_budget());
+    if (m.world->same_process() && m.world->num_ranks_on_device() > 1 &&
+        int64_t{m.world->sm_budget()} * m.world->num_ranks_on_device() > num_sms) {
+        WEFT_LOG_WARN("ep::MoeBlock: " << m.world->num_ranks_on_device()
+                                       << " ranks share this GPU with an SM budget of " << m.world->sm_budget()
+                                       << " each, more than its " << num_sms
+                                       << " SMs: their kernels, which wait for each other, may not all be resident "
+                                          "(the default budget is the SMs / ranks on the GPU)");
+    }
+    m.gemm_timeout_ns = moe_gemm_timeout_ns(m.world->timeout());
+    // The same on every member (a world-wide fact): the first-call synchronisation is collective.
+    const bool shared_gpu = team.num_ranks() > 1 && m.world->max_ranks_per_device() > 1;
+    m.first_call_pending[0] = m.first_call_pending[1] = shared_gpu;
 
     // Every kernel of both forms, compiled in parallel and loaded before any of them can spin (the Buffer's
     // constructor ends at a barrier of the team, after which ranks may launch).
@@ -209,15 +282,14 @@ MoeBlock::MoeBlock(const Team& team, const MoeConfig& config) : impl_(std::make_
     for (const jit::KernelSpec& s : gemms) ops::detail::gemm_jit_kernel(s);
     m.k_swiglu = &jit::compiler().get_kernel(moe_swiglu_kernel_spec());
 
-    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&m.alloc_stream, cudaStreamNonBlocking));
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&m.gemm_stream, cudaStreamNonBlocking));
     WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&m.fork, cudaEventDisableTiming));
     WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&m.join, cudaEventDisableTiming));
     m.layout = MoeLayout::make(m.plan, m.local_experts, m.config.ep.hidden, m.config.ffn);
-    m.device = detail::device_alloc_zeroed(static_cast<uint64_t>(m.layout.bytes), m.alloc_stream);
+    m.device = detail::device_alloc_zeroed(static_cast<uint64_t>(m.layout.bytes), m.gemm_stream);
     // The epoch kernel, loaded here on the spare word (the epoch itself counts forward calls only).
-    gemm_advance_epoch(m.at<uint64_t>(m.layout.scratch), m.alloc_stream);
-    WEFT_CUDA_CHECK(cudaStreamSynchronize(m.alloc_stream));
+    gemm_advance_epoch(m.at<uint64_t>(m.layout.scratch), m.gemm_stream);
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(m.gemm_stream));
 
     // From the process's pool, not cudaHostAlloc: that would wait for kernels spinning anywhere on the GPU.
     static_assert(2 * sizeof(GroupedStatus) <= weft::detail::kHostMappedBlockBytes);
@@ -239,14 +311,13 @@ MoeBlock::~MoeBlock() {
     m.handle.reset();  // collective, before the Buffer
     m.buffer.reset();
     if (m.device != nullptr) {
-        cudaFreeAsync(m.device, m.alloc_stream);
-        cudaStreamSynchronize(m.alloc_stream);
+        cudaFreeAsync(m.device, m.gemm_stream);
+        cudaStreamSynchronize(m.gemm_stream);
     }
     weft::detail::host_mapped_free(m.status_host);
     if (m.fork != nullptr) cudaEventDestroy(m.fork);
     if (m.join != nullptr) cudaEventDestroy(m.join);
     if (m.gemm_stream != nullptr) cudaStreamDestroy(m.gemm_stream);
-    if (m.alloc_stream != nullptr) cudaStreamDestroy(m.alloc_stream);
 }
 
 const MoeConfig& MoeBlock::config() const { return impl_->config; }
@@ -303,28 +374,32 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
                                h.expert_offsets(), h.expert_counts());
     validate_grouped_gemm_args(GroupedLayout::kContiguous, m.activation(), weights.down, m.expert_out(), BLayout::kNK,
                                h.expert_offsets(), h.expert_counts());
-    const int budget = m.world->sm_budget();
-    WEFT_CHECK(options.comm_sms >= 0 && options.comm_sms < budget,
-               "ep::MoeBlock::forward: options.comm_sms must be in [0, SM budget " << budget << ") (0 = default), got "
-                                                                                   << options.comm_sms);
-    const int comm = options.comm_sms > 0 ? options.comm_sms : moe_comm_sms(t, budget);
+    // Every kernel of the call within the rank's SM budget (MoeGrids): with ranks sharing a GPU, all ranks' kernels
+    // are resident together.
+    const MoeGrids grids = moe_block_grids(m.config, m.plan, m.team.num_ranks(), t, m.world->sm_budget(), options);
+    WEFT_CHECK(grids.resident() <= m.world->sm_budget(), "ep::MoeBlock::forward: the call's kernels would hold "
+                                                             << grids.resident() << " CTAs at once, over the "
+                                                             << "rank's SM budget " << m.world->sm_budget());
+    const int comm = grids.comm;
     NormalHandle& hm = *m.handle;
 
     if (!options.fused) {
+        const int budget = grids.gemm_sms;
         NormalOptions comm_options;
         comm_options.num_sms = comm;
         m.buffer->dispatch(hm, x, topk_idx, topk_weights, stream, comm_options);
         grouped_gemm_contiguous(hm.recv_x(), weights.gate_up, m.gate_up_out(), BLayout::kNK, hm.expert_offsets(),
                                 hm.expert_counts(), stream, m.gemm_options(m.plan.up, budget, 0));
-        m.swiglu(stream, budget);
+        m.swiglu(stream, grids.swiglu);
         grouped_gemm_contiguous(m.activation(), weights.down, m.expert_out(), BLayout::kNK, hm.expert_offsets(),
                                 hm.expert_counts(), stream, m.gemm_options(m.plan.down, budget, 1));
         m.buffer->combine(hm, m.expert_out(), out, stream, comm_options);
+        m.after_first_call(false, stream);
         return;
     }
 
     // Fused: communication on `stream` with `comm` SMs, the GEMMs on the block's stream with the rest of the budget.
-    const int gemm_sms = budget - comm;
+    const int gemm_sms = grids.gemm_sms;
     WEFT_CUDA_CHECK(cudaEventRecord(m.fork, stream));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(m.gemm_stream, m.fork, 0));
 
@@ -339,7 +414,7 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
     // projection waits for them to reach the number of forward calls.
     uint64_t* epoch = m.at<uint64_t>(m.layout.epoch);
     gemm_advance_epoch(epoch, m.gemm_stream);
-    GroupedGemmOptions up = m.gemm_options(m.plan.up, gemm_sms, 0);
+    GroupedGemmOptions up = m.fused_gemm_options(m.plan.up, gemm_sms, 0);
     GroupedWaitParams wait{};
     wait.flags = m.at<uint64_t>(m.layout.expert_ready);
     wait.expected = 1;
@@ -347,12 +422,15 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
     wait.epoch = epoch;
     wait.groups_ready = m.at<uint64_t>(m.layout.counts_ready);
     wait.world_rank = m.world->rank();
-    wait.diag = m.team.device_ctx().diag;
+    const DeviceCtx ctx = m.team.device_ctx();
+    wait.diag = ctx.diag;
+    wait.abort_flag = ctx.abort_flag;  // a peer's wait that gave up (or a dead peer) stops these waits too
+    wait.timeout_ns = m.gemm_timeout_ns;
     up.wait = wait;
     grouped_gemm_contiguous(hm.recv_x(), weights.gate_up, m.gate_up_out(), BLayout::kNK, hm.expert_offsets(),
                             hm.expert_counts(), m.gemm_stream, up);
-    m.swiglu(m.gemm_stream, gemm_sms);
-    GroupedGemmOptions down = m.gemm_options(m.plan.down, gemm_sms, 1);
+    m.swiglu(m.gemm_stream, grids.swiglu);
+    GroupedGemmOptions down = m.fused_gemm_options(m.plan.down, gemm_sms, 1);
     GroupedTileSignalParams signal{};
     signal.flags = m.at<uint64_t>(m.layout.tile_done);
     signal.value = 1;
@@ -373,6 +451,7 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
 
     WEFT_CUDA_CHECK(cudaEventRecord(m.join, m.gemm_stream));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, m.join, 0));
+    m.after_first_call(true, stream);
 }
 
 }  // namespace weft::ops::ep

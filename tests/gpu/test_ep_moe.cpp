@@ -372,6 +372,83 @@ TEST_F(EpMoeGpu, ArgumentErrorsAreHostErrorsBeforeAnyLaunch) {
         options_for(c, n));
 }
 
+// Eight ranks on one GPU (the SM budget is the GPU's SMs / 8), with GEMM grids that fill every rank's share: the
+// shape of weft_bench_moe_block's world-8 run, made small enough for a host reference. As the benchmark runs it: the
+// first call right after construction, then fused and sequential calls back to back with no host synchronisation
+// between them; every fused output equals the separate ops' bit for bit and the host reference.
+TEST_F(EpMoeGpu, WorldEightSharingOneGpuRunsFullGridsBackToBack) {
+    const uint32_t seed = fresh_seed();
+    constexpr int n = 8;
+    MoeConfig c;
+    c.ep.num_experts = 32;
+    c.ep.hidden = kHidden;
+    c.ep.topk = 8;
+    c.ep.max_tokens_per_rank = 96;  // the default comm_sms: 2 blocks (1 per 64 tokens)
+    c.ep.low_latency = false;
+    c.ffn = 512;
+    run_ranks(
+        n,
+        [&](World& world) {
+            RankStream rs;
+            const int me = world.rank();
+            MoeBlock moe(world, c);
+            const ref::Params p = params_of(c, n);
+            // The rank's kernels fill its SM share, and the shares fill the GPU: every rank's kernels are resident at
+            // once only because each stays within its budget.
+            for (bool fused : {true, false}) {
+                const MoeGrids g =
+                    moe_block_grids(c, moe.plan(), n, c.ep.max_tokens_per_rank, world.sm_budget(), {.fused = fused});
+                if (world.num_ranks_on_device() == n) {  // all eight on one GPU: a share of 132 / 8 = 16 SMs
+                    EXPECT_EQ(g.up, g.gemm_sms) << "rank " << me << ": the up-projection should fill its share";
+                }
+                EXPECT_EQ(g.resident(), world.sm_budget()) << "rank " << me;
+            }
+            const Experts ex(c, n, me, rs.s);
+            constexpr int kPairs = 3;
+            std::vector<std::unique_ptr<Io>> ios;
+            std::vector<ref::Routing> routings;
+            std::vector<std::vector<uint16_t>> rows;
+            for (int i = 0; i < kPairs; ++i) {
+                const Scenario sc = i == 1 ? Scenario::kSkewed : Scenario::kMaxTokens;
+                auto all = ref::make_routing(sc, p, c.ep.max_tokens_per_rank, seed + static_cast<uint32_t>(i));
+                routings.push_back(all[static_cast<size_t>(me)]);
+                rows.push_back(random_rows(routings.back().num_tokens, kHidden,
+                                           seed * 13 + 7 * static_cast<uint32_t>(i) + static_cast<uint32_t>(me)));
+                ios.push_back(std::make_unique<Io>(c, rs.s));
+                ios.back()->load(routings.back(), rows.back());
+                ios.back()->out_fused.poison(0xFF);
+                ios.back()->out_seq.poison(0xFF);
+            }
+            // Every rank's inputs are in place before any rank's first call can spin (as the benchmark does).
+            world.barrier();
+            for (int i = 0; i < kPairs; ++i) {
+                Io& io = *ios[static_cast<size_t>(i)];
+                moe.forward(io.x_view(), io.idx_view(), io.w_view(), ex.views(c), io.out_view(io.out_fused), rs.s,
+                            {.fused = true});
+                moe.forward(io.x_view(), io.idx_view(), io.w_view(), ex.views(c), io.out_view(io.out_seq), rs.s,
+                            {.fused = false});
+            }
+            moe.sync_and_check(rs.s);
+            ref::collective_check(world, [&] {
+                for (int i = 0; i < kPairs; ++i) {
+                    const Io& io = *ios[static_cast<size_t>(i)];
+                    const size_t count = static_cast<size_t>(io.num_tokens) * kHidden;
+                    const auto fused = download(io.out_fused.get(), count, rs.s);
+                    const auto seq = download(io.out_seq.get(), count, rs.s);
+                    for (size_t j = 0; j < count; ++j) {
+                        WEFT_CHECK(fused[j] == seq[j], "rank " << me << ", pair " << i << ": fused out[" << j / kHidden
+                                                               << "][" << j % kHidden << "] = 0x" << std::hex
+                                                               << fused[j] << " but the separate ops give 0x"
+                                                               << seq[j]);
+                    }
+                    check_against_reference(c, p, ex, routings[static_cast<size_t>(i)], rows[static_cast<size_t>(i)],
+                                            fused, me, "world 8, back-to-back pair " + std::to_string(i));
+                }
+            });
+        },
+        options_for(c, n));
+}
+
 // Calls back to back without a host synchronisation between them (fused, sequential, fused ...), with changing
 // routing, then the fused block captured once in a CUDA graph and replayed with new routing.
 TEST_F(EpMoeGpu, BackToBackCallsAndGraphReplay) {

@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: MIT
 // GPU tests that an expert-parallel call whose peer never joins ends in a weft::Error naming that peer, not a hang.
 //
-// A timed-out spin traps, which leaves the process's CUDA context unusable, so each scenario runs in a
-// death-test child (gtest's "threadsafe" style re-executes the binary for that test alone). The child exits
-// 0 only when the error names the missing rank; an alarm bounds it.
+// Each scenario runs in a death-test child (gtest's "threadsafe" style re-executes the binary for that test alone),
+// so a kernel that traps (which leaves the process's CUDA context unusable) cannot harm the other tests. The child
+// exits 0 only when the error names the missing rank (and, for the MoE block, when nothing trapped); an alarm bounds
+// it.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -11,17 +12,70 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/runtime_checks.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/ep.hpp"
+#include "weft/ops/ep_moe.hpp"
+#include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/grouped_gemm.hpp"
 #include "weft/weft.hpp"
 
 namespace weft::ops::ep {
 namespace {
 
-enum class Scenario { kNormalDispatch, kLowLatencyDispatch };
+enum class Scenario { kNormalDispatch, kLowLatencyDispatch, kMoeBlock };
+
+MoeConfig moe_config_of(const Config& c) {
+    MoeConfig m;
+    m.ep = c;
+    m.ep.low_latency = false;
+    m.ffn = 128;
+    return m;
+}
+
+// A fused MoE block whose rank 1 never calls forward: rank 0's dispatch waits for rank 1's counts until the World's
+// timeout (its error names rank 1), while rank 0's up-projection waits for that dispatch's counts word.
+void run_moe_block_without_rank_1(World& world, const Config& c, cudaStream_t s, double* seconds) {
+    const MoeConfig m = moe_config_of(c);
+    MoeBlock moe(world, m);  // collective: both ranks
+    if (world.rank() == 1) {
+        // As in the EP scenarios: fails only once rank 0's error aborts the store.
+        (void)world.store().get("ep-timeout-test-never-set", std::chrono::milliseconds(120000));
+        return;
+    }
+    const int64_t local = c.num_experts / 2, h = c.hidden, f = m.ffn, t = c.max_tokens_per_rank;
+    std::vector<int32_t> routes;
+    for (int i = 0; i < t; ++i) {
+        routes.push_back(i % 8);
+        routes.push_back((i + 5) % 8);
+    }
+    void *x = nullptr, *idx = nullptr, *w = nullptr, *gate_up = nullptr, *down = nullptr, *out = nullptr;
+    WEFT_CUDA_CHECK(cudaMalloc(&x, t * h * 2));
+    WEFT_CUDA_CHECK(cudaMalloc(&idx, routes.size() * 4));
+    WEFT_CUDA_CHECK(cudaMalloc(&w, routes.size() * 4));
+    WEFT_CUDA_CHECK(cudaMalloc(&gate_up, local * 2 * f * h * 2));
+    WEFT_CUDA_CHECK(cudaMalloc(&down, local * h * f * 2));
+    WEFT_CUDA_CHECK(cudaMalloc(&out, t * h * 2));
+    for (auto [p, bytes] : {std::pair{x, t * h * 2}, std::pair{w, static_cast<int64_t>(routes.size()) * 4},
+                            std::pair{gate_up, local * 2 * f * h * 2}, std::pair{down, local * h * f * 2}}) {
+        WEFT_CUDA_CHECK(cudaMemset(p, 0, static_cast<size_t>(bytes)));
+    }
+    WEFT_CUDA_CHECK(cudaMemcpy(idx, routes.data(), routes.size() * 4, cudaMemcpyHostToDevice));
+    const MoeWeights weights{TensorView(gate_up, DType::kBF16, {local, 2 * f, h}),
+                             TensorView(down, DType::kBF16, {local, h, f})};
+    const auto start = std::chrono::steady_clock::now();
+    try {
+        moe.forward(TensorView(x, DType::kBF16, {t, h}), TensorView(idx, DType::kI32, {t, 2}),
+                    TensorView(w, DType::kF32, {t, 2}), weights, TensorView(out, DType::kBF16, {t, h}), s);
+        moe.sync_and_check(s);
+    } catch (...) {
+        *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        throw;
+    }
+}
 
 [[noreturn]] void provoke(Scenario scenario) {
     alarm(180);  // a hang ends the child with SIGALRM: the death test then fails instead of hanging
@@ -35,6 +89,20 @@ enum class Scenario { kNormalDispatch, kLowLatencyDispatch };
     c.hidden = 256;
     c.topk = 2;
     c.max_tokens_per_rank = 16;
+    if (scenario == Scenario::kMoeBlock) {
+        // The block's kernels too, for the plans of both SM budgets two ranks can have (sharing a GPU or not).
+        int sms = 0;
+        WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        for (int budget : {sms, sms / 2}) {
+            const MoePlan plan = plan_moe_block(moe_config_of(c), 2, budget);
+            for (const jit::KernelSpec& s :
+                 {grouped_gemm_kernel_spec(plan.up, true, false), grouped_gemm_kernel_spec(plan.up, false, false),
+                  grouped_gemm_kernel_spec(plan.down, false, true), grouped_gemm_kernel_spec(plan.down, false, false),
+                  moe_swiglu_kernel_spec(), gemm_advance_epoch_spec()}) {
+                (void)jit::compiler().compile(s);
+            }
+        }
+    }
     std::string message;
     double seconds = 0;
     try {
@@ -43,6 +111,10 @@ enum class Scenario { kNormalDispatch, kLowLatencyDispatch };
             [&](World& world) {
                 cudaStream_t s = nullptr;
                 WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+                if (scenario == Scenario::kMoeBlock) {
+                    run_moe_block_without_rank_1(world, c, s, &seconds);
+                    return;
+                }
                 Buffer ep(world, c);
                 NormalHandle h = ep.make_normal_handle();  // collective: both ranks
                 LowLatencyHandle l = ep.make_low_latency_handle();
@@ -89,6 +161,13 @@ enum class Scenario { kNormalDispatch, kLowLatencyDispatch };
     std::fprintf(stderr, "error after %.3f s: %s\n", seconds, message.c_str());
     bool ok = !message.empty() && message.find("owned by rank 1") != std::string::npos &&
               message.find("timed out") != std::string::npos && seconds >= 1.0 && seconds < 60.0;
+    if (scenario == Scenario::kMoeBlock) {
+        // The GEMM's wait for the counts ended with `exit` once the dispatch's wait aborted the World: no kernel
+        // trapped, so the context still works.
+        const cudaError_t sync = cudaDeviceSynchronize();
+        std::fprintf(stderr, "after the error: cudaDeviceSynchronize -> %s\n", cudaGetErrorString(sync));
+        ok = ok && sync == cudaSuccess;
+    }
     if (ok) {
         std::fprintf(stderr, "the error named the missing rank\n");
     }
@@ -109,6 +188,13 @@ TEST_F(EpTimeoutDeathTest, LowLatencyDispatchNamesTheMissingPeer) {
     ASSERT_TRUE(cuda_available()) << "the gpu tier needs a CUDA driver and a GPU";
     EXPECT_EXIT(provoke(Scenario::kLowLatencyDispatch), ::testing::ExitedWithCode(0),
                 "the error named the missing rank");
+}
+
+// The fused MoE block: the up-projection's CTAs wait for the dispatch's counts, which never come. The dispatch's
+// wait names rank 1; its abort stops the GEMM's wait, which ends its CTAs with `exit` (no trap: the context works).
+TEST_F(EpTimeoutDeathTest, MoeBlockNamesTheMissingPeerAndNothingTraps) {
+    ASSERT_TRUE(cuda_available()) << "the gpu tier needs a CUDA driver and a GPU";
+    EXPECT_EXIT(provoke(Scenario::kMoeBlock), ::testing::ExitedWithCode(0), "the error named the missing rank");
 }
 
 }  // namespace

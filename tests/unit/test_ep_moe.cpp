@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <string>
+#include <utility>
 
 #include "support/jit_testing.hpp"
 #include "weft/common/ep_workspace.hpp"
@@ -70,6 +72,102 @@ TEST(EpMoePlan, CommunicationSmsLeaveTheGemmsMostOfTheBudget) {
     EXPECT_EQ(moe_comm_sms(4096, 16), 4);
     EXPECT_EQ(moe_comm_sms(8, 16), 1);
     EXPECT_NE(error_of([] { moe_comm_sms(8, 1); }).find("SM budget"), std::string::npos);
+}
+
+// Ranks sharing a GPU: every rank's kernels of a call must be resident at once (the dispatch waits for every peer's,
+// the up GEMM for its rank's dispatch, the combine for its down GEMM and every peer's combine). With the default SM
+// budget (the device's SMs / ranks on it) a rank holds at most its budget of CTAs at once, so all ranks fit the GPU.
+// The benchmark's world-8 case on one H200: budget 132 / 8 = 16; 8 tokens: dispatch 1 block + up GEMM 15 CTAs,
+// 128 tokens: 2 + 14; 8 ranks x 16 = 128 <= 132 SMs (one SM per CTA at most).
+TEST(EpMoePlan, EveryRanksKernelsFitItsShareOfASharedGpu) {
+    constexpr int kSms = 132;
+    struct Shape {
+        int hidden, experts, topk, ffn;
+    };
+    for (const Shape& sh : {Shape{4096, 256, 8, 2048}, Shape{7168, 256, 8, 2048}, Shape{256, 32, 8, 512},
+                            Shape{256, 16, 2, 128}, Shape{512, 120, 4, 256}, Shape{512, 168, 6, 256}}) {
+        for (int ranks : {1, 2, 3, 4, 5, 6, 7, 8}) {
+            if (sh.experts % ranks != 0) continue;
+            const int budget = kSms / ranks;  // World::sm_budget's default rule
+            ASSERT_LE(ranks * budget, kSms);
+            for (int tokens : {1, 8, 96, 128, 4096}) {
+                MoeConfig c;
+                c.ep.num_experts = sh.experts;
+                c.ep.hidden = sh.hidden;
+                c.ep.topk = sh.topk;
+                c.ep.max_tokens_per_rank = tokens;
+                c.ffn = sh.ffn;
+                const MoePlan plan = plan_moe_block(c, ranks, budget);
+                for (bool fused : {true, false}) {
+                    for (int comm_sms : {0, 1, budget - 1}) {
+                        const MoeGrids g =
+                            moe_block_grids(c, plan, ranks, tokens, budget, {.fused = fused, .comm_sms = comm_sms});
+                        SCOPED_TRACE(std::to_string(sh.hidden) + "x" + std::to_string(sh.experts) + ", " +
+                                     std::to_string(ranks) + " ranks, " + std::to_string(tokens) + " tokens, " +
+                                     (fused ? "fused" : "sequential") + ", comm_sms " + std::to_string(comm_sms));
+                        EXPECT_GE(g.comm, 1);
+                        EXPECT_EQ(g.comm, comm_sms > 0 ? comm_sms : moe_comm_sms(tokens, budget));
+                        EXPECT_EQ(g.gemm_sms, fused ? budget - g.comm : budget);
+                        EXPECT_GE(g.up, 1);
+                        EXPECT_GE(g.down, 1);
+                        EXPECT_LE(g.up, g.gemm_sms);
+                        EXPECT_LE(g.down, g.gemm_sms);
+                        EXPECT_LE(g.swiglu, g.gemm_sms);
+                        EXPECT_LE(g.resident(), budget);
+                        EXPECT_LE(ranks * g.resident(), kSms);
+                    }
+                }
+            }
+        }
+    }
+    // The benchmark's case, in numbers.
+    MoeConfig c;
+    c.ep.num_experts = 256;
+    c.ep.hidden = 4096;
+    c.ep.topk = 8;
+    c.ffn = 2048;
+    for (const auto& [tokens, comm] : {std::pair{8, 1}, std::pair{128, 2}}) {
+        c.ep.max_tokens_per_rank = tokens;
+        c.ep.max_recv_rows = expected_recv_rows(c.ep, 8) * 5 / 4 + 256;  // the benchmark's receive limits
+        c.ep.max_recv_tokens = expected_recv_tokens(c.ep, 8) * 5 / 4 + 64;
+        const MoeGrids g = moe_block_grids(c, plan_moe_block(c, 8, 16), 8, tokens, 16);
+        EXPECT_EQ(g.comm, comm);
+        EXPECT_EQ(g.up, 16 - comm);  // the up GEMM fills the rest of the share: more tiles than SMs
+        EXPECT_EQ(g.down, 16 - comm);
+        EXPECT_EQ(g.resident(), 16);
+    }
+    // EpMoeGpu.WorldEightSharingOneGpuRunsFullGridsBackToBack's case: its GEMMs fill the share too.
+    MoeConfig t;
+    t.ep.num_experts = 32;
+    t.ep.hidden = 256;
+    t.ep.topk = 8;
+    t.ep.max_tokens_per_rank = 96;
+    t.ffn = 512;
+    for (bool fused : {true, false}) {
+        const MoeGrids g = moe_block_grids(t, plan_moe_block(t, 8, 16), 8, 96, 16, {.fused = fused});
+        EXPECT_EQ(g.comm, 2);
+        EXPECT_EQ(g.up, g.gemm_sms);
+        EXPECT_EQ(g.down, g.gemm_sms);
+        EXPECT_EQ(g.resident(), 16);
+    }
+}
+
+TEST(EpMoePlan, GridsRefuseBadBudgetsAndCommSms) {
+    const MoeConfig c = small_config();
+    const MoePlan plan = plan_moe_block(c, 2, 16);
+    EXPECT_NE(error_of([&] { moe_block_grids(c, plan, 2, 8, 1); }).find("SM budget"), std::string::npos);
+    EXPECT_NE(error_of([&] { moe_block_grids(c, plan, 2, 8, 16, {.comm_sms = 16}); }).find("comm_sms"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { moe_block_grids(c, plan, 2, 8, 16, {.comm_sms = -1}); }).find("comm_sms"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { moe_block_grids(c, plan, 3, 8, 16); }).find("num_experts"), std::string::npos);
+}
+
+// The fused GEMMs wait for the dispatch, which waits for peers for up to the World's timeout: their bound is twice it.
+TEST(EpMoePlan, GemmWaitsOutlastThePeerWaits) {
+    EXPECT_EQ(moe_gemm_timeout_ns(std::chrono::milliseconds(30000)), 60000000000ull);
+    EXPECT_EQ(moe_gemm_timeout_ns(std::chrono::minutes(10)), 1200000000000ull);
+    EXPECT_NE(error_of([] { moe_gemm_timeout_ns(std::chrono::milliseconds(0)); }).find("timeout"), std::string::npos);
 }
 
 // The combine waits on a counter per (expert, row of down tiles): the stride covers the most rows an expert can

@@ -121,8 +121,11 @@ struct GroupedTileSignalParams {
 
 /// GroupedWaitScheduler's parameters: per-group wait before a tile's rows of A are loaded (a fused MoE layer whose A
 /// arrives on the device while the GEMM runs). The producer waits until flags[group] >= expected (kArgument) or
-/// >= *epoch * expected (kEpoch), acquire at system scope then the proxy fence TMA needs, bounded by timeout_ns; a
-/// timeout records a kTileWait Diagnostic in `diag` (when given) naming world_rank and traps.
+/// >= *epoch * expected (kEpoch), acquire at system scope then the proxy fence TMA needs, bounded by timeout_ns (and
+/// stopped by the World's abort word when `abort_flag` is given); a wait that gives up records a kTileWait Diagnostic
+/// in `diag` (when given) naming world_rank, raises the abort word and traps (the producer's pipeline cannot drain).
+/// The wait for `groups_ready` comes before the pipeline starts: a CTA whose wait gives up ends there with `exit`
+/// (every thread together, no trap: the CUDA context stays usable).
 struct GroupedWaitParams {
     GroupedSchedulerParams groups;  ///< the groups (GroupedScheduler's parameters)
     const uint64_t* flags;          ///< [groups] one signal per group
@@ -136,6 +139,9 @@ struct GroupedWaitParams {
     /// alongside writes them and then raises this word: every CTA waits (its thread 0 polls, the CTA synchronises)
     /// until it reaches the value `flags` are waited for (expected, or *epoch * expected), before it reads any count.
     const uint64_t* groups_ready;
+    /// The World's host-mapped abort word (DeviceCtx::abort_flag), or nullptr: the waits stop once it is non-zero
+    /// (a peer's wait gave up, a peer died, World::abort), and a wait that gives up raises it.
+    uint32_t* abort_flag;
 };
 
 /// Arguments of the fp8 front of the masked grouped GEMM (kernels/gemm/grouped_dequant.cuh, one kernel parameter).

@@ -21,10 +21,19 @@
 // another is resident with it. The sequential form (MoeOptions::fused = false) runs the same kernels one after
 // another on the caller's stream (the separate ops: Buffer::dispatch, grouped_gemm_contiguous, the SwiGLU,
 // grouped_gemm_contiguous, Buffer::combine) and gives the same bits. kernels/ep/README.md shows the overlap.
+//
+// Ranks sharing a GPU (threads of one process): every rank's spinning kernels must be resident at once. A rank holds
+// at most moe_block_grids(...).resident() <= World::sm_budget() CTAs at a time (one kernel per stream; the GEMM's CTA
+// and the EP kernels' blocks each fit one SM), and the default budget is the device's SMs / ranks on it, so the ranks'
+// kernels fit the GPU together (132 SMs, 8 ranks: 8 x 16 = 128). The first call of each form ends on every member
+// (stream synchronised, team barrier) before the rank launches more, as the other fused ops do; the GEMMs' waits for
+// the dispatch are bounded by twice the World's timeout and stop on its abort word, so a missing peer is named by the
+// dispatch's own wait before a GEMM gives up.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -73,6 +82,34 @@ MoePlan plan_moe_block(const MoeConfig& config, int num_ranks, int num_sms);
 /// budget (at least 1), so that the expert GEMMs beside them keep most of the SMs.
 int moe_comm_sms(int num_tokens, int sm_budget);
 
+/// The grids of one forward call of a rank (pure host logic, tested on the CPU). Fused: the caller's stream runs the
+/// EP layout (1 block), the dispatch and the combine (`comm` blocks each), one after another; the block's stream runs
+/// the up GEMM, the SwiGLU and the down GEMM (at most `gemm_sms` CTAs each), one after another. So a rank holds at
+/// most comm + max(up, swiglu, down) CTAs at once, every one of which may spin (the dispatch on its peers, the up GEMM
+/// on the dispatch, the combine on the down GEMM and its peers). Sequential: one kernel at a time, each within the
+/// budget.
+struct MoeGrids {
+    bool fused = true;
+    int comm = 0;      ///< blocks of the dispatch and of the combine
+    int gemm_sms = 0;  ///< the GEMMs' SMs: fused, budget - comm; sequential, the budget
+    int up = 0;        ///< CTAs of the up-projection: min(gemm_sms, the most tiles any counts can make)
+    int swiglu = 0;    ///< blocks of the SwiGLU (gemm_sms)
+    int down = 0;      ///< CTAs of the down-projection
+    /// The most CTAs this rank's kernels of one call hold at once (each fits one SM: a GEMM CTA takes a whole SM).
+    int resident() const;
+};
+
+/// A forward call's grids on a rank with `sm_budget` SMs (World::sm_budget()) and `num_tokens` tokens, for `plan`
+/// (plan_moe_block(config, num_ranks, ...)); `options` as forward's (comm_sms in [0, budget), 0 = moe_comm_sms).
+/// Throws weft::Error for a budget below 2 or a comm_sms outside that range.
+MoeGrids moe_block_grids(const MoeConfig& config, const MoePlan& plan, int num_ranks, int num_tokens, int sm_budget,
+                         const MoeOptions& options = {});
+
+/// The bound of the fused GEMMs' waits (the up-projection's waits for the dispatch's words, and both GEMMs' pipeline
+/// waits): twice the World's timeout, which bounds the EP kernels' waits on peers, so that a peer that never
+/// dispatches is named by those waits (and the World aborted, which stops the GEMMs' waits) before a GEMM gives up.
+uint64_t moe_gemm_timeout_ns(std::chrono::milliseconds world_timeout);
+
 /// The SwiGLU kernel (header ep/moe.cuh) the block launches between its GEMMs.
 jit::KernelSpec moe_swiglu_kernel_spec(const std::string& arch = "");
 
@@ -90,9 +127,10 @@ public:
 
     /// Collective. x: bf16 [T, H]; topk_idx: int32 [T, k] (-1 = dropped); topk_weights: f32 [T, k]; weights: this
     /// rank's experts (shapes above); out: bf16 [T, H]. Asynchronous on `stream` (a non-blocking stream of the rank's
-    /// own); when it returns, later work on `stream` is ordered after the whole block. A receive capacity overflow
-    /// moves nothing, gives zeros and surfaces as a weft::Error from check() (or the next call); bad arguments throw
-    /// weft::Error naming them.
+    /// own); when it returns, later work on `stream` is ordered after the whole block. With ranks sharing a GPU the
+    /// first call of each form (fused, sequential) also waits for `stream` and meets the team's members (outside
+    /// graph capture), and throws a device error it finds. A receive capacity overflow moves nothing, gives zeros and
+    /// surfaces as a weft::Error from check() (or the next call); bad arguments throw weft::Error naming them.
     void forward(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                  const MoeWeights& weights, const TensorView& out, cudaStream_t stream, const MoeOptions& options = {});
 
