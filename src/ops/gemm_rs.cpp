@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // weft::ops::GemmRs: GEMM+ReduceScatter. Push mode: the GEMM stores peers' tiles into their buffers and adds
-// the peers' partials to its own tiles. Pull mode: signalled partial tiles + an overlapped fp32 reduction.
+// the peers' partials to its own tiles. Pull mode: signalled partial tiles + an overlapped fp32 reduction. A team that
+// spans nodes: this op over each node's members, block by block, then NCCL across the nodes (docs/multinode.md).
 #include "weft/ops/gemm_rs.hpp"
 
 #include <algorithm>
@@ -10,10 +11,14 @@
 #include "tp_common.hpp"
 #include "weft/common/collectives.hpp"
 #include "weft/common/gemm_hook_params.hpp"
+#include "weft/common/gemm_rs_net_params.hpp"
 #include "weft/common/math.hpp"
 #include "weft/common/tile_map.hpp"
 #include "weft/common/tp_params.hpp"
 #include "weft/common/tp_schedule.hpp"
+#include "weft/net/chunk_schedule.hpp"
+#include "weft/net/gemm_rs_plan.hpp"
+#include "weft/net/host_backend.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
@@ -24,6 +29,9 @@ namespace weft::ops {
 namespace {
 constexpr const char* kOp = "gemm_rs";
 constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
+/// SMs a team that spans nodes keeps free of its node stage's default budget, for NCCL's kernels on the comm stream
+/// (as AgGemm's): the persistent GEMM fills its SMs, and a network step would otherwise wait for the node stage's end.
+constexpr int kNetworkSms = 8;
 
 int64_t default_chunk_rows(int64_t rows_per_rank, int tile_m) {
     // About four counters per segment: the reduction starts on a segment's first rows while the GEMM
@@ -189,6 +197,13 @@ jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::strin
                                 std::string("gemm_rs reduce ") + dtype_name(partial) + "->" + dtype_name(out), arch);
 }
 
+jit::KernelSpec rs_node_sum_kernel_spec(DType dtype, const std::string& arch) {
+    return tp_detail::make_spec(
+        "gemm_rs/node_sum.cuh",
+        std::string("weft::kernels::gemm_rs::rs_node_sum_kernel<") + dtype_enum_name(dtype) + ">",
+        std::string("gemm_rs node sum ") + dtype_name(dtype), arch);
+}
+
 }  // namespace detail
 
 struct GemmRs::State : tp_detail::FusedOpState {
@@ -214,7 +229,22 @@ struct GemmRs::State : tp_detail::FusedOpState {
     cudaStream_t side = nullptr;
     cudaEvent_t fork = nullptr, join = nullptr;
 
+    // A team that spans nodes (docs/multinode.md, "GEMM+ReduceScatter across nodes"); null / empty on one node, where
+    // nothing above changes.
+    net::HostBackend* net = nullptr;
+    net::RsInterNodePlan plan;
+    std::unique_ptr<GemmRs> node_op;  // the node stage: this op over this node's members (a team of one: the GEMM)
+    int64_t max_rows = 0;             // rows of C per rank at max_m
+    int64_t ld = 0;                   // row stride (elements) of the node sums
+    uint8_t* node_sums = nullptr;     // local [num_nodes][max_rows][ld]: slot m, this node's sum of t(m, local)'s rows
+    uint8_t* received = nullptr;      // local [num_nodes][max_rows][ld]: node m's sum of this rank's rows in slot m
+    uint8_t* a_rows = nullptr;        // local [max_m / num_nodes][k]: a block's A rows, where they are not one slice
+    const jit::Kernel* sum_kernel = nullptr;
+
     explicit State(const Team& t) : FusedOpState(t, kOp) {}
+    uint8_t* slot(uint8_t* base, int node) const {
+        return base + static_cast<int64_t>(node) * max_rows * ld * dtype_bytes(shape.dtype);
+    }
     ~State() {
         heap.free_all();
     }
@@ -223,12 +253,69 @@ struct GemmRs::State : tp_detail::FusedOpState {
 GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& options)
     : GemmRs(world.team(), shape, options) {}
 
+namespace {
+
+/// A team that spans nodes: the network backend of its columns (collective over the team), the plan, the node stage
+/// (this op over the node's members, made collectively over them), the node sums' buffers and the final sum's kernel.
+void make_internode(GemmRs::State& s, const Team& team, const GemmRsOptions& options) {
+    World& world = *s.world;
+    WEFT_CHECK(!options.autotune, "gemm_rs: options.autotune on a team that spans nodes ("
+                                      << team.describe() << ") is not supported yet; tune on one node and pass "
+                                      << "the winner as options.config");
+    s.net = &net::HostBackend::get(team);
+    std::vector<std::vector<int>> by_node;
+    for (int n = 0; n < s.net->num_nodes(); ++n) {
+        by_node.emplace_back();
+        for (int l = 0; l < s.net->ranks_per_node(); ++l) by_node.back().push_back(s.net->team_rank_at(n, l));
+    }
+    s.plan = net::plan_rs_internode(by_node, s.rank);
+    const int num_nodes = s.plan.num_nodes;
+    WEFT_CHECK(num_nodes <= kRsMaxNodes, "gemm_rs: a team that spans " << num_nodes << " nodes; at most "
+                                                                       << kRsMaxNodes);
+    WEFT_CHECK(static_cast<int>(s.plan.net_steps.size()) <= net::kMaxChunks,
+               "gemm_rs: " << s.plan.net_steps.size() << " network steps; at most " << net::kMaxChunks);
+    // The node stage on max_m / N rows (L * R at most: R rows for each of the node's members); its team ranks are the
+    // local indices (HostBackend's node team).
+    GemmRsOptions node_options = options;
+    if (options.sm_budget == 0) node_options.sm_budget = std::max(2, world.shared_sm_budget() - kNetworkSms);
+    const GemmRsShape node_shape{s.shape.max_m / num_nodes, s.shape.n, s.shape.k, s.shape.dtype};
+    s.node_op = std::make_unique<GemmRs>(s.net->node_team(), node_shape, node_options);
+    s.budget = node_options.sm_budget;
+
+    s.max_rows = s.shape.max_m / s.num_ranks;
+    s.ld = round_up(s.shape.n, 8);
+    const auto es = static_cast<uint64_t>(dtype_bytes(s.shape.dtype));
+    const auto slots_bytes = static_cast<uint64_t>(num_nodes) * static_cast<uint64_t>(s.max_rows * s.ld) * es;
+    s.node_sums = static_cast<uint8_t*>(s.heap.alloc_private(slots_bytes));
+    s.received = static_cast<uint8_t*>(s.heap.alloc_private(slots_bytes));
+    bool sliced = true;
+    for (const net::RsNodeBlock& b : s.plan.blocks) sliced = sliced && b.first_rank >= 0;
+    if (!sliced) {
+        s.a_rows = static_cast<uint8_t*>(
+            s.heap.alloc_private(static_cast<uint64_t>(s.shape.max_m / num_nodes * s.shape.k) * es));
+    }
+    s.sum_kernel = &jit::compiler().get_kernel(detail::rs_node_sum_kernel_spec(s.shape.dtype));
+    WEFT_LOG_INFO("gemm_rs: team of " << s.num_ranks << " across " << num_nodes << " nodes (NCCL host API, "
+                                      << s.plan.per_node << " member(s) per node): node stage "
+                                      << gemm_rs_mode_name(s.node_op->mode()) << ", "
+                                      << tp_detail::config_text(s.node_op->config()) << ", chunk_rows "
+                                      << s.node_op->chunk_rows() << ", SM budget " << s.budget
+                                      << (sliced ? "" : ", A's rows gathered per block (team ranks not node-major)"));
+    team.barrier();
+}
+
+}  // namespace
+
 GemmRs::GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& options)
     : s_(std::make_unique<State>(team)) {
     State& s = *s_;
     World& world = *s.world;
     s.shape = shape;
     validate_gemm_rs_shape(shape, s.num_ranks, options);
+    if (s.num_ranks > 1 && team.num_nodes() > 1) {
+        make_internode(s, team, options);
+        return;
+    }
     // Every rank must make the same choices (mode, config, chunks: they fix how many tiles each rank expects from
     // each peer, the symmetric buffers' sizes and the first call's barrier), so they come from facts that are the same
     // on every rank: where some GPUs host more ranks than others (3 ranks on 2 GPUs), a rank with a GPU of its own
@@ -298,13 +385,15 @@ GemmRs::GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& 
 
 GemmRs::~GemmRs() = default;
 
+// A team that spans nodes answers with its node stage's values.
 const GemmRsShape& GemmRs::shape() const { return s_->shape; }
-const GemmConfig& GemmRs::config() const { return s_->config(); }
-DType GemmRs::partial_dtype() const { return s_->partial_dtype; }
-int64_t GemmRs::chunk_rows() const { return s_->chunk_rows; }
-int GemmRs::reduce_ctas() const { return s_->reduce_ctas; }
-GemmRsMode GemmRs::mode() const { return s_->mode; }
+const GemmConfig& GemmRs::config() const { return s_->node_op ? s_->node_op->config() : s_->config(); }
+DType GemmRs::partial_dtype() const { return s_->node_op ? s_->node_op->partial_dtype() : s_->partial_dtype; }
+int64_t GemmRs::chunk_rows() const { return s_->node_op ? s_->node_op->chunk_rows() : s_->chunk_rows; }
+int GemmRs::reduce_ctas() const { return s_->node_op ? s_->node_op->reduce_ctas() : s_->reduce_ctas; }
+GemmRsMode GemmRs::mode() const { return s_->node_op ? s_->node_op->mode() : s_->mode; }
 int GemmRs::gemm_grid() const {
+    if (s_->node_op) return s_->node_op->gemm_grid();
     return fused_gemm_grid(config(), s_->shape.max_m, s_->shape.n, s_->budget - s_->reduce_ctas);
 }
 
@@ -325,6 +414,8 @@ struct RsCall {
 RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorView& a, const TensorView& b,
                     const TensorView& c);
 void launch_call(GemmRs::State& s, size_t idx, const RsCall& call, cudaStream_t stream);
+void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const TensorView& b, const TensorView& c,
+                   cudaStream_t stream);
 
 /// The fields that the push hook's, the pull hook's and the reduction's parameters share.
 template <class Params>
@@ -363,6 +454,10 @@ void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     WEFT_NVTX_RANGE("gemm_rs");
     State& s = *s_;
     const int64_t m = validate_gemm_rs_call(s.shape, s.num_ranks, a, b, c);
+    if (s.node_op) {
+        run_internode(s, m, a, b, c, stream);
+        return;
+    }
     const auto problem = [&] {
         std::ostringstream os;
         os << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)
@@ -474,6 +569,85 @@ void launch_call(GemmRs::State& s, size_t idx, const RsCall& call, cudaStream_t 
     fused.launch(call.gemm, call.sched, call.hook, stream);
     WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+    WEFT_LOG_DEBUG("gemm_rs: launched call " << s.launches);
+}
+
+/// A team that spans nodes (net::RsInterNodePlan; docs/multinode.md, "GEMM+ReduceScatter across nodes"), R = M / W
+/// rows of C per rank:
+///   1. node stage, on `stream`, block by block (other nodes' rows first, by distance; this node's last): the node
+///      op over this node's L members on the A rows of t(m, 0 .. L-1) (L * R rows) leaves this rank this node's sum
+///      of t(m, local)'s rows in node_sums[m]; after a block for another node, ready(block) is raised;
+///   2. network, on the comm stream (forked by begin_call): step k waits for ready(k - 1), then sends node_sums[n + k]
+///      to the column member on node n + k and receives node n - k's sum of this rank's rows into received[n - k]
+///      (one grouped ncclSend/ncclRecv, under the backend's watcher), while the node stage computes the later blocks;
+///   3. end_call joins the comm stream; rs_node_sum_kernel writes C = the sum over nodes in fp32, rounded once.
+/// Everything of the node stage is enqueued before the network steps: the comm stream only waits for words whose
+/// writer is enqueued, and this node's members never wait on this host's NCCL calls.
+void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const TensorView& b, const TensorView& c,
+                   cudaStream_t stream) {
+    net::HostBackend& net = *s.net;
+    const net::RsInterNodePlan& plan = s.plan;
+    const DType dtype = s.shape.dtype;
+    const int64_t es = dtype_bytes(dtype);
+    const int64_t rows = m / s.num_ranks;
+    const int64_t block_rows = rows * plan.per_node;
+    const int64_t k = s.shape.k;
+    const int64_t lda = a.stride(0);
+    auto* a_bytes = static_cast<uint8_t*>(a.data);
+    // Host set-up first: nothing that can throw between the launches below (the node's members wait on them).
+    std::vector<TensorView> a_blocks, c_blocks;
+    for (const net::RsNodeBlock& blk : plan.blocks) {
+        if (blk.first_rank >= 0) {
+            uint8_t* first = a_bytes + blk.first_rank * rows * lda * es;
+            a_blocks.push_back(TensorView(first, dtype, {block_rows, k}, {lda, 1}));
+        } else {
+            a_blocks.push_back(TensorView(s.a_rows, dtype, {block_rows, k}, {k, 1}));
+        }
+        c_blocks.push_back(TensorView(s.slot(s.node_sums, blk.dest_node), dtype, {rows, s.shape.n}, {s.ld, 1}));
+    }
+    RsNodeSumParams sum{};
+    for (int node = 0; node < plan.num_nodes; ++node) {
+        sum.inputs[node] = s.slot(node == plan.node ? s.node_sums : s.received, node);
+    }
+    sum.num_inputs = plan.num_nodes;
+    sum.rows = rows;
+    sum.cols = s.shape.n;
+    sum.ld_in = s.ld;
+    sum.out = c.data;
+    sum.ldc = c.stride(0);
+    const int64_t vectors = rows * ceil_div(s.shape.n, int64_t{8});
+    jit::LaunchParams lp;
+    lp.grid = dim3(static_cast<unsigned>(std::clamp<int64_t>(ceil_div(vectors, int64_t{kRsNodeSumThreads}), 1, 1024)),
+                   1, 1);
+    lp.block = dim3(kRsNodeSumThreads, 1, 1);
+    lp.stream = stream;
+    WEFT_LOG_DEBUG("gemm_rs: launching call " << ++s.launches << " across " << plan.num_nodes << " nodes (M " << m
+                                              << ")");
+
+    net.begin_call(stream);
+    for (size_t i = 0; i < plan.blocks.size(); ++i) {
+        const net::RsNodeBlock& blk = plan.blocks[i];
+        if (blk.first_rank < 0) {
+            // Team ranks that are not node-major: the block's rows, t(m, l)'s R rows at l * R.
+            for (int32_t l = 0; l < plan.per_node; ++l) {
+                WEFT_CUDA_CHECK(cudaMemcpy2DAsync(s.a_rows + l * rows * k * es, static_cast<size_t>(k * es),
+                                                  a_bytes + blk.rows_of[static_cast<size_t>(l)] * rows * lda * es,
+                                                  static_cast<size_t>(lda * es), static_cast<size_t>(k * es),
+                                                  static_cast<size_t>(rows), cudaMemcpyDeviceToDevice, stream));
+            }
+        }
+        s.node_op->run(a_blocks[i], b, c_blocks[i], stream);
+        if (blk.dest_node != plan.node) net.mark_ready(stream, static_cast<int>(i));
+    }
+    const auto slot_bytes = static_cast<uint64_t>(rows * s.ld * es);
+    for (const net::RsNetStep& st : plan.net_steps) {
+        net.comm_wait_ready(st.block);
+        net.send_recv(s.slot(s.node_sums, st.to_node), slot_bytes, st.to_node, s.slot(s.received, st.from_node),
+                      st.from_node);
+    }
+    net.end_call(stream);
+    s.sum_kernel->launch(lp, sum);
+    s.heap.note_use(stream);
     WEFT_LOG_DEBUG("gemm_rs: launched call " << s.launches);
 }
 

@@ -10,6 +10,7 @@
 
 #include "weft/net/host_backend.hpp"
 #include "weft/ops/ag_gemm.hpp"
+#include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/reduce_scatter.hpp"
@@ -141,6 +142,31 @@ TEST(MultiNodeThreads, AgGemmAcrossNodesOnOneGpuInOneProcessIsRefusedClearly) {
             try {
                 ops::AgGemm op(w, {64, 64, 64, DType::kBF16});
                 ADD_FAILURE() << "an AgGemm across virtual nodes of one GPU in one process was accepted";
+            } catch (const Error& e) {
+                const std::string what = e.what();
+                if (unavailable.empty()) {
+                    EXPECT_NE(what.find("threads of one process on one GPU"), std::string::npos) << what;
+                } else {
+                    EXPECT_NE(what.find("network backend is unavailable"), std::string::npos) << what;
+                }
+            }
+        },
+        virtual_nodes(2));
+}
+
+// GemmRs on a team that spans virtual nodes of one GPU, ranks as threads: refused the same way (its network backend,
+// in its constructor, on every member); GemmRs across nodes runs as processes (tests/dist, MultiNode.GemmRs*).
+TEST(MultiNodeThreads, GemmRsAcrossNodesOnOneGpuInOneProcessIsRefusedClearly) {
+    int devices = 0;
+    WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    if (devices > 1) GTEST_SKIP() << "ranks on several GPUs";
+    const std::string unavailable = net::nccl_unavailable_reason();
+    run_local(
+        4,
+        [&](World& w) {
+            try {
+                ops::GemmRs op(w, {64, 64, 64, DType::kBF16});
+                ADD_FAILURE() << "a GemmRs across virtual nodes of one GPU in one process was accepted";
             } catch (const Error& e) {
                 const std::string what = e.what();
                 if (unavailable.empty()) {
