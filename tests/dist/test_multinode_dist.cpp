@@ -350,8 +350,10 @@ TEST(MultiNode, AgGemmGraphReplay) {
 // several counters per segment, bf16 and fp32 partials, a small SM budget, poisoned C, fresh A and B for every rank on
 // every call, a second call with another M; C against an fp64 host reference of sum_t A_t B_t^T on this rank's rows.
 // The world team (L members per node: the one-node GemmRs over each node, then the network) and, with 2 or more ranks
-// per node, every other rank (one member per node: the node stage is the plain GEMM). `graph`: the second and third
-// calls replay a CUDA graph captured after the first.
+// per node, every other rank (fewer members per node; one with 2 ranks per node: the node stage is the plain GEMM)
+// and the world with its team ranks interleaved over the nodes (team rank i on node i mod N: a block's A rows are not
+// one slice of A and are gathered first). `graph`: the second and third calls replay a CUDA graph captured after the
+// first.
 struct RsNodesCase {
     int64_t rows, n, k, chunk_rows;
     int sm_budget;
@@ -364,7 +366,13 @@ void run_gemm_rs_across_nodes(bool graph) {
     const std::vector<RsNodesCase> cases = {
         {100, 200, 72, 0, 0, false}, {300, 136, 256, 128, 4, true}, {1, 8, 8, 0, 2, false}, {65, 100, 40, 0, 0, false}};
     const DType dt = DType::kBF16;
-    for (const Team& team : teams_under_test(w)) {
+    std::vector<Team> teams = teams_under_test(w);
+    const int per_node = w.num_ranks() / w.num_nodes();
+    if (per_node >= 2) {
+        // Collective over the world: every process makes it here.
+        teams.push_back(w.team().split_color(0, (w.rank() % per_node) * w.num_nodes() + w.rank() / per_node));
+    }
+    for (const Team& team : teams) {
         if (!team.is_member()) continue;
         const int nr = team.num_ranks(), me = team.rank();
         for (const RsNodesCase& cs : cases) {
