@@ -5,6 +5,7 @@
 #include "weft/ops/gemm_rs.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -238,7 +239,8 @@ struct GemmRs::State : tp_detail::FusedOpState {
     int64_t ld = 0;                   // row stride (elements) of the node sums
     uint8_t* node_sums = nullptr;     // local [num_nodes][max_rows][ld]: slot m, this node's sum of t(m, local)'s rows
     uint8_t* received = nullptr;      // local [num_nodes][max_rows][ld]: node m's sum of this rank's rows in slot m
-    uint8_t* a_rows = nullptr;        // local [max_m / num_nodes][k]: a block's A rows, where they are not one slice
+    uint8_t* a_rows = nullptr;        // local [max_m / num_nodes][k]: a call's A rows, where they are not one slice
+    uint64_t chunk_bytes = 0;         // WEFT_NET_CHUNK_BYTES: about this much of a node sum per network transfer
     const jit::Kernel* sum_kernel = nullptr;
 
     explicit State(const Team& t) : FusedOpState(t, kOp) {}
@@ -288,7 +290,13 @@ void make_internode(GemmRs::State& s, const Team& team, const GemmRsOptions& opt
     const auto slots_bytes = static_cast<uint64_t>(num_nodes) * static_cast<uint64_t>(s.max_rows * s.ld) * es;
     s.node_sums = static_cast<uint8_t*>(s.heap.alloc_private(slots_bytes));
     s.received = static_cast<uint8_t*>(s.heap.alloc_private(slots_bytes));
-    bool sliced = true;
+    // A's rows of a node-stage call are one slice of A when the team ranks are node-major and the call covers whole
+    // blocks; sub-blocks (a block cut for the network's pipeline; more of them for larger M) take every member's
+    // sub-range, gathered into a staging buffer first.
+    s.chunk_bytes = net::resolve_chunk_bytes(std::getenv("WEFT_NET_CHUNK_BYTES"));
+    const net::RsCallSchedule largest =
+        net::schedule_rs_call(s.plan, s.max_rows, static_cast<uint64_t>(s.ld) * es, s.chunk_bytes);
+    bool sliced = largest.sub_blocks == 1;
     for (const net::RsNodeBlock& b : s.plan.blocks) sliced = sliced && b.first_rank >= 0;
     if (!sliced) {
         s.a_rows = static_cast<uint8_t*>(
@@ -299,8 +307,9 @@ void make_internode(GemmRs::State& s, const Team& team, const GemmRsOptions& opt
                                       << s.plan.per_node << " member(s) per node): node stage "
                                       << gemm_rs_mode_name(s.node_op->mode()) << ", "
                                       << tp_detail::config_text(s.node_op->config()) << ", chunk_rows "
-                                      << s.node_op->chunk_rows() << ", SM budget " << s.budget
-                                      << (sliced ? "" : ", A's rows gathered per block (team ranks not node-major)"));
+                                      << s.node_op->chunk_rows() << ", SM budget " << s.budget << ", up to "
+                                      << largest.sub_blocks << " network chunk(s) per block"
+                                      << (sliced ? "" : ", A's rows gathered per node-stage call"));
     team.barrier();
 }
 
@@ -572,14 +581,15 @@ void launch_call(GemmRs::State& s, size_t idx, const RsCall& call, cudaStream_t 
     WEFT_LOG_DEBUG("gemm_rs: launched call " << s.launches);
 }
 
-/// A team that spans nodes (net::RsInterNodePlan; docs/multinode.md, "GEMM+ReduceScatter across nodes"), R = M / W
-/// rows of C per rank:
-///   1. node stage, on `stream`, block by block (other nodes' rows first, by distance; this node's last): the node
-///      op over this node's L members on the A rows of t(m, 0 .. L-1) (L * R rows) leaves this rank this node's sum
-///      of t(m, local)'s rows in node_sums[m]; after a block for another node, ready(block) is raised;
-///   2. network, on the comm stream (forked by begin_call): step k waits for ready(k - 1), then sends node_sums[n + k]
-///      to the column member on node n + k and receives node n - k's sum of this rank's rows into received[n - k]
-///      (one grouped ncclSend/ncclRecv, under the backend's watcher), while the node stage computes the later blocks;
+/// A team that spans nodes (net::RsInterNodePlan, net::RsCallSchedule; docs/multinode.md, "GEMM+ReduceScatter across
+/// nodes"), R = M / W rows of C per rank:
+///   1. node stage, on `stream`: each other node m's block (by distance) in sub-blocks of rows, this node's own block
+///      last: the node op over this node's L members on rows [r0, r0 + S) of each of t(m, 0 .. L-1) leaves this rank
+///      this node's sum of those rows of t(m, local) in node_sums[m]; after a sub-block, its ready word is raised;
+///   2. network, on the comm stream (forked by begin_call): step k, sub-block by sub-block, waits for the sub-block's
+///      ready word, then sends those rows of node_sums[n + k] to the column member on node n + k and receives node
+///      n - k's sum of the same rows of this rank into received[n - k] (one grouped ncclSend/ncclRecv, under the
+///      backend's watcher), while the node stage computes the later sub-blocks;
 ///   3. end_call joins the comm stream; rs_node_sum_kernel writes C = the sum over nodes in fp32, rounded once.
 /// Everything of the node stage is enqueued before the network steps: the comm stream only waits for words whose
 /// writer is enqueued, and this node's members never wait on this host's NCCL calls.
@@ -590,20 +600,33 @@ void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const Tenso
     const DType dtype = s.shape.dtype;
     const int64_t es = dtype_bytes(dtype);
     const int64_t rows = m / s.num_ranks;
-    const int64_t block_rows = rows * plan.per_node;
     const int64_t k = s.shape.k;
     const int64_t lda = a.stride(0);
+    const int64_t row_bytes = s.ld * es;  // of a node sum
     auto* a_bytes = static_cast<uint8_t*>(a.data);
+    const net::RsCallSchedule sched =
+        net::schedule_rs_call(plan, rows, static_cast<uint64_t>(row_bytes), s.chunk_bytes);
     // Host set-up first: nothing that can throw between the launches below (the node's members wait on them).
-    std::vector<TensorView> a_blocks, c_blocks;
-    for (const net::RsNodeBlock& blk : plan.blocks) {
-        if (blk.first_rank >= 0) {
-            uint8_t* first = a_bytes + blk.first_rank * rows * lda * es;
-            a_blocks.push_back(TensorView(first, dtype, {block_rows, k}, {lda, 1}));
-        } else {
-            a_blocks.push_back(TensorView(s.a_rows, dtype, {block_rows, k}, {k, 1}));
-        }
-        c_blocks.push_back(TensorView(s.slot(s.node_sums, blk.dest_node), dtype, {rows, s.shape.n}, {s.ld, 1}));
+    struct NodeCall {
+        TensorView a, c;
+        bool gather = false;  // A's rows into the staging buffer first
+        const net::RsNodeCall* call = nullptr;
+    };
+    std::vector<NodeCall> calls;
+    for (const net::RsNodeCall& call : sched.calls) {
+        const net::RsNodeBlock& blk = plan.blocks[static_cast<size_t>(call.block)];
+        NodeCall x;
+        x.call = &call;
+        x.gather = blk.first_rank < 0 || call.num_rows != rows;
+        WEFT_CHECK(!x.gather || s.a_rows != nullptr, "gemm_rs: internal error: a node-stage call of "
+                                                         << call.num_rows << " of " << rows
+                                                         << " rows needs the staging buffer, which was not made");
+        const int64_t call_rows = call.num_rows * plan.per_node;
+        x.a = x.gather ? TensorView(s.a_rows, dtype, {call_rows, k}, {k, 1})
+                       : TensorView(a_bytes + blk.first_rank * rows * lda * es, dtype, {call_rows, k}, {lda, 1});
+        x.c = TensorView(s.slot(s.node_sums, blk.dest_node) + call.row_begin * row_bytes, dtype,
+                         {call.num_rows, s.shape.n}, {s.ld, 1});
+        calls.push_back(x);
     }
     RsNodeSumParams sum{};
     for (int node = 0; node < plan.num_nodes; ++node) {
@@ -622,28 +645,33 @@ void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const Tenso
     lp.block = dim3(kRsNodeSumThreads, 1, 1);
     lp.stream = stream;
     WEFT_LOG_DEBUG("gemm_rs: launching call " << ++s.launches << " across " << plan.num_nodes << " nodes (M " << m
-                                              << ")");
+                                              << ", " << sched.calls.size() << " node-stage calls, "
+                                              << sched.chunks.size() << " network transfers)");
 
     net.begin_call(stream);
-    for (size_t i = 0; i < plan.blocks.size(); ++i) {
-        const net::RsNodeBlock& blk = plan.blocks[i];
-        if (blk.first_rank < 0) {
-            // Team ranks that are not node-major: the block's rows, t(m, l)'s R rows at l * R.
+    for (const NodeCall& x : calls) {
+        const net::RsNodeCall& call = *x.call;
+        if (x.gather) {
+            // Rows [r0, r0 + S) of t(m, l) at l * S (the staging buffer's previous reader, the node stage's previous
+            // GEMM, is ahead in stream order).
+            const net::RsNodeBlock& blk = plan.blocks[static_cast<size_t>(call.block)];
             for (int32_t l = 0; l < plan.per_node; ++l) {
-                WEFT_CUDA_CHECK(cudaMemcpy2DAsync(s.a_rows + l * rows * k * es, static_cast<size_t>(k * es),
-                                                  a_bytes + blk.rows_of[static_cast<size_t>(l)] * rows * lda * es,
-                                                  static_cast<size_t>(lda * es), static_cast<size_t>(k * es),
-                                                  static_cast<size_t>(rows), cudaMemcpyDeviceToDevice, stream));
+                const int64_t src_row = blk.rows_of[static_cast<size_t>(l)] * rows + call.row_begin;
+                WEFT_CUDA_CHECK(cudaMemcpy2DAsync(s.a_rows + l * call.num_rows * k * es, static_cast<size_t>(k * es),
+                                                  a_bytes + src_row * lda * es, static_cast<size_t>(lda * es),
+                                                  static_cast<size_t>(k * es), static_cast<size_t>(call.num_rows),
+                                                  cudaMemcpyDeviceToDevice, stream));
             }
         }
-        s.node_op->run(a_blocks[i], b, c_blocks[i], stream);
-        if (blk.dest_node != plan.node) net.mark_ready(stream, static_cast<int>(i));
+        s.node_op->run(x.a, b, x.c, stream);
+        if (call.ready >= 0) net.mark_ready(stream, call.ready);
     }
-    const auto slot_bytes = static_cast<uint64_t>(rows * s.ld * es);
-    for (const net::RsNetStep& st : plan.net_steps) {
-        net.comm_wait_ready(st.block);
-        net.send_recv(s.slot(s.node_sums, st.to_node), slot_bytes, st.to_node, s.slot(s.received, st.from_node),
-                      st.from_node);
+    for (const net::RsNetChunk& ch : sched.chunks) {
+        const net::RsNetStep& st = plan.net_steps[static_cast<size_t>(ch.step)];
+        net.comm_wait_ready(ch.ready);
+        net.send_recv(s.slot(s.node_sums, st.to_node) + ch.row_begin * row_bytes,
+                      static_cast<uint64_t>(ch.num_rows * row_bytes), st.to_node,
+                      s.slot(s.received, st.from_node) + ch.row_begin * row_bytes, st.from_node);
     }
     net.end_call(stream);
     s.sum_kernel->launch(lp, sum);

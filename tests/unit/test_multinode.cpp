@@ -554,6 +554,153 @@ TEST(MultiNodeRsPlan, EveryPartialIsSummedOnceAndTheStepsPairUp) {
     }
 }
 
+// A call's schedule (net::schedule_rs_call) on the host, for several layouts, row counts and chunk sizes: the node
+// stage's calls cover every row of every block exactly once (sub-blocks of other nodes' blocks: multiples of
+// kRsSubBlockRows but the last, within the chunk size unless the ready words run out; this node's block whole and
+// last); ready words are distinct, fewer than net::kMaxChunks, and each transfer waits for the call that computed its
+// rows; the transfers of a step cover its block's rows in order; a transfer's send is the matching receive of the
+// column member it goes to (same step, same rows, paired by sender and receiver); and the sums come out right.
+TEST(MultiNodeRsPlan, SubBlocksCoverEveryRowOnceAndTheTransfersPairUp) {
+    std::mt19937 rng(5);
+    for (const auto& [nodes, per_node] :
+         {std::pair{2, 1}, std::pair{2, 2}, std::pair{3, 2}, std::pair{4, 2}, std::pair{2, 8}, std::pair{33, 1}}) {
+        for (const int64_t rows : {int64_t{1}, int64_t{100}, int64_t{128}, int64_t{300}, int64_t{4097}}) {
+            for (const uint64_t chunk_bytes : {uint64_t{1}, uint64_t{64} << 10, uint64_t{4} << 20}) {
+                const uint64_t row_bytes = 272;
+                const int w = nodes * per_node;
+                std::vector<int> ranks(static_cast<size_t>(w));
+                std::iota(ranks.begin(), ranks.end(), 0);
+                std::shuffle(ranks.begin(), ranks.end(), rng);
+                std::vector<std::vector<int>> by_node(static_cast<size_t>(nodes));
+                for (size_t i = 0; i < ranks.size(); ++i)
+                    by_node[i / static_cast<size_t>(per_node)].push_back(ranks[i]);
+                SCOPED_TRACE(std::to_string(nodes) + " nodes x " + std::to_string(per_node) + ", rows " +
+                             std::to_string(rows) + ", chunk_bytes " + std::to_string(chunk_bytes));
+                std::vector<RsInterNodePlan> plans;
+                std::vector<net::RsCallSchedule> scheds;
+                for (int me = 0; me < w; ++me) {
+                    plans.push_back(plan_rs_internode(by_node, me));
+                    scheds.push_back(net::schedule_rs_call(plans.back(), rows, row_bytes, chunk_bytes));
+                }
+                // One value per (team rank t, row of the M = W R rows) as t's partial.
+                const auto partial = [&](int t, int64_t row) {
+                    return static_cast<int64_t>(t) * 1000003 + row * 7 + 1;
+                };
+                // node_sum[t][node m][r]: what member t holds for t(m, local)'s row r after the node stage.
+                std::vector<std::vector<std::vector<int64_t>>> node_sum(
+                    static_cast<size_t>(w),
+                    std::vector<std::vector<int64_t>>(static_cast<size_t>(nodes),
+                                                      std::vector<int64_t>(static_cast<size_t>(rows), -1)));
+                for (int me = 0; me < w; ++me) {
+                    const RsInterNodePlan& p = plans[static_cast<size_t>(me)];
+                    const net::RsCallSchedule& sc = scheds[static_cast<size_t>(me)];
+                    // The node's members make the same calls (the one-node op's calls must match).
+                    const net::RsCallSchedule& first = scheds[static_cast<size_t>(p.node_peers[0])];
+                    ASSERT_EQ(sc.calls.size(), first.calls.size());
+                    std::vector<bool> ready_seen(static_cast<size_t>(net::kMaxChunks), false);
+                    for (size_t i = 0; i < sc.calls.size(); ++i) {
+                        const net::RsNodeCall& call = sc.calls[i];
+                        EXPECT_EQ(call.block, first.calls[i].block);
+                        EXPECT_EQ(call.row_begin, first.calls[i].row_begin);
+                        EXPECT_EQ(call.num_rows, first.calls[i].num_rows);
+                        const RsNodeBlock& b = p.blocks[static_cast<size_t>(call.block)];
+                        ASSERT_GE(call.num_rows, 1);
+                        ASSERT_LE(call.row_begin + call.num_rows, rows);
+                        if (b.dest_node == p.node) {
+                            EXPECT_EQ(call.ready, -1);
+                            EXPECT_EQ(call.num_rows, rows);
+                            EXPECT_EQ(i + 1, sc.calls.size()) << "this node's block last";
+                        } else {
+                            ASSERT_GE(call.ready, 0);
+                            ASSERT_LT(call.ready, net::kMaxChunks);
+                            EXPECT_FALSE(ready_seen[static_cast<size_t>(call.ready)]) << "ready " << call.ready;
+                            ready_seen[static_cast<size_t>(call.ready)] = true;
+                            EXPECT_EQ(call.row_begin % net::kRsSubBlockRows, 0);
+                            if (call.row_begin + call.num_rows < rows) {
+                                EXPECT_EQ(call.num_rows % net::kRsSubBlockRows, 0);
+                                if (sc.sub_blocks * (nodes - 1) < net::kMaxChunks / 2) {
+                                    EXPECT_LE(static_cast<uint64_t>(call.num_rows) * row_bytes,
+                                              std::max<uint64_t>(chunk_bytes, net::kRsSubBlockRows * row_bytes));
+                                }
+                            }
+                        }
+                        for (int64_t r = call.row_begin; r < call.row_begin + call.num_rows; ++r) {
+                            int64_t& slot = node_sum[static_cast<size_t>(me)][static_cast<size_t>(b.dest_node)]
+                                                    [static_cast<size_t>(r)];
+                            EXPECT_EQ(slot, -1) << "row " << r << " of block " << call.block << " computed twice";
+                            slot = 0;
+                            for (int32_t t : p.node_peers) slot += partial(t, b.dest * rows + r);
+                        }
+                    }
+                    for (int node = 0; node < nodes; ++node) {
+                        for (int64_t r = 0; r < rows; ++r) {
+                            ASSERT_NE(
+                                node_sum[static_cast<size_t>(me)][static_cast<size_t>(node)][static_cast<size_t>(r)],
+                                -1)
+                                << "rank " << me << ": row " << r << " for node " << node << " never computed";
+                        }
+                    }
+                    // Transfers: per step, its block's rows in order, each after the call that computed them.
+                    int64_t next = 0;
+                    int32_t step = 0;
+                    for (const net::RsNetChunk& ch : sc.chunks) {
+                        if (ch.step != step) {
+                            EXPECT_EQ(next, rows) << "step " << step << " covers its block";
+                            EXPECT_EQ(ch.step, step + 1);
+                            step = ch.step;
+                            next = 0;
+                        }
+                        EXPECT_EQ(ch.row_begin, next);
+                        next = ch.row_begin + ch.num_rows;
+                        const auto it = std::find_if(sc.calls.begin(), sc.calls.end(),
+                                                     [&](const net::RsNodeCall& c) { return c.ready == ch.ready; });
+                        ASSERT_NE(it, sc.calls.end());
+                        EXPECT_EQ(it->block, p.net_steps[static_cast<size_t>(ch.step)].block);
+                        EXPECT_EQ(it->row_begin, ch.row_begin);
+                        EXPECT_EQ(it->num_rows, ch.num_rows);
+                    }
+                    EXPECT_EQ(step, nodes - 2);
+                    EXPECT_EQ(next, rows);
+                }
+                // The wire: (sender, receiver, step, first row) -> the rows' values.
+                std::map<std::tuple<int, int, int, int64_t>, std::vector<int64_t>> wire;
+                for (int me = 0; me < w; ++me) {
+                    const RsInterNodePlan& p = plans[static_cast<size_t>(me)];
+                    for (const net::RsNetChunk& ch : scheds[static_cast<size_t>(me)].chunks) {
+                        const RsNetStep& st = p.net_steps[static_cast<size_t>(ch.step)];
+                        const auto& from = node_sum[static_cast<size_t>(me)][static_cast<size_t>(st.to_node)];
+                        wire[{me, st.to_rank, ch.step, ch.row_begin}] = std::vector<int64_t>(
+                            from.begin() + ch.row_begin, from.begin() + ch.row_begin + ch.num_rows);
+                    }
+                }
+                for (int me = 0; me < w; ++me) {
+                    const RsInterNodePlan& p = plans[static_cast<size_t>(me)];
+                    std::vector<int64_t> c = node_sum[static_cast<size_t>(me)][static_cast<size_t>(p.node)];
+                    for (const net::RsNetChunk& ch : scheds[static_cast<size_t>(me)].chunks) {
+                        const RsNetStep& st = p.net_steps[static_cast<size_t>(ch.step)];
+                        const auto key =
+                            std::tuple{static_cast<int>(st.from_rank), me, static_cast<int>(ch.step), ch.row_begin};
+                        ASSERT_EQ(wire.count(key), 1u) << "rank " << me << " step " << ch.step << " rows from "
+                                                       << ch.row_begin << ": nobody sends them";
+                        const std::vector<int64_t>& got = wire[key];
+                        ASSERT_EQ(static_cast<int64_t>(got.size()), ch.num_rows) << "send and receive sizes differ";
+                        for (int64_t r = 0; r < ch.num_rows; ++r) {
+                            c[static_cast<size_t>(ch.row_begin + r)] += got[static_cast<size_t>(r)];
+                        }
+                        wire.erase(key);
+                    }
+                    for (int64_t r = 0; r < rows; ++r) {
+                        int64_t want = 0;
+                        for (int t = 0; t < w; ++t) want += partial(t, me * rows + r);
+                        ASSERT_EQ(c[static_cast<size_t>(r)], want) << "rank " << me << " row " << r;
+                    }
+                }
+                EXPECT_TRUE(wire.empty()) << wire.size() << " transfers nobody received";
+            }
+        }
+    }
+}
+
 TEST(MultiNodeRsPlan, RefusesBadLayouts) {
     EXPECT_NE(error_of([] { (void)plan_rs_internode({{0, 1}, {2}}, 0); }).find("same number"), std::string::npos);
     EXPECT_NE(error_of([] { (void)plan_rs_internode({{0, 1}, {1, 2}}, 0); }).find("appears twice"), std::string::npos);

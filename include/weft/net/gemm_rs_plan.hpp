@@ -49,4 +49,41 @@ struct RsInterNodePlan {
 /// `me` is not in it.
 RsInterNodePlan plan_rs_internode(const std::vector<std::vector<int>>& by_node, int me);
 
+/// Rows of a sub-block are a multiple of this (but a block's last sub-block): whole M-tiles of the node stage's GEMM
+/// for tile_m 64 and 128. A constant, not the node stage's tile, so that the sender and the receiver of a chunk cut
+/// the rows the same way whatever GPU each node has.
+inline constexpr int64_t kRsSubBlockRows = 128;
+
+/// One call of the node stage: rows [row_begin, row_begin + num_rows) of each of block `block`'s members' R rows (the
+/// one-node GemmRs on per_node x num_rows rows of A), then, when `ready` >= 0, ready word `ready` (those rows of the
+/// block's node sum may leave).
+struct RsNodeCall {
+    int32_t block = 0;
+    int64_t row_begin = 0;
+    int64_t num_rows = 0;
+    int32_t ready = -1;
+};
+
+/// One network transfer on the comm stream: after ready word `ready`, step `step`'s send/receive of rows
+/// [row_begin, row_begin + num_rows) of the node sums (the same rows on the sender and on the receiver).
+struct RsNetChunk {
+    int32_t step = 0;  ///< index into RsInterNodePlan::net_steps
+    int64_t row_begin = 0;
+    int64_t num_rows = 0;
+    int32_t ready = 0;
+};
+
+/// The calls and transfers of one GemmRs call with R = `rows` rows of C per rank.
+struct RsCallSchedule {
+    std::vector<RsNodeCall> calls;   ///< node stage, in order: each other node's block in sub-blocks, this node's last
+    std::vector<RsNetChunk> chunks;  ///< comm stream, in order: step by step, sub-block by sub-block
+    int32_t sub_blocks = 1;          ///< per block of another node
+};
+
+/// Cuts each other node's block into sub-blocks of about `chunk_bytes` (WEFT_NET_CHUNK_BYTES) of node sums
+/// (`row_bytes` a row; kRsSubBlockRows rows at least), at most net::kMaxChunks ready words in all; this node's block
+/// is one call (nothing waits for it). The same on every member for the same rows, row_bytes and chunk_bytes, so the
+/// chunks of a step pair up. Throws weft::Error for rows < 1 or zero row_bytes / chunk_bytes.
+RsCallSchedule schedule_rs_call(const RsInterNodePlan& plan, int64_t rows, uint64_t row_bytes, uint64_t chunk_bytes);
+
 }  // namespace weft::net
