@@ -1,19 +1,25 @@
 // SPDX-License-Identifier: MIT
 // weft::ops::GemmRs: GEMM+ReduceScatter. Push mode: the GEMM stores peers' tiles into their buffers and adds
-// the peers' partials to its own tiles. Pull mode: signalled partial tiles + an overlapped fp32 reduction.
+// the peers' partials to its own tiles. Pull mode: signalled partial tiles + an overlapped fp32 reduction. A team that
+// spans nodes: this op over each node's members, block by block, then NCCL across the nodes (docs/multinode.md).
 #include "weft/ops/gemm_rs.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
 #include "tp_common.hpp"
 #include "weft/common/collectives.hpp"
 #include "weft/common/gemm_hook_params.hpp"
+#include "weft/common/gemm_rs_net_params.hpp"
 #include "weft/common/math.hpp"
 #include "weft/common/tile_map.hpp"
 #include "weft/common/tp_params.hpp"
 #include "weft/common/tp_schedule.hpp"
+#include "weft/net/chunk_schedule.hpp"
+#include "weft/net/gemm_rs_plan.hpp"
+#include "weft/net/host_backend.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
@@ -24,6 +30,9 @@ namespace weft::ops {
 namespace {
 constexpr const char* kOp = "gemm_rs";
 constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
+/// SMs a team that spans nodes keeps free of its node stage's default budget, for NCCL's kernels on the comm stream
+/// (as AgGemm's): the persistent GEMM fills its SMs, and a network step would otherwise wait for the node stage's end.
+constexpr int kNetworkSms = 8;
 
 int64_t default_chunk_rows(int64_t rows_per_rank, int tile_m) {
     // About four counters per segment: the reduction starts on a segment's first rows while the GEMM
@@ -189,6 +198,13 @@ jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::strin
                                 std::string("gemm_rs reduce ") + dtype_name(partial) + "->" + dtype_name(out), arch);
 }
 
+jit::KernelSpec rs_node_sum_kernel_spec(DType dtype, const std::string& arch) {
+    return tp_detail::make_spec(
+        "gemm_rs/node_sum.cuh",
+        std::string("weft::kernels::gemm_rs::rs_node_sum_kernel<") + dtype_enum_name(dtype) + ">",
+        std::string("gemm_rs node sum ") + dtype_name(dtype), arch);
+}
+
 }  // namespace detail
 
 struct GemmRs::State : tp_detail::FusedOpState {
@@ -214,7 +230,23 @@ struct GemmRs::State : tp_detail::FusedOpState {
     cudaStream_t side = nullptr;
     cudaEvent_t fork = nullptr, join = nullptr;
 
+    // A team that spans nodes (docs/multinode.md, "GEMM+ReduceScatter across nodes"); null / empty on one node, where
+    // nothing above changes.
+    net::HostBackend* net = nullptr;
+    net::RsInterNodePlan plan;
+    std::unique_ptr<GemmRs> node_op;  // the node stage: this op over this node's members (a team of one: the GEMM)
+    int64_t max_rows = 0;             // rows of C per rank at max_m
+    int64_t ld = 0;                   // row stride (elements) of the node sums
+    uint8_t* node_sums = nullptr;     // local [num_nodes][max_rows][ld]: slot m, this node's sum of t(m, local)'s rows
+    uint8_t* received = nullptr;      // local [num_nodes][max_rows][ld]: node m's sum of this rank's rows in slot m
+    uint8_t* a_rows = nullptr;        // local [max_m / num_nodes][k]: a call's A rows, where they are not one slice
+    uint64_t chunk_bytes = 0;         // WEFT_NET_CHUNK_BYTES: about this much of a node sum per network transfer
+    const jit::Kernel* sum_kernel = nullptr;
+
     explicit State(const Team& t) : FusedOpState(t, kOp) {}
+    uint8_t* slot(uint8_t* base, int node) const {
+        return base + static_cast<int64_t>(node) * max_rows * ld * dtype_bytes(shape.dtype);
+    }
     ~State() {
         heap.free_all();
     }
@@ -223,12 +255,76 @@ struct GemmRs::State : tp_detail::FusedOpState {
 GemmRs::GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& options)
     : GemmRs(world.team(), shape, options) {}
 
+namespace {
+
+/// A team that spans nodes: the network backend of its columns (collective over the team), the plan, the node stage
+/// (this op over the node's members, made collectively over them), the node sums' buffers and the final sum's kernel.
+void make_internode(GemmRs::State& s, const Team& team, const GemmRsOptions& options) {
+    World& world = *s.world;
+    WEFT_CHECK(!options.autotune, "gemm_rs: options.autotune on a team that spans nodes ("
+                                      << team.describe() << ") is not supported yet; tune on one node and pass "
+                                      << "the winner as options.config");
+    s.net = &net::HostBackend::get(team);
+    std::vector<std::vector<int>> by_node;
+    for (int n = 0; n < s.net->num_nodes(); ++n) {
+        by_node.emplace_back();
+        for (int l = 0; l < s.net->ranks_per_node(); ++l) by_node.back().push_back(s.net->team_rank_at(n, l));
+    }
+    s.plan = net::plan_rs_internode(by_node, s.rank);
+    const int num_nodes = s.plan.num_nodes;
+    WEFT_CHECK(num_nodes <= kRsMaxNodes, "gemm_rs: a team that spans " << num_nodes << " nodes; at most "
+                                                                       << kRsMaxNodes);
+    WEFT_CHECK(static_cast<int>(s.plan.net_steps.size()) <= net::kMaxChunks,
+               "gemm_rs: " << s.plan.net_steps.size() << " network steps; at most " << net::kMaxChunks);
+    // The node stage on max_m / N rows (L * R at most: R rows for each of the node's members); its team ranks are the
+    // local indices (HostBackend's node team).
+    GemmRsOptions node_options = options;
+    if (options.sm_budget == 0) node_options.sm_budget = std::max(2, world.shared_sm_budget() - kNetworkSms);
+    const GemmRsShape node_shape{s.shape.max_m / num_nodes, s.shape.n, s.shape.k, s.shape.dtype};
+    s.node_op = std::make_unique<GemmRs>(s.net->node_team(), node_shape, node_options);
+    s.budget = node_options.sm_budget;
+
+    s.max_rows = s.shape.max_m / s.num_ranks;
+    s.ld = round_up(s.shape.n, 8);
+    const auto es = static_cast<uint64_t>(dtype_bytes(s.shape.dtype));
+    const auto slots_bytes = static_cast<uint64_t>(num_nodes) * static_cast<uint64_t>(s.max_rows * s.ld) * es;
+    s.node_sums = static_cast<uint8_t*>(s.heap.alloc_private(slots_bytes));
+    s.received = static_cast<uint8_t*>(s.heap.alloc_private(slots_bytes));
+    // A's rows of a node-stage call are one slice of A when the team ranks are node-major and the call covers whole
+    // blocks; sub-blocks (a block cut for the network's pipeline; more of them for larger M) take every member's
+    // sub-range, gathered into a staging buffer first.
+    s.chunk_bytes = net::resolve_chunk_bytes(std::getenv("WEFT_NET_CHUNK_BYTES"));
+    const net::RsCallSchedule largest =
+        net::schedule_rs_call(s.plan, s.max_rows, static_cast<uint64_t>(s.ld) * es, s.chunk_bytes);
+    bool sliced = largest.sub_blocks == 1;
+    for (const net::RsNodeBlock& b : s.plan.blocks) sliced = sliced && b.first_rank >= 0;
+    if (!sliced) {
+        s.a_rows = static_cast<uint8_t*>(
+            s.heap.alloc_private(static_cast<uint64_t>(s.shape.max_m / num_nodes * s.shape.k) * es));
+    }
+    s.sum_kernel = &jit::compiler().get_kernel(detail::rs_node_sum_kernel_spec(s.shape.dtype));
+    WEFT_LOG_INFO("gemm_rs: team of " << s.num_ranks << " across " << num_nodes << " nodes (NCCL host API, "
+                                      << s.plan.per_node << " member(s) per node): node stage "
+                                      << gemm_rs_mode_name(s.node_op->mode()) << ", "
+                                      << tp_detail::config_text(s.node_op->config()) << ", chunk_rows "
+                                      << s.node_op->chunk_rows() << ", SM budget " << s.budget << ", up to "
+                                      << largest.sub_blocks << " network chunk(s) per block"
+                                      << (sliced ? "" : ", A's rows gathered per node-stage call"));
+    team.barrier();
+}
+
+}  // namespace
+
 GemmRs::GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& options)
     : s_(std::make_unique<State>(team)) {
     State& s = *s_;
     World& world = *s.world;
     s.shape = shape;
     validate_gemm_rs_shape(shape, s.num_ranks, options);
+    if (s.num_ranks > 1 && team.num_nodes() > 1) {
+        make_internode(s, team, options);
+        return;
+    }
     // Every rank must make the same choices (mode, config, chunks: they fix how many tiles each rank expects from
     // each peer, the symmetric buffers' sizes and the first call's barrier), so they come from facts that are the same
     // on every rank: where some GPUs host more ranks than others (3 ranks on 2 GPUs), a rank with a GPU of its own
@@ -298,13 +394,15 @@ GemmRs::GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& 
 
 GemmRs::~GemmRs() = default;
 
+// A team that spans nodes answers with its node stage's values.
 const GemmRsShape& GemmRs::shape() const { return s_->shape; }
-const GemmConfig& GemmRs::config() const { return s_->config(); }
-DType GemmRs::partial_dtype() const { return s_->partial_dtype; }
-int64_t GemmRs::chunk_rows() const { return s_->chunk_rows; }
-int GemmRs::reduce_ctas() const { return s_->reduce_ctas; }
-GemmRsMode GemmRs::mode() const { return s_->mode; }
+const GemmConfig& GemmRs::config() const { return s_->node_op ? s_->node_op->config() : s_->config(); }
+DType GemmRs::partial_dtype() const { return s_->node_op ? s_->node_op->partial_dtype() : s_->partial_dtype; }
+int64_t GemmRs::chunk_rows() const { return s_->node_op ? s_->node_op->chunk_rows() : s_->chunk_rows; }
+int GemmRs::reduce_ctas() const { return s_->node_op ? s_->node_op->reduce_ctas() : s_->reduce_ctas; }
+GemmRsMode GemmRs::mode() const { return s_->node_op ? s_->node_op->mode() : s_->mode; }
 int GemmRs::gemm_grid() const {
+    if (s_->node_op) return s_->node_op->gemm_grid();
     return fused_gemm_grid(config(), s_->shape.max_m, s_->shape.n, s_->budget - s_->reduce_ctas);
 }
 
@@ -325,6 +423,8 @@ struct RsCall {
 RsCall prepare_call(const GemmRs::State& s, size_t idx, int64_t m, const TensorView& a, const TensorView& b,
                     const TensorView& c);
 void launch_call(GemmRs::State& s, size_t idx, const RsCall& call, cudaStream_t stream);
+void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const TensorView& b, const TensorView& c,
+                   cudaStream_t stream);
 
 /// The fields that the push hook's, the pull hook's and the reduction's parameters share.
 template <class Params>
@@ -363,6 +463,10 @@ void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     WEFT_NVTX_RANGE("gemm_rs");
     State& s = *s_;
     const int64_t m = validate_gemm_rs_call(s.shape, s.num_ranks, a, b, c);
+    if (s.node_op) {
+        run_internode(s, m, a, b, c, stream);
+        return;
+    }
     const auto problem = [&] {
         std::ostringstream os;
         os << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)
@@ -474,6 +578,104 @@ void launch_call(GemmRs::State& s, size_t idx, const RsCall& call, cudaStream_t 
     fused.launch(call.gemm, call.sched, call.hook, stream);
     WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+    WEFT_LOG_DEBUG("gemm_rs: launched call " << s.launches);
+}
+
+/// A team that spans nodes (net::RsInterNodePlan, net::RsCallSchedule; docs/multinode.md, "GEMM+ReduceScatter across
+/// nodes"), R = M / W rows of C per rank:
+///   1. node stage, on `stream`: each other node m's block (by distance) in sub-blocks of rows, this node's own block
+///      last: the node op over this node's L members on rows [r0, r0 + S) of each of t(m, 0 .. L-1) leaves this rank
+///      this node's sum of those rows of t(m, local) in node_sums[m]; after a sub-block, its ready word is raised;
+///   2. network, on the comm stream (forked by begin_call): step k, sub-block by sub-block, waits for the sub-block's
+///      ready word, then sends those rows of node_sums[n + k] to the column member on node n + k and receives node
+///      n - k's sum of the same rows of this rank into received[n - k] (one grouped ncclSend/ncclRecv, under the
+///      backend's watcher), while the node stage computes the later sub-blocks;
+///   3. end_call joins the comm stream; rs_node_sum_kernel writes C = the sum over nodes in fp32, rounded once.
+/// Everything of the node stage is enqueued before the network steps: the comm stream only waits for words whose
+/// writer is enqueued, and this node's members never wait on this host's NCCL calls.
+void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const TensorView& b, const TensorView& c,
+                   cudaStream_t stream) {
+    net::HostBackend& net = *s.net;
+    const net::RsInterNodePlan& plan = s.plan;
+    const DType dtype = s.shape.dtype;
+    const int64_t es = dtype_bytes(dtype);
+    const int64_t rows = m / s.num_ranks;
+    const int64_t k = s.shape.k;
+    const int64_t lda = a.stride(0);
+    const int64_t row_bytes = s.ld * es;  // of a node sum
+    auto* a_bytes = static_cast<uint8_t*>(a.data);
+    const net::RsCallSchedule sched =
+        net::schedule_rs_call(plan, rows, static_cast<uint64_t>(row_bytes), s.chunk_bytes);
+    // Host set-up first: nothing that can throw between the launches below (the node's members wait on them).
+    struct NodeCall {
+        TensorView a, c;
+        bool gather = false;  // A's rows into the staging buffer first
+        const net::RsNodeCall* call = nullptr;
+    };
+    std::vector<NodeCall> calls;
+    for (const net::RsNodeCall& call : sched.calls) {
+        const net::RsNodeBlock& blk = plan.blocks[static_cast<size_t>(call.block)];
+        NodeCall x;
+        x.call = &call;
+        x.gather = blk.first_rank < 0 || call.num_rows != rows;
+        WEFT_CHECK(!x.gather || s.a_rows != nullptr, "gemm_rs: internal error: a node-stage call of "
+                                                         << call.num_rows << " of " << rows
+                                                         << " rows needs the staging buffer, which was not made");
+        const int64_t call_rows = call.num_rows * plan.per_node;
+        x.a = x.gather ? TensorView(s.a_rows, dtype, {call_rows, k}, {k, 1})
+                       : TensorView(a_bytes + blk.first_rank * rows * lda * es, dtype, {call_rows, k}, {lda, 1});
+        x.c = TensorView(s.slot(s.node_sums, blk.dest_node) + call.row_begin * row_bytes, dtype,
+                         {call.num_rows, s.shape.n}, {s.ld, 1});
+        calls.push_back(x);
+    }
+    RsNodeSumParams sum{};
+    for (int node = 0; node < plan.num_nodes; ++node) {
+        sum.inputs[node] = s.slot(node == plan.node ? s.node_sums : s.received, node);
+    }
+    sum.num_inputs = plan.num_nodes;
+    sum.rows = rows;
+    sum.cols = s.shape.n;
+    sum.ld_in = s.ld;
+    sum.out = c.data;
+    sum.ldc = c.stride(0);
+    const int64_t vectors = rows * ceil_div(s.shape.n, int64_t{8});
+    jit::LaunchParams lp;
+    lp.grid = dim3(static_cast<unsigned>(std::clamp<int64_t>(ceil_div(vectors, int64_t{kRsNodeSumThreads}), 1, 1024)),
+                   1, 1);
+    lp.block = dim3(kRsNodeSumThreads, 1, 1);
+    lp.stream = stream;
+    WEFT_LOG_DEBUG("gemm_rs: launching call " << ++s.launches << " across " << plan.num_nodes << " nodes (M " << m
+                                              << ", " << sched.calls.size() << " node-stage calls, "
+                                              << sched.chunks.size() << " network transfers)");
+
+    net.begin_call(stream);
+    for (const NodeCall& x : calls) {
+        const net::RsNodeCall& call = *x.call;
+        if (x.gather) {
+            // Rows [r0, r0 + S) of t(m, l) at l * S (the staging buffer's previous reader, the node stage's previous
+            // GEMM, is ahead in stream order).
+            const net::RsNodeBlock& blk = plan.blocks[static_cast<size_t>(call.block)];
+            for (int32_t l = 0; l < plan.per_node; ++l) {
+                const int64_t src_row = blk.rows_of[static_cast<size_t>(l)] * rows + call.row_begin;
+                WEFT_CUDA_CHECK(cudaMemcpy2DAsync(s.a_rows + l * call.num_rows * k * es, static_cast<size_t>(k * es),
+                                                  a_bytes + src_row * lda * es, static_cast<size_t>(lda * es),
+                                                  static_cast<size_t>(k * es), static_cast<size_t>(call.num_rows),
+                                                  cudaMemcpyDeviceToDevice, stream));
+            }
+        }
+        s.node_op->run(x.a, b, x.c, stream);
+        if (call.ready >= 0) net.mark_ready(stream, call.ready);
+    }
+    for (const net::RsNetChunk& ch : sched.chunks) {
+        const net::RsNetStep& st = plan.net_steps[static_cast<size_t>(ch.step)];
+        net.comm_wait_ready(ch.ready);
+        net.send_recv(s.slot(s.node_sums, st.to_node) + ch.row_begin * row_bytes,
+                      static_cast<uint64_t>(ch.num_rows * row_bytes), st.to_node,
+                      s.slot(s.received, st.from_node) + ch.row_begin * row_bytes, st.from_node);
+    }
+    net.end_call(stream);
+    s.sum_kernel->launch(lp, sum);
+    s.heap.note_use(stream);
     WEFT_LOG_DEBUG("gemm_rs: launched call " << s.launches);
 }
 

@@ -28,6 +28,7 @@ std::vector<jit::KernelSpec> tp_aot_specs() {
             f32.out_dtype = DType::kF32;
             if (is_valid(f32)) out.push_back(detail::gemm_rs_kernel_spec(f32));
         }
+        out.push_back(detail::rs_node_sum_kernel_spec(t));
         for (DType partial : {t, DType::kF32}) {
             out.push_back(detail::rs_reduce_kernel_spec(partial, t));
             out.push_back(detail::ar_reduce_kernel_spec(partial, t));

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
-// Teams that span (virtual) nodes, one process per rank: the hierarchical collectives and AgGemm (AllGather+GEMM)
-// against a host reference on awkward sizes, and a rank on another node that never arrives (docs/multinode.md). Run
+// Teams that span (virtual) nodes, one process per rank: the hierarchical collectives, AgGemm (AllGather+GEMM) and
+// GemmRs (GEMM+ReduceScatter) against a host reference on awkward sizes, and a rank on another node that never arrives
+// (docs/multinode.md). Run
 // under virtual nodes, e.g.
 //   WEFT_VIRTUAL_NODES=2 weftrun -n 4 -- weft_dist_tests --gtest_filter='MultiNode*'
 // Without virtual nodes (one node) every test here skips.
@@ -18,6 +19,7 @@
 #include "gpu/tp_test_util.hpp"
 #include "weft/net/host_backend.hpp"
 #include "weft/ops/ag_gemm.hpp"
+#include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/reduce_scatter.hpp"
@@ -341,6 +343,130 @@ TEST(MultiNode, AgGemmGraphReplay) {
     if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
     run_ag_gemm_across_nodes(true);
+}
+
+// GemmRs on a team that spans nodes (docs/multinode.md, "GEMM+ReduceScatter across nodes"): M not a multiple of the
+// tile (segments of 100 and 300 rows, and of one row), ragged N (100: the final sum's element-wise tail), one and
+// several counters per segment, bf16 and fp32 partials, a small SM budget, poisoned C, fresh A and B for every rank on
+// every call, a second call with another M; C against an fp64 host reference of sum_t A_t B_t^T on this rank's rows.
+// The world team (L members per node: the one-node GemmRs over each node, then the network) and, with 2 or more ranks
+// per node, every other rank (fewer members per node; one with 2 ranks per node: the node stage is the plain GEMM)
+// and the world with its team ranks interleaved over the nodes (team rank i on node i mod N: a block's A rows are not
+// one slice of A and are gathered first). `graph`: the second and third calls replay a CUDA graph captured after the
+// first.
+struct RsNodesCase {
+    int64_t rows, n, k, chunk_rows;
+    int sm_budget;
+    bool f32_partials;
+};
+
+void run_gemm_rs_across_nodes(bool graph) {
+    using namespace tp_test;
+    World& w = dist_world();
+    const std::vector<RsNodesCase> cases = {
+        {100, 200, 72, 0, 0, false}, {300, 136, 256, 128, 4, true}, {1, 8, 8, 0, 2, false}, {65, 100, 40, 0, 0, false}};
+    const DType dt = DType::kBF16;
+    std::vector<Team> teams = teams_under_test(w);
+    const int per_node = w.num_ranks() / w.num_nodes();
+    if (per_node >= 2) {
+        // Collective over the world: every process makes it here.
+        teams.push_back(w.team().split_color(0, (w.rank() % per_node) * w.num_nodes() + w.rank() / per_node));
+    }
+    for (const Team& team : teams) {
+        if (!team.is_member()) continue;
+        const int nr = team.num_ranks(), me = team.rank();
+        for (const RsNodesCase& cs : cases) {
+            const uint64_t base = 0x75ed0000ull + static_cast<uint64_t>(cs.rows * 31 + cs.n) + (graph ? 7 : 0);
+            const int64_t max_m = cs.rows * nr;
+            const std::string what = "gemm_rs across " + std::to_string(team.num_nodes()) + " nodes on " +
+                                     team.describe() + " rows/rank " + std::to_string(cs.rows) + " n " +
+                                     std::to_string(cs.n) + " k " + std::to_string(cs.k) + " chunk_rows " +
+                                     std::to_string(cs.chunk_rows) + (cs.f32_partials ? " f32 partials" : "") +
+                                     (graph ? " graph" : "") + ", team rank " + std::to_string(me);
+            ops::GemmRsOptions opt;
+            opt.chunk_rows = cs.chunk_rows;
+            opt.sm_budget = cs.sm_budget;
+            if (cs.f32_partials) opt.partial_dtype = DType::kF32;
+            const int64_t lda = ld_for(cs.k, 8), ldc = ld_for(cs.n, 8);
+            DevBuf a_dev(static_cast<size_t>(max_m * lda * 2)), b_dev(static_cast<size_t>(cs.n * lda * 2)),
+                c_dev(static_cast<size_t>(cs.rows * ldc * 2));
+            cudaStream_t st = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+            {
+                ops::GemmRs op(team, {max_m, cs.n, cs.k, dt}, opt);
+                // The node sums are rounded into the output dtype once more than on one node (one rounding per node,
+                // relative to the node's sum, which is at most the sum of its partials' magnitudes).
+                ErrorModel model = ErrorModel::tp_sum(dt, op.partial_dtype(), nr);
+                model.u_partial += unit_roundoff(dt);
+                cudaGraphExec_t exec = nullptr;
+                for (int call = 0; call < 3; ++call) {
+                    const int64_t rows = !graph && call == 1 ? std::max<int64_t>(1, cs.rows * 2 / 3) : cs.rows;
+                    const int64_t m = rows * nr;
+                    const std::string at = what + " call " + std::to_string(call) + " M " + std::to_string(m);
+                    // Every rank's A and B (the reference needs all of them); this rank uploads its own.
+                    std::vector<HostMat> as, bs;
+                    for (int r = 0; r < nr; ++r) {
+                        as.emplace_back(m, cs.k, lda, dt);
+                        as.back().fill_random(seed_of(base, 0, r, call));
+                        bs.emplace_back(cs.n, cs.k, lda, dt);
+                        bs.back().fill_random(seed_of(base, 1, r, call));
+                    }
+                    upload(as[static_cast<size_t>(me)], a_dev.ptr, st);
+                    upload(bs[static_cast<size_t>(me)], b_dev.ptr, st);
+                    HostMat c(rows, cs.n, ldc, dt);
+                    poison(c);
+                    upload(c, c_dev.ptr, st);
+                    const TensorView av = view(as[static_cast<size_t>(me)], a_dev.ptr);
+                    const TensorView bv = view(bs[static_cast<size_t>(me)], b_dev.ptr), cv = view(c, c_dev.ptr);
+                    if (!graph || call == 0) {
+                        op.run(av, bv, cv, st);
+                        if (graph) {
+                            // The communicators exist (the constructor made them) and the first call connected them:
+                            // capture the next call and replay it from call 1.
+                            w.sync_and_check(st);
+                            cudaGraph_t gr = nullptr;
+                            WEFT_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+                            op.run(av, bv, cv, st);
+                            WEFT_CUDA_CHECK(cudaStreamEndCapture(st, &gr));
+                            WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, gr, 0));
+                            WEFT_CUDA_CHECK(cudaGraphDestroy(gr));
+                        }
+                    } else {
+                        WEFT_CUDA_CHECK(cudaGraphLaunch(exec, st));
+                    }
+                    w.sync_and_check(st);
+
+                    download(c, c_dev.ptr, st);
+                    const std::vector<int64_t> check_rows = rows_to_check(
+                        rows, rows, static_cast<double>(cs.n * cs.k * nr), seed_of(base, 2, me, call));
+                    Reference ref(static_cast<int64_t>(check_rows.size()), cs.n);
+                    for (int r = 0; r < nr; ++r) {
+                        ref.add(as[static_cast<size_t>(r)], me * rows, check_rows, bs[static_cast<size_t>(r)]);
+                    }
+                    const std::string bad = compare(c, check_rows, ref, model);
+                    EXPECT_TRUE(bad.empty()) << at << ": C: " << bad;
+                }
+                if (exec != nullptr) WEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+            }
+            WEFT_CUDA_CHECK(cudaStreamDestroy(st));
+        }
+    }
+}
+
+TEST(MultiNode, GemmRsMatchesTheReference) {
+    World& w = dist_world();
+    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    run_gemm_rs_across_nodes(false);
+}
+
+TEST(MultiNode, GemmRsGraphReplay) {
+    World& w = dist_world();
+    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    run_gemm_rs_across_nodes(true);
 }
 
 // A World of its own with a short timeout: the last rank (on the last node) takes part in the first all-reduce (the

@@ -9,9 +9,11 @@
 #include <cuda_runtime.h>
 
 #include "weft/net/host_backend.hpp"
+#include "tp_test_util.hpp"
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
+#include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/weft.hpp"
 
@@ -153,6 +155,31 @@ TEST(MultiNodeThreads, AgGemmAcrossNodesOnOneGpuInOneProcessIsRefusedClearly) {
         virtual_nodes(2));
 }
 
+// GemmRs on a team that spans virtual nodes of one GPU, ranks as threads: refused the same way (its network backend,
+// in its constructor, on every member); GemmRs across nodes runs as processes (tests/dist, MultiNode.GemmRs*).
+TEST(MultiNodeThreads, GemmRsAcrossNodesOnOneGpuInOneProcessIsRefusedClearly) {
+    int devices = 0;
+    WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    if (devices > 1) GTEST_SKIP() << "ranks on several GPUs";
+    const std::string unavailable = net::nccl_unavailable_reason();
+    run_local(
+        4,
+        [&](World& w) {
+            try {
+                ops::GemmRs op(w, {64, 64, 64, DType::kBF16});
+                ADD_FAILURE() << "a GemmRs across virtual nodes of one GPU in one process was accepted";
+            } catch (const Error& e) {
+                const std::string what = e.what();
+                if (unavailable.empty()) {
+                    EXPECT_NE(what.find("threads of one process on one GPU"), std::string::npos) << what;
+                } else {
+                    EXPECT_NE(what.find("network backend is unavailable"), std::string::npos) << what;
+                }
+            }
+        },
+        virtual_nodes(2));
+}
+
 // One GPU per rank (a multi-GPU machine): NCCL accepts a column of threads on different GPUs, so the hierarchical
 // collectives run with ranks as threads (NCCL may carry the bytes through P2P: correctness, not the network path).
 TEST(MultiNodeThreads, CollectivesAcrossVirtualNodesWithAGpuPerRank) {
@@ -219,6 +246,69 @@ TEST(MultiNodeThreads, CollectivesAcrossVirtualNodesWithAGpuPerRank) {
             WEFT_CUDA_CHECK(cudaFreeAsync(out, s));
             WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
             cudaStreamDestroy(s);
+        },
+        virtual_nodes(2));
+}
+
+// GemmRs across two virtual nodes with a GPU per rank, ranks as threads (NCCL may carry the bytes through P2P:
+// correctness of the two stages, not of the network path; with one rank per GPU the node stage takes the push mode):
+// two calls with different M (segments not a multiple of the tile, several sub-blocks: WEFT_NET_CHUNK_BYTES=64K),
+// poisoned C, against the fp64 reference.
+TEST(MultiNodeThreads, GemmRsAcrossVirtualNodesWithAGpuPerRank) {
+    using namespace tp_test;
+    int devices = 0;
+    WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    if (devices < 2) GTEST_SKIP() << "needs a GPU per rank (2 or more GPUs)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    const int n = devices - devices % 2;
+    ::setenv("WEFT_NET_CHUNK_BYTES", "64K", 1);
+    const int64_t max_rows = 300, cols = 264, k = 128;
+    const DType dt = DType::kBF16;
+    const uint64_t base = fresh_seed();
+    run_local(
+        n,
+        [&](World& w) {
+            const int me = w.rank();
+            cudaStream_t st = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+            {
+                DevBuf a_dev(static_cast<size_t>(max_rows * n * k * 2)), b_dev(static_cast<size_t>(cols * k * 2)),
+                    c_dev(static_cast<size_t>(max_rows * cols * 2));
+                ops::GemmRs op(w, {max_rows * n, cols, k, dt});
+                for (int call = 0; call < 2; ++call) {
+                    const int64_t rows = call == 0 ? max_rows : 130;
+                    const int64_t m = rows * n;
+                    std::vector<HostMat> as, bs;
+                    for (int r = 0; r < n; ++r) {
+                        as.emplace_back(m, k, k, dt);
+                        as.back().fill_random(seed_of(base, 0, r, call));
+                        bs.emplace_back(cols, k, k, dt);
+                        bs.back().fill_random(seed_of(base, 1, r, call));
+                    }
+                    upload(as[static_cast<size_t>(me)], a_dev.ptr, st);
+                    upload(bs[static_cast<size_t>(me)], b_dev.ptr, st);
+                    HostMat c(rows, cols, cols, dt);
+                    poison(c);
+                    upload(c, c_dev.ptr, st);
+                    op.run(view(as[static_cast<size_t>(me)], a_dev.ptr), view(bs[static_cast<size_t>(me)], b_dev.ptr),
+                           view(c, c_dev.ptr), st);
+                    w.sync_and_check(st);
+                    download(c, c_dev.ptr, st);
+                    const std::vector<int64_t> check_rows =
+                        rows_to_check(rows, rows, static_cast<double>(cols * k * n), seed_of(base, 2, me, call));
+                    Reference ref(static_cast<int64_t>(check_rows.size()), cols);
+                    for (int r = 0; r < n; ++r) {
+                        ref.add(as[static_cast<size_t>(r)], me * rows, check_rows, bs[static_cast<size_t>(r)]);
+                    }
+                    ErrorModel model = ErrorModel::tp_sum(dt, op.partial_dtype(), n);
+                    model.u_partial += unit_roundoff(dt);  // each node's sum is rounded once more
+                    const std::string bad = compare(c, check_rows, ref, model);
+                    EXPECT_TRUE(bad.empty()) << "gemm_rs across 2 virtual nodes, rank " << me << " ("
+                                             << ops::gemm_rs_mode_name(op.mode()) << ") call " << call << " M "
+                                             << m << " seed " << base << ": " << bad;
+                }
+            }
+            WEFT_CUDA_CHECK(cudaStreamDestroy(st));
         },
         virtual_nodes(2));
 }

@@ -1,18 +1,22 @@
 // SPDX-License-Identifier: MIT
 // Unit tests for the multi-node pieces that need no GPU: virtual nodes, a team's layout over nodes, the network
-// path's chunk schedule, the hierarchical selection, NCCL's loading, and AgGemm's plan across nodes (which shard comes
-// from where, in what order; docs/multinode.md).
+// path's chunk schedule, the hierarchical selection, NCCL's loading, AgGemm's plan across nodes (which shard comes
+// from where, in what order) and GemmRs's (which rows are reduced where, which network steps pair up;
+// docs/multinode.md).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <numeric>
 #include <random>
+#include <tuple>
 
 #include "weft/common/tp_schedule.hpp"
 #include "weft/detail/node_topology.hpp"
 #include "weft/net/ag_gemm_plan.hpp"
 #include "weft/net/chunk_schedule.hpp"
+#include "weft/net/gemm_rs_plan.hpp"
 #include "weft/net/host_backend.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/runtime/error.hpp"
@@ -385,6 +389,326 @@ TEST(MultiNodeAgPlan, TileOrderTakesThisNodeFirstThenTheNetworksOrder) {
             }
         }
     }
+}
+
+// ---- GemmRs across nodes (include/weft/net/gemm_rs_plan.hpp) ----
+
+using net::plan_rs_internode;
+using net::RsInterNodePlan;
+using net::RsNetStep;
+using net::RsNodeBlock;
+
+// Two nodes of two, rank 1 (node 0, local 1): the node stage first reduces the rows of node 1's members (this rank
+// keeps its node's sum of rank 3's rows, its column peer), then its own node's (it keeps its node's sum of its own
+// rows); one network step sends the first to rank 3 and receives rank 3's node's sum of this rank's rows.
+TEST(MultiNodeRsPlan, TwoNodesOfTwo) {
+    const RsInterNodePlan p = plan_rs_internode(node_major(2, 2), 1);
+    EXPECT_EQ(p.node, 0);
+    EXPECT_EQ(p.local, 1);
+    EXPECT_EQ(p.node_peers, (std::vector<int32_t>{0, 1}));
+    ASSERT_EQ(p.blocks.size(), 2u);
+    EXPECT_EQ(p.blocks[0].dest_node, 1);
+    EXPECT_EQ(p.blocks[0].dest, 3);
+    EXPECT_EQ(p.blocks[0].rows_of, (std::vector<int32_t>{2, 3}));
+    EXPECT_EQ(p.blocks[0].first_rank, 2);
+    EXPECT_EQ(p.blocks[1].dest_node, 0);
+    EXPECT_EQ(p.blocks[1].dest, 1);
+    EXPECT_EQ(p.blocks[1].rows_of, (std::vector<int32_t>{0, 1}));
+    EXPECT_EQ(p.blocks[1].first_rank, 0);
+    ASSERT_EQ(p.net_steps.size(), 1u);
+    const RsNetStep& st = p.net_steps[0];
+    EXPECT_EQ(st.distance, 1);
+    EXPECT_EQ(st.block, 0);
+    EXPECT_EQ(st.to_node, 1);
+    EXPECT_EQ(st.to_rank, 3);
+    EXPECT_EQ(st.from_node, 1);
+    EXPECT_EQ(st.from_rank, 3);
+}
+
+// One rank per node: every block is one rank's rows (the node stage is the plain GEMM), every other node is a step.
+TEST(MultiNodeRsPlan, OneRankPerNode) {
+    for (int me = 0; me < 3; ++me) {
+        const RsInterNodePlan p = plan_rs_internode(node_major(3, 1), me);
+        EXPECT_EQ(p.node_peers, (std::vector<int32_t>{me}));
+        ASSERT_EQ(p.blocks.size(), 3u);
+        for (int i = 0; i < 3; ++i) {
+            const RsNodeBlock& b = p.blocks[static_cast<size_t>(i)];
+            EXPECT_EQ(b.dest_node, (me + 1 + i) % 3);
+            EXPECT_EQ(b.rows_of, (std::vector<int32_t>{b.dest_node}));
+            EXPECT_EQ(b.first_rank, b.dest_node);
+        }
+        ASSERT_EQ(p.net_steps.size(), 2u);
+        EXPECT_EQ(p.net_steps[0].to_rank, (me + 1) % 3);
+        EXPECT_EQ(p.net_steps[0].from_rank, (me + 2) % 3);
+        EXPECT_EQ(p.net_steps[1].to_rank, (me + 2) % 3);
+        EXPECT_EQ(p.net_steps[1].from_rank, (me + 1) % 3);
+    }
+}
+
+// The whole protocol on the host, for every layout (node-major and shuffled) and every member, with an integer
+// partial per (team rank, row): the node stage (the one-node GemmRs over each node's members: member l of a block
+// keeps the node's sum of rows [l R, (l+1) R) of the block's A, i.e. of team rank rows_of[l]), the network steps
+// (matched by sender, receiver and distance: every send has exactly its receive), the final sum. Every rank's C must
+// be the sum over every team rank of that rank's rows, each partial counted once. Also: the members of a node run the
+// same blocks in the same order (the node stage's calls match), blocks of other nodes come in step order and this
+// node's last, first_rank describes a slice of A exactly when the block's ranks are consecutive.
+TEST(MultiNodeRsPlan, EveryPartialIsSummedOnceAndTheStepsPairUp) {
+    std::mt19937 rng(11);
+    constexpr int64_t kRows = 3;  // R rows of C per rank
+    for (const auto& [nodes, per_node] : {std::pair{2, 1}, std::pair{2, 2}, std::pair{2, 4}, std::pair{3, 2},
+                                          std::pair{4, 2}, std::pair{4, 8}, std::pair{3, 3}, std::pair{5, 1}}) {
+        for (int shuffle = 0; shuffle < 3; ++shuffle) {
+            const int w = nodes * per_node;
+            std::vector<int> ranks(static_cast<size_t>(w));
+            std::iota(ranks.begin(), ranks.end(), 0);
+            if (shuffle > 0) std::shuffle(ranks.begin(), ranks.end(), rng);
+            std::vector<std::vector<int>> by_node(static_cast<size_t>(nodes));
+            for (size_t i = 0; i < ranks.size(); ++i) by_node[i / static_cast<size_t>(per_node)].push_back(ranks[i]);
+            SCOPED_TRACE(std::to_string(nodes) + " nodes x " + std::to_string(per_node) + ", shuffle " +
+                         std::to_string(shuffle));
+            std::vector<RsInterNodePlan> plans;
+            for (int me = 0; me < w; ++me) plans.push_back(plan_rs_internode(by_node, me));
+            // partial[t][row]: team rank t's partial of row `row` of the M = W R rows.
+            const int64_t m = w * kRows;
+            std::vector<std::vector<int64_t>> partial(static_cast<size_t>(w),
+                                                      std::vector<int64_t>(static_cast<size_t>(m)));
+            for (auto& p : partial) {
+                for (auto& x : p) x = static_cast<int64_t>(rng() % 1000003);
+            }
+            const auto at = [&](const std::vector<int64_t>& v, int64_t i) { return v[static_cast<size_t>(i)]; };
+            // Node stage: node_sum[t][dest_node][i], i < R, on member t.
+            std::vector<std::vector<std::vector<int64_t>>> node_sum(
+                static_cast<size_t>(w), std::vector<std::vector<int64_t>>(static_cast<size_t>(nodes)));
+            for (const RsInterNodePlan& p : plans) {
+                ASSERT_EQ(p.blocks.size(), static_cast<size_t>(nodes));
+                EXPECT_EQ(p.blocks.back().dest_node, p.node) << "rank " << p.me << ": this node's rows last";
+                EXPECT_EQ(p.node_peers, std::vector<int32_t>(by_node[static_cast<size_t>(p.node)].begin(),
+                                                             by_node[static_cast<size_t>(p.node)].end()));
+                for (size_t i = 0; i < p.blocks.size(); ++i) {
+                    const RsNodeBlock& b = p.blocks[i];
+                    // The node's members make the same calls: member 0's blocks.
+                    const RsInterNodePlan& first = plans[static_cast<size_t>(p.node_peers[0])];
+                    EXPECT_EQ(b.dest_node, first.blocks[i].dest_node) << "rank " << p.me << " block " << i;
+                    EXPECT_EQ(b.rows_of, first.blocks[i].rows_of) << "rank " << p.me << " block " << i;
+                    EXPECT_EQ(b.rows_of, std::vector<int32_t>(by_node[static_cast<size_t>(b.dest_node)].begin(),
+                                                              by_node[static_cast<size_t>(b.dest_node)].end()));
+                    EXPECT_EQ(b.dest, b.rows_of[static_cast<size_t>(p.local)]);
+                    bool consecutive = true;
+                    for (int l = 0; l < per_node; ++l) {
+                        consecutive = consecutive && b.rows_of[static_cast<size_t>(l)] == b.rows_of[0] + l;
+                    }
+                    EXPECT_EQ(b.first_rank, consecutive ? b.rows_of[0] : -1);
+                    if (i + 1 < p.blocks.size()) {
+                        EXPECT_EQ(b.dest_node, p.net_steps[i].to_node) << "block " << i << " is sent at step " << i + 1;
+                        EXPECT_EQ(p.net_steps[i].block, static_cast<int32_t>(i));
+                    }
+                    // The one-node GemmRs on A's block rows (rows_of[l]'s R rows at l R): member `local` keeps the
+                    // node's sum of its rows.
+                    std::vector<int64_t> sum(static_cast<size_t>(kRows), 0);
+                    for (int32_t s : p.node_peers) {
+                        for (int64_t r = 0; r < kRows; ++r) {
+                            const int64_t row = b.rows_of[static_cast<size_t>(p.local)] * kRows + r;
+                            sum[static_cast<size_t>(r)] += at(partial[static_cast<size_t>(s)], row);
+                        }
+                    }
+                    node_sum[static_cast<size_t>(p.me)][static_cast<size_t>(b.dest_node)] = sum;
+                }
+            }
+            // Network: (sender, receiver, distance) -> the bytes; every receive takes exactly one send.
+            std::map<std::tuple<int, int, int>, std::vector<int64_t>> wire;
+            for (const RsInterNodePlan& p : plans) {
+                ASSERT_EQ(p.net_steps.size(), static_cast<size_t>(nodes - 1));
+                for (const RsNetStep& st : p.net_steps) {
+                    EXPECT_EQ(st.to_rank, by_node[static_cast<size_t>(st.to_node)][static_cast<size_t>(p.local)]);
+                    EXPECT_EQ(st.from_rank, by_node[static_cast<size_t>(st.from_node)][static_cast<size_t>(p.local)]);
+                    EXPECT_NE(st.to_node, p.node);
+                    EXPECT_NE(st.from_node, p.node);
+                    const auto key = std::tuple{p.me, static_cast<int>(st.to_rank), static_cast<int>(st.distance)};
+                    EXPECT_EQ(wire.count(key), 0u);
+                    wire[key] = node_sum[static_cast<size_t>(p.me)][static_cast<size_t>(st.to_node)];
+                }
+            }
+            for (const RsInterNodePlan& p : plans) {
+                std::vector<int64_t> c = node_sum[static_cast<size_t>(p.me)][static_cast<size_t>(p.node)];
+                std::vector<bool> from_node(static_cast<size_t>(nodes), false);
+                from_node[static_cast<size_t>(p.node)] = true;
+                for (const RsNetStep& st : p.net_steps) {
+                    const auto key = std::tuple{static_cast<int>(st.from_rank), p.me, static_cast<int>(st.distance)};
+                    ASSERT_EQ(wire.count(key), 1u) << "rank " << p.me << " receives from " << st.from_rank
+                                                   << " at distance " << st.distance << ", which does not send it";
+                    const std::vector<int64_t>& got = wire[key];
+                    ASSERT_EQ(got.size(), static_cast<size_t>(kRows));
+                    for (int64_t r = 0; r < kRows; ++r) c[static_cast<size_t>(r)] += got[static_cast<size_t>(r)];
+                    EXPECT_FALSE(from_node[static_cast<size_t>(st.from_node)]) << "node " << st.from_node << " twice";
+                    from_node[static_cast<size_t>(st.from_node)] = true;
+                    wire.erase(key);
+                }
+                for (int64_t r = 0; r < kRows; ++r) {
+                    int64_t want = 0;
+                    for (int t = 0; t < w; ++t) want += at(partial[static_cast<size_t>(t)], p.me * kRows + r);
+                    EXPECT_EQ(c[static_cast<size_t>(r)], want) << "rank " << p.me << " row " << r;
+                }
+            }
+            EXPECT_TRUE(wire.empty()) << wire.size() << " sends nobody received";
+        }
+    }
+}
+
+// A call's schedule (net::schedule_rs_call) on the host, for several layouts, row counts and chunk sizes: the node
+// stage's calls cover every row of every block exactly once (sub-blocks of other nodes' blocks: multiples of
+// kRsSubBlockRows but the last, within the chunk size unless the ready words run out; this node's block whole and
+// last); ready words are distinct, fewer than net::kMaxChunks, and each transfer waits for the call that computed its
+// rows; the transfers of a step cover its block's rows in order; a transfer's send is the matching receive of the
+// column member it goes to (same step, same rows, paired by sender and receiver); and the sums come out right.
+TEST(MultiNodeRsPlan, SubBlocksCoverEveryRowOnceAndTheTransfersPairUp) {
+    std::mt19937 rng(5);
+    for (const auto& [nodes, per_node] :
+         {std::pair{2, 1}, std::pair{2, 2}, std::pair{3, 2}, std::pair{4, 2}, std::pair{2, 8}, std::pair{33, 1}}) {
+        for (const int64_t rows : {int64_t{1}, int64_t{100}, int64_t{128}, int64_t{300}, int64_t{4097}}) {
+            for (const uint64_t chunk_bytes : {uint64_t{1}, uint64_t{64} << 10, uint64_t{4} << 20}) {
+                const uint64_t row_bytes = 272;
+                const int w = nodes * per_node;
+                std::vector<int> ranks(static_cast<size_t>(w));
+                std::iota(ranks.begin(), ranks.end(), 0);
+                std::shuffle(ranks.begin(), ranks.end(), rng);
+                std::vector<std::vector<int>> by_node(static_cast<size_t>(nodes));
+                for (size_t i = 0; i < ranks.size(); ++i)
+                    by_node[i / static_cast<size_t>(per_node)].push_back(ranks[i]);
+                SCOPED_TRACE(std::to_string(nodes) + " nodes x " + std::to_string(per_node) + ", rows " +
+                             std::to_string(rows) + ", chunk_bytes " + std::to_string(chunk_bytes));
+                std::vector<RsInterNodePlan> plans;
+                std::vector<net::RsCallSchedule> scheds;
+                for (int me = 0; me < w; ++me) {
+                    plans.push_back(plan_rs_internode(by_node, me));
+                    scheds.push_back(net::schedule_rs_call(plans.back(), rows, row_bytes, chunk_bytes));
+                }
+                // One value per (team rank t, row of the M = W R rows) as t's partial.
+                const auto partial = [&](int t, int64_t row) {
+                    return static_cast<int64_t>(t) * 1000003 + row * 7 + 1;
+                };
+                // node_sum[t][node m][r]: what member t holds for t(m, local)'s row r after the node stage.
+                std::vector<std::vector<std::vector<int64_t>>> node_sum(
+                    static_cast<size_t>(w),
+                    std::vector<std::vector<int64_t>>(static_cast<size_t>(nodes),
+                                                      std::vector<int64_t>(static_cast<size_t>(rows), -1)));
+                for (int me = 0; me < w; ++me) {
+                    const RsInterNodePlan& p = plans[static_cast<size_t>(me)];
+                    const net::RsCallSchedule& sc = scheds[static_cast<size_t>(me)];
+                    // The node's members make the same calls (the one-node op's calls must match).
+                    const net::RsCallSchedule& first = scheds[static_cast<size_t>(p.node_peers[0])];
+                    ASSERT_EQ(sc.calls.size(), first.calls.size());
+                    std::vector<bool> ready_seen(static_cast<size_t>(net::kMaxChunks), false);
+                    for (size_t i = 0; i < sc.calls.size(); ++i) {
+                        const net::RsNodeCall& call = sc.calls[i];
+                        EXPECT_EQ(call.block, first.calls[i].block);
+                        EXPECT_EQ(call.row_begin, first.calls[i].row_begin);
+                        EXPECT_EQ(call.num_rows, first.calls[i].num_rows);
+                        const RsNodeBlock& b = p.blocks[static_cast<size_t>(call.block)];
+                        ASSERT_GE(call.num_rows, 1);
+                        ASSERT_LE(call.row_begin + call.num_rows, rows);
+                        if (b.dest_node == p.node) {
+                            EXPECT_EQ(call.ready, -1);
+                            EXPECT_EQ(call.num_rows, rows);
+                            EXPECT_EQ(i + 1, sc.calls.size()) << "this node's block last";
+                        } else {
+                            ASSERT_GE(call.ready, 0);
+                            ASSERT_LT(call.ready, net::kMaxChunks);
+                            EXPECT_FALSE(ready_seen[static_cast<size_t>(call.ready)]) << "ready " << call.ready;
+                            ready_seen[static_cast<size_t>(call.ready)] = true;
+                            EXPECT_EQ(call.row_begin % net::kRsSubBlockRows, 0);
+                            if (call.row_begin + call.num_rows < rows) {
+                                EXPECT_EQ(call.num_rows % net::kRsSubBlockRows, 0);
+                                if (sc.sub_blocks * (nodes - 1) < net::kMaxChunks / 2) {
+                                    EXPECT_LE(static_cast<uint64_t>(call.num_rows) * row_bytes,
+                                              std::max<uint64_t>(chunk_bytes, net::kRsSubBlockRows * row_bytes));
+                                }
+                            }
+                        }
+                        for (int64_t r = call.row_begin; r < call.row_begin + call.num_rows; ++r) {
+                            int64_t& slot = node_sum[static_cast<size_t>(me)][static_cast<size_t>(b.dest_node)]
+                                                    [static_cast<size_t>(r)];
+                            EXPECT_EQ(slot, -1) << "row " << r << " of block " << call.block << " computed twice";
+                            slot = 0;
+                            for (int32_t t : p.node_peers) slot += partial(t, b.dest * rows + r);
+                        }
+                    }
+                    for (int node = 0; node < nodes; ++node) {
+                        for (int64_t r = 0; r < rows; ++r) {
+                            ASSERT_NE(
+                                node_sum[static_cast<size_t>(me)][static_cast<size_t>(node)][static_cast<size_t>(r)],
+                                -1)
+                                << "rank " << me << ": row " << r << " for node " << node << " never computed";
+                        }
+                    }
+                    // Transfers: per step, its block's rows in order, each after the call that computed them.
+                    int64_t next = 0;
+                    int32_t step = 0;
+                    for (const net::RsNetChunk& ch : sc.chunks) {
+                        if (ch.step != step) {
+                            EXPECT_EQ(next, rows) << "step " << step << " covers its block";
+                            EXPECT_EQ(ch.step, step + 1);
+                            step = ch.step;
+                            next = 0;
+                        }
+                        EXPECT_EQ(ch.row_begin, next);
+                        next = ch.row_begin + ch.num_rows;
+                        const auto it = std::find_if(sc.calls.begin(), sc.calls.end(),
+                                                     [&](const net::RsNodeCall& c) { return c.ready == ch.ready; });
+                        ASSERT_NE(it, sc.calls.end());
+                        EXPECT_EQ(it->block, p.net_steps[static_cast<size_t>(ch.step)].block);
+                        EXPECT_EQ(it->row_begin, ch.row_begin);
+                        EXPECT_EQ(it->num_rows, ch.num_rows);
+                    }
+                    EXPECT_EQ(step, nodes - 2);
+                    EXPECT_EQ(next, rows);
+                }
+                // The wire: (sender, receiver, step, first row) -> the rows' values.
+                std::map<std::tuple<int, int, int, int64_t>, std::vector<int64_t>> wire;
+                for (int me = 0; me < w; ++me) {
+                    const RsInterNodePlan& p = plans[static_cast<size_t>(me)];
+                    for (const net::RsNetChunk& ch : scheds[static_cast<size_t>(me)].chunks) {
+                        const RsNetStep& st = p.net_steps[static_cast<size_t>(ch.step)];
+                        const auto& from = node_sum[static_cast<size_t>(me)][static_cast<size_t>(st.to_node)];
+                        wire[{me, st.to_rank, ch.step, ch.row_begin}] = std::vector<int64_t>(
+                            from.begin() + ch.row_begin, from.begin() + ch.row_begin + ch.num_rows);
+                    }
+                }
+                for (int me = 0; me < w; ++me) {
+                    const RsInterNodePlan& p = plans[static_cast<size_t>(me)];
+                    std::vector<int64_t> c = node_sum[static_cast<size_t>(me)][static_cast<size_t>(p.node)];
+                    for (const net::RsNetChunk& ch : scheds[static_cast<size_t>(me)].chunks) {
+                        const RsNetStep& st = p.net_steps[static_cast<size_t>(ch.step)];
+                        const auto key =
+                            std::tuple{static_cast<int>(st.from_rank), me, static_cast<int>(ch.step), ch.row_begin};
+                        ASSERT_EQ(wire.count(key), 1u) << "rank " << me << " step " << ch.step << " rows from "
+                                                       << ch.row_begin << ": nobody sends them";
+                        const std::vector<int64_t>& got = wire[key];
+                        ASSERT_EQ(static_cast<int64_t>(got.size()), ch.num_rows) << "send and receive sizes differ";
+                        for (int64_t r = 0; r < ch.num_rows; ++r) {
+                            c[static_cast<size_t>(ch.row_begin + r)] += got[static_cast<size_t>(r)];
+                        }
+                        wire.erase(key);
+                    }
+                    for (int64_t r = 0; r < rows; ++r) {
+                        int64_t want = 0;
+                        for (int t = 0; t < w; ++t) want += partial(t, me * rows + r);
+                        ASSERT_EQ(c[static_cast<size_t>(r)], want) << "rank " << me << " row " << r;
+                    }
+                }
+                EXPECT_TRUE(wire.empty()) << wire.size() << " transfers nobody received";
+            }
+        }
+    }
+}
+
+TEST(MultiNodeRsPlan, RefusesBadLayouts) {
+    EXPECT_NE(error_of([] { (void)plan_rs_internode({{0, 1}, {2}}, 0); }).find("same number"), std::string::npos);
+    EXPECT_NE(error_of([] { (void)plan_rs_internode({{0, 1}, {1, 2}}, 0); }).find("appears twice"), std::string::npos);
+    EXPECT_NE(error_of([] { (void)plan_rs_internode({{0, 1}, {2, 4}}, 0); }).find("out of range"), std::string::npos);
+    EXPECT_NE(error_of([] {
+                  (void)plan_rs_internode({{0, 1}, {2, 3}}, 5);
+              }).find("not in the layout"),
+              std::string::npos);
 }
 
 }  // namespace

@@ -89,6 +89,9 @@ TEST(TpNvrtc, GemmRsKernelsCompileClean) {
                   kPushSpillBudget);
     compile_clean(compiler, ops::detail::gemm_rs_kernel_spec(cfg(6, DType::kBF16, DType::kBF16), kArch,
                                                              ops::GemmRsMode::kPush));  // 128x128: no spill
+    // A team that spans nodes: the final sum of the nodes' partial sums.
+    compile_clean(compiler, ops::detail::rs_node_sum_kernel_spec(DType::kBF16, kArch));
+    compile_clean(compiler, ops::detail::rs_node_sum_kernel_spec(DType::kF16, kArch));
 }
 
 // Ping-pong tiles in the fused kernels (each consumer warpgroup adds to, stores and signals its own tiles): no
@@ -128,6 +131,7 @@ TEST(TpNvrtc, AotSpecsCoverTheOpsKernels) {
           ops::detail::ag_relay_kernel_spec(),
           ops::detail::gemm_rs_kernel_spec(c),
           ops::detail::rs_reduce_kernel_spec(DType::kBF16, DType::kBF16),
+          ops::detail::rs_node_sum_kernel_spec(DType::kBF16),
           ops::detail::ar_reduce_kernel_spec(DType::kF32, DType::kF16)}) {
         EXPECT_EQ(names.count(want.header + "|" + want.instantiation), 1u) << want.instantiation;
     }

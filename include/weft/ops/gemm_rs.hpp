@@ -70,7 +70,9 @@ public:
     /// Allocates the partial buffer [max_m, n] and the counters in the symmetric heap (team-collectively) and an fp32
     /// accumulator, compiles and loads the kernels, ends with a team barrier. Throws weft::Error on every member
     /// for a bad shape or options, or when a member's heap is not load/store reachable; on a rank that is not a
-    /// member, a weft::Error naming the team's world ranks.
+    /// member, a weft::Error naming the team's world ranks. A team that spans nodes reduces in two stages: this op
+    /// over each node's members, then the network backend's send/receive across the nodes (weft/net/host_backend.hpp;
+    /// made here, collectively; its errors are thrown here): docs/multinode.md, "GEMM+ReduceScatter across nodes".
     GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& options = {});
     /// GemmRs(world.team(), shape, options).
     GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& options = {});
@@ -135,6 +137,8 @@ FusedGemmSpec gemm_rs_fused_spec(GemmRsMode mode);
 jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch = "",
                                     GemmRsMode mode = GemmRsMode::kPull);
 jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::string& arch = "");
+/// A team that spans nodes: the final sum of the nodes' partial sums (kernels/gemm_rs/node_sum.cuh).
+jit::KernelSpec rs_node_sum_kernel_spec(DType dtype, const std::string& arch = "");
 }  // namespace detail
 
 }  // namespace weft::ops
