@@ -33,6 +33,7 @@
 #include "soak_plan.hpp"
 #include "weft/ops/ep.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/module_loading.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::bench::soak {
@@ -370,16 +371,29 @@ int report(const Options& o, const std::vector<WorldResult>& results,
     return ok ? 0 : 1;
 }
 
+/// The value CUDA read for `name` when it initialised (the variable as the process holds it), or "unset".
+std::string env_or_unset(const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr ? v : "unset";
+}
+
 int run(int argc, char** argv) {
+    // Before the process's first CUDA call: the driver reads both variables once, when it initialises. Without it
+    // the ranks (threads sharing one GPU) run with lazy module loading and CUDA's 8 hardware queues, the two
+    // settings under which a launch can be held back behind a peer's spinning kernel (docs/runtime.md).
+    prepare_cuda_environment();
     const Options o = parse_options(argc, argv);
     WEFT_CUDA_CHECK(cudaFree(nullptr));
+    warn_if_lazy_module_loading();
     cudaDeviceProp prop{};
     WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf(
-        "weft_soak: %s, %s, seed %llu, %d calls per world size%s, delays p=%.3f up to %d ms, hang bound %d ms\n",
+        "weft_soak: %s, %s, seed %llu, %d calls per world size%s, delays p=%.3f up to %d ms, hang bound %d ms, "
+        "CUDA_DEVICE_MAX_CONNECTIONS=%s, CUDA_MODULE_LOADING=%s\n",
         prop.name, utc_date().c_str(), static_cast<unsigned long long>(o.seed), o.calls,
         o.seconds > 0 ? (", at most " + std::to_string(o.seconds) + " s each").c_str() : "", o.delay_prob,
-        o.max_delay_ms, o.hang_ms);
+        o.max_delay_ms, o.hang_ms, env_or_unset("CUDA_DEVICE_MAX_CONNECTIONS").c_str(),
+        env_or_unset("CUDA_MODULE_LOADING").c_str());
     std::fflush(stdout);
     std::vector<WorldResult> results;
     std::vector<std::pair<int64_t, int>> process_leaks;  // per world: device bytes, file descriptors
