@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -269,6 +270,16 @@ std::string RankOps::run(const Plan& p) {
 
 // ------------------------------------------------------------------------------------------------
 // Shared by the calls.
+
+int64_t steady_now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+void RankOps::set_phase(Phase p) const {
+    if (phase_since_ns_ != nullptr) phase_since_ns_->store(steady_now_ns());
+    if (phase_ != nullptr) phase_->store(static_cast<int>(p));
+}
 
 void RankOps::sync() {
     set_phase(Phase::kDevice);

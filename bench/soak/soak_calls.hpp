@@ -57,8 +57,11 @@ public:
     RankOps& operator=(const RankOps&) = delete;
 
     cudaStream_t stream() const { return s_; }
-    /// Where run() records its phase (nullptr: nowhere).
-    void report_phase_to(std::atomic<int>* phase) { phase_ = phase; }
+    /// Where run() records its phase and the steady-clock time (ns) it entered it (nullptr: nowhere).
+    void report_phase_to(std::atomic<int>* phase, std::atomic<int64_t>* since_ns) {
+        phase_ = phase;
+        phase_since_ns_ = since_ns;
+    }
 
     /// Runs the call and checks this rank's result: "" when right, else what was wrong. Throws weft::Error when the
     /// call fails (a diagnosed device wait, an abort). Every rank of the World runs the same plan.
@@ -78,9 +81,7 @@ private:
     // Shared by the calls.
     uint8_t* in_buffer(const Plan& p) const { return p.in_sym ? sym_in_ : dev_in_.bytes(); }
     uint8_t* out_buffer(const Plan& p) const { return p.out_sym ? sym_out_ : dev_out_.bytes(); }
-    void set_phase(Phase p) const {
-        if (phase_ != nullptr) phase_->store(static_cast<int>(p));
-    }
+    void set_phase(Phase p) const;
     void sync();  // w_.sync_and_check(s_), in phase kDevice
     const std::vector<uint8_t>& download(const void* src, uint64_t bytes);
     std::string check_sums(const Plan& p, const void* out, uint64_t count, uint64_t first);
@@ -104,6 +105,10 @@ private:
     std::unique_ptr<ops::ep::LowLatencyHandle> low_latency_;
     std::vector<uint8_t> host_;  // the last download
     std::atomic<int>* phase_ = nullptr;
+    std::atomic<int64_t>* phase_since_ns_ = nullptr;
 };
+
+/// The steady clock in nanoseconds (the phases' times).
+int64_t steady_now_ns();
 
 }  // namespace weft::bench::soak
