@@ -182,7 +182,10 @@ void rank_main(World& w, Shared& sh) {
             set_phase(Phase::kBetween);
             const std::string m = e.what();
             const bool hang = m.find("timed out") != std::string::npos;
-            sh.problem(call_label(me, call, p) + ": " + (hang ? "HANG: " : "ERROR: ") + m);
+            // An EP normal call: what this rank launched, to set against the counts its peers waited for.
+            const std::string ledger = p.kind == Kind::kEpNormal ? ops_here.ep_normal_ledger() : "";
+            sh.problem(call_label(me, call, p) + ": " + (hang ? "HANG: " : "ERROR: ") + m +
+                       (ledger.empty() ? "" : " [" + ledger + "]"));
             std::lock_guard<std::mutex> lock(sh.mutex);
             (hang ? sh.result.hangs : sh.result.errors) += 1;
             if (!sh.failed.exchange(true)) {

@@ -67,6 +67,12 @@ public:
     /// call fails (a diagnosed device wait, an abort). Every rank of the World runs the same plan.
     std::string run(const Plan& p);
 
+    /// The host's count of this rank's EP normal launches, for a failed call's report: "EP normal dispatch N
+    /// launched; rows sent to ranks 0..w-1 before it: ...; in it: ...". N is the count signal the peers wait for from
+    /// this rank in that dispatch (its mailbox epoch); "before" plus "in it" for rank d is the data signal rank d
+    /// waits for from this rank (cumulative over the Buffer's dispatches). "" before the first.
+    std::string ep_normal_ledger() const;
+
 private:
     // Per op: fill this rank's inputs on the device, call, wait, check sampled outputs against the host reference.
     std::string all_reduce(const Plan& p);
@@ -103,7 +109,10 @@ private:
     std::unique_ptr<ops::ep::Buffer> ep_;
     std::unique_ptr<ops::ep::NormalHandle> normal_;
     std::unique_ptr<ops::ep::LowLatencyHandle> low_latency_;
-    std::vector<uint8_t> host_;  // the last download
+    std::vector<uint8_t> host_;            // the last download
+    int64_t ep_normal_dispatches_ = 0;     // normal dispatches launched on ep_ (the warm-up pass's included)
+    std::vector<int64_t> ep_rows_before_;  // per destination: rows sent by the dispatches before the last
+    std::vector<int64_t> ep_rows_last_;    // per destination: rows sent by the last dispatch
     std::atomic<int>* phase_ = nullptr;
     std::atomic<int64_t>* phase_since_ns_ = nullptr;
 };
