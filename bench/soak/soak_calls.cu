@@ -171,6 +171,10 @@ DeviceBuffer::DeviceBuffer(size_t bytes) { WEFT_CUDA_CHECK(cudaMalloc(&ptr, byte
 
 DeviceBuffer::~DeviceBuffer() { cudaFree(ptr); }
 
+PinnedBuffer::PinnedBuffer(size_t bytes) { WEFT_CUDA_CHECK(cudaHostAlloc(&ptr, bytes, cudaHostAllocDefault)); }
+
+PinnedBuffer::~PinnedBuffer() { cudaFreeHost(ptr); }
+
 RankOps::RankOps(World& w)
     : w_(w),
       me_(w.rank()),
@@ -183,7 +187,9 @@ RankOps::RankOps(World& w)
       ep_x_(static_cast<size_t>(kEpMaxTokens * kEpHidden * 2)),
       ep_idx_(static_cast<size_t>(kEpMaxTokens * kEpTopk * 4)),
       ep_weights_(static_cast<size_t>(kEpMaxTokens * kEpTopk * 4)),
-      ep_out_(static_cast<size_t>(kEpMaxTokens * kEpHidden * 2)) {
+      ep_out_(static_cast<size_t>(kEpMaxTokens * kEpHidden * 2)),
+      pinned_in_(static_cast<size_t>(kEpMaxTokens * kEpTopk * 4 * 2)),
+      pinned_out_(kBufferBytes) {
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
     ops::prepare_collectives(w);
     sym_in_ = static_cast<uint8_t*>(w.heap().alloc(kBufferBytes));
@@ -256,9 +262,10 @@ void RankOps::sync() {
 
 const std::vector<uint8_t>& RankOps::download(const void* src, uint64_t bytes) {
     set_phase(Phase::kCheck);
-    host_.resize(bytes);
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(host_.data(), src, bytes, cudaMemcpyDeviceToHost, s_));
+    WEFT_CHECK(bytes <= kBufferBytes, "weft_soak: a download of " << bytes << " bytes exceeds " << kBufferBytes);
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(pinned_out_.ptr, src, bytes, cudaMemcpyDeviceToHost, s_));
     WEFT_CUDA_CHECK(cudaStreamSynchronize(s_));
+    host_.assign(pinned_out_.bytes(), pinned_out_.bytes() + bytes);
     return host_;
 }
 
@@ -410,9 +417,13 @@ std::string RankOps::ep_normal_ledger() const {
 std::string RankOps::ep_call(const Plan& p, bool low_latency) {
     const int tokens = p.tokens[static_cast<size_t>(me_)];
     const Routing r = routing_of(p.salt, me_, tokens, kEpExpertsPerRank * n_);
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(ep_idx_.ptr, r.idx.data(), r.idx.size() * 4, cudaMemcpyHostToDevice, s_));
-    WEFT_CUDA_CHECK(
-        cudaMemcpyAsync(ep_weights_.ptr, r.weights.data(), r.weights.size() * 4, cudaMemcpyHostToDevice, s_));
+    // Through the pinned buffer (free again: the previous call ended with its stream synchronised).
+    auto* idx_host = reinterpret_cast<int32_t*>(pinned_in_.bytes());
+    auto* weights_host = reinterpret_cast<float*>(pinned_in_.bytes() + kEpMaxTokens * kEpTopk * 4);
+    std::copy(r.idx.begin(), r.idx.end(), idx_host);
+    std::copy(r.weights.begin(), r.weights.end(), weights_host);
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(ep_idx_.ptr, idx_host, r.idx.size() * 4, cudaMemcpyHostToDevice, s_));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(ep_weights_.ptr, weights_host, r.weights.size() * 4, cudaMemcpyHostToDevice, s_));
     fill_small(ep_x_.ptr, DType::kBF16, static_cast<uint64_t>(tokens) * kEpHidden, p.salt, me_, kEpRange, s_);
     WEFT_CUDA_CHECK(cudaMemsetAsync(ep_out_.ptr, 0xff, static_cast<size_t>(tokens) * kEpHidden * 2, s_));
     const TensorView x(ep_x_.ptr, DType::kBF16, {tokens, kEpHidden});

@@ -46,6 +46,18 @@ struct DeviceBuffer {
     uint8_t* bytes() const { return static_cast<uint8_t*>(ptr); }
 };
 
+/// A page-locked host buffer (cudaHostAlloc), freed with it. The calls' host copies go through these: CUDA stages a
+/// pageable copy through its own pinned buffers, and with ranks sharing a GPU such copies have been seen held up while
+/// peers' kernels spin (docs/runtime.md, "Pageable host copies"). Allocated with the ops, before any call.
+struct PinnedBuffer {
+    void* ptr = nullptr;
+    explicit PinnedBuffer(size_t bytes);
+    ~PinnedBuffer();
+    PinnedBuffer(const PinnedBuffer&) = delete;
+    PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+    uint8_t* bytes() const { return static_cast<uint8_t*>(ptr); }
+};
+
 /// One rank's ops and buffers for every Kind (AgGemm, GemmRs, two GemmAr, one EP Buffer with a normal and a
 /// low-latency handle, the collective workspace, symmetric and private buffers). Construction and destruction are
 /// collective: every rank of the World makes and drops its RankOps together.
@@ -109,6 +121,7 @@ private:
     std::unique_ptr<ops::ep::Buffer> ep_;
     std::unique_ptr<ops::ep::NormalHandle> normal_;
     std::unique_ptr<ops::ep::LowLatencyHandle> low_latency_;
+    PinnedBuffer pinned_in_, pinned_out_;  // the EP routing's upload; each download (kBufferBytes)
     std::vector<uint8_t> host_;            // the last download
     int64_t ep_normal_dispatches_ = 0;     // normal dispatches launched on ep_ (the warm-up pass's included)
     std::vector<int64_t> ep_rows_before_;  // per destination: rows sent by the dispatches before the last
