@@ -33,6 +33,7 @@
 #include "soak_plan.hpp"
 #include "weft/ops/ep.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/module_loading.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::bench::soak {
@@ -103,32 +104,45 @@ struct Shared {
     std::atomic<bool> finished{false};
     std::vector<std::atomic<int64_t>> progress_ns;  // per rank: steady-clock time of its last finished call
     std::vector<std::atomic<int64_t>> at_call;      // per rank: the call it is in
+    std::vector<std::atomic<int64_t>> call_ns;      // per rank: steady-clock time it entered that call
     std::vector<std::atomic<int>> phase;            // per rank: where in that call (Phase)
+    std::vector<std::atomic<int64_t>> phase_ns;     // per rank: steady-clock time it entered that phase
     std::chrono::steady_clock::time_point start;
     explicit Shared(int w)
-        : progress_ns(static_cast<size_t>(w)), at_call(static_cast<size_t>(w)), phase(static_cast<size_t>(w)) {}
+        : progress_ns(static_cast<size_t>(w)),
+          at_call(static_cast<size_t>(w)),
+          call_ns(static_cast<size_t>(w)),
+          phase(static_cast<size_t>(w)),
+          phase_ns(static_cast<size_t>(w)) {}
     void problem(const std::string& text) {
         std::lock_guard<std::mutex> lock(mutex);
         if (result.first_problems.size() < 10) result.first_problems.push_back(text);
     }
-    /// "rank 0 call 2640 waiting for the device, rank 1 call 2639 copying results out, ...": where every rank's thread
-    /// is now. A rank that the hang's waiters name but that never failed shows where it was held up (host or device).
+    /// "rank 0 call 2640 (for 60.3 s) waiting for the device (for 60.2 s), rank 1 call 2639 (for 0.1 s) copying results
+    /// out (for 0.0 s), ...": where every rank's thread is now, and since when. A rank that the hang's waiters name but
+    /// that never failed shows where it was held up: still launching, or waiting for the device since its launches
+    /// returned long ago (its work queued on the device), or only just (a launch call that returned late).
     std::string where_ranks_are() const {
+        const int64_t now = steady_now_ns();
+        const auto secs = [now](int64_t since) {
+            char buf[32];
+            std::snprintf(buf, sizeof buf, "%.1f", static_cast<double>(now - since) * 1e-9);
+            return std::string(buf);
+        };
         std::string s;
         for (size_t r = 0; r < phase.size(); ++r) {
             const int ph = phase[r].load();
             s += (r == 0 ? "" : ", ");
-            s += "rank " + std::to_string(r) + " call " + std::to_string(at_call[r].load()) + " " +
-                 (ph >= 0 && ph <= static_cast<int>(Phase::kCheck) ? kPhaseNames[ph] : "?");
+            s += "rank " + std::to_string(r) + " call " + std::to_string(at_call[r].load()) + " (for " +
+                 secs(call_ns[r].load()) + " s) " +
+                 (ph >= 0 && ph <= static_cast<int>(Phase::kCheck) ? kPhaseNames[ph] : "?") + " (for " +
+                 secs(phase_ns[r].load()) + " s)";
         }
         return s;
     }
 };
 
-int64_t now_ns() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-}
+int64_t now_ns() { return steady_now_ns(); }
 
 /// "rank 2 call 17 (all_reduce ll bf16 x 1000)": where a problem was seen.
 std::string call_label(int rank, int64_t call, const Plan& p) {
@@ -140,14 +154,21 @@ void rank_main(World& w, Shared& sh) {
     const int me = w.rank();
     const int n = w.num_ranks();
     RankOps ops_here(w);
-    std::atomic<int>& phase = sh.phase[static_cast<size_t>(me)];
-    ops_here.report_phase_to(&phase);
+    std::atomic<int>& phase_now = sh.phase[static_cast<size_t>(me)];
+    std::atomic<int64_t>& phase_ns = sh.phase_ns[static_cast<size_t>(me)];
+    const auto set_phase = [&](Phase ph) {
+        phase_ns = now_ns();
+        phase_now = static_cast<int>(ph);
+    };
+    set_phase(Phase::kBetween);
+    ops_here.report_phase_to(&phase_now, &phase_ns);
     std::mt19937_64 delay_rng(o.seed * 0x2545F4914F6CDD1Dull + static_cast<uint64_t>(me) + 1);
     std::uniform_real_distribution<double> unit(0.0, 1.0);
     const auto one_call = [&](int64_t call, const Plan& p, bool counted) {
+        sh.call_ns[static_cast<size_t>(me)] = now_ns();
         sh.at_call[static_cast<size_t>(me)] = call;
         if (counted && unit(delay_rng) < o.delay_prob) {
-            phase = static_cast<int>(Phase::kDelay);
+            set_phase(Phase::kDelay);
             const int ms = static_cast<int>(unit(delay_rng) * o.max_delay_ms);
             std::this_thread::sleep_for(std::chrono::milliseconds(ms));
             std::lock_guard<std::mutex> lock(sh.mutex);
@@ -158,10 +179,13 @@ void rank_main(World& w, Shared& sh) {
         try {
             bad = ops_here.run(p);
         } catch (const std::exception& e) {
-            phase = static_cast<int>(Phase::kBetween);
+            set_phase(Phase::kBetween);
             const std::string m = e.what();
             const bool hang = m.find("timed out") != std::string::npos;
-            sh.problem(call_label(me, call, p) + ": " + (hang ? "HANG: " : "ERROR: ") + m);
+            // An EP normal call: what this rank launched, to set against the counts its peers waited for.
+            const std::string ledger = p.kind == Kind::kEpNormal ? ops_here.ep_normal_ledger() : "";
+            sh.problem(call_label(me, call, p) + ": " + (hang ? "HANG: " : "ERROR: ") + m +
+                       (ledger.empty() ? "" : " [" + ledger + "]"));
             std::lock_guard<std::mutex> lock(sh.mutex);
             (hang ? sh.result.hangs : sh.result.errors) += 1;
             if (!sh.failed.exchange(true)) {
@@ -170,7 +194,7 @@ void rank_main(World& w, Shared& sh) {
             }
             return false;
         }
-        phase = static_cast<int>(Phase::kBetween);
+        set_phase(Phase::kBetween);
         const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         sh.progress_ns[static_cast<size_t>(me)] = now_ns();
         if (!bad.empty()) sh.problem(call_label(me, call, p) + ": WRONG: " + bad);
@@ -248,6 +272,7 @@ WorldResult run_world(const Options& o, int w, int calls) {
     sh.result.world = w;
     sh.result.planned = static_cast<uint64_t>(calls);
     for (auto& p : sh.progress_ns) p = now_ns();
+    for (auto& p : sh.call_ns) p = now_ns();
     // The host's guard: no rank finished a call within the hang bound plus a margin (the device waits end at the
     // bound themselves, as a diagnosed error): report where every rank is and stop the process.
     std::thread guard([&] {
@@ -370,16 +395,29 @@ int report(const Options& o, const std::vector<WorldResult>& results,
     return ok ? 0 : 1;
 }
 
+/// The value CUDA read for `name` when it initialised (the variable as the process holds it), or "unset".
+std::string env_or_unset(const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr ? v : "unset";
+}
+
 int run(int argc, char** argv) {
+    // Before the process's first CUDA call: the driver reads both variables once, when it initialises. Without it
+    // the ranks (threads sharing one GPU) run with lazy module loading and CUDA's 8 hardware queues, the two
+    // settings under which a launch can be held back behind a peer's spinning kernel (docs/runtime.md).
+    prepare_cuda_environment();
     const Options o = parse_options(argc, argv);
     WEFT_CUDA_CHECK(cudaFree(nullptr));
+    warn_if_lazy_module_loading();
     cudaDeviceProp prop{};
     WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf(
-        "weft_soak: %s, %s, seed %llu, %d calls per world size%s, delays p=%.3f up to %d ms, hang bound %d ms\n",
+        "weft_soak: %s, %s, seed %llu, %d calls per world size%s, delays p=%.3f up to %d ms, hang bound %d ms, "
+        "CUDA_DEVICE_MAX_CONNECTIONS=%s, CUDA_MODULE_LOADING=%s\n",
         prop.name, utc_date().c_str(), static_cast<unsigned long long>(o.seed), o.calls,
         o.seconds > 0 ? (", at most " + std::to_string(o.seconds) + " s each").c_str() : "", o.delay_prob,
-        o.max_delay_ms, o.hang_ms);
+        o.max_delay_ms, o.hang_ms, env_or_unset("CUDA_DEVICE_MAX_CONNECTIONS").c_str(),
+        env_or_unset("CUDA_MODULE_LOADING").c_str());
     std::fflush(stdout);
     std::vector<WorldResult> results;
     std::vector<std::pair<int64_t, int>> process_leaks;  // per world: device bytes, file descriptors

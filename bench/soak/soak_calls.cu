@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -35,15 +36,6 @@ constexpr int kEpRange = 2;          // EP tokens in [-2, 2]
 
 constexpr int kSamples = 2048;  // elements checked per collective call (plus the last one)
 constexpr int kGemmSamples = 96;
-
-__host__ __device__ inline uint32_t mix32(uint64_t x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdull;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ull;
-    x ^= x >> 33;
-    return static_cast<uint32_t>(x);
-}
 
 /// An integer in [-range, range].
 __host__ __device__ inline int small_int(uint64_t salt, int rank, uint64_t i, int range) {
@@ -90,29 +82,6 @@ void fill_bytes(void* p, uint64_t n, uint64_t salt, int rank, cudaStream_t s) {
     if (n == 0) return;
     fill_bytes_kernel<<<grid_for(n), 256, 0, s>>>(static_cast<uint8_t*>(p), n, salt, rank);
     WEFT_CUDA_CHECK(cudaGetLastError());
-}
-
-/// Every rank's routing of an EP call: k distinct experts per token and weights in [0.05, 1].
-struct Routing {
-    std::vector<int32_t> idx;
-    std::vector<float> weights;
-};
-
-Routing routing_of(uint64_t salt, int rank, int tokens, int experts) {
-    std::mt19937 rng(static_cast<uint32_t>(mix32(salt ^ (static_cast<uint64_t>(rank) << 40))));
-    std::vector<int> pool(static_cast<size_t>(experts));
-    for (int e = 0; e < experts; ++e) pool[static_cast<size_t>(e)] = e;
-    std::uniform_real_distribution<float> weight(0.05f, 1.0f);
-    Routing r;
-    for (int t = 0; t < tokens; ++t) {
-        for (int j = 0; j < kEpTopk; ++j) {
-            std::swap(pool[static_cast<size_t>(j)],
-                      pool[static_cast<size_t>(std::uniform_int_distribution<int>(j, experts - 1)(rng))]);
-            r.idx.push_back(pool[static_cast<size_t>(j)]);
-            r.weights.push_back(weight(rng));
-        }
-    }
-    return r;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -202,6 +171,10 @@ DeviceBuffer::DeviceBuffer(size_t bytes) { WEFT_CUDA_CHECK(cudaMalloc(&ptr, byte
 
 DeviceBuffer::~DeviceBuffer() { cudaFree(ptr); }
 
+PinnedBuffer::PinnedBuffer(size_t bytes) { WEFT_CUDA_CHECK(cudaHostAlloc(&ptr, bytes, cudaHostAllocDefault)); }
+
+PinnedBuffer::~PinnedBuffer() { cudaFreeHost(ptr); }
+
 RankOps::RankOps(World& w)
     : w_(w),
       me_(w.rank()),
@@ -214,7 +187,9 @@ RankOps::RankOps(World& w)
       ep_x_(static_cast<size_t>(kEpMaxTokens * kEpHidden * 2)),
       ep_idx_(static_cast<size_t>(kEpMaxTokens * kEpTopk * 4)),
       ep_weights_(static_cast<size_t>(kEpMaxTokens * kEpTopk * 4)),
-      ep_out_(static_cast<size_t>(kEpMaxTokens * kEpHidden * 2)) {
+      ep_out_(static_cast<size_t>(kEpMaxTokens * kEpHidden * 2)),
+      pinned_in_(static_cast<size_t>(kEpMaxTokens * kEpTopk * 4 * 2)),
+      pinned_out_(kBufferBytes) {
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
     ops::prepare_collectives(w);
     sym_in_ = static_cast<uint8_t*>(w.heap().alloc(kBufferBytes));
@@ -270,6 +245,16 @@ std::string RankOps::run(const Plan& p) {
 // ------------------------------------------------------------------------------------------------
 // Shared by the calls.
 
+int64_t steady_now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+void RankOps::set_phase(Phase p) const {
+    if (phase_since_ns_ != nullptr) phase_since_ns_->store(steady_now_ns());
+    if (phase_ != nullptr) phase_->store(static_cast<int>(p));
+}
+
 void RankOps::sync() {
     set_phase(Phase::kDevice);
     w_.sync_and_check(s_);
@@ -277,9 +262,10 @@ void RankOps::sync() {
 
 const std::vector<uint8_t>& RankOps::download(const void* src, uint64_t bytes) {
     set_phase(Phase::kCheck);
-    host_.resize(bytes);
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(host_.data(), src, bytes, cudaMemcpyDeviceToHost, s_));
+    WEFT_CHECK(bytes <= kBufferBytes, "weft_soak: a download of " << bytes << " bytes exceeds " << kBufferBytes);
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(pinned_out_.ptr, src, bytes, cudaMemcpyDeviceToHost, s_));
     WEFT_CUDA_CHECK(cudaStreamSynchronize(s_));
+    host_.assign(pinned_out_.bytes(), pinned_out_.bytes() + bytes);
     return host_;
 }
 
@@ -418,12 +404,26 @@ std::string RankOps::gemm_ar(const Plan& p) {
     });
 }
 
+std::string RankOps::ep_normal_ledger() const {
+    if (ep_normal_dispatches_ == 0) return "";
+    std::string s = "EP normal dispatch " + std::to_string(ep_normal_dispatches_) +
+                    " launched; rows sent to ranks 0.." + std::to_string(n_ - 1) + " before it:";
+    for (int64_t v : ep_rows_before_) s += " " + std::to_string(v);
+    s += "; in it:";
+    for (int64_t v : ep_rows_last_) s += " " + std::to_string(v);
+    return s;
+}
+
 std::string RankOps::ep_call(const Plan& p, bool low_latency) {
     const int tokens = p.tokens[static_cast<size_t>(me_)];
     const Routing r = routing_of(p.salt, me_, tokens, kEpExpertsPerRank * n_);
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(ep_idx_.ptr, r.idx.data(), r.idx.size() * 4, cudaMemcpyHostToDevice, s_));
-    WEFT_CUDA_CHECK(
-        cudaMemcpyAsync(ep_weights_.ptr, r.weights.data(), r.weights.size() * 4, cudaMemcpyHostToDevice, s_));
+    // Through the pinned buffer (free again: the previous call ended with its stream synchronised).
+    auto* idx_host = reinterpret_cast<int32_t*>(pinned_in_.bytes());
+    auto* weights_host = reinterpret_cast<float*>(pinned_in_.bytes() + kEpMaxTokens * kEpTopk * 4);
+    std::copy(r.idx.begin(), r.idx.end(), idx_host);
+    std::copy(r.weights.begin(), r.weights.end(), weights_host);
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(ep_idx_.ptr, idx_host, r.idx.size() * 4, cudaMemcpyHostToDevice, s_));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(ep_weights_.ptr, weights_host, r.weights.size() * 4, cudaMemcpyHostToDevice, s_));
     fill_small(ep_x_.ptr, DType::kBF16, static_cast<uint64_t>(tokens) * kEpHidden, p.salt, me_, kEpRange, s_);
     WEFT_CUDA_CHECK(cudaMemsetAsync(ep_out_.ptr, 0xff, static_cast<size_t>(tokens) * kEpHidden * 2, s_));
     const TensorView x(ep_x_.ptr, DType::kBF16, {tokens, kEpHidden});
@@ -434,7 +434,13 @@ std::string RankOps::ep_call(const Plan& p, bool low_latency) {
         ep_->low_latency_dispatch(*low_latency_, x, idx, s_);
         ep_->low_latency_combine(*low_latency_, low_latency_->recv_x(), idx, weights, out, s_);
     } else {
+        std::vector<int64_t> rows = rows_per_rank(r.idx, kEpTopk, kEpExpertsPerRank, n_);
         ep_->dispatch(*normal_, x, idx, weights, s_);
+        // Launched: the device's counters now include this dispatch (whether or not it completes).
+        ep_rows_before_.resize(static_cast<size_t>(n_), 0);
+        for (size_t d = 0; d < ep_rows_last_.size(); ++d) ep_rows_before_[d] += ep_rows_last_[d];
+        ep_rows_last_ = std::move(rows);
+        ++ep_normal_dispatches_;
         ep_->combine(*normal_, normal_->recv_x(), out, s_);
     }
     set_phase(Phase::kDevice);

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "weft/ops/collectives.hpp"
+#include "weft/runtime/error.hpp"
 
 namespace weft::bench::soak {
 namespace {
@@ -128,6 +129,44 @@ std::string describe(const Plan& p) {
         s += std::string(p.in_sym ? " sym-in" : "") + (p.out_sym ? " sym-out" : "") + (p.in_place ? " in-place" : "");
     }
     return s;
+}
+
+Routing routing_of(uint64_t salt, int rank, int tokens, int experts) {
+    std::mt19937 rng(static_cast<uint32_t>(mix32(salt ^ (static_cast<uint64_t>(rank) << 40))));
+    std::vector<int> pool(static_cast<size_t>(experts));
+    for (int e = 0; e < experts; ++e) pool[static_cast<size_t>(e)] = e;
+    std::uniform_real_distribution<float> weight(0.05f, 1.0f);
+    Routing r;
+    for (int t = 0; t < tokens; ++t) {
+        for (int j = 0; j < kEpTopk; ++j) {
+            std::swap(pool[static_cast<size_t>(j)],
+                      pool[static_cast<size_t>(std::uniform_int_distribution<int>(j, experts - 1)(rng))]);
+            r.idx.push_back(pool[static_cast<size_t>(j)]);
+            r.weights.push_back(weight(rng));
+        }
+    }
+    return r;
+}
+
+std::vector<int64_t> rows_per_rank(const std::vector<int32_t>& idx, int topk, int experts_per_rank, int num_ranks) {
+    WEFT_CHECK(topk > 0 && experts_per_rank > 0 && num_ranks > 0,
+               "rows_per_rank: topk, experts_per_rank and num_ranks must be positive, got "
+                   << topk << ", " << experts_per_rank << ", " << num_ranks);
+    WEFT_CHECK(idx.size() % static_cast<size_t>(topk) == 0,
+               "rows_per_rank: idx must hold whole tokens of " << topk << " experts, got " << idx.size() << " ids");
+    std::vector<int64_t> rows(static_cast<size_t>(num_ranks), 0);
+    std::vector<char> here(static_cast<size_t>(num_ranks));
+    for (size_t t = 0; t < idx.size(); t += static_cast<size_t>(topk)) {
+        std::fill(here.begin(), here.end(), 0);
+        for (int j = 0; j < topk; ++j) {
+            const int32_t e = idx[t + static_cast<size_t>(j)];
+            WEFT_CHECK(e >= 0 && e < experts_per_rank * num_ranks,
+                       "rows_per_rank: expert " << e << " is outside [0, " << experts_per_rank * num_ranks << ")");
+            here[static_cast<size_t>(e / experts_per_rank)] = 1;
+        }
+        for (int r = 0; r < num_ranks; ++r) rows[static_cast<size_t>(r)] += here[static_cast<size_t>(r)];
+    }
+    return rows;
 }
 
 }  // namespace weft::bench::soak

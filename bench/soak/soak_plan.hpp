@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
-// weft_soak's call plans: which op, algorithm, dtype, size and buffers a call uses, drawn from the shared seed. Host
-// code only (unit-tested on the CPU, tests/unit/test_soak_plan.cpp).
+// weft_soak's call plans: which op, algorithm, dtype, size and buffers a call uses, drawn from the shared seed; the EP
+// calls' routing and what a normal dispatch sends to each rank. Host code (mix32 also on the device), unit-tested on
+// the CPU (tests/unit/test_soak_plan.cpp).
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "weft/common/dtype.hpp"
+#include "weft/common/macros.hpp"
 
 namespace weft::bench::soak {
 
@@ -62,5 +64,28 @@ Plan draw_plan(uint64_t seed, uint64_t call, int num_ranks, std::optional<Kind> 
 
 /// One line: the kind, algorithm, dtype, size and buffers ("all_reduce ll bf16 x 1000 sym-in in-place").
 std::string describe(const Plan& p);
+
+/// The inputs' hash (soak_calls.cu draws every input element from it, on the device and on the host alike).
+WEFT_HOST_DEVICE inline uint32_t mix32(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return static_cast<uint32_t>(x);
+}
+
+/// One rank's routing of an EP call: kEpTopk distinct experts of `experts` per token (idx, [tokens, kEpTopk]) and
+/// weights in [0.05, 1], a function of (salt, rank, tokens, experts).
+struct Routing {
+    std::vector<int32_t> idx;
+    std::vector<float> weights;
+};
+Routing routing_of(uint64_t salt, int rank, int tokens, int experts);
+
+/// What one rank's EP normal dispatch adds to each destination rank's data signal for it: per destination, the
+/// tokens with at least one of their `topk` experts there (`idx`: [tokens, topk] expert ids, row-major; rank r owns
+/// experts [r * experts_per_rank, (r + 1) * experts_per_rank)). A token's row goes once to each destination rank.
+std::vector<int64_t> rows_per_rank(const std::vector<int32_t>& idx, int topk, int experts_per_rank, int num_ranks);
 
 }  // namespace weft::bench::soak

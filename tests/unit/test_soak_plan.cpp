@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // weft_soak's plan generator (bench/soak/soak_plan.hpp), on the CPU: a seed and a call give one plan, whatever was
-// drawn before; every plan stays within the sizes its buffers were made for; the descriptions' format.
+// drawn before; every plan stays within the sizes its buffers were made for; the descriptions' format; the EP normal
+// ledger (rows per destination rank) and its replay of a recorded hang.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 
 #include "soak/soak_plan.hpp"
 #include "weft/ops/collectives.hpp"
+#include "weft/runtime/error.hpp"
 
 namespace weft::bench::soak {
 namespace {
@@ -222,6 +224,61 @@ TEST(SoakPlan, DescriptionsNameKindAlgorithmSizeAndBuffers) {
     p.kind = Kind::kEpLowLatency;
     p.tokens = {9, 9};
     EXPECT_EQ(describe(p), "ep_low_latency tokens 9 9");
+}
+
+// The EP normal ledger's rows: a token's row goes once to each rank that owns one of its experts (the data signal
+// counts rows, not routes).
+TEST(SoakPlan, RowsPerRankCountEachTokenOncePerDestination) {
+    // 3 ranks of 2 experts each (rank r: experts 2r, 2r + 1), top-2.
+    const std::vector<int32_t> idx = {
+        0, 1,  // both on rank 0: one row to rank 0
+        1, 2,  // ranks 0 and 1
+        5, 4,  // both on rank 2
+        3, 5,  // ranks 1 and 2
+    };
+    EXPECT_EQ(rows_per_rank(idx, 2, 2, 3), (std::vector<int64_t>{2, 2, 2}));
+    EXPECT_EQ(rows_per_rank({}, 2, 2, 3), (std::vector<int64_t>{0, 0, 0}));  // no tokens
+    EXPECT_THROW(rows_per_rank({0, 1, 2}, 2, 2, 3), Error);                  // not whole tokens
+    EXPECT_THROW(rows_per_rank({0, 6}, 2, 2, 3), Error);                     // expert 6 of 6
+}
+
+// The ledger of a recorded world-8 hang (seed 1796282091014457446, call 2227, ep_normal tokens 57 11 57 46 61 47 64
+// 18): the peers waited for rank 3's count signal >= 137 and rank 3 for rank 4's data signal >= 1977 (observed 1950).
+// Replayed here: call 2227 is the World's 137th normal dispatch (the warm-up pass's one included), rank 4's dispatches
+// before it sent rank 3 exactly 1950 rows and this one 27. So both sides counted right: rank 4 had sent nothing in
+// call 2227 (it was still waiting for rank 3's counts), and rank 3's expected total was this call's.
+TEST(SoakPlan, EpNormalLedgerOfARecordedHang) {
+    constexpr uint64_t kSeed = 1796282091014457446ull;
+    constexpr int kWorld = 8;
+    constexpr int kSrc = 4;
+    constexpr int kDst = 3;
+    int64_t dispatches = 0;
+    int64_t before = 0;
+    int64_t in_call = 0;
+    const auto rows_of = [&](const Plan& p) {
+        const Routing r = routing_of(p.salt, kSrc, p.tokens[kSrc], kEpExpertsPerRank * kWorld);
+        return rows_per_rank(r.idx, kEpTopk, kEpExpertsPerRank, kWorld)[kDst];
+    };
+    // The warm-up pass runs every kind once, with its own plans, on the same Buffer.
+    const Plan warm =
+        draw_plan(kSeed, ~static_cast<uint64_t>(static_cast<int>(Kind::kEpNormal)), kWorld, Kind::kEpNormal);
+    ++dispatches;
+    before += rows_of(warm);
+    for (uint64_t call = 0; call < 2227; ++call) {
+        const Plan p = draw_plan(kSeed, call, kWorld);
+        if (p.kind != Kind::kEpNormal) continue;
+        ++dispatches;
+        before += rows_of(p);
+    }
+    const Plan hung = draw_plan(kSeed, 2227, kWorld);
+    ASSERT_EQ(hung.kind, Kind::kEpNormal);
+    EXPECT_EQ(describe(hung), "ep_normal tokens 57 11 57 46 61 47 64 18");
+    ++dispatches;
+    in_call = rows_of(hung);
+    EXPECT_EQ(dispatches, 137);
+    EXPECT_EQ(before, 1950);
+    EXPECT_EQ(in_call, 27);
+    EXPECT_EQ(before + in_call, 1977);
 }
 
 }  // namespace
