@@ -201,12 +201,7 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
                                           << team.describe() << ") is not supported yet; tune on one node and pass "
                                           << "the winner as options.config");
         s.net = &net::HostBackend::get(team);
-        std::vector<std::vector<int>> by_node;
-        for (int n = 0; n < s.net->num_nodes(); ++n) {
-            by_node.emplace_back();
-            for (int l = 0; l < s.net->ranks_per_node(); ++l) by_node.back().push_back(s.net->team_rank_at(n, l));
-        }
-        s.plan = net::plan_ag_internode(by_node, s.rank);
+        s.plan = net::plan_ag_internode(s.net->team_ranks_by_node(), s.rank);
         WEFT_CHECK(s.plan.per_node <= kAgMaxNodePeers, "ag_gemm: " << s.plan.per_node
                                                                    << " members per node on a team that spans nodes; "
                                                                    << "at most " << kAgMaxNodePeers);

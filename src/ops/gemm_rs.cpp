@@ -265,12 +265,7 @@ void make_internode(GemmRs::State& s, const Team& team, const GemmRsOptions& opt
                                       << team.describe() << ") is not supported yet; tune on one node and pass "
                                       << "the winner as options.config");
     s.net = &net::HostBackend::get(team);
-    std::vector<std::vector<int>> by_node;
-    for (int n = 0; n < s.net->num_nodes(); ++n) {
-        by_node.emplace_back();
-        for (int l = 0; l < s.net->ranks_per_node(); ++l) by_node.back().push_back(s.net->team_rank_at(n, l));
-    }
-    s.plan = net::plan_rs_internode(by_node, s.rank);
+    s.plan = net::plan_rs_internode(s.net->team_ranks_by_node(), s.rank);
     const int num_nodes = s.plan.num_nodes;
     WEFT_CHECK(num_nodes <= kRsMaxNodes, "gemm_rs: a team that spans " << num_nodes << " nodes; at most "
                                                                        << kRsMaxNodes);

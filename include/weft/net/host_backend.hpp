@@ -69,6 +69,8 @@ public:
     int local_index() const { return local_index_; }
     /// Team rank of the member on node `node` with local index `local`.
     int team_rank_at(int node, int local) const;
+    /// Every member's team rank by node and local index: [node][local] is team_rank_at(node, local).
+    const std::vector<std::vector<int>>& team_ranks_by_node() const { return by_node_; }
     cudaStream_t comm_stream() const { return comm_stream_; }
 
     /// Starts a call on `stream`: zeroes the signal words in stream order and makes the comm stream wait for
