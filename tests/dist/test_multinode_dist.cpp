@@ -37,6 +37,12 @@ void set_test_environment() {
 
 bool spans_nodes(const World& w) { return w.num_nodes() > 1; }
 
+// Why a test of the network path cannot run here ("" when it can): one node, or no NCCL.
+std::string why_no_network_across_nodes(const World& w) {
+    if (!spans_nodes(w)) return "one node (set WEFT_VIRTUAL_NODES)";
+    return net::nccl_unavailable_reason();
+}
+
 struct Buffers {
     cudaStream_t stream = nullptr;
     uint8_t* in = nullptr;
@@ -109,8 +115,7 @@ TEST(MultiNode, TopologyOfVirtualNodes) {
 
 TEST(MultiNode, AllGatherMatchesTheReference) {
     World& w = dist_world();
-    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
-    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
     for (const Team& team : teams_under_test(w)) {
         if (!team.is_member()) continue;
@@ -140,8 +145,7 @@ TEST(MultiNode, AllGatherMatchesTheReference) {
 
 TEST(MultiNode, ReduceScatterMatchesTheReference) {
     World& w = dist_world();
-    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
-    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
     for (const Team& team : teams_under_test(w)) {
         if (!team.is_member()) continue;
@@ -174,8 +178,7 @@ TEST(MultiNode, ReduceScatterMatchesTheReference) {
 
 TEST(MultiNode, AllReduceMatchesTheReference) {
     World& w = dist_world();
-    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
-    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
     for (const Team& team : teams_under_test(w)) {
         if (!team.is_member()) continue;
@@ -331,16 +334,14 @@ void run_ag_gemm_across_nodes(bool graph) {
 
 TEST(MultiNode, AgGemmMatchesTheReference) {
     World& w = dist_world();
-    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
-    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
     run_ag_gemm_across_nodes(false);
 }
 
 TEST(MultiNode, AgGemmGraphReplay) {
     World& w = dist_world();
-    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
-    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
     run_ag_gemm_across_nodes(true);
 }
@@ -455,16 +456,14 @@ void run_gemm_rs_across_nodes(bool graph) {
 
 TEST(MultiNode, GemmRsMatchesTheReference) {
     World& w = dist_world();
-    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
-    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
     run_gemm_rs_across_nodes(false);
 }
 
 TEST(MultiNode, GemmRsGraphReplay) {
     World& w = dist_world();
-    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
-    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
     run_gemm_rs_across_nodes(true);
 }
