@@ -252,6 +252,10 @@ void rank_main(World& w, Shared& sh) {
         }
         if (!one_call(call, draw_plan(o.seed, static_cast<uint64_t>(call), n), true)) break;
     }
+    if (sh.failed && me == 0 && sh.start != std::chrono::steady_clock::time_point{}) {
+        // A failed world reports the time until rank 0 stopped calling (a passing one: until every rank drained).
+        sh.result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - sh.start).count();
+    }
     if (!sh.failed && sh.calls > 0) {
         WEFT_CUDA_CHECK(cudaStreamSynchronize(ops_here.stream()));
         w.barrier();
