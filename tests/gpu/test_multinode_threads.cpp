@@ -4,12 +4,13 @@
 // in one process, so the collectives across virtual nodes on one GPU run as processes: tests/dist).
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 
 #include <cuda_runtime.h>
 
-#include "weft/net/host_backend.hpp"
 #include "tp_test_util.hpp"
+#include "weft/net/host_backend.hpp"
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
@@ -129,20 +130,17 @@ TEST(MultiNodeThreads, TheNetworkOnOneGpuInOneProcessIsRefusedClearly) {
         virtual_nodes(2));
 }
 
-// AgGemm on a team that spans virtual nodes of one GPU, ranks as threads: its network backend refuses the columns
-// (threads of one process on one GPU), on every member, in its constructor, before any kernel runs; the AgGemm across
-// nodes itself runs as processes (tests/dist, MultiNode.AgGemm*).
-TEST(MultiNodeThreads, AgGemmAcrossNodesOnOneGpuInOneProcessIsRefusedClearly) {
-    int devices = 0;
-    WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
-    if (devices > 1) GTEST_SKIP() << "ranks on several GPUs";
+// A fused op made on a team that spans virtual nodes of one GPU, ranks as threads: its network backend refuses the
+// columns in its constructor, on every member, naming why (or, without NCCL, that the backend is unavailable).
+void expect_refused_across_virtual_nodes_of_one_gpu(const std::string& op_name,
+                                                    const std::function<void(World&)>& make) {
     const std::string unavailable = net::nccl_unavailable_reason();
     run_local(
         4,
         [&](World& w) {
             try {
-                ops::AgGemm op(w, {64, 64, 64, DType::kBF16});
-                ADD_FAILURE() << "an AgGemm across virtual nodes of one GPU in one process was accepted";
+                make(w);
+                ADD_FAILURE() << op_name << " across virtual nodes of one GPU in one process was accepted";
             } catch (const Error& e) {
                 const std::string what = e.what();
                 if (unavailable.empty()) {
@@ -155,29 +153,29 @@ TEST(MultiNodeThreads, AgGemmAcrossNodesOnOneGpuInOneProcessIsRefusedClearly) {
         virtual_nodes(2));
 }
 
+int gpus_here() {
+    int devices = 0;
+    WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    return devices;
+}
+
+// AgGemm on a team that spans virtual nodes of one GPU, ranks as threads: its network backend refuses the columns
+// (threads of one process on one GPU), on every member, in its constructor, before any kernel runs; the AgGemm across
+// nodes itself runs as processes (tests/dist, MultiNode.AgGemm*).
+TEST(MultiNodeThreads, AgGemmAcrossNodesOnOneGpuInOneProcessIsRefusedClearly) {
+    if (gpus_here() > 1) GTEST_SKIP() << "ranks on several GPUs";
+    expect_refused_across_virtual_nodes_of_one_gpu("an AgGemm", [](World& w) {
+        ops::AgGemm op(w, {64, 64, 64, DType::kBF16});
+    });
+}
+
 // GemmRs on a team that spans virtual nodes of one GPU, ranks as threads: refused the same way (its network backend,
 // in its constructor, on every member); GemmRs across nodes runs as processes (tests/dist, MultiNode.GemmRs*).
 TEST(MultiNodeThreads, GemmRsAcrossNodesOnOneGpuInOneProcessIsRefusedClearly) {
-    int devices = 0;
-    WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
-    if (devices > 1) GTEST_SKIP() << "ranks on several GPUs";
-    const std::string unavailable = net::nccl_unavailable_reason();
-    run_local(
-        4,
-        [&](World& w) {
-            try {
-                ops::GemmRs op(w, {64, 64, 64, DType::kBF16});
-                ADD_FAILURE() << "a GemmRs across virtual nodes of one GPU in one process was accepted";
-            } catch (const Error& e) {
-                const std::string what = e.what();
-                if (unavailable.empty()) {
-                    EXPECT_NE(what.find("threads of one process on one GPU"), std::string::npos) << what;
-                } else {
-                    EXPECT_NE(what.find("network backend is unavailable"), std::string::npos) << what;
-                }
-            }
-        },
-        virtual_nodes(2));
+    if (gpus_here() > 1) GTEST_SKIP() << "ranks on several GPUs";
+    expect_refused_across_virtual_nodes_of_one_gpu("a GemmRs", [](World& w) {
+        ops::GemmRs op(w, {64, 64, 64, DType::kBF16});
+    });
 }
 
 // One GPU per rank (a multi-GPU machine): NCCL accepts a column of threads on different GPUs, so the hierarchical
@@ -303,9 +301,9 @@ TEST(MultiNodeThreads, GemmRsAcrossVirtualNodesWithAGpuPerRank) {
                     ErrorModel model = ErrorModel::tp_sum(dt, op.partial_dtype(), n);
                     model.u_partial += unit_roundoff(dt);  // each node's sum is rounded once more
                     const std::string bad = compare(c, check_rows, ref, model);
-                    EXPECT_TRUE(bad.empty()) << "gemm_rs across 2 virtual nodes, rank " << me << " ("
-                                             << ops::gemm_rs_mode_name(op.mode()) << ") call " << call << " M "
-                                             << m << " seed " << base << ": " << bad;
+                    EXPECT_TRUE(bad.empty())
+                        << "gemm_rs across 2 virtual nodes, rank " << me << " (" << ops::gemm_rs_mode_name(op.mode())
+                        << ") call " << call << " M " << m << " seed " << base << ": " << bad;
                 }
             }
             WEFT_CUDA_CHECK(cudaStreamDestroy(st));
