@@ -33,11 +33,11 @@ constexpr const char* kGinDeviceLibraryName = "weft_gin_device_sm90a.fatbin";
 using fs_path = std::filesystem::path;
 
 // The NCCL functions the backend calls, resolved from libnccl.so.2 on first use.
-#define WEFT_NCCL_FUNCTIONS(X)                                                                                      \
-    X(ncclGetVersion)                                                                                               \
-    X(ncclGetErrorString) X(ncclGetLastError) X(ncclGetUniqueId) X(ncclCommInitRankConfig) X(ncclCommGetAsyncError) \
-        X(ncclCommAbort) X(ncclCommFinalize) X(ncclCommDestroy) X(ncclCommCount) X(ncclCommUserRank)                \
-            X(ncclCommWindowRegister) X(ncclCommWindowDeregister) X(ncclDevCommCreate) X(ncclDevCommDestroy)
+#define WEFT_NCCL_FUNCTIONS(X)                                                                      \
+    X(ncclGetVersion) X(ncclGetErrorString) X(ncclGetLastError) X(ncclGetUniqueId)                 \
+    X(ncclCommInitRankConfig) X(ncclCommGetAsyncError) X(ncclCommAbort) X(ncclCommFinalize)        \
+    X(ncclCommDestroy) X(ncclCommCount) X(ncclCommUserRank) X(ncclCommWindowRegister)              \
+    X(ncclCommWindowDeregister) X(ncclDevCommCreate) X(ncclDevCommDestroy)
 
 struct NcclApi {
 #define WEFT_NCCL_MEMBER(fn) decltype(&::fn) fn = nullptr;
@@ -76,8 +76,8 @@ const NcclApi& nccl() {
             return a;
         }
         std::string missing;
-#define WEFT_NCCL_RESOLVE(fn)                                  \
-    a.fn = reinterpret_cast<decltype(&::fn)>(dlsym(lib, #fn)); \
+#define WEFT_NCCL_RESOLVE(fn)                                                    \
+    a.fn = reinterpret_cast<decltype(&::fn)>(dlsym(lib, #fn));                   \
     if (a.fn == nullptr) missing += std::string(missing.empty() ? "" : ", ") + #fn;
         WEFT_NCCL_FUNCTIONS(WEFT_NCCL_RESOLVE)
 #undef WEFT_NCCL_RESOLVE
@@ -87,7 +87,8 @@ const NcclApi& nccl() {
         }
         if (!missing.empty()) {
             // An NCCL older than 2.28 lacks the device API: report the version rather than the symbols.
-            a.error = std::string(kNcclLibrary) + " (version code " + std::to_string(a.version) + ") lacks " + missing;
+            a.error = std::string(kNcclLibrary) + " (version code " + std::to_string(a.version) +
+                      ") lacks " + missing;
             return a;
         }
         a.loaded = true;
@@ -204,9 +205,8 @@ std::string GinBackend::device_library() {
     if (auto path = env::get("WEFT_GIN_DEVICE_LIBRARY"); path && !path->empty()) {
         std::error_code ec;
         WEFT_CHECK(std::filesystem::is_regular_file(*path, ec),
-                   "WEFT_GIN_DEVICE_LIBRARY='" << *path
-                                               << "' is not a file (expected weft's GIN device library, "
-                                                  "weft_gin_device_sm90a.fatbin)");
+                   "WEFT_GIN_DEVICE_LIBRARY='" << *path << "' is not a file (expected weft's GIN device library, "
+                                                 "weft_gin_device_sm90a.fatbin)");
         return *path;
     }
     // Beside the running program's build tree (build/lib/ for build/tests/x), as weft finds its headers from there.
@@ -232,10 +232,9 @@ std::string GinBackend::device_library() {
 #endif
     std::ostringstream os;
     for (const auto& t : tried) os << " " << t;
-    WEFT_FAIL(
-        "weft's GIN device library (weft_gin_device_sm90a.fatbin, built with libweft by nvcc) was not found; "
-        "set WEFT_GIN_DEVICE_LIBRARY to its path. Tried:"
-        << (tried.empty() ? std::string(" nothing (this libweft was built without it)") : os.str()));
+    WEFT_FAIL("weft's GIN device library (weft_gin_device_sm90a.fatbin, built with libweft by nvcc) was not found; "
+              "set WEFT_GIN_DEVICE_LIBRARY to its path. Tried:"
+              << (tried.empty() ? std::string(" nothing (this libweft was built without it)") : os.str()));
 }
 
 GinBackend::GinBackend(const Team& team, const GinOptions& options) : team_(team), options_(options) {
@@ -264,9 +263,9 @@ void GinBackend::init(const Team& team) {
     if (!n.loaded) {
         WEFT_FAIL(gin_refusal_message(asked, "nothing: it could not be loaded", n.error, found));
     }
-    WEFT_CHECK(
-        n.version >= kMinNcclVersion,
-        gin_refusal_message(asked, "nothing: NCCL " + version_text(n.version) + " has no device API", "", found));
+    WEFT_CHECK(n.version >= kMinNcclVersion,
+               gin_refusal_message(asked, "nothing: NCCL " + version_text(n.version) + " has no device API", "",
+                                   found));
     WEFT_CHECK(cuda_available(), gin_refusal_message(asked, "nothing: no CUDA GPU is visible", "", found));
 
     World& world = team.world();
@@ -283,9 +282,9 @@ void GinBackend::init(const Team& team) {
                 mine.assign(reinterpret_cast<const uint8_t*>(&id), reinterpret_cast<const uint8_t*>(&id) + sizeof id);
             }
             const auto all = team.all_gather("weft-gin-nccl-unique-id", mine);
-            WEFT_CHECK(all.at(0).size() == sizeof(ncclUniqueId), "GinBackend: team rank 0 sent an NCCL unique id of "
-                                                                     << all.at(0).size() << " bytes, expected "
-                                                                     << sizeof(ncclUniqueId));
+            WEFT_CHECK(all.at(0).size() == sizeof(ncclUniqueId),
+                       "GinBackend: team rank 0 sent an NCCL unique id of " << all.at(0).size() << " bytes, expected "
+                                                                            << sizeof(ncclUniqueId));
             ncclUniqueId id{};
             std::memcpy(&id, all[0].data(), sizeof id);
             // Non-blocking, so that a member that never arrives ends the wait at the team's timeout.
@@ -299,9 +298,9 @@ void GinBackend::init(const Team& team) {
                 if (comm != nullptr) n.ncclCommAbort(comm);
                 WEFT_FAIL("GinBackend: NCCL could not make a communicator over team "
                           << team.describe() << " (rank " << team.rank() << " of " << team.num_ranks() << "): "
-                          << (r == ncclInProgress
-                                  ? "not every member joined within " + std::to_string(timeout.count()) + " ms"
-                                  : result_text(r))
+                          << (r == ncclInProgress ? "not every member joined within " +
+                                                        std::to_string(timeout.count()) + " ms"
+                                                  : result_text(r))
                           << (last.empty() ? "" : ": \"" + last + "\""));
             }
             comm_ = comm;
@@ -312,17 +311,18 @@ void GinBackend::init(const Team& team) {
                        "GinBackend: ncclCommCount/ncclCommUserRank failed on the given communicator");
             WEFT_CHECK(count == team.num_ranks() && rank == team.rank(),
                        "GinBackend: comm must hold the team's ranks in team order: it has "
-                           << count << " ranks and this rank is " << rank << " in it; the team has " << team.num_ranks()
-                           << " and this rank is " << team.rank());
+                           << count << " ranks and this rank is " << rank << " in it; the team has "
+                           << team.num_ranks() << " and this rank is " << team.rank());
         }
 
         // The whole heap is one window: a kernel's heap offset is its window offset on every member.
         // NOTE: NCCL writes window_ and dev_comm_ from its own thread when the communicator is non-blocking: they
         // are members, so that a wait that times out leaves NCCL no dangling destination (release() aborts it).
         SymmetricHeap& heap = world.heap();
-        ncclResult_t r = wait_comm(
-            comm_, n.ncclCommWindowRegister(comm_, heap.base(), heap.bytes(), &window_, NCCL_WIN_COLL_SYMMETRIC),
-            timeout);
+        ncclResult_t r = wait_comm(comm_,
+                                   n.ncclCommWindowRegister(comm_, heap.base(), heap.bytes(), &window_,
+                                                            NCCL_WIN_COLL_SYMMETRIC),
+                                   timeout);
         if (r != ncclSuccess || window_ == nullptr) {
             WEFT_FAIL(gin_refusal_message(
                 asked + " (first step: register the " + std::to_string(heap.bytes()) +
@@ -330,7 +330,7 @@ void GinBackend::init(const Team& team) {
                 r == ncclInProgress ? "no answer within " + std::to_string(timeout.count()) + " ms"
                 : r != ncclSuccess  ? result_text(r)
                                     : "success, but registered no window (its symmetric memory support "
-                                      "is off: it needs CUDA VMM memory, NCCL_CUMEM_ENABLE not 0)",
+                                                    "is off: it needs CUDA VMM memory, NCCL_CUMEM_ENABLE not 0)",
                 last_error(comm_), found));
         }
 
@@ -341,12 +341,12 @@ void GinBackend::init(const Team& team) {
         reqs.ginCounterCount = options_.counter_count;
         r = wait_comm(comm_, n.ncclDevCommCreate(comm_, &reqs, &dev_comm_), timeout);
         if (r != ncclSuccess) {
-            WEFT_FAIL(gin_refusal_message(
-                asked,
-                "ncclDevCommCreate: " + (r == ncclInProgress
-                                             ? "no answer within " + std::to_string(timeout.count()) + " ms"
-                                             : result_text(r)),
-                last_error(comm_), found));
+            WEFT_FAIL(gin_refusal_message(asked,
+                                          "ncclDevCommCreate: " + (r == ncclInProgress
+                                                                       ? "no answer within " +
+                                                                             std::to_string(timeout.count()) + " ms"
+                                                                       : result_text(r)),
+                                          last_error(comm_), found));
         }
         has_dev_comm_ = true;
         WEFT_CUDA_CHECK(cudaMalloc(&dev_comm_device_, sizeof(ncclDevComm)));
@@ -356,8 +356,8 @@ void GinBackend::init(const Team& team) {
                                        "success with " + std::to_string(dev_comm_.ginContextCount) +
                                            " GIN contexts and " + std::to_string(dev_comm_.ginSignalCount) + " signals",
                                        "", found));
-        WEFT_LOG_INFO("GIN backend over team " << team.describe() << ": " << dev_comm_.ginContextCount << " contexts, "
-                                               << dev_comm_.ginSignalCount << " signals, NCCL "
+        WEFT_LOG_INFO("GIN backend over team " << team.describe() << ": " << dev_comm_.ginContextCount
+                                               << " contexts, " << dev_comm_.ginSignalCount << " signals, NCCL "
                                                << version_text(n.version));
     } catch (...) {
         if (dev_comm_device_ != nullptr) {

@@ -251,8 +251,8 @@ bool HostBackend::Impl::abort_on_async_error() {
     ncclResult_t async = ncclSuccess;
     const ncclResult_t r = nccl().comm_get_async_error(comm, &async);
     if (r != ncclSuccess || async == ncclSuccess || async == ncclInProgress) return false;
-    abort_comm("the NCCL communicator of " + who + " reported an asynchronous error: " + nccl().error_string(async) +
-               " (a peer on another node left or the network failed); it was aborted");
+    abort_comm("the NCCL communicator of " + who + " reported an asynchronous error: " +
+               nccl().error_string(async) + " (a peer on another node left or the network failed); it was aborted");
     return true;
 #else
     return false;
