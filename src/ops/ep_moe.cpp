@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ep_buffer.hpp"
+#include "tp_common.hpp"
 #include "weft/common/math.hpp"
 #include "weft/detail/gemm_launch.hpp"
 #include "weft/detail/host_mapped_pool.hpp"
@@ -170,20 +171,9 @@ struct MoeBlock::Impl {
     GroupedStatus* status_dev = nullptr;
     jit::Kernel* k_swiglu = nullptr;
     uint64_t gemm_timeout_ns = 0;  // moe_gemm_timeout_ns(the World's timeout)
-    // Ranks sharing a GPU: the first call of each form (fused, sequential) ends on every member before the rank
-    // launches more (kernels/gemm_rs/README.md, "Ranks sharing a GPU"; the other fused ops do the same).
-    bool first_call_pending[2] = {false, false};
-
-    void after_first_call(bool fused, cudaStream_t stream) {
-        bool& pending = first_call_pending[fused ? 1 : 0];
-        if (!pending) return;
-        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-        WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-        if (capture != cudaStreamCaptureStatusNone) return;
-        pending = false;
-        world->sync_and_check(stream);
-        team.barrier();
-    }
+    // Ranks sharing a GPU: the first call of each form (0 sequential, 1 fused) ends on every member before the rank
+    // launches more, as in the other fused ops.
+    ops::tp_detail::FirstCallSync first_calls;
 
     template <class T>
     T* at(int64_t offset) const {
@@ -262,8 +252,7 @@ MoeBlock::MoeBlock(const Team& team, const MoeConfig& config) : impl_(std::make_
     }
     m.gemm_timeout_ns = moe_gemm_timeout_ns(m.world->timeout());
     // The same on every member (a world-wide fact): the first-call synchronisation is collective.
-    const bool shared_gpu = team.num_ranks() > 1 && m.world->max_ranks_per_device() > 1;
-    m.first_call_pending[0] = m.first_call_pending[1] = shared_gpu;
+    if (team.num_ranks() > 1 && m.world->max_ranks_per_device() > 1) m.first_calls.arm(2);
 
     // Every kernel of both forms, compiled in parallel and loaded before any of them can spin (the Buffer's
     // constructor ends at a barrier of the team, after which ranks may launch).
@@ -394,7 +383,7 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
         grouped_gemm_contiguous(m.activation(), weights.down, m.expert_out(), BLayout::kNK, hm.expert_offsets(),
                                 hm.expert_counts(), stream, m.gemm_options(m.plan.down, budget, 1));
         m.buffer->combine(hm, m.expert_out(), out, stream, comm_options);
-        m.after_first_call(false, stream);
+        m.first_calls.after_call(m.team, 0, stream);
         return;
     }
 
@@ -451,7 +440,7 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
 
     WEFT_CUDA_CHECK(cudaEventRecord(m.join, m.gemm_stream));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, m.join, 0));
-    m.after_first_call(true, stream);
+    m.first_calls.after_call(m.team, 1, stream);
 }
 
 }  // namespace weft::ops::ep
