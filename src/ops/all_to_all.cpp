@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "collective_workspace.hpp"
+#include "hierarchical.hpp"
 #include "weft/detail/collectives.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/nvtx.hpp"
@@ -139,6 +140,18 @@ void run_all_to_all(const Team& team, const TensorView& input, std::span<const i
             WEFT_CUDA_CHECK(cudaMemcpyAsync(output.data, input.data, static_cast<size_t>(input.size_bytes()),
                                             cudaMemcpyDeviceToDevice, stream));
         }
+        return;
+    }
+    if (team.num_nodes() > 1) {
+        // A team that spans nodes (docs/multinode.md, "All-to-all across nodes"): node stages and the network.
+        WEFT_CHECK(equal, op << ": uneven splits on a team that spans " << team.num_nodes() << " nodes ("
+                             << team.describe()
+                             << ") are not implemented (docs/multinode.md, \"All-to-all across nodes\"); all_to_all "
+                                "with equal splits is");
+        (void)detail::plan_all_to_all(input, {}, output, {}, 1, true, true, 0);  // the checks that need no rank count
+        WEFT_CHECK(input.numel() % n == 0,
+                   op << ": the element count (" << input.numel() << ") must be a multiple of num_ranks (" << n << ")");
+        detail::hierarchical_all_to_all(team, input, output, stream);
         return;
     }
     CollectiveWorkspace& ws = CollectiveWorkspace::get(team);

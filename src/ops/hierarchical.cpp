@@ -6,9 +6,11 @@
 
 #include <cstdlib>
 
+#include "weft/net/all_to_all_plan.hpp"
 #include "weft/net/chunk_schedule.hpp"
 #include "weft/net/host_backend.hpp"
 #include "weft/ops/all_gather.hpp"
+#include "weft/ops/all_to_all.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/runtime/error.hpp"
@@ -179,6 +181,96 @@ void hierarchical_all_reduce(const Team& team, const TensorView& input, const Te
         if (c > 0) gather(c - 1);
     }
     if (!chunks.empty()) gather(chunks.size() - 1);
+    net.end_call(stream);
+}
+
+// Team ranks t(n, l); every rank's input and output hold one block per team rank. Node stages (compute stream, in the
+// network's order): for destination node m = n - k, weft's all_to_all over the node's members of the blocks for
+// t(m, 0 .. L-1) leaves this member the node's blocks for t(m, local), which the comm stream sends to t(m, local) once
+// ready(k) is raised, in chunks of WEFT_NET_CHUNK_BYTES, receiving node n + k's blocks for this rank (arrived(k)).
+// This node's own stage (m = n) runs last, while the network moves the others, and writes the output in place. With
+// node-major team ranks every stage reads the input and every receive writes the output in place; otherwise blocks
+// are packed and unpacked around them. One member per node: the network sends straight from the input.
+void hierarchical_all_to_all(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream) {
+    WEFT_NVTX_RANGE("all_to_all.hierarchical");
+    const auto block = static_cast<uint64_t>(input.size_bytes()) / static_cast<uint64_t>(team.num_ranks());
+    if (block == 0) return;  // nothing to move on any rank (the count is the same everywhere)
+    net::HostBackend& net = backend(team);
+    std::vector<std::vector<int>> by_node(static_cast<size_t>(net.num_nodes()));
+    for (int n = 0; n < net.num_nodes(); ++n) {
+        for (int l = 0; l < net.ranks_per_node(); ++l)
+            by_node[static_cast<size_t>(n)].push_back(net.team_rank_at(n, l));
+    }
+    const net::A2aInterNodePlan plan = net::plan_a2a_internode(by_node, team.rank());
+    WEFT_CHECK(plan.num_nodes - 1 <= net::kMaxChunks, "all_to_all: a team across up to "
+                                                          << net::kMaxChunks + 1 << " nodes, got " << plan.num_nodes
+                                                          << " (" << team.describe() << ")");
+    const auto* in = static_cast<const uint8_t*>(input.data);
+    auto* out = static_cast<uint8_t*>(output.data);
+    const auto l = static_cast<uint64_t>(plan.per_node), steps = static_cast<uint64_t>(plan.num_nodes - 1);
+    const uint64_t group = l * block;  // one stage's blocks
+    const bool direct = plan.per_node == 1;
+    bool pack = false, unpack = false;
+    for (const auto& s : plan.node_stages) pack = pack || !s.send_contiguous;
+    for (const auto& s : plan.net_steps) unpack = unpack || !s.recv_contiguous;
+    const net::A2aNodeStage& own = plan.node_stages.back();
+    Scratch packed(pack ? (steps + 1) * group : 0, stream);  // stage of distance k at k * group
+    Scratch sent(direct ? 0 : steps * group, stream);        // step k's send buffer at (k - 1) * group
+    Scratch received(unpack ? steps * group : 0, stream);    // step k's receive buffer at (k - 1) * group
+    Scratch own_out(own.recv_contiguous ? 0 : group, stream);
+    const auto stage_input = [&](const net::A2aNodeStage& s) -> const uint8_t* {
+        if (s.send_contiguous) return in + static_cast<uint64_t>(s.send_blocks[0]) * block;
+        uint8_t* p = packed.get() + static_cast<uint64_t>(s.distance) * group;
+        for (size_t j = 0; j < s.send_blocks.size(); ++j) {
+            copy(p + j * block, in + static_cast<uint64_t>(s.send_blocks[j]) * block, block, stream);
+        }
+        return p;
+    };
+    net.begin_call(stream);
+    // 1. The node stages for the other nodes, each raising ready(k) for its network step.
+    if (!direct) {
+        for (const auto& s : plan.node_stages) {
+            if (s.distance == 0) continue;
+            uint8_t* dst = sent.get() + static_cast<uint64_t>(s.distance - 1) * group;
+            all_to_all(net.node_team(), bytes_view(const_cast<uint8_t*>(stage_input(s)), group), bytes_view(dst, group),
+                       stream);
+            net.mark_ready(stream, s.distance - 1);
+        }
+    }
+    // 2. The network steps on the comm stream (their ready words' writers are enqueued above).
+    const std::vector<net::Chunk> pieces = net::plan_chunks(group, 1, 1, chunk_bytes());
+    for (const auto& st : plan.net_steps) {
+        const auto k = static_cast<uint64_t>(st.distance);
+        const uint8_t* src = direct ? in + static_cast<uint64_t>(st.to_rank) * block : sent.get() + (k - 1) * group;
+        uint8_t* dst = st.recv_contiguous ? out + static_cast<uint64_t>(st.recv_blocks[0]) * block
+                                          : received.get() + (k - 1) * group;
+        if (!direct) net.comm_wait_ready(st.distance - 1);
+        for (const net::Chunk& c : pieces)
+            net.send_recv(src + c.begin, c.count, st.to_node, dst + c.begin, st.from_node);
+        net.comm_mark_arrived(st.distance - 1);
+    }
+    // 3. This node's own stage, while the network runs.
+    uint8_t* own_dst = own.recv_contiguous ? out + static_cast<uint64_t>(own.recv_blocks[0]) * block : own_out.get();
+    if (direct) {
+        copy(own_dst, in + static_cast<uint64_t>(own.send_blocks[0]) * block, block, stream);
+    } else {
+        all_to_all(net.node_team(), bytes_view(const_cast<uint8_t*>(stage_input(own)), group),
+                   bytes_view(own_dst, group), stream);
+    }
+    if (!own.recv_contiguous) {
+        for (size_t i = 0; i < own.recv_blocks.size(); ++i) {
+            copy(out + static_cast<uint64_t>(own.recv_blocks[i]) * block, own_out.get() + i * block, block, stream);
+        }
+    }
+    // 4. The received blocks into their output slots (in place when they are consecutive).
+    for (const auto& st : plan.net_steps) {
+        if (st.recv_contiguous) continue;
+        const uint8_t* src = received.get() + static_cast<uint64_t>(st.distance - 1) * group;
+        net.wait_arrived(stream, st.distance - 1);
+        for (size_t i = 0; i < st.recv_blocks.size(); ++i) {
+            copy(out + static_cast<uint64_t>(st.recv_blocks[i]) * block, src + i * block, block, stream);
+        }
+    }
     net.end_call(stream);
 }
 

@@ -17,5 +17,10 @@ void hierarchical_all_gather(const Team& team, const TensorView& input, const Te
 void hierarchical_reduce_scatter(const Team& team, const TensorView& input, const TensorView& output,
                                  cudaStream_t stream);
 void hierarchical_all_reduce(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream);
+/// all_to_all (equal splits) on such a team: weft's all_to_all over each node's members gathers, on each member, what
+/// its node sends to that member's column; NCCL send/receive pairs over the column carry it to the other nodes
+/// (docs/multinode.md, "All-to-all across nodes"). Same contract as ops::all_to_all (the caller has checked the
+/// arguments); throws as above.
+void hierarchical_all_to_all(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream);
 
 }  // namespace weft::ops::detail

@@ -15,6 +15,7 @@
 #include "weft/common/tp_schedule.hpp"
 #include "weft/detail/node_topology.hpp"
 #include "weft/net/ag_gemm_plan.hpp"
+#include "weft/net/all_to_all_plan.hpp"
 #include "weft/net/chunk_schedule.hpp"
 #include "weft/net/gemm_rs_plan.hpp"
 #include "weft/net/host_backend.hpp"
@@ -696,6 +697,134 @@ TEST(MultiNodeRsPlan, SubBlocksCoverEveryRowOnceAndTheTransfersPairUp) {
                     }
                 }
                 EXPECT_TRUE(wire.empty()) << wire.size() << " transfers nobody received";
+// ---- All-to-all across nodes (include/weft/net/all_to_all_plan.hpp) ----
+
+using net::A2aInterNodePlan;
+using net::plan_a2a_internode;
+
+enum class A2aLayout { kNodeMajor, kInterleaved, kShuffled };
+
+std::vector<std::vector<int>> a2a_layout(int nodes, int per_node, A2aLayout layout, std::mt19937& rng) {
+    std::vector<int> ranks(static_cast<size_t>(nodes * per_node));
+    std::iota(ranks.begin(), ranks.end(), 0);
+    if (layout == A2aLayout::kShuffled) std::shuffle(ranks.begin(), ranks.end(), rng);
+    std::vector<std::vector<int>> by_node(static_cast<size_t>(nodes));
+    for (int n = 0; n < nodes; ++n) {
+        for (int l = 0; l < per_node; ++l) {
+            // Interleaved: team rank l * N + n (every other rank on another node), as Team::split_strided makes it.
+            by_node[static_cast<size_t>(n)].push_back(
+                layout == A2aLayout::kInterleaved ? l * nodes + n : ranks[static_cast<size_t>(n * per_node + l)]);
+        }
+    }
+    return by_node;
+}
+
+// A host simulation of the whole call from every member's plan: the node stages (weft's all_to_all over each node's
+// members: member j gets member l's j-th block at position l), the network steps (a send is delivered to the peer
+// whose matching step receives from this rank, with as many blocks), and the output slots they write. Every output
+// block must hold the block its source rank sent to this rank, written exactly once.
+TEST(MultiNodeA2aPlan, EveryBlockLandsInItsSlotExactlyOnceAndTheStepsPairUp) {
+    std::mt19937 rng(11);
+    for (int nodes : {2, 3, 4}) {
+        for (int per_node : {1, 2, 3}) {
+            for (A2aLayout layout : {A2aLayout::kNodeMajor, A2aLayout::kInterleaved, A2aLayout::kShuffled}) {
+                const int w = nodes * per_node;
+                const auto by_node = a2a_layout(nodes, per_node, layout, rng);
+                SCOPED_TRACE(std::to_string(nodes) + " nodes x " + std::to_string(per_node) + ", layout " +
+                             std::to_string(static_cast<int>(layout)));
+                std::vector<A2aInterNodePlan> plans;
+                for (int me = 0; me < w; ++me) plans.push_back(plan_a2a_internode(by_node, me));
+                // A block is identified by (source, destination): source * w + destination.
+                const auto tag = [&](int src, int dst) { return src * w + dst; };
+                std::vector<std::vector<int>> out(static_cast<size_t>(w), std::vector<int>(static_cast<size_t>(w), -1));
+                std::vector<std::vector<int>> writes(static_cast<size_t>(w),
+                                                     std::vector<int>(static_cast<size_t>(w), 0));
+                const auto write = [&](int rank, int slot, int value) {
+                    ASSERT_GE(slot, 0);
+                    ASSERT_LT(slot, w);
+                    out[static_cast<size_t>(rank)][static_cast<size_t>(slot)] = value;
+                    writes[static_cast<size_t>(rank)][static_cast<size_t>(slot)] += 1;
+                };
+                // sent[rank][k - 1]: the blocks the node stage of distance k left this rank to send.
+                std::vector<std::vector<std::vector<int>>> sent(
+                    static_cast<size_t>(w), std::vector<std::vector<int>>(static_cast<size_t>(nodes - 1)));
+                for (int n = 0; n < nodes; ++n) {
+                    const std::vector<int>& members = by_node[static_cast<size_t>(n)];
+                    const A2aInterNodePlan& first = plans[static_cast<size_t>(members[0])];
+                    ASSERT_EQ(first.node_stages.size(), static_cast<size_t>(nodes));
+                    for (size_t s = 0; s < first.node_stages.size(); ++s) {
+                        // Every member of the node runs the same stage at the same position.
+                        for (int t : members) {
+                            const auto& st = plans[static_cast<size_t>(t)].node_stages[s];
+                            EXPECT_EQ(st.dest_node, first.node_stages[s].dest_node);
+                            EXPECT_EQ(st.distance, first.node_stages[s].distance);
+                            ASSERT_EQ(st.send_blocks.size(), static_cast<size_t>(per_node));
+                            if (layout == A2aLayout::kNodeMajor) {
+                                EXPECT_TRUE(st.send_contiguous);
+                            }
+                        }
+                        for (int j = 0; j < per_node; ++j) {
+                            const int receiver = members[static_cast<size_t>(j)];
+                            const auto& st = plans[static_cast<size_t>(receiver)].node_stages[s];
+                            std::vector<int> result;
+                            for (int l = 0; l < per_node; ++l) {
+                                const int sender = members[static_cast<size_t>(l)];
+                                const int dst = plans[static_cast<size_t>(sender)]
+                                                    .node_stages[s]
+                                                    .send_blocks[static_cast<size_t>(j)];
+                                result.push_back(tag(sender, dst));
+                            }
+                            if (st.distance == 0) {
+                                ASSERT_EQ(st.recv_blocks.size(), static_cast<size_t>(per_node));
+                                if (layout == A2aLayout::kNodeMajor) {
+                                    EXPECT_TRUE(st.recv_contiguous);
+                                }
+                                for (int l = 0; l < per_node; ++l) {
+                                    write(receiver, st.recv_blocks[static_cast<size_t>(l)],
+                                          result[static_cast<size_t>(l)]);
+                                }
+                            } else {
+                                EXPECT_TRUE(st.recv_blocks.empty());
+                                sent[static_cast<size_t>(receiver)][static_cast<size_t>(st.distance - 1)] = result;
+                            }
+                        }
+                    }
+                }
+                for (const A2aInterNodePlan& p : plans) {
+                    ASSERT_EQ(p.net_steps.size(), static_cast<size_t>(nodes - 1));
+                    for (size_t i = 0; i < p.net_steps.size(); ++i) {
+                        const auto& st = p.net_steps[i];
+                        EXPECT_EQ(st.distance, static_cast<int32_t>(i + 1));
+                        EXPECT_EQ(st.to_node, (p.node - st.distance + nodes) % nodes);
+                        EXPECT_EQ(st.from_node, (p.node + st.distance) % nodes);
+                        // The peer's step of the same distance receives from this rank, as many blocks as sent.
+                        const A2aInterNodePlan& peer = plans[static_cast<size_t>(st.to_rank)];
+                        EXPECT_EQ(peer.node, st.to_node);
+                        EXPECT_EQ(peer.local, p.local);
+                        const auto& ps = peer.net_steps[i];
+                        EXPECT_EQ(ps.distance, st.distance);
+                        EXPECT_EQ(ps.from_rank, p.me);
+                        EXPECT_EQ(ps.from_node, p.node);
+                        const auto& blocks = sent[static_cast<size_t>(p.me)][i];
+                        ASSERT_EQ(blocks.size(), ps.recv_blocks.size());
+                        if (layout == A2aLayout::kNodeMajor) {
+                            EXPECT_TRUE(ps.recv_contiguous);
+                        }
+                        // One member per node sends straight from its input: the stage's only block is the peer's.
+                        if (per_node == 1) {
+                            EXPECT_EQ(p.node_stages[i].send_blocks, (std::vector<int32_t>{st.to_rank}));
+                        }
+                        for (size_t b = 0; b < blocks.size(); ++b) write(peer.me, ps.recv_blocks[b], blocks[b]);
+                    }
+                }
+                for (int r = 0; r < w; ++r) {
+                    for (int q = 0; q < w; ++q) {
+                        EXPECT_EQ(writes[static_cast<size_t>(r)][static_cast<size_t>(q)], 1)
+                            << "rank " << r << " slot " << q;
+                        EXPECT_EQ(out[static_cast<size_t>(r)][static_cast<size_t>(q)], tag(q, r))
+                            << "rank " << r << " slot " << q;
+                    }
+                }
             }
         }
     }
@@ -707,6 +836,30 @@ TEST(MultiNodeRsPlan, RefusesBadLayouts) {
     EXPECT_NE(error_of([] { (void)plan_rs_internode({{0, 1}, {2, 4}}, 0); }).find("out of range"), std::string::npos);
     EXPECT_NE(error_of([] {
                   (void)plan_rs_internode({{0, 1}, {2, 3}}, 5);
+// The interleaved layout packs: a node stage's blocks and a step's received blocks are not consecutive there.
+TEST(MultiNodeA2aPlan, InterleavedTeamsPackAndUnpack) {
+    std::mt19937 rng(1);
+    const A2aInterNodePlan p = plan_a2a_internode(a2a_layout(2, 2, A2aLayout::kInterleaved, rng), 1);
+    EXPECT_EQ(p.node, 1);
+    EXPECT_EQ(p.local, 0);
+    ASSERT_EQ(p.node_stages.size(), 2u);
+    EXPECT_EQ(p.node_stages[0].dest_node, 0);
+    EXPECT_EQ(p.node_stages[0].send_blocks, (std::vector<int32_t>{0, 2}));
+    EXPECT_FALSE(p.node_stages[0].send_contiguous);
+    EXPECT_EQ(p.node_stages[1].distance, 0);
+    EXPECT_EQ(p.node_stages[1].recv_blocks, (std::vector<int32_t>{1, 3}));
+    EXPECT_FALSE(p.node_stages[1].recv_contiguous);
+    ASSERT_EQ(p.net_steps.size(), 1u);
+    EXPECT_EQ(p.net_steps[0].to_rank, 0);
+    EXPECT_EQ(p.net_steps[0].from_rank, 0);
+    EXPECT_EQ(p.net_steps[0].recv_blocks, (std::vector<int32_t>{0, 2}));
+}
+
+TEST(MultiNodeA2aPlan, RefusesBadLayouts) {
+    EXPECT_NE(error_of([] { (void)plan_a2a_internode({{0, 1}, {2}}, 0); }).find("same number"), std::string::npos);
+    EXPECT_NE(error_of([] { (void)plan_a2a_internode({{0, 1}, {1, 2}}, 0); }).find("appears twice"), std::string::npos);
+    EXPECT_NE(error_of([] {
+                  (void)plan_a2a_internode({{0, 1}, {2, 3}}, 5);
               }).find("not in the layout"),
               std::string::npos);
 }
