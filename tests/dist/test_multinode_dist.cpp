@@ -3,6 +3,9 @@
 // GemmRs (GEMM+ReduceScatter) against a host reference on awkward sizes, and a rank on another node that never arrives
 // (docs/multinode.md). Run
 // under virtual nodes, e.g.
+// Teams that span (virtual) nodes, one process per rank: the hierarchical collectives, all_to_all and AgGemm
+// (AllGather+GEMM) against a host reference on awkward sizes, and a rank on another node that never arrives
+// (docs/multinode.md). Run under virtual nodes, e.g.
 //   WEFT_VIRTUAL_NODES=2 weftrun -n 4 -- weft_dist_tests --gtest_filter='MultiNode*'
 // Without virtual nodes (one node) every test here skips.
 #include <gtest/gtest.h>
@@ -22,6 +25,7 @@
 #include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
+#include "weft/ops/all_to_all.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/weft.hpp"
 
@@ -206,6 +210,92 @@ TEST(MultiNode, AllReduceMatchesTheReference) {
                 }
             }
         }
+    }
+}
+
+// all_to_all on a team that spans nodes (docs/multinode.md, "All-to-all across nodes"), against a host reference:
+// the teams of teams_under_test and, with 2 or more ranks per node, the world with interleaved team ranks (team rank
+// t(n, l) = l * N + n: every node stage packs and every received step unpacks). Blocks of 1 element and of sizes that
+// are not multiples of 16 bytes, one and several network chunks, several dtypes, poisoned output, fresh data per call;
+// with `graph`, the second call replays a CUDA graph captured after the first (new data uploaded between them).
+void run_all_to_all_across_nodes(bool graph) {
+    World& w = dist_world();
+    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    std::vector<Team> teams = teams_under_test(w);
+    const int per_node = w.num_ranks() / w.num_nodes();
+    if (per_node >= 2) teams.push_back(w.team().split_color(0, (w.rank() % per_node) * w.num_nodes() + w.node()));
+    for (const Team& team : teams) {
+        if (!team.is_member()) continue;
+        const int n = team.num_ranks();
+        const int me = team.rank();
+        for (DType t : {DType::kU8, DType::kBF16, DType::kF32}) {
+            const int es = dtype_bytes(t);
+            const uint32_t mask = es == 4 ? 0xFFFFFFFFu : (1u << (8 * es)) - 1u;
+            for (uint64_t count : {1ull, 3ull, 37ull, 4099ull, 70001ull}) {
+                const uint64_t total = count * static_cast<uint64_t>(n);
+                const uint64_t bytes = total * static_cast<uint64_t>(es);
+                Buffers b(bytes);
+                const TensorView in(b.in, t, {static_cast<int64_t>(total)});
+                const TensorView out(b.out, t, {static_cast<int64_t>(total)});
+                cudaGraphExec_t exec = nullptr;
+                for (int call = 0; call < 2; ++call) {
+                    const uint64_t seed = count * 19 + static_cast<uint64_t>(t) * 5 + static_cast<uint64_t>(call);
+                    WEFT_CUDA_CHECK(cudaMemsetAsync(b.out, 0xA5 + call, bytes, b.stream));
+                    upload(b.stream, b.in, t, total, seed, me);
+                    if (graph && call == 1) {
+                        WEFT_CUDA_CHECK(cudaGraphLaunch(exec, b.stream));
+                    } else {
+                        ops::all_to_all(team, in, out, b.stream);
+                    }
+                    w.sync_and_check(b.stream);
+                    const std::vector<uint32_t> got = download(b.stream, b.out, t, total);
+                    uint64_t bad = 0;
+                    for (uint64_t k = 0; k < total; ++k) {
+                        // Block q of the output is block `me` of team rank q's input.
+                        const auto q = static_cast<int>(k / count);
+                        const uint64_t at = static_cast<uint64_t>(me) * count + k % count;
+                        bad += got[k] != (int_bits(pattern_value(seed, q, at), t) & mask);
+                    }
+                    EXPECT_EQ(bad, 0u) << "rank " << w.rank() << ": all_to_all on " << team.describe() << " "
+                                       << dtype_name(t) << " count " << count << " call " << call
+                                       << (graph ? " (graph)" : "");
+                    if (graph && call == 0) {
+                        // The communicators exist (first call): capture a call, replayed as call 1.
+                        team.barrier();
+                        cudaGraph_t gr = nullptr;
+                        WEFT_CUDA_CHECK(cudaStreamBeginCapture(b.stream, cudaStreamCaptureModeThreadLocal));
+                        ops::all_to_all(team, in, out, b.stream);
+                        WEFT_CUDA_CHECK(cudaStreamEndCapture(b.stream, &gr));
+                        WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, gr, 0));
+                        WEFT_CUDA_CHECK(cudaGraphDestroy(gr));
+                    }
+                }
+                if (exec != nullptr) WEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+            }
+        }
+    }
+}
+
+TEST(MultiNode, AllToAllMatchesTheReference) { run_all_to_all_across_nodes(false); }
+
+TEST(MultiNode, AllToAllGraphReplay) { run_all_to_all_across_nodes(true); }
+
+// Uneven splits across nodes are refused on every rank before anything is enqueued, naming the op and the layout.
+TEST(MultiNode, AllToAllVAcrossNodesIsAClearError) {
+    World& w = dist_world();
+    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    const auto n = static_cast<size_t>(w.num_ranks());
+    Buffers b(n * 4);
+    const std::vector<int64_t> counts(n, 1);
+    try {
+        ops::all_to_all_v(w, TensorView(b.in, DType::kF32, {static_cast<int64_t>(n)}), counts,
+                          TensorView(b.out, DType::kF32, {static_cast<int64_t>(n)}), counts, b.stream);
+        ADD_FAILURE() << "all_to_all_v across nodes was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("all_to_all_v: uneven splits on a team that spans"), std::string::npos)
+            << e.what();
     }
 }
 
