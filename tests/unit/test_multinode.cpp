@@ -836,6 +836,170 @@ TEST(MultiNodeRsPlan, RefusesBadLayouts) {
     EXPECT_NE(error_of([] { (void)plan_rs_internode({{0, 1}, {2, 4}}, 0); }).find("out of range"), std::string::npos);
     EXPECT_NE(error_of([] {
                   (void)plan_rs_internode({{0, 1}, {2, 3}}, 5);
+// The byte layout (net::layout_a2a_internode) simulated byte by byte, as hierarchical_all_to_all moves them: packing,
+// the node stages (all_to_all_v over each node's members: sizes must agree between sender and receiver), the network
+// steps (send and receive sizes must agree), the unpacking. Equal splits (awkward sizes, 1 byte included) and uneven
+// ones (random counts, zeros included); every output byte holds the right source byte, written exactly once.
+TEST(MultiNodeA2aPlan, EveryByteLandsInItsSlotExactlyOnce) {
+    std::mt19937 rng(23);
+    for (int nodes : {2, 3, 4}) {
+        for (int per_node : {1, 2, 3}) {
+            for (A2aLayout layout : {A2aLayout::kNodeMajor, A2aLayout::kInterleaved, A2aLayout::kShuffled}) {
+                for (int counts_case = 0; counts_case < 4; ++counts_case) {
+                    const int w = nodes * per_node;
+                    const auto ws = static_cast<size_t>(w);
+                    const auto by_node = a2a_layout(nodes, per_node, layout, rng);
+                    SCOPED_TRACE(std::to_string(nodes) + " nodes x " + std::to_string(per_node) + ", layout " +
+                                 std::to_string(static_cast<int>(layout)) + ", counts " + std::to_string(counts_case));
+                    // bytes[s][d]: what s sends to d. Cases: 1 byte each, 7 bytes each, random 0..5, random 0..40.
+                    std::vector<std::vector<uint64_t>> bytes(ws, std::vector<uint64_t>(ws));
+                    for (auto& row : bytes) {
+                        for (auto& x : row) {
+                            x = counts_case == 0 ? 1
+                                : counts_case == 1
+                                    ? 7
+                                    : std::uniform_int_distribution<uint64_t>(0, counts_case == 2 ? 5 : 40)(rng);
+                        }
+                    }
+                    const auto tag = [&](size_t src, size_t dst, uint64_t i) {
+                        return static_cast<int64_t>((src * ws + dst) * 64 + i);
+                    };
+                    std::vector<A2aInterNodePlan> plans;
+                    std::vector<net::A2aByteLayout> layouts;
+                    std::vector<std::vector<int64_t>> in(ws), out(ws), packed(ws), sent(ws), received(ws), own(ws);
+                    std::vector<std::vector<int>> writes(ws);
+                    std::vector<std::vector<uint64_t>> recv_at(ws, std::vector<uint64_t>(ws + 1, 0));
+                    for (size_t r = 0; r < ws; ++r) {
+                        plans.push_back(plan_a2a_internode(by_node, static_cast<int>(r)));
+                        std::vector<uint64_t> send_bytes(ws), recv_bytes(ws);
+                        for (size_t q = 0; q < ws; ++q) {
+                            send_bytes[q] = bytes[r][q];
+                            recv_bytes[q] = bytes[q][r];
+                            for (uint64_t i = 0; i < bytes[r][q]; ++i) in[r].push_back(tag(r, q, i));
+                            recv_at[r][q + 1] = recv_at[r][q] + recv_bytes[q];
+                        }
+                        std::vector<std::vector<uint64_t>> node_rows;
+                        for (int t : by_node[static_cast<size_t>(plans[r].node)]) {
+                            node_rows.push_back(bytes[static_cast<size_t>(t)]);
+                        }
+                        layouts.push_back(net::layout_a2a_internode(plans[r], send_bytes, recv_bytes, node_rows));
+                        const net::A2aByteLayout& b = layouts.back();
+                        out[r].assign(recv_at[r][ws], -1);
+                        writes[r].assign(recv_at[r][ws], 0);
+                        packed[r].assign(b.packed_bytes, -1);
+                        sent[r].assign(b.sent_bytes, -1);
+                        received[r].assign(b.received_bytes, -1);
+                        own[r].assign(b.own_bytes, -1);
+                    }
+                    const auto put_out = [&](size_t r, uint64_t at, int64_t v) {
+                        ASSERT_LT(at, out[r].size());
+                        out[r][at] = v;
+                        writes[r][at] += 1;
+                    };
+                    // Node stages (none with one member per node: the steps send from the input).
+                    for (int n = 0; n < nodes; ++n) {
+                        const std::vector<int>& members = by_node[static_cast<size_t>(n)];
+                        for (size_t s = 0; s < static_cast<size_t>(nodes); ++s) {
+                            const bool own_stage = plans[static_cast<size_t>(members[0])].node_stages[s].distance == 0;
+                            if (per_node == 1 && !own_stage) continue;
+                            // Each member's stage input, packed where needed.
+                            std::vector<std::vector<int64_t>> stage_in(members.size());
+                            for (size_t j = 0; j < members.size(); ++j) {
+                                const auto r = static_cast<size_t>(members[j]);
+                                const auto& st = plans[r].node_stages[s];
+                                const auto& b = layouts[r].stages[s];
+                                uint64_t total = 0;
+                                for (uint64_t x : b.send_bytes) total += x;
+                                if (st.send_contiguous) {
+                                    ASSERT_LE(b.input_offset + total, in[r].size());
+                                    stage_in[j].assign(in[r].begin() + static_cast<int64_t>(b.input_offset),
+                                                       in[r].begin() + static_cast<int64_t>(b.input_offset + total));
+                                } else {
+                                    uint64_t at = b.input_offset;
+                                    for (const net::A2aSpan& p : b.pack) {
+                                        for (uint64_t i = 0; i < p.bytes; ++i)
+                                            packed[r].at(at++) = in[r].at(p.offset + i);
+                                    }
+                                    stage_in[j].assign(
+                                        packed[r].begin() + static_cast<int64_t>(b.input_offset),
+                                        packed[r].begin() + static_cast<int64_t>(b.input_offset + total));
+                                }
+                            }
+                            for (size_t j = 0; j < members.size(); ++j) {
+                                const auto r = static_cast<size_t>(members[j]);
+                                const auto& st = plans[r].node_stages[s];
+                                const auto& b = layouts[r].stages[s];
+                                std::vector<int64_t> result;
+                                for (size_t l = 0; l < members.size(); ++l) {
+                                    const auto& bl = layouts[static_cast<size_t>(members[l])].stages[s];
+                                    ASSERT_EQ(bl.send_bytes[j], b.recv_bytes[l]) << "node stage sizes, member " << j;
+                                    uint64_t from = 0;
+                                    for (size_t i = 0; i < j; ++i) from += bl.send_bytes[i];
+                                    for (uint64_t i = 0; i < bl.send_bytes[j]; ++i)
+                                        result.push_back(stage_in[l][from + i]);
+                                }
+                                if (!own_stage) {
+                                    for (size_t i = 0; i < result.size(); ++i)
+                                        sent[r].at(b.output_offset + i) = result[i];
+                                } else if (st.recv_contiguous) {
+                                    for (size_t i = 0; i < result.size(); ++i)
+                                        put_out(r, b.output_offset + i, result[i]);
+                                } else {
+                                    ASSERT_EQ(result.size(), own[r].size());
+                                    uint64_t at = 0;
+                                    for (const net::A2aSpan& p : b.unpack) {
+                                        for (uint64_t i = 0; i < p.bytes; ++i) put_out(r, p.offset + i, result[at++]);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    // Network steps.
+                    for (size_t r = 0; r < ws; ++r) {
+                        for (size_t i = 0; i < plans[r].net_steps.size(); ++i) {
+                            const auto& st = plans[r].net_steps[i];
+                            const auto& b = layouts[r].steps[i];
+                            const auto peer = static_cast<size_t>(st.to_rank);
+                            const auto& pst = plans[peer].net_steps[i];
+                            const auto& pb = layouts[peer].steps[i];
+                            ASSERT_EQ(pst.from_rank, static_cast<int32_t>(r));
+                            ASSERT_EQ(b.send_bytes, pb.recv_bytes) << "network sizes, rank " << r << " step " << i;
+                            const std::vector<int64_t>& src = per_node == 1 ? in[r] : sent[r];
+                            for (uint64_t k = 0; k < b.send_bytes; ++k) {
+                                const int64_t v = src.at(b.send_offset + k);
+                                if (pst.recv_contiguous) {
+                                    put_out(peer, pb.recv_offset + k, v);
+                                } else {
+                                    received[peer].at(pb.recv_offset + k) = v;
+                                }
+                            }
+                        }
+                    }
+                    // Unpacking of the received steps.
+                    for (size_t r = 0; r < ws; ++r) {
+                        for (const auto& b : layouts[r].steps) {
+                            uint64_t at = b.recv_offset;
+                            for (const net::A2aSpan& p : b.unpack) {
+                                for (uint64_t i = 0; i < p.bytes; ++i) put_out(r, p.offset + i, received[r].at(at++));
+                            }
+                        }
+                    }
+                    uint64_t bad = 0;
+                    for (size_t r = 0; r < ws; ++r) {
+                        for (size_t q = 0; q < ws; ++q) {
+                            for (uint64_t i = 0; i < bytes[q][r]; ++i) {
+                                const uint64_t at = recv_at[r][q] + i;
+                                bad += out[r][at] != tag(q, r, i) || writes[r][at] != 1;
+                            }
+                        }
+                    }
+                    EXPECT_EQ(bad, 0u);
+                }
+            }
+        }
+    }
+}
+
 // The interleaved layout packs: a node stage's blocks and a step's received blocks are not consecutive there.
 TEST(MultiNodeA2aPlan, InterleavedTeamsPackAndUnpack) {
     std::mt19937 rng(1);

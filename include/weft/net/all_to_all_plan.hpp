@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 namespace weft::net {
@@ -52,5 +53,50 @@ struct A2aInterNodePlan {
 /// Builds the plan; throws weft::Error when the layout is not rectangular, a team rank is missing or repeated, or
 /// `me` is not in it.
 A2aInterNodePlan plan_a2a_internode(const std::vector<std::vector<int>>& by_node, int me);
+
+/// Bytes [offset, offset + bytes) of a buffer.
+struct A2aSpan {
+    uint64_t offset = 0;
+    uint64_t bytes = 0;
+};
+
+/// Where every byte of one member's call lies, from its plan and the byte counts: buffers are the input, the output
+/// and four scratch buffers (packed stage inputs, the steps' send buffers, the steps' receive buffers, this node's
+/// stage output), each laid out back to back in plan order.
+struct A2aByteLayout {
+    struct Stage {                         ///< plan.node_stages[i]
+        std::vector<uint64_t> send_bytes;  ///< [per_node]: to node member j (this rank's bytes for send_blocks[j])
+        std::vector<uint64_t> recv_bytes;  ///< [per_node]: from node member l
+        /// The stage's input: at `input_offset` of the input when send_contiguous, else of the packed scratch, filled
+        /// from `pack` (the input spans for j = 0, 1, ... back to back).
+        uint64_t input_offset = 0;
+        std::vector<A2aSpan> pack;
+        /// Its output: distance > 0, the step's send buffer at this offset of the sent scratch; this node's stage, the
+        /// output at this offset when recv_contiguous, else the own scratch at 0, copied to the output spans `unpack`
+        /// (node member l's bytes at unpack[l]).
+        uint64_t output_offset = 0;
+        std::vector<A2aSpan> unpack;
+    };
+    struct Step {  ///< plan.net_steps[i]
+        /// Sent: the sent scratch at this offset (one member per node: the input at this offset).
+        uint64_t send_offset = 0, send_bytes = 0;
+        /// Received: the output at this offset when recv_contiguous, else the received scratch at this offset, copied
+        /// to the output spans `unpack` (t(from_node, l)'s bytes at unpack[l]).
+        uint64_t recv_offset = 0, recv_bytes = 0;
+        std::vector<A2aSpan> unpack;
+    };
+    std::vector<Stage> stages;
+    std::vector<Step> steps;
+    uint64_t packed_bytes = 0, sent_bytes = 0, received_bytes = 0, own_bytes = 0;
+};
+
+/// The byte layout of a call (pure): `send_bytes[q]` / `recv_bytes[q]` this rank's bytes to / from team rank q (input
+/// and output back to back in team-rank order); `node_send_bytes[l][q]` the bytes that t(node, l), this node's member
+/// with local index l, sends to team rank q (this rank's row included). With one member per node the steps send
+/// straight from the input and there are no node stages' buffers. Throws weft::Error when a count vector has the wrong
+/// length.
+A2aByteLayout layout_a2a_internode(const A2aInterNodePlan& plan, std::span<const uint64_t> send_bytes,
+                                   std::span<const uint64_t> recv_bytes,
+                                   const std::vector<std::vector<uint64_t>>& node_send_bytes);
 
 }  // namespace weft::net
