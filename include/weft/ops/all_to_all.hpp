@@ -38,7 +38,8 @@ void all_to_all(World& world, const TensorView& input, const TensorView& output,
 /// `input` is staged in one piece: every rank's must fit the workspace's staging region
 /// (WEFT_COLLECTIVE_STAGING_BYTES, 32 MiB by default, less 16 bytes per chunk of alignment and a 512-byte header) —
 /// larger inputs must be symmetric. A rank whose staged input does not fit throws weft::Error; its peers then end in a
-/// timeout diagnostic, as with any call one rank does not make. Not on a team that spans nodes (weft::Error).
+/// timeout diagnostic, as with any call one rank does not make. A team that spans nodes: as all_to_all, the node
+/// members' counts gathered through the World's store first (docs/multinode.md).
 void all_to_all_v(const Team& team, const TensorView& input, std::span<const int64_t> send_counts,
                   const TensorView& output, std::span<const int64_t> recv_counts, cudaStream_t stream);
 /// The same on `world.team()`.
