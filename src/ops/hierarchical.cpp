@@ -260,8 +260,14 @@ void hierarchical_all_to_all(const Team& team, const TensorView& input, std::spa
         }
         uint64_t in_total = 0, out_total = 0;
         std::vector<int64_t> sc, rc;  // byte counts (the stage moves bytes)
-        for (uint64_t x : b.send_bytes) in_total += x, sc.push_back(static_cast<int64_t>(x));
-        for (uint64_t x : b.recv_bytes) out_total += x, rc.push_back(static_cast<int64_t>(x));
+        for (uint64_t x : b.send_bytes) {
+            in_total += x;
+            sc.push_back(static_cast<int64_t>(x));
+        }
+        for (uint64_t x : b.recv_bytes) {
+            out_total += x;
+            rc.push_back(static_cast<int64_t>(x));
+        }
         auto* from = const_cast<uint8_t*>(src);
         if (equal) {
             all_to_all(net.node_team(), bytes_view(from, in_total), bytes_view(dst, out_total), stream);
