@@ -1,11 +1,7 @@
 // SPDX-License-Identifier: MIT
-// Teams that span (virtual) nodes, one process per rank: the hierarchical collectives, AgGemm (AllGather+GEMM) and
-// GemmRs (GEMM+ReduceScatter) against a host reference on awkward sizes, and a rank on another node that never arrives
-// (docs/multinode.md). Run
-// under virtual nodes, e.g.
-// Teams that span (virtual) nodes, one process per rank: the hierarchical collectives, all_to_all and AgGemm
-// (AllGather+GEMM) against a host reference on awkward sizes, and a rank on another node that never arrives
-// (docs/multinode.md). Run under virtual nodes, e.g.
+// Teams that span (virtual) nodes, one process per rank: the hierarchical collectives, all_to_all, AgGemm
+// (AllGather+GEMM) and GemmRs (GEMM+ReduceScatter) against a host reference on awkward sizes, and a rank on another
+// node that never arrives (docs/multinode.md). Run under virtual nodes, e.g.
 //   WEFT_VIRTUAL_NODES=2 weftrun -n 4 -- weft_dist_tests --gtest_filter='MultiNode*'
 // Without virtual nodes (one node) every test here skips.
 #include <gtest/gtest.h>
@@ -22,10 +18,10 @@
 #include "gpu/tp_test_util.hpp"
 #include "weft/net/host_backend.hpp"
 #include "weft/ops/ag_gemm.hpp"
-#include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/all_to_all.hpp"
+#include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/weft.hpp"
 
@@ -220,8 +216,7 @@ TEST(MultiNode, AllReduceMatchesTheReference) {
 // with `graph`, the second call replays a CUDA graph captured after the first (new data uploaded between them).
 void run_all_to_all_across_nodes(bool graph) {
     World& w = dist_world();
-    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
-    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
     std::vector<Team> teams = teams_under_test(w);
     const int per_node = w.num_ranks() / w.num_nodes();
@@ -286,8 +281,7 @@ TEST(MultiNode, AllToAllGraphReplay) { run_all_to_all_across_nodes(true); }
 // hash of (source, destination), the same on every rank (zeros included, a few elements to several network chunks).
 TEST(MultiNode, AllToAllVMatchesTheReference) {
     World& w = dist_world();
-    if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
-    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
     std::vector<Team> teams = teams_under_test(w);
     const int per_node = w.num_ranks() / w.num_nodes();
@@ -566,8 +560,8 @@ void run_gemm_rs_across_nodes(bool graph) {
                     w.sync_and_check(st);
 
                     download(c, c_dev.ptr, st);
-                    const std::vector<int64_t> check_rows = rows_to_check(
-                        rows, rows, static_cast<double>(cs.n * cs.k * nr), seed_of(base, 2, me, call));
+                    const std::vector<int64_t> check_rows =
+                        rows_to_check(rows, rows, static_cast<double>(cs.n * cs.k * nr), seed_of(base, 2, me, call));
                     Reference ref(static_cast<int64_t>(check_rows.size()), cs.n);
                     for (int r = 0; r < nr; ++r) {
                         ref.add(as[static_cast<size_t>(r)], me * rows, check_rows, bs[static_cast<size_t>(r)]);

@@ -697,6 +697,21 @@ TEST(MultiNodeRsPlan, SubBlocksCoverEveryRowOnceAndTheTransfersPairUp) {
                     }
                 }
                 EXPECT_TRUE(wire.empty()) << wire.size() << " transfers nobody received";
+            }
+        }
+    }
+}
+
+TEST(MultiNodeRsPlan, RefusesBadLayouts) {
+    EXPECT_NE(error_of([] { (void)plan_rs_internode({{0, 1}, {2}}, 0); }).find("same number"), std::string::npos);
+    EXPECT_NE(error_of([] { (void)plan_rs_internode({{0, 1}, {1, 2}}, 0); }).find("appears twice"), std::string::npos);
+    EXPECT_NE(error_of([] { (void)plan_rs_internode({{0, 1}, {2, 4}}, 0); }).find("out of range"), std::string::npos);
+    EXPECT_NE(error_of([] {
+                  (void)plan_rs_internode({{0, 1}, {2, 3}}, 5);
+              }).find("not in the layout"),
+              std::string::npos);
+}
+
 // ---- All-to-all across nodes (include/weft/net/all_to_all_plan.hpp) ----
 
 using net::A2aInterNodePlan;
@@ -830,12 +845,6 @@ TEST(MultiNodeA2aPlan, EveryBlockLandsInItsSlotExactlyOnceAndTheStepsPairUp) {
     }
 }
 
-TEST(MultiNodeRsPlan, RefusesBadLayouts) {
-    EXPECT_NE(error_of([] { (void)plan_rs_internode({{0, 1}, {2}}, 0); }).find("same number"), std::string::npos);
-    EXPECT_NE(error_of([] { (void)plan_rs_internode({{0, 1}, {1, 2}}, 0); }).find("appears twice"), std::string::npos);
-    EXPECT_NE(error_of([] { (void)plan_rs_internode({{0, 1}, {2, 4}}, 0); }).find("out of range"), std::string::npos);
-    EXPECT_NE(error_of([] {
-                  (void)plan_rs_internode({{0, 1}, {2, 3}}, 5);
 // The byte layout (net::layout_a2a_internode) simulated byte by byte, as hierarchical_all_to_all moves them: packing,
 // the node stages (all_to_all_v over each node's members: sizes must agree between sender and receiver), the network
 // steps (send and receive sizes must agree), the unpacking. Equal splits (awkward sizes, 1 byte included) and uneven
