@@ -2,6 +2,7 @@
 // The inter-node all-to-all plan (see include/weft/net/all_to_all_plan.hpp).
 #include "weft/net/all_to_all_plan.hpp"
 
+#include "weft/net/node_layout.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft::net {
@@ -18,31 +19,13 @@ bool consecutive(const std::vector<int32_t>& v) {
 }  // namespace
 
 A2aInterNodePlan plan_a2a_internode(const std::vector<std::vector<int>>& by_node, int me) {
+    const NodeLayoutPosition where = locate_in_node_layout(by_node, me, "all_to_all across nodes");
     A2aInterNodePlan p;
-    p.num_nodes = static_cast<int32_t>(by_node.size());
-    WEFT_CHECK(p.num_nodes >= 1, "all_to_all across nodes: no node in the team's layout");
-    p.per_node = static_cast<int32_t>(by_node[0].size());
-    WEFT_CHECK(p.per_node >= 1, "all_to_all across nodes: node 0 has no member");
-    p.num_ranks = p.num_nodes * p.per_node;
-    std::vector<bool> seen(static_cast<size_t>(p.num_ranks), false);
-    p.node = -1;
-    for (int32_t n = 0; n < p.num_nodes; ++n) {
-        WEFT_CHECK(static_cast<int32_t>(by_node[static_cast<size_t>(n)].size()) == p.per_node,
-                   "all_to_all across nodes: node " << n << " has " << by_node[static_cast<size_t>(n)].size()
-                                                    << " members, node 0 has " << p.per_node
-                                                    << "; every node must hold the same number");
-        for (int32_t l = 0; l < p.per_node; ++l) {
-            const int t = by_node[static_cast<size_t>(n)][static_cast<size_t>(l)];
-            WEFT_CHECK(t >= 0 && t < p.num_ranks && !seen[static_cast<size_t>(t)],
-                       "all_to_all across nodes: team rank " << t << " is out of range or appears twice in the layout");
-            seen[static_cast<size_t>(t)] = true;
-            if (t == me) {
-                p.node = n;
-                p.local = l;
-            }
-        }
-    }
-    WEFT_CHECK(p.node >= 0, "all_to_all across nodes: team rank " << me << " is not in the layout");
+    p.num_nodes = where.num_nodes;
+    p.per_node = where.per_node;
+    p.num_ranks = where.num_ranks;
+    p.node = where.node;
+    p.local = where.local;
     p.me = me;
     const auto at = [&](int32_t n, int32_t l) {
         return static_cast<int32_t>(by_node[static_cast<size_t>(n)][static_cast<size_t>(l)]);
