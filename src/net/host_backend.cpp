@@ -551,25 +551,32 @@ void HostBackend::exchange(const void* send, uint64_t bytes, const std::function
 }
 
 void HostBackend::send_recv(const void* send, uint64_t bytes, int to_node, void* recv, int from_node) {
+    send_recv(send, bytes, to_node, recv, bytes, from_node);
+}
+
+void HostBackend::send_recv(const void* send, uint64_t send_bytes, int to_node, void* recv, uint64_t recv_bytes,
+                            int from_node) {
     WEFT_CHECK(to_node >= 0 && to_node < num_nodes() && from_node >= 0 && from_node < num_nodes(),
                "network backend: send_recv between nodes " << to_node << " and " << from_node << " of " << num_nodes());
 #if WEFT_NET_HAVE_NCCL_HEADER
-    if (bytes == 0 || (to_node == node_index_ && from_node == node_index_)) return;
+    const bool sends = send_bytes > 0 && to_node != node_index_;
+    const bool receives = recv_bytes > 0 && from_node != node_index_;
+    if (!sends && !receives) return;
     const NcclApi& api = nccl();
     const uint64_t step = begin_step("send_recv");
     WEFT_NCCL_CHECK(api.group_start(), "ncclGroupStart");
-    if (to_node != node_index_) {
-        WEFT_NCCL_CHECK(api.send(send, bytes, ncclUint8, to_node, impl_->comm, comm_stream_),
+    if (sends) {
+        WEFT_NCCL_CHECK(api.send(send, send_bytes, ncclUint8, to_node, impl_->comm, comm_stream_),
                         "ncclSend for " << impl_->who);
     }
-    if (from_node != node_index_) {
-        WEFT_NCCL_CHECK(api.recv(recv, bytes, ncclUint8, from_node, impl_->comm, comm_stream_),
+    if (receives) {
+        WEFT_NCCL_CHECK(api.recv(recv, recv_bytes, ncclUint8, from_node, impl_->comm, comm_stream_),
                         "ncclRecv for " << impl_->who);
     }
     WEFT_NCCL_CHECK(api.group_end(), "ncclGroupEnd (send_recv) for " << impl_->who);
     end_step(step);
 #else
-    (void)send, (void)recv;
+    (void)send, (void)recv, (void)send_bytes, (void)recv_bytes;
     WEFT_FAIL(nccl_unavailable_reason());
 #endif
 }

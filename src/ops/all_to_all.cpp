@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "collective_workspace.hpp"
+#include "hierarchical.hpp"
 #include "weft/detail/collectives.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/nvtx.hpp"
@@ -139,6 +140,40 @@ void run_all_to_all(const Team& team, const TensorView& input, std::span<const i
             WEFT_CUDA_CHECK(cudaMemcpyAsync(output.data, input.data, static_cast<size_t>(input.size_bytes()),
                                             cudaMemcpyDeviceToDevice, stream));
         }
+        return;
+    }
+    if (team.num_nodes() > 1) {
+        // A team that spans nodes (docs/multinode.md, "All-to-all across nodes"): node stages and the network. The
+        // same checks as plan_all_to_all's, without its bound on the rank count (the node stages respect it).
+        detail::check_a2a_view(input, "input", op);
+        detail::check_a2a_view(output, "output", op);
+        WEFT_CHECK(input.dtype == output.dtype, op << ": input and output must have the same dtype, got "
+                                                   << dtype_name(input.dtype) << " and " << dtype_name(output.dtype));
+        const auto x = reinterpret_cast<uintptr_t>(input.data), y = reinterpret_cast<uintptr_t>(output.data);
+        const auto in_bytes = static_cast<uint64_t>(input.size_bytes());
+        const auto out_bytes = static_cast<uint64_t>(output.size_bytes());
+        WEFT_CHECK(in_bytes == 0 || out_bytes == 0 || x + in_bytes <= y || y + out_bytes <= x,
+                   op << ": input and output must not overlap (" << input.data << ", " << in_bytes << " bytes; "
+                      << output.data << ", " << out_bytes << " bytes)");
+        if (equal) {
+            WEFT_CHECK(input.numel() == output.numel(), op << ": output must have as many elements as input ("
+                                                           << input.numel() << "), got " << output.numel());
+            WEFT_CHECK(input.numel() % n == 0, op << ": the element count (" << input.numel()
+                                                  << ") must be a multiple of num_ranks (" << n << ")");
+        } else {
+            WEFT_CHECK(send_counts.size() == static_cast<size_t>(n),
+                       op << ": send_counts must have num_ranks (" << n << ") entries, got " << send_counts.size());
+            WEFT_CHECK(recv_counts.size() == static_cast<size_t>(n),
+                       op << ": recv_counts must have num_ranks (" << n << ") entries, got " << recv_counts.size());
+            const uint64_t sent = detail::sum_counts(send_counts, "send_counts", op);
+            const uint64_t received = detail::sum_counts(recv_counts, "recv_counts", op);
+            WEFT_CHECK(static_cast<uint64_t>(input.numel()) == sent,
+                       op << ": input must hold sum(send_counts) = " << sent << " elements, got " << input.numel());
+            WEFT_CHECK(
+                static_cast<uint64_t>(output.numel()) == received,
+                op << ": output must hold sum(recv_counts) = " << received << " elements, got " << output.numel());
+        }
+        detail::hierarchical_all_to_all(team, input, send_counts, output, recv_counts, equal, stream);
         return;
     }
     CollectiveWorkspace& ws = CollectiveWorkspace::get(team);

@@ -4,11 +4,15 @@
 // backend; node n's member with local index l is t(n, l).
 #include "hierarchical.hpp"
 
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 
+#include "weft/net/all_to_all_plan.hpp"
 #include "weft/net/chunk_schedule.hpp"
 #include "weft/net/host_backend.hpp"
 #include "weft/ops/all_gather.hpp"
+#include "weft/ops/all_to_all.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/runtime/error.hpp"
@@ -179,6 +183,150 @@ void hierarchical_all_reduce(const Team& team, const TensorView& input, const Te
         if (c > 0) gather(c - 1);
     }
     if (!chunks.empty()) gather(chunks.size() - 1);
+    net.end_call(stream);
+}
+
+// Team ranks t(n, l); a rank's input and output hold one piece per team rank, back to back in team-rank order. Node
+// stages (compute stream, in the network's order): for destination node m = n - k, weft's all_to_all(_v) over the
+// node's members of the pieces for t(m, 0 .. L-1) leaves this member the node's pieces for t(m, local), which the comm
+// stream sends to t(m, local) once ready(k) is raised, in chunks of WEFT_NET_CHUNK_BYTES, receiving node n + k's pieces
+// for this rank (arrived(k)). This node's own stage (m = n) runs last, while the network moves the others. With
+// node-major team ranks the stages read the input and the receives write the output in place; otherwise pieces are
+// packed and unpacked around them (net::layout_a2a_internode). One member per node: the network sends straight from
+// the input. Uneven splits first gather the node members' send counts (a bounded exchange through the World's store):
+// a stage's receive counts are what the node's members send to this rank's column member on node m.
+void hierarchical_all_to_all(const Team& team, const TensorView& input, std::span<const int64_t> send_counts,
+                             const TensorView& output, std::span<const int64_t> recv_counts, bool equal,
+                             cudaStream_t stream) {
+    WEFT_NVTX_RANGE(equal ? "all_to_all.hierarchical" : "all_to_all_v.hierarchical");
+    const char* op = equal ? "all_to_all" : "all_to_all_v";
+    const auto w = static_cast<size_t>(team.num_ranks());
+    const auto es = static_cast<uint64_t>(dtype_bytes(input.dtype));
+    const uint64_t block = equal ? static_cast<uint64_t>(input.size_bytes()) / w : 0;
+    if (equal && block == 0) return;  // nothing to move on any rank (the count is the same everywhere)
+    net::HostBackend& net = backend(team);
+    std::vector<std::vector<int>> by_node(static_cast<size_t>(net.num_nodes()));
+    for (int n = 0; n < net.num_nodes(); ++n) {
+        for (int l = 0; l < net.ranks_per_node(); ++l)
+            by_node[static_cast<size_t>(n)].push_back(net.team_rank_at(n, l));
+    }
+    const net::A2aInterNodePlan plan = net::plan_a2a_internode(by_node, team.rank());
+    WEFT_CHECK(plan.num_nodes - 1 <= net::kMaxChunks, op << ": a team across up to " << net::kMaxChunks + 1
+                                                         << " nodes, got " << plan.num_nodes << " (" << team.describe()
+                                                         << ")");
+    const auto per_node = static_cast<size_t>(plan.per_node);
+    std::vector<uint64_t> send_bytes(w, block), recv_bytes(w, block);
+    std::vector<std::vector<uint64_t>> node_send_bytes(per_node, std::vector<uint64_t>(w, block));
+    if (!equal) {
+        for (size_t q = 0; q < w; ++q) {
+            send_bytes[q] = static_cast<uint64_t>(send_counts[q]) * es;
+            recv_bytes[q] = static_cast<uint64_t>(recv_counts[q]) * es;
+        }
+        const auto* mine = reinterpret_cast<const uint8_t*>(send_bytes.data());
+        const std::vector<std::vector<uint8_t>> rows = net.node_team().all_gather(
+            "weft.ops.all_to_all_v.counts", std::vector<uint8_t>(mine, mine + w * sizeof(uint64_t)));
+        for (size_t l = 0; l < per_node; ++l) {
+            WEFT_CHECK(rows[l].size() == w * sizeof(uint64_t),
+                       op << ": node member " << l << " sent " << rows[l].size() << " bytes of counts, expected "
+                          << w * sizeof(uint64_t) << " (" << team.describe() << ")");
+            std::memcpy(node_send_bytes[l].data(), rows[l].data(), rows[l].size());
+        }
+        // This node's members' counts for this rank must be what it expects to receive from them.
+        for (size_t l = 0; l < per_node; ++l) {
+            const auto t = static_cast<size_t>(by_node[static_cast<size_t>(plan.node)][l]);
+            WEFT_CHECK(node_send_bytes[l][static_cast<size_t>(team.rank())] == recv_bytes[t],
+                       op << ": team rank " << t << " sends "
+                          << node_send_bytes[l][static_cast<size_t>(team.rank())] / es << " elements to team rank "
+                          << team.rank() << ", whose recv_counts[" << t << "] is " << recv_counts[t]);
+        }
+    }
+    const net::A2aByteLayout layout = net::layout_a2a_internode(plan, send_bytes, recv_bytes, node_send_bytes);
+    const auto* in = static_cast<const uint8_t*>(input.data);
+    auto* out = static_cast<uint8_t*>(output.data);
+    const bool direct = plan.per_node == 1;
+    Scratch packed(layout.packed_bytes, stream);
+    Scratch sent(layout.sent_bytes, stream);
+    Scratch received(layout.received_bytes, stream);
+    Scratch own_out(layout.own_bytes, stream);
+    const auto run_stage = [&](const net::A2aNodeStage& s, const net::A2aByteLayout::Stage& b, uint8_t* dst) {
+        const uint8_t* src = in + b.input_offset;
+        if (!s.send_contiguous) {
+            uint64_t at = b.input_offset;
+            for (const net::A2aSpan& piece : b.pack) {
+                copy(packed.get() + at, in + piece.offset, piece.bytes, stream);
+                at += piece.bytes;
+            }
+            src = packed.get() + b.input_offset;
+        }
+        uint64_t in_total = 0, out_total = 0;
+        std::vector<int64_t> sc, rc;  // byte counts (the stage moves bytes)
+        for (uint64_t x : b.send_bytes) {
+            in_total += x;
+            sc.push_back(static_cast<int64_t>(x));
+        }
+        for (uint64_t x : b.recv_bytes) {
+            out_total += x;
+            rc.push_back(static_cast<int64_t>(x));
+        }
+        auto* from = const_cast<uint8_t*>(src);
+        if (equal) {
+            all_to_all(net.node_team(), bytes_view(from, in_total), bytes_view(dst, out_total), stream);
+        } else {
+            all_to_all_v(net.node_team(), bytes_view(from, in_total), sc, bytes_view(dst, out_total), rc, stream);
+        }
+    };
+    net.begin_call(stream);
+    // 1. The node stages for the other nodes, each raising ready(k) for its network step.
+    if (!direct) {
+        for (size_t i = 0; i + 1 < plan.node_stages.size(); ++i) {
+            const net::A2aNodeStage& s = plan.node_stages[i];
+            run_stage(s, layout.stages[i], sent.get() + layout.stages[i].output_offset);
+            net.mark_ready(stream, s.distance - 1);
+        }
+    }
+    // 2. The network steps on the comm stream (their ready words' writers are enqueued above), chunk by chunk.
+    const uint64_t chunk = chunk_bytes();
+    for (size_t i = 0; i < plan.net_steps.size(); ++i) {
+        const net::A2aNetStep& s = plan.net_steps[i];
+        const net::A2aByteLayout::Step& b = layout.steps[i];
+        const uint8_t* src = direct ? in + b.send_offset : sent.get() + b.send_offset;
+        uint8_t* dst = s.recv_contiguous ? out + b.recv_offset : received.get() + b.recv_offset;
+        if (!direct) net.comm_wait_ready(s.distance - 1);
+        // Piece p of each direction in one group: the sender and its receiver cut the same bytes the same way.
+        const std::vector<net::Chunk> sends = net::plan_chunks(b.send_bytes, 1, 1, chunk);
+        const std::vector<net::Chunk> recvs = net::plan_chunks(b.recv_bytes, 1, 1, chunk);
+        for (size_t p = 0; p < std::max(sends.size(), recvs.size()); ++p) {
+            const net::Chunk sc = p < sends.size() ? sends[p] : net::Chunk{};
+            const net::Chunk rc = p < recvs.size() ? recvs[p] : net::Chunk{};
+            net.send_recv(src + sc.begin, sc.count, s.to_node, dst + rc.begin, rc.count, s.from_node);
+        }
+        net.comm_mark_arrived(s.distance - 1);
+    }
+    // 3. This node's own stage, while the network runs.
+    const net::A2aNodeStage& own = plan.node_stages.back();
+    const net::A2aByteLayout::Stage& own_b = layout.stages.back();
+    uint8_t* own_dst = own.recv_contiguous ? out + own_b.output_offset : own_out.get();
+    if (direct) {
+        copy(own_dst, in + own_b.input_offset, own_b.send_bytes[0], stream);
+    } else {
+        run_stage(own, own_b, own_dst);
+    }
+    uint64_t at = 0;
+    for (const net::A2aSpan& piece : own_b.unpack) {
+        copy(out + piece.offset, own_out.get() + at, piece.bytes, stream);
+        at += piece.bytes;
+    }
+    // 4. The received pieces into their output slots (in place when they are consecutive).
+    for (size_t i = 0; i < plan.net_steps.size(); ++i) {
+        const net::A2aByteLayout::Step& b = layout.steps[i];
+        if (b.unpack.empty()) continue;
+        net.wait_arrived(stream, plan.net_steps[i].distance - 1);
+        uint64_t from = b.recv_offset;
+        for (const net::A2aSpan& piece : b.unpack) {
+            copy(out + piece.offset, received.get() + from, piece.bytes, stream);
+            from += piece.bytes;
+        }
+    }
     net.end_call(stream);
 }
 

@@ -4,6 +4,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+#include <span>
+
 #include "weft/runtime/team.hpp"
 #include "weft/runtime/tensor_view.hpp"
 
@@ -17,5 +20,13 @@ void hierarchical_all_gather(const Team& team, const TensorView& input, const Te
 void hierarchical_reduce_scatter(const Team& team, const TensorView& input, const TensorView& output,
                                  cudaStream_t stream);
 void hierarchical_all_reduce(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream);
+/// all_to_all (`equal`; the counts then empty) and all_to_all_v on such a team: weft's all_to_all(_v) over each node's
+/// members gathers, on each member, what its node sends to that member's column; NCCL send/receive pairs over the
+/// column carry it to the other nodes (docs/multinode.md, "All-to-all across nodes"). Same contracts as the ops (the
+/// caller has checked the arguments); throws as above, and for uneven splits when a node member's counts for this rank
+/// differ from its recv_counts.
+void hierarchical_all_to_all(const Team& team, const TensorView& input, std::span<const int64_t> send_counts,
+                             const TensorView& output, std::span<const int64_t> recv_counts, bool equal,
+                             cudaStream_t stream);
 
 }  // namespace weft::ops::detail

@@ -1,8 +1,7 @@
 // SPDX-License-Identifier: MIT
-// Teams that span (virtual) nodes, one process per rank: the hierarchical collectives, AgGemm (AllGather+GEMM) and
-// GemmRs (GEMM+ReduceScatter) against a host reference on awkward sizes, and a rank on another node that never arrives
-// (docs/multinode.md). Run
-// under virtual nodes, e.g.
+// Teams that span (virtual) nodes, one process per rank: the hierarchical collectives, all_to_all, AgGemm
+// (AllGather+GEMM) and GemmRs (GEMM+ReduceScatter) against a host reference on awkward sizes, and a rank on another
+// node that never arrives (docs/multinode.md). Run under virtual nodes, e.g.
 //   WEFT_VIRTUAL_NODES=2 weftrun -n 4 -- weft_dist_tests --gtest_filter='MultiNode*'
 // Without virtual nodes (one node) every test here skips.
 #include <gtest/gtest.h>
@@ -19,9 +18,10 @@
 #include "gpu/tp_test_util.hpp"
 #include "weft/net/host_backend.hpp"
 #include "weft/ops/ag_gemm.hpp"
-#include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
+#include "weft/ops/all_to_all.hpp"
+#include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/weft.hpp"
 
@@ -204,6 +204,128 @@ TEST(MultiNode, AllReduceMatchesTheReference) {
                     EXPECT_EQ(bad, 0u) << "rank " << w.rank() << ": all_reduce on " << team.describe() << " "
                                        << dtype_name(t) << " count " << count << (in_place ? " in place" : "");
                 }
+            }
+        }
+    }
+}
+
+// all_to_all on a team that spans nodes (docs/multinode.md, "All-to-all across nodes"), against a host reference:
+// the teams of teams_under_test and, with 2 or more ranks per node, the world with interleaved team ranks (team rank
+// t(n, l) = l * N + n: every node stage packs and every received step unpacks). Blocks of 1 element and of sizes that
+// are not multiples of 16 bytes, one and several network chunks, several dtypes, poisoned output, fresh data per call;
+// with `graph`, the second call replays a CUDA graph captured after the first (new data uploaded between them).
+void run_all_to_all_across_nodes(bool graph) {
+    World& w = dist_world();
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    std::vector<Team> teams = teams_under_test(w);
+    const int per_node = w.num_ranks() / w.num_nodes();
+    if (per_node >= 2) teams.push_back(w.team().split_color(0, (w.rank() % per_node) * w.num_nodes() + w.node()));
+    for (const Team& team : teams) {
+        if (!team.is_member()) continue;
+        const int n = team.num_ranks();
+        const int me = team.rank();
+        for (DType t : {DType::kU8, DType::kBF16, DType::kF32}) {
+            const int es = dtype_bytes(t);
+            const uint32_t mask = es == 4 ? 0xFFFFFFFFu : (1u << (8 * es)) - 1u;
+            for (uint64_t count : {1ull, 3ull, 37ull, 4099ull, 70001ull}) {
+                const uint64_t total = count * static_cast<uint64_t>(n);
+                const uint64_t bytes = total * static_cast<uint64_t>(es);
+                Buffers b(bytes);
+                const TensorView in(b.in, t, {static_cast<int64_t>(total)});
+                const TensorView out(b.out, t, {static_cast<int64_t>(total)});
+                cudaGraphExec_t exec = nullptr;
+                for (int call = 0; call < 2; ++call) {
+                    const uint64_t seed = count * 19 + static_cast<uint64_t>(t) * 5 + static_cast<uint64_t>(call);
+                    WEFT_CUDA_CHECK(cudaMemsetAsync(b.out, 0xA5 + call, bytes, b.stream));
+                    upload(b.stream, b.in, t, total, seed, me);
+                    if (graph && call == 1) {
+                        WEFT_CUDA_CHECK(cudaGraphLaunch(exec, b.stream));
+                    } else {
+                        ops::all_to_all(team, in, out, b.stream);
+                    }
+                    w.sync_and_check(b.stream);
+                    const std::vector<uint32_t> got = download(b.stream, b.out, t, total);
+                    uint64_t bad = 0;
+                    for (uint64_t k = 0; k < total; ++k) {
+                        // Block q of the output is block `me` of team rank q's input.
+                        const auto q = static_cast<int>(k / count);
+                        const uint64_t at = static_cast<uint64_t>(me) * count + k % count;
+                        bad += got[k] != (int_bits(pattern_value(seed, q, at), t) & mask);
+                    }
+                    EXPECT_EQ(bad, 0u) << "rank " << w.rank() << ": all_to_all on " << team.describe() << " "
+                                       << dtype_name(t) << " count " << count << " call " << call
+                                       << (graph ? " (graph)" : "");
+                    if (graph && call == 0) {
+                        // The communicators exist (first call): capture a call, replayed as call 1.
+                        team.barrier();
+                        cudaGraph_t gr = nullptr;
+                        WEFT_CUDA_CHECK(cudaStreamBeginCapture(b.stream, cudaStreamCaptureModeThreadLocal));
+                        ops::all_to_all(team, in, out, b.stream);
+                        WEFT_CUDA_CHECK(cudaStreamEndCapture(b.stream, &gr));
+                        WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, gr, 0));
+                        WEFT_CUDA_CHECK(cudaGraphDestroy(gr));
+                    }
+                }
+                if (exec != nullptr) WEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+            }
+        }
+    }
+}
+
+TEST(MultiNode, AllToAllMatchesTheReference) { run_all_to_all_across_nodes(false); }
+
+TEST(MultiNode, AllToAllGraphReplay) { run_all_to_all_across_nodes(true); }
+
+// all_to_all_v on a team that spans nodes, against a host reference: the same teams as all_to_all; counts from a
+// hash of (source, destination), the same on every rank (zeros included, a few elements to several network chunks).
+TEST(MultiNode, AllToAllVMatchesTheReference) {
+    World& w = dist_world();
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    std::vector<Team> teams = teams_under_test(w);
+    const int per_node = w.num_ranks() / w.num_nodes();
+    if (per_node >= 2) teams.push_back(w.team().split_color(0, (w.rank() % per_node) * w.num_nodes() + w.node()));
+    for (const Team& team : teams) {
+        if (!team.is_member()) continue;
+        const int n = team.num_ranks();
+        const int me = team.rank();
+        for (DType t : {DType::kU8, DType::kBF16, DType::kF32}) {
+            const int es = dtype_bytes(t);
+            const uint32_t mask = es == 4 ? 0xFFFFFFFFu : (1u << (8 * es)) - 1u;
+            for (uint64_t max_count : {5ull, 1000ull, 30000ull}) {
+                const uint64_t seed = max_count * 29 + static_cast<uint64_t>(t) * 3 + 1;
+                const auto count = [&](int src, int dst) {
+                    const uint64_t h = (seed ^ (static_cast<uint64_t>(src) * 0x9E3779B97F4A7C15ull)) +
+                                       static_cast<uint64_t>(dst) * 0xC2B2AE3D27D4EB4Full;
+                    return static_cast<int64_t>((h >> 17) % (max_count + 1));
+                };
+                std::vector<int64_t> send_counts(static_cast<size_t>(n)), recv_counts(static_cast<size_t>(n));
+                uint64_t sent = 0, received = 0;
+                for (int q = 0; q < n; ++q) {
+                    send_counts[static_cast<size_t>(q)] = count(me, q);
+                    recv_counts[static_cast<size_t>(q)] = count(q, me);
+                    sent += static_cast<uint64_t>(count(me, q));
+                    received += static_cast<uint64_t>(count(q, me));
+                }
+                Buffers b(std::max<uint64_t>(1, std::max(sent, received)) * static_cast<uint64_t>(es));
+                WEFT_CUDA_CHECK(cudaMemsetAsync(b.out, 0xA5, received * static_cast<uint64_t>(es), b.stream));
+                upload(b.stream, b.in, t, sent, seed, me);
+                ops::all_to_all_v(team, TensorView(b.in, t, {static_cast<int64_t>(sent)}), send_counts,
+                                  TensorView(b.out, t, {static_cast<int64_t>(received)}), recv_counts, b.stream);
+                w.sync_and_check(b.stream);
+                const std::vector<uint32_t> got = download(b.stream, b.out, t, received);
+                uint64_t bad = 0, at = 0;
+                for (int q = 0; q < n; ++q) {
+                    // Rank q's piece for this rank starts after its pieces for ranks 0 .. me - 1.
+                    uint64_t from = 0;
+                    for (int d = 0; d < me; ++d) from += static_cast<uint64_t>(count(q, d));
+                    for (int64_t i = 0; i < count(q, me); ++i, ++at) {
+                        bad += got[at] != (int_bits(pattern_value(seed, q, from + static_cast<uint64_t>(i)), t) & mask);
+                    }
+                }
+                EXPECT_EQ(bad, 0u) << "rank " << w.rank() << ": all_to_all_v on " << team.describe() << " "
+                                   << dtype_name(t) << " max count " << max_count;
             }
         }
     }
@@ -438,8 +560,8 @@ void run_gemm_rs_across_nodes(bool graph) {
                     w.sync_and_check(st);
 
                     download(c, c_dev.ptr, st);
-                    const std::vector<int64_t> check_rows = rows_to_check(
-                        rows, rows, static_cast<double>(cs.n * cs.k * nr), seed_of(base, 2, me, call));
+                    const std::vector<int64_t> check_rows =
+                        rows_to_check(rows, rows, static_cast<double>(cs.n * cs.k * nr), seed_of(base, 2, me, call));
                     Reference ref(static_cast<int64_t>(check_rows.size()), cs.n);
                     for (int r = 0; r < nr; ++r) {
                         ref.add(as[static_cast<size_t>(r)], me * rows, check_rows, bs[static_cast<size_t>(r)]);

@@ -15,6 +15,7 @@
 #include "weft/common/tp_schedule.hpp"
 #include "weft/detail/node_topology.hpp"
 #include "weft/net/ag_gemm_plan.hpp"
+#include "weft/net/all_to_all_plan.hpp"
 #include "weft/net/chunk_schedule.hpp"
 #include "weft/net/gemm_rs_plan.hpp"
 #include "weft/net/host_backend.hpp"
@@ -707,6 +708,331 @@ TEST(MultiNodeRsPlan, RefusesBadLayouts) {
     EXPECT_NE(error_of([] { (void)plan_rs_internode({{0, 1}, {2, 4}}, 0); }).find("out of range"), std::string::npos);
     EXPECT_NE(error_of([] {
                   (void)plan_rs_internode({{0, 1}, {2, 3}}, 5);
+              }).find("not in the layout"),
+              std::string::npos);
+}
+
+// ---- All-to-all across nodes (include/weft/net/all_to_all_plan.hpp) ----
+
+using net::A2aInterNodePlan;
+using net::plan_a2a_internode;
+
+enum class A2aLayout { kNodeMajor, kInterleaved, kShuffled };
+
+std::vector<std::vector<int>> a2a_layout(int nodes, int per_node, A2aLayout layout, std::mt19937& rng) {
+    std::vector<int> ranks(static_cast<size_t>(nodes * per_node));
+    std::iota(ranks.begin(), ranks.end(), 0);
+    if (layout == A2aLayout::kShuffled) std::shuffle(ranks.begin(), ranks.end(), rng);
+    std::vector<std::vector<int>> by_node(static_cast<size_t>(nodes));
+    for (int n = 0; n < nodes; ++n) {
+        for (int l = 0; l < per_node; ++l) {
+            // Interleaved: team rank l * N + n (every other rank on another node), as Team::split_strided makes it.
+            by_node[static_cast<size_t>(n)].push_back(
+                layout == A2aLayout::kInterleaved ? l * nodes + n : ranks[static_cast<size_t>(n * per_node + l)]);
+        }
+    }
+    return by_node;
+}
+
+// A host simulation of the whole call from every member's plan: the node stages (weft's all_to_all over each node's
+// members: member j gets member l's j-th block at position l), the network steps (a send is delivered to the peer
+// whose matching step receives from this rank, with as many blocks), and the output slots they write. Every output
+// block must hold the block its source rank sent to this rank, written exactly once.
+TEST(MultiNodeA2aPlan, EveryBlockLandsInItsSlotExactlyOnceAndTheStepsPairUp) {
+    std::mt19937 rng(11);
+    for (int nodes : {2, 3, 4}) {
+        for (int per_node : {1, 2, 3}) {
+            for (A2aLayout layout : {A2aLayout::kNodeMajor, A2aLayout::kInterleaved, A2aLayout::kShuffled}) {
+                const int w = nodes * per_node;
+                const auto by_node = a2a_layout(nodes, per_node, layout, rng);
+                SCOPED_TRACE(std::to_string(nodes) + " nodes x " + std::to_string(per_node) + ", layout " +
+                             std::to_string(static_cast<int>(layout)));
+                std::vector<A2aInterNodePlan> plans;
+                for (int me = 0; me < w; ++me) plans.push_back(plan_a2a_internode(by_node, me));
+                // A block is identified by (source, destination): source * w + destination.
+                const auto tag = [&](int src, int dst) { return src * w + dst; };
+                std::vector<std::vector<int>> out(static_cast<size_t>(w), std::vector<int>(static_cast<size_t>(w), -1));
+                std::vector<std::vector<int>> writes(static_cast<size_t>(w),
+                                                     std::vector<int>(static_cast<size_t>(w), 0));
+                const auto write = [&](int rank, int slot, int value) {
+                    ASSERT_GE(slot, 0);
+                    ASSERT_LT(slot, w);
+                    out[static_cast<size_t>(rank)][static_cast<size_t>(slot)] = value;
+                    writes[static_cast<size_t>(rank)][static_cast<size_t>(slot)] += 1;
+                };
+                // sent[rank][k - 1]: the blocks the node stage of distance k left this rank to send.
+                std::vector<std::vector<std::vector<int>>> sent(
+                    static_cast<size_t>(w), std::vector<std::vector<int>>(static_cast<size_t>(nodes - 1)));
+                for (int n = 0; n < nodes; ++n) {
+                    const std::vector<int>& members = by_node[static_cast<size_t>(n)];
+                    const A2aInterNodePlan& first = plans[static_cast<size_t>(members[0])];
+                    ASSERT_EQ(first.node_stages.size(), static_cast<size_t>(nodes));
+                    for (size_t s = 0; s < first.node_stages.size(); ++s) {
+                        // Every member of the node runs the same stage at the same position.
+                        for (int t : members) {
+                            const auto& st = plans[static_cast<size_t>(t)].node_stages[s];
+                            EXPECT_EQ(st.dest_node, first.node_stages[s].dest_node);
+                            EXPECT_EQ(st.distance, first.node_stages[s].distance);
+                            ASSERT_EQ(st.send_blocks.size(), static_cast<size_t>(per_node));
+                            if (layout == A2aLayout::kNodeMajor) {
+                                EXPECT_TRUE(st.send_contiguous);
+                            }
+                        }
+                        for (int j = 0; j < per_node; ++j) {
+                            const int receiver = members[static_cast<size_t>(j)];
+                            const auto& st = plans[static_cast<size_t>(receiver)].node_stages[s];
+                            std::vector<int> result;
+                            for (int l = 0; l < per_node; ++l) {
+                                const int sender = members[static_cast<size_t>(l)];
+                                const int dst = plans[static_cast<size_t>(sender)]
+                                                    .node_stages[s]
+                                                    .send_blocks[static_cast<size_t>(j)];
+                                result.push_back(tag(sender, dst));
+                            }
+                            if (st.distance == 0) {
+                                ASSERT_EQ(st.recv_blocks.size(), static_cast<size_t>(per_node));
+                                if (layout == A2aLayout::kNodeMajor) {
+                                    EXPECT_TRUE(st.recv_contiguous);
+                                }
+                                for (int l = 0; l < per_node; ++l) {
+                                    write(receiver, st.recv_blocks[static_cast<size_t>(l)],
+                                          result[static_cast<size_t>(l)]);
+                                }
+                            } else {
+                                EXPECT_TRUE(st.recv_blocks.empty());
+                                sent[static_cast<size_t>(receiver)][static_cast<size_t>(st.distance - 1)] = result;
+                            }
+                        }
+                    }
+                }
+                for (const A2aInterNodePlan& p : plans) {
+                    ASSERT_EQ(p.net_steps.size(), static_cast<size_t>(nodes - 1));
+                    for (size_t i = 0; i < p.net_steps.size(); ++i) {
+                        const auto& st = p.net_steps[i];
+                        EXPECT_EQ(st.distance, static_cast<int32_t>(i + 1));
+                        EXPECT_EQ(st.to_node, (p.node - st.distance + nodes) % nodes);
+                        EXPECT_EQ(st.from_node, (p.node + st.distance) % nodes);
+                        // The peer's step of the same distance receives from this rank, as many blocks as sent.
+                        const A2aInterNodePlan& peer = plans[static_cast<size_t>(st.to_rank)];
+                        EXPECT_EQ(peer.node, st.to_node);
+                        EXPECT_EQ(peer.local, p.local);
+                        const auto& ps = peer.net_steps[i];
+                        EXPECT_EQ(ps.distance, st.distance);
+                        EXPECT_EQ(ps.from_rank, p.me);
+                        EXPECT_EQ(ps.from_node, p.node);
+                        const auto& blocks = sent[static_cast<size_t>(p.me)][i];
+                        ASSERT_EQ(blocks.size(), ps.recv_blocks.size());
+                        if (layout == A2aLayout::kNodeMajor) {
+                            EXPECT_TRUE(ps.recv_contiguous);
+                        }
+                        // One member per node sends straight from its input: the stage's only block is the peer's.
+                        if (per_node == 1) {
+                            EXPECT_EQ(p.node_stages[i].send_blocks, (std::vector<int32_t>{st.to_rank}));
+                        }
+                        for (size_t b = 0; b < blocks.size(); ++b) write(peer.me, ps.recv_blocks[b], blocks[b]);
+                    }
+                }
+                for (int r = 0; r < w; ++r) {
+                    for (int q = 0; q < w; ++q) {
+                        EXPECT_EQ(writes[static_cast<size_t>(r)][static_cast<size_t>(q)], 1)
+                            << "rank " << r << " slot " << q;
+                        EXPECT_EQ(out[static_cast<size_t>(r)][static_cast<size_t>(q)], tag(q, r))
+                            << "rank " << r << " slot " << q;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// The byte layout (net::layout_a2a_internode) simulated byte by byte, as hierarchical_all_to_all moves them: packing,
+// the node stages (all_to_all_v over each node's members: sizes must agree between sender and receiver), the network
+// steps (send and receive sizes must agree), the unpacking. Equal splits (awkward sizes, 1 byte included) and uneven
+// ones (random counts, zeros included); every output byte holds the right source byte, written exactly once.
+TEST(MultiNodeA2aPlan, EveryByteLandsInItsSlotExactlyOnce) {
+    std::mt19937 rng(23);
+    for (int nodes : {2, 3, 4}) {
+        for (int per_node : {1, 2, 3}) {
+            for (A2aLayout layout : {A2aLayout::kNodeMajor, A2aLayout::kInterleaved, A2aLayout::kShuffled}) {
+                for (int counts_case = 0; counts_case < 4; ++counts_case) {
+                    const int w = nodes * per_node;
+                    const auto ws = static_cast<size_t>(w);
+                    const auto by_node = a2a_layout(nodes, per_node, layout, rng);
+                    SCOPED_TRACE(std::to_string(nodes) + " nodes x " + std::to_string(per_node) + ", layout " +
+                                 std::to_string(static_cast<int>(layout)) + ", counts " + std::to_string(counts_case));
+                    // bytes[s][d]: what s sends to d. Cases: 1 byte each, 7 bytes each, random 0..5, random 0..40.
+                    std::vector<std::vector<uint64_t>> bytes(ws, std::vector<uint64_t>(ws));
+                    for (auto& row : bytes) {
+                        for (auto& x : row) {
+                            x = counts_case == 0 ? 1
+                                : counts_case == 1
+                                    ? 7
+                                    : std::uniform_int_distribution<uint64_t>(0, counts_case == 2 ? 5 : 40)(rng);
+                        }
+                    }
+                    const auto tag = [&](size_t src, size_t dst, uint64_t i) {
+                        return static_cast<int64_t>((src * ws + dst) * 64 + i);
+                    };
+                    std::vector<A2aInterNodePlan> plans;
+                    std::vector<net::A2aByteLayout> layouts;
+                    std::vector<std::vector<int64_t>> in(ws), out(ws), packed(ws), sent(ws), received(ws), own(ws);
+                    std::vector<std::vector<int>> writes(ws);
+                    std::vector<std::vector<uint64_t>> recv_at(ws, std::vector<uint64_t>(ws + 1, 0));
+                    for (size_t r = 0; r < ws; ++r) {
+                        plans.push_back(plan_a2a_internode(by_node, static_cast<int>(r)));
+                        std::vector<uint64_t> send_bytes(ws), recv_bytes(ws);
+                        for (size_t q = 0; q < ws; ++q) {
+                            send_bytes[q] = bytes[r][q];
+                            recv_bytes[q] = bytes[q][r];
+                            for (uint64_t i = 0; i < bytes[r][q]; ++i) in[r].push_back(tag(r, q, i));
+                            recv_at[r][q + 1] = recv_at[r][q] + recv_bytes[q];
+                        }
+                        std::vector<std::vector<uint64_t>> node_rows;
+                        for (int t : by_node[static_cast<size_t>(plans[r].node)]) {
+                            node_rows.push_back(bytes[static_cast<size_t>(t)]);
+                        }
+                        layouts.push_back(net::layout_a2a_internode(plans[r], send_bytes, recv_bytes, node_rows));
+                        const net::A2aByteLayout& b = layouts.back();
+                        out[r].assign(recv_at[r][ws], -1);
+                        writes[r].assign(recv_at[r][ws], 0);
+                        packed[r].assign(b.packed_bytes, -1);
+                        sent[r].assign(b.sent_bytes, -1);
+                        received[r].assign(b.received_bytes, -1);
+                        own[r].assign(b.own_bytes, -1);
+                    }
+                    const auto put_out = [&](size_t r, uint64_t at, int64_t v) {
+                        ASSERT_LT(at, out[r].size());
+                        out[r][at] = v;
+                        writes[r][at] += 1;
+                    };
+                    // Node stages (none with one member per node: the steps send from the input).
+                    for (int n = 0; n < nodes; ++n) {
+                        const std::vector<int>& members = by_node[static_cast<size_t>(n)];
+                        for (size_t s = 0; s < static_cast<size_t>(nodes); ++s) {
+                            const bool own_stage = plans[static_cast<size_t>(members[0])].node_stages[s].distance == 0;
+                            if (per_node == 1 && !own_stage) continue;
+                            // Each member's stage input, packed where needed.
+                            std::vector<std::vector<int64_t>> stage_in(members.size());
+                            for (size_t j = 0; j < members.size(); ++j) {
+                                const auto r = static_cast<size_t>(members[j]);
+                                const auto& st = plans[r].node_stages[s];
+                                const auto& b = layouts[r].stages[s];
+                                uint64_t total = 0;
+                                for (uint64_t x : b.send_bytes) total += x;
+                                if (st.send_contiguous) {
+                                    ASSERT_LE(b.input_offset + total, in[r].size());
+                                    stage_in[j].assign(in[r].begin() + static_cast<int64_t>(b.input_offset),
+                                                       in[r].begin() + static_cast<int64_t>(b.input_offset + total));
+                                } else {
+                                    uint64_t at = b.input_offset;
+                                    for (const net::A2aSpan& p : b.pack) {
+                                        for (uint64_t i = 0; i < p.bytes; ++i)
+                                            packed[r].at(at++) = in[r].at(p.offset + i);
+                                    }
+                                    stage_in[j].assign(
+                                        packed[r].begin() + static_cast<int64_t>(b.input_offset),
+                                        packed[r].begin() + static_cast<int64_t>(b.input_offset + total));
+                                }
+                            }
+                            for (size_t j = 0; j < members.size(); ++j) {
+                                const auto r = static_cast<size_t>(members[j]);
+                                const auto& st = plans[r].node_stages[s];
+                                const auto& b = layouts[r].stages[s];
+                                std::vector<int64_t> result;
+                                for (size_t l = 0; l < members.size(); ++l) {
+                                    const auto& bl = layouts[static_cast<size_t>(members[l])].stages[s];
+                                    ASSERT_EQ(bl.send_bytes[j], b.recv_bytes[l]) << "node stage sizes, member " << j;
+                                    uint64_t from = 0;
+                                    for (size_t i = 0; i < j; ++i) from += bl.send_bytes[i];
+                                    for (uint64_t i = 0; i < bl.send_bytes[j]; ++i)
+                                        result.push_back(stage_in[l][from + i]);
+                                }
+                                if (!own_stage) {
+                                    for (size_t i = 0; i < result.size(); ++i)
+                                        sent[r].at(b.output_offset + i) = result[i];
+                                } else if (st.recv_contiguous) {
+                                    for (size_t i = 0; i < result.size(); ++i)
+                                        put_out(r, b.output_offset + i, result[i]);
+                                } else {
+                                    ASSERT_EQ(result.size(), own[r].size());
+                                    uint64_t at = 0;
+                                    for (const net::A2aSpan& p : b.unpack) {
+                                        for (uint64_t i = 0; i < p.bytes; ++i) put_out(r, p.offset + i, result[at++]);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    // Network steps.
+                    for (size_t r = 0; r < ws; ++r) {
+                        for (size_t i = 0; i < plans[r].net_steps.size(); ++i) {
+                            const auto& st = plans[r].net_steps[i];
+                            const auto& b = layouts[r].steps[i];
+                            const auto peer = static_cast<size_t>(st.to_rank);
+                            const auto& pst = plans[peer].net_steps[i];
+                            const auto& pb = layouts[peer].steps[i];
+                            ASSERT_EQ(pst.from_rank, static_cast<int32_t>(r));
+                            ASSERT_EQ(b.send_bytes, pb.recv_bytes) << "network sizes, rank " << r << " step " << i;
+                            const std::vector<int64_t>& src = per_node == 1 ? in[r] : sent[r];
+                            for (uint64_t k = 0; k < b.send_bytes; ++k) {
+                                const int64_t v = src.at(b.send_offset + k);
+                                if (pst.recv_contiguous) {
+                                    put_out(peer, pb.recv_offset + k, v);
+                                } else {
+                                    received[peer].at(pb.recv_offset + k) = v;
+                                }
+                            }
+                        }
+                    }
+                    // Unpacking of the received steps.
+                    for (size_t r = 0; r < ws; ++r) {
+                        for (const auto& b : layouts[r].steps) {
+                            uint64_t at = b.recv_offset;
+                            for (const net::A2aSpan& p : b.unpack) {
+                                for (uint64_t i = 0; i < p.bytes; ++i) put_out(r, p.offset + i, received[r].at(at++));
+                            }
+                        }
+                    }
+                    uint64_t bad = 0;
+                    for (size_t r = 0; r < ws; ++r) {
+                        for (size_t q = 0; q < ws; ++q) {
+                            for (uint64_t i = 0; i < bytes[q][r]; ++i) {
+                                const uint64_t at = recv_at[r][q] + i;
+                                bad += out[r][at] != tag(q, r, i) || writes[r][at] != 1;
+                            }
+                        }
+                    }
+                    EXPECT_EQ(bad, 0u);
+                }
+            }
+        }
+    }
+}
+
+// The interleaved layout packs: a node stage's blocks and a step's received blocks are not consecutive there.
+TEST(MultiNodeA2aPlan, InterleavedTeamsPackAndUnpack) {
+    std::mt19937 rng(1);
+    const A2aInterNodePlan p = plan_a2a_internode(a2a_layout(2, 2, A2aLayout::kInterleaved, rng), 1);
+    EXPECT_EQ(p.node, 1);
+    EXPECT_EQ(p.local, 0);
+    ASSERT_EQ(p.node_stages.size(), 2u);
+    EXPECT_EQ(p.node_stages[0].dest_node, 0);
+    EXPECT_EQ(p.node_stages[0].send_blocks, (std::vector<int32_t>{0, 2}));
+    EXPECT_FALSE(p.node_stages[0].send_contiguous);
+    EXPECT_EQ(p.node_stages[1].distance, 0);
+    EXPECT_EQ(p.node_stages[1].recv_blocks, (std::vector<int32_t>{1, 3}));
+    EXPECT_FALSE(p.node_stages[1].recv_contiguous);
+    ASSERT_EQ(p.net_steps.size(), 1u);
+    EXPECT_EQ(p.net_steps[0].to_rank, 0);
+    EXPECT_EQ(p.net_steps[0].from_rank, 0);
+    EXPECT_EQ(p.net_steps[0].recv_blocks, (std::vector<int32_t>{0, 2}));
+}
+
+TEST(MultiNodeA2aPlan, RefusesBadLayouts) {
+    EXPECT_NE(error_of([] { (void)plan_a2a_internode({{0, 1}, {2}}, 0); }).find("same number"), std::string::npos);
+    EXPECT_NE(error_of([] { (void)plan_a2a_internode({{0, 1}, {1, 2}}, 0); }).find("appears twice"), std::string::npos);
+    EXPECT_NE(error_of([] {
+                  (void)plan_a2a_internode({{0, 1}, {2, 3}}, 5);
               }).find("not in the layout"),
               std::string::npos);
 }

@@ -94,6 +94,9 @@ public:
     /// `from_node` at `recv` (one grouped ncclSend/ncclRecv; either side skipped when its node is this one). Every
     /// member pairs so that the sends and receives of a step match (AgGemm across nodes: to = n - k, from = n + k).
     void send_recv(const void* send, uint64_t bytes, int to_node, void* recv, int from_node);
+    /// The same with a size per direction (all-to-all across nodes, uneven splits): either side skipped when its size
+    /// is 0 or its node is this one. The receiver's `recv_bytes` must equal its sender's `send_bytes`.
+    void send_recv(const void* send, uint64_t send_bytes, int to_node, void* recv, uint64_t recv_bytes, int from_node);
     /// ncclReduceScatter (sum) of num_nodes() x `recv_count` elements at `send` into `recv`.
     void reduce_scatter(const void* send, void* recv, uint64_t recv_count, DType dtype);
     /// ncclAllReduce (sum) of `count` elements, in place.

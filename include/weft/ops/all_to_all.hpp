@@ -25,6 +25,8 @@ namespace weft::ops {
 /// multiple of num_ranks (0 included); they must not overlap. Any device memory: a symmetric `input` (the same heap
 /// allocation on every rank) is read by the peers in place, any other is staged through the collective workspace in
 /// rounds. Asynchronous on `stream`, graph-capturable, bounded waits (a missing peer ends in a diagnosed timeout).
+/// A team that spans nodes: node stages over each node's members, then NCCL over the columns (docs/multinode.md,
+/// "All-to-all across nodes"; the same number of members per node, NCCL available; graph capture after one eager call).
 void all_to_all(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream);
 /// The same on `world.team()`.
 void all_to_all(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream);
@@ -36,7 +38,8 @@ void all_to_all(World& world, const TensorView& input, const TensorView& output,
 /// `input` is staged in one piece: every rank's must fit the workspace's staging region
 /// (WEFT_COLLECTIVE_STAGING_BYTES, 32 MiB by default, less 16 bytes per chunk of alignment and a 512-byte header) —
 /// larger inputs must be symmetric. A rank whose staged input does not fit throws weft::Error; its peers then end in a
-/// timeout diagnostic, as with any call one rank does not make.
+/// timeout diagnostic, as with any call one rank does not make. A team that spans nodes: as all_to_all, the node
+/// members' counts gathered through the World's store first (docs/multinode.md).
 void all_to_all_v(const Team& team, const TensorView& input, std::span<const int64_t> send_counts,
                   const TensorView& output, std::span<const int64_t> recv_counts, cudaStream_t stream);
 /// The same on `world.team()`.
