@@ -201,12 +201,13 @@ void run_all_to_all(const Team& team, const TensorView& input, std::span<const i
         // Equal splits: every rank has the same bytes and passes a symmetric input on all ranks or on none, so the
         // staging and the input's offset are part of the call. Uneven: a rank may send nothing (its input then
         // counts as local) while others send from the heap: each rank publishes where its chunks lie, and every rank
-        // meets at the exit (a direct rank's input is read until then).
+        // meets at the exit (a direct rank's input is read until then). So staging is not part of an uneven call's
+        // descriptor: ranks may differ in it.
         p.flags = equal ? (plan.staged ? kCollectiveStageInput : kCollectiveExitBarrier)
                         : ((plan.staged ? kCollectiveStageInput : 0u) | kCollectiveExitBarrier);
         p.descriptor = equal ? detail::call_descriptor_bytes(CollectiveOp::kAllToAll, plan.staged ? 1u : 0u, in_bytes,
                                                              {r, in_offset})
-                             : detail::call_descriptor_bytes(CollectiveOp::kAllToAllV, plan.staged ? 1u : 0u, 0, {r});
+                             : detail::call_descriptor_bytes(CollectiveOp::kAllToAllV, 0u, 0, {r});
         ws.launch(KernelId::kAllToAllPull, grid, stream, p, plan.rounds[r]);
     }
 }

@@ -95,8 +95,9 @@ const char* algo_name_of(CollectiveOp op, uint32_t algo) {
         case CollectiveOp::kAllReduce: return algo < 4 ? kAllReduce[algo] : "?";
         case CollectiveOp::kAllGather: return algo < 5 ? kAllGather[algo] : "?";
         case CollectiveOp::kReduceScatter: return algo < 3 ? kReduceScatter[algo] : "?";
-        case CollectiveOp::kAllToAll:
-        case CollectiveOp::kAllToAllV: return algo < 2 ? kAllToAll[algo] : "?";
+        case CollectiveOp::kAllToAll: return algo < 2 ? kAllToAll[algo] : "?";
+        // Uneven splits: ranks may differ in staging (a rank that sends nothing stages), so it is not in the call.
+        case CollectiveOp::kAllToAllV: return nullptr;
         default: return nullptr;
     }
 }

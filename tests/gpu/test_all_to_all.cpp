@@ -182,6 +182,19 @@ TEST_P(AllToAll, EqualAndUnevenSplitsEveryDtypeAndPlacement) {
                     for (bool sym : {false, true}) a2a_case(b, counts, t, false, sym, seed, tag, &failures);
                 }
             }
+            // Uneven, rank 0 sends nothing (an empty input counts as local, so rank 0 stages) while the others send
+            // from the heap (direct) or from local memory (staged): the ranks differ in staging, which is allowed.
+            for (bool sym : {true, false}) {
+                ++tag;
+                std::vector<std::vector<int64_t>> counts(static_cast<size_t>(n),
+                                                         std::vector<int64_t>(static_cast<size_t>(n)));
+                for (int s = 1; s < n; ++s) {
+                    for (int d = 0; d < n; ++d) {
+                        counts[static_cast<size_t>(s)][static_cast<size_t>(d)] = 1 + uneven_count(seed, tag, s, d);
+                    }
+                }
+                a2a_case(b, counts, DType::kBF16, false, sym, seed, tag, &failures);
+            }
             // Uneven, all zero on every rank: one kernel each, nothing moved.
             const std::vector<std::vector<int64_t>> zeros(static_cast<size_t>(n),
                                                           std::vector<int64_t>(static_cast<size_t>(n), 0));

@@ -628,6 +628,13 @@ TEST(CallDescriptor, DescriptionsUseTheOpsAlgorithmNames) {
                   std::string::npos)
             << text;
     }
+    // all_to_all names its staging; all_to_all_v does not (its ranks may differ in it).
+    EXPECT_NE(describe_call_descriptor(detail::call_descriptor_bytes(CollectiveOp::kAllToAll, 1, 4096, {}))
+                  .find("all_to_all (staged) of 4096 bytes"),
+              std::string::npos);
+    const std::string uneven = describe_call_descriptor(detail::call_descriptor_bytes(CollectiveOp::kAllToAllV, 0, 0, {}));
+    EXPECT_NE(uneven.find("all_to_all_v (uneven splits)"), std::string::npos) << uneven;
+    EXPECT_EQ(uneven.find("direct"), std::string::npos) << uneven;
     EXPECT_NE(describe_call_descriptor(
                   make_call_descriptor(CollectiveOp::kGemmAr, 0, true, DType::kBF16, 64, 0))
                   .find("gemm_ar with M = 64, bf16 output"),
