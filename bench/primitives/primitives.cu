@@ -133,7 +133,7 @@ __global__ void bandwidth_kernel(DeviceCtx ctx, uint8_t* local, uint8_t* symmetr
     }
 }
 
-enum class PingPong : int { kRawGpu = 0, kRawSys, kTileGpu, kTileSys, kShmemSys, kPutSignalSys, kCount };
+enum class PingPong : int { kRawGpu = 0, kRawSys, kTileGpu, kTileSys, kShmemSys, kPutSignalSys, kPutSignalOddSys, kCount };
 const char* ping_pong_name(PingPong v) {
     switch (v) {
         case PingPong::kRawGpu: return "hand-written st.release/ld.acquire .gpu";
@@ -142,6 +142,7 @@ const char* ping_pong_name(PingPong v) {
         case PingPong::kTileSys: return "tile::notify/wait<sys>";
         case PingPong::kShmemSys: return "shmem::signal_op/signal_wait_until";
         case PingPong::kPutSignalSys: return "shmem::putmem_signal 8 B + wait";
+        case PingPong::kPutSignalOddSys: return "shmem::putmem_signal 3 B unaligned + wait";
         case PingPong::kCount: break;
     }
     return "?";
@@ -179,6 +180,9 @@ __global__ void ping_pong_kernel(DeviceCtx ctx, PingPong v, uint64_t* sig, uint8
             case PingPong::kPutSignalSys:
                 shmem::putmem_signal(Thread{}, ctx, data, data + 64, 8, sig, 1, SignalOp::kAdd, peer);
                 break;
+            case PingPong::kPutSignalOddSys:  // odd size and addresses: three 1-byte words
+                shmem::putmem_signal(Thread{}, ctx, data + 1, data + 64 + 5, 3, sig, 1, SignalOp::kAdd, peer);
+                break;
             case PingPong::kCount: break;
         }
     };
@@ -189,7 +193,8 @@ __global__ void ping_pong_kernel(DeviceCtx ctx, PingPong v, uint64_t* sig, uint8
             case PingPong::kTileGpu: tile::wait<ptx::Scope::kGpu>(Thread{}, ctx, sig, 1, Cmp::kGe, i); break;
             case PingPong::kTileSys: tile::wait(Thread{}, ctx, sig, 1, Cmp::kGe, i); break;
             case PingPong::kShmemSys:
-            case PingPong::kPutSignalSys: shmem::signal_wait_until(Thread{}, ctx, sig, Cmp::kGe, i); break;
+            case PingPong::kPutSignalSys:
+            case PingPong::kPutSignalOddSys: shmem::signal_wait_until(Thread{}, ctx, sig, Cmp::kGe, i); break;
             case PingPong::kCount: break;
         }
     };

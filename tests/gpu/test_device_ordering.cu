@@ -163,6 +163,15 @@ TEST(DeviceOrdering, PutSignalNeverOvertakesItsData) {
             run_put_signal_ring<Block>(w, stream, rb, &base, 4099, 3, 3000, seed);
             run_put_signal_ring<Warp>(w, stream, rb, &base, 1029, 0, 3000, seed);
             run_put_signal_ring<Thread>(w, stream, rb, &base, 131, 5, 2000, seed);
+            // Small puts (one access per word, group_copy.hpp: small_copy): 8-, 1-, 4-, 2- and 16-byte words, and
+            // 17 bytes just past that path. The staging source is 256-byte aligned; the offset sets the destination's.
+            run_put_signal_ring<Thread>(w, stream, rb, &base, 8, 0, 1000, seed);
+            run_put_signal_ring<Thread>(w, stream, rb, &base, 3, 5, 1000, seed);
+            run_put_signal_ring<Thread>(w, stream, rb, &base, 1, 7, 1000, seed);
+            run_put_signal_ring<Warp>(w, stream, rb, &base, 12, 4, 1000, seed);
+            run_put_signal_ring<Warp>(w, stream, rb, &base, 6, 2, 1000, seed);
+            run_put_signal_ring<Block>(w, stream, rb, &base, 16, 0, 1000, seed);
+            run_put_signal_ring<Warp>(w, stream, rb, &base, 17, 1, 1000, seed);
             rb.release(w);
         });
     }

@@ -3,9 +3,11 @@
 // the device's memory accesses that checks alignment, bounds and that every byte is written once.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "weft/common/group_copy.hpp"
@@ -23,6 +25,10 @@ struct Arena {
     std::vector<int> writes;           // per dst byte
     uintptr_t src_begin = 0, src_end = 0;  // the bytes being copied (absolute addresses)
     uintptr_t dst_begin = 0, dst_end = 0;
+    int word_loads = 0, word_stores = 0;  // small_copy's accesses (load_word / store_word)
+    int max_word_loads_per_rank = 0;      // the most word loads one rank made
+    int rank_word_loads = 0;              // ... by the rank being run
+    bool rank_stored = false;             // the rank being run has stored a word
     int errors = 0;
     std::string first_error;
     void error(const std::string& what) {
@@ -90,6 +96,49 @@ struct HostMem {
     }
 };
 
+// One word of a small copy: aligned to its size, wholly inside the source (or destination), and every
+// load of a rank before its first store.
+struct HostWordMem : HostMem {
+    template <class W>
+    static W load_word(const void* p) {
+        const auto a = reinterpret_cast<uintptr_t>(p);
+        Arena& ar = *g_arena;
+        ++ar.word_loads;
+        ++ar.rank_word_loads;
+        if (a % sizeof(W) != 0) {
+            ar.error("unaligned " + std::to_string(sizeof(W)) + "-byte word load");
+        }
+        if (ar.rank_stored) {
+            ar.error("a word load after a word store of the same rank");
+        }
+        if (a < ar.src_begin || a + sizeof(W) > ar.src_end) {
+            ar.error("word load outside the source");
+            return W{};
+        }
+        W v;
+        std::memcpy(&v, p, sizeof(W));
+        return v;
+    }
+    template <class W>
+    static void store_word(void* p, W v) {
+        const auto a = reinterpret_cast<uintptr_t>(p);
+        Arena& ar = *g_arena;
+        ++ar.word_stores;
+        ar.rank_stored = true;
+        if (a % sizeof(W) != 0) {
+            ar.error("unaligned " + std::to_string(sizeof(W)) + "-byte word store");
+        }
+        if (a < ar.dst_begin || a + sizeof(W) > ar.dst_end) {
+            ar.error("word store outside the destination");
+            return;
+        }
+        std::memcpy(p, &v, sizeof(W));
+        for (uintptr_t i = 0; i < sizeof(W); ++i) {
+            ++ar.writes[a + i - ar.dst_begin];
+        }
+    }
+};
+
 // Copies with every rank of a simulated group in turn and checks the result byte by byte.
 void check_copy(uint64_t bytes, uint32_t src_off, uint32_t dst_off, uint32_t group, std::mt19937& rng) {
     Arena ar;
@@ -111,7 +160,10 @@ void check_copy(uint64_t bytes, uint32_t src_off, uint32_t dst_off, uint32_t gro
     ar.writes.assign(bytes + 16, 0);
     g_arena = &ar;
     for (uint32_t rank = 0; rank < group; ++rank) {
-        detail::group_copy<HostMem>(rank, group, dst, src, bytes);
+        ar.rank_word_loads = 0;
+        ar.rank_stored = false;
+        detail::group_copy<HostWordMem>(rank, group, dst, src, bytes);
+        ar.max_word_loads_per_rank = std::max(ar.max_word_loads_per_rank, ar.rank_word_loads);
     }
     g_arena = nullptr;
     ASSERT_EQ(ar.errors, 0) << ar.first_error << " (bytes=" << bytes << " src_off=" << src_off
@@ -129,6 +181,22 @@ void check_copy(uint64_t bytes, uint32_t src_off, uint32_t dst_off, uint32_t gro
     for (uint8_t* p = dst + bytes; p < ar.dst.data() + arena; ++p) {
         ASSERT_EQ(*p, 0xA5) << "byte after the destination overwritten";
     }
+    // Small copies: one load and one store per word of the widest size that divides both addresses and the
+    // size, shared round-robin (a rank of a group at least as large as the word count makes one access).
+    const std::string what = " (bytes=" + std::to_string(bytes) + " src_off=" + std::to_string(src_off) +
+                             " dst_off=" + std::to_string(dst_off) + " group=" + std::to_string(group) + ")";
+    if (bytes > detail::kSmallCopyMaxBytes) {
+        ASSERT_EQ(ar.word_loads + ar.word_stores, 0) << "a copy over 16 bytes took the small path" << what;
+        return;
+    }
+    uint64_t width = 16;
+    while ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) % width != 0) {
+        width /= 2;
+    }
+    const auto words = static_cast<int>(bytes / width);
+    ASSERT_EQ(ar.word_loads, words) << "word loads of width " << width << what;
+    ASSERT_EQ(ar.word_stores, words) << "word stores of width " << width << what;
+    ASSERT_EQ(ar.max_word_loads_per_rank, (words + static_cast<int>(group) - 1) / static_cast<int>(group)) << what;
 }
 
 TEST(GroupCopy, EverySizeAndAlignmentSmall) {
@@ -161,6 +229,20 @@ TEST(GroupCopy, LargerSizesEveryRelativeShift) {
             }
         }
     }
+}
+
+TEST(GroupCopy, SmallCopyWidthIsTheWidestCommonAlignment) {
+    static_assert(detail::small_copy_width(0x1000, 0x2040, 16) == 16);
+    static_assert(detail::small_copy_width(0x1000, 0x2040, 8) == 8);
+    static_assert(detail::small_copy_width(0x1008, 0x2040, 16) == 8);
+    static_assert(detail::small_copy_width(0x1004, 0x2040, 12) == 4);
+    static_assert(detail::small_copy_width(0x1002, 0x2046, 6) == 2);
+    static_assert(detail::small_copy_width(0x1000, 0x2040, 3) == 1);
+    static_assert(detail::small_copy_width(0x1001, 0x2040, 8) == 1);
+    static_assert(detail::small_copy_width(0x1000, 0x2003, 4) == 1);
+    static_assert(detail::small_copy_width(0x1000, 0x2000, 1) == 1);
+    static_assert(detail::small_copy_width(0x1000, 0x2000, 0) == 16);  // nothing to copy: no word at all
+    SUCCEED();
 }
 
 TEST(GroupCopy, PlanSplitsHeadBodyTail) {

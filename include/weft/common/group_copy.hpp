@@ -11,6 +11,12 @@
 // stores are still 16-byte and aligned. NOTE: those loads read whole aligned granules that contain
 // source bytes: up to 15 bytes just outside [src, src + bytes) are read (and discarded); a granule
 // never crosses a page, so this never faults.
+//
+// A copy of at most kSmallCopyMaxBytes bytes (a flag, a header, a scalar put before a signal) takes
+// small_copy instead: words of the widest size (16, 8, 4, 2 or 1 bytes) that divides both addresses and
+// the size, word i to thread i % size, every load of a thread issued before its first store. A thread
+// then waits for one load, where the byte loops above wait for one per byte (each store needs its load).
+// It reads and writes exactly [src, src + bytes) and [dst, dst + bytes).
 #pragma once
 
 #include "weft/common/macros.hpp"
@@ -57,12 +63,66 @@ WEFT_HOST_DEVICE constexpr V funnel16(const V& lo, const V& hi, uint32_t shift) 
     return v;
 }
 
+/// Copies of at most this many bytes take small_copy.
+inline constexpr uint64_t kSmallCopyMaxBytes = 16;
+
+/// The word size of a small copy (bytes <= kSmallCopyMaxBytes): the widest of 16, 8, 4, 2 and 1 bytes
+/// that divides `dst`, `src` and `bytes`.
+WEFT_HOST_DEVICE constexpr uint32_t small_copy_width(uintptr_t dst, uintptr_t src, uint64_t bytes) {
+    const uint64_t bits = static_cast<uint64_t>(dst | src) | bytes | 16u;
+    return static_cast<uint32_t>(bits & (~bits + 1));  // the lowest set bit
+}
+
+/// Thread `rank` of `size` copies words rank, rank + size, ... of `num_words` words of type W: all its
+/// loads, then all its stores (at most kSmallCopyMaxBytes / sizeof(W) of each, held in registers).
+template <class Mem, class W>
+WEFT_HOST_DEVICE void small_copy_words(uint32_t rank, uint32_t size, uint8_t* dst, const uint8_t* src,
+                                       uint32_t num_words) {
+    constexpr uint32_t kMaxWords = static_cast<uint32_t>(kSmallCopyMaxBytes / sizeof(W));
+    W v[kMaxWords] = {};
+    for (uint32_t k = 0; k < kMaxWords; ++k) {  // constant trip count: unrolled, v stays in registers
+        const uint64_t i = rank + uint64_t{k} * size;
+        if (i < num_words) {
+            v[k] = Mem::template load_word<W>(src + i * sizeof(W));
+        }
+    }
+    for (uint32_t k = 0; k < kMaxWords; ++k) {
+        const uint64_t i = rank + uint64_t{k} * size;
+        if (i < num_words) {
+            Mem::template store_word<W>(dst + i * sizeof(W), v[k]);
+        }
+    }
+}
+
+/// Thread `rank` of `size` copies its share of a copy of at most kSmallCopyMaxBytes bytes (see the top
+/// of this file).
+template <class Mem>
+WEFT_HOST_DEVICE void small_copy(uint32_t rank, uint32_t size, void* dst_ptr, const void* src_ptr, uint64_t bytes) {
+    auto* dst = static_cast<uint8_t*>(dst_ptr);
+    const auto* src = static_cast<const uint8_t*>(src_ptr);
+    const uint32_t width = small_copy_width(reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src), bytes);
+    const auto num_words = static_cast<uint32_t>(bytes / width);
+    switch (width) {
+        case 16: small_copy_words<Mem, typename Mem::Vec>(rank, size, dst, src, num_words); break;
+        case 8: small_copy_words<Mem, uint64_t>(rank, size, dst, src, num_words); break;
+        case 4: small_copy_words<Mem, uint32_t>(rank, size, dst, src, num_words); break;
+        case 2: small_copy_words<Mem, uint16_t>(rank, size, dst, src, num_words); break;
+        default: small_copy_words<Mem, uint8_t>(rank, size, dst, src, num_words); break;
+    }
+}
+
 /// Thread `rank` of a group of `size` threads copies its share of `bytes` bytes. Mem provides
-/// `Vec` (x, y, z, w), `load16(const void*)`, `store16(void*, Vec)`, `load8(const void*)` (one byte)
-/// and `store8(void*, uint8_t)`. No synchronisation: the caller syncs the group if it needs to.
+/// `Vec` (x, y, z, w), `load16(const void*)`, `store16(void*, Vec)`, `load8(const void*)` (one byte),
+/// `store8(void*, uint8_t)`, and for small_copy `load_word<W>(const void*)` / `store_word<W>(void*, W)`
+/// (W: uint8_t, uint16_t, uint32_t, uint64_t or Vec; the address aligned to sizeof(W)). No
+/// synchronisation: the caller syncs the group if it needs to.
 template <class Mem>
 WEFT_HOST_DEVICE void group_copy(uint32_t rank, uint32_t size, void* dst_ptr, const void* src_ptr, uint64_t bytes) {
     using Vec = typename Mem::Vec;
+    if (bytes <= kSmallCopyMaxBytes) {  // a size known at compile time drops the other path
+        small_copy<Mem>(rank, size, dst_ptr, src_ptr, bytes);
+        return;
+    }
     auto* dst = static_cast<uint8_t*>(dst_ptr);
     const auto* src = static_cast<const uint8_t*>(src_ptr);
     const CopyPlan plan = CopyPlan::make(reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src), bytes);
