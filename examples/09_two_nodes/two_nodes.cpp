@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
-// Example 09: all_reduce, all_gather and reduce_scatter on a World that spans two nodes. The same calls as on one node:
-// weft sees that the team spans nodes and runs its hierarchical collectives (weft's kernels within each node, NCCL
-// between the nodes, pipelined in chunks). Prints a small table: per op, the time per call and whether it was right.
+// Example 09: all_reduce, all_gather, reduce_scatter, all_to_all and the fused AllGather+GEMM and GEMM+ReduceScatter on
+// a World that spans two nodes. The same calls as on one node: weft sees that the team spans nodes and runs its
+// hierarchical algorithms (weft's kernels within each node, NCCL between the nodes, pipelined in chunks). Prints a
+// small table: per op, the time per call and whether it was right.
 //
 // On one machine, as processes on two virtual nodes (peers on the other virtual node are reached through NCCL's
 // network transport only):
@@ -13,6 +14,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -20,7 +22,10 @@
 
 #include "weft/net/host_backend.hpp"
 #include "weft/ops/all_gather.hpp"
+#include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/all_reduce.hpp"
+#include "weft/ops/all_to_all.hpp"
+#include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/weft.hpp"
 
@@ -31,6 +36,23 @@ namespace {
 
 // Rank r's element i: a small integer, so every sum is exact in f32.
 float value(int rank, int64_t i) { return static_cast<float>((rank * 7 + i * 3) % 11 - 5); }
+
+// The GEMMs' operands: -1, 0 or 1, so that every product sum below (at most 32 x 8 in magnitude) is exact in bf16.
+float a_value(int rank, int64_t row, int64_t col) { return static_cast<float>((rank * 5 + row * 3 + col) % 3 - 1); }
+float b_value(int rank, int64_t row, int64_t col) { return static_cast<float>((rank + row * 7 + col * 5) % 3 - 1); }
+
+uint16_t to_bf16(float f) {  // exact for the small integers used here
+    uint32_t u = 0;
+    std::memcpy(&u, &f, sizeof(u));
+    return static_cast<uint16_t>(u >> 16);
+}
+
+float from_bf16(uint16_t h) {
+    const uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f = 0;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+}
 
 struct Result {
     const char* op;
@@ -133,6 +155,104 @@ int main(int argc, char** argv) {
             rs.correct = host[i] == want;
         }
         results.push_back(rs);
+
+        // all_to_all: count elements per peer; chunk q of rank r goes to rank q.
+        upload(static_cast<int64_t>(total), 0);
+        Result a2a{"all_to_all"};
+        a2a.us = time_us([&] {
+            weft::ops::all_to_all(w, TensorView(in, DType::kF32, {static_cast<int64_t>(total)}),
+                                  TensorView(out, DType::kF32, {static_cast<int64_t>(total)}), stream);
+        });
+        download(static_cast<int64_t>(total));
+        a2a.correct = true;
+        for (size_t k = 0; k < total && a2a.correct; ++k) {
+            const int from = static_cast<int>(k / static_cast<size_t>(count));
+            a2a.correct = host[k] == value(from, w.rank() * count + static_cast<int64_t>(k) % count);
+        }
+        results.push_back(a2a);
+
+        // The fused ops, bf16: AllGather+GEMM (C [M, N] = AllGather(A) B^T, A sharded by rows) and GEMM+ReduceScatter
+        // (C [M/W, N] = the rank's rows of sum_r A_r B_r^T, K sharded).
+        const int64_t rows = 64, gn = 128, gk = 32, gm = rows * n;
+        std::vector<uint16_t> a_host(static_cast<size_t>(gm * gk)), b_host(static_cast<size_t>(gn * gk)),
+            c_host(static_cast<size_t>(gm * gn));
+        uint16_t *a_dev = nullptr, *b_dev = nullptr, *c_dev = nullptr;
+        WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&a_dev), a_host.size() * 2));
+        WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b_dev), b_host.size() * 2));
+        WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&c_dev), c_host.size() * 2));
+        const auto put = [&](uint16_t* dev, const std::vector<uint16_t>& h, int64_t elems) {
+            WEFT_CUDA_CHECK(cudaMemcpy(dev, h.data(), static_cast<size_t>(elems) * 2, cudaMemcpyHostToDevice));
+        };
+        const auto get = [&](int64_t elems) {
+            w.sync_and_check(stream);
+            WEFT_CUDA_CHECK(cudaMemcpy(c_host.data(), c_dev, static_cast<size_t>(elems) * 2, cudaMemcpyDeviceToHost));
+        };
+        for (int64_t i = 0; i < gn; ++i) {
+            for (int64_t j = 0; j < gk; ++j) b_host[static_cast<size_t>(i * gk + j)] = to_bf16(b_value(0, i, j));
+        }
+        put(b_dev, b_host, gn * gk);
+        {
+            for (int64_t i = 0; i < rows; ++i) {
+                for (int64_t j = 0; j < gk; ++j) {
+                    a_host[static_cast<size_t>(i * gk + j)] = to_bf16(a_value(w.rank(), i, j));
+                }
+            }
+            put(a_dev, a_host, rows * gk);
+            WEFT_CUDA_CHECK(cudaMemset(c_dev, 0xFF, static_cast<size_t>(gm * gn) * 2));  // poisoned
+            weft::ops::AgGemm op(w, {.max_m = gm, .n = gn, .k = gk, .dtype = DType::kBF16});
+            Result r{"ag_gemm"};
+            r.us = time_us([&] {
+                op.run(TensorView(a_dev, DType::kBF16, {rows, gk}), TensorView(b_dev, DType::kBF16, {gn, gk}),
+                       TensorView(c_dev, DType::kBF16, {gm, gn}), stream);
+            });
+            get(gm * gn);
+            r.correct = true;
+            for (int64_t i = 0; i < gm && r.correct; ++i) {
+                for (int64_t j = 0; j < gn && r.correct; ++j) {
+                    float want = 0;
+                    for (int64_t t = 0; t < gk; ++t) {
+                        want += a_value(static_cast<int>(i / rows), i % rows, t) * b_value(0, j, t);
+                    }
+                    r.correct = from_bf16(c_host[static_cast<size_t>(i * gn + j)]) == want;
+                }
+            }
+            results.push_back(r);
+        }
+        {
+            for (int64_t i = 0; i < gm; ++i) {
+                for (int64_t j = 0; j < gk; ++j) {
+                    a_host[static_cast<size_t>(i * gk + j)] = to_bf16(a_value(w.rank(), i, j));
+                }
+            }
+            put(a_dev, a_host, gm * gk);
+            for (int64_t i = 0; i < gn; ++i) {
+                for (int64_t j = 0; j < gk; ++j) b_host[static_cast<size_t>(i * gk + j)] = to_bf16(b_value(w.rank(), i, j));
+            }
+            put(b_dev, b_host, gn * gk);
+            WEFT_CUDA_CHECK(cudaMemset(c_dev, 0xFF, static_cast<size_t>(rows * gn) * 2));  // poisoned
+            weft::ops::GemmRs op(w, {.max_m = gm, .n = gn, .k = gk, .dtype = DType::kBF16});
+            Result r{"gemm_rs"};
+            r.us = time_us([&] {
+                op.run(TensorView(a_dev, DType::kBF16, {gm, gk}), TensorView(b_dev, DType::kBF16, {gn, gk}),
+                       TensorView(c_dev, DType::kBF16, {rows, gn}), stream);
+            });
+            get(rows * gn);
+            r.correct = true;
+            for (int64_t i = 0; i < rows && r.correct; ++i) {
+                const int64_t row = w.rank() * rows + i;
+                for (int64_t j = 0; j < gn && r.correct; ++j) {
+                    float want = 0;
+                    for (int q = 0; q < n; ++q) {
+                        for (int64_t t = 0; t < gk; ++t) want += a_value(q, row, t) * b_value(q, j, t);
+                    }
+                    r.correct = from_bf16(c_host[static_cast<size_t>(i * gn + j)]) == want;
+                }
+            }
+            results.push_back(r);
+        }
+        cudaFree(c_dev);
+        cudaFree(b_dev);
+        cudaFree(a_dev);
 
         // Every rank's verdict, then rank 0 prints.
         std::vector<uint8_t> mine;
