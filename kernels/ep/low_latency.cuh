@@ -21,8 +21,9 @@
 // Traced builds (weft/device/trace.cuh, docs/profiling.md): "wait peer r" per signal awaited (tile::wait_each);
 // from thread 0 of each block "send" (its rows, after the credit wait), "recv" (the wait and the copies into the
 // masked output) and "combine" (the wait and the weighted sums); "notify" per rank from the last block of a send.
-// Every event is kept in the block's trace log (shared memory) and written at the kernel's end, after its signals:
-// recording costs these short kernels no global atomic before a signal that a peer waits for.
+// Every event is kept in the block's trace log (shared memory) and written at the kernel's end, after its signals, into
+// slots the block claimed at its start (ll_trace_events_per_block of them): recording costs these short kernels no
+// global atomic before a signal that a peer waits for, nor a round trip to L2 at their end.
 #pragma once
 
 #include "ep/common.cuh"
