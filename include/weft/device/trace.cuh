@@ -187,15 +187,14 @@ __device__ __forceinline__ void defer(const DeviceCtx& ctx, TraceKind kind, Trac
 /// more events than it claimed; slots it claimed and did not use are counted in TraceBuffer::unused (a reduction,
 /// nothing waits for it). Every thread of the block calls it once, at the block's end (it begins with a
 /// __syncthreads; no defer may follow).
-__device__ __forceinline__ void flush_block_log(const DeviceCtx& ctx, const BlockLogClaim& claim) {
-    static_cast<void>(ctx);
+__device__ __forceinline__ void flush_block_log(const DeviceCtx& /*ctx*/, const BlockLogClaim& claim) {
     __syncthreads();
     const uint32_t writer = blockDim.x - 1;
     if ((threadIdx.x >> 5) != (writer >> 5)) return;
     const uint32_t lane = threadIdx.x & 31u;
-    const uint32_t writer_lane = writer & 31u;  // the warp's highest lane (a block of 32k threads: lane 31)
+    const uint32_t writer_lane = writer & 31u;  // the warp's highest lane (lane 31 when blockDim.x is a multiple of 32)
     const uint32_t active = writer_lane == 31u ? 0xffffffffu : (2u << writer_lane) - 1u;
-    const auto* buffer = reinterpret_cast<TraceBuffer*>(
+    auto* buffer = reinterpret_cast<TraceBuffer*>(
         __shfl_sync(active, reinterpret_cast<unsigned long long>(claim.buffer), writer_lane));
     if (buffer == nullptr) return;
     const auto& log = block_log();
@@ -205,16 +204,15 @@ __device__ __forceinline__ void flush_block_log(const DeviceCtx& ctx, const Bloc
     const uint32_t capacity = __shfl_sync(active, claim.capacity, writer_lane);
     uint32_t more_first = 0;  // slots for the events past the claim (none when the claim was large enough)
     if (lane == writer_lane) {
-        auto* b = const_cast<TraceBuffer*>(buffer);
         if (n > claimed) {
-            more_first = atomicAdd(&b->count, n - claimed);
+            more_first = atomicAdd(&buffer->count, n - claimed);
         } else if (n < claimed) {
-            atomicAdd(&b->unused, claimed - n);  // result unused: a reduction (RED), no round trip
+            atomicAdd(&buffer->unused, claimed - n);  // result unused: a reduction (RED), no round trip
         }
     }
     more_first = __shfl_sync(active, more_first, writer_lane);
     const uint32_t sm = sm_id();
-    auto* events = const_cast<TraceBuffer*>(buffer)->events;
+    TraceEvent* events = buffer->events;
     for (uint32_t i = lane; i < n; i += 32) {
         const uint32_t slot = i < claimed ? first + i : more_first + (i - claimed);
         if (slot >= capacity) continue;
