@@ -70,6 +70,7 @@ public:
         WEFT_CUDA_CHECK(cudaMemset(buffer_, 0, bytes));  // a slot claimed and never written reads as kind 0
         TraceBuffer header{};
         header.capacity = capacity;
+        // A synchronous copy after the memset on the same (legacy) stream: both are done when it returns.
         WEFT_CUDA_CHECK(cudaMemcpy(buffer_, &header, offsetof(TraceBuffer, events), cudaMemcpyHostToDevice));
         diag_host->trace_buffer = reinterpret_cast<uint64_t>(buffer_);
     }
@@ -192,11 +193,24 @@ private:
     }
 
     /// Zeroes the first `used` events (so that slots claimed and left empty by the next kernels read as kind 0) and
-    /// the counters. The device is idle (the callers synchronised it).
+    /// the counters, and waits until that is done: on a stream of its own, so that a kernel the program launches next
+    /// (on a non-blocking stream, which does not wait for the legacy stream) cannot claim slots before it. The device
+    /// is idle (the callers synchronised it).
     void empty_buffer(uint32_t used) {
-        if (used > 0) WEFT_CUDA_CHECK(cudaMemset(buffer_->events, 0, static_cast<size_t>(used) * sizeof(TraceEvent)));
         static_assert(offsetof(TraceBuffer, unused) == offsetof(TraceBuffer, count) + sizeof(uint32_t));
-        WEFT_CUDA_CHECK(cudaMemset(&buffer_->count, 0, 2 * sizeof(uint32_t)));  // count and unused
+        struct OwnedStream {
+            cudaStream_t s = nullptr;
+            ~OwnedStream() {
+                if (s != nullptr) cudaStreamDestroy(s);
+            }
+        } stream;
+        WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream.s, cudaStreamNonBlocking));
+        if (used > 0) {
+            const size_t bytes = static_cast<size_t>(used) * sizeof(TraceEvent);
+            WEFT_CUDA_CHECK(cudaMemsetAsync(buffer_->events, 0, bytes, stream.s));
+        }
+        WEFT_CUDA_CHECK(cudaMemsetAsync(&buffer_->count, 0, 2 * sizeof(uint32_t), stream.s));  // count and unused
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(stream.s));
     }
 
     /// Runs the timer kernel between two timing events on a stream of its own (a few times; the tightest window
