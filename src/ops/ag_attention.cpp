@@ -178,7 +178,7 @@ void register_prefill_attention_aot_specs() {
             for (int32_t d : {64, 128}) {
                 jit::register_aot_spec(attention_prefill_kernel_spec(attention_prefill_default_config(t, d)));
                 jit::register_aot_spec(attention_prefill_kernel_spec(
-                    attention_prefill_default_config(t, d, AttentionPrefillKernel::kWgmma), "sm_90a"));
+                    attention_prefill_default_config(t, d, AttentionPrefillKernel::kWgmma)));
             }
         }
     });
