@@ -25,6 +25,9 @@ namespace prefill_sm90_detail {
 
 inline constexpr int kProducerRegs = 56;
 inline constexpr int kConsumerRegs = 224;
+/// Named barriers (0 is __syncthreads) of the two consumer warpgroups' turns at the tensor cores: warpgroup w syncs on
+/// kBarTurn0 + w before issuing a tile's wgmma and, once issued, arrives on the other's.
+inline constexpr int kBarTurn0 = 1;
 
 /// Keeps the compiler from reusing an A-fragment register before the wgmma that reads it has completed.
 __device__ __forceinline__ void fence_fragment(unsigned& reg) { asm volatile("" : "+r"(reg)::"memory"); }
@@ -215,6 +218,21 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
     float s[kSRegs];
     unsigned pf[kPSteps][4];
 
+    // Two consumer warpgroups take turns issuing their wgmma (FA3's ping-pong): one's softmax runs under the other's
+    // matrix products. Both walk the same items and tiles, so their turns pair up; the second warpgroup's first
+    // arrival gives the first warpgroup the first turn, and the first warpgroup's last sync (after the items) takes
+    // the surplus arrival so that no barrier is left half-way at exit.
+    constexpr bool kPingPong = T::kConsumers == 2;
+    const auto turn_begin = [&]() {
+        if constexpr (kPingPong) ptx::named_barrier_sync(kBarTurn0 + wg, 256);
+    };
+    const auto turn_end = [&]() {
+        if constexpr (kPingPong) ptx::named_barrier_arrive(kBarTurn0 + (wg ^ 1), 256);
+    };
+    if constexpr (kPingPong) {
+        if (wg == 1) ptx::named_barrier_arrive(kBarTurn0, 256);
+    }
+
     for (int32_t item_idx = static_cast<int32_t>(blockIdx.x); item_idx < num_items && !stuck;
          item_idx += static_cast<int32_t>(gridDim.x)) {
         const AttentionPrefillItem item = attention_prefill_item(item_idx, num_m_tiles);
@@ -311,18 +329,29 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
             }
         };
 
+        // Q is read by the Q K^T products only: freed once the item's last one is done (the next item's Q then
+        // loads under this item's last softmax, P V and epilogue).
+        const auto release_q_after = [&](const AttentionPrefillTileCursor& cur) {
+            AttentionPrefillTileCursor after = cur;
+            after.next(p, key_end);
+            if (!after.valid(p)) release(empty_q, lane);
+        };
+
         if (tile.valid(p)) {
             if (!stuck) stuck = !ptx::mbarrier_wait_parity_bounded(full_q, q_phase, timeout);
             q_phase ^= 1u;
             // The first tile: S, softmax, P.
             if (!stuck) stuck = !ptx::mbarrier_wait_parity_bounded(full_k(stage), phase, timeout);
+            turn_begin();
             ptx::wgmma_fence_operands(s);
             ptx::wgmma_fence();
             issue_qk(stage);
             ptx::wgmma_commit_group();
+            turn_end();
             ptx::wgmma_wait_group<0>();
             ptx::wgmma_fence_operands(s);
             release(empty_k(stage), lane);
+            release_q_after(tile);
             float correction[2];
             softmax(tile, correction);
             convert_p();
@@ -336,6 +365,7 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
                 if (!stuck) {
                     stuck = !ptx::mbarrier_wait_parity_bounded(full_v(prev_stage), prev_phase, timeout);
                 }
+                turn_begin();
                 ptx::wgmma_fence_operands(s);
                 ptx::wgmma_fence_operands(o);
                 ptx::wgmma_fence();
@@ -343,9 +373,11 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
                 ptx::wgmma_commit_group();
                 issue_pv(prev_stage);
                 ptx::wgmma_commit_group();
+                turn_end();
                 ptx::wgmma_wait_group<1>();  // S of this tile
                 ptx::wgmma_fence_operands(s);
                 release(empty_k(stage), lane);
+                release_q_after(tile);
                 softmax(tile, correction);
                 ptx::wgmma_wait_group<0>();  // P V of the previous tile
                 ptx::wgmma_fence_operands(o);
@@ -366,10 +398,12 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
             if (!stuck) {
                 stuck = !ptx::mbarrier_wait_parity_bounded(full_v(prev_stage), prev_phase, timeout);
             }
+            turn_begin();
             ptx::wgmma_fence_operands(o);
             ptx::wgmma_fence();
             issue_pv(prev_stage);
             ptx::wgmma_commit_group();
+            turn_end();
             ptx::wgmma_wait_group<0>();
             ptx::wgmma_fence_operands(o);
 #pragma unroll
@@ -378,7 +412,6 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
                 for (int e = 0; e < 4; ++e) fence_fragment(pf[kk][e]);
             }
             release(empty_v(prev_stage), lane);
-            release(empty_q, lane);
         }
 
         // Epilogue: O / sum per row, straight from the accumulators (4 lanes write a row's 16 contiguous bytes).
@@ -403,6 +436,9 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
         }
     }
     if (stuck) __trap();
+    if constexpr (kPingPong) {
+        if (wg == 0) ptx::named_barrier_sync(kBarTurn0, 256);
+    }
 }
 
 }  // namespace prefill_sm90_detail
