@@ -13,6 +13,7 @@
 #pragma once
 
 #include "attention/prefill.cuh"
+#include "weft/ptx/cp_async.cuh"
 #include "weft/ptx/fence.cuh"
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/setmaxnreg.cuh"
@@ -44,11 +45,11 @@ struct Sm90Traits {
     static constexpr int kDim = C.head_dim;
     static constexpr int kBM = C.block_m;
     static constexpr int kBN = kPrefillWgmmaTileKeys;
-    static constexpr int kConsumers = kBM / 64;                  // consumer warpgroups
-    static constexpr int kConsumerWarps = 4 * kConsumers;        // arrivals that free a buffer
-    static constexpr int kDimBlocks = kDim / 64;                 // 128-byte column blocks (one TMA box each)
-    static constexpr int kQBytes = kBM * kDim * 2;               // Q tile: kDimBlocks x [kBM rows][128 B]
-    static constexpr int kKVBytes = kBN * kDim * 2;              // one K (or V) tile: kDimBlocks x [kBN rows][128 B]
+    static constexpr int kConsumers = kBM / 64;            // consumer warpgroups
+    static constexpr int kConsumerWarps = 4 * kConsumers;  // arrivals that free a buffer
+    static constexpr int kDimBlocks = kDim / 64;           // 128-byte column blocks (one TMA box each)
+    static constexpr int kQBytes = kBM * kDim * 2;         // Q tile: kDimBlocks x [kBM rows][128 B]
+    static constexpr int kKVBytes = kBN * kDim * 2;        // one K (or V) tile: kDimBlocks x [kBN rows][128 B]
     static constexpr int kQOffset = 0;
     static constexpr int kKOffset = kQBytes;
     static constexpr int kVOffset = kKOffset + C.stages * kKVBytes;
@@ -56,8 +57,7 @@ struct Sm90Traits {
     // Barriers (8 bytes each): full_q, empty_q, then per stage full_k, full_v, empty_k, empty_v.
     static constexpr int kBarBytes = 8 * (2 + 4 * C.stages);
     static_assert(kBarBytes <= kPrefillWgmmaBarrierBytes, "the barriers outgrow their reserved bytes");
-    static_assert(kBarOffset + kPrefillWgmmaBarrierBytes + kPrefillWgmmaAlignSlack ==
-                      attention_prefill_smem_bytes(C),
+    static_assert(kBarOffset + kPrefillWgmmaBarrierBytes + kPrefillWgmmaAlignSlack == attention_prefill_smem_bytes(C),
                   "shared-memory plan and attention_prefill_smem_bytes disagree");
     static constexpr bool kIsBF16 = C.dtype == DType::kBF16;
 };
@@ -65,8 +65,8 @@ struct Sm90Traits {
 /// The producer warp: for every work item of this block, the Q tile (after the consumers freed the previous one),
 /// then every K/V tile the item sees into the ring. Before the first load from a peer's chunk the warp waits for
 /// the chunk's flag. A V tile that ends inside the keys (short: its chunk, or the causal limit, ends first) is
-/// copied by the warp with the keys past its end zero-filled, so that no unarrived or unseen row reaches P V
-/// (0 x NaN would); every other tile, and every K tile (whose invisible scores are masked by selection), by TMA.
+/// copied by the warp (cp.async) with the keys past its end zero-filled, so that no unarrived or unseen row reaches
+/// P V (0 x NaN would); every other tile, and every K tile (whose invisible scores are masked by selection), by TMA.
 template <AttentionPrefillConfig C>
 __device__ __forceinline__ void producer_warp(const AttentionPrefillParams& p, const ptx::TmaDescriptor* tma_q,
                                               const ptx::TmaDescriptor* tma_k, const ptx::TmaDescriptor* tma_v,
@@ -114,9 +114,9 @@ __device__ __forceinline__ void producer_warp(const AttentionPrefillParams& p, c
             device::Token token = device::Token::assume_local_data();
             if (tile.first_of_chunk && p.chunk_signals != nullptr && tile.chunk != p.local_chunk &&
                 (tile.chunk >= 64 || (arrived >> tile.chunk & 1u) == 0)) {
-                token = device::tile::wait_checked(device::Warp{}, p.ctx, p.chunk_signals + tile.chunk, 1, Cmp::kGe,
-                                                   1ull)
-                            .token_or_exit();
+                token =
+                    device::tile::wait_checked(device::Warp{}, p.ctx, p.chunk_signals + tile.chunk, 1, Cmp::kGe, 1ull)
+                        .token_or_exit();
                 if (tile.chunk < 64) arrived |= uint64_t{1} << tile.chunk;
             }
             const unsigned k_dst = base + T::kKOffset + stage * T::kKVBytes;
@@ -143,26 +143,26 @@ __device__ __forceinline__ void producer_warp(const AttentionPrefillParams& p, c
                     }
                 }
             } else {
-                // 16-byte chunk c of row r in column block cb sits at cb * kBN * 128 + r * 128 + ((c ^ (r % 8)) * 16):
-                // the 128B swizzle TMA writes.
+                // cp.async of every 16-byte chunk (zero-filled past the tile's end: nothing read there), all in
+                // flight together. Chunk c of row r lands where TMA's 128B swizzle puts it: column block c / 8, then
+                // r * 128 + ((c % 8) ^ (r % 8)) * 16.
                 const uint16_t* v_gmem = device::tile::consume_token(static_cast<const uint16_t*>(p.v), token) +
                                          static_cast<int64_t>(kv_head) * p.kv_head_stride;
                 const int valid_rows = tile.stop - tile.begin;
-                for (int i = lane; i < T::kBN * T::kDim / 8; i += 32) {
-                    const int r = i / (T::kDim / 8);
-                    const int c = i % (T::kDim / 8);
-                    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-                    if (r < valid_rows) {
-                        v = *reinterpret_cast<const uint4*>(v_gmem + static_cast<int64_t>(tile.begin + r) * p.kv_row_stride +
-                                                            c * 8);
-                    }
+                constexpr int kRowChunks = T::kDim / 8;
+                for (int i = lane; i < T::kBN * kRowChunks; i += 32) {
+                    const int r = i / kRowChunks;
+                    const int c = i % kRowChunks;
+                    const bool valid = r < valid_rows;
+                    const uint16_t* src =
+                        v_gmem + (valid ? static_cast<int64_t>(tile.begin + r) * p.kv_row_stride : 0) + c * 8;
                     const unsigned dst =
                         v_dst + (c / 8) * T::kBN * 128 + r * 128 + static_cast<unsigned>(((c % 8) ^ (r % 8)) * 16);
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z),
-                                 "r"(v.w)
-                                 : "memory");
+                    ptx::cp_async_16_zfill(dst, src, valid);
                 }
-                ptx::fence_proxy_async_shared_cta();  // generic-proxy stores -> the consumers' wgmma (async proxy)
+                ptx::cp_async_commit();
+                ptx::cp_async_wait<0>();
+                ptx::fence_proxy_async_shared_cta();  // generic-proxy writes -> the consumers' wgmma (async proxy)
                 __syncwarp();
                 if (lane == 0) ptx::mbarrier_arrive(full_v(stage));
             }
@@ -256,8 +256,8 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
 #pragma unroll
             for (int kk = 0; kk < kDim / 16; ++kk) {
                 const unsigned off = static_cast<unsigned>((kk % 4) * 32);  // 16 dims = 32 bytes of a 128-byte row
-                const unsigned long long da = ptx::make_smem_desc(q_slab + (kk / 4) * T::kBM * 128 + off, 16, 1024,
-                                                                  ptx::SmemSwizzle::k128B);
+                const unsigned long long da =
+                    ptx::make_smem_desc(q_slab + (kk / 4) * T::kBM * 128 + off, 16, 1024, ptx::SmemSwizzle::k128B);
                 const unsigned long long db =
                     ptx::make_smem_desc(k_base + (kk / 4) * kBN * 128 + off, 16, 1024, ptx::SmemSwizzle::k128B);
                 ptx::wgmma<kBN, T::kIsBF16, 0>(s, da, db, kk > 0 ? 1 : 0);
@@ -275,7 +275,7 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
         };
         // The online softmax of the scores in `s` (tile `cur`): masked, scaled to base 2, exponentiated in place;
         // returns the factor by which O and the sums so far shrink, per row.
-        const auto softmax = [&](const AttentionPrefillTileCursor& cur, float (&correction)[2]) {
+        const auto softmax = [&](const AttentionPrefillTileCursor& cur, float(&correction)[2]) {
             const bool needs_mask =
                 cur.begin + kBN > cur.stop || (causal && static_cast<int64_t>(cur.begin) + kBN - 1 > warp_pos);
             float tile_max[2] = {neg_inf(), neg_inf()};
@@ -464,10 +464,10 @@ __global__ void __launch_bounds__(attention_prefill_threads(C), 1)
         ptx::mbarrier_init(bars, 1);                      // full_q
         ptx::mbarrier_init(bars + 8, T::kConsumerWarps);  // empty_q
         for (int s = 0; s < C.stages; ++s) {
-            ptx::mbarrier_init(bars + 16 + 32 * s, 1);                      // full_k
-            ptx::mbarrier_init(bars + 24 + 32 * s, 1);                      // full_v
-            ptx::mbarrier_init(bars + 32 + 32 * s, T::kConsumerWarps);      // empty_k
-            ptx::mbarrier_init(bars + 40 + 32 * s, T::kConsumerWarps);      // empty_v
+            ptx::mbarrier_init(bars + 16 + 32 * s, 1);                  // full_k
+            ptx::mbarrier_init(bars + 24 + 32 * s, 1);                  // full_v
+            ptx::mbarrier_init(bars + 32 + 32 * s, T::kConsumerWarps);  // empty_k
+            ptx::mbarrier_init(bars + 40 + 32 * s, T::kConsumerWarps);  // empty_v
         }
         ptx::fence_mbarrier_init();
     }
