@@ -102,8 +102,8 @@ jit::Kernel& kernel_for(const AttentionPrefillConfig& c) {
     static std::map<std::tuple<int, int, int, int, int, int>, jit::Kernel*> memo;
     int device = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&device));
-    const auto key = std::make_tuple(device, static_cast<int>(c.dtype), c.head_dim, c.block_m, c.stages,
-                                     static_cast<int>(c.kernel));
+    const auto key =
+        std::make_tuple(device, static_cast<int>(c.dtype), c.head_dim, c.block_m, c.stages, static_cast<int>(c.kernel));
     {
         std::lock_guard<std::mutex> lock(mutex);
         auto it = memo.find(key);
@@ -111,7 +111,8 @@ jit::Kernel& kernel_for(const AttentionPrefillConfig& c) {
     }
     WEFT_CHECK(c.kernel != AttentionPrefillKernel::kWgmma || attention_prefill_device_kernel() == c.kernel,
                "flash_attention: the wgmma prefill kernel (AttentionPrefillConfig::kernel = kWgmma) runs on sm_90 "
-               "devices only; this is device " << device << ": use kMmaSync");
+               "devices only; this is device "
+                   << device << ": use kMmaSync");
     jit::Kernel& k = jit::compiler().get_kernel(attention_prefill_kernel_spec(c));
     k.allow_dynamic_smem(static_cast<size_t>(attention_prefill_smem_bytes(c)));
     std::lock_guard<std::mutex> lock(mutex);
@@ -125,8 +126,8 @@ CUtensorMapDataType tma_dtype(DType t) {
 
 // A 3-D map over [rows, heads, head_dim] (strides in elements), innermost first, box {64, 1, box_rows}, 128B swizzle,
 // out-of-bounds rows read as zeros. An extent-1 dimension's stride is never followed: rounded up to a legal value.
-void encode_rows_map(CUtensorMap* map, const char* name, DType dtype, const void* data, int64_t head_dim,
-                     int64_t heads, int64_t rows, int64_t head_stride, int64_t row_stride, uint32_t box_rows) {
+void encode_rows_map(CUtensorMap* map, const char* name, DType dtype, const void* data, int64_t head_dim, int64_t heads,
+                     int64_t rows, int64_t head_stride, int64_t row_stride, uint32_t box_rows) {
     const auto elem = static_cast<int64_t>(dtype_bytes(dtype));
     const auto legal = [&](int64_t extent, int64_t stride_elems) {
         const int64_t bytes = stride_elems * elem;
@@ -137,10 +138,10 @@ void encode_rows_map(CUtensorMap* map, const char* name, DType dtype, const void
     const uint64_t strides[2] = {legal(heads, head_stride), legal(rows, row_stride)};
     const uint32_t box[3] = {64, 1, box_rows};
     const uint32_t elem_strides[3] = {1, 1, 1};
-    const CUresult r = driver().cuTensorMapEncodeTiled(
-        map, tma_dtype(dtype), 3, const_cast<void*>(data), dims, strides, box, elem_strides,
-        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    const CUresult r =
+        driver().cuTensorMapEncodeTiled(map, tma_dtype(dtype), 3, const_cast<void*>(data), dims, strides, box,
+                                        elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     WEFT_CHECK(r == CUDA_SUCCESS, "flash_attention: cuTensorMapEncodeTiled failed for "
                                       << name << " ([" << rows << ", " << heads << ", " << head_dim << "], strides "
                                       << row_stride << ", " << head_stride << " elements, box rows " << box_rows
@@ -321,7 +322,8 @@ void flash_attention(const TensorView& q, const TensorView& k, const TensorView&
                      const TensorView& lse, cudaStream_t stream, const FlashAttentionOptions& options) {
     WEFT_NVTX_RANGE("flash_attention");
     FlashAttentionOptions o = options;
-    if (!o.config && q.ndim == 3 && (q.dim(2) == 64 || q.dim(2) == 128) && (q.dtype == DType::kBF16 || q.dtype == DType::kF16)) {
+    if (!o.config && q.ndim == 3 && (q.dim(2) == 64 || q.dim(2) == 128) &&
+        (q.dtype == DType::kBF16 || q.dtype == DType::kF16)) {
         o.config = attention_prefill_default_config(q.dtype, static_cast<int32_t>(q.dim(2)),
                                                     attention_prefill_device_kernel());
     }
@@ -458,9 +460,8 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
         if (world.max_ranks_per_device() > 1) s.first_call.arm(1);
     }
     WEFT_LOG_INFO("ag_attention: " << kernel_name(s.config.kernel) << ", " << dtype_name(shape.dtype) << " head_dim "
-                                   << shape.head_dim << ", block_m "
-                                   << s.config.block_m << ", stages " << s.config.stages << ", grid " << s.grid
-                                   << ", team of " << s.num_ranks);
+                                   << shape.head_dim << ", block_m " << s.config.block_m << ", stages "
+                                   << s.config.stages << ", grid " << s.grid << ", team of " << s.num_ranks);
     team.barrier();
 }
 

@@ -97,8 +97,7 @@ WEFT_HOST_DEVICE constexpr AttentionPrefillConfig attention_prefill_default_conf
 
 /// The kernel a device of compute capability major.minor runs by default: wgmma on sm_90 (the JIT compiles sm_90a
 /// for it), mma.sync elsewhere.
-WEFT_HOST_DEVICE constexpr AttentionPrefillKernel attention_prefill_default_kernel(int32_t cc_major,
-                                                                                   int32_t cc_minor) {
+WEFT_HOST_DEVICE constexpr AttentionPrefillKernel attention_prefill_default_kernel(int32_t cc_major, int32_t cc_minor) {
     return cc_major == 9 && cc_minor == 0 ? AttentionPrefillKernel::kWgmma : AttentionPrefillKernel::kMmaSync;
 }
 
@@ -181,8 +180,9 @@ WEFT_HOST_DEVICE constexpr int32_t attention_prefill_key_end(const AttentionPref
 }
 
 /// Walks the K/V tiles of one work item: chunk by chunk in attention_prefill_chunk_at order, `keys` keys at a time
-/// (kPrefillTileKeys unless the kernel sets it), every key below `key_end` once; chunks with no such key are skipped (and never awaited). Tiles never
-/// straddle chunks: a chunk's last tile may be short. The kernel runs two (the loads ahead, the tile computed).
+/// (kPrefillTileKeys unless the kernel sets it), every key below `key_end` once; chunks with no such key are skipped
+/// (and never awaited). Tiles never straddle chunks: a chunk's last tile may be short. The kernel runs two (the loads
+/// ahead, the tile computed).
 struct AttentionPrefillTileCursor {
     int32_t step = 0;   ///< chunk ordinal; == p.num_chunks when done
     int32_t chunk = 0;  ///< attention_prefill_chunk_at(p.local_chunk, p.num_chunks, step)
