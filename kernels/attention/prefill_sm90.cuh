@@ -34,9 +34,10 @@ inline constexpr int kBarTurn0 = 1;
 __device__ __forceinline__ void fence_fragment(unsigned& reg) { asm volatile("" : "+r"(reg)::"memory"); }
 
 /// A pipeline wait's bound: twice the context's (a consumer waits behind the producer's chunk waits, which report
-/// their own timeout first), ten minutes when the context names none (a one-GPU launch).
+/// their own timeout first); ten seconds when the context names none (a one-GPU launch, whose stages land within
+/// microseconds: a stall that long is a kernel bug, which traps).
 __device__ __forceinline__ uint64_t pipeline_timeout(const AttentionPrefillParams& p) {
-    return p.ctx.timeout_ns != 0 ? 2 * p.ctx.timeout_ns : 600ull * 1000 * 1000 * 1000;
+    return p.ctx.timeout_ns != 0 ? 2 * p.ctx.timeout_ns : 10ull * 1000 * 1000 * 1000;
 }
 
 /// Compile-time facts of a config.
