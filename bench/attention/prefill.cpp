@@ -3,7 +3,8 @@
 // whole: q, k, v [S, heads, dim]) in TFLOP/s beside the dense tensor-core rate cuBLASLt reaches in the same run
 // (PyTorch SDPA's figures for the same shapes come from bench/attention/sdpa_baseline.py). `ag` rows: the sequence
 // sharded over a world of ranks (threads over the visible GPUs), weft::ops::AgAttention against its baseline, an
-// all_gather of K and V then the same kernel, back to back; the slowest rank's time counts.
+// all_gather of K and V then the same kernel, back to back; the slowest rank's time counts. `--kernel` picks the
+// prefill kernel (AttentionPrefillConfig::kernel): mma.sync, wgmma (sm_90), or both side by side in one run.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -45,7 +46,21 @@ struct Options {
     int warmup = 2;
     bool check = false;
     std::string json;
+    std::string kernel = "default";  // mma | wgmma | both | default (the device's)
 };
+
+const char* kernel_label(weft::AttentionPrefillKernel k) {
+    return k == weft::AttentionPrefillKernel::kWgmma ? "wgmma" : "mma";
+}
+
+/// The kernels a run measures, in order.
+std::vector<weft::AttentionPrefillKernel> kernels_of(const Options& o) {
+    using weft::AttentionPrefillKernel;
+    if (o.kernel == "mma") return {AttentionPrefillKernel::kMmaSync};
+    if (o.kernel == "wgmma") return {AttentionPrefillKernel::kWgmma};
+    if (o.kernel == "both") return {AttentionPrefillKernel::kMmaSync, AttentionPrefillKernel::kWgmma};
+    return {weft::ops::attention_prefill_device_kernel()};
+}
 
 Options parse(int argc, char** argv) {
     Options o;
@@ -74,6 +89,13 @@ Options parse(int argc, char** argv) {
         if (o.dim != 64 && o.dim != 128) throw weft::bench::UsageError("--dim: 64 or 128");
     });
     cli.flag("--no-causal", "no mask (default: causal)", &o.no_causal);
+    cli.option("--kernel", "mma|wgmma|both", "prefill kernel (default: the device's, wgmma on sm_90)",
+               [&](const std::string& v) {
+                   if (v != "mma" && v != "wgmma" && v != "both") {
+                       throw weft::bench::UsageError("--kernel: mma, wgmma or both");
+                   }
+                   o.kernel = v;
+               });
     cli.option("--mode", "kernel|ag|all", "which rows (default all)", [&](const std::string& v) {
         if (v != "kernel" && v != "ag" && v != "all") throw weft::bench::UsageError("--mode: kernel, ag or all");
         o.mode = v;
@@ -167,43 +189,50 @@ int run_kernel_rows(const Options& opt, const weft::bench::Peaks& peaks, weft::b
     BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     std::printf("\n# kernel alone: flash_attention, q/k/v [S, heads, %d], %s\n", opt.dim,
                 opt.causal ? "causal" : "no mask");
-    std::printf("%9s %7s %10s %9s %8s %s\n", "seq", "heads", "ms", "TFLOP/s", "%peak", opt.check ? "check" : "");
+    std::printf("%9s %7s %6s %10s %9s %8s %s\n", "seq", "heads", "kernel", "ms", "TFLOP/s", "%peak",
+                opt.check ? "check" : "");
     bool ok_all = true;
     for (int64_t seq : opt.seqs) {
-        const int64_t q_elems = seq * opt.hq * opt.dim;
-        const int64_t kv_elems = seq * opt.hkv * opt.dim;
-        DeviceBuffer q(static_cast<size_t>(q_elems * 2)), k(static_cast<size_t>(kv_elems * 2)),
-            v(static_cast<size_t>(kv_elems * 2)), out(static_cast<size_t>(q_elems * 2));
-        weft::bench::fill_random(q.ptr, q_elems, opt.dtype, 1, stream);
-        weft::bench::fill_random(k.ptr, kv_elems, opt.dtype, 2, stream);
-        weft::bench::fill_random(v.ptr, kv_elems, opt.dtype, 3, stream);
-        const TensorView tq(q.ptr, opt.dtype, {seq, opt.hq, opt.dim});
-        const TensorView tk(k.ptr, opt.dtype, {seq, opt.hkv, opt.dim});
-        const TensorView tv(v.ptr, opt.dtype, {seq, opt.hkv, opt.dim});
-        const TensorView tout(out.ptr, opt.dtype, {seq, opt.hq, opt.dim});
-        weft::ops::FlashAttentionOptions fo;
-        fo.mask = opt.causal ? weft::AttentionMask::kCausal : weft::AttentionMask::kNone;
-        const double ms = weft::bench::time_median_ms(stream, opt.warmup, opt.iters, [&](int) {
-            weft::ops::flash_attention(tq, tk, tv, tout, TensorView(), stream, fo);
-        });
-        const double tflops = attention_flops(seq, seq, 0, opt.causal, opt.hq, opt.dim) / (ms * 1e-3) / 1e12;
-        const double pct = peaks.tensor_tflops > 0 ? 100.0 * tflops / peaks.tensor_tflops : 0;
-        std::string check;
-        if (opt.check) {
-            BENCH_CUDA(cudaStreamSynchronize(stream));
-            const double err = check_rows(tq, tk, tv, tout, {0, seq / 2 + 1, seq - 1}, 0, opt.causal, opt.dtype);
-            const bool ok = err >= 0 && err < 2e-2;
-            ok_all = ok_all && ok;
-            char buf[48];
-            std::snprintf(buf, sizeof(buf), "%s abs %.1e", ok ? "ok" : "FAIL", err);
-            check = buf;
+        for (weft::AttentionPrefillKernel kernel : kernels_of(opt)) {
+            const int64_t q_elems = seq * opt.hq * opt.dim;
+            const int64_t kv_elems = seq * opt.hkv * opt.dim;
+            DeviceBuffer q(static_cast<size_t>(q_elems * 2)), k(static_cast<size_t>(kv_elems * 2)),
+                v(static_cast<size_t>(kv_elems * 2)), out(static_cast<size_t>(q_elems * 2));
+            weft::bench::fill_random(q.ptr, q_elems, opt.dtype, 1, stream);
+            weft::bench::fill_random(k.ptr, kv_elems, opt.dtype, 2, stream);
+            weft::bench::fill_random(v.ptr, kv_elems, opt.dtype, 3, stream);
+            const TensorView tq(q.ptr, opt.dtype, {seq, opt.hq, opt.dim});
+            const TensorView tk(k.ptr, opt.dtype, {seq, opt.hkv, opt.dim});
+            const TensorView tv(v.ptr, opt.dtype, {seq, opt.hkv, opt.dim});
+            const TensorView tout(out.ptr, opt.dtype, {seq, opt.hq, opt.dim});
+            weft::ops::FlashAttentionOptions fo;
+            fo.mask = opt.causal ? weft::AttentionMask::kCausal : weft::AttentionMask::kNone;
+            fo.config = weft::attention_prefill_default_config(opt.dtype, opt.dim, kernel);
+            // NaN in every output: a row the kernel leaves unwritten fails the check.
+            BENCH_CUDA(cudaMemsetAsync(out.ptr, 0xff, static_cast<size_t>(q_elems * 2), stream));
+            const double ms = weft::bench::time_median_ms(stream, opt.warmup, opt.iters, [&](int) {
+                weft::ops::flash_attention(tq, tk, tv, tout, TensorView(), stream, fo);
+            });
+            const double tflops = attention_flops(seq, seq, 0, opt.causal, opt.hq, opt.dim) / (ms * 1e-3) / 1e12;
+            const double pct = peaks.tensor_tflops > 0 ? 100.0 * tflops / peaks.tensor_tflops : 0;
+            std::string check;
+            if (opt.check) {
+                BENCH_CUDA(cudaStreamSynchronize(stream));
+                const double err = check_rows(tq, tk, tv, tout, {0, seq / 2 + 1, seq - 1}, 0, opt.causal, opt.dtype);
+                const bool ok = err >= 0 && err < 2e-2;
+                ok_all = ok_all && ok;
+                char buf[48];
+                std::snprintf(buf, sizeof(buf), "%s abs %.1e", ok ? "ok" : "FAIL", err);
+                check = buf;
+            }
+            std::printf("%9lld %3d/%-3d %6s %10.3f %9.1f %7.1f%% %s\n", static_cast<long long>(seq), opt.hq, opt.hkv,
+                        kernel_label(kernel), ms, tflops, pct, check.c_str());
+            std::fflush(stdout);
+            j.begin_object(true).field("rows", "kernel").field("seq", seq).field("q_heads", opt.hq);
+            j.field("kernel", kernel_label(kernel));
+            j.field("kv_heads", opt.hkv).field("causal", opt.causal).field("ms", ms).field("tflops", tflops);
+            j.field("pct_of_tensor_peak", pct).end_object();
         }
-        std::printf("%9lld %3d/%-3d %10.3f %9.1f %7.1f%% %s\n", static_cast<long long>(seq), opt.hq, opt.hkv, ms,
-                    tflops, pct, check.c_str());
-        std::fflush(stdout);
-        j.begin_object(true).field("rows", "kernel").field("seq", seq).field("q_heads", opt.hq);
-        j.field("kv_heads", opt.hkv).field("causal", opt.causal).field("ms", ms).field("tflops", tflops);
-        j.field("pct_of_tensor_peak", pct).end_object();
     }
     BENCH_CUDA(cudaStreamDestroy(stream));
     return ok_all ? 0 : 1;
@@ -212,102 +241,118 @@ int run_kernel_rows(const Options& opt, const weft::bench::Peaks& peaks, weft::b
 int run_ag_rows(const Options& opt, weft::bench::Json& j) {
     std::printf("\n# ag: AgAttention vs all_gather(K), all_gather(V) then flash_attention, world %d, %s\n", opt.world,
                 opt.causal ? "causal" : "no mask");
-    std::printf("%9s %6s %10s %10s %8s %9s\n", "seq", "world", "ag_ms", "base_ms", "speedup", "TFLOP/s");
+    std::printf("%9s %6s %6s %10s %10s %8s %9s\n", "seq", "world", "kernel", "ag_ms", "base_ms", "speedup", "TFLOP/s");
     weft::bench::SlowestRank slowest(opt.world);
     bool check_failed = false;
     for (int64_t seq : opt.seqs) {
-        if (seq % opt.world != 0) {
-            std::printf("%9lld %6d   skipped: not a multiple of the world\n", static_cast<long long>(seq), opt.world);
-            continue;
-        }
-        const int64_t rows = seq / opt.world;
-        const uint64_t kv_bytes = static_cast<uint64_t>(seq * opt.hkv * opt.dim * 2);
-        weft::WorldOptions wo;
-        wo.heap_bytes = 2 * kv_bytes + (256ull << 20);
-        double ag_ms = 0, base_ms = 0;
-        weft::run_local(
-            opt.world,
-            [&](weft::World& w) {
-                const int me = w.rank();
-                cudaStream_t s = nullptr;
-                BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-                const int64_t q_elems = rows * opt.hq * opt.dim;
-                const int64_t kv_elems = rows * opt.hkv * opt.dim;
-                DeviceBuffer q(static_cast<size_t>(q_elems * 2)), k(static_cast<size_t>(kv_elems * 2)),
-                    v(static_cast<size_t>(kv_elems * 2)), out(static_cast<size_t>(q_elems * 2));
-                weft::bench::fill_random(q.ptr, q_elems, opt.dtype, 10 + static_cast<uint64_t>(me), s);
-                weft::bench::fill_random(k.ptr, kv_elems, opt.dtype, 100 + static_cast<uint64_t>(me), s);
-                weft::bench::fill_random(v.ptr, kv_elems, opt.dtype, 200 + static_cast<uint64_t>(me), s);
-                const TensorView tq(q.ptr, opt.dtype, {rows, opt.hq, opt.dim});
-                const TensorView tk(k.ptr, opt.dtype, {rows, opt.hkv, opt.dim});
-                const TensorView tv(v.ptr, opt.dtype, {rows, opt.hkv, opt.dim});
-                const TensorView tout(out.ptr, opt.dtype, {rows, opt.hq, opt.dim});
-                weft::ops::prepare_collectives(w);
-                weft::ops::AgAttention op(
-                    w, {.max_seq = seq,
-                        .num_q_heads = opt.hq,
-                        .num_kv_heads = opt.hkv,
-                        .head_dim = opt.dim,
-                        .dtype = opt.dtype,
-                        .mask = opt.causal ? weft::AttentionMask::kCausal : weft::AttentionMask::kNone});
-                // The baseline gathers into the op's symmetric buffers (the same memory), then runs the same kernel.
-                const TensorView gk = op.gathered_k(seq), gv = op.gathered_v(seq);
-                weft::ops::FlashAttentionOptions fo;
-                fo.mask = opt.causal ? weft::AttentionMask::kCausal : weft::AttentionMask::kNone;
-                fo.q_position = me * rows;
-                const TensorView all_k(gk.data, opt.dtype, {seq * opt.hkv * opt.dim});
-                const TensorView all_v(gv.data, opt.dtype, {seq * opt.hkv * opt.dim});
-                const auto ag = [&](int) { op.run(tq, tk, tv, tout, TensorView(), s); };
-                // In place from this rank's slot (a symmetric input: no staging), after the same local copy the op
-                // makes.
-                const TensorView slot_k(op.local_k(seq).data, opt.dtype, {kv_elems});
-                const TensorView slot_v(op.local_v(seq).data, opt.dtype, {kv_elems});
-                const auto gather = [&] {
-                    BENCH_CUDA(cudaMemcpyAsync(slot_k.data, k.ptr, static_cast<size_t>(kv_elems * 2),
-                                               cudaMemcpyDeviceToDevice, s));
-                    BENCH_CUDA(cudaMemcpyAsync(slot_v.data, v.ptr, static_cast<size_t>(kv_elems * 2),
-                                               cudaMemcpyDeviceToDevice, s));
-                    weft::ops::all_gather(w, slot_k, all_k, s);
-                    weft::ops::all_gather(w, slot_v, all_v, s);
-                };
-                const auto base = [&](int) {
-                    gather();
-                    weft::ops::flash_attention(tq, gk, gv, tout, TensorView(), s, fo);
-                };
-                const auto t =
-                    weft::bench::time_rounds_on_ranks_mean_ms(w, slowest, s, opt.warmup, opt.iters, ag, base);
-                if (me == 0) {
-                    ag_ms = t[0];
-                    base_ms = t[1];
-                }
-                if (opt.check) {
-                    // The same kernel on the same data, the keys visited in another order: equal up to rounding.
-                    DeviceBuffer ref(static_cast<size_t>(q_elems * 2));
-                    const TensorView tref(ref.ptr, opt.dtype, {rows, opt.hq, opt.dim});
-                    op.run(tq, tk, tv, tout, TensorView(), s);
-                    gather();
-                    weft::ops::flash_attention(tq, gk, gv, tref, TensorView(), s, fo);
-                    const double err = weft::bench::relative_error(out.ptr, opt.hq * opt.dim, ref.ptr, opt.hq * opt.dim,
-                                                                   rows, opt.hq * opt.dim, opt.dtype, s);
-                    const double worst = slowest.max(w, err);
-                    if (me == 0 && !(worst < 1e-2)) {
-                        std::printf("  FAIL: AgAttention differs from all_gather + flash_attention, rel %.1e\n", worst);
-                        check_failed = true;
+        for (weft::AttentionPrefillKernel kernel : kernels_of(opt)) {
+            if (seq % opt.world != 0) {
+                std::printf("%9lld %6d   skipped: not a multiple of the world\n", static_cast<long long>(seq),
+                            opt.world);
+                continue;
+            }
+            const int64_t rows = seq / opt.world;
+            const uint64_t kv_bytes = static_cast<uint64_t>(seq * opt.hkv * opt.dim * 2);
+            weft::WorldOptions wo;
+            wo.heap_bytes = 2 * kv_bytes + (256ull << 20);
+            double ag_ms = 0, base_ms = 0;
+            weft::run_local(
+                opt.world,
+                [&](weft::World& w) {
+                    const int me = w.rank();
+                    cudaStream_t s = nullptr;
+                    BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+                    const int64_t q_elems = rows * opt.hq * opt.dim;
+                    const int64_t kv_elems = rows * opt.hkv * opt.dim;
+                    DeviceBuffer q(static_cast<size_t>(q_elems * 2)), k(static_cast<size_t>(kv_elems * 2)),
+                        v(static_cast<size_t>(kv_elems * 2)), out(static_cast<size_t>(q_elems * 2));
+                    weft::bench::fill_random(q.ptr, q_elems, opt.dtype, 10 + static_cast<uint64_t>(me), s);
+                    weft::bench::fill_random(k.ptr, kv_elems, opt.dtype, 100 + static_cast<uint64_t>(me), s);
+                    weft::bench::fill_random(v.ptr, kv_elems, opt.dtype, 200 + static_cast<uint64_t>(me), s);
+                    const TensorView tq(q.ptr, opt.dtype, {rows, opt.hq, opt.dim});
+                    const TensorView tk(k.ptr, opt.dtype, {rows, opt.hkv, opt.dim});
+                    const TensorView tv(v.ptr, opt.dtype, {rows, opt.hkv, opt.dim});
+                    const TensorView tout(out.ptr, opt.dtype, {rows, opt.hq, opt.dim});
+                    weft::ops::prepare_collectives(w);
+                    weft::ops::AgAttention op(
+                        w,
+                        {.max_seq = seq,
+                         .num_q_heads = opt.hq,
+                         .num_kv_heads = opt.hkv,
+                         .head_dim = opt.dim,
+                         .dtype = opt.dtype,
+                         .mask = opt.causal ? weft::AttentionMask::kCausal : weft::AttentionMask::kNone},
+                        {.config = weft::attention_prefill_default_config(opt.dtype, opt.dim, kernel)});
+                    // The baseline gathers into the op's symmetric buffers (the same memory), then runs the same
+                    // kernel.
+                    const TensorView gk = op.gathered_k(seq), gv = op.gathered_v(seq);
+                    weft::ops::FlashAttentionOptions fo;
+                    fo.mask = opt.causal ? weft::AttentionMask::kCausal : weft::AttentionMask::kNone;
+                    fo.q_position = me * rows;
+                    fo.config = weft::attention_prefill_default_config(opt.dtype, opt.dim, kernel);
+                    const TensorView all_k(gk.data, opt.dtype, {seq * opt.hkv * opt.dim});
+                    const TensorView all_v(gv.data, opt.dtype, {seq * opt.hkv * opt.dim});
+                    const auto ag = [&](int) { op.run(tq, tk, tv, tout, TensorView(), s); };
+                    // In place from this rank's slot (a symmetric input: no staging), after the same local copy the op
+                    // makes.
+                    const TensorView slot_k(op.local_k(seq).data, opt.dtype, {kv_elems});
+                    const TensorView slot_v(op.local_v(seq).data, opt.dtype, {kv_elems});
+                    const auto gather = [&] {
+                        BENCH_CUDA(cudaMemcpyAsync(slot_k.data, k.ptr, static_cast<size_t>(kv_elems * 2),
+                                                   cudaMemcpyDeviceToDevice, s));
+                        BENCH_CUDA(cudaMemcpyAsync(slot_v.data, v.ptr, static_cast<size_t>(kv_elems * 2),
+                                                   cudaMemcpyDeviceToDevice, s));
+                        weft::ops::all_gather(w, slot_k, all_k, s);
+                        weft::ops::all_gather(w, slot_v, all_v, s);
+                    };
+                    const auto base = [&](int) {
+                        gather();
+                        weft::ops::flash_attention(tq, gk, gv, tout, TensorView(), s, fo);
+                    };
+                    const auto t =
+                        weft::bench::time_rounds_on_ranks_mean_ms(w, slowest, s, opt.warmup, opt.iters, ag, base);
+                    if (me == 0) {
+                        ag_ms = t[0];
+                        base_ms = t[1];
                     }
-                }
-                w.sync_and_check(s);
-                w.barrier();
-                BENCH_CUDA(cudaStreamDestroy(s));
-            },
-            wo);
-        // The busiest rank (the last one under a causal mask) sets the pace; count the whole sequence's work.
-        const double tflops = attention_flops(seq, seq, 0, opt.causal, opt.hq, opt.dim) / (ag_ms * 1e-3) / 1e12;
-        std::printf("%9lld %6d %10.3f %10.3f %7.2fx %9.1f\n", static_cast<long long>(seq), opt.world, ag_ms, base_ms,
-                    base_ms / ag_ms, tflops);
-        std::fflush(stdout);
-        j.begin_object(true).field("rows", "ag").field("seq", seq).field("world", opt.world).field("q_heads", opt.hq);
-        j.field("kv_heads", opt.hkv).field("causal", opt.causal).field("ag_ms", ag_ms).field("baseline_ms", base_ms);
-        j.field("speedup", base_ms / ag_ms).field("tflops", tflops).end_object();
+                    if (opt.check) {
+                        // The same kernel on the same data, the keys visited in another order: equal up to rounding.
+                        DeviceBuffer ref(static_cast<size_t>(q_elems * 2));
+                        const TensorView tref(ref.ptr, opt.dtype, {rows, opt.hq, opt.dim});
+                        op.run(tq, tk, tv, tout, TensorView(), s);
+                        gather();
+                        weft::ops::flash_attention(tq, gk, gv, tref, TensorView(), s, fo);
+                        const double err = weft::bench::relative_error(
+                            out.ptr, opt.hq * opt.dim, ref.ptr, opt.hq * opt.dim, rows, opt.hq * opt.dim, opt.dtype, s);
+                        const double worst = slowest.max(w, err);
+                        if (me == 0 && !(worst < 1e-2)) {
+                            std::printf("  FAIL: AgAttention differs from all_gather + flash_attention, rel %.1e\n",
+                                        worst);
+                            check_failed = true;
+                        }
+                    }
+                    w.sync_and_check(s);
+                    w.barrier();
+                    BENCH_CUDA(cudaStreamDestroy(s));
+                },
+                wo);
+            // The busiest rank (the last one under a causal mask) sets the pace; count the whole sequence's work.
+            const double tflops = attention_flops(seq, seq, 0, opt.causal, opt.hq, opt.dim) / (ag_ms * 1e-3) / 1e12;
+            std::printf("%9lld %6d %6s %10.3f %10.3f %7.2fx %9.1f\n", static_cast<long long>(seq), opt.world,
+                        kernel_label(kernel), ag_ms, base_ms, base_ms / ag_ms, tflops);
+            std::fflush(stdout);
+            j.begin_object(true)
+                .field("rows", "ag")
+                .field("seq", seq)
+                .field("world", opt.world)
+                .field("q_heads", opt.hq);
+            j.field("kernel", kernel_label(kernel));
+            j.field("kv_heads", opt.hkv)
+                .field("causal", opt.causal)
+                .field("ag_ms", ag_ms)
+                .field("baseline_ms", base_ms);
+            j.field("speedup", base_ms / ag_ms).field("tflops", tflops).end_object();
+        }
     }
     return check_failed ? 1 : 0;
 }

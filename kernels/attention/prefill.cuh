@@ -56,6 +56,7 @@ __device__ __forceinline__ void finish_call(const AttentionPrefillParams& p) {
 template <AttentionPrefillConfig C>
 __global__ void __launch_bounds__(attention_prefill_threads(C)) prefill_forward(const AttentionPrefillParams p) {
     static_assert(is_valid(C), "AttentionPrefillConfig: see is_valid() in weft/common/attention_prefill.hpp");
+    static_assert(C.kernel == AttentionPrefillKernel::kMmaSync, "prefill_forward runs kMmaSync configs");
     using E = Elem<C.dtype>;
     using TileCursor = AttentionPrefillTileCursor;
     constexpr int kDim = C.head_dim;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -63,32 +64,89 @@ float resolve_scale(const std::optional<float>& scale, int64_t head_dim, const c
     return s;
 }
 
+const char* kernel_name(AttentionPrefillKernel k) {
+    switch (k) {
+        case AttentionPrefillKernel::kMmaSync: return "mma.sync";
+        case AttentionPrefillKernel::kWgmma: return "wgmma";
+    }
+    return "unknown";
+}
+
 void check_config(const AttentionPrefillConfig& c, DType dtype, int64_t head_dim, const char* op) {
-    WEFT_CHECK(is_valid(c), op << ": options.config is not a valid AttentionPrefillConfig (head_dim 64 or 128, block_m "
-                               << "64 or 128, stages 2 or 3): got head_dim " << c.head_dim << ", block_m " << c.block_m
-                               << ", stages " << c.stages);
+    const char* why = attention_prefill_invalid_reason(c);
+    WEFT_CHECK(why == nullptr, op << ": options.config is not a valid AttentionPrefillConfig: " << (why ? why : "")
+                                  << " (got kernel " << static_cast<int>(c.kernel) << ", head_dim " << c.head_dim
+                                  << ", block_m " << c.block_m << ", stages " << c.stages << ")");
     WEFT_CHECK(c.dtype == dtype && c.head_dim == head_dim,
                op << ": options.config must have the inputs' dtype " << dtype_name(dtype) << " and head_dim "
                   << head_dim << ", got " << dtype_name(c.dtype) << " and " << c.head_dim);
 }
 
+}  // namespace
+
+AttentionPrefillKernel attention_prefill_device_kernel() {
+    int device = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    int major = 0;
+    int minor = 0;
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    return attention_prefill_default_kernel(major, minor);
+}
+
+namespace {
+
 // The prefill kernel of one config, compiled and loaded on first use per device.
 jit::Kernel& kernel_for(const AttentionPrefillConfig& c) {
     static std::mutex mutex;
-    static std::map<std::tuple<int, int, int, int, int>, jit::Kernel*> memo;
+    static std::map<std::tuple<int, int, int, int, int, int>, jit::Kernel*> memo;
     int device = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&device));
-    const auto key = std::make_tuple(device, static_cast<int>(c.dtype), c.head_dim, c.block_m, c.stages);
+    const auto key =
+        std::make_tuple(device, static_cast<int>(c.dtype), c.head_dim, c.block_m, c.stages, static_cast<int>(c.kernel));
     {
         std::lock_guard<std::mutex> lock(mutex);
         auto it = memo.find(key);
         if (it != memo.end()) return *it->second;
     }
+    WEFT_CHECK(c.kernel != AttentionPrefillKernel::kWgmma || attention_prefill_device_kernel() == c.kernel,
+               "flash_attention: the wgmma prefill kernel (AttentionPrefillConfig::kernel = kWgmma) runs on sm_90 "
+               "devices only; this is device "
+                   << device << ": use kMmaSync");
     jit::Kernel& k = jit::compiler().get_kernel(attention_prefill_kernel_spec(c));
     k.allow_dynamic_smem(static_cast<size_t>(attention_prefill_smem_bytes(c)));
     std::lock_guard<std::mutex> lock(mutex);
     memo[key] = &k;
     return k;
+}
+
+CUtensorMapDataType tma_dtype(DType t) {
+    return t == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+}
+
+// A 3-D map over [rows, heads, head_dim] (strides in elements), innermost first, box {64, 1, box_rows}, 128B swizzle,
+// out-of-bounds rows read as zeros. An extent-1 dimension's stride is never followed: rounded up to a legal value.
+void encode_rows_map(CUtensorMap* map, const char* name, DType dtype, const void* data, int64_t head_dim, int64_t heads,
+                     int64_t rows, int64_t head_stride, int64_t row_stride, uint32_t box_rows) {
+    const auto elem = static_cast<int64_t>(dtype_bytes(dtype));
+    const auto legal = [&](int64_t extent, int64_t stride_elems) {
+        const int64_t bytes = stride_elems * elem;
+        return static_cast<uint64_t>(extent <= 1 ? std::max<int64_t>((bytes + 15) / 16 * 16, 16) : bytes);
+    };
+    const uint64_t dims[3] = {static_cast<uint64_t>(head_dim), static_cast<uint64_t>(heads),
+                              static_cast<uint64_t>(rows)};
+    const uint64_t strides[2] = {legal(heads, head_stride), legal(rows, row_stride)};
+    const uint32_t box[3] = {64, 1, box_rows};
+    const uint32_t elem_strides[3] = {1, 1, 1};
+    const CUresult r =
+        driver().cuTensorMapEncodeTiled(map, tma_dtype(dtype), 3, const_cast<void*>(data), dims, strides, box,
+                                        elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    WEFT_CHECK(r == CUDA_SUCCESS, "flash_attention: cuTensorMapEncodeTiled failed for "
+                                      << name << " ([" << rows << ", " << heads << ", " << head_dim << "], strides "
+                                      << row_stride << ", " << head_stride << " elements, box rows " << box_rows
+                                      << "): CUresult " << static_cast<int>(r)
+                                      << " (the wgmma kernel needs positive strides that are multiples of 16 bytes)");
 }
 
 }  // namespace
@@ -97,15 +155,17 @@ jit::KernelSpec attention_prefill_kernel_spec(const AttentionPrefillConfig& conf
     WEFT_CHECK(is_valid(config), "attention_prefill_kernel_spec: invalid AttentionPrefillConfig (dtype "
                                      << dtype_name(config.dtype) << ", head_dim " << config.head_dim << ", block_m "
                                      << config.block_m << ", stages " << config.stages << ")");
+    const bool wgmma = config.kernel == AttentionPrefillKernel::kWgmma;
     std::ostringstream inst;
-    inst << "weft::kernels::attention::prefill_forward<weft::AttentionPrefillConfig{.dtype = "
-         << dtype_enum_name(config.dtype) << ", .head_dim = " << config.head_dim << ", .block_m = " << config.block_m
-         << ", .stages = " << config.stages << "}>";
+    inst << "weft::kernels::attention::" << (wgmma ? "prefill_forward_sm90" : "prefill_forward")
+         << "<weft::AttentionPrefillConfig{.dtype = " << dtype_enum_name(config.dtype)
+         << ", .head_dim = " << config.head_dim << ", .block_m = " << config.block_m << ", .stages = " << config.stages
+         << (wgmma ? ", .kernel = weft::AttentionPrefillKernel::kWgmma" : "") << "}>";
     std::ostringstream desc;
-    desc << "attention prefill " << dtype_name(config.dtype) << " head_dim=" << config.head_dim
-         << " block_m=" << config.block_m << " stages=" << config.stages;
+    desc << "attention prefill " << (wgmma ? "wgmma " : "") << dtype_name(config.dtype)
+         << " head_dim=" << config.head_dim << " block_m=" << config.block_m << " stages=" << config.stages;
     jit::KernelSpec spec;
-    spec.header = "attention/prefill.cuh";
+    spec.header = wgmma ? "attention/prefill_sm90.cuh" : "attention/prefill.cuh";
     spec.instantiation = inst.str();
     spec.description = desc.str();
     spec.arch = arch;
@@ -118,6 +178,8 @@ void register_prefill_attention_aot_specs() {
         for (DType t : {DType::kBF16, DType::kF16}) {
             for (int32_t d : {64, 128}) {
                 jit::register_aot_spec(attention_prefill_kernel_spec(attention_prefill_default_config(t, d)));
+                jit::register_aot_spec(attention_prefill_kernel_spec(
+                    attention_prefill_default_config(t, d, AttentionPrefillKernel::kWgmma)));
             }
         }
     });
@@ -232,7 +294,26 @@ void launch_flash_attention(const FlashAttentionPlan& plan, int64_t grid, cudaSt
     lp.block = dim3(static_cast<unsigned>(attention_prefill_threads(plan.config)));
     lp.dynamic_smem_bytes = static_cast<size_t>(attention_prefill_smem_bytes(plan.config));
     lp.stream = stream;
-    k.launch(lp, plan.params);
+    if (plan.config.kernel != AttentionPrefillKernel::kWgmma) {
+        k.launch(lp, plan.params);
+        return;
+    }
+    // The wgmma kernel reads Q, K and V through tensor maps (K/V with no keys: a one-row map that is never read).
+    const AttentionPrefillParams& p = plan.params;
+    const int64_t d = plan.config.head_dim;
+    CUtensorMap maps[3];
+    std::memset(maps, 0, sizeof(maps));
+    encode_rows_map(&maps[0], "q", plan.config.dtype, p.q, d, p.num_q_heads, p.seq_q, p.q_head_stride, p.q_row_stride,
+                    static_cast<uint32_t>(plan.config.block_m));
+    const bool no_keys = p.seq_kv == 0;
+    const void* k_data = no_keys ? p.out : p.k;
+    const void* v_data = no_keys ? p.out : p.v;
+    const int64_t kv_rows = no_keys ? 1 : p.seq_kv;
+    encode_rows_map(&maps[1], "k", plan.config.dtype, k_data, d, p.num_kv_heads, kv_rows, p.kv_head_stride,
+                    p.kv_row_stride, static_cast<uint32_t>(kPrefillWgmmaTileKeys));
+    encode_rows_map(&maps[2], "v", plan.config.dtype, v_data, d, p.num_kv_heads, kv_rows, p.kv_head_stride,
+                    p.kv_row_stride, static_cast<uint32_t>(kPrefillWgmmaTileKeys));
+    k.launch(lp, maps[0], maps[1], maps[2], p);
 }
 
 }  // namespace detail
@@ -240,7 +321,13 @@ void launch_flash_attention(const FlashAttentionPlan& plan, int64_t grid, cudaSt
 void flash_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                      const TensorView& lse, cudaStream_t stream, const FlashAttentionOptions& options) {
     WEFT_NVTX_RANGE("flash_attention");
-    const detail::FlashAttentionPlan plan = detail::plan_flash_attention(q, k, v, out, lse, options);
+    FlashAttentionOptions o = options;
+    if (!o.config && q.ndim == 3 && (q.dim(2) == 64 || q.dim(2) == 128) &&
+        (q.dtype == DType::kBF16 || q.dtype == DType::kF16)) {
+        o.config = attention_prefill_default_config(q.dtype, static_cast<int32_t>(q.dim(2)),
+                                                    attention_prefill_device_kernel());
+    }
+    const detail::FlashAttentionPlan plan = detail::plan_flash_attention(q, k, v, out, lse, o);
     // One block per item: the hardware hands the longest items (first in the order) out first and balances the rest.
     detail::launch_flash_attention(plan, 0, stream);
 }
@@ -336,7 +423,8 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
     s.shape = shape;
     s.options = options;
     s.config = options.config ? *options.config
-                              : attention_prefill_default_config(shape.dtype, static_cast<int32_t>(shape.head_dim));
+                              : attention_prefill_default_config(shape.dtype, static_cast<int32_t>(shape.head_dim),
+                                                                 attention_prefill_device_kernel());
 
     // Symmetric buffers (collective over the team, same order on every member).
     const auto kv_bytes = static_cast<uint64_t>(shape.max_seq * s.row_bytes());
@@ -371,9 +459,9 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
         // The first call on ranks sharing a GPU ends before anything more is launched (the same on every member).
         if (world.max_ranks_per_device() > 1) s.first_call.arm(1);
     }
-    WEFT_LOG_INFO("ag_attention: " << dtype_name(shape.dtype) << " head_dim " << shape.head_dim << ", block_m "
-                                   << s.config.block_m << ", stages " << s.config.stages << ", grid " << s.grid
-                                   << ", team of " << s.num_ranks);
+    WEFT_LOG_INFO("ag_attention: " << kernel_name(s.config.kernel) << ", " << dtype_name(shape.dtype) << " head_dim "
+                                   << shape.head_dim << ", block_m " << s.config.block_m << ", stages "
+                                   << s.config.stages << ", grid " << s.grid << ", team of " << s.num_ranks);
     team.barrier();
 }
 

@@ -2,7 +2,8 @@
 // GPU tests of the prefill attention: weft::ops::flash_attention on one GPU and weft::ops::AgAttention with ranks as
 // threads sharing the visible GPUs (worlds 1, 2, 3, 4, 8), against an fp64 host reference: causal and no mask,
 // grouped-query attention, head dims 64 and 128, lengths that are not multiples of the tiles, strided K/V, outputs
-// poisoned (NaN) before every call, repeated calls (the end-of-call protocol) and a CUDA graph replayed.
+// poisoned (NaN) before every call, repeated calls (the end-of-call protocol) and a CUDA graph replayed. Every test
+// runs each prefill kernel (AttentionPrefillConfig::kernel: mma.sync and wgmma).
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -27,7 +28,21 @@ bool have_sm90() {
     if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return false;
     cudaDeviceProp prop{};
     cudaGetDeviceProperties(&prop, 0);
-    return prop.major == 9;
+    return prop.major == 9 && prop.minor == 0;
+}
+
+/// The tests of a kernel kind (the suites' parameter).
+class PrefillKernel : public ::testing::TestWithParam<AttentionPrefillKernel> {};
+
+std::string kernel_param_name(const ::testing::TestParamInfo<AttentionPrefillKernel>& info) {
+    return info.param == AttentionPrefillKernel::kWgmma ? "wgmma" : "mma";
+}
+
+/// The config a test runs: the kernel's default for (dtype, dim), with block_m when non-zero.
+AttentionPrefillConfig config_of(AttentionPrefillKernel kernel, DType dtype, int dim, int block_m = 0) {
+    AttentionPrefillConfig cfg = attention_prefill_default_config(dtype, dim, kernel);
+    if (block_m != 0) cfg.block_m = block_m;
+    return cfg;
 }
 
 uint16_t to_bits(float x, DType t) {
@@ -185,13 +200,14 @@ struct Case {
     int block_m = 0;     // 0: the default config
 };
 
-void run_case(const Case& c, uint64_t seed) {
+void run_case(const Case& c, uint64_t seed, AttentionPrefillKernel kernel) {
     const Problem pr = make_problem(c.seq_q, c.seq_kv, c.hq, c.hkv, c.dim, c.causal, c.q_position, c.dtype, seed);
     const std::string what = "seq_q " + std::to_string(c.seq_q) + " seq_kv " + std::to_string(c.seq_kv) + " heads " +
                              std::to_string(c.hq) + "/" + std::to_string(c.hkv) + " dim " + std::to_string(c.dim) +
                              (c.causal ? " causal" : " no mask") + " q_position " + std::to_string(c.q_position) + " " +
                              dtype_name(c.dtype) + " pad " + std::to_string(c.kv_row_pad) + " block_m " +
-                             std::to_string(c.block_m);
+                             std::to_string(c.block_m) +
+                             (kernel == AttentionPrefillKernel::kWgmma ? " wgmma" : " mma.sync");
     SCOPED_TRACE(what);
     const int64_t kv_row = static_cast<int64_t>(c.hkv) * c.dim + c.kv_row_pad;
     std::vector<uint16_t> kp(static_cast<size_t>(std::max(1, c.seq_kv) * kv_row), 0x7fc0);  // NaN in the padding
@@ -221,11 +237,7 @@ void run_case(const Case& c, uint64_t seed) {
     ops::FlashAttentionOptions o;
     o.mask = c.causal ? AttentionMask::kCausal : AttentionMask::kNone;
     o.q_position = c.q_position;
-    if (c.block_m != 0) {
-        AttentionPrefillConfig cfg = attention_prefill_default_config(c.dtype, c.dim);
-        cfg.block_m = c.block_m;
-        o.config = cfg;
-    }
+    o.config = config_of(kernel, c.dtype, c.dim, c.block_m);
     ops::flash_attention(tq, tk, tv, tout, tlse, nullptr, o);
     WEFT_CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<uint16_t> out(pr.q.size());
@@ -236,7 +248,9 @@ void run_case(const Case& c, uint64_t seed) {
     for (void* p : {dq, dk, dv, dout, dlse}) cudaFree(p);
 }
 
-TEST(FlashAttention, MatchesTheReference) {
+class FlashAttention : public PrefillKernel {};
+
+TEST_P(FlashAttention, MatchesTheReference) {
     if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
     const uint64_t seed = fresh_seed();
     const std::vector<Case> cases = {
@@ -253,8 +267,37 @@ TEST(FlashAttention, MatchesTheReference) {
         {513, 513, 2, 2, 64, true, 0, DType::kBF16, 0, 64},
         {40, 0, 2, 1, 64, false, 0},  // no keys: zeros and -inf
     };
-    for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], seed + i);
+    for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], seed + i, GetParam());
 }
+
+// Lengths around the tiles (1, 63, 129, 1000, 4097), GQA 1 / 4 / 16, q_position != 0, both masks, head dims 64 and
+// 128, f16, block_m 64 and 128 (the wgmma kernel: one or two consumer warpgroups; 128-key tiles, short last tiles).
+TEST_P(FlashAttention, AwkwardLengthsGroupsAndPositions) {
+    if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+    const uint64_t seed = fresh_seed();
+    const std::vector<Case> cases = {
+        {1, 1, 4, 1, 128, false, 0},
+        {1, 4097, 4, 1, 128, true, 4096},  // one query at the end: every key
+        {63, 63, 4, 4, 64, true, 0},
+        {63, 129, 16, 1, 128, false, 0},
+        {129, 129, 16, 4, 64, true, 0},
+        {129, 1000, 4, 1, 128, true, 871},  // the queries at the end of the keys
+        {1000, 1000, 4, 1, 64, true, 0, DType::kF16},
+        {1000, 1000, 2, 2, 128, false, 0, DType::kF16},
+        {1000, 4097, 4, 1, 128, true, 2000},  // causal, keys past the last query unseen
+        {4097, 4097, 2, 2, 64, true, 0},
+        {4097, 4097, 2, 1, 128, true, 0, DType::kBF16, 0, 64},  // block_m 64
+        {129, 4097, 16, 1, 128, false, 0, DType::kF16, 0, 64},
+        {300, 700, 8, 2, 128, true, 100, DType::kBF16, 40},   // strided K/V, causal cut inside a tile
+        {200, 200, 4, 1, 64, true, 1000},                     // q_position past the keys: every key visible
+        {256, 256, 2, 1, 128, false, 0, DType::kBF16, 0, 0},  // whole tiles only
+    };
+    for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], seed + i, GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, FlashAttention,
+                         ::testing::Values(AttentionPrefillKernel::kMmaSync, AttentionPrefillKernel::kWgmma),
+                         kernel_param_name);
 
 // ------------------------------------------------------------------------------------------------
 // All-gather attention
@@ -265,12 +308,13 @@ struct AgCase {
     bool graph = false;
 };
 
-void run_ag(const AgCase& c, uint64_t seed) {
+void run_ag(const AgCase& c, uint64_t seed, AttentionPrefillKernel kernel) {
     const int seq = c.world * c.rows;
     const Problem pr = make_problem(seq, seq, c.hq, c.hkv, c.dim, c.causal, 0, DType::kBF16, seed);
     const std::string what = "world " + std::to_string(c.world) + " rows " + std::to_string(c.rows) + " heads " +
                              std::to_string(c.hq) + "/" + std::to_string(c.hkv) + " dim " + std::to_string(c.dim) +
-                             (c.causal ? " causal" : " no mask");
+                             (c.causal ? " causal" : " no mask") +
+                             (kernel == AttentionPrefillKernel::kWgmma ? " wgmma" : " mma.sync");
     SCOPED_TRACE(what);
     run_ranks(
         c.world,
@@ -294,12 +338,14 @@ void run_ag(const AgCase& c, uint64_t seed) {
             const TensorView tv(dv, DType::kBF16, {c.rows, c.hkv, c.dim});
             const TensorView tout(dout, DType::kBF16, {c.rows, c.hq, c.dim});
             const TensorView tlse(dlse, DType::kF32, {c.rows, c.hq});
-            ops::AgAttention op(w, {.max_seq = seq + c.world * 7,  // calls may use less than the bound
-                                    .num_q_heads = c.hq,
-                                    .num_kv_heads = c.hkv,
-                                    .head_dim = c.dim,
-                                    .dtype = DType::kBF16,
-                                    .mask = c.causal ? AttentionMask::kCausal : AttentionMask::kNone});
+            ops::AgAttention op(w,
+                                {.max_seq = seq + c.world * 7,  // calls may use less than the bound
+                                 .num_q_heads = c.hq,
+                                 .num_kv_heads = c.hkv,
+                                 .head_dim = c.dim,
+                                 .dtype = DType::kBF16,
+                                 .mask = c.causal ? AttentionMask::kCausal : AttentionMask::kNone},
+                                {.config = config_of(kernel, DType::kBF16, c.dim)});
             const auto poison = [&] {
                 WEFT_CUDA_CHECK(cudaMemsetAsync(dout, 0xff, q_elems * 2, s));
                 WEFT_CUDA_CHECK(cudaMemsetAsync(dlse, 0xff, static_cast<size_t>(c.rows) * c.hq * 4, s));
@@ -358,7 +404,9 @@ void run_ag(const AgCase& c, uint64_t seed) {
         test_options(64ull << 20));
 }
 
-TEST(AgAttention, ShardedSequenceMatchesTheWholeSequenceReference) {
+class AgAttention : public PrefillKernel {};
+
+TEST_P(AgAttention, ShardedSequenceMatchesTheWholeSequenceReference) {
     if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
     const uint64_t seed = fresh_seed();
     const std::vector<AgCase> cases = {
@@ -366,10 +414,10 @@ TEST(AgAttention, ShardedSequenceMatchesTheWholeSequenceReference) {
         {3, 45, 16, 1, 64, true, true}, {3, 130, 4, 4, 128, false},     {4, 129, 8, 2, 128, true},
         {4, 33, 2, 1, 64, false, true}, {8, 40, 4, 1, 128, true},       {8, 17, 2, 2, 64, false},
     };
-    for (size_t i = 0; i < cases.size(); ++i) run_ag(cases[i], seed + i);
+    for (size_t i = 0; i < cases.size(); ++i) run_ag(cases[i], seed + i, GetParam());
 }
 
-TEST(AgAttention, RefusesUnevenShardsAndBadCalls) {
+TEST_P(AgAttention, RefusesUnevenShardsAndBadCalls) {
     if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
     run_ranks(
         2,
@@ -380,7 +428,8 @@ TEST(AgAttention, RefusesUnevenShardsAndBadCalls) {
             } catch (const Error& e) {
                 EXPECT_NE(std::string(e.what()).find("uneven shards"), std::string::npos) << e.what();
             }
-            ops::AgAttention op(w, {.max_seq = 128, .num_q_heads = 4, .num_kv_heads = 2, .head_dim = 64});
+            ops::AgAttention op(w, {.max_seq = 128, .num_q_heads = 4, .num_kv_heads = 2, .head_dim = 64},
+                                {.config = config_of(GetParam(), DType::kBF16, 64)});
             void* buf = nullptr;
             WEFT_CUDA_CHECK(cudaMalloc(&buf, 1 << 20));
             const TensorView q(buf, DType::kBF16, {100, 4, 64});  // 200 tokens > max_seq
@@ -404,6 +453,10 @@ TEST(AgAttention, RefusesUnevenShardsAndBadCalls) {
         },
         test_options(64ull << 20));
 }
+
+INSTANTIATE_TEST_SUITE_P(Kernels, AgAttention,
+                         ::testing::Values(AttentionPrefillKernel::kMmaSync, AttentionPrefillKernel::kWgmma),
+                         kernel_param_name);
 
 }  // namespace
 }  // namespace weft::test

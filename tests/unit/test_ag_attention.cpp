@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 // Prefill attention on the CPU: the work and chunk orders, argument checks of flash_attention and AgAttention, and
-// NVRTC compilation of every prefill kernel specialisation with the SASS it depends on (16-byte cp.async, ldmatrix,
-// tensor-core mma, no local memory).
+// NVRTC compilation of every prefill kernel specialisation with the SASS it depends on (mma.sync kernel: 16-byte
+// cp.async, ldmatrix, tensor-core mma; wgmma kernel: HGMMA with A from registers and a transposed V, register
+// reallocation between warpgroups; both: no local memory).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -147,6 +148,67 @@ TEST(AttentionPrefillConfigs, ValidityAndSharedMemory) {
     c.stages = 3;
     c.dtype = DType::kF32;
     EXPECT_FALSE(is_valid(c));
+}
+
+TEST(AttentionPrefillConfigs, WgmmaKernelValidityAndSharedMemory) {
+    for (DType t : {DType::kBF16, DType::kF16}) {
+        for (int32_t d : {64, 128}) {
+            const AttentionPrefillConfig c = attention_prefill_default_config(t, d, AttentionPrefillKernel::kWgmma);
+            EXPECT_EQ(c.kernel, AttentionPrefillKernel::kWgmma);
+            EXPECT_TRUE(is_valid(c)) << attention_prefill_invalid_reason(c);
+            EXPECT_EQ(attention_prefill_tile_keys(c), 128);
+            EXPECT_EQ(attention_prefill_threads(c), 128 * 3);  // a producer and two consumer warpgroups
+            EXPECT_EQ(attention_prefill_smem_bytes(c),
+                      (c.block_m + 2 * c.stages * 128) * d * 2 + kPrefillWgmmaBarrierBytes + kPrefillWgmmaAlignSlack);
+        }
+    }
+    AttentionPrefillConfig c = attention_prefill_default_config(DType::kBF16, 128, AttentionPrefillKernel::kWgmma);
+    c.block_m = 64;
+    EXPECT_TRUE(is_valid(c));
+    EXPECT_EQ(attention_prefill_threads(c), 128 * 2);
+    c.stages = 3;  // 64 + 3 x 2 x 128 rows of 256 bytes: 208 KiB and the barriers
+    EXPECT_TRUE(is_valid(c)) << attention_prefill_invalid_reason(c);
+    c.block_m = 128;  // 224 KiB of tiles and the barriers: still fits 227 KiB
+    EXPECT_TRUE(is_valid(c)) << attention_prefill_invalid_reason(c);
+    c.stages = 4;
+    EXPECT_FALSE(is_valid(c));
+    EXPECT_NE(std::string(attention_prefill_invalid_reason(c)).find("stages"), std::string::npos);
+    c.stages = 2;
+    c.kernel = static_cast<AttentionPrefillKernel>(7);
+    EXPECT_NE(std::string(attention_prefill_invalid_reason(c)).find("kernel"), std::string::npos);
+    // The old kernel's tiles are unchanged by the new field.
+    EXPECT_EQ(attention_prefill_tile_keys(attention_prefill_default_config(DType::kBF16, 128)), kPrefillTileKeys);
+}
+
+TEST(AttentionPrefillConfigs, DefaultKernelPerComputeCapability) {
+    EXPECT_EQ(attention_prefill_default_kernel(9, 0), AttentionPrefillKernel::kWgmma);
+    EXPECT_EQ(attention_prefill_default_kernel(8, 0), AttentionPrefillKernel::kMmaSync);
+    EXPECT_EQ(attention_prefill_default_kernel(8, 9), AttentionPrefillKernel::kMmaSync);
+    EXPECT_EQ(attention_prefill_default_kernel(10, 0), AttentionPrefillKernel::kMmaSync);
+    EXPECT_EQ(attention_prefill_default_kernel(12, 0), AttentionPrefillKernel::kMmaSync);
+}
+
+TEST(AttentionPrefillOrder, TilesOfTheWgmmaKernelSpan128KeysAndNeverStraddleChunks) {
+    AttentionPrefillParams p;
+    p.seq_kv = 300;
+    p.chunk_keys = 100;
+    p.num_chunks = 3;
+    p.local_chunk = 1;
+    AttentionPrefillTileCursor c;
+    c.keys = kPrefillWgmmaTileKeys;
+    c.start(p, 300);
+    std::vector<std::pair<int32_t, int32_t>> tiles;
+    for (; c.valid(p); c.next(p, 300)) tiles.emplace_back(c.begin, c.stop);
+    // Chunk 1, then 0, then 2: one short tile each (100 keys < 128).
+    const std::vector<std::pair<int32_t, int32_t>> want = {{100, 200}, {0, 100}, {200, 300}};
+    EXPECT_EQ(tiles, want);
+    p.chunk_keys = 300;
+    p.num_chunks = 1;
+    p.local_chunk = 0;
+    tiles.clear();
+    for (c.start(p, 290); c.valid(p); c.next(p, 290)) tiles.emplace_back(c.begin, c.stop);
+    const std::vector<std::pair<int32_t, int32_t>> one = {{0, 290}, {128, 290}, {256, 290}};
+    EXPECT_EQ(tiles, one);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -297,6 +359,21 @@ TEST(AttentionPrefillArgs, BadArgumentsNameTheArgument) {
         a.options.config = AttentionPrefillConfig{.dtype = DType::kBF16, .head_dim = 128, .block_m = 96, .stages = 2};
         expect_rejected(a, {"options.config", "block_m"});
     }
+    {
+        Args a;
+        a.options.config = AttentionPrefillConfig{.dtype = DType::kBF16,
+                                                  .head_dim = 128,
+                                                  .block_m = 128,
+                                                  .stages = 4,
+                                                  .kernel = AttentionPrefillKernel::kWgmma};
+        expect_rejected(a, {"options.config", "stages must be 2 or 3"});
+    }
+    {
+        Args a;  // a valid wgmma config plans like any other
+        a.options.config = attention_prefill_default_config(DType::kBF16, 128, AttentionPrefillKernel::kWgmma);
+        EXPECT_EQ(a.plan().config.kernel, AttentionPrefillKernel::kWgmma);
+        EXPECT_EQ(a.plan().num_items, 32);
+    }
 }
 
 TEST(AgAttentionShape, BadShapesNameTheArgument) {
@@ -379,6 +456,64 @@ TEST(AttentionPrefillNvrtc, EverySpecialisationCompilesWithTheExpectedSass) {
     EXPECT_EQ(checked_sass, 6);
 }
 
+// The wgmma kernel: S = Q K^T as HGMMA 64x128x16 from shared memory, O += P V as HGMMA with A from registers and a
+// transposed (MN-major) V, the QK^T of the next tile issued ahead of the P V (a wait that leaves one group in flight),
+// registers moved from the producer warpgroup to the consumers (two consumer warpgroups), no local memory.
+TEST(AttentionPrefillNvrtc, EveryWgmmaSpecialisationCompilesWithTheExpectedSass) {
+    weft::testing::TempDir cache("weft_attention_prefill_wgmma_nvrtc");
+    jit::Compiler c(weft::testing::isolated_compiler_config(cache.path()));
+    int checked_sass = 0;
+    int compiled = 0;
+    std::string why_not;
+    for (DType t : {DType::kBF16, DType::kF16}) {
+        for (int32_t d : {64, 128}) {
+            for (int32_t bm : {64, 128}) {
+                for (int32_t stages : {2, 3}) {
+                    AttentionPrefillConfig config =
+                        attention_prefill_default_config(t, d, AttentionPrefillKernel::kWgmma);
+                    // f16 differs only in its wgmma and conversions: its default config is enough.
+                    if (t == DType::kF16 && (bm != config.block_m || stages != config.stages)) continue;
+                    config.block_m = bm;
+                    config.stages = stages;
+                    jit::KernelSpec spec = attention_prefill_kernel_spec(config, "sm_90a");
+                    SCOPED_TRACE(spec.describe());
+                    const jit::CompileResult r = c.compile(spec);
+                    ASSERT_TRUE(r.cubin && !r.cubin->empty()) << r.log;
+                    ++compiled;
+                    weft::testing::expect_clean_ptxas_report(r.log, spec.describe());
+                    EXPECT_EQ(r.ptxas_info.spill_store_bytes, 0) << r.ptxas_info.text;
+                    EXPECT_EQ(r.ptxas_info.stack_frame_bytes, 0) << r.ptxas_info.text;
+                    std::printf("[ PTXAS    ] %s: %d registers\n", spec.describe().c_str(), r.ptxas_info.registers);
+                    std::string tool;
+                    const auto sass = weft::testing::disassemble(*r.cubin, &tool, &why_not);
+                    if (sass.empty()) continue;
+                    const auto fn = sass.find(r.lowered_name);
+                    ASSERT_NE(fn, sass.end()) << "no SASS for " << r.lowered_name << " (" << tool << ")";
+                    const std::string& text = fn->second;
+                    const std::string type = t == DType::kBF16 ? ".F32.BF16" : ".F32";  // f16 has no suffix
+                    EXPECT_EQ(text.find("LDL"), std::string::npos) << "local memory loads";
+                    EXPECT_EQ(text.find("STL"), std::string::npos) << "local memory stores";
+                    EXPECT_NE(text.find("HGMMA.64x128x16" + type + " R"), std::string::npos) << "S = Q K^T";
+                    EXPECT_NE(text.find(".tnspB"), std::string::npos) << "O += P V with V MN-major";
+                    EXPECT_NE(text.find("HGMMA.64x" + std::to_string(d) + "x16" + type + " R"), std::string::npos)
+                        << "O += P V, N = head_dim";
+                    EXPECT_NE(text.find("WARPGROUP.DEPBAR.LE gsb0, 0x1"), std::string::npos)
+                        << "the next tile's S in flight during the softmax";
+                    EXPECT_NE(text.find("UTMALDG.3D"), std::string::npos) << "3-D TMA loads";
+                    if (bm == 128) {
+                        EXPECT_NE(text.find("USETMAXREG.DEALLOC"), std::string::npos) << "producer gives registers";
+                        EXPECT_NE(text.find("USETMAXREG.TRY_ALLOC"), std::string::npos) << "consumers take them";
+                    }
+                    ++checked_sass;
+                }
+            }
+        }
+    }
+    EXPECT_EQ(compiled, 10);
+    if (checked_sass == 0) GTEST_SKIP() << "SKIPPED: SASS not checked: " << why_not;
+    EXPECT_EQ(checked_sass, 10);
+}
+
 TEST(AttentionPrefillNvrtc, AotRegistrationListsTheDefaultSpecialisationsOnce) {
     register_prefill_attention_aot_specs();
     register_prefill_attention_aot_specs();  // idempotent
@@ -390,9 +525,20 @@ TEST(AttentionPrefillNvrtc, AotRegistrationListsTheDefaultSpecialisationsOnce) {
         ++count;
     }
     EXPECT_EQ(count, 4);
+    int wgmma_count = 0;
+    for (const jit::KernelSpec& s : jit::aot_specs()) {
+        if (s.header != "attention/prefill_sm90.cuh") continue;
+        EXPECT_TRUE(seen.insert(s.instantiation).second) << "listed twice: " << s.instantiation;
+        ++wgmma_count;
+    }
+    EXPECT_EQ(wgmma_count, 4);
     for (DType t : {DType::kBF16, DType::kF16}) {
         for (int32_t d : {64, 128}) {
             EXPECT_EQ(seen.count(attention_prefill_kernel_spec(attention_prefill_default_config(t, d)).instantiation),
+                      1u);
+            EXPECT_EQ(seen.count(attention_prefill_kernel_spec(
+                                     attention_prefill_default_config(t, d, AttentionPrefillKernel::kWgmma))
+                                     .instantiation),
                       1u);
         }
     }

@@ -20,41 +20,85 @@ enum class AttentionMask : int32_t {
     kCausal = 1,  ///< keys at global positions <= the query's global position
 };
 
-/// Compile-time knobs of the prefill kernel. One specialisation per (dtype, head_dim, block_m, stages).
+/// Which prefill kernel runs a config.
+enum class AttentionPrefillKernel : int32_t {
+    kMmaSync = 0,  ///< kernels/attention/prefill.cuh: mma.sync m16n8k16, a warp per 16 query rows (sm_80+)
+    kWgmma = 1,    ///< kernels/attention/prefill_sm90.cuh: wgmma, TMA and a producer warpgroup (sm_90a only)
+};
+
+/// Keys per K/V tile of the wgmma kernel.
+inline constexpr int32_t kPrefillWgmmaTileKeys = 128;
+
+/// Compile-time knobs of the prefill kernels. One specialisation per (dtype, head_dim, block_m, stages, kernel).
 struct AttentionPrefillConfig {
     DType dtype = DType::kBF16;  ///< Q, K, V and the output: bf16 or f16; scores, softmax and sums in fp32
     int32_t head_dim = 128;      ///< 64 or 128
-    int32_t block_m = 128;       ///< query rows per work item: 64 or 128 (16 per warp: 4 or 8 warps)
-    int32_t stages = 2;          ///< cp.async pipeline depth in K/V tiles: 2 or 3
+    int32_t block_m = 128;       ///< query rows per work item: 64 or 128 (mma.sync: 16 per warp; wgmma: 64 per
+                                 ///< consumer warpgroup)
+    int32_t stages = 2;          ///< K/V pipeline depth in tiles: 2 or 3
+    AttentionPrefillKernel kernel = AttentionPrefillKernel::kMmaSync;
 };
 
-/// Threads of one block: a warp per 16 query rows.
-WEFT_HOST_DEVICE constexpr int32_t attention_prefill_threads(const AttentionPrefillConfig& c) {
-    return c.block_m / 16 * 32;
+/// Keys per K/V tile of a config's kernel.
+WEFT_HOST_DEVICE constexpr int32_t attention_prefill_tile_keys(const AttentionPrefillConfig& c) {
+    return c.kernel == AttentionPrefillKernel::kWgmma ? kPrefillWgmmaTileKeys : kPrefillTileKeys;
 }
 
-/// Dynamic shared memory of one block: the Q tile and `stages` K and V tiles.
+/// Threads of one block: mma.sync, a warp per 16 query rows; wgmma, a producer warpgroup and a consumer warpgroup
+/// per 64 query rows.
+WEFT_HOST_DEVICE constexpr int32_t attention_prefill_threads(const AttentionPrefillConfig& c) {
+    return c.kernel == AttentionPrefillKernel::kWgmma ? 128 * (1 + c.block_m / 64) : c.block_m / 16 * 32;
+}
+
+/// Bytes of the wgmma kernel's barriers (after the tiles) and of the slack that aligns its tiles to 1024 bytes.
+inline constexpr int64_t kPrefillWgmmaBarrierBytes = 128;
+inline constexpr int64_t kPrefillWgmmaAlignSlack = 1024;
+
+/// Dynamic shared memory of one block: the Q tile and `stages` K and V tiles (wgmma: plus its barriers and the
+/// alignment slack).
 WEFT_HOST_DEVICE constexpr int64_t attention_prefill_smem_bytes(const AttentionPrefillConfig& c) {
     const int64_t row_bytes = static_cast<int64_t>(c.head_dim) * 2;
-    return static_cast<int64_t>(c.block_m) * row_bytes +
-           static_cast<int64_t>(c.stages) * 2 * kPrefillTileKeys * row_bytes;
+    const int64_t tiles = static_cast<int64_t>(c.block_m) * row_bytes +
+                          static_cast<int64_t>(c.stages) * 2 * attention_prefill_tile_keys(c) * row_bytes;
+    return c.kernel == AttentionPrefillKernel::kWgmma ? tiles + kPrefillWgmmaBarrierBytes + kPrefillWgmmaAlignSlack
+                                                      : tiles;
 }
 
-/// Shared by host heuristics and the kernel's static_assert.
+/// Why `c` is not a valid config, or null when it is. Shared by host checks (whose errors quote it) and is_valid.
+WEFT_HOST_DEVICE constexpr const char* attention_prefill_invalid_reason(const AttentionPrefillConfig& c) {
+    if (c.kernel != AttentionPrefillKernel::kMmaSync && c.kernel != AttentionPrefillKernel::kWgmma) {
+        return "kernel must be kMmaSync or kWgmma";
+    }
+    if (c.dtype != DType::kBF16 && c.dtype != DType::kF16) return "dtype must be bf16 or f16";
+    if (c.head_dim != 64 && c.head_dim != 128) return "head_dim must be 64 or 128";
+    if (c.block_m != 64 && c.block_m != 128) return "block_m must be 64 or 128";
+    if (c.stages < 2 || c.stages > 3) return "stages must be 2 or 3";
+    if (attention_prefill_smem_bytes(c) > 227 * 1024) return "the tiles need more than 227 KiB of shared memory";
+    return nullptr;
+}
+
+/// Shared by host heuristics and the kernels' static_asserts.
 WEFT_HOST_DEVICE constexpr bool is_valid(const AttentionPrefillConfig& c) {
-    return (c.dtype == DType::kBF16 || c.dtype == DType::kF16) && (c.head_dim == 64 || c.head_dim == 128) &&
-           (c.block_m == 64 || c.block_m == 128) && c.stages >= 2 && c.stages <= 3 &&
-           attention_prefill_smem_bytes(c) <= 227 * 1024;
+    return attention_prefill_invalid_reason(c) == nullptr;
 }
 
-/// The default config of a head dimension.
-WEFT_HOST_DEVICE constexpr AttentionPrefillConfig attention_prefill_default_config(DType dtype, int32_t head_dim) {
+/// The default config of a head dimension for a kernel (attention_prefill_default_kernel picks the kernel of a
+/// device).
+WEFT_HOST_DEVICE constexpr AttentionPrefillConfig attention_prefill_default_config(
+    DType dtype, int32_t head_dim, AttentionPrefillKernel kernel = AttentionPrefillKernel::kMmaSync) {
     AttentionPrefillConfig c;
     c.dtype = dtype;
     c.head_dim = head_dim;
     c.block_m = 128;
     c.stages = head_dim <= 64 ? 3 : 2;
+    c.kernel = kernel;
     return c;
+}
+
+/// The kernel a device of compute capability major.minor runs by default: wgmma on sm_90 (the JIT compiles sm_90a
+/// for it), mma.sync elsewhere.
+WEFT_HOST_DEVICE constexpr AttentionPrefillKernel attention_prefill_default_kernel(int32_t cc_major, int32_t cc_minor) {
+    return cc_major == 9 && cc_minor == 0 ? AttentionPrefillKernel::kWgmma : AttentionPrefillKernel::kMmaSync;
 }
 
 /// Chunk visited (and, by AgAttention, pulled) at step `i` of `num_chunks` by the rank whose own chunk is `local`:
@@ -135,15 +179,17 @@ WEFT_HOST_DEVICE constexpr int32_t attention_prefill_key_end(const AttentionPref
     return last < p.seq_kv ? static_cast<int32_t>(last < 0 ? 0 : last) : p.seq_kv;
 }
 
-/// Walks the K/V tiles of one work item: chunk by chunk in attention_prefill_chunk_at order, kPrefillTileKeys keys at
-/// a time, every key below `key_end` once; chunks with no such key are skipped (and never awaited). Tiles never
-/// straddle chunks: a chunk's last tile may be short. The kernel runs two (the loads ahead, the tile computed).
+/// Walks the K/V tiles of one work item: chunk by chunk in attention_prefill_chunk_at order, `keys` keys at a time
+/// (kPrefillTileKeys unless the kernel sets it), every key below `key_end` once; chunks with no such key are skipped
+/// (and never awaited). Tiles never straddle chunks: a chunk's last tile may be short. The kernel runs two (the loads
+/// ahead, the tile computed).
 struct AttentionPrefillTileCursor {
     int32_t step = 0;   ///< chunk ordinal; == p.num_chunks when done
     int32_t chunk = 0;  ///< attention_prefill_chunk_at(p.local_chunk, p.num_chunks, step)
     int32_t begin = 0;  ///< first key of this tile
     int32_t stop = 0;   ///< one past the chunk's last visible key
     bool first_of_chunk = false;
+    int32_t keys = kPrefillTileKeys;  ///< keys per tile
 
     WEFT_HOST_DEVICE constexpr bool valid(const AttentionPrefillParams& p) const { return step < p.num_chunks; }
     WEFT_HOST_DEVICE constexpr void start(const AttentionPrefillParams& p, int32_t key_end) {
@@ -151,7 +197,7 @@ struct AttentionPrefillTileCursor {
         seek(p, key_end);
     }
     WEFT_HOST_DEVICE constexpr void next(const AttentionPrefillParams& p, int32_t key_end) {
-        begin += kPrefillTileKeys;
+        begin += keys;
         first_of_chunk = false;
         if (begin >= stop) {
             ++step;

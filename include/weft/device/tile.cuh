@@ -224,6 +224,13 @@ __device__ __forceinline__ void tma_load_2d(Token token, unsigned smem_dst, cons
     ptx::tma_load_2d(smem_dst, desc, bar, c0, c1);
 }
 
+/// ptx::tma_load_3d of data a wait made visible (as tile::tma_load_2d).
+__device__ __forceinline__ void tma_load_3d(Token token, unsigned smem_dst, const ptx::TmaDescriptor* desc,
+                                            unsigned bar, int c0, int c1, int c2) {
+    (void)token;
+    ptx::tma_load_3d(smem_dst, desc, bar, c0, c1, c2);
+}
+
 /// ptx::tma_load_2d_multicast of data a wait made visible (as tile::tma_load_2d).
 __device__ __forceinline__ void tma_load_2d_multicast(Token token, unsigned smem_dst, const ptx::TmaDescriptor* desc,
                                                       unsigned bar, int c0, int c1, unsigned short cta_mask) {

@@ -34,7 +34,8 @@ struct FlashAttentionOptions {
     /// Global position of q's row 0 for the causal mask (key j is at position j): query i sees keys
     /// j <= q_position + i. 0 (the default) is PyTorch's is_causal=True for seq_q == seq_kv. In [0, 2^31).
     int64_t q_position = 0;
-    /// The kernel's config (dtype and head_dim must be q's); nullopt: attention_prefill_default_config.
+    /// The kernel's config (dtype and head_dim must be q's); nullopt: attention_prefill_default_config with the
+    /// device's kernel (attention_prefill_device_kernel: wgmma on sm_90).
     std::optional<AttentionPrefillConfig> config = std::nullopt;
 };
 
@@ -131,7 +132,11 @@ private:
 /// the argument.
 void validate_ag_attention_shape(const AgAttentionShape& shape, int num_ranks, const AgAttentionOptions& options = {});
 
-/// JIT spec of the prefill kernel for `config` (`arch` as KernelSpec::arch).
+/// The prefill kernel the current device runs by default (attention_prefill_default_kernel of its compute
+/// capability): kWgmma on sm_90, kMmaSync elsewhere.
+AttentionPrefillKernel attention_prefill_device_kernel();
+
+/// JIT spec of the prefill kernel for `config` (`arch` as KernelSpec::arch; a kWgmma config needs sm_90a).
 jit::KernelSpec attention_prefill_kernel_spec(const AttentionPrefillConfig& config, const std::string& arch = "");
 
 /// Registers (once per process) the specs flash_attention and AgAttention launch by default (bf16 and f16, head_dim 64

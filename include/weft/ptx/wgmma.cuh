@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// wgmma (sm_90a): shared-memory matrix descriptors, fences, commit/wait groups and the m64nNk16 MMA.
+// wgmma (sm_90a): shared-memory matrix descriptors, fences, commit/wait groups and the m64nNk16 MMA (A from shared
+// memory or from registers).
 //
 // Contract: every function here is warpgroup-collective (.sync.aligned): all 128 threads of a warpgroup
 // (4 consecutive warps starting at a warp index divisible by 4) call it together, with the same operands.
@@ -72,6 +73,19 @@ __device__ __forceinline__ void wgmma(float (&d)[kN / 2], unsigned long long des
                                       int scale_d) {
     static_assert(kTransB == 0 || kTransB == 1, "kTransB is 0 (K-major B) or 1 (N-major B)");
     detail::wgmma_dispatch<kN, kIsBF16, kTransB>(d, desc_a, desc_b, scale_d);
+}
+
+/// As wgmma, with A (64 x 16) from registers: thread t (warp w = t / 32 of the warpgroup, lane l, g = l / 4,
+/// c = 2 (l % 4)) holds a[0] = A[16w + g][c, c+1], a[1] = A[16w + g + 8][c, c+1], a[2] = A[16w + g][c+8, c+9],
+/// a[3] = A[16w + g + 8][c+8, c+9] (two 16-bit elements per register, lower column in the low half): the layout of
+/// an m64nNk16 accumulator's columns 16k..16k+15 (d[8k..8k+7]) packed in pairs, so a score tile turns into the A
+/// operand of the next MMA without leaving the registers. The registers must not change until the wgmma-group
+/// has completed (wgmma_wait_group).
+template <int kN, bool kIsBF16, int kTransB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const unsigned (&a)[4], unsigned long long desc_b,
+                                         int scale_d) {
+    static_assert(kTransB == 0 || kTransB == 1, "kTransB is 0 (K-major B) or 1 (N-major B)");
+    detail::wgmma_rs_dispatch<kN, kIsBF16, kTransB>(d, a, desc_b, scale_d);
 }
 
 }  // namespace weft::ptx
