@@ -124,6 +124,7 @@ void Buffer::Impl::internode_dispatch(NormalHandle::Impl& h, const TensorView& x
     NormalOptions one = options;
     one.num_sms = 0;  // the one-rank dispatch's own default (its tokens are the exchange's records)
     inner->dispatch(*h.inner, rx, ridx, rw, stream, one);
+    uses.note(stream);  // the one-rank dispatch reads the receive records: they are freed only after it
 }
 
 void Buffer::Impl::internode_combine(NormalHandle::Impl& h, const TensorView& y, const TensorView& out, int t,
