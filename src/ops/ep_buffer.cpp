@@ -154,6 +154,7 @@ std::string Buffer::Impl::describe(const Status& s) const {
 }
 
 void Buffer::Impl::init_one_node() {
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&alloc_stream, cudaStreamNonBlocking));
     // Compile (in parallel, all ranks sharing the cache) and load every kernel before anything spins.
     const std::vector<jit::KernelSpec> specs = kernel_specs();
     {
@@ -214,7 +215,6 @@ Buffer::Buffer(const Team& team, const Config& config) : impl_(std::make_unique<
     }
     b.ws = Workspace::make(b.geo);
     b.fp = footprint(config, team.num_ranks());
-    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&b.alloc_stream, cudaStreamNonBlocking));
     if (team.num_nodes() > 1) {
         // Peers on other nodes are reached through the network: docs/multinode.md, "EP across nodes".
         b.init_across_nodes();

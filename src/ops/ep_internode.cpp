@@ -31,6 +31,7 @@ void Buffer::Impl::init_across_nodes() {
     // The column communicators now (collective over the team, bounded by the World's timeout), so that a member that
     // never comes fails the construction, and the first dispatch can be captured in a graph.
     (void)net::HostBackend::get(team);
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&alloc_stream, cudaStreamNonBlocking));
 
     // The layout kernel's state (its call counter, for reports); the team-wide layout arrays live in each handle.
     device = detail::device_alloc_zeroed(static_cast<uint64_t>(ws.buffer_device.bytes), alloc_stream);
