@@ -61,17 +61,15 @@ void Buffer::Impl::init_across_nodes() {
     k_pack = &jit::compiler().get_kernel(specs[5]);
     k_sum = &jit::compiler().get_kernel(specs[6]);
     WEFT_LOG_INFO("ep: the team spans " << team.num_nodes() << " nodes of " << team.ranks_per_node()
-                                        << " members: each dispatch and combine exchanges "
-                                        << net.dispatch_bytes() << " and " << net.combine_bytes()
-                                        << " bytes per rank over ops::all_to_all");
+                                        << " members: each dispatch and combine exchanges " << net.dispatch_bytes()
+                                        << " and " << net.combine_bytes() << " bytes per rank over ops::all_to_all");
 }
 
 void Buffer::Impl::refuse_across_nodes(const char* op) const {
-    WEFT_CHECK(!across_nodes(),
-               "ep::" << op << ": the low-latency mode does not cross nodes yet (the team of " << team.describe()
-                      << " spans " << team.num_nodes()
-                      << " nodes, whose peers are not load/store reachable); use the normal mode "
-                         "(dispatch/combine), which crosses nodes, or a team within one node");
+    WEFT_CHECK(!across_nodes(), "ep::" << op << ": the low-latency mode does not cross nodes yet (the team of "
+                                       << team.describe() << " spans " << team.num_nodes()
+                                       << " nodes, whose peers are not load/store reachable); use the normal mode "
+                                          "(dispatch/combine), which crosses nodes, or a team within one node");
 }
 
 void Buffer::Impl::init_across_nodes_handle(NormalHandle::Impl& h) {

@@ -917,8 +917,8 @@ TEST(MultiNode, EpInvalidAndRepeatedExpertIdsAreReportedAndDropped) {
     }
     team.barrier();
     // The Buffer goes on: a clean call afterwards.
-    const std::vector<ref::Routing> clean = ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank,
-                                                              seed + 1);
+    const std::vector<ref::Routing> clean =
+        ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank, seed + 1);
     ep_run_and_check(team, ep, h, in, clean, seed + 1, s, "after the report");
 }
 
@@ -957,8 +957,9 @@ TEST(MultiNode, EpCapacityOverflowIsReportedByTheRankThatOverflows) {
     const int64_t max_rows = ep.geometry().max_recv_rows;
     std::vector<std::vector<uint16_t>> y_all;
     for (int r = 0; r < n; ++r) {
-        y_all.push_back(over[static_cast<size_t>(r)] ? std::vector<uint16_t>(static_cast<size_t>(max_rows) * p.hidden, 0)
-                                                     : ep_expected_y(p, plan, x_all, r, max_rows));
+        y_all.push_back(over[static_cast<size_t>(r)]
+                            ? std::vector<uint16_t>(static_cast<size_t>(max_rows) * p.hidden, 0)
+                            : ep_expected_y(p, plan, x_all, r, max_rows));
     }
     in.load(all[static_cast<size_t>(me)], x_all[static_cast<size_t>(me)]);
     in.y.upload(y_all[static_cast<size_t>(me)]);

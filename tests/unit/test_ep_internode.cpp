@@ -93,8 +93,8 @@ struct Received {
 
 Received simulate_exchange(const ref::Params& p, const std::vector<ref::Routing>& all, int capacity, int r,
                            const ref::NormalPlan& plan) {
-    const Geometry g = resolve_geometry(config_of(p.num_experts, p.hidden, p.topk, capacity, p.expert_alignment),
-                                        p.num_ranks, 0);
+    const Geometry g =
+        resolve_geometry(config_of(p.num_experts, p.hidden, p.topk, capacity, p.expert_alignment), p.num_ranks, 0);
     const InternodeLayout l = InternodeLayout::make(g);
     Received got;
     const size_t kk = static_cast<size_t>(l.local_topk);
@@ -129,8 +129,8 @@ TEST(EpInternodePlan, TheExchangeGivesTheOneNodeLayoutAndCombine) {
     };
     const int hidden = 16;
     int checked = 0;
-    for (const Case c : {Case{4, 8, 2, 1, 7}, Case{4, 16, 8, 4, 9}, Case{2, 4, 1, 1, 5}, Case{6, 12, 8, 2, 6},
-                         Case{4, 4, 2, 1, 5}}) {
+    for (const Case c :
+         {Case{4, 8, 2, 1, 7}, Case{4, 16, 8, 4, 9}, Case{2, 4, 1, 1, 5}, Case{6, 12, 8, 2, 6}, Case{4, 4, 2, 1, 5}}) {
         ref::Params p;
         p.num_ranks = c.ranks;
         p.num_experts = c.experts;

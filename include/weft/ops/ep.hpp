@@ -19,8 +19,8 @@
 // member may run at the same time. Design, diagrams and pitfalls:
 // kernels/ep/README.md. A team that spans nodes (normal mode only; the same number of members on every node, NCCL
 // available) exchanges fixed-size records over the network and gives the same results and receive layout:
-// docs/multinode.md, "EP across nodes". EP's vocabulary (a Config, a Buffer, two kinds of handle, their options and views) lives in
-// its own namespace, weft::ops::ep, rather than behind an Ep prefix on a dozen names.
+// docs/multinode.md, "EP across nodes". EP's vocabulary (a Config, a Buffer, two kinds of handle, their options and
+// views) lives in its own namespace, weft::ops::ep, rather than behind an Ep prefix on a dozen names.
 #pragma once
 
 #include <cuda_runtime_api.h>
