@@ -252,6 +252,7 @@ Buffer::~Buffer() {
     } catch (const std::exception& e) {
         WEFT_LOG_ERROR("ep: releasing the Buffer failed: " << e.what());
     }
+    if (b.team_ranks_by_node != nullptr) cudaFreeAsync(b.team_ranks_by_node, b.alloc_stream);
     if (b.device != nullptr) {
         cudaFreeAsync(b.device, b.alloc_stream);
         cudaStreamSynchronize(b.alloc_stream);

@@ -54,6 +54,10 @@ struct NormalHandle::Impl {
     uint8_t* recv = nullptr;
     uint16_t* partials = nullptr;
     uint16_t* returned = nullptr;
+    // The two-hop dispatch's buffers (in `exchange` too): the network hop's blocks and the node stage's output.
+    uint8_t* node_send = nullptr;
+    uint8_t* node_recv = nullptr;
+    uint8_t* gathered = nullptr;  // [L][N][T_max] records by (node member, source node): reordered into `recv`
     ~Impl();
 };
 
@@ -97,6 +101,13 @@ struct Buffer::Impl {
     weft::ep::InternodeLayout net{};  // the exchange's layout
     jit::Kernel* k_pack = nullptr;
     jit::Kernel* k_sum = nullptr;
+    // The dispatch's path across nodes: two hops (network to the column peer on each node, then the node's forward),
+    // or the record exchange over all_to_all (WEFT_EP_ACROSS_NODES=all_to_all).
+    bool two_hop = false;
+    weft::ep::NodeRecordLayout hop{};
+    int32_t* team_ranks_by_node = nullptr;  // device [N][L]
+    jit::Kernel* k_node_pack = nullptr;
+    jit::Kernel* k_forward = nullptr;
     bool across_nodes() const { return inner != nullptr; }
     /// The constructor's part for a team that spans nodes: the column communicators, the layout kernel's state, the
     /// one-rank Buffer and the pack and sum kernels.
@@ -111,6 +122,8 @@ struct Buffer::Impl {
     /// The normal dispatch and combine of a team that spans nodes (src/ops/ep_internode.cpp).
     void internode_dispatch(NormalHandle::Impl& h, const TensorView& x, const TensorView& topk_idx,
                             const TensorView& topk_weights, int t, cudaStream_t stream, const NormalOptions& options);
+    /// The two-hop dispatch's exchange: node pack, network hop, forward, node all_to_all, reorder into h.recv.
+    void two_hop_exchange(NormalHandle::Impl& h, weft::ep::InternodeArgs a, int sms, cudaStream_t stream);
     void internode_combine(NormalHandle::Impl& h, const TensorView& y, const TensorView& out, int t,
                            cudaStream_t stream, const NormalOptions& options);
 

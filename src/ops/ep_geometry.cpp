@@ -195,6 +195,14 @@ std::vector<jit::KernelSpec> kernel_specs() {
         spec("ep/internode.cuh",
              "weft::kernels::ep::internode_sum<weft::kernels::ep::InternodeConfig{.threads = " + t + ", .unroll = 4}>",
              "ep::internode_sum"),
+        spec("ep/internode.cuh",
+             "weft::kernels::ep::internode_node_pack<weft::kernels::ep::InternodeConfig{.threads = " + t +
+                 ", .unroll = 4}>",
+             "ep::internode_node_pack"),
+        spec("ep/internode.cuh",
+             "weft::kernels::ep::internode_forward<weft::kernels::ep::InternodeConfig{.threads = " + t +
+                 ", .unroll = 4}>",
+             "ep::internode_forward"),
     };
 }
 

@@ -217,5 +217,176 @@ TEST(EpInternodePlan, TheExchangeGivesTheOneNodeLayoutAndCombine) {
     EXPECT_GT(checked, 0);
 }
 
+// The two-hop dispatch on the host, with the helpers its kernels use (fill_node_record, clear_node_record,
+// fill_node_header, routes_to_rank) and the byte layouts they share: node pack, the network hop (block m of t(n, l) to
+// t(m, l)), the forward inside node n, the node all_to_all and the reorder by source team rank. Every rank's final
+// records equal the record exchange's (the pack kernel's records after all_to_all: row, routes and padding), for
+// node-major and interleaved teams and every routing scenario.
+TEST(EpInternodePlan, TwoHopDispatchGivesTheRecordsOfTheExchange) {
+    struct Case {
+        int nodes, per_node, experts_per_rank, topk, max_tokens;
+        bool interleaved;
+    };
+    const int hidden = 16;  // rows carry (source, token) in their first 8 bytes
+    int checked = 0;
+    for (const Case c : {Case{2, 2, 2, 2, 7, false}, Case{2, 2, 4, 8, 5, true}, Case{4, 1, 2, 1, 6, false},
+                         Case{3, 2, 1, 2, 4, true}, Case{2, 3, 3, 8, 9, false}}) {
+        const int w = c.nodes * c.per_node;
+        ref::Params p;
+        p.num_ranks = w;
+        p.num_experts = c.experts_per_rank * w;
+        p.topk = std::min(c.topk, p.num_experts);
+        p.hidden = hidden;
+        const Geometry g = resolve_geometry(config_of(p.num_experts, hidden, p.topk, c.max_tokens), w, 0);
+        const InternodeLayout fin = InternodeLayout::make(g);
+        const weft::ep::NodeRecordLayout hop = weft::ep::NodeRecordLayout::make(g, c.nodes, c.per_node);
+        // by_node[m][l]: the team rank of node m's member l; node_of / local_of the inverse.
+        std::vector<int32_t> by_node(static_cast<size_t>(w));
+        std::vector<int> node_of(static_cast<size_t>(w)), local_of(static_cast<size_t>(w));
+        for (int m = 0; m < c.nodes; ++m) {
+            for (int l = 0; l < c.per_node; ++l) {
+                const int r = c.interleaved ? l * c.nodes + m : m * c.per_node + l;
+                by_node[static_cast<size_t>(m * c.per_node + l)] = r;
+                node_of[static_cast<size_t>(r)] = m;
+                local_of[static_cast<size_t>(r)] = l;
+            }
+        }
+        const size_t rec = static_cast<size_t>(fin.record_bytes);
+        const size_t cap = static_cast<size_t>(c.max_tokens);
+        for (const ref::Scenario sc : ref::all_scenarios()) {
+            for (uint32_t seed : {5u, 6u}) {
+                SCOPED_TRACE(std::string(ref::scenario_name(sc)) + ", " + std::to_string(c.nodes) + " x " +
+                             std::to_string(c.per_node) + (c.interleaved ? " interleaved" : "") + ", k " +
+                             std::to_string(p.topk) + ", seed " + std::to_string(seed));
+                const std::vector<ref::Routing> all = ref::make_routing(sc, p, c.max_tokens, seed);
+                const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
+                const auto row_of = [&](int s, int t) {
+                    std::vector<uint8_t> row(static_cast<size_t>(hidden) * 2, 0);
+                    const int32_t id[2] = {s, t};
+                    std::memcpy(row.data(), id, sizeof(id));
+                    return row;
+                };
+                // Node pack on every rank.
+                std::vector<std::vector<uint8_t>> node_send(static_cast<size_t>(w));
+                for (int s = 0; s < w; ++s) {
+                    const ref::Routing& src = all[static_cast<size_t>(s)];
+                    const ref::RankLayout& layout = plan.layouts[static_cast<size_t>(s)];
+                    auto& out = node_send[static_cast<size_t>(s)];
+                    out.assign(static_cast<size_t>(hop.bytes()), 0xCD);
+                    for (int m = 0; m < c.nodes; ++m) {
+                        const int32_t* members = &by_node[static_cast<size_t>(m * c.per_node)];
+                        for (int t = 0; t < c.max_tokens; ++t) {
+                            uint8_t* record = out.data() + hop.record_offset(m, t);
+                            if (t >= src.num_tokens) {
+                                weft::ep::clear_node_record(hop, record);
+                                continue;
+                            }
+                            if (weft::ep::fill_node_record(hop, &src.topk_idx[static_cast<size_t>(t) * p.topk],
+                                                           &src.topk_weights[static_cast<size_t>(t) * p.topk],
+                                                           &layout.send_idx[static_cast<size_t>(t) * w], members,
+                                                           record)) {
+                                const std::vector<uint8_t> row = row_of(s, t);
+                                std::memcpy(record, row.data(), row.size());
+                            }
+                        }
+                        weft::ep::fill_node_header(hop, layout.tokens_per_rank.data(), members,
+                                                   out.data() + hop.record_offset(m, c.max_tokens));
+                    }
+                }
+                // Network hop and forward on every rank t(n, l): block j of `forward` is [N][cap] final records.
+                std::vector<std::vector<uint8_t>> forward(static_cast<size_t>(w));
+                for (int me = 0; me < w; ++me) {
+                    const int n = node_of[static_cast<size_t>(me)];
+                    const int l = local_of[static_cast<size_t>(me)];
+                    const int32_t* members = &by_node[static_cast<size_t>(n * c.per_node)];
+                    auto& fwd = forward[static_cast<size_t>(me)];
+                    fwd.assign(static_cast<size_t>(c.per_node * c.nodes) * cap * rec, 0xAB);
+                    for (int m = 0; m < c.nodes; ++m) {
+                        // Block n of the column peer on node m.
+                        const uint8_t* block =
+                            node_send[static_cast<size_t>(by_node[static_cast<size_t>(m * c.per_node + l)])].data() +
+                            hop.record_offset(n, 0);
+                        const auto* header = reinterpret_cast<const int32_t*>(
+                            block + static_cast<size_t>(c.max_tokens) * hop.record_bytes + hop.send_idx_offset);
+                        for (int t = 0; t < c.max_tokens; ++t) {
+                            const uint8_t* record = block + static_cast<size_t>(t) * hop.record_bytes;
+                            const auto* idx = reinterpret_cast<const int32_t*>(record + hop.send_idx_offset);
+                            for (int j = 0; j < c.per_node; ++j) {
+                                if (idx[j] < 0) continue;
+                                ASSERT_LT(idx[j], header[j]);
+                                uint8_t* dst =
+                                    fwd.data() +
+                                    ((static_cast<size_t>(j) * c.nodes + m) * cap + static_cast<size_t>(idx[j])) * rec;
+                                std::memcpy(dst, record, static_cast<size_t>(hidden) * 2);
+                                weft::ep::routes_to_rank(g, fin.local_topk,
+                                                         reinterpret_cast<const int32_t*>(record + hop.ids_offset),
+                                                         reinterpret_cast<const float*>(record + hop.weights_offset),
+                                                         members[j], reinterpret_cast<int32_t*>(dst + fin.ids_offset),
+                                                         reinterpret_cast<float*>(dst + fin.weights_offset));
+                            }
+                        }
+                        for (int j = 0; j < c.per_node; ++j) {
+                            for (int q = header[j]; q < c.max_tokens; ++q) {
+                                uint8_t* dst =
+                                    fwd.data() +
+                                    ((static_cast<size_t>(j) * c.nodes + m) * cap + static_cast<size_t>(q)) * rec;
+                                for (int k = 0; k < fin.local_topk; ++k) {
+                                    reinterpret_cast<int32_t*>(dst + fin.ids_offset)[k] = -1;
+                                    reinterpret_cast<float*>(dst + fin.weights_offset)[k] = 0.0f;
+                                }
+                            }
+                        }
+                    }
+                }
+                // Node all_to_all and reorder at t(n, j), against the record exchange's records for it.
+                for (int r = 0; r < w; ++r) {
+                    const int n = node_of[static_cast<size_t>(r)];
+                    const int j = local_of[static_cast<size_t>(r)];
+                    std::vector<uint8_t> recv(static_cast<size_t>(fin.dispatch_bytes()), 0);
+                    for (int l = 0; l < c.per_node; ++l) {
+                        const auto& fwd =
+                            forward[static_cast<size_t>(by_node[static_cast<size_t>(n * c.per_node + l)])];
+                        for (int m = 0; m < c.nodes; ++m) {
+                            const int s = by_node[static_cast<size_t>(m * c.per_node + l)];
+                            std::memcpy(recv.data() + static_cast<size_t>(s) * cap * rec,
+                                        fwd.data() + (static_cast<size_t>(j) * c.nodes + m) * cap * rec, cap * rec);
+                        }
+                    }
+                    for (int s = 0; s < w; ++s) {
+                        const ref::Routing& src = all[static_cast<size_t>(s)];
+                        const ref::RankLayout& layout = plan.layouts[static_cast<size_t>(s)];
+                        std::vector<int> token_at(cap, -1);
+                        for (int t = 0; t < src.num_tokens; ++t) {
+                            const int32_t idx = layout.send_idx[static_cast<size_t>(t) * w + r];
+                            if (idx >= 0) token_at[static_cast<size_t>(idx)] = t;
+                        }
+                        for (size_t i = 0; i < cap; ++i) {
+                            const uint8_t* got = recv.data() + (static_cast<size_t>(s) * cap + i) * rec;
+                            std::vector<int32_t> ids(static_cast<size_t>(fin.local_topk), -1);
+                            std::vector<float> weights(static_cast<size_t>(fin.local_topk), 0.0f);
+                            const int t = token_at[i];
+                            if (t >= 0) {
+                                routes_to_rank(g, fin.local_topk, &src.topk_idx[static_cast<size_t>(t) * p.topk],
+                                               &src.topk_weights[static_cast<size_t>(t) * p.topk], r, ids.data(),
+                                               weights.data());
+                                int32_t origin[2];
+                                std::memcpy(origin, got, sizeof(origin));
+                                ASSERT_EQ(origin[0], s) << "rank " << r << " record " << i << " of source " << s;
+                                ASSERT_EQ(origin[1], t) << "rank " << r << " record " << i << " of source " << s;
+                            }
+                            ASSERT_EQ(std::memcmp(got + fin.ids_offset, ids.data(), ids.size() * 4), 0)
+                                << "rank " << r << " record " << i << " of source " << s << ": routes";
+                            ASSERT_EQ(std::memcmp(got + fin.weights_offset, weights.data(), weights.size() * 4), 0)
+                                << "rank " << r << " record " << i << " of source " << s << ": weights";
+                        }
+                    }
+                }
+                ++checked;
+            }
+        }
+    }
+    EXPECT_GT(checked, 0);
+}
+
 }  // namespace
 }  // namespace weft::ops::ep

@@ -77,7 +77,77 @@ WEFT_HOST_DEVICE inline int32_t routes_to_rank(const Geometry& g, int32_t local_
     return n;
 }
 
-/// Arguments of kernels/ep/internode.cuh (one struct for both kernels; each reads its own fields).
+/// The network hop of the two-hop dispatch: t(n, l) (node n's member with local index l) sends one block per node m to
+/// its column peer t(m, l). Record t of block m is token t (fixed slots: `capacity` of them), written when the token
+/// has a valid route on node m: its row, its k expert ids and weights as given, and for each member j of node m the
+/// token's send_idx for that rank (-1: not sent there). A token without a route on node m leaves its row unwritten and
+/// every send_idx -1. A last record (index `capacity`) is the block's header: in its send_idx field, the number of this
+/// rank's tokens going to each member j of node m (the layout kernel's tokens_per_rank).
+struct NodeRecordLayout {
+    int32_t num_nodes;        ///< N: blocks per exchange
+    int32_t ranks_per_node;   ///< L: send_idx values per record
+    int32_t capacity;         ///< token records per block: max_tokens_per_rank (then the header record)
+    int32_t topk;             ///< k
+    int64_t ids_offset;       ///< bytes from a record's start to its k int32 expert ids (team-wide ids)
+    int64_t weights_offset;   ///< to its k fp32 weights
+    int64_t send_idx_offset;  ///< to its L int32 send indices (the header's counts)
+    int64_t record_bytes;     ///< a multiple of 16
+
+    WEFT_HOST_DEVICE static constexpr NodeRecordLayout make(const Geometry& g, int32_t num_nodes,
+                                                            int32_t ranks_per_node) {
+        NodeRecordLayout l{};
+        l.num_nodes = num_nodes;
+        l.ranks_per_node = ranks_per_node;
+        l.capacity = g.max_tokens;
+        l.topk = g.topk;
+        l.ids_offset = g.row_bytes();
+        l.weights_offset = l.ids_offset + 4 * int64_t{g.topk};
+        l.send_idx_offset = l.weights_offset + 4 * int64_t{g.topk};
+        l.record_bytes = round_up(l.send_idx_offset + 4 * int64_t{ranks_per_node}, 16);
+        return l;
+    }
+    WEFT_HOST_DEVICE constexpr int64_t block_bytes() const { return (int64_t{capacity} + 1) * record_bytes; }
+    /// Bytes of one exchange (N blocks), sent and received alike.
+    WEFT_HOST_DEVICE constexpr int64_t bytes() const { return int64_t{num_nodes} * block_bytes(); }
+    WEFT_HOST_DEVICE constexpr int64_t record_offset(int32_t node, int32_t index) const {
+        return int64_t{node} * block_bytes() + int64_t{index} * record_bytes;
+    }
+};
+
+/// Writes the metadata of token record (block m, token t): k ids and weights as given (`row`, `weights`), and the
+/// send_idx of each member of node m (`members`: their team ranks, L of them; `send_idx`: the token's [W] send
+/// indices). Returns whether the token goes to node m at all (some send_idx >= 0); the row is the caller's to copy.
+WEFT_HOST_DEVICE inline bool fill_node_record(const NodeRecordLayout& l, const int32_t* row, const float* weights,
+                                              const int32_t* send_idx, const int32_t* members, uint8_t* record) {
+    auto* ids = reinterpret_cast<int32_t*>(record + l.ids_offset);
+    auto* w = reinterpret_cast<float*>(record + l.weights_offset);
+    auto* idx = reinterpret_cast<int32_t*>(record + l.send_idx_offset);
+    bool any = false;
+    for (int32_t j = 0; j < l.ranks_per_node; ++j) {
+        idx[j] = send_idx[members[j]];
+        any = any || idx[j] >= 0;
+    }
+    for (int32_t j = 0; j < l.topk; ++j) {
+        ids[j] = row[j];
+        w[j] = weights[j];
+    }
+    return any;
+}
+
+/// A token record that goes nowhere on its node (every send_idx -1; ids and weights untouched, never read).
+WEFT_HOST_DEVICE inline void clear_node_record(const NodeRecordLayout& l, uint8_t* record) {
+    auto* idx = reinterpret_cast<int32_t*>(record + l.send_idx_offset);
+    for (int32_t j = 0; j < l.ranks_per_node; ++j) idx[j] = -1;
+}
+
+/// The header record of block m: tokens going to each member of node m (`tokens_per_rank`: [W], `members`: L).
+WEFT_HOST_DEVICE inline void fill_node_header(const NodeRecordLayout& l, const int32_t* tokens_per_rank,
+                                              const int32_t* members, uint8_t* record) {
+    auto* idx = reinterpret_cast<int32_t*>(record + l.send_idx_offset);
+    for (int32_t j = 0; j < l.ranks_per_node; ++j) idx[j] = tokens_per_rank[members[j]];
+}
+
+/// Arguments of kernels/ep/internode.cuh (one struct for every kernel there; each reads its own fields).
 struct InternodeArgs {
     Geometry geo;  ///< the team's geometry (W ranks)
     InternodeLayout net;
@@ -97,6 +167,14 @@ struct InternodeArgs {
     const uint16_t* partials;  ///< [W * capacity, H] bf16: block r = rank r's partials of this rank's tokens
     uint16_t* out;             ///< [T, H] bf16
     int64_t out_stride;
+    // two-hop dispatch (node_pack: x, topk_idx, topk_weights, send_idx, tokens_per_rank as for pack)
+    NodeRecordLayout hop;
+    const int32_t* team_ranks_by_node;  ///< [N][L] device copy of HostBackend::team_ranks_by_node()
+    int32_t node_index;                 ///< n: this rank's node among the team's
+    int32_t pad1;
+    uint8_t* node_send;        ///< [hop.bytes()] node_pack's output: block m for the column peer on node m
+    const uint8_t* node_recv;  ///< [hop.bytes()] block m = what the column peer on node m sent to this node
+    uint8_t* forward;          ///< [L][N][capacity] final records: block j for node member j, by source node
 };
 
 }  // namespace weft::ep
