@@ -819,27 +819,36 @@ TEST(MultiNode, EpDispatchCombineMatchTheReference) {
     if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
     const EpCase cases[] = {{2, 136, 2, 129, 1}, {4, 200, 8, 7, 4}, {1, 8, 1, 7, 1}, {3, 1000, 8, 1, 2}};
-    for (const Team& team : ep_teams(w)) {
-        if (!team.is_member()) continue;
-        ref::RankStream stream;
-        const cudaStream_t s = stream.s;
-        const uint32_t seed = team_seed(team);
-        for (const EpCase& c : cases) {
-            const ops::ep::Config cfg = ep_config(c, team.num_ranks());
-            ops::ep::Buffer ep(team, cfg);
-            ops::ep::NormalHandle h = ep.make_normal_handle();
-            EpInputs in(cfg, ep.geometry().max_recv_rows, s);
-            const ref::Params p = ep_params(cfg, team.num_ranks());
-            for (const ref::Scenario sc : ref::all_scenarios()) {
-                const std::vector<ref::Routing> all = ref::make_routing(sc, p, cfg.max_tokens_per_rank, seed);
-                std::ostringstream what;
-                what << "team " << team.describe() << ", " << ref::scenario_name(sc) << ", E " << cfg.num_experts
-                     << ", H " << cfg.hidden << ", k " << cfg.topk << ", T <= " << cfg.max_tokens_per_rank
-                     << ", alignment " << cfg.expert_alignment << ", seed " << seed;
-                ep_run_and_check(team, ep, h, in, all, seed, s, what.str());
+    const std::vector<Team> teams = ep_teams(w);
+    // Both dispatch paths (every process sets the same before its Buffers are made): two hops on every team, the
+    // record exchange on the world.
+    for (const char* path : {"two_hop", "all_to_all"}) {
+        ::setenv("WEFT_EP_ACROSS_NODES", path, 1);
+        for (const Team& team : teams) {
+            if (!team.is_member()) continue;
+            if (std::string(path) == "all_to_all" && !team.is_world()) continue;
+            ref::RankStream stream;
+            const cudaStream_t s = stream.s;
+            const uint32_t seed = team_seed(team);
+            for (const EpCase& c : cases) {
+                const ops::ep::Config cfg = ep_config(c, team.num_ranks());
+                ops::ep::Buffer ep(team, cfg);
+                ops::ep::NormalHandle h = ep.make_normal_handle();
+                EpInputs in(cfg, ep.geometry().max_recv_rows, s);
+                const ref::Params p = ep_params(cfg, team.num_ranks());
+                for (const ref::Scenario sc : ref::all_scenarios()) {
+                    const std::vector<ref::Routing> all = ref::make_routing(sc, p, cfg.max_tokens_per_rank, seed);
+                    std::ostringstream what;
+                    what << path << ", team " << team.describe() << ", " << ref::scenario_name(sc) << ", E "
+                         << cfg.num_experts << ", H " << cfg.hidden << ", k " << cfg.topk
+                         << ", T <= " << cfg.max_tokens_per_rank << ", alignment " << cfg.expert_alignment << ", seed "
+                         << seed;
+                    ep_run_and_check(team, ep, h, in, all, seed, s, what.str());
+                }
             }
         }
     }
+    ::unsetenv("WEFT_EP_ACROSS_NODES");
 }
 
 // A dispatch + combine captured in a CUDA graph after one eager call, replayed with new routings in the same input
