@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
-// weft::ops::ep normal mode on a team that spans nodes: the pack kernel, a record exchange over the team
-// (ops::all_to_all across nodes: node stage, then the column network), a one-rank dispatch of the received records,
-// and the reverse for combine (docs/multinode.md, "EP across nodes").
+// weft::ops::ep normal mode on a team that spans nodes: every rank rebuilds the one-node receive order as records (two
+// hops: node blocks over the column network, then the node's forward and load/store all_to_all; or one record exchange
+// over ops::all_to_all on the team) and runs a one-rank dispatch on them; combine returns each record's partial over
+// all_to_all and sums in rank order (docs/multinode.md, "EP across nodes").
 #include <cstdlib>
 #include <string>
 #include <vector>
