@@ -139,6 +139,7 @@ void Buffer::Impl::check_status(const char* op) const {
     if (auto s = read_status(status_host)) {
         WEFT_FAIL(describe(*s) << " (reported before " << op << "; call Buffer::clear_status() after handling it)");
     }
+    if (across_nodes()) inner->impl_->check_status(op);  // what the one-rank dispatch and combine reported
 }
 
 std::string Buffer::Impl::describe(const Status& s) const {
@@ -150,6 +151,37 @@ std::string Buffer::Impl::describe(const Status& s) const {
     world_ranks.rank = to_world(s.rank);
     world_ranks.culprit_rank = to_world(s.culprit_rank);
     return describe_status(world_ranks) + " (ranks are world ranks; the Buffer's team is " + team.describe() + ")";
+}
+
+void Buffer::Impl::init_one_node() {
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&alloc_stream, cudaStreamNonBlocking));
+    // Compile (in parallel, all ranks sharing the cache) and load every kernel before anything spins.
+    const std::vector<jit::KernelSpec> specs = kernel_specs();
+    {
+        std::vector<std::future<void>> compiles;
+        for (const jit::KernelSpec& s : specs) {
+            compiles.push_back(std::async(std::launch::async, [&s] { jit::compiler().compile(s); }));
+        }
+        for (auto& f : compiles) {
+            f.get();
+        }
+    }
+    k_layout = &jit::compiler().get_kernel(specs[0]);
+    k_dispatch = &jit::compiler().get_kernel(specs[1]);
+    k_combine = &jit::compiler().get_kernel(specs[2]);
+    k_ll_dispatch = &jit::compiler().get_kernel(specs[3]);
+    k_ll_combine = &jit::compiler().get_kernel(specs[4]);
+
+    // One symmetric allocation (same offset on every member) and one private one, carved by the Workspace. The
+    // signal words start at zero on every member: no member launches before the barrier below.
+    const weft::ep::BufferSymmetricLayout& sym = ws.buffer_symmetric;
+    symmetric = static_cast<uint8_t*>(world->heap().alloc(team, static_cast<uint64_t>(sym.bytes)));
+    WEFT_CUDA_CHECK(
+        cudaMemsetAsync(sym.signals.at(symmetric), 0, static_cast<size_t>(sym.signals.bytes()), alloc_stream));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(alloc_stream));
+    device = detail::device_alloc_zeroed(static_cast<uint64_t>(ws.buffer_device.bytes), alloc_stream);
+    normal = ws.normal_buffer(symmetric, device);
+    low_latency = ws.low_latency_buffer(symmetric, device);
 }
 
 // ---- Buffer ----
@@ -183,44 +215,20 @@ Buffer::Buffer(const Team& team, const Config& config) : impl_(std::make_unique<
     }
     b.ws = Workspace::make(b.geo);
     b.fp = footprint(config, team.num_ranks());
-    // Only the load/store transport exists today: every member must map every other member's heap.
-    for (int r = 0; r < team.num_ranks(); ++r) {
-        WEFT_CHECK(world.heap().symm_at(world.heap().base(), team.world_rank(r)) != nullptr,
-                   "ep: world rank " << team.world_rank(r) << " is not load/store reachable from world rank "
-                                     << world.rank()
-                                     << " (another host, or no peer access between the GPUs); weft::ops::ep needs every "
-                                        "rank of the team reachable through NVLink or PCIe P2P until a network "
-                                        "transport exists");
-    }
-    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&b.alloc_stream, cudaStreamNonBlocking));
-
-    // Compile (in parallel, all ranks sharing the cache) and load every kernel before anything spins.
-    const std::vector<jit::KernelSpec> specs = kernel_specs();
-    {
-        std::vector<std::future<void>> compiles;
-        for (const jit::KernelSpec& s : specs) {
-            compiles.push_back(std::async(std::launch::async, [&s] { jit::compiler().compile(s); }));
+    if (team.num_nodes() > 1) {
+        // Peers on other nodes are reached through the network: docs/multinode.md, "EP across nodes".
+        b.init_across_nodes();
+    } else {
+        // Within a node every member must map every other member's heap.
+        for (int r = 0; r < team.num_ranks(); ++r) {
+            WEFT_CHECK(world.heap().symm_at(world.heap().base(), team.world_rank(r)) != nullptr,
+                       "ep: world rank "
+                           << team.world_rank(r) << " is not load/store reachable from world rank " << world.rank()
+                           << " (no peer access between the GPUs of one node); weft::ops::ep needs the members of a "
+                              "node reachable through NVLink or PCIe P2P");
         }
-        for (auto& f : compiles) {
-            f.get();
-        }
+        b.init_one_node();
     }
-    b.k_layout = &jit::compiler().get_kernel(specs[0]);
-    b.k_dispatch = &jit::compiler().get_kernel(specs[1]);
-    b.k_combine = &jit::compiler().get_kernel(specs[2]);
-    b.k_ll_dispatch = &jit::compiler().get_kernel(specs[3]);
-    b.k_ll_combine = &jit::compiler().get_kernel(specs[4]);
-
-    // One symmetric allocation (same offset on every member) and one private one, carved by the Workspace. The
-    // signal words start at zero on every member: no member launches before the barrier below.
-    const weft::ep::BufferSymmetricLayout& sym = b.ws.buffer_symmetric;
-    b.symmetric = static_cast<uint8_t*>(world.heap().alloc(team, static_cast<uint64_t>(sym.bytes)));
-    WEFT_CUDA_CHECK(
-        cudaMemsetAsync(sym.signals.at(b.symmetric), 0, static_cast<size_t>(sym.signals.bytes()), b.alloc_stream));
-    WEFT_CUDA_CHECK(cudaStreamSynchronize(b.alloc_stream));
-    b.device = detail::device_alloc_zeroed(static_cast<uint64_t>(b.ws.buffer_device.bytes), b.alloc_stream);
-    b.normal = b.ws.normal_buffer(b.symmetric, b.device);
-    b.low_latency = b.ws.low_latency_buffer(b.symmetric, b.device);
 
     // From the process's pool, not cudaHostAlloc: that would wait for kernels spinning anywhere on the GPU.
     static_assert(sizeof(Status) <= weft::detail::kHostMappedBlockBytes);
@@ -244,6 +252,7 @@ Buffer::~Buffer() {
     } catch (const std::exception& e) {
         WEFT_LOG_ERROR("ep: releasing the Buffer failed: " << e.what());
     }
+    if (b.team_ranks_by_node != nullptr) cudaFreeAsync(b.team_ranks_by_node, b.alloc_stream);
     if (b.device != nullptr) {
         cudaFreeAsync(b.device, b.alloc_stream);
         cudaStreamSynchronize(b.alloc_stream);
@@ -267,7 +276,7 @@ void Buffer::sync_and_check(cudaStream_t stream) {
 std::optional<StatusReport> Buffer::status() const {
     auto s = read_status(impl_->status_host);
     if (!s) {
-        return std::nullopt;
+        return impl_->across_nodes() ? impl_->inner->status() : std::nullopt;
     }
     return StatusReport{s->code, *s, impl_->describe(*s)};
 }
@@ -278,6 +287,7 @@ void Buffer::clear_status() {
         p[i] = 0;
     }
     std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (impl_->across_nodes()) impl_->inner->clear_status();
 }
 
 }  // namespace weft::ops::ep

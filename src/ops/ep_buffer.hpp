@@ -7,6 +7,7 @@
 
 #include <deque>
 
+#include "weft/common/ep_internode.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/ep.hpp"
 #include "weft/runtime/stream.hpp"
@@ -44,6 +45,19 @@ struct NormalHandle::Impl {
     NormalHandleView view{};
     int num_tokens = -1;  // of the last dispatch
     bool dispatched = false;
+    // A team that spans nodes (docs/multinode.md, "EP across nodes"): `symmetric` is null, `device` holds the
+    // team-wide layout arrays, the receive side is `inner`'s (the one-rank Buffer's handle), and the exchange buffers
+    // are private: send and recv records, the combine's partials and the partials that came back.
+    std::unique_ptr<NormalHandle> inner;
+    uint8_t* exchange = nullptr;  // one private allocation: send | recv | partials | returned
+    uint8_t* send = nullptr;
+    uint8_t* recv = nullptr;
+    uint16_t* partials = nullptr;
+    uint16_t* returned = nullptr;
+    // The two-hop dispatch's buffers (in `exchange` too): the network hop's blocks and the node stage's output.
+    uint8_t* node_send = nullptr;
+    uint8_t* node_recv = nullptr;
+    uint8_t* gathered = nullptr;  // [L][N][T_max] records by (node member, source node): reordered into `recv`
     ~Impl();
 };
 
@@ -81,6 +95,37 @@ struct Buffer::Impl {
     mutable StreamUses uses;  // the streams this Buffer's kernels ran on: waited for before its memory is freed
     std::deque<LowLatencyHandle::Impl*> ll_dispatch_queue;  // sent, not yet received (oldest first)
     std::deque<LowLatencyHandle::Impl*> ll_combine_queue;
+
+    // ---- a team that spans nodes (docs/multinode.md, "EP across nodes"); null `inner` on one node ----
+    std::unique_ptr<Buffer> inner;    // the one-rank Buffer (this rank alone, E / W experts) the records feed
+    weft::ep::InternodeLayout net{};  // the exchange's layout
+    jit::Kernel* k_pack = nullptr;
+    jit::Kernel* k_sum = nullptr;
+    // The dispatch's path across nodes: two hops (network to the column peer on each node, then the node's forward),
+    // or the record exchange over all_to_all (WEFT_EP_ACROSS_NODES=all_to_all).
+    bool two_hop = false;
+    weft::ep::NodeRecordLayout hop{};
+    int32_t* team_ranks_by_node = nullptr;  // device [N][L]
+    jit::Kernel* k_node_pack = nullptr;
+    jit::Kernel* k_forward = nullptr;
+    bool across_nodes() const { return inner != nullptr; }
+    /// The constructor's part for a team that spans nodes: the column communicators, the layout kernel's state, the
+    /// one-rank Buffer and the pack and sum kernels.
+    void init_across_nodes();
+    /// The constructor's part for a team within one node: kernels, symmetric and private allocations.
+    void init_one_node();
+    /// make_normal_handle's part for a team that spans nodes: the one-rank handle, the team-wide layout arrays and
+    /// the exchange buffers.
+    void init_across_nodes_handle(NormalHandle::Impl& h);
+    /// Throws weft::Error naming `op` when the team spans nodes (the low-latency mode does not cross nodes yet).
+    void refuse_across_nodes(const char* op) const;
+    /// The normal dispatch and combine of a team that spans nodes (src/ops/ep_internode.cpp).
+    void internode_dispatch(NormalHandle::Impl& h, const TensorView& x, const TensorView& topk_idx,
+                            const TensorView& topk_weights, int t, cudaStream_t stream, const NormalOptions& options);
+    /// The two-hop dispatch's exchange: node pack, network hop, forward, node all_to_all, reorder into h.recv.
+    void two_hop_exchange(NormalHandle::Impl& h, weft::ep::InternodeArgs a, int sms, cudaStream_t stream);
+    void internode_combine(NormalHandle::Impl& h, const TensorView& y, const TensorView& out, int t,
+                           cudaStream_t stream, const NormalOptions& options);
 
     /// What every op checks on entry, before anything else: no device-reported error is pending (check()), the
     /// stream is one the ranks' kernels cannot be serialised on, and `handle_owner` is this Buffer. A call that

@@ -189,6 +189,20 @@ std::vector<jit::KernelSpec> kernel_specs() {
              "weft::kernels::ep::low_latency_combine<weft::kernels::ep::LowLatencyConfig{.threads = " + t +
                  ", .unroll = 2}>",
              "ep::low_latency_combine"),
+        spec("ep/internode.cuh",
+             "weft::kernels::ep::internode_pack<weft::kernels::ep::InternodeConfig{.threads = " + t + ", .unroll = 4}>",
+             "ep::internode_pack"),
+        spec("ep/internode.cuh",
+             "weft::kernels::ep::internode_sum<weft::kernels::ep::InternodeConfig{.threads = " + t + ", .unroll = 4}>",
+             "ep::internode_sum"),
+        spec("ep/internode.cuh",
+             "weft::kernels::ep::internode_node_pack<weft::kernels::ep::InternodeConfig{.threads = " + t +
+                 ", .unroll = 4}>",
+             "ep::internode_node_pack"),
+        spec("ep/internode.cuh",
+             "weft::kernels::ep::internode_forward<weft::kernels::ep::InternodeConfig{.threads = " + t +
+                 ", .unroll = 4}>",
+             "ep::internode_forward"),
     };
 }
 

@@ -93,6 +93,7 @@ const LowLatencyHandleView& LowLatencyHandle::view() const { return impl_->view;
 
 LowLatencyHandle Buffer::make_low_latency_handle() {
     Impl& b = *impl_;
+    b.refuse_across_nodes("make_low_latency_handle");
     WEFT_CHECK(b.config.low_latency,
                "ep: make_low_latency_handle: this Buffer was made with Config::low_latency = false");
     auto h = std::make_unique<LowLatencyHandle::Impl>();
@@ -108,6 +109,7 @@ void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x,
                                   cudaStream_t stream, const LowLatencyOptions& options) {
     WEFT_NVTX_RANGE("ep low_latency_dispatch");
     Impl& b = *impl_;
+    b.refuse_across_nodes("low_latency_dispatch");
     const Geometry& g = b.geo;
     b.enter("low_latency_dispatch", stream, handle.impl_ ? handle.impl_->buffer : nullptr,
             options.phase != Phase::kRecv);
@@ -186,6 +188,7 @@ void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, 
                                  const LowLatencyOptions& options) {
     WEFT_NVTX_RANGE("ep low_latency_combine");
     Impl& b = *impl_;
+    b.refuse_across_nodes("low_latency_combine");
     const Geometry& g = b.geo;
     b.enter("low_latency_combine", stream, handle.impl_ ? handle.impl_->buffer : nullptr, false);
     WEFT_CHECK(b.config.low_latency, "ep: low_latency_combine: this Buffer was made with Config::low_latency = false");

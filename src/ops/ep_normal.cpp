@@ -18,7 +18,10 @@ NormalHandle::Impl::~Impl() {
     }
     try {
         buffer->uses.wait_all();  // no kernel of this Buffer still reads the handle's buffers here
-        buffer->world->heap().free(buffer->team, symmetric);
+        if (symmetric != nullptr) buffer->world->heap().free(buffer->team, symmetric);
+        if (exchange != nullptr) {
+            WEFT_CUDA_CHECK(cudaFreeAsync(exchange, buffer->alloc_stream));
+        }
         if (device != nullptr) {
             WEFT_CUDA_CHECK(cudaFreeAsync(device, buffer->alloc_stream));
             WEFT_CUDA_CHECK(cudaStreamSynchronize(buffer->alloc_stream));
@@ -47,6 +50,12 @@ NormalHandle Buffer::make_normal_handle() {
     Impl& b = *impl_;
     WEFT_CHECK(b.config.normal, "ep: make_normal_handle: this Buffer was made with Config::normal = false");
     auto h = std::make_unique<NormalHandle::Impl>();
+    if (b.across_nodes()) {
+        b.init_across_nodes_handle(*h);
+        h->buffer = &b;
+        ++b.live_handles;
+        return NormalHandle(std::move(h));
+    }
     h->symmetric = static_cast<uint8_t*>(
         b.world->heap().alloc(b.team, static_cast<uint64_t>(b.ws.normal_handle_symmetric.bytes)));  // collective
     h->device = detail::device_alloc_zeroed(static_cast<uint64_t>(b.ws.normal_handle_device.bytes), b.alloc_stream);
@@ -110,6 +119,12 @@ void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorVie
                    reinterpret_cast<uintptr_t>(f.expert_rows) % 4 == 0,
                "ep::dispatch: options.fused's words must be aligned to their size");
     NormalHandle::Impl& h = *handle.impl_;
+    if (b.across_nodes()) {
+        b.internode_dispatch(h, x, topk_idx, topk_weights, t, stream, options);
+        h.num_tokens = t;
+        h.dispatched = true;
+        return;
+    }
     b.launch_layout(h, topk_idx, t, stream);
     weft::ep::NormalArgs a = b.normal_args(h);
     a.num_tokens = t;
@@ -159,6 +174,10 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
         WEFT_CHECK(f.tile_stride >= rows_of_tiles,
                    "ep::combine: options.fused.tile_stride must cover an expert's rows of tiles (ceil(max_recv_rows "
                    "/ tile_m) = " << rows_of_tiles << "), got " << f.tile_stride);
+    }
+    if (b.across_nodes()) {
+        b.internode_combine(h, y, out, t, stream, options);
+        return;
     }
     weft::ep::NormalArgs a = b.normal_args(h);
     a.num_tokens = t;

@@ -1,13 +1,16 @@
 // SPDX-License-Identifier: MIT
 // Teams that span (virtual) nodes, one process per rank: the hierarchical collectives, all_to_all, AgGemm
-// (AllGather+GEMM) and GemmRs (GEMM+ReduceScatter) against a host reference on awkward sizes, and a rank on another
-// node that never arrives (docs/multinode.md). Run under virtual nodes, e.g.
+// (AllGather+GEMM), GemmRs (GEMM+ReduceScatter) and expert-parallel dispatch/combine against a host reference on
+// awkward sizes, and a rank on another node that never arrives (docs/multinode.md). Run under virtual nodes, e.g.
 //   WEFT_VIRTUAL_NODES=2 weftrun -n 4 -- weft_dist_tests --gtest_filter='MultiNode*'
 // Without virtual nodes (one node) every test here skips.
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstring>
+#include <functional>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -16,11 +19,14 @@
 #include "dist/dist_world.hpp"
 #include "gpu/collectives_test_kernels.hpp"
 #include "gpu/tp_test_util.hpp"
+#include "support/ep_reference.hpp"
+#include "support/ep_testing.hpp"
 #include "weft/net/host_backend.hpp"
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/all_to_all.hpp"
+#include "weft/ops/ep.hpp"
 #include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/weft.hpp"
@@ -590,6 +596,433 @@ TEST(MultiNode, GemmRsGraphReplay) {
     run_gemm_rs_across_nodes(true);
 }
 
+// ---- expert parallelism across nodes (docs/multinode.md, "EP across nodes") ----
+
+namespace ref = weft::test::ep;
+
+// The teams of the EP tests: the world (node-major), and with 2 or more ranks per node every other rank, and the
+// interleaved team (team rank l * N + n is node n's member l: not node-major). Collective over the world.
+std::vector<Team> ep_teams(World& w) {
+    std::vector<Team> teams = teams_under_test(w);
+    const int per_node = w.num_ranks() / w.num_nodes();
+    if (per_node >= 2) teams.push_back(w.team().split_color(0, (w.rank() % per_node) * w.num_nodes() + w.node()));
+    return teams;
+}
+
+// Runs `check` on this member, then agrees over the team: when any member's check failed, every member throws naming
+// it, so that no member goes on to a collective that a failed member will never join.
+void team_check(const Team& team, const std::function<void()>& check) {
+    std::string error;
+    try {
+        check();
+    } catch (const std::exception& e) {
+        error = e.what();
+        if (error.empty()) error = "check failed";
+    }
+    const auto all = team.all_gather("ep-multinode-check", std::vector<uint8_t>(error.begin(), error.end()));
+    for (size_t r = 0; r < all.size(); ++r) {
+        if (!all[r].empty()) WEFT_FAIL("team rank " << r << ": " << std::string(all[r].begin(), all[r].end()));
+    }
+}
+
+// A fresh seed (printed), the same on every member: team rank 0's.
+uint32_t team_seed(const Team& team) {
+    const uint32_t mine = ref::fresh_seed();
+    std::vector<uint8_t> bytes(4);
+    std::memcpy(bytes.data(), &mine, 4);
+    const auto all = team.all_gather("ep-multinode-seed", bytes);
+    uint32_t seed = 0;
+    std::memcpy(&seed, all[0].data(), 4);
+    return seed;
+}
+
+struct EpCase {
+    int experts_per_rank;
+    int hidden;
+    int topk;  // capped at the number of experts
+    int max_tokens;
+    int alignment;
+};
+
+ops::ep::Config ep_config(const EpCase& c, int num_ranks) {
+    ops::ep::Config cfg;
+    cfg.num_experts = c.experts_per_rank * num_ranks;
+    cfg.hidden = c.hidden;
+    cfg.topk = std::min(c.topk, cfg.num_experts);
+    cfg.max_tokens_per_rank = c.max_tokens;
+    cfg.expert_alignment = c.alignment;
+    cfg.low_latency = false;
+    return cfg;
+}
+
+ref::Params ep_params(const ops::ep::Config& c, int num_ranks) {
+    ref::Params p;
+    p.num_ranks = num_ranks;
+    p.num_experts = c.num_experts;
+    p.topk = c.topk;
+    p.hidden = c.hidden;
+    p.expert_alignment = c.expert_alignment;
+    return p;
+}
+
+// This member's device inputs, sized for the Buffer's limits.
+struct EpInputs {
+    ref::DeviceArray<uint16_t> x;
+    ref::DeviceArray<int32_t> idx;
+    ref::DeviceArray<float> w;
+    ref::DeviceArray<uint16_t> y;
+    ref::DeviceArray<uint16_t> out;
+    int num_tokens = 0;
+    int hidden;
+    int topk;
+    EpInputs(const ops::ep::Config& c, int64_t max_rows, cudaStream_t s)
+        : x(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, s),
+          idx(static_cast<size_t>(c.max_tokens_per_rank) * c.topk, s),
+          w(static_cast<size_t>(c.max_tokens_per_rank) * c.topk, s),
+          y(static_cast<size_t>(max_rows) * c.hidden, s),
+          out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, s),
+          hidden(c.hidden),
+          topk(c.topk) {}
+    void load(const ref::Routing& r, const std::vector<uint16_t>& rows) {
+        num_tokens = r.num_tokens;
+        x.upload(rows);
+        idx.upload(r.topk_idx);
+        w.upload(r.topk_weights);
+    }
+    TensorView x_view() const { return TensorView(x.get(), DType::kBF16, {num_tokens, hidden}); }
+    TensorView idx_view() const { return TensorView(idx.get(), DType::kI32, {num_tokens, topk}); }
+    TensorView w_view() const { return TensorView(w.get(), DType::kF32, {num_tokens, topk}); }
+    TensorView out_view() const { return TensorView(out.get(), DType::kBF16, {num_tokens, hidden}); }
+};
+
+// The y rows of team rank r: expert_output of each received row's payload; padding rows NaN (a combine that reads one
+// fails loudly).
+std::vector<uint16_t> ep_expected_y(const ref::Params& p, const ref::NormalPlan& plan,
+                                    const std::vector<std::vector<uint16_t>>& x_all, int r, int64_t max_rows) {
+    std::vector<uint16_t> y(static_cast<size_t>(max_rows) * p.hidden, 0x7fc1);
+    const auto& rows = plan.rows[static_cast<size_t>(r)];
+    const auto& off = plan.expert_offsets[static_cast<size_t>(r)];
+    for (int le = 0; le < p.local_experts(); ++le) {
+        const int expert = r * p.local_experts() + le;
+        for (int32_t row = off[static_cast<size_t>(le)]; row < off[static_cast<size_t>(le) + 1]; ++row) {
+            const ref::RowSource src = rows[static_cast<size_t>(row)];
+            if (src.src < 0) continue;
+            const uint16_t* x = &x_all[static_cast<size_t>(src.src)][static_cast<size_t>(src.token) * p.hidden];
+            for (int c = 0; c < p.hidden; ++c) {
+                y[static_cast<size_t>(row) * p.hidden + static_cast<size_t>(c)] = ref::expert_output(x[c], expert);
+            }
+        }
+    }
+    return y;
+}
+
+// The handle after a dispatch against the one-node plan (team rank `me`): this rank's layout over the team, its
+// per-expert counts and offsets, and every received row.
+void ep_check_dispatch(const ref::Params& p, const ref::NormalPlan& plan,
+                       const std::vector<std::vector<uint16_t>>& x_all, const ops::ep::NormalHandle& h, int me, int t,
+                       cudaStream_t s) {
+    const ops::ep::NormalHandleView& v = h.view();
+    const size_t w = static_cast<size_t>(p.num_ranks);
+    const size_t el = static_cast<size_t>(p.local_experts());
+    const size_t tu = static_cast<size_t>(t);
+    const ref::RankLayout& l = plan.layouts[static_cast<size_t>(me)];
+    if (ref::download(v.tokens_per_expert, static_cast<size_t>(p.num_experts), s) != l.tokens_per_expert)
+        WEFT_FAIL("tokens_per_expert differs");
+    if (ref::download(v.tokens_per_rank, w, s) != l.tokens_per_rank) WEFT_FAIL("tokens_per_rank differs");
+    if (ref::download(v.token_in_rank, tu * w, s) != l.token_in_rank) WEFT_FAIL("token_in_rank differs");
+    if (ref::download(v.send_idx, tu * w, s) != l.send_idx) WEFT_FAIL("send_idx differs");
+    if (ref::download(v.route_pos, tu * static_cast<size_t>(p.topk), s) != l.route_pos) WEFT_FAIL("route_pos differs");
+    if (ref::download(h.expert_counts(), el, s) != plan.expert_counts[static_cast<size_t>(me)])
+        WEFT_FAIL("expert_counts differ");
+    if (ref::download(h.expert_offsets(), el + 1, s) != plan.expert_offsets[static_cast<size_t>(me)])
+        WEFT_FAIL("expert_offsets differ");
+    const auto& rows = plan.rows[static_cast<size_t>(me)];
+    const size_t hsz = static_cast<size_t>(p.hidden);
+    const std::vector<uint16_t> got = ref::download(v.recv_x, rows.size() * hsz, s);
+    for (size_t row = 0; row < rows.size(); ++row) {
+        const ref::RowSource src = rows[row];
+        if (src.src < 0) continue;  // padding: unspecified
+        const uint16_t* want = &x_all[static_cast<size_t>(src.src)][static_cast<size_t>(src.token) * hsz];
+        if (std::memcmp(want, &got[row * hsz], hsz * 2) != 0) {
+            WEFT_FAIL("received row " << row << ": expected team rank " << src.src << " token " << src.token
+                                      << " (slot " << src.slot << "), found " << ref::describe_row(&got[row * hsz]));
+        }
+    }
+}
+
+// The combine's output against the exact emulation of the one-node arithmetic (bits).
+void ep_check_combine(const ref::Params& p, const ref::NormalPlan& plan, const std::vector<ref::Routing>& all,
+                      const std::vector<std::vector<uint16_t>>& y_all, const std::vector<uint16_t>& out, int me) {
+    const auto y_row = [&](int r, int32_t row) {
+        return &y_all[static_cast<size_t>(r)][static_cast<size_t>(row) * p.hidden];
+    };
+    const std::vector<uint16_t> want = ref::reference_normal_combine(p, plan, all, me, y_row);
+    if (out.size() != want.size()) WEFT_FAIL("combine output size " << out.size() << ", expected " << want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+        if (out[i] != want[i]) {
+            WEFT_FAIL("combine out[" << i / static_cast<size_t>(p.hidden) << "][" << i % static_cast<size_t>(p.hidden)
+                                     << "] = " << ref::bf16_to_f32(out[i]) << " (0x" << std::hex << out[i]
+                                     << "), the one-node arithmetic gives " << ref::bf16_to_f32(want[i]) << " (0x"
+                                     << want[i] << std::dec << ")");
+        }
+    }
+}
+
+// One dispatch + combine of a routing, checked on every member. `launch` runs them (eagerly, or a graph's replay).
+void ep_run_and_check(const Team& team, ops::ep::Buffer& ep, ops::ep::NormalHandle& h, EpInputs& in,
+                      const std::vector<ref::Routing>& all, uint32_t seed, cudaStream_t s, const std::string& what,
+                      const std::function<void()>& launch = nullptr, bool buffer_status = true) {
+    const ref::Params p = ep_params(ep.config(), team.num_ranks());
+    const int me = team.rank();
+    std::vector<std::vector<uint16_t>> x_all;
+    for (int r = 0; r < p.num_ranks; ++r) {
+        x_all.push_back(ref::payload_rows(r, all[static_cast<size_t>(r)].num_tokens, p.hidden, seed, false));
+    }
+    const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
+    const int64_t max_rows = ep.geometry().max_recv_rows;
+    std::vector<std::vector<uint16_t>> y_all;
+    for (int r = 0; r < p.num_ranks; ++r) y_all.push_back(ep_expected_y(p, plan, x_all, r, max_rows));
+    in.load(all[static_cast<size_t>(me)], x_all[static_cast<size_t>(me)]);
+    in.y.upload(y_all[static_cast<size_t>(me)]);
+    const int t = in.num_tokens;
+    WEFT_CUDA_CHECK(cudaMemsetAsync(h.recv_x().data, 0xEE, static_cast<size_t>(max_rows) * p.hidden * 2, s));
+    in.out.poison(0xFF);
+    const TensorView y(in.y.get(), DType::kBF16, {max_rows, p.hidden});
+    if (launch) {
+        launch();
+    } else {
+        ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), s);
+        ep.combine(h, y, in.out_view(), s);
+    }
+    if (buffer_status) {
+        ep.sync_and_check(s);
+    } else {
+        ep.world().sync_and_check(s);  // the Buffer's status is the caller's to read
+    }
+    team_check(team, [&] {
+        try {
+            ep_check_dispatch(p, plan, x_all, h, me, t, s);
+            ep_check_combine(p, plan, all, y_all, ref::download(in.out.get(), static_cast<size_t>(t) * p.hidden, s),
+                             me);
+        } catch (const std::exception& e) {
+            WEFT_FAIL("world rank " << team.world().rank() << ", " << what << ": " << e.what());
+        }
+    });
+}
+
+// Normal dispatch and combine on teams that span nodes, against the one-node reference: every routing scenario
+// (tokens with no expert on a node, ranks receiving nothing, uneven loads, 0 / 1 / 7 / 129 tokens), hidden sizes
+// that are not multiples of 128, top-k 1, 2 and 8 (more than a rank's experts too), expert alignment, the node-major
+// and the interleaved layouts.
+TEST(MultiNode, EpDispatchCombineMatchTheReference) {
+    World& w = dist_world();
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    const EpCase cases[] = {{2, 136, 2, 129, 1}, {4, 200, 8, 7, 4}, {1, 8, 1, 7, 1}, {3, 1000, 8, 1, 2}};
+    const std::vector<Team> teams = ep_teams(w);
+    // Both dispatch paths (every process sets the same before its Buffers are made): two hops on every team, the
+    // record exchange on the world.
+    for (const char* path : {"two_hop", "all_to_all"}) {
+        ::setenv("WEFT_EP_ACROSS_NODES", path, 1);
+        for (const Team& team : teams) {
+            if (!team.is_member()) continue;
+            if (std::string(path) == "all_to_all" && !team.is_world()) continue;
+            ref::RankStream stream;
+            const cudaStream_t s = stream.s;
+            const uint32_t seed = team_seed(team);
+            for (const EpCase& c : cases) {
+                const ops::ep::Config cfg = ep_config(c, team.num_ranks());
+                ops::ep::Buffer ep(team, cfg);
+                ops::ep::NormalHandle h = ep.make_normal_handle();
+                EpInputs in(cfg, ep.geometry().max_recv_rows, s);
+                const ref::Params p = ep_params(cfg, team.num_ranks());
+                for (const ref::Scenario sc : ref::all_scenarios()) {
+                    const std::vector<ref::Routing> all = ref::make_routing(sc, p, cfg.max_tokens_per_rank, seed);
+                    std::ostringstream what;
+                    what << path << ", team " << team.describe() << ", " << ref::scenario_name(sc) << ", E "
+                         << cfg.num_experts << ", H " << cfg.hidden << ", k " << cfg.topk
+                         << ", T <= " << cfg.max_tokens_per_rank << ", alignment " << cfg.expert_alignment << ", seed "
+                         << seed;
+                    ep_run_and_check(team, ep, h, in, all, seed, s, what.str());
+                }
+            }
+        }
+    }
+    ::unsetenv("WEFT_EP_ACROSS_NODES");
+}
+
+// A dispatch + combine captured in a CUDA graph after one eager call, replayed with new routings in the same input
+// buffers (the layout is computed on the device, so a replay follows the routing).
+TEST(MultiNode, EpGraphReplay) {
+    World& w = dist_world();
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    const Team team = w.team();
+    ref::RankStream stream;
+    const cudaStream_t s = stream.s;
+    const uint32_t seed = team_seed(team);
+    const ops::ep::Config cfg = ep_config({2, 136, 2, 33, 2}, team.num_ranks());
+    ops::ep::Buffer ep(team, cfg);
+    ops::ep::NormalHandle h = ep.make_normal_handle();
+    EpInputs in(cfg, ep.geometry().max_recv_rows, s);
+    const ref::Params p = ep_params(cfg, team.num_ranks());
+    const TensorView y(in.y.get(), DType::kBF16, {ep.geometry().max_recv_rows, p.hidden});
+    cudaGraphExec_t exec = nullptr;
+    for (int call = 0; call < 3; ++call) {
+        // Every rank's T is max_tokens, so that the captured views stay valid.
+        const std::vector<ref::Routing> all = ref::make_routing(ref::Scenario::kMaxTokens, p, cfg.max_tokens_per_rank,
+                                                                seed + static_cast<uint32_t>(call));
+        const std::string what = "graph call " + std::to_string(call) + ", seed " + std::to_string(seed);
+        if (call == 0) {
+            ep_run_and_check(team, ep, h, in, all, seed + 0, s, what);
+            team.barrier();
+            cudaGraph_t g = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+            ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), s);
+            ep.combine(h, y, in.out_view(), s);
+            WEFT_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+            WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+            WEFT_CUDA_CHECK(cudaGraphDestroy(g));
+        } else {
+            ep_run_and_check(team, ep, h, in, all, seed + static_cast<uint32_t>(call), s, what,
+                             [&] { WEFT_CUDA_CHECK(cudaGraphLaunch(exec, s)); });
+        }
+    }
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+    WEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+}
+
+// Invalid and repeated expert ids across nodes: dropped and reported by the source, as on one node; the other routes
+// of the same tokens still arrive and combine.
+TEST(MultiNode, EpInvalidAndRepeatedExpertIdsAreReportedAndDropped) {
+    World& w = dist_world();
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    const Team team = w.team();
+    ref::RankStream stream;
+    const cudaStream_t s = stream.s;
+    const uint32_t seed = team_seed(team);
+    const ops::ep::Config cfg = ep_config({2, 64, 4, 9, 1}, team.num_ranks());
+    ops::ep::Buffer ep(team, cfg);
+    ops::ep::NormalHandle h = ep.make_normal_handle();
+    EpInputs in(cfg, ep.geometry().max_recv_rows, s);
+    const ref::Params p = ep_params(cfg, team.num_ranks());
+    std::vector<ref::Routing> all = ref::make_routing(ref::Scenario::kMaxTokens, p, cfg.max_tokens_per_rank, seed);
+    // Rank 0's token 1: slot 1 repeats slot 0; token 2: slot 3 out of range.
+    all[0].topk_idx[1 * 4 + 1] = all[0].topk_idx[1 * 4 + 0];
+    all[0].topk_idx[2 * 4 + 3] = cfg.num_experts + 3;
+    ep_run_and_check(team, ep, h, in, all, seed, s, "invalid and repeated ids", nullptr, false);
+    const std::optional<ops::ep::StatusReport> report = ep.status();
+    if (team.rank() == 0) {
+        ASSERT_TRUE(report.has_value()) << "rank 0's bad ids were not reported";
+        EXPECT_TRUE(report->code == ops::ep::StatusCode::kDuplicateExpert ||
+                    report->code == ops::ep::StatusCode::kInvalidExpert)
+            << report->message;
+        std::printf("rank %d: %s\n", w.rank(), report->message.c_str());
+        EXPECT_THROW(ep.check(), Error);
+        ep.clear_status();
+    } else {
+        EXPECT_FALSE(report.has_value()) << "only the source of the bad ids reports them: " << report->message;
+    }
+    team.barrier();
+    // The Buffer goes on: a clean call afterwards.
+    const std::vector<ref::Routing> clean =
+        ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank, seed + 1);
+    ep_run_and_check(team, ep, h, in, clean, seed + 1, s, "after the report");
+}
+
+// Receive capacity across nodes: a rank whose received tokens exceed max_recv_tokens reports it (kRecvTokensOverflow)
+// and receives nothing, its partials are zero; the other ranks' dispatch and combine are exact (docs/multinode.md, "EP
+// across nodes": on one node every rank would report). After clear_status the Buffer goes on.
+TEST(MultiNode, EpCapacityOverflowIsReportedByTheRankThatOverflows) {
+    World& w = dist_world();
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    const Team team = w.team();
+    const int n = team.num_ranks();
+    const int me = team.rank();
+    ref::RankStream stream;
+    const cudaStream_t s = stream.s;
+    const uint32_t seed = team_seed(team);
+    ops::ep::Config cfg = ep_config({2, 72, 2, 9, 1}, n);
+    cfg.max_recv_tokens = std::max(1, n * cfg.max_tokens_per_rank / 2);
+    ops::ep::Buffer ep(team, cfg);
+    ops::ep::NormalHandle h = ep.make_normal_handle();
+    EpInputs in(cfg, ep.geometry().max_recv_rows, s);
+    const ref::Params p = ep_params(cfg, n);
+    // Every token's slot 0 is the last expert: its rank receives every token of every rank.
+    const std::vector<ref::Routing> all = ref::make_routing(ref::Scenario::kSkewed, p, cfg.max_tokens_per_rank, seed);
+    const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
+    std::vector<bool> over(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) {
+        over[static_cast<size_t>(r)] = plan.recv_tokens[static_cast<size_t>(r)] > cfg.max_recv_tokens ||
+                                       plan.recv_rows[static_cast<size_t>(r)] > ep.geometry().max_recv_rows;
+    }
+    ASSERT_TRUE(over[static_cast<size_t>(n - 1)]) << "the hot expert's rank should overflow";
+    std::vector<std::vector<uint16_t>> x_all;
+    for (int r = 0; r < n; ++r) {
+        x_all.push_back(ref::payload_rows(r, all[static_cast<size_t>(r)].num_tokens, p.hidden, seed, false));
+    }
+    const int64_t max_rows = ep.geometry().max_recv_rows;
+    std::vector<std::vector<uint16_t>> y_all;
+    for (int r = 0; r < n; ++r) {
+        y_all.push_back(over[static_cast<size_t>(r)]
+                            ? std::vector<uint16_t>(static_cast<size_t>(max_rows) * p.hidden, 0)
+                            : ep_expected_y(p, plan, x_all, r, max_rows));
+    }
+    in.load(all[static_cast<size_t>(me)], x_all[static_cast<size_t>(me)]);
+    in.y.upload(y_all[static_cast<size_t>(me)]);
+    in.out.poison(0xFF);
+    const TensorView y(in.y.get(), DType::kBF16, {max_rows, p.hidden});
+    ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), s);
+    ep.combine(h, y, in.out_view(), s);
+    w.sync_and_check(s);
+    const std::optional<ops::ep::StatusReport> report = ep.status();
+    team_check(team, [&] {
+        if (over[static_cast<size_t>(me)]) {
+            if (!report.has_value()) WEFT_FAIL("world rank " << w.rank() << " overflowed without a report");
+            if (report->code != ops::ep::StatusCode::kRecvTokensOverflow &&
+                report->code != ops::ep::StatusCode::kRecvRowsOverflow) {
+                WEFT_FAIL("world rank " << w.rank() << " reported " << report->message);
+            }
+            std::printf("rank %d: %s\n", w.rank(), report->message.c_str());
+            const std::vector<int32_t> counts =
+                ref::download(h.expert_counts(), static_cast<size_t>(p.local_experts()), s);
+            for (const int32_t c : counts) {
+                if (c != 0) WEFT_FAIL("world rank " << w.rank() << " overflowed but counts " << c << " rows");
+            }
+        } else {
+            if (report.has_value()) WEFT_FAIL("world rank " << w.rank() << " reported " << report->message);
+            ep_check_dispatch(p, plan, x_all, h, me, in.num_tokens, s);
+        }
+        // The overflowing ranks' partials are zero: their y rows are zero in y_all.
+        ep_check_combine(p, plan, all, y_all,
+                         ref::download(in.out.get(), static_cast<size_t>(in.num_tokens) * p.hidden, s), me);
+    });
+    if (report.has_value()) ep.clear_status();
+    team.barrier();
+    // At most T / 2 tokens per rank: no rank can exceed max_recv_tokens = W T / 2.
+    const std::vector<ref::Routing> clean =
+        ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank / 2, seed + 1);
+    ep_run_and_check(team, ep, h, in, clean, seed + 1, s, "after the overflow");
+}
+
+// The low-latency mode does not cross nodes yet: refused in words, on every member.
+TEST(MultiNode, EpLowLatencyAcrossNodesIsRefused) {
+    World& w = dist_world();
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    ops::ep::Config cfg = ep_config({2, 128, 2, 16, 1}, w.num_ranks());
+    cfg.low_latency = true;
+    ops::ep::Buffer ep(w, cfg);
+    try {
+        (void)ep.make_low_latency_handle();
+        ADD_FAILURE() << "a low-latency handle across nodes was made";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("does not cross nodes"), std::string::npos) << e.what();
+    }
+}
+
 // A World of its own with a short timeout: the last rank (on the last node) takes part in the first all-reduce (the
 // backend exists then) and skips the second. Every other rank gets a weft::Error within the bound: its column peers
 // from the network watcher, its node's members from their device waits.
@@ -628,6 +1061,53 @@ TEST(MultiNode, ARankOnAnotherNodeThatNeverArrivesIsAnErrorWithinTheTimeout) {
                                     << " ms; World aborted: " << (w->aborted() ? "yes" : "no") << ")";
         EXPECT_LT(waited, std::chrono::milliseconds(3 * 5000 + 10000)) << error;
         std::printf("rank %d: %s\n", w->rank(), error.c_str());
+    }
+    // Every rank leaves together: the World's shutdown is collective (an aborted World still meets its peers).
+    w.reset();
+}
+
+// The same for expert parallelism: a World of its own with a short timeout and an EP Buffer on it; the last rank takes
+// part in the first dispatch and combine and skips the second dispatch. Every other rank's call fails within the bound
+// (the record exchange waits for it: across nodes under the network watcher, on its node in bounded device waits).
+TEST(MultiNode, EpARankOnAnotherNodeThatNeverArrivesIsAnErrorWithinTheTimeout) {
+    World& main_world = dist_world();
+    if (!spans_nodes(main_world)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    WorldOptions options;
+    options.timeout = std::chrono::milliseconds(5000);
+    options.heap_bytes = 64ull << 20;
+    std::unique_ptr<World> w = World::from_env(options);
+    ASSERT_GT(w->num_nodes(), 1);
+    const int absent = w->num_ranks() - 1;
+    {
+        ref::RankStream stream;
+        const cudaStream_t s = stream.s;
+        const ops::ep::Config cfg = ep_config({2, 256, 2, 64, 1}, w->num_ranks());
+        ops::ep::Buffer ep(*w, cfg);
+        ops::ep::NormalHandle h = ep.make_normal_handle();
+        EpInputs in(cfg, ep.geometry().max_recv_rows, s);
+        const ref::Params p = ep_params(cfg, w->num_ranks());
+        const std::vector<ref::Routing> all = ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank, 9);
+        ep_run_and_check(w->team(), ep, h, in, all, 9, s, "before the absence");
+        w->barrier();
+        if (w->rank() != absent) {
+            const auto start = std::chrono::steady_clock::now();
+            std::string error;
+            try {
+                ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), s);
+                ep.sync_and_check(s);
+            } catch (const Error& e) {
+                error = e.what();
+            }
+            const auto waited = std::chrono::steady_clock::now() - start;
+            EXPECT_FALSE(error.empty()) << "rank " << w->rank() << ": no error although rank " << absent
+                                        << " never came (after "
+                                        << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()
+                                        << " ms; World aborted: " << (w->aborted() ? "yes" : "no") << ")";
+            EXPECT_LT(waited, std::chrono::milliseconds(3 * 5000 + 10000)) << error;
+            std::printf("rank %d: %s\n", w->rank(), error.c_str());
+        }
     }
     // Every rank leaves together: the World's shutdown is collective (an aborted World still meets its peers).
     w.reset();

@@ -14,6 +14,7 @@
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
+#include "weft/ops/ep.hpp"
 #include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/weft.hpp"
@@ -175,6 +176,20 @@ TEST(MultiNodeThreads, GemmRsAcrossNodesOnOneGpuInOneProcessIsRefusedClearly) {
     if (gpus_here() > 1) GTEST_SKIP() << "ranks on several GPUs";
     expect_refused_across_virtual_nodes_of_one_gpu("a GemmRs", [](World& w) {
         ops::GemmRs op(w, {64, 64, 64, DType::kBF16});
+    });
+}
+
+// An EP Buffer on a team that spans virtual nodes of one GPU, ranks as threads: refused the same way (its network
+// backend, in its constructor, on every member); EP across nodes runs as processes (tests/dist, MultiNode.Ep*).
+TEST(MultiNodeThreads, EpAcrossNodesOnOneGpuInOneProcessIsRefusedClearly) {
+    if (gpus_here() > 1) GTEST_SKIP() << "ranks on several GPUs";
+    expect_refused_across_virtual_nodes_of_one_gpu("an ep::Buffer", [](World& w) {
+        ops::ep::Config cfg;
+        cfg.num_experts = 8;
+        cfg.hidden = 128;
+        cfg.topk = 2;
+        cfg.max_tokens_per_rank = 16;
+        ops::ep::Buffer ep(w, cfg);
     });
 }
 

@@ -17,8 +17,10 @@
 // process share the legacy default stream, which would serialise their mutually waiting kernels: refused);
 // calls on one Buffer must be ordered (one stream, or streams joined by events). Buffers of teams that share no
 // member may run at the same time. Design, diagrams and pitfalls:
-// kernels/ep/README.md. EP's vocabulary (a Config, a Buffer, two kinds of handle, their options and views) lives in
-// its own namespace, weft::ops::ep, rather than behind an Ep prefix on a dozen names.
+// kernels/ep/README.md. A team that spans nodes (normal mode only; the same number of members on every node, NCCL
+// available) exchanges fixed-size records over the network and gives the same results and receive layout:
+// docs/multinode.md, "EP across nodes". EP's vocabulary (a Config, a Buffer, two kinds of handle, their options and
+// views) lives in its own namespace, weft::ops::ep, rather than behind an Ep prefix on a dozen names.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -215,7 +217,9 @@ public:
     /// Collective over the team's members: every member calls with the same config (num_experts a multiple of
     /// team.num_ranks()). Allocates the symmetric buffers (team-collective heap allocations) and the device
     /// state, and compiles and loads every kernel (before any of them can spin). A rank that is not a member of
-    /// `team` gets weft::Error naming the team's world ranks. The Buffer keeps a copy of `team`.
+    /// `team` gets weft::Error naming the team's world ranks. The Buffer keeps a copy of `team`. A team that spans
+    /// nodes also builds the network backend's column communicators here (bounded by the World's timeout) and a
+    /// one-rank Buffer of this rank's experts; its low-latency calls are refused (docs/multinode.md).
     Buffer(const Team& team, const Config& config);
     /// Buffer(world.team(), config).
     Buffer(World& world, const Config& config);

@@ -1,0 +1,392 @@
+// SPDX-License-Identifier: MIT
+// Expert parallelism across nodes, on the CPU: the record layout of the exchange (weft/common/ep_internode.hpp), the
+// per-destination routes of a token, and a host simulation of the whole design (pack, exchange, one-rank dispatch,
+// one-rank combine, exchange back, sum) against the one-node reference: the same receive layout and the same combine
+// bits for every routing scenario.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "support/ep_reference.hpp"
+#include "support/ep_testing.hpp"
+#include "weft/common/ep_internode.hpp"
+#include "weft/ops/ep.hpp"
+
+namespace weft::ops::ep {
+namespace {
+
+namespace ref = weft::test::ep;
+using weft::ep::InternodeLayout;
+using weft::ep::routes_to_rank;
+
+Config config_of(int experts, int hidden, int topk, int max_tokens, int alignment = 1) {
+    Config c;
+    c.num_experts = experts;
+    c.hidden = hidden;
+    c.topk = topk;
+    c.max_tokens_per_rank = max_tokens;
+    c.low_latency = false;
+    c.expert_alignment = alignment;
+    return c;
+}
+
+TEST(EpInternodePlan, RecordLayout) {
+    struct Case {
+        int ranks, experts, hidden, topk, max_tokens;
+    };
+    for (const Case c : {Case{4, 16, 7168, 8, 4096}, Case{4, 8, 8, 8, 1}, Case{6, 12, 136, 2, 129},
+                         Case{2, 2, 24, 1, 7}, Case{16, 256, 4096, 8, 512}}) {
+        const Geometry g = resolve_geometry(config_of(c.experts, c.hidden, c.topk, c.max_tokens), c.ranks, 0);
+        const InternodeLayout l = InternodeLayout::make(g);
+        SCOPED_TRACE("W " + std::to_string(c.ranks) + ", E " + std::to_string(c.experts) + ", H " +
+                     std::to_string(c.hidden) + ", k " + std::to_string(c.topk));
+        EXPECT_EQ(l.local_topk, std::min(c.topk, c.experts / c.ranks));
+        EXPECT_EQ(l.capacity, c.max_tokens);
+        EXPECT_EQ(l.ids_offset, int64_t{c.hidden} * 2);
+        EXPECT_EQ(l.weights_offset, l.ids_offset + 4 * l.local_topk);
+        EXPECT_GE(l.record_bytes, l.weights_offset + 4 * l.local_topk);
+        EXPECT_LT(l.record_bytes, l.weights_offset + 4 * l.local_topk + 16);
+        EXPECT_EQ(l.record_bytes % 16, 0) << "rows must stay 16-byte aligned";
+        EXPECT_EQ(l.records(), int64_t{c.ranks} * c.max_tokens);
+        // all_to_all splits each buffer into W equal blocks.
+        EXPECT_EQ(l.dispatch_bytes() % c.ranks, 0);
+        EXPECT_EQ(l.combine_bytes() % c.ranks, 0);
+        EXPECT_EQ(l.dispatch_bytes() / c.ranks, int64_t{c.max_tokens} * l.record_bytes);
+        EXPECT_EQ(l.record_offset(c.ranks - 1, c.max_tokens - 1) + l.record_bytes, l.dispatch_bytes());
+        EXPECT_EQ(l.partial_offset(c.ranks - 1, c.max_tokens - 1) + c.hidden, l.combine_bytes() / 2);
+    }
+}
+
+TEST(EpInternodePlan, RoutesToRankKeepsSlotOrderAndDropsWhatTheOneNodeOpDrops) {
+    // E = 8 over W = 4 ranks: rank r owns experts 2r, 2r + 1.
+    const Geometry g = resolve_geometry(config_of(8, 8, 6, 4), 4, 0);
+    const int32_t row[6] = {5, -1, 4, 5, 9, 1};  // 5 repeated (dropped), 9 invalid (dropped)
+    const float w[6] = {0.5f, 0.25f, 0.125f, 2.0f, 4.0f, 8.0f};
+    const int kk = InternodeLayout::make(g).local_topk;
+    ASSERT_EQ(kk, 2);
+    int32_t ids[2];
+    float weights[2];
+    EXPECT_EQ(routes_to_rank(g, kk, row, w, 2, ids, weights), 2);
+    EXPECT_EQ(ids[0], 1);  // expert 5, slot 0
+    EXPECT_EQ(ids[1], 0);  // expert 4, slot 2
+    EXPECT_EQ(weights[0], 0.5f);
+    EXPECT_EQ(weights[1], 0.125f);
+    EXPECT_EQ(routes_to_rank(g, kk, row, w, 0, ids, weights), 1);
+    EXPECT_EQ(ids[0], 1);  // expert 1, slot 5
+    EXPECT_EQ(ids[1], -1);
+    EXPECT_EQ(weights[0], 8.0f);
+    EXPECT_EQ(weights[1], 0.0f);
+    EXPECT_EQ(routes_to_rank(g, kk, row, w, 1, ids, weights), 0);
+    EXPECT_EQ(ids[0], -1);
+    EXPECT_EQ(ids[1], -1);
+    EXPECT_EQ(routes_to_rank(g, kk, row, w, 3, ids, weights), 0);
+}
+
+// What one rank r receives from the exchange: the one-rank routing of the W * capacity records, and for each record
+// its (source rank, source token) or (-1, -1) for padding.
+struct Received {
+    ref::Routing routing;
+    std::vector<std::pair<int, int>> origin;
+};
+
+Received simulate_exchange(const ref::Params& p, const std::vector<ref::Routing>& all, int capacity, int r,
+                           const ref::NormalPlan& plan) {
+    const Geometry g =
+        resolve_geometry(config_of(p.num_experts, p.hidden, p.topk, capacity, p.expert_alignment), p.num_ranks, 0);
+    const InternodeLayout l = InternodeLayout::make(g);
+    Received got;
+    const size_t kk = static_cast<size_t>(l.local_topk);
+    got.routing.num_tokens = static_cast<int>(l.records());
+    got.routing.topk_idx.assign(static_cast<size_t>(l.records()) * kk, -1);
+    got.routing.topk_weights.assign(static_cast<size_t>(l.records()) * kk, 0.0f);
+    got.origin.assign(static_cast<size_t>(l.records()), {-1, -1});
+    for (int s = 0; s < p.num_ranks; ++s) {
+        const ref::Routing& src = all[static_cast<size_t>(s)];
+        const ref::RankLayout& layout = plan.layouts[static_cast<size_t>(s)];
+        for (int t = 0; t < src.num_tokens; ++t) {
+            const int32_t idx = layout.send_idx[static_cast<size_t>(t) * p.num_ranks + r];
+            if (idx < 0) continue;
+            EXPECT_LT(idx, capacity);
+            const size_t record = static_cast<size_t>(s) * capacity + static_cast<size_t>(idx);
+            EXPECT_EQ(got.origin[record].first, -1) << "two tokens in one record";
+            got.origin[record] = {s, t};
+            const int n = routes_to_rank(g, l.local_topk, &src.topk_idx[static_cast<size_t>(t) * p.topk],
+                                         &src.topk_weights[static_cast<size_t>(t) * p.topk], r,
+                                         &got.routing.topk_idx[record * kk], &got.routing.topk_weights[record * kk]);
+            EXPECT_GT(n, 0) << "a token sent to rank " << r << " without a route there";
+        }
+    }
+    return got;
+}
+
+// The whole design on the host, against the one-node reference, for every scenario and a few shapes: the receive
+// layout of every rank (counts, offsets, which (source, token) each row holds) and the combine's bits.
+TEST(EpInternodePlan, TheExchangeGivesTheOneNodeLayoutAndCombine) {
+    struct Case {
+        int ranks, experts, topk, alignment, max_tokens;
+    };
+    const int hidden = 16;
+    int checked = 0;
+    for (const Case c :
+         {Case{4, 8, 2, 1, 7}, Case{4, 16, 8, 4, 9}, Case{2, 4, 1, 1, 5}, Case{6, 12, 8, 2, 6}, Case{4, 4, 2, 1, 5}}) {
+        ref::Params p;
+        p.num_ranks = c.ranks;
+        p.num_experts = c.experts;
+        p.topk = c.topk;
+        p.hidden = hidden;
+        p.expert_alignment = c.alignment;
+        ref::Params one = p;
+        one.num_ranks = 1;
+        one.num_experts = p.local_experts();
+        one.topk = std::min(p.topk, p.local_experts());
+        for (const ref::Scenario sc : ref::all_scenarios()) {
+            for (uint32_t seed : {1u, 2u, 3u}) {
+                const std::string what = std::string(ref::scenario_name(sc)) + ", W " + std::to_string(c.ranks) +
+                                         ", E " + std::to_string(c.experts) + ", k " + std::to_string(c.topk) +
+                                         ", seed " + std::to_string(seed);
+                SCOPED_TRACE(what);
+                const std::vector<ref::Routing> all = ref::make_routing(sc, p, c.max_tokens, seed);
+                const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
+                // y of every rank: rows as the one-node op lays them out, each a function of its row index.
+                std::vector<std::vector<uint16_t>> y(static_cast<size_t>(c.ranks));
+                for (int r = 0; r < c.ranks; ++r) {
+                    const size_t rows = plan.rows[static_cast<size_t>(r)].size();
+                    y[static_cast<size_t>(r)].resize(rows * hidden);
+                    for (size_t i = 0; i < y[static_cast<size_t>(r)].size(); ++i) {
+                        y[static_cast<size_t>(r)][i] = ref::f32_to_bf16(
+                            static_cast<float>(static_cast<int>((i * 2654435761u + r * 97u + seed) % 509) - 254) /
+                            64.0f);
+                    }
+                }
+                // Per rank: the one-rank dispatch of what it received, and its combine's partials.
+                std::vector<Received> received;
+                std::vector<std::vector<uint16_t>> partials;
+                for (int r = 0; r < c.ranks; ++r) {
+                    received.push_back(simulate_exchange(p, all, c.max_tokens, r, plan));
+                    const Received& got = received.back();
+                    const ref::NormalPlan inner = ref::reference_normal_plan(one, {got.routing});
+                    const size_t ru = static_cast<size_t>(r);
+                    ASSERT_EQ(inner.expert_counts[0], plan.expert_counts[ru]) << "rank " << r;
+                    ASSERT_EQ(inner.expert_offsets[0], plan.expert_offsets[ru]) << "rank " << r;
+                    ASSERT_EQ(inner.recv_tokens[0], plan.recv_tokens[ru]) << "rank " << r;
+                    ASSERT_EQ(inner.recv_rows[0], plan.recv_rows[ru]) << "rank " << r;
+                    ASSERT_EQ(inner.rows[0].size(), plan.rows[ru].size());
+                    for (size_t row = 0; row < plan.rows[ru].size(); ++row) {
+                        const ref::RowSource want = plan.rows[ru][row];
+                        const ref::RowSource have = inner.rows[0][row];
+                        if (want.src < 0) {
+                            ASSERT_LT(have.src, 0) << "rank " << r << " row " << row << " should be padding";
+                            continue;
+                        }
+                        ASSERT_GE(have.src, 0) << "rank " << r << " row " << row;
+                        const std::pair<int, int> origin = got.origin[static_cast<size_t>(have.token)];
+                        ASSERT_EQ(origin.first, want.src) << "rank " << r << " row " << row;
+                        ASSERT_EQ(origin.second, want.token) << "rank " << r << " row " << row;
+                    }
+                    const auto y_row = [&](int, int32_t row) { return &y[ru][static_cast<size_t>(row) * hidden]; };
+                    partials.push_back(ref::reference_normal_combine(one, inner, {got.routing}, 0, y_row));
+                }
+                // The sum at each source, in rank order, against the one-node combine.
+                for (int s = 0; s < c.ranks; ++s) {
+                    const ref::Routing& src = all[static_cast<size_t>(s)];
+                    const auto y_row = [&](int r, int32_t row) {
+                        return &y[static_cast<size_t>(r)][static_cast<size_t>(row) * hidden];
+                    };
+                    const std::vector<uint16_t> want = ref::reference_normal_combine(p, plan, all, s, y_row);
+                    const ref::RankLayout& layout = plan.layouts[static_cast<size_t>(s)];
+                    for (int t = 0; t < src.num_tokens; ++t) {
+                        for (int ch = 0; ch < hidden; ++ch) {
+                            float acc = 0.0f;
+                            for (int r = 0; r < c.ranks; ++r) {
+                                const int32_t idx = layout.send_idx[static_cast<size_t>(t) * c.ranks + r];
+                                if (idx < 0) continue;
+                                const size_t record = static_cast<size_t>(s) * c.max_tokens + static_cast<size_t>(idx);
+                                acc += ref::bf16_to_f32(partials[static_cast<size_t>(r)][record * hidden + ch]);
+                            }
+                            ASSERT_EQ(ref::f32_to_bf16(acc), want[static_cast<size_t>(t) * hidden + ch])
+                                << "source " << s << " token " << t << " channel " << ch;
+                        }
+                    }
+                }
+                ++checked;
+            }
+        }
+    }
+    EXPECT_GT(checked, 0);
+}
+
+// The two-hop dispatch on the host, with the helpers its kernels use (fill_node_record, clear_node_record,
+// fill_node_header, routes_to_rank) and the byte layouts they share: node pack, the network hop (block m of t(n, l) to
+// t(m, l)), the forward inside node n, the node all_to_all and the reorder by source team rank. Every rank's final
+// records equal the record exchange's (the pack kernel's records after all_to_all: row, routes and padding), for
+// node-major and interleaved teams and every routing scenario.
+TEST(EpInternodePlan, TwoHopDispatchGivesTheRecordsOfTheExchange) {
+    struct Case {
+        int nodes, per_node, experts_per_rank, topk, max_tokens;
+        bool interleaved;
+    };
+    const int hidden = 16;  // rows carry (source, token) in their first 8 bytes
+    int checked = 0;
+    for (const Case c : {Case{2, 2, 2, 2, 7, false}, Case{2, 2, 4, 8, 5, true}, Case{4, 1, 2, 1, 6, false},
+                         Case{3, 2, 1, 2, 4, true}, Case{2, 3, 3, 8, 9, false}}) {
+        const int w = c.nodes * c.per_node;
+        ref::Params p;
+        p.num_ranks = w;
+        p.num_experts = c.experts_per_rank * w;
+        p.topk = std::min(c.topk, p.num_experts);
+        p.hidden = hidden;
+        const Geometry g = resolve_geometry(config_of(p.num_experts, hidden, p.topk, c.max_tokens), w, 0);
+        const InternodeLayout fin = InternodeLayout::make(g);
+        const weft::ep::NodeRecordLayout hop = weft::ep::NodeRecordLayout::make(g, c.nodes, c.per_node);
+        // by_node[m][l]: the team rank of node m's member l; node_of / local_of the inverse.
+        std::vector<int32_t> by_node(static_cast<size_t>(w));
+        std::vector<int> node_of(static_cast<size_t>(w)), local_of(static_cast<size_t>(w));
+        for (int m = 0; m < c.nodes; ++m) {
+            for (int l = 0; l < c.per_node; ++l) {
+                const int r = c.interleaved ? l * c.nodes + m : m * c.per_node + l;
+                by_node[static_cast<size_t>(m * c.per_node + l)] = r;
+                node_of[static_cast<size_t>(r)] = m;
+                local_of[static_cast<size_t>(r)] = l;
+            }
+        }
+        const size_t rec = static_cast<size_t>(fin.record_bytes);
+        const size_t cap = static_cast<size_t>(c.max_tokens);
+        for (const ref::Scenario sc : ref::all_scenarios()) {
+            for (uint32_t seed : {5u, 6u}) {
+                SCOPED_TRACE(std::string(ref::scenario_name(sc)) + ", " + std::to_string(c.nodes) + " x " +
+                             std::to_string(c.per_node) + (c.interleaved ? " interleaved" : "") + ", k " +
+                             std::to_string(p.topk) + ", seed " + std::to_string(seed));
+                const std::vector<ref::Routing> all = ref::make_routing(sc, p, c.max_tokens, seed);
+                const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
+                const auto row_of = [&](int s, int t) {
+                    std::vector<uint8_t> row(static_cast<size_t>(hidden) * 2, 0);
+                    const int32_t id[2] = {s, t};
+                    std::memcpy(row.data(), id, sizeof(id));
+                    return row;
+                };
+                // Node pack on every rank.
+                std::vector<std::vector<uint8_t>> node_send(static_cast<size_t>(w));
+                for (int s = 0; s < w; ++s) {
+                    const ref::Routing& src = all[static_cast<size_t>(s)];
+                    const ref::RankLayout& layout = plan.layouts[static_cast<size_t>(s)];
+                    auto& out = node_send[static_cast<size_t>(s)];
+                    out.assign(static_cast<size_t>(hop.bytes()), 0xCD);
+                    for (int m = 0; m < c.nodes; ++m) {
+                        const int32_t* members = &by_node[static_cast<size_t>(m * c.per_node)];
+                        for (int t = 0; t < c.max_tokens; ++t) {
+                            uint8_t* record = out.data() + hop.record_offset(m, t);
+                            if (t >= src.num_tokens) {
+                                weft::ep::clear_node_record(hop, record);
+                                continue;
+                            }
+                            if (weft::ep::fill_node_record(hop, &src.topk_idx[static_cast<size_t>(t) * p.topk],
+                                                           &src.topk_weights[static_cast<size_t>(t) * p.topk],
+                                                           &layout.send_idx[static_cast<size_t>(t) * w], members,
+                                                           record)) {
+                                const std::vector<uint8_t> row = row_of(s, t);
+                                std::memcpy(record, row.data(), row.size());
+                            }
+                        }
+                        weft::ep::fill_node_header(hop, layout.tokens_per_rank.data(), members,
+                                                   out.data() + hop.record_offset(m, c.max_tokens));
+                    }
+                }
+                // Network hop and forward on every rank t(n, l): block j of `forward` is [N][cap] final records.
+                std::vector<std::vector<uint8_t>> forward(static_cast<size_t>(w));
+                for (int me = 0; me < w; ++me) {
+                    const int n = node_of[static_cast<size_t>(me)];
+                    const int l = local_of[static_cast<size_t>(me)];
+                    const int32_t* members = &by_node[static_cast<size_t>(n * c.per_node)];
+                    auto& fwd = forward[static_cast<size_t>(me)];
+                    fwd.assign(static_cast<size_t>(c.per_node * c.nodes) * cap * rec, 0xAB);
+                    for (int m = 0; m < c.nodes; ++m) {
+                        // Block n of the column peer on node m.
+                        const uint8_t* block =
+                            node_send[static_cast<size_t>(by_node[static_cast<size_t>(m * c.per_node + l)])].data() +
+                            hop.record_offset(n, 0);
+                        const auto* header = reinterpret_cast<const int32_t*>(
+                            block + static_cast<size_t>(c.max_tokens) * hop.record_bytes + hop.send_idx_offset);
+                        for (int t = 0; t < c.max_tokens; ++t) {
+                            const uint8_t* record = block + static_cast<size_t>(t) * hop.record_bytes;
+                            const auto* idx = reinterpret_cast<const int32_t*>(record + hop.send_idx_offset);
+                            for (int j = 0; j < c.per_node; ++j) {
+                                if (idx[j] < 0) continue;
+                                ASSERT_LT(idx[j], header[j]);
+                                uint8_t* dst =
+                                    fwd.data() +
+                                    ((static_cast<size_t>(j) * c.nodes + m) * cap + static_cast<size_t>(idx[j])) * rec;
+                                std::memcpy(dst, record, static_cast<size_t>(hidden) * 2);
+                                weft::ep::routes_to_rank(g, fin.local_topk,
+                                                         reinterpret_cast<const int32_t*>(record + hop.ids_offset),
+                                                         reinterpret_cast<const float*>(record + hop.weights_offset),
+                                                         members[j], reinterpret_cast<int32_t*>(dst + fin.ids_offset),
+                                                         reinterpret_cast<float*>(dst + fin.weights_offset));
+                            }
+                        }
+                        for (int j = 0; j < c.per_node; ++j) {
+                            for (int q = header[j]; q < c.max_tokens; ++q) {
+                                uint8_t* dst =
+                                    fwd.data() +
+                                    ((static_cast<size_t>(j) * c.nodes + m) * cap + static_cast<size_t>(q)) * rec;
+                                for (int k = 0; k < fin.local_topk; ++k) {
+                                    reinterpret_cast<int32_t*>(dst + fin.ids_offset)[k] = -1;
+                                    reinterpret_cast<float*>(dst + fin.weights_offset)[k] = 0.0f;
+                                }
+                            }
+                        }
+                    }
+                }
+                // Node all_to_all and reorder at t(n, j), against the record exchange's records for it.
+                for (int r = 0; r < w; ++r) {
+                    const int n = node_of[static_cast<size_t>(r)];
+                    const int j = local_of[static_cast<size_t>(r)];
+                    std::vector<uint8_t> recv(static_cast<size_t>(fin.dispatch_bytes()), 0);
+                    for (int l = 0; l < c.per_node; ++l) {
+                        const auto& fwd =
+                            forward[static_cast<size_t>(by_node[static_cast<size_t>(n * c.per_node + l)])];
+                        for (int m = 0; m < c.nodes; ++m) {
+                            const int s = by_node[static_cast<size_t>(m * c.per_node + l)];
+                            std::memcpy(recv.data() + static_cast<size_t>(s) * cap * rec,
+                                        fwd.data() + (static_cast<size_t>(j) * c.nodes + m) * cap * rec, cap * rec);
+                        }
+                    }
+                    for (int s = 0; s < w; ++s) {
+                        const ref::Routing& src = all[static_cast<size_t>(s)];
+                        const ref::RankLayout& layout = plan.layouts[static_cast<size_t>(s)];
+                        std::vector<int> token_at(cap, -1);
+                        for (int t = 0; t < src.num_tokens; ++t) {
+                            const int32_t idx = layout.send_idx[static_cast<size_t>(t) * w + r];
+                            if (idx >= 0) token_at[static_cast<size_t>(idx)] = t;
+                        }
+                        for (size_t i = 0; i < cap; ++i) {
+                            const uint8_t* got = recv.data() + (static_cast<size_t>(s) * cap + i) * rec;
+                            std::vector<int32_t> ids(static_cast<size_t>(fin.local_topk), -1);
+                            std::vector<float> weights(static_cast<size_t>(fin.local_topk), 0.0f);
+                            const int t = token_at[i];
+                            if (t >= 0) {
+                                routes_to_rank(g, fin.local_topk, &src.topk_idx[static_cast<size_t>(t) * p.topk],
+                                               &src.topk_weights[static_cast<size_t>(t) * p.topk], r, ids.data(),
+                                               weights.data());
+                                int32_t origin[2];
+                                std::memcpy(origin, got, sizeof(origin));
+                                ASSERT_EQ(origin[0], s) << "rank " << r << " record " << i << " of source " << s;
+                                ASSERT_EQ(origin[1], t) << "rank " << r << " record " << i << " of source " << s;
+                            }
+                            ASSERT_EQ(std::memcmp(got + fin.ids_offset, ids.data(), ids.size() * 4), 0)
+                                << "rank " << r << " record " << i << " of source " << s << ": routes";
+                            ASSERT_EQ(std::memcmp(got + fin.weights_offset, weights.data(), weights.size() * 4), 0)
+                                << "rank " << r << " record " << i << " of source " << s << ": weights";
+                        }
+                    }
+                }
+                ++checked;
+            }
+        }
+    }
+    EXPECT_GT(checked, 0);
+}
+
+}  // namespace
+}  // namespace weft::ops::ep
