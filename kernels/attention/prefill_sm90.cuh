@@ -57,7 +57,10 @@ struct Sm90Traits {
     static constexpr int kBarOffset = kVOffset + C.stages * kKVBytes;
     // Barriers (8 bytes each): full_q, empty_q, then per stage full_k, full_v, empty_k, empty_v.
     static constexpr int kBarBytes = 8 * (2 + 4 * C.stages);
-    static_assert(kBarBytes <= kPrefillWgmmaBarrierBytes, "the barriers outgrow their reserved bytes");
+    // Then one word: set by the producer when a peer's chunk never arrived (AgAttention): the block stops loading and
+    // writing, and ends without a trap.
+    static constexpr int kAbortOffset = kBarOffset + kBarBytes;
+    static_assert(kBarBytes + 4 <= kPrefillWgmmaBarrierBytes, "the barriers outgrow their reserved bytes");
     static_assert(kBarOffset + kPrefillWgmmaBarrierBytes + kPrefillWgmmaAlignSlack == attention_prefill_smem_bytes(C),
                   "shared-memory plan and attention_prefill_smem_bytes disagree");
     static constexpr bool kIsBF16 = C.dtype == DType::kBF16;
@@ -71,7 +74,7 @@ struct Sm90Traits {
 template <AttentionPrefillConfig C>
 __device__ __forceinline__ void producer_warp(const AttentionPrefillParams& p, const ptx::TmaDescriptor* tma_q,
                                               const ptx::TmaDescriptor* tma_k, const ptx::TmaDescriptor* tma_v,
-                                              unsigned base, unsigned bars) {
+                                              unsigned base, unsigned bars, volatile uint32_t* abort_word) {
     using T = Sm90Traits<C>;
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const uint64_t timeout = pipeline_timeout(p);
@@ -88,6 +91,10 @@ __device__ __forceinline__ void producer_warp(const AttentionPrefillParams& p, c
     unsigned phase = 0;
     unsigned q_phase = 0;
     bool stuck = false;
+    // A peer's chunk that never arrived (its wait failed, the Diagnostic recorded): from then on the warp loads
+    // nothing and completes each full barrier with a plain arrival, so that the consumers run through their tiles
+    // without data and without waiting out their bound; they see the abort word and write nothing.
+    bool failed = false;
     for (int32_t item_idx = static_cast<int32_t>(blockIdx.x); item_idx < num_items && !stuck;
          item_idx += static_cast<int32_t>(gridDim.x)) {
         const AttentionPrefillItem item = attention_prefill_item(item_idx, num_m_tiles);
@@ -102,7 +109,8 @@ __device__ __forceinline__ void producer_warp(const AttentionPrefillParams& p, c
 
         // Q: rows past seq_q lie outside the map and arrive as zeros.
         stuck = !ptx::mbarrier_wait_parity_bounded(empty_q, q_phase ^ 1u, timeout);
-        if (lane == 0 && !stuck) {
+        if (lane == 0 && !stuck && failed) ptx::mbarrier_arrive(full_q);
+        if (lane == 0 && !stuck && !failed) {
             ptx::mbarrier_arrive_expect_tx(full_q, T::kQBytes);
 #pragma unroll
             for (int cb = 0; cb < T::kDimBlocks; ++cb) {
@@ -113,18 +121,25 @@ __device__ __forceinline__ void producer_warp(const AttentionPrefillParams& p, c
 
         for (; tile.valid(p) && !stuck; tile.next(p, key_end)) {
             device::Token token = device::Token::assume_local_data();
-            if (tile.first_of_chunk && p.chunk_signals != nullptr && tile.chunk != p.local_chunk &&
+            if (!failed && tile.first_of_chunk && p.chunk_signals != nullptr && tile.chunk != p.local_chunk &&
                 (tile.chunk >= 64 || (arrived >> tile.chunk & 1u) == 0)) {
-                token =
-                    device::tile::wait_checked(device::Warp{}, p.ctx, p.chunk_signals + tile.chunk, 1, Cmp::kGe, 1ull)
-                        .token_or_exit();
-                if (tile.chunk < 64) arrived |= uint64_t{1} << tile.chunk;
+                const device::WaitResult r =
+                    device::tile::wait_checked(device::Warp{}, p.ctx, p.chunk_signals + tile.chunk, 1, Cmp::kGe, 1ull);
+                if (r.ok()) {  // uniform over the warp
+                    token = r.token();
+                    if (tile.chunk < 64) arrived |= uint64_t{1} << tile.chunk;
+                } else {
+                    failed = true;
+                    if (lane == 0) *abort_word = 1u;  // before the arrivals below (release), seen after their waits
+                }
             }
             const unsigned k_dst = base + T::kKOffset + stage * T::kKVBytes;
             const unsigned v_dst = base + T::kVOffset + stage * T::kKVBytes;
             stuck = !ptx::mbarrier_wait_parity_bounded(empty_k(stage), phase ^ 1u, timeout);
             if (stuck) break;
-            if (lane == 0) {
+            if (failed) {
+                if (lane == 0) ptx::mbarrier_arrive(full_k(stage));
+            } else if (lane == 0) {
                 ptx::mbarrier_arrive_expect_tx(full_k(stage), T::kKVBytes);
 #pragma unroll
                 for (int cb = 0; cb < T::kDimBlocks; ++cb) {
@@ -134,7 +149,9 @@ __device__ __forceinline__ void producer_warp(const AttentionPrefillParams& p, c
             }
             stuck = !ptx::mbarrier_wait_parity_bounded(empty_v(stage), phase ^ 1u, timeout);
             if (stuck) break;
-            if (tile.begin + T::kBN <= tile.stop || tile.stop >= p.seq_kv) {
+            if (failed) {
+                if (lane == 0) ptx::mbarrier_arrive(full_v(stage));
+            } else if (tile.begin + T::kBN <= tile.stop || tile.stop >= p.seq_kv) {
                 if (lane == 0) {
                     ptx::mbarrier_arrive_expect_tx(full_v(stage), T::kKVBytes);
 #pragma unroll
@@ -184,7 +201,7 @@ __device__ __forceinline__ void release(unsigned bar, int lane) {
 /// One consumer warpgroup (`wg`: its 64 rows of the block's query tile).
 template <AttentionPrefillConfig C>
 __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams& p, unsigned base, unsigned bars,
-                                                   int wg) {
+                                                   volatile const uint32_t* abort_word, int wg) {
     using T = Sm90Traits<C>;
     using E = Elem<C.dtype>;
     constexpr int kBN = T::kBN;
@@ -416,11 +433,13 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
         }
 
         // Epilogue: O / sum per row, straight from the accumulators (4 lanes write a row's 16 contiguous bytes).
+        // Nothing when a peer's chunk never arrived (the producer set the word before the arrivals waited on above).
+        const bool aborted = *abort_word != 0u;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float sum = quad_sum(row_sum[r]);
             const int row = m0 + wg * 64 + warp * 16 + g + 8 * r;
-            if (row < p.seq_q) {
+            if (row < p.seq_q && !aborted) {
                 const float inv = sum > 0.f ? 1.f / sum : 0.f;
                 auto* dst =
                     static_cast<uint16_t*>(p.out) + (static_cast<int64_t>(row) * p.num_q_heads + head) * kDim + 2 * t4;
@@ -460,8 +479,11 @@ __global__ void __launch_bounds__(attention_prefill_threads(C), 1)
     extern __shared__ __align__(1024) uint8_t smem_sm90[];
     const unsigned base = (ptx::shared_address(smem_sm90) + 1023u) & ~1023u;
     const unsigned bars = base + T::kBarOffset;
+    auto* const abort_word =
+        reinterpret_cast<volatile uint32_t*>(smem_sm90 + (base - ptx::shared_address(smem_sm90)) + T::kAbortOffset);
 
     if (threadIdx.x == 0) {
+        *abort_word = 0u;
         ptx::mbarrier_init(bars, 1);                      // full_q
         ptx::mbarrier_init(bars + 8, T::kConsumerWarps);  // empty_q
         for (int s = 0; s < C.stages; ++s) {
@@ -483,16 +505,18 @@ __global__ void __launch_bounds__(attention_prefill_threads(C), 1)
                 ptx::tma_prefetch_descriptor(&tma_k);
                 ptx::tma_prefetch_descriptor(&tma_v);
             }
-            prefill_sm90_detail::producer_warp<C>(p, &tma_q, &tma_k, &tma_v, base, bars);
+            prefill_sm90_detail::producer_warp<C>(p, &tma_q, &tma_k, &tma_v, base, bars, abort_word);
         }
     } else {
         if constexpr (T::kConsumers > 1) ptx::setmaxnreg_inc<prefill_sm90_detail::kConsumerRegs>();
-        prefill_sm90_detail::consumer_warpgroup<C>(p, base, bars, wg - 1);
+        prefill_sm90_detail::consumer_warpgroup<C>(p, base, bars, abort_word, wg - 1);
     }
 
     if (p.finish.block_counter != nullptr) {
         __syncthreads();  // every thread of the block is past its waits and loads
-        if (threadIdx.x == 0) prefill_detail::finish_call(p);
+        // A block whose chunk wait failed does not count itself done, so the call does not end (as a block that
+        // exits): its Diagnostic stands and the op reports it.
+        if (threadIdx.x == 0 && *abort_word == 0u) prefill_detail::finish_call(p);
     }
 }
 
