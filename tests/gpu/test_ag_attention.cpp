@@ -7,11 +7,14 @@
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -452,6 +455,77 @@ TEST_P(AgAttention, RefusesUnevenShardsAndBadCalls) {
             cudaFree(buf);
         },
         test_options(64ull << 20));
+}
+
+// In a child process (bounded by an alarm): rank 0 calls with no mask, so its kernel waits for rank 1's shard; rank 1
+// never calls. Rank 0's call must fail within the bound with a weft error, and its CUDA context must stay usable (the
+// kernel's blocks end without a trap). Exits 0 only then.
+[[noreturn]] void provoke_absent_peer(AttentionPrefillKernel kernel) {
+    alarm(120);
+    WorldOptions options = test_options(64ull << 20);
+    options.timeout = std::chrono::milliseconds(3000);
+    std::string rank0_error;
+    bool usable = false;
+    std::mutex mutex;
+    std::vector<std::string> others;
+    try {
+        run_local(
+            2,
+            [&](World& w) {
+                cudaStream_t s = nullptr;
+                WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+                uint8_t* buf = nullptr;
+                WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&buf), 1 << 20));
+                WEFT_CUDA_CHECK(cudaMemset(buf, 0, 1 << 20));
+                try {
+                    ops::AgAttention op(w,
+                                        {.max_seq = 128,
+                                         .num_q_heads = 4,
+                                         .num_kv_heads = 2,
+                                         .head_dim = 64,
+                                         .dtype = DType::kBF16,
+                                         .mask = AttentionMask::kNone},
+                                        {.config = config_of(kernel, DType::kBF16, 64)});
+                    if (w.rank() == 0) {
+                        const TensorView q(buf, DType::kBF16, {64, 4, 64});
+                        const TensorView kv(buf + (64 << 10), DType::kBF16, {64, 2, 64});
+                        const TensorView out(buf + (128 << 10), DType::kBF16, {64, 4, 64});
+                        try {
+                            op.run(q, kv, kv, out, TensorView(), s);
+                            w.sync_and_check(s);
+                        } catch (const std::exception& e) {
+                            rank0_error = e.what();
+                        }
+                        // The context survives: a memset and a synchronisation still succeed.
+                        usable = cudaMemsetAsync(buf, 0, 4096, s) == cudaSuccess &&
+                                 cudaStreamSynchronize(s) == cudaSuccess;
+                    }
+                } catch (const std::exception& e) {
+                    std::lock_guard<std::mutex> lock(mutex);
+                    others.push_back(e.what());
+                }
+                cudaFree(buf);
+                cudaStreamDestroy(s);
+            },
+            options);
+    } catch (const std::exception& e) {
+        others.push_back(e.what());
+    }
+    for (const std::string& m : others) std::fprintf(stderr, "other error: %s\n", m.c_str());
+    std::fprintf(stderr, "rank 0's call: %s\ncontext usable: %s\n",
+                 rank0_error.empty() ? "(no error)" : rank0_error.c_str(), usable ? "yes" : "no");
+    const bool ok = !rank0_error.empty() && usable;
+    std::fprintf(stderr, ok ? "diagnosed\n" : "FAIL\n");
+    std::fflush(stderr);
+    std::_Exit(ok ? 0 : 1);
+}
+
+TEST_P(AgAttention, APeerThatNeverCallsFailsTheCallAndLeavesTheContextUsable) {
+    if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_EXIT(provoke_absent_peer(GetParam()), ::testing::ExitedWithCode(0), "diagnosed");
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60)) << "the failure took too long";
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, AgAttention,
