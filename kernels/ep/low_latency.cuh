@@ -21,9 +21,8 @@
 // Traced builds (weft/device/trace.cuh, docs/profiling.md): "wait peer r" per signal awaited (tile::wait_each);
 // from thread 0 of each block "send" (its rows, after the credit wait), "recv" (the wait and the copies into the
 // masked output) and "combine" (the wait and the weighted sums); "notify" per rank from the last block of a send.
-// Every event is kept in the block's trace log (shared memory) and written at the kernel's end, after its signals, into
-// slots the block claimed at its start (ll_trace_events_per_block of them): recording costs these short kernels no
-// global atomic before a signal that a peer waits for, nor a round trip to L2 at their end.
+// Every event is kept in the block's trace log (shared memory) and written at the kernel's end, after its signals:
+// recording costs these short kernels no global atomic before a signal that a peer waits for.
 #pragma once
 
 #include "ep/common.cuh"
@@ -149,8 +148,7 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
     tile::wait_each(Block{}, ctx, call > 2 ? num_ranks : 0, FromRankLogged{a.buffer.dispatch_credit}, Cmp::kGe,
                     call - 2);
 
-    WEFT_TRACE_DECLARE(send_t0);
-    WEFT_TRACE_STAMP_IF(tid == 0, send_t0);
+    WEFT_TRACE_BEGIN(send_t0);
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
     const int num_warps = static_cast<int>(gridDim.x) * kWarps;
     const RowParts split = RowParts::make(a.num_tokens, granules, num_warps, U);
@@ -226,8 +224,7 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
 
     if (last_block_arrive(&a.buffer.state->arrivals[0])) {
         // Every block's rows are written (acquired above): counts, then one release per rank.
-        WEFT_TRACE_DECLARE(notify_t0);
-        WEFT_TRACE_STAMP_IF(tid < num_ranks, notify_t0);
+        WEFT_TRACE_BEGIN(notify_t0);
         const int units = num_ranks * local_experts;
         for (int i = tid; i < units; i += C.threads) {
             const int r = i / local_experts;
@@ -264,8 +261,7 @@ __device__ void ll_dispatch_recv(const DeviceCtx& ctx, const weft::ep::LowLatenc
     const int units = local_experts * num_ranks;
 
     // Every source's sends of this call: its counts (mailbox) and rows (receive slots) are here.
-    WEFT_TRACE_DECLARE(recv_t0);
-    WEFT_TRACE_STAMP_IF(tid == 0, recv_t0);
+    WEFT_TRACE_BEGIN(recv_t0);
     const Token arrived =
         tile::wait_each(Block{}, ctx, num_ranks, FromRankLogged{a.buffer.dispatch_signal}, Cmp::kGe, call);
     const int32_t* mailbox = tile::consume_token<const int32_t*>(a.buffer.mailbox, arrived);
@@ -387,8 +383,7 @@ __device__ void ll_combine_send(const DeviceCtx& ctx, const weft::ep::LowLatency
     }
     __syncthreads();
 
-    WEFT_TRACE_DECLARE(send_t0);
-    WEFT_TRACE_STAMP_IF(tid == 0, send_t0);
+    WEFT_TRACE_BEGIN(send_t0);
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
     const int num_warps = static_cast<int>(gridDim.x) * kWarps;
     for (int f = global_warp; f < total; f += num_warps) {
@@ -424,8 +419,7 @@ __device__ void ll_combine_send(const DeviceCtx& ctx, const weft::ep::LowLatency
     WEFT_TRACE_DEFER_IF(tid == 0, ctx, TraceKind::kSend, TraceRole::kComm, send_t0, -1, total, 0, 0);
 
     if (last_block_arrive(&a.buffer.state->arrivals[2])) {
-        WEFT_TRACE_DECLARE(notify_t0);
-        WEFT_TRACE_STAMP_IF(tid < num_ranks, notify_t0);
+        WEFT_TRACE_BEGIN(notify_t0);
         if (tid < num_ranks) {
             signal_add(peers.at(ctx, a.buffer.combine_signal + me, tid), 1);
             WEFT_TRACE_DEFER(ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, me, tid, 0, 0);
@@ -451,8 +445,7 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
     const int half = static_cast<int>(call & 1u);
 
     // Every expert rank's rows of this call are in the landing.
-    WEFT_TRACE_DECLARE(combine_t0);  // the wait included
-    WEFT_TRACE_STAMP_IF(tid == 0, combine_t0);
+    WEFT_TRACE_BEGIN(combine_t0);  // the wait included
     const Token arrived =
         tile::wait_each(Block{}, ctx, num_ranks, FromRankLogged{a.buffer.combine_signal}, Cmp::kGe, call);
     const uint16_t* landing = tile::consume_token<const uint16_t*>(a.buffer.landing, arrived);
@@ -487,14 +480,6 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
     }
 }
 
-/// The most events a block of a low-latency launch defers (the slots its trace log claims): per send phase a wait per
-/// rank (the credits), its "send" and, in the last block, a "notify" per rank; per receive phase a wait per rank and
-/// its "recv" or "combine".
-__device__ __forceinline__ int ll_trace_events_per_block(const weft::ep::LowLatencyArgs& a) {
-    const int w = a.geo.num_ranks;
-    return ((a.phases & weft::ep::kPhaseSend) ? 2 * w + 1 : 0) + ((a.phases & weft::ep::kPhaseRecv) ? w + 1 : 0);
-}
-
 }  // namespace detail
 
 /// Low-latency dispatch: the phases in a.phases (send, receive, or both in one launch). Grid: up to
@@ -505,7 +490,7 @@ __global__ void __launch_bounds__(C.threads, 1) low_latency_dispatch(weft::Devic
     extern __shared__ __align__(16) uint8_t smem[];
     const detail::LowLatencyShared sh =
         detail::LowLatencyShared::carve(smem, weft::ep::LowLatencySmem::make(a.geo, C.threads));
-    WEFT_TRACE_OPEN_BLOCK_LOG(ctx, detail::ll_trace_events_per_block(a));  // before load_peer_table's barrier
+    WEFT_TRACE_OPEN_BLOCK_LOG();  // before load_peer_table's barrier
     const PeerTable peers = load_peer_table(ctx, sh.peer_base);
     if (a.phases & weft::ep::kPhaseSend) {
         detail::ll_dispatch_send<C>(ctx, a, sh, peers);
@@ -523,7 +508,7 @@ __global__ void __launch_bounds__(C.threads, 1) low_latency_combine(weft::Device
     extern __shared__ __align__(16) uint8_t smem[];
     const detail::LowLatencyShared sh =
         detail::LowLatencyShared::carve(smem, weft::ep::LowLatencySmem::make(a.geo, C.threads));
-    WEFT_TRACE_OPEN_BLOCK_LOG(ctx, detail::ll_trace_events_per_block(a));  // before load_peer_table's barrier
+    WEFT_TRACE_OPEN_BLOCK_LOG();  // before load_peer_table's barrier
     const PeerTable peers = load_peer_table(ctx, sh.peer_base);
     if (a.phases & weft::ep::kPhaseSend) {
         detail::ll_combine_send<C>(ctx, a, sh, peers);

@@ -67,10 +67,8 @@ public:
     Tracer(std::string path, uint32_t capacity, Diagnostic* diag_host) : path_(std::move(path)), capacity_(capacity) {
         const uint64_t bytes = trace_buffer_bytes(capacity);
         WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&buffer_), bytes));
-        WEFT_CUDA_CHECK(cudaMemset(buffer_, 0, bytes));  // a slot claimed and never written reads as kind 0
         TraceBuffer header{};
         header.capacity = capacity;
-        // A synchronous copy after the memset on the same (legacy) stream: both are done when it returns.
         WEFT_CUDA_CHECK(cudaMemcpy(buffer_, &header, offsetof(TraceBuffer, events), cudaMemcpyHostToDevice));
         diag_host->trace_buffer = reinterpret_cast<uint64_t>(buffer_);
     }
@@ -111,16 +109,14 @@ public:
         detail::RankTrace t;
         t.rank = rank;
         t.host = detail::host_name();
-        const uint32_t used = std::min(header.count, capacity_);
-        t.events.resize(used);
-        if (used > 0) {
-            WEFT_CUDA_CHECK(cudaMemcpy(t.events.data(), buffer_->events, used * sizeof(TraceEvent),
+        const uint32_t kept = std::min(header.count, capacity_);
+        t.events.resize(kept);
+        if (kept > 0) {
+            WEFT_CUDA_CHECK(cudaMemcpy(t.events.data(), buffer_->events, kept * sizeof(TraceEvent),
                                        cudaMemcpyDeviceToHost));
         }
-        // Slots a block claimed and left empty (kind 0) are no events.
-        std::erase_if(t.events, [](const TraceEvent& e) { return e.kind == 0; });
-        empty_buffer(used);
-        t.recorded = recorded(header);
+        WEFT_CUDA_CHECK(cudaMemset(&buffer_->count, 0, sizeof(uint32_t)));
+        t.recorded = header.count;
         const ClockCalibration clock = calibrate();
         t.clock_offset_ns = clock.host_minus_globaltimer_ns;  // rank 0 turns these into offsets against its clock
         std::lock_guard<std::mutex> lock(mutex_);
@@ -158,7 +154,7 @@ public:
         WEFT_CUDA_CHECK(cudaDeviceSynchronize());
         WEFT_CUDA_CHECK(cudaMemcpy(&header, buffer_, offsetof(TraceBuffer, events), cudaMemcpyDeviceToHost));
         std::lock_guard<std::mutex> lock(mutex_);
-        return recorded(header) + copies_.size() + host_events_.size();
+        return header.count + copies_.size() + host_events_.size();
     }
 
     /// Empties the device buffer, the pending copies and the host events; returns how many events they were asked to
@@ -167,9 +163,9 @@ public:
         TraceBuffer header{};
         WEFT_CUDA_CHECK(cudaDeviceSynchronize());
         WEFT_CUDA_CHECK(cudaMemcpy(&header, buffer_, offsetof(TraceBuffer, events), cudaMemcpyDeviceToHost));
-        empty_buffer(std::min(header.count, capacity_));
+        WEFT_CUDA_CHECK(cudaMemset(&buffer_->count, 0, sizeof(uint32_t)));
         std::lock_guard<std::mutex> lock(mutex_);
-        const uint64_t recorded = Tracer::recorded(header) + copies_.size() + host_events_.size();
+        const uint64_t recorded = header.count + copies_.size() + host_events_.size();
         for (const PendingCopy& c : copies_) {
             cudaEventDestroy(c.begin);
             cudaEventDestroy(c.end);
@@ -187,32 +183,6 @@ public:
     uint64_t next_seq() { return seq_++; }
 
 private:
-    /// Events the device buffer was asked to hold: its claimed slots less those left empty.
-    static uint64_t recorded(const TraceBuffer& header) {
-        return header.count >= header.unused ? header.count - header.unused : 0;
-    }
-
-    /// Zeroes the first `used` events (so that slots claimed and left empty by the next kernels read as kind 0) and
-    /// the counters, and waits until that is done: on a stream of its own, so that a kernel the program launches next
-    /// (on a non-blocking stream, which does not wait for the legacy stream) cannot claim slots before it. The device
-    /// is idle (the callers synchronised it).
-    void empty_buffer(uint32_t used) {
-        static_assert(offsetof(TraceBuffer, unused) == offsetof(TraceBuffer, count) + sizeof(uint32_t));
-        struct OwnedStream {
-            cudaStream_t s = nullptr;
-            ~OwnedStream() {
-                if (s != nullptr) cudaStreamDestroy(s);
-            }
-        } stream;
-        WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream.s, cudaStreamNonBlocking));
-        if (used > 0) {
-            const size_t bytes = static_cast<size_t>(used) * sizeof(TraceEvent);
-            WEFT_CUDA_CHECK(cudaMemsetAsync(buffer_->events, 0, bytes, stream.s));
-        }
-        WEFT_CUDA_CHECK(cudaMemsetAsync(&buffer_->count, 0, 2 * sizeof(uint32_t), stream.s));  // count and unused
-        WEFT_CUDA_CHECK(cudaStreamSynchronize(stream.s));
-    }
-
     /// Runs the timer kernel between two timing events on a stream of its own (a few times; the tightest window
     /// counts): the reference event lies half a window before the %globaltimer it read, and the host's clock, read
     /// around it, gives CLOCK_REALTIME - %globaltimer.

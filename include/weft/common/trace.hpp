@@ -53,25 +53,14 @@ struct TraceEvent {
 };
 static_assert(sizeof(TraceEvent) == 48, "TraceEvent is 48 bytes on host and device");
 
-/// One rank's buffer in device memory: a header, then `capacity` events. Writers claim slots with an atomic add on
+/// One rank's buffer in device memory: a header, then `capacity` events. Writers claim a slot with an atomic add on
 /// `count`; a writer that finds the buffer full drops its event (count keeps counting: the host reports the drops).
-/// A block that keeps a log (weft/device/trace.cuh) claims its slots before it knows how many it will fill: those it
-/// leaves empty keep kind 0 (the host zeroes the events it has read) and are counted in `unused`, so the events
-/// recorded are count - unused.
 struct TraceBuffer {
     uint32_t capacity;
     uint32_t count;
-    uint32_t unused;  ///< slots claimed and left empty (kind 0)
-    uint32_t reserved;
+    uint64_t reserved;
     TraceEvent events[1];  ///< `capacity` of them in the allocation
 };
-
-#if !WEFT_DEVICE_PASS
-// A block log copies events as three 16-byte words and patches `sm` and `block` in the second (trace.cuh).
-static_assert(offsetof(TraceBuffer, events) == 16, "TraceBuffer's events are 16-byte aligned");
-static_assert(offsetof(TraceEvent, kind) == 16 && offsetof(TraceEvent, sm) == 18 && offsetof(TraceEvent, block) == 24,
-              "TraceEvent: kind and sm share the second 16-byte word's first 4 bytes, block its third 4 bytes");
-#endif
 
 /// Bytes of a TraceBuffer holding `capacity` events.
 WEFT_HOST_DEVICE constexpr uint64_t trace_buffer_bytes(uint32_t capacity) {

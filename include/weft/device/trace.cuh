@@ -19,16 +19,11 @@
 //
 // A record is a round trip to L2 (the atomic that claims the slot) before its store: on a short kernel's critical
 // path (a signal that peers wait for, a barrier) that costs. Such a kernel keeps its events in a block log in shared
-// memory (a shared-memory atomic and store per event) and writes them at its end into slots it claimed, with one
-// atomic per block, at its start (so that no round trip to L2 waits at its end either):
+// memory and writes them all at its end, with one atomic per block:
 //
-//   WEFT_TRACE_OPEN_BLOCK_LOG(ctx, max_events);  // at the kernel's start, before a __syncthreads; claims the slots
+//   WEFT_TRACE_OPEN_BLOCK_LOG();          // at the kernel's start, before a __syncthreads
 //   WEFT_TRACE_DEFER_IF(tid == 0, ctx, TraceKind::kSend, TraceRole::kComm, t0, -1, n, 0, 0);  // [t0, now], kept
-//   WEFT_TRACE_FLUSH_BLOCK_LOG(ctx);             // at the kernel's end, every thread (after the block's last signal)
-//
-// `max_events` bounds the events a block defers (claimed slots left unused stay empty, kind 0, and are counted in
-// TraceBuffer::unused; a block that defers more claims the rest at its end). OPEN declares a variable that FLUSH
-// reads: both go in the kernel's own body, in one scope.
+//   WEFT_TRACE_FLUSH_BLOCK_LOG(ctx);      // at the kernel's end, every thread of the block (after its last signal)
 #pragma once
 
 #include "weft/common/device_ctx.hpp"
@@ -90,8 +85,7 @@ __device__ __forceinline__ void record(const DeviceCtx& ctx, TraceKind kind, Tra
 }
 
 #if defined(WEFT_TRACE)  // the block log exists only in traced builds (no shared variable otherwise)
-/// A block's events kept in shared memory until the block ends (one per block: block_log()). The events' `sm` and
-/// `block` are filled in when the log is written (one %smid read per block, not per event).
+/// A block's events kept in shared memory until the block ends (one per block: block_log()).
 template <int N>
 struct BlockLog {
     static constexpr int kCapacity = N;
@@ -102,69 +96,20 @@ struct BlockLog {
 
 /// The block's log (a function-scope __shared__ object: the same one wherever a kernel calls this; it exists only in
 /// kernels that call it). 64 events: 3 KiB of shared memory; a low-latency EP block with both phases keeps up to
-/// 3 per rank + 2. 16-byte aligned: flush_block_log copies each event as three 16-byte words.
+/// 3 per rank + 2.
 template <int N = 64>
 __device__ __forceinline__ BlockLog<N>& block_log() {
-    __shared__ __align__(16) BlockLog<N> log;
+    __shared__ BlockLog<N> log;
     return log;
 }
 
-/// The trace-buffer slots a block claimed when it opened its log: [first, first + claimed), held in registers of the
-/// block's last thread (the one that claimed them; `buffer` is nullptr in every other thread, and when the World
-/// does not trace).
-struct BlockLogClaim {
-    TraceBuffer* buffer;
-    uint32_t first;
-    uint32_t claimed;
-    uint32_t capacity;  ///< the buffer's, read when claiming
-};
-
-/// The thread that claims and writes a block's log: the block's last, which in the kernels that keep a log has no
-/// other load before their first barrier (load_peer_table loads from threads 0..num_ranks-1), so that waiting for the
-/// buffer's address before its claim delays no one.
-__device__ __forceinline__ bool is_block_log_writer() { return threadIdx.x == blockDim.x - 1; }
-
-/// Empties the block's log and claims `max_events` (at most the log's capacity) slots of the trace buffer for it:
-/// one atomic per block, issued at the kernel's start, whose result is needed only when the log is written, so no
-/// round trip to L2 sits at the kernel's end. Every thread calls it, before a __syncthreads that precedes any defer.
-/// Slots claimed but not used stay empty (kind 0; TraceBuffer::unused counts them); a block that defers more than it
-/// claimed claims the rest when it writes its log.
-__device__ __forceinline__ BlockLogClaim open_block_log(const DeviceCtx& ctx, int max_events) {
+/// Empties the block's log. Thread 0 writes: call it from every thread before a __syncthreads that precedes any defer.
+__device__ __forceinline__ void open_block_log() {
     if (threadIdx.x == 0) block_log().count = 0;
-    BlockLogClaim c{nullptr, 0, 0, 0};
-    if (!is_block_log_writer()) return c;
-    c.buffer = buffer(ctx);
-    if (c.buffer == nullptr) return c;
-    const int cap = block_log().kCapacity;
-    c.claimed = static_cast<uint32_t>(max_events < 0 ? 0 : (max_events > cap ? cap : max_events));
-    c.first = c.claimed > 0 ? atomicAdd(&c.buffer->count, c.claimed) : 0;
-    c.capacity = c.buffer->capacity;
-    return c;
 }
 
-/// The event as deferred: `sm` and `block` are left 0 until the log is written.
-__device__ __forceinline__ TraceEvent make_logged_event(TraceKind kind, TraceRole role, uint64_t begin_ns,
-                                                        uint64_t end_ns, int32_t arg0, int32_t arg1, int32_t arg2,
-                                                        int32_t arg3) {
-    TraceEvent e;
-    e.begin_ns = begin_ns;
-    e.end_ns = end_ns;
-    e.kind = static_cast<uint16_t>(kind);
-    e.sm = 0;
-    e.role = static_cast<uint8_t>(role);
-    e.reserved0 = 0;
-    e.reserved1 = 0;
-    e.block = 0;
-    e.args[0] = arg0;
-    e.args[1] = arg1;
-    e.args[2] = arg2;
-    e.args[3] = arg3;
-    e.reserved2 = 0;
-    return e;
-}
-
-/// Keeps the event [begin_ns, end_ns] in the block's log (a shared-memory atomic and store: no global memory, no
-/// %smid); past the log's capacity the event is recorded at once.
+/// Keeps the event [begin_ns, end_ns] in the block's log (a shared-memory atomic and store: no global memory); past
+/// the log's capacity the event is recorded at once.
 __device__ __forceinline__ void defer_span(const DeviceCtx& ctx, TraceKind kind, TraceRole role, uint64_t begin_ns,
                                            uint64_t end_ns, int32_t arg0, int32_t arg1, int32_t arg2, int32_t arg3) {
     auto& log = block_log();
@@ -173,57 +118,27 @@ __device__ __forceinline__ void defer_span(const DeviceCtx& ctx, TraceKind kind,
         record_span(ctx, kind, role, begin_ns, end_ns, arg0, arg1, arg2, arg3);
         return;
     }
-    log.events[i] = make_logged_event(kind, role, begin_ns, end_ns, arg0, arg1, arg2, arg3);
+    log.events[i] = make_event(kind, role, begin_ns, end_ns, arg0, arg1, arg2, arg3);
 }
 
-/// Keeps the event [begin_ns, now] in the block's log (one %globaltimer read: its end).
+/// Keeps the event [begin_ns, now] in the block's log.
 __device__ __forceinline__ void defer(const DeviceCtx& ctx, TraceKind kind, TraceRole role, uint64_t begin_ns,
                                       int32_t arg0, int32_t arg1, int32_t arg2, int32_t arg3) {
     defer_span(ctx, kind, role, begin_ns, ptx::globaltimer(), arg0, arg1, arg2, arg3);
 }
 
-/// Writes the block's log into the slots open_block_log claimed: the writer's warp copies one event per lane (three
-/// 16-byte loads and stores each, with the block's SM and index filled in), with no atomic unless the block deferred
-/// more events than it claimed; slots it claimed and did not use are counted in TraceBuffer::unused (a reduction,
-/// nothing waits for it). Every thread of the block calls it once, at the block's end (it begins with a
-/// __syncthreads; no defer may follow).
-__device__ __forceinline__ void flush_block_log(const DeviceCtx& /*ctx*/, const BlockLogClaim& claim) {
+/// Writes the block's log into the trace buffer: one atomic add claims every slot. Every thread of the block calls it
+/// once, at the block's end (it begins with a __syncthreads; no defer may follow).
+__device__ __forceinline__ void flush_block_log(const DeviceCtx& ctx) {
     __syncthreads();
-    const uint32_t writer = blockDim.x - 1;
-    if ((threadIdx.x >> 5) != (writer >> 5)) return;
-    const uint32_t lane = threadIdx.x & 31u;
-    const uint32_t writer_lane = writer & 31u;  // the warp's highest lane (lane 31 when blockDim.x is a multiple of 32)
-    const uint32_t active = writer_lane == 31u ? 0xffffffffu : (2u << writer_lane) - 1u;
-    auto* buffer = reinterpret_cast<TraceBuffer*>(
-        __shfl_sync(active, reinterpret_cast<unsigned long long>(claim.buffer), writer_lane));
-    if (buffer == nullptr) return;
+    if (threadIdx.x != 0) return;
     const auto& log = block_log();
     const uint32_t n = log.count < static_cast<uint32_t>(log.kCapacity) ? log.count : log.kCapacity;
-    const uint32_t first = __shfl_sync(active, claim.first, writer_lane);
-    const uint32_t claimed = __shfl_sync(active, claim.claimed, writer_lane);
-    const uint32_t capacity = __shfl_sync(active, claim.capacity, writer_lane);
-    uint32_t more_first = 0;  // slots for the events past the claim (none when the claim was large enough)
-    if (lane == writer_lane) {
-        if (n > claimed) {
-            more_first = atomicAdd(&buffer->count, n - claimed);
-        } else if (n < claimed) {
-            atomicAdd(&buffer->unused, claimed - n);  // result unused: a reduction (RED), no round trip
-        }
-    }
-    more_first = __shfl_sync(active, more_first, writer_lane);
-    const uint32_t sm = sm_id();
-    TraceEvent* events = buffer->events;
-    for (uint32_t i = lane; i < n; i += 32) {
-        const uint32_t slot = i < claimed ? first + i : more_first + (i - claimed);
-        if (slot >= capacity) continue;
-        const auto* src = reinterpret_cast<const uint4*>(&log.events[i]);
-        auto* dst = reinterpret_cast<uint4*>(&events[slot]);
-        uint4 w1 = src[1];
-        w1.x = (w1.x & 0xffffu) | (sm << 16);  // kind (low half), sm (high half)
-        w1.z = blockIdx.x;                     // block
-        dst[0] = src[0];
-        dst[1] = w1;
-        dst[2] = src[2];
+    TraceBuffer* b = buffer(ctx);
+    if (b == nullptr || n == 0) return;
+    const uint32_t first = atomicAdd(&b->count, n);
+    for (uint32_t i = 0; i < n && first + i < b->capacity; ++i) {
+        b->events[first + i] = log.events[i];
     }
 }
 #endif
@@ -239,14 +154,12 @@ __device__ __forceinline__ void flush_block_log(const DeviceCtx& /*ctx*/, const 
     ::weft::device::trace::record((ctx), ::weft::kind, ::weft::role, (begin), (a0), (a1), (a2), (a3))
 #define WEFT_TRACE_RECORD_IF(cond, ctx, kind, role, begin, a0, a1, a2, a3) \
     if (cond) ::weft::device::trace::record((ctx), ::weft::kind, ::weft::role, (begin), (a0), (a1), (a2), (a3))
-#define WEFT_TRACE_OPEN_BLOCK_LOG(ctx, max_events)               \
-    const ::weft::device::trace::BlockLogClaim weft_trace_block_log = \
-        ::weft::device::trace::open_block_log((ctx), (max_events))
+#define WEFT_TRACE_OPEN_BLOCK_LOG() ::weft::device::trace::open_block_log()
 #define WEFT_TRACE_DEFER(ctx, kind, role, begin, a0, a1, a2, a3) \
     ::weft::device::trace::defer((ctx), ::weft::kind, ::weft::role, (begin), (a0), (a1), (a2), (a3))
 #define WEFT_TRACE_DEFER_IF(cond, ctx, kind, role, begin, a0, a1, a2, a3) \
     if (cond) ::weft::device::trace::defer((ctx), ::weft::kind, ::weft::role, (begin), (a0), (a1), (a2), (a3))
-#define WEFT_TRACE_FLUSH_BLOCK_LOG(ctx) ::weft::device::trace::flush_block_log((ctx), weft_trace_block_log)
+#define WEFT_TRACE_FLUSH_BLOCK_LOG(ctx) ::weft::device::trace::flush_block_log(ctx)
 #define WEFT_TRACE_DO(...) __VA_ARGS__
 #else
 #define WEFT_TRACE_BEGIN(var) static_cast<void>(0)
@@ -254,7 +167,7 @@ __device__ __forceinline__ void flush_block_log(const DeviceCtx& /*ctx*/, const 
 #define WEFT_TRACE_STAMP_IF(cond, var) static_cast<void>(0)
 #define WEFT_TRACE_RECORD(ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
 #define WEFT_TRACE_RECORD_IF(cond, ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
-#define WEFT_TRACE_OPEN_BLOCK_LOG(ctx, max_events) static_cast<void>(0)
+#define WEFT_TRACE_OPEN_BLOCK_LOG() static_cast<void>(0)
 #define WEFT_TRACE_DEFER(ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
 #define WEFT_TRACE_DEFER_IF(cond, ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
 #define WEFT_TRACE_FLUSH_BLOCK_LOG(ctx) static_cast<void>(0)
