@@ -227,6 +227,12 @@ MoeBlock::MoeBlock(World& world, const MoeConfig& config) : MoeBlock(world.team(
 
 MoeBlock::MoeBlock(const Team& team, const MoeConfig& config) : impl_(std::make_unique<Impl>()) {
     team.require_member("ep::MoeBlock");
+    // The fused block's GEMMs wait on the dispatch's per-expert signals within one node; across nodes the Buffer
+    // dispatches through the network (docs/multinode.md, "EP across nodes"), which the block does not drive yet.
+    WEFT_CHECK(team.num_nodes() == 1, "ep::MoeBlock: the team spans "
+                                          << team.num_nodes() << " nodes (" << team.describe()
+                                          << "); the MoE block runs within one node. Across nodes, use ep::Buffer's "
+                                             "normal dispatch and combine with grouped_gemm between them");
     Impl& m = *impl_;
     m.world = &team.world();
     m.team = team;

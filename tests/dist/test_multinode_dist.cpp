@@ -27,6 +27,7 @@
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/all_to_all.hpp"
 #include "weft/ops/ep.hpp"
+#include "weft/ops/ep_moe.hpp"
 #include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/weft.hpp"
@@ -1020,6 +1021,21 @@ TEST(MultiNode, EpLowLatencyAcrossNodesIsRefused) {
         ADD_FAILURE() << "a low-latency handle across nodes was made";
     } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find("does not cross nodes"), std::string::npos) << e.what();
+    }
+}
+
+TEST(MultiNode, MoeBlockAcrossNodesIsRefused) {
+    World& w = dist_world();
+    if (w.num_nodes() < 2) GTEST_SKIP() << "the world is on one node";
+    ops::ep::MoeConfig cfg;
+    cfg.ep = ep_config({2, 128, 2, 16, 1}, w.num_ranks());
+    cfg.ffn = 64;
+    try {
+        ops::ep::MoeBlock block(w, cfg);
+        ADD_FAILURE() << "an ep::MoeBlock across nodes was made";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("spans " + std::to_string(w.num_nodes()) + " nodes"), std::string::npos)
+            << e.what();
     }
 }
 

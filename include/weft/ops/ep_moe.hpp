@@ -114,6 +114,8 @@ uint64_t moe_gemm_timeout_ns(std::chrono::milliseconds world_timeout);
 jit::KernelSpec moe_swiglu_kernel_spec(const std::string& arch = "");
 
 /// A MoE block of one rank of a team. Collective construction and destruction (over the team's members).
+/// The team must lie within one node (a team that spans nodes is refused with a weft::Error; across nodes use
+/// ep::Buffer's normal dispatch and combine).
 class MoeBlock {
 public:
     /// Collective: an ep::Buffer (normal mode) and one NormalHandle, the intermediate activations ([max_recv_rows,
