@@ -12,6 +12,7 @@
 #pragma once
 
 #include "weft/ptx/detail/wgmma_ops.cuh"
+#include "weft/ptx/detail/wgmma_rs_ops.cuh"
 
 namespace weft::ptx {
 
