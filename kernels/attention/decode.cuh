@@ -58,6 +58,20 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+/// One online-softmax step for the two rows a quad of lanes holds (base-2 scores): folds the quad's tile maximum into
+/// each row's running maximum and gives the exponent base of the tile's scores (0 for a row with no visible score yet,
+/// so that exponents stay finite) and the factor that rescales the row's earlier sum and output.
+__device__ __forceinline__ void online_max_step(float (&row_max)[2], const float (&tile_max)[2], float (&base)[2],
+                                                float (&correction)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float m = fmaxf(row_max[r], quad_max(tile_max[r]));
+        base[r] = m == neg_inf() ? 0.f : m;
+        correction[r] = fast_exp2(row_max[r] - base[r]);
+        row_max[r] = m;
+    }
+}
+
 /// Sequence-parallel decode: sends columns col..col+3 of final row `row` (and, when `with_lse`, the row's LSE) as LL
 /// lines to slot `rank` of every rank's LL buffer, flagged for the epoch the cross-rank combine kernel runs under
 /// (AttentionPeerPush). Per thread; the receiver polls the lines, nothing else orders them.
@@ -276,13 +290,7 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_split(AttentionDecod
         }
         float base[2];
         float correction[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float m = fmaxf(row_max[r], quad_max(tile_max[r]));
-            base[r] = m == neg_inf() ? 0.f : m;  // a row with no token yet: keep exponents finite
-            correction[r] = fast_exp2(row_max[r] - base[r]);
-            row_max[r] = m;
-        }
+        online_max_step(row_max, tile_max, base, correction);
         float tile_sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int n = 0; n < 2; ++n) {

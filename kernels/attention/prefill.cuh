@@ -224,13 +224,7 @@ __global__ void __launch_bounds__(attention_prefill_threads(C)) prefill_forward(
             }
             float base[2];
             float correction[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float m = fmaxf(row_max[r], quad_max(tile_max[r]));
-                base[r] = m == neg_inf() ? 0.f : m;  // a row with no visible key yet: keep exponents finite
-                correction[r] = fast_exp2(row_max[r] - base[r]);
-                row_max[r] = m;
-            }
+            online_max_step(row_max, tile_max, base, correction);
             float tile_sum[2] = {0.f, 0.f};
 #pragma unroll
             for (int n = 0; n < kSTiles; ++n) {

@@ -314,13 +314,7 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
                 }
             }
             float base_exp[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float m = fmaxf(row_max[r], quad_max(tile_max[r]));
-                base_exp[r] = m == neg_inf() ? 0.f : m;  // a row with no visible key yet: keep exponents finite
-                correction[r] = fast_exp2(row_max[r] - base_exp[r]);
-                row_max[r] = m;
-            }
+            online_max_step(row_max, tile_max, base_exp, correction);
             float tile_sum[2] = {0.f, 0.f};
 #pragma unroll
             for (int i = 0; i < kSRegs; ++i) {
