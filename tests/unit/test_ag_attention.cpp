@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -412,6 +413,34 @@ TEST(AgAttentionShape, BadShapesNameTheArgument) {
 // (LDGSTS.E.BYPASS.128), reads shared memory with ldmatrix (LDSM, .trans for V) and multiplies on the tensor cores
 // (HMMA.16816.F32).
 
+// Compiles `config` for sm_90a and checks what every specialisation must show: a cubin, a clean ptxas report, no
+// spill and no stack frame, and no local memory in its SASS. Returns the kernel's SASS: empty when no disassembler is
+// here (`why_not` says why), nullopt when the compile failed (reported).
+std::optional<std::string> compile_without_spills(jit::Compiler& c, const AttentionPrefillConfig& config,
+                                                  std::string* why_not) {
+    const jit::KernelSpec spec = attention_prefill_kernel_spec(config, "sm_90a");
+    const jit::CompileResult r = c.compile(spec);
+    if (!r.cubin || r.cubin->empty()) {
+        ADD_FAILURE() << "no cubin: " << r.log;
+        return std::nullopt;
+    }
+    weft::testing::expect_clean_ptxas_report(r.log, spec.describe());
+    EXPECT_EQ(r.ptxas_info.spill_store_bytes, 0) << r.ptxas_info.text;
+    EXPECT_EQ(r.ptxas_info.stack_frame_bytes, 0) << r.ptxas_info.text;
+    std::printf("[ PTXAS    ] %s: %d registers\n", spec.describe().c_str(), r.ptxas_info.registers);
+    std::string tool;
+    const auto sass = weft::testing::disassemble(*r.cubin, &tool, why_not);
+    if (sass.empty()) return std::string();
+    const auto fn = sass.find(r.lowered_name);
+    if (fn == sass.end()) {
+        ADD_FAILURE() << "no SASS for " << r.lowered_name << " (" << tool << ")";
+        return std::nullopt;
+    }
+    EXPECT_EQ(fn->second.find("LDL"), std::string::npos) << "local memory loads";
+    EXPECT_EQ(fn->second.find("STL"), std::string::npos) << "local memory stores";
+    return fn->second;
+}
+
 TEST(AttentionPrefillNvrtc, EverySpecialisationCompilesWithTheExpectedSass) {
     weft::testing::TempDir cache("weft_attention_prefill_nvrtc");
     jit::Compiler c(weft::testing::isolated_compiler_config(cache.path()));
@@ -425,23 +454,12 @@ TEST(AttentionPrefillNvrtc, EverySpecialisationCompilesWithTheExpectedSass) {
                 config.block_m = bm;
                 // f16 differs only in its mma and conversions: its default block_m is enough.
                 if (t == DType::kF16 && bm != 128) continue;
-                jit::KernelSpec spec = attention_prefill_kernel_spec(config, "sm_90a");
-                SCOPED_TRACE(spec.describe());
-                const jit::CompileResult r = c.compile(spec);
-                ASSERT_TRUE(r.cubin && !r.cubin->empty()) << r.log;
+                SCOPED_TRACE(attention_prefill_kernel_spec(config, "sm_90a").describe());
+                const std::optional<std::string> sass = compile_without_spills(c, config, &why_not);
+                if (!sass) return;
                 ++compiled;
-                weft::testing::expect_clean_ptxas_report(r.log, spec.describe());
-                EXPECT_EQ(r.ptxas_info.spill_store_bytes, 0) << r.ptxas_info.text;
-                EXPECT_EQ(r.ptxas_info.stack_frame_bytes, 0) << r.ptxas_info.text;
-                std::printf("[ PTXAS    ] %s: %d registers\n", spec.describe().c_str(), r.ptxas_info.registers);
-                std::string tool;
-                const auto sass = weft::testing::disassemble(*r.cubin, &tool, &why_not);
-                if (sass.empty()) continue;
-                const auto fn = sass.find(r.lowered_name);
-                ASSERT_NE(fn, sass.end()) << "no SASS for " << r.lowered_name << " (" << tool << ")";
-                const std::string& text = fn->second;
-                EXPECT_EQ(text.find("LDL"), std::string::npos) << "local memory loads";
-                EXPECT_EQ(text.find("STL"), std::string::npos) << "local memory stores";
+                if (sass->empty()) continue;
+                const std::string& text = *sass;
                 EXPECT_NE(text.find("LDGSTS.E.BYPASS.128"), std::string::npos) << "16-byte cp.async.cg";
                 EXPECT_NE(text.find("LDSM.16.M88.4"), std::string::npos) << "ldmatrix.x4";
                 EXPECT_NE(text.find("LDSM.16.MT88.4"), std::string::npos) << "ldmatrix.x4.trans (V)";
@@ -475,24 +493,13 @@ TEST(AttentionPrefillNvrtc, EveryWgmmaSpecialisationCompilesWithTheExpectedSass)
                     if (t == DType::kF16 && (bm != config.block_m || stages != config.stages)) continue;
                     config.block_m = bm;
                     config.stages = stages;
-                    jit::KernelSpec spec = attention_prefill_kernel_spec(config, "sm_90a");
-                    SCOPED_TRACE(spec.describe());
-                    const jit::CompileResult r = c.compile(spec);
-                    ASSERT_TRUE(r.cubin && !r.cubin->empty()) << r.log;
+                    SCOPED_TRACE(attention_prefill_kernel_spec(config, "sm_90a").describe());
+                const std::optional<std::string> sass = compile_without_spills(c, config, &why_not);
+                    if (!sass) return;
                     ++compiled;
-                    weft::testing::expect_clean_ptxas_report(r.log, spec.describe());
-                    EXPECT_EQ(r.ptxas_info.spill_store_bytes, 0) << r.ptxas_info.text;
-                    EXPECT_EQ(r.ptxas_info.stack_frame_bytes, 0) << r.ptxas_info.text;
-                    std::printf("[ PTXAS    ] %s: %d registers\n", spec.describe().c_str(), r.ptxas_info.registers);
-                    std::string tool;
-                    const auto sass = weft::testing::disassemble(*r.cubin, &tool, &why_not);
-                    if (sass.empty()) continue;
-                    const auto fn = sass.find(r.lowered_name);
-                    ASSERT_NE(fn, sass.end()) << "no SASS for " << r.lowered_name << " (" << tool << ")";
-                    const std::string& text = fn->second;
+                    if (sass->empty()) continue;
+                    const std::string& text = *sass;
                     const std::string type = t == DType::kBF16 ? ".F32.BF16" : ".F32";  // f16 has no suffix
-                    EXPECT_EQ(text.find("LDL"), std::string::npos) << "local memory loads";
-                    EXPECT_EQ(text.find("STL"), std::string::npos) << "local memory stores";
                     EXPECT_NE(text.find("HGMMA.64x128x16" + type + " R"), std::string::npos) << "S = Q K^T";
                     EXPECT_NE(text.find(".tnspB"), std::string::npos) << "O += P V with V MN-major";
                     EXPECT_NE(text.find("HGMMA.64x" + std::to_string(d) + "x16" + type + " R"), std::string::npos)
