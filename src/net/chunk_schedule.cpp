@@ -3,6 +3,7 @@
 #include "weft/net/chunk_schedule.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
@@ -34,5 +35,7 @@ uint64_t resolve_chunk_bytes(const char* env_value) {
     WEFT_CHECK(bytes > 0, "WEFT_NET_CHUNK_BYTES must be positive, got '" << env_value << "'");
     return bytes;
 }
+
+uint64_t chunk_bytes_from_env() { return resolve_chunk_bytes(std::getenv("WEFT_NET_CHUNK_BYTES")); }
 
 }  // namespace weft::net

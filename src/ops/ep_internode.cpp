@@ -3,7 +3,7 @@
 // hops: node blocks over the column network, then the node's forward and load/store all_to_all; or one record exchange
 // over ops::all_to_all on the team) and runs a one-rank dispatch on them; combine returns each record's partial over
 // all_to_all and sums in rank order (docs/multinode.md, "EP across nodes").
-#include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -11,6 +11,7 @@
 #include "weft/net/chunk_schedule.hpp"
 #include "weft/net/host_backend.hpp"
 #include "weft/ops/all_to_all.hpp"
+#include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 
@@ -40,8 +41,8 @@ void Buffer::Impl::init_across_nodes() {
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&alloc_stream, cudaStreamNonBlocking));
 
     // The dispatch's path; every member must take the same one (their exchanges differ).
-    const char* path = std::getenv("WEFT_EP_ACROSS_NODES");
-    const std::string chosen = path == nullptr || *path == '\0' ? "two_hop" : path;
+    const std::optional<std::string> path = env::get("WEFT_EP_ACROSS_NODES");
+    const std::string chosen = !path || path->empty() ? "two_hop" : *path;
     WEFT_CHECK(chosen == "two_hop" || chosen == "all_to_all",
                "ep::Buffer: WEFT_EP_ACROSS_NODES must be two_hop or all_to_all, got '" << chosen << "'");
     two_hop = chosen == "two_hop";
@@ -198,7 +199,7 @@ void Buffer::Impl::two_hop_exchange(NormalHandle::Impl& h, weft::ep::InternodeAr
     //    this node (each node's send at step k is its peer's receive at step k), chunk by chunk, under the watcher.
     backend.begin_call(stream);
     const std::vector<net::Chunk> chunks =
-        net::plan_chunks(block, 1, 1, net::resolve_chunk_bytes(std::getenv("WEFT_NET_CHUNK_BYTES")));
+        net::plan_chunks(block, 1, 1, net::chunk_bytes_from_env());
     for (int k = 1; k < num_nodes; ++k) {
         const int to = (n + k) % num_nodes;
         const int from = (n - k + num_nodes) % num_nodes;

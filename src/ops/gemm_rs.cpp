@@ -288,7 +288,7 @@ void make_internode(GemmRs::State& s, const Team& team, const GemmRsOptions& opt
     // A's rows of a node-stage call are one slice of A when the team ranks are node-major and the call covers whole
     // blocks; sub-blocks (a block cut for the network's pipeline; more of them for larger M) take every member's
     // sub-range, gathered into a staging buffer first.
-    s.chunk_bytes = net::resolve_chunk_bytes(std::getenv("WEFT_NET_CHUNK_BYTES"));
+    s.chunk_bytes = net::chunk_bytes_from_env();
     const net::RsCallSchedule largest =
         net::schedule_rs_call(s.plan, s.max_rows, static_cast<uint64_t>(s.ld) * es, s.chunk_bytes);
     bool sliced = largest.sub_blocks == 1;

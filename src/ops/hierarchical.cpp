@@ -51,7 +51,6 @@ TensorView elems_view(void* p, DType dtype, uint64_t count) {
     return TensorView(p, dtype, {static_cast<int64_t>(count)});
 }
 
-uint64_t chunk_bytes() { return net::resolve_chunk_bytes(std::getenv("WEFT_NET_CHUNK_BYTES")); }
 
 // The team's backend, and its node team's collectives ready (kernels loaded) before anything is enqueued: no module
 // loads while NCCL's or weft's kernels wait.
@@ -73,7 +72,7 @@ void hierarchical_all_gather(const Team& team, const TensorView& input, const Te
     const auto shard = static_cast<uint64_t>(input.size_bytes());
     const auto* in = static_cast<const uint8_t*>(input.data);
     auto* out = static_cast<uint8_t*>(output.data);
-    const std::vector<net::Chunk> chunks = net::plan_chunks(shard, 1, 1, chunk_bytes());
+    const std::vector<net::Chunk> chunks = net::plan_chunks(shard, 1, 1, net::chunk_bytes_from_env());
     const auto n = static_cast<uint64_t>(num_nodes), l = static_cast<uint64_t>(per_node);
     Scratch column(n * shard, stream);        // chunk c at n * begin: [node][len]
     Scratch gathered(l * n * shard, stream);  // chunk c at l * n * begin: [local][node][len]
@@ -116,7 +115,7 @@ void hierarchical_reduce_scatter(const Team& team, const TensorView& input, cons
     const auto block = static_cast<uint64_t>(output.numel());
     const auto* in = static_cast<const uint8_t*>(input.data);
     auto* out = static_cast<uint8_t*>(output.data);
-    const std::vector<net::Chunk> chunks = net::plan_chunks(block, es, 1, chunk_bytes());
+    const std::vector<net::Chunk> chunks = net::plan_chunks(block, es, 1, net::chunk_bytes_from_env());
     const auto n = static_cast<uint64_t>(num_nodes), l = static_cast<uint64_t>(per_node);
     Scratch packed(l * n * block * es, stream);  // chunk c at l * n * begin: [local][node][len]
     Scratch node_sum(n * block * es, stream);    // chunk c at n * begin: [node][len]
@@ -155,7 +154,7 @@ void hierarchical_all_reduce(const Team& team, const TensorView& input, const Te
     const auto l = static_cast<uint64_t>(net.ranks_per_node());
     const auto* in = static_cast<const uint8_t*>(input.data);
     auto* out = static_cast<uint8_t*>(output.data);
-    const std::vector<net::Chunk> chunks = net::plan_chunks(count, es, l, chunk_bytes());
+    const std::vector<net::Chunk> chunks = net::plan_chunks(count, es, l, net::chunk_bytes_from_env());
     const auto padded = [&](const net::Chunk& ch) { return (ch.count + l - 1) / l * l; };
     const uint64_t total = chunks.empty() ? 0 : chunks.back().begin + padded(chunks.back());
     Scratch staged(total * es, stream);      // chunk c at begin: its elements, zero-padded
@@ -285,7 +284,7 @@ void hierarchical_all_to_all(const Team& team, const TensorView& input, std::spa
         }
     }
     // 2. The network steps on the comm stream (their ready words' writers are enqueued above), chunk by chunk.
-    const uint64_t chunk = chunk_bytes();
+    const uint64_t chunk = net::chunk_bytes_from_env();
     for (size_t i = 0; i < plan.net_steps.size(); ++i) {
         const net::A2aNetStep& s = plan.net_steps[i];
         const net::A2aByteLayout::Step& b = layout.steps[i];

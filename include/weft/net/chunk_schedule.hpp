@@ -28,4 +28,7 @@ std::vector<Chunk> plan_chunks(uint64_t num_units, uint64_t unit_bytes, uint64_t
 /// naming the variable when it is malformed or zero.
 uint64_t resolve_chunk_bytes(const char* env_value);
 
+/// resolve_chunk_bytes of this process's WEFT_NET_CHUNK_BYTES: the chunk size every network path uses.
+uint64_t chunk_bytes_from_env();
+
 }  // namespace weft::net
