@@ -156,10 +156,10 @@ WEFT_HOST_DEVICE inline void fill_node_header(const NodeRecordLayout& l, const i
 // expert ids at their top-k slots (-1 where the slot's expert is elsewhere, dropped, invalid or a repeat), then the
 // sender's call signature (fp8 or bf16, the geometry's digest: a receiver whose call differs receives nothing and
 // reports kCallMismatch, as on one node). Every rank receives W blocks in source-rank order and places the rows into
-// the masked layout itself. The combine returns
-// every route's expert output row to the token's source: block s of the combine send buffer holds, for each of s's
-// tokens t, `local_topk` rows (the token's routes on this rank, in slot order); the source sums the rows of each token
-// over its slots in slot order (fp32 fma, one rounding), the one-node arithmetic. docs/multinode.md, "EP across nodes".
+// the masked layout itself. The combine returns every route's expert output row to the token's source: block s of the
+// combine send buffer holds, for each of s's tokens t, `local_topk` rows (the token's routes on this rank, in slot
+// order); the source sums the rows of each token over its slots in slot order (fp32 fma, one rounding), the one-node
+// arithmetic. docs/multinode.md, "Low-latency mode across nodes".
 
 /// The valid expert of slot j of `row` (k ids), or -1: an id in [0, E) not used by an earlier slot (the one-node
 /// validity).
