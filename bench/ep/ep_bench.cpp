@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -392,7 +393,10 @@ std::vector<Row> measure_rows(const Options& o, const std::optional<LaunchEnv>& 
                 }
                 const ep::Footprint fp = ep::footprint(c, w);
                 WorldOptions wo;
-                wo.heap_bytes = fp.heap_bytes(m.ll ? 0 : 1) + (64ull << 20);
+                // The one-node footprint plus slack; WEFT_SYMMETRIC_HEAP_BYTES, when set, decides instead (a team that
+                // spans nodes allocates its exchange buffers from the heap too, which ep::footprint does not count).
+                const char* heap_env = std::getenv("WEFT_SYMMETRIC_HEAP_BYTES");
+                if (heap_env == nullptr || *heap_env == '\0') wo.heap_bytes = fp.heap_bytes(m.ll ? 0 : 1) + (64ull << 20);
                 const Routing routing =
                     make_routing(w, tokens, o.experts, o.topk, 20240601u + static_cast<uint32_t>(tokens));
                 const Traffic traffic = count_traffic(routing, w, tokens, o.experts, o.topk);
