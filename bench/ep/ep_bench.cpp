@@ -7,7 +7,10 @@
 //
 // Ranks are threads of this process (weft::run_local) over the visible GPUs: with one GPU every rank shares
 // it, no byte crosses NVLink, and the figures measure the kernels' own overhead (their "GB/s" is a rate
-// of HBM work, not link bandwidth). With one GPU per rank they are the real thing.
+// of HBM work, not link bandwidth). With one GPU per rank they are the real thing. Under a launcher (weftrun,
+// torchrun, srun) every process is one rank of the launched world (--world is ignored; rank 0 prints): the way to
+// run a team that spans nodes, e.g. `WEFT_VIRTUAL_NODES=2 weftrun -n 4 -- weft_bench_ep --mode ll` (docs/multinode.md,
+// "EP across nodes"; virtual nodes on one GPU measure correctness and overhead, not a network).
 // Routing: k distinct experts per token, uniformly at random (the same draw on every rank). Timing: a
 // batch of back-to-back calls per op (dispatch alone, combine alone) timed with CUDA events on every
 // rank; the slowest rank's time per call counts. GB/s = the average rank's bytes / that time:
@@ -25,9 +28,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -40,6 +46,7 @@
 #include "common/tracing.hpp"
 #include "weft/ops/ep.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/launch_env.hpp"
 #include "weft/runtime/module_loading.hpp"
 #include "weft/runtime/world.hpp"
 
@@ -66,7 +73,9 @@ Options parse_options(int argc, char** argv) {
     Options o;
     Cli cli("weft_bench_ep", "expert-parallel dispatch and combine: time per call, DeepEP's GB/s and crossing GB/s");
     cli.option("--mode", "ll|normal|all", "low-latency kernels, normal kernels, or both (default all)",
-               [&](const std::string& v) { o.mode = parse_choice(v, "--mode", {"ll", "normal", "all"}); });
+               [&](const std::string& v) {
+                   o.mode = parse_choice(v, "--mode", {"ll", "normal", "all"});
+               });
     cli.option("--tokens", "T[,T...]", "tokens per rank (default ll: 1,32,128,256; normal: 4096)",
                [&](const std::string& v) {
                    o.tokens.clear();
@@ -323,8 +332,30 @@ void run_config(World& world, const Options& o, bool low_latency, bool fp8, int 
     cudaStreamDestroy(s);
 }
 
-/// Every (world, mode, tokens) row of the options, measured (Worlds made now pick WEFT_TRACE up).
-std::vector<Row> measure_rows(const Options& o) {
+/// Under a launcher: every rank's (dispatch ms, combine ms, failed) into `t`'s per-rank arrays (each process measured
+/// only its own rank), so that every process sees the slowest rank's time.
+void gather_timings(World& world, Timings* t) {
+    const int me = world.rank();
+    const double mine[3] = {t->dispatch_ms[static_cast<size_t>(me)], t->combine_ms[static_cast<size_t>(me)],
+                            t->errors.empty() ? 0.0 : 1.0};
+    std::vector<uint8_t> bytes(sizeof(mine));
+    std::memcpy(bytes.data(), mine, sizeof(mine));
+    const std::vector<std::vector<uint8_t>> all = world.team().all_gather("weft.bench.ep.timings", bytes);
+    for (int r = 0; r < world.num_ranks(); ++r) {
+        double theirs[3] = {0, 0, 0};
+        std::memcpy(theirs, all[static_cast<size_t>(r)].data(),
+                    std::min(sizeof(theirs), all[static_cast<size_t>(r)].size()));
+        t->dispatch_ms[static_cast<size_t>(r)] = theirs[0];
+        t->combine_ms[static_cast<size_t>(r)] = theirs[1];
+        if (theirs[2] != 0.0 && r != me) t->errors.push_back("rank " + std::to_string(r) + ": check failed");
+    }
+}
+
+/// Every (world, mode, tokens) row of the options, measured (Worlds made now pick WEFT_TRACE up). `launched`: this
+/// process is one rank of a launched world of launch->num_ranks ranks (else run_local's threads).
+std::vector<Row> measure_rows(const Options& o, const std::optional<LaunchEnv>& launch) {
+    const bool launched = launch && launch->num_ranks > 1;
+    const bool printer = !launched || launch->rank == 0;
     std::vector<Row> rows;
     struct Mode {
         bool ll;
@@ -337,14 +368,16 @@ std::vector<Row> measure_rows(const Options& o) {
     }
     if (o.mode != "ll") modes.push_back({false, false});
 
-    for (int w : o.worlds) {
+    for (int w : launched ? std::vector<int>{launch->num_ranks} : o.worlds) {
         WEFT_CHECK(o.experts % w == 0, "--experts (" << o.experts << ") must be a multiple of --world (" << w << ")");
         for (const Mode& m : modes) {
             std::vector<int> token_list = o.tokens;
             if (token_list.empty()) token_list = m.ll ? std::vector<int>{1, 32, 128, 256} : std::vector<int>{4096};
             for (int tokens : token_list) {
                 if (m.ll && tokens > ep::kMaxLowLatencyTokens) {
-                    std::printf("skipping low-latency at %d tokens (limit %d)\n", tokens, ep::kMaxLowLatencyTokens);
+                    if (printer) {
+                        std::printf("skipping low-latency at %d tokens (limit %d)\n", tokens, ep::kMaxLowLatencyTokens);
+                    }
                     continue;
                 }
                 ep::Config c;
@@ -360,15 +393,26 @@ std::vector<Row> measure_rows(const Options& o) {
                 }
                 const ep::Footprint fp = ep::footprint(c, w);
                 WorldOptions wo;
-                wo.heap_bytes = fp.heap_bytes(m.ll ? 0 : 1) + (64ull << 20);
+                // The one-node footprint plus slack; WEFT_SYMMETRIC_HEAP_BYTES, when set, decides instead (a team that
+                // spans nodes allocates its exchange buffers from the heap too, which ep::footprint does not count).
+                const char* heap_env = std::getenv("WEFT_SYMMETRIC_HEAP_BYTES");
+                if (heap_env == nullptr || *heap_env == '\0') wo.heap_bytes = fp.heap_bytes(m.ll ? 0 : 1) + (64ull << 20);
                 const Routing routing =
                     make_routing(w, tokens, o.experts, o.topk, 20240601u + static_cast<uint32_t>(tokens));
                 const Traffic traffic = count_traffic(routing, w, tokens, o.experts, o.topk);
                 Timings t;
                 t.dispatch_ms.assign(static_cast<size_t>(w), 0);
                 t.combine_ms.assign(static_cast<size_t>(w), 0);
-                run_local(
-                    w, [&](World& world) { run_config(world, o, m.ll, m.fp8, tokens, routing, traffic, &t); }, wo);
+                if (launched) {
+                    std::unique_ptr<World> world = World::from_env(wo);
+                    WEFT_CHECK(world->num_ranks() == w,
+                               "launched with " << world->num_ranks() << " ranks, expected " << w);
+                    run_config(*world, o, m.ll, m.fp8, tokens, routing, traffic, &t);
+                    gather_timings(*world, &t);
+                } else {
+                    run_local(
+                        w, [&](World& world) { run_config(world, o, m.ll, m.fp8, tokens, routing, traffic, &t); }, wo);
+                }
                 const double d_ms = *std::max_element(t.dispatch_ms.begin(), t.dispatch_ms.end());
                 const double c_ms = *std::max_element(t.combine_ms.begin(), t.combine_ms.end());
                 // Average rank's bytes per call.
@@ -397,8 +441,10 @@ std::vector<Row> measure_rows(const Options& o) {
                                 d_deepep / (d_ms * 1e6), d_cross / (d_ms * 1e6), check});
                 rows.push_back({mode, "bf16", "combine", tokens, w, t.sms, c_ms * 1e3, c_deepep / (c_ms * 1e6),
                                 c_cross / (c_ms * 1e6), check});
-                std::printf("%s %s T=%d W=%d: dispatch %.1f us, combine %.1f us; footprint %s\n", mode.c_str(),
-                            m.fp8 ? "fp8" : "bf16", tokens, w, d_ms * 1e3, c_ms * 1e3, fp.describe().c_str());
+                if (printer) {
+                    std::printf("%s %s T=%d W=%d: dispatch %.1f us, combine %.1f us; footprint %s\n", mode.c_str(),
+                                m.fp8 ? "fp8" : "bf16", tokens, w, d_ms * 1e3, c_ms * 1e3, fp.describe().c_str());
+                }
             }
         }
     }
@@ -413,15 +459,17 @@ int run(int argc, char** argv) {
     int devices = 0;
     WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));
     const std::string trace_path = traced_pass_path(o.trace, "weft_bench_ep");
+    const std::optional<LaunchEnv> launch = detect_launch_env();
+    const bool launched = launch && launch->num_ranks > 1;
     std::vector<Row> rows;
     if (o.trace.overhead) {
         set_trace_env("");
-        rows = measure_rows(o);
+        rows = measure_rows(o, launch);
         std::printf("traced pass (trace: %s)\n", trace_path.c_str());
         set_trace_env(trace_path);
         Options traced_options = o;
         traced_options.check = false;
-        for (const Row& t : measure_rows(traced_options)) {
+        for (const Row& t : measure_rows(traced_options, launch)) {
             for (Row& r : rows) {
                 if (r.mode == t.mode && r.dtype == t.dtype && r.op == t.op && r.tokens == t.tokens &&
                     r.world == t.world) {
@@ -431,10 +479,13 @@ int run(int argc, char** argv) {
         }
     } else {
         set_trace_env(trace_path);
-        rows = measure_rows(o);
+        rows = measure_rows(o, launch);
     }
+    if (launched && launch->rank != 0) return 0;  // rank 0 prints (every rank saw the same checks)
 
-    const bool shared = o.worlds.empty() ? false : *std::max_element(o.worlds.begin(), o.worlds.end()) > devices;
+    const int most_ranks =
+        launched ? launch->num_ranks : (o.worlds.empty() ? 0 : *std::max_element(o.worlds.begin(), o.worlds.end()));
+    const bool shared = most_ranks > devices;
     std::printf("\nweft EP benchmark: %s x %d visible (%d SMs each), %s, H=%d E=%d top-%d, iters %d, warmup %d%s\n",
                 prop.name, devices, prop.multiProcessorCount, utc_date().c_str(), o.hidden, o.experts, o.topk, o.iters,
                 o.warmup, o.check ? ", checked" : "");

@@ -139,7 +139,7 @@ void Buffer::Impl::check_status(const char* op) const {
     if (auto s = read_status(status_host)) {
         WEFT_FAIL(describe(*s) << " (reported before " << op << "; call Buffer::clear_status() after handling it)");
     }
-    if (across_nodes()) inner->impl_->check_status(op);  // what the one-rank dispatch and combine reported
+    if (inner) inner->impl_->check_status(op);  // what the one-rank dispatch and combine reported
 }
 
 std::string Buffer::Impl::describe(const Status& s) const {
@@ -276,7 +276,7 @@ void Buffer::sync_and_check(cudaStream_t stream) {
 std::optional<StatusReport> Buffer::status() const {
     auto s = read_status(impl_->status_host);
     if (!s) {
-        return impl_->across_nodes() ? impl_->inner->status() : std::nullopt;
+        return impl_->inner ? impl_->inner->status() : std::nullopt;
     }
     return StatusReport{s->code, *s, impl_->describe(*s)};
 }
@@ -287,7 +287,7 @@ void Buffer::clear_status() {
         p[i] = 0;
     }
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (impl_->across_nodes()) impl_->inner->clear_status();
+    if (impl_->inner) impl_->inner->clear_status();
 }
 
 }  // namespace weft::ops::ep

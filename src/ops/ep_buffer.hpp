@@ -68,13 +68,21 @@ struct LowLatencyHandle::Impl {
     bool fp8 = false;
     int num_tokens = -1;
     enum class State { kIdle, kDispatchSent, kDispatched, kCombineSent } state = State::kIdle;
+    // A team that spans nodes (docs/multinode.md, "EP across nodes"): the record exchanges' private buffers, in one
+    // allocation: dispatch send | dispatch recv | route_row | combine send | combine recv.
+    uint8_t* exchange = nullptr;
+    uint8_t* send = nullptr;
+    uint8_t* recv = nullptr;
+    int32_t* route_row = nullptr;
+    uint16_t* combine_send = nullptr;
+    uint16_t* combine_recv = nullptr;
     ~Impl();
 };
 
 struct Buffer::Impl {
     World* world = nullptr;
-    Team team;         // the members the Buffer's collectives run over (a copy: it keeps the team's device tables)
-    DeviceCtx ctx{};   // team.device_ctx(), for every launch
+    Team team;        // the members the Buffer's collectives run over (a copy: it keeps the team's device tables)
+    DeviceCtx ctx{};  // team.device_ctx(), for every launch
     Config config;
     Geometry geo{};
     Workspace ws{};
@@ -96,8 +104,10 @@ struct Buffer::Impl {
     std::deque<LowLatencyHandle::Impl*> ll_dispatch_queue;  // sent, not yet received (oldest first)
     std::deque<LowLatencyHandle::Impl*> ll_combine_queue;
 
-    // ---- a team that spans nodes (docs/multinode.md, "EP across nodes"); null `inner` on one node ----
-    std::unique_ptr<Buffer> inner;    // the one-rank Buffer (this rank alone, E / W experts) the records feed
+    // ---- a team that spans nodes (docs/multinode.md, "EP across nodes") ----
+    bool spans_nodes = false;
+    // Normal mode: the one-rank Buffer (this rank alone, E / W experts) the records feed.
+    std::unique_ptr<Buffer> inner;
     weft::ep::InternodeLayout net{};  // the exchange's layout
     jit::Kernel* k_pack = nullptr;
     jit::Kernel* k_sum = nullptr;
@@ -108,17 +118,22 @@ struct Buffer::Impl {
     int32_t* team_ranks_by_node = nullptr;  // device [N][L]
     jit::Kernel* k_node_pack = nullptr;
     jit::Kernel* k_forward = nullptr;
-    bool across_nodes() const { return inner != nullptr; }
-    /// The constructor's part for a team that spans nodes: the column communicators, the layout kernel's state, the
-    /// one-rank Buffer and the pack and sum kernels.
+    // The low-latency mode's record exchanges and kernels (kernels/ep/internode_ll.cuh).
+    weft::ep::LowLatencyRecordLayout ll_net{};
+    jit::Kernel* k_ll_pack = nullptr;
+    jit::Kernel* k_ll_layout = nullptr;
+    jit::Kernel* k_ll_copy = nullptr;
+    jit::Kernel* k_ll_combine_pack = nullptr;
+    jit::Kernel* k_ll_combine_sum = nullptr;
+    bool across_nodes() const { return spans_nodes; }
+    /// The constructor's part for a team that spans nodes: the column communicators, the layout kernels' state, and
+    /// for the normal mode the one-rank Buffer and the pack and sum kernels, for the low-latency mode its kernels.
     void init_across_nodes();
     /// The constructor's part for a team within one node: kernels, symmetric and private allocations.
     void init_one_node();
     /// make_normal_handle's part for a team that spans nodes: the one-rank handle, the team-wide layout arrays and
     /// the exchange buffers.
     void init_across_nodes_handle(NormalHandle::Impl& h);
-    /// Throws weft::Error naming `op` when the team spans nodes (the low-latency mode does not cross nodes yet).
-    void refuse_across_nodes(const char* op) const;
     /// The normal dispatch and combine of a team that spans nodes (src/ops/ep_internode.cpp).
     void internode_dispatch(NormalHandle::Impl& h, const TensorView& x, const TensorView& topk_idx,
                             const TensorView& topk_weights, int t, cudaStream_t stream, const NormalOptions& options);
@@ -126,6 +141,18 @@ struct Buffer::Impl {
     void two_hop_exchange(NormalHandle::Impl& h, weft::ep::InternodeArgs a, int sms, cudaStream_t stream);
     void internode_combine(NormalHandle::Impl& h, const TensorView& y, const TensorView& out, int t,
                            cudaStream_t stream, const NormalOptions& options);
+    /// make_low_latency_handle's part for a team that spans nodes: the exchange buffers.
+    void init_across_nodes_handle(LowLatencyHandle::Impl& h);
+    /// The low-latency dispatch of a team that spans nodes (`a`: the call's validated inputs): pack, record exchange,
+    /// layout and copy into the handle's masked layout.
+    void internode_ll_dispatch(LowLatencyHandle::Impl& h, weft::ep::LowLatencyInternodeArgs a, int sms,
+                               cudaStream_t stream);
+    /// The low-latency combine's halves across nodes: the send half packs and exchanges the expert outputs (`a.y`),
+    /// the receive half sums each token's rows (`a.topk_idx`, `a.topk_weights`, `a.out`).
+    void internode_ll_combine(LowLatencyHandle::Impl& h, weft::ep::LowLatencyInternodeArgs a, Phase phase, int sms,
+                              cudaStream_t stream);
+    /// The low-latency kernels' arguments across nodes with this Buffer's and `h`'s arrays; the caller adds the call's.
+    weft::ep::LowLatencyInternodeArgs internode_ll_args(const LowLatencyHandle::Impl& h) const;
 
     /// What every op checks on entry, before anything else: no device-reported error is pending (check()), the
     /// stream is one the ranks' kernels cannot be serialised on, and `handle_owner` is this Buffer. A call that

@@ -172,6 +172,10 @@ std::vector<jit::KernelSpec> kernel_specs() {
         return s;
     };
     const std::string t = std::to_string(kThreads);
+    const auto ll = [&t](const char* kernel) {
+        return std::string("weft::kernels::ep::") + kernel +
+               "<weft::kernels::ep::InternodeLowLatencyConfig{.threads = " + t + ", .unroll = 2}>";
+    };
     return {
         spec("ep/layout.cuh", "weft::kernels::ep::layout<weft::kernels::ep::LayoutConfig{.threads = " + t + "}>",
              "ep::layout"),
@@ -203,6 +207,11 @@ std::vector<jit::KernelSpec> kernel_specs() {
              "weft::kernels::ep::internode_forward<weft::kernels::ep::InternodeConfig{.threads = " + t +
                  ", .unroll = 4}>",
              "ep::internode_forward"),
+        spec("ep/internode_ll.cuh", ll("internode_ll_pack"), "ep::internode_ll_pack"),
+        spec("ep/internode_ll.cuh", ll("internode_ll_layout"), "ep::internode_ll_layout"),
+        spec("ep/internode_ll.cuh", ll("internode_ll_copy"), "ep::internode_ll_copy"),
+        spec("ep/internode_ll.cuh", ll("internode_ll_combine_pack"), "ep::internode_ll_combine_pack"),
+        spec("ep/internode_ll.cuh", ll("internode_ll_combine_sum"), "ep::internode_ll_combine_sum"),
     };
 }
 

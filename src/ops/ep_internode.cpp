@@ -1,8 +1,11 @@
 // SPDX-License-Identifier: MIT
-// weft::ops::ep normal mode on a team that spans nodes: every rank rebuilds the one-node receive order as records (two
+// weft::ops::ep on a team that spans nodes. Normal mode: every rank rebuilds the one-node receive order as records (two
 // hops: node blocks over the column network, then the node's forward and load/store all_to_all; or one record exchange
 // over ops::all_to_all on the team) and runs a one-rank dispatch on them; combine returns each record's partial over
-// all_to_all and sums in rank order (docs/multinode.md, "EP across nodes").
+// all_to_all and sums in rank order. Low-latency mode: one record per (destination, token) straight to the destination
+// over all_to_all, placed into the masked layout there; combine returns every route's row to its source, which sums
+// them in slot order (docs/multinode.md, "EP across nodes").
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,6 +30,7 @@ constexpr int64_t kExchangeAlign = 256;
 }  // namespace
 
 void Buffer::Impl::init_across_nodes() {
+    spans_nodes = true;
     WEFT_CHECK(team.ranks_per_node() > 0,
                "ep::Buffer: the team of " << team.describe() << " spans " << team.num_nodes()
                                           << " nodes with different numbers of members; across nodes every node must "
@@ -68,9 +72,24 @@ void Buffer::Impl::init_across_nodes() {
         WEFT_CUDA_CHECK(cudaStreamSynchronize(alloc_stream));
     }
 
-    // The layout kernel's state (its call counter, for reports); the team-wide layout arrays live in each handle.
+    // The layout kernels' state (their call counters, for reports); the team-wide layout arrays live in each handle.
     device = detail::device_alloc_zeroed(static_cast<uint64_t>(ws.buffer_device.bytes), alloc_stream);
     normal = weft::ep::NormalBufferView{};
+    low_latency = weft::ep::LowLatencyBufferView{};
+    const std::vector<jit::KernelSpec> specs = kernel_specs();
+    if (config.low_latency) {
+        low_latency.state = ws.buffer_device.ll_state.at(device);
+        ll_net = weft::ep::LowLatencyRecordLayout::make(geo);
+        k_ll_pack = &jit::compiler().get_kernel(specs[9]);
+        k_ll_layout = &jit::compiler().get_kernel(specs[10]);
+        k_ll_copy = &jit::compiler().get_kernel(specs[11]);
+        k_ll_combine_pack = &jit::compiler().get_kernel(specs[12]);
+        k_ll_combine_sum = &jit::compiler().get_kernel(specs[13]);
+        WEFT_LOG_INFO("ep: low-latency across " << team.num_nodes() << " nodes: dispatch all_to_all of "
+                                                << ll_net.dispatch_bytes() << " bytes per rank, combine all_to_all of "
+                                                << ll_net.combine_bytes() << " bytes per rank");
+    }
+    if (!config.normal) return;
     normal.state = ws.buffer_device.normal_state.at(device);
     net = weft::ep::InternodeLayout::make(geo);
 
@@ -91,7 +110,6 @@ void Buffer::Impl::init_across_nodes() {
                    << net.records() << " records per dispatch, more than 2^24; lower max_tokens_per_rank");
     inner = std::make_unique<Buffer>(team.split_strided(team.rank(), 1, 1), one);
 
-    const std::vector<jit::KernelSpec> specs = kernel_specs();
     k_layout = &jit::compiler().get_kernel(specs[0]);
     k_pack = &jit::compiler().get_kernel(specs[5]);
     k_sum = &jit::compiler().get_kernel(specs[6]);
@@ -103,13 +121,6 @@ void Buffer::Impl::init_across_nodes() {
                                                 " bytes per rank to the column peers"
                                           : "all_to_all of " + std::to_string(net.dispatch_bytes()) + " bytes per rank")
                               << "; combine: all_to_all of " << net.combine_bytes() << " bytes per rank");
-}
-
-void Buffer::Impl::refuse_across_nodes(const char* op) const {
-    WEFT_CHECK(!across_nodes(), "ep::" << op << ": the low-latency mode does not cross nodes yet (the team of "
-                                       << team.describe() << " spans " << team.num_nodes()
-                                       << " nodes, whose peers are not load/store reachable); use the normal mode "
-                                          "(dispatch/combine), which crosses nodes, or a team within one node");
 }
 
 void Buffer::Impl::init_across_nodes_handle(NormalHandle::Impl& h) {
@@ -198,8 +209,7 @@ void Buffer::Impl::two_hop_exchange(NormalHandle::Impl& h, weft::ep::InternodeAr
     // 2. The network hop over the column: step k sends block n + k to node n + k and receives node n - k's block for
     //    this node (each node's send at step k is its peer's receive at step k), chunk by chunk, under the watcher.
     backend.begin_call(stream);
-    const std::vector<net::Chunk> chunks =
-        net::plan_chunks(block, 1, 1, net::chunk_bytes_from_env());
+    const std::vector<net::Chunk> chunks = net::plan_chunks(block, 1, 1, net::chunk_bytes_from_env());
     for (int k = 1; k < num_nodes; ++k) {
         const int to = (n + k) % num_nodes;
         const int from = (n - k + num_nodes) % num_nodes;
@@ -252,6 +262,72 @@ void Buffer::Impl::internode_combine(NormalHandle::Impl& h, const TensorView& y,
     const int sms = grid("combine", options.num_sms, default_normal_sms(t, world->sm_budget()));
     k_sum->launch({.grid = dim3(static_cast<unsigned>(sms)), .block = dim3(kThreads), .stream = stream}, ctx, a);
     uses.note(stream);
+}
+
+// ---- low-latency mode ----
+
+void Buffer::Impl::init_across_nodes_handle(LowLatencyHandle::Impl& h) {
+    const weft::ep::LowLatencyRecordLayout& l = ll_net;
+    const int64_t records = round_up(l.dispatch_bytes(), kExchangeAlign);
+    const int64_t routes = round_up(l.records() * l.topk * 4, kExchangeAlign);
+    const int64_t rows = round_up(l.combine_bytes(), kExchangeAlign);
+    h.exchange = detail::device_alloc_zeroed(static_cast<uint64_t>(2 * records + routes + 2 * rows), alloc_stream);
+    h.send = h.exchange;
+    h.recv = h.exchange + records;
+    h.route_row = reinterpret_cast<int32_t*>(h.exchange + 2 * records);
+    h.combine_send = reinterpret_cast<uint16_t*>(h.exchange + 2 * records + routes);
+    h.combine_recv = reinterpret_cast<uint16_t*>(h.exchange + 2 * records + routes + rows);
+}
+
+weft::ep::LowLatencyInternodeArgs Buffer::Impl::internode_ll_args(const LowLatencyHandle::Impl& h) const {
+    weft::ep::LowLatencyInternodeArgs a{};
+    a.geo = geo;
+    a.net = ll_net;
+    a.send = h.send;
+    a.recv = h.recv;
+    a.route_row = h.route_row;
+    a.handle = h.view;
+    a.combine_send = h.combine_send;
+    a.combine_recv = h.combine_recv;
+    a.state = low_latency.state;
+    a.status = status_dev;
+    return a;
+}
+
+void Buffer::Impl::internode_ll_dispatch(LowLatencyHandle::Impl& h, weft::ep::LowLatencyInternodeArgs a, int sms,
+                                         cudaStream_t stream) {
+    const weft::ep::LowLatencyRecordLayout& l = ll_net;
+    const auto launch = [&](jit::Kernel* k, int blocks) {
+        k->launch({.grid = dim3(static_cast<unsigned>(blocks)), .block = dim3(kThreads), .stream = stream}, ctx, a);
+        uses.note(stream);
+    };
+    // 1. One record per (destination, token slot): the token's routes there, and its row when it has any.
+    launch(k_ll_pack, sms);
+    // 2. Straight to each destination (no forward hop): block r of every rank's records to rank r.
+    all_to_all(team, TensorView(h.send, DType::kU8, {l.dispatch_bytes()}),
+               TensorView(h.recv, DType::kU8, {l.dispatch_bytes()}), stream);
+    uses.note(stream);
+    // 3. Each local expert's rows in (source, token) order, then the rows themselves (quantised here for fp8).
+    launch(k_ll_layout, std::min(geo.local_experts(), world->sm_budget()));
+    launch(k_ll_copy, sms);
+}
+
+void Buffer::Impl::internode_ll_combine(LowLatencyHandle::Impl& h, weft::ep::LowLatencyInternodeArgs a, Phase phase,
+                                        int sms, cudaStream_t stream) {
+    const weft::ep::LowLatencyRecordLayout& l = ll_net;
+    const jit::LaunchParams launch{.grid = dim3(static_cast<unsigned>(sms)), .block = dim3(kThreads), .stream = stream};
+    if (phase != Phase::kRecv) {
+        // Every received route's output row, back to its source at (token, position among its routes here).
+        k_ll_combine_pack->launch(launch, ctx, a);
+        uses.note(stream);
+        all_to_all(team, TensorView(h.combine_send, DType::kU8, {l.combine_bytes()}),
+                   TensorView(h.combine_recv, DType::kU8, {l.combine_bytes()}), stream);
+        uses.note(stream);
+    }
+    if (phase != Phase::kSend) {
+        k_ll_combine_sum->launch(launch, ctx, a);
+        uses.note(stream);
+    }
 }
 
 }  // namespace weft::ops::ep

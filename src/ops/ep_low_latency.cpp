@@ -65,6 +65,10 @@ LowLatencyHandle::Impl::~Impl() {
             q->erase(std::remove(q->begin(), q->end(), this), q->end());
         }
     }
+    if (exchange != nullptr) {
+        buffer->uses.wait_all();  // no kernel of this Buffer still reads the exchange buffers here
+        cudaFreeAsync(exchange, buffer->alloc_stream);
+    }
     if (device != nullptr) {
         cudaFreeAsync(device, buffer->alloc_stream);
         cudaStreamSynchronize(buffer->alloc_stream);
@@ -93,13 +97,13 @@ const LowLatencyHandleView& LowLatencyHandle::view() const { return impl_->view;
 
 LowLatencyHandle Buffer::make_low_latency_handle() {
     Impl& b = *impl_;
-    b.refuse_across_nodes("make_low_latency_handle");
     WEFT_CHECK(b.config.low_latency,
                "ep: make_low_latency_handle: this Buffer was made with Config::low_latency = false");
     auto h = std::make_unique<LowLatencyHandle::Impl>();
     h->device =
         detail::device_alloc_zeroed(static_cast<uint64_t>(b.ws.low_latency_handle_device.bytes), b.alloc_stream);
     h->view = b.ws.low_latency_handle(h->device);
+    if (b.across_nodes()) b.init_across_nodes_handle(*h);
     h->buffer = &b;
     ++b.live_handles;
     return LowLatencyHandle(std::move(h));
@@ -109,7 +113,6 @@ void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x,
                                   cudaStream_t stream, const LowLatencyOptions& options) {
     WEFT_NVTX_RANGE("ep low_latency_dispatch");
     Impl& b = *impl_;
-    b.refuse_across_nodes("low_latency_dispatch");
     const Geometry& g = b.geo;
     b.enter("low_latency_dispatch", stream, handle.impl_ ? handle.impl_->buffer : nullptr,
             options.phase != Phase::kRecv);
@@ -161,13 +164,29 @@ void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x,
     // Sent with every count and compared by every receiver: a rank whose call differs (fp8 against bf16) is reported
     // by every rank (kCallMismatch) and nothing is received.
     a.signature = weft::ep::ll_call_signature(g, h.fp8);
-    b.k_ll_dispatch->launch(
-        {.grid = dim3(static_cast<unsigned>(sms)),
-         .block = dim3(kThreads),
-         .dynamic_smem_bytes = static_cast<size_t>(weft::ep::LowLatencySmem::make(g, kThreads).total),
-         .stream = stream},
-        b.ctx, a);
-    b.uses.note(stream);
+    if (b.across_nodes()) {
+        // The send half carries the whole exchange (the network's all_to_all waits for every peer); the receive half
+        // launches nothing (docs/multinode.md, "EP across nodes").
+        if (options.phase != Phase::kRecv) {
+            weft::ep::LowLatencyInternodeArgs n = b.internode_ll_args(h);
+            n.num_tokens = a.num_tokens;
+            n.fp8 = a.fp8;
+            n.signature = a.signature;
+            n.x = a.x;
+            n.x_stride = a.x_stride;
+            n.topk_idx = a.topk_idx;
+            n.idx_stride = a.idx_stride;
+            b.internode_ll_dispatch(h, n, sms, stream);
+        }
+    } else {
+        b.k_ll_dispatch->launch(
+            {.grid = dim3(static_cast<unsigned>(sms)),
+             .block = dim3(kThreads),
+             .dynamic_smem_bytes = static_cast<size_t>(weft::ep::LowLatencySmem::make(g, kThreads).total),
+             .stream = stream},
+            b.ctx, a);
+        b.uses.note(stream);
+    }
     switch (options.phase) {
         case Phase::kSendRecv:
             h.state = State::kDispatched;
@@ -188,7 +207,6 @@ void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, 
                                  const LowLatencyOptions& options) {
     WEFT_NVTX_RANGE("ep low_latency_combine");
     Impl& b = *impl_;
-    b.refuse_across_nodes("low_latency_combine");
     const Geometry& g = b.geo;
     b.enter("low_latency_combine", stream, handle.impl_ ? handle.impl_->buffer : nullptr, false);
     WEFT_CHECK(b.config.low_latency, "ep: low_latency_combine: this Buffer was made with Config::low_latency = false");
@@ -245,13 +263,28 @@ void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, 
     a.num_tokens = t;
     const int sms = b.grid("low_latency_combine", options.num_sms,
                            default_low_latency_sms(g.max_tokens, g.topk, b.world->sm_budget()));
-    b.k_ll_combine->launch(
-        {.grid = dim3(static_cast<unsigned>(sms)),
-         .block = dim3(kThreads),
-         .dynamic_smem_bytes = static_cast<size_t>(weft::ep::LowLatencySmem::make(g, kThreads).total),
-         .stream = stream},
-        b.ctx, a);
-    b.uses.note(stream);
+    if (b.across_nodes()) {
+        weft::ep::LowLatencyInternodeArgs n = b.internode_ll_args(h);
+        n.num_tokens = t;
+        n.y = a.y;
+        n.y_expert_stride = a.y_expert_stride;
+        n.y_row_stride = a.y_row_stride;
+        n.topk_idx = a.topk_idx;
+        n.idx_stride = a.idx_stride;
+        n.topk_weights = a.topk_weights;
+        n.weight_stride = a.weight_stride;
+        n.out = a.out;
+        n.out_stride = a.out_stride;
+        b.internode_ll_combine(h, n, options.phase, sms, stream);
+    } else {
+        b.k_ll_combine->launch(
+            {.grid = dim3(static_cast<unsigned>(sms)),
+             .block = dim3(kThreads),
+             .dynamic_smem_bytes = static_cast<size_t>(weft::ep::LowLatencySmem::make(g, kThreads).total),
+             .stream = stream},
+            b.ctx, a);
+        b.uses.note(stream);
+    }
     switch (options.phase) {
         case Phase::kSendRecv:
             break;

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 // Teams that span (virtual) nodes, one process per rank: the hierarchical collectives, all_to_all, AgGemm
-// (AllGather+GEMM), GemmRs (GEMM+ReduceScatter) and expert-parallel dispatch/combine against a host reference on
-// awkward sizes, and a rank on another node that never arrives (docs/multinode.md). Run under virtual nodes, e.g.
+// (AllGather+GEMM), GemmRs (GEMM+ReduceScatter) and expert-parallel dispatch/combine (normal and low-latency modes)
+// against a host reference on awkward sizes, and a rank on another node that never arrives (docs/multinode.md). Run
+// under virtual nodes, e.g.
 //   WEFT_VIRTUAL_NODES=2 weftrun -n 4 -- weft_dist_tests --gtest_filter='MultiNode*'
 // Without virtual nodes (one node) every test here skips.
 #include <gtest/gtest.h>
@@ -1008,20 +1009,488 @@ TEST(MultiNode, EpCapacityOverflowIsReportedByTheRankThatOverflows) {
     ep_run_and_check(team, ep, h, in, clean, seed + 1, s, "after the overflow");
 }
 
-// The low-latency mode does not cross nodes yet: refused in words, on every member.
-TEST(MultiNode, EpLowLatencyAcrossNodesIsRefused) {
+// ---- low-latency mode across nodes ----
+
+ops::ep::Config ll_config(int experts_per_rank, int hidden, int topk, int max_tokens, int num_ranks) {
+    ops::ep::Config cfg;
+    cfg.num_experts = experts_per_rank * num_ranks;
+    cfg.hidden = hidden;
+    cfg.topk = std::min(topk, cfg.num_experts);
+    cfg.max_tokens_per_rank = max_tokens;
+    cfg.normal = false;
+    cfg.low_latency = true;
+    return cfg;
+}
+
+// Everything the tests know about one low-latency call, on every member (team ranks).
+struct LlCall {
+    std::vector<ref::Routing> all;
+    std::vector<std::vector<uint16_t>> x_all;
+    std::vector<std::vector<std::vector<ref::RowSource>>> rows;  // [receiving rank][local expert]: the one-node order
+    std::vector<std::vector<int32_t>> row_of;  // [source][t * k + j]: route (t, j)'s row in its expert's list, or -1
+};
+
+LlCall ll_make_call(const ref::Params& p, std::vector<ref::Routing> all, uint32_t seed, bool fp8_friendly) {
+    LlCall call;
+    call.all = std::move(all);
+    for (int r = 0; r < p.num_ranks; ++r) {
+        call.x_all.push_back(
+            ref::payload_rows(r, call.all[static_cast<size_t>(r)].num_tokens, p.hidden, seed, fp8_friendly));
+        call.rows.push_back(ref::reference_low_latency_rows(p, call.all, r));
+    }
+    call.row_of.resize(static_cast<size_t>(p.num_ranks));
+    for (int s = 0; s < p.num_ranks; ++s) {
+        call.row_of[static_cast<size_t>(s)].assign(
+            static_cast<size_t>(call.all[static_cast<size_t>(s)].num_tokens) * p.topk, -1);
+    }
+    for (int r = 0; r < p.num_ranks; ++r) {
+        for (int le = 0; le < p.local_experts(); ++le) {
+            const auto& list = call.rows[static_cast<size_t>(r)][static_cast<size_t>(le)];
+            for (size_t i = 0; i < list.size(); ++i) {
+                call.row_of[static_cast<size_t>(list[i].src)]
+                           [static_cast<size_t>(list[i].token) * p.topk + list[i].slot] = static_cast<int32_t>(i);
+            }
+        }
+    }
+    return call;
+}
+
+// This member's device inputs and outputs of the low-latency calls.
+struct LlInputs {
+    ref::DeviceArray<uint16_t> x;
+    ref::DeviceArray<int32_t> idx;
+    ref::DeviceArray<float> w;
+    ref::DeviceArray<uint16_t> y;
+    ref::DeviceArray<uint16_t> out;
+    int num_tokens = 0;
+    const ops::ep::Config& c;
+    int64_t rows_per_expert;
+    LlInputs(const ops::ep::Config& cfg, int num_ranks, cudaStream_t s)
+        : x(static_cast<size_t>(cfg.max_tokens_per_rank + 1) * cfg.hidden, s),
+          idx(static_cast<size_t>(cfg.max_tokens_per_rank + 1) * cfg.topk, s),
+          w(static_cast<size_t>(cfg.max_tokens_per_rank + 1) * cfg.topk, s),
+          y(static_cast<size_t>(cfg.num_experts) * cfg.max_tokens_per_rank * cfg.hidden, s),  // E_local * W * T * H
+          out(static_cast<size_t>(cfg.max_tokens_per_rank) * cfg.hidden, s),
+          c(cfg),
+          rows_per_expert(int64_t{num_ranks} * cfg.max_tokens_per_rank) {}
+    void load(const LlCall& call, int me) {
+        num_tokens = call.all[static_cast<size_t>(me)].num_tokens;
+        x.upload(call.x_all[static_cast<size_t>(me)]);
+        idx.upload(call.all[static_cast<size_t>(me)].topk_idx);
+        w.upload(call.all[static_cast<size_t>(me)].topk_weights);
+    }
+    TensorView x_view() const { return TensorView(x.get(), DType::kBF16, {num_tokens, c.hidden}); }
+    TensorView idx_view() const { return TensorView(idx.get(), DType::kI32, {num_tokens, c.topk}); }
+    TensorView w_view() const { return TensorView(w.get(), DType::kF32, {num_tokens, c.topk}); }
+    TensorView out_view() const { return TensorView(out.get(), DType::kBF16, {num_tokens, c.hidden}); }
+    TensorView y_view(int local_experts) const {
+        return TensorView(y.get(), DType::kBF16, {local_experts, rows_per_expert, c.hidden});
+    }
+};
+
+// The handle after a dispatch against the one-node op (team rank `me`): each local expert's count, and for each of its
+// rows the source (rank * T + token), the top-k slot and the row (bf16 bits; fp8 codes and scales against the host
+// quantiser). The one-node op's order inside an expert is (source rank, source token): compared exactly.
+void ll_check_dispatch(const ref::Params& p, const LlCall& call, const ops::ep::LowLatencyHandle& h, bool fp8, int me,
+                       int max_tokens, cudaStream_t s) {
+    const ops::ep::LowLatencyHandleView& v = h.view();
+    const size_t el = static_cast<size_t>(p.local_experts());
+    const size_t rpe = static_cast<size_t>(p.num_ranks) * static_cast<size_t>(max_tokens);
+    const size_t hsz = static_cast<size_t>(p.hidden);
+    const size_t row_bytes = fp8 ? hsz : 2 * hsz;
+    const size_t groups = hsz / 128;
+    const std::vector<int32_t> counts = ref::download(v.expert_counts, el, s);
+    const std::vector<int32_t> info = ref::download(v.recv_src_info, el * rpe, s);
+    const std::vector<int32_t> slots = ref::download(v.recv_src_slot, el * rpe, s);
+    const std::vector<uint8_t> data = ref::download(v.recv_x, el * rpe * row_bytes, s);
+    const std::vector<float> scales = fp8 ? ref::download(v.recv_scales, el * rpe * groups, s) : std::vector<float>();
+    std::vector<uint8_t> codes(hsz);
+    std::vector<float> want_scales(groups);
+    for (size_t le = 0; le < el; ++le) {
+        const auto& list = call.rows[static_cast<size_t>(me)][le];
+        if (counts[le] != static_cast<int32_t>(list.size())) {
+            WEFT_FAIL("expert " << le << " count " << counts[le] << ", the one-node op gives " << list.size());
+        }
+        for (size_t i = 0; i < list.size(); ++i) {
+            const size_t row = le * rpe + i;
+            const ref::RowSource rs = list[i];
+            if (info[row] != rs.src * max_tokens + rs.token || slots[row] != rs.slot) {
+                WEFT_FAIL("expert " << le << " row " << i << ": source info " << info[row] << " slot " << slots[row]
+                                    << ", expected rank " << rs.src << " token " << rs.token << " slot " << rs.slot);
+            }
+            const uint16_t* x = &call.x_all[static_cast<size_t>(rs.src)][static_cast<size_t>(rs.token) * hsz];
+            if (!fp8) {
+                if (std::memcmp(x, &data[row * row_bytes], row_bytes) != 0) {
+                    WEFT_FAIL(
+                        "expert " << le << " row " << i << ": expected rank " << rs.src << " token " << rs.token
+                                  << ", found "
+                                  << ref::describe_row(reinterpret_cast<const uint16_t*>(&data[row * row_bytes])));
+                }
+                continue;
+            }
+            ref::reference_quantize_row(x, p.hidden, codes.data(), want_scales.data());
+            for (size_t g = 0; g < groups; ++g) {
+                if (!(scales[row * groups + g] == want_scales[g])) {
+                    WEFT_FAIL("expert " << le << " row " << i << " scale " << g << " = " << scales[row * groups + g]
+                                        << ", the host quantiser gives " << want_scales[g]);
+                }
+            }
+            for (size_t c = 0; c < hsz; ++c) {
+                if (ref::e4m3_to_f32(data[row * row_bytes + c]) != ref::e4m3_to_f32(codes[c])) {
+                    WEFT_FAIL("expert " << le << " row " << i << " channel " << c << ": code "
+                                        << int{data[row * row_bytes + c]} << ", the host quantiser gives "
+                                        << int{codes[c]});
+                }
+            }
+        }
+    }
+}
+
+// y of team rank r: expert_output of each valid row's payload; rows past the count NaN (a combine that reads one fails
+// loudly).
+std::vector<uint16_t> ll_expected_y(const ref::Params& p, const LlCall& call, int r, int max_tokens) {
+    const size_t rpe = static_cast<size_t>(p.num_ranks) * static_cast<size_t>(max_tokens);
+    const size_t hsz = static_cast<size_t>(p.hidden);
+    std::vector<uint16_t> y(static_cast<size_t>(p.local_experts()) * rpe * hsz, 0x7fc1);
+    for (int le = 0; le < p.local_experts(); ++le) {
+        const auto& list = call.rows[static_cast<size_t>(r)][static_cast<size_t>(le)];
+        for (size_t i = 0; i < list.size(); ++i) {
+            const uint16_t* x = &call.x_all[static_cast<size_t>(list[i].src)][static_cast<size_t>(list[i].token) * hsz];
+            for (size_t c = 0; c < hsz; ++c) {
+                y[(static_cast<size_t>(le) * rpe + i) * hsz + c] = ref::expert_output(x[c], r * p.local_experts() + le);
+            }
+        }
+    }
+    return y;
+}
+
+// The combine's output of team rank `me` against the one-node arithmetic (fp32 fma over the valid slots in slot order,
+// one bf16 rounding): the same bits.
+void ll_check_combine(const ref::Params& p, const LlCall& call, const std::vector<std::vector<uint16_t>>& y_all,
+                      const std::vector<uint16_t>& out, int me, int max_tokens) {
+    const ref::Routing& r = call.all[static_cast<size_t>(me)];
+    const size_t rpe = static_cast<size_t>(p.num_ranks) * static_cast<size_t>(max_tokens);
+    const size_t hsz = static_cast<size_t>(p.hidden);
+    for (int t = 0; t < r.num_tokens; ++t) {
+        for (size_t c = 0; c < hsz; ++c) {
+            float acc = 0.0f;
+            for (int j = 0; j < p.topk; ++j) {
+                const int e = ref::valid_expert(p, r, t, j);
+                if (e < 0) continue;
+                const int owner = p.owner(e);
+                const size_t i =
+                    static_cast<size_t>(call.row_of[static_cast<size_t>(me)][static_cast<size_t>(t) * p.topk + j]);
+                const size_t le = static_cast<size_t>(e - owner * p.local_experts());
+                acc = std::fma(r.topk_weights[static_cast<size_t>(t) * p.topk + j],
+                               ref::bf16_to_f32(y_all[static_cast<size_t>(owner)][(le * rpe + i) * hsz + c]), acc);
+            }
+            const uint16_t want = ref::f32_to_bf16(acc);
+            const uint16_t got = out[static_cast<size_t>(t) * hsz + c];
+            if (got != want) {
+                WEFT_FAIL("combine out[" << t << "][" << c << "] = " << ref::bf16_to_f32(got) << " (0x" << std::hex
+                                         << got << "), the one-node arithmetic gives " << ref::bf16_to_f32(want)
+                                         << " (0x" << want << std::dec << ")");
+            }
+        }
+    }
+}
+
+// One low-latency dispatch + combine of `call`, outputs poisoned first, checked on every member. `launch` runs them
+// (eagerly by default, or a graph's replay); `y_in_place` passes the handle's recv_x as y (bf16).
+void ll_run_and_check(const Team& team, ops::ep::Buffer& ep, ops::ep::LowLatencyHandle& h, LlInputs& in,
+                      const LlCall& call, bool fp8, cudaStream_t s, const std::string& what,
+                      const std::function<void()>& launch = nullptr, int num_sms = 0, bool y_in_place = false) {
+    const ref::Params p = ep_params(ep.config(), team.num_ranks());
+    const int me = team.rank();
+    const int tmax = ep.config().max_tokens_per_rank;
+    in.load(call, me);
+    const ops::ep::LowLatencyHandleView& v = h.view();
+    const size_t rows = static_cast<size_t>(p.local_experts()) * static_cast<size_t>(in.rows_per_expert);
+    WEFT_CUDA_CHECK(cudaMemsetAsync(v.recv_x, 0xEE, rows * static_cast<size_t>(p.hidden) * 2, s));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(v.recv_scales, 0xEE, rows * static_cast<size_t>(p.hidden / 128) * 4, s));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(v.recv_src_info, 0xEE, rows * 4, s));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(v.recv_src_slot, 0xEE, rows * 4, s));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(v.expert_counts, 0xEE, static_cast<size_t>(p.local_experts()) * 4, s));
+    in.out.poison(0xFF);
+    std::vector<std::vector<uint16_t>> y_all;
+    for (int r = 0; r < p.num_ranks; ++r) y_all.push_back(ll_expected_y(p, call, r, tmax));
+    const ops::ep::LowLatencyOptions options{.fp8 = fp8, .num_sms = num_sms};
+    if (launch) {
+        in.y.upload(y_all[static_cast<size_t>(me)]);
+        launch();
+        ep.sync_and_check(s);
+    } else {
+        ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), s, options);
+        ep.sync_and_check(s);
+        team_check(team, [&] {
+            try {
+                ll_check_dispatch(p, call, h, fp8, me, tmax, s);
+            } catch (const std::exception& e) {
+                WEFT_FAIL("world rank " << team.world().rank() << ", " << what << (fp8 ? ", fp8" : ", bf16")
+                                        << ", dispatch: " << e.what());
+            }
+        });
+        TensorView y = in.y_view(p.local_experts());
+        if (y_in_place && !fp8) {
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(h.recv_x().data, y_all[static_cast<size_t>(me)].data(),
+                                            y_all[static_cast<size_t>(me)].size() * 2, cudaMemcpyHostToDevice, s));
+            y = h.recv_x();
+        } else {
+            in.y.upload(y_all[static_cast<size_t>(me)]);
+        }
+        ep.low_latency_combine(h, y, in.idx_view(), in.w_view(), in.out_view(), s,
+                               ops::ep::LowLatencyOptions{.num_sms = num_sms});
+        ep.sync_and_check(s);
+    }
+    team_check(team, [&] {
+        try {
+            if (launch) ll_check_dispatch(p, call, h, fp8, me, tmax, s);
+            ll_check_combine(p, call, y_all,
+                             ref::download(in.out.get(), static_cast<size_t>(in.num_tokens) * p.hidden, s), me, tmax);
+        } catch (const std::exception& e) {
+            WEFT_FAIL("world rank " << team.world().rank() << ", " << what << (fp8 ? ", fp8" : ", bf16") << ": "
+                                    << e.what());
+        }
+    });
+}
+
+// Low-latency dispatch and combine on teams that span nodes, against the one-node op computed on the host: every
+// routing scenario (one hot expert, ranks with no tokens, -1 slots, all dropped, 0 / 1 / max tokens), top-k 1, 2 and
+// 8 (more than a rank's experts too), 1 to 4 experts per rank, H = 128 to 640 (1 to 5 fp8 groups), bf16 and fp8, the
+// world, every other rank and the interleaved team; outputs poisoned first; some calls on one block, some with
+// y = recv_x in place.
+TEST(MultiNode, EpLowLatencyMatchesTheOneNodeReference) {
     World& w = dist_world();
     if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
-    ops::ep::Config cfg = ep_config({2, 128, 2, 16, 1}, w.num_ranks());
-    cfg.low_latency = true;
-    ops::ep::Buffer ep(w, cfg);
-    try {
-        (void)ep.make_low_latency_handle();
-        ADD_FAILURE() << "a low-latency handle across nodes was made";
-    } catch (const Error& e) {
-        EXPECT_NE(std::string(e.what()).find("does not cross nodes"), std::string::npos) << e.what();
+    struct Case {
+        int experts_per_rank, hidden, topk, max_tokens;
+    };
+    const Case cases[] = {{2, 384, 2, 40}, {4, 256, 8, 7}, {1, 128, 1, 9}, {3, 640, 8, 17}};
+    for (const Team& team : ep_teams(w)) {
+        if (!team.is_member()) continue;
+        ref::RankStream stream;
+        const cudaStream_t s = stream.s;
+        const uint32_t seed = team_seed(team);
+        for (const Case& c : cases) {
+            const ops::ep::Config cfg = ll_config(c.experts_per_rank, c.hidden, c.topk, c.max_tokens, team.num_ranks());
+            ops::ep::Buffer ep(team, cfg);
+            ops::ep::LowLatencyHandle h = ep.make_low_latency_handle();
+            LlInputs in(cfg, team.num_ranks(), s);
+            const ref::Params p = ep_params(cfg, team.num_ranks());
+            int i = 0;
+            for (const ref::Scenario sc : ref::all_scenarios()) {
+                for (const bool fp8 : {false, true}) {
+                    ++i;
+                    const LlCall call = ll_make_call(
+                        p, ref::make_routing(sc, p, cfg.max_tokens_per_rank, seed + static_cast<uint32_t>(i)),
+                        seed + static_cast<uint32_t>(i), fp8);
+                    std::ostringstream what;
+                    what << "team " << team.describe() << ", " << ref::scenario_name(sc) << ", E " << cfg.num_experts
+                         << ", H " << cfg.hidden << ", k " << cfg.topk << ", T <= " << cfg.max_tokens_per_rank
+                         << ", seed " << seed + static_cast<uint32_t>(i);
+                    ll_run_and_check(team, ep, h, in, call, fp8, s, what.str(), nullptr, i % 3 == 0 ? 1 : 0,
+                                     i % 4 == 1);
+                }
+            }
+        }
     }
+}
+
+// Dispatch and combine captured in a CUDA graph after one eager call, replayed with new routings in the same input
+// buffers (the placement is computed on the device), bf16 and fp8 (a graph each).
+TEST(MultiNode, EpLowLatencyGraphReplay) {
+    World& w = dist_world();
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    const Team team = w.team();
+    ref::RankStream stream;
+    const cudaStream_t s = stream.s;
+    const uint32_t seed = team_seed(team);
+    const ops::ep::Config cfg = ll_config(3, 256, 4, 24, team.num_ranks());
+    ops::ep::Buffer ep(team, cfg);
+    ops::ep::LowLatencyHandle h = ep.make_low_latency_handle();
+    LlInputs in(cfg, team.num_ranks(), s);
+    const ref::Params p = ep_params(cfg, team.num_ranks());
+    for (const bool fp8 : {false, true}) {
+        cudaGraphExec_t exec = nullptr;
+        for (int call = 0; call < 4; ++call) {
+            // Every rank's T is max_tokens, so that the captured views stay valid; a hot expert in one replay.
+            const ref::Scenario sc = call == 2 ? ref::Scenario::kSkewed : ref::Scenario::kMaxTokens;
+            std::vector<ref::Routing> all = ref::make_routing(sc, p, cfg.max_tokens_per_rank,
+                                                              seed + static_cast<uint32_t>(10 * call + (fp8 ? 1 : 0)));
+            for (ref::Routing& r : all) {
+                if (r.num_tokens == cfg.max_tokens_per_rank) continue;
+                WEFT_FAIL("scenario " << ref::scenario_name(sc) << " gave " << r.num_tokens << " tokens, not T");
+            }
+            const LlCall c = ll_make_call(p, std::move(all), seed + static_cast<uint32_t>(10 * call), fp8);
+            const std::string what = "graph call " + std::to_string(call) + ", seed " + std::to_string(seed);
+            if (call == 0) {
+                ll_run_and_check(team, ep, h, in, c, fp8, s, what);
+                team.barrier();
+                cudaGraph_t g = nullptr;
+                WEFT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+                ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), s, ops::ep::LowLatencyOptions{.fp8 = fp8});
+                ep.low_latency_combine(h, in.y_view(p.local_experts()), in.idx_view(), in.w_view(), in.out_view(), s);
+                WEFT_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+                WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+                WEFT_CUDA_CHECK(cudaGraphDestroy(g));
+            } else {
+                ll_run_and_check(team, ep, h, in, c, fp8, s, what, [&] { WEFT_CUDA_CHECK(cudaGraphLaunch(exec, s)); });
+            }
+        }
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+        WEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    }
+}
+
+// Split halves across nodes: send A, send B, receive A, receive B, then the combines the same way (the send half
+// carries the exchange, the receive half completes the call's bookkeeping or sums); the results are the one-node op's.
+TEST(MultiNode, EpLowLatencySplitHalves) {
+    World& w = dist_world();
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    const Team team = w.team();
+    const int me = team.rank();
+    ref::RankStream stream;
+    const cudaStream_t s = stream.s;
+    const uint32_t seed = team_seed(team);
+    const ops::ep::Config cfg = ll_config(2, 256, 3, 12, team.num_ranks());
+    ops::ep::Buffer ep(team, cfg);
+    const ref::Params p = ep_params(cfg, team.num_ranks());
+    ops::ep::LowLatencyHandle ha = ep.make_low_latency_handle();
+    ops::ep::LowLatencyHandle hb = ep.make_low_latency_handle();
+    LlInputs a(cfg, team.num_ranks(), s);
+    LlInputs b(cfg, team.num_ranks(), s);
+    const LlCall ca = ll_make_call(p, ref::make_routing(ref::Scenario::kUniform, p, 12, seed), seed, true);
+    const LlCall cb = ll_make_call(p, ref::make_routing(ref::Scenario::kSomeDropped, p, 12, seed + 1), seed + 1, false);
+    a.load(ca, me);
+    b.load(cb, me);
+    const ops::ep::LowLatencyOptions send{.phase = ops::ep::Phase::kSend};
+    const ops::ep::LowLatencyOptions recv{.phase = ops::ep::Phase::kRecv};
+    ep.low_latency_dispatch(ha, a.x_view(), a.idx_view(), s,
+                            ops::ep::LowLatencyOptions{.fp8 = true, .phase = send.phase});
+    ep.low_latency_dispatch(hb, b.x_view(), b.idx_view(), s, send);
+    ep.low_latency_dispatch(ha, TensorView(), TensorView(), s,
+                            ops::ep::LowLatencyOptions{.fp8 = true, .phase = recv.phase});
+    ep.low_latency_dispatch(hb, TensorView(), TensorView(), s, recv);
+    ep.sync_and_check(s);
+    team_check(team, [&] {
+        ll_check_dispatch(p, ca, ha, true, me, 12, s);
+        ll_check_dispatch(p, cb, hb, false, me, 12, s);
+    });
+    std::vector<std::vector<uint16_t>> ya, yb;
+    for (int r = 0; r < p.num_ranks; ++r) {
+        ya.push_back(ll_expected_y(p, ca, r, 12));
+        yb.push_back(ll_expected_y(p, cb, r, 12));
+    }
+    a.y.upload(ya[static_cast<size_t>(me)]);
+    b.y.upload(yb[static_cast<size_t>(me)]);
+    a.out.poison(0xFF);
+    b.out.poison(0xFF);
+    ep.low_latency_combine(ha, a.y_view(p.local_experts()), TensorView(), TensorView(), TensorView(), s, send);
+    ep.low_latency_combine(hb, b.y_view(p.local_experts()), TensorView(), TensorView(), TensorView(), s, send);
+    ep.low_latency_combine(ha, TensorView(), a.idx_view(), a.w_view(), a.out_view(), s, recv);
+    ep.low_latency_combine(hb, TensorView(), b.idx_view(), b.w_view(), b.out_view(), s, recv);
+    ep.sync_and_check(s);
+    team_check(team, [&] {
+        ll_check_combine(p, ca, ya, ref::download(a.out.get(), static_cast<size_t>(a.num_tokens) * p.hidden, s), me,
+                         12);
+        ll_check_combine(p, cb, yb, ref::download(b.out.get(), static_cast<size_t>(b.num_tokens) * p.hidden, s), me,
+                         12);
+    });
+}
+
+// Errors across nodes as on one node: invalid and repeated ids are reported by their source (kInvalidExpert /
+// kDuplicateExpert) and dropped, the other routes still arrive and combine; more tokens than max_tokens_per_rank is a
+// host error on the calling rank before anything is launched; a rank dispatching fp8 while the others dispatch bf16
+// makes every rank report kCallMismatch and receive nothing (counts 0, the combine gives zeros). After clear_status
+// the Buffer goes on.
+TEST(MultiNode, EpLowLatencyErrorsAreReportedAsOnOneNode) {
+    World& w = dist_world();
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    const Team team = w.team();
+    const int me = team.rank();
+    ref::RankStream stream;
+    const cudaStream_t s = stream.s;
+    const uint32_t seed = team_seed(team);
+    const ops::ep::Config cfg = ll_config(2, 128, 4, 9, team.num_ranks());
+    ops::ep::Buffer ep(team, cfg);
+    ops::ep::LowLatencyHandle h = ep.make_low_latency_handle();
+    LlInputs in(cfg, team.num_ranks(), s);
+    const ref::Params p = ep_params(cfg, team.num_ranks());
+
+    // Invalid and repeated ids on team rank 0: token 1's slot 1 repeats slot 0, token 2's slot 3 is out of range.
+    std::vector<ref::Routing> all = ref::make_routing(ref::Scenario::kMaxTokens, p, cfg.max_tokens_per_rank, seed);
+    all[0].topk_idx[1 * 4 + 1] = all[0].topk_idx[1 * 4 + 0];
+    all[0].topk_idx[2 * 4 + 3] = cfg.num_experts + 3;
+    const LlCall bad = ll_make_call(p, all, seed, false);
+    in.load(bad, me);
+    ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), s);
+    w.sync_and_check(s);
+    std::optional<ops::ep::StatusReport> report = ep.status();
+    team_check(team, [&] {
+        if (me == 0) {
+            if (!report.has_value()) WEFT_FAIL("rank 0's bad ids were not reported");
+            if (report->code != ops::ep::StatusCode::kDuplicateExpert &&
+                report->code != ops::ep::StatusCode::kInvalidExpert) {
+                WEFT_FAIL("rank 0 reported " << report->message);
+            }
+            std::printf("rank %d: %s\n", w.rank(), report->message.c_str());
+        } else if (report.has_value()) {
+            WEFT_FAIL("only the source of the bad ids reports them: " << report->message);
+        }
+        ll_check_dispatch(p, bad, h, false, me, cfg.max_tokens_per_rank, s);
+    });
+    if (report.has_value()) ep.clear_status();
+    team.barrier();
+    // The same routing through a whole call: the valid routes still combine as on one node.
+    ll_run_and_check(team, ep, h, in, bad, false, s, "invalid and repeated ids (combine)", [&] {
+        ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), s);
+        ep.low_latency_combine(h, in.y_view(p.local_experts()), in.idx_view(), in.w_view(), in.out_view(), s);
+        w.sync_and_check(s);
+        if (ep.status().has_value()) ep.clear_status();
+    });
+    team.barrier();
+
+    // More tokens than the Buffer's limit: a host error naming the limit, on the calling rank, nothing launched.
+    const int64_t too_many = cfg.max_tokens_per_rank + 1;
+    try {
+        ep.low_latency_dispatch(h, TensorView(in.x.get(), DType::kBF16, {too_many, cfg.hidden}),
+                                TensorView(in.idx.get(), DType::kI32, {too_many, cfg.topk}), s);
+        ADD_FAILURE() << "a dispatch of " << too_many << " tokens was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("exceed Config::max_tokens_per_rank"), std::string::npos) << e.what();
+    }
+
+    // fp8 on the last rank, bf16 on the others.
+    const LlCall clean = ll_make_call(
+        p, ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank, seed + 1), seed + 1, false);
+    in.load(clean, me);
+    in.y.upload(ll_expected_y(p, clean, me, cfg.max_tokens_per_rank));
+    in.out.poison(0xFF);
+    const bool fp8 = me == team.num_ranks() - 1;
+    ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), s, ops::ep::LowLatencyOptions{.fp8 = fp8});
+    ep.low_latency_combine(h, in.y_view(p.local_experts()), in.idx_view(), in.w_view(), in.out_view(), s);
+    w.sync_and_check(s);
+    report = ep.status();
+    team_check(team, [&] {
+        if (!report.has_value() || report->code != ops::ep::StatusCode::kCallMismatch) {
+            WEFT_FAIL("world rank " << w.rank() << ": expected kCallMismatch, got "
+                                    << (report ? report->message : std::string("no report")));
+        }
+        std::printf("rank %d: %s\n", w.rank(), report->message.c_str());
+        for (const int32_t c : ref::download(h.expert_counts(), static_cast<size_t>(p.local_experts()), s)) {
+            if (c != 0) WEFT_FAIL("world rank " << w.rank() << " received " << c << " rows despite the mismatch");
+        }
+        for (const uint16_t v : ref::download(in.out.get(), static_cast<size_t>(in.num_tokens) * p.hidden, s)) {
+            if (v != 0) WEFT_FAIL("world rank " << w.rank() << ": the combine after a mismatch must give zeros");
+        }
+    });
+    ep.clear_status();
+    team.barrier();
+    ll_run_and_check(team, ep, h, in, clean, true, s, "after the mismatch");
 }
 
 TEST(MultiNode, MoeBlockAcrossNodesIsRefused) {
@@ -1112,6 +1581,55 @@ TEST(MultiNode, EpARankOnAnotherNodeThatNeverArrivesIsAnErrorWithinTheTimeout) {
             std::string error;
             try {
                 ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), s);
+                ep.sync_and_check(s);
+            } catch (const Error& e) {
+                error = e.what();
+            }
+            const auto waited = std::chrono::steady_clock::now() - start;
+            EXPECT_FALSE(error.empty()) << "rank " << w->rank() << ": no error although rank " << absent
+                                        << " never came (after "
+                                        << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()
+                                        << " ms; World aborted: " << (w->aborted() ? "yes" : "no") << ")";
+            EXPECT_LT(waited, std::chrono::milliseconds(3 * 5000 + 10000)) << error;
+            std::printf("rank %d: %s\n", w->rank(), error.c_str());
+        }
+    }
+    // Every rank leaves together: the World's shutdown is collective (an aborted World still meets its peers).
+    w.reset();
+}
+
+// The low-latency mode with a rank on another node that never arrives: a World of its own with a short timeout; the
+// last rank takes part in the first dispatch and combine and skips the second dispatch. Every other rank's call fails
+// within the bound (its record exchange waits for the absent rank: across nodes under the network watcher, whose error
+// names the team and the column, on its node in bounded device waits, whose diagnostic names the peer).
+TEST(MultiNode, EpLowLatencyARankOnAnotherNodeThatNeverArrivesIsAnErrorWithinTheTimeout) {
+    World& main_world = dist_world();
+    if (!spans_nodes(main_world)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    WorldOptions options;
+    options.timeout = std::chrono::milliseconds(5000);
+    options.heap_bytes = 64ull << 20;
+    std::unique_ptr<World> w = World::from_env(options);
+    ASSERT_GT(w->num_nodes(), 1);
+    const int absent = w->num_ranks() - 1;
+    {
+        ref::RankStream stream;
+        const cudaStream_t s = stream.s;
+        const ops::ep::Config cfg = ll_config(2, 256, 2, 64, w->num_ranks());
+        ops::ep::Buffer ep(*w, cfg);
+        ops::ep::LowLatencyHandle h = ep.make_low_latency_handle();
+        LlInputs in(cfg, w->num_ranks(), s);
+        const ref::Params p = ep_params(cfg, w->num_ranks());
+        const LlCall call =
+            ll_make_call(p, ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank, 9), 9, false);
+        ll_run_and_check(w->team(), ep, h, in, call, false, s, "before the absence");
+        w->barrier();
+        if (w->rank() != absent) {
+            const auto start = std::chrono::steady_clock::now();
+            std::string error;
+            try {
+                ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), s);
                 ep.sync_and_check(s);
             } catch (const Error& e) {
                 error = e.what();

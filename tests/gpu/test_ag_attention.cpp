@@ -232,6 +232,7 @@ void run_case(const Case& c, uint64_t seed, AttentionPrefillKernel kernel) {
     WEFT_CUDA_CHECK(cudaMemcpy(dv, vp.data(), vp.size() * 2, cudaMemcpyHostToDevice));
     WEFT_CUDA_CHECK(cudaMemset(dout, 0xff, pr.q.size() * 2));
     WEFT_CUDA_CHECK(cudaMemset(dlse, 0xff, pr.lse.size() * 4));
+    WEFT_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets run on the legacy stream: done before a non-blocking one
     const TensorView tq(dq, c.dtype, {c.seq_q, c.hq, c.dim});
     const TensorView tk(dk, c.dtype, {c.seq_kv, c.hkv, c.dim}, {kv_row, c.dim, 1});
     const TensorView tv(dv, c.dtype, {c.seq_kv, c.hkv, c.dim}, {kv_row, c.dim, 1});

@@ -221,6 +221,9 @@ void run_case(const Case& c, cudaStream_t stream, bool via_graph = false) {
     CK(cudaMemcpy(dlens.get(), lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemset(dout.get(), 0xff, q.size() * 2));                         // NaN
     CK(cudaMemset(dlse.get(), 0xff, static_cast<size_t>(batch) * hq * 4));  // NaN
+    // cudaMemset of device memory returns before it runs, on the legacy stream, which does not order a non-blocking
+    // stream's work: without this the poison may land after the op has written `out` (seen as NaN rows).
+    CK(cudaDeviceSynchronize());
 
     const TensorView tq(dq.get(), c.dtype, {batch, hq, d});
     const TensorView tk = c.layout == Layout::kSlotsHeads ? TensorView(dk.get(), c.dtype, {num_pages, ps, hkv, d})

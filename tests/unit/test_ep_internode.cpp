@@ -5,6 +5,8 @@
 // bits for every routing scenario.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -378,6 +380,254 @@ TEST(EpInternodePlan, TwoHopDispatchGivesTheRecordsOfTheExchange) {
                                 << "rank " << r << " record " << i << " of source " << s << ": routes";
                             ASSERT_EQ(std::memcmp(got + fin.weights_offset, weights.data(), weights.size() * 4), 0)
                                 << "rank " << r << " record " << i << " of source " << s << ": weights";
+                        }
+                    }
+                }
+                ++checked;
+            }
+        }
+    }
+    EXPECT_GT(checked, 0);
+}
+
+// ---- low-latency mode across nodes ----
+
+TEST(EpInternodePlan, LowLatencyRecordLayout) {
+    struct Case {
+        int ranks, experts, hidden, topk, max_tokens;
+    };
+    for (const Case c : {Case{4, 16, 7168, 8, 128}, Case{4, 8, 8, 8, 1}, Case{6, 12, 136, 3, 129}, Case{2, 2, 24, 1, 7},
+                         Case{16, 256, 4096, 8, 1024}}) {
+        Config cfg = config_of(c.experts, c.hidden, c.topk, c.max_tokens);
+        cfg.normal = false;
+        cfg.low_latency = true;
+        const Geometry g = resolve_geometry(cfg, c.ranks, 0);
+        const weft::ep::LowLatencyRecordLayout l = weft::ep::LowLatencyRecordLayout::make(g);
+        SCOPED_TRACE("W " + std::to_string(c.ranks) + ", E " + std::to_string(c.experts) + ", H " +
+                     std::to_string(c.hidden) + ", k " + std::to_string(c.topk));
+        EXPECT_EQ(l.local_topk, std::min(c.topk, c.experts / c.ranks));
+        EXPECT_EQ(l.ids_offset, int64_t{c.hidden} * 2);
+        EXPECT_EQ(l.signature_offset, l.ids_offset + 4 * c.topk);
+        EXPECT_GE(l.record_bytes, l.signature_offset + 4);
+        EXPECT_LT(l.record_bytes, l.signature_offset + 4 + 16);
+        EXPECT_EQ(l.record_bytes % 16, 0) << "rows must stay 16-byte aligned";
+        EXPECT_EQ(l.records(), int64_t{c.ranks} * c.max_tokens);
+        // all_to_all splits each buffer into W equal blocks, a block per rank.
+        EXPECT_EQ(l.dispatch_bytes() / c.ranks, int64_t{c.max_tokens} * l.record_bytes);
+        EXPECT_EQ(l.combine_bytes() / c.ranks, int64_t{c.max_tokens} * l.local_topk * c.hidden * 2);
+        EXPECT_EQ(l.record_offset(c.ranks - 1, c.max_tokens - 1) + l.record_bytes, l.dispatch_bytes());
+        EXPECT_EQ((l.combine_row_offset(c.ranks - 1, c.max_tokens - 1, l.local_topk - 1) + c.hidden) * 2,
+                  l.combine_bytes());
+        EXPECT_EQ(l.combine_row_offset(1, 0, 0) * 2 % 16, 0);
+    }
+}
+
+// Both sides of a combine row's position agree: the source's ll_route_position over the token's team-wide ids and the
+// owner's ll_record_position over the record it received (ll_record_routes); every valid route has a distinct position
+// below local_topk on its owner, and slots that are not routes have none (invalid, -1, repeated ids included).
+TEST(EpInternodePlan, LowLatencyRoutePositionsAgreeOnBothSides) {
+    Config cfg = config_of(8, 16, 4, 4);
+    cfg.normal = false;
+    cfg.low_latency = true;
+    const Geometry g = resolve_geometry(cfg, 4, 0);  // 2 experts per rank: local_topk 2
+    const int local_topk = weft::ep::LowLatencyRecordLayout::make(g).local_topk;
+    const std::vector<std::vector<int32_t>> rows = {{0, 1, 2, 3}, {1, 1, 0, -1}, {7, 6, 9, 6}, {-1, -1, -1, -1},
+                                                    {5, 3, 4, 2}, {0, -3, 0, 1}, {2, 4, 6, 0}};
+    for (const std::vector<int32_t>& row : rows) {
+        std::vector<int> used(static_cast<size_t>(g.num_ranks) * local_topk, 0);
+        for (int r = 0; r < g.num_ranks; ++r) {
+            std::vector<int32_t> ids(static_cast<size_t>(g.topk));
+            const int n = weft::ep::ll_record_routes(g, row.data(), r, ids.data());
+            int counted = 0;
+            for (int j = 0; j < g.topk; ++j) {
+                const int32_t e = weft::ep::valid_route_expert(g, row.data(), j);
+                const bool here = e >= 0 && g.owner(e) == r;
+                ASSERT_EQ(ids[static_cast<size_t>(j)], here ? e - r * g.local_experts() : -1) << "slot " << j;
+                if (!here) continue;
+                const int p = weft::ep::ll_route_position(g, row.data(), j);
+                ASSERT_EQ(p, weft::ep::ll_record_position(ids.data(), j)) << "slot " << j;
+                ASSERT_GE(p, 0);
+                ASSERT_LT(p, local_topk);
+                ++used[static_cast<size_t>(r) * local_topk + p];
+                ++counted;
+            }
+            EXPECT_EQ(n, counted);
+        }
+        for (int j = 0; j < g.topk; ++j) {
+            if (weft::ep::valid_route_expert(g, row.data(), j) < 0) {
+                EXPECT_EQ(weft::ep::ll_route_position(g, row.data(), j), -1);
+            }
+        }
+        for (const int u : used) EXPECT_LE(u, 1) << "two routes share a combine row";
+    }
+}
+
+// The low-latency design on the host, with the helpers and byte layouts its kernels use: pack (ll_record_routes, one
+// record per (destination, token)), the exchange (block r of every rank to rank r), the layout (each local expert's
+// routes in record order) against the one-node receive order (reference_low_latency_rows: rows, source info, slots),
+// then the combine's pack (ll_record_position), the exchange back and the sum in slot order (ll_route_position)
+// against the one-node arithmetic (fp32 fma over the slots in slot order, one rounding): the same bits.
+TEST(EpInternodePlan, LowLatencyExchangeGivesTheOneNodeLayoutAndCombine) {
+    struct Case {
+        int ranks, experts, topk, max_tokens;
+    };
+    const int hidden = 16;
+    int checked = 0;
+    for (const Case c : {Case{4, 8, 2, 7}, Case{4, 16, 8, 9}, Case{2, 4, 1, 5}, Case{6, 12, 8, 6}, Case{4, 4, 2, 5},
+                         Case{3, 9, 3, 4}}) {
+        Config cfg = config_of(c.experts, hidden, c.topk, c.max_tokens);
+        cfg.normal = false;
+        cfg.low_latency = true;
+        ref::Params p;
+        p.num_ranks = c.ranks;
+        p.num_experts = c.experts;
+        p.topk = c.topk;
+        p.hidden = hidden;
+        for (const ref::Scenario sc : ref::all_scenarios()) {
+            for (uint32_t seed : {1u, 2u, 3u}) {
+                SCOPED_TRACE(std::string(ref::scenario_name(sc)) + ", W " + std::to_string(c.ranks) + ", E " +
+                             std::to_string(c.experts) + ", k " + std::to_string(c.topk) + ", seed " +
+                             std::to_string(seed));
+                const std::vector<ref::Routing> all = ref::make_routing(sc, p, c.max_tokens, seed);
+                const int w = c.ranks;
+                const int el = p.local_experts();
+                std::vector<Geometry> geos;
+                for (int r = 0; r < w; ++r) geos.push_back(resolve_geometry(cfg, w, r));
+                const Geometry g0 = resolve_geometry(cfg, w, 0);
+                const weft::ep::LowLatencyRecordLayout l = weft::ep::LowLatencyRecordLayout::make(g0);
+                const auto row_value = [&](int s, int t, int ch) {
+                    return ref::f32_to_bf16(
+                        static_cast<float>((s * 131 + t * 17 + ch * 5 + static_cast<int>(seed)) % 97 - 48) / 16.0f);
+                };
+                // Pack: every rank's send buffer.
+                std::vector<std::vector<uint8_t>> send(
+                    static_cast<size_t>(w), std::vector<uint8_t>(static_cast<size_t>(l.dispatch_bytes()), 0xAB));
+                for (int s = 0; s < w; ++s) {
+                    const ref::Routing& src = all[static_cast<size_t>(s)];
+                    for (int r = 0; r < w; ++r) {
+                        for (int t = 0; t < c.max_tokens; ++t) {
+                            uint8_t* record = &send[static_cast<size_t>(s)][static_cast<size_t>(l.record_offset(r, t))];
+                            auto* ids = reinterpret_cast<int32_t*>(record + l.ids_offset);
+                            if (t >= src.num_tokens) {
+                                for (int j = 0; j < c.topk; ++j) ids[j] = -1;
+                                continue;
+                            }
+                            const int n = weft::ep::ll_record_routes(
+                                geos[static_cast<size_t>(s)], &src.topk_idx[static_cast<size_t>(t) * c.topk], r, ids);
+                            if (n == 0) continue;  // the row is not written
+                            auto* row = reinterpret_cast<uint16_t*>(record);
+                            for (int ch = 0; ch < hidden; ++ch) row[ch] = row_value(s, t, ch);
+                        }
+                    }
+                }
+                // The exchange: rank r's receive block s = rank s's send block r.
+                const size_t block = static_cast<size_t>(l.dispatch_bytes()) / static_cast<size_t>(w);
+                std::vector<std::vector<uint8_t>> recv(static_cast<size_t>(w),
+                                                       std::vector<uint8_t>(static_cast<size_t>(l.dispatch_bytes())));
+                for (int r = 0; r < w; ++r) {
+                    for (int s = 0; s < w; ++s) {
+                        std::memcpy(&recv[static_cast<size_t>(r)][static_cast<size_t>(s) * block],
+                                    &send[static_cast<size_t>(s)][static_cast<size_t>(r) * block], block);
+                    }
+                }
+                // Layout and copy on each rank, then y = a function of (rank, expert, row).
+                const int64_t rpe = int64_t{w} * c.max_tokens;
+                std::vector<std::vector<uint16_t>> y(static_cast<size_t>(w));
+                std::vector<std::vector<int32_t>> src_info(static_cast<size_t>(w)), src_slot(static_cast<size_t>(w));
+                for (int r = 0; r < w; ++r) {
+                    const std::vector<std::vector<ref::RowSource>> want = ref::reference_low_latency_rows(p, all, r);
+                    y[static_cast<size_t>(r)].assign(static_cast<size_t>(el * rpe * hidden), 0x7fc1);
+                    src_info[static_cast<size_t>(r)].assign(static_cast<size_t>(el * rpe), -1);
+                    src_slot[static_cast<size_t>(r)].assign(static_cast<size_t>(el * rpe), -1);
+                    for (int le = 0; le < el; ++le) {
+                        int32_t count = 0;
+                        for (int64_t rec = 0; rec < l.records(); ++rec) {
+                            const uint8_t* record =
+                                &recv[static_cast<size_t>(r)][static_cast<size_t>(rec * l.record_bytes)];
+                            const auto* ids = reinterpret_cast<const int32_t*>(record + l.ids_offset);
+                            for (int j = 0; j < c.topk; ++j) {
+                                if (ids[j] != le) continue;
+                                const size_t out = static_cast<size_t>(le * rpe + count);
+                                ASSERT_LT(static_cast<size_t>(count), want[static_cast<size_t>(le)].size())
+                                    << "rank " << r << " expert " << le << ": more rows than the one-node op";
+                                const ref::RowSource ws = want[static_cast<size_t>(le)][static_cast<size_t>(count)];
+                                ASSERT_EQ(rec, int64_t{ws.src} * c.max_tokens + ws.token)
+                                    << "rank " << r << " expert " << le << " row " << count;
+                                ASSERT_EQ(j, ws.slot) << "rank " << r << " expert " << le << " row " << count;
+                                const auto* row = reinterpret_cast<const uint16_t*>(record);
+                                for (int ch = 0; ch < hidden; ++ch) {
+                                    ASSERT_EQ(row[ch], row_value(ws.src, ws.token, ch)) << "channel " << ch;
+                                    y[static_cast<size_t>(r)][out * hidden + static_cast<size_t>(ch)] =
+                                        ref::expert_output(row[ch], r * el + le);
+                                }
+                                src_info[static_cast<size_t>(r)][out] = static_cast<int32_t>(rec);
+                                src_slot[static_cast<size_t>(r)][out] = j;
+                                ++count;
+                            }
+                        }
+                        ASSERT_EQ(static_cast<size_t>(count), want[static_cast<size_t>(le)].size())
+                            << "rank " << r << " expert " << le;
+                    }
+                }
+                // Combine: pack on each expert rank, the exchange back, the sum at each source.
+                const size_t cblock = static_cast<size_t>(l.combine_bytes() / 2) / static_cast<size_t>(w);
+                std::vector<std::vector<uint16_t>> csend(
+                    static_cast<size_t>(w), std::vector<uint16_t>(static_cast<size_t>(l.combine_bytes() / 2), 0x7fc2));
+                for (int r = 0; r < w; ++r) {
+                    for (int le = 0; le < el; ++le) {
+                        for (int64_t i = 0; i < rpe; ++i) {
+                            const size_t row = static_cast<size_t>(le * rpe + i);
+                            const int32_t rec = src_info[static_cast<size_t>(r)][row];
+                            if (rec < 0) break;
+                            const auto* ids = reinterpret_cast<const int32_t*>(&recv[static_cast<size_t>(
+                                r)][static_cast<size_t>(rec * l.record_bytes + l.ids_offset)]);
+                            const int32_t pos =
+                                weft::ep::ll_record_position(ids, src_slot[static_cast<size_t>(r)][row]);
+                            const size_t at = static_cast<size_t>((int64_t{rec} * l.local_topk + pos) * hidden);
+                            std::memcpy(&csend[static_cast<size_t>(r)][at], &y[static_cast<size_t>(r)][row * hidden],
+                                        hidden * 2);
+                        }
+                    }
+                }
+                for (int s = 0; s < w; ++s) {
+                    std::vector<uint16_t> creturned(static_cast<size_t>(l.combine_bytes() / 2));
+                    for (int r = 0; r < w; ++r) {
+                        std::memcpy(&creturned[static_cast<size_t>(r) * cblock],
+                                    &csend[static_cast<size_t>(r)][static_cast<size_t>(s) * cblock], cblock * 2);
+                    }
+                    const ref::Routing& src = all[static_cast<size_t>(s)];
+                    const std::vector<std::vector<std::vector<ref::RowSource>>> rows_of = [&] {
+                        std::vector<std::vector<std::vector<ref::RowSource>>> v;
+                        for (int r = 0; r < w; ++r) v.push_back(ref::reference_low_latency_rows(p, all, r));
+                        return v;
+                    }();
+                    for (int t = 0; t < src.num_tokens; ++t) {
+                        const int32_t* idx = &src.topk_idx[static_cast<size_t>(t) * c.topk];
+                        for (int ch = 0; ch < hidden; ++ch) {
+                            float got = 0.0f;
+                            float want = 0.0f;
+                            for (int j = 0; j < c.topk; ++j) {
+                                const int32_t e = weft::ep::valid_route_expert(g0, idx, j);
+                                if (e < 0) continue;
+                                ASSERT_EQ(e, ref::valid_expert(p, src, t, j));
+                                const float wt = src.topk_weights[static_cast<size_t>(t) * c.topk + j];
+                                const int32_t pos = weft::ep::ll_route_position(g0, idx, j);
+                                const int owner = p.owner(e);
+                                const uint16_t v =
+                                    creturned[static_cast<size_t>(l.combine_row_offset(owner, t, pos) + ch)];
+                                got = std::fma(wt, ref::bf16_to_f32(v), got);
+                                // The one-node op: rank owner's row of route (s, t, j) in its expert's list.
+                                const auto& list =
+                                    rows_of[static_cast<size_t>(owner)][static_cast<size_t>(e - owner * el)];
+                                size_t i = 0;
+                                while (i < list.size() &&
+                                       !(list[i].src == s && list[i].token == t && list[i].slot == j))
+                                    ++i;
+                                ASSERT_LT(i, list.size());
+                                want = std::fma(wt, ref::bf16_to_f32(ref::expert_output(row_value(s, t, ch), e)), want);
+                            }
+                            ASSERT_EQ(ref::f32_to_bf16(got), ref::f32_to_bf16(want))
+                                << "source " << s << " token " << t << " channel " << ch;
                         }
                     }
                 }

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
-// Expert parallelism across nodes (normal mode): the record exchange's layout, the per-destination routing of a token,
-// and the arguments of the pack and sum kernels, shared by the op (src/ops/ep_*.cpp) and kernels/ep/internode.cuh.
+// Expert parallelism across nodes: the normal mode's record exchanges (one exchange, or two hops), the low-latency
+// mode's record and return layouts, the per-destination routing of a token, and the kernels' arguments, shared by the
+// op (src/ops/ep_*.cpp) and kernels/ep/internode.cuh, kernels/ep/internode_ll.cuh.
 //
 // A team of W ranks that spans nodes exchanges fixed-size blocks: block r of a rank's send buffer holds `capacity`
 // (= max_tokens_per_rank) records for team rank r, the tokens that have a valid route to r in token order (record i
@@ -146,6 +147,139 @@ WEFT_HOST_DEVICE inline void fill_node_header(const NodeRecordLayout& l, const i
     auto* idx = reinterpret_cast<int32_t*>(record + l.send_idx_offset);
     for (int32_t j = 0; j < l.ranks_per_node; ++j) idx[j] = tokens_per_rank[members[j]];
 }
+
+// ---- low-latency mode across nodes ----
+//
+// The dispatch is one record exchange (ops::all_to_all on the team): block r of a rank's send buffer holds
+// `capacity` records for team rank r, record t being token t (fixed slots, no compaction: the receiver knows each
+// record's source token from its place). A record is the token's row (H bf16) and its k routes on r as r's local
+// expert ids at their top-k slots (-1 where the slot's expert is elsewhere, dropped, invalid or a repeat), then the
+// sender's call signature (fp8 or bf16, the geometry's digest: a receiver whose call differs receives nothing and
+// reports kCallMismatch, as on one node). Every rank receives W blocks in source-rank order and places the rows into
+// the masked layout itself. The combine returns every route's expert output row to the token's source: block s of the
+// combine send buffer holds, for each of s's tokens t, `local_topk` rows (the token's routes on this rank, in slot
+// order); the source sums the rows of each token over its slots in slot order (fp32 fma, one rounding), the one-node
+// arithmetic. docs/multinode.md, "Low-latency mode across nodes".
+
+/// The valid expert of slot j of `row` (k ids), or -1: an id in [0, E) not used by an earlier slot (the one-node
+/// validity).
+WEFT_HOST_DEVICE inline int32_t valid_route_expert(const Geometry& g, const int32_t* row, int32_t j) {
+    const int32_t e = row[j];
+    if (e < 0 || e >= g.num_experts) return -1;
+    for (int32_t i = 0; i < j; ++i) {
+        if (row[i] == e) return -1;
+    }
+    return e;
+}
+
+/// A low-latency record's routes for rank `dst`: ids[j] = the local id of slot j's expert when it is valid and `dst`
+/// owns it, else -1, for j in [0, k). Returns the number of such routes (0: the token does not go to `dst`).
+WEFT_HOST_DEVICE inline int32_t ll_record_routes(const Geometry& g, const int32_t* row, int32_t dst, int32_t* ids) {
+    const int32_t local = g.local_experts();
+    int32_t n = 0;
+    for (int32_t j = 0; j < g.topk; ++j) {
+        const int32_t e = valid_route_expert(g, row, j);
+        ids[j] = e >= 0 && e / local == dst ? e - dst * local : -1;
+        n += ids[j] >= 0 ? 1 : 0;
+    }
+    return n;
+}
+
+/// Where the combine returns route (token, slot j): its position among the token's routes on the same rank, in slot
+/// order (the number of valid slots before j owned by slot j's rank); -1 when slot j is not a valid route. `row`: the
+/// token's k team-wide ids (the source's view). The owner's view is a record's local ids: the number of ids >= 0
+/// before slot j (ll_record_position); the two agree by construction (tests/unit/test_ep_internode.cpp).
+WEFT_HOST_DEVICE inline int32_t ll_route_position(const Geometry& g, const int32_t* row, int32_t j) {
+    const int32_t e = valid_route_expert(g, row, j);
+    if (e < 0) return -1;
+    const int32_t owner = e / g.local_experts();
+    int32_t p = 0;
+    for (int32_t i = 0; i < j; ++i) {
+        const int32_t f = valid_route_expert(g, row, i);
+        p += f >= 0 && f / g.local_experts() == owner ? 1 : 0;
+    }
+    return p;
+}
+
+/// The owner's side of ll_route_position: the position of slot j among a record's local ids (those >= 0).
+WEFT_HOST_DEVICE inline int32_t ll_record_position(const int32_t* ids, int32_t j) {
+    int32_t p = 0;
+    for (int32_t i = 0; i < j; ++i) p += ids[i] >= 0 ? 1 : 0;
+    return p;
+}
+
+/// Where everything of the low-latency exchanges lies (the same on every member: it depends on the Geometry alone).
+struct LowLatencyRecordLayout {
+    int32_t num_ranks;   ///< W: blocks per exchange
+    int32_t capacity;    ///< records per block: max_tokens_per_rank (record t = token t)
+    int32_t hidden;      ///< H
+    int32_t topk;        ///< k: ids per record
+    int32_t local_topk;  ///< rows per record in the combine: min(k, experts per rank)
+    int32_t pad0;
+    int64_t ids_offset;        ///< bytes from a record's start to its k int32 local ids
+    int64_t signature_offset;  ///< to the sender's call signature (uint32, ll_call_signature)
+    int64_t record_bytes;      ///< a multiple of 16
+
+    WEFT_HOST_DEVICE static constexpr LowLatencyRecordLayout make(const Geometry& g) {
+        LowLatencyRecordLayout l{};
+        l.num_ranks = g.num_ranks;
+        l.capacity = g.max_tokens;
+        l.hidden = g.hidden;
+        l.topk = g.topk;
+        l.local_topk = g.topk < g.local_experts() ? g.topk : g.local_experts();
+        l.ids_offset = g.row_bytes();
+        l.signature_offset = l.ids_offset + 4 * int64_t{g.topk};
+        l.record_bytes = round_up(l.signature_offset + 4, 16);
+        return l;
+    }
+    /// Records of one dispatch exchange, sent and received alike (W * capacity).
+    WEFT_HOST_DEVICE constexpr int64_t records() const { return int64_t{num_ranks} * capacity; }
+    WEFT_HOST_DEVICE constexpr int64_t dispatch_bytes() const { return records() * record_bytes; }
+    /// Record `index` of block `rank` (byte offset).
+    WEFT_HOST_DEVICE constexpr int64_t record_offset(int32_t rank, int32_t index) const {
+        return (int64_t{rank} * capacity + index) * record_bytes;
+    }
+    /// Rows of one combine exchange: local_topk per record.
+    WEFT_HOST_DEVICE constexpr int64_t combine_rows() const { return records() * local_topk; }
+    WEFT_HOST_DEVICE constexpr int64_t combine_bytes() const { return combine_rows() * hidden * 2; }
+    /// Row `position` of token `index` in block `rank` of a combine buffer (element offset, bf16).
+    WEFT_HOST_DEVICE constexpr int64_t combine_row_offset(int32_t rank, int32_t index, int32_t position) const {
+        return ((int64_t{rank} * capacity + index) * local_topk + position) * hidden;
+    }
+};
+
+/// Arguments of kernels/ep/internode_ll.cuh (one struct for its four kernels; each reads its own fields).
+struct LowLatencyInternodeArgs {
+    Geometry geo;  ///< the team's geometry (W ranks)
+    LowLatencyRecordLayout net;
+    int32_t num_tokens;  ///< T of this rank
+    int32_t fp8;         ///< the dispatch's placement quantises to e4m3
+    uint32_t signature;  ///< this rank's call signature (ll_call_signature): written into every record, compared
+    int32_t pad0;
+    // pack (this rank's tokens)
+    const uint16_t* x;  ///< [T, H] bf16
+    int64_t x_stride;
+    const int32_t* topk_idx;  ///< [T, k]
+    int64_t idx_stride;
+    uint8_t* send;  ///< [dispatch_bytes()]
+    // layout and copy (the records received)
+    const uint8_t* recv;  ///< [dispatch_bytes()] block s = source s's records for this rank
+    int32_t* route_row;   ///< [W * capacity, k] the output row of each received route (valid where its id >= 0)
+    LowLatencyHandleView handle;
+    // combine pack (this rank's expert outputs)
+    const uint16_t* y;  ///< [E_local, >= W * capacity, H] bf16 rows
+    int64_t y_expert_stride;
+    int64_t y_row_stride;
+    uint16_t* combine_send;  ///< [combine_rows(), H] block s for source s
+    // combine sum (this rank's tokens)
+    const uint16_t* combine_recv;  ///< [combine_rows(), H] block r from expert rank r
+    const float* topk_weights;     ///< [T, k]
+    int64_t weight_stride;
+    uint16_t* out;  ///< [T, H] bf16
+    int64_t out_stride;
+    LowLatencyState* state;  ///< the Buffer's call counters (dispatch_send_calls: the dispatch's number, in reports)
+    Status* status;          ///< host-mapped
+};
 
 /// Arguments of kernels/ep/internode.cuh (one struct for every kernel there; each reads its own fields).
 struct InternodeArgs {

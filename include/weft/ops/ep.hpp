@@ -17,7 +17,7 @@
 // process share the legacy default stream, which would serialise their mutually waiting kernels: refused);
 // calls on one Buffer must be ordered (one stream, or streams joined by events). Buffers of teams that share no
 // member may run at the same time. Design, diagrams and pitfalls:
-// kernels/ep/README.md. A team that spans nodes (normal mode only; the same number of members on every node, NCCL
+// kernels/ep/README.md. A team that spans nodes (both modes; the same number of members on every node, NCCL
 // available) exchanges fixed-size records over the network and gives the same results and receive layout:
 // docs/multinode.md, "EP across nodes". EP's vocabulary (a Config, a Buffer, two kinds of handle, their options and
 // views) lives in its own namespace, weft::ops::ep, rather than behind an Ep prefix on a dozen names.
@@ -218,8 +218,8 @@ public:
     /// team.num_ranks()). Allocates the symmetric buffers (team-collective heap allocations) and the device
     /// state, and compiles and loads every kernel (before any of them can spin). A rank that is not a member of
     /// `team` gets weft::Error naming the team's world ranks. The Buffer keeps a copy of `team`. A team that spans
-    /// nodes also builds the network backend's column communicators here (bounded by the World's timeout) and a
-    /// one-rank Buffer of this rank's experts; its low-latency calls are refused (docs/multinode.md).
+    /// nodes also builds the network backend's column communicators here (bounded by the World's timeout) and, for
+    /// the normal mode, a one-rank Buffer of this rank's experts (docs/multinode.md).
     Buffer(const Team& team, const Config& config);
     /// Buffer(world.team(), config).
     Buffer(World& world, const Config& config);
@@ -253,7 +253,8 @@ public:
     // ---- low-latency mode ----
     LowLatencyHandle make_low_latency_handle();
     /// Collective. x: bf16 [T, H], topk_idx: int32 [T, k]. At most two sends may be outstanding (sent,
-    /// not yet received) per Buffer; kRecv completes the oldest one and must name its handle.
+    /// not yet received) per Buffer; kRecv completes the oldest one and must name its handle. On a team that spans
+    /// nodes kSend carries the whole exchange and kRecv launches nothing (docs/multinode.md, "EP across nodes").
     void low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x, const TensorView& topk_idx,
                               cudaStream_t stream, const LowLatencyOptions& options = {});
     /// Collective. y: bf16 [E_local, W * max_tokens, H] (row stride may be larger than H); topk_idx
