@@ -477,7 +477,7 @@ TEST_P(AgAttention, RefusesUnevenShardsAndBadCalls) {
                 WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
                 uint8_t* buf = nullptr;
                 WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&buf), 1 << 20));
-                WEFT_CUDA_CHECK(cudaMemset(buf, 0, 1 << 20));
+                WEFT_CUDA_CHECK(cudaMemsetAsync(buf, 0, 1 << 20, s));  // on `s`: ordered before the op
                 try {
                     ops::AgAttention op(w,
                                         {.max_seq = 128,

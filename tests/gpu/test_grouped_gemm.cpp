@@ -427,7 +427,8 @@ TEST(GroupedGemm, MaskedFp8RowsWithBlockScales) {
                 ASSERT_EQ(cudaMemcpy(dcodes.ptr, codes.data(), codes.size(), cudaMemcpyHostToDevice), cudaSuccess);
                 ASSERT_EQ(cudaMemcpy(dscales.ptr, scales.data(), scales.size() * 4, cudaMemcpyHostToDevice),
                           cudaSuccess);
-                ASSERT_EQ(cudaMemset(o.da.ptr, 0xFF, o.a.bytes.size()), cudaSuccess);  // the workspace: NaN
+                // The workspace: NaN, on `s` (a legacy-stream memset could land after the op has written it).
+                ASSERT_EQ(cudaMemsetAsync(o.da.ptr, 0xFF, o.a.bytes.size(), s), cudaSuccess);
                 ops::grouped_gemm_masked_fp8(TensorView(dcodes.ptr, DType::kF8E4M3, {groups, cc.capacity, cc.k}),
                                              TensorView(dscales.ptr, DType::kF32, {groups, cc.capacity, cc.k / 128}),
                                              b_view(cc, o), d_view(cc, o), cc.b_layout,
@@ -517,6 +518,7 @@ TEST(GroupedGemm, WaitAndSignalHooks) {
     const std::vector<uint64_t> ready(static_cast<size_t>(groups), 1);
     CK(cudaMemcpy(wait_flags.ptr, ready.data(), groups * 8, cudaMemcpyHostToDevice));
     CK(cudaMemset(signal_flags.ptr, 0, groups * 8));
+    CK(cudaDeviceSynchronize());  // legacy-stream work: done before the GEMM runs on its non-blocking stream
     ops::GroupedGemmOptions options;
     ops::GroupedWaitParams w{};
     w.flags = static_cast<const uint64_t*>(wait_flags.ptr);
