@@ -183,6 +183,9 @@ void check_with(const GroupedCase& c, Run&& run, Prepare&& prepare = {}) {
         CK(cudaMemcpy(o.dcounts.ptr, c.counts.data(), c.counts.size() * 4, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(o.doffsets.ptr, o.offsets.data(), o.offsets.size() * 4, cudaMemcpyHostToDevice));
     }
+    // A cudaMemcpy from pageable memory may return before its DMA lands, on the legacy stream: done before `run`
+    // uses the operands on its non-blocking stream.
+    CK(cudaDeviceSynchronize());
     const HostMatrix poisoned = o.d;
     cudaStream_t stream = nullptr;
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -424,8 +427,9 @@ TEST(GroupedGemm, MaskedFp8RowsWithBlockScales) {
         check_with(
             c,
             [&](const GroupedCase& cc, GroupedOperands& o, cudaStream_t s) {
-                ASSERT_EQ(cudaMemcpy(dcodes.ptr, codes.data(), codes.size(), cudaMemcpyHostToDevice), cudaSuccess);
-                ASSERT_EQ(cudaMemcpy(dscales.ptr, scales.data(), scales.size() * 4, cudaMemcpyHostToDevice),
+                ASSERT_EQ(cudaMemcpyAsync(dcodes.ptr, codes.data(), codes.size(), cudaMemcpyHostToDevice, s),
+                          cudaSuccess);
+                ASSERT_EQ(cudaMemcpyAsync(dscales.ptr, scales.data(), scales.size() * 4, cudaMemcpyHostToDevice, s),
                           cudaSuccess);
                 // The workspace: NaN, on `s` (a legacy-stream memset could land after the op has written it).
                 ASSERT_EQ(cudaMemsetAsync(o.da.ptr, 0xFF, o.a.bytes.size(), s), cudaSuccess);
