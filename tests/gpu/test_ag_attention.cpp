@@ -334,9 +334,10 @@ void run_ag(const AgCase& c, uint64_t seed, AttentionPrefillKernel kernel) {
             WEFT_CUDA_CHECK(cudaMalloc(&dv, kv_elems * 2));
             WEFT_CUDA_CHECK(cudaMalloc(&dout, q_elems * 2));
             WEFT_CUDA_CHECK(cudaMalloc(&dlse, static_cast<size_t>(c.rows) * c.hq * 4));
-            WEFT_CUDA_CHECK(cudaMemcpy(dq, pr.q.data() + me * q_elems, q_elems * 2, cudaMemcpyHostToDevice));
-            WEFT_CUDA_CHECK(cudaMemcpy(dk, pr.k.data() + me * kv_elems, kv_elems * 2, cudaMemcpyHostToDevice));
-            WEFT_CUDA_CHECK(cudaMemcpy(dv, pr.v.data() + me * kv_elems, kv_elems * 2, cudaMemcpyHostToDevice));
+            // On `s`: a cudaMemcpy from pageable memory may return before its DMA lands, on the legacy stream.
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(dq, pr.q.data() + me * q_elems, q_elems * 2, cudaMemcpyHostToDevice, s));
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(dk, pr.k.data() + me * kv_elems, kv_elems * 2, cudaMemcpyHostToDevice, s));
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(dv, pr.v.data() + me * kv_elems, kv_elems * 2, cudaMemcpyHostToDevice, s));
             const TensorView tq(dq, DType::kBF16, {c.rows, c.hq, c.dim});
             const TensorView tk(dk, DType::kBF16, {c.rows, c.hkv, c.dim});
             const TensorView tv(dv, DType::kBF16, {c.rows, c.hkv, c.dim});
@@ -477,7 +478,7 @@ TEST_P(AgAttention, RefusesUnevenShardsAndBadCalls) {
                 WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
                 uint8_t* buf = nullptr;
                 WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&buf), 1 << 20));
-                WEFT_CUDA_CHECK(cudaMemset(buf, 0, 1 << 20));
+                WEFT_CUDA_CHECK(cudaMemsetAsync(buf, 0, 1 << 20, s));  // on `s`: ordered before the op
                 try {
                     ops::AgAttention op(w,
                                         {.max_seq = 128,

@@ -197,11 +197,12 @@ void run_sp(int n, const Problem& pr, bool graph) {
             WEFT_CUDA_CHECK(cudaMalloc(&dl, lens.size() * 4));
             WEFT_CUDA_CHECK(cudaMalloc(&dout, pr.q.size() * 2));
             WEFT_CUDA_CHECK(cudaMalloc(&dlse, pr.lse.size() * 4));
-            WEFT_CUDA_CHECK(cudaMemcpy(dq, pr.q.data(), pr.q.size() * 2, cudaMemcpyHostToDevice));
-            WEFT_CUDA_CHECK(cudaMemcpy(dk, kc.data(), kc.size() * 2, cudaMemcpyHostToDevice));
-            WEFT_CUDA_CHECK(cudaMemcpy(dv, vc.data(), vc.size() * 2, cudaMemcpyHostToDevice));
-            WEFT_CUDA_CHECK(cudaMemcpy(dt, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
-            WEFT_CUDA_CHECK(cudaMemcpy(dl, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
+            // On `s`: a cudaMemcpy from pageable memory may return before its DMA lands, on the legacy stream.
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(dq, pr.q.data(), pr.q.size() * 2, cudaMemcpyHostToDevice, s));
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(dk, kc.data(), kc.size() * 2, cudaMemcpyHostToDevice, s));
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(dv, vc.data(), vc.size() * 2, cudaMemcpyHostToDevice, s));
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(dt, table.data(), table.size() * 4, cudaMemcpyHostToDevice, s));
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(dl, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice, s));
             ops::prepare_collectives(w);
             const TensorView tq(dq, DType::kBF16, {pr.batch, pr.hq, pr.dim});
             const TensorView tk(dk, DType::kBF16, {num_pages, ps, pr.hkv, pr.dim});

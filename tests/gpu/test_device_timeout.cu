@@ -341,7 +341,8 @@ TEST(DeviceCheckedForms, RecordTheDiagnosisAndReturnTheFailureToTheWholeGroup) {
         WEFT_CUDA_CHECK(cudaMalloc(&d_ok, 256 * sizeof(int)));
         std::vector<int> ok(256);
         const auto run = [&](const char* what, const std::function<void()>& launch) {
-            WEFT_CUDA_CHECK(cudaMemset(d_ok, 0x7f, 256 * sizeof(int)));
+            // On `stream`: a legacy-stream cudaMemset is not ordered before the kernel on this non-blocking stream.
+            WEFT_CUDA_CHECK(cudaMemsetAsync(d_ok, 0x7f, 256 * sizeof(int), stream));
             launch();
             std::string message;
             try {

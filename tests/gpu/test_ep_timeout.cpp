@@ -61,9 +61,9 @@ void run_moe_block_without_rank_1(World& world, const Config& c, cudaStream_t s,
     WEFT_CUDA_CHECK(cudaMalloc(&out, t * h * 2));
     for (auto [p, bytes] : {std::pair{x, t * h * 2}, std::pair{w, static_cast<int64_t>(routes.size()) * 4},
                             std::pair{gate_up, local * 2 * f * h * 2}, std::pair{down, local * h * f * 2}}) {
-        WEFT_CUDA_CHECK(cudaMemset(p, 0, static_cast<size_t>(bytes)));
+        WEFT_CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(bytes), s));  // on `s`: ordered before the block
     }
-    WEFT_CUDA_CHECK(cudaMemcpy(idx, routes.data(), routes.size() * 4, cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(idx, routes.data(), routes.size() * 4, cudaMemcpyHostToDevice, s));
     const MoeWeights weights{TensorView(gate_up, DType::kBF16, {local, 2 * f, h}),
                              TensorView(down, DType::kBF16, {local, h, f})};
     const auto start = std::chrono::steady_clock::now();
@@ -135,9 +135,10 @@ void run_moe_block_without_rank_1(World& world, const Config& c, cudaStream_t s,
                 WEFT_CUDA_CHECK(cudaMalloc(&x, 16 * 256 * 2));
                 WEFT_CUDA_CHECK(cudaMalloc(&idx, routes.size() * 4));
                 WEFT_CUDA_CHECK(cudaMalloc(&w, routes.size() * 4));
-                WEFT_CUDA_CHECK(cudaMemset(x, 0, 16 * 256 * 2));
-                WEFT_CUDA_CHECK(cudaMemset(w, 0, routes.size() * 4));
-                WEFT_CUDA_CHECK(cudaMemcpy(idx, routes.data(), routes.size() * 4, cudaMemcpyHostToDevice));
+                // On `s`: legacy-stream copies are not ordered before the dispatch on this non-blocking stream.
+                WEFT_CUDA_CHECK(cudaMemsetAsync(x, 0, 16 * 256 * 2, s));
+                WEFT_CUDA_CHECK(cudaMemsetAsync(w, 0, routes.size() * 4, s));
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(idx, routes.data(), routes.size() * 4, cudaMemcpyHostToDevice, s));
                 const TensorView xv(x, DType::kBF16, {16, 256});
                 const TensorView iv(idx, DType::kI32, {16, 2});
                 const TensorView wv(w, DType::kF32, {16, 2});

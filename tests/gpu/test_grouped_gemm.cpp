@@ -183,6 +183,9 @@ void check_with(const GroupedCase& c, Run&& run, Prepare&& prepare = {}) {
         CK(cudaMemcpy(o.dcounts.ptr, c.counts.data(), c.counts.size() * 4, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(o.doffsets.ptr, o.offsets.data(), o.offsets.size() * 4, cudaMemcpyHostToDevice));
     }
+    // A cudaMemcpy from pageable memory may return before its DMA lands, on the legacy stream: done before `run`
+    // uses the operands on its non-blocking stream.
+    CK(cudaDeviceSynchronize());
     const HostMatrix poisoned = o.d;
     cudaStream_t stream = nullptr;
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -424,10 +427,12 @@ TEST(GroupedGemm, MaskedFp8RowsWithBlockScales) {
         check_with(
             c,
             [&](const GroupedCase& cc, GroupedOperands& o, cudaStream_t s) {
-                ASSERT_EQ(cudaMemcpy(dcodes.ptr, codes.data(), codes.size(), cudaMemcpyHostToDevice), cudaSuccess);
-                ASSERT_EQ(cudaMemcpy(dscales.ptr, scales.data(), scales.size() * 4, cudaMemcpyHostToDevice),
+                ASSERT_EQ(cudaMemcpyAsync(dcodes.ptr, codes.data(), codes.size(), cudaMemcpyHostToDevice, s),
                           cudaSuccess);
-                ASSERT_EQ(cudaMemset(o.da.ptr, 0xFF, o.a.bytes.size()), cudaSuccess);  // the workspace: NaN
+                ASSERT_EQ(cudaMemcpyAsync(dscales.ptr, scales.data(), scales.size() * 4, cudaMemcpyHostToDevice, s),
+                          cudaSuccess);
+                // The workspace: NaN, on `s` (a legacy-stream memset could land after the op has written it).
+                ASSERT_EQ(cudaMemsetAsync(o.da.ptr, 0xFF, o.a.bytes.size(), s), cudaSuccess);
                 ops::grouped_gemm_masked_fp8(TensorView(dcodes.ptr, DType::kF8E4M3, {groups, cc.capacity, cc.k}),
                                              TensorView(dscales.ptr, DType::kF32, {groups, cc.capacity, cc.k / 128}),
                                              b_view(cc, o), d_view(cc, o), cc.b_layout,
@@ -517,6 +522,7 @@ TEST(GroupedGemm, WaitAndSignalHooks) {
     const std::vector<uint64_t> ready(static_cast<size_t>(groups), 1);
     CK(cudaMemcpy(wait_flags.ptr, ready.data(), groups * 8, cudaMemcpyHostToDevice));
     CK(cudaMemset(signal_flags.ptr, 0, groups * 8));
+    CK(cudaDeviceSynchronize());  // legacy-stream work: done before the GEMM runs on its non-blocking stream
     ops::GroupedGemmOptions options;
     ops::GroupedWaitParams w{};
     w.flags = static_cast<const uint64_t*>(wait_flags.ptr);
