@@ -151,6 +151,8 @@ struct Buffer::Impl {
     /// the receive half sums each token's rows (`a.topk_idx`, `a.topk_weights`, `a.out`).
     void internode_ll_combine(LowLatencyHandle::Impl& h, weft::ep::LowLatencyInternodeArgs a, Phase phase, int sms,
                               cudaStream_t stream);
+    /// Launches a one-node low-latency kernel (dispatch or combine) on `sms` blocks with its shared memory.
+    void launch_one_node_ll(jit::Kernel& kernel, const weft::ep::LowLatencyArgs& a, int sms, cudaStream_t stream);
     /// The low-latency kernels' arguments across nodes with this Buffer's and `h`'s arrays; the caller adds the call's.
     weft::ep::LowLatencyInternodeArgs internode_ll_args(const LowLatencyHandle::Impl& h) const;
 

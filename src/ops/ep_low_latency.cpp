@@ -43,6 +43,16 @@ int phase_bits(Phase p) {
 
 }  // namespace
 
+void Buffer::Impl::launch_one_node_ll(jit::Kernel& kernel, const weft::ep::LowLatencyArgs& a, int sms,
+                                      cudaStream_t stream) {
+    kernel.launch({.grid = dim3(static_cast<unsigned>(sms)),
+                   .block = dim3(kThreads),
+                   .dynamic_smem_bytes = static_cast<size_t>(weft::ep::LowLatencySmem::make(geo, kThreads).total),
+                   .stream = stream},
+                  ctx, a);
+    uses.note(stream);
+}
+
 weft::ep::LowLatencyArgs Buffer::Impl::low_latency_args(const LowLatencyHandle::Impl& h, Phase phase) const {
     weft::ep::LowLatencyArgs a{};
     a.geo = geo;
@@ -179,13 +189,7 @@ void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x,
             b.internode_ll_dispatch(h, n, sms, stream);
         }
     } else {
-        b.k_ll_dispatch->launch(
-            {.grid = dim3(static_cast<unsigned>(sms)),
-             .block = dim3(kThreads),
-             .dynamic_smem_bytes = static_cast<size_t>(weft::ep::LowLatencySmem::make(g, kThreads).total),
-             .stream = stream},
-            b.ctx, a);
-        b.uses.note(stream);
+        b.launch_one_node_ll(*b.k_ll_dispatch, a, sms, stream);
     }
     switch (options.phase) {
         case Phase::kSendRecv:
@@ -277,13 +281,7 @@ void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, 
         n.out_stride = a.out_stride;
         b.internode_ll_combine(h, n, options.phase, sms, stream);
     } else {
-        b.k_ll_combine->launch(
-            {.grid = dim3(static_cast<unsigned>(sms)),
-             .block = dim3(kThreads),
-             .dynamic_smem_bytes = static_cast<size_t>(weft::ep::LowLatencySmem::make(g, kThreads).total),
-             .stream = stream},
-            b.ctx, a);
-        b.uses.note(stream);
+        b.launch_one_node_ll(*b.k_ll_combine, a, sms, stream);
     }
     switch (options.phase) {
         case Phase::kSendRecv:
