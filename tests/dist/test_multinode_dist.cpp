@@ -1508,6 +1508,25 @@ TEST(MultiNode, MoeBlockAcrossNodesIsRefused) {
     }
 }
 
+// On a rank other than `absent`: `call` (an op and its sync_and_check) must throw a weft::Error within the bound of a
+// World made with a 5 s timeout, because rank `absent` never takes part. Prints the error.
+template <class Call>
+void expect_error_within_bound(World& w, int absent, Call&& call) {
+    const auto start = std::chrono::steady_clock::now();
+    std::string error;
+    try {
+        call();
+    } catch (const Error& e) {
+        error = e.what();
+    }
+    const auto waited = std::chrono::steady_clock::now() - start;
+    EXPECT_FALSE(error.empty()) << "rank " << w.rank() << ": no error although rank " << absent << " never came (after "
+                                << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()
+                                << " ms; World aborted: " << (w.aborted() ? "yes" : "no") << ")";
+    EXPECT_LT(waited, std::chrono::milliseconds(3 * 5000 + 10000)) << error;
+    std::printf("rank %d: %s\n", w.rank(), error.c_str());
+}
+
 // A World of its own with a short timeout: the last rank (on the last node) takes part in the first all-reduce (the
 // backend exists then) and skips the second. Every other rank gets a weft::Error within the bound: its column peers
 // from the network watcher, its node's members from their device waits.
@@ -1531,21 +1550,10 @@ TEST(MultiNode, ARankOnAnotherNodeThatNeverArrivesIsAnErrorWithinTheTimeout) {
     w->sync_and_check(b.stream);
     w->barrier();
     if (w->rank() != absent) {
-        const auto start = std::chrono::steady_clock::now();
-        std::string error;
-        try {
+        expect_error_within_bound(*w, absent, [&] {
             ops::all_reduce(*w, in, out, b.stream);
             w->sync_and_check(b.stream);
-        } catch (const Error& e) {
-            error = e.what();
-        }
-        const auto waited = std::chrono::steady_clock::now() - start;
-        EXPECT_FALSE(error.empty()) << "rank " << w->rank() << ": no error although rank " << absent
-                                    << " never came (after "
-                                    << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()
-                                    << " ms; World aborted: " << (w->aborted() ? "yes" : "no") << ")";
-        EXPECT_LT(waited, std::chrono::milliseconds(3 * 5000 + 10000)) << error;
-        std::printf("rank %d: %s\n", w->rank(), error.c_str());
+        });
     }
     // Every rank leaves together: the World's shutdown is collective (an aborted World still meets its peers).
     w.reset();
@@ -1577,21 +1585,10 @@ TEST(MultiNode, EpARankOnAnotherNodeThatNeverArrivesIsAnErrorWithinTheTimeout) {
         ep_run_and_check(w->team(), ep, h, in, all, 9, s, "before the absence");
         w->barrier();
         if (w->rank() != absent) {
-            const auto start = std::chrono::steady_clock::now();
-            std::string error;
-            try {
+            expect_error_within_bound(*w, absent, [&] {
                 ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), s);
                 ep.sync_and_check(s);
-            } catch (const Error& e) {
-                error = e.what();
-            }
-            const auto waited = std::chrono::steady_clock::now() - start;
-            EXPECT_FALSE(error.empty()) << "rank " << w->rank() << ": no error although rank " << absent
-                                        << " never came (after "
-                                        << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()
-                                        << " ms; World aborted: " << (w->aborted() ? "yes" : "no") << ")";
-            EXPECT_LT(waited, std::chrono::milliseconds(3 * 5000 + 10000)) << error;
-            std::printf("rank %d: %s\n", w->rank(), error.c_str());
+            });
         }
     }
     // Every rank leaves together: the World's shutdown is collective (an aborted World still meets its peers).
@@ -1626,21 +1623,10 @@ TEST(MultiNode, EpLowLatencyARankOnAnotherNodeThatNeverArrivesIsAnErrorWithinThe
         ll_run_and_check(w->team(), ep, h, in, call, false, s, "before the absence");
         w->barrier();
         if (w->rank() != absent) {
-            const auto start = std::chrono::steady_clock::now();
-            std::string error;
-            try {
+            expect_error_within_bound(*w, absent, [&] {
                 ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), s);
                 ep.sync_and_check(s);
-            } catch (const Error& e) {
-                error = e.what();
-            }
-            const auto waited = std::chrono::steady_clock::now() - start;
-            EXPECT_FALSE(error.empty()) << "rank " << w->rank() << ": no error although rank " << absent
-                                        << " never came (after "
-                                        << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()
-                                        << " ms; World aborted: " << (w->aborted() ? "yes" : "no") << ")";
-            EXPECT_LT(waited, std::chrono::milliseconds(3 * 5000 + 10000)) << error;
-            std::printf("rank %d: %s\n", w->rank(), error.c_str());
+            });
         }
     }
     // Every rank leaves together: the World's shutdown is collective (an aborted World still meets its peers).
