@@ -1023,37 +1023,7 @@ ops::ep::Config ll_config(int experts_per_rank, int hidden, int topk, int max_to
 }
 
 // Everything the tests know about one low-latency call, on every member (team ranks).
-struct LlCall {
-    std::vector<ref::Routing> all;
-    std::vector<std::vector<uint16_t>> x_all;
-    std::vector<std::vector<std::vector<ref::RowSource>>> rows;  // [receiving rank][local expert]: the one-node order
-    std::vector<std::vector<int32_t>> row_of;  // [source][t * k + j]: route (t, j)'s row in its expert's list, or -1
-};
-
-LlCall ll_make_call(const ref::Params& p, std::vector<ref::Routing> all, uint32_t seed, bool fp8_friendly) {
-    LlCall call;
-    call.all = std::move(all);
-    for (int r = 0; r < p.num_ranks; ++r) {
-        call.x_all.push_back(
-            ref::payload_rows(r, call.all[static_cast<size_t>(r)].num_tokens, p.hidden, seed, fp8_friendly));
-        call.rows.push_back(ref::reference_low_latency_rows(p, call.all, r));
-    }
-    call.row_of.resize(static_cast<size_t>(p.num_ranks));
-    for (int s = 0; s < p.num_ranks; ++s) {
-        call.row_of[static_cast<size_t>(s)].assign(
-            static_cast<size_t>(call.all[static_cast<size_t>(s)].num_tokens) * p.topk, -1);
-    }
-    for (int r = 0; r < p.num_ranks; ++r) {
-        for (int le = 0; le < p.local_experts(); ++le) {
-            const auto& list = call.rows[static_cast<size_t>(r)][static_cast<size_t>(le)];
-            for (size_t i = 0; i < list.size(); ++i) {
-                call.row_of[static_cast<size_t>(list[i].src)]
-                           [static_cast<size_t>(list[i].token) * p.topk + list[i].slot] = static_cast<int32_t>(i);
-            }
-        }
-    }
-    return call;
-}
+using LlCall = ref::LowLatencyCall;
 
 // This member's device inputs and outputs of the low-latency calls.
 struct LlInputs {
@@ -1282,7 +1252,7 @@ TEST(MultiNode, EpLowLatencyMatchesTheOneNodeReference) {
             for (const ref::Scenario sc : ref::all_scenarios()) {
                 for (const bool fp8 : {false, true}) {
                     ++i;
-                    const LlCall call = ll_make_call(
+                    const LlCall call = ref::low_latency_call(
                         p, ref::make_routing(sc, p, cfg.max_tokens_per_rank, seed + static_cast<uint32_t>(i)),
                         seed + static_cast<uint32_t>(i), fp8);
                     std::ostringstream what;
@@ -1323,7 +1293,7 @@ TEST(MultiNode, EpLowLatencyGraphReplay) {
                 if (r.num_tokens == cfg.max_tokens_per_rank) continue;
                 WEFT_FAIL("scenario " << ref::scenario_name(sc) << " gave " << r.num_tokens << " tokens, not T");
             }
-            const LlCall c = ll_make_call(p, std::move(all), seed + static_cast<uint32_t>(10 * call), fp8);
+            const LlCall c = ref::low_latency_call(p, std::move(all), seed + static_cast<uint32_t>(10 * call), fp8);
             const std::string what = "graph call " + std::to_string(call) + ", seed " + std::to_string(seed);
             if (call == 0) {
                 ll_run_and_check(team, ep, h, in, c, fp8, s, what);
@@ -1362,8 +1332,9 @@ TEST(MultiNode, EpLowLatencySplitHalves) {
     ops::ep::LowLatencyHandle hb = ep.make_low_latency_handle();
     LlInputs a(cfg, team.num_ranks(), s);
     LlInputs b(cfg, team.num_ranks(), s);
-    const LlCall ca = ll_make_call(p, ref::make_routing(ref::Scenario::kUniform, p, 12, seed), seed, true);
-    const LlCall cb = ll_make_call(p, ref::make_routing(ref::Scenario::kSomeDropped, p, 12, seed + 1), seed + 1, false);
+    const LlCall ca = ref::low_latency_call(p, ref::make_routing(ref::Scenario::kUniform, p, 12, seed), seed, true);
+    const LlCall cb =
+        ref::low_latency_call(p, ref::make_routing(ref::Scenario::kSomeDropped, p, 12, seed + 1), seed + 1, false);
     a.load(ca, me);
     b.load(cb, me);
     const ops::ep::LowLatencyOptions send{.phase = ops::ep::Phase::kSend};
@@ -1425,7 +1396,7 @@ TEST(MultiNode, EpLowLatencyErrorsAreReportedAsOnOneNode) {
     std::vector<ref::Routing> all = ref::make_routing(ref::Scenario::kMaxTokens, p, cfg.max_tokens_per_rank, seed);
     all[0].topk_idx[1 * 4 + 1] = all[0].topk_idx[1 * 4 + 0];
     all[0].topk_idx[2 * 4 + 3] = cfg.num_experts + 3;
-    const LlCall bad = ll_make_call(p, all, seed, false);
+    const LlCall bad = ref::low_latency_call(p, all, seed, false);
     in.load(bad, me);
     ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), s);
     w.sync_and_check(s);
@@ -1465,7 +1436,7 @@ TEST(MultiNode, EpLowLatencyErrorsAreReportedAsOnOneNode) {
     }
 
     // fp8 on the last rank, bf16 on the others.
-    const LlCall clean = ll_make_call(
+    const LlCall clean = ref::low_latency_call(
         p, ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank, seed + 1), seed + 1, false);
     in.load(clean, me);
     in.y.upload(ll_expected_y(p, clean, me, cfg.max_tokens_per_rank));
@@ -1618,8 +1589,8 @@ TEST(MultiNode, EpLowLatencyARankOnAnotherNodeThatNeverArrivesIsAnErrorWithinThe
         ops::ep::LowLatencyHandle h = ep.make_low_latency_handle();
         LlInputs in(cfg, w->num_ranks(), s);
         const ref::Params p = ep_params(cfg, w->num_ranks());
-        const LlCall call =
-            ll_make_call(p, ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank, 9), 9, false);
+        const LlCall call = ref::low_latency_call(
+            p, ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank, 9), 9, false);
         ll_run_and_check(w->team(), ep, h, in, call, false, s, "before the absence");
         w->barrier();
         if (w->rank() != absent) {

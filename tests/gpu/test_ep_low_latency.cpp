@@ -59,38 +59,10 @@ WorldOptions options_for(const Config& c, int num_ranks) {
     return o;
 }
 
-/// Everything the tests know about one low-latency call, on every rank.
-struct Call {
-    std::vector<ref::Routing> all;
-    std::vector<std::vector<uint16_t>> x_all;
-    std::vector<std::vector<std::vector<ref::RowSource>>> rows;  ///< [receiving rank][local expert] in order
-    /// row_of[s][t * k + j]: index of route (t, j) of source s in its expert's rows, or -1.
-    std::vector<std::vector<int32_t>> row_of;
-};
+using Call = ref::LowLatencyCall;
 
 Call make_call(const ref::Params& p, Scenario sc, int max_tokens, uint32_t seed, bool fp8_friendly) {
-    Call call;
-    call.all = ref::make_routing(sc, p, max_tokens, seed);
-    for (int r = 0; r < p.num_ranks; ++r) {
-        call.x_all.push_back(
-            ref::payload_rows(r, call.all[static_cast<size_t>(r)].num_tokens, p.hidden, seed, fp8_friendly));
-        call.rows.push_back(ref::reference_low_latency_rows(p, call.all, r));
-    }
-    call.row_of.resize(static_cast<size_t>(p.num_ranks));
-    for (int s = 0; s < p.num_ranks; ++s) {
-        call.row_of[static_cast<size_t>(s)].assign(
-            static_cast<size_t>(call.all[static_cast<size_t>(s)].num_tokens) * p.topk, -1);
-    }
-    for (int r = 0; r < p.num_ranks; ++r) {
-        for (int le = 0; le < p.local_experts(); ++le) {
-            const auto& list = call.rows[static_cast<size_t>(r)][static_cast<size_t>(le)];
-            for (size_t i = 0; i < list.size(); ++i) {
-                call.row_of[static_cast<size_t>(list[i].src)]
-                           [static_cast<size_t>(list[i].token) * p.topk + list[i].slot] = static_cast<int32_t>(i);
-            }
-        }
-    }
-    return call;
+    return ref::low_latency_call(p, ref::make_routing(sc, p, max_tokens, seed), seed, fp8_friendly);
 }
 
 struct Inputs {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <numeric>
 #include <sstream>
+#include <utility>
 
 #include "weft/runtime/world.hpp"
 
@@ -189,6 +190,31 @@ std::string describe_row(const uint16_t* row) {
 
 uint16_t expert_output(uint16_t x, int expert) {
     return f32_to_bf16(bf16_to_f32(x) * (1.0f + static_cast<float>(expert % 5) * 0.25f));
+}
+
+LowLatencyCall low_latency_call(const Params& p, std::vector<Routing> all, uint32_t seed, bool fp8_friendly) {
+    LowLatencyCall call;
+    call.all = std::move(all);
+    for (int r = 0; r < p.num_ranks; ++r) {
+        call.x_all.push_back(
+            payload_rows(r, call.all[static_cast<size_t>(r)].num_tokens, p.hidden, seed, fp8_friendly));
+        call.rows.push_back(reference_low_latency_rows(p, call.all, r));
+    }
+    call.row_of.resize(static_cast<size_t>(p.num_ranks));
+    for (int s = 0; s < p.num_ranks; ++s) {
+        call.row_of[static_cast<size_t>(s)].assign(
+            static_cast<size_t>(call.all[static_cast<size_t>(s)].num_tokens) * p.topk, -1);
+    }
+    for (int r = 0; r < p.num_ranks; ++r) {
+        for (int le = 0; le < p.local_experts(); ++le) {
+            const auto& list = call.rows[static_cast<size_t>(r)][static_cast<size_t>(le)];
+            for (size_t i = 0; i < list.size(); ++i) {
+                call.row_of[static_cast<size_t>(list[i].src)]
+                           [static_cast<size_t>(list[i].token) * p.topk + list[i].slot] = static_cast<int32_t>(i);
+            }
+        }
+    }
+    return call;
 }
 
 }  // namespace weft::test::ep

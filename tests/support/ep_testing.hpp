@@ -119,6 +119,17 @@ std::vector<uint16_t> payload_rows(int rank, int num_tokens, int hidden, uint32_
 /// "origin rank r token t" decoded from a row (for messages).
 std::string describe_row(const uint16_t* row);
 
+/// Everything the tests know about one low-latency call, on every rank: each rank's routing and payload rows
+/// (payload_rows), the rows each rank's experts receive in the one-node order (reference_low_latency_rows), and where
+/// each route lands.
+struct LowLatencyCall {
+    std::vector<Routing> all;
+    std::vector<std::vector<uint16_t>> x_all;
+    std::vector<std::vector<std::vector<RowSource>>> rows;  ///< [receiving rank][local expert] in order
+    std::vector<std::vector<int32_t>> row_of;  ///< [source][t * k + j]: route (t, j)'s row in its expert's list, or -1
+};
+LowLatencyCall low_latency_call(const Params& p, std::vector<Routing> all, uint32_t seed, bool fp8_friendly);
+
 /// The per-expert computation the tests apply: y = bf16(x * (1 + (expert % 5) / 4)).
 uint16_t expert_output(uint16_t x, int expert);
 
