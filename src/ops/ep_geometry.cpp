@@ -162,8 +162,9 @@ Footprint footprint(const Config& config, int num_ranks, int num_nodes) {
     WEFT_CHECK(num_nodes >= 1, "ep::footprint: num_nodes must be >= 1 (the nodes the team spans), got " << num_nodes);
     if (num_nodes == 1) return footprint(config, num_ranks);
     WEFT_CHECK(num_ranks >= num_nodes && num_ranks % num_nodes == 0,
-               "ep::footprint: num_ranks (" << num_ranks << ") must be a positive multiple of num_nodes (" << num_nodes
-                                            << "): across nodes every node holds the same number of the team's members");
+               "ep::footprint: num_ranks ("
+                   << num_ranks << ") must be a positive multiple of num_nodes (" << num_nodes
+                   << "): across nodes every node holds the same number of the team's members");
     const Geometry g = resolve_geometry(config, num_ranks, 0);
     const Workspace ws = Workspace::make(g);
     const int per_node = num_ranks / num_nodes;

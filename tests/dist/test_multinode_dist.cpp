@@ -1537,13 +1537,14 @@ TEST(MultiNode, EpFootprintCoversWhatTheBufferTakes) {
             if (cfg.low_latency) {
                 LlInputs in(cfg, n, s);
                 const LlCall call = ref::low_latency_call(
-                    p, ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank, seed + 1), seed + 1, false);
+                    p, ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank, seed + 1), seed + 1,
+                    false);
                 ll_run_and_check(w->team(), ep, *l, in, call, false, s, what);
             }
             WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
             const uint64_t heap = w->heap().bytes_in_use() - heap_before;
-            const uint64_t own = fp.buffer_symmetric_bytes +
-                                 static_cast<uint64_t>(normal_handles) * fp.normal_handle_symmetric_bytes;
+            const uint64_t own =
+                fp.buffer_symmetric_bytes + static_cast<uint64_t>(normal_handles) * fp.normal_handle_symmetric_bytes;
             std::printf("[ footprint] world rank %d, %s; heap bytes taken %llu, counted %llu + %llu (node stage)\n",
                         w->rank(), what.c_str(), static_cast<unsigned long long>(heap),
                         static_cast<unsigned long long>(own),

@@ -708,7 +708,8 @@ TEST(EpFootprint, NodeCollectivesAreTheWorkspaceSizes) {
         EXPECT_EQ(collective_workspace_heap_bytes(2), 8 * signals + 3 * (64ull << 10));
     }
     {
-        const weft::testing::ScopedEnv odd("WEFT_COLLECTIVE_STAGING_BYTES", std::string("1048577"));  // rounded up to 256
+        const weft::testing::ScopedEnv odd("WEFT_COLLECTIVE_STAGING_BYTES",
+                                           std::string("1048577"));  // rounded up to 256
         const uint64_t signals = 256 * 2 + 4 + 2 + 4 * (512 << 10) / 8 + 4 * 256 * 16 / 8;
         EXPECT_EQ(collective_workspace_heap_bytes(2), 8 * signals + 3 * ((1ull << 20) + 256));
     }
@@ -791,12 +792,13 @@ TEST(EpFootprint, AcrossNodesAddsTheExchangeBuffers) {
                 one.expert_alignment = g.expert_alignment;
                 const Footprint inner = footprint(one, 1);
                 const int64_t exchange =
-                    weft::ep::NormalExchangeLayout::make(net, weft::ep::NodeRecordLayout::make(g, n, w / n), true).bytes;
+                    weft::ep::NormalExchangeLayout::make(net, weft::ep::NodeRecordLayout::make(g, n, w / n), true)
+                        .bytes;
                 want.buffer_symmetric_bytes = inner.buffer_symmetric_bytes;
                 want.buffer_device_bytes += inner.buffer_device_bytes;
                 want.normal_handle_symmetric_bytes = inner.normal_handle_symmetric_bytes;
-                want.normal_handle_device_bytes = static_cast<uint64_t>(ws.normal_handle_device.bytes + exchange) +
-                                                  inner.normal_handle_device_bytes;
+                want.normal_handle_device_bytes =
+                    static_cast<uint64_t>(ws.normal_handle_device.bytes + exchange) + inner.normal_handle_device_bytes;
             }
             if (c.low_latency) {
                 want.low_latency_handle_device_bytes = static_cast<uint64_t>(
@@ -806,8 +808,8 @@ TEST(EpFootprint, AcrossNodesAddsTheExchangeBuffers) {
             expect_same(f, want);
             EXPECT_EQ(f.node_collectives_symmetric_bytes == 0, w == n);  // one member per node: no node stage
             // The heap holds the node stage's workspace too; the totals count every field.
-            EXPECT_GE(f.heap_bytes(1), f.buffer_symmetric_bytes + f.normal_handle_symmetric_bytes +
-                                           f.node_collectives_symmetric_bytes);
+            EXPECT_GE(f.heap_bytes(1),
+                      f.buffer_symmetric_bytes + f.normal_handle_symmetric_bytes + f.node_collectives_symmetric_bytes);
             EXPECT_EQ(f.total_bytes(1, 1), f.buffer_symmetric_bytes + f.buffer_device_bytes +
                                                f.normal_handle_symmetric_bytes + f.normal_handle_device_bytes +
                                                f.low_latency_handle_device_bytes + f.node_collectives_symmetric_bytes);
