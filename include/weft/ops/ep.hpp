@@ -235,7 +235,8 @@ public:
     /// state, and compiles and loads every kernel (before any of them can spin). A rank that is not a member of
     /// `team` gets weft::Error naming the team's world ranks. The Buffer keeps a copy of `team`. A team that spans
     /// nodes also builds the network backend's column communicators here (bounded by the World's timeout) and, for
-    /// the normal mode, a one-rank Buffer of this rank's experts (docs/multinode.md).
+    /// the normal mode, a one-rank Buffer of this rank's experts (docs/multinode.md). What it and its handles
+    /// allocate: footprint(config, team.num_ranks(), team.num_nodes()).
     Buffer(const Team& team, const Config& config);
     /// Buffer(world.team(), config).
     Buffer(World& world, const Config& config);
