@@ -44,7 +44,10 @@
 #include "common/report.hpp"
 #include "common/timing.hpp"
 #include "common/tracing.hpp"
+#include "weft/detail/node_topology.hpp"
+#include "weft/detail/team_math.hpp"
 #include "weft/ops/ep.hpp"
+#include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/launch_env.hpp"
 #include "weft/runtime/module_loading.hpp"
@@ -351,6 +354,17 @@ void gather_timings(World& world, Timings* t) {
     }
 }
 
+/// The nodes a World of `num_ranks` ranks, `ranks_per_host` on each host (each host's ranks consecutive), spans, as the
+/// World will count them: its hosts, split into WEFT_VIRTUAL_NODES virtual nodes when set. Known before the World is
+/// made, so that its heap can be sized for the team across nodes.
+int nodes_of_world(int num_ranks, int ranks_per_host) {
+    const int virtual_nodes = weft::detail::resolve_virtual_nodes(0, env::get("WEFT_VIRTUAL_NODES"), num_ranks);
+    std::vector<std::string> hosts;
+    for (int r = 0; r < num_ranks; ++r) hosts.push_back("host" + std::to_string(r / std::max(1, ranks_per_host)));
+    const std::vector<int> nodes = weft::detail::group_by_label(weft::detail::node_labels(hosts, virtual_nodes));
+    return weft::detail::node_layout(nodes, 0).num_nodes;
+}
+
 /// Every (world, mode, tokens) row of the options, measured (Worlds made now pick WEFT_TRACE up). `launched`: this
 /// process is one rank of a launched world of launch->num_ranks ranks (else run_local's threads).
 std::vector<Row> measure_rows(const Options& o, const std::optional<LaunchEnv>& launch) {
@@ -391,10 +405,11 @@ std::vector<Row> measure_rows(const Options& o, const std::optional<LaunchEnv>& 
                     c.max_recv_rows = ep::expected_recv_rows(c, w) * 5 / 4 + 256;
                     c.max_recv_tokens = ep::expected_recv_tokens(c, w) * 5 / 4 + 64;
                 }
-                const ep::Footprint fp = ep::footprint(c, w);
+                // The footprint of the World's team over its nodes (across nodes: the one-rank Buffer and the node
+                // stage's collective workspace) plus slack; WEFT_SYMMETRIC_HEAP_BYTES, when set, decides instead.
+                const int nodes = nodes_of_world(w, launched ? launch->local_num_ranks : w);
+                const ep::Footprint fp = ep::footprint(c, w, nodes);
                 WorldOptions wo;
-                // The one-node footprint plus slack; WEFT_SYMMETRIC_HEAP_BYTES, when set, decides instead (a team that
-                // spans nodes allocates its exchange buffers from the heap too, which ep::footprint does not count).
                 const char* heap_env = std::getenv("WEFT_SYMMETRIC_HEAP_BYTES");
                 if (heap_env == nullptr || *heap_env == '\0') wo.heap_bytes = fp.heap_bytes(m.ll ? 0 : 1) + (64ull << 20);
                 const Routing routing =

@@ -157,6 +157,31 @@ void check_device_pointer(const void* ptr, const char* what, const char* op, cud
                   << (attr.type == cudaMemoryTypeHost ? "pinned host memory" : "unregistered host memory"));
 }
 
+CollectiveHeapSizes CollectiveHeapSizes::make(int num_ranks, uint64_t staging_region_bytes,
+                                              const CollectiveTopology& topo) {
+    const auto n = static_cast<uint64_t>(num_ranks);
+    CollectiveHeapSizes s;
+    s.staging_region_bytes = staging_region_bytes;
+    s.ll_slot_bytes = 2 * topo.low_latency_capacity_bytes;
+    s.barrier_signals = uint64_t{kMaxCollectiveBlocks} * n;
+    s.descriptor_signals = 2 * n;
+    s.copy_engine_signals = n;
+    s.ll_buffer_signals = 2 * n * s.ll_slot_bytes / 8;
+    s.ll_header_signals = 2 * n * uint64_t{kMaxCollectiveBlocks} * kLowLatencyLineBytes / 8;
+    s.staging_bytes = 3 * staging_region_bytes;
+    return s;
+}
+
+uint64_t CollectiveHeapSizes::bytes() const {
+    return 8 * (barrier_signals + descriptor_signals + copy_engine_signals + ll_buffer_signals + ll_header_signals) +
+           staging_bytes;
+}
+
+uint64_t staging_region_from_env() {
+    const uint64_t region = env::get_bytes("WEFT_COLLECTIVE_STAGING_BYTES").value_or(kDefaultStagingRegionBytes);
+    return std::max<uint64_t>((region + 255) / 256 * 256, kMinStagingRegionBytes);
+}
+
 std::string CollectiveWorkspace::extension_name(const Team& team) {
     return team.is_world() ? std::string(kExtensionName) : std::string(kExtensionName) + "/" + team.id();
 }
@@ -183,8 +208,7 @@ CollectiveWorkspace::CollectiveWorkspace(const Team& team) : team_(team), world_
     if (num_ranks_ == 1) return;  // one rank: the ops copy, nothing to share or launch
     try {
         SymmetricHeap& heap = world.heap();
-        uint64_t region = env::get_bytes("WEFT_COLLECTIVE_STAGING_BYTES").value_or(kDefaultStagingRegionBytes);
-        region = std::max<uint64_t>((region + 255) / 256 * 256, kMinStagingRegionBytes);
+        const uint64_t region = staging_region_from_env();
 
         // Agree on the facts the kernels' grids and the algorithm choice depend on, and check reachability. The
         // SM budget is the World's per-GPU one: ranks of other teams may share the GPU and run at the same time.
@@ -220,19 +244,18 @@ CollectiveWorkspace::CollectiveWorkspace(const Team& team) : team_(team), world_
                                   "network transport for collectives is not implemented yet");
             }
         }
+        const CollectiveHeapSizes sizes = CollectiveHeapSizes::make(num_ranks_, region, topo);
         info_.topology = topo;
-        info_.staging_region_bytes = region;
-        info_.ll_slot_bytes = 2 * topo.low_latency_capacity_bytes;
+        info_.staging_region_bytes = sizes.staging_region_bytes;
+        info_.ll_slot_bytes = sizes.ll_slot_bytes;
 
-        const auto n = static_cast<uint64_t>(num_ranks_);
         const uint64_t before = heap.bytes_in_use();
-        barrier_flags_ = heap.alloc_signals(team, uint64_t{kMaxCollectiveBlocks} * n);
-        descriptors_ = heap.alloc_signals(team, 2 * n);
-        ce_flags_ = heap.alloc_signals(team, n);
-        ll_buffer_ = reinterpret_cast<uint8_t*>(heap.alloc_signals(team, 2 * n * info_.ll_slot_bytes / 8));
-        ll_headers_ = reinterpret_cast<uint8_t*>(
-            heap.alloc_signals(team, 2 * n * uint64_t{kMaxCollectiveBlocks} * kLowLatencyLineBytes / 8));
-        staging_ = static_cast<uint8_t*>(heap.alloc(team, 3 * region, 256));
+        barrier_flags_ = heap.alloc_signals(team, sizes.barrier_signals);
+        descriptors_ = heap.alloc_signals(team, sizes.descriptor_signals);
+        ce_flags_ = heap.alloc_signals(team, sizes.copy_engine_signals);
+        ll_buffer_ = reinterpret_cast<uint8_t*>(heap.alloc_signals(team, sizes.ll_buffer_signals));
+        ll_headers_ = reinterpret_cast<uint8_t*>(heap.alloc_signals(team, sizes.ll_header_signals));
+        staging_ = static_cast<uint8_t*>(heap.alloc(team, sizes.staging_bytes, 256));
         info_.heap_bytes = heap.bytes_in_use() - before;
 
         WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&setup_stream_, cudaStreamNonBlocking));
@@ -393,6 +416,13 @@ const CollectiveWorkspaceInfo& prepare_collectives(const Team& team) {
 }
 
 const CollectiveWorkspaceInfo& prepare_collectives(World& world) { return prepare_collectives(world.team()); }
+
+uint64_t collective_workspace_heap_bytes(int num_ranks) {
+    WEFT_CHECK(num_ranks >= 1, "collective_workspace_heap_bytes: num_ranks must be >= 1, got " << num_ranks);
+    if (num_ranks == 1) return 0;  // one rank: the ops copy, the workspace allocates nothing
+    return detail::CollectiveHeapSizes::make(num_ranks, detail::staging_region_from_env(), CollectiveTopology{})
+        .bytes();
+}
 
 void register_collective_aot_specs(int max_ranks) {
     static std::mutex mutex;

@@ -19,6 +19,27 @@
 
 namespace weft::ops::detail {
 
+/// The symmetric heap allocations of a team's workspace, in the order the workspace makes them (signal words are
+/// 8 bytes each). The workspace allocates exactly these; collective_workspace_heap_bytes() sums them.
+struct CollectiveHeapSizes {
+    uint64_t staging_region_bytes = 0;  ///< each of the 3 staging regions
+    uint64_t ll_slot_bytes = 0;         ///< LL receive buffer per sender and parity
+    uint64_t barrier_signals = 0;       ///< kMaxCollectiveBlocks per member
+    uint64_t descriptor_signals = 0;    ///< 2 per member (epoch parities)
+    uint64_t copy_engine_signals = 0;   ///< 1 per member
+    uint64_t ll_buffer_signals = 0;     ///< 2 parities x members x ll_slot_bytes, in signal words
+    uint64_t ll_header_signals = 0;     ///< 2 parities x members x kMaxCollectiveBlocks LL lines, in signal words
+    uint64_t staging_bytes = 0;         ///< 3 x staging_region_bytes (256-byte aligned)
+    /// Sizes for `num_ranks` > 1 ranks with the resolved staging region (staging_region_from_env) and `topo`'s LL
+    /// capacity.
+    static CollectiveHeapSizes make(int num_ranks, uint64_t staging_region_bytes, const CollectiveTopology& topo);
+    /// Heap bytes of the six allocations.
+    uint64_t bytes() const;
+};
+
+/// WEFT_COLLECTIVE_STAGING_BYTES (default 32 MiB), rounded up to 256 bytes, at least 64 KiB.
+uint64_t staging_region_from_env();
+
 /// Symmetric buffers (team-collective allocations), the rank's device state, loaded kernels and side streams; one
 /// per team, made collectively over the team's members on first use (prepare_collectives) and destroyed with the
 /// World (a World extension named extension_name(team)).

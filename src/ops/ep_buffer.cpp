@@ -214,7 +214,6 @@ Buffer::Buffer(const Team& team, const Config& config) : impl_(std::make_unique<
         }
     }
     b.ws = Workspace::make(b.geo);
-    b.fp = footprint(config, team.num_ranks());
     if (team.num_nodes() > 1) {
         // Peers on other nodes are reached through the network: docs/multinode.md, "EP across nodes".
         b.init_across_nodes();
@@ -229,6 +228,7 @@ Buffer::Buffer(const Team& team, const Config& config) : impl_(std::make_unique<
         }
         b.init_one_node();
     }
+    b.fp = footprint(config, team.num_ranks(), team.num_nodes());
 
     // From the process's pool, not cudaHostAlloc: that would wait for kernels spinning anywhere on the GPU.
     static_assert(sizeof(Status) <= weft::detail::kHostMappedBlockBytes);

@@ -36,6 +36,12 @@ int check_tokens(const char* op, const Geometry& g, const TensorView& idx, int64
 /// synchronises the device while other ranks' kernels spin; synchronises `stream` before returning.
 uint8_t* device_alloc_zeroed(uint64_t bytes, cudaStream_t stream);
 
+/// The Config of the one-rank Buffer a normal Buffer across nodes feeds the received records to: this rank's experts
+/// (E / W), every (source, token) of the exchange as a token of its own (W x max_tokens_per_rank, at most 2^24, else
+/// weft::Error), in (source rank, source token) order, with the team's receive capacities and alignment; normal mode
+/// only. The Buffer makes it with this Config and footprint() counts its Footprint.
+Config one_rank_config(const Geometry& g);
+
 }  // namespace detail
 
 struct NormalHandle::Impl {

@@ -10,6 +10,7 @@
 #include "ep_buffer.hpp"
 #include "weft/jit/aot.hpp"
 #include "weft/jit/compiler.hpp"
+#include "weft/ops/collectives.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft::ops::ep {
@@ -99,15 +100,37 @@ Geometry resolve_geometry(const Config& c, int num_ranks, int rank) {
     return g;
 }
 
+namespace detail {
+
+Config one_rank_config(const Geometry& g) {
+    const weft::ep::InternodeLayout net = weft::ep::InternodeLayout::make(g);
+    WEFT_CHECK(net.records() <= (int64_t{1} << 24),
+               "ep: across nodes a rank receives num_ranks x max_tokens_per_rank = "
+                   << net.records() << " records per dispatch, more than 2^24; lower max_tokens_per_rank");
+    Config one;
+    one.num_experts = g.local_experts();
+    one.hidden = g.hidden;
+    one.topk = net.local_topk;
+    one.max_tokens_per_rank = static_cast<int>(net.records());
+    one.normal = true;
+    one.low_latency = false;
+    one.max_recv_tokens = g.max_recv_tokens;
+    one.max_recv_rows = g.max_recv_rows;
+    one.expert_alignment = g.expert_alignment;
+    return one;
+}
+
+}  // namespace detail
+
 uint64_t Footprint::heap_bytes(int normal_handles) const {
     constexpr uint64_t kSlack = 2ull << 20;  // VMM granularity of the heap
-    const uint64_t bytes =
-        buffer_symmetric_bytes + static_cast<uint64_t>(normal_handles) * normal_handle_symmetric_bytes;
+    const uint64_t bytes = buffer_symmetric_bytes + node_collectives_symmetric_bytes +
+                           static_cast<uint64_t>(normal_handles) * normal_handle_symmetric_bytes;
     return static_cast<uint64_t>(round_up(static_cast<int64_t>(bytes), weft::ep::kArrayAlign)) + kSlack;
 }
 
 uint64_t Footprint::total_bytes(int normal_handles, int low_latency_handles) const {
-    return buffer_symmetric_bytes + buffer_device_bytes +
+    return buffer_symmetric_bytes + buffer_device_bytes + node_collectives_symmetric_bytes +
            static_cast<uint64_t>(normal_handles) * (normal_handle_symmetric_bytes + normal_handle_device_bytes) +
            static_cast<uint64_t>(low_latency_handles) * low_latency_handle_device_bytes;
 }
@@ -118,6 +141,9 @@ std::string Footprint::describe() const {
        << " device; per normal handle: " << mib(normal_handle_symmetric_bytes) << " symmetric + "
        << mib(normal_handle_device_bytes) << " device; per low-latency handle: " << mib(low_latency_handle_device_bytes)
        << " device";
+    if (node_collectives_symmetric_bytes > 0) {
+        os << "; node stage collectives: " << mib(node_collectives_symmetric_bytes) << " symmetric";
+    }
     return os.str();
 }
 
@@ -129,6 +155,43 @@ Footprint footprint(const Config& config, int num_ranks) {
     f.normal_handle_symmetric_bytes = static_cast<uint64_t>(ws.normal_handle_symmetric.bytes);
     f.normal_handle_device_bytes = static_cast<uint64_t>(ws.normal_handle_device.bytes);
     f.low_latency_handle_device_bytes = static_cast<uint64_t>(ws.low_latency_handle_device.bytes);
+    return f;
+}
+
+Footprint footprint(const Config& config, int num_ranks, int num_nodes) {
+    WEFT_CHECK(num_nodes >= 1, "ep::footprint: num_nodes must be >= 1 (the nodes the team spans), got " << num_nodes);
+    if (num_nodes == 1) return footprint(config, num_ranks);
+    WEFT_CHECK(num_ranks >= num_nodes && num_ranks % num_nodes == 0,
+               "ep::footprint: num_ranks ("
+                   << num_ranks << ") must be a positive multiple of num_nodes (" << num_nodes
+                   << "): across nodes every node holds the same number of the team's members");
+    const Geometry g = resolve_geometry(config, num_ranks, 0);
+    const Workspace ws = Workspace::make(g);
+    const int per_node = num_ranks / num_nodes;
+    // What Buffer::Impl::init_across_nodes and its handles allocate (src/ops/ep_internode.cpp), from the same layouts.
+    Footprint f;
+    f.buffer_device_bytes =
+        static_cast<uint64_t>(ws.buffer_device.bytes + weft::ep::node_table_bytes(static_cast<int32_t>(num_ranks)));
+    // Every exchange goes through ops::all_to_all's node stage (the two-hop dispatch's node all_to_all too): the node
+    // team's collective workspace.
+    f.node_collectives_symmetric_bytes = collective_workspace_heap_bytes(per_node);
+    if (config.normal) {
+        // The one-rank Buffer and, per handle, its handle; the team-wide layout arrays and the exchange buffers of the
+        // two-hop dispatch (the default; WEFT_EP_ACROSS_NODES=all_to_all allocates less).
+        const Footprint one = footprint(detail::one_rank_config(g), 1);
+        const weft::ep::NormalExchangeLayout x = weft::ep::NormalExchangeLayout::make(
+            weft::ep::InternodeLayout::make(g), weft::ep::NodeRecordLayout::make(g, num_nodes, per_node), true);
+        f.buffer_symmetric_bytes = one.buffer_symmetric_bytes;
+        f.buffer_device_bytes += one.buffer_device_bytes;
+        f.normal_handle_symmetric_bytes = one.normal_handle_symmetric_bytes;
+        f.normal_handle_device_bytes =
+            static_cast<uint64_t>(ws.normal_handle_device.bytes + x.bytes) + one.normal_handle_device_bytes;
+    }
+    if (config.low_latency) {
+        const weft::ep::LowLatencyExchangeLayout x =
+            weft::ep::LowLatencyExchangeLayout::make(weft::ep::LowLatencyRecordLayout::make(g));
+        f.low_latency_handle_device_bytes = static_cast<uint64_t>(ws.low_latency_handle_device.bytes + x.bytes);
+    }
     return f;
 }
 

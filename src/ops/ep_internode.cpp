@@ -23,12 +23,6 @@ namespace weft::ops::ep {
 using detail::kThreads;
 using detail::row_stride_of;
 
-namespace {
-
-constexpr int64_t kExchangeAlign = 256;
-
-}  // namespace
-
 void Buffer::Impl::init_across_nodes() {
     spans_nodes = true;
     WEFT_CHECK(team.ranks_per_node() > 0,
@@ -65,7 +59,10 @@ void Buffer::Impl::init_across_nodes() {
         std::vector<int32_t> by_node;
         for (const std::vector<int>& node : backend.team_ranks_by_node())
             by_node.insert(by_node.end(), node.begin(), node.end());
-        const size_t bytes = by_node.size() * sizeof(int32_t);
+        const auto bytes = static_cast<size_t>(weft::ep::node_table_bytes(team.num_ranks()));
+        WEFT_CHECK(by_node.size() * sizeof(int32_t) == bytes,
+                   "ep::Buffer: the network backend lists " << by_node.size() << " ranks by node for the team of "
+                                                            << team.describe() << ", expected " << team.num_ranks());
         WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&team_ranks_by_node), bytes, alloc_stream));
         WEFT_CUDA_CHECK(
             cudaMemcpyAsync(team_ranks_by_node, by_node.data(), bytes, cudaMemcpyHostToDevice, alloc_stream));
@@ -93,22 +90,8 @@ void Buffer::Impl::init_across_nodes() {
     normal.state = ws.buffer_device.normal_state.at(device);
     net = weft::ep::InternodeLayout::make(geo);
 
-    // The one-rank Buffer the received records feed: this rank's experts, every (source, token) of the exchange as a
-    // token of its own, in (source rank, source token) order; its capacities are the team's.
-    Config one;
-    one.num_experts = geo.local_experts();
-    one.hidden = geo.hidden;
-    one.topk = net.local_topk;
-    one.max_tokens_per_rank = static_cast<int>(net.records());
-    one.normal = true;
-    one.low_latency = false;
-    one.max_recv_tokens = geo.max_recv_tokens;
-    one.max_recv_rows = geo.max_recv_rows;
-    one.expert_alignment = geo.expert_alignment;
-    WEFT_CHECK(net.records() <= (int64_t{1} << 24),
-               "ep::Buffer: across nodes a rank receives num_ranks x max_tokens_per_rank = "
-                   << net.records() << " records per dispatch, more than 2^24; lower max_tokens_per_rank");
-    inner = std::make_unique<Buffer>(team.split_strided(team.rank(), 1, 1), one);
+    // The one-rank Buffer the received records feed (detail::one_rank_config).
+    inner = std::make_unique<Buffer>(team.split_strided(team.rank(), 1, 1), detail::one_rank_config(geo));
 
     k_layout = &jit::compiler().get_kernel(specs[0]);
     k_pack = &jit::compiler().get_kernel(specs[5]);
@@ -134,21 +117,18 @@ void Buffer::Impl::init_across_nodes_handle(NormalHandle::Impl& h) {
     h.view.token_in_rank = d.token_in_rank.at(h.device);
     h.view.send_idx = d.send_idx.at(h.device);
     h.view.route_pos = d.route_pos.at(h.device);
-    const int64_t records = round_up(net.dispatch_bytes(), kExchangeAlign);
-    const int64_t partials = round_up(net.combine_bytes(), kExchangeAlign);
-    const int64_t blocks = two_hop ? round_up(hop.bytes(), kExchangeAlign) : 0;
-    // send | recv | partials | returned, then for two hops: node_send | node_recv (the forward's output is `send`,
-    // the node all_to_all's output `gathered` is reordered into `recv`).
-    const int64_t bytes = 2 * records + 2 * partials + 2 * blocks + (two_hop ? records : 0);
-    h.exchange = detail::device_alloc_zeroed(static_cast<uint64_t>(bytes), alloc_stream);
-    h.send = h.exchange;
-    h.recv = h.exchange + records;
-    h.partials = reinterpret_cast<uint16_t*>(h.exchange + 2 * records);
-    h.returned = reinterpret_cast<uint16_t*>(h.exchange + 2 * records + partials);
+    // send | recv | partials | returned, then for two hops: node_send | node_recv | gathered (the forward's output is
+    // `send`, the node all_to_all's output `gathered` is reordered into `recv`).
+    const weft::ep::NormalExchangeLayout x = weft::ep::NormalExchangeLayout::make(net, hop, two_hop);
+    h.exchange = detail::device_alloc_zeroed(static_cast<uint64_t>(x.bytes), alloc_stream);
+    h.send = h.exchange + x.send;
+    h.recv = h.exchange + x.recv;
+    h.partials = reinterpret_cast<uint16_t*>(h.exchange + x.partials_at);
+    h.returned = reinterpret_cast<uint16_t*>(h.exchange + x.returned);
     if (two_hop) {
-        h.node_send = h.exchange + 2 * records + 2 * partials;
-        h.node_recv = h.node_send + blocks;
-        h.gathered = h.node_recv + blocks;
+        h.node_send = h.exchange + x.node_send;
+        h.node_recv = h.exchange + x.node_recv;
+        h.gathered = h.exchange + x.gathered;
     }
 }
 
@@ -267,16 +247,13 @@ void Buffer::Impl::internode_combine(NormalHandle::Impl& h, const TensorView& y,
 // ---- low-latency mode ----
 
 void Buffer::Impl::init_across_nodes_handle(LowLatencyHandle::Impl& h) {
-    const weft::ep::LowLatencyRecordLayout& l = ll_net;
-    const int64_t records = round_up(l.dispatch_bytes(), kExchangeAlign);
-    const int64_t routes = round_up(l.records() * l.topk * 4, kExchangeAlign);
-    const int64_t rows = round_up(l.combine_bytes(), kExchangeAlign);
-    h.exchange = detail::device_alloc_zeroed(static_cast<uint64_t>(2 * records + routes + 2 * rows), alloc_stream);
-    h.send = h.exchange;
-    h.recv = h.exchange + records;
-    h.route_row = reinterpret_cast<int32_t*>(h.exchange + 2 * records);
-    h.combine_send = reinterpret_cast<uint16_t*>(h.exchange + 2 * records + routes);
-    h.combine_recv = reinterpret_cast<uint16_t*>(h.exchange + 2 * records + routes + rows);
+    const weft::ep::LowLatencyExchangeLayout x = weft::ep::LowLatencyExchangeLayout::make(ll_net);
+    h.exchange = detail::device_alloc_zeroed(static_cast<uint64_t>(x.bytes), alloc_stream);
+    h.send = h.exchange + x.send;
+    h.recv = h.exchange + x.recv;
+    h.route_row = reinterpret_cast<int32_t*>(h.exchange + x.route_row);
+    h.combine_send = reinterpret_cast<uint16_t*>(h.exchange + x.combine_send);
+    h.combine_recv = reinterpret_cast<uint16_t*>(h.exchange + x.combine_recv);
 }
 
 weft::ep::LowLatencyInternodeArgs Buffer::Impl::internode_ll_args(const LowLatencyHandle::Impl& h) const {

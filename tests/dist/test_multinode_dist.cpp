@@ -8,8 +8,10 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -1462,6 +1464,97 @@ TEST(MultiNode, EpLowLatencyErrorsAreReportedAsOnOneNode) {
     ep.clear_status();
     team.barrier();
     ll_run_and_check(team, ep, h, in, clean, true, s, "after the mismatch");
+}
+
+// ---- the footprint across nodes ----
+
+// Bytes in use in this rank's default stream-ordered pool (the Buffer's private allocations come from it).
+uint64_t pool_bytes_in_use() {
+    int device = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    cudaMemPool_t pool = nullptr;
+    WEFT_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+    uint64_t used = 0;
+    WEFT_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+    return used;
+}
+
+// ops::ep::footprint(config, num_ranks, num_nodes) is what a Buffer across nodes takes: a World of its own whose heap
+// is the footprint's heap_bytes runs a dispatch and combine (the first exchange makes the node team's collective
+// workspace, which the footprint counts); the heap the Buffer, its handles and the exchange took is at least the
+// Buffer's and its handles' symmetric bytes and at most those plus the node stage's workspace; the private device
+// memory the Buffer and its handles took from the stream-ordered pool is what the footprint says (within the pool's
+// rounding). Two-hop dispatch (the default path).
+TEST(MultiNode, EpFootprintCoversWhatTheBufferTakes) {
+    World& main_world = dist_world();
+    if (const std::string why = why_no_network_across_nodes(main_world); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    ::unsetenv("WEFT_EP_ACROSS_NODES");
+    const int n = main_world.num_ranks();
+    const int nodes = main_world.num_nodes();
+    ops::ep::Config both = ep_config({2, 256, 2, 64, 1}, n);
+    both.low_latency = true;
+    const ops::ep::Config configs[] = {ep_config({2, 256, 2, 64, 1}, n), ll_config(2, 256, 3, 12, n), both};
+    for (const ops::ep::Config& cfg : configs) {
+        const ops::ep::Footprint fp = ops::ep::footprint(cfg, n, nodes);
+        const int normal_handles = cfg.normal ? 1 : 0;
+        const int ll_handles = cfg.low_latency ? 1 : 0;
+        WorldOptions options;
+        options.heap_bytes = fp.heap_bytes(normal_handles);
+        std::unique_ptr<World> w = World::from_env(options);
+        ASSERT_EQ(w->num_nodes(), nodes);
+        const std::string what = std::string(cfg.normal ? "normal" : "") + (cfg.normal && cfg.low_latency ? "+" : "") +
+                                 (cfg.low_latency ? "low-latency" : "") + ", " + std::to_string(nodes) +
+                                 " nodes: footprint " + fp.describe();
+        const uint64_t heap_before = w->heap().bytes_in_use();
+        const uint64_t pool_before = pool_bytes_in_use();
+        {
+            ref::RankStream stream;
+            const cudaStream_t s = stream.s;
+            ops::ep::Buffer ep(*w, cfg);
+            std::optional<ops::ep::NormalHandle> h;
+            std::optional<ops::ep::LowLatencyHandle> l;
+            if (cfg.normal) h.emplace(ep.make_normal_handle());
+            if (cfg.low_latency) l.emplace(ep.make_low_latency_handle());
+            const uint64_t device = pool_bytes_in_use() - pool_before;
+            const uint64_t want_device = fp.buffer_device_bytes +
+                                         static_cast<uint64_t>(normal_handles) * fp.normal_handle_device_bytes +
+                                         static_cast<uint64_t>(ll_handles) * fp.low_latency_handle_device_bytes;
+            std::printf("[ footprint] world rank %d, %s; device bytes taken %llu, counted %llu\n", w->rank(),
+                        what.c_str(), static_cast<unsigned long long>(device),
+                        static_cast<unsigned long long>(want_device));
+            EXPECT_GE(device, want_device) << what;
+            EXPECT_LE(device, want_device + (1ull << 20)) << what;  // the pool's rounding of some 8 allocations
+
+            const ref::Params p = ep_params(cfg, n);
+            const uint32_t seed = team_seed(w->team());
+            if (cfg.normal) {
+                EpInputs in(cfg, ep.geometry().max_recv_rows, s);
+                ep_run_and_check(w->team(), ep, *h, in,
+                                 ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank, seed), seed, s,
+                                 what);
+            }
+            if (cfg.low_latency) {
+                LlInputs in(cfg, n, s);
+                const LlCall call = ref::low_latency_call(
+                    p, ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank, seed + 1), seed + 1,
+                    false);
+                ll_run_and_check(w->team(), ep, *l, in, call, false, s, what);
+            }
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+            const uint64_t heap = w->heap().bytes_in_use() - heap_before;
+            const uint64_t own =
+                fp.buffer_symmetric_bytes + static_cast<uint64_t>(normal_handles) * fp.normal_handle_symmetric_bytes;
+            std::printf("[ footprint] world rank %d, %s; heap bytes taken %llu, counted %llu + %llu (node stage)\n",
+                        w->rank(), what.c_str(), static_cast<unsigned long long>(heap),
+                        static_cast<unsigned long long>(own),
+                        static_cast<unsigned long long>(fp.node_collectives_symmetric_bytes));
+            EXPECT_GE(heap, own) << what;
+            EXPECT_LE(heap, own + fp.node_collectives_symmetric_bytes) << what;
+            EXPECT_LE(heap, fp.heap_bytes(normal_handles)) << what;
+        }
+        w->barrier();
+    }
 }
 
 TEST(MultiNode, MoeBlockAcrossNodesIsRefused) {

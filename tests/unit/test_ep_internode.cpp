@@ -13,8 +13,11 @@
 
 #include "support/ep_reference.hpp"
 #include "support/ep_testing.hpp"
+#include "support/jit_testing.hpp"
 #include "weft/common/ep_internode.hpp"
+#include "weft/ops/collectives.hpp"
 #include "weft/ops/ep.hpp"
+#include "weft/runtime/error.hpp"
 
 namespace weft::ops::ep {
 namespace {
@@ -636,6 +639,210 @@ TEST(EpInternodePlan, LowLatencyExchangeGivesTheOneNodeLayoutAndCombine) {
         }
     }
     EXPECT_GT(checked, 0);
+}
+
+// ---- the footprint across nodes ----
+
+// The configs the footprint tests walk: both modes, each alone, capacities set, an alignment, fp8-sized rows.
+std::vector<Config> footprint_configs() {
+    std::vector<Config> out;
+    Config c;
+    c.num_experts = 256;
+    c.hidden = 7168;
+    c.topk = 8;
+    c.max_tokens_per_rank = 128;
+    out.push_back(c);  // both modes
+    Config n = c;
+    n.low_latency = false;
+    n.max_tokens_per_rank = 4096;
+    n.max_recv_rows = 20000;
+    n.max_recv_tokens = 9000;
+    n.expert_alignment = 128;
+    out.push_back(n);  // normal only, capacities and alignment
+    Config l = c;
+    l.normal = false;
+    l.max_tokens_per_rank = 1;
+    out.push_back(l);  // low-latency only
+    Config s = config_of(32, 256, 4, 64, 8);
+    s.low_latency = true;
+    out.push_back(s);  // small
+    Config k = config_of(64, 512, 6, 32);  // k larger than the experts per rank on 16 ranks
+    out.push_back(k);
+    return out;
+}
+
+void expect_same(const Footprint& a, const Footprint& b) {
+    EXPECT_EQ(a.buffer_symmetric_bytes, b.buffer_symmetric_bytes);
+    EXPECT_EQ(a.buffer_device_bytes, b.buffer_device_bytes);
+    EXPECT_EQ(a.normal_handle_symmetric_bytes, b.normal_handle_symmetric_bytes);
+    EXPECT_EQ(a.normal_handle_device_bytes, b.normal_handle_device_bytes);
+    EXPECT_EQ(a.low_latency_handle_device_bytes, b.low_latency_handle_device_bytes);
+    EXPECT_EQ(a.node_collectives_symmetric_bytes, b.node_collectives_symmetric_bytes);
+}
+
+TEST(EpFootprint, OneNodeIsTheOneNodeAnswer) {
+    for (const Config& c : footprint_configs()) {
+        for (int w : {1, 2, 4, 8}) {
+            SCOPED_TRACE("E=" + std::to_string(c.num_experts) + " H=" + std::to_string(c.hidden) +
+                         " k=" + std::to_string(c.topk) + " W=" + std::to_string(w));
+            const Footprint one = footprint(c, w);
+            expect_same(footprint(c, w, 1), one);
+            EXPECT_EQ(one.node_collectives_symmetric_bytes, 0u);
+            EXPECT_EQ(footprint(c, w, 1).describe(), one.describe());
+            EXPECT_EQ(footprint(c, w, 1).heap_bytes(2), one.heap_bytes(2));
+        }
+    }
+}
+
+// The node stage's workspace: three staging regions, the signal words, the LL buffers and their header lines.
+TEST(EpFootprint, NodeCollectivesAreTheWorkspaceSizes) {
+    const weft::testing::ScopedEnv unset("WEFT_COLLECTIVE_STAGING_BYTES", std::nullopt);
+    EXPECT_EQ(collective_workspace_heap_bytes(1), 0u);
+    for (uint64_t n : {2, 4, 8}) {
+        const uint64_t signals = 256 * n + 2 * n + n + 2 * n * (512 << 10) / 8 + 2 * n * 256 * 16 / 8;
+        EXPECT_EQ(collective_workspace_heap_bytes(static_cast<int>(n)), 8 * signals + 3 * (32ull << 20)) << n;
+    }
+    {
+        const weft::testing::ScopedEnv small("WEFT_COLLECTIVE_STAGING_BYTES", std::string("1000"));  // at least 64 KiB
+        const uint64_t signals = 256 * 2 + 4 + 2 + 4 * (512 << 10) / 8 + 4 * 256 * 16 / 8;
+        EXPECT_EQ(collective_workspace_heap_bytes(2), 8 * signals + 3 * (64ull << 10));
+    }
+    {
+        const weft::testing::ScopedEnv odd("WEFT_COLLECTIVE_STAGING_BYTES",
+                                           std::string("1048577"));  // rounded up to 256
+        const uint64_t signals = 256 * 2 + 4 + 2 + 4 * (512 << 10) / 8 + 4 * 256 * 16 / 8;
+        EXPECT_EQ(collective_workspace_heap_bytes(2), 8 * signals + 3 * ((1ull << 20) + 256));
+    }
+    EXPECT_THROW((void)collective_workspace_heap_bytes(0), Error);
+}
+
+// The exchange allocations are their parts, back to back, each on a 256-byte boundary; the all_to_all path's parts are
+// the two-hop path's first ones.
+TEST(EpFootprint, ExchangeLayoutsAreTheirPartsBackToBack) {
+    for (const Config& c : footprint_configs()) {
+        for (const auto& [w, n] : std::vector<std::pair<int, int>>{{2, 2}, {4, 2}, {8, 2}, {8, 4}, {16, 2}}) {
+            if (c.num_experts % w != 0) continue;
+            const Geometry g = resolve_geometry(c, w, 0);
+            const InternodeLayout net = InternodeLayout::make(g);
+            const weft::ep::NodeRecordLayout hop = weft::ep::NodeRecordLayout::make(g, n, w / n);
+            const auto x = weft::ep::NormalExchangeLayout::make(net, hop, true);
+            const auto a = weft::ep::NormalExchangeLayout::make(net, hop, false);
+            const int64_t align = weft::ep::kExchangeAlign;
+            EXPECT_GE(x.records, net.dispatch_bytes());
+            EXPECT_LT(x.records, net.dispatch_bytes() + align);
+            EXPECT_GE(x.partials, net.combine_bytes());
+            EXPECT_GE(x.blocks, hop.bytes());
+            for (int64_t v : {x.records, x.partials, x.blocks}) EXPECT_EQ(v % align, 0);
+            EXPECT_EQ(x.send, 0);
+            EXPECT_EQ(x.recv, x.send + x.records);
+            EXPECT_EQ(x.partials_at, x.recv + x.records);
+            EXPECT_EQ(x.returned, x.partials_at + x.partials);
+            EXPECT_EQ(x.node_send, x.returned + x.partials);
+            EXPECT_EQ(x.node_recv, x.node_send + x.blocks);
+            EXPECT_EQ(x.gathered, x.node_recv + x.blocks);
+            EXPECT_EQ(x.bytes, x.gathered + x.records);  // gathered holds one exchange's records
+            EXPECT_EQ(a.blocks, 0);
+            EXPECT_EQ(a.bytes, x.returned + x.partials);
+            EXPECT_EQ(a.returned, x.returned);
+
+            const weft::ep::LowLatencyRecordLayout ll = weft::ep::LowLatencyRecordLayout::make(g);
+            const auto l = weft::ep::LowLatencyExchangeLayout::make(ll);
+            EXPECT_GE(l.records, ll.dispatch_bytes());
+            EXPECT_GE(l.routes, ll.records() * ll.topk * 4);
+            EXPECT_GE(l.rows, ll.combine_bytes());
+            for (int64_t v : {l.records, l.routes, l.rows}) EXPECT_EQ(v % align, 0);
+            EXPECT_EQ(l.send, 0);
+            EXPECT_EQ(l.recv, l.records);
+            EXPECT_EQ(l.route_row, 2 * l.records);
+            EXPECT_EQ(l.combine_send, l.route_row + l.routes);
+            EXPECT_EQ(l.combine_recv, l.combine_send + l.rows);
+            EXPECT_EQ(l.bytes, l.combine_recv + l.rows);
+        }
+    }
+}
+
+// Across nodes the footprint is what the Buffer allocates: its Workspace's device state and the node table; for the
+// normal mode the one-rank Buffer of E / W experts and W x T tokens (and its handle per handle), the layout arrays and
+// the two-hop exchange per handle; for the low-latency mode the exchange per handle; and the node stage's workspace.
+TEST(EpFootprint, AcrossNodesAddsTheExchangeBuffers) {
+    const weft::testing::ScopedEnv unset("WEFT_COLLECTIVE_STAGING_BYTES", std::nullopt);
+    int checked = 0;
+    for (const Config& c : footprint_configs()) {
+        for (const auto& [w, n] : std::vector<std::pair<int, int>>{{2, 2}, {4, 2}, {8, 2}, {8, 4}, {8, 8}, {16, 2}}) {
+            if (c.num_experts % w != 0) continue;
+            SCOPED_TRACE("E=" + std::to_string(c.num_experts) + " H=" + std::to_string(c.hidden) +
+                         " k=" + std::to_string(c.topk) + " W=" + std::to_string(w) + " nodes=" + std::to_string(n));
+            const Geometry g = resolve_geometry(c, w, 0);
+            const weft::ep::Workspace ws = weft::ep::Workspace::make(g);
+            const InternodeLayout net = InternodeLayout::make(g);
+            const Footprint f = footprint(c, w, n);
+
+            Footprint want;
+            want.buffer_device_bytes = static_cast<uint64_t>(ws.buffer_device.bytes) + 4ull * w;
+            want.node_collectives_symmetric_bytes = collective_workspace_heap_bytes(w / n);
+            if (c.normal) {
+                Config one;
+                one.num_experts = c.num_experts / w;
+                one.hidden = c.hidden;
+                one.topk = std::min(c.topk, c.num_experts / w);
+                one.max_tokens_per_rank = w * c.max_tokens_per_rank;
+                one.low_latency = false;
+                one.max_recv_tokens = g.max_recv_tokens;
+                one.max_recv_rows = g.max_recv_rows;
+                one.expert_alignment = g.expert_alignment;
+                const Footprint inner = footprint(one, 1);
+                const int64_t exchange =
+                    weft::ep::NormalExchangeLayout::make(net, weft::ep::NodeRecordLayout::make(g, n, w / n), true)
+                        .bytes;
+                want.buffer_symmetric_bytes = inner.buffer_symmetric_bytes;
+                want.buffer_device_bytes += inner.buffer_device_bytes;
+                want.normal_handle_symmetric_bytes = inner.normal_handle_symmetric_bytes;
+                want.normal_handle_device_bytes =
+                    static_cast<uint64_t>(ws.normal_handle_device.bytes + exchange) + inner.normal_handle_device_bytes;
+            }
+            if (c.low_latency) {
+                want.low_latency_handle_device_bytes = static_cast<uint64_t>(
+                    ws.low_latency_handle_device.bytes +
+                    weft::ep::LowLatencyExchangeLayout::make(weft::ep::LowLatencyRecordLayout::make(g)).bytes);
+            }
+            expect_same(f, want);
+            EXPECT_EQ(f.node_collectives_symmetric_bytes == 0, w == n);  // one member per node: no node stage
+            // The heap holds the node stage's workspace too; the totals count every field.
+            EXPECT_GE(f.heap_bytes(1),
+                      f.buffer_symmetric_bytes + f.normal_handle_symmetric_bytes + f.node_collectives_symmetric_bytes);
+            EXPECT_EQ(f.total_bytes(1, 1), f.buffer_symmetric_bytes + f.buffer_device_bytes +
+                                               f.normal_handle_symmetric_bytes + f.normal_handle_device_bytes +
+                                               f.low_latency_handle_device_bytes + f.node_collectives_symmetric_bytes);
+            if (w > n) {
+                EXPECT_NE(f.describe().find("node stage collectives"), std::string::npos) << f.describe();
+            }
+            ++checked;
+        }
+    }
+    EXPECT_GT(checked, 20);
+}
+
+void expect_footprint_error(const Config& c, int ranks, int nodes, const std::string& fragment) {
+    try {
+        (void)footprint(c, ranks, nodes);
+        ADD_FAILURE() << "footprint(" << ranks << " ranks, " << nodes << " nodes): expected an error mentioning '"
+                      << fragment << "'";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+}
+
+TEST(EpFootprint, BadNodeCountsAreErrors) {
+    Config c = config_of(32, 256, 4, 64);
+    expect_footprint_error(c, 8, 0, "num_nodes must be >= 1 (the nodes the team spans), got 0");
+    expect_footprint_error(c, 8, -2, "num_nodes must be >= 1");
+    expect_footprint_error(c, 8, 3, "num_ranks (8) must be a positive multiple of num_nodes (3)");
+    expect_footprint_error(c, 4, 8, "num_ranks (4) must be a positive multiple of num_nodes (8)");
+    expect_footprint_error(c, 0, 2, "num_ranks (0) must be a positive multiple of num_nodes (2)");
+    expect_footprint_error(c, 6, 2, "multiple of the number of ranks");  // 32 experts over 6 ranks: the Config's check
+    // The one-rank Buffer's tokens (W x max_tokens_per_rank records) are bounded.
+    Config big = config_of(64, 256, 2, 1 << 19);
+    expect_footprint_error(big, 64, 2, "more than 2^24");
 }
 
 }  // namespace

@@ -311,4 +311,68 @@ struct InternodeArgs {
     uint8_t* forward;          ///< [L][N][capacity] final records: block j for node member j, by source node
 };
 
+// ---- the private buffers of a Buffer across nodes ----
+//
+// A Buffer of a team that spans nodes allocates, beyond its Workspace's device state: the team's ranks by node (a
+// device table), and per handle one private allocation for the record exchanges, carved as below. The op allocates
+// and carves from these layouts and ops::ep::footprint(config, num_ranks, num_nodes) sums them: one definition each.
+
+/// Each part of an exchange allocation starts at a multiple of this (bytes).
+inline constexpr int64_t kExchangeAlign = 256;
+
+/// Bytes of the Buffer's device table of team ranks by node ([N][L] int32, N x L = W).
+WEFT_HOST_DEVICE constexpr int64_t node_table_bytes(int32_t num_ranks) { return 4 * int64_t{num_ranks}; }
+
+/// A normal handle's exchange allocation: send | recv | partials | returned, then for two hops node_send | node_recv |
+/// gathered (the network hop's blocks, and the node all_to_all's output, reordered into recv). Byte offsets.
+struct NormalExchangeLayout {
+    int64_t records;   ///< one exchange's records (InternodeLayout::dispatch_bytes), aligned
+    int64_t partials;  ///< one combine's partial rows (InternodeLayout::combine_bytes), aligned
+    int64_t blocks;    ///< two hops: one network exchange (NodeRecordLayout::bytes), aligned; else 0
+    int64_t send, recv, partials_at, returned;
+    int64_t node_send, node_recv, gathered;  ///< two hops only (else 0)
+    int64_t bytes;                           ///< the allocation
+
+    WEFT_HOST_DEVICE static constexpr NormalExchangeLayout make(const InternodeLayout& net, const NodeRecordLayout& hop,
+                                                                bool two_hop) {
+        NormalExchangeLayout l{};
+        l.records = round_up(net.dispatch_bytes(), kExchangeAlign);
+        l.partials = round_up(net.combine_bytes(), kExchangeAlign);
+        l.blocks = two_hop ? round_up(hop.bytes(), kExchangeAlign) : 0;
+        l.send = 0;
+        l.recv = l.records;
+        l.partials_at = 2 * l.records;
+        l.returned = l.partials_at + l.partials;
+        l.node_send = two_hop ? l.returned + l.partials : 0;
+        l.node_recv = two_hop ? l.node_send + l.blocks : 0;
+        l.gathered = two_hop ? l.node_recv + l.blocks : 0;
+        l.bytes = 2 * l.records + 2 * l.partials + (two_hop ? 2 * l.blocks + l.records : 0);
+        return l;
+    }
+};
+
+/// A low-latency handle's exchange allocation: dispatch send | dispatch recv | route_row | combine send | combine recv.
+/// Byte offsets.
+struct LowLatencyExchangeLayout {
+    int64_t records;  ///< one dispatch exchange (LowLatencyRecordLayout::dispatch_bytes), aligned
+    int64_t routes;   ///< route_row: one int32 per (record, slot), aligned
+    int64_t rows;     ///< one combine exchange (LowLatencyRecordLayout::combine_bytes), aligned
+    int64_t send, recv, route_row, combine_send, combine_recv;
+    int64_t bytes;  ///< the allocation
+
+    WEFT_HOST_DEVICE static constexpr LowLatencyExchangeLayout make(const LowLatencyRecordLayout& net) {
+        LowLatencyExchangeLayout l{};
+        l.records = round_up(net.dispatch_bytes(), kExchangeAlign);
+        l.routes = round_up(net.records() * net.topk * 4, kExchangeAlign);
+        l.rows = round_up(net.combine_bytes(), kExchangeAlign);
+        l.send = 0;
+        l.recv = l.records;
+        l.route_row = 2 * l.records;
+        l.combine_send = l.route_row + l.routes;
+        l.combine_recv = l.combine_send + l.rows;
+        l.bytes = 2 * l.records + l.routes + 2 * l.rows;
+        return l;
+    }
+};
+
 }  // namespace weft::ep

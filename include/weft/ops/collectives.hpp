@@ -145,6 +145,12 @@ const CollectiveWorkspaceInfo& prepare_collectives(const Team& team);
 /// prepare_collectives(world.team()).
 const CollectiveWorkspaceInfo& prepare_collectives(World& world);
 
+/// Symmetric heap bytes prepare_collectives allocates on each member of a team of `num_ranks` ranks (0 for one rank:
+/// it allocates nothing), with the staging regions WEFT_COLLECTIVE_STAGING_BYTES asks for in this process; heap
+/// sizing aid, no GPU needed. The workspace's own allocations are made from the same sizes. Throws weft::Error when
+/// num_ranks < 1 or WEFT_COLLECTIVE_STAGING_BYTES is malformed.
+uint64_t collective_workspace_heap_bytes(int num_ranks);
+
 /// Registers the kernel specialisations the collectives launch for teams of up to `max_ranks` ranks with
 /// weft::jit::register_aot_spec, so `weft-compile --builtin` warms them (weft::ops::register_op_aot_specs calls it).
 void register_collective_aot_specs(int max_ranks = 8);

@@ -92,22 +92,38 @@ struct Config {
 /// field, the expectation and the value found.
 Geometry resolve_geometry(const Config& config, int num_ranks, int rank);
 
-/// Bytes each rank needs, by owner: the sizes of the five allocations of Workspace::make(geometry).
+/// Bytes each rank needs, by owner. On one node: the sizes of the five allocations of Workspace::make(geometry). Across
+/// nodes (footprint(config, num_ranks, num_nodes)): the Buffer's symmetric and device bytes include the one-rank
+/// Buffer's (normal mode) and the node table, each handle's device bytes its exchange buffers (and, normal mode, the
+/// one-rank handle's, whose symmetric bytes are the handle's), plus the node team's collective workspace.
 struct Footprint {
     uint64_t buffer_symmetric_bytes = 0;           ///< symmetric heap: signals, mailboxes, low-latency areas
     uint64_t buffer_device_bytes = 0;              ///< private device memory of the Buffer (state)
     uint64_t normal_handle_symmetric_bytes = 0;    ///< symmetric heap per NormalHandle (recv_x, records, landing)
     uint64_t normal_handle_device_bytes = 0;       ///< private device memory per NormalHandle (layout, counts)
     uint64_t low_latency_handle_device_bytes = 0;  ///< private device memory per LowLatencyHandle (outputs)
-    /// Symmetric heap bytes for the Buffer and `normal_handles` handles, with allocation slack.
+    /// Across nodes only (else 0): the symmetric heap the node stage of ops::all_to_all takes for the exchanges (the
+    /// node team's collective workspace, collective_workspace_heap_bytes(ranks per node)). Once per World and node
+    /// team: Buffers of one team, and other collectives on its node team, share it.
+    uint64_t node_collectives_symmetric_bytes = 0;
+    /// Symmetric heap bytes for the Buffer and `normal_handles` handles (and the node stage's workspace), with
+    /// allocation slack.
     uint64_t heap_bytes(int normal_handles) const;
     /// Everything one rank allocates for the Buffer, `normal_handles` and `low_latency_handles` handles.
     uint64_t total_bytes(int normal_handles, int low_latency_handles) const;
     std::string describe() const;
 };
 
-/// Memory one rank needs for `config` with `num_ranks` ranks (no allocation; no GPU needed).
+/// Memory one rank needs for `config` with `num_ranks` ranks on one node (no allocation; no GPU needed).
 Footprint footprint(const Config& config, int num_ranks);
+/// Memory one rank needs for `config` on a team of `num_ranks` ranks spread evenly over `num_nodes` nodes
+/// (Team::num_nodes(); num_ranks / num_nodes members each), as the Buffer across nodes allocates it
+/// (docs/multinode.md, "EP across nodes"): the normal mode's two-hop dispatch (the default; WEFT_EP_ACROSS_NODES=
+/// all_to_all allocates less), the node stage's collective workspace with WEFT_COLLECTIVE_STAGING_BYTES as set in
+/// this process. num_nodes = 1 is footprint(config, num_ranks). Throws weft::Error when num_nodes < 1 or does not
+/// divide num_ranks, or as footprint(config, num_ranks) does. Not counted: the network backend's own memory and the
+/// stream-ordered scratch of each all_to_all call across nodes (freed at its end).
+Footprint footprint(const Config& config, int num_ranks, int num_nodes);
 
 /// Expected normal-mode receive rows per rank under uniform routing (k distinct experts per token
 /// drawn uniformly), with `alignment` padding per expert: a sizing aid for Config::max_recv_rows.
@@ -219,7 +235,8 @@ public:
     /// state, and compiles and loads every kernel (before any of them can spin). A rank that is not a member of
     /// `team` gets weft::Error naming the team's world ranks. The Buffer keeps a copy of `team`. A team that spans
     /// nodes also builds the network backend's column communicators here (bounded by the World's timeout) and, for
-    /// the normal mode, a one-rank Buffer of this rank's experts (docs/multinode.md).
+    /// the normal mode, a one-rank Buffer of this rank's experts (docs/multinode.md). What it and its handles
+    /// allocate: footprint(config, team.num_ranks(), team.num_nodes()).
     Buffer(const Team& team, const Config& config);
     /// Buffer(world.team(), config).
     Buffer(World& world, const Config& config);
