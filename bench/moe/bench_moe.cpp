@@ -11,7 +11,8 @@
 // the grouped call must read.
 //
 //   weft_bench_moe [--sizes GxRxNxK,...] [--masked GxCAPxNxK,...] [--counts uniform,skewed,one]
-//                  [--out bf16|f32] [--grouped-config NAME] [--iters N] [--warmup N] [--check] [--json FILE]
+//                  [--out bf16|f32] [--grouped-config NAME] [--grouped-sm-budget N]
+//                  [--iters N] [--warmup N] [--check] [--json FILE]
 // --sizes: contiguous cases, G experts of R rows each (A [G*R, K], B [G, N, K]); default 8x4096x4096x7168 and
 // 8x4096x7168x2048. --masked: masked cases, G experts of capacity CAP (A [G, CAP, K]); default 32x256x4096x7168 and
 // 32x256x7168x2048. --counts: uniform (contiguous: R rows each; masked: 3/4 of CAP each), skewed (expert e gets
@@ -94,6 +95,7 @@ struct Options {
     bool check = false;
     std::string json;
     std::string grouped_config;  // --grouped-config: a grouped candidate's name (gemm_candidate_name), "" = the plan's
+    int grouped_sm_budget = 0;   // --grouped-sm-budget: CTAs of weft grouped's persistent grid, 0 = every SM
 };
 
 // The grouped candidate named `name` for these dtypes, or a usage error listing the names.
@@ -183,6 +185,7 @@ Row run_case(const MoeCase& c, const Options& opt, const weft::bench::Peaks& pea
     weft::ops::GroupedGemmOptions gopt;
     gopt.expected_rows_per_group = std::max<int64_t>(1, total / std::max<int64_t>(groups, 1));
     if (!opt.grouped_config.empty()) gopt.config = grouped_config_named(opt.grouped_config, opt.out);
+    gopt.sm_budget = opt.grouped_sm_budget;
     auto grouped = [&](int) {
         if (c.masked) {
             weft::ops::grouped_gemm_masked(TensorView(a.ptr, DType::kBF16, {groups, c.rows, c.k}),
@@ -343,6 +346,8 @@ int main(int argc, char** argv) {
                "force weft grouped's config, a grouped candidate by name (e.g. 128x256x64_s4_c1x1, "
                "64x256x64_s4_c1x1_pp; default: the plan's)",
                [&](const std::string& v) { opt.grouped_config = v; });
+    cli.int_option("--grouped-sm-budget", "CTAs of weft grouped's persistent grid (default 0: every SM)",
+                   &opt.grouped_sm_budget, 0, 1 << 16);
     cli.check(&opt.check).json(&opt.json);
     return weft::bench::run_main("weft_bench_moe", [&] {
         cli.parse(argc, argv);
