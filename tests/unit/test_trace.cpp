@@ -186,6 +186,43 @@ TEST(TraceWriter, RanksOnRankZerosHostKeepTheirClockOthersAreShiftedByTheHostClo
     EXPECT_EQ(ranks[2].clock_offset_ns, 4'000);
 }
 
+// A block that keeps a trace log claims its slots at its start and writes those it leaves empty as kind 0: the host
+// drops them (in order, counting them as unused), and an event of any real kind stays.
+TEST(TraceWriter, EmptySlotsOfABlockLogAreDroppedAndCounted) {
+    const TraceEvent empty{};
+    std::vector<TraceEvent> events = {event(TraceKind::kSend, TraceRole::kComm, 1, 10, 20, -1, 1),
+                                      empty,
+                                      event(TraceKind::kWaitPeer, TraceRole::kComm, 1, 5, 9, 0, 120, 3),
+                                      empty,
+                                      empty,
+                                      event(TraceKind::kNotify, TraceRole::kComm, 1, 21, 22, 0, 0)};
+    EXPECT_EQ(detail::drop_empty_trace_events(events), 3u);
+    ASSERT_EQ(events.size(), 3u);
+    EXPECT_EQ(events[0].kind, static_cast<uint16_t>(TraceKind::kSend));
+    EXPECT_EQ(events[1].kind, static_cast<uint16_t>(TraceKind::kWaitPeer));
+    EXPECT_EQ(events[2].kind, static_cast<uint16_t>(TraceKind::kNotify));
+    EXPECT_EQ(detail::drop_empty_trace_events(events), 0u);
+    std::vector<TraceEvent> none = {empty, empty};
+    EXPECT_EQ(detail::drop_empty_trace_events(none), 2u);
+    EXPECT_TRUE(none.empty());
+    // The JSON of what is left names no empty event.
+    detail::RankTrace r;
+    r.recorded = 3;
+    r.events = events;
+    const std::string json = detail::chrome_trace_json({r});
+    EXPECT_EQ(json.find("\"kind\":0,"), std::string::npos);
+}
+
+// The low-latency kernels claim their trace slots at their start: the bound must cover every event a block defers
+// (send: a credit wait per rank, "send", a "notify" per rank; receive: a wait per rank and "recv" or "combine").
+TEST(TraceWriter, LowLatencyClaimCoversEveryDeferredEvent) {
+    EXPECT_EQ(weft::ep::ll_trace_events_per_block(weft::ep::kPhaseSend, 1), 3);
+    EXPECT_EQ(weft::ep::ll_trace_events_per_block(weft::ep::kPhaseRecv, 1), 2);
+    EXPECT_EQ(weft::ep::ll_trace_events_per_block(weft::ep::kPhaseSend | weft::ep::kPhaseRecv, 1), 5);
+    EXPECT_EQ(weft::ep::ll_trace_events_per_block(weft::ep::kPhaseSend | weft::ep::kPhaseRecv, 8), 26);
+    EXPECT_EQ(weft::ep::ll_trace_events_per_block(0, 8), 0);
+}
+
 TEST(TraceEnv, PathCapacityAndTheJitDefine) {
     {
         ScopedEnv unset("WEFT_TRACE", std::nullopt);
