@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -354,6 +355,88 @@ TEST(TraceNvrtc, UntracedKernelsAreTheKernelsWithoutTheInstrumentationAndTracedO
         const std::string& t = traced_sass.at(off.lowered_name);
         EXPECT_NE(t.find("SMID"), std::string::npos) << "a traced build reads no %smid";
         EXPECT_NE(t, off_sass.at(off.lowered_name));
+    }
+}
+
+
+/// The instructions of a function's SASS in address order: "[@P0 ]OPCODE operands" (the address, the trailing ';'
+/// and the encoding dropped).
+std::vector<std::string> sass_instructions(const std::string& sass) {
+    static const std::regex line(R"(/\*[0-9a-f]{4,}\*/\s+([^;]*);)");
+    std::vector<std::string> out;
+    for (auto it = std::sregex_iterator(sass.begin(), sass.end(), line); it != std::sregex_iterator(); ++it) {
+        out.push_back((*it)[1].str());
+    }
+    return out;
+}
+
+/// Whether `ins` reads register `reg` (a source operand: every operand of a store or reduction, the operands after
+/// the first of any other instruction).
+bool reads_register(const std::string& ins, const std::string& reg) {
+    static const std::regex parts(R"(^(@!?U?P\w+\s+)?(\S+)\s*(.*)$)");
+    std::smatch m;
+    if (!std::regex_match(ins, m, parts)) return false;
+    const std::string op = m[2].str();
+    std::string operands = m[3].str();
+    const bool all_sources = op.rfind("ST", 0) == 0 || op.rfind("RED", 0) == 0;
+    if (!all_sources) {
+        const size_t comma = operands.find(',');
+        operands = comma == std::string::npos ? std::string() : operands.substr(comma + 1);
+    }
+    return std::regex_search(operands, std::regex("\\b" + reg + "\\b"));
+}
+
+// The low-latency kernels claim their trace slots at their start (the buffer's address a kernel parameter): in a
+// traced build the claim is a returning global atomic before the kernel's first barrier, and nothing reads its result
+// before the kernel's last barrier (the flush's): no thread waits for it on the way. The flush itself loads nothing
+// from global memory.
+TEST(TraceNvrtc, LowLatencyBlockLogClaimsAtTheStartAndOnlyTheFlushReadsTheClaim) {
+    jit::Compiler compiler(testing::isolated_compiler_config(fs::path()));
+    std::vector<jit::KernelSpec> specs;
+    for (const jit::KernelSpec& s : ops::ep::kernel_specs()) {
+        for (const char* name : {"low_latency_dispatch<", "low_latency_combine<"}) {
+            if (s.instantiation.find(name) != std::string::npos) specs.push_back(s);
+        }
+    }
+    ASSERT_EQ(specs.size(), 2u);
+    for (jit::KernelSpec& spec : specs) {
+        spec.arch = "sm_90a";
+        spec.options.defines.push_back("WEFT_TRACE=1");
+        SCOPED_TRACE(spec.describe());
+        const jit::CompileResult traced = compiler.compile(spec);
+        std::string why_not;
+        const auto sass = sass_of(traced, &why_not);
+        if (sass.empty()) GTEST_SKIP() << "SKIPPED: cannot disassemble: " << why_not;
+        ASSERT_EQ(sass.count(traced.lowered_name), 1u);
+        const std::vector<std::string> ins = sass_instructions(sass.at(traced.lowered_name));
+        size_t first_bar = ins.size(), last_bar = ins.size();
+        for (size_t i = 0; i < ins.size(); ++i) {
+            if (ins[i].find("BAR.SYNC") == std::string::npos) continue;
+            if (first_bar == ins.size()) first_bar = i;
+            last_bar = i;
+        }
+        ASSERT_LT(first_bar, ins.size()) << "no barrier";
+        static const std::regex atomg(R"(ATOMG?\.\S*\s+PT,\s+(R\d+),)");
+        size_t claim = ins.size();
+        std::string claim_reg;
+        for (size_t i = 0; i < first_bar; ++i) {
+            std::smatch m;
+            if (std::regex_search(ins[i], m, atomg)) {
+                EXPECT_EQ(claim, ins.size()) << "a second atomic before the first barrier: " << ins[i];
+                claim = i;
+                claim_reg = m[1].str();
+            }
+        }
+        ASSERT_LT(claim, ins.size()) << "the traced kernel claims no trace slots before its first barrier";
+        for (size_t i = claim + 1; i < last_bar; ++i) {
+            EXPECT_FALSE(reads_register(ins[i], claim_reg))
+                << "instruction " << i << " reads the claim's result " << claim_reg << " before the flush: " << ins[i];
+        }
+        size_t flush_end = last_bar;
+        while (flush_end < ins.size() && ins[flush_end].rfind("EXIT", 0) != 0) ++flush_end;
+        for (size_t i = last_bar; i < flush_end; ++i) {
+            EXPECT_EQ(ins[i].find("LDG"), std::string::npos) << "the flush loads from global memory: " << ins[i];
+        }
     }
 }
 

@@ -35,6 +35,7 @@
 
 #include "weft/common/device_ctx.hpp"
 #include "weft/common/trace.hpp"
+#include "weft/ptx/atom.cuh"
 #include "weft/ptx/timer.cuh"
 
 namespace weft::device::trace {
@@ -129,9 +130,19 @@ __device__ __forceinline__ BlockLogClaim open_block_log(TraceBuffer* buffer, int
     BlockLogClaim c{buffer, 0, 0, 0};
     if (buffer != nullptr && slots > 0) c.slots = static_cast<uint32_t>(slots < kCap ? slots : kCap);
     if (threadIdx.x == 0) block_log().count = 0;
-    if (threadIdx.x == blockDim.x - 1 && c.slots > 0) {
-        c.first = atomicAdd(&buffer->count, c.slots);
+    if (threadIdx.x == blockDim.x - 1 && buffer != nullptr) {
         c.capacity = __ldg(&buffer->capacity);
+        if (c.slots == 0) return c;
+        // ptxas turns an atomic add on an address it knows to be uniform over the warp into a warp-aggregated one
+        // whose result a shuffle broadcasts at once: the warp would wait for the round trip right here. An address
+        // offset by (lane - the claiming thread's lane), 0 in the claiming thread, is not provably uniform.
+        uint32_t lane;
+        asm("mov.u32 %0, %%laneid;" : "=r"(lane));
+        uint32_t* const count = &buffer->count + (static_cast<int>(lane) - static_cast<int>((blockDim.x - 1u) & 31u));
+        asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;"
+                     : "=r"(c.first)
+                     : "l"(__cvta_generic_to_global(count)), "r"(c.slots)
+                     : "memory");
     }
     return c;
 }
@@ -214,9 +225,8 @@ __device__ __forceinline__ void flush_block_log(const BlockLogClaim& c) {
         const uint64_t empty_begin = uint64_t{first} + deferred;
         const uint64_t kept_end = empty_begin > capacity ? empty_begin : uint64_t{capacity};
         if (empty_end > kept_end) {
-            asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(&b->unused_past_capacity),
-                         "r"(static_cast<uint32_t>(empty_end - kept_end))
-                         : "memory");
+            ptx::red_add<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&b->unused_past_capacity,
+                                                               static_cast<uint32_t>(empty_end - kept_end));
         }
     }
     for (uint32_t i = c.slots + lane; i < deferred; i += lanes) {
