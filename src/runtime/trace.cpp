@@ -194,8 +194,8 @@ private:
     std::vector<TraceEvent> device_events(const TraceBuffer& header) const {
         std::vector<TraceEvent> events(std::min(header.count, capacity_));
         if (!events.empty()) {
-            WEFT_CUDA_CHECK(cudaMemcpy(events.data(), buffer_->events, events.size() * sizeof(TraceEvent),
-                                       cudaMemcpyDeviceToHost));
+            WEFT_CUDA_CHECK(
+                cudaMemcpy(events.data(), buffer_->events, events.size() * sizeof(TraceEvent), cudaMemcpyDeviceToHost));
         }
         return events;
     }

@@ -142,10 +142,11 @@ void run_case(jit::Kernel& kernel, const Case& c) {
     } else {
         EXPECT_LT(seen.size(), deferred) << "a full buffer dropped nothing";
     }
-    std::printf("[ LOG      ] %u x %d deferred, claim %d, capacity %u: count %u, %llu empty read, %u empty past "
-                "the capacity, %zu kept\n",
-                c.blocks, c.defers, c.slots, c.capacity, h.count, static_cast<unsigned long long>(empty_read),
-                h.unused_past_capacity, seen.size());
+    std::printf(
+        "[ LOG      ] %u x %d deferred, claim %d, capacity %u: count %u, %llu empty read, %u empty past "
+        "the capacity, %zu kept\n",
+        c.blocks, c.defers, c.slots, c.capacity, h.count, static_cast<unsigned long long>(empty_read),
+        h.unused_past_capacity, seen.size());
 }
 
 TEST(TraceBlockLog, EventsLandOnceInTheClaimedSlotsAndEmptySlotsAreCountedAsUnused) {

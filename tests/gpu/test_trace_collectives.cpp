@@ -165,9 +165,8 @@ void expect_trace_ok(const fs::path& dir, const std::string& mode, const fs::pat
     ASSERT_TRUE(fs::exists(trace)) << "no trace at " << trace.string();
     testing::write_text_file(dir / "check.py", kCheckScript);
     const fs::path result = dir / ("result_" + mode + ".txt");
-    const std::string cmd =
-        "python3 " + (dir / "check.py").string() + " " + mode + " " + trace.string() + " " + extra + " > " +
-        result.string();
+    const std::string cmd = "python3 " + (dir / "check.py").string() + " " + mode + " " + trace.string() + " " + extra +
+                            " > " + result.string();
     ASSERT_EQ(std::system(cmd.c_str()), 0) << "python could not read the trace " << trace.string();
     const std::string text = testing::read_text_file(result);
     EXPECT_EQ(text.rfind("ok", 0), 0u) << mode << ":\n" << text;

@@ -4,8 +4,8 @@
 // (same SASS) while a traced one records.
 #include <gtest/gtest.h>
 
-#include <cstdio>
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -357,7 +357,6 @@ TEST(TraceNvrtc, UntracedKernelsAreTheKernelsWithoutTheInstrumentationAndTracedO
         EXPECT_NE(t, off_sass.at(off.lowered_name));
     }
 }
-
 
 /// The instructions of a function's SASS in address order: "[@P0 ]OPCODE operands" (the address, the trailing ';'
 /// and the encoding dropped).
