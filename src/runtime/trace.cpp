@@ -69,6 +69,7 @@ public:
     Tracer(std::string path, uint32_t capacity, Diagnostic* diag_host) : path_(std::move(path)), capacity_(capacity) {
         const uint64_t bytes = trace_buffer_bytes(capacity);
         WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&buffer_), bytes));
+        WEFT_CUDA_CHECK(cudaMemset(buffer_, 0, bytes));  // a claimed slot never written reads as empty (kind 0)
         TraceBuffer header{};
         header.capacity = capacity;
         WEFT_CUDA_CHECK(cudaMemcpy(buffer_, &header, offsetof(TraceBuffer, events), cudaMemcpyHostToDevice));
