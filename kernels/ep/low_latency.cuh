@@ -21,8 +21,10 @@
 // Traced builds (weft/device/trace.cuh, docs/profiling.md): "wait peer r" per signal awaited (tile::wait_each);
 // from thread 0 of each block "send" (its rows, after the credit wait), "recv" (the wait and the copies into the
 // masked output) and "combine" (the wait and the weighted sums); "notify" per rank from the last block of a send.
-// Every event is kept in the block's trace log (shared memory) and written at the kernel's end, after its signals:
-// recording costs these short kernels no global atomic before a signal that a peer waits for.
+// Every event is kept in the block's trace log (shared memory) and written at the kernel's end, after its signals,
+// into slots the block's last thread claimed at the start (a.trace: the buffer's address, a kernel parameter; the
+// claim bounded by ll_trace_events_per_block): recording costs these short kernels no global atomic before a signal
+// that a peer waits for, and no round trip at their end.
 #pragma once
 
 #include "ep/common.cuh"
@@ -490,7 +492,7 @@ __global__ void __launch_bounds__(C.threads, 1) low_latency_dispatch(weft::Devic
     extern __shared__ __align__(16) uint8_t smem[];
     const detail::LowLatencyShared sh =
         detail::LowLatencyShared::carve(smem, weft::ep::LowLatencySmem::make(a.geo, C.threads));
-    WEFT_TRACE_OPEN_BLOCK_LOG();  // before load_peer_table's barrier
+    WEFT_TRACE_OPEN_BLOCK_LOG(trace_claim, a.trace, weft::ep::ll_trace_events_per_block(a.phases, a.geo.num_ranks));
     const PeerTable peers = load_peer_table(ctx, sh.peer_base);
     if (a.phases & weft::ep::kPhaseSend) {
         detail::ll_dispatch_send<C>(ctx, a, sh, peers);
@@ -498,7 +500,7 @@ __global__ void __launch_bounds__(C.threads, 1) low_latency_dispatch(weft::Devic
     if (a.phases & weft::ep::kPhaseRecv) {
         detail::ll_dispatch_recv<C>(ctx, a, sh, peers);
     }
-    WEFT_TRACE_FLUSH_BLOCK_LOG(ctx);  // after every signal of the launch
+    WEFT_TRACE_FLUSH_BLOCK_LOG(trace_claim);  // after every signal of the launch
 }
 
 /// Low-latency combine: the phases in a.phases. Same grid rules as low_latency_dispatch. Collective.
@@ -508,7 +510,7 @@ __global__ void __launch_bounds__(C.threads, 1) low_latency_combine(weft::Device
     extern __shared__ __align__(16) uint8_t smem[];
     const detail::LowLatencyShared sh =
         detail::LowLatencyShared::carve(smem, weft::ep::LowLatencySmem::make(a.geo, C.threads));
-    WEFT_TRACE_OPEN_BLOCK_LOG();  // before load_peer_table's barrier
+    WEFT_TRACE_OPEN_BLOCK_LOG(trace_claim, a.trace, weft::ep::ll_trace_events_per_block(a.phases, a.geo.num_ranks));
     const PeerTable peers = load_peer_table(ctx, sh.peer_base);
     if (a.phases & weft::ep::kPhaseSend) {
         detail::ll_combine_send<C>(ctx, a, sh, peers);
@@ -516,7 +518,7 @@ __global__ void __launch_bounds__(C.threads, 1) low_latency_combine(weft::Device
     if (a.phases & weft::ep::kPhaseRecv) {
         detail::ll_combine_recv<C>(ctx, a, peers);
     }
-    WEFT_TRACE_FLUSH_BLOCK_LOG(ctx);  // after every signal of the launch
+    WEFT_TRACE_FLUSH_BLOCK_LOG(trace_claim);  // after every signal of the launch
 }
 
 }  // namespace weft::kernels::ep

@@ -15,6 +15,7 @@
 #include "weft/detail/host_mapped_pool.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/trace.hpp"
 
 namespace weft::ops::ep {
 
@@ -195,6 +196,7 @@ Buffer::Buffer(const Team& team, const Config& config) : impl_(std::make_unique<
     b.world = &world;
     b.team = team;
     b.ctx = team.device_ctx();
+    b.trace = trace_device_buffer(world);
     b.config = config;
     b.geo = resolve_geometry(config, team.num_ranks(), team.rank());
     // Every member's kernels trust the others' layouts and limits: the Configs must agree (checked once, here; the

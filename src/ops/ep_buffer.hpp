@@ -98,6 +98,7 @@ struct Buffer::Impl {
     uint8_t* device = nullptr;     // private allocation: Workspace::buffer_device
     weft::ep::NormalBufferView normal{};
     weft::ep::LowLatencyBufferView low_latency{};
+    TraceBuffer* trace = nullptr;  // this rank's trace buffer when the World traces (the low-latency kernels' a.trace)
     Status* status_host = nullptr;
     Status* status_dev = nullptr;
     jit::Kernel* k_layout = nullptr;

@@ -60,6 +60,7 @@ weft::ep::LowLatencyArgs Buffer::Impl::low_latency_args(const LowLatencyHandle::
     a.handle = h.view;
     a.buffer = low_latency;
     a.status = status_dev;
+    a.trace = trace;
     return a;
 }
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -14,6 +15,7 @@
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <vector>
 
 #include "runtime_internal.hpp"
 #include "weft/runtime/driver.hpp"
@@ -67,6 +69,7 @@ public:
     Tracer(std::string path, uint32_t capacity, Diagnostic* diag_host) : path_(std::move(path)), capacity_(capacity) {
         const uint64_t bytes = trace_buffer_bytes(capacity);
         WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&buffer_), bytes));
+        WEFT_CUDA_CHECK(cudaMemset(buffer_, 0, bytes));  // a claimed slot never written reads as empty (kind 0)
         TraceBuffer header{};
         header.capacity = capacity;
         WEFT_CUDA_CHECK(cudaMemcpy(buffer_, &header, offsetof(TraceBuffer, events), cudaMemcpyHostToDevice));
@@ -109,14 +112,11 @@ public:
         detail::RankTrace t;
         t.rank = rank;
         t.host = detail::host_name();
-        const uint32_t kept = std::min(header.count, capacity_);
-        t.events.resize(kept);
-        if (kept > 0) {
-            WEFT_CUDA_CHECK(cudaMemcpy(t.events.data(), buffer_->events, kept * sizeof(TraceEvent),
-                                       cudaMemcpyDeviceToHost));
-        }
-        WEFT_CUDA_CHECK(cudaMemset(&buffer_->count, 0, sizeof(uint32_t)));
-        t.recorded = header.count;
+        t.events = device_events(header);
+        // Slots a block claimed and left empty (kind 0: weft/device/trace.cuh's block log) are no events.
+        const uint64_t unused = detail::drop_empty_trace_events(t.events) + header.unused_past_capacity;
+        empty_buffer(header);
+        t.recorded = header.count - std::min<uint64_t>(header.count, unused);
         const ClockCalibration clock = calibrate();
         t.clock_offset_ns = clock.host_minus_globaltimer_ns;  // rank 0 turns these into offsets against its clock
         std::lock_guard<std::mutex> lock(mutex_);
@@ -153,8 +153,10 @@ public:
         TraceBuffer header{};
         WEFT_CUDA_CHECK(cudaDeviceSynchronize());
         WEFT_CUDA_CHECK(cudaMemcpy(&header, buffer_, offsetof(TraceBuffer, events), cudaMemcpyDeviceToHost));
+        std::vector<TraceEvent> events = device_events(header);
+        const uint64_t unused = detail::drop_empty_trace_events(events) + header.unused_past_capacity;
         std::lock_guard<std::mutex> lock(mutex_);
-        return header.count + copies_.size() + host_events_.size();
+        return header.count - std::min<uint64_t>(header.count, unused) + copies_.size() + host_events_.size();
     }
 
     /// Empties the device buffer, the pending copies and the host events; returns how many events they were asked to
@@ -163,9 +165,12 @@ public:
         TraceBuffer header{};
         WEFT_CUDA_CHECK(cudaDeviceSynchronize());
         WEFT_CUDA_CHECK(cudaMemcpy(&header, buffer_, offsetof(TraceBuffer, events), cudaMemcpyDeviceToHost));
-        WEFT_CUDA_CHECK(cudaMemset(&buffer_->count, 0, sizeof(uint32_t)));
+        std::vector<TraceEvent> events = device_events(header);
+        const uint64_t unused = detail::drop_empty_trace_events(events) + header.unused_past_capacity;
+        empty_buffer(header);
         std::lock_guard<std::mutex> lock(mutex_);
-        const uint64_t recorded = header.count + copies_.size() + host_events_.size();
+        const uint64_t recorded =
+            header.count - std::min<uint64_t>(header.count, unused) + copies_.size() + host_events_.size();
         for (const PendingCopy& c : copies_) {
             cudaEventDestroy(c.begin);
             cudaEventDestroy(c.end);
@@ -182,7 +187,30 @@ public:
 
     uint64_t next_seq() { return seq_++; }
 
+    TraceBuffer* device_buffer() const { return buffer_; }
+
 private:
+    /// The events in the slots the buffer's writers claimed (those below its capacity), empty ones included. The
+    /// device is idle (the callers synchronised it).
+    std::vector<TraceEvent> device_events(const TraceBuffer& header) const {
+        std::vector<TraceEvent> events(std::min(header.count, capacity_));
+        if (!events.empty()) {
+            WEFT_CUDA_CHECK(
+                cudaMemcpy(events.data(), buffer_->events, events.size() * sizeof(TraceEvent), cudaMemcpyDeviceToHost));
+        }
+        return events;
+    }
+
+    /// Zeroes the claimed slots (so that a slot claimed by a block that ended before writing it, a failed wait's
+    /// exit, reads as empty next time) and the counters. The device is idle (the callers synchronised it).
+    void empty_buffer(const TraceBuffer& header) {
+        const uint32_t used = std::min(header.count, capacity_);
+        if (used > 0) WEFT_CUDA_CHECK(cudaMemset(buffer_->events, 0, static_cast<size_t>(used) * sizeof(TraceEvent)));
+        static_assert(offsetof(TraceBuffer, unused_past_capacity) == offsetof(TraceBuffer, count) + sizeof(uint32_t));
+        WEFT_CUDA_CHECK(cudaMemset(&buffer_->count, 0, 2 * sizeof(uint32_t)));
+        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+
     /// Runs the timer kernel between two timing events on a stream of its own (a few times; the tightest window
     /// counts): the reference event lies half a window before the %globaltimer it read, and the host's clock, read
     /// around it, gives CLOCK_REALTIME - %globaltimer.
@@ -321,6 +349,11 @@ uint64_t discard_trace(World& world) {
     return t->discard();
 }
 
+TraceBuffer* trace_device_buffer(const World& world) {
+    const Tracer* t = find_tracer(world);
+    return t == nullptr ? nullptr : t->device_buffer();
+}
+
 uint64_t trace_event_count(World& world) {
     Tracer* t = find_tracer(world);
     if (t == nullptr) return 0;
@@ -430,6 +463,10 @@ RankTrace decode_rank_trace(const Bytes& in) {
     t.events.resize(n);
     if (n > 0) std::memcpy(t.events.data(), in.data() + at, n * sizeof(TraceEvent));
     return t;
+}
+
+uint64_t drop_empty_trace_events(std::vector<TraceEvent>& events) {
+    return static_cast<uint64_t>(std::erase_if(events, [](const TraceEvent& e) { return e.kind == 0; }));
 }
 
 std::string trace_event_name(const TraceEvent& e) {

@@ -37,6 +37,8 @@ namespace fs = std::filesystem;
 constexpr const char* kCheckScript = R"PY(
 import json, sys
 mode, path = sys.argv[1], sys.argv[2]
+# Optional: the events each rank counted (trace_event_count) before the trace was written, "n0,n1".
+recorded = [int(x) for x in sys.argv[3].split(',')] if len(sys.argv) > 3 else None
 d = json.load(open(path))
 ev = [e for e in d['traceEvents'] if e['ph'] == 'X']
 ranks = sorted({e['pid'] for e in d['traceEvents'] if e['ph'] == 'M' and e['name'] == 'process_name'})
@@ -128,6 +130,13 @@ elif mode in ('ll_dispatch', 'll_combine'):
     # ranks, and "recv" (dispatch) or "combine" (the wait included) that ends after every rank's notify to it began.
     last = 'recv' if mode == 'll_dispatch' else 'combine'
     for r in ranks:
+        # Blocks claim their slots at the kernel's start, for more events than most of them record (only the last
+        # block notifies): the slots left empty are neither events in the file nor counted as recorded.
+        mine = [e for e in ev if e['pid'] == r]
+        counts['events'] = counts.get('events', 0) + len(mine)
+        if any(e['args']['kind'] == 0 for e in mine): bad.append('rank %d: an empty slot (kind 0) became an event' % r)
+        if recorded is not None and recorded[r] != len(mine):
+            bad.append('rank %d: %d events recorded, %d in the file' % (r, recorded[r], len(mine)))
         for what in ['send', 'notify', 'wait peer 0', 'wait peer 1', last]:
             n = len([e for e in of(r, what) if e['name'] == what])
             counts[what] = counts.get(what, 0) + n
@@ -149,13 +158,15 @@ print('\n'.join(bad[:20]) if bad else 'ok ' + ' '.join('%s=%d' % (k.replace(' ',
 
 bool have_python() { return std::system("python3 -c 'import json' >/dev/null 2>&1") == 0; }
 
-/// Runs the check script on `trace` in `mode`; fails the test unless it prints "ok ...".
-void expect_trace_ok(const fs::path& dir, const std::string& mode, const fs::path& trace) {
+/// Runs the check script on `trace` in `mode` (with `extra`, the script's optional third argument); fails the test
+/// unless it prints "ok ...".
+void expect_trace_ok(const fs::path& dir, const std::string& mode, const fs::path& trace,
+                     const std::string& extra = "") {
     ASSERT_TRUE(fs::exists(trace)) << "no trace at " << trace.string();
     testing::write_text_file(dir / "check.py", kCheckScript);
     const fs::path result = dir / ("result_" + mode + ".txt");
-    const std::string cmd =
-        "python3 " + (dir / "check.py").string() + " " + mode + " " + trace.string() + " > " + result.string();
+    const std::string cmd = "python3 " + (dir / "check.py").string() + " " + mode + " " + trace.string() + " " + extra +
+                            " > " + result.string();
     ASSERT_EQ(std::system(cmd.c_str()), 0) << "python could not read the trace " << trace.string();
     const std::string text = testing::read_text_file(result);
     EXPECT_EQ(text.rfind("ok", 0), 0u) << mode << ":\n" << text;
@@ -319,6 +330,8 @@ TEST(TraceEp, LowLatencyEventsKeptUntilTheKernelsEndReadAsTheyHappened) {
     WorldOptions wo = test::test_options();
     wo.heap_bytes = std::max<uint64_t>(64ull << 20, ops::ep::footprint(c, 2).heap_bytes(0) + (16ull << 20));
     tp_test::Failures f;
+    // Events each rank's launch recorded (trace_event_count), against those in the file.
+    std::vector<uint64_t> dispatch_events(2, 0), combine_events(2, 0);
     test::run_ranks(
         2,
         [&](World& w) {
@@ -355,16 +368,23 @@ TEST(TraceEp, LowLatencyEventsKeptUntilTheKernelsEndReadAsTheyHappened) {
             write_trace(w, (dir / "warmup.json").string());
             ep.low_latency_dispatch(h, vx, vi, rs.s, opt);
             ep.sync_and_check(rs.s);
+            w.barrier();
+            dispatch_events[static_cast<size_t>(w.rank())] = trace_event_count(w);
+            w.barrier();
             write_trace(w, (dir / "ll_dispatch.json").string());
             ep.low_latency_combine(h, h.recv_x(), vi, vw, vo, rs.s, opt);
             ep.sync_and_check(rs.s);
+            w.barrier();
+            combine_events[static_cast<size_t>(w.rank())] = trace_event_count(w);
+            w.barrier();
             write_trace(w, (dir / "ll_combine.json").string());
             if (w.rank() == 0 && !fs::exists(dir / "ll_combine.json")) f.add("rank 0 wrote no trace");
         },
         wo);
     f.report();
-    expect_trace_ok(dir.path(), "ll_dispatch", dir / "ll_dispatch.json");
-    expect_trace_ok(dir.path(), "ll_combine", dir / "ll_combine.json");
+    const auto both = [](const std::vector<uint64_t>& n) { return std::to_string(n[0]) + "," + std::to_string(n[1]); };
+    expect_trace_ok(dir.path(), "ll_dispatch", dir / "ll_dispatch.json", both(dispatch_events));
+    expect_trace_ok(dir.path(), "ll_combine", dir / "ll_combine.json", both(combine_events));
 }
 
 }  // namespace

@@ -4,12 +4,13 @@
 // (same SASS) while a traced one records.
 #include <gtest/gtest.h>
 
-#include <cstdio>
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -186,6 +187,43 @@ TEST(TraceWriter, RanksOnRankZerosHostKeepTheirClockOthersAreShiftedByTheHostClo
     EXPECT_EQ(ranks[2].clock_offset_ns, 4'000);
 }
 
+// A block that keeps a trace log claims its slots at its start and writes those it leaves empty as kind 0: the host
+// drops them (in order, counting them as unused), and an event of any real kind stays.
+TEST(TraceWriter, EmptySlotsOfABlockLogAreDroppedAndCounted) {
+    const TraceEvent empty{};
+    std::vector<TraceEvent> events = {event(TraceKind::kSend, TraceRole::kComm, 1, 10, 20, -1, 1),
+                                      empty,
+                                      event(TraceKind::kWaitPeer, TraceRole::kComm, 1, 5, 9, 0, 120, 3),
+                                      empty,
+                                      empty,
+                                      event(TraceKind::kNotify, TraceRole::kComm, 1, 21, 22, 0, 0)};
+    EXPECT_EQ(detail::drop_empty_trace_events(events), 3u);
+    ASSERT_EQ(events.size(), 3u);
+    EXPECT_EQ(events[0].kind, static_cast<uint16_t>(TraceKind::kSend));
+    EXPECT_EQ(events[1].kind, static_cast<uint16_t>(TraceKind::kWaitPeer));
+    EXPECT_EQ(events[2].kind, static_cast<uint16_t>(TraceKind::kNotify));
+    EXPECT_EQ(detail::drop_empty_trace_events(events), 0u);
+    std::vector<TraceEvent> none = {empty, empty};
+    EXPECT_EQ(detail::drop_empty_trace_events(none), 2u);
+    EXPECT_TRUE(none.empty());
+    // The JSON of what is left names no empty event.
+    detail::RankTrace r;
+    r.recorded = 3;
+    r.events = events;
+    const std::string json = detail::chrome_trace_json({r});
+    EXPECT_EQ(json.find("\"kind\":0,"), std::string::npos);
+}
+
+// The low-latency kernels claim their trace slots at their start: the bound must cover every event a block defers
+// (send: a credit wait per rank, "send", a "notify" per rank; receive: a wait per rank and "recv" or "combine").
+TEST(TraceWriter, LowLatencyClaimCoversEveryDeferredEvent) {
+    EXPECT_EQ(weft::ep::ll_trace_events_per_block(weft::ep::kPhaseSend, 1), 3);
+    EXPECT_EQ(weft::ep::ll_trace_events_per_block(weft::ep::kPhaseRecv, 1), 2);
+    EXPECT_EQ(weft::ep::ll_trace_events_per_block(weft::ep::kPhaseSend | weft::ep::kPhaseRecv, 1), 5);
+    EXPECT_EQ(weft::ep::ll_trace_events_per_block(weft::ep::kPhaseSend | weft::ep::kPhaseRecv, 8), 26);
+    EXPECT_EQ(weft::ep::ll_trace_events_per_block(0, 8), 0);
+}
+
 TEST(TraceEnv, PathCapacityAndTheJitDefine) {
     {
         ScopedEnv unset("WEFT_TRACE", std::nullopt);
@@ -317,6 +355,87 @@ TEST(TraceNvrtc, UntracedKernelsAreTheKernelsWithoutTheInstrumentationAndTracedO
         const std::string& t = traced_sass.at(off.lowered_name);
         EXPECT_NE(t.find("SMID"), std::string::npos) << "a traced build reads no %smid";
         EXPECT_NE(t, off_sass.at(off.lowered_name));
+    }
+}
+
+/// The instructions of a function's SASS in address order: "[@P0 ]OPCODE operands" (the address, the trailing ';'
+/// and the encoding dropped).
+std::vector<std::string> sass_instructions(const std::string& sass) {
+    static const std::regex line(R"(/\*[0-9a-f]{4,}\*/\s+([^;]*);)");
+    std::vector<std::string> out;
+    for (auto it = std::sregex_iterator(sass.begin(), sass.end(), line); it != std::sregex_iterator(); ++it) {
+        out.push_back((*it)[1].str());
+    }
+    return out;
+}
+
+/// Whether `ins` reads register `reg` (a source operand: every operand of a store or reduction, the operands after
+/// the first of any other instruction).
+bool reads_register(const std::string& ins, const std::string& reg) {
+    static const std::regex parts(R"(^(@!?U?P\w+\s+)?(\S+)\s*(.*)$)");
+    std::smatch m;
+    if (!std::regex_match(ins, m, parts)) return false;
+    const std::string op = m[2].str();
+    std::string operands = m[3].str();
+    const bool all_sources = op.rfind("ST", 0) == 0 || op.rfind("RED", 0) == 0;
+    if (!all_sources) {
+        const size_t comma = operands.find(',');
+        operands = comma == std::string::npos ? std::string() : operands.substr(comma + 1);
+    }
+    return std::regex_search(operands, std::regex("\\b" + reg + "\\b"));
+}
+
+// The low-latency kernels claim their trace slots at their start (the buffer's address a kernel parameter): in a
+// traced build the claim is a returning global atomic before the kernel's first barrier, and nothing reads its result
+// before the kernel's last barrier (the flush's): no thread waits for it on the way. The flush itself loads nothing
+// from global memory.
+TEST(TraceNvrtc, LowLatencyBlockLogClaimsAtTheStartAndOnlyTheFlushReadsTheClaim) {
+    jit::Compiler compiler(testing::isolated_compiler_config(fs::path()));
+    std::vector<jit::KernelSpec> specs;
+    for (const jit::KernelSpec& s : ops::ep::kernel_specs()) {
+        for (const char* name : {"low_latency_dispatch<", "low_latency_combine<"}) {
+            if (s.instantiation.find(name) != std::string::npos) specs.push_back(s);
+        }
+    }
+    ASSERT_EQ(specs.size(), 2u);
+    for (jit::KernelSpec& spec : specs) {
+        spec.arch = "sm_90a";
+        spec.options.defines.push_back("WEFT_TRACE=1");
+        SCOPED_TRACE(spec.describe());
+        const jit::CompileResult traced = compiler.compile(spec);
+        std::string why_not;
+        const auto sass = sass_of(traced, &why_not);
+        if (sass.empty()) GTEST_SKIP() << "SKIPPED: cannot disassemble: " << why_not;
+        ASSERT_EQ(sass.count(traced.lowered_name), 1u);
+        const std::vector<std::string> ins = sass_instructions(sass.at(traced.lowered_name));
+        size_t first_bar = ins.size(), last_bar = ins.size();
+        for (size_t i = 0; i < ins.size(); ++i) {
+            if (ins[i].find("BAR.SYNC") == std::string::npos) continue;
+            if (first_bar == ins.size()) first_bar = i;
+            last_bar = i;
+        }
+        ASSERT_LT(first_bar, ins.size()) << "no barrier";
+        static const std::regex atomg(R"(ATOMG?\.\S*\s+PT,\s+(R\d+),)");
+        size_t claim = ins.size();
+        std::string claim_reg;
+        for (size_t i = 0; i < first_bar; ++i) {
+            std::smatch m;
+            if (std::regex_search(ins[i], m, atomg)) {
+                EXPECT_EQ(claim, ins.size()) << "a second atomic before the first barrier: " << ins[i];
+                claim = i;
+                claim_reg = m[1].str();
+            }
+        }
+        ASSERT_LT(claim, ins.size()) << "the traced kernel claims no trace slots before its first barrier";
+        for (size_t i = claim + 1; i < last_bar; ++i) {
+            EXPECT_FALSE(reads_register(ins[i], claim_reg))
+                << "instruction " << i << " reads the claim's result " << claim_reg << " before the flush: " << ins[i];
+        }
+        size_t flush_end = last_bar;
+        while (flush_end < ins.size() && ins[flush_end].rfind("EXIT", 0) != 0) ++flush_end;
+        for (size_t i = last_bar; i < flush_end; ++i) {
+            EXPECT_EQ(ins[i].find("LDG"), std::string::npos) << "the flush loads from global memory: " << ins[i];
+        }
     }
 }
 

@@ -11,6 +11,10 @@
 #include "weft/common/macros.hpp"  // fixed-width integers under g++, nvcc and NVRTC
 #include "weft/common/math.hpp"
 
+namespace weft {
+struct TraceBuffer;  // weft/common/trace.hpp
+}  // namespace weft
+
 namespace weft::ep {
 
 inline constexpr int kMaxRanks = 64;               ///< ranks of one expert-parallel group
@@ -537,7 +541,16 @@ struct LowLatencyArgs {
     LowLatencyHandleView handle;  ///< Workspace::low_latency_handle of the handle's allocation
     LowLatencyBufferView buffer;  ///< Workspace::low_latency_buffer of the Buffer's allocations
     Status* status;               ///< host-mapped
+    TraceBuffer* trace;           ///< this rank's trace buffer (device memory) when the World traces, else nullptr:
+                                  ///< traced builds claim their trace slots with it (weft/device/trace.cuh)
 };
+
+/// The most trace events a block of a low-latency launch defers into its trace log (traced builds: the slots it
+/// claims at its start): per send phase a credit wait per rank, its "send" and, in the last block, a "notify" per
+/// rank; per receive phase a wait per rank and its "recv" or "combine".
+WEFT_HOST_DEVICE constexpr int ll_trace_events_per_block(int32_t phases, int32_t num_ranks) {
+    return ((phases & kPhaseSend) != 0 ? 2 * num_ranks + 1 : 0) + ((phases & kPhaseRecv) != 0 ? num_ranks + 1 : 0);
+}
 
 /// Carves one dynamic shared-memory allocation into 16-byte aligned arrays, identically on host and
 /// device (the host sizes the launch with total(), the kernel takes the pointers).

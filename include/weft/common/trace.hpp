@@ -53,14 +53,28 @@ struct TraceEvent {
 };
 static_assert(sizeof(TraceEvent) == 48, "TraceEvent is 48 bytes on host and device");
 
-/// One rank's buffer in device memory: a header, then `capacity` events. Writers claim a slot with an atomic add on
+/// One rank's buffer in device memory: a header, then `capacity` events. Writers claim slots with an atomic add on
 /// `count`; a writer that finds the buffer full drops its event (count keeps counting: the host reports the drops).
+/// A block that keeps a trace log (weft/device/trace.cuh) claims its slots before it knows how many it will fill: it
+/// writes those it leaves empty as empty events (kind 0), which the host skips and counts as unused, and adds those
+/// past the capacity (never written) to `unused_past_capacity`. Events recorded: count less the unused slots.
 struct TraceBuffer {
     uint32_t capacity;
     uint32_t count;
-    uint64_t reserved;
+    uint32_t unused_past_capacity;  ///< empty claimed slots at or past `capacity`
+    uint32_t reserved;
     TraceEvent events[1];  ///< `capacity` of them in the allocation
 };
+
+#if !WEFT_DEVICE_PASS
+}  // namespace weft
+#include <cstddef>  // offsetof
+namespace weft {
+// A block log copies events as three 16-byte words and fills in `sm` and `block` in the second (trace.cuh).
+static_assert(offsetof(TraceBuffer, events) == 16, "TraceBuffer's events are 16-byte aligned");
+static_assert(offsetof(TraceEvent, kind) == 16 && offsetof(TraceEvent, sm) == 18 && offsetof(TraceEvent, block) == 24,
+              "TraceEvent: kind and sm share the second 16-byte word's first 4 bytes, block its third 4 bytes");
+#endif
 
 /// Bytes of a TraceBuffer holding `capacity` events.
 WEFT_HOST_DEVICE constexpr uint64_t trace_buffer_bytes(uint32_t capacity) {

@@ -18,16 +18,24 @@
 // event: a warp that records from every lane writes 32 events.
 //
 // A record is a round trip to L2 (the atomic that claims the slot) before its store: on a short kernel's critical
-// path (a signal that peers wait for, a barrier) that costs. Such a kernel keeps its events in a block log in shared
-// memory and writes them all at its end, with one atomic per block:
+// path (a signal that peers wait for, a barrier) that costs. Such a kernel takes its buffer's address as a kernel
+// parameter (the host passes this rank's TraceBuffer, or nullptr), keeps its events in a block log in shared memory
+// and writes them at its end into slots the block claimed at its start:
 //
-//   WEFT_TRACE_OPEN_BLOCK_LOG();          // at the kernel's start, before a __syncthreads
+//   WEFT_TRACE_OPEN_BLOCK_LOG(claim, a.trace, slots);  // at the kernel's start, before a __syncthreads: claims slots
 //   WEFT_TRACE_DEFER_IF(tid == 0, ctx, TraceKind::kSend, TraceRole::kComm, t0, -1, n, 0, 0);  // [t0, now], kept
-//   WEFT_TRACE_FLUSH_BLOCK_LOG(ctx);      // at the kernel's end, every thread of the block (after its last signal)
+//   WEFT_TRACE_FLUSH_BLOCK_LOG(claim);  // at the kernel's end, every thread of the block (after its last signal)
+//
+// OPEN declares `claim` (FLUSH reads it: both in the kernel's body, in one scope). The block's last thread issues the
+// claim's atomic add at once (the address is a parameter: no load before it) and nothing reads its result until the
+// flush, so no thread waits for it. `slots` bounds the events the block defers (at most the log's 64): the claimed
+// slots it leaves empty are written as empty events (kind 0), which the host skips and counts as unused; events past
+// the claim are recorded one by one at the flush (an atomic round trip each: keep the bound true).
 #pragma once
 
 #include "weft/common/device_ctx.hpp"
 #include "weft/common/trace.hpp"
+#include "weft/ptx/atom.cuh"
 #include "weft/ptx/timer.cuh"
 
 namespace weft::device::trace {
@@ -85,7 +93,8 @@ __device__ __forceinline__ void record(const DeviceCtx& ctx, TraceKind kind, Tra
 }
 
 #if defined(WEFT_TRACE)  // the block log exists only in traced builds (no shared variable otherwise)
-/// A block's events kept in shared memory until the block ends (one per block: block_log()).
+/// A block's events kept in shared memory until the block ends (one per block: block_log()). The events' `sm` and
+/// `block` are filled in when the log is written (a block stays on its SM): a defer reads no %smid.
 template <int N>
 struct BlockLog {
     static constexpr int kCapacity = N;
@@ -96,20 +105,50 @@ struct BlockLog {
 
 /// The block's log (a function-scope __shared__ object: the same one wherever a kernel calls this; it exists only in
 /// kernels that call it). 64 events: 3 KiB of shared memory; a low-latency EP block with both phases keeps up to
-/// 3 per rank + 2.
+/// 3 per rank + 2 (weft::ep::ll_trace_events_per_block). 16-byte aligned: the flush copies 16-byte words.
 template <int N = 64>
 __device__ __forceinline__ BlockLog<N>& block_log() {
-    __shared__ BlockLog<N> log;
+    __shared__ __align__(16) BlockLog<N> log;
     return log;
 }
 
-/// Empties the block's log. Thread 0 writes: call it from every thread before a __syncthreads that precedes any defer.
-__device__ __forceinline__ void open_block_log() {
+/// The trace-buffer slots [first, first + slots) a block claimed when it opened its log. `buffer` and `slots` are the
+/// same in every thread; `first` (the claim's atomic result) and `capacity` (the buffer's, loaded with it) are held
+/// by the block's last thread only and read first by the flush.
+struct BlockLogClaim {
+    TraceBuffer* buffer;
+    uint32_t first;
+    uint32_t capacity;
+    uint32_t slots;
+};
+
+/// Empties the block's log (thread 0) and claims min(slots, the log's capacity) slots of `buffer` (nullptr: none)
+/// with one atomic add from the block's last thread, not waited for. Every thread calls it, before a __syncthreads
+/// that precedes any defer.
+__device__ __forceinline__ BlockLogClaim open_block_log(TraceBuffer* buffer, int slots) {
+    constexpr int kCap = BlockLog<64>::kCapacity;
+    BlockLogClaim c{buffer, 0, 0, 0};
+    if (buffer != nullptr && slots > 0) c.slots = static_cast<uint32_t>(slots < kCap ? slots : kCap);
     if (threadIdx.x == 0) block_log().count = 0;
+    if (threadIdx.x == blockDim.x - 1 && buffer != nullptr) {
+        c.capacity = __ldg(&buffer->capacity);
+        if (c.slots == 0) return c;
+        // ptxas turns an atomic add on an address it knows to be uniform over the warp into a warp-aggregated one
+        // whose result a shuffle broadcasts at once: the warp would wait for the round trip right here. An address
+        // offset by (lane - the claiming thread's lane), 0 in the claiming thread, is not provably uniform.
+        uint32_t lane;
+        asm("mov.u32 %0, %%laneid;" : "=r"(lane));
+        uint32_t* const count = &buffer->count + (static_cast<int>(lane) - static_cast<int>((blockDim.x - 1u) & 31u));
+        asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;"
+                     : "=r"(c.first)
+                     : "l"(__cvta_generic_to_global(count)), "r"(c.slots)
+                     : "memory");
+    }
+    return c;
 }
 
-/// Keeps the event [begin_ns, end_ns] in the block's log (a shared-memory atomic and store: no global memory); past
-/// the log's capacity the event is recorded at once.
+/// Keeps the event [begin_ns, end_ns] in the block's log (a shared-memory atomic and store: no global memory, no
+/// %smid); past the log's capacity the event is recorded at once.
 __device__ __forceinline__ void defer_span(const DeviceCtx& ctx, TraceKind kind, TraceRole role, uint64_t begin_ns,
                                            uint64_t end_ns, int32_t arg0, int32_t arg1, int32_t arg2, int32_t arg3) {
     auto& log = block_log();
@@ -118,7 +157,21 @@ __device__ __forceinline__ void defer_span(const DeviceCtx& ctx, TraceKind kind,
         record_span(ctx, kind, role, begin_ns, end_ns, arg0, arg1, arg2, arg3);
         return;
     }
-    log.events[i] = make_event(kind, role, begin_ns, end_ns, arg0, arg1, arg2, arg3);
+    TraceEvent e;
+    e.begin_ns = begin_ns;
+    e.end_ns = end_ns;
+    e.kind = static_cast<uint16_t>(kind);
+    e.sm = 0;  // filled in by the flush
+    e.role = static_cast<uint8_t>(role);
+    e.reserved0 = 0;
+    e.reserved1 = 0;
+    e.block = 0;  // filled in by the flush
+    e.args[0] = arg0;
+    e.args[1] = arg1;
+    e.args[2] = arg2;
+    e.args[3] = arg3;
+    e.reserved2 = 0;
+    log.events[i] = e;
 }
 
 /// Keeps the event [begin_ns, now] in the block's log.
@@ -127,18 +180,63 @@ __device__ __forceinline__ void defer(const DeviceCtx& ctx, TraceKind kind, Trac
     defer_span(ctx, kind, role, begin_ns, ptx::globaltimer(), arg0, arg1, arg2, arg3);
 }
 
-/// Writes the block's log into the trace buffer: one atomic add claims every slot. Every thread of the block calls it
-/// once, at the block's end (it begins with a __syncthreads; no defer may follow).
-__device__ __forceinline__ void flush_block_log(const DeviceCtx& ctx) {
+/// Writes the block's log into the slots open_block_log claimed. Every thread of the block calls it once, at the
+/// block's end (it begins with a __syncthreads; no defer may follow). Then the claiming thread's warp (the block's
+/// last, possibly partial) writes slot first + i from lane i % lanes: the log's event i with the block's SM and index
+/// filled in (three 16-byte stores), or an empty event (kind 0) where the block deferred fewer; no load and no
+/// returning atomic. Slots past the buffer's capacity are dropped (count counted them); the empty ones among them
+/// are added to TraceBuffer::unused_past_capacity (a reduction: nothing waits for it). Events past the claim (a bound
+/// that did not hold) are recorded one by one.
+__device__ __forceinline__ void flush_block_log(const BlockLogClaim& c) {
     __syncthreads();
-    if (threadIdx.x != 0) return;
+    TraceBuffer* const b = c.buffer;
+    const uint32_t base = (blockDim.x - 1u) & ~31u;  // the claiming thread's warp
+    if (b == nullptr || threadIdx.x < base) return;
+    const uint32_t lanes = blockDim.x - base;
+    const uint32_t mask = lanes == 32u ? 0xffffffffu : (1u << lanes) - 1u;
+    const uint32_t lane = threadIdx.x - base;
+    const uint32_t first = __shfl_sync(mask, c.first, static_cast<int>(lanes - 1u));
+    const uint32_t capacity = __shfl_sync(mask, c.capacity, static_cast<int>(lanes - 1u));
     const auto& log = block_log();
-    const uint32_t n = log.count < static_cast<uint32_t>(log.kCapacity) ? log.count : log.kCapacity;
-    TraceBuffer* b = buffer(ctx);
-    if (b == nullptr || n == 0) return;
-    const uint32_t first = atomicAdd(&b->count, n);
-    for (uint32_t i = 0; i < n && first + i < b->capacity; ++i) {
-        b->events[first + i] = log.events[i];
+    const uint32_t deferred = log.count < static_cast<uint32_t>(log.kCapacity) ? log.count : log.kCapacity;
+    const uint32_t sm = sm_id();
+    for (uint32_t i = lane; i < c.slots; i += lanes) {
+        const uint32_t slot = first + i;
+        if (slot >= capacity) break;  // dropped, as every later slot of this lane
+        auto* dst = reinterpret_cast<uint4*>(&b->events[slot]);
+        if (i < deferred) {
+            const auto* src = reinterpret_cast<const uint4*>(&log.events[i]);
+            uint4 w1 = src[1];
+            w1.x = (w1.x & 0xffffu) | (sm << 16);  // kind (low half), sm (high half)
+            w1.z = blockIdx.x;                     // block
+            dst[0] = src[0];
+            dst[1] = w1;
+            dst[2] = src[2];
+        } else {
+            const uint4 zero{0u, 0u, 0u, 0u};
+            dst[0] = zero;
+            dst[1] = zero;
+            dst[2] = zero;
+        }
+    }
+    if (lane == 0 && deferred < c.slots) {
+        // Empty claimed slots [first + deferred, first + slots) past the capacity: counted, never written.
+        const uint64_t empty_end = uint64_t{first} + c.slots;
+        const uint64_t empty_begin = uint64_t{first} + deferred;
+        const uint64_t kept_end = empty_begin > capacity ? empty_begin : uint64_t{capacity};
+        if (empty_end > kept_end) {
+            ptx::red_add<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&b->unused_past_capacity,
+                                                               static_cast<uint32_t>(empty_end - kept_end));
+        }
+    }
+    for (uint32_t i = c.slots + lane; i < deferred; i += lanes) {
+        const TraceEvent& e = log.events[i];
+        const uint32_t slot = atomicAdd(&b->count, 1u);
+        if (slot >= capacity) continue;
+        TraceEvent out = e;
+        out.sm = static_cast<uint16_t>(sm);
+        out.block = blockIdx.x;
+        b->events[slot] = out;
     }
 }
 #endif
@@ -154,12 +252,13 @@ __device__ __forceinline__ void flush_block_log(const DeviceCtx& ctx) {
     ::weft::device::trace::record((ctx), ::weft::kind, ::weft::role, (begin), (a0), (a1), (a2), (a3))
 #define WEFT_TRACE_RECORD_IF(cond, ctx, kind, role, begin, a0, a1, a2, a3) \
     if (cond) ::weft::device::trace::record((ctx), ::weft::kind, ::weft::role, (begin), (a0), (a1), (a2), (a3))
-#define WEFT_TRACE_OPEN_BLOCK_LOG() ::weft::device::trace::open_block_log()
+#define WEFT_TRACE_OPEN_BLOCK_LOG(claim, buffer, slots) \
+    const ::weft::device::trace::BlockLogClaim claim = ::weft::device::trace::open_block_log((buffer), (slots))
 #define WEFT_TRACE_DEFER(ctx, kind, role, begin, a0, a1, a2, a3) \
     ::weft::device::trace::defer((ctx), ::weft::kind, ::weft::role, (begin), (a0), (a1), (a2), (a3))
 #define WEFT_TRACE_DEFER_IF(cond, ctx, kind, role, begin, a0, a1, a2, a3) \
     if (cond) ::weft::device::trace::defer((ctx), ::weft::kind, ::weft::role, (begin), (a0), (a1), (a2), (a3))
-#define WEFT_TRACE_FLUSH_BLOCK_LOG(ctx) ::weft::device::trace::flush_block_log(ctx)
+#define WEFT_TRACE_FLUSH_BLOCK_LOG(claim) ::weft::device::trace::flush_block_log(claim)
 #define WEFT_TRACE_DO(...) __VA_ARGS__
 #else
 #define WEFT_TRACE_BEGIN(var) static_cast<void>(0)
@@ -167,9 +266,9 @@ __device__ __forceinline__ void flush_block_log(const DeviceCtx& ctx) {
 #define WEFT_TRACE_STAMP_IF(cond, var) static_cast<void>(0)
 #define WEFT_TRACE_RECORD(ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
 #define WEFT_TRACE_RECORD_IF(cond, ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
-#define WEFT_TRACE_OPEN_BLOCK_LOG() static_cast<void>(0)
+#define WEFT_TRACE_OPEN_BLOCK_LOG(claim, buffer, slots) static_cast<void>(0)
 #define WEFT_TRACE_DEFER(ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
 #define WEFT_TRACE_DEFER_IF(cond, ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
-#define WEFT_TRACE_FLUSH_BLOCK_LOG(ctx) static_cast<void>(0)
+#define WEFT_TRACE_FLUSH_BLOCK_LOG(claim) static_cast<void>(0)
 #define WEFT_TRACE_DO(...) static_cast<void>(0)
 #endif

@@ -47,6 +47,11 @@ uint64_t discard_trace(World& world);
 /// 0 when `world` does not trace.
 uint64_t trace_event_count(World& world);
 
+/// This rank's trace buffer in device memory (what traced kernels write into; the entry after the peers in every
+/// team's peer table), or nullptr when `world` does not trace. Kernels that take it as a parameter find it without
+/// a load (the low-latency EP kernels: weft/device/trace.cuh's block log).
+TraceBuffer* trace_device_buffer(const World& world);
+
 /// Adds an event timed on the host's side of the device (a copy engine's copy, from CUDA events) to this rank's trace;
 /// times in %globaltimer nanoseconds. Thread-safe per World. No-op when `world` does not trace.
 void add_trace_event(World& world, const TraceEvent& event);
@@ -82,6 +87,10 @@ void align_rank_clocks(std::vector<RankTrace>& ranks);
 Bytes encode_rank_trace(const RankTrace& trace);
 /// Throws weft::Error on a truncated or malformed blob.
 RankTrace decode_rank_trace(const Bytes& blob);
+
+/// Removes the empty events (kind 0: slots a block claimed for its trace log and left empty) from `events`, in order;
+/// returns how many it removed.
+uint64_t drop_empty_trace_events(std::vector<TraceEvent>& events);
 
 /// "wait chunk 3", "tile (2, 5)", "copy chunk 4", "notify", "reduce", "wait peers".
 std::string trace_event_name(const TraceEvent& event);
