@@ -140,7 +140,7 @@ private:
 /// GemmTileGrid's swizzled order over its own rows, then group 1's, ...) and CTA c takes tiles c, c + C, c + 2C, ...
 /// of it: a hot group is spread over every CTA, an empty group has no tile (its B is never read). The constructor is
 /// warp-collective (every thread of the CTA builds the scheduler, converged, as the kernel does): each warp reads 32
-/// groups' counts per round of loads and sums their tiles with a warp scan; with kSeek the same scan places the
+/// groups' counts per round of loads and sums their tiles with a warp scan, which also places the
 /// cursor on the group of the CTA's first tile, so that tile costs no further load (a CTA of a one-wave launch then
 /// starts its loads after one round, wherever its group sits). Each thread then walks the cursor forward as it asks
 /// for tiles in increasing order (the kernel's contract), reading kLookahead groups per round of loads: the memory
@@ -148,7 +148,7 @@ private:
 /// Cluster-free (is_valid_grouped). A bad count (negative, over capacity, rows outside A) is clamped into its bounds,
 /// never read or written past them, and block 0 records the first one in Params::status (when given). Waits for
 /// nothing (A was written in stream order before the launch).
-template <GemmConfig kCfg, bool kSeek = true>
+template <GemmConfig kCfg>
 class GroupedScheduler {
 public:
     using Params = GroupedSchedulerParams;
@@ -171,36 +171,27 @@ public:
         for (int32_t g0 = 0; g0 < p_.num_groups; g0 += 32) {
             const int32_t g = g0 + lane;
             int32_t count = 0, offset = 0;
-            if (g < p_.num_groups) {
-                int32_t value = 0, limit = 0;
-                GroupedStatusCode code = GroupedStatusCode::kOk;
-                count = clamp_rows(g, p_.counts[g], p_.offsets != nullptr ? p_.offsets[g] : 0, &offset, &code, &value,
-                                   &limit);
-            }
+            if (g < p_.num_groups) count = group_rows(g, p_.counts[g], p_.offsets != nullptr ? p_.offsets[g] : 0, &offset);
             const int32_t tiles = group_tiles(count);
-            if constexpr (kSeek) {
-                // The cursor onto the group of this CTA's first tile (cta_), from the counts in the lanes: an
-                // inclusive scan of the round's tiles, then the lane whose range holds it hands over its group.
-                int32_t incl = tiles;
+            // The cursor onto the group of this CTA's first tile (cta_), from the counts in the lanes: an inclusive
+            // scan of the round's tiles, then the lane whose range holds it hands over its group.
+            int32_t incl = tiles;
 #pragma unroll
-                for (int32_t d = 1; d < 32; d *= 2) {
-                    const int32_t v = __shfl_up_sync(kAll, incl, d);
-                    if (lane >= d) incl += v;
-                }
-                const int32_t rel = cta_ - total;
-                const unsigned holds = __ballot_sync(kAll, tiles > 0 && rel >= incl - tiles && rel < incl);
-                if (holds != 0) {
-                    const int32_t src = __ffs(holds) - 1;
-                    group_ = g0 + src;
-                    base_ = total + __shfl_sync(kAll, incl - tiles, src);
-                    group_tiles_ = __shfl_sync(kAll, tiles, src);
-                    group_count_ = __shfl_sync(kAll, count, src);
-                    group_offset_ = __shfl_sync(kAll, offset, src);
-                }
-                total += __shfl_sync(kAll, incl, 31);
-            } else {
-                total += __reduce_add_sync(kAll, static_cast<unsigned>(tiles));
+            for (int32_t d = 1; d < 32; d *= 2) {
+                const int32_t v = __shfl_up_sync(kAll, incl, d);
+                if (lane >= d) incl += v;
             }
+            const int32_t rel = cta_ - total;
+            const unsigned holds = __ballot_sync(kAll, tiles > 0 && rel >= incl - tiles && rel < incl);
+            if (holds != 0) {
+                const int32_t src = __ffs(holds) - 1;
+                group_ = g0 + src;
+                base_ = total + __shfl_sync(kAll, incl - tiles, src);
+                group_tiles_ = __shfl_sync(kAll, tiles, src);
+                group_count_ = __shfl_sync(kAll, count, src);
+                group_offset_ = __shfl_sync(kAll, offset, src);
+            }
+            total += __shfl_sync(kAll, incl, 31);
         }
         total_ = total;
         if (p_.status != nullptr && blockIdx.x == 0 && threadIdx.x == 0) report_first_bad_group();
@@ -279,11 +270,12 @@ private:
         return count;
     }
 
-    /// Group g's rows from its count and first row, clamped (clamp_rows without the report).
-    __device__ __forceinline__ int32_t group_rows(int32_t g, int32_t raw, int32_t first) const {
-        int32_t offset = 0, value = 0, limit = 0;
+    /// Group g's rows from its count and first row, clamped, and its first row in *offset (clamp_rows without the
+    /// report).
+    __device__ __forceinline__ int32_t group_rows(int32_t g, int32_t raw, int32_t first, int32_t* offset) const {
+        int32_t value = 0, limit = 0;
         GroupedStatusCode code = GroupedStatusCode::kOk;
-        return clamp_rows(g, raw, first, &offset, &code, &value, &limit);
+        return clamp_rows(g, raw, first, offset, &code, &value, &limit);
     }
 
     /// Records the first bad group (one thread, when Params::status is given): kReportBatch groups per round of loads.
