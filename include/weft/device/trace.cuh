@@ -56,18 +56,19 @@ __device__ __forceinline__ uint32_t sm_id() {
     return id;
 }
 
-/// The event [begin_ns, end_ns] as this thread of this block records it.
-__device__ __forceinline__ TraceEvent make_event(TraceKind kind, TraceRole role, uint64_t begin_ns, uint64_t end_ns,
-                                                 int32_t arg0, int32_t arg1, int32_t arg2, int32_t arg3) {
+/// The event [begin_ns, end_ns] as written by block `block` on SM `sm`.
+__device__ __forceinline__ TraceEvent event_of(TraceKind kind, TraceRole role, uint64_t begin_ns, uint64_t end_ns,
+                                               int32_t arg0, int32_t arg1, int32_t arg2, int32_t arg3, uint32_t sm,
+                                               uint32_t block) {
     TraceEvent e;
     e.begin_ns = begin_ns;
     e.end_ns = end_ns;
     e.kind = static_cast<uint16_t>(kind);
-    e.sm = static_cast<uint16_t>(sm_id());
+    e.sm = static_cast<uint16_t>(sm);
     e.role = static_cast<uint8_t>(role);
     e.reserved0 = 0;
     e.reserved1 = 0;
-    e.block = blockIdx.x;
+    e.block = block;
     e.args[0] = arg0;
     e.args[1] = arg1;
     e.args[2] = arg2;
@@ -76,14 +77,26 @@ __device__ __forceinline__ TraceEvent make_event(TraceKind kind, TraceRole role,
     return e;
 }
 
+/// The event [begin_ns, end_ns] as this thread of this block records it.
+__device__ __forceinline__ TraceEvent make_event(TraceKind kind, TraceRole role, uint64_t begin_ns, uint64_t end_ns,
+                                                 int32_t arg0, int32_t arg1, int32_t arg2, int32_t arg3) {
+    return event_of(kind, role, begin_ns, end_ns, arg0, arg1, arg2, arg3, sm_id(), blockIdx.x);
+}
+
+/// Claims one slot of `b` (its count counts every claim) and stores make() there when the slot is below `capacity`
+/// (else the event is dropped; make() is not called).
+template <class MakeEvent>
+__device__ __forceinline__ void append(TraceBuffer* b, uint32_t capacity, MakeEvent&& make) {
+    const uint32_t i = atomicAdd(&b->count, 1u);
+    if (i < capacity) b->events[i] = make();
+}
+
 /// Appends one event [begin_ns, end_ns] (dropped when the buffer is full or absent).
 __device__ __forceinline__ void record_span(const DeviceCtx& ctx, TraceKind kind, TraceRole role, uint64_t begin_ns,
                                             uint64_t end_ns, int32_t arg0, int32_t arg1, int32_t arg2, int32_t arg3) {
     TraceBuffer* b = buffer(ctx);
     if (b == nullptr) return;
-    const uint32_t i = atomicAdd(&b->count, 1u);
-    if (i >= b->capacity) return;
-    b->events[i] = make_event(kind, role, begin_ns, end_ns, arg0, arg1, arg2, arg3);
+    append(b, b->capacity, [&] { return make_event(kind, role, begin_ns, end_ns, arg0, arg1, arg2, arg3); });
 }
 
 /// Appends one event [begin_ns, now] (dropped when the buffer is full or absent).
@@ -157,21 +170,7 @@ __device__ __forceinline__ void defer_span(const DeviceCtx& ctx, TraceKind kind,
         record_span(ctx, kind, role, begin_ns, end_ns, arg0, arg1, arg2, arg3);
         return;
     }
-    TraceEvent e;
-    e.begin_ns = begin_ns;
-    e.end_ns = end_ns;
-    e.kind = static_cast<uint16_t>(kind);
-    e.sm = 0;  // filled in by the flush
-    e.role = static_cast<uint8_t>(role);
-    e.reserved0 = 0;
-    e.reserved1 = 0;
-    e.block = 0;  // filled in by the flush
-    e.args[0] = arg0;
-    e.args[1] = arg1;
-    e.args[2] = arg2;
-    e.args[3] = arg3;
-    e.reserved2 = 0;
-    log.events[i] = e;
+    log.events[i] = event_of(kind, role, begin_ns, end_ns, arg0, arg1, arg2, arg3, 0, 0);  // SM, block: the flush's
 }
 
 /// Keeps the event [begin_ns, now] in the block's log.
@@ -230,13 +229,12 @@ __device__ __forceinline__ void flush_block_log(const BlockLogClaim& c) {
         }
     }
     for (uint32_t i = c.slots + lane; i < deferred; i += lanes) {
-        const TraceEvent& e = log.events[i];
-        const uint32_t slot = atomicAdd(&b->count, 1u);
-        if (slot >= capacity) continue;
-        TraceEvent out = e;
-        out.sm = static_cast<uint16_t>(sm);
-        out.block = blockIdx.x;
-        b->events[slot] = out;
+        append(b, capacity, [&] {
+            TraceEvent out = log.events[i];
+            out.sm = static_cast<uint16_t>(sm);
+            out.block = blockIdx.x;
+            return out;
+        });
     }
 }
 #endif
