@@ -106,17 +106,13 @@ public:
 
     /// This rank's events so far (device, then host), and empties both.
     detail::RankTrace take(int rank) {
-        TraceBuffer header{};
-        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-        WEFT_CUDA_CHECK(cudaMemcpy(&header, buffer_, offsetof(TraceBuffer, events), cudaMemcpyDeviceToHost));
+        DeviceTrace d = read_device();
+        empty_buffer(d.header);
         detail::RankTrace t;
         t.rank = rank;
         t.host = detail::host_name();
-        t.events = device_events(header);
-        // Slots a block claimed and left empty (kind 0: weft/device/trace.cuh's block log) are no events.
-        const uint64_t unused = detail::drop_empty_trace_events(t.events) + header.unused_past_capacity;
-        empty_buffer(header);
-        t.recorded = header.count - std::min<uint64_t>(header.count, unused);
+        t.events = std::move(d.events);
+        t.recorded = d.recorded;
         const ClockCalibration clock = calibrate();
         t.clock_offset_ns = clock.host_minus_globaltimer_ns;  // rank 0 turns these into offsets against its clock
         std::lock_guard<std::mutex> lock(mutex_);
@@ -150,27 +146,18 @@ public:
 
     /// Events the buffer, the pending copies and the host events were asked to hold since the last take or discard.
     uint64_t count() {
-        TraceBuffer header{};
-        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-        WEFT_CUDA_CHECK(cudaMemcpy(&header, buffer_, offsetof(TraceBuffer, events), cudaMemcpyDeviceToHost));
-        std::vector<TraceEvent> events = device_events(header);
-        const uint64_t unused = detail::drop_empty_trace_events(events) + header.unused_past_capacity;
+        const DeviceTrace d = read_device();
         std::lock_guard<std::mutex> lock(mutex_);
-        return header.count - std::min<uint64_t>(header.count, unused) + copies_.size() + host_events_.size();
+        return d.recorded + copies_.size() + host_events_.size();
     }
 
     /// Empties the device buffer, the pending copies and the host events; returns how many events they were asked to
     /// hold since the last take or discard.
     uint64_t discard() {
-        TraceBuffer header{};
-        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-        WEFT_CUDA_CHECK(cudaMemcpy(&header, buffer_, offsetof(TraceBuffer, events), cudaMemcpyDeviceToHost));
-        std::vector<TraceEvent> events = device_events(header);
-        const uint64_t unused = detail::drop_empty_trace_events(events) + header.unused_past_capacity;
-        empty_buffer(header);
+        const DeviceTrace d = read_device();
+        empty_buffer(d.header);
         std::lock_guard<std::mutex> lock(mutex_);
-        const uint64_t recorded =
-            header.count - std::min<uint64_t>(header.count, unused) + copies_.size() + host_events_.size();
+        const uint64_t recorded = d.recorded + copies_.size() + host_events_.size();
         for (const PendingCopy& c : copies_) {
             cudaEventDestroy(c.begin);
             cudaEventDestroy(c.end);
@@ -190,15 +177,28 @@ public:
     TraceBuffer* device_buffer() const { return buffer_; }
 
 private:
-    /// The events in the slots the buffer's writers claimed (those below its capacity), empty ones included. The
-    /// device is idle (the callers synchronised it).
-    std::vector<TraceEvent> device_events(const TraceBuffer& header) const {
-        std::vector<TraceEvent> events(std::min(header.count, capacity_));
-        if (!events.empty()) {
-            WEFT_CUDA_CHECK(
-                cudaMemcpy(events.data(), buffer_->events, events.size() * sizeof(TraceEvent), cudaMemcpyDeviceToHost));
+    /// The device buffer as the host reads it: its header, its events (the claimed slots below its capacity, empty
+    /// ones removed) and how many events its writers recorded (the claims, less the slots blocks left empty).
+    struct DeviceTrace {
+        TraceBuffer header{};
+        std::vector<TraceEvent> events;
+        uint64_t recorded = 0;
+    };
+
+    /// Synchronises the device, then reads the buffer (DeviceTrace).
+    DeviceTrace read_device() const {
+        DeviceTrace d;
+        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+        WEFT_CUDA_CHECK(cudaMemcpy(&d.header, buffer_, offsetof(TraceBuffer, events), cudaMemcpyDeviceToHost));
+        d.events.resize(std::min(d.header.count, capacity_));
+        if (!d.events.empty()) {
+            WEFT_CUDA_CHECK(cudaMemcpy(d.events.data(), buffer_->events, d.events.size() * sizeof(TraceEvent),
+                                       cudaMemcpyDeviceToHost));
         }
-        return events;
+        // Slots a block claimed and left empty (kind 0: weft/device/trace.cuh's block log) are no events.
+        const uint64_t unused = detail::drop_empty_trace_events(d.events) + d.header.unused_past_capacity;
+        d.recorded = d.header.count - std::min<uint64_t>(d.header.count, unused);
+        return d;
     }
 
     /// Zeroes the claimed slots (so that a slot claimed by a block that ended before writing it, a failed wait's
