@@ -28,7 +28,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -410,8 +409,8 @@ std::vector<Row> measure_rows(const Options& o, const std::optional<LaunchEnv>& 
                 const int nodes = nodes_of_world(w, launched ? launch->local_num_ranks : w);
                 const ep::Footprint fp = ep::footprint(c, w, nodes);
                 WorldOptions wo;
-                const char* heap_env = std::getenv("WEFT_SYMMETRIC_HEAP_BYTES");
-                if (heap_env == nullptr || *heap_env == '\0') wo.heap_bytes = fp.heap_bytes(m.ll ? 0 : 1) + (64ull << 20);
+                const std::optional<std::string> heap_env = env::get("WEFT_SYMMETRIC_HEAP_BYTES");
+                if (!heap_env || heap_env->empty()) wo.heap_bytes = fp.heap_bytes(m.ll ? 0 : 1) + (64ull << 20);
                 const Routing routing =
                     make_routing(w, tokens, o.experts, o.topk, 20240601u + static_cast<uint32_t>(tokens));
                 const Traffic traffic = count_traffic(routing, w, tokens, o.experts, o.topk);
