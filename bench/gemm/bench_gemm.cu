@@ -7,6 +7,7 @@
 //   weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]
 //                   [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]
 //                   [--small-m-variant 3|4] [--small-m-splits S] [--small-m-max-m M] [--split-k S] [--chain L]
+//                   [--host-us]
 // --small-m-variant / --small-m-splits / --small-m-max-m set GemmOptions for the op's own row (the one --check
 // compares with cuBLAS); forcing a variant or a split count also sets small_m_max_m to 64 (unless
 // --small-m-max-m says otherwise), so that M 17..64 measure the small-M kernels (3: GemvVariant::kTmaRing, 4:
@@ -20,10 +21,14 @@
 // call of chains of L calls back to back on one stream (a decode step's layers), each call on the next input set,
 // with no event between them: weft launched plainly, weft with GemmOptions::programmatic_launch, and cuBLASLt; the
 // three chains alternate round by round.
+// --host-us prints, for the op's own row of each shape, the host time per call of weft::ops::gemm and of cuBLASLt
+// (the mean over 200 calls enqueued back to back, the GPU left to drain after them): a call whose host time exceeds
+// the kernel time before it leaves the GPU idle, and a launch-by-launch timing counts that idle time.
 // --world is accepted for the shared command line and ignored (one GPU).
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <ctime>
@@ -79,6 +84,7 @@ struct Options {
     int small_m_max_m = -1;    // -1: the op's default (kGemvMaxM when a variant or split count is forced)
     int split_k = 0;           // GemmOptions::split_k of the op's row
     int chain = 0;  // --chain L: also time chains of L calls (0: no chains)
+    bool host_us = false;  // --host-us: host time per call of weft and cuBLASLt
 };
 
 std::vector<Shape> default_sizes() {
@@ -128,6 +134,7 @@ Options parse(int argc, char** argv) {
     cli.int_option("--split-k", "GemmOptions::split_k of the op's row (0: the op's rule, 1: none, S: S splits)",
                    &o.split_k, 0, weft::kGemmMaxSplits);
     cli.int_option("--chain", "also time chains of L calls (0: no chains)", &o.chain, 0, 1 << 20);
+    cli.flag("--host-us", "print the host time per call of weft and cuBLASLt (the op's own row)", &o.host_us);
     cli.parse(argc, argv);
     return o;
 }
@@ -297,6 +304,28 @@ int main(int argc, char** argv) {
                                                         std::to_string(plan.small_m_splits)
                                                   : "auto:" + config_label(plan.config);
                     run_weft(o, label, true);
+                    if (opt.host_us) {
+                        // Host time per call: enqueue kCalls calls back to back, read the clock, then drain.
+                        constexpr int kCalls = 200;
+                        const auto host_us = [&](auto&& call) {
+                            BENCH_CUDA(cudaDeviceSynchronize());
+                            const auto t0 = std::chrono::steady_clock::now();
+                            for (int i = 0; i < kCalls; ++i) call(i);
+                            const auto t1 = std::chrono::steady_clock::now();
+                            BENCH_CUDA(cudaDeviceSynchronize());
+                            return std::chrono::duration<double, std::micro>(t1 - t0).count() / kCalls;
+                        };
+                        const double weft_host = host_us([&](int i) {
+                            const Views v = views(i, d_weft.ptr);
+                            weft::ops::gemm(v.a, v.b, v.d, layout, nullptr, o);
+                        });
+                        const double lt_host = host_us([&](int i) {
+                            const Views v = views(i, d_lt.ptr);
+                            g.run(best_algo, v.a.data, v.b.data, v.d.data);
+                        });
+                        std::printf("# host time per call %ldx%ldx%ld: weft %.2f us, cuBLASLt %.2f us\n", s.m, s.n, s.k,
+                                    weft_host, lt_host);
+                    }
                     weft::ops::GemmOptions pdl = o;
                     pdl.programmatic_launch = true;
                     if (opt.chain > 0 && weft::ops::gemm_launches_programmatically(plan, pdl)) {
