@@ -28,18 +28,16 @@
 // is a device-to-device copy in the one HBM, shared by all n ranks: roofline bus bandwidth = measured
 // cudaMemcpy D2D rate (bytes copied per second) / n. The roofline time is the bus bytes over that bandwidth.
 //
-// NCCL is loaded at run time (dlopen): WEFT_NCCL_LIBRARY, else python3's nvidia.nccl package (lib/libnccl.so.2),
-// else libnccl.so.2 on the loader's path or in $CUDA_HOME/lib64. NCCL refuses two ranks on one GPU, so it runs
-// only when every rank has its own GPU ("NCCL: n/a (ranks share a GPU)" otherwise). NVLink multicast stays off
-// (NCCL_NVLS_ENABLE=0 unless set).
+// NCCL is loaded at run time (dlopen, bench/common/nccl.hpp): WEFT_NCCL_LIBRARY, else python3's nvidia.nccl package
+// (lib/libnccl.so.2), else libnccl.so.2 on the loader's path or in $CUDA_HOME/lib64. NCCL refuses two ranks on one
+// GPU, so it runs only when every rank has its own GPU, or when the ranks are processes over virtual nodes (every rank
+// a host of its own to NCCL, docs/multinode.md); "NCCL: n/a (ranks share a GPU)" otherwise. NVLink multicast stays
+// off (NCCL_NVLS_ENABLE=0 unless set).
 //
 // Tracing (docs/profiling.md): with --trace PATH or WEFT_TRACE every weft kernel records the intra-kernel trace; each
 // figure starts with an empty buffer and the file holds the last one measured. --trace-overhead runs every world
 // twice, untraced then traced, and each cell shows "untraced/traced +overhead%" (JSON: us and us_traced, with the
 // events recorded per call).
-#include <dlfcn.h>
-#include <nccl.h>
-
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -59,6 +57,7 @@
 
 #include "common/cli.hpp"
 #include "common/json.hpp"
+#include "common/nccl.hpp"
 #include "common/peaks.hpp"
 #include "common/ranks.hpp"
 #include "common/report.hpp"
@@ -144,105 +143,6 @@ Options parse_options(int argc, char** argv) {
     cli.parse(argc, argv);
     o.nccl = !no_nccl;
     return o;
-}
-
-// ------------------------------------------------------------------------------------------------
-// NCCL, loaded at run time.
-
-struct Nccl {
-    void* handle = nullptr;
-    std::string path;
-    int version = 0;
-    decltype(&ncclGetUniqueId) get_unique_id = nullptr;
-    decltype(&ncclCommInitRank) comm_init_rank = nullptr;
-    decltype(&ncclCommDestroy) comm_destroy = nullptr;
-    decltype(&ncclAllReduce) all_reduce = nullptr;
-    decltype(&ncclAllGather) all_gather = nullptr;
-    decltype(&ncclReduceScatter) reduce_scatter = nullptr;
-    decltype(&ncclGetErrorString) error_string = nullptr;
-    decltype(&ncclGetVersion) get_version = nullptr;
-    // Optional: all-to-all as ncclAlltoAll, else as grouped send/recv (absent: no NCCL all-to-all column).
-    decltype(&ncclAlltoAll) all_to_all = nullptr;
-    decltype(&ncclSend) send = nullptr;
-    decltype(&ncclRecv) recv = nullptr;
-    decltype(&ncclGroupStart) group_start = nullptr;
-    decltype(&ncclGroupEnd) group_end = nullptr;
-    std::string why_not;  // when not loaded
-};
-
-std::string python_nccl_dir() {
-    FILE* p = popen(
-        "python3 -c \"import nvidia.nccl,os;print(os.path.dirname(nvidia.nccl.__file__ or "
-        "nvidia.nccl.__path__[0]))\" 2>/dev/null",
-        "r");
-    if (p == nullptr) return "";
-    char buf[4096] = {};
-    const size_t n = std::fread(buf, 1, sizeof(buf) - 1, p);
-    pclose(p);
-    std::string s(buf, n);
-    while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
-    return s;
-}
-
-const Nccl& nccl() {
-    static const Nccl api = [] {
-        Nccl a;
-        std::vector<std::string> candidates;
-        if (const auto e = env::get("WEFT_NCCL_LIBRARY")) candidates.push_back(*e);
-        if (const std::string dir = python_nccl_dir(); !dir.empty()) {
-            candidates.push_back(dir + "/lib/libnccl.so.2");
-            candidates.push_back(dir + "/libnccl.so.2");
-        }
-        candidates.push_back("libnccl.so.2");
-        for (const char* var : {"CUDA_HOME", "CUDA_PATH"}) {
-            if (const auto e = env::get(var)) candidates.push_back(*e + "/lib64/libnccl.so.2");
-        }
-        for (const std::string& c : candidates) {
-            a.handle = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL);
-            if (a.handle != nullptr) {
-                a.path = c;
-                break;
-            }
-        }
-        if (a.handle == nullptr) {
-            a.why_not = "libnccl.so.2 not found (set WEFT_NCCL_LIBRARY)";
-            return a;
-        }
-        const auto sym = [&](const char* name) { return dlsym(a.handle, name); };
-        a.get_unique_id = reinterpret_cast<decltype(a.get_unique_id)>(sym("ncclGetUniqueId"));
-        a.comm_init_rank = reinterpret_cast<decltype(a.comm_init_rank)>(sym("ncclCommInitRank"));
-        a.comm_destroy = reinterpret_cast<decltype(a.comm_destroy)>(sym("ncclCommDestroy"));
-        a.all_reduce = reinterpret_cast<decltype(a.all_reduce)>(sym("ncclAllReduce"));
-        a.all_gather = reinterpret_cast<decltype(a.all_gather)>(sym("ncclAllGather"));
-        a.reduce_scatter = reinterpret_cast<decltype(a.reduce_scatter)>(sym("ncclReduceScatter"));
-        a.error_string = reinterpret_cast<decltype(a.error_string)>(sym("ncclGetErrorString"));
-        a.get_version = reinterpret_cast<decltype(a.get_version)>(sym("ncclGetVersion"));
-        a.all_to_all = reinterpret_cast<decltype(a.all_to_all)>(sym("ncclAlltoAll"));
-        a.send = reinterpret_cast<decltype(a.send)>(sym("ncclSend"));
-        a.recv = reinterpret_cast<decltype(a.recv)>(sym("ncclRecv"));
-        a.group_start = reinterpret_cast<decltype(a.group_start)>(sym("ncclGroupStart"));
-        a.group_end = reinterpret_cast<decltype(a.group_end)>(sym("ncclGroupEnd"));
-        if (!a.get_unique_id || !a.comm_init_rank || !a.comm_destroy || !a.all_reduce || !a.all_gather ||
-            !a.reduce_scatter || !a.error_string || !a.get_version) {
-            a.why_not = a.path + " lacks an NCCL entry point";
-            dlclose(a.handle);
-            a.handle = nullptr;
-            return a;
-        }
-        a.get_version(&a.version);
-        return a;
-    }();
-    return api;
-}
-
-#define BENCH_NCCL_CHECK(call)                                                                      \
-    do {                                                                                            \
-        const ncclResult_t bench_r_ = (call);                                                       \
-        WEFT_CHECK(bench_r_ == ncclSuccess, #call << " failed: " << nccl().error_string(bench_r_)); \
-    } while (0)
-
-ncclDataType_t nccl_type(DType t) {
-    return t == DType::kBF16 ? ncclBfloat16 : t == DType::kF16 ? ncclFloat16 : ncclFloat32;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -446,42 +346,10 @@ void run_world(int n, bool launched, const Options& o, WorldResult* result) {
             }
             const double roofline = gather.max(w, roof);
 
-            // NCCL (one GPU per rank only).
-            ncclComm_t comm = nullptr;
-            std::string nccl_note;
-            if (!o.nccl) {
-                nccl_note = "NCCL: off (--no-nccl)";
-            } else if (shared && (!launched || !spans)) {
-                nccl_note = "NCCL: n/a (ranks share a GPU)";
-            } else if (nccl().handle == nullptr) {
-                nccl_note = "NCCL: n/a (" + nccl().why_not + ")";
-            } else {
-                ::setenv("NCCL_NVLS_ENABLE", "0", 0);
-                if (shared) {
-                    // Processes on one GPU over virtual nodes: NCCL refuses two ranks of one host on one GPU, so every
-                    // rank is a host of its own to NCCL (set before this process's first NCCL call) and NCCL's network
-                    // transport carries all of the flat baseline's bytes.
-                    const std::string id = "weft-bench-rank" + std::to_string(w.rank());
-                    ::setenv("NCCL_HOSTID", id.c_str(), 1);
-                    ::setenv("NCCL_P2P_DISABLE", "1", 0);
-                    ::setenv("NCCL_SHM_DISABLE", "1", 0);
-                }
-                ncclUniqueId id{};
-                const std::string key = "bench/nccl_id/" + std::to_string(n);
-                if (w.rank() == 0) {
-                    BENCH_NCCL_CHECK(nccl().get_unique_id(&id));
-                    w.store().set(key,
-                                  Bytes(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
-                }
-                const Bytes blob = w.store().get(key, w.timeout());
-                WEFT_CHECK(blob.size() == sizeof(id), "NCCL unique id of " << blob.size() << " bytes");
-                std::memcpy(&id, blob.data(), sizeof(id));
-                BENCH_NCCL_CHECK(nccl().comm_init_rank(&comm, n, id, w.rank()));
-                std::ostringstream os;
-                os << "NCCL " << nccl().version << " from " << nccl().path
-                   << (spans ? " (flat, over every rank)" : "");
-                nccl_note = os.str();
-            }
+            // NCCL (one GPU per rank, or processes over virtual nodes: bench/common/nccl.hpp).
+            NcclBaseline nccl_baseline = open_nccl_baseline(w, o.nccl, "bench/nccl_id/" + std::to_string(n));
+            ncclComm_t comm = nccl_baseline.comm;
+            const std::string nccl_note = nccl_baseline.note;
 
             std::vector<Row> rows;
             const int es = dtype_bytes(o.dtype);
@@ -625,7 +493,7 @@ void run_world(int n, bool launched, const Options& o, WorldResult* result) {
             }
             w.sync_and_check(s);
             w.barrier();
-            if (comm != nullptr) nccl().comm_destroy(comm);
+            close_nccl_baseline(nccl_baseline);
             if (o.symmetric) {
                 w.heap().free(out);
                 w.heap().free(in);

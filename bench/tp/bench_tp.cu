@@ -1,13 +1,15 @@
 // SPDX-License-Identifier: MIT
 // weft_bench_tp: the tensor-parallel fused ops (AllGather+GEMM, GEMM+ReduceScatter, GEMM+AllReduce) against
 // (a) cuBLAS GEMM + the collective back to back, (b) a decomposed overlap (chunked cuBLAS GEMMs beside
-// copy-engine transfers, as PyTorch's async-TP does), and the ideal max(GEMM alone, collective alone), all
-// measured in the same run on the same data; ranks are threads over the visible GPUs (they share a GPU when
-// there are fewer GPUs than ranks: then the figures measure overhead, not overlap).
+// copy-engine transfers, as PyTorch's async-TP does), NCCL's collective + the same cuBLAS GEMM back to back, and the
+// ideal max(GEMM alone, collective alone), all measured in the same run on the same data. Ranks are threads over
+// the visible GPUs (they share a GPU when there are fewer GPUs than ranks: then the figures measure overhead, not
+// overlap); under a launcher (weftrun, torchrun, srun) every process is one rank of the launched world and rank 0
+// prints the table and writes the JSON: the way to run across (virtual) nodes (docs/multinode.md).
 //
 //   weft_bench_tp [--op ag,rs,ar] [--shapes I,J,...] [--sizes MxNxK,...] [--iters N] [--warmup N]
 //                 [--dtype bf16|f16] [--world W] [--check] [--tune] [--baseline-coll weft|simple]
-//                 [--reduce-ctas R (GEMM+RS reduction CTAs)] [--rs-mode auto|pull|push] [--json FILE]
+//                 [--reduce-ctas R (GEMM+RS reduction CTAs)] [--rs-mode auto|pull|push] [--no-nccl] [--json FILE]
 //                 [--trace PATH] [--trace-overhead]
 //
 // Shapes are whole layers: AG+GEMM shards N over the ranks (each computes [M, N/W] from all of A[M, K]);
@@ -17,8 +19,14 @@
 // all_reduce, automatic algorithm, on symmetric-heap buffers: weft's tuned collective, not a slow stand-in); with
 // --baseline-coll simple it is the weft-free code of tp_baselines.cuh (device barriers + copy-engine pulls or an
 // SM sum kernel). (b) keeps its copy-engine transfers; its GEMM+AR chunks use weft's all_reduce too (README.md
-// says why). NCCL is not used: ranks that share a GPU cannot form an NCCL communicator (see bench/tp/README.md).
-// The header gives GPU 0's tensor-core peak (cuBLASLt on a random 8192^3 GEMM) and copy peak, measured at start-up.
+// says why). The "nccl+gemm" column is NCCL's own collective over the same ranks (ncclAllGather before the GEMM,
+// ncclReduceScatter / ncclAllReduce after it, one stream, plain cudaMalloc buffers), where NCCL can run: one GPU per
+// rank, or ranks as processes over virtual nodes (bench/common/nccl.hpp; elsewhere the header says why not).
+// Across (virtual) nodes the fused ops and weft's collectives take their inter-node paths (docs/multinode.md); (b)
+// is skipped there (its copy engines need load/store access to every peer's buffers) and so is GEMM+AR (GemmAr
+// stays on one node).
+// The header gives the tensor-core peak (cuBLASLt on a random 8192^3 GEMM) and copy peak of GPU 0 (of rank 0's GPU
+// under a launcher), measured at start-up.
 // Tracing (docs/profiling.md): --trace PATH (or WEFT_TRACE) records the intra-kernel trace of every kernel; the fused
 // op's measurement starts with an empty buffer, and the file holds the last op measured. --trace-overhead runs the
 // shapes untraced, then the fused ops alone traced, and adds their traced time and the overhead to the table.
@@ -26,13 +34,16 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "common/cli.hpp"
 #include "common/json.hpp"
+#include "common/nccl.hpp"
 #include "common/peaks.hpp"
 #include "common/tracing.hpp"
 #include "tp_baselines.cuh"
@@ -41,9 +52,10 @@
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/gemm.hpp"
-#include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_ar.hpp"
+#include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_rs.hpp"
+#include "weft/runtime/launch_env.hpp"
 #include "weft/weft.hpp"
 
 namespace {
@@ -72,6 +84,7 @@ struct Options {
     BaselineColl coll = BaselineColl::kWeft;
     int reduce_ctas = 0;  // GEMM+RS reduction CTAs (0: the op's heuristic)
     weft::ops::GemmRsMode rs_mode = weft::ops::GemmRsMode::kAuto;
+    bool nccl = true;  // the nccl+gemm column, where NCCL can run
     std::string json;
     weft::bench::TraceOptions trace;
     bool weft_only = false;  // the traced pass of --trace-overhead: the fused op (and its engine) only
@@ -89,8 +102,9 @@ std::vector<Shape> default_shapes(const std::string& op) {
 
 Options parse(int argc, char** argv) {
     Options o;
-    weft::bench::Cli cli("weft_bench_tp",
-                         "AllGather+GEMM, GEMM+ReduceScatter, GEMM+AllReduce against cuBLAS + a collective");
+    weft::bench::Cli cli(
+        "weft_bench_tp",
+        "AllGather+GEMM, GEMM+ReduceScatter, GEMM+AllReduce against cuBLAS + a collective (weft's, NCCL's)");
     cli.option("--op", "ag,rs,ar", "the fused ops to measure (default all three)",
                [&](const std::string& v) { o.ops = weft::bench::parse_choice_list(v, "--op", {"ag", "rs", "ar"}); });
     cli.option("--shapes", "I,J,...", "entries of each op's default shape list, 0-based (indices past a list's end "
@@ -105,7 +119,9 @@ Options parse(int argc, char** argv) {
         for (const auto& [m, n, k] : weft::bench::parse_shapes3(v, "--sizes")) o.sizes.push_back({m, n, k});
     });
     cli.iters(&o.iters).warmup(&o.warmup).dtype(&o.dtype, {DType::kBF16, DType::kF16});
-    cli.world(&o.world, 0, 1 << 10, "ranks, threads over the visible GPUs (default 0: max(2, GPUs))");
+    cli.world(&o.world, 0, 1 << 10,
+              "ranks, threads over the visible GPUs (default 0: max(2, GPUs)); under a launcher the launched "
+              "world, which --world must then equal");
     cli.check(&o.check);
     cli.flag("--tune", "AG+GEMM and GEMM+RS tune their GEMM config on their first call", &o.tune);
     cli.option("--baseline-coll", "weft|simple", "(a)'s collective: weft's own op or simple kernels (default weft)",
@@ -121,9 +137,12 @@ Options parse(int argc, char** argv) {
                     : m == "push" ? weft::ops::GemmRsMode::kPush
                                   : weft::ops::GemmRsMode::kAuto;
     });
+    bool no_nccl = false;
+    cli.flag("--no-nccl", "skip the nccl+gemm baseline", &no_nccl);
     cli.json(&o.json);
     weft::bench::add_trace_options(cli, &o.trace);
     cli.parse(argc, argv);
+    o.nccl = !no_nccl;
     return o;
 }
 
@@ -131,8 +150,9 @@ struct Row {
     std::string op;
     Shape shape;
     int world;
-    double gemm = 0, engine = -1, coll = 0, a = 0, b = 0, weft = 0;
-    double err_weft = -1, err_b = -1;  // relative to (a), max over ranks
+    double gemm = 0, engine = -1, coll = 0, a = 0, b = -1, weft = 0;  // -1: not measured
+    double nccl = -1;                                                 // NCCL's collective + cuBLAS; -1: not run
+    double err_weft = -1, err_b = -1, err_nccl = -1;                  // relative to (a), max over ranks
     std::string coll_algo = "";        // the algorithm of (a)'s collective and of "coll" (weft's choice or "simple")
     double weft_traced = -1;           // --trace-overhead: the fused op traced
     double trace_events_per_call = 0;  // traced: events the fused op recorded per call (slowest rank)
@@ -171,8 +191,10 @@ private:
     const weft::jit::Kernel* kernel_ = nullptr;
 };
 
-Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, cudaStream_t s, cudaStream_t comm) {
+Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, cudaStream_t s, cudaStream_t comm,
+             ncclComm_t nccl_comm) {
     const int nr = w.num_ranks(), me = w.rank();
+    const bool one_node = w.num_nodes() == 1;  // (b) pulls peers' symmetric buffers: one node only
     const DType t = o.dtype;
     const int64_t m = full.m / nr * nr, rows = m / nr, k = full.k;
     const int64_t n = std::max<int64_t>(8, full.n / nr / 8 * 8);  // this rank's columns
@@ -186,14 +208,25 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     BaselineAllGather coll(w, o.coll, g_base, static_cast<uint64_t>(rows * k * es));          // (a), in place on g_base
     row.coll_algo = coll.algo();
     DeviceBarrier bar;  // (b)'s
-    bar.make(w);
+    if (one_node) bar.make(w);
     void *b_dev = nullptr, *c_w = nullptr, *c_a = nullptr, *c_b = nullptr, *c_e = nullptr;
     BENCH_CUDA(cudaMalloc(&b_dev, static_cast<size_t>(n * k * es)));
     for (void** p : {&c_w, &c_a, &c_b, &c_e}) BENCH_CUDA(cudaMalloc(p, static_cast<size_t>(m * n * es)));
+    // NCCL's baseline: its own gathered buffer (this rank's slot is the input: in place) and output.
+    uint8_t* g_nccl = nullptr;
+    void* c_n = nullptr;
+    if (nccl_comm != nullptr) {
+        BENCH_CUDA(cudaMalloc(&g_nccl, static_cast<size_t>(m * k * es)));
+        BENCH_CUDA(cudaMalloc(&c_n, static_cast<size_t>(m * n * es)));
+    }
     const uint64_t seed = 1234567 + static_cast<uint64_t>(me);
     fill_random(op.local_shard(m).data, rows * k, t, seed, s);
     BENCH_CUDA(cudaMemcpyAsync(g_base + me * rows * k * es, op.local_shard(m).data, static_cast<size_t>(rows * k * es),
                                cudaMemcpyDeviceToDevice, s));
+    if (g_nccl != nullptr) {
+        BENCH_CUDA(cudaMemcpyAsync(g_nccl + me * rows * k * es, op.local_shard(m).data,
+                                   static_cast<size_t>(rows * k * es), cudaMemcpyDeviceToDevice, s));
+    }
     fill_random(b_dev, n * k, t, seed + 100, s);
     EngineKernel engine;
     engine.get(op.config());  // loaded before anything is timed (--tune may change the config in the warm-up)
@@ -218,7 +251,13 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
         coll(s);
         gemm_full(c_a);
     });
-    row.b = time_baseline(w, sh, o, s, [&] {
+    row.nccl = nccl_comm == nullptr ? -1 : time_baseline(w, sh, o, s, [&] {
+        BENCH_NCCL_CHECK(weft::bench::nccl().all_gather(g_nccl + me * rows * k * es, g_nccl,
+                                                        static_cast<size_t>(rows * k), weft::bench::nccl_type(t),
+                                                        nccl_comm, s));
+        lt.gemm(t, g_nccl, k, b_dev, k, c_n, n, m, n, k, s);
+    });
+    row.b = !one_node ? -1 : time_baseline(w, sh, o, s, [&] {
         bar(s);
         ev_fork.record(s);
         ev_fork.wait(comm);
@@ -256,12 +295,13 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     row.trace_events_per_call = weft_events_per_call(w, sh, o.warmup + o.iters);
     if (o.check) {
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, m, n, t, s));
-        row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, m, n, t, s));
+        if (row.b >= 0) row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, m, n, t, s));
+        if (row.nccl >= 0) row.err_nccl = max_over_ranks(w, sh, rel_error(c_n, n, c_a, n, m, n, t, s));
     }
     w.sync_and_check(s);
     w.barrier();
-    for (void* p : {b_dev, c_w, c_a, c_b, c_e}) cudaFree(p);
-    w.heap().free(bar.words);
+    for (void* p : {b_dev, c_w, c_a, c_b, c_e, static_cast<void*>(g_nccl), c_n}) cudaFree(p);
+    if (bar.words != nullptr) w.heap().free(bar.words);
     coll.release();
     w.heap().free(g_base);
     return row;
@@ -269,8 +309,10 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
 
 // ---- GEMM + ReduceScatter -----------------------------------------------------------------------------------
 
-Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, cudaStream_t s, cudaStream_t comm) {
+Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, cudaStream_t s, cudaStream_t comm,
+             ncclComm_t nccl_comm) {
     const int nr = w.num_ranks(), me = w.rank();
+    const bool one_node = w.num_nodes() == 1;  // (b) pushes into peers' symmetric buffers: one node only
     const DType t = o.dtype;
     const int64_t m = full.m / nr * nr, rows = m / nr, n = full.n / 8 * 8;
     const int64_t k = std::max<int64_t>(8, full.k / nr / 8 * 8);  // this rank's K
@@ -284,9 +326,12 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     weft::ops::GemmRs op(w, {m, n, k, t}, opt);
     if (nr > 1 && op.mode() == weft::ops::GemmRsMode::kPull) row.op = "rs/pull";
     auto* partial = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));
-    auto* recv = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));  // (b): [W][rows, n]
-    DeviceBarrier bar;                                                                      // (b)'s
-    bar.make(w);
+    uint8_t* recv = nullptr;  // (b): [W][rows, n]
+    DeviceBarrier bar;        // (b)'s
+    if (one_node) {
+        recv = static_cast<uint8_t*>(w.heap().alloc(static_cast<uint64_t>(m * n * es)));
+        bar.make(w);
+    }
     const weft::DeviceCtx ctx = w.device_ctx();
     // (a)'s output is symmetric, as in weft's collective benchmark (no pointer query per call).
     void* c_a = w.heap().alloc(static_cast<uint64_t>(rows * n * es));
@@ -295,6 +340,11 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     BENCH_CUDA(cudaMalloc(&b_dev, static_cast<size_t>(n * k * es)));
     BENCH_CUDA(cudaMalloc(&c_e, static_cast<size_t>(m * n * es)));
     for (void** p : {&c_w, &c_b}) BENCH_CUDA(cudaMalloc(p, static_cast<size_t>(rows * n * es)));
+    void *p_n = nullptr, *c_n = nullptr;  // NCCL's baseline: its own partial [m, n] and output [rows, n]
+    if (nccl_comm != nullptr) {
+        BENCH_CUDA(cudaMalloc(&p_n, static_cast<size_t>(m * n * es)));
+        BENCH_CUDA(cudaMalloc(&c_n, static_cast<size_t>(rows * n * es)));
+    }
     BaselineReduceScatter coll(w, o.coll, t, partial, c_a, rows, n);  // (a): partial -> c_a
     row.coll_algo = coll.algo();
     const uint64_t seed = 7654321 + static_cast<uint64_t>(me);
@@ -315,9 +365,14 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
         lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s);
         coll(s);
     });
+    row.nccl = nccl_comm == nullptr ? -1 : time_baseline(w, sh, o, s, [&] {
+        lt.gemm(t, a_dev, k, b_dev, k, p_n, n, m, n, k, s);
+        BENCH_NCCL_CHECK(weft::bench::nccl().reduce_scatter(p_n, c_n, static_cast<size_t>(rows * n),
+                                                            weft::bench::nccl_type(t), ncclSum, nccl_comm, s));
+    });
     weft::Event ev_fork, ev_join;
     std::vector<weft::Event> ev_seg(static_cast<size_t>(nr));
-    row.b = time_baseline(w, sh, o, s, [&] {
+    row.b = !one_node ? -1 : time_baseline(w, sh, o, s, [&] {
         bar(s);  // every rank's receive buffer is free
         ev_fork.record(s);
         ev_fork.wait(comm);
@@ -363,22 +418,24 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     row.trace_events_per_call = weft_events_per_call(w, sh, o.warmup + o.iters);
     if (o.check) {
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, rows, n, t, s));
-        row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, rows, n, t, s));
+        if (row.b >= 0) row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, rows, n, t, s));
+        if (row.nccl >= 0) row.err_nccl = max_over_ranks(w, sh, rel_error(c_n, n, c_a, n, rows, n, t, s));
     }
     w.sync_and_check(s);
     w.barrier();
-    for (void* p : {a_dev, b_dev, c_w, c_b, c_e}) cudaFree(p);
-    w.heap().free(bar.words);
+    for (void* p : {a_dev, b_dev, c_w, c_b, c_e, p_n, c_n}) cudaFree(p);
+    if (bar.words != nullptr) w.heap().free(bar.words);
     coll.release();
     w.heap().free(c_a);
-    w.heap().free(recv);
+    if (recv != nullptr) w.heap().free(recv);
     w.heap().free(partial);
     return row;
 }
 
 // ---- GEMM + AllReduce ---------------------------------------------------------------------------------------
 
-Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, cudaStream_t s, cudaStream_t comm) {
+Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, cudaStream_t s, cudaStream_t comm,
+             ncclComm_t nccl_comm) {
     const int nr = w.num_ranks();
     const DType t = o.dtype;
     const int64_t m = full.m, n = full.n / 8 * 8;
@@ -396,6 +453,11 @@ Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     BENCH_CUDA(cudaMalloc(&a_dev, static_cast<size_t>(m * k * es)));
     BENCH_CUDA(cudaMalloc(&b_dev, static_cast<size_t>(n * k * es)));
     BENCH_CUDA(cudaMalloc(&c_w, static_cast<size_t>(m * n * es)));
+    void *p_n = nullptr, *c_n = nullptr;  // NCCL's baseline: its own partial and output, [m, n] each
+    if (nccl_comm != nullptr) {
+        BENCH_CUDA(cudaMalloc(&p_n, static_cast<size_t>(m * n * es)));
+        BENCH_CUDA(cudaMalloc(&c_n, static_cast<size_t>(m * n * es)));
+    }
     BaselineAllReduce coll(w, o.coll, t, partial, c_a, m, n);  // (a): partial -> c_a
     row.coll_algo = coll.algo();
     const uint64_t seed = 99991 + static_cast<uint64_t>(w.rank());
@@ -408,6 +470,11 @@ Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     row.a = time_baseline(w, sh, o, s, [&] {
         lt.gemm(t, a_dev, k, b_dev, k, partial, n, m, n, k, s);
         coll(s);
+    });
+    row.nccl = nccl_comm == nullptr ? -1 : time_baseline(w, sh, o, s, [&] {
+        lt.gemm(t, a_dev, k, b_dev, k, p_n, n, m, n, k, s);
+        BENCH_NCCL_CHECK(weft::bench::nccl().all_reduce(p_n, c_n, static_cast<size_t>(m * n), weft::bench::nccl_type(t),
+                                                        ncclSum, nccl_comm, s));
     });
     // (b): 4 column chunks; chunk j's all-reduce runs on `comm` beside chunk j+1's GEMM on `s`.
     constexpr int kChunks = 4;
@@ -471,10 +538,11 @@ Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
         }
         row.err_b = max_over_ranks(w, sh, rel_error(b_rows, n, c_a, n, m, n, t, s));
         if (b_rows != c_b) cudaFree(b_rows);
+        if (row.nccl >= 0) row.err_nccl = max_over_ranks(w, sh, rel_error(c_n, n, c_a, n, m, n, t, s));
     }
     w.sync_and_check(s);
     w.barrier();
-    for (void* p : {a_dev, b_dev, c_w}) cudaFree(p);
+    for (void* p : {a_dev, b_dev, c_w, p_n, c_n}) cudaFree(p);
     if (bar_comm.words != nullptr) w.heap().free(bar_comm.words);
     coll.release();
     w.heap().free(c_b);
@@ -485,6 +553,17 @@ Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
 
 // ---- report -------------------------------------------------------------------------------------------------
 
+/// What the table's header says about a pass's World (rank 0's view; every rank's is the same).
+struct PassInfo {
+    int world = 0;
+    int num_nodes = 1;
+    int virtual_nodes = 1;
+    bool processes = false;          // ranks are processes of their own (a launcher), else threads of this process
+    bool shared = false;             // some GPU hosts more than one rank
+    std::string nccl_note;           // open_nccl_baseline's note
+    std::vector<std::string> notes;  // baselines or ops skipped, and why
+};
+
 std::string fmt(double ms) {
     if (ms < 0) return "-";
     char buf[32];
@@ -492,46 +571,73 @@ std::string fmt(double ms) {
     return buf;
 }
 
-void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, const std::string& device,
-                    const weft::bench::Peaks& peaks) {
-    std::printf(
-        "\nweft_bench_tp: %s x%d, %s, world %d%s, %d iters (slowest rank, mean)\n", device.c_str(), gpus,
-        weft::dtype_name(o.dtype), rows.empty() ? 0 : rows[0].world,
-        rows.empty() || rows[0].world <= gpus ? "" : " (ranks share GPUs: figures measure overhead, not overlap)",
-        o.iters);
+std::string fmt_err(double e) {
+    if (e < 0) return "-";
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%.1e", e);
+    return buf;
+}
+
+std::string fmt_ratio(double num, double den) {
+    if (num < 0 || den <= 0) return "-";
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%.2fx", num / den);
+    return buf;
+}
+
+void print_and_save(const std::vector<Row>& rows, const Options& o, const PassInfo& info, int gpus,
+                    const std::string& device, const weft::bench::Peaks& peaks) {
+    std::printf("\nweft_bench_tp: %s x%d, %s, world %d%s, %d iters (slowest rank, mean)\n", device.c_str(), gpus,
+                weft::dtype_name(o.dtype), info.world,
+                info.shared ? " (ranks share GPUs: figures measure overhead, not overlap)" : "", o.iters);
+    std::string nodes = "one node";
+    if (info.num_nodes > 1) {
+        nodes = std::to_string(info.num_nodes) +
+                (info.virtual_nodes > 1 ? " virtual nodes (WEFT_VIRTUAL_NODES)" : " nodes") +
+                ": the fused ops and weft's collectives take their inter-node paths";
+    }
+    std::printf("ranks: %s; %s\n", info.processes ? "one process each (launcher)" : "threads of this process",
+                nodes.c_str());
     std::printf("%s\n", weft::bench::describe(peaks).c_str());
     std::printf("baseline collective (coll, (a)): %s\n",
                 o.coll == BaselineColl::kWeft
                     ? "weft's standalone op (weft::ops::all_gather / reduce_scatter / all_reduce), automatic algorithm"
                     : "simple weft-free kernels (device barriers + copy-engine pulls / SM sum kernel)");
+    std::printf("nccl+gemm: %s\n", info.nccl_note.c_str());
     const bool overhead = o.trace.overhead;
-    std::printf("%-3s %-22s %10s %10s %10s %-9s %10s %10s %10s %10s %8s %6s %s%s\n", "op", "M x N x K (layer)", "gemm",
-                "weft-gemm", "coll", "algo", "(a)seq", "(b)decomp", "weft", "ideal", "vs (a)", "eff",
-                overhead ? " weft+trace   trace  ev/call " : "", o.check ? "err weft/(b)" : "");
+    std::printf("%-3s %-22s %10s %10s %10s %-12s %10s %10s %10s %10s %10s %8s %8s %6s %s%s\n", "op",
+                "M x N x K (layer)", "gemm", "weft-gemm", "coll", "algo", "(a)seq", "(b)decomp", "nccl+gemm", "weft",
+                "ideal", "vs (a)", "vs nccl", "eff", overhead ? " weft+trace   trace  ev/call " : "",
+                o.check ? "err weft/(b)/nccl" : "");
     for (const Row& r : rows) {
         const double ideal = std::max(r.gemm, r.coll);
         char shape[64];
         std::snprintf(shape, sizeof(shape), "%ldx%ldx%ld", r.shape.m, r.shape.n, r.shape.k);
-        char check[64] = "";
-        if (o.check) std::snprintf(check, sizeof(check), "%.1e/%.1e", r.err_weft, r.err_b);
+        std::string check;
+        if (o.check) check = fmt_err(r.err_weft) + "/" + fmt_err(r.err_b) + "/" + fmt_err(r.err_nccl);
         char traced[64] = "";
         if (overhead) {
             std::snprintf(traced, sizeof(traced), " %10s %+6.1f%% %7.0f ", fmt(r.weft_traced).c_str(),
                           r.weft_traced > 0 ? 100.0 * (r.weft_traced / r.weft - 1.0) : 0.0, r.trace_events_per_call);
         }
-        std::printf("%-3s %-22s %10s %10s %10s %-9s %10s %10s %10s %10s %7.2fx %5.0f%% %s%s\n", r.op.c_str(), shape,
-                    fmt(r.gemm).c_str(), fmt(r.engine).c_str(), fmt(r.coll).c_str(), r.coll_algo.c_str(),
-                    fmt(r.a).c_str(), fmt(r.b).c_str(), fmt(r.weft).c_str(), fmt(ideal).c_str(), r.a / r.weft,
-                    100.0 * ideal / r.weft, traced, check);
+        std::printf("%-3s %-22s %10s %10s %10s %-12s %10s %10s %10s %10s %10s %8s %8s %5.0f%% %s%s\n", r.op.c_str(),
+                    shape, fmt(r.gemm).c_str(), fmt(r.engine).c_str(), fmt(r.coll).c_str(), r.coll_algo.c_str(),
+                    fmt(r.a).c_str(), fmt(r.b).c_str(), fmt(r.nccl).c_str(), fmt(r.weft).c_str(), fmt(ideal).c_str(),
+                    fmt_ratio(r.a, r.weft).c_str(), fmt_ratio(r.nccl, r.weft).c_str(), 100.0 * ideal / r.weft, traced,
+                    check.c_str());
     }
     const bool weft_coll = o.coll == BaselineColl::kWeft;
     std::printf(
         "gemm: cuBLASLt alone; weft-gemm: weft's GEMM engine alone (same config, no communication); coll: the\n"
         "baseline collective alone, algo: its algorithm (%s); (a)seq: cuBLAS and that same\n"
         "collective back to back; (b)decomp: chunked cuBLAS GEMMs beside copy-engine transfers (GEMM+AR:\n"
-        "beside %s); ideal = max(gemm, coll); vs (a) = (a) / weft; eff = ideal / weft.\n",
-        weft_coll ? "weft's automatic choice; WEFT_*_ALGO overrides it" : "--baseline-coll simple",
+        "beside %s); nccl+gemm: NCCL's collective over the same ranks and the same cuBLAS GEMM\n"
+        "back to back on one stream (ncclAllGather then GEMM; GEMM then ncclReduceScatter / ncclAllReduce);\n"
+        "ideal = max(gemm, coll); vs (a) = (a) / weft; vs nccl = nccl+gemm / weft; eff = ideal / weft.\n",
+        weft_coll ? "weft's automatic choice, hierarchical across nodes; WEFT_*_ALGO overrides it on one node"
+                  : "--baseline-coll simple",
         weft_coll ? "weft all_reduce per chunk" : "the simple sum kernel per chunk");
+    for (const std::string& note : info.notes) std::printf("%s\n", note.c_str());
     if (overhead) {
         std::printf(
             "weft+trace: the fused op with the intra-kernel trace on (WEFT_TRACE; a pass of its own, the fused ops "
@@ -543,15 +649,21 @@ void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, co
     j.begin_object().field("bench", "weft_bench_tp").field("device", device).field("gpus", gpus);
     j.field("dtype", weft::dtype_name(o.dtype)).field("iters", o.iters).field("warmup", o.warmup);
     j.field("baseline_coll", baseline_coll_name(o.coll)).field("trace_overhead", o.trace.overhead);
+    j.field("ranks", info.processes ? "processes" : "threads").field("num_nodes", info.num_nodes);
+    j.field("virtual_nodes", info.virtual_nodes).field("nccl", info.nccl_note);
+    j.key("notes").begin_array();
+    for (const std::string& note : info.notes) j.value(note);
+    j.end_array();
     weft::bench::add_peaks(j, peaks);
     j.key("results").begin_array();
     for (const Row& r : rows) {
         const double ideal = std::max(r.gemm, r.coll);
         j.begin_object(true).field("op", r.op).field("m", r.shape.m).field("n", r.shape.n).field("k", r.shape.k);
         j.field("world", r.world).field("gemm_ms", r.gemm).field("weft_gemm_ms", r.engine).field("coll_ms", r.coll);
-        j.field("coll_algo", r.coll_algo).field("a_ms", r.a).field("b_ms", r.b).field("weft_ms", r.weft);
-        j.field("ideal_ms", ideal).field("speedup_vs_a", r.a / r.weft).field("overlap_efficiency", ideal / r.weft);
-        j.field("err_weft", r.err_weft).field("err_b", r.err_b);
+        j.field("coll_algo", r.coll_algo).field("a_ms", r.a).field("b_ms", r.b).field("nccl_gemm_ms", r.nccl);
+        j.field("weft_ms", r.weft).field("ideal_ms", ideal).field("speedup_vs_a", r.a / r.weft);
+        j.field("speedup_vs_nccl", r.nccl > 0 ? r.nccl / r.weft : -1.0).field("overlap_efficiency", ideal / r.weft);
+        j.field("err_weft", r.err_weft).field("err_b", r.err_b).field("err_nccl", r.err_nccl);
         if (r.weft_traced > 0) {
             j.field("weft_traced_ms", r.weft_traced).field("trace_events_per_call", r.trace_events_per_call);
         }
@@ -562,88 +674,164 @@ void print_and_save(const std::vector<Row>& rows, const Options& o, int gpus, co
     std::printf("wrote %s\n", o.json.c_str());
 }
 
+/// Symmetric heap bytes per rank for the ops and shapes of `o` on `world` ranks: the largest op's symmetric buffers
+/// (the fused op's and the baselines'), room, and the baseline collectives' workspace (it stays allocated for the
+/// whole run once made: by the weft baselines, and by GemmAr, whose all-reduce half is ops::all_reduce, with either
+/// baseline). Across (virtual) nodes nothing needs more (docs/multinode.md): AgGemm keeps its gathered buffer and adds
+/// a few relay signal words; GemmRs's node stage holds a partial of M / nodes rows, its node sums, received rows and
+/// A staging being private device memory, as are the network backend's signal words and the hierarchical collectives'
+/// scratch; the collective workspace is the node team's (fewer ranks than the world's); (b)'s buffers are not made.
+/// The NCCL baseline's buffers are cudaMalloc'd.
+uint64_t heap_bytes_for(const Options& o, int world) {
+    uint64_t heap = 64ull << 20;
+    for (const std::string& op : o.ops) {
+        for (const Shape& sz : o.sizes.empty() ? default_shapes(op) : o.sizes) {
+            const uint64_t per = static_cast<uint64_t>(sz.m) * static_cast<uint64_t>(op == "ag" ? sz.k : sz.n) * 2;
+            heap = std::max<uint64_t>(heap, (op == "ar" ? 5 : (op == "rs" ? 6 : 2)) * per + (64ull << 20));
+        }
+    }
+    heap += collective_workspace_heap_bytes(world);
+    return (heap + (2ull << 20) - 1) / (2ull << 20) * (2ull << 20);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
     return weft::bench::run_main("weft_bench_tp", [&] {
         const Options o = parse(argc, argv);
+        // Under a launcher (weftrun, torchrun, srun) every process is one rank of the launched world; a job of one
+        // rank runs threads, as without a launcher.
+        const std::optional<weft::LaunchEnv> launch = weft::detect_launch_env();
+        const bool launched = launch && launch->num_ranks > 1;
+        if (launched && o.world > 0 && o.world != launch->num_ranks) {
+            throw weft::bench::UsageError("--world " + std::to_string(o.world) + " differs from the world " +
+                                          launch->launcher + " started (" + std::to_string(launch->num_ranks) +
+                                          " ranks, one process each): leave --world out or pass --world " +
+                                          std::to_string(launch->num_ranks));
+        }
         weft::prepare_cuda_environment();
         int gpus = 0;
         BENCH_CUDA(cudaGetDeviceCount(&gpus));
         cudaDeviceProp prop{};
         BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
-        const weft::bench::Peaks peaks =
-            weft::bench::measure_peaks(weft::bench::kPeakCopy | weft::bench::kPeakTensor, o.dtype);
-        const int world = o.world > 0 ? o.world : std::max(2, gpus);
-        // Heap: the largest op's symmetric buffers (weft's and the baseline's), plus room, plus the collective
-        // workspace (it stays allocated for the whole run once made: by the weft baselines, and by GemmAr, whose
-        // all-reduce half is ops::all_reduce, with either baseline).
-        uint64_t heap = 64ull << 20;
-        for (const std::string& op : o.ops) {
-            for (const Shape& sz : o.sizes.empty() ? default_shapes(op) : o.sizes) {
-                const uint64_t per = static_cast<uint64_t>(sz.m) * static_cast<uint64_t>(op == "ag" ? sz.k : sz.n) * 2;
-                heap = std::max<uint64_t>(heap, (op == "ar" ? 5 : (op == "rs" ? 6 : 2)) * per + (64ull << 20));
-            }
-        }
-        heap += collective_workspace_heap_bytes(world);
+        const bool printer = !launched || launch->rank == 0;
+        const int world = launched ? launch->num_ranks : (o.world > 0 ? o.world : std::max(2, gpus));
+        // The peaks on an idle GPU: before the ranks' threads start, or, with processes (which may share the GPU),
+        // on rank 0 in the first World while the other ranks wait at a barrier.
+        constexpr unsigned kPeaks = weft::bench::kPeakCopy | weft::bench::kPeakTensor;
+        weft::bench::Peaks peaks;
+        if (!launched) peaks = weft::bench::measure_peaks(kPeaks, o.dtype);
+        bool peaks_pending = launched;
         weft::WorldOptions wo;
-        wo.heap_bytes = (heap + (2ull << 20) - 1) / (2ull << 20) * (2ull << 20);
+        wo.heap_bytes = heap_bytes_for(o, world);
         wo.timeout = std::chrono::milliseconds(60000);
         std::mutex rows_mutex;
         Shared sh(world);
-        const auto run_pass = [&](const Options& pass, std::vector<Row>& rows) {
-            weft::run_local(
-                world,
-                [&](World& w) {
-                    cudaStream_t s = nullptr, comm = nullptr;
-                    BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-                    BENCH_CUDA(cudaStreamCreateWithFlags(&comm, cudaStreamNonBlocking));
-                    prepare_baseline_collectives(w, pass.coll);  // collective, once per World, before any timing
-                    {
-                        Lt lt;
-                        for (const std::string& op : pass.ops) {
-                            std::vector<Shape> shapes = pass.sizes.empty() ? default_shapes(op) : pass.sizes;
-                            if (!pass.shape_idx.empty() && pass.sizes.empty()) {
-                                std::vector<Shape> pick;
-                                for (int i : pass.shape_idx) {
-                                    if (i >= 0 && i < static_cast<int>(shapes.size()))
-                                        pick.push_back(shapes[static_cast<size_t>(i)]);
-                                }
-                                shapes = pick;
+        const auto run_pass = [&](const Options& pass, std::vector<Row>& rows, PassInfo& info) {
+            const std::function<void(World&)> body = [&](World& w) {
+                const bool spans = w.num_nodes() > 1;
+                WEFT_CHECK(!spans || !w.same_process() || w.max_ranks_per_device() == 1,
+                           "the world spans " << w.num_nodes() << " nodes with ranks that are threads of one process "
+                                              << "sharing a GPU: NCCL (weft's network path) refuses them; run one "
+                                                 "process per rank, e.g. WEFT_VIRTUAL_NODES="
+                                              << w.num_nodes() << " weftrun -n " << w.num_ranks()
+                                              << " -- weft_bench_tp ...");
+                WEFT_CHECK(!spans || pass.coll == BaselineColl::kWeft,
+                           "--baseline-coll simple loads and stores every peer's symmetric buffers, which a world "
+                           "that spans "
+                               << w.num_nodes() << " nodes cannot; use --baseline-coll weft (hierarchical there)");
+                if (peaks_pending) {
+                    if (w.rank() == 0) peaks = weft::bench::measure_peaks(kPeaks, o.dtype, w.device());
+                    w.barrier();
+                    peaks_pending = false;
+                }
+                // NCCL's communicator before weft's own network communicators exist (the fused ops and the
+                // hierarchical collectives make them across nodes): NCCL takes a process's host identity once, at its
+                // first use (docs/multinode.md), and the baseline's ranks that share a GPU need one host each
+                // (open_nccl_baseline); weft's column communicators work under that identity too.
+                weft::bench::NcclBaseline nccl_baseline =
+                    weft::bench::open_nccl_baseline(w, pass.nccl && !pass.weft_only, "bench/tp/nccl_id");
+                cudaStream_t s = nullptr, comm = nullptr;
+                BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+                BENCH_CUDA(cudaStreamCreateWithFlags(&comm, cudaStreamNonBlocking));
+                prepare_baseline_collectives(w, pass.coll);  // collective, once per World, before any timing
+                std::vector<std::string> notes;
+                if (spans && !pass.weft_only) {
+                    notes.push_back(
+                        "(b)decomp: skipped: its copy engines pull (AG) or push (RS) peers' symmetric buffers, which a "
+                        "world across nodes cannot reach (symm_at is nullptr there)");
+                }
+                {
+                    Lt lt;
+                    for (const std::string& op : pass.ops) {
+                        if (op == "ar" && spans) {
+                            notes.push_back(
+                                "ar: skipped: GemmAr needs every rank of its team load/store reachable "
+                                "(it does not cross nodes)");
+                            continue;
+                        }
+                        std::vector<Shape> shapes = pass.sizes.empty() ? default_shapes(op) : pass.sizes;
+                        if (!pass.shape_idx.empty() && pass.sizes.empty()) {
+                            std::vector<Shape> pick;
+                            for (int i : pass.shape_idx) {
+                                if (i >= 0 && i < static_cast<int>(shapes.size()))
+                                    pick.push_back(shapes[static_cast<size_t>(i)]);
                             }
-                            for (const Shape& sz : shapes) {
-                                Row r = op == "ag"   ? bench_ag(w, sh, pass, sz, lt, s, comm)
-                                        : op == "rs" ? bench_rs(w, sh, pass, sz, lt, s, comm)
-                                                     : bench_ar(w, sh, pass, sz, lt, s, comm);
-                                if (w.rank() == 0) {
-                                    std::lock_guard<std::mutex> lock(rows_mutex);
-                                    rows.push_back(r);
-                                    std::printf("  %s %ldx%ldx%ld: (a) %s (coll %s, %s), weft %s\n", r.op.c_str(),
-                                                r.shape.m, r.shape.n, r.shape.k, fmt(r.a).c_str(), fmt(r.coll).c_str(),
-                                                r.coll_algo.c_str(), fmt(r.weft).c_str());
-                                    std::fflush(stdout);
-                                }
+                            shapes = pick;
+                        }
+                        for (const Shape& sz : shapes) {
+                            Row r = op == "ag"   ? bench_ag(w, sh, pass, sz, lt, s, comm, nccl_baseline.comm)
+                                    : op == "rs" ? bench_rs(w, sh, pass, sz, lt, s, comm, nccl_baseline.comm)
+                                                 : bench_ar(w, sh, pass, sz, lt, s, comm, nccl_baseline.comm);
+                            if (w.rank() == 0) {
+                                std::lock_guard<std::mutex> lock(rows_mutex);
+                                rows.push_back(r);
+                                std::printf("  %s %ldx%ldx%ld: (a) %s (coll %s, %s), nccl+gemm %s, weft %s\n",
+                                            r.op.c_str(), r.shape.m, r.shape.n, r.shape.k, fmt(r.a).c_str(),
+                                            fmt(r.coll).c_str(), r.coll_algo.c_str(), fmt(r.nccl).c_str(),
+                                            fmt(r.weft).c_str());
+                                std::fflush(stdout);
                             }
                         }
                     }
-                    w.barrier();
-                    cudaStreamDestroy(comm);
-                    cudaStreamDestroy(s);
-                },
-                wo);
+                }
+                w.barrier();
+                weft::bench::close_nccl_baseline(nccl_baseline);
+                cudaStreamDestroy(comm);
+                cudaStreamDestroy(s);
+                if (w.rank() == 0) {
+                    std::lock_guard<std::mutex> lock(rows_mutex);
+                    info.world = w.num_ranks();
+                    info.num_nodes = w.num_nodes();
+                    info.virtual_nodes = w.virtual_nodes();
+                    info.processes = !w.same_process();
+                    info.shared = w.max_ranks_per_device() > 1;
+                    info.nccl_note = nccl_baseline.note;
+                    info.notes = notes;
+                }
+            };
+            if (launched) {
+                std::unique_ptr<World> w = World::from_env(wo);
+                WEFT_CHECK(w->num_ranks() == world, "launched with " << w->num_ranks() << " ranks, expected " << world);
+                body(*w);
+            } else {
+                weft::run_local(world, body, wo);
+            }
         };
         const std::string trace_path = weft::bench::traced_pass_path(o.trace, "weft_bench_tp");
         std::vector<Row> rows;
+        PassInfo info;
         if (o.trace.overhead) {
             weft::bench::set_trace_env("");
-            run_pass(o, rows);
-            std::printf("traced pass (the fused ops alone; trace: %s)\n", trace_path.c_str());
+            run_pass(o, rows, info);
+            if (printer) std::printf("traced pass (the fused ops alone; trace: %s)\n", trace_path.c_str());
             weft::bench::set_trace_env(trace_path);
             Options traced_options = o;
             traced_options.weft_only = true;
             traced_options.check = false;
             std::vector<Row> traced;
-            run_pass(traced_options, traced);
+            PassInfo traced_info;
+            run_pass(traced_options, traced, traced_info);
             for (Row& r : rows) {
                 for (const Row& t : traced) {
                     if (t.op == r.op && t.shape.m == r.shape.m && t.shape.n == r.shape.n && t.shape.k == r.shape.k) {
@@ -654,9 +842,9 @@ int main(int argc, char** argv) {
             }
         } else {
             weft::bench::set_trace_env(trace_path);
-            run_pass(o, rows);
+            run_pass(o, rows, info);
         }
-        print_and_save(rows, o, gpus, prop.name, peaks);
+        if (printer) print_and_save(rows, o, info, gpus, prop.name, peaks);
         return 0;
     });
 }

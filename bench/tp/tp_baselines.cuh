@@ -21,6 +21,7 @@
 #include "common/ranks.hpp"
 #include "common/timing.hpp"
 #include "weft/device.cuh"
+#include "weft/net/host_backend.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/collectives.hpp"
@@ -148,7 +149,8 @@ inline constexpr int kSumThreads = 256;
 
 /// Which collective the baselines run: weft's standalone ops (weft::ops::all_gather / reduce_scatter /
 /// all_reduce, automatic algorithm choice; WEFT_*_ALGO overrides it as for any caller) or the simple weft-free
-/// kernels of this file (device barrier + copy-engine pulls or an SM sum kernel), kept for comparison.
+/// kernels of this file (device barrier + copy-engine pulls or an SM sum kernel), kept for comparison; they load and
+/// store every peer's symmetric buffers, so they need a World on one node.
 enum class BaselineColl { kWeft, kSimple };
 
 inline const char* baseline_coll_name(BaselineColl c) { return c == BaselineColl::kWeft ? "weft" : "simple"; }
@@ -162,16 +164,22 @@ inline uint64_t collective_workspace_heap_bytes(int num_ranks) {
     return 3 * region + static_cast<uint64_t>(num_ranks) * (1ull << 20) + (4ull << 20);
 }
 
-/// Collective, once per World, before anything is timed: with the weft baselines, creates the World's collective
-/// workspace (heap buffers, the agreed SM budget, every collective kernel compiled and loaded; it ends with a host
-/// barrier), so no timed call pays for it; checks that the heap estimate above covered it. Simple: nothing.
+/// Collective, once per World, before anything is timed: with the weft baselines, creates the collective workspace
+/// (heap buffers, the agreed SM budget, every collective kernel compiled and loaded; it ends with a host barrier) of
+/// the team the baseline collectives run their kernels on, so no timed call pays for it: the World's team on one
+/// node. Across nodes weft's hierarchical collectives run weft's kernels over the node team of the World team's
+/// network backend (NCCL across nodes): that backend is made here (its column communicators: collective) and its node
+/// team's workspace (none for a node of one rank). Checks that the heap estimate above covered it. Simple: nothing.
 inline void prepare_baseline_collectives(World& w, BaselineColl c) {
     if (c != BaselineColl::kWeft) return;
-    const weft::ops::CollectiveWorkspaceInfo& info = weft::ops::prepare_collectives(w);
-    if (info.heap_bytes > collective_workspace_heap_bytes(w.num_ranks())) {
+    const bool spans = w.num_nodes() > 1;
+    const weft::Team& team = spans ? weft::net::HostBackend::get(w.team()).node_team() : w.team();
+    if (spans && team.num_ranks() == 1) return;
+    const weft::ops::CollectiveWorkspaceInfo& info = weft::ops::prepare_collectives(team);
+    if (info.heap_bytes > collective_workspace_heap_bytes(team.num_ranks())) {
         throw std::runtime_error("the collective workspace took " + std::to_string(info.heap_bytes) +
                                  " heap bytes, more than collective_workspace_heap_bytes() reserves (" +
-                                 std::to_string(collective_workspace_heap_bytes(w.num_ranks())) + ")");
+                                 std::to_string(collective_workspace_heap_bytes(team.num_ranks())) + ")");
     }
 }
 
@@ -180,7 +188,10 @@ inline void prepare_baseline_collectives(World& w, BaselineColl c) {
 /// holds its rank's shard, and the slots may be read until the next call.
 ///  weft:   ops::all_gather(input = own slot, output = gathered), automatic algorithm (symmetric output: LL,
 ///          sm_push or ce_push by size). Its entry barrier orders every rank's previous reads of `gathered`
-///          before any peer writes into it.
+///          before any peer writes into it. Across nodes the op is weft's hierarchical all_gather
+///          (docs/multinode.md: NCCL over the column, weft's all_gather over the node, into the slots on this
+///          rank's stream), which writes no peer's memory and rewrites a chunk of this rank's own slot only after
+///          the network has sent it: in place stays correct.
 ///  simple: device barrier (every shard in place), copy-engine pulls of every peer's slot, device barrier
 ///          (every rank has read every shard).
 /// Construction and release() are collective (heap allocations); call prepare_baseline_collectives first.
@@ -194,6 +205,8 @@ public:
             algo_ = "simple";
         } else if (nr == 1) {
             algo_ = "none";  // one rank: the op is a no-op in place
+        } else if (w.num_nodes() > 1) {
+            algo_ = "hierarchical";
         } else {
             algo_ = weft::ops::algo_name(weft::ops::resolve_all_gather_algo(
                 weft::ops::AllGatherAlgo::kAuto, weft::env::get("WEFT_ALLGATHER_ALGO"), slot_bytes,
@@ -236,7 +249,7 @@ private:
 /// over the ranks of slice `rank`, added in rank order in fp32 and rounded once. After a call (in stream order)
 /// every peer has finished reading this rank's `partial`, so it may be rewritten.
 ///  weft:   ops::reduce_scatter(partial, out), automatic algorithm (sm_pull: peers read the symmetric input in
-///          place between an entry and an exit barrier).
+///          place between an entry and an exit barrier); across nodes the hierarchical reduce_scatter.
 ///  simple: device barrier, bench_sum_kernel reading slice `rank` of every peer's partial, device barrier.
 /// `n` must be a multiple of 8 (the simple kernel's vectors). Construction and release() are collective.
 class BaselineReduceScatter {
@@ -251,6 +264,8 @@ public:
             algo_ = "simple";
         } else if (w.num_ranks() == 1) {
             algo_ = "copy";
+        } else if (w.num_nodes() > 1) {
+            algo_ = "hierarchical";
         } else {
             const uint64_t out_bytes = static_cast<uint64_t>(rows * n) * static_cast<uint64_t>(weft::dtype_bytes(t));
             algo_ = weft::ops::algo_name(weft::ops::resolve_reduce_scatter_algo(
@@ -296,7 +311,8 @@ private:
 /// (a)'s all-reduce: `partial` is a symmetric [m, n] buffer of dtype `t` (the same allocation on every rank);
 /// `out` [m, n] (any device memory, not overlapping it) gets the element-wise sum over the ranks (rank order,
 /// fp32, rounded once). After a call (in stream order) `partial` may be rewritten.
-///  weft:   ops::all_reduce(partial, out), automatic algorithm (LL, one-shot or two-shot by size).
+///  weft:   ops::all_reduce(partial, out), automatic algorithm (LL, one-shot or two-shot by size; across nodes
+///          the hierarchical all_reduce).
 ///  simple: device barrier, bench_sum_kernel reading every peer's partial, device barrier.
 /// `n` must be a multiple of 8 (the simple kernel's vectors). Construction and release() are collective.
 class BaselineAllReduce {
@@ -316,6 +332,7 @@ public:
     /// weft's choice for an all-reduce of `bytes` bytes per rank on `w` ("copy" on one rank).
     static std::string weft_algo(World& w, uint64_t bytes) {
         if (w.num_ranks() == 1) return "copy";
+        if (w.num_nodes() > 1) return "hierarchical";
         return weft::ops::algo_name(weft::ops::resolve_all_reduce_algo(weft::ops::AllReduceAlgo::kAuto,
                                                                        weft::env::get("WEFT_ALLREDUCE_ALGO"), bytes,
                                                                        weft::ops::prepare_collectives(w).topology));
