@@ -21,10 +21,10 @@
 // Traced builds (weft/device/trace.cuh, docs/profiling.md): "wait peer r" per signal awaited (tile::wait_each);
 // from thread 0 of each block "send" (its rows, after the credit wait), "recv" (the wait and the copies into the
 // masked output) and "combine" (the wait and the weighted sums); "notify" per rank from the last block of a send.
-// Every event is kept in the block's trace log (shared memory) and written at the kernel's end, after its signals,
-// into slots the block's last thread claimed at the start (a.trace: the buffer's address, a kernel parameter; the
-// claim bounded by ll_trace_events_per_block): recording costs these short kernels no global atomic before a signal
-// that a peer waits for, and no round trip at their end.
+// Every event is kept at a slot of its own in the block's trace log (shared memory; weft::ep::LlTraceSlots: no
+// atomic) and written at the kernel's end, after its signals, into slots the block's last thread claimed at the start
+// (a.trace: the buffer's address, a kernel parameter; the claim LlTraceSlots::count): recording costs these short
+// kernels no atomic before a signal that a peer waits for, and no round trip at their end.
 #pragma once
 
 #include "ep/common.cuh"
@@ -141,14 +141,15 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
     const int64_t slot_bytes = g.ll_slot_bytes();
     const uint64_t call = a.buffer.state->dispatch_send_calls + 1;
     const int half = static_cast<int>(call & 1u);
+    const weft::ep::LlTraceSlots trace_slots{a.phases, num_ranks};  // traced builds: the block log's slot per event
 
     RouteOut out{sh.route_slot, sh.expert_count, nullptr, nullptr, nullptr};
     compute_routes(g, a.topk_idx, a.idx_stride, a.num_tokens, sh.hist, nullptr, out, a.status, blockIdx.x == 0, call,
                    KernelId::kLowLatencyDispatch);
     // Half `half` of every destination must be free: it has received call - 2. The wait guards the stores into the
     // destinations' slots below (no load: its Token is not needed).
-    tile::wait_each(Block{}, ctx, call > 2 ? num_ranks : 0, FromRankLogged{a.buffer.dispatch_credit}, Cmp::kGe,
-                    call - 2);
+    tile::wait_each(Block{}, ctx, call > 2 ? num_ranks : 0,
+                    FromRankLogged{a.buffer.dispatch_credit, trace_slots.credit_wait(0)}, Cmp::kGe, call - 2);
 
     WEFT_TRACE_BEGIN(send_t0);
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
@@ -222,7 +223,8 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
             put16(dst + slot_bytes - 16, uint4{static_cast<uint32_t>(t), static_cast<uint32_t>(lane), 0u, 0u});
         }
     }
-    WEFT_TRACE_DEFER_IF(tid == 0, ctx, TraceKind::kSend, TraceRole::kComm, send_t0, -1, a.num_tokens, 0, 0);
+    WEFT_TRACE_DEFER_AT_IF(tid == 0, trace_slots.send_span(), ctx, TraceKind::kSend, TraceRole::kComm, send_t0, -1,
+                           a.num_tokens, 0, 0);
 
     if (last_block_arrive(&a.buffer.state->arrivals[0])) {
         // Every block's rows are written (acquired above): counts, then one release per rank.
@@ -237,7 +239,8 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
         __syncthreads();
         if (tid < num_ranks) {
             signal_add(peers.at(ctx, a.buffer.dispatch_signal + me, tid), 1);
-            WEFT_TRACE_DEFER(ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, me, tid, 0, 0);
+            WEFT_TRACE_DEFER_AT(trace_slots.notify(tid), ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, me, tid,
+                                0, 0);
         }
         if (tid == 0) {
             a.buffer.state->dispatch_send_calls = call;
@@ -261,11 +264,12 @@ __device__ void ll_dispatch_recv(const DeviceCtx& ctx, const weft::ep::LowLatenc
     const uint64_t call = a.buffer.state->dispatch_recv_calls + 1;
     const int half = static_cast<int>(call & 1u);
     const int units = local_experts * num_ranks;
+    const weft::ep::LlTraceSlots trace_slots{a.phases, num_ranks};  // traced builds: the block log's slot per event
 
     // Every source's sends of this call: its counts (mailbox) and rows (receive slots) are here.
     WEFT_TRACE_BEGIN(recv_t0);
-    const Token arrived =
-        tile::wait_each(Block{}, ctx, num_ranks, FromRankLogged{a.buffer.dispatch_signal}, Cmp::kGe, call);
+    const Token arrived = tile::wait_each(
+        Block{}, ctx, num_ranks, FromRankLogged{a.buffer.dispatch_signal, trace_slots.recv_wait(0)}, Cmp::kGe, call);
     const int32_t* mailbox = tile::consume_token<const int32_t*>(a.buffer.mailbox, arrived);
     const uint8_t* recv_slots = tile::consume_token<const uint8_t*>(a.buffer.recv_slots, arrived);
     // Each word: a count and its source's call signature. A source whose call differs from this rank's (fp8 against
@@ -344,7 +348,8 @@ __device__ void ll_dispatch_recv(const DeviceCtx& ctx, const weft::ep::LowLatenc
             a.handle.recv_src_slot[out_row] = static_cast<int32_t>(trailer.y);
         }
     }
-    WEFT_TRACE_DEFER_IF(tid == 0, ctx, TraceKind::kRecv, TraceRole::kComm, recv_t0, -1, total, 0, 0);
+    WEFT_TRACE_DEFER_AT_IF(tid == 0, trace_slots.recv_span(), ctx, TraceKind::kRecv, TraceRole::kComm, recv_t0, -1,
+                           total, 0, 0);
 
     if (last_block_arrive(&a.buffer.state->arrivals[1])) {
         if (tid < num_ranks) {
@@ -371,14 +376,15 @@ __device__ void ll_combine_send(const DeviceCtx& ctx, const weft::ep::LowLatency
     const int granules = g.hidden / 8;
     const uint64_t call = a.buffer.state->combine_send_calls + 1;
     const int half = static_cast<int>(call & 1u);
+    const weft::ep::LlTraceSlots trace_slots{a.phases, num_ranks};  // traced builds: the block log's slot per event
 
     for (int le = tid; le < local_experts; le += C.threads) {
         sh.unit_prefix[le] = a.handle.expert_counts[le];
     }
     // Half `half` of every source's landing must be free: it has received call - 2. The wait guards the stores into
     // the landings below (no load: its Token is not needed).
-    tile::wait_each(Block{}, ctx, call > 2 ? num_ranks : 0, FromRankLogged{a.buffer.combine_credit}, Cmp::kGe,
-                    call - 2);
+    tile::wait_each(Block{}, ctx, call > 2 ? num_ranks : 0,
+                    FromRankLogged{a.buffer.combine_credit, trace_slots.credit_wait(0)}, Cmp::kGe, call - 2);
     const int32_t total = block_exclusive_scan(sh.unit_prefix, local_experts);
     if (tid == 0) {
         sh.unit_prefix[local_experts] = total;
@@ -418,13 +424,15 @@ __device__ void ll_combine_send(const DeviceCtx& ctx, const weft::ep::LowLatency
             }
         }
     }
-    WEFT_TRACE_DEFER_IF(tid == 0, ctx, TraceKind::kSend, TraceRole::kComm, send_t0, -1, total, 0, 0);
+    WEFT_TRACE_DEFER_AT_IF(tid == 0, trace_slots.send_span(), ctx, TraceKind::kSend, TraceRole::kComm, send_t0, -1,
+                           total, 0, 0);
 
     if (last_block_arrive(&a.buffer.state->arrivals[2])) {
         WEFT_TRACE_BEGIN(notify_t0);
         if (tid < num_ranks) {
             signal_add(peers.at(ctx, a.buffer.combine_signal + me, tid), 1);
-            WEFT_TRACE_DEFER(ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, me, tid, 0, 0);
+            WEFT_TRACE_DEFER_AT(trace_slots.notify(tid), ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, me, tid,
+                                0, 0);
         }
         if (tid == 0) {
             a.buffer.state->combine_send_calls = call;
@@ -445,11 +453,12 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
     const int granules = g.hidden / 8;
     const uint64_t call = a.buffer.state->combine_recv_calls + 1;
     const int half = static_cast<int>(call & 1u);
+    const weft::ep::LlTraceSlots trace_slots{a.phases, num_ranks};  // traced builds: the block log's slot per event
 
     // Every expert rank's rows of this call are in the landing.
     WEFT_TRACE_BEGIN(combine_t0);  // the wait included
-    const Token arrived =
-        tile::wait_each(Block{}, ctx, num_ranks, FromRankLogged{a.buffer.combine_signal}, Cmp::kGe, call);
+    const Token arrived = tile::wait_each(
+        Block{}, ctx, num_ranks, FromRankLogged{a.buffer.combine_signal, trace_slots.recv_wait(0)}, Cmp::kGe, call);
     const uint16_t* landing = tile::consume_token<const uint16_t*>(a.buffer.landing, arrived);
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
     const int num_warps = static_cast<int>(gridDim.x) * kWarps;
@@ -470,7 +479,8 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
         warp_weighted_sum<U>(slots, weight, rows_of, split.begin(part), g_end,
                              [dst](int gi, uint4 v) { ptx::st(dst + gi, v); });
     }
-    WEFT_TRACE_DEFER_IF(tid == 0, ctx, TraceKind::kCombine, TraceRole::kComm, combine_t0, a.num_tokens, 0, 0, 0);
+    WEFT_TRACE_DEFER_AT_IF(tid == 0, trace_slots.recv_span(), ctx, TraceKind::kCombine, TraceRole::kComm, combine_t0,
+                           a.num_tokens, 0, 0, 0);
 
     if (last_block_arrive(&a.buffer.state->arrivals[3])) {
         if (tid < num_ranks) {

@@ -82,12 +82,16 @@ struct FromRank {
     }
 };
 
-/// FromRank whose waits record their "wait peer" trace events into the block's trace log (weft/device/trace.cuh),
-/// written when the block ends, instead of into the trace buffer at once: for the low-latency kernels, which flush
-/// the log after their last signal. The same wait otherwise (untraced builds: identical).
+/// FromRank whose waits keep their "wait peer" trace events in the block's trace log (weft/device/trace.cuh), the
+/// wait for rank first + i at log slot trace_slot + i, written when the block ends, instead of into the trace buffer
+/// at once: for the low-latency kernels, which flush the log after their last signal. The same wait otherwise
+/// (untraced builds: identical; trace_slot unused).
 struct FromRankLogged : FromRank {
-    static constexpr bool kTraceToBlockLog = true;
-    __device__ __forceinline__ explicit FromRankLogged(const uint64_t* s, int f = 0) : FromRank{s, f} {}
+    int trace_slot;
+    __device__ __forceinline__ FromRankLogged(const uint64_t* s, int slot, int f = 0)
+        : FromRank{s, f}, trace_slot(slot) {}
+    /// The log slot of the wait for rank `peer`.
+    __device__ __forceinline__ int trace_slot_of(int peer) const { return trace_slot + peer - first; }
 };
 
 }  // namespace weft::kernels::ep

@@ -224,6 +224,47 @@ TEST(TraceWriter, LowLatencyClaimCoversEveryDeferredEvent) {
     EXPECT_EQ(weft::ep::ll_trace_events_per_block(0, 8), 0);
 }
 
+// Each trace site of a low-latency block writes its own slot of the block log: for every launch's phases and world
+// size the sites' slots are distinct and fill [0, count()) exactly (no slot claimed that no site owns, none outside
+// the claim), the spans, which every block writes, sit at the first slots (always within the log's 64), and the
+// notifies, which only the last block writes, at the last.
+TEST(TraceWriter, LowLatencySlotsGiveEverySiteItsOwnSlotInTheClaim) {
+    using weft::ep::LlTraceSlots;
+    const int32_t all_phases[] = {weft::ep::kPhaseSend, weft::ep::kPhaseRecv,
+                                  weft::ep::kPhaseSend | weft::ep::kPhaseRecv};
+    for (const int32_t phases : all_phases) {
+        for (int32_t num_ranks = 1; num_ranks <= weft::ep::kMaxRanks; ++num_ranks) {
+            SCOPED_TRACE(::testing::Message() << "phases " << phases << ", " << num_ranks << " ranks");
+            const LlTraceSlots slots{phases, num_ranks};
+            std::vector<int> owners(static_cast<size_t>(slots.count()), 0);
+            const auto own = [&](int slot) {
+                ASSERT_GE(slot, 0);
+                ASSERT_LT(slot, slots.count());
+                ++owners[static_cast<size_t>(slot)];
+            };
+            const bool send = (phases & weft::ep::kPhaseSend) != 0;
+            const bool recv = (phases & weft::ep::kPhaseRecv) != 0;
+            if (send) {
+                own(slots.send_span());
+                EXPECT_EQ(slots.send_span(), 0);
+                for (int r = 0; r < num_ranks; ++r) own(slots.credit_wait(r));
+                for (int r = 0; r < num_ranks; ++r) own(slots.notify(r));
+            }
+            if (recv) {
+                own(slots.recv_span());
+                EXPECT_EQ(slots.recv_span(), send ? 1 : 0);
+                for (int r = 0; r < num_ranks; ++r) own(slots.recv_wait(r));
+            }
+            // The last block's notifies (after its signals) are the last run: past the log's 64 they go first.
+            if (send) {
+                EXPECT_EQ(slots.notify(0), slots.count() - num_ranks);
+            }
+            EXPECT_EQ(std::count(owners.begin(), owners.end(), 1), slots.count()) << "a slot with no site or two";
+            EXPECT_EQ(slots.count(), weft::ep::ll_trace_events_per_block(phases, num_ranks));
+        }
+    }
+}
+
 TEST(TraceEnv, PathCapacityAndTheJitDefine) {
     {
         ScopedEnv unset("WEFT_TRACE", std::nullopt);

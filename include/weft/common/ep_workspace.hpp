@@ -545,11 +545,35 @@ struct LowLatencyArgs {
                                   ///< traced builds claim their trace slots with it (weft/device/trace.cuh)
 };
 
-/// The most trace events a block of a low-latency launch defers into its trace log (traced builds: the slots it
-/// claims at its start): per send phase a credit wait per rank, its "send" and, in the last block, a "notify" per
-/// rank; per receive phase a wait per rank and its "recv" or "combine".
+/// Where each trace event of a block of a low-latency launch goes in its block log (traced builds,
+/// weft/device/trace.cuh: every site writes its own slot, so a defer takes no atomic). The spans first, at slots that
+/// depend on the phases only (always within the log's 64): the send phase's "send", the receive phase's "recv" or
+/// "combine"; then a run of num_ranks slots per per-rank event: the send phase's credit waits, the receive phase's
+/// waits, and last the send phase's "notify" per rank, which only the last block writes (after its signals): past the
+/// log's 64 slots (recorded at once) those go first. count() slots in all, each with one site: a block claims them all.
+struct LlTraceSlots {
+    int32_t phases;  ///< LowLatencyPhase bits of the launch
+    int32_t num_ranks;
+
+    WEFT_HOST_DEVICE constexpr int send() const { return (phases & kPhaseSend) != 0 ? 1 : 0; }
+    WEFT_HOST_DEVICE constexpr int recv() const { return (phases & kPhaseRecv) != 0 ? 1 : 0; }
+    /// The send phase's "send" span.
+    WEFT_HOST_DEVICE constexpr int send_span() const { return 0; }
+    /// The receive phase's "recv" (dispatch) or "combine" span.
+    WEFT_HOST_DEVICE constexpr int recv_span() const { return send(); }
+    /// The send phase's wait for rank r's credit.
+    WEFT_HOST_DEVICE constexpr int credit_wait(int r) const { return send() + recv() + r; }
+    /// The receive phase's wait for rank r's signal.
+    WEFT_HOST_DEVICE constexpr int recv_wait(int r) const { return send() + recv() + send() * num_ranks + r; }
+    /// The send phase's "notify" of rank r (the last block).
+    WEFT_HOST_DEVICE constexpr int notify(int r) const { return send() + recv() + (send() + recv()) * num_ranks + r; }
+    /// Slots in all.
+    WEFT_HOST_DEVICE constexpr int count() const { return send() * (2 * num_ranks + 1) + recv() * (num_ranks + 1); }
+};
+
+/// The trace slots a block of a low-latency launch claims at its start (LlTraceSlots::count).
 WEFT_HOST_DEVICE constexpr int ll_trace_events_per_block(int32_t phases, int32_t num_ranks) {
-    return ((phases & kPhaseSend) != 0 ? 2 * num_ranks + 1 : 0) + ((phases & kPhaseRecv) != 0 ? num_ranks + 1 : 0);
+    return LlTraceSlots{phases, num_ranks}.count();
 }
 
 /// Carves one dynamic shared-memory allocation into 16-byte aligned arrays, identically on host and

@@ -70,10 +70,11 @@ struct TraceBuffer {
 }  // namespace weft
 #include <cstddef>  // offsetof
 namespace weft {
-// A block log copies events as three 16-byte words and fills in `sm` and `block` in the second (trace.cuh).
+// A block log writes and copies events as three 16-byte words and fills in `sm` and `block` in the second (trace.cuh).
 static_assert(offsetof(TraceBuffer, events) == 16, "TraceBuffer's events are 16-byte aligned");
-static_assert(offsetof(TraceEvent, kind) == 16 && offsetof(TraceEvent, sm) == 18 && offsetof(TraceEvent, block) == 24,
-              "TraceEvent: kind and sm share the second 16-byte word's first 4 bytes, block its third 4 bytes");
+static_assert(offsetof(TraceEvent, kind) == 16 && offsetof(TraceEvent, sm) == 18 && offsetof(TraceEvent, role) == 20 &&
+                  offsetof(TraceEvent, block) == 24 && offsetof(TraceEvent, args) == 28,
+              "TraceEvent: the second 16-byte word holds kind and sm, role (and its padding), block, args[0]");
 #endif
 
 /// Bytes of a TraceBuffer holding `capacity` events.

@@ -42,8 +42,8 @@ inline constexpr bool kIsToken<Token> = true;
 
 #if defined(WEFT_TRACE)
 /// A polling thread's "wait peer" event, written after the group's barrier (off the path of the group's other
-/// threads); into the block's trace log when the signal functor asks for it (kTraceToBlockLog: the kernel flushes
-/// one), else straight into the trace buffer.
+/// threads); into the block's trace log at the slot the signal functor names for the peer when it names one
+/// (trace_slot_of: the kernel flushes the log), else straight into the trace buffer.
 struct PendingWait {
     uint64_t begin_ns = 0;
     uint64_t end_ns = 0;
@@ -52,9 +52,9 @@ struct PendingWait {
     template <class SignalAt>
     __device__ __forceinline__ void write(const DeviceCtx& ctx, const SignalAt& signal_at, int line, uint64_t value) {
         if (peer < 0) return;
-        if constexpr (requires { signal_at.kTraceToBlockLog; }) {
-            trace::defer_span(ctx, TraceKind::kWaitPeer, TraceRole::kComm, begin_ns, end_ns, peer, line,
-                              static_cast<int32_t>(value), 0);
+        if constexpr (requires { signal_at.trace_slot_of(peer); }) {
+            trace::defer_span_at(ctx, signal_at.trace_slot_of(peer), TraceKind::kWaitPeer, TraceRole::kComm, begin_ns,
+                                 end_ns, peer, line, static_cast<int32_t>(value), 0);
         } else {
             trace::record_span(ctx, TraceKind::kWaitPeer, TraceRole::kComm, begin_ns, end_ns, peer, line,
                                static_cast<int32_t>(value), 0);
@@ -72,7 +72,7 @@ struct TokenIssuer {
     /// A thread stops polling at its first failed signal (timeout or abort: Diagnostic recorded, abort word raised);
     /// the group barrier reduces the outcome (Group::all). Traced builds (weft/device/trace.cuh): a thread that polls
     /// a SignalFrom records "wait peer <its rank>" (args: the rank, `line`, the value awaited) after the group's
-    /// barrier (into the block's trace log when the functor has kTraceToBlockLog); bare pointers record nothing.
+    /// barrier (into the block's trace log when the functor names a slot: trace_slot_of); bare pointers record nothing.
     /// kChecked: the result, uniform over the group, says whether all arrived (spin_until_checked: inline). Otherwise
     /// (spin_until_or_record: the failure path is a call) every thread of the group ends together with `exit` when any
     /// failed, and the result is the Token: ending the group together keeps a counted named barrier (Warpgroup) from

@@ -19,18 +19,20 @@
 //
 // A record is a round trip to L2 (the atomic that claims the slot) before its store: on a short kernel's critical
 // path (a signal that peers wait for, a barrier) that costs. Such a kernel takes its buffer's address as a kernel
-// parameter (the host passes this rank's TraceBuffer, or nullptr), keeps its events in a block log in shared memory
-// and writes them at its end into slots the block claimed at its start:
+// parameter (the host passes this rank's TraceBuffer, or nullptr), keeps its events in a block log in shared memory,
+// each site at a slot of its own that it knows statically (no atomic, no count), and writes them at its end into
+// slots the block claimed at its start:
 //
 //   WEFT_TRACE_OPEN_BLOCK_LOG(claim, a.trace, slots);  // at the kernel's start, before a __syncthreads: claims slots
-//   WEFT_TRACE_DEFER_IF(tid == 0, ctx, TraceKind::kSend, TraceRole::kComm, t0, -1, n, 0, 0);  // [t0, now], kept
+//   WEFT_TRACE_DEFER_AT_IF(tid == 0, 0, ctx, TraceKind::kSend, TraceRole::kComm, t0, -1, n, 0, 0);  // [t0, now] at 0
 //   WEFT_TRACE_FLUSH_BLOCK_LOG(claim);  // at the kernel's end, every thread of the block (after its last signal)
 //
 // OPEN declares `claim` (FLUSH reads it: both in the kernel's body, in one scope). The block's last thread issues the
 // claim's atomic add at once (the address is a parameter: no load before it) and nothing reads its result until the
-// flush, so no thread waits for it. `slots` bounds the events the block defers (at most the log's 64): the claimed
-// slots it leaves empty are written as empty events (kind 0), which the host skips and counts as unused; events past
-// the claim are recorded one by one at the flush (an atomic round trip each: keep the bound true).
+// flush, so no thread waits for it. `slots` is the number of log slots the block's sites use (at most the log's 64):
+// the claimed slots no site wrote are written as empty events (kind 0), which the host skips and counts as unused;
+// an event at a log slot past the claim is recorded at the flush, one past the log at once (an atomic round trip
+// each: keep the slots below the claim).
 #pragma once
 
 #include "weft/common/device_ctx.hpp"
@@ -106,28 +108,27 @@ __device__ __forceinline__ void record(const DeviceCtx& ctx, TraceKind kind, Tra
 }
 
 #if defined(WEFT_TRACE)  // the block log exists only in traced builds (no shared variable otherwise)
-/// A block's events kept in shared memory until the block ends (one per block: block_log()). The events' `sm` and
-/// `block` are filled in when the log is written (a block stays on its SM): a defer reads no %smid.
+/// A block's events kept in shared memory until the block ends (one per block: block_log()), each at a slot its site
+/// names; a slot whose kind is 0 holds no event. The events' `sm` and `block` are filled in when the log is written (a
+/// block stays on its SM): a defer reads no %smid.
 template <int N>
 struct BlockLog {
     static constexpr int kCapacity = N;
-    uint32_t count;  ///< events deferred (those past N were recorded at once)
-    uint32_t reserved[3];
     TraceEvent events[N];
 };
 
 /// The block's log (a function-scope __shared__ object: the same one wherever a kernel calls this; it exists only in
-/// kernels that call it). 64 events: 3 KiB of shared memory; a low-latency EP block with both phases keeps up to
-/// 3 per rank + 2 (weft::ep::ll_trace_events_per_block). 16-byte aligned: the flush copies 16-byte words.
+/// kernels that call it). 64 events: 3 KiB of shared memory; a low-latency EP block with both phases keeps
+/// 3 per rank + 2 (weft::ep::LlTraceSlots). 16-byte aligned: the flush copies 16-byte words.
 template <int N = 64>
 __device__ __forceinline__ BlockLog<N>& block_log() {
     __shared__ __align__(16) BlockLog<N> log;
     return log;
 }
 
-/// The trace-buffer slots [first, first + slots) a block claimed when it opened its log. `buffer` and `slots` are the
-/// same in every thread; `first` (the claim's atomic result) and `capacity` (the buffer's, loaded with it) are held
-/// by the block's last thread only and read first by the flush.
+/// The trace-buffer slots [first, first + slots) a block claimed when it opened its log (the log's slots
+/// [0, slots) land there). `buffer` and `slots` are the same in every thread; `first` (the claim's atomic result) and
+/// `capacity` (the buffer's, loaded with it) are held by the block's last thread only and read first by the flush.
 struct BlockLogClaim {
     TraceBuffer* buffer;
     uint32_t first;
@@ -135,57 +136,67 @@ struct BlockLogClaim {
     uint32_t slots;
 };
 
-/// Empties the block's log (thread 0) and claims min(slots, the log's capacity) slots of `buffer` (nullptr: none)
-/// with one atomic add from the block's last thread, not waited for. Every thread calls it, before a __syncthreads
-/// that precedes any defer.
+/// Empties the block's log (its threads clear the slots' kinds) and claims min(slots, the log's capacity) slots of
+/// `buffer` (nullptr: none) with one atomic add from the block's last thread, not waited for. Every thread calls it,
+/// before a __syncthreads that precedes any defer.
 __device__ __forceinline__ BlockLogClaim open_block_log(TraceBuffer* buffer, int slots) {
     constexpr int kCap = BlockLog<64>::kCapacity;
     BlockLogClaim c{buffer, 0, 0, 0};
     if (buffer != nullptr && slots > 0) c.slots = static_cast<uint32_t>(slots < kCap ? slots : kCap);
-    if (threadIdx.x == 0) block_log().count = 0;
     if (threadIdx.x == blockDim.x - 1 && buffer != nullptr) {
         c.capacity = __ldg(&buffer->capacity);
-        if (c.slots == 0) return c;
-        // ptxas turns an atomic add on an address it knows to be uniform over the warp into a warp-aggregated one
-        // whose result a shuffle broadcasts at once: the warp would wait for the round trip right here. An address
-        // offset by (lane - the claiming thread's lane), 0 in the claiming thread, is not provably uniform.
-        uint32_t lane;
-        asm("mov.u32 %0, %%laneid;" : "=r"(lane));
-        uint32_t* const count = &buffer->count + (static_cast<int>(lane) - static_cast<int>((blockDim.x - 1u) & 31u));
-        asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;"
-                     : "=r"(c.first)
-                     : "l"(__cvta_generic_to_global(count)), "r"(c.slots)
-                     : "memory");
+        if (c.slots != 0) {
+            // ptxas turns an atomic add on an address it knows to be uniform over the warp into a warp-aggregated
+            // one whose result a shuffle broadcasts at once: the warp would wait for the round trip right here. An
+            // address offset by (lane - the claiming thread's lane), 0 in the claiming thread, is not provably uniform.
+            uint32_t lane;
+            asm("mov.u32 %0, %%laneid;" : "=r"(lane));
+            uint32_t* const count =
+                &buffer->count + (static_cast<int>(lane) - static_cast<int>((blockDim.x - 1u) & 31u));
+            asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;"
+                         : "=r"(c.first)
+                         : "l"(__cvta_generic_to_global(count)), "r"(c.slots)
+                         : "memory");
+        }
     }
+    auto& log = block_log();
+    for (uint32_t i = threadIdx.x; i < static_cast<uint32_t>(kCap); i += blockDim.x) log.events[i].kind = 0;
     return c;
 }
 
-/// Keeps the event [begin_ns, end_ns] in the block's log (a shared-memory atomic and store: no global memory, no
-/// %smid); past the log's capacity the event is recorded at once.
-__device__ __forceinline__ void defer_span(const DeviceCtx& ctx, TraceKind kind, TraceRole role, uint64_t begin_ns,
-                                           uint64_t end_ns, int32_t arg0, int32_t arg1, int32_t arg2, int32_t arg3) {
+/// Keeps the event [begin_ns, end_ns] at slot `slot` of the block's log: shared-memory stores only (no atomic, no
+/// global memory, no %smid). A slot has one writer per launch (a second event replaces the first). A slot past the
+/// log's capacity records the event at once (an atomic round trip: keep the slots below it).
+__device__ __forceinline__ void defer_span_at(const DeviceCtx& ctx, int slot, TraceKind kind, TraceRole role,
+                                              uint64_t begin_ns, uint64_t end_ns, int32_t arg0, int32_t arg1,
+                                              int32_t arg2, int32_t arg3) {
     auto& log = block_log();
-    const uint32_t i = atomicAdd(&log.count, 1u);
-    if (i >= static_cast<uint32_t>(log.kCapacity)) {
+    if (static_cast<uint32_t>(slot) >= static_cast<uint32_t>(log.kCapacity)) {
         record_span(ctx, kind, role, begin_ns, end_ns, arg0, arg1, arg2, arg3);
         return;
     }
-    log.events[i] = event_of(kind, role, begin_ns, end_ns, arg0, arg1, arg2, arg3, 0, 0);  // SM, block: the flush's
+    // The event's three 16-byte words (trace.hpp checks the offsets): {begin, end}, {kind (sm 0), role, block 0, arg0},
+    // {arg1, arg2, arg3, 0}; the flush fills in SM and block.
+    auto* dst = reinterpret_cast<uint4*>(&log.events[slot]);
+    dst[0] = uint4{static_cast<uint32_t>(begin_ns), static_cast<uint32_t>(begin_ns >> 32),
+                   static_cast<uint32_t>(end_ns), static_cast<uint32_t>(end_ns >> 32)};
+    dst[1] = uint4{static_cast<uint32_t>(kind), static_cast<uint32_t>(role), 0u, static_cast<uint32_t>(arg0)};
+    dst[2] = uint4{static_cast<uint32_t>(arg1), static_cast<uint32_t>(arg2), static_cast<uint32_t>(arg3), 0u};
 }
 
-/// Keeps the event [begin_ns, now] in the block's log.
-__device__ __forceinline__ void defer(const DeviceCtx& ctx, TraceKind kind, TraceRole role, uint64_t begin_ns,
-                                      int32_t arg0, int32_t arg1, int32_t arg2, int32_t arg3) {
-    defer_span(ctx, kind, role, begin_ns, ptx::globaltimer(), arg0, arg1, arg2, arg3);
+/// Keeps the event [begin_ns, now] at slot `slot` of the block's log.
+__device__ __forceinline__ void defer_at(const DeviceCtx& ctx, int slot, TraceKind kind, TraceRole role,
+                                         uint64_t begin_ns, int32_t arg0, int32_t arg1, int32_t arg2, int32_t arg3) {
+    defer_span_at(ctx, slot, kind, role, begin_ns, ptx::globaltimer(), arg0, arg1, arg2, arg3);
 }
 
 /// Writes the block's log into the slots open_block_log claimed. Every thread of the block calls it once, at the
 /// block's end (it begins with a __syncthreads; no defer may follow). Then the claiming thread's warp (the block's
 /// last, possibly partial) writes slot first + i from lane i % lanes: the log's event i with the block's SM and index
-/// filled in (three 16-byte stores), or an empty event (kind 0) where the block deferred fewer; no load and no
+/// filled in (three 16-byte stores), or an empty event (kind 0) where no site wrote slot i; no global load and no
 /// returning atomic. Slots past the buffer's capacity are dropped (count counted them); the empty ones among them
-/// are added to TraceBuffer::unused_past_capacity (a reduction: nothing waits for it). Events past the claim (a bound
-/// that did not hold) are recorded one by one.
+/// are added to TraceBuffer::unused_past_capacity (a reduction: nothing waits for it). Events at log slots past the
+/// claim (a bound that did not hold) are recorded one by one.
 __device__ __forceinline__ void flush_block_log(const BlockLogClaim& c) {
     __syncthreads();
     TraceBuffer* const b = c.buffer;
@@ -197,44 +208,35 @@ __device__ __forceinline__ void flush_block_log(const BlockLogClaim& c) {
     const uint32_t first = __shfl_sync(mask, c.first, static_cast<int>(lanes - 1u));
     const uint32_t capacity = __shfl_sync(mask, c.capacity, static_cast<int>(lanes - 1u));
     const auto& log = block_log();
-    const uint32_t deferred = log.count < static_cast<uint32_t>(log.kCapacity) ? log.count : log.kCapacity;
     const uint32_t sm = sm_id();
-    for (uint32_t i = lane; i < c.slots; i += lanes) {
-        const uint32_t slot = first + i;
-        if (slot >= capacity) break;  // dropped, as every later slot of this lane
-        auto* dst = reinterpret_cast<uint4*>(&b->events[slot]);
-        if (i < deferred) {
-            const auto* src = reinterpret_cast<const uint4*>(&log.events[i]);
-            uint4 w1 = src[1];
-            w1.x = (w1.x & 0xffffu) | (sm << 16);  // kind (low half), sm (high half)
-            w1.z = blockIdx.x;                     // block
-            dst[0] = src[0];
-            dst[1] = w1;
-            dst[2] = src[2];
-        } else {
+    uint32_t unused_past_capacity = 0;  // this lane's empty claimed slots at or past the capacity
+    for (uint32_t i = lane; i < static_cast<uint32_t>(log.kCapacity); i += lanes) {
+        const auto* src = reinterpret_cast<const uint4*>(&log.events[i]);
+        uint4 w1 = src[1];
+        const bool fired = (w1.x & 0xffffu) != 0u;  // kind (low half)
+        w1.x = (w1.x & 0xffffu) | (sm << 16);       // sm (high half)
+        w1.z = blockIdx.x;                          // block
+        if (i < c.slots) {
+            if (uint64_t{first} + i >= capacity) {
+                unused_past_capacity += fired ? 0u : 1u;  // dropped (count counted it)
+                continue;
+            }
+            auto* dst = reinterpret_cast<uint4*>(&b->events[first + i]);
             const uint4 zero{0u, 0u, 0u, 0u};
-            dst[0] = zero;
-            dst[1] = zero;
-            dst[2] = zero;
+            dst[0] = fired ? src[0] : zero;
+            dst[1] = fired ? w1 : zero;
+            dst[2] = fired ? src[2] : zero;
+        } else if (fired) {
+            append(b, capacity, [&] {
+                TraceEvent out = log.events[i];
+                out.sm = static_cast<uint16_t>(sm);
+                out.block = blockIdx.x;
+                return out;
+            });
         }
     }
-    if (lane == 0 && deferred < c.slots) {
-        // Empty claimed slots [first + deferred, first + slots) past the capacity: counted, never written.
-        const uint64_t empty_end = uint64_t{first} + c.slots;
-        const uint64_t empty_begin = uint64_t{first} + deferred;
-        const uint64_t kept_end = empty_begin > capacity ? empty_begin : uint64_t{capacity};
-        if (empty_end > kept_end) {
-            ptx::red_add<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&b->unused_past_capacity,
-                                                               static_cast<uint32_t>(empty_end - kept_end));
-        }
-    }
-    for (uint32_t i = c.slots + lane; i < deferred; i += lanes) {
-        append(b, capacity, [&] {
-            TraceEvent out = log.events[i];
-            out.sm = static_cast<uint16_t>(sm);
-            out.block = blockIdx.x;
-            return out;
-        });
+    if (unused_past_capacity != 0u) {
+        ptx::red_add<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&b->unused_past_capacity, unused_past_capacity);
     }
 }
 #endif
@@ -252,10 +254,10 @@ __device__ __forceinline__ void flush_block_log(const BlockLogClaim& c) {
     if (cond) ::weft::device::trace::record((ctx), ::weft::kind, ::weft::role, (begin), (a0), (a1), (a2), (a3))
 #define WEFT_TRACE_OPEN_BLOCK_LOG(claim, buffer, slots) \
     const ::weft::device::trace::BlockLogClaim claim = ::weft::device::trace::open_block_log((buffer), (slots))
-#define WEFT_TRACE_DEFER(ctx, kind, role, begin, a0, a1, a2, a3) \
-    ::weft::device::trace::defer((ctx), ::weft::kind, ::weft::role, (begin), (a0), (a1), (a2), (a3))
-#define WEFT_TRACE_DEFER_IF(cond, ctx, kind, role, begin, a0, a1, a2, a3) \
-    if (cond) ::weft::device::trace::defer((ctx), ::weft::kind, ::weft::role, (begin), (a0), (a1), (a2), (a3))
+#define WEFT_TRACE_DEFER_AT(slot, ctx, kind, role, begin, a0, a1, a2, a3) \
+    ::weft::device::trace::defer_at((ctx), (slot), ::weft::kind, ::weft::role, (begin), (a0), (a1), (a2), (a3))
+#define WEFT_TRACE_DEFER_AT_IF(cond, slot, ctx, kind, role, begin, a0, a1, a2, a3) \
+    if (cond) WEFT_TRACE_DEFER_AT(slot, ctx, kind, role, begin, a0, a1, a2, a3)
 #define WEFT_TRACE_FLUSH_BLOCK_LOG(claim) ::weft::device::trace::flush_block_log(claim)
 #define WEFT_TRACE_DO(...) __VA_ARGS__
 #else
@@ -265,8 +267,8 @@ __device__ __forceinline__ void flush_block_log(const BlockLogClaim& c) {
 #define WEFT_TRACE_RECORD(ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
 #define WEFT_TRACE_RECORD_IF(cond, ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
 #define WEFT_TRACE_OPEN_BLOCK_LOG(claim, buffer, slots) static_cast<void>(0)
-#define WEFT_TRACE_DEFER(ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
-#define WEFT_TRACE_DEFER_IF(cond, ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
+#define WEFT_TRACE_DEFER_AT(slot, ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
+#define WEFT_TRACE_DEFER_AT_IF(cond, slot, ctx, kind, role, begin, a0, a1, a2, a3) static_cast<void>(0)
 #define WEFT_TRACE_FLUSH_BLOCK_LOG(claim) static_cast<void>(0)
 #define WEFT_TRACE_DO(...) static_cast<void>(0)
 #endif
