@@ -188,12 +188,16 @@ void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const Tenso
     check_routing(routing, kOp);
     check_matrix(a, kOp, "a", DType::kBF16, routing.tokens, -1);
     check_matrix(a_rows, kOp, "a_rows", DType::kBF16, routing.rows_capacity, a.dim(1));
-    WEFT_CHECK(a_rows.data != a.data, kOp << ": a_rows (the workspace) must not alias a");
+    WEFT_CHECK(!ops::detail::views_overlap(a_rows, a), kOp << ": a_rows (the workspace) must not overlap a, got a_rows "
+                                                           << a_rows.data << " (" << a_rows.describe() << "), a "
+                                                           << a.data << " (" << a.describe() << ")");
     WEFT_CHECK(b.ndim == 3 && b.dim(0) == routing.num_experts,
                kOp << ": b must be [E, ...] with E = routing.num_experts = " << routing.num_experts << ", got "
                    << b.describe());
-    // The grouped GEMM checks b, d and the dtypes against a_rows.
-    validate_grouped_gemm_args(GroupedLayout::kContiguous, a_rows, b, d, b_layout, routing.offsets, routing.counts);
+    // The grouped GEMM checks b, d and the dtypes against a_rows; its options are checked before the gather runs.
+    const GroupedGemmProblem p =
+        validate_grouped_gemm_args(GroupedLayout::kContiguous, a_rows, b, d, b_layout, routing.offsets, routing.counts);
+    ops::detail::check_grouped_gemm_options(options, p);
     if (routing.rows_capacity == 0) return;
     launch_gather(a, routing, a_rows, stream);
     grouped_gemm_contiguous(a_rows, b, d, b_layout, routing.offsets, routing.counts, stream, options);
@@ -466,10 +470,10 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
     const int64_t h = s.shape.hidden, f = s.shape.ffn, e = s.shape.num_experts, topk = s.shape.topk;
     check_matrix(x_local, op, "x_local", DType::kBF16, -1, h);
     const int64_t tpr = x_local.dim(0);
-    const int64_t m = tpr * s.num_ranks;
-    WEFT_CHECK(tpr >= 1 && m <= s.shape.max_tokens,
+    WEFT_CHECK(tpr >= 1 && tpr <= s.shape.max_tokens / s.num_ranks,
                op << ": x_local must have 1 .. max_tokens / W = " << s.shape.max_tokens / s.num_ranks << " rows, got "
                   << x_local.describe());
+    const int64_t m = tpr * s.num_ranks;
     check_dense(topk_idx, op, "topk_idx", DType::kI32, m, topk);
     WEFT_CHECK(
         w.ndim == 3 && w.dtype == DType::kBF16 && w.dim(0) == e && w.dim(1) == f && w.dim(2) == h,

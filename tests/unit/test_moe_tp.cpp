@@ -202,7 +202,28 @@ TEST(MoeTpArgs, GatheredGemmNamesTheBadArgument) {
                   ops::grouped_gemm_gathered(a, b, view(DType::kBF16, {200, 520}), BLayout::kNK, r, a_rows, nullptr);
               }).find("d must be [rows, N]"),
               std::string::npos);
-    EXPECT_NE(error_of([&] { ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, top1, a, nullptr); }).find("alias"),
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, top1, a, nullptr);
+              }).find("a_rows (the workspace) must not overlap a"),
+              std::string::npos);
+    // A workspace that starts inside a (a's row 50) overlaps it without aliasing it.
+    const TensorView inside(static_cast<char*>(a.data) + 50 * 256 * 2, DType::kBF16, {100, 256});
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, top1, inside, nullptr);
+              }).find("a_rows (the workspace) must not overlap a"),
+              std::string::npos);
+    // The grouped GEMM's options are checked before the gather runs (nothing launched for a refused call).
+    ops::GroupedGemmOptions bad;
+    bad.sm_budget = -1;
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, r, a_rows, nullptr, bad);
+              }).find("options.sm_budget must be >= 0"),
+              std::string::npos);
+    bad = {};
+    bad.status = reinterpret_cast<ops::GroupedStatus*>(uintptr_t{0x1002});
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, r, a_rows, nullptr, bad);
+              }).find("options.status must be 4-byte aligned"),
               std::string::npos);
     MoeRouting small = r;
     small.rows_capacity = 150;
