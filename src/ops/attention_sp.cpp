@@ -57,7 +57,7 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
     }
     detail::DecodeAttentionPlan plan =
         detail::plan_decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, options,
-                                      detail::attention_resident_blocks_here(q.dim(2)));
+                                      detail::attention_resident_blocks_here);
     if (plan.empty) return;
     detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team);
     ensure_loaded(team, plan.config);

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 
 #include "weft/common/attention.hpp"
@@ -120,6 +121,13 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
                                           const TensorView& block_table, const TensorView& seq_lens,
                                           int64_t max_seq_len, const TensorView& out, const TensorView& lse,
                                           const DecodeAttentionOptions& options, int64_t resident_blocks);
+/// The same, asking `resident_blocks(head_dim)` (e.g. attention_resident_blocks_here, which queries the device) only
+/// once every argument has passed its check.
+DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                                          const TensorView& block_table, const TensorView& seq_lens,
+                                          int64_t max_seq_len, const TensorView& out, const TensorView& lse,
+                                          const DecodeAttentionOptions& options,
+                                          const std::function<int64_t(int64_t head_dim)>& resident_blocks);
 
 /// Split blocks resident at once on a GPU with `num_sms` SMs of `smem_per_sm_bytes` shared memory each.
 int64_t attention_resident_blocks(const AttentionDecodeConfig& config, int64_t num_sms, int64_t smem_per_sm_bytes);
