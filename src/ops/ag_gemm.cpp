@@ -55,9 +55,10 @@ int64_t validate_ag_gemm_call(const AgGemmShape& s, int num_ranks, const TensorV
     WEFT_CHECK(b.ndim == 2, "ag_gemm: b must be a 2-D [N, K] matrix, got " << b.describe());
     WEFT_CHECK(c.ndim == 2, "ag_gemm: c must be a 2-D [M, N] matrix, got " << c.describe());
     const int64_t rows = a_local.dim(0);
+    WEFT_CHECK(num_ranks >= 1 && rows >= 1 && rows <= s.max_m / num_ranks,
+               "ag_gemm: a_local must have 1 .. max_m/W = " << s.max_m / std::max(num_ranks, 1) << " rows, got "
+                                                            << a_local.describe());
     const int64_t m = rows * num_ranks;
-    WEFT_CHECK(rows >= 1 && m <= s.max_m, "ag_gemm: a_local must have 1 .. max_m/W = "
-                                              << s.max_m / num_ranks << " rows, got " << a_local.describe());
     WEFT_CHECK(a_local.dim(1) == s.k,
                "ag_gemm: a_local must have K = " << s.k << " columns, got " << a_local.describe());
     WEFT_CHECK(a_local.dtype == s.dtype && b.dtype == s.dtype && c.dtype == s.dtype,

@@ -73,6 +73,9 @@ void validate_gemm_rs_shape(const GemmRsShape& s, int num_ranks, const GemmRsOpt
                    "gemm_rs: options.partial_dtype must be " << dtype_name(s.dtype) << " or f32, got "
                                                              << dtype_name(*o.partial_dtype));
     }
+    WEFT_CHECK(
+        o.mode == GemmRsMode::kAuto || o.mode == GemmRsMode::kPull || o.mode == GemmRsMode::kPush,
+        "gemm_rs: options.mode must be GemmRsMode::kAuto, kPull or kPush, got the value " << static_cast<int>(o.mode));
     WEFT_CHECK(o.chunk_rows >= 0, "gemm_rs: options.chunk_rows must be >= 0 (0 = heuristic), got " << o.chunk_rows);
     WEFT_CHECK(o.reduce_ctas >= 0, "gemm_rs: options.reduce_ctas must be >= 0 (0 = heuristic), got " << o.reduce_ctas);
     WEFT_CHECK(o.sm_budget >= 0, "gemm_rs: options.sm_budget must be >= 0 (0 = the world's), got " << o.sm_budget);

@@ -346,6 +346,10 @@ TEST(TpValidation, AgGemmCall) {
         "ag_gemm: gemm: d's row stride must be a multiple of 16 bytes");
     expect_error([&] { ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x10000), DType::kBF16, {256 * 512}), b, c); },
                  "a_local must be a 2-D");
+    // A row count whose product with the team size overflows int64 is refused, not wrapped into range.
+    TensorView huge = a;
+    huge.shape[0] = int64_t{1} << 62;
+    expect_error([&] { ops::validate_ag_gemm_call(s, 4, huge, b, c); }, "a_local must have 1 .. max_m/W = 256 rows");
 }
 
 TEST(TpValidation, GemmRsShapeAndCall) {
@@ -364,6 +368,10 @@ TEST(TpValidation, GemmRsShapeAndCall) {
     EXPECT_NO_THROW(ops::validate_gemm_rs_shape(s, 4, o));
     o.config = gemm_candidate(6, DType::kF16, DType::kF16, BLayout::kNK);  // writes f16, partials are f32
     expect_error([&] { ops::validate_gemm_rs_shape(s, 4, o); }, "options.config");
+    o = {};
+    o.mode = static_cast<ops::GemmRsMode>(7);
+    expect_error([&] { ops::validate_gemm_rs_shape(s, 4, o); },
+                 "options.mode must be GemmRsMode::kAuto, kPull or kPush");
 
     const TensorView a(fake(0x10000), DType::kF16, {1024, 512});
     const TensorView b(fake(0x20000), DType::kF16, {300, 512});
