@@ -25,7 +25,7 @@ namespace weft::ops {
 
 namespace {
 constexpr const char* kOp = "ag_gemm";
-constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
+constexpr int64_t kMaxDim = kGemmMaxExtent;  // M, N and K of the GEMM
 /// SMs a team that spans nodes keeps free of its persistent GEMM by default, for the comm stream's kernels.
 constexpr int kNetworkSms = 8;
 }  // namespace
@@ -35,8 +35,8 @@ void validate_ag_gemm_shape(const AgGemmShape& s, int num_ranks, const AgGemmOpt
     WEFT_CHECK(s.max_m > 0 && s.max_m % num_ranks == 0,
                "ag_gemm: shape.max_m must be a positive multiple of the team's num_ranks " << num_ranks << ", got "
                                                                                            << s.max_m);
-    WEFT_CHECK(s.max_m <= kMaxDim, "ag_gemm: shape.max_m must fit in 31 bits, got " << s.max_m);
-    WEFT_CHECK(s.n > 0 && s.n <= kMaxDim, "ag_gemm: shape.n must be in [1, 2^31), got " << s.n);
+    WEFT_CHECK(s.max_m <= kMaxDim, "ag_gemm: shape.max_m must be at most 2^31 - 2^24, got " << s.max_m);
+    WEFT_CHECK(s.n > 0 && s.n <= kMaxDim, "ag_gemm: shape.n must be in [1, 2^31 - 2^24], got " << s.n);
     WEFT_CHECK(s.k >= 8 && s.k % 8 == 0 && s.k <= kMaxDim,
                "ag_gemm: shape.k must be a positive multiple of 8, got " << s.k);
     WEFT_CHECK(s.dtype == DType::kBF16 || s.dtype == DType::kF16,

@@ -17,7 +17,6 @@
 namespace weft::ops {
 namespace {
 
-constexpr int64_t kMaxCoord = (int64_t{1} << 31) - 1;  // TMA coordinates are int32
 constexpr int64_t kMaxStrideBytes = int64_t{1} << 40;   // TMA global strides
 
 const char* layout_name(BLayout l) { return l == BLayout::kNK ? "[N,K] row-major" : "[K,N] row-major"; }
@@ -31,8 +30,9 @@ void check_matrix(const TensorView& v, const char* name, const char* shape_text)
     WEFT_CHECK(v.dim(0) <= 1 || v.stride(0) >= v.dim(1),
                "gemm: " << name << "'s row stride must be >= its row length " << v.dim(1) << ", got "
                         << v.describe());
-    WEFT_CHECK(v.dim(0) <= kMaxCoord && v.dim(1) <= kMaxCoord,
-               "gemm: " << name << "'s extents must fit in 31 bits (TMA coordinates), got " << v.describe());
+    WEFT_CHECK(v.dim(0) <= kGemmMaxExtent && v.dim(1) <= kGemmMaxExtent,
+               "gemm: " << name << "'s extents must be at most 2^31 - 2^24 = " << kGemmMaxExtent
+                        << " (int32 tile and TMA coordinates), got " << v.describe());
     if (v.numel() == 0) return;
     WEFT_CHECK(v.data != nullptr, "gemm: " << name << " has a null data pointer (" << v.describe() << ")");
     const auto addr = reinterpret_cast<uintptr_t>(v.data);

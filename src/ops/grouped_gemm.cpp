@@ -34,8 +34,9 @@ void check_view(const TensorView& v, const char* name, int ndim, const char* sha
     WEFT_CHECK(v.ndim == ndim, "grouped_gemm: " << name << " must be " << shape_text << " (" << ndim
                                                 << " dimensions), got " << v.describe());
     for (int i = 0; i < ndim; ++i) {
-        WEFT_CHECK(v.dim(i) >= 0 && v.dim(i) <= kMaxCoord,
-                   "grouped_gemm: " << name << "'s extents must be in [0, 2^31), got " << v.describe());
+        WEFT_CHECK(v.dim(i) >= 0 && v.dim(i) <= kGemmMaxExtent,
+                   "grouped_gemm: " << name << "'s extents must be in [0, 2^31 - 2^24 = " << kGemmMaxExtent
+                                    << "] (int32 tile and TMA coordinates), got " << v.describe());
     }
     WEFT_CHECK(v.dim(ndim - 1) <= 1 || v.stride(ndim - 1) == 1,
                "grouped_gemm: " << name << " must be row-major (inner stride 1), got " << v.describe());
@@ -348,7 +349,8 @@ GroupedGemmProblem validate_grouped_gemm_args(GroupedLayout layout, const Tensor
         WEFT_CHECK(reinterpret_cast<uintptr_t>(offsets) % 4 == 0,
                    "grouped_gemm: offsets must be 4-byte aligned, got " << static_cast<const void*>(offsets));
     }
-    WEFT_CHECK(p.rows <= kMaxCoord, "grouped_gemm: a has too many rows for int32 indices: " << p.rows);
+    WEFT_CHECK(p.rows <= kGemmMaxExtent, "grouped_gemm: a has too many rows for int32 tile indices: "
+                                             << p.rows << " (at most 2^31 - 2^24 = " << kGemmMaxExtent << ")");
     WEFT_CHECK(p.groups == 0 || counts != nullptr,
                "grouped_gemm: counts (device memory, one int32 per group) must be given");
     WEFT_CHECK(reinterpret_cast<uintptr_t>(counts) % 4 == 0,

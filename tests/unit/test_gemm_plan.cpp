@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <climits>
 #include <functional>
 #include <map>
 #include <set>
@@ -208,6 +209,50 @@ TEST(GemmValidate, NamesTheBadArgument) {
         "a must be row-major");
     expect_error_mentions([&] { ops::validate_gemm_args(mat(0, DType::kBF16, 64, 64, 64), b, d, BLayout::kNK); },
                           "a has a null data pointer");
+}
+
+// Extents near 2^31 overflow the kernels' int32 tile arithmetic ((k + tile_k - 1) / tile_k, (m + tile_m - 1) / tile_m):
+// K = 2^31 - 8 (A and B of one row each: 8 GiB) would run no k block and leave D unwritten. Refused with a margin.
+TEST(GemmValidate, ExtentsLeaveTheKernelsInt32TileArithmeticAMargin) {
+    const int64_t max = ops::kGemmMaxExtent;
+    EXPECT_EQ(max, (int64_t{1} << 31) - (int64_t{1} << 24));
+    const int64_t big_k = (int64_t{1} << 31) - 8;
+    expect_error_mentions(
+        [&] {
+            ops::validate_gemm_args(mat(0x10000, DType::kBF16, 1, big_k, big_k),
+                                    mat(0x20000, DType::kBF16, 8, big_k, big_k), mat(0x30000, DType::kBF16, 1, 8, 8),
+                                    BLayout::kNK);
+        },
+        "a's extents must be at most 2^31 - 2^24");
+    expect_error_mentions(
+        [&] {
+            ops::validate_gemm_args(mat(0x10000, DType::kBF16, (int64_t{1} << 31) - 1, 8, 8),
+                                    mat(0x20000, DType::kBF16, 8, 8, 8),
+                                    mat(0x30000, DType::kBF16, (int64_t{1} << 31) - 1, 8, 8), BLayout::kNK);
+        },
+        "a's extents must be at most 2^31 - 2^24");
+    const auto p =
+        ops::validate_gemm_args(mat(0x10000, DType::kBF16, max, max, max), mat(0x20000, DType::kBF16, 8, max, max),
+                                mat(0x30000, DType::kBF16, max, 8, 8), BLayout::kNK);
+    EXPECT_EQ(p.m, max);
+    EXPECT_EQ(p.k, max);
+    // The tile arithmetic of the largest extents stays positive and in int32.
+    const GemmConfig c = gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK);
+    const GemmTileGrid g(c, static_cast<int32_t>(max), 8);
+    EXPECT_GT(g.num_m_tiles, 0);
+    EXPECT_EQ(int64_t{g.num_m_tiles}, (max + c.tile_m - 1) / c.tile_m);
+    EXPECT_LE(int64_t{max} + 256 + 64, int64_t{INT32_MAX});  // a tile's rows (<= 256) and a k block past the last
+    // The small-M split-K ranges: the last split ends at most 32 x splits past K (k_per_split a multiple of 32), which
+    // the kernel adds in int32 (k_begin + k_per_split).
+    ops::GemmOptions forced;
+    forced.small_m_splits = ops::kGemmMaxSmallMSplits;
+    for (int64_t splits : {int64_t{2}, int64_t{3}, int64_t{10000}, int64_t{ops::kGemmMaxSmallMSplits}}) {
+        forced.small_m_splits = static_cast<int>(splits);
+        const ops::GemmPlan plan = ops::plan_gemm({1, 8, max, BLayout::kNK, DType::kBF16, DType::kBF16}, 132, forced);
+        ASSERT_EQ(plan.path, ops::GemmPath::kSmallM);
+        EXPECT_LE(int64_t{plan.small_m_splits} * plan.small_m_k_per_split, int64_t{INT32_MAX}) << splits;
+        EXPECT_GE(int64_t{plan.small_m_splits} * plan.small_m_k_per_split, max) << splits;
+    }
 }
 
 // weft::ops::gemm and select_gemm check their options before anything touches the device, at every problem size

@@ -307,6 +307,29 @@ TEST(GroupedGemmPlan, PublicCallsCheckOptionsBeforeTheDeviceAtEverySize) {
     }
 }
 
+TEST(GroupedGemmPlan, RowsAndExtentsLeaveTheKernelsInt32TileArithmeticAMargin) {
+    const int64_t max = ops::kGemmMaxExtent;
+    const auto b = view(DType::kBF16, {8, 128, 256});
+    EXPECT_EQ(
+        ops::validate_grouped_gemm_args(GroupedLayout::kContiguous, view(DType::kBF16, {max, 256}), b,
+                                        view(DType::kBF16, {max, 128}), BLayout::kNK, fake_counts(), fake_counts())
+            .rows,
+        max);
+    EXPECT_NE(error_of([&] {
+                  ops::validate_grouped_gemm_args(GroupedLayout::kContiguous, view(DType::kBF16, {max + 8, 256}), b,
+                                                  view(DType::kBF16, {max + 8, 128}), BLayout::kNK, fake_counts(),
+                                                  fake_counts());
+              }).find("a's extents must be in [0, 2^31 - 2^24"),
+              std::string::npos);
+    // Masked: G x capacity rows over the bound, each extent within it.
+    EXPECT_NE(error_of([&] {
+                  ops::validate_grouped_gemm_args(GroupedLayout::kMasked, view(DType::kBF16, {8, max / 4, 256}), b,
+                                                  view(DType::kBF16, {8, max / 4, 128}), BLayout::kNK, nullptr,
+                                                  fake_counts());
+              }).find("a has too many rows for int32 tile indices"),
+              std::string::npos);
+}
+
 TEST(GroupedGemmPlan, Fp8WorkspaceMustNotOverlapTheCodesOrScales) {
     const auto b = view(DType::kBF16, {4, 128, 256});
     const auto d = view(DType::kBF16, {4, 64, 128});

@@ -303,6 +303,14 @@ TEST(TpValidation, AgGemmShapeAndOptions) {
     expect_error([&] { ops::validate_ag_gemm_shape({1024, 0, 512, DType::kBF16}, 4); }, "shape.n");
     expect_error([&] { ops::validate_ag_gemm_shape({1024, 256, 500, DType::kBF16}, 4); }, "shape.k");
     expect_error([&] { ops::validate_ag_gemm_shape({1024, 256, 512, DType::kF32}, 4); }, "shape.dtype");
+    // The GEMM's extents keep a margin below 2^31 (its int32 tile arithmetic).
+    expect_error([&] { ops::validate_ag_gemm_shape({1024, 256, (int64_t{1} << 31) - 8, DType::kBF16}, 4); }, "shape.k");
+    expect_error(
+        [&] {
+            ops::validate_ag_gemm_shape({(int64_t{1} << 31) - 4, 256, 512, DType::kBF16}, 4);
+        },
+        "shape.max_m must be at most 2^31 - 2^24");
+    EXPECT_NO_THROW(ops::validate_ag_gemm_shape({ops::kGemmMaxExtent, 256, ops::kGemmMaxExtent, DType::kBF16}, 4));
     ops::AgGemmOptions o;
     o.copy_streams = 4;
     expect_error([&] { ops::validate_ag_gemm_shape(ok, 4, o); }, "copy_streams");

@@ -30,6 +30,11 @@ struct GemmProblem {
     bool b_rows_contiguous = false;
 };
 
+/// The largest M, N or K of a GEMM (dense, grouped or fused): the kernels' int32 arithmetic rounds extents up (to whole
+/// tiles, k blocks and cluster tiles, the rows of a tile's last quad; the small-M split-K ranges, up to 32 x
+/// kGemmMaxSmallMSplits past K) and needs that margin below 2^31.
+inline constexpr int64_t kGemmMaxExtent = (int64_t{1} << 31) - (int64_t{1} << 24);
+
 /// Checks a, b, d against each other and TMA's rules; throws weft::Error naming the offending argument.
 GemmProblem validate_gemm_args(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout);
 
