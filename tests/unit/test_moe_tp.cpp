@@ -177,6 +177,9 @@ TEST(MoeTpArgs, RouteNamesTheBadArgument) {
                   ops::moe_route(view(DType::kI32, {100, 65}), r, 1, nullptr);
               }).find("topk"),
               std::string::npos);
+    // A refused call leaves the caller's routing as it was.
+    EXPECT_EQ(r.tokens, 0);
+    EXPECT_EQ(r.topk, 0);
 }
 
 TEST(MoeTpArgs, GatheredGemmNamesTheBadArgument) {
@@ -295,6 +298,17 @@ TEST(MoeTpArgs, ShapeChecksNameTheField) {
     s.num_experts = 0;
     EXPECT_NE(err(s, 8).find("num_experts"), std::string::npos);
     EXPECT_NE(err(ok, 9).find("1 .. 8 ranks"), std::string::npos);
+    // The grouped GEMM's rows (max_tokens x topk) and extents keep a margin below 2^31; a huge max_tokens is refused
+    // without an overflowing product.
+    s = ok;
+    s.max_tokens = (int64_t{1} << 30) + 8;
+    EXPECT_NE(err(s, 8).find("max_tokens x topk (the grouped GEMM's rows) must be at most 2^31 - 2^24"),
+              std::string::npos);
+    s.max_tokens = int64_t{1} << 61;
+    EXPECT_NE(err(s, 8).find("max_tokens x topk"), std::string::npos);
+    s = ok;
+    s.hidden = (int64_t{1} << 31) - 8;
+    EXPECT_NE(err(s, 8).find("hidden"), std::string::npos);
     MoeTpOptions o;
     o.comm_blocks = 65;
     EXPECT_NE(err(ok, 8, o).find("comm_blocks"), std::string::npos);
