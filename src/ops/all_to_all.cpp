@@ -276,6 +276,9 @@ void check_ulysses_args(const TensorView& input, const TensorView& output, const
                         bool seq_to_head) {
     const char* op = seq_to_head ? "ulysses_seq_to_head" : "ulysses_head_to_seq";
     (void)ulysses_shape(seq_to_head ? input : output, seq_to_head ? output : input, scratch, num_ranks, op);
+    WEFT_CHECK(input.numel() == 0 || (input.data != nullptr && output.data != nullptr),
+               op << ": input and output must not be null when they hold elements, got " << input.data << " and "
+                  << output.data);
     WEFT_CHECK(!bytes_overlap(scratch, input) && !bytes_overlap(scratch, output),
                op << ": scratch must overlap neither input nor output, got scratch " << scratch.data << " ("
                   << scratch.size_bytes() << " bytes), input " << input.data << " (" << input.size_bytes()

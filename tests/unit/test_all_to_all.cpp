@@ -168,6 +168,11 @@ TEST(AllToAllArgs, UlyssesChecksEveryArgumentFirst) {
         },
         "shapes do not match");
     expect_error([&] { detail::check_ulysses_args(seq, head, scratch, 3, true); }, "multiple of num_ranks");
+    expect_error(
+        [&] {
+            detail::check_ulysses_args(TensorView(nullptr, DType::kBF16, {4, 8, 16}), head, scratch, 2, true);
+        },
+        "input and output must not be null");
     // The all-to-all's bound on the team (here more ranks than it serves).
     const int many = kMaxAllToAllRanks + 1;
     const TensorView seq_many(at(0x100000), DType::kBF16, {1, many, 16});
