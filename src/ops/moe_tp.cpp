@@ -236,8 +236,9 @@ void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombine
                kOp << ": mode must be kPerSlot or kWeightedSum, got " << static_cast<int>(mode));
     check_routing(routing, kOp);
     const int64_t n = d_rows.ndim == 2 ? d_rows.dim(1) : -1;
-    WEFT_CHECK(n >= 0 && n % 8 == 0 && n <= kMaxIndex,
-               kOp << ": d_rows must be [rows, N] with N a multiple of 8, got " << d_rows.describe());
+    WEFT_CHECK(
+        n >= 0 && n % 8 == 0 && n <= kGemmMaxExtent,
+        kOp << ": d_rows must be [rows, N] with N a multiple of 8 (at most 2^31 - 2^24), got " << d_rows.describe());
     check_combine_operands(kOp, routing, mode, n, d_rows, weights, acc, out);
     if (routing.tokens == 0 || n == 0) return;
     weft::moe::MoeCombineArgs c{};

@@ -274,6 +274,13 @@ TEST(MoeTpArgs, CombineNamesTheBadArgument) {
               std::string::npos);
     EXPECT_NE(combine(view(DType::kBF16, {100, 512}), static_cast<MoeCombineMode>(7), w, d_rows, acc).find("mode"),
               std::string::npos);
+    // The combine kernel steps its columns in int32: N keeps the GEMM's margin below 2^31.
+    const int64_t wide = (int64_t{1} << 31) - 8;
+    EXPECT_NE(error_of([&] {
+                  ops::moe_combine(view(DType::kF32, {200, wide}), r, MoeCombineMode::kPerSlot, TensorView(), acc,
+                                   view(DType::kBF16, {200, wide}), nullptr);
+              }).find("N a multiple of 8 (at most 2^31 - 2^24)"),
+              std::string::npos);
 }
 
 TEST(MoeTpArgs, ShapeChecksNameTheField) {
