@@ -321,13 +321,14 @@ void launch_flash_attention(const FlashAttentionPlan& plan, int64_t grid, cudaSt
 void flash_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                      const TensorView& lse, cudaStream_t stream, const FlashAttentionOptions& options) {
     WEFT_NVTX_RANGE("flash_attention");
-    FlashAttentionOptions o = options;
-    if (!o.config && q.ndim == 3 && (q.dim(2) == 64 || q.dim(2) == 128) &&
-        (q.dtype == DType::kBF16 || q.dtype == DType::kF16)) {
+    // Every argument is checked before the device is asked which kernel it runs by default.
+    detail::FlashAttentionPlan plan = detail::plan_flash_attention(q, k, v, out, lse, options);
+    if (!options.config) {
+        FlashAttentionOptions o = options;
         o.config = attention_prefill_default_config(q.dtype, static_cast<int32_t>(q.dim(2)),
                                                     attention_prefill_device_kernel());
+        plan = detail::plan_flash_attention(q, k, v, out, lse, o);
     }
-    const detail::FlashAttentionPlan plan = detail::plan_flash_attention(q, k, v, out, lse, o);
     // One block per item: the hardware hands the longest items (first in the order) out first and balances the rest.
     detail::launch_flash_attention(plan, 0, stream);
 }
@@ -497,9 +498,10 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
                "ag_attention: q_local, k_local and v_local must be 3-D [S/W, heads, head_dim], got "
                    << q_local.describe() << ", " << k_local.describe() << ", " << v_local.describe());
     const int64_t rows = q_local.dim(0);
+    WEFT_CHECK(rows >= 1 && rows <= sh.max_seq / s.num_ranks,
+               "ag_attention: q_local must have 1 .. max_seq/W = " << sh.max_seq / s.num_ranks << " rows, got "
+                                                                   << q_local.describe());
     const int64_t seq = rows * s.num_ranks;
-    WEFT_CHECK(rows >= 1 && seq <= sh.max_seq, "ag_attention: q_local must have 1 .. max_seq/W = "
-                                                   << sh.max_seq / s.num_ranks << " rows, got " << q_local.describe());
     WEFT_CHECK(q_local.dtype == sh.dtype,
                "ag_attention: q_local must be " << dtype_name(sh.dtype) << ", got " << dtype_name(q_local.dtype));
     WEFT_CHECK(q_local.dim(1) == sh.num_q_heads && q_local.dim(2) == sh.head_dim,

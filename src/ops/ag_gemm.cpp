@@ -25,7 +25,7 @@ namespace weft::ops {
 
 namespace {
 constexpr const char* kOp = "ag_gemm";
-constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
+constexpr int64_t kMaxDim = kGemmMaxExtent;  // M, N and K of the GEMM
 /// SMs a team that spans nodes keeps free of its persistent GEMM by default, for the comm stream's kernels.
 constexpr int kNetworkSms = 8;
 }  // namespace
@@ -35,8 +35,8 @@ void validate_ag_gemm_shape(const AgGemmShape& s, int num_ranks, const AgGemmOpt
     WEFT_CHECK(s.max_m > 0 && s.max_m % num_ranks == 0,
                "ag_gemm: shape.max_m must be a positive multiple of the team's num_ranks " << num_ranks << ", got "
                                                                                            << s.max_m);
-    WEFT_CHECK(s.max_m <= kMaxDim, "ag_gemm: shape.max_m must fit in 31 bits, got " << s.max_m);
-    WEFT_CHECK(s.n > 0 && s.n <= kMaxDim, "ag_gemm: shape.n must be in [1, 2^31), got " << s.n);
+    WEFT_CHECK(s.max_m <= kMaxDim, "ag_gemm: shape.max_m must be at most 2^31 - 2^24, got " << s.max_m);
+    WEFT_CHECK(s.n > 0 && s.n <= kMaxDim, "ag_gemm: shape.n must be in [1, 2^31 - 2^24], got " << s.n);
     WEFT_CHECK(s.k >= 8 && s.k % 8 == 0 && s.k <= kMaxDim,
                "ag_gemm: shape.k must be a positive multiple of 8, got " << s.k);
     WEFT_CHECK(s.dtype == DType::kBF16 || s.dtype == DType::kF16,
@@ -55,9 +55,10 @@ int64_t validate_ag_gemm_call(const AgGemmShape& s, int num_ranks, const TensorV
     WEFT_CHECK(b.ndim == 2, "ag_gemm: b must be a 2-D [N, K] matrix, got " << b.describe());
     WEFT_CHECK(c.ndim == 2, "ag_gemm: c must be a 2-D [M, N] matrix, got " << c.describe());
     const int64_t rows = a_local.dim(0);
+    WEFT_CHECK(num_ranks >= 1 && rows >= 1 && rows <= s.max_m / num_ranks,
+               "ag_gemm: a_local must have 1 .. max_m/W = " << s.max_m / std::max(num_ranks, 1) << " rows, got "
+                                                            << a_local.describe());
     const int64_t m = rows * num_ranks;
-    WEFT_CHECK(rows >= 1 && m <= s.max_m, "ag_gemm: a_local must have 1 .. max_m/W = "
-                                              << s.max_m / num_ranks << " rows, got " << a_local.describe());
     WEFT_CHECK(a_local.dim(1) == s.k,
                "ag_gemm: a_local must have K = " << s.k << " columns, got " << a_local.describe());
     WEFT_CHECK(a_local.dtype == s.dtype && b.dtype == s.dtype && c.dtype == s.dtype,

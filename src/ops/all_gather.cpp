@@ -111,6 +111,7 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
     const int n = team.num_ranks();
     const int me = team.rank();
     detail::check_all_gather_args(input, output, n, me);
+    detail::check_algo_option(options.algo);
     const auto shard = static_cast<uint64_t>(input.size_bytes());
     const uint64_t total = shard * static_cast<uint64_t>(n);
     if (shard == 0) return;

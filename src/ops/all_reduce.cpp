@@ -19,6 +19,7 @@ void all_reduce(const Team& team, const TensorView& input, const TensorView& out
     WEFT_NVTX_RANGE("all_reduce");
     team.require_member("all_reduce");
     detail::check_all_reduce_args(input, output);
+    detail::check_algo_option(options.algo);
     const auto count = static_cast<uint64_t>(input.numel());
     const auto elem = static_cast<uint64_t>(dtype_bytes(input.dtype));
     const uint64_t bytes = count * elem;

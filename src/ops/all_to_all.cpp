@@ -23,8 +23,7 @@ namespace {
 constexpr uint64_t align16(uint64_t x) { return (x + 15) / 16 * 16; }
 
 void check_a2a_view(const TensorView& v, const char* what, const char* op) {
-    WEFT_CHECK(v.ndim >= 0 && v.ndim <= TensorView::kMaxDims, op << ": " << what << " has " << v.ndim << " dimensions");
-    WEFT_CHECK(v.numel() >= 0, op << ": " << what << " has a negative extent: " << v.describe());
+    check_collective_view(v, what, op);
     WEFT_CHECK(v.numel() == 0 || v.data != nullptr,
                op << ": " << what << " is null but holds " << v.numel() << " elements (" << v.describe() << ")");
     WEFT_CHECK(v.is_contiguous(), op << ": " << what << " must be contiguous, got " << v.describe());
@@ -176,6 +175,8 @@ void run_all_to_all(const Team& team, const TensorView& input, std::span<const i
         detail::hierarchical_all_to_all(team, input, send_counts, output, recv_counts, equal, stream);
         return;
     }
+    // Every check that does not depend on the workspace, before the workspace is made (collectively) on first use.
+    (void)detail::plan_all_to_all(input, send_counts, output, recv_counts, n, equal, true, 0);
     CollectiveWorkspace& ws = CollectiveWorkspace::get(team);
     const auto in_bytes = static_cast<uint64_t>(input.size_bytes());
     const bool in_sym = in_bytes > 0 && ws.symmetric(input.data, in_bytes);
@@ -220,6 +221,10 @@ struct UlyssesShape {
 
 UlyssesShape ulysses_shape(const TensorView& seq_sharded, const TensorView& head_sharded, const TensorView& scratch,
                            int n, const char* op) {
+    detail::check_collective_view(seq_sharded, "the sequence-sharded tensor", op);
+    detail::check_collective_view(head_sharded, "the head-sharded tensor", op);
+    detail::check_collective_view(scratch, "scratch", op);
+    WEFT_CHECK(n >= 1, op << ": the team must have at least one rank, got " << n);
     WEFT_CHECK(seq_sharded.ndim == 3 && seq_sharded.is_contiguous(),
                op << ": the sequence-sharded tensor must be contiguous [S / W, H, D], got " << seq_sharded.describe());
     WEFT_CHECK(head_sharded.ndim == 3 && head_sharded.is_contiguous(),
@@ -256,7 +261,35 @@ void ulysses_permute(const UlyssesShape& u, int n, void* packed, void* strided, 
     }
 }
 
+// The bytes of a contiguous view.
+bool bytes_overlap(const TensorView& x, const TensorView& y) {
+    const auto a = reinterpret_cast<uintptr_t>(x.data), b = reinterpret_cast<uintptr_t>(y.data);
+    const auto a_bytes = static_cast<uintptr_t>(x.size_bytes()), b_bytes = static_cast<uintptr_t>(y.size_bytes());
+    return a_bytes > 0 && b_bytes > 0 && a < b + b_bytes && b < a + a_bytes;
+}
+
 }  // namespace
+
+namespace detail {
+
+void check_ulysses_args(const TensorView& input, const TensorView& output, const TensorView& scratch, int num_ranks,
+                        bool seq_to_head) {
+    const char* op = seq_to_head ? "ulysses_seq_to_head" : "ulysses_head_to_seq";
+    (void)ulysses_shape(seq_to_head ? input : output, seq_to_head ? output : input, scratch, num_ranks, op);
+    WEFT_CHECK(input.numel() == 0 || (input.data != nullptr && output.data != nullptr),
+               op << ": input and output must not be null when they hold elements, got " << input.data << " and "
+                  << output.data);
+    WEFT_CHECK(!bytes_overlap(scratch, input) && !bytes_overlap(scratch, output),
+               op << ": scratch must overlap neither input nor output, got scratch " << scratch.data << " ("
+                  << scratch.size_bytes() << " bytes), input " << input.data << " (" << input.size_bytes()
+                  << " bytes), output " << output.data << " (" << output.size_bytes() << " bytes)");
+    // The all-to-all's own checks on the views it is given, before the permutation writes anything.
+    const TensorView send(seq_to_head ? scratch.data : input.data, input.dtype, {input.numel()});
+    const TensorView recv(seq_to_head ? output.data : scratch.data, input.dtype, {input.numel()});
+    (void)plan_all_to_all(send, {}, recv, {}, num_ranks, true, true, 0);
+}
+
+}  // namespace detail
 
 void all_to_all(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream) {
     run_all_to_all(team, input, {}, output, {}, true, stream);
@@ -269,7 +302,9 @@ void all_to_all_v(const Team& team, const TensorView& input, std::span<const int
 
 void ulysses_seq_to_head(const Team& team, const TensorView& input, const TensorView& output, const TensorView& scratch,
                          cudaStream_t stream) {
+    team.require_member("ulysses_seq_to_head");
     const int n = team.num_ranks();
+    detail::check_ulysses_args(input, output, scratch, n, true);
     const UlyssesShape u = ulysses_shape(input, output, scratch, n, "ulysses_seq_to_head");
     ulysses_permute(u, n, scratch.data, input.data, true, stream);
     // Chunk q of scratch (my tokens, q's heads) goes to rank q, landing at rows [rank S/W, (rank + 1) S/W) there.
@@ -279,7 +314,9 @@ void ulysses_seq_to_head(const Team& team, const TensorView& input, const Tensor
 
 void ulysses_head_to_seq(const Team& team, const TensorView& input, const TensorView& output, const TensorView& scratch,
                          cudaStream_t stream) {
+    team.require_member("ulysses_head_to_seq");
     const int n = team.num_ranks();
+    detail::check_ulysses_args(input, output, scratch, n, false);
     const UlyssesShape u = ulysses_shape(output, input, scratch, n, "ulysses_head_to_seq");
     // Chunk q of input (q's tokens, my heads) goes to rank q; chunk q received is my tokens of q's heads.
     all_to_all(team, TensorView(input.data, input.dtype, {input.numel()}),

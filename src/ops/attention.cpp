@@ -20,6 +20,7 @@ namespace {
 
 constexpr const char* kOp = "decode_attention";
 constexpr int64_t kMaxSeqLen = (int64_t{1} << 31) - (int64_t{1} << 20);
+constexpr int64_t kMaxGridX = (int64_t{1} << 31) - 1;
 
 std::string shape_of(const TensorView& v) { return v.describe(); }
 
@@ -66,6 +67,15 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
                                           const TensorView& block_table, const TensorView& seq_lens,
                                           int64_t max_seq_len, const TensorView& out, const TensorView& lse,
                                           const DecodeAttentionOptions& options, int64_t resident_blocks) {
+    return plan_decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, options,
+                                 [resident_blocks](int64_t) { return resident_blocks; });
+}
+
+DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                                          const TensorView& block_table, const TensorView& seq_lens,
+                                          int64_t max_seq_len, const TensorView& out, const TensorView& lse,
+                                          const DecodeAttentionOptions& options,
+                                          const std::function<int64_t(int64_t head_dim)>& resident_blocks) {
     check_basic(q, "q", 3, 16);
     WEFT_CHECK(q.dtype == DType::kBF16 || q.dtype == DType::kF16,
                kOp << ": q must be bf16 or f16, got " << dtype_name(q.dtype));
@@ -119,7 +129,7 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
                kOp << ": seq_lens must have batch (" << batch << ") entries, got " << shape_of(seq_lens));
     WEFT_CHECK(max_seq_len >= 0 && max_seq_len < kMaxSeqLen,
                kOp << ": max_seq_len must be in [0, " << kMaxSeqLen << "), got " << max_seq_len);
-    WEFT_CHECK(max_seq_len <= block_table.dim(1) * page_size,
+    WEFT_CHECK((max_seq_len + page_size - 1) / page_size <= block_table.dim(1),
                kOp << ": max_seq_len (" << max_seq_len << ") exceeds what block_table holds (" << block_table.dim(1)
                    << " pages of " << page_size << " tokens)");
     WEFT_CHECK(max_seq_len == 0 || num_pages >= 1, kOp << ": k_cache has no pages but max_seq_len is " << max_seq_len);
@@ -152,7 +162,13 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
     plan.config.head_dim = static_cast<int32_t>(head_dim);
     plan.config.stages = attention_default_stages(plan.config.head_dim);
     plan.empty = batch == 0;
-    plan.splits = plan_attention_splits(batch, num_kv_heads, max_seq_len, resident_blocks, options.num_splits);
+    plan.splits =
+        plan_attention_splits(batch, num_kv_heads, max_seq_len, resident_blocks(head_dim), options.num_splits);
+    // The combine kernel (more than one split) runs one block per (sequence, q-head).
+    WEFT_CHECK(plan.splits.num_splits <= 1 || batch * num_q_heads <= kMaxGridX,
+               kOp << ": with " << plan.splits.num_splits << " KV splits, batch x num_q_heads must be at most "
+                   << kMaxGridX << " (the combine kernel's grid), got " << batch << " x " << num_q_heads
+                   << " (options.num_splits = 1 needs no combine)");
 
     AttentionDecodeParams& p = plan.params;
     p.q = q.data;
@@ -395,7 +411,7 @@ void decode_attention(const TensorView& q, const TensorView& k_cache, const Tens
     WEFT_NVTX_RANGE("decode_attention");
     detail::DecodeAttentionPlan plan =
         detail::plan_decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, options,
-                                      detail::attention_resident_blocks_here(q.ndim == 3 ? q.dim(2) : 128));
+                                      detail::attention_resident_blocks_here);
     detail::launch_decode_attention(plan, options, stream);
 }
 

@@ -57,19 +57,20 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
     }
     detail::DecodeAttentionPlan plan =
         detail::plan_decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, options,
-                                      detail::attention_resident_blocks_here(q.dim(2)));
+                                      detail::attention_resident_blocks_here);
     if (plan.empty) return;
     detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team);
-    ensure_loaded(team, plan.config);
     const int64_t batch = plan.params.batch;
     const int64_t heads = plan.params.num_q_heads;
     const int64_t dim = plan.config.head_dim;
     const auto row_bytes = static_cast<uint64_t>(attention_push_row_lines(dim)) * kLowLatencyLineBytes;
     const uint64_t slot = ws.info().ll_slot_bytes;
+    // Before the kernels are loaded and the team meets: every rank has the same shapes, so every rank stops here.
     WEFT_CHECK(static_cast<uint64_t>(heads) * row_bytes <= slot, "sp_decode_attention: one sequence's rows ("
                                                                      << heads << " q-heads x " << row_bytes
                                                                      << " bytes of LL lines) exceed the LL buffer of "
                                                                      << slot << " bytes per rank");
+    ensure_loaded(team, plan.config);
     const int64_t per_round =
         std::max<int64_t>(1, static_cast<int64_t>(slot / (static_cast<uint64_t>(heads) * row_bytes)));
 

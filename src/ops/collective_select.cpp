@@ -154,6 +154,7 @@ ReduceScatterAlgo select_reduce_scatter_algo(uint64_t output_bytes, const Collec
 
 AllReduceAlgo resolve_all_reduce_algo(AllReduceAlgo requested, const std::optional<std::string>& env_value,
                                       uint64_t bytes, const CollectiveTopology& topo, const char* env_name) {
+    detail::check_algo_option(requested);
     if (requested != AllReduceAlgo::kAuto) return requested;
     if (auto a = from_env(env_value, env_name, kAllReduceAlgos)) return *a;
     return select_all_reduce_algo(bytes, topo);
@@ -162,6 +163,7 @@ AllReduceAlgo resolve_all_reduce_algo(AllReduceAlgo requested, const std::option
 AllGatherAlgo resolve_all_gather_algo(AllGatherAlgo requested, const std::optional<std::string>& env_value,
                                       uint64_t shard_bytes, const CollectiveTopology& topo, bool output_symmetric,
                                       const char* env_name) {
+    detail::check_algo_option(requested);
     if (requested != AllGatherAlgo::kAuto) return requested;
     if (auto a = from_env(env_value, env_name, kAllGatherAlgos)) return *a;
     return select_all_gather_algo(shard_bytes, topo, output_symmetric);
@@ -170,6 +172,7 @@ AllGatherAlgo resolve_all_gather_algo(AllGatherAlgo requested, const std::option
 ReduceScatterAlgo resolve_reduce_scatter_algo(ReduceScatterAlgo requested, const std::optional<std::string>& env_value,
                                               uint64_t output_bytes, const CollectiveTopology& topo,
                                               const char* env_name) {
+    detail::check_algo_option(requested);
     if (requested != ReduceScatterAlgo::kAuto) return requested;
     if (auto a = from_env(env_value, env_name, kReduceScatterAlgos)) return *a;
     return select_reduce_scatter_algo(output_bytes, topo);
@@ -219,13 +222,38 @@ int reduce_scatter_grid(ReduceScatterAlgo algo, uint64_t output_bytes, const Col
 
 namespace detail {
 
+void check_collective_view(const TensorView& v, const char* what, const char* op) {
+    WEFT_CHECK(v.ndim >= 0 && v.ndim <= TensorView::kMaxDims,
+               op << ": " << what << " must have 0 to " << TensorView::kMaxDims << " dimensions, got " << v.ndim);
+    for (int i = 0; i < v.ndim; ++i) {
+        WEFT_CHECK(v.dim(i) >= 0, op << ": " << what << " has a negative extent: " << v.describe());
+    }
+    WEFT_CHECK(dtype_bytes(v.dtype) > 0,
+               op << ": " << what << " has an unknown dtype (DType value " << static_cast<int>(v.dtype) << ")");
+}
+
+namespace {
+
+template <class Algo, size_t N>
+void check_algo_in(Algo algo, const Algo (&all)[N], const char* op) {
+    bool known = false;
+    for (Algo a : all) known = known || a == algo;
+    WEFT_CHECK(known,
+               op << ": options.algo must be one of " << choices(all) << ", got the value " << static_cast<int>(algo));
+}
+
+}  // namespace
+
+void check_algo_option(AllReduceAlgo algo) { check_algo_in(algo, kAllReduceAlgos, "all_reduce"); }
+void check_algo_option(AllGatherAlgo algo) { check_algo_in(algo, kAllGatherAlgos, "all_gather"); }
+void check_algo_option(ReduceScatterAlgo algo) { check_algo_in(algo, kReduceScatterAlgos, "reduce_scatter"); }
+
 namespace {
 
 bool is_reducible(DType t) { return t == DType::kBF16 || t == DType::kF16 || t == DType::kF32; }
 
 void check_view(const TensorView& v, const char* what, const char* op) {
-    WEFT_CHECK(v.ndim >= 0 && v.ndim <= TensorView::kMaxDims, op << ": " << what << " has " << v.ndim << " dimensions");
-    WEFT_CHECK(v.numel() >= 0, op << ": " << what << " has a negative extent: " << v.describe());
+    check_collective_view(v, what, op);
     WEFT_CHECK(v.numel() == 0 || v.data != nullptr,
                op << ": " << what << " is null but holds " << v.numel() << " elements (" << v.describe() << ")");
     WEFT_CHECK(v.is_contiguous(), op << ": " << what << " must be contiguous, got " << v.describe());

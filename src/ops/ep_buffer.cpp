@@ -124,6 +124,7 @@ void Buffer::Impl::enter(const char* op, cudaStream_t stream, const Buffer::Impl
                       << world->num_ranks_on_device()
                       << " ranks share this GPU and the legacy default stream would serialise their kernels, "
                          "which wait for each other");
+    WEFT_CHECK(handle_owner != nullptr, "ep: " << op << ": the handle is empty (moved from)");
     WEFT_CHECK(handle_owner == this, "ep: " << op << ": the handle belongs to another Buffer");
 }
 

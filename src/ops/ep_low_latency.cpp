@@ -29,6 +29,12 @@ const char* phase_name(Phase p) {
     return "?";
 }
 
+void check_phase(const char* op, Phase p) {
+    WEFT_CHECK(p == Phase::kSendRecv || p == Phase::kSend || p == Phase::kRecv,
+               "ep::" << op << ": options.phase must be Phase::kSendRecv, kSend or kRecv, got the value "
+                      << static_cast<int>(p));
+}
+
 int phase_bits(Phase p) {
     switch (p) {
         case Phase::kSendRecv:
@@ -123,6 +129,7 @@ LowLatencyHandle Buffer::make_low_latency_handle() {
 void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x, const TensorView& topk_idx,
                                   cudaStream_t stream, const LowLatencyOptions& options) {
     WEFT_NVTX_RANGE("ep low_latency_dispatch");
+    check_phase("low_latency_dispatch", options.phase);
     Impl& b = *impl_;
     const Geometry& g = b.geo;
     b.enter("low_latency_dispatch", stream, handle.impl_ ? handle.impl_->buffer : nullptr,
@@ -211,6 +218,7 @@ void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, 
                                  const TensorView& topk_weights, const TensorView& out, cudaStream_t stream,
                                  const LowLatencyOptions& options) {
     WEFT_NVTX_RANGE("ep low_latency_combine");
+    check_phase("low_latency_combine", options.phase);
     Impl& b = *impl_;
     const Geometry& g = b.geo;
     b.enter("low_latency_combine", stream, handle.impl_ ? handle.impl_->buffer : nullptr, false);

@@ -21,13 +21,13 @@ namespace weft::ops {
 
 namespace {
 constexpr const char* kOp = "gemm_ar";
-constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
+constexpr int64_t kMaxDim = kGemmMaxExtent;  // M, N and K of the GEMM
 }  // namespace
 
 void validate_gemm_ar_shape(const GemmArShape& s, int num_ranks, const GemmArOptions& o) {
     WEFT_CHECK(num_ranks >= 1 && num_ranks <= 8, "gemm_ar: the team's num_ranks must be in [1, 8], got " << num_ranks);
     WEFT_CHECK(s.max_m > 0 && s.max_m <= kMaxDim, "gemm_ar: shape.max_m must be positive, got " << s.max_m);
-    WEFT_CHECK(s.n > 0 && s.n <= kMaxDim, "gemm_ar: shape.n must be in [1, 2^31), got " << s.n);
+    WEFT_CHECK(s.n > 0 && s.n <= kMaxDim, "gemm_ar: shape.n must be in [1, 2^31 - 2^24], got " << s.n);
     WEFT_CHECK(s.k >= 8 && s.k % 8 == 0 && s.k <= kMaxDim,
                "gemm_ar: shape.k (this rank's K) must be a positive multiple of 8, got " << s.k);
     WEFT_CHECK(s.dtype == DType::kBF16 || s.dtype == DType::kF16,

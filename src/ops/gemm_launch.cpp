@@ -483,6 +483,7 @@ GemmSelection select_for_views(const GemmProblem& p, const TensorView& a, const 
 GemmSelection select_gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
                           cudaStream_t stream, const GemmOptions& options) {
     const GemmProblem p = validate_gemm_args(a, b, d, b_layout);
+    validate_gemm_options(p, options);
     return select_for_views(p, a, b, d, stream, options);
 }
 
@@ -490,7 +491,8 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout
           const GemmOptions& options) {
     WEFT_NVTX_RANGE("gemm");
     const GemmProblem p = validate_gemm_args(a, b, d, b_layout);
-    if (p.m == 0 || p.n == 0) return;  // nothing to write
+    validate_gemm_options(p, options);  // before anything touches the device, whatever the problem's size
+    if (p.m == 0 || p.n == 0) return;   // nothing to write
     const GemmSelection sel = select_for_views(p, a, b, d, stream, options);
     launch_plan(sel.plan, p, a, b, d, options, stream);
 }

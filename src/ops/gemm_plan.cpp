@@ -17,7 +17,6 @@
 namespace weft::ops {
 namespace {
 
-constexpr int64_t kMaxCoord = (int64_t{1} << 31) - 1;  // TMA coordinates are int32
 constexpr int64_t kMaxStrideBytes = int64_t{1} << 40;   // TMA global strides
 
 const char* layout_name(BLayout l) { return l == BLayout::kNK ? "[N,K] row-major" : "[K,N] row-major"; }
@@ -31,8 +30,9 @@ void check_matrix(const TensorView& v, const char* name, const char* shape_text)
     WEFT_CHECK(v.dim(0) <= 1 || v.stride(0) >= v.dim(1),
                "gemm: " << name << "'s row stride must be >= its row length " << v.dim(1) << ", got "
                         << v.describe());
-    WEFT_CHECK(v.dim(0) <= kMaxCoord && v.dim(1) <= kMaxCoord,
-               "gemm: " << name << "'s extents must fit in 31 bits (TMA coordinates), got " << v.describe());
+    WEFT_CHECK(v.dim(0) <= kGemmMaxExtent && v.dim(1) <= kGemmMaxExtent,
+               "gemm: " << name << "'s extents must be at most 2^31 - 2^24 = " << kGemmMaxExtent
+                        << " (int32 tile and TMA coordinates), got " << v.describe());
     if (v.numel() == 0) return;
     WEFT_CHECK(v.data != nullptr, "gemm: " << name << " has a null data pointer (" << v.describe() << ")");
     const auto addr = reinterpret_cast<uintptr_t>(v.data);
@@ -269,17 +269,46 @@ bool gemm_launches_programmatically(const GemmPlan& plan, const GemmOptions& opt
     return options.programmatic_launch && plan.path == GemmPath::kSmallM;
 }
 
-GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
-    WEFT_CHECK(num_sms > 0, "gemm: the device must report a positive SM count, got " << num_sms);
+void validate_gemm_options(const GemmProblem& p, const GemmOptions& options) {
     WEFT_CHECK(options.sm_budget >= 0, "gemm: options.sm_budget must be >= 0, got " << options.sm_budget);
     WEFT_CHECK(options.split_k >= 0 && options.split_k <= kGemmMaxSplits,
                "gemm: options.split_k must be in [0, " << kGemmMaxSplits << "] (0: the op's rule, 1: none), got "
                                                        << options.split_k);
+    WEFT_CHECK(
+        options.small_m_max_m >= 0 && options.small_m_max_m <= kGemvMaxM,
+        "gemm: options.small_m_max_m must be in [0, " << kGemvMaxM << "] (kGemvMaxM), got " << options.small_m_max_m);
+    WEFT_CHECK(options.small_m_splits >= 0 && options.small_m_splits <= kGemmMaxSmallMSplits,
+               "gemm: options.small_m_splits must be in [0, "
+                   << kGemmMaxSmallMSplits << "] (0: heuristic; the grid's y extent), got " << options.small_m_splits);
+    if (options.small_m_variant) check_gemv_variant(*options.small_m_variant, "gemm: options.small_m_variant");
+    WEFT_CHECK(options.timeout.count() >= 0, "gemm: options.timeout must be >= 0 ms (0: WEFT_TIMEOUT_MS or 10 s), got "
+                                                 << options.timeout.count() << " ms");
+    WEFT_CHECK(reinterpret_cast<uintptr_t>(options.workspace) % 256 == 0,
+               "gemm: options.workspace must be 256-byte aligned, got " << options.workspace);
+    if (options.config) {
+        const GemmConfig& c = *options.config;
+        WEFT_CHECK(is_valid(c), "gemm: options.config is not a valid GemmConfig: " << format_gemm_config(c));
+        WEFT_CHECK(c.in_dtype == p.in_dtype && c.out_dtype == p.out_dtype && c.b_layout == p.b_layout,
+                   "gemm: options.config's dtypes/layout must match the call (in "
+                       << dtype_name(p.in_dtype) << ", out " << dtype_name(p.out_dtype) << ", "
+                       << layout_name(p.b_layout) << "), got " << format_gemm_config(c));
+    }
+    if (options.small_m_variant == GemvVariant::kBulkRows && gemm_allows_small_m(p, options)) {
+        const std::string why = gemv_rows_unsupported(p);
+        WEFT_CHECK(why.empty(), "gemm: small-M variant 4 (bulk-copied rows) cannot serve this call: " << why);
+        WEFT_CHECK(
+            options.small_m_splits <= 1,
+            "gemm: small-M variant 4 (bulk-copied rows) has no split-K, got small_m_splits " << options.small_m_splits);
+    }
+}
+
+GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
+    WEFT_CHECK(num_sms > 0, "gemm: the device must report a positive SM count, got " << num_sms);
+    validate_gemm_options(p, options);
     const int budget = options.sm_budget > 0 ? std::min(options.sm_budget, num_sms) : num_sms;
     GemmPlan plan;
 
     if (gemm_allows_small_m(p, options)) {
-        if (options.small_m_variant) check_gemv_variant(*options.small_m_variant, "gemm: options.small_m_variant");
         plan.path = GemmPath::kSmallM;
         plan.small_m_variant = options.small_m_variant.value_or(auto_small_m_variant(p));
         plan.small_m_tiles = static_cast<int>(ceil_div(p.m, 16));
@@ -308,13 +337,7 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
 
     plan.path = GemmPath::kTiled;
     if (options.config) {
-        const GemmConfig& c = *options.config;
-        WEFT_CHECK(is_valid(c), "gemm: options.config is not a valid GemmConfig: " << format_gemm_config(c));
-        WEFT_CHECK(c.in_dtype == p.in_dtype && c.out_dtype == p.out_dtype && c.b_layout == p.b_layout,
-                   "gemm: options.config's dtypes/layout must match the call (in "
-                       << dtype_name(p.in_dtype) << ", out " << dtype_name(p.out_dtype) << ", "
-                       << layout_name(p.b_layout) << "), got " << format_gemm_config(c));
-        plan.config = c;
+        plan.config = *options.config;  // checked by validate_gemm_options
     } else {
         // Minimise waves x tile work / efficiency; ties keep the earlier (preferred) candidate.
         double best = 0;

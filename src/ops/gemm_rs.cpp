@@ -29,7 +29,7 @@ namespace weft::ops {
 
 namespace {
 constexpr const char* kOp = "gemm_rs";
-constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
+constexpr int64_t kMaxDim = kGemmMaxExtent;  // M, N and K of the GEMM
 /// SMs a team that spans nodes keeps free of its node stage's default budget, for NCCL's kernels on the comm stream
 /// (as AgGemm's): the persistent GEMM fills its SMs, and a network step would otherwise wait for the node stage's end.
 constexpr int kNetworkSms = 8;
@@ -63,7 +63,7 @@ void validate_gemm_rs_shape(const GemmRsShape& s, int num_ranks, const GemmRsOpt
     WEFT_CHECK(s.max_m > 0 && s.max_m % num_ranks == 0 && s.max_m <= kMaxDim,
                "gemm_rs: shape.max_m must be a positive multiple of the team's num_ranks " << num_ranks << ", got "
                                                                                            << s.max_m);
-    WEFT_CHECK(s.n > 0 && s.n <= kMaxDim, "gemm_rs: shape.n must be in [1, 2^31), got " << s.n);
+    WEFT_CHECK(s.n > 0 && s.n <= kMaxDim, "gemm_rs: shape.n must be in [1, 2^31 - 2^24], got " << s.n);
     WEFT_CHECK(s.k >= 8 && s.k % 8 == 0 && s.k <= kMaxDim,
                "gemm_rs: shape.k (this rank's K) must be a positive multiple of 8, got " << s.k);
     WEFT_CHECK(s.dtype == DType::kBF16 || s.dtype == DType::kF16,
@@ -73,6 +73,9 @@ void validate_gemm_rs_shape(const GemmRsShape& s, int num_ranks, const GemmRsOpt
                    "gemm_rs: options.partial_dtype must be " << dtype_name(s.dtype) << " or f32, got "
                                                              << dtype_name(*o.partial_dtype));
     }
+    WEFT_CHECK(
+        o.mode == GemmRsMode::kAuto || o.mode == GemmRsMode::kPull || o.mode == GemmRsMode::kPush,
+        "gemm_rs: options.mode must be GemmRsMode::kAuto, kPull or kPush, got the value " << static_cast<int>(o.mode));
     WEFT_CHECK(o.chunk_rows >= 0, "gemm_rs: options.chunk_rows must be >= 0 (0 = heuristic), got " << o.chunk_rows);
     WEFT_CHECK(o.reduce_ctas >= 0, "gemm_rs: options.reduce_ctas must be >= 0 (0 = heuristic), got " << o.reduce_ctas);
     WEFT_CHECK(o.sm_budget >= 0, "gemm_rs: options.sm_budget must be >= 0 (0 = the world's), got " << o.sm_budget);

@@ -34,8 +34,9 @@ void check_view(const TensorView& v, const char* name, int ndim, const char* sha
     WEFT_CHECK(v.ndim == ndim, "grouped_gemm: " << name << " must be " << shape_text << " (" << ndim
                                                 << " dimensions), got " << v.describe());
     for (int i = 0; i < ndim; ++i) {
-        WEFT_CHECK(v.dim(i) >= 0 && v.dim(i) <= kMaxCoord,
-                   "grouped_gemm: " << name << "'s extents must be in [0, 2^31), got " << v.describe());
+        WEFT_CHECK(v.dim(i) >= 0 && v.dim(i) <= kGemmMaxExtent,
+                   "grouped_gemm: " << name << "'s extents must be in [0, 2^31 - 2^24 = " << kGemmMaxExtent
+                                    << "] (int32 tile and TMA coordinates), got " << v.describe());
     }
     WEFT_CHECK(v.dim(ndim - 1) <= 1 || v.stride(ndim - 1) == 1,
                "grouped_gemm: " << name << " must be row-major (inner stride 1), got " << v.describe());
@@ -163,7 +164,44 @@ void launch(const GroupedGemmProblem& p, const TensorView& a, const TensorView& 
     }
 }
 
-void check_options(const GroupedGemmOptions& options, const GroupedGemmProblem& p) {
+// The options plan_grouped_gemm reads.
+void check_plan_options(const GroupedGemmOptions& options, const GroupedGemmProblem& p) {
+    WEFT_CHECK(options.sm_budget >= 0, "grouped_gemm: options.sm_budget must be >= 0, got " << options.sm_budget);
+    WEFT_CHECK(options.expected_rows_per_group >= 0,
+               "grouped_gemm: options.expected_rows_per_group must be >= 0, got " << options.expected_rows_per_group);
+    if (options.config) {
+        const GemmConfig& c = *options.config;
+        WEFT_CHECK(is_valid_grouped(c),
+                   "grouped_gemm: options.config must be a valid cluster-free config of whole 64-column blocks and at "
+                   "most 128 accumulators per thread (is_valid_grouped), got "
+                       << format_gemm_config(c));
+        WEFT_CHECK(c.in_dtype == p.in_dtype && c.out_dtype == p.out_dtype && c.b_layout == p.b_layout,
+                   "grouped_gemm: options.config's dtypes/layout must match the call, got " << format_gemm_config(c));
+    }
+}
+
+}  // namespace
+
+namespace detail {
+
+bool views_overlap(const TensorView& x, const TensorView& y) {
+    const auto span = [](const TensorView& v) -> std::pair<uintptr_t, uintptr_t> {
+        if (v.numel() == 0) return {0, 0};
+        int64_t last = 0;  // the offset of the last element, in elements
+        for (int i = 0; i < v.ndim; ++i) last += (v.dim(i) - 1) * v.stride(i);
+        const auto begin = reinterpret_cast<uintptr_t>(v.data);
+        return {begin, begin + static_cast<uintptr_t>((last + 1) * dtype_bytes(v.dtype))};
+    };
+    const auto [x0, x1] = span(x);
+    const auto [y0, y1] = span(y);
+    return x0 < x1 && y0 < y1 && x0 < y1 && y0 < x1;
+}
+
+void check_grouped_gemm_options(const GroupedGemmOptions& options, const GroupedGemmProblem& p) {
+    check_plan_options(options, p);
+    WEFT_CHECK(options.timeout.count() >= 0,
+               "grouped_gemm: options.timeout must be >= 0 ms (0: WEFT_TIMEOUT_MS or 10 s), got "
+                   << options.timeout.count() << " ms");
     if (options.wait) {
         WEFT_CHECK(options.wait->flags != nullptr && reinterpret_cast<uintptr_t>(options.wait->flags) % 8 == 0,
                    "grouped_gemm: options.wait.flags must be a non-null, 8-byte aligned array of " << p.groups
@@ -185,7 +223,7 @@ void check_options(const GroupedGemmOptions& options, const GroupedGemmProblem& 
                "grouped_gemm: options.status must be 4-byte aligned, got " << static_cast<void*>(options.status));
 }
 
-}  // namespace
+}  // namespace detail
 
 GroupedRowSpread grouped_row_spreads(const GroupedGemmProblem& p, int64_t rows_per_group) {
     const int64_t groups = std::max<int64_t>(p.groups, 1);
@@ -311,7 +349,8 @@ GroupedGemmProblem validate_grouped_gemm_args(GroupedLayout layout, const Tensor
         WEFT_CHECK(reinterpret_cast<uintptr_t>(offsets) % 4 == 0,
                    "grouped_gemm: offsets must be 4-byte aligned, got " << static_cast<const void*>(offsets));
     }
-    WEFT_CHECK(p.rows <= kMaxCoord, "grouped_gemm: a has too many rows for int32 indices: " << p.rows);
+    WEFT_CHECK(p.rows <= kGemmMaxExtent, "grouped_gemm: a has too many rows for int32 tile indices: "
+                                             << p.rows << " (at most 2^31 - 2^24 = " << kGemmMaxExtent << ")");
     WEFT_CHECK(p.groups == 0 || counts != nullptr,
                "grouped_gemm: counts (device memory, one int32 per group) must be given");
     WEFT_CHECK(reinterpret_cast<uintptr_t>(counts) % 4 == 0,
@@ -341,9 +380,7 @@ std::vector<GemmConfig> grouped_gemm_candidate_configs(DType in_dtype, DType out
 
 GroupedGemmPlan plan_grouped_gemm(const GroupedGemmProblem& p, int num_sms, const GroupedGemmOptions& options) {
     WEFT_CHECK(num_sms > 0, "grouped_gemm: the device must report a positive SM count, got " << num_sms);
-    WEFT_CHECK(options.sm_budget >= 0, "grouped_gemm: options.sm_budget must be >= 0, got " << options.sm_budget);
-    WEFT_CHECK(options.expected_rows_per_group >= 0,
-               "grouped_gemm: options.expected_rows_per_group must be >= 0, got " << options.expected_rows_per_group);
+    check_plan_options(options, p);
     const int budget = options.sm_budget > 0 ? std::min(options.sm_budget, num_sms) : num_sms;
     GroupedGemmPlan plan;
     const int64_t groups = std::max<int64_t>(p.groups, 1);
@@ -352,13 +389,7 @@ GroupedGemmPlan plan_grouped_gemm(const GroupedGemmProblem& p, int num_sms, cons
                                   : (p.layout == GroupedLayout::kMasked ? std::max<int64_t>(p.capacity / 2, 1)
                                                                                 : ceil_div(p.rows, groups));
     if (options.config) {
-        const GemmConfig& c = *options.config;
-        WEFT_CHECK(is_valid_grouped(c), "grouped_gemm: options.config must be a valid cluster-free config of whole "
-                                        "64-column blocks and at most 128 accumulators per thread (is_valid_grouped), "
-                                        "got " << format_gemm_config(c));
-        WEFT_CHECK(c.in_dtype == p.in_dtype && c.out_dtype == p.out_dtype && c.b_layout == p.b_layout,
-                   "grouped_gemm: options.config's dtypes/layout must match the call, got " << format_gemm_config(c));
-        plan.config = c;
+        plan.config = *options.config;  // checked by check_plan_options
     } else {
         plan.config = pick_grouped_config(p, per_group, budget);
     }
@@ -447,8 +478,10 @@ void grouped_gemm_masked_fp8(const TensorView& a, const TensorView& a_scales, co
     const GroupedGemmProblem p =
         validate_grouped_gemm_args(GroupedLayout::kMasked, a_bf16, b, d, b_layout, nullptr, counts);
     validate_grouped_fp8_args(p, a, a_scales);
-    WEFT_CHECK(a.data != a_bf16.data, "grouped_gemm_masked_fp8: a_bf16 must not alias a");
-    check_options(options, p);
+    WEFT_CHECK(!detail::views_overlap(a_bf16, a) && !detail::views_overlap(a_bf16, a_scales),
+               "grouped_gemm_masked_fp8: a_bf16 (the workspace) must not overlap a or a_scales, got a_bf16 "
+                   << a_bf16.data << " (" << a_bf16.describe() << "), a " << a.data << ", a_scales " << a_scales.data);
+    detail::check_grouped_gemm_options(options, p);
     if (p.groups == 0 || p.capacity == 0 || p.n == 0) return;
 
     const int device = current_device();
@@ -507,7 +540,7 @@ void grouped_gemm_contiguous(const TensorView& a, const TensorView& b, const Ten
     WEFT_NVTX_RANGE("grouped_gemm_contiguous");
     const GroupedGemmProblem p =
         validate_grouped_gemm_args(GroupedLayout::kContiguous, a, b, d, b_layout, offsets, counts);
-    check_options(options, p);
+    detail::check_grouped_gemm_options(options, p);
     launch(p, a, b, d, offsets, counts, stream, options);
 }
 
@@ -515,7 +548,7 @@ void grouped_gemm_masked(const TensorView& a, const TensorView& b, const TensorV
                          const int32_t* counts, cudaStream_t stream, const GroupedGemmOptions& options) {
     WEFT_NVTX_RANGE("grouped_gemm_masked");
     const GroupedGemmProblem p = validate_grouped_gemm_args(GroupedLayout::kMasked, a, b, d, b_layout, nullptr, counts);
-    check_options(options, p);
+    detail::check_grouped_gemm_options(options, p);
     launch(p, a, b, d, nullptr, counts, stream, options);
 }
 

@@ -17,6 +17,15 @@ struct GroupedGemmLaunch {
     GroupedSchedulerParams groups{};
 };
 
+/// Whether the bytes two views may touch intersect (each view's span: its first element to its last, strides included;
+/// an empty view touches nothing).
+bool views_overlap(const TensorView& x, const TensorView& y);
+
+/// Checks a grouped call's options against its problem (every option the launch reads: the plan's, the timeout, the
+/// status record's alignment, wait and signal); throws weft::Error naming the option. The grouped ops call it before
+/// anything touches the device.
+void check_grouped_gemm_options(const GroupedGemmOptions& options, const GroupedGemmProblem& problem);
+
 /// The launch of a grouped call `p` (validate_grouped_gemm_args) on the views: plan_grouped_gemm(p, num_sms, options),
 /// its tensor maps over a and d seen as rows, and the groups from offsets/counts. p must have rows, groups and n > 0.
 GroupedGemmLaunch prepare_grouped_gemm_launch(const GroupedGemmProblem& p, const TensorView& a, const TensorView& b,

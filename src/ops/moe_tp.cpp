@@ -84,7 +84,7 @@ void check_routing(const MoeRouting& r, const char* op) {
                op << ": routing.num_experts must be >= 1, got " << r.num_experts);
     WEFT_CHECK(r.topk >= 1 && r.topk <= kMaxTopk,
                op << ": routing.topk must be in [1, " << kMaxTopk << "], got " << r.topk);
-    WEFT_CHECK(r.tokens >= 0 && r.tokens * r.topk <= kMaxIndex,
+    WEFT_CHECK(r.tokens >= 0 && r.tokens <= kMaxIndex / r.topk,
                op << ": routing.tokens x topk must fit in 31 bits, got " << r.tokens << " x " << r.topk);
     WEFT_CHECK(r.rows_capacity >= moe_gathered_rows(r.tokens, r.topk, r.num_experts, 1) && r.rows_capacity <= kMaxIndex,
                op << ": routing.rows_capacity must be at least tokens x topk = " << r.tokens * r.topk
@@ -160,15 +160,17 @@ void moe_route(const TensorView& topk_idx, MoeRouting& routing, int64_t align, c
                MoeRoutingStatus* status) {
     WEFT_NVTX_RANGE("moe_route");
     check_dense(topk_idx, "moe_route", "topk_idx", DType::kI32, -1, -1);
-    routing.tokens = topk_idx.dim(0);
-    routing.topk = topk_idx.dim(1);
+    // Checked on a copy: a refused call leaves the caller's routing as it was.
+    MoeRouting r = routing;
+    r.tokens = topk_idx.dim(0);
+    r.topk = topk_idx.dim(1);
     WEFT_CHECK(align >= 1 && align <= 4096, "moe_route: align must be in [1, 4096], got " << align);
-    WEFT_CHECK(routing.rows_capacity >= moe_gathered_rows(routing.tokens, routing.topk, routing.num_experts, align),
+    check_routing(r, "moe_route");
+    WEFT_CHECK(r.rows_capacity >= moe_gathered_rows(r.tokens, r.topk, r.num_experts, align),
                "moe_route: routing.rows_capacity must be >= tokens x topk + E x (align - 1) = "
-                   << moe_gathered_rows(routing.tokens, routing.topk, routing.num_experts, align) << ", got "
-                   << routing.rows_capacity);
-    check_routing(routing, "moe_route");
+                   << moe_gathered_rows(r.tokens, r.topk, r.num_experts, align) << ", got " << r.rows_capacity);
     WEFT_CHECK(reinterpret_cast<uintptr_t>(status) % 4 == 0, "moe_route: status must be 4-byte aligned");
+    routing = r;
     launch_route(static_cast<const int32_t*>(topk_idx.data), routing, align, stream, status);
 }
 
@@ -188,12 +190,16 @@ void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const Tenso
     check_routing(routing, kOp);
     check_matrix(a, kOp, "a", DType::kBF16, routing.tokens, -1);
     check_matrix(a_rows, kOp, "a_rows", DType::kBF16, routing.rows_capacity, a.dim(1));
-    WEFT_CHECK(a_rows.data != a.data, kOp << ": a_rows (the workspace) must not alias a");
+    WEFT_CHECK(!ops::detail::views_overlap(a_rows, a), kOp << ": a_rows (the workspace) must not overlap a, got a_rows "
+                                                           << a_rows.data << " (" << a_rows.describe() << "), a "
+                                                           << a.data << " (" << a.describe() << ")");
     WEFT_CHECK(b.ndim == 3 && b.dim(0) == routing.num_experts,
                kOp << ": b must be [E, ...] with E = routing.num_experts = " << routing.num_experts << ", got "
                    << b.describe());
-    // The grouped GEMM checks b, d and the dtypes against a_rows.
-    validate_grouped_gemm_args(GroupedLayout::kContiguous, a_rows, b, d, b_layout, routing.offsets, routing.counts);
+    // The grouped GEMM checks b, d and the dtypes against a_rows; its options are checked before the gather runs.
+    const GroupedGemmProblem p =
+        validate_grouped_gemm_args(GroupedLayout::kContiguous, a_rows, b, d, b_layout, routing.offsets, routing.counts);
+    ops::detail::check_grouped_gemm_options(options, p);
     if (routing.rows_capacity == 0) return;
     launch_gather(a, routing, a_rows, stream);
     grouped_gemm_contiguous(a_rows, b, d, b_layout, routing.offsets, routing.counts, stream, options);
@@ -230,8 +236,9 @@ void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombine
                kOp << ": mode must be kPerSlot or kWeightedSum, got " << static_cast<int>(mode));
     check_routing(routing, kOp);
     const int64_t n = d_rows.ndim == 2 ? d_rows.dim(1) : -1;
-    WEFT_CHECK(n >= 0 && n % 8 == 0 && n <= kMaxIndex,
-               kOp << ": d_rows must be [rows, N] with N a multiple of 8, got " << d_rows.describe());
+    WEFT_CHECK(
+        n >= 0 && n % 8 == 0 && n <= kGemmMaxExtent,
+        kOp << ": d_rows must be [rows, N] with N a multiple of 8 (at most 2^31 - 2^24), got " << d_rows.describe());
     check_combine_operands(kOp, routing, mode, n, d_rows, weights, acc, out);
     if (routing.tokens == 0 || n == 0) return;
     weft::moe::MoeCombineArgs c{};
@@ -279,16 +286,17 @@ void validate_moe_tp_shape(const MoeTpShape& s, int num_ranks, const MoeTpOption
     WEFT_CHECK(s.max_tokens > 0 && s.max_tokens % num_ranks == 0,
                op << ": shape.max_tokens must be a positive multiple of the team's num_ranks " << num_ranks << ", got "
                   << s.max_tokens);
-    WEFT_CHECK(s.hidden >= 8 && s.hidden % 8 == 0 && s.hidden <= kMaxIndex,
+    WEFT_CHECK(s.hidden >= 8 && s.hidden % 8 == 0 && s.hidden <= kGemmMaxExtent,
                op << ": shape.hidden must be a positive multiple of 8, got " << s.hidden);
-    WEFT_CHECK(s.ffn >= 8 && s.ffn % 8 == 0 && s.ffn <= kMaxIndex,
+    WEFT_CHECK(s.ffn >= 8 && s.ffn % 8 == 0 && s.ffn <= kGemmMaxExtent,
                op << ": shape.ffn (this rank's shard) must be a positive multiple of 8, got " << s.ffn);
     WEFT_CHECK(s.num_experts >= 1 && s.num_experts <= 4096,
                op << ": shape.num_experts must be in [1, 4096], got " << s.num_experts);
     WEFT_CHECK(s.topk >= 1 && s.topk <= kMaxTopk && s.topk <= s.num_experts,
                op << ": shape.topk must be in [1, min(" << kMaxTopk << ", num_experts)], got " << s.topk);
-    WEFT_CHECK(s.max_tokens * s.topk <= kMaxIndex,
-               op << ": shape.max_tokens x topk must fit in 31 bits, got " << s.max_tokens * s.topk);
+    WEFT_CHECK(s.max_tokens <= kGemmMaxExtent / s.topk,
+               op << ": shape.max_tokens x topk (the grouped GEMM's rows) must be at most 2^31 - 2^24, got "
+                  << s.max_tokens << " x " << s.topk);
     WEFT_CHECK(o.sm_budget >= 0, op << ": options.sm_budget must be >= 0, got " << o.sm_budget);
     WEFT_CHECK(o.comm_blocks >= 0 && o.comm_blocks <= 64,
                op << ": options.comm_blocks must be in [0, 64], got " << o.comm_blocks);
@@ -466,10 +474,10 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
     const int64_t h = s.shape.hidden, f = s.shape.ffn, e = s.shape.num_experts, topk = s.shape.topk;
     check_matrix(x_local, op, "x_local", DType::kBF16, -1, h);
     const int64_t tpr = x_local.dim(0);
-    const int64_t m = tpr * s.num_ranks;
-    WEFT_CHECK(tpr >= 1 && m <= s.shape.max_tokens,
+    WEFT_CHECK(tpr >= 1 && tpr <= s.shape.max_tokens / s.num_ranks,
                op << ": x_local must have 1 .. max_tokens / W = " << s.shape.max_tokens / s.num_ranks << " rows, got "
                   << x_local.describe());
+    const int64_t m = tpr * s.num_ranks;
     check_dense(topk_idx, op, "topk_idx", DType::kI32, m, topk);
     WEFT_CHECK(
         w.ndim == 3 && w.dtype == DType::kBF16 && w.dim(0) == e && w.dim(1) == f && w.dim(2) == h,

@@ -21,6 +21,7 @@ void reduce_scatter(const Team& team, const TensorView& input, const TensorView&
     const int n = team.num_ranks();
     const int me = team.rank();
     detail::check_reduce_scatter_args(input, output, n, me);
+    detail::check_algo_option(options.algo);
     const auto count = static_cast<uint64_t>(output.numel());
     const auto elem = static_cast<uint64_t>(dtype_bytes(output.dtype));
     const uint64_t bytes = count * elem;

@@ -377,6 +377,28 @@ TEST(AttentionPrefillArgs, BadArgumentsNameTheArgument) {
     }
 }
 
+// flash_attention checks every argument before it asks the device which kernel it runs by default: without a GPU a bad
+// k is still k's error.
+TEST(AttentionPrefillArgs, PublicCallChecksArgumentsBeforeTheDevice) {
+    Args a;
+    a.k.dtype = DType::kF16;
+    a.v.dtype = DType::kF16;
+    try {
+        flash_attention(a.q, a.k, a.v, a.out, a.lse, nullptr, a.options);
+        ADD_FAILURE() << "flash_attention accepted f16 keys for bf16 queries";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("k must have q's dtype bf16"), std::string::npos) << e.what();
+    }
+    Args b;
+    b.out = TensorView(Args::at(0x3000000), DType::kBF16, {100, 32, 64});
+    try {
+        flash_attention(b.q, b.k, b.v, b.out, b.lse, nullptr, b.options);
+        ADD_FAILURE() << "flash_attention accepted an out of the wrong shape";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("out must be contiguous [100, 32, 128]"), std::string::npos) << e.what();
+    }
+}
+
 TEST(AgAttentionShape, BadShapesNameTheArgument) {
     const AgAttentionShape good{.max_seq = 4096, .num_q_heads = 32, .num_kv_heads = 8, .head_dim = 128};
     EXPECT_NO_THROW(validate_ag_attention_shape(good, 4));

@@ -136,5 +136,51 @@ TEST(AllToAllArgs, BadArgumentsNameTheArgument) {
                                             false, true, 4096));
 }
 
+TEST(AllToAllArgs, HandMadeViewsAreRefused) {
+    TensorView unknown(at(0x100000), DType::kBF16, {12});
+    unknown.dtype = static_cast<DType>(99);
+    const TensorView out(at(0x10000000), DType::kBF16, {12});
+    expect_error([&] { detail::plan_all_to_all(unknown, {}, out, {}, 4, true, false, 4096); }, "unknown dtype");
+    TensorView negative(at(0x100000), DType::kBF16, {3, 4});
+    negative.shape = {-3, -4, 0, 0};
+    expect_error([&] { detail::plan_all_to_all(negative, {}, out, {}, 4, true, false, 4096); }, "negative extent");
+}
+
+// Ulysses: shapes, scratch (large enough, overlapping neither view) and the all-to-all's own checks, before the
+// helpers copy anything. S/W = 4 tokens, H = 8 heads, D = 16, W = 2.
+TEST(AllToAllArgs, UlyssesChecksEveryArgumentFirst) {
+    const TensorView seq(at(0x100000), DType::kBF16, {4, 8, 16});
+    const TensorView head(at(0x200000), DType::kBF16, {8, 4, 16});
+    const TensorView scratch(at(0x300000), DType::kBF16, {4 * 8 * 16});
+    EXPECT_NO_THROW(detail::check_ulysses_args(seq, head, scratch, 2, true));
+    EXPECT_NO_THROW(detail::check_ulysses_args(head, seq, scratch, 2, false));
+    expect_error(
+        [&] { detail::check_ulysses_args(seq, head, TensorView(at(0x100000 + 64), DType::kBF16, {512}), 2, true); },
+        "scratch must overlap neither input nor output");
+    expect_error(
+        [&] { detail::check_ulysses_args(head, seq, TensorView(at(0x100000 + 64), DType::kBF16, {512}), 2, false); },
+        "scratch must overlap neither input nor output");
+    expect_error([&] { detail::check_ulysses_args(seq, head, TensorView(at(0x300000), DType::kBF16, {100}), 2, true); },
+                 "scratch must be a contiguous buffer of at least 1024 bytes");
+    expect_error(
+        [&] {
+            detail::check_ulysses_args(seq, TensorView(at(0x200000), DType::kBF16, {8, 8, 16}), scratch, 2, true);
+        },
+        "shapes do not match");
+    expect_error([&] { detail::check_ulysses_args(seq, head, scratch, 3, true); }, "multiple of num_ranks");
+    expect_error(
+        [&] {
+            detail::check_ulysses_args(TensorView(nullptr, DType::kBF16, {4, 8, 16}), head, scratch, 2, true);
+        },
+        "input and output must not be null");
+    // The all-to-all's bound on the team (here more ranks than it serves).
+    const int many = kMaxAllToAllRanks + 1;
+    const TensorView seq_many(at(0x100000), DType::kBF16, {1, many, 16});
+    const TensorView head_many(at(0x200000), DType::kBF16, {many, 1, 16});
+    const TensorView scratch_many(at(0x300000), DType::kBF16, {many * 16});
+    expect_error([&] { detail::check_ulysses_args(seq_many, head_many, scratch_many, many, true); },
+                 "up to 64 ranks, got 65");
+}
+
 }  // namespace
 }  // namespace weft::ops

@@ -271,6 +271,61 @@ TEST(AttentionArgs, BadArgumentsNameTheArgument) {
     }
 }
 
+// The public entry points check every argument before they ask the device anything: on a machine without a GPU a bad
+// argument is still the argument's error (a CUDA call first would fail with the runtime's own error).
+TEST(AttentionArgs, PublicCallsCheckArgumentsBeforeTheDevice) {
+    Args a;
+    a.k.dtype = DType::kF16;
+    try {
+        decode_attention(a.q, a.k, a.v, a.table, a.lens, a.max_len, a.out, a.lse, nullptr, a.options);
+        ADD_FAILURE() << "decode_attention accepted a k_cache of another dtype";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("k_cache must have q's dtype"), std::string::npos) << e.what();
+    }
+    Args b;
+    b.lens = TensorView(Args::at(0x3000000), DType::kI32, {5});
+    try {
+        decode_attention(b.q, b.k, b.v, b.table, b.lens, b.max_len, b.out, b.lse, nullptr, b.options);
+        ADD_FAILURE() << "decode_attention accepted 5 seq_lens for 4 sequences";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("seq_lens must have batch (4) entries"), std::string::npos) << e.what();
+    }
+}
+
+TEST(AttentionArgs, HugeBlockTablesAndHeadCountsAreCheckedWithoutOverflow) {
+    {
+        // max_pages x page_size overflows int64; max_seq_len fits the table whatever it is.
+        Args a;
+        a.table = TensorView(Args::at(0x2000000), DType::kI32, {4, int64_t{1} << 40});
+        a.k = TensorView(Args::at(0x100000), DType::kBF16, {100, int64_t{1} << 30, 8, 128});
+        a.v = TensorView(Args::at(0x900000), DType::kBF16, {100, int64_t{1} << 30, 8, 128});
+        a.max_len = 300;
+        EXPECT_NO_THROW((void)a.plan());
+    }
+    {
+        // A one-page table of 16 tokens cannot hold 17.
+        Args a;
+        a.table = TensorView(Args::at(0x2000000), DType::kI32, {4, 1});
+        a.max_len = 17;
+        expect_rejected(a, {"max_seq_len (17) exceeds what block_table holds (1 pages of 16 tokens)"});
+        a.max_len = 16;
+        EXPECT_NO_THROW((void)a.plan());
+    }
+    // 65535 sequences x 65535 q-heads: more (sequence, q-head) rows than the combine kernel's grid holds. One split
+    // needs no combine (the automatic plan, with this many blocks); forced splits are refused.
+    Args big;
+    big.q = TensorView(Args::at(0x10000), DType::kBF16, {65535, 65535, 128});
+    big.out = TensorView(Args::at(0x4000000), DType::kBF16, {65535, 65535, 128});
+    big.k = TensorView(Args::at(0x100000), DType::kBF16, {100, 16, 65535, 128});
+    big.v = TensorView(Args::at(0x900000), DType::kBF16, {100, 16, 65535, 128});
+    big.table = TensorView(Args::at(0x2000000), DType::kI32, {65535, 20});
+    big.lens = TensorView(Args::at(0x3000000), DType::kI32, {65535});
+    big.lse = TensorView();
+    EXPECT_EQ(big.plan().params.num_splits, 1);
+    big.options.num_splits = 2;
+    expect_rejected(big, {"batch x num_q_heads must be at most 2147483647", "65535 x 65535"});
+}
+
 // ------------------------------------------------------------------------------------------------
 // NVRTC: every split specialisation (and the bf16 combine ones) compiles for sm_90a without spills or local memory; the
 // split kernel copies with 16-byte cp.async (LDGSTS.E.BYPASS.128), reads shared memory with ldmatrix (LDSM) and

@@ -567,6 +567,44 @@ TEST(CollectivesArgs, ReduceScatterChecks) {
     EXPECT_ERROR_MENTIONS(check_reduce_scatter_args(view(a, DType::kU8, 30), view(b, DType::kU8, 10), 3, 0), "u8");
 }
 
+// Views set up by hand (the fields are public) and options out of their enums: clear errors, never a division by an
+// unknown dtype's zero size, a count made positive by two negative extents, or a fall-through to a default kernel.
+TEST(CollectivesArgs, HandMadeViewsAndUnknownAlgorithmsAreRefused) {
+    const uintptr_t a = 0x10000, b = 0x80000;
+    TensorView unknown = view(a, DType::kF32, 8);
+    unknown.dtype = static_cast<DType>(42);
+    EXPECT_ERROR_MENTIONS(detail::check_all_gather_args(unknown, view(b, DType::kF32, 16), 2, 0), "input",
+                          "unknown dtype", "42");
+    EXPECT_ERROR_MENTIONS(detail::check_all_reduce_args(view(a, DType::kF32, 8), unknown), "output", "unknown dtype");
+    TensorView negative(reinterpret_cast<void*>(a), DType::kF32, {2, 3});
+    negative.shape = {-2, -3, 0, 0};  // numel() = 6
+    EXPECT_ERROR_MENTIONS(detail::check_all_reduce_args(negative, view(b, DType::kF32, 6)), "input", "negative extent");
+    EXPECT_ERROR_MENTIONS(detail::check_reduce_scatter_args(view(a, DType::kF32, 12), negative, 2, 0), "output",
+                          "negative extent");
+    TensorView too_many = view(a, DType::kF32, 8);
+    too_many.ndim = 6;
+    EXPECT_ERROR_MENTIONS(detail::check_all_reduce_args(too_many, view(b, DType::kF32, 8)), "input",
+                          "0 to 4 dimensions, got 6");
+
+    EXPECT_ERROR_MENTIONS(detail::check_algo_option(static_cast<AllReduceAlgo>(7)), "all_reduce", "options.algo",
+                          "auto, ll, one_shot, two_shot", "7");
+    EXPECT_ERROR_MENTIONS(detail::check_algo_option(static_cast<AllGatherAlgo>(-1)), "all_gather", "options.algo",
+                          "ce_push");
+    EXPECT_ERROR_MENTIONS(detail::check_algo_option(static_cast<ReduceScatterAlgo>(3)), "reduce_scatter",
+                          "options.algo", "sm_pull");
+    EXPECT_NO_THROW(detail::check_algo_option(AllReduceAlgo::kTwoShot));
+    EXPECT_NO_THROW(detail::check_algo_option(AllGatherAlgo::kAuto));
+    EXPECT_NO_THROW(detail::check_algo_option(ReduceScatterAlgo::kLowLatency));
+    // The pure resolution refuses them too (it used to return them, and the op fell through to a default kernel).
+    const CollectiveTopology t = topo(4);
+    EXPECT_ERROR_MENTIONS(resolve_all_reduce_algo(static_cast<AllReduceAlgo>(7), std::nullopt, 1024, t),
+                          "options.algo");
+    EXPECT_ERROR_MENTIONS(resolve_all_gather_algo(static_cast<AllGatherAlgo>(9), std::nullopt, 1024, t, true),
+                          "options.algo");
+    EXPECT_ERROR_MENTIONS(resolve_reduce_scatter_algo(static_cast<ReduceScatterAlgo>(9), std::nullopt, 1024, t),
+                          "options.algo");
+}
+
 TEST(CollectivesArgs, DescriptorsAndRounds) {
     using detail::call_descriptor;
     using detail::call_descriptor_bytes;

@@ -104,6 +104,40 @@ TEST(TensorView, StridedIsNotContiguous) {
     EXPECT_THROW(TensorView(nullptr, DType::kF16, {4, -1}), Error);
 }
 
+// The fields are public: a view set up by hand with a bad ndim or huge extents gets weft::Error from numel() and
+// size_bytes(), never an out-of-bounds read or a wrapped count; describe() and is_contiguous() stay safe.
+TEST(TensorView, HandMadeViewsWithBadFieldsAreErrorsNotOutOfBoundsReads) {
+    TensorView v(reinterpret_cast<void*>(0x1000), DType::kBF16, {8, 16});
+    for (int32_t bad : {-1, 5, 1000}) {
+        v.ndim = bad;
+        try {
+            (void)v.numel();
+            ADD_FAILURE() << "numel() of ndim " << bad << " did not throw";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("0 to 4 dimensions"), std::string::npos) << e.what();
+        }
+        EXPECT_THROW((void)v.size_bytes(), Error);
+        EXPECT_FALSE(v.is_contiguous());
+        EXPECT_NE(v.describe().find("ndim = " + std::to_string(bad)), std::string::npos) << v.describe();
+    }
+    TensorView huge(reinterpret_cast<void*>(0x1000), DType::kF32, {1, 1});
+    huge.shape = {int64_t{1} << 40, int64_t{1} << 40, 1, 1};
+    try {
+        (void)huge.numel();
+        ADD_FAILURE() << "numel() of 2^80 elements did not throw";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("overflows int64"), std::string::npos) << e.what();
+    }
+    huge.shape = {int64_t{1} << 31, int64_t{1} << 31, 1, 1};  // 2^62 elements fit; 2^64 bytes do not
+    EXPECT_EQ(huge.numel(), int64_t{1} << 62);
+    EXPECT_THROW((void)huge.size_bytes(), Error);
+    huge.ndim = 4;
+    huge.shape = {int64_t{1} << 40, int64_t{1} << 40, 0, 1};  // a zero extent: no element, no overflow
+    EXPECT_EQ(huge.numel(), 0);
+    EXPECT_THROW(TensorView(nullptr, DType::kF16, {int64_t{1} << 40, int64_t{1} << 40}), Error);
+    EXPECT_EQ(TensorView(nullptr, DType::kF16, {int64_t{1} << 40, int64_t{1} << 40, 0}).numel(), 0);
+}
+
 static_assert(noexcept(cuda_available()), "cuda_available() is the query that never throws");
 
 // driver() either resolves every entry of the table or throws an Error that names the driver; a usable device

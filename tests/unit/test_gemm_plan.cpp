@@ -3,10 +3,14 @@
 // path/config heuristics and config printing (CPU only).
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <climits>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "weft/common/gemm_config.hpp"
 #include "weft/common/gemv_config.hpp"
@@ -205,6 +209,107 @@ TEST(GemmValidate, NamesTheBadArgument) {
         "a must be row-major");
     expect_error_mentions([&] { ops::validate_gemm_args(mat(0, DType::kBF16, 64, 64, 64), b, d, BLayout::kNK); },
                           "a has a null data pointer");
+}
+
+// Extents near 2^31 overflow the kernels' int32 tile arithmetic ((k + tile_k - 1) / tile_k, (m + tile_m - 1) / tile_m):
+// K = 2^31 - 8 (A and B of one row each: 8 GiB) would run no k block and leave D unwritten. Refused with a margin.
+TEST(GemmValidate, ExtentsLeaveTheKernelsInt32TileArithmeticAMargin) {
+    const int64_t max = ops::kGemmMaxExtent;
+    EXPECT_EQ(max, (int64_t{1} << 31) - (int64_t{1} << 24));
+    const int64_t big_k = (int64_t{1} << 31) - 8;
+    expect_error_mentions(
+        [&] {
+            ops::validate_gemm_args(mat(0x10000, DType::kBF16, 1, big_k, big_k),
+                                    mat(0x20000, DType::kBF16, 8, big_k, big_k), mat(0x30000, DType::kBF16, 1, 8, 8),
+                                    BLayout::kNK);
+        },
+        "a's extents must be at most 2^31 - 2^24");
+    expect_error_mentions(
+        [&] {
+            ops::validate_gemm_args(mat(0x10000, DType::kBF16, (int64_t{1} << 31) - 1, 8, 8),
+                                    mat(0x20000, DType::kBF16, 8, 8, 8),
+                                    mat(0x30000, DType::kBF16, (int64_t{1} << 31) - 1, 8, 8), BLayout::kNK);
+        },
+        "a's extents must be at most 2^31 - 2^24");
+    const auto p =
+        ops::validate_gemm_args(mat(0x10000, DType::kBF16, max, max, max), mat(0x20000, DType::kBF16, 8, max, max),
+                                mat(0x30000, DType::kBF16, max, 8, 8), BLayout::kNK);
+    EXPECT_EQ(p.m, max);
+    EXPECT_EQ(p.k, max);
+    // The tile arithmetic of the largest extents stays positive and in int32.
+    const GemmConfig c = gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK);
+    const GemmTileGrid g(c, static_cast<int32_t>(max), 8);
+    EXPECT_GT(g.num_m_tiles, 0);
+    EXPECT_EQ(int64_t{g.num_m_tiles}, (max + c.tile_m - 1) / c.tile_m);
+    EXPECT_LE(int64_t{max} + 256 + 64, int64_t{INT32_MAX});  // a tile's rows (<= 256) and a k block past the last
+    // The small-M split-K ranges: the last split ends at most 32 x splits past K (k_per_split a multiple of 32), which
+    // the kernel adds in int32 (k_begin + k_per_split).
+    ops::GemmOptions forced;
+    forced.small_m_splits = ops::kGemmMaxSmallMSplits;
+    for (int64_t splits : {int64_t{2}, int64_t{3}, int64_t{10000}, int64_t{ops::kGemmMaxSmallMSplits}}) {
+        forced.small_m_splits = static_cast<int>(splits);
+        const ops::GemmPlan plan = ops::plan_gemm({1, 8, max, BLayout::kNK, DType::kBF16, DType::kBF16}, 132, forced);
+        ASSERT_EQ(plan.path, ops::GemmPath::kSmallM);
+        EXPECT_LE(int64_t{plan.small_m_splits} * plan.small_m_k_per_split, int64_t{INT32_MAX}) << splits;
+        EXPECT_GE(int64_t{plan.small_m_splits} * plan.small_m_k_per_split, max) << splits;
+    }
+}
+
+// weft::ops::gemm and select_gemm check their options before anything touches the device, at every problem size
+// (these run without a GPU: a CUDA call would fail with the runtime's error); an empty problem is a no-op.
+TEST(GemmValidate, PublicCallsCheckOptionsBeforeTheDeviceAtEverySize) {
+    const auto a = mat(0x10000, DType::kBF16, 64, 64, 64);
+    const auto b = mat(0x20000, DType::kBF16, 128, 64, 64);
+    const auto d = mat(0x30000, DType::kBF16, 64, 128, 128);
+    const auto a0 = mat(0x10000, DType::kBF16, 0, 64, 64);
+    const auto d0 = mat(0x30000, DType::kBF16, 0, 128, 128);
+    EXPECT_NO_THROW(ops::gemm(a0, b, d0, BLayout::kNK, nullptr));  // M = 0: nothing to write, no CUDA call
+    EXPECT_NO_THROW(ops::gemm(a, mat(0x20000, DType::kBF16, 0, 64, 64), mat(0x30000, DType::kBF16, 64, 0, 0),
+                              BLayout::kNK, nullptr));  // N = 0
+    // K = 0 is refused (a positive multiple of 8), whatever M and N.
+    expect_error_mentions(
+        [&] {
+            ops::gemm(mat(0x10000, DType::kBF16, 0, 0, 0), mat(0x20000, DType::kBF16, 128, 0, 0), d0, BLayout::kNK,
+                      nullptr);
+        },
+        "K (a's columns) must be a positive multiple of 8, got 0");
+    struct Bad {
+        const char* what;
+        ops::GemmOptions options;
+    };
+    std::vector<Bad> bad(9);
+    bad[0] = {"options.sm_budget must be >= 0", {}};
+    bad[0].options.sm_budget = -4;
+    bad[1] = {"options.split_k must be in [0, 16]", {}};
+    bad[1].options.split_k = 17;
+    bad[2] = {"options.small_m_splits must be in [0, 65535]", {}};
+    bad[2].options.small_m_splits = -1;
+    bad[3] = {"options.small_m_splits must be in [0, 65535]", {}};
+    bad[3].options.small_m_splits = 1 << 20;
+    bad[4] = {"options.small_m_variant must be GemvVariant::kTmaRing (3) or GemvVariant::kBulkRows (4)", {}};
+    bad[4].options.small_m_variant = static_cast<GemvVariant>(9);
+    bad[5] = {"options.timeout must be >= 0 ms", {}};
+    bad[5].options.timeout = std::chrono::milliseconds(-5);
+    bad[6] = {"options.workspace must be 256-byte aligned", {}};
+    bad[6].options.workspace = reinterpret_cast<void*>(uintptr_t{0x40010});
+    bad[7] = {"options.config's dtypes/layout must match the call", {}};
+    bad[7].options.config = gemm_candidate(0, DType::kF16, DType::kF16, BLayout::kNK);
+    bad[8] = {"options.small_m_max_m must be in [0, 64]", {}};
+    bad[8].options.small_m_max_m = 65;
+    for (const Bad& x : bad) {
+        expect_error_mentions([&] { ops::gemm(a, b, d, BLayout::kNK, nullptr, x.options); }, x.what);
+        expect_error_mentions([&] { ops::gemm(a0, b, d0, BLayout::kNK, nullptr, x.options); }, x.what);
+        expect_error_mentions([&] { (void)ops::select_gemm(a, b, d, BLayout::kNK, nullptr, x.options); }, x.what);
+    }
+    // A forced small-M variant that cannot serve the call (B's rows not back to back) is refused up front too.
+    ops::GemmOptions rows;
+    rows.small_m_variant = GemvVariant::kBulkRows;
+    expect_error_mentions(
+        [&] {
+            ops::gemm(mat(0x10000, DType::kBF16, 1, 4096, 4096), mat(0x20000, DType::kBF16, 128, 4096, 4160),
+                      mat(0x30000, DType::kBF16, 1, 128, 128), BLayout::kNK, nullptr, rows);
+        },
+        "small-M variant 4 (bulk-copied rows) cannot serve this call");
 }
 
 TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <nvrtc.h>
 
+#include <chrono>
 #include <map>
 #include <string>
 #include <vector>
@@ -255,6 +256,102 @@ TEST(GroupedGemmPlan, ValidatesFp8Operands) {
                                                  view(DType::kF32, {4, 64, 1}));
               }).find("multiple of 128"),
               std::string::npos);
+}
+
+// The public calls check their options before anything touches the device (these run without a GPU: a CUDA call
+// would fail with the runtime's error), and for every problem size, the empty ones (nothing to launch) included.
+TEST(GroupedGemmPlan, PublicCallsCheckOptionsBeforeTheDeviceAtEverySize) {
+    const auto a = view(DType::kBF16, {8, 64, 256});
+    const auto b = view(DType::kBF16, {8, 128, 256});
+    const auto d = view(DType::kBF16, {8, 64, 128});
+    const auto a_empty = view(DType::kBF16, {0, 64, 256});
+    const auto b_empty = view(DType::kBF16, {0, 128, 256});
+    const auto d_empty = view(DType::kBF16, {0, 64, 128});
+    // Empty problems with good options are no-ops (no CUDA call: they return on a machine without a GPU).
+    EXPECT_NO_THROW(ops::grouped_gemm_masked(a_empty, b_empty, d_empty, BLayout::kNK, nullptr, nullptr));
+    EXPECT_NO_THROW(ops::grouped_gemm_contiguous(view(DType::kBF16, {0, 256}), b, view(DType::kBF16, {0, 128}),
+                                                 BLayout::kNK, fake_counts(), fake_counts(), nullptr));
+    struct Bad {
+        const char* what;
+        ops::GroupedGemmOptions options;
+    };
+    std::vector<Bad> bad(5);
+    bad[0] = {"options.sm_budget must be >= 0", {}};
+    bad[0].options.sm_budget = -1;
+    bad[1] = {"options.expected_rows_per_group must be >= 0", {}};
+    bad[1].options.expected_rows_per_group = -8;
+    bad[2] = {"options.config must be a valid cluster-free config", {}};
+    bad[2].options.config = gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK);
+    bad[2].options.config->cluster_m = 2;
+    bad[3] = {"options.config's dtypes/layout must match the call", {}};
+    bad[3].options.config = ops::grouped_gemm_candidate_configs(DType::kBF16, DType::kF32, BLayout::kNK).front();
+    bad[4] = {"options.timeout must be >= 0", {}};
+    bad[4].options.timeout = std::chrono::milliseconds(-1);
+    for (const Bad& x : bad) {
+        EXPECT_NE(error_of([&] {
+                      ops::grouped_gemm_masked(a, b, d, BLayout::kNK, fake_counts(), nullptr, x.options);
+                  }).find(x.what),
+                  std::string::npos)
+            << x.what;
+        EXPECT_NE(error_of([&] {
+                      ops::grouped_gemm_masked(a_empty, b_empty, d_empty, BLayout::kNK, nullptr, nullptr, x.options);
+                  }).find(x.what),
+                  std::string::npos)
+            << x.what << " (empty problem)";
+        EXPECT_NE(error_of([&] {
+                      ops::grouped_gemm_contiguous(view(DType::kBF16, {512, 256}), b, view(DType::kBF16, {512, 128}),
+                                                   BLayout::kNK, fake_counts(), fake_counts(), nullptr, x.options);
+                  }).find(x.what),
+                  std::string::npos)
+            << x.what << " (contiguous)";
+    }
+}
+
+TEST(GroupedGemmPlan, RowsAndExtentsLeaveTheKernelsInt32TileArithmeticAMargin) {
+    const int64_t max = ops::kGemmMaxExtent;
+    const auto b = view(DType::kBF16, {8, 128, 256});
+    EXPECT_EQ(
+        ops::validate_grouped_gemm_args(GroupedLayout::kContiguous, view(DType::kBF16, {max, 256}), b,
+                                        view(DType::kBF16, {max, 128}), BLayout::kNK, fake_counts(), fake_counts())
+            .rows,
+        max);
+    EXPECT_NE(error_of([&] {
+                  ops::validate_grouped_gemm_args(GroupedLayout::kContiguous, view(DType::kBF16, {max + 8, 256}), b,
+                                                  view(DType::kBF16, {max + 8, 128}), BLayout::kNK, fake_counts(),
+                                                  fake_counts());
+              }).find("a's extents must be in [0, 2^31 - 2^24"),
+              std::string::npos);
+    // Masked: G x capacity rows over the bound, each extent within it.
+    EXPECT_NE(error_of([&] {
+                  ops::validate_grouped_gemm_args(GroupedLayout::kMasked, view(DType::kBF16, {8, max / 4, 256}), b,
+                                                  view(DType::kBF16, {8, max / 4, 128}), BLayout::kNK, nullptr,
+                                                  fake_counts());
+              }).find("a has too many rows for int32 tile indices"),
+              std::string::npos);
+}
+
+TEST(GroupedGemmPlan, Fp8WorkspaceMustNotOverlapTheCodesOrScales) {
+    const auto b = view(DType::kBF16, {4, 128, 256});
+    const auto d = view(DType::kBF16, {4, 64, 128});
+    const TensorView codes(reinterpret_cast<void*>(uintptr_t{1} << 24), DType::kF8E4M3, {4, 64, 256});
+    const TensorView scales(reinterpret_cast<void*>(uintptr_t{1} << 25), DType::kF32, {4, 64, 2});
+    // a_bf16 starting in the codes' second half (not at their base): they partly overlap.
+    const TensorView a_bf16(reinterpret_cast<void*>((uintptr_t{1} << 24) + 32 * 1024), DType::kBF16, {4, 64, 256});
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_masked_fp8(codes, scales, b, d, BLayout::kNK, fake_counts(), a_bf16, nullptr);
+              }).find("a_bf16 (the workspace) must not overlap a or a_scales"),
+              std::string::npos);
+    const TensorView over_scales(reinterpret_cast<void*>((uintptr_t{1} << 25) - 1024), DType::kBF16, {4, 64, 256});
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_masked_fp8(codes, scales, b, d, BLayout::kNK, fake_counts(), over_scales, nullptr);
+              }).find("must not overlap a or a_scales"),
+              std::string::npos);
+    // Apart, with an empty problem (nothing to launch): accepted.
+    const TensorView codes0(reinterpret_cast<void*>(uintptr_t{1} << 24), DType::kF8E4M3, {0, 64, 256});
+    const TensorView scales0(reinterpret_cast<void*>(uintptr_t{1} << 25), DType::kF32, {0, 64, 2});
+    const TensorView a0(reinterpret_cast<void*>(uintptr_t{1} << 26), DType::kBF16, {0, 64, 256});
+    EXPECT_NO_THROW(ops::grouped_gemm_masked_fp8(codes0, scales0, view(DType::kBF16, {0, 128, 256}),
+                                                 view(DType::kBF16, {0, 64, 128}), BLayout::kNK, nullptr, a0, nullptr));
 }
 
 TEST(GroupedGemmPlan, CandidatesAreGroupedValidAndThePlanFitsTheBudget) {

@@ -177,6 +177,9 @@ TEST(MoeTpArgs, RouteNamesTheBadArgument) {
                   ops::moe_route(view(DType::kI32, {100, 65}), r, 1, nullptr);
               }).find("topk"),
               std::string::npos);
+    // A refused call leaves the caller's routing as it was.
+    EXPECT_EQ(r.tokens, 0);
+    EXPECT_EQ(r.topk, 0);
 }
 
 TEST(MoeTpArgs, GatheredGemmNamesTheBadArgument) {
@@ -202,7 +205,28 @@ TEST(MoeTpArgs, GatheredGemmNamesTheBadArgument) {
                   ops::grouped_gemm_gathered(a, b, view(DType::kBF16, {200, 520}), BLayout::kNK, r, a_rows, nullptr);
               }).find("d must be [rows, N]"),
               std::string::npos);
-    EXPECT_NE(error_of([&] { ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, top1, a, nullptr); }).find("alias"),
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, top1, a, nullptr);
+              }).find("a_rows (the workspace) must not overlap a"),
+              std::string::npos);
+    // A workspace that starts inside a (a's row 50) overlaps it without aliasing it.
+    const TensorView inside(static_cast<char*>(a.data) + 50 * 256 * 2, DType::kBF16, {100, 256});
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, top1, inside, nullptr);
+              }).find("a_rows (the workspace) must not overlap a"),
+              std::string::npos);
+    // The grouped GEMM's options are checked before the gather runs (nothing launched for a refused call).
+    ops::GroupedGemmOptions bad;
+    bad.sm_budget = -1;
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, r, a_rows, nullptr, bad);
+              }).find("options.sm_budget must be >= 0"),
+              std::string::npos);
+    bad = {};
+    bad.status = reinterpret_cast<ops::GroupedStatus*>(uintptr_t{0x1002});
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, r, a_rows, nullptr, bad);
+              }).find("options.status must be 4-byte aligned"),
               std::string::npos);
     MoeRouting small = r;
     small.rows_capacity = 150;
@@ -250,6 +274,13 @@ TEST(MoeTpArgs, CombineNamesTheBadArgument) {
               std::string::npos);
     EXPECT_NE(combine(view(DType::kBF16, {100, 512}), static_cast<MoeCombineMode>(7), w, d_rows, acc).find("mode"),
               std::string::npos);
+    // The combine kernel steps its columns in int32: N keeps the GEMM's margin below 2^31.
+    const int64_t wide = (int64_t{1} << 31) - 8;
+    EXPECT_NE(error_of([&] {
+                  ops::moe_combine(view(DType::kF32, {200, wide}), r, MoeCombineMode::kPerSlot, TensorView(), acc,
+                                   view(DType::kBF16, {200, wide}), nullptr);
+              }).find("N a multiple of 8 (at most 2^31 - 2^24)"),
+              std::string::npos);
 }
 
 TEST(MoeTpArgs, ShapeChecksNameTheField) {
@@ -274,6 +305,17 @@ TEST(MoeTpArgs, ShapeChecksNameTheField) {
     s.num_experts = 0;
     EXPECT_NE(err(s, 8).find("num_experts"), std::string::npos);
     EXPECT_NE(err(ok, 9).find("1 .. 8 ranks"), std::string::npos);
+    // The grouped GEMM's rows (max_tokens x topk) and extents keep a margin below 2^31; a huge max_tokens is refused
+    // without an overflowing product.
+    s = ok;
+    s.max_tokens = (int64_t{1} << 30) + 8;
+    EXPECT_NE(err(s, 8).find("max_tokens x topk (the grouped GEMM's rows) must be at most 2^31 - 2^24"),
+              std::string::npos);
+    s.max_tokens = int64_t{1} << 61;
+    EXPECT_NE(err(s, 8).find("max_tokens x topk"), std::string::npos);
+    s = ok;
+    s.hidden = (int64_t{1} << 31) - 8;
+    EXPECT_NE(err(s, 8).find("hidden"), std::string::npos);
     MoeTpOptions o;
     o.comm_blocks = 65;
     EXPECT_NE(err(ok, 8, o).find("comm_blocks"), std::string::npos);

@@ -303,6 +303,14 @@ TEST(TpValidation, AgGemmShapeAndOptions) {
     expect_error([&] { ops::validate_ag_gemm_shape({1024, 0, 512, DType::kBF16}, 4); }, "shape.n");
     expect_error([&] { ops::validate_ag_gemm_shape({1024, 256, 500, DType::kBF16}, 4); }, "shape.k");
     expect_error([&] { ops::validate_ag_gemm_shape({1024, 256, 512, DType::kF32}, 4); }, "shape.dtype");
+    // The GEMM's extents keep a margin below 2^31 (its int32 tile arithmetic).
+    expect_error([&] { ops::validate_ag_gemm_shape({1024, 256, (int64_t{1} << 31) - 8, DType::kBF16}, 4); }, "shape.k");
+    expect_error(
+        [&] {
+            ops::validate_ag_gemm_shape({(int64_t{1} << 31) - 4, 256, 512, DType::kBF16}, 4);
+        },
+        "shape.max_m must be at most 2^31 - 2^24");
+    EXPECT_NO_THROW(ops::validate_ag_gemm_shape({ops::kGemmMaxExtent, 256, ops::kGemmMaxExtent, DType::kBF16}, 4));
     ops::AgGemmOptions o;
     o.copy_streams = 4;
     expect_error([&] { ops::validate_ag_gemm_shape(ok, 4, o); }, "copy_streams");
@@ -346,6 +354,10 @@ TEST(TpValidation, AgGemmCall) {
         "ag_gemm: gemm: d's row stride must be a multiple of 16 bytes");
     expect_error([&] { ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x10000), DType::kBF16, {256 * 512}), b, c); },
                  "a_local must be a 2-D");
+    // A row count whose product with the team size overflows int64 is refused, not wrapped into range.
+    TensorView huge = a;
+    huge.shape[0] = int64_t{1} << 62;
+    expect_error([&] { ops::validate_ag_gemm_call(s, 4, huge, b, c); }, "a_local must have 1 .. max_m/W = 256 rows");
 }
 
 TEST(TpValidation, GemmRsShapeAndCall) {
@@ -364,6 +376,10 @@ TEST(TpValidation, GemmRsShapeAndCall) {
     EXPECT_NO_THROW(ops::validate_gemm_rs_shape(s, 4, o));
     o.config = gemm_candidate(6, DType::kF16, DType::kF16, BLayout::kNK);  // writes f16, partials are f32
     expect_error([&] { ops::validate_gemm_rs_shape(s, 4, o); }, "options.config");
+    o = {};
+    o.mode = static_cast<ops::GemmRsMode>(7);
+    expect_error([&] { ops::validate_gemm_rs_shape(s, 4, o); },
+                 "options.mode must be GemmRsMode::kAuto, kPull or kPush");
 
     const TensorView a(fake(0x10000), DType::kF16, {1024, 512});
     const TensorView b(fake(0x20000), DType::kF16, {300, 512});

@@ -14,6 +14,15 @@
 
 namespace weft::ops::detail {
 
+/// Throws weft::Error naming `what` and `op` unless the view's fields make sense: 0 to TensorView::kMaxDims
+/// dimensions, no negative extent, a known dtype (the checks below and the all-to-all's start with it).
+void check_collective_view(const TensorView& v, const char* what, const char* op);
+/// Throws weft::Error naming the op unless `algo` is one of its enumerators (a call's options.algo; the ops check it
+/// before anything else touches the team or the device, resolve_*_algo again).
+void check_algo_option(AllReduceAlgo algo);
+void check_algo_option(AllGatherAlgo algo);
+void check_algo_option(ReduceScatterAlgo algo);
+
 /// Throws weft::Error naming the argument unless: both views contiguous with data (or 0 elements), the same
 /// dtype, bf16/f16/f32, the same number of elements, and either the same pointer or no overlap.
 void check_all_reduce_args(const TensorView& input, const TensorView& output);

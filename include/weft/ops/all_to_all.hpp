@@ -78,6 +78,12 @@ AllToAllPlan plan_all_to_all(const TensorView& input, std::span<const int64_t> s
                              std::span<const int64_t> recv_counts, int num_ranks, bool equal, bool input_symmetric,
                              uint64_t staging_capacity);
 
+/// Checks the arguments of ulysses_seq_to_head (`seq_to_head`) or ulysses_head_to_seq on a team of `num_ranks`: the
+/// shapes against each other, scratch large enough and overlapping neither view, and the all-to-all's own checks;
+/// weft::Error naming the argument. Pure (no CUDA call); the helpers call it before they copy anything.
+void check_ulysses_args(const TensorView& input, const TensorView& output, const TensorView& scratch, int num_ranks,
+                        bool seq_to_head);
+
 }  // namespace detail
 
 }  // namespace weft::ops

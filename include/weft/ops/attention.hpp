@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 
 #include "weft/common/attention.hpp"
@@ -78,8 +79,10 @@ AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_head
 /// merges them by their LSE in fp32. Arguments as for decode_attention, per rank (q, out, lse and the head counts the
 /// same on every rank). Collective (every rank calls it, in the same order as its other collectives, with the same
 /// shapes); asynchronous, graph-capturable (the LL flags are the workspace's epochs, in device memory), bounded
-/// waits (a missing rank ends in a timeout diagnostic). Sequences go in rounds of as many as the LL buffer holds
-/// (256 KiB per rank by default: batch x q-heads x (head_dim + 2) x 8 bytes per round). The first call with a
+/// waits (a missing rank ends in a timeout diagnostic). Sequences go in rounds of as many as the LL slot holds
+/// (CollectiveWorkspaceInfo::ll_slot_bytes, 512 KiB per rank by default: batch x q-heads x (head_dim + 2) x 8 bytes of
+/// LL lines per round); one sequence's rows must fit one round (at most 504 q-heads of head_dim 128, 254 of head_dim
+/// 256 by default), else weft::Error on every rank before any kernel is loaded or launched. The first call with a
 /// head_dim and dtype compiles and loads its kernels and meets every rank (host barrier) before launching.
 void sp_decode_attention(const Team& team, const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                          const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
@@ -120,6 +123,13 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
                                           const TensorView& block_table, const TensorView& seq_lens,
                                           int64_t max_seq_len, const TensorView& out, const TensorView& lse,
                                           const DecodeAttentionOptions& options, int64_t resident_blocks);
+/// The same, asking `resident_blocks(head_dim)` (e.g. attention_resident_blocks_here, which queries the device) only
+/// once every argument has passed its check.
+DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                                          const TensorView& block_table, const TensorView& seq_lens,
+                                          int64_t max_seq_len, const TensorView& out, const TensorView& lse,
+                                          const DecodeAttentionOptions& options,
+                                          const std::function<int64_t(int64_t head_dim)>& resident_blocks);
 
 /// Split blocks resident at once on a GPU with `num_sms` SMs of `smem_per_sm_bytes` shared memory each.
 int64_t attention_resident_blocks(const AttentionDecodeConfig& config, int64_t num_sms, int64_t smem_per_sm_bytes);

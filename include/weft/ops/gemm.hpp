@@ -79,8 +79,10 @@ struct GemmOptions {
 ///   a: [M,K], row-major with a row stride (strides {lda, 1}); bf16 or f16
 ///   b: [N,K] (b_layout kNK) or [K,N] (kKN), row-major with a row stride; same dtype as a
 ///   d: [M,N], row-major with a row stride; bf16, f16 (f16 inputs only) or f32
-/// K must be a multiple of 8; every base address 16-byte aligned, every row stride a multiple of 16 bytes
-/// (the tensor-memory-access engine's rules). Bad arguments throw weft::Error naming the argument.
+/// K must be a positive multiple of 8; M, N and K at most kGemmMaxExtent = 2^31 - 2^24; every base address 16-byte
+/// aligned, every row stride a multiple of 16 bytes (the tensor-memory-access engine's rules); M or N may be 0
+/// (nothing is written). Bad arguments and options
+/// (validate_gemm_options) throw weft::Error naming the argument, before anything touches the device.
 void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout, cudaStream_t stream,
           const GemmOptions& options = {});
 

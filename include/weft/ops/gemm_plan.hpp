@@ -30,8 +30,23 @@ struct GemmProblem {
     bool b_rows_contiguous = false;
 };
 
+/// The largest M, N or K of a GEMM (dense, grouped or fused): the kernels' int32 arithmetic rounds extents up (to whole
+/// tiles, k blocks and cluster tiles, the rows of a tile's last quad; the small-M split-K ranges, up to 32 x
+/// kGemmMaxSmallMSplits past K) and needs that margin below 2^31.
+inline constexpr int64_t kGemmMaxExtent = (int64_t{1} << 31) - (int64_t{1} << 24);
+
 /// Checks a, b, d against each other and TMA's rules; throws weft::Error naming the offending argument.
 GemmProblem validate_gemm_args(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout);
+
+/// The most splits GemmOptions::small_m_splits may force (the small-M grid's y extent).
+inline constexpr int kGemmMaxSmallMSplits = 65535;
+
+/// Checks a call's options against its problem (weft::ops::gemm and select_gemm call it before anything touches the
+/// device, plan_gemm again): sm_budget >= 0, split_k in [0, kGemmMaxSplits], small_m_max_m in [0, kGemvMaxM],
+/// small_m_splits in [0, kGemmMaxSmallMSplits], small_m_variant kTmaRing or kBulkRows (and kBulkRows only where it can
+/// serve a small-M call), timeout >= 0, workspace 256-byte aligned, config valid with the call's dtypes and layout.
+/// Throws weft::Error naming the option.
+void validate_gemm_options(const GemmProblem& problem, const GemmOptions& options);
 
 /// Why GemvVariant::kBulkRows (B's rows by bulk copies) cannot serve `p`, or "" when it can: M <= kGemvGroupsMaxM, B
 /// [N,K] with contiguous rows, and K a multiple of kGemvRowsSpanElems (any K of gemv_rows_k_ok for the whole-row

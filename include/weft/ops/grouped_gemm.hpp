@@ -69,8 +69,9 @@ struct GroupedGemmOptions {
 /// device memory (G = b's first extent), read by the kernel (they may be written by a kernel earlier on `stream`;
 /// a captured launch reads them at replay). Group g's rows [offsets[g], offsets[g] + counts[g]) must lie inside A;
 /// groups must not overlap (each row of D is written by its group's tiles only). Asynchronous on `stream`,
-/// capturable once its kernel exists. Row strides: multiples of 16 bytes; K a multiple of 8; base addresses 16-byte
-/// aligned. Bad arguments throw weft::Error naming the argument; bad counts: GroupedGemmOptions::status.
+/// capturable once its kernel exists. Row strides: multiples of 16 bytes; K a positive multiple of 8; every extent (and
+/// the rows of A) at most kGemmMaxExtent = 2^31 - 2^24; base addresses 16-byte aligned. Bad arguments throw weft::Error
+/// naming the argument; bad counts: GroupedGemmOptions::status.
 void grouped_gemm_contiguous(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
                              const int32_t* offsets, const int32_t* counts, cudaStream_t stream,
                              const GroupedGemmOptions& options = {});

@@ -29,8 +29,10 @@ struct TensorView {
     TensorView(void* ptr, DType type, std::initializer_list<int64_t> dims,
                std::initializer_list<int64_t> element_strides);
 
+    /// Throws weft::Error when ndim is outside [0, kMaxDims] or the count overflows int64.
     int64_t numel() const;
-    int64_t size_bytes() const { return numel() * dtype_bytes(dtype); }
+    /// numel() x the element size; throws weft::Error as numel() does, or when the product overflows int64.
+    int64_t size_bytes() const;
     int64_t dim(int i) const { return shape.at(static_cast<size_t>(i)); }
     int64_t stride(int i) const { return strides.at(static_cast<size_t>(i)); }
     /// True when the innermost stride is 1 and every outer stride is the product of inner extents.
