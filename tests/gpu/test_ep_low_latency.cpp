@@ -437,6 +437,12 @@ TEST_F(EpLowLatencyGpu, CallOrderAndCapacityErrorsAreHostErrors) {
             ref::collective_check(world, [&] {
                 check_dispatch(p, call, b, false, me, c.max_tokens_per_rank, rs.s, "after the errors (b)");
             });
+            // A moved-from handle's accessors and calls name it as empty (local: no rank waits for another).
+            LowLatencyHandle moved = std::move(d);
+            expect_error([&] { (void)d.recv_x(); }, "the handle is empty");
+            expect_error([&] { (void)d.expert_counts(); }, "the handle is empty");
+            expect_error([&] { (void)d.view(); }, "the handle is empty");
+            WEFT_CHECK(moved.recv_x().data != nullptr, "the handle moved to keeps its buffers");
         },
         options_for(c, n));
 }
