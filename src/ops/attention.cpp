@@ -341,8 +341,16 @@ uint64_t decode_attention_workspace_bytes(int64_t batch, int64_t num_q_heads, in
     const AttentionSplitPlan s =
         decode_attention_split_plan(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, options);
     if (s.num_splits <= 1) return 0;
-    const uint64_t rows =
-        static_cast<uint64_t>(batch) * static_cast<uint64_t>(num_q_heads) * static_cast<uint64_t>(s.num_splits);
+    // Partial rows (batch x q-heads x splits), each head_dim fp32 values and an fp32 LSE: checked products, so an
+    // absurd batch is an error rather than a wrapped byte count.
+    uint64_t rows = 0, values = 0, bytes = 0;
+    const bool overflow =
+        __builtin_mul_overflow(static_cast<uint64_t>(batch), static_cast<uint64_t>(num_q_heads), &rows) ||
+        __builtin_mul_overflow(rows, static_cast<uint64_t>(s.num_splits), &rows) ||
+        __builtin_mul_overflow(rows, static_cast<uint64_t>(head_dim) * 4 + 4, &values) ||
+        __builtin_add_overflow(values, uint64_t{16}, &bytes);
+    WEFT_CHECK(!overflow, kOp << ": the workspace of batch " << batch << " x " << num_q_heads << " q-heads x "
+                              << s.num_splits << " splits overflows a 64-bit byte count");
     return rows * static_cast<uint64_t>(head_dim) * 4 + (rows * 4 + 15) / 16 * 16;
 }
 
