@@ -14,6 +14,7 @@
 #include <tuple>
 #include <utility>
 
+#include "views_overlap.hpp"
 #include "weft/common/math.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
@@ -478,12 +479,22 @@ GemmSelection select_for_views(const GemmProblem& p, const TensorView& a, const 
     return select_gemm_plan(p, num_sms, options, arch, run, stream, stream_is_capturing(stream), prepare);
 }
 
+// D is written while A and B are still being read (by other CTAs, or other k ranges of a split-K tile): their bytes
+// must not meet.
+void check_output_apart(const TensorView& a, const TensorView& b, const TensorView& d) {
+    WEFT_CHECK(!detail::views_overlap(d, a) && !detail::views_overlap(d, b),
+               "gemm: d's bytes must not overlap a's or b's, got d " << d.describe() << " at " << d.data << ", a "
+                                                                     << a.describe() << " at " << a.data << ", b "
+                                                                     << b.describe() << " at " << b.data);
+}
+
 }  // namespace
 
 GemmSelection select_gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
                           cudaStream_t stream, const GemmOptions& options) {
     const GemmProblem p = validate_gemm_args(a, b, d, b_layout);
     validate_gemm_options(p, options);
+    check_output_apart(a, b, d);
     return select_for_views(p, a, b, d, stream, options);
 }
 
@@ -492,6 +503,7 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout
     WEFT_NVTX_RANGE("gemm");
     const GemmProblem p = validate_gemm_args(a, b, d, b_layout);
     validate_gemm_options(p, options);  // before anything touches the device, whatever the problem's size
+    check_output_apart(a, b, d);
     if (p.m == 0 || p.n == 0) return;   // nothing to write
     const GemmSelection sel = select_for_views(p, a, b, d, stream, options);
     launch_plan(sel.plan, p, a, b, d, options, stream);

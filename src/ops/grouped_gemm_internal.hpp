@@ -3,6 +3,7 @@
 // grouped scheduler and hook: the plan, tensor maps and arguments of a validated call.
 #pragma once
 
+#include "views_overlap.hpp"
 #include "weft/detail/gemm_launch.hpp"
 #include "weft/ops/grouped_gemm.hpp"
 
@@ -16,10 +17,6 @@ struct GroupedGemmLaunch {
     GemmArgs args{};
     GroupedSchedulerParams groups{};
 };
-
-/// Whether the bytes two views may touch intersect (each view's span: its first element to its last, strides included;
-/// an empty view touches nothing).
-bool views_overlap(const TensorView& x, const TensorView& y);
 
 /// Checks a grouped call's options against its problem (every option the launch reads: the plan's, the timeout, the
 /// status record's alignment, wait and signal); throws weft::Error naming the option. The grouped ops call it before

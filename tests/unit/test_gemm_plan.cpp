@@ -839,5 +839,21 @@ TEST(GemmFormat, PrintsDesignatedInitialisers) {
     EXPECT_NE(k.find("weft::kernels::gemm::PersistentScheduler<weft::GemmConfig{"), std::string::npos) << k;
 }
 
+// D is written while A and B are read: an output whose bytes meet an input's is refused before the device.
+TEST(GemmValidate, AnOutputOverlappingAnInputIsRefused) {
+    const auto a = mat(0x10000, DType::kBF16, 64, 64, 64);   // bytes [0x10000, 0x12000)
+    const auto b = mat(0x20000, DType::kBF16, 128, 64, 64);  // bytes [0x20000, 0x24000)
+    const auto d_on_a = mat(0x11000, DType::kBF16, 64, 128, 128);
+    const auto d_on_b = mat(0x1c100, DType::kBF16, 64, 128, 128);  // its last 256 bytes inside b
+    for (const TensorView& d : {d_on_a, d_on_b}) {
+        expect_error_mentions([&] { ops::gemm(a, b, d, BLayout::kNK, nullptr); }, "must not overlap a's or b's");
+        expect_error_mentions([&] { (void)ops::select_gemm(a, b, d, BLayout::kNK, nullptr); },
+                              "must not overlap a's or b's");
+    }
+    // An empty D touches nothing (M = 0: nothing to write, no CUDA call).
+    EXPECT_NO_THROW(ops::gemm(mat(0x10000, DType::kBF16, 0, 64, 64), b, mat(0x20000, DType::kBF16, 0, 128, 128),
+                              BLayout::kNK, nullptr));
+}
+
 }  // namespace
 }  // namespace weft

@@ -78,7 +78,8 @@ struct GemmOptions {
 /// workspace exist (the first call may allocate the per-stream small-M workspace).
 ///   a: [M,K], row-major with a row stride (strides {lda, 1}); bf16 or f16
 ///   b: [N,K] (b_layout kNK) or [K,N] (kKN), row-major with a row stride; same dtype as a
-///   d: [M,N], row-major with a row stride; bf16, f16 (f16 inputs only) or f32
+///   d: [M,N], row-major with a row stride; bf16, f16 (f16 inputs only) or f32; its bytes must not overlap a's or b's
+///      (the kernels read A and B while other CTAs write D)
 /// K must be a positive multiple of 8; M, N and K at most kGemmMaxExtent = 2^31 - 2^24; every base address 16-byte
 /// aligned, every row stride a multiple of 16 bytes (the tensor-memory-access engine's rules); M or N may be 0
 /// (nothing is written). Bad arguments and options
