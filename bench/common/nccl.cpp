@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <type_traits>
 #include <vector>
 
 #include "weft/runtime/env.hpp"
@@ -57,20 +58,22 @@ const Nccl& nccl() {
             a.why_not = "libnccl.so.2 not found (set WEFT_NCCL_LIBRARY)";
             return a;
         }
-        const auto sym = [&](const char* name) { return dlsym(a.handle, name); };
-        a.get_unique_id = reinterpret_cast<decltype(a.get_unique_id)>(sym("ncclGetUniqueId"));
-        a.comm_init_rank = reinterpret_cast<decltype(a.comm_init_rank)>(sym("ncclCommInitRank"));
-        a.comm_destroy = reinterpret_cast<decltype(a.comm_destroy)>(sym("ncclCommDestroy"));
-        a.all_reduce = reinterpret_cast<decltype(a.all_reduce)>(sym("ncclAllReduce"));
-        a.all_gather = reinterpret_cast<decltype(a.all_gather)>(sym("ncclAllGather"));
-        a.reduce_scatter = reinterpret_cast<decltype(a.reduce_scatter)>(sym("ncclReduceScatter"));
-        a.error_string = reinterpret_cast<decltype(a.error_string)>(sym("ncclGetErrorString"));
-        a.get_version = reinterpret_cast<decltype(a.get_version)>(sym("ncclGetVersion"));
-        a.all_to_all = reinterpret_cast<decltype(a.all_to_all)>(sym("ncclAlltoAll"));
-        a.send = reinterpret_cast<decltype(a.send)>(sym("ncclSend"));
-        a.recv = reinterpret_cast<decltype(a.recv)>(sym("ncclRecv"));
-        a.group_start = reinterpret_cast<decltype(a.group_start)>(sym("ncclGroupStart"));
-        a.group_end = reinterpret_cast<decltype(a.group_end)>(sym("ncclGroupEnd"));
+        const auto load = [&](auto& fn, const char* name) {
+            fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(a.handle, name));
+        };
+        load(a.get_unique_id, "ncclGetUniqueId");
+        load(a.comm_init_rank, "ncclCommInitRank");
+        load(a.comm_destroy, "ncclCommDestroy");
+        load(a.all_reduce, "ncclAllReduce");
+        load(a.all_gather, "ncclAllGather");
+        load(a.reduce_scatter, "ncclReduceScatter");
+        load(a.error_string, "ncclGetErrorString");
+        load(a.get_version, "ncclGetVersion");
+        load(a.all_to_all, "ncclAlltoAll");  // optional, as are the send/recv group calls below
+        load(a.send, "ncclSend");
+        load(a.recv, "ncclRecv");
+        load(a.group_start, "ncclGroupStart");
+        load(a.group_end, "ncclGroupEnd");
         if (!a.get_unique_id || !a.comm_init_rank || !a.comm_destroy || !a.all_reduce || !a.all_gather ||
             !a.reduce_scatter || !a.error_string || !a.get_version) {
             a.why_not = a.path + " lacks an NCCL entry point";

@@ -10,6 +10,7 @@
 #include "weft/common/ep_internode.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/ep.hpp"
+#include "weft/runtime/error.hpp"
 #include "weft/runtime/stream.hpp"
 #include "weft/runtime/world.hpp"
 
@@ -41,6 +42,13 @@ uint8_t* device_alloc_zeroed(uint64_t bytes, cudaStream_t stream);
 /// weft::Error), in (source rank, source token) order, with the team's receive capacities and alignment; normal mode
 /// only. The Buffer makes it with this Config and footprint() counts its Footprint.
 Config one_rank_config(const Geometry& g);
+
+/// A handle's Impl; weft::Error naming `op` when the handle was moved from (its Impl is gone).
+template <class ImplPtr>
+const auto& live_impl(const ImplPtr& impl, const char* op) {
+    WEFT_CHECK(impl != nullptr, "ep: " << op << ": the handle is empty (moved from)");
+    return *impl;
+}
 
 }  // namespace detail
 

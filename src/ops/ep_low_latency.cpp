@@ -93,34 +93,29 @@ LowLatencyHandle::Impl::~Impl() {
     --buffer->live_handles;
 }
 
-namespace {
-// A moved-from handle has no Impl: its accessors say so instead of reading through a null pointer.
-template <class ImplPtr>
-const auto& live(const ImplPtr& impl, const char* what) {
-    WEFT_CHECK(impl != nullptr, "ep: LowLatencyHandle::" << what << ": the handle is empty (moved from)");
-    return *impl;
-}
-}  // namespace
-
 LowLatencyHandle::LowLatencyHandle(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 LowLatencyHandle::LowLatencyHandle(LowLatencyHandle&&) noexcept = default;
 LowLatencyHandle& LowLatencyHandle::operator=(LowLatencyHandle&&) noexcept = default;
 LowLatencyHandle::~LowLatencyHandle() = default;
 
 TensorView LowLatencyHandle::recv_x() const {
-    const auto& h = live(impl_, "recv_x()");
+    const auto& h = detail::live_impl(impl_, "LowLatencyHandle::recv_x()");
     const Geometry& g = h.buffer->geo;
     return TensorView(h.view.recv_x, h.fp8 ? DType::kF8E4M3 : DType::kBF16,
                       {g.local_experts(), g.ll_rows_per_expert(), g.hidden});
 }
 TensorView LowLatencyHandle::recv_scales() const {
-    const auto& h = live(impl_, "recv_scales()");
+    const auto& h = detail::live_impl(impl_, "LowLatencyHandle::recv_scales()");
     const Geometry& g = h.buffer->geo;
     return TensorView(h.view.recv_scales, DType::kF32, {g.local_experts(), g.ll_rows_per_expert(), g.ll_fp8_scales()});
 }
-const int32_t* LowLatencyHandle::expert_counts() const { return live(impl_, "expert_counts()").view.expert_counts; }
-bool LowLatencyHandle::fp8() const { return live(impl_, "fp8()").fp8; }
-const LowLatencyHandleView& LowLatencyHandle::view() const { return live(impl_, "view()").view; }
+const int32_t* LowLatencyHandle::expert_counts() const {
+    return detail::live_impl(impl_, "LowLatencyHandle::expert_counts()").view.expert_counts;
+}
+bool LowLatencyHandle::fp8() const { return detail::live_impl(impl_, "LowLatencyHandle::fp8()").fp8; }
+const LowLatencyHandleView& LowLatencyHandle::view() const {
+    return detail::live_impl(impl_, "LowLatencyHandle::view()").view;
+}
 
 LowLatencyHandle Buffer::make_low_latency_handle() {
     Impl& b = *impl_;

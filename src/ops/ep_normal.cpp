@@ -32,29 +32,24 @@ NormalHandle::Impl::~Impl() {
     --buffer->live_handles;
 }
 
-namespace {
-// A moved-from handle has no Impl: its accessors say so instead of reading through a null pointer.
-template <class ImplPtr>
-const auto& live(const ImplPtr& impl, const char* what) {
-    WEFT_CHECK(impl != nullptr, "ep: NormalHandle::" << what << ": the handle is empty (moved from)");
-    return *impl;
-}
-}  // namespace
-
 NormalHandle::NormalHandle(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 NormalHandle::NormalHandle(NormalHandle&&) noexcept = default;
 NormalHandle& NormalHandle::operator=(NormalHandle&&) noexcept = default;
 NormalHandle::~NormalHandle() = default;
 
 TensorView NormalHandle::recv_x() const {
-    const auto& h = live(impl_, "recv_x()");
+    const auto& h = detail::live_impl(impl_, "NormalHandle::recv_x()");
     const Geometry& g = h.buffer->geo;
     return TensorView(h.view.recv_x, DType::kBF16, {g.max_recv_rows, g.hidden});
 }
-const int32_t* NormalHandle::expert_counts() const { return live(impl_, "expert_counts()").view.expert_counts; }
-const int32_t* NormalHandle::expert_offsets() const { return live(impl_, "expert_offsets()").view.expert_offsets; }
-int NormalHandle::num_tokens() const { return live(impl_, "num_tokens()").num_tokens; }
-const NormalHandleView& NormalHandle::view() const { return live(impl_, "view()").view; }
+const int32_t* NormalHandle::expert_counts() const {
+    return detail::live_impl(impl_, "NormalHandle::expert_counts()").view.expert_counts;
+}
+const int32_t* NormalHandle::expert_offsets() const {
+    return detail::live_impl(impl_, "NormalHandle::expert_offsets()").view.expert_offsets;
+}
+int NormalHandle::num_tokens() const { return detail::live_impl(impl_, "NormalHandle::num_tokens()").num_tokens; }
+const NormalHandleView& NormalHandle::view() const { return detail::live_impl(impl_, "NormalHandle::view()").view; }
 
 NormalHandle Buffer::make_normal_handle() {
     Impl& b = *impl_;
