@@ -26,6 +26,7 @@ namespace {
 
 using weft::DType;
 using weft::TensorView;
+using weft::bench::DeviceBuffer;
 
 struct Heads {
     int q = 32;
@@ -64,16 +65,8 @@ Options parse(int argc, char** argv) {
                [&](const std::string& v) { o.batches = weft::bench::parse_int_list(v, "--batch", 1, 65535); });
     cli.option("--heads", "Q/KV[,Q/KV...]", "q-heads / KV heads (default 32/8,96/12)", [&](const std::string& v) {
         o.heads.clear();
-        for (const std::string& s : weft::bench::split(v, ',')) {
-            const auto slash = s.find('/');
-            if (slash == std::string::npos) throw weft::bench::UsageError("--heads: expected Q/KV, got " + s);
-            Heads h;
-            h.q = static_cast<int>(weft::bench::parse_int(s.substr(0, slash), "--heads", 1, 4096));
-            h.kv = static_cast<int>(weft::bench::parse_int(s.substr(slash + 1), "--heads", 1, 4096));
-            if (h.q % h.kv != 0 || h.q / h.kv > 16) {
-                throw weft::bench::UsageError("--heads: Q must be a multiple of KV with Q / KV <= 16, got " + s);
-            }
-            o.heads.push_back(h);
+        for (const auto& [q, kv] : weft::bench::parse_head_pairs(v, "--heads", 16)) {
+            o.heads.push_back({static_cast<int>(q), static_cast<int>(kv)});
         }
     });
     cli.option("--page", "P[,P...]", "page sizes in tokens (default 1,16)",
@@ -92,14 +85,6 @@ Options parse(int argc, char** argv) {
     cli.parse(argc, argv);
     return o;
 }
-
-struct DeviceBuffer {
-    void* ptr = nullptr;
-    explicit DeviceBuffer(size_t bytes) { BENCH_CUDA(cudaMalloc(&ptr, std::max<size_t>(bytes, 16))); }
-    ~DeviceBuffer() { cudaFree(ptr); }
-    DeviceBuffer(const DeviceBuffer&) = delete;
-    DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
 
 }  // namespace
 

@@ -31,6 +31,7 @@ namespace {
 
 using weft::DType;
 using weft::TensorView;
+using weft::bench::DeviceBuffer;
 
 struct Options {
     std::vector<int64_t> seqs = {16384, 32768, 65536, 131072};
@@ -106,14 +107,6 @@ Options parse(int argc, char** argv) {
     o.causal = !o.no_causal;
     return o;
 }
-
-struct DeviceBuffer {
-    void* ptr = nullptr;
-    explicit DeviceBuffer(size_t bytes) { BENCH_CUDA(cudaMalloc(&ptr, std::max<size_t>(bytes, 16))); }
-    ~DeviceBuffer() { cudaFree(ptr); }
-    DeviceBuffer(const DeviceBuffer&) = delete;
-    DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
 
 /// Multiply-adds x 2 of one attention forward: two GEMMs of dim per visible (query, key) pair and q-head.
 double attention_flops(int64_t seq_q, int64_t seq_kv, int64_t q_position, bool causal, int hq, int dim) {

@@ -272,6 +272,24 @@ DType parse_dtype(const std::string& text, const std::string& option, const std:
     usage_error(option, "expected one of " + join(dtype_names(allowed), ", ") + "; got " + quoted(text));
 }
 
+std::vector<std::array<int64_t, 2>> parse_head_pairs(const std::string& text, const std::string& option,
+                                                     int64_t max_group) {
+    std::vector<std::array<int64_t, 2>> pairs;
+    for (const std::string& item : split(text, ',')) {
+        const size_t slash = item.find('/');
+        if (slash == std::string::npos) usage_error(option, "expected Q/KV, got " + quoted(item));
+        const int64_t q = parse_int(item.substr(0, slash), option, 1, 4096);
+        const int64_t kv = parse_int(item.substr(slash + 1), option, 1, 4096);
+        if (q % kv != 0 || q / kv > max_group) {
+            usage_error(option, "Q must be a multiple of KV with Q / KV <= " + std::to_string(max_group) + ", got " +
+                                    quoted(item));
+        }
+        pairs.push_back({q, kv});
+    }
+    if (pairs.empty()) usage_error(option, "expected Q/KV[,Q/KV...], got " + quoted(text));
+    return pairs;
+}
+
 std::vector<std::string> split(const std::string& text, char sep) {
     std::vector<std::string> out;
     std::string item;

@@ -89,6 +89,10 @@ std::vector<uint64_t> parse_byte_sizes(const std::string& text, const std::strin
 std::vector<std::array<int64_t, 3>> parse_shapes3(const std::string& text, const std::string& option);
 /// Shapes "AxB[,AxB...]" with both extents >= 1.
 std::vector<std::array<int64_t, 2>> parse_shapes2(const std::string& text, const std::string& option);
+/// Attention head pairs "Q/KV[,Q/KV...]" (query heads / KV heads, each in [1, 4096]) with Q a multiple of KV and at
+/// most `max_group` query heads per KV head (at least one pair); {Q, KV} each.
+std::vector<std::array<int64_t, 2>> parse_head_pairs(const std::string& text, const std::string& option,
+                                                     int64_t max_group);
 /// One of `allowed`.
 std::string parse_choice(const std::string& text, const std::string& option, const std::vector<std::string>& allowed);
 /// Comma-separated values, each one of `allowed` (at least one).

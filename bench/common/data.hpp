@@ -1,15 +1,28 @@
 // SPDX-License-Identifier: MIT
-// Benchmark data: random device inputs (never zeros: a GEMM on zeros runs faster than on data) and the relative
-// difference of two device matrices.
+// Benchmark data: device buffers, random device inputs (never zeros: a GEMM on zeros runs faster than on data) and
+// the relative difference of two device matrices.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 
 #include "weft/common/dtype.hpp"
+#include "weft/runtime/error.hpp"
 
 namespace weft::bench {
+
+/// A cudaMalloc'd buffer of at least `bytes` (16 when `bytes` is smaller, so that an empty one is still a valid
+/// aligned pointer) on the current device, freed with it.
+struct DeviceBuffer {
+    void* ptr = nullptr;
+    explicit DeviceBuffer(size_t bytes) { WEFT_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(bytes, 16))); }
+    ~DeviceBuffer() { cudaFree(ptr); }
+    DeviceBuffer(const DeviceBuffer&) = delete;
+    DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
 
 /// Fills `elems` elements of dtype `t` (bf16, f16 or f32) with values uniform in [-1, 1) from a hash of (seed,
 /// index), on `stream`, and waits for it: peers may read the buffer once the caller's next barrier is passed.

@@ -20,14 +20,6 @@ constexpr size_t kReadBytes = size_t{4} << 30;
 constexpr int64_t kTensorExtent = 8192;
 constexpr int kWarmup = 2, kIters = 10;
 
-struct DeviceBuffer {
-    void* ptr = nullptr;
-    explicit DeviceBuffer(size_t bytes) { BENCH_CUDA(cudaMalloc(&ptr, bytes)); }
-    ~DeviceBuffer() { cudaFree(ptr); }
-    DeviceBuffer(const DeviceBuffer&) = delete;
-    DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
 __global__ void read_kernel(const uint4* p, int64_t n, uint32_t* sink) {
     uint32_t acc = 0;
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Timing on every rank of a World at once: the slowest rank's figure counts.
+// A benchmark's World (threads of this process, or this process as one rank of a launched job) and timing on every
+// rank of it at once: the slowest rank's figure counts.
 #pragma once
 
 #include <algorithm>
@@ -7,15 +8,60 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "common/cli.hpp"
 #include "common/timing.hpp"
+#include "weft/runtime/launch_env.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::bench {
+
+/// Where a benchmark's ranks live. Under a launcher (weftrun, torchrun, mpirun, srun) that started more than one
+/// process, this process is one rank of the launched world (World::from_env); otherwise every rank is a thread of
+/// this process, over the visible GPUs round-robin (run_local). detect() reads the environment only (no CUDA call).
+struct RankLauncher {
+    std::optional<LaunchEnv> env;  ///< set when launched with more than one process
+
+    static RankLauncher detect() {
+        RankLauncher l;
+        std::optional<LaunchEnv> e = detect_launch_env();
+        if (e && e->num_ranks > 1) l.env = std::move(e);
+        return l;
+    }
+    bool launched() const { return env.has_value(); }
+    /// Whether this process prints tables and writes JSON: the process of the threads, or rank 0 of a launched job.
+    bool printer() const { return !env || env->rank == 0; }
+    /// The world sizes to run: `requested` (or `defaults` when it is empty) with threads; under a launcher the
+    /// launched world alone, which a non-empty `requested` must then be (UsageError naming --world otherwise).
+    std::vector<int> worlds(const std::vector<int>& requested, const std::vector<int>& defaults) const {
+        if (!env) return requested.empty() ? defaults : requested;
+        if (!requested.empty() && (requested.size() != 1 || requested[0] != env->num_ranks)) {
+            throw UsageError("--world: " + env->launcher + " started " + std::to_string(env->num_ranks) +
+                             " processes, one rank each: leave --world out or pass --world " +
+                             std::to_string(env->num_ranks));
+        }
+        return {env->num_ranks};
+    }
+    /// Runs `body` on every rank of a world of `num_ranks`: run_local's threads, or this process's rank of the
+    /// launched World (whose size must be `num_ranks`).
+    void run(int num_ranks, const std::function<void(World&)>& body, const WorldOptions& options) const {
+        if (!env) {
+            run_local(num_ranks, body, options);
+            return;
+        }
+        std::unique_ptr<World> w = World::from_env(options);
+        WEFT_CHECK(w->num_ranks() == num_ranks, "launched with " << w->num_ranks() << " ranks, expected " << num_ranks);
+        body(*w);
+    }
+};
 
 /// The largest of the ranks' values: every rank calls max() with its own (collective over the World's team, through
 /// its store: the ranks may be threads of one process or processes of their own).

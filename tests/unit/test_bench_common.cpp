@@ -16,6 +16,7 @@
 
 #include "common/cli.hpp"
 #include "common/json.hpp"
+#include "common/ranks.hpp"
 #include "common/timing.hpp"
 #include "weft/runtime/error.hpp"
 
@@ -228,6 +229,20 @@ TEST(BenchCli, Shapes) {
     EXPECT_NE(usage_error_of([&] { parse_shapes2("8x8x8", "--sizes"); }).find("expected AxB"), std::string::npos);
 }
 
+TEST(BenchCli, HeadPairs) {
+    EXPECT_EQ(parse_head_pairs("96/12,32/8,4/4", "--heads", 16),
+              (std::vector<std::array<int64_t, 2>>{{96, 12}, {32, 8}, {4, 4}}));
+    EXPECT_EQ(usage_error_of([&] { parse_head_pairs("96", "--heads", 16); }), "--heads: expected Q/KV, got '96'");
+    EXPECT_EQ(usage_error_of([&] { parse_head_pairs("96/10", "--heads", 16); }),
+              "--heads: Q must be a multiple of KV with Q / KV <= 16, got '96/10'");
+    EXPECT_EQ(usage_error_of([&] { parse_head_pairs("64/2", "--heads", 16); }),
+              "--heads: Q must be a multiple of KV with Q / KV <= 16, got '64/2'");
+    EXPECT_EQ(usage_error_of([&] { parse_head_pairs("0/1", "--heads", 16); }),
+              "--heads: expected an integer in 1..4096, got '0'");
+    EXPECT_EQ(usage_error_of([&] { parse_head_pairs(",", "--heads", 16); }),
+              "--heads: expected Q/KV[,Q/KV...], got ','");
+}
+
 TEST(BenchCli, IntsChoicesAndDtypes) {
     EXPECT_EQ(parse_int("-5", "--x", -10, 10), -5);
     EXPECT_EQ(parse_int_list("1,2,3", "--x", 1, 3), (std::vector<int64_t>{1, 2, 3}));
@@ -264,6 +279,29 @@ TEST(BenchCli, RunMainTurnsErrorsIntoExitStatuses) {
 }
 
 // ---- timing helpers (host arithmetic) ------------------------------------------------------------------------
+
+TEST(BenchRanks, WorldsAreTheRequestedOnesWithThreadsAndTheLaunchedOneUnderALauncher) {
+    RankLauncher threads;
+    EXPECT_FALSE(threads.launched());
+    EXPECT_TRUE(threads.printer());
+    EXPECT_EQ(threads.worlds({}, {2, 4, 8}), (std::vector<int>{2, 4, 8}));
+    EXPECT_EQ(threads.worlds({3}, {2, 4, 8}), (std::vector<int>{3}));
+    RankLauncher launched;
+    launched.env = LaunchEnv{};
+    launched.env->rank = 1;
+    launched.env->num_ranks = 4;
+    launched.env->launcher = "weftrun";
+    EXPECT_TRUE(launched.launched());
+    EXPECT_FALSE(launched.printer());
+    EXPECT_EQ(launched.worlds({}, {2, 4, 8}), (std::vector<int>{4}));
+    EXPECT_EQ(launched.worlds({4}, {2, 4, 8}), (std::vector<int>{4}));
+    EXPECT_EQ(usage_error_of([&] {
+                  launched.worlds({2, 4}, {2});
+              }),
+              "--world: weftrun started 4 processes, one rank each: leave --world out or pass --world 4");
+    EXPECT_EQ(usage_error_of([&] { launched.worlds({8}, {2}); }),
+              "--world: weftrun started 4 processes, one rank each: leave --world out or pass --world 4");
+}
 
 TEST(BenchTiming, MedianAndMean) {
     EXPECT_EQ(median({}), 0.0);
