@@ -56,6 +56,20 @@ void check_vector_strides(const TensorView& v, const char* op, const char* what)
     }
 }
 
+// The wgmma kernel reads q, k and v through tensor maps, whose strides (in bytes) must be positive multiples of 16
+// below 2^40: each stride the map follows (that of an extent above 1) must be positive and below 2^40 bytes
+// (check_vector_strides has made it a multiple of 16 bytes). A broadcast (stride 0) fails the encode otherwise.
+void check_tensor_map_strides(const TensorView& v, const char* op, const char* what) {
+    const int64_t max_elems = (int64_t{1} << 40) / dtype_bytes(v.dtype);
+    for (int i = 0; i + 1 < v.ndim; ++i) {
+        WEFT_CHECK(v.dim(i) <= 1 || (v.stride(i) > 0 && v.stride(i) < max_elems),
+                   op << ": " << what << " stride " << i << " must be positive and below 2^40 bytes (a multiple of 16 "
+                      << "bytes) for the wgmma kernel's tensor maps, got " << v.describe()
+                      << " (a broadcast with stride 0 runs on the mma.sync kernel: options.config with kernel "
+                      << "AttentionPrefillKernel::kMmaSync)");
+    }
+}
+
 bool is_empty_view(const TensorView& v) { return v.data == nullptr && v.ndim == 0; }
 
 float resolve_scale(const std::optional<float>& scale, int64_t head_dim, const char* op) {
@@ -247,6 +261,10 @@ FlashAttentionPlan plan_flash_attention(const TensorView& q, const TensorView& k
     plan.config =
         options.config ? *options.config : attention_prefill_default_config(q.dtype, static_cast<int32_t>(head_dim));
     check_config(plan.config, q.dtype, head_dim, op);
+    if (plan.config.kernel == AttentionPrefillKernel::kWgmma) {
+        check_tensor_map_strides(q, op, "q");
+        check_tensor_map_strides(k, op, "k");  // v has k's strides
+    }
     const int64_t m_tiles = attention_prefill_num_m_tiles(static_cast<int32_t>(seq_q), plan.config.block_m);
     plan.num_items = m_tiles * num_q_heads;
     WEFT_CHECK(plan.num_items < (int64_t{1} << 31),

@@ -46,6 +46,8 @@ struct FlashAttentionOptions {
 ///   q    bf16 or f16 [seq_q, num_q_heads, head_dim]; innermost stride 1, other strides multiples of 8
 ///   k, v q's dtype [seq_kv, num_kv_heads, head_dim], the same shape and strides; innermost stride 1, other
 ///        strides multiples of 8
+/// The wgmma kernel (sm_90's default) reads q, k and v through tensor maps: their outer strides (of extents above 1)
+/// must also be positive and below 2^40 bytes; a broadcast view (stride 0) needs the mma.sync kernel (options.config).
 ///   out  q's dtype [seq_q, num_q_heads, head_dim], contiguous
 ///   lse  f32 [seq_q, num_q_heads], contiguous; or an empty view (data null) when not wanted
 /// head_dim 64 or 128; num_q_heads a multiple of num_kv_heads, at most 16 q-heads per KV head; seq_q, seq_kv in
