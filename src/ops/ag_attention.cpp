@@ -56,6 +56,28 @@ void check_vector_strides(const TensorView& v, const char* op, const char* what)
     }
 }
 
+// The wgmma kernel reads q, k and v through tensor maps, whose strides (in bytes) must be positive multiples of 16
+// below 2^40: each stride the map follows (that of an extent above 1) must be positive and below 2^40 bytes
+// (check_vector_strides has made it a multiple of 16 bytes). A broadcast (stride 0) fails the encode otherwise.
+// The first stride of v that a tensor map cannot follow, or -1 when there is none.
+int bad_tensor_map_stride(const TensorView& v) {
+    const int64_t max_elems = (int64_t{1} << 40) / dtype_bytes(v.dtype);
+    for (int i = 0; i + 1 < v.ndim; ++i) {
+        if (v.dim(i) > 1 && !(v.stride(i) > 0 && v.stride(i) < max_elems)) return i;
+    }
+    return -1;
+}
+
+bool tensor_map_strides_ok(const TensorView& v) { return bad_tensor_map_stride(v) < 0; }
+
+void check_tensor_map_strides(const TensorView& v, const char* op, const char* what) {
+    const int i = bad_tensor_map_stride(v);
+    WEFT_CHECK(i < 0, op << ": " << what << " stride " << i << " must be positive and below 2^40 bytes (a multiple of "
+                         << "16 bytes) for the wgmma kernel's tensor maps, got " << v.describe()
+                         << " (a broadcast with stride 0 runs on the mma.sync kernel: leave options.config unset, or "
+                         << "set its kernel to AttentionPrefillKernel::kMmaSync)");
+}
+
 bool is_empty_view(const TensorView& v) { return v.data == nullptr && v.ndim == 0; }
 
 float resolve_scale(const std::optional<float>& scale, int64_t head_dim, const char* op) {
@@ -247,6 +269,10 @@ FlashAttentionPlan plan_flash_attention(const TensorView& q, const TensorView& k
     plan.config =
         options.config ? *options.config : attention_prefill_default_config(q.dtype, static_cast<int32_t>(head_dim));
     check_config(plan.config, q.dtype, head_dim, op);
+    if (plan.config.kernel == AttentionPrefillKernel::kWgmma) {
+        check_tensor_map_strides(q, op, "q");
+        check_tensor_map_strides(k, op, "k");  // v has k's strides
+    }
     const int64_t m_tiles = attention_prefill_num_m_tiles(static_cast<int32_t>(seq_q), plan.config.block_m);
     plan.num_items = m_tiles * num_q_heads;
     WEFT_CHECK(plan.num_items < (int64_t{1} << 31),
@@ -325,8 +351,12 @@ void flash_attention(const TensorView& q, const TensorView& k, const TensorView&
     detail::FlashAttentionPlan plan = detail::plan_flash_attention(q, k, v, out, lse, options);
     if (!options.config) {
         FlashAttentionOptions o = options;
-        o.config = attention_prefill_default_config(q.dtype, static_cast<int32_t>(q.dim(2)),
-                                                    attention_prefill_device_kernel());
+        // The device's kernel, unless q, k or v is a view its tensor maps cannot hold (a broadcast): mma.sync then.
+        AttentionPrefillKernel kernel = attention_prefill_device_kernel();
+        if (kernel == AttentionPrefillKernel::kWgmma && !(tensor_map_strides_ok(q) && tensor_map_strides_ok(k))) {
+            kernel = AttentionPrefillKernel::kMmaSync;
+        }
+        o.config = attention_prefill_default_config(q.dtype, static_cast<int32_t>(q.dim(2)), kernel);
         plan = detail::plan_flash_attention(q, k, v, out, lse, o);
     }
     // One block per item: the hardware hands the longest items (first in the order) out first and balances the rest.

@@ -180,6 +180,11 @@ void check_plan_options(const GroupedGemmOptions& options, const GroupedGemmProb
     }
 }
 
+// The kernel reads A, B and the group arrays while other CTAs write D: their bytes must not meet D's. `a_name` names
+// the caller's argument that is A.
+void check_output_apart(const char* op, const GroupedGemmProblem& p, const char* a_name, const TensorView& a,
+                        const TensorView& b, const TensorView& d, const int32_t* offsets, const int32_t* counts);
+
 }  // namespace
 
 namespace detail {
@@ -195,6 +200,20 @@ bool views_overlap(const TensorView& x, const TensorView& y) {
     const auto [x0, x1] = span(x);
     const auto [y0, y1] = span(y);
     return x0 < x1 && y0 < y1 && x0 < y1 && y0 < x1;
+}
+
+TensorView int32_array_view(const int32_t* data, int64_t count) {
+    return TensorView(const_cast<int32_t*>(data), DType::kI32, {data == nullptr ? 0 : count});
+}
+
+void check_apart(const char* op, const char* out_name, const TensorView& out, std::initializer_list<NamedView> inputs,
+                 const char* why) {
+    for (const NamedView& in : inputs) {
+        WEFT_CHECK(!views_overlap(out, in.view), op << ": " << out_name << " must not overlap " << in.name << " ("
+                                                    << why << "), got " << out_name << " " << out.describe() << " at "
+                                                    << out.data << ", " << in.name << " " << in.view.describe()
+                                                    << " at " << in.view.data);
+    }
 }
 
 void check_grouped_gemm_options(const GroupedGemmOptions& options, const GroupedGemmProblem& p) {
@@ -224,6 +243,21 @@ void check_grouped_gemm_options(const GroupedGemmOptions& options, const Grouped
 }
 
 }  // namespace detail
+
+namespace {
+
+void check_output_apart(const char* op, const GroupedGemmProblem& p, const char* a_name, const TensorView& a,
+                        const TensorView& b, const TensorView& d, const int32_t* offsets, const int32_t* counts) {
+    const int64_t offset_words = p.layout == GroupedLayout::kContiguous ? p.groups : 0;
+    detail::check_apart(op, "d", d,
+                        {{a_name, a},
+                         {"b", b},
+                         {"counts", detail::int32_array_view(counts, p.groups)},
+                         {"offsets", detail::int32_array_view(offsets, offset_words)}},
+                        "the kernel reads it while other CTAs write d");
+}
+
+}  // namespace
 
 GroupedRowSpread grouped_row_spreads(const GroupedGemmProblem& p, int64_t rows_per_group) {
     const int64_t groups = std::max<int64_t>(p.groups, 1);
@@ -482,6 +516,12 @@ void grouped_gemm_masked_fp8(const TensorView& a, const TensorView& a_scales, co
                "grouped_gemm_masked_fp8: a_bf16 (the workspace) must not overlap a or a_scales, got a_bf16 "
                    << a_bf16.data << " (" << a_bf16.describe() << "), a " << a.data << ", a_scales " << a_scales.data);
     detail::check_grouped_gemm_options(options, p);
+    // The dequantisation reads the counts while other CTAs write a_bf16, and the GEMM reads b after it: the workspace
+    // must meet neither. The codes and scales are read before the GEMM starts (the launches are stream-ordered).
+    detail::check_apart("grouped_gemm_masked_fp8", "a_bf16", a_bf16,
+                        {{"b", b}, {"counts", detail::int32_array_view(counts, p.groups)}},
+                        "the dequantisation reads the counts while writing a_bf16, the GEMM reads b after it");
+    check_output_apart("grouped_gemm_masked_fp8", p, "a_bf16", a_bf16, b, d, nullptr, counts);
     if (p.groups == 0 || p.capacity == 0 || p.n == 0) return;
 
     const int device = current_device();
@@ -541,6 +581,7 @@ void grouped_gemm_contiguous(const TensorView& a, const TensorView& b, const Ten
     const GroupedGemmProblem p =
         validate_grouped_gemm_args(GroupedLayout::kContiguous, a, b, d, b_layout, offsets, counts);
     detail::check_grouped_gemm_options(options, p);
+    check_output_apart("grouped_gemm_contiguous", p, "a", a, b, d, offsets, counts);
     launch(p, a, b, d, offsets, counts, stream, options);
 }
 
@@ -549,6 +590,7 @@ void grouped_gemm_masked(const TensorView& a, const TensorView& b, const TensorV
     WEFT_NVTX_RANGE("grouped_gemm_masked");
     const GroupedGemmProblem p = validate_grouped_gemm_args(GroupedLayout::kMasked, a, b, d, b_layout, nullptr, counts);
     detail::check_grouped_gemm_options(options, p);
+    check_output_apart("grouped_gemm_masked", p, "a", a, b, d, nullptr, counts);
     launch(p, a, b, d, nullptr, counts, stream, options);
 }
 

@@ -147,6 +147,31 @@ void launch_gather(const TensorView& a, const MoeRouting& r, const TensorView& a
     moe_kernel("gather").launch(launch_params(memory_grid(r.rows_capacity), kMoeThreads, stream), g);
 }
 
+// The routing's arrays as views (their bytes, for the overlap checks).
+TensorView counts_view(const MoeRouting& r) { return ops::detail::int32_array_view(r.counts, r.num_experts); }
+TensorView offsets_view(const MoeRouting& r) { return ops::detail::int32_array_view(r.offsets, r.num_experts + 1); }
+TensorView gather_index_view(const MoeRouting& r) {
+    return ops::detail::int32_array_view(r.gather_index, r.rows_capacity);
+}
+TensorView slot_rows_view(const MoeRouting& r) { return ops::detail::int32_array_view(r.slot_rows, r.tokens * r.topk); }
+
+// The gathered GEMM's outputs against what is read while or after they are written: the gather reads gather_index
+// while other CTAs write a_rows, and the GEMM reads b and the group arrays after it; the GEMM reads a_rows, b and the
+// group arrays while other CTAs write d. (a is read by the gather alone, which ends before the GEMM writes d.)
+void check_gathered_apart(const char* op, const MoeRouting& r, const TensorView& b, const TensorView& d,
+                          const TensorView& a_rows) {
+    ops::detail::check_apart(op, "a_rows", a_rows,
+                             {{"routing.gather_index", gather_index_view(r)},
+                              {"b", b},
+                              {"routing.counts", counts_view(r)},
+                              {"routing.offsets", offsets_view(r)}},
+                             "the gather writes a_rows while reading gather_index, the GEMM reads the rest after it");
+    ops::detail::check_apart(
+        op, "d", d,
+        {{"a_rows", a_rows}, {"b", b}, {"routing.counts", counts_view(r)}, {"routing.offsets", offsets_view(r)}},
+        "the GEMM reads it while other CTAs write d");
+}
+
 }  // namespace
 
 int64_t moe_gathered_rows(int64_t tokens, int64_t topk, int64_t num_experts, int64_t align) {
@@ -200,6 +225,7 @@ void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const Tenso
     const GroupedGemmProblem p =
         validate_grouped_gemm_args(GroupedLayout::kContiguous, a_rows, b, d, b_layout, routing.offsets, routing.counts);
     ops::detail::check_grouped_gemm_options(options, p);
+    check_gathered_apart(kOp, routing, b, d, a_rows);
     if (routing.rows_capacity == 0) return;
     launch_gather(a, routing, a_rows, stream);
     grouped_gemm_contiguous(a_rows, b, d, b_layout, routing.offsets, routing.counts, stream, options);
@@ -224,6 +250,15 @@ void check_combine_operands(const char* op, const MoeRouting& routing, MoeCombin
     if (weights.numel() > 0 || weights.data != nullptr) {
         check_dense(weights, op, "weights", DType::kF32, routing.tokens, routing.topk);
     }
+    // The combine writes out (and acc) while other warps read d_rows, the weights and the routing's arrays.
+    const std::initializer_list<ops::detail::NamedView> read = {{"d_rows", d_rows},
+                                                                {"weights", weights},
+                                                                {"routing.slot_rows", slot_rows_view(routing)},
+                                                                {"routing.counts", counts_view(routing)},
+                                                                {"routing.offsets", offsets_view(routing)}};
+    const char* why = "the combine writes it while other warps read them";
+    ops::detail::check_apart(op, "out", out, read, why);
+    if (sum) ops::detail::check_apart(op, "acc", acc, read, why);
 }
 
 }  // namespace
@@ -274,6 +309,9 @@ void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, con
     const int64_t n = b.ndim == 3 ? (b_layout == BLayout::kNK ? b.dim(1) : b.dim(2)) : -1;
     WEFT_CHECK(n >= 0 && n % 8 == 0, kOp << ": N (b's output columns) must be a multiple of 8, got " << b.describe());
     check_combine_operands(kOp, routing, mode, n, d_rows, weights, acc, out);
+    ops::detail::check_apart(kOp, "d_rows", d_rows,
+                             {{"weights", weights}, {"routing.slot_rows", slot_rows_view(routing)}},
+                             "the combine reads them after the GEMM writes d_rows");
     grouped_gemm_gathered(a, b, d_rows, b_layout, routing, a_rows, stream, options);
     moe_combine(d_rows, routing, mode, weights, acc, out, stream);
 }
@@ -483,6 +521,9 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
         w.ndim == 3 && w.dtype == DType::kBF16 && w.dim(0) == e && w.dim(1) == f && w.dim(2) == h,
         op << ": w must be bf16 [E, ffn, hidden] = [" << e << ", " << f << ", " << h << "], got " << w.describe());
     check_matrix(y, op, "y", DType::kBF16, s.rows_capacity, f);
+    // The push (on the side stream) reads x_local and the GEMM reads w while other CTAs write y.
+    ops::detail::check_apart(op, "y", y, {{"x_local", x_local}, {"w", w}},
+                             "the push and the GEMM read it while the GEMM writes y");
     const TensorView a_rows(s.gathered, DType::kBF16, {s.rows_capacity, h});
     const GroupedGemmProblem p = validate_grouped_gemm_args(GroupedLayout::kContiguous, a_rows, w, y, BLayout::kNK,
                                                             s.routing.offsets, s.routing.counts);
@@ -623,6 +664,16 @@ void MoeGroupedGemmRs::run(const TensorView& h, const TensorView& w, const MoeRo
     WEFT_CHECK(out.dtype == DType::kBF16 || out.dtype == DType::kF32,
                op << ": out must be bf16 or f32, got " << dtype_name(out.dtype));
     check_matrix(out, op, "out", out.dtype, tpr, hid);
+    // The combine (on the side stream) writes out while the GEMM reads h and w and the combine's other warps read the
+    // weights and the routing's arrays.
+    ops::detail::check_apart(op, "out", out,
+                             {{"h", h},
+                              {"w", w},
+                              {"weights", weights},
+                              {"routing.slot_rows", slot_rows_view(routing)},
+                              {"routing.counts", counts_view(routing)},
+                              {"routing.offsets", offsets_view(routing)}},
+                             "the GEMM and the combine read it while the combine writes out");
     const TensorView d_rows(s.partial, DType::kF32, {routing.rows_capacity, hid});
     const GroupedGemmProblem p = validate_grouped_gemm_args(GroupedLayout::kContiguous, h, w, d_rows, BLayout::kNK,
                                                             routing.offsets, routing.counts);

@@ -274,6 +274,50 @@ TEST_P(FlashAttention, MatchesTheReference) {
     for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], seed + i, GetParam());
 }
 
+// K and V broadcast over their heads (head stride 0: every KV head is head 0) with options.config unset: sm_90's
+// default wgmma kernel cannot hold such a view in its tensor maps, so the op runs the mma.sync kernel; the result is
+// that of one KV head shared by every q-head. A config naming kWgmma refuses the view before the device.
+TEST(FlashAttentionDefaults, ABroadcastKvRunsOnTheMmaSyncKernel) {
+    if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+    const int seq = 150, hq = 8, hkv_view = 4, dim = 128;
+    const Problem pr = make_problem(seq, seq, hq, 1, dim, true, 0, DType::kBF16, fresh_seed());
+    void *dq, *dk, *dv, *dout, *dlse;
+    WEFT_CUDA_CHECK(cudaMalloc(&dq, pr.q.size() * 2));
+    WEFT_CUDA_CHECK(cudaMalloc(&dk, pr.k.size() * 2));
+    WEFT_CUDA_CHECK(cudaMalloc(&dv, pr.v.size() * 2));
+    WEFT_CUDA_CHECK(cudaMalloc(&dout, pr.q.size() * 2));
+    WEFT_CUDA_CHECK(cudaMalloc(&dlse, pr.lse.size() * 4));
+    WEFT_CUDA_CHECK(cudaMemcpy(dq, pr.q.data(), pr.q.size() * 2, cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemcpy(dk, pr.k.data(), pr.k.size() * 2, cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemcpy(dv, pr.v.data(), pr.v.size() * 2, cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemset(dout, 0xff, pr.q.size() * 2));
+    WEFT_CUDA_CHECK(cudaMemset(dlse, 0xff, pr.lse.size() * 4));
+    WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+    const TensorView tq(dq, DType::kBF16, {seq, hq, dim});
+    const TensorView tk(dk, DType::kBF16, {seq, hkv_view, dim}, {dim, 0, 1});
+    const TensorView tv(dv, DType::kBF16, {seq, hkv_view, dim}, {dim, 0, 1});
+    const TensorView tout(dout, DType::kBF16, {seq, hq, dim});
+    const TensorView tlse(dlse, DType::kF32, {seq, hq});
+    ops::FlashAttentionOptions o;
+    o.mask = AttentionMask::kCausal;
+    ops::flash_attention(tq, tk, tv, tout, tlse, nullptr, o);
+    WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<uint16_t> out(pr.q.size());
+    std::vector<float> lse(pr.lse.size());
+    WEFT_CUDA_CHECK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
+    WEFT_CUDA_CHECK(cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost));
+    check_rows(pr, 0, seq, out, lse, "broadcast K/V, default config");
+
+    o.config = config_of(AttentionPrefillKernel::kWgmma, DType::kBF16, dim);
+    try {
+        ops::flash_attention(tq, tk, tv, tout, tlse, nullptr, o);
+        ADD_FAILURE() << "a broadcast K with the wgmma config was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("k stride 1 must be positive"), std::string::npos) << e.what();
+    }
+    for (void* p : {dq, dk, dv, dout, dlse}) cudaFree(p);
+}
+
 // Lengths around the tiles (1, 63, 129, 1000, 4097), GQA 1 / 4 / 16, q_position != 0, both masks, head dims 64 and
 // 128, f16, block_m 64 and 128 (the wgmma kernel: one or two consumer warpgroups; 128-key tiles, short last tiles).
 TEST_P(FlashAttention, AwkwardLengthsGroupsAndPositions) {

@@ -377,6 +377,46 @@ TEST(AttentionPrefillArgs, BadArgumentsNameTheArgument) {
     }
 }
 
+// The wgmma kernel reads Q, K and V through tensor maps, which take no zero stride: a broadcast view (K/V shared by
+// every KV head, stride 0) is refused when the plan is made, naming the argument and the stride, and runs on mma.sync.
+TEST(AttentionPrefillArgs, WgmmaRefusesStridesItsTensorMapsCannotHold) {
+    const AttentionPrefillConfig wgmma =
+        attention_prefill_default_config(DType::kBF16, 128, AttentionPrefillKernel::kWgmma);
+    const AttentionPrefillConfig mma = attention_prefill_default_config(DType::kBF16, 128);
+    ASSERT_EQ(mma.kernel, AttentionPrefillKernel::kMmaSync);
+    Args heads;  // one KV head's rows seen as 8 heads
+    heads.k = TensorView(Args::at(0x1000000), DType::kBF16, {300, 8, 128}, {128, 0, 1});
+    heads.v = TensorView(Args::at(0x2000000), DType::kBF16, {300, 8, 128}, {128, 0, 1});
+    heads.options.config = wgmma;
+    expect_rejected(heads, {"flash_attention: k stride 1 must be positive", "wgmma kernel's tensor maps", "kMmaSync"});
+    heads.options.config = mma;
+    EXPECT_EQ(heads.plan().params.kv_head_stride, 0);
+    Args rows;  // one key repeated over the sequence
+    rows.k = TensorView(Args::at(0x1000000), DType::kBF16, {300, 8, 128}, {0, 128, 1});
+    rows.v = TensorView(Args::at(0x2000000), DType::kBF16, {300, 8, 128}, {0, 128, 1});
+    rows.options.config = wgmma;
+    expect_rejected(rows, {"k stride 0 must be positive"});
+    Args q;  // one query row broadcast over seq_q
+    q.q = TensorView(Args::at(0x10000), DType::kBF16, {100, 32, 128}, {0, 128, 1});
+    q.options.config = wgmma;
+    expect_rejected(q, {"q stride 0 must be positive"});
+    // A stride of 2^40 bytes or more is past what a tensor map holds.
+    Args far;
+    far.k = TensorView(Args::at(0x1000000), DType::kBF16, {300, 8, 128}, {int64_t{1} << 39, 128, 1});
+    far.v = TensorView(Args::at(0x2000000), DType::kBF16, {300, 8, 128}, {int64_t{1} << 39, 128, 1});
+    far.options.config = wgmma;
+    expect_rejected(far, {"k stride 0", "below 2^40 bytes"});
+    // A stride of an extent-1 dimension is never followed: one KV head with stride 0 plans on wgmma.
+    Args one;
+    one.q = TensorView(Args::at(0x10000), DType::kBF16, {100, 16, 128});
+    one.out = TensorView(Args::at(0x3000000), DType::kBF16, {100, 16, 128});
+    one.lse = TensorView();
+    one.k = TensorView(Args::at(0x1000000), DType::kBF16, {300, 1, 128}, {128, 0, 1});
+    one.v = TensorView(Args::at(0x2000000), DType::kBF16, {300, 1, 128}, {128, 0, 1});
+    one.options.config = wgmma;
+    EXPECT_EQ(one.plan().config.kernel, AttentionPrefillKernel::kWgmma);
+}
+
 // flash_attention checks every argument before it asks the device which kernel it runs by default: without a GPU a bad
 // k is still k's error.
 TEST(AttentionPrefillArgs, PublicCallChecksArgumentsBeforeTheDevice) {

@@ -6,8 +6,11 @@
 #include <nvrtc.h>
 
 #include <chrono>
+#include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/nvrtc_testing.hpp"
@@ -352,6 +355,83 @@ TEST(GroupedGemmPlan, Fp8WorkspaceMustNotOverlapTheCodesOrScales) {
     const TensorView a0(reinterpret_cast<void*>(uintptr_t{1} << 26), DType::kBF16, {0, 64, 256});
     EXPECT_NO_THROW(ops::grouped_gemm_masked_fp8(codes0, scales0, view(DType::kBF16, {0, 128, 256}),
                                                  view(DType::kBF16, {0, 64, 128}), BLayout::kNK, nullptr, a0, nullptr));
+}
+
+// The kernel reads A, B and the group arrays while other CTAs write D: a D whose bytes meet any of them is refused
+// before the device, naming both arguments.
+TEST(GroupedGemmPlan, AnOutputOverlappingAnInputIsRefused) {
+    const auto at = [](uintptr_t addr, DType t, std::initializer_list<int64_t> dims) {
+        return TensorView(reinterpret_cast<void*>(addr), t, dims);
+    };
+    constexpr uintptr_t kA = uintptr_t{1} << 24, kB = uintptr_t{1} << 25, kCounts = uintptr_t{1} << 27;
+    constexpr uintptr_t kOffsets = uintptr_t{1} << 28;
+    constexpr uintptr_t kDBytes = 512 * 128 * 2;
+    const auto* counts = reinterpret_cast<const int32_t*>(kCounts);
+    const auto* offsets = reinterpret_cast<const int32_t*>(kOffsets);
+    const auto a = at(kA, DType::kBF16, {512, 256});     // bytes [kA, kA + 256 KiB)
+    const auto b = at(kB, DType::kBF16, {4, 128, 256});  // bytes [kB, kB + 256 KiB)
+    const auto contiguous = [&](const TensorView& d) {
+        return error_of([&] { ops::grouped_gemm_contiguous(a, b, d, BLayout::kNK, offsets, counts, nullptr); });
+    };
+    const std::pair<TensorView, const char*> cases[] = {
+        {at(kA + 64 * 1024, DType::kBF16, {512, 128}), "d must not overlap a ("},
+        {at(kB - kDBytes + 256, DType::kBF16, {512, 128}), "d must not overlap b ("},  // its last 256 bytes
+        {at(kCounts - kDBytes + 16, DType::kBF16, {512, 128}), "d must not overlap counts ("},
+        {at(kOffsets - kDBytes + 16, DType::kBF16, {512, 128}), "d must not overlap offsets ("},
+    };
+    for (const auto& [d, what] : cases) {
+        const std::string e = contiguous(d);
+        EXPECT_NE(e.find(std::string("grouped_gemm_contiguous: ") + what), std::string::npos) << e;
+    }
+    // Masked: the same for a [G, capacity, K] (no offsets: the masked layout reads none).
+    const auto a3 = at(kA, DType::kBF16, {4, 64, 256});
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_masked(a3, b, at(kA + 16 * 1024, DType::kBF16, {4, 64, 128}), BLayout::kNK, counts,
+                                           nullptr);
+              }).find("grouped_gemm_masked: d must not overlap a ("),
+              std::string::npos);
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_masked(a3, b, at(kCounts - 64 * 1024 + 16, DType::kBF16, {4, 64, 128}),
+                                           BLayout::kNK, counts, nullptr);
+              }).find("grouped_gemm_masked: d must not overlap counts ("),
+              std::string::npos);
+    // Spans are exact: a D that ends where A starts or starts where A ends is apart (no groups: nothing launched).
+    const auto b0 = at(kB, DType::kBF16, {0, 128, 256});
+    for (const uintptr_t d_at : {kA - kDBytes, kA + 512 * 256 * 2}) {
+        EXPECT_NO_THROW(ops::grouped_gemm_contiguous(a, b0, at(d_at, DType::kBF16, {512, 128}), BLayout::kNK, offsets,
+                                                     counts, nullptr));
+    }
+}
+
+// fp8: the dequantisation writes a_bf16 while reading the counts, and the GEMM then reads a_bf16, b and the counts
+// while writing d.
+TEST(GroupedGemmPlan, Fp8OutputsOverlappingTheirInputsAreRefused) {
+    const auto at = [](uintptr_t addr, DType t, std::initializer_list<int64_t> dims) {
+        return TensorView(reinterpret_cast<void*>(addr), t, dims);
+    };
+    constexpr uintptr_t kCodes = uintptr_t{1} << 24, kScales = uintptr_t{1} << 25, kB = uintptr_t{1} << 26;
+    constexpr uintptr_t kABf16 = uintptr_t{1} << 27, kCounts = uintptr_t{1} << 28;
+    const auto* counts = reinterpret_cast<const int32_t*>(kCounts);
+    const auto codes = at(kCodes, DType::kF8E4M3, {4, 64, 256});
+    const auto scales = at(kScales, DType::kF32, {4, 64, 2});
+    const auto b = at(kB, DType::kBF16, {4, 128, 256});
+    const auto a_bf16 = at(kABf16, DType::kBF16, {4, 64, 256});  // 128 KiB
+    const auto fp8 = [&](const TensorView& d, const TensorView& ws) {
+        return error_of([&] { ops::grouped_gemm_masked_fp8(codes, scales, b, d, BLayout::kNK, counts, ws, nullptr); });
+    };
+    const auto d_apart = at(uintptr_t{1} << 29, DType::kBF16, {4, 64, 128});
+    EXPECT_NE(fp8(at(kABf16 + 4096, DType::kBF16, {4, 64, 128}), a_bf16)
+                  .find("grouped_gemm_masked_fp8: d must not overlap a_bf16 ("),
+              std::string::npos);
+    EXPECT_NE(
+        fp8(at(kB + 4096, DType::kBF16, {4, 64, 128}), a_bf16).find("grouped_gemm_masked_fp8: d must not overlap b ("),
+        std::string::npos);
+    EXPECT_NE(fp8(d_apart, at(kCounts - 128 * 1024 + 16, DType::kBF16, {4, 64, 256}))
+                  .find("grouped_gemm_masked_fp8: a_bf16 must not overlap counts ("),
+              std::string::npos);
+    EXPECT_NE(fp8(d_apart, at(kB + 1024, DType::kBF16, {4, 64, 256}))
+                  .find("grouped_gemm_masked_fp8: a_bf16 must not overlap b ("),
+              std::string::npos);
 }
 
 TEST(GroupedGemmPlan, CandidatesAreGroupedValidAndThePlanFitsTheBudget) {

@@ -283,6 +283,66 @@ TEST(MoeTpArgs, CombineNamesTheBadArgument) {
               std::string::npos);
 }
 
+// The gather writes a_rows while reading gather_index; the GEMM writes d while reading a_rows, b and the group arrays;
+// the combine writes out (and acc) while reading d_rows, the weights and the routing's arrays: any of these pairs
+// overlapping is refused before the device, naming both.
+TEST(MoeTpArgs, OutputsOverlappingTheirInputsAreRefused) {
+    const MoeRouting r = fake_routing(100, 2, 8);  // counts, offsets, gather_index, slot_rows at 4, 8, 16, 32 MiB
+    const auto a = view(DType::kBF16, {100, 256});
+    const auto a_rows = view(DType::kBF16, {200, 256}, 1);
+    const auto b = view(DType::kBF16, {8, 512, 256}, 2);
+    const auto d = view(DType::kBF16, {200, 512}, 3);
+    const auto ends_in = [](const int32_t* array, DType t, int64_t rows, int64_t cols) {
+        // A [rows, cols] view whose last 16 bytes are the array's first four values.
+        const auto end = reinterpret_cast<uintptr_t>(array) + 16;
+        return TensorView(reinterpret_cast<void*>(end - static_cast<uintptr_t>(rows * cols * dtype_bytes(t))), t,
+                          {rows, cols});
+    };
+    const auto gathered = [&](const TensorView& dd, const TensorView& ws) {
+        return error_of([&] { ops::grouped_gemm_gathered(a, b, dd, BLayout::kNK, r, ws, nullptr); });
+    };
+    const auto mentions = [](const std::string& e, const std::string& what) {
+        EXPECT_NE(e.find(what), std::string::npos) << "expected '" << what << "', got '" << e << "'";
+    };
+    mentions(gathered(d, ends_in(r.gather_index, DType::kBF16, 200, 256)),
+             "grouped_gemm_gathered: a_rows must not overlap routing.gather_index (");
+    mentions(gathered(d, view(DType::kBF16, {200, 256}, 2)), "a_rows must not overlap b (");
+    mentions(gathered(view(DType::kBF16, {200, 512}, 1), a_rows), "grouped_gemm_gathered: d must not overlap a_rows (");
+    mentions(gathered(view(DType::kBF16, {200, 512}, 2), a_rows), "d must not overlap b (");
+    mentions(gathered(ends_in(r.counts, DType::kBF16, 200, 512), a_rows), "d must not overlap routing.counts (");
+    mentions(gathered(ends_in(r.offsets, DType::kBF16, 200, 512), a_rows), "d must not overlap routing.offsets (");
+
+    using ops::MoeCombineMode;
+    const auto d_rows = view(DType::kF32, {200, 512}, 4);
+    const auto acc = view(DType::kF32, {100, 512}, 5);
+    const auto w = view(DType::kF32, {100, 2}, 6);
+    const auto out = view(DType::kBF16, {100, 512}, 7);
+    const auto combine = [&](const TensorView& o, const TensorView& weights, const TensorView& dr,
+                             const TensorView& ac) {
+        return error_of([&] {
+            ops::grouped_gemm_gathered_combine(a, b, o, BLayout::kNK, r, MoeCombineMode::kWeightedSum, weights, a_rows,
+                                               dr, ac, nullptr);
+        });
+    };
+    mentions(combine(view(DType::kBF16, {100, 512}, 4), w, d_rows, acc),
+             "grouped_gemm_gathered_combine: out must not overlap d_rows (");
+    mentions(combine(out, ends_in(static_cast<const int32_t*>(out.data), DType::kF32, 100, 2), d_rows, acc),
+             "out must not overlap weights (");
+    mentions(combine(ends_in(r.slot_rows, DType::kBF16, 100, 512), w, d_rows, acc),
+             "out must not overlap routing.slot_rows (");
+    mentions(combine(out, w, d_rows, view(DType::kF32, {100, 512}, 4)), "acc must not overlap d_rows (");
+    mentions(combine(out, w, ends_in(r.slot_rows, DType::kF32, 200, 512), acc),
+             "d_rows must not overlap routing.slot_rows (");
+    mentions(combine(out, w, ends_in(static_cast<const int32_t*>(w.data), DType::kF32, 200, 512), acc),
+             "d_rows must not overlap weights (");
+    // moe_combine alone: the same checks of out and acc.
+    mentions(error_of([&] {
+                 ops::moe_combine(d_rows, r, MoeCombineMode::kPerSlot, TensorView(), TensorView(),
+                                  view(DType::kF32, {200, 512}, 4), nullptr);
+             }),
+             "moe_combine: out must not overlap d_rows (");
+}
+
 TEST(MoeTpArgs, ShapeChecksNameTheField) {
     const MoeTpShape ok{.max_tokens = 8192, .hidden = 4096, .ffn = 14336 / 8, .num_experts = 8, .topk = 2};
     EXPECT_NO_THROW(ops::validate_moe_tp_shape(ok, 8, {}, "op"));

@@ -35,7 +35,7 @@ struct FlashAttentionOptions {
     /// j <= q_position + i. 0 (the default) is PyTorch's is_causal=True for seq_q == seq_kv. In [0, 2^31).
     int64_t q_position = 0;
     /// The kernel's config (dtype and head_dim must be q's); nullopt: attention_prefill_default_config with the
-    /// device's kernel (attention_prefill_device_kernel: wgmma on sm_90).
+    /// device's kernel (attention_prefill_device_kernel: wgmma on sm_90), or mma.sync where q, k or v is a broadcast.
     std::optional<AttentionPrefillConfig> config = std::nullopt;
 };
 
@@ -46,6 +46,9 @@ struct FlashAttentionOptions {
 ///   q    bf16 or f16 [seq_q, num_q_heads, head_dim]; innermost stride 1, other strides multiples of 8
 ///   k, v q's dtype [seq_kv, num_kv_heads, head_dim], the same shape and strides; innermost stride 1, other
 ///        strides multiples of 8
+/// The wgmma kernel (sm_90's default) reads q, k and v through tensor maps: their outer strides (of extents above 1)
+/// must also be positive and below 2^40 bytes. With options.config unset, a broadcast view (stride 0) runs on the
+/// mma.sync kernel; a config that names kWgmma refuses it.
 ///   out  q's dtype [seq_q, num_q_heads, head_dim], contiguous
 ///   lse  f32 [seq_q, num_q_heads], contiguous; or an empty view (data null) when not wanted
 /// head_dim 64 or 128; num_q_heads a multiple of num_kv_heads, at most 16 q-heads per KV head; seq_q, seq_kv in

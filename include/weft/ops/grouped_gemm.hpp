@@ -68,7 +68,8 @@ struct GroupedGemmOptions {
 /// contiguous: a [rows, K]; b [G, N, K] (kNK) or [G, K, N] (kKN); d [rows, N]; offsets and counts: G int32 each in
 /// device memory (G = b's first extent), read by the kernel (they may be written by a kernel earlier on `stream`;
 /// a captured launch reads them at replay). Group g's rows [offsets[g], offsets[g] + counts[g]) must lie inside A;
-/// groups must not overlap (each row of D is written by its group's tiles only). Asynchronous on `stream`,
+/// groups must not overlap (each row of D is written by its group's tiles only). D's bytes must not overlap A's, B's,
+/// offsets' or counts' (the kernel reads them while other CTAs write D). Asynchronous on `stream`,
 /// capturable once its kernel exists. Row strides: multiples of 16 bytes; K a positive multiple of 8; every extent (and
 /// the rows of A) at most kGemmMaxExtent = 2^31 - 2^24; base addresses 16-byte aligned. Bad arguments throw weft::Error
 /// naming the argument; bad counts: GroupedGemmOptions::status.
@@ -86,7 +87,8 @@ void grouped_gemm_masked(const TensorView& a, const TensorView& b, const TensorV
 /// with a_scales [G, capacity, K / 128] fp32 (one scale per 128 channels: value = float(code) * scale), b bf16 as in
 /// grouped_gemm_masked, d [G, capacity, N] bf16 or f32. Two kernels on `stream`: the rows [0, counts[g]) of each
 /// group are dequantised into a_bf16 ([G, capacity, K] bf16, the caller's workspace, groups back to back: each value
-/// rounded once to bf16), then grouped_gemm_masked(a_bf16, b, d, ...) multiplies them. K must be a multiple of 128;
+/// rounded once to bf16), then grouped_gemm_masked(a_bf16, b, d, ...) multiplies them. a_bf16 must overlap none of a,
+/// a_scales, b and counts; d none of a_bf16, b and counts. K must be a multiple of 128;
 /// codes' rows 16-byte aligned. The engine's mainloop multiplies 16-bit operands: an fp8 mainloop (fp8 wgmma with the
 /// block scales applied per k-block to an fp32 accumulator) would save the bf16 round trip and is not there yet.
 void grouped_gemm_masked_fp8(const TensorView& a, const TensorView& a_scales, const TensorView& b, const TensorView& d,

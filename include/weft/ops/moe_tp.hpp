@@ -76,8 +76,9 @@ std::string describe_routing_status(const MoeRoutingStatus& status);
 /// Gathered grouped GEMM, D in expert order: d[r] = a[gather_index[r]] * B[g] for the rows r of each group g
 /// (routing.offsets/counts), rows of no group untouched. a [T, K] bf16; b [E, N, K] (kNK) or [E, K, N] (kKN) bf16;
 /// d [rows_capacity, N] bf16 or f32; a_rows [rows_capacity, K] bf16 is the workspace the rows are gathered into (zeros
-/// for padding rows). Asynchronous on `stream`, capturable once its kernels exist; as grouped_gemm_contiguous
-/// otherwise (options, status, alignment rules).
+/// for padding rows). a_rows must overlap none of a, b, routing.gather_index, counts and offsets; d none of a_rows, b,
+/// routing.counts and routing.offsets. Asynchronous on `stream`, capturable once its kernels exist; as
+/// grouped_gemm_contiguous otherwise (options, status, alignment rules).
 void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
                            const MoeRouting& routing, const TensorView& a_rows, cudaStream_t stream,
                            const GroupedGemmOptions& options = {});
@@ -87,8 +88,9 @@ void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const Tenso
 ///   kPerSlot:     out [T * topk, N]: row t*topk+k = d_rows[slot_rows[t*topk+k]] (zeros for a dropped slot)
 ///   kWeightedSum: out [T, N]: row t = sum over k in order of weights[t, k] * d_rows[slot_rows[t*topk+k]], in fp32
 ///                 (acc [T, N] f32 workspace), cast once; a token with no slot gets zeros
-/// weights: [T, topk] f32 or an empty view (weight 1). out bf16 or f32, N a multiple of 8. Deterministic: the same
-/// bits on every run.
+/// weights: [T, topk] f32 or an empty view (weight 1). out bf16 or f32, N a multiple of 8. out and acc must overlap
+/// none of d_rows, weights and the routing's slot_rows, counts and offsets; d_rows neither weights nor slot_rows.
+/// Deterministic: the same bits on every run.
 void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, const TensorView& out, BLayout b_layout,
                                    const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
                                    const TensorView& a_rows, const TensorView& d_rows, const TensorView& acc,
@@ -136,7 +138,7 @@ public:
     ///   topk_idx: [M, topk] int32, the same on every member (replicated routing; -1 = no expert)
     ///   w:        [E, ffn, hidden] bf16 (this rank's columns of every expert's weight)
     ///   y:        [rows_capacity(), ffn] bf16: row r is slot (gather_index[r], k)'s, grouped by expert (routing());
-    ///             rows past routing's offsets[E] untouched
+    ///             rows past routing's offsets[E] untouched; its bytes apart from x_local's and w's
     /// Every member calls with the same M and topk_idx. Asynchronous on `stream`; capturable in a CUDA graph after its
     /// first call (every value of the protocol is an epoch in device memory).
     void run(const TensorView& x_local, const TensorView& topk_idx, const TensorView& w, const TensorView& y,
@@ -172,7 +174,8 @@ public:
     ///   w:        [E, hidden, ffn] bf16 (this rank's K slice of every expert's down projection)
     ///   routing:  the same on every member (MoeAgGroupedGemm::routing(), or moe_route of the replicated topk_idx)
     ///   weights:  [M, topk] f32, the same on every member
-    ///   out:      [M/W, hidden] bf16 or f32
+    ///   out:      [M/W, hidden] bf16 or f32; its bytes apart from h's, w's, weights' and routing's slot_rows, counts
+    ///             and offsets
     void run(const TensorView& h, const TensorView& w, const MoeRouting& routing, const TensorView& weights,
              const TensorView& out, cudaStream_t stream);
 
