@@ -320,6 +320,11 @@ Row run_row(weft::World& w, weft::bench::SlowestRank& slowest, const Options& o,
                                     so);
     };
 
+    // Every rank has made its allocations (and the previous row's frees) before any rank launches the spinning
+    // combine: cudaMalloc and cudaFree may wait for the whole device, and with ranks sharing a GPU a rank held there
+    // would never push what a peer's combine waits for.
+    w.barrier();
+
     // --check: the SP result of rotation 0 into poisoned buffers, kept for rank 0's comparison below.
     std::vector<float> sp_lse;
     if (o.check) {
