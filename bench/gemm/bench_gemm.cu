@@ -6,15 +6,18 @@
 //
 //   weft_bench_gemm [--sizes MxNxK,...] [--iters N] [--warmup N] [--dtype bf16|f16] [--out same|f32]
 //                   [--layout nk|kn|both] [--all-configs] [--check] [--json FILE]
-//                   [--small-m-variant 3|4] [--small-m-splits S] [--small-m-max-m M] [--split-k S] [--chain L]
+//                   [--small-m-variant 3|4|5] [--small-m-splits S] [--small-m-max-m M] [--split-k S] [--chain L]
 //                   [--host-us]
 // --small-m-variant / --small-m-splits / --small-m-max-m set GemmOptions for the op's own row (the one --check
 // compares with cuBLAS); forcing a variant or a split count also sets small_m_max_m to 64 (unless
 // --small-m-max-m says otherwise), so that M 17..64 measure the small-M kernels (3: GemvVariant::kTmaRing, 4:
-// kBulkRows); --split-k S sets GemmOptions::split_k of the op's row (0: the op's rule, 1: none, S: S splits of the
+// kBulkRows); variant 5 (kTmaWgmma) is forced only on the shapes it serves (M <= 256, B [N,K]; the op's default
+// elsewhere); --split-k S sets GemmOptions::split_k of the op's row (0: the op's rule, 1: none, S: S splits of the
 // heuristic's tile); --all-configs adds a row per tiled candidate, per split-K config (gemm_split_k_configs, label
 // suffix kS, where each split gets at least 8 k-blocks) and, for M <= 64 with B [N,K], per small-M kernel that can
-// serve the shape (variant 3 at every split count listed, variant 4). --check compares every row with cuBLASLt.
+// serve the shape (variant 3 at every split count listed, variant 4), and for M <= 256 with B [N,K] variant 5 with
+// its own split rule (label smallM.v5/sS, S the rule's count) and forced to 1, 2 and 4 splits (smallM.v5/fS).
+// --check compares every row with cuBLASLt.
 // The kernels come from weft::jit: from the headers that WEFT_HOME names (cached in WEFT_CACHE_DIR), so kernels
 // edited in another source tree run against the same host code and the same cuBLASLt.
 // --chain L adds, for every shape the op may launch programmatically (the small-M variants 3 and 4), the time per
@@ -121,11 +124,14 @@ Options parse(int argc, char** argv) {
                                            : std::vector<BLayout>{BLayout::kNK, BLayout::kKN};
                });
     cli.flag("--all-configs", "add a row per candidate config and small-M variant", &o.all_configs);
-    cli.option("--small-m-variant", "3|4", "GemmOptions::small_m_variant of the op's row: 3 (TMA ring) or 4 "
-               "(bulk-copied rows); default: the op's choice", [&](const std::string& v) {
-                   o.small_m_variant = weft::bench::parse_choice(v, "--small-m-variant", {"3", "4"}) == "3"
-                                           ? weft::GemvVariant::kTmaRing
-                                           : weft::GemvVariant::kBulkRows;
+    cli.option("--small-m-variant", "3|4|5",
+               "GemmOptions::small_m_variant of the op's row: 3 (TMA ring), 4 "
+               "(bulk-copied rows) or 5 (swapped wgmma; where it serves); default: the op's choice",
+               [&](const std::string& v) {
+                   const std::string c = weft::bench::parse_choice(v, "--small-m-variant", {"3", "4", "5"});
+                   o.small_m_variant = c == "3"   ? weft::GemvVariant::kTmaRing
+                                       : c == "4" ? weft::GemvVariant::kBulkRows
+                                                  : weft::GemvVariant::kTmaWgmma;
                });
     cli.int_option("--small-m-splits", "GemmOptions::small_m_splits (0: the op's heuristic)", &o.small_m_splits, 0,
                    1 << 20);
@@ -292,9 +298,14 @@ int main(int argc, char** argv) {
                     const weft::ops::GemmProblem p = weft::ops::validate_gemm_args(v0.a, v0.b, v0.d, layout);
                     weft::ops::GemmOptions o;
                     o.small_m_variant = opt.small_m_variant;
+                    // Variant 5 refuses shapes it cannot serve: force it only where it serves.
+                    if (o.small_m_variant == weft::GemvVariant::kTmaWgmma &&
+                        (s.m > weft::kGemvWgmmaMaxM || layout != BLayout::kNK)) {
+                        o.small_m_variant.reset();
+                    }
                     o.small_m_splits = opt.small_m_splits;
                     o.split_k = opt.split_k;
-                    const bool forced = opt.small_m_variant.has_value() || opt.small_m_splits > 0;
+                    const bool forced = o.small_m_variant.has_value() || opt.small_m_splits > 0;
                     if (forced) o.small_m_max_m = weft::kGemvMaxM;
                     if (opt.small_m_max_m >= 0) o.small_m_max_m = opt.small_m_max_m;
                     const auto plan = weft::ops::plan_gemm(p, prop.multiProcessorCount, o);
@@ -393,6 +404,19 @@ int main(int argc, char** argv) {
                             weft::ops::GemmOptions o;
                             o.small_m_variant = weft::GemvVariant::kBulkRows;
                             run_weft(o, "smallM.v4/s1", false);
+                        }
+                    }
+                    if (s.m <= weft::kGemvWgmmaMaxM && layout == BLayout::kNK) {
+                        // Variant 5 with its split rule (the autotuner's small_m_v5), then forced split counts.
+                        weft::ops::GemmOptions o;
+                        o.small_m_variant = weft::GemvVariant::kTmaWgmma;
+                        const Views v0 = views(0, d_weft.ptr);
+                        const auto p = weft::ops::validate_gemm_args(v0.a, v0.b, v0.d, layout);
+                        const auto plan = weft::ops::plan_gemm(p, prop.multiProcessorCount, o);
+                        run_weft(o, "smallM.v5/s" + std::to_string(plan.small_m_splits), false);
+                        for (int splits : {1, 2, 4}) {
+                            o.small_m_splits = splits;
+                            run_weft(o, "smallM.v5/f" + std::to_string(splits), false);
                         }
                     }
                 }

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
-// Pieces shared by the small-M GEMM kernels (kernels/gemm/gemv_tma_sm90.cuh, gemv_rows_sm90.cuh): their tensor-map
-// parameter, the m16n8k16 tensor-core MMA, guarded shared-memory reads, the stage-wait bound and the output store.
+// Pieces shared by the small-M GEMM kernels (kernels/gemm/gemv_tma_sm90.cuh, gemv_rows_sm90.cuh, gemv_wgmma_sm90.cuh):
+// their tensor-map parameter, the m16n8k16 tensor-core MMA, guarded shared-memory reads, the stage-wait bound, the
+// output stores and the split-K reduction of the last CTA of a column block.
 //
 // Both kernels multiply with mma.sync m16n8k16 on a permuted k order: lane (g = l/4, t = l%4) reads the 16 bytes at
 // k + 8t .. k + 8t + 7 of a row, which are exactly the B fragments of two m16n8k16 MMAs when A is read with the
@@ -14,8 +15,8 @@
 namespace weft::kernels::gemm {
 
 /// kTmaRing's tensor maps (A [M,K] with kGemvBulkBoxK x 16 m_tiles boxes, B [N,K] with kGemvBulkBoxK x 32 n_tiles
-/// boxes; 128-byte swizzled when the boxes are 64 wide); kBulkRows takes them too (one launch signature for both
-/// kernels) and ignores them.
+/// boxes; 128-byte swizzled when the boxes are 64 wide), kTmaWgmma's (A with {64, 16 m_tiles} boxes, B with {64, 64},
+/// both 128-byte swizzled); kBulkRows takes them too (one launch signature for every kernel) and ignores them.
 struct GemvMaps {
     ptx::TmaDescriptor a;
     ptx::TmaDescriptor b;
@@ -54,12 +55,54 @@ __device__ __forceinline__ void store_out(void* d, int64_t idx, float v) {
     }
 }
 
+/// Stores v0, v1, converted to kOut (round to nearest), at d[idx] and d[idx + 1] with one store; idx even and d
+/// aligned to two elements.
+template <DType kOut>
+__device__ __forceinline__ void store_out2(void* d, int64_t idx, float v0, float v1) {
+    if constexpr (kOut == DType::kF32) {
+        *reinterpret_cast<float2*>(static_cast<float*>(d) + idx) = make_float2(v0, v1);
+    } else if constexpr (kOut == DType::kBF16) {
+        *reinterpret_cast<uint32_t*>(static_cast<unsigned short*>(d) + idx) = ptx::cvt_rn_bf16x2(v0, v1);
+    } else {
+        *reinterpret_cast<uint32_t*>(static_cast<unsigned short*>(d) + idx) = ptx::cvt_rn_f16x2(v0, v1);
+    }
+}
+
 /// A stage that has not landed after this long is a kernel bug (bad tensor map, wrong byte count): trap.
 inline constexpr unsigned long long kGemvStageWaitNs = 2000ull * 1000 * 1000;
 
 /// 16 bytes of shared memory where ok, else zeros.
 __device__ __forceinline__ uint4 lds_16_if(bool ok, const unsigned char* p) {
     return ok ? *reinterpret_cast<const uint4*>(p) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+/// The split-K end of the small-M kernels (kTmaRing, kTmaWgmma), called by all kThreads threads of the CTA once each
+/// has stored its share of this split's partial sums (args.partials [split][M][N] fp32) of the column block blockIdx.x
+/// (columns n_begin .. n_begin + cols - 1): counts the CTA in on args.counters[blockIdx.x]; the block's last CTA sums
+/// every split's partials in split order (deterministic: the same bits whichever CTA comes last), writes D and resets
+/// the counter to zero for the next launch on the stream. No CTA waits for another (nothing to bound).
+template <DType kOut, int kThreads>
+__device__ __forceinline__ void gemv_split_k_reduce(const GemvArgs& args, int n_begin, int cols) {
+    __threadfence();  // release the partials at GPU scope before counting this CTA in
+    __syncthreads();
+    __shared__ int is_last;
+    if (threadIdx.x == 0) {
+        const unsigned done = atomicAdd(args.counters + blockIdx.x, 1u);
+        is_last = done == static_cast<unsigned>(args.num_splits - 1);
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();  // acquire: every other split's partials are visible
+    for (int idx = static_cast<int>(threadIdx.x); idx < args.m * cols; idx += kThreads) {
+        const int m = idx / cols;
+        const int n = n_begin + idx % cols;
+        float sum = 0.f;
+        for (int s = 0; s < args.num_splits; ++s) {
+            sum += __ldcg(args.partials + (static_cast<int64_t>(s) * args.m + m) * args.n + n);
+        }
+        store_out<kOut>(args.d, m * args.ldd + n, sum);
+    }
+    if (threadIdx.x == 0) args.counters[blockIdx.x] = 0u;  // ready for the next launch on this stream
 }
 
 }  // namespace detail

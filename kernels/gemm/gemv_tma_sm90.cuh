@@ -255,28 +255,8 @@ __global__ void __launch_bounds__(kGemvBulkThreads, gemv_shape(kConfig).ctas_per
                 const int n = n_warp + nt * 8 + 2 * t + (i & 1);
                 if (m < args.m && n < args.n) part[static_cast<int64_t>(m) * args.n + n] = acc[mt][nt][i];
             }
-    __threadfence();  // release the partials at GPU scope before counting this CTA in
-    __syncthreads();
-    __shared__ int is_last;
-    if (threadIdx.x == 0) {
-        const unsigned done = atomicAdd(args.counters + blockIdx.x, 1u);
-        is_last = done == static_cast<unsigned>(args.num_splits - 1);
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();  // acquire: every other split's partials are visible
     const int n_begin = static_cast<int>(blockIdx.x) * kColsPerCta;
-    const int cols = min(kColsPerCta, args.n - n_begin);
-    for (int idx = static_cast<int>(threadIdx.x); idx < args.m * cols; idx += kThreads) {
-        const int m = idx / cols;
-        const int n = n_begin + idx % cols;
-        float sum = 0.f;
-        for (int s = 0; s < args.num_splits; ++s) {
-            sum += __ldcg(args.partials + (static_cast<int64_t>(s) * args.m + m) * args.n + n);
-        }
-        detail::store_out<kOut>(args.d, m * args.ldd + n, sum);
-    }
-    if (threadIdx.x == 0) args.counters[blockIdx.x] = 0u;  // ready for the next launch on this stream
+    detail::gemv_split_k_reduce<kOut, kThreads>(args, n_begin, min(kColsPerCta, args.n - n_begin));
 }
 
 }  // namespace weft::kernels::gemm

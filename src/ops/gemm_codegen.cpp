@@ -28,8 +28,9 @@ std::string describe_config(const GemmConfig& c) {
 
 // Throws weft::Error naming `what` unless is_valid(config), saying what is wrong.
 void check_gemv_config(const GemvConfig& c, const char* what) {
-    WEFT_CHECK(c.variant == GemvVariant::kTmaRing || c.variant == GemvVariant::kBulkRows,
-               what << ": the variant must be GemvVariant::kTmaRing (3) or kBulkRows (4), got "
+    WEFT_CHECK(c.variant == GemvVariant::kTmaRing || c.variant == GemvVariant::kBulkRows ||
+                   c.variant == GemvVariant::kTmaWgmma,
+               what << ": the variant must be GemvVariant::kTmaRing (3), kBulkRows (4) or kTmaWgmma (5), got "
                     << static_cast<int>(c.variant));
     WEFT_CHECK((c.in_dtype == DType::kBF16 || c.in_dtype == DType::kF16) &&
                    (c.out_dtype == DType::kBF16 || c.out_dtype == DType::kF16 || c.out_dtype == DType::kF32),
@@ -38,8 +39,10 @@ void check_gemv_config(const GemvConfig& c, const char* what) {
     WEFT_CHECK(c.variant != GemvVariant::kBulkRows || c.m_tiles == 1,
                what << ": variant 4 (bulk-copied rows) serves M <= " << kGemvGroupsMaxM
                     << " (m_tiles 1), got m_tiles " << c.m_tiles);
-    WEFT_CHECK(c.m_tiles >= 1 && c.m_tiles <= kGemvMaxM / 16,
-               what << ": m_tiles must be in [1, " << kGemvMaxM / 16 << "], got " << c.m_tiles);
+    const int max_m = c.variant == GemvVariant::kTmaWgmma ? kGemvWgmmaMaxM : kGemvMaxM;
+    WEFT_CHECK(c.m_tiles >= 1 && c.m_tiles <= max_m / 16, what << ": m_tiles must be in [1, " << max_m / 16 << "], got "
+                                                               << c.m_tiles << " (variant "
+                                                               << static_cast<int>(c.variant) << ")");
     WEFT_CHECK(is_valid(c), what << ": invalid config " << format_gemv_config(c));
 }
 
@@ -77,6 +80,7 @@ std::string gemm_kernel_instantiation(const GemmConfig& c, const std::string& sc
 std::string format_gemv_config(const GemvConfig& c) {
     const char* variant = c.variant == GemvVariant::kTmaRing    ? "weft::GemvVariant::kTmaRing"
                           : c.variant == GemvVariant::kBulkRows ? "weft::GemvVariant::kBulkRows"
+                          : c.variant == GemvVariant::kTmaWgmma ? "weft::GemvVariant::kTmaWgmma"
                                                                 : "weft::GemvVariant(?)";
     std::ostringstream os;
     os << "weft::GemvConfig{.variant = " << variant << ", .m_tiles = " << c.m_tiles
@@ -86,9 +90,10 @@ std::string format_gemv_config(const GemvConfig& c) {
 
 std::string gemv_kernel_instantiation(const GemvConfig& config) {
     check_gemv_config(config, "gemv_kernel_instantiation");
-    return std::string(config.variant == GemvVariant::kBulkRows ? "weft::kernels::gemm::gemv_rows_kernel<"
-                                                                : "weft::kernels::gemm::gemv_tma_kernel<") +
-           format_gemv_config(config) + ">";
+    const char* kernel = config.variant == GemvVariant::kBulkRows   ? "weft::kernels::gemm::gemv_rows_kernel<"
+                         : config.variant == GemvVariant::kTmaWgmma ? "weft::kernels::gemm::gemv_wgmma_kernel<"
+                                                                    : "weft::kernels::gemm::gemv_tma_kernel<";
+    return std::string(kernel) + format_gemv_config(config) + ">";
 }
 
 jit::KernelSpec gemm_kernel_spec(const GemmConfig& config, const std::string& arch) {
@@ -114,7 +119,9 @@ jit::KernelSpec gemm_kernel_spec(const GemmConfig& config, const std::string& sc
 
 jit::KernelSpec gemv_kernel_spec(const GemvConfig& config, const std::string& arch) {
     jit::KernelSpec spec;
-    spec.header = config.variant == GemvVariant::kBulkRows ? "gemm/gemv_rows_sm90.cuh" : "gemm/gemv_tma_sm90.cuh";
+    spec.header = config.variant == GemvVariant::kBulkRows   ? "gemm/gemv_rows_sm90.cuh"
+                  : config.variant == GemvVariant::kTmaWgmma ? "gemm/gemv_wgmma_sm90.cuh"
+                                                             : "gemm/gemv_tma_sm90.cuh";
     spec.instantiation = gemv_kernel_instantiation(config);
     spec.description = "gemm small-M variant " + std::to_string(static_cast<int>(config.variant)) + " m_tiles " +
                        std::to_string(config.m_tiles) + " " + dtype_name(config.in_dtype) + "->" +
@@ -150,6 +157,10 @@ std::vector<jit::KernelSpec> gemm_aot_specs() {
         // kBulkRows serves M <= 16 only: one row tile.
         specs.push_back(gemv_kernel_spec(
             GemvConfig{.variant = GemvVariant::kBulkRows, .m_tiles = 1, .in_dtype = in, .out_dtype = out}));
+    }
+    // kTmaWgmma (an autotuner candidate, never the op's own pick): bf16 -> bf16 only, every row-tile count (M <= 256).
+    for (int m_tiles = 1; m_tiles <= kGemvWgmmaMaxM / 16; ++m_tiles) {
+        specs.push_back(gemv_kernel_spec(GemvConfig{.variant = GemvVariant::kTmaWgmma, .m_tiles = m_tiles}));
     }
     specs.push_back(gemm_advance_epoch_spec());
     return specs;

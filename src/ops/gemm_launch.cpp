@@ -187,11 +187,27 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
     l.args.k_per_split = plan.small_m_k_per_split;
     l.args.num_splits = plan.small_m_splits;
     l.args.rows_per_cta = static_cast<int32_t>(ceil_div(b.dim(0), plan.grid));
-    // The shape and shared memory depend on the variant and row tiles only (both kernels take 16-bit inputs).
+    // The shape and shared memory depend on the variant and row tiles only (every kernel takes 16-bit inputs).
     const GemvConfig config{.variant = plan.small_m_variant, .m_tiles = plan.small_m_tiles};
     const GemvShape shape = gemv_shape(config);
     const bool bulk_rows = plan.small_m_variant == GemvVariant::kBulkRows;
-    if (bulk_rows) {
+    const bool wgmma = plan.small_m_variant == GemvVariant::kTmaWgmma;
+    if (wgmma) {
+        // The kernel's stages are whole boxes of kGemvWgmmaStageK k: a split must start on one.
+        WEFT_CHECK(plan.small_m_k_per_split > 0 && plan.small_m_k_per_split % kGemvWgmmaStageK == 0,
+                   "gemm: small-M variant 5 needs k_per_split a positive multiple of " << kGemvWgmmaStageK << ", got "
+                                                                                       << plan.small_m_k_per_split);
+        WEFT_CHECK(
+            plan.small_m_tiles >= 1 && plan.small_m_tiles <= kGemvWgmmaMaxM / 16 && a.dim(0) <= 16 * plan.small_m_tiles,
+            "gemm: small-M variant 5 serves M <= 16 x m_tiles <= " << kGemvWgmmaMaxM << ", got M = " << a.dim(0)
+                                                                   << ", m_tiles " << plan.small_m_tiles);
+        // Both operands K-major in 128-byte swizzled rows of 64 k: B's 64 rows of the CTA (the wgmma's M side) and
+        // all of A's rows, padded to 16 m_tiles (its N side).
+        encode_2d(&l.maps.a, a, "a", static_cast<uint64_t>(a.dim(1)), static_cast<uint64_t>(a.dim(0)), kGemvWgmmaStageK,
+                  static_cast<uint32_t>(16 * plan.small_m_tiles), CU_TENSOR_MAP_SWIZZLE_128B);
+        encode_2d(&l.maps.b, b, "b", static_cast<uint64_t>(b.dim(1)), static_cast<uint64_t>(b.dim(0)), kGemvWgmmaStageK,
+                  kGemvWgmmaCols, CU_TENSOR_MAP_SWIZZLE_128B);
+    } else if (bulk_rows) {
         // A is read 16 bytes at a time (the plan checked B): 16-byte aligned rows.
         WEFT_CHECK(reinterpret_cast<uintptr_t>(a.data) % 16 == 0 &&
                        (a.dim(0) <= 1 || (a.stride(0) * dtype_bytes(a.dtype)) % 16 == 0),
@@ -209,7 +225,10 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
                   static_cast<uint32_t>(32 * shape.n_tiles), swizzle);
     }
     l.grid = dim3(static_cast<unsigned>(plan.grid), static_cast<unsigned>(plan.small_m_splits), 1);
-    l.block = dim3(static_cast<unsigned>(bulk_rows ? gemv_rows_threads(l.args.m, l.args.k) : kGemvBulkThreads), 1, 1);
+    const int threads = wgmma       ? kGemvWgmmaThreads
+                        : bulk_rows ? gemv_rows_threads(l.args.m, l.args.k)
+                                    : kGemvBulkThreads;
+    l.block = dim3(static_cast<unsigned>(threads), 1, 1);
     l.smem_bytes = gemv_smem_bytes(config);
     return l;
 }

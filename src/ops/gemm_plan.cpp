@@ -76,9 +76,16 @@ double tile_efficiency(const GemmConfig& c, int64_t k) {
 
 // Throws unless `v` names a small-M kernel (`what` names the argument).
 void check_gemv_variant(GemvVariant v, const char* what) {
-    WEFT_CHECK(v == GemvVariant::kTmaRing || v == GemvVariant::kBulkRows,
-               what << " must be GemvVariant::kTmaRing (3) or GemvVariant::kBulkRows (4), got "
+    WEFT_CHECK(v == GemvVariant::kTmaRing || v == GemvVariant::kBulkRows || v == GemvVariant::kTmaWgmma,
+               what << " must be GemvVariant::kTmaRing (3), GemvVariant::kBulkRows (4) or GemvVariant::kTmaWgmma (5), "
+                       "got "
                     << static_cast<int>(v));
+}
+
+// The largest M the small-M path may take for these options: kGemvWgmmaMaxM where kTmaWgmma is forced (its own
+// limit), else options.small_m_max_m.
+int64_t small_m_limit(const GemmOptions& options) {
+    return options.small_m_variant == GemvVariant::kTmaWgmma ? int64_t{kGemvWgmmaMaxM} : int64_t{options.small_m_max_m};
 }
 
 }  // namespace
@@ -194,7 +201,8 @@ size_t gemm_workspace_bytes(const GemmProblem& p, int splits, GemvVariant varian
     if (splits <= 1) return 0;
     check_gemv_variant(variant, "gemm_workspace_bytes: variant");
     const size_t partials = static_cast<size_t>(splits) * static_cast<size_t>(p.m) * static_cast<size_t>(p.n) * 4;
-    const int m_tiles = std::clamp(static_cast<int>(ceil_div(p.m, 16)), 1, kGemvMaxM / 16);
+    const int max_m = variant == GemvVariant::kTmaWgmma ? kGemvWgmmaMaxM : kGemvMaxM;
+    const int m_tiles = std::clamp(static_cast<int>(ceil_div(p.m, 16)), 1, max_m / 16);
     const int n_tiles = gemv_shape(GemvConfig{.variant = variant, .m_tiles = m_tiles}).n_tiles;
     const size_t blocks = static_cast<size_t>(ceil_div(p.n, gemv_cols_per_cta(n_tiles)));
     return static_cast<size_t>(round_up(static_cast<int64_t>(blocks * 4), 256) +
@@ -234,7 +242,11 @@ bool gemm_allows_small_m(const GemmProblem& p, const GemmOptions& options) {
     WEFT_CHECK(options.small_m_max_m >= 0 && options.small_m_max_m <= kGemvMaxM,
                "gemm: options.small_m_max_m must be in [0, " << kGemvMaxM << "] (kGemvMaxM), got "
                                                              << options.small_m_max_m);
-    return !options.config && options.allow_small_m && p.m <= options.small_m_max_m && p.b_layout == BLayout::kNK;
+    return !options.config && options.allow_small_m && p.m <= small_m_limit(options) && p.b_layout == BLayout::kNK;
+}
+
+bool gemm_allows_small_m_v5(const GemmProblem& p, const GemmOptions& options) {
+    return !options.config && options.allow_small_m && p.m <= kGemvWgmmaMaxM && p.b_layout == BLayout::kNK;
 }
 
 int gemv_auto_splits(int grid, int ctas_per_sm, int num_sms, int64_t k) {
@@ -244,6 +256,16 @@ int gemv_auto_splits(int grid, int ctas_per_sm, int num_sms, int64_t k) {
     if (3 * grid > num_sms) return 1;
     const int splits = std::clamp(ctas_per_sm * num_sms / grid, 1, 32);
     return std::min(splits, std::max(1, static_cast<int>(k / 256)));
+}
+
+int gemv_wgmma_splits(int64_t n, int64_t k, int num_sms) {
+    WEFT_CHECK(n > 0 && k > 0 && num_sms > 0,
+               "gemv_wgmma_splits: n, k and num_sms must be positive, got " << n << ", " << k << ", " << num_sms);
+    const int64_t blocks = ceil_div(n, int64_t{kGemvWgmmaCols});
+    const int64_t k_blocks = ceil_div(k, int64_t{kGemvWgmmaStageK});
+    int64_t splits = std::max<int64_t>(1, num_sms / blocks);  // one wave: blocks x splits <= num_sms
+    splits = std::min(splits, std::max<int64_t>(1, k_blocks / kGemvWgmmaMinSplitKBlocks));
+    return static_cast<int>(std::min<int64_t>(splits, kGemvWgmmaMaxAutoSplits));
 }
 
 // The small-M kernel when the caller leaves it to the op: bulk-copied rows (kBulkRows, variant 4) where it serves and
@@ -281,6 +303,12 @@ void validate_gemm_options(const GemmProblem& p, const GemmOptions& options) {
                "gemm: options.small_m_splits must be in [0, "
                    << kGemmMaxSmallMSplits << "] (0: heuristic; the grid's y extent), got " << options.small_m_splits);
     if (options.small_m_variant) check_gemv_variant(*options.small_m_variant, "gemm: options.small_m_variant");
+    if (options.small_m_variant == GemvVariant::kTmaWgmma && !options.config && options.allow_small_m) {
+        WEFT_CHECK(p.m <= kGemvWgmmaMaxM, "gemm: small-M variant 5 (swapped wgmma) serves M <= "
+                                              << kGemvWgmmaMaxM << " (kGemvWgmmaMaxM), got M = " << p.m);
+        WEFT_CHECK(p.b_layout == BLayout::kNK,
+                   "gemm: small-M variant 5 (swapped wgmma) needs B [N,K] (BLayout::kNK), got B [K,N]");
+    }
     WEFT_CHECK(options.timeout.count() >= 0, "gemm: options.timeout must be >= 0 ms (0: WEFT_TIMEOUT_MS or 10 s), got "
                                                  << options.timeout.count() << " ms");
     WEFT_CHECK(reinterpret_cast<uintptr_t>(options.workspace) % 256 == 0,
@@ -327,9 +355,14 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
             plan.workspace_bytes = 0;
             return plan;
         }
+        const bool wgmma = plan.small_m_variant == GemvVariant::kTmaWgmma;
         int splits = options.small_m_splits;
-        if (splits <= 0) splits = gemv_auto_splits(plan.grid, shape.ctas_per_sm, num_sms, p.k);
-        plan.small_m_k_per_split = static_cast<int>(round_up(ceil_div(p.k, splits), 32));
+        if (splits <= 0) {
+            splits = wgmma ? gemv_wgmma_splits(p.n, p.k, budget)
+                           : gemv_auto_splits(plan.grid, shape.ctas_per_sm, num_sms, p.k);
+        }
+        // kTmaWgmma's splits start on whole stages (kGemvWgmmaStageK); kTmaRing's on its 32-wide chunks.
+        plan.small_m_k_per_split = static_cast<int>(round_up(ceil_div(p.k, splits), wgmma ? kGemvWgmmaStageK : 32));
         plan.small_m_splits = static_cast<int>(ceil_div(p.k, plan.small_m_k_per_split));
         plan.workspace_bytes = gemm_workspace_bytes(p, plan.small_m_splits, plan.small_m_variant);
         return plan;
@@ -423,13 +456,20 @@ std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& p, int num_sm
             add(plan_gemm(p, num_sms, forced));
         }
     }
-    if (gemm_allows_small_m(p, base)) {  // as plan_gemm: only where the small-M path may serve this M
+    GemmOptions unforced = base;  // small_m_max_m bounds variants 3 and 4 (a forced variant 5 would lift it)
+    unforced.small_m_variant.reset();
+    if (gemm_allows_small_m(p, unforced)) {  // as plan_gemm: only where the small-M path may serve this M
         for (GemvVariant variant : {GemvVariant::kTmaRing, GemvVariant::kBulkRows}) {
             if (variant == GemvVariant::kBulkRows && !gemv_rows_unsupported(p).empty()) continue;
             GemmOptions small = base;
             small.small_m_variant = variant;
             add(plan_gemm(p, num_sms, small));
         }
+    }
+    if (gemm_allows_small_m_v5(p, base)) {  // variant 5 up to its own M limit, whatever small_m_max_m
+        GemmOptions small = base;
+        small.small_m_variant = GemvVariant::kTmaWgmma;
+        add(plan_gemm(p, num_sms, small));
     }
     return out;
 }
@@ -442,6 +482,8 @@ std::string gemm_tune_problem(const GemmProblem& p, int num_sms, const GemmOptio
        << ",sms=" << budget << ",small_m=" << (gemm_allows_small_m(p, options) ? 1 : 0)
        << ",splits=" << options.small_m_splits;
     if (options.split_k != 0) os << ",split_k=" << options.split_k;  // absent when 0: earlier keys stay valid
+    // Present where small-M variant 5 is a candidate: decisions recorded before it existed never timed it.
+    if (gemm_allows_small_m_v5(p, options)) os << ",v5=1";
     return os.str();
 }
 

@@ -712,6 +712,310 @@ TEST(GemmSmallM, DefaultOptionsRouteMAboveTheBoundToTheTiledKernel) {
     }
 }
 
+// ---- small-M variant 5 (GemvVariant::kTmaWgmma: A and B swapped on wgmma) --------------------------------
+
+/// One variant-5 case through check_case, after checking that the op plans it as asked: variant 5, ceil(M / 16) row
+/// tiles, `want_splits` splits (0: any), whole 64-k stages per split. `sample_rows` as check_case.
+void check_variant5(Case c, int want_splits, int sample_rows = 0) {
+    c.small_m_variant = GemvVariant::kTmaWgmma;
+    ops::GemmOptions o;
+    o.small_m_variant = c.small_m_variant;
+    o.small_m_splits = c.small_m_splits;
+    o.sm_budget = c.sm_budget;
+    const ops::GemmPlan plan = ops::plan_gemm(ops::GemmProblem{c.m, c.n, c.k, BLayout::kNK, c.in, c.out}, num_sms(), o);
+    ASSERT_EQ(plan.path, ops::GemmPath::kSmallM) << c.m << "x" << c.n << "x" << c.k;
+    ASSERT_EQ(plan.small_m_variant, GemvVariant::kTmaWgmma);
+    ASSERT_EQ(plan.small_m_tiles, (c.m + 15) / 16);
+    ASSERT_EQ(plan.small_m_k_per_split % kGemvWgmmaStageK, 0);
+    if (want_splits > 0) {
+        ASSERT_EQ(plan.small_m_splits, want_splits)
+            << c.m << "x" << c.n << "x" << c.k << " forced " << c.small_m_splits;
+    }
+    check_case(c, sample_rows);
+}
+
+// Variant 5 against the fp64 reference, outputs poisoned (NaN in D, a sentinel in the row padding): every M the
+// issue's sweep meets on both sides of each 16-row tile (M = 1, 7, 16, 17, 33, 64, 77, 96, 127, 128, 200, 256: row
+// tiles 1, 2, 3, 4, 5, 6, 8, 13, 16), N of one column block (64), ragged (4104: the last block has 8 columns) and the
+// decode widths 4096 / 8192, K of one 64-k stage, not a multiple of 64 (200: the last stage zero-filled past K) and
+// 4096 (64 stages, the ring wrapping several times), one split and forced 2 and 4 (K = 200 at 4 splits: 64, 64, 64,
+// 8) and the op's rule (N = 64, K = 4096: 8 splits; N = 4096 / 4104: 2); A and D with padded rows (lda > K, ldd > N),
+// B padded too in some. Every row is checked where the reference is quick, sampled rows (all columns) elsewhere.
+TEST(GemmSmallM, Variant5MatchesFp64ForEveryRowTileAndSplit) {
+    REQUIRE_SM90();
+    const int64_t ms[] = {1, 7, 16, 17, 33, 64, 77, 96, 127, 128, 200, 256};
+    struct Shape {
+        int64_t n, k;
+        std::vector<int> splits;  // forced counts; 0: the op's rule
+    };
+    const Shape shapes[] = {
+        {64, 64, {0, 2}}, {64, 200, {0, 1, 2, 4}}, {4104, 200, {0, 2}}, {64, 4096, {0, 1, 4}}, {4104, 4096, {0}}};
+    for (int64_t m : ms) {
+        for (const Shape& s : shapes) {
+            for (int splits : s.splits) {
+                Case c{m, s.n, s.k};
+                c.small_m_splits = splits;
+                c.pad_a = 8;
+                c.pad_d = 8;
+                c.pad_b = s.n == 4104 ? 8 : 0;
+                // The splits the plan must make: a forced count of whole 64-k stages each (fewer where K is
+                // short), else the op's rule.
+                const int64_t per_split = splits > 0 ? ((s.k + 63) / 64 + splits - 1) / splits * 64 : 0;
+                const int want = splits > 0 ? static_cast<int>((s.k + per_split - 1) / per_split)
+                                            : ops::gemv_wgmma_splits(s.n, s.k, num_sms());
+                check_variant5(c, want, m * s.n * s.k > 300'000'000 ? 24 : 0);
+            }
+        }
+    }
+    // The decode widths at a few M: N = 4096 (2 splits by the rule on 132 SMs) and 8192 (1), sampled rows.
+    for (int64_t m : {1, 77, 128, 256}) {
+        for (int64_t n : {4096, 8192}) {
+            Case c{m, n, 4096};
+            c.pad_d = 8;
+            check_variant5(c, ops::gemv_wgmma_splits(n, 4096, num_sms()), 24);
+        }
+    }
+}
+
+// Variant 5 for every other dtype pair (bf16 -> f32, f16 -> f16, f16 -> f32), single split and split-K, ragged N.
+TEST(GemmSmallM, Variant5EveryDtypePairMatchesFp64) {
+    REQUIRE_SM90();
+    for (const auto& io : kOtherIoPairs) {
+        for (int64_t m : {7, 77, 256}) {
+            for (int splits : {1, 2}) {
+                Case c{m, 4104, 200, io[0], io[1]};
+                c.small_m_splits = splits;
+                c.pad_a = 8;
+                c.pad_d = 8;
+                check_variant5(c, splits);
+            }
+        }
+    }
+}
+
+// Variant 5 writes nothing outside D: D is the first M rows of a larger poisoned buffer (ldd > N), whose rows past M
+// must come back byte for byte unchanged and whose row padding past column N must keep its sentinel (expect_matches);
+// single split and split-K (the last CTA's reduction), M not a multiple of 16 (the padded rows of the wgmma's N side
+// are computed, never stored), N = 8 to 4104, not a multiple of 64.
+TEST(GemmSmallM, Variant5WritesNothingPastMOrN) {
+    REQUIRE_SM90();
+    for (const auto& [m, n, splits] :
+         {std::array<int64_t, 3>{77, 4104, 1}, {77, 4104, 2}, {1, 100, 1}, {250, 130, 4}, {7, 8, 2}, {256, 64, 2}}) {
+        const uint64_t seed = fresh_seed();
+        std::ostringstream what;
+        what << m << "x" << n << "x1024 splits " << splits << " seed " << seed;
+        SCOPED_TRACE(what.str());
+        std::mt19937_64 rng(seed);
+        constexpr int64_t k = 1024, kGuardRows = 16, kLdd = 4160;  // ldd > N: padding columns on every row
+        HostMatrix a(m, k, k, DType::kBF16), b(n, k, k, DType::kBF16);
+        // D's M rows and kGuardRows more, poisoned: NaN in the N columns, the sentinel in the padding.
+        HostMatrix big(m + kGuardRows, n, kLdd, DType::kBF16);
+        a.fill_random(rng);
+        b.fill_random(rng);
+        poison(big);
+        const HostMatrix before = big;
+        DeviceBuffer da(a.bytes.size()), db(b.bytes.size()), dd(big.bytes.size());
+        ASSERT_TRUE(da.ptr && db.ptr && dd.ptr);
+        upload(a, da);
+        upload(b, db);
+        upload(big, dd);
+        ops::GemmOptions o;
+        o.small_m_variant = GemvVariant::kTmaWgmma;
+        o.small_m_splits = static_cast<int>(splits);
+        const TensorView d(dd.ptr, DType::kBF16, {m, n}, {kLdd, 1});
+        ops::gemm(view(a, da), view(b, db), d, BLayout::kNK, nullptr, o);
+        CK(cudaDeviceSynchronize());
+        download(big, dd);
+        // The guard rows past M, every byte (the padding of D's own rows: expect_matches below).
+        const size_t d_bytes = static_cast<size_t>(m * kLdd * 2);
+        size_t changed = 0;
+        for (size_t i = d_bytes; i < big.bytes.size(); ++i) changed += big.bytes[i] != before.bytes[i];
+        EXPECT_EQ(changed, 0u) << "bytes past row M written";
+        HostMatrix got(m, n, kLdd, DType::kBF16);
+        got.bytes.assign(big.bytes.begin(), big.bytes.begin() + static_cast<std::ptrdiff_t>(d_bytes));
+        std::vector<int64_t> rows;
+        for (int64_t r = 0; r < m; ++r) rows.push_back(r);
+        expect_matches(got, reference(a, b, BLayout::kNK, n, rows), rows, tolerance_for(DType::kBF16), what.str());
+    }
+}
+
+// Forced on a call it cannot serve, variant 5 is an error naming why (M > 256; B [K,N]), before the device is
+// touched; M = 256 is served.
+TEST(GemmSmallM, Variant5RefusesWhatItCannotServe) {
+    REQUIRE_SM90();
+    HostMatrix a(257, 64, 64, DType::kBF16), b(128, 64, 64, DType::kBF16), d(257, 128, 128, DType::kBF16);
+    DeviceBuffer da(a.bytes.size()), db(b.bytes.size()), dd(d.bytes.size());
+    ASSERT_TRUE(da.ptr && db.ptr && dd.ptr);
+    ops::GemmOptions o;
+    o.small_m_variant = GemvVariant::kTmaWgmma;
+    try {
+        ops::gemm(view(a, da), view(b, db), view(d, dd), BLayout::kNK, nullptr, o);
+        ADD_FAILURE() << "variant 5 accepted M = 257";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("serves M <= 256"), std::string::npos) << e.what();
+    }
+    HostMatrix bkn(64, 128, 128, DType::kBF16);
+    HostMatrix a16(16, 64, 64, DType::kBF16), d16(16, 128, 128, DType::kBF16);
+    try {
+        ops::gemm(view(a16, da), view(bkn, db), view(d16, dd), BLayout::kKN, nullptr, o);
+        ADD_FAILURE() << "variant 5 accepted B [K,N]";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("needs B [N,K]"), std::string::npos) << e.what();
+    }
+    Case ok{256, 128, 64};
+    check_variant5(ok, 0);
+}
+
+// Variant 5 launched programmatically right after a kernel that writes A only at its end (late_writer_kernel, which
+// lets its dependents start at once): the GEMM must read the new A, not the NaNs before, with one split (N = 8192)
+// and with split-K (N = 4096: partials and counters after the wait too), M = 16, 77, 256.
+TEST(GemmSmallM, Variant5ProgrammaticLaunchWaitsForTheKernelBefore) {
+    REQUIRE_SM90();
+    DeviceBuffer times(2 * sizeof(uint64_t));
+    ASSERT_TRUE(times.ptr);
+    auto* t = static_cast<uint64_t*>(times.ptr);
+    for (const auto& [m, n, k] : {std::array<int64_t, 3>{16, 8192, 4096}, {77, 4096, 4096}, {256, 4096, 2048}}) {
+        const uint64_t seed = fresh_seed();
+        std::ostringstream what;
+        what << m << "x" << n << "x" << k << " seed " << seed;
+        SCOPED_TRACE(what.str());
+        std::mt19937_64 rng(seed);
+        HostMatrix a(m, k, k, DType::kBF16), b(n, k, k, DType::kBF16), d(m, n, n, DType::kBF16);
+        a.fill_random(rng);
+        b.fill_random(rng);
+        poison(d);
+        HostMatrix a_nan(m, k, k, DType::kBF16);
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t c = 0; c < k; ++c) a_nan.set(r, c, NAN);
+        DeviceBuffer da(a.bytes.size()), staged(a.bytes.size()), db(b.bytes.size()), dd(d.bytes.size());
+        ASSERT_TRUE(da.ptr && staged.ptr && db.ptr && dd.ptr);
+        upload(a_nan, da);
+        upload(a, staged);
+        upload(b, db);
+        upload(d, dd);
+        ops::GemmOptions o;
+        o.programmatic_launch = true;
+        o.small_m_variant = GemvVariant::kTmaWgmma;
+        const ops::GemmPlan plan =
+            ops::plan_gemm(ops::validate_gemm_args(view(a, da), view(b, db), view(d, dd), BLayout::kNK), num_sms(), o);
+        ASSERT_TRUE(ops::gemm_launches_programmatically(plan, o));
+        ASSERT_EQ(plan.small_m_variant, GemvVariant::kTmaWgmma);
+        late_writer_kernel<<<1, 128>>>(static_cast<uint4*>(da.ptr), static_cast<const uint4*>(staged.ptr),
+                                       a.bytes.size(), kLateWriterDelayNs, t);
+        CK(cudaGetLastError());
+        ops::gemm(view(a, da), view(b, db), view(d, dd), BLayout::kNK, nullptr, o);
+        CK(cudaDeviceSynchronize());
+        download(d, dd);
+        std::vector<int64_t> rows = {0, m / 2, m - 1};
+        expect_matches(d, reference(a, b, BLayout::kNK, n, rows), rows, tolerance_for(DType::kBF16), what.str());
+    }
+}
+
+// A decode chain on variant 5 (as ProgrammaticChainMatchesThePlainChain): each layer's output the next layer's A, N =
+// K = 4096 (2 splits: consecutive calls share the stream's partials and counters), launched plainly, programmatically
+// and programmatically in a CUDA graph; the three results must be bit for bit equal (deterministic split-K) and
+// finite, and the plain chain's last layer must match the fp64 reference of that layer on sampled rows.
+TEST(GemmSmallM, Variant5ProgrammaticChainMatchesThePlainChain) {
+    REQUIRE_SM90();
+    constexpr int kLayers = 4;
+    constexpr int64_t kDim = 4096;
+    for (int64_t m : {77, 256}) {
+        const uint64_t seed = fresh_seed();
+        SCOPED_TRACE("M = " + std::to_string(m) + ", seed " + std::to_string(seed));
+        std::mt19937_64 rng(seed);
+        HostMatrix x(m, kDim, kDim, DType::kBF16);
+        x.fill_random(rng);
+        std::vector<std::unique_ptr<DeviceBuffer>> weights;
+        std::vector<HostMatrix> host_weights;
+        for (int l = 0; l < kLayers; ++l) {
+            HostMatrix w(kDim, kDim, kDim, DType::kBF16);
+            w.fill_random(rng);
+            for (int64_t r = 0; r < kDim; ++r)  // keep the activations near 1 layer after layer
+                for (int64_t c = 0; c < kDim; ++c) w.set(r, c, w.get(r, c) / 32.f);
+            weights.push_back(std::make_unique<DeviceBuffer>(w.bytes.size()));
+            ASSERT_TRUE(weights.back()->ptr);
+            upload(w, *weights.back());
+            host_weights.push_back(std::move(w));
+        }
+        const char* const runs[] = {"plain", "programmatic", "programmatic, graph"};
+        constexpr int kRuns = 3;
+        std::vector<uint8_t> out[kRuns], before_last;
+        cudaStream_t stream = nullptr;
+        CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        for (int run = 0; run < kRuns; ++run) {
+            SCOPED_TRACE(runs[run]);
+            const bool programmatic = run > 0;
+            std::vector<std::unique_ptr<DeviceBuffer>> acts;
+            for (int l = 0; l <= kLayers; ++l) {
+                acts.push_back(std::make_unique<DeviceBuffer>(x.bytes.size()));
+                ASSERT_TRUE(acts.back()->ptr);
+                CK(cudaMemset(acts.back()->ptr, 0xff, x.bytes.size()));  // NaN until written
+            }
+            upload(x, *acts[0]);
+            CK(cudaDeviceSynchronize());
+            ops::GemmOptions o;
+            o.programmatic_launch = programmatic;
+            o.small_m_variant = GemvVariant::kTmaWgmma;
+            auto act = [&](int l) { return TensorView(acts[l]->ptr, DType::kBF16, {m, kDim}); };
+            const bool graph = run == 2;
+            if (graph) CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+            for (int l = 0; l < kLayers; ++l) {
+                const TensorView w(weights[l]->ptr, DType::kBF16, {kDim, kDim});
+                const ops::GemmPlan plan =
+                    ops::plan_gemm(ops::validate_gemm_args(act(l), w, act(l + 1), BLayout::kNK), num_sms(), o);
+                EXPECT_EQ(plan.small_m_variant, GemvVariant::kTmaWgmma);
+                EXPECT_EQ(ops::gemm_launches_programmatically(plan, o), programmatic);
+                ops::gemm(act(l), w, act(l + 1), BLayout::kNK, stream, o);
+            }
+            if (graph) {
+                cudaGraph_t g = nullptr;
+                CK(cudaStreamEndCapture(stream, &g));
+                cudaGraphExec_t exec = nullptr;
+                CK(cudaGraphInstantiate(&exec, g, 0));
+                CK(cudaGraphLaunch(exec, stream));
+                CK(cudaStreamSynchronize(stream));
+                CK(cudaGraphExecDestroy(exec));
+                CK(cudaGraphDestroy(g));
+            }
+            CK(cudaStreamSynchronize(stream));
+            out[run].resize(x.bytes.size());
+            CK(cudaMemcpy(out[run].data(), acts[kLayers]->ptr, x.bytes.size(), cudaMemcpyDeviceToHost));
+            if (run == 0) {
+                before_last.resize(x.bytes.size());
+                CK(cudaMemcpy(before_last.data(), acts[kLayers - 1]->ptr, x.bytes.size(), cudaMemcpyDeviceToHost));
+            }
+        }
+        CK(cudaStreamDestroy(stream));
+        HostMatrix last(m, kDim, kDim, DType::kBF16);
+        last.bytes = out[0];
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t c = 0; c < kDim; ++c)
+                ASSERT_TRUE(std::isfinite(last.get(r, c))) << "plain chain, row " << r << ", column " << c;
+        for (int run = 1; run < kRuns; ++run) {
+            EXPECT_EQ(out[0], out[run]) << "the chain launched " << runs[run] << " differs from the plain chain";
+        }
+        // The last layer of the plain chain against fp64 from its own input.
+        HostMatrix in(m, kDim, kDim, DType::kBF16);
+        in.bytes = before_last;
+        const std::vector<int64_t> rows = {0, 1, m / 2, m - 2, m - 1};
+        expect_matches(last, reference(in, host_weights[kLayers - 1], BLayout::kNK, kDim, rows), rows,
+                       tolerance_for(DType::kBF16), "the chain's last layer");
+    }
+}
+
+// Calls on one stream alternating variant 5 and variant 3 with different column-block counts (and so counter
+// counts) reuse the stream's split-K workspace: every counter must be back at zero after each call.
+TEST(GemmSmallM, Variant5RepeatedCallsBesideVariant3StayCorrect) {
+    REQUIRE_SM90();
+    for (int i = 0; i < 6; ++i) {
+        Case c{i % 2 == 0 ? 77 : 40, i < 3 ? 2048 : 1000, 4096};
+        c.small_m_variant = i % 2 == 0 ? GemvVariant::kTmaWgmma : GemvVariant::kTmaRing;
+        c.small_m_max_m = kGemvMaxM;
+        c.small_m_splits = 3;
+        check_case(c);
+    }
+}
+
 // ---- cuBLASLt on large shapes ---------------------------------------------------------------------------
 
 cudaDataType cuda_type(DType t) {

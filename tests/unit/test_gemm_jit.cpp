@@ -4,6 +4,7 @@
 // autotuning decision logic with a fake measure (no GPU).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <regex>
 #include <set>
@@ -70,7 +71,22 @@ TEST(GemmJitCodegen, InstantiationIsTheConfigWithDesignatedInitialisers) {
     throws_mentioning(GemvConfig{.variant = GemvVariant::kBulkRows, .m_tiles = 2}, "serves M <= 16 (m_tiles 1)");
     throws_mentioning(GemvConfig{.m_tiles = 5}, "m_tiles must be in [1, 4], got 5");
     throws_mentioning(GemvConfig{.m_tiles = 0}, "m_tiles must be in [1, 4], got 0");
-    throws_mentioning(GemvConfig{.variant = static_cast<GemvVariant>(2)}, "GemvVariant::kTmaRing (3) or kBulkRows (4)");
+    throws_mentioning(GemvConfig{.variant = static_cast<GemvVariant>(2)},
+                      "GemvVariant::kTmaRing (3), kBulkRows (4) or kTmaWgmma (5)");
+    // Variant 5 (swapped wgmma): m_tiles 1..16 (M <= 256), its own kernel template.
+    const GemvConfig wgmma{
+        .variant = GemvVariant::kTmaWgmma, .m_tiles = 5, .in_dtype = DType::kF16, .out_dtype = DType::kF32};
+    EXPECT_EQ(format_gemv_config(wgmma),
+              "weft::GemvConfig{.variant = weft::GemvVariant::kTmaWgmma, .m_tiles = 5, .in_dtype = weft::DType::kF16, "
+              ".out_dtype = weft::DType::kF32}");
+    EXPECT_EQ(gemv_kernel_instantiation(wgmma),
+              "weft::kernels::gemm::gemv_wgmma_kernel<" + format_gemv_config(wgmma) + ">");
+    EXPECT_NO_THROW(gemv_kernel_instantiation(GemvConfig{.variant = GemvVariant::kTmaWgmma, .m_tiles = 16}));
+    throws_mentioning(GemvConfig{.variant = GemvVariant::kTmaWgmma, .m_tiles = 17},
+                      "m_tiles must be in [1, 16], got 17");
+    throws_mentioning(GemvConfig{.variant = GemvVariant::kTmaWgmma, .m_tiles = 0}, "m_tiles must be in [1, 16], got 0");
+    throws_mentioning(GemvConfig{.variant = GemvVariant::kTmaWgmma, .out_dtype = DType::kI32},
+                      "no kernel for bf16 -> i32");
     throws_mentioning(GemvConfig{.in_dtype = DType::kF32}, "no kernel for f32 -> bf16");
     throws_mentioning(GemvConfig{.out_dtype = DType::kI32}, "no kernel for bf16 -> i32");
 }
@@ -93,6 +109,12 @@ TEST(GemmJitCodegen, SpecsNameTheHeaderTheInstantiationAndTheArch) {
     const GemvConfig rows{.variant = GemvVariant::kBulkRows, .m_tiles = 1, .out_dtype = DType::kF32};
     EXPECT_EQ(gemv_kernel_spec(rows, kArch).header, "gemm/gemv_rows_sm90.cuh");
     EXPECT_EQ(gemv_kernel_spec(rows, kArch).instantiation, gemv_kernel_instantiation(rows));
+    const GemvConfig wgmma{.variant = GemvVariant::kTmaWgmma, .m_tiles = 5};
+    EXPECT_EQ(gemv_kernel_spec(wgmma, kArch).header, "gemm/gemv_wgmma_sm90.cuh");
+    EXPECT_EQ(gemv_kernel_spec(wgmma, kArch).instantiation, gemv_kernel_instantiation(wgmma));
+    EXPECT_NE(
+        jit::Compiler::generate_source(gemv_kernel_spec(wgmma, kArch)).find("#include <gemm/gemv_wgmma_sm90.cuh>"),
+        std::string::npos);
     EXPECT_EQ(gemm_advance_epoch_spec(kArch).instantiation, "weft::kernels::gemm::gemm_advance_epoch_kernel<0>");
 
     GemmConfig bad = c;
@@ -138,6 +160,13 @@ TEST(GemmJitAot, SpecsCoverEveryCandidateAndSmallMKernelOnce) {
                 EXPECT_EQ(instantiations.count(gemv_kernel_instantiation(c)), 1u) << format_gemv_config(c);
                 ++expected;
             }
+        }
+        // Variant 5 (an autotuner candidate only): bf16 -> bf16, every row-tile count.
+        for (int m_tiles = 1; m_tiles <= 16; ++m_tiles) {
+            const GemvConfig c{.variant = GemvVariant::kTmaWgmma, .m_tiles = m_tiles, .in_dtype = in, .out_dtype = out};
+            const bool listed = in == DType::kBF16 && out == DType::kBF16;
+            EXPECT_EQ(instantiations.count(gemv_kernel_instantiation(c)), listed ? 1u : 0u) << format_gemv_config(c);
+            expected += listed ? 1 : 0;
         }
     }
     EXPECT_EQ(specs.size(), expected);
@@ -244,14 +273,19 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
     }
 
     // M <= small_m_max_m (default 32) with B [N,K]: the small-M kernels that can serve it join (variant 4, bulk-copied
-    // rows, only M <= 16 with contiguous B rows); the heuristic's pick (variant 3 here) still comes first.
+    // rows, only M <= 16 with contiguous B rows); the heuristic's pick (variant 3 here) still comes first. Variant 5
+    // (swapped wgmma) joins last wherever M <= 256 with B [N,K], whatever small_m_max_m.
     constexpr int kSplitKVariants = 1;  // variant 3
+    constexpr size_t kV5 = 1;
     // Few rows at N = K = 8192: every split-K config (its tiles fewer than the SMs) joins the tiled candidates.
     const size_t kTiled = kGemmNumCandidates + gemm_split_k_configs(DType::kBF16, DType::kBF16, BLayout::kNK).size();
     const GemmProblem small = problem(16, 8192, 8192);
     const auto sc = gemm_tune_candidates(small, 132, {});
-    ASSERT_EQ(sc.size(), kTiled + kSplitKVariants);
+    ASSERT_EQ(sc.size(), kTiled + kSplitKVariants + kV5);
     EXPECT_EQ(sc[0].name, "small_m_v3");
+    EXPECT_EQ(sc.back().name, "small_m_v5");
+    EXPECT_EQ(sc.back().plan.small_m_variant, GemvVariant::kTmaWgmma);
+    EXPECT_EQ(sc.back().plan.small_m_tiles, 1);
     EXPECT_EQ(sc[0].plan.path, GemmPath::kSmallM);
     std::set<std::string> small_names;
     for (const auto& c : sc) {
@@ -259,13 +293,14 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         small_names.insert(c.name);
         EXPECT_EQ(c.name, "small_m_v" + std::to_string(static_cast<int>(c.plan.small_m_variant)));
     }
-    EXPECT_EQ(small_names, (std::set<std::string>{"small_m_v3"}));
+    EXPECT_EQ(small_names, (std::set<std::string>{"small_m_v3", "small_m_v5"}));
     GemmProblem decode = problem(1, 8192, 8192);
     decode.b_rows_contiguous = true;
     const auto dc = gemm_tune_candidates(decode, 132, {});
-    ASSERT_EQ(dc.size(), kTiled + 2);
+    ASSERT_EQ(dc.size(), kTiled + 2 + kV5);
     EXPECT_EQ(dc[0].name, "small_m_v4");  // the heuristic's pick for decode with contiguous B rows
     EXPECT_EQ(dc[kTiled + 1].name, "small_m_v3");
+    EXPECT_EQ(dc[kTiled + 2].name, "small_m_v5");
     GemmOptions no_small;
     no_small.allow_small_m = false;
     EXPECT_EQ(gemm_tune_candidates(small, 132, no_small).size(), kTiled);
@@ -288,20 +323,45 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         GemmOptions up_to_64;
         up_to_64.small_m_max_m = 64;
         const auto mc = gemm_tune_candidates(mid, 132, up_to_64);
-        ASSERT_EQ(mc.size(), kTiled + kSplitKVariants);
+        ASSERT_EQ(mc.size(), kTiled + kSplitKVariants + kV5);
         EXPECT_EQ(mc[0].name, "small_m_v3");
-        EXPECT_EQ(gemm_tune_candidates(mid, 132, {}).size(), kTiled) << "the default small_m_max_m is 32";
+        EXPECT_EQ(gemm_tune_candidates(mid, 132, {}).size(), kTiled + kV5) << "the default small_m_max_m is 32";
         GemmOptions up_to_32;
         up_to_32.small_m_max_m = 32;
         const auto mc32 = gemm_tune_candidates(mid, 132, up_to_32);
-        ASSERT_EQ(mc32.size(), kTiled);
+        ASSERT_EQ(mc32.size(), kTiled + kV5);
         EXPECT_EQ(mc32[0].plan.path, GemmPath::kTiled);
         EXPECT_EQ(mc32[0].plan.config, plan_gemm(mid, 132, up_to_32).config);
-        for (const auto& c : mc32) EXPECT_EQ(c.plan.path, GemmPath::kTiled) << c.name;
+        for (size_t i = 0; i + 1 < mc32.size(); ++i) EXPECT_EQ(mc32[i].plan.path, GemmPath::kTiled) << mc32[i].name;
+        EXPECT_EQ(mc32.back().name, "small_m_v5");
         GemmOptions up_to_48;
         up_to_48.small_m_max_m = 48;
-        EXPECT_EQ(gemm_tune_candidates(mid, 132, up_to_48).size(),
-                  kTiled + (m <= 48 ? kSplitKVariants : 0));
+        EXPECT_EQ(gemm_tune_candidates(mid, 132, up_to_48).size(), kTiled + (m <= 48 ? kSplitKVariants : 0) + kV5);
+    }
+    // Variant 5 up to M = 256 (m_tiles 16) with B [N,K], never beyond, nor with B [K,N]; with small_m_variant forcing
+    // it, it is the heuristic's pick (first) and not listed twice.
+    for (int64_t m : {65, 77, 200, 256, 257, 512}) {
+        SCOPED_TRACE("M = " + std::to_string(m));
+        const auto cands = gemm_tune_candidates(problem(m, 4096, 4096), 132, {});
+        size_t v5 = 0;
+        for (const auto& c : cands) {
+            if (c.name != "small_m_v5") continue;
+            ++v5;
+            EXPECT_EQ(c.plan.path, GemmPath::kSmallM);
+            EXPECT_EQ(c.plan.small_m_tiles, (m + 15) / 16);
+            EXPECT_EQ(c.plan.small_m_splits, 2) << "N = K = 4096 on 132 SMs: 64 column blocks x 2";
+        }
+        EXPECT_EQ(v5, m <= 256 ? 1u : 0u);
+        for (const auto& c : gemm_tune_candidates(problem(m, 4096, 4096, BLayout::kKN), 132, {})) {
+            EXPECT_NE(c.name, "small_m_v5");
+        }
+        if (m > 256) continue;
+        GemmOptions forced;
+        forced.small_m_variant = GemvVariant::kTmaWgmma;
+        const auto fc = gemm_tune_candidates(problem(m, 4096, 4096), 132, forced);
+        EXPECT_EQ(fc[0].name, "small_m_v5");
+        EXPECT_EQ(std::count_if(fc.begin(), fc.end(), [](const GemmCandidate& c) { return c.name == "small_m_v5"; }),
+                  1);
     }
 
     // A budget of one SM leaves no room for cluster pairs.
@@ -318,13 +378,21 @@ TEST(GemmAutotuneCandidates, ProblemKeyNamesWhatChangesTheCandidates) {
     o.sm_budget = 66;
     EXPECT_EQ(gemm_tune_problem(problem(100, 200, 72, BLayout::kKN, DType::kF16, DType::kF32), 132, o),
               "m=100,n=200,k=72,in=f16,out=f32,b=kn,sms=66,small_m=0,splits=0");
-    EXPECT_EQ(gemm_tune_problem(problem(8, 16, 32), 132, {}), "m=8,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0");
-    // small_m says whether the small-M variants are candidates (gemm_allows_small_m), so small_m_max_m counts.
+    EXPECT_EQ(gemm_tune_problem(problem(8, 16, 32), 132, {}),
+              "m=8,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0,v5=1");
+    // small_m says whether the small-M variants are candidates (gemm_allows_small_m), so small_m_max_m counts; v5=1
+    // where variant 5 is (M <= 256, B [N,K]).
     GemmOptions up_to_64;
     up_to_64.small_m_max_m = 64;
     EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, up_to_64),
-              "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0");
+              "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=1,splits=0,v5=1");
     EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, {}),
+              "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=0,splits=0,v5=1");
+    EXPECT_EQ(gemm_tune_problem(problem(257, 16, 32), 132, {}),
+              "m=257,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=0,splits=0");
+    GemmOptions no_small;
+    no_small.allow_small_m = false;
+    EXPECT_EQ(gemm_tune_problem(problem(40, 16, 32), 132, no_small),
               "m=40,n=16,k=32,in=bf16,out=bf16,b=nk,sms=132,small_m=0,splits=0");
     EXPECT_NE(gemm_tune_problem(problem(8, 16, 32), 132, {}), gemm_tune_problem(problem(8, 16, 32), 114, {}));
 }
@@ -490,6 +558,32 @@ TEST(GemmAutotuneSelect, ForcedByEnvironmentAndUnknownNamesAreErrors) {
             EXPECT_NE(what.find("128x256x64_s4_c1x1"), std::string::npos) << "lists the valid names: " << what;
         }
     }
+}
+
+// WEFT_AUTOTUNE_FORCE=gemm=small_m_v5 forces small-M variant 5 (swapped wgmma) past small_m_max_m, up to M = 256 with
+// B [N,K]: M = 77, N = K = 4096 (issue #35's shape) gets 5 row tiles and 2 splits on 132 SMs; M = 257 has no such
+// candidate (an error naming it).
+TEST(GemmAutotuneSelect, ForcingSmallMV5ByNameTakesTheSwappedWgmmaKernel) {
+    CleanAutotuneEnv env;
+    ScopedEnv force("WEFT_AUTOTUNE_FORCE", "gemm=small_m_v5");
+    const GemmRunPlan run = [](const GemmPlan&, cudaStream_t) {};
+    FakeTimings fake;
+    jit::AutotuneConfig config = jit::AutotuneConfig::from_env();
+    config.cache_dir.reset();
+    jit::Autotuner tuner(config, fake.measure());
+    GemmOptions o;
+    o.autotuner = &tuner;
+    const GemmSelection s = select_gemm_plan(problem(77, 4096, 4096), 132, o, kArch, run, nullptr);
+    EXPECT_EQ(s.origin, GemmChoice::kForced);
+    EXPECT_EQ(s.candidate, "small_m_v5");
+    EXPECT_EQ(s.plan.path, GemmPath::kSmallM);
+    EXPECT_EQ(s.plan.small_m_variant, GemvVariant::kTmaWgmma);
+    EXPECT_EQ(s.plan.small_m_tiles, 5);
+    EXPECT_EQ(s.plan.grid, 64);
+    EXPECT_EQ(s.plan.small_m_splits, 2);
+    EXPECT_EQ(s.plan.small_m_k_per_split, 2048);
+    EXPECT_EQ(fake.calls, 0);
+    EXPECT_THROW(select_gemm_plan(problem(257, 4096, 4096), 132, o, kArch, run, nullptr), Error);
 }
 
 TEST(GemmAutotuneSelect, CaptureNeverTimesAndFailingCandidatesAreSkipped) {

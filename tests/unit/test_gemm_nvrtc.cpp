@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 // Unit tests (CPU): NVRTC compiles every GEMM kernel specialisation for sm_90a with a clean ptxas report
 // (no wgmma serialisation, no ignored setmaxnreg, no spills), the tiled kernels' SASS uses HGMMA, and the small-M
-// kernels' SASS streams B as designed (TMA boxes with L2 hints; 1D bulk copies).
+// kernels' SASS streams B as designed (TMA boxes with L2 hints; 1D bulk copies) and multiplies as designed (mma.sync;
+// variant 5: wgmma with A's rows on the N side).
 #include <gtest/gtest.h>
 #include <nvrtc.h>
 #include <unistd.h>
@@ -43,10 +44,11 @@ using testing::max_loads_in_flight;
 using Compiled = testing::NvrtcCompiled;
 
 Compiled compile(const std::vector<std::string>& instantiations, const std::string& extra_source = "") {
-    return testing::nvrtc_compile("#include \"gemm/gemm_sm90.cuh\"\n#include \"gemm/gemv_rows_sm90.cuh\"\n"
-                                  "#include \"gemm/gemv_tma_sm90.cuh\"\n" +
-                                      extra_source,
-                                  "weft_gemm_test.cu", instantiations);
+    return testing::nvrtc_compile(
+        "#include \"gemm/gemm_sm90.cuh\"\n#include \"gemm/gemv_rows_sm90.cuh\"\n"
+        "#include \"gemm/gemv_tma_sm90.cuh\"\n#include \"gemm/gemv_wgmma_sm90.cuh\"\n" +
+            extra_source,
+        "weft_gemm_test.cu", instantiations);
 }
 
 struct Combo {
@@ -296,6 +298,53 @@ TEST(GemmNvrtc, small_m_variant4_streams_rows_by_bulk_copy_and_multiplies_with_f
         expect_no_local_memory(code, name);
     }
     EXPECT_EQ(r.sass.size(), 4u);  // 4 dtype pairs, one row tile
+}
+
+// Variant 5 (A and B swapped on wgmma) for every row-tile count (1..16) and dtype pair: ptxas' report clean (no wgmma
+// serialisation, no spills) and, in SASS, only wgmma of the shape 64 x (16 m_tiles) x 16 (HGMMA.64x80x16 at m_tiles
+// 5: B's 64 rows on the M side, A's rows padded to 80 on the N side), 4 per 64-k stage at least, no mma.sync (HMMA),
+// TMA loads each with an L2 cache policy, an atomic on the split-K counter, and nothing in local memory.
+TEST(GemmNvrtc, small_m_variant5_multiplies_with_swapped_hgmma_and_loads_by_tma) {
+    size_t checked = 0;
+    std::string why_not;
+    for (const Combo& c : combos()) {
+        if (c.layout != BLayout::kNK) continue;
+        std::vector<std::string> names;
+        std::map<std::string, int> m_tiles_of;
+        for (int m_tiles = 1; m_tiles <= 16; ++m_tiles) {
+            const GemvConfig config{
+                .variant = GemvVariant::kTmaWgmma, .m_tiles = m_tiles, .in_dtype = c.in, .out_dtype = c.out};
+            names.push_back(ops::gemv_kernel_instantiation(config));
+            m_tiles_of[names.back()] = m_tiles;
+        }
+        const std::string what = std::string("small-M variant 5 ") + dtype_name(c.in) + "->" + dtype_name(c.out);
+        const CompiledSass r = compile_to_sass(names);
+        ASSERT_EQ(r.compiled.result, NVRTC_SUCCESS) << what << ":\n" << r.compiled.log;
+        EXPECT_EQ(r.compiled.lowered.size(), names.size()) << what;
+        expect_clean_ptxas_report(r.compiled.log, what);
+        if (r.sass.empty()) {
+            why_not = r.why_not.empty() ? "no SASS" : r.why_not;
+            continue;
+        }
+        // f16 inputs print without a type suffix ("HGMMA.64x80x16.F32 "), bf16 with ".BF16".
+        const std::string type = c.in == DType::kBF16 ? ".BF16" : " ";
+        for (const auto& [name, code] : r.sass) {
+            const int m_tiles = m_tiles_of.at(name);
+            const std::string shape = "HGMMA.64x" + std::to_string(16 * m_tiles) + "x16.F32" + type;
+            EXPECT_GE(count(code, shape), 4u) << name << ": no " << shape;
+            EXPECT_EQ(count(code, "HGMMA"), count(code, shape)) << name << ": a wgmma of another shape";
+            EXPECT_EQ(count(code, " HMMA"), 0u) << name << ": mma.sync in the wgmma variant";
+            EXPECT_GT(count(code, "UTMALDG"), 0u) << name << ": no TMA loads";
+            EXPECT_EQ(count_lines_with(code, "UTMALDG", "desc["), count(code, "UTMALDG"))
+                << name << ": a TMA load without an L2 cache policy";
+            EXPECT_GT(count(code, "ATOMG"), 0u) << name << ": no atomic on the split-K counter";
+            expect_no_local_memory(code, name);
+            if (m_tiles == 5) EXPECT_GT(count(code, "HGMMA.64x80x16"), 0u) << name;
+            ++checked;
+        }
+    }
+    if (!why_not.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << why_not;
+    EXPECT_EQ(checked, 4u * 16u);  // 4 dtype pairs x 16 row-tile counts
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // path/config heuristics and config printing (CPU only).
 #include <gtest/gtest.h>
 
+#include <array>
 #include <chrono>
 #include <climits>
 #include <functional>
@@ -286,7 +287,10 @@ TEST(GemmValidate, PublicCallsCheckOptionsBeforeTheDeviceAtEverySize) {
     bad[2].options.small_m_splits = -1;
     bad[3] = {"options.small_m_splits must be in [0, 65535]", {}};
     bad[3].options.small_m_splits = 1 << 20;
-    bad[4] = {"options.small_m_variant must be GemvVariant::kTmaRing (3) or GemvVariant::kBulkRows (4)", {}};
+    bad[4] = {
+        "options.small_m_variant must be GemvVariant::kTmaRing (3), GemvVariant::kBulkRows (4) or "
+        "GemvVariant::kTmaWgmma (5)",
+        {}};
     bad[4].options.small_m_variant = static_cast<GemvVariant>(9);
     bad[5] = {"options.timeout must be >= 0 ms", {}};
     bad[5].options.timeout = std::chrono::milliseconds(-5);
@@ -310,6 +314,24 @@ TEST(GemmValidate, PublicCallsCheckOptionsBeforeTheDeviceAtEverySize) {
                       mat(0x30000, DType::kBF16, 1, 128, 128), BLayout::kNK, nullptr, rows);
         },
         "small-M variant 4 (bulk-copied rows) cannot serve this call");
+    // Variant 5 forced on a call it cannot serve (M > 256, B [K,N]) is refused up front, at every size.
+    ops::GemmOptions v5;
+    v5.small_m_variant = GemvVariant::kTmaWgmma;
+    expect_error_mentions(
+        [&] {
+            ops::gemm(mat(0x10000, DType::kBF16, 257, 64, 64), b, mat(0x30000, DType::kBF16, 257, 128, 128),
+                      BLayout::kNK, nullptr, v5);
+        },
+        "small-M variant 5 (swapped wgmma) serves M <= 256 (kGemvWgmmaMaxM), got M = 257");
+    expect_error_mentions(
+        [&] {
+            (void)ops::select_gemm(mat(0x10000, DType::kBF16, 300, 64, 64), b,
+                                   mat(0x30000, DType::kBF16, 300, 128, 128), BLayout::kNK, nullptr, v5);
+        },
+        "got M = 300");
+    expect_error_mentions(
+        [&] { ops::gemm(a0, mat(0x20000, DType::kBF16, 64, 128, 128), d0, BLayout::kKN, nullptr, v5); },
+        "small-M variant 5 (swapped wgmma) needs B [N,K]");
 }
 
 TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
@@ -332,10 +354,10 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
     ops::GemmOptions bad;
     bad.small_m_variant = static_cast<GemvVariant>(2);
     expect_error_mentions([&] { ops::plan_gemm(p, 132, bad); },
-                          "options.small_m_variant must be GemvVariant::kTmaRing (3) or GemvVariant::kBulkRows (4), "
-                          "got 2");
-    bad.small_m_variant = static_cast<GemvVariant>(5);
-    expect_error_mentions([&] { ops::plan_gemm(p, 132, bad); }, "got 5");
+                          "options.small_m_variant must be GemvVariant::kTmaRing (3), GemvVariant::kBulkRows (4) or "
+                          "GemvVariant::kTmaWgmma (5), got 2");
+    bad.small_m_variant = static_cast<GemvVariant>(6);
+    expect_error_mentions([&] { ops::plan_gemm(p, 132, bad); }, "got 6");
 
     ops::GemmOptions up_to_64;
     up_to_64.small_m_max_m = kGemvMaxM;
@@ -572,7 +594,8 @@ TEST(GemmPlan, SmallMVariant3FillsOneWave) {
     EXPECT_EQ(plan.workspace_bytes, 0u);
     EXPECT_EQ(ops::gemm_workspace_bytes(tiny, 2, GemvVariant::kBulkRows), ops::gemm_workspace_bytes(tiny, 2));
     expect_error_mentions([&] { (void)ops::gemm_workspace_bytes(tiny, 2, static_cast<GemvVariant>(1)); },
-                          "variant must be GemvVariant::kTmaRing (3) or GemvVariant::kBulkRows (4), got 1");
+                          "variant must be GemvVariant::kTmaRing (3), GemvVariant::kBulkRows (4) or "
+                          "GemvVariant::kTmaWgmma (5), got 1");
 }
 
 // small_m_max_m bounds the M the small-M path takes (default 32: the small-M kernels beat the tiled kernel up to
@@ -631,6 +654,165 @@ TEST(GemmPlan, SmallMSplitsOnlyWhereFewColumnBlocks) {
     EXPECT_EQ(ops::gemv_auto_splits(2, 1, 132, 8), 1);
     EXPECT_EQ(ops::gemv_auto_splits(16, 2, 132, 8192), 16);  // two CTAs per SM
     expect_error_mentions([] { (void)ops::gemv_auto_splits(0, 1, 132, 8); }, "must be positive");
+}
+
+// Variant 5 (GemvVariant::kTmaWgmma, swapped wgmma): a valid config for m_tiles 1..16 (M <= 256) only, each with a
+// wgmma N of 16 m_tiles; its ring holds at least 2 whole stages of 64 B rows + 16 m_tiles A rows x 64 k (1024-byte
+// multiples: every TMA box starts on a swizzle atom), at most 16, within kGemvWgmmaRingBytes; the epilogue's staging
+// tile fits in it; one CTA per SM fits an H200's shared memory for every m_tiles.
+TEST(GemmPlan, SmallMVariant5ConfigsAndRingFitTheSm) {
+    constexpr int kSmPerSm = 228 * 1024, kMaxPerBlock = 227 * 1024, kReservedPerBlock = 1024;
+    EXPECT_EQ(static_cast<int>(GemvVariant::kTmaWgmma), 5);
+    for (int m_tiles = 1; m_tiles <= 16; ++m_tiles) {
+        SCOPED_TRACE("m_tiles " + std::to_string(m_tiles));
+        const GemvConfig config{.variant = GemvVariant::kTmaWgmma, .m_tiles = m_tiles};
+        ASSERT_TRUE(is_valid(config));
+        for (DType in : {DType::kBF16, DType::kF16}) {
+            for (DType out : {DType::kBF16, DType::kF16, DType::kF32}) {
+                EXPECT_TRUE(is_valid(GemvConfig{
+                    .variant = GemvVariant::kTmaWgmma, .m_tiles = m_tiles, .in_dtype = in, .out_dtype = out}));
+            }
+        }
+        const GemvShape shape = gemv_shape(config);
+        const int smem = gemv_smem_bytes(config);
+        const int stage = gemv_wgmma_stage_bytes(m_tiles);
+        EXPECT_EQ(stage, (64 + 16 * m_tiles) * 64 * 2);
+        EXPECT_EQ(stage % 1024, 0);
+        EXPECT_EQ(gemv_cols_per_cta(shape.n_tiles), kGemvWgmmaCols);
+        EXPECT_EQ(shape.ctas_per_sm, 1);
+        EXPECT_GE(shape.stages, 2);
+        EXPECT_LE(shape.stages, kGemvWgmmaMaxStages);
+        EXPECT_LE(shape.stages * stage, kGemvWgmmaRingBytes);
+        EXPECT_TRUE(shape.stages == kGemvWgmmaMaxStages || (shape.stages + 1) * stage > kGemvWgmmaRingBytes)
+            << "as many stages as fit";
+        EXPECT_GE(smem, kGemvWgmmaBarrierBytes + 1024 + shape.stages * stage) << "barriers, alignment, the ring";
+        EXPECT_GE(smem, kGemvWgmmaBarrierBytes + 1024 + 16 * m_tiles * kGemvWgmmaStagePitch * 4) << "the staging tile";
+        EXPECT_GE(kGemvWgmmaBarrierBytes, 2 * 8 * shape.stages);
+        EXPECT_LE(smem, kMaxPerBlock);
+        EXPECT_LE(shape.ctas_per_sm * (smem + kReservedPerBlock), kSmPerSm);
+    }
+    EXPECT_EQ(gemv_shape(GemvConfig{.variant = GemvVariant::kTmaWgmma, .m_tiles = 1}).stages, 16);
+    EXPECT_EQ(gemv_shape(GemvConfig{.variant = GemvVariant::kTmaWgmma, .m_tiles = 5}).stages, 11);
+    EXPECT_EQ(gemv_shape(GemvConfig{.variant = GemvVariant::kTmaWgmma, .m_tiles = 16}).stages, 5);
+    EXPECT_FALSE(is_valid(GemvConfig{.variant = GemvVariant::kTmaWgmma, .m_tiles = 0}));
+    EXPECT_FALSE(is_valid(GemvConfig{.variant = GemvVariant::kTmaWgmma, .m_tiles = 17}));
+    EXPECT_FALSE(is_valid(GemvConfig{.variant = GemvVariant::kTmaWgmma, .in_dtype = DType::kF32}));
+    EXPECT_FALSE(is_valid(GemvConfig{.variant = GemvVariant::kTmaWgmma, .out_dtype = DType::kI32}));
+    EXPECT_FALSE(is_valid(GemvConfig{.variant = GemvVariant::kTmaRing, .m_tiles = 5})) << "variant 3 stays M <= 64";
+    EXPECT_EQ(kGemvWgmmaThreads, 5 * 32);
+    EXPECT_EQ(kGemvWgmmaStageK * 2, 128) << "a box row is one 128-byte swizzle row";
+}
+
+// Variant 5's split rule (gemv_wgmma_splits): ceil(N / 64) column blocks x splits fill at most one wave of the SMs,
+// at least 8 k-blocks of 64 per split, at most 16 splits, at least 1.
+TEST(GemmPlan, SmallMVariant5SplitsFillOneWave) {
+    EXPECT_EQ(ops::gemv_wgmma_splits(4096, 4096, 132), 2);    // 64 blocks
+    EXPECT_EQ(ops::gemv_wgmma_splits(4104, 4096, 132), 2);    // 65 blocks
+    EXPECT_EQ(ops::gemv_wgmma_splits(8192, 8192, 132), 1);    // 128 blocks
+    EXPECT_EQ(ops::gemv_wgmma_splits(2048, 8192, 132), 4);    // 32 blocks
+    EXPECT_EQ(ops::gemv_wgmma_splits(64, 4096, 132), 8);      // 1 block: 64 k-blocks / 8
+    EXPECT_EQ(ops::gemv_wgmma_splits(64, 1 << 20, 132), 16);  // at most 16
+    EXPECT_EQ(ops::gemv_wgmma_splits(4096, 1024, 132), 2);    // 16 k-blocks of 64: 2 x 8
+    EXPECT_EQ(ops::gemv_wgmma_splits(4096, 200, 132), 1);     // 4 k-blocks: no split
+    EXPECT_EQ(ops::gemv_wgmma_splits(100000, 4096, 132), 1);  // more blocks than SMs
+    EXPECT_EQ(ops::gemv_wgmma_splits(4096, 4096, 64), 1);     // the SM budget: 64 blocks fill it
+    EXPECT_EQ(ops::gemv_wgmma_splits(4096, 4096, 128), 2);
+    expect_error_mentions([] { (void)ops::gemv_wgmma_splits(0, 8, 132); }, "must be positive");
+    for (int64_t n : {1, 63, 64, 65, 1000, 4096, 4104, 8192, 28672}) {
+        for (int64_t k : {8, 64, 200, 512, 1024, 4096, 8192, 16384}) {
+            const int s = ops::gemv_wgmma_splits(n, k, 132);
+            const int64_t blocks = (n + 63) / 64;
+            ASSERT_GE(s, 1);
+            ASSERT_LE(s, 16);
+            if (s > 1) {
+                EXPECT_LE(blocks * s, 132) << n << " " << k;
+                EXPECT_GE((k + 63) / 64, int64_t{8} * s) << n << " " << k;
+            }
+        }
+    }
+}
+
+// Variant 5 through plan_gemm: only when forced (GemmOptions::small_m_variant; the heuristic's default pick does not
+// change), past small_m_max_m up to M = 256 with B [N,K]; 64 columns per CTA, ceil(M / 16) row tiles, its split rule
+// on the SM budget or the forced count, each split a whole number of 64-k stages and none empty; its workspace the
+// counters (one per column block) then fp32 partials [splits][M][N].
+TEST(GemmPlan, SmallMVariant5PlansWhenForced) {
+    ops::GemmOptions v5;
+    v5.small_m_variant = GemvVariant::kTmaWgmma;
+    for (int64_t m : {1, 16, 32, 33, 77, 128, 200, 256}) {
+        for (const auto& [n, k] : {std::pair<int64_t, int64_t>{4096, 4096}, {8192, 8192}, {4104, 200}, {64, 4096}}) {
+            SCOPED_TRACE(std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k));
+            const ops::GemmProblem p{m, n, k, BLayout::kNK, DType::kBF16, DType::kBF16};
+            EXPECT_NE(ops::plan_gemm(p, 132).small_m_variant, GemvVariant::kTmaWgmma) << "never the default";
+            const auto plan = ops::plan_gemm(p, 132, v5);
+            ASSERT_EQ(plan.path, ops::GemmPath::kSmallM);
+            EXPECT_EQ(plan.small_m_variant, GemvVariant::kTmaWgmma);
+            EXPECT_EQ(plan.small_m_tiles, (m + 15) / 16);
+            EXPECT_TRUE(is_valid(ops::gemv_config(plan, p)));
+            EXPECT_EQ(plan.grid, (n + 63) / 64);
+            EXPECT_EQ(plan.small_m_splits, ops::gemv_wgmma_splits(n, k, 132));
+            EXPECT_EQ(plan.small_m_k_per_split % 64, 0);
+            EXPECT_GE(int64_t{plan.small_m_splits} * plan.small_m_k_per_split, k);
+            EXPECT_LT(int64_t{plan.small_m_splits - 1} * plan.small_m_k_per_split, k) << "an empty split";
+            EXPECT_EQ(plan.workspace_bytes, ops::gemm_workspace_bytes(p, plan.small_m_splits, GemvVariant::kTmaWgmma));
+            const size_t counters = (static_cast<size_t>(plan.grid) * 4 + 255) / 256 * 256;
+            const size_t partials = static_cast<size_t>(plan.small_m_splits) * m * n * 4;
+            EXPECT_EQ(plan.workspace_bytes, plan.small_m_splits > 1 ? counters + (partials + 255) / 256 * 256 : 0u);
+            EXPECT_TRUE(ops::gemm_allows_small_m(p, v5));
+        }
+    }
+    // Forced split counts: whole 64-k stages per split (K = 200, 4 splits: 64, 64, 64, 8), fewer where K is short
+    // (3 asked: 67 k each, rounded to 128, so 2 splits).
+    ops::GemmOptions forced = v5;
+    const ops::GemmProblem p200{77, 4104, 200, BLayout::kNK, DType::kF16, DType::kF32};
+    for (const auto& [asked, splits, per] :
+         {std::array<int, 3>{1, 1, 256}, {2, 2, 128}, {3, 2, 128}, {4, 4, 64}, {8, 4, 64}}) {
+        forced.small_m_splits = asked;
+        const auto plan = ops::plan_gemm(p200, 132, forced);
+        EXPECT_EQ(plan.small_m_splits, splits) << asked;
+        EXPECT_EQ(plan.small_m_k_per_split, per) << asked;
+    }
+    // The SM budget bounds the split rule's wave.
+    ops::GemmOptions half = v5;
+    half.sm_budget = 64;
+    EXPECT_EQ(ops::plan_gemm(ops::GemmProblem{77, 4096, 4096, BLayout::kNK, DType::kBF16, DType::kBF16}, 132, half)
+                  .small_m_splits,
+              1);
+    // Not forced: M 65..256 stays on the tiled path; forced with allow_small_m off or a config: the tiled path too.
+    const ops::GemmProblem p77{77, 4096, 4096, BLayout::kNK, DType::kBF16, DType::kBF16};
+    EXPECT_EQ(ops::plan_gemm(p77, 132).path, ops::GemmPath::kTiled);
+    EXPECT_FALSE(ops::gemm_allows_small_m(p77, {}));
+    EXPECT_TRUE(ops::gemm_allows_small_m_v5(p77, {}));
+    ops::GemmOptions off = v5;
+    off.allow_small_m = false;
+    EXPECT_EQ(ops::plan_gemm(p77, 132, off).path, ops::GemmPath::kTiled);
+    EXPECT_FALSE(ops::gemm_allows_small_m_v5(p77, off));
+    ops::GemmOptions with_config = v5;
+    with_config.config = gemm_candidate(12, DType::kBF16, DType::kBF16, BLayout::kNK);
+    EXPECT_EQ(ops::plan_gemm(p77, 132, with_config).path, ops::GemmPath::kTiled);
+    // small_m_max_m does not bound a forced variant 5.
+    ops::GemmOptions zero = v5;
+    zero.small_m_max_m = 0;
+    EXPECT_EQ(ops::plan_gemm(p77, 132, zero).path, ops::GemmPath::kSmallM);
+    // Refused where it cannot serve, naming why.
+    expect_error_mentions(
+        [&] {
+            ops::plan_gemm(ops::GemmProblem{257, 4096, 4096, BLayout::kNK, DType::kBF16, DType::kBF16}, 132, v5);
+        },
+        "small-M variant 5 (swapped wgmma) serves M <= 256 (kGemvWgmmaMaxM), got M = 257");
+    expect_error_mentions(
+        [&] {
+            ops::plan_gemm(ops::GemmProblem{16, 4096, 4096, BLayout::kKN, DType::kBF16, DType::kBF16}, 132, v5);
+        },
+        "needs B [N,K]");
+    EXPECT_FALSE(
+        ops::gemm_allows_small_m_v5(ops::GemmProblem{257, 4096, 4096, BLayout::kNK, DType::kBF16, DType::kBF16}, {}));
+    EXPECT_FALSE(
+        ops::gemm_allows_small_m_v5(ops::GemmProblem{16, 4096, 4096, BLayout::kKN, DType::kBF16, DType::kBF16}, {}));
+    // Launched programmatically when asked, like the other ring kernels.
+    ops::GemmOptions pdl = v5;
+    pdl.programmatic_launch = true;
+    EXPECT_TRUE(ops::gemm_launches_programmatically(ops::plan_gemm(p77, 132, pdl), pdl));
 }
 
 // gemm_few_rows_config: 129..192 rows with the pick's tiles in one wave take the cooperative 128x192 where its tiles

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
-// GemvConfig: the compile-time configuration of weft's small-M GEMM kernels (decode, M <= 64, B [N,K]), their
-// validity rule, shapes and shared memory, shared by host heuristics, the JIT code generator and the kernels
-// (g++, nvcc, NVRTC). The kernels: kernels/gemm/gemv_tma_sm90.cuh and kernels/gemm/gemv_rows_sm90.cuh.
+// GemvConfig: the compile-time configuration of weft's small-M GEMM kernels (decode and few rows, M <= 256, B [N,K]),
+// their validity rule, shapes and shared memory, shared by host heuristics, the JIT code generator and the kernels
+// (g++, nvcc, NVRTC). The kernels: kernels/gemm/gemv_tma_sm90.cuh, gemv_rows_sm90.cuh and gemv_wgmma_sm90.cuh.
 #pragma once
 
 #include "weft/common/dtype.hpp"
@@ -10,7 +10,7 @@
 namespace weft {
 
 /// The small-M kernel families (GemmOptions::small_m_variant). The values are the variant numbers of the
-/// autotuner's candidate names ("small_m_v3", "small_m_v4") and of kernels/gemm/README.md's variant log.
+/// autotuner's candidate names ("small_m_v3", "small_m_v4", "small_m_v5") and of kernels/gemm/README.md's variant log.
 enum class GemvVariant : int32_t {
     /// Split-K; B's and A's rows of each 256-wide k stage come into a shared-memory ring as TMA boxes
     /// (kernels/gemm/gemv_tma_sm90.cuh, weft::kernels::gemm::gemv_tma_kernel): any M <= 64, any B [N,K].
@@ -20,41 +20,72 @@ enum class GemvVariant : int32_t {
     /// (ldb = K), K a multiple of 2048. Whole rows and CUDA-core FMAs where gemv_rows_uses_ffma, else groups of 8
     /// rows on the tensor cores.
     kBulkRows = 4,
+    /// Split-K; A and B swapped on wgmma: 64 rows of B (64 columns of D) are the wgmma's M side, A's rows (padded to
+    /// 16) its N side, both streamed by TMA into a shared-memory ring (kernels/gemm/gemv_wgmma_sm90.cuh,
+    /// weft::kernels::gemm::gemv_wgmma_kernel): any M <= kGemvWgmmaMaxM = 256, any B [N,K].
+    kTmaWgmma = 5,
 };
 
 /// One small-M kernel specialisation. A C++20 structural type: it is the kernel's template argument, and the
 /// JIT prints it with designated initialisers (see weft::ops::format_gemv_config).
 struct GemvConfig {
     GemvVariant variant = GemvVariant::kTmaRing;
-    int32_t m_tiles = 1;              ///< ceil(M / 16): 1..4 (kBulkRows: 1, M <= 16)
+    int32_t m_tiles = 1;             ///< ceil(M / 16): 1..4 (kBulkRows: 1, M <= 16; kTmaWgmma: 1..16)
     DType in_dtype = DType::kBF16;   ///< A and B: kBF16 or kF16
     DType out_dtype = DType::kBF16;  ///< D: kBF16, kF16 or kF32
 
     constexpr bool operator==(const GemvConfig&) const = default;
 };
 
-/// Arguments of the small-M kernels (gemv_tma_kernel, gemv_rows_kernel).
+/// Arguments of the small-M kernels (gemv_tma_kernel, gemv_rows_kernel, gemv_wgmma_kernel).
 struct GemvArgs {
     const void* a;  ///< [M,K], row stride lda (elements)
     const void* b;  ///< [N,K], row stride ldb
     void* d;        ///< [M,N], row stride ldd
     int64_t lda, ldb, ldd;
     int32_t m, n, k;
-    int32_t k_per_split;  ///< multiple of 32
+    int32_t k_per_split;  ///< multiple of 32 (kTmaWgmma: of kGemvWgmmaStageK = 64)
     int32_t num_splits;   ///< gridDim.y
     int32_t rows_per_cta; ///< kBulkRows: rows of B per CTA (the last CTA may have fewer); else unused
-    /// kTmaRing: launched programmatically (ops::gemm_launches_programmatically), so the ring's first stages load
-    /// their B boxes before griddepcontrol.wait and their A boxes after it; 0: each stage's B and A boxes in turn
+    /// kTmaRing, kTmaWgmma: launched programmatically (ops::gemm_launches_programmatically), so the ring's first stages
+    /// load their B boxes before griddepcontrol.wait and their A boxes after it; 0: each stage's B and A boxes in turn
     /// (in a plain launch, A's first boxes queued behind every prologue B box delay the first MMAs).
     int32_t programmatic;
     float* partials;      ///< [num_splits][M][N] fp32 (when num_splits > 1)
     uint32_t* counters;   ///< [gridDim.x], zero between launches (the last CTA of a column block resets it)
 };
 
+/// The largest M of kTmaRing and kBulkRows (and of GemmOptions::small_m_max_m); kTmaWgmma: kGemvWgmmaMaxM.
 inline constexpr int kGemvMaxM = 64;
 /// kTmaRing's CTA (and kBulkRows' whole-row body): 8 warps share each stage's k; the first 4 own the CTA's columns
 /// in kTmaRing's epilogue.
 inline constexpr int kGemvBulkThreads = 256;
+
+/// kTmaWgmma (A and B swapped on wgmma; kernels/gemm/gemv_wgmma_sm90.cuh): D[M,N] = A[M,K] B[N,K]^T computed as
+/// D^T = B A^T, so B's rows are the wgmma's M side (64 per CTA: kGemvWgmmaCols columns of D) and A's rows its N side
+/// (wgmma N = 16 m_tiles, M padded to 16 instead of 64). A CTA is one consumer warpgroup (the wgmma) and one producer
+/// warp (one lane issues the TMA boxes): kGemvWgmmaThreads threads, one CTA per SM. A stage is kGemvWgmmaStageK k of
+/// the CTA's 64 B rows (a {64, 64} TMA box, 8 KiB) and of A's 16 m_tiles rows (a {64, 16 m_tiles} box), both
+/// 128-byte swizzled (each row is one 128-byte swizzle row); as many stages as fit kGemvWgmmaRingBytes, at most
+/// kGemvWgmmaMaxStages. Split-K over gridDim.y (k_per_split a multiple of kGemvWgmmaStageK), the epilogue staged
+/// through the idle ring as an fp32 tile [16 m_tiles][kGemvWgmmaStagePitch].
+inline constexpr int kGemvWgmmaMaxM = 256;
+inline constexpr int kGemvWgmmaCols = 64;      ///< columns of D (rows of B) per CTA: the wgmma's M
+inline constexpr int kGemvWgmmaStageK = 64;    ///< k per stage: one 128-byte swizzle row of 16-bit elements
+inline constexpr int kGemvWgmmaThreads = 160;  ///< one consumer warpgroup + one producer warp
+inline constexpr int kGemvWgmmaRingBytes = 200 * 1024;
+inline constexpr int kGemvWgmmaMaxStages = 16;
+/// Shared memory before the ring: a full and an empty mbarrier per stage.
+inline constexpr int kGemvWgmmaBarrierBytes = 2 * 8 * kGemvWgmmaMaxStages;
+/// Floats per row of the epilogue's staging tile: 64 columns + 4, so the accumulator fragments' writes (4 rows 2
+/// apart x 8 columns per warp and register) meet 32 distinct banks.
+inline constexpr int kGemvWgmmaStagePitch = kGemvWgmmaCols + 4;
+/// Bytes of one kTmaWgmma stage: 64 B rows and 16 m_tiles A rows of kGemvWgmmaStageK 16-bit elements.
+WEFT_HOST_DEVICE constexpr int gemv_wgmma_stage_bytes(int m_tiles) {
+    return (kGemvWgmmaCols + 16 * m_tiles) * kGemvWgmmaStageK * 2;
+}
+/// Bytes of kTmaWgmma's epilogue staging tile (fp32 [16 m_tiles][kGemvWgmmaStagePitch]).
+WEFT_HOST_DEVICE constexpr int gemv_wgmma_staging_bytes(int m_tiles) { return 16 * m_tiles * kGemvWgmmaStagePitch * 4; }
 
 /// The one rule for which small-M configs exist: host code checks it, the kernels static_assert it.
 WEFT_HOST_DEVICE constexpr bool is_valid(const GemvConfig& c) {
@@ -63,6 +94,8 @@ WEFT_HOST_DEVICE constexpr bool is_valid(const GemvConfig& c) {
     if (!in_ok || !out_ok) return false;
     if (c.variant == GemvVariant::kTmaRing) return c.m_tiles >= 1 && c.m_tiles <= kGemvMaxM / 16;
     if (c.variant == GemvVariant::kBulkRows) return c.m_tiles == 1;
+    // Every wgmma N = 16 m_tiles (16..256) exists (weft::ptx::wgmma_supports_n).
+    if (c.variant == GemvVariant::kTmaWgmma) return c.m_tiles >= 1 && c.m_tiles <= kGemvWgmmaMaxM / 16;
     return false;
 }
 
@@ -146,17 +179,29 @@ WEFT_HOST_DEVICE constexpr int gemv_rows_threads(int64_t m, int64_t k) {
 /// 3 x (64 + 64) rows.
 /// kBulkRows: kGemvRowsStages stages, one CTA per SM (its grid is one CTA per SM of the budget; n_tiles only sizes a
 /// split-K workspace it never takes).
+/// kTmaWgmma: kGemvWgmmaCols = 64 columns per CTA (n_tiles 2), as many stages of gemv_wgmma_stage_bytes as fit
+/// kGemvWgmmaRingBytes (m_tiles 1: 16 x 10 KiB; 4: 12 x 16 KiB; 8: 8 x 24 KiB; 16: 5 x 40 KiB), one CTA per SM.
 WEFT_HOST_DEVICE constexpr GemvShape gemv_shape(const GemvConfig& c) {
     if (c.variant == GemvVariant::kBulkRows) return GemvShape{2, kGemvRowsStages, 1};
+    if (c.variant == GemvVariant::kTmaWgmma) {
+        const int fit = kGemvWgmmaRingBytes / gemv_wgmma_stage_bytes(c.m_tiles < 1 ? 1 : c.m_tiles);
+        return GemvShape{2, fit < kGemvWgmmaMaxStages ? fit : kGemvWgmmaMaxStages, 1};
+    }
     return c.m_tiles <= 2 ? GemvShape{2, 4, 1} : GemvShape{2, 3, 1};
 }
 
 /// Dynamic shared memory of a small-M kernel: 128 bytes of barriers and up to 1024 of alignment, then kTmaRing's
 /// ring (at least the end's cross-warp sum buffer: warps x m_tiles x 4 n_tiles n8 tiles x 4 floats x 32 lanes), or
-/// kBulkRows' ring, sums and A slot (gemv_rows_smem_bytes).
+/// kBulkRows' ring, sums and A slot (gemv_rows_smem_bytes), or kTmaWgmma's kGemvWgmmaBarrierBytes of barriers, up to
+/// 1024 of alignment and its ring (at least the epilogue's staging tile).
 WEFT_HOST_DEVICE constexpr int gemv_smem_bytes(const GemvConfig& c) {
     const GemvShape s = gemv_shape(c);
     if (c.variant == GemvVariant::kBulkRows) return gemv_rows_smem_bytes(s.stages);
+    if (c.variant == GemvVariant::kTmaWgmma) {
+        const int ring = s.stages * gemv_wgmma_stage_bytes(c.m_tiles);
+        const int staging = gemv_wgmma_staging_bytes(c.m_tiles);
+        return kGemvWgmmaBarrierBytes + 1024 + (ring > staging ? ring : staging);
+    }
     const int ring = s.stages * (32 * s.n_tiles + 16 * c.m_tiles) * 2 * kGemvBulkStageK;
     const int sums = kGemvBulkThreads / 32 * c.m_tiles * 4 * s.n_tiles * 4 * 32 * 4;
     return 128 + 1024 + (ring > sums ? ring : sums);

@@ -37,7 +37,7 @@ CUtensorMap make_gemm_store_map(const GemmConfig& config, const TensorView& d);
 GemmArgs make_gemm_args(const TensorView& a, const TensorView& d, uint64_t timeout_ns);
 
 /// One launch of the small-M kernel of `plan` (path kSmallM) for (validated) views: its arguments (the
-/// caller sets counters and partials when plan.small_m_splits > 1), its tensor maps (kTmaRing; zeros for
+/// caller sets counters and partials when plan.small_m_splits > 1), its tensor maps (kTmaRing, kTmaWgmma; zeros for
 /// kBulkRows, which takes and ignores them), grid, block and dynamic shared memory. Launch with (args, maps).
 struct GemvLaunch {
     GemvArgs args{};

@@ -29,7 +29,8 @@ struct GemmOptions {
     bool allow_small_m = true;         ///< let M <= small_m_max_m with B [N,K] take the small-M path
     /// The largest M the heuristic sends to the small-M path (0..kGemvMaxM = 64; above it: the tiled kernel).
     /// Default 32: the small-M kernels beat the tiled kernel up to M = 32, the ping-pong 64x128 tile from M = 48
-    /// (figures: kernels/gemm/README.md, "Which M takes the small-M path").
+    /// (figures: kernels/gemm/README.md, "Which M takes the small-M path"). Not applied where small_m_variant forces
+    /// kTmaWgmma (variant 5 takes M up to kGemvWgmmaMaxM = 256).
     int small_m_max_m = 32;
     int small_m_splits = 0;            ///< force the small-M path's split count (0 = heuristic)
     /// Split-K of the tiled kernel (GemmConfig::splits): 0 = the op's rule (gemm_split_k_config), 1 = never, 2..16 =
@@ -42,7 +43,10 @@ struct GemmOptions {
     /// 2048): whole rows and CUDA-core FMAs for M <= 2 with K = 2048 x 1, 2, 4 or 8, else groups of 8 rows on the
     /// tensor cores; kTmaRing (variant 3) = split-K, B and A stream through a shared-memory ring filled by TMA.
     /// kBulkRows is the default where it serves because its copies stream faster than kTmaRing's TMA boxes
-    /// (figures: kernels/gemm/README.md, the small-M sections).
+    /// (figures: kernels/gemm/README.md, the small-M sections). kTmaWgmma (variant 5, never picked by the op on its
+    /// own; the autotuner's "small_m_v5") = split-K, A and B swapped on wgmma (64 columns of D per CTA, A's rows
+    /// padded to 16): forced, it serves any M <= kGemvWgmmaMaxM = 256 with B [N,K] (small_m_max_m does not apply)
+    /// and a call it cannot serve (M > 256, B [K,N]) is an error.
     std::optional<GemvVariant> small_m_variant;
     void* workspace = nullptr;         ///< split-K scratch of GemmPlan::workspace_bytes, 256-byte aligned: split-K
                                        ///< counters first (zero-filled before the first use; each call leaves
@@ -99,7 +103,7 @@ struct GemmPlan {
     int smem_bytes = 0;    ///< kTiled: dynamic shared memory
     int small_m_tiles = 0;       ///< kSmallM: ceil(M / 16)
     int small_m_splits = 1;      ///< kSmallM: split-K factor (gridDim.y)
-    int small_m_k_per_split = 0; ///< kSmallM: multiple of 32
+    int small_m_k_per_split = 0;                          ///< kSmallM: multiple of 32 (kTmaWgmma: of 64)
     GemvVariant small_m_variant = GemvVariant::kTmaRing;  ///< kSmallM: which kernel (GemmOptions::small_m_variant)
     size_t workspace_bytes = 0;  ///< split-K (kSmallM, or kTiled with config.splits > 1): counters + partial sums
 };

@@ -43,8 +43,10 @@ inline constexpr int kGemmMaxSmallMSplits = 65535;
 
 /// Checks a call's options against its problem (weft::ops::gemm and select_gemm call it before anything touches the
 /// device, plan_gemm again): sm_budget >= 0, split_k in [0, kGemmMaxSplits], small_m_max_m in [0, kGemvMaxM],
-/// small_m_splits in [0, kGemmMaxSmallMSplits], small_m_variant kTmaRing or kBulkRows (and kBulkRows only where it can
-/// serve a small-M call), timeout >= 0, workspace 256-byte aligned, config valid with the call's dtypes and layout.
+/// small_m_splits in [0, kGemmMaxSmallMSplits], small_m_variant kTmaRing, kBulkRows or kTmaWgmma (kBulkRows only where
+/// it can serve a small-M call; kTmaWgmma, unless options.config is set or allow_small_m is off, only with M <=
+/// kGemvWgmmaMaxM and B [N,K]), timeout >= 0, workspace 256-byte aligned, config valid with the call's dtypes and
+/// layout.
 /// Throws weft::Error naming the option.
 void validate_gemm_options(const GemmProblem& problem, const GemmOptions& options);
 
@@ -88,8 +90,13 @@ int gemm_fill_splits(const GemmProblem& problem, const GemmConfig& tile, int bud
 GemmConfig gemm_split_k_config(const GemmProblem& problem, const GemmConfig& picked, int budget);
 
 /// Whether the small-M path may serve this call: no options.config, options.allow_small_m, B [N,K] and
-/// M <= options.small_m_max_m. Throws weft::Error when small_m_max_m is outside 0..kGemvMaxM.
+/// M <= options.small_m_max_m (M <= kGemvWgmmaMaxM where options.small_m_variant forces kTmaWgmma, whose own limit
+/// replaces small_m_max_m). Throws weft::Error when small_m_max_m is outside 0..kGemvMaxM.
 bool gemm_allows_small_m(const GemmProblem& problem, const GemmOptions& options);
+
+/// Whether small-M variant 5 (GemvVariant::kTmaWgmma) may serve this call, so that the autotuner tries it: no
+/// options.config, options.allow_small_m, B [N,K] and M <= kGemvWgmmaMaxM, whatever small_m_max_m.
+bool gemm_allows_small_m_v5(const GemmProblem& problem, const GemmOptions& options);
 
 /// The small-M kernel kTmaRing's split count when the caller leaves it to the op (pure rule): 1 (no split-K) while its
 /// `grid` column blocks occupy more than a third of the `num_sms` SMs; else one wave of CTAs streaming B
@@ -97,6 +104,17 @@ bool gemm_allows_small_m(const GemmProblem& problem, const GemmOptions& options)
 /// of 64 on 132 SMs): one split ran 13-18% faster than two at M = 24..64 (the split-K partials and their last-CTA sum
 /// cost more than the 64 idle SMs give back).
 int gemv_auto_splits(int grid, int ctas_per_sm, int num_sms, int64_t k);
+
+/// The fewest k-blocks of kGemvWgmmaStageK (64 k) one split of small-M variant 5 gets from gemv_wgmma_splits, and the
+/// most splits that rule gives.
+inline constexpr int kGemvWgmmaMinSplitKBlocks = 8;
+inline constexpr int kGemvWgmmaMaxAutoSplits = 16;
+
+/// Small-M variant 5's (GemvVariant::kTmaWgmma) split count when the caller leaves it to the op (pure rule): its
+/// ceil(N / 64) column blocks times the splits fill at most one wave of `num_sms` (the SM budget), each split keeps
+/// at least kGemvWgmmaMinSplitKBlocks k-blocks of 64, at most kGemvWgmmaMaxAutoSplits splits, at least 1. E.g. 132
+/// SMs: N = K = 4096 -> 64 blocks x 2; N = 8192 -> 128 x 1; N = 64, K = 4096 -> 1 x 8.
+int gemv_wgmma_splits(int64_t n, int64_t k, int num_sms);
 
 /// Picks the path and config. `num_sms` is the device's SM count (the budget's default).
 GemmPlan plan_gemm(const GemmProblem& problem, int num_sms, const GemmOptions& options = {});
@@ -134,13 +152,15 @@ std::string gemm_candidate_name(const GemmPlan& plan);
 /// disabled autotuner returns: the other valid tiled candidates that fit the SM budget, the split-K configs
 /// (gemm_split_k_configs; not with options.split_k = 1) whose tiles are fewer than the SMs of the budget and whose
 /// splits get at least kGemmMinSplitKBlocks k-blocks each, and, where the
-/// small-M path is allowed for this call (gemm_allows_small_m), the small-M kernels that can serve it (kTmaRing;
-/// kBulkRows where gemv_rows_unsupported is empty).
+/// small-M path is allowed for this call (gemm_allows_small_m with small_m_max_m), the small-M kernels that can serve
+/// it (kTmaRing; kBulkRows where gemv_rows_unsupported is empty), and last kTmaWgmma ("small_m_v5") wherever
+/// gemm_allows_small_m_v5 (M <= 256, B [N,K]), past small_m_max_m.
 std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& problem, int num_sms, const GemmOptions& options);
 
 /// The autotuner's problem key: shape, dtypes, layout, SM budget and the options that change the candidates,
 /// e.g. "m=4096,n=4096,k=4096,in=bf16,out=bf16,b=nk,sms=132,small_m=0,splits=0" (small_m: whether
-/// gemm_allows_small_m, i.e. whether the small-M variants are candidates).
+/// gemm_allows_small_m, i.e. whether the small-M variants are candidates), with ",v5=1" appended where small-M variant
+/// 5 is a candidate (gemm_allows_small_m_v5: decisions recorded before it existed never timed it).
 std::string gemm_tune_problem(const GemmProblem& problem, int num_sms, const GemmOptions& options);
 
 /// Whether a call asks the autotuner (pure rule): never with options.config; WEFT_AUTOTUNE_FORCE naming gemm
