@@ -342,9 +342,9 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
     // it, it is the heuristic's pick (first) and not listed twice.
     for (int64_t m : {65, 77, 200, 256, 257, 512}) {
         SCOPED_TRACE("M = " + std::to_string(m));
-        const auto cands = gemm_tune_candidates(problem(m, 4096, 4096), 132, {});
+        const auto v5_cands = gemm_tune_candidates(problem(m, 4096, 4096), 132, {});
         size_t v5 = 0;
-        for (const auto& c : cands) {
+        for (const auto& c : v5_cands) {
             if (c.name != "small_m_v5") continue;
             ++v5;
             EXPECT_EQ(c.plan.path, GemmPath::kSmallM);

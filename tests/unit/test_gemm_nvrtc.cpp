@@ -339,7 +339,9 @@ TEST(GemmNvrtc, small_m_variant5_multiplies_with_swapped_hgmma_and_loads_by_tma)
                 << name << ": a TMA load without an L2 cache policy";
             EXPECT_GT(count(code, "ATOMG"), 0u) << name << ": no atomic on the split-K counter";
             expect_no_local_memory(code, name);
-            if (m_tiles == 5) EXPECT_GT(count(code, "HGMMA.64x80x16"), 0u) << name;
+            if (m_tiles == 5) {
+                EXPECT_GT(count(code, "HGMMA.64x80x16"), 0u) << name;
+            }
             ++checked;
         }
     }
