@@ -260,7 +260,7 @@ TEST(SpDecodeAttention, ShardedSequencesMatchTheWholeSequenceReference) {
     std::random_device rd;
     const uint64_t seed = (uint64_t{rd()} << 20) ^ rd();
     std::printf("[ seed     ] %llu\n", static_cast<unsigned long long>(seed));
-    for (int n : {1, 2, 3, 4}) {
+    for (int n : {1, 2, 3, 4, 5, 8}) {
         SCOPED_TRACE("world " + std::to_string(n));
         const Problem pr = make_problem(n, 4, 8, 2, {1, 3000, 0, 20000}, seed + static_cast<uint64_t>(n));
         run_sp(n, pr, n == 3);
