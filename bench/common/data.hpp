@@ -14,11 +14,11 @@
 
 namespace weft::bench {
 
-/// A cudaMalloc'd buffer of at least `bytes` (16 when `bytes` is smaller, so that an empty one is still a valid
+/// A cudaMalloc'd buffer of at least `bytes` (256 when `bytes` is smaller, so that an empty one is still a valid
 /// aligned pointer) on the current device, freed with it.
 struct DeviceBuffer {
     void* ptr = nullptr;
-    explicit DeviceBuffer(size_t bytes) { WEFT_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(bytes, 16))); }
+    explicit DeviceBuffer(size_t bytes) { WEFT_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(bytes, 256))); }
     ~DeviceBuffer() { cudaFree(ptr); }
     DeviceBuffer(const DeviceBuffer&) = delete;
     DeviceBuffer& operator=(const DeviceBuffer&) = delete;

@@ -145,13 +145,7 @@ Options parse(int argc, char** argv) {
     return o;
 }
 
-struct Buffer {
-    void* ptr = nullptr;
-    explicit Buffer(size_t bytes) { BENCH_CUDA(cudaMalloc(&ptr, std::max<size_t>(bytes, 256))); }
-    ~Buffer() { cudaFree(ptr); }
-    Buffer(const Buffer&) = delete;
-    Buffer& operator=(const Buffer&) = delete;
-};
+using Buffer = weft::bench::DeviceBuffer;
 
 std::string config_label(const GemmConfig& c) {
     std::ostringstream os;

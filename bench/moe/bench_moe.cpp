@@ -54,13 +54,7 @@ using weft::TensorView;
         WEFT_CHECK(st_ == CUBLAS_STATUS_SUCCESS, #call << " failed: cuBLAS status " << static_cast<int>(st_)); \
     } while (0)
 
-struct Buffer {
-    void* ptr = nullptr;
-    explicit Buffer(size_t bytes) { BENCH_CUDA(cudaMalloc(&ptr, std::max<size_t>(bytes, 256))); }
-    ~Buffer() { cudaFree(ptr); }
-    Buffer(const Buffer&) = delete;
-    Buffer& operator=(const Buffer&) = delete;
-};
+using Buffer = weft::bench::DeviceBuffer;
 
 struct MoeCase {
     bool masked = false;

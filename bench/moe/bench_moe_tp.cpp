@@ -77,13 +77,7 @@ struct Row {
     std::string l0_tile, l1_tile;
 };
 
-struct Buffer {
-    void* ptr = nullptr;
-    explicit Buffer(size_t bytes) { BENCH_CUDA(cudaMalloc(&ptr, std::max<size_t>(bytes, 256))); }
-    ~Buffer() { cudaFree(ptr); }
-    Buffer(const Buffer&) = delete;
-    Buffer& operator=(const Buffer&) = delete;
-};
+using Buffer = weft::bench::DeviceBuffer;
 
 std::vector<int32_t> routing_for(const MoeShape& s) {
     std::mt19937_64 rng(0x5eed ^ static_cast<uint64_t>(s.experts * 131 + s.topk));
