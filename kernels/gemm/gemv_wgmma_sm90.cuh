@@ -217,17 +217,19 @@ __global__ void __launch_bounds__(kGemvWgmmaThreads, 1)
     const int cols = min(kGemvWgmmaCols, args.n - n_cta);
     const int tid = static_cast<int>(threadIdx.x);
     if (args.num_splits == 1) {
-        // Two columns per thread (32 threads per row); n even, so the pair is aligned in D (16-byte aligned rows).
+        // Two columns per thread (32 threads per row): one paired store where the pair is aligned in D (an even
+        // element offset: D's base is 16-byte aligned), else two (an odd ldd puts odd rows at odd offsets).
         for (int idx = tid; idx < rows * (kGemvWgmmaCols / 2); idx += kThreads) {
             const int m = idx / (kGemvWgmmaCols / 2);
             const int c = 2 * (idx % (kGemvWgmmaCols / 2));
             if (c >= cols) continue;
             const float2 v = *reinterpret_cast<const float2*>(tile + m * kPitch + c);
             const int64_t at = m * args.ldd + n_cta + c;
-            if (c + 1 < cols) {
+            if (c + 1 < cols && at % 2 == 0) {
                 detail::store_out2<kOut>(args.d, at, v.x, v.y);
             } else {
                 detail::store_out<kOut>(args.d, at, v.x);
+                if (c + 1 < cols) detail::store_out<kOut>(args.d, at + 1, v.y);
             }
         }
         return;
