@@ -536,6 +536,42 @@ __global__ void start_probe_kernel(uint64_t* start_ns) {
 
 constexpr uint64_t kLateWriterDelayNs = 200'000;
 
+/// One M x N x K GEMM (bf16, B [N,K]) launched with `o` (programmatic) right after late_writer_kernel, which writes
+/// A only at its end (NaNs before): the plan must be the small-M `want` variant and launch programmatically, and
+/// D's `rows` must match the fp64 reference of the new A. `t`: late_writer_kernel's end time.
+void check_after_late_writer(int64_t m, int64_t n, int64_t k, const ops::GemmOptions& o, GemvVariant want,
+                             const std::vector<int64_t>& rows, uint64_t* t) {
+    const uint64_t seed = fresh_seed();
+    std::ostringstream what;
+    what << m << "x" << n << "x" << k << " seed " << seed;
+    SCOPED_TRACE(what.str());
+    std::mt19937_64 rng(seed);
+    HostMatrix a(m, k, k, DType::kBF16), b(n, k, k, DType::kBF16), d(m, n, n, DType::kBF16);
+    a.fill_random(rng);
+    b.fill_random(rng);
+    poison(d);
+    HostMatrix a_nan(m, k, k, DType::kBF16);
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < k; ++c) a_nan.set(r, c, NAN);
+    DeviceBuffer da(a.bytes.size()), staged(a.bytes.size()), db(b.bytes.size()), dd(d.bytes.size());
+    ASSERT_TRUE(da.ptr && staged.ptr && db.ptr && dd.ptr);
+    upload(a_nan, da);
+    upload(a, staged);
+    upload(b, db);
+    upload(d, dd);
+    const ops::GemmPlan plan =
+        ops::plan_gemm(ops::validate_gemm_args(view(a, da), view(b, db), view(d, dd), BLayout::kNK), num_sms(), o);
+    ASSERT_TRUE(ops::gemm_launches_programmatically(plan, o));
+    ASSERT_EQ(plan.small_m_variant, want);
+    late_writer_kernel<<<1, 128>>>(static_cast<uint4*>(da.ptr), static_cast<const uint4*>(staged.ptr), a.bytes.size(),
+                                   kLateWriterDelayNs, t);
+    CK(cudaGetLastError());
+    ops::gemm(view(a, da), view(b, db), view(d, dd), BLayout::kNK, nullptr, o);
+    CK(cudaDeviceSynchronize());
+    download(d, dd);
+    expect_matches(d, reference(a, b, BLayout::kNK, n, rows), rows, tolerance_for(DType::kBF16), what.str());
+}
+
 // Nothing here would fail if the second kernel simply started after the first: so first check that a kernel
 // launched programmatically after late_writer_kernel does start while it still waits (this GPU and driver
 // overlap them), then that the GEMM launched the same way reads the A written at the end of that kernel, not the
@@ -566,124 +602,128 @@ TEST(GemmSmallM, ProgrammaticLaunchWaitsForTheKernelBefore) {
         ASSERT_LT(host[1], host[0]) << "the programmatically launched kernel started " << (host[1] - host[0])
                                     << " ns after the one before it ended: nothing would test the GEMM's wait";
     }
-    for (const auto& [m, n, k] : {std::array<int64_t, 3>{1, 8192, 4096}, {16, 8192, 4096}, {5, 3000, 8192},
-                                  {40, 3000, 4096}, {8, 1000, 1000}}) {
-        const uint64_t seed = fresh_seed();
-        std::ostringstream what;
-        what << m << "x" << n << "x" << k << " seed " << seed;
-        SCOPED_TRACE(what.str());
-        std::mt19937_64 rng(seed);
-        HostMatrix a(m, k, k, DType::kBF16), b(n, k, k, DType::kBF16), d(m, n, n, DType::kBF16);
-        a.fill_random(rng);
-        b.fill_random(rng);
-        poison(d);
-        HostMatrix a_nan(m, k, k, DType::kBF16);
-        for (int64_t r = 0; r < m; ++r)
-            for (int64_t c = 0; c < k; ++c) a_nan.set(r, c, NAN);
-        DeviceBuffer da(a.bytes.size()), staged(a.bytes.size()), db(b.bytes.size()), dd(d.bytes.size());
-        ASSERT_TRUE(da.ptr && staged.ptr && db.ptr && dd.ptr);
-        upload(a_nan, da);
-        upload(a, staged);
-        upload(b, db);
-        upload(d, dd);
+    for (const auto& [m, n, k] : {std::array<int64_t, 3>{1, 8192, 4096},
+                                  {16, 8192, 4096},
+                                  {5, 3000, 8192},
+                                  {40, 3000, 4096},
+                                  {8, 1000, 1000}}) {
         ops::GemmOptions o;
         o.programmatic_launch = true;
         o.small_m_max_m = kGemvMaxM;  // the small-M kernels (the only programmatic ones) up to their limit
-        const ops::GemmPlan plan = ops::plan_gemm(ops::validate_gemm_args(view(a, da), view(b, db), view(d, dd),
-                                                                           BLayout::kNK),
-                                                  num_sms(), o);
-        ASSERT_TRUE(ops::gemm_launches_programmatically(plan, o));
-        ASSERT_EQ(plan.small_m_variant, m <= kGemvGroupsMaxM && k % 2048 == 0 ? GemvVariant::kBulkRows
-                                                                                : GemvVariant::kTmaRing);
-        late_writer_kernel<<<1, 128>>>(static_cast<uint4*>(da.ptr), static_cast<const uint4*>(staged.ptr),
-                                       a.bytes.size(), kLateWriterDelayNs, t);
-        CK(cudaGetLastError());
-        ops::gemm(view(a, da), view(b, db), view(d, dd), BLayout::kNK, nullptr, o);
-        CK(cudaDeviceSynchronize());
-        download(d, dd);
+        const GemvVariant want = m <= kGemvGroupsMaxM && k % 2048 == 0 ? GemvVariant::kBulkRows : GemvVariant::kTmaRing;
         std::vector<int64_t> rows;
         for (int64_t r = 0; r < m; ++r) rows.push_back(r);
-        expect_matches(d, reference(a, b, BLayout::kNK, n, rows), rows, tolerance_for(DType::kBF16), what.str());
+        ASSERT_NO_FATAL_FAILURE(check_after_late_writer(m, n, k, o, want, rows, t));
     }
 }
 
-// A decode chain: each layer's output is the next layer's A (N = K), every layer launched programmatically right
-// after the one before, and captured into a CUDA graph (the launches become programmatic edges) then replayed; each
-// result must be bit for bit the chain launched plainly (the kernels are deterministic), which the fp64 tests above
-// vouch for layer by layer. M = 1 and 2 (whole rows), 3 and 16 (row
-// groups), 32 and 64 (variant 3, split-K: consecutive calls share the stream's partials and counters).
+// ---- decode chains: each layer's output is the next layer's A (N = K) --------------------------------------
+
+constexpr int kChainLayers = 4;
+constexpr int64_t kChainDim = 4096;
+constexpr int kChainRuns = 3;
+const char* const kChainRunNames[kChainRuns] = {"plain", "programmatic", "programmatic, graph"};
+
+/// A chain of kChainLayers GEMMs of M rows at N = K = kChainDim (bf16), run three times on one stream: launched
+/// plainly, programmatically right after one another, and programmatically captured into a CUDA graph then
+/// replayed (the launches become programmatic edges). `base`: the options of every call (programmatic_launch is set
+/// per run); where it names a small-M variant, every plan must be it.
+struct DecodeChain {
+    std::vector<HostMatrix> weights;       // the layers' B, host copies
+    std::vector<uint8_t> out[kChainRuns];  // the last layer's output of each run
+    std::vector<uint8_t> before_last;      // the plain run's input of its last layer
+};
+
+void run_decode_chain(int64_t m, uint64_t seed, const ops::GemmOptions& base, DecodeChain* chain) {
+    std::mt19937_64 rng(seed);
+    HostMatrix x(m, kChainDim, kChainDim, DType::kBF16);
+    x.fill_random(rng);
+    std::vector<std::unique_ptr<DeviceBuffer>> weights;
+    for (int l = 0; l < kChainLayers; ++l) {
+        HostMatrix w(kChainDim, kChainDim, kChainDim, DType::kBF16);
+        w.fill_random(rng);
+        for (int64_t r = 0; r < kChainDim; ++r)  // keep the activations near 1 layer after layer
+            for (int64_t c = 0; c < kChainDim; ++c) w.set(r, c, w.get(r, c) / 32.f);
+        weights.push_back(std::make_unique<DeviceBuffer>(w.bytes.size()));
+        ASSERT_TRUE(weights.back()->ptr);
+        upload(w, *weights.back());
+        chain->weights.push_back(std::move(w));
+    }
+    cudaStream_t stream = nullptr;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    for (int run = 0; run < kChainRuns; ++run) {
+        SCOPED_TRACE(kChainRunNames[run]);
+        const bool programmatic = run > 0;
+        std::vector<std::unique_ptr<DeviceBuffer>> acts;
+        for (int l = 0; l <= kChainLayers; ++l) {
+            acts.push_back(std::make_unique<DeviceBuffer>(x.bytes.size()));
+            ASSERT_TRUE(acts.back()->ptr);
+            CK(cudaMemset(acts.back()->ptr, 0xff, x.bytes.size()));  // NaN until written
+        }
+        upload(x, *acts[0]);
+        CK(cudaDeviceSynchronize());  // the memsets above ran on the legacy stream; the chain runs on `stream`
+        ops::GemmOptions o = base;
+        o.programmatic_launch = programmatic;
+        auto act = [&](int l) { return TensorView(acts[l]->ptr, DType::kBF16, {m, kChainDim}); };
+        const bool graph = run == 2;
+        if (graph) CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        for (int l = 0; l < kChainLayers; ++l) {
+            const TensorView w(weights[l]->ptr, DType::kBF16, {kChainDim, kChainDim});
+            const ops::GemmPlan plan =
+                ops::plan_gemm(ops::validate_gemm_args(act(l), w, act(l + 1), BLayout::kNK), num_sms(), o);
+            if (base.small_m_variant) EXPECT_EQ(plan.small_m_variant, *base.small_m_variant);
+            EXPECT_EQ(ops::gemm_launches_programmatically(plan, o), programmatic);
+            ops::gemm(act(l), w, act(l + 1), BLayout::kNK, stream, o);
+        }
+        if (graph) {
+            cudaGraph_t g = nullptr;
+            CK(cudaStreamEndCapture(stream, &g));
+            cudaGraphExec_t exec = nullptr;
+            CK(cudaGraphInstantiate(&exec, g, 0));
+            CK(cudaGraphLaunch(exec, stream));
+            CK(cudaStreamSynchronize(stream));
+            CK(cudaGraphExecDestroy(exec));
+            CK(cudaGraphDestroy(g));
+        }
+        CK(cudaStreamSynchronize(stream));
+        chain->out[run].resize(x.bytes.size());
+        CK(cudaMemcpy(chain->out[run].data(), acts[kChainLayers]->ptr, x.bytes.size(), cudaMemcpyDeviceToHost));
+        if (run == 0) {
+            chain->before_last.resize(x.bytes.size());
+            CK(cudaMemcpy(chain->before_last.data(), acts[kChainLayers - 1]->ptr, x.bytes.size(),
+                          cudaMemcpyDeviceToHost));
+        }
+    }
+    CK(cudaStreamDestroy(stream));
+}
+
+/// The plain run's output is finite everywhere and the other runs' are bit for bit the plain one's.
+void expect_chain_runs_agree(int64_t m, const DecodeChain& chain) {
+    HostMatrix last(m, kChainDim, kChainDim, DType::kBF16);
+    last.bytes = chain.out[0];
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < kChainDim; ++c)
+            ASSERT_TRUE(std::isfinite(last.get(r, c))) << "plain chain, row " << r << ", column " << c;
+    for (int run = 1; run < kChainRuns; ++run) {
+        EXPECT_EQ(chain.out[0], chain.out[run])
+            << "the chain launched " << kChainRunNames[run] << " differs from the plain chain";
+    }
+}
+
+// A decode chain launched plainly, programmatically and programmatically in a graph: each result must be bit for bit
+// the chain launched plainly (the kernels are deterministic), which the fp64 tests above vouch for layer by layer.
+// M = 1 and 2 (whole rows), 3 and 16 (row groups), 32 and 64 (variant 3, split-K: consecutive calls share the
+// stream's partials and counters).
 TEST(GemmSmallM, ProgrammaticChainMatchesThePlainChain) {
     REQUIRE_SM90();
-    constexpr int kLayers = 4;
-    constexpr int64_t kDim = 4096;
     for (int64_t m : {1, 2, 3, 16, 32, 64}) {
         const uint64_t seed = fresh_seed();
         SCOPED_TRACE("M = " + std::to_string(m) + ", seed " + std::to_string(seed));
-        std::mt19937_64 rng(seed);
-        HostMatrix x(m, kDim, kDim, DType::kBF16);
-        x.fill_random(rng);
-        std::vector<std::unique_ptr<DeviceBuffer>> weights;
-        for (int l = 0; l < kLayers; ++l) {
-            HostMatrix w(kDim, kDim, kDim, DType::kBF16);
-            w.fill_random(rng);
-            for (int64_t r = 0; r < kDim; ++r)  // keep the activations near 1 layer after layer
-                for (int64_t c = 0; c < kDim; ++c) w.set(r, c, w.get(r, c) / 32.f);
-            weights.push_back(std::make_unique<DeviceBuffer>(w.bytes.size()));
-            ASSERT_TRUE(weights.back()->ptr);
-            upload(w, *weights.back());
-        }
-        const char* const runs[] = {"plain", "programmatic", "programmatic, graph"};
-        constexpr int kRuns = 3;
-        std::vector<uint8_t> out[kRuns];
-        cudaStream_t stream = nullptr;
-        CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-        for (int run = 0; run < kRuns; ++run) {
-            SCOPED_TRACE(runs[run]);
-            const bool programmatic = run > 0;
-            std::vector<std::unique_ptr<DeviceBuffer>> acts;
-            for (int l = 0; l <= kLayers; ++l) {
-                acts.push_back(std::make_unique<DeviceBuffer>(x.bytes.size()));
-                ASSERT_TRUE(acts.back()->ptr);
-                CK(cudaMemset(acts.back()->ptr, 0xff, x.bytes.size()));  // NaN until written
-            }
-            upload(x, *acts[0]);
-            CK(cudaDeviceSynchronize());  // the memsets above ran on the legacy stream; the chain runs on `stream`
-            ops::GemmOptions o;
-            o.programmatic_launch = programmatic;
-            o.small_m_max_m = kGemvMaxM;  // M up to 64 on the small-M kernels, the programmatic ones
-            auto act = [&](int l) { return TensorView(acts[l]->ptr, DType::kBF16, {m, kDim}); };
-            const bool graph = run == 2;
-            if (graph) CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-            for (int l = 0; l < kLayers; ++l) {
-                const TensorView w(weights[l]->ptr, DType::kBF16, {kDim, kDim});
-                const ops::GemmPlan plan = ops::plan_gemm(ops::validate_gemm_args(act(l), w, act(l + 1), BLayout::kNK),
-                                                          num_sms(), o);
-                EXPECT_EQ(ops::gemm_launches_programmatically(plan, o), programmatic);
-                ops::gemm(act(l), w, act(l + 1), BLayout::kNK, stream, o);
-            }
-            if (graph) {
-                cudaGraph_t g = nullptr;
-                CK(cudaStreamEndCapture(stream, &g));
-                cudaGraphExec_t exec = nullptr;
-                CK(cudaGraphInstantiate(&exec, g, 0));
-                CK(cudaGraphLaunch(exec, stream));
-                CK(cudaStreamSynchronize(stream));
-                CK(cudaGraphExecDestroy(exec));
-                CK(cudaGraphDestroy(g));
-            }
-            CK(cudaStreamSynchronize(stream));
-            out[run].resize(x.bytes.size());
-            CK(cudaMemcpy(out[run].data(), acts[kLayers]->ptr, x.bytes.size(), cudaMemcpyDeviceToHost));
-        }
-        CK(cudaStreamDestroy(stream));
-        HostMatrix last(m, kDim, kDim, DType::kBF16);
-        last.bytes = out[0];
-        for (int64_t r = 0; r < m; ++r)
-            for (int64_t c = 0; c < kDim; ++c)
-                ASSERT_TRUE(std::isfinite(last.get(r, c))) << "plain chain, row " << r << ", column " << c;
-        for (int run = 1; run < kRuns; ++run) {
-            EXPECT_EQ(out[0], out[run]) << "the chain launched " << runs[run] << " differs from the plain chain";
-        }
+        ops::GemmOptions o;
+        o.small_m_max_m = kGemvMaxM;  // M up to 64 on the small-M kernels, the programmatic ones
+        DecodeChain chain;
+        ASSERT_NO_FATAL_FAILURE(run_decode_chain(m, seed, o, &chain));
+        ASSERT_NO_FATAL_FAILURE(expect_chain_runs_agree(m, chain));
     }
 }
 
@@ -887,130 +927,32 @@ TEST(GemmSmallM, Variant5ProgrammaticLaunchWaitsForTheKernelBefore) {
     ASSERT_TRUE(times.ptr);
     auto* t = static_cast<uint64_t*>(times.ptr);
     for (const auto& [m, n, k] : {std::array<int64_t, 3>{16, 8192, 4096}, {77, 4096, 4096}, {256, 4096, 2048}}) {
-        const uint64_t seed = fresh_seed();
-        std::ostringstream what;
-        what << m << "x" << n << "x" << k << " seed " << seed;
-        SCOPED_TRACE(what.str());
-        std::mt19937_64 rng(seed);
-        HostMatrix a(m, k, k, DType::kBF16), b(n, k, k, DType::kBF16), d(m, n, n, DType::kBF16);
-        a.fill_random(rng);
-        b.fill_random(rng);
-        poison(d);
-        HostMatrix a_nan(m, k, k, DType::kBF16);
-        for (int64_t r = 0; r < m; ++r)
-            for (int64_t c = 0; c < k; ++c) a_nan.set(r, c, NAN);
-        DeviceBuffer da(a.bytes.size()), staged(a.bytes.size()), db(b.bytes.size()), dd(d.bytes.size());
-        ASSERT_TRUE(da.ptr && staged.ptr && db.ptr && dd.ptr);
-        upload(a_nan, da);
-        upload(a, staged);
-        upload(b, db);
-        upload(d, dd);
         ops::GemmOptions o;
         o.programmatic_launch = true;
         o.small_m_variant = GemvVariant::kTmaWgmma;
-        const ops::GemmPlan plan =
-            ops::plan_gemm(ops::validate_gemm_args(view(a, da), view(b, db), view(d, dd), BLayout::kNK), num_sms(), o);
-        ASSERT_TRUE(ops::gemm_launches_programmatically(plan, o));
-        ASSERT_EQ(plan.small_m_variant, GemvVariant::kTmaWgmma);
-        late_writer_kernel<<<1, 128>>>(static_cast<uint4*>(da.ptr), static_cast<const uint4*>(staged.ptr),
-                                       a.bytes.size(), kLateWriterDelayNs, t);
-        CK(cudaGetLastError());
-        ops::gemm(view(a, da), view(b, db), view(d, dd), BLayout::kNK, nullptr, o);
-        CK(cudaDeviceSynchronize());
-        download(d, dd);
-        std::vector<int64_t> rows = {0, m / 2, m - 1};
-        expect_matches(d, reference(a, b, BLayout::kNK, n, rows), rows, tolerance_for(DType::kBF16), what.str());
+        ASSERT_NO_FATAL_FAILURE(check_after_late_writer(m, n, k, o, GemvVariant::kTmaWgmma, {0, m / 2, m - 1}, t));
     }
 }
 
-// A decode chain on variant 5 (as ProgrammaticChainMatchesThePlainChain): each layer's output the next layer's A, N =
-// K = 4096 (2 splits: consecutive calls share the stream's partials and counters), launched plainly, programmatically
-// and programmatically in a CUDA graph; the three results must be bit for bit equal (deterministic split-K) and
-// finite, and the plain chain's last layer must match the fp64 reference of that layer on sampled rows.
+// A decode chain on variant 5 (as ProgrammaticChainMatchesThePlainChain), N = K = 4096 (2 splits: consecutive calls
+// share the stream's partials and counters): the three runs bit for bit equal (deterministic split-K) and finite,
+// and the plain chain's last layer must match the fp64 reference of that layer on sampled rows.
 TEST(GemmSmallM, Variant5ProgrammaticChainMatchesThePlainChain) {
     REQUIRE_SM90();
-    constexpr int kLayers = 4;
-    constexpr int64_t kDim = 4096;
     for (int64_t m : {77, 256}) {
         const uint64_t seed = fresh_seed();
         SCOPED_TRACE("M = " + std::to_string(m) + ", seed " + std::to_string(seed));
-        std::mt19937_64 rng(seed);
-        HostMatrix x(m, kDim, kDim, DType::kBF16);
-        x.fill_random(rng);
-        std::vector<std::unique_ptr<DeviceBuffer>> weights;
-        std::vector<HostMatrix> host_weights;
-        for (int l = 0; l < kLayers; ++l) {
-            HostMatrix w(kDim, kDim, kDim, DType::kBF16);
-            w.fill_random(rng);
-            for (int64_t r = 0; r < kDim; ++r)  // keep the activations near 1 layer after layer
-                for (int64_t c = 0; c < kDim; ++c) w.set(r, c, w.get(r, c) / 32.f);
-            weights.push_back(std::make_unique<DeviceBuffer>(w.bytes.size()));
-            ASSERT_TRUE(weights.back()->ptr);
-            upload(w, *weights.back());
-            host_weights.push_back(std::move(w));
-        }
-        const char* const runs[] = {"plain", "programmatic", "programmatic, graph"};
-        constexpr int kRuns = 3;
-        std::vector<uint8_t> out[kRuns], before_last;
-        cudaStream_t stream = nullptr;
-        CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-        for (int run = 0; run < kRuns; ++run) {
-            SCOPED_TRACE(runs[run]);
-            const bool programmatic = run > 0;
-            std::vector<std::unique_ptr<DeviceBuffer>> acts;
-            for (int l = 0; l <= kLayers; ++l) {
-                acts.push_back(std::make_unique<DeviceBuffer>(x.bytes.size()));
-                ASSERT_TRUE(acts.back()->ptr);
-                CK(cudaMemset(acts.back()->ptr, 0xff, x.bytes.size()));  // NaN until written
-            }
-            upload(x, *acts[0]);
-            CK(cudaDeviceSynchronize());
-            ops::GemmOptions o;
-            o.programmatic_launch = programmatic;
-            o.small_m_variant = GemvVariant::kTmaWgmma;
-            auto act = [&](int l) { return TensorView(acts[l]->ptr, DType::kBF16, {m, kDim}); };
-            const bool graph = run == 2;
-            if (graph) CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-            for (int l = 0; l < kLayers; ++l) {
-                const TensorView w(weights[l]->ptr, DType::kBF16, {kDim, kDim});
-                const ops::GemmPlan plan =
-                    ops::plan_gemm(ops::validate_gemm_args(act(l), w, act(l + 1), BLayout::kNK), num_sms(), o);
-                EXPECT_EQ(plan.small_m_variant, GemvVariant::kTmaWgmma);
-                EXPECT_EQ(ops::gemm_launches_programmatically(plan, o), programmatic);
-                ops::gemm(act(l), w, act(l + 1), BLayout::kNK, stream, o);
-            }
-            if (graph) {
-                cudaGraph_t g = nullptr;
-                CK(cudaStreamEndCapture(stream, &g));
-                cudaGraphExec_t exec = nullptr;
-                CK(cudaGraphInstantiate(&exec, g, 0));
-                CK(cudaGraphLaunch(exec, stream));
-                CK(cudaStreamSynchronize(stream));
-                CK(cudaGraphExecDestroy(exec));
-                CK(cudaGraphDestroy(g));
-            }
-            CK(cudaStreamSynchronize(stream));
-            out[run].resize(x.bytes.size());
-            CK(cudaMemcpy(out[run].data(), acts[kLayers]->ptr, x.bytes.size(), cudaMemcpyDeviceToHost));
-            if (run == 0) {
-                before_last.resize(x.bytes.size());
-                CK(cudaMemcpy(before_last.data(), acts[kLayers - 1]->ptr, x.bytes.size(), cudaMemcpyDeviceToHost));
-            }
-        }
-        CK(cudaStreamDestroy(stream));
-        HostMatrix last(m, kDim, kDim, DType::kBF16);
-        last.bytes = out[0];
-        for (int64_t r = 0; r < m; ++r)
-            for (int64_t c = 0; c < kDim; ++c)
-                ASSERT_TRUE(std::isfinite(last.get(r, c))) << "plain chain, row " << r << ", column " << c;
-        for (int run = 1; run < kRuns; ++run) {
-            EXPECT_EQ(out[0], out[run]) << "the chain launched " << runs[run] << " differs from the plain chain";
-        }
+        ops::GemmOptions o;
+        o.small_m_variant = GemvVariant::kTmaWgmma;
+        DecodeChain chain;
+        ASSERT_NO_FATAL_FAILURE(run_decode_chain(m, seed, o, &chain));
+        ASSERT_NO_FATAL_FAILURE(expect_chain_runs_agree(m, chain));
         // The last layer of the plain chain against fp64 from its own input.
-        HostMatrix in(m, kDim, kDim, DType::kBF16);
-        in.bytes = before_last;
+        HostMatrix last(m, kChainDim, kChainDim, DType::kBF16), in(m, kChainDim, kChainDim, DType::kBF16);
+        last.bytes = chain.out[0];
+        in.bytes = chain.before_last;
         const std::vector<int64_t> rows = {0, 1, m / 2, m - 2, m - 1};
-        expect_matches(last, reference(in, host_weights[kLayers - 1], BLayout::kNK, kDim, rows), rows,
+        expect_matches(last, reference(in, chain.weights[kChainLayers - 1], BLayout::kNK, kChainDim, rows), rows,
                        tolerance_for(DType::kBF16), "the chain's last layer");
     }
 }
