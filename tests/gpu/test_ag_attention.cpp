@@ -194,6 +194,15 @@ uint64_t fresh_seed() {
 // ------------------------------------------------------------------------------------------------
 // One GPU
 
+/// Copies a whole-problem output (all of pr's query rows) and LSE back from the device and checks them (check_rows).
+void download_and_check(const Problem& pr, const void* dout, const void* dlse, const std::string& what) {
+    std::vector<uint16_t> out(pr.q.size());
+    std::vector<float> lse(pr.lse.size());
+    WEFT_CUDA_CHECK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
+    WEFT_CUDA_CHECK(cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost));
+    check_rows(pr, 0, pr.seq_q, out, lse, what);
+}
+
 struct Case {
     int seq_q, seq_kv, hq, hkv, dim;
     bool causal;
@@ -244,11 +253,7 @@ void run_case(const Case& c, uint64_t seed, AttentionPrefillKernel kernel) {
     o.config = config_of(kernel, c.dtype, c.dim, c.block_m);
     ops::flash_attention(tq, tk, tv, tout, tlse, nullptr, o);
     WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<uint16_t> out(pr.q.size());
-    std::vector<float> lse(pr.lse.size());
-    WEFT_CUDA_CHECK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
-    WEFT_CUDA_CHECK(cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost));
-    check_rows(pr, 0, c.seq_q, out, lse, what);
+    download_and_check(pr, dout, dlse, what);
     for (void* p : {dq, dk, dv, dout, dlse}) cudaFree(p);
 }
 
@@ -302,11 +307,7 @@ TEST(FlashAttentionDefaults, ABroadcastKvRunsOnTheMmaSyncKernel) {
     o.mask = AttentionMask::kCausal;
     ops::flash_attention(tq, tk, tv, tout, tlse, nullptr, o);
     WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<uint16_t> out(pr.q.size());
-    std::vector<float> lse(pr.lse.size());
-    WEFT_CUDA_CHECK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
-    WEFT_CUDA_CHECK(cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost));
-    check_rows(pr, 0, seq, out, lse, "broadcast K/V, default config");
+    download_and_check(pr, dout, dlse, "broadcast K/V, default config");
 
     o.config = config_of(AttentionPrefillKernel::kWgmma, DType::kBF16, dim);
     try {
