@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // Pieces shared by the small-M GEMM kernels (kernels/gemm/gemv_tma_sm90.cuh, gemv_rows_sm90.cuh, gemv_wgmma_sm90.cuh):
 // their tensor-map parameter, the m16n8k16 tensor-core MMA, guarded shared-memory reads, the stage-wait bound, the
-// output stores and the split-K reduction of the last CTA of a column block.
+// output stores and kTmaRing's split-K reduction by the last CTA of a column block.
 //
 // Both kernels multiply with mma.sync m16n8k16 on a permuted k order: lane (g = l/4, t = l%4) reads the 16 bytes at
 // k + 8t .. k + 8t + 7 of a row, which are exactly the B fragments of two m16n8k16 MMAs when A is read with the
@@ -68,6 +68,29 @@ __device__ __forceinline__ void store_out2(void* d, int64_t idx, float v0, float
     }
 }
 
+/// Stores the first `count` (1..4) of v's values, converted to kOut, at d[idx ..]: in pairs where idx is even (d
+/// 16-byte aligned), one at a time where it is odd (an odd ldd puts odd rows at odd offsets).
+template <DType kOut>
+__device__ __forceinline__ void store_out_run(void* d, int64_t idx, float4 v, int count) {
+    if (idx % 2 == 0) {
+        if (count >= 2) {
+            store_out2<kOut>(d, idx, v.x, v.y);
+        } else {
+            store_out<kOut>(d, idx, v.x);
+        }
+        if (count >= 4) {
+            store_out2<kOut>(d, idx + 2, v.z, v.w);
+        } else if (count == 3) {
+            store_out<kOut>(d, idx + 2, v.z);
+        }
+    } else {
+        store_out<kOut>(d, idx, v.x);
+        if (count > 1) store_out<kOut>(d, idx + 1, v.y);
+        if (count > 2) store_out<kOut>(d, idx + 2, v.z);
+        if (count > 3) store_out<kOut>(d, idx + 3, v.w);
+    }
+}
+
 /// A stage that has not landed after this long is a kernel bug (bad tensor map, wrong byte count): trap.
 inline constexpr unsigned long long kGemvStageWaitNs = 2000ull * 1000 * 1000;
 
@@ -76,7 +99,7 @@ __device__ __forceinline__ uint4 lds_16_if(bool ok, const unsigned char* p) {
     return ok ? *reinterpret_cast<const uint4*>(p) : make_uint4(0u, 0u, 0u, 0u);
 }
 
-/// The split-K end of the small-M kernels (kTmaRing, kTmaWgmma), called by all kThreads threads of the CTA once each
+/// The split-K end of small-M kernel kTmaRing, called by all kThreads threads of the CTA once each
 /// has stored its share of this split's partial sums (args.partials [split][M][N] fp32) of the column block blockIdx.x
 /// (columns n_begin .. n_begin + cols - 1): counts the CTA in on args.counters[blockIdx.x]; the block's last CTA sums
 /// every split's partials in split order (deterministic: the same bits whichever CTA comes last), writes D and resets

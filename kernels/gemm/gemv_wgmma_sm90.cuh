@@ -2,7 +2,8 @@
 // Small-M GEMM, GemvVariant::kTmaWgmma (few rows, M <= 256, B [N,K] row-major): A and B swapped on wgmma. D = A B^T
 // is computed as D^T = B A^T: 64 rows of B (the CTA's 64 columns of D) are the wgmma's M side and A's rows, padded
 // only to 16, its N side (wgmma m64nNk16 with N = 16 m_tiles), so 77 rows cost 80 rows of MMA instead of 128, and
-// N / 64 column blocks (x the K splits) spread over the SMs.
+// N / 64 column blocks (x the K splits) spread over the SMs. The K splits of a column block form one cluster and add
+// their fp32 tiles through distributed shared memory at the end (no global partials, no last-CTA pass).
 //
 // CTA: one consumer warpgroup (warps 0..3: the wgmma, then the epilogue) and one producer warp (warp 4; its lane 0
 // issues the TMA boxes). Stage s of the ring (kStages of them, after the barriers, 1024-byte aligned) holds
@@ -133,10 +134,11 @@ __device__ __forceinline__ void gemv_wgmma_consume(float (&acc)[8 * kMTiles], un
 /// (ceil(N / kGemvWgmmaCols), num_splits), kGemvWgmmaThreads threads, gemv_smem_bytes(kConfig) of dynamic shared
 /// memory; gemv_shape(kConfig).stages stages of kGemvWgmmaStageK k, filled by TMA through `maps` (A: box {64, 16
 /// m_tiles}, B: box {64, 64}, both 128-byte swizzled); args.k_per_split a multiple of kGemvWgmmaStageK, every split
-/// non-empty. Split-K: fp32 partials [split][M][N] and the last CTA of each column block sums them in split order
-/// (detail::gemv_split_k_reduce, as kTmaRing). May be launched programmatically (GemmOptions::programmatic_launch,
+/// non-empty. Split-K (num_splits 2..kGemvWgmmaMaxSplits): launched with clusters of 1 x num_splits CTAs, the splits
+/// of one column block, which add their fp32 tiles through distributed shared memory (no workspace: args.partials
+/// and args.counters are not read). May be launched programmatically (GemmOptions::programmatic_launch,
 /// args.programmatic): the ring's first B boxes are issued before griddepcontrol.wait, every read of A and write of D
-/// (and of the split-K partials and counters) after it, and the next kernel is let go once the wait has returned.
+/// after it, and the next kernel is let go once the wait has returned.
 template <GemvConfig kConfig>
 __global__ void __launch_bounds__(kGemvWgmmaThreads, 1)
     gemv_wgmma_kernel(const GemvArgs args, const __grid_constant__ GemvMaps maps) {
@@ -212,38 +214,54 @@ __global__ void __launch_bounds__(kGemvWgmmaThreads, 1)
                 tile[m * kPitch + c + 8] = acc[4 * j + 2 + e];
             }
     }
-    __syncthreads();
+    // One split: this CTA writes every row of its column block. Split-K: the splits of a column block are one cluster
+    // (dims 1 x num_splits, cluster rank = split); each CTA writes its share of the rows, summing every split's tile
+    // through distributed shared memory in split order (the same bits whichever CTA sums), and leaves only once every
+    // CTA of the cluster has read its tile (the second cluster barrier).
     const int rows = min(args.m, kRows);
     const int cols = min(kGemvWgmmaCols, args.n - n_cta);
+    const int splits = args.num_splits;
+    int row_begin = 0, row_end = rows;
+    if (splits > 1) {
+        if (ptx::cluster_num_ctas() != static_cast<unsigned>(splits)) __trap();  // a launch bug: the cluster is K
+        const int share = (rows + splits - 1) / splits;
+        row_begin = min(rows, split * share);
+        row_end = min(rows, row_begin + share);
+        ptx::cluster_sync();  // every split's tile is in its CTA's shared memory
+    } else {
+        __syncthreads();
+    }
+    constexpr int kQuads = kGemvWgmmaCols / 4;  // four columns (16 bytes of the tile) per thread and step
+    const unsigned tile_addr = ring;
     const int tid = static_cast<int>(threadIdx.x);
-    if (args.num_splits == 1) {
-        // Two columns per thread (32 threads per row): one paired store where the pair is aligned in D (an even
-        // element offset: D's base is 16-byte aligned), else two (an odd ldd puts odd rows at odd offsets).
-        for (int idx = tid; idx < rows * (kGemvWgmmaCols / 2); idx += kThreads) {
-            const int m = idx / (kGemvWgmmaCols / 2);
-            const int c = 2 * (idx % (kGemvWgmmaCols / 2));
-            if (c >= cols) continue;
-            const float2 v = *reinterpret_cast<const float2*>(tile + m * kPitch + c);
-            const int64_t at = m * args.ldd + n_cta + c;
-            if (c + 1 < cols && at % 2 == 0) {
-                detail::store_out2<kOut>(args.d, at, v.x, v.y);
-            } else {
-                detail::store_out<kOut>(args.d, at, v.x);
-                if (c + 1 < cols) detail::store_out<kOut>(args.d, at + 1, v.y);
+    for (int idx = tid; idx < (row_end - row_begin) * kQuads; idx += kThreads) {
+        const int m = row_begin + idx / kQuads;
+        const int c = 4 * (idx % kQuads);
+        if (c >= cols) continue;
+        float4 v;
+        if (splits == 1) {
+            v = *reinterpret_cast<const float4*>(tile + m * kPitch + c);
+        } else {
+            const unsigned at = tile_addr + static_cast<unsigned>((m * kPitch + c) * 4);
+            float4 part[kGemvWgmmaMaxSplits];
+#pragma unroll
+            for (int s = 0; s < kGemvWgmmaMaxSplits; ++s) {
+                if (s < splits) part[s] = ptx::ld_shared_cluster_v4f32(ptx::cluster_map_shared(at, s));
+            }
+            v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int s = 0; s < kGemvWgmmaMaxSplits; ++s) {
+                if (s < splits) {
+                    v.x += part[s].x;
+                    v.y += part[s].y;
+                    v.z += part[s].z;
+                    v.w += part[s].w;
+                }
             }
         }
-        return;
+        detail::store_out_run<kOut>(args.d, m * args.ldd + n_cta + c, v, min(4, cols - c));
     }
-
-    // Split-K: this split's partial sums (rows of 64 contiguous floats), then the last CTA of the column block reduces
-    // every split's in split order (deterministic) and writes D.
-    float* const part = args.partials + static_cast<int64_t>(split) * args.m * args.n;
-    for (int idx = tid; idx < rows * kGemvWgmmaCols; idx += kThreads) {
-        const int m = idx / kGemvWgmmaCols;
-        const int c = idx % kGemvWgmmaCols;
-        if (c < cols) part[static_cast<int64_t>(m) * args.n + n_cta + c] = tile[m * kPitch + c];
-    }
-    detail::gemv_split_k_reduce<kOut, kThreads>(args, n_cta, cols);
+    if (splits > 1) ptx::cluster_sync();  // no CTA's shared memory goes while a peer may still read it
 }
 
 }  // namespace weft::kernels::gemm

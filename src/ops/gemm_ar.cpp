@@ -246,7 +246,7 @@ ArCall prepare_call(const GemmAr::State& s, const GemmProblem& p, const TensorVi
                    "gemm_ar: the small-M plan for M = " << m << " does not match the loaded kernels");
         call.gemv_launch = detail::make_gemv_launch(plan, a, b, d);
         GemvArgs& args = call.gemv_launch.args;
-        if (plan.small_m_splits > 1) {
+        if (plan.workspace_bytes > 0) {
             const size_t counter_bytes = static_cast<size_t>(round_up(static_cast<int64_t>(plan.grid) * 4, 256));
             WEFT_CHECK(plan.workspace_bytes <= s.small_m_workspace_bytes,
                        "gemm_ar: small-M workspace too small (" << s.small_m_workspace_bytes << " < "
@@ -290,6 +290,7 @@ void launch_call(GemmAr::State& s, const ArCall& call, cudaStream_t stream) {
         lp.grid = call.gemv_launch.grid;
         lp.block = call.gemv_launch.block;
         lp.dynamic_smem_bytes = static_cast<size_t>(call.gemv_launch.smem_bytes);
+        lp.cluster = call.gemv_launch.cluster;
         lp.stream = stream;
         call.gemv->launch(lp, call.gemv_launch.args, call.gemv_launch.maps);
     } else {

@@ -197,6 +197,10 @@ GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const Ten
         WEFT_CHECK(plan.small_m_k_per_split > 0 && plan.small_m_k_per_split % kGemvWgmmaStageK == 0,
                    "gemm: small-M variant 5 needs k_per_split a positive multiple of " << kGemvWgmmaStageK << ", got "
                                                                                        << plan.small_m_k_per_split);
+        WEFT_CHECK(plan.small_m_splits >= 1 && plan.small_m_splits <= kGemvWgmmaMaxSplits,
+                   "gemm: small-M variant 5 splits K over one cluster of at most "
+                       << kGemvWgmmaMaxSplits << " CTAs per column block, got " << plan.small_m_splits << " splits");
+        if (plan.small_m_splits > 1) l.cluster = dim3(1, static_cast<unsigned>(plan.small_m_splits), 1);
         WEFT_CHECK(
             plan.small_m_tiles >= 1 && plan.small_m_tiles <= kGemvWgmmaMaxM / 16 && a.dim(0) <= 16 * plan.small_m_tiles,
             "gemm: small-M variant 5 serves M <= 16 x m_tiles <= " << kGemvWgmmaMaxM << ", got M = " << a.dim(0)
@@ -432,7 +436,7 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
     if (plan.path == GemmPath::kSmallM) {
         detail::GemvLaunch launch = detail::make_gemv_launch(plan, a, b, d);
         GemvArgs& args = launch.args;
-        if (plan.small_m_splits > 1) {
+        if (plan.workspace_bytes > 0) {
             // Counters first, rounded to 256 bytes, as gemm_workspace_bytes lays them out.
             const auto counter_bytes = static_cast<size_t>(round_up(int64_t{plan.grid} * 4, 256));
             std::tie(args.counters, args.partials) = split_k_workspace(plan, counter_bytes, options, stream);
@@ -445,6 +449,7 @@ void launch_plan(const GemmPlan& plan_in, const GemmProblem& p, const TensorView
         lp.block = launch.block;
         lp.dynamic_smem_bytes = static_cast<size_t>(launch.smem_bytes);
         lp.stream = stream;
+        lp.cluster = launch.cluster;
         lp.programmatic = programmatic;
         kernel.launch(lp, launch.args, launch.maps);
         return;

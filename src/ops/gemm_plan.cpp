@@ -198,8 +198,9 @@ GemmConfig gemm_split_k_config(const GemmProblem& p, const GemmConfig& picked, i
 }
 
 size_t gemm_workspace_bytes(const GemmProblem& p, int splits, GemvVariant variant) {
-    if (splits <= 1) return 0;
     check_gemv_variant(variant, "gemm_workspace_bytes: variant");
+    // kTmaWgmma's splits add through distributed shared memory (one cluster per column block): no workspace.
+    if (splits <= 1 || variant == GemvVariant::kTmaWgmma) return 0;
     const size_t partials = static_cast<size_t>(splits) * static_cast<size_t>(p.m) * static_cast<size_t>(p.n) * 4;
     const int max_m = variant == GemvVariant::kTmaWgmma ? kGemvWgmmaMaxM : kGemvMaxM;
     const int m_tiles = std::clamp(static_cast<int>(ceil_div(p.m, 16)), 1, max_m / 16);
@@ -265,7 +266,7 @@ int gemv_wgmma_splits(int64_t n, int64_t k, int num_sms) {
     const int64_t k_blocks = ceil_div(k, int64_t{kGemvWgmmaStageK});
     int64_t splits = std::max<int64_t>(1, num_sms / blocks);  // one wave: blocks x splits <= num_sms
     splits = std::min(splits, std::max<int64_t>(1, k_blocks / kGemvWgmmaMinSplitKBlocks));
-    return static_cast<int>(std::min<int64_t>(splits, kGemvWgmmaMaxAutoSplits));
+    return static_cast<int>(std::min<int64_t>(splits, kGemvWgmmaMaxSplits));
 }
 
 // The small-M kernel when the caller leaves it to the op: bulk-copied rows (kBulkRows, variant 4) where it serves and
@@ -364,6 +365,10 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
         // kTmaWgmma's splits start on whole stages (kGemvWgmmaStageK); kTmaRing's on its 32-wide chunks.
         plan.small_m_k_per_split = static_cast<int>(round_up(ceil_div(p.k, splits), wgmma ? kGemvWgmmaStageK : 32));
         plan.small_m_splits = static_cast<int>(ceil_div(p.k, plan.small_m_k_per_split));
+        WEFT_CHECK(!wgmma || plan.small_m_splits <= kGemvWgmmaMaxSplits,
+                   "gemm: small-M variant 5 splits K over one cluster of at most "
+                       << kGemvWgmmaMaxSplits << " CTAs per column block, got " << plan.small_m_splits
+                       << " splits (options.small_m_splits " << options.small_m_splits << ", K = " << p.k << ")");
         plan.workspace_bytes = gemm_workspace_bytes(p, plan.small_m_splits, plan.small_m_variant);
         return plan;
     }

@@ -779,9 +779,11 @@ void check_variant5(Case c, int want_splits, int sample_rows = 0) {
 // issue's sweep meets on both sides of each 16-row tile (M = 1, 7, 16, 17, 33, 64, 77, 96, 127, 128, 200, 256: row
 // tiles 1, 2, 3, 4, 5, 6, 8, 13, 16), N of one column block (64), ragged (4104: the last block has 8 columns) and the
 // decode widths 4096 / 8192, K of one 64-k stage, not a multiple of 64 (200: the last stage zero-filled past K) and
-// 4096 (64 stages, the ring wrapping several times), one split and forced 2 and 4 (K = 200 at 4 splits: 64, 64, 64,
-// 8) and the op's rule (N = 64, K = 4096: 8 splits; N = 4096 / 4104: 2); A and D with padded rows (lda > K, ldd > N),
-// B padded too in some. Every row is checked where the reference is quick, sampled rows (all columns) elsewhere.
+// 4096 (64 stages, the ring wrapping several times), one split and forced 2, 3, 4 and 8 (K = 200 at 4 splits: 64, 64,
+// 64, 8; 8 splits of N = 4104: 65 clusters of 8 CTAs, more than one wave) and the op's rule (N = 64, K = 4096: 8
+// splits; N = 4096 / 4104: 2): the splits of a column block are one cluster, each CTA writing its share of the rows
+// (none at M = 1 for all but the first); A and D with padded rows (lda > K, ldd > N), B padded too in some. Every row
+// is checked where the reference is quick, sampled rows (all columns) elsewhere.
 TEST(GemmSmallM, Variant5MatchesFp64ForEveryRowTileAndSplit) {
     REQUIRE_SM90();
     const int64_t ms[] = {1, 7, 16, 17, 33, 64, 77, 96, 127, 128, 200, 256};
@@ -790,7 +792,7 @@ TEST(GemmSmallM, Variant5MatchesFp64ForEveryRowTileAndSplit) {
         std::vector<int> splits;  // forced counts; 0: the op's rule
     };
     const Shape shapes[] = {
-        {64, 64, {0, 2}}, {64, 200, {0, 1, 2, 4}}, {4104, 200, {0, 2}}, {64, 4096, {0, 1, 4}}, {4104, 4096, {0}}};
+        {64, 64, {0, 2}}, {64, 200, {0, 1, 2, 4}}, {4104, 200, {0, 2}}, {64, 4096, {0, 1, 3, 4}}, {4104, 4096, {0, 8}}};
     for (int64_t m : ms) {
         for (const Shape& s : shapes) {
             for (int splits : s.splits) {
@@ -920,7 +922,7 @@ TEST(GemmSmallM, Variant5RefusesWhatItCannotServe) {
 
 // Variant 5 launched programmatically right after a kernel that writes A only at its end (late_writer_kernel, which
 // lets its dependents start at once): the GEMM must read the new A, not the NaNs before, with one split (N = 8192)
-// and with split-K (N = 4096: partials and counters after the wait too), M = 16, 77, 256.
+// and with split-K (N = 4096: one cluster per column block), M = 16, 77, 256.
 TEST(GemmSmallM, Variant5ProgrammaticLaunchWaitsForTheKernelBefore) {
     REQUIRE_SM90();
     DeviceBuffer times(2 * sizeof(uint64_t));
@@ -934,8 +936,8 @@ TEST(GemmSmallM, Variant5ProgrammaticLaunchWaitsForTheKernelBefore) {
     }
 }
 
-// A decode chain on variant 5 (as ProgrammaticChainMatchesThePlainChain), N = K = 4096 (2 splits: consecutive calls
-// share the stream's partials and counters): the three runs bit for bit equal (deterministic split-K) and finite,
+// A decode chain on variant 5 (as ProgrammaticChainMatchesThePlainChain), N = K = 4096 (2 splits, one cluster per
+// column block): the three runs bit for bit equal (deterministic split-K) and finite,
 // and the plain chain's last layer must match the fp64 reference of that layer on sampled rows.
 TEST(GemmSmallM, Variant5ProgrammaticChainMatchesThePlainChain) {
     REQUIRE_SM90();
@@ -957,8 +959,9 @@ TEST(GemmSmallM, Variant5ProgrammaticChainMatchesThePlainChain) {
     }
 }
 
-// Calls on one stream alternating variant 5 and variant 3 with different column-block counts (and so counter
-// counts) reuse the stream's split-K workspace: every counter must be back at zero after each call.
+// Calls on one stream alternating variant 5 (split-K in a cluster, no workspace) and variant 3 (split-K through the
+// stream's counters and partials) with different column-block counts: every call stays correct (variant 3's counters
+// back at zero after each of its calls; variant 5 touches none).
 TEST(GemmSmallM, Variant5RepeatedCallsBesideVariant3StayCorrect) {
     REQUIRE_SM90();
     for (int i = 0; i < 6; ++i) {

@@ -303,7 +303,8 @@ TEST(GemmNvrtc, small_m_variant4_streams_rows_by_bulk_copy_and_multiplies_with_f
 // Variant 5 (A and B swapped on wgmma) for every row-tile count (1..16) and dtype pair: ptxas' report clean (no wgmma
 // serialisation, no spills) and, in SASS, only wgmma of the shape 64 x (16 m_tiles) x 16 (HGMMA.64x80x16 at m_tiles
 // 5: B's 64 rows on the M side, A's rows padded to 80 on the N side), 4 per 64-k stage at least, no mma.sync (HMMA),
-// TMA loads each with an L2 cache policy, an atomic on the split-K counter, and nothing in local memory.
+// TMA loads each with an L2 cache policy, the split-K sum through distributed shared memory (a cluster barrier, no
+// global atomic), and nothing in local memory.
 TEST(GemmNvrtc, small_m_variant5_multiplies_with_swapped_hgmma_and_loads_by_tma) {
     size_t checked = 0;
     std::string why_not;
@@ -337,7 +338,8 @@ TEST(GemmNvrtc, small_m_variant5_multiplies_with_swapped_hgmma_and_loads_by_tma)
             EXPECT_GT(count(code, "UTMALDG"), 0u) << name << ": no TMA loads";
             EXPECT_EQ(count_lines_with(code, "UTMALDG", "desc["), count(code, "UTMALDG"))
                 << name << ": a TMA load without an L2 cache policy";
-            EXPECT_GT(count(code, "ATOMG"), 0u) << name << ": no atomic on the split-K counter";
+            EXPECT_GT(count(code, "UCGABAR_WAIT"), 0u) << name << ": no cluster barrier before the split-K sum";
+            EXPECT_EQ(count(code, "ATOMG"), 0u) << name << ": a global atomic (the splits add in shared memory)";
             expect_no_local_memory(code, name);
             if (m_tiles == 5) {
                 EXPECT_GT(count(code, "HGMMA.64x80x16"), 0u) << name;

@@ -704,14 +704,14 @@ TEST(GemmPlan, SmallMVariant5ConfigsAndRingFitTheSm) {
 }
 
 // Variant 5's split rule (gemv_wgmma_splits): ceil(N / 64) column blocks x splits fill at most one wave of the SMs,
-// at least 8 k-blocks of 64 per split, at most 16 splits, at least 1.
+// at least 8 k-blocks of 64 per split, at most 8 splits (one cluster of CTAs), at least 1.
 TEST(GemmPlan, SmallMVariant5SplitsFillOneWave) {
     EXPECT_EQ(ops::gemv_wgmma_splits(4096, 4096, 132), 2);    // 64 blocks
     EXPECT_EQ(ops::gemv_wgmma_splits(4104, 4096, 132), 2);    // 65 blocks
     EXPECT_EQ(ops::gemv_wgmma_splits(8192, 8192, 132), 1);    // 128 blocks
     EXPECT_EQ(ops::gemv_wgmma_splits(2048, 8192, 132), 4);    // 32 blocks
     EXPECT_EQ(ops::gemv_wgmma_splits(64, 4096, 132), 8);      // 1 block: 64 k-blocks / 8
-    EXPECT_EQ(ops::gemv_wgmma_splits(64, 1 << 20, 132), 16);  // at most 16
+    EXPECT_EQ(ops::gemv_wgmma_splits(64, 1 << 20, 132), 8);   // at most 8: one cluster
     EXPECT_EQ(ops::gemv_wgmma_splits(4096, 1024, 132), 2);    // 16 k-blocks of 64: 2 x 8
     EXPECT_EQ(ops::gemv_wgmma_splits(4096, 200, 132), 1);     // 4 k-blocks: no split
     EXPECT_EQ(ops::gemv_wgmma_splits(100000, 4096, 132), 1);  // more blocks than SMs
@@ -723,7 +723,7 @@ TEST(GemmPlan, SmallMVariant5SplitsFillOneWave) {
             const int s = ops::gemv_wgmma_splits(n, k, 132);
             const int64_t blocks = (n + 63) / 64;
             ASSERT_GE(s, 1);
-            ASSERT_LE(s, 16);
+            ASSERT_LE(s, kGemvWgmmaMaxSplits);
             if (s > 1) {
                 EXPECT_LE(blocks * s, 132) << n << " " << k;
                 EXPECT_GE((k + 63) / 64, int64_t{8} * s) << n << " " << k;
@@ -734,8 +734,8 @@ TEST(GemmPlan, SmallMVariant5SplitsFillOneWave) {
 
 // Variant 5 through plan_gemm: only when forced (GemmOptions::small_m_variant; the heuristic's default pick does not
 // change), past small_m_max_m up to M = 256 with B [N,K]; 64 columns per CTA, ceil(M / 16) row tiles, its split rule
-// on the SM budget or the forced count, each split a whole number of 64-k stages and none empty; its workspace the
-// counters (one per column block) then fp32 partials [splits][M][N].
+// on the SM budget or the forced count, each split a whole number of 64-k stages and none empty; no workspace (the
+// splits add through distributed shared memory), a cluster of 1 x splits CTAs where it splits.
 TEST(GemmPlan, SmallMVariant5PlansWhenForced) {
     ops::GemmOptions v5;
     v5.small_m_variant = GemvVariant::kTmaWgmma;
@@ -754,10 +754,8 @@ TEST(GemmPlan, SmallMVariant5PlansWhenForced) {
             EXPECT_EQ(plan.small_m_k_per_split % 64, 0);
             EXPECT_GE(int64_t{plan.small_m_splits} * plan.small_m_k_per_split, k);
             EXPECT_LT(int64_t{plan.small_m_splits - 1} * plan.small_m_k_per_split, k) << "an empty split";
-            EXPECT_EQ(plan.workspace_bytes, ops::gemm_workspace_bytes(p, plan.small_m_splits, GemvVariant::kTmaWgmma));
-            const size_t counters = (static_cast<size_t>(plan.grid) * 4 + 255) / 256 * 256;
-            const size_t partials = static_cast<size_t>(plan.small_m_splits) * m * n * 4;
-            EXPECT_EQ(plan.workspace_bytes, plan.small_m_splits > 1 ? counters + (partials + 255) / 256 * 256 : 0u);
+            EXPECT_EQ(plan.workspace_bytes, 0u);
+            EXPECT_EQ(ops::gemm_workspace_bytes(p, plan.small_m_splits, GemvVariant::kTmaWgmma), 0u);
             EXPECT_TRUE(ops::gemm_allows_small_m(p, v5));
         }
     }
@@ -772,6 +770,24 @@ TEST(GemmPlan, SmallMVariant5PlansWhenForced) {
         EXPECT_EQ(plan.small_m_splits, splits) << asked;
         EXPECT_EQ(plan.small_m_k_per_split, per) << asked;
     }
+    // More splits than one cluster holds: an error naming the limit and the ask, before anything runs.
+    forced.small_m_splits = 16;
+    expect_error_mentions(
+        [&] {
+            (void)ops::plan_gemm(ops::GemmProblem{77, 4096, 4096, BLayout::kNK, DType::kBF16, DType::kBF16}, 132,
+                                 forced);
+        },
+        "at most 8 CTAs per column block, got 16 splits (options.small_m_splits 16");
+    forced.small_m_splits = 9;  // K = 9 x 64: nine one-stage splits (at K = 4096 nine asked make 8 of 512 k)
+    expect_error_mentions(
+        [&] {
+            (void)ops::plan_gemm(ops::GemmProblem{77, 4096, 576, BLayout::kNK, DType::kBF16, DType::kBF16}, 132,
+                                 forced);
+        },
+        "got 9 splits");
+    EXPECT_EQ(ops::plan_gemm(ops::GemmProblem{77, 4096, 4096, BLayout::kNK, DType::kBF16, DType::kBF16}, 132, forced)
+                  .small_m_splits,
+              8);
     // The SM budget bounds the split rule's wave.
     ops::GemmOptions half = v5;
     half.sm_budget = 64;

@@ -67,14 +67,18 @@ inline constexpr int kGemvBulkThreads = 256;
 /// warp (one lane issues the TMA boxes): kGemvWgmmaThreads threads, one CTA per SM. A stage is kGemvWgmmaStageK k of
 /// the CTA's 64 B rows (a {64, 64} TMA box, 8 KiB) and of A's 16 m_tiles rows (a {64, 16 m_tiles} box), both
 /// 128-byte swizzled (each row is one 128-byte swizzle row); as many stages as fit kGemvWgmmaRingBytes, at most
-/// kGemvWgmmaMaxStages. Split-K over gridDim.y (k_per_split a multiple of kGemvWgmmaStageK), the epilogue staged
-/// through the idle ring as an fp32 tile [16 m_tiles][kGemvWgmmaStagePitch].
+/// kGemvWgmmaMaxStages. Split-K over gridDim.y (k_per_split a multiple of kGemvWgmmaStageK): the splits of a column
+/// block are one cluster (at most kGemvWgmmaMaxSplits CTAs, the portable cluster size) and add their fp32 tiles
+/// through distributed shared memory; the epilogue stages the tile through the idle ring as fp32
+/// [16 m_tiles][kGemvWgmmaStagePitch].
 inline constexpr int kGemvWgmmaMaxM = 256;
 inline constexpr int kGemvWgmmaCols = 64;      ///< columns of D (rows of B) per CTA: the wgmma's M
 inline constexpr int kGemvWgmmaStageK = 64;    ///< k per stage: one 128-byte swizzle row of 16-bit elements
 inline constexpr int kGemvWgmmaThreads = 160;  ///< one consumer warpgroup + one producer warp
 inline constexpr int kGemvWgmmaRingBytes = 200 * 1024;
 inline constexpr int kGemvWgmmaMaxStages = 16;
+/// The most K splits of kTmaWgmma: one cluster of CTAs per column block (the portable cluster size).
+inline constexpr int kGemvWgmmaMaxSplits = 8;
 /// Shared memory before the ring: a full and an empty mbarrier per stage.
 inline constexpr int kGemvWgmmaBarrierBytes = 2 * 8 * kGemvWgmmaMaxStages;
 /// Floats per row of the epilogue's staging tile: 64 columns + 4, so the accumulator fragments' writes (4 rows 2

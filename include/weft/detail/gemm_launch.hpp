@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 #include "weft/common/gemm_config.hpp"
@@ -37,8 +38,8 @@ CUtensorMap make_gemm_store_map(const GemmConfig& config, const TensorView& d);
 GemmArgs make_gemm_args(const TensorView& a, const TensorView& d, uint64_t timeout_ns);
 
 /// One launch of the small-M kernel of `plan` (path kSmallM) for (validated) views: its arguments (the
-/// caller sets counters and partials when plan.small_m_splits > 1), its tensor maps (kTmaRing, kTmaWgmma; zeros for
-/// kBulkRows, which takes and ignores them), grid, block and dynamic shared memory. Launch with (args, maps).
+/// caller sets counters and partials when plan.workspace_bytes > 0), its tensor maps (kTmaRing, kTmaWgmma; zeros for
+/// kBulkRows, which takes and ignores them), grid, block, dynamic shared memory and cluster. Launch with (args, maps).
 struct GemvLaunch {
     GemvArgs args{};
     struct Maps {
@@ -48,6 +49,8 @@ struct GemvLaunch {
     dim3 grid;
     dim3 block;
     int smem_bytes = 0;
+    /// kTmaWgmma with split-K: clusters of 1 x small_m_splits CTAs (a column block's splits); else none.
+    std::optional<dim3> cluster;
 };
 GemvLaunch make_gemv_launch(const GemmPlan& plan, const TensorView& a, const TensorView& b, const TensorView& d);
 

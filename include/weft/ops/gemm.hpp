@@ -32,7 +32,9 @@ struct GemmOptions {
     /// (figures: kernels/gemm/README.md, "Which M takes the small-M path"). Not applied where small_m_variant forces
     /// kTmaWgmma (variant 5 takes M up to kGemvWgmmaMaxM = 256).
     int small_m_max_m = 32;
-    int small_m_splits = 0;            ///< force the small-M path's split count (0 = heuristic)
+    /// Force the small-M path's split count (0 = heuristic). kTmaWgmma (variant 5) adds its splits inside one
+    /// cluster per column block: at most kGemvWgmmaMaxSplits = 8 (more is an error), no workspace.
+    int small_m_splits = 0;
     /// Split-K of the tiled kernel (GemmConfig::splits): 0 = the op's rule (gemm_split_k_config), 1 = never, 2..16 =
     /// that many splits of the heuristic's tile (without its cluster pair). Ignored when `config` is set (its own
     /// splits count). Needs a workspace (`workspace`, GemmPlan::workspace_bytes) like the small-M split-K.
@@ -44,9 +46,10 @@ struct GemmOptions {
     /// tensor cores; kTmaRing (variant 3) = split-K, B and A stream through a shared-memory ring filled by TMA.
     /// kBulkRows is the default where it serves because its copies stream faster than kTmaRing's TMA boxes
     /// (figures: kernels/gemm/README.md, the small-M sections). kTmaWgmma (variant 5, never picked by the op on its
-    /// own; the autotuner's "small_m_v5") = split-K, A and B swapped on wgmma (64 columns of D per CTA, A's rows
-    /// padded to 16): forced, it serves any M <= kGemvWgmmaMaxM = 256 with B [N,K] (small_m_max_m does not apply)
-    /// and a call it cannot serve (M > 256, B [K,N]) is an error.
+    /// own; the autotuner's "small_m_v5") = split-K in a cluster (the splits add through distributed shared
+    /// memory), A and B swapped on wgmma (64 columns of D per CTA, A's rows padded to 16): forced, it serves any M <=
+    /// kGemvWgmmaMaxM = 256 with B [N,K] (small_m_max_m does not apply) and a call it cannot serve (M > 256, B [K,N])
+    /// is an error.
     std::optional<GemvVariant> small_m_variant;
     void* workspace = nullptr;         ///< split-K scratch of GemmPlan::workspace_bytes, 256-byte aligned: split-K
                                        ///< counters first (zero-filled before the first use; each call leaves

@@ -105,22 +105,21 @@ bool gemm_allows_small_m_v5(const GemmProblem& problem, const GemmOptions& optio
 /// cost more than the 64 idle SMs give back).
 int gemv_auto_splits(int grid, int ctas_per_sm, int num_sms, int64_t k);
 
-/// The fewest k-blocks of kGemvWgmmaStageK (64 k) one split of small-M variant 5 gets from gemv_wgmma_splits, and the
-/// most splits that rule gives.
+/// The fewest k-blocks of kGemvWgmmaStageK (64 k) one split of small-M variant 5 gets from gemv_wgmma_splits.
 inline constexpr int kGemvWgmmaMinSplitKBlocks = 8;
-inline constexpr int kGemvWgmmaMaxAutoSplits = 16;
 
 /// Small-M variant 5's (GemvVariant::kTmaWgmma) split count when the caller leaves it to the op (pure rule): its
 /// ceil(N / 64) column blocks times the splits fill at most one wave of `num_sms` (the SM budget), each split keeps
-/// at least kGemvWgmmaMinSplitKBlocks k-blocks of 64, at most kGemvWgmmaMaxAutoSplits splits, at least 1. E.g. 132
-/// SMs: N = K = 4096 -> 64 blocks x 2; N = 8192 -> 128 x 1; N = 64, K = 4096 -> 1 x 8.
+/// at least kGemvWgmmaMinSplitKBlocks k-blocks of 64, at most kGemvWgmmaMaxSplits splits (one cluster), at least 1.
+/// E.g. 132 SMs: N = K = 4096 -> 64 blocks x 2; N = 8192 -> 128 x 1; N = 64, K = 4096 -> 1 x 8.
 int gemv_wgmma_splits(int64_t n, int64_t k, int num_sms);
 
 /// Picks the path and config. `num_sms` is the device's SM count (the budget's default).
 GemmPlan plan_gemm(const GemmProblem& problem, int num_sms, const GemmOptions& options = {});
 
-/// Scratch the small-M path needs for this problem with `splits` splits (0 when none): counters (one per
-/// column block of the variant) first, then fp32 partials, each rounded up to 256 bytes.
+/// Scratch the small-M path needs for this problem with `splits` splits (0 when none, and for kTmaWgmma, whose
+/// splits add through distributed shared memory): counters (one per column block of the variant) first, then fp32
+/// partials, each rounded up to 256 bytes.
 size_t gemm_workspace_bytes(const GemmProblem& problem, int splits, GemvVariant variant = GemvVariant::kTmaRing);
 
 /// The small-M kernel of a kSmallM plan for a problem's dtypes.

@@ -167,6 +167,25 @@ __device__ __forceinline__ unsigned cluster_num_ctas() {
     return n;
 }
 
+/// The shared::cluster address of the byte at `smem_addr` (a shared::cta address in this CTA) in CTA `cta_rank` of
+/// this cluster: its distributed-shared-memory twin, for ld.shared::cluster.
+__device__ __forceinline__ unsigned cluster_map_shared(unsigned smem_addr, unsigned cta_rank) {
+    unsigned remote;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr), "r"(cta_rank));
+    return remote;
+}
+
+/// 16 bytes (four floats) of distributed shared memory at a shared::cluster address (cluster_map_shared), 16-byte
+/// aligned. Ordered after the writer's stores by a cluster barrier (cluster_sync) between them.
+__device__ __forceinline__ float4 ld_shared_cluster_v4f32(unsigned addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+
 /// Barrier over every thread of every CTA in the cluster (release on arrive, acquire on wait).
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
