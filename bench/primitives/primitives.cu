@@ -133,7 +133,24 @@ __global__ void bandwidth_kernel(DeviceCtx ctx, uint8_t* local, uint8_t* symmetr
     }
 }
 
-enum class PingPong : int { kRawGpu = 0, kRawSys, kTileGpu, kTileSys, kShmemSys, kPutSignalSys, kPutSignalOddSys, kCount };
+// The last four split tile::notify/wait<gpu>'s cost from the hand-written ping-pong's: the bounded poll loop alone
+// (spin_until, no group barrier or proxy fence) behind a hand-written store; tile::notify behind a hand-written wait;
+// and notify's two differences from the hand-written store, one at a time: a red.add instead of a st, and the peer's
+// address translated (symm_at: a load of the peer-base table) on every send instead of once.
+enum class PingPong : int {
+    kRawGpu = 0,
+    kRawSys,
+    kTileGpu,
+    kTileSys,
+    kShmemSys,
+    kPutSignalSys,
+    kPutSignalOddSys,
+    kSpinGpu,
+    kNotifyRawWaitGpu,
+    kRedGpu,
+    kSymmAtStGpu,
+    kCount
+};
 const char* ping_pong_name(PingPong v) {
     switch (v) {
         case PingPong::kRawGpu: return "hand-written st.release/ld.acquire .gpu";
@@ -143,6 +160,10 @@ const char* ping_pong_name(PingPong v) {
         case PingPong::kShmemSys: return "shmem::signal_op/signal_wait_until";
         case PingPong::kPutSignalSys: return "shmem::putmem_signal 8 B + wait";
         case PingPong::kPutSignalOddSys: return "shmem::putmem_signal 3 B unaligned + wait";
+        case PingPong::kSpinGpu: return "st.release + spin_until<gpu> (no fence)";
+        case PingPong::kNotifyRawWaitGpu: return "tile::notify<gpu> + ld.acquire loop";
+        case PingPong::kRedGpu: return "red.release.gpu.add + ld.acquire loop";
+        case PingPong::kSymmAtStGpu: return "symm_at each time + st.release + ld.acquire";
         case PingPong::kCount: break;
     }
     return "?";
@@ -172,7 +193,13 @@ __global__ void ping_pong_kernel(DeviceCtx ctx, PingPong v, uint64_t* sig, uint8
     bool ok = true;
     const auto send = [&](uint64_t i) {
         switch (v) {
-            case PingPong::kRawGpu: ptx::st<ptx::Sem::kRelease, ptx::Scope::kGpu>(peer_sig, i); break;
+            case PingPong::kRawGpu:
+            case PingPong::kSpinGpu: ptx::st<ptx::Sem::kRelease, ptx::Scope::kGpu>(peer_sig, i); break;
+            case PingPong::kNotifyRawWaitGpu: tile::notify<ptx::Scope::kGpu>(Thread{}, ctx, sig, peer, 1); break;
+            case PingPong::kRedGpu: ptx::red_add<ptx::Sem::kRelease, ptx::Scope::kGpu>(peer_sig, 1); break;
+            case PingPong::kSymmAtStGpu:
+                ptx::st<ptx::Sem::kRelease, ptx::Scope::kGpu>(tile::symm_at(ctx, sig, peer), i);
+                break;
             case PingPong::kRawSys: ptx::st<ptx::Sem::kRelease, ptx::Scope::kSys>(peer_sig, i); break;
             case PingPong::kTileGpu: tile::notify<ptx::Scope::kGpu>(Thread{}, ctx, sig, peer, 1); break;
             case PingPong::kTileSys: tile::notify(Thread{}, ctx, sig, peer, 1); break;
@@ -188,7 +215,14 @@ __global__ void ping_pong_kernel(DeviceCtx ctx, PingPong v, uint64_t* sig, uint8
     };
     const auto wait = [&](uint64_t i) {
         switch (v) {
-            case PingPong::kRawGpu: ok = ok && raw_wait<ptx::Scope::kGpu>(sig, i); break;
+            case PingPong::kRawGpu:
+            case PingPong::kNotifyRawWaitGpu:
+            case PingPong::kRedGpu:
+            case PingPong::kSymmAtStGpu: ok = ok && raw_wait<ptx::Scope::kGpu>(sig, i); break;
+            case PingPong::kSpinGpu:
+                device::spin_until<ptx::Sem::kAcquire, ptx::Scope::kGpu>(
+                    ctx, sig, Cmp::kGe, i, device::SpinSite{SpinKind::kSignalWait, peer, __LINE__});
+                break;
             case PingPong::kRawSys: ok = ok && raw_wait<ptx::Scope::kSys>(sig, i); break;
             case PingPong::kTileGpu: tile::wait<ptx::Scope::kGpu>(Thread{}, ctx, sig, 1, Cmp::kGe, i); break;
             case PingPong::kTileSys: tile::wait(Thread{}, ctx, sig, 1, Cmp::kGe, i); break;
@@ -479,7 +513,9 @@ int run(int argc, char** argv) {
         if (r.variant == PingPong::kRawSys) raw_sys = r.round_trip_us;
     }
     for (const PingPongRow& r : pp) {
-        const bool gpu = r.variant == PingPong::kRawGpu || r.variant == PingPong::kTileGpu;
+        const bool gpu = r.variant == PingPong::kRawGpu || r.variant == PingPong::kTileGpu ||
+                         r.variant == PingPong::kSpinGpu || r.variant == PingPong::kNotifyRawWaitGpu ||
+                         r.variant == PingPong::kRedGpu || r.variant == PingPong::kSymmAtStGpu;
         const double base = gpu ? raw_gpu : raw_sys;
         std::printf("%-44s %8.3f %6.2f\n", ping_pong_name(r.variant), r.round_trip_us, base > 0 ? r.round_trip_us / base : 0.0);
     }

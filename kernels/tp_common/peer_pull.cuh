@@ -22,7 +22,7 @@ namespace weft::kernels::tp_common {
 /// GPU scope (the waiting GEMM or attention kernel acquires it and fences the async proxy itself). kUnused: a
 /// template, so that a header included by several translation units defines no non-inline kernel.
 template <int kUnused>
-__global__ void __launch_bounds__(kPeerPullThreads) peer_pull_kernel(const PeerPullParams p) {
+__global__ void __launch_bounds__(kPeerPullThreads, 1) peer_pull_kernel(const PeerPullParams p) {
     for (int i = 0; i < p.num_items; ++i) {
         const PeerPullItem& it = p.items[i];
         if (it.wait_ready != nullptr) {
