@@ -68,26 +68,19 @@ __device__ __forceinline__ void store_out2(void* d, int64_t idx, float v0, float
     }
 }
 
-/// Stores the first `count` (1..4) of v's values, converted to kOut, at d[idx ..]: in pairs where idx is even (d
-/// 16-byte aligned), one at a time where it is odd (an odd ldd puts odd rows at odd offsets).
+/// Stores the first `count` (1..4) of v's values, converted to kOut, at d[idx ..] in pairs: idx even (the op takes
+/// D's rows 16-byte aligned and runs start at multiples of 4 columns).
 template <DType kOut>
 __device__ __forceinline__ void store_out_run(void* d, int64_t idx, float4 v, int count) {
-    if (idx % 2 == 0) {
-        if (count >= 2) {
-            store_out2<kOut>(d, idx, v.x, v.y);
-        } else {
-            store_out<kOut>(d, idx, v.x);
-        }
-        if (count >= 4) {
-            store_out2<kOut>(d, idx + 2, v.z, v.w);
-        } else if (count == 3) {
-            store_out<kOut>(d, idx + 2, v.z);
-        }
+    if (count >= 2) {
+        store_out2<kOut>(d, idx, v.x, v.y);
     } else {
         store_out<kOut>(d, idx, v.x);
-        if (count > 1) store_out<kOut>(d, idx + 1, v.y);
-        if (count > 2) store_out<kOut>(d, idx + 2, v.z);
-        if (count > 3) store_out<kOut>(d, idx + 3, v.w);
+    }
+    if (count >= 4) {
+        store_out2<kOut>(d, idx + 2, v.z, v.w);
+    } else if (count == 3) {
+        store_out<kOut>(d, idx + 2, v.z);
     }
 }
 

@@ -132,6 +132,7 @@ struct GemmAr::State : tp_detail::FusedOpState {
         GemmOptions o;
         o.allow_small_m = true;
         o.small_m_max_m = kGemvMaxM;  // gemm_ar serves every M <= 64 with the small-M kernels it loaded
+        o.small_m_wgmma_max_m = 0;    // variants 3 / 4 only: one variant for every M
         GemmProblem p = problem(m);
         p.b_rows_contiguous = b_rows_contiguous;
         return plan_gemm(p, num_sms, o);

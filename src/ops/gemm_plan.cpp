@@ -300,6 +300,9 @@ void validate_gemm_options(const GemmProblem& p, const GemmOptions& options) {
     WEFT_CHECK(
         options.small_m_max_m >= 0 && options.small_m_max_m <= kGemvMaxM,
         "gemm: options.small_m_max_m must be in [0, " << kGemvMaxM << "] (kGemvMaxM), got " << options.small_m_max_m);
+    WEFT_CHECK(options.small_m_wgmma_max_m >= 0 && options.small_m_wgmma_max_m <= kGemvWgmmaMaxM,
+               "gemm: options.small_m_wgmma_max_m must be in [0, " << kGemvWgmmaMaxM << "] (kGemvWgmmaMaxM), got "
+                                                                   << options.small_m_wgmma_max_m);
     WEFT_CHECK(options.small_m_splits >= 0 && options.small_m_splits <= kGemmMaxSmallMSplits,
                "gemm: options.small_m_splits must be in [0, "
                    << kGemmMaxSmallMSplits << "] (0: heuristic; the grid's y extent), got " << options.small_m_splits);
@@ -331,48 +334,46 @@ void validate_gemm_options(const GemmProblem& p, const GemmOptions& options) {
     }
 }
 
-GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
-    WEFT_CHECK(num_sms > 0, "gemm: the device must report a positive SM count, got " << num_sms);
-    validate_gemm_options(p, options);
-    const int budget = options.sm_budget > 0 ? std::min(options.sm_budget, num_sms) : num_sms;
-    GemmPlan plan;
+namespace {
 
-    if (gemm_allows_small_m(p, options)) {
-        plan.path = GemmPath::kSmallM;
-        plan.small_m_variant = options.small_m_variant.value_or(auto_small_m_variant(p));
-        plan.small_m_tiles = static_cast<int>(ceil_div(p.m, 16));
-        const GemvShape shape =
-            gemv_shape(GemvConfig{.variant = plan.small_m_variant, .m_tiles = plan.small_m_tiles});
-        plan.grid = static_cast<int>(ceil_div(p.n, gemv_cols_per_cta(shape.n_tiles)));
-        if (plan.small_m_variant == GemvVariant::kBulkRows) {
-            const std::string why = gemv_rows_unsupported(p);
-            WEFT_CHECK(why.empty(), "gemm: small-M variant 4 (bulk-copied rows) cannot serve this call: " << why);
-            WEFT_CHECK(options.small_m_splits <= 1, "gemm: small-M variant 4 (bulk-copied rows) has no split-K, got "
-                                                    "small_m_splits " << options.small_m_splits);
-            // One CTA per SM of the budget, N spread evenly: ceil(N / grid) rows each, none empty.
-            plan.grid = static_cast<int>(ceil_div(p.n, ceil_div(p.n, budget)));
-            plan.small_m_k_per_split = static_cast<int>(round_up(p.k, 32));
-            plan.small_m_splits = 1;
-            plan.workspace_bytes = 0;
-            return plan;
-        }
-        const bool wgmma = plan.small_m_variant == GemvVariant::kTmaWgmma;
-        int splits = options.small_m_splits;
-        if (splits <= 0) {
-            splits = wgmma ? gemv_wgmma_splits(p.n, p.k, budget)
-                           : gemv_auto_splits(plan.grid, shape.ctas_per_sm, num_sms, p.k);
-        }
-        // kTmaWgmma's splits start on whole stages (kGemvWgmmaStageK); kTmaRing's on its 32-wide chunks.
-        plan.small_m_k_per_split = static_cast<int>(round_up(ceil_div(p.k, splits), wgmma ? kGemvWgmmaStageK : 32));
-        plan.small_m_splits = static_cast<int>(ceil_div(p.k, plan.small_m_k_per_split));
-        WEFT_CHECK(!wgmma || plan.small_m_splits <= kGemvWgmmaMaxSplits,
-                   "gemm: small-M variant 5 splits K over one cluster of at most "
-                       << kGemvWgmmaMaxSplits << " CTAs per column block, got " << plan.small_m_splits
-                       << " splits (options.small_m_splits " << options.small_m_splits << ", K = " << p.k << ")");
-        plan.workspace_bytes = gemm_workspace_bytes(p, plan.small_m_splits, plan.small_m_variant);
+GemmPlan plan_small_m(const GemmProblem& p, GemvVariant variant, const GemmOptions& options, int budget, int num_sms) {
+    GemmPlan plan;
+    plan.path = GemmPath::kSmallM;
+    plan.small_m_variant = variant;
+    plan.small_m_tiles = static_cast<int>(ceil_div(p.m, 16));
+    const GemvShape shape = gemv_shape(GemvConfig{.variant = plan.small_m_variant, .m_tiles = plan.small_m_tiles});
+    plan.grid = static_cast<int>(ceil_div(p.n, gemv_cols_per_cta(shape.n_tiles)));
+    if (plan.small_m_variant == GemvVariant::kBulkRows) {
+        const std::string why = gemv_rows_unsupported(p);
+        WEFT_CHECK(why.empty(), "gemm: small-M variant 4 (bulk-copied rows) cannot serve this call: " << why);
+        WEFT_CHECK(options.small_m_splits <= 1, "gemm: small-M variant 4 (bulk-copied rows) has no split-K, got "
+                                                "small_m_splits " << options.small_m_splits);
+        // One CTA per SM of the budget, N spread evenly: ceil(N / grid) rows each, none empty.
+        plan.grid = static_cast<int>(ceil_div(p.n, ceil_div(p.n, budget)));
+        plan.small_m_k_per_split = static_cast<int>(round_up(p.k, 32));
+        plan.small_m_splits = 1;
+        plan.workspace_bytes = 0;
         return plan;
     }
+    const bool wgmma = plan.small_m_variant == GemvVariant::kTmaWgmma;
+    int splits = options.small_m_splits;
+    if (splits <= 0) {
+        splits = wgmma ? gemv_wgmma_splits(p.n, p.k, budget)
+                       : gemv_auto_splits(plan.grid, shape.ctas_per_sm, num_sms, p.k);
+    }
+    // kTmaWgmma's splits start on whole stages (kGemvWgmmaStageK); kTmaRing's on its 32-wide chunks.
+    plan.small_m_k_per_split = static_cast<int>(round_up(ceil_div(p.k, splits), wgmma ? kGemvWgmmaStageK : 32));
+    plan.small_m_splits = static_cast<int>(ceil_div(p.k, plan.small_m_k_per_split));
+    WEFT_CHECK(!wgmma || plan.small_m_splits <= kGemvWgmmaMaxSplits,
+               "gemm: small-M variant 5 splits K over one cluster of at most "
+                   << kGemvWgmmaMaxSplits << " CTAs per column block, got " << plan.small_m_splits
+                   << " splits (options.small_m_splits " << options.small_m_splits << ", K = " << p.k << ")");
+    plan.workspace_bytes = gemm_workspace_bytes(p, plan.small_m_splits, plan.small_m_variant);
+    return plan;
+}
 
+GemmPlan plan_tiled(const GemmProblem& p, const GemmOptions& options, int budget) {
+    GemmPlan plan;
     plan.path = GemmPath::kTiled;
     if (options.config) {
         plan.config = *options.config;  // checked by validate_gemm_options
@@ -414,6 +415,47 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
     if (c.splits > 1) {
         const GemmSplitKLayout l = gemm_split_k_layout(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
         plan.workspace_bytes = static_cast<size_t>(l.counter_bytes + round_up(l.partial_bytes, 256));
+    }
+    return plan;
+}
+
+}  // namespace
+
+bool gemm_prefers_wgmma_small_m(const GemmProblem& p, const GemmOptions& options, const GemmPlan* tiled, int num_sms) {
+    WEFT_CHECK(num_sms > 0, "gemm: the device must report a positive SM count, got " << num_sms);
+    if (options.config || options.small_m_variant || options.split_k != 0 || !options.allow_small_m ||
+        p.b_layout != BLayout::kNK || (options.sm_budget > 0 && options.sm_budget < num_sms) || p.m < 17 ||
+        p.m > options.small_m_wgmma_max_m || p.n <= 0 || p.k <= 0) {
+        return false;
+    }
+    const int splits = gemv_wgmma_splits(p.n, p.k, num_sms);
+    // Measured faster where its grid (column blocks x splits) filled half to one wave of the device; a smaller grid
+    // leaves SMs idle, a larger one a partial last wave (N = 28672: 448 CTAs, 3.4 waves, 10-13% behind the tiled
+    // kernel at M = 77..128).
+    const int64_t grid = ceil_div(p.n, int64_t{kGemvWgmmaCols}) * splits;
+    if (2 * grid < num_sms || grid > num_sms) return false;
+    if (tiled == nullptr) return splits <= 2;
+    const GemmConfig& c = tiled->config;
+    const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
+    const double tiles = g.num_tiles();
+    const double rows_used = static_cast<double>(p.m) / static_cast<double>(round_up(p.m, int64_t{c.tile_m}));
+    if (tiles >= 1.5 * num_sms) return false;
+    if (tiles >= 0.8 * num_sms && rows_used > 0.8) return false;
+    return splits <= 2 || (p.m >= 65 && p.m <= 160);
+}
+
+GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
+    WEFT_CHECK(num_sms > 0, "gemm: the device must report a positive SM count, got " << num_sms);
+    validate_gemm_options(p, options);
+    const int budget = options.sm_budget > 0 ? std::min(options.sm_budget, num_sms) : num_sms;
+    if (gemm_allows_small_m(p, options)) {
+        const GemvVariant v = options.small_m_variant.value_or(
+            gemm_prefers_wgmma_small_m(p, options, nullptr, num_sms) ? GemvVariant::kTmaWgmma : auto_small_m_variant(p));
+        return plan_small_m(p, v, options, budget, num_sms);
+    }
+    GemmPlan plan = plan_tiled(p, options, budget);
+    if (gemm_prefers_wgmma_small_m(p, options, &plan, num_sms)) {
+        return plan_small_m(p, GemvVariant::kTmaWgmma, options, budget, num_sms);
     }
     return plan;
 }

@@ -316,18 +316,24 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
               static_cast<size_t>(kGemmNumCandidates) + 4);
     EXPECT_EQ(gemm_tune_candidates(problem(64, 8192, 512), 132, no_small).size(),
               static_cast<size_t>(kGemmNumCandidates));
-    // M = 33..64: only where small_m_max_m lets the small-M path serve it (as plan_gemm).
+    // M = 33..64: only where small_m_max_m lets the small-M path serve it (as plan_gemm). The heuristic's own pick
+    // here is variant 5 (gemm_prefers_wgmma_small_m): with small_m_wgmma_max_m = 0 the picks of variant 3 / the tiled
+    // kernel show.
     for (int64_t m : {33, 40, 64}) {
         SCOPED_TRACE("M = " + std::to_string(m));
         const GemmProblem mid = problem(m, 8192, 8192);
+        const auto dflt = gemm_tune_candidates(mid, 132, {});
+        ASSERT_EQ(dflt.size(), kTiled + kV5) << "the default small_m_max_m is 32";
+        EXPECT_EQ(dflt[0].name, "small_m_v5");
         GemmOptions up_to_64;
         up_to_64.small_m_max_m = 64;
+        up_to_64.small_m_wgmma_max_m = 0;
         const auto mc = gemm_tune_candidates(mid, 132, up_to_64);
         ASSERT_EQ(mc.size(), kTiled + kSplitKVariants + kV5);
         EXPECT_EQ(mc[0].name, "small_m_v3");
-        EXPECT_EQ(gemm_tune_candidates(mid, 132, {}).size(), kTiled + kV5) << "the default small_m_max_m is 32";
         GemmOptions up_to_32;
         up_to_32.small_m_max_m = 32;
+        up_to_32.small_m_wgmma_max_m = 0;
         const auto mc32 = gemm_tune_candidates(mid, 132, up_to_32);
         ASSERT_EQ(mc32.size(), kTiled + kV5);
         EXPECT_EQ(mc32[0].plan.path, GemmPath::kTiled);

@@ -184,6 +184,10 @@ TEST(GemmValidate, NamesTheBadArgument) {
                           "a's base address must be 16-byte aligned");
     expect_error_mentions([&] { ops::validate_gemm_args(a, mat(0x20000, DType::kBF16, 128, 64, 68), d, BLayout::kNK); },
                           "b's row stride must be a multiple of 16 bytes");
+    // Every path (the small-M kernels too) takes D's rows 16-byte aligned: an odd ldd is refused, not served slowly.
+    expect_error_mentions([&] { ops::validate_gemm_args(mat(0x10000, DType::kBF16, 7, 64, 64), b,
+                                                        mat(0x30000, DType::kBF16, 7, 128, 129), BLayout::kNK); },
+                          "d's row stride must be a multiple of 16 bytes");
     expect_error_mentions([&] { ops::validate_gemm_args(a, mat(0x20000, DType::kBF16, 128, 32, 32), d, BLayout::kNK); },
                           "b ([N,K] row-major) must have K = 64");
     expect_error_mentions([&] { ops::validate_gemm_args(a, mat(0x20000, DType::kF16, 128, 64, 64), d, BLayout::kNK); },
@@ -361,6 +365,7 @@ TEST(GemmPlan, SmallMTakesTheSplitKPathOnlyWhereItCan) {
 
     ops::GemmOptions up_to_64;
     up_to_64.small_m_max_m = kGemvMaxM;
+    up_to_64.small_m_wgmma_max_m = 0;  // variants 3 / 4 and the tiled kernel only
     p.m = 64;
     EXPECT_EQ(ops::plan_gemm(p, 132, up_to_64).path, ops::GemmPath::kSmallM);
     EXPECT_EQ(ops::plan_gemm(p, 132, up_to_64).small_m_tiles, 4);
@@ -432,7 +437,9 @@ TEST(GemmPlan, SmallMVariant4WholeRowsNamesWhatItNeeds) {
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 4; }), 132).small_m_variant, k4);
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 5; }), 132).small_m_variant, k4);
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 16; }), 132).small_m_variant, k4);
-    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 17; }), 132).small_m_variant, k3);
+    ops::GemmOptions no_v5;
+    no_v5.small_m_wgmma_max_m = 0;
+    EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 17; }), 132, no_v5).small_m_variant, k3);
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.m = 4; q.k = 16384; }), 132).small_m_variant, k4);
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.b_rows_contiguous = false; }), 132).small_m_variant, k3);
     EXPECT_EQ(ops::plan_gemm(with([](auto& q) { q.k = 6144; }), 132).small_m_variant, k4);
@@ -526,6 +533,7 @@ TEST(GemmPlan, OnlyTheRingKernelsLaunchProgrammatically) {
     ops::GemmOptions on;
     on.programmatic_launch = true;
     on.small_m_max_m = kGemvMaxM;
+    on.small_m_wgmma_max_m = 0;  // variant 5 (which launches programmatically too): SmallMVariant5PlansWhenForced
     for (int64_t m : {1, 2, 3, 16, 17, 64, 65, 128}) {
         ops::GemmProblem p{m, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
         p.b_rows_contiguous = true;
@@ -557,6 +565,7 @@ TEST(GemmPlan, OnlyTheRingKernelsLaunchProgrammatically) {
 TEST(GemmPlan, SmallMVariant3FillsOneWave) {
     ops::GemmOptions up_to_64;
     up_to_64.small_m_max_m = kGemvMaxM;  // M 17..64 too
+    up_to_64.small_m_wgmma_max_m = 0;    // variant 3 there, not 5
     struct Expect {
         int64_t m, n, k;
         int m_tiles, grid, splits;
@@ -602,14 +611,16 @@ TEST(GemmPlan, SmallMVariant3FillsOneWave) {
 // there, the ping-pong 64x128 tile from M = 48); out-of-range values are an error.
 TEST(GemmPlan, SmallMMaxMBoundsTheSmallMPath) {
     EXPECT_EQ(ops::GemmOptions{}.small_m_max_m, 32);
+    ops::GemmOptions no_v5;
+    no_v5.small_m_wgmma_max_m = 0;  // variant 5's own band: SmallMVariant5BandBeatsVariant3AndTheTiledKernel
     ops::GemmProblem p{32, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
-    EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kSmallM);
+    EXPECT_EQ(ops::plan_gemm(p, 132, no_v5).path, ops::GemmPath::kSmallM);
     EXPECT_TRUE(ops::gemm_allows_small_m(p, {}));
     p.m = 33;
-    EXPECT_EQ(ops::plan_gemm(p, 132).path, ops::GemmPath::kTiled);
+    EXPECT_EQ(ops::plan_gemm(p, 132, no_v5).path, ops::GemmPath::kTiled);
     EXPECT_FALSE(ops::gemm_allows_small_m(p, {}));
 
-    ops::GemmOptions o;
+    ops::GemmOptions o = no_v5;
     o.small_m_max_m = 32;
     for (int64_t m : {1, 17, 32}) {
         p.m = m;
@@ -732,8 +743,65 @@ TEST(GemmPlan, SmallMVariant5SplitsFillOneWave) {
     }
 }
 
-// Variant 5 through plan_gemm: only when forced (GemmOptions::small_m_variant; the heuristic's default pick does not
-// change), past small_m_max_m up to M = 256 with B [N,K]; 64 columns per CTA, ceil(M / 16) row tiles, its split rule
+// The heuristic's variant-5 band (gemm_prefers_wgmma_small_m) on the shapes it was fitted to (one H200, 132 SMs,
+// bf16, 2026-12-04: kernels/gemm/README.md, "Which M takes the small-M path"): variant 5 where it ran faster than
+// variant 3 / the tiled kernel's pick, the others where they did; never with an SM budget, a forced config, variant
+// or split_k, B [K,N], M <= 16 or M > small_m_wgmma_max_m.
+TEST(GemmPlan, SmallMVariant5BandBeatsVariant3AndTheTiledKernel) {
+    EXPECT_EQ(ops::GemmOptions{}.small_m_wgmma_max_m, 192);
+    const auto picks_v5 = [](int64_t m, int64_t n, int64_t k, const ops::GemmOptions& o = {}) {
+        const auto plan = ops::plan_gemm(ops::GemmProblem{m, n, k, BLayout::kNK, DType::kBF16, DType::kBF16}, 132, o);
+        return plan.path == ops::GemmPath::kSmallM && plan.small_m_variant == GemvVariant::kTmaWgmma;
+    };
+    struct Row {
+        int64_t n, k;
+        std::vector<int64_t> v5, other;
+    };
+    const Row rows[] = {
+        {4096, 4096, {17, 24, 32, 48, 64, 77, 96, 128, 160, 192}, {1, 16, 193, 256}},
+        {8192, 8192, {17, 24, 32, 48, 64, 77, 96, 160, 192}, {16, 128, 256}},
+        {4096, 14336, {17, 32, 48, 77, 128, 192}, {256}},
+        {7168, 2048, {17, 32, 48, 64, 77, 160, 192}, {128, 256}},
+        {2048, 7168, {77, 96, 128, 160}, {17, 24, 32, 48, 64, 192, 256}},
+        {1024, 4096, {77, 96, 128, 160}, {17, 24, 48, 64, 192, 256}},
+        {28672, 4096, {}, {17, 24, 32, 48, 64, 77, 96, 128, 160, 192, 256}},
+    };
+    for (const Row& r : rows) {
+        for (int64_t m : r.v5) EXPECT_TRUE(picks_v5(m, r.n, r.k)) << m << "x" << r.n << "x" << r.k;
+        for (int64_t m : r.other) EXPECT_FALSE(picks_v5(m, r.n, r.k)) << m << "x" << r.n << "x" << r.k;
+    }
+    // A grid of fewer than half the SMs (N = 1000, K = 512: 16 column blocks, one split) or of more than one wave
+    // (N = 28672: 448 column blocks) stays with the others.
+    EXPECT_FALSE(picks_v5(40, 1000, 512));
+    EXPECT_FALSE(picks_v5(77, 9000, 4096));
+    ops::GemmOptions o;
+    o.sm_budget = 100;
+    EXPECT_FALSE(picks_v5(77, 4096, 4096, o));
+    o = {};
+    o.split_k = 1;
+    EXPECT_FALSE(picks_v5(77, 4096, 4096, o));
+    o = {};
+    o.small_m_variant = GemvVariant::kTmaRing;
+    o.small_m_max_m = kGemvMaxM;
+    EXPECT_FALSE(picks_v5(24, 4096, 4096, o));
+    o = {};
+    o.small_m_wgmma_max_m = 64;
+    EXPECT_TRUE(picks_v5(64, 4096, 4096, o));
+    EXPECT_FALSE(picks_v5(77, 4096, 4096, o));
+    o.small_m_wgmma_max_m = kGemvWgmmaMaxM + 1;
+    expect_error_mentions([&] { picks_v5(77, 4096, 4096, o); }, "options.small_m_wgmma_max_m must be in [0, 256]");
+    EXPECT_FALSE(ops::plan_gemm(ops::GemmProblem{77, 4096, 4096, BLayout::kKN, DType::kBF16, DType::kBF16}, 132).path ==
+                 ops::GemmPath::kSmallM);
+    // The band's plan is variant 5's own: its split rule, no workspace; f16 / f32 out alike.
+    const auto plan = ops::plan_gemm(ops::GemmProblem{77, 4096, 4096, BLayout::kNK, DType::kF16, DType::kF32}, 132);
+    EXPECT_EQ(plan.small_m_variant, GemvVariant::kTmaWgmma);
+    EXPECT_EQ(plan.small_m_splits, 2);
+    EXPECT_EQ(plan.small_m_tiles, 5);
+    EXPECT_EQ(plan.workspace_bytes, 0u);
+}
+
+// Variant 5 through plan_gemm when forced (GemmOptions::small_m_variant; the heuristic picks it by its own rule,
+// gemm_prefers_wgmma_small_m), past small_m_max_m up to M = 256 with B [N,K]; 64 columns per CTA, ceil(M / 16) row tiles, its split rule
 // on the SM budget or the forced count, each split a whole number of 64-k stages and none empty; no workspace (the
 // splits add through distributed shared memory), a cluster of 1 x splits CTAs where it splits.
 TEST(GemmPlan, SmallMVariant5PlansWhenForced) {
@@ -743,7 +811,14 @@ TEST(GemmPlan, SmallMVariant5PlansWhenForced) {
         for (const auto& [n, k] : {std::pair<int64_t, int64_t>{4096, 4096}, {8192, 8192}, {4104, 200}, {64, 4096}}) {
             SCOPED_TRACE(std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k));
             const ops::GemmProblem p{m, n, k, BLayout::kNK, DType::kBF16, DType::kBF16};
-            EXPECT_NE(ops::plan_gemm(p, 132).small_m_variant, GemvVariant::kTmaWgmma) << "never the default";
+            const auto dflt = ops::plan_gemm(p, 132);
+            const bool band = dflt.path == ops::GemmPath::kSmallM && dflt.small_m_variant == GemvVariant::kTmaWgmma;
+            ops::GemmOptions no_v5;
+            no_v5.small_m_wgmma_max_m = 0;
+            const auto other = ops::plan_gemm(p, 132, no_v5);
+            EXPECT_EQ(band, ops::gemm_prefers_wgmma_small_m(
+                                p, {}, other.path == ops::GemmPath::kTiled ? &other : nullptr, 132))
+                << "the default takes variant 5 by its rule only";
             const auto plan = ops::plan_gemm(p, 132, v5);
             ASSERT_EQ(plan.path, ops::GemmPath::kSmallM);
             EXPECT_EQ(plan.small_m_variant, GemvVariant::kTmaWgmma);
@@ -794,9 +869,12 @@ TEST(GemmPlan, SmallMVariant5PlansWhenForced) {
     EXPECT_EQ(ops::plan_gemm(ops::GemmProblem{77, 4096, 4096, BLayout::kNK, DType::kBF16, DType::kBF16}, 132, half)
                   .small_m_splits,
               1);
-    // Not forced: M 65..256 stays on the tiled path; forced with allow_small_m off or a config: the tiled path too.
+    // Not forced, with the band off: M 65..256 stays on the tiled path; forced with allow_small_m off or a config:
+    // the tiled path too.
     const ops::GemmProblem p77{77, 4096, 4096, BLayout::kNK, DType::kBF16, DType::kBF16};
-    EXPECT_EQ(ops::plan_gemm(p77, 132).path, ops::GemmPath::kTiled);
+    ops::GemmOptions no_band;
+    no_band.small_m_wgmma_max_m = 0;
+    EXPECT_EQ(ops::plan_gemm(p77, 132, no_band).path, ops::GemmPath::kTiled);
     EXPECT_FALSE(ops::gemm_allows_small_m(p77, {}));
     EXPECT_TRUE(ops::gemm_allows_small_m_v5(p77, {}));
     ops::GemmOptions off = v5;

@@ -32,6 +32,11 @@ struct GemmOptions {
     /// (figures: kernels/gemm/README.md, "Which M takes the small-M path"). Not applied where small_m_variant forces
     /// kTmaWgmma (variant 5 takes M up to kGemvWgmmaMaxM = 256).
     int small_m_max_m = 32;
+    /// The largest M the heuristic may send to small-M variant 5 (GemvVariant::kTmaWgmma; 0..kGemvWgmmaMaxM = 256,
+    /// 0: never). Default 192: from 17 rows the op takes variant 5 where it beat variant 3 or the tiled kernel on
+    /// the measured shapes (gemm_prefers_wgmma_small_m in weft/ops/gemm_plan.hpp; only with the whole device,
+    /// sm_budget 0). Independent of small_m_max_m, which bounds variants 3 and 4.
+    int small_m_wgmma_max_m = 192;
     /// Force the small-M path's split count (0 = heuristic). kTmaWgmma (variant 5) adds its splits inside one
     /// cluster per column block: at most kGemvWgmmaMaxSplits = 8 (more is an error), no workspace.
     int small_m_splits = 0;
@@ -45,8 +50,8 @@ struct GemmOptions {
     /// 2048): whole rows and CUDA-core FMAs for M <= 2 with K = 2048 x 1, 2, 4 or 8, else groups of 8 rows on the
     /// tensor cores; kTmaRing (variant 3) = split-K, B and A stream through a shared-memory ring filled by TMA.
     /// kBulkRows is the default where it serves because its copies stream faster than kTmaRing's TMA boxes
-    /// (figures: kernels/gemm/README.md, the small-M sections). kTmaWgmma (variant 5, never picked by the op on its
-    /// own; the autotuner's "small_m_v5") = split-K in a cluster (the splits add through distributed shared
+    /// (figures: kernels/gemm/README.md, the small-M sections). kTmaWgmma (variant 5, picked by the op for some M in
+    /// 17..small_m_wgmma_max_m; the autotuner's "small_m_v5") = split-K in a cluster (the splits add through distributed shared
     /// memory), A and B swapped on wgmma (64 columns of D per CTA, A's rows padded to 16): forced, it serves any M <=
     /// kGemvWgmmaMaxM = 256 with B [N,K] (small_m_max_m does not apply) and a call it cannot serve (M > 256, B [K,N])
     /// is an error.

@@ -114,6 +114,19 @@ inline constexpr int kGemvWgmmaMinSplitKBlocks = 8;
 /// E.g. 132 SMs: N = K = 4096 -> 64 blocks x 2; N = 8192 -> 128 x 1; N = 64, K = 4096 -> 1 x 8.
 int gemv_wgmma_splits(int64_t n, int64_t k, int num_sms);
 
+/// Whether the op sends this call to small-M variant 5 (GemvVariant::kTmaWgmma) on its own (pure rule; `tiled` = the
+/// tiled kernel's plan for the call, or nullptr where the call would take variant 3/4, M <= small_m_max_m). Only with
+/// the whole device (no sm_budget below num_sms: variant 5's grid is not bounded by one), no forced config, variant or
+/// split_k, B [N,K], 17 <= M <= options.small_m_wgmma_max_m and a grid of ceil(N / 64) x S CTAs of half to one wave
+/// of the SMs; then, with S = gemv_wgmma_splits:
+///  - against variant 3 (M <= small_m_max_m): S <= 2 (variant 3's global split-K wins where more splits are needed);
+///  - against the tiled kernel: its T tiles fill less than 1.5 waves, not (T >= 0.8 x num_sms with the tile's rows
+///    more than 80% used), and S <= 2 or 65 <= M <= 160.
+/// Fitted to the sweep of 2026-12-04 (one H200, bf16, M = 17..256 at (N, K) = 4096², 8192², (7168, 2048),
+/// (2048, 7168), (28672, 4096), (4096, 14336), (1024, 4096); kernels/gemm/README.md, "Which M takes the small-M path").
+bool gemm_prefers_wgmma_small_m(const GemmProblem& problem, const GemmOptions& options, const GemmPlan* tiled,
+                                int num_sms);
+
 /// Picks the path and config. `num_sms` is the device's SM count (the budget's default).
 GemmPlan plan_gemm(const GemmProblem& problem, int num_sms, const GemmOptions& options = {});
 
