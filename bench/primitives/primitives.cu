@@ -169,6 +169,19 @@ const char* ping_pong_name(PingPong v) {
     return "?";
 }
 
+// Whether a variant signals at GPU scope (its ratio is to the hand-written .gpu ping-pong), else system scope.
+bool ping_pong_gpu_scope(PingPong v) {
+    switch (v) {
+        case PingPong::kRawGpu:
+        case PingPong::kTileGpu:
+        case PingPong::kSpinGpu:
+        case PingPong::kNotifyRawWaitGpu:
+        case PingPong::kRedGpu:
+        case PingPong::kSymmAtStGpu: return true;
+        default: return false;
+    }
+}
+
 // The minimal baseline: no backoff, no timer; bounded by a poll count only.
 template <ptx::Scope C>
 __device__ bool raw_wait(const uint64_t* sig, uint64_t value) {
@@ -513,10 +526,7 @@ int run(int argc, char** argv) {
         if (r.variant == PingPong::kRawSys) raw_sys = r.round_trip_us;
     }
     for (const PingPongRow& r : pp) {
-        const bool gpu = r.variant == PingPong::kRawGpu || r.variant == PingPong::kTileGpu ||
-                         r.variant == PingPong::kSpinGpu || r.variant == PingPong::kNotifyRawWaitGpu ||
-                         r.variant == PingPong::kRedGpu || r.variant == PingPong::kSymmAtStGpu;
-        const double base = gpu ? raw_gpu : raw_sys;
+        const double base = ping_pong_gpu_scope(r.variant) ? raw_gpu : raw_sys;
         std::printf("%-44s %8.3f %6.2f\n", ping_pong_name(r.variant), r.round_trip_us, base > 0 ? r.round_trip_us / base : 0.0);
     }
     std::printf("\nbarrier_all latency (us per barrier, one group per rank)\n%6s %7s %9s\n", "world", "group", "us");

@@ -449,8 +449,8 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
     validate_gemm_options(p, options);
     const int budget = options.sm_budget > 0 ? std::min(options.sm_budget, num_sms) : num_sms;
     if (gemm_allows_small_m(p, options)) {
-        const GemvVariant v = options.small_m_variant.value_or(
-            gemm_prefers_wgmma_small_m(p, options, nullptr, num_sms) ? GemvVariant::kTmaWgmma : auto_small_m_variant(p));
+        const bool wgmma = gemm_prefers_wgmma_small_m(p, options, nullptr, num_sms);
+        const GemvVariant v = options.small_m_variant.value_or(wgmma ? GemvVariant::kTmaWgmma : auto_small_m_variant(p));
         return plan_small_m(p, v, options, budget, num_sms);
     }
     GemmPlan plan = plan_tiled(p, options, budget);

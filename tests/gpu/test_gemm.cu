@@ -609,7 +609,7 @@ TEST(GemmSmallM, ProgrammaticLaunchWaitsForTheKernelBefore) {
         ops::GemmOptions o;
         o.programmatic_launch = true;
         o.small_m_max_m = kGemvMaxM;  // the small-M kernels (the only programmatic ones) up to their limit
-        o.small_m_wgmma_max_m = 0;    // variants 3 / 4 here; variant 5: Variant5ProgrammaticLaunchWaitsForTheKernelBefore
+        o.small_m_wgmma_max_m = 0;    // variants 3 / 4 here (variant 5: Variant5ProgrammaticLaunch...)
         const GemvVariant want = m <= kGemvGroupsMaxM && k % 2048 == 0 ? GemvVariant::kBulkRows : GemvVariant::kTmaRing;
         std::vector<int64_t> rows;
         for (int64_t r = 0; r < m; ++r) rows.push_back(r);

@@ -801,8 +801,8 @@ TEST(GemmPlan, SmallMVariant5BandBeatsVariant3AndTheTiledKernel) {
 }
 
 // Variant 5 through plan_gemm when forced (GemmOptions::small_m_variant; the heuristic picks it by its own rule,
-// gemm_prefers_wgmma_small_m), past small_m_max_m up to M = 256 with B [N,K]; 64 columns per CTA, ceil(M / 16) row tiles, its split rule
-// on the SM budget or the forced count, each split a whole number of 64-k stages and none empty; no workspace (the
+// gemm_prefers_wgmma_small_m), past small_m_max_m up to M = 256 with B [N,K]; 64 columns per CTA, ceil(M / 16) row
+// tiles, its split rule on the SM budget or the forced count, each split a whole number of 64-k stages and none empty; no workspace (the
 // splits add through distributed shared memory), a cluster of 1 x splits CTAs where it splits.
 TEST(GemmPlan, SmallMVariant5PlansWhenForced) {
     ops::GemmOptions v5;

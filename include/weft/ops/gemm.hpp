@@ -51,8 +51,8 @@ struct GemmOptions {
     /// tensor cores; kTmaRing (variant 3) = split-K, B and A stream through a shared-memory ring filled by TMA.
     /// kBulkRows is the default where it serves because its copies stream faster than kTmaRing's TMA boxes
     /// (figures: kernels/gemm/README.md, the small-M sections). kTmaWgmma (variant 5, picked by the op for some M in
-    /// 17..small_m_wgmma_max_m; the autotuner's "small_m_v5") = split-K in a cluster (the splits add through distributed shared
-    /// memory), A and B swapped on wgmma (64 columns of D per CTA, A's rows padded to 16): forced, it serves any M <=
+    /// 17..small_m_wgmma_max_m; the autotuner's "small_m_v5") = split-K in a cluster (the splits add through
+    /// distributed shared memory), A and B swapped on wgmma (64 columns of D per CTA, A's rows padded to 16): forced, it serves any M <=
     /// kGemvWgmmaMaxM = 256 with B [N,K] (small_m_max_m does not apply) and a call it cannot serve (M > 256, B [K,N])
     /// is an error.
     std::optional<GemvVariant> small_m_variant;
