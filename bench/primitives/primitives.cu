@@ -136,7 +136,10 @@ __global__ void bandwidth_kernel(DeviceCtx ctx, uint8_t* local, uint8_t* symmetr
 // The last four split tile::notify/wait<gpu>'s cost from the hand-written ping-pong's: the bounded poll loop alone
 // (spin_until, no group barrier or proxy fence) behind a hand-written store; tile::notify behind a hand-written wait;
 // and notify's two differences from the hand-written store, one at a time: a red.add instead of a st, and the peer's
-// address translated (symm_at: a load of the peer-base table) on every send instead of once.
+// address translated (symm_at: a load of the peer-base table) on every send instead of once. The tile::notify rows
+// with `peer_signal` translate the peer's word once before the loop (tile::PeerSignal), as a kernel that signals one
+// peer many times should; `set` raises the round's value with SignalOp::kSet (a st.release, as the hand-written
+// rows), `add` adds 1 (a red.release.add).
 enum class PingPong : int {
     kRawGpu = 0,
     kRawSys,
@@ -149,6 +152,10 @@ enum class PingPong : int {
     kNotifyRawWaitGpu,
     kRedGpu,
     kSymmAtStGpu,
+    kTilePeerAddGpu,
+    kTilePeerSetGpu,
+    kTilePeerAddSys,
+    kTilePeerSetSys,
     kCount
 };
 const char* ping_pong_name(PingPong v) {
@@ -164,6 +171,10 @@ const char* ping_pong_name(PingPong v) {
         case PingPong::kNotifyRawWaitGpu: return "tile::notify<gpu> + ld.acquire loop";
         case PingPong::kRedGpu: return "red.release.gpu.add + ld.acquire loop";
         case PingPong::kSymmAtStGpu: return "symm_at each time + st.release + ld.acquire";
+        case PingPong::kTilePeerAddGpu: return "tile::notify(peer_signal, add)/wait<gpu>";
+        case PingPong::kTilePeerSetGpu: return "tile::notify(peer_signal, set)/wait<gpu>";
+        case PingPong::kTilePeerAddSys: return "tile::notify(peer_signal, add)/wait<sys>";
+        case PingPong::kTilePeerSetSys: return "tile::notify(peer_signal, set)/wait<sys>";
         case PingPong::kCount: break;
     }
     return "?";
@@ -177,7 +188,9 @@ bool ping_pong_gpu_scope(PingPong v) {
         case PingPong::kSpinGpu:
         case PingPong::kNotifyRawWaitGpu:
         case PingPong::kRedGpu:
-        case PingPong::kSymmAtStGpu: return true;
+        case PingPong::kSymmAtStGpu:
+        case PingPong::kTilePeerAddGpu:
+        case PingPong::kTilePeerSetGpu: return true;
         default: return false;
     }
 }
@@ -203,6 +216,7 @@ __global__ void ping_pong_kernel(DeviceCtx ctx, PingPong v, uint64_t* sig, uint8
     const int me = ctx.rank;
     const int peer = 1 - me;
     uint64_t* peer_sig = tile::symm_at(ctx, sig, peer);
+    const tile::PeerSignal peer_word = tile::peer_signal(ctx, sig, peer);
     bool ok = true;
     const auto send = [&](uint64_t i) {
         switch (v) {
@@ -216,6 +230,12 @@ __global__ void ping_pong_kernel(DeviceCtx ctx, PingPong v, uint64_t* sig, uint8
             case PingPong::kRawSys: ptx::st<ptx::Sem::kRelease, ptx::Scope::kSys>(peer_sig, i); break;
             case PingPong::kTileGpu: tile::notify<ptx::Scope::kGpu>(Thread{}, ctx, sig, peer, 1); break;
             case PingPong::kTileSys: tile::notify(Thread{}, ctx, sig, peer, 1); break;
+            case PingPong::kTilePeerAddGpu: tile::notify<ptx::Scope::kGpu>(Thread{}, peer_word, 1); break;
+            case PingPong::kTilePeerSetGpu:
+                tile::notify<ptx::Scope::kGpu>(Thread{}, peer_word, i, SignalOp::kSet);
+                break;
+            case PingPong::kTilePeerAddSys: tile::notify(Thread{}, peer_word, 1); break;
+            case PingPong::kTilePeerSetSys: tile::notify(Thread{}, peer_word, i, SignalOp::kSet); break;
             case PingPong::kShmemSys: shmem::signal_op(Thread{}, ctx, sig, 1, SignalOp::kAdd, peer); break;
             case PingPong::kPutSignalSys:
                 shmem::putmem_signal(Thread{}, ctx, data, data + 64, 8, sig, 1, SignalOp::kAdd, peer);
@@ -237,8 +257,12 @@ __global__ void ping_pong_kernel(DeviceCtx ctx, PingPong v, uint64_t* sig, uint8
                     ctx, sig, Cmp::kGe, i, device::SpinSite{SpinKind::kSignalWait, peer, __LINE__});
                 break;
             case PingPong::kRawSys: ok = ok && raw_wait<ptx::Scope::kSys>(sig, i); break;
-            case PingPong::kTileGpu: tile::wait<ptx::Scope::kGpu>(Thread{}, ctx, sig, 1, Cmp::kGe, i); break;
-            case PingPong::kTileSys: tile::wait(Thread{}, ctx, sig, 1, Cmp::kGe, i); break;
+            case PingPong::kTileGpu:
+            case PingPong::kTilePeerAddGpu:
+            case PingPong::kTilePeerSetGpu: tile::wait<ptx::Scope::kGpu>(Thread{}, ctx, sig, 1, Cmp::kGe, i); break;
+            case PingPong::kTileSys:
+            case PingPong::kTilePeerAddSys:
+            case PingPong::kTilePeerSetSys: tile::wait(Thread{}, ctx, sig, 1, Cmp::kGe, i); break;
             case PingPong::kShmemSys:
             case PingPong::kPutSignalSys:
             case PingPong::kPutSignalOddSys: shmem::signal_wait_until(Thread{}, ctx, sig, Cmp::kGe, i); break;

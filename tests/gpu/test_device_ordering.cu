@@ -287,8 +287,9 @@ __host__ __device__ inline uint32_t chunk_word(uint64_t seed, int src, uint64_t 
 }
 
 // Block 0: its warps write the 40 chunks into the next rank in a per-epoch order, each raising its own
-// signal. Block 1: waits for all 40 with group G, then reads through consume_token.
-template <class G, ptx::Scope C, ptx::Sem S>
+// signal (kPeerSignal: through a tile::PeerSignal translated before the chunk's stores). Block 1: waits for all 40
+// with group G, then reads through consume_token.
+template <class G, ptx::Scope C, ptx::Sem S, bool kPeerSignal>
 __global__ void tile_ring_kernel(DeviceCtx ctx, uint32_t* data, uint64_t* sigs, uint64_t* ack, uint64_t first_epoch,
                                  int iters, uint64_t seed, unsigned long long* errors) {
     const int n = ctx.num_ranks;
@@ -305,11 +306,16 @@ __global__ void tile_ring_kernel(DeviceCtx ctx, uint32_t* data, uint64_t* sigs, 
             const int lane = static_cast<int>(threadIdx.x % 32);
             for (int pos = warp; pos < kChunks; pos += static_cast<int>(blockDim.x / 32)) {
                 const int c = static_cast<int>((static_cast<uint64_t>(pos) * 7 + epoch) % kChunks);
+                const tile::PeerSignal chunk_signal = tile::peer_signal(ctx, &sigs[c], next);
                 test::random_delay(seed, (epoch << 16) ^ static_cast<uint64_t>(c * 32 + lane), 800);
                 for (int j = lane; j < kChunkWords; j += 32) {
                     remote[c * kChunkWords + j] = chunk_word(seed, me, epoch, c, j);
                 }
-                tile::notify(Warp{}, ctx, &sigs[c], next, 1, SignalOp::kAdd);
+                if constexpr (kPeerSignal) {
+                    tile::notify(Warp{}, chunk_signal, 1, SignalOp::kAdd);
+                } else {
+                    tile::notify(Warp{}, ctx, &sigs[c], next, 1, SignalOp::kAdd);
+                }
             }
         } else if (first_in_block<G>()) {
             G g;
@@ -325,11 +331,11 @@ __global__ void tile_ring_kernel(DeviceCtx ctx, uint32_t* data, uint64_t* sigs, 
     }
 }
 
-template <class G, ptx::Scope C = ptx::Scope::kSys, ptx::Sem S = ptx::Sem::kAcquire>
+template <class G, ptx::Scope C = ptx::Scope::kSys, ptx::Sem S = ptx::Sem::kAcquire, bool kPeerSignal = false>
 void run_tile_ring(World& w, cudaStream_t stream, uint32_t* data, uint64_t* sigs, uint64_t* ack, uint64_t* epoch,
                    int iters, uint64_t seed, const char* what) {
     test::DeviceArray<unsigned long long> errors(2, stream);
-    tile_ring_kernel<G, C, S><<<2, kThreads, 0, stream>>>(w.device_ctx(), data, sigs, ack, *epoch, iters, seed,
+    tile_ring_kernel<G, C, S, kPeerSignal><<<2, kThreads, 0, stream>>>(w.device_ctx(), data, sigs, ack, *epoch, iters, seed,
                                                           errors.get());
     finish(w, stream, what);
     *epoch += static_cast<uint64_t>(iters);
@@ -358,6 +364,8 @@ TEST(DeviceOrdering, TileNotifyWaitManySignals) {
             run_tile_ring<Block>(w, stream, data, sigs, ack, &epoch, 500, seed, "tile::wait<Block>");
             run_tile_ring<Warp>(w, stream, data, sigs, ack, &epoch, 500, seed, "tile::wait<Warp>");
             run_tile_ring<Thread>(w, stream, data, sigs, ack, &epoch, 300, seed, "tile::wait<Thread>");
+            run_tile_ring<Block, ptx::Scope::kSys, ptx::Sem::kAcquire, true>(w, stream, data, sigs, ack, &epoch, 300,
+                                                                            seed, "tile::notify(PeerSignal)");
             run_tile_ring<Block, ptx::Scope::kSys, ptx::Sem::kRelaxed>(w, stream, data, sigs, ack, &epoch, 300, seed,
                                                                       "tile::wait<Block, sys, relaxed+fence>");
             if (w.num_ranks_on_device() == w.num_ranks()) {

@@ -69,6 +69,12 @@ __global__ void notify_checked_kernel(DeviceCtx ctx, uint64_t* sig, int* ok_out)
     ok_out[threadIdx.x] = tile::notify_checked(device::Warp{}, ctx, sig, 1, 1) ? 1 : 0;
 }
 
+__global__ void peer_signal_checked_kernel(DeviceCtx ctx, uint64_t* sig, int* ok_out) {
+    const tile::PeerSignal remote = tile::peer_signal_checked(ctx, sig, 1);
+    if (remote) tile::notify(device::Thread{}, remote, 1);
+    ok_out[threadIdx.x] = remote ? 1 : 0;
+}
+
 enum class Scenario { kSignalWait, kTileWait, kBarrier, kUnreachablePeer };
 
 std::string hex(const void* p) {
@@ -391,6 +397,16 @@ TEST(DeviceCheckedForms, RecordTheDiagnosisAndReturnTheFailureToTheWholeGroup) {
         uint64_t first = 0;
         WEFT_CUDA_CHECK(cudaMemcpy(&first, sigs, 8, cudaMemcpyDeviceToHost));
         EXPECT_EQ(first, 1u) << "notify_checked raised a signal although it failed";
+
+        // The same peer through peer_signal_checked: a null PeerSignal in every lane, recorded, no trap.
+        m = run("peer_signal_checked_kernel",
+                [&] { peer_signal_checked_kernel<<<1, 32, 0, stream>>>(fake, sigs, d_ok); });
+        EXPECT_NE(m.find(hex(sigs)), std::string::npos) << m;
+        EXPECT_NE(m.find("not load/store reachable"), std::string::npos) << m;
+        EXPECT_EQ(m.find("trapped"), std::string::npos) << m;
+        for (int t = 0; t < 32; ++t) ASSERT_EQ(ok[t], 0) << "lane " << t;
+        WEFT_CUDA_CHECK(cudaMemcpy(&first, sigs, 8, cudaMemcpyDeviceToHost));
+        EXPECT_EQ(first, 1u) << "a null PeerSignal raised a signal";
         cudaFree(table);
         cudaFree(d_ok);
     }, options);

@@ -147,6 +147,12 @@ __device__ void exercise(G grp, const DeviceCtx& ctx, uint8_t* buf, uint64_t* si
     const Token t3 = tile::wait_each(grp, ctx, 3, [&](int i) { return sig + 3 * i; }, Cmp::kEq, v);
     const Token t4 = tile::wait_each(grp, ctx, 2, [&](int i) { return tile::SignalFrom{sig + i, i}; }, Cmp::kGe, v);
     const bool sent = tile::notify_checked(grp, ctx, sig + 5, pe, 1);
+    const tile::PeerSignal peer_word = tile::peer_signal(ctx, sig + 6, pe);
+    tile::notify(grp, peer_word, 1);
+    tile::notify<ptx::Scope::kGpu>(grp, peer_word, 3, SignalOp::kSet);
+    if (const tile::PeerSignal checked_word = tile::peer_signal_checked(ctx, sig + 7, pe)) {
+        tile::notify(grp, checked_word, 1);
+    }
     w32[grp.rank() + 1] = r.ok() + r2.ok() + sent + tile::consume_token(3u, r.token()) + t3.value() + t4.value() +
                           tile::consume_token(1u, r2.token_or_trap());
     trap_unless(grp.all(r.ok()));

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// The tile layer: Triton-distributed's primitives (rank, num_ranks, symm_at, wait, consume_token, notify).
+// The tile layer: Triton-distributed's primitives (rank, num_ranks, symm_at, wait, consume_token, notify), and
+// peer_signal (a peer's signal word translated once for many notifies).
 //
 // A producer finishes a tile and raises one signal (notify); a consumer waits for the signals of the
 // data its tile needs (wait) and receives a Token; the loads of that data take the Token
@@ -12,6 +13,9 @@
 //     tile::tma_load_2d(t, smem, &tma_a, bar, k0, m0);     // so does this TMA load
 //     ...
 //     tile::notify(Block{}, ctx, &signals[idx], peer, 1, SignalOp::kAdd);   // after the tile's stores
+//
+// A loop that signals the same peer's word many times translates it once: `PeerSignal s = tile::peer_signal(ctx,
+// &signals[idx], peer);` outside the loop, `tile::notify(Block{}, s, 1);` inside.
 //
 // Group first, DeviceCtx second, as in the shmem layer; scope (and the wait's load semantic) are
 // template parameters defaulting to system scope, which is correct between GPUs.
@@ -258,6 +262,40 @@ __device__ void tma_load_2d_multicast(First, Rest...) {
                   "Token::assume_local_data() for data this rank wrote itself");
 }
 
+/// Rank `pe`'s copy of a symmetric signal word, translated once (peer_signal) for notify to raise as often as it
+/// likes: the translation (symm_at: a load of the peer-base table, which misses L1 after every acquire) then stays
+/// out of a loop that signals the same peer again and again. Trivially copyable: keep it in a register, or pass it to
+/// a kernel. Null only from peer_signal_checked when the peer is unreachable.
+struct PeerSignal {
+    uint64_t* remote = nullptr;
+    __device__ __forceinline__ explicit operator bool() const { return remote != nullptr; }
+};
+
+/// PeerSignal for rank `pe`'s copy of `signal`; an unreachable `pe` ends the kernel with a kUnreachablePeer
+/// diagnostic (symm_at_or_trap), as notify() does.
+__device__ __forceinline__ PeerSignal peer_signal(const DeviceCtx& ctx, uint64_t* signal, int pe,
+                                                  int line = __builtin_LINE()) {
+    return PeerSignal{symm_at_or_trap(ctx, signal, pe, line)};
+}
+
+/// peer_signal() that returns a null PeerSignal, with the kUnreachablePeer diagnostic recorded, instead of trapping
+/// (symm_at_checked). Fully inline, no reachable call and no reachable trap.
+__device__ __forceinline__ PeerSignal peer_signal_checked(const DeviceCtx& ctx, uint64_t* signal, int pe,
+                                                          int line = __builtin_LINE()) {
+    return PeerSignal{symm_at_checked(ctx, signal, pe, line)};
+}
+
+/// notify() of a signal translated before (peer_signal): after a group barrier the leader raises `signal` (add or set
+/// `value`) with release semantics at scope C. The same ordering as notify(); no address translation on the way.
+/// `signal` must be non-null (peer_signal never returns null; test peer_signal_checked's result).
+template <ptx::Scope C = ptx::Scope::kSys, class Group>
+__device__ __forceinline__ void notify(Group group, PeerSignal signal, uint64_t value, SignalOp op = SignalOp::kAdd) {
+    group.sync();
+    if (group.is_leader()) {
+        signal_release<C>(signal.remote, value, op);
+    }
+}
+
 /// Raises rank `pe`'s copy of the symmetric signal word `signal` (add or set `value`) with release
 /// semantics at scope C, after a group barrier: every write the group made before the call (to any
 /// rank) is visible to whoever observes the new value. One thread (the leader) performs the update: a
@@ -266,11 +304,7 @@ __device__ void tma_load_2d_multicast(First, Rest...) {
 template <ptx::Scope C = ptx::Scope::kSys, class Group>
 __device__ __forceinline__ void notify(Group group, const DeviceCtx& ctx, uint64_t* signal, int pe, uint64_t value,
                                        SignalOp op = SignalOp::kAdd, int line = __builtin_LINE()) {
-    uint64_t* remote = symm_at_or_trap(ctx, signal, pe, line);
-    group.sync();
-    if (group.is_leader()) {
-        signal_release<C>(remote, value, op);
-    }
+    notify<C>(group, peer_signal(ctx, signal, pe, line), value, op);
 }
 
 /// notify() that returns instead of trapping: false, with the kUnreachablePeer diagnostic recorded and nothing
@@ -280,14 +314,11 @@ template <ptx::Scope C = ptx::Scope::kSys, class Group>
 [[nodiscard]] __device__ __forceinline__ bool notify_checked(Group group, const DeviceCtx& ctx, uint64_t* signal,
                                                              int pe, uint64_t value, SignalOp op = SignalOp::kAdd,
                                                              int line = __builtin_LINE()) {
-    uint64_t* remote = symm_at_checked(ctx, signal, pe, line);
-    if (remote == nullptr) {
+    const PeerSignal remote = peer_signal_checked(ctx, signal, pe, line);
+    if (!remote) {
         return false;
     }
-    group.sync();
-    if (group.is_leader()) {
-        signal_release<C>(remote, value, op);
-    }
+    notify<C>(group, remote, value, op);
     return true;
 }
 
