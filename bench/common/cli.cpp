@@ -124,6 +124,16 @@ Cli& Cli::json(std::string* out) {
     });
 }
 
+Cli& Cli::placement(Placement* out) {
+    return option("--placement", "shared|spread",
+                  std::string("shared: every rank on GPU 0; spread: rank r on visible GPU r % GPUs (default ") +
+                      placement_name(*out) + ")",
+                  [out](const std::string& v) {
+                      *out = parse_choice(v, "--placement", {"shared", "spread"}) == "spread" ? Placement::kSpread
+                                                                                              : Placement::kShared;
+                  });
+}
+
 Cli& Cli::flag(const std::string& name, const std::string& help, bool* out) {
     Option o;
     o.name = name;
@@ -177,6 +187,14 @@ std::string Cli::usage() const {
     for (const auto& [head, help] : rows)
         os << "  " << head << std::string(width + 2 - head.size(), ' ') << help << "\n";
     return os.str();
+}
+
+const char* placement_name(Placement p) { return p == Placement::kSpread ? "spread" : "shared"; }
+
+void check_placement(Placement p, int num_devices) {
+    if (p == Placement::kSpread && num_devices < 2) {
+        throw UsageError("--placement spread needs at least 2 visible GPUs, found " + std::to_string(num_devices));
+    }
 }
 
 int64_t parse_int(const std::string& text, const std::string& option, int64_t lo, int64_t hi) {

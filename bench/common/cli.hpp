@@ -21,6 +21,11 @@ public:
     using std::runtime_error::runtime_error;
 };
 
+/// Where a benchmark's ranks, threads of this process, run. kShared: every rank on GPU 0, so a peer's memory is local
+/// HBM and a same-GPU copy is the roofline. kSpread: rank r on visible GPU r % num_devices (run_local's default), so a
+/// peer on another GPU is reached over NVLink or PCIe; a world of more ranks than GPUs goes over them round robin.
+enum class Placement { kShared, kSpread };
+
 /// Parses argv into the variables it was given. Each option is registered with the variable it sets, whose value
 /// at registration is the default shown by --help. Options may come in any order; a repeated option's last value
 /// wins. parse() throws UsageError on an unknown option, a missing value or a bad value; --help (-h) prints the
@@ -53,6 +58,8 @@ public:
     Cli& check(bool* out);
     /// --json FILE: write every row to FILE.
     Cli& json(std::string* out);
+    /// --placement shared|spread: which GPUs the ranks (threads of this process) run on (Placement).
+    Cli& placement(Placement* out);
 
     // A benchmark's own options.
     Cli& flag(const std::string& name, const std::string& help, bool* out);
@@ -74,6 +81,11 @@ private:
     std::string program_, summary_;
     std::vector<Option> options_;
 };
+
+/// "shared" or "spread".
+const char* placement_name(Placement p);
+/// Throws UsageError naming --placement when `p` cannot run with `num_devices` visible GPUs: spread needs two.
+void check_placement(Placement p, int num_devices);
 
 // Value parsers: each throws UsageError naming `option` and what it expects.
 

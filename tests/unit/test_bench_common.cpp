@@ -257,6 +257,42 @@ TEST(BenchCli, IntsChoicesAndDtypes) {
     EXPECT_EQ(split(",a,,b,", ','), (std::vector<std::string>{"a", "b"}));
 }
 
+TEST(BenchCli, PlacementIsSharedOrSpreadAndSpreadNeedsTwoGpus) {
+    const auto parse_placement = [](const std::vector<const char*>& options) {
+        std::vector<const char*> args(options.size() + 1, "weft_bench_test");
+        std::copy(options.begin(), options.end(), args.begin() + 1);
+        Placement p = Placement::kShared;
+        Cli cli("weft_bench_test", "a test");
+        cli.placement(&p);
+        cli.parse(static_cast<int>(args.size()), args.data());
+        return p;
+    };
+    EXPECT_EQ(parse_placement({}), Placement::kShared);
+    EXPECT_EQ(parse_placement({"--placement", "spread"}), Placement::kSpread);
+    EXPECT_EQ(parse_placement({"--placement", "spread", "--placement", "shared"}), Placement::kShared);
+    EXPECT_EQ(usage_error_of([&] {
+                  parse_placement({"--placement", "Spread"});
+              }),
+              "--placement: expected one of shared, spread; got 'Spread'");
+    EXPECT_EQ(usage_error_of([&] { parse_placement({"--placement"}); }), "--placement: needs a value (shared|spread)");
+    EXPECT_STREQ(placement_name(Placement::kShared), "shared");
+    EXPECT_STREQ(placement_name(Placement::kSpread), "spread");
+
+    EXPECT_NO_THROW(check_placement(Placement::kShared, 1));
+    EXPECT_NO_THROW(check_placement(Placement::kSpread, 2));
+    EXPECT_NO_THROW(check_placement(Placement::kSpread, 8));
+    EXPECT_EQ(usage_error_of([] { check_placement(Placement::kSpread, 1); }),
+              "--placement spread needs at least 2 visible GPUs, found 1");
+    EXPECT_EQ(usage_error_of([] { check_placement(Placement::kSpread, 0); }),
+              "--placement spread needs at least 2 visible GPUs, found 0");
+
+    Placement p = Placement::kShared;
+    Cli cli("weft_bench_test", "a test");
+    const std::string u = cli.placement(&p).usage();
+    EXPECT_NE(u.find("--placement shared|spread"), std::string::npos) << u;
+    EXPECT_NE(u.find("default shared"), std::string::npos) << u;
+}
+
 TEST(BenchCli, UsageListsEveryOption) {
     int iters = 5;
     bool flag = false;
