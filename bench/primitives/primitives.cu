@@ -1,20 +1,25 @@
 // SPDX-License-Identifier: MIT
 // Benchmark of the device primitives: put/get bandwidth by size and group scope against the measured
-// device-to-device copy (the roofline when ranks share one GPU), signal round-trip latency between two
-// ranks against a hand-written minimal ping-pong, and barrier_all latency by world size.
+// copy of the same bytes, signal round-trip latency between two ranks against a hand-written minimal
+// ping-pong, and barrier_all latency by world size.
 //
 //   weft_bench_primitives [--sizes 1K:1G[:4] | --sizes 4K,1M,...] [--iters N] [--warmup N] [--dtype u8]
-//                         [--world 2,4,8] [--check] [--json FILE]
+//                         [--world 2,4,8] [--placement shared|spread] [--check] [--json FILE]
 //
-// Ranks are threads of this process (weft::run_local), all on GPU 0: the "remote" memory is local HBM, so
-// a put is a device copy and cudaMemcpy D2D of the same bytes is its roofline (multi-GPU figures need
-// one GPU per rank and an NVLink roofline: not measured here).
+// Ranks are threads of this process (weft::run_local). --placement shared (the default) puts every rank on
+// GPU 0: the "remote" memory is local HBM, so a put is a device copy and cudaMemcpy D2D of the same bytes is
+// its roofline. --placement spread puts rank r on visible GPU r % GPUs (at least two): rank 0 and rank 1 are
+// on different GPUs, a put or get crosses NVLink (or PCIe), and the roofline is the copy engine's copy of the
+// same bytes between the two GPUs (cudaMemcpyAsync over the peer mapping, GPU0 -> GPU1 for puts, GPU1 -> GPU0
+// for gets); the .gpu-scope round trips are skipped there (a .gpu release/acquire does not order memory for
+// another GPU) and the barrier's worlds go over the GPUs round robin.
 // Sizes are bytes whatever --dtype says (the dtype is recorded in the JSON). Buffers rotate through a
 // 256 MiB pool so that sizes below the L2 do not run from the L2. The header also gives the device's copy peak
 // (a 1 GiB cudaMemcpyAsync, measured at start-up).
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -50,6 +55,7 @@ struct Options {
     int warmup = 3;
     DType dtype = DType::kU8;
     std::vector<int> worlds = {2, 4, 8};
+    Placement placement = Placement::kShared;
     bool check = false;
     std::string json;
 };
@@ -57,13 +63,14 @@ struct Options {
 Options parse_options(int argc, char** argv) {
     Options o;
     o.sizes = parse_byte_sizes("1K:1G", "--sizes");
-    Cli cli("weft_bench_primitives", "put/get bandwidth, signal round trip and barrier latency, ranks sharing GPU 0");
+    Cli cli("weft_bench_primitives",
+            "put/get bandwidth, signal round trip and barrier latency, ranks sharing GPU 0 or spread over the GPUs");
     cli.sizes("A:B[:F]|A,B,...", "message bytes (default 1K:1G: 1K, 4K, ... 1G)",
               [&](const std::string& v) { o.sizes = parse_byte_sizes(v, "--sizes"); });
     cli.iters(&o.iters).warmup(&o.warmup);
     cli.dtype(&o.dtype,
               {DType::kBF16, DType::kF16, DType::kF32, DType::kF8E4M3, DType::kI32, DType::kI64, DType::kU8});
-    cli.world(&o.worlds, 2, 64).check(&o.check).json(&o.json);
+    cli.world(&o.worlds, 2, 64).placement(&o.placement).check(&o.check).json(&o.json);
     cli.parse(argc, argv);
     return o;
 }
@@ -327,7 +334,8 @@ const char* kScopeNames[kScopes] = {"thread", "warp", "block"};
 
 struct BandwidthRow {
     uint64_t bytes = 0;
-    double roofline_gbps = 0;
+    double roofline_gbps = 0;      // the copy in the puts' direction
+    double roofline_get_gbps = 0;  // the copy in the gets' direction (the same copy when the ranks share a GPU)
     double put_gbps[kScopes] = {};
     double get_gbps[kScopes] = {};
     bool checked = false;
@@ -337,7 +345,10 @@ struct BandwidthRow {
 struct PingPongRow {
     PingPong variant;
     double round_trip_us = 0;
+    bool skipped = false;  // a .gpu-scope variant between ranks on different GPUs: kGpuScopeAcrossGpus says why
 };
+
+constexpr const char* kGpuScopeAcrossGpus = "a .gpu-scope release/acquire does not order memory for another GPU";
 
 struct BarrierRow {
     int world;
@@ -376,8 +387,11 @@ uint64_t count_mismatches(cudaStream_t stream, const uint8_t* p, uint64_t bytes,
     return h;
 }
 
-// Two ranks on one world: rank 0 puts to / gets from rank 1 while rank 1 waits at the host barrier.
-void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows) {
+// Two ranks on one world: rank 0 puts to / gets from rank 1 while rank 1 waits at the host barrier. Each rank records
+// its GPU in rank_devices[rank].
+void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows, std::array<int, 2>* rank_devices) {
+    (*rank_devices)[static_cast<size_t>(w.rank())] = w.device();
+    const bool spread = o.placement == Placement::kSpread;
     Stream stream;
     const uint64_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
     const uint64_t pool = std::max(kPoolBytes, round_up(max_size, 256));
@@ -391,6 +405,12 @@ void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows) 
     WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
     const DeviceCtx ctx = w.device_ctx();
     const int blocks = w.sm_budget();
+    // Rank 1's heap as this rank maps it: what the put kernels write, the get kernels read and, with the ranks on two
+    // GPUs, what the copy-engine roofline copies to and from.
+    uint8_t* const peer = w.heap().symm_at(symmetric, 1);
+    WEFT_CHECK(peer != nullptr, "rank " << w.rank() << " (GPU " << w.device()
+                                        << ") cannot reach rank 1's heap: --placement spread needs GPUs with peer "
+                                           "access to each other (cudaDeviceCanAccessPeer)");
     w.barrier();
     for (uint64_t bytes : o.sizes) {
         BandwidthRow row;
@@ -398,10 +418,18 @@ void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows) 
         const PoolRotation rotation(pool, bytes);
         const auto offset = [&](int k) { return rotation.offset(k); };
         if (w.rank() == 0) {
-            row.roofline_gbps = time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
-                WEFT_CUDA_CHECK(cudaMemcpyAsync(symmetric + offset(k), local + offset(k), bytes,
-                                                cudaMemcpyDeviceToDevice, stream));
-            });
+            if (spread) {
+                // The copy a user would otherwise make: the copy engine, GPU 0 -> GPU 1, into the puts' destination.
+                row.roofline_gbps = time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
+                    WEFT_CUDA_CHECK(
+                        cudaMemcpyAsync(peer + offset(k), local + offset(k), bytes, cudaMemcpyDefault, stream));
+                });
+            } else {
+                row.roofline_gbps = time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
+                    WEFT_CUDA_CHECK(cudaMemcpyAsync(symmetric + offset(k), local + offset(k), bytes,
+                                                    cudaMemcpyDeviceToDevice, stream));
+                });
+            }
             const auto put = [&](auto launcher) {
                 return time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
                     launcher(blocks, stream, ctx, local + offset(k), symmetric + offset(k), bytes, 1);
@@ -412,7 +440,7 @@ void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows) 
             row.put_gbps[2] = put(launch_bandwidth<Block, false>);
             if (o.check) {
                 // Rank 1's slot 0 now holds rank 0's local slot 0 (pattern A).
-                row.mismatches += count_mismatches(stream, w.heap().symm_at(symmetric, 1), bytes, seed_a);
+                row.mismatches += count_mismatches(stream, peer, bytes, seed_a);
             }
         }
         w.barrier();
@@ -422,6 +450,16 @@ void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows) 
         }
         w.barrier();
         if (w.rank() == 0) {
+            if (spread) {
+                // The gets' direction: GPU 1 -> GPU 0, issued on GPU 0 as the gets are (it leaves in `local` what the
+                // gets then write there, so --check still holds).
+                row.roofline_get_gbps = time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
+                    WEFT_CUDA_CHECK(
+                        cudaMemcpyAsync(local + offset(k), peer + offset(k), bytes, cudaMemcpyDefault, stream));
+                });
+            } else {
+                row.roofline_get_gbps = row.roofline_gbps;  // one GPU: the same device-to-device copy either way
+            }
             const auto get = [&](auto launcher) {
                 return time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
                     launcher(blocks, stream, ctx, local + offset(k), symmetric + offset(k), bytes, 1);
@@ -452,8 +490,13 @@ void run_ping_pong(World& w, const Options& o, std::vector<PingPongRow>* rows) {
     auto* data = static_cast<uint8_t*>(w.heap().alloc(256));
     uint64_t* result = nullptr;
     WEFT_CUDA_CHECK(cudaMalloc(&result, sizeof(uint64_t)));
+    const bool across_gpus = w.num_ranks_on_device() == 1;  // two ranks: the peer is on another GPU
     for (int v = 0; v < static_cast<int>(PingPong::kCount); ++v) {
         const auto variant = static_cast<PingPong>(v);
+        if (across_gpus && ping_pong_gpu_scope(variant)) {
+            if (w.rank() == 0) rows->push_back(PingPongRow{variant, 0, true});
+            continue;  // every rank skips the same variants: no collective call is left unmatched
+        }
         uint64_t* sig = w.heap().alloc_signals(1);  // fresh words: every variant counts from zero
         w.barrier();
         ping_pong_kernel<<<1, 32, 0, stream>>>(w.device_ctx(), variant, sig, data, warmup, iters, result);
@@ -501,25 +544,35 @@ void run_barrier(World& w, const Options& o, std::vector<BarrierRow>* rows) {
 
 int run(int argc, char** argv) {
     const Options o = parse_options(argc, argv);
+    int num_devices = 0;
+    WEFT_CUDA_CHECK(cudaGetDeviceCount(&num_devices));
+    check_placement(o.placement, num_devices);
+    const bool spread = o.placement == Placement::kSpread;
     int sms = 0;
     cudaDeviceProp prop{};
     WEFT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     sms = prop.multiProcessorCount;
     const Peaks peaks = measure_peaks(kPeakCopy);
     const uint64_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
+    // shared: every rank on GPU 0 ("remote" memory is local HBM, the D2D copy roofline applies, and the .gpu-scope
+    // ping-pong is valid). spread: -1, run_local's rank % visible GPUs.
+    const int world_device = spread ? -1 : 0;
 
-    // Bandwidth: rank 1 is idle while rank 0 measures, so rank 0 may use every SM.
+    // Bandwidth: rank 1 is idle while rank 0 measures, so rank 0 may use every SM (spread: each rank has a GPU of its
+    // own, whose SMs the default budget gives it).
     std::vector<BandwidthRow> bw;
+    std::array<int, 2> bw_devices{};
     WorldOptions big;
     big.heap_bytes = round_up(std::max(kPoolBytes, round_up(max_size, 256)) + (64ull << 20), 2ull << 20);
-    big.sm_budget = sms;
-    big.device = 0;  // every rank on GPU 0: "remote" memory is local HBM, the copy roofline applies
-    run_local(2, [&](World& w) { run_bandwidth(w, o, &bw); }, big);
+    big.sm_budget = spread ? 0 : sms;
+    big.device = world_device;
+    run_local(
+        2, [&](World& w) { run_bandwidth(w, o, &bw, &bw_devices); }, big);
 
     std::vector<PingPongRow> pp;
     WorldOptions small;
     small.heap_bytes = 64ull << 20;
-    small.device = 0;  // ranks share GPU 0 (so the .gpu-scope ping-pong is valid)
+    small.device = world_device;
     run_local(2, [&](World& w) { run_ping_pong(w, o, &pp); }, small);
 
     std::vector<BarrierRow> bar;
@@ -528,19 +581,48 @@ int run(int argc, char** argv) {
     }
 
     // Table.
-    std::printf("weft primitives benchmark: %s (%d SMs), %s, ranks share one GPU, iters %d, warmup %d, dtype %s%s\n",
-                prop.name, sms, utc_date().c_str(), o.iters, o.warmup, dtype_name(o.dtype), o.check ? ", checked" : "");
+    char where[160];
+    if (spread) {
+        std::snprintf(where, sizeof(where), "ranks spread over %d GPUs (rank 0 on GPU %d, rank 1 on GPU %d)",
+                      num_devices, bw_devices[0], bw_devices[1]);
+    } else {
+        std::snprintf(where, sizeof(where), "ranks share one GPU");
+    }
+    std::printf("weft primitives benchmark: %s (%d SMs), %s, %s, iters %d, warmup %d, dtype %s%s\n", prop.name, sms,
+                utc_date().c_str(), where, o.iters, o.warmup, dtype_name(o.dtype), o.check ? ", checked" : "");
     std::printf("%s\n", describe(peaks).c_str());
-    std::printf("\nput/get bandwidth, rank 0 <-> rank 1 (GB/s = bytes / time; roofline = cudaMemcpy D2D of the same bytes)\n");
-    std::printf("%8s %9s | %9s %9s %9s | %9s %9s %9s | %6s%s\n", "size", "roofline", "put.thrd", "put.warp",
-                "put.block", "get.thrd", "get.warp", "get.block", "best/r", o.check ? "  check" : "");
+    if (spread) {
+        const int d0 = bw_devices[0], d1 = bw_devices[1];
+        std::printf(
+            "\nput/get bandwidth, rank 0 (GPU %d) <-> rank 1 (GPU %d) (GB/s = bytes / time; "
+            "put: rank 0 writes rank 1's heap, roofline = cudaMemcpyAsync GPU%d->GPU%d of the same bytes; "
+            "get: rank 0 reads rank 1's heap, rfl.get = cudaMemcpyAsync GPU%d->GPU%d issued on GPU %d; "
+            "best/r: the better of best put / roofline and best get / rfl.get)\n",
+            d0, d1, d0, d1, d1, d0, d0);
+        std::printf("%8s %9s | %9s %9s %9s | %9s %9s %9s %9s | %6s%s\n", "size", "roofline", "put.thrd", "put.warp",
+                    "put.block", "rfl.get", "get.thrd", "get.warp", "get.block", "best/r", o.check ? "  check" : "");
+    } else {
+        std::printf(
+            "\nput/get bandwidth, rank 0 <-> rank 1 (GB/s = bytes / time; roofline = cudaMemcpy D2D of the same "
+            "bytes)\n");
+        std::printf("%8s %9s | %9s %9s %9s | %9s %9s %9s | %6s%s\n", "size", "roofline", "put.thrd", "put.warp",
+                    "put.block", "get.thrd", "get.warp", "get.block", "best/r", o.check ? "  check" : "");
+    }
     bool all_ok = true;
     for (const BandwidthRow& r : bw) {
-        const double best = std::max({r.put_gbps[0], r.put_gbps[1], r.put_gbps[2], r.get_gbps[0], r.get_gbps[1], r.get_gbps[2]});
-        std::printf("%8s %9.1f | %9.1f %9.1f %9.1f | %9.1f %9.1f %9.1f | %6.2f%s\n", format_bytes(r.bytes).c_str(),
-                    r.roofline_gbps, r.put_gbps[0], r.put_gbps[1], r.put_gbps[2], r.get_gbps[0], r.get_gbps[1],
-                    r.get_gbps[2], best / r.roofline_gbps,
-                    r.checked ? (r.mismatches == 0 ? "  ok" : "  FAILED") : "");
+        const double best_put = std::max({r.put_gbps[0], r.put_gbps[1], r.put_gbps[2]});
+        const double best_get = std::max({r.get_gbps[0], r.get_gbps[1], r.get_gbps[2]});
+        const double best_ratio = std::max(best_put / r.roofline_gbps, best_get / r.roofline_get_gbps);
+        const char* check = r.checked ? (r.mismatches == 0 ? "  ok" : "  FAILED") : "";
+        if (spread) {
+            std::printf("%8s %9.1f | %9.1f %9.1f %9.1f | %9.1f %9.1f %9.1f %9.1f | %6.2f%s\n",
+                        format_bytes(r.bytes).c_str(), r.roofline_gbps, r.put_gbps[0], r.put_gbps[1], r.put_gbps[2],
+                        r.roofline_get_gbps, r.get_gbps[0], r.get_gbps[1], r.get_gbps[2], best_ratio, check);
+        } else {
+            std::printf("%8s %9.1f | %9.1f %9.1f %9.1f | %9.1f %9.1f %9.1f | %6.2f%s\n", format_bytes(r.bytes).c_str(),
+                        r.roofline_gbps, r.put_gbps[0], r.put_gbps[1], r.put_gbps[2], r.get_gbps[0], r.get_gbps[1],
+                        r.get_gbps[2], best_ratio, check);
+        }
         all_ok = all_ok && r.mismatches == 0;
     }
     std::printf("\nsignal round trip, 2 ranks, one thread each (us per round trip; ratio to the hand-written ping-pong at the same scope)\n");
@@ -550,10 +632,22 @@ int run(int argc, char** argv) {
         if (r.variant == PingPong::kRawSys) raw_sys = r.round_trip_us;
     }
     for (const PingPongRow& r : pp) {
+        if (r.skipped) {
+            std::printf("%-44s skipped: %s\n", ping_pong_name(r.variant), kGpuScopeAcrossGpus);
+            continue;
+        }
         const double base = ping_pong_gpu_scope(r.variant) ? raw_gpu : raw_sys;
         std::printf("%-44s %8.3f %6.2f\n", ping_pong_name(r.variant), r.round_trip_us, base > 0 ? r.round_trip_us / base : 0.0);
     }
-    std::printf("\nbarrier_all latency (us per barrier, one group per rank)\n%6s %7s %9s\n", "world", "group", "us");
+    if (spread) {
+        std::printf(
+            "\nbarrier_all latency (us per barrier, one group per rank; a world's ranks go over the %d GPUs round "
+            "robin: rank r on GPU r %% %d)\n%6s %7s %9s\n",
+            num_devices, num_devices, "world", "group", "us");
+    } else {
+        std::printf("\nbarrier_all latency (us per barrier, one group per rank)\n%6s %7s %9s\n", "world", "group",
+                    "us");
+    }
     for (const BarrierRow& r : bar) {
         std::printf("%6d %7s %9.3f\n", r.world, r.group, r.us);
     }
@@ -563,10 +657,15 @@ int run(int argc, char** argv) {
         j.begin_object().field("bench", "primitives").field("device", prop.name).field("sms", sms);
         j.field("date", utc_date()).field("iters", o.iters).field("warmup", o.warmup);
         j.field("dtype", dtype_name(o.dtype));
+        j.field("placement", placement_name(o.placement)).field("gpus", num_devices);
+        j.key("rank_devices").begin_array(true).value(bw_devices[0]).value(bw_devices[1]).end_array();
+        j.field("roofline_copy", spread ? "cudaMemcpyAsync GPU to GPU (put: rank 0's GPU to rank 1's, get: back)"
+                                        : "cudaMemcpyAsync D2D");
         add_peaks(j, peaks);
         j.key("bandwidth_gbps").begin_array();
         for (const BandwidthRow& r : bw) {
             j.begin_object(true).field("bytes", r.bytes).field("roofline", r.roofline_gbps);
+            if (spread) j.field("roofline_get", r.roofline_get_gbps);
             for (int s = 0; s < kScopes; ++s) j.field(std::string("put_") + kScopeNames[s], r.put_gbps[s]);
             for (int s = 0; s < kScopes; ++s) j.field(std::string("get_") + kScopeNames[s], r.get_gbps[s]);
             if (r.checked) j.field("mismatches", r.mismatches);
@@ -574,7 +673,13 @@ int run(int argc, char** argv) {
         }
         j.end_array().key("round_trip_us").begin_array();
         for (const PingPongRow& r : pp) {
-            j.begin_object(true).field("variant", ping_pong_name(r.variant)).field("us", r.round_trip_us).end_object();
+            j.begin_object(true).field("variant", ping_pong_name(r.variant));
+            if (r.skipped) {
+                j.field("us", nullptr).field("skipped", kGpuScopeAcrossGpus);
+            } else {
+                j.field("us", r.round_trip_us);
+            }
+            j.end_object();
         }
         j.end_array().key("barrier_us").begin_array();
         for (const BarrierRow& r : bar) {
