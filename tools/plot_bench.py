@@ -151,11 +151,14 @@ def plot_primitives(doc, out_dir, stem, plt, written):
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = [k for k in rows[0] if k not in ("bytes", "roofline", "mismatches")]
+    keys = [k for k in rows[0] if k not in ("bytes", "roofline", "roofline_get", "mismatches")]
     for k in keys:
         ax.plot([r["bytes"] for r in rows], [r.get(k) for r in rows], marker="o", markersize=3, label=k)
     ax.plot([r["bytes"] for r in rows], [r.get("roofline") for r in rows], color="gray", linestyle=":",
             label="roofline")
+    if "roofline_get" in rows[0]:  # --placement spread: the copy in the gets' direction
+        ax.plot([r["bytes"] for r in rows], [r.get("roofline_get") for r in rows], color="gray", linestyle="--",
+                label="roofline (get)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bytes")
     ax.set_ylabel("GB/s")
