@@ -409,8 +409,8 @@ void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows, 
     // GPUs, what the copy-engine roofline copies to and from.
     uint8_t* const peer = w.heap().symm_at(symmetric, 1);
     WEFT_CHECK(peer != nullptr, "rank " << w.rank() << " (GPU " << w.device()
-                                        << ") cannot reach rank 1's heap: --placement spread needs GPUs with peer "
-                                           "access to each other (cudaDeviceCanAccessPeer)");
+                                        << ") cannot reach rank 1's heap: the ranks' GPUs need peer access to each "
+                                           "other (cudaDeviceCanAccessPeer) and one node (WEFT_VIRTUAL_NODES unset)");
     w.barrier();
     for (uint64_t bytes : o.sizes) {
         BandwidthRow row;
