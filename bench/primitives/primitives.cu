@@ -418,18 +418,13 @@ void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows, 
         const PoolRotation rotation(pool, bytes);
         const auto offset = [&](int k) { return rotation.offset(k); };
         if (w.rank() == 0) {
-            if (spread) {
-                // The copy a user would otherwise make: the copy engine, GPU 0 -> GPU 1, into the puts' destination.
-                row.roofline_gbps = time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
-                    WEFT_CUDA_CHECK(
-                        cudaMemcpyAsync(peer + offset(k), local + offset(k), bytes, cudaMemcpyDefault, stream));
-                });
-            } else {
-                row.roofline_gbps = time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
-                    WEFT_CUDA_CHECK(cudaMemcpyAsync(symmetric + offset(k), local + offset(k), bytes,
-                                                    cudaMemcpyDeviceToDevice, stream));
-                });
-            }
+            // The copy a user would otherwise make: the copy engine, into the puts' destination on rank 1's GPU
+            // (spread), or within the one GPU (shared).
+            uint8_t* const copy_dst = spread ? peer : symmetric;
+            row.roofline_gbps = time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
+                WEFT_CUDA_CHECK(
+                    cudaMemcpyAsync(copy_dst + offset(k), local + offset(k), bytes, cudaMemcpyDefault, stream));
+            });
             const auto put = [&](auto launcher) {
                 return time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
                     launcher(blocks, stream, ctx, local + offset(k), symmetric + offset(k), bytes, 1);

@@ -306,7 +306,8 @@ __global__ void tile_ring_kernel(DeviceCtx ctx, uint32_t* data, uint64_t* sigs, 
             const int lane = static_cast<int>(threadIdx.x % 32);
             for (int pos = warp; pos < kChunks; pos += static_cast<int>(blockDim.x / 32)) {
                 const int c = static_cast<int>((static_cast<uint64_t>(pos) * 7 + epoch) % kChunks);
-                const tile::PeerSignal chunk_signal = tile::peer_signal(ctx, &sigs[c], next);
+                const tile::PeerSignal chunk_signal =
+                    kPeerSignal ? tile::peer_signal(ctx, &sigs[c], next) : tile::PeerSignal{};
                 test::random_delay(seed, (epoch << 16) ^ static_cast<uint64_t>(c * 32 + lane), 800);
                 for (int j = lane; j < kChunkWords; j += 32) {
                     remote[c * kChunkWords + j] = chunk_word(seed, me, epoch, c, j);
