@@ -16,7 +16,8 @@
 // heuristic's tile); --all-configs adds a row per tiled candidate, per split-K config (gemm_split_k_configs, label
 // suffix kS, where each split gets at least 8 k-blocks) and, for M <= 64 with B [N,K], per small-M kernel that can
 // serve the shape (variant 3 at every split count listed, variant 4), and for M <= 256 with B [N,K] variant 5 with
-// its own split rule (label smallM.v5/sS, S the rule's count) and forced to 1, 2 and 4 splits (smallM.v5/fS).
+// its own split rule (label smallM.v5/sS, S the rule's count) and forced to 1, 2 and 4 splits (smallM.v5/fS), and
+// the swapped configs the autotuner tries for the shape (gemm_swap_ab_configs, label suffix sw).
 // --check compares every row with cuBLASLt.
 // The kernels come from weft::jit: from the headers that WEFT_HOME names (cached in WEFT_CACHE_DIR), so kernels
 // edited in another source tree run against the same host code and the same cuBLASLt.
@@ -154,6 +155,7 @@ std::string config_label(const GemmConfig& c) {
     if (c.cluster_n > 1) os << "cn" << c.cluster_n;
     if (c.pingpong) os << "pp";
     if (c.splits > 1) os << "k" << c.splits;
+    if (c.swap_ab) os << "sw";
     return os.str();
 }
 
@@ -383,6 +385,16 @@ int main(int argc, char** argv) {
                         weft::ops::GemmOptions o;
                         o.config = c;
                         run_weft(o, config_label(c), false);
+                    }
+                    {
+                        // The swapped configs the autotuner tries for this shape (GemmConfig::swap_ab, label "sw").
+                        const Views v0 = views(0, d_weft.ptr);
+                        const auto p = weft::ops::validate_gemm_args(v0.a, v0.b, v0.d, layout);
+                        for (const GemmConfig& c : weft::ops::gemm_swap_ab_configs(p, prop.multiProcessorCount)) {
+                            weft::ops::GemmOptions o;
+                            o.config = c;
+                            run_weft(o, config_label(c), false);
+                        }
                     }
                     if (s.m <= weft::kGemvMaxM && layout == BLayout::kNK) {
                         for (int splits : {1, 2, 3, 4, 8, 16}) {

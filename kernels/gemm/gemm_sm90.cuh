@@ -31,7 +31,7 @@ struct GemmTraits {
     static constexpr GemmSmemPlan kPlan = gemm_smem_plan(kCfg);
     static constexpr int kClusterSize = kCfg.cluster_m * kCfg.cluster_n;
     static constexpr int kSlabs = gemm_slabs_per_consumer(kCfg);
-    static constexpr int kAccPerSlab = kCfg.tile_n / 2;
+    static constexpr int kAccPerSlab = gemm_wgmma_n(kCfg) / 2;
     static constexpr int kKSteps = kCfg.tile_k / 16;
     static constexpr bool kIsBF16 = kCfg.in_dtype == DType::kBF16;
     static constexpr int kTransB = kCfg.b_layout == BLayout::kKN ? 1 : 0;
@@ -69,6 +69,10 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 
 __device__ __forceinline__ void st_shared_v2_f32(unsigned addr, float x, float y) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+
+__device__ __forceinline__ void st_shared_f32(unsigned addr, float x) {
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(x) : "memory");
 }
 
 /// Pipeline wait that traps when the bound passes (a stuck pipeline is a kernel bug, not a slow peer).
@@ -313,6 +317,107 @@ __device__ __forceinline__ void store_slab_tail(const float (&acc)[GemmTraits<kC
     }
 }
 
+/// Swapped configs (GemmConfig::swap_ab): writes rows [64 kR, 64 kR + 64) of the tile (fewer in the last chunk) and
+/// columns [kJ kEpiCols, (kJ + 1) kEpiCols) of one 64-column slab into a staging buffer of 64 rows x 128 bytes,
+/// 128B-swizzled as stage_subtile's. The accumulators hold D^T (thread: warp w, lane l): acc[4j + e] is D's row
+/// 8j + 2(l%4) + e, column 16w + l/4 of the slab, acc[4j + 2 + e] the same row at column + 8. 16-bit outputs: one
+/// stmatrix.x4 .trans per 16 rows (matrix i: rows of j + i/2, columns 16w + 8(i%2), stored transposed into D's
+/// layout); fp32: element stores by the two warps whose columns the subtile holds.
+template <GemmConfig kCfg, int kJ, int kR>
+__device__ __forceinline__ void stage_subtile_swapped(const float (&acc)[GemmTraits<kCfg>::kAccPerSlab], unsigned buf,
+                                                      int warp_in_wg, int lane) {
+    constexpr int kRows = kCfg.tile_m - 64 * kR < 64 ? kCfg.tile_m - 64 * kR : 64;
+    static_assert(kRows % 16 == 0, "gemm (swapped): tile_m is a multiple of 16 (is_valid)");
+    if constexpr (kCfg.out_dtype == DType::kF32) {
+        if (warp_in_wg / 2 == kJ) {
+#pragma unroll
+            for (int jj = 0; jj < kRows / 8; ++jj) {
+                const int j = 8 * kR + jj;
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int row = 8 * jj + 2 * (lane % 4) + e;
+                        const int col_byte = (16 * (warp_in_wg % 2) + lane / 4 + 8 * h) * 4;
+                        st_shared_f32(buf + row * 128 + ((((col_byte >> 4) ^ (row & 7))) << 4) + (col_byte & 15),
+                                      acc[4 * j + 2 * h + e]);
+                    }
+            }
+        }
+    } else {
+        const int mi = lane / 8;
+#pragma unroll
+        for (int p = 0; p < kRows / 16; ++p) {
+            const int j = 8 * kR + 2 * p;
+            const unsigned r0 = pack2<kCfg.out_dtype>(acc[4 * j + 0], acc[4 * j + 1]);
+            const unsigned r1 = pack2<kCfg.out_dtype>(acc[4 * j + 2], acc[4 * j + 3]);
+            const unsigned r2 = pack2<kCfg.out_dtype>(acc[4 * j + 4], acc[4 * j + 5]);
+            const unsigned r3 = pack2<kCfg.out_dtype>(acc[4 * j + 6], acc[4 * j + 7]);
+            const int row = 16 * p + 8 * (mi >> 1) + lane % 8;
+            const int chunk = 2 * warp_in_wg + (mi & 1);
+            ptx::stmatrix_x4_trans(buf + row * 128 + ((chunk ^ (row & 7)) << 4), r0, r1, r2, r3);
+        }
+    }
+}
+
+/// Swapped configs: the epilogue of one 64-column slab (columns col0 .., rows row0 .. row0 + tile_m - 1): for each
+/// 128-byte column block and each 64 rows, registers -> staging buffer (double-buffered per warpgroup) -> TMA stores
+/// of kGemmSwapStoreRows rows each (the map's box), issued by the warpgroup's first thread; rows from M on are not
+/// stored.
+template <GemmConfig kCfg, int kJ = 0, int kR = 0>
+__device__ __forceinline__ void store_slab_swapped(const float (&acc)[GemmTraits<kCfg>::kAccPerSlab],
+                                                   const ptx::TmaDescriptor* tma_d, unsigned epi_base, int wg, int tid,
+                                                   unsigned& epi_count, int row0, int col0, bool valid,
+                                                   const GemmArgs& args) {
+    using T = GemmTraits<kCfg>;
+    constexpr int kSubtiles = kGemmSlabRows / T::kEpiCols;
+    constexpr int kChunks = (kCfg.tile_m + 63) / 64;
+    if constexpr (kJ < kSubtiles && kR < kChunks) {
+        constexpr int kRows = kCfg.tile_m - 64 * kR < 64 ? kCfg.tile_m - 64 * kR : 64;
+        const unsigned buf = epi_base + (wg * 2 + (epi_count & 1u)) * T::kPlan.epi_buf_bytes;
+        if (tid == 0) ptx::tma_wait_group_read<1>();  // the stores that last read this buffer are done reading
+        ptx::named_barrier_sync(kBarConsumer0 + wg, 128);
+        stage_subtile_swapped<kCfg, kJ, kR>(acc, buf, tid / 32, tid % 32);
+        ptx::fence_proxy_async_shared_cta();  // st.shared/stmatrix -> TMA (async proxy)
+        ptx::named_barrier_sync(kBarConsumer0 + wg, 128);
+        if (tid == 0) {
+            const int c0 = col0 + kJ * T::kEpiCols;
+#pragma unroll
+            for (int b = 0; b < kRows / kGemmSwapStoreRows; ++b) {
+                const int r = row0 + 64 * kR + b * kGemmSwapStoreRows;
+                if (valid && c0 < args.n_tma && r < args.m) {
+                    ptx::tma_store_2d(tma_d, buf + b * kGemmSwapStoreRows * 128, c0, r);
+                }
+            }
+            ptx::tma_commit_group();
+        }
+        ++epi_count;
+        if constexpr (kR + 1 < kChunks) {
+            store_slab_swapped<kCfg, kJ, kR + 1>(acc, tma_d, epi_base, wg, tid, epi_count, row0, col0, valid, args);
+        } else {
+            store_slab_swapped<kCfg, kJ + 1, 0>(acc, tma_d, epi_base, wg, tid, epi_count, row0, col0, valid, args);
+        }
+    }
+}
+
+/// Swapped configs, with plain stores: the slab's columns [n_tma, N) (less than 16 bytes per row, as store_slab_tail).
+template <GemmConfig kCfg>
+__device__ __forceinline__ void store_slab_tail_swapped(const float (&acc)[GemmTraits<kCfg>::kAccPerSlab], int row0,
+                                                        int col0, int warp_in_wg, int lane, const GemmArgs& args) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int c = col0 + 16 * warp_in_wg + lane / 4 + 8 * h;
+        if (c < args.n_tma || c >= args.n) continue;
+#pragma unroll
+        for (int j = 0; j < kCfg.tile_m / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int r = row0 + 8 * j + 2 * (lane % 4) + e;
+                if (r < args.m) st_global_elem<kCfg.out_dtype>(args.d, r * args.ldd + c, acc[4 * j + 2 * h + e]);
+            }
+    }
+}
+
 /// Every store of `tile` issued so far has completed: raise the hook. Cooperative (deferred by one tile): both
 /// warpgroups stored halves of it; ping-pong (right after the tile's epilogue): this warpgroup stored all of it.
 /// False in the thread that raised it when the hook failed (its diagnostic recorded).
@@ -421,6 +526,10 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
                                        !kHookRoutesStores<Hook>),
                   "gemm: split-K (GemmConfig::splits > 1) needs a scheduler that names each unit's split "
                   "(PersistentScheduler) and a hook that neither signals, adds to nor routes a tile (NoEpilogueHook)");
+    static_assert(!kCfg.swap_ab || (!kGrouped && !Hook::kNotifies && !kHookAddsToTile<Hook> &&
+                                    !kHookRoutesStores<Hook> && !kSchedulerDropsTiles<Scheduler>),
+                  "gemm: a swapped config (GemmConfig::swap_ab) is for the plain GEMM: a persistent scheduler and a "
+                  "hook that neither signals, adds to nor routes a tile (NoEpilogueHook)");
     const int wg = static_cast<int>(threadIdx.x) / 128 - 1;
     const int tid = static_cast<int>(threadIdx.x) % 128;
     const int lane = tid % 32;
@@ -475,21 +584,40 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
 #pragma unroll
             for (int s = 0; s < T::kSlabs; ++s) ptx::wgmma_fence_operands(acc[s]);
             ptx::wgmma_fence();
+            if constexpr (kCfg.swap_ab) {
+                // Swapped: the wgmma's M side is 64 of B's rows (this slab's columns of D), its N side all tile_m of
+                // A's rows; both K-major, 128-byte swizzled, k16 step kk at byte 32 kk of each row.
+                const unsigned a_rows = smem_base + stage * T::kPlan.stage_bytes;
+                const unsigned b_slabs = b_base + slab0 * kGemmSlabRows * T::kRowBytes;
 #pragma unroll
-            for (int kk = 0; kk < T::kKSteps; ++kk) {
-                unsigned long long desc_b;
-                if constexpr (kCfg.b_layout == BLayout::kNK) {
-                    desc_b = ptx::make_smem_desc(b_base + kk * 32, 16, 1024, ptx::SmemSwizzle::k128B);
-                } else {
-                    desc_b = ptx::make_smem_desc(b_base + kk * 16 * 128, T::kBChunkBytes, 1024,
-                                                 ptx::SmemSwizzle::k128B);
+                for (int kk = 0; kk < T::kKSteps; ++kk) {
+                    const unsigned long long desc_n =
+                        ptx::make_smem_desc(a_rows + kk * 32, 16, 1024, ptx::SmemSwizzle::k128B);
+#pragma unroll
+                    for (int s = 0; s < T::kSlabs; ++s) {
+                        const unsigned long long desc_m = ptx::make_smem_desc(
+                            b_slabs + s * kGemmSlabRows * T::kRowBytes + kk * 32, 16, 1024, ptx::SmemSwizzle::k128B);
+                        ptx::wgmma<kCfg.tile_m, T::kIsBF16, 0>(acc[s], desc_m, desc_n,
+                                                               (kb > kr.begin || kk > 0) ? 1 : 0);
+                    }
                 }
+            } else {
 #pragma unroll
-                for (int s = 0; s < T::kSlabs; ++s) {
-                    const unsigned long long desc_a = ptx::make_smem_desc(
-                        a_base + s * kGemmSlabRows * T::kRowBytes + kk * 32, 16, 1024, ptx::SmemSwizzle::k128B);
-                    ptx::wgmma<kCfg.tile_n, T::kIsBF16, T::kTransB>(acc[s], desc_a, desc_b,
-                                                                     (kb > kr.begin || kk > 0) ? 1 : 0);
+                for (int kk = 0; kk < T::kKSteps; ++kk) {
+                    unsigned long long desc_b;
+                    if constexpr (kCfg.b_layout == BLayout::kNK) {
+                        desc_b = ptx::make_smem_desc(b_base + kk * 32, 16, 1024, ptx::SmemSwizzle::k128B);
+                    } else {
+                        desc_b =
+                            ptx::make_smem_desc(b_base + kk * 16 * 128, T::kBChunkBytes, 1024, ptx::SmemSwizzle::k128B);
+                    }
+#pragma unroll
+                    for (int s = 0; s < T::kSlabs; ++s) {
+                        const unsigned long long desc_a = ptx::make_smem_desc(
+                            a_base + s * kGemmSlabRows * T::kRowBytes + kk * 32, 16, 1024, ptx::SmemSwizzle::k128B);
+                        ptx::wgmma<kCfg.tile_n, T::kIsBF16, T::kTransB>(acc[s], desc_a, desc_b,
+                                                                        (kb > kr.begin || kk > 0) ? 1 : 0);
+                    }
                 }
             }
             ptx::wgmma_commit_group();
@@ -555,6 +683,10 @@ __device__ __forceinline__ void consumer_loop(const Scheduler& sched, const ptx:
                 if (store && row0 < tile.m_end && (ragged || !whole)) {
                     store_slab_tail<kCfg>(acc[s], row0, tile.n0, tid / 32, lane, args, tile.m_end, !whole);
                 }
+            } else if constexpr (kCfg.swap_ab) {
+                const int col0 = tile.n0 + (slab0 + s) * kGemmSlabRows;
+                store_slab_swapped<kCfg>(acc[s], tma_d, epi_base, wg, tid, epi_count, tile.m0, col0, store, args);
+                if (ragged) store_slab_tail_swapped<kCfg>(acc[s], tile.m0, col0, tid / 32, lane, args);
             } else {
                 store_slab<kCfg>(acc[s], target.map, epi_base, wg, tid, epi_count, row0 - target.row_offset, tile.n0,
                                  store, target.rows, args);

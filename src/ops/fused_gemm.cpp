@@ -118,6 +118,10 @@ void check_fused_gemm_config(const GemmConfig& c) {
     WEFT_CHECK(is_valid(c), "fused_gemm: the config is not a valid GemmConfig: " << format_gemm_config(c));
     WEFT_CHECK(c.cluster_m == 1 && c.cluster_n == 1, "fused_gemm: the config must be cluster-free (cluster_m = "
                                                      "cluster_n = 1), got " << format_gemm_config(c));
+    WEFT_CHECK(!c.swap_ab,
+               "fused_gemm: a swapped config (swap_ab) serves the plain GEMM only (its hooks signal and "
+               "route whole row slabs), got "
+                   << format_gemm_config(c));
     WEFT_CHECK(gemm_whole_store_boxes(c), "fused_gemm: the config must have a tile_n of whole "
                                               << gemm_epi_cols(c)
                                               << "-column store boxes (hooks signal every store), got "

@@ -58,6 +58,7 @@ std::string format_gemm_config(const GemmConfig& c) {
        << ", .in_dtype = " << dtype_enum_name(c.in_dtype) << ", .out_dtype = " << dtype_enum_name(c.out_dtype);
     if (c.pingpong) os << ", .pingpong = true";  // omitted when false: cooperative kernels keep their names
     if (c.splits != 1) os << ", .splits = " << c.splits;  // omitted when 1: kernels without split-K keep their names
+    if (c.swap_ab) os << ", .swap_ab = true";             // omitted when false: unswapped kernels keep their names
     os << "}";
     return os.str();
 }
@@ -149,6 +150,11 @@ std::vector<jit::KernelSpec> gemm_aot_specs() {
         for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
             for (const GemmConfig& c : gemm_candidate_configs(in, out, layout)) specs.push_back(gemm_kernel_spec(c));
             for (const GemmConfig& c : gemm_split_k_configs(in, out, layout)) specs.push_back(gemm_kernel_spec(c));
+        }
+        // The swapped configs the op's rule can pick (gemm_swap_ab_rule: 256 < M <= 512, B [N,K]; M / t rows for
+        // t = 1..8 rounded up to 16: 48 to 256).
+        for (int tile_m = kGemmSwapRuleMinRows; tile_m <= 256; tile_m += kGemmSwapStoreRows) {
+            specs.push_back(gemm_kernel_spec(gemm_swap_ab_config_of(tile_m, in, out)));
         }
         for (int m_tiles = 1; m_tiles <= kGemvMaxM / 16; ++m_tiles) {
             specs.push_back(gemv_kernel_spec(

@@ -168,7 +168,7 @@ CUtensorMap make_gemm_store_map(const GemmConfig& c, const TensorView& d) {
     const int32_t n_tma = gemm_tma_store_cols(static_cast<int32_t>(d.dim(1)), d.dtype);
     const uint64_t d_cols = n_tma > 0 ? static_cast<uint64_t>(n_tma) : static_cast<uint64_t>(16 / dtype_bytes(d.dtype));
     encode_2d(&map, d, "d", d_cols, static_cast<uint64_t>(d.dim(0)), static_cast<uint32_t>(gemm_epi_cols(c)),
-              kGemmSlabRows);
+              static_cast<uint32_t>(gemm_store_box_rows(c)));
     return map;
 }
 

@@ -156,6 +156,68 @@ std::vector<GemmConfig> gemm_split_k_configs(DType in_dtype, DType out_dtype, BL
     return out;
 }
 
+GemmConfig gemm_swap_ab_config_of(int tile_m, DType in_dtype, DType out_dtype) {
+    GemmConfig c = gemm_candidate(6, in_dtype, out_dtype, BLayout::kNK);  // cooperative 128x128, no cluster
+    c.swap_ab = true;
+    c.tile_m = tile_m;
+    c.tile_n = 128;
+    c.cluster_m = c.cluster_n = 1;
+    c.splits = 1;
+    c.stages = 8;
+    // The same stage count with and without a cluster pair (the pair adds no shared memory).
+    while (c.stages > 2 && gemm_smem_plan(c).alloc_bytes > kGemmMaxSmemBytes) --c.stages;
+    return c;
+}
+
+GemmConfig gemm_swap_ab_rule(const GemmProblem& p, const GemmConfig& picked, const GemmOptions& options, int num_sms) {
+    WEFT_CHECK(num_sms > 0, "gemm_swap_ab_rule: num_sms must be positive, got " << num_sms);
+    if (options.sm_budget != 0 || options.config || p.m <= 256 || p.m > 512) return picked;
+    GemmConfig best = picked;
+    int64_t best_ctas = 0;
+    for (const GemmConfig& c : gemm_swap_ab_configs(p, num_sms)) {
+        if (c.cluster_m != 1) continue;  // the pairs measured slower (B multicast did not pay)
+        const int64_t ctas = GemmTileGrid(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n)).num_tiles();
+        if (ctas > best_ctas) {
+            best = c;
+            best_ctas = ctas;
+        }
+    }
+    if (10 * best_ctas < 9 * int64_t{num_sms}) return picked;
+    // Only where the pick wastes more of its waves (row padding, a part-filled wave): the share of the CTA slots'
+    // tile area that is D, 5% better at least (M = 320, N = 4096: 128x128 0.61, 80-row swapped 0.97; M = 384, N = 8192:
+    // both 0.97, the pick stays).
+    const auto fill = [&](const GemmConfig& c) {
+        const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
+        const int64_t ctas = static_cast<int64_t>(g.num_cluster_tiles()) * c.cluster_m * c.cluster_n;
+        const int64_t waves = ceil_div(ctas, int64_t{num_sms});
+        return static_cast<double>(p.m) * static_cast<double>(p.n) /
+               (static_cast<double>(waves * num_sms) * c.tile_m * c.tile_n);
+    };
+    return fill(best) > 1.05 * fill(picked) ? best : picked;
+}
+
+std::vector<GemmConfig> gemm_swap_ab_configs(const GemmProblem& p, int budget) {
+    WEFT_CHECK(budget > 0, "gemm_swap_ab_configs: budget must be positive, got " << budget);
+    std::vector<GemmConfig> out;
+    if (p.m < 1 || p.m > 512 || p.n <= 0 || p.k <= 0 || p.b_layout != BLayout::kNK) return out;
+    for (int t = 1; t <= 8; ++t) {
+        const int tile_m = static_cast<int>(round_up(ceil_div(p.m, int64_t{t}), int64_t{kGemmSwapStoreRows}));
+        if (tile_m > 256) continue;
+        for (int cluster_m : {1, 2}) {
+            GemmConfig c = gemm_swap_ab_config_of(tile_m, p.in_dtype, p.out_dtype);
+            c.cluster_m = cluster_m;
+            if (!is_valid(c)) continue;
+            const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
+            // The tiles of D (a pair's padding tile past M does not count) fill half a wave at least; every CTA of
+            // the launch (padding included) fits one.
+            const int64_t ctas = static_cast<int64_t>(g.num_cluster_tiles()) * cluster_m;
+            if (2 * int64_t{g.num_tiles()} < budget || ctas > budget) continue;
+            if (std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
+        }
+    }
+    return out;
+}
+
 int gemm_fill_splits(const GemmProblem& p, const GemmConfig& c, int budget) {
     const int64_t tiles = GemmTileGrid(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n)).num_tiles();
     const int64_t k_blocks = ceil_div(p.k, c.tile_k);
@@ -396,6 +458,7 @@ GemmPlan plan_tiled(const GemmProblem& p, const GemmOptions& options, int budget
                                                          << dtype_name(p.out_dtype));
         plan.config = gemm_few_rows_config(p, plan.config, budget);
         if (options.split_k == 0) plan.config = gemm_split_k_config(p, plan.config, budget);
+        if (options.split_k == 0) plan.config = gemm_swap_ab_rule(p, plan.config, options, budget);
         if (options.split_k > 1) {
             // Forced: that many splits of the heuristic's tile, without its cluster pair.
             plan.config.cluster_m = plan.config.cluster_n = 1;
@@ -466,6 +529,7 @@ std::string gemm_candidate_name(const GemmConfig& c) {
        << c.cluster_n;
     if (c.pingpong) os << "_pp";
     if (c.splits != 1) os << "_k" << c.splits;
+    if (c.swap_ab) os << "_sw";
     return os.str();
 }
 
@@ -502,6 +566,11 @@ std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& p, int num_sm
             forced.config = c;
             add(plan_gemm(p, num_sms, forced));
         }
+    }
+    for (const GemmConfig& c : gemm_swap_ab_configs(p, budget)) {
+        GemmOptions forced = base;
+        forced.config = c;
+        add(plan_gemm(p, num_sms, forced));
     }
     GemmOptions unforced = base;  // small_m_max_m bounds variants 3 and 4 (a forced variant 5 would lift it)
     unforced.small_m_variant.reset();

@@ -292,6 +292,89 @@ TEST(GemmSplitK, DeterministicAndRepeatable) {
 
 // Raster orders and group sizes are pure scheduling: same result (configs outside the candidate set, which only
 // holds the default raster: the JIT compiles them on first use).
+// ---- swapped operands (GemmConfig::swap_ab) ----------------------------------------------------------------
+
+// The swapped configs the tests run: the autotuner's sets at M = 320 and 77 (N = 4096) and at M = 160 (N = 8192), the
+// narrowest and widest tile_m (16, 256), a ping-pong tile of 64 columns (48 rows) and its cluster pair.
+std::vector<GemmConfig> swapped_test_configs(DType in = DType::kBF16, DType out = DType::kBF16) {
+    std::vector<GemmConfig> v;
+    const std::array<int64_t, 3> shapes[] = {{320, 4096, 4096}, {77, 4096, 4096}, {160, 8192, 8192}};
+    for (const auto& s : shapes) {
+        const ops::GemmProblem p{.m = s[0], .n = s[1], .k = s[2], .in_dtype = in, .out_dtype = out};
+        for (const GemmConfig& c : ops::gemm_swap_ab_configs(p, 132)) {
+            if (std::find(v.begin(), v.end(), c) == v.end()) v.push_back(c);
+        }
+    }
+    GemmConfig base = gemm_candidate(6, in, out, BLayout::kNK);
+    base.swap_ab = true;
+    base.tile_n = 128;
+    for (auto [tile_m, tile_n, pingpong, cluster_m, stages] :
+         {std::array<int, 5>{16, 128, 0, 1, 8}, {256, 128, 0, 2, 4}, {48, 64, 1, 1, 8}, {48, 64, 1, 2, 8}}) {
+        GemmConfig c = base;
+        c.tile_m = tile_m;
+        c.tile_n = tile_n;
+        c.pingpong = pingpong != 0;
+        c.cluster_m = cluster_m;
+        c.stages = stages;
+        EXPECT_TRUE(is_valid(c)) << ops::format_gemm_config(c);
+        v.push_back(c);
+    }
+    return v;
+}
+
+// Every swapped test config on the awkward shapes (B [N,K], bf16 -> bf16): ragged M inside a row tile, N not a multiple
+// of the 64-column slab, N with fewer than 16 bytes of columns past the last TMA-stored one, K with a partial last
+// block, cluster pairs with a padding tile; poisoned outputs, every row against the fp64 reference.
+TEST(GemmSwapAB, EveryConfigMatchesFp64OnAwkwardShapes) {
+    REQUIRE_SM90();
+    const std::vector<GemmConfig> configs = swapped_test_configs();
+    ASSERT_GE(configs.size(), 8u);
+    for (const GemmConfig& cfg : configs) {
+        for (const auto& s : awkward_shapes()) {
+            Case c{s[0], s[1], s[2]};
+            c.config = cfg;
+            check_case(c);
+        }
+    }
+}
+
+// Every other dtype pair (fp32 out: element stores into the staging buffer; f16: stmatrix .trans) with padded strides.
+TEST(GemmSwapAB, EveryDtypePairWithStridesMatchesFp64) {
+    REQUIRE_SM90();
+    for (const auto& io : kOtherIoPairs) {
+        const std::vector<GemmConfig> configs = swapped_test_configs(io[0], io[1]);
+        for (const GemmConfig& cfg : {configs.front(), configs.back()}) {
+            for (const auto& s : {std::array<int64_t, 3>{129, 257, 136}, std::array<int64_t, 3>{300, 1100, 1000}}) {
+                Case c{s[0], s[1], s[2], io[0], io[1]};
+                c.pad_a = 8;
+                c.pad_b = 24;
+                c.pad_d = 16;
+                c.config = cfg;
+                check_case(c);
+            }
+        }
+    }
+}
+
+// Few CTAs, many tiles each (the ring's phases wrap across tiles; cluster pairs walk padding tiles), and the shapes the
+// swapped configs are for (M = 77, 320, 512 at N = K = 4096; sampled rows).
+TEST(GemmSwapAB, SmBudgetsAndBenchmarkShapesMatchFp64) {
+    REQUIRE_SM90();
+    for (const GemmConfig& cfg : swapped_test_configs()) {
+        for (int budget : {1, 3, 7}) {
+            Case c{520, 1100, 456};
+            c.config = cfg;
+            c.sm_budget = cfg.cluster_m > budget ? 2 : budget;
+            check_case(c);
+        }
+        for (int64_t m : {77, 320, 512}) {
+            Case c{m, 4096, 4096};
+            c.config = cfg;
+            check_case(c, 24);
+        }
+    }
+}
+
 constexpr GemmConfig raster_variant(int index) {
     GemmConfig c = gemm_candidate(index, DType::kBF16, DType::kBF16, BLayout::kNK);
     c.raster = Raster::kAlongM;

@@ -161,6 +161,12 @@ TEST(GemmJitAot, SpecsCoverEveryCandidateAndSmallMKernelOnce) {
                 ++expected;
             }
         }
+        // The swapped configs of the op's rule: every tile_m from kGemmSwapRuleMinRows to 256.
+        for (int tile_m = kGemmSwapRuleMinRows; tile_m <= 256; tile_m += kGemmSwapStoreRows) {
+            const GemmConfig c = gemm_swap_ab_config_of(tile_m, in, out);
+            EXPECT_EQ(instantiations.count(gemm_kernel_instantiation(c)), 1u) << format_gemm_config(c);
+            ++expected;
+        }
         // Variant 5 (an autotuner candidate only): bf16 -> bf16, every row-tile count.
         for (int m_tiles = 1; m_tiles <= 16; ++m_tiles) {
             const GemvConfig c{.variant = GemvVariant::kTmaWgmma, .m_tiles = m_tiles, .in_dtype = in, .out_dtype = out};
@@ -279,9 +285,11 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
     constexpr size_t kV5 = 1;
     // Few rows at N = K = 8192: every split-K config (its tiles fewer than the SMs) joins the tiled candidates.
     const size_t kTiled = kGemmNumCandidates + gemm_split_k_configs(DType::kBF16, DType::kBF16, BLayout::kNK).size();
+    // The swapped configs (gemm_swap_ab_configs) join after the tiled and split-K ones, before the small-M kernels.
+    const auto sw = [](const GemmProblem& q) { return gemm_swap_ab_configs(q, 132).size(); };
     const GemmProblem small = problem(16, 8192, 8192);
     const auto sc = gemm_tune_candidates(small, 132, {});
-    ASSERT_EQ(sc.size(), kTiled + kSplitKVariants + kV5);
+    ASSERT_EQ(sc.size(), kTiled + sw(small) + kSplitKVariants + kV5);
     EXPECT_EQ(sc[0].name, "small_m_v3");
     EXPECT_EQ(sc.back().name, "small_m_v5");
     EXPECT_EQ(sc.back().plan.small_m_variant, GemvVariant::kTmaWgmma);
@@ -297,25 +305,26 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
     GemmProblem decode = problem(1, 8192, 8192);
     decode.b_rows_contiguous = true;
     const auto dc = gemm_tune_candidates(decode, 132, {});
-    ASSERT_EQ(dc.size(), kTiled + 2 + kV5);
+    ASSERT_EQ(dc.size(), kTiled + sw(decode) + 2 + kV5);
     EXPECT_EQ(dc[0].name, "small_m_v4");  // the heuristic's pick for decode with contiguous B rows
-    EXPECT_EQ(dc[kTiled + 1].name, "small_m_v3");
-    EXPECT_EQ(dc[kTiled + 2].name, "small_m_v5");
+    EXPECT_EQ(dc[kTiled + sw(decode) + 1].name, "small_m_v3");
+    EXPECT_EQ(dc[kTiled + sw(decode) + 2].name, "small_m_v5");
     GemmOptions no_small;
     no_small.allow_small_m = false;
-    EXPECT_EQ(gemm_tune_candidates(small, 132, no_small).size(), kTiled);
+    EXPECT_EQ(gemm_tune_candidates(small, 132, no_small).size(), kTiled + sw(small));
     EXPECT_EQ(gemm_tune_candidates(problem(16, 8192, 8192, BLayout::kKN), 132, {}).size(),
               gemm_candidate_configs(DType::kBF16, DType::kBF16, BLayout::kKN).size() +
                   gemm_split_k_configs(DType::kBF16, DType::kBF16, BLayout::kKN).size());
     GemmOptions never_split;
     never_split.split_k = 1;
     never_split.allow_small_m = false;
-    EXPECT_EQ(gemm_tune_candidates(small, 132, never_split).size(), static_cast<size_t>(kGemmNumCandidates));
+    EXPECT_EQ(gemm_tune_candidates(small, 132, never_split).size(), kGemmNumCandidates + sw(small));
     // K = 1024: 16 k-blocks, so only the 2-way splits get their 8 k-blocks each; K = 512: none.
     EXPECT_EQ(gemm_tune_candidates(problem(64, 8192, 1024), 132, no_small).size(),
-              static_cast<size_t>(kGemmNumCandidates) + 4);
+              kGemmNumCandidates + 4 + sw(problem(64, 8192, 1024)));
     EXPECT_EQ(gemm_tune_candidates(problem(64, 8192, 512), 132, no_small).size(),
-              static_cast<size_t>(kGemmNumCandidates));
+              kGemmNumCandidates + sw(problem(64, 8192, 512)));
+    EXPECT_EQ(sw(problem(64, 8192, 512)), 2u);  // 64 rows in one 64-row tile, with and without the pair
     // M = 33..64: only where small_m_max_m lets the small-M path serve it (as plan_gemm). The heuristic's own pick
     // here is variant 5 (gemm_prefers_wgmma_small_m): with small_m_wgmma_max_m = 0 the picks of variant 3 / the tiled
     // kernel show.
@@ -323,26 +332,27 @@ TEST(GemmAutotuneCandidates, HeuristicFirstThenEveryValidConfigAndSmallMWhereItA
         SCOPED_TRACE("M = " + std::to_string(m));
         const GemmProblem mid = problem(m, 8192, 8192);
         const auto dflt = gemm_tune_candidates(mid, 132, {});
-        ASSERT_EQ(dflt.size(), kTiled + kV5) << "the default small_m_max_m is 32";
+        ASSERT_EQ(dflt.size(), kTiled + sw(mid) + kV5) << "the default small_m_max_m is 32";
         EXPECT_EQ(dflt[0].name, "small_m_v5");
         GemmOptions up_to_64;
         up_to_64.small_m_max_m = 64;
         up_to_64.small_m_wgmma_max_m = 0;
         const auto mc = gemm_tune_candidates(mid, 132, up_to_64);
-        ASSERT_EQ(mc.size(), kTiled + kSplitKVariants + kV5);
+        ASSERT_EQ(mc.size(), kTiled + sw(mid) + kSplitKVariants + kV5);
         EXPECT_EQ(mc[0].name, "small_m_v3");
         GemmOptions up_to_32;
         up_to_32.small_m_max_m = 32;
         up_to_32.small_m_wgmma_max_m = 0;
         const auto mc32 = gemm_tune_candidates(mid, 132, up_to_32);
-        ASSERT_EQ(mc32.size(), kTiled + kV5);
+        ASSERT_EQ(mc32.size(), kTiled + sw(mid) + kV5);
         EXPECT_EQ(mc32[0].plan.path, GemmPath::kTiled);
         EXPECT_EQ(mc32[0].plan.config, plan_gemm(mid, 132, up_to_32).config);
         for (size_t i = 0; i + 1 < mc32.size(); ++i) EXPECT_EQ(mc32[i].plan.path, GemmPath::kTiled) << mc32[i].name;
         EXPECT_EQ(mc32.back().name, "small_m_v5");
         GemmOptions up_to_48;
         up_to_48.small_m_max_m = 48;
-        EXPECT_EQ(gemm_tune_candidates(mid, 132, up_to_48).size(), kTiled + (m <= 48 ? kSplitKVariants : 0) + kV5);
+        EXPECT_EQ(gemm_tune_candidates(mid, 132, up_to_48).size(),
+                  kTiled + sw(mid) + (m <= 48 ? kSplitKVariants : 0) + kV5);
     }
     // Variant 5 up to M = 256 (m_tiles 16) with B [N,K], never beyond, nor with B [K,N]; with small_m_variant forcing
     // it, it is the heuristic's pick (first) and not listed twice.

@@ -247,6 +247,50 @@ TEST(GemmNvrtc, split_k_sass_uses_hgmma_without_spills) {
     }
 }
 
+// Swapped configs (GemmConfig::swap_ab): the autotuner's set at M = 320 and 77 (N = 4096, 132 SMs), a ping-pong
+// 64-column tile, and every 16-bit and fp32 output, compile with ptxas' report clean (the accumulators of D^T beside
+// the transposing epilogue: no spills, no wgmma serialisation), on the wgmma path with TMA loads and stores, nothing in
+// local memory, the 16-bit epilogues transposing through stmatrix .trans (STSM ... .MT88 in SASS).
+TEST(GemmNvrtc, swapped_sass_uses_hgmma_and_transposing_stores) {
+    std::vector<GemmConfig> configs;
+    for (int64_t m : {320, 77}) {
+        const ops::GemmProblem p{.m = m, .n = 4096, .k = 4096};
+        for (const GemmConfig& c : ops::gemm_swap_ab_configs(p, 132)) configs.push_back(c);
+    }
+    ASSERT_GE(configs.size(), 3u);
+    GemmConfig pp = configs.front();
+    pp.pingpong = true;
+    pp.tile_n = 64;
+    pp.tile_m = 48;
+    ASSERT_TRUE(is_valid(pp)) << ops::format_gemm_config(pp);
+    configs.push_back(pp);
+    for (DType out : {DType::kF32, DType::kF16}) {
+        GemmConfig c = configs.front();
+        c.out_dtype = out;
+        if (out == DType::kF16) c.in_dtype = DType::kF16;
+        ASSERT_TRUE(is_valid(c)) << ops::format_gemm_config(c);
+        configs.push_back(c);
+    }
+    std::vector<std::string> names;
+    for (const GemmConfig& c : configs) {
+        if (std::find(names.begin(), names.end(), ops::gemm_kernel_instantiation(c)) == names.end()) {
+            names.push_back(ops::gemm_kernel_instantiation(c));
+        }
+    }
+    const CompiledSass r = compile_to_sass(names);
+    ASSERT_EQ(r.compiled.result, NVRTC_SUCCESS) << r.compiled.log;
+    EXPECT_EQ(r.compiled.lowered.size(), names.size());
+    expect_clean_ptxas_report(r.compiled.log, "swapped");
+    if (r.sass.empty()) GTEST_SKIP() << "SKIPPED: cannot check SASS: " << r.why_not;
+    EXPECT_EQ(r.sass.size(), names.size());
+    for (const auto& [name, code] : r.sass) {
+        expect_tiled_sass(code, name);
+        if (name.find(".out_dtype = weft::DType::kF32") == std::string::npos) {
+            EXPECT_GT(count_lines_with(code, "STSM", ".MT88"), 0u) << name << ": no transposing stmatrix";
+        }
+    }
+}
+
 // Compiles the small-M kernel `variant` for every B [N,K] dtype pair (ASSERTs NVRTC succeeded, checks ptxas' report: no
 // spills, no wgmma serialisation) and collects every instance's SASS; `why_not` says why SASS cannot be checked.
 CompiledSass gemv_variant_sass(GemvVariant variant, const std::string& what) {

@@ -16,6 +16,7 @@
 #include "weft/common/gemm_config.hpp"
 #include "weft/common/gemv_config.hpp"
 #include "weft/detail/gemm_launch.hpp"
+#include "weft/ops/fused_gemm.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_plan.hpp"
@@ -96,6 +97,107 @@ TEST(GemmConfig, RejectsWhatTheKernelCannotDo) {
 
 // Every tile of D is computed exactly once; padding tiles only appear inside clusters; the CTAs of a
 // cluster share the operand they multicast.
+// Swapped configs (GemmConfig::swap_ab): what is_valid takes and refuses, the accumulator count (wgmma N = tile_m), the
+// store box, the name and the printed kernel argument, and that grouped and fused GEMMs refuse them.
+TEST(GemmConfig, SwappedConfigsTakeRowTilesOf16AndServeThePlainGemmOnly) {
+    GemmConfig c = gemm_candidate(6, DType::kBF16, DType::kBF16, BLayout::kNK);
+    c.swap_ab = true;
+    c.tile_m = 80;
+    c.tile_n = 128;
+    c.stages = 7;
+    ASSERT_TRUE(is_valid(c));
+    EXPECT_EQ(gemm_slabs_per_consumer(c), 1);
+    EXPECT_EQ(gemm_acc_regs(c), 40);
+    EXPECT_EQ(gemm_wgmma_n(c), 80);
+    EXPECT_EQ(gemm_store_box_rows(c), kGemmSwapStoreRows);
+    EXPECT_FALSE(is_valid_grouped(c));
+    EXPECT_NE(ops::gemm_candidate_name(c).find("_sw"), std::string::npos);
+    EXPECT_NE(ops::format_gemm_config(c).find(".swap_ab = true"), std::string::npos);
+    EXPECT_THROW(ops::check_fused_gemm_config(c), Error);
+    auto with = [&](auto edit) {
+        GemmConfig v = c;
+        edit(v);
+        return is_valid(v);
+    };
+    EXPECT_TRUE(with([](GemmConfig& v) { v.tile_m = 16; }));
+    EXPECT_TRUE(with([](GemmConfig& v) { v.tile_m = 256, v.stages = 4; }));
+    EXPECT_TRUE(with([](GemmConfig& v) { v.cluster_m = 2; }));
+    EXPECT_TRUE(with([](GemmConfig& v) { v.pingpong = true, v.tile_n = 64; }));
+    EXPECT_TRUE(with([](GemmConfig& v) { v.out_dtype = DType::kF32; }));
+    EXPECT_FALSE(with([](GemmConfig& v) { v.tile_m = 72; }));                 // not whole 16-row store boxes
+    EXPECT_FALSE(with([](GemmConfig& v) { v.tile_m = 272; }));                // past the wgmma's N
+    EXPECT_FALSE(with([](GemmConfig& v) { v.tile_n = 192; }));                // not a slab per warpgroup
+    EXPECT_FALSE(with([](GemmConfig& v) { v.tile_n = 64; }));                 // cooperative: a slab each
+    EXPECT_FALSE(with([](GemmConfig& v) { v.b_layout = BLayout::kKN; }));     // B's rows are the wgmma's M side
+    EXPECT_FALSE(with([](GemmConfig& v) { v.splits = 2; }));                  // no split of K
+    EXPECT_FALSE(with([](GemmConfig& v) { v.tile_m = 256, v.stages = 8; }));  // past shared memory
+    GemmConfig plain = c;
+    plain.swap_ab = false;
+    EXPECT_FALSE(is_valid(plain));  // 80 rows are the swapped kernel's alone
+}
+
+// The autotuner's swapped set: tile_m = M / t rounded up to 16, tiles filling half a wave to one wave, B [N,K], M <=
+// 512.
+TEST(GemmPlan, SwappedConfigsFillOneWaveOfFewRowTiles) {
+    const ops::GemmProblem p{.m = 320, .n = 4096, .k = 4096};
+    const std::vector<GemmConfig> v = ops::gemm_swap_ab_configs(p, 132);
+    std::set<std::pair<int, int>> got;
+    for (const GemmConfig& c : v) {
+        EXPECT_TRUE(is_valid(c) && c.swap_ab && c.tile_n == 128) << ops::format_gemm_config(c);
+        const GemmTileGrid g(c, 320, 4096);
+        const int ctas = g.num_cluster_tiles() * c.cluster_m;
+        EXPECT_TRUE(2 * g.num_tiles() >= 132 && ctas <= 132) << ops::format_gemm_config(c) << ": " << ctas << " CTAs";
+        got.insert({c.tile_m, c.cluster_m});
+    }
+    EXPECT_TRUE(got.count({80, 1}) && got.count({80, 2}) && got.count({112, 1})) << v.size() << " configs";
+    EXPECT_TRUE(ops::gemm_swap_ab_configs(ops::GemmProblem{.m = 600, .n = 4096, .k = 4096}, 132).empty());
+    EXPECT_TRUE(
+        ops::gemm_swap_ab_configs(ops::GemmProblem{.m = 320, .n = 4096, .k = 4096, .b_layout = BLayout::kKN}, 132)
+            .empty());
+    // The op's rule: 256 < M <= 512 with the whole device, the cluster-free config with the most tiles of one wave.
+    auto pick = [](int64_t m, int64_t n, ops::GemmOptions o = {}) {
+        return ops::plan_gemm(ops::GemmProblem{.m = m, .n = n, .k = 4096}, 132, o).config;
+    };
+    for (auto [m, n, tile_m] : {std::array<int64_t, 3>{320, 4096, 80},
+                                {257, 4096, 80},
+                                {384, 4096, 96},
+                                {448, 4096, 112},
+                                {320, 8192, 160},
+                                {300, 8192, 160}}) {
+        const GemmConfig c = pick(m, n);
+        EXPECT_TRUE(c.swap_ab && c.tile_m == tile_m && c.cluster_m == 1)
+            << m << "x" << n << ": " << ops::gemm_candidate_name(c);
+        EXPECT_EQ(c, ops::gemm_swap_ab_config_of(static_cast<int>(tile_m), DType::kBF16, DType::kBF16));
+    }
+    EXPECT_FALSE(pick(256, 4096).swap_ab);  // the 64-row ping-pong tile has no padding there
+    EXPECT_FALSE(pick(512, 4096).swap_ab);  // 4 x 32 whole 128x128 tiles fill the wave as well
+    EXPECT_FALSE(pick(384, 8192).swap_ab);  // 3 x 43 128x192 tiles: as full as 2 x 64 swapped 192-row ones
+    EXPECT_FALSE(pick(512, 8192, {}).swap_ab);
+    EXPECT_FALSE(pick(513, 4096).swap_ab);   // past the rule's band
+    EXPECT_FALSE(pick(320, 1024).swap_ab);   // 48-row tiles x 8 fill half a wave
+    EXPECT_FALSE(pick(320, 28672).swap_ab);  // no swapped tiling fits one wave
+    ops::GemmOptions budget;
+    budget.sm_budget = 100;
+    EXPECT_FALSE(pick(320, 4096, budget).swap_ab);
+    // Every config the rule can pick is in the AOT list (weft-compile --builtin warms it).
+    std::set<std::string> aot;
+    for (const auto& spec : ops::gemm_aot_specs()) aot.insert(spec.instantiation);
+    for (int64_t m = 257; m <= 512; m += 17) {
+        for (int64_t n : {2048, 4096, 5120, 8192}) {
+            const GemmConfig c = pick(m, n);
+            if (c.swap_ab)
+                EXPECT_TRUE(aot.count(ops::gemm_kernel_spec(c).instantiation)) << ops::gemm_candidate_name(c);
+            if (c.swap_ab) EXPECT_GE(c.tile_m, ops::kGemmSwapRuleMinRows);
+        }
+    }
+    // The autotuner tries them beside the unswapped candidates.
+    bool tried = false;
+    for (const auto& cand : ops::gemm_tune_candidates(p, 132, ops::GemmOptions{})) {
+        tried = tried || cand.name.find("_sw") != std::string::npos;
+    }
+    EXPECT_TRUE(tried);
+}
+
 TEST(GemmTileGrid, CoversEveryTileOnceInEveryRasterAndCluster) {
     const int shapes[][2] = {{1, 8}, {127, 129}, {128, 256}, {1000, 3000}, {8192, 1376}, {4096, 4096}, {777, 64}};
     for (const auto& s : shapes) {
@@ -1003,16 +1105,16 @@ TEST(GemmPlan, SplitKFillsTheSmsForFewRows) {
     };
     // The op's plan (tiled path: small-M off) by M at N = K = 4096 and 8192, and the shapes it leaves alone.
     const Pick picks[] = {
-        {33, 4096, 4096, "64x128x64_s8_c1x1_pp_k4"},  {64, 4096, 4096, "64x128x64_s8_c1x1_pp_k4"},
-        {65, 4096, 4096, "64x128x64_s8_c1x1_pp"},     {96, 4096, 4096, "64x128x64_s8_c1x1_pp"},
-        {97, 4096, 4096, "64x128x64_s8_c1x1_pp"},     {128, 4096, 4096, "64x128x64_s8_c1x1_pp"},
-        {160, 4096, 4096, "64x128x64_s8_c1x1_pp"},    {192, 4096, 4096, "64x128x64_s8_c1x1_pp"},
-        {320, 4096, 4096, "128x128x64_s6_c1x1"},      {384, 4096, 4096, "128x128x64_s6_c1x1"},
-        {24, 8192, 8192, "64x128x64_s8_c1x1_pp_k2"},  {64, 8192, 8192, "64x128x64_s8_c1x1_pp_k2"},
-        {65, 8192, 8192, "64x128x64_s8_c1x1_pp"},     {96, 8192, 8192, "64x128x64_s8_c1x1_pp"},
-        {112, 8192, 8192, "64x128x64_s8_c1x1_pp"},    {160, 8192, 8192, "128x256x64_s4_c1x1_k2"},
-        {192, 8192, 8192, "128x256x64_s4_c1x1_k2"},   {256, 8192, 8192, "128x128x64_s6_c1x1"},
-        {320, 8192, 8192, "128x192x64_s4_c1x1_pp"},   {513, 4096, 4096, "128x160x64_s5_c1x1_pp"},
+        {33, 4096, 4096, "64x128x64_s8_c1x1_pp_k4"}, {64, 4096, 4096, "64x128x64_s8_c1x1_pp_k4"},
+        {65, 4096, 4096, "64x128x64_s8_c1x1_pp"},    {96, 4096, 4096, "64x128x64_s8_c1x1_pp"},
+        {97, 4096, 4096, "64x128x64_s8_c1x1_pp"},    {128, 4096, 4096, "64x128x64_s8_c1x1_pp"},
+        {160, 4096, 4096, "64x128x64_s8_c1x1_pp"},   {192, 4096, 4096, "64x128x64_s8_c1x1_pp"},
+        {320, 4096, 4096, "80x128x64_s7_c1x1_sw"},   {384, 4096, 4096, "96x128x64_s6_c1x1_sw"},
+        {24, 8192, 8192, "64x128x64_s8_c1x1_pp_k2"}, {64, 8192, 8192, "64x128x64_s8_c1x1_pp_k2"},
+        {65, 8192, 8192, "64x128x64_s8_c1x1_pp"},    {96, 8192, 8192, "64x128x64_s8_c1x1_pp"},
+        {112, 8192, 8192, "64x128x64_s8_c1x1_pp"},   {160, 8192, 8192, "128x256x64_s4_c1x1_k2"},
+        {192, 8192, 8192, "128x256x64_s4_c1x1_k2"},  {256, 8192, 8192, "128x128x64_s6_c1x1"},
+        {320, 8192, 8192, "160x128x64_s5_c1x1_sw"},  {513, 4096, 4096, "128x160x64_s5_c1x1_pp"},
         {128, 28672, 4096, "128x256x64_s4_c1x1"},
     };
     ops::GemmOptions tiled;

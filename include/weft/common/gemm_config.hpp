@@ -45,6 +45,13 @@ struct GemmConfig {
     /// sums the partials in split order (deterministic) and stores D. 1: off. Only for the plain GEMM
     /// (PersistentScheduler, NoEpilogueHook) without clusters; fills the SMs where the tiles are fewer than them.
     int32_t splits = 1;
+    /// Swapped operands: the kernel computes D^T = B A^T, so B's tile_n rows take the wgmma's 64-row M side (64-column
+    /// slabs of D: cooperative, each consumer warpgroup its half of the columns; ping-pong, all of them) and A's
+    /// tile_m rows its N side (any multiple of 16 from 16 to 256). A tile of few rows then costs no padding to 64:
+    /// M = 320 runs as 4 x 80-row tiles. The epilogue transposes the accumulators back on their way to shared memory
+    /// (stmatrix .trans) and stores D by boxes of kGemmSwapStoreRows rows. Only for the plain GEMM
+    /// (PersistentScheduler, NoEpilogueHook), B [N,K], without split-K (is_valid).
+    bool swap_ab = false;
 
     constexpr bool operator==(const GemmConfig&) const = default;
 };
@@ -57,6 +64,8 @@ inline constexpr int kGemmThreads = 384;
 inline constexpr int kGemmConsumerWarpgroups = 2;
 /// Rows of one wgmma (m64) and of one epilogue slab.
 inline constexpr int kGemmSlabRows = 64;
+/// Rows of D per TMA store box of a swapped config (GemmConfig::swap_ab): its tile_m is a multiple of them.
+inline constexpr int kGemmSwapStoreRows = 16;
 /// Largest dynamic shared memory one CTA may ask for on sm_90 (227 KiB).
 inline constexpr int kGemmMaxSmemBytes = 232448;
 /// Registers per thread after setmaxnreg: producer and consumers (128*40 + 256*232 <= 65536).
@@ -102,14 +111,22 @@ WEFT_HOST_DEVICE constexpr GemmSmemPlan gemm_smem_plan(const GemmConfig& c) {
 }
 
 /// 64-row accumulator slabs per consumer warpgroup: its share of the tile's rows (cooperative) or all of them
-/// (ping-pong).
+/// (ping-pong); swapped (GemmConfig::swap_ab), its share of the tile's columns in slabs of 64 columns.
 WEFT_HOST_DEVICE constexpr int32_t gemm_slabs_per_consumer(const GemmConfig& c) {
-    return c.tile_m / ((c.pingpong ? 1 : kGemmConsumerWarpgroups) * kGemmSlabRows);
+    return (c.swap_ab ? c.tile_n : c.tile_m) / ((c.pingpong ? 1 : kGemmConsumerWarpgroups) * kGemmSlabRows);
 }
 
-/// Accumulator floats per consumer thread: slabs x tile_n / 2.
+/// The wgmma's N: tile_n, or (swapped) tile_m.
+WEFT_HOST_DEVICE constexpr int32_t gemm_wgmma_n(const GemmConfig& c) { return c.swap_ab ? c.tile_m : c.tile_n; }
+
+/// Accumulator floats per consumer thread: slabs x wgmma N / 2.
 WEFT_HOST_DEVICE constexpr int32_t gemm_acc_regs(const GemmConfig& c) {
-    return gemm_slabs_per_consumer(c) * (c.tile_n / 2);
+    return gemm_slabs_per_consumer(c) * (gemm_wgmma_n(c) / 2);
+}
+
+/// Rows of D per TMA store box: one 64-row slab, or (swapped) kGemmSwapStoreRows.
+WEFT_HOST_DEVICE constexpr int32_t gemm_store_box_rows(const GemmConfig& c) {
+    return c.swap_ab ? kGemmSwapStoreRows : kGemmSlabRows;
 }
 
 /// The one rule for which configs exist: host heuristics filter candidates with it, the kernel
@@ -119,11 +136,21 @@ WEFT_HOST_DEVICE constexpr bool is_valid(const GemmConfig& c) {
     const bool out_ok = c.out_dtype == DType::kBF16 || c.out_dtype == DType::kF16 || c.out_dtype == DType::kF32;
     if (!in_ok || !out_ok) return false;
     if (c.tile_k != 64) return false;  // one 128B swizzle row of 16-bit elements per stage
-    if (c.pingpong ? (c.tile_m != 64 && c.tile_m != 128) : (c.tile_m != 128 && c.tile_m != 256)) return false;
-    // tile_n: whole 64-column blocks, or (B [N,K], no cluster) any multiple of 16 from 80 (an m64nNk16 wgmma shape;
-    // the epilogue stores the columns past its last whole box with plain stores).
-    if (c.tile_n < 64 || c.tile_n > 256 || c.tile_n % 16 != 0) return false;
-    if (c.tile_n % 64 != 0 && (c.b_layout != BLayout::kNK || c.cluster_m != 1 || c.cluster_n != 1)) return false;
+    if (c.swap_ab) {
+        // Swapped: tile_n whole 64-column slabs, each consumer warpgroup at least one (cooperative 128 or 256,
+        // ping-pong 64 or 128); tile_m the wgmma's N, whole store boxes of rows (a multiple of 16 up to 256). B [N,K]
+        // (its rows are the wgmma's K-major M side), no split of K.
+        const int32_t per_wg = c.pingpong ? 1 : kGemmConsumerWarpgroups;
+        if (c.tile_n % (per_wg * kGemmSlabRows) != 0 || c.tile_n > per_wg * 2 * kGemmSlabRows) return false;
+        if (c.tile_m < kGemmSwapStoreRows || c.tile_m > 256 || c.tile_m % kGemmSwapStoreRows != 0) return false;
+        if (c.b_layout != BLayout::kNK || c.splits != 1) return false;
+    } else {
+        if (c.pingpong ? (c.tile_m != 64 && c.tile_m != 128) : (c.tile_m != 128 && c.tile_m != 256)) return false;
+        // tile_n: whole 64-column blocks, or (B [N,K], no cluster) any multiple of 16 from 80 (an m64nNk16 wgmma
+        // shape; the epilogue stores the columns past its last whole box with plain stores).
+        if (c.tile_n < 64 || c.tile_n > 256 || c.tile_n % 16 != 0) return false;
+        if (c.tile_n % 64 != 0 && (c.b_layout != BLayout::kNK || c.cluster_m != 1 || c.cluster_n != 1)) return false;
+    }
     // Accumulators must leave room in the consumers' 232 registers: a ping-pong 128x192 tile (192 floats per thread)
     // uses R0..R229 without spilling (kernels/gemm/README.md).
     if (gemm_acc_regs(c) > 192) return false;
@@ -147,7 +174,8 @@ WEFT_HOST_DEVICE constexpr bool is_valid(const GemmConfig& c) {
 /// paired), tile_n whole 64-column blocks (every B box within its group's 3D slice), and at most 128 accumulator floats
 /// per consumer thread (the scheduler's cursor lives in the consumers' registers beside them).
 WEFT_HOST_DEVICE constexpr bool is_valid_grouped(const GemmConfig& c) {
-    return is_valid(c) && c.cluster_m == 1 && c.cluster_n == 1 && c.tile_n % 64 == 0 && gemm_acc_regs(c) <= 128;
+    return is_valid(c) && c.cluster_m == 1 && c.cluster_n == 1 && c.tile_n % 64 == 0 && gemm_acc_regs(c) <= 128 &&
+           !c.swap_ab;
 }
 
 /// A tile of D as the scheduler hands it out.

@@ -77,6 +77,28 @@ inline constexpr int kGemmMinSplitKBlocks = 8;
 /// ping-pong 64x128, 128x128, 128x192 and 128x256 tiles with each of kGemmSplitKCounts.
 std::vector<GemmConfig> gemm_split_k_configs(DType in_dtype, DType out_dtype, BLayout b_layout);
 
+/// The swapped configs (GemmConfig::swap_ab) the autotuner tries for a problem of few rows (M <= 512, B [N,K]): the
+/// cooperative tile of 128 columns with tile_m = M / t rounded up to 16 (t = 1..8, at most 256), without and with a
+/// cluster pair along M (B multicast), each with the most stages that fit, where the tiles fill between half a wave and
+/// one wave of `budget` CTAs (M = 320, N = 4096: 80 and 112 rows). Empty for other problems.
+std::vector<GemmConfig> gemm_swap_ab_configs(const GemmProblem& problem, int budget);
+
+/// The swapped config of `tile_m` rows the op's rule may pick (cooperative 128 columns, no cluster, the most stages
+/// that fit): what gemm_swap_ab_configs holds for that tile_m without a cluster, and what gemm_aot_specs lists for
+/// tile_m = kGemmSwapRuleMinRows, + 16, ..., 256.
+GemmConfig gemm_swap_ab_config_of(int tile_m, DType in_dtype, DType out_dtype);
+/// The fewest rows of a tile gemm_swap_ab_rule picks: 257 rows over 8 tiles, rounded up to 16.
+inline constexpr int kGemmSwapRuleMinRows = 48;
+
+/// The op's rule for swapped configs: with the whole device (options.sm_budget 0), B [N,K] and 256 < M <= 512 (past the
+/// small-M kernels and the 64-row ping-pong tile), the cluster-free swapped config of gemm_swap_ab_configs whose tiles
+/// are the most that fit one wave, where they fill at least 90% of it (M = 320, N = 4096: 4 x 80-row tiles x 32 = 128
+/// CTAs) and the share of its CTA slots' tile area that is D beats the pick's by 5% (the pick pads rows or leaves a
+/// wave part-empty); else `picked`. Measured (one H200, interleaved with cuBLASLt): kernels/gemm/README.md, "Swapped
+/// operands".
+GemmConfig gemm_swap_ab_rule(const GemmProblem& problem, const GemmConfig& picked, const GemmOptions& options,
+                             int num_sms);
+
 /// The most splits of kGemmSplitKCounts (or 1) whose work units (tiles x splits) fit one wave of `budget` CTAs with at
 /// least kGemmMinSplitKBlocks k-blocks each.
 int gemm_fill_splits(const GemmProblem& problem, const GemmConfig& tile, int budget);
