@@ -175,7 +175,9 @@ GemmConfig gemm_swap_ab_rule(const GemmProblem& p, const GemmConfig& picked, con
     GemmConfig best = picked;
     int64_t best_ctas = 0;
     for (const GemmConfig& c : gemm_swap_ab_configs(p, num_sms)) {
-        if (c.cluster_m != 1) continue;  // the pairs measured slower (B multicast did not pay)
+        // The pairs measured slower (B multicast did not pay); tiles under kGemmSwapRuleMinRows rows re-read B for
+        // too few rows.
+        if (c.cluster_m != 1 || c.tile_m < kGemmSwapRuleMinRows) continue;
         const int64_t ctas = GemmTileGrid(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n)).num_tiles();
         if (ctas > best_ctas) {
             best = c;

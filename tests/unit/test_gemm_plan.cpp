@@ -175,6 +175,7 @@ TEST(GemmPlan, SwappedConfigsFillOneWaveOfFewRowTiles) {
     EXPECT_FALSE(pick(512, 8192, {}).swap_ab);
     EXPECT_FALSE(pick(513, 4096).swap_ab);   // past the rule's band
     EXPECT_FALSE(pick(320, 1024).swap_ab);   // 48-row tiles x 8 fill half a wave
+    EXPECT_FALSE(pick(384, 2048).swap_ab);  // 48-row tiles x 16 fill the wave but read B for too few rows
     EXPECT_FALSE(pick(320, 28672).swap_ab);  // no swapped tiling fits one wave
     ops::GemmOptions budget;
     budget.sm_budget = 100;

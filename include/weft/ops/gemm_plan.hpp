@@ -87,8 +87,9 @@ std::vector<GemmConfig> gemm_swap_ab_configs(const GemmProblem& problem, int bud
 /// that fit): what gemm_swap_ab_configs holds for that tile_m without a cluster, and what gemm_aot_specs lists for
 /// tile_m = kGemmSwapRuleMinRows, + 16, ..., 256.
 GemmConfig gemm_swap_ab_config_of(int tile_m, DType in_dtype, DType out_dtype);
-/// The fewest rows of a tile gemm_swap_ab_rule picks: 257 rows over 8 tiles, rounded up to 16.
-inline constexpr int kGemmSwapRuleMinRows = 48;
+/// The fewest rows of a tile gemm_swap_ab_rule picks: smaller swapped tiles read B for too few rows (384x2048x8192 in
+/// 48-row tiles x 16 ran 0.81x cuBLASLt, one H200, 2026-12-04).
+inline constexpr int kGemmSwapRuleMinRows = 80;
 
 /// The op's rule for swapped configs: with the whole device (options.sm_budget 0), B [N,K] and 256 < M <= 512 (past the
 /// small-M kernels and the 64-row ping-pong tile), the cluster-free swapped config of gemm_swap_ab_configs whose tiles
