@@ -176,8 +176,8 @@ GemmConfig gemm_swap_ab_rule(const GemmProblem& p, const GemmConfig& picked, con
     int64_t best_ctas = 0;
     for (const GemmConfig& c : gemm_swap_ab_configs(p, num_sms)) {
         // The pairs measured slower (B multicast did not pay); tiles under kGemmSwapRuleMinRows rows re-read B for
-        // too few rows.
-        if (c.cluster_m != 1 || c.tile_m < kGemmSwapRuleMinRows) continue;
+        // too few rows; the ping-pong tiles are the autotuner's only.
+        if (c.cluster_m != 1 || c.pingpong || c.tile_m < kGemmSwapRuleMinRows) continue;
         const int64_t ctas = GemmTileGrid(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n)).num_tiles();
         if (ctas > best_ctas) {
             best = c;
@@ -205,8 +205,16 @@ std::vector<GemmConfig> gemm_swap_ab_configs(const GemmProblem& p, int budget) {
     for (int t = 1; t <= 8; ++t) {
         const int tile_m = static_cast<int>(round_up(ceil_div(p.m, int64_t{t}), int64_t{kGemmSwapStoreRows}));
         if (tile_m > 256) continue;
-        for (int cluster_m : {1, 2}) {
+        for (int variant = 0; variant < 4; ++variant) {
+            // Cooperative 128 columns, or ping-pong 64 (each warpgroup a tile of its own); without and with the pair.
             GemmConfig c = gemm_swap_ab_config_of(tile_m, p.in_dtype, p.out_dtype);
+            const int cluster_m = variant % 2 + 1;
+            if (variant >= 2) {
+                c.pingpong = true;
+                c.tile_n = 64;
+                c.stages = 8;
+                while (c.stages > 2 && gemm_smem_plan(c).alloc_bytes > kGemmMaxSmemBytes) --c.stages;
+            }
             c.cluster_m = cluster_m;
             if (!is_valid(c)) continue;
             const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
