@@ -78,9 +78,10 @@ inline constexpr int kGemmMinSplitKBlocks = 8;
 std::vector<GemmConfig> gemm_split_k_configs(DType in_dtype, DType out_dtype, BLayout b_layout);
 
 /// The swapped configs (GemmConfig::swap_ab) the autotuner tries for a problem of few rows (M <= 512, B [N,K]): the
-/// cooperative tile of 128 columns and the ping-pong tile of 64, with tile_m = M / t rounded up to 16 (t = 1..8, at most
-/// 256), without and with a cluster pair along M (B multicast), each with the most stages that fit, where the tiles fill between half a wave and
-/// one wave of `budget` CTAs (M = 320, N = 4096: 80 and 112 rows). Empty for other problems.
+/// cooperative tile of 128 columns and the ping-pong tile of 64, with tile_m = M / t rounded up to 16 (t = 1..8, at
+/// most 256), without and with a cluster pair along M (B multicast), each with the most stages that fit, where the
+/// tiles fill between half a wave and one wave of `budget` CTAs (M = 320, N = 4096: 80 and 112 rows). Empty for other
+/// problems.
 std::vector<GemmConfig> gemm_swap_ab_configs(const GemmProblem& problem, int budget);
 
 /// The swapped config of `tile_m` rows the op's rule may pick (cooperative 128 columns, no cluster, the most stages
