@@ -127,6 +127,16 @@ constexpr std::array<std::array<DType, 2>, 3> kOtherIoPairs = {{{DType::kBF16, D
                                                                 {DType::kF16, DType::kF16},
                                                                 {DType::kF16, DType::kF32}}};
 
+/// One forced config (its dtypes and B layout) on an M x N x K shape, every row stride padded past its width.
+void check_padded_case(const std::array<int64_t, 3>& shape, const GemmConfig& cfg) {
+    Case c{shape[0], shape[1], shape[2], cfg.in_dtype, cfg.out_dtype, cfg.b_layout};
+    c.pad_a = 8;
+    c.pad_b = 24;
+    c.pad_d = 16;
+    c.config = cfg;
+    check_case(c);
+}
+
 const std::vector<std::array<int64_t, 3>>& awkward_shapes() {
     static const std::vector<std::array<int64_t, 3>> shapes = {
         {1, 8, 8},        // M = 1, N = 8, K = 8: one partial tile everywhere
@@ -217,12 +227,7 @@ TEST(GemmSplitK, EveryConfigMatchesFp64OnAwkwardShapes) {
             for (int index : {12, 0}) {
                 GemmConfig cfg = gemm_candidate(index, io[0], io[1], layout);
                 cfg.splits = 3;
-                Case c{77, 1000, 1000, io[0], io[1], layout};
-                c.pad_a = 8;
-                c.pad_b = 24;
-                c.pad_d = 16;
-                c.config = cfg;
-                check_case(c);
+                check_padded_case({77, 1000, 1000}, cfg);
             }
         }
     }
@@ -345,12 +350,7 @@ TEST(GemmSwapAB, EveryDtypePairWithStridesMatchesFp64) {
         const std::vector<GemmConfig> configs = swapped_test_configs(io[0], io[1]);
         for (const GemmConfig& cfg : {configs.front(), configs.back()}) {
             for (const auto& s : {std::array<int64_t, 3>{129, 257, 136}, std::array<int64_t, 3>{300, 1100, 1000}}) {
-                Case c{s[0], s[1], s[2], io[0], io[1]};
-                c.pad_a = 8;
-                c.pad_b = 24;
-                c.pad_d = 16;
-                c.config = cfg;
-                check_case(c);
+                check_padded_case(s, cfg);
             }
         }
     }
