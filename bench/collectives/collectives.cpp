@@ -28,11 +28,11 @@
 // is a device-to-device copy in the one HBM, shared by all n ranks: roofline bus bandwidth = measured
 // cudaMemcpy D2D rate (bytes copied per second) / n. The roofline time is the bus bytes over that bandwidth.
 //
-// NCCL is loaded at run time (dlopen, bench/common/nccl.hpp): WEFT_NCCL_LIBRARY, else python3's nvidia.nccl package
-// (lib/libnccl.so.2), else libnccl.so.2 on the loader's path or in $CUDA_HOME/lib64. NCCL refuses two ranks on one
-// GPU, so it runs only when every rank has its own GPU, or when the ranks are processes over virtual nodes (every rank
-// a host of its own to NCCL, docs/multinode.md); "NCCL: n/a (ranks share a GPU)" otherwise. NVLink multicast stays
-// off (NCCL_NVLS_ENABLE=0 unless set).
+// NCCL is loaded at run time (dlopen, bench/common/nccl.hpp): the process's libnccl, the one weft's network backends
+// use (WEFT_NCCL_LIBRARY alone when set, else libnccl.so.2 on the loader's path or in the toolkit, else python3's
+// nvidia.nccl package). NCCL refuses two ranks on one GPU, so it runs only when every rank has its own GPU, or when the
+// ranks are processes over virtual nodes (every rank a host of its own to NCCL, docs/multinode.md); "NCCL: n/a (ranks
+// share a GPU)" otherwise. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 unless set).
 //
 // Tracing (docs/profiling.md): with --trace PATH or WEFT_TRACE every weft kernel records the intra-kernel trace; each
 // figure starts with an empty buffer and the file holds the last one measured. --trace-overhead runs every world

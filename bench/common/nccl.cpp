@@ -1,87 +1,46 @@
 // SPDX-License-Identifier: MIT
-// NCCL as a benchmark baseline: the run-time loader and the communicator over a World's ranks.
+// NCCL as a benchmark baseline: its entry points from the process's libnccl, and the communicator over a World's ranks.
 #include "common/nccl.hpp"
 
-#include <dlfcn.h>
-
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
-#include <type_traits>
-#include <vector>
 
-#include "weft/runtime/env.hpp"
+#include "weft/detail/nccl_library.hpp"
 #include "weft/runtime/store.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::bench {
-namespace {
-
-std::string python_nccl_dir() {
-    FILE* p = popen(
-        "python3 -c \"import nvidia.nccl,os;print(os.path.dirname(nvidia.nccl.__file__ or "
-        "nvidia.nccl.__path__[0]))\" 2>/dev/null",
-        "r");
-    if (p == nullptr) return "";
-    char buf[4096] = {};
-    const size_t n = std::fread(buf, 1, sizeof(buf) - 1, p);
-    pclose(p);
-    std::string s(buf, n);
-    while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
-    return s;
-}
-
-}  // namespace
-
 const Nccl& nccl() {
     static const Nccl api = [] {
         Nccl a;
-        std::vector<std::string> candidates;
-        if (const auto e = env::get("WEFT_NCCL_LIBRARY")) candidates.push_back(*e);
-        if (const std::string dir = python_nccl_dir(); !dir.empty()) {
-            candidates.push_back(dir + "/lib/libnccl.so.2");
-            candidates.push_back(dir + "/libnccl.so.2");
-        }
-        candidates.push_back("libnccl.so.2");
-        for (const char* var : {"CUDA_HOME", "CUDA_PATH"}) {
-            if (const auto e = env::get(var)) candidates.push_back(*e + "/lib64/libnccl.so.2");
-        }
-        for (const std::string& c : candidates) {
-            a.handle = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL);
-            if (a.handle != nullptr) {
-                a.path = c;
-                break;
-            }
-        }
-        if (a.handle == nullptr) {
-            a.why_not = "libnccl.so.2 not found (set WEFT_NCCL_LIBRARY)";
+        const detail::NcclLibrary& lib = detail::NcclLibrary::process();
+        if (!lib.loaded()) {
+            a.why_not = lib.why_not();
             return a;
         }
-        const auto load = [&](auto& fn, const char* name) {
-            fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(a.handle, name));
-        };
-        load(a.get_unique_id, "ncclGetUniqueId");
-        load(a.comm_init_rank, "ncclCommInitRank");
-        load(a.comm_destroy, "ncclCommDestroy");
-        load(a.all_reduce, "ncclAllReduce");
-        load(a.all_gather, "ncclAllGather");
-        load(a.reduce_scatter, "ncclReduceScatter");
-        load(a.error_string, "ncclGetErrorString");
-        load(a.get_version, "ncclGetVersion");
-        load(a.all_to_all, "ncclAlltoAll");  // optional, as are the send/recv group calls below
-        load(a.send, "ncclSend");
-        load(a.recv, "ncclRecv");
-        load(a.group_start, "ncclGroupStart");
-        load(a.group_end, "ncclGroupEnd");
-        if (!a.get_unique_id || !a.comm_init_rank || !a.comm_destroy || !a.all_reduce || !a.all_gather ||
-            !a.reduce_scatter || !a.error_string || !a.get_version) {
-            a.why_not = a.path + " lacks an NCCL entry point";
-            dlclose(a.handle);
-            a.handle = nullptr;
+        a.path = lib.path();
+        std::string missing;
+        lib.resolve(a.get_unique_id, "ncclGetUniqueId", missing);
+        lib.resolve(a.comm_init_rank, "ncclCommInitRank", missing);
+        lib.resolve(a.comm_destroy, "ncclCommDestroy", missing);
+        lib.resolve(a.all_reduce, "ncclAllReduce", missing);
+        lib.resolve(a.all_gather, "ncclAllGather", missing);
+        lib.resolve(a.reduce_scatter, "ncclReduceScatter", missing);
+        lib.resolve(a.error_string, "ncclGetErrorString", missing);
+        lib.resolve(a.get_version, "ncclGetVersion", missing);
+        std::string optional;  // all-to-all as ncclAlltoAll, else as grouped send/recv
+        lib.resolve(a.all_to_all, "ncclAlltoAll", optional);
+        lib.resolve(a.send, "ncclSend", optional);
+        lib.resolve(a.recv, "ncclRecv", optional);
+        lib.resolve(a.group_start, "ncclGroupStart", optional);
+        lib.resolve(a.group_end, "ncclGroupEnd", optional);
+        if (!missing.empty()) {
+            a.why_not = a.path + " lacks an NCCL entry point (" + missing + ")";
             return a;
         }
-        a.get_version(&a.version);
+        a.loaded = true;
+        a.version = lib.version();
         return a;
     }();
     return api;
@@ -104,7 +63,7 @@ NcclBaseline open_nccl_baseline(World& w, bool enabled, const std::string& key) 
         b.note = "NCCL: n/a (ranks share a GPU)";
         return b;
     }
-    if (nccl().handle == nullptr) {
+    if (!nccl().loaded) {
         b.note = "NCCL: n/a (" + nccl().why_not + ")";
         return b;
     }

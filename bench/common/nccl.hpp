@@ -16,11 +16,12 @@ class World;
 
 namespace weft::bench {
 
-/// NCCL's entry points, loaded at run time: WEFT_NCCL_LIBRARY, else python3's nvidia.nccl package
-/// (lib/libnccl.so.2), else libnccl.so.2 on the loader's path or in $CUDA_HOME/lib64 ($CUDA_PATH). `handle` is
-/// nullptr when none loads or the library lacks a required entry point (`why_not` says which).
+/// NCCL's entry points, from the process's libnccl, the one weft's network backends use (weft/detail/nccl_library.hpp:
+/// WEFT_NCCL_LIBRARY alone when set, else libnccl.so.2 on the loader's path, in $CUDA_HOME, $CUDA_PATH or
+/// /usr/local/cuda, else in python3's nvidia.nccl package). `loaded` is false when none loads or the library lacks a
+/// required entry point (`why_not` says which).
 struct Nccl {
-    void* handle = nullptr;
+    bool loaded = false;
     std::string path;
     int version = 0;
     decltype(&ncclGetUniqueId) get_unique_id = nullptr;

@@ -537,6 +537,28 @@ void run_barrier(World& w, const Options& o, std::vector<BarrierRow>* rows) {
     w.heap().free(psync);
 }
 
+// The put/get bandwidth table, below its caption: size, roofline, the three put scopes, the gets' own roofline
+// (`get_roofline`: spread, where the copy back is another copy), the three get scopes, best/r, and with `check` the
+// rows' check. False when a checked row has mismatches.
+bool print_bandwidth_table(const std::vector<BandwidthRow>& rows, bool get_roofline, bool check) {
+    std::printf("%8s %9s | %9s %9s %9s | ", "size", "roofline", "put.thrd", "put.warp", "put.block");
+    if (get_roofline) std::printf("%9s ", "rfl.get");
+    std::printf("%9s %9s %9s | %6s%s\n", "get.thrd", "get.warp", "get.block", "best/r", check ? "  check" : "");
+    bool all_ok = true;
+    for (const BandwidthRow& r : rows) {
+        const double best_put = std::max({r.put_gbps[0], r.put_gbps[1], r.put_gbps[2]});
+        const double best_get = std::max({r.get_gbps[0], r.get_gbps[1], r.get_gbps[2]});
+        const double best_ratio = std::max(best_put / r.roofline_gbps, best_get / r.roofline_get_gbps);
+        const char* checked = r.checked ? (r.mismatches == 0 ? "  ok" : "  FAILED") : "";
+        std::printf("%8s %9.1f | %9.1f %9.1f %9.1f | ", format_bytes(r.bytes).c_str(), r.roofline_gbps, r.put_gbps[0],
+                    r.put_gbps[1], r.put_gbps[2]);
+        if (get_roofline) std::printf("%9.1f ", r.roofline_get_gbps);
+        std::printf("%9.1f %9.1f %9.1f | %6.2f%s\n", r.get_gbps[0], r.get_gbps[1], r.get_gbps[2], best_ratio, checked);
+        all_ok = all_ok && r.mismatches == 0;
+    }
+    return all_ok;
+}
+
 int run(int argc, char** argv) {
     const Options o = parse_options(argc, argv);
     int num_devices = 0;
@@ -594,32 +616,12 @@ int run(int argc, char** argv) {
             "get: rank 0 reads rank 1's heap, rfl.get = cudaMemcpyAsync GPU%d->GPU%d issued on GPU %d; "
             "best/r: the better of best put / roofline and best get / rfl.get)\n",
             d0, d1, d0, d1, d1, d0, d0);
-        std::printf("%8s %9s | %9s %9s %9s | %9s %9s %9s %9s | %6s%s\n", "size", "roofline", "put.thrd", "put.warp",
-                    "put.block", "rfl.get", "get.thrd", "get.warp", "get.block", "best/r", o.check ? "  check" : "");
     } else {
         std::printf(
             "\nput/get bandwidth, rank 0 <-> rank 1 (GB/s = bytes / time; roofline = cudaMemcpy D2D of the same "
             "bytes)\n");
-        std::printf("%8s %9s | %9s %9s %9s | %9s %9s %9s | %6s%s\n", "size", "roofline", "put.thrd", "put.warp",
-                    "put.block", "get.thrd", "get.warp", "get.block", "best/r", o.check ? "  check" : "");
     }
-    bool all_ok = true;
-    for (const BandwidthRow& r : bw) {
-        const double best_put = std::max({r.put_gbps[0], r.put_gbps[1], r.put_gbps[2]});
-        const double best_get = std::max({r.get_gbps[0], r.get_gbps[1], r.get_gbps[2]});
-        const double best_ratio = std::max(best_put / r.roofline_gbps, best_get / r.roofline_get_gbps);
-        const char* check = r.checked ? (r.mismatches == 0 ? "  ok" : "  FAILED") : "";
-        if (spread) {
-            std::printf("%8s %9.1f | %9.1f %9.1f %9.1f | %9.1f %9.1f %9.1f %9.1f | %6.2f%s\n",
-                        format_bytes(r.bytes).c_str(), r.roofline_gbps, r.put_gbps[0], r.put_gbps[1], r.put_gbps[2],
-                        r.roofline_get_gbps, r.get_gbps[0], r.get_gbps[1], r.get_gbps[2], best_ratio, check);
-        } else {
-            std::printf("%8s %9.1f | %9.1f %9.1f %9.1f | %9.1f %9.1f %9.1f | %6.2f%s\n", format_bytes(r.bytes).c_str(),
-                        r.roofline_gbps, r.put_gbps[0], r.put_gbps[1], r.put_gbps[2], r.get_gbps[0], r.get_gbps[1],
-                        r.get_gbps[2], best_ratio, check);
-        }
-        all_ok = all_ok && r.mismatches == 0;
-    }
+    const bool all_ok = print_bandwidth_table(bw, spread, o.check);
     std::printf("\nsignal round trip, 2 ranks, one thread each (us per round trip; ratio to the hand-written ping-pong at the same scope)\n");
     double raw_gpu = 0, raw_sys = 0;
     for (const PingPongRow& r : pp) {
@@ -634,15 +636,14 @@ int run(int argc, char** argv) {
         const double base = ping_pong_gpu_scope(r.variant) ? raw_gpu : raw_sys;
         std::printf("%-44s %8.3f %6.2f\n", ping_pong_name(r.variant), r.round_trip_us, base > 0 ? r.round_trip_us / base : 0.0);
     }
+    char round_robin[128] = "";
     if (spread) {
-        std::printf(
-            "\nbarrier_all latency (us per barrier, one group per rank; a world's ranks go over the %d GPUs round "
-            "robin: rank r on GPU r %% %d)\n%6s %7s %9s\n",
-            num_devices, num_devices, "world", "group", "us");
-    } else {
-        std::printf("\nbarrier_all latency (us per barrier, one group per rank)\n%6s %7s %9s\n", "world", "group",
-                    "us");
+        std::snprintf(round_robin, sizeof(round_robin),
+                      "; a world's ranks go over the %d GPUs round robin: rank r on GPU r %% %d", num_devices,
+                      num_devices);
     }
+    std::printf("\nbarrier_all latency (us per barrier, one group per rank%s)\n%6s %7s %9s\n", round_robin, "world",
+                "group", "us");
     for (const BarrierRow& r : bar) {
         std::printf("%6d %7s %9.3f\n", r.world, r.group, r.us);
     }

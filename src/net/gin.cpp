@@ -1,11 +1,9 @@
 // SPDX-License-Identifier: MIT
 // GinBackend: NCCL communicator, heap window and ncclDevComm with GIN; the probe; the refusal message.
 //
-// libnccl is opened at run time (dlopen of libnccl.so.2), like the driver: programs that never ask for the network
-// do not need NCCL installed, and probe() can answer "no NCCL" instead of the program failing to start.
+// libnccl is opened at run time (weft/detail/nccl_library.hpp), like the driver: programs that never ask for the
+// network do not need NCCL installed, and probe() can answer "no NCCL" instead of the program failing to start.
 #include "weft/net/gin.hpp"
-
-#include <dlfcn.h>
 
 #include <cuda_runtime.h>
 
@@ -16,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "weft/detail/nccl_library.hpp"
 #include "weft/runtime/driver.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
@@ -28,11 +27,10 @@ namespace weft::net {
 namespace {
 
 constexpr int kMinNcclVersion = 22800;  // 2.28.0: the device API with GIN
-constexpr const char* kNcclLibrary = "libnccl.so.2";
 constexpr const char* kGinDeviceLibraryName = "weft_gin_device_sm90a.fatbin";
 using fs_path = std::filesystem::path;
 
-// The NCCL functions the backend calls, resolved from libnccl.so.2 on first use.
+// The NCCL functions the backend calls, resolved on first use.
 #define WEFT_NCCL_FUNCTIONS(X)                                                                      \
     X(ncclGetVersion) X(ncclGetErrorString) X(ncclGetLastError) X(ncclGetUniqueId)                 \
     X(ncclCommInitRankConfig) X(ncclCommGetAsyncError) X(ncclCommAbort) X(ncclCommFinalize)        \
@@ -48,47 +46,23 @@ struct NcclApi {
     int version = 0;
 };
 
+// The process's NCCL (weft::detail::NcclLibrary::process()) and the functions above resolved from it.
 const NcclApi& nccl() {
     static const NcclApi api = [] {
         NcclApi a;
-        // WEFT_NCCL_LIBRARY (a path) first, then the loader's search, then the toolkit's library folders.
-        std::vector<std::string> candidates;
-        if (auto path = env::get("WEFT_NCCL_LIBRARY"); path && !path->empty()) candidates.push_back(*path);
-        candidates.push_back(kNcclLibrary);
-        for (const char* var : {"CUDA_HOME", "CUDA_PATH"}) {
-            if (auto home = env::get(var); home && !home->empty()) {
-                candidates.push_back(*home + "/lib/" + kNcclLibrary);
-                candidates.push_back(*home + "/lib64/" + kNcclLibrary);
-            }
-        }
-        candidates.push_back(std::string("/usr/local/cuda/lib/") + kNcclLibrary);
-        candidates.push_back(std::string("/usr/local/cuda/lib64/") + kNcclLibrary);
-        void* lib = nullptr;
-        std::string tried;
-        for (const auto& candidate : candidates) {
-            lib = dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL);
-            if (lib != nullptr) break;
-            const char* why = dlerror();
-            tried += (tried.empty() ? "" : "; ") + candidate + ": " + (why != nullptr ? why : "not loadable");
-        }
-        if (lib == nullptr) {
-            a.error = "cannot load " + std::string(kNcclLibrary) + " (set WEFT_NCCL_LIBRARY to its path): " + tried;
+        const weft::detail::NcclLibrary& lib = weft::detail::NcclLibrary::process();
+        if (!lib.loaded()) {
+            a.error = lib.why_not();
             return a;
         }
         std::string missing;
-#define WEFT_NCCL_RESOLVE(fn)                                                    \
-    a.fn = reinterpret_cast<decltype(&::fn)>(dlsym(lib, #fn));                   \
-    if (a.fn == nullptr) missing += std::string(missing.empty() ? "" : ", ") + #fn;
+#define WEFT_NCCL_RESOLVE(fn) lib.resolve(a.fn, #fn, missing);
         WEFT_NCCL_FUNCTIONS(WEFT_NCCL_RESOLVE)
 #undef WEFT_NCCL_RESOLVE
-        int version = 0;
-        if (a.ncclGetVersion != nullptr && a.ncclGetVersion(&version) == ncclSuccess) {
-            a.version = version;
-        }
+        a.version = lib.version();
         if (!missing.empty()) {
             // An NCCL older than 2.28 lacks the device API: report the version rather than the symbols.
-            a.error = std::string(kNcclLibrary) + " (version code " + std::to_string(a.version) +
-                      ") lacks " + missing;
+            a.error = lib.path() + " (version code " + std::to_string(a.version) + ") lacks " + missing;
             return a;
         }
         a.loaded = true;

@@ -17,7 +17,6 @@
 // of 1 always means "this call's chunk", also when a captured graph is replayed.
 #include "weft/net/host_backend.hpp"
 
-#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -31,6 +30,7 @@
 #include <sstream>
 #include <thread>
 
+#include "weft/detail/nccl_library.hpp"
 #include "weft/net/chunk_schedule.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
@@ -57,9 +57,11 @@ std::string this_host_name() {
 
 #if WEFT_NET_HAVE_NCCL_HEADER
 
-// NCCL, loaded at run time: weft's programs start on machines without it, and only the network path needs it.
+// NCCL's entry points the backend calls, resolved from a libnccl (weft/detail/nccl_library.hpp): weft's programs start
+// on machines without it, and only the network path needs it. `usable` is false when the library did not load or lacks
+// one of them (`why_not` says which).
 struct NcclApi {
-    void* handle = nullptr;
+    bool usable = false;
     std::string path;
     std::string why_not;
     int version = 0;
@@ -78,61 +80,39 @@ struct NcclApi {
     decltype(&ncclAllReduce) all_reduce = nullptr;
 };
 
-// Loads NCCL from the first of `candidates` that dlopen accepts; why_not says why none did.
-NcclApi load_nccl(const std::vector<std::string>& candidates) {
+NcclApi resolve_nccl(const weft::detail::NcclLibrary& lib) {
     NcclApi a;
-    std::string tried;
-    for (const std::string& c : candidates) {
-        a.handle = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL);
-        if (a.handle != nullptr) {
-            a.path = c;
-            break;
-        }
-        tried += (tried.empty() ? "" : ", ") + c;
-    }
-    if (a.handle == nullptr) {
-        a.why_not = "libnccl.so.2 could not be loaded (tried " + tried + "; set WEFT_NCCL_LIBRARY to its path)";
+    if (!lib.loaded()) {
+        a.why_not = lib.why_not();
         return a;
     }
-    bool complete = true;
-    const auto load = [&](auto& fn, const char* name) {
-        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(a.handle, name));
-        complete = complete && fn != nullptr;
-    };
-    load(a.get_version, "ncclGetVersion");
-    load(a.error_string, "ncclGetErrorString");
-    load(a.get_unique_id, "ncclGetUniqueId");
-    load(a.comm_init_rank, "ncclCommInitRank");
-    load(a.comm_destroy, "ncclCommDestroy");
-    load(a.comm_abort, "ncclCommAbort");
-    load(a.comm_get_async_error, "ncclCommGetAsyncError");
-    load(a.group_start, "ncclGroupStart");
-    load(a.group_end, "ncclGroupEnd");
-    load(a.send, "ncclSend");
-    load(a.recv, "ncclRecv");
-    load(a.reduce_scatter, "ncclReduceScatter");
-    load(a.all_reduce, "ncclAllReduce");
-    if (!complete) {
-        a.why_not = a.path + " lacks an NCCL entry point weft needs (NCCL >= 2.19 is needed)";
-        dlclose(a.handle);
-        a.handle = nullptr;
+    a.path = lib.path();
+    std::string missing;
+    lib.resolve(a.get_version, "ncclGetVersion", missing);
+    lib.resolve(a.error_string, "ncclGetErrorString", missing);
+    lib.resolve(a.get_unique_id, "ncclGetUniqueId", missing);
+    lib.resolve(a.comm_init_rank, "ncclCommInitRank", missing);
+    lib.resolve(a.comm_destroy, "ncclCommDestroy", missing);
+    lib.resolve(a.comm_abort, "ncclCommAbort", missing);
+    lib.resolve(a.comm_get_async_error, "ncclCommGetAsyncError", missing);
+    lib.resolve(a.group_start, "ncclGroupStart", missing);
+    lib.resolve(a.group_end, "ncclGroupEnd", missing);
+    lib.resolve(a.send, "ncclSend", missing);
+    lib.resolve(a.recv, "ncclRecv", missing);
+    lib.resolve(a.reduce_scatter, "ncclReduceScatter", missing);
+    lib.resolve(a.all_reduce, "ncclAllReduce", missing);
+    if (!missing.empty()) {
+        a.why_not = a.path + " lacks an NCCL entry point weft needs (" + missing + "; NCCL >= 2.19 is needed)";
         return a;
     }
-    a.get_version(&a.version);
+    a.usable = true;
+    a.version = lib.version();
     return a;
 }
 
-// WEFT_NCCL_LIBRARY alone when set (the user said where); else the loader's path, then the toolkit's.
+// The process's NCCL (weft::detail::NcclLibrary::process(): WEFT_NCCL_LIBRARY alone when set).
 const NcclApi& nccl() {
-    static const NcclApi api = [] {
-        if (const auto e = env::get("WEFT_NCCL_LIBRARY"); e && !e->empty()) return load_nccl({*e});
-        std::vector<std::string> candidates{"libnccl.so.2"};
-        for (const char* var : {"CUDA_HOME", "CUDA_PATH"}) {
-            if (const auto e = env::get(var)) candidates.push_back(*e + "/lib64/libnccl.so.2");
-        }
-        candidates.push_back("/usr/local/cuda/lib64/libnccl.so.2");
-        return load_nccl(candidates);
-    }();
+    static const NcclApi api = resolve_nccl(weft::detail::NcclLibrary::process());
     return api;
 }
 
@@ -176,9 +156,7 @@ std::string nccl_unavailable_reason() {
 namespace detail {
 std::string try_load_nccl(const std::string& path) {
 #if WEFT_NET_HAVE_NCCL_HEADER
-    NcclApi a = load_nccl({path});
-    if (a.handle != nullptr) dlclose(a.handle);
-    return a.why_not;
+    return resolve_nccl(weft::detail::NcclLibrary({path})).why_not;
 #else
     (void)path;
     return nccl_unavailable_reason();
@@ -188,7 +166,7 @@ std::string try_load_nccl(const std::string& path) {
 
 int nccl_version() {
 #if WEFT_NET_HAVE_NCCL_HEADER
-    return nccl().handle != nullptr ? nccl().version : 0;
+    return nccl().usable ? nccl().version : 0;
 #else
     return 0;
 #endif

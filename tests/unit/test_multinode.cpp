@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "weft/common/tp_schedule.hpp"
+#include "weft/detail/nccl_library.hpp"
 #include "weft/detail/node_topology.hpp"
 #include "weft/net/ag_gemm_plan.hpp"
 #include "weft/net/all_to_all_plan.hpp"
@@ -208,6 +209,54 @@ TEST(MultiNodeNccl, TheToolkitsNcclLoads) {
     const std::string why = net::detail::try_load_nccl(toolkit);
     if (why.find("without nccl.h") != std::string::npos) GTEST_SKIP() << why;
     EXPECT_EQ(why, "");
+}
+
+// The process's one libnccl (weft/detail/nccl_library.hpp), shared by both network backends and the benchmarks.
+TEST(NcclLibrary, SearchOrder) {
+    using detail::nccl_library_candidates;
+    using V = std::vector<std::string>;
+    EXPECT_EQ(nccl_library_candidates({}),
+              (V{"libnccl.so.2", "/usr/local/cuda/lib/libnccl.so.2", "/usr/local/cuda/lib64/libnccl.so.2"}));
+    // WEFT_NCCL_LIBRARY alone when set; an empty one counts as unset.
+    EXPECT_EQ(nccl_library_candidates({"/opt/nccl/libnccl.so.2", "/cuda", std::nullopt}),
+              (V{"/opt/nccl/libnccl.so.2"}));
+    EXPECT_EQ(nccl_library_candidates({"", "/h", "/p"}),
+              (V{"libnccl.so.2", "/h/lib/libnccl.so.2", "/h/lib64/libnccl.so.2", "/p/lib/libnccl.so.2",
+                 "/p/lib64/libnccl.so.2", "/usr/local/cuda/lib/libnccl.so.2", "/usr/local/cuda/lib64/libnccl.so.2"}));
+    // Repeats are tried once; empty variables are skipped.
+    EXPECT_EQ(nccl_library_candidates({std::nullopt, "/usr/local/cuda", ""}),
+              (V{"libnccl.so.2", "/usr/local/cuda/lib/libnccl.so.2", "/usr/local/cuda/lib64/libnccl.so.2"}));
+    EXPECT_EQ(detail::nccl_python_candidates("/py/nvidia/nccl"),
+              (V{"/py/nvidia/nccl/lib/libnccl.so.2", "/py/nvidia/nccl/libnccl.so.2"}));
+    EXPECT_TRUE(detail::nccl_python_candidates("").empty());
+}
+
+TEST(NcclLibrary, SaysWhichFilesWereTriedAndWhy) {
+    const detail::NcclLibrary lib({"/nonexistent/a/libnccl.so.2", "/nonexistent/b/libnccl.so.2"});
+    EXPECT_FALSE(lib.loaded());
+    EXPECT_EQ(lib.version(), 0);
+    EXPECT_EQ(lib.symbol("ncclGetVersion"), nullptr);
+    const std::string& why = lib.why_not();
+    EXPECT_EQ(why.rfind("libnccl.so.2 could not be loaded (tried /nonexistent/a/libnccl.so.2", 0), 0u) << why;
+    EXPECT_NE(why.find("/nonexistent/b/libnccl.so.2"), std::string::npos) << why;
+    EXPECT_NE(why.find("No such file or directory"), std::string::npos) << why;  // dlerror's text
+}
+
+TEST(NcclLibrary, ALibraryThatIsNotNcclLacksItsEntryPoints) {
+    const detail::NcclLibrary lib({"/nonexistent/libnccl.so.2", "libc.so.6"});
+    ASSERT_TRUE(lib.loaded()) << lib.why_not();
+    EXPECT_EQ(lib.path(), "libc.so.6");
+    EXPECT_EQ(lib.why_not(), "");
+    EXPECT_EQ(lib.version(), 0);
+    std::string missing;
+    size_t (*length)(const char*) = nullptr;
+    int (*get_version)(int*) = nullptr;
+    lib.resolve(length, "strlen", missing);
+    lib.resolve(get_version, "ncclGetVersion", missing);
+    lib.resolve(get_version, "ncclGetUniqueId", missing);
+    EXPECT_NE(length, nullptr);
+    EXPECT_EQ(get_version, nullptr);
+    EXPECT_EQ(missing, "ncclGetVersion, ncclGetUniqueId");
 }
 
 // ---- AgGemm across nodes (include/weft/net/ag_gemm_plan.hpp) ----

@@ -18,7 +18,8 @@
 namespace weft::net {
 
 /// Empty when this process can use NCCL (weft was built with nccl.h and libnccl.so.2 loads: from WEFT_NCCL_LIBRARY
-/// when set, else the loader's path, $CUDA_HOME/lib64, /usr/local/cuda/lib64), else the reason, as a sentence.
+/// alone when set, else the loader's path, $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, python3's nvidia.nccl package:
+/// weft/detail/nccl_library.hpp), else the reason, as a sentence.
 std::string nccl_unavailable_reason();
 
 namespace detail {
