@@ -186,9 +186,9 @@ TEST(GemmPlan, SwappedConfigsFillOneWaveOfFewRowTiles) {
     for (int64_t m = 257; m <= 512; m += 17) {
         for (int64_t n : {2048, 4096, 5120, 8192}) {
             const GemmConfig c = pick(m, n);
-            if (c.swap_ab)
-                EXPECT_TRUE(aot.count(ops::gemm_kernel_spec(c).instantiation)) << ops::gemm_candidate_name(c);
-            if (c.swap_ab) EXPECT_GE(c.tile_m, ops::kGemmSwapRuleMinRows);
+            if (!c.swap_ab) continue;
+            EXPECT_TRUE(aot.count(ops::gemm_kernel_spec(c).instantiation)) << ops::gemm_candidate_name(c);
+            EXPECT_GE(c.tile_m, ops::kGemmSwapRuleMinRows);
         }
     }
     // The autotuner tries them beside the unswapped candidates.
