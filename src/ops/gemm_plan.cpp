@@ -171,23 +171,9 @@ GemmConfig gemm_swap_ab_config_of(int tile_m, DType in_dtype, DType out_dtype) {
 
 GemmConfig gemm_swap_ab_rule(const GemmProblem& p, const GemmConfig& picked, const GemmOptions& options, int num_sms) {
     WEFT_CHECK(num_sms > 0, "gemm_swap_ab_rule: num_sms must be positive, got " << num_sms);
-    if (options.sm_budget != 0 || options.config || p.m <= 256 || p.m > 512) return picked;
-    GemmConfig best = picked;
-    int64_t best_ctas = 0;
-    for (const GemmConfig& c : gemm_swap_ab_configs(p, num_sms)) {
-        // The pairs measured slower (B multicast did not pay); tiles under kGemmSwapRuleMinRows rows re-read B for
-        // too few rows; the ping-pong tiles are the autotuner's only.
-        if (c.cluster_m != 1 || c.pingpong || c.tile_m < kGemmSwapRuleMinRows) continue;
-        const int64_t ctas = GemmTileGrid(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n)).num_tiles();
-        if (ctas > best_ctas) {
-            best = c;
-            best_ctas = ctas;
-        }
-    }
-    if (10 * best_ctas < 9 * int64_t{num_sms}) return picked;
-    // Only where the pick wastes more of its waves (row padding, a part-filled wave): the share of the CTA slots'
-    // tile area that is D, 5% better at least (M = 320, N = 4096: 128x128 0.61, 80-row swapped 0.97; M = 384, N = 8192:
-    // both 0.97, the pick stays).
+    if (options.sm_budget != 0 || options.config || picked.splits != 1 || p.m <= 192 || p.m > 512) return picked;
+    // The share of a config's CTA slots (whole waves) whose tile area is D: row padding and a part-filled last wave
+    // both lower it (M = 320, N = 4096: 128x128 0.61, 80-row swapped 0.97).
     const auto fill = [&](const GemmConfig& c) {
         const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
         const int64_t ctas = static_cast<int64_t>(g.num_cluster_tiles()) * c.cluster_m * c.cluster_n;
@@ -195,7 +181,20 @@ GemmConfig gemm_swap_ab_rule(const GemmProblem& p, const GemmConfig& picked, con
         return static_cast<double>(p.m) * static_cast<double>(p.n) /
                (static_cast<double>(waves * num_sms) * c.tile_m * c.tile_n);
     };
-    return fill(best) > 1.05 * fill(picked) ? best : picked;
+    GemmConfig best = picked;
+    double best_fill = 0;
+    for (const GemmConfig& c : gemm_swap_ab_configs(p, num_sms)) {
+        // The pairs measured slower (B multicast did not pay); tiles under kGemmSwapRuleMinRows rows re-read B for
+        // too few rows; the ping-pong tiles are the autotuner's only.
+        if (c.cluster_m != 1 || c.pingpong || c.tile_m < kGemmSwapRuleMinRows) continue;
+        const double f = fill(c);
+        if (f > best_fill + 1e-9 || (f > best_fill - 1e-9 && c.tile_m > best.tile_m)) {  // ties: the larger tile
+            best = c;
+            best_fill = f;
+        }
+    }
+    // Only where the pick wastes more of its slots, by 5% at least, and the swapped tiles fill 3/4 of theirs.
+    return best_fill >= 0.75 && best_fill > 1.05 * fill(picked) ? best : picked;
 }
 
 std::vector<GemmConfig> gemm_swap_ab_configs(const GemmProblem& p, int budget) {
@@ -219,9 +218,9 @@ std::vector<GemmConfig> gemm_swap_ab_configs(const GemmProblem& p, int budget) {
             if (!is_valid(c)) continue;
             const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
             // The tiles of D (a pair's padding tile past M does not count) fill half a wave at least; every CTA of
-            // the launch (padding included) fits one.
+            // the launch (padding included) fits two.
             const int64_t ctas = static_cast<int64_t>(g.num_cluster_tiles()) * cluster_m;
-            if (2 * int64_t{g.num_tiles()} < budget || ctas > budget) continue;
+            if (2 * int64_t{g.num_tiles()} < budget || ctas > 2 * budget) continue;
             if (std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
         }
     }

@@ -80,8 +80,8 @@ std::vector<GemmConfig> gemm_split_k_configs(DType in_dtype, DType out_dtype, BL
 /// The swapped configs (GemmConfig::swap_ab) the autotuner tries for a problem of few rows (M <= 512, B [N,K]): the
 /// cooperative tile of 128 columns and the ping-pong tile of 64, with tile_m = M / t rounded up to 16 (t = 1..8, at
 /// most 256), without and with a cluster pair along M (B multicast), each with the most stages that fit, where the
-/// tiles fill between half a wave and one wave of `budget` CTAs (M = 320, N = 4096: 80 and 112 rows). Empty for other
-/// problems.
+/// tiles fill half a wave of `budget` CTAs at least and two waves at most (M = 320, N = 4096: 80, 112 and 160 rows).
+/// Empty for other problems.
 std::vector<GemmConfig> gemm_swap_ab_configs(const GemmProblem& problem, int budget);
 
 /// The swapped config of `tile_m` rows the op's rule may pick (cooperative 128 columns, no cluster, the most stages
@@ -92,12 +92,12 @@ GemmConfig gemm_swap_ab_config_of(int tile_m, DType in_dtype, DType out_dtype);
 /// 48-row tiles x 16 ran 0.81x cuBLASLt, one H200, 2026-12-04).
 inline constexpr int kGemmSwapRuleMinRows = 80;
 
-/// The op's rule for swapped configs: with the whole device (options.sm_budget 0), B [N,K] and 256 < M <= 512 (past the
-/// small-M kernels and the 64-row ping-pong tile), the cluster-free swapped config of gemm_swap_ab_configs whose tiles
-/// are the most that fit one wave, where they fill at least 90% of it (M = 320, N = 4096: 4 x 80-row tiles x 32 = 128
-/// CTAs) and the share of its CTA slots' tile area that is D beats the pick's by 5% (the pick pads rows or leaves a
-/// wave part-empty); else `picked`. Measured (one H200, interleaved with cuBLASLt): kernels/gemm/README.md, "Swapped
-/// operands".
+/// The op's rule for swapped configs: with the whole device (options.sm_budget 0), B [N,K], 192 < M <= 512 (past
+/// small-M variant 5's band, whose rule weighs the tiled pick) and an unsplit pick, the cluster-free cooperative swapped config of gemm_swap_ab_configs (tiles of kGemmSwapRuleMinRows
+/// rows or more) whose CTA slots, in whole waves, hold the most area of D (ties: the larger tile), where that share is
+/// at least 3/4 and beats the pick's by 5% (the pick pads rows or leaves a wave part-empty): M = 320, N = 4096: 4 x 32
+/// tiles of 80 rows; 320x14336: 224 tiles of 160 rows in two waves. Else `picked`. Measured (one H200, interleaved with
+/// cuBLASLt): kernels/gemm/README.md, "Swapped operands".
 GemmConfig gemm_swap_ab_rule(const GemmProblem& problem, const GemmConfig& picked, const GemmOptions& options,
                              int num_sms);
 
