@@ -138,7 +138,7 @@ TEST(GemmConfig, SwappedConfigsTakeRowTilesOf16AndServeThePlainGemmOnly) {
 
 // The autotuner's swapped set: tile_m = M / t rounded up to 16, tiles filling half a wave to one wave, B [N,K], M <=
 // 512.
-TEST(GemmPlan, SwappedConfigsFillOneWaveOfFewRowTiles) {
+TEST(GemmPlan, SwappedConfigsFillHalfAWaveToTwoWaves) {
     const ops::GemmProblem p{.m = 320, .n = 4096, .k = 4096};
     const std::vector<GemmConfig> v = ops::gemm_swap_ab_configs(p, 132);
     std::set<std::pair<int, int>> got;
@@ -146,7 +146,8 @@ TEST(GemmPlan, SwappedConfigsFillOneWaveOfFewRowTiles) {
         EXPECT_TRUE(is_valid(c) && c.swap_ab && c.tile_n == (c.pingpong ? 64 : 128)) << ops::format_gemm_config(c);
         const GemmTileGrid g(c, 320, 4096);
         const int ctas = g.num_cluster_tiles() * c.cluster_m;
-        EXPECT_TRUE(2 * g.num_tiles() >= 132 && ctas <= 2 * 132) << ops::format_gemm_config(c) << ": " << ctas << " CTAs";
+        EXPECT_TRUE(2 * g.num_tiles() >= 132 && ctas <= 2 * 132)
+            << ops::format_gemm_config(c) << ": " << ctas << " CTAs";
         if (!c.pingpong) got.insert({c.tile_m, c.cluster_m});
     }
     EXPECT_TRUE(got.count({80, 1}) && got.count({80, 2}) && got.count({112, 1})) << v.size() << " configs";

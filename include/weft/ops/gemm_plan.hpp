@@ -93,11 +93,12 @@ GemmConfig gemm_swap_ab_config_of(int tile_m, DType in_dtype, DType out_dtype);
 inline constexpr int kGemmSwapRuleMinRows = 80;
 
 /// The op's rule for swapped configs: with the whole device (options.sm_budget 0), B [N,K], 192 < M <= 512 (past
-/// small-M variant 5's band, whose rule weighs the tiled pick) and an unsplit pick, the cluster-free cooperative swapped config of gemm_swap_ab_configs (tiles of kGemmSwapRuleMinRows
-/// rows or more) whose CTA slots, in whole waves, hold the most area of D (ties: the larger tile), where that share is
-/// at least 3/4 and beats the pick's by 5% (the pick pads rows or leaves a wave part-empty): M = 320, N = 4096: 4 x 32
-/// tiles of 80 rows; 320x14336: 224 tiles of 160 rows in two waves. Else `picked`. Measured (one H200, interleaved with
-/// cuBLASLt): kernels/gemm/README.md, "Swapped operands".
+/// small-M variant 5's band, whose rule weighs the tiled pick) and an unsplit pick, the cluster-free cooperative
+/// swapped config of gemm_swap_ab_configs (tiles of kGemmSwapRuleMinRows rows or more) whose CTA slots, in whole waves,
+/// hold the most area of D (ties: the larger tile), where that share is at least 3/4 and beats the pick's by 5% (the
+/// pick pads rows or leaves a wave part-empty): M = 320, N = 4096: 4 x 32 tiles of 80 rows; 320x14336: 224 tiles of 160
+/// rows in two waves. Else `picked`. Measured (one H200, interleaved with cuBLASLt): kernels/gemm/README.md, "Swapped
+/// operands".
 GemmConfig gemm_swap_ab_rule(const GemmProblem& problem, const GemmConfig& picked, const GemmOptions& options,
                              int num_sms);
 
