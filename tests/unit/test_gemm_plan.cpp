@@ -136,7 +136,7 @@ TEST(GemmConfig, SwappedConfigsTakeRowTilesOf16AndServeThePlainGemmOnly) {
     EXPECT_FALSE(is_valid(plain));  // 80 rows are the swapped kernel's alone
 }
 
-// The autotuner's swapped set: tile_m = M / t rounded up to 16, tiles filling half a wave to one wave, B [N,K], M <=
+// The autotuner's swapped set: tile_m = M / t rounded up to 16, tiles filling half a wave to two waves, B [N,K], M <=
 // 512.
 TEST(GemmPlan, SwappedConfigsFillHalfAWaveToTwoWaves) {
     const ops::GemmProblem p{.m = 320, .n = 4096, .k = 4096};
