@@ -156,6 +156,18 @@ std::vector<GemmConfig> gemm_split_k_configs(DType in_dtype, DType out_dtype, BL
     return out;
 }
 
+namespace {
+
+// `c` with the most stages (at most 8) whose ring fits shared memory; the same with and without a cluster pair (the
+// pair adds no shared memory).
+GemmConfig with_most_stages(GemmConfig c) {
+    c.stages = 8;
+    while (c.stages > 2 && gemm_smem_plan(c).alloc_bytes > kGemmMaxSmemBytes) --c.stages;
+    return c;
+}
+
+}  // namespace
+
 GemmConfig gemm_swap_ab_config_of(int tile_m, DType in_dtype, DType out_dtype) {
     GemmConfig c = gemm_candidate(6, in_dtype, out_dtype, BLayout::kNK);  // cooperative 128x128, no cluster
     c.swap_ab = true;
@@ -163,10 +175,7 @@ GemmConfig gemm_swap_ab_config_of(int tile_m, DType in_dtype, DType out_dtype) {
     c.tile_n = 128;
     c.cluster_m = c.cluster_n = 1;
     c.splits = 1;
-    c.stages = 8;
-    // The same stage count with and without a cluster pair (the pair adds no shared memory).
-    while (c.stages > 2 && gemm_smem_plan(c).alloc_bytes > kGemmMaxSmemBytes) --c.stages;
-    return c;
+    return with_most_stages(c);
 }
 
 GemmConfig gemm_swap_ab_rule(const GemmProblem& p, const GemmConfig& picked, const GemmOptions& options, int num_sms) {
@@ -211,8 +220,7 @@ std::vector<GemmConfig> gemm_swap_ab_configs(const GemmProblem& p, int budget) {
             if (variant >= 2) {
                 c.pingpong = true;
                 c.tile_n = 64;
-                c.stages = 8;
-                while (c.stages > 2 && gemm_smem_plan(c).alloc_bytes > kGemmMaxSmemBytes) --c.stages;
+                c = with_most_stages(c);
             }
             c.cluster_m = cluster_m;
             if (!is_valid(c)) continue;
