@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
+#include <sstream>
 
 #include "common/cublaslt.hpp"
 #include "common/data.hpp"
@@ -113,10 +115,49 @@ double read_pair_us(const void* a, const void* b, size_t bytes, size_t stride, i
     return ms * 1e3;
 }
 
+namespace {
+
+/// WEFT_BENCH_PEAKS ("copy=4.1,read=4.5,tensor=824": TB/s, TB/s, TFLOP/s; any subset): limits given instead of
+/// measured, so that a profiler sees only the benchmark's own kernels. Sets the given ones in `p` and returns the kinds
+/// it set.
+unsigned given_peaks(Peaks& p) {
+    const char* env = std::getenv("WEFT_BENCH_PEAKS");
+    if (env == nullptr || *env == '\0') return 0;
+    unsigned given = 0;
+    std::istringstream in(env);
+    std::string item;
+    while (std::getline(in, item, ',')) {
+        const size_t eq = item.find('=');
+        const std::string key = item.substr(0, eq);
+        char* end = nullptr;
+        const double v = eq == std::string::npos ? 0 : std::strtod(item.c_str() + eq + 1, &end);
+        WEFT_CHECK(
+            eq != std::string::npos && end != nullptr && *end == '\0' && v > 0,
+            "WEFT_BENCH_PEAKS: expected copy=TB/s,read=TB/s,tensor=TFLOP/s (positive numbers), got '" << env << "'");
+        if (key == "copy") {
+            p.copy_tbs = v;
+            given |= kPeakCopy;
+        } else if (key == "read") {
+            p.read_tbs = v;
+            given |= kPeakRead;
+        } else if (key == "tensor") {
+            p.tensor_tflops = v;
+            given |= kPeakTensor;
+        } else {
+            WEFT_FAIL("WEFT_BENCH_PEAKS: unknown limit '" << key << "' (copy, read or tensor), in '" << env << "'");
+        }
+    }
+    return given;
+}
+
+}  // namespace
+
 Peaks measure_peaks(unsigned which, DType tensor_dtype, int device) {
     Peaks p;
     p.device = device;
     p.tensor_dtype = tensor_dtype;
+    p.given = given_peaks(p) & which;
+    which &= ~p.given;
     BENCH_CUDA(cudaSetDevice(device));
     cudaDeviceProp prop{};
     BENCH_CUDA(cudaGetDeviceProperties(&prop, device));
@@ -137,23 +178,26 @@ Peaks measure_peaks(unsigned which, DType tensor_dtype, int device) {
 }
 
 std::string describe(const Peaks& p) {
-    std::string out = "measured on GPU " + std::to_string(p.device) + ":";
+    // Each limit names where it came from when WEFT_BENCH_PEAKS gave any.
+    std::string out = (p.given != 0 ? "GPU " : "measured on GPU ") + std::to_string(p.device) + ":";
+    constexpr const char* kGiven = "given by WEFT_BENCH_PEAKS";
     char buf[128];
     const char* sep = " ";
     if (p.copy_tbs > 0) {
-        std::snprintf(buf, sizeof(buf), "%sD2D copy %.2f TB/s (read + write, cudaMemcpyAsync of 1 GiB)", sep,
-                      p.copy_tbs);
+        std::snprintf(buf, sizeof(buf), "%sD2D copy %.2f TB/s (%s)", sep, p.copy_tbs,
+                      p.given & kPeakCopy ? kGiven : "read + write, cudaMemcpyAsync of 1 GiB");
         out += buf;
         sep = ", ";
     }
     if (p.read_tbs > 0) {
-        std::snprintf(buf, sizeof(buf), "%sread %.2f TB/s (16-byte loads over 4 GiB)", sep, p.read_tbs);
+        std::snprintf(buf, sizeof(buf), "%sread %.2f TB/s (%s)", sep, p.read_tbs,
+                      p.given & kPeakRead ? kGiven : "16-byte loads over 4 GiB");
         out += buf;
         sep = ", ";
     }
     if (p.tensor_tflops > 0) {
-        std::snprintf(buf, sizeof(buf), "%s%s tensor peak %.0f TFLOP/s (cuBLASLt, random 8192^3)", sep,
-                      dtype_name(p.tensor_dtype), p.tensor_tflops);
+        std::snprintf(buf, sizeof(buf), "%s%s tensor peak %.0f TFLOP/s (%s)", sep, dtype_name(p.tensor_dtype),
+                      p.tensor_tflops, p.given & kPeakTensor ? kGiven : "cuBLASLt, random 8192^3");
         out += buf;
     }
     return out;

@@ -30,11 +30,14 @@ struct Peaks {
     double read_tbs = 0;       // streaming reads, bytes read per second / 1e12
     double tensor_tflops = 0;  // 2 M N K / time / 1e12
     DType tensor_dtype = DType::kBF16;
+    unsigned given = 0;  // the kinds taken from WEFT_BENCH_PEAKS instead of measured
 };
 
 /// Measures the limits in `which` on `device` (made current; it stays current), each the median of ten timed runs
-/// after warm-up. Allocates up to 4 GiB of device memory for the duration: call it before the benchmark's own
-/// allocations. `tensor_dtype`: bf16 or f16 inputs and output, fp32 accumulation.
+/// after warm-up; those that WEFT_BENCH_PEAKS gives ("copy=4.1,read=4.5,tensor=824": TB/s, TB/s, TFLOP/s, any subset)
+/// are taken from it instead, so that a profiler sees only the benchmark's own kernels. Allocates up to 4 GiB of device
+/// memory for the duration: call it before the benchmark's own allocations. `tensor_dtype`: bf16 or f16 inputs and
+/// output, fp32 accumulation.
 Peaks measure_peaks(unsigned which, DType tensor_dtype = DType::kBF16, int device = 0);
 
 /// The median rate of cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault) on `stream`, in bytes copied per
