@@ -151,8 +151,8 @@ std::vector<jit::KernelSpec> gemm_aot_specs() {
             for (const GemmConfig& c : gemm_candidate_configs(in, out, layout)) specs.push_back(gemm_kernel_spec(c));
             for (const GemmConfig& c : gemm_split_k_configs(in, out, layout)) specs.push_back(gemm_kernel_spec(c));
         }
-        // The swapped configs the op's rule can pick (gemm_swap_ab_rule: 192 < M <= 512, B [N,K]; kGemmSwapRuleMinRows
-        // to 256 rows).
+        // The swapped configs the op's rule can pick (gemm_swap_ab_rule: kGemmSwapRuleMinM < M <= 512, B [N,K];
+        // kGemmSwapRuleMinRows to 256 rows).
         for (int tile_m = kGemmSwapRuleMinRows; tile_m <= 256; tile_m += kGemmSwapStoreRows) {
             specs.push_back(gemm_kernel_spec(gemm_swap_ab_config_of(tile_m, in, out)));
         }

@@ -180,7 +180,9 @@ GemmConfig gemm_swap_ab_config_of(int tile_m, DType in_dtype, DType out_dtype) {
 
 GemmConfig gemm_swap_ab_rule(const GemmProblem& p, const GemmConfig& picked, const GemmOptions& options, int num_sms) {
     WEFT_CHECK(num_sms > 0, "gemm_swap_ab_rule: num_sms must be positive, got " << num_sms);
-    if (options.sm_budget != 0 || options.config || picked.splits != 1 || p.m <= 192 || p.m > 512) return picked;
+    if (options.sm_budget != 0 || options.config || picked.splits != 1 || p.m <= kGemmSwapRuleMinM || p.m > 512) {
+        return picked;
+    }
     // The share of a config's CTA slots (whole waves) whose tile area is D: row padding and a part-filled last wave
     // both lower it (M = 320, N = 4096: 128x128 0.61, 80-row swapped 0.97).
     const auto fill = [&](const GemmConfig& c) {
@@ -451,7 +453,9 @@ GemmPlan plan_small_m(const GemmProblem& p, GemvVariant variant, const GemmOptio
     return plan;
 }
 
-GemmPlan plan_tiled(const GemmProblem& p, const GemmOptions& options, int budget) {
+// `swap_rule`: whether the op's swapped-operand rule may replace the pick (plan_gemm weighs small-M variant 5 against
+// the unswapped pick first).
+GemmPlan plan_tiled(const GemmProblem& p, const GemmOptions& options, int budget, bool swap_rule) {
     GemmPlan plan;
     plan.path = GemmPath::kTiled;
     if (options.config) {
@@ -475,7 +479,7 @@ GemmPlan plan_tiled(const GemmProblem& p, const GemmOptions& options, int budget
                                                          << dtype_name(p.out_dtype));
         plan.config = gemm_few_rows_config(p, plan.config, budget);
         if (options.split_k == 0) plan.config = gemm_split_k_config(p, plan.config, budget);
-        if (options.split_k == 0) plan.config = gemm_swap_ab_rule(p, plan.config, options, budget);
+        if (options.split_k == 0 && swap_rule) plan.config = gemm_swap_ab_rule(p, plan.config, options, budget);
         if (options.split_k > 1) {
             // Forced: that many splits of the heuristic's tile, without its cluster pair.
             plan.config.cluster_m = plan.config.cluster_n = 1;
@@ -533,11 +537,13 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
         const GemvVariant v = options.small_m_variant.value_or(wgmma ? GemvVariant::kTmaWgmma : auto_small_m_variant(p));
         return plan_small_m(p, v, options, budget, num_sms);
     }
-    GemmPlan plan = plan_tiled(p, options, budget);
-    if (gemm_prefers_wgmma_small_m(p, options, &plan, num_sms)) {
+    // Variant 5's band rule was fitted against the unswapped tiled pick; the swapped rule then serves the calls it
+    // leaves to the tiled kernel.
+    const GemmPlan unswapped = plan_tiled(p, options, budget, /*swap_rule=*/false);
+    if (gemm_prefers_wgmma_small_m(p, options, &unswapped, num_sms)) {
         return plan_small_m(p, GemvVariant::kTmaWgmma, options, budget, num_sms);
     }
-    return plan;
+    return plan_tiled(p, options, budget, /*swap_rule=*/true);
 }
 
 std::string gemm_candidate_name(const GemmConfig& c) {

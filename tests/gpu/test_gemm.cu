@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <optional>
 #include <random>
@@ -373,6 +374,58 @@ TEST(GemmSwapAB, SmBudgetsAndBenchmarkShapesMatchFp64) {
             check_case(c, 24);
         }
     }
+}
+
+// The op's own pick (no option set) on random shapes: M log-uniform in 1..640, N in 1..30000, K in 8..16384 (a
+// multiple of 8, as the op requires; N x K bounded for the host reference), half of them near the shapes whose rules
+// differ (N = 4096, 7168, 14336, 28672 and K = 2048, 4096, 7168), random dtype pair and B layout; every path the rules
+// can take (small-M variants 3/4/5, tiled, split-K, swapped) is reached by some draw. Sampled rows against fp64,
+// poisoned outputs. The seed is printed.
+TEST(GemmOp, RandomShapesMatchFp64OnEveryPathThePlanTakes) {
+    REQUIRE_SM90();
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE("draw seed " + std::to_string(seed));
+    std::mt19937_64 rng(seed);
+    const auto uniform = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+    const auto log_uniform = [&](int64_t lo, int64_t hi) {
+        const double x = std::uniform_real_distribution<double>(std::log(lo), std::log(hi + 1.0))(rng);
+        return std::clamp<int64_t>(static_cast<int64_t>(std::exp(x)), lo, hi);
+    };
+    const int64_t kNs[] = {4096, 7168, 14336, 28672};
+    const int64_t kKs[] = {2048, 4096, 7168};
+    std::map<std::string, int> paths;
+    for (int i = 0; i < 40; ++i) {
+        Case c{log_uniform(1, 640), 0, 0};
+        if (i % 2 == 0) {
+            c.n = kNs[uniform(0, 3)] + (uniform(0, 3) == 0 ? uniform(-40, 40) : 0);
+            c.k = kKs[uniform(0, 2)] + (uniform(0, 3) == 0 ? 8 * uniform(-5, 5) : 0);
+        } else {
+            c.n = log_uniform(1, 30000);
+            c.k = 8 * log_uniform(1, 2048);
+        }
+        while (c.n * c.k > (int64_t{48} << 20)) c.k = std::max<int64_t>(8, c.k / 16 * 8);  // the reference's cost
+        const int io = static_cast<int>(uniform(0, 3));
+        if (io > 0) {
+            c.in = kOtherIoPairs[io - 1][0];
+            c.out = kOtherIoPairs[io - 1][1];
+        }
+        c.layout = uniform(0, 3) == 0 ? BLayout::kKN : BLayout::kNK;
+        const ops::GemmProblem p{.m = c.m,
+                                 .n = c.n,
+                                 .k = c.k,
+                                 .b_layout = c.layout,
+                                 .in_dtype = c.in,
+                                 .out_dtype = c.out,
+                                 .b_rows_contiguous = c.layout == BLayout::kNK && (c.k * dtype_bytes(c.in)) % 16 == 0};
+        const std::string path = ops::gemm_candidate_name(ops::plan_gemm(p, num_sms()));
+        ++paths[path];
+        SCOPED_TRACE("the plan's pick: " + path);
+        check_case(c, 6);
+        if (HasFatalFailure()) return;
+    }
+    std::ostringstream os;
+    for (const auto& [name, count] : paths) os << " " << name << " x" << count;
+    std::printf("[ paths    ]%s\n", os.str().c_str());
 }
 
 constexpr GemmConfig raster_variant(int index) {

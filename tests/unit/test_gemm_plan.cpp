@@ -155,8 +155,8 @@ TEST(GemmPlan, SwappedConfigsFillHalfAWaveToTwoWaves) {
     EXPECT_TRUE(
         ops::gemm_swap_ab_configs(ops::GemmProblem{.m = 320, .n = 4096, .k = 4096, .b_layout = BLayout::kKN}, 132)
             .empty());
-    // The op's rule: 192 < M <= 512 with the whole device, the cluster-free swapped config whose whole waves hold the
-    // most of D, where it beats the pick.
+    // The op's rule: kGemmSwapRuleMinM < M <= 512 with the whole device, where small-M variant 5 does not serve, the
+    // cluster-free swapped config whose whole waves hold the most of D, where it beats the pick.
     auto pick = [](int64_t m, int64_t n, ops::GemmOptions o = {}) {
         return ops::plan_gemm(ops::GemmProblem{.m = m, .n = n, .k = 4096}, 132, o).config;
     };
@@ -167,7 +167,9 @@ TEST(GemmPlan, SwappedConfigsFillHalfAWaveToTwoWaves) {
                                 {320, 8192, 160},
                                 {300, 8192, 160},
                                 {320, 14336, 160},
-                                {448, 7168, 224}}) {
+                                {448, 7168, 224},
+                                {160, 28672, 160},
+                                {192, 28672, 192}}) {
         const GemmConfig c = pick(m, n);
         EXPECT_TRUE(c.swap_ab && c.tile_m == tile_m && c.cluster_m == 1 && !c.pingpong)
             << m << "x" << n << ": " << ops::gemm_candidate_name(c);
@@ -175,7 +177,12 @@ TEST(GemmPlan, SwappedConfigsFillHalfAWaveToTwoWaves) {
     }
     EXPECT_FALSE(pick(256, 4096).swap_ab);  // the 64-row ping-pong tile has no padding there
     EXPECT_FALSE(pick(256, 28672).swap_ab);  // 2 x 180 128x160 tiles in 3 waves hold more of D than 224 swapped in 2
-    EXPECT_FALSE(pick(192, 28672).swap_ab);  // M <= 192: variant 5's band, not the rule's
+    EXPECT_FALSE(pick(128, 28672).swap_ab);  // M <= kGemmSwapRuleMinM
+    // Variant 5's band is weighed against the unswapped pick, before the rule: its calls stay with it.
+    for (auto [m, n] : {std::array<int64_t, 2>{160, 8192}, {192, 8192}, {160, 4096}, {144, 4096}}) {
+        EXPECT_EQ(ops::plan_gemm(ops::GemmProblem{.m = m, .n = n, .k = 4096}, 132).path, ops::GemmPath::kSmallM)
+            << m << "x" << n;
+    }
     EXPECT_FALSE(pick(512, 4096).swap_ab);  // 4 x 32 whole 128x128 tiles fill the wave as well
     EXPECT_FALSE(pick(384, 8192).swap_ab);  // 3 x 43 128x192 tiles: as full as 2 x 64 swapped 192-row ones
     EXPECT_FALSE(pick(512, 8192, {}).swap_ab);
@@ -189,8 +196,8 @@ TEST(GemmPlan, SwappedConfigsFillHalfAWaveToTwoWaves) {
     // Every config the rule can pick is in the AOT list (weft-compile --builtin warms it).
     std::set<std::string> aot;
     for (const auto& spec : ops::gemm_aot_specs()) aot.insert(spec.instantiation);
-    for (int64_t m = 257; m <= 512; m += 17) {
-        for (int64_t n : {2048, 4096, 5120, 8192}) {
+    for (int64_t m = ops::kGemmSwapRuleMinM + 1; m <= 512; m += 17) {
+        for (int64_t n : {2048, 4096, 5120, 8192, 14336, 28672}) {
             const GemmConfig c = pick(m, n);
             if (!c.swap_ab) continue;
             EXPECT_TRUE(aot.count(ops::gemm_kernel_spec(c).instantiation)) << ops::gemm_candidate_name(c);

@@ -91,9 +91,13 @@ GemmConfig gemm_swap_ab_config_of(int tile_m, DType in_dtype, DType out_dtype);
 /// The fewest rows of a tile gemm_swap_ab_rule picks: smaller swapped tiles read B for too few rows (384x2048x8192 in
 /// 48-row tiles x 16 ran 0.81x cuBLASLt, one H200, 2026-12-04).
 inline constexpr int kGemmSwapRuleMinRows = 80;
+/// gemm_swap_ab_rule serves M above this (and up to 512); at this M and below, small-M variant 5 and the unswapped
+/// tiles are what was measured.
+inline constexpr int kGemmSwapRuleMinM = 128;
 
-/// The op's rule for swapped configs: with the whole device (options.sm_budget 0), B [N,K], 192 < M <= 512 (past
-/// small-M variant 5's band, whose rule weighs the tiled pick) and an unsplit pick, the cluster-free cooperative
+/// The op's rule for swapped configs: with the whole device (options.sm_budget 0), B [N,K], kGemmSwapRuleMinM < M <=
+/// 512, where small-M variant 5 does not serve the call (plan_gemm weighs variant 5 against the unswapped pick first)
+/// and the pick is unsplit, the cluster-free cooperative
 /// swapped config of gemm_swap_ab_configs (tiles of kGemmSwapRuleMinRows rows or more) whose CTA slots, in whole waves,
 /// hold the most area of D (ties: the larger tile), where that share is at least 3/4 and beats the pick's by 5% (the
 /// pick pads rows or leaves a wave part-empty): M = 320, N = 4096: 4 x 32 tiles of 80 rows; 320x14336: 224 tiles of 160
