@@ -340,6 +340,21 @@ int gemv_auto_splits(int grid, int ctas_per_sm, int num_sms, int64_t k) {
     return std::min(splits, std::max(1, static_cast<int>(k / 256)));
 }
 
+int gemv_wgmma_max_clusters(int cluster_size, int num_sms) {
+    WEFT_CHECK(cluster_size >= 1 && cluster_size <= kGemvWgmmaMaxSplits && num_sms > 0,
+               "gemv_wgmma_max_clusters: cluster_size must be in [1, "
+                   << kGemvWgmmaMaxSplits << "] and num_sms positive, got " << cluster_size << ", " << num_sms);
+    if (num_sms == 132) {
+        // cudaOccupancyMaxActiveClusters at one CTA per SM on an H200 (the H100 SXM's GPC layout).
+        constexpr int kMeasured[kGemvWgmmaMaxSplits] = {132, 66, 39, 30, 22, 17, 15, 15};
+        return kMeasured[cluster_size - 1];
+    }
+    if (cluster_size <= 2) return num_sms / cluster_size;  // GPCs hold whole TPCs (SM pairs)
+    constexpr int kMaxGpcSms = 18;
+    const int gpcs = (num_sms + kMaxGpcSms - 1) / kMaxGpcSms;
+    return std::max(0, (num_sms - gpcs * (cluster_size - 1)) / cluster_size);
+}
+
 int gemv_wgmma_splits(int64_t n, int64_t k, int num_sms) {
     WEFT_CHECK(n > 0 && k > 0 && num_sms > 0,
                "gemv_wgmma_splits: n, k and num_sms must be positive, got " << n << ", " << k << ", " << num_sms);
@@ -347,7 +362,10 @@ int gemv_wgmma_splits(int64_t n, int64_t k, int num_sms) {
     const int64_t k_blocks = ceil_div(k, int64_t{kGemvWgmmaStageK});
     int64_t splits = std::max<int64_t>(1, num_sms / blocks);  // one wave: blocks x splits <= num_sms
     splits = std::min(splits, std::max<int64_t>(1, k_blocks / kGemvWgmmaMinSplitKBlocks));
-    return static_cast<int>(std::min<int64_t>(splits, kGemvWgmmaMaxSplits));
+    splits = std::min<int64_t>(splits, kGemvWgmmaMaxSplits);
+    // Every cluster (a column block's splits) running at once: else the last ones wait for the first to finish.
+    while (splits > 1 && blocks > gemv_wgmma_max_clusters(static_cast<int>(splits), num_sms)) --splits;
+    return static_cast<int>(splits);
 }
 
 // The small-M kernel when the caller leaves it to the op: bulk-copied rows (kBulkRows, variant 4) where it serves and
@@ -518,14 +536,13 @@ bool gemm_prefers_wgmma_small_m(const GemmProblem& p, const GemmOptions& options
     // kernel at M = 77..128).
     const int64_t grid = ceil_div(p.n, int64_t{kGemvWgmmaCols}) * splits;
     if (2 * grid < num_sms || grid > num_sms) return false;
-    if (tiled == nullptr) return splits <= 2;
+    if (tiled == nullptr) return true;
     const GemmConfig& c = tiled->config;
     const GemmTileGrid g(c, static_cast<int32_t>(p.m), static_cast<int32_t>(p.n));
     const double tiles = g.num_tiles();
     const double rows_used = static_cast<double>(p.m) / static_cast<double>(round_up(p.m, int64_t{c.tile_m}));
     if (tiles >= 1.5 * num_sms) return false;
-    if (tiles >= 0.8 * num_sms && rows_used > 0.8) return false;
-    return splits <= 2 || (p.m >= 65 && p.m <= 160);
+    return tiles < 0.8 * num_sms || rows_used <= 0.8;
 }
 
 GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {

@@ -957,6 +957,41 @@ TEST(GemmSmallM, Variant5MatchesFp64ForEveryRowTileAndSplit) {
 }
 
 // Variant 5 for every other dtype pair (bf16 -> f32, f16 -> f16, f16 -> f32), single split and split-K, ragged N.
+__global__ void cluster_capacity_probe(int* out) {
+    extern __shared__ unsigned char probe_smem[];
+    if (out != nullptr) out[blockIdx.x] = probe_smem[threadIdx.x];
+}
+
+// gemv_wgmma_max_clusters (the split rule's cluster limit) against cudaOccupancyMaxActiveClusters for a kernel of
+// variant 5's block and shared memory, clusters shaped as its splits (1 x S): never more than the device runs, and
+// exactly the device's figures on a 132-SM part.
+TEST(GemmSmallM, Variant5ClusterCapacityModelMatchesTheDevice) {
+    REQUIRE_SM90();
+    for (int m_tiles : {1, 5, 16}) {
+        const int smem = gemv_smem_bytes(GemvConfig{.variant = GemvVariant::kTmaWgmma, .m_tiles = m_tiles});
+        ASSERT_EQ(cudaFuncSetAttribute(cluster_capacity_probe, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                  cudaSuccess);
+        for (int size = 1; size <= kGemvWgmmaMaxSplits; ++size) {
+            cudaLaunchConfig_t cfg{};
+            cfg.gridDim = dim3(64, static_cast<unsigned>(size), 1);
+            cfg.blockDim = dim3(kGemvWgmmaThreads, 1, 1);
+            cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+            cudaLaunchAttribute attr{};
+            attr.id = cudaLaunchAttributeClusterDimension;
+            attr.val.clusterDim.x = 1;
+            attr.val.clusterDim.y = static_cast<unsigned>(size);
+            attr.val.clusterDim.z = 1;
+            cfg.attrs = &attr;
+            cfg.numAttrs = 1;
+            int device_clusters = 0;
+            ASSERT_EQ(cudaOccupancyMaxActiveClusters(&device_clusters, cluster_capacity_probe, &cfg), cudaSuccess);
+            const int model = ops::gemv_wgmma_max_clusters(size, num_sms());
+            EXPECT_LE(model, device_clusters) << "clusters of " << size << ", m_tiles " << m_tiles;
+            if (num_sms() == 132) EXPECT_EQ(model, device_clusters) << "clusters of " << size;
+        }
+    }
+}
+
 TEST(GemmSmallM, Variant5EveryDtypePairMatchesFp64) {
     REQUIRE_SM90();
     for (const auto& io : kOtherIoPairs) {

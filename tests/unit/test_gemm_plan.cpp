@@ -831,12 +831,17 @@ TEST(GemmPlan, SmallMVariant5ConfigsAndRingFitTheSm) {
 }
 
 // Variant 5's split rule (gemv_wgmma_splits): ceil(N / 64) column blocks x splits fill at most one wave of the SMs,
-// at least 8 k-blocks of 64 per split, at most 8 splits (one cluster of CTAs), at least 1.
+// every cluster of splits runs at once, at least 8 k-blocks of 64 per split, at most 8 splits (one cluster of CTAs),
+// at least 1.
 TEST(GemmPlan, SmallMVariant5SplitsFillOneWave) {
     EXPECT_EQ(ops::gemv_wgmma_splits(4096, 4096, 132), 2);    // 64 blocks
     EXPECT_EQ(ops::gemv_wgmma_splits(4104, 4096, 132), 2);    // 65 blocks
     EXPECT_EQ(ops::gemv_wgmma_splits(8192, 8192, 132), 1);    // 128 blocks
-    EXPECT_EQ(ops::gemv_wgmma_splits(2048, 8192, 132), 4);    // 32 blocks
+    EXPECT_EQ(ops::gemv_wgmma_splits(2048, 8192, 132), 3);    // 32 blocks: 32 clusters of 4 do not fit (30)
+    EXPECT_EQ(ops::gemv_wgmma_splits(2048, 7168, 132), 3);
+    EXPECT_EQ(ops::gemv_wgmma_splits(1024, 8192, 132), 6);  // 16 blocks: 16 clusters of 8 or 7 do not (15)
+    EXPECT_EQ(ops::gemv_wgmma_splits(1024, 4096, 132), 6);
+    EXPECT_EQ(ops::gemv_wgmma_splits(128, 8192, 132), 8);     // 2 blocks
     EXPECT_EQ(ops::gemv_wgmma_splits(64, 4096, 132), 8);      // 1 block: 64 k-blocks / 8
     EXPECT_EQ(ops::gemv_wgmma_splits(64, 1 << 20, 132), 8);   // at most 8: one cluster
     EXPECT_EQ(ops::gemv_wgmma_splits(4096, 1024, 132), 2);    // 16 k-blocks of 64: 2 x 8
@@ -854,9 +859,28 @@ TEST(GemmPlan, SmallMVariant5SplitsFillOneWave) {
             if (s > 1) {
                 EXPECT_LE(blocks * s, 132) << n << " " << k;
                 EXPECT_GE((k + 63) / 64, int64_t{8} * s) << n << " " << k;
+                EXPECT_LE(blocks, ops::gemv_wgmma_max_clusters(s, 132)) << n << " " << k;
             }
         }
     }
+}
+
+// The clusters that run at once at one CTA per SM: the H200's measured figures at 132 SMs; elsewhere a bound below
+// num_sms / size that clusters of one or two CTAs always reach.
+TEST(GemmPlan, SmallMVariant5ClusterCapacity) {
+    const int measured[] = {132, 66, 39, 30, 22, 17, 15, 15};
+    for (int size = 1; size <= kGemvWgmmaMaxSplits; ++size) {
+        EXPECT_EQ(ops::gemv_wgmma_max_clusters(size, 132), measured[size - 1]) << size;
+        for (int sms : {1, 16, 78, 114, 144}) {
+            const int c = ops::gemv_wgmma_max_clusters(size, sms);
+            EXPECT_GE(c, 0);
+            EXPECT_LE(c * size, sms) << size << " " << sms;
+            if (size <= 2) {
+                EXPECT_EQ(c, sms / size) << sms;
+            }
+        }
+    }
+    expect_error_mentions([] { (void)ops::gemv_wgmma_max_clusters(9, 132); }, "cluster_size must be in [1, 8]");
 }
 
 // The heuristic's variant-5 band (gemm_prefers_wgmma_small_m) on the shapes it was fitted to (one H200, 132 SMs,
@@ -878,8 +902,10 @@ TEST(GemmPlan, SmallMVariant5BandBeatsVariant3AndTheTiledKernel) {
         {8192, 8192, {17, 24, 32, 48, 64, 77, 96, 160, 192}, {16, 128, 256}},
         {4096, 14336, {17, 32, 48, 77, 128, 192}, {256}},
         {7168, 2048, {17, 32, 48, 64, 77, 160, 192}, {128, 256}},
-        {2048, 7168, {77, 96, 128, 160}, {17, 24, 32, 48, 64, 192, 256}},
-        {1024, 4096, {77, 96, 128, 160}, {17, 24, 48, 64, 192, 256}},
+        {2048, 7168, {17, 24, 32, 48, 64, 77, 96, 128, 160, 192}, {16, 256}},
+        {1024, 4096, {17, 24, 32, 48, 64, 77, 96, 128, 160, 192}, {16, 256}},
+        {1024, 8192, {17, 48, 128, 192}, {16, 256}},
+        {2048, 2048, {17, 64, 192}, {16, 256}},
         {28672, 4096, {}, {17, 24, 32, 48, 64, 77, 96, 128, 160, 192, 256}},
     };
     for (const Row& r : rows) {

@@ -137,10 +137,19 @@ int gemv_auto_splits(int grid, int ctas_per_sm, int num_sms, int64_t k);
 /// The fewest k-blocks of kGemvWgmmaStageK (64 k) one split of small-M variant 5 gets from gemv_wgmma_splits.
 inline constexpr int kGemvWgmmaMinSplitKBlocks = 8;
 
-/// Small-M variant 5's (GemvVariant::kTmaWgmma) split count when the caller leaves it to the op (pure rule): its
-/// ceil(N / 64) column blocks times the splits fill at most one wave of `num_sms` (the SM budget), each split keeps
-/// at least kGemvWgmmaMinSplitKBlocks k-blocks of 64, at most kGemvWgmmaMaxSplits splits (one cluster), at least 1.
-/// E.g. 132 SMs: N = K = 4096 -> 64 blocks x 2; N = 8192 -> 128 x 1; N = 64, K = 4096 -> 1 x 8.
+/// The most clusters of `cluster_size` CTAs (1..kGemvWgmmaMaxSplits) a device of `num_sms` SMs runs at once when each
+/// CTA takes a whole SM, as small-M variant 5's (~200 KiB of shared memory) do. A cluster lives inside one GPC, and a
+/// GPC whose SM count is not a multiple of the cluster size leaves the rest idle: with 132 SMs (H100 SXM, H200) what
+/// cudaOccupancyMaxActiveClusters reports there (2026-12-04, one H200: 132, 66, 39, 30, 22, 17, 15, 15 clusters of 1..8
+/// CTAs); other SM counts: a bound that takes GPCs of at most 18 SMs, each leaving up to cluster_size - 1 idle.
+int gemv_wgmma_max_clusters(int cluster_size, int num_sms);
+
+/// Small-M variant 5's (GemvVariant::kTmaWgmma) split count when the caller leaves it to the op (pure rule): the most
+/// splits S (at most kGemvWgmmaMaxSplits, at least 1) whose ceil(N / 64) column blocks x S fill at most one wave of
+/// `num_sms` (the SM budget) and whose clusters of S CTAs all run at once (gemv_wgmma_max_clusters: 32 clusters of 4
+/// would take two rounds on 132 SMs, which hold 30), each split keeping at least kGemvWgmmaMinSplitKBlocks k-blocks of
+/// 64. E.g. 132 SMs: N = K = 4096 -> 64 blocks x 2; N = 8192 -> 128 x 1; N = 2048, K = 7168 -> 32 x 3; N = 1024, K =
+/// 8192 -> 16 x 6; N = 64, K = 4096 -> 1 x 8.
 int gemv_wgmma_splits(int64_t n, int64_t k, int num_sms);
 
 /// Whether the op sends this call to small-M variant 5 (GemvVariant::kTmaWgmma) on its own (pure rule; `tiled` = the
@@ -148,9 +157,11 @@ int gemv_wgmma_splits(int64_t n, int64_t k, int num_sms);
 /// the whole device (no sm_budget below num_sms: variant 5's grid is not bounded by one), no forced config, variant or
 /// split_k, B [N,K], 17 <= M <= options.small_m_wgmma_max_m and a grid of ceil(N / 64) x S CTAs of half to one wave
 /// of the SMs; then, with S = gemv_wgmma_splits:
-///  - against variant 3 (M <= small_m_max_m): S <= 2 (variant 3's global split-K wins where more splits are needed);
-///  - against the tiled kernel: its T tiles fill less than 1.5 waves, not (T >= 0.8 x num_sms with the tile's rows
-///    more than 80% used), and S <= 2 or 65 <= M <= 160.
+///  - against variant 3 (M <= small_m_max_m): always;
+///  - against the tiled kernel: its T tiles fill less than 1.5 waves, and not T >= 0.8 x num_sms with the tile's rows
+///    more than 80% used.
+/// (The first fit also asked S <= 2, or 65 <= M <= 160 against the tiled kernel: it had been measured with split
+/// counts whose clusters did not all run at once, before gemv_wgmma_splits kept them to gemv_wgmma_max_clusters.)
 /// Fitted to the sweep of 2026-12-04 (one H200, bf16, M = 17..256 at (N, K) = 4096², 8192², (7168, 2048),
 /// (2048, 7168), (28672, 4096), (4096, 14336), (1024, 4096); kernels/gemm/README.md, "Which M takes the small-M path").
 bool gemm_prefers_wgmma_small_m(const GemmProblem& problem, const GemmOptions& options, const GemmPlan* tiled,
