@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -422,6 +423,43 @@ TEST_F(DecodeAttention, LargeBatchMixedLengths) {
     c.num_kv_heads = 8;
     c.group = 4;
     run_case(c, stream_);
+}
+
+// Random configurations: dtype, head dim 64/128/256, 1..8 KV heads with 1..16 q-heads each, page size 1..256 (any),
+// either cache layout, a batch of 1..24 with lengths 0..40000 (some empty, some one token), the op's split count or a
+// forced one, with and without lse. The draw seed is printed.
+TEST_F(DecodeAttention, RandomConfigurations) {
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE("draw seed " + std::to_string(seed));
+    Rng rng{seed};
+    const auto pick = [&](int lo, int hi) {
+        return lo + static_cast<int>(rng.next() % static_cast<uint64_t>(hi - lo + 1));
+    };
+    for (int i = 0; i < 12; ++i) {
+        Case c;
+        c.dtype = pick(0, 1) == 0 ? DType::kBF16 : DType::kF16;
+        c.dim = std::array<int, 3>{64, 128, 256}[pick(0, 2)];
+        c.num_kv_heads = pick(1, 8);
+        c.group = pick(1, 16);
+        c.page_size = pick(0, 2) == 0 ? pick(1, 256) : std::array<int, 3>{1, 16, 64}[pick(0, 2)];
+        c.layout = pick(0, 1) == 0 ? Layout::kSlotsHeads : Layout::kHeadsSlots;
+        c.lens.clear();
+        const int batch = pick(1, 24);
+        for (int b = 0; b < batch; ++b) {
+            const int kind = pick(0, 5);
+            c.lens.push_back(kind == 0 ? 0 : kind == 1 ? 1 : pick(2, kind == 5 ? 40000 : 3000));
+        }
+        // The host reference's cost: tokens x q-heads x dim bounded by 2^30 (lengths scaled down past it).
+        double work = 0;
+        for (int len : c.lens) work += static_cast<double>(len) * c.num_kv_heads * c.group * c.dim;
+        if (work > 0x1p30) {
+            for (int& len : c.lens) len = static_cast<int>(len * (0x1p30 / work));
+        }
+        c.num_splits = pick(0, 3) == 0 ? pick(1, 64) : 0;
+        c.want_lse = pick(0, 3) != 0;
+        run_case(c, stream_);
+        if (HasFailure()) return;
+    }
 }
 
 // Captured once, replayed: each replay recomputes the same result (outputs re-poisoned in between).
