@@ -3,7 +3,7 @@
 // rounded inputs: 1, 3, 8 and 32 groups; a hot group; all groups but one empty; empty groups; counts that are not
 // multiples of the tile; N and K on and off the tile; bf16 and fp32 out; both B layouts; every candidate config;
 // rows outside every group left untouched; counts over capacity clamped and recorded; counts read on the device at
-// replay of a captured graph; the per-group wait and per-tile signal hooks.
+// replay of a captured graph; the per-group wait and per-tile signal hooks; random routings on random shapes.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
