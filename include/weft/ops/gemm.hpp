@@ -38,7 +38,9 @@ struct GemmOptions {
     /// sm_budget 0). Independent of small_m_max_m, which bounds variants 3 and 4.
     int small_m_wgmma_max_m = 192;
     /// Force the small-M path's split count (0 = heuristic). kTmaWgmma (variant 5) adds its splits inside one
-    /// cluster per column block: at most kGemvWgmmaMaxSplits = 8 (more is an error), no workspace.
+    /// cluster per column block: at most kGemvWgmmaMaxSplits = 8 (more is an error), no workspace; a forced count
+    /// whose clusters outnumber those the GPU runs at once (ops::gemv_wgmma_max_clusters: an H200 runs 30 clusters
+    /// of 4) runs in two rounds, which the heuristic avoids.
     int small_m_splits = 0;
     /// Split-K of the tiled kernel (GemmConfig::splits): 0 = the op's rule (gemm_split_k_config), 1 = never, 2..16 =
     /// that many splits of the heuristic's tile (without its cluster pair). Ignored when `config` is set (its own
