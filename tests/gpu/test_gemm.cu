@@ -385,31 +385,26 @@ TEST(GemmOp, RandomShapesMatchFp64OnEveryPathThePlanTakes) {
     REQUIRE_SM90();
     const uint64_t seed = fresh_seed();
     SCOPED_TRACE("draw seed " + std::to_string(seed));
-    std::mt19937_64 rng(seed);
-    const auto uniform = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
-    const auto log_uniform = [&](int64_t lo, int64_t hi) {
-        const double x = std::uniform_real_distribution<double>(std::log(lo), std::log(hi + 1.0))(rng);
-        return std::clamp<int64_t>(static_cast<int64_t>(std::exp(x)), lo, hi);
-    };
+    RandomDraw draw(seed);
     const int64_t kNs[] = {4096, 7168, 14336, 28672};
     const int64_t kKs[] = {2048, 4096, 7168};
     std::map<std::string, int> paths;
     for (int i = 0; i < 40; ++i) {
-        Case c{log_uniform(1, 640), 0, 0};
+        Case c{draw.log_uniform(1, 640), 0, 0};
         if (i % 2 == 0) {
-            c.n = kNs[uniform(0, 3)] + (uniform(0, 3) == 0 ? uniform(-40, 40) : 0);
-            c.k = kKs[uniform(0, 2)] + (uniform(0, 3) == 0 ? 8 * uniform(-5, 5) : 0);
+            c.n = kNs[draw.uniform(0, 3)] + (draw.uniform(0, 3) == 0 ? draw.uniform(-40, 40) : 0);
+            c.k = kKs[draw.uniform(0, 2)] + (draw.uniform(0, 3) == 0 ? 8 * draw.uniform(-5, 5) : 0);
         } else {
-            c.n = log_uniform(1, 30000);
-            c.k = 8 * log_uniform(1, 2048);
+            c.n = draw.log_uniform(1, 30000);
+            c.k = 8 * draw.log_uniform(1, 2048);
         }
         while (c.n * c.k > (int64_t{48} << 20)) c.k = std::max<int64_t>(8, c.k / 16 * 8);  // the reference's cost
-        const int io = static_cast<int>(uniform(0, 3));
+        const int io = static_cast<int>(draw.uniform(0, 3));
         if (io > 0) {
             c.in = kOtherIoPairs[io - 1][0];
             c.out = kOtherIoPairs[io - 1][1];
         }
-        c.layout = uniform(0, 3) == 0 ? BLayout::kKN : BLayout::kNK;
+        c.layout = draw.uniform(0, 3) == 0 ? BLayout::kKN : BLayout::kNK;
         const ops::GemmProblem p{.m = c.m,
                                  .n = c.n,
                                  .k = c.k,

@@ -443,7 +443,6 @@ TEST(GroupedGemm, MaskedFp8RowsWithBlockScales) {
     }
 }
 
-// Counts over capacity (masked) or rows past A (contiguous) are clamped and recorded in the status word.
 // Random routings on random shapes: 1..64 groups, counts drawn uniform, skewed (a few hot groups, most small or
 // empty), one hot group with the rest empty, or all empty; contiguous with alignment 1, 8, 64 or 128, or masked with a
 // random capacity (counts up to it); N and K multiples of 8 from 8 to 1024, both B layouts, bf16 or fp32 out; the
@@ -452,43 +451,43 @@ TEST(GroupedGemm, RandomRoutingsShapesAndLayouts) {
     REQUIRE_SM90();
     const uint64_t seed = fresh_seed();
     SCOPED_TRACE("draw seed " + std::to_string(seed));
-    std::mt19937_64 rng(seed);
-    const auto uniform = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+    RandomDraw draw(seed);
     for (int i = 0; i < 16; ++i) {
         GroupedCase c;
-        c.layout = uniform(0, 2) == 0 ? ops::GroupedLayout::kMasked : ops::GroupedLayout::kContiguous;
-        const int groups = static_cast<int>(uniform(0, 3) == 0 ? uniform(1, 4) : uniform(1, 64));
-        c.n = 8 * uniform(1, 128);
-        c.k = 8 * uniform(1, 128);
-        c.out = uniform(0, 1) == 0 ? DType::kBF16 : DType::kF32;
-        c.b_layout = uniform(0, 2) == 0 ? BLayout::kKN : BLayout::kNK;
+        c.layout = draw.uniform(0, 2) == 0 ? ops::GroupedLayout::kMasked : ops::GroupedLayout::kContiguous;
+        const int groups = static_cast<int>(draw.uniform(0, 3) == 0 ? draw.uniform(1, 4) : draw.uniform(1, 64));
+        c.n = 8 * draw.uniform(1, 128);
+        c.k = 8 * draw.uniform(1, 128);
+        c.out = draw.uniform(0, 1) == 0 ? DType::kBF16 : DType::kF32;
+        c.b_layout = draw.uniform(0, 2) == 0 ? BLayout::kKN : BLayout::kNK;
         // Rows in all: the host reference's cost bounds them (rows x N x K <= 2^28).
         const int64_t max_rows = std::max<int64_t>(1, std::min<int64_t>(3000, (int64_t{1} << 28) / (c.n * c.k)));
         const int64_t per_group = std::max<int64_t>(1, max_rows / groups);
-        c.capacity = c.layout == ops::GroupedLayout::kMasked ? uniform(1, std::min<int64_t>(per_group, 300)) : 0;
+        c.capacity = c.layout == ops::GroupedLayout::kMasked ? draw.uniform(1, std::min<int64_t>(per_group, 300)) : 0;
         const int64_t cap = c.layout == ops::GroupedLayout::kMasked ? c.capacity : per_group;
-        const int pattern = static_cast<int>(uniform(0, 3));
+        const int pattern = static_cast<int>(draw.uniform(0, 3));
         c.counts.assign(static_cast<size_t>(groups), 0);
         for (int g = 0; g < groups; ++g) {
             switch (pattern) {
                 case 0:
-                    c.counts[g] = static_cast<int32_t>(uniform(0, cap));
+                    c.counts[g] = static_cast<int32_t>(draw.uniform(0, cap));
                     break;  // uniform
                 case 1:
-                    c.counts[g] = static_cast<int32_t>(uniform(0, 3) == 0 ? cap : uniform(0, 4));
+                    c.counts[g] = static_cast<int32_t>(draw.uniform(0, 3) == 0 ? cap : draw.uniform(0, 4));
                     break;  // skewed
                 default:
                     break;  // one hot group (below) or all empty
             }
         }
-        if (pattern == 2) c.counts[static_cast<size_t>(uniform(0, groups - 1))] = static_cast<int32_t>(cap);
+        if (pattern == 2) c.counts[static_cast<size_t>(draw.uniform(0, groups - 1))] = static_cast<int32_t>(cap);
         if (c.layout == ops::GroupedLayout::kContiguous)
-            c.alignment = std::array<int64_t, 4>{1, 8, 64, 128}[uniform(0, 3)];
+            c.alignment = std::array<int64_t, 4>{1, 8, 64, 128}[draw.uniform(0, 3)];
         check(c);
         if (HasFatalFailure() || HasFailure()) return;
     }
 }
 
+// Counts over capacity (masked) or rows past A (contiguous) are clamped and recorded in the status word.
 TEST(GroupedGemm, BadCountsAreClampedAndRecorded) {
     REQUIRE_SM90();
     ops::GroupedStatus* status = nullptr;

@@ -41,6 +41,11 @@ uint64_t fresh_seed() {
     return (static_cast<uint64_t>(rd()) << 32) ^ rd();
 }
 
+int64_t RandomDraw::log_uniform(int64_t lo, int64_t hi) {
+    const double x = std::uniform_real_distribution<double>(std::log(static_cast<double>(lo)), std::log(hi + 1.0))(rng);
+    return std::clamp<int64_t>(static_cast<int64_t>(std::exp(x)), lo, hi);
+}
+
 HostMatrix::HostMatrix(int64_t r, int64_t c, int64_t l, DType t) : rows(r), cols(c), ld(l), dtype(t) {
     bytes.assign(static_cast<size_t>(std::max<int64_t>(1, r) * l * dtype_bytes(t)), 0);
 }

@@ -18,6 +18,15 @@ bool have_sm90(std::string* why);  ///< false (and why) unless device 0 is an sm
 int num_sms();                     ///< SMs of the current device
 uint64_t fresh_seed();             ///< a new random seed per call
 
+/// Random draws for the tests that pick their cases at random (from one printed seed).
+struct RandomDraw {
+    std::mt19937_64 rng;
+    explicit RandomDraw(uint64_t seed) : rng(seed) {}
+    int64_t uniform(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); }
+    /// log-uniform in [lo, hi], lo >= 1: as many draws per octave
+    int64_t log_uniform(int64_t lo, int64_t hi);
+};
+
 /// A row-major matrix on the host in the device's byte layout (row stride `ld` elements; bf16, f16 or f32).
 struct HostMatrix {
     int64_t rows = 0, cols = 0, ld = 0;
