@@ -378,9 +378,9 @@ TEST(GemmSwapAB, SmBudgetsAndBenchmarkShapesMatchFp64) {
 
 // The op's own pick (no option set) on random shapes: M log-uniform in 1..640, N in 1..30000, K in 8..16384 (a
 // multiple of 8, as the op requires; N x K bounded for the host reference), half of them near the shapes whose rules
-// differ (N = 4096, 7168, 14336, 28672 and K = 2048, 4096, 7168), random dtype pair and B layout; every path the rules
-// can take (small-M variants 3/4/5, tiled, split-K, swapped) is reached by some draw. Sampled rows against fp64,
-// poisoned outputs. The seed is printed.
+// differ (N = 4096, 7168, 14336, 28672 and K = 2048, 4096, 7168), random dtype pair and B layout, so that the draws
+// meet the rules' paths (small-M variants 3/4/5, tiled, split-K, swapped; the paths taken are printed, not asserted).
+// Sampled rows against fp64, poisoned outputs. The seed is printed.
 TEST(GemmOp, RandomShapesMatchFp64OnEveryPathThePlanTakes) {
     REQUIRE_SM90();
     const uint64_t seed = fresh_seed();
