@@ -291,34 +291,52 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
                 ptx::wgmma_rs<kDim, T::kIsBF16, 1>(o, pf[kk], db, 1);
             }
         };
-        // The online softmax of the scores in `s` (tile `cur`): masked, scaled to base 2, exponentiated in place;
-        // returns the factor by which O and the sums so far shrink, per row.
+        // The online softmax of the scores in `s` (tile `cur`): masked, exponentiated in place in base 2; returns the
+        // factor by which O and the sums so far shrink, per row. With a positive scale the maximum is taken over the
+        // raw scores (scaling preserves their order) and the scale goes into the exponent's FFMA (s * scale - max):
+        // one instruction per score fewer than scaling first, which any other scale needs (it reorders or zeroes).
         const auto softmax = [&](const AttentionPrefillTileCursor& cur, float(&correction)[2]) {
             const bool needs_mask =
                 cur.begin + kBN > cur.stop || (causal && static_cast<int64_t>(cur.begin) + kBN - 1 > warp_pos);
+            const bool fused = p.scale_log2 > 0.f;
+            if (!fused) {
+#pragma unroll
+                for (int i = 0; i < kSRegs; ++i) s[i] *= p.scale_log2;
+            }
             float tile_max[2] = {neg_inf(), neg_inf()};
             if (needs_mask) {
+                // Score i of this lane is key cur.begin + 2 t4 + key_of(i); it is visible below limit[r] (relative to
+                // cur.begin + 2 t4, clamped to the tile), so the mask is one compare with a constant per score.
+                int32_t limit[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    int64_t end = cur.stop;
+                    if (causal && pos[r] + 1 < end) end = pos[r] + 1;
+                    const int64_t rel = end - cur.begin - 2 * t4;
+                    limit[r] = static_cast<int32_t>(rel < 0 ? 0 : (rel > kBN ? kBN : rel));
+                }
 #pragma unroll
                 for (int i = 0; i < kSRegs; ++i) {
-                    const int key = cur.begin + (i / 4) * 8 + 2 * t4 + (i & 1);
+                    const int key_of = (i / 4) * 8 + (i & 1);
                     const int r = (i >> 1) & 1;
-                    const bool visible = key < cur.stop && (!causal || key <= pos[r]);
-                    s[i] = visible ? s[i] * p.scale_log2 : neg_inf();
+                    s[i] = key_of < limit[r] ? s[i] : neg_inf();
                     tile_max[r] = fmaxf(tile_max[r], s[i]);
                 }
             } else {
 #pragma unroll
-                for (int i = 0; i < kSRegs; ++i) {
-                    s[i] *= p.scale_log2;
-                    tile_max[(i >> 1) & 1] = fmaxf(tile_max[(i >> 1) & 1], s[i]);
-                }
+                for (int i = 0; i < kSRegs; ++i) tile_max[(i >> 1) & 1] = fmaxf(tile_max[(i >> 1) & 1], s[i]);
+            }
+            if (fused) {
+                tile_max[0] *= p.scale_log2;
+                tile_max[1] *= p.scale_log2;
             }
             float base_exp[2];
             online_max_step(row_max, tile_max, base_exp, correction);
+            const float mul = fused ? p.scale_log2 : 1.f;
             float tile_sum[2] = {0.f, 0.f};
 #pragma unroll
             for (int i = 0; i < kSRegs; ++i) {
-                s[i] = fast_exp2(s[i] - base_exp[(i >> 1) & 1]);
+                s[i] = fast_exp2(fmaf(s[i], mul, -base_exp[(i >> 1) & 1]));
                 tile_sum[(i >> 1) & 1] += s[i];
             }
             row_sum[0] = row_sum[0] * correction[0] + tile_sum[0];
