@@ -180,7 +180,7 @@ GemmConfig gemm_swap_ab_config_of(int tile_m, DType in_dtype, DType out_dtype) {
 
 GemmConfig gemm_swap_ab_rule(const GemmProblem& p, const GemmConfig& picked, const GemmOptions& options, int num_sms) {
     WEFT_CHECK(num_sms > 0, "gemm_swap_ab_rule: num_sms must be positive, got " << num_sms);
-    if (options.sm_budget != 0 || options.config || picked.splits != 1 || p.m <= kGemmSwapRuleMinM || p.m > 512) {
+    if (options.sm_budget != 0 || options.config || options.split_k != 0 || p.m <= kGemmSwapRuleMinM || p.m > 512) {
         return picked;
     }
     // The share of a config's CTA slots (whole waves) whose tile area is D: row padding and a part-filled last wave
@@ -267,7 +267,8 @@ GemmConfig gemm_split_k_config(const GemmProblem& p, const GemmConfig& picked, i
         tile = candidate(12);  // ping-pong 64x128: whole 64-row m-tiles
     } else if (p.m > 128 && p.m <= 192) {
         // The ping-pong 64x128 where its tiles fit a wave (N = 4096: 1.0-1.2x cuBLASLt); else 128x256 (B read twice,
-        // the fewest tiles) split to fill the SMs.
+        // the fewest tiles) split to fill the SMs, which gemm_swap_ab_rule replaces where swapped tiles fill 3/4 of
+        // their wave (N = K = 8192: 0.95-1.00x against 0.72-0.84x split).
         if (tiles(candidate(12)) <= budget) return picked;
         tile = candidate(0);
     } else {
@@ -542,6 +543,10 @@ bool gemm_prefers_wgmma_small_m(const GemmProblem& p, const GemmOptions& options
     const double tiles = g.num_tiles();
     const double rows_used = static_cast<double>(p.m) / static_cast<double>(round_up(p.m, int64_t{c.tile_m}));
     if (tiles >= 1.5 * num_sms) return false;
+    // Above kGemmSwapRuleMinM, where variant 5 runs unsplit and the swapped rule finds tiles that fill 3/4 of their
+    // wave, the swapped tiles ran faster (M = 136..192: N = 7168, K = 2048 0.91-0.92x cuBLASLt against 0.84-0.86;
+    // N = K = 8192 0.95-1.00x against 0.93-0.97).
+    if (p.m > kGemmSwapRuleMinM && splits == 1 && gemm_swap_ab_rule(p, c, options, num_sms).swap_ab) return false;
     return tiles < 0.8 * num_sms || rows_used <= 0.8;
 }
 

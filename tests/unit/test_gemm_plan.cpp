@@ -178,11 +178,18 @@ TEST(GemmPlan, SwappedConfigsFillHalfAWaveToTwoWaves) {
     EXPECT_FALSE(pick(256, 4096).swap_ab);  // the 64-row ping-pong tile has no padding there
     EXPECT_FALSE(pick(256, 28672).swap_ab);  // 2 x 180 128x160 tiles in 3 waves hold more of D than 224 swapped in 2
     EXPECT_FALSE(pick(128, 28672).swap_ab);  // M <= kGemmSwapRuleMinM
-    // Variant 5's band is weighed against the unswapped pick, before the rule: its calls stay with it.
-    for (auto [m, n] : {std::array<int64_t, 2>{160, 8192}, {192, 8192}, {160, 4096}, {144, 4096}}) {
+    // Variant 5's band is weighed against the unswapped pick, before the rule: its split calls stay with it; above
+    // kGemmSwapRuleMinM its unsplit ones (N = 8192, K = 4096: 128 column blocks) go to the rule's swapped tiles.
+    for (auto [m, n] : {std::array<int64_t, 2>{160, 4096}, {144, 4096}}) {
         EXPECT_EQ(ops::plan_gemm(ops::GemmProblem{.m = m, .n = n, .k = 4096}, 132).path, ops::GemmPath::kSmallM)
             << m << "x" << n;
     }
+    for (auto [m, n, tile_m] : {std::array<int64_t, 3>{160, 8192, 80}, {192, 8192, 96}, {144, 7168, 80}}) {
+        const GemmConfig c = pick(m, n);
+        EXPECT_TRUE(c.swap_ab && c.tile_m == tile_m) << m << "x" << n << ": " << ops::gemm_candidate_name(c);
+    }
+    EXPECT_EQ(ops::plan_gemm(ops::GemmProblem{.m = 129, .n = 7168, .k = 4096}, 132).path, ops::GemmPath::kSmallM)
+        << "80-row swapped tiles fill 0.68 of their wave at M = 129: variant 5 keeps it";
     EXPECT_FALSE(pick(512, 4096).swap_ab);  // 4 x 32 whole 128x128 tiles fill the wave as well
     EXPECT_FALSE(pick(384, 8192).swap_ab);  // 3 x 43 128x192 tiles: as full as 2 x 64 swapped 192-row ones
     EXPECT_FALSE(pick(512, 8192, {}).swap_ab);
@@ -899,9 +906,9 @@ TEST(GemmPlan, SmallMVariant5BandBeatsVariant3AndTheTiledKernel) {
     };
     const Row rows[] = {
         {4096, 4096, {17, 24, 32, 48, 64, 77, 96, 128, 160, 192}, {1, 16, 193, 256}},
-        {8192, 8192, {17, 24, 32, 48, 64, 77, 96, 160, 192}, {16, 128, 256}},
+        {8192, 8192, {17, 24, 32, 48, 64, 77, 96}, {16, 128, 160, 176, 192, 256}},
         {4096, 14336, {17, 32, 48, 77, 128, 192}, {256}},
-        {7168, 2048, {17, 32, 48, 64, 77, 160, 192}, {128, 256}},
+        {7168, 2048, {17, 32, 48, 64, 77, 136}, {128, 144, 160, 176, 192, 256}},
         {2048, 7168, {17, 24, 32, 48, 64, 77, 96, 128, 160, 192}, {16, 256}},
         {1024, 4096, {17, 24, 32, 48, 64, 77, 96, 128, 160, 192}, {16, 256}},
         {1024, 8192, {17, 48, 128, 192}, {16, 256}},
@@ -1152,8 +1159,9 @@ TEST(GemmPlan, SplitKFillsTheSmsForFewRows) {
         {320, 4096, 4096, "80x128x64_s7_c1x1_sw"},   {384, 4096, 4096, "96x128x64_s6_c1x1_sw"},
         {24, 8192, 8192, "64x128x64_s8_c1x1_pp_k2"}, {64, 8192, 8192, "64x128x64_s8_c1x1_pp_k2"},
         {65, 8192, 8192, "64x128x64_s8_c1x1_pp"},    {96, 8192, 8192, "64x128x64_s8_c1x1_pp"},
-        {112, 8192, 8192, "64x128x64_s8_c1x1_pp"},   {160, 8192, 8192, "128x256x64_s4_c1x1_k2"},
-        {192, 8192, 8192, "128x256x64_s4_c1x1_k2"},  {256, 8192, 8192, "128x128x64_s6_c1x1"},
+        {112, 8192, 8192, "64x128x64_s8_c1x1_pp"},   {160, 8192, 8192, "80x128x64_s7_c1x1_sw"},
+        {192, 8192, 8192, "96x128x64_s6_c1x1_sw"},   {256, 8192, 8192, "128x128x64_s6_c1x1"},
+        {130, 6144, 8192, "128x256x64_s4_c1x1_k2"},  // swapped 80-row tiles would fill 0.59 of their wave
         {320, 8192, 8192, "160x128x64_s5_c1x1_sw"},  {513, 4096, 4096, "128x160x64_s5_c1x1_pp"},
         {128, 28672, 4096, "128x256x64_s4_c1x1"},
     };

@@ -96,12 +96,13 @@ inline constexpr int kGemmSwapRuleMinRows = 80;
 inline constexpr int kGemmSwapRuleMinM = 128;
 
 /// The op's rule for swapped configs: with the whole device (options.sm_budget 0), B [N,K], kGemmSwapRuleMinM < M <=
-/// 512, where small-M variant 5 does not serve the call (plan_gemm weighs variant 5 against the unswapped pick first)
-/// and the pick is unsplit, the cluster-free cooperative
-/// swapped config of gemm_swap_ab_configs (tiles of kGemmSwapRuleMinRows rows or more) whose CTA slots, in whole waves,
-/// hold the most area of D (ties: the larger tile), where that share is at least 3/4 and beats the pick's by 5% (the
-/// pick pads rows or leaves a wave part-empty): M = 320, N = 4096: 4 x 32 tiles of 80 rows; 320x14336: 224 tiles of 160
-/// rows in two waves. Else `picked`. Measured (one H200, interleaved with cuBLASLt): kernels/gemm/README.md, "Swapped
+/// 512, where small-M variant 5 does not serve the call (plan_gemm weighs variant 5 against the unswapped pick first),
+/// the cluster-free cooperative swapped config of gemm_swap_ab_configs (tiles of kGemmSwapRuleMinRows rows or more)
+/// whose CTA slots, in whole waves, hold the most area of D (ties: the larger tile), where that share is at least 3/4
+/// and beats the pick's by 5% (the pick pads rows or leaves a wave part-empty): M = 320, N = 4096: 4 x 32 tiles of 80
+/// rows; 320x14336: 224 tiles of 160 rows in two waves. Else `picked`. A split pick (gemm_split_k_config's 128x256 at
+/// 129..192 rows where 64x128 tiles overflow a wave) counts its tiles, not its units: 192x8192x8192 split 2 ran 0.84x
+/// cuBLASLt, 96-row swapped 1.00x. Measured (one H200, interleaved with cuBLASLt): kernels/gemm/README.md, "Swapped
 /// operands".
 GemmConfig gemm_swap_ab_rule(const GemmProblem& problem, const GemmConfig& picked, const GemmOptions& options,
                              int num_sms);
@@ -159,7 +160,7 @@ int gemv_wgmma_splits(int64_t n, int64_t k, int num_sms);
 /// of the SMs; then, with S = gemv_wgmma_splits:
 ///  - against variant 3 (M <= small_m_max_m): always;
 ///  - against the tiled kernel: its T tiles fill less than 1.5 waves, and not T >= 0.8 x num_sms with the tile's rows
-///    more than 80% used.
+///    more than 80% used; and not, above kGemmSwapRuleMinM with S = 1, where gemm_swap_ab_rule takes swapped tiles.
 /// (The first fit also asked S <= 2, or 65 <= M <= 160 against the tiled kernel: it had been measured with split
 /// counts whose clusters did not all run at once, before gemv_wgmma_splits kept them to gemv_wgmma_max_clusters.)
 /// Fitted to the sweep of 2026-12-04 (one H200, bf16, M = 17..256 at (N, K) = 4096², 8192², (7168, 2048),
