@@ -2,19 +2,24 @@
 // GPU tests of weft::ops::AgGemm (AllGather+GEMM) with ranks as threads sharing the visible GPUs: an fp64 CPU
 // reference on awkward shapes, world sizes 1, 2, 3, 4, 8, bf16 and f16, poisoned outputs, fresh random data
 // on every call, repeated calls without any reset, the zero-copy local shard, the gathered A checked bit for
-// bit, a CUDA-graph replay, and ranks that call with different M (diagnosed on every rank).
+// bit, a CUDA-graph replay, ranks that call with different M (diagnosed on every rank), and random cases at world
+// sizes 5, 6 and 7.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "support/gemm_testing.hpp"
 #include "support/runtime_checks.hpp"
 #include "tp_test_util.hpp"
 #include "weft/ops/ag_gemm.hpp"
+#include "weft/runtime/env.hpp"
 #include "weft/weft.hpp"
 
 namespace weft {
@@ -171,8 +176,7 @@ const std::vector<AgCase>& cases() {
 }
 
 void run_world(int num_ranks, const std::vector<AgCase>& cs, const std::vector<DType>& dtypes, int calls,
-               Mode mode = Mode::kEager) {
-    const uint64_t base = fresh_seed();
+               Mode mode = Mode::kEager, uint64_t base = fresh_seed()) {
     Failures f;
     test::run_ranks(
         num_ranks,
@@ -201,6 +205,40 @@ TEST(TpAgGemm, WorldSize4) { run_world(4, cases(), {DType::kBF16}, 3); }
 TEST(TpAgGemm, WorldSize8) { run_world(8, cases(), {DType::kBF16, DType::kF16}, 3); }
 
 TEST(TpAgGemm, GraphReplayWithoutReset) { run_world(3, {cases()[0], cases()[2]}, {DType::kBF16}, 4, Mode::kGraph); }
+
+/// A random case for `num_ranks` ranks, valid by validate_ag_gemm_shape and validate_ag_gemm_call: K a positive
+/// multiple of 8, copy_streams in [0, W-1], chunk_rows and sm_budget >= 0 (any chunk: a tile may span chunks).
+AgCase draw_case(gemm_test::RandomDraw& draw, int num_ranks) {
+    AgCase c = ag(draw.log_uniform(1, 512), draw.log_uniform(8, 1500), 8 * draw.log_uniform(1, 150));
+    // M x N x K (the GEMM's and the reference's cost) at most 2e9: K halved (at K = 8 it is below 4.4e7).
+    while (c.rows * num_ranks * c.n * c.k > 2'000'000'000) c.k = std::max<int64_t>(8, c.k / 16 * 8);
+    if (draw.uniform(0, 1) == 0) c.chunk_rows = draw.log_uniform(8, 256);
+    if (draw.uniform(0, 1) == 0) c.a_pad = draw.uniform(1, 24);
+    if (draw.uniform(0, 1) == 0) c.c_pad = draw.uniform(1, 24);
+    c.copy_streams = static_cast<int>(draw.uniform(0, num_ranks - 1));
+    if (draw.uniform(0, 1) == 0) c.sm_budget = static_cast<int>(draw.uniform(2, 8));
+    return c;
+}
+
+// World sizes 5, 6 and 7 (the tests above take 1, 2, 3, 4 and 8) on four drawn cases each: rows per rank
+// log-uniform in 1..512, N in 8..1500, K a multiple of 8 in 8..1200 (halved while M x N x K > 2e9), and each at
+// even odds an explicit chunk_rows (8..256), a padded A and C (1..24 elements, rounded up to 16 bytes), an SM
+// budget (2..8); copy streams 0..W-1. bf16 or f16 per world (world 6 the other of world 5's). Two calls per case,
+// checked as above.
+TEST(TpAgGemm, RandomShapesAtWorlds5To7) {
+    const uint64_t seed = random_test_seed();
+    SCOPED_TRACE("WEFT_TEST_SEED=" + std::to_string(seed));
+    gemm_test::RandomDraw draw(seed);
+    const DType drawn = draw.uniform(0, 1) == 0 ? DType::kBF16 : DType::kF16;
+    const DType dtypes[] = {drawn, drawn == DType::kBF16 ? DType::kF16 : DType::kBF16,
+                            draw.uniform(0, 1) == 0 ? DType::kBF16 : DType::kF16};
+    for (int w = 0; w < 3; ++w) {
+        const int num_ranks = 5 + w;
+        std::vector<AgCase> cs;
+        for (int i = 0; i < 4; ++i) cs.push_back(draw_case(draw, num_ranks));
+        run_world(num_ranks, cs, {dtypes[w]}, 2, Mode::kEager, seed);
+    }
+}
 
 // Tuning times every candidate config on the first call (all ranks together), then keeps one: every call's
 // result must still be right, whichever config won.

@@ -2,20 +2,26 @@
 // GPU tests of weft::ops::GemmAr (GEMM+AllReduce, small M) with ranks as threads sharing the visible GPUs: an
 // fp64 CPU reference of sum_s A_s B_s^T, M from 1 to 128 (small-M and tiled GEMM paths), ragged N, world
 // sizes 1, 2, 3, 4, 8, bf16 and f16, bf16 and fp32 partials, poisoned outputs, fresh data on every call,
-// repeated calls without reset, bit-identical results on every rank, and a CUDA-graph replay.
+// repeated calls without reset, bit-identical results on every rank, a CUDA-graph replay, and random cases at world
+// sizes 5, 6 and 7.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "support/gemm_testing.hpp"
 #include "support/runtime_checks.hpp"
 #include "tp_test_util.hpp"
 #include "weft/ops/gemm_ar.hpp"
+#include "weft/runtime/env.hpp"
 #include "weft/weft.hpp"
 
 namespace weft {
@@ -49,7 +55,7 @@ void run_case(World& w, const ArCase& cs, DType dt, int calls, Mode mode, uint64
     const int nr = w.num_ranks(), me = w.rank();
     std::ostringstream id;
     id << "gemm_ar W=" << nr << " max_m " << cs.max_m << " n " << cs.n << " k " << cs.k << " " << dtype_name(dt)
-       << (cs.f32_partials ? " f32 partials" : "") << " seed " << base;
+       << " c_pad " << cs.c_pad << (cs.f32_partials ? " f32 partials" : "") << " seed " << base;
     ops::GemmArOptions opt;
     if (cs.f32_partials) opt.partial_dtype = DType::kF32;
 
@@ -124,8 +130,7 @@ const std::vector<ArCase>& cases() {
 }
 
 void run_world(int num_ranks, const std::vector<ArCase>& cs, const std::vector<DType>& dtypes, int calls,
-               Mode mode = Mode::kEager) {
-    const uint64_t base = fresh_seed();
+               Mode mode = Mode::kEager, uint64_t base = fresh_seed()) {
     Failures f;
     Hashes h;
     test::run_ranks(
@@ -153,6 +158,55 @@ TEST(TpGemmAr, WorldSize4) { run_world(4, cases(), {DType::kBF16}, 4); }
 TEST(TpGemmAr, WorldSize8) { run_world(8, cases(), {DType::kBF16, DType::kF16}, 4); }
 
 TEST(TpGemmAr, GraphReplayWithoutReset) { run_world(2, {cases()[0]}, {DType::kBF16}, 4, Mode::kGraph); }
+
+/// Random case `idx` for `num_ranks` ranks (W <= 8), valid by validate_gemm_ar_shape and validate_gemm_ar_call: any
+/// M >= 1, K a positive multiple of 8. The calls' M: max_m, then one log-uniform in 1..max_m. idx % 4 picks the side
+/// of the all-reduce choice (GemmArOptions::collective_all_reduce): 0 ops::all_reduce (N a multiple of 8, C's rows
+/// contiguous, partials in the output dtype), 1 the op's kernel for N not a multiple of 8, 2 the op's kernel for N a
+/// multiple of 8 (padded C, or fp32 partials), 3 M <= 16 with K >= 4096 (where the small-M plan takes B's rows by bulk
+/// copies, kBulkRows). Sides 0-2 take max_m > 64 (tiled GEMM at max_m) or <= 64 (small-M) by turns.
+ArCase draw_case(gemm_test::RandomDraw& draw, int num_ranks, int idx) {
+    const int side = idx % 4;
+    ArCase c{};
+    c.max_m = (idx + num_ranks) % 2 == 0 ? draw.log_uniform(1, 64) : draw.uniform(65, 128);
+    c.n = draw.log_uniform(8, 1500);
+    c.k = 8 * draw.log_uniform(1, 150);
+    if (side == 0 || side == 2) c.n = 8 * draw.log_uniform(1, 187);
+    if (side == 1) c.n = 8 * draw.log_uniform(1, 187) + draw.uniform(1, 7);
+    if (side == 3) {
+        c.max_m = draw.log_uniform(1, 16);
+        c.k = draw.uniform(0, 1) == 0 ? 2048 * draw.uniform(2, 3) : 4096 + 8 * draw.uniform(1, 255);
+    }
+    if (side != 0) {
+        if (draw.uniform(0, 1) == 0) c.c_pad = draw.uniform(1, 24);
+        c.f32_partials = draw.uniform(0, 2) == 0;
+    }
+    if (side == 2 && c.c_pad == 0 && !c.f32_partials) c.c_pad = draw.uniform(1, 24);
+    // The reference sums every row of every rank's product: max_m x N x K at most 1.5e8 (K halved; side 3's never is).
+    while (c.max_m * c.n * c.k > 150'000'000) c.k = std::max<int64_t>(8, c.k / 16 * 8);
+    c.ms = {c.max_m, draw.log_uniform(1, c.max_m)};
+    return c;
+}
+
+// World sizes 5, 6 and 7 (the tests above take 1, 2, 3, 4 and 8) on four drawn cases each, one per side of the
+// all-reduce choice (draw_case): max_m log-uniform in 1..64 or uniform in 65..128 (1..16 on side 3), N in 8..1500 (a
+// multiple of 8 or not, by side), K a multiple of 8 in 8..1200 (4096..6144 on side 3), off side 0 a padded C (1..24
+// elements, rounded up to 16 bytes) at even odds and fp32 partials (1 in 3). bf16 or f16 per world (world 6 the
+// other of world 5's). Two calls per case (M = max_m, then less), checked as above, bit-identical on every rank.
+TEST(TpGemmAr, RandomShapesAtWorlds5To7) {
+    const uint64_t seed = random_test_seed();
+    SCOPED_TRACE("WEFT_TEST_SEED=" + std::to_string(seed));
+    gemm_test::RandomDraw draw(seed);
+    const DType drawn = draw.uniform(0, 1) == 0 ? DType::kBF16 : DType::kF16;
+    const DType dtypes[] = {drawn, drawn == DType::kBF16 ? DType::kF16 : DType::kBF16,
+                            draw.uniform(0, 1) == 0 ? DType::kBF16 : DType::kF16};
+    for (int w = 0; w < 3; ++w) {
+        const int num_ranks = 5 + w;
+        std::vector<ArCase> cs;
+        for (int i = 0; i < 4; ++i) cs.push_back(draw_case(draw, num_ranks, i));
+        run_world(num_ranks, cs, {dtypes[w]}, 2, Mode::kEager, seed);
+    }
+}
 
 // Ranks that call with different M: every rank's call throws naming both ranks' M (the op's own reduction kernel) or
 // both all-reduce counts (the all-reduce half through ops::all_reduce), and no rank's C is written (its poison

@@ -2,12 +2,14 @@
 // GPU tests of weft::ops::GemmRs (GEMM+ReduceScatter) with ranks as threads sharing the visible GPUs: an fp64
 // CPU reference of sum_s A_s B_s^T on each rank's rows, awkward shapes (segments not a multiple of the
 // tile, ragged N), world sizes 1, 2, 3, 4, 8, bf16 and f16, bf16 and fp32 partials, poisoned outputs, fresh
-// data on every call, repeated calls without reset, a CUDA-graph replay, and ranks that call with different M
-// (diagnosed on every rank).
+// data on every call, repeated calls without reset, a CUDA-graph replay, ranks that call with different M
+// (diagnosed on every rank), and random cases at world sizes 5, 6 and 7 (push and pull).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -15,11 +17,13 @@
 #include <thread>
 #include <vector>
 
+#include "support/gemm_testing.hpp"
 #include "support/runtime_checks.hpp"
 #include "tp_test_util.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_plan.hpp"
 #include "weft/ops/gemm_rs.hpp"
+#include "weft/runtime/env.hpp"
 #include "weft/weft.hpp"
 
 namespace weft {
@@ -155,8 +159,7 @@ const std::vector<RsCase>& cases() {
 }
 
 void run_world(int num_ranks, const std::vector<RsCase>& cs, const std::vector<DType>& dtypes, int calls,
-               Mode mode = Mode::kEager) {
-    const uint64_t base = fresh_seed();
+               Mode mode = Mode::kEager, uint64_t base = fresh_seed()) {
     Failures f;
     test::run_ranks(
         num_ranks,
@@ -298,6 +301,58 @@ TEST(TpGemmRs, BackToBackPushCallsRanksSharingAGpu) {
 
 TEST(TpGemmRs, GraphReplayWithoutReset) {
     run_world(3, {cases()[0], cases()[2], cases()[6] /* push */}, {DType::kBF16}, 4, Mode::kGraph);
+}
+
+/// Random case `idx` for `num_ranks` ranks, valid by validate_gemm_rs_shape / resolve_gemm_rs_mode /
+/// validate_gemm_rs_call: M = rows x W (a multiple of W), K a positive multiple of 8, chunk_rows a multiple of 128
+/// (of some config's tile_m, 64 or 128), reduce_ctas below the SM budget. idx % 4 picks the side of the push/pull
+/// choice: 0 kPush (N a multiple of 8, partials in the output dtype, no reduce_ctas: gemm_rs_push_unsupported), 1 N
+/// not a multiple of 8 (pull), 2 N a multiple of 8 in pull (kPull, fp32 partials or reduce_ctas), 3 any N, kAuto or
+/// kPull (kAuto pulls on ranks sharing a GPU, else pushes where it can).
+RsCase draw_case(gemm_test::RandomDraw& draw, int num_ranks, int idx) {
+    const int side = idx % 4;
+    RsCase c{draw.log_uniform(1, 384), draw.log_uniform(8, 1500), 8 * draw.log_uniform(1, 150)};
+    if (side == 0 || side == 2) c.n = 8 * draw.log_uniform(1, 187);
+    if (side == 1) c.n = 8 * draw.log_uniform(1, 187) + draw.uniform(1, 7);
+    // M x N x K (the GEMM's and the reference's cost) at most 2e9: K halved (at K = 8 it is below 3.3e7).
+    while (c.rows * num_ranks * c.n * c.k > 2'000'000'000) c.k = std::max<int64_t>(8, c.k / 16 * 8);
+    if (draw.uniform(0, 1) == 0) c.chunk_rows = 128 * draw.uniform(1, 3);
+    if (draw.uniform(0, 1) == 0) c.c_pad = draw.uniform(1, 24);
+    if (draw.uniform(0, 1) == 0) c.sm_budget = static_cast<int>(draw.uniform(2, 8));
+    if (side == 0) {
+        c.mode = kPush;
+        return c;
+    }
+    c.mode = draw.uniform(0, 1) == 0 ? ops::GemmRsMode::kAuto : ops::GemmRsMode::kPull;
+    c.f32_partials = draw.uniform(0, 2) == 0;
+    // Below the SM budget: the explicit one, else the world's (at least 16 SMs a rank on one H200 for W <= 8).
+    const int max_reduce_ctas = c.sm_budget > 0 ? c.sm_budget - 1 : 4;
+    if (draw.uniform(0, 2) == 0) c.reduce_ctas = static_cast<int>(draw.uniform(1, max_reduce_ctas));
+    if (side == 2 && c.mode == ops::GemmRsMode::kAuto && !c.f32_partials && c.reduce_ctas == 0) {
+        c.mode = ops::GemmRsMode::kPull;  // else kAuto would push with one rank per GPU
+    }
+    return c;
+}
+
+// World sizes 5, 6 and 7 (the tests above take 1, 2, 3, 4 and 8) on four drawn cases each, one per side of the
+// push/pull choice (draw_case): rows per rank log-uniform in 1..384, N in 8..1500 (a multiple of 8 or not, by side),
+// K a multiple of 8 in 8..1200 (halved while M x N x K > 2e9), and each at even odds an explicit chunk_rows (128,
+// 256 or 384), a padded C (1..24 elements, rounded up to 16 bytes), an SM budget (2..8); off push, kAuto or kPull,
+// fp32 partials (1 in 3) and reduce_ctas (1 in 3). bf16 or f16 per world (world 6 the other of world 5's). Two
+// calls per case, checked as above.
+TEST(TpGemmRs, RandomShapesAtWorlds5To7) {
+    const uint64_t seed = random_test_seed();
+    SCOPED_TRACE("WEFT_TEST_SEED=" + std::to_string(seed));
+    gemm_test::RandomDraw draw(seed);
+    const DType drawn = draw.uniform(0, 1) == 0 ? DType::kBF16 : DType::kF16;
+    const DType dtypes[] = {drawn, drawn == DType::kBF16 ? DType::kF16 : DType::kBF16,
+                            draw.uniform(0, 1) == 0 ? DType::kBF16 : DType::kF16};
+    for (int w = 0; w < 3; ++w) {
+        const int num_ranks = 5 + w;
+        std::vector<RsCase> cs;
+        for (int i = 0; i < 4; ++i) cs.push_back(draw_case(draw, num_ranks, i));
+        run_world(num_ranks, cs, {dtypes[w]}, 2, Mode::kEager, seed);
+    }
 }
 
 // Ranks that call with different M (pull mode, the one ranks sharing a GPU run): after an agreeing call, rank 0 calls

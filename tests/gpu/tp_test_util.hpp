@@ -13,14 +13,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "support/tp_reference.hpp"
+#include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/tensor_view.hpp"
 
@@ -30,6 +33,14 @@ namespace weft::tp_test {
 inline uint64_t fresh_seed() {
     std::random_device rd;
     return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}
+
+/// The random tests' seed: WEFT_TEST_SEED=<n> replays a run (its draws and its data), else a fresh one; printed.
+inline uint64_t random_test_seed() {
+    const std::optional<int64_t> fixed = env::get_int("WEFT_TEST_SEED");
+    const uint64_t seed = fixed ? static_cast<uint64_t>(*fixed) : fresh_seed() >> 1;  // >> 1: read back as an int64
+    std::printf("[ seed     ] WEFT_TEST_SEED=%llu\n", static_cast<unsigned long long>(seed));
+    return seed;
 }
 
 /// A seed for (base, role, rank, call): every rank regenerates every rank's data.
