@@ -48,7 +48,17 @@ struct Options {
     bool check = false;
     std::string json;
     std::string kernel = "default";  // mma | wgmma | both | default (the device's)
+    int block_m = 0;                 // 0: the default config's
+    int stages = 0;                  // 0: the default config's
 };
+
+/// The config the rows run: the kernel's default, with --block-m / --stages where given (checked by the op).
+weft::AttentionPrefillConfig config_of(const Options& o, weft::AttentionPrefillKernel kernel) {
+    weft::AttentionPrefillConfig c = weft::attention_prefill_default_config(o.dtype, o.dim, kernel);
+    if (o.block_m != 0) c.block_m = o.block_m;
+    if (o.stages != 0) c.stages = o.stages;
+    return c;
+}
 
 const char* kernel_label(weft::AttentionPrefillKernel k) {
     return k == weft::AttentionPrefillKernel::kWgmma ? "wgmma" : "mma";
@@ -90,6 +100,11 @@ Options parse(int argc, char** argv) {
         if (o.dim != 64 && o.dim != 128) throw weft::bench::UsageError("--dim: 64 or 128");
     });
     cli.flag("--no-causal", "no mask (default: causal)", &o.no_causal);
+    cli.option(
+        "--block-m", "N", "query rows per work item: 64, 128 or 192 (wgmma, dim 64) (default: the config's)",
+        [&](const std::string& v) { o.block_m = static_cast<int>(weft::bench::parse_int(v, "--block-m", 64, 192)); });
+    cli.option("--stages", "N", "K/V pipeline stages: 2 or 3 (default: the config's)",
+               [&](const std::string& v) { o.stages = static_cast<int>(weft::bench::parse_int(v, "--stages", 2, 3)); });
     cli.option("--kernel", "mma|wgmma|both", "prefill kernel (default: the device's, wgmma on sm_90)",
                [&](const std::string& v) {
                    if (v != "mma" && v != "wgmma" && v != "both") {
@@ -180,8 +195,9 @@ double check_rows(const TensorView& q, const TensorView& k, const TensorView& v,
 int run_kernel_rows(const Options& opt, const weft::bench::Peaks& peaks, weft::bench::Json& j) {
     cudaStream_t stream = nullptr;
     BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    std::printf("\n# kernel alone: flash_attention, q/k/v [S, heads, %d], %s\n", opt.dim,
-                opt.causal ? "causal" : "no mask");
+    std::printf("\n# kernel alone: flash_attention, q/k/v [S, heads, %d], %s, block_m %s, stages %s\n", opt.dim,
+                opt.causal ? "causal" : "no mask", opt.block_m ? std::to_string(opt.block_m).c_str() : "default",
+                opt.stages ? std::to_string(opt.stages).c_str() : "default");
     std::printf("%9s %7s %6s %10s %9s %8s %s\n", "seq", "heads", "kernel", "ms", "TFLOP/s", "%peak",
                 opt.check ? "check" : "");
     bool ok_all = true;
@@ -200,7 +216,7 @@ int run_kernel_rows(const Options& opt, const weft::bench::Peaks& peaks, weft::b
             const TensorView tout(out.ptr, opt.dtype, {seq, opt.hq, opt.dim});
             weft::ops::FlashAttentionOptions fo;
             fo.mask = opt.causal ? weft::AttentionMask::kCausal : weft::AttentionMask::kNone;
-            fo.config = weft::attention_prefill_default_config(opt.dtype, opt.dim, kernel);
+            fo.config = config_of(opt, kernel);
             // NaN in every output: a row the kernel leaves unwritten fails the check.
             BENCH_CUDA(cudaMemsetAsync(out.ptr, 0xff, static_cast<size_t>(q_elems * 2), stream));
             const double ms = weft::bench::time_median_ms(stream, opt.warmup, opt.iters, [&](int) {
@@ -223,6 +239,7 @@ int run_kernel_rows(const Options& opt, const weft::bench::Peaks& peaks, weft::b
             std::fflush(stdout);
             j.begin_object(true).field("rows", "kernel").field("seq", seq).field("q_heads", opt.hq);
             j.field("kernel", kernel_label(kernel));
+            j.field("block_m", config_of(opt, kernel).block_m).field("stages", config_of(opt, kernel).stages);
             j.field("kv_heads", opt.hkv).field("causal", opt.causal).field("ms", ms).field("tflops", tflops);
             j.field("pct_of_tensor_peak", pct).end_object();
         }
@@ -275,14 +292,14 @@ int run_ag_rows(const Options& opt, weft::bench::Json& j) {
                          .head_dim = opt.dim,
                          .dtype = opt.dtype,
                          .mask = opt.causal ? weft::AttentionMask::kCausal : weft::AttentionMask::kNone},
-                        {.config = weft::attention_prefill_default_config(opt.dtype, opt.dim, kernel)});
+                        {.config = config_of(opt, kernel)});
                     // The baseline gathers into the op's symmetric buffers (the same memory), then runs the same
                     // kernel.
                     const TensorView gk = op.gathered_k(seq), gv = op.gathered_v(seq);
                     weft::ops::FlashAttentionOptions fo;
                     fo.mask = opt.causal ? weft::AttentionMask::kCausal : weft::AttentionMask::kNone;
                     fo.q_position = me * rows;
-                    fo.config = weft::attention_prefill_default_config(opt.dtype, opt.dim, kernel);
+                    fo.config = config_of(opt, kernel);
                     const TensorView all_k(gk.data, opt.dtype, {seq * opt.hkv * opt.dim});
                     const TensorView all_v(gv.data, opt.dtype, {seq * opt.hkv * opt.dim});
                     const auto ag = [&](int) { op.run(tq, tk, tv, tout, TensorView(), s); };

@@ -24,10 +24,14 @@ namespace weft::kernels::attention {
 
 namespace prefill_sm90_detail {
 
-inline constexpr int kProducerRegs = 56;
-inline constexpr int kConsumerRegs = 224;
-/// Named barriers (0 is __syncthreads) of the two consumer warpgroups' turns at the tensor cores: warpgroup w syncs on
-/// kBarTurn0 + w before issuing a tile's wgmma and, once issued, arrives on the other's.
+/// Registers per thread after setmaxnreg: the producer warpgroup gives up what the consumers take (two consumer
+/// warpgroups: 56 + 2 x 224; three: 32 + 3 x 160, within the 64 Ki registers of an SM).
+template <int kConsumers>
+inline constexpr int kProducerRegs = kConsumers == 3 ? 32 : 56;
+template <int kConsumers>
+inline constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 224;
+/// Named barriers (0 is __syncthreads) of the consumer warpgroups' turns at the tensor cores: warpgroup w syncs on
+/// kBarTurn0 + w before issuing a tile's wgmma and, once issued, arrives on the next one's (w + 1 mod their count).
 inline constexpr int kBarTurn0 = 1;
 
 /// Keeps the compiler from reusing an A-fragment register before the wgmma that reads it has completed.
@@ -236,19 +240,19 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
     float s[kSRegs];
     unsigned pf[kPSteps][4];
 
-    // Two consumer warpgroups take turns issuing their wgmma (FA3's ping-pong): one's softmax runs under the other's
-    // matrix products. Both walk the same items and tiles, so their turns pair up; the second warpgroup's first
-    // arrival gives the first warpgroup the first turn, and the first warpgroup's last sync (after the items) takes
-    // the surplus arrival so that no barrier is left half-way at exit.
-    constexpr bool kPingPong = T::kConsumers == 2;
+    // The consumer warpgroups take turns issuing their wgmma (FA3's ping-pong, round robin with three): one's softmax
+    // runs under the others' matrix products. All walk the same items and tiles, so their turns line up; the last
+    // warpgroup's first arrival gives the first warpgroup the first turn, and the first warpgroup's last sync (after
+    // the items) takes the surplus arrival so that no barrier is left half-way at exit.
+    constexpr bool kPingPong = T::kConsumers >= 2;
     const auto turn_begin = [&]() {
         if constexpr (kPingPong) ptx::named_barrier_sync(kBarTurn0 + wg, 256);
     };
     const auto turn_end = [&]() {
-        if constexpr (kPingPong) ptx::named_barrier_arrive(kBarTurn0 + (wg ^ 1), 256);
+        if constexpr (kPingPong) ptx::named_barrier_arrive(kBarTurn0 + (wg + 1) % T::kConsumers, 256);
     };
     if constexpr (kPingPong) {
-        if (wg == 1) ptx::named_barrier_arrive(kBarTurn0, 256);
+        if (wg == T::kConsumers - 1) ptx::named_barrier_arrive(kBarTurn0, 256);
     }
 
     for (int32_t item_idx = static_cast<int32_t>(blockIdx.x); item_idx < num_items && !stuck;
@@ -510,7 +514,7 @@ __global__ void __launch_bounds__(attention_prefill_threads(C), 1)
 
     const int wg = static_cast<int>(threadIdx.x) / 128;
     if (wg == 0) {
-        if constexpr (T::kConsumers > 1) ptx::setmaxnreg_dec<prefill_sm90_detail::kProducerRegs>();
+        if constexpr (T::kConsumers > 1) ptx::setmaxnreg_dec<prefill_sm90_detail::kProducerRegs<T::kConsumers>>();
         if (threadIdx.x < 32) {
             if (threadIdx.x == 0) {
                 ptx::tma_prefetch_descriptor(&tma_q);
@@ -520,7 +524,7 @@ __global__ void __launch_bounds__(attention_prefill_threads(C), 1)
             prefill_sm90_detail::producer_warp<C>(p, &tma_q, &tma_k, &tma_v, base, bars, abort_word);
         }
     } else {
-        if constexpr (T::kConsumers > 1) ptx::setmaxnreg_inc<prefill_sm90_detail::kConsumerRegs>();
+        if constexpr (T::kConsumers > 1) ptx::setmaxnreg_inc<prefill_sm90_detail::kConsumerRegs<T::kConsumers>>();
         prefill_sm90_detail::consumer_warpgroup<C>(p, base, bars, abort_word, wg - 1);
     }
 

@@ -106,6 +106,18 @@ void check_config(const AttentionPrefillConfig& c, DType dtype, int64_t head_dim
 
 }  // namespace
 
+namespace {
+
+int device_sm_count() {
+    int device = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    int sms = 0;
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return sms;
+}
+
+}  // namespace
+
 AttentionPrefillKernel attention_prefill_device_kernel() {
     int device = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&device));
@@ -200,8 +212,12 @@ void register_prefill_attention_aot_specs() {
         for (DType t : {DType::kBF16, DType::kF16}) {
             for (int32_t d : {64, 128}) {
                 jit::register_aot_spec(attention_prefill_kernel_spec(attention_prefill_default_config(t, d)));
-                jit::register_aot_spec(attention_prefill_kernel_spec(
-                    attention_prefill_default_config(t, d, AttentionPrefillKernel::kWgmma)));
+                AttentionPrefillConfig wgmma = attention_prefill_default_config(t, d, AttentionPrefillKernel::kWgmma);
+                jit::register_aot_spec(attention_prefill_kernel_spec(wgmma));
+                if (wgmma.block_m == 192) {  // and the 128-row items of calls too small for 192 (call_config)
+                    wgmma.block_m = 128;
+                    jit::register_aot_spec(attention_prefill_kernel_spec(wgmma));
+                }
             }
         }
     });
@@ -356,7 +372,8 @@ void flash_attention(const TensorView& q, const TensorView& k, const TensorView&
         if (kernel == AttentionPrefillKernel::kWgmma && !(tensor_map_strides_ok(q) && tensor_map_strides_ok(k))) {
             kernel = AttentionPrefillKernel::kMmaSync;
         }
-        o.config = attention_prefill_default_config(q.dtype, static_cast<int32_t>(q.dim(2)), kernel);
+        o.config = attention_prefill_call_config(q.dtype, static_cast<int32_t>(q.dim(2)), kernel, q.dim(0), q.dim(1),
+                                                 device_sm_count());
         plan = detail::plan_flash_attention(q, k, v, out, lse, o);
     }
     // One block per item: the hardware hands the longest items (first in the order) out first and balances the rest.
@@ -453,9 +470,12 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
     validate_ag_attention_shape(shape, s.num_ranks, options);
     s.shape = shape;
     s.options = options;
-    s.config = options.config ? *options.config
-                              : attention_prefill_default_config(shape.dtype, static_cast<int32_t>(shape.head_dim),
-                                                                 attention_prefill_device_kernel());
+    // Each rank's queries: its shard of the sequence.
+    s.config = options.config
+                   ? *options.config
+                   : attention_prefill_call_config(shape.dtype, static_cast<int32_t>(shape.head_dim),
+                                                   attention_prefill_device_kernel(), shape.max_seq / s.num_ranks,
+                                                   shape.num_q_heads, device_sm_count());
 
     // Symmetric buffers (collective over the team, same order on every member).
     const auto kv_bytes = static_cast<uint64_t>(shape.max_seq * s.row_bytes());

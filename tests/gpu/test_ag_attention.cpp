@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -94,8 +95,9 @@ struct Problem {
     std::vector<double> out, lse;
 };
 
+/// `scale`: the softmax scale (nullopt: 1 / sqrt(dim), the op's default).
 Problem make_problem(int seq_q, int seq_kv, int hq, int hkv, int dim, bool causal, int64_t q_position, DType dtype,
-                     uint64_t seed) {
+                     uint64_t seed, std::optional<float> scale = std::nullopt) {
     Problem pr;
     pr.seq_q = seq_q;
     pr.seq_kv = seq_kv;
@@ -116,7 +118,7 @@ Problem make_problem(int seq_q, int seq_kv, int hq, int hkv, int dim, bool causa
     for (auto& x : pr.v) x = to_bits(u(rng), dtype);
     pr.out.assign(pr.q.size(), 0.0);
     pr.lse.assign(static_cast<size_t>(seq_q) * hq, -INFINITY);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+    const double sc = scale ? static_cast<double>(*scale) : 1.0 / std::sqrt(static_cast<double>(dim));
     const int group = hq / hkv;
     std::vector<double> qd(pr.q.size()), kd(pr.k.size()), vd(pr.v.size());
     for (size_t i = 0; i < qd.size(); ++i) qd[i] = to_value(pr.q[i], dtype);
@@ -136,7 +138,7 @@ Problem make_problem(int seq_q, int seq_kv, int hq, int hkv, int dim, bool causa
                 double dot = 0;
                 const size_t kb = (static_cast<size_t>(j) * hkv + kvh) * dim;
                 for (int e = 0; e < dim; ++e) dot += qd[row * dim + e] * kd[kb + e];
-                s[static_cast<size_t>(j)] = dot * scale;
+                s[static_cast<size_t>(j)] = dot * sc;
                 m = std::max(m, s[static_cast<size_t>(j)]);
             }
             double l = 0;
@@ -210,15 +212,18 @@ struct Case {
     DType dtype = DType::kBF16;
     int kv_row_pad = 0;  // extra elements per K/V row: a strided view into a wider buffer
     int block_m = 0;     // 0: the default config
+    std::optional<float> scale = std::nullopt;  // the op's default
 };
 
 void run_case(const Case& c, uint64_t seed, AttentionPrefillKernel kernel) {
-    const Problem pr = make_problem(c.seq_q, c.seq_kv, c.hq, c.hkv, c.dim, c.causal, c.q_position, c.dtype, seed);
+    if (c.block_m == 192 && kernel != AttentionPrefillKernel::kWgmma) return;  // the wgmma kernel's items only
+    const Problem pr =
+        make_problem(c.seq_q, c.seq_kv, c.hq, c.hkv, c.dim, c.causal, c.q_position, c.dtype, seed, c.scale);
     const std::string what = "seq_q " + std::to_string(c.seq_q) + " seq_kv " + std::to_string(c.seq_kv) + " heads " +
                              std::to_string(c.hq) + "/" + std::to_string(c.hkv) + " dim " + std::to_string(c.dim) +
                              (c.causal ? " causal" : " no mask") + " q_position " + std::to_string(c.q_position) + " " +
                              dtype_name(c.dtype) + " pad " + std::to_string(c.kv_row_pad) + " block_m " +
-                             std::to_string(c.block_m) +
+                             std::to_string(c.block_m) + " scale " + (c.scale ? std::to_string(*c.scale) : "default") +
                              (kernel == AttentionPrefillKernel::kWgmma ? " wgmma" : " mma.sync");
     SCOPED_TRACE(what);
     const int64_t kv_row = static_cast<int64_t>(c.hkv) * c.dim + c.kv_row_pad;
@@ -251,6 +256,7 @@ void run_case(const Case& c, uint64_t seed, AttentionPrefillKernel kernel) {
     o.mask = c.causal ? AttentionMask::kCausal : AttentionMask::kNone;
     o.q_position = c.q_position;
     o.config = config_of(kernel, c.dtype, c.dim, c.block_m);
+    o.scale = c.scale;
     ops::flash_attention(tq, tk, tv, tout, tlse, nullptr, o);
     WEFT_CUDA_CHECK(cudaDeviceSynchronize());
     download_and_check(pr, dout, dlse, what);
@@ -275,6 +281,23 @@ TEST_P(FlashAttention, MatchesTheReference) {
         {300, 300, 4, 2, 128, true, 0, DType::kBF16, 8, 64},  // block_m 64
         {513, 513, 2, 2, 64, true, 0, DType::kBF16, 0, 64},
         {40, 0, 2, 1, 64, false, 0},  // no keys: zeros and -inf
+    };
+    for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], seed + i, GetParam());
+}
+
+// Scales other than the default: zero (uniform weights over the visible keys), negative (the largest weight on the
+// smallest score) and large (sharp rows); the wgmma kernel folds only a positive scale into its exponent.
+TEST_P(FlashAttention, ZeroNegativeAndLargeScales) {
+    if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+    const uint64_t seed = fresh_seed();
+    const std::vector<Case> cases = {
+        {200, 200, 4, 2, 64, true, 0, DType::kBF16, 0, 0, 0.f},
+        {129, 300, 4, 1, 128, true, 171, DType::kBF16, 0, 0, -0.2f},
+        {300, 300, 2, 1, 64, false, 0, DType::kF16, 0, 0, -1.5f},
+        {77, 500, 2, 2, 128, true, 400, DType::kBF16, 0, 0, 1.0f},
+        {257, 257, 2, 2, 64, true, 0, DType::kBF16, 0, 64, 3.0f},
+        {400, 400, 2, 1, 64, true, 0, DType::kBF16, 0, 192, -0.7f},
+        {400, 400, 2, 1, 64, true, 0, DType::kBF16, 0, 192, 2.0f},
     };
     for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], seed + i, GetParam());
 }
@@ -320,7 +343,8 @@ TEST(FlashAttentionDefaults, ABroadcastKvRunsOnTheMmaSyncKernel) {
 }
 
 // Lengths around the tiles (1, 63, 129, 1000, 4097), GQA 1 / 4 / 16, q_position != 0, both masks, head dims 64 and
-// 128, f16, block_m 64 and 128 (the wgmma kernel: one or two consumer warpgroups; 128-key tiles, short last tiles).
+// 128, f16, block_m 64, 128 and 192 (the wgmma kernel: one, two or three consumer warpgroups; 128-key tiles, short last
+// tiles).
 TEST_P(FlashAttention, AwkwardLengthsGroupsAndPositions) {
     if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
     const uint64_t seed = fresh_seed();
@@ -340,6 +364,18 @@ TEST_P(FlashAttention, AwkwardLengthsGroupsAndPositions) {
         {300, 700, 8, 2, 128, true, 100, DType::kBF16, 40},   // strided K/V, causal cut inside a tile
         {200, 200, 4, 1, 64, true, 1000},                     // q_position past the keys: every key visible
         {256, 256, 2, 1, 128, false, 0, DType::kBF16, 0, 0},  // whole tiles only
+        // block_m 192 (the wgmma kernel at dim 64: three consumer warpgroups taking turns)
+        {63, 63, 4, 4, 64, true, 0, DType::kBF16, 0, 192},
+        {193, 500, 2, 1, 64, false, 0, DType::kBF16, 0, 192},
+        {1000, 1000, 4, 1, 64, true, 0, DType::kF16, 0, 192},
+        {129, 1000, 4, 1, 64, true, 871, DType::kBF16, 0, 192},
+        {300, 700, 8, 2, 64, true, 100, DType::kBF16, 40, 192},  // strided K/V, causal cut inside a tile
+        {200, 200, 4, 1, 64, true, 1000, DType::kBF16, 0, 192},
+        {4097, 4097, 2, 2, 64, true, 0, DType::kBF16, 0, 192},
+        // block_m 128 at dim 64 (the calls too small for 192-row items)
+        {1000, 1000, 4, 1, 64, true, 0, DType::kF16, 0, 128},
+        {129, 300, 16, 1, 64, true, 171, DType::kBF16, 0, 128},
+        {4097, 4097, 2, 2, 64, true, 0, DType::kBF16, 0, 128},
     };
     for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], seed + i, GetParam());
 }

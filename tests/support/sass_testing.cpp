@@ -82,15 +82,15 @@ std::optional<fs::path> find_tool(const std::string& name) {
 
 }  // namespace
 
-void expect_clean_ptxas_report(const std::string& log, const std::string& what) {
+void expect_clean_ptxas_report(const std::string& log, const std::string& what, int max_spill_bytes) {
     EXPECT_EQ(log.find("C75"), std::string::npos) << what << ": ptxas performance warning:\n" << log;
     EXPECT_EQ(log.find("warning"), std::string::npos) << what << ":\n" << log;
     const std::regex spill(R"((\d+) bytes spill stores, (\d+) bytes spill loads)");
     int functions = 0;
     for (auto it = std::sregex_iterator(log.begin(), log.end(), spill); it != std::sregex_iterator(); ++it) {
         ++functions;
-        EXPECT_EQ((*it)[1].str(), "0") << what << ": spill stores\n" << log;
-        EXPECT_EQ((*it)[2].str(), "0") << what << ": spill loads\n" << log;
+        EXPECT_LE(std::stoi((*it)[1].str()), max_spill_bytes) << what << ": spill stores\n" << log;
+        EXPECT_LE(std::stoi((*it)[2].str()), max_spill_bytes) << what << ": spill loads\n" << log;
     }
     EXPECT_GT(functions, 0) << what << ": no ptxas report in the NVRTC log (was --ptxas-options=-v ignored?)\n" << log;
 }

@@ -11,8 +11,9 @@
 namespace weft::testing {
 
 /// Checks ptxas' verbose report (gtest EXPECTs): no C75xx performance warning (C7508 setmaxnreg ignored,
-/// C7510/C7512 wgmma serialised, ...), no other warning, and no spills in any function it reports on.
-void expect_clean_ptxas_report(const std::string& log, const std::string& what);
+/// C7510/C7512 wgmma serialised, ...), no other warning, and no spills (at most `max_spill_bytes` stored and loaded)
+/// in any function it reports on.
+void expect_clean_ptxas_report(const std::string& log, const std::string& what, int max_spill_bytes = 0);
 
 /// SASS per function (mangled name -> text) of the cubin file `cubin`, from cuobjdump -sass or, failing that,
 /// nvdisasm ($WEFT_CUOBJDUMP / $WEFT_NVDISASM, PATH, the toolkit, then the NVIDIA wheels). Empty, with the

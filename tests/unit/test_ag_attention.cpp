@@ -158,7 +158,9 @@ TEST(AttentionPrefillConfigs, WgmmaKernelValidityAndSharedMemory) {
             EXPECT_EQ(c.kernel, AttentionPrefillKernel::kWgmma);
             EXPECT_TRUE(is_valid(c)) << attention_prefill_invalid_reason(c);
             EXPECT_EQ(attention_prefill_tile_keys(c), 128);
-            EXPECT_EQ(attention_prefill_threads(c), 128 * 3);  // a producer and two consumer warpgroups
+            // A producer and two consumer warpgroups (three of 64 rows each at head_dim 64).
+            EXPECT_EQ(c.block_m, d == 64 ? 192 : 128);
+            EXPECT_EQ(attention_prefill_threads(c), 128 * (d == 64 ? 4 : 3));
             EXPECT_EQ(attention_prefill_smem_bytes(c),
                       (c.block_m + 2 * c.stages * 128) * d * 2 + kPrefillWgmmaBarrierBytes + kPrefillWgmmaAlignSlack);
         }
@@ -177,8 +179,38 @@ TEST(AttentionPrefillConfigs, WgmmaKernelValidityAndSharedMemory) {
     c.stages = 2;
     c.kernel = static_cast<AttentionPrefillKernel>(7);
     EXPECT_NE(std::string(attention_prefill_invalid_reason(c)).find("kernel"), std::string::npos);
+    // block_m 192: three consumer warpgroups, the wgmma kernel at head_dim 64 only.
+    c = attention_prefill_default_config(DType::kBF16, 64, AttentionPrefillKernel::kWgmma);
+    c.block_m = 192;
+    EXPECT_TRUE(is_valid(c)) << attention_prefill_invalid_reason(c);
+    EXPECT_EQ(attention_prefill_threads(c), 128 * 4);
+    EXPECT_EQ(attention_prefill_smem_bytes(c),
+              (192 + 2 * c.stages * 128) * 64 * 2 + kPrefillWgmmaBarrierBytes + kPrefillWgmmaAlignSlack);
+    c.head_dim = 128;
+    EXPECT_NE(std::string(attention_prefill_invalid_reason(c)).find("block_m 192 is the wgmma kernel's at head_dim 64"),
+              std::string::npos);
+    c = attention_prefill_default_config(DType::kBF16, 64);
+    c.block_m = 192;
+    EXPECT_FALSE(is_valid(c)) << "the mma.sync kernel has no 192-row items";
     // The old kernel's tiles are unchanged by the new field.
     EXPECT_EQ(attention_prefill_tile_keys(attention_prefill_default_config(DType::kBF16, 128)), kPrefillTileKeys);
+}
+
+// A call's config: the 192-row items of head_dim 64 where they give every SM one, else 128 rows; other defaults as is.
+TEST(AttentionPrefillConfigs, CallConfigKeepsEverySmBusy) {
+    const auto rows = [](int32_t d, AttentionPrefillKernel k, int64_t seq, int64_t heads) {
+        return attention_prefill_call_config(DType::kBF16, d, k, seq, heads, 132).block_m;
+    };
+    constexpr auto kW = AttentionPrefillKernel::kWgmma;
+    EXPECT_EQ(rows(64, kW, 4096, 32), 192);  // 22 x 32 items
+    EXPECT_EQ(rows(64, kW, 16384, 1), 128);  // 86 items of 192 rows on 132 SMs
+    EXPECT_EQ(rows(64, kW, 192 * 132, 1), 192);
+    EXPECT_EQ(rows(64, kW, 192 * 131, 1), 128);
+    EXPECT_EQ(rows(64, kW, 192 * 131 + 1, 1), 192);
+    EXPECT_EQ(rows(64, kW, 100, 8), 128);
+    EXPECT_EQ(rows(128, kW, 100, 8), 128);
+    EXPECT_EQ(rows(64, AttentionPrefillKernel::kMmaSync, 1 << 20, 64), 128);
+    EXPECT_TRUE(is_valid(attention_prefill_call_config(DType::kF16, 64, kW, 1, 1, 132)));
 }
 
 TEST(AttentionPrefillConfigs, DefaultKernelPerComputeCapability) {
@@ -478,17 +510,19 @@ TEST(AgAttentionShape, BadShapesNameTheArgument) {
 // Compiles `config` for sm_90a and checks what every specialisation must show: a cubin, a clean ptxas report, no
 // spill and no stack frame, and no local memory in its SASS. Returns the kernel's SASS: empty when no disassembler is
 // here (`why_not` says why), nullopt when the compile failed (reported).
+/// `max_spill_bytes`: the local memory a config may use (0 but for the wgmma kernel's three consumer warpgroups, whose
+/// producer warpgroup keeps 32 registers and consumers 160: kernels/attention/README.md).
 std::optional<std::string> compile_without_spills(jit::Compiler& c, const AttentionPrefillConfig& config,
-                                                  std::string* why_not) {
+                                                  std::string* why_not, int max_spill_bytes = 0) {
     const jit::KernelSpec spec = attention_prefill_kernel_spec(config, "sm_90a");
     const jit::CompileResult r = c.compile(spec);
     if (!r.cubin || r.cubin->empty()) {
         ADD_FAILURE() << "no cubin: " << r.log;
         return std::nullopt;
     }
-    weft::testing::expect_clean_ptxas_report(r.log, spec.describe());
-    EXPECT_EQ(r.ptxas_info.spill_store_bytes, 0) << r.ptxas_info.text;
-    EXPECT_EQ(r.ptxas_info.stack_frame_bytes, 0) << r.ptxas_info.text;
+    weft::testing::expect_clean_ptxas_report(r.log, spec.describe(), max_spill_bytes);
+    EXPECT_LE(r.ptxas_info.spill_store_bytes, max_spill_bytes) << r.ptxas_info.text;
+    EXPECT_LE(r.ptxas_info.stack_frame_bytes, max_spill_bytes) << r.ptxas_info.text;
     std::printf("[ PTXAS    ] %s: %d registers\n", spec.describe().c_str(), r.ptxas_info.registers);
     std::string tool;
     const auto sass = weft::testing::disassemble(*r.cubin, &tool, why_not);
@@ -498,8 +532,10 @@ std::optional<std::string> compile_without_spills(jit::Compiler& c, const Attent
         ADD_FAILURE() << "no SASS for " << r.lowered_name << " (" << tool << ")";
         return std::nullopt;
     }
-    EXPECT_EQ(fn->second.find("LDL"), std::string::npos) << "local memory loads";
-    EXPECT_EQ(fn->second.find("STL"), std::string::npos) << "local memory stores";
+    if (max_spill_bytes == 0) {
+        EXPECT_EQ(fn->second.find("LDL"), std::string::npos) << "local memory loads";
+        EXPECT_EQ(fn->second.find("STL"), std::string::npos) << "local memory stores";
+    }
     return fn->second;
 }
 
@@ -538,7 +574,8 @@ TEST(AttentionPrefillNvrtc, EverySpecialisationCompilesWithTheExpectedSass) {
 
 // The wgmma kernel: S = Q K^T as HGMMA 64x128x16 from shared memory, O += P V as HGMMA with A from registers and a
 // transposed (MN-major) V, the QK^T of the next tile issued ahead of the P V (a wait that leaves one group in flight),
-// registers moved from the producer warpgroup to the consumers (two consumer warpgroups), no local memory.
+// registers moved from the producer warpgroup to the consumers (two or three consumer warpgroups), no local memory
+// (three consumer warpgroups: at most 160 bytes).
 TEST(AttentionPrefillNvrtc, EveryWgmmaSpecialisationCompilesWithTheExpectedSass) {
     weft::testing::TempDir cache("weft_attention_prefill_wgmma_nvrtc");
     jit::Compiler c(weft::testing::isolated_compiler_config(cache.path()));
@@ -547,16 +584,18 @@ TEST(AttentionPrefillNvrtc, EveryWgmmaSpecialisationCompilesWithTheExpectedSass)
     std::string why_not;
     for (DType t : {DType::kBF16, DType::kF16}) {
         for (int32_t d : {64, 128}) {
-            for (int32_t bm : {64, 128}) {
+            for (int32_t bm : {64, 128, 192}) {
                 for (int32_t stages : {2, 3}) {
                     AttentionPrefillConfig config =
                         attention_prefill_default_config(t, d, AttentionPrefillKernel::kWgmma);
                     // f16 differs only in its wgmma and conversions: its default config is enough.
                     if (t == DType::kF16 && (bm != config.block_m || stages != config.stages)) continue;
+                    if (bm == 192 && d != 64) continue;
                     config.block_m = bm;
                     config.stages = stages;
                     SCOPED_TRACE(attention_prefill_kernel_spec(config, "sm_90a").describe());
-                const std::optional<std::string> sass = compile_without_spills(c, config, &why_not);
+                    const std::optional<std::string> sass =
+                        compile_without_spills(c, config, &why_not, bm == 192 ? 160 : 0);
                     if (!sass) return;
                     ++compiled;
                     if (sass->empty()) continue;
@@ -569,7 +608,7 @@ TEST(AttentionPrefillNvrtc, EveryWgmmaSpecialisationCompilesWithTheExpectedSass)
                     EXPECT_NE(text.find("WARPGROUP.DEPBAR.LE gsb0, 0x1"), std::string::npos)
                         << "the next tile's S in flight during the softmax";
                     EXPECT_NE(text.find("UTMALDG.3D"), std::string::npos) << "3-D TMA loads";
-                    if (bm == 128) {
+                    if (bm >= 128) {
                         EXPECT_NE(text.find("USETMAXREG.DEALLOC"), std::string::npos) << "producer gives registers";
                         EXPECT_NE(text.find("USETMAXREG.TRY_ALLOC"), std::string::npos) << "consumers take them";
                     }
@@ -578,9 +617,9 @@ TEST(AttentionPrefillNvrtc, EveryWgmmaSpecialisationCompilesWithTheExpectedSass)
             }
         }
     }
-    EXPECT_EQ(compiled, 10);
+    EXPECT_EQ(compiled, 12);
     if (checked_sass == 0) GTEST_SKIP() << "SKIPPED: SASS not checked: " << why_not;
-    EXPECT_EQ(checked_sass, 10);
+    EXPECT_EQ(checked_sass, 12);
 }
 
 TEST(AttentionPrefillNvrtc, AotRegistrationListsTheDefaultSpecialisationsOnce) {
@@ -600,7 +639,7 @@ TEST(AttentionPrefillNvrtc, AotRegistrationListsTheDefaultSpecialisationsOnce) {
         EXPECT_TRUE(seen.insert(s.instantiation).second) << "listed twice: " << s.instantiation;
         ++wgmma_count;
     }
-    EXPECT_EQ(wgmma_count, 4);
+    EXPECT_EQ(wgmma_count, 6);  // the defaults, and the 128-row items of head_dim 64 (attention_prefill_call_config)
     for (DType t : {DType::kBF16, DType::kF16}) {
         for (int32_t d : {64, 128}) {
             EXPECT_EQ(seen.count(attention_prefill_kernel_spec(attention_prefill_default_config(t, d)).instantiation),
