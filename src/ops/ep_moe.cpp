@@ -120,9 +120,9 @@ MoeGrids moe_block_grids(const MoeConfig& config, const MoePlan& plan, int num_r
                "ep::MoeBlock::forward: options.comm_sms must be in [0, SM budget "
                    << sm_budget << ") (0 = default), got " << options.comm_sms);
     MoeGrids g;
-    g.fused = options.fused;
+    g.fused = options.fused && num_ranks > 1;  // one rank: nothing to overlap (MoeOptions::fused)
     g.comm = options.comm_sms > 0 ? options.comm_sms : comm;
-    g.gemm_sms = options.fused ? sm_budget - g.comm : sm_budget;
+    g.gemm_sms = g.fused ? sm_budget - g.comm : sm_budget;
     const int64_t local = config.ep.num_experts / num_ranks;
     const int64_t ffn = config.ffn;
     const int64_t hidden = config.ep.hidden;
@@ -378,7 +378,7 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
     const int comm = grids.comm;
     NormalHandle& hm = *m.handle;
 
-    if (!options.fused) {
+    if (!grids.fused) {
         const int budget = grids.gemm_sms;
         NormalOptions comm_options;
         comm_options.num_sms = comm;

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 // GPU tests of the prefill attention: weft::ops::flash_attention on one GPU and weft::ops::AgAttention with ranks as
-// threads sharing the visible GPUs (worlds 1, 2, 3, 4, 8), against an fp64 host reference: causal and no mask,
+// threads sharing the visible GPUs (worlds 1-8), against an fp64 host reference: causal and no mask,
 // grouped-query attention, head dims 64 and 128, lengths that are not multiples of the tiles, strided K/V, outputs
 // poisoned (NaN) before every call, repeated calls (the end-of-call protocol) and a CUDA graph replayed. Every test
 // runs each prefill kernel (AttentionPrefillConfig::kernel: mma.sync and wgmma).
@@ -499,6 +499,7 @@ TEST_P(AgAttention, ShardedSequenceMatchesTheWholeSequenceReference) {
         {1, 100, 4, 2, 128, true},      {2, 77, 4, 2, 128, true, true}, {2, 64, 8, 8, 64, false},
         {3, 45, 16, 1, 64, true, true}, {3, 130, 4, 4, 128, false},     {4, 129, 8, 2, 128, true},
         {4, 33, 2, 1, 64, false, true}, {8, 40, 4, 1, 128, true},       {8, 17, 2, 2, 64, false},
+        {5, 37, 4, 2, 64, true},        {6, 50, 2, 1, 128, false},      {7, 21, 4, 4, 64, true, true},
     };
     for (size_t i = 0; i < cases.size(); ++i) run_ag(cases[i], seed + i, GetParam());
 }

@@ -2,7 +2,7 @@
 // GPU tests of the gathered grouped GEMM and the TP MoE layers (weft/ops/moe_tp.hpp) against host references in fp64
 // from the rounded inputs: routing (counts, offsets, gather_index, slot_rows exact; bad indices dropped and recorded),
 // the gathered GEMM (rows in expert order, rows of no group untouched), its combine per slot and as the top-k weighted
-// sum (bit-identical over runs); MoeAgGroupedGemm and MoeGroupedGemmRs at worlds 1, 2, 3, 4, 8 (ranks as threads on
+// sum (bit-identical over runs); MoeAgGroupedGemm and MoeGroupedGemmRs at worlds 1-8 (ranks as threads on
 // the visible GPUs) with fresh data per call, a smaller M on a later call, a CUDA-graph replay, and the routing cases
 // that break MoE layers: one hot expert, experts with no token, a rank whose tokens all have -1 slots, -1 slots,
 // top-k 1, 2 and 8, and the bench's DeepSeek FFN shard at world 8. Outputs are poisoned before every call.
@@ -539,6 +539,15 @@ TEST(MoeTpLayers, World4) {
 TEST(MoeTpLayers, World8) {
     REQUIRE_SM90();
     run_layer_cases(8, layer_cases());
+}
+// Worlds 5, 6 and 7: the first three cases (every routing kind above runs at the other worlds).
+TEST(MoeTpLayers, Worlds5To7) {
+    REQUIRE_SM90();
+    const std::vector<LayerCase> cases(layer_cases().begin(), layer_cases().begin() + 3);
+    for (int w : {5, 6, 7}) {
+        SCOPED_TRACE("world " + std::to_string(w));
+        run_layer_cases(w, cases);
+    }
 }
 
 // The bench's DeepSeek shard at world 8 (F 1408 / 8 = 176 per rank: layer 0's N and layer 1's K neither a multiple of

@@ -107,7 +107,9 @@ TEST(EpMoePlan, EveryRanksKernelsFitItsShareOfASharedGpu) {
                                      (fused ? "fused" : "sequential") + ", comm_sms " + std::to_string(comm_sms));
                         EXPECT_GE(g.comm, 1);
                         EXPECT_EQ(g.comm, comm_sms > 0 ? comm_sms : moe_comm_sms(tokens, budget));
-                        EXPECT_EQ(g.gemm_sms, fused ? budget - g.comm : budget);
+                        // One rank: the separate ops either way (nothing to overlap).
+                        EXPECT_EQ(g.fused, fused && ranks > 1);
+                        EXPECT_EQ(g.gemm_sms, g.fused ? budget - g.comm : budget);
                         EXPECT_GE(g.up, 1);
                         EXPECT_GE(g.down, 1);
                         EXPECT_LE(g.up, g.gemm_sms);

@@ -59,7 +59,10 @@ struct MoeWeights {
 };
 
 struct MoeOptions {
-    bool fused = true;  ///< false: the separate ops one after another on the caller's stream
+    /// false: the separate ops one after another on the caller's stream. A team of one rank runs them so either way:
+    /// there is no communication to hide, and the fused form's communication SMs would only be taken from the GEMMs
+    /// (4096 tokens, H 4096, 256 experts, top-8: 0.86x the separate ops).
+    bool fused = true;
     /// Blocks of the dispatch and combine kernels, below the rank's SM budget; 0 = moe_comm_sms(T, budget). Fused:
     /// the GEMMs get the rest of the budget.
     int comm_sms = 0;
