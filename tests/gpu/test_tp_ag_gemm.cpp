@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -19,7 +18,6 @@
 #include "support/runtime_checks.hpp"
 #include "tp_test_util.hpp"
 #include "weft/ops/ag_gemm.hpp"
-#include "weft/runtime/env.hpp"
 #include "weft/weft.hpp"
 
 namespace weft {
@@ -226,18 +224,11 @@ AgCase draw_case(gemm_test::RandomDraw& draw, int num_ranks) {
 // budget (2..8); copy streams 0..W-1. bf16 or f16 per world (world 6 the other of world 5's). Two calls per case,
 // checked as above.
 TEST(TpAgGemm, RandomShapesAtWorlds5To7) {
-    const uint64_t seed = random_test_seed();
-    SCOPED_TRACE("WEFT_TEST_SEED=" + std::to_string(seed));
-    gemm_test::RandomDraw draw(seed);
-    const DType drawn = draw.uniform(0, 1) == 0 ? DType::kBF16 : DType::kF16;
-    const DType dtypes[] = {drawn, drawn == DType::kBF16 ? DType::kF16 : DType::kBF16,
-                            draw.uniform(0, 1) == 0 ? DType::kBF16 : DType::kF16};
-    for (int w = 0; w < 3; ++w) {
-        const int num_ranks = 5 + w;
-        std::vector<AgCase> cs;
-        for (int i = 0; i < 4; ++i) cs.push_back(draw_case(draw, num_ranks));
-        run_world(num_ranks, cs, {dtypes[w]}, 2, Mode::kEager, seed);
-    }
+    run_random_worlds_5_to_7<AgCase>(
+        [](gemm_test::RandomDraw& draw, int num_ranks, int) { return draw_case(draw, num_ranks); },
+        [](int num_ranks, const std::vector<AgCase>& cases, DType dtype, uint64_t seed) {
+            run_world(num_ranks, cases, {dtype}, 2, Mode::kEager, seed);
+        });
 }
 
 // Tuning times every candidate config on the first call (all ranks together), then keeps one: every call's

@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -21,7 +20,6 @@
 #include "support/runtime_checks.hpp"
 #include "tp_test_util.hpp"
 #include "weft/ops/gemm_ar.hpp"
-#include "weft/runtime/env.hpp"
 #include "weft/weft.hpp"
 
 namespace weft {
@@ -194,18 +192,11 @@ ArCase draw_case(gemm_test::RandomDraw& draw, int num_ranks, int idx) {
 // elements, rounded up to 16 bytes) at even odds and fp32 partials (1 in 3). bf16 or f16 per world (world 6 the
 // other of world 5's). Two calls per case (M = max_m, then less), checked as above, bit-identical on every rank.
 TEST(TpGemmAr, RandomShapesAtWorlds5To7) {
-    const uint64_t seed = random_test_seed();
-    SCOPED_TRACE("WEFT_TEST_SEED=" + std::to_string(seed));
-    gemm_test::RandomDraw draw(seed);
-    const DType drawn = draw.uniform(0, 1) == 0 ? DType::kBF16 : DType::kF16;
-    const DType dtypes[] = {drawn, drawn == DType::kBF16 ? DType::kF16 : DType::kBF16,
-                            draw.uniform(0, 1) == 0 ? DType::kBF16 : DType::kF16};
-    for (int w = 0; w < 3; ++w) {
-        const int num_ranks = 5 + w;
-        std::vector<ArCase> cs;
-        for (int i = 0; i < 4; ++i) cs.push_back(draw_case(draw, num_ranks, i));
-        run_world(num_ranks, cs, {dtypes[w]}, 2, Mode::kEager, seed);
-    }
+    run_random_worlds_5_to_7<ArCase>(
+        [](gemm_test::RandomDraw& draw, int num_ranks, int i) { return draw_case(draw, num_ranks, i); },
+        [](int num_ranks, const std::vector<ArCase>& cases, DType dtype, uint64_t seed) {
+            run_world(num_ranks, cases, {dtype}, 2, Mode::kEager, seed);
+        });
 }
 
 // Ranks that call with different M: every rank's call throws naming both ranks' M (the op's own reduction kernel) or

@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -23,7 +22,6 @@
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_plan.hpp"
 #include "weft/ops/gemm_rs.hpp"
-#include "weft/runtime/env.hpp"
 #include "weft/weft.hpp"
 
 namespace weft {
@@ -341,18 +339,11 @@ RsCase draw_case(gemm_test::RandomDraw& draw, int num_ranks, int idx) {
 // fp32 partials (1 in 3) and reduce_ctas (1 in 3). bf16 or f16 per world (world 6 the other of world 5's). Two
 // calls per case, checked as above.
 TEST(TpGemmRs, RandomShapesAtWorlds5To7) {
-    const uint64_t seed = random_test_seed();
-    SCOPED_TRACE("WEFT_TEST_SEED=" + std::to_string(seed));
-    gemm_test::RandomDraw draw(seed);
-    const DType drawn = draw.uniform(0, 1) == 0 ? DType::kBF16 : DType::kF16;
-    const DType dtypes[] = {drawn, drawn == DType::kBF16 ? DType::kF16 : DType::kBF16,
-                            draw.uniform(0, 1) == 0 ? DType::kBF16 : DType::kF16};
-    for (int w = 0; w < 3; ++w) {
-        const int num_ranks = 5 + w;
-        std::vector<RsCase> cs;
-        for (int i = 0; i < 4; ++i) cs.push_back(draw_case(draw, num_ranks, i));
-        run_world(num_ranks, cs, {dtypes[w]}, 2, Mode::kEager, seed);
-    }
+    run_random_worlds_5_to_7<RsCase>(
+        [](gemm_test::RandomDraw& draw, int num_ranks, int i) { return draw_case(draw, num_ranks, i); },
+        [](int num_ranks, const std::vector<RsCase>& cases, DType dtype, uint64_t seed) {
+            run_world(num_ranks, cases, {dtype}, 2, Mode::kEager, seed);
+        });
 }
 
 // Ranks that call with different M (pull mode, the one ranks sharing a GPU run): after an agreeing call, rank 0 calls

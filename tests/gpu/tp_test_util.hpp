@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "support/gemm_testing.hpp"
 #include "support/tp_reference.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
@@ -41,6 +42,25 @@ inline uint64_t random_test_seed() {
     const uint64_t seed = fixed ? static_cast<uint64_t>(*fixed) : fresh_seed() >> 1;  // >> 1: read back as an int64
     std::printf("[ seed     ] WEFT_TEST_SEED=%llu\n", static_cast<unsigned long long>(seed));
     return seed;
+}
+
+/// The random tests at world sizes 5, 6 and 7: per world, four cases `draw_case(draw, num_ranks, i)` (i = 0..3), run
+/// as `run(num_ranks, cases, dtype, seed)`; bf16 or f16 per world (world 6 the other of world 5's). One seed (printed,
+/// in every failure's trace) gives the draws and the data.
+template <class Case, class DrawCase, class Run>
+void run_random_worlds_5_to_7(DrawCase draw_case, Run run) {
+    const uint64_t seed = random_test_seed();
+    SCOPED_TRACE("WEFT_TEST_SEED=" + std::to_string(seed));
+    gemm_test::RandomDraw draw(seed);
+    const DType drawn = draw.uniform(0, 1) == 0 ? DType::kBF16 : DType::kF16;
+    const DType dtypes[] = {drawn, drawn == DType::kBF16 ? DType::kF16 : DType::kBF16,
+                            draw.uniform(0, 1) == 0 ? DType::kBF16 : DType::kF16};
+    for (int w = 0; w < 3; ++w) {
+        const int num_ranks = 5 + w;
+        std::vector<Case> cases;
+        for (int i = 0; i < 4; ++i) cases.push_back(draw_case(draw, num_ranks, i));
+        run(num_ranks, cases, dtypes[w], seed);
+    }
 }
 
 /// A seed for (base, role, rank, call): every rank regenerates every rank's data.
