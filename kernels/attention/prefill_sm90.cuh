@@ -99,9 +99,12 @@ __device__ __forceinline__ void producer_warp(const AttentionPrefillParams& p, c
     // nothing and completes each full barrier with a plain arrival, so that the consumers run through their tiles
     // without data and without waiting out their bound; they see the abort word and write nothing.
     bool failed = false;
-    for (int32_t item_idx = static_cast<int32_t>(blockIdx.x); item_idx < num_items && !stuck;
-         item_idx += static_cast<int32_t>(gridDim.x)) {
-        const AttentionPrefillItem item = attention_prefill_item(item_idx, num_m_tiles);
+    // num_items < 2^31 (the host checks): wave + gridDim.x stays below 2^32.
+    bool reverse = false;
+    for (uint32_t wave = 0; wave < static_cast<uint32_t>(num_items) && !stuck; wave += gridDim.x, reverse = !reverse) {
+        const uint32_t item_idx = attention_prefill_wave_item(wave, reverse, blockIdx.x, gridDim.x);
+        if (item_idx >= static_cast<uint32_t>(num_items)) continue;  // the last wave's share of another block
+        const AttentionPrefillItem item = attention_prefill_item(static_cast<int32_t>(item_idx), num_m_tiles);
         const int kv_head = item.q_head / p.group;
         const int m0 = item.m_tile * T::kBM;
         const int rows = p.seq_q - m0 < T::kBM ? p.seq_q - m0 : T::kBM;
@@ -255,9 +258,12 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
         if (wg == T::kConsumers - 1) ptx::named_barrier_arrive(kBarTurn0, 256);
     }
 
-    for (int32_t item_idx = static_cast<int32_t>(blockIdx.x); item_idx < num_items && !stuck;
-         item_idx += static_cast<int32_t>(gridDim.x)) {
-        const AttentionPrefillItem item = attention_prefill_item(item_idx, num_m_tiles);
+    // num_items < 2^31 (the host checks): wave + gridDim.x stays below 2^32.
+    bool reverse = false;
+    for (uint32_t wave = 0; wave < static_cast<uint32_t>(num_items) && !stuck; wave += gridDim.x, reverse = !reverse) {
+        const uint32_t item_idx = attention_prefill_wave_item(wave, reverse, blockIdx.x, gridDim.x);
+        if (item_idx >= static_cast<uint32_t>(num_items)) continue;  // the last wave's share of another block
+        const AttentionPrefillItem item = attention_prefill_item(static_cast<int32_t>(item_idx), num_m_tiles);
         const int head = item.q_head;
         const int m0 = item.m_tile * T::kBM;
         const int rows = p.seq_q - m0 < T::kBM ? p.seq_q - m0 : T::kBM;

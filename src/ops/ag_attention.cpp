@@ -376,8 +376,14 @@ void flash_attention(const TensorView& q, const TensorView& k, const TensorView&
                                                  device_sm_count());
         plan = detail::plan_flash_attention(q, k, v, out, lse, o);
     }
-    // One block per item: the hardware hands the longest items (first in the order) out first and balances the rest.
-    detail::launch_flash_attention(plan, 0, stream);
+    // One block per item (the hardware hands the longest items, first in the order, out first and balances the rest),
+    // or, for the wgmma kernel on few items, one resident grid walking them in waves (attention_prefill_grid).
+    const int64_t grid =
+        plan.config.kernel == AttentionPrefillKernel::kWgmma
+            ? attention_prefill_grid(plan.num_items,
+                                     int64_t{device_sm_count()} * detail::attention_prefill_blocks_per_sm(plan.config))
+            : 0;
+    detail::launch_flash_attention(plan, grid, stream);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -213,6 +213,33 @@ TEST(AttentionPrefillConfigs, CallConfigKeepsEverySmBusy) {
     EXPECT_TRUE(is_valid(attention_prefill_call_config(DType::kF16, 64, kW, 1, 1, 132)));
 }
 
+// The resident grid's waves hand every item to exactly one block, in every grid size; every other wave reversed.
+TEST(AttentionPrefillConfigs, WavesCoverEveryItemOnce) {
+    for (uint32_t items : {1u, 7u, 132u, 133u, 704u, 1000u}) {
+        for (uint32_t blocks : {1u, 5u, 132u, 264u, 1000u}) {
+            std::vector<int> seen(items, 0);
+            for (uint32_t b = 0; b < blocks; ++b) {
+                bool reverse = false;
+                for (uint32_t wave = 0; wave < items; wave += blocks, reverse = !reverse) {
+                    const uint32_t i = attention_prefill_wave_item(wave, reverse, b, blocks);
+                    ASSERT_GE(i, wave);
+                    ASSERT_LT(i, wave + blocks);
+                    if (i < items) ++seen[i];
+                }
+            }
+            for (uint32_t i = 0; i < items; ++i) ASSERT_EQ(seen[i], 1) << items << " items, " << blocks << " blocks";
+        }
+    }
+    EXPECT_EQ(attention_prefill_wave_item(0, false, 3, 132), 3u);
+    EXPECT_EQ(attention_prefill_wave_item(132, true, 3, 132), 132u + 128u);
+    // One block per item up to 8 waves of resident blocks, then one block per item.
+    EXPECT_EQ(attention_prefill_grid(704, 132), 132);
+    EXPECT_EQ(attention_prefill_grid(8 * 132, 132), 132);
+    EXPECT_EQ(attention_prefill_grid(8 * 132 + 1, 132), 8 * 132 + 1);
+    EXPECT_EQ(attention_prefill_grid(40, 132), 40);
+    EXPECT_EQ(attention_prefill_grid(5, 0), 1);
+}
+
 TEST(AttentionPrefillConfigs, DefaultKernelPerComputeCapability) {
     EXPECT_EQ(attention_prefill_default_kernel(9, 0), AttentionPrefillKernel::kWgmma);
     EXPECT_EQ(attention_prefill_default_kernel(8, 0), AttentionPrefillKernel::kMmaSync);
