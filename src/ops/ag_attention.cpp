@@ -319,13 +319,28 @@ FlashAttentionPlan plan_flash_attention(const TensorView& q, const TensorView& k
 }
 
 int attention_prefill_blocks_per_sm(const AttentionPrefillConfig& config) {
+    // Asked once per device and config (flash_attention asks on every call).
+    static std::mutex mutex;
+    static std::map<std::tuple<int, int, int, int, int, int>, int> memo;
+    int device = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    const auto key = std::make_tuple(device, static_cast<int>(config.dtype), config.head_dim, config.block_m,
+                                     config.stages, static_cast<int>(config.kernel));
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        auto it = memo.find(key);
+        if (it != memo.end()) return it->second;
+    }
     jit::Kernel& k = kernel_for(config);
     const size_t smem = static_cast<size_t>(attention_prefill_smem_bytes(config));
     const CUfunction fn = k.allow_dynamic_smem(smem);
     int blocks = 0;
     WEFT_CU_CHECK(
         driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, attention_prefill_threads(config), smem));
-    return std::max(1, blocks);
+    blocks = std::max(1, blocks);
+    std::lock_guard<std::mutex> lock(mutex);
+    memo[key] = blocks;
+    return blocks;
 }
 
 void launch_flash_attention(const FlashAttentionPlan& plan, int64_t grid, cudaStream_t stream) {
