@@ -34,8 +34,10 @@ struct FlashAttentionOptions {
     /// Global position of q's row 0 for the causal mask (key j is at position j): query i sees keys
     /// j <= q_position + i. 0 (the default) is PyTorch's is_causal=True for seq_q == seq_kv. In [0, 2^31).
     int64_t q_position = 0;
-    /// The kernel's config (dtype and head_dim must be q's); nullopt: attention_prefill_default_config with the
-    /// device's kernel (attention_prefill_device_kernel: wgmma on sm_90), or mma.sync where q, k or v is a broadcast.
+    /// The kernel's config (dtype and head_dim must be q's); nullopt: attention_prefill_call_config with the
+    /// device's kernel (attention_prefill_device_kernel: wgmma on sm_90), or mma.sync where q, k or v is a broadcast
+    /// (the wgmma kernel at head_dim 64: 192-row items where they give every SM one, else 128). Either way a call of
+    /// few items on the wgmma kernel runs a resident grid (attention_prefill_grid).
     std::optional<AttentionPrefillConfig> config = std::nullopt;
 };
 
