@@ -239,7 +239,7 @@ int run_kernel_rows(const Options& opt, const weft::bench::Peaks& peaks, weft::b
             std::fflush(stdout);
             j.begin_object(true).field("rows", "kernel").field("seq", seq).field("q_heads", opt.hq);
             j.field("kernel", kernel_label(kernel));
-            j.field("block_m", config_of(opt, kernel).block_m).field("stages", config_of(opt, kernel).stages);
+            j.field("block_m", fo.config->block_m).field("stages", fo.config->stages);
             j.field("kv_heads", opt.hkv).field("causal", opt.causal).field("ms", ms).field("tflops", tflops);
             j.field("pct_of_tensor_peak", pct).end_object();
         }

@@ -106,18 +106,6 @@ void check_config(const AttentionPrefillConfig& c, DType dtype, int64_t head_dim
 
 }  // namespace
 
-namespace {
-
-int device_sm_count() {
-    int device = 0;
-    WEFT_CUDA_CHECK(cudaGetDevice(&device));
-    int sms = 0;
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return sms;
-}
-
-}  // namespace
-
 AttentionPrefillKernel attention_prefill_device_kernel() {
     int device = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&device));
@@ -130,14 +118,19 @@ AttentionPrefillKernel attention_prefill_device_kernel() {
 
 namespace {
 
+/// A config on a device: the key of the per-config memos below.
+using ConfigKey = std::tuple<int, int, int, int, int, int>;
+ConfigKey config_key(int device, const AttentionPrefillConfig& c) {
+    return {device, static_cast<int>(c.dtype), c.head_dim, c.block_m, c.stages, static_cast<int>(c.kernel)};
+}
+
 // The prefill kernel of one config, compiled and loaded on first use per device.
 jit::Kernel& kernel_for(const AttentionPrefillConfig& c) {
     static std::mutex mutex;
-    static std::map<std::tuple<int, int, int, int, int, int>, jit::Kernel*> memo;
+    static std::map<ConfigKey, jit::Kernel*> memo;
     int device = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&device));
-    const auto key =
-        std::make_tuple(device, static_cast<int>(c.dtype), c.head_dim, c.block_m, c.stages, static_cast<int>(c.kernel));
+    const ConfigKey key = config_key(device, c);
     {
         std::lock_guard<std::mutex> lock(mutex);
         auto it = memo.find(key);
@@ -321,11 +314,10 @@ FlashAttentionPlan plan_flash_attention(const TensorView& q, const TensorView& k
 int attention_prefill_blocks_per_sm(const AttentionPrefillConfig& config) {
     // Asked once per device and config (flash_attention asks on every call).
     static std::mutex mutex;
-    static std::map<std::tuple<int, int, int, int, int, int>, int> memo;
+    static std::map<ConfigKey, int> memo;
     int device = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&device));
-    const auto key = std::make_tuple(device, static_cast<int>(config.dtype), config.head_dim, config.block_m,
-                                     config.stages, static_cast<int>(config.kernel));
+    const ConfigKey key = config_key(device, config);
     {
         std::lock_guard<std::mutex> lock(mutex);
         auto it = memo.find(key);
@@ -388,15 +380,15 @@ void flash_attention(const TensorView& q, const TensorView& k, const TensorView&
             kernel = AttentionPrefillKernel::kMmaSync;
         }
         o.config = attention_prefill_call_config(q.dtype, static_cast<int32_t>(q.dim(2)), kernel, q.dim(0), q.dim(1),
-                                                 device_sm_count());
+                                                 tp_detail::device_sm_count());
         plan = detail::plan_flash_attention(q, k, v, out, lse, o);
     }
     // One block per item (the hardware hands the longest items, first in the order, out first and balances the rest),
     // or, for the wgmma kernel on few items, one resident grid walking them in waves (attention_prefill_grid).
     const int64_t grid =
         plan.config.kernel == AttentionPrefillKernel::kWgmma
-            ? attention_prefill_grid(plan.num_items,
-                                     int64_t{device_sm_count()} * detail::attention_prefill_blocks_per_sm(plan.config))
+            ? attention_prefill_grid(plan.num_items, int64_t{tp_detail::device_sm_count()} *
+                                                         detail::attention_prefill_blocks_per_sm(plan.config))
             : 0;
     detail::launch_flash_attention(plan, grid, stream);
 }
@@ -496,7 +488,7 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
                    ? *options.config
                    : attention_prefill_call_config(shape.dtype, static_cast<int32_t>(shape.head_dim),
                                                    attention_prefill_device_kernel(), shape.max_seq / s.num_ranks,
-                                                   shape.num_q_heads, device_sm_count());
+                                                   shape.num_q_heads, tp_detail::device_sm_count());
 
     // Symmetric buffers (collective over the team, same order on every member).
     const auto kv_bytes = static_cast<uint64_t>(shape.max_seq * s.row_bytes());

@@ -232,7 +232,7 @@ TEST(AttentionPrefillConfigs, WavesCoverEveryItemOnce) {
     }
     EXPECT_EQ(attention_prefill_wave_item(0, false, 3, 132), 3u);
     EXPECT_EQ(attention_prefill_wave_item(132, true, 3, 132), 132u + 128u);
-    // One block per item up to 8 waves of resident blocks, then one block per item.
+    // A resident grid up to 8 waves of resident blocks, then one block per item.
     EXPECT_EQ(attention_prefill_grid(704, 132), 132);
     EXPECT_EQ(attention_prefill_grid(8 * 132, 132), 132);
     EXPECT_EQ(attention_prefill_grid(8 * 132 + 1, 132), 8 * 132 + 1);
@@ -535,10 +535,10 @@ TEST(AgAttentionShape, BadShapesNameTheArgument) {
 // (HMMA.16816.F32).
 
 // Compiles `config` for sm_90a and checks what every specialisation must show: a cubin, a clean ptxas report, no
-// spill and no stack frame, and no local memory in its SASS. Returns the kernel's SASS: empty when no disassembler is
-// here (`why_not` says why), nullopt when the compile failed (reported).
-/// `max_spill_bytes`: the local memory a config may use (0 but for the wgmma kernel's three consumer warpgroups, whose
-/// producer warpgroup keeps 32 registers and consumers 160: kernels/attention/README.md).
+// spill and no stack frame, and no local memory in its SASS; a config given `max_spill_bytes` (the wgmma kernel's three
+// consumer warpgroups, whose producer warpgroup keeps 32 registers and consumers 160: kernels/attention/README.md) may
+// spill that much. Returns the kernel's SASS: empty when no disassembler is here (`why_not` says why), nullopt when the
+// compile failed (reported).
 std::optional<std::string> compile_without_spills(jit::Compiler& c, const AttentionPrefillConfig& config,
                                                   std::string* why_not, int max_spill_bytes = 0) {
     const jit::KernelSpec spec = attention_prefill_kernel_spec(config, "sm_90a");
