@@ -158,8 +158,8 @@ inline constexpr int64_t kPrefillResidentWaves = 8;
 /// The grid of a one-GPU wgmma prefill call (flash_attention): `resident` blocks (SMs x blocks per SM) walking the
 /// items in waves where the items fill at most kPrefillResidentWaves waves of them (each block then loads its next
 /// item under its current one's last tiles instead of starting afresh), else one block per item. Measured on an H200
-/// (bf16, 32 heads, causal; kernels/attention/README.md): 2K-6K tokens (2.7-7.8 waves) 7-22% faster resident, 8K at
-/// dim 64 (10.4 waves) 13% slower and 16K 3-15% slower.
+/// (bf16, 32 heads, causal; kernels/attention/README.md): 2K-6K tokens (2.7-7.8 waves) up to 22% faster resident
+/// (dim 64 at 2K the same), 8K at dim 64 (10.4 waves) 13% slower and 16K 3-15% slower.
 WEFT_HOST_DEVICE constexpr int64_t attention_prefill_grid(int64_t items, int64_t resident) {
     if (resident < 1) resident = 1;
     if (items > kPrefillResidentWaves * resident) return items;
