@@ -15,6 +15,7 @@
 #include "attention/prefill.cuh"
 #include "weft/ptx/cp_async.cuh"
 #include "weft/ptx/fence.cuh"
+#include "weft/ptx/ld_st.cuh"
 #include "weft/ptx/mbarrier.cuh"
 #include "weft/ptx/setmaxnreg.cuh"
 #include "weft/ptx/tma.cuh"
@@ -61,21 +62,79 @@ struct Sm90Traits {
     static constexpr int kBarOffset = kVOffset + C.stages * kKVBytes;
     // Barriers (8 bytes each): full_q, empty_q, then per stage full_k, full_v, empty_k, empty_v.
     static constexpr int kBarBytes = 8 * (2 + 4 * C.stages);
+    // Then the item whose Q tile full_q announces (pack_item), written by the producer before its arrival.
+    static constexpr int kItemOffset = kBarOffset + kBarBytes;
     // Then one word: set by the producer when a peer's chunk never arrived (AgAttention): the block stops loading and
     // writing, and ends without a trap.
-    static constexpr int kAbortOffset = kBarOffset + kBarBytes;
-    static_assert(kBarBytes + 4 <= kPrefillWgmmaBarrierBytes, "the barriers outgrow their reserved bytes");
+    static constexpr int kAbortOffset = kItemOffset + 8;
+    static_assert(kBarBytes + 8 + 4 <= kPrefillWgmmaBarrierBytes, "the barriers outgrow their reserved bytes");
     static_assert(kBarOffset + kPrefillWgmmaBarrierBytes + kPrefillWgmmaAlignSlack == attention_prefill_smem_bytes(C),
                   "shared-memory plan and attention_prefill_smem_bytes disagree");
     static constexpr bool kIsBF16 = C.dtype == DType::kBF16;
 };
 
+/// The item the producer hands the consumers with each full_q phase, as one 8-byte word at Sm90Traits::kItemOffset:
+/// q-head in the low half (-1: no more items), query tile in the high half.
+__device__ __forceinline__ uint64_t pack_item(int32_t q_head, int32_t m_tile) {
+    return static_cast<uint64_t>(static_cast<uint32_t>(m_tile)) << 32 | static_cast<uint32_t>(q_head);
+}
+
+/// The producer's source of work items (kCounter: claimed from p.item_counter, the next item to the first block that
+/// asks, in attention_prefill_grouped_item order; else this block's share of waves of gridDim.x items, every other
+/// wave reversed, in attention_prefill_item order). next() returns false when the block has no more.
+template <bool kCounter>
+struct ItemSource;
+
+template <>
+struct ItemSource<true> {
+    __device__ __forceinline__ bool next(const AttentionPrefillParams& p, uint32_t num_m_tiles, int lane,
+                                         AttentionPrefillItem& item) {
+        const uint32_t num_items = num_m_tiles * static_cast<uint32_t>(p.num_q_heads);
+        uint32_t claim = 0;
+        if (lane == 0) {
+            claim = atomicAdd(p.item_counter, 1u);
+            // Every block claims once past the items, then stops: the last such claim is the launch's last use of the
+            // counter, and its block leaves the counter at zero for the next launch.
+            if (claim == num_items + gridDim.x - 1) atomicExch(p.item_counter, 0u);
+        }
+        claim = __shfl_sync(0xffffffffu, claim, 0);
+        if (claim >= num_items) return false;
+        item = attention_prefill_grouped_item(claim, num_m_tiles, static_cast<uint32_t>(p.num_q_heads),
+                                              static_cast<uint32_t>(p.head_group));
+        return true;
+    }
+};
+
+template <>
+struct ItemSource<false> {
+    uint32_t wave = 0;
+    bool reverse = false;
+
+    __device__ __forceinline__ bool next(const AttentionPrefillParams& p, uint32_t num_m_tiles, int /*lane*/,
+                                         AttentionPrefillItem& item) {
+        // num_items < 2^31 (the host checks): wave + gridDim.x stays below 2^32.
+        const uint32_t num_items = num_m_tiles * static_cast<uint32_t>(p.num_q_heads);
+        while (wave < num_items) {
+            const uint32_t idx = attention_prefill_wave_item(wave, reverse, blockIdx.x, gridDim.x);
+            wave += gridDim.x;
+            reverse = !reverse;
+            if (idx < num_items) {  // else the last wave's share of another block
+                item = attention_prefill_item(static_cast<int32_t>(idx), static_cast<int32_t>(num_m_tiles));
+                return true;
+            }
+        }
+        return false;
+    }
+};
+
 /// The producer warp: for every work item of this block, the Q tile (after the consumers freed the previous one),
-/// then every K/V tile the item sees into the ring. Before the first load from a peer's chunk the warp waits for
-/// the chunk's flag. A V tile that ends inside the keys (short: its chunk, or the causal limit, ends first) is
-/// copied by the warp (cp.async) with the keys past its end zero-filled, so that no unarrived or unseen row reaches
-/// P V (0 x NaN would); every other tile, and every K tile (whose invisible scores are masked by selection), by TMA.
-template <AttentionPrefillConfig C>
+/// then every K/V tile the item sees into the ring; the item itself goes to the consumers with the Q tile's barrier
+/// (an item with no visible key: the barrier alone, then no tiles; after the last item: q_head -1). Before the first
+/// load from a peer's chunk the warp waits for the chunk's flag. A V tile that ends inside the keys (short: its chunk,
+/// or the causal limit, ends first) is copied by the warp (cp.async) with the keys past its end zero-filled, so that no
+/// unarrived or unseen row reaches P V (0 x NaN would); every other tile, and every K tile (whose invisible scores are
+/// masked by selection), by TMA.
+template <AttentionPrefillConfig C, bool kCounter>
 __device__ __forceinline__ void producer_warp(const AttentionPrefillParams& p, const ptx::TmaDescriptor* tma_q,
                                               const ptx::TmaDescriptor* tma_k, const ptx::TmaDescriptor* tma_v,
                                               unsigned base, unsigned bars, volatile uint32_t* abort_word) {
@@ -89,7 +148,6 @@ __device__ __forceinline__ void producer_warp(const AttentionPrefillParams& p, c
     const auto empty_k = [&](int s) { return bars + 32 + 32 * s; };
     const auto empty_v = [&](int s) { return bars + 40 + 32 * s; };
     const int32_t num_m_tiles = attention_prefill_num_m_tiles(p.seq_q, T::kBM);
-    const int32_t num_items = num_m_tiles * p.num_q_heads;
     uint64_t arrived = 0;  // chunks this block has seen arrive (bit c; chunks >= 64 are awaited every time)
     int stage = 0;
     unsigned phase = 0;
@@ -99,12 +157,10 @@ __device__ __forceinline__ void producer_warp(const AttentionPrefillParams& p, c
     // nothing and completes each full barrier with a plain arrival, so that the consumers run through their tiles
     // without data and without waiting out their bound; they see the abort word and write nothing.
     bool failed = false;
-    // num_items < 2^31 (the host checks): wave + gridDim.x stays below 2^32.
-    bool reverse = false;
-    for (uint32_t wave = 0; wave < static_cast<uint32_t>(num_items) && !stuck; wave += gridDim.x, reverse = !reverse) {
-        const uint32_t item_idx = attention_prefill_wave_item(wave, reverse, blockIdx.x, gridDim.x);
-        if (item_idx >= static_cast<uint32_t>(num_items)) continue;  // the last wave's share of another block
-        const AttentionPrefillItem item = attention_prefill_item(static_cast<int32_t>(item_idx), num_m_tiles);
+    ItemSource<kCounter> source;
+    while (!stuck) {
+        AttentionPrefillItem item;
+        const bool done = !source.next(p, static_cast<uint32_t>(num_m_tiles), lane, item);
         const int kv_head = item.q_head / p.group;
         const int m0 = item.m_tile * T::kBM;
         const int rows = p.seq_q - m0 < T::kBM ? p.seq_q - m0 : T::kBM;
@@ -112,19 +168,26 @@ __device__ __forceinline__ void producer_warp(const AttentionPrefillParams& p, c
         AttentionPrefillTileCursor tile;
         tile.keys = T::kBN;
         tile.start(p, key_end);
-        if (!tile.valid(p)) continue;  // the consumers write zeros without reading Q
 
-        // Q: rows past seq_q lie outside the map and arrive as zeros.
+        // The item, and its Q tile once the consumers freed the last one (rows past seq_q lie outside the map and
+        // arrive as zeros); no Q for an item without keys (the consumers write zeros) or past the last.
         stuck = !ptx::mbarrier_wait_parity_bounded(empty_q, q_phase ^ 1u, timeout);
-        if (lane == 0 && !stuck && failed) ptx::mbarrier_arrive(full_q);
-        if (lane == 0 && !stuck && !failed) {
+        q_phase ^= 1u;
+        if (stuck) break;
+        if (lane == 0) ptx::st_shared_b64(base + T::kItemOffset, pack_item(done ? -1 : item.q_head, item.m_tile));
+        if (done || !tile.valid(p)) {
+            if (lane == 0) ptx::mbarrier_arrive(full_q);  // release: the consumers' wait sees the item
+            if (done) break;
+            continue;
+        }
+        if (lane == 0 && failed) ptx::mbarrier_arrive(full_q);
+        if (lane == 0 && !failed) {
             ptx::mbarrier_arrive_expect_tx(full_q, T::kQBytes);
 #pragma unroll
             for (int cb = 0; cb < T::kDimBlocks; ++cb) {
                 ptx::tma_load_3d(base + T::kQOffset + cb * T::kBM * 128, tma_q, full_q, cb * 64, item.q_head, m0);
             }
         }
-        q_phase ^= 1u;
 
         for (; tile.valid(p) && !stuck; tile.next(p, key_end)) {
             device::Token token = device::Token::assume_local_data();
@@ -230,8 +293,6 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
     const auto empty_k = [&](int s) { return bars + 32 + 32 * s; };
     const auto empty_v = [&](int s) { return bars + 40 + 32 * s; };
     const unsigned q_slab = base + T::kQOffset + wg * 64 * 128;
-    const int32_t num_m_tiles = attention_prefill_num_m_tiles(p.seq_q, T::kBM);
-    const int32_t num_items = num_m_tiles * p.num_q_heads;
     int stage = 0;
     unsigned phase = 0;
     unsigned q_phase = 0;
@@ -258,14 +319,17 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
         if (wg == T::kConsumers - 1) ptx::named_barrier_arrive(kBarTurn0, 256);
     }
 
-    // num_items < 2^31 (the host checks): wave + gridDim.x stays below 2^32.
-    bool reverse = false;
-    for (uint32_t wave = 0; wave < static_cast<uint32_t>(num_items) && !stuck; wave += gridDim.x, reverse = !reverse) {
-        const uint32_t item_idx = attention_prefill_wave_item(wave, reverse, blockIdx.x, gridDim.x);
-        if (item_idx >= static_cast<uint32_t>(num_items)) continue;  // the last wave's share of another block
-        const AttentionPrefillItem item = attention_prefill_item(static_cast<int32_t>(item_idx), num_m_tiles);
-        const int head = item.q_head;
-        const int m0 = item.m_tile * T::kBM;
+    // The items the producer hands out, one per full_q phase, until one with q_head < 0.
+    for (;;) {
+        if (stuck || !ptx::mbarrier_wait_parity_bounded(full_q, q_phase, timeout)) {
+            stuck = true;
+            break;
+        }
+        q_phase ^= 1u;
+        const uint64_t item = ptx::ld_shared_b64(base + T::kItemOffset);
+        const int head = static_cast<int32_t>(static_cast<uint32_t>(item));
+        if (head < 0) break;
+        const int m0 = static_cast<int32_t>(item >> 32) * T::kBM;
         const int rows = p.seq_q - m0 < T::kBM ? p.seq_q - m0 : T::kBM;
         const int32_t key_end = attention_prefill_key_end(p, m0, rows);
         AttentionPrefillTileCursor tile;
@@ -377,9 +441,9 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
             if (!after.valid(p)) release(empty_q, lane);
         };
 
-        if (tile.valid(p)) {
-            if (!stuck) stuck = !ptx::mbarrier_wait_parity_bounded(full_q, q_phase, timeout);
-            q_phase ^= 1u;
+        if (!tile.valid(p)) {
+            release(empty_q, lane);  // no Q was loaded: the item is read
+        } else {
             // The first tile: S, softmax, P.
             if (!stuck) stuck = !ptx::mbarrier_wait_parity_bounded(full_k(stage), phase, timeout);
             turn_begin();
@@ -485,11 +549,12 @@ __device__ __forceinline__ void consumer_warpgroup(const AttentionPrefillParams&
 
 }  // namespace prefill_sm90_detail
 
-/// The wgmma prefill kernel. Persistent as prefill_forward: block b takes work items b, b + gridDim.x, ...; grid at
-/// most the items, attention_prefill_threads(C) threads (a producer warpgroup, then C.block_m / 64 consumer
-/// warpgroups), attention_prefill_smem_bytes(C) of dynamic shared memory. Tensor maps (3-D, innermost first,
-/// 128B swizzle, box {64, 1, rows}): tma_q over q [head_dim, num_q_heads, seq_q] with box rows C.block_m; tma_k and
-/// tma_v over k and v [head_dim, num_kv_heads, seq_kv] with box rows kPrefillWgmmaTileKeys.
+/// The wgmma prefill kernel. Persistent: each block's producer claims its items from p.item_counter or, without one,
+/// walks its share of waves of gridDim.x items (attention_prefill_wave_item); grid at most the items,
+/// attention_prefill_threads(C) threads (a producer warpgroup, then C.block_m / 64 consumer warpgroups),
+/// attention_prefill_smem_bytes(C) of dynamic shared memory. Tensor maps (3-D, innermost first, 128B swizzle, box {64,
+/// 1, rows}): tma_q over q [head_dim, num_q_heads, seq_q] with box rows C.block_m; tma_k and tma_v over k and v
+/// [head_dim, num_kv_heads, seq_kv] with box rows kPrefillWgmmaTileKeys.
 template <AttentionPrefillConfig C>
 __global__ void __launch_bounds__(attention_prefill_threads(C), 1)
     prefill_forward_sm90(const __grid_constant__ ptx::TmaDescriptor tma_q,
@@ -501,8 +566,8 @@ __global__ void __launch_bounds__(attention_prefill_threads(C), 1)
     extern __shared__ __align__(1024) uint8_t smem_sm90[];
     const unsigned base = (ptx::shared_address(smem_sm90) + 1023u) & ~1023u;
     const unsigned bars = base + T::kBarOffset;
-    auto* const abort_word =
-        reinterpret_cast<volatile uint32_t*>(smem_sm90 + (base - ptx::shared_address(smem_sm90)) + T::kAbortOffset);
+    uint8_t* const aligned = smem_sm90 + (base - ptx::shared_address(smem_sm90));
+    auto* const abort_word = reinterpret_cast<volatile uint32_t*>(aligned + T::kAbortOffset);
 
     if (threadIdx.x == 0) {
         *abort_word = 0u;
@@ -527,7 +592,11 @@ __global__ void __launch_bounds__(attention_prefill_threads(C), 1)
                 ptx::tma_prefetch_descriptor(&tma_k);
                 ptx::tma_prefetch_descriptor(&tma_v);
             }
-            prefill_sm90_detail::producer_warp<C>(p, &tma_q, &tma_k, &tma_v, base, bars, abort_word);
+            if (p.item_counter != nullptr) {
+                prefill_sm90_detail::producer_warp<C, true>(p, &tma_q, &tma_k, &tma_v, base, bars, abort_word);
+            } else {
+                prefill_sm90_detail::producer_warp<C, false>(p, &tma_q, &tma_k, &tma_v, base, bars, abort_word);
+            }
         }
     } else {
         if constexpr (T::kConsumers > 1) ptx::setmaxnreg_inc<prefill_sm90_detail::kConsumerRegs<T::kConsumers>>();

@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -199,6 +200,38 @@ jit::KernelSpec attention_prefill_kernel_spec(const AttentionPrefillConfig& conf
     return spec;
 }
 
+namespace {
+
+// The work counter of the wgmma prefill launches on `stream` (one per device and stream, zeroed when made; each launch
+// leaves it at zero). Null while the stream is being captured and has none yet (no allocation inside a capture): the
+// launch then walks the items in waves.
+uint32_t* prefill_item_counter(cudaStream_t stream) {
+    static std::mutex mutex;
+    static std::map<std::pair<int, cudaStream_t>, uint32_t*> counters;
+    int device = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> lock(mutex);
+    uint32_t*& counter = counters[{device, stream}];
+    if (counter != nullptr) return counter;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone) return nullptr;
+    void* ptr = nullptr;
+    WEFT_CUDA_CHECK(cudaMalloc(&ptr, sizeof(uint32_t)));
+    counter = static_cast<uint32_t*>(ptr);
+    WEFT_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(uint32_t), stream));
+    return counter;
+}
+
+int64_t device_l2_bytes() {
+    int device = 0, n = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrL2CacheSize, device));
+    return n;
+}
+
+}  // namespace
+
 void register_prefill_attention_aot_specs() {
     static std::once_flag once;
     std::call_once(once, [] {
@@ -383,13 +416,24 @@ void flash_attention(const TensorView& q, const TensorView& k, const TensorView&
                                                  tp_detail::device_sm_count());
         plan = detail::plan_flash_attention(q, k, v, out, lse, o);
     }
-    // One block per item (the hardware hands the longest items, first in the order, out first and balances the rest),
-    // or, for the wgmma kernel on few items, one resident grid walking them in waves (attention_prefill_grid).
-    const int64_t grid =
-        plan.config.kernel == AttentionPrefillKernel::kWgmma
-            ? attention_prefill_grid(plan.num_items, int64_t{tp_detail::device_sm_count()} *
-                                                         detail::attention_prefill_blocks_per_sm(plan.config))
-            : 0;
+    // mma.sync: one block per item (the hardware hands the longest items, first in the order, out first and balances
+    // the rest). wgmma: a resident grid whose blocks claim the items from the stream's work counter, longest first
+    // within groups of q-heads whose K and V share the L2 (attention_prefill_grouped_item); while a stream that has no
+    // counter yet is captured, attention_prefill_grid's waves.
+    int64_t grid = 0;
+    if (plan.config.kernel == AttentionPrefillKernel::kWgmma && plan.num_items > 0) {
+        const int64_t resident =
+            int64_t{tp_detail::device_sm_count()} * detail::attention_prefill_blocks_per_sm(plan.config);
+        plan.params.item_counter = prefill_item_counter(stream);
+        if (plan.params.item_counter != nullptr) {
+            grid = std::min(plan.num_items, resident);
+            plan.params.head_group = attention_prefill_head_group(
+                plan.params.seq_kv, plan.config.head_dim, plan.params.group, plan.params.num_q_heads,
+                plan.num_items / plan.params.num_q_heads, resident, device_l2_bytes());
+        } else {
+            grid = attention_prefill_grid(plan.num_items, resident);
+        }
+    }
     detail::launch_flash_attention(plan, grid, stream);
 }
 

@@ -380,6 +380,87 @@ TEST_P(FlashAttention, AwkwardLengthsGroupsAndPositions) {
     for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], seed + i, GetParam());
 }
 
+// The wgmma kernel's work counter (one per device and stream, left at zero by every launch): calls on two streams at
+// once, repeated, each into a freshly poisoned output, every result checked against the fp64 reference (the first)
+// or bit for bit against it (items are computed alike whichever block claims them); then graphs captured on a stream
+// that has a counter (the graph's launches use it) and on a fresh one (no counter can be made inside a capture: the
+// launch walks the items in waves), replayed twice each. More items than resident blocks (192 at dim 64, 288 at 128).
+TEST(FlashAttentionSchedule, CallsOnTwoStreamsRepeatedAndCapturedAgree) {
+    if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+    for (const int dim : {64, 128}) {
+        const int seq = 700, hq = 48, hkv = 12;
+        SCOPED_TRACE("dim " + std::to_string(dim));
+        const Problem pr = make_problem(seq, seq, hq, hkv, dim, true, 0, DType::kBF16, fresh_seed());
+        const size_t q_bytes = pr.q.size() * 2, lse_bytes = pr.lse.size() * 4;
+        void *dq, *dk, *dv, *dout[2], *dlse[2];
+        WEFT_CUDA_CHECK(cudaMalloc(&dq, q_bytes));
+        WEFT_CUDA_CHECK(cudaMalloc(&dk, pr.k.size() * 2));
+        WEFT_CUDA_CHECK(cudaMalloc(&dv, pr.v.size() * 2));
+        for (int i = 0; i < 2; ++i) {
+            WEFT_CUDA_CHECK(cudaMalloc(&dout[i], q_bytes));
+            WEFT_CUDA_CHECK(cudaMalloc(&dlse[i], lse_bytes));
+        }
+        WEFT_CUDA_CHECK(cudaMemcpy(dq, pr.q.data(), q_bytes, cudaMemcpyHostToDevice));
+        WEFT_CUDA_CHECK(cudaMemcpy(dk, pr.k.data(), pr.k.size() * 2, cudaMemcpyHostToDevice));
+        WEFT_CUDA_CHECK(cudaMemcpy(dv, pr.v.data(), pr.v.size() * 2, cudaMemcpyHostToDevice));
+        const TensorView tq(dq, DType::kBF16, {seq, hq, dim});
+        const TensorView tk(dk, DType::kBF16, {seq, hkv, dim});
+        const TensorView tv(dv, DType::kBF16, {seq, hkv, dim});
+        ops::FlashAttentionOptions o;
+        o.mask = AttentionMask::kCausal;
+        o.config = config_of(AttentionPrefillKernel::kWgmma, DType::kBF16, dim);
+        cudaStream_t st[3];
+        for (cudaStream_t& x : st) WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
+        const auto call = [&](int i, cudaStream_t stream) {
+            WEFT_CUDA_CHECK(cudaMemsetAsync(dout[i], 0xff, q_bytes, stream));
+            WEFT_CUDA_CHECK(cudaMemsetAsync(dlse[i], 0xff, lse_bytes, stream));
+            ops::flash_attention(tq, tk, tv, TensorView(dout[i], DType::kBF16, {seq, hq, dim}),
+                                 TensorView(dlse[i], DType::kF32, {seq, hq}), stream, o);
+        };
+        std::vector<uint16_t> want(pr.q.size()), got(pr.q.size());
+        std::vector<float> want_lse(pr.lse.size()), got_lse(pr.lse.size());
+        const auto expect_same = [&](int i, const std::string& what) {
+            WEFT_CUDA_CHECK(cudaMemcpy(got.data(), dout[i], q_bytes, cudaMemcpyDeviceToHost));
+            WEFT_CUDA_CHECK(cudaMemcpy(got_lse.data(), dlse[i], lse_bytes, cudaMemcpyDeviceToHost));
+            EXPECT_EQ(std::memcmp(got.data(), want.data(), q_bytes), 0) << what << ": out differs";
+            EXPECT_EQ(std::memcmp(got_lse.data(), want_lse.data(), lse_bytes), 0) << what << ": lse differs";
+        };
+        for (int rep = 0; rep < 4; ++rep) {
+            call(0, st[0]);
+            call(1, st[1]);
+            WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+            if (rep == 0) {
+                download_and_check(pr, dout[0], dlse[0], "stream 0, first call");
+                WEFT_CUDA_CHECK(cudaMemcpy(want.data(), dout[0], q_bytes, cudaMemcpyDeviceToHost));
+                WEFT_CUDA_CHECK(cudaMemcpy(want_lse.data(), dlse[0], lse_bytes, cudaMemcpyDeviceToHost));
+            } else {
+                expect_same(0, "stream 0, call " + std::to_string(rep));
+            }
+            expect_same(1, "stream 1, call " + std::to_string(rep));
+        }
+        for (const int s : {0, 2}) {  // stream 0 has a counter, stream 2 none yet
+            cudaGraph_t graph = nullptr;
+            cudaGraphExec_t exec = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamBeginCapture(st[s], cudaStreamCaptureModeThreadLocal));
+            call(1, st[s]);
+            WEFT_CUDA_CHECK(cudaStreamEndCapture(st[s], &graph));
+            WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+            for (int rep = 0; rep < 2; ++rep) {
+                WEFT_CUDA_CHECK(cudaGraphLaunch(exec, st[s]));
+                WEFT_CUDA_CHECK(cudaStreamSynchronize(st[s]));
+                expect_same(1, "graph captured on stream " + std::to_string(s) + ", replay " + std::to_string(rep));
+            }
+            WEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+            WEFT_CUDA_CHECK(cudaGraphDestroy(graph));
+        }
+        call(0, st[2]);  // after the capture: stream 2 gets its counter
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(st[2]));
+        expect_same(0, "stream 2 after its capture");
+        for (cudaStream_t x : st) WEFT_CUDA_CHECK(cudaStreamDestroy(x));
+        for (void* p : {dq, dk, dv, dout[0], dout[1], dlse[0], dlse[1]}) cudaFree(p);
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(Kernels, FlashAttention,
                          ::testing::Values(AttentionPrefillKernel::kMmaSync, AttentionPrefillKernel::kWgmma),
                          kernel_param_name);

@@ -142,6 +142,55 @@ WEFT_HOST_DEVICE constexpr AttentionPrefillItem attention_prefill_item(int32_t i
     return it;
 }
 
+/// The item at position `idx` of a work counter's order (the wgmma kernel's schedule with
+/// AttentionPrefillParams::item_counter): the q-heads in groups, the first of the heads that whole groups of
+/// `head_group` leave over (all `head_group` when none are), then whole groups; each group's items from the last query
+/// tile to the first, the group's heads side by side. The longest items of a group start first, its shortest fill
+/// its end, the blocks at work share the group's K and V in L2, and the last group is a whole one (a small last
+/// group would start its longest items too late to even out).
+WEFT_HOST_DEVICE constexpr AttentionPrefillItem attention_prefill_grouped_item(uint32_t idx, uint32_t num_m_tiles,
+                                                                               uint32_t num_q_heads,
+                                                                               uint32_t head_group) {
+    const uint32_t lead = (num_q_heads - 1) % head_group + 1;  // heads of the first group
+    uint32_t first = 0;
+    uint32_t heads = lead;
+    uint32_t r = idx;
+    if (idx >= lead * num_m_tiles) {
+        const uint32_t j = idx - lead * num_m_tiles;
+        const uint32_t g = j / (head_group * num_m_tiles);
+        first = lead + g * head_group;
+        heads = head_group;
+        r = j - g * head_group * num_m_tiles;
+    }
+    AttentionPrefillItem it;
+    it.q_head = static_cast<int32_t>(first + r % heads);
+    it.m_tile = static_cast<int32_t>(num_m_tiles - 1 - r / heads);
+    return it;
+}
+
+/// Items of a group per resident block, at least, that attention_prefill_head_group keeps: the last group's work
+/// then spans twice its longest item on every block (a causal group's items average half the longest).
+inline constexpr int64_t kPrefillGroupItemsPerBlock = 4;
+
+/// The q-heads per group of attention_prefill_grouped_item for a call: as many KV heads' K and V (2 x seq_kv x
+/// head_dim 16-bit values each) as fill half of an L2 cache of `l2_bytes` (at least one), times `group` q-heads per KV
+/// head; raised to whole KV heads' q-heads until a group holds kPrefillGroupItemsPerBlock items per `resident` block;
+/// at most num_q_heads.
+WEFT_HOST_DEVICE constexpr int32_t attention_prefill_head_group(int64_t seq_kv, int32_t head_dim, int32_t group,
+                                                                int32_t num_q_heads, int64_t num_m_tiles,
+                                                                int64_t resident, int64_t l2_bytes) {
+    const int64_t gqa = group > 1 ? group : 1;
+    const int64_t kv_bytes = 4 * (seq_kv > 1 ? seq_kv : 1) * head_dim;
+    int64_t kv_heads = l2_bytes / 2 / kv_bytes;
+    if (kv_heads < 1) kv_heads = 1;
+    const int64_t tiles = num_m_tiles > 1 ? num_m_tiles : 1;
+    const int64_t min_heads = (kPrefillGroupItemsPerBlock * resident + tiles - 1) / tiles;
+    const int64_t min_kv_heads = (min_heads + gqa - 1) / gqa;
+    if (kv_heads < min_kv_heads) kv_heads = min_kv_heads;
+    const int64_t heads = kv_heads * gqa;
+    return heads < num_q_heads ? static_cast<int32_t>(heads) : num_q_heads;
+}
+
 /// The wgmma kernel's work item of block b in the wave of `blocks` consecutive items that starts at `wave_start`:
 /// every other wave (`reverse`) is handed out in reverse block order, so that a block's long and short items
 /// alternate (items run longest first within each q-head) while a wave stays on a few q-heads (their K and V in L2).
@@ -155,11 +204,12 @@ WEFT_HOST_DEVICE constexpr uint32_t attention_prefill_wave_item(uint32_t wave_st
 /// resident.
 inline constexpr int64_t kPrefillResidentWaves = 8;
 
-/// The grid of a one-GPU wgmma prefill call (flash_attention): `resident` blocks (SMs x blocks per SM) walking the
-/// items in waves where the items fill at most kPrefillResidentWaves waves of them (each block then loads its next
-/// item under its current one's last tiles instead of starting afresh), else one block per item. Measured on an H200
-/// (bf16, 32 heads, causal; kernels/attention/README.md): 2K-6K tokens (2.7-7.8 waves) up to 22% faster resident
-/// (dim 64 at 2K the same), 8K at dim 64 (10.4 waves) 13% slower and 16K 3-15% slower.
+/// The grid of a one-GPU wgmma prefill call without a work counter (flash_attention while a stream that has none yet
+/// is captured): `resident` blocks (SMs x blocks per SM) walking the items in waves where the items fill at most
+/// kPrefillResidentWaves waves of them (each block then loads its next item under its current one's last tiles
+/// instead of starting afresh), else one block per item. Measured on an H200 (bf16, 32 heads, causal;
+/// kernels/attention/README.md): 2K-6K tokens (2.7-7.8 waves) up to 22% faster resident (dim 64 at 2K the same), 8K
+/// at dim 64 (10.4 waves) 13% slower and 16K 3-15% slower.
 WEFT_HOST_DEVICE constexpr int64_t attention_prefill_grid(int64_t items, int64_t resident) {
     if (resident < 1) resident = 1;
     if (items > kPrefillResidentWaves * resident) return items;
@@ -211,6 +261,12 @@ struct AttentionPrefillParams {
     int32_t local_chunk = 0;
     const uint64_t* chunk_signals = nullptr;
     AttentionPrefillFinish finish{};
+    /// wgmma kernel: a work counter (zero before the launch, and zero again after it: the block that claims last
+    /// resets it); each block's producer claims its next item from it, in attention_prefill_grouped_item order with
+    /// head_group q-heads per group. Null: block b walks the items in waves (attention_prefill_wave_item). The
+    /// mma.sync kernel ignores both.
+    uint32_t* item_counter = nullptr;
+    int32_t head_group = 1;
 };
 
 /// One past the last key that some row of the query tile [m0, m0 + rows) sees.

@@ -36,8 +36,8 @@ struct FlashAttentionOptions {
     int64_t q_position = 0;
     /// The kernel's config (dtype and head_dim must be q's); nullopt: attention_prefill_call_config with the
     /// device's kernel (attention_prefill_device_kernel: wgmma on sm_90), or mma.sync where q, k or v is a broadcast
-    /// (the wgmma kernel at head_dim 64: 192-row items where they give every SM one, else 128). Either way a call of
-    /// few items on the wgmma kernel runs a resident grid (attention_prefill_grid).
+    /// (the wgmma kernel at head_dim 64: 192-row items where they give every SM one, else 128). Either way the wgmma
+    /// kernel runs a resident grid whose blocks claim the items from a work counter (below).
     std::optional<AttentionPrefillConfig> config = std::nullopt;
 };
 
@@ -57,6 +57,11 @@ struct FlashAttentionOptions {
 /// [0, 2^31 - 2^20) (seq_q 0: nothing to do; a row that sees no key gets zeros and lse -inf). Pointers 16-byte
 /// aligned. Asynchronous on `stream`, no host synchronisation, capturable in a CUDA graph. The kernel is
 /// JIT-compiled on first use. Bad arguments throw weft::Error naming the argument.
+/// The wgmma kernel's blocks take their items from a 4-byte work counter that weft keeps per device and stream (made
+/// by the stream's first call, left at zero by every launch): launches on one stream share it, which their stream
+/// order keeps apart; a graph's launches use the counter of the stream they were captured on, so replay such a graph
+/// on that stream (or one ordered with it), not beside other calls on it. A stream captured before any call on it has
+/// no counter: its captured launches walk the items in fixed waves instead (the same results).
 void flash_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                      const TensorView& lse, cudaStream_t stream, const FlashAttentionOptions& options = {});
 

@@ -161,4 +161,16 @@ __device__ __forceinline__ void st(T* p, NoDeduce<T> value) {
     }
 }
 
+/// A plain 8-byte store / load at a shared::cta address (ptx::shared_address): one 32-bit register for the address
+/// where a generic pointer takes two. Ordered by what orders plain accesses (an mbarrier's arrive and wait, a
+/// barrier).
+__device__ __forceinline__ void st_shared_b64(unsigned addr, uint64_t v) {
+    asm volatile("st.shared.b64 [%0], %1;" ::"r"(addr), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_shared_b64(unsigned addr) {
+    uint64_t v;
+    asm volatile("ld.shared.b64 %0, [%1];" : "=l"(v) : "r"(addr) : "memory");
+    return v;
+}
+
 }  // namespace weft::ptx
