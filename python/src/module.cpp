@@ -17,17 +17,19 @@
 #include <vector>
 
 #include "binding.hpp"
+#include "weft/ops/ag_attention.hpp"
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
+#include "weft/ops/attention.hpp"
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_ar.hpp"
 #include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/runtime/driver.hpp"
-#include "weft/runtime/team.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/team.hpp"
 #include "weft/weft.hpp"
 
 namespace nb = nanobind;
@@ -38,6 +40,25 @@ namespace weft::python {
 namespace {
 
 cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+// Makes `device` current for a local op's call (its tensors' device, which need not be the thread's current one) and
+// restores the previous device after it.
+class DeviceScope {
+public:
+    explicit DeviceScope(int device) {
+        WEFT_CUDA_CHECK(cudaGetDevice(&previous_));
+        if (device != previous_) WEFT_CUDA_CHECK(cudaSetDevice(device));
+    }
+    ~DeviceScope() {
+        int now = 0;
+        if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+    }
+    DeviceScope(const DeviceScope&) = delete;
+    DeviceScope& operator=(const DeviceScope&) = delete;
+
+private:
+    int previous_ = 0;
+};
 
 DType as_dtype(int code) {
     WEFT_CHECK(code >= static_cast<int>(DType::kBF16) && code <= static_cast<int>(DType::kU8),
@@ -436,6 +457,49 @@ NB_MODULE(_weft, m) {
               WEFT_CHECK(b_layout == 0 || b_layout == 1, "b_layout: expected 0 (nk) or 1 (kn), got " << b_layout);
               ops::gemm(a, b, d, static_cast<BLayout>(b_layout), as_stream(stream));
           }, "a"_a, "b"_a, "d"_a, "b_layout"_a, "stream"_a, Release());
+
+    // ---- attention (local ops: one GPU, no World needed) ----
+    m.def(
+        "flash_attention",
+        [](const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+           const std::optional<TensorView>& lse, int device, uintptr_t stream, bool causal, std::optional<float> scale,
+           int64_t q_position) {
+            DeviceScope scope(device);
+            ops::FlashAttentionOptions o;
+            o.mask = causal ? AttentionMask::kCausal : AttentionMask::kNone;
+            o.scale = scale;
+            o.q_position = q_position;
+            ops::flash_attention(q, k, v, out, lse ? *lse : TensorView(), as_stream(stream), o);
+        },
+        "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "device"_a, "stream"_a, "causal"_a, "scale"_a.none(),
+        "q_position"_a, Release());
+    m.def(
+        "decode_attention",
+        [](const TensorView& q, const TensorView& k_cache, const TensorView& v_cache, const TensorView& block_table,
+           const TensorView& seq_lens, int64_t max_seq_len, const TensorView& out, const std::optional<TensorView>& lse,
+           int device, uintptr_t stream, std::optional<float> scale, int num_splits,
+           const std::optional<TensorView>& workspace) {
+            DeviceScope scope(device);
+            ops::DecodeAttentionOptions o;
+            o.scale = scale;
+            o.num_splits = num_splits;
+            if (workspace) o.workspace = *workspace;
+            ops::decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out,
+                                  lse ? *lse : TensorView(), as_stream(stream), o);
+        },
+        "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a, "max_seq_len"_a, "out"_a, "lse"_a.none(),
+        "device"_a, "stream"_a, "scale"_a.none(), "num_splits"_a, "workspace"_a.none(), Release());
+    m.def(
+        "decode_attention_workspace_bytes",
+        [](int64_t batch, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_seq_len,
+           int num_splits, int device) {
+            DeviceScope scope(device);
+            ops::DecodeAttentionOptions o;
+            o.num_splits = num_splits;
+            return ops::decode_attention_workspace_bytes(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, o);
+        },
+        "batch"_a, "num_q_heads"_a, "num_kv_heads"_a, "head_dim"_a, "max_seq_len"_a, "num_splits"_a, "device"_a,
+        Release());
 
     // ---- fused TP ops ----
     nb::class_<PyAgGemm>(m, "AgGemm")

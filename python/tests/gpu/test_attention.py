@@ -1,0 +1,156 @@
+# SPDX-License-Identifier: MIT
+# weft.flash_attention and weft.decode_attention on torch tensors against fp32 references computed with torch
+# (softmax over masked scores), outputs poisoned with NaN first. Local ops: each rank checks its own GPU.
+import math
+
+import pytest
+import torch
+
+import weft
+from weft_gpu_helpers import rank_generator, rel_error
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def _randn(shape, dtype, seed, rank=0):
+    g = rank_generator(seed * 1000 + rank)
+    return torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+
+
+def _reference(q, k, v, causal, scale, q_position):
+    """(out, lse) in fp32 for q [Sq, Hq, D], k/v [Skv, Hkv, D]."""
+    sq, hq, d = q.shape
+    skv, hkv = k.shape[0], k.shape[1]
+    group = hq // hkv
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    if causal:
+        pos = torch.arange(sq, device=q.device)[:, None] + q_position
+        keys = torch.arange(skv, device=q.device)[None, :]
+        s = s.masked_fill(keys > pos, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [h, q]
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("hqk,khd->qhd", p, vf)
+    return out, lse.t()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sq,skv,hq,hkv,d,causal,q_position", [
+    (1, 1, 4, 1, 64, True, 0),
+    (77, 77, 8, 2, 64, True, 0),         # GQA 4, partial tiles
+    (300, 300, 4, 4, 128, False, 0),
+    (129, 500, 16, 1, 128, True, 371),   # queries at the end of the keys
+    (1000, 1000, 6, 3, 64, True, 0),
+])
+def test_flash_attention_matches_torch(rank, dtype, sq, skv, hq, hkv, d, causal, q_position):
+    q, k, v = _randn((sq, hq, d), dtype, 1, rank), _randn((skv, hkv, d), dtype, 2, rank), \
+        _randn((skv, hkv, d), dtype, 3, rank)
+    scale = 1.0 / math.sqrt(d)
+    want, want_lse = _reference(q, k, v, causal, scale, q_position)
+    out = torch.full_like(q, float("nan"))
+    got, lse = weft.flash_attention(q, k, v, out, causal=causal, q_position=q_position, return_lse=True)
+    torch.cuda.synchronize()
+    assert got is out and lse.dtype == torch.float32 and lse.shape == (sq, hq)
+    assert rel_error(got, want) < TOL[dtype]
+    assert torch.allclose(lse, want_lse, atol=2e-2, rtol=1e-3)
+    # A scale, no lse, out allocated.
+    want2, _ = _reference(q, k, v, causal, 0.3, q_position)
+    assert rel_error(weft.flash_attention(q, k, v, causal=causal, scale=0.3, q_position=q_position), want2) < TOL[dtype]
+
+
+def test_flash_attention_takes_sdpa_layout_views_and_matches_sdpa(rank):
+    # torch's [batch, heads, seq, dim]: sequence b as x[b].transpose(0, 1) (strided, no copy).
+    b, h, s, d = 2, 8, 257, 128
+    q, k, v = (_randn((b, h, s, d), torch.bfloat16, 10 + i, rank) for i in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    for i in range(b):
+        got = weft.flash_attention(q[i].transpose(0, 1), k[i].transpose(0, 1), v[i].transpose(0, 1), causal=True)
+        assert rel_error(got, want[i].transpose(0, 1)) < TOL[torch.bfloat16]
+
+
+def test_flash_attention_on_a_side_stream_and_in_a_graph(rank):
+    q, k, v = (_randn((500, 8, 64), torch.bfloat16, 20 + i, rank) for i in range(3))
+    want, _ = _reference(q, k, v, True, 1 / 8, 0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    out = torch.full_like(q, float("nan"))
+    with torch.cuda.stream(side):
+        weft.flash_attention(q, k, v, out, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    assert rel_error(out, want) < TOL[torch.bfloat16]
+    graph_out = torch.full_like(q, float("nan"))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        weft.flash_attention(q, k, v, graph_out, causal=True)
+    for _ in range(2):
+        graph_out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_error(graph_out, want) < TOL[torch.bfloat16]
+
+
+def _paged(k, v, page, gen):
+    """k, v [batch, L, Hkv, D] -> caches [pages, page, Hkv, D] in random page order, block table [batch, L / page]."""
+    b, length, hkv, d = k.shape
+    per_seq = (length + page - 1) // page
+    order = torch.randperm(b * per_seq, generator=gen).to("cuda")
+    kc = torch.zeros((b * per_seq, page, hkv, d), dtype=k.dtype, device="cuda")
+    vc = torch.zeros_like(kc)
+    pad = per_seq * page - length
+    kp = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).reshape(b * per_seq, page, hkv, d)
+    vp = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).reshape(b * per_seq, page, hkv, d)
+    kc[order] = kp
+    vc[order] = vp
+    return kc, vc, order.reshape(b, per_seq).to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,length,hq,hkv,d,page", [
+    (1, 1000, 8, 2, 128, 16),
+    (3, 4100, 32, 8, 128, 1),
+    (4, 700, 8, 8, 64, 64),
+])
+def test_decode_attention_matches_torch(rank, dtype, batch, length, hq, hkv, d, page):
+    gen = torch.Generator().manual_seed(1234 + rank)
+    q = _randn((batch, hq, d), dtype, 30, rank)
+    k, v = _randn((batch, length, hkv, d), dtype, 31, rank), _randn((batch, length, hkv, d), dtype, 32, rank)
+    kc, vc, table = _paged(k, v, page, gen)
+    lens = torch.tensor([max(0, length - 37 * i) for i in range(batch)], dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    got, lse = weft.decode_attention(q, kc, vc, table, lens, out, return_lse=True)
+    torch.cuda.synchronize()
+    assert got is out
+    for b in range(batch):
+        n = int(lens[b])
+        want, want_lse = _reference(q[b:b + 1], k[b, :n], v[b, :n], False, 1 / math.sqrt(d), 0)
+        assert rel_error(got[b], want[0]) < TOL[dtype]
+        assert torch.allclose(lse[b], want_lse[0], atol=2e-2, rtol=1e-3)
+
+
+def test_decode_attention_empty_sequence_workspace_and_graph(rank):
+    q = _randn((2, 8, 128), torch.bfloat16, 40, rank)
+    k, v = _randn((2, 2048, 2, 128), torch.bfloat16, 41, rank), _randn((2, 2048, 2, 128), torch.bfloat16, 42, rank)
+    kc, vc, table = _paged(k, v, 16, torch.Generator().manual_seed(7))
+    lens = torch.tensor([0, 2048], dtype=torch.int32, device="cuda")
+    nbytes = weft.decode_attention_workspace_bytes(2, 8, 2, 128, 2048)
+    ws = torch.empty(max(nbytes, 16), dtype=torch.uint8, device="cuda")
+    want, _ = _reference(q[1:2], k[1], v[1], False, 1 / math.sqrt(128), 0)
+    out = torch.full_like(q, float("nan"))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        weft.decode_attention(q, kc, vc, table, lens, out, workspace=ws)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[0], torch.zeros_like(out[0]))  # an empty sequence: zeros
+        assert rel_error(out[1], want[0]) < TOL[torch.bfloat16]
+
+
+def test_attention_argument_errors_name_the_argument(rank):
+    q = torch.zeros((16, 4, 64), dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(weft.Error, match="num_q_heads"):
+        weft.flash_attention(q, q[:, :3], q[:, :3])  # 4 q-heads over 3 KV heads
+    with pytest.raises(weft.Error, match="head_dim"):
+        weft.flash_attention(q[..., :32], q[..., :32], q[..., :32])

@@ -1,0 +1,47 @@
+# SPDX-License-Identifier: MIT
+# The attention wrappers' argument checks without a GPU (skipped where torch is absent): what they refuse before the
+# extension is called, each error naming the argument.
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import weft  # noqa: E402
+from weft import _weft  # noqa: E402
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    made = []
+    for name in ("flash_attention", "decode_attention"):
+        monkeypatch.setattr(_weft, name, lambda *args, _name=name: made.append((_name, args)))
+    return made
+
+
+def test_flash_attention_refuses_bad_arguments_before_the_extension(calls):
+    q = torch.zeros((8, 4, 64), dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="q: expected a torch.Tensor, got list"):
+        weft.flash_attention([1.0], q, q)
+    with pytest.raises(ValueError, match=r"q: expected a 3-D tensor, got shape \(8, 256\)"):
+        weft.flash_attention(q.reshape(8, 256), q, q)
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor, got one on cpu"):
+        weft.flash_attention(q, q, q)
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor, got one on meta"):
+        weft.flash_attention(q.to("meta"), q, q)
+    assert calls == []
+
+
+def test_decode_attention_refuses_bad_arguments_before_the_extension(calls):
+    q = torch.zeros((2, 4, 64), dtype=torch.float32)
+    cache = torch.zeros((4, 16, 1, 64), dtype=torch.float32)
+    table = torch.zeros((2, 2), dtype=torch.int32)
+    lens = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"q: expected a 3-D tensor, got shape \(4, 16, 1, 64\)"):
+        weft.decode_attention(cache, cache, cache, table, lens)
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor"):
+        weft.decode_attention(q, cache, cache, table, lens)
+    assert calls == []
+
+
+def test_the_attention_ops_are_exported():
+    for name in ("flash_attention", "decode_attention", "decode_attention_workspace_bytes"):
+        assert name in weft.__all__ and callable(getattr(weft, name))

@@ -1,0 +1,118 @@
+# SPDX-License-Identifier: MIT
+"""weft's attention ops on torch tensors. Local ops: they run on the GPU their tensors are on and need no weft.init;
+each call is enqueued on torch's current CUDA stream of that device (asynchronous, graph-capturable)."""
+from . import _tensor, _weft
+from ._tensor import dtype_code, torch_module
+
+
+def _dtype_list(dtypes):
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def _check(t, name, dims, dtypes, device=None):
+    """Raises TypeError / ValueError naming the argument unless `t` is a `dims`-D torch tensor of one of `dtypes` on
+    `device` (None: any CUDA device)."""
+    torch = torch_module()
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name}: expected a {dims}-D tensor, got shape {tuple(t.shape)}")
+    if device is None and t.device.type != "cuda":
+        raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (q's device), got one on {t.device}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {_dtype_list(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
+
+
+def _view(t, name):
+    """The TensorView of `t` (its pointer, shape and strides in elements; the C++ op checks the layout)."""
+    return _weft.TensorView(t.data_ptr(), dtype_code(t.dtype, name), tuple(t.shape), tuple(t.stride()))
+
+
+def _output(out, name, like, shape, dtype):
+    """`out` checked (shape and dtype; the op checks contiguity), or a new tensor on like's device."""
+    torch = torch_module()
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    _check(out, name, len(shape), (dtype,), like.device)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(out.shape)}")
+    return out
+
+
+def flash_attention(q, k, v, out=None, *, causal=False, scale=None, q_position=0, return_lse=False):
+    """Attention forward of one sequence on one GPU: out = softmax(scale * q k^T) v per q-head (weft's flash-attention
+    kernel; on sm_90 the wgmma one).
+
+    q: [seq_q, num_q_heads, head_dim]; k, v: [seq_kv, num_kv_heads, head_dim], same shape and strides. bf16 or f16
+    (one dtype), head_dim 64 or 128, num_q_heads a multiple of num_kv_heads (at most 16 q-heads per KV head). Any
+    strides with the innermost 1 and the others multiples of 8 elements: views into a packed QKV projection work, and
+    so does one sequence of torch's [batch, heads, seq, dim] layout as x[b].transpose(0, 1).
+    causal: query i sees the keys j <= q_position + i (q_position 0 with seq_q == seq_kv is SDPA's is_causal=True);
+    a row that sees no key gets zeros. scale: default 1 / sqrt(head_dim).
+    out: q's dtype and shape, contiguous; allocated when None. Returns out, or (out, lse) when return_lse, lse the
+    per-row log-sum-exp (natural log) as f32 [seq_q, num_q_heads]. Bad arguments raise TypeError / ValueError, or
+    weft.Error from the op naming what it expected."""
+    torch = torch_module()
+    halves = (torch.bfloat16, torch.float16)
+    _check(q, "q", 3, halves)
+    _check(k, "k", 3, (q.dtype,), q.device)
+    _check(v, "v", 3, (q.dtype,), q.device)
+    out = _output(out, "out", q, tuple(q.shape), q.dtype)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    device = q.device.index
+    _weft.flash_attention(_view(q, "q"), _view(k, "k"), _view(v, "v"), _view(out, "out"),
+                          _view(lse, "lse") if lse is not None else None, device, _tensor._raw_stream(device),
+                          bool(causal), scale, int(q_position))
+    return (out, lse) if return_lse else out
+
+
+def decode_attention(q, k_cache, v_cache, block_table, seq_lens, out=None, *, max_seq_len=None, scale=None,
+                     num_splits=0, return_lse=False, workspace=None):
+    """Decode attention against a paged KV cache on one GPU (flash-decoding: KV splits across SMs, then a combine):
+    one query token per sequence, out[b, h] = softmax(scale * q[b, h] k^T) v over the first seq_lens[b] tokens of
+    sequence b, token j in slot j % page_size of page block_table[b, j // page_size].
+
+    q: [batch, num_q_heads, head_dim] bf16 or f16; k_cache, v_cache: q's dtype, [num_pages, page_size, num_kv_heads,
+    head_dim] (a [pages, heads, slots, dim] cache as a strided view: .transpose(1, 2)), same shape and strides;
+    block_table: int32 [batch, max_pages_per_seq]; seq_lens: int32 [batch]. head_dim 64, 128 or 256; num_q_heads a
+    multiple of num_kv_heads (at most 16 per KV head). max_seq_len: a bound of seq_lens that sizes the split plan
+    (default: max_pages_per_seq x page_size; a tighter one saves work). scale: default 1 / sqrt(head_dim).
+    num_splits: KV splits per (sequence, KV head), 0 chooses. workspace: device scratch (u8, contiguous) of at least
+    decode_attention_workspace_bytes(...) bytes (a 1-D uint8 tensor), needed only to capture the first call in a CUDA graph (otherwise weft
+    keeps one per device and stream). Returns out (allocated when None), or (out, lse) when return_lse (f32 [batch,
+    num_q_heads], natural log; -inf for an empty sequence, whose output is zeros)."""
+    torch = torch_module()
+    halves = (torch.bfloat16, torch.float16)
+    _check(q, "q", 3, halves)
+    _check(k_cache, "k_cache", 4, (q.dtype,), q.device)
+    _check(v_cache, "v_cache", 4, (q.dtype,), q.device)
+    _check(block_table, "block_table", 2, (torch.int32,), q.device)
+    _check(seq_lens, "seq_lens", 1, (torch.int32,), q.device)
+    if max_seq_len is None:
+        max_seq_len = block_table.shape[1] * k_cache.shape[1]
+    out = _output(out, "out", q, tuple(q.shape), q.dtype)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    ws = None
+    if workspace is not None:
+        _check(workspace, "workspace", 1, (torch.uint8,), q.device)
+        ws = _view(workspace, "workspace")
+    device = q.device.index
+    _weft.decode_attention(_view(q, "q"), _view(k_cache, "k_cache"), _view(v_cache, "v_cache"),
+                           _view(block_table, "block_table"), _view(seq_lens, "seq_lens"), int(max_seq_len),
+                           _view(out, "out"), _view(lse, "lse") if lse is not None else None, device,
+                           _tensor._raw_stream(device), scale, int(num_splits), ws)
+    return (out, lse) if return_lse else out
+
+
+def decode_attention_workspace_bytes(batch, num_q_heads, num_kv_heads, head_dim, max_seq_len, *, num_splits=0,
+                                     device=None):
+    """The bytes decode_attention's `workspace` needs for these sizes on `device` (default: torch's current CUDA
+    device); 0 when one split suffices."""
+    torch = torch_module()
+    index = None if device is None else torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    return _weft.decode_attention_workspace_bytes(int(batch), int(num_q_heads), int(num_kv_heads), int(head_dim),
+                                                  int(max_seq_len), int(num_splits), index)
