@@ -202,24 +202,44 @@ jit::KernelSpec attention_prefill_kernel_spec(const AttentionPrefillConfig& conf
 
 namespace {
 
-// The work counter of the wgmma prefill launches on `stream` (one per device and stream, zeroed when made; each launch
-// leaves it at zero). Null while the stream is being captured and has none yet (no allocation inside a capture): the
-// launch then walks the items in waves.
+// Work counters of the wgmma prefill launches (each launch leaves its counter at zero). A launch on a stream that is
+// not being captured uses the stream's own (one per device and stream). A launch captured in a CUDA graph takes a
+// counter of its own for good, from spares that an uncaptured call made and zeroed beforehand (no allocation inside a
+// capture): the graph then shares its counter with no stream and no other graph, whichever stream replays it (a
+// graph's launches are ordered behind its earlier ones). Null when a capture finds no spare (no uncaptured call on
+// this device yet, or the spares used up since the last one): the launch then walks the items in waves.
+constexpr int kSpareCounters = 64;
+
 uint32_t* prefill_item_counter(cudaStream_t stream) {
     static std::mutex mutex;
-    static std::map<std::pair<int, cudaStream_t>, uint32_t*> counters;
+    static std::map<std::pair<int, cudaStream_t>, uint32_t*> per_stream;
+    static std::map<int, std::vector<uint32_t*>> spares;
     int device = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&device));
-    std::lock_guard<std::mutex> lock(mutex);
-    uint32_t*& counter = counters[{device, stream}];
-    if (counter != nullptr) return counter;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone) return nullptr;
-    void* ptr = nullptr;
-    WEFT_CUDA_CHECK(cudaMalloc(&ptr, sizeof(uint32_t)));
-    counter = static_cast<uint32_t*>(ptr);
-    WEFT_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(uint32_t), stream));
+    std::lock_guard<std::mutex> lock(mutex);
+    std::vector<uint32_t*>& spare = spares[device];
+    if (capture != cudaStreamCaptureStatusNone) {
+        if (spare.empty()) return nullptr;
+        uint32_t* counter = spare.back();
+        spare.pop_back();
+        return counter;
+    }
+    if (spare.size() < kSpareCounters / 4) {
+        // One block of counters, zeroed before any capture can take one (the host waits for the memset here, once
+        // per block).
+        void* ptr = nullptr;
+        WEFT_CUDA_CHECK(cudaMalloc(&ptr, kSpareCounters * sizeof(uint32_t)));
+        WEFT_CUDA_CHECK(cudaMemsetAsync(ptr, 0, kSpareCounters * sizeof(uint32_t), stream));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+        for (int i = 0; i < kSpareCounters; ++i) spare.push_back(static_cast<uint32_t*>(ptr) + i);
+    }
+    uint32_t*& counter = per_stream[{device, stream}];
+    if (counter == nullptr) {
+        counter = spare.back();
+        spare.pop_back();
+    }
     return counter;
 }
 
@@ -417,9 +437,9 @@ void flash_attention(const TensorView& q, const TensorView& k, const TensorView&
         plan = detail::plan_flash_attention(q, k, v, out, lse, o);
     }
     // mma.sync: one block per item (the hardware hands the longest items, first in the order, out first and balances
-    // the rest). wgmma: a resident grid whose blocks claim the items from the stream's work counter, longest first
-    // within groups of q-heads whose K and V share the L2 (attention_prefill_grouped_item); while a stream that has no
-    // counter yet is captured, attention_prefill_grid's waves.
+    // the rest). wgmma: a resident grid whose blocks claim the items from a work counter (prefill_item_counter),
+    // longest first within groups of q-heads whose K and V share the L2 (attention_prefill_grouped_item); a captured
+    // launch that finds no spare counter, attention_prefill_grid's waves.
     int64_t grid = 0;
     if (plan.config.kernel == AttentionPrefillKernel::kWgmma && plan.num_items > 0) {
         const int64_t resident =

@@ -380,11 +380,12 @@ TEST_P(FlashAttention, AwkwardLengthsGroupsAndPositions) {
     for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], seed + i, GetParam());
 }
 
-// The wgmma kernel's work counter (one per device and stream, left at zero by every launch): calls on two streams at
-// once, repeated, each into a freshly poisoned output, every result checked against the fp64 reference (the first)
-// or bit for bit against it (items are computed alike whichever block claims them); then graphs captured on a stream
-// that has a counter (the graph's launches use it) and on a fresh one (no counter can be made inside a capture: the
-// launch walks the items in waves), replayed twice each. More items than resident blocks (192 at dim 64, 288 at 128).
+// The wgmma kernel's work counters (one per device and stream for uncaptured calls, one of its own per captured
+// launch; each left at zero by its launch): calls on two streams at once, repeated, each into a freshly poisoned
+// output, every result checked against the fp64 reference (the first) or bit for bit against it (items are computed
+// alike whichever block claims them); then graphs captured on a stream that has a counter and on a fresh one, each
+// replayed on a third stream while a direct call runs on the capture stream. More items than resident blocks (192 at
+// dim 64, 288 at 128).
 TEST(FlashAttentionSchedule, CallsOnTwoStreamsRepeatedAndCapturedAgree) {
     if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
     for (const int dim : {64, 128}) {
@@ -445,15 +446,18 @@ TEST(FlashAttentionSchedule, CallsOnTwoStreamsRepeatedAndCapturedAgree) {
             call(1, st[s]);
             WEFT_CUDA_CHECK(cudaStreamEndCapture(st[s], &graph));
             WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+            const cudaStream_t other = st[s == 0 ? 1 : 0];  // replays beside direct calls on the capture stream
             for (int rep = 0; rep < 2; ++rep) {
-                WEFT_CUDA_CHECK(cudaGraphLaunch(exec, st[s]));
-                WEFT_CUDA_CHECK(cudaStreamSynchronize(st[s]));
+                WEFT_CUDA_CHECK(cudaGraphLaunch(exec, other));
+                call(0, st[s]);
+                WEFT_CUDA_CHECK(cudaDeviceSynchronize());
                 expect_same(1, "graph captured on stream " + std::to_string(s) + ", replay " + std::to_string(rep));
+                expect_same(0, "a call on stream " + std::to_string(s) + " beside the replay " + std::to_string(rep));
             }
             WEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
             WEFT_CUDA_CHECK(cudaGraphDestroy(graph));
         }
-        call(0, st[2]);  // after the capture: stream 2 gets its counter
+        call(0, st[2]);  // stream 2 on its own counter, after its capture
         WEFT_CUDA_CHECK(cudaStreamSynchronize(st[2]));
         expect_same(0, "stream 2 after its capture");
         for (cudaStream_t x : st) WEFT_CUDA_CHECK(cudaStreamDestroy(x));

@@ -57,11 +57,13 @@ struct FlashAttentionOptions {
 /// [0, 2^31 - 2^20) (seq_q 0: nothing to do; a row that sees no key gets zeros and lse -inf). Pointers 16-byte
 /// aligned. Asynchronous on `stream`, no host synchronisation, capturable in a CUDA graph. The kernel is
 /// JIT-compiled on first use. Bad arguments throw weft::Error naming the argument.
-/// The wgmma kernel's blocks take their items from a 4-byte work counter that weft keeps per device and stream (made
-/// by the stream's first call, left at zero by every launch): launches on one stream share it, which their stream
-/// order keeps apart; a graph's launches use the counter of the stream they were captured on, so replay such a graph
-/// on that stream (or one ordered with it), not beside other calls on it. A stream captured before any call on it has
-/// no counter: its captured launches walk the items in fixed waves instead (the same results).
+/// The wgmma kernel's blocks take their items from a 4-byte work counter that every launch leaves at zero: a call on a
+/// stream that is not being captured uses the stream's own (one per device and stream, made by its first call: the
+/// stream order keeps its launches apart); a call captured in a CUDA graph gets a counter of its own for good, so the
+/// graph may be replayed on any stream beside any other calls. Those counters are made by uncaptured calls (64 at a
+/// time, the host waiting once for their zeroing; an uncaptured call leaves at least 15 spare): a capture before any
+/// uncaptured call on the device, or one that finds the spares used up, walks the items in fixed waves instead (the
+/// same results).
 void flash_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                      const TensorView& lse, cudaStream_t stream, const FlashAttentionOptions& options = {});
 
