@@ -204,10 +204,10 @@ WEFT_HOST_DEVICE constexpr uint32_t attention_prefill_wave_item(uint32_t wave_st
 /// resident.
 inline constexpr int64_t kPrefillResidentWaves = 8;
 
-/// The grid of a one-GPU wgmma prefill call without a work counter (flash_attention while a stream that has none yet
-/// is captured): `resident` blocks (SMs x blocks per SM) walking the items in waves where the items fill at most
-/// kPrefillResidentWaves waves of them (each block then loads its next item under its current one's last tiles
-/// instead of starting afresh), else one block per item. Measured on an H200 (bf16, 32 heads, causal;
+/// The grid of a one-GPU wgmma prefill call without a work counter (a flash_attention launch captured in a graph
+/// that finds no spare counter): `resident` blocks (SMs x blocks per SM) walking the items in waves where the items
+/// fill at most kPrefillResidentWaves waves of them (each block then loads its next item under its current one's last
+/// tiles instead of starting afresh), else one block per item. Measured on an H200 (bf16, 32 heads, causal;
 /// kernels/attention/README.md): 2K-6K tokens (2.7-7.8 waves) up to 22% faster resident (dim 64 at 2K the same), 8K
 /// at dim 64 (10.4 waves) 13% slower and 16K 3-15% slower.
 WEFT_HOST_DEVICE constexpr int64_t attention_prefill_grid(int64_t items, int64_t resident) {
