@@ -388,6 +388,14 @@ int attention_prefill_blocks_per_sm(const AttentionPrefillConfig& config) {
     return blocks;
 }
 
+void use_prefill_counter(FlashAttentionPlan& plan, uint32_t* counter, int64_t grid) {
+    if (plan.config.kernel != AttentionPrefillKernel::kWgmma || plan.num_items == 0) return;
+    AttentionPrefillParams& p = plan.params;
+    p.item_counter = counter;
+    p.head_group = attention_prefill_head_group(p.seq_kv, plan.config.head_dim, p.group, p.num_q_heads,
+                                                plan.num_items / p.num_q_heads, grid, device_l2_bytes());
+}
+
 void launch_flash_attention(const FlashAttentionPlan& plan, int64_t grid, cudaStream_t stream) {
     if (plan.num_items == 0) return;
     jit::Kernel& k = kernel_for(plan.config);
@@ -444,12 +452,9 @@ void flash_attention(const TensorView& q, const TensorView& k, const TensorView&
     if (plan.config.kernel == AttentionPrefillKernel::kWgmma && plan.num_items > 0) {
         const int64_t resident =
             int64_t{tp_detail::device_sm_count()} * detail::attention_prefill_blocks_per_sm(plan.config);
-        plan.params.item_counter = prefill_item_counter(stream);
-        if (plan.params.item_counter != nullptr) {
+        if (uint32_t* counter = prefill_item_counter(stream)) {
             grid = std::min(plan.num_items, resident);
-            plan.params.head_group = attention_prefill_head_group(
-                plan.params.seq_kv, plan.config.head_dim, plan.params.group, plan.params.num_q_heads,
-                plan.num_items / plan.params.num_q_heads, resident, device_l2_bytes());
+            detail::use_prefill_counter(plan, counter, grid);
         } else {
             grid = attention_prefill_grid(plan.num_items, resident);
         }
@@ -506,6 +511,7 @@ struct AgAttention::State {
     uint64_t* done = nullptr;           // [W]
     uint64_t* epoch = nullptr;
     uint64_t* block_counter = nullptr;
+    uint32_t* item_counter = nullptr;  // the kernel's work counter (the low half of a local word)
 
     const jit::Kernel* notify_kernel = nullptr;
     const jit::Kernel* pull_kernel = nullptr;  // ranks of one process sharing a GPU (tp_detail::pulls_with_kernel)
@@ -558,12 +564,13 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
     const auto kv_bytes = static_cast<uint64_t>(shape.max_seq * s.row_bytes());
     s.gathered_k = static_cast<uint8_t*>(s.heap.alloc(kv_bytes));
     s.gathered_v = static_cast<uint8_t*>(s.heap.alloc(kv_bytes));
-    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(3 * s.num_ranks + 2));
+    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(3 * s.num_ranks + 3));
     s.chunk_signals = words;
     s.ready = words + s.num_ranks;
     s.done = s.ready + s.num_ranks;
     s.epoch = s.done + s.num_ranks;
     s.block_counter = s.epoch + 1;
+    s.item_counter = reinterpret_cast<uint32_t*>(s.block_counter + 1);
     tp_detail::check_peers_reachable(team, s.gathered_k, kOp);
 
     // Every kernel a call launches is loaded now (lazy loading behind a waiting kernel can deadlock).
@@ -665,6 +672,7 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     if (s.num_ranks == 1) {
         // The kernel straight on the caller's K/V; the copy into the gathered buffer is what a call leaves behind.
         detail::FlashAttentionPlan local = detail::plan_flash_attention(q_local, k_local, v_local, out, lse, fo, kOp);
+        detail::use_prefill_counter(local, s.item_counter, std::min<int64_t>(s.grid, local.num_items));
         detail::launch_flash_attention(local, s.grid, stream);
         for (const auto& [src, dst] : {std::pair{&k_local, s.gathered_k}, std::pair{&v_local, s.gathered_v}}) {
             if (src->data == dst) continue;
@@ -723,6 +731,7 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     p.finish.ready = s.ready;
     p.finish.done = s.done;
     p.finish.epoch = s.epoch;
+    detail::use_prefill_counter(plan, s.item_counter, std::min<int64_t>(s.grid, plan.num_items));
     const AgNotifyParams notify{s.ctx, s.ready, nullptr, 0, {}};  // no call descriptor (AgAttention)
     uint8_t* const slot_k = s.gathered_k + s.rank * shard_bytes;
     uint8_t* const slot_v = s.gathered_v + s.rank * shard_bytes;

@@ -380,6 +380,31 @@ TEST_P(FlashAttention, AwkwardLengthsGroupsAndPositions) {
     for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], seed + i, GetParam());
 }
 
+/// A problem's q, k and v on the device (bf16, contiguous), freed at the end of the scope.
+struct DeviceQkv {
+    void* q = nullptr;
+    void* k = nullptr;
+    void* v = nullptr;
+    TensorView tq, tk, tv;
+
+    explicit DeviceQkv(const Problem& pr) {
+        WEFT_CUDA_CHECK(cudaMalloc(&q, pr.q.size() * 2));
+        WEFT_CUDA_CHECK(cudaMalloc(&k, pr.k.size() * 2));
+        WEFT_CUDA_CHECK(cudaMalloc(&v, pr.v.size() * 2));
+        WEFT_CUDA_CHECK(cudaMemcpy(q, pr.q.data(), pr.q.size() * 2, cudaMemcpyHostToDevice));
+        WEFT_CUDA_CHECK(cudaMemcpy(k, pr.k.data(), pr.k.size() * 2, cudaMemcpyHostToDevice));
+        WEFT_CUDA_CHECK(cudaMemcpy(v, pr.v.data(), pr.v.size() * 2, cudaMemcpyHostToDevice));
+        tq = TensorView(q, DType::kBF16, {pr.seq_q, pr.hq, pr.dim});
+        tk = TensorView(k, DType::kBF16, {pr.seq_kv, pr.hkv, pr.dim});
+        tv = TensorView(v, DType::kBF16, {pr.seq_kv, pr.hkv, pr.dim});
+    }
+    ~DeviceQkv() {
+        for (void* p : {q, k, v}) cudaFree(p);
+    }
+    DeviceQkv(const DeviceQkv&) = delete;
+    DeviceQkv& operator=(const DeviceQkv&) = delete;
+};
+
 // The wgmma kernel's work counters (one per device and stream for uncaptured calls, one of its own per captured
 // launch; each left at zero by its launch): calls on two streams at once, repeated, each into a freshly poisoned
 // output, every result checked against the fp64 reference (the first) or bit for bit against it (items are computed
@@ -393,20 +418,12 @@ TEST(FlashAttentionSchedule, CallsOnTwoStreamsRepeatedAndCapturedAgree) {
         SCOPED_TRACE("dim " + std::to_string(dim));
         const Problem pr = make_problem(seq, seq, hq, hkv, dim, true, 0, DType::kBF16, fresh_seed());
         const size_t q_bytes = pr.q.size() * 2, lse_bytes = pr.lse.size() * 4;
-        void *dq, *dk, *dv, *dout[2], *dlse[2];
-        WEFT_CUDA_CHECK(cudaMalloc(&dq, q_bytes));
-        WEFT_CUDA_CHECK(cudaMalloc(&dk, pr.k.size() * 2));
-        WEFT_CUDA_CHECK(cudaMalloc(&dv, pr.v.size() * 2));
+        const DeviceQkv in(pr);
+        void *dout[2], *dlse[2];
         for (int i = 0; i < 2; ++i) {
             WEFT_CUDA_CHECK(cudaMalloc(&dout[i], q_bytes));
             WEFT_CUDA_CHECK(cudaMalloc(&dlse[i], lse_bytes));
         }
-        WEFT_CUDA_CHECK(cudaMemcpy(dq, pr.q.data(), q_bytes, cudaMemcpyHostToDevice));
-        WEFT_CUDA_CHECK(cudaMemcpy(dk, pr.k.data(), pr.k.size() * 2, cudaMemcpyHostToDevice));
-        WEFT_CUDA_CHECK(cudaMemcpy(dv, pr.v.data(), pr.v.size() * 2, cudaMemcpyHostToDevice));
-        const TensorView tq(dq, DType::kBF16, {seq, hq, dim});
-        const TensorView tk(dk, DType::kBF16, {seq, hkv, dim});
-        const TensorView tv(dv, DType::kBF16, {seq, hkv, dim});
         ops::FlashAttentionOptions o;
         o.mask = AttentionMask::kCausal;
         o.config = config_of(AttentionPrefillKernel::kWgmma, DType::kBF16, dim);
@@ -415,7 +432,7 @@ TEST(FlashAttentionSchedule, CallsOnTwoStreamsRepeatedAndCapturedAgree) {
         const auto call = [&](int i, cudaStream_t stream) {
             WEFT_CUDA_CHECK(cudaMemsetAsync(dout[i], 0xff, q_bytes, stream));
             WEFT_CUDA_CHECK(cudaMemsetAsync(dlse[i], 0xff, lse_bytes, stream));
-            ops::flash_attention(tq, tk, tv, TensorView(dout[i], DType::kBF16, {seq, hq, dim}),
+            ops::flash_attention(in.tq, in.tk, in.tv, TensorView(dout[i], DType::kBF16, {seq, hq, dim}),
                                  TensorView(dlse[i], DType::kF32, {seq, hq}), stream, o);
         };
         std::vector<uint16_t> want(pr.q.size()), got(pr.q.size());
@@ -461,8 +478,56 @@ TEST(FlashAttentionSchedule, CallsOnTwoStreamsRepeatedAndCapturedAgree) {
         WEFT_CUDA_CHECK(cudaStreamSynchronize(st[2]));
         expect_same(0, "stream 2 after its capture");
         for (cudaStream_t x : st) WEFT_CUDA_CHECK(cudaStreamDestroy(x));
-        for (void* p : {dq, dk, dv, dout[0], dout[1], dlse[0], dlse[1]}) cudaFree(p);
+        for (void* p : {dout[0], dout[1], dlse[0], dlse[1]}) cudaFree(p);
     }
+}
+
+// More captured launches than spare counters (an uncaptured call leaves at most 79): the first ones run on counters of
+// their own, the rest walk the items in waves; every launch of the graph (replayed twice) writes its own output, each
+// bit for bit the uncaptured call's (checked against the fp64 reference).
+TEST(FlashAttentionSchedule, CapturesBeyondTheSpareCountersWalkWaves) {
+    if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+    const int seq = 700, hq = 48, hkv = 12, dim = 64, launches = 140;
+    const Problem pr = make_problem(seq, seq, hq, hkv, dim, true, 0, DType::kBF16, fresh_seed());
+    const size_t q_bytes = pr.q.size() * 2;
+    const DeviceQkv in(pr);
+    void *douts, *dlse;
+    WEFT_CUDA_CHECK(cudaMalloc(&douts, q_bytes * (launches + 1)));
+    WEFT_CUDA_CHECK(cudaMalloc(&dlse, pr.lse.size() * 4));
+    const auto out = [&](int i) {
+        return TensorView(static_cast<char*>(douts) + q_bytes * i, DType::kBF16, {seq, hq, dim});
+    };
+    ops::FlashAttentionOptions o;
+    o.mask = AttentionMask::kCausal;
+    o.config = config_of(AttentionPrefillKernel::kWgmma, DType::kBF16, dim);
+    cudaStream_t st = nullptr;
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(douts, 0xff, q_bytes * (launches + 1), st));
+    ops::flash_attention(in.tq, in.tk, in.tv, out(launches), TensorView(dlse, DType::kF32, {seq, hq}), st, o);
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(st));
+    download_and_check(pr, out(launches).data, dlse, "the uncaptured call");
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    WEFT_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(douts, 0xff, q_bytes * launches, st));
+    for (int i = 0; i < launches; ++i) ops::flash_attention(in.tq, in.tk, in.tv, out(i), TensorView(), st, o);
+    WEFT_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+    WEFT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    std::vector<uint8_t> all(q_bytes * (launches + 1));
+    for (int rep = 0; rep < 2; ++rep) {
+        WEFT_CUDA_CHECK(cudaGraphLaunch(exec, st));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(st));
+        WEFT_CUDA_CHECK(cudaMemcpy(all.data(), douts, all.size(), cudaMemcpyDeviceToHost));
+        const uint8_t* want = all.data() + q_bytes * launches;
+        for (int i = 0; i < launches; ++i) {
+            ASSERT_EQ(std::memcmp(all.data() + q_bytes * i, want, q_bytes), 0)
+                << "captured launch " << i << " of " << launches << ", replay " << rep;
+        }
+    }
+    WEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    WEFT_CUDA_CHECK(cudaGraphDestroy(graph));
+    WEFT_CUDA_CHECK(cudaStreamDestroy(st));
+    for (void* p : {douts, dlse}) cudaFree(p);
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, FlashAttention,

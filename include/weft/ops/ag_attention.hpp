@@ -175,6 +175,10 @@ void launch_flash_attention(const FlashAttentionPlan& plan, int64_t grid, cudaSt
 /// Blocks of `config`'s kernel that fit one SM of the current device.
 int attention_prefill_blocks_per_sm(const AttentionPrefillConfig& config);
 
+/// Gives a wgmma plan a work counter (zero, and left at zero by each launch; AttentionPrefillParams::item_counter)
+/// and the head group of attention_prefill_head_group for a grid of `grid` resident blocks. Other kernels: nothing.
+void use_prefill_counter(FlashAttentionPlan& plan, uint32_t* counter, int64_t grid);
+
 }  // namespace detail
 
 }  // namespace weft::ops
