@@ -55,15 +55,15 @@ struct FlashAttentionOptions {
 ///   lse  f32 [seq_q, num_q_heads], contiguous; or an empty view (data null) when not wanted
 /// head_dim 64 or 128; num_q_heads a multiple of num_kv_heads, at most 16 q-heads per KV head; seq_q, seq_kv in
 /// [0, 2^31 - 2^20) (seq_q 0: nothing to do; a row that sees no key gets zeros and lse -inf). Pointers 16-byte
-/// aligned. Asynchronous on `stream`, no host synchronisation, capturable in a CUDA graph. The kernel is
-/// JIT-compiled on first use. Bad arguments throw weft::Error naming the argument.
+/// aligned. Asynchronous on `stream`, capturable in a CUDA graph; the host waits only when weft makes work counters
+/// (below). The kernel is JIT-compiled on first use. Bad arguments throw weft::Error naming the argument.
 /// The wgmma kernel's blocks take their items from a 4-byte work counter that every launch leaves at zero: a call on a
 /// stream that is not being captured uses the stream's own (one per device and stream, made by its first call: the
 /// stream order keeps its launches apart); a call captured in a CUDA graph gets a counter of its own for good, so the
-/// graph may be replayed on any stream beside any other calls. Those counters are made by uncaptured calls (64 at a
-/// time, the host waiting once for their zeroing; an uncaptured call leaves at least 15 spare): a capture before any
-/// uncaptured call on the device, or one that finds the spares used up, walks the items in fixed waves instead (the
-/// same results).
+/// graph may be replayed on any stream beside any other calls. Those counters are made by uncaptured calls, 64 at a
+/// time (at the device's first call, and at an uncaptured call that finds fewer than 16 spare), the host waiting for
+/// their zeroing on `stream`. A capture before any uncaptured call on the device, or one that finds no spare, walks
+/// the items in fixed waves instead (the same results).
 void flash_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                      const TensorView& lse, cudaStream_t stream, const FlashAttentionOptions& options = {});
 
