@@ -42,22 +42,27 @@ namespace {
 cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
 // Makes `device` current for a local op's call (its tensors' device, which need not be the thread's current one) and
-// restores the previous device after it.
+// restores the previous device after it, unless the thread had no context current before (it never used a device:
+// restoring "device 0" would create a context there for nothing; the tensors' device then stays current).
 class DeviceScope {
 public:
     explicit DeviceScope(int device) {
         WEFT_CUDA_CHECK(cudaGetDevice(&previous_));
-        if (device != previous_) WEFT_CUDA_CHECK(cudaSetDevice(device));
+        if (device == previous_) return;
+        CUcontext current = nullptr;
+        WEFT_CU_CHECK(driver().cuCtxGetCurrent(&current));
+        restore_ = current != nullptr;
+        WEFT_CUDA_CHECK(cudaSetDevice(device));
     }
     ~DeviceScope() {
-        int now = 0;
-        if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+        if (restore_) cudaSetDevice(previous_);
     }
     DeviceScope(const DeviceScope&) = delete;
     DeviceScope& operator=(const DeviceScope&) = delete;
 
 private:
     int previous_ = 0;
+    bool restore_ = false;
 };
 
 DType as_dtype(int code) {

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: MIT
 """weft's attention ops on torch tensors. Local ops: they run on the GPU their tensors are on and need no weft.init;
-each call is enqueued on torch's current CUDA stream of that device (asynchronous, graph-capturable)."""
+each call is enqueued on torch's current CUDA stream of that device (asynchronous, graph-capturable; the first
+flash_attention call on a device waits once on the host for weft's work counters to be zeroed)."""
 from . import _tensor, _weft
 from ._tensor import dtype_code, torch_module
 

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -203,40 +204,77 @@ jit::KernelSpec attention_prefill_kernel_spec(const AttentionPrefillConfig& conf
 namespace {
 
 // Work counters of the wgmma prefill launches (each launch leaves its counter at zero). A launch on a stream that is
-// not being captured uses the stream's own (one per device and stream). A launch captured in a CUDA graph takes a
-// counter of its own for good, from spares that an uncaptured call made and zeroed beforehand (no allocation inside a
-// capture): the graph then shares its counter with no stream and no other graph, whichever stream replays it (a
-// graph's launches are ordered behind its earlier ones). Null when a capture finds no spare (no uncaptured call on
-// this device yet, or the spares used up since the last one): the launch then walks the items in waves.
-constexpr int kSpareCounters = 64;
+// not being captured uses the stream's own (one per device and stream; cudaStreamPerThread, one handle for a stream
+// per thread, per device and thread). A launch captured in a CUDA graph takes a counter of its own for good, from
+// spares that an uncaptured call made and zeroed beforehand (no allocation inside a capture): the graph's launches
+// then share their counters with no stream and no other capture (an instantiation's launches are ordered behind its
+// earlier ones). Null when a capture finds no spare (no uncaptured call on this device yet, or the spares used up
+// since the last one): the launch then walks the items in waves.
+constexpr size_t kSpareCounters = 64;
+
+struct CounterKey {
+    int device = 0;
+    cudaStream_t stream = nullptr;
+    std::thread::id thread{};  // cudaStreamPerThread's calling thread; default otherwise
+    bool operator<(const CounterKey& o) const {
+        return std::tie(device, stream, thread) < std::tie(o.device, o.stream, o.thread);
+    }
+};
+
+// A block of kSpareCounters zeroed counters on the current device: allocated and zeroed on a private stream whose
+// memset the host waits for (not the caller's stream, whose queued work it need not wait for), in relaxed capture
+// mode so that another thread's capture does not forbid it.
+uint32_t* make_zeroed_counters() {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    WEFT_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    void* ptr = nullptr;
+    cudaStream_t zeroing = nullptr;
+    const size_t bytes = kSpareCounters * sizeof(uint32_t);
+    cudaError_t err = cudaMalloc(&ptr, bytes);
+    if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&zeroing, cudaStreamNonBlocking);
+    if (err == cudaSuccess) err = cudaMemsetAsync(ptr, 0, bytes, zeroing);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(zeroing);
+    if (zeroing != nullptr) cudaStreamDestroy(zeroing);
+    if (err != cudaSuccess && ptr != nullptr) cudaFree(ptr);
+    cudaThreadExchangeStreamCaptureMode(&mode);  // back to the thread's own mode
+    WEFT_CUDA_CHECK(err);
+    return static_cast<uint32_t*>(ptr);
+}
 
 uint32_t* prefill_item_counter(cudaStream_t stream) {
     static std::mutex mutex;
-    static std::map<std::pair<int, cudaStream_t>, uint32_t*> per_stream;
+    static std::map<CounterKey, uint32_t*> per_stream;
     static std::map<int, std::vector<uint32_t*>> spares;
-    int device = 0;
-    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    CounterKey key;
+    WEFT_CUDA_CHECK(cudaGetDevice(&key.device));
+    key.stream = stream;
+    if (stream == cudaStreamPerThread) key.thread = std::this_thread::get_id();
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    std::lock_guard<std::mutex> lock(mutex);
-    std::vector<uint32_t*>& spare = spares[device];
     if (capture != cudaStreamCaptureStatusNone) {
+        std::lock_guard<std::mutex> lock(mutex);
+        std::vector<uint32_t*>& spare = spares[key.device];
         if (spare.empty()) return nullptr;
         uint32_t* counter = spare.back();
         spare.pop_back();
         return counter;
     }
-    if (spare.size() < kSpareCounters / 4) {
-        // One block of counters, zeroed before any capture can take one (the host waits for the memset here, once
-        // per block).
-        void* ptr = nullptr;
-        WEFT_CUDA_CHECK(cudaMalloc(&ptr, kSpareCounters * sizeof(uint32_t)));
-        WEFT_CUDA_CHECK(cudaMemsetAsync(ptr, 0, kSpareCounters * sizeof(uint32_t), stream));
-        WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-        for (int i = 0; i < kSpareCounters; ++i) spare.push_back(static_cast<uint32_t*>(ptr) + i);
+    bool refill = false;
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        refill = spares[key.device].size() < kSpareCounters / 4;
     }
-    uint32_t*& counter = per_stream[{device, stream}];
+    // Made without the lock held (the host waits for the zeroing): two threads may both make a block, both kept.
+    uint32_t* block = refill ? make_zeroed_counters() : nullptr;
+    std::lock_guard<std::mutex> lock(mutex);
+    std::vector<uint32_t*>& spare = spares[key.device];
+    for (size_t i = 0; block != nullptr && i < kSpareCounters; ++i) spare.push_back(block + i);
+    uint32_t*& counter = per_stream[key];
     if (counter == nullptr) {
+        if (spare.empty()) {  // taken by concurrent captures since the check above: the next call makes more
+            per_stream.erase(key);
+            return nullptr;
+        }
         counter = spare.back();
         spare.pop_back();
     }

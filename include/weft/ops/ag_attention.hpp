@@ -37,7 +37,7 @@ struct FlashAttentionOptions {
     /// The kernel's config (dtype and head_dim must be q's); nullopt: attention_prefill_call_config with the
     /// device's kernel (attention_prefill_device_kernel: wgmma on sm_90), or mma.sync where q, k or v is a broadcast
     /// (the wgmma kernel at head_dim 64: 192-row items where they give every SM one, else 128). Either way the wgmma
-    /// kernel runs a resident grid whose blocks claim the items from a work counter (below).
+    /// kernel's resident blocks claim the items from a work counter where the call has one (flash_attention, below).
     std::optional<AttentionPrefillConfig> config = std::nullopt;
 };
 
@@ -58,12 +58,14 @@ struct FlashAttentionOptions {
 /// aligned. Asynchronous on `stream`, capturable in a CUDA graph; the host waits only when weft makes work counters
 /// (below). The kernel is JIT-compiled on first use. Bad arguments throw weft::Error naming the argument.
 /// The wgmma kernel's blocks take their items from a 4-byte work counter that every launch leaves at zero: a call on a
-/// stream that is not being captured uses the stream's own (one per device and stream, made by its first call: the
-/// stream order keeps its launches apart); a call captured in a CUDA graph gets a counter of its own for good, so the
-/// graph may be replayed on any stream beside any other calls. Those counters are made by uncaptured calls, 64 at a
-/// time (at the device's first call, and at an uncaptured call that finds fewer than 16 spare), the host waiting for
-/// their zeroing on `stream`. A capture before any uncaptured call on the device, or one that finds no spare, walks
-/// the items in fixed waves instead (the same results).
+/// stream that is not being captured uses the stream's own (one per device and stream, per thread for
+/// cudaStreamPerThread, made by its first call: the stream order keeps its launches apart); a call captured in a
+/// CUDA graph gets a counter of its own for good, so an instantiation of the graph may be replayed on any stream
+/// beside any other calls (two instantiations of one captured graph share its counters: run them one at a time). Those
+/// counters are made by uncaptured calls, 64 at a time (at the device's first call, and at an uncaptured call that
+/// finds fewer than 16 spare), the host waiting for their zeroing on a stream of weft's (not for the work queued on
+/// `stream`). A capture before any uncaptured call on the device, or one that finds no spare, walks the items in fixed
+/// waves instead (the same results).
 void flash_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                      const TensorView& lse, cudaStream_t stream, const FlashAttentionOptions& options = {});
 
