@@ -281,13 +281,6 @@ uint32_t* prefill_item_counter(cudaStream_t stream) {
     return counter;
 }
 
-int64_t device_l2_bytes() {
-    int device = 0, n = 0;
-    WEFT_CUDA_CHECK(cudaGetDevice(&device));
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrL2CacheSize, device));
-    return n;
-}
-
 }  // namespace
 
 void register_prefill_attention_aot_specs() {
@@ -431,7 +424,8 @@ void use_prefill_counter(FlashAttentionPlan& plan, uint32_t* counter, int64_t gr
     AttentionPrefillParams& p = plan.params;
     p.item_counter = counter;
     p.head_group = attention_prefill_head_group(p.seq_kv, plan.config.head_dim, p.group, p.num_q_heads,
-                                                plan.num_items / p.num_q_heads, grid, device_l2_bytes());
+                                                plan.num_items / p.num_q_heads, std::min(grid, plan.num_items),
+                                                tp_detail::device_attribute(cudaDevAttrL2CacheSize));
 }
 
 void launch_flash_attention(const FlashAttentionPlan& plan, int64_t grid, cudaStream_t stream) {
@@ -710,7 +704,7 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     if (s.num_ranks == 1) {
         // The kernel straight on the caller's K/V; the copy into the gathered buffer is what a call leaves behind.
         detail::FlashAttentionPlan local = detail::plan_flash_attention(q_local, k_local, v_local, out, lse, fo, kOp);
-        detail::use_prefill_counter(local, s.item_counter, std::min<int64_t>(s.grid, local.num_items));
+        detail::use_prefill_counter(local, s.item_counter, s.grid);
         detail::launch_flash_attention(local, s.grid, stream);
         for (const auto& [src, dst] : {std::pair{&k_local, s.gathered_k}, std::pair{&v_local, s.gathered_v}}) {
             if (src->data == dst) continue;
@@ -769,7 +763,7 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     p.finish.ready = s.ready;
     p.finish.done = s.done;
     p.finish.epoch = s.epoch;
-    detail::use_prefill_counter(plan, s.item_counter, std::min<int64_t>(s.grid, plan.num_items));
+    detail::use_prefill_counter(plan, s.item_counter, s.grid);
     const AgNotifyParams notify{s.ctx, s.ready, nullptr, 0, {}};  // no call descriptor (AgAttention)
     uint8_t* const slot_k = s.gathered_k + s.rank * shard_bytes;
     uint8_t* const slot_v = s.gathered_v + s.rank * shard_bytes;

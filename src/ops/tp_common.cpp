@@ -45,12 +45,14 @@ void launch_peer_pulls(const jit::Kernel& kernel, const DeviceCtx& ctx, const st
     }
 }
 
-int device_sm_count() {
+int device_attribute(cudaDeviceAttr attr) {
     int device = 0, n = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&device));
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&n, attr, device));
     return n;
 }
+
+int device_sm_count() { return device_attribute(cudaDevAttrMultiProcessorCount); }
 
 int resolve_sm_budget(int option, int world_default) {
     return option > 0 ? std::min(option, device_sm_count()) : world_default;

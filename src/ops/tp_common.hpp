@@ -42,6 +42,9 @@ using ops::detail::config_text;
 /// "8192x14336x4096 bf16" (M x N x K): an op's problem in progress lines.
 std::string problem_text(int64_t m, int64_t n, int64_t k, DType dtype);
 
+/// An attribute of the current device (cudaDeviceGetAttribute).
+int device_attribute(cudaDeviceAttr attr);
+
 /// The current device's SM count.
 int device_sm_count();
 

@@ -263,6 +263,31 @@ void run_case(const Case& c, uint64_t seed, AttentionPrefillKernel kernel) {
     for (void* p : {dq, dk, dv, dout, dlse}) cudaFree(p);
 }
 
+/// A problem's q, k and v on the device (bf16, contiguous), freed at the end of the scope.
+struct DeviceQkv {
+    void* q = nullptr;
+    void* k = nullptr;
+    void* v = nullptr;
+    TensorView tq, tk, tv;
+
+    explicit DeviceQkv(const Problem& pr) {
+        WEFT_CUDA_CHECK(cudaMalloc(&q, pr.q.size() * 2));
+        WEFT_CUDA_CHECK(cudaMalloc(&k, pr.k.size() * 2));
+        WEFT_CUDA_CHECK(cudaMalloc(&v, pr.v.size() * 2));
+        WEFT_CUDA_CHECK(cudaMemcpy(q, pr.q.data(), pr.q.size() * 2, cudaMemcpyHostToDevice));
+        WEFT_CUDA_CHECK(cudaMemcpy(k, pr.k.data(), pr.k.size() * 2, cudaMemcpyHostToDevice));
+        WEFT_CUDA_CHECK(cudaMemcpy(v, pr.v.data(), pr.v.size() * 2, cudaMemcpyHostToDevice));
+        tq = TensorView(q, DType::kBF16, {pr.seq_q, pr.hq, pr.dim});
+        tk = TensorView(k, DType::kBF16, {pr.seq_kv, pr.hkv, pr.dim});
+        tv = TensorView(v, DType::kBF16, {pr.seq_kv, pr.hkv, pr.dim});
+    }
+    ~DeviceQkv() {
+        for (void* p : {q, k, v}) cudaFree(p);
+    }
+    DeviceQkv(const DeviceQkv&) = delete;
+    DeviceQkv& operator=(const DeviceQkv&) = delete;
+};
+
 class FlashAttention : public PrefillKernel {};
 
 TEST_P(FlashAttention, MatchesTheReference) {
@@ -309,21 +334,16 @@ TEST(FlashAttentionDefaults, ABroadcastKvRunsOnTheMmaSyncKernel) {
     if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
     const int seq = 150, hq = 8, hkv_view = 4, dim = 128;
     const Problem pr = make_problem(seq, seq, hq, 1, dim, true, 0, DType::kBF16, fresh_seed());
-    void *dq, *dk, *dv, *dout, *dlse;
-    WEFT_CUDA_CHECK(cudaMalloc(&dq, pr.q.size() * 2));
-    WEFT_CUDA_CHECK(cudaMalloc(&dk, pr.k.size() * 2));
-    WEFT_CUDA_CHECK(cudaMalloc(&dv, pr.v.size() * 2));
+    const DeviceQkv in(pr);
+    void *dout, *dlse;
     WEFT_CUDA_CHECK(cudaMalloc(&dout, pr.q.size() * 2));
     WEFT_CUDA_CHECK(cudaMalloc(&dlse, pr.lse.size() * 4));
-    WEFT_CUDA_CHECK(cudaMemcpy(dq, pr.q.data(), pr.q.size() * 2, cudaMemcpyHostToDevice));
-    WEFT_CUDA_CHECK(cudaMemcpy(dk, pr.k.data(), pr.k.size() * 2, cudaMemcpyHostToDevice));
-    WEFT_CUDA_CHECK(cudaMemcpy(dv, pr.v.data(), pr.v.size() * 2, cudaMemcpyHostToDevice));
     WEFT_CUDA_CHECK(cudaMemset(dout, 0xff, pr.q.size() * 2));
     WEFT_CUDA_CHECK(cudaMemset(dlse, 0xff, pr.lse.size() * 4));
     WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-    const TensorView tq(dq, DType::kBF16, {seq, hq, dim});
-    const TensorView tk(dk, DType::kBF16, {seq, hkv_view, dim}, {dim, 0, 1});
-    const TensorView tv(dv, DType::kBF16, {seq, hkv_view, dim}, {dim, 0, 1});
+    const TensorView& tq = in.tq;
+    const TensorView tk(in.k, DType::kBF16, {seq, hkv_view, dim}, {dim, 0, 1});
+    const TensorView tv(in.v, DType::kBF16, {seq, hkv_view, dim}, {dim, 0, 1});
     const TensorView tout(dout, DType::kBF16, {seq, hq, dim});
     const TensorView tlse(dlse, DType::kF32, {seq, hq});
     ops::FlashAttentionOptions o;
@@ -339,7 +359,7 @@ TEST(FlashAttentionDefaults, ABroadcastKvRunsOnTheMmaSyncKernel) {
     } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find("k stride 1 must be positive"), std::string::npos) << e.what();
     }
-    for (void* p : {dq, dk, dv, dout, dlse}) cudaFree(p);
+    for (void* p : {dout, dlse}) cudaFree(p);
 }
 
 // Lengths around the tiles (1, 63, 129, 1000, 4097), GQA 1 / 4 / 16, q_position != 0, both masks, head dims 64 and
@@ -379,31 +399,6 @@ TEST_P(FlashAttention, AwkwardLengthsGroupsAndPositions) {
     };
     for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], seed + i, GetParam());
 }
-
-/// A problem's q, k and v on the device (bf16, contiguous), freed at the end of the scope.
-struct DeviceQkv {
-    void* q = nullptr;
-    void* k = nullptr;
-    void* v = nullptr;
-    TensorView tq, tk, tv;
-
-    explicit DeviceQkv(const Problem& pr) {
-        WEFT_CUDA_CHECK(cudaMalloc(&q, pr.q.size() * 2));
-        WEFT_CUDA_CHECK(cudaMalloc(&k, pr.k.size() * 2));
-        WEFT_CUDA_CHECK(cudaMalloc(&v, pr.v.size() * 2));
-        WEFT_CUDA_CHECK(cudaMemcpy(q, pr.q.data(), pr.q.size() * 2, cudaMemcpyHostToDevice));
-        WEFT_CUDA_CHECK(cudaMemcpy(k, pr.k.data(), pr.k.size() * 2, cudaMemcpyHostToDevice));
-        WEFT_CUDA_CHECK(cudaMemcpy(v, pr.v.data(), pr.v.size() * 2, cudaMemcpyHostToDevice));
-        tq = TensorView(q, DType::kBF16, {pr.seq_q, pr.hq, pr.dim});
-        tk = TensorView(k, DType::kBF16, {pr.seq_kv, pr.hkv, pr.dim});
-        tv = TensorView(v, DType::kBF16, {pr.seq_kv, pr.hkv, pr.dim});
-    }
-    ~DeviceQkv() {
-        for (void* p : {q, k, v}) cudaFree(p);
-    }
-    DeviceQkv(const DeviceQkv&) = delete;
-    DeviceQkv& operator=(const DeviceQkv&) = delete;
-};
 
 // The wgmma kernel's work counters (one per device and stream for uncaptured calls, one of its own per captured
 // launch; each left at zero by its launch): calls on two streams at once, repeated, each into a freshly poisoned

@@ -178,7 +178,8 @@ void launch_flash_attention(const FlashAttentionPlan& plan, int64_t grid, cudaSt
 int attention_prefill_blocks_per_sm(const AttentionPrefillConfig& config);
 
 /// Gives a wgmma plan a work counter (zero, and left at zero by each launch; AttentionPrefillParams::item_counter)
-/// and the head group of attention_prefill_head_group for a grid of `grid` resident blocks. Other kernels: nothing.
+/// and the head group of attention_prefill_head_group for a launch of `grid` resident blocks (at most the items, as
+/// launch_flash_attention clamps it). Other kernels: nothing.
 void use_prefill_counter(FlashAttentionPlan& plan, uint32_t* counter, int64_t grid);
 
 }  // namespace detail
