@@ -198,7 +198,9 @@ struct RsPushHook {
         // Thread s of the warpgroup waits for peer s's counter of this chunk (checked: no call, no trap among the
         // live accumulators), ending at a peer's differing call descriptor (wait_count_or_mismatch: the kernel then
         // traps after its tile loop, diagnosed); the warpgroup's barrier extends the acquire to every thread.
-        const auto need = static_cast<uint64_t>(o.map.expected_count(o.map.local_signal_at(rank, chunk)));
+        const int32_t sig = o.map.local_signal_at(rank, chunk);
+        const auto need = static_cast<uint64_t>(o.map.expected_count(sig));
+        WEFT_TRACE_BEGIN(wait_t0);
         {
             const int32_t s = tid;
             const uint64_t* slots = p.signatures + (ptx::ld(p.gemm_calls) & 1u) * static_cast<uint64_t>(num_ranks);
@@ -212,6 +214,11 @@ struct RsPushHook {
             [&](int s) { return s == rank ? nullptr : p.counters + rs_counter_index(s, chunk, cpr); }, Cmp::kGe,
             need);
         if (!waited.ok()) return false;  // the same in every thread of the warpgroup: the partials are not there
+        // Traced: "wait chunk" and "reduce" on the warpgroup's consumer track, inside its tile's event.
+        WEFT_TRACE_DO(const TraceRole role = wg == 0 ? TraceRole::kConsumer0 : TraceRole::kConsumer1);
+        WEFT_TRACE_DO(if (tid == 0) device::trace::record(p.ctx, TraceKind::kWaitChunk, role, wait_t0, sig, sig,
+                                                          t.m_idx, t.n_idx));
+        WEFT_TRACE_BEGIN(reduce_t0);
 
         constexpr int kGroups = kC.tile_n / 8;
         constexpr int kBatch = kGroups < 8 ? kGroups : 8;  // 2 x kBatch 4-byte loads in flight per thread
@@ -256,6 +263,8 @@ struct RsPushHook {
                 }
             }
         }
+        WEFT_TRACE_DO(if (tid == 0)
+                          device::trace::record(p.ctx, TraceKind::kReduce, role, reduce_t0, sig, -1, t.m_idx, t.n_idx));
         return true;
     }
 

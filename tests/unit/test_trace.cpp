@@ -361,7 +361,8 @@ TEST(TraceNvrtc, UntracedKernelsAreTheKernelsWithoutTheInstrumentationAndTracedO
     config.cluster_m = config.cluster_n = 1;
     std::vector<jit::KernelSpec> specs = {ops::detail::ag_gemm_kernel_spec(config, "sm_90a"),
                                           ops::detail::ag_notify_kernel_spec("sm_90a"),
-                                          ops::detail::rs_reduce_kernel_spec(DType::kF32, DType::kBF16, "sm_90a")};
+                                          ops::detail::rs_reduce_kernel_spec(DType::kF32, DType::kBF16, "sm_90a"),
+                                          ops::detail::gemm_rs_kernel_spec(config, "sm_90a", ops::GemmRsMode::kPush)};
     // A collective (entry barrier, stage, reduce) and EP kernels (peer-named waits, sends, receives; the low-latency
     // ones keep their events in the block's trace log until their end).
     specs.push_back(ops::detail::collective_kernel_spec(ops::detail::KernelId::kAllReduceOneShot, DType::kBF16, 8));
@@ -370,7 +371,7 @@ TEST(TraceNvrtc, UntracedKernelsAreTheKernelsWithoutTheInstrumentationAndTracedO
             if (s.instantiation.find(name) != std::string::npos) specs.push_back(s);
         }
     }
-    ASSERT_EQ(specs.size(), 7u) << "normal_dispatch, low_latency_dispatch or low_latency_combine is missing from the "
+    ASSERT_EQ(specs.size(), 8u) << "normal_dispatch, low_latency_dispatch or low_latency_combine is missing from the "
                                    "EP kernel specs";
     for (jit::KernelSpec& s : specs) s.arch = "sm_90a";
     for (const jit::KernelSpec& spec : specs) {
