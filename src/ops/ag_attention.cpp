@@ -546,7 +546,10 @@ struct AgAttention::State {
     uint32_t* item_counter = nullptr;  // the kernel's work counter (the low half of a local word)
 
     const jit::Kernel* notify_kernel = nullptr;
-    const jit::Kernel* pull_kernel = nullptr;  // ranks of one process sharing a GPU (tp_detail::pulls_with_kernel)
+    // The pull kernel: the copies themselves for ranks of one process sharing a GPU (tp_detail::pulls_with_kernel),
+    // else only the bounded wait for each peer's shard in front of the copy engine's copies.
+    const jit::Kernel* pull_kernel = nullptr;
+    bool pulls_with_kernel = false;
     cudaStream_t copy_stream = nullptr;
     cudaEvent_t fork = nullptr;
     cudaEvent_t join = nullptr;
@@ -617,9 +620,8 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
     s.grid = options.sm_budget > 0 || shared_gpu ? budget : budget * detail::attention_prefill_blocks_per_sm(s.config);
     if (s.num_ranks > 1) {
         s.notify_kernel = &jit::compiler().get_kernel(detail::ag_notify_kernel_spec());
-        if (tp_detail::pulls_with_kernel(world)) {
-            s.pull_kernel = &jit::compiler().get_kernel(tp_detail::peer_pull_kernel_spec());
-        }
+        s.pull_kernel = &jit::compiler().get_kernel(tp_detail::peer_pull_kernel_spec());
+        s.pulls_with_kernel = tp_detail::pulls_with_kernel(world);
         s.copy_stream = s.streams.add_stream();
         s.fork = s.streams.add_event();
         s.join = s.streams.add_event();
@@ -744,7 +746,7 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     }
     // The same pulls as pull-kernel items (K, then V and the shard's flag), for ranks of one process sharing a GPU.
     std::vector<PeerPullItem> items;
-    if (s.pull_kernel != nullptr) {
+    if (s.pulls_with_kernel) {
         const auto bytes = static_cast<uint64_t>(shard_bytes);
         for (const Pull& pull : pulls) {
             items.push_back(PeerPullItem{s.ready + pull.peer, pull.dst_k, pull.src_k, nullptr, bytes, pull.peer, -1});
@@ -788,11 +790,16 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     // 2. The copy stream pulls each needed peer's shard (K then V) in the kernel's visiting order, then raises the
     //    shard's flag (constant 1: reset by the kernel's end of call, so nothing is frozen in a graph).
     //    Ranks of one process sharing a GPU: the pull kernel, whose waits leave the hardware queues free.
+    //    Otherwise the copy engines copy, each peer's copies behind a pull-kernel item that only waits for its flag:
+    //    bounded (a stream memory wait is not), so that a peer that never calls fails the call (its Diagnostic
+    //    recorded; the copies then run on and the join below completes) instead of holding the stream forever.
     if (!items.empty()) {
         tp_detail::launch_peer_pulls(*s.pull_kernel, s.ctx, items, s.copy_stream);
     } else {
         for (const Pull& pull : pulls) {
-            stream_wait_u64_geq(s.copy_stream, s.ready + pull.peer, 1);
+            tp_detail::launch_peer_pulls(
+                *s.pull_kernel, s.ctx, {PeerPullItem{s.ready + pull.peer, nullptr, nullptr, nullptr, 0, pull.peer, -1}},
+                s.copy_stream);
             WEFT_CUDA_CHECK(cudaMemcpyAsync(pull.dst_k, pull.src_k, static_cast<size_t>(shard_bytes),
                                             cudaMemcpyDefault, s.copy_stream));
             WEFT_CUDA_CHECK(cudaMemcpyAsync(pull.dst_v, pull.src_v, static_cast<size_t>(shard_bytes),

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "tp_common.hpp"
+#include "views_overlap.hpp"
 #include "weft/common/collectives.hpp"
 #include "weft/common/gemm_hook_params.hpp"
 #include "weft/common/math.hpp"
@@ -70,13 +71,17 @@ int64_t validate_ag_gemm_call(const AgGemmShape& s, int num_ranks, const TensorV
                                                                                << "] (M = W * a_local rows), got "
                                                                                << c.describe());
     try {
-        // a_local against the TMA rules too (a team of one rank reads it with TMA), with c's first rows.
+        // a_local against the TMA rules too (a team of one rank reads it with TMA), with c's first rows; then all of
+        // c, which the GEMM of a larger team writes from the gathered buffer ([M, k], row stride k).
         TensorView c_rows = c;
         c_rows.shape[0] = rows;
         validate_gemm_args(a_local, b, c_rows, BLayout::kNK);
+        if (m > rows) validate_gemm_args(TensorView(a_local.data, s.dtype, {m, s.k}, {s.k, 1}), b, c, BLayout::kNK);
     } catch (const Error& e) {
         detail::rethrow_with_op(kOp, e);
     }
+    detail::check_apart(kOp, "c", c, {{"a_local", a_local}, {"b", b}},
+                        "c is written while the GEMM and the copies still read them");
     return m;
 }
 
@@ -422,10 +427,20 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
                "ag_gemm: a_local starts at local_shard(M) but has row stride "
                    << a_local.stride(0) << " instead of K = " << k << " (it would be copied onto itself)");
     call.copy_local = a_local.data != slot.data;
+    // Elsewhere in the gathered buffer, a_local would be copied onto rows that the peers' shards fill at the same time.
+    const TensorView gathered_all = s.gathered_view(s.shape.max_m);
+    if (call.copy_local) {
+        detail::check_apart(kOp, "a_local", a_local,
+                            {{"the gathered buffer (unless it is local_shard(M))", gathered_all}},
+                            "a_local is copied into local_shard(M) while the peers' shards arrive around it");
+    }
+    detail::check_apart(kOp, "c", c, {{"the gathered buffer", gathered_all}},
+                        "the peers' shards arrive there while c is written");
     call.slot = slot.data;
     call.local_src = a_local.data;
     call.width_bytes = static_cast<size_t>(k * es);
-    call.src_pitch = static_cast<size_t>(a_local.stride(0) * es);
+    // One row: its own width (a one-row view may carry any row stride, even one below k).
+    call.src_pitch = rows == 1 ? call.width_bytes : static_cast<size_t>(a_local.stride(0) * es);
     call.rows = static_cast<size_t>(rows);
 
     if (s.num_ranks == 1) {

@@ -82,10 +82,10 @@ LowLatencyHandle::Impl::~Impl() {
             q->erase(std::remove(q->begin(), q->end(), this), q->end());
         }
     }
-    if (exchange != nullptr) {
-        buffer->uses.wait_all();  // no kernel of this Buffer still reads the exchange buffers here
-        cudaFreeAsync(exchange, buffer->alloc_stream);
-    }
+    // No kernel of this Buffer still reads the handle's buffers (its receive rows, records and counts, the exchange
+    // buffers) after this: they are freed on the Buffer's own stream, which the callers' streams do not order.
+    buffer->uses.wait_all();
+    if (exchange != nullptr) cudaFreeAsync(exchange, buffer->alloc_stream);
     if (device != nullptr) {
         cudaFreeAsync(device, buffer->alloc_stream);
         cudaStreamSynchronize(buffer->alloc_stream);

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "tp_common.hpp"
+#include "views_overlap.hpp"
 #include "weft/common/collectives.hpp"
 #include "weft/common/gemm_hook_params.hpp"
 #include "weft/common/math.hpp"
@@ -59,11 +60,14 @@ GemmProblem check_gemm_ar_call(const GemmArShape& s, const TensorView& a, const 
                "gemm_ar: b must be [N, K] = [" << s.n << ", " << s.k << "], got " << b.describe());
     WEFT_CHECK(c.dim(0) == m && c.dim(1) == s.n,
                "gemm_ar: c must be [M, N] = [" << m << ", " << s.n << "], got " << c.describe());
+    GemmProblem p;
     try {
-        return validate_gemm_args(a, b, c, BLayout::kNK);
+        p = validate_gemm_args(a, b, c, BLayout::kNK);
     } catch (const Error& e) {
         detail::rethrow_with_op(kOp, e);
     }
+    detail::check_apart(kOp, "c", c, {{"a", a}, {"b", b}}, "c is written while the GEMM's other tiles still read them");
+    return p;
 }
 
 }  // namespace
@@ -227,7 +231,8 @@ struct ArCall {
     const jit::Kernel* gemv = nullptr;  // the small-M path's kernel, else the tiled GEMM (gemms[0])
     detail::GemvLaunch gemv_launch{};
     FusedGemmCall tiled{};
-    bool collective = false;  // the all-reduce half through ops::all_reduce
+    bool collective = false;           // the all-reduce half through ops::all_reduce
+    bool collective_in_place = false;  // ... in place in the partial, then copied into c's rows
     ArReduceParams reduce{};
 };
 
@@ -263,8 +268,10 @@ ArCall prepare_call(const GemmAr::State& s, const GemmProblem& p, const TensorVi
     }
     if (s.num_ranks == 1) return call;
 
-    // The partial is [m, n] contiguous here (ldp == n); C must be too for the collective's flat view.
-    call.collective = s.use_collective && (m == 1 || c.stride(0) == s.shape.n);
+    // The partial is [m, n] contiguous here (ldp == n). Every rank takes the same path whatever its c's layout (the
+    // peers' halves must meet): a c with padded rows receives the sum reduced in place in the partial, row by row.
+    call.collective = s.use_collective;
+    call.collective_in_place = s.use_collective && m > 1 && c.stride(0) != s.shape.n;
     ArReduceParams& r = call.reduce;
     r.ctx = s.ctx;
     r.m = static_cast<int32_t>(m);
@@ -301,8 +308,16 @@ void launch_call(GemmAr::State& s, const ArCall& call, cudaStream_t stream) {
     if (s.num_ranks == 1) return;
     if (call.collective) {
         const int64_t count = call.m * s.shape.n;
-        ops::all_reduce(s.team, TensorView(s.partial, s.partial_dtype, {count}),
-                        TensorView(call.reduce.out, s.shape.dtype, {count}), stream);
+        const TensorView partial(s.partial, s.partial_dtype, {count});
+        if (!call.collective_in_place) {
+            ops::all_reduce(s.team, partial, TensorView(call.reduce.out, s.shape.dtype, {count}), stream);
+            return;
+        }
+        ops::all_reduce(s.team, partial, partial, stream);
+        const size_t row_bytes = static_cast<size_t>(s.shape.n) * dtype_bytes(s.shape.dtype);
+        WEFT_CUDA_CHECK(cudaMemcpy2DAsync(
+            call.reduce.out, static_cast<size_t>(call.reduce.ldc) * dtype_bytes(s.shape.dtype), s.partial, row_bytes,
+            row_bytes, static_cast<size_t>(call.m), cudaMemcpyDeviceToDevice, stream));
         return;
     }
     jit::LaunchParams lp;

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "tp_common.hpp"
+#include "views_overlap.hpp"
 #include "weft/common/collectives.hpp"
 #include "weft/common/gemm_hook_params.hpp"
 #include "weft/common/gemm_rs_net_params.hpp"
@@ -113,6 +114,8 @@ int64_t validate_gemm_rs_call(const GemmRsShape& s, int num_ranks, const TensorV
     } catch (const Error& e) {
         detail::rethrow_with_op(kOp, e);
     }
+    detail::check_apart(kOp, "c", c, {{"a", a}, {"b", b}},
+                        "c is written while the GEMM's other tiles and the peers' partials still read them");
     return m;
 }
 

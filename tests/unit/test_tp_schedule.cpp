@@ -328,32 +328,72 @@ TEST(TpValidation, AgGemmShapeAndOptions) {
 
 TEST(TpValidation, AgGemmCall) {
     const ops::AgGemmShape s{1024, 256, 512, DType::kBF16};
-    const TensorView a(fake(0x10000), DType::kBF16, {256, 512});
-    const TensorView b(fake(0x20000), DType::kBF16, {256, 512});
-    const TensorView c(fake(0x30000), DType::kBF16, {1024, 256});
+    const TensorView a(fake(0x1000000), DType::kBF16, {256, 512});
+    const TensorView b(fake(0x2000000), DType::kBF16, {256, 512});
+    const TensorView c(fake(0x3000000), DType::kBF16, {1024, 256});
     EXPECT_EQ(ops::validate_ag_gemm_call(s, 4, a, b, c), 1024);
-    EXPECT_EQ(ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x10000), DType::kBF16, {3, 512}), b,
-                                         TensorView(fake(0x30000), DType::kBF16, {12, 256})),
+    EXPECT_EQ(ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x1000000), DType::kBF16, {3, 512}), b,
+                                         TensorView(fake(0x3000000), DType::kBF16, {12, 256})),
               12);
-    expect_error([&] { ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x10000), DType::kBF16, {257, 512}), b, c); },
-                 "a_local must have 1 .. max_m/W");
-    expect_error([&] { ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x10000), DType::kBF16, {256, 256}), b, c); },
-                 "a_local must have K");
-    expect_error([&] { ops::validate_ag_gemm_call(s, 4, a, TensorView(fake(0x20000), DType::kBF16, {255, 512}), c); },
-                 "b must be [N, K]");
-    expect_error([&] { ops::validate_ag_gemm_call(s, 4, a, b, TensorView(fake(0x30000), DType::kBF16, {1000, 256})); },
-                 "c must be [M, N]");
-    expect_error([&] { ops::validate_ag_gemm_call(s, 4, a, b, TensorView(fake(0x30000), DType::kF16, {1024, 256})); },
-                 "must be bf16");
-    expect_error([&] { ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x10008), DType::kBF16, {256, 512}), b, c); },
-                 "ag_gemm: gemm: a's base address must be 16-byte aligned");
     expect_error(
         [&] {
-            ops::validate_ag_gemm_call(s, 4, a, b, TensorView(fake(0x30000), DType::kBF16, {1024, 256}, {260, 1}));
+            ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x1000000), DType::kBF16, {257, 512}), b, c);
+        },
+        "a_local must have 1 .. max_m/W");
+    expect_error(
+        [&] {
+            ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x1000000), DType::kBF16, {256, 256}), b, c);
+        },
+        "a_local must have K");
+    expect_error(
+        [&] {
+            ops::validate_ag_gemm_call(s, 4, a, TensorView(fake(0x2000000), DType::kBF16, {255, 512}), c);
+        },
+        "b must be [N, K]");
+    expect_error(
+        [&] {
+            ops::validate_ag_gemm_call(s, 4, a, b, TensorView(fake(0x3000000), DType::kBF16, {1000, 256}));
+        },
+        "c must be [M, N]");
+    expect_error(
+        [&] {
+            ops::validate_ag_gemm_call(s, 4, a, b, TensorView(fake(0x3000000), DType::kF16, {1024, 256}));
+        },
+        "must be bf16");
+    expect_error(
+        [&] {
+            ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x1000008), DType::kBF16, {256, 512}), b, c);
+        },
+        "ag_gemm: gemm: a's base address must be 16-byte aligned");
+    expect_error(
+        [&] {
+            ops::validate_ag_gemm_call(s, 4, a, b, TensorView(fake(0x3000000), DType::kBF16, {1024, 256}, {260, 1}));
         },
         "ag_gemm: gemm: d's row stride must be a multiple of 16 bytes");
-    expect_error([&] { ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x10000), DType::kBF16, {256 * 512}), b, c); },
-                 "a_local must be a 2-D");
+    expect_error(
+        [&] { ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x1000000), DType::kBF16, {256 * 512}), b, c); },
+        "a_local must be a 2-D");
+    // One row per rank: a_local's row stride is free (one row), c's is checked over all of c's W rows.
+    EXPECT_EQ(ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x1000000), DType::kBF16, {1, 512}, {0, 1}), b,
+                                         TensorView(fake(0x3000000), DType::kBF16, {4, 256})),
+              4);
+    expect_error(
+        [&] {
+            ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x1000000), DType::kBF16, {1, 512}), b,
+                                       TensorView(fake(0x3000000), DType::kBF16, {4, 256}, {100, 1}));
+        },
+        "ag_gemm: gemm: d's row stride must be >= its row length");
+    // c is written while a_local and b are read.
+    expect_error(
+        [&] {
+            ops::validate_ag_gemm_call(s, 4, a, b, TensorView(fake(0x1000000 + 1024), DType::kBF16, {1024, 256}));
+        },
+        "ag_gemm: c must not overlap a_local");
+    expect_error(
+        [&] {
+            ops::validate_ag_gemm_call(s, 4, a, b, TensorView(fake(0x2000000 - 512), DType::kBF16, {1024, 256}));
+        },
+        "ag_gemm: c must not overlap b");
     // A row count whose product with the team size overflows int64 is refused, not wrapped into range.
     TensorView huge = a;
     huge.shape[0] = int64_t{1} << 62;
@@ -381,16 +421,37 @@ TEST(TpValidation, GemmRsShapeAndCall) {
     expect_error([&] { ops::validate_gemm_rs_shape(s, 4, o); },
                  "options.mode must be GemmRsMode::kAuto, kPull or kPush");
 
-    const TensorView a(fake(0x10000), DType::kF16, {1024, 512});
-    const TensorView b(fake(0x20000), DType::kF16, {300, 512});
-    const TensorView c(fake(0x30000), DType::kF16, {256, 300}, {304, 1});
+    const TensorView a(fake(0x1000000), DType::kF16, {1024, 512});
+    const TensorView b(fake(0x2000000), DType::kF16, {300, 512});
+    const TensorView c(fake(0x3000000), DType::kF16, {256, 300}, {304, 1});
     EXPECT_EQ(ops::validate_gemm_rs_call(s, 4, a, b, c), 1024);
-    expect_error([&] { ops::validate_gemm_rs_call(s, 4, TensorView(fake(0x10000), DType::kF16, {1022, 512}), b, c); },
-                 "multiple of the team's num_ranks");
-    expect_error([&] { ops::validate_gemm_rs_call(s, 4, a, b, TensorView(fake(0x30000), DType::kF16, {1024, 300})); },
-                 "c must be [M/W, N]");
-    expect_error([&] { ops::validate_gemm_rs_call(s, 4, a, b, TensorView(fake(0x30000), DType::kF16, {256, 300})); },
-                 "row stride must be a multiple of 16 bytes");
+    expect_error(
+        [&] {
+            ops::validate_gemm_rs_call(s, 4, TensorView(fake(0x1000000), DType::kF16, {1022, 512}), b, c);
+        },
+        "multiple of the team's num_ranks");
+    expect_error(
+        [&] {
+            ops::validate_gemm_rs_call(s, 4, a, b, TensorView(fake(0x3000000), DType::kF16, {1024, 300}));
+        },
+        "c must be [M/W, N]");
+    expect_error(
+        [&] {
+            ops::validate_gemm_rs_call(s, 4, a, b, TensorView(fake(0x3000000), DType::kF16, {256, 300}));
+        },
+        "row stride must be a multiple of 16 bytes");
+    // c is written while a and b are read: their bytes must not meet.
+    expect_error(
+        [&] {
+            ops::validate_gemm_rs_call(s, 4, a, b,
+                                       TensorView(fake(0x1000000 + 4096), DType::kF16, {256, 300}, {304, 1}));
+        },
+        "gemm_rs: c must not overlap a");
+    expect_error(
+        [&] {
+            ops::validate_gemm_rs_call(s, 4, a, b, TensorView(fake(0x2000000), DType::kF16, {256, 300}, {304, 1}));
+        },
+        "gemm_rs: c must not overlap b");
 }
 
 // An explicit chunk_rows must steer the config choice, not make the op throw when the heuristic alone would pick a
@@ -603,14 +664,30 @@ TEST(TpValidation, GemmArShapeAndCall) {
     EXPECT_NO_THROW(ops::validate_gemm_ar_shape(s, 8));
     expect_error([&] { ops::validate_gemm_ar_shape(s, 9); }, "num_ranks must be in [1, 8]");
     expect_error([&] { ops::validate_gemm_ar_shape({0, 1000, 256, DType::kBF16}, 2); }, "shape.max_m");
-    const TensorView a(fake(0x10000), DType::kBF16, {5, 256});
-    const TensorView b(fake(0x20000), DType::kBF16, {1000, 256});
-    const TensorView c(fake(0x30000), DType::kBF16, {5, 1000});
+    const TensorView a(fake(0x1000000), DType::kBF16, {5, 256});
+    const TensorView b(fake(0x2000000), DType::kBF16, {1000, 256});
+    const TensorView c(fake(0x3000000), DType::kBF16, {5, 1000});
     EXPECT_EQ(ops::validate_gemm_ar_call(s, a, b, c), 5);
-    expect_error([&] { ops::validate_gemm_ar_call(s, TensorView(fake(0x10000), DType::kBF16, {129, 256}), b, c); },
-                 "1 .. max_m");
-    expect_error([&] { ops::validate_gemm_ar_call(s, a, b, TensorView(fake(0x30000), DType::kBF16, {5, 999})); },
-                 "c must be [M, N]");
+    expect_error(
+        [&] {
+            ops::validate_gemm_ar_call(s, TensorView(fake(0x1000000), DType::kBF16, {129, 256}), b, c);
+        },
+        "1 .. max_m");
+    expect_error(
+        [&] {
+            ops::validate_gemm_ar_call(s, a, b, TensorView(fake(0x3000000), DType::kBF16, {5, 999}));
+        },
+        "c must be [M, N]");
+    expect_error(
+        [&] {
+            ops::validate_gemm_ar_call(s, a, b, TensorView(fake(0x1000000), DType::kBF16, {5, 1000}));
+        },
+        "gemm_ar: c must not overlap a");
+    expect_error(
+        [&] {
+            ops::validate_gemm_ar_call(s, a, b, TensorView(fake(0x2000000 + 512), DType::kBF16, {5, 1000}));
+        },
+        "gemm_ar: c must not overlap b");
 }
 
 // Kernel parameters are copied byte for byte into the launch: checked where they are compiled, not at run time.

@@ -77,6 +77,8 @@ public:
     ///   b:       [n, k] row-major with a row stride (a linear layer's weight)
     ///   c:       [M, n] row-major with a row stride; every row stride a multiple of 16 bytes, bases 16-byte
     ///            aligned (TMA); same dtype as shape.dtype
+    /// c's bytes must not overlap a_local's, b's or the gathered buffer's; a_local is local_shard(M) itself or apart
+    /// from the gathered buffer (a weft::Error names the two views otherwise).
     /// Every member calls with the same M (1 <= M/W, M <= max_m). A member that calls with another M (or was built
     /// with another K or dtype) is diagnosed on every rank: the call throws weft::Error at the next sync_and_check,
     /// naming both ranks' M, and no row of c that depends on a differing rank's shard is written (rows computed

@@ -63,7 +63,8 @@ public:
 
     /// C[M, N] = sum over the team's ranks s of A_s * B_s^T on every member (bit-identical on every member: the
     /// partials are summed in team rank order).
-    ///   a: [M, k]; b: [n, k]; c: [M, n] (row strides multiples of 16 bytes, bases 16-byte aligned)
+    ///   a: [M, k]; b: [n, k]; c: [M, n] (row strides multiples of 16 bytes, bases 16-byte aligned), its bytes apart
+    ///   from a's and b's
     /// Every member calls with the same M. Asynchronous on `stream`; graph-capturable. A team of one rank
     /// runs the plain GEMM into c.
     void run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream);

@@ -81,7 +81,8 @@ public:
     GemmRs& operator=(const GemmRs&) = delete;
 
     /// C[M/W, N] = rows [r*M/W, (r+1)*M/W) of sum over the team's ranks s of A_s * B_s^T (fp32 accumulation).
-    ///   a: [M, k] this rank's A; b: [n, k] this rank's weight shard; c: [M/W, n] (TMA rules as AgGemm::run)
+    ///   a: [M, k] this rank's A; b: [n, k] this rank's weight shard; c: [M/W, n] (TMA rules as AgGemm::run), its
+    ///   bytes apart from a's and b's
     /// Every member calls with the same M. A member that calls with another M (or another n, partial dtype, tiles,
     /// chunks or mode) is diagnosed on every rank: the call throws weft::Error at the next sync_and_check naming
     /// both ranks' M, and in pull mode no element of c is written; push mode traps after recording the diagnosis
