@@ -10,11 +10,11 @@
 #include <mutex>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "stream_key.hpp"
 #include "tp_common.hpp"
 #include "weft/common/tp_params.hpp"
 #include "weft/jit/aot.hpp"
@@ -212,43 +212,27 @@ namespace {
 // since the last one): the launch then walks the items in waves.
 constexpr size_t kSpareCounters = 64;
 
-struct CounterKey {
-    int device = 0;
-    cudaStream_t stream = nullptr;
-    std::thread::id thread{};  // cudaStreamPerThread's calling thread; default otherwise
-    bool operator<(const CounterKey& o) const {
-        return std::tie(device, stream, thread) < std::tie(o.device, o.stream, o.thread);
-    }
-};
-
 // A block of kSpareCounters zeroed counters on the current device: allocated and zeroed on a private stream whose
 // memset the host waits for (not the caller's stream, whose queued work it need not wait for), in relaxed capture
 // mode so that another thread's capture does not forbid it.
 uint32_t* make_zeroed_counters() {
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    WEFT_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-    void* ptr = nullptr;
-    cudaStream_t zeroing = nullptr;
     const size_t bytes = kSpareCounters * sizeof(uint32_t);
-    cudaError_t err = cudaMalloc(&ptr, bytes);
-    if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&zeroing, cudaStreamNonBlocking);
+    void* ptr = detail::malloc_beside_captures(bytes);
+    cudaStream_t zeroing = nullptr;
+    cudaError_t err = cudaStreamCreateWithFlags(&zeroing, cudaStreamNonBlocking);
     if (err == cudaSuccess) err = cudaMemsetAsync(ptr, 0, bytes, zeroing);
     if (err == cudaSuccess) err = cudaStreamSynchronize(zeroing);
     if (zeroing != nullptr) cudaStreamDestroy(zeroing);
-    if (err != cudaSuccess && ptr != nullptr) cudaFree(ptr);
-    cudaThreadExchangeStreamCaptureMode(&mode);  // back to the thread's own mode
+    if (err != cudaSuccess) cudaFree(ptr);
     WEFT_CUDA_CHECK(err);
     return static_cast<uint32_t*>(ptr);
 }
 
 uint32_t* prefill_item_counter(cudaStream_t stream) {
     static std::mutex mutex;
-    static std::map<CounterKey, uint32_t*> per_stream;
+    static std::map<detail::StreamKey, uint32_t*> per_stream;
     static std::map<int, std::vector<uint32_t*>> spares;
-    CounterKey key;
-    WEFT_CUDA_CHECK(cudaGetDevice(&key.device));
-    key.stream = stream;
-    if (stream == cudaStreamPerThread) key.thread = std::this_thread::get_id();
+    const detail::StreamKey key = detail::StreamKey::of(stream);
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     if (capture != cudaStreamCaptureStatusNone) {

@@ -9,6 +9,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "stream_key.hpp"
 #include "weft/jit/aot.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
@@ -265,14 +266,14 @@ AttentionKernels kernels_for(const AttentionDecodeConfig& c) {
     return k;
 }
 
-// The internal workspace per (device, stream). Outgrown buffers are kept: launches already enqueued may use them.
+// The internal workspace per stream (detail::StreamKey). Outgrown buffers are kept: launches already enqueued may use
+// them.
 void* internal_workspace(uint64_t bytes, cudaStream_t stream) {
     static std::mutex mutex;
-    static std::map<std::pair<int, cudaStream_t>, std::pair<void*, uint64_t>> cache;
-    int device = 0;
-    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    static std::map<detail::StreamKey, std::pair<void*, uint64_t>> cache;
+    const detail::StreamKey key = detail::StreamKey::of(stream);
     std::lock_guard<std::mutex> lock(mutex);
-    auto& slot = cache[{device, stream}];
+    auto& slot = cache[key];
     if (slot.second >= bytes) return slot.first;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
@@ -280,9 +281,8 @@ void* internal_workspace(uint64_t bytes, cudaStream_t stream) {
                kOp << ": the internal workspace must grow to " << bytes << " bytes while the stream is being captured; "
                    << "pass options.workspace (decode_attention_workspace_bytes() bytes) or run once before capture");
     const uint64_t grow = std::max<uint64_t>(bytes, 2 * slot.second);
-    void* ptr = nullptr;
-    WEFT_CUDA_CHECK(cudaMalloc(&ptr, grow));
-    WEFT_LOG_DEBUG(kOp << ": workspace " << grow << " bytes on device " << device);
+    void* ptr = detail::malloc_beside_captures(grow);
+    WEFT_LOG_DEBUG(kOp << ": workspace " << grow << " bytes on device " << key.device);
     slot = {ptr, grow};
     return ptr;
 }

@@ -14,6 +14,7 @@
 #include <tuple>
 #include <utility>
 
+#include "stream_key.hpp"
 #include "views_overlap.hpp"
 #include "weft/common/math.hpp"
 #include "weft/ops/gemm.hpp"
@@ -57,26 +58,22 @@ struct SmallMScratch {
 
 SmallMScratch small_m_scratch(size_t counter_bytes, size_t partial_bytes, cudaStream_t stream) {
     static std::mutex mutex;
-    static std::map<std::pair<int, cudaStream_t>, SmallMScratch> cache;
-    int device = 0;
-    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    static std::map<detail::StreamKey, SmallMScratch> cache;
+    const detail::StreamKey key = detail::StreamKey::of(stream);
     std::lock_guard<std::mutex> lock(mutex);
-    SmallMScratch& w = cache[{device, stream}];
+    SmallMScratch& w = cache[key];
     if (w.counter_bytes < counter_bytes) {
         const size_t grow = std::max(counter_bytes, 2 * w.counter_bytes);
-        void* p = nullptr;
-        WEFT_CUDA_CHECK(cudaMalloc(&p, grow));
+        void* p = detail::malloc_beside_captures(grow);
         WEFT_CUDA_CHECK(cudaMemsetAsync(p, 0, grow, stream));
         w.counters = p;
         w.counter_bytes = grow;
     }
     if (w.partial_bytes < partial_bytes) {
         const size_t grow = std::max(partial_bytes, 2 * w.partial_bytes);
-        void* p = nullptr;
-        WEFT_CUDA_CHECK(cudaMalloc(&p, grow));
-        w.partials = p;
+        w.partials = detail::malloc_beside_captures(grow);
         w.partial_bytes = grow;
-        WEFT_LOG_DEBUG("gemm: small-M partials " << grow << " bytes on device " << device);
+        WEFT_LOG_DEBUG("gemm: small-M partials " << grow << " bytes on device " << key.device);
     }
     return w;
 }

@@ -60,7 +60,10 @@ struct DecodeAttentionOptions {
 /// head_dim is 64, 128 or 256; num_q_heads is a multiple of num_kv_heads with at most 16 q-heads per KV head;
 /// page_size >= 1; batch >= 0 (0: nothing to do). Pointers 16-byte aligned. Asynchronous on `stream`, no host
 /// synchronisation, capturable in a CUDA graph (with options.workspace given, or the internal one already large
-/// enough). Kernels are JIT-compiled on first use. Bad arguments throw weft::Error naming the argument.
+/// enough). The internal workspace is the stream's own (per device and stream; cudaStreamPerThread, per thread): a
+/// graph captured with it uses the capturing stream's, so replay it where no other call runs on that stream at the
+/// same time, or give options.workspace. Kernels are JIT-compiled on first use. Bad arguments throw weft::Error
+/// naming the argument.
 void decode_attention(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                       const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
                       const TensorView& out, const TensorView& lse, cudaStream_t stream,

@@ -89,7 +89,9 @@ struct GemmOptions {
 };
 
 /// D[M,N] = A[M,K] * B, asynchronous on `stream`, capturable in a CUDA graph once its kernels and
-/// workspace exist (the first call may allocate the per-stream small-M workspace).
+/// workspace exist (the first call may allocate the per-stream small-M workspace: per device and stream,
+/// cudaStreamPerThread per thread; a captured graph uses the capturing stream's, so replay it where no other call
+/// runs on that stream at the same time).
 ///   a: [M,K], row-major with a row stride (strides {lda, 1}); bf16 or f16
 ///   b: [N,K] (b_layout kNK) or [K,N] (kKN), row-major with a row stride; same dtype as a
 ///   d: [M,N], row-major with a row stride; bf16, f16 (f16 inputs only) or f32; its bytes must not overlap a's or b's
