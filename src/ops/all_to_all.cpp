@@ -29,11 +29,15 @@ void check_a2a_view(const TensorView& v, const char* what, const char* op) {
     WEFT_CHECK(v.is_contiguous(), op << ": " << what << " must be contiguous, got " << v.describe());
 }
 
-uint64_t sum_counts(std::span<const int64_t> counts, const char* what, const char* op) {
+/// The sum of the counts, each >= 0, the sum's bytes (elem each) below 2^62.
+uint64_t sum_counts(std::span<const int64_t> counts, uint64_t elem, const char* what, const char* op) {
+    constexpr uint64_t kMaxBytes = uint64_t{1} << 62;
     uint64_t s = 0;
     for (size_t q = 0; q < counts.size(); ++q) {
         WEFT_CHECK(counts[q] >= 0, op << ": " << what << "[" << q << "] must be >= 0, got " << counts[q]);
-        s += static_cast<uint64_t>(counts[q]);
+        s += static_cast<uint64_t>(counts[q]);  // no wrap: each term and the running sum stay below 2^62
+        WEFT_CHECK(static_cast<uint64_t>(counts[q]) < kMaxBytes / elem && s < kMaxBytes / elem,
+                   op << ": " << what << " sums to more than 2^62 bytes (at entry " << q << ": " << counts[q] << ")");
     }
     return s;
 }
@@ -42,7 +46,7 @@ uint64_t sum_counts(std::span<const int64_t> counts, const char* what, const cha
 
 AllToAllPlan plan_all_to_all(const TensorView& input, std::span<const int64_t> send_counts, const TensorView& output,
                              std::span<const int64_t> recv_counts, int num_ranks, bool equal, bool input_symmetric,
-                             uint64_t staging_capacity) {
+                             uint64_t staging_capacity, int rank) {
     const char* op = equal ? "all_to_all" : "all_to_all_v";
     const int n = num_ranks;
     WEFT_CHECK(n >= 1 && n <= kMaxAllToAllRanks, op << ": up to " << kMaxAllToAllRanks << " ranks, got " << n);
@@ -92,8 +96,14 @@ AllToAllPlan plan_all_to_all(const TensorView& input, std::span<const int64_t> s
                op << ": send_counts must have num_ranks (" << n << ") entries, got " << send_counts.size());
     WEFT_CHECK(recv_counts.size() == static_cast<size_t>(n),
                op << ": recv_counts must have num_ranks (" << n << ") entries, got " << recv_counts.size());
-    const uint64_t sent = sum_counts(send_counts, "send_counts", op);
-    const uint64_t received = sum_counts(recv_counts, "recv_counts", op);
+    const uint64_t sent = sum_counts(send_counts, elem, "send_counts", op);
+    const uint64_t received = sum_counts(recv_counts, elem, "recv_counts", op);
+    if (rank >= 0 && rank < n) {
+        const auto self = static_cast<size_t>(rank);
+        WEFT_CHECK(send_counts[self] == recv_counts[self],
+                   op << ": send_counts[" << rank << "] (to this rank itself) must equal recv_counts[" << rank
+                      << "] (from itself), got " << send_counts[self] << " and " << recv_counts[self]);
+    }
     WEFT_CHECK(static_cast<uint64_t>(input.numel()) == sent,
                op << ": input must hold sum(send_counts) = " << sent << " elements, got " << input.numel());
     WEFT_CHECK(static_cast<uint64_t>(output.numel()) == received,
@@ -134,7 +144,7 @@ void run_all_to_all(const Team& team, const TensorView& input, std::span<const i
     WEFT_NVTX_RANGE(equal ? "all_to_all" : "all_to_all_v");
     const int n = team.num_ranks();
     if (n == 1) {
-        (void)detail::plan_all_to_all(input, send_counts, output, recv_counts, 1, equal, true, 0);
+        (void)detail::plan_all_to_all(input, send_counts, output, recv_counts, 1, equal, true, 0, 0);
         if (input.size_bytes() > 0) {
             WEFT_CUDA_CHECK(cudaMemcpyAsync(output.data, input.data, static_cast<size_t>(input.size_bytes()),
                                             cudaMemcpyDeviceToDevice, stream));
@@ -164,8 +174,9 @@ void run_all_to_all(const Team& team, const TensorView& input, std::span<const i
                        op << ": send_counts must have num_ranks (" << n << ") entries, got " << send_counts.size());
             WEFT_CHECK(recv_counts.size() == static_cast<size_t>(n),
                        op << ": recv_counts must have num_ranks (" << n << ") entries, got " << recv_counts.size());
-            const uint64_t sent = detail::sum_counts(send_counts, "send_counts", op);
-            const uint64_t received = detail::sum_counts(recv_counts, "recv_counts", op);
+            const auto elem = static_cast<uint64_t>(dtype_bytes(input.dtype));
+            const uint64_t sent = detail::sum_counts(send_counts, elem, "send_counts", op);
+            const uint64_t received = detail::sum_counts(recv_counts, elem, "recv_counts", op);
             WEFT_CHECK(static_cast<uint64_t>(input.numel()) == sent,
                        op << ": input must hold sum(send_counts) = " << sent << " elements, got " << input.numel());
             WEFT_CHECK(
@@ -176,13 +187,13 @@ void run_all_to_all(const Team& team, const TensorView& input, std::span<const i
         return;
     }
     // Every check that does not depend on the workspace, before the workspace is made (collectively) on first use.
-    (void)detail::plan_all_to_all(input, send_counts, output, recv_counts, n, equal, true, 0);
+    (void)detail::plan_all_to_all(input, send_counts, output, recv_counts, n, equal, true, 0, team.rank());
     CollectiveWorkspace& ws = CollectiveWorkspace::get(team);
     const auto in_bytes = static_cast<uint64_t>(input.size_bytes());
     const bool in_sym = in_bytes > 0 && ws.symmetric(input.data, in_bytes);
     const uint64_t capacity = ws.info().staging_region_bytes - kAllToAllHeaderBytes;
     const detail::AllToAllPlan plan =
-        detail::plan_all_to_all(input, send_counts, output, recv_counts, n, equal, in_sym, capacity);
+        detail::plan_all_to_all(input, send_counts, output, recv_counts, n, equal, in_sym, capacity, team.rank());
     if (plan.rounds.empty()) return;
     if (!in_sym && in_bytes > 0) detail::check_device_pointer(input.data, "input", op, stream);
     if (output.size_bytes() > 0 && !ws.symmetric(output.data, static_cast<uint64_t>(output.size_bytes()))) {

@@ -155,6 +155,12 @@ void check_device_pointer(const void* ptr, const char* what, const char* op, cud
     WEFT_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged,
                op << ": " << what << " (" << ptr << ") must be device memory, got "
                   << (attr.type == cudaMemoryTypeHost ? "pinned host memory" : "unregistered host memory"));
+    if (attr.type == cudaMemoryTypeDevice) {
+        int device = 0;
+        WEFT_CUDA_CHECK(cudaGetDevice(&device));
+        WEFT_CHECK(attr.device == device, op << ": " << what << " (" << ptr << ") is memory of device " << attr.device
+                                             << ", but this rank runs on device " << device);
+    }
 }
 
 CollectiveHeapSizes CollectiveHeapSizes::make(int num_ranks, uint64_t staging_region_bytes,

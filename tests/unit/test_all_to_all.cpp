@@ -123,6 +123,22 @@ TEST(AllToAllArgs, BadArgumentsNameTheArgument) {
                                     4096);
         },
         "sum(recv_counts)");
+    // A rank's count to itself must be its count from itself; counts whose bytes pass 2^62 are refused, not wrapped.
+    const std::vector<int64_t> self_more = {4, 5, 3};
+    expect_error([&] { detail::plan_all_to_all(in, three, out, self_more, 3, false, true, 4096, 1); },
+                 "send_counts[1] (to this rank itself) must equal recv_counts[1] (from itself), got 4 and 5");
+    EXPECT_NO_THROW(detail::plan_all_to_all(in, three, out, self_more, 3, false, true, 4096, 0));
+    const std::vector<int64_t> one_more = {5};
+    expect_error(
+        [&] {
+            detail::plan_all_to_all(TensorView(at(0x100000), DType::kBF16, {5}), one_more,
+                                    TensorView(at(0x10000000), DType::kBF16, {3}), std::vector<int64_t>{3}, 1, false,
+                                    true, 0, 0);
+        },
+        "send_counts[0]");
+    const std::vector<int64_t> wrapping = {INT64_MAX, INT64_MAX, 2};
+    expect_error([&] { detail::plan_all_to_all(in, wrapping, out, three, 3, false, true, 4096); },
+                 "send_counts sums to more than 2^62 bytes");
     // A local input larger than the staging region: an error that says to use the symmetric heap.
     const std::vector<int64_t> big = {3000, 3000, 3000};
     const TensorView big_in(at(0x100000), DType::kBF16, {9000});
