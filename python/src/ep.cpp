@@ -107,12 +107,14 @@ void bind_ep(nb::module_& m) {
 
     nb::class_<PyNormalHandle>(sub, "NormalHandle")
         .def_prop_ro("recv_x", [](const PyNormalHandle& h) { return h.get().recv_x(); })
-        .def_prop_ro("expert_counts", [](const PyNormalHandle& h) {
-            return int32_vector(h.get().expert_counts(), h.s->get().geometry().local_experts());
-        })
-        .def_prop_ro("expert_offsets", [](const PyNormalHandle& h) {
-            return int32_vector(h.get().expert_offsets(), h.s->get().geometry().local_experts());
-        })
+        .def_prop_ro("expert_counts",
+                     [](const PyNormalHandle& h) {
+                         return int32_vector(h.get().expert_counts(), h.s->get().geometry().local_experts());
+                     })
+        .def_prop_ro("expert_offsets",
+                     [](const PyNormalHandle& h) {  // E_local + 1: the last is the rows in all
+                         return int32_vector(h.get().expert_offsets(), h.s->get().geometry().local_experts() + 1);
+                     })
         .def_prop_ro("num_tokens", [](const PyNormalHandle& h) { return h.get().num_tokens(); })
         .def_prop_ro("closed", [](const PyNormalHandle& h) { return h.handle == nullptr; })
         .def("close", &PyNormalHandle::close);

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: MIT
 """MoE expert parallelism from PyTorch: weft::ops::ep's Buffer (normal and low-latency dispatch and combine).
 
-    buf = weft.ep.Buffer(num_experts=64, hidden=4096, topk=8, max_tokens_per_rank=4096)   # collective
+    buf = weft.ep.Buffer(num_experts=64, hidden=4096, topk=8, max_tokens_per_rank=4096,
+                         low_latency=False)               # collective; low-latency buffers: <= 1024 tokens
     h = buf.make_normal_handle()                          # collective
     buf.dispatch(h, x, topk_idx, topk_weights)            # rows land expert-contiguous in h.recv_x
     y = my_experts(h.recv_x, h.expert_offsets, h.expert_counts)
@@ -67,6 +68,8 @@ class NormalHandle(_Handle):
 
     @property
     def expert_offsets(self):
+        """int32 [E_local + 1]: local expert e's rows of recv_x start at expert_offsets[e] (padded to the Buffer's
+        expert_alignment); the last entry is the rows of every expert together."""
         return _tensor(self._get().expert_offsets, self._buffer._world)
 
     @property
@@ -106,10 +109,10 @@ class Buffer(_FusedOp):
     def make_low_latency_handle(self):
         return LowLatencyHandle(self, self._get().make_low_latency_handle())
 
-    def _routing(self, x, topk_idx, topk_weights=None):
+    def _routing(self, x, topk_idx, topk_weights=None, x_name="x"):
         torch = torch_module()
         ctx = self._ctx
-        views = [_view(x, "x", ctx, torch.bfloat16), _view(topk_idx, "topk_idx", ctx, torch.int32)]
+        views = [_view(x, x_name, ctx, torch.bfloat16), _view(topk_idx, "topk_idx", ctx, torch.int32)]
         if topk_weights is not None:
             views.append(_view(topk_weights, "topk_weights", ctx, torch.float32))
         return views
@@ -120,6 +123,8 @@ class Buffer(_FusedOp):
 
     def combine(self, handle, y, out=None, *, num_sms=0):
         torch = torch_module()
+        if handle.num_tokens < 0:
+            raise _weft.Error("ep combine: the handle has not been dispatched")
         if out is None:
             out = torch.empty((handle.num_tokens, self.hidden), dtype=torch.bfloat16, device=y.device)
         yv = _view(y, "y", self._ctx, torch.bfloat16)
@@ -136,7 +141,7 @@ class Buffer(_FusedOp):
         torch = torch_module()
         if out is None:
             out = torch.empty((topk_idx.shape[0], self.hidden), dtype=torch.bfloat16, device=topk_idx.device)
-        _, iv, wv = self._routing(out, topk_idx, topk_weights)
+        ov, iv, wv = self._routing(out, topk_idx, topk_weights, x_name="out")
         y3 = y
         check_tensor(y, "y", self._ctx, (torch.bfloat16,))
         if y.dim() != 3:
@@ -144,7 +149,6 @@ class Buffer(_FusedOp):
         if y3.stride(2) != 1 or y3.stride(0) != y3.shape[1] * y3.stride(1):
             raise ValueError(f"y: expected rows with inner stride 1, stacked evenly, got strides {y3.stride()}")
         yv = TensorView(y3.data_ptr(), _weft.DTYPES["bf16"], tuple(y3.shape), y3.stride())
-        ov = _view(out, "out", self._ctx, torch.bfloat16)
         self._get().low_latency_combine(handle._get(), yv, iv, wv, ov, _stream(self._ctx), phase=phase,
                                         num_sms=num_sms)
         return out

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // weft::ops::ep normal mode: NormalHandle, and the layout, dispatch and combine launches.
 #include "ep_buffer.hpp"
+#include "views_overlap.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
@@ -184,6 +185,10 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
         b.internode_combine(h, y, out, t, stream, options);
         return;
     }
+    // A block writes its tokens' sums once this rank's partials are in, while other blocks may still read y's rows
+    // for the peers' tokens.
+    ops::detail::check_apart("ep::combine", "out", out, {{"y", y}},
+                             "out is written while y's rows for the peers' tokens are still read");
     weft::ep::NormalArgs a = b.normal_args(h);
     a.num_tokens = t;
     a.y = static_cast<const uint16_t*>(y.data);

@@ -2,7 +2,8 @@
 // weft::ops::ep: expert-parallel MoE dispatch and combine over a team (a World's, or any weft::Team), normal
 // (throughput) and low-latency (decode) modes.
 //
-//     weft::ops::ep::Config cfg{.num_experts = 256, .hidden = 7168, .topk = 8, .max_tokens_per_rank = 4096};
+//     weft::ops::ep::Config cfg{.num_experts = 256, .hidden = 7168, .topk = 8, .max_tokens_per_rank = 4096,
+//                               .low_latency = false};  // low-latency buffers: at most 1024 tokens per rank
 //     weft::ops::ep::Buffer ep(team, cfg);                      // collective: symmetric buffers, kernels loaded
 //     weft::ops::ep::NormalHandle h = ep.make_normal_handle();  // collective: one in-flight dispatch
 //     ep.dispatch(h, x, topk_idx, topk_weights, stream);        // rows land expert-contiguous in h.recv_x()
@@ -186,8 +187,8 @@ public:
     /// [expert_offsets[e], expert_offsets[e] + expert_counts[e]), ordered by (source rank, source
     /// token); padding rows hold unspecified values. Valid until the next dispatch on this handle.
     TensorView recv_x() const;
-    const int32_t* expert_counts() const;
-    const int32_t* expert_offsets() const;
+    const int32_t* expert_counts() const;   ///< device int32 [E_local]
+    const int32_t* expert_offsets() const;  ///< device int32 [E_local + 1]; the last entry: every expert's rows
     /// Device pointers of the handle's arrays (recv_x, recv_meta and landing in the symmetric heap, the rest in
     /// private device memory).
     const NormalHandleView& view() const;
@@ -261,9 +262,9 @@ public:
     void dispatch(NormalHandle& handle, const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                   cudaStream_t stream, const NormalOptions& options = {});
     /// Collective: y: bf16 [>= max_recv_rows, H] laid out like recv_x (it may be recv_x itself);
-    /// out: bf16 [T, H] with T of the handle's dispatch. out[t] = sum over t's valid slots j of
-    /// topk_weights[t][j] * y[row of (t, j)], accumulated in fp32 (per destination rank in slot order,
-    /// rounded once to bf16, then over ranks in rank order), rounded to bf16. Deterministic.
+    /// out: bf16 [T, H] with T of the handle's dispatch, its bytes apart from y's. out[t] = sum over t's valid slots j
+    /// of topk_weights[t][j] * y[row of (t, j)], accumulated in fp32 (per destination rank in slot order, rounded once
+    /// to bf16, then over ranks in rank order), rounded to bf16. Deterministic.
     void combine(NormalHandle& handle, const TensorView& y, const TensorView& out, cudaStream_t stream,
                  const NormalOptions& options = {});
 
