@@ -175,6 +175,11 @@ struct MoeBlock::Impl {
     // launches more, as in the other fused ops.
     ops::tp_detail::FirstCallSync first_calls;
 
+    Impl() = default;
+    Impl(const Impl&) = delete;
+    Impl& operator=(const Impl&) = delete;
+    ~Impl();
+
     template <class T>
     T* at(int64_t offset) const {
         return reinterpret_cast<T*>(device + offset);
@@ -296,8 +301,9 @@ MoeBlock::MoeBlock(const Team& team, const MoeConfig& config) : impl_(std::make_
     m.handle.emplace(m.buffer->make_normal_handle());        // collective
 }
 
-MoeBlock::~MoeBlock() {
-    Impl& m = *impl_;
+// Also what a constructor that threw part way leaves behind (the members it had made by then).
+MoeBlock::Impl::~Impl() {
+    Impl& m = *this;
     try {
         if (m.gemm_stream != nullptr) WEFT_CUDA_CHECK(cudaStreamSynchronize(m.gemm_stream));
     } catch (const std::exception& e) {
@@ -314,6 +320,8 @@ MoeBlock::~MoeBlock() {
     if (m.join != nullptr) cudaEventDestroy(m.join);
     if (m.gemm_stream != nullptr) cudaStreamDestroy(m.gemm_stream);
 }
+
+MoeBlock::~MoeBlock() = default;
 
 const MoeConfig& MoeBlock::config() const { return impl_->config; }
 const MoePlan& MoeBlock::plan() const { return impl_->plan; }

@@ -130,6 +130,17 @@ void launch(const GroupedGemmProblem& p, const TensorView& a, const TensorView& 
     int num_sms = 0;
     WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
     const GroupedGemmPlan plan = plan_grouped_gemm(p, num_sms, options);
+    if (options.signal && options.signal->mode == GroupedSignalMode::kAddPerGroupTileRow) {
+        // A group's counters are its rows of tiles: as many as the rows a group can have (masked: the capacity;
+        // contiguous: every row of A) over the plan's tile height.
+        const int64_t rows_of_tiles =
+            ceil_div(p.layout == GroupedLayout::kMasked ? p.capacity : p.rows, int64_t{plan.config.tile_m});
+        WEFT_CHECK(options.signal->group_stride >= rows_of_tiles,
+                   "grouped_gemm: options.signal.group_stride must cover a group's rows of tiles (ceil("
+                       << (p.layout == GroupedLayout::kMasked ? "capacity " : "rows ")
+                       << (p.layout == GroupedLayout::kMasked ? p.capacity : p.rows) << " / tile_m "
+                       << plan.config.tile_m << ") = " << rows_of_tiles << "), got " << options.signal->group_stride);
+    }
 
     GroupedSchedulerParams groups{};
     groups.counts = counts;

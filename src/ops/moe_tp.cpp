@@ -25,7 +25,9 @@ using weft::moe::kMoeThreads;
 
 namespace {
 
-constexpr int64_t kMaxIndex = (int64_t{1} << 31) - 1;
+// Rows and slots the routing and combine kernels index with int32 loop counters that step past the last one: kept
+// below 2^31 by a margin (the GEMM's own bound).
+constexpr int64_t kMaxIndex = kGemmMaxExtent;
 constexpr int64_t kMaxTopk = 64;
 
 int num_sms() {
@@ -85,10 +87,10 @@ void check_routing(const MoeRouting& r, const char* op) {
     WEFT_CHECK(r.topk >= 1 && r.topk <= kMaxTopk,
                op << ": routing.topk must be in [1, " << kMaxTopk << "], got " << r.topk);
     WEFT_CHECK(r.tokens >= 0 && r.tokens <= kMaxIndex / r.topk,
-               op << ": routing.tokens x topk must fit in 31 bits, got " << r.tokens << " x " << r.topk);
+               op << ": routing.tokens x topk must be at most 2^31 - 2^24, got " << r.tokens << " x " << r.topk);
     WEFT_CHECK(r.rows_capacity >= moe_gathered_rows(r.tokens, r.topk, r.num_experts, 1) && r.rows_capacity <= kMaxIndex,
                op << ": routing.rows_capacity must be at least tokens x topk = " << r.tokens * r.topk
-                  << " (and fit in 31 bits), got " << r.rows_capacity);
+                  << " (and at most 2^31 - 2^24), got " << r.rows_capacity);
     WEFT_CHECK(r.counts != nullptr && r.offsets != nullptr && r.gather_index != nullptr && r.slot_rows != nullptr,
                op << ": routing's arrays (counts, offsets, gather_index, slot_rows) must all be given");
 }
@@ -195,6 +197,22 @@ void moe_route(const TensorView& topk_idx, MoeRouting& routing, int64_t align, c
                "moe_route: routing.rows_capacity must be >= tokens x topk + E x (align - 1) = "
                    << moe_gathered_rows(r.tokens, r.topk, r.num_experts, align) << ", got " << r.rows_capacity);
     WEFT_CHECK(reinterpret_cast<uintptr_t>(status) % 4 == 0, "moe_route: status must be 4-byte aligned");
+    // The placement writes every array while other blocks still read topk_idx (and the counts, to place).
+    const TensorView idx_view =
+        ops::detail::int32_array_view(static_cast<const int32_t*>(topk_idx.data), r.tokens * r.topk);
+    const char* why = "moe_route writes it while other blocks read them";
+    ops::detail::check_apart("moe_route", "routing.counts", counts_view(r), {{"topk_idx", idx_view}}, why);
+    ops::detail::check_apart("moe_route", "routing.offsets", offsets_view(r),
+                             {{"topk_idx", idx_view}, {"routing.counts", counts_view(r)}}, why);
+    ops::detail::check_apart(
+        "moe_route", "routing.gather_index", gather_index_view(r),
+        {{"topk_idx", idx_view}, {"routing.counts", counts_view(r)}, {"routing.offsets", offsets_view(r)}}, why);
+    ops::detail::check_apart("moe_route", "routing.slot_rows", slot_rows_view(r),
+                             {{"topk_idx", idx_view},
+                              {"routing.counts", counts_view(r)},
+                              {"routing.offsets", offsets_view(r)},
+                              {"routing.gather_index", gather_index_view(r)}},
+                             why);
     routing = r;
     launch_route(static_cast<const int32_t*>(topk_idx.data), routing, align, stream, status);
 }
@@ -259,6 +277,12 @@ void check_combine_operands(const char* op, const MoeRouting& routing, MoeCombin
     const char* why = "the combine writes it while other warps read them";
     ops::detail::check_apart(op, "out", out, read, why);
     if (sum) ops::detail::check_apart(op, "acc", acc, read, why);
+    // A warp casts its token's sum into out while others still add into acc: apart, unless out is acc itself (f32,
+    // the same rows: each warp then writes only the row it summed).
+    const bool out_is_acc = out.dtype == DType::kF32 && out.data == acc.data && (out.dim(0) <= 1 || out.stride(0) == n);
+    if (sum && !out_is_acc) {
+        ops::detail::check_apart(op, "out", out, {{"acc", acc}}, "a warp writes out while other warps add into acc");
+    }
 }
 
 }  // namespace

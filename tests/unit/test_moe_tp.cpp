@@ -335,6 +335,24 @@ TEST(MoeTpArgs, OutputsOverlappingTheirInputsAreRefused) {
              "d_rows must not overlap routing.slot_rows (");
     mentions(combine(out, w, ends_in(static_cast<const int32_t*>(w.data), DType::kF32, 200, 512), acc),
              "d_rows must not overlap weights (");
+    // out inside acc (a bf16 out cast into acc's bytes while other warps add): refused; f32 out as acc itself: allowed
+    // past this check (each warp writes back only the row it summed).
+    mentions(combine(view(DType::kBF16, {100, 512}, 5), w, d_rows, acc), "out must not overlap acc (");
+    EXPECT_EQ(combine(view(DType::kF32, {100, 512}, 5), w, d_rows, acc).find("must not overlap acc"),
+              std::string::npos);
+    // moe_route: its arrays apart from topk_idx and each other.
+    {
+        MoeRouting rr = fake_routing(0, 0, 8);
+        rr.rows_capacity = 200;
+        const TensorView idx(r.slot_rows, DType::kI32, {100, 2});  // topk_idx where slot_rows is written
+        mentions(error_of([&] { ops::moe_route(idx, rr, 1, nullptr); }),
+                 "moe_route: routing.slot_rows must not overlap topk_idx (");
+        rr.offsets = rr.counts + 4;
+        mentions(error_of([&] {
+                     ops::moe_route(view(DType::kI32, {100, 2}, 9), rr, 1, nullptr);
+                 }),
+                 "moe_route: routing.offsets must not overlap routing.counts (");
+    }
     // moe_combine alone: the same checks of out and acc.
     mentions(error_of([&] {
                  ops::moe_combine(d_rows, r, MoeCombineMode::kPerSlot, TensorView(), TensorView(),

@@ -49,7 +49,8 @@ struct MoeGatherArgs {
 /// How the top-k reduce kernel writes the expert-sorted rows D back to token order.
 enum class MoeCombineMode : int32_t {
     kPerSlot = 0,      ///< out [tokens * topk, N]: row t*topk+k = D[slot_rows[t*topk+k]] (zeros for a dropped slot)
-    kWeightedSum = 1,  ///< out [tokens, N]: row t = sum over k (in k order) of weight[t, k] * D[slot_rows[t*topk+k]]
+    kWeightedSum = 1,  ///< out [tokens, N]: row t = sum over k (by ascending expert, then k) of weight[t, k] *
+                       ///< D[slot_rows[t*topk+k]]
 };
 
 /// The top-k reduce kernel's arguments (moe_gather.cuh, moe_combine_kernel). D is fp32 rows [rows, N]; with more than

@@ -86,7 +86,8 @@ void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const Tenso
 /// Gathered grouped GEMM written back to token order: d_rows [rows_capacity, N] f32 (workspace) = the expert-ordered
 /// product as above, then
 ///   kPerSlot:     out [T * topk, N]: row t*topk+k = d_rows[slot_rows[t*topk+k]] (zeros for a dropped slot)
-///   kWeightedSum: out [T, N]: row t = sum over k in order of weights[t, k] * d_rows[slot_rows[t*topk+k]], in fp32
+///   kWeightedSum: out [T, N]: row t = sum over k (by ascending expert, then k) of weights[t, k] *
+///   d_rows[slot_rows[t*topk+k]], in fp32
 ///                 (acc [T, N] f32 workspace), cast once; a token with no slot gets zeros
 /// weights: [T, topk] f32 or an empty view (weight 1). out bf16 or f32, N a multiple of 8. out and acc must overlap
 /// none of d_rows, weights and the routing's slot_rows, counts and offsets; d_rows neither weights nor slot_rows.
@@ -167,8 +168,8 @@ public:
     MoeGroupedGemmRs(const MoeGroupedGemmRs&) = delete;
     MoeGroupedGemmRs& operator=(const MoeGroupedGemmRs&) = delete;
 
-    /// out[t] = sum over k (in k order) of weights[T0 + t, k] * sum over ranks (in rank order) of (h * w^T)[slot_rows[
-    /// (T0 + t) * topk + k]], fp32 then cast, for this rank's tokens T0 = rank * M/W .. + M/W.
+    /// out[t] = sum over k (by ascending expert, then k) of weights[T0 + t, k] * sum over ranks (in rank order) of (h *
+    /// w^T)[slot_rows[ (T0 + t) * topk + k]], fp32 then cast, for this rank's tokens T0 = rank * M/W .. + M/W.
     ///   h:        [routing.rows_capacity, ffn] bf16, rows grouped by expert as routing says (layer 0's y after the
     ///             activation)
     ///   w:        [E, hidden, ffn] bf16 (this rank's K slice of every expert's down projection)
