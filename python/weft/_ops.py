@@ -94,6 +94,18 @@ def reduce_scatter(tensor, out=None, *, algo="auto", team=None):
     return out
 
 
+def _empty_out(rows, n, dtype, device):
+    """An output [rows, n] for a kernel whose row stride must be a multiple of 16 bytes (TMA): (the view to write,
+    the padded allocation under it or None). With n a multiple of 16 bytes' elements the view is contiguous; else it
+    is the first n columns of a padded allocation, which the caller copies out contiguous after the call."""
+    torch = torch_module()
+    per16 = 16 // torch.empty((0,), dtype=dtype).element_size()
+    if rows <= 1 or n % per16 == 0:
+        return torch.empty((rows, n), dtype=dtype, device=device), None
+    padded = torch.empty((rows, (n + per16 - 1) // per16 * per16), dtype=dtype, device=device)
+    return padded[:, :n], padded
+
+
 def gemm(a, b, out=None, *, b_layout="nk", out_dtype=None):
     """out[M, N] = a[M, K] @ B with b [N, K] (b_layout "nk": a linear layer's weight, out = a @ b.T) or [K, N]
     ("kn": out = a @ b). bf16 or f16 in (same dtype), fp32 accumulation; out dtype: out_dtype, else a's. Rows may be
@@ -104,11 +116,12 @@ def gemm(a, b, out=None, *, b_layout="nk", out_dtype=None):
     if b_layout not in ("nk", "kn"):
         raise ValueError(f"b_layout: expected 'nk' or 'kn', got {b_layout!r}")
     n = b.shape[0] if b_layout == "nk" else b.shape[1]
+    padded = None
     if out is None:
-        out = torch_module().empty((a.shape[0], n), dtype=out_dtype or a.dtype, device=a.device)
+        out, padded = _empty_out(a.shape[0], n, out_dtype or a.dtype, a.device)
     dv = matrix_view(out, "out", ctx)
     _weft.gemm(av, bv, dv, 0 if b_layout == "nk" else 1, _stream(ctx))
-    return out
+    return out if padded is None else out.contiguous()
 
 
 class _FusedOp:
@@ -154,11 +167,12 @@ class _FusedOp:
         dtypes = (self.dtype,)
         av = matrix_view(a, self._a_name, ctx, dtypes)
         bv = matrix_view(b, "b", ctx, dtypes)
+        padded = None
         if out is None:
-            out = torch_module().empty((self._out_rows(a), self.n), dtype=self.dtype, device=a.device)
+            out, padded = _empty_out(self._out_rows(a), self.n, self.dtype, a.device)
         cv = matrix_view(out, "out", ctx, dtypes)
         op.run(av, bv, cv, ctx.stream(ctx.device_index))
-        return out
+        return out if padded is None else out.contiguous()
 
     def __enter__(self):
         return self

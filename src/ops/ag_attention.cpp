@@ -76,8 +76,9 @@ void check_tensor_map_strides(const TensorView& v, const char* op, const char* w
     const int i = bad_tensor_map_stride(v);
     WEFT_CHECK(i < 0, op << ": " << what << " stride " << i << " must be positive and below 2^40 bytes (a multiple of "
                          << "16 bytes) for the wgmma kernel's tensor maps, got " << v.describe()
-                         << " (a broadcast with stride 0 runs on the mma.sync kernel: leave options.config unset, or "
-                         << "set its kernel to AttentionPrefillKernel::kMmaSync)");
+                         << " (a broadcast with stride 0 runs on the mma.sync kernel: flash_attention picks it when "
+                         << "options.config is unset; AgAttention needs options.config with its kernel set to "
+                         << "AttentionPrefillKernel::kMmaSync)");
 }
 
 bool is_empty_view(const TensorView& v) { return v.data == nullptr && v.ndim == 0; }
@@ -688,16 +689,23 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     detail::FlashAttentionPlan plan = detail::plan_flash_attention(q_local, gk, gv, out, lse, fo, kOp);
 
     if (s.num_ranks == 1) {
-        // The kernel straight on the caller's K/V; the copy into the gathered buffer is what a call leaves behind.
-        detail::FlashAttentionPlan local = detail::plan_flash_attention(q_local, k_local, v_local, out, lse, fo, kOp);
+        // The kernel straight on the caller's K/V; the copy into the gathered buffer is what a call leaves behind. K
+        // and V with different row strides (which one kernel launch cannot read) are copied first and read from there.
+        const auto copy_local = [&] {
+            for (const auto& [src, dst] : {std::pair{&k_local, s.gathered_k}, std::pair{&v_local, s.gathered_v}}) {
+                if (src->data == dst) continue;
+                WEFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(s.row_bytes()), src->data, src_pitch(*src),
+                                                  static_cast<size_t>(s.row_bytes()), static_cast<size_t>(rows),
+                                                  cudaMemcpyDefault, stream));
+            }
+        };
+        const bool same_strides = k_local.stride(0) == v_local.stride(0);
+        detail::FlashAttentionPlan local =
+            same_strides ? detail::plan_flash_attention(q_local, k_local, v_local, out, lse, fo, kOp) : std::move(plan);
+        if (!same_strides) copy_local();
         detail::use_prefill_counter(local, s.item_counter, s.grid);
         detail::launch_flash_attention(local, s.grid, stream);
-        for (const auto& [src, dst] : {std::pair{&k_local, s.gathered_k}, std::pair{&v_local, s.gathered_v}}) {
-            if (src->data == dst) continue;
-            WEFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(s.row_bytes()), src->data, src_pitch(*src),
-                                              static_cast<size_t>(s.row_bytes()), static_cast<size_t>(rows),
-                                              cudaMemcpyDefault, stream));
-        }
+        if (same_strides) copy_local();
         s.heap.note_use(stream);  // the destructor waits for this op's work before freeing its buffers
         return;
     }

@@ -106,7 +106,7 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
     WEFT_CHECK(k_cache.dim(3) == head_dim,
                kOp << ": k_cache's head_dim must be q's (" << head_dim << "), got " << shape_of(k_cache));
     WEFT_CHECK(page_size >= 1 && page_size <= (int64_t{1} << 30),
-               kOp << ": page_size (k_cache extent 1) must be at least 1, got " << shape_of(k_cache));
+               kOp << ": page_size (k_cache extent 1) must be in [1, 2^30], got " << shape_of(k_cache));
     WEFT_CHECK(num_kv_heads >= 1,
                kOp << ": num_kv_heads (k_cache extent 2) must be at least 1, got " << shape_of(k_cache));
     WEFT_CHECK(num_q_heads >= num_kv_heads && num_q_heads % num_kv_heads == 0,

@@ -9,6 +9,7 @@
 
 #include "tp_common.hpp"
 #include "weft/jit/aot.hpp"
+#include "weft/net/host_backend.hpp"
 #include "weft/ops/aot.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
@@ -418,6 +419,14 @@ void CollectiveWorkspace::join(cudaStream_t stream, int count) {
 
 const CollectiveWorkspaceInfo& prepare_collectives(const Team& team) {
     team.require_member("prepare_collectives");
+    if (team.num_nodes() > 1) {
+        // Across nodes the collectives run over each node's members and the network (detail::hierarchical_*): make
+        // the team's network backend and its node team's workspace.
+        const net::HostBackend& net = net::HostBackend::get(team);
+        if (net.node_team().num_ranks() > 1) return prepare_collectives(net.node_team());
+        static const CollectiveWorkspaceInfo kNone{};  // one member per node: nothing to prepare on the node
+        return kNone;
+    }
     return detail::CollectiveWorkspace::get(team).info();
 }
 

@@ -16,6 +16,7 @@
 #include "weft/ops/collectives.hpp"
 #include "weft/ops/reduce_scatter.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
 
 namespace weft::ops::detail {
@@ -60,6 +61,34 @@ net::HostBackend& backend(const Team& team) {
     return net;
 }
 
+// A network call from begin_call to end_call. Declared after the call's scratch buffers: when the call throws part way
+// (a node stage's argument error), end_call still joins the comm stream's queued steps to `stream` before the scratch
+// is freed in stream order, and before the next call's begin_call zeroes the flags. (Every comm-stream wait is for a
+// word whose writer the host enqueued first, so the join completes.)
+class NetCall {
+public:
+    NetCall(net::HostBackend& net, cudaStream_t stream) : net_(net), stream_(stream) { net_.begin_call(stream_); }
+    NetCall(const NetCall&) = delete;
+    NetCall& operator=(const NetCall&) = delete;
+    ~NetCall() {
+        if (ended_) return;
+        try {
+            net_.end_call(stream_);
+        } catch (const std::exception& e) {
+            WEFT_LOG_ERROR("network call: joining the comm stream after an error failed: " << e.what());
+        }
+    }
+    void end() {
+        ended_ = true;
+        net_.end_call(stream_);
+    }
+
+private:
+    net::HostBackend& net_;
+    cudaStream_t stream_;
+    bool ended_ = false;
+};
+
 }  // namespace
 
 // Per chunk c of every shard: the comm stream gathers chunk c of the column's N shards (this rank's own and, by
@@ -76,7 +105,7 @@ void hierarchical_all_gather(const Team& team, const TensorView& input, const Te
     const auto n = static_cast<uint64_t>(num_nodes), l = static_cast<uint64_t>(per_node);
     Scratch column(n * shard, stream);        // chunk c at n * begin: [node][len]
     Scratch gathered(l * n * shard, stream);  // chunk c at l * n * begin: [local][node][len]
-    net.begin_call(stream);
+    NetCall call(net, stream);
     for (size_t c = 0; c < chunks.size(); ++c) {
         const uint64_t begin = chunks[c].begin, len = chunks[c].count;
         uint8_t* packed = column.get() + n * begin;
@@ -98,7 +127,7 @@ void hierarchical_all_gather(const Team& team, const TensorView& input, const Te
             }
         }
     }
-    net.end_call(stream);
+    call.end();
 }
 
 // Per chunk c of every block: the compute stream packs the L x N blocks' chunks by (local index, node), reduce-scatters
@@ -119,7 +148,7 @@ void hierarchical_reduce_scatter(const Team& team, const TensorView& input, cons
     const auto n = static_cast<uint64_t>(num_nodes), l = static_cast<uint64_t>(per_node);
     Scratch packed(l * n * block * es, stream);  // chunk c at l * n * begin: [local][node][len]
     Scratch node_sum(n * block * es, stream);    // chunk c at n * begin: [node][len]
-    net.begin_call(stream);
+    NetCall call(net, stream);
     for (size_t c = 0; c < chunks.size(); ++c) {
         const uint64_t begin = chunks[c].begin, len = chunks[c].count;
         uint8_t* p = packed.get() + l * n * begin * es;
@@ -139,7 +168,7 @@ void hierarchical_reduce_scatter(const Team& team, const TensorView& input, cons
         net.comm_wait_ready(static_cast<int>(c));
         net.reduce_scatter(node_sum.get() + n * begin * es, out + begin * es, len, dtype);
     }
-    net.end_call(stream);
+    call.end();
 }
 
 // Per chunk c (a multiple of L elements but the last, which is zero-padded to one): reduce-scatter over the node's
@@ -160,7 +189,7 @@ void hierarchical_all_reduce(const Team& team, const TensorView& input, const Te
     Scratch staged(total * es, stream);      // chunk c at begin: its elements, zero-padded
     Scratch slices(total / l * es, stream);  // chunk c at begin / l: this member's slice
     Scratch gathered(total * es, stream);    // chunk c at begin
-    net.begin_call(stream);
+    NetCall call(net, stream);
     const auto gather = [&](size_t c) {
         const uint64_t begin = chunks[c].begin, p = padded(chunks[c]);
         net.wait_arrived(stream, static_cast<int>(c));
@@ -182,7 +211,7 @@ void hierarchical_all_reduce(const Team& team, const TensorView& input, const Te
         if (c > 0) gather(c - 1);
     }
     if (!chunks.empty()) gather(chunks.size() - 1);
-    net.end_call(stream);
+    call.end();
 }
 
 // Team ranks t(n, l); a rank's input and output hold one piece per team rank, back to back in team-rank order. Node
@@ -274,7 +303,7 @@ void hierarchical_all_to_all(const Team& team, const TensorView& input, std::spa
             all_to_all_v(net.node_team(), bytes_view(from, in_total), sc, bytes_view(dst, out_total), rc, stream);
         }
     };
-    net.begin_call(stream);
+    NetCall call(net, stream);
     // 1. The node stages for the other nodes, each raising ready(k) for its network step.
     if (!direct) {
         for (size_t i = 0; i + 1 < plan.node_stages.size(); ++i) {
@@ -326,7 +355,7 @@ void hierarchical_all_to_all(const Team& team, const TensorView& input, std::spa
             from += piece.bytes;
         }
     }
-    net.end_call(stream);
+    call.end();
 }
 
 }  // namespace weft::ops::detail

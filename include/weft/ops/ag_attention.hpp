@@ -110,7 +110,8 @@ public:
     AgAttention& operator=(const AgAttention&) = delete;
 
     /// out = attention of this rank's queries (global positions r*S/W ...) over the gathered keys, S = W * rows:
-    ///   q_local  [S/W, num_q_heads, head_dim]: innermost stride 1, other strides multiples of 8
+    ///   q_local  [S/W, num_q_heads, head_dim]: innermost stride 1, other strides multiples of 8 (positive with
+    ///            the wgmma kernel, sm_90's default: a broadcast q needs options.config with kMmaSync)
     ///   k_local, v_local [S/W, num_kv_heads, head_dim]: heads and dims contiguous (head stride head_dim), row
     ///            stride >= num_kv_heads * head_dim (any device memory; local_k(S) / local_v(S) themselves skip the
     ///            local copy)

@@ -58,7 +58,7 @@ struct DecodeAttentionOptions {
 ///   out          dtype of q, [batch, num_q_heads, head_dim], contiguous
 ///   lse          f32 [batch, num_q_heads], contiguous; or an empty view (data null) when not wanted
 /// head_dim is 64, 128 or 256; num_q_heads is a multiple of num_kv_heads with at most 16 q-heads per KV head;
-/// page_size >= 1; batch >= 0 (0: nothing to do). Pointers 16-byte aligned. Asynchronous on `stream`, no host
+/// 1 <= page_size <= 2^30; batch >= 0 (0: nothing to do). Pointers 16-byte aligned. Asynchronous on `stream`, no host
 /// synchronisation, capturable in a CUDA graph (with options.workspace given, or the internal one already large
 /// enough). The internal workspace is the stream's own (per device and stream; cudaStreamPerThread, per thread): a
 /// graph captured with it uses the capturing stream's, so replay it where no other call runs on that stream at the

@@ -22,8 +22,9 @@
 //  - The first call on a team (or prepare_collectives) is itself collective over the team: it allocates the
 //    team's workspace on the heap (team-collective allocations), agrees the SM budget, compiles or loads every
 //    collective kernel and ends with a barrier of the team.
-//  - Every member must be load/store reachable from every other (same host, peer access); otherwise weft::Error
-//    on every member.
+//  - Within a node every member must be load/store reachable from every other (peer access); otherwise weft::Error
+//    on every member. A team that spans nodes runs the collectives over each node's members and the network
+//    (docs/multinode.md).
 #pragma once
 
 #include <cstdint>
@@ -140,7 +141,9 @@ struct CollectiveWorkspaceInfo {
 /// checks that every member is load/store reachable (all through the team's all_gather), compiles or loads every
 /// collective kernel (so no module loads later while kernels spin), and ends with a barrier of the team. The ops
 /// call it on first use; call it yourself before capturing a graph or launching kernels that spin. The workspace
-/// lives until the World is destroyed (one per team id). A non-member caller gets weft::Error.
+/// lives until the World is destroyed (one per team id). A non-member caller gets weft::Error. A team that spans nodes:
+/// makes its network backend (collective, weft/net/host_backend.hpp) and prepares its node team's workspace, whose
+/// info it returns (all zero with one member per node).
 const CollectiveWorkspaceInfo& prepare_collectives(const Team& team);
 /// prepare_collectives(world.team()).
 const CollectiveWorkspaceInfo& prepare_collectives(World& world);
