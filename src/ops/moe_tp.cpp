@@ -395,6 +395,21 @@ struct MoeLayerBase : tp_detail::FusedOpState {
         timeouts = detail::moe_tp_timeouts(world->timeout(), o.timeout);
         // Uniform over the team (the members count each other's blocks): from the world's shared budget.
         comm_blocks = o.comm_blocks > 0 ? o.comm_blocks : std::clamp(world->shared_sm_budget() / 8, 1, 16);
+        if (num_ranks > 1) {
+            // Every member counts the others' push (or combine) blocks with its own count: the counts must agree
+            // (options.comm_blocks, or the worlds' SM budgets behind the heuristic).
+            const auto mine = static_cast<uint8_t>(comm_blocks);  // at most 64
+            const std::vector<std::vector<uint8_t>> all =
+                team.all_gather(std::string("weft.ops.") + op_name + ".comm_blocks", std::vector<uint8_t>{mine});
+            for (int r = 0; r < num_ranks; ++r) {
+                const int theirs = all[static_cast<size_t>(r)].empty() ? -1 : all[static_cast<size_t>(r)][0];
+                WEFT_CHECK(theirs == comm_blocks,
+                           op << ": the members' communication CTAs differ: world rank " << world->rank() << " has "
+                              << comm_blocks << ", world rank " << team.world_rank(r) << " " << theirs
+                              << " (options.comm_blocks, else the SM budget / 8: pass the same options.comm_blocks "
+                                 "on every member)");
+            }
+        }
         gemm_budget = budget - comm_blocks;
         WEFT_CHECK(gemm_budget >= 1, op << ": the SM budget " << budget << " leaves no SM for the GEMM beside "
                                         << comm_blocks << " communication CTAs (options.comm_blocks)");

@@ -116,7 +116,8 @@ public:
     ///            stride >= num_kv_heads * head_dim (any device memory; local_k(S) / local_v(S) themselves skip the
     ///            local copy)
     ///   out      [S/W, num_q_heads, head_dim] contiguous;  lse f32 [S/W, num_q_heads] contiguous, or empty
-    /// all of shape.dtype, 16-byte aligned. Every member calls with the same S (1 <= S/W, S <= max_seq).
+    /// all of shape.dtype, 16-byte aligned. Every member calls with the same S (1 <= S/W, S <= max_seq; not checked
+    /// across ranks: a member with another S pulls rows its peers did not write).
     /// Asynchronous on `stream` (it forks the copy stream from it and joins it back); never synchronises the host
     /// (but the first call on ranks sharing a GPU: see kernels/attention/README.md); capturable in a CUDA graph
     /// (nothing of a call is a host value frozen into the graph). After the call's work on `stream`, gathered_k(S) /

@@ -79,11 +79,13 @@ struct Config {
     bool normal = true;           ///< allocate the normal mode's buffers
     bool low_latency = true;      ///< allocate the low-latency mode's buffers
     /// Normal mode: distinct (source rank, token) pairs one rank may receive; 0 = the worst case
-    /// (num_ranks * max_tokens_per_rank). Exceeding it is reported by every rank (kRecvTokensOverflow).
+    /// (num_ranks * max_tokens_per_rank). Exceeding it is reported by every rank (kRecvTokensOverflow; on a
+    /// team that spans nodes by the overflowing rank only).
     int64_t max_recv_tokens = 0;
     /// Normal mode: expert-contiguous rows one rank may receive, padding included; 0 = the worst case
     /// (num_ranks * max_tokens_per_rank * min(k, experts per rank) plus padding). Exceeding it is
-    /// reported by every rank (kRecvRowsOverflow). See expected_recv_rows() for a sizing estimate.
+    /// reported by every rank (kRecvRowsOverflow; across nodes by the overflowing rank only). See
+    /// expected_recv_rows() for a sizing estimate.
     int64_t max_recv_rows = 0;
     /// Normal mode: each local expert's segment starts at a multiple of this (a grouped GEMM's M tile).
     int expert_alignment = 1;
@@ -285,8 +287,8 @@ public:
     // ---- errors the kernels report ----
     /// Reads this rank's status word (host-mapped memory: no synchronisation, sees every kernel that
     /// has completed) and throws weft::Error describing the first error, if any. Every op calls it on
-    /// entry, so an error surfaces at the next call at the latest. The word stays set until
-    /// clear_status().
+    /// entry, so an error surfaces at the next call at the latest (on this rank: the other ranks' calls then wait for
+    /// it until their timeout). The word stays set until clear_status().
     void check() const;
     /// world().sync_and_check(stream), then check().
     void sync_and_check(cudaStream_t stream);

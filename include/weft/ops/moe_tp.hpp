@@ -118,6 +118,8 @@ struct MoeTpShape {
 struct MoeTpOptions {
     int sm_budget = 0;                     ///< SMs of the op's kernels; 0 = World::sm_budget()
     int comm_blocks = 0;                   ///< CTAs of the push (layer 0) / combine (layer 1) kernel; 0 = heuristic
+                                           ///< (the world's shared SM budget / 8); the same on every member (checked
+                                           ///< at construction: a weft::Error naming both counts)
     std::optional<GemmConfig> config;      ///< the grouped GEMM's config (is_valid_grouped, bf16 in, B [N, K])
     std::chrono::milliseconds timeout{0};  ///< bound on every wait on a peer; 0 = World::timeout() (the GEMM's
                                            ///< pipeline waits: twice it)
@@ -140,8 +142,9 @@ public:
     ///   w:        [E, ffn, hidden] bf16 (this rank's columns of every expert's weight)
     ///   y:        [rows_capacity(), ffn] bf16: row r is slot (gather_index[r], k)'s, grouped by expert (routing());
     ///             rows past routing's offsets[E] untouched; its bytes apart from x_local's and w's
-    /// Every member calls with the same M and topk_idx. Asynchronous on `stream`; capturable in a CUDA graph after its
-    /// first call (every value of the protocol is an epoch in device memory).
+    /// Every member calls with the same M and topk_idx (not checked across ranks: other rows move, and the results
+    /// are wrong without an error). Asynchronous on `stream`; capturable in a CUDA graph after its first call (every
+    /// value of the protocol is an epoch in device memory).
     void run(const TensorView& x_local, const TensorView& topk_idx, const TensorView& w, const TensorView& y,
              cudaStream_t stream);
 
