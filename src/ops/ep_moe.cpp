@@ -373,10 +373,18 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
                "ep::MoeBlock::forward: weights.down must be bf16 [E_local, H, F] = ["
                    << m.local_experts << ", " << g.hidden << ", " << ffn << "], got " << weights.down.describe());
     const NormalHandle& h = *m.handle;
-    validate_grouped_gemm_args(GroupedLayout::kContiguous, h.recv_x(), weights.gate_up, m.gate_up_out(), BLayout::kNK,
-                               h.expert_offsets(), h.expert_counts());
-    validate_grouped_gemm_args(GroupedLayout::kContiguous, m.activation(), weights.down, m.expert_out(), BLayout::kNK,
-                               h.expert_offsets(), h.expert_counts());
+    try {
+        validate_grouped_gemm_args(GroupedLayout::kContiguous, h.recv_x(), weights.gate_up, m.gate_up_out(),
+                                   BLayout::kNK, h.expert_offsets(), h.expert_counts());
+    } catch (const Error& e) {
+        ops::detail::rethrow_with_op("ep::MoeBlock::forward (the up-projection's b: weights.gate_up)", e);
+    }
+    try {
+        validate_grouped_gemm_args(GroupedLayout::kContiguous, m.activation(), weights.down, m.expert_out(),
+                                   BLayout::kNK, h.expert_offsets(), h.expert_counts());
+    } catch (const Error& e) {
+        ops::detail::rethrow_with_op("ep::MoeBlock::forward (the down-projection's b: weights.down)", e);
+    }
     // Every kernel of the call within the rank's SM budget (MoeGrids): with ranks sharing a GPU, all ranks' kernels
     // are resident together.
     const MoeGrids grids = moe_block_grids(m.config, m.plan, m.team.num_ranks(), t, m.world->sm_budget(), options);

@@ -17,6 +17,7 @@
 #include "weft/detail/gemm_launch.hpp"
 #include "weft/jit/aot.hpp"
 #include "weft/jit/kernel.hpp"
+#include "weft/ops/fused_gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_plan.hpp"
 #include "weft/runtime/driver.hpp"
@@ -520,8 +521,13 @@ void grouped_gemm_masked_fp8(const TensorView& a, const TensorView& a_scales, co
     WEFT_NVTX_RANGE("grouped_gemm_masked_fp8");
     WEFT_CHECK(a_bf16.dtype == DType::kBF16,
                "grouped_gemm_masked_fp8: a_bf16 (the workspace) must be bf16, got " << dtype_name(a_bf16.dtype));
-    const GroupedGemmProblem p =
-        validate_grouped_gemm_args(GroupedLayout::kMasked, a_bf16, b, d, b_layout, nullptr, counts);
+    const GroupedGemmProblem p = [&] {
+        try {  // the GEMM's a is the workspace: its messages say so
+            return validate_grouped_gemm_args(GroupedLayout::kMasked, a_bf16, b, d, b_layout, nullptr, counts);
+        } catch (const Error& e) {
+            detail::rethrow_with_op("grouped_gemm_masked_fp8 (the GEMM's a: the workspace a_bf16)", e);
+        }
+    }();
     validate_grouped_fp8_args(p, a, a_scales);
     WEFT_CHECK(!detail::views_overlap(a_bf16, a) && !detail::views_overlap(a_bf16, a_scales),
                "grouped_gemm_masked_fp8: a_bf16 (the workspace) must not overlap a or a_scales, got a_bf16 "

@@ -596,9 +596,19 @@ void run_ag(const AgCase& c, uint64_t seed, AttentionPrefillKernel kernel) {
                 EXPECT_TRUE(std::equal(got.begin(), got.end(), pr.k.begin()))
                     << what << ", rank " << me << ", " << call << ": gathered K differs";
             };
-            for (int call = 0; call < 3; ++call) {
+            // V with a row stride of its own (K's is dense): a team of one rank copies both before its kernel.
+            const int64_t v_pitch = static_cast<int64_t>(c.hkv) * c.dim + 8;
+            void* dv_wide = nullptr;
+            WEFT_CUDA_CHECK(cudaMalloc(&dv_wide, static_cast<size_t>(c.rows * v_pitch) * 2));
+            WEFT_CUDA_CHECK(cudaMemcpy2DAsync(
+                dv_wide, static_cast<size_t>(v_pitch) * 2, dv, static_cast<size_t>(c.hkv) * c.dim * 2,
+                static_cast<size_t>(c.hkv) * c.dim * 2, static_cast<size_t>(c.rows), cudaMemcpyDeviceToDevice, s));
+            const TensorView tv_wide(dv_wide, DType::kBF16, {c.rows, c.hkv, c.dim}, {v_pitch, c.dim, 1});
+            for (int call = 0; call < 4; ++call) {
                 poison();
-                if (call == 2) {
+                if (call == 3) {
+                    op.run(tq, tk, tv_wide, tout, tlse, s);
+                } else if (call == 2) {
                     // K/V written straight into this rank's slots: the local copy is skipped.
                     const TensorView lk = op.local_k(seq), lv = op.local_v(seq);
                     WEFT_CUDA_CHECK(cudaMemcpyAsync(lk.data, dk, kv_elems * 2, cudaMemcpyDeviceToDevice, s));
@@ -629,7 +639,7 @@ void run_ag(const AgCase& c, uint64_t seed, AttentionPrefillKernel kernel) {
             }
             w.sync_and_check(s);
             w.barrier();
-            for (void* p : {dq, dk, dv, dout, dlse}) cudaFree(p);
+            for (void* p : {dq, dk, dv, dv_wide, dout, dlse}) cudaFree(p);
             cudaStreamDestroy(s);
         },
         test_options(64ull << 20));

@@ -103,6 +103,7 @@ void run_case(World& w, const AgCase& cs, DType dt, int calls, Mode mode, uint64
                     for (int64_t j = 0; j < cs.k; ++j) a.set(r, j, shards[static_cast<size_t>(me)].at(r, j));
                 upload(a, a_dev.ptr, st);
                 a_view = view(a, a_dev.ptr);
+                if (rows == 1) a_view.strides[0] = 0;  // a one-row view may carry any row stride (a broadcast row)
             }
             const TensorView bv = view(b, b_dev.ptr), cv = view(c, c_dev.ptr);
             if (mode == Mode::kEager || call == 0) {
