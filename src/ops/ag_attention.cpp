@@ -217,16 +217,7 @@ constexpr size_t kSpareCounters = 64;
 // memset the host waits for (not the caller's stream, whose queued work it need not wait for), in relaxed capture
 // mode so that another thread's capture does not forbid it.
 uint32_t* make_zeroed_counters() {
-    const size_t bytes = kSpareCounters * sizeof(uint32_t);
-    void* ptr = detail::malloc_beside_captures(bytes);
-    cudaStream_t zeroing = nullptr;
-    cudaError_t err = cudaStreamCreateWithFlags(&zeroing, cudaStreamNonBlocking);
-    if (err == cudaSuccess) err = cudaMemsetAsync(ptr, 0, bytes, zeroing);
-    if (err == cudaSuccess) err = cudaStreamSynchronize(zeroing);
-    if (zeroing != nullptr) cudaStreamDestroy(zeroing);
-    if (err != cudaSuccess) cudaFree(ptr);
-    WEFT_CUDA_CHECK(err);
-    return static_cast<uint32_t*>(ptr);
+    return static_cast<uint32_t*>(detail::malloc_beside_captures(kSpareCounters * sizeof(uint32_t), true));
 }
 
 uint32_t* prefill_item_counter(cudaStream_t stream) {
@@ -599,8 +590,11 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
     const bool shared_gpu = world.num_ranks_on_device() > 1;
     // NOTE: ranks sharing a GPU keep one SM of their budget free of the persistent kernel (for the notify kernel and
     // copy helpers of the other ranks) and run one block per SM, so that every rank's blocks are resident together.
+    // A GPU of its own: the persistent kernel leaves one SM of the device free (as many block slots as it holds), for
+    // the copy stream's one-CTA waits, each peer's launched behind the previous peer's copies while the kernel runs.
     int budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
     if (s.num_ranks > 1 && shared_gpu && options.sm_budget == 0) budget -= 1;
+    if (s.num_ranks > 1 && !shared_gpu) budget = std::min(budget, tp_detail::device_sm_count() - 1);
     WEFT_CHECK(budget >= 1, "ag_attention: the SM budget must be >= 1, got " << budget);
     s.grid = options.sm_budget > 0 || shared_gpu ? budget : budget * detail::attention_prefill_blocks_per_sm(s.config);
     if (s.num_ranks > 1) {

@@ -301,7 +301,8 @@ MoeBlock::MoeBlock(const Team& team, const MoeConfig& config) : impl_(std::make_
     m.handle.emplace(m.buffer->make_normal_handle());        // collective
 }
 
-// Also what a constructor that threw part way leaves behind (the members it had made by then).
+// Also what a constructor that threw part way leaves behind (the members it had made by then). The handle's and the
+// Buffer's destructors are collective: after a failure on one rank only, its peers' wait there ends at the timeout.
 MoeBlock::Impl::~Impl() {
     Impl& m = *this;
     try {

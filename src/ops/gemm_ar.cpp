@@ -209,9 +209,9 @@ GemmAr::GemmAr(const Team& team, const GemmArShape& shape, const GemmArOptions& 
         if (s.use_collective) ops::prepare_collectives(team);  // collective: every member decides alike
     }
     WEFT_LOG_INFO("gemm_ar: partials " << dtype_name(s.partial_dtype) << ", all-reduce "
-                                       << (s.use_collective ? "ops::all_reduce (contiguous C), else " : "")
-                                       << s.reduce_ctas << " CTAs of the op's kernel, SM budget " << s.budget
-                                       << ", team of " << s.num_ranks);
+                                       << (s.use_collective ? "ops::all_reduce, else " : "") << s.reduce_ctas
+                                       << " CTAs of the op's kernel, SM budget " << s.budget << ", team of "
+                                       << s.num_ranks);
     team.barrier();
 }
 

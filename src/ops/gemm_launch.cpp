@@ -64,8 +64,8 @@ SmallMScratch small_m_scratch(size_t counter_bytes, size_t partial_bytes, cudaSt
     SmallMScratch& w = cache[key];
     if (w.counter_bytes < counter_bytes) {
         const size_t grow = std::max(counter_bytes, 2 * w.counter_bytes);
-        void* p = detail::malloc_beside_captures(grow);
-        WEFT_CUDA_CHECK(cudaMemsetAsync(p, 0, grow, stream));
+        // Zeroed before any launch uses it (a capture in progress on `stream` would record a zeroing of its own).
+        void* p = detail::malloc_beside_captures(grow, true);
         w.counters = p;
         w.counter_bytes = grow;
     }

@@ -13,11 +13,19 @@ StreamKey StreamKey::of(cudaStream_t stream) {
     return key;
 }
 
-void* malloc_beside_captures(size_t bytes) {
+void* malloc_beside_captures(size_t bytes, bool zeroed) {
     cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
     WEFT_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
     void* ptr = nullptr;
-    const cudaError_t err = cudaMalloc(&ptr, bytes);
+    cudaStream_t zeroing = nullptr;
+    cudaError_t err = cudaMalloc(&ptr, bytes);
+    if (err == cudaSuccess && zeroed) {
+        err = cudaStreamCreateWithFlags(&zeroing, cudaStreamNonBlocking);
+        if (err == cudaSuccess) err = cudaMemsetAsync(ptr, 0, bytes, zeroing);
+        if (err == cudaSuccess) err = cudaStreamSynchronize(zeroing);
+        if (zeroing != nullptr) cudaStreamDestroy(zeroing);
+        if (err != cudaSuccess) cudaFree(ptr);
+    }
     cudaThreadExchangeStreamCaptureMode(&mode);  // back to the thread's own mode
     WEFT_CUDA_CHECK(err);
     return ptr;

@@ -25,7 +25,9 @@ struct StreamKey {
 };
 
 /// cudaMalloc in relaxed capture mode for the call: another thread's capture in global mode (PyTorch's default) does
-/// not forbid it, and the allocation does not invalidate that capture. Throws weft::Error when it fails.
-void* malloc_beside_captures(size_t bytes);
+/// not forbid it, and the allocation does not invalidate that capture. `zeroed`: also zeroed before it returns, on a
+/// private stream the host waits for (so that no capture in progress records the zeroing). Throws weft::Error when
+/// it fails.
+void* malloc_beside_captures(size_t bytes, bool zeroed = false);
 
 }  // namespace weft::ops::detail

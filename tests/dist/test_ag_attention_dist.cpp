@@ -124,9 +124,13 @@ TEST(DistAgAttention, CopyEngineGatherMatchesTheHostReference) {
         ASSERT_EQ(cudaMalloc(&dk, kv_bytes), cudaSuccess);
         ASSERT_EQ(cudaMalloc(&dv, kv_bytes), cudaSuccess);
         ASSERT_EQ(cudaMalloc(&dout, q_bytes), cudaSuccess);
-        ASSERT_EQ(cudaMemcpy(dq, q.data(), q_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-        ASSERT_EQ(cudaMemcpy(dk, k[static_cast<size_t>(rank)].data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-        ASSERT_EQ(cudaMemcpy(dv, v[static_cast<size_t>(rank)].data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+        // On `s`, which the op runs on: a cudaMemcpy from pageable memory may return before its DMA lands.
+        ASSERT_EQ(cudaMemcpyAsync(dq, q.data(), q_bytes, cudaMemcpyHostToDevice, s), cudaSuccess);
+        ASSERT_EQ(cudaMemcpyAsync(dk, k[static_cast<size_t>(rank)].data(), kv_bytes, cudaMemcpyHostToDevice, s),
+                  cudaSuccess);
+        ASSERT_EQ(cudaMemcpyAsync(dv, v[static_cast<size_t>(rank)].data(), kv_bytes, cudaMemcpyHostToDevice, s),
+                  cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
         {
             ops::AgAttention op(w, {.max_seq = c.rows * world,
                                     .num_q_heads = c.q_heads,
@@ -143,7 +147,8 @@ TEST(DistAgAttention, CopyEngineGatherMatchesTheHostReference) {
                 op.run(tq, tk, tv, tout, TensorView(), s);
                 w.sync_and_check(s);
                 std::vector<uint16_t> got(q.size());
-                ASSERT_EQ(cudaMemcpy(got.data(), dout, q_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+                ASSERT_EQ(cudaMemcpyAsync(got.data(), dout, q_bytes, cudaMemcpyDeviceToHost, s), cudaSuccess);
+                ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
                 int bad = 0;
                 for (size_t i = 0; i < got.size() && bad < 5; ++i) {
                     const double g = bf16_value(got[i]), e = want[i];
@@ -175,7 +180,8 @@ TEST(DistAgAttentionFaults, APeerThatNeverCallsFailsTheCallWithinTheBound) {
     ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
     void* buf = nullptr;
     ASSERT_EQ(cudaMalloc(&buf, 1 << 20), cudaSuccess);
-    ASSERT_EQ(cudaMemset(buf, 0, 1 << 20), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(buf, 0, 1 << 20, s), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
     std::string error;
     const auto start = std::chrono::steady_clock::now();
     {

@@ -41,9 +41,10 @@ struct GemmArOptions {
     int sm_budget = 0;                   ///< 0 = World::sm_budget(); bounds the tiled GEMM (M > 64) and the
                                          ///< reduction: the small-M kernels (M <= 64, no waits) span the device
     /// The all-reduce half: weft's ops::all_reduce over the op's team (automatic algorithm: low-latency for decode
-    /// sizes) when the partials have the output dtype, N % 8 == 0 and C's rows are contiguous; it needs the team's
-    /// collective workspace on the symmetric heap (ops::prepare_collectives(team), made by the constructor). false,
-    /// or when those conditions fail: the op's own one-shot kernel (a ready and a done barrier around the reads).
+    /// sizes) when the partials have the output dtype and N % 8 == 0 (a C with padded rows: reduced in place in the
+    /// partial, then copied into C's rows); it needs the team's collective workspace on the symmetric heap
+    /// (ops::prepare_collectives(team), made by the constructor). false, or when those conditions fail: the op's own
+    /// one-shot kernel (a ready and a done barrier around the reads).
     bool collective_all_reduce = true;
 };
 
@@ -67,7 +68,8 @@ public:
     ///   a: [M, k]; b: [n, k]; c: [M, n] (row strides multiples of 16 bytes, bases 16-byte aligned), its bytes apart
     ///   from a's and b's
     /// Every member calls with the same M; one that calls with another M is diagnosed on every rank (the call throws
-    /// weft::Error at the next sync_and_check naming both M, c untouched): replace the op after such an error (its
+    /// weft::Error at the next sync_and_check naming both M; c untouched, or with padded rows holding this rank's
+    /// partial): replace the op after such an error (its
     /// flags are left as the failed call found them). Asynchronous on `stream`; graph-capturable. A team of one rank
     /// runs the plain GEMM into c.
     void run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream);
