@@ -69,9 +69,8 @@ public:
     ///   from a's and b's
     /// Every member calls with the same M; one that calls with another M is diagnosed on every rank (the call throws
     /// weft::Error at the next sync_and_check naming both M; c untouched, or with padded rows holding this rank's
-    /// partial): replace the op after such an error (its
-    /// flags are left as the failed call found them). Asynchronous on `stream`; graph-capturable. A team of one rank
-    /// runs the plain GEMM into c.
+    /// partial): replace the op after such an error (its flags are left as the failed call found them).
+    /// Asynchronous on `stream`; graph-capturable. A team of one rank runs the plain GEMM into c.
     void run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream);
 
     const GemmArShape& shape() const;
