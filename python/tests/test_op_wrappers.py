@@ -25,6 +25,7 @@ def _team(is_member=True):
     team = object.__new__(_runtime.Team)
     team._team = team._cpp = _StandInCppTeam()
     team._is_member, team._id, team.ranks, team.handle = is_member, "t0", [0] if is_member else [1], 0
+    team._state = _runtime._state  # the stand-in World's (set by the calls fixture)
     return team
 
 

@@ -261,15 +261,20 @@ def _round_max_m(m, num_ranks):
 
 
 def _cached(cls, m, n, k, dtype, team):
-    """The cached op of `cls` for (n, k, dtype, team) with max_m >= m, remade (collectively, like every call) when m
-    grows. Every rank makes the same calls with the same shapes, so every rank remakes the same ops at the same call."""
+    """The cached op of `cls` for (n, k, dtype, team) with max_m >= m, made anew (collectively, like every call) when
+    m grows; the outgrown one is kept open until weft.finalize, for the CUDA graphs captured with it. Every rank makes
+    the same calls with the same shapes, so every rank makes the same ops at the same call."""
     state = _runtime._get_state()
     key = (cls._kind, n, k, dtype, None if team is None else team.id)
     op = state.op_cache.get(key)
     if op is not None and op.max_m >= m and not op.closed:
         return op
-    if op is not None:
-        op.close()
+    torch = torch_module()
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise Error(f"{cls._kind}: M = {m} needs a larger op than the cached one (max_m "
+                    f"{op.max_m if op is not None else 0}), and making one cannot happen during CUDA graph capture: "
+                    "call it once with the largest M before capturing")
+    # The outgrown op stays open (until weft.finalize): a CUDA graph captured with it still replays on its buffers.
     size = team.num_ranks if team is not None else state.world.num_ranks
     op = cls(_round_max_m(m, size), n, k, dtype, team=team)
     state.op_cache[key] = op
@@ -286,7 +291,7 @@ def _shape_check(a, name, dims=2):
 
 def ag_gemm(a_local, b, out=None, *, team=None):
     """AllGather(a_local) @ b.T through a cached AgGemm (made on the first call with these n, k, dtype and team;
-    remade when M grows). Collective over the team (default: the World); on torch's current stream."""
+    made anew when M grows). Collective over the team (default: the World); on torch's current stream."""
     _runtime._team_for(team, "ag_gemm")
     _shape_check(a_local, "a_local")
     _shape_check(b, "b")

@@ -57,7 +57,10 @@ def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
             return _state.world
         if device is None:
             torch = sys.modules.get("torch")
-            device = torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else -1
+            # torch's current device once torch has touched CUDA (set_device, tensors); else LOCAL_RANK's (-1), not
+            # the device 0 that current_device() reports in every process before that
+            device = (torch.cuda.current_device()
+                      if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized() else -1)
         dist = _torch_distributed()
         if group is not None and dist is None:
             raise ValueError("group: a process group needs torch.distributed to be initialised first")
@@ -186,6 +189,7 @@ class Team:
         self._is_member = self._team.is_member
         self._cpp = None if ranks == list(range(n)) else self._team
         self._id = self._team.id
+        self._state = state  # the World it belongs to: after weft.finalize the team is refused, not used
         self.handle = len(state.teams)  # this process's index of the team, for weft.torch's custom ops
         state.teams.append(self)
 
@@ -213,6 +217,7 @@ class Team:
 
     def barrier(self):
         """Collective over the members."""
+        _check_open(self, "Team.barrier")
         self._team.barrier()
 
     def __repr__(self):
@@ -243,10 +248,18 @@ def _team_for(team, op):
     return state.world, _cpp_team(team, op, state)
 
 
+def _check_open(team, op):
+    """Raises weft.Error when `team` belongs to a World that weft.finalize has closed."""
+    if team._state is not _state:
+        raise Error(f"{op}: {team!r} belongs to a World that weft.finalize closed; make the team again after "
+                    "weft.init")
+
+
 def _cpp_team(team, op, state):
     """The C++ team an op on `team` (a weft.Team) runs on, None for the World's own; raises for a non-member."""
     if not isinstance(team, Team):
         raise TypeError(f"team: expected a weft.Team or None, got {type(team).__name__}")
+    _check_open(team, op)
     if not team._is_member:
         raise Error(f"{op}: world rank {state.world.rank} is not a member of {team!r}")
     return team._cpp

@@ -194,6 +194,8 @@ def free(tensor):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
     ptr = tensor.data_ptr()
+    if tensor.numel() == 0 and tensor.storage_offset() == 0:
+        ptr = tensor.untyped_storage().data_ptr()  # an empty tensor reports a null data_ptr; its storage does not
     if ptr not in state.heap_blocks:
         raise ValueError("tensor: not a live tensor of weft.empty (pass the tensor it returned, not a view "
                          "that starts elsewhere; freed tensors cannot be freed again)")

@@ -96,7 +96,7 @@ def _all_gather(x: torch.Tensor, team: int, num_ranks: int) -> torch.Tensor:
 @_all_gather.register_fake
 def _(x, team, num_ranks):
     _check_fake_ranks(num_ranks)
-    return x.new_empty((num_ranks * x.shape[0], *x.shape[1:]))
+    return x.new_empty((num_ranks * x.shape[0], *x.shape[1:]) if x.dim() > 0 else (num_ranks,))
 
 
 @torch.library.custom_op("weft::reduce_scatter", mutates_args=(), device_types="cuda")

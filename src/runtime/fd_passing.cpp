@@ -34,7 +34,8 @@ namespace {
 
 constexpr char kMagic[8] = {'W', 'E', 'F', 'T', 'F', 'D', '0', '1'};
 constexpr size_t kJobIdBytes = 32;
-// Connections that have sent part of a message at one time; beyond this the oldest is dropped.
+// Connections that have sent part of a message at one time, beyond one per local peer (all of them may connect
+// before this rank reads any); past that the oldest is dropped.
 constexpr size_t kMaxIncoming = 64;
 
 // The fixed message that travels with each descriptor.
@@ -289,6 +290,7 @@ std::map<int, UniqueFd> exchange_fds(const FdExchange& ex, int own_fd) {
     // Receive from every connection at once, without blocking on any: a connection that sends part of a
     // message and stalls holds up nobody, and every wait ends at the deadline.
     std::set<int> expected(ex.local_peers.begin(), ex.local_peers.end());
+    const size_t max_incoming = kMaxIncoming + expected.size();
     const uid_t my_uid = ::geteuid();
     std::vector<Incoming> incoming;
     while (!expected.empty()) {
@@ -362,9 +364,9 @@ std::map<int, UniqueFd> exchange_fds(const FdExchange& ex, int own_fd) {
                                   << in.cred.uid << ", pid " << in.cred.pid << ")");
                     continue;
                 }
-                if (incoming.size() >= kMaxIncoming) {
+                if (incoming.size() >= max_incoming) {
                     WEFT_LOG_WARN("dropped a connection to the heap socket from pid "
-                                  << incoming.front().cred.pid << ": " << kMaxIncoming
+                                  << incoming.front().cred.pid << ": " << max_incoming
                                   << " connections had sent part of a message");
                     incoming.erase(incoming.begin());
                 }

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "weft/detail/rendezvous_protocol.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 
@@ -29,11 +30,17 @@ uint64_t resolve_heap_bytes(uint64_t option_bytes, const std::optional<std::stri
 
 std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds option,
                                           const std::optional<std::string>& env_value) {
+    // At most 30 days: deadlines are steady-clock nanoseconds, and the device bound is a count of nanoseconds too.
+    constexpr auto kMaxMs = static_cast<int64_t>(rendezvous::kMaxWaitMs);
     WEFT_CHECK(option.count() >= 0, "WorldOptions::timeout must not be negative, got " << option.count() << " ms");
+    WEFT_CHECK(option.count() <= kMaxMs,
+               "WorldOptions::timeout must be at most 30 days (" << kMaxMs << " ms), got " << option.count() << " ms");
     if (option.count() > 0) return option;
     if (env_value) {
         int64_t ms = env::parse_int(*env_value, "WEFT_TIMEOUT_MS");
-        WEFT_CHECK(ms > 0, "WEFT_TIMEOUT_MS must be a positive number of milliseconds, got '" << *env_value << "'");
+        WEFT_CHECK(ms > 0 && ms <= kMaxMs,
+                   "WEFT_TIMEOUT_MS must be a positive number of milliseconds, at most 30 days ("
+                       << kMaxMs << "), got '" << *env_value << "'");
         return std::chrono::milliseconds(ms);
     }
     return kDefaultTimeout;

@@ -30,7 +30,8 @@ namespace {
 
 constexpr const char* kExtensionName = "weft.trace";
 constexpr uint32_t kDefaultCapacity = 262144;
-constexpr uint32_t kMaxCapacity = 1u << 26;
+// A rank's events travel to rank 0 as one store value (at most 64 MiB): 2^20 events are 48 MiB.
+constexpr uint32_t kMaxCapacity = 1u << 20;
 constexpr int kNumTraceRoles = 5;  // TraceRole's values
 
 // Writes %globaltimer to *out: in PTX, so that the runtime needs no compiler of weft's (the driver compiles it).
@@ -332,7 +333,8 @@ uint32_t trace_capacity_from_env() {
     const auto v = env::get_int("WEFT_TRACE_EVENTS");
     if (!v) return kDefaultCapacity;
     WEFT_CHECK(*v >= 1 && *v <= kMaxCapacity,
-               "WEFT_TRACE_EVENTS must be in [1, " << kMaxCapacity << "] events, got " << *v);
+               "WEFT_TRACE_EVENTS must be in [1, "
+                   << kMaxCapacity << "] events (a rank's trace is sent as one store value), got " << *v);
     return static_cast<uint32_t>(*v);
 }
 

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "weft/detail/rendezvous_protocol.hpp"
 #include "weft/detail/watchdog.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
@@ -17,11 +18,15 @@ namespace {
 std::chrono::milliseconds resolve_ms(std::chrono::milliseconds option, const std::optional<std::string>& env_value,
                                      const char* option_name, const char* env_name,
                                      std::chrono::milliseconds fallback) {
-    WEFT_CHECK(option.count() >= 0, option_name << " must not be negative, got " << option.count() << " ms");
+    constexpr auto kMaxMs =
+        static_cast<int64_t>(rendezvous::kMaxWaitMs);  // 30 days: steady-clock deadlines stay in range
+    WEFT_CHECK(option.count() >= 0 && option.count() <= kMaxMs,
+               option_name << " must be in [0, 30 days], got " << option.count() << " ms");
     if (option.count() > 0) return option;
     if (env_value) {
         const int64_t ms = env::parse_int(*env_value, env_name);
-        WEFT_CHECK(ms > 0, env_name << " must be a positive number of milliseconds, got '" << *env_value << "'");
+        WEFT_CHECK(ms > 0 && ms <= kMaxMs, env_name << " must be a positive number of milliseconds, at most 30 days ("
+                                                    << kMaxMs << "), got '" << *env_value << "'");
         return std::chrono::milliseconds(ms);
     }
     return fallback;

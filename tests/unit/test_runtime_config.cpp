@@ -49,11 +49,17 @@ TEST(RuntimeConfig, Timeout) {
     EXPECT_EQ(resolve_timeout(0ms, std::nullopt), 600000ms);
     EXPECT_EQ(resolve_timeout(0ms, std::string("2500")), 2500ms);
     EXPECT_EQ(resolve_timeout(300ms, std::string("2500")), 300ms);
-    for (const char* bad : {"0", "-5", "ten", "1s"}) {
+    // "Forever" as a huge count is refused (deadlines are steady-clock nanoseconds); 30 days is the most.
+    for (const char* bad : {"0", "-5", "ten", "1s", "9999999999999"}) {
         EXPECT_NE(error_of([&] { resolve_timeout(0ms, std::string(bad)); }).find("WEFT_TIMEOUT_MS"), std::string::npos)
             << bad;
     }
+    EXPECT_EQ(resolve_timeout(0ms, std::string("2592000000")), 2592000000ms);
+    EXPECT_NE(error_of([] { resolve_timeout(0ms, std::string("2592000001")); }).find("at most 30 days"),
+              std::string::npos);
     EXPECT_NE(error_of([] { resolve_timeout(-1ms, std::nullopt); }), "");
+    EXPECT_NE(error_of([] { resolve_timeout(std::chrono::milliseconds(INT64_MAX), std::nullopt); }).find("30 days"),
+              std::string::npos);
 }
 
 TEST(RuntimeConfig, SmBudget) {

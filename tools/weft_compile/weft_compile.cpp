@@ -224,6 +224,21 @@ int main(int argc, char** argv) {
                     static_cast<unsigned long long>(st.hits()), failed.load(), not_cached.c_str(),
                     static_cast<unsigned long long>(main_stats.loads));
         if (failed > 0 || (expect_cached && missing > 0)) return 1;
+        if (!list && !expect_cached) {
+            // Filling the cache is the tool's whole job: a compile whose entry could not be stored (a folder that is
+            // not writable or not trusted; the compiler only warns) fails it.
+            int unstored = 0;
+            for (const auto& spec : specs) {
+                if (compiler.disk_status(spec) != jit::DiskCache::LoadStatus::kHit) ++unstored;
+            }
+            if (unstored > 0) {
+                std::fprintf(stderr,
+                             "weft-compile: %d of %zu spec(s) are not in %s after compiling (see the warnings "
+                             "above: a folder this user cannot write, or one that others may write)\n",
+                             unstored, specs.size(), config.cache_dir->string().c_str());
+                return 1;
+            }
+        }
         return 0;
     } catch (const weft::Error& e) {
         std::fprintf(stderr, "weft-compile: %s\n", e.what());

@@ -45,9 +45,14 @@ public:
     void* alloc(uint64_t bytes, uint64_t align = 256);
     /// Collective. `ptr` must be a live allocation of this heap (the value alloc returned, with the world team).
     void free(void* ptr);
+    /// count elements of T (a count whose bytes pass 2^64 asks for the most bytes there are: a no-room error).
     template <class T>
     T* alloc_array(uint64_t count) {
-        return static_cast<T*>(alloc(count * sizeof(T), alignof(T) < 256 ? 256 : alignof(T)));
+        return static_cast<T*>(alloc(array_bytes<T>(count), alignof(T) < 256 ? 256 : alignof(T)));
+    }
+    template <class T>
+    static uint64_t array_bytes(uint64_t count) {
+        return count > UINT64_MAX / sizeof(T) ? UINT64_MAX : count * sizeof(T);
     }
     /// Collective: `count` 64-bit signal words, zeroed on every rank before it returns on any rank (it ends
     /// with a barrier), so a peer's first notify can never be overwritten by the zeroing.
@@ -60,7 +65,7 @@ public:
     void free(const Team& team, void* ptr);
     template <class T>
     T* alloc_array(const Team& team, uint64_t count) {
-        return static_cast<T*>(alloc(team, count * sizeof(T), alignof(T) < 256 ? 256 : alignof(T)));
+        return static_cast<T*>(alloc(team, array_bytes<T>(count), alignof(T) < 256 ? 256 : alignof(T)));
     }
     /// Zeroed on every member before it returns on any member (it ends with a barrier of the team).
     uint64_t* alloc_signals(const Team& team, uint64_t count);
