@@ -209,6 +209,11 @@ struct WorldContext {
     Team node_team;
     uint64_t barrier_seq = 0;
 
+    // Every team's device tables (peer and rank tables), kept until shutdown: kernels launched with a team's
+    // DeviceCtx may still read them after the Team object that made them is gone.
+    std::mutex team_tables_mutex;
+    std::vector<std::shared_ptr<void>> team_tables;
+
     std::mutex split_mutex;  // split_color sequence numbers, per team id
     std::map<std::string, uint64_t> split_seq;
     std::mutex team_mutex;  // Team::barrier / all_gather sequence numbers, per team id (and key)

@@ -139,6 +139,9 @@ Team TeamState::make(WorldContext* world, TeamMembers members, std::string id, b
             state->rank_table =
                 upload(world->device, world->stream.get(), rank_table.data(), rank_table.size() * sizeof(int32_t));
         }
+        std::lock_guard<std::mutex> lock(world->team_tables_mutex);
+        world->team_tables.push_back(state->peer_table);
+        if (state->rank_table) world->team_tables.push_back(state->rank_table);
     }
     return Team(std::shared_ptr<const TeamState>(std::move(state)));
 }

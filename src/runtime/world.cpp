@@ -161,19 +161,27 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         detail::resolve_heap_bytes(setup.options.heap_bytes, env::get("WEFT_SYMMETRIC_HEAP_BYTES"), 1);
 
     // Start-up exchange: who is where, and what each rank asks for.
-    std::map<std::string, std::string> mine{{"host", detail::host_name()},
-                                            {"pci", pci},
-                                            {"device", std::to_string(c.device)},
-                                            {"pid", std::to_string(::getpid())},
-                                            {"heap_bytes", std::to_string(heap_request)},
-                                            {"granularity", std::to_string(granularity)}};
+    std::map<std::string, std::string> mine{
+        {"host", detail::host_name()},
+        {"pci", pci},
+        {"device", std::to_string(c.device)},
+        {"pid", std::to_string(::getpid())},
+        {"heap_bytes", std::to_string(heap_request)},
+        {"granularity", std::to_string(granularity)},
+        // Settings every rank must share (compared below, naming the variable).
+        {"virtual_nodes", std::to_string(c.virtual_nodes)},
+        {"sm_budget_request", setup.options.sm_budget > 0 ? std::to_string(setup.options.sm_budget)
+                                                          : env::get("WEFT_SM_BUDGET").value_or("")}};
     if (c.rank == 0) mine["job"] = detail::random_hex_id();
     // On the store the World was given; every later key is under this World's own prefix (below).
     auto blobs = c.store->all_gather("weft/init", c.rank, c.num_ranks, encode_fields(mine), init_timeout);
     std::vector<uint64_t> heap_requests;
     uint64_t heap_granularity = 0;
+    std::vector<std::string> virtual_nodes, sm_budget_requests;
     for (int r = 0; r < c.num_ranks; ++r) {
         auto fields = decode_fields(blobs[static_cast<size_t>(r)], r);
+        virtual_nodes.push_back(field(fields, "virtual_nodes", r));
+        sm_budget_requests.push_back(field(fields, "sm_budget_request", r));
         detail::RankInfo info;
         info.host = field(fields, "host", r);
         info.pci_bus_id = field(fields, "pci", r);
@@ -207,6 +215,16 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         WEFT_FAIL(os.str());
     }
     const uint64_t heap_bytes = detail::resolve_heap_bytes(heap_requests[0], std::nullopt, heap_granularity);
+    // The node layout and the SM split must be the same on every rank (teams, fused ops' tile counts).
+    for (const auto& [values, what] :
+         {std::pair{&virtual_nodes, "WEFT_VIRTUAL_NODES (or WorldOptions::virtual_nodes; resolved: 1 = none)"},
+          std::pair{&sm_budget_requests, "WEFT_SM_BUDGET (or WorldOptions::sm_budget; empty: unset)"}}) {
+        for (int r = 1; r < c.num_ranks; ++r) {
+            WEFT_CHECK((*values)[static_cast<size_t>(r)] == (*values)[0],
+                       what << " differs across ranks: rank 0 has '" << (*values)[0] << "', rank " << r << " '"
+                            << (*values)[static_cast<size_t>(r)] << "'; set it identically on every rank");
+        }
+    }
 
     // Ranks that share this node (host, or virtual node: node_topology.hpp), this host, and this GPU (same host and
     // PCI bus id).
@@ -340,6 +358,10 @@ void World::shutdown() noexcept {
         c.heap.reset();
         c.world_team = Team();
         c.node_team = Team();
+        {
+            std::lock_guard<std::mutex> lock(c.team_tables_mutex);
+            c.team_tables.clear();  // the device is idle (synchronised above)
+        }
         if (c.watchdog) c.watchdog->stop(c.rank == 0);  // before the records it reads go
         c.diag_host.reset();
         c.diag_device = nullptr;

@@ -94,7 +94,8 @@ public:
     void require_member(const std::string& what) const;
 
     /// The DeviceCtx for kernels run by this team: rank/num_ranks are team values; peer_bases and
-    /// team_to_world are device arrays indexed by team rank (allocated once per team, at its creation;
+    /// team_to_world are device arrays indexed by team rank (allocated once per team, at its creation, and kept
+    /// until the World shuts down, so that kernels launched with them may outlive the Team object;
     /// team_to_world is nullptr for the world team). Throws weft::Error when this rank is not a member.
     DeviceCtx device_ctx() const;
 
