@@ -10,6 +10,7 @@
 #include "weft/detail/launch_store.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
 
 extern char** environ;  // NOLINT: POSIX
 
@@ -116,6 +117,14 @@ LaunchEnv parse_torchrun(const VarMap& vars) {
     e.master_port = master_port(vars);
     WEFT_CHECK(e.master_port != 0 || e.num_ranks == 1,
                "MASTER_PORT must be set for a job of " << e.num_ranks << " ranks (it names the job), but it is not");
+    const bool loopback_master = e.master_addr.empty() || e.master_addr == "localhost" ||
+                                 e.master_addr.rfind("127.", 0) == 0 || e.master_addr == "::1";
+    if (local_size == nullptr && e.num_ranks > 1 && !loopback_master) {
+        WEFT_LOG_WARN("LOCAL_WORLD_SIZE is not set: weft takes all "
+                      << e.num_ranks << " ranks to run on this host (MASTER_ADDR " << e.master_addr
+                      << "); a job across hosts must set LOCAL_WORLD_SIZE and LOCAL_RANK, or its ranks on other "
+                         "hosts wait for a store on this one until the timeout");
+    }
     std::string job_id;
     if (run_id != nullptr) {
         // The run id alone may be the default "none"; the agent's store address is held for the job's life.
