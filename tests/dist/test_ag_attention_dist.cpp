@@ -13,13 +13,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "dist/dist_world.hpp"
+#include "support/ep_reference.hpp"
 #include "weft/ops/ag_attention.hpp"
 #include "weft/weft.hpp"
 
@@ -33,25 +33,12 @@ bool have_sm90() {
            prop.major == 9 && prop.minor == 0;
 }
 
-uint16_t bf16_bits(float x) {
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even (finite inputs)
-    return static_cast<uint16_t>(u >> 16);
-}
-float bf16_value(uint16_t b) {
-    const uint32_t u = static_cast<uint32_t>(b) << 16;
-    float x;
-    std::memcpy(&x, &u, 4);
-    return x;
-}
-
 /// Rank r's shard of one tensor ([rows, heads, dim] bf16 values in [-1, 1]), the same on every rank that draws it.
 std::vector<uint16_t> shard(uint64_t seed, int r, int64_t rows, int64_t heads, int64_t dim) {
     std::mt19937_64 gen(seed * 1000003u + static_cast<uint64_t>(r));
     std::uniform_real_distribution<float> u(-1.f, 1.f);
     std::vector<uint16_t> v(static_cast<size_t>(rows * heads * dim));
-    for (uint16_t& x : v) x = bf16_bits(u(gen));
+    for (uint16_t& x : v) x = ep::f32_to_bf16(u(gen));
     return v;
 }
 
@@ -75,14 +62,14 @@ std::vector<double> reference(const Case& c, int rank, int world, const std::vec
         for (int h = 0; h < c.q_heads; ++h) {
             const int kh = h / static_cast<int>(group);
             const auto key = [&](const std::vector<std::vector<uint16_t>>& t, int64_t j, int64_t e) {
-                return bf16_value(
+                return ep::bf16_to_f32(
                     t[static_cast<size_t>(j / c.rows)][static_cast<size_t>(((j % c.rows) * c.kv_heads + kh) * d + e)]);
             };
             double top = -1e300;
             for (int64_t j = 0; j < keys; ++j) {
                 double s = 0;
                 for (int64_t e = 0; e < d; ++e)
-                    s += bf16_value(q[static_cast<size_t>((i * c.q_heads + h) * d + e)]) * key(k, j, e);
+                    s += ep::bf16_to_f32(q[static_cast<size_t>((i * c.q_heads + h) * d + e)]) * key(k, j, e);
                 score[static_cast<size_t>(j)] = s * scale;
                 top = std::max(top, s * scale);
             }
@@ -151,7 +138,7 @@ TEST(DistAgAttention, CopyEngineGatherMatchesTheHostReference) {
                 ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
                 int bad = 0;
                 for (size_t i = 0; i < got.size() && bad < 5; ++i) {
-                    const double g = bf16_value(got[i]), e = want[i];
+                    const double g = ep::bf16_to_f32(got[i]), e = want[i];
                     if (!(std::fabs(g - e) <= 2e-2 + 2e-2 * std::fabs(e))) {
                         ADD_FAILURE() << "rank " << rank << " call " << call << " element " << i << ": got " << g
                                       << ", want " << e;
