@@ -96,6 +96,7 @@ struct RankInfo {
     std::string pci_bus_id;  ///< of the rank's GPU, e.g. "0000:19:00.0"
     int device = -1;         ///< CUDA ordinal in that rank's process
     int64_t pid = 0;
+    std::string pid_namespace;  ///< "pid:[...]" of its process, "" when unknown: its pid means something only here
 };
 
 /// Everything SymmetricHeap's construction needs from the World.

@@ -224,14 +224,17 @@ void Watchdog::read_records_now() noexcept {
 void Watchdog::run() {
     WorldContext& w = *world_;
     set_log_rank(w.rank);
-    // The peers to watch: a few through their heartbeats (any host), and every peer process of this host by pid.
+    // The peers to watch: a few through their heartbeats (any host), and every peer process of this host by pid —
+    // by heartbeat alone when its pid is of another pid namespace (containers sharing the host's name and network),
+    // or when either namespace is unknown: there its pid names another process, or none.
     std::vector<int> peers = w.same_process ? std::vector<int>() : watched_peers(w.rank, w.num_ranks);
     std::vector<int> local_processes;
     if (!w.same_process) {
-        const std::string& my_host = w.ranks[static_cast<size_t>(w.rank)].host;
+        const RankInfo& me = w.ranks[static_cast<size_t>(w.rank)];
         for (int r = 0; r < w.num_ranks; ++r) {
-            if (r == w.rank || w.ranks[static_cast<size_t>(r)].host != my_host) continue;
-            local_processes.push_back(r);
+            const RankInfo& info = w.ranks[static_cast<size_t>(r)];
+            if (r == w.rank || info.host != me.host) continue;
+            if (!me.pid_namespace.empty() && info.pid_namespace == me.pid_namespace) local_processes.push_back(r);
             if (std::find(peers.begin(), peers.end(), r) == peers.end()) peers.push_back(r);
         }
     }

@@ -18,6 +18,7 @@
 #include "weft/detail/node_topology.hpp"
 #include "weft/detail/rank_threads.hpp"
 #include "weft/detail/runtime_config.hpp"
+#include "weft/detail/runtime_placement.hpp"
 #include "weft/detail/watchdog.hpp"
 #include "weft/runtime/diagnostics.hpp"
 #include "weft/runtime/env.hpp"
@@ -166,6 +167,7 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         {"pci", pci},
         {"device", std::to_string(c.device)},
         {"pid", std::to_string(::getpid())},
+        {"pid_ns", detail::this_process_record().pid_namespace},
         {"heap_bytes", std::to_string(heap_request)},
         {"granularity", std::to_string(granularity)},
         // Settings every rank must share (compared below, naming the variable).
@@ -187,6 +189,7 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         info.pci_bus_id = field(fields, "pci", r);
         info.device = static_cast<int>(parse_u64(field(fields, "device", r), "device", r));
         info.pid = static_cast<int64_t>(parse_u64(field(fields, "pid", r), "pid", r));
+        info.pid_namespace = field(fields, "pid_ns", r);
         c.ranks.push_back(info);
         heap_requests.push_back(parse_u64(field(fields, "heap_bytes", r), "heap_bytes", r));
         heap_granularity = std::max(heap_granularity, parse_u64(field(fields, "granularity", r), "granularity", r));

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "../../src/runtime/runtime_internal.hpp"
+#include "weft/detail/runtime_placement.hpp"
 #include "weft/detail/watchdog.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/in_process_store.hpp"
@@ -153,6 +154,7 @@ std::vector<detail::RankInfo> ranks_on(const std::vector<std::string>& hosts, co
         detail::RankInfo info;
         info.host = hosts[r];
         info.pid = pids[r];
+        info.pid_namespace = detail::this_process_record().pid_namespace;  // every rank in this one
         ranks.push_back(info);
     }
     return ranks;
@@ -224,6 +226,24 @@ TEST(WatchdogThread, APeerProcessOfThisHostThatExitsIsNoticedAtTheNextBeat) {
         << why;
     int status = 0;
     ::waitpid(child, &status, 0);
+}
+
+// A peer of this host in another pid namespace (a container sharing the host's name and network): its pid means
+// nothing here, so a pid that no process of this namespace has does not make it gone (its heartbeats decide).
+TEST(WatchdogThread, APeerOfAnotherPidNamespaceIsNotWatchedByPid) {
+    if (detail::this_process_record().pid_namespace.empty()) GTEST_SKIP() << "SKIPPED: /proc cannot say the namespace";
+    auto store = std::make_shared<InProcessStore>();
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) std::_Exit(0);
+    int status = 0;
+    ::waitpid(child, &status, 0);  // `child` now names no process here
+    auto ranks = ranks_on({"host-a", "host-a"}, {::getpid(), child});
+    ranks[1].pid_namespace = "pid:[1]";
+    FakeWorld w0(0, 2, ranks, 50ms, 60000ms);
+    w0.c.watchdog = std::make_unique<detail::Watchdog>(&w0.c, store);
+    std::this_thread::sleep_for(500ms);  // ten beats
+    EXPECT_EQ(w0.word, 0u) << w0.c.abort_text();
 }
 
 TEST(WatchdogThread, AnAbortReachesEveryRankAndClearingAllowsTheNextOne) {
