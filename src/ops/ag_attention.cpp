@@ -213,9 +213,8 @@ namespace {
 // since the last one): the launch then walks the items in waves.
 constexpr size_t kSpareCounters = 64;
 
-// A block of kSpareCounters zeroed counters on the current device: allocated and zeroed on a private stream whose
-// memset the host waits for (not the caller's stream, whose queued work it need not wait for), in relaxed capture
-// mode so that another thread's capture does not forbid it.
+// A block of kSpareCounters zeroed counters on the current device (malloc_beside_captures: zeroed on a private stream,
+// not the caller's, whose queued work the host need not wait for).
 uint32_t* make_zeroed_counters() {
     return static_cast<uint32_t*>(detail::malloc_beside_captures(kSpareCounters * sizeof(uint32_t), true));
 }
@@ -682,24 +681,25 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     // The full argument check (q strides, out, lse) against the gathered K/V.
     detail::FlashAttentionPlan plan = detail::plan_flash_attention(q_local, gk, gv, out, lse, fo, kOp);
 
+    // This rank's K and V into its slot of the gathered buffers (skipped where they already are), on `stream`.
+    const auto copy_local_into = [&](uint8_t* slot_k, uint8_t* slot_v) {
+        for (const auto& [src, dst] : {std::pair{&k_local, slot_k}, std::pair{&v_local, slot_v}}) {
+            if (src->data == dst) continue;
+            WEFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(s.row_bytes()), src->data, src_pitch(*src),
+                                              static_cast<size_t>(s.row_bytes()), static_cast<size_t>(rows),
+                                              cudaMemcpyDefault, stream));
+        }
+    };
     if (s.num_ranks == 1) {
         // The kernel straight on the caller's K/V; the copy into the gathered buffer is what a call leaves behind. K
         // and V with different row strides (which one kernel launch cannot read) are copied first and read from there.
-        const auto copy_local = [&] {
-            for (const auto& [src, dst] : {std::pair{&k_local, s.gathered_k}, std::pair{&v_local, s.gathered_v}}) {
-                if (src->data == dst) continue;
-                WEFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(s.row_bytes()), src->data, src_pitch(*src),
-                                                  static_cast<size_t>(s.row_bytes()), static_cast<size_t>(rows),
-                                                  cudaMemcpyDefault, stream));
-            }
-        };
         const bool same_strides = k_local.stride(0) == v_local.stride(0);
         detail::FlashAttentionPlan local =
             same_strides ? detail::plan_flash_attention(q_local, k_local, v_local, out, lse, fo, kOp) : std::move(plan);
-        if (!same_strides) copy_local();
+        if (!same_strides) copy_local_into(s.gathered_k, s.gathered_v);
         detail::use_prefill_counter(local, s.item_counter, s.grid);
         detail::launch_flash_attention(local, s.grid, stream);
-        if (same_strides) copy_local();
+        if (same_strides) copy_local_into(s.gathered_k, s.gathered_v);
         s.heap.note_use(stream);  // the destructor waits for this op's work before freeing its buffers
         return;
     }
@@ -753,19 +753,12 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     p.finish.epoch = s.epoch;
     detail::use_prefill_counter(plan, s.item_counter, s.grid);
     const AgNotifyParams notify{s.ctx, s.ready, nullptr, 0, {}};  // no call descriptor (AgAttention)
-    uint8_t* const slot_k = s.gathered_k + s.rank * shard_bytes;
-    uint8_t* const slot_v = s.gathered_v + s.rank * shard_bytes;
 
     // 0. Fork the copy stream: it only needs the previous call to be over (it is, in stream order).
     WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.copy_stream, s.fork, 0));
     // 1. This rank's shard into its slot of the gathered buffers, then ready[rank] = 1 on every peer.
-    for (const auto& [src, dst] : {std::pair{&k_local, slot_k}, std::pair{&v_local, slot_v}}) {
-        if (src->data == dst) continue;
-        WEFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(s.row_bytes()), src->data, src_pitch(*src),
-                                          static_cast<size_t>(s.row_bytes()), static_cast<size_t>(rows),
-                                          cudaMemcpyDefault, stream));
-    }
+    copy_local_into(s.gathered_k + s.rank * shard_bytes, s.gathered_v + s.rank * shard_bytes);
     {
         jit::LaunchParams lp;
         lp.grid = dim3(1, 1, 1);

@@ -12,6 +12,7 @@
 #include "support/jit_testing.hpp"
 #include "support/runtime_checks.hpp"
 #include "tp_test_util.hpp"
+#include "trace_check.hpp"
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/runtime/trace.hpp"
 #include "weft/weft.hpp"
@@ -100,13 +101,7 @@ TEST(TraceAgGemm, WaitsPrecedeTilesAndCopiesPrecedeTheWaitsThatNeedThem) {
         },
         test::test_options(256ull << 20));
     f.report();
-    testing::write_text_file(dir / "check.py", kCheckScript);
-    const std::string cmd = "python3 " + (dir / "check.py").string() + " " + path.string() + " > " +
-                            (dir / "result.txt").string();
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << "python could not read the trace";
-    const std::string result = testing::read_text_file(dir / "result.txt");
-    EXPECT_EQ(result.rfind("ok ", 0), 0u) << result;
-    std::printf("[ TRACE    ] %s", result.c_str());
+    test::expect_trace_check_ok(dir.path(), kCheckScript, path.string(), "ag_gemm");
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "support/jit_testing.hpp"
 #include "support/runtime_checks.hpp"
 #include "tp_test_util.hpp"
+#include "trace_check.hpp"
 #include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/ep.hpp"
@@ -163,14 +164,7 @@ bool have_python() { return std::system("python3 -c 'import json' >/dev/null 2>&
 void expect_trace_ok(const fs::path& dir, const std::string& mode, const fs::path& trace,
                      const std::string& extra = "") {
     ASSERT_TRUE(fs::exists(trace)) << "no trace at " << trace.string();
-    testing::write_text_file(dir / "check.py", kCheckScript);
-    const fs::path result = dir / ("result_" + mode + ".txt");
-    const std::string cmd = "python3 " + (dir / "check.py").string() + " " + mode + " " + trace.string() + " " + extra +
-                            " > " + result.string();
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << "python could not read the trace " << trace.string();
-    const std::string text = testing::read_text_file(result);
-    EXPECT_EQ(text.rfind("ok", 0), 0u) << mode << ":\n" << text;
-    std::printf("[ TRACE    ] %s: %s", mode.c_str(), text.c_str());
+    test::expect_trace_check_ok(dir, kCheckScript, mode + " " + trace.string() + " " + extra, mode);
 }
 
 TEST(TraceCollectives, OneShotAllReduceWaitsFollowThePeersStagingAndPrecedeTheReduction) {

@@ -13,6 +13,7 @@
 #include "support/jit_testing.hpp"
 #include "support/runtime_checks.hpp"
 #include "tp_test_util.hpp"
+#include "trace_check.hpp"
 #include "weft/ops/gemm_rs.hpp"
 #include "weft/runtime/trace.hpp"
 #include "weft/weft.hpp"
@@ -76,16 +77,10 @@ print('\n'.join(bad[:20]) if bad else 'ok %d %d %d' % tuple(counts))
 )PY";
 
 void check_trace(const fs::path& dir, const fs::path& trace, const char* mode) {
-    testing::write_text_file(dir / "check.py", kCheckScript);
-    const fs::path result_path = dir / (std::string(mode) + ".txt");
     int devices = 0;
     WEFT_CUDA_CHECK(cudaGetDeviceCount(&devices));  // two ranks share a GPU only when there is one
-    const std::string cmd = "python3 " + (dir / "check.py").string() + " " + trace.string() + " " + mode +
-                            (devices == 1 ? " cross" : " own") + " > " + result_path.string();
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << "python could not read the trace";
-    const std::string result = testing::read_text_file(result_path);
-    EXPECT_EQ(result.rfind("ok ", 0), 0u) << mode << ": " << result;
-    std::printf("[ TRACE    ] %s: %s", mode, result.c_str());
+    test::expect_trace_check_ok(dir, kCheckScript, trace.string() + " " + mode + (devices == 1 ? " cross" : " own"),
+                                mode);
 }
 
 TEST(TraceGemmRs, WaitsPrecedeTheirReductionsInBothModes) {
