@@ -34,6 +34,12 @@ std::string nvrtc_version_text() {
     return std::to_string(major) + "." + std::to_string(minor);
 }
 
+std::string nvjitlink_version_text() {
+    unsigned major = 0, minor = 0;
+    if (nvJitLinkVersion(&major, &minor) != NVJITLINK_SUCCESS) return "unknown";
+    return std::to_string(major) + "." + std::to_string(minor);
+}
+
 std::string one_line(const std::string& text) {
     std::string out = text;
     std::replace(out.begin(), out.end(), '\n', ' ');
@@ -250,6 +256,7 @@ Compiler::Compiler(CompilerConfig config) : config_(std::move(config)) {
             WEFT_LOG_WARN("jit: disk cache disabled: " << e.what());
         }
     }
+    toolkit_digest_ = toolkit_headers_digest(roots_.cuda);
     WEFT_LOG_DEBUG("jit: weft headers " << roots_.weft_include.string() << " and " << roots_.weft_kernels.string()
                                         << " (" << roots_.found_by << "); cache "
                                         << (disk_ ? disk_->dir().string() : std::string("off")));
@@ -346,7 +353,8 @@ Compiler::Prepared Compiler::prepare(const KernelSpec& spec_in) const {
     p.headers = scanner.sorted();
 
     Sha256 h;
-    h.field("weft-jit-key/1").field(WEFT_VERSION_STRING).field(nvrtc_version_text());
+    h.field("weft-jit-key/2").field(WEFT_VERSION_STRING).field(nvrtc_version_text()).field(nvjitlink_version_text());
+    h.field(toolkit_digest_);
     h.field(std::to_string(CUDA_VERSION)).field(p.spec.arch).field(p.spec.options.canonical());
     h.field(p.spec.instantiation).field(p.source);
     for (const auto& hd : p.headers) h.field(hd.name).field(hd.digest);

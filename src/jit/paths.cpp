@@ -9,6 +9,8 @@
 #include <sstream>
 
 #include "weft/detail/install_prefix.hpp"
+#include "weft/jit/cache.hpp"
+#include "weft/jit/hash.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 
@@ -161,6 +163,20 @@ std::vector<fs::path> find_cuda_include_dirs() {
     std::ostringstream os;
     for (const auto& s : why) os << "\n  " << s;
     WEFT_FAIL("cannot find the CUDA toolkit's headers (cuda_fp16.h) for NVRTC; set CUDA_HOME. Searched:" << os.str());
+}
+
+std::string toolkit_headers_digest(const std::vector<fs::path>& cuda_dirs) {
+    Sha256 h;
+    h.field("toolkit-headers/1");
+    for (const char* name : {"cuda.h", "cuda_fp16.hpp", "cuda_bf16.hpp", "cuda_fp8.hpp", "cuda/std/__cccl/version.h"}) {
+        for (const fs::path& dir : cuda_dirs) {
+            if (!is_file(dir / name)) continue;
+            const std::vector<char> bytes = read_file_bytes(dir / name);
+            h.field(name).field(to_hex(sha256(bytes.data(), bytes.size())));
+            break;
+        }
+    }
+    return to_hex(h.finish());
 }
 
 std::optional<fs::path> default_cache_dir() {

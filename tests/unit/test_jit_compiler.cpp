@@ -236,6 +236,40 @@ TEST(JitCompiler, KeyIsStableWhenTheTreeMoves) {
         << "no absolute path may enter the key: a cache warmed in one tree must hit in another";
 }
 
+TEST(JitCompiler, KeyCoversTheToolkitHeadersButNotTheirPath) {
+    Compiler here(isolated_compiler_config(fs::path()));
+    ASSERT_FALSE(here.roots().cuda.empty());
+    const fs::path toolkit = here.roots().cuda.front();
+    const std::string cuda_h = read_text_file(toolkit / "cuda.h");
+    ASSERT_NE(cuda_h.find("CUDA_VERSION"), std::string::npos);
+    EXPECT_EQ(toolkit_headers_digest(here.roots().cuda), toolkit_headers_digest(here.roots().cuda));
+    // Another folder holding the same version headers: the key is the same (it names no path) ...
+    TempDir copy("weft_jit_toolkit");
+    for (const char* name : {"cuda.h", "cuda_fp16.hpp", "cuda_bf16.hpp", "cuda_fp8.hpp"}) {
+        if (fs::exists(toolkit / name)) write_text_file(copy / name, read_text_file(toolkit / name));
+    }
+    for (const fs::path& dir : here.roots().cuda) {
+        const fs::path cccl = dir / "cuda/std/__cccl/version.h";
+        if (fs::exists(cccl)) {
+            write_text_file(copy / "cuda/std/__cccl/version.h", read_text_file(cccl));
+            break;
+        }
+    }
+    EXPECT_EQ(toolkit_headers_digest({copy.path()}), toolkit_headers_digest(here.roots().cuda));
+    auto with_toolkit = [&](const fs::path& dir) {
+        CompilerConfig config = isolated_compiler_config(fs::path());
+        IncludeRoots roots = here.roots();
+        roots.cuda = {dir};
+        config.roots = roots;
+        return Compiler(config).cache_key(saxpy(4));
+    };
+    const std::string base = here.cache_key(saxpy(4));
+    EXPECT_EQ(with_toolkit(copy.path()), base);
+    // ... and another toolkit's headers (here: cuda.h of another patch release) give another key.
+    write_text_file(copy / "cuda.h", cuda_h + "\n/* another patch release */\n");
+    EXPECT_NE(with_toolkit(copy.path()), base);
+}
+
 TEST(JitCompiler, ConcurrentProcessesCompileOnceAndLeaveOneValidEntry) {
     TempDir cache("weft_jit_cache");
     constexpr int kChildren = 4;

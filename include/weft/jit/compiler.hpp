@@ -143,6 +143,7 @@ private:
 
     CompilerConfig config_;
     IncludeRoots roots_;
+    std::string toolkit_digest_;  // toolkit_headers_digest(roots_.cuda), part of every key
     std::unique_ptr<DiskCache> disk_;
 
     mutable std::mutex mutex_;

@@ -48,6 +48,12 @@ std::optional<IncludeRoots> weft_roots_at(const std::filesystem::path& dir);
 /// Throws weft::Error listing every place searched when none matches.
 std::vector<std::filesystem::path> find_cuda_include_dirs();
 
+/// A hex SHA-256 that tells toolkit headers apart: the names and contents of the version-bearing headers found in
+/// `cuda_dirs` (cuda.h, cuda_fp16.hpp, cuda_bf16.hpp, cuda_fp8.hpp and CCCL's cuda/std/__cccl/version.h, in the
+/// first directory that holds each). Paths do not enter it: the same toolkit elsewhere gives the same digest.
+/// Part of the JIT cache key, so kernels compiled against one toolkit's headers are not reused with another's.
+std::string toolkit_headers_digest(const std::vector<std::filesystem::path>& cuda_dirs);
+
 /// WEFT_CACHE_DIR, else $XDG_CACHE_HOME/weft, else $HOME/.cache/weft; nullopt when none is set.
 std::optional<std::filesystem::path> default_cache_dir();
 
