@@ -68,7 +68,10 @@ struct WorldMembership {
     int local_num_ranks = 0;
     /// Every key the World reads or writes in the store starts with key_prefix + "/" (printable ASCII, no
     /// spaces). Worlds that share one store at the same time need different prefixes; one World after another
-    /// may reuse a prefix (each World keeps its keys under an id of its own and removes them as it goes).
+    /// may reuse a prefix (each World keeps its keys under an id of its own and removes them as it goes), except
+    /// after a World whose construction failed on some rank: its start-up records may remain under the prefix and
+    /// be read by the next World's start-up, so give the next one another prefix (weft.init counts its Worlds
+    /// into the prefix for this reason).
     std::string key_prefix = "weft";
 };
 
