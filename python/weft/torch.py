@@ -14,7 +14,10 @@ Autograd (sums are over ranks; W = number of ranks):
     ag_gemm(a, b)   grad_a = gemm_rs(grad_out, b.T), grad_b = grad_out.T @ all_gather(a)
     gemm_rs(a, b)   grad_a = ag_gemm(grad_out, b.T), grad_b = all_gather(grad_out).T @ a
     gemm(a, b)      grad_a = grad_out @ b, grad_b = grad_out.T @ a
-so a column-parallel AG+GEMM's backward is GEMM+RS and a row-parallel GEMM+RS's backward is AG+GEMM.
+    gemm_ar(a, b)   grad_a = grad_out @ b, grad_b = grad_out.T @ a   (no reduction: Megatron's row-parallel linear)
+so a column-parallel AG+GEMM's backward is GEMM+RS and a row-parallel GEMM+RS's backward is AG+GEMM. all_reduce treats
+each rank's loss as its own (torch.distributed.nn's convention); gemm_ar treats the replicated output's loss as one
+(each rank's grad_out is already the whole gradient): docs/python.md, "weft.torch".
 
 Teams: all_gather(x, team=...), reduce_scatter, ag_gemm(a, b, team=...), gemm_rs and gemm_ar (the Python functions
 of this module) run on a weft.Team (None: the World); the custom ops take the team's handle (an int, -1 for the World),
