@@ -268,10 +268,22 @@ def _gemm_backward(ctx, grad):
     return grad_a, grad_b
 
 
+def _fusable(n):
+    """Whether a backward's fused op can take n as its reduction dimension: GEMM+RS and AG+GEMM need rows of whole
+    16-byte units (n a multiple of 8). The forward ops pad an output of any n; the backward of such an n runs the
+    GEMM and the collective one after the other."""
+    return n % 8 == 0
+
+
 def _ag_gemm_backward(ctx, grad):
     a_local, b = ctx.saved_tensors
     grad = _contiguous(grad)
-    grad_a = torch.ops.weft.gemm_rs(grad, b.t().contiguous(), -1, ctx.num_ranks) if ctx.needs_input_grad[0] else None
+    if not ctx.needs_input_grad[0]:
+        grad_a = None
+    elif _fusable(b.shape[0]):
+        grad_a = torch.ops.weft.gemm_rs(grad, b.t().contiguous(), -1, ctx.num_ranks)
+    else:
+        grad_a = torch.ops.weft.reduce_scatter(_contiguous(grad @ b), -1, ctx.num_ranks)
     grad_b = grad.t() @ torch.ops.weft.all_gather(a_local, -1, ctx.num_ranks) if ctx.needs_input_grad[1] else None
     return grad_a, grad_b, None
 
@@ -285,8 +297,12 @@ def _ag_gemm_saving_backward(ctx, grad, grad_gathered):
     # The gathered copy is an internal output: gradients through it are not propagated (nothing differentiates it).
     b, a_full = ctx.saved_tensors
     grad = _contiguous(grad)
-    grad_a = (torch.ops.weft.gemm_rs(grad, b.t().contiguous(), ctx.team, ctx.num_ranks) if ctx.needs_input_grad[0]
-              else None)
+    if not ctx.needs_input_grad[0]:
+        grad_a = None
+    elif _fusable(b.shape[0]):
+        grad_a = torch.ops.weft.gemm_rs(grad, b.t().contiguous(), ctx.team, ctx.num_ranks)
+    else:
+        grad_a = torch.ops.weft.reduce_scatter(_contiguous(grad @ b), ctx.team, ctx.num_ranks)
     grad_b = grad.t() @ a_full if ctx.needs_input_grad[1] else None
     return grad_a, grad_b, None, None
 
@@ -300,7 +316,11 @@ def _save_with_team(ctx, inputs, output):
 def _gemm_rs_backward(ctx, grad):
     a, b = ctx.saved_tensors
     grad = _contiguous(grad)
-    if ctx.team < 0:
+    if not _fusable(b.shape[0]):
+        grad_full = torch.ops.weft.all_gather(grad, ctx.team, ctx.num_ranks)
+        grad_a = grad_full @ b if ctx.needs_input_grad[0] else None
+        grad_b = grad_full.t() @ a if ctx.needs_input_grad[1] else None
+    elif ctx.team < 0:
         grad_a = torch.ops.weft.ag_gemm(grad, b.t().contiguous(), ctx.num_ranks) if ctx.needs_input_grad[0] else None
         grad_b = (torch.ops.weft.all_gather(grad, -1, ctx.num_ranks).t() @ a if ctx.needs_input_grad[1]
                   else None)

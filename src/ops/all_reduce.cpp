@@ -14,9 +14,12 @@
 
 namespace weft::ops {
 
-void all_reduce(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream,
-                const AllReduceOptions& options) {
-    WEFT_NVTX_RANGE("all_reduce");
+namespace {
+
+// `output_private`: output is the caller's wherever it lives (fused ops pass their users' buffers): peers never read
+// it, so that whether it is on the symmetric heap, and where, need not agree across ranks.
+void all_reduce_impl(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream,
+                     const AllReduceOptions& options, bool output_private) {
     team.require_member("all_reduce");
     detail::check_all_reduce_args(input, output);
     detail::check_algo_option(options.algo);
@@ -40,7 +43,7 @@ void all_reduce(const Team& team, const TensorView& input, const TensorView& out
     const CollectiveTopology& topo = ws.topology();
     const AllReduceAlgo algo = resolve_all_reduce_algo(options.algo, env::get("WEFT_ALLREDUCE_ALGO"), bytes, topo);
     const bool in_sym = ws.symmetric(input.data, bytes);
-    const bool out_sym = ws.symmetric(output.data, bytes);
+    const bool out_sym = !output_private && ws.symmetric(output.data, bytes);
     if (!in_sym) detail::check_device_pointer(input.data, "input", "all_reduce", stream);
     if (!out_sym && output.data != input.data)
         detail::check_device_pointer(output.data, "output", "all_reduce", stream);
@@ -96,6 +99,19 @@ void all_reduce(const Team& team, const TensorView& input, const TensorView& out
                                                 res_offset == ~0ull ? res_offset : res_offset + begin * elem});
         ws.launch(kernel, input.dtype, all_reduce_grid(algo, n * elem, topo), stream, p);
     }
+}
+
+}  // namespace
+
+void all_reduce(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream,
+                const AllReduceOptions& options) {
+    WEFT_NVTX_RANGE("all_reduce");
+    all_reduce_impl(team, input, output, stream, options, false);
+}
+
+void detail::all_reduce_into_private(const Team& team, const TensorView& input, const TensorView& output,
+                                     cudaStream_t stream) {
+    all_reduce_impl(team, input, output, stream, {}, true);
 }
 
 void all_reduce(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream,

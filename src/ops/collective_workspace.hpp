@@ -126,4 +126,9 @@ private:
 /// (the query is not a stream operation, and a graph's pointers were checked when its ops were first called).
 void check_device_pointer(const void* ptr, const char* what, const char* op, cudaStream_t stream);
 
+/// ops::all_reduce with `output` taken as the caller's own memory wherever it lives: peers never read it (a two-shot
+/// reduces into staging, not into a symmetric output), so ranks may pass outputs on the heap or off it, at any offset.
+/// For fused ops whose users' buffers carry no symmetric-placement contract (GemmAr's c). `input` != `output`.
+void all_reduce_into_private(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream);
+
 }  // namespace weft::ops::detail

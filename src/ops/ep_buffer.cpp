@@ -113,7 +113,7 @@ std::optional<Status> read_status(const Status* host) {
 
 void Buffer::Impl::enter(const char* op, cudaStream_t stream, const Buffer::Impl* handle_owner,
                          bool check_pending) const {
-    if (check_pending) check_status(op);
+    if (check_pending && !nested) check_status(op);
     // Ranks of one process that share a GPU share its legacy default stream: their kernels, which wait for each
     // other, would be serialised there (and time out). Refuse it where that can happen (processes sharing a GPU
     // each have their own context and default stream).

@@ -59,6 +59,7 @@ struct NormalHandle::Impl {
     NormalHandleView view{};
     int num_tokens = -1;  // of the last dispatch
     bool dispatched = false;
+    bool combine_pending = false;  // dispatched, not combined since: the layout arrays are the combine's
     // A team that spans nodes (docs/multinode.md, "EP across nodes"): `symmetric` is null, `device` holds the
     // team-wide layout arrays, the receive side is `inner`'s (the one-rank Buffer's handle), and the exchange buffers
     // are private: send and recv records, the combine's partials and the partials that came back.
@@ -121,6 +122,9 @@ struct Buffer::Impl {
 
     // ---- a team that spans nodes (docs/multinode.md, "EP across nodes") ----
     bool spans_nodes = false;
+    // This Buffer is another's one-rank Buffer (`inner` below): its status is checked by the outer call's entry,
+    // before the exchange it is fed by; checking again at its own entry would throw after that exchange ran.
+    bool nested = false;
     // Normal mode: the one-rank Buffer (this rank alone, E / W experts) the records feed.
     std::unique_ptr<Buffer> inner;
     weft::ep::InternodeLayout net{};  // the exchange's layout

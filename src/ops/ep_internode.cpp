@@ -92,6 +92,7 @@ void Buffer::Impl::init_across_nodes() {
 
     // The one-rank Buffer the received records feed (detail::one_rank_config).
     inner = std::make_unique<Buffer>(team.split_strided(team.rank(), 1, 1), detail::one_rank_config(geo));
+    inner->impl_->nested = true;
 
     k_layout = &jit::compiler().get_kernel(specs[0]);
     k_pack = &jit::compiler().get_kernel(specs[5]);

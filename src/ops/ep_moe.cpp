@@ -247,12 +247,32 @@ MoeBlock::MoeBlock(const Team& team, const MoeConfig& config) : impl_(std::make_
     WEFT_CUDA_CHECK(cudaGetDevice(&device));
     int num_sms = 0;
     WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-    m.plan = plan_moe_block(m.config, team.num_ranks(), std::min(num_sms, m.world->sm_budget()));
+    // A member whose config is refused here still meets the others (its error in place of an empty record), so that
+    // every member throws at once instead of waiting for it in the Buffer's construction below.
+    std::exception_ptr invalid;
+    std::string why_invalid;
+    try {
+        m.plan = plan_moe_block(m.config, team.num_ranks(), std::min(num_sms, m.world->sm_budget()));
+        WEFT_CHECK(m.world->sm_budget() >= 2,
+                   "ep::MoeBlock: the rank's SM budget must be at least 2 (communication and "
+                   "the GEMMs run side by side), got "
+                       << m.world->sm_budget());
+    } catch (const Error& e) {
+        invalid = std::current_exception();
+        why_invalid = e.what();
+    }
+    if (team.num_ranks() > 1) {
+        const std::vector<std::vector<uint8_t>> all =
+            team.all_gather("weft.ops.ep.moe_block", std::vector<uint8_t>(why_invalid.begin(), why_invalid.end()));
+        if (invalid) std::rethrow_exception(invalid);
+        for (int r = 0; r < team.num_ranks(); ++r) {
+            const std::vector<uint8_t>& theirs = all[static_cast<size_t>(r)];
+            WEFT_CHECK(theirs.empty(), "ep::MoeBlock: world rank " << team.world_rank(r) << "'s MoeConfig is invalid ("
+                                                                   << std::string(theirs.begin(), theirs.end()) << ")");
+        }
+    }
+    if (invalid) std::rethrow_exception(invalid);
     m.local_experts = m.config.ep.num_experts / team.num_ranks();
-    WEFT_CHECK(m.world->sm_budget() >= 2,
-               "ep::MoeBlock: the rank's SM budget must be at least 2 (communication and "
-               "the GEMMs run side by side), got "
-                   << m.world->sm_budget());
     if (m.world->same_process() && m.world->num_ranks_on_device() > 1 &&
         int64_t{m.world->sm_budget()} * m.world->num_ranks_on_device() > num_sms) {
         WEFT_LOG_WARN("ep::MoeBlock: " << m.world->num_ranks_on_device()

@@ -99,6 +99,11 @@ void Buffer::layout(NormalHandle& handle, const TensorView& topk_idx, cudaStream
     Impl& b = *impl_;
     b.enter("layout", stream, handle.impl_ ? handle.impl_->buffer : nullptr);
     const int t = check_tokens("ep::layout", b.geo, topk_idx, -1, "");
+    // The combine of a dispatch reads its layout (which rows went where, how many partials come back): a new one in
+    // between would send the combine's partials by one routing and wait for them by another.
+    WEFT_CHECK(!handle.impl_->combine_pending,
+               "ep::layout: the handle was dispatched and not combined yet (its combine reads the dispatch's layout); "
+               "combine first, or use another handle");
     b.launch_layout(*handle.impl_, topk_idx, t, stream);
 }
 
@@ -129,6 +134,7 @@ void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorVie
         b.internode_dispatch(h, x, topk_idx, topk_weights, t, stream, options);
         h.num_tokens = t;
         h.dispatched = true;
+        h.combine_pending = true;
         return;
     }
     b.launch_layout(h, topk_idx, t, stream);
@@ -151,6 +157,7 @@ void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorVie
     b.uses.note(stream);
     h.num_tokens = t;
     h.dispatched = true;
+    h.combine_pending = true;
 }
 
 void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView& out, cudaStream_t stream,
@@ -183,6 +190,7 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
     }
     if (b.across_nodes()) {
         b.internode_combine(h, y, out, t, stream, options);
+        h.combine_pending = false;
         return;
     }
     // A block writes its tokens' sums once this rank's partials are in, while other blocks may still read y's rows
@@ -207,6 +215,7 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
                          .stream = stream},
                         b.ctx, a);
     b.uses.note(stream);
+    h.combine_pending = false;
 }
 
 }  // namespace weft::ops::ep

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "collective_workspace.hpp"
 #include "tp_common.hpp"
 #include "views_overlap.hpp"
 #include "weft/common/collectives.hpp"
@@ -310,7 +311,9 @@ void launch_call(GemmAr::State& s, const ArCall& call, cudaStream_t stream) {
         const int64_t count = call.m * s.shape.n;
         const TensorView partial(s.partial, s.partial_dtype, {count});
         if (!call.collective_in_place) {
-            ops::all_reduce(s.team, partial, TensorView(call.reduce.out, s.shape.dtype, {count}), stream);
+            // c is the user's: whether it is on the symmetric heap, and where, may differ between ranks.
+            detail::all_reduce_into_private(s.team, partial, TensorView(call.reduce.out, s.shape.dtype, {count}),
+                                            stream);
             return;
         }
         ops::all_reduce(s.team, partial, partial, stream);
@@ -333,6 +336,8 @@ void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     WEFT_NVTX_RANGE("gemm_ar");
     State& s = *s_;
     const GemmProblem p = check_gemm_ar_call(s.shape, a, b, c);
+    // The all-reduce would refuse it only after the GEMM ran (its peers then wait for this rank to their timeout).
+    if (s.use_collective && s.num_ranks > 1) detail::check_device_pointer(c.data, "c", "gemm_ar", stream);
     // One config at most (the tiled path's): nothing to tune, no problem text needed.
     s.run(
         stream, 0, [] { return std::string(); }, [&](size_t) { return prepare_call(s, p, a, b, c); },

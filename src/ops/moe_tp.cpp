@@ -60,6 +60,9 @@ void check_matrix(const TensorView& v, const char* op, const char* what, DType d
     WEFT_CHECK(v.data != nullptr, op << ": " << what << " has a null data pointer");
     WEFT_CHECK(reinterpret_cast<uintptr_t>(v.data) % 16 == 0,
                op << ": " << what << "'s base address must be 16-byte aligned, got " << v.data);
+    WEFT_CHECK(v.dim(0) <= 1 || v.stride(0) >= v.dim(1), op << ": " << what << "'s row stride must be at least its "
+                                                            << v.dim(1) << " columns (rows apart, none repeated), got "
+                                                            << v.describe());
     WEFT_CHECK(v.dim(0) <= 1 || (v.stride(0) * dtype_bytes(dtype)) % 16 == 0,
                op << ": " << what << "'s row stride must be a multiple of 16 bytes, got " << v.describe());
 }

@@ -455,6 +455,17 @@ TEST_F(EpNormalGpu, ArgumentErrorsAreHostErrors) {
                     },
                     "non-blocking stream");
             }
+            // Between a dispatch and its combine the handle's layout is the combine's: a new one is refused, and
+            // allowed again once combined. Every slot dropped (-1): a valid routing that moves no row.
+            const TensorView x4(x.get(), DType::kBF16, {4, c.hidden});
+            const TensorView idx4(idx.get(), DType::kI32, {4, c.topk});
+            WEFT_CUDA_CHECK(cudaMemsetAsync(idx.get(), 0xff, sizeof(int32_t) * 4 * c.topk, rs.s));
+            ep.dispatch(h, x4, idx4, TensorView(w.get(), DType::kF32, {4, c.topk}), rs.s);
+            expect_error([&] { ep.layout(h, idx4, rs.s); }, "dispatched and not combined yet");
+            ep.combine(h, h.recv_x(), TensorView(x.get() + 4 * c.hidden, DType::kBF16, {4, c.hidden}), rs.s);
+            ep.layout(h, idx4, rs.s);
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(rs.s));
+            ep.check();
         },
         options_for(c, n, 1));
 }

@@ -275,6 +275,15 @@ TEST(MoeTpArgs, CombineNamesTheBadArgument) {
               std::string::npos);
     EXPECT_NE(combine(view(DType::kBF16, {100, 512}), static_cast<MoeCombineMode>(7), w, d_rows, acc).find("mode"),
               std::string::npos);
+    // Rows that repeat (stride 0) or overlap (a stride below the row) would land tokens on each other.
+    for (const int64_t stride : {int64_t{0}, int64_t{504}}) {
+        const auto out = view(DType::kBF16, {100, 512});
+        EXPECT_NE(combine(TensorView(out.data, DType::kBF16, {100, 512}, {stride, 1}), MoeCombineMode::kWeightedSum, w,
+                          d_rows, acc)
+                      .find("out's row stride must be at least its 512 columns"),
+                  std::string::npos)
+            << stride;
+    }
     // The combine kernel steps its columns in int32: N keeps the GEMM's margin below 2^31.
     const int64_t wide = (int64_t{1} << 31) - 8;
     EXPECT_NE(error_of([&] {

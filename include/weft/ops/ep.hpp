@@ -256,7 +256,8 @@ public:
     /// Collective: a handle with its own receive buffers (symmetric heap, Footprint's per-handle size).
     NormalHandle make_normal_handle();
     /// The layout kernel alone (counts, token->rank mask, stable offsets) into the handle's layout
-    /// arrays. Local. `topk_idx`: int32 [T, k], T <= max_tokens_per_rank.
+    /// arrays. Local. `topk_idx`: int32 [T, k], T <= max_tokens_per_rank. Refused (weft::Error) on a handle that was
+    /// dispatched and not combined since: that combine reads the dispatch's layout.
     void layout(NormalHandle& handle, const TensorView& topk_idx, cudaStream_t stream);
     /// Collective: layout, then dispatch. x: bf16 [T, H]; topk_idx: int32 [T, k] (-1 = dropped);
     /// topk_weights: f32 [T, k]. T may differ between ranks. Receive capacity overflow is detected on

@@ -65,8 +65,9 @@ struct MoeRouting {
 /// Fills `routing` (its num_experts, rows_capacity, pointers; tokens and topk are set from topk_idx) from topk_idx
 /// [T, topk] int32 (row-major, device memory): two launches on `stream`, deterministic (no atomics on the result). An
 /// index outside [-1, E) drops its slot and is recorded in `status` (device or host-mapped, zero-initialised; the first
-/// bad slot claims it), when given. Throws weft::Error for bad arguments (capacity too small, null arrays, topk outside
-/// [1, 64]).
+/// bad slot claims it), when given. An expert named twice in one token's row gets two rows (one per slot; a weighted
+/// combine then adds both, each with its slot's weight): unlike ep::Buffer, which drops the repeat and reports it.
+/// Throws weft::Error for bad arguments (capacity too small, null arrays, topk outside [1, 64]).
 void moe_route(const TensorView& topk_idx, MoeRouting& routing, int64_t align, cudaStream_t stream,
                MoeRoutingStatus* status = nullptr);
 
@@ -176,7 +177,11 @@ public:
     ///   h:        [routing.rows_capacity, ffn] bf16, rows grouped by expert as routing says (layer 0's y after the
     ///             activation)
     ///   w:        [E, hidden, ffn] bf16 (this rank's K slice of every expert's down projection)
-    ///   routing:  the same on every member (MoeAgGroupedGemm::routing(), or moe_route of the replicated topk_idx)
+    ///   routing:  the same on every member (MoeAgGroupedGemm::routing(), or moe_route of the replicated topk_idx);
+    ///             not checked across ranks: an expert with rows on one member and none on another leaves that
+    ///             member's done word for it unraised, and the first member's combine traps at its wait's bound (the
+    ///             CUDA context is then unusable). A routing built by hand must keep every expert's rows inside
+    ///             rows_capacity (offsets[g] + counts[g] <= rows_capacity): the same trap otherwise.
     ///   weights:  [M, topk] f32, the same on every member
     ///   out:      [M/W, hidden] bf16 or f32; its bytes apart from h's, w's, weights' and routing's slot_rows, counts
     ///             and offsets
