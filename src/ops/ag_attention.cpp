@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "abort_mark.hpp"
 #include "stream_key.hpp"
 #include "tp_common.hpp"
 #include "weft/common/tp_params.hpp"
@@ -510,6 +511,7 @@ struct AgAttention::State {
     tp_detail::SymmetricAllocations heap;
     tp_detail::StreamSet streams;
     tp_detail::FirstCallSync first_call;
+    detail::AbortMark abort_mark;  // run() refuses once an abort was cleared after the op was made
 
     uint8_t* gathered_k = nullptr;  // [max_seq, num_kv_heads, head_dim]
     uint8_t* gathered_v = nullptr;
@@ -560,6 +562,7 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
     : s_(std::make_unique<State>(team)) {
     State& s = *s_;
     World& world = *s.world;
+    s.abort_mark.note(world);
     validate_ag_attention_shape(shape, s.num_ranks, options);
     s.shape = shape;
     s.options = options;
@@ -639,6 +642,7 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
                       const TensorView& out, const TensorView& lse, cudaStream_t stream) {
     WEFT_NVTX_RANGE("ag_attention");
     State& s = *s_;
+    if (s.num_ranks > 1) s.abort_mark.check(*s.world, "ag_attention", "make a new AgAttention");
     const AgAttentionShape& sh = s.shape;
     WEFT_CHECK(q_local.ndim == 3 && k_local.ndim == 3 && v_local.ndim == 3,
                "ag_attention: q_local, k_local and v_local must be 3-D [S/W, heads, head_dim], got "

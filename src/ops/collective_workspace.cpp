@@ -197,7 +197,12 @@ CollectiveWorkspace& CollectiveWorkspace::get(const Team& team) {
     World& world = team.world();
     const std::string name = extension_name(team);
     if (WorldExtension* e = world.find_extension(name)) {
-        return static_cast<CollectiveWorkspace&>(*e);
+        auto& ws = static_cast<CollectiveWorkspace&>(*e);
+        if (ws.num_ranks_ > 1) {
+            ws.abort_mark_.check(world, "the collectives' workspace of this team",
+                                 "make a new World for weft's collectives (a fresh one always works)");
+        }
+        return ws;
     }
     std::unique_ptr<CollectiveWorkspace> ws(new CollectiveWorkspace(team));
     return static_cast<CollectiveWorkspace&>(world.add_extension(name, std::move(ws)));
@@ -205,6 +210,7 @@ CollectiveWorkspace& CollectiveWorkspace::get(const Team& team) {
 
 CollectiveWorkspace::CollectiveWorkspace(const Team& team) : team_(team), world_(team.world()) {
     World& world = world_;
+    abort_mark_.note(world);
     rank_ = team.rank();
     num_ranks_ = team.num_ranks();
     max_ranks_ = collective_rank_bucket(num_ranks_);

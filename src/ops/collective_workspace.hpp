@@ -9,6 +9,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "abort_mark.hpp"
 #include "weft/common/all_to_all.hpp"
 #include "weft/common/collectives.hpp"
 #include "weft/common/device_ctx.hpp"
@@ -102,6 +103,7 @@ private:
 
     Team team_;
     World& world_;
+    AbortMark abort_mark_;  // get() refuses the workspace once an abort was cleared after it was made
     int rank_ = 0;
     int num_ranks_ = 1;
     int max_ranks_ = 8;

@@ -113,6 +113,8 @@ std::optional<Status> read_status(const Status* host) {
 
 void Buffer::Impl::enter(const char* op, cudaStream_t stream, const Buffer::Impl* handle_owner,
                          bool check_pending) const {
+    abort_mark.check(*world, (std::string("ep::") + op).c_str(),
+                     "make a new World (a Buffer's signal words are never cleared: kernels/ep/README.md, \"Errors\")");
     if (check_pending && !nested) check_status(op);
     // Ranks of one process that share a GPU share its legacy default stream: their kernels, which wait for each
     // other, would be serialised there (and time out). Refuse it where that can happen (processes sharing a GPU
@@ -196,6 +198,7 @@ Buffer::Buffer(const Team& team, const Config& config) : impl_(std::make_unique<
     Impl& b = *impl_;
     World& world = team.world();
     b.world = &world;
+    b.abort_mark.note(world);
     b.team = team;
     b.ctx = team.device_ctx();
     b.trace = trace_device_buffer(world);

@@ -7,6 +7,7 @@
 
 #include <deque>
 
+#include "abort_mark.hpp"
 #include "weft/common/ep_internode.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/ep.hpp"
@@ -96,6 +97,7 @@ struct LowLatencyHandle::Impl {
 
 struct Buffer::Impl {
     World* world = nullptr;
+    ops::detail::AbortMark abort_mark;  // enter() refuses once an abort was cleared after the Buffer was made
     Team team;        // the members the Buffer's collectives run over (a copy: it keeps the team's device tables)
     DeviceCtx ctx{};  // team.device_ctx(), for every launch
     Config config;

@@ -154,6 +154,7 @@ jit::KernelSpec moe_swiglu_kernel_spec(const std::string& arch) {
 
 struct MoeBlock::Impl {
     World* world = nullptr;
+    ops::detail::AbortMark abort_mark;  // forward() refuses once an abort was cleared after the block was made
     Team team;
     MoeConfig config;
     MoePlan plan;
@@ -240,6 +241,7 @@ MoeBlock::MoeBlock(const Team& team, const MoeConfig& config) : impl_(std::make_
                                              "normal dispatch and combine with grouped_gemm between them");
     Impl& m = *impl_;
     m.world = &team.world();
+    m.abort_mark.note(*m.world);
     m.team = team;
     m.config = config;
     m.config.ep.low_latency = false;
@@ -372,6 +374,8 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
                        const MoeOptions& options) {
     WEFT_NVTX_RANGE("ep moe block");
     Impl& m = *impl_;
+    m.abort_mark.check(*m.world, "ep::MoeBlock::forward",
+                       "make a new World (its Buffer's signal words are never cleared)");
     const Geometry& g = m.buffer->geometry();
     const int64_t ffn = m.config.ffn;
     // Everything the launches below could refuse is checked first: once the dispatch is out, every rank must reach

@@ -233,6 +233,8 @@ struct WorldContext {
     std::atomic<bool> device_abort_published{false};  ///< the watchdog told the peers of a device wait's abort
     mutable std::mutex abort_mutex;
     std::string abort_reason;  ///< guarded by abort_mutex: why the World was aborted (empty: not by the host)
+    std::atomic<uint64_t> cleared_aborts{0};  ///< aborts clear_diagnostics cleared (World::cleared_aborts)
+    std::string last_cleared_abort;           ///< guarded by abort_mutex: the last one's text
     std::unique_ptr<Watchdog> watchdog;
 
     /// Sets the abort word (kAbortByHost unless a value is there) and, when none is recorded yet, the reason.

@@ -447,6 +447,15 @@ void World::check_diagnostics() const {
 
 void World::clear_diagnostics() {
     detail::WorldContext& c = *ctx_;
+    if (c.abort_word() != kAbortNone) {
+        std::string text = c.abort_text();
+        if (text.empty()) text = "the abort word was set";
+        {
+            std::lock_guard<std::mutex> lock(c.abort_mutex);
+            c.last_cleared_abort = std::move(text);
+        }
+        c.cleared_aborts.fetch_add(1);
+    }
     if (Diagnostic* record = c.diag_host.get()) {
         const uint64_t trace_buffer = record->trace_buffer;
         std::memset(record, 0, sizeof(Diagnostic));
@@ -460,6 +469,13 @@ void World::clear_diagnostics() {
     c.device_abort_published = false;
     if (c.abort_host) __atomic_store_n(c.abort_host.get(), uint32_t{kAbortNone}, __ATOMIC_SEQ_CST);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+
+uint64_t World::cleared_aborts() const { return ctx_->cleared_aborts.load(); }
+
+std::string World::last_cleared_abort() const {
+    std::lock_guard<std::mutex> lock(ctx_->abort_mutex);
+    return ctx_->last_cleared_abort;
 }
 
 void World::abort(const std::string& reason) {

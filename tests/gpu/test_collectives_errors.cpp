@@ -154,6 +154,71 @@ TEST(CollectivesErrors, WorkspaceIsAWorldExtensionDestroyedWithTheWorld) {
     EXPECT_EQ(destroyed[1].load(), 2);
 }
 
+// After an abort (here World::abort on rank 0, which reaches rank 1 through the store) and clear_diagnostics on every
+// rank, the workspace made before it refuses the next collective on every rank, naming the abort, before anything is
+// launched (its epochs may be out of step after a wait that gave up); the World's own barrier still runs, and a fresh
+// World's collectives run.
+TEST(CollectivesErrors, AClearedAbortRetiresTheWorkspaceMadeBeforeIt) {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    WorldOptions options = test_options(256ull << 20);
+    options.heartbeat = std::chrono::milliseconds(200);  // the abort reaches the other rank quickly
+    std::mutex mutex;
+    std::vector<std::string> messages;
+    run_ranks(
+        2,
+        [&](World& w) {
+            ops::prepare_collectives(w);
+            cudaStream_t s = nullptr;  // ranks may share the GPU: not the legacy stream, which would serialise them
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            auto* buf = static_cast<float*>(w.heap().alloc(1024 * sizeof(float)));
+            const TensorView v(buf, DType::kF32, {1024});
+            ops::all_reduce(w, v, v, s);
+            w.sync_and_check(s);
+            w.barrier();
+            if (w.rank() == 0) w.abort("the test's abort");
+            std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // it reached every rank
+            EXPECT_TRUE(w.aborted());
+            w.clear_diagnostics();
+            EXPECT_EQ(w.cleared_aborts(), 1u);
+            EXPECT_NE(w.last_cleared_abort().find("the test's abort"), std::string::npos) << w.last_cleared_abort();
+            w.barrier();
+            std::string message;
+            try {
+                ops::all_reduce(w, v, v, s);
+            } catch (const Error& e) {
+                message = e.what();
+            }
+            {
+                std::lock_guard<std::mutex> lock(mutex);
+                messages.push_back(message);
+            }
+            w.barrier();
+            w.heap().free(buf);
+            WEFT_CUDA_CHECK(cudaStreamDestroy(s));
+        },
+        options);
+    ASSERT_EQ(messages.size(), 2u);
+    for (const std::string& m : messages) {
+        EXPECT_NE(m.find("clear_diagnostics does not repair its device state"), std::string::npos) << m;
+        EXPECT_NE(m.find("the test's abort"), std::string::npos) << m;
+        EXPECT_NE(m.find("make a new World"), std::string::npos) << m;
+    }
+    run_ranks(
+        2,
+        [&](World& w) {
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            auto* buf = static_cast<float*>(w.heap().alloc(1024 * sizeof(float)));
+            const TensorView v(buf, DType::kF32, {1024});
+            ops::all_reduce(w, v, v, s);
+            w.sync_and_check(s);
+            w.barrier();
+            w.heap().free(buf);
+            WEFT_CUDA_CHECK(cudaStreamDestroy(s));
+        },
+        test_options(256ull << 20));
+}
+
 // ------------------------------------------------------------------------------------------------
 // Ranks that call a collective with different arguments. Each rank calls with its own arguments into an output
 // poisoned beforehand; every rank's call must throw naming both calls, and no block of any rank may have written

@@ -147,9 +147,17 @@ public:
     /// address, expected and observed values); no-op otherwise. Both stay (see clear_diagnostics).
     void check_diagnostics() const;
     /// Zeroes the diagnostic record and this rank's abort word and reason: waits on this rank run again (after a
-    /// handled failure, on every rank, before the next op). A peer that is dead stays dead: its watchdog aborts
-    /// the World again at the next beat.
+    /// handled failure, on every rank, before the next op): the heap, barriers, teams and kernels of your own. A
+    /// peer that is dead stays dead: its watchdog aborts the World again at the next beat. weft's ops that keep
+    /// protocol state on the device between calls (the collectives' workspace, AgAttention, ep::Buffer and MoeBlock)
+    /// do not come back with it: a wait that gave up or an abort may have left their flags and epochs out of step
+    /// across ranks, so once an abort was cleared their next call throws weft::Error naming it (make a new World;
+    /// an op made after the clear, other than a collective, runs). See cleared_aborts().
     void clear_diagnostics();
+    /// How many times clear_diagnostics cleared an abort of this World, and the text of the last one (empty before
+    /// any). Ops with device protocol state note the count when made and refuse calls once it moved.
+    uint64_t cleared_aborts() const;
+    std::string last_cleared_abort() const;
     /// cudaStreamSynchronize(stream) then check_diagnostics(). A wait that gives up ends its kernel cleanly (the
     /// CUDA context stays usable) and aborts the World, so this throws weft::Error naming the rank, the reason and
     /// the signal. When the synchronisation itself fails (a trap: symm_at_or_trap, the GEMM kernels), the error
