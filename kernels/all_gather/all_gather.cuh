@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
         WEFT_TRACE_BEGIN(recv_t0);  // the lines' waits included
         for (uint64_t j = span.begin + threadIdx.x; j < span.end; j += blockDim.x) {
             const uint64_t at = j * kLowLatencyPayloadBytes;
-            const uint2 v = device::ll::wait_line(ctx, slot + j * kLowLatencyLineBytes, flag);
+            const uint2 v = device::ll::wait_line_from(ctx, slot + j * kLowLatencyLineBytes, flag, q);
             common::store_payload(dst + at, v, bytes - at);
         }
         WEFT_TRACE_RECORD_IF(threadIdx.x == 0, ctx, TraceKind::kRecv, TraceRole::kComm, recv_t0, q, -1, 0, 0);

@@ -37,7 +37,8 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
         const uint64_t line = static_cast<uint64_t>(row * row_lines);
         float m = neg_inf;
         for (int q = 0; q < n; ++q) {
-            const uint2 v = device::ll::wait_line(ctx, st.ll_slot(q) + (line + dim / 2) * kLowLatencyLineBytes, flag);
+            const uint2 v =
+                device::ll::wait_line_from(ctx, st.ll_slot(q) + (line + dim / 2) * kLowLatencyLineBytes, flag, q);
             m = fmaxf(m, __uint_as_float(v.x));
         }
         float total = 0.f;
@@ -45,10 +46,13 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
         if (m != neg_inf) {
             for (int q = 0; q < n; ++q) {
                 const uint8_t* slot = st.ll_slot(q);
-                const uint2 l = device::ll::wait_line(ctx, slot + (line + dim / 2) * kLowLatencyLineBytes, flag);
+                const uint2 l =
+                    device::ll::wait_line_from(ctx, slot + (line + dim / 2) * kLowLatencyLineBytes, flag, q);
                 const float w = __expf(__uint_as_float(l.x) - m);  // 0 for a rank with an empty shard
-                const uint2 a = device::ll::wait_line(ctx, slot + (line + col / 2) * kLowLatencyLineBytes, flag);
-                const uint2 b = device::ll::wait_line(ctx, slot + (line + col / 2 + 1) * kLowLatencyLineBytes, flag);
+                const uint2 a =
+                    device::ll::wait_line_from(ctx, slot + (line + col / 2) * kLowLatencyLineBytes, flag, q);
+                const uint2 b =
+                    device::ll::wait_line_from(ctx, slot + (line + col / 2 + 1) * kLowLatencyLineBytes, flag, q);
                 total += w;
                 acc[0] += w * __uint_as_float(a.x);
                 acc[1] += w * __uint_as_float(a.y);

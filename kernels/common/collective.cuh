@@ -259,7 +259,7 @@ public:
         for (int t = static_cast<int>(threadIdx.x); t < n; t += static_cast<int>(blockDim.x)) {
             if (t != me) {
                 const uint8_t* header = ll_header(t);
-                const uint2 v = device::ll::wait_line(ctx_, header, low_latency_flag(epoch_), line);
+                const uint2 v = device::ll::wait_line_from(ctx_, header, low_latency_flag(epoch_), t, line);
                 const uint64_t theirs = (static_cast<uint64_t>(v.y) << 32) | v.x;
                 if (theirs != p_.descriptor) {
                     same = false;
@@ -496,7 +496,7 @@ __device__ __forceinline__ uint2 reduce_ll_line(const DeviceCtx& ctx, const Bloc
             const int q = q0 + i;
             if (q < n) {
                 got[i] = q == me ? load_payload(own, valid)
-                                 : device::ll::wait_line(ctx, st.ll_slot(q) + j * kLowLatencyLineBytes, flag);
+                                 : device::ll::wait_line_from(ctx, st.ll_slot(q) + j * kLowLatencyLineBytes, flag, q);
             }
         }
 #pragma unroll

@@ -48,10 +48,11 @@ __device__ __forceinline__ bool try_load_line(const void* line, uint32_t flag, u
 
 /// Polls `line` until both words carry `flag` and returns the payload: the poll loop of spin_until (tight for
 /// kSpinFastPolls polls, then nanosleep backoff, reading the abort word); after ctx.timeout_ns, or once the World is
-/// aborted, it records a kSignalWait diagnostic (address of the line, expected flag, last flag seen), raises the abort
+/// aborted, it records a kSignalWait diagnostic (address of the line, expected flag, last flag seen, and `sender`, the
+/// team rank whose line did not come, as the record's peer; -1: the owner of the line's address), raises the abort
 /// word and ends the thread (fail_and_exit). Per thread.
-__device__ __forceinline__ uint2 wait_line(const DeviceCtx& ctx, const void* line, uint32_t flag,
-                                           int line_no = __builtin_LINE()) {
+__device__ __forceinline__ uint2 wait_line_from(const DeviceCtx& ctx, const void* line, uint32_t flag, int32_t sender,
+                                                int line_no = __builtin_LINE()) {
     uint2 payload;
     uint64_t waited_ns = 0;
     const auto probe = [&] { return try_load_line(line, flag, &payload); };
@@ -60,10 +61,16 @@ __device__ __forceinline__ uint2 wait_line(const DeviceCtx& ctx, const void* lin
         const ulonglong2 v = ptx::ld_pair_b64<ptx::Sem::kRelaxed, ptx::Scope::kSys>(line);
         const uint32_t seen = static_cast<uint32_t>(v.x >> 32) != flag ? static_cast<uint32_t>(v.x >> 32)
                                                                        : static_cast<uint32_t>(v.y >> 32);
-        fail_and_exit(ctx, SpinSite{SpinKind::kSignalWait, -1, line_no}, Cmp::kEq, line, flag, seen, waited_ns,
+        fail_and_exit(ctx, SpinSite{SpinKind::kSignalWait, sender, line_no}, Cmp::kEq, line, flag, seen, waited_ns,
                       aborted);
     }
     return payload;
+}
+
+/// wait_line_from with the line's owner as the record's peer (a line in this rank's memory names this rank).
+__device__ __forceinline__ uint2 wait_line(const DeviceCtx& ctx, const void* line, uint32_t flag,
+                                           int line_no = __builtin_LINE()) {
+    return wait_line_from(ctx, line, flag, -1, line_no);
 }
 
 }  // namespace weft::device::ll
