@@ -81,7 +81,8 @@ AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_head
 /// LSE) as LL lines into every rank's collective workspace; a collective kernel then waits for every rank's rows and
 /// merges them by their LSE in fp32. Arguments as for decode_attention, per rank (q, out, lse and the head counts the
 /// same on every rank). Collective (every rank calls it, in the same order as its other collectives, with the same
-/// shapes); asynchronous, graph-capturable (the LL flags are the workspace's epochs, in device memory), bounded
+/// shapes: not checked across ranks, unlike the collectives' call descriptors; differing calls merge unrelated rows or
+/// end at the timeout); asynchronous, graph-capturable (the LL flags are the workspace's epochs, in device memory), bounded
 /// waits (a missing rank ends in a timeout diagnostic). Sequences go in rounds of as many as the LL slot holds
 /// (CollectiveWorkspaceInfo::ll_slot_bytes, 512 KiB per rank by default: batch x q-heads x (head_dim + 2) x 8 bytes of
 /// LL lines per round); one sequence's rows must fit one round (at most 504 q-heads of head_dim 128, 254 of head_dim
