@@ -447,6 +447,11 @@ void World::check_diagnostics() const {
 
 void World::clear_diagnostics() {
     detail::WorldContext& c = *ctx_;
+    // A device wait's abort reaches the peers through the watchdog's next beat: cleared before it, the peers would
+    // never hear of it and wait for this rank until their own timeout. Tell them now.
+    if (c.abort_word() == kAbortByDeviceWait && c.watchdog && !c.device_abort_published.exchange(true)) {
+        c.watchdog->publish('A', c.abort_text());
+    }
     if (c.abort_word() != kAbortNone) {
         std::string text = c.abort_text();
         if (text.empty()) text = "the abort word was set";
