@@ -300,6 +300,9 @@ __device__ __forceinline__ void gemv_groups_body(const GemvArgs& args) {
         for (int step = 0; step < steps; ++step) {
             const int s = step % kStages;
             if (step >= kStages) {
+                // The consumers free a stage only after their own wait for the kernel before this one: its time must
+                // not count against the bounded wait below (it may run for seconds after triggering this launch).
+                if (step == kStages) ptx::wait_for_prior_grids();
                 if (!ptx::mbarrier_wait_parity_bounded(empty + 8 * s, static_cast<unsigned>(step / kStages - 1) & 1u,
                                                        kGemvStageWaitNs)) {
                     __trap();

@@ -458,10 +458,15 @@ NB_MODULE(_weft, m) {
     }, "op"_a, "name"_a);
 
     // ---- GEMM ----
-    m.def("gemm", [](const TensorView& a, const TensorView& b, const TensorView& d, int b_layout, uintptr_t stream) {
-              WEFT_CHECK(b_layout == 0 || b_layout == 1, "b_layout: expected 0 (nk) or 1 (kn), got " << b_layout);
-              ops::gemm(a, b, d, static_cast<BLayout>(b_layout), as_stream(stream));
-          }, "a"_a, "b"_a, "d"_a, "b_layout"_a, "stream"_a, Release());
+    m.def(
+        "gemm",
+        [](const TensorView& a, const TensorView& b, const TensorView& d, int b_layout, int device, uintptr_t stream) {
+            WEFT_CHECK(b_layout == 0 || b_layout == 1, "b_layout: expected 0 (nk) or 1 (kn), got " << b_layout);
+            // The tensors' device, whatever the calling thread's current one (another Python thread's is 0).
+            DeviceScope scope(device);
+            ops::gemm(a, b, d, static_cast<BLayout>(b_layout), as_stream(stream));
+        },
+        "a"_a, "b"_a, "d"_a, "b_layout"_a, "device"_a, "stream"_a, Release());
 
     // ---- attention (local ops: one GPU, no World needed) ----
     m.def(

@@ -120,7 +120,7 @@ def gemm(a, b, out=None, *, b_layout="nk", out_dtype=None):
     if out is None:
         out, padded = _empty_out(a.shape[0], n, out_dtype or a.dtype, a.device)
     dv = matrix_view(out, "out", ctx)
-    _weft.gemm(av, bv, dv, 0 if b_layout == "nk" else 1, _stream(ctx))
+    _weft.gemm(av, bv, dv, 0 if b_layout == "nk" else 1, ctx.device_index, _stream(ctx))
     return out if padded is None else out.contiguous()
 
 

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "views_overlap.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/team.hpp"
@@ -118,6 +119,10 @@ void check_fused_gemm_config(const GemmConfig& c) {
     WEFT_CHECK(is_valid(c), "fused_gemm: the config is not a valid GemmConfig: " << format_gemm_config(c));
     WEFT_CHECK(c.cluster_m == 1 && c.cluster_n == 1, "fused_gemm: the config must be cluster-free (cluster_m = "
                                                      "cluster_n = 1), got " << format_gemm_config(c));
+    WEFT_CHECK(c.splits == 1,
+               "fused_gemm: the config must not split K (splits = 1: a hook sees each tile once, "
+               "whole), got "
+                   << format_gemm_config(c));
     WEFT_CHECK(!c.swap_ab,
                "fused_gemm: a swapped config (swap_ab) serves the plain GEMM only (its hooks signal and "
                "route whole row slabs), got "
@@ -204,7 +209,11 @@ FusedGemmCall FusedGemm::prepare(const TensorView& a, const TensorView& b, const
                name << ": the views must be " << dtype_name(config_.in_dtype) << " (a, b) and "
                     << dtype_name(config_.out_dtype) << " (d), the config's dtypes, got " << dtype_name(p.in_dtype)
                     << " and " << dtype_name(p.out_dtype));
-    WEFT_CHECK(max_ctas >= 0, name << ": max_ctas must be >= 0 (0 = World::sm_budget()), got " << max_ctas);
+    WEFT_CHECK(max_ctas >= 0 && max_ctas <= world_->sm_budget(),
+               name << ": max_ctas must be in [0, World::sm_budget() = " << world_->sm_budget()
+                    << "] (0 = the budget; a persistent kernel that waits must stay resident), got " << max_ctas);
+    detail::check_apart(name.c_str(), "d", d, {{"a", a}, {"b", b}},
+                        "d is written while the GEMM's other tiles still read them");
     const int budget = max_ctas > 0 ? max_ctas : world_->sm_budget();
     return detail::make_fused_gemm_call(config_, a, b, d, fused_gemm_grid(config_, p.m, p.n, budget),
                                         fused_gemm_timeout_ns(*world_));

@@ -493,7 +493,12 @@ GemmSelection select_for_views(const GemmProblem& p, const TensorView& a, const 
         return sel;
     }
     const std::string arch = arch_of_device(device);
-    const GemmRunPlan run = [&](const GemmPlan& plan, cudaStream_t s) { launch_plan(plan, p, a, b, d, options, s); };
+    // Candidates are timed on weft's per-stream scratch, never on a workspace of the caller's: each candidate keeps
+    // counters of its own size there, and one's partials would land on another's counters (which must stay zero).
+    GemmOptions timing = options;
+    timing.workspace = nullptr;
+    timing.workspace_bytes = 0;
+    const GemmRunPlan run = [&](const GemmPlan& plan, cudaStream_t s) { launch_plan(plan, p, a, b, d, timing, s); };
     const GemmPrepareCandidates prepare = [&](const std::vector<GemmCandidate>& candidates) {
         compile_candidates(candidates, p, arch);
     };

@@ -374,9 +374,11 @@ int gemv_wgmma_splits(int64_t n, int64_t k, int num_sms) {
 // groups) ran faster than variant 3 or even with it on every shape measured; at K = 2048 (one span per row) the
 // whole-row body gained nothing at M = 1 and lost at M = 2 (the measurements: kernels/gemm/README.md, small M).
 namespace {
-GemvVariant auto_small_m_variant(const GemmProblem& p) {
-    return p.k >= 2 * kGemvRowsSpanElems && gemv_rows_unsupported(p).empty() ? GemvVariant::kBulkRows
-                                                                             : GemvVariant::kTmaRing;
+// A split-K count the caller asked for (options.small_m_splits > 1) keeps the choice to the variants that split K.
+GemvVariant auto_small_m_variant(const GemmProblem& p, const GemmOptions& options) {
+    return options.small_m_splits <= 1 && p.k >= 2 * kGemvRowsSpanElems && gemv_rows_unsupported(p).empty()
+               ? GemvVariant::kBulkRows
+               : GemvVariant::kTmaRing;
 }
 }  // namespace
 
@@ -528,7 +530,7 @@ bool gemm_prefers_wgmma_small_m(const GemmProblem& p, const GemmOptions& options
     WEFT_CHECK(num_sms > 0, "gemm: the device must report a positive SM count, got " << num_sms);
     if (options.config || options.small_m_variant || options.split_k != 0 || !options.allow_small_m ||
         p.b_layout != BLayout::kNK || (options.sm_budget > 0 && options.sm_budget < num_sms) || p.m < 17 ||
-        p.m > options.small_m_wgmma_max_m || p.n <= 0 || p.k <= 0) {
+        p.m > options.small_m_wgmma_max_m || p.n <= 0 || p.k <= 0 || options.small_m_splits > kGemvWgmmaMaxSplits) {
         return false;
     }
     const int splits = gemv_wgmma_splits(p.n, p.k, num_sms);
@@ -553,10 +555,17 @@ bool gemm_prefers_wgmma_small_m(const GemmProblem& p, const GemmOptions& options
 GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options) {
     WEFT_CHECK(num_sms > 0, "gemm: the device must report a positive SM count, got " << num_sms);
     validate_gemm_options(p, options);
+    if (p.m == 0 || p.n == 0) {  // nothing to compute: a plan that launches nothing (gemm() returns before it)
+        GemmPlan empty;
+        empty.config =
+            options.config ? *options.config : gemm_candidate_configs(p.in_dtype, p.out_dtype, p.b_layout).front();
+        return empty;
+    }
     const int budget = options.sm_budget > 0 ? std::min(options.sm_budget, num_sms) : num_sms;
     if (gemm_allows_small_m(p, options)) {
         const bool wgmma = gemm_prefers_wgmma_small_m(p, options, nullptr, num_sms);
-        const GemvVariant v = options.small_m_variant.value_or(wgmma ? GemvVariant::kTmaWgmma : auto_small_m_variant(p));
+        const GemvVariant v =
+            options.small_m_variant.value_or(wgmma ? GemvVariant::kTmaWgmma : auto_small_m_variant(p, options));
         return plan_small_m(p, v, options, budget, num_sms);
     }
     // Variant 5's band rule was fitted against the unswapped tiled pick; the swapped rule then serves the calls it
@@ -621,13 +630,17 @@ std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& p, int num_sm
     unforced.small_m_variant.reset();
     if (gemm_allows_small_m(p, unforced)) {  // as plan_gemm: only where the small-M path may serve this M
         for (GemvVariant variant : {GemvVariant::kTmaRing, GemvVariant::kBulkRows}) {
-            if (variant == GemvVariant::kBulkRows && !gemv_rows_unsupported(p).empty()) continue;
+            // Variant 4 has no split-K: not a candidate where the caller asked for splits.
+            if (variant == GemvVariant::kBulkRows && (!gemv_rows_unsupported(p).empty() || base.small_m_splits > 1)) {
+                continue;
+            }
             GemmOptions small = base;
             small.small_m_variant = variant;
             add(plan_gemm(p, num_sms, small));
         }
     }
-    if (gemm_allows_small_m_v5(p, base)) {  // variant 5 up to its own M limit, whatever small_m_max_m
+    // Variant 5 up to its own M limit, whatever small_m_max_m, and up to its own split count.
+    if (gemm_allows_small_m_v5(p, base) && base.small_m_splits <= kGemvWgmmaMaxSplits) {
         GemmOptions small = base;
         small.small_m_variant = GemvVariant::kTmaWgmma;
         add(plan_gemm(p, num_sms, small));
@@ -649,7 +662,7 @@ std::string gemm_tune_problem(const GemmProblem& p, int num_sms, const GemmOptio
 }
 
 bool gemm_wants_autotuner(const GemmOptions& options, std::optional<bool> env_autotune, bool env_force_names_gemm) {
-    if (options.config) return false;           // the caller chose
+    if (options.config || options.small_m_variant) return false;  // the caller chose
     if (env_force_names_gemm) return true;      // forcing needs no timing
     if (env_autotune.has_value() && !*env_autotune) return false;  // WEFT_AUTOTUNE=0: the heuristic
     return options.autotune || env_autotune.value_or(false);

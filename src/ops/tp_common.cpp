@@ -66,6 +66,9 @@ void check_forced_config(const GemmConfig& c, DType in, DType out, const char* o
     WEFT_CHECK(c.cluster_m == 1 && c.cluster_n == 1,
                op << ": options.config must be cluster-free (cluster_m = cluster_n = 1), got "
                   << format_gemm_config(c));
+    WEFT_CHECK(c.splits == 1, op << ": options.config must not split K (splits = 1: the fused ops signal and route "
+                                    "whole tiles), got "
+                                 << format_gemm_config(c));
     WEFT_CHECK(!c.swap_ab, op << ": options.config must not be swapped (swap_ab serves the plain GEMM only), got "
                               << format_gemm_config(c));
     WEFT_CHECK(c.in_dtype == in && c.out_dtype == out && c.b_layout == BLayout::kNK,

@@ -248,6 +248,10 @@ TEST(GemmAutotuneRule, WhenTheAutotunerIsAsked) {
     EXPECT_TRUE(gemm_wants_autotuner(plain, off, true)) << "forcing needs no timing";
     EXPECT_TRUE(gemm_wants_autotuner(plain, unset, true));
     EXPECT_FALSE(gemm_wants_autotuner(forced_config, on, true)) << "options.config wins";
+    GemmOptions forced_variant;
+    forced_variant.autotune = true;
+    forced_variant.small_m_variant = GemvVariant::kTmaRing;
+    EXPECT_FALSE(gemm_wants_autotuner(forced_variant, on, true)) << "a forced small-M variant is the caller's choice";
 }
 
 GemmProblem problem(int64_t m, int64_t n, int64_t k, BLayout layout = BLayout::kNK, DType in = DType::kBF16,

@@ -114,6 +114,15 @@ TEST(GemmConfig, SwappedConfigsTakeRowTilesOf16AndServeThePlainGemmOnly) {
     EXPECT_NE(ops::gemm_candidate_name(c).find("_sw"), std::string::npos);
     EXPECT_NE(ops::format_gemm_config(c).find(".swap_ab = true"), std::string::npos);
     EXPECT_THROW(ops::check_fused_gemm_config(c), Error);
+    {  // split-K serves the plain GEMM only, too: a hook sees each tile once, whole
+        const auto splits = ops::gemm_split_k_configs(DType::kBF16, DType::kBF16, BLayout::kNK);
+        ASSERT_FALSE(splits.empty());
+        const GemmConfig split = splits.front();
+        ASSERT_TRUE(is_valid(split));
+        ASSERT_GT(split.splits, 1);
+        EXPECT_FALSE(is_valid_grouped(split));
+        EXPECT_THROW(ops::check_fused_gemm_config(split), Error);
+    }
     auto with = [&](auto edit) {
         GemmConfig v = c;
         edit(v);
@@ -646,6 +655,50 @@ TEST(GemmPlan, SmallMVariant4SpreadsEveryRowOverNonEmptyCtas) {
             ASSERT_GE(grid * rows, n) << "N " << n << " budget " << budget << ": rows left over";
             ASSERT_LT((grid - 1) * rows, n) << "N " << n << " budget " << budget << ": an empty CTA";
         }
+    }
+}
+
+// A small-M split count the caller asked for keeps the op's own pick to the variants that split K: variant 4 (no
+// split-K) where it would otherwise be picked, variant 5 beyond its 8 splits. Autotuning then times only those.
+TEST(GemmPlan, AskedSmallMSplitsKeepThePickToVariantsThatSplit) {
+    ops::GemmProblem p{1, 4096, 4096, BLayout::kNK, DType::kBF16, DType::kBF16};
+    p.b_rows_contiguous = true;
+    ASSERT_EQ(ops::plan_gemm(p, 132).small_m_variant, GemvVariant::kBulkRows) << "variant 4 serves this call unasked";
+    for (int splits : {2, 4}) {
+        ops::GemmOptions o;
+        o.small_m_splits = splits;
+        const ops::GemmPlan plan = ops::plan_gemm(p, 132, o);
+        EXPECT_EQ(plan.path, ops::GemmPath::kSmallM);
+        EXPECT_EQ(plan.small_m_variant, GemvVariant::kTmaRing) << splits;
+        EXPECT_EQ(plan.small_m_splits, splits);
+        for (const auto& cand : ops::gemm_tune_candidates(p, 132, o)) {
+            EXPECT_FALSE(cand.plan.path == ops::GemmPath::kSmallM &&
+                         cand.plan.small_m_variant == GemvVariant::kBulkRows)
+                << cand.name;
+        }
+    }
+    // M = 24 on 132 SMs: variant 5 is the op's pick; 16 splits are more than one cluster holds.
+    ops::GemmProblem q{24, 4096, 4096, BLayout::kNK, DType::kBF16, DType::kBF16};
+    q.b_rows_contiguous = true;
+    ops::GemmOptions many;
+    many.small_m_splits = 16;
+    many.small_m_max_m = 64;
+    const ops::GemmPlan plan = ops::plan_gemm(q, 132, many);
+    EXPECT_FALSE(plan.path == ops::GemmPath::kSmallM && plan.small_m_variant == GemvVariant::kTmaWgmma);
+    for (const auto& cand : ops::gemm_tune_candidates(q, 132, many)) {
+        EXPECT_FALSE(cand.plan.path == ops::GemmPath::kSmallM && cand.plan.small_m_variant == GemvVariant::kTmaWgmma)
+            << cand.name;
+    }
+}
+
+// An empty problem (M = 0 or N = 0: gemm() returns before launching) plans nothing, whatever path its shape suggests.
+TEST(GemmPlan, EmptyProblemsPlanNothing) {
+    for (const auto& [m, n] : {std::pair<int64_t, int64_t>{1, 0}, {0, 4096}, {0, 0}, {24, 0}}) {
+        ops::GemmProblem p{m, n, 4096, BLayout::kNK, DType::kBF16, DType::kBF16};
+        p.b_rows_contiguous = true;
+        const ops::GemmPlan plan = ops::plan_gemm(p, 132);
+        EXPECT_EQ(plan.grid, 0) << m << " x " << n;
+        EXPECT_EQ(plan.workspace_bytes, 0u);
     }
 }
 

@@ -171,11 +171,11 @@ WEFT_HOST_DEVICE constexpr bool is_valid(const GemmConfig& c) {
 }
 
 /// The configs a grouped GEMM (kernels/gemm GroupedScheduler) runs: valid, cluster-free (the groups' tiles are not
-/// paired), tile_n whole 64-column blocks (every B box within its group's 3D slice), and at most 128 accumulator floats
-/// per consumer thread (the scheduler's cursor lives in the consumers' registers beside them).
+/// paired), tile_n whole 64-column blocks (every B box within its group's 3D slice), at most 128 accumulator floats
+/// per consumer thread (the scheduler's cursor lives in the consumers' registers beside them), and no split-K.
 WEFT_HOST_DEVICE constexpr bool is_valid_grouped(const GemmConfig& c) {
     return is_valid(c) && c.cluster_m == 1 && c.cluster_n == 1 && c.tile_n % 64 == 0 && gemm_acc_regs(c) <= 128 &&
-           !c.swap_ab;
+           !c.swap_ab && c.splits == 1;
 }
 
 /// A tile of D as the scheduler hands it out.

@@ -182,7 +182,8 @@ public:
     ///   a: [M, K] row-major, config.in_dtype; b: [N, K] (B [K, N] when config.b_layout is kKN), a's dtype;
     ///   d: [M, N] row-major, config.out_dtype (any device memory, a peer's symmetric buffer included);
     ///   M, N >= 1; K a positive multiple of 8; bases 16-byte aligned, row strides multiples of 16 bytes (TMA).
-    /// Grid: min(max_ctas, tiles) CTAs, max_ctas 0 = World::sm_budget(). Throws weft::Error naming the argument.
+    /// Grid: min(max_ctas, tiles) CTAs, max_ctas in [0, World::sm_budget()] (0 = the budget). d's bytes must be
+    /// apart from a's and b's. Throws weft::Error naming the argument.
     FusedGemmCall prepare(const TensorView& a, const TensorView& b, const TensorView& d, int max_ctas = 0) const;
 
     /// Enqueues `call` on `stream` with the scheduler's and the hook's parameters (their byte sizes are checked

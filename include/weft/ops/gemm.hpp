@@ -40,7 +40,8 @@ struct GemmOptions {
     /// Force the small-M path's split count (0 = heuristic). kTmaWgmma (variant 5) adds its splits inside one
     /// cluster per column block: at most kGemvWgmmaMaxSplits = 8 (more is an error), no workspace; a forced count
     /// whose clusters outnumber those the GPU runs at once (ops::gemv_wgmma_max_clusters: an H200 runs 30 clusters
-    /// of 4) runs in two rounds, which the heuristic avoids.
+    /// of 4) runs in two rounds, which the heuristic avoids. A count > 1 keeps the op's own pick to the variants that
+    /// split K (kTmaRing, and kTmaWgmma up to its 8): kBulkRows has no split-K.
     int small_m_splits = 0;
     /// Split-K of the tiled kernel (GemmConfig::splits): 0 = the op's rule (gemm_split_k_config), 1 = never, 2..16 =
     /// that many splits of the heuristic's tile (without its cluster pair). Ignored when `config` is set (its own
@@ -54,9 +55,9 @@ struct GemmOptions {
     /// kBulkRows is the default where it serves because its copies stream faster than kTmaRing's TMA boxes
     /// (figures: kernels/gemm/README.md, the small-M sections). kTmaWgmma (variant 5, picked by the op for some M in
     /// 17..small_m_wgmma_max_m; the autotuner's "small_m_v5") = split-K in a cluster (the splits add through
-    /// distributed shared memory), A and B swapped on wgmma (64 columns of D per CTA, A's rows padded to 16): forced, it serves any M <=
-    /// kGemvWgmmaMaxM = 256 with B [N,K] (small_m_max_m does not apply) and a call it cannot serve (M > 256, B [K,N])
-    /// is an error.
+    /// distributed shared memory), A and B swapped on wgmma (64 columns of D per CTA, A's rows padded to 16): forced,
+    /// it serves any M <= kGemvWgmmaMaxM = 256 with B [N,K] (small_m_max_m does not apply) and a call it cannot serve
+    /// (M > 256, B [K,N]) is an error. A forced variant is not autotuned (the caller chose).
     std::optional<GemvVariant> small_m_variant;
     void* workspace = nullptr;         ///< split-K scratch of GemmPlan::workspace_bytes, 256-byte aligned: split-K
                                        ///< counters first (zero-filled before the first use; each call leaves
@@ -66,7 +67,8 @@ struct GemmOptions {
                                        ///< call that needs more (a device-wide wait: on a GPU shared by ranks,
                                        ///< pass a workspace, docs/runtime.md). One call at a time per workspace.
     size_t workspace_bytes = 0;
-    std::chrono::milliseconds timeout{0};  ///< bound on every pipeline wait; 0 = WEFT_TIMEOUT_MS or 10 s
+    std::chrono::milliseconds timeout{0};  ///< bound on the tiled kernel's pipeline waits; 0 = WEFT_TIMEOUT_MS or
+                                           ///< 10 s (the small-M kernels' stage waits have a fixed 2 s bound)
     /// Time the candidate kernels (gemm_tune_candidates) on this problem with weft::jit's autotuner and keep
     /// the fastest (decision cached in memory and in <cache dir>/autotune.txt, keyed by gemm_tune_problem).
     /// Also on when WEFT_AUTOTUNE is set to a true value; WEFT_AUTOTUNE=0 turns it off (the heuristic

@@ -216,7 +216,8 @@ std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& problem, int 
 /// 5 is a candidate (gemm_allows_small_m_v5: decisions recorded before it existed never timed it).
 std::string gemm_tune_problem(const GemmProblem& problem, int num_sms, const GemmOptions& options);
 
-/// Whether a call asks the autotuner (pure rule): never with options.config; WEFT_AUTOTUNE_FORCE naming gemm
+/// Whether a call asks the autotuner (pure rule): never with options.config or options.small_m_variant (the caller
+/// chose); WEFT_AUTOTUNE_FORCE naming gemm
 /// (`env_force_names_gemm`) always; otherwise when options.autotune or WEFT_AUTOTUNE (`env_autotune`, nullopt
 /// when unset) is true, unless WEFT_AUTOTUNE is false.
 bool gemm_wants_autotuner(const GemmOptions& options, std::optional<bool> env_autotune, bool env_force_names_gemm);
