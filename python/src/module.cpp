@@ -364,74 +364,98 @@ NB_MODULE(_weft, m) {
         });
 
     // ---- collectives (stream: a cudaStream_t as an integer) ----
-    m.def("all_reduce", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
-                   const PyTeam* team) {
-              ops::AllReduceOptions o;
-              o.algo = static_cast<ops::AllReduceAlgo>(algo);
-              if (team != nullptr) {
-                  ops::all_reduce(team->team, input, output, as_stream(stream), o);
-              } else {
-                  ops::all_reduce(w.h->get(), input, output, as_stream(stream), o);
-              }
-          }, "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
-    m.def("all_gather", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
-                   const PyTeam* team) {
-              ops::AllGatherOptions o;
-              o.algo = static_cast<ops::AllGatherAlgo>(algo);
-              if (team != nullptr) {
-                  ops::all_gather(team->team, input, output, as_stream(stream), o);
-              } else {
-                  ops::all_gather(w.h->get(), input, output, as_stream(stream), o);
-              }
-          }, "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
-    m.def("reduce_scatter", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
-                   const PyTeam* team) {
-              ops::ReduceScatterOptions o;
-              o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
-              if (team != nullptr) {
-                  ops::reduce_scatter(team->team, input, output, as_stream(stream), o);
-              } else {
-                  ops::reduce_scatter(w.h->get(), input, output, as_stream(stream), o);
-              }
-          }, "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
+    m.def(
+        "all_reduce",
+        [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
+           const PyTeam* team) {
+            DeviceScope scope(w.h->get().device());  // the World's, whatever the thread's
+            ops::AllReduceOptions o;
+            o.algo = static_cast<ops::AllReduceAlgo>(algo);
+            if (team != nullptr) {
+                ops::all_reduce(team->team, input, output, as_stream(stream), o);
+            } else {
+                ops::all_reduce(w.h->get(), input, output, as_stream(stream), o);
+            }
+        },
+        "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
+    m.def(
+        "all_gather",
+        [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
+           const PyTeam* team) {
+            DeviceScope scope(w.h->get().device());  // the World's, whatever the thread's
+            ops::AllGatherOptions o;
+            o.algo = static_cast<ops::AllGatherAlgo>(algo);
+            if (team != nullptr) {
+                ops::all_gather(team->team, input, output, as_stream(stream), o);
+            } else {
+                ops::all_gather(w.h->get(), input, output, as_stream(stream), o);
+            }
+        },
+        "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
+    m.def(
+        "reduce_scatter",
+        [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
+           const PyTeam* team) {
+            DeviceScope scope(w.h->get().device());  // the World's, whatever the thread's
+            ops::ReduceScatterOptions o;
+            o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
+            if (team != nullptr) {
+                ops::reduce_scatter(team->team, input, output, as_stream(stream), o);
+            } else {
+                ops::reduce_scatter(w.h->get(), input, output, as_stream(stream), o);
+            }
+        },
+        "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
     // The same collectives on contiguous buffers given as a data pointer and an element count (the Python wrappers'
     // form: no TensorView object is made per call).
-    m.def("all_reduce_flat", [](PyWorld& w, uintptr_t input, uintptr_t output, int64_t numel, int dtype,
-                                uintptr_t stream, int algo, const PyTeam* team) {
-              ops::AllReduceOptions o;
-              o.algo = static_cast<ops::AllReduceAlgo>(algo);
-              const TensorView in = flat_view(input, dtype, numel), out = flat_view(output, dtype, numel);
-              if (team != nullptr) {
-                  ops::all_reduce(team->team, in, out, as_stream(stream), o);
-              } else {
-                  ops::all_reduce(w.h->get(), in, out, as_stream(stream), o);
-              }
-          }, "world"_a, "input"_a, "output"_a, "numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(),
-          Release());
-    m.def("all_gather_flat", [](PyWorld& w, uintptr_t input, int64_t input_numel, uintptr_t output,
-                                int64_t output_numel, int dtype, uintptr_t stream, int algo, const PyTeam* team) {
-              ops::AllGatherOptions o;
-              o.algo = static_cast<ops::AllGatherAlgo>(algo);
-              const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
-              if (team != nullptr) {
-                  ops::all_gather(team->team, in, out, as_stream(stream), o);
-              } else {
-                  ops::all_gather(w.h->get(), in, out, as_stream(stream), o);
-              }
-          }, "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
-          "team"_a = nb::none(), Release());
-    m.def("reduce_scatter_flat", [](PyWorld& w, uintptr_t input, int64_t input_numel, uintptr_t output,
-                                    int64_t output_numel, int dtype, uintptr_t stream, int algo, const PyTeam* team) {
-              ops::ReduceScatterOptions o;
-              o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
-              const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
-              if (team != nullptr) {
-                  ops::reduce_scatter(team->team, in, out, as_stream(stream), o);
-              } else {
-                  ops::reduce_scatter(w.h->get(), in, out, as_stream(stream), o);
-              }
-          }, "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
-          "team"_a = nb::none(), Release());
+    m.def(
+        "all_reduce_flat",
+        [](PyWorld& w, uintptr_t input, uintptr_t output, int64_t numel, int dtype, uintptr_t stream, int algo,
+           const PyTeam* team) {
+            DeviceScope scope(w.h->get().device());
+            ops::AllReduceOptions o;
+            o.algo = static_cast<ops::AllReduceAlgo>(algo);
+            const TensorView in = flat_view(input, dtype, numel), out = flat_view(output, dtype, numel);
+            if (team != nullptr) {
+                ops::all_reduce(team->team, in, out, as_stream(stream), o);
+            } else {
+                ops::all_reduce(w.h->get(), in, out, as_stream(stream), o);
+            }
+        },
+        "world"_a, "input"_a, "output"_a, "numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(),
+        Release());
+    m.def(
+        "all_gather_flat",
+        [](PyWorld& w, uintptr_t input, int64_t input_numel, uintptr_t output, int64_t output_numel, int dtype,
+           uintptr_t stream, int algo, const PyTeam* team) {
+            DeviceScope scope(w.h->get().device());
+            ops::AllGatherOptions o;
+            o.algo = static_cast<ops::AllGatherAlgo>(algo);
+            const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
+            if (team != nullptr) {
+                ops::all_gather(team->team, in, out, as_stream(stream), o);
+            } else {
+                ops::all_gather(w.h->get(), in, out, as_stream(stream), o);
+            }
+        },
+        "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
+        "team"_a = nb::none(), Release());
+    m.def(
+        "reduce_scatter_flat",
+        [](PyWorld& w, uintptr_t input, int64_t input_numel, uintptr_t output, int64_t output_numel, int dtype,
+           uintptr_t stream, int algo, const PyTeam* team) {
+            DeviceScope scope(w.h->get().device());
+            ops::ReduceScatterOptions o;
+            o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
+            const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
+            if (team != nullptr) {
+                ops::reduce_scatter(team->team, in, out, as_stream(stream), o);
+            } else {
+                ops::reduce_scatter(w.h->get(), in, out, as_stream(stream), o);
+            }
+        },
+        "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
+        "team"_a = nb::none(), Release());
     // Benchmark support: `iters` back-to-back all_reduce calls made from C++ (no Python between them); returns the
     // host seconds they took, the floor the Python layers are measured against (bench/python/bench_overhead.py).
     m.def("time_all_reduce_calls", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream,
@@ -513,28 +537,34 @@ NB_MODULE(_weft, m) {
 
     // ---- fused TP ops ----
     nb::class_<PyAgGemm>(m, "AgGemm")
-        .def("__init__",
-             [](PyAgGemm* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype, int64_t chunk_rows,
-                int copy_streams, int sm_budget, bool autotune, const PyTeam* team) {
-                 ops::AgGemmShape shape{max_m, n, k, as_dtype(dtype)};
-                 ops::AgGemmOptions o;
-                 o.chunk_rows = chunk_rows;
-                 o.copy_streams = copy_streams;
-                 o.sm_budget = sm_budget;
-                 o.autotune = autotune;
-                 World& world = w.h->get();
-                 std::unique_ptr<ops::AgGemm> op;
-                 {
-                     nb::gil_scoped_release release;
-                     op = team ? std::make_unique<ops::AgGemm>(team->team, shape, o)
-                               : std::make_unique<ops::AgGemm>(world, shape, o);
-                 }
-                 new (self) PyAgGemm(w.h, std::move(op), "AgGemm");
-             },
-             "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "chunk_rows"_a = 0, "copy_streams"_a = 0,
-             "sm_budget"_a = 0, "autotune"_a = false, "team"_a = nb::none())
-        .def("run", [](PyAgGemm& op, const TensorView& a, const TensorView& b, const TensorView& c,
-                       uintptr_t stream) { op.get().run(a, b, c, as_stream(stream)); }, Release())
+        .def(
+            "__init__",
+            [](PyAgGemm* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype, int64_t chunk_rows,
+               int copy_streams, int sm_budget, bool autotune, const PyTeam* team) {
+                ops::AgGemmShape shape{max_m, n, k, as_dtype(dtype)};
+                ops::AgGemmOptions o;
+                o.chunk_rows = chunk_rows;
+                o.copy_streams = copy_streams;
+                o.sm_budget = sm_budget;
+                o.autotune = autotune;
+                World& world = w.h->get();
+                std::unique_ptr<ops::AgGemm> op;
+                {
+                    nb::gil_scoped_release release;
+                    op = team ? std::make_unique<ops::AgGemm>(team->team, shape, o)
+                              : std::make_unique<ops::AgGemm>(world, shape, o);
+                }
+                new (self) PyAgGemm(w.h, std::move(op), "AgGemm");
+            },
+            "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "chunk_rows"_a = 0, "copy_streams"_a = 0, "sm_budget"_a = 0,
+            "autotune"_a = false, "team"_a = nb::none())
+        .def(
+            "run",
+            [](PyAgGemm& op, const TensorView& a, const TensorView& b, const TensorView& c, uintptr_t stream) {
+                DeviceScope scope(op.h->get().device());
+                op.get().run(a, b, c, as_stream(stream));
+            },
+            Release())
         .def("gathered", [](const PyAgGemm& op, int64_t m) { return op.get().gathered(m); })
         .def("local_shard", [](const PyAgGemm& op, int64_t m) { return op.get().local_shard(m); })
         .def_prop_ro("max_m", [](const PyAgGemm& op) { return op.get().shape().max_m; })
@@ -545,31 +575,37 @@ NB_MODULE(_weft, m) {
         .def("close", &PyAgGemm::close);
 
     nb::class_<PyGemmRs>(m, "GemmRs")
-        .def("__init__",
-             [](PyGemmRs* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype, const std::string& mode,
-                std::optional<int> partial_dtype, int64_t chunk_rows, int reduce_ctas, int sm_budget, bool autotune,
-                const PyTeam* team) {
-                 ops::GemmRsShape shape{max_m, n, k, as_dtype(dtype)};
-                 ops::GemmRsOptions o;
-                 o.mode = parse_gemm_rs_mode(mode);
-                 o.partial_dtype = optional_dtype(partial_dtype);
-                 o.chunk_rows = chunk_rows;
-                 o.reduce_ctas = reduce_ctas;
-                 o.sm_budget = sm_budget;
-                 o.autotune = autotune;
-                 World& world = w.h->get();
-                 std::unique_ptr<ops::GemmRs> op;
-                 {
-                     nb::gil_scoped_release release;
-                     op = team ? std::make_unique<ops::GemmRs>(team->team, shape, o)
-                               : std::make_unique<ops::GemmRs>(world, shape, o);
-                 }
-                 new (self) PyGemmRs(w.h, std::move(op), "GemmRs");
-             },
-             "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "mode"_a = "auto", "partial_dtype"_a = nb::none(),
-             "chunk_rows"_a = 0, "reduce_ctas"_a = 0, "sm_budget"_a = 0, "autotune"_a = false, "team"_a = nb::none())
-        .def("run", [](PyGemmRs& op, const TensorView& a, const TensorView& b, const TensorView& c,
-                       uintptr_t stream) { op.get().run(a, b, c, as_stream(stream)); }, Release())
+        .def(
+            "__init__",
+            [](PyGemmRs* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype, const std::string& mode,
+               std::optional<int> partial_dtype, int64_t chunk_rows, int reduce_ctas, int sm_budget, bool autotune,
+               const PyTeam* team) {
+                ops::GemmRsShape shape{max_m, n, k, as_dtype(dtype)};
+                ops::GemmRsOptions o;
+                o.mode = parse_gemm_rs_mode(mode);
+                o.partial_dtype = optional_dtype(partial_dtype);
+                o.chunk_rows = chunk_rows;
+                o.reduce_ctas = reduce_ctas;
+                o.sm_budget = sm_budget;
+                o.autotune = autotune;
+                World& world = w.h->get();
+                std::unique_ptr<ops::GemmRs> op;
+                {
+                    nb::gil_scoped_release release;
+                    op = team ? std::make_unique<ops::GemmRs>(team->team, shape, o)
+                              : std::make_unique<ops::GemmRs>(world, shape, o);
+                }
+                new (self) PyGemmRs(w.h, std::move(op), "GemmRs");
+            },
+            "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "mode"_a = "auto", "partial_dtype"_a = nb::none(),
+            "chunk_rows"_a = 0, "reduce_ctas"_a = 0, "sm_budget"_a = 0, "autotune"_a = false, "team"_a = nb::none())
+        .def(
+            "run",
+            [](PyGemmRs& op, const TensorView& a, const TensorView& b, const TensorView& c, uintptr_t stream) {
+                DeviceScope scope(op.h->get().device());
+                op.get().run(a, b, c, as_stream(stream));
+            },
+            Release())
         .def_prop_ro("max_m", [](const PyGemmRs& op) { return op.get().shape().max_m; })
         .def_prop_ro("n", [](const PyGemmRs& op) { return op.get().shape().n; })
         .def_prop_ro("k", [](const PyGemmRs& op) { return op.get().shape().k; })
@@ -578,29 +614,35 @@ NB_MODULE(_weft, m) {
         .def("close", &PyGemmRs::close);
 
     nb::class_<PyGemmAr>(m, "GemmAr")
-        .def("__init__",
-             [](PyGemmAr* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype,
-                std::optional<int> partial_dtype, int reduce_ctas, int sm_budget, bool collective_all_reduce,
-                const PyTeam* team) {
-                 ops::GemmArShape shape{max_m, n, k, as_dtype(dtype)};
-                 ops::GemmArOptions o;
-                 o.partial_dtype = optional_dtype(partial_dtype);
-                 o.reduce_ctas = reduce_ctas;
-                 o.sm_budget = sm_budget;
-                 o.collective_all_reduce = collective_all_reduce;
-                 World& world = w.h->get();
-                 std::unique_ptr<ops::GemmAr> op;
-                 {
-                     nb::gil_scoped_release release;
-                     op = team ? std::make_unique<ops::GemmAr>(team->team, shape, o)
-                               : std::make_unique<ops::GemmAr>(world, shape, o);
-                 }
-                 new (self) PyGemmAr(w.h, std::move(op), "GemmAr");
-             },
-             "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "partial_dtype"_a = nb::none(), "reduce_ctas"_a = 0,
-             "sm_budget"_a = 0, "collective_all_reduce"_a = true, "team"_a = nb::none())
-        .def("run", [](PyGemmAr& op, const TensorView& a, const TensorView& b, const TensorView& c,
-                       uintptr_t stream) { op.get().run(a, b, c, as_stream(stream)); }, Release())
+        .def(
+            "__init__",
+            [](PyGemmAr* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype,
+               std::optional<int> partial_dtype, int reduce_ctas, int sm_budget, bool collective_all_reduce,
+               const PyTeam* team) {
+                ops::GemmArShape shape{max_m, n, k, as_dtype(dtype)};
+                ops::GemmArOptions o;
+                o.partial_dtype = optional_dtype(partial_dtype);
+                o.reduce_ctas = reduce_ctas;
+                o.sm_budget = sm_budget;
+                o.collective_all_reduce = collective_all_reduce;
+                World& world = w.h->get();
+                std::unique_ptr<ops::GemmAr> op;
+                {
+                    nb::gil_scoped_release release;
+                    op = team ? std::make_unique<ops::GemmAr>(team->team, shape, o)
+                              : std::make_unique<ops::GemmAr>(world, shape, o);
+                }
+                new (self) PyGemmAr(w.h, std::move(op), "GemmAr");
+            },
+            "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "partial_dtype"_a = nb::none(), "reduce_ctas"_a = 0,
+            "sm_budget"_a = 0, "collective_all_reduce"_a = true, "team"_a = nb::none())
+        .def(
+            "run",
+            [](PyGemmAr& op, const TensorView& a, const TensorView& b, const TensorView& c, uintptr_t stream) {
+                DeviceScope scope(op.h->get().device());
+                op.get().run(a, b, c, as_stream(stream));
+            },
+            Release())
         .def_prop_ro("max_m", [](const PyGemmAr& op) { return op.get().shape().max_m; })
         .def_prop_ro("n", [](const PyGemmAr& op) { return op.get().shape().n; })
         .def_prop_ro("k", [](const PyGemmAr& op) { return op.get().shape().k; })

@@ -4,7 +4,7 @@
 Per call, the collectives read the World's constants (device, dtype tables, algorithm codes, torch's current-stream
 lookup) from its CallContext and pass contiguous tensors to the extension as pointers and element counts."""
 from . import _runtime, _weft
-from ._tensor import CallContext, dtype_code, flat_arg, heap_tensor, matrix_view, out_arg, torch_module
+from ._tensor import CallContext, check_tensor, dtype_code, flat_arg, heap_tensor, matrix_view, out_arg, torch_module
 from ._weft import Error
 
 
@@ -289,12 +289,21 @@ def _shape_check(a, name, dims=2):
         raise ValueError(f"{name}: expected a {dims}-D tensor, got shape {tuple(a.shape)}")
 
 
+def _fused_args_check(op, a, a_name, b):
+    """What a cached fused op's call checks before the op is looked up or made (collectively, on the heap): both
+    operands 2-D tensors on this rank's GPU, of a dtype the fused GEMMs take (bf16, f16)."""
+    _shape_check(a, a_name)
+    _shape_check(b, "b")
+    ctx, _ = _context(None, op)
+    check_tensor(a, a_name, ctx, ctx.gemm_in)
+    check_tensor(b, "b", ctx, ctx.gemm_in)
+
+
 def ag_gemm(a_local, b, out=None, *, team=None):
     """AllGather(a_local) @ b.T through a cached AgGemm (made on the first call with these n, k, dtype and team;
     made anew when M grows). Collective over the team (default: the World); on torch's current stream."""
     _runtime._team_for(team, "ag_gemm")
-    _shape_check(a_local, "a_local")
-    _shape_check(b, "b")
+    _fused_args_check("ag_gemm", a_local, "a_local", b)
     size = team.num_ranks if team is not None else _runtime.num_ranks()
     return _cached(AgGemm, a_local.shape[0] * size, b.shape[0], b.shape[1], a_local.dtype, team).run(a_local, b, out)
 
@@ -302,14 +311,12 @@ def ag_gemm(a_local, b, out=None, *, team=None):
 def gemm_rs(a, b, out=None, *, team=None):
     """ReduceScatter(a @ b.T) through a cached GemmRs. Collective over the team; on torch's current stream."""
     _runtime._team_for(team, "gemm_rs")
-    _shape_check(a, "a")
-    _shape_check(b, "b")
+    _fused_args_check("gemm_rs", a, "a", b)
     return _cached(GemmRs, a.shape[0], b.shape[0], b.shape[1], a.dtype, team).run(a, b, out)
 
 
 def gemm_ar(a, b, out=None, *, team=None):
     """AllReduce(a @ b.T) through a cached GemmAr. Collective over the team; on torch's current stream."""
     _runtime._team_for(team, "gemm_ar")
-    _shape_check(a, "a")
-    _shape_check(b, "b")
+    _fused_args_check("gemm_ar", a, "a", b)
     return _cached(GemmAr, a.shape[0], b.shape[0], b.shape[1], a.dtype, team).run(a, b, out)

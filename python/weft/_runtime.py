@@ -20,12 +20,17 @@ class _State:
         self.objects = []  # ops and buffers, creation order
         self.heap_blocks = {}  # pointer -> bytes, for weft.empty tensors not freed yet
         self.op_cache = {}  # functional ops' cached fused-op objects
-        self.teams = []  # weft.Team objects by handle (the integer weft.torch's custom ops take)
+        self.teams = []  # weft.Team objects by index (a handle's low bits: _TEAM_INDEX_BITS)
         self.call_context = None  # _tensor.CallContext, made by the first op call
+        global _worlds_made
+        _worlds_made += 1
+        self.generation = _worlds_made  # a handle's high bits: a handle of a finalized World is refused
 
 
 _state = None
 _lock = threading.Lock()
+_worlds_made = 0  # Worlds this process made (_State.generation)
+_TEAM_INDEX_BITS = 20  # Team.handle = generation << _TEAM_INDEX_BITS | index in the World's teams
 _init_count = {}  # key prefix base -> Worlds made on it by this process (the same count on every rank)
 
 
@@ -152,37 +157,54 @@ def _unregister(obj):
 class Team:
     """An ordered subset of the World's ranks: Team([0, 2]) or Team(process_group).
 
-    Collective over every rank of the World (each passes the same ranks, in the same order of calls): the members
-    agree on it through the World's store (Team::split_color). A rank outside the list gets a team with
+    Collective over every rank of the World, in the same order of calls. Every member passes the same list; ranks may
+    pass different lists (each its own group, e.g. its tensor-parallel group), which then make one team each; a list
+    that not all of its members passed is a weft.Error on the members that passed it. The members agree through the
+    World's store (Team::split_color). A rank outside its list (or outside the process group) gets a team with
     is_member False. Ranks are weft World ranks; with a torch process group they are translated from torch's global
     ranks (torch.distributed.get_process_group_ranks).
     """
 
     def __init__(self, ranks):
         state = _get_state()
+        n = state.world.num_ranks
         if not isinstance(ranks, (list, tuple, range)):
             dist = _torch_distributed()
             if dist is None:
                 raise TypeError("ranks: expected a list of ranks or a torch.distributed process group, got "
                                 f"{type(ranks).__name__}")
-            global_ranks = dist.get_process_group_ranks(ranks)
-            try:
-                ranks = [state.group_ranks.index(r) if state.group_ranks is not None else r for r in global_ranks]
-            except ValueError:
-                raise ValueError("ranks: the process group has ranks outside weft's World") from None
-        ranks = list(ranks)
-        n = state.world.num_ranks
-        if not ranks:
-            raise ValueError("ranks: expected at least one rank")
+            # A rank outside a torch group holds None or GroupMember.NON_GROUP_MEMBER, whose ranks torch does not know
+            # (it may even answer another group's): such a rank takes part as a non-member.
+            member = (ranks is not None and ranks is not getattr(dist.GroupMember, "NON_GROUP_MEMBER", object())
+                      and dist.get_rank(ranks) >= 0)
+            if member:
+                global_ranks = dist.get_process_group_ranks(ranks)
+                try:
+                    ranks = [state.group_ranks.index(r) if state.group_ranks is not None else r for r in global_ranks]
+                except ValueError:
+                    raise ValueError("ranks: the process group has ranks outside weft's World") from None
+            else:
+                ranks = []
+        else:
+            ranks = list(ranks)
+            if not ranks:
+                raise ValueError("ranks: expected at least one rank")
         for r in ranks:
-            if not isinstance(r, int) or not 0 <= r < n:
+            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < n:
                 raise ValueError(f"ranks: expected World ranks in [0, {n}), got {r!r}")
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"ranks: expected distinct ranks, got {ranks}")
         me = state.world.rank
-        color = 0 if me in ranks else -1
-        key = ranks.index(me) if me in ranks else 0
+        if me in ranks:
+            # One colour per list: ranks that pass different lists (each its own group) make different teams.
+            digest = hashlib.sha1(",".join(map(str, ranks)).encode()).digest()
+            color, key = int.from_bytes(digest[:4], "little") & 0x3FFFFFFF, ranks.index(me)
+        else:
+            color, key = -1, 0
         self._team = state.world.team().split_color(color, key)
+        if self._team.is_member and list(self._team.members) != ranks:
+            raise Error(f"Team: this rank passed ranks {ranks}, but the ranks that passed the same list are "
+                        f"{list(self._team.members)}: every member of a team must pass its list, in the same order")
         self.ranks = ranks
         # Fixed for the team's life, read by every op call: membership, and the C++ team the ops take (None for a
         # team of every rank in order, which runs as the World's own ops).
@@ -190,7 +212,8 @@ class Team:
         self._cpp = None if ranks == list(range(n)) else self._team
         self._id = self._team.id
         self._state = state  # the World it belongs to: after weft.finalize the team is refused, not used
-        self.handle = len(state.teams)  # this process's index of the team, for weft.torch's custom ops
+        # The integer weft.torch's custom ops take: the World's generation and this process's index of the team.
+        self.handle = (state.generation << _TEAM_INDEX_BITS) | len(state.teams)
         state.teams.append(self)
 
     @property
@@ -228,10 +251,14 @@ def team_by_handle(handle):
     """The weft.Team with this handle (Team.handle), or None for -1 (the World)."""
     if handle < 0:
         return None
-    teams = _get_state().teams
-    if handle >= len(teams):
+    state = _get_state()
+    generation, index = handle >> _TEAM_INDEX_BITS, handle & ((1 << _TEAM_INDEX_BITS) - 1)
+    if generation != state.generation:
+        raise Error(f"team: handle {handle} names a team of a World that weft.finalize closed; make the team again "
+                    "after weft.init (and trace or capture again what used it)")
+    if index >= len(state.teams):
         raise Error(f"team: no weft.Team has handle {handle} in this World")
-    return teams[handle]
+    return state.teams[index]
 
 
 def team_size(handle):

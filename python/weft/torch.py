@@ -69,6 +69,7 @@ def _ranks_of(team):
     if team is None:
         return -1, _runtime._get_state().num_ranks
     if isinstance(team, _runtime.Team):
+        _runtime._check_open(team, "weft.torch")
         return team.handle, team.num_ranks
     if isinstance(team, int) and not isinstance(team, bool):
         return team, _runtime.team_size(team)

@@ -122,6 +122,26 @@ const NcclApi& nccl() {
         WEFT_CHECK(weft_nccl_r_ == ncclSuccess, what << " failed: " << nccl().error_string(weft_nccl_r_)); \
     } while (0)
 
+// Ends an NCCL group that a throwing call left open (the thread's group depth would otherwise defer every later NCCL
+// call of this thread, another library's too); end() ends it on the normal path, checking the result.
+class GroupGuard {
+public:
+    explicit GroupGuard(const NcclApi& api) : api_(api) {}
+    ~GroupGuard() {
+        if (open_) (void)api_.group_end();
+    }
+    GroupGuard(const GroupGuard&) = delete;
+    GroupGuard& operator=(const GroupGuard&) = delete;
+    void end(const std::string& what) {
+        open_ = false;
+        WEFT_NCCL_CHECK(api_.group_end(), what);
+    }
+
+private:
+    const NcclApi& api_;
+    bool open_ = true;
+};
+
 ncclDataType_t nccl_type(DType t) {
     switch (t) {
         case DType::kBF16:
@@ -248,15 +268,32 @@ void HostBackend::Impl::abort_comm(const std::string& reason) {
 
 void HostBackend::Impl::watch() {
     cudaSetDevice(device);
+    // Its event queries must not touch a capture another thread runs in global mode (CUDA's and PyTorch's default):
+    // relaxed mode for this thread.
+    cudaStreamCaptureMode capture_mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&capture_mode);
     std::unique_lock<std::mutex> lock(mutex);
     while (!stop) {
         wake.wait_for(lock, std::chrono::milliseconds(20));
+        if (pending.empty() && !aborted.load() && world->aborted()) {
+            // Nothing eager is pending, but a graph's replay may be: NCCL's kernels would wait for a gone peer forever.
+            lock.unlock();
+            abort_comm("the World was aborted; the NCCL communicator of " + who + " was aborted with it");
+            lock.lock();
+            continue;
+        }
         while (!pending.empty()) {
             Pending& p = pending.front();
             const cudaError_t st = p.done != nullptr ? cudaEventQuery(p.done) : cudaErrorNotReady;
             if (st == cudaSuccess) {
                 cudaEventDestroy(p.done);
                 pending.pop_front();
+                // The comm stream runs its steps in order: the next one's bound counts from now, not from when it was
+                // enqueued (a call enqueues all its chunks' steps at once).
+                if (!pending.empty()) {
+                    pending.front().deadline =
+                        std::max(pending.front().deadline, std::chrono::steady_clock::now() + timeout);
+                }
                 // NCCL may end a step's kernels on a peer's failure without failing the stream.
                 lock.unlock();
                 const bool failed = abort_on_async_error();
@@ -335,7 +372,14 @@ HostBackend::HostBackend(const Team& team, Team node_team)
     impl_->world = &world;
     impl_->device = world.device();
     impl_->timeout = world.timeout();
-    impl_->who = "the team of " + team.describe() + " (column of local index " + std::to_string(local_index_) + ")";
+    {
+        std::string column_ranks;
+        for (size_t n = 0; n < column_.size(); ++n) {
+            column_ranks += (n > 0 ? ", " : "") + std::to_string(team.world_rank(column_[n]));
+        }
+        impl_->who = "the team of " + team.describe() + " (column of local index " + std::to_string(local_index_) +
+                     ": world ranks " + column_ranks + ", one per node)";
+    }
 #if WEFT_NET_HAVE_NCCL_HEADER
     // Where every member is (host, process, GPU), and the column heads' unique ids: one bounded exchange.
     char pci[64] = {};
@@ -385,14 +429,23 @@ HostBackend::HostBackend(const Team& team, Team node_team)
                                                         << impl_->who);
     ncclUniqueId id{};
     std::memcpy(&id, head.data(), sizeof(id));
-    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
-    WEFT_NCCL_CHECK(nccl().comm_init_rank(&impl_->comm, num_nodes(), id, node_index_),
-                    "ncclCommInitRank (" << num_nodes() << " ranks, rank " << node_index_ << ") for " << impl_->who);
-    WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&flags_), 2 * kMaxChunks * sizeof(uint64_t)));
-    WEFT_CUDA_CHECK(cudaMemset(flags_, 0, 2 * kMaxChunks * sizeof(uint64_t)));
-    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
-    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
-    impl_->watcher = std::thread([impl = impl_.get()] { impl->watch(); });
+    try {
+        WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+        WEFT_NCCL_CHECK(
+            nccl().comm_init_rank(&impl_->comm, num_nodes(), id, node_index_),
+            "ncclCommInitRank (" << num_nodes() << " ranks, rank " << node_index_ << ") for " << impl_->who);
+        WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&flags_), 2 * kMaxChunks * sizeof(uint64_t)));
+        WEFT_CUDA_CHECK(cudaMemset(flags_, 0, 2 * kMaxChunks * sizeof(uint64_t)));
+        WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+        WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+        impl_->watcher = std::thread([impl = impl_.get()] { impl->watch(); });
+    } catch (...) {
+        // The destructor does not run for a constructor that throws: the stream and a live communicator would leak.
+        impl_->aborted.store(true);
+        if (impl_->comm != nullptr) nccl().comm_abort(impl_->comm);
+        release();
+        throw;
+    }
     WEFT_LOG_INFO("network backend for " << impl_->who << ": NCCL " << nccl().version << " from " << nccl().path
                                          << ", node " << node_index_ << " of " << num_nodes() << ", " << ranks_per_node_
                                          << " member(s) per node");
@@ -404,7 +457,9 @@ bool HostBackend::check_after_sync() {
     return impl_->stepped.exchange(false);
 }
 
-HostBackend::~HostBackend() {
+HostBackend::~HostBackend() { release(); }
+
+void HostBackend::release() noexcept {
     if (impl_->watcher.joinable()) {
         {
             std::lock_guard<std::mutex> lock(impl_->mutex);
@@ -424,10 +479,14 @@ HostBackend::~HostBackend() {
         }
     }
 #endif
+    impl_->comm = nullptr;
     if (fork_ != nullptr) cudaEventDestroy(fork_);
     if (join_ != nullptr) cudaEventDestroy(join_);
     if (flags_ != nullptr) cudaFree(flags_);
     if (comm_stream_ != nullptr) cudaStreamDestroy(comm_stream_);
+    fork_ = join_ = nullptr;
+    flags_ = nullptr;
+    comm_stream_ = nullptr;
 }
 
 void HostBackend::begin_call(cudaStream_t stream) {
@@ -471,8 +530,8 @@ void HostBackend::wait_arrived(cudaStream_t stream, int chunk) {
 // watcher aborts the communicator (and the World) when a step is not done by its deadline, which also ends an NCCL
 // call blocked on an absent peer. While the comm stream is captured no event is recorded (a captured event cannot be
 // queried): graph replays are bounded by NCCL alone.
-// NOTE: NCCL is called only while the communicator is not aborted; the watcher aborts it from its own thread, which
-// NCCL supports for a call that is blocked.
+// NOTE: NCCL is called only while the communicator is not aborted; the watcher aborts it from its own thread to end a
+// call blocked on an absent peer (NCCL documents that for non-blocking communicators; this one is blocking).
 uint64_t HostBackend::begin_step(const char* what) {
     WEFT_CHECK(!impl_->aborted.load(),
                "network backend: the NCCL communicator of " << impl_->who << " was aborted earlier");
@@ -480,6 +539,27 @@ uint64_t HostBackend::begin_step(const char* what) {
     const uint64_t id = ++impl_->next_id;
     impl_->pending.push_back({id, nullptr, std::chrono::steady_clock::now() + impl_->timeout, what});
     return id;
+}
+
+template <class Body>
+void HostBackend::run_step(uint64_t id, Body&& body) {
+    try {
+        body();
+    } catch (...) {
+        cancel_step(id);  // nothing was enqueued that the watcher could wait for
+        throw;
+    }
+    end_step(id);
+}
+
+void HostBackend::cancel_step(uint64_t id) noexcept {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    auto it =
+        std::find_if(impl_->pending.begin(), impl_->pending.end(), [&](const Impl::Pending& p) { return p.id == id; });
+    if (it != impl_->pending.end()) {
+        if (it->done != nullptr) cudaEventDestroy(it->done);
+        impl_->pending.erase(it);
+    }
 }
 
 void HostBackend::end_step(uint64_t id) {
@@ -511,17 +591,19 @@ void HostBackend::exchange(const void* send, uint64_t bytes, const std::function
     if (bytes == 0) return;
     const NcclApi& api = nccl();
     const uint64_t step = begin_step("exchange");
-    WEFT_NCCL_CHECK(api.group_start(), "ncclGroupStart");
-    for (int k = 1; k < num_nodes(); ++k) {
-        // Rotated order: node n first talks to n + 1, so no two ranks start on the same peer.
-        const int peer = (node_index_ + k) % num_nodes();
-        WEFT_NCCL_CHECK(api.send(send, bytes, ncclUint8, peer, impl_->comm, comm_stream_),
-                        "ncclSend for " << impl_->who);
-        WEFT_NCCL_CHECK(api.recv(recv_at(peer), bytes, ncclUint8, peer, impl_->comm, comm_stream_),
-                        "ncclRecv for " << impl_->who);
-    }
-    WEFT_NCCL_CHECK(api.group_end(), "ncclGroupEnd (send/recv) for " << impl_->who);
-    end_step(step);
+    run_step(step, [&] {
+        WEFT_NCCL_CHECK(api.group_start(), "ncclGroupStart");
+        GroupGuard group(api);
+        for (int k = 1; k < num_nodes(); ++k) {
+            // Rotated order: node n first talks to n + 1, so no two ranks start on the same peer.
+            const int peer = (node_index_ + k) % num_nodes();
+            WEFT_NCCL_CHECK(api.send(send, bytes, ncclUint8, peer, impl_->comm, comm_stream_),
+                            "ncclSend to node " << peer << " for " << impl_->who);
+            WEFT_NCCL_CHECK(api.recv(recv_at(peer), bytes, ncclUint8, peer, impl_->comm, comm_stream_),
+                            "ncclRecv from node " << peer << " for " << impl_->who);
+        }
+        group.end("ncclGroupEnd (send/recv) for " + impl_->who);
+    });
 #else
     (void)send, (void)bytes, (void)recv_at;
     WEFT_FAIL(nccl_unavailable_reason());
@@ -542,17 +624,19 @@ void HostBackend::send_recv(const void* send, uint64_t send_bytes, int to_node, 
     if (!sends && !receives) return;
     const NcclApi& api = nccl();
     const uint64_t step = begin_step("send_recv");
-    WEFT_NCCL_CHECK(api.group_start(), "ncclGroupStart");
-    if (sends) {
-        WEFT_NCCL_CHECK(api.send(send, send_bytes, ncclUint8, to_node, impl_->comm, comm_stream_),
-                        "ncclSend for " << impl_->who);
-    }
-    if (receives) {
-        WEFT_NCCL_CHECK(api.recv(recv, recv_bytes, ncclUint8, from_node, impl_->comm, comm_stream_),
-                        "ncclRecv for " << impl_->who);
-    }
-    WEFT_NCCL_CHECK(api.group_end(), "ncclGroupEnd (send_recv) for " << impl_->who);
-    end_step(step);
+    run_step(step, [&] {
+        WEFT_NCCL_CHECK(api.group_start(), "ncclGroupStart");
+        GroupGuard group(api);
+        if (sends) {
+            WEFT_NCCL_CHECK(api.send(send, send_bytes, ncclUint8, to_node, impl_->comm, comm_stream_),
+                            "ncclSend to node " << to_node << " for " << impl_->who);
+        }
+        if (receives) {
+            WEFT_NCCL_CHECK(api.recv(recv, recv_bytes, ncclUint8, from_node, impl_->comm, comm_stream_),
+                            "ncclRecv from node " << from_node << " for " << impl_->who);
+        }
+        group.end("ncclGroupEnd (send_recv) for " + impl_->who);
+    });
 #else
     (void)send, (void)recv, (void)send_bytes, (void)recv_bytes;
     WEFT_FAIL(nccl_unavailable_reason());
@@ -563,9 +647,11 @@ void HostBackend::reduce_scatter(const void* send, void* recv, uint64_t recv_cou
 #if WEFT_NET_HAVE_NCCL_HEADER
     if (recv_count == 0) return;
     const uint64_t step = begin_step("reduce_scatter");
-    WEFT_NCCL_CHECK(nccl().reduce_scatter(send, recv, recv_count, nccl_type(dtype), ncclSum, impl_->comm, comm_stream_),
-                    "ncclReduceScatter for " << impl_->who);
-    end_step(step);
+    run_step(step, [&] {
+        WEFT_NCCL_CHECK(
+            nccl().reduce_scatter(send, recv, recv_count, nccl_type(dtype), ncclSum, impl_->comm, comm_stream_),
+            "ncclReduceScatter for " << impl_->who);
+    });
 #else
     (void)send, (void)recv, (void)recv_count, (void)dtype;
     WEFT_FAIL(nccl_unavailable_reason());
@@ -576,9 +662,10 @@ void HostBackend::all_reduce(void* buffer, uint64_t count, DType dtype) {
 #if WEFT_NET_HAVE_NCCL_HEADER
     if (count == 0) return;
     const uint64_t step = begin_step("all_reduce");
-    WEFT_NCCL_CHECK(nccl().all_reduce(buffer, buffer, count, nccl_type(dtype), ncclSum, impl_->comm, comm_stream_),
-                    "ncclAllReduce for " << impl_->who);
-    end_step(step);
+    run_step(step, [&] {
+        WEFT_NCCL_CHECK(nccl().all_reduce(buffer, buffer, count, nccl_type(dtype), ncclSum, impl_->comm, comm_stream_),
+                        "ncclAllReduce for " << impl_->who);
+    });
 #else
     (void)buffer, (void)count, (void)dtype;
     WEFT_FAIL(nccl_unavailable_reason());

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "collective_workspace.hpp"
 #include "weft/net/all_to_all_plan.hpp"
 #include "weft/net/chunk_schedule.hpp"
 #include "weft/net/host_backend.hpp"
@@ -18,6 +19,7 @@
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
+#include "weft/runtime/world.hpp"
 
 namespace weft::ops::detail {
 
@@ -61,6 +63,18 @@ net::HostBackend& backend(const Team& team) {
     return net;
 }
 
+// The user's buffers of a call across nodes: device memory of this rank's GPU (NCCL reads and writes some of them
+// directly), checked before anything is enqueued, as the one-node collectives check theirs. Symmetric-heap buffers are.
+void check_user_buffers(const Team& team, const char* op, const TensorView& input, const TensorView& output,
+                        cudaStream_t stream) {
+    const SymmetricHeap& heap = team.world().heap();
+    for (const auto& [view, what] : {std::pair{&input, "input"}, std::pair{&output, "output"}}) {
+        const auto bytes = static_cast<uint64_t>(view->size_bytes());
+        if (bytes == 0 || heap.contains(view->data, bytes)) continue;
+        check_device_pointer(view->data, what, op, stream);
+    }
+}
+
 // A network call from begin_call to end_call. Declared after the call's scratch buffers: when the call throws part way
 // (a node stage's argument error), end_call still joins the comm stream's queued steps to `stream` before the scratch
 // is freed in stream order, and before the next call's begin_call zeroes the flags. (Every comm-stream wait is for a
@@ -96,6 +110,7 @@ private:
 // over the node's L members (weft), and unpacks the L x N chunks into their team ranks' output slots.
 void hierarchical_all_gather(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream) {
     WEFT_NVTX_RANGE("all_gather.hierarchical");
+    check_user_buffers(team, "all_gather", input, output, stream);
     net::HostBackend& net = backend(team);
     const int num_nodes = net.num_nodes(), per_node = net.ranks_per_node(), me = net.node_index();
     const auto shard = static_cast<uint64_t>(input.size_bytes());
@@ -137,6 +152,7 @@ void hierarchical_all_gather(const Team& team, const TensorView& input, const Te
 void hierarchical_reduce_scatter(const Team& team, const TensorView& input, const TensorView& output,
                                  cudaStream_t stream) {
     WEFT_NVTX_RANGE("reduce_scatter.hierarchical");
+    check_user_buffers(team, "reduce_scatter", input, output, stream);
     net::HostBackend& net = backend(team);
     const int num_nodes = net.num_nodes(), per_node = net.ranks_per_node();
     const DType dtype = output.dtype;
@@ -176,6 +192,7 @@ void hierarchical_reduce_scatter(const Team& team, const TensorView& input, cons
 // members (weft). Enqueued so that chunk c's network step runs while the node reduces chunk c + 1 and gathers c - 1.
 void hierarchical_all_reduce(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream) {
     WEFT_NVTX_RANGE("all_reduce.hierarchical");
+    check_user_buffers(team, "all_reduce", input, output, stream);
     net::HostBackend& net = backend(team);
     const DType dtype = output.dtype;
     const auto es = static_cast<uint64_t>(dtype_bytes(dtype));
@@ -228,6 +245,7 @@ void hierarchical_all_to_all(const Team& team, const TensorView& input, std::spa
                              cudaStream_t stream) {
     WEFT_NVTX_RANGE(equal ? "all_to_all.hierarchical" : "all_to_all_v.hierarchical");
     const char* op = equal ? "all_to_all" : "all_to_all_v";
+    check_user_buffers(team, op, input, output, stream);
     const auto w = static_cast<size_t>(team.num_ranks());
     const auto es = static_cast<uint64_t>(dtype_bytes(input.dtype));
     const uint64_t block = equal ? static_cast<uint64_t>(input.size_bytes()) / w : 0;

@@ -109,6 +109,12 @@ private:
     HostBackend(const Team& team, Team node_team);
     uint64_t begin_step(const char* what);
     void end_step(uint64_t id);
+    /// Drops a step whose NCCL calls threw (nothing was enqueued for it to wait on).
+    void cancel_step(uint64_t id) noexcept;
+    /// body() (the step's NCCL calls), then end_step; cancel_step when it throws.
+    template <class Body>
+    void run_step(uint64_t id, Body&& body);
+    void release() noexcept;  // the destructor's work, also run when the constructor throws part way
 
     Team team_;
     Team node_team_;
