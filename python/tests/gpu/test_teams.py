@@ -33,6 +33,18 @@ def test_team_membership(world, my_team):
     team.barrier()
 
 
+def test_each_rank_passing_its_own_group_makes_one_team_per_group(world):
+    # The common idiom: every rank names only its own tensor-parallel group (not every group in turn).
+    groups = _halves(world.num_ranks)
+    mine = next(g for g in groups if world.rank in g)
+    team = weft.Team(mine)
+    assert team.is_member and team.ranks == mine and team.rank == mine.index(world.rank)
+    x = torch.full((64,), float(world.rank + 1), device="cuda")
+    weft.all_reduce(x, team=team)
+    torch.cuda.synchronize()
+    assert torch.all(x == float(sum(r + 1 for r in mine)))
+
+
 def test_team_from_a_process_group(world):
     pg = dist.new_group(list(range(world.num_ranks)))
     team = weft.Team(pg)
