@@ -6,6 +6,8 @@
 
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
+
 #include "weft/runtime/error.hpp"
 
 namespace weft::python {
@@ -85,7 +87,9 @@ Bytes PythonStore::get(const std::string& key, std::chrono::milliseconds timeout
     return with_gil("get", key, [&] {
         nb::list keys;
         keys.append(nb::str(key.c_str(), key.size()));
-        store_.attr("wait")(keys, timedelta_("milliseconds"_a = static_cast<double>(timeout.count())));
+        // torch's stores read a zero timeout as "no timeout": the shortest wait they take is 1 ms.
+        const auto ms = std::max<int64_t>(timeout.count(), 1);
+        store_.attr("wait")(keys, timedelta_("milliseconds"_a = static_cast<double>(ms)));
         nb::object value = store_.attr("get")(key);
         if (nb::isinstance<nb::str>(value)) value = value.attr("encode")("utf-8");
         WEFT_CHECK(nb::isinstance<nb::bytes>(value), "store.get('" << key << "') returned "

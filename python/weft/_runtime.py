@@ -111,9 +111,13 @@ def finalize():
     state.objects.clear()
     state.op_cache.clear()
     state.heap_blocks.clear()
-    if first_error is not None:
-        raise first_error
-    state.world.close()
+    try:
+        # Closed whatever the objects did: a World left open would keep the peers waiting at its shutdown barrier. It
+        # refuses (weft.Error) only while an object made outside weft's registry is still open.
+        state.world.close()
+    finally:
+        if first_error is not None:
+            raise first_error
 
 
 atexit.register(finalize)
