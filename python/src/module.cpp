@@ -541,6 +541,7 @@ NB_MODULE(_weft, m) {
             "__init__",
             [](PyAgGemm* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype, int64_t chunk_rows,
                int copy_streams, int sm_budget, bool autotune, const PyTeam* team) {
+                DeviceScope scope(w.h->get().device());  // the op's streams, events and memory on the World's GPU
                 ops::AgGemmShape shape{max_m, n, k, as_dtype(dtype)};
                 ops::AgGemmOptions o;
                 o.chunk_rows = chunk_rows;
@@ -580,6 +581,7 @@ NB_MODULE(_weft, m) {
             [](PyGemmRs* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype, const std::string& mode,
                std::optional<int> partial_dtype, int64_t chunk_rows, int reduce_ctas, int sm_budget, bool autotune,
                const PyTeam* team) {
+                DeviceScope scope(w.h->get().device());  // the op's streams, events and memory on the World's GPU
                 ops::GemmRsShape shape{max_m, n, k, as_dtype(dtype)};
                 ops::GemmRsOptions o;
                 o.mode = parse_gemm_rs_mode(mode);
@@ -619,6 +621,7 @@ NB_MODULE(_weft, m) {
             [](PyGemmAr* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype,
                std::optional<int> partial_dtype, int reduce_ctas, int sm_budget, bool collective_all_reduce,
                const PyTeam* team) {
+                DeviceScope scope(w.h->get().device());  // the op's streams, events and memory on the World's GPU
                 ops::GemmArShape shape{max_m, n, k, as_dtype(dtype)};
                 ops::GemmArOptions o;
                 o.partial_dtype = optional_dtype(partial_dtype);

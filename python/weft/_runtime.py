@@ -164,8 +164,8 @@ class Team:
     Collective over every rank of the World, in the same order of calls. Every member passes the same list; ranks may
     pass different lists (each its own group, e.g. its tensor-parallel group), which then make one team each; a list
     that not all of its members passed is a weft.Error on the members that passed it. The members agree through the
-    World's store (Team::split_color). A rank outside its list (or outside the process group) gets a team with
-    is_member False. Ranks are weft World ranks; with a torch process group they are translated from torch's global
+    World's store (Team::split_color). A rank outside its list (or outside the process group: torch hands such a rank
+    None or GroupMember.NON_GROUP_MEMBER, both taken as "not a member") gets a team with is_member False. Ranks are weft World ranks; with a torch process group they are translated from torch's global
     ranks (torch.distributed.get_process_group_ranks).
     """
 

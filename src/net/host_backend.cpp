@@ -277,9 +277,14 @@ void HostBackend::Impl::watch() {
         wake.wait_for(lock, std::chrono::milliseconds(20));
         if (pending.empty() && !aborted.load() && world->aborted()) {
             // Nothing eager is pending, but a graph's replay may be: NCCL's kernels would wait for a gone peer forever.
-            lock.unlock();
-            abort_comm("the World was aborted; the NCCL communicator of " + who + " was aborted with it");
-            lock.lock();
+            // Under the mutex: begin_step checks `aborted` under it, so no NCCL call starts on the freed communicator.
+            // The World is aborted already (by whatever aborted it): not again.
+            aborted.store(true);
+            WEFT_LOG_WARN("network backend: the World was aborted; the NCCL communicator of " << who
+                                                                                              << " is aborted with it");
+#if WEFT_NET_HAVE_NCCL_HEADER
+            if (comm != nullptr) nccl().comm_abort(comm);
+#endif
             continue;
         }
         while (!pending.empty()) {
@@ -529,13 +534,15 @@ void HostBackend::wait_arrived(cudaStream_t stream, int chunk) {
 // Every network step is registered with its deadline before NCCL is called, and gets an event once enqueued; the
 // watcher aborts the communicator (and the World) when a step is not done by its deadline, which also ends an NCCL
 // call blocked on an absent peer. While the comm stream is captured no event is recorded (a captured event cannot be
-// queried): graph replays are bounded by NCCL alone.
+// queried): a graph replay's steps have no deadline; a World abort aborts the communicator, which ends them.
 // NOTE: NCCL is called only while the communicator is not aborted; the watcher aborts it from its own thread to end a
 // call blocked on an absent peer (NCCL documents that for non-blocking communicators; this one is blocking).
 uint64_t HostBackend::begin_step(const char* what) {
-    WEFT_CHECK(!impl_->aborted.load(),
-               "network backend: the NCCL communicator of " << impl_->who << " was aborted earlier");
-    std::lock_guard<std::mutex> lock(impl_->mutex);
+    std::lock_guard<std::mutex> lock(impl_->mutex);  // the watcher aborts an idle communicator under it
+    WEFT_CHECK(!impl_->aborted.load(), "network backend: the NCCL communicator of "
+                                           << impl_->who
+                                           << " was aborted earlier (a failed step, or an abort of the World: "
+                                              "make a new World)");
     const uint64_t id = ++impl_->next_id;
     impl_->pending.push_back({id, nullptr, std::chrono::steady_clock::now() + impl_->timeout, what});
     return id;
@@ -545,8 +552,11 @@ template <class Body>
 void HostBackend::run_step(uint64_t id, Body&& body) {
     try {
         body();
-    } catch (...) {
-        cancel_step(id);  // nothing was enqueued that the watcher could wait for
+    } catch (const std::exception& e) {
+        // What a failed NCCL call left on the comm stream is unknown, and the watcher could not bound it: the
+        // communicator (and with it the World) is aborted, which ends anything NCCL did enqueue.
+        cancel_step(id);
+        impl_->abort_comm(std::string("a network step of ") + impl_->who + " failed: " + e.what());
         throw;
     }
     end_step(id);

@@ -278,8 +278,11 @@ void* internal_workspace(uint64_t bytes, cudaStream_t stream) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     WEFT_CHECK(capture == cudaStreamCaptureStatusNone,
-               kOp << ": the internal workspace must grow to " << bytes << " bytes while the stream is being captured; "
-                   << "pass options.workspace (decode_attention_workspace_bytes() bytes) or run once before capture");
+               kOp << ": the internal workspace of this stream must grow to " << bytes
+                   << " bytes while the stream is being captured (the workspace is per stream: an uncaptured call on "
+                      "the capturing stream itself, e.g. torch.cuda.graph's capture stream, sizes it); pass a "
+                      "workspace (options.workspace in C++, workspace= in Python: "
+                      "decode_attention_workspace_bytes() bytes) or run once on this stream before capturing");
     const uint64_t grow = std::max<uint64_t>(bytes, 2 * slot.second);
     void* ptr = detail::malloc_beside_captures(grow);
     WEFT_LOG_DEBUG(kOp << ": workspace " << grow << " bytes on device " << key.device);

@@ -495,14 +495,28 @@ GemmSelection select_for_views(const GemmProblem& p, const TensorView& a, const 
     const std::string arch = arch_of_device(device);
     // Candidates are timed on weft's per-stream scratch, never on a workspace of the caller's: each candidate keeps
     // counters of its own size there, and one's partials would land on another's counters (which must stay zero).
+    // A candidate the caller's workspace cannot hold is refused (the autotuner disqualifies it): it would win, and
+    // then fail every call.
     GemmOptions timing = options;
     timing.workspace = nullptr;
     timing.workspace_bytes = 0;
-    const GemmRunPlan run = [&](const GemmPlan& plan, cudaStream_t s) { launch_plan(plan, p, a, b, d, timing, s); };
+    const GemmRunPlan run = [&](const GemmPlan& plan, cudaStream_t s) {
+        WEFT_CHECK(options.workspace == nullptr || plan.workspace_bytes <= options.workspace_bytes,
+                   "gemm: the candidate needs " << plan.workspace_bytes << " bytes of workspace, options.workspace has "
+                                                << options.workspace_bytes);
+        launch_plan(plan, p, a, b, d, timing, s);
+    };
     const GemmPrepareCandidates prepare = [&](const std::vector<GemmCandidate>& candidates) {
         compile_candidates(candidates, p, arch);
     };
-    return select_gemm_plan(p, num_sms, options, arch, run, stream, stream_is_capturing(stream), prepare);
+    GemmSelection sel = select_gemm_plan(p, num_sms, options, arch, run, stream, stream_is_capturing(stream), prepare);
+    if (options.workspace != nullptr && sel.plan.workspace_bytes > options.workspace_bytes) {
+        // A decision recorded for this problem without the caller's workspace (cached, or forced) that does not fit it.
+        sel.plan = plan_gemm(p, num_sms, options);
+        sel.candidate = gemm_candidate_name(sel.plan);
+        sel.origin = GemmChoice::kHeuristic;
+    }
+    return sel;
 }
 
 // D is written while A and B are still being read (by other CTAs, or other k ranges of a split-K tile): their bytes

@@ -46,8 +46,10 @@ jit::LaunchParams launch_params(int grid, int block, cudaStream_t stream) {
 }
 
 // A row-major 2-D view of `dtype` with `rows` x `cols` (cols < 0: any), inner stride 1, 16-byte aligned base and row
-// stride; `what` names it.
-void check_matrix(const TensorView& v, const char* op, const char* what, DType dtype, int64_t rows, int64_t cols) {
+// stride; `what` names it. `written`: the op writes it, so its rows must not repeat or overlap (an input read only
+// may broadcast a row).
+void check_matrix(const TensorView& v, const char* op, const char* what, DType dtype, int64_t rows, int64_t cols,
+                  bool written = true) {
     WEFT_CHECK(v.ndim == 2, op << ": " << what << " must be a 2-D matrix, got " << v.describe());
     WEFT_CHECK(v.dtype == dtype,
                op << ": " << what << " must be " << dtype_name(dtype) << ", got " << dtype_name(v.dtype));
@@ -60,9 +62,9 @@ void check_matrix(const TensorView& v, const char* op, const char* what, DType d
     WEFT_CHECK(v.data != nullptr, op << ": " << what << " has a null data pointer");
     WEFT_CHECK(reinterpret_cast<uintptr_t>(v.data) % 16 == 0,
                op << ": " << what << "'s base address must be 16-byte aligned, got " << v.data);
-    WEFT_CHECK(v.dim(0) <= 1 || v.stride(0) >= v.dim(1), op << ": " << what << "'s row stride must be at least its "
-                                                            << v.dim(1) << " columns (rows apart, none repeated), got "
-                                                            << v.describe());
+    WEFT_CHECK(!written || v.dim(0) <= 1 || v.stride(0) >= v.dim(1),
+               op << ": " << what << "'s row stride must be at least its " << v.dim(1)
+                  << " columns (rows apart, none repeated), got " << v.describe());
     WEFT_CHECK(v.dim(0) <= 1 || (v.stride(0) * dtype_bytes(dtype)) % 16 == 0,
                op << ": " << what << "'s row stride must be a multiple of 16 bytes, got " << v.describe());
 }
@@ -234,7 +236,7 @@ void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const Tenso
     WEFT_NVTX_RANGE("grouped_gemm_gathered");
     constexpr const char* kOp = "grouped_gemm_gathered";
     check_routing(routing, kOp);
-    check_matrix(a, kOp, "a", DType::kBF16, routing.tokens, -1);
+    check_matrix(a, kOp, "a", DType::kBF16, routing.tokens, -1, false);
     check_matrix(a_rows, kOp, "a_rows", DType::kBF16, routing.rows_capacity, a.dim(1));
     WEFT_CHECK(!ops::detail::views_overlap(a_rows, a), kOp << ": a_rows (the workspace) must not overlap a, got a_rows "
                                                            << a_rows.data << " (" << a_rows.describe() << "), a "
@@ -552,7 +554,7 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
     State& s = *s_;
     const char* op = s.op;
     const int64_t h = s.shape.hidden, f = s.shape.ffn, e = s.shape.num_experts, topk = s.shape.topk;
-    check_matrix(x_local, op, "x_local", DType::kBF16, -1, h);
+    check_matrix(x_local, op, "x_local", DType::kBF16, -1, h, false);
     const int64_t tpr = x_local.dim(0);
     WEFT_CHECK(tpr >= 1 && tpr <= s.shape.max_tokens / s.num_ranks,
                op << ": x_local must have 1 .. max_tokens / W = " << s.shape.max_tokens / s.num_ranks << " rows, got "
@@ -697,7 +699,7 @@ void MoeGroupedGemmRs::run(const TensorView& h, const TensorView& w, const MoeRo
                   << " up to max_tokens = " << s.shape.max_tokens << ", got " << m);
     WEFT_CHECK(routing.rows_capacity <= s.rows_capacity, op << ": routing.rows_capacity must be <= " << s.rows_capacity
                                                             << " (the op's), got " << routing.rows_capacity);
-    check_matrix(h, op, "h", DType::kBF16, routing.rows_capacity, f);
+    check_matrix(h, op, "h", DType::kBF16, routing.rows_capacity, f, false);
     WEFT_CHECK(
         w.ndim == 3 && w.dtype == DType::kBF16 && w.dim(0) == e && w.dim(1) == hid && w.dim(2) == f,
         op << ": w must be bf16 [E, hidden, ffn] = [" << e << ", " << hid << ", " << f << "], got " << w.describe());

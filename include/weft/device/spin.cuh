@@ -117,8 +117,9 @@ __device__ __forceinline__ int32_t owner_of(const DeviceCtx& ctx, const void* ad
 /// What a failing spin (or failed peer access) reports besides the word and the values.
 struct SpinSite {
     SpinKind kind;
-    int32_t peer;  ///< team rank that owns the word (for barriers: the rank not yet arrived), or -1 to
-                   ///< compute the owner from the address
+    int32_t peer;  ///< team rank that owns the word (for barriers: the rank not yet arrived; for LL lines: the rank
+                   ///< whose line has not come, though the line is in this rank's memory), or -1 to compute the
+                   ///< owner from the address
     int32_t line;  ///< source line of the call, or 0
 };
 

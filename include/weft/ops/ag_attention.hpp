@@ -52,8 +52,10 @@ struct FlashAttentionOptions {
 /// must also be positive and below 2^40 bytes. With options.config unset, a broadcast view (stride 0) runs on the
 /// mma.sync kernel; a config that names kWgmma refuses it.
 ///   out  q's dtype [seq_q, num_q_heads, head_dim], contiguous
-///   lse  f32 [seq_q, num_q_heads], contiguous; or an empty view (data null) when not wanted
-/// head_dim 64 or 128; num_q_heads a multiple of num_kv_heads, at most 16 q-heads per KV head; seq_q, seq_kv in
+///   lse  f32 [seq_q, num_q_heads], contiguous; or an empty view (a default TensorView: data null, no dimensions)
+///        when not wanted
+/// head_dim 64 or 128; num_q_heads a multiple of num_kv_heads, at most 16 q-heads per KV head and at most 65536 (grid
+/// limit, AgAttention's too); seq_q, seq_kv in
 /// [0, 2^31 - 2^20) (seq_q 0: nothing to do; a row that sees no key gets zeros and lse -inf). Pointers 16-byte
 /// aligned. Asynchronous on `stream`, capturable in a CUDA graph; the host waits only when weft makes work counters
 /// (below). The kernel is JIT-compiled on first use. Bad arguments throw weft::Error naming the argument.
@@ -114,8 +116,8 @@ public:
     ///   q_local  [S/W, num_q_heads, head_dim]: innermost stride 1, other strides multiples of 8 (positive with
     ///            the wgmma kernel, sm_90's default: a broadcast q needs options.config with kMmaSync)
     ///   k_local, v_local [S/W, num_kv_heads, head_dim]: heads and dims contiguous (head stride head_dim), row
-    ///            stride >= num_kv_heads * head_dim (any device memory; local_k(S) / local_v(S) themselves skip the
-    ///            local copy)
+    ///            stride >= num_kv_heads * head_dim and a multiple of 8 (any device memory; local_k(S) / local_v(S)
+    ///            themselves skip the local copy)
     ///   out      [S/W, num_q_heads, head_dim] contiguous;  lse f32 [S/W, num_q_heads] contiguous, or empty
     /// all of shape.dtype, 16-byte aligned. Every member calls with the same S (1 <= S/W, S <= max_seq; not checked
     /// across ranks: a member with another S pulls rows its peers did not write).

@@ -27,8 +27,9 @@ struct DecodeAttentionOptions {
     /// 64-token tile per split.
     int32_t num_splits = 0;
     /// Device scratch for the splits' partial outputs: u8 (or any dtype), contiguous, 16-byte aligned, at least
-    /// decode_attention_workspace_bytes() bytes; not touched when one split suffices. Empty (data null): weft keeps
-    /// a buffer per (device, stream), grown as needed; growing it during CUDA graph capture is an error (pass one).
+    /// decode_attention_workspace_bytes() bytes; not touched when one split suffices. Empty (a default TensorView:
+    /// data null, no dimensions): weft keeps a buffer per (device, stream), grown as needed by uncaptured calls;
+    /// growing it during CUDA graph capture is an error (pass one).
     TensorView workspace = {};
     /// Programmatic dependent launch of the split kernel, for a decode step's chain of kernels: it may be scheduled
     /// while the kernel before it on `stream` still runs (hiding its launch latency and block setup) and waits for
@@ -56,14 +57,17 @@ struct DecodeAttentionOptions {
 ///   max_seq_len  an upper bound of seq_lens (it sizes the split plan), 0 <= max_seq_len <= max_pages_per_seq *
 ///                page_size and < 2^31 - 2^20
 ///   out          dtype of q, [batch, num_q_heads, head_dim], contiguous
-///   lse          f32 [batch, num_q_heads], contiguous; or an empty view (data null) when not wanted
+///   lse          f32 [batch, num_q_heads], contiguous; or an empty view (a default TensorView: data null, no
+///                dimensions) when not wanted
 /// head_dim is 64, 128 or 256; num_q_heads is a multiple of num_kv_heads with at most 16 q-heads per KV head;
-/// 1 <= page_size <= 2^30; batch >= 0 (0: nothing to do). Pointers 16-byte aligned. Asynchronous on `stream`, no host
+/// 1 <= page_size <= 2^30; 0 <= batch <= 65535 and num_kv_heads <= 65535 (grid limits; 0: nothing to do). Pointers
+/// 16-byte aligned. Asynchronous on `stream`, no host
 /// synchronisation, capturable in a CUDA graph (with options.workspace given, or the internal one already large
 /// enough). The internal workspace is the stream's own (per device and stream; cudaStreamPerThread, per thread): a
 /// graph captured with it uses the capturing stream's, so replay it where no other call runs on that stream at the
-/// same time, or give options.workspace. Kernels are JIT-compiled on first use. Bad arguments throw weft::Error
-/// naming the argument.
+/// same time, or give options.workspace. Calls on one stream come from one thread at a time (a split launch and its
+/// combine are two launches: another thread's call between them would share the workspace). Kernels are
+/// JIT-compiled on first use. Bad arguments throw weft::Error naming the argument.
 void decode_attention(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                       const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
                       const TensorView& out, const TensorView& lse, cudaStream_t stream,

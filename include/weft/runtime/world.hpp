@@ -151,8 +151,10 @@ public:
     /// peer that is dead stays dead: its watchdog aborts the World again at the next beat. weft's ops that keep
     /// protocol state on the device between calls (the collectives' workspace, AgAttention, ep::Buffer and MoeBlock)
     /// do not come back with it: a wait that gave up or an abort may have left their flags and epochs out of step
-    /// across ranks, so once an abort was cleared their next call throws weft::Error naming it (make a new World;
-    /// an op made after the clear, other than a collective, runs). See cleared_aborts().
+    /// across ranks, so once an abort was cleared their next call throws weft::Error naming it: make a new World.
+    /// (An op made after the clear runs when it needs neither the collectives' workspace nor the network: a new
+    /// AgAttention, AgGemm or GemmRs on one node; not a GemmAr with its all-reduce half, nor anything across nodes,
+    /// whose communicator the abort aborted.) See cleared_aborts().
     void clear_diagnostics();
     /// How many times clear_diagnostics cleared an abort of this World, and the text of the last one (empty before
     /// any). Ops with device protocol state note the count when made and refuse calls once it moved.
