@@ -127,10 +127,15 @@ LaunchEnv parse_torchrun(const VarMap& vars) {
     }
     std::string job_id;
     if (run_id != nullptr) {
-        // The run id alone may be the default "none"; the agent's store address is held for the job's life.
+        // The run id alone may be the default "none"; the agent's store address is held for the job's life. On one
+        // host the restart count tells a restarted World from its predecessor; across hosts it does not enter the
+        // name: torchrun's agents do not agree on it (an agent restarts on a membership change without counting it),
+        // and the agent stops every old worker, and so its store, before it restarts.
         const std::string* restart = find(vars, "TORCHELASTIC_RESTART_COUNT");
-        job_id = "torchrun " + *run_id + " " + e.master_addr + ":" + std::to_string(e.master_port) + " restart " +
-                 (restart != nullptr ? *restart : std::string("0"));
+        job_id = "torchrun " + *run_id + " " + e.master_addr + ":" + std::to_string(e.master_port);
+        if (e.local_num_ranks == e.num_ranks) {
+            job_id += " restart " + (restart != nullptr ? *restart : std::string("0"));
+        }
     } else if (weftrun_id != nullptr && !weftrun_id->empty()) {
         job_id = "weftrun " + *weftrun_id;
     }

@@ -9,6 +9,7 @@
 #include "weft/detail/runtime_placement.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/launch_env.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/module_loading.hpp"
 #include "weft/runtime/world.hpp"
@@ -55,6 +56,17 @@ std::unique_ptr<World> World::from_store(std::shared_ptr<Store> store, const Wor
     setup.local_rank = local_given ? m.local_rank : placement.local_rank;
     setup.local_num_ranks = local_given ? m.local_num_ranks : placement.local_num_ranks;
     setup.device_hint = setup.local_rank;
+    if (!local_given && !placement.same_process) {
+        // A process launched with a LOCAL_RANK (torchrun, srun, mpirun, weftrun) keeps that GPU: a World of part of the
+        // job (a TP group of 4 of a host's 8 processes) would otherwise bind its ranks' indices among the World's
+        // ranks on the host, 0..3, on both groups' processes, and leave half the GPUs idle.
+        try {
+            if (const std::optional<LaunchEnv> launch = detect_launch_env()) setup.device_hint = launch->local_rank;
+        } catch (const Error& e) {
+            WEFT_LOG_DEBUG("World::from_store: the launch environment is not usable (" << e.what()
+                                                                                       << "); device by local rank");
+        }
+    }
     setup.same_process = placement.same_process;
     WEFT_LOG_DEBUG("World::from_store: rank " << m.rank << " of " << m.num_ranks << ", local rank "
                                               << setup.local_rank << " of " << setup.local_num_ranks

@@ -68,12 +68,19 @@ TEST(LaunchEnv, TorchrunMultiNode) {
     EXPECT_EQ(e->master_addr, "node-a");
     EXPECT_EQ(e->master_port, 29500);
     EXPECT_EQ(e->job_token, "t");
-    // The run id may be torchrun's default "none": the agent's store address (held for the job's life) and the
-    // restart count complete the name.
-    EXPECT_EQ(e->job_id, "torchrun x node-a:29500 restart 0");
+    // The run id may be torchrun's default "none": the agent's store address (held for the job's life) completes the
+    // name. Across hosts the restart count does not enter it (the agents do not agree on it).
+    EXPECT_EQ(e->job_id, "torchrun x node-a:29500");
     Vars restarted = v;
     restarted["TORCHELASTIC_RESTART_COUNT"] = "2";
-    EXPECT_EQ(parse_launch_env(restarted)->job_id, "torchrun x node-a:29500 restart 2");
+    EXPECT_EQ(parse_launch_env(restarted)->job_id, "torchrun x node-a:29500");
+    // On one host it does: a restarted World never meets its predecessor's store.
+    Vars one_host = v;
+    one_host["WORLD_SIZE"] = "8";
+    one_host["RANK"] = "5";
+    EXPECT_EQ(parse_launch_env(one_host)->job_id, "torchrun x node-a:29500 restart 0");
+    one_host["TORCHELASTIC_RESTART_COUNT"] = "2";
+    EXPECT_EQ(parse_launch_env(one_host)->job_id, "torchrun x node-a:29500 restart 2");
 }
 
 TEST(LaunchEnv, TorchrunStandalone) {
