@@ -130,6 +130,10 @@ struct AgGemm::State : tp_detail::FusedOpState {
     int64_t chunk_rows = 1;
     int32_t max_chunks_per_rank = 1;
 
+    // The budget as the most shared GPU of the World plans it: the same on every rank, for what the ranks must agree
+    // on when they tune (the candidates and the tuning key), where some GPUs host more ranks than others.
+    int agreed_budget = 1;
+
     uint8_t* gathered = nullptr;
     uint64_t* chunk_signals = nullptr;  // [W * max_chunks_per_rank]
     uint64_t* ready = nullptr;          // [W]
@@ -172,6 +176,7 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
     s.shape = shape;
     s.options = options;
     validate_ag_gemm_shape(shape, s.num_ranks, options);
+    tp_detail::check_sm_budget_share(world, options.sm_budget, kOp);
     s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
     // NOTE: ranks sharing a GPU keep one SM of their budget free of the persistent GEMM, for the helpers of
     // the copy path (the notify kernel; a driver that implements a same-device copy with a kernel). The budget and
@@ -184,13 +189,19 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
     const bool spans_nodes = s.num_ranks > 1 && team.num_nodes() > 1;
     if (spans_nodes && options.sm_budget == 0) s.budget = std::max(1, s.budget - kNetworkSms);
     WEFT_CHECK(s.budget >= 1, "ag_gemm: the SM budget must be >= 1, got " << s.budget);
+    s.agreed_budget = tp_detail::resolve_sm_budget(options.sm_budget, world.shared_sm_budget());
+    if (s.num_ranks > 1 && world.max_ranks_per_device() > 1 && options.sm_budget == 0) s.agreed_budget -= 1;
+    if (spans_nodes && options.sm_budget == 0) s.agreed_budget = std::max(1, s.agreed_budget - kNetworkSms);
+    s.agreed_budget = std::max(1, s.agreed_budget);
 
     GemmProblem p;
     p.m = shape.max_m;
     p.n = shape.n;
     p.k = shape.k;
     p.in_dtype = p.out_dtype = shape.dtype;
-    const GemmConfig first = tp_detail::choose_gemm_config(p, s.budget, options.config, kOp);
+    // Tuned, every rank times the same candidates in the same order: the first from the agreed budget.
+    const GemmConfig first =
+        tp_detail::choose_gemm_config(p, options.autotune ? s.agreed_budget : s.budget, options.config, kOp);
     const std::vector<GemmConfig> configs =
         options.autotune ? tp_detail::tune_candidates(first, shape.dtype, shape.dtype) : std::vector<GemmConfig>{first};
     const int64_t max_rows = shape.max_m / s.num_ranks;
@@ -353,7 +364,9 @@ void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorVie
     const auto problem = [&] {
         std::ostringstream os;
         os << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)
-           << ",chunk_rows=" << s.chunk_rows << ",copy_streams=" << s.copy_streams.size() << ",budget=" << s.budget;
+           << ",chunk_rows=" << s.chunk_rows << ",copy_streams=" << s.options.copy_streams
+           << ",shared=" << s.world->max_ranks_per_device()
+           << ",budget=" << s.agreed_budget;  // facts every rank shares: the tuning key must agree
         return os.str();
     };
     s.run(

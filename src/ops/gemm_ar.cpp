@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "collective_workspace.hpp"
+#include "stream_key.hpp"
 #include "tp_common.hpp"
 #include "views_overlap.hpp"
 #include "weft/common/collectives.hpp"
@@ -118,10 +119,24 @@ struct GemmAr::State : tp_detail::FusedOpState {
     const jit::Kernel* reduce = nullptr;
     bool use_collective = false;  // the all-reduce half through ops::all_reduce over the team (GemmArOptions)
     // The tiled path (M > kGemvMaxM): gemms[0], the plain GEMM.
+    // A c with padded rows gets the collective's sum here first (contiguous, private: the same all-reduce every rank
+    // runs with a dense c), then its rows; grown by the first call that needs more, kept until the op goes.
+    void* padded_sum = nullptr;
+    size_t padded_sum_bytes = 0;
 
     explicit State(const Team& t) : FusedOpState(t, kOp) {}
     ~State() {
-        heap.free_all();
+        heap.free_all();  // waits for this op's work first
+        if (padded_sum != nullptr) cudaFree(padded_sum);
+    }
+
+    void* padded_sum_buffer(size_t bytes) {
+        if (padded_sum_bytes < bytes) {
+            // Outgrown buffers are not freed: a call already enqueued (or captured) may still write them.
+            padded_sum = detail::malloc_beside_captures(bytes);
+            padded_sum_bytes = bytes;
+        }
+        return padded_sum;
     }
 
     GemmProblem problem(int64_t m) const {
@@ -310,17 +325,20 @@ void launch_call(GemmAr::State& s, const ArCall& call, cudaStream_t stream) {
     if (call.collective) {
         const int64_t count = call.m * s.shape.n;
         const TensorView partial(s.partial, s.partial_dtype, {count});
+        // c is the user's: whether it is on the symmetric heap, and where, may differ between ranks; and so may its
+        // layout: every rank runs the same all-reduce into private contiguous memory (c itself, or the padded-sum
+        // buffer whose rows then go to c's), so that the ranks' call descriptors agree.
         if (!call.collective_in_place) {
-            // c is the user's: whether it is on the symmetric heap, and where, may differ between ranks.
             detail::all_reduce_into_private(s.team, partial, TensorView(call.reduce.out, s.shape.dtype, {count}),
                                             stream);
             return;
         }
-        ops::all_reduce(s.team, partial, partial, stream);
         const size_t row_bytes = static_cast<size_t>(s.shape.n) * dtype_bytes(s.shape.dtype);
-        WEFT_CUDA_CHECK(cudaMemcpy2DAsync(
-            call.reduce.out, static_cast<size_t>(call.reduce.ldc) * dtype_bytes(s.shape.dtype), s.partial, row_bytes,
-            row_bytes, static_cast<size_t>(call.m), cudaMemcpyDeviceToDevice, stream));
+        void* sum = s.padded_sum_buffer(row_bytes * static_cast<size_t>(s.shape.max_m));
+        detail::all_reduce_into_private(s.team, partial, TensorView(sum, s.shape.dtype, {count}), stream);
+        WEFT_CUDA_CHECK(
+            cudaMemcpy2DAsync(call.reduce.out, static_cast<size_t>(call.reduce.ldc) * dtype_bytes(s.shape.dtype), sum,
+                              row_bytes, row_bytes, static_cast<size_t>(call.m), cudaMemcpyDeviceToDevice, stream));
         return;
     }
     jit::LaunchParams lp;

@@ -332,6 +332,7 @@ GemmRs::GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& 
     // plans and runs as a rank of the most shared GPU. They are the World's, not the team's: ranks of other teams that
     // share a GPU with this team's run their kernels beside it.
     const bool shared_gpus = world.max_ranks_per_device() > 1;
+    tp_detail::check_sm_budget_share(world, options.sm_budget, kOp);
     s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.shared_sm_budget());
     s.partial_dtype = options.partial_dtype.value_or(shape.dtype);
     s.mode = detail::resolve_gemm_rs_mode(shape, s.num_ranks, options, shared_gpus);

@@ -54,6 +54,15 @@ int device_attribute(cudaDeviceAttr attr) {
 
 int device_sm_count() { return device_attribute(cudaDevAttrMultiProcessorCount); }
 
+void check_sm_budget_share(const World& world, int option, const char* op) {
+    // The most shared GPU's share: the same on every rank, so that every rank refuses alike.
+    WEFT_CHECK(option <= 0 || world.max_ranks_per_device() <= 1 || option <= world.shared_sm_budget(),
+               op << ": options.sm_budget = " << option << " exceeds a rank's share of a shared GPU ("
+                  << world.shared_sm_budget() << " SMs: up to " << world.max_ranks_per_device()
+                  << " ranks share a GPU, and their persistent kernels, which wait for each other, must all be "
+                     "resident at once)");
+}
+
 int resolve_sm_budget(int option, int world_default) {
     return option > 0 ? std::min(option, device_sm_count()) : world_default;
 }
@@ -144,7 +153,11 @@ void SymmetricAllocations::free_all() noexcept {
     uses_.wait_all();
     try {
         if (!ptrs_.empty()) {
-            team_.barrier();
+            // Not a team barrier: a member whose constructor failed after allocating releases here, and a barrier
+            // would meet its peers' end-of-construction barrier, so that their constructors returned as if it had
+            // succeeded (their first call then waited for it until the timeout). A key of its own meets only the
+            // members' releases.
+            (void)team_.all_gather("weft.tp.release", {});
             SymmetricHeap& heap = team_.world().heap();
             for (auto it = ptrs_.rbegin(); it != ptrs_.rend(); ++it) heap.free(team_, *it);
         }

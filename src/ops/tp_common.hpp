@@ -59,6 +59,9 @@ void launch_peer_pulls(const jit::Kernel& kernel, const DeviceCtx& ctx, const st
                        cudaStream_t stream);
 
 /// An op's SM budget: options.sm_budget when > 0 (at most the device's SMs), else `world_default`.
+/// Refuses an explicit SM budget above a rank's share of a GPU that several ranks share (World::shared_sm_budget,
+/// the same on every rank): the ranks' persistent kernels wait for each other and must all be resident at once.
+void check_sm_budget_share(const World& world, int option, const char* op);
 int resolve_sm_budget(int option, int world_default);
 
 /// Checks a forced config for a fused op (valid, of whole store boxes, cluster-free, dtypes and B [N,K]);

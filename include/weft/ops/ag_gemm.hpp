@@ -44,7 +44,8 @@ struct AgGemmOptions {
     int copy_streams = 0;              ///< streams pulling the peers' shards, 1 .. num_ranks-1; 0 = 1; ranks sharing
                                        ///< a GPU use 1
     int sm_budget = 0;                 ///< CTAs of the persistent GEMM; 0 = World::sm_budget() (per device: ranks of
-                                       ///< other teams on the GPU keep theirs)
+                                       ///< other teams on the GPU keep theirs); where ranks share a GPU, at most
+                                       ///< World::shared_sm_budget() (weft::Error otherwise)
     /// Tune the GEMM config on the first run() outside graph capture: every cluster-free candidate is timed
     /// by the team's members together (the slowest counts; that call synchronises the host) and the fastest is
     /// kept (weft::jit::autotuner: decisions cached on disk; WEFT_AUTOTUNE=0 keeps `config` / the heuristic's).

@@ -68,8 +68,10 @@ public:
     ///   a: [M, k]; b: [n, k]; c: [M, n] (row strides multiples of 16 bytes, bases 16-byte aligned), its bytes apart
     ///   from a's and b's
     /// Every member calls with the same M; one that calls with another M is diagnosed on every rank (the call throws
-    /// weft::Error at the next sync_and_check naming both M; c untouched, or with padded rows holding this rank's
-    /// partial): replace the op after such an error (its flags are left as the failed call found them).
+    /// weft::Error at the next sync_and_check naming both M; c untouched): replace the op after such an error (its
+    /// flags are left as the failed call found them), and, on the default all-reduce path (ops::all_reduce over the
+    /// team's collectives workspace, whose epochs the failed call left out of step), the World. On that path a call
+    /// is one of the team's collectives: stream-ordered with the team's other collectives like them.
     /// Asynchronous on `stream`; graph-capturable. A team of one rank runs the plain GEMM into c.
     void run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream);
 

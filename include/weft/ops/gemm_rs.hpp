@@ -59,7 +59,8 @@ struct GemmRsOptions {
     int64_t chunk_rows = 0;             ///< rows per counter: a multiple of the tile's rows; 0 = heuristic
     int reduce_ctas = 0;                ///< pull mode: CTAs of the reduction kernel; 0 = heuristic (budget/8, at
                                         ///< most 16 with one rank per GPU)
-    int sm_budget = 0;                  ///< SMs for GEMM + reduction; 0 = World::shared_sm_budget() (per device)
+    int sm_budget = 0;                  ///< SMs for GEMM + reduction; 0 = World::shared_sm_budget() (per device);
+                                        ///< where ranks share a GPU, at most that (weft::Error otherwise)
     bool autotune = false;              ///< tune the GEMM config on the first run(), as AgGemmOptions::autotune
 };
 
