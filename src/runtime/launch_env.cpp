@@ -299,6 +299,17 @@ std::optional<LaunchEnv> parse_launch_env(const VarMap& vars) {
     } else if (find(vars, "SLURM_PROCID") != nullptr) {
         env = parse_slurm(vars);
     } else {
+        // Launchers weft does not read (MPICH and Intel MPI's Hydra, MVAPICH2): every process would make a World of
+        // its own, on device 0, and the collectives would return each rank's own input. Refused, saying what works.
+        const char* size_name = nullptr;
+        if (const std::string* size =
+                find_first(vars, {"PMI_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"}, &size_name)) {
+            WEFT_CHECK(to_int(*size, size_name) <= 1,
+                       size_name << "=" << *size << " says this process is one of several that a launcher weft "
+                                 << "does not read started (MPICH, Intel MPI, MVAPICH2); start them with weftrun, "
+                                    "torchrun, Open MPI's mpirun or srun, or set RANK, WORLD_SIZE, LOCAL_RANK, "
+                                    "LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each");
+        }
         return std::nullopt;
     }
     if (const std::string* token = find(vars, "WEFT_JOB_TOKEN")) env->job_token = *token;

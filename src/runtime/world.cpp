@@ -26,6 +26,7 @@
 #include "weft/runtime/in_process_store.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/module_loading.hpp"
+#include "weft/runtime/trace.hpp"
 
 namespace weft {
 
@@ -173,17 +174,20 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         // Settings every rank must share (compared below, naming the variable).
         {"virtual_nodes", std::to_string(c.virtual_nodes)},
         {"sm_budget_request", setup.options.sm_budget > 0 ? std::to_string(setup.options.sm_budget)
-                                                          : env::get("WEFT_SM_BUDGET").value_or("")}};
+                                                          : env::get("WEFT_SM_BUDGET").value_or("")},
+        // Tracing gathers every rank's events at shutdown (a collective): on on some ranks only, it would stall it.
+        {"trace", trace_path_from_env() ? "on" : "off"}};
     if (c.rank == 0) mine["job"] = detail::random_hex_id();
     // On the store the World was given; every later key is under this World's own prefix (below).
     auto blobs = c.store->all_gather("weft/init", c.rank, c.num_ranks, encode_fields(mine), init_timeout);
     std::vector<uint64_t> heap_requests;
     uint64_t heap_granularity = 0;
-    std::vector<std::string> virtual_nodes, sm_budget_requests;
+    std::vector<std::string> virtual_nodes, sm_budget_requests, traces;
     for (int r = 0; r < c.num_ranks; ++r) {
         auto fields = decode_fields(blobs[static_cast<size_t>(r)], r);
         virtual_nodes.push_back(field(fields, "virtual_nodes", r));
         sm_budget_requests.push_back(field(fields, "sm_budget_request", r));
+        traces.push_back(field(fields, "trace", r));
         detail::RankInfo info;
         info.host = field(fields, "host", r);
         info.pci_bus_id = field(fields, "pci", r);
@@ -221,7 +225,8 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     // The node layout and the SM split must be the same on every rank (teams, fused ops' tile counts).
     for (const auto& [values, what] :
          {std::pair{&virtual_nodes, "WEFT_VIRTUAL_NODES (or WorldOptions::virtual_nodes; resolved: 1 = none)"},
-          std::pair{&sm_budget_requests, "WEFT_SM_BUDGET (or WorldOptions::sm_budget; empty: unset)"}}) {
+          std::pair{&sm_budget_requests, "WEFT_SM_BUDGET (or WorldOptions::sm_budget; empty: unset)"},
+          std::pair{&traces, "WEFT_TRACE (set or not)"}}) {
         for (int r = 1; r < c.num_ranks; ++r) {
             WEFT_CHECK((*values)[static_cast<size_t>(r)] == (*values)[0],
                        what << " differs across ranks: rank 0 has '" << (*values)[0] << "', rank " << r << " '"

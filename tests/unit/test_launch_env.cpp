@@ -229,6 +229,15 @@ TEST(LaunchEnv, OpenMpiInconsistentValuesNameTheVariable) {
     expect_error_naming(v, {"MASTER_ADDR"});  // two hosts, no address
 }
 
+TEST(LaunchEnv, LaunchersWeftDoesNotReadAreRefusedNotTakenAsOneRank) {
+    for (const char* name : {"PMI_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"}) {
+        Vars v = {{name, "4"}, {"PMI_RANK", "1"}};
+        expect_error_naming(v, {name, "weftrun"});
+        v[name] = "1";  // one process: nothing to meet
+        EXPECT_FALSE(parse_launch_env(v).has_value()) << name;
+    }
+}
+
 TEST(LaunchEnv, SlurmSingleNode) {
     Vars v = {{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "2"}, {"SLURM_NNODES", "1"},
               {"SLURM_JOB_ID", "98765"}, {"SLURM_STEP_ID", "0"}};

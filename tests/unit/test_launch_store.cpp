@@ -192,6 +192,14 @@ TEST(LaunchStore, SeveralHostsMeetOverTcpNeverOnMasterPort) {
         ASSERT_NE(port, derived) << e.job_id;
         ASSERT_TRUE(port >= 20000 && port <= 32767) << port;
     }
+    // Without the job's secret every rank refuses at once (rank 0 could not listen; the others would wait for it).
+    for (int rank : {0, 9}) {
+        LaunchEnv e = env;
+        e.rank = rank;
+        e.job_token.clear();
+        EXPECT_TRUE(contains(error_of([&] { detail::make_launch_store(e, 0, milliseconds(100)); }), "WEFT_JOB_TOKEN"))
+            << rank;
+    }
     // WEFT_STORE_PORT, when set, is the port.
     v["WEFT_STORE_PORT"] = "31999";
     EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 0).port, 31999);
