@@ -117,9 +117,7 @@ LaunchEnv parse_torchrun(const VarMap& vars) {
     e.master_port = master_port(vars);
     WEFT_CHECK(e.master_port != 0 || e.num_ranks == 1,
                "MASTER_PORT must be set for a job of " << e.num_ranks << " ranks (it names the job), but it is not");
-    const bool loopback_master = e.master_addr.empty() || e.master_addr == "localhost" ||
-                                 e.master_addr.rfind("127.", 0) == 0 || e.master_addr == "::1";
-    if (local_size == nullptr && e.num_ranks > 1 && !loopback_master) {
+    if (local_size == nullptr && e.num_ranks > 1 && !is_loopback_name(e.master_addr)) {
         WEFT_LOG_WARN("LOCAL_WORLD_SIZE is not set: weft takes all "
                       << e.num_ranks << " ranks to run on this host (MASTER_ADDR " << e.master_addr
                       << "); a job across hosts must set LOCAL_WORLD_SIZE and LOCAL_RANK, or its ranks on other "
@@ -264,6 +262,10 @@ LaunchEnv parse_slurm(const VarMap& vars) {
 
 int derived_master_port(const std::string& key) {
     return 20000 + static_cast<int>(detail::stable_hash64(key) % 12768u);
+}
+
+bool is_loopback_name(const std::string& host) {
+    return host.empty() || host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }
 
 std::string first_slurm_host(const std::string& host_list) {

@@ -80,8 +80,7 @@ namespace {
 RendezvousOptions launch_store_options(const LaunchEnv& env, const LaunchStoreAddress& where, milliseconds timeout) {
     // Across hosts the store listens on a network address, which needs the job's secret: every rank says so at once
     // (rank 0's store would refuse to listen without it, and the others would wait for it until the timeout).
-    const bool loopback = where.host == "localhost" || where.host.rfind("127.", 0) == 0 || where.host == "::1";
-    WEFT_CHECK(!where.unix_socket.empty() || loopback || !env.job_token.empty(),
+    WEFT_CHECK(!where.unix_socket.empty() || is_loopback_name(where.host) || !env.job_token.empty(),
                "the ranks of this job span hosts (" << env.local_num_ranks << " of " << env.num_ranks
                                                     << " on this one) and meet at a store on " << where.host
                                                     << ", which needs WEFT_JOB_TOKEN (the same secret on every rank; "

@@ -10,11 +10,12 @@
 
 #include <atomic>
 #include <chrono>
-#include <thread>
 #include <cstdio>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -162,19 +163,25 @@ TEST(CollectivesErrors, AClearedAbortRetiresTheWorkspaceMadeBeforeIt) {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
     WorldOptions options = test_options(256ull << 20);
     options.heartbeat = std::chrono::milliseconds(200);  // the abort reaches the other rank quickly
+    // One all_reduce on a stream of the rank's own (ranks may share the GPU: not the legacy stream, which would
+    // serialise them), checked; returns the stream and the buffer for what follows.
+    const auto all_reduce_once = [](World& w) {
+        cudaStream_t s = nullptr;
+        WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        auto* buf = static_cast<float*>(w.heap().alloc(1024 * sizeof(float)));
+        ops::all_reduce(w, TensorView(buf, DType::kF32, {1024}), TensorView(buf, DType::kF32, {1024}), s);
+        w.sync_and_check(s);
+        w.barrier();
+        return std::pair{s, buf};
+    };
     std::mutex mutex;
     std::vector<std::string> messages;
     run_ranks(
         2,
         [&](World& w) {
             ops::prepare_collectives(w);
-            cudaStream_t s = nullptr;  // ranks may share the GPU: not the legacy stream, which would serialise them
-            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-            auto* buf = static_cast<float*>(w.heap().alloc(1024 * sizeof(float)));
+            const auto [s, buf] = all_reduce_once(w);
             const TensorView v(buf, DType::kF32, {1024});
-            ops::all_reduce(w, v, v, s);
-            w.sync_and_check(s);
-            w.barrier();
             if (w.rank() == 0) w.abort("the test's abort");
             std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // it reached every rank
             EXPECT_TRUE(w.aborted());
@@ -206,13 +213,7 @@ TEST(CollectivesErrors, AClearedAbortRetiresTheWorkspaceMadeBeforeIt) {
     run_ranks(
         2,
         [&](World& w) {
-            cudaStream_t s = nullptr;
-            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-            auto* buf = static_cast<float*>(w.heap().alloc(1024 * sizeof(float)));
-            const TensorView v(buf, DType::kF32, {1024});
-            ops::all_reduce(w, v, v, s);
-            w.sync_and_check(s);
-            w.barrier();
+            const auto [s, buf] = all_reduce_once(w);
             w.heap().free(buf);
             WEFT_CUDA_CHECK(cudaStreamDestroy(s));
         },

@@ -56,4 +56,8 @@ int derived_master_port(const std::string& key);
 /// The first host name of a Slurm host list: "gpu[03-05,9],cpu1" -> "gpu03". Throws on an empty list.
 std::string first_slurm_host(const std::string& host_list);
 
+/// Whether `host` names this host's loopback by its text alone ("", "localhost", "127.*", "::1"): what a launch
+/// environment's MASTER_ADDR says about the job staying on one host.
+bool is_loopback_name(const std::string& host);
+
 }  // namespace weft
