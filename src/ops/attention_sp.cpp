@@ -61,14 +61,15 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
     if (plan.empty) return;
     detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team);
     // As the other collectives: this GPU's memory, refused before any rank's kernels launch on it.
-    for (const auto& [view, what] : {std::pair{&q, "q"}, std::pair{&k_cache, "k_cache"}, std::pair{&v_cache, "v_cache"},
-                                     std::pair{&block_table, "block_table"}, std::pair{&seq_lens, "seq_lens"},
-                                     std::pair{&out, "out"}, std::pair{&lse, "lse"}}) {
-        if (view->data == nullptr || view->numel() == 0) continue;
-        if (!ws.symmetric(view->data, static_cast<uint64_t>(view->size_bytes()))) {
-            detail::check_device_pointer(view->data, what, "sp_decode_attention", stream);
-        }
-    }
+    detail::check_device_buffers(team.world().heap(),
+                                 {{"q", q},
+                                  {"k_cache", k_cache},
+                                  {"v_cache", v_cache},
+                                  {"block_table", block_table},
+                                  {"seq_lens", seq_lens},
+                                  {"out", out},
+                                  {"lse", lse}},
+                                 "sp_decode_attention", stream);
     const int64_t batch = plan.params.batch;
     const int64_t heads = plan.params.num_q_heads;
     const int64_t dim = plan.config.head_dim;

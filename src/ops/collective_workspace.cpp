@@ -164,6 +164,15 @@ void check_device_pointer(const void* ptr, const char* what, const char* op, cud
     }
 }
 
+void check_device_buffers(const SymmetricHeap& heap, std::initializer_list<NamedView> views, const char* op,
+                          cudaStream_t stream) {
+    for (const NamedView& v : views) {
+        const auto bytes = static_cast<uint64_t>(v.view.size_bytes());
+        if (bytes == 0 || heap.contains(v.view.data, bytes)) continue;
+        check_device_pointer(v.view.data, v.name, op, stream);
+    }
+}
+
 CollectiveHeapSizes CollectiveHeapSizes::make(int num_ranks, uint64_t staging_region_bytes,
                                               const CollectiveTopology& topo) {
     const auto n = static_cast<uint64_t>(num_ranks);

@@ -4,12 +4,14 @@
 
 #include <array>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
 #include <cuda_runtime_api.h>
 
 #include "abort_mark.hpp"
+#include "views_overlap.hpp"
 #include "weft/common/all_to_all.hpp"
 #include "weft/common/collectives.hpp"
 #include "weft/common/device_ctx.hpp"
@@ -127,6 +129,11 @@ private:
 /// Throws weft::Error unless `ptr` is device memory (or managed memory). Skipped while `stream` is being captured
 /// (the query is not a stream operation, and a graph's pointers were checked when its ops were first called).
 void check_device_pointer(const void* ptr, const char* what, const char* op, cudaStream_t stream);
+
+/// A call's user buffers, each named: check_device_pointer on every one that is neither empty nor on `heap` (the
+/// symmetric heap's buffers are this GPU's memory by construction).
+void check_device_buffers(const SymmetricHeap& heap, std::initializer_list<NamedView> views, const char* op,
+                          cudaStream_t stream);
 
 /// ops::all_reduce with `output` taken as the caller's own memory wherever it lives: peers never read it (a two-shot
 /// reduces into staging, not into a symmetric output), so ranks may pass outputs on the heap or off it, at any offset.

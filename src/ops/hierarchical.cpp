@@ -67,12 +67,7 @@ net::HostBackend& backend(const Team& team) {
 // directly), checked before anything is enqueued, as the one-node collectives check theirs. Symmetric-heap buffers are.
 void check_user_buffers(const Team& team, const char* op, const TensorView& input, const TensorView& output,
                         cudaStream_t stream) {
-    const SymmetricHeap& heap = team.world().heap();
-    for (const auto& [view, what] : {std::pair{&input, "input"}, std::pair{&output, "output"}}) {
-        const auto bytes = static_cast<uint64_t>(view->size_bytes());
-        if (bytes == 0 || heap.contains(view->data, bytes)) continue;
-        check_device_pointer(view->data, what, op, stream);
-    }
+    check_device_buffers(team.world().heap(), {{"input", input}, {"output", output}}, op, stream);
 }
 
 // A network call from begin_call to end_call. Declared after the call's scratch buffers: when the call throws part way
