@@ -3,6 +3,7 @@
 #   P/lib/libweft.a (or .so)                 the library, P's path written into it (weft-install-prefix)
 #   P/include/weft/...                       the public headers, the device layer included
 #   P/share/weft/kernels/<family>/...        the kernel templates the JIT compiles (+ kernels/ep/aot_specs.txt)
+#   P/share/weft/weft_gin_device_sm90a.fatbin  the GIN device library (when the GIN backend is built)
 #   P/bin/weftrun, weft-compile, weft-info   the tools (when built)
 #   P/lib/cmake/weft/                        weftConfig.cmake, weftConfigVersion.cmake, weftTargets.cmake
 # include/ and share/weft/kernels/ are fixed names: the JIT looks for exactly them (src/jit/paths.cpp).
@@ -17,8 +18,16 @@ install(TARGETS weft EXPORT weftTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/weft DESTINATION ${WEFT_INSTALL_INCLUDEDIR}
-        FILES_MATCHING PATTERN "*.hpp" PATTERN "*.cuh" PATTERN "*.h")
+if(WEFT_HAVE_NCCL_GIN)
+  install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/weft DESTINATION ${WEFT_INSTALL_INCLUDEDIR}
+          FILES_MATCHING PATTERN "*.hpp" PATTERN "*.cuh" PATTERN "*.h")
+  # The GIN device library JIT kernels link (weft::net::GinBackend::device_library() looks in P/share/weft/).
+  install(FILES ${CMAKE_BINARY_DIR}/lib/weft_gin_device_sm90a.fatbin DESTINATION share/weft)
+else()
+  # Without the GIN backend its header would declare functions the library does not define.
+  install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/weft DESTINATION ${WEFT_INSTALL_INCLUDEDIR}
+          FILES_MATCHING PATTERN "*.hpp" PATTERN "*.cuh" PATTERN "*.h" REGEX "/net/gin\\.hpp$" EXCLUDE)
+endif()
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/kernels/ DESTINATION ${WEFT_INSTALL_KERNELSDIR}
         FILES_MATCHING PATTERN "*.cuh" PATTERN "*.hpp" PATTERN "*.h" PATTERN "*.txt")
 

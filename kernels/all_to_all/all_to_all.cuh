@@ -19,9 +19,12 @@ using common::BlockState;
 ///   staged (kCollectiveStageInput): copy part b of this rank's chunk for q from `in` into this epoch's staging half
 ///     at kAllToAllHeaderBytes + t.source_offset[q];
 ///   publish the heap offset of its chunk for q (in the staging half or in `src`) into slot `rank` of q's staging
-///     header (every block writes the same value, so that its own barrier orders it for the peer block that reads it);
-/// meet block b of every rank; then, for every peer q, copy part b of q's chunk for this rank (t.recv_bytes[q] bytes
-/// at the heap offset q published: ranks may differ in staging or not) into `out` at t.recv_offset[q]. With a user
+///     header, and its size into slot kMaxAllToAllRanks + rank (every block writes the same values, so that its own
+///     barrier orders them for the peer block that reads them);
+/// meet block b of every rank; check every peer's published size against t.recv_bytes[q] (a difference: a
+/// kAllToAllCounts diagnostic, the abort word raised, and the block ends before it reads anything); then, for every
+/// peer q, copy part b of q's chunk for this rank (t.recv_bytes[q] bytes at the heap offset q published: ranks may
+/// differ in staging or not) into `out` at t.recv_offset[q]. With a user
 /// `src` (direct) on any rank the peers read that rank's buffer until they are done: meet again before returning
 /// (kCollectiveExitBarrier, then set on every rank). Parts are split the same way on both sides (same byte count,
 /// same grid).
@@ -52,10 +55,23 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
     uint8_t* const heap_base = ctx.peer_bases[me];
     const auto source_at = static_cast<uint64_t>(source - heap_base);
     for (int q = static_cast<int>(threadIdx.x); q < n; q += static_cast<int>(blockDim.x)) {
-        ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(device::symm_at_or_trap(ctx, header + me, q, __LINE__),
-                                                      source_at + t.source_offset[q]);
+        uint64_t* const theirs = device::symm_at_or_trap(ctx, header, q, __LINE__);
+        ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(theirs + me, source_at + t.source_offset[q]);
+        ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(theirs + kMaxAllToAllRanks + me, t.send_bytes[q]);
     }
     st.enter();
+    // Counts that differ across a pair (all_to_all_v's contract; equal splits agree by the descriptor check): the
+    // receiver's own count would read past the sender's chunk, even past its heap. Checked before any read.
+    bool counts_agree = true;
+    for (int q = static_cast<int>(threadIdx.x); q < n; q += static_cast<int>(blockDim.x)) {
+        const uint64_t sent = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(header + kMaxAllToAllRanks + q);
+        if (sent != t.recv_bytes[q]) {
+            counts_agree = false;
+            device::record_failure(ctx, device::SpinSite{SpinKind::kAllToAllCounts, q, __LINE__}, Cmp::kEq,
+                                   header + kMaxAllToAllRanks + q, t.recv_bytes[q], sent, 0, false);
+        }
+    }
+    device::exit_unless(device::Block{}.all(counts_agree));
     auto* out = static_cast<uint8_t*>(p.out);
     for (int k = 0; k < n; ++k) {
         const int q = (me + k) % n;  // rotated: the ranks spread their reads over different peers

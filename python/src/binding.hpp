@@ -60,9 +60,18 @@ struct PyWorld {
     explicit PyWorld(std::unique_ptr<World> world) : h(std::make_shared<WorldHandle>()) {
         h->world = std::move(world);
     }
-    /// Collective. The Python layer closes Worlds explicitly; a World dropped open is destroyed here, GIL held.
+    /// Collective. The Python layer closes Worlds explicitly; a World dropped open is destroyed here, the GIL
+    /// released (its watchdog's store calls may need it: a torch store), except while the interpreter finalises
+    /// (the World is then left to the process's exit).
     ~PyWorld() {
-        if (h && h->world && h->live_objects == 0) h->world.reset();
+        if (!h || !h->world || h->live_objects != 0) return;
+        if (Py_IsFinalizing()) {
+            (void)h->world.release();
+            return;
+        }
+        std::unique_ptr<World> world = std::move(h->world);
+        nb::gil_scoped_release release;
+        world.reset();
     }
     void close() {
         if (!h->world) return;

@@ -293,6 +293,15 @@ NB_MODULE(_weft, m) {
             "store"_a, "rank"_a, "num_ranks"_a, "local_rank"_a = -1, "local_num_ranks"_a = 0, "key_prefix"_a = "weft",
             "device"_a = -1, "heap_bytes"_a = 0, "sm_budget"_a = 0, "timeout_ms"_a = 0, nb::rv_policy::take_ownership)
         .def("close", &PyWorld::close)
+        .def(
+            "abort",
+            [](PyWorld& w, const std::string& reason) {
+                World& world = w.h->get();
+                nb::gil_scoped_release release;
+                world.abort(reason);
+            },
+            "reason"_a)
+        .def_prop_ro("aborted", [](const PyWorld& w) { return w.h->world != nullptr && w.h->world->aborted(); })
         .def_prop_ro("closed", [](const PyWorld& w) { return w.h->world == nullptr; })
         .def_prop_ro("live_objects", [](const PyWorld& w) { return w.h->live_objects; })
         .def_prop_ro("rank", [](const PyWorld& w) { return w.h->get().rank(); })
@@ -303,23 +312,38 @@ NB_MODULE(_weft, m) {
         .def_prop_ro("sm_budget", [](const PyWorld& w) { return w.h->get().sm_budget(); })
         .def_prop_ro("num_ranks_on_device", [](const PyWorld& w) { return w.h->get().num_ranks_on_device(); })
         .def_prop_ro("timeout_ms", [](const PyWorld& w) { return static_cast<int64_t>(w.h->get().timeout().count()); })
-        .def("barrier", [](PyWorld& w) { w.h->get().barrier(); }, Release())
-        .def("sync_and_check", [](PyWorld& w, uintptr_t stream) { w.h->get().sync_and_check(as_stream(stream)); },
-             "stream"_a, Release())
+        .def(
+            "barrier", [](PyWorld& w) { w.h->get().barrier(); }, Release())
+        .def(
+            "sync_and_check", [](PyWorld& w, uintptr_t stream) { w.h->get().sync_and_check(as_stream(stream)); },
+            "stream"_a, Release())
         .def("check_diagnostics", [](PyWorld& w) { w.h->get().check_diagnostics(); })
         // The symmetric heap (collective alloc and free: every rank, same arguments, same order).
-        .def("alloc", [](PyWorld& w, uint64_t bytes, uint64_t align) {
-                 return reinterpret_cast<uintptr_t>(w.h->get().heap().alloc(bytes, align));
-             }, "bytes"_a, "align"_a = 256, Release())
-        .def("free", [](PyWorld& w, uintptr_t ptr) { w.h->get().heap().free(reinterpret_cast<void*>(ptr)); }, "ptr"_a,
-             Release())
-        .def("heap_contains", [](const PyWorld& w, uintptr_t ptr, uint64_t bytes) {
-                 return w.h->get().heap().contains(reinterpret_cast<const void*>(ptr), bytes);
-             }, "ptr"_a, "bytes"_a = 1)
+        .def(
+            "alloc",
+            [](PyWorld& w, uint64_t bytes, uint64_t align) {
+                return reinterpret_cast<uintptr_t>(w.h->get().heap().alloc(bytes, align));
+            },
+            "bytes"_a, "align"_a = 256, Release())
+        .def(
+            "free", [](PyWorld& w, uintptr_t ptr) { w.h->get().heap().free(reinterpret_cast<void*>(ptr)); }, "ptr"_a,
+            Release())
+        .def(
+            "heap_contains",
+            [](const PyWorld& w, uintptr_t ptr, uint64_t bytes) {
+                return w.h->get().heap().contains(reinterpret_cast<const void*>(ptr), bytes);
+            },
+            "ptr"_a, "bytes"_a = 1)
         .def_prop_ro("heap_bytes", [](const PyWorld& w) { return w.h->get().heap().bytes(); })
         .def_prop_ro("heap_bytes_in_use", [](const PyWorld& w) { return w.h->get().heap().bytes_in_use(); })
-        .def("team", [](PyWorld& w) { return PyTeam{w.h, w.h->get().team()}; })
-        .def("node_team", [](PyWorld& w) { return PyTeam{w.h, w.h->get().node_team()}; })
+        .def("team",
+             [](PyWorld& w) {
+                 return PyTeam{w.h, w.h->get().team()};
+             })
+        .def("node_team",
+             [](PyWorld& w) {
+                 return PyTeam{w.h, w.h->get().node_team()};
+             })
         .def("prepare_collectives", [](PyWorld& w) {
             ops::CollectiveWorkspaceInfo info;
             {

@@ -114,3 +114,37 @@ def test_finalize_closes_the_newest_first_then_the_world():
     with pytest.raises(weft.Error, match="b refused"):
         weft.finalize()
     assert order == ["c", "b", "a", "world"] and not weft.is_initialized()
+
+
+def test_exit_after_an_uncaught_exception_aborts_the_world_before_closing(monkeypatch):
+    from weft import _runtime
+
+    order = []
+
+    class FakeWorld:
+        num_ranks = 2
+        closed = False
+
+        def abort(self, reason):
+            order.append("abort: " + reason)
+
+        def close(self):
+            order.append("world")
+
+    class Closable:
+        def close(self):
+            order.append("op")
+
+    monkeypatch.setattr(sys, "last_exc", ValueError("bad shape on this rank"), raising=False)
+    # An ordinary finalize (not at exit) does not abort, whatever an earlier exception left in sys.
+    _runtime._state = _runtime._State(FakeWorld(), None, None)
+    weft.finalize()
+    assert order == ["world"]
+
+    order.clear()
+    _runtime._state = _runtime._State(FakeWorld(), None, None)
+    _runtime._state.objects.append(Closable())
+    monkeypatch.setattr(_runtime, "_exiting", False)
+    _runtime._finalize_at_exit()
+    assert order == ["abort: it is exiting on an uncaught exception: ValueError: bad shape on this rank", "op", "world"]
+    assert not weft.is_initialized()

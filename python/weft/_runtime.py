@@ -102,6 +102,15 @@ def finalize():
         state, _state = _state, None
     if state is None:
         return
+    # At exit after an uncaught exception this rank is leaving on an error: its peers may be inside a call with it,
+    # waiting on the device for what it will not send. Abort first: they stop at their next heartbeat, this rank
+    # named, instead of at their timeout (the closes and the World's last barrier below still meet them).
+    uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if uncaught is not None and _exiting and not sys.flags.interactive and not state.world.closed:
+        try:
+            state.world.abort(f"it is exiting on an uncaught exception: {type(uncaught).__name__}: {uncaught}")
+        except Exception:  # noqa: BLE001 -- closing follows all the same
+            pass
     first_error = None
     for obj in reversed(list(state.objects)):  # the newest first: handles before the buffers they came from
         try:
@@ -120,7 +129,16 @@ def finalize():
             raise first_error
 
 
-atexit.register(finalize)
+_exiting = False
+
+
+def _finalize_at_exit():
+    global _exiting
+    _exiting = True
+    finalize()
+
+
+atexit.register(_finalize_at_exit)
 
 
 def is_initialized():

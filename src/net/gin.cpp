@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "weft/detail/install_prefix.hpp"
 #include "weft/detail/nccl_library.hpp"
 #include "weft/runtime/driver.hpp"
 #include "weft/runtime/env.hpp"
@@ -204,6 +205,13 @@ std::string GinBackend::device_library() {
         tried.push_back(WEFT_GIN_DEVICE_LIBRARY_BUILD_PATH);
     }
 #endif
+    // Where `cmake --install` put it: <prefix>/share/weft/ (the prefix written into the installed library).
+    if (const std::string prefix = weft::detail::installed_prefix(); !prefix.empty()) {
+        std::error_code ec;
+        const fs_path candidate = fs_path(prefix) / "share" / "weft" / kGinDeviceLibraryName;
+        if (std::filesystem::is_regular_file(candidate, ec)) return candidate.string();
+        tried.push_back(candidate.string());
+    }
     std::ostringstream os;
     for (const auto& t : tried) os << " " << t;
     WEFT_FAIL("weft's GIN device library (weft_gin_device_sm90a.fatbin, built with libweft by nvcc) was not found; "

@@ -145,6 +145,7 @@ void run_all_to_all(const Team& team, const TensorView& input, std::span<const i
     const int n = team.num_ranks();
     if (n == 1) {
         (void)detail::plan_all_to_all(input, send_counts, output, recv_counts, 1, equal, true, 0, 0);
+        detail::check_device_buffers(team.world().heap(), {{"input", input}, {"output", output}}, op, stream);
         if (input.size_bytes() > 0) {
             WEFT_CUDA_CHECK(cudaMemcpyAsync(output.data, input.data, static_cast<size_t>(input.size_bytes()),
                                             cudaMemcpyDeviceToDevice, stream));
@@ -284,7 +285,7 @@ bool bytes_overlap(const TensorView& x, const TensorView& y) {
 namespace detail {
 
 void check_ulysses_args(const TensorView& input, const TensorView& output, const TensorView& scratch, int num_ranks,
-                        bool seq_to_head) {
+                        bool seq_to_head, int num_nodes) {
     const char* op = seq_to_head ? "ulysses_seq_to_head" : "ulysses_head_to_seq";
     (void)ulysses_shape(seq_to_head ? input : output, seq_to_head ? output : input, scratch, num_ranks, op);
     WEFT_CHECK(input.numel() == 0 || (input.data != nullptr && output.data != nullptr),
@@ -294,7 +295,9 @@ void check_ulysses_args(const TensorView& input, const TensorView& output, const
                op << ": scratch must overlap neither input nor output, got scratch " << scratch.data << " ("
                   << scratch.size_bytes() << " bytes), input " << input.data << " (" << input.size_bytes()
                   << " bytes), output " << output.data << " (" << output.size_bytes() << " bytes)");
-    // The all-to-all's own checks on the views it is given, before the permutation writes anything.
+    // The all-to-all's own checks on the views it is given, before the permutation writes anything (across nodes the
+    // all-to-all has no bound on the rank count, and checks its views itself).
+    if (num_nodes > 1) return;
     const TensorView send(seq_to_head ? scratch.data : input.data, input.dtype, {input.numel()});
     const TensorView recv(seq_to_head ? output.data : scratch.data, input.dtype, {input.numel()});
     (void)plan_all_to_all(send, {}, recv, {}, num_ranks, true, true, 0);
@@ -315,7 +318,9 @@ void ulysses_seq_to_head(const Team& team, const TensorView& input, const Tensor
                          cudaStream_t stream) {
     team.require_member("ulysses_seq_to_head");
     const int n = team.num_ranks();
-    detail::check_ulysses_args(input, output, scratch, n, true);
+    detail::check_ulysses_args(input, output, scratch, n, true, team.num_nodes());
+    detail::check_device_buffers(team.world().heap(), {{"input", input}, {"output", output}, {"scratch", scratch}},
+                                 "ulysses_seq_to_head", stream);
     const UlyssesShape u = ulysses_shape(input, output, scratch, n, "ulysses_seq_to_head");
     ulysses_permute(u, n, scratch.data, input.data, true, stream);
     // Chunk q of scratch (my tokens, q's heads) goes to rank q, landing at rows [rank S/W, (rank + 1) S/W) there.
@@ -327,7 +332,9 @@ void ulysses_head_to_seq(const Team& team, const TensorView& input, const Tensor
                          cudaStream_t stream) {
     team.require_member("ulysses_head_to_seq");
     const int n = team.num_ranks();
-    detail::check_ulysses_args(input, output, scratch, n, false);
+    detail::check_ulysses_args(input, output, scratch, n, false, team.num_nodes());
+    detail::check_device_buffers(team.world().heap(), {{"input", input}, {"output", output}, {"scratch", scratch}},
+                                 "ulysses_head_to_seq", stream);
     const UlyssesShape u = ulysses_shape(output, input, scratch, n, "ulysses_head_to_seq");
     // Chunk q of input (q's tokens, my heads) goes to rank q; chunk q received is my tokens of q's heads.
     all_to_all(team, TensorView(input.data, input.dtype, {input.numel()}),

@@ -448,7 +448,10 @@ const CollectiveWorkspaceInfo& prepare_collectives(const Team& team) {
 const CollectiveWorkspaceInfo& prepare_collectives(World& world) { return prepare_collectives(world.team()); }
 
 uint64_t collective_workspace_heap_bytes(int num_ranks) {
-    WEFT_CHECK(num_ranks >= 1, "collective_workspace_heap_bytes: num_ranks must be >= 1, got " << num_ranks);
+    WEFT_CHECK(num_ranks >= 1 && collective_rank_bucket(num_ranks) > 0,
+               "collective_workspace_heap_bytes: num_ranks must be in [1, 64] (the collectives' team size on one "
+               "node), got "
+                   << num_ranks);
     if (num_ranks == 1) return 0;  // one rank: the ops copy, the workspace allocates nothing
     return detail::CollectiveHeapSizes::make(num_ranks, detail::staging_region_from_env(), CollectiveTopology{})
         .bytes();

@@ -70,6 +70,18 @@ void check_user_buffers(const Team& team, const char* op, const TensorView& inpu
     check_device_buffers(team.world().heap(), {{"input", input}, {"output", output}}, op, stream);
 }
 
+// A node stage's all_gather into weft's own scratch (never on the heap): the automatic algorithm for an output off
+// the heap, whatever WEFT_ALLGATHER_ALGO forces for the user's calls (sm_push and ce_push write into symmetric
+// outputs only, and a forced one would refuse here, part way through a call).
+void node_all_gather(const Team& node, const TensorView& input, const TensorView& output, cudaStream_t stream) {
+    AllGatherOptions options;
+    if (node.num_ranks() > 1) {
+        options.algo = select_all_gather_algo(static_cast<uint64_t>(input.size_bytes()),
+                                              CollectiveWorkspace::get(node).topology(), /*output_symmetric=*/false);
+    }
+    all_gather(node, input, output, stream, options);
+}
+
 // A network call from begin_call to end_call. Declared after the call's scratch buffers: when the call throws part way
 // (a node stage's argument error), end_call still joins the comm stream's queued steps to `stream` before the scratch
 // is freed in stream order, and before the next call's begin_call zeroes the flags. (Every comm-stream wait is for a
@@ -128,7 +140,7 @@ void hierarchical_all_gather(const Team& team, const TensorView& input, const Te
         uint8_t* packed = column.get() + n * begin;
         uint8_t* all = gathered.get() + l * n * begin;
         net.wait_arrived(stream, static_cast<int>(c));
-        all_gather(net.node_team(), bytes_view(packed, n * len), bytes_view(all, l * n * len), stream);
+        node_all_gather(net.node_team(), bytes_view(packed, n * len), bytes_view(all, l * n * len), stream);
         for (int i = 0; i < per_node; ++i) {
             for (int m = 0; m < num_nodes; ++m) {
                 const auto t = static_cast<uint64_t>(net.team_rank_at(m, i));
@@ -205,8 +217,8 @@ void hierarchical_all_reduce(const Team& team, const TensorView& input, const Te
     const auto gather = [&](size_t c) {
         const uint64_t begin = chunks[c].begin, p = padded(chunks[c]);
         net.wait_arrived(stream, static_cast<int>(c));
-        all_gather(net.node_team(), elems_view(slices.get() + begin / l * es, dtype, p / l),
-                   elems_view(gathered.get() + begin * es, dtype, p), stream);
+        node_all_gather(net.node_team(), elems_view(slices.get() + begin / l * es, dtype, p / l),
+                        elems_view(gathered.get() + begin * es, dtype, p), stream);
         copy(out + begin * es, gathered.get() + begin * es, chunks[c].count * es, stream);
     };
     for (size_t c = 0; c < chunks.size(); ++c) {

@@ -27,6 +27,8 @@ const char* spin_kind_name(SpinKind kind) {
             return "collective_mismatch";
         case SpinKind::kCollectiveEpoch:
             return "collective_epoch";
+        case SpinKind::kAllToAllCounts:
+            return "all_to_all_counts";
     }
     return "an unknown spin";
 }
@@ -151,6 +153,14 @@ std::string format_diagnostic(const Diagnostic& d) {
            << describe_call_descriptor(d.observed)
            << "; every rank must make the same collective calls in the same order, with the same shape, "
               "dtype and algorithm, and pass symmetric buffers on all ranks or on none (same allocation)";
+        if (d.line > 0) os << " (source line " << d.line << ")";
+        return os.str();
+    }
+    if (d.kind == SpinKind::kAllToAllCounts) {
+        os << "rank " << d.rank << " block (" << d.block_x << "," << d.block_y << "," << d.block_z
+           << "): all_to_all_v counts differ: rank " << d.rank << " expects " << d.expected << " bytes from rank "
+           << d.peer << ", which sends it " << d.observed << " bytes; rank q's send_counts[r] must equal rank r's "
+           << "recv_counts[q] (team ranks); this rank read nothing from it";
         if (d.line > 0) os << " (source line " << d.line << ")";
         return os.str();
     }

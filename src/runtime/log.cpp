@@ -159,7 +159,14 @@ void set_log_levels(const LogLevels& levels) {
 void set_log_rank(int rank) { t_log_rank = rank; }
 int log_rank() { return t_log_rank; }
 
+// A sink replaced from inside itself (its own thread holds g_log_mutex, and the sink runs): installed when it returns.
+thread_local std::optional<LogSink> t_sink_replacement;
+
 void set_log_sink(LogSink sink) {
+    if (t_in_sink) {
+        t_sink_replacement = std::move(sink);
+        return;
+    }
     std::lock_guard<std::mutex> lock(g_log_mutex);
     g_sink = std::move(sink);
 }
@@ -185,6 +192,10 @@ void log_line(LogSubsystem subsystem, LogLevel level, std::string_view message) 
                      message.data());
     }
     t_in_sink = false;
+    if (t_sink_replacement) {
+        g_sink = std::move(*t_sink_replacement);
+        t_sink_replacement.reset();
+    }
 }
 
 }  // namespace weft

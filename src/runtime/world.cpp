@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <random>
@@ -325,7 +326,16 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
                           << c.dead_peer.count() << " ms");
 }
 
-World::~World() { shutdown(); }
+World::~World() {
+    if (ctx_ && std::uncaught_exceptions() > 0 && !aborted()) {
+        try {
+            abort("its World was destroyed while an exception propagated (the rank is leaving on an error)");
+        } catch (const std::exception& e) {
+            WEFT_LOG_WARN("aborting the World while leaving on an error failed: " << e.what());
+        }
+    }
+    shutdown();
+}
 
 // Order (docs/runtime.md): device sync, barrier, peers' mappings and descriptors, own heap, device tables
 // and pinned memory, then the store.

@@ -5,6 +5,8 @@
 //  - A peer killed mid-op (SIGKILL, while every rank's kernel waits for it): each survivor's sync_and_check throws
 //    within the bound, naming the dead rank and the signal it waited on, under a ten-minute device timeout; and the
 //    survivors' World destructors return.
+//  - A peer that leaves on an exception (its World destroyed while it propagates) while the other's kernel waits for
+//    it: the waiting rank's error names it within the bound, under a ten-minute device timeout.
 //  - A peer 15 s late, with the default timeouts: the collective (a signal its kernel raises, which the other's
 //    kernel waits for) succeeds.
 #include <gtest/gtest.h>
@@ -19,6 +21,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -43,6 +46,7 @@ constexpr const char* kChildFlag = "--weft-dist-child=";
 constexpr int kVictim = 2;             // the rank that dies (never child 0, which hosts the store)
 constexpr double kDeathBoundS = 30.0;  // a survivor's error, and its World's destruction, come within this
 constexpr int kLateS = 15;
+constexpr const char* kUnwindError = "rank 1's own bad argument";
 
 constexpr const char* kKernels = R"(
 using namespace weft;
@@ -138,6 +142,31 @@ int child_main(const std::string& spec) {
             if (message.find(hex(sigs + kVictim)) == std::string::npos) rc = fail("the error does not name the signal");
             if (error_s > kDeathBoundS) rc = fail("the error took longer than the bound");
             if (cudaGetLastError() != cudaSuccess) rc = fail("the CUDA context is not usable");
+        } else if (what == "unwind") {
+            // Rank 0's kernel waits for rank 1, which leaves on an exception of its own: its World, destroyed while
+            // the exception propagates, aborts, so rank 0's wait stops long before its ten-minute bound.
+            if (rank == 1) {
+                store->get("peers/launched/0", milliseconds(60000));
+                std::this_thread::sleep_for(milliseconds(500));  // rank 0's kernel is spinning
+                throw std::runtime_error(kUnwindError);
+            }
+            wait.launch(one_block, world->device_ctx(), static_cast<const uint64_t*>(sigs + 1), uint64_t{1});
+            WEFT_CUDA_CHECK(cudaGetLastError());
+            store->set("peers/launched/0", Bytes{1});
+            const auto start = Clock::now();
+            std::string message;
+            try {
+                world->sync_and_check(stream);
+            } catch (const std::exception& e) {
+                message = e.what();
+            }
+            error_s = seconds_since(start);
+            std::fprintf(stderr, "child unwind rank 0: error after %.3f s: %s\n", error_s, message.c_str());
+            if (message.find("rank 1 called World::abort: its World was destroyed while an exception propagated") ==
+                std::string::npos) {
+                rc = fail("the error does not name rank 1 leaving on an exception");
+            }
+            if (error_s > kDeathBoundS) rc = fail("the error took longer than the bound");
         } else {
             // Rank 1 is late; rank 0's kernel waits for it with the default timeout.
             const auto start = Clock::now();
@@ -161,7 +190,7 @@ int child_main(const std::string& spec) {
         std::fprintf(stderr, "child %s rank %d: World destroyed in %.3f s\n", scenario, rank, destroy_s);
         if (destroy_s > kDeathBoundS) rc = fail("the World's destructor took longer than the bound");
     } catch (const std::exception& e) {
-        rc = fail(e.what());
+        if (what != "unwind" || rank != 1 || std::string(e.what()) != kUnwindError) rc = fail(e.what());
     }
     // Child 0 hosts the store: it stays until every other survivor is done with it.
     try {
@@ -271,6 +300,17 @@ TEST(DistPeers, AKilledPeerIsNamedByEverySurvivorWithinTheBound) {
                 EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
                     << "survivor " << r << " failed its checks (its stderr says why)";
             }
+        }
+    });
+}
+
+TEST(DistPeers, APeerLeavingOnAnExceptionAbortsItsWorldSoThePeersStopAtOnce) {
+    on_rank_zero_of_two("unwind", [] {
+        const auto children = run_children("unwind", 2, std::chrono::seconds(120));
+        for (int r = 0; r < 2; ++r) {
+            const int status = children[static_cast<size_t>(r)].status;
+            EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+                << "child " << r << " failed its checks (its stderr says why)";
         }
     });
 }

@@ -408,6 +408,31 @@ TEST(CollectivesMismatch, AllToAllOfDifferentChunksThrowsOnEveryRank) {
             8192, both_calls("all_to_all (direct) of 4096 bytes", "all_to_all (direct) of 8192 bytes")});
 }
 
+// all_to_all_v's counts that disagree across the pair, both ways: rank 0 expects 7000 bytes from rank 1, which sends
+// it 6000; rank 1 expects 4000 from rank 0, which sends it 5000. Each receiver checks every sender's published size
+// before it reads anything (a larger count read past the sender's chunk).
+TEST(CollectivesMismatch, AllToAllVCountsThatDisagreeThrowOnEveryRankNamingBothCounts) {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    expect_mismatch_on_every_rank(
+        2, {[&](World& w, cudaStream_t s, uint8_t* in, uint8_t* out) {
+                const std::vector<int64_t> send =
+                    w.rank() == 0 ? std::vector<int64_t>{1000, 5000} : std::vector<int64_t>{6000, 1000};
+                const std::vector<int64_t> recv =
+                    w.rank() == 0 ? std::vector<int64_t>{1000, 7000} : std::vector<int64_t>{4000, 1000};
+                ops::all_to_all_v(w, TensorView(in, DType::kU8, {send[0] + send[1]}), send,
+                                  TensorView(out, DType::kU8, {recv[0] + recv[1]}), recv, s);
+            },
+            8192,
+            [](int r) {
+                return r == 0 ? std::vector<std::string>{"all_to_all_v counts differ",
+                                                         "rank 0 expects 7000 bytes from rank 1",
+                                                         "which sends it 6000 bytes"}
+                              : std::vector<std::string>{"all_to_all_v counts differ",
+                                                         "rank 1 expects 4000 bytes from rank 0",
+                                                         "which sends it 5000 bytes"};
+            }});
+}
+
 // ------------------------------------------------------------------------------------------------
 // Death-test scenarios: the child provokes the failure on 2 ranks, collects every rank's error, and exits 0 only if
 // one of them carries the expected diagnosis. An alarm bounds the child: a hang fails the test.

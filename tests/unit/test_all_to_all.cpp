@@ -196,6 +196,8 @@ TEST(AllToAllArgs, UlyssesChecksEveryArgumentFirst) {
     const TensorView scratch_many(at(0x300000), DType::kBF16, {many * 16});
     expect_error([&] { detail::check_ulysses_args(seq_many, head_many, scratch_many, many, true); },
                  "up to 64 ranks, got 65");
+    // A team over several nodes has no such bound (its node stages keep it).
+    EXPECT_NO_THROW(detail::check_ulysses_args(seq_many, head_many, scratch_many, many, true, 2));
 }
 
 }  // namespace

@@ -331,6 +331,25 @@ TEST(CollectivesEpoch, TheDiagnosticNamesTheCallTheEpochAndTheCause) {
     EXPECT_STREQ(spin_kind_name(SpinKind::kCollectiveEpoch), "collective_epoch");
 }
 
+TEST(AllToAllCounts, TheDiagnosticNamesBothCountsAndThePeer) {
+    Diagnostic d{};
+    d.claimed = 2;
+    d.kind = SpinKind::kAllToAllCounts;
+    d.cmp = Cmp::kEq;
+    d.rank = 1;
+    d.peer = 2;
+    d.block_x = 4;
+    d.expected = 7000;
+    d.observed = 5000;
+    d.line = 70;
+    const std::string m = format_diagnostic(d);
+    for (const char* word : {"rank 1 block (4,0,0)", "all_to_all_v counts differ", "expects 7000 bytes from rank 2",
+                             "sends it 5000 bytes", "read nothing", "source line 70"}) {
+        EXPECT_NE(m.find(word), std::string::npos) << "'" << word << "' not in: " << m;
+    }
+    EXPECT_STREQ(spin_kind_name(SpinKind::kAllToAllCounts), "all_to_all_counts");
+}
+
 TEST(CollectivesPartition, RankBucketsAndConfigValidity) {
     EXPECT_EQ(collective_rank_bucket(2), 8);
     EXPECT_EQ(collective_rank_bucket(8), 8);

@@ -714,6 +714,7 @@ TEST(EpFootprint, NodeCollectivesAreTheWorkspaceSizes) {
         EXPECT_EQ(collective_workspace_heap_bytes(2), 8 * signals + 3 * ((1ull << 20) + 256));
     }
     EXPECT_THROW((void)collective_workspace_heap_bytes(0), Error);
+    EXPECT_THROW((void)collective_workspace_heap_bytes(65), Error);
 }
 
 // The exchange allocations are their parts, back to back, each on a 256-byte boundary; the all_to_all path's parts are

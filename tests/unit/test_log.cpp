@@ -163,5 +163,21 @@ TEST(LogSink, ASinkThatLogsOrThrowsNeitherDeadlocksNorThrows) {
     EXPECT_EQ(calls, 3);  // the line logged inside the sink went to stderr, not to the sink
 }
 
+TEST(LogSink, ASinkReplacingItselfTakesEffectWhenItReturns) {
+    LogCapture capture("info");
+    std::vector<std::string> first, second;
+    set_log_sink([&](LogLevel, std::string_view, std::string_view line) {
+        first.emplace_back(line);
+        if (line == "hand over") {
+            set_log_sink([&](LogLevel, std::string_view, std::string_view l) { second.emplace_back(l); });
+            first.emplace_back("still running");  // this sink's state lives on until it returns
+        }
+    });
+    WEFT_LOG_INFO("hand over");
+    WEFT_LOG_INFO("after");
+    EXPECT_EQ(first, (std::vector<std::string>{"hand over", "still running"}));
+    EXPECT_EQ(second, std::vector<std::string>{"after"});
+}
+
 }  // namespace
 }  // namespace weft

@@ -9,9 +9,10 @@ namespace weft {
 /// The collectives' world-size limit (64 ranks): the table below has a row per possible peer.
 inline constexpr int kMaxAllToAllRanks = 64;
 
-/// Bytes at the start of an epoch's staging half that hold the peers' source offsets ([num_ranks] uint64, written by
-/// the peers before the entry barrier); staged data follows.
-inline constexpr uint64_t kAllToAllHeaderBytes = 8 * kMaxAllToAllRanks;
+/// Bytes at the start of an epoch's staging half that the peers write before the entry barrier: slot q (uint64) the
+/// heap offset of peer q's chunk for this rank, slot kMaxAllToAllRanks + q its size in bytes (the receiver checks it
+/// against its own recv count before it reads); staged data follows.
+inline constexpr uint64_t kAllToAllHeaderBytes = 16 * kMaxAllToAllRanks;
 
 /// One call's byte layout, passed by value beside CollectiveParams. Entry q concerns peer q.
 struct AllToAllTable {

@@ -13,7 +13,7 @@ enum class SpinKind : uint32_t {
     kBarrier = 2,
     kTileWait = 3,
     kOther = 4,
-    kUnreachablePeer = 5,  ///< not a spin: a put/get/signal named a peer that is not load/store reachable
+    kUnreachablePeer = 5,     ///< not a spin: a put/get/signal named a peer that is not load/store reachable
     kCollectiveMismatch = 6,  ///< not a spin: ranks called a collective with different arguments
                               ///< (expected = this rank's call descriptor, observed = the peer's)
     /// Not a spin: a collective kernel found this rank's collective state out of step at its start
@@ -22,6 +22,9 @@ enum class SpinKind : uint32_t {
     /// epoch, observed = that kernel's claim (collective_epoch_claim); cmp kLt (start) / kGe (end): the done count
     /// was too large, observed = grid << 32 | the count.
     kCollectiveEpoch = 7,
+    /// Not a spin: all_to_all_v's counts disagree across a pair of ranks: expected = the bytes this rank expects
+    /// from `peer` (its recv count), observed = the bytes `peer` sends it (its send count).
+    kAllToAllCounts = 8,
 };
 
 /// Comparison a wait was waiting for (OpenSHMEM's SHMEM_CMP_*).

@@ -33,12 +33,12 @@ void all_to_all(World& world, const TensorView& input, const TensorView& output,
 
 /// Uneven splits: this rank sends send_counts[q] elements to rank q and receives recv_counts[q] from it; chunks lie
 /// back to back in rank order in `input` (sum of send_counts elements) and `output` (sum of recv_counts). Rank q's
-/// send_counts[rank] must equal this rank's recv_counts[q]: checked for q = this rank (a weft::Error), not across
-/// ranks (the receiver moves its own count of bytes from the sender's chunk: a larger one reads past it, into the
-/// sender's next chunks or beyond its input). Counts may be 0; their bytes must sum below 2^62. Collective;
+/// send_counts[rank] must equal this rank's recv_counts[q]: checked for q = this rank on the host (a weft::Error), and
+/// across ranks by the kernel before it reads anything (a rank whose count differs throws, naming both counts and
+/// the peer; its abort stops the others). Counts may be 0; their bytes must sum below 2^62. Collective;
 /// `input`/`output` as for all_to_all except the sizes. A local (non-symmetric) `input` is staged in one piece: every
 /// rank's must fit the workspace's staging region (WEFT_COLLECTIVE_STAGING_BYTES, 32 MiB by default, less 16 bytes per
-/// chunk of alignment and a 512-byte header) — larger inputs must be symmetric. A rank whose staged input does not fit
+/// chunk of alignment and a 1 KiB header) — larger inputs must be symmetric. A rank whose staged input does not fit
 /// throws weft::Error; its peers then end in a timeout diagnostic, as with any call one rank does not make. A team that
 /// spans nodes: as all_to_all, the node members' counts gathered through the World's store first (docs/multinode.md).
 void all_to_all_v(const Team& team, const TensorView& input, std::span<const int64_t> send_counts,
@@ -80,11 +80,12 @@ AllToAllPlan plan_all_to_all(const TensorView& input, std::span<const int64_t> s
                              std::span<const int64_t> recv_counts, int num_ranks, bool equal, bool input_symmetric,
                              uint64_t staging_capacity, int rank = -1);
 
-/// Checks the arguments of ulysses_seq_to_head (`seq_to_head`) or ulysses_head_to_seq on a team of `num_ranks`: the
-/// shapes against each other, scratch large enough and overlapping neither view, and the all-to-all's own checks;
-/// weft::Error naming the argument. Pure (no CUDA call); the helpers call it before they copy anything.
+/// Checks the arguments of ulysses_seq_to_head (`seq_to_head`) or ulysses_head_to_seq on a team of `num_ranks` over
+/// `num_nodes` nodes: the shapes against each other, scratch large enough and overlapping neither view, and the
+/// one-node all-to-all's own checks (its rank bound included) when the team is on one node; weft::Error naming the
+/// argument. Pure (no CUDA call); the helpers call it before they copy anything.
 void check_ulysses_args(const TensorView& input, const TensorView& output, const TensorView& scratch, int num_ranks,
-                        bool seq_to_head);
+                        bool seq_to_head, int num_nodes = 1);
 
 }  // namespace detail
 

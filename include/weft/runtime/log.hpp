@@ -57,7 +57,8 @@ int log_rank();
 /// no newline). Calls are serialised (one at a time, on the logging thread): a sink need not be thread-safe. A line
 /// logged from inside the sink goes to stderr; an exception thrown by the sink is reported on stderr and dropped.
 using LogSink = std::function<void(LogLevel level, std::string_view subsystem, std::string_view line)>;
-/// Installs `sink` (an empty function: back to stderr). Thread-safe.
+/// Installs `sink` (an empty function: back to stderr). Thread-safe; called from inside the sink, it takes effect
+/// when the sink returns.
 void set_log_sink(LogSink sink);
 
 /// Writes one line (to the sink, else to stderr as "[weft rank R subsystem level] message"), atomically with respect

@@ -101,6 +101,9 @@ public:
     static std::unique_ptr<World> from_store(std::shared_ptr<Store> store, const WorldMembership& membership,
                                              const WorldOptions& options = {});
 
+    /// Collective: meets the other ranks at a shutdown barrier, then releases. Destroyed while an exception
+    /// propagates (this rank is leaving on an error), it aborts the World first, so that peers inside a call with
+    /// this rank stop at their next heartbeat with this rank named, instead of at their timeout.
     ~World();
     World(const World&) = delete;
     World& operator=(const World&) = delete;
