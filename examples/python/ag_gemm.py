@@ -36,6 +36,9 @@ def main():
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     world = weft.init()
     rank, w = world.rank, world.num_ranks
+    if m < w:
+        raise SystemExit(f"M={m} rows cannot be sharded over {w} ranks")
+    m = m // w * w  # rows sharded evenly over the ranks (W need not divide the M asked for: 3, 5, 6, 7 ranks)
     torch.manual_seed(rank)
     a_local = torch.randn(m // w, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5

@@ -53,13 +53,16 @@ def rel_error(out, ref):
 
 
 def main():
-    tokens, hidden, experts, topk = (int(v) for v in sys.argv[1:5]) if len(sys.argv) >= 5 else (200, 1024, 16, 4)
+    given = len(sys.argv) >= 5
+    tokens, hidden, experts, topk = (int(v) for v in sys.argv[1:5]) if given else (200, 1024, 16, 4)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     world = weft.init()
     rank, w = world.rank, world.num_ranks
+    if not given:
+        experts = (experts + w - 1) // w * w  # the default spread evenly at any world size (3, 5, 6, 7 ranks)
     if experts % w != 0:
         raise SystemExit(f"E={experts} experts must spread evenly over {w} ranks")
 

@@ -424,7 +424,10 @@ FileLock::FileLock(const fs::path& path, std::chrono::milliseconds timeout) {
             return;
         }
         if (errno != EWOULDBLOCK && errno != EINTR) break;
-        if (std::chrono::steady_clock::now() >= deadline) break;
+        if (std::chrono::steady_clock::now() >= deadline) {
+            timed_out_ = true;
+            break;
+        }
         std::this_thread::sleep_for(pause);
         pause = std::min(pause * 2, std::chrono::milliseconds(20));
     }

@@ -584,11 +584,11 @@ CompileResult Compiler::compile(const KernelSpec& spec) {
         CacheEntry entry;
         if (disk_->load(p.key, &entry) == DiskCache::LoadStatus::kHit) return disk_hit(std::move(entry));
         file_lock.emplace(disk_->lock_path(p.key), config_.lock_timeout);
-        if (!file_lock->owns()) {
+        if (file_lock->timed_out()) {
             WEFT_LOG_WARN("jit: could not lock the cache entry of " << p.spec.describe() << " within "
                                                                     << config_.lock_timeout.count()
                                                                     << " ms; compiling without the lock");
-        }
+        }  // else refused at once, and said why
         // Whoever held the lock may have written the entry meanwhile.
         std::string why;
         const auto status = disk_->load(p.key, &entry, &why);

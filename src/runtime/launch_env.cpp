@@ -292,6 +292,26 @@ std::string first_slurm_host(const std::string& host_list) {
     return host;
 }
 
+// Launchers weft does not read (MPICH and Intel MPI's Hydra, MVAPICH2): every process would make a World of its own,
+// on device 0, and the collectives would return each rank's own input. Refused, saying what works, when their size
+// says several processes and `launched_size` (the task count of the launcher weft read, 0: none) is not theirs:
+// Hydra inside a Slurm allocation starts its proxies with srun, so its ranks carry the proxy's SLURM_* (rank 0 of
+// one task per node), while srun --mpi=pmi2 sets PMI_SIZE to its own task count.
+void refuse_foreign_launcher(const VarMap& vars, int launched_size) {
+    const char* size_name = nullptr;
+    const std::string* size = find_first(vars, {"PMI_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"}, &size_name);
+    if (size == nullptr) return;
+    const int n = to_int(*size, size_name);
+    if (n <= 1 || n == launched_size) return;
+    WEFT_FAIL(size_name << "=" << *size << " says this process is one of several that a launcher weft does not read "
+                        << "started (MPICH, Intel MPI, MVAPICH2)"
+                        << (launched_size > 0 ? " (the Slurm variables it inherited say " +
+                                                    std::to_string(launched_size) + " task(s): those of its proxies)"
+                                              : std::string())
+                        << "; start them with weftrun, torchrun, Open MPI's mpirun or srun, or set RANK, WORLD_SIZE, "
+                           "LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each");
+}
+
 std::optional<LaunchEnv> parse_launch_env(const VarMap& vars) {
     std::optional<LaunchEnv> env;
     if (find(vars, "RANK") != nullptr || find(vars, "WORLD_SIZE") != nullptr) {
@@ -300,18 +320,9 @@ std::optional<LaunchEnv> parse_launch_env(const VarMap& vars) {
         env = parse_ompi(vars);
     } else if (find(vars, "SLURM_PROCID") != nullptr) {
         env = parse_slurm(vars);
+        refuse_foreign_launcher(vars, env->num_ranks);
     } else {
-        // Launchers weft does not read (MPICH and Intel MPI's Hydra, MVAPICH2): every process would make a World of
-        // its own, on device 0, and the collectives would return each rank's own input. Refused, saying what works.
-        const char* size_name = nullptr;
-        if (const std::string* size =
-                find_first(vars, {"PMI_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"}, &size_name)) {
-            WEFT_CHECK(to_int(*size, size_name) <= 1,
-                       size_name << "=" << *size << " says this process is one of several that a launcher weft "
-                                 << "does not read started (MPICH, Intel MPI, MVAPICH2); start them with weftrun, "
-                                    "torchrun, Open MPI's mpirun or srun, or set RANK, WORLD_SIZE, LOCAL_RANK, "
-                                    "LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each");
-        }
+        refuse_foreign_launcher(vars, 0);
         return std::nullopt;
     }
     if (const std::string* token = find(vars, "WEFT_JOB_TOKEN")) env->job_token = *token;

@@ -3,8 +3,10 @@
 #include "weft/runtime/trace.hpp"
 
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdio>
@@ -30,8 +32,9 @@ namespace {
 
 constexpr const char* kExtensionName = "weft.trace";
 constexpr uint32_t kDefaultCapacity = 262144;
-// A rank's events travel to rank 0 as one store value (at most 64 MiB): 2^20 events are 48 MiB.
-constexpr uint32_t kMaxCapacity = 1u << 20;
+// A rank's events travel to rank 0 as one store value (at most 64 MiB): up to `capacity` device events and as many
+// copy and host events, 48 bytes each: 2 x 2^19 events are 48 MiB.
+constexpr uint32_t kMaxCapacity = 1u << 19;
 constexpr int kNumTraceRoles = 5;  // TraceRole's values
 
 // Writes %globaltimer to *out: in PTX, so that the runtime needs no compiler of weft's (the driver compiles it).
@@ -373,26 +376,50 @@ void write_trace(World& world, const std::string& path) {
     WEFT_CHECK(tracer != nullptr, "write_trace: this World records no trace (set WEFT_TRACE=path before making it)");
     WEFT_CHECK(!path.empty(), "write_trace: the path must not be empty");
     const detail::DeviceGuard guard(world.device());
-    const detail::RankTrace mine = tracer->take(world.rank());
-    const std::vector<Bytes> all =
-        world.store().all_gather("weft/trace/" + std::to_string(tracer->next_seq()), world.rank(), world.num_ranks(),
-                                 detail::encode_rank_trace(mine), world.timeout());
+    // Every rank joins the gather, also one whose events cannot be read (a failed kernel left its context unusable):
+    // it sends an empty blob, so the others neither wait for it nor fall out of step with its next trace.
+    const uint64_t seq = tracer->next_seq();
+    Bytes blob;
+    std::string failed;
+    try {
+        blob = detail::encode_rank_trace(tracer->take(world.rank()));
+    } catch (const std::exception& e) {
+        failed = e.what();
+        blob.clear();
+    }
+    const std::vector<Bytes> all = world.store().all_gather("weft/trace/" + std::to_string(seq), world.rank(),
+                                                            world.num_ranks(), blob, world.timeout());
+    WEFT_CHECK(world.rank() == 0 || failed.empty(), "write_trace: this rank's events could not be read: " << failed);
     if (world.rank() != 0) return;
     std::vector<detail::RankTrace> ranks;
+    std::vector<int> missing;
     uint64_t dropped = 0, kept = 0;
-    for (const Bytes& blob : all) {
-        ranks.push_back(detail::decode_rank_trace(blob));
+    for (size_t r = 0; r < all.size(); ++r) {
+        if (all[r].empty()) {
+            missing.push_back(static_cast<int>(r));
+            continue;
+        }
+        ranks.push_back(detail::decode_rank_trace(all[r]));
         kept += ranks.back().events.size();
         dropped += ranks.back().recorded - ranks.back().events.size();
     }
     detail::align_rank_clocks(ranks);
     const std::string json = detail::chrome_trace_json(ranks);
     const std::filesystem::path target(path);
-    const std::filesystem::path tmp = target.string() + ".tmp";
+    // A name of this write's own (two Worlds, or two jobs, writing the same path do not interleave), complete on
+    // disk before the rename makes it the trace.
+    static std::atomic<uint64_t> writes{0};
+    const std::filesystem::path tmp =
+        target.string() + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(writes.fetch_add(1));
     {
         std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
         out << json;
-        WEFT_CHECK(out.good(), "write_trace: cannot write " << tmp.string());
+        out.close();
+        if (out.fail()) {
+            std::error_code ignored;
+            std::filesystem::remove(tmp, ignored);
+            WEFT_FAIL("write_trace: cannot write " << tmp.string());
+        }
     }
     std::error_code ec;
     std::filesystem::rename(tmp, target, ec);
@@ -401,6 +428,13 @@ void write_trace(World& world, const std::string& path) {
                               << (dropped > 0 ? " (" + std::to_string(dropped) +
                                                     " dropped: the buffers were full; raise WEFT_TRACE_EVENTS)"
                                               : std::string()));
+    if (!missing.empty()) {
+        std::ostringstream os;
+        for (size_t i = 0; i < missing.size(); ++i) os << (i > 0 ? ", " : "") << missing[i];
+        WEFT_LOG_WARN("trace: the events of rank(s) " << os.str() << " could not be read there and are not in "
+                                                      << path);
+    }
+    WEFT_CHECK(failed.empty(), "write_trace: this rank's events could not be read: " << failed);
 }
 
 namespace detail {

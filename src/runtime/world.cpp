@@ -176,8 +176,10 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         {"virtual_nodes", std::to_string(c.virtual_nodes)},
         {"sm_budget_request", setup.options.sm_budget > 0 ? std::to_string(setup.options.sm_budget)
                                                           : env::get("WEFT_SM_BUDGET").value_or("")},
-        // Tracing gathers every rank's events at shutdown (a collective): on on some ranks only, it would stall it.
-        {"trace", trace_path_from_env() ? "on" : "off"}};
+        // Tracing gathers every rank's events at shutdown (a collective): on on some ranks only, it would stall it;
+        // its buffer size too (a value one rank refuses after this exchange would leave the others waiting).
+        {"trace", trace_path_from_env() ? "on, WEFT_TRACE_EVENTS=" + env::get("WEFT_TRACE_EVENTS").value_or("(default)")
+                                        : "off"}};
     if (c.rank == 0) mine["job"] = detail::random_hex_id();
     // On the store the World was given; every later key is under this World's own prefix (below).
     auto blobs = c.store->all_gather("weft/init", c.rank, c.num_ranks, encode_fields(mine), init_timeout);
@@ -227,7 +229,7 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     for (const auto& [values, what] :
          {std::pair{&virtual_nodes, "WEFT_VIRTUAL_NODES (or WorldOptions::virtual_nodes; resolved: 1 = none)"},
           std::pair{&sm_budget_requests, "WEFT_SM_BUDGET (or WorldOptions::sm_budget; empty: unset)"},
-          std::pair{&traces, "WEFT_TRACE (set or not)"}}) {
+          std::pair{&traces, "WEFT_TRACE (set or not) and WEFT_TRACE_EVENTS"}}) {
         for (int r = 1; r < c.num_ranks; ++r) {
             WEFT_CHECK((*values)[static_cast<size_t>(r)] == (*values)[0],
                        what << " differs across ranks: rank 0 has '" << (*values)[0] << "', rank " << r << " '"

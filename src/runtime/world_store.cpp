@@ -59,9 +59,11 @@ std::unique_ptr<World> World::from_store(std::shared_ptr<Store> store, const Wor
     if (!local_given && !placement.same_process) {
         // A process launched with a LOCAL_RANK (torchrun, srun, mpirun, weftrun) keeps that GPU: a World of part of the
         // job (a TP group of 4 of a host's 8 processes) would otherwise bind its ranks' indices among the World's
-        // ranks on the host, 0..3, on both groups' processes, and leave half the GPUs idle.
+        // ranks on the host, 0..3, on both groups' processes, and leave half the GPUs idle. Only a launch with at least
+        // the World's processes on this host: processes a single launched task spawned share its LOCAL_RANK.
         try {
-            if (const std::optional<LaunchEnv> launch = detect_launch_env()) setup.device_hint = launch->local_rank;
+            const std::optional<LaunchEnv> launch = detect_launch_env();
+            if (launch && launch->local_num_ranks >= placement.local_num_ranks) setup.device_hint = launch->local_rank;
         } catch (const Error& e) {
             WEFT_LOG_DEBUG("World::from_store: the launch environment is not usable (" << e.what()
                                                                                        << "); device by local rank");

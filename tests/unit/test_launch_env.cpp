@@ -236,6 +236,18 @@ TEST(LaunchEnv, LaunchersWeftDoesNotReadAreRefusedNotTakenAsOneRank) {
         v[name] = "1";  // one process: nothing to meet
         EXPECT_FALSE(parse_launch_env(v).has_value()) << name;
     }
+    // Hydra inside a Slurm allocation: its ranks inherit the srun-started proxy's variables (rank 0 of one task).
+    Vars hydra = {{"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "1"}, {"SLURM_LOCALID", "0"}, {"SLURM_NNODES", "1"},
+                  {"SLURM_JOB_ID", "7"}, {"SLURM_STEP_ID", "0"},        {"PMI_SIZE", "8"},      {"PMI_RANK", "3"}};
+    expect_error_naming(hydra, {"PMI_SIZE", "1 task(s)", "weftrun"});
+    // srun --mpi=pmi2 sets PMI_SIZE to its own task count: srun's launch, read as such.
+    Vars pmi2 = {{"SLURM_PROCID", "3"}, {"SLURM_STEP_NUM_TASKS", "8"}, {"SLURM_LOCALID", "3"}, {"SLURM_NNODES", "1"},
+                 {"SLURM_JOB_ID", "7"}, {"SLURM_STEP_ID", "0"},        {"PMI_SIZE", "8"},      {"PMI_RANK", "3"}};
+    auto e = parse_launch_env(pmi2);
+    ASSERT_TRUE(e.has_value());
+    EXPECT_EQ(e->launcher, "srun");
+    EXPECT_EQ(e->rank, 3);
+    EXPECT_EQ(e->num_ranks, 8);
 }
 
 TEST(LaunchEnv, SlurmSingleNode) {

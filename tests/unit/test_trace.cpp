@@ -279,11 +279,11 @@ TEST(TraceEnv, PathCapacityAndTheJitDefine) {
         EXPECT_NE(std::find(o.defines.begin(), o.defines.end(), "WEFT_TRACE=1"), o.defines.end());
     }
     {
-        ScopedEnv events("WEFT_TRACE_EVENTS", std::to_string(1 << 20));
-        EXPECT_EQ(trace_capacity_from_env(), 1u << 20);
+        ScopedEnv events("WEFT_TRACE_EVENTS", std::to_string(1 << 19));
+        EXPECT_EQ(trace_capacity_from_env(), 1u << 19);
     }
     {
-        ScopedEnv events("WEFT_TRACE_EVENTS", std::to_string((1 << 20) + 1));
+        ScopedEnv events("WEFT_TRACE_EVENTS", std::to_string((1 << 19) + 1));
         EXPECT_THROW((void)trace_capacity_from_env(), Error);
     }
     {

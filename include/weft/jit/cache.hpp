@@ -86,9 +86,13 @@ public:
     FileLock(const FileLock&) = delete;
     FileLock& operator=(const FileLock&) = delete;
     bool owns() const { return fd_ >= 0; }
+    /// Not owned because another holder kept it past the timeout (not because the lock was refused at once: an
+    /// untrusted or unwritable folder or file, warned about when it happens).
+    bool timed_out() const { return timed_out_; }
 
 private:
     int fd_ = -1;
+    bool timed_out_ = false;
 };
 
 /// Reads a whole regular file (opened without blocking, so a FIFO is an error, not a hang); throws
