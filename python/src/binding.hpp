@@ -54,6 +54,15 @@ struct WorldHandle {
 };
 using WorldRef = std::shared_ptr<WorldHandle>;
 
+/// Whether the interpreter is finalising (Py_IsFinalizing is public from Python 3.13).
+inline bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing() != 0;
+#else
+    return _Py_IsFinalizing() != 0;
+#endif
+}
+
 struct PyWorld {
     WorldRef h;
 
@@ -65,7 +74,7 @@ struct PyWorld {
     /// (the World is then left to the process's exit).
     ~PyWorld() {
         if (!h || !h->world || h->live_objects != 0) return;
-        if (Py_IsFinalizing()) {
+        if (interpreter_finalizing()) {
             (void)h->world.release();
             return;
         }

@@ -16,14 +16,6 @@ using namespace nb::literals;
 
 namespace {
 
-bool interpreter_finalizing() {
-#if PY_VERSION_HEX >= 0x030D0000
-    return Py_IsFinalizing() != 0;
-#else
-    return _Py_IsFinalizing() != 0;
-#endif
-}
-
 // "TypeName: message" of a Python exception (its traceback belongs to the Python side, not to weft's message).
 std::string describe(nb::python_error& e) {
     try {
