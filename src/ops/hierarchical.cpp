@@ -275,22 +275,30 @@ void hierarchical_all_to_all(const Team& team, const TensorView& input, std::spa
             send_bytes[q] = static_cast<uint64_t>(send_counts[q]) * es;
             recv_bytes[q] = static_cast<uint64_t>(recv_counts[q]) * es;
         }
-        const auto* mine = reinterpret_cast<const uint8_t*>(send_bytes.data());
-        const std::vector<std::vector<uint8_t>> rows = net.node_team().all_gather(
-            "weft.ops.all_to_all_v.counts", std::vector<uint8_t>(mine, mine + w * sizeof(uint64_t)));
+        // Every member's send and receive counts, so that every member checks every pair of the node and all of
+        // them refuse together (one refusing alone left the others in the stages until the timeout).
+        std::vector<uint8_t> mine(2 * w * sizeof(uint64_t));
+        std::memcpy(mine.data(), send_bytes.data(), w * sizeof(uint64_t));
+        std::memcpy(mine.data() + w * sizeof(uint64_t), recv_bytes.data(), w * sizeof(uint64_t));
+        const std::vector<std::vector<uint8_t>> rows = net.node_team().all_gather("weft.ops.all_to_all_v.counts", mine);
+        std::vector<std::vector<uint64_t>> node_recv_bytes(per_node, std::vector<uint64_t>(w, 0));
         for (size_t l = 0; l < per_node; ++l) {
-            WEFT_CHECK(rows[l].size() == w * sizeof(uint64_t),
+            WEFT_CHECK(rows[l].size() == 2 * w * sizeof(uint64_t),
                        op << ": node member " << l << " sent " << rows[l].size() << " bytes of counts, expected "
-                          << w * sizeof(uint64_t) << " (" << team.describe() << ")");
-            std::memcpy(node_send_bytes[l].data(), rows[l].data(), rows[l].size());
+                          << 2 * w * sizeof(uint64_t) << " (" << team.describe() << ")");
+            std::memcpy(node_send_bytes[l].data(), rows[l].data(), w * sizeof(uint64_t));
+            std::memcpy(node_recv_bytes[l].data(), rows[l].data() + w * sizeof(uint64_t), w * sizeof(uint64_t));
         }
-        // This node's members' counts for this rank must be what it expects to receive from them.
+        // Every member's counts for every other member of the node must be what that one expects from it.
+        const std::vector<int>& members = by_node[static_cast<size_t>(plan.node)];
         for (size_t l = 0; l < per_node; ++l) {
-            const auto t = static_cast<size_t>(by_node[static_cast<size_t>(plan.node)][l]);
-            WEFT_CHECK(node_send_bytes[l][static_cast<size_t>(team.rank())] == recv_bytes[t],
-                       op << ": team rank " << t << " sends "
-                          << node_send_bytes[l][static_cast<size_t>(team.rank())] / es << " elements to team rank "
-                          << team.rank() << ", whose recv_counts[" << t << "] is " << recv_counts[t]);
+            for (size_t m = 0; m < per_node; ++m) {
+                const auto from = static_cast<size_t>(members[l]), to = static_cast<size_t>(members[m]);
+                WEFT_CHECK(node_send_bytes[l][to] == node_recv_bytes[m][from],
+                           op << ": team rank " << from << " sends " << node_send_bytes[l][to] / es
+                              << " elements to team rank " << to << ", whose recv_counts[" << from << "] is "
+                              << node_recv_bytes[m][from] / es << " (checked on every member of the node)");
+            }
         }
     }
     const net::A2aByteLayout layout = net::layout_a2a_internode(plan, send_bytes, recv_bytes, node_send_bytes);
