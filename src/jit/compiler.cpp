@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -228,7 +229,17 @@ PtxasInfo parse_ptxas_info(const std::string& log, const std::string& lowered_na
 CompilerConfig CompilerConfig::from_env() {
     CompilerConfig config;
     const bool disabled = env::get_bool("WEFT_JIT_DISABLE_CACHE").value_or(false);
-    if (!disabled) config.cache_dir = default_cache_dir();
+    if (!disabled) {
+        config.cache_dir = default_cache_dir();
+        if (!config.cache_dir) {
+            static std::once_flag once;
+            std::call_once(once, [] {
+                WEFT_LOG_NOTICE(
+                    "jit: no cache folder (WEFT_CACHE_DIR, XDG_CACHE_HOME and HOME are all unset): "
+                    "kernels compile in every process and autotuning is not kept; set WEFT_CACHE_DIR");
+            });
+        }
+    }
     return config;
 }
 

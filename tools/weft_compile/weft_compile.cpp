@@ -26,7 +26,7 @@ constexpr const char* kUsage = R"(usage: weft-compile [options]
 Compiles kernel specialisations into a weft JIT cache folder, so that a later run (on a GPU machine)
 loads them without compiling. Needs no GPU when --arch is given.
 
-  --cache-dir DIR       cache folder to fill (default: WEFT_CACHE_DIR, else ~/.cache/weft)
+  --cache-dir DIR       cache folder to fill (default: WEFT_CACHE_DIR, else $XDG_CACHE_HOME/weft, else ~/.cache/weft)
   --arch ARCH           target, e.g. sm_90a (default: WEFT_JIT_ARCH, else the current GPU's)
   --specs FILE          compile the specs listed in FILE (repeatable); one per line:
                           header|instantiation
