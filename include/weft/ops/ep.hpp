@@ -261,7 +261,9 @@ public:
     void layout(NormalHandle& handle, const TensorView& topk_idx, cudaStream_t stream);
     /// Collective: layout, then dispatch. x: bf16 [T, H]; topk_idx: int32 [T, k] (-1 = dropped);
     /// topk_weights: f32 [T, k]. T may differ between ranks. Receive capacity overflow is detected on
-    /// the device by every rank, nothing moves, and check() reports it.
+    /// the device by every rank, nothing moves, and check() reports it. A dispatch on a handle dispatched and not
+    /// combined since replaces that dispatch (its received rows and its layout): the next combine is the latest
+    /// dispatch's (use a handle per dispatch in flight).
     void dispatch(NormalHandle& handle, const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                   cudaStream_t stream, const NormalOptions& options = {});
     /// Collective: y: bf16 [>= max_recv_rows, H] laid out like recv_x (it may be recv_x itself);
