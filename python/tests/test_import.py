@@ -135,8 +135,22 @@ def test_exit_after_an_uncaught_exception_aborts_the_world_before_closing(monkey
         def close(self):
             order.append("op")
 
-    monkeypatch.setattr(sys, "last_exc", ValueError("bad shape on this rank"), raising=False)
-    # An ordinary finalize (not at exit) does not abort, whatever an earlier exception left in sys.
+    # An exception handled earlier (an interactive session's, pytest's) is no reason to abort at exit.
+    monkeypatch.setattr(sys, "last_exc", ValueError("handled earlier"), raising=False)
+    monkeypatch.setattr(_runtime, "_exiting", False)
+    _runtime._state = _runtime._State(FakeWorld(), None, None)
+    _runtime._finalize_at_exit()
+    assert order == ["world"]
+
+    order.clear()
+    # One that ends the program reaches sys.excepthook, which weft chains.
+    monkeypatch.setattr(_runtime, "_previous_excepthook", lambda *args: None)
+    monkeypatch.setattr(_runtime, "_uncaught", None)  # restored after the test
+    error = ValueError("bad shape on this rank")
+    _runtime._excepthook(ValueError, error, None)
+    assert _runtime._uncaught is error
+    # An ordinary finalize (not at exit) does not abort.
+    monkeypatch.setattr(_runtime, "_exiting", False)
     _runtime._state = _runtime._State(FakeWorld(), None, None)
     weft.finalize()
     assert order == ["world"]

@@ -105,8 +105,9 @@ def finalize():
     # At exit after an uncaught exception this rank is leaving on an error: its peers may be inside a call with it,
     # waiting on the device for what it will not send. Abort first: they stop at their next heartbeat, this rank
     # named, instead of at their timeout (the closes and the World's last barrier below still meet them).
-    uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    if uncaught is not None and _exiting and not sys.flags.interactive and not state.world.closed:
+    uncaught = _uncaught
+    # (an interactive interpreter reports each statement's error through sys.excepthook and goes on: not there)
+    if uncaught is not None and _exiting and not hasattr(sys, "ps1") and not state.world.closed:
         try:
             state.world.abort(f"it is exiting on an uncaught exception: {type(uncaught).__name__}: {uncaught}")
         except Exception:  # noqa: BLE001 -- closing follows all the same
@@ -130,6 +131,17 @@ def finalize():
 
 
 _exiting = False
+_uncaught = None  # the exception that ended the main thread, seen by sys.excepthook (not one handled earlier)
+_previous_excepthook = sys.excepthook
+
+
+def _excepthook(exc_type, exc, tb):
+    global _uncaught
+    _uncaught = exc
+    _previous_excepthook(exc_type, exc, tb)
+
+
+sys.excepthook = _excepthook
 
 
 def _finalize_at_exit():

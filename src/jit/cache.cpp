@@ -397,7 +397,8 @@ FileLock::FileLock(const fs::path& path, std::chrono::milliseconds timeout) {
     const fs::path parent = path.has_parent_path() ? path.parent_path() : fs::path(".");
     Fd dir(open_trusted_dir(AT_FDCWD, parent.c_str(), false, &why, &absent));
     if (dir.get() < 0) {
-        if (!absent) WEFT_LOG_WARN("jit: not locking " << path.string() << ": the folder " << why);
+        WEFT_LOG_WARN("jit: not locking " << path.string() << ": the folder "
+                                          << (absent ? std::string("does not exist") : why));
         return;
     }
     Fd fd(::openat(dir.get(), path.filename().c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644));
@@ -423,7 +424,10 @@ FileLock::FileLock(const fs::path& path, std::chrono::milliseconds timeout) {
             fd_ = fd.release();
             return;
         }
-        if (errno != EWOULDBLOCK && errno != EINTR) break;
+        if (errno != EWOULDBLOCK && errno != EINTR) {
+            WEFT_LOG_WARN("jit: not locking " << path.string() << ": flock failed: " << errno_text());
+            break;
+        }
         if (std::chrono::steady_clock::now() >= deadline) {
             timed_out_ = true;
             break;

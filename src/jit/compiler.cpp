@@ -594,8 +594,8 @@ CompileResult Compiler::compile(const KernelSpec& spec) {
     if (disk_) {
         CacheEntry entry;
         if (disk_->load(p.key, &entry) == DiskCache::LoadStatus::kHit) return disk_hit(std::move(entry));
-        file_lock.emplace(disk_->lock_path(p.key), config_.lock_timeout);
-        if (file_lock->timed_out()) {
+        if (!disk_store_failed_.load()) file_lock.emplace(disk_->lock_path(p.key), config_.lock_timeout);
+        if (file_lock && file_lock->timed_out()) {
             WEFT_LOG_WARN("jit: could not lock the cache entry of " << p.spec.describe() << " within "
                                                                     << config_.lock_timeout.count()
                                                                     << " ms; compiling without the lock");
@@ -633,11 +633,13 @@ CompileResult Compiler::compile(const KernelSpec& spec) {
     }
     ++stats_.compiles;
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    if (disk_) {
+    if (disk_ && !disk_store_failed_.load()) {
         try {
             disk_->store(p.key, compiled.entry);
         } catch (const Error& e) {
-            WEFT_LOG_WARN("jit: cannot store " << p.spec.describe() << " in the cache: " << e.what());
+            disk_store_failed_ = true;
+            WEFT_LOG_WARN("jit: cannot store " << p.spec.describe() << " in the cache: " << e.what()
+                                               << "; this process stores no more kernels there");
         }
     }
     file_lock.reset();

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
 
 #include "collective_workspace.hpp"
 #include "weft/net/all_to_all_plan.hpp"
@@ -245,8 +246,9 @@ void hierarchical_all_reduce(const Team& team, const TensorView& input, const Te
 // for this rank (arrived(k)). This node's own stage (m = n) runs last, while the network moves the others. With
 // node-major team ranks the stages read the input and the receives write the output in place; otherwise pieces are
 // packed and unpacked around them (net::layout_a2a_internode). One member per node: the network sends straight from
-// the input. Uneven splits first gather the node members' send counts (a bounded exchange through the World's store):
-// a stage's receive counts are what the node's members send to this rank's column member on node m.
+// the input. Uneven splits first gather the node members' send and receive counts (a bounded exchange through the
+// World's store): a stage's receive counts are what the node's members send to this rank's column member on node m,
+// and every member checks every pair of the node.
 void hierarchical_all_to_all(const Team& team, const TensorView& input, std::span<const int64_t> send_counts,
                              const TensorView& output, std::span<const int64_t> recv_counts, bool equal,
                              cudaStream_t stream) {
@@ -290,14 +292,19 @@ void hierarchical_all_to_all(const Team& team, const TensorView& input, std::spa
             std::memcpy(node_recv_bytes[l].data(), rows[l].data() + w * sizeof(uint64_t), w * sizeof(uint64_t));
         }
         // Every member's counts for every other member of the node must be what that one expects from it.
+        // A pair that disagrees: every member of the node refuses, and aborts the World, so that the members of the
+        // other nodes, already past their own check, stop at their next heartbeat rather than in the network steps.
         const std::vector<int>& members = by_node[static_cast<size_t>(plan.node)];
         for (size_t l = 0; l < per_node; ++l) {
             for (size_t m = 0; m < per_node; ++m) {
                 const auto from = static_cast<size_t>(members[l]), to = static_cast<size_t>(members[m]);
-                WEFT_CHECK(node_send_bytes[l][to] == node_recv_bytes[m][from],
-                           op << ": team rank " << from << " sends " << node_send_bytes[l][to] / es
-                              << " elements to team rank " << to << ", whose recv_counts[" << from << "] is "
-                              << node_recv_bytes[m][from] / es << " (checked on every member of the node)");
+                if (node_send_bytes[l][to] == node_recv_bytes[m][from]) continue;
+                std::ostringstream os;
+                os << op << ": team rank " << from << " sends " << node_send_bytes[l][to] / es
+                   << " elements to team rank " << to << ", whose recv_counts[" << from << "] is "
+                   << node_recv_bytes[m][from] / es << " (checked on every member of the node)";
+                team.world().abort(os.str());
+                WEFT_FAIL(os.str());
             }
         }
     }

@@ -160,7 +160,8 @@ std::string format_diagnostic(const Diagnostic& d) {
         os << "rank " << d.rank << " block (" << d.block_x << "," << d.block_y << "," << d.block_z
            << "): all_to_all_v counts differ: rank " << d.rank << " expects " << d.expected << " bytes from rank "
            << d.peer << ", which sends it " << d.observed << " bytes; rank q's send_counts[r] must equal rank r's "
-           << "recv_counts[q] (team ranks); this rank read nothing from it";
+           << "recv_counts[q] (q and r: team ranks; the ranks named here are world ranks); this rank read nothing "
+              "from it";
         if (d.line > 0) os << " (source line " << d.line << ")";
         return os.str();
     }

@@ -294,20 +294,26 @@ std::string first_slurm_host(const std::string& host_list) {
 
 // Launchers weft does not read (MPICH and Intel MPI's Hydra, MVAPICH2): every process would make a World of its own,
 // on device 0, and the collectives would return each rank's own input. Refused, saying what works, when their size
-// says several processes and `launched_size` (the task count of the launcher weft read, 0: none) is not theirs:
-// Hydra inside a Slurm allocation starts its proxies with srun, so its ranks carry the proxy's SLURM_* (rank 0 of
-// one task per node), while srun --mpi=pmi2 sets PMI_SIZE to its own task count.
-void refuse_foreign_launcher(const VarMap& vars, int launched_size) {
+// says several processes and `launched_size` / `launched_rank` (those of the launcher weft read, 0 / -1: none) are not
+// theirs: Hydra inside a Slurm allocation starts its proxies with srun, so its ranks carry the proxy's SLURM_* (rank 0
+// of one task per node), and inside a batch script the batch step's (rank 0 of its tasks), while srun --mpi=pmi2 sets
+// PMI_SIZE and PMI_RANK to its own.
+void refuse_foreign_launcher(const VarMap& vars, int launched_size, int launched_rank) {
     const char* size_name = nullptr;
     const std::string* size = find_first(vars, {"PMI_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"}, &size_name);
     if (size == nullptr) return;
     const int n = to_int(*size, size_name);
-    if (n <= 1 || n == launched_size) return;
+    // Same size and, where the launcher says it, the same rank: srun's own PMI (inherited batch-step variables
+    // with mpiexec's ranks would have the size right and every rank 0).
+    const std::string* pmi_rank = find(vars, "PMI_RANK");
+    const bool same_rank = pmi_rank == nullptr || to_int(*pmi_rank, "PMI_RANK") == launched_rank;
+    if (n <= 1 || (n == launched_size && same_rank)) return;
     WEFT_FAIL(size_name << "=" << *size << " says this process is one of several that a launcher weft does not read "
                         << "started (MPICH, Intel MPI, MVAPICH2)"
-                        << (launched_size > 0 ? " (the Slurm variables it inherited say " +
-                                                    std::to_string(launched_size) + " task(s): those of its proxies)"
-                                              : std::string())
+                        << (launched_size > 0
+                                ? " (the Slurm variables it inherited say rank " + std::to_string(launched_rank) +
+                                      " of " + std::to_string(launched_size) + " task(s): not this launch's)"
+                                : std::string())
                         << "; start them with weftrun, torchrun, Open MPI's mpirun or srun, or set RANK, WORLD_SIZE, "
                            "LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each");
 }
@@ -320,9 +326,9 @@ std::optional<LaunchEnv> parse_launch_env(const VarMap& vars) {
         env = parse_ompi(vars);
     } else if (find(vars, "SLURM_PROCID") != nullptr) {
         env = parse_slurm(vars);
-        refuse_foreign_launcher(vars, env->num_ranks);
+        refuse_foreign_launcher(vars, env->num_ranks, env->rank);
     } else {
-        refuse_foreign_launcher(vars, 0);
+        refuse_foreign_launcher(vars, 0, -1);
         return std::nullopt;
     }
     if (const std::string* token = find(vars, "WEFT_JOB_TOKEN")) env->job_token = *token;

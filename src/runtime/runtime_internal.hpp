@@ -228,6 +228,9 @@ struct WorldContext {
     std::chrono::milliseconds heartbeat{1000};
     std::chrono::milliseconds dead_peer{10000};
     std::atomic<bool> shutting_down{false};  ///< store waits then stop only for a dead peer
+    /// std::uncaught_exceptions() when the World was made: more at its destruction means an exception propagates
+    /// through it (a World made and destroyed inside cleanup that runs during unwinding is not leaving on an error).
+    int uncaught_at_creation = 0;
     std::atomic<bool> past_shutdown_barrier{false};  ///< peers may exit now: the watchdog stops counting deaths
     std::atomic<bool> dead_peer_known{false};
     std::atomic<bool> device_abort_published{false};  ///< the watchdog told the peers of a device wait's abort

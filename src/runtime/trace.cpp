@@ -173,7 +173,7 @@ public:
 
     void add(const TraceEvent& e) {
         std::lock_guard<std::mutex> lock(mutex_);
-        if (host_events_.size() < capacity_) host_events_.push_back(e);
+        if (copies_.size() + host_events_.size() < capacity_) host_events_.push_back(e);
     }
 
     uint64_t next_seq() { return seq_++; }

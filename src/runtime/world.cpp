@@ -73,6 +73,16 @@ namespace {
 // exchanges wait at least this long, whatever WEFT_TIMEOUT_MS says.
 constexpr std::chrono::milliseconds kMinInitTimeout{60000};
 
+// What the ranks compare of tracing: on or off, and the buffer size it resolves to (or the value it refuses).
+std::string trace_setting_for_agreement() {
+    if (!trace_path_from_env()) return "off";
+    try {
+        return "on, " + std::to_string(trace_capacity_from_env()) + " events";
+    } catch (const std::exception&) {
+        return "on, a WEFT_TRACE_EVENTS it refuses";  // the value itself may hold anything, a newline too
+    }
+}
+
 // The start-up record: "key=value" lines (values never contain a newline).
 Bytes encode_fields(const std::map<std::string, std::string>& fields) {
     std::string text;
@@ -110,6 +120,7 @@ uint64_t parse_u64(const std::string& text, const char* name, int from_rank) {
 }  // namespace
 
 World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldContext>()) {
+    ctx_->uncaught_at_creation = std::uncaught_exceptions();
     detail::WorldContext& c = *ctx_;
     c.owner = this;
     WEFT_CHECK(setup.store != nullptr, "World needs a store");
@@ -178,8 +189,7 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
                                                           : env::get("WEFT_SM_BUDGET").value_or("")},
         // Tracing gathers every rank's events at shutdown (a collective): on on some ranks only, it would stall it;
         // its buffer size too (a value one rank refuses after this exchange would leave the others waiting).
-        {"trace", trace_path_from_env() ? "on, WEFT_TRACE_EVENTS=" + env::get("WEFT_TRACE_EVENTS").value_or("(default)")
-                                        : "off"}};
+        {"trace", trace_setting_for_agreement()}};
     if (c.rank == 0) mine["job"] = detail::random_hex_id();
     // On the store the World was given; every later key is under this World's own prefix (below).
     auto blobs = c.store->all_gather("weft/init", c.rank, c.num_ranks, encode_fields(mine), init_timeout);
@@ -329,7 +339,7 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
 }
 
 World::~World() {
-    if (ctx_ && std::uncaught_exceptions() > 0 && !aborted()) {
+    if (ctx_ && std::uncaught_exceptions() > ctx_->uncaught_at_creation && !aborted()) {
         try {
             abort("its World was destroyed while an exception propagated (the rank is leaving on an error)");
         } catch (const std::exception& e) {

@@ -239,7 +239,11 @@ TEST(LaunchEnv, LaunchersWeftDoesNotReadAreRefusedNotTakenAsOneRank) {
     // Hydra inside a Slurm allocation: its ranks inherit the srun-started proxy's variables (rank 0 of one task).
     Vars hydra = {{"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "1"}, {"SLURM_LOCALID", "0"}, {"SLURM_NNODES", "1"},
                   {"SLURM_JOB_ID", "7"}, {"SLURM_STEP_ID", "0"},        {"PMI_SIZE", "8"},      {"PMI_RANK", "3"}};
-    expect_error_naming(hydra, {"PMI_SIZE", "1 task(s)", "weftrun"});
+    expect_error_naming(hydra, {"PMI_SIZE", "rank 0 of 1 task(s)", "weftrun"});
+    // mpiexec inside a batch script of as many tasks: the batch step's SLURM_PROCID (0) on every rank.
+    Vars batch = {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "0"}, {"SLURM_NNODES", "1"},
+                  {"SLURM_JOB_ID", "7"}, {"PMI_SIZE", "8"},     {"PMI_RANK", "5"}};
+    expect_error_naming(batch, {"PMI_SIZE", "rank 0 of 8 task(s)"});
     // srun --mpi=pmi2 sets PMI_SIZE to its own task count: srun's launch, read as such.
     Vars pmi2 = {{"SLURM_PROCID", "3"}, {"SLURM_STEP_NUM_TASKS", "8"}, {"SLURM_LOCALID", "3"}, {"SLURM_NNODES", "1"},
                  {"SLURM_JOB_ID", "7"}, {"SLURM_STEP_ID", "0"},        {"PMI_SIZE", "8"},      {"PMI_RANK", "3"}};

@@ -145,6 +145,9 @@ private:
     IncludeRoots roots_;
     std::string toolkit_digest_;  // toolkit_headers_digest(roots_.cuda), part of every key
     std::unique_ptr<DiskCache> disk_;
+    /// A store into disk_ failed (a full disk, a folder turned read-only): later compiles neither take the entry's
+    /// lock (each waiter would compile in turn, holding it) nor try to store.
+    std::atomic<bool> disk_store_failed_{false};
 
     mutable std::mutex mutex_;
     std::map<std::string, std::shared_ptr<const CacheEntry>> memory_;       // key -> entry
