@@ -341,6 +341,43 @@ TEST(MultiNode, AllToAllVMatchesTheReference) {
     }
 }
 
+// all_to_all_v counts that disagree within a node (rank 1 expects one element more from rank 0 than rank 0 sends it):
+// every member of that node refuses before anything is enqueued, and its abort stops the other nodes' members, which
+// passed their own node's check, at their next heartbeat: well inside the World's minute-long timeout.
+TEST(MultiNode, AllToAllVCountsThatDisagreeWithinANodeFailEveryRankPromptly) {
+    World& main_world = dist_world();
+    if (const std::string why = why_no_network_across_nodes(main_world); !why.empty()) GTEST_SKIP() << why;
+    if (main_world.num_ranks() / main_world.num_nodes() < 2) GTEST_SKIP() << "needs 2 ranks per node";
+    set_test_environment();
+    WorldOptions options;
+    options.timeout = std::chrono::milliseconds(60000);
+    options.heartbeat = std::chrono::milliseconds(200);
+    options.heap_bytes = 64ull << 20;
+    std::unique_ptr<World> w = World::from_env(options);
+    const auto n = static_cast<size_t>(w->num_ranks());
+    std::vector<int64_t> send(n, 100), recv(n, 100);
+    if (w->rank() == 1) recv[0] = 101;  // virtual nodes are consecutive ranks: 0 and 1 share node 0
+    Buffers b(n * 101 * 4);
+    const auto start = std::chrono::steady_clock::now();
+    std::string error;
+    try {
+        ops::all_to_all_v(*w, TensorView(b.in, DType::kF32, {static_cast<int64_t>(n * 100)}), send,
+                          TensorView(b.out, DType::kF32, {static_cast<int64_t>(n * 100 + (w->rank() == 1))}), recv,
+                          b.stream);
+        w->sync_and_check(b.stream);
+    } catch (const Error& e) {
+        error = e.what();
+    }
+    const auto waited = std::chrono::steady_clock::now() - start;
+    EXPECT_FALSE(error.empty()) << "rank " << w->rank() << ": the disagreeing counts were not refused";
+    EXPECT_LT(waited, std::chrono::milliseconds(20000)) << error;
+    EXPECT_NE(error.find("team rank 0 sends 100 elements to team rank 1, whose recv_counts[0] is 101"),
+              std::string::npos)
+        << "rank " << w->rank() << ": " << error;
+    std::printf("rank %d: %s\n", w->rank(), error.c_str());
+    w.reset();  // collective: an aborted World still meets its peers to shut down
+}
+
 TEST(MultiNode, ForcingASingleNodeAlgorithmIsAnError) {
     World& w = dist_world();
     if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
