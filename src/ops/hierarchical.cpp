@@ -337,10 +337,25 @@ void hierarchical_all_to_all(const Team& team, const TensorView& input, std::spa
             rc.push_back(static_cast<int64_t>(x));
         }
         auto* from = const_cast<uint8_t*>(src);
-        if (equal) {
-            all_to_all(net.node_team(), bytes_view(from, in_total), bytes_view(dst, out_total), stream);
-        } else {
-            all_to_all_v(net.node_team(), bytes_view(from, in_total), sc, bytes_view(dst, out_total), rc, stream);
+        // A stage that refuses on this rank only (its packed input does not fit the staging region, which only this
+        // rank's counts decide) would leave the others in their stages and network steps: abort the World, so that
+        // they stop at their next heartbeat.
+        try {
+            if (equal) {
+                all_to_all(net.node_team(), bytes_view(from, in_total), bytes_view(dst, out_total), stream);
+            } else {
+                all_to_all_v(net.node_team(), bytes_view(from, in_total), sc, bytes_view(dst, out_total), rc, stream);
+            }
+        } catch (const Error& e) {
+            std::string why =
+                std::string(op) + ": a node stage failed on team rank " + std::to_string(team.rank()) + ": " + e.what();
+            if (!s.send_contiguous) {
+                why +=
+                    " (this team's ranks are not node-major, so the stage packs its input into weft's own "
+                    "scratch: raise WEFT_COLLECTIVE_STAGING_BYTES, or order the team's ranks node by node)";
+            }
+            team.world().abort(why);
+            WEFT_FAIL(why);
         }
     };
     NetCall call(net, stream);
