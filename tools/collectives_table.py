@@ -18,6 +18,13 @@ def human(n):
     return f"{n}B"
 
 
+def parse_size(text):
+    """Bytes of a size as the bench writes it: 4096, 16K, 1M, 2G (binary multiples)."""
+    text = text.strip().upper().removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text[:-1] if scale > 1 else text) * scale
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("json")
@@ -25,7 +32,7 @@ def main():
     ap.add_argument("--date", default="")
     args = ap.parse_args()
     data = json.load(open(args.json))
-    keep = {int(s) for s in args.sizes.split(",") if s}
+    keep = {parse_size(s) for s in args.sizes.split(",") if s}
     date = args.date or data.get("date", "")
     print("| op | size | world | auto (choice) µs | best weft µs (algo) | NCCL µs | roofline µs | NCCL/best | date |")
     print("|---|---|---|---|---|---|---|---|---|")

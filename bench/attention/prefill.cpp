@@ -329,6 +329,8 @@ int run_ag_rows(const Options& opt, weft::bench::Json& j) {
                         // The same kernel on the same data, the keys visited in another order: equal up to rounding.
                         DeviceBuffer ref(static_cast<size_t>(q_elems * 2));
                         const TensorView tref(ref.ptr, opt.dtype, {rows, opt.hq, opt.dim});
+                        // Poisoned first: the timed rounds left the baseline's output there.
+                        BENCH_CUDA(cudaMemsetAsync(out.ptr, 0xff, static_cast<size_t>(q_elems * 2), s));
                         op.run(tq, tk, tv, tout, TensorView(), s);
                         gather();
                         weft::ops::flash_attention(tq, gk, gv, tref, TensorView(), s, fo);

@@ -54,6 +54,8 @@
 
 namespace {
 
+constexpr double kCheckTolerance = 1e-2;  // --check: relative error to cuBLASLt's result
+
 using weft::BLayout;
 using weft::DType;
 using weft::GemmConfig;
@@ -280,6 +282,8 @@ int main(int argc, char** argv) {
                     BENCH_CUDA(cudaGetLastError());
                     if (opt.check) {
                         const Views v = views(0, d_weft.ptr);
+                        // Poisoned first: the timed calls left this output written.
+                        BENCH_CUDA(cudaMemset(d_weft.ptr, 0xff, d_bytes));
                         weft::ops::gemm(v.a, v.b, v.d, layout, nullptr, o);
                         const Views w = views(0, d_lt.ptr);
                         g.run(best_algo, w.a.data, w.b.data, w.d.data);
@@ -474,6 +478,16 @@ int main(int argc, char** argv) {
             j.end_array().end_object();
             weft::bench::write_json_file(opt.json, j);
         }
-        return 0;
+        // --check: every row within the tolerance of cuBLASLt's result (fp32 accumulation both sides, rounded to the
+        // output type: 1e-2 covers bf16 rounding; an unwritten or wrong tile is far above it).
+        int failed = 0;
+        for (const Row& r : rows) {
+            if (r.rel_err < 0 || r.rel_err <= kCheckTolerance) continue;
+            std::printf("FAIL: %lldx%lldx%lld %s differs from cuBLASLt: relative error %.2e > %.0e\n",
+                        static_cast<long long>(r.s.m), static_cast<long long>(r.s.n), static_cast<long long>(r.s.k),
+                        r.path.c_str(), r.rel_err, kCheckTolerance);
+            ++failed;
+        }
+        return failed > 0 ? 1 : 0;
     });
 }

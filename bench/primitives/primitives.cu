@@ -400,6 +400,7 @@ void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows, 
     WEFT_CUDA_CHECK(cudaMalloc(&local, pool));
     const uint64_t seed_a = 0x1234567ull + static_cast<uint64_t>(w.rank());
     const uint64_t seed_b = 0xabcdefull;
+    const uint64_t seed_poison = 0x5a5a5a5aull;  // neither pattern: what a check must not find
     fill_kernel<<<264, 256, 0, stream>>>(local, pool, seed_a);
     fill_kernel<<<264, 256, 0, stream>>>(symmetric, pool, seed_b);
     WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -425,6 +426,11 @@ void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows, 
                 WEFT_CUDA_CHECK(
                     cudaMemcpyAsync(copy_dst + offset(k), local + offset(k), bytes, cudaMemcpyDefault, stream));
             });
+            if (o.check && spread) {
+                // The copy left pattern A where the puts write: poison it, so that the check sees the puts' bytes.
+                fill_kernel<<<264, 256, 0, stream>>>(peer, pool, seed_poison);
+                WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+            }
             const auto put = [&](auto launcher) {
                 return time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
                     launcher(blocks, stream, ctx, local + offset(k), symmetric + offset(k), bytes, 1);
@@ -446,12 +452,16 @@ void run_bandwidth(World& w, const Options& o, std::vector<BandwidthRow>* rows, 
         w.barrier();
         if (w.rank() == 0) {
             if (spread) {
-                // The gets' direction: GPU 1 -> GPU 0, issued on GPU 0 as the gets are (it leaves in `local` what the
-                // gets then write there, so --check still holds).
+                // The gets' direction: GPU 1 -> GPU 0, issued on GPU 0 as the gets are.
                 row.roofline_get_gbps = time_gbps(stream, bytes, o.warmup, o.iters, [&](int k) {
                     WEFT_CUDA_CHECK(
                         cudaMemcpyAsync(local + offset(k), peer + offset(k), bytes, cudaMemcpyDefault, stream));
                 });
+                if (o.check) {
+                    // As for the puts: the copy left pattern B where the gets write.
+                    fill_kernel<<<264, 256, 0, stream>>>(local, pool, seed_poison);
+                    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+                }
             } else {
                 row.roofline_get_gbps = row.roofline_gbps;  // one GPU: the same device-to-device copy either way
             }

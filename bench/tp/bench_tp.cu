@@ -231,6 +231,11 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     EngineKernel engine;
     engine.get(op.config());  // loaded before anything is timed (--tune may change the config in the warm-up)
     w.barrier();
+    // The gathered A the GEMM alone is timed on: every rank's shard, not the heap's leftovers (zeros, or the previous
+    // shape's rows: a GEMM on zeros runs faster).
+    coll(s);
+    BENCH_CUDA(cudaStreamSynchronize(s));
+    w.barrier();
 
     weft::Event ev_fork, ev_join;
     std::vector<weft::Event> ev_shard(static_cast<size_t>(nr));
@@ -845,6 +850,20 @@ int main(int argc, char** argv) {
             run_pass(o, rows, info);
         }
         if (printer) print_and_save(rows, o, info, gpus, prop.name, peaks);
-        return 0;
+        // --check: the fused op (and (b), NCCL's) within 1e-2 of (a), cuBLAS then weft's collective, on every rank.
+        int failed = 0;
+        for (const Row& r : rows) {
+            for (const auto& [err, what] :
+                 {std::pair{r.err_weft, "weft"}, std::pair{r.err_b, "(b)"}, std::pair{r.err_nccl, "nccl"}}) {
+                if (err < 0 || err <= 1e-2) continue;
+                if (printer) {
+                    std::printf("FAIL: %s %lldx%lldx%lld: %s differs from (a): relative error %.2e\n", r.op.c_str(),
+                                static_cast<long long>(r.shape.m), static_cast<long long>(r.shape.n),
+                                static_cast<long long>(r.shape.k), what, err);
+                }
+                ++failed;
+            }
+        }
+        return failed > 0 ? 1 : 0;
     });
 }

@@ -18,10 +18,10 @@ namespace weft::device {
 inline constexpr uint64_t kRecordDrainNs = 100ull * 1000 * 1000;
 
 /// Writes a record at most once per `claimed` word: the first thread (of any block, of any kernel that shares the
-/// word) that claims it, `claimed` 0 -> 1 with atom.relaxed.sys.cas, runs `fill()` (plain stores of the record's
-/// fields), then `fence.sc.sys`, `claimed` = 2 (st.relaxed.sys), `fence.sc.sys`: whoever reads `claimed == 2` at
-/// system scope (the host, through host-mapped memory) reads every field `fill` wrote. Returns true in the thread
-/// that wrote the record; false in every other (someone claimed it first, whether or not it has finished: see
+/// word) that claims it, `claimed` 0 -> 1 with atom.relaxed.gpu.cas (why GPU scope: below), runs `fill()` (plain stores
+/// of the record's fields), then `fence.sc.sys`, `claimed` = 2 (st.relaxed.sys), `fence.sc.sys`: whoever reads `claimed
+/// == 2` at system scope (the host, through host-mapped memory) reads every field `fill` wrote. Returns true in the
+/// thread that wrote the record; false in every other (someone claimed it first, whether or not it has finished: see
 /// wait_record_complete). Inline, no call and no trap (pass `fill` as a lambda, which is inlined too). Any thread.
 template <class Fill>
 __device__ __forceinline__ bool write_record_once(uint32_t* claimed, Fill&& fill) {
