@@ -431,14 +431,23 @@ void run_world(int n, bool launched, const Options& o, WorldResult* result) {
                         if (name == "auto" && spans) {
                             row.chosen = "hierarchical";
                         } else if (name == "auto") {
+                            // What the op's kAuto runs: a WEFT_*_ALGO override first, as the op resolves it.
                             const ops::CollectiveTopology& t = info->topology;
-                            if (op == Op::kAllReduce)
-                                row.chosen = ops::algo_name(ops::select_all_reduce_algo(shard * es, t));
+                            const auto env = [](const char* name) -> std::optional<std::string> {
+                                const char* v = std::getenv(name);
+                                return v != nullptr ? std::optional<std::string>(v) : std::nullopt;
+                            };
+                            if (op == Op::kAllReduce) {
+                                row.chosen = ops::algo_name(ops::resolve_all_reduce_algo(
+                                    ops::AllReduceAlgo::kAuto, env("WEFT_ALLREDUCE_ALGO"), shard * es, t));
+                            }
                             if (op == Op::kAllGather) {
-                                row.chosen = ops::algo_name(ops::select_all_gather_algo(shard * es, t, o.symmetric));
+                                row.chosen = ops::algo_name(ops::resolve_all_gather_algo(
+                                    ops::AllGatherAlgo::kAuto, env("WEFT_ALLGATHER_ALGO"), shard * es, t, o.symmetric));
                             }
                             if (op == Op::kReduceScatter) {
-                                row.chosen = ops::algo_name(ops::select_reduce_scatter_algo(shard * es, t));
+                                row.chosen = ops::algo_name(ops::resolve_reduce_scatter_algo(
+                                    ops::ReduceScatterAlgo::kAuto, env("WEFT_REDUCESCATTER_ALGO"), shard * es, t));
                             }
                         }
                         if (o.check) {

@@ -286,6 +286,8 @@ void run_config(World& world, const Options& o, bool low_latency, bool fp8, int 
         }
         world.sync_and_check(s);
         if (o.check) {
+            // Poisoned first: the warm-up's last combine may have left this very result there.
+            WEFT_CUDA_CHECK(cudaMemsetAsync(out, 0xff, static_cast<size_t>(tokens) * hsz * 2, s));
             buffer.low_latency_dispatch(h, xv(0), iv(0), s, opt);
             buffer.low_latency_combine(h, fp8 ? yv : h.recv_x(), iv(0), wv(0), ov, s);
             buffer.sync_and_check(s);
@@ -309,6 +311,7 @@ void run_config(World& world, const Options& o, bool low_latency, bool fp8, int 
         }
         world.sync_and_check(s);
         if (o.check) {
+            WEFT_CUDA_CHECK(cudaMemsetAsync(out, 0xff, static_cast<size_t>(tokens) * hsz * 2, s));  // as above
             buffer.dispatch(h, xv(0), iv(0), wv(0), s);
             buffer.combine(h, h.recv_x(), ov, s);
             buffer.sync_and_check(s);
