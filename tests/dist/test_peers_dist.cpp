@@ -75,6 +75,19 @@ std::string hex(const void* p) {
     return text;
 }
 
+// sync_and_check's error on `stream` ("" when it returned), and in *seconds how long it took to come.
+std::string sync_error(World& world, cudaStream_t stream, double* seconds) {
+    const auto start = Clock::now();
+    std::string message;
+    try {
+        world.sync_and_check(stream);
+    } catch (const std::exception& e) {
+        message = e.what();
+    }
+    *seconds = seconds_since(start);
+    return message;
+}
+
 // One child: "<scenario>:<rank>:<num_ranks>:<socket>". Returns the process's exit code (0: its checks passed).
 int child_main(const std::string& spec) {
     char scenario[32] = {};
@@ -128,14 +141,7 @@ int child_main(const std::string& spec) {
                 ::raise(SIGKILL);
             }
             store->set("peers/launched/" + std::to_string(rank), Bytes{1});
-            const auto start = Clock::now();
-            std::string message;
-            try {
-                world->sync_and_check(stream);
-            } catch (const std::exception& e) {
-                message = e.what();
-            }
-            error_s = seconds_since(start);
+            const std::string message = sync_error(*world, stream, &error_s);
             std::fprintf(stderr, "child death rank %d: error after %.3f s: %s\n", rank, error_s, message.c_str());
             if (message.empty()) rc = fail("sync_and_check returned although rank 2 died");
             if (message.find("rank 2 is gone") == std::string::npos) rc = fail("the error does not name rank 2");
@@ -153,14 +159,7 @@ int child_main(const std::string& spec) {
             wait.launch(one_block, world->device_ctx(), static_cast<const uint64_t*>(sigs + 1), uint64_t{1});
             WEFT_CUDA_CHECK(cudaGetLastError());
             store->set("peers/launched/0", Bytes{1});
-            const auto start = Clock::now();
-            std::string message;
-            try {
-                world->sync_and_check(stream);
-            } catch (const std::exception& e) {
-                message = e.what();
-            }
-            error_s = seconds_since(start);
+            const std::string message = sync_error(*world, stream, &error_s);
             std::fprintf(stderr, "child unwind rank 0: error after %.3f s: %s\n", error_s, message.c_str());
             if (message.find("rank 1 called World::abort: its World was destroyed while an exception propagated") ==
                 std::string::npos) {
