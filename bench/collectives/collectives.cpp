@@ -208,6 +208,14 @@ double bus_factor(Op op, int n) {
     return op == Op::kAllReduce ? 2 * f : f;
 }
 
+// The bytes a call of nominal `size` moves (as nccl-tests counts them): all_reduce the whole elements of `size`; the
+// others n equal shards of whole elements (at world sizes that do not divide `size`, less than `size`).
+double moved_bytes(Op op, uint64_t size, int n, int es) {
+    const uint64_t elems = size / static_cast<uint64_t>(es);
+    const uint64_t whole = op == Op::kAllReduce ? elems : elems / static_cast<uint64_t>(n) * static_cast<uint64_t>(n);
+    return static_cast<double>(whole * static_cast<uint64_t>(es));
+}
+
 // Times `call(k)` (k = the iteration, for buffer rotation): median over reps of (events around iters calls) / iters,
 // in microseconds; from a captured graph when *graph (which is cleared if capturing fails: then eager launches).
 /// `*calls` counts the calls made (the warm-up's included).
@@ -495,7 +503,7 @@ void run_world(int n, bool launched, const Options& o, WorldResult* result) {
                             row.trace_events_per_call = gather.max(w, events / std::max(1, calls));
                             row.us_traced = row.us;
                         }
-                        row.busbw = static_cast<double>(size) * bus_factor(op, n) / (row.us * 1e3);
+                        row.busbw = moved_bytes(op, size, n, es) * bus_factor(op, n) / (row.us * 1e3);
                         rows.push_back(row);
                     }
                 }
@@ -625,7 +633,7 @@ int run(int argc, char** argv) {
                     std::printf("\n");
                     continue;
                 }
-                const double bus = static_cast<double>(size) * bus_factor(op, n);
+                const double bus = moved_bytes(op, size, n, dtype_bytes(o.dtype)) * bus_factor(op, n);
                 const double roof_us = r.roofline_busbw > 0 ? bus / (r.roofline_busbw * 1e3) : 0;
                 char roof[64];
                 std::snprintf(roof, sizeof(roof), "%.2f (%.1f)", roof_us, r.roofline_busbw);

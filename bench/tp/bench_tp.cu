@@ -146,6 +146,16 @@ Options parse(int argc, char** argv) {
     return o;
 }
 
+// --check: the fused op's output poisoned, then one more call (the timed calls left it written), every rank together.
+template <class Call>
+void rerun_poisoned(weft::World& w, cudaStream_t s, void* out, int64_t bytes, Call&& call) {
+    BENCH_CUDA(cudaMemsetAsync(out, 0xff, static_cast<size_t>(bytes), s));
+    BENCH_CUDA(cudaStreamSynchronize(s));
+    w.barrier();
+    call();
+    BENCH_CUDA(cudaStreamSynchronize(s));
+}
+
 struct Row {
     std::string op;
     Shape shape;
@@ -299,6 +309,7 @@ Row bench_ag(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
         });
     row.trace_events_per_call = weft_events_per_call(w, sh, o.warmup + o.iters);
     if (o.check) {
+        rerun_poisoned(w, s, c_w, m * n * es, [&] { op.run(a_local, bv, cw, s); });
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, m, n, t, s));
         if (row.b >= 0) row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, m, n, t, s));
         if (row.nccl >= 0) row.err_nccl = max_over_ranks(w, sh, rel_error(c_n, n, c_a, n, m, n, t, s));
@@ -422,6 +433,7 @@ Row bench_rs(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
         });
     row.trace_events_per_call = weft_events_per_call(w, sh, o.warmup + o.iters);
     if (o.check) {
+        rerun_poisoned(w, s, c_w, rows * n * es, [&] { op.run(av, bv, cw, s); });
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, rows, n, t, s));
         if (row.b >= 0) row.err_b = max_over_ranks(w, sh, rel_error(c_b, n, c_a, n, rows, n, t, s));
         if (row.nccl >= 0) row.err_nccl = max_over_ranks(w, sh, rel_error(c_n, n, c_a, n, rows, n, t, s));
@@ -528,6 +540,7 @@ Row bench_ar(World& w, Shared& sh, const Options& o, const Shape& full, Lt& lt, 
     row.weft = time_all(w, sh, s, o.warmup, o.iters, [&] { op.run(av, bv, cw, s); });
     row.trace_events_per_call = weft_events_per_call(w, sh, o.warmup + o.iters);
     if (o.check) {
+        rerun_poisoned(w, s, c_w, m * n * es, [&] { op.run(av, bv, cw, s); });
         row.err_weft = max_over_ranks(w, sh, rel_error(c_w, n, c_a, n, m, n, t, s));
         void* b_rows = c_b;                   // (b)'s result as row-major [m, n]
         if (o.coll == BaselineColl::kWeft) {  // chunk-major -> row-major, outside the timed region
