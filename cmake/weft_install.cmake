@@ -18,15 +18,16 @@ install(TARGETS weft EXPORT weftTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+# Without the GIN backend its header would declare functions the library does not define.
+set(weft_header_excludes)
+if(NOT WEFT_HAVE_NCCL_GIN)
+  set(weft_header_excludes REGEX "/net/gin\\.hpp$" EXCLUDE)
+endif()
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/weft DESTINATION ${WEFT_INSTALL_INCLUDEDIR}
+        FILES_MATCHING PATTERN "*.hpp" PATTERN "*.cuh" PATTERN "*.h" ${weft_header_excludes})
 if(WEFT_HAVE_NCCL_GIN)
-  install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/weft DESTINATION ${WEFT_INSTALL_INCLUDEDIR}
-          FILES_MATCHING PATTERN "*.hpp" PATTERN "*.cuh" PATTERN "*.h")
   # The GIN device library JIT kernels link (weft::net::GinBackend::device_library() looks in P/share/weft/).
   install(FILES ${CMAKE_BINARY_DIR}/lib/weft_gin_device_sm90a.fatbin DESTINATION share/weft)
-else()
-  # Without the GIN backend its header would declare functions the library does not define.
-  install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/weft DESTINATION ${WEFT_INSTALL_INCLUDEDIR}
-          FILES_MATCHING PATTERN "*.hpp" PATTERN "*.cuh" PATTERN "*.h" REGEX "/net/gin\\.hpp$" EXCLUDE)
 endif()
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/kernels/ DESTINATION ${WEFT_INSTALL_KERNELSDIR}
         FILES_MATCHING PATTERN "*.cuh" PATTERN "*.hpp" PATTERN "*.h" PATTERN "*.txt")

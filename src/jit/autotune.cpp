@@ -3,7 +3,6 @@
 #include "weft/jit/autotune.hpp"
 
 #include <cuda_runtime_api.h>
-#include <sys/stat.h>
 
 #include <algorithm>
 #include <chrono>
@@ -241,11 +240,7 @@ void Autotuner::store_decision(const TuneKey& key, const std::string& name, doub
     if (!config_.cache_dir) return;
     try {
         std::error_code ec;
-        // As the kernel cache makes its folder: writable by this user only, whatever the umask (the lock and the
-        // cache refuse a folder others may write).
-        if (!fs::exists(*config_.cache_dir, ec) && fs::create_directories(*config_.cache_dir, ec)) {
-            ::chmod(config_.cache_dir->c_str(), 0755);
-        }
+        create_cache_folder(*config_.cache_dir, ec);
         FileLock lock(*config_.cache_dir / kDecisionLock, std::chrono::seconds(60));
         WEFT_CHECK(lock.owns(), "cannot lock " << (*config_.cache_dir / kDecisionLock).string());
         const fs::path path = *config_.cache_dir / kDecisionFile;

@@ -298,16 +298,21 @@ void write_file_atomically(const fs::path& path, const void* data, size_t bytes)
     write_atomically_at(dir.get(), path.filename().string(), path.string(), data, bytes);
 }
 
+void create_cache_folder(const fs::path& dir, std::error_code& ec) {
+    ec.clear();
+    if (dir.empty() || fs::exists(dir, ec)) return;
+    if (dir.has_parent_path() && dir.parent_path() != dir) {
+        create_cache_folder(dir.parent_path(), ec);
+        if (ec) return;
+    }
+    if (fs::create_directory(dir, ec)) ::chmod(dir.c_str(), 0755);
+}
+
 DiskCache::DiskCache(fs::path dir) : dir_(std::move(dir)), jit_dir_(dir_ / "jit") {
     std::error_code ec;
-    const bool dir_existed = fs::exists(dir_, ec);
-    const bool jit_existed = fs::exists(jit_dir_, ec);
-    fs::create_directories(jit_dir_, ec);
+    create_cache_folder(jit_dir_, ec);
     WEFT_CHECK(!ec && fs::is_directory(jit_dir_),
                "cannot create the JIT cache folder " << jit_dir_.string() << ": " << ec.message());
-    // Folders made here are writable by this user only, whatever the umask: readers trust nothing else.
-    if (!dir_existed) ::chmod(dir_.c_str(), 0755);
-    if (!jit_existed) ::chmod(jit_dir_.c_str(), 0755);
     std::string why;
     Fd jit(open_jit_dir(&why));
     if (jit.get() < 0) {

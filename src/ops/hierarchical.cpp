@@ -71,6 +71,13 @@ void check_user_buffers(const Team& team, const char* op, const TensorView& inpu
     check_device_buffers(team.world().heap(), {{"input", input}, {"output", output}}, op, stream);
 }
 
+// A refusal on part of the team, after the other nodes' members may have gone on into their stages and network steps:
+// the World is aborted, so that they stop at their next heartbeat, then this rank throws.
+[[noreturn]] void abort_and_fail(const Team& team, const std::string& why) {
+    team.world().abort(why);
+    WEFT_FAIL(why);
+}
+
 // A node stage's all_gather into weft's own scratch (never on the heap): the automatic algorithm for an output off
 // the heap, whatever WEFT_ALLGATHER_ALGO forces for the user's calls (sm_push and ce_push write into symmetric
 // outputs only, and a forced one would refuse here, part way through a call).
@@ -303,8 +310,7 @@ void hierarchical_all_to_all(const Team& team, const TensorView& input, std::spa
                 os << op << ": team rank " << from << " sends " << node_send_bytes[l][to] / es
                    << " elements to team rank " << to << ", whose recv_counts[" << from << "] is "
                    << node_recv_bytes[m][from] / es << " (checked on every member of the node)";
-                team.world().abort(os.str());
-                WEFT_FAIL(os.str());
+                abort_and_fail(team, os.str());
             }
         }
     }
@@ -354,8 +360,7 @@ void hierarchical_all_to_all(const Team& team, const TensorView& input, std::spa
                     " (this team's ranks are not node-major, so the stage packs its input into weft's own "
                     "scratch: raise WEFT_COLLECTIVE_STAGING_BYTES, or order the team's ranks node by node)";
             }
-            team.world().abort(why);
-            WEFT_FAIL(why);
+            abort_and_fail(team, why);
         }
     };
     NetCall call(net, stream);

@@ -371,26 +371,11 @@ TraceCopyEvents trace_copy_events(World& world, uint16_t stream_idx, int32_t chu
     return t == nullptr ? TraceCopyEvents{} : t->copy_events(stream_idx, chunk, peer);
 }
 
-void write_trace(World& world, const std::string& path) {
-    Tracer* tracer = find_tracer(world);
-    WEFT_CHECK(tracer != nullptr, "write_trace: this World records no trace (set WEFT_TRACE=path before making it)");
-    WEFT_CHECK(!path.empty(), "write_trace: the path must not be empty");
-    const detail::DeviceGuard guard(world.device());
-    // Every rank joins the gather, also one whose events cannot be read (a failed kernel left its context unusable):
-    // it sends an empty blob, so the others neither wait for it nor fall out of step with its next trace.
-    const uint64_t seq = tracer->next_seq();
-    Bytes blob;
-    std::string failed;
-    try {
-        blob = detail::encode_rank_trace(tracer->take(world.rank()));
-    } catch (const std::exception& e) {
-        failed = e.what();
-        blob.clear();
-    }
-    const std::vector<Bytes> all = world.store().all_gather("weft/trace/" + std::to_string(seq), world.rank(),
-                                                            world.num_ranks(), blob, world.timeout());
-    WEFT_CHECK(world.rank() == 0 || failed.empty(), "write_trace: this rank's events could not be read: " << failed);
-    if (world.rank() != 0) return;
+namespace {
+
+// Rank 0's part of write_trace: every rank's blob (empty: that rank's events could not be read) into one file at
+// `path`.
+void write_gathered_trace(const std::vector<Bytes>& all, const std::string& path) {
     std::vector<detail::RankTrace> ranks;
     std::vector<int> missing;
     uint64_t dropped = 0, kept = 0;
@@ -429,11 +414,32 @@ void write_trace(World& world, const std::string& path) {
                                                     " dropped: the buffers were full; raise WEFT_TRACE_EVENTS)"
                                               : std::string()));
     if (!missing.empty()) {
-        std::ostringstream os;
-        for (size_t i = 0; i < missing.size(); ++i) os << (i > 0 ? ", " : "") << missing[i];
-        WEFT_LOG_WARN("trace: the events of rank(s) " << os.str() << " could not be read there and are not in "
-                                                      << path);
+        WEFT_LOG_WARN("trace: the events of " << detail::format_rank_list(missing)
+                                              << " could not be read there and are not in " << path);
     }
+}
+
+}  // namespace
+
+void write_trace(World& world, const std::string& path) {
+    Tracer* tracer = find_tracer(world);
+    WEFT_CHECK(tracer != nullptr, "write_trace: this World records no trace (set WEFT_TRACE=path before making it)");
+    WEFT_CHECK(!path.empty(), "write_trace: the path must not be empty");
+    const detail::DeviceGuard guard(world.device());
+    // Every rank joins the gather, also one whose events cannot be read (a failed kernel left its context unusable):
+    // it sends an empty blob, so the others neither wait for it nor fall out of step with its next trace.
+    const uint64_t seq = tracer->next_seq();
+    Bytes blob;
+    std::string failed;
+    try {
+        blob = detail::encode_rank_trace(tracer->take(world.rank()));
+    } catch (const std::exception& e) {
+        failed = e.what();
+        blob.clear();
+    }
+    const std::vector<Bytes> all = world.store().all_gather("weft/trace/" + std::to_string(seq), world.rank(),
+                                                            world.num_ranks(), blob, world.timeout());
+    if (world.rank() == 0) write_gathered_trace(all, path);
     WEFT_CHECK(failed.empty(), "write_trace: this rank's events could not be read: " << failed);
 }
 

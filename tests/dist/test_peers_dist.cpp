@@ -264,6 +264,15 @@ std::vector<Child> run_children(const std::string& scenario, int num_ranks, std:
     return children;
 }
 
+// Every child exited 0 (its checks passed).
+void expect_every_child_passed(const std::vector<Child>& children) {
+    for (size_t r = 0; r < children.size(); ++r) {
+        const int status = children[r].status;
+        EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+            << "child " << r << " failed its checks (its stderr says why)";
+    }
+}
+
 // Runs `body` on rank 0 of the 2-rank weftrun job; the other rank waits for it (the children share the GPU).
 void on_rank_zero_of_two(const char* name, const std::function<void()>& body) {
     World& w = dist_world();
@@ -304,25 +313,12 @@ TEST(DistPeers, AKilledPeerIsNamedByEverySurvivorWithinTheBound) {
 }
 
 TEST(DistPeers, APeerLeavingOnAnExceptionAbortsItsWorldSoThePeersStopAtOnce) {
-    on_rank_zero_of_two("unwind", [] {
-        const auto children = run_children("unwind", 2, std::chrono::seconds(120));
-        for (int r = 0; r < 2; ++r) {
-            const int status = children[static_cast<size_t>(r)].status;
-            EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-                << "child " << r << " failed its checks (its stderr says why)";
-        }
-    });
+    on_rank_zero_of_two("unwind",
+                        [] { expect_every_child_passed(run_children("unwind", 2, std::chrono::seconds(120))); });
 }
 
 TEST(DistPeers, APeerFifteenSecondsLateIsWaitedForWithTheDefaultTimeouts) {
-    on_rank_zero_of_two("late", [] {
-        const auto children = run_children("late", 2, std::chrono::seconds(240));
-        for (int r = 0; r < 2; ++r) {
-            const int status = children[static_cast<size_t>(r)].status;
-            EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-                << "child " << r << " failed its checks (its stderr says why)";
-        }
-    });
+    on_rank_zero_of_two("late", [] { expect_every_child_passed(run_children("late", 2, std::chrono::seconds(240))); });
 }
 
 }  // namespace

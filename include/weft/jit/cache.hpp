@@ -103,6 +103,9 @@ std::vector<char> read_file_bytes(const std::filesystem::path& path);
 /// blocks. nullopt when it is absent (`*why` empty) or refused or unreadable (`*why` says why).
 std::optional<std::vector<char>> read_trusted_file(const std::filesystem::path& dir, const std::string& name,
                                                    uint64_t max_bytes, std::string* why);
+/// Creates `dir` (and its parents) where missing; each folder made here is mode 0755, whatever the umask (the cache
+/// and its locks trust nothing others may write). `ec` as std::filesystem::create_directories sets it.
+void create_cache_folder(const std::filesystem::path& dir, std::error_code& ec);
 /// Writes `bytes` to a new temporary file next to `path` (mode 0644) and renames it over `path`.
 void write_file_atomically(const std::filesystem::path& path, const void* data, size_t bytes);
 
