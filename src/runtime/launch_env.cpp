@@ -318,6 +318,38 @@ void refuse_foreign_launcher(const VarMap& vars, int launched_size, int launched
                            "LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each");
 }
 
+namespace {
+
+// A batch script's own process (sbatch, or salloc with an interactive step) carries SLURM_PROCID=0 and the job's
+// SLURM_NTASKS, but none of the variables srun sets for a step it starts (SLURM_STEP_ID, SLURM_STEP_NUM_TASKS), and
+// ENVIRONMENT=BATCH. Slurm's batch step id (4294967294) is taken as no step too.
+bool is_slurm_batch_step(const VarMap& vars) {
+    const std::string* environment = find(vars, "ENVIRONMENT");
+    if (environment == nullptr || *environment != "BATCH") return false;
+    const char* step_name = nullptr;
+    const std::string* step = find_first(vars, {"SLURM_STEP_ID", "SLURM_STEPID"}, &step_name);
+    if (step != nullptr && *step != "4294967294") return false;
+    return find(vars, "SLURM_STEP_NUM_TASKS") == nullptr;
+}
+
+// A program run straight from a batch script of several tasks is one process, not the job's tasks: reading it as
+// rank 0 of SLURM_NTASKS would wait for ranks that never start. Refused, saying what works; a batch script of one
+// task is a job of one rank.
+void refuse_batch_step_of_several_tasks(const VarMap& vars) {
+    const char* size_name = nullptr;
+    const std::string* size = find_first(vars, {"SLURM_NTASKS", "SLURM_NPROCS"}, &size_name);
+    const int tasks = size == nullptr ? 1 : to_int(*size, size_name);
+    refuse_foreign_launcher(vars, tasks, 0);
+    WEFT_CHECK(tasks <= 1,
+               "this process is a Slurm batch script's own (ENVIRONMENT=BATCH, SLURM_PROCID set, no "
+               "SLURM_STEP_ID): "
+                   << size_name << "=" << *size
+                   << " counts the job's tasks, which srun starts; run the program with srun inside the "
+                      "script (srun ./prog), or start the ranks with weftrun or torchrun");
+}
+
+}  // namespace
+
 std::optional<LaunchEnv> parse_launch_env(const VarMap& vars) {
     std::optional<LaunchEnv> env;
     if (find(vars, "RANK") != nullptr || find(vars, "WORLD_SIZE") != nullptr) {
@@ -325,6 +357,10 @@ std::optional<LaunchEnv> parse_launch_env(const VarMap& vars) {
     } else if (find(vars, "OMPI_COMM_WORLD_RANK") != nullptr || find(vars, "OMPI_COMM_WORLD_SIZE") != nullptr) {
         env = parse_ompi(vars);
     } else if (find(vars, "SLURM_PROCID") != nullptr) {
+        if (is_slurm_batch_step(vars)) {
+            refuse_batch_step_of_several_tasks(vars);
+            return std::nullopt;
+        }
         env = parse_slurm(vars);
         refuse_foreign_launcher(vars, env->num_ranks, env->rank);
     } else {

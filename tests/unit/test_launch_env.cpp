@@ -254,6 +254,39 @@ TEST(LaunchEnv, LaunchersWeftDoesNotReadAreRefusedNotTakenAsOneRank) {
     EXPECT_EQ(e->num_ranks, 8);
 }
 
+TEST(LaunchEnv, ABatchScriptsOwnProcessIsNotReadAsRankZeroOfTheJob) {
+    // sbatch --ntasks=4 with ./prog run straight from the script: the batch step's variables, no srun step.
+    Vars batch = {{"SLURM_PROCID", "0"},    {"SLURM_NTASKS", "4"},        {"SLURM_LOCALID", "0"},
+                  {"SLURM_NNODES", "1"},    {"SLURM_JOB_ID", "11"},       {"SLURM_NODEID", "0"},
+                  {"ENVIRONMENT", "BATCH"}, {"SLURM_TASKS_PER_NODE", "4"}};
+    expect_error_naming(batch, {"batch script", "SLURM_NTASKS=4", "srun ./prog"});
+    Vars batch_step_id = batch;
+    batch_step_id["SLURM_STEP_ID"] = "4294967294";  // Slurm's batch step id
+    expect_error_naming(batch_step_id, {"batch script", "SLURM_NTASKS=4"});
+    // A batch script of one task (or none counted) is a job of one rank.
+    Vars one = batch;
+    one["SLURM_NTASKS"] = "1";
+    EXPECT_FALSE(parse_launch_env(one).has_value());
+    one.erase("SLURM_NTASKS");
+    EXPECT_FALSE(parse_launch_env(one).has_value());
+    // srun inside the script: its tasks inherit ENVIRONMENT=BATCH and carry the step's variables.
+    Vars step = batch;
+    step["SLURM_STEP_ID"] = "0";
+    step["SLURM_STEP_NUM_TASKS"] = "4";
+    step["SLURM_PROCID"] = "2";
+    step["SLURM_LOCALID"] = "2";
+    auto e = parse_launch_env(step);
+    ASSERT_TRUE(e.has_value());
+    EXPECT_EQ(e->launcher, "srun");
+    EXPECT_EQ(e->rank, 2);
+    EXPECT_EQ(e->num_ranks, 4);
+    // mpiexec (Hydra) inside the batch script: refused as a launcher weft does not read.
+    Vars hydra = batch;
+    hydra["PMI_SIZE"] = "4";
+    hydra["PMI_RANK"] = "3";
+    expect_error_naming(hydra, {"PMI_SIZE", "rank 0 of 4 task(s)"});
+}
+
 TEST(LaunchEnv, SlurmSingleNode) {
     Vars v = {{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "2"}, {"SLURM_NNODES", "1"},
               {"SLURM_JOB_ID", "98765"}, {"SLURM_STEP_ID", "0"}};

@@ -33,6 +33,8 @@ struct LaunchEnv {
 ///   2. OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE (Open MPI's mpirun).
 ///   3. SLURM_PROCID, SLURM_STEP_NUM_TASKS | SLURM_NTASKS | SLURM_NPROCS, SLURM_LOCALID,
 ///      SLURM_STEP_TASKS_PER_NODE | SLURM_TASKS_PER_NODE | SLURM_NTASKS_PER_NODE with SLURM_NODEID (srun).
+///      A batch script's own process (ENVIRONMENT=BATCH and no SLURM_STEP_ID / SLURM_STEP_NUM_TASKS) is no srun
+///      task: nullopt for a job of one task, an error naming srun for more.
 /// MASTER_ADDR defaults to 127.0.0.1 when every rank is on this host (an error otherwise, except under
 /// Slurm, where the first host of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST is used).
 /// The job id: torchrun: TORCHELASTIC_RUN_ID with MASTER_ADDR:MASTER_PORT (the agent's store, held for the
