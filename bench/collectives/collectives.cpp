@@ -441,8 +441,8 @@ void run_world(int n, bool launched, const Options& o, WorldResult* result) {
                         } else if (name == "auto") {
                             // What the op's kAuto runs: a WEFT_*_ALGO override first, as the op resolves it.
                             const ops::CollectiveTopology& t = info->topology;
-                            const auto env = [](const char* name) -> std::optional<std::string> {
-                                const char* v = std::getenv(name);
+                            const auto env = [](const char* var) -> std::optional<std::string> {
+                                const char* v = std::getenv(var);
                                 return v != nullptr ? std::optional<std::string>(v) : std::nullopt;
                             };
                             if (op == Op::kAllReduce) {

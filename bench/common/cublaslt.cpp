@@ -94,6 +94,37 @@ std::string LtGemm::describe(size_t algo) const {
            " waves " + std::to_string(algos_[algo].wavesCount);
 }
 
+size_t LtGemm::fastest(const void* a, const void* b, void* d, cudaStream_t stream, int reps) const {
+    WEFT_CHECK(reps >= 1, "LtGemm::fastest: reps " << reps << " must be at least 1");
+    cudaEvent_t start = nullptr, stop = nullptr;
+    WEFT_CUDA_CHECK(cudaEventCreate(&start));
+    WEFT_CUDA_CHECK(cudaEventCreate(&stop));
+    size_t best = num_algos_;
+    float best_ms = 0;
+    for (size_t algo = 0; algo < num_algos_; ++algo) {
+        try {
+            run(algo, a, b, d, stream);  // untimed: the first launch of an algorithm loads its kernel
+            WEFT_CUDA_CHECK(cudaEventRecord(start, stream));
+            for (int r = 0; r < reps; ++r) run(algo, a, b, d, stream);
+            WEFT_CUDA_CHECK(cudaEventRecord(stop, stream));
+            WEFT_CUDA_CHECK(cudaEventSynchronize(stop));
+        } catch (const Error&) {
+            (void)cudaGetLastError();
+            continue;  // an algorithm that fails to run is skipped
+        }
+        float ms = 0;
+        WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        if (best == num_algos_ || ms < best_ms) {
+            best = algo;
+            best_ms = ms;
+        }
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    WEFT_CHECK(best < num_algos_, "cuBLASLt: none of the " << num_algos_ << " heuristic algorithm(s) ran");
+    return best;
+}
+
 CublasLt::CublasLt(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
     BENCH_CUBLAS(cublasLtCreate(&handle_));
     WEFT_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
@@ -110,13 +141,13 @@ void CublasLt::gemm(DType t, const void* a, int64_t lda, const void* b, int64_t 
     const auto key = std::make_tuple(static_cast<int>(t), m, n, k, lda, ldb, ldd);
     auto it = plans_.find(key);
     if (it == plans_.end()) {
-        it = plans_
-                 .emplace(key,
-                          std::make_unique<LtGemm>(handle_, t, t, LtLayout::kNK, LtGemm::Shape{m, n, k, lda, ldb, ldd},
-                                                   workspace_, workspace_bytes_, 1))
-                 .first;
+        Plan plan;
+        plan.gemm = std::make_unique<LtGemm>(handle_, t, t, LtLayout::kNK, LtGemm::Shape{m, n, k, lda, ldb, ldd},
+                                             workspace_, workspace_bytes_, LtGemm::kMaxAlgos);
+        plan.algo = plan.gemm->fastest(a, b, d, stream);
+        it = plans_.emplace(key, std::move(plan)).first;
     }
-    it->second->run(0, a, b, d, stream);
+    it->second.gemm->run(it->second.algo, a, b, d, stream);
 }
 
 }  // namespace weft::bench

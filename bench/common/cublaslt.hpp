@@ -41,6 +41,9 @@ public:
     void run(size_t algo, const void* a, const void* b, void* d, cudaStream_t stream = nullptr) const;
     /// The algorithm's configuration as cuBLASLt reports it (id, tile, stages, cluster, split-K, ...).
     std::string describe(size_t algo) const;
+    /// The fastest of the held algorithms on these operands: each runs once untimed, then `reps` times between two
+    /// events on `stream` (synchronised); one that fails to run is skipped. Throws weft::Error when none runs.
+    size_t fastest(const void* a, const void* b, void* d, cudaStream_t stream, int reps = 5) const;
 
     static constexpr int kMaxAlgos = 8;
 
@@ -55,8 +58,10 @@ private:
     size_t num_algos_ = 0;
 };
 
-/// A cuBLASLt handle and workspace with GEMM plans cached by shape, each on the heuristic's first algorithm:
-/// the plain "cuBLAS GEMM" baseline beside weft's ops. Not thread-safe: one per thread.
+/// A cuBLASLt handle and workspace with GEMM plans cached by shape, each on the fastest of the heuristic's first
+/// kMaxAlgos algorithms, timed on the operands of the shape's first call (LtGemm::fastest): the plain "cuBLAS GEMM"
+/// baseline beside weft's ops. Not thread-safe: one per thread; not for a stream being captured (the first call of
+/// a shape synchronises it).
 class CublasLt {
 public:
     explicit CublasLt(size_t workspace_bytes = size_t{32} << 20);
@@ -75,7 +80,11 @@ private:
     cublasLtHandle_t handle_ = nullptr;
     void* workspace_ = nullptr;
     size_t workspace_bytes_;
-    std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>, std::unique_ptr<LtGemm>> plans_;
+    struct Plan {
+        std::unique_ptr<LtGemm> gemm;
+        size_t algo = 0;
+    };
+    std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>, Plan> plans_;
 };
 
 }  // namespace weft::bench

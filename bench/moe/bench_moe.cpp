@@ -261,8 +261,10 @@ Row run_case(const MoeCase& c, const Options& opt, const weft::bench::Peaks& pea
     auto cublas_grouped = [&](int) {
         if (have_cublas_grouped) BENCH_CUBLAS(cublas_grouped_call());
     };
-    // Per-expert cuBLASLt GEMMs (its heuristic's first algorithm per shape), one launch per non-empty expert.
+    // Per-expert cuBLASLt GEMMs (the fastest of its heuristic's algorithms per shape), one launch per non-empty
+    // expert.
     std::vector<std::unique_ptr<weft::bench::LtGemm>> loop;
+    std::vector<size_t> loop_algo(static_cast<size_t>(groups), 0);
     for (int64_t e = 0; e < groups; ++e) {
         const int32_t rows_e = counts[static_cast<size_t>(e)];
         if (rows_e == 0) {
@@ -271,16 +273,21 @@ Row run_case(const MoeCase& c, const Options& opt, const weft::bench::Peaks& pea
         }
         loop.push_back(std::make_unique<weft::bench::LtGemm>(
             lt.handle(), DType::kBF16, opt.out, weft::bench::LtLayout::kNK,
-            weft::bench::LtGemm::Shape{rows_e, c.n, c.k, c.k, c.k, c.n}, lt.workspace(), lt.workspace_bytes(), 1));
+            weft::bench::LtGemm::Shape{rows_e, c.n, c.k, c.k, c.k, c.n}, lt.workspace(), lt.workspace_bytes(),
+            weft::bench::LtGemm::kMaxAlgos));
+        const int64_t first = offsets[static_cast<size_t>(e)];
+        loop_algo[static_cast<size_t>(e)] = loop.back()->fastest(
+            static_cast<const char*>(a.ptr) + first * c.k * 2, static_cast<const char*>(b.ptr) + e * c.n * c.k * 2,
+            static_cast<char*>(d_ref.ptr) + static_cast<size_t>(first * c.n) * out_bytes, stream);
     }
     auto cublas_loop = [&](int) {
         for (int64_t e = 0; e < groups; ++e) {
             if (!loop[static_cast<size_t>(e)]) continue;
             const int64_t first = offsets[static_cast<size_t>(e)];
-            loop[static_cast<size_t>(e)]->run(0, static_cast<const char*>(a.ptr) + first * c.k * 2,
-                                               static_cast<const char*>(b.ptr) + e * c.n * c.k * 2,
-                                               static_cast<char*>(d_ref.ptr) + static_cast<size_t>(first * c.n) * out_bytes,
-                                               stream);
+            loop[static_cast<size_t>(e)]->run(
+                loop_algo[static_cast<size_t>(e)], static_cast<const char*>(a.ptr) + first * c.k * 2,
+                static_cast<const char*>(b.ptr) + e * c.n * c.k * 2,
+                static_cast<char*>(d_ref.ptr) + static_cast<size_t>(first * c.n) * out_bytes, stream);
         }
     };
     // weft's dense GEMM over the same total rows (expert 0's weights): what the grouped GEMM is measured against.

@@ -91,7 +91,8 @@ __global__ void bench_sum_kernel(weft::DeviceCtx ctx, const T* symmetric_src, co
 
 // ---- cuBLASLt, inputs, timing (bench/common) -------------------------------------------------------------------
 
-/// D[m, n] (ldd) = A[m, k] (lda) * B[n, k]^T (ldb), row-major, on cuBLASLt's first heuristic algorithm.
+/// D[m, n] (ldd) = A[m, k] (lda) * B[n, k]^T (ldb), row-major, on the fastest of cuBLASLt's heuristic algorithms
+/// (timed on a shape's first call).
 using Lt = weft::bench::CublasLt;
 /// The slowest rank's figures: one per World, shared by its rank threads.
 using Shared = weft::bench::SlowestRank;
