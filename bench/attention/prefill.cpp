@@ -134,19 +134,6 @@ double attention_flops(int64_t seq_q, int64_t seq_kv, int64_t q_position, bool c
     return 4.0 * pairs * hq * dim;
 }
 
-float host_value(uint16_t b, DType t) {
-    if (t == DType::kF16) {
-        const int e = (b >> 10) & 0x1f;
-        const int m = b & 0x3ff;
-        const double mag = e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25);
-        return static_cast<float>((b & 0x8000) ? -mag : mag);
-    }
-    const uint32_t u = static_cast<uint32_t>(b) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
 /// Checks query rows `rows` of q-head 0 against an fp64 reference on the host (reads q-head 0's KV head, and the
 /// rows). Returns the largest absolute error, or a negative value when a row is not finite.
 double check_rows(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
@@ -169,8 +156,8 @@ double check_rows(const TensorView& q, const TensorView& k, const TensorView& v,
         for (int64_t j = 0; j < visible; ++j) {
             double dot = 0;
             for (int64_t e = 0; e < dim; ++e) {
-                dot += static_cast<double>(host_value(qr[static_cast<size_t>(e)], t)) *
-                       host_value(kh[static_cast<size_t>(j * dim + e)], t);
+                dot += static_cast<double>(weft::bench::host_value(&qr[static_cast<size_t>(e)], t)) *
+                       weft::bench::host_value(&kh[static_cast<size_t>(j * dim + e)], t);
             }
             s[static_cast<size_t>(j)] = dot / std::sqrt(static_cast<double>(dim));
             m = std::max(m, s[static_cast<size_t>(j)]);
@@ -181,10 +168,10 @@ double check_rows(const TensorView& q, const TensorView& k, const TensorView& v,
             const double p = std::exp(s[static_cast<size_t>(j)] - m);
             l += p;
             for (int64_t e = 0; e < dim; ++e)
-                o[static_cast<size_t>(e)] += p * host_value(vh[static_cast<size_t>(j * dim + e)], t);
+                o[static_cast<size_t>(e)] += p * weft::bench::host_value(&vh[static_cast<size_t>(j * dim + e)], t);
         }
         for (int64_t e = 0; e < dim; ++e) {
-            const double got = host_value(orow[static_cast<size_t>(e)], t);
+            const double got = weft::bench::host_value(&orow[static_cast<size_t>(e)], t);
             if (!std::isfinite(got)) return -1;
             worst = std::max(worst, std::fabs(got - o[static_cast<size_t>(e)] / l));
         }

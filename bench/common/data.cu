@@ -44,7 +44,14 @@ __global__ void fill_random_kernel(T* p, int64_t n, uint64_t seed) {
     }
 }
 
-double to_double(const unsigned char* p, DType t) {
+void check_dtype(DType t, const char* what) {
+    WEFT_CHECK(t == DType::kBF16 || t == DType::kF16 || t == DType::kF32,
+               what << ": dtype " << dtype_name(t) << " is not one of bf16, f16, f32");
+}
+
+}  // namespace
+
+double host_value(const void* p, DType t) {
     if (t == DType::kF32) {
         float f = 0;
         std::memcpy(&f, p, 4);
@@ -62,13 +69,6 @@ double to_double(const unsigned char* p, DType t) {
     raw.x = bits;
     return static_cast<double>(__half2float(__half(raw)));
 }
-
-void check_dtype(DType t, const char* what) {
-    WEFT_CHECK(t == DType::kBF16 || t == DType::kF16 || t == DType::kF32,
-               what << ": dtype " << dtype_name(t) << " is not one of bf16, f16, f32");
-}
-
-}  // namespace
 
 void fill_random(void* p, int64_t elems, DType t, uint64_t seed, cudaStream_t stream) {
     check_dtype(t, "fill_random");
@@ -94,8 +94,8 @@ double relative_error(const void* x, int64_t ldx, const void* y, int64_t ldy, in
     double num = 0, den = 0;
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t c = 0; c < cols; ++c) {
-            const double a = to_double(hx.data() + static_cast<size_t>(r * ldx + c) * es, t);
-            const double b = to_double(hy.data() + static_cast<size_t>(r * ldy + c) * es, t);
+            const double a = host_value(hx.data() + static_cast<size_t>(r * ldx + c) * es, t);
+            const double b = host_value(hy.data() + static_cast<size_t>(r * ldy + c) * es, t);
             num += (a - b) * (a - b);
             den += b * b;
         }

@@ -28,6 +28,9 @@ struct DeviceBuffer {
 /// index), on `stream`, and waits for it: peers may read the buffer once the caller's next barrier is passed.
 void fill_random(void* p, int64_t elems, DType t, uint64_t seed, cudaStream_t stream);
 
+/// The value of one host element of dtype `t` (bf16, f16 or f32) at `p`.
+double host_value(const void* p, DType t);
+
 /// ||x - y||_F / ||y||_F over rows x cols elements of dtype `t` (bf16, f16 or f32), row pitches ldx and ldy in
 /// elements; copies both to the host on `stream`. +infinity when x holds a NaN or an infinity.
 double relative_error(const void* x, int64_t ldx, const void* y, int64_t ldy, int64_t rows, int64_t cols, DType t,
