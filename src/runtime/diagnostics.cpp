@@ -194,7 +194,8 @@ std::string format_diagnostic(const Diagnostic& d) {
     }
     if (d.kind == SpinKind::kUnreachablePeer) {
         // Written by the device layer's symm_at_or_trap: expected = the rank asked for, observed = the
-        // heap offset of the address (~0 when it is not inside this rank's symmetric heap).
+        // heap offset of the address (~0 when it is not inside this rank's symmetric heap); cmp kLe from
+        // symm_range_at_or_trap, with waited_ns = the bytes that run past the heap's end.
         // `peer` is the world rank of team rank `expected` (the same for the world team).
         const auto target = static_cast<int64_t>(d.expected);
         std::ostringstream who;
@@ -205,6 +206,9 @@ std::string format_diagnostic(const Diagnostic& d) {
            << " on symmetric address 0x" << std::hex << d.signal_addr << std::dec << " failed: ";
         if (d.observed == ~0ull) {
             os << "the address is not inside this rank's symmetric heap";
+        } else if (d.cmp == Cmp::kLe) {  // symm_range_at_or_trap: waited_ns holds the byte count
+            os << "its " << d.waited_ns << " bytes from heap offset " << d.observed
+               << " run past the end of this rank's symmetric heap (a size larger than the buffer)";
         } else if (d.peer < 0) {
             os << "no such rank in the team";
         } else {

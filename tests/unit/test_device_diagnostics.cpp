@@ -56,6 +56,16 @@ TEST(DeviceDiagnostics, UnreachablePeerOtherCauses) {
     EXPECT_NE(text.find("no such rank"), std::string::npos) << text;
 }
 
+TEST(DeviceDiagnostics, APutPastTheHeapsEndNamesItsSizeAndOffset) {
+    Diagnostic d = unreachable_record();
+    d.cmp = Cmp::kLe;    // symm_range_at_or_trap
+    d.waited_ns = 4096;  // the put's bytes
+    EXPECT_EQ(format_diagnostic(d),
+              "rank 0 block (2,0,0) thread 5: a put/get/signal to rank 3 on symmetric address 0x7f0012345600 "
+              "failed: its 4096 bytes from heap offset 1024 run past the end of this rank's symmetric heap (a size "
+              "larger than the buffer) (source line 42)");
+}
+
 TEST(DeviceDiagnostics, AWaitThatTheAbortStoppedSaysSoInsteadOfTimedOut) {
     Diagnostic d{};
     d.claimed = 2;

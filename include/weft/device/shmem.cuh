@@ -55,7 +55,7 @@ __device__ __forceinline__ T* ptr(const DeviceCtx& ctx, T* dest, int pe) {
 template <class Group>
 __device__ __forceinline__ void putmem_nbi(Group group, const DeviceCtx& ctx, void* dest, const void* source,
                                            uint64_t bytes, int pe, int line = __builtin_LINE()) {
-    void* remote = symm_at_or_trap(ctx, dest, pe, line);
+    void* remote = symm_range_at_or_trap(ctx, dest, bytes, pe, line);
     copy(group, remote, source, bytes);
 }
 
@@ -72,7 +72,7 @@ __device__ __forceinline__ void putmem(Group group, const DeviceCtx& ctx, void* 
 template <class Group>
 __device__ __forceinline__ void getmem_nbi(Group group, const DeviceCtx& ctx, void* dest, const void* source,
                                            uint64_t bytes, int pe, int line = __builtin_LINE()) {
-    const void* remote = symm_at_or_trap(ctx, source, pe, line);
+    const void* remote = symm_range_at_or_trap(ctx, source, bytes, pe, line);
     copy(group, dest, remote, bytes);
 }
 
@@ -91,7 +91,7 @@ template <class Group>
 __device__ __forceinline__ void putmem_signal(Group group, const DeviceCtx& ctx, void* dest, const void* source,
                                               uint64_t bytes, uint64_t* sig_addr, uint64_t signal, SignalOp sig_op,
                                               int pe, int line = __builtin_LINE()) {
-    void* remote = symm_at_or_trap(ctx, dest, pe, line);
+    void* remote = symm_range_at_or_trap(ctx, dest, bytes, pe, line);
     uint64_t* remote_sig = symm_at_or_trap(ctx, sig_addr, pe, line);
     copy(group, remote, source, bytes);
     group.sync();

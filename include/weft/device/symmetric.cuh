@@ -64,15 +64,31 @@ __device__ __forceinline__ T* symm_at_or_trap(const DeviceCtx& ctx, T* local, in
     return p;
 }
 
+/// symm_at_or_trap() for the `bytes` bytes at `local` (a put's destination, a get's source): also ends the kernel
+/// with kUnreachablePeer, cmp kLe and waited_ns = bytes, when they run past the end of this rank's symmetric heap
+/// (the peer's copy would run past its heap too, into other memory).
+template <class T>
+__device__ __forceinline__ T* symm_range_at_or_trap(const DeviceCtx& ctx, T* local, uint64_t bytes, int pe, int line) {
+    T* p = symm_at_or_trap(ctx, local, pe, line);
+    const uint64_t offset = reinterpret_cast<uintptr_t>(local) - reinterpret_cast<uintptr_t>(ctx.heap_base);
+    if (bytes > ctx.heap_bytes - offset) {  // offset < heap_bytes: symm_at_or_trap returned
+        const detail::UnreachablePeer u = detail::unreachable_peer(ctx, local, pe, line);
+        fail_and_trap(ctx, u.site, Cmp::kLe, local, u.expected, u.offset, bytes);
+    }
+    return p;
+}
+
 /// symm_at_or_trap that returns instead of trapping: the peer's address, or nullptr after recording the same
-/// kUnreachablePeer diagnostic (record_diagnostic). Fully inline, no reachable call and no reachable trap (see
-/// spin_until_checked); the caller ends the kernel once it may. Any thread.
+/// kUnreachablePeer diagnostic (record_diagnostic) and raising the abort word (raise_abort: this rank's other waits
+/// and, through the watchdog, its peers' stop, as after spin_until_checked). Fully inline, no reachable call and no
+/// reachable trap (see spin_until_checked); the caller ends the kernel once it may. Any thread.
 template <class T>
 __device__ __forceinline__ T* symm_at_checked(const DeviceCtx& ctx, T* local, int pe, int line) {
     T* p = symm_at(ctx, local, pe);
     if (p == nullptr) {
         const detail::UnreachablePeer u = detail::unreachable_peer(ctx, local, pe, line);
         record_diagnostic(ctx, u.site, Cmp::kEq, local, u.expected, u.offset, 0);
+        raise_abort(ctx);
     }
     return p;
 }

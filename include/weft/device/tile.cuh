@@ -307,9 +307,10 @@ __device__ __forceinline__ void notify(Group group, const DeviceCtx& ctx, uint64
     notify<C>(group, peer_signal(ctx, signal, pe, line), value, op);
 }
 
-/// notify() that returns instead of trapping: false, with the kUnreachablePeer diagnostic recorded and nothing
-/// raised (and no group barrier: every thread of the group finds the same), when `pe` is not load/store reachable
-/// (symm_at_checked); otherwise notify() and true. Fully inline, no reachable call and no reachable trap.
+/// notify() that returns instead of trapping: false, with the kUnreachablePeer diagnostic recorded, the abort word
+/// raised and no signal raised (and no group barrier: every thread of the group finds the same), when `pe` is not
+/// load/store reachable (symm_at_checked); otherwise notify() and true. Fully inline, no reachable call and no
+/// reachable trap.
 template <ptx::Scope C = ptx::Scope::kSys, class Group>
 [[nodiscard]] __device__ __forceinline__ bool notify_checked(Group group, const DeviceCtx& ctx, uint64_t* signal,
                                                              int pe, uint64_t value, SignalOp op = SignalOp::kAdd,

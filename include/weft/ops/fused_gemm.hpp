@@ -28,15 +28,17 @@
 //   - Every tile of D's tile grid (GemmTileGrid(kCfg, args.m, args.n)) goes to exactly one CTA; the grid is
 //     FusedGemmCall::grid CTAs (blockIdx.x), one CTA per SM, cluster-free.
 //   - wait_before_load runs in one thread (the producer) before it TMA-loads the tile's rows of A (its columns of
-//     B follow). It returns the Token of the wait that made those rows visible: `tile::wait(device::Thread{}, ctx,
-//     signals, n, Cmp::kGe, value)`, with n = 0 when the tile needs nothing (its rows are this rank's own). The
-//     wait's fence.proxy.async.global is what lets the TMA loads see data other agents wrote. Never make a Token
-//     otherwise.
+//     B follow). It returns the Token of the wait that made those rows visible: `tile::wait_checked(
+//     device::Thread{}, ctx, signals, n, Cmp::kGe, value).token_or_trap()`, with n = 0 when the tile needs nothing
+//     (its rows are this rank's own). The wait's fence.proxy.async.global is what lets the TMA loads see data other
+//     agents wrote. Never make a Token otherwise. Not `tile::wait`: on a timeout or an abort it ends the producer
+//     (`exit`), and the consumers, whose pipeline waits do not read the abort word, stay until their own bound
+//     (twice the World's timeout); token_or_trap traps the kernel at once, after the wait's Diagnostic.
 //   - The producer runs with kGemmProducerRegs (40) registers: keep a reference to the Params (`const Params& p_`,
 //     in the kernel's parameter bank) rather than a copy, and 32-bit index arithmetic.
 //   - Speed: a function call anywhere in the kernel can make ptxas serialise its wgmma (warning C7510 in the JIT log,
-//     WEFT_JIT_VERBOSE_PTXAS=1): tile::wait and tile::notify report a failure through one. Correct, slower; weft's
-//     own hooks use call-free forms of the same waits and signals.
+//     WEFT_JIT_VERBOSE_PTXAS=1): the _checked forms are fully inline (no call, no reachable trap but the one you
+//     place); tile::wait and tile::notify report a failure through a call.
 //
 // The epilogue hook, a type (FusedGemmSpec::hook names it; "CFG" in the name stands for the config, so a hook
 // template is named "my::Hook<CFG>"):
@@ -47,8 +49,9 @@
 //   };
 //   - Called by one thread, once per tile, after every TMA store of the tile has completed (cp.async.bulk.wait_group
 //     0 in the storing threads, then a barrier of the warpgroups that stored it): the tile is in global memory,
-//     written through the async proxy. Publish it with `ptx::fence_proxy_async_global()` then a release: tile::notify
-//     (one signal per tile; a .sys release costs a MEMBAR).
+//     written through the async proxy. Publish it with `ptx::fence_proxy_async_global()` then a release:
+//     `return tile::notify_checked(...)` (one signal per tile; a .sys release costs a MEMBAR), which records a
+//     Diagnostic and returns false on an unreachable peer (below).
 //   - Cooperative configs signal a tile after the next tile's mainloop (or at the end); ping-pong configs right after
 //     its epilogue: the stores never stall the tensor cores.
 //   - It runs in the consumer warpgroups' tile loop: it returns false after recording a Diagnostic (the kernel traps
@@ -81,7 +84,8 @@
 //   (kernels/gemm_rs/README.md, "Ranks sharing a GPU"). World::sm_budget() is per device, not per team: ranks of
 //   other teams on the same GPU keep their SMs.
 // - Timeouts: the GEMM's pipeline waits are bounded by twice World::timeout(), so the waits of your scheduler and
-//   hook (bounded by World::timeout() through the DeviceCtx) expire first, with their diagnosis.
+//   hook (bounded by World::timeout() through the DeviceCtx) expire first, with their diagnosis. An abort (a peer
+//   that failed, World::abort) ends a wait_checked within ~16 ms; token_or_trap then traps the whole kernel.
 #pragma once
 
 #include <cuda_runtime_api.h>
