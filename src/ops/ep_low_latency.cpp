@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "collective_workspace.hpp"
 #include "ep_buffer.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
@@ -149,6 +150,8 @@ void Buffer::low_latency_dispatch(LowLatencyHandle& handle, const TensorView& x,
             "ep::low_latency_dispatch: fp8 needs hidden to be a multiple of " << kFp8GroupSize << ", got " << g.hidden);
         check_matrix("ep::low_latency_dispatch", "x", x, DType::kBF16, g.hidden, true);
         const int t = check_tokens("ep::low_latency_dispatch", g, topk_idx, x.dim(0), "x");
+        ops::detail::check_device_buffers(b.world->heap(), {{"x", x}, {"topk_idx", topk_idx}},
+                                          "ep::low_latency_dispatch", stream);
         WEFT_CHECK(h.state != State::kDispatchSent && h.state != State::kCombineSent,
                    "ep::low_latency_dispatch: the handle still has an outstanding send; receive it first");
         if (options.phase == Phase::kSendRecv) {
@@ -250,9 +253,12 @@ void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, 
                    "ep::low_latency_combine: y must be bf16 [" << g.local_experts() << ", >= " << g.ll_rows_per_expert()
                                                                << ", " << g.hidden << "], got " << y.describe());
         WEFT_CHECK(y.data != nullptr && reinterpret_cast<uintptr_t>(y.data) % 16 == 0 && y.stride(2) == 1 &&
-                       (y.stride(1) * 2) % 16 == 0 && (y.stride(0) * 2) % 16 == 0 && y.stride(1) >= g.hidden,
-                   "ep::low_latency_combine: y must be 16-byte aligned, row-major with 16-byte row strides, got "
+                       (y.stride(1) * 2) % 16 == 0 && (y.stride(0) * 2) % 16 == 0 && y.stride(1) >= g.hidden &&
+                       (y.dim(0) <= 1 || y.stride(0) >= y.dim(1) * y.stride(1)),
+                   "ep::low_latency_combine: y must be 16-byte aligned, row-major with 16-byte row strides and "
+                   "experts apart (stride(0) >= rows x stride(1)), got "
                        << y.describe());
+        ops::detail::check_device_buffers(b.world->heap(), {{"y", y}}, "ep::low_latency_combine", stream);
         a.y = static_cast<const uint16_t*>(y.data);
         a.y_expert_stride = y.stride(0);
         a.y_row_stride = y.stride(1);
@@ -271,6 +277,9 @@ void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, 
         check_matrix("ep::low_latency_combine", "out", out, DType::kBF16, g.hidden, true);
         WEFT_CHECK(out.dim(0) == t,
                    "ep::low_latency_combine: out must have the dispatch's " << t << " rows, got " << out.describe());
+        ops::detail::check_device_buffers(b.world->heap(),
+                                          {{"topk_idx", topk_idx}, {"topk_weights", topk_weights}, {"out", out}},
+                                          "ep::low_latency_combine", stream);
         a.topk_idx = static_cast<const int32_t*>(topk_idx.data);
         a.idx_stride = t > 0 ? row_stride_of(topk_idx) : g.topk;
         a.topk_weights = static_cast<const float*>(topk_weights.data);

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
 // weft::ops::ep normal mode: NormalHandle, and the layout, dispatch and combine launches.
+#include "collective_workspace.hpp"
 #include "ep_buffer.hpp"
 #include "views_overlap.hpp"
 #include "weft/runtime/error.hpp"
@@ -99,12 +100,15 @@ void Buffer::layout(NormalHandle& handle, const TensorView& topk_idx, cudaStream
     Impl& b = *impl_;
     b.enter("layout", stream, handle.impl_ ? handle.impl_->buffer : nullptr);
     const int t = check_tokens("ep::layout", b.geo, topk_idx, -1, "");
+    ops::detail::check_device_buffers(b.world->heap(), {{"topk_idx", topk_idx}}, "ep::layout", stream);
     // The combine of a dispatch reads its layout (which rows went where, how many partials come back): a new one in
     // between would send the combine's partials by one routing and wait for them by another.
     WEFT_CHECK(!handle.impl_->combine_pending,
                "ep::layout: the handle was dispatched and not combined yet (its combine reads the dispatch's layout); "
                "combine first, or use another handle");
     b.launch_layout(*handle.impl_, topk_idx, t, stream);
+    // A combine after this would read the new layout against the last dispatch's rows: another dispatch first.
+    handle.impl_->dispatched = false;
 }
 
 void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorView& topk_idx,
@@ -119,6 +123,19 @@ void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorVie
     check_matrix("ep::dispatch", "topk_weights", topk_weights, DType::kF32, g.topk, false);
     WEFT_CHECK(topk_weights.dim(0) == t,
                "ep::dispatch: topk_weights has " << topk_weights.dim(0) << " rows but x has " << t);
+    ops::detail::check_device_buffers(
+        b.world->heap(), {{"x", x}, {"topk_idx", topk_idx}, {"topk_weights", topk_weights}}, "ep::dispatch", stream);
+    if (handle.impl_->symmetric != nullptr) {
+        // Every rank's dispatch stores rows into this handle's receive area (its own included) while the kernel still
+        // reads x: x (or the routing) taken from there would be overwritten before it is read.
+        const TensorView area(handle.impl_->symmetric, DType::kU8,
+                              {static_cast<int64_t>(b.fp.normal_handle_symmetric_bytes)});
+        for (const ops::detail::NamedView& v :
+             {ops::detail::NamedView{"x", x}, {"topk_idx", topk_idx}, {"topk_weights", topk_weights}}) {
+            ops::detail::check_apart("ep::dispatch", v.name, v.view, {{"the handle's receive area (recv_x)", area}},
+                                     "the dispatch writes rows there while it reads its inputs; copy them out first");
+        }
+    }
     const int sms = b.grid("dispatch", options.num_sms, default_normal_sms(t, b.world->sm_budget()));
     const NormalFused& f = options.fused;
     const int fused_words = (f.counts_ready != nullptr) + (f.expert_ready != nullptr) + (f.expert_rows != nullptr);
@@ -167,7 +184,8 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
     const Geometry& g = b.geo;
     b.enter("combine", stream, handle.impl_ ? handle.impl_->buffer : nullptr, false);
     NormalHandle::Impl& h = *handle.impl_;
-    WEFT_CHECK(h.dispatched, "ep::combine: the handle has not been dispatched");
+    WEFT_CHECK(h.dispatched,
+               "ep::combine: the handle has not been dispatched (or layout() replaced its dispatch's layout since)");
     check_matrix("ep::combine", "y", y, DType::kBF16, g.hidden, true);
     WEFT_CHECK(y.dim(0) >= g.max_recv_rows, "ep::combine: y must have at least max_recv_rows = "
                                                 << g.max_recv_rows << " rows (the rows of recv_x), got "
@@ -175,6 +193,7 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
     const int t = h.num_tokens;
     check_matrix("ep::combine", "out", out, DType::kBF16, g.hidden, true);
     WEFT_CHECK(out.dim(0) == t, "ep::combine: out must have the dispatch's " << t << " rows, got " << out.describe());
+    ops::detail::check_device_buffers(b.world->heap(), {{"y", y}, {"out", out}}, "ep::combine", stream);
     const int sms = b.grid("combine", options.num_sms, default_normal_sms(t, b.world->sm_budget()));
     const NormalFused& f = options.fused;
     if (f.tile_done != nullptr) {

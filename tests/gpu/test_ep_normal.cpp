@@ -464,6 +464,27 @@ TEST_F(EpNormalGpu, ArgumentErrorsAreHostErrors) {
             expect_error([&] { ep.layout(h, idx4, rs.s); }, "dispatched and not combined yet");
             ep.combine(h, h.recv_x(), TensorView(x.get() + 4 * c.hidden, DType::kBF16, {4, c.hidden}), rs.s);
             ep.layout(h, idx4, rs.s);
+            // The new layout is not the dispatch's: a combine now would pair the dispatch's rows with it.
+            expect_error(
+                [&] {
+                    ep.combine(h, h.recv_x(), TensorView(x.get(), DType::kBF16, {4, c.hidden}), rs.s);
+                },
+                "layout() replaced");
+            // x read from the handle's own receive area is overwritten by the dispatch it feeds; host memory is no
+            // GPU's.
+            expect_error(
+                [&] {
+                    ep.dispatch(h, TensorView(h.recv_x().data, DType::kBF16, {4, c.hidden}), idx4,
+                                TensorView(w.get(), DType::kF32, {4, c.topk}), rs.s);
+                },
+                "receive area");
+            std::vector<uint16_t> host_x(static_cast<size_t>(4 * c.hidden));
+            expect_error(
+                [&] {
+                    ep.dispatch(h, TensorView(host_x.data(), DType::kBF16, {4, c.hidden}), idx4,
+                                TensorView(w.get(), DType::kF32, {4, c.topk}), rs.s);
+                },
+                "must be device memory");
             WEFT_CUDA_CHECK(cudaStreamSynchronize(rs.s));
             ep.check();
         },
