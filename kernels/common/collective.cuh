@@ -352,7 +352,7 @@ __device__ __forceinline__ void reduce_vectors(const uint8_t* const* srcs, int n
     for (int u = 0; u < kU; ++u) {
 #pragma unroll
         for (int k = 0; k < kE; ++k) {
-            acc[u][k] = 0.0f;
+            acc[u][k] = -0.0f;  // the sum's identity: -0 + -0 is -0, as a sequential sum gives
         }
     }
     for (int q0 = 0; q0 < n; q0 += kChunk) {
@@ -487,7 +487,7 @@ __device__ __forceinline__ uint2 reduce_ll_line(const DeviceCtx& ctx, const Bloc
     float acc[kLineElems];
 #pragma unroll
     for (int k = 0; k < kLineElems; ++k) {
-        acc[k] = 0.0f;
+        acc[k] = -0.0f;  // the sum's identity (see reduce_vectors)
     }
     for (int q0 = 0; q0 < n; q0 += kChunk) {
         uint2 got[kChunk];

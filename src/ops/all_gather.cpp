@@ -118,6 +118,8 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
     const auto* in = static_cast<const uint8_t*>(input.data);
     auto* out = static_cast<uint8_t*>(output.data);
     if (n == 1) {
+        // A copy, but the same buffers as at any world size: this GPU's memory.
+        detail::check_device_buffers(team.world().heap(), {{"input", input}, {"output", output}}, "all_gather", stream);
         if (in != out) WEFT_CUDA_CHECK(cudaMemcpyAsync(out, in, shard, cudaMemcpyDeviceToDevice, stream));
         return;
     }

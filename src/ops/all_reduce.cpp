@@ -28,6 +28,8 @@ void all_reduce_impl(const Team& team, const TensorView& input, const TensorView
     const uint64_t bytes = count * elem;
     if (count == 0) return;
     if (team.num_ranks() == 1) {
+        // A copy, but the same buffers as at any world size: this GPU's memory.
+        detail::check_device_buffers(team.world().heap(), {{"input", input}, {"output", output}}, "all_reduce", stream);
         if (input.data != output.data) {
             WEFT_CUDA_CHECK(cudaMemcpyAsync(output.data, input.data, bytes, cudaMemcpyDeviceToDevice, stream));
         }
