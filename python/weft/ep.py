@@ -10,7 +10,8 @@
     h.close(); buf.close()                                # collective (or weft.finalize())
 
 x: bf16 [T, hidden]; topk_idx: int32 [T, k] (-1 drops a slot); topk_weights: f32 [T, k]. Every call runs on torch's
-current stream, never synchronises the host, and is collective over the World's ranks (same order everywhere).
+current stream, never synchronises the host, and is collective over the Buffer's ranks: the World's, or those of the
+`team=` it was made with (same order everywhere).
 Contracts, limits and layouts: include/weft/ops/ep.hpp and kernels/ep/README.md. The handles' tensors (recv_x,
 expert_counts, ...) are zero-copy views of weft's buffers: valid until the handle is closed, their contents until
 the next dispatch on that handle.

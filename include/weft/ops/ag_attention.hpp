@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-// Prefill attention on the tensor cores: weft::ops::flash_attention (one GPU, contiguous Q/K/V) and
+// Prefill attention on the tensor cores: weft::ops::flash_attention (one GPU) and
 // weft::ops::AgAttention, all-gather attention for a sequence sharded by rank, whose K/V all-gather (copy engines)
 // overlaps the attention kernel, which waits per chunk for the peers' K/V as it arrives, its own chunk first.
 //

@@ -90,11 +90,11 @@ struct CollectiveTopology {
 uint64_t low_latency_threshold_bytes(const CollectiveTopology& topo);
 
 /// The automatic all-reduce choice for a message of `bytes` bytes per rank: LL up to
-/// low_latency_threshold_bytes, then one-shot (2 ranks: always; 3-4 ranks: up to 1 MiB; more: up to 256 KiB),
-/// then two-shot. Pure: unit-tested on the CPU.
+/// low_latency_threshold_bytes, then one-shot (up to 4 ranks: up to 1 MiB; more: up to 256 KiB), then two-shot.
+/// Pure: unit-tested on the CPU.
 AllReduceAlgo select_all_reduce_algo(uint64_t bytes, const CollectiveTopology& topo);
 /// The automatic all-gather choice for shards of `shard_bytes`: LL up to low_latency_threshold_bytes; then, with
-/// a symmetric output, SM push up to 64 MiB gathered (always when ranks share a GPU) and copy-engine push
+/// a symmetric output, SM push below 64 MiB gathered (always when ranks share a GPU) and copy-engine push
 /// above; with a local output, copy-engine pull.
 AllGatherAlgo select_all_gather_algo(uint64_t shard_bytes, const CollectiveTopology& topo, bool output_symmetric);
 /// The automatic reduce-scatter choice for an output (one slice) of `output_bytes`: LL up to

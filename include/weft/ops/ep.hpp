@@ -70,12 +70,14 @@ using weft::ep::StatusCode;
 using weft::ep::Workspace;
 
 /// The limits every buffer is sized from. Fixed for a Buffer's life; a call beyond them is an error
-/// (host-checked where the host knows the size, device-reported otherwise), never a truncation.
+/// (host-checked where the host knows the size, device-reported otherwise), never a truncation. resolve_geometry
+/// also requires the resolved max_recv_tokens and max_recv_rows, and max_tokens_per_rank * min(k, ranks), to fit in
+/// int32, and the kernels' shared memory (which grows with E, and in low-latency mode with T * k) to fit one block.
 struct Config {
     int num_experts = 0;          ///< E: a multiple of the number of ranks, <= kMaxExperts
-    int hidden = 0;               ///< H (bf16 channels): a multiple of 8; of 128 for fp8 low-latency
-    int topk = 0;                 ///< k: 1..kMaxTopk
-    int max_tokens_per_rank = 0;  ///< T per rank and call; more is an error
+    int hidden = 0;               ///< H (bf16 channels): a multiple of 8, <= 2^20; of 128 for fp8 low-latency
+    int topk = 0;                 ///< k: 1..min(kMaxTopk, E)
+    int max_tokens_per_rank = 0;  ///< T per call: 1..2^24 (low_latency: <= kMaxLowLatencyTokens); more is an error
     bool normal = true;           ///< allocate the normal mode's buffers
     bool low_latency = true;      ///< allocate the low-latency mode's buffers
     /// Normal mode: distinct (source rank, token) pairs one rank may receive; 0 = the worst case
@@ -87,7 +89,8 @@ struct Config {
     /// reported by every rank (kRecvRowsOverflow; across nodes by the overflowing rank only). See
     /// expected_recv_rows() for a sizing estimate.
     int64_t max_recv_rows = 0;
-    /// Normal mode: each local expert's segment starts at a multiple of this (a grouped GEMM's M tile).
+    /// Normal mode: each local expert's segment starts at a multiple of this (a grouped GEMM's M tile),
+    /// 1..kMaxExpertAlignment.
     int expert_alignment = 1;
 };
 
@@ -162,7 +165,9 @@ struct NormalOptions {
 };
 
 struct LowLatencyOptions {
-    bool fp8 = false;  ///< dispatch: quantise rows to e4m3, one fp32 scale per 128 channels
+    /// dispatch: quantise rows to e4m3, one fp32 scale per 128 channels. A kRecv call must repeat its send's value
+    /// (weft::Error otherwise).
+    bool fp8 = false;
     Phase phase = Phase::kSendRecv;
     int num_sms = 0;  ///< 0 = default_low_latency_sms()
 };
@@ -289,9 +294,11 @@ public:
 
     // ---- errors the kernels report ----
     /// Reads this rank's status word (host-mapped memory: no synchronisation, sees every kernel that
-    /// has completed) and throws weft::Error describing the first error, if any. Every op calls it on
-    /// entry, so an error surfaces at the next call at the latest (on this rank: the other ranks' calls then wait for
-    /// it until their timeout). The word stays set until clear_status().
+    /// has completed) and throws weft::Error describing the first error, if any. Every call that starts an exchange
+    /// (layout, dispatch, a low-latency dispatch's kSendRecv or kSend) calls it on entry, so an error surfaces at the
+    /// next such call at the latest (on this rank: the other ranks' calls then wait for it until their timeout). A
+    /// combine (either mode, any phase) or a kRecv half never refuses on it: it completes an exchange already launched,
+    /// which every rank must make alike. The word stays set until clear_status().
     void check() const;
     /// world().sync_and_check(stream), then check().
     void sync_and_check(cudaStream_t stream);

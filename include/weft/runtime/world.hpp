@@ -169,10 +169,11 @@ public:
     /// also names the CUDA error.
     void sync_and_check(cudaStream_t stream);
 
-    /// Aborts the World: sets this rank's abort word (every device wait of this rank stops within microseconds and
-    /// its kernel ends), makes the World's later store waits fail, and tells every other rank through the store
-    /// (their watchdogs set theirs at their next beat). `reason` appears in every rank's error. Any thread of this
-    /// process may call it; idempotent (the first reason stays).
+    /// Aborts the World: sets this rank's abort word (every device wait of this rank stops within about 17 ms and its
+    /// kernel ends: a wait reads the word once every ~16 ms of its backoff, kSpinAbortPollNs), makes the World's later
+    /// store waits fail, and tells every other rank through the store (their watchdogs set theirs at their next beat).
+    /// `reason` appears in every rank's error. Any thread of this process may call it; idempotent (the first reason
+    /// stays).
     void abort(const std::string& reason);
     /// True once the World was aborted (by abort(), a peer, a dead peer or a device wait), until clear_diagnostics.
     bool aborted() const;
