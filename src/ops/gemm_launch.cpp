@@ -17,6 +17,7 @@
 #include "stream_key.hpp"
 #include "views_overlap.hpp"
 #include "weft/common/math.hpp"
+#include "weft/detail/rendezvous_protocol.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_plan.hpp"
@@ -247,9 +248,13 @@ GemmArgs make_gemm_args(const TensorView& a, const TensorView& d, uint64_t timeo
 }
 
 uint64_t gemm_timeout_ns(const GemmOptions& options) {
+    // options.timeout: checked by validate_gemm_options. At most 30 days: the device bound is a count of nanoseconds.
+    constexpr auto kMaxMs = static_cast<int64_t>(weft::detail::rendezvous::kMaxWaitMs);
     int64_t ms = options.timeout.count();
     if (ms <= 0) ms = env::get_int("WEFT_TIMEOUT_MS").value_or(10000);
-    WEFT_CHECK(ms > 0, "gemm: WEFT_TIMEOUT_MS must be positive, got " << ms);
+    WEFT_CHECK(ms > 0 && ms <= kMaxMs,
+               "gemm: WEFT_TIMEOUT_MS must be a positive number of milliseconds, at most 30 days (" << kMaxMs
+                                                                                                    << "), got " << ms);
     return static_cast<uint64_t>(ms) * 1000000ull;
 }
 

@@ -430,6 +430,11 @@ TEST(GemmValidate, PublicCallsCheckOptionsBeforeTheDeviceAtEverySize) {
     bad[4].options.small_m_variant = static_cast<GemvVariant>(9);
     bad[5] = {"options.timeout must be >= 0 ms", {}};
     bad[5].options.timeout = std::chrono::milliseconds(-5);
+    {
+        Bad huge = {"at most 30 days", {}};  // milliseconds::max() would wrap the device's nanosecond bound
+        huge.options.timeout = std::chrono::milliseconds::max();
+        expect_error_mentions([&] { ops::gemm(a, b, d, BLayout::kNK, nullptr, huge.options); }, huge.what);
+    }
     bad[6] = {"options.workspace must be 256-byte aligned", {}};
     bad[6].options.workspace = reinterpret_cast<void*>(uintptr_t{0x40010});
     bad[7] = {"options.config's dtypes/layout must match the call", {}};
