@@ -248,9 +248,11 @@ GemmArgs make_gemm_args(const TensorView& a, const TensorView& d, uint64_t timeo
 }
 
 uint64_t gemm_timeout_ns(const GemmOptions& options) {
-    // options.timeout: checked by validate_gemm_options. At most 30 days: the device bound is a count of nanoseconds.
+    // At most 30 days, as the World's timeout: the device bound is a count of nanoseconds. (The grouped GEMM and the
+    // MoE layers pass their own options' timeout here.)
     constexpr auto kMaxMs = static_cast<int64_t>(weft::detail::rendezvous::kMaxWaitMs);
     int64_t ms = options.timeout.count();
+    WEFT_CHECK(ms <= kMaxMs, "options.timeout must be at most 30 days (" << kMaxMs << " ms), got " << ms << " ms");
     if (ms <= 0) ms = env::get_int("WEFT_TIMEOUT_MS").value_or(10000);
     WEFT_CHECK(ms > 0 && ms <= kMaxMs,
                "gemm: WEFT_TIMEOUT_MS must be a positive number of milliseconds, at most 30 days (" << kMaxMs
