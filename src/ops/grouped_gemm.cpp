@@ -50,9 +50,12 @@ void check_view(const TensorView& v, const char* name, int ndim, const char* sha
         WEFT_CHECK(v.dim(i) <= 1 || (v.stride(i) * elem) % 16 == 0,
                    "grouped_gemm: " << name << "'s stride " << i << " must be a multiple of 16 bytes (TMA), got "
                                     << v.describe());
-        WEFT_CHECK(v.dim(i) <= 1 || v.stride(i) >= v.stride(i + 1) * v.dim(i + 1),
-                   "grouped_gemm: " << name << "'s rows must not overlap (stride " << i << " >= extent x stride of "
-                                    << "the next dimension), got " << v.describe());
+        // Past the elements the inner dimensions span (a dimension of extent 1 spans nothing, whatever its stride).
+        int64_t inner_span = 1;
+        for (int j = i + 1; j < ndim; ++j) inner_span += (v.dim(j) - 1) * v.stride(j);
+        WEFT_CHECK(v.dim(i) <= 1 || v.stride(i) >= inner_span,
+                   "grouped_gemm: " << name << "'s rows must not overlap (stride " << i << " >= the " << inner_span
+                                    << " elements the inner dimensions span), got " << v.describe());
     }
 }
 
@@ -274,8 +277,8 @@ void check_output_apart(const char* op, const GroupedGemmProblem& p, const char*
 GroupedRowSpread grouped_row_spreads(const GroupedGemmProblem& p, int64_t rows_per_group) {
     const int64_t groups = std::max<int64_t>(p.groups, 1);
     const bool masked = p.layout == GroupedLayout::kMasked && p.capacity > 0;
-    const int64_t per_group =
-        std::min(std::max<int64_t>(rows_per_group, 1), masked ? p.capacity : std::numeric_limits<int64_t>::max());
+    // Rows are int32 tile coordinates: a larger estimate (expected_rows_per_group is the caller's) only overflows.
+    const int64_t per_group = std::min(std::max<int64_t>(rows_per_group, 1), masked ? p.capacity : int64_t{kMaxCoord});
     GroupedRowSpread s;
     s.even_groups = groups;
     s.even_rows = per_group;

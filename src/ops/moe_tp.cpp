@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <utility>
 
 #include "grouped_gemm_internal.hpp"
 #include "tp_common.hpp"
@@ -98,6 +99,13 @@ void check_routing(const MoeRouting& r, const char* op) {
                   << " (and at most 2^31 - 2^24), got " << r.rows_capacity);
     WEFT_CHECK(r.counts != nullptr && r.offsets != nullptr && r.gather_index != nullptr && r.slot_rows != nullptr,
                op << ": routing's arrays (counts, offsets, gather_index, slot_rows) must all be given");
+    for (const auto& [name, ptr] : {std::pair<const char*, const void*>{"counts", r.counts},
+                                    {"offsets", r.offsets},
+                                    {"gather_index", r.gather_index},
+                                    {"slot_rows", r.slot_rows}}) {
+        WEFT_CHECK(reinterpret_cast<uintptr_t>(ptr) % 4 == 0,
+                   op << ": routing." << name << " (int32) must be 4-byte aligned, got " << ptr);
+    }
 }
 
 // The kernels of this file (header, instantiation).
@@ -341,6 +349,9 @@ void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, con
     ops::detail::check_apart(kOp, "d_rows", d_rows,
                              {{"weights", weights}, {"routing.slot_rows", slot_rows_view(routing)}},
                              "the combine reads them after the GEMM writes d_rows");
+    ops::detail::check_apart(kOp, "a_rows", a_rows,
+                             {{"weights", weights}, {"routing.slot_rows", slot_rows_view(routing)}},
+                             "the combine reads them after the gather writes a_rows");
     grouped_gemm_gathered(a, b, d_rows, b_layout, routing, a_rows, stream, options);
     moe_combine(d_rows, routing, mode, weights, acc, out, stream);
 }

@@ -235,6 +235,14 @@ TEST(GroupedGemmPlan, ValidatesContiguousAndMaskedViews) {
                                                   fake_counts());
               }).find("G = 8"),
               std::string::npos);
+    // Masked with capacity 1: the groups' rows are stride(0) apart, whatever stride(1) says; rows 8 elements apart
+    // with 256 columns would overlap.
+    const TensorView one_row(reinterpret_cast<void*>(uintptr_t{1} << 20), DType::kBF16, {8, 1, 256}, {8, 8, 1});
+    EXPECT_NE(error_of([&] {
+                  ops::validate_grouped_gemm_args(GroupedLayout::kMasked, one_row, b, view(DType::kBF16, {8, 1, 512}),
+                                                  BLayout::kNK, nullptr, fake_counts());
+              }).find("a's rows must not overlap"),
+              std::string::npos);
 }
 
 TEST(GroupedGemmPlan, ValidatesFp8Operands) {
