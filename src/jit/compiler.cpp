@@ -156,6 +156,16 @@ struct JitLinkHandle {
                    "NVRTC call failed: " #call " returned " << nvrtcGetErrorString(weft_nvrtc_status_)); \
     } while (0)
 
+/// WEFT_NVRTC_CHECK for the calls on a compiled program: the message names the kernel (`context`, a callable
+/// returning its description).
+#define WEFT_NVRTC_CHECK_FOR(call, context)                                                            \
+    do {                                                                                               \
+        nvrtcResult weft_nvrtc_status_ = (call);                                                       \
+        WEFT_CHECK(weft_nvrtc_status_ == NVRTC_SUCCESS, "NVRTC call failed: " #call " returned "       \
+                                                            << nvrtcGetErrorString(weft_nvrtc_status_) \
+                                                            << "\n  kernel: " << (context)());         \
+    } while (0)
+
 std::string nvjitlink_log(nvJitLinkHandle h, bool errors) {
     size_t size = 0;
     if ((errors ? nvJitLinkGetErrorLogSize(h, &size) : nvJitLinkGetInfoLogSize(h, &size)) != NVJITLINK_SUCCESS ||
@@ -346,6 +356,7 @@ Compiler::Prepared Compiler::prepare(const KernelSpec& spec_in) const {
     p.spec = spec_in;
     p.spec.arch = resolve_arch(spec_in.arch);
     if (config_.apply_env_options) p.spec.options = apply_env_options(spec_in.options);
+    p.spec.options.check();
     const auto weft_roots = roots_.weft_roots();
     {
         bool found = false;
@@ -408,8 +419,9 @@ Compiled run_toolchain(const KernelSpec& spec, const std::string& source, const 
     const CompileOptions& o = spec.options;
     auto context = [&] {
         std::ostringstream os;
-        os << spec.describe() << "\n  source: " << source_name << " (arch " << spec.arch << ")\n  header: "
-           << spec.header << "\n  instantiation: " << spec.instantiation;
+        os << spec.describe() << "\n  source: " << source_name << " (arch " << spec.arch
+           << ")\n  header: " << spec.header << "\n  instantiation: " << spec.instantiation
+           << "\n  options: " << o.describe();
         return os.str();
     };
 
@@ -448,14 +460,14 @@ Compiled run_toolchain(const KernelSpec& spec, const std::string& source, const 
 
     Compiled out;
     const char* lowered = nullptr;
-    WEFT_NVRTC_CHECK(nvrtcGetLoweredName(program.prog, spec.instantiation.c_str(), &lowered));
+    WEFT_NVRTC_CHECK_FOR(nvrtcGetLoweredName(program.prog, spec.instantiation.c_str(), &lowered), context);
     out.entry.lowered_name = lowered;
 
     if (!o.lto) {
         size_t ptx_size = 0;
         if (nvrtcGetPTXSize(program.prog, &ptx_size) == NVRTC_SUCCESS && ptx_size > 1) {
             out.ptx.resize(ptx_size);
-            WEFT_NVRTC_CHECK(nvrtcGetPTX(program.prog, out.ptx.data()));
+            WEFT_NVRTC_CHECK_FOR(nvrtcGetPTX(program.prog, out.ptx.data()), context);
             while (!out.ptx.empty() && out.ptx.back() == '\0') out.ptx.pop_back();
         }
     }
@@ -463,12 +475,12 @@ Compiled run_toolchain(const KernelSpec& spec, const std::string& source, const 
     std::vector<char> image;  // NVRTC's output: a cubin (maybe relocatable) or LTO-IR
     if (o.lto) {
         size_t size = 0;
-        WEFT_NVRTC_CHECK(nvrtcGetLTOIRSize(program.prog, &size));
+        WEFT_NVRTC_CHECK_FOR(nvrtcGetLTOIRSize(program.prog, &size), context);
         image.resize(size);
-        WEFT_NVRTC_CHECK(nvrtcGetLTOIR(program.prog, image.data()));
+        WEFT_NVRTC_CHECK_FOR(nvrtcGetLTOIR(program.prog, image.data()), context);
     } else {
         size_t size = 0;
-        WEFT_NVRTC_CHECK(nvrtcGetCUBINSize(program.prog, &size));
+        WEFT_NVRTC_CHECK_FOR(nvrtcGetCUBINSize(program.prog, &size), context);
         image.resize(size);
         WEFT_NVRTC_CHECK(nvrtcGetCUBIN(program.prog, image.data()));
     }

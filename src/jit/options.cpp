@@ -28,6 +28,31 @@ std::string CompileOptions::canonical() const {
     return os.str();
 }
 
+void CompileOptions::check() const {
+    for (const std::string& f : extra_flags) {
+        const bool includes = f.rfind("-I", 0) == 0 || f.rfind("--include-path", 0) == 0 ||
+                              f.rfind("-include", 0) == 0 || f.rfind("--pre-include", 0) == 0 ||
+                              f.rfind("-isystem", 0) == 0;
+        WEFT_CHECK(!includes,
+                   "CompileOptions::extra_flags: '"
+                       << f
+                       << "' names headers the kernel cache's key does not hash (an edit to them would "
+                          "reuse a stale cubin); give include folders as CompilerConfig::extra_include_roots "
+                          "(or FusedGemmSpec::include_root) and include the headers from the kernel's own");
+    }
+}
+
+std::string CompileOptions::describe() const {
+    std::ostringstream os;
+    os << (lto ? "-dlto" : "(no LTO)");
+    if (lineinfo) os << " -lineinfo";
+    if (max_registers > 0) os << " --maxrregcount=" << max_registers;
+    for (const auto& d : defines) os << " -D" << d;
+    for (const auto& f : extra_flags) os << ' ' << f;
+    for (const auto& l : link_files) os << " link:" << l;
+    return os.str();
+}
+
 CompileOptions apply_env_options(CompileOptions base) {
     if (auto v = env::get_bool("WEFT_JIT_LINEINFO")) base.lineinfo = *v;
     if (auto v = env::get_bool("WEFT_JIT_LTO")) base.lto = *v;

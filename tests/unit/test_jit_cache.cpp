@@ -372,6 +372,28 @@ TEST(JitOptions, EnvironmentOverridesTheSpec) {
     EXPECT_NE(x.canonical(), y.canonical());
 }
 
+TEST(JitOptions, IncludeFlagsAreRefusedTheKeyWouldNotHashTheirHeaders) {
+    for (const char* flag :
+         {"-I/my/headers", "--include-path=/my/headers", "-include", "--pre-include=cfg.h", "-isystem/x"}) {
+        CompileOptions o;
+        o.extra_flags = {"-DOK=1", flag};
+        try {
+            o.check();
+            FAIL() << flag;
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(flag), std::string::npos) << e.what();
+            EXPECT_NE(std::string(e.what()).find("extra_include_roots"), std::string::npos) << e.what();
+        }
+    }
+    CompileOptions fine;
+    fine.extra_flags = {"-DX=1", "--use_fast_math", "-Xptxas=-v"};
+    EXPECT_NO_THROW(fine.check());
+    fine.max_registers = 64;
+    fine.lineinfo = true;
+    EXPECT_NE(fine.describe().find("--maxrregcount=64"), std::string::npos) << fine.describe();
+    EXPECT_NE(fine.describe().find("--use_fast_math"), std::string::npos) << fine.describe();
+}
+
 TEST(JitOptions, DisableCacheTurnsTheDiskLayerOff) {
     {
         ScopedEnv off("WEFT_JIT_DISABLE_CACHE", "1");

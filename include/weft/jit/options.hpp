@@ -16,7 +16,10 @@ struct CompileOptions {
     std::vector<std::string> defines;     ///< "NAME" or "NAME=VALUE", passed as -D
     std::vector<std::string> link_files;  ///< device libraries (.a .cubin .fatbin .ltoir .ptx) that
                                           ///< nvJitLink links in; non-empty forces the link step
-    std::vector<std::string> extra_flags; ///< further NVRTC flags, verbatim (part of the key)
+    /// Further NVRTC flags, verbatim (part of the key, as text). Not include paths or pre-included headers (-I,
+    /// --include-path, -include, --pre-include): the key hashes the headers under the compiler's include roots
+    /// (CompilerConfig::extra_include_roots), not what a flag names, so an edit there would reuse a stale cubin.
+    std::vector<std::string> extra_flags;
     bool verbose_ptxas = false;  ///< log ptxas' register/spill report at info level (it is always
                                  ///< captured into CompileResult::ptxas_info)
     std::string dump_dir;        ///< when set, write .cu, .ptx, .cubin and .log files here
@@ -27,6 +30,10 @@ struct CompileOptions {
     /// Canonical text of every key-relevant field (link files by name; their content is hashed
     /// separately by the compiler).
     std::string canonical() const;
+    /// Throws weft::Error naming the flag when extra_flags holds an include path or a pre-included header.
+    void check() const;
+    /// Every field as NVRTC flags would show it, for error messages: "-lineinfo -DX=1 --maxrregcount=64 ...".
+    std::string describe() const;
 };
 
 /// Returns `base` with every WEFT_JIT_* variable that is set applied on top (a set variable wins):
