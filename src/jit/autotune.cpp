@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <deque>
 #include <limits>
 #include <sstream>
 
@@ -244,22 +245,31 @@ void Autotuner::store_decision(const TuneKey& key, const std::string& name, doub
         FileLock lock(*config_.cache_dir / kDecisionLock, std::chrono::seconds(60));
         WEFT_CHECK(lock.owns(), "cannot lock " << (*config_.cache_dir / kDecisionLock).string());
         const fs::path path = *config_.cache_dir / kDecisionFile;
-        std::string kept;
+        // This version's decisions are kept (other versions' never match again: dropped), the oldest first to go
+        // once they pass half the readable size, so the file never grows past what read_decisions accepts.
+        std::deque<std::string> lines;
+        uint64_t bytes_kept = 0;
         if (std::optional<std::vector<char>> bytes = read_decisions(*config_.cache_dir)) {
             std::istringstream in(std::string(bytes->begin(), bytes->end()));
             std::string line;
             while (std::getline(in, line)) {
                 const auto fields = split(line, '\t');
-                if (fields.size() == 8 && fields[0] == kDecisionFormat &&
-                    fields[1] + '\t' + fields[2] + '\t' + fields[3] + '\t' + fields[4] + '\t' + fields[5] == id) {
+                if (fields.size() != 8 || fields[0] != kDecisionFormat || fields[5] != WEFT_VERSION_STRING) continue;
+                if (fields[1] + '\t' + fields[2] + '\t' + fields[3] + '\t' + fields[4] + '\t' + fields[5] == id) {
                     continue;  // replaced below
                 }
-                if (!line.empty()) kept += line + '\n';
+                bytes_kept += line.size() + 1;
+                lines.push_back(std::move(line));
             }
         }
-        if (kept.empty()) kept = "# weft autotune decisions: format op problem world_size arch weft_version candidate time_ms\n";
+        while (!lines.empty() && bytes_kept > kMaxDecisionBytes / 2) {
+            bytes_kept -= lines.front().size() + 1;
+            lines.pop_front();
+        }
         std::ostringstream os;
-        os << kept << kDecisionFormat << '\t' << id << '\t' << name << '\t' << time_ms << '\n';
+        os << "# weft autotune decisions: format op problem world_size arch weft_version candidate time_ms\n";
+        for (const std::string& line : lines) os << line << '\n';
+        os << kDecisionFormat << '\t' << id << '\t' << name << '\t' << time_ms << '\n';
         const std::string text = os.str();
         write_file_atomically(path, text.data(), text.size());
     } catch (const Error& e) {
@@ -273,6 +283,9 @@ TuneResult Autotuner::tune(const TuneKey& key_in, const std::vector<TuneCandidat
     for (size_t i = 0; i < candidates.size(); ++i) {
         WEFT_CHECK(!candidates[i].name.empty() && candidates[i].run,
                    "autotune " << key_in.op << ": candidate " << i << " needs a name and a run function");
+        WEFT_CHECK(candidates[i].name.find_first_of("\t\n\r") == std::string::npos,
+                   "autotune " << key_in.op << ": candidate names must not contain tabs or newlines (the decision "
+                               << "file's separators), got '" << candidates[i].name << "'");
         for (size_t j = 0; j < i; ++j) {
             WEFT_CHECK(candidates[i].name != candidates[j].name,
                        "autotune " << key_in.op << ": two candidates are named '" << candidates[i].name << "'");

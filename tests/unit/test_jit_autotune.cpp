@@ -146,6 +146,29 @@ TEST(JitAutotune, OneRankTunesThenReusesTheDecision) {
     EXPECT_EQ(lines, 1u) << after;
 }
 
+TEST(JitAutotune, StoringADecisionDropsOtherVersionsLinesAndKeepsThisVersions) {
+    TempDir dir("weft_tune_prune");
+    FakeTimes fake;
+    fake.table = {{{0, "a"}, 3.0}, {{0, "b"}, 1.5}};
+    const std::string planted = std::string("# header\n") + "v1\tgemm\tm=1\t1\tsm_90a\t0.0.0-old\ta\t0.1\n" +
+                                "v1\tgemm\tm=2\t1\tsm_90a\t" + WEFT_VERSION_STRING + "\ta\t0.1\n";
+    write_file_atomically(dir.path() / "autotune.txt", planted.data(), planted.size());
+    Autotuner tuner(config_in(dir.path()), fake.measure_for(0));
+    EXPECT_EQ(tuner.tune(key(), candidates({"a", "b"})).name, "b");
+    const std::string after = read_text_file(dir.path() / "autotune.txt");
+    EXPECT_EQ(after.find("0.0.0-old"), std::string::npos) << after;
+    EXPECT_NE(after.find(std::string("gemm\tm=2\t1\tsm_90a\t") + WEFT_VERSION_STRING + "\ta\t"), std::string::npos)
+        << after;
+    EXPECT_NE(after.find("gemm\tm=128,n=256\t1\tsm_90a\t"), std::string::npos) << after;
+    // A candidate name with the file's separators would write a line no reader parses (or two): refused.
+    try {
+        tuner.tune(key("m=3"), candidates({"a", "b\tc"}));
+        FAIL() << "a tab in a candidate's name";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("tabs or newlines"), std::string::npos) << e.what();
+    }
+}
+
 TEST(JitAutotune, UntrustedDecisionFilesAreIgnored) {
     // A decision file the kernel cache would not trust is never read: each case plants a file naming
     // candidate "a" (the slowest), and the tuner must measure instead of taking it.
