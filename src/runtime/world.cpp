@@ -21,6 +21,7 @@
 #include "weft/detail/runtime_config.hpp"
 #include "weft/detail/runtime_placement.hpp"
 #include "weft/detail/watchdog.hpp"
+#include "weft/net/chunk_schedule.hpp"
 #include "weft/runtime/diagnostics.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
@@ -80,6 +81,16 @@ std::string trace_setting_for_agreement() {
         return "on, " + std::to_string(trace_capacity_from_env()) + " events";
     } catch (const std::exception&) {
         return "on, a WEFT_TRACE_EVENTS it refuses";  // the value itself may hold anything, a newline too
+    }
+}
+
+// What the ranks compare of WEFT_NET_CHUNK_BYTES: the chunk every network path cuts by (members that cut a node
+// stage's blocks differently pair their sends and receives wrongly), or the value it refuses.
+std::string net_chunk_setting_for_agreement() {
+    try {
+        return std::to_string(net::chunk_bytes_from_env()) + " bytes";
+    } catch (const std::exception&) {
+        return "a value it refuses";
     }
 }
 
@@ -189,18 +200,20 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
                                                           : env::get("WEFT_SM_BUDGET").value_or("")},
         // Tracing gathers every rank's events at shutdown (a collective): on on some ranks only, it would stall it;
         // its buffer size too (a value one rank refuses after this exchange would leave the others waiting).
-        {"trace", trace_setting_for_agreement()}};
+        {"trace", trace_setting_for_agreement()},
+        {"net_chunk", net_chunk_setting_for_agreement()}};
     if (c.rank == 0) mine["job"] = detail::random_hex_id();
     // On the store the World was given; every later key is under this World's own prefix (below).
     auto blobs = c.store->all_gather("weft/init", c.rank, c.num_ranks, encode_fields(mine), init_timeout);
     std::vector<uint64_t> heap_requests;
     uint64_t heap_granularity = 0;
-    std::vector<std::string> virtual_nodes, sm_budget_requests, traces;
+    std::vector<std::string> virtual_nodes, sm_budget_requests, traces, net_chunks;
     for (int r = 0; r < c.num_ranks; ++r) {
         auto fields = decode_fields(blobs[static_cast<size_t>(r)], r);
         virtual_nodes.push_back(field(fields, "virtual_nodes", r));
         sm_budget_requests.push_back(field(fields, "sm_budget_request", r));
         traces.push_back(field(fields, "trace", r));
+        net_chunks.push_back(field(fields, "net_chunk", r));
         detail::RankInfo info;
         info.host = field(fields, "host", r);
         info.pci_bus_id = field(fields, "pci", r);
@@ -239,7 +252,8 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     for (const auto& [values, what] :
          {std::pair{&virtual_nodes, "WEFT_VIRTUAL_NODES (or WorldOptions::virtual_nodes; resolved: 1 = none)"},
           std::pair{&sm_budget_requests, "WEFT_SM_BUDGET (or WorldOptions::sm_budget; empty: unset)"},
-          std::pair{&traces, "WEFT_TRACE (set or not) and WEFT_TRACE_EVENTS"}}) {
+          std::pair{&traces, "WEFT_TRACE (set or not) and WEFT_TRACE_EVENTS"},
+          std::pair{&net_chunks, "WEFT_NET_CHUNK_BYTES (resolved)"}}) {
         for (int r = 1; r < c.num_ranks; ++r) {
             WEFT_CHECK((*values)[static_cast<size_t>(r)] == (*values)[0],
                        what << " differs across ranks: rank 0 has '" << (*values)[0] << "', rank " << r << " '"

@@ -4,6 +4,7 @@
 // in-process store shared by threads.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -40,6 +41,29 @@ TEST(DistBootstrap, SecondWorldFromEnvBesideTheFirst) {
     EXPECT_EQ(second->local_rank(), w.local_rank());
     EXPECT_EQ(second->local_num_ranks(), w.local_num_ranks());
     second.reset();  // collective
+    w.barrier();
+}
+
+TEST(DistBootstrap, SettingsThatDifferAcrossRanksFailEveryRankNamingTheVariable) {
+    // WEFT_NET_CHUNK_BYTES cuts the network paths' blocks: ranks that cut differently would pair sends and receives
+    // wrongly, so a World whose ranks disagree is refused at start-up, on every rank.
+    World& w = world();
+    const char* before = std::getenv("WEFT_NET_CHUNK_BYTES");
+    const std::string saved = before != nullptr ? before : "";
+    ::setenv("WEFT_NET_CHUNK_BYTES", w.rank() == 0 ? "2M" : "4M", 1);
+    std::string error;
+    try {
+        auto other = World::from_env(test::test_options(32ull << 20));
+    } catch (const Error& e) {
+        error = e.what();
+    }
+    if (before != nullptr) {
+        ::setenv("WEFT_NET_CHUNK_BYTES", saved.c_str(), 1);
+    } else {
+        ::unsetenv("WEFT_NET_CHUNK_BYTES");
+    }
+    EXPECT_NE(error.find("WEFT_NET_CHUNK_BYTES"), std::string::npos) << error;
+    EXPECT_NE(error.find("differs across ranks"), std::string::npos) << error;
     w.barrier();
 }
 
