@@ -127,7 +127,8 @@ void Buffer::Impl::enter(const char* op, cudaStream_t stream, const Buffer::Impl
                       << world->num_ranks_on_device()
                       << " ranks share this GPU and the legacy default stream would serialise their kernels, "
                          "which wait for each other");
-    WEFT_CHECK(handle_owner != nullptr, "ep: " << op << ": the handle is empty (moved from)");
+    WEFT_CHECK(handle_owner != nullptr,
+               "ep: " << op << ": the handle is empty (moved from) or its Buffer was destroyed before it");
     WEFT_CHECK(handle_owner == this, "ep: " << op << ": the handle belongs to another Buffer");
 }
 
@@ -272,8 +273,10 @@ Buffer::~Buffer() {
     if (b.live_handles != 0) {
         WEFT_LOG_ERROR("ep: Buffer destroyed with "
                        << b.live_handles
-                       << " live handle(s); destroy handles first (a handle must not be used or destroyed after its "
-                          "Buffer: it refers to the Buffer's state)");
+                       << " live handle(s); destroy handles first (their calls are now refused, and their memory "
+                          "stays allocated until the World's heap is released)");
+        for (Buffer::Impl** owner : b.handle_owners) *owner = nullptr;  // detached: see ~Impl of the handles
+        b.handle_owners.clear();
     }
     b.uses.wait_all();  // this Buffer's kernels, not the whole GPU's (other teams' may spin on a member behind us)
     try {

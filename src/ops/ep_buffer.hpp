@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <deque>
+#include <vector>
 
 #include "abort_mark.hpp"
 #include "weft/common/ep_internode.hpp"
@@ -44,10 +45,12 @@ uint8_t* device_alloc_zeroed(uint64_t bytes, cudaStream_t stream);
 /// only. The Buffer makes it with this Config and footprint() counts its Footprint.
 Config one_rank_config(const Geometry& g);
 
-/// A handle's Impl; weft::Error naming `op` when the handle was moved from (its Impl is gone).
+/// A handle's Impl; weft::Error naming `op` when the handle was moved from (its Impl is gone) or its Buffer was
+/// destroyed before it (Buffer::Impl::attach).
 template <class ImplPtr>
 const auto& live_impl(const ImplPtr& impl, const char* op) {
     WEFT_CHECK(impl != nullptr, "ep: " << op << ": the handle is empty (moved from)");
+    WEFT_CHECK(impl->buffer != nullptr, "ep: " << op << ": the handle's Buffer was destroyed before it");
     return *impl;
 }
 
@@ -118,6 +121,18 @@ struct Buffer::Impl {
     jit::Kernel* k_ll_dispatch = nullptr;
     jit::Kernel* k_ll_combine = nullptr;
     int live_handles = 0;
+    // The `buffer` fields of the live handles (attach / detach): a Buffer destroyed before its handles clears them,
+    // so the handles' later calls are refused and their destructors leave their memory to the World's heap.
+    std::vector<Buffer::Impl**> handle_owners;
+    void attach(Buffer::Impl** owner) {
+        *owner = this;
+        handle_owners.push_back(owner);
+        ++live_handles;
+    }
+    void detach(Buffer::Impl** owner) {
+        std::erase(handle_owners, owner);
+        --live_handles;
+    }
     mutable StreamUses uses;  // the streams this Buffer's kernels ran on: waited for before its memory is freed
     std::deque<LowLatencyHandle::Impl*> ll_dispatch_queue;  // sent, not yet received (oldest first)
     std::deque<LowLatencyHandle::Impl*> ll_combine_queue;

@@ -91,7 +91,7 @@ LowLatencyHandle::Impl::~Impl() {
         cudaFreeAsync(device, buffer->alloc_stream);
         cudaStreamSynchronize(buffer->alloc_stream);
     }
-    --buffer->live_handles;
+    buffer->detach(&buffer);
 }
 
 LowLatencyHandle::LowLatencyHandle(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -127,8 +127,7 @@ LowLatencyHandle Buffer::make_low_latency_handle() {
         detail::device_alloc_zeroed(static_cast<uint64_t>(b.ws.low_latency_handle_device.bytes), b.alloc_stream);
     h->view = b.ws.low_latency_handle(h->device);
     if (b.across_nodes()) b.init_across_nodes_handle(*h);
-    h->buffer = &b;
-    ++b.live_handles;
+    b.attach(&h->buffer);
     return LowLatencyHandle(std::move(h));
 }
 

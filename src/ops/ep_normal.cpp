@@ -31,7 +31,7 @@ NormalHandle::Impl::~Impl() {
     } catch (const std::exception& e) {
         WEFT_LOG_ERROR("ep: freeing a NormalHandle failed: " << e.what());
     }
-    --buffer->live_handles;
+    buffer->detach(&buffer);
 }
 
 NormalHandle::NormalHandle(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -59,16 +59,14 @@ NormalHandle Buffer::make_normal_handle() {
     auto h = std::make_unique<NormalHandle::Impl>();
     if (b.across_nodes()) {
         b.init_across_nodes_handle(*h);
-        h->buffer = &b;
-        ++b.live_handles;
+        b.attach(&h->buffer);
         return NormalHandle(std::move(h));
     }
     h->symmetric = static_cast<uint8_t*>(
         b.world->heap().alloc(b.team, static_cast<uint64_t>(b.ws.normal_handle_symmetric.bytes)));  // collective
     h->device = detail::device_alloc_zeroed(static_cast<uint64_t>(b.ws.normal_handle_device.bytes), b.alloc_stream);
     h->view = b.ws.normal_handle(h->symmetric, h->device);
-    h->buffer = &b;
-    ++b.live_handles;
+    b.attach(&h->buffer);
     return NormalHandle(std::move(h));
 }
 

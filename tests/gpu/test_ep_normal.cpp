@@ -379,6 +379,35 @@ TEST_F(EpNormalGpu, InvalidAndRepeatedExpertIdsAreReportedAndDropped) {
         options_for(c, n, 1));
 }
 
+// A handle that outlives its Buffer (a misuse the Buffer's destructor logs): its calls are refused, naming why, and
+// its destructor touches nothing of the Buffer.
+TEST_F(EpNormalGpu, AHandleThatOutlivesItsBufferIsRefusedNotUsed) {
+    const int n = 2;
+    const Config c = normal_config(n);
+    run_ranks(
+        n,
+        [&](World& world) {
+            auto ep = std::make_unique<Buffer>(world, c);
+            NormalHandle h = ep->make_normal_handle();
+            ep.reset();  // collective
+            try {
+                (void)h.recv_x();
+                WEFT_FAIL("recv_x() of a handle whose Buffer was destroyed returned");
+            } catch (const Error& e) {
+                WEFT_CHECK(std::string(e.what()).find("Buffer was destroyed") != std::string::npos, e.what());
+            }
+            Buffer fresh(world, c);  // may land at the old Buffer's address: the handle is still not its own
+            RankStream rs;
+            try {
+                fresh.layout(h, TensorView(nullptr, DType::kI32, {0, c.topk}), rs.s);
+                WEFT_FAIL("a fresh Buffer took a destroyed Buffer's handle");
+            } catch (const Error& e) {
+                WEFT_CHECK(std::string(e.what()).find("Buffer was destroyed") != std::string::npos, e.what());
+            }
+        },
+        options_for(c, n, 2));  // the detached handle keeps its heap block
+}
+
 // Host-side argument errors: raised on every rank before anything is launched, naming the argument.
 TEST_F(EpNormalGpu, ArgumentErrorsAreHostErrors) {
     const int n = 2;
