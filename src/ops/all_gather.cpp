@@ -129,7 +129,7 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
         detail::hierarchical_all_gather(team, input, output, stream);
         return;
     }
-    CollectiveWorkspace& ws = CollectiveWorkspace::get(team);
+    CollectiveWorkspace& ws = CollectiveWorkspace::get(team, stream, "all_gather");
     const CollectiveTopology& topo = ws.topology();
     const bool in_sym = ws.symmetric(in, shard);
     const bool out_sym = ws.symmetric(out, total);

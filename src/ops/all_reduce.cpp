@@ -41,7 +41,7 @@ void all_reduce_impl(const Team& team, const TensorView& input, const TensorView
         detail::hierarchical_all_reduce(team, input, output, stream);
         return;
     }
-    detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team);
+    detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team, stream, "all_reduce");
     const CollectiveTopology& topo = ws.topology();
     const AllReduceAlgo algo = resolve_all_reduce_algo(options.algo, env::get("WEFT_ALLREDUCE_ALGO"), bytes, topo);
     const bool in_sym = ws.symmetric(input.data, bytes);

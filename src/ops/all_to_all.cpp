@@ -189,7 +189,7 @@ void run_all_to_all(const Team& team, const TensorView& input, std::span<const i
     }
     // Every check that does not depend on the workspace, before the workspace is made (collectively) on first use.
     (void)detail::plan_all_to_all(input, send_counts, output, recv_counts, n, equal, true, 0, team.rank());
-    CollectiveWorkspace& ws = CollectiveWorkspace::get(team);
+    CollectiveWorkspace& ws = CollectiveWorkspace::get(team, stream, op);
     const auto in_bytes = static_cast<uint64_t>(input.size_bytes());
     const bool in_sym = in_bytes > 0 && ws.symmetric(input.data, in_bytes);
     const uint64_t capacity = ws.info().staging_region_bytes - kAllToAllHeaderBytes;

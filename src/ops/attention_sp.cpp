@@ -59,7 +59,7 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
         detail::plan_decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, options,
                                       detail::attention_resident_blocks_here);
     if (plan.empty) return;
-    detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team);
+    detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team, stream, "sp_decode_attention");
     // As the other collectives: this GPU's memory, refused before any rank's kernels launch on it.
     detail::check_device_buffers(team.world().heap(),
                                  {{"q", q},

@@ -55,6 +55,9 @@ public:
     /// The team's workspace, made (collectively over its members) if it does not exist yet. The caller has
     /// checked that this rank is a member.
     static CollectiveWorkspace& get(const Team& team);
+    /// get(), for an op's call on `stream`: refused (weft::Error naming `op`) when the workspace does not exist yet
+    /// and `stream` is being captured (making it allocates, compiles and synchronises).
+    static CollectiveWorkspace& get(const Team& team, cudaStream_t stream, const char* op);
     ~CollectiveWorkspace() override;
 
     const CollectiveWorkspaceInfo& info() const { return info_; }

@@ -42,7 +42,7 @@ void reduce_scatter(const Team& team, const TensorView& input, const TensorView&
         detail::hierarchical_reduce_scatter(team, input, output, stream);
         return;
     }
-    detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team);
+    detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team, stream, "reduce_scatter");
     const CollectiveTopology& topo = ws.topology();
     const ReduceScatterAlgo algo =
         resolve_reduce_scatter_algo(options.algo, env::get("WEFT_REDUCESCATTER_ALGO"), bytes, topo);

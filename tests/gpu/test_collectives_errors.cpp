@@ -106,6 +106,33 @@ TEST(CollectivesErrors, HostMemoryIsRejected) {
                                {"all_reduce", "input", "device memory"});
 }
 
+TEST(CollectivesErrors, AFirstCallInsideAGraphCaptureIsRefusedNamingPrepareCollectives) {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    expect_error_on_every_rank(2,
+                               [&](World& w) {
+                                   void* buf = w.heap().alloc(4096);
+                                   cudaStream_t s = nullptr;
+                                   WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+                                   struct Cleanup {
+                                       World& w;
+                                       void* p;
+                                       cudaStream_t s;
+                                       ~Cleanup() {
+                                           cudaGraph_t g = nullptr;
+                                           cudaStreamEndCapture(s, &g);
+                                           if (g != nullptr) cudaGraphDestroy(g);
+                                           (void)cudaGetLastError();
+                                           cudaStreamDestroy(s);
+                                           w.heap().free(p);
+                                       }
+                                   } guard{w, buf, s};
+                                   WEFT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+                                   ops::all_reduce(w, TensorView(buf, DType::kF32, {64}),
+                                                   TensorView(buf, DType::kF32, {64}), s);
+                               },
+                               {"all_reduce", "being captured", "prepare_collectives"});
+}
+
 TEST(CollectivesErrors, BadShapesAreRejectedBeforeAnyLaunch) {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
     expect_error_on_every_rank(3,
