@@ -2,6 +2,7 @@
 // The JIT compiler: source generation, dependency hashing, NVRTC + nvJitLink, the two cache layers.
 #include "weft/jit/compiler.hpp"
 
+#include <dlfcn.h>
 #include <nvJitLink.h>
 #include <nvrtc.h>
 
@@ -39,6 +40,26 @@ std::string nvjitlink_version_text() {
     unsigned major = 0, minor = 0;
     if (nvJitLinkVersion(&major, &minor) != NVJITLINK_SUCCESS) return "unknown";
     return std::to_string(major) + "." + std::to_string(minor);
+}
+
+// The loaded library that defines `symbol`, through its links (its file name carries the full version, as in
+// libnvrtc.so.13.0.88), and its size: the key's major.minor does not tell a patch release of the compiler apart.
+std::string loaded_library_text(const void* symbol) {
+    Dl_info info{};
+    if (dladdr(symbol, &info) == 0 || info.dli_fname == nullptr) return "unknown library";
+    std::error_code ec;
+    const fs::path path = fs::canonical(info.dli_fname, ec);
+    if (ec) return info.dli_fname;
+    const uintmax_t size = fs::file_size(path, ec);
+    return path.filename().string() + ":" + (ec ? std::string("?") : std::to_string(size));
+}
+
+// NVRTC's and nvJitLink's versions and loaded files, for the cache key (computed once).
+const std::string& toolchain_libraries_text() {
+    static const std::string text =
+        nvrtc_version_text() + " " + loaded_library_text(reinterpret_cast<const void*>(&nvrtcVersion)) + " " +
+        nvjitlink_version_text() + " " + loaded_library_text(reinterpret_cast<const void*>(&nvJitLinkVersion));
+    return text;
 }
 
 std::string one_line(const std::string& text) {
@@ -375,7 +396,7 @@ Compiler::Prepared Compiler::prepare(const KernelSpec& spec_in) const {
     p.headers = scanner.sorted();
 
     Sha256 h;
-    h.field("weft-jit-key/2").field(WEFT_VERSION_STRING).field(nvrtc_version_text()).field(nvjitlink_version_text());
+    h.field("weft-jit-key/3").field(WEFT_VERSION_STRING).field(toolchain_libraries_text());
     h.field(toolkit_digest_);
     h.field(std::to_string(CUDA_VERSION)).field(p.spec.arch).field(p.spec.options.canonical());
     h.field(p.spec.instantiation).field(p.source);
