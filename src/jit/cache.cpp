@@ -317,6 +317,24 @@ DiskCache::DiskCache(fs::path dir) : dir_(std::move(dir)), jit_dir_(dir_ / "jit"
     Fd jit(open_jit_dir(&why));
     if (jit.get() < 0) {
         WEFT_LOG_WARN("jit: the cache folder " << why << "; its entries are misses and nothing is stored there");
+        return;
+    }
+    remove_abandoned_temporaries();
+}
+
+void DiskCache::remove_abandoned_temporaries() const {
+    // A writer killed between creating its temporary (".<key>.wjit.tmp.<n>") and renaming it leaves it behind; a
+    // live writer renames within seconds, so one untouched for an hour is abandoned.
+    const auto now = fs::file_time_type::clock::now();
+    std::error_code ec;
+    for (fs::directory_iterator it(jit_dir_, ec), end; !ec && it != end; it.increment(ec)) {
+        const std::string name = it->path().filename().string();
+        if (name.empty() || name[0] != '.' || name.find(".tmp.") == std::string::npos) continue;
+        std::error_code file_ec;
+        if (!it->is_regular_file(file_ec) || file_ec) continue;
+        const auto written = fs::last_write_time(it->path(), file_ec);
+        if (file_ec || now - written < std::chrono::hours(1)) continue;
+        if (fs::remove(it->path(), file_ec)) WEFT_LOG_DEBUG("jit: removed an abandoned temporary " << name);
     }
 }
 

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <fstream>
 #include <functional>
 #include <thread>
 
@@ -105,6 +106,26 @@ TEST(JitDiskCache, StoreLoadRemove) {
     EXPECT_NE(why.find("another key"), std::string::npos);
     cache.remove(key);
     EXPECT_EQ(cache.load(key, &out), DiskCache::LoadStatus::kAbsent);
+}
+
+TEST(JitDiskCache, AbandonedTemporariesAreRemovedFreshOnesKept) {
+    TempDir dir("weft_jit_tmp");
+    { DiskCache make(dir.path()); }
+    const fs::path jit = dir.path() / "jit";
+    const auto write = [&](const std::string& name) {
+        std::ofstream(jit / name) << "partial";
+        return jit / name;
+    };
+    const fs::path old_tmp = write(".abc.wjit.tmp.123456");
+    const fs::path fresh_tmp = write(".def.wjit.tmp.654321");
+    const fs::path entry = write("0123.wjit");
+    const auto two_hours_ago = fs::file_time_type::clock::now() - std::chrono::hours(2);
+    fs::last_write_time(old_tmp, two_hours_ago);
+    fs::last_write_time(entry, two_hours_ago);
+    DiskCache cache(dir.path());
+    EXPECT_FALSE(fs::exists(old_tmp));
+    EXPECT_TRUE(fs::exists(fresh_tmp));  // maybe a live writer's
+    EXPECT_TRUE(fs::exists(entry));      // entries are never aged out
 }
 
 TEST(JitDiskCache, UnusableFolderIsAnErrorNamingIt) {

@@ -45,7 +45,8 @@ class DiskCache {
 public:
     /// Creates <dir>/jit if needed (folders it creates are mode 0755, whatever the umask); throws
     /// weft::Error naming the folder when it cannot. An existing folder that is not trusted is a warning:
-    /// every load is then a miss and every store an error.
+    /// every load is then a miss and every store an error. In a trusted one, temporaries of stores that were
+    /// killed before their rename (untouched for an hour) are removed.
     explicit DiskCache(std::filesystem::path dir);
 
     const std::filesystem::path& dir() const { return dir_; }
@@ -69,6 +70,7 @@ public:
 private:
     /// <dir>/jit opened for *at() calls after checking <dir> and <dir>/jit; -1 with `*why` when untrusted.
     int open_jit_dir(std::string* why) const;
+    void remove_abandoned_temporaries() const;
 
     std::filesystem::path dir_;
     std::filesystem::path jit_dir_;
