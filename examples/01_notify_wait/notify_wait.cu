@@ -42,8 +42,10 @@ __global__ void ring_kernel(DeviceCtx ctx, uint32_t* inbox, uint64_t* inbox_read
         const uint64_t round = first + static_cast<uint64_t>(r);
         // 1. The next rank has read what we wrote in its inbox last round (round - 1 reads so far).
         tile::wait(Block{}, ctx, inbox_free, 1, Cmp::kGe, round - 1);
-        // 2. Write the message straight into the next rank's inbox: plain stores through its address.
-        uint32_t* remote = tile::symm_at(ctx, inbox, next);
+        // 2. Write the message straight into the next rank's inbox: plain stores through its address
+        //    (symm_at_or_trap: a peer that is not load/store reachable, on another node, ends the kernel with a
+        //    diagnostic naming it; tile::symm_at would return nullptr).
+        uint32_t* remote = weft::device::symm_at_or_trap(ctx, inbox, next, __LINE__);
         for (int i = static_cast<int>(threadIdx.x); i < kWords; i += static_cast<int>(blockDim.x)) {
             remote[i] = message_word(me, round, i);
         }

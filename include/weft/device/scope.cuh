@@ -68,6 +68,11 @@ struct Warp {
 struct Warpgroup {
     uint32_t barrier_id;
 
+    /// No default: barrier 0 is __syncthreads' own, and two warpgroups on one id meet each other's warps. `id` in
+    /// 1..15, one per warpgroup that synchronises at once.
+    __device__ __forceinline__ explicit Warpgroup(uint32_t id) : barrier_id(id) {}
+    __device__ __forceinline__ explicit Warpgroup(int id) : barrier_id(static_cast<uint32_t>(id)) {}
+
     __device__ __forceinline__ uint32_t rank() const {
         return (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) & 127u;
     }

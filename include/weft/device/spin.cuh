@@ -135,7 +135,7 @@ struct [[nodiscard]] SpinResult {
 /// when site.peer is -1; kUnreachablePeer keeps site.peer as given), or -1 when unknown. Inline.
 __device__ __forceinline__ int32_t diagnostic_peer(const DeviceCtx& ctx, SpinSite site, const void* addr) {
     int32_t peer = site.peer >= 0 || site.kind == SpinKind::kUnreachablePeer ? site.peer : owner_of(ctx, addr);
-    if (peer >= 0 && ctx.team_to_world != nullptr) {
+    if (peer >= 0 && peer < ctx.num_ranks && ctx.team_to_world != nullptr) {
         peer = ctx.team_to_world[peer];
     }
     return peer;

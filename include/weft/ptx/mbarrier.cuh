@@ -131,7 +131,8 @@ __device__ __forceinline__ bool mbarrier_try_wait_parity_cluster(unsigned bar, u
 
 /// Waits for the phase with parity `parity`; false when `timeout_ns` passed first. Fully inline (a call
 /// in a wgmma mainloop would force the accumulators out of registers): try_wait first, the timer is read
-/// only after 64 failed tries.
+/// only after 64 failed tries. `timeout_ns` is taken as given: 0 gives up within ~128 tries (unlike
+/// DeviceCtx::timeout_ns, where 0 means the 10-minute default); pass a resolved bound.
 template <bool kClusterScope = false>
 __device__ __forceinline__ bool mbarrier_wait_parity_bounded(unsigned bar, unsigned parity,
                                                              unsigned long long timeout_ns) {
