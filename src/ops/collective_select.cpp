@@ -108,6 +108,14 @@ std::optional<ReduceScatterAlgo> parse_reduce_scatter_algo(std::string_view name
 
 bool select_hierarchical(const char* op, int num_nodes, std::string_view forced) {
     if (num_nodes <= 1) return false;
+    const std::string_view o(op);
+    const bool known = o == "all_reduce"   ? parse_name(forced, kAllReduceAlgos).has_value()
+                       : o == "all_gather" ? parse_name(forced, kAllGatherAlgos).has_value()
+                                           : parse_name(forced, kReduceScatterAlgos).has_value();
+    WEFT_CHECK(forced.empty() || known, op << ": '" << forced << "' is not an algorithm; expected one of: "
+                                           << (o == "all_reduce"   ? choices(kAllReduceAlgos)
+                                               : o == "all_gather" ? choices(kAllGatherAlgos)
+                                                                   : choices(kReduceScatterAlgos)));
     WEFT_CHECK(forced.empty() || forced == "auto",
                op << ": the algorithm '" << forced << "' needs every member load/store reachable, but the team spans "
                   << num_nodes << " nodes (docs/multinode.md): leave the algorithm on auto (the hierarchical one)");

@@ -192,6 +192,11 @@ TEST(MultiNodeSelect, HierarchicalExactlyWhenTheTeamSpansNodes) {
     const std::string forced = error_of([] { ops::select_hierarchical("reduce_scatter", 2, "sm_pull"); });
     EXPECT_NE(forced.find("reduce_scatter: the algorithm 'sm_pull'"), std::string::npos) << forced;
     EXPECT_NE(forced.find("spans 2 nodes"), std::string::npos) << forced;
+    // A name that is no algorithm is said to be so (not that it needs every member reachable).
+    const std::string bogus = error_of([] { ops::select_hierarchical("all_reduce", 2, "bogus"); });
+    EXPECT_NE(bogus.find("'bogus' is not an algorithm; expected one of: auto, ll, one_shot, two_shot"),
+              std::string::npos)
+        << bogus;
 }
 
 TEST(MultiNodeNccl, LoadingRefusesWhatIsNotNccl) {
