@@ -125,15 +125,17 @@ int current_device() {
     return device;
 }
 
-void launch(const GroupedGemmProblem& p, const TensorView& a, const TensorView& b, const TensorView& d,
-            const int32_t* offsets, const int32_t* counts, cudaStream_t stream, const GroupedGemmOptions& options) {
-    if (p.groups == 0 || p.rows == 0 || p.n == 0) return;  // nothing to write
-    const TensorView a_rows = as_rows(a);
-    const TensorView d_rows = as_rows(d);
+// The GEMM's plan, with the checks that depend on it (the signal's group stride against its tile height) and on the
+// options' timeout: made before anything is enqueued (the masked fp8 path's dequantisation and the gathered path's
+// gather run first).
+GroupedGemmPlan checked_plan(const GroupedGemmProblem& p, const GroupedGemmOptions& options) {
     const int device = current_device();
     int num_sms = 0;
     WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
     const GroupedGemmPlan plan = plan_grouped_gemm(p, num_sms, options);
+    GemmOptions dense_options;
+    dense_options.timeout = options.timeout;
+    (void)detail::gemm_timeout_ns(dense_options);
     if (options.signal && options.signal->mode == GroupedSignalMode::kAddPerGroupTileRow) {
         // A group's counters are its rows of tiles: as many as the rows a group can have (masked: the capacity;
         // contiguous: every row of A) over the plan's tile height.
@@ -145,6 +147,15 @@ void launch(const GroupedGemmProblem& p, const TensorView& a, const TensorView& 
                        << (p.layout == GroupedLayout::kMasked ? p.capacity : p.rows) << " / tile_m "
                        << plan.config.tile_m << ") = " << rows_of_tiles << "), got " << options.signal->group_stride);
     }
+    return plan;
+}
+
+void launch(const GroupedGemmProblem& p, const TensorView& a, const TensorView& b, const TensorView& d,
+            const int32_t* offsets, const int32_t* counts, cudaStream_t stream, const GroupedGemmOptions& options) {
+    if (p.groups == 0 || p.rows == 0 || p.n == 0) return;  // nothing to write
+    const TensorView a_rows = as_rows(a);
+    const TensorView d_rows = as_rows(d);
+    const GroupedGemmPlan plan = checked_plan(p, options);
 
     GroupedSchedulerParams groups{};
     groups.counts = counts;
@@ -543,6 +554,7 @@ void grouped_gemm_masked_fp8(const TensorView& a, const TensorView& a_scales, co
                         "the dequantisation reads the counts while writing a_bf16, the GEMM reads b after it");
     check_output_apart("grouped_gemm_masked_fp8", p, "a_bf16", a_bf16, b, d, nullptr, counts);
     if (p.groups == 0 || p.capacity == 0 || p.n == 0) return;
+    (void)checked_plan(p, options);  // the GEMM's own checks, before the dequantisation is enqueued
 
     const int device = current_device();
     int num_sms = 0;
@@ -615,6 +627,11 @@ void grouped_gemm_masked(const TensorView& a, const TensorView& b, const TensorV
 }
 
 namespace detail {
+
+void check_grouped_gemm_launch(const GroupedGemmProblem& p, const GroupedGemmOptions& options) {
+    if (p.groups == 0 || p.rows == 0 || p.n == 0) return;  // nothing will be launched
+    (void)checked_plan(p, options);
+}
 
 GroupedGemmLaunch prepare_grouped_gemm_launch(const GroupedGemmProblem& p, const TensorView& a, const TensorView& b,
                                               const TensorView& d, const int32_t* offsets, const int32_t* counts,

@@ -23,6 +23,10 @@ struct GroupedGemmLaunch {
 /// anything touches the device.
 void check_grouped_gemm_options(const GroupedGemmOptions& options, const GroupedGemmProblem& problem);
 
+/// The checks of a grouped GEMM's launch that depend on its plan (the signal's group stride) and on its options'
+/// timeout, for a caller that enqueues work before the GEMM (the gathered path's gather): weft::Error before it does.
+void check_grouped_gemm_launch(const GroupedGemmProblem& p, const GroupedGemmOptions& options);
+
 /// The launch of a grouped call `p` (validate_grouped_gemm_args) on the views: plan_grouped_gemm(p, num_sms, options),
 /// its tensor maps over a and d seen as rows, and the groups from offsets/counts. p must have rows, groups and n > 0.
 GroupedGemmLaunch prepare_grouped_gemm_launch(const GroupedGemmProblem& p, const TensorView& a, const TensorView& b,

@@ -258,6 +258,7 @@ void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const Tenso
     ops::detail::check_grouped_gemm_options(options, p);
     check_gathered_apart(kOp, routing, b, d, a_rows);
     if (routing.rows_capacity == 0) return;
+    ops::detail::check_grouped_gemm_launch(p, options);  // before the gather is enqueued
     launch_gather(a, routing, a_rows, stream);
     grouped_gemm_contiguous(a_rows, b, d, b_layout, routing.offsets, routing.counts, stream, options);
 }
