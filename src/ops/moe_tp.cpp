@@ -4,6 +4,7 @@
 #include "weft/ops/moe_tp.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 #include <utility>
 
@@ -413,18 +414,34 @@ struct MoeLayerBase : tp_detail::FusedOpState {
         // Uniform over the team (the members count each other's blocks): from the world's shared budget.
         comm_blocks = o.comm_blocks > 0 ? o.comm_blocks : std::clamp(world->shared_sm_budget() / 8, 1, 16);
         if (num_ranks > 1) {
-            // Every member counts the others' push (or combine) blocks with its own count: the counts must agree
-            // (options.comm_blocks, or the worlds' SM budgets behind the heuristic).
-            const auto mine = static_cast<uint8_t>(comm_blocks);  // at most 64
+            // Every member counts the others' push (or combine) blocks with its own count, and sizes and indexes
+            // the peers' buffers by its own shape: both must agree (options.comm_blocks, or the worlds' SM budgets
+            // behind the heuristic; a shape whose fields differ with equal products would otherwise pass the
+            // allocations and mix rows silently).
+            const std::vector<int64_t> mine = {comm_blocks, s.max_tokens, s.hidden, s.ffn, s.num_experts, s.topk};
+            std::vector<uint8_t> bytes(mine.size() * sizeof(int64_t));
+            std::memcpy(bytes.data(), mine.data(), bytes.size());
             const std::vector<std::vector<uint8_t>> all =
-                team.all_gather(std::string("weft.ops.") + op_name + ".comm_blocks", std::vector<uint8_t>{mine});
+                team.all_gather(std::string("weft.ops.") + op_name + ".shape", bytes);
+            static constexpr const char* kFields[] = {
+                "communication CTAs (options.comm_blocks, else the SM budget "
+                "/ 8: pass the same options.comm_blocks on every member)",
+                "shape.max_tokens",
+                "shape.hidden",
+                "shape.ffn",
+                "shape.num_experts",
+                "shape.topk"};
             for (int r = 0; r < num_ranks; ++r) {
-                const int theirs = all[static_cast<size_t>(r)].empty() ? -1 : all[static_cast<size_t>(r)][0];
-                WEFT_CHECK(theirs == comm_blocks,
-                           op << ": the members' communication CTAs differ: world rank " << world->rank() << " has "
-                              << comm_blocks << ", world rank " << team.world_rank(r) << " " << theirs
-                              << " (options.comm_blocks, else the SM budget / 8: pass the same options.comm_blocks "
-                                 "on every member)");
+                const std::vector<uint8_t>& b = all[static_cast<size_t>(r)];
+                WEFT_CHECK(b.size() == bytes.size(),
+                           op << ": world rank " << team.world_rank(r) << " sent a malformed shape record");
+                std::vector<int64_t> theirs(mine.size());
+                std::memcpy(theirs.data(), b.data(), b.size());
+                for (size_t f = 0; f < mine.size(); ++f) {
+                    WEFT_CHECK(theirs[f] == mine[f], op << ": the members' " << kFields[f] << " differ: world rank "
+                                                        << world->rank() << " has " << mine[f] << ", world rank "
+                                                        << team.world_rank(r) << " " << theirs[f]);
+                }
             }
         }
         gemm_budget = budget - comm_blocks;
