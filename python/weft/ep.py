@@ -133,23 +133,48 @@ class Buffer(_FusedOp):
         self._get().combine(handle._get(), yv, ov, _stream(self._ctx), num_sms=num_sms)
         return out
 
-    def low_latency_dispatch(self, handle, x, topk_idx, *, fp8=False, phase="send_recv", num_sms=0):
-        xv, iv = self._routing(x, topk_idx)
+    def _unused(self, dtype, cols):
+        """An empty view for an argument the call's phase does not read."""
+        return TensorView(0, _weft.DTYPES[dtype], (0, cols))
+
+    def low_latency_dispatch(self, handle, x=None, topk_idx=None, *, fp8=False, phase="send_recv", num_sms=0):
+        """phase="recv" reads the handle only (the send's tokens and fp8 flag): x and topk_idx may be left out."""
+        if phase == "recv":
+            xv, iv = self._unused("bf16", self.hidden), self._unused("i32", self.topk)
+        else:
+            if x is None or topk_idx is None:
+                raise ValueError(f"ep low_latency_dispatch(phase={phase!r}): x and topk_idx are required")
+            xv, iv = self._routing(x, topk_idx)
         self._get().low_latency_dispatch(handle._get(), xv, iv, _stream(self._ctx), fp8=fp8, phase=phase,
                                          num_sms=num_sms)
 
-    def low_latency_combine(self, handle, y, topk_idx, topk_weights, out=None, *, phase="send_recv", num_sms=0):
+    def low_latency_combine(self, handle, y=None, topk_idx=None, topk_weights=None, out=None, *, phase="send_recv",
+                            num_sms=0):
+        """Returns out, allocated when not given (from topk_idx's rows). phase="send" reads y only and writes no
+        output: it returns the out the recv half is to fill (None when neither out nor topk_idx is given);
+        phase="recv" reads topk_idx and topk_weights and writes out, without y."""
         torch = torch_module()
-        if out is None:
+        if out is None and topk_idx is not None:
             out = torch.empty((topk_idx.shape[0], self.hidden), dtype=torch.bfloat16, device=topk_idx.device)
-        ov, iv, wv = self._routing(out, topk_idx, topk_weights, x_name="out")
-        y3 = y
-        check_tensor(y, "y", self._ctx, (torch.bfloat16,))
-        if y.dim() != 3:
-            raise ValueError(f"y: expected a 3-D tensor [E_local, W * max_tokens, hidden], got shape {tuple(y.shape)}")
-        if y3.stride(2) != 1 or y3.stride(0) != y3.shape[1] * y3.stride(1):
-            raise ValueError(f"y: expected rows with inner stride 1, stacked evenly, got strides {y3.stride()}")
-        yv = TensorView(y3.data_ptr(), _weft.DTYPES["bf16"], tuple(y3.shape), y3.stride())
+        if phase != "send":
+            if topk_idx is None or topk_weights is None:
+                raise ValueError(f"ep low_latency_combine(phase={phase!r}): topk_idx and topk_weights are required")
+            ov, iv, wv = self._routing(out, topk_idx, topk_weights, x_name="out")
+        else:
+            ov, iv, wv = (self._unused("bf16", self.hidden), self._unused("i32", self.topk),
+                          self._unused("f32", self.topk))
+        if phase != "recv":
+            if y is None:
+                raise ValueError(f"ep low_latency_combine(phase={phase!r}): y is required")
+            check_tensor(y, "y", self._ctx, (torch.bfloat16,))
+            if y.dim() != 3:
+                raise ValueError(f"y: expected a 3-D tensor [E_local, W * max_tokens, hidden], got shape "
+                                 f"{tuple(y.shape)}")
+            if y.stride(2) != 1 or y.stride(0) != y.shape[1] * y.stride(1):
+                raise ValueError(f"y: expected rows with inner stride 1, stacked evenly, got strides {y.stride()}")
+            yv = TensorView(y.data_ptr(), _weft.DTYPES["bf16"], tuple(y.shape), y.stride())
+        else:
+            yv = TensorView(0, _weft.DTYPES["bf16"], (0, 0, self.hidden))
         self._get().low_latency_combine(handle._get(), yv, iv, wv, ov, _stream(self._ctx), phase=phase,
                                         num_sms=num_sms)
         return out

@@ -69,13 +69,22 @@ def test_low_latency_dispatch_and_combine(buffer, rank, num_ranks, phases):
     x, idx, weights = _routing(rank, num_experts, TOKENS, 2)
     h = buffer.make_low_latency_handle()
     try:
+        # Each phase is given only what it reads: a receive half reads the handle, a combine's send y alone.
         for phase in phases:
-            buffer.low_latency_dispatch(h, x, idx, phase=phase)
+            if phase == "recv":
+                buffer.low_latency_dispatch(h, phase=phase)
+            else:
+                buffer.low_latency_dispatch(h, x, idx, phase=phase)
         buffer.sync_and_check()
         assert torch.equal(h.expert_counts, _expected_counts(idx, rank, num_ranks, num_experts))
         out = None
         for phase in phases:
-            out = buffer.low_latency_combine(h, h.recv_x, idx, weights, out, phase=phase)
+            if phase == "send":
+                assert buffer.low_latency_combine(h, h.recv_x, phase=phase) is None  # no out, no rows to size it
+            elif phase == "recv":
+                out = buffer.low_latency_combine(h, topk_idx=idx, topk_weights=weights, phase=phase)
+            else:
+                out = buffer.low_latency_combine(h, h.recv_x, idx, weights, phase=phase)
         buffer.sync_and_check()
         assert rel_error(out, _expected_combine(x, idx, weights)) < 2e-2
     finally:
