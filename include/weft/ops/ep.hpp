@@ -302,7 +302,10 @@ public:
     void check() const;
     /// world().sync_and_check(stream), then check().
     void sync_and_check(cudaStream_t stream);
+    /// The first error a kernel reported, if any (check() without the throw).
     std::optional<StatusReport> status() const;
+    /// Empties the status word. Call it once no kernel of this Buffer runs (after sync_and_check): a kernel writing
+    /// its report meanwhile could leave a record whose fields were cleared under it.
     void clear_status();
 
 private:
