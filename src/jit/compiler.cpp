@@ -737,30 +737,43 @@ Kernel& Compiler::get_kernel(const KernelSpec& spec) {
     h.field(options.canonical());
     for (const auto& f : options.link_files) h.field(f);
     const std::string memo = to_hex(h.finish());
+    // The driver calls (loading the library, its function in this context) run outside mutex_: a rank thread whose
+    // call waits in the driver must not hold up the other rank threads' lookups (Kernel has a lock of its own).
+    Kernel* kernel = nullptr;
     {
         std::lock_guard<std::mutex> lock(mutex_);
         if (auto it = spec_memo_.find(memo); it != spec_memo_.end()) {
-            Kernel* k = it->second;
+            kernel = it->second;
             ++stats_.memory_hits;
-            k->load_for_current_context();
-            return *k;
         }
+    }
+    if (kernel != nullptr) {
+        kernel->load_for_current_context();
+        return *kernel;
     }
     KernelSpec resolved = spec;
     resolved.arch = arch;
     const CompileResult r = compile(resolved);
-    Kernel* kernel = nullptr;
     {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (auto it = kernels_.find(r.key); it != kernels_.end() && it->second) kernel = it->second.get();
+    }
+    std::unique_ptr<Kernel> loaded;  // destroyed (unloaded) outside the lock when another thread loaded it first
+    if (kernel == nullptr) {
+        loaded = std::make_unique<Kernel>(spec.describe(), r.lowered_name, r.cubin);
         std::lock_guard<std::mutex> lock(mutex_);
         auto& slot = kernels_[r.key];
         if (!slot) {
-            slot = std::make_unique<Kernel>(spec.describe(), r.lowered_name, r.cubin);
+            slot = std::move(loaded);
             ++stats_.loads;
             WEFT_LOG_INFO("jit: loaded " << spec.describe() << " ("
                                          << (r.origin == CompileResult::Origin::kCompiled ? "compiled" : "cache hit")
                                          << ")");
         }
         kernel = slot.get();
+    }
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
         spec_memo_[memo] = kernel;
     }
     kernel->load_for_current_context();
