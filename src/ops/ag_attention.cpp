@@ -17,6 +17,7 @@
 #include "abort_mark.hpp"
 #include "stream_key.hpp"
 #include "tp_common.hpp"
+#include "views_overlap.hpp"
 #include "weft/common/tp_params.hpp"
 #include "weft/jit/aot.hpp"
 #include "weft/ops/ag_gemm.hpp"
@@ -368,6 +369,14 @@ FlashAttentionPlan plan_flash_attention(const TensorView& q, const TensorView& k
     p.chunk_keys = static_cast<int32_t>(std::max<int64_t>(seq_kv, 1));
     p.num_chunks = 1;
     p.local_chunk = 0;
+    // The kernel writes out (and lse) while other blocks still read k and v. out may be q itself (same view: each
+    // block reads its Q tile before it writes those rows), not a part of it.
+    const char* why = "the kernel writes it while other blocks still read the inputs";
+    ops::detail::check_apart(op, "out", out, {{"k", k}, {"v", v}}, why);
+    const bool out_is_q = out.data == q.data && out.ndim == q.ndim && out.shape == q.shape &&
+                          out.strides == q.strides && out.dtype == q.dtype;
+    if (!out_is_q) ops::detail::check_apart(op, "out", out, {{"q", q}}, why);
+    if (p.lse != nullptr) ops::detail::check_apart(op, "lse", lse, {{"q", q}, {"k", k}, {"v", v}, {"out", out}}, why);
     return plan;
 }
 
@@ -594,6 +603,8 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
     // copy helpers of the other ranks) and run one block per SM, so that every rank's blocks are resident together.
     // A GPU of its own: the persistent kernel leaves one SM of the device free (as many block slots as it holds), for
     // the copy stream's one-CTA waits, each peer's launched behind the previous peer's copies while the kernel runs.
+    // An explicit budget above a shared GPU's per-rank share would leave the peers' blocks unresident.
+    tp_detail::check_sm_budget_share(world, options.sm_budget, "AgAttention");
     int budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
     if (s.num_ranks > 1 && shared_gpu && options.sm_budget == 0) budget -= 1;
     if (s.num_ranks > 1 && !shared_gpu) budget = std::min(budget, tp_detail::device_sm_count() - 1);

@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "stream_key.hpp"
+#include "views_overlap.hpp"
 #include "weft/jit/aot.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
@@ -149,6 +150,27 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
         WEFT_CHECK(lse.dim(0) == batch && lse.dim(1) == num_q_heads,
                    kOp << ": lse must be [" << batch << ", " << num_q_heads << "], got " << shape_of(lse));
         WEFT_CHECK(lse.is_contiguous(), kOp << ": lse must be contiguous, got " << shape_of(lse));
+    }
+    // The split and combine kernels write out and lse while other blocks read q and the cache.
+    {
+        const char* why = "the kernels write it while other blocks still read the inputs";
+        ops::detail::check_apart(kOp, "out", out,
+                                 {{"q", q},
+                                  {"k_cache", k_cache},
+                                  {"v_cache", v_cache},
+                                  {"block_table", block_table},
+                                  {"seq_lens", seq_lens}},
+                                 why);
+        if (want_lse) {
+            ops::detail::check_apart(kOp, "lse", lse,
+                                     {{"q", q},
+                                      {"k_cache", k_cache},
+                                      {"v_cache", v_cache},
+                                      {"block_table", block_table},
+                                      {"seq_lens", seq_lens},
+                                      {"out", out}},
+                                     why);
+        }
     }
     const float scale = options.scale.value_or(1.f / std::sqrt(static_cast<float>(head_dim)));
     WEFT_CHECK(std::isfinite(scale), kOp << ": options.scale must be finite, got " << scale);

@@ -406,6 +406,27 @@ TEST(AttentionPrefillArgs, ValidArgumentsPlanTheLaunch) {
     EXPECT_EQ(z.plan().params.seq_kv, 0);
 }
 
+TEST(AttentionPrefillArgs, OutputsOverlappingTheInputsAreRefusedButOutMayBeQ) {
+    {
+        Args a;
+        a.out = TensorView(Args::at(0x1000000 + 1024), DType::kBF16, {100, 32, 128});  // over k
+        expect_rejected(a, {"out must not overlap k"});
+    }
+    {
+        Args a;
+        a.out = TensorView(Args::at(0x10000 + 256), DType::kBF16, {100, 32, 128});  // a shifted q
+        expect_rejected(a, {"out must not overlap q"});
+    }
+    {
+        Args a;
+        a.lse = TensorView(Args::at(0x3000000), DType::kF32, {100, 32});  // over out
+        expect_rejected(a, {"lse must not overlap"});
+    }
+    Args in_place;
+    in_place.out = in_place.q;  // each block reads its Q tile before it writes those rows
+    EXPECT_NO_THROW((void)in_place.plan());
+}
+
 TEST(AttentionPrefillArgs, BadArgumentsNameTheArgument) {
     {
         Args a;

@@ -292,13 +292,27 @@ TEST(AttentionArgs, PublicCallsCheckArgumentsBeforeTheDevice) {
     }
 }
 
+TEST(AttentionArgs, OutputsOverlappingTheInputsAreRefused) {
+    {
+        Args a;
+        a.out = TensorView(Args::at(0x100000 + 4096), DType::kBF16, {4, 32, 128});  // inside k_cache
+        expect_rejected(a, {"out must not overlap k_cache"});
+    }
+    {
+        Args a;
+        a.lse = TensorView(Args::at(0x4000000 + 256), DType::kF32, {4, 32});  // inside out
+        expect_rejected(a, {"lse must not overlap out"});
+    }
+}
+
 TEST(AttentionArgs, HugeBlockTablesAndHeadCountsAreCheckedWithoutOverflow) {
     {
         // max_pages x page_size overflows int64; max_seq_len fits the table whatever it is.
+        // (Huge views at addresses far apart: out and lse must not overlap the inputs.)
         Args a;
-        a.table = TensorView(Args::at(0x2000000), DType::kI32, {4, int64_t{1} << 40});
-        a.k = TensorView(Args::at(0x100000), DType::kBF16, {100, int64_t{1} << 30, 8, 128});
-        a.v = TensorView(Args::at(0x900000), DType::kBF16, {100, int64_t{1} << 30, 8, 128});
+        a.table = TensorView(Args::at(uintptr_t{1} << 44), DType::kI32, {4, int64_t{1} << 40});
+        a.k = TensorView(Args::at(uintptr_t{1} << 50), DType::kBF16, {100, int64_t{1} << 30, 8, 128});
+        a.v = TensorView(Args::at(uintptr_t{1} << 52), DType::kBF16, {100, int64_t{1} << 30, 8, 128});
         a.max_len = 300;
         EXPECT_NO_THROW((void)a.plan());
     }
@@ -314,10 +328,10 @@ TEST(AttentionArgs, HugeBlockTablesAndHeadCountsAreCheckedWithoutOverflow) {
     // 65535 sequences x 65535 q-heads: more (sequence, q-head) rows than the combine kernel's grid holds. One split
     // needs no combine (the automatic plan, with this many blocks); forced splits are refused.
     Args big;
-    big.q = TensorView(Args::at(0x10000), DType::kBF16, {65535, 65535, 128});
-    big.out = TensorView(Args::at(0x4000000), DType::kBF16, {65535, 65535, 128});
-    big.k = TensorView(Args::at(0x100000), DType::kBF16, {100, 16, 65535, 128});
-    big.v = TensorView(Args::at(0x900000), DType::kBF16, {100, 16, 65535, 128});
+    big.q = TensorView(Args::at(uintptr_t{1} << 41), DType::kBF16, {65535, 65535, 128});
+    big.out = TensorView(Args::at(uintptr_t{1} << 43), DType::kBF16, {65535, 65535, 128});
+    big.k = TensorView(Args::at(uintptr_t{1} << 45), DType::kBF16, {100, 16, 65535, 128});
+    big.v = TensorView(Args::at(uintptr_t{1} << 46), DType::kBF16, {100, 16, 65535, 128});
     big.table = TensorView(Args::at(0x2000000), DType::kI32, {65535, 20});
     big.lens = TensorView(Args::at(0x3000000), DType::kI32, {65535});
     big.lse = TensorView();

@@ -91,12 +91,12 @@ struct AgAttentionOptions {
 
 /// All-gather attention for the members of a Team (a World& means its world team): the sequence of S tokens is
 /// sharded by team rank, rank r holding tokens [r*S/W, (r+1)*S/W) of Q, K and V (equal shards: S a multiple of W;
-/// uneven shards are refused). Each call gathers every shard of K and V a rank needs into the symmetric heap (copy
-/// engines: the causal mask needs only shards 0..r on rank r; no mask, all) while the attention kernel computes,
-/// over the global positions, this rank's S/W queries against the gathered keys: its own shard first, every peer's
-/// after waiting for that shard's arrival flag. Construction and destruction are collective over the team's members
-/// (same shape and options, same order as their other collectives on the team). Not thread-safe: one rank's thread
-/// uses it.
+/// every member's call has S/W rows, which is not checked across ranks: see run()). Each call gathers every shard of K
+/// and V a rank needs into the symmetric heap (copy engines: the causal mask needs only shards 0..r on rank r; no mask,
+/// all) while the attention kernel computes, over the global positions, this rank's S/W queries against the gathered
+/// keys: its own shard first, every peer's after waiting for that shard's arrival flag. Construction and destruction
+/// are collective over the team's members (same shape and options, same order as their other collectives on the team).
+/// Not thread-safe: one rank's thread uses it.
 class AgAttention {
 public:
     /// Allocates the gathered K and V [max_seq, num_kv_heads, head_dim] and the signal words (team-collectively),
