@@ -24,7 +24,8 @@ namespace detail {
 namespace {
 
 constexpr uint64_t kOutsideHeap = std::numeric_limits<uint64_t>::max();
-enum class HeapOp : uint64_t { kAlloc = 1, kFree = 2 };
+// kAllocSignals: alloc_signals (an alloc, then a zeroing barrier the plain alloc does not have).
+enum class HeapOp : uint64_t { kAlloc = 1, kFree = 2, kAllocSignals = 3 };
 // What a rank finds at the offset it is asked to free (the record's `b` for a free).
 enum FreeStatus : uint64_t { kLive = 0, kNotLive = 1, kOtherTeam = 2 };
 
@@ -84,6 +85,8 @@ std::string describe(const CallRecord& r) {
     std::ostringstream os;
     if (r.op == HeapOp::kAlloc) {
         os << "alloc(" << r.a << " bytes, align " << r.b << ")";
+    } else if (r.op == HeapOp::kAllocSignals) {
+        os << "alloc_signals(" << r.a / 8 << " words)";
     } else if (r.op == HeapOp::kFree) {
         if (r.a == kOutsideHeap) {
             os << "free(a pointer outside the heap)";
@@ -188,7 +191,7 @@ struct HeapImpl {
     /// Exchanges this rank's record (and `extra` after it) with the group; throws weft::Error on every member
     /// when the records differ. Returns every member's blob, by team rank.
     std::vector<Bytes> agree(const CallGroup& g, const CallRecord& mine, const Bytes& extra);
-    void* alloc(const CallGroup& g, uint64_t bytes, uint64_t align);
+    void* alloc(const CallGroup& g, uint64_t bytes, uint64_t align, HeapOp op = HeapOp::kAlloc);
     void free(const CallGroup& g, void* ptr);
     uint64_t* alloc_signals(const CallGroup& g, uint64_t count);
 
@@ -380,8 +383,8 @@ std::vector<Bytes> HeapImpl::agree(const CallGroup& g, const CallRecord& mine, c
     WEFT_FAIL(os.str());
 }
 
-void* HeapImpl::alloc(const CallGroup& g, uint64_t bytes, uint64_t align) {
-    const CallRecord call{++call_seq[g.id], HeapOp::kAlloc, bytes, align};
+void* HeapImpl::alloc(const CallGroup& g, uint64_t bytes, uint64_t align, HeapOp op) {
+    const CallRecord call{++call_seq[g.id], op, bytes, align};
     // Every member posts its free blocks that could hold the allocation; all pick the lowest aligned offset
     // free on every member. With identical heaps (only world allocations so far) that is plain first fit.
     const auto blobs = agree(g, call, encode_free_list(allocator.free_list(std::max<uint64_t>(bytes, 1))));
@@ -435,7 +438,7 @@ uint64_t* HeapImpl::alloc_signals(const CallGroup& g, uint64_t count) {
     // Oversized counts saturate so that alloc reports them (identically on every member).
     const uint64_t bytes =
         count > std::numeric_limits<uint64_t>::max() / 8 ? std::numeric_limits<uint64_t>::max() : count * 8;
-    auto* signals = static_cast<uint64_t*>(alloc(g, bytes, 256));
+    auto* signals = static_cast<uint64_t*>(alloc(g, bytes, 256, HeapOp::kAllocSignals));
     const uint64_t seq = call_seq[g.id];
     {
         DeviceGuard guard(setup.device);

@@ -168,6 +168,16 @@ void check_mismatch_errors(World& w) {
     });
     WEFT_CHECK(kind.find(freed) != std::string::npos,
                "rank " << me << ": alloc/free mismatch message: '" << kind << "'");
+    // alloc_signals meets its peers again after zeroing: an alloc of the same bytes beside it is a mismatch too.
+    const std::string signals = error_of([&] {
+        if (me == 0) {
+            (void)heap.alloc_signals(4);
+        } else {
+            (void)heap.alloc(32);
+        }
+    });
+    WEFT_CHECK(signals.find("rank 0 asked alloc_signals(4 words)") != std::string::npos,
+               "rank " << me << ": alloc_signals/alloc mismatch message: '" << signals << "'");
     heap.free(p);
     WEFT_CHECK(heap.bytes_in_use() == in_use_before,
                "rank " << me << ": heap holds more after the mismatch checks than before them");
