@@ -10,6 +10,8 @@
 namespace weft::detail {
 
 int resolve_virtual_nodes(int option, const std::optional<std::string>& env_value, int num_ranks) {
+    WEFT_CHECK(option >= 0,
+               "WorldOptions::virtual_nodes must be 0 (WEFT_VIRTUAL_NODES, else none) or at least 1, got " << option);
     int k = 1;
     std::string source = "WorldOptions::virtual_nodes";
     if (option > 0) {

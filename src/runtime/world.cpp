@@ -156,6 +156,8 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     int num_devices = 0;
     WEFT_CUDA_CHECK(cudaGetDeviceCount(&num_devices));
     WEFT_CHECK(num_devices > 0, "no CUDA device is visible to rank " << c.rank);
+    WEFT_CHECK(setup.options.device >= -1,
+               "WorldOptions::device must be -1 (by local rank) or a visible device, got " << setup.options.device);
     if (setup.options.device >= 0) {
         WEFT_CHECK(setup.options.device < num_devices, "WorldOptions::device must be a visible device in [0, "
                                                            << num_devices << "), got " << setup.options.device);

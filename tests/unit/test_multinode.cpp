@@ -41,6 +41,7 @@ std::string error_of(const std::function<void()>& fn) {
 
 TEST(MultiNodeTopology, ResolveVirtualNodes) {
     EXPECT_EQ(resolve_virtual_nodes(0, std::nullopt, 8), 1);
+    EXPECT_THROW(resolve_virtual_nodes(-3, std::nullopt, 8), Error);  // not "auto": refused
     EXPECT_EQ(resolve_virtual_nodes(0, std::string(), 8), 1);
     EXPECT_EQ(resolve_virtual_nodes(0, std::string("2"), 8), 2);
     EXPECT_EQ(resolve_virtual_nodes(4, std::string("2"), 8), 4);  // the option wins
