@@ -339,10 +339,18 @@ void HostBackend::Impl::watch() {
     pending.clear();
 }
 
+namespace {
+std::string backend_extension_name(const Team& team) { return "weft.net.host/" + team.id(); }
+}  // namespace
+
+bool HostBackend::exists(const Team& team) {
+    return team.world().find_extension(backend_extension_name(team)) != nullptr;
+}
+
 HostBackend& HostBackend::get(const Team& team) {
     team.require_member("network backend");
     World& world = team.world();
-    const std::string name = "weft.net.host/" + team.id();
+    const std::string name = backend_extension_name(team);
     if (WorldExtension* e = world.find_extension(name)) return static_cast<HostBackend&>(*e);
     WEFT_CHECK(team.num_nodes() > 1, "network backend: the team of " << team.describe() << " lies on one node");
     WEFT_CHECK(team.ranks_per_node() > 0, "network backend: the team of "

@@ -217,17 +217,22 @@ CollectiveWorkspace& CollectiveWorkspace::get(const Team& team) {
     return static_cast<CollectiveWorkspace&>(world.add_extension(name, std::move(ws)));
 }
 
+void refuse_setup_under_capture(cudaStream_t stream, const char* op, const char* what) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+        (void)cudaGetLastError();  // an invalid stream fails at its first enqueue, with CUDA's own message
+    }
+    WEFT_CHECK(capture == cudaStreamCaptureStatusNone,
+               op << ": " << what
+                  << " is made at the team's first collective call (it allocates, compiles and synchronises), which "
+                     "cannot happen while the stream is being captured; call weft::ops::prepare_collectives(team) "
+                     "(Python: weft.world().prepare_collectives() for the World's team), or make one call on the "
+                     "team, before capturing");
+}
+
 CollectiveWorkspace& CollectiveWorkspace::get(const Team& team, cudaStream_t stream, const char* op) {
     if (team.num_ranks() > 1 && team.world().find_extension(extension_name(team)) == nullptr) {
-        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-        if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
-            (void)cudaGetLastError();  // an invalid stream fails at its first enqueue, with CUDA's own message
-        }
-        WEFT_CHECK(capture == cudaStreamCaptureStatusNone,
-                   op << ": the team's collectives workspace is made at its first collective call (it allocates, "
-                         "compiles and synchronises), which cannot happen while the stream is being captured; call "
-                         "weft::ops::prepare_collectives(team) (Python: weft.world().prepare_collectives()) before "
-                         "capturing");
+        refuse_setup_under_capture(stream, op, "the team's collectives workspace");
     }
     return get(team);
 }

@@ -129,6 +129,9 @@ private:
     const jit::Kernel* pull_kernel_ = nullptr;  // copy-engine all-gathers' copies (copies_with_kernel)
 };
 
+/// Throws weft::Error naming `op` and `what` (the state a first call makes) when `stream` is being captured.
+void refuse_setup_under_capture(cudaStream_t stream, const char* op, const char* what);
+
 /// Throws weft::Error unless `ptr` is device memory (or managed memory). Skipped while `stream` is being captured
 /// (the query is not a stream operation, and a graph's pointers were checked when its ops were first called).
 void check_device_pointer(const void* ptr, const char* what, const char* op, cudaStream_t stream);

@@ -55,12 +55,13 @@ TensorView elems_view(void* p, DType dtype, uint64_t count) {
     return TensorView(p, dtype, {static_cast<int64_t>(count)});
 }
 
-
 // The team's backend, and its node team's collectives ready (kernels loaded) before anything is enqueued: no module
 // loads while NCCL's or weft's kernels wait.
-net::HostBackend& backend(const Team& team) {
+// Made on the team's first call, which may not be captured (CollectiveWorkspace::get with a stream).
+net::HostBackend& backend(const Team& team, cudaStream_t stream, const char* op) {
+    if (!net::HostBackend::exists(team)) refuse_setup_under_capture(stream, op, "the team's network backend");
     net::HostBackend& net = net::HostBackend::get(team);
-    if (net.node_team().num_ranks() > 1) prepare_collectives(net.node_team());
+    if (net.node_team().num_ranks() > 1) (void)CollectiveWorkspace::get(net.node_team(), stream, op);
     return net;
 }
 
@@ -126,7 +127,7 @@ private:
 void hierarchical_all_gather(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream) {
     WEFT_NVTX_RANGE("all_gather.hierarchical");
     check_user_buffers(team, "all_gather", input, output, stream);
-    net::HostBackend& net = backend(team);
+    net::HostBackend& net = backend(team, stream, "all_gather");
     const int num_nodes = net.num_nodes(), per_node = net.ranks_per_node(), me = net.node_index();
     const auto shard = static_cast<uint64_t>(input.size_bytes());
     const auto* in = static_cast<const uint8_t*>(input.data);
@@ -168,7 +169,7 @@ void hierarchical_reduce_scatter(const Team& team, const TensorView& input, cons
                                  cudaStream_t stream) {
     WEFT_NVTX_RANGE("reduce_scatter.hierarchical");
     check_user_buffers(team, "reduce_scatter", input, output, stream);
-    net::HostBackend& net = backend(team);
+    net::HostBackend& net = backend(team, stream, "reduce_scatter");
     const int num_nodes = net.num_nodes(), per_node = net.ranks_per_node();
     const DType dtype = output.dtype;
     const auto es = static_cast<uint64_t>(dtype_bytes(dtype));
@@ -208,7 +209,7 @@ void hierarchical_reduce_scatter(const Team& team, const TensorView& input, cons
 void hierarchical_all_reduce(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream) {
     WEFT_NVTX_RANGE("all_reduce.hierarchical");
     check_user_buffers(team, "all_reduce", input, output, stream);
-    net::HostBackend& net = backend(team);
+    net::HostBackend& net = backend(team, stream, "all_reduce");
     const DType dtype = output.dtype;
     const auto es = static_cast<uint64_t>(dtype_bytes(dtype));
     const auto count = static_cast<uint64_t>(output.numel());
@@ -266,7 +267,7 @@ void hierarchical_all_to_all(const Team& team, const TensorView& input, std::spa
     const auto es = static_cast<uint64_t>(dtype_bytes(input.dtype));
     const uint64_t block = equal ? static_cast<uint64_t>(input.size_bytes()) / w : 0;
     if (equal && block == 0) return;  // nothing to move on any rank (the count is the same everywhere)
-    net::HostBackend& net = backend(team);
+    net::HostBackend& net = backend(team, stream, op);
     std::vector<std::vector<int>> by_node(static_cast<size_t>(net.num_nodes()));
     for (int n = 0; n < net.num_nodes(); ++n) {
         for (int l = 0; l < net.ranks_per_node(); ++l)

@@ -54,6 +54,8 @@ public:
     /// numbers of members per node, two members of a column are threads of one process on one GPU (NCCL refuses
     /// them), or a member does not arrive within the World's timeout.
     static HostBackend& get(const Team& team);
+    /// True once get() made the team's backend.
+    static bool exists(const Team& team);
     ~HostBackend() override;
     /// A communicator that reports an asynchronous error (the network failed) aborts the World, naming the error.
     /// After network operations it asks the World to read its peers' abort records now: a column member that left

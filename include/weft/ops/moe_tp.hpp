@@ -127,8 +127,9 @@ struct MoeTpOptions {
 };
 
 /// TP MoE layer 0: AllGather + grouped GEMM. Construction and destruction are collective over the team's members
-/// (2 .. 8 ranks, or 1); the shape and the communication CTAs must be the same on every member (checked at
-/// construction: a weft::Error naming the field). Not thread-safe: one rank's thread uses it.
+/// (2 .. 8 ranks, or 1); the shape (but ffn, each member's own shard) and the communication CTAs must be the same on
+/// every member (checked at construction: a weft::Error naming the field on every member, as is one member's
+/// invalid shape). Not thread-safe: one rank's thread uses it.
 class MoeAgGroupedGemm {
 public:
     MoeAgGroupedGemm(const Team& team, const MoeTpShape& shape, const MoeTpOptions& options = {});
