@@ -137,8 +137,11 @@ class Buffer(_FusedOp):
         """An empty view for an argument the call's phase does not read."""
         return TensorView(0, _weft.DTYPES[dtype], (0, cols))
 
-    def low_latency_dispatch(self, handle, x=None, topk_idx=None, *, fp8=False, phase="send_recv", num_sms=0):
-        """phase="recv" reads the handle only (the send's tokens and fp8 flag): x and topk_idx may be left out."""
+    def low_latency_dispatch(self, handle, x=None, topk_idx=None, *, fp8=None, phase="send_recv", num_sms=0):
+        """phase="recv" reads the handle only (the send's tokens and fp8 flag): x and topk_idx may be left out, and
+        fp8 defaults to the send's (given, it must match). fp8 defaults to False otherwise."""
+        if fp8 is None:
+            fp8 = handle._get().fp8 if phase == "recv" else False
         if phase == "recv":
             xv, iv = self._unused("bf16", self.hidden), self._unused("i32", self.topk)
         else:
