@@ -96,9 +96,16 @@ std::string LtGemm::describe(size_t algo) const {
 
 size_t LtGemm::fastest(const void* a, const void* b, void* d, cudaStream_t stream, int reps) const {
     WEFT_CHECK(reps >= 1, "LtGemm::fastest: reps " << reps << " must be at least 1");
-    cudaEvent_t start = nullptr, stop = nullptr;
-    WEFT_CUDA_CHECK(cudaEventCreate(&start));
-    WEFT_CUDA_CHECK(cudaEventCreate(&stop));
+    struct Events {
+        cudaEvent_t start = nullptr, stop = nullptr;
+        ~Events() {
+            if (start != nullptr) cudaEventDestroy(start);
+            if (stop != nullptr) cudaEventDestroy(stop);
+        }
+    } ev;
+    WEFT_CUDA_CHECK(cudaEventCreate(&ev.start));
+    WEFT_CUDA_CHECK(cudaEventCreate(&ev.stop));
+    cudaEvent_t start = ev.start, stop = ev.stop;
     size_t best = num_algos_;
     float best_ms = 0;
     for (size_t algo = 0; algo < num_algos_; ++algo) {
@@ -119,8 +126,6 @@ size_t LtGemm::fastest(const void* a, const void* b, void* d, cudaStream_t strea
             best_ms = ms;
         }
     }
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
     WEFT_CHECK(best < num_algos_, "cuBLASLt: none of the " << num_algos_ << " heuristic algorithm(s) ran");
     return best;
 }

@@ -89,7 +89,7 @@ __device__ __forceinline__ void push_row_part(const AttentionDecodeParams& p, in
     for (int k = 0; k < n; ++k) {
         const int q = (me + k) % n;
         // Checked without a trap (no call, no local memory in this kernel): an unreachable peer is recorded as a
-        // diagnostic and skipped; its combine kernel then times out naming the missing lines.
+        // diagnostic (the abort word raised) and skipped; the combine kernels' waits then stop at the abort.
         uint8_t* const remote = device::symm_at_checked(x.ctx, slot, q, __LINE__);
         if (remote == nullptr) continue;
         const uint64_t at = (line + static_cast<uint64_t>(col / 2)) * device::ll::kLineBytes;

@@ -245,8 +245,8 @@ void Autotuner::store_decision(const TuneKey& key, const std::string& name, doub
         FileLock lock(*config_.cache_dir / kDecisionLock, std::chrono::seconds(60));
         WEFT_CHECK(lock.owns(), "cannot lock " << (*config_.cache_dir / kDecisionLock).string());
         const fs::path path = *config_.cache_dir / kDecisionFile;
-        // This version's decisions are kept (other versions' never match again: dropped), the oldest first to go
-        // once they pass half the readable size, so the file never grows past what read_decisions accepts.
+        // Every other decision is kept (another weft version sharing the folder reads its own), the oldest first to
+        // go once they pass half the readable size, so the file never grows past what read_decisions accepts.
         std::deque<std::string> lines;
         uint64_t bytes_kept = 0;
         if (std::optional<std::vector<char>> bytes = read_decisions(*config_.cache_dir)) {
@@ -254,7 +254,7 @@ void Autotuner::store_decision(const TuneKey& key, const std::string& name, doub
             std::string line;
             while (std::getline(in, line)) {
                 const auto fields = split(line, '\t');
-                if (fields.size() != 8 || fields[0] != kDecisionFormat || fields[5] != WEFT_VERSION_STRING) continue;
+                if (fields.size() != 8 || fields[0] != kDecisionFormat) continue;
                 if (fields[1] + '\t' + fields[2] + '\t' + fields[3] + '\t' + fields[4] + '\t' + fields[5] == id) {
                     continue;  // replaced below
                 }

@@ -274,7 +274,8 @@ Buffer::~Buffer() {
         WEFT_LOG_ERROR("ep: Buffer destroyed with "
                        << b.live_handles
                        << " live handle(s); destroy handles first (their calls are now refused, and their memory "
-                          "stays allocated until the World's heap is released)");
+                          "is not freed: a normal handle's heap block until the World's heap is released, their "
+                          "private device memory for good)");
         for (Buffer::Impl** owner : b.handle_owners) *owner = nullptr;  // detached: see ~Impl of the handles
         b.handle_owners.clear();
     }

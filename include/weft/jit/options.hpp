@@ -17,8 +17,8 @@ struct CompileOptions {
     std::vector<std::string> link_files;  ///< device libraries (.a .cubin .fatbin .ltoir .ptx) that
                                           ///< nvJitLink links in; non-empty forces the link step
     /// Further NVRTC flags, verbatim (part of the key, as text). Not include paths or pre-included headers (-I,
-    /// --include-path, -include, --pre-include): the key hashes the headers under the compiler's include roots
-    /// (CompilerConfig::extra_include_roots), not what a flag names, so an edit there would reuse a stale cubin.
+    /// --include-path, -isystem, -include, --pre-include): the key hashes the headers under the compiler's include
+    /// roots (CompilerConfig::extra_include_roots), not what a flag names, so an edit there would reuse a stale cubin.
     std::vector<std::string> extra_flags;
     bool verbose_ptxas = false;  ///< log ptxas' register/spill report at info level (it is always
                                  ///< captured into CompileResult::ptxas_info)

@@ -262,13 +262,17 @@ public:
     NormalHandle make_normal_handle();
     /// The layout kernel alone (counts, token->rank mask, stable offsets) into the handle's layout
     /// arrays. Local. `topk_idx`: int32 [T, k], T <= max_tokens_per_rank. Refused (weft::Error) on a handle that was
-    /// dispatched and not combined since: that combine reads the dispatch's layout.
+    /// dispatched and not combined since: that combine reads the dispatch's layout. After it, the handle's last
+    /// dispatch is retired: a combine needs another dispatch first.
     void layout(NormalHandle& handle, const TensorView& topk_idx, cudaStream_t stream);
     /// Collective: layout, then dispatch. x: bf16 [T, H]; topk_idx: int32 [T, k] (-1 = dropped);
     /// topk_weights: f32 [T, k]. T may differ between ranks. Receive capacity overflow is detected on
     /// the device by every rank, nothing moves, and check() reports it. A dispatch on a handle dispatched and not
     /// combined since replaces that dispatch (its received rows and its layout): the next combine is the latest
-    /// dispatch's (use a handle per dispatch in flight).
+    /// dispatch's (use a handle per dispatch in flight). x, topk_idx and topk_weights must not lie in this handle's
+    /// own receive area (recv_x and its records: the dispatch writes there while it reads them; another handle's
+    /// recv_x is fine). Every view of every EP op is this GPU's device (or managed) memory or the symmetric heap:
+    /// host memory and another GPU's are refused.
     void dispatch(NormalHandle& handle, const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                   cudaStream_t stream, const NormalOptions& options = {});
     /// Collective: y: bf16 [>= max_recv_rows, H] laid out like recv_x (it may be recv_x itself);
