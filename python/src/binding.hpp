@@ -93,10 +93,21 @@ struct PyWorld {
     }
 };
 
-/// A Team of a World (the World stays while the team's holder does).
+/// A Team of a World. Its World may be closed under it (weft.finalize): get() refuses then, and when `call` is
+/// given, a team of another World than the call's (each refers to its own World's state).
 struct PyTeam {
     WorldRef h;
     Team team;
+
+    const Team& get(const WorldRef* call = nullptr) const {
+        WEFT_CHECK(h->world != nullptr,
+                   "this team's World is closed (weft.finalize); make the team again from the "
+                   "current World");
+        WEFT_CHECK(call == nullptr || *call == h,
+                   "the team belongs to another World than the call's (a team made before weft.finalize, or of "
+                   "another World); make it from the call's World");
+        return team;
+    }
 };
 
 /// Binds weft::ops::ep into the submodule `ep` of `m` (ep.cpp).

@@ -148,7 +148,7 @@ void bind_ep(nb::module_& m) {
                  std::unique_ptr<ep::Buffer> buffer;
                  {
                      nb::gil_scoped_release release;
-                     buffer = team != nullptr ? std::make_unique<ep::Buffer>(team->team, c)
+                     buffer = team != nullptr ? std::make_unique<ep::Buffer>(team->get(&w.h), c)
                                               : std::make_unique<ep::Buffer>(world, c);
                  }
                  auto* made = new (self) PyEpBuffer{w.h};

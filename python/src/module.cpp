@@ -360,29 +360,35 @@ NB_MODULE(_weft, m) {
         });
 
     nb::class_<PyTeam>(m, "Team")
-        .def_prop_ro("id", [](const PyTeam& t) { return t.team.id(); })
-        .def_prop_ro("is_world", [](const PyTeam& t) { return t.team.is_world(); })
-        .def("barrier", [](const PyTeam& t) { t.team.barrier(); }, Release())
-        .def("alloc", [](const PyTeam& t, uint64_t bytes, uint64_t align) {
-                 return reinterpret_cast<uintptr_t>(t.h->get().heap().alloc(t.team, bytes, align));
-             }, "bytes"_a, "align"_a = 256, Release())
-        .def("free", [](const PyTeam& t, uintptr_t ptr) {
-                 t.h->get().heap().free(t.team, reinterpret_cast<void*>(ptr));
-             }, "ptr"_a, Release())
-        .def_prop_ro("rank", [](const PyTeam& t) { return t.team.rank(); })
-        .def_prop_ro("num_ranks", [](const PyTeam& t) { return t.team.num_ranks(); })
-        .def_prop_ro("is_member", [](const PyTeam& t) { return t.team.is_member(); })
-        .def_prop_ro("members", [](const PyTeam& t) { return t.team.members(); })
-        .def("world_rank", [](const PyTeam& t, int r) { return t.team.world_rank(r); })
-        .def("team_rank", [](const PyTeam& t, int r) { return t.team.team_rank(r); })
-        .def("split_strided", [](const PyTeam& t, int start, int stride, int size) {
-            return PyTeam{t.h, t.team.split_strided(start, stride, size)};
-        })
+        .def_prop_ro("id", [](const PyTeam& t) { return t.get().id(); })
+        .def_prop_ro("is_world", [](const PyTeam& t) { return t.get().is_world(); })
+        .def(
+            "barrier", [](const PyTeam& t) { t.get().barrier(); }, Release())
+        .def(
+            "alloc",
+            [](const PyTeam& t, uint64_t bytes, uint64_t align) {
+                return reinterpret_cast<uintptr_t>(t.h->get().heap().alloc(t.get(), bytes, align));
+            },
+            "bytes"_a, "align"_a = 256, Release())
+        .def(
+            "free",
+            [](const PyTeam& t, uintptr_t ptr) { t.h->get().heap().free(t.get(), reinterpret_cast<void*>(ptr)); },
+            "ptr"_a, Release())
+        .def_prop_ro("rank", [](const PyTeam& t) { return t.get().rank(); })
+        .def_prop_ro("num_ranks", [](const PyTeam& t) { return t.get().num_ranks(); })
+        .def_prop_ro("is_member", [](const PyTeam& t) { return t.get().is_member(); })
+        .def_prop_ro("members", [](const PyTeam& t) { return t.get().members(); })
+        .def("world_rank", [](const PyTeam& t, int r) { return t.get().world_rank(r); })
+        .def("team_rank", [](const PyTeam& t, int r) { return t.get().team_rank(r); })
+        .def("split_strided",
+             [](const PyTeam& t, int start, int stride, int size) {
+                 return PyTeam{t.h, t.get().split_strided(start, stride, size)};
+             })
         .def("split_color", [](const PyTeam& t, int color, int key) {
             Team made;
             {
                 nb::gil_scoped_release release;
-                made = t.team.split_color(color, key);
+                made = t.get().split_color(color, key);
             }
             return PyTeam{t.h, made};
         });
@@ -396,7 +402,7 @@ NB_MODULE(_weft, m) {
             ops::AllReduceOptions o;
             o.algo = static_cast<ops::AllReduceAlgo>(algo);
             if (team != nullptr) {
-                ops::all_reduce(team->team, input, output, as_stream(stream), o);
+                ops::all_reduce(team->get(&w.h), input, output, as_stream(stream), o);
             } else {
                 ops::all_reduce(w.h->get(), input, output, as_stream(stream), o);
             }
@@ -410,7 +416,7 @@ NB_MODULE(_weft, m) {
             ops::AllGatherOptions o;
             o.algo = static_cast<ops::AllGatherAlgo>(algo);
             if (team != nullptr) {
-                ops::all_gather(team->team, input, output, as_stream(stream), o);
+                ops::all_gather(team->get(&w.h), input, output, as_stream(stream), o);
             } else {
                 ops::all_gather(w.h->get(), input, output, as_stream(stream), o);
             }
@@ -424,7 +430,7 @@ NB_MODULE(_weft, m) {
             ops::ReduceScatterOptions o;
             o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
             if (team != nullptr) {
-                ops::reduce_scatter(team->team, input, output, as_stream(stream), o);
+                ops::reduce_scatter(team->get(&w.h), input, output, as_stream(stream), o);
             } else {
                 ops::reduce_scatter(w.h->get(), input, output, as_stream(stream), o);
             }
@@ -441,7 +447,7 @@ NB_MODULE(_weft, m) {
             o.algo = static_cast<ops::AllReduceAlgo>(algo);
             const TensorView in = flat_view(input, dtype, numel), out = flat_view(output, dtype, numel);
             if (team != nullptr) {
-                ops::all_reduce(team->team, in, out, as_stream(stream), o);
+                ops::all_reduce(team->get(&w.h), in, out, as_stream(stream), o);
             } else {
                 ops::all_reduce(w.h->get(), in, out, as_stream(stream), o);
             }
@@ -457,7 +463,7 @@ NB_MODULE(_weft, m) {
             o.algo = static_cast<ops::AllGatherAlgo>(algo);
             const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
             if (team != nullptr) {
-                ops::all_gather(team->team, in, out, as_stream(stream), o);
+                ops::all_gather(team->get(&w.h), in, out, as_stream(stream), o);
             } else {
                 ops::all_gather(w.h->get(), in, out, as_stream(stream), o);
             }
@@ -473,7 +479,7 @@ NB_MODULE(_weft, m) {
             o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
             const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
             if (team != nullptr) {
-                ops::reduce_scatter(team->team, in, out, as_stream(stream), o);
+                ops::reduce_scatter(team->get(&w.h), in, out, as_stream(stream), o);
             } else {
                 ops::reduce_scatter(w.h->get(), in, out, as_stream(stream), o);
             }
@@ -576,7 +582,7 @@ NB_MODULE(_weft, m) {
                 std::unique_ptr<ops::AgGemm> op;
                 {
                     nb::gil_scoped_release release;
-                    op = team ? std::make_unique<ops::AgGemm>(team->team, shape, o)
+                    op = team ? std::make_unique<ops::AgGemm>(team->get(&w.h), shape, o)
                               : std::make_unique<ops::AgGemm>(world, shape, o);
                 }
                 new (self) PyAgGemm(w.h, std::move(op), "AgGemm");
@@ -618,7 +624,7 @@ NB_MODULE(_weft, m) {
                 std::unique_ptr<ops::GemmRs> op;
                 {
                     nb::gil_scoped_release release;
-                    op = team ? std::make_unique<ops::GemmRs>(team->team, shape, o)
+                    op = team ? std::make_unique<ops::GemmRs>(team->get(&w.h), shape, o)
                               : std::make_unique<ops::GemmRs>(world, shape, o);
                 }
                 new (self) PyGemmRs(w.h, std::move(op), "GemmRs");
@@ -656,7 +662,7 @@ NB_MODULE(_weft, m) {
                 std::unique_ptr<ops::GemmAr> op;
                 {
                     nb::gil_scoped_release release;
-                    op = team ? std::make_unique<ops::GemmAr>(team->team, shape, o)
+                    op = team ? std::make_unique<ops::GemmAr>(team->get(&w.h), shape, o)
                               : std::make_unique<ops::GemmAr>(world, shape, o);
                 }
                 new (self) PyGemmAr(w.h, std::move(op), "GemmAr");
