@@ -243,21 +243,23 @@ void Watchdog::run() {
         const RankInfo& info = w.ranks[static_cast<size_t>(r)];
         return "host " + info.host + ", pid " + std::to_string(info.pid);
     };
+    auto last_done = Clock::now();
     while (true) {
         {
             std::unique_lock<std::mutex> lock(mutex_);
             if (wake_.wait_for(lock, w.heartbeat, [this] { return stop_; })) return;
         }
-        const auto now = Clock::now();
+        const auto start = Clock::now();
         try {
             std::lock_guard<std::mutex> lock(mutex_);
             beat();
-            // Peers' heartbeats: a value that changed renews the peer (a key not there yet renews nothing).
+            // Peers' heartbeats: a value that changed renews the peer (a key not there yet renews nothing), as of
+            // when it was read.
             for (int p : book.peers()) {
                 if (w.same_process || !store_->check(heartbeat_key(p))) continue;
                 const Bytes value = store_->get(heartbeat_key(p), kPresentKeyGet);
                 const std::string text(value.begin(), value.end());
-                book.observe(p, text.empty() ? -1 : std::strtoll(text.c_str(), nullptr, 10), now);
+                book.observe(p, text.empty() ? -1 : std::strtoll(text.c_str(), nullptr, 10), Clock::now());
             }
             read_records();
         } catch (const std::exception& e) {
@@ -266,6 +268,20 @@ void Watchdog::run() {
             w.raise_abort("rank " + std::to_string(w.rank) + " lost the World's store (" + e.what() + ")", true);
             return;
         }
+        // A watcher that did not look for a while (its process stopped, its store calls stalled, a Python store
+        // waiting for the GIL) saw nothing of its peers meanwhile: beyond half the dead-peer bound, that time is
+        // not counted as their silence (every rank's watchdog stalls together when the store's host does).
+        const auto done = Clock::now();
+        const auto stalled = std::max(start - last_done - std::chrono::duration_cast<Clock::duration>(w.heartbeat),
+                                      Clock::duration::zero()) +
+                             (done - start);
+        if (stalled > std::chrono::duration_cast<Clock::duration>(w.dead_peer) / 2) {
+            WEFT_LOG_WARN("watchdog: this rank did not watch its peers for "
+                          << std::chrono::duration_cast<std::chrono::milliseconds>(stalled).count()
+                          << " ms (a stopped process or a slow store); their silence meanwhile is not counted");
+            book.excuse(stalled, done);
+        }
+        last_done = done;
         if (w.past_shutdown_barrier) continue;  // peers that met at the shutdown barrier may exit now
         for (int p : local_processes) {
             const int64_t pid = w.ranks[static_cast<size_t>(p)].pid;

@@ -92,6 +92,10 @@ void HeartbeatBook::mark_gone(int peer, std::string why) {
     if (e != nullptr && e->gone.empty()) e->gone = why.empty() ? std::string("its process is gone") : std::move(why);
 }
 
+void HeartbeatBook::excuse(Clock::duration stalled, Clock::time_point now) {
+    for (Entry& e : entries_) e.renewed = std::min(e.renewed + stalled, now);
+}
+
 std::optional<int> HeartbeatBook::first_dead(Clock::time_point now) const {
     for (size_t i = 0; i < peers_.size(); ++i) {
         const Entry& e = entries_[i];

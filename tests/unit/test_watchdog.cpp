@@ -89,6 +89,23 @@ TEST(WatchdogBook, APeerIsDeadOnceItsBeatStandsStillPastTheBound) {
     EXPECT_EQ(book.peers(), (std::vector<int>{2, 5}));
 }
 
+TEST(WatchdogBook, TheWatchersOwnStallIsNoPeersSilence) {
+    const auto t0 = Clock::now();
+    HeartbeatBook book({1, 2}, 10000ms, t0);
+    book.observe(1, 1, t0 + 1000ms);
+    book.observe(2, 1, t0 + 1000ms);
+    // The watcher stalled 15 s (its store's host frozen): on its next look no counter has moved.
+    book.excuse(15000ms, t0 + 16500ms);
+    EXPECT_EQ(book.first_dead(t0 + 16500ms), std::nullopt);
+    // A peer that stays silent afterwards is dead once the bound passes again.
+    book.observe(1, 2, t0 + 20000ms);
+    EXPECT_EQ(book.first_dead(t0 + 26001ms), std::optional<int>(2));
+    // The excuse never moves a renewal past the present.
+    HeartbeatBook fresh({4}, 10000ms, t0);
+    fresh.excuse(60000ms, t0 + 1000ms);
+    EXPECT_EQ(fresh.first_dead(t0 + 11001ms), std::optional<int>(4));
+}
+
 TEST(WatchdogBook, AGoneProcessIsDeadAtOnceAndSaysSo) {
     const auto t0 = Clock::now();
     HeartbeatBook book({1, 3}, 10000ms, t0);

@@ -50,6 +50,9 @@ public:
     void observe(int peer, int64_t counter, Clock::time_point now);
     /// The peer's process was found gone (`why`, e.g. "its process 1234 on host h has exited"): dead from now on.
     void mark_gone(int peer, std::string why);
+    /// The watcher itself did not look for `stalled` (its process stopped, its store calls stalled): that time is no
+    /// peer's silence. Every peer's last renewal moves `stalled` later, to `now` at most.
+    void excuse(Clock::duration stalled, Clock::time_point now);
 
     /// The first watched peer (in the order given) that is dead at `now`: gone, or whose counter has stood still
     /// for longer than dead_after; nullopt when every peer is alive.
