@@ -360,8 +360,8 @@ NB_MODULE(_weft, m) {
         });
 
     nb::class_<PyTeam>(m, "Team")
-        .def_prop_ro("id", [](const PyTeam& t) { return t.get().id(); })
-        .def_prop_ro("is_world", [](const PyTeam& t) { return t.get().is_world(); })
+        .def_prop_ro("id", [](const PyTeam& t) { return t.team.id(); })
+        .def_prop_ro("is_world", [](const PyTeam& t) { return t.team.is_world(); })
         .def(
             "barrier", [](const PyTeam& t) { t.get().barrier(); }, Release())
         .def(
@@ -374,12 +374,12 @@ NB_MODULE(_weft, m) {
             "free",
             [](const PyTeam& t, uintptr_t ptr) { t.h->get().heap().free(t.get(), reinterpret_cast<void*>(ptr)); },
             "ptr"_a, Release())
-        .def_prop_ro("rank", [](const PyTeam& t) { return t.get().rank(); })
-        .def_prop_ro("num_ranks", [](const PyTeam& t) { return t.get().num_ranks(); })
-        .def_prop_ro("is_member", [](const PyTeam& t) { return t.get().is_member(); })
-        .def_prop_ro("members", [](const PyTeam& t) { return t.get().members(); })
-        .def("world_rank", [](const PyTeam& t, int r) { return t.get().world_rank(r); })
-        .def("team_rank", [](const PyTeam& t, int r) { return t.get().team_rank(r); })
+        .def_prop_ro("rank", [](const PyTeam& t) { return t.team.rank(); })
+        .def_prop_ro("num_ranks", [](const PyTeam& t) { return t.team.num_ranks(); })
+        .def_prop_ro("is_member", [](const PyTeam& t) { return t.team.is_member(); })
+        .def_prop_ro("members", [](const PyTeam& t) { return t.team.members(); })
+        .def("world_rank", [](const PyTeam& t, int r) { return t.team.world_rank(r); })
+        .def("team_rank", [](const PyTeam& t, int r) { return t.team.team_rank(r); })
         .def("split_strided",
              [](const PyTeam& t, int start, int stride, int size) {
                  return PyTeam{t.h, t.get().split_strided(start, stride, size)};
