@@ -91,8 +91,12 @@ int main(int argc, char** argv) {
                     return v;
                 };
                 const std::vector<uint32_t> mine = shard(world.rank());
-                WEFT_CUDA_CHECK(cudaMemcpy(input, mine.data(), shard_elems * sizeof(uint32_t), cudaMemcpyHostToDevice));
-                WEFT_CUDA_CHECK(cudaMemset(gathered, 0xFF, total_elems * sizeof(uint32_t)));  // poison
+                // On the kernel's stream and finished before the barrier (the legacy stream's copies would not be
+                // ordered before the peers' kernels, which write into `gathered` at once).
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(input, mine.data(), shard_elems * sizeof(uint32_t),
+                                                cudaMemcpyHostToDevice, stream));
+                WEFT_CUDA_CHECK(cudaMemsetAsync(gathered, 0xFF, total_elems * sizeof(uint32_t), stream));  // poison
+                WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
                 world.barrier();  // nobody writes into a rank still reading the previous result
                 all_gather_kernel<<<blocks, 256, 0, stream>>>(world.device_ctx(), map, input, gathered, cols, signals,
                                                              calls);

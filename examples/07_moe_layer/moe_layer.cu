@@ -129,6 +129,10 @@ int main(int argc, char** argv) {
                 const weft::TensorView ov(dout, weft::DType::kBF16, {tokens, h});
                 const weft::TensorView rv(dref, weft::DType::kBF16, {tokens, h});
 
+                // Outputs poisoned (NaN): a token either path leaves unwritten fails the checks below.
+                WEFT_CUDA_CHECK(cudaMemsetAsync(dout, 0xFF, x.size() * 2, stream));
+                WEFT_CUDA_CHECK(cudaMemsetAsync(dref, 0xFF, x.size() * 2, stream));
+
                 // ---- the block: one call ----
                 ep::MoeBlock moe(world, cfg);  // collective
                 moe.forward(xv, iv, wv, mw, ov, stream);
@@ -182,6 +186,15 @@ int main(int argc, char** argv) {
                 }
                 WEFT_CHECK(worst < 2e-2, "rank " << me << ": the block differs from the separate ops by " << worst
                                                  << " of the row's largest value");
+                // The block's unfused form (MoeOptions::fused = false) gives the same bits as the fused one.
+                WEFT_CUDA_CHECK(cudaMemsetAsync(dout, 0xFF, x.size() * 2, stream));
+                moe.forward(xv, iv, wv, mw, ov, stream, ep::MoeOptions{.fused = false});
+                moe.sync_and_check(stream);
+                std::vector<uint16_t> unfused(x.size());
+                WEFT_CUDA_CHECK(
+                    cudaMemcpyAsync(unfused.data(), dout, unfused.size() * 2, cudaMemcpyDeviceToHost, stream));
+                WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+                WEFT_CHECK(unfused == out, "rank " << me << ": the block's unfused form differs from its fused one");
 
                 // ---- time per call: fused against the separate ops (MoeOptions::fused = false) ----
                 constexpr int kIters = 20;

@@ -135,9 +135,14 @@ int main(int argc, char** argv) {
                         tbs, 100.0 * tbs / read_tbs);
         }
 
-        // Check q-head 5 of sequence 0 (the last length) against a host reference.
+        // Check q-head 5 of sequence 0 (the last length) against a host reference, on a fresh call's output
+        // poisoned first (NaN), so that a row the call leaves unwritten fails.
         const int h = 5, kvh = h / (kQHeads / kKvHeads);
         const int len = lens.back();
+        WEFT_CUDA_CHECK(cudaMemset(out, 0xFF, static_cast<size_t>(batch) * kQHeads * kDim * 2));
+        weft::ops::decode_attention(tq, tk, tv, TensorView(table, DType::kI32, {batch, pages_per_seq}),
+                                    TensorView(seq_lens, DType::kI32, {batch}), len, tout, tlse, nullptr);
+        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
         std::vector<__nv_bfloat16> hq(kDim), hout(kDim), row(kDim);
         std::vector<double> acc(kDim, 0.0);
         float got_lse = 0;
@@ -168,7 +173,8 @@ int main(int argc, char** argv) {
         }
         double worst = 0;
         for (int e = 0; e < kDim; ++e) {
-            worst = std::max(worst, std::fabs(acc[static_cast<size_t>(e)] / sum - bf16_to_float(hout[e])));
+            const double d = std::fabs(acc[static_cast<size_t>(e)] / sum - bf16_to_float(hout[e]));
+            worst = std::isfinite(d) ? std::max(worst, d) : INFINITY;  // a NaN fails
         }
         const double lse_err = std::fabs(got_lse - (m + std::log(sum)));
         std::printf("\ncheck (sequence 0, q-head %d, %d tokens): max |out - ref| = %.2e, |lse - ref| = %.2e\n", h, len,

@@ -8,6 +8,7 @@ compared and both timed. Decode: one token per sequence against a paged KV cache
 weft.decode_attention, checked against SDPA over each sequence's gathered keys.
 """
 import argparse
+import math
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +71,8 @@ def main():
         vb = v_cache[table[b].long()].reshape(-1, hkv, d)[:n]
         want = F.scaled_dot_product_attention(qd[b].unsqueeze(1).unsqueeze(0), kb.transpose(0, 1).unsqueeze(0),
                                               vb.transpose(0, 1).unsqueeze(0), **gqa)[0, :, 0]
-        worst = max(worst, ((out_d[b].float() - want.float()).norm() / want.float().norm()).item())
+        e = ((out_d[b].float() - want.float()).norm() / want.float().norm()).item()
+        worst = max(worst, e) if math.isfinite(e) else math.inf  # a NaN fails
     t_dec = time_ms(lambda: weft.decode_attention(qd, k_cache, v_cache, table, lens_d, out_d, max_seq_len=s))
     print(f"decode   batch {batch}  up to {s} tokens  page {page}: weft {t_dec * 1000:.1f} us, worst relative "
           f"difference to SDPA {worst:.1e}")
