@@ -228,6 +228,9 @@ struct WorldContext {
     std::chrono::milliseconds heartbeat{1000};
     std::chrono::milliseconds dead_peer{10000};
     std::atomic<bool> shutting_down{false};  ///< store waits then stop only for a dead peer
+    /// Between the start-up exchange and the end of the World's construction: store waits also stop once a rank
+    /// publishes that its construction failed (kStartupFailedKey), naming it, instead of running to the timeout.
+    std::atomic<bool> starting{false};
     /// std::uncaught_exceptions() when the World was made: more at its destruction means an exception propagates
     /// through it (a World made and destroyed inside cleanup that runs during unwinding is not leaving on an error).
     int uncaught_at_creation = 0;
@@ -250,6 +253,9 @@ struct WorldContext {
     /// Why a store wait of the World must stop now, or nullopt: the World is aborted (during shutdown: only a dead
     /// peer or a failed store stops it).
     std::optional<std::string> store_wait_stop() const;
+    /// The key (under the World's store prefix) a rank whose construction failed after the start-up exchange sets,
+    /// its value naming the rank: its peers' start-up waits stop on it (WorldContext::starting).
+    static constexpr const char* kStartupFailedKey = "startup_failed";
 };
 
 /// The text of the World's diagnostic record (format_diagnostic), or "" when none was written; with

@@ -43,7 +43,13 @@ public:
         const auto start = Clock::now();
         const auto deadline = start + timeout;
         while (true) {
-            if (auto why = world_->store_wait_stop()) {
+            std::optional<std::string> why = world_->store_wait_stop();
+            if (!why && world_->starting && key != WorldContext::kStartupFailedKey &&
+                store_->check(WorldContext::kStartupFailedKey)) {
+                const Bytes text = store_->get(WorldContext::kStartupFailedKey, milliseconds(0));
+                why = std::string(text.begin(), text.end());
+            }
+            if (why) {
                 const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
                 WEFT_FAIL("rank " << world_->rank << ": store get('" << key << "') stopped after " << waited.count()
                                   << " ms: " << *why);

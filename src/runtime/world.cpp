@@ -236,6 +236,23 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     std::shared_ptr<Store> watchdog_store =
         setup.connect_watchdog_store ? make_prefix_store(setup.connect_watchdog_store(), world_prefix) : c.store;
     c.store = detail::make_abortable_store(std::move(c.store), &c);
+    // A rank whose construction fails from here on tells its peers, whose start-up waits (the heap's exchanges, the
+    // ready barrier) would otherwise run to the timeout and name it as late.
+    struct StartupFailure {
+        detail::WorldContext& c;
+        const int uncaught = std::uncaught_exceptions();
+        ~StartupFailure() {
+            c.starting = false;
+            if (std::uncaught_exceptions() <= uncaught || !c.store) return;
+            try {
+                const std::string text =
+                    "rank " + std::to_string(c.rank) + " failed while starting the World (its own error says why)";
+                c.store->set(detail::WorldContext::kStartupFailedKey, Bytes(text.begin(), text.end()));
+            } catch (...) {  // best effort: the peers' waits still end at their timeout
+            }
+        }
+    } startup_failure{c};
+    c.starting = true;
     if (std::adjacent_find(heap_requests.begin(), heap_requests.end(), std::not_equal_to<>()) != heap_requests.end()) {
         std::map<uint64_t, std::vector<int>> by_size;
         for (int r = 0; r < c.num_ranks; ++r) by_size[heap_requests[static_cast<size_t>(r)]].push_back(r);
