@@ -345,6 +345,24 @@ TEST(MoeTpArgs, OutputsOverlappingTheirInputsAreRefused) {
              "d_rows must not overlap routing.slot_rows (");
     mentions(combine(out, w, ends_in(static_cast<const int32_t*>(w.data), DType::kF32, 200, 512), acc),
              "d_rows must not overlap weights (");
+    // The gather writes a_rows before the combine reads the weights and slot_rows.
+    const auto combine_rows = [&](const TensorView& weights, const TensorView& ar) {
+        return error_of([&] {
+            ops::grouped_gemm_gathered_combine(a, b, out, BLayout::kNK, r, MoeCombineMode::kWeightedSum, weights, ar,
+                                               d_rows, acc, nullptr);
+        });
+    };
+    mentions(combine_rows(w, ends_in(r.slot_rows, DType::kBF16, 200, 256)),
+             "a_rows must not overlap routing.slot_rows (");
+    mentions(combine_rows(ends_in(static_cast<const int32_t*>(a_rows.data), DType::kF32, 100, 2), a_rows),
+             "a_rows must not overlap weights (");
+    // The routing's int32 arrays must be 4-byte aligned.
+    {
+        MoeRouting odd = r;
+        odd.offsets = reinterpret_cast<int32_t*>(reinterpret_cast<uintptr_t>(r.offsets) + 2);
+        mentions(error_of([&] { ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, odd, a_rows, nullptr); }),
+                 "routing.offsets (int32) must be 4-byte aligned");
+    }
     // out inside acc (a bf16 out cast into acc's bytes while other warps add): refused; f32 out as acc itself passes
     // every argument check (each warp writes back only the row it summed): on a machine without a GPU the call then
     // fails at its first CUDA call (with a GPU it would launch on these fake pointers: not tried).
