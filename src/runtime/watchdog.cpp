@@ -44,10 +44,15 @@ public:
         const auto deadline = start + timeout;
         while (true) {
             std::optional<std::string> why = world_->store_wait_stop();
-            if (!why && world_->starting && key != WorldContext::kStartupFailedKey &&
-                store_->check(WorldContext::kStartupFailedKey)) {
-                const Bytes text = store_->get(WorldContext::kStartupFailedKey, milliseconds(0));
-                why = std::string(text.begin(), text.end());
+            if (!why && world_->starting && key != WorldContext::kStartupFailedKey) {
+                try {
+                    if (store_->check(WorldContext::kStartupFailedKey)) {
+                        const Bytes text = store_->get(WorldContext::kStartupFailedKey, milliseconds(0));
+                        why = std::string(text.begin(), text.end());
+                    }
+                } catch (const std::exception&) {
+                    // A store that is gone: the get below reports it.
+                }
             }
             if (why) {
                 const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
