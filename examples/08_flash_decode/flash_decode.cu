@@ -140,6 +140,7 @@ int main(int argc, char** argv) {
         const int h = 5, kvh = h / (kQHeads / kKvHeads);
         const int len = lens.back();
         WEFT_CUDA_CHECK(cudaMemset(out, 0xFF, static_cast<size_t>(batch) * kQHeads * kDim * 2));
+        WEFT_CUDA_CHECK(cudaMemset(lse, 0xFF, static_cast<size_t>(batch) * kQHeads * 4));
         weft::ops::decode_attention(tq, tk, tv, TensorView(table, DType::kI32, {batch, pages_per_seq}),
                                     TensorView(seq_lens, DType::kI32, {batch}), len, tout, tlse, nullptr);
         WEFT_CUDA_CHECK(cudaDeviceSynchronize());

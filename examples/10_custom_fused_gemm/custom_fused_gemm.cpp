@@ -27,8 +27,10 @@ using bf16 = __nv_bfloat16;
 int main(int argc, char** argv) try {
     int world = argc > 1 ? std::atoi(argv[1]) : 0, calls = argc > 4 ? std::atoi(argv[4]) : 3, gpus = 0;
     const int64_t m = argc > 2 ? std::atoll(argv[2]) : 1024, k = argc > 3 ? std::atoll(argv[3]) : 512;
-    if (calls < 1 || m < 1 || k < 8 || k % 8 != 0 || (argc > 1 && world < 1)) {
-        std::fprintf(stderr, "usage: %s [world >= 1] [m >= 1] [k: a positive multiple of 8] [calls >= 1]\n", argv[0]);
+    if (calls < 1 || m < 1 || k < 8 || k % 8 != 0 || world < 0) {
+        std::fprintf(stderr,
+                     "usage: %s [world >= 1, 0: max(2, GPUs)] [m >= 1] [k: a positive multiple of 8] [calls >= 1]\n",
+                     argv[0]);
         return 2;
     }
     WEFT_CUDA_CHECK(cudaGetDeviceCount(&gpus));

@@ -231,6 +231,9 @@ struct WorldContext {
     /// Between the start-up exchange and the end of the World's construction: store waits also stop once a rank
     /// publishes that its construction failed (kStartupFailedKey), naming it, instead of running to the timeout.
     std::atomic<bool> starting{false};
+    /// A start-up wait of this rank was stopped by a peer's kStartupFailedKey: this rank's failure is that peer's,
+    /// not its own to publish.
+    mutable std::atomic<bool> startup_stopped_by_peer{false};
     /// std::uncaught_exceptions() when the World was made: more at its destruction means an exception propagates
     /// through it (a World made and destroyed inside cleanup that runs during unwinding is not leaving on an error).
     int uncaught_at_creation = 0;

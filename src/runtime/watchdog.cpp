@@ -49,6 +49,7 @@ public:
                     if (store_->check(WorldContext::kStartupFailedKey)) {
                         const Bytes text = store_->get(WorldContext::kStartupFailedKey, milliseconds(0));
                         why = std::string(text.begin(), text.end());
+                        world_->startup_stopped_by_peer = true;
                     }
                 } catch (const std::exception&) {
                     // A store that is gone: the get below reports it.
@@ -280,17 +281,21 @@ void Watchdog::run() {
             return;
         }
         // A watcher that did not look for a while (its process stopped, its store calls stalled, a Python store
-        // waiting for the GIL) saw nothing of its peers meanwhile: beyond half the dead-peer bound, that time is
-        // not counted as their silence (every rank's watchdog stalls together when the store's host does).
+        // waiting for the GIL) saw nothing of its peers meanwhile: of a stall longer than half the dead-peer bound,
+        // the part beyond that half is not counted as their silence (every rank's watchdog stalls together when the
+        // store's host does). The half still counts, so a dead peer is found however slow every look is.
         const auto done = Clock::now();
         const auto stalled = std::max(start - last_done - std::chrono::duration_cast<Clock::duration>(w.heartbeat),
                                       Clock::duration::zero()) +
                              (done - start);
-        if (stalled > std::chrono::duration_cast<Clock::duration>(w.dead_peer) / 2) {
+        const auto half = std::chrono::duration_cast<Clock::duration>(w.dead_peer) / 2;
+        if (stalled > half) {
             WEFT_LOG_WARN("watchdog: this rank did not watch its peers for "
                           << std::chrono::duration_cast<std::chrono::milliseconds>(stalled).count()
-                          << " ms (a stopped process or a slow store); their silence meanwhile is not counted");
-            book.excuse(stalled, done);
+                          << " ms (a stopped process or a slow store); their silence beyond "
+                          << std::chrono::duration_cast<std::chrono::milliseconds>(half).count()
+                          << " ms of it is not counted");
+            book.excuse(stalled - half, done);
         }
         last_done = done;
         if (w.past_shutdown_barrier) continue;  // peers that met at the shutdown barrier may exit now

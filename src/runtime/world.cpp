@@ -231,11 +231,6 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     // the next World under the same prefix, and must not see this one's keys (the shutdown's among them).
     const std::string world_prefix = "weft/world/" + c.job_id;
     c.store = make_prefix_store(std::move(c.store), world_prefix);
-    // The watchdog's view of the store (its own connection where the World can make one), and the World's own
-    // view, whose waits stop once the World is aborted.
-    std::shared_ptr<Store> watchdog_store =
-        setup.connect_watchdog_store ? make_prefix_store(setup.connect_watchdog_store(), world_prefix) : c.store;
-    c.store = detail::make_abortable_store(std::move(c.store), &c);
     // A rank whose construction fails from here on tells its peers, whose start-up waits (the heap's exchanges, the
     // ready barrier) would otherwise run to the timeout and name it as late.
     struct StartupFailure {
@@ -243,8 +238,11 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         const int uncaught = std::uncaught_exceptions();
         ~StartupFailure() {
             c.starting = false;
-            if (std::uncaught_exceptions() <= uncaught || !c.store) return;
+            // Published by the rank that failed first, not by the ranks its key stopped.
+            if (std::uncaught_exceptions() <= uncaught || !c.store || c.startup_stopped_by_peer) return;
             try {
+                const std::string claim = std::string(detail::WorldContext::kStartupFailedKey) + "/claim";
+                if (c.store->add(claim, 1) != 1) return;
                 const std::string text =
                     "rank " + std::to_string(c.rank) + " failed while starting the World (its own error says why)";
                 c.store->set(detail::WorldContext::kStartupFailedKey, Bytes(text.begin(), text.end()));
@@ -253,6 +251,11 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         }
     } startup_failure{c};
     c.starting = true;
+    // The watchdog's view of the store (its own connection where the World can make one), and the World's own
+    // view, whose waits stop once the World is aborted.
+    std::shared_ptr<Store> watchdog_store =
+        setup.connect_watchdog_store ? make_prefix_store(setup.connect_watchdog_store(), world_prefix) : c.store;
+    c.store = detail::make_abortable_store(std::move(c.store), &c);
     if (std::adjacent_find(heap_requests.begin(), heap_requests.end(), std::not_equal_to<>()) != heap_requests.end()) {
         std::map<uint64_t, std::vector<int>> by_size;
         for (int r = 0; r < c.num_ranks; ++r) by_size[heap_requests[static_cast<size_t>(r)]].push_back(r);
