@@ -81,28 +81,11 @@ double decode_row_error(const TensorView& q, const TensorView& k, const TensorVi
                                static_cast<const uint8_t*>(out.data) + (b * out.stride(0) + hq * out.stride(1)) * es,
                                dim * es, cudaMemcpyDeviceToHost, stream));
     BENCH_CUDA(cudaStreamSynchronize(stream));
-    const auto at = [t](const std::vector<uint16_t>& x, int64_t i) {
-        return weft::bench::host_value(&x[static_cast<size_t>(i)], t);
-    };
-    const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
-    std::vector<double> s(static_cast<size_t>(len));
-    double m = -INFINITY;
-    for (int64_t j = 0; j < len; ++j) {
-        double dot = 0;
-        for (int64_t e = 0; e < dim; ++e) dot += at(qr, e) * at(kh, j * dim + e);
-        s[static_cast<size_t>(j)] = dot * scale;
-        m = std::max(m, s[static_cast<size_t>(j)]);
-    }
-    std::vector<double> ref(static_cast<size_t>(dim), 0.0);
-    double l = 0;
-    for (int64_t j = 0; j < len; ++j) {
-        const double p = std::exp(s[static_cast<size_t>(j)] - m);
-        l += p;
-        for (int64_t e = 0; e < dim; ++e) ref[static_cast<size_t>(e)] += p * at(vh, j * dim + e);
-    }
+    const std::vector<double> ref = weft::bench::attention_row_reference(qr.data(), kh.data(), vh.data(), len, dim, t);
     double num = 0, den = 0;
     for (int64_t e = 0; e < dim; ++e) {
-        const double want = ref[static_cast<size_t>(e)] / l, got = at(orow, e);
+        const double want = ref[static_cast<size_t>(e)];
+        const double got = weft::bench::host_value(&orow[static_cast<size_t>(e)], t);
         if (!std::isfinite(got)) return INFINITY;
         num += (got - want) * (got - want);
         den += want * want;

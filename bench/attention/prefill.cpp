@@ -151,29 +151,12 @@ double check_rows(const TensorView& q, const TensorView& k, const TensorView& v,
         BENCH_CUDA(cudaMemcpy(orow.data(), static_cast<const uint16_t*>(out.data) + r * out.stride(0), dim * es,
                               cudaMemcpyDeviceToHost));
         const int64_t visible = causal ? std::min(seq_kv, q_position + r + 1) : seq_kv;
-        std::vector<double> s(static_cast<size_t>(visible));
-        double m = -INFINITY;
-        for (int64_t j = 0; j < visible; ++j) {
-            double dot = 0;
-            for (int64_t e = 0; e < dim; ++e) {
-                dot += static_cast<double>(weft::bench::host_value(&qr[static_cast<size_t>(e)], t)) *
-                       weft::bench::host_value(&kh[static_cast<size_t>(j * dim + e)], t);
-            }
-            s[static_cast<size_t>(j)] = dot / std::sqrt(static_cast<double>(dim));
-            m = std::max(m, s[static_cast<size_t>(j)]);
-        }
-        std::vector<double> o(static_cast<size_t>(dim), 0.0);
-        double l = 0;
-        for (int64_t j = 0; j < visible; ++j) {
-            const double p = std::exp(s[static_cast<size_t>(j)] - m);
-            l += p;
-            for (int64_t e = 0; e < dim; ++e)
-                o[static_cast<size_t>(e)] += p * weft::bench::host_value(&vh[static_cast<size_t>(j * dim + e)], t);
-        }
+        const std::vector<double> ref =
+            weft::bench::attention_row_reference(qr.data(), kh.data(), vh.data(), visible, dim, t);
         for (int64_t e = 0; e < dim; ++e) {
             const double got = weft::bench::host_value(&orow[static_cast<size_t>(e)], t);
             if (!std::isfinite(got)) return -1;
-            worst = std::max(worst, std::fabs(got - o[static_cast<size_t>(e)] / l));
+            worst = std::max(worst, std::fabs(got - ref[static_cast<size_t>(e)]));
         }
     }
     return worst;

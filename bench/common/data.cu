@@ -70,6 +70,28 @@ double host_value(const void* p, DType t) {
     return static_cast<double>(__half2float(__half(raw)));
 }
 
+std::vector<double> attention_row_reference(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t keys,
+                                            int64_t dim, DType t) {
+    const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+    std::vector<double> s(static_cast<size_t>(keys));
+    double m = -INFINITY;
+    for (int64_t j = 0; j < keys; ++j) {
+        double dot = 0;
+        for (int64_t e = 0; e < dim; ++e) dot += host_value(q + e, t) * host_value(k + j * dim + e, t);
+        s[static_cast<size_t>(j)] = dot * scale;
+        m = std::max(m, s[static_cast<size_t>(j)]);
+    }
+    std::vector<double> out(static_cast<size_t>(dim), 0.0);
+    double l = 0;
+    for (int64_t j = 0; j < keys; ++j) {
+        const double p = std::exp(s[static_cast<size_t>(j)] - m);
+        l += p;
+        for (int64_t e = 0; e < dim; ++e) out[static_cast<size_t>(e)] += p * host_value(v + j * dim + e, t);
+    }
+    for (double& x : out) x /= l;
+    return out;
+}
+
 void fill_random(void* p, int64_t elems, DType t, uint64_t seed, cudaStream_t stream) {
     check_dtype(t, "fill_random");
     if (t == DType::kBF16) {

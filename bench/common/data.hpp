@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "weft/common/dtype.hpp"
 #include "weft/runtime/error.hpp"
@@ -30,6 +31,11 @@ void fill_random(void* p, int64_t elems, DType t, uint64_t seed, cudaStream_t st
 
 /// The value of one host element of dtype `t` (bf16, f16 or f32) at `p`.
 double host_value(const void* p, DType t);
+
+/// softmax(q . k_j / sqrt(dim)) v over `keys` keys, in fp64: one attention output row from host rows of dtype `t`
+/// (bf16 or f16): q [dim], k and v [keys, dim] row-major.
+std::vector<double> attention_row_reference(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t keys,
+                                            int64_t dim, DType t);
 
 /// ||x - y||_F / ||y||_F over rows x cols elements of dtype `t` (bf16, f16 or f32), row pitches ldx and ldy in
 /// elements; copies both to the host on `stream`. +infinity when x holds a NaN or an infinity.
