@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "member_records.hpp"
 #include "weft/detail/host_mapped_pool.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
@@ -204,42 +205,24 @@ Buffer::Buffer(const Team& team, const Config& config) : impl_(std::make_unique<
     b.ctx = team.device_ctx();
     b.trace = trace_device_buffer(world);
     b.config = config;
-    // A member whose Config is invalid still takes part in the exchange below (its error in place of its geometry),
-    // so that every member throws at once instead of waiting for it.
-    std::exception_ptr invalid;
-    std::string why_invalid;
-    try {
-        b.geo = resolve_geometry(config, team.num_ranks(), team.rank());
-    } catch (const Error& e) {
-        invalid = std::current_exception();
-        why_invalid = e.what();
-    }
     // Every member's kernels trust the others' layouts and limits: the Configs must agree (checked once, here; the
-    // low-latency count words carry a digest of the geometry as well, with the fp8 flag of each call). A record is a
-    // tag byte (0: the geometry follows; 1: the member's Config error follows).
-    {
-        std::vector<uint8_t> mine{invalid ? uint8_t{1} : uint8_t{0}};
-        if (invalid) {
-            mine.insert(mine.end(), why_invalid.begin(), why_invalid.end());
-        } else {
-            const std::vector<uint8_t> geo = geometry_record(b.geo);
-            mine.insert(mine.end(), geo.begin(), geo.end());
-        }
-        const std::vector<std::vector<uint8_t>> all = team.all_gather("weft.ops.ep.config", mine);
-        if (invalid) std::rethrow_exception(invalid);
-        for (int r = 0; r < team.num_ranks(); ++r) {
-            const std::vector<uint8_t>& theirs = all[static_cast<size_t>(r)];
-            WEFT_CHECK(theirs.empty() || theirs[0] == 0, "ep::Buffer: world rank "
-                                                             << team.world_rank(r) << "'s Config is invalid ("
-                                                             << std::string(theirs.begin() + 1, theirs.end()) << ")");
-            if (theirs == mine) continue;
-            Geometry other{};
-            if (theirs.size() > 1) std::memcpy(&other, theirs.data() + 1, std::min(theirs.size() - 1, sizeof(other)));
-            WEFT_FAIL("ep::Buffer: the members' Configs differ: world rank "
-                      << world.rank() << " made its Buffer with " << describe_config(b.geo) << ", world rank "
-                      << team.world_rank(r) << " with " << describe_config(other)
-                      << " (defaults resolved); every member must pass the same Config");
-        }
+    // low-latency count words carry a digest of the geometry as well, with the fp8 flag of each call). A member whose
+    // Config is invalid fails every member at once.
+    const std::vector<std::vector<uint8_t>> all =
+        ops::detail::exchange_member_records(team, "weft.ops.ep.config", "ep::Buffer", "Config is", [&] {
+            b.geo = resolve_geometry(config, team.num_ranks(), team.rank());
+            return geometry_record(b.geo);
+        });
+    const std::vector<uint8_t> mine = geometry_record(b.geo);
+    for (int r = 0; r < team.num_ranks(); ++r) {
+        const std::vector<uint8_t>& theirs = all[static_cast<size_t>(r)];
+        if (theirs == mine) continue;
+        Geometry other{};
+        std::memcpy(&other, theirs.data(), std::min(theirs.size(), sizeof(other)));
+        WEFT_FAIL("ep::Buffer: the members' Configs differ: world rank "
+                  << world.rank() << " made its Buffer with " << describe_config(b.geo) << ", world rank "
+                  << team.world_rank(r) << " with " << describe_config(other)
+                  << " (defaults resolved); every member must pass the same Config");
     }
     b.ws = Workspace::make(b.geo);
     if (team.num_nodes() > 1) {

@@ -5,11 +5,11 @@
 
 #include <algorithm>
 #include <cstring>
-#include <exception>
 #include <sstream>
 #include <utility>
 
 #include "grouped_gemm_internal.hpp"
+#include "member_records.hpp"
 #include "tp_common.hpp"
 #include "weft/common/math.hpp"
 #include "weft/detail/host_mapped_pool.hpp"
@@ -409,60 +409,39 @@ struct MoeLayerBase : tp_detail::FusedOpState {
 
     MoeLayerBase(const Team& t, const char* op_name, const MoeTpShape& s, const MoeTpOptions& o)
         : FusedOpState(t, op_name), shape(s), options(o) {
-        // A member whose shape or options are invalid still takes part in the exchange below (its error in place of
-        // its record), so that every member throws at once instead of waiting for it.
-        std::exception_ptr invalid;
-        std::string why_invalid;
-        try {
-            validate_moe_tp_shape(s, num_ranks, o, op_name);
-        } catch (const Error& e) {
-            invalid = std::current_exception();
-            why_invalid = e.what();
-        }
-        if (!invalid) {
-            budget = tp_detail::resolve_sm_budget(o.sm_budget, world->sm_budget());
-            timeouts = detail::moe_tp_timeouts(world->timeout(), o.timeout);
-            // Uniform over the team (the members count each other's blocks): from the world's shared budget.
-            comm_blocks = o.comm_blocks > 0 ? o.comm_blocks : std::clamp(world->shared_sm_budget() / 8, 1, 16);
-        }
-        if (num_ranks > 1) {
-            // Every member counts the others' push (or combine) blocks with its own count, and sizes and indexes
-            // the peers' buffers by its own shape: both must agree (options.comm_blocks, or the worlds' SM budgets
-            // behind the heuristic; a shape whose fields differ with equal products would otherwise pass the
-            // allocations and mix rows silently). shape.ffn is this member's own shard: not compared. A record is
-            // a tag byte (0: the fields follow; 1: the member's error follows).
-            const std::vector<int64_t> mine = {comm_blocks, s.max_tokens, s.hidden, s.num_experts, s.topk};
-            std::vector<uint8_t> record{invalid ? uint8_t{1} : uint8_t{0}};
-            if (invalid) {
-                record.insert(record.end(), why_invalid.begin(), why_invalid.end());
-            } else {
-                record.resize(1 + mine.size() * sizeof(int64_t));
-                std::memcpy(record.data() + 1, mine.data(), mine.size() * sizeof(int64_t));
+        // Every member counts the others' push (or combine) blocks with its own count, and sizes and indexes the
+        // peers' buffers by its own shape: both must agree (options.comm_blocks, or the worlds' SM budgets behind the
+        // heuristic; a shape whose fields differ with equal products would otherwise pass the allocations and mix
+        // rows silently). shape.ffn is this member's own shard: not compared. A member whose shape or options are
+        // invalid fails every member at once.
+        std::vector<int64_t> mine;
+        const std::vector<std::vector<uint8_t>> all = detail::exchange_member_records(
+            team, std::string("weft.ops.") + op_name + ".shape", op_name, "shape or options are", [&] {
+                validate_moe_tp_shape(s, num_ranks, o, op_name);
+                budget = tp_detail::resolve_sm_budget(o.sm_budget, world->sm_budget());
+                timeouts = detail::moe_tp_timeouts(world->timeout(), o.timeout);
+                // Uniform over the team (the members count each other's blocks): from the world's shared budget.
+                comm_blocks = o.comm_blocks > 0 ? o.comm_blocks : std::clamp(world->shared_sm_budget() / 8, 1, 16);
+                mine = {comm_blocks, s.max_tokens, s.hidden, s.num_experts, s.topk};
+                std::vector<uint8_t> record(mine.size() * sizeof(int64_t));
+                std::memcpy(record.data(), mine.data(), record.size());
+                return record;
+            });
+        static constexpr const char* kFields[] = {
+            "communication CTAs (options.comm_blocks, else the SM budget / 8: "
+            "pass the same options.comm_blocks on every member)",
+            "shape.max_tokens", "shape.hidden", "shape.num_experts", "shape.topk"};
+        for (int r = 0; r < num_ranks; ++r) {
+            const std::vector<uint8_t>& b = all[static_cast<size_t>(r)];
+            WEFT_CHECK(b.size() == mine.size() * sizeof(int64_t),
+                       op << ": world rank " << team.world_rank(r) << " sent a malformed shape record");
+            std::vector<int64_t> theirs(mine.size());
+            std::memcpy(theirs.data(), b.data(), b.size());
+            for (size_t f = 0; f < mine.size(); ++f) {
+                WEFT_CHECK(theirs[f] == mine[f], op << ": the members' " << kFields[f] << " differ: world rank "
+                                                    << world->rank() << " has " << mine[f] << ", world rank "
+                                                    << team.world_rank(r) << " " << theirs[f]);
             }
-            const std::vector<std::vector<uint8_t>> all =
-                team.all_gather(std::string("weft.ops.") + op_name + ".shape", record);
-            if (invalid) std::rethrow_exception(invalid);
-            static constexpr const char* kFields[] = {
-                "communication CTAs (options.comm_blocks, else the SM budget "
-                "/ 8: pass the same options.comm_blocks on every member)",
-                "shape.max_tokens", "shape.hidden", "shape.num_experts", "shape.topk"};
-            for (int r = 0; r < num_ranks; ++r) {
-                const std::vector<uint8_t>& b = all[static_cast<size_t>(r)];
-                WEFT_CHECK(b.empty() || b[0] == 0, op << ": world rank " << team.world_rank(r)
-                                                      << "'s shape or options are invalid ("
-                                                      << std::string(b.begin() + 1, b.end()) << ")");
-                WEFT_CHECK(b.size() == record.size(),
-                           op << ": world rank " << team.world_rank(r) << " sent a malformed shape record");
-                std::vector<int64_t> theirs(mine.size());
-                std::memcpy(theirs.data(), b.data() + 1, mine.size() * sizeof(int64_t));
-                for (size_t f = 0; f < mine.size(); ++f) {
-                    WEFT_CHECK(theirs[f] == mine[f], op << ": the members' " << kFields[f] << " differ: world rank "
-                                                        << world->rank() << " has " << mine[f] << ", world rank "
-                                                        << team.world_rank(r) << " " << theirs[f]);
-                }
-            }
-        } else if (invalid) {
-            std::rethrow_exception(invalid);
         }
         gemm_budget = budget - comm_blocks;
         WEFT_CHECK(gemm_budget >= 1, op << ": the SM budget " << budget << " leaves no SM for the GEMM beside "

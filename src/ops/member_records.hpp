@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: MIT
+// The construction-time agreement of a collective object's members (ep::Buffer's Config, the TP MoE layers' shape):
+// every member's record, or the error that kept it from making one.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "weft/runtime/error.hpp"
+#include "weft/runtime/team.hpp"
+
+namespace weft::ops::detail {
+
+/// All-gathers over `team` (under `key`) every member's record, made by `make_record()` (which validates the member's
+/// arguments and may throw weft::Error): a tag byte, then the record, or the error's text in its place, so that a
+/// member whose arguments are invalid fails every member at once instead of leaving them waiting in the exchange.
+/// This member's own error is rethrown; a peer's is named: "<op>: world rank r's <what> invalid (<its error>)".
+/// Returns the members' records (without the tag) in team-rank order; a team of one exchanges nothing.
+template <class MakeRecord>
+std::vector<std::vector<uint8_t>> exchange_member_records(const Team& team, const std::string& key, const char* op,
+                                                          const char* what, MakeRecord&& make_record) {
+    if (team.num_ranks() == 1) return {make_record()};
+    std::exception_ptr invalid;
+    std::vector<uint8_t> mine{0};
+    try {
+        const std::vector<uint8_t> record = make_record();
+        mine.insert(mine.end(), record.begin(), record.end());
+    } catch (const Error& e) {
+        invalid = std::current_exception();
+        const std::string why = e.what();
+        mine.assign(1, 1);
+        mine.insert(mine.end(), why.begin(), why.end());
+    }
+    std::vector<std::vector<uint8_t>> all = team.all_gather(key, mine);
+    if (invalid) std::rethrow_exception(invalid);
+    for (int r = 0; r < team.num_ranks(); ++r) {
+        std::vector<uint8_t>& theirs = all[static_cast<size_t>(r)];
+        WEFT_CHECK(!theirs.empty() && theirs[0] == 0,
+                   op << ": world rank " << team.world_rank(r) << "'s " << what << " invalid ("
+                      << (theirs.empty() ? std::string("no record") : std::string(theirs.begin() + 1, theirs.end()))
+                      << ")");
+        theirs.erase(theirs.begin());
+    }
+    return all;
+}
+
+}  // namespace weft::ops::detail
