@@ -74,24 +74,29 @@ namespace {
 // exchanges wait at least this long, whatever WEFT_TIMEOUT_MS says.
 constexpr std::chrono::milliseconds kMinInitTimeout{60000};
 
+// A setting as the ranks compare it: `resolve()`'s text, or `refused` when this rank refuses the value (the raw value
+// may hold anything, a newline too).
+template <class Resolve>
+std::string setting_for_agreement(Resolve&& resolve, const char* refused) {
+    try {
+        return resolve();
+    } catch (const std::exception&) {
+        return refused;
+    }
+}
+
 // What the ranks compare of tracing: on or off, and the buffer size it resolves to (or the value it refuses).
 std::string trace_setting_for_agreement() {
     if (!trace_path_from_env()) return "off";
-    try {
-        return "on, " + std::to_string(trace_capacity_from_env()) + " events";
-    } catch (const std::exception&) {
-        return "on, a WEFT_TRACE_EVENTS it refuses";  // the value itself may hold anything, a newline too
-    }
+    return setting_for_agreement([] { return "on, " + std::to_string(trace_capacity_from_env()) + " events"; },
+                                 "on, a WEFT_TRACE_EVENTS it refuses");
 }
 
 // What the ranks compare of WEFT_NET_CHUNK_BYTES: the chunk every network path cuts by (members that cut a node
 // stage's blocks differently pair their sends and receives wrongly), or the value it refuses.
 std::string net_chunk_setting_for_agreement() {
-    try {
-        return std::to_string(net::chunk_bytes_from_env()) + " bytes";
-    } catch (const std::exception&) {
-        return "a value it refuses";
-    }
+    return setting_for_agreement([] { return std::to_string(net::chunk_bytes_from_env()) + " bytes"; },
+                                 "a value it refuses");
 }
 
 // The start-up record: "key=value" lines (values never contain a newline).
