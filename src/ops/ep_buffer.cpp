@@ -253,9 +253,9 @@ Buffer::Buffer(const Team& team, const Config& config) : impl_(std::make_unique<
 
 Buffer::~Buffer() {
     Impl& b = *impl_;
-    if (b.live_handles != 0) {
+    if (!b.handle_owners.empty()) {
         WEFT_LOG_ERROR("ep: Buffer destroyed with "
-                       << b.live_handles
+                       << b.handle_owners.size()
                        << " live handle(s); destroy handles first (their calls are now refused, and their memory "
                           "is not freed: a normal handle's heap block until the World's heap is released, their "
                           "private device memory for good)");

@@ -120,19 +120,14 @@ struct Buffer::Impl {
     jit::Kernel* k_combine = nullptr;
     jit::Kernel* k_ll_dispatch = nullptr;
     jit::Kernel* k_ll_combine = nullptr;
-    int live_handles = 0;
     // The `buffer` fields of the live handles (attach / detach): a Buffer destroyed before its handles clears them,
     // so the handles' later calls are refused and their destructors leave their memory to the World's heap.
     std::vector<Buffer::Impl**> handle_owners;
     void attach(Buffer::Impl** owner) {
         *owner = this;
         handle_owners.push_back(owner);
-        ++live_handles;
     }
-    void detach(Buffer::Impl** owner) {
-        std::erase(handle_owners, owner);
-        --live_handles;
-    }
+    void detach(Buffer::Impl** owner) { std::erase(handle_owners, owner); }
     mutable StreamUses uses;  // the streams this Buffer's kernels ran on: waited for before its memory is freed
     std::deque<LowLatencyHandle::Impl*> ll_dispatch_queue;  // sent, not yet received (oldest first)
     std::deque<LowLatencyHandle::Impl*> ll_combine_queue;
