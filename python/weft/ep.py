@@ -133,9 +133,9 @@ class Buffer(_FusedOp):
         self._get().combine(handle._get(), yv, ov, _stream(self._ctx), num_sms=num_sms)
         return out
 
-    def _unused(self, dtype, cols):
-        """An empty view for an argument the call's phase does not read."""
-        return TensorView(0, _weft.DTYPES[dtype], (0, cols))
+    def _unused(self, dtype, *inner):
+        """An empty view (no rows, `inner` extents) for an argument the call's phase does not read."""
+        return TensorView(0, _weft.DTYPES[dtype], (0, *inner))
 
     def low_latency_dispatch(self, handle, x=None, topk_idx=None, *, fp8=None, phase="send_recv", num_sms=0):
         """phase="recv" reads the handle only (the send's tokens and fp8 flag): x and topk_idx may be left out, and
@@ -177,7 +177,7 @@ class Buffer(_FusedOp):
                 raise ValueError(f"y: expected rows with inner stride 1, stacked evenly, got strides {y.stride()}")
             yv = TensorView(y.data_ptr(), _weft.DTYPES["bf16"], tuple(y.shape), y.stride())
         else:
-            yv = TensorView(0, _weft.DTYPES["bf16"], (0, 0, self.hidden))
+            yv = self._unused("bf16", 0, self.hidden)
         self._get().low_latency_combine(handle._get(), yv, iv, wv, ov, _stream(self._ctx), phase=phase,
                                         num_sms=num_sms)
         return out

@@ -170,21 +170,24 @@ struct JitLinkHandle {
     }
 };
 
-#define WEFT_NVRTC_CHECK(call)                                                                       \
-    do {                                                                                             \
-        nvrtcResult weft_nvrtc_status_ = (call);                                                     \
-        WEFT_CHECK(weft_nvrtc_status_ == NVRTC_SUCCESS,                                              \
-                   "NVRTC call failed: " #call " returned " << nvrtcGetErrorString(weft_nvrtc_status_)); \
+/// The error of a failed NVRTC call, naming the call and, for a call on a compiled program, the kernel.
+[[noreturn]] void nvrtc_fail(nvrtcResult status, const char* call, const std::string& kernel) {
+    WEFT_FAIL("NVRTC call failed: " << call << " returned " << nvrtcGetErrorString(status)
+                                    << (kernel.empty() ? std::string() : "\n  kernel: " + kernel));
+}
+
+#define WEFT_NVRTC_CHECK(call)                                                              \
+    do {                                                                                    \
+        const nvrtcResult weft_nvrtc_status_ = (call);                                      \
+        if (weft_nvrtc_status_ != NVRTC_SUCCESS) nvrtc_fail(weft_nvrtc_status_, #call, {}); \
     } while (0)
 
-/// WEFT_NVRTC_CHECK for the calls on a compiled program: the message names the kernel (`context`, a callable
-/// returning its description).
-#define WEFT_NVRTC_CHECK_FOR(call, context)                                                            \
-    do {                                                                                               \
-        nvrtcResult weft_nvrtc_status_ = (call);                                                       \
-        WEFT_CHECK(weft_nvrtc_status_ == NVRTC_SUCCESS, "NVRTC call failed: " #call " returned "       \
-                                                            << nvrtcGetErrorString(weft_nvrtc_status_) \
-                                                            << "\n  kernel: " << (context)());         \
+/// WEFT_NVRTC_CHECK for the calls on a compiled program: `context` (a callable returning the kernel's description)
+/// runs only on failure.
+#define WEFT_NVRTC_CHECK_FOR(call, context)                                                          \
+    do {                                                                                             \
+        const nvrtcResult weft_nvrtc_status_ = (call);                                               \
+        if (weft_nvrtc_status_ != NVRTC_SUCCESS) nvrtc_fail(weft_nvrtc_status_, #call, (context)()); \
     } while (0)
 
 std::string nvjitlink_log(nvJitLinkHandle h, bool errors) {
@@ -503,7 +506,7 @@ Compiled run_toolchain(const KernelSpec& spec, const std::string& source, const 
         size_t size = 0;
         WEFT_NVRTC_CHECK_FOR(nvrtcGetCUBINSize(program.prog, &size), context);
         image.resize(size);
-        WEFT_NVRTC_CHECK(nvrtcGetCUBIN(program.prog, image.data()));
+        WEFT_NVRTC_CHECK_FOR(nvrtcGetCUBIN(program.prog, image.data()), context);
     }
     WEFT_CHECK(!image.empty(), "jit: NVRTC produced no output for " << context());
 
