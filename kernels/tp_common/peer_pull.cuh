@@ -18,8 +18,9 @@
 namespace weft::kernels::tp_common {
 
 /// Runs p.items[0, p.num_items) in order with one CTA of kPeerPullThreads threads: wait (bounded, diagnosed; the CTA
-/// ends together when the wait gives up), copy, block barrier, then thread 0 sets the item's signal with release at
-/// GPU scope (the waiting GEMM or attention kernel acquires it and fences the async proxy itself). kUnused: a
+/// ends together when the wait gives up) and compare the peer's call descriptor (p.signatures: a difference is
+/// recorded, not fatal), copy, block barrier, then thread 0 sets the item's signal with release at GPU scope (the
+/// waiting GEMM or attention kernel acquires it and fences the async proxy itself). kUnused: a
 /// template, so that a header included by several translation units defines no non-inline kernel.
 template <int kUnused>
 __global__ void __launch_bounds__(kPeerPullThreads, 1) peer_pull_kernel(const PeerPullParams p) {
@@ -30,6 +31,14 @@ __global__ void __launch_bounds__(kPeerPullThreads, 1) peer_pull_kernel(const Pe
             device::exit_unless(device::tile::wait_each_checked(
                                     device::Block{}, p.ctx, 1, [from](int) { return from; }, Cmp::kGe, 1ull)
                                     .ok());
+            // The peer stored its call's descriptor before the ready word this wait acquired.
+            if (p.signatures != nullptr && threadIdx.x == 0) {
+                const uint64_t theirs = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(p.signatures + it.peer);
+                if (theirs != p.signature) {
+                    device::record_diagnostic(p.ctx, device::SpinSite{SpinKind::kCollectiveMismatch, it.peer, __LINE__},
+                                              Cmp::kEq, p.signatures + it.peer, p.signature, theirs, 0);
+                }
+            }
         }
         WEFT_TRACE_BEGIN(copy_t0);
         device::copy(device::Block{}, it.dst, it.src, it.bytes);

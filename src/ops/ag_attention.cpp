@@ -18,6 +18,7 @@
 #include "stream_key.hpp"
 #include "tp_common.hpp"
 #include "views_overlap.hpp"
+#include "weft/common/collectives.hpp"
 #include "weft/common/tp_params.hpp"
 #include "weft/jit/aot.hpp"
 #include "weft/ops/ag_gemm.hpp"
@@ -530,6 +531,9 @@ struct AgAttention::State {
     uint64_t* epoch = nullptr;
     uint64_t* block_counter = nullptr;
     uint32_t* item_counter = nullptr;  // the kernel's work counter (the low half of a local word)
+    // [W] each rank's call descriptor, in the allocation of `ready` (stored by the peers' notify kernels before their
+    // ready flags, compared by the pull kernel after it waited for them)
+    uint64_t* signatures = nullptr;
 
     const jit::Kernel* notify_kernel = nullptr;
     // The pull kernel: the copies themselves for ranks of one process sharing a GPU (tp_detail::pulls_with_kernel),
@@ -586,13 +590,14 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
     const auto kv_bytes = static_cast<uint64_t>(shape.max_seq * s.row_bytes());
     s.gathered_k = static_cast<uint8_t*>(s.heap.alloc(kv_bytes));
     s.gathered_v = static_cast<uint8_t*>(s.heap.alloc(kv_bytes));
-    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(3 * s.num_ranks + 3));
+    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(4 * s.num_ranks + 3));
     s.chunk_signals = words;
     s.ready = words + s.num_ranks;
     s.done = s.ready + s.num_ranks;
     s.epoch = s.done + s.num_ranks;
     s.block_counter = s.epoch + 1;
     s.item_counter = reinterpret_cast<uint32_t*>(s.block_counter + 1);
+    s.signatures = s.block_counter + 2;
     tp_detail::check_peers_reachable(team, s.gathered_k, kOp);
 
     // Every kernel a call launches is loaded now (lazy loading behind a waiting kernel can deadlock).
@@ -767,7 +772,14 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     p.finish.done = s.done;
     p.finish.epoch = s.epoch;
     detail::use_prefill_counter(plan, s.item_counter, s.grid);
-    const AgNotifyParams notify{s.ctx, s.ready, nullptr, 0, {}};  // no call descriptor (AgAttention)
+    // What every rank's call must agree on: S (every shard sits where the peers pull it from); the shape's heads,
+    // head_dim, dtype and mask are folded in (the members may have built their ops differently).
+    const uint64_t signature = make_call_descriptor(
+        CollectiveOp::kAgAttention, 0, true, sh.dtype, static_cast<uint64_t>(seq),
+        call_descriptor_mix(call_descriptor_mix(call_descriptor_mix(0, static_cast<uint64_t>(sh.num_kv_heads)),
+                                                static_cast<uint64_t>(sh.head_dim)),
+                            static_cast<uint64_t>(sh.mask)));
+    const AgNotifyParams notify{s.ctx, s.ready, s.signatures, signature, {}};
 
     // 0. Fork the copy stream: it only needs the previous call to be over (it is, in stream order).
     WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
@@ -788,12 +800,12 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     //    bounded (a stream memory wait is not), so that a peer that never calls fails the call (its Diagnostic
     //    recorded; the copies then run on and the join below completes) instead of holding the stream forever.
     if (!items.empty()) {
-        tp_detail::launch_peer_pulls(*s.pull_kernel, s.ctx, items, s.copy_stream);
+        tp_detail::launch_peer_pulls(*s.pull_kernel, s.ctx, items, s.copy_stream, s.signatures, signature);
     } else {
         for (const Pull& pull : pulls) {
             tp_detail::launch_peer_pulls(
                 *s.pull_kernel, s.ctx, {PeerPullItem{s.ready + pull.peer, nullptr, nullptr, nullptr, 0, pull.peer, -1}},
-                s.copy_stream);
+                s.copy_stream, s.signatures, signature);
             WEFT_CUDA_CHECK(cudaMemcpyAsync(pull.dst_k, pull.src_k, static_cast<size_t>(shard_bytes),
                                             cudaMemcpyDefault, s.copy_stream));
             WEFT_CUDA_CHECK(cudaMemcpyAsync(pull.dst_v, pull.src_v, static_cast<size_t>(shard_bytes),

@@ -31,10 +31,12 @@ jit::KernelSpec peer_pull_kernel_spec(const std::string& arch) {
 }
 
 void launch_peer_pulls(const jit::Kernel& kernel, const DeviceCtx& ctx, const std::vector<PeerPullItem>& items,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, const uint64_t* signatures, uint64_t signature) {
     for (size_t first = 0; first < items.size(); first += kPeerPullMaxItems) {
         PeerPullParams p{};
         p.ctx = ctx;
+        p.signatures = signatures;
+        p.signature = signature;
         p.num_items = static_cast<int32_t>(std::min<size_t>(kPeerPullMaxItems, items.size() - first));
         std::copy_n(items.begin() + static_cast<std::ptrdiff_t>(first), p.num_items, p.items);
         jit::LaunchParams lp;

@@ -54,9 +54,10 @@ int device_sm_count();
 bool pulls_with_kernel(const World& world);
 /// The pull kernel's spec (one CTA of kPeerPullThreads).
 jit::KernelSpec peer_pull_kernel_spec(const std::string& arch = "");
-/// Launches `items` in order on `stream`, kPeerPullMaxItems per launch of `kernel` (peer_pull_kernel_spec's).
+/// Launches `items` in order on `stream`, kPeerPullMaxItems per launch of `kernel` (peer_pull_kernel_spec's); with
+/// `signatures`, each waited-for peer's call descriptor is compared with `signature` (PeerPullParams).
 void launch_peer_pulls(const jit::Kernel& kernel, const DeviceCtx& ctx, const std::vector<PeerPullItem>& items,
-                       cudaStream_t stream);
+                       cudaStream_t stream, const uint64_t* signatures = nullptr, uint64_t signature = 0);
 
 /// An op's SM budget: options.sm_budget when > 0 (at most the device's SMs), else `world_default`.
 /// Refuses an explicit SM budget above a rank's share of a GPU that several ranks share (World::shared_sm_budget,

@@ -83,6 +83,8 @@ const char* op_name(CollectiveOp op) {
         case CollectiveOp::kGemmAr: return "gemm_ar";
         case CollectiveOp::kAgGemm: return "ag_gemm";
         case CollectiveOp::kGemmRs: return "gemm_rs";
+        case CollectiveOp::kAgAttention:
+            return "ag_attention";
     }
     return nullptr;
 }
@@ -125,6 +127,8 @@ std::string describe_call_descriptor(uint64_t descriptor) {
         if (op == CollectiveOp::kGemmAr || op == CollectiveOp::kAgGemm || op == CollectiveOp::kGemmRs) {
             const char* role = op == CollectiveOp::kGemmAr ? " output" : op == CollectiveOp::kGemmRs ? " partials" : "";
             os << " with M = " << at_least << count << (dt.empty() ? "" : ", " + dt + role);
+        } else if (op == CollectiveOp::kAgAttention) {
+            os << " with S = " << at_least << count << (dt.empty() ? "" : ", " + dt);
         } else if (op == CollectiveOp::kAllToAllV) {
             os << " (uneven splits)";
         } else if (op == CollectiveOp::kAttentionCombine) {

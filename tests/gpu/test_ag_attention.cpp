@@ -2,7 +2,8 @@
 // GPU tests of the prefill attention: weft::ops::flash_attention on one GPU and weft::ops::AgAttention with ranks as
 // threads sharing the visible GPUs (worlds 1-8), against an fp64 host reference: causal and no mask,
 // grouped-query attention, head dims 64 and 128, lengths that are not multiples of the tiles, strided K/V, outputs
-// poisoned (NaN) before every call, repeated calls (the end-of-call protocol) and a CUDA graph replayed. Every test
+// poisoned (NaN) before every call, repeated calls (the end-of-call protocol), a CUDA graph replayed and ranks that
+// call with different row counts (diagnosed on both). Every test
 // runs each prefill kernel (AttentionPrefillConfig::kernel: mma.sync and wgmma).
 #include <gtest/gtest.h>
 
@@ -694,6 +695,116 @@ TEST_P(AgAttention, RefusesUnevenShardsAndBadCalls) {
             cudaFree(buf);
         },
         test_options(64ull << 20));
+}
+
+// Ranks that call with different S (rank 0 with 64 rows, rank 1 with 32; no mask, so each reads the other's shard):
+// every rank's call throws naming both calls, no abort is raised, and after every rank cleared its diagnostics a
+// second call on the same op with agreeing rows matches the reference (the protocol came out of the first whole).
+TEST_P(AgAttention, DifferentRowCountsOnTwoRanksAreDiagnosedOnBoth) {
+    if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+    const int hq = 4, hkv = 2, dim = 64, agreed_rows = 48;
+    const Problem pr =
+        make_problem(2 * agreed_rows, 2 * agreed_rows, hq, hkv, dim, false, 0, DType::kBF16, fresh_seed());
+    std::mutex mutex;
+    std::vector<std::string> messages(2);
+    WorldOptions options = test_options(64ull << 20);
+    options.heartbeat = std::chrono::milliseconds(200);
+    run_ranks(
+        2,
+        [&](World& w) {
+            const int me = w.rank();
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            const int max_rows = 64;
+            const size_t q_elems = static_cast<size_t>(max_rows) * hq * dim;
+            const size_t kv_elems = static_cast<size_t>(max_rows) * hkv * dim;
+            void *dq, *dk, *dv, *dout, *dlse;
+            WEFT_CUDA_CHECK(cudaMalloc(&dq, q_elems * 2));
+            WEFT_CUDA_CHECK(cudaMalloc(&dk, kv_elems * 2));
+            WEFT_CUDA_CHECK(cudaMalloc(&dv, kv_elems * 2));
+            WEFT_CUDA_CHECK(cudaMalloc(&dout, q_elems * 2));
+            WEFT_CUDA_CHECK(cudaMalloc(&dlse, static_cast<size_t>(max_rows) * hq * 4));
+            {
+                ops::AgAttention op(w,
+                                    {.max_seq = 2 * max_rows,
+                                     .num_q_heads = hq,
+                                     .num_kv_heads = hkv,
+                                     .head_dim = dim,
+                                     .dtype = DType::kBF16,
+                                     .mask = AttentionMask::kNone},
+                                    {.config = config_of(GetParam(), DType::kBF16, dim)});
+                // Call 0: 64 rows on rank 0, 32 on rank 1 (inputs: whatever the first rows of the problem hold).
+                const int rows = me == 0 ? max_rows : max_rows / 2;
+                const size_t q_n = static_cast<size_t>(rows) * hq * dim, kv_n = static_cast<size_t>(rows) * hkv * dim;
+                WEFT_CUDA_CHECK(cudaMemsetAsync(dq, 0, q_elems * 2, s));
+                WEFT_CUDA_CHECK(cudaMemsetAsync(dk, 0, kv_elems * 2, s));
+                WEFT_CUDA_CHECK(cudaMemsetAsync(dv, 0, kv_elems * 2, s));
+                WEFT_CUDA_CHECK(
+                    cudaMemcpyAsync(dq, pr.q.data(), std::min(q_n, pr.q.size()) * 2, cudaMemcpyHostToDevice, s));
+                WEFT_CUDA_CHECK(
+                    cudaMemcpyAsync(dk, pr.k.data(), std::min(kv_n, pr.k.size()) * 2, cudaMemcpyHostToDevice, s));
+                WEFT_CUDA_CHECK(
+                    cudaMemcpyAsync(dv, pr.v.data(), std::min(kv_n, pr.v.size()) * 2, cudaMemcpyHostToDevice, s));
+                std::string message;
+                try {
+                    op.run(
+                        TensorView(dq, DType::kBF16, {rows, hq, dim}), TensorView(dk, DType::kBF16, {rows, hkv, dim}),
+                        TensorView(dv, DType::kBF16, {rows, hkv, dim}), TensorView(dout, DType::kBF16, {rows, hq, dim}),
+                        TensorView(dlse, DType::kF32, {rows, hq}), s);
+                    w.sync_and_check(s);
+                } catch (const Error& e) {
+                    message = e.what();
+                }
+                {
+                    std::lock_guard<std::mutex> lock(mutex);
+                    messages[static_cast<size_t>(me)] = message;
+                }
+                EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "the context stays usable";
+                EXPECT_FALSE(w.aborted()) << "no abort: every rank found the mismatch itself";
+                w.barrier();  // every rank read its record before any clears it
+                w.clear_diagnostics();
+                w.barrier();
+
+                // Call 1: the ranks agree (48 rows each).
+                const size_t q1 = static_cast<size_t>(agreed_rows) * hq * dim;
+                const size_t kv1 = static_cast<size_t>(agreed_rows) * hkv * dim;
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(dq, pr.q.data() + me * q1, q1 * 2, cudaMemcpyHostToDevice, s));
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(dk, pr.k.data() + me * kv1, kv1 * 2, cudaMemcpyHostToDevice, s));
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(dv, pr.v.data() + me * kv1, kv1 * 2, cudaMemcpyHostToDevice, s));
+                WEFT_CUDA_CHECK(cudaMemsetAsync(dout, 0xff, q1 * 2, s));
+                WEFT_CUDA_CHECK(cudaMemsetAsync(dlse, 0xff, static_cast<size_t>(agreed_rows) * hq * 4, s));
+                try {
+                    op.run(TensorView(dq, DType::kBF16, {agreed_rows, hq, dim}),
+                           TensorView(dk, DType::kBF16, {agreed_rows, hkv, dim}),
+                           TensorView(dv, DType::kBF16, {agreed_rows, hkv, dim}),
+                           TensorView(dout, DType::kBF16, {agreed_rows, hq, dim}),
+                           TensorView(dlse, DType::kF32, {agreed_rows, hq}), s);
+                    w.sync_and_check(s);
+                    std::vector<uint16_t> out(q1);
+                    std::vector<float> lse(static_cast<size_t>(agreed_rows) * hq);
+                    WEFT_CUDA_CHECK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
+                    WEFT_CUDA_CHECK(cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost));
+                    check_rows(pr, me * agreed_rows, agreed_rows, out, lse,
+                               "rank " + std::to_string(me) + ", the agreeing call after");
+                } catch (const Error& e) {
+                    ADD_FAILURE() << "rank " << me << ": the agreeing call after threw: " << e.what();
+                }
+                w.barrier();
+            }
+            for (void* p : {dq, dk, dv, dout, dlse}) cudaFree(p);
+            cudaStreamDestroy(s);
+        },
+        options);
+    const std::vector<std::string> words = {"collective call differs from rank",
+                                            "rank 0 called ag_attention with S = 128, bf16",
+                                            "rank 1 called ag_attention with S = 64, bf16"};
+    for (int r = 0; r < 2; ++r) {
+        const std::string& m = messages[static_cast<size_t>(r)];
+        EXPECT_FALSE(m.empty()) << "rank " << r << " did not throw";
+        for (const std::string& word : words) {
+            EXPECT_NE(m.find(word), std::string::npos) << "rank " << r << ": '" << word << "' not in: " << m;
+        }
+    }
 }
 
 // In a child process (bounded by an alarm): rank 0 calls with no mask, so its kernel waits for rank 1's shard; rank 1

@@ -266,7 +266,9 @@ TEST(AttentionPrefillConfigs, GroupedOrderVisitsEveryItemOnceLongestFirstPerGrou
                     } else if (group_of(it.q_head) == group_of(prev.q_head)) {
                         // Same group: the tile never grows; at one tile, the next head.
                         ASSERT_LE(it.m_tile, prev.m_tile) << idx;
-                        if (it.m_tile == prev.m_tile) ASSERT_EQ(it.q_head, prev.q_head + 1) << idx;
+                        if (it.m_tile == prev.m_tile) {
+                            ASSERT_EQ(it.q_head, prev.q_head + 1) << idx;
+                        }
                     } else {
                         // The next group, from its first head's last tile.
                         ASSERT_EQ(group_of(it.q_head), group_of(prev.q_head) + 1) << idx;

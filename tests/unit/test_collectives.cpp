@@ -702,6 +702,9 @@ TEST(CallDescriptor, DescriptionsUseTheOpsAlgorithmNames) {
     EXPECT_NE(describe_call_descriptor(make_call_descriptor(CollectiveOp::kGemmRs, 0, true, DType::kF32, 128, 7))
                   .find("gemm_rs with M = 128, f32 partials"),
               std::string::npos);
+    EXPECT_NE(describe_call_descriptor(make_call_descriptor(CollectiveOp::kAgAttention, 0, true, DType::kBF16, 96, 3))
+                  .find("ag_attention with S = 96, bf16 ["),
+              std::string::npos);
     EXPECT_NE(describe_call_descriptor(detail::call_descriptor_bytes(CollectiveOp::kAllToAll, 1, 512, {}))
                   .find("all_to_all (staged) of 512 bytes"),
               std::string::npos);

@@ -73,6 +73,15 @@ TEST(TpNvrtc, AgGemmKernelsCompileClean) {
     compile_clean(compiler, ops::detail::ag_relay_kernel_spec(kArch));
     compile_clean(compiler,
                   ops::fused_gemm_kernel_spec(ops::plain_gemm_fused_spec(), cfg(0, DType::kBF16, DType::kBF16), kArch));
+    // The shared-GPU pull kernel (AgGemm's, AgAttention's and the copy-engine collectives'), from the AOT list.
+    int pull_kernels = 0;
+    for (jit::KernelSpec spec : ops::tp_aot_specs()) {
+        if (spec.header.find("peer_pull") == std::string::npos) continue;
+        spec.arch = kArch;
+        compile_clean(compiler, spec);
+        ++pull_kernels;
+    }
+    EXPECT_EQ(pull_kernels, 1);
 }
 
 TEST(TpNvrtc, GemmRsKernelsCompileClean) {

@@ -63,8 +63,9 @@ WEFT_HOST_DEVICE constexpr uint32_t low_latency_flag(uint64_t epoch) {
 // ------------------------------------------------------------------------------------------------
 // Call descriptors: every rank's kernel carries one 64-bit word describing its call, and every block that moves
 // data compares the peers' words with its own before it does (the entry barrier's descriptor row, the LL header
-// lines, the GEMM+AR's ready flags, the AG+GEMM's ready slots, the GEMM+RS's per-source slots). The high 32 bits say what the call is, so that a mismatch reads in words on
-// the host (weft::format_diagnostic); the low 20 bits digest everything else (buffer offsets, flags, rounds):
+// lines, the GEMM+AR's ready flags, the AG+GEMM's and AG attention's ready slots, the GEMM+RS's per-source slots). The
+// high 32 bits say what the call is, so that a mismatch reads in words on the host (weft::format_diagnostic); the low
+// 20 bits digest everything else (buffer offsets, flags, rounds):
 //
 //   63..60 op (CollectiveOp)   59..56 algorithm (the op's enum value)   55..52 dtype + 1 (0: bytes)
 //   51..20 count (elements, or bytes with no dtype; saturates at 2^32 - 1)   19..0 digest of every field and word
@@ -79,8 +80,9 @@ enum class CollectiveOp : uint32_t {
     kAttentionCombine = 5,
     kAllToAllV = 6,
     kGemmAr = 7,
-    kAgGemm = 8,  ///< count: the gathered M (every rank's rows); dtype: A's
-    kGemmRs = 9,  ///< count: M (the partials' rows); dtype: the partials'
+    kAgGemm = 8,        ///< count: the gathered M (every rank's rows); dtype: A's
+    kGemmRs = 9,        ///< count: M (the partials' rows); dtype: the partials'
+    kAgAttention = 10,  ///< count: S (every rank's rows); dtype: Q/K/V's
 };
 
 /// Count values at and above this read as "at least" in a descriptor.

@@ -82,7 +82,7 @@ struct AgNotifyParams {
     DeviceCtx ctx;
     uint64_t* ready;  ///< symmetric [num_ranks]
     /// symmetric [num_ranks], in the allocation of `ready` (reached through the translation of the peer's ready word),
-    /// or null (AgAttention: no descriptor): `signature` is stored into slot `rank` on every peer before ready[rank]
+    /// or null (no descriptor): `signature` is stored into slot `rank` on every peer before ready[rank]
     uint64_t* signatures;
     uint64_t signature;
     AgNodePeers peers;  ///< whom to notify: num == 0 (one node) every rank of ctx but this one
@@ -216,6 +216,12 @@ inline constexpr int kPeerPullThreads = 512;
 /// The pull kernel's parameters: items[0, num_items) in order, by one CTA.
 struct PeerPullParams {
     DeviceCtx ctx;
+    /// local [num_ranks] (indexed by PeerPullItem::peer), in the allocation the peers' notify kernels store into
+    /// before they raise the ready words the items wait for: after an item's wait, the peer's call descriptor is
+    /// compared with `signature`; a difference records a kCollectiveMismatch diagnostic and the items still run (the
+    /// call's protocol ends as always; its output is then undefined and sync_and_check throws). Null: no check.
+    const uint64_t* signatures;
+    uint64_t signature;
     int32_t num_items;
     PeerPullItem items[kPeerPullMaxItems];
 };

@@ -91,7 +91,7 @@ struct AgAttentionOptions {
 
 /// All-gather attention for the members of a Team (a World& means its world team): the sequence of S tokens is
 /// sharded by team rank, rank r holding tokens [r*S/W, (r+1)*S/W) of Q, K and V (equal shards: S a multiple of W;
-/// every member's call has S/W rows, which is not checked across ranks: see run()). Each call gathers every shard of K
+/// every member's call has S/W rows: see run()). Each call gathers every shard of K
 /// and V a rank needs into the symmetric heap (copy engines: the causal mask needs only shards 0..r on rank r; no mask,
 /// all) while the attention kernel computes, over the global positions, this rank's S/W queries against the gathered
 /// keys: its own shard first, every peer's after waiting for that shard's arrival flag. Construction and destruction
@@ -119,8 +119,10 @@ public:
     ///            stride >= num_kv_heads * head_dim and a multiple of 8 (any device memory; local_k(S) / local_v(S)
     ///            themselves skip the local copy)
     ///   out      [S/W, num_q_heads, head_dim] contiguous;  lse f32 [S/W, num_q_heads] contiguous, or empty
-    /// all of shape.dtype, 16-byte aligned. Every member calls with the same S (1 <= S/W, S <= max_seq; not checked
-    /// across ranks: a member with another S pulls rows its peers did not write).
+    /// all of shape.dtype, 16-byte aligned. Every member calls with the same S (1 <= S/W, S <= max_seq): a rank that
+    /// reads the shard of a member whose S differs records a kCollectiveMismatch diagnostic naming both calls (its
+    /// out/lse of that call are undefined; sync_and_check throws; the op stays usable once every rank cleared its
+    /// diagnostics). Under the causal mask rank 0 reads no peer's shard and finds nothing.
     /// Asynchronous on `stream` (it forks the copy stream from it and joins it back); never synchronises the host
     /// (but the first call on ranks sharing a GPU: see kernels/attention/README.md); capturable in a CUDA graph
     /// (nothing of a call is a host value frozen into the graph). After the call's work on `stream`, gathered_k(S) /
