@@ -165,19 +165,24 @@ public:
 private:
     void run();
     void beat();
-    void read_records();  // with mutex_ held; throws what the store throws
+    void read_records();  // with records_mutex_ held; throws what the store throws
 
     WorldContext* world_;
-    std::shared_ptr<Store> store_;
-    std::mutex mutex_;  // guards stop_ and the store's use by publish() from other threads
-    std::condition_variable wake_;
+    std::shared_ptr<Store> store_;  // thread-safe (the Store contract): no lock is held across its calls
+    // Guards stop_, stopped_, publishing_, published_ and kept_; never held during a store call, so that an abort
+    // published from another thread does not wait behind the watchdog's store I/O.
+    std::mutex mutex_;
+    std::condition_variable wake_;  // the thread's sleep between beats (stop_)
+    std::condition_variable idle_;  // publishing_ reached 0 (stop() waits for publishes in flight)
     bool stop_ = false;
     bool stopped_ = false;
-    int64_t beats_ = 0;
-    int64_t seen_records_ = 0;              ///< abort record indices looked at so far (1 .. seen_records_)
-    std::vector<int64_t> unread_records_;   ///< of those, the ones whose record was not there (yet, or any more)
-    std::vector<int64_t> published_;        ///< indices of the records this rank wrote
-    std::vector<int64_t> kept_;             ///< those of them that stay after stop()
+    int publishing_ = 0;  ///< publish() calls between their check of stopped_ and their record's bookkeeping
+    std::vector<int64_t> published_;       ///< indices of the records this rank wrote
+    std::vector<int64_t> kept_;            ///< those of them that stay after stop()
+    std::mutex records_mutex_;             // guards seen_records_ and unread_records_ (read_records)
+    int64_t seen_records_ = 0;             ///< abort record indices looked at so far (1 .. seen_records_)
+    std::vector<int64_t> unread_records_;  ///< of those, the ones whose record was not there (yet, or any more)
+    int64_t beats_ = 0;                    ///< the thread's (and the constructor's) only
     std::thread thread_;
 };
 
@@ -195,7 +200,7 @@ struct WorldContext {
     int virtual_nodes = 1;         ///< WorldOptions::virtual_nodes, resolved
     int node = 0;                  ///< this rank's node (World::node)
     int num_nodes = 1;
-    int shared_sm_budget = 1;      ///< the budget this rank would have on that GPU (World::shared_sm_budget)
+    int shared_sm_budget = 1;  ///< the budget this rank would have on that GPU (World::shared_sm_budget)
     std::chrono::milliseconds timeout{10000};
     bool same_process = true;
     std::string job_id;
@@ -276,9 +281,9 @@ struct TeamState {
     TeamMembers members;
     int rank = -1;
     bool is_world = false;
-    int num_ranks_on_device = 0;   ///< members on this rank's GPU (0 for a non-member)
-    int max_ranks_per_device = 0;  ///< the most members on any one GPU
-    NodeLayout nodes;              ///< how the members lie over nodes (node_topology.hpp)
+    int num_ranks_on_device = 0;       ///< members on this rank's GPU (0 for a non-member)
+    int max_ranks_per_device = 0;      ///< the most members on any one GPU
+    NodeLayout nodes;                  ///< how the members lie over nodes (node_topology.hpp)
     std::shared_ptr<void> peer_table;  ///< device uint8_t*[size]
     std::shared_ptr<void> rank_table;  ///< device int32_t[size] (nullptr for the world team)
 

@@ -154,35 +154,53 @@ void Watchdog::beat() {
 }
 
 bool Watchdog::publish(char kind, const std::string& reason, bool keep) noexcept {
-    try {
+    {
         std::lock_guard<std::mutex> lock(mutex_);
         if (stopped_) return false;
-        const int64_t index = store_->add(kRecordIndexKey, 1);
+        ++publishing_;  // stop() removes this rank's records only after this publish noted its own
+    }
+    int64_t index = 0;
+    bool ok = false;
+    try {
+        index = store_->add(kRecordIndexKey, 1);
         const std::string record = encode_abort_record(kind, reason);
         store_->set(record_key(index), Bytes(record.begin(), record.end()));
-        published_.push_back(index);
-        if (keep) kept_.push_back(index);
-        return true;
+        ok = true;
     } catch (const std::exception& e) {
         WEFT_LOG_WARN("watchdog: publishing the abort to the other ranks failed: " << e.what());
-        return false;
     }
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (index > 0) {  // a record that may have been written: stop() erases it unless kept
+            published_.push_back(index);
+            if (keep) kept_.push_back(index);
+        }
+        --publishing_;
+    }
+    idle_.notify_all();
+    return ok;
 }
 
 void Watchdog::stop(bool last_out) noexcept {
     {
         std::lock_guard<std::mutex> lock(mutex_);
-        if (stopped_) return;
+        if (stopped_ || stop_) return;
         stop_ = true;
     }
     wake_.notify_all();
     if (thread_.joinable()) thread_.join();
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopped_ = true;
+    std::vector<int64_t> published, kept;
+    {
+        std::unique_lock<std::mutex> lock(mutex_);
+        idle_.wait(lock, [this] { return publishing_ == 0; });
+        stopped_ = true;
+        published = published_;
+        kept = kept_;
+    }
     try {
         store_->erase(heartbeat_key(world_->rank));
-        for (int64_t index : published_) {
-            if (std::find(kept_.begin(), kept_.end(), index) == kept_.end()) store_->erase(record_key(index));
+        for (int64_t index : published) {
+            if (std::find(kept.begin(), kept.end(), index) == kept.end()) store_->erase(record_key(index));
         }
         if (last_out) store_->erase(kRecordIndexKey);
     } catch (const std::exception& e) {
@@ -202,8 +220,14 @@ void Watchdog::read_records() {
     to_read.swap(unread_records_);
     for (int64_t i = seen_records_ + 1; i <= last; ++i) to_read.push_back(i);
     if (last > seen_records_) seen_records_ = last;
+    // This rank's own (a record being published now may be read as another's: it repeats this rank's abort).
+    std::vector<int64_t> own;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        own = published_;
+    }
     for (int64_t i : to_read) {
-        if (std::find(published_.begin(), published_.end(), i) != published_.end()) continue;
+        if (std::find(own.begin(), own.end(), i) != own.end()) continue;
         if (!store_->check(record_key(i))) {
             unread_records_.push_back(i);
             continue;
@@ -218,15 +242,17 @@ void Watchdog::read_records() {
     // Removed records stay missing: keep looking at the most recent few only.
     constexpr size_t kMaxUnread = 64;
     if (unread_records_.size() > kMaxUnread) {
-        unread_records_.erase(unread_records_.begin(),
-                              unread_records_.end() - static_cast<std::ptrdiff_t>(kMaxUnread));
+        unread_records_.erase(unread_records_.begin(), unread_records_.end() - static_cast<std::ptrdiff_t>(kMaxUnread));
     }
 }
 
 void Watchdog::read_records_now() noexcept {
     try {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (stopped_) return;
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            if (stopped_) return;
+        }
+        std::lock_guard<std::mutex> lock(records_mutex_);
         read_records();
     } catch (const std::exception& e) {
         WEFT_LOG_WARN("watchdog: reading the other ranks' abort records failed: " << e.what());
@@ -263,7 +289,6 @@ void Watchdog::run() {
         }
         const auto start = Clock::now();
         try {
-            std::lock_guard<std::mutex> lock(mutex_);
             beat();
             // Peers' heartbeats: a value that changed renews the peer (a key not there yet renews nothing), as of
             // when it was read.
@@ -273,6 +298,7 @@ void Watchdog::run() {
                 const std::string text(value.begin(), value.end());
                 book.observe(p, text.empty() ? -1 : std::strtoll(text.c_str(), nullptr, 10), Clock::now());
             }
+            std::lock_guard<std::mutex> lock(records_mutex_);
             read_records();
         } catch (const std::exception& e) {
             // The store is the World's meeting point: without it no rank can be told anything.
@@ -301,7 +327,8 @@ void Watchdog::run() {
         if (w.past_shutdown_barrier) continue;  // peers that met at the shutdown barrier may exit now
         for (int p : local_processes) {
             const int64_t pid = w.ranks[static_cast<size_t>(p)].pid;
-            if (!process_running(pid)) book.mark_gone(p, "its process " + std::to_string(pid) + " on this host has exited");
+            if (!process_running(pid))
+                book.mark_gone(p, "its process " + std::to_string(pid) + " on this host has exited");
         }
         // This rank's own news: a dead peer, or a device wait that gave up (World::abort publishes itself).
         if (const auto dead = book.first_dead(Clock::now())) {

@@ -2,11 +2,13 @@
 // Unit tests (CPU) of the World's watchdog: its settings, which peers a rank watches, heartbeat bookkeeping and its
 // reasons, process liveness on this host, and the watchdog thread itself over an in-process store (two ranks'
 // World state without a GPU): a peer that stops beating, or whose process exits, aborts the World within the bound
-// with a reason naming it; an abort published by one rank reaches the other; the World's store waits stop.
+// with a reason naming it; an abort published by one rank reaches the other, also while this rank's watchdog hangs
+// in a store call; the World's store waits stop.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <regex>
@@ -118,7 +120,8 @@ TEST(WatchdogBook, AGoneProcessIsDeadAtOnceAndSaysSo) {
 TEST(WatchdogBook, AbortRecordsRoundTrip) {
     EXPECT_EQ(detail::decode_abort_record(detail::encode_abort_record('D', "rank 3 is gone")),
               (std::pair<char, std::string>{'D', "rank 3 is gone"}));
-    EXPECT_EQ(detail::decode_abort_record(detail::encode_abort_record('A', "")), (std::pair<char, std::string>{'A', ""}));
+    EXPECT_EQ(detail::decode_abort_record(detail::encode_abort_record('A', "")),
+              (std::pair<char, std::string>{'A', ""}));
     EXPECT_EQ(detail::decode_abort_record("xyz"), (std::pair<char, std::string>{'A', "xyz"}));
     EXPECT_EQ(detail::decode_abort_record(""), (std::pair<char, std::string>{'A', ""}));
 }
@@ -338,6 +341,48 @@ TEST(WatchdogThread, ALostStoreAbortsTheWorld) {
     ASSERT_TRUE(wait_until([&] { return w0.word != 0; }, 3000ms));
     EXPECT_NE(w0.c.abort_text().find("lost the World's store"), std::string::npos) << w0.c.abort_text();
     EXPECT_NE(w0.c.abort_text().find("the store's host went away"), std::string::npos) << w0.c.abort_text();
+}
+
+// A store whose check() of a heartbeat key stalls for `stall_for` while `stall` is set (a store call that hangs
+// until its own timeout), every other call going straight to an in-process store.
+class StallingStore final : public Store {
+public:
+    std::shared_ptr<InProcessStore> inner = std::make_shared<InProcessStore>();
+    std::atomic<bool> stall{false};
+    std::atomic<int> stalled_calls{0};
+    std::chrono::milliseconds stall_for{3000};
+
+    void set(const std::string& key, const Bytes& value) override { inner->set(key, value); }
+    Bytes get(const std::string& key, std::chrono::milliseconds timeout) override { return inner->get(key, timeout); }
+    int64_t add(const std::string& key, int64_t delta) override { return inner->add(key, delta); }
+    bool check(const std::string& key) override {
+        if (stall && key.find("/beat/") != std::string::npos) {
+            ++stalled_calls;
+            std::this_thread::sleep_for(stall_for);
+        }
+        return inner->check(key);
+    }
+    void erase(const std::string& key) override { inner->erase(key); }
+};
+
+// World::abort on another thread publishes its record while the watchdog thread sits in a store call that hangs:
+// the publish does not wait for that call (no lock is held across store I/O), and a peer reads the record.
+TEST(WatchdogThread, AnAbortIsPublishedWhileTheWatchdogsStoreCallHangs) {
+    auto store = std::make_shared<StallingStore>();
+    const auto ranks = ranks_on({"host-a", "host-b"}, {1, 2});
+    FakeWorld w0(0, 2, ranks, 20ms, 120000ms);
+    FakeWorld w1(1, 2, ranks, 60000ms, 120000ms);
+    w1.c.watchdog = std::make_unique<detail::Watchdog>(&w1.c, store->inner);  // beats, so w0 reads its key
+    w0.c.watchdog = std::make_unique<detail::Watchdog>(&w0.c, store);
+    store->stall = true;
+    ASSERT_TRUE(wait_until([&] { return store->stalled_calls > 0; }, 3000ms)) << "the watchdog never read a beat";
+    const auto start = Clock::now();
+    EXPECT_TRUE(w0.c.watchdog->publish('A', "rank 0 called World::abort: out of memory"));
+    const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+    EXPECT_LT(took.count(), 1500) << "the publish waited for the watchdog's hung store call";
+    w1.c.watchdog->read_records_now();
+    EXPECT_NE(w1.c.abort_text().find("out of memory"), std::string::npos) << w1.c.abort_text();
+    store->stall = false;
 }
 
 }  // namespace
