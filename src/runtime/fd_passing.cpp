@@ -114,9 +114,20 @@ int64_t expected_pid(const Listener& peer, const std::string& own_namespace) {
     return !own_namespace.empty() && peer.pid_namespace == own_namespace ? peer.pid : 0;
 }
 
+// The longest wait on sockets between two looks at FdExchange::stop_reason.
+constexpr std::chrono::milliseconds kStopCheckSlice{250};
+
+/// Throws weft::Error when `ex` has a stop reason: `what` is the wait it ends.
+void stop_if_asked(const FdExchange& ex, const std::string& what) {
+    if (!ex.stop_reason) return;
+    if (const std::optional<std::string> why = ex.stop_reason()) {
+        WEFT_FAIL("rank " << ex.rank << " stopped " << what << ": " << *why);
+    }
+}
+
 /// Connects to a peer's heap socket without blocking (a full backlog refuses with EAGAIN), retrying until
-/// `deadline`.
-UniqueFd connect_to(const std::string& name, std::chrono::steady_clock::time_point deadline) {
+/// `deadline` (or ex's stop reason).
+UniqueFd connect_to(const FdExchange& ex, const std::string& name, std::chrono::steady_clock::time_point deadline) {
     socklen_t length = 0;
     sockaddr_un addr = socket_address(name, &length);
     for (int attempt = 0;; ++attempt) {
@@ -129,6 +140,7 @@ UniqueFd connect_to(const std::string& name, std::chrono::steady_clock::time_poi
         if ((err != ECONNREFUSED && err != EAGAIN && err != EINTR) || std::chrono::steady_clock::now() > deadline) {
             WEFT_FAIL("could not connect to '@" << name << "': " << errno_text(err));
         }
+        if (attempt % 8 == 7) stop_if_asked(ex, "connecting to '@" + name + "'");
         std::this_thread::sleep_for(std::chrono::milliseconds(std::min(50, 1 << std::min(attempt, 5))));
     }
 }
@@ -278,7 +290,7 @@ std::map<int, UniqueFd> exchange_fds(const FdExchange& ex, int own_fd) {
     std::vector<UniqueFd> outgoing;
     for (int peer : ex.local_peers) {
         try {
-            outgoing.push_back(connect_to(heap_socket_name(ex.job_id, peer), deadline));
+            outgoing.push_back(connect_to(ex, heap_socket_name(ex.job_id, peer), deadline));
         } catch (const Error& e) {
             WEFT_FAIL("rank " << ex.rank << " could not reach rank " << peer
                               << "'s heap socket (is it still running?): " << e.what());
@@ -302,10 +314,13 @@ std::map<int, UniqueFd> exchange_fds(const FdExchange& ex, int own_fd) {
                                                    : " (" + std::to_string(incoming.size()) +
                                                          " connection(s) had sent part of a message)"));
         }
+        stop_if_asked(ex, "waiting for the symmetric heap handles of " +
+                              format_rank_list(std::vector<int>(expected.begin(), expected.end())));
         std::vector<pollfd> fds;
         fds.push_back({listener.get(), POLLIN, 0});
         for (const Incoming& in : incoming) fds.push_back({in.sock.get(), POLLIN, 0});
-        const int rc = ::poll(fds.data(), fds.size(), static_cast<int>(remaining_ms(deadline).count()));
+        const int rc =
+            ::poll(fds.data(), fds.size(), static_cast<int>(std::min(remaining_ms(deadline), kStopCheckSlice).count()));
         if (rc < 0 && errno != EINTR) WEFT_FAIL("poll on the heap socket failed: " << errno_text(errno));
         if (rc <= 0) continue;
 

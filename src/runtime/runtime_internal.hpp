@@ -113,6 +113,9 @@ struct HeapSetup {
     cudaStream_t stream = nullptr;                  ///< the World's internal stream (zeroing signal pads)
     std::string job_id;                             ///< random, shared by every rank
     std::vector<RankInfo> ranks;
+    /// Why the heap's start-up waits outside the store (the descriptor exchange's sockets) should end now, or
+    /// empty (WorldContext::startup_wait_stop); may be unset.
+    std::function<std::optional<std::string>()> stop_reason;
 };
 
 /// How run_local / from_env describe the rank to World's constructor.
@@ -261,6 +264,9 @@ struct WorldContext {
     /// Why a store wait of the World must stop now, or nullopt: the World is aborted (during shutdown: only a dead
     /// peer or a failed store stops it).
     std::optional<std::string> store_wait_stop() const;
+    /// store_wait_stop(), or, while the World starts, the start-up failure a peer recorded under kStartupFailedKey
+    /// in `store` (startup_stopped_by_peer is then set): why a wait of this rank's start-up should end now.
+    std::optional<std::string> startup_wait_stop(Store& store) const;
     /// The key (under the World's store prefix) a rank whose construction failed after the start-up exchange sets,
     /// its value naming the rank: its peers' start-up waits stop on it (WorldContext::starting).
     static constexpr const char* kStartupFailedKey = "startup_failed";

@@ -319,6 +319,7 @@ void HeapImpl::share_across_processes() {
     exchange.store = setup.store;
     exchange.num_ranks = setup.num_ranks;
     exchange.timeout = setup.init_timeout;
+    exchange.stop_reason = setup.stop_reason;
     auto fds = exchange_fds(exchange, own_fd.get());
     own_fd.reset();
     for (auto& [peer, fd] : fds) import_peer(peer, std::move(fd));

@@ -43,18 +43,8 @@ public:
         const auto start = Clock::now();
         const auto deadline = start + timeout;
         while (true) {
-            std::optional<std::string> why = world_->store_wait_stop();
-            if (!why && world_->starting && key != WorldContext::kStartupFailedKey) {
-                try {
-                    if (store_->check(WorldContext::kStartupFailedKey)) {
-                        const Bytes text = store_->get(WorldContext::kStartupFailedKey, milliseconds(0));
-                        why = std::string(text.begin(), text.end());
-                        world_->startup_stopped_by_peer = true;
-                    }
-                } catch (const std::exception&) {
-                    // A store that is gone: the get below reports it.
-                }
-            }
+            const std::optional<std::string> why =
+                key == WorldContext::kStartupFailedKey ? world_->store_wait_stop() : world_->startup_wait_stop(*store_);
             if (why) {
                 const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
                 WEFT_FAIL("rank " << world_->rank << ": store get('" << key << "') stopped after " << waited.count()
@@ -133,6 +123,21 @@ std::string WorldContext::abort_text() const {
                        record->kind != SpinKind::kCollectiveEpoch && record->kind != SpinKind::kAllToAllCounts);
     return "rank " + std::to_string(rank) + (wait ? ": a device wait gave up" : ": a device operation failed") +
            (diagnosis.empty() ? "" : ": " + diagnosis);
+}
+
+std::optional<std::string> WorldContext::startup_wait_stop(Store& store) const {
+    std::optional<std::string> why = store_wait_stop();
+    if (why || !starting) return why;
+    try {
+        if (store.check(kStartupFailedKey)) {
+            const Bytes text = store.get(kStartupFailedKey, milliseconds(0));
+            startup_stopped_by_peer = true;
+            return std::string(text.begin(), text.end());
+        }
+    } catch (const std::exception&) {
+        // A store that is gone: the caller's own store call reports it.
+    }
+    return std::nullopt;
 }
 
 std::optional<std::string> WorldContext::store_wait_stop() const {

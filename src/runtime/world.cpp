@@ -357,6 +357,7 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     heap.stream = c.stream.get();
     heap.job_id = c.job_id;
     heap.ranks = c.ranks;
+    heap.stop_reason = [&c] { return c.startup_wait_stop(*c.store); };
     c.heap = detail::make_symmetric_heap(heap);
 
     // The trace buffer first: every team's peer table carries its address (TeamState::make).

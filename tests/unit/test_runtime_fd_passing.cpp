@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -65,7 +66,8 @@ struct Outcome {
 
 std::vector<Outcome> run_exchange(int n, const std::string& job, const std::function<std::vector<int>(int)>& peers_of,
                                   std::chrono::milliseconds timeout, int late_rank = -1,
-                                  std::vector<double>* seconds = nullptr) {
+                                  std::vector<double>* seconds = nullptr,
+                                  const std::function<std::optional<std::string>()>& stop_reason = {}) {
     InProcessStore store;
     std::vector<Outcome> out(static_cast<size_t>(n));
     std::vector<std::thread> threads;
@@ -92,6 +94,7 @@ std::vector<Outcome> run_exchange(int n, const std::string& job, const std::func
                 ex.heap_bytes = 1 << 21;
                 ex.store = &store;
                 ex.timeout = timeout;
+                ex.stop_reason = stop_reason;
                 auto fds = exchange_fds(ex, mine.get());
                 for (auto& [peer, fd] : fds) out[static_cast<size_t>(r)].received[peer] = read_all(fd.get());
             } catch (const std::exception& e) {
@@ -203,6 +206,39 @@ TEST(RuntimeFdPassing, MissingSenderIsNamed) {
     EXPECT_NE(out[1].error.find("rank 1 did not receive the symmetric heap handles of rank 0"), std::string::npos)
         << out[1].error;
     for (double s : seconds) EXPECT_LT(s, 5.0);
+}
+
+// A peer that failed while starting (its failure recorded where the World's start-up waits look: stop_reason) ends
+// the exchange's socket waits at once, naming it, instead of at the timeout: the wait for a descriptor that will
+// not come, and the connection attempts to a socket nobody listens on.
+TEST(RuntimeFdPassing, APeersStartUpFailureEndsTheWaitsOnSocketsNamingIt) {
+    const auto failed_at = Clock::now() + 300ms;
+    const auto stop = [failed_at]() -> std::optional<std::string> {
+        if (Clock::now() < failed_at) return std::nullopt;
+        return std::string("rank 0 failed while starting the World (its own error says why)");
+    };
+    std::vector<double> seconds;
+    // Rank 1 waits for rank 0's descriptor, which never comes (as in MissingSenderIsNamed).
+    auto out = run_exchange(
+        3, unique_job_id(),
+        [](int r) {
+            if (r == 0) return std::vector<int>{2};
+            if (r == 1) return std::vector<int>{0, 2};
+            return std::vector<int>{0, 1};
+        },
+        6000ms, -1, &seconds, stop);
+    EXPECT_NE(out[1].error.find("rank 1 stopped waiting for the symmetric heap handles of rank 0: rank 0 failed "
+                                "while starting the World"),
+              std::string::npos)
+        << out[1].error;
+    EXPECT_LT(seconds[1], 4.0) << "rank 1 waited for the timeout";
+    // Rank 0 connects to rank 1's socket, on which nobody listens (as in UnreachablePeerIsNamed).
+    out = run_exchange(
+        2, unique_job_id(), [](int r) { return r == 0 ? std::vector<int>{1} : std::vector<int>{}; }, 6000ms, -1,
+        &seconds, [stop] { return stop(); });
+    EXPECT_NE(out[0].error.find("rank 0 stopped connecting to"), std::string::npos) << out[0].error;
+    EXPECT_NE(out[0].error.find("rank 0 failed while starting the World"), std::string::npos) << out[0].error;
+    EXPECT_LT(seconds[0], 4.0) << "rank 0 tried to connect until the timeout";
 }
 
 /// Connects to `name` (retrying until it listens, at most 10 s), sends one byte, then holds the connection

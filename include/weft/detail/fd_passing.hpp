@@ -5,7 +5,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,6 +51,9 @@ struct FdExchange {
     Store* store = nullptr;        ///< for the barriers that order listen -> send -> close
     int num_ranks = 0;
     std::chrono::milliseconds timeout{10000};
+    /// Asked between the waits on sockets (every 250 ms at most): a reason ends the exchange at once with a
+    /// weft::Error giving it (a peer that failed to start, an aborted World). Empty: only the timeout ends them.
+    std::function<std::optional<std::string>()> stop_reason;
 };
 
 /// The abstract socket (no file; "@name" in ss -x) on which `rank` of job `job_id` receives descriptors.
