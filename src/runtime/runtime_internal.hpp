@@ -265,8 +265,8 @@ struct WorldContext {
     /// peer or a failed store stops it).
     std::optional<std::string> store_wait_stop() const;
     /// store_wait_stop(), or, while the World starts, the start-up failure a peer recorded under kStartupFailedKey
-    /// in `store` (startup_stopped_by_peer is then set): why a wait of this rank's start-up should end now.
-    std::optional<std::string> startup_wait_stop(Store& store) const;
+    /// in `from` (startup_stopped_by_peer is then set): why a wait of this rank's start-up should end now.
+    std::optional<std::string> startup_wait_stop(Store& from) const;
     /// The key (under the World's store prefix) a rank whose construction failed after the start-up exchange sets,
     /// its value naming the rank: its peers' start-up waits stop on it (WorldContext::starting).
     static constexpr const char* kStartupFailedKey = "startup_failed";

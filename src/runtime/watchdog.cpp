@@ -125,12 +125,12 @@ std::string WorldContext::abort_text() const {
            (diagnosis.empty() ? "" : ": " + diagnosis);
 }
 
-std::optional<std::string> WorldContext::startup_wait_stop(Store& store) const {
+std::optional<std::string> WorldContext::startup_wait_stop(Store& from) const {
     std::optional<std::string> why = store_wait_stop();
     if (why || !starting) return why;
     try {
-        if (store.check(kStartupFailedKey)) {
-            const Bytes text = store.get(kStartupFailedKey, milliseconds(0));
+        if (from.check(kStartupFailedKey)) {
+            const Bytes text = from.get(kStartupFailedKey, milliseconds(0));
             startup_stopped_by_peer = true;
             return std::string(text.begin(), text.end());
         }
