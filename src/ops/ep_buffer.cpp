@@ -195,8 +195,39 @@ void Buffer::Impl::init_one_node() {
 
 Buffer::Buffer(World& world, const Config& config) : Buffer(world.team(), config) {}
 
+void Buffer::Impl::release_private() noexcept {
+    if (team_ranks_by_node != nullptr) cudaFreeAsync(team_ranks_by_node, alloc_stream);
+    if (device != nullptr) cudaFreeAsync(device, alloc_stream);
+    if (alloc_stream != nullptr) {
+        cudaStreamSynchronize(alloc_stream);
+        cudaStreamDestroy(alloc_stream);
+    }
+    if (status_host != nullptr) weft::detail::host_mapped_free(status_host);
+    team_ranks_by_node = nullptr;
+    device = nullptr;
+    alloc_stream = nullptr;
+    status_host = nullptr;
+    status_dev = nullptr;
+}
+
 Buffer::Buffer(const Team& team, const Config& config) : impl_(std::make_unique<Impl>()) {
     team.require_member("ep::Buffer");
+    try {
+        construct(team, config);
+    } catch (...) {
+        // A member may have failed before the others: the symmetric block (a collective free) stays allocated until
+        // the World's heap is released; this rank's private memory goes now.
+        if (impl_->symmetric != nullptr) {
+            WEFT_LOG_WARN(
+                "ep: the Buffer's construction failed; its symmetric heap block stays allocated until the "
+                "World's heap is released");
+        }
+        impl_->release_private();
+        throw;
+    }
+}
+
+void Buffer::construct(const Team& team, const Config& config) {
     Impl& b = *impl_;
     World& world = team.world();
     b.world = &world;
@@ -268,13 +299,7 @@ Buffer::~Buffer() {
     } catch (const std::exception& e) {
         WEFT_LOG_ERROR("ep: releasing the Buffer failed: " << e.what());
     }
-    if (b.team_ranks_by_node != nullptr) cudaFreeAsync(b.team_ranks_by_node, b.alloc_stream);
-    if (b.device != nullptr) {
-        cudaFreeAsync(b.device, b.alloc_stream);
-        cudaStreamSynchronize(b.alloc_stream);
-    }
-    weft::detail::host_mapped_free(b.status_host);
-    cudaStreamDestroy(b.alloc_stream);
+    b.release_private();
 }
 
 const Config& Buffer::config() const { return impl_->config; }

@@ -162,6 +162,9 @@ struct Buffer::Impl {
     void init_across_nodes();
     /// The constructor's part for a team within one node: kernels, symmetric and private allocations.
     void init_one_node();
+    /// Frees this rank's private resources (device memory, status words, the stream; not the symmetric block,
+    /// whose release is collective): the destructor's last step, and a failed construction's only one. Idempotent.
+    void release_private() noexcept;
     /// make_normal_handle's part for a team that spans nodes: the one-rank handle, the team-wide layout arrays and
     /// the exchange buffers.
     void init_across_nodes_handle(NormalHandle::Impl& h);

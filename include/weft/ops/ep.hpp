@@ -316,6 +316,7 @@ private:
     friend struct NormalHandle::Impl;
     friend struct LowLatencyHandle::Impl;
     struct Impl;
+    void construct(const Team& team, const Config& config);  // the constructor's work (it cleans up on a throw)
     std::unique_ptr<Impl> impl_;
 };
 
