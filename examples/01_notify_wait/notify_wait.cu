@@ -5,9 +5,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <vector>
 
+#include "args.hpp"
 #include "weft/device.cuh"
 #include "weft/weft.hpp"
 
@@ -71,12 +71,9 @@ __global__ void ring_kernel(DeviceCtx ctx, uint32_t* inbox, uint64_t* inbox_read
 }
 
 int main(int argc, char** argv) {
-    const int num_ranks = argc > 1 ? std::atoi(argv[1]) : 4;
-    const int rounds = argc > 2 ? std::atoi(argv[2]) : 1000;
-    if (num_ranks < 1 || rounds < 1) {
-        std::fprintf(stderr, "usage: %s [num_ranks>=1] [rounds>=1]\n", argv[0]);
-        return 2;
-    }
+    const weft::examples::Args args(argc, argv, "[num_ranks>=1] [rounds>=1]");
+    const int num_ranks = args.positional<int>(1, "num_ranks", 1, 1024, 4);
+    const int rounds = args.positional<int>(2, "rounds", 1, 1000000, 1000);
     try {
         weft::run_local(num_ranks, [&](weft::World& world) {
             cudaStream_t stream;

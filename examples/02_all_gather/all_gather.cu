@@ -5,10 +5,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <random>
 #include <vector>
 
+#include "args.hpp"
 #include "weft/device.cuh"
 #include "weft/weft.hpp"
 
@@ -55,16 +55,14 @@ __global__ void all_gather_kernel(DeviceCtx ctx, AllGatherTileMap map, const uin
 }
 
 int main(int argc, char** argv) {
-    const int num_ranks = argc > 1 ? std::atoi(argv[1]) : 4;
-    const int64_t rows_per_rank = argc > 2 ? std::atoll(argv[2]) : 1000;
-    const uint64_t cols = argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 512;
-    const int64_t chunk_rows = argc > 4 ? std::atoll(argv[4]) : 64;
+    const weft::examples::Args args(argc, argv, "[num_ranks] [rows_per_rank] [cols] [chunk_rows]");
+    // Bounds keep total_elems * sizeof(uint32_t) within uint64; the map checks the rows further.
+    const int num_ranks = args.positional<int>(1, "num_ranks", 1, 1024, 4);
+    const int64_t rows_per_rank = args.positional<int64_t>(2, "rows_per_rank", 1, int64_t{1} << 30, 1000);
+    const uint64_t cols = args.positional<uint64_t>(3, "cols", 1, int64_t{1} << 20, 512);
+    const int64_t chunk_rows = args.positional<int64_t>(4, "chunk_rows", 1, int64_t{1} << 30, 64);
     const AllGatherTileMap map{rows_per_rank, num_ranks, chunk_rows, /*tile_m=*/128};
-    if (num_ranks < 1 || cols < 1 || !map.is_valid()) {
-        std::fprintf(stderr, "usage: %s [num_ranks] [rows_per_rank] [cols] [chunk_rows]: %s\n", argv[0],
-                     map.is_valid() ? "bad num_ranks or cols" : map.invalid_reason());
-        return 2;
-    }
+    if (!map.is_valid()) args.fail(map.invalid_reason());
     const uint64_t shard_elems = static_cast<uint64_t>(rows_per_rank) * cols;
     const uint64_t total_elems = shard_elems * static_cast<uint64_t>(num_ranks);
     try {

@@ -7,10 +7,10 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
+#include "args.hpp"
 #include "weft/ops/all_reduce.hpp"
 #include "weft/weft.hpp"
 
@@ -41,12 +41,10 @@ bool check(const float* got, int64_t count, int n) {
 }  // namespace
 
 int main(int argc, char** argv) {
-    const int num_ranks = argc > 1 ? std::atoi(argv[1]) : 4;
-    const int64_t count = argc > 2 ? std::atoll(argv[2]) : 100000;
-    if (num_ranks < 1 || count < 1) {
-        std::fprintf(stderr, "usage: %s [num_ranks >= 1] [count >= 1]\n", argv[0]);
-        return 2;
-    }
+    const weft::examples::Args args(argc, argv, "[num_ranks >= 1] [count >= 1]");
+    // The check's sums stay exact in f32 up to 1024 ranks; 2^30 floats are 4 GiB a buffer.
+    const int num_ranks = args.positional<int>(1, "num_ranks", 1, 1024, 4);
+    const int64_t count = args.positional<int64_t>(2, "count", 1, int64_t{1} << 30, 100000);
     try {
         weft::run_local(num_ranks, [&](weft::World& world) {
             cudaStream_t stream;

@@ -15,12 +15,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
 
+#include "args.hpp"
 #include "weft/ops/ep.hpp"
 #include "weft/weft.hpp"
 
@@ -74,12 +74,15 @@ uint16_t float_to_bf16(float f) {
 }  // namespace
 
 int main(int argc, char** argv) {
-    const int num_ranks = argc > 1 ? std::atoi(argv[1]) : 4;
-    const int tokens = argc > 2 ? std::atoi(argv[2]) : 200;
+    // The bounds are ep::Config's limits (low-latency mode included); footprint() checks the rest (multiples, E % W).
+    const weft::examples::Args args(argc, argv,
+                                    "[num_ranks=4] [tokens_per_rank=200] [hidden=1024] [experts=16] [topk=4]");
+    const int num_ranks = args.positional<int>(1, "num_ranks", 1, weft::ops::ep::kMaxRanks, 4);
+    const int tokens = args.positional<int>(2, "tokens_per_rank", 1, weft::ops::ep::kMaxLowLatencyTokens, 200);
     weft::ops::ep::Config cfg;
-    cfg.hidden = argc > 3 ? std::atoi(argv[3]) : 1024;
-    cfg.num_experts = argc > 4 ? std::atoi(argv[4]) : 16;
-    cfg.topk = argc > 5 ? std::atoi(argv[5]) : 4;
+    cfg.hidden = args.positional<int>(3, "hidden", 8, 1 << 20, 1024);
+    cfg.num_experts = args.positional<int>(4, "experts", 1, weft::ops::ep::kMaxExperts, 16);
+    cfg.topk = args.positional<int>(5, "topk", 1, weft::ops::ep::kMaxTopk, 4);
     cfg.max_tokens_per_rank = tokens;
     cfg.expert_alignment = 64;
     try {

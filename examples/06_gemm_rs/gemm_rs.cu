@@ -16,12 +16,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "args.hpp"
 #include "tp_example.cuh"
 #include "weft/common/math.hpp"
 #include "weft/ops/collectives.hpp"
@@ -114,19 +114,19 @@ void run_rank(weft::World& w, const Problem& p, Slowest& slowest, Result* result
 int main(int argc, char** argv) {
     int world = 0, iters = 10;
     int64_t m = 8192, n = 4096, k = 11008;
+    const weft::examples::Args args(argc, argv, "[--world W] [--m M] [--n N] [--k K] [--iters I]   (values >= 1)");
+    constexpr int64_t kMaxExtent = int64_t{1} << 20;  // keeps the byte counts (4 * M * N and the like) within int64
     for (int i = 1; i < argc; i += 2) {
         const std::string flag = argv[i];
-        const long long v = i + 1 < argc ? std::atoll(argv[i + 1]) : 0;
-        if (v <= 0 || (flag != "--world" && flag != "--m" && flag != "--n" && flag != "--k" && flag != "--iters")) {
-            std::fprintf(stderr, "usage: %s [--world W] [--m M] [--n N] [--k K] [--iters I]   (values >= 1)\n",
-                         argv[0]);
-            return 2;
+        const char* value = i + 1 < argc ? argv[i + 1] : "";
+        if (flag != "--world" && flag != "--m" && flag != "--n" && flag != "--k" && flag != "--iters") {
+            args.fail("unknown flag '" + flag + "'");
         }
-        if (flag == "--world") world = static_cast<int>(v);
-        if (flag == "--m") m = v;
-        if (flag == "--n") n = v;
-        if (flag == "--k") k = v;
-        if (flag == "--iters") iters = static_cast<int>(v);
+        if (flag == "--world") world = args.parse<int>(flag, value, 1, 1024);
+        if (flag == "--m") m = args.parse<int64_t>(flag, value, 1, kMaxExtent);
+        if (flag == "--n") n = args.parse<int64_t>(flag, value, 1, kMaxExtent);
+        if (flag == "--k") k = args.parse<int64_t>(flag, value, 1, kMaxExtent);
+        if (flag == "--iters") iters = args.parse<int>(flag, value, 1, 1000000);
     }
     try {
         weft::prepare_cuda_environment();  // before the first CUDA call

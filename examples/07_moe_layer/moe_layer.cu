@@ -17,13 +17,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <numeric>
 #include <random>
 #include <vector>
 
+#include "args.hpp"
 #include "weft/ops/ep_moe.hpp"
 #include "weft/ops/grouped_gemm.hpp"
 #include "weft/weft.hpp"
@@ -65,13 +65,16 @@ struct Timing {
 
 int main(int argc, char** argv) {
     namespace ep = weft::ops::ep;
-    const int num_ranks = argc > 1 ? std::atoi(argv[1]) : 4;
-    const int tokens = argc > 2 ? std::atoi(argv[2]) : 256;
+    // The bounds are ep::Config's limits (normal mode) and hidden's for ffn; footprint() and MoeBlock check the rest.
+    const weft::examples::Args args(
+        argc, argv, "[num_ranks=4] [tokens_per_rank=256] [hidden=2048] [experts=32] [topk=4] [ffn=1024]");
+    const int num_ranks = args.positional<int>(1, "num_ranks", 1, ep::kMaxRanks, 4);
+    const int tokens = args.positional<int>(2, "tokens_per_rank", 1, 1 << 24, 256);
     ep::MoeConfig cfg;
-    cfg.ep.hidden = argc > 3 ? std::atoi(argv[3]) : 2048;
-    cfg.ep.num_experts = argc > 4 ? std::atoi(argv[4]) : 32;
-    cfg.ep.topk = argc > 5 ? std::atoi(argv[5]) : 4;
-    cfg.ffn = argc > 6 ? std::atoi(argv[6]) : 1024;
+    cfg.ep.hidden = args.positional<int>(3, "hidden", 8, 1 << 20, 2048);
+    cfg.ep.num_experts = args.positional<int>(4, "experts", 1, ep::kMaxExperts, 32);
+    cfg.ep.topk = args.positional<int>(5, "topk", 1, ep::kMaxTopk, 4);
+    cfg.ffn = args.positional<int>(6, "ffn", 8, 1 << 20, 1024);
     cfg.ep.max_tokens_per_rank = tokens;
     cfg.ep.low_latency = false;
     Timing timing;

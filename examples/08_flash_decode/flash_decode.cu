@@ -11,11 +11,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <numeric>
 #include <random>
 #include <vector>
 
+#include "args.hpp"
 #include "weft/ops/attention.hpp"
 #include "weft/runtime/error.hpp"
 
@@ -72,13 +72,11 @@ float bf16_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 }  // namespace
 
 int main(int argc, char** argv) {
+    // Page ids are int32 (batch x 2^19 of them at most); a page beyond the longest sequence (2^19) only wastes memory.
+    const weft::examples::Args args(argc, argv, "[batch >= 1] [page_size >= 1]");
+    const int batch = args.positional<int>(1, "batch", 1, 1024, 1);
+    const int page = args.positional<int>(2, "page_size", 1, 1 << 19, 16);
     try {
-        const int batch = argc > 1 ? std::atoi(argv[1]) : 1;
-        const int page = argc > 2 ? std::atoi(argv[2]) : 16;
-        if (batch < 1 || page < 1) {
-            std::fprintf(stderr, "usage: %s [batch >= 1] [page_size >= 1]\n", argv[0]);
-            return 2;
-        }
         const std::vector<int> lens = {1024, 8192, 32768, 131072, 524288};
         const int longest = lens.back();
         const int64_t pages_per_seq = (longest + page - 1) / page;

@@ -14,16 +14,16 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "args.hpp"
 #include "weft/net/host_backend.hpp"
-#include "weft/ops/all_gather.hpp"
 #include "weft/ops/ag_gemm.hpp"
+#include "weft/ops/all_gather.hpp"
 #include "weft/ops/all_reduce.hpp"
 #include "weft/ops/all_to_all.hpp"
 #include "weft/ops/gemm_rs.hpp"
@@ -76,11 +76,8 @@ struct Result {
 }  // namespace
 
 int main(int argc, char** argv) {
-    const int64_t count = argc > 1 ? std::atoll(argv[1]) : 1000000;
-    if (count < 1) {
-        std::fprintf(stderr, "usage: %s [count >= 1]\n", argv[0]);
-        return 2;
-    }
+    const weft::examples::Args args(argc, argv, "[count >= 1]");
+    const int64_t count = args.positional<int64_t>(1, "count", 1, int64_t{1} << 30, 1000000);
     try {
         std::unique_ptr<weft::World> world = weft::World::from_env();
         weft::World& w = *world;

@@ -11,11 +11,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "args.hpp"
 #include "chain_params.hpp"
 #include "weft/ops/fused_gemm.hpp"
 #include "weft/weft.hpp"
@@ -25,14 +26,14 @@ using weft::TensorView;
 using bf16 = __nv_bfloat16;
 
 int main(int argc, char** argv) try {
-    int world = argc > 1 ? std::atoi(argv[1]) : 0, calls = argc > 4 ? std::atoi(argv[4]) : 3, gpus = 0;
-    const int64_t m = argc > 2 ? std::atoll(argv[2]) : 1024, k = argc > 3 ? std::atoll(argv[3]) : 512;
-    if (calls < 1 || m < 1 || k < 8 || k % 8 != 0 || world < 0) {
-        std::fprintf(stderr,
-                     "usage: %s [world >= 1, 0: max(2, GPUs)] [m >= 1] [k: a positive multiple of 8] [calls >= 1]\n",
-                     argv[0]);
-        return 2;
-    }
+    const weft::examples::Args args(
+        argc, argv, "[world >= 1, 0: max(2, GPUs)] [m >= 1] [k: a positive multiple of 8] [calls >= 1]");
+    // m and k up to 2^20 fit the tile grid's int32 and keep m * k * 2 bytes within int64.
+    int world = args.positional<int>(1, "world", 0, 1024, 0), gpus = 0;
+    const int64_t m = args.positional<int64_t>(2, "m", 1, int64_t{1} << 20, 1024);
+    const int64_t k = args.positional<int64_t>(3, "k", 8, int64_t{1} << 20, 512);
+    const int calls = args.positional<int>(4, "calls", 1, 1000000, 3);
+    if (k % 8 != 0) args.fail("argument 3 (k) must be a multiple of 8, got " + std::to_string(k));
     WEFT_CUDA_CHECK(cudaGetDeviceCount(&gpus));
     if (world <= 0) world = std::max(2, gpus);
     // The device code ships next to the binary (CMake copies device/ there): the JIT's extra include root.

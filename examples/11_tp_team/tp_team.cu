@@ -21,13 +21,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "args.hpp"
 #include "tp_example.cuh"
 #include "weft/common/math.hpp"
 #include "weft/ops/ag_gemm.hpp"
@@ -270,19 +270,19 @@ int main(int argc, char** argv) {
     p.m = 4096;
     p.h = 4096;
     p.f = 11008;
+    const weft::examples::Args args(argc, argv, "[--tp T] [--m M] [--hidden H] [--ffn F] [--iters I]   (values >= 1)");
+    constexpr int64_t kMaxExtent = int64_t{1} << 20;  // keeps the byte counts (6 * M * F and the like) within int64
     for (int i = 1; i < argc; i += 2) {
         const std::string flag = argv[i];
-        const long long v = i + 1 < argc ? std::atoll(argv[i + 1]) : 0;
-        if (v <= 0 || (flag != "--tp" && flag != "--m" && flag != "--hidden" && flag != "--ffn" && flag != "--iters")) {
-            std::fprintf(stderr, "usage: %s [--tp T] [--m M] [--hidden H] [--ffn F] [--iters I]   (values >= 1)\n",
-                         argv[0]);
-            return 2;
+        const char* value = i + 1 < argc ? argv[i + 1] : "";
+        if (flag != "--tp" && flag != "--m" && flag != "--hidden" && flag != "--ffn" && flag != "--iters") {
+            args.fail("unknown flag '" + flag + "'");
         }
-        if (flag == "--tp") p.tp = static_cast<int>(v);
-        if (flag == "--m") p.m = v;
-        if (flag == "--hidden") p.h = v;
-        if (flag == "--ffn") p.f = v;
-        if (flag == "--iters") p.iters = static_cast<int>(v);
+        if (flag == "--tp") p.tp = args.parse<int>(flag, value, 1, 1024);
+        if (flag == "--m") p.m = args.parse<int64_t>(flag, value, 1, kMaxExtent);
+        if (flag == "--hidden") p.h = args.parse<int64_t>(flag, value, 1, kMaxExtent);
+        if (flag == "--ffn") p.f = args.parse<int64_t>(flag, value, 1, kMaxExtent);
+        if (flag == "--iters") p.iters = args.parse<int>(flag, value, 1, 1000000);
     }
     try {
         weft::prepare_cuda_environment();  // before the first CUDA call
