@@ -194,7 +194,7 @@ private:
         DeviceTrace d;
         WEFT_CUDA_CHECK(cudaDeviceSynchronize());
         WEFT_CUDA_CHECK(cudaMemcpy(&d.header, buffer_, offsetof(TraceBuffer, events), cudaMemcpyDeviceToHost));
-        d.events.resize(std::min(d.header.count, capacity_));
+        d.events.resize(static_cast<size_t>(std::min<uint64_t>(d.header.count, capacity_)));
         if (!d.events.empty()) {
             WEFT_CUDA_CHECK(cudaMemcpy(d.events.data(), buffer_->events, d.events.size() * sizeof(TraceEvent),
                                        cudaMemcpyDeviceToHost));
@@ -208,10 +208,10 @@ private:
     /// Zeroes the claimed slots (so that a slot claimed by a block that ended before writing it, a failed wait's
     /// exit, reads as empty next time) and the counters. The device is idle (the callers synchronised it).
     void empty_buffer(const TraceBuffer& header) {
-        const uint32_t used = std::min(header.count, capacity_);
+        const uint64_t used = std::min<uint64_t>(header.count, capacity_);
         if (used > 0) WEFT_CUDA_CHECK(cudaMemset(buffer_->events, 0, static_cast<size_t>(used) * sizeof(TraceEvent)));
-        static_assert(offsetof(TraceBuffer, unused_past_capacity) == offsetof(TraceBuffer, count) + sizeof(uint32_t));
-        WEFT_CUDA_CHECK(cudaMemset(&buffer_->count, 0, 2 * sizeof(uint32_t)));
+        static_assert(offsetof(TraceBuffer, unused_past_capacity) == offsetof(TraceBuffer, count) + 8);
+        WEFT_CUDA_CHECK(cudaMemset(&buffer_->count, 0, 2 * sizeof(unsigned long long)));
         WEFT_CUDA_CHECK(cudaDeviceSynchronize());
     }
 

@@ -113,7 +113,7 @@ void run_case(jit::Kernel& kernel, const Case& c) {
     WEFT_CUDA_CHECK(cudaDeviceSynchronize());
     const TraceBuffer h = b.header();
     const std::vector<TraceEvent> all = b.events();
-    const uint32_t used = std::min(h.count, c.capacity);
+    const auto used = static_cast<uint32_t>(std::min<uint64_t>(h.count, c.capacity));
     const uint64_t deferred = static_cast<uint64_t>(c.blocks) * static_cast<uint64_t>(c.defers);
     const int claim = std::min(c.slots, 64);  // the log's capacity caps a claim
     int in_claim = 0;                         // a block's events at log slots inside its claim
@@ -161,7 +161,7 @@ void run_case(jit::Kernel& kernel, const Case& c) {
         EXPECT_LT(seen.size(), deferred) << "a full buffer dropped nothing";
     }
     std::printf(
-        "[ LOG      ] %u x %d deferred, claim %d, capacity %u: count %u, %llu empty read, %u empty past "
+        "[ LOG      ] %u x %d deferred, claim %d, capacity %u: count %llu, %llu empty read, %llu empty past "
         "the capacity, %zu kept\n",
         c.blocks, c.defers, c.slots, c.capacity, h.count, static_cast<unsigned long long>(empty_read),
         h.unused_past_capacity, seen.size());

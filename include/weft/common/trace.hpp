@@ -57,12 +57,15 @@ static_assert(sizeof(TraceEvent) == 48, "TraceEvent is 48 bytes on host and devi
 /// `count`; a writer that finds the buffer full drops its event (count keeps counting: the host reports the drops).
 /// A block that keeps a trace log (weft/device/trace.cuh) claims its slots before it knows how many it will fill: it
 /// writes those it leaves empty as empty events (kind 0), which the host skips and counts as unused, and adds those
-/// past the capacity (never written) to `unused_past_capacity`. Events recorded: count less the unused slots.
+/// past the capacity (never written) to `unused_past_capacity`. Events recorded: count less the unused slots. The
+/// counters are 64-bit: a long traced run whose blocks keep claiming slots after the buffer filled never wraps them
+/// (a wrapped count would hand out slots from 0 again, over the events kept).
 struct TraceBuffer {
     uint32_t capacity;
-    uint32_t count;
-    uint32_t unused_past_capacity;  ///< empty claimed slots at or past `capacity`
     uint32_t reserved;
+    unsigned long long count;                 ///< every slot claimed since the last drain
+    unsigned long long unused_past_capacity;  ///< empty claimed slots at or past `capacity`
+    unsigned long long reserved2;
     TraceEvent events[1];  ///< `capacity` of them in the allocation
 };
 
@@ -71,7 +74,9 @@ struct TraceBuffer {
 #include <cstddef>  // offsetof
 namespace weft {
 // A block log writes and copies events as three 16-byte words and fills in `sm` and `block` in the second (trace.cuh).
-static_assert(offsetof(TraceBuffer, events) == 16, "TraceBuffer's events are 16-byte aligned");
+static_assert(offsetof(TraceBuffer, count) == 8 && offsetof(TraceBuffer, unused_past_capacity) == 16 &&
+                  offsetof(TraceBuffer, events) == 32,
+              "TraceBuffer: the two counters side by side, events 16-byte aligned");
 static_assert(offsetof(TraceEvent, kind) == 16 && offsetof(TraceEvent, sm) == 18 && offsetof(TraceEvent, role) == 20 &&
                   offsetof(TraceEvent, block) == 24 && offsetof(TraceEvent, args) == 28,
               "TraceEvent: the second 16-byte word holds kind and sm, role (and its padding), block, args[0]");

@@ -89,7 +89,7 @@ __device__ __forceinline__ TraceEvent make_event(TraceKind kind, TraceRole role,
 /// (else the event is dropped; make() is not called).
 template <class MakeEvent>
 __device__ __forceinline__ void append(TraceBuffer* b, uint32_t capacity, MakeEvent&& make) {
-    const uint32_t i = atomicAdd(&b->count, 1u);
+    const unsigned long long i = atomicAdd(&b->count, 1ull);
     if (i < capacity) b->events[i] = make();
 }
 
@@ -131,7 +131,7 @@ __device__ __forceinline__ BlockLog<N>& block_log() {
 /// `capacity` (the buffer's, loaded with it) are held by the block's last thread only and read first by the flush.
 struct BlockLogClaim {
     TraceBuffer* buffer;
-    uint32_t first;
+    unsigned long long first;
     uint32_t capacity;
     uint32_t slots;
 };
@@ -151,11 +151,11 @@ __device__ __forceinline__ BlockLogClaim open_block_log(TraceBuffer* buffer, int
             // address offset by (lane - the claiming thread's lane), 0 in the claiming thread, is not provably uniform.
             uint32_t lane;
             asm("mov.u32 %0, %%laneid;" : "=r"(lane));
-            uint32_t* const count =
+            unsigned long long* const count =
                 &buffer->count + (static_cast<int>(lane) - static_cast<int>((blockDim.x - 1u) & 31u));
-            asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;"
-                         : "=r"(c.first)
-                         : "l"(__cvta_generic_to_global(count)), "r"(c.slots)
+            asm volatile("atom.relaxed.gpu.global.add.u64 %0, [%1], %2;"
+                         : "=l"(c.first)
+                         : "l"(__cvta_generic_to_global(count)), "l"(static_cast<unsigned long long>(c.slots))
                          : "memory");
         }
     }
@@ -206,7 +206,7 @@ __device__ __forceinline__ void flush_block_log(const BlockLogClaim& c) {
     const uint32_t lanes = blockDim.x - base;
     const uint32_t mask = lanes == 32u ? 0xffffffffu : (1u << lanes) - 1u;
     const uint32_t lane = threadIdx.x - base;
-    const uint32_t first = __shfl_sync(mask, c.first, static_cast<int>(lanes - 1u));
+    const unsigned long long first = __shfl_sync(mask, c.first, static_cast<int>(lanes - 1u));
     const uint32_t capacity = __shfl_sync(mask, c.capacity, static_cast<int>(lanes - 1u));
     const auto& log = block_log();
     const uint32_t sm = sm_id();
@@ -218,7 +218,7 @@ __device__ __forceinline__ void flush_block_log(const BlockLogClaim& c) {
         w1.x = (w1.x & 0xffffu) | (sm << 16);       // sm (high half)
         w1.z = blockIdx.x;                          // block
         if (i < c.slots) {
-            if (uint64_t{first} + i >= capacity) {
+            if (first + i >= capacity) {
                 unused_past_capacity += fired ? 0u : 1u;  // dropped (count counted it)
                 continue;
             }
@@ -237,7 +237,8 @@ __device__ __forceinline__ void flush_block_log(const BlockLogClaim& c) {
         }
     }
     if (unused_past_capacity != 0u) {
-        ptx::red_add<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&b->unused_past_capacity, unused_past_capacity);
+        ptx::red_add<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(&b->unused_past_capacity,
+                                                           static_cast<unsigned long long>(unused_past_capacity));
     }
 }
 #endif
