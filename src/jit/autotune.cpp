@@ -9,6 +9,8 @@
 #include <cmath>
 #include <deque>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <sstream>
 
 #include "weft/jit/cache.hpp"
@@ -29,7 +31,11 @@ namespace {
 
 constexpr const char* kDecisionFile = "autotune.txt";
 constexpr const char* kDecisionLock = "autotune.lock";
-constexpr const char* kDecisionFormat = "v1";
+constexpr const char* kDecisionFormat = "v2";
+// A v2 line: format \t op \t problem \t world_size \t arch \t device \t weft_version \t candidate \t time_ms; the
+// decision's id is the six fields after the format.
+constexpr size_t kIdFields = 6;
+constexpr size_t kLineFields = kIdFields + 3;
 
 // The decision file, read as the kernel cache reads its entries: a file that is not trusted (a symbolic
 // link, a FIFO, another user's, writable by others, oversized) is ignored with a warning, never read.
@@ -65,6 +71,31 @@ std::vector<std::string> split(const std::string& s, char sep) {
     out.push_back(cur);
     return out;
 }
+
+/// A decision line's id (the fields after the format), or "" when the line is not of this format.
+std::string line_id(const std::vector<std::string>& fields) {
+    if (fields.size() != kLineFields || fields[0] != kDecisionFormat) return {};
+    std::string id = fields[1];
+    for (size_t i = 2; i <= kIdFields; ++i) id += '\t' + fields[i];
+    return id;
+}
+
+}  // namespace
+
+std::string autotune_device_signature() {
+    int device = 0;
+    cudaDeviceProp prop{};
+    if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return "no device";
+    }
+    std::string name = prop.name;
+    std::replace_if(
+        name.begin(), name.end(), [](char c) { return c == '\t' || c == '\n' || c == '\r'; }, ' ');
+    return name + ", " + std::to_string(prop.multiProcessorCount) + " SMs";
+}
+
+namespace {
 
 bool usable(double t) { return std::isfinite(t) && t >= 0.0; }
 
@@ -202,7 +233,20 @@ std::string Autotuner::decision_id(const TuneKey& key_in) const {
     }
     WEFT_CHECK(!key.op.empty(), "TuneKey.op must name the op, got an empty string");
     std::ostringstream os;
-    os << key.op << '\t' << key.problem << '\t' << key.world_size << '\t' << key.arch << '\t' << WEFT_VERSION_STRING;
+    // The device's name once per process and device (cudaGetDeviceProperties is not free).
+    static std::mutex devices_mutex;
+    static std::map<int, std::string> devices;
+    int ordinal = -1;
+    if (cudaGetDevice(&ordinal) != cudaSuccess) (void)cudaGetLastError();
+    std::string device;
+    {
+        std::lock_guard<std::mutex> lock(devices_mutex);
+        auto it = devices.find(ordinal);
+        if (it == devices.end()) it = devices.emplace(ordinal, autotune_device_signature()).first;
+        device = it->second;
+    }
+    os << key.op << '\t' << key.problem << '\t' << key.world_size << '\t' << key.arch << '\t' << device << '\t'
+       << WEFT_VERSION_STRING;
     return os.str();
 }
 
@@ -219,11 +263,8 @@ std::optional<std::string> Autotuner::cached_decision(const TuneKey& key) const 
     std::istringstream in(std::string(bytes->begin(), bytes->end()));
     std::string line;
     while (std::getline(in, line)) {
-        // v1 \t op \t problem \t world \t arch \t version \t candidate \t time_ms
         const auto fields = split(line, '\t');
-        if (fields.size() != 8 || fields[0] != kDecisionFormat) continue;
-        const std::string line_id = fields[1] + '\t' + fields[2] + '\t' + fields[3] + '\t' + fields[4] + '\t' + fields[5];
-        if (line_id == id) found = fields[6];
+        if (line_id(fields) == id) found = fields[kIdFields + 1];
     }
     if (found) {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -253,11 +294,9 @@ void Autotuner::store_decision(const TuneKey& key, const std::string& name, doub
             std::istringstream in(std::string(bytes->begin(), bytes->end()));
             std::string line;
             while (std::getline(in, line)) {
-                const auto fields = split(line, '\t');
-                if (fields.size() != 8 || fields[0] != kDecisionFormat) continue;
-                if (fields[1] + '\t' + fields[2] + '\t' + fields[3] + '\t' + fields[4] + '\t' + fields[5] == id) {
-                    continue;  // replaced below
-                }
+                // Lines of other formats (other weft versions') are kept as they are; comments go.
+                if (line.empty() || line[0] == '#') continue;
+                if (line_id(split(line, '\t')) == id) continue;  // replaced below
                 bytes_kept += line.size() + 1;
                 lines.push_back(std::move(line));
             }
@@ -267,7 +306,7 @@ void Autotuner::store_decision(const TuneKey& key, const std::string& name, doub
             lines.pop_front();
         }
         std::ostringstream os;
-        os << "# weft autotune decisions: format op problem world_size arch weft_version candidate time_ms\n";
+        os << "# weft autotune decisions: format op problem world_size arch device weft_version candidate time_ms\n";
         for (const std::string& line : lines) os << line << '\n';
         os << kDecisionFormat << '\t' << id << '\t' << name << '\t' << time_ms << '\n';
         const std::string text = os.str();

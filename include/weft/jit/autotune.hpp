@@ -66,7 +66,12 @@ struct TuneCandidate {
     std::function<void()> prepare;
 };
 
-/// What identifies a decision. `arch` empty: the current device's; `world_size` 0: the comm's size.
+/// The device field of the decisions this process records and reads: the current device's name and SM count (an
+/// H100 SXM and an H100 PCIe share an arch, not their best configs), or "no device".
+std::string autotune_device_signature();
+
+/// What identifies a decision (with the device it was measured on: autotune_device_signature). `arch` empty: the
+/// current device's; `world_size` 0: the comm's size.
 struct TuneKey {
     std::string op;       ///< e.g. "ag_gemm"
     std::string problem;  ///< shape, dtypes, layout..., e.g. "m=8192,n=4096,k=4096,bf16"
