@@ -17,7 +17,7 @@
 #include "stream_key.hpp"
 #include "views_overlap.hpp"
 #include "weft/common/math.hpp"
-#include "weft/detail/rendezvous_protocol.hpp"
+#include "weft/detail/runtime_config.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_plan.hpp"
@@ -248,16 +248,11 @@ GemmArgs make_gemm_args(const TensorView& a, const TensorView& d, uint64_t timeo
 }
 
 uint64_t gemm_timeout_ns(const GemmOptions& options) {
-    // At most 30 days, as the World's timeout: the device bound is a count of nanoseconds. (The grouped GEMM and the
-    // MoE layers pass their own options' timeout here.)
-    constexpr auto kMaxMs = static_cast<int64_t>(weft::detail::rendezvous::kMaxWaitMs);
-    int64_t ms = options.timeout.count();
-    WEFT_CHECK(ms <= kMaxMs, "options.timeout must be at most 30 days (" << kMaxMs << " ms), got " << ms << " ms");
-    if (ms <= 0) ms = env::get_int("WEFT_TIMEOUT_MS").value_or(10000);
-    WEFT_CHECK(ms > 0 && ms <= kMaxMs,
-               "gemm: WEFT_TIMEOUT_MS must be a positive number of milliseconds, at most 30 days (" << kMaxMs
-                                                                                                    << "), got " << ms);
-    return static_cast<uint64_t>(ms) * 1000000ull;
+    constexpr std::chrono::milliseconds kGemmDefaultTimeout{10000};  // GemmOptions::timeout's documented default
+    // The grouped GEMM and the MoE layers pass their own options' timeout here.
+    const std::chrono::milliseconds ms = weft::detail::resolve_timeout(options.timeout, env::get("WEFT_TIMEOUT_MS"),
+                                                                       "gemm: options.timeout", kGemmDefaultTimeout);
+    return static_cast<uint64_t>(ms.count()) * 1000000ull;
 }
 
 jit::Kernel& gemm_jit_kernel(const jit::KernelSpec& spec) {

@@ -8,7 +8,7 @@
 #include <sstream>
 
 #include "weft/common/math.hpp"
-#include "weft/detail/rendezvous_protocol.hpp"
+#include "weft/detail/gemm_launch.hpp"
 #include "weft/jit/autotune.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/runtime/env.hpp"
@@ -416,11 +416,7 @@ void validate_gemm_options(const GemmProblem& p, const GemmOptions& options) {
         WEFT_CHECK(p.b_layout == BLayout::kNK,
                    "gemm: small-M variant 5 (swapped wgmma) needs B [N,K] (BLayout::kNK), got B [K,N]");
     }
-    // At most 30 days, as the World's timeout: the device bound is a count of nanoseconds.
-    WEFT_CHECK(options.timeout.count() >= 0 &&
-                   options.timeout.count() <= static_cast<int64_t>(weft::detail::rendezvous::kMaxWaitMs),
-               "gemm: options.timeout must be >= 0 ms and at most 30 days (0: WEFT_TIMEOUT_MS or 10 s), got "
-                   << options.timeout.count() << " ms");
+    (void)detail::gemm_timeout_ns(options);  // refuses a timeout (or WEFT_TIMEOUT_MS) outside (0, 30 days]
     WEFT_CHECK(reinterpret_cast<uintptr_t>(options.workspace) % 256 == 0,
                "gemm: options.workspace must be 256-byte aligned, got " << options.workspace);
     if (options.config) {

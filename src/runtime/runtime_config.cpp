@@ -28,13 +28,12 @@ uint64_t resolve_heap_bytes(uint64_t option_bytes, const std::optional<std::stri
     return bytes;
 }
 
-std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds option,
-                                          const std::optional<std::string>& env_value) {
-    // At most 30 days: deadlines are steady-clock nanoseconds, and the device bound is a count of nanoseconds too.
+std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds option, const std::optional<std::string>& env_value,
+                                          const char* option_name, std::chrono::milliseconds fallback) {
     constexpr auto kMaxMs = static_cast<int64_t>(rendezvous::kMaxWaitMs);
-    WEFT_CHECK(option.count() >= 0, "WorldOptions::timeout must not be negative, got " << option.count() << " ms");
+    WEFT_CHECK(option.count() >= 0, option_name << " must not be negative, got " << option.count() << " ms");
     WEFT_CHECK(option.count() <= kMaxMs,
-               "WorldOptions::timeout must be at most 30 days (" << kMaxMs << " ms), got " << option.count() << " ms");
+               option_name << " must be at most 30 days (" << kMaxMs << " ms), got " << option.count() << " ms");
     if (option.count() > 0) return option;
     if (env_value) {
         int64_t ms = env::parse_int(*env_value, "WEFT_TIMEOUT_MS");
@@ -43,7 +42,7 @@ std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds option,
                        << kMaxMs << "), got '" << *env_value << "'");
         return std::chrono::milliseconds(ms);
     }
-    return kDefaultTimeout;
+    return fallback;
 }
 
 int resolve_sm_budget(int option, const std::optional<std::string>& env_value, int sm_count, int ranks_on_device) {

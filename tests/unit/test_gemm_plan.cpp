@@ -428,7 +428,7 @@ TEST(GemmValidate, PublicCallsCheckOptionsBeforeTheDeviceAtEverySize) {
         "GemvVariant::kTmaWgmma (5)",
         {}};
     bad[4].options.small_m_variant = static_cast<GemvVariant>(9);
-    bad[5] = {"options.timeout must be >= 0 ms", {}};
+    bad[5] = {"options.timeout must not be negative", {}};
     bad[5].options.timeout = std::chrono::milliseconds(-5);
     {
         Bad huge = {"at most 30 days", {}};  // milliseconds::max() would wrap the device's nanosecond bound

@@ -19,9 +19,12 @@ inline constexpr std::chrono::milliseconds kDefaultTimeout{600000};
 /// malformed or zero.
 uint64_t resolve_heap_bytes(uint64_t option_bytes, const std::optional<std::string>& env_value, uint64_t granularity);
 
-/// Timeout: `option` when positive, else `env_value` (WEFT_TIMEOUT_MS, whole milliseconds > 0), else 10 min.
-std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds option,
-                                          const std::optional<std::string>& env_value);
+/// Timeout: `option` when positive, else `env_value` (WEFT_TIMEOUT_MS, whole milliseconds > 0), else `fallback`.
+/// Throws weft::Error naming `option_name` or the variable when a value is negative or above 30 days (deadlines are
+/// steady-clock nanoseconds, and the device bound is a count of nanoseconds too).
+std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds option, const std::optional<std::string>& env_value,
+                                          const char* option_name = "WorldOptions::timeout",
+                                          std::chrono::milliseconds fallback = kDefaultTimeout);
 
 /// SM budget: `option` when positive, else `env_value` (WEFT_SM_BUDGET), else sm_count / ranks_on_device
 /// (at least 1). Throws weft::Error when the chosen value is outside [1, sm_count].
