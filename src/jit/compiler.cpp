@@ -669,6 +669,21 @@ CompileResult Compiler::compile(const KernelSpec& spec) {
     }
     ++stats_.compiles;
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    // A source edited while the toolchain ran: the binary may not be what the key names (it hashes the sources as
+    // they were before). Kept nowhere, neither on disk nor in memory: the next call compiles again.
+    bool sources_unchanged = false;
+    try {
+        sources_unchanged = prepare(spec).key == p.key;
+    } catch (const std::exception&) {
+        // A header gone or unreadable now: changed.
+    }
+    if (!sources_unchanged) {
+        WEFT_LOG_WARN("jit: a source of " << p.spec.describe()
+                                          << " changed while it compiled; the kernel is used but not cached");
+        file_lock.reset();
+        result.ptx = std::move(compiled.ptx);
+        return finish(std::make_shared<const CacheEntry>(std::move(compiled.entry)), CompileResult::Origin::kCompiled);
+    }
     if (disk_ && !disk_store_failed_.load()) {
         try {
             disk_->store(p.key, compiled.entry);

@@ -197,6 +197,51 @@ TEST(JitCompiler, ChangingAnIncludedHeaderMisses) {
     EXPECT_EQ(c.origin, CompileResult::Origin::kDisk);
 }
 
+// A header edited while its kernel compiles (each version written whole, by a rename): the binary may be of either
+// version, so it is cached under neither the key hashed before nor any other: back at the first content, a compile
+// builds again instead of taking the entry the edited sources may have produced.
+TEST(JitCompiler, AHeaderEditedDuringTheCompileLeavesNoCacheEntry) {
+    TempKernel k;
+    TempDir cache("weft_jit_cache");
+    const auto set_whole = [&](int v) {
+        write_text_file(k.root / "tmp_jit/tweak.tmp",
+                        "#pragma once\nconstexpr int kTweak = " + std::to_string(v) + ";\n");
+        fs::rename(k.root / "tmp_jit/tweak.tmp", k.root / "tmp_jit/tweak.cuh");
+    };
+    Compiler compiler(isolated_compiler_config(cache.path(), {k.root.path()}));
+    const std::string first_key = compiler.cache_key(TempKernel::spec());
+    std::atomic<bool> done{false};
+    std::atomic<int> edits{0};
+    std::thread editor([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));  // after the key is hashed (a few headers)
+        for (int v = 2; !done.load(); ++v) {
+            set_whole(v);
+            ++edits;
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        }
+    });
+    CompileResult during;
+    try {
+        during = compiler.compile(TempKernel::spec());
+    } catch (...) {
+        done = true;
+        editor.join();
+        throw;
+    }
+    done = true;
+    editor.join();
+    if (during.key != first_key) GTEST_SKIP() << "the first edit came before the key was hashed: nothing to check";
+    ASSERT_GT(edits.load(), 0);
+    EXPECT_EQ(during.origin, CompileResult::Origin::kCompiled);
+    set_whole(1);
+    EXPECT_EQ(compiler.cache_key(TempKernel::spec()), first_key);
+    EXPECT_EQ(compiler.compile(TempKernel::spec()).origin, CompileResult::Origin::kCompiled)
+        << "the build of edited sources was kept in memory under the first content's key";
+    Compiler fresh(isolated_compiler_config(cache.path(), {k.root.path()}));
+    EXPECT_EQ(fresh.compile(TempKernel::spec()).origin, CompileResult::Origin::kDisk)
+        << "the second build (of unchanged sources) is stored";
+}
+
 TEST(JitCompiler, ChangingAWeftHeaderMissesViaAShadowingRoot) {
     TempDir shadow("weft_jit_shadow");
     Compiler plain(isolated_compiler_config(fs::path()));
