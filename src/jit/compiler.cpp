@@ -291,6 +291,7 @@ Compiler::Compiler(CompilerConfig config) : config_(std::move(config)) {
         roots_ = *config_.roots;
     } else {
         roots_ = find_include_roots();
+        check_headers_match_library(roots_);
         roots_.cuda = find_cuda_include_dirs();
     }
     roots_.extra.insert(roots_.extra.begin(), config_.extra_include_roots.begin(), config_.extra_include_roots.end());

@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 #include <link.h>
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 
@@ -85,6 +86,36 @@ std::optional<IncludeRoots> weft_roots_at(const fs::path& dir) {
         return roots;
     }
     return std::nullopt;
+}
+
+std::string built_common_headers_digest();  // generated: cmake/weft_headers_digest.cmake
+
+std::string common_headers_digest(const fs::path& weft_include) {
+    const fs::path dir = weft_include / "weft" / "common";
+    std::vector<std::string> names;
+    std::error_code ec;
+    for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+        if (it->path().extension() == ".hpp" && it->is_regular_file(ec))
+            names.push_back(it->path().filename().string());
+    }
+    WEFT_CHECK(!ec, "cannot list " << dir.string() << ": " << ec.message());
+    std::sort(names.begin(), names.end());
+    std::string lines;
+    for (const std::string& name : names) {
+        const std::vector<char> bytes = read_file_bytes(dir / name);
+        lines += name + ":" + to_hex(sha256(bytes.data(), bytes.size())) + "\n";
+    }
+    return to_hex(sha256(lines));
+}
+
+void check_headers_match_library(const IncludeRoots& roots) {
+    const std::string found = common_headers_digest(roots.weft_include);
+    WEFT_CHECK(found == built_common_headers_digest(),
+               "jit: weft's headers at " << roots.weft_include.string() << " (" << roots.found_by
+                                         << ") are not the ones this library was built from (include/weft/common "
+                                            "differs: kernels compiled from them would disagree with the library "
+                                            "on their parameters); set WEFT_HOME to this build's source tree or "
+                                            "install prefix, or rebuild the library");
 }
 
 IncludeRoots find_include_roots() {

@@ -680,6 +680,36 @@ TEST(JitPaths, FindsTheSourceTreeFromTheExecutable) {
     EXPECT_NE(roots.found_by.find("searched upward"), std::string::npos) << roots.found_by;
 }
 
+// The headers the library and the kernels share are checked against the ones the library was built from: the source
+// tree's pass; a copy with one struct changed (a stale install, another version's tree) is refused by name, as is a
+// Compiler whose WEFT_HOME points there.
+TEST(JitPaths, HeadersOtherThanTheLibrarysAreRefused) {
+    ScopedEnv home("WEFT_HOME", std::nullopt);
+    const IncludeRoots roots = find_include_roots();
+    EXPECT_NO_THROW(check_headers_match_library(roots));
+    TempDir tree("weft_stale_headers");
+    fs::create_directories(tree / "include/weft");
+    fs::copy(roots.weft_include / "weft", tree / "include/weft", fs::copy_options::recursive);
+    fs::create_directories(tree / "kernels");
+    IncludeRoots copy = roots;
+    copy.weft_include = tree / "include";
+    copy.found_by = "a test's copy";
+    EXPECT_NO_THROW(check_headers_match_library(copy)) << "an identical copy";
+    const fs::path header = tree / "include/weft/common/tp_params.hpp";
+    write_text_file(header, read_text_file(header) + "\nstruct AFieldAddedLater { int x; };\n");
+    try {
+        check_headers_match_library(copy);
+        ADD_FAILURE() << "a changed include/weft/common header was accepted";
+    } catch (const Error& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("are not the ones this library was built from"), std::string::npos) << what;
+        EXPECT_NE(what.find(copy.weft_include.string()), std::string::npos) << what;
+        EXPECT_NE(what.find("a test's copy"), std::string::npos) << what;
+    }
+    ScopedEnv stale("WEFT_HOME", tree.path().string());
+    EXPECT_THROW(Compiler{isolated_compiler_config(fs::path())}, Error);
+}
+
 TEST(JitPaths, WeftHomeOverridesAndIsValidated) {
     TempDir tree("weft_home");
     write_text_file(tree / "include/weft/device/token.cuh", "#pragma once\n");

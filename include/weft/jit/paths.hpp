@@ -32,6 +32,15 @@ struct IncludeRoots {
 /// Throws weft::Error listing every place searched when none matches.
 IncludeRoots find_include_roots();
 
+/// The digest of the headers under `weft_include`/weft/common (the structs the library and the JIT's kernels share):
+/// SHA-256 of one line "name:sha256-of-its-bytes\n" per *.hpp in name order, as cmake/weft_headers_digest.cmake
+/// computes it at build time. Throws weft::Error when the folder cannot be read.
+std::string common_headers_digest(const std::filesystem::path& weft_include);
+/// Throws weft::Error unless common_headers_digest(roots.weft_include) is that of the headers this library was built
+/// from (kernels compiled from other headers would disagree with it on its parameter structs: an older install, a
+/// source tree of another version found upward from the executable). The Compiler checks the roots it finds itself.
+void check_headers_match_library(const IncludeRoots& roots);
+
 /// The search behind find_include_roots() without WEFT_HOME: the nearest ancestor of each of `starts`, in
 /// order, that holds a source tree or an install layout; else `install_prefix` itself (not its ancestors;
 /// skipped when empty). Throws weft::Error listing every place searched when none matches.
