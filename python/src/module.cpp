@@ -109,35 +109,27 @@ struct PyStoreAdapter {
     std::shared_ptr<Store> store;
 };
 
-// An op or buffer made on a World: counted by the World, destroyed collectively by close().
+// An op made on a World: counted by the World, destroyed collectively by close(). Its World cannot close while it is
+// open, so its calls hold a use of the op alone.
 template <class Op>
 struct PyOp {
     WorldRef h;
-    std::unique_ptr<Op> op;
-    const char* name;
+    int device;  ///< the World's GPU, current during the op's calls
+    Closable<Op> op;
 
-    PyOp(WorldRef world, std::unique_ptr<Op> made, const char* op_name)
-        : h(std::move(world)), op(std::move(made)), name(op_name) {
+    PyOp(WorldRef world, int world_device, std::unique_ptr<Op> made, const char* op_name)
+        : h(std::move(world)), device(world_device), op(std::move(made), op_name) {
         ++h->live_objects;
     }
     ~PyOp() {
-        if (op) {
-            op.reset();
+        if (!op.closed()) {
+            op.destroy_now();
             --h->live_objects;
         }
     }
-    Op& get() const {
-        WEFT_CHECK(op != nullptr, name << " is closed");
-        return *op;
-    }
+    typename Closable<Op>::Use use() const { return op.use(); }
     void close() {
-        if (!op) return;
-        std::unique_ptr<Op> gone = std::move(op);
-        {
-            nb::gil_scoped_release release;
-            gone.reset();
-        }
-        --h->live_objects;
+        if (op.close([] {})) --h->live_objects;
     }
 };
 
@@ -186,6 +178,7 @@ NB_MODULE(_weft, m) {
     nb::exception<weft::Error>(m, "Error", PyExc_RuntimeError);
     m.attr("__version__") = WEFT_VERSION_STRING;
     bind_ep(m);
+    bind_testing(m);
 
     nb::dict dtypes;
     for (DType t : {DType::kBF16, DType::kF16, DType::kF32, DType::kF8E4M3, DType::kI32, DType::kI64, DType::kU8}) {
@@ -293,62 +286,64 @@ NB_MODULE(_weft, m) {
             "store"_a, "rank"_a, "num_ranks"_a, "local_rank"_a = -1, "local_num_ranks"_a = 0, "key_prefix"_a = "weft",
             "device"_a = -1, "heap_bytes"_a = 0, "sm_budget"_a = 0, "timeout_ms"_a = 0, nb::rv_policy::take_ownership)
         .def("close", &PyWorld::close)
+        // abort is let in while the World closes: it ends the calls in flight that close() waits for.
         .def(
             "abort",
             [](PyWorld& w, const std::string& reason) {
-                World& world = w.h->get();
+                const WorldUse world = w.use(Admit::kOpenOrClosing);
                 nb::gil_scoped_release release;
-                world.abort(reason);
+                world->abort(reason);
             },
             "reason"_a)
-        .def_prop_ro("aborted", [](const PyWorld& w) { return w.h->world != nullptr && w.h->world->aborted(); })
-        .def_prop_ro("closed", [](const PyWorld& w) { return w.h->world == nullptr; })
+        .def_prop_ro("aborted",
+                     [](const PyWorld& w) { return !w.h->world.closed() && w.use(Admit::kOpenOrClosing)->aborted(); })
+        .def_prop_ro("closed", [](const PyWorld& w) { return w.h->world.closed(); })
         .def_prop_ro("live_objects", [](const PyWorld& w) { return w.h->live_objects; })
-        .def_prop_ro("rank", [](const PyWorld& w) { return w.h->get().rank(); })
-        .def_prop_ro("num_ranks", [](const PyWorld& w) { return w.h->get().num_ranks(); })
-        .def_prop_ro("local_rank", [](const PyWorld& w) { return w.h->get().local_rank(); })
-        .def_prop_ro("local_num_ranks", [](const PyWorld& w) { return w.h->get().local_num_ranks(); })
-        .def_prop_ro("device", [](const PyWorld& w) { return w.h->get().device(); })
-        .def_prop_ro("sm_budget", [](const PyWorld& w) { return w.h->get().sm_budget(); })
-        .def_prop_ro("num_ranks_on_device", [](const PyWorld& w) { return w.h->get().num_ranks_on_device(); })
-        .def_prop_ro("timeout_ms", [](const PyWorld& w) { return static_cast<int64_t>(w.h->get().timeout().count()); })
+        .def_prop_ro("rank", [](const PyWorld& w) { return w.use()->rank(); })
+        .def_prop_ro("num_ranks", [](const PyWorld& w) { return w.use()->num_ranks(); })
+        .def_prop_ro("local_rank", [](const PyWorld& w) { return w.use()->local_rank(); })
+        .def_prop_ro("local_num_ranks", [](const PyWorld& w) { return w.use()->local_num_ranks(); })
+        .def_prop_ro("device", [](const PyWorld& w) { return w.use()->device(); })
+        .def_prop_ro("sm_budget", [](const PyWorld& w) { return w.use()->sm_budget(); })
+        .def_prop_ro("num_ranks_on_device", [](const PyWorld& w) { return w.use()->num_ranks_on_device(); })
+        .def_prop_ro("timeout_ms", [](const PyWorld& w) { return static_cast<int64_t>(w.use()->timeout().count()); })
         .def(
-            "barrier", [](PyWorld& w) { w.h->get().barrier(); }, Release())
+            "barrier", [](PyWorld& w) { w.use()->barrier(); }, Release())
         .def(
-            "sync_and_check", [](PyWorld& w, uintptr_t stream) { w.h->get().sync_and_check(as_stream(stream)); },
+            "sync_and_check", [](PyWorld& w, uintptr_t stream) { w.use()->sync_and_check(as_stream(stream)); },
             "stream"_a, Release())
-        .def("check_diagnostics", [](PyWorld& w) { w.h->get().check_diagnostics(); })
+        .def("check_diagnostics", [](PyWorld& w) { w.use()->check_diagnostics(); })
         // The symmetric heap (collective alloc and free: every rank, same arguments, same order).
         .def(
             "alloc",
             [](PyWorld& w, uint64_t bytes, uint64_t align) {
-                return reinterpret_cast<uintptr_t>(w.h->get().heap().alloc(bytes, align));
+                return reinterpret_cast<uintptr_t>(w.use()->heap().alloc(bytes, align));
             },
             "bytes"_a, "align"_a = 256, Release())
         .def(
-            "free", [](PyWorld& w, uintptr_t ptr) { w.h->get().heap().free(reinterpret_cast<void*>(ptr)); }, "ptr"_a,
+            "free", [](PyWorld& w, uintptr_t ptr) { w.use()->heap().free(reinterpret_cast<void*>(ptr)); }, "ptr"_a,
             Release())
         .def(
             "heap_contains",
             [](const PyWorld& w, uintptr_t ptr, uint64_t bytes) {
-                return w.h->get().heap().contains(reinterpret_cast<const void*>(ptr), bytes);
+                return w.use()->heap().contains(reinterpret_cast<const void*>(ptr), bytes);
             },
             "ptr"_a, "bytes"_a = 1)
-        .def_prop_ro("heap_bytes", [](const PyWorld& w) { return w.h->get().heap().bytes(); })
-        .def_prop_ro("heap_bytes_in_use", [](const PyWorld& w) { return w.h->get().heap().bytes_in_use(); })
+        .def_prop_ro("heap_bytes", [](const PyWorld& w) { return w.use()->heap().bytes(); })
+        .def_prop_ro("heap_bytes_in_use", [](const PyWorld& w) { return w.use()->heap().bytes_in_use(); })
         .def("team",
              [](PyWorld& w) {
-                 return PyTeam{w.h, w.h->get().team()};
+                 return PyTeam{w.h, w.use()->team()};
              })
         .def("node_team",
              [](PyWorld& w) {
-                 return PyTeam{w.h, w.h->get().node_team()};
+                 return PyTeam{w.h, w.use()->node_team()};
              })
         .def("prepare_collectives", [](PyWorld& w) {
             ops::CollectiveWorkspaceInfo info;
             {
                 nb::gil_scoped_release release;
-                info = ops::prepare_collectives(w.h->get());
+                info = ops::prepare_collectives(*w.use());
             }
             nb::dict d;
             d["num_ranks"] = info.topology.num_ranks;
@@ -363,16 +358,20 @@ NB_MODULE(_weft, m) {
         .def_prop_ro("id", [](const PyTeam& t) { return t.team.id(); })
         .def_prop_ro("is_world", [](const PyTeam& t) { return t.team.is_world(); })
         .def(
-            "barrier", [](const PyTeam& t) { t.get().barrier(); }, Release())
+            "barrier",
+            [](const PyTeam& t) {
+                const WorldUse world = t.use();
+                t.get().barrier();
+            },
+            Release())
         .def(
             "alloc",
             [](const PyTeam& t, uint64_t bytes, uint64_t align) {
-                return reinterpret_cast<uintptr_t>(t.h->get().heap().alloc(t.get(), bytes, align));
+                return reinterpret_cast<uintptr_t>(t.use()->heap().alloc(t.get(), bytes, align));
             },
             "bytes"_a, "align"_a = 256, Release())
         .def(
-            "free",
-            [](const PyTeam& t, uintptr_t ptr) { t.h->get().heap().free(t.get(), reinterpret_cast<void*>(ptr)); },
+            "free", [](const PyTeam& t, uintptr_t ptr) { t.use()->heap().free(t.get(), reinterpret_cast<void*>(ptr)); },
             "ptr"_a, Release())
         .def_prop_ro("rank", [](const PyTeam& t) { return t.team.rank(); })
         .def_prop_ro("num_ranks", [](const PyTeam& t) { return t.team.num_ranks(); })
@@ -382,9 +381,11 @@ NB_MODULE(_weft, m) {
         .def("team_rank", [](const PyTeam& t, int r) { return t.team.team_rank(r); })
         .def("split_strided",
              [](const PyTeam& t, int start, int stride, int size) {
+                 const WorldUse world = t.use();
                  return PyTeam{t.h, t.get().split_strided(start, stride, size)};
              })
         .def("split_color", [](const PyTeam& t, int color, int key) {
+            const WorldUse world = t.use();
             Team made;
             {
                 nb::gil_scoped_release release;
@@ -398,13 +399,14 @@ NB_MODULE(_weft, m) {
         "all_reduce",
         [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
            const PyTeam* team) {
-            DeviceScope scope(w.h->get().device());  // the World's, whatever the thread's
+            const WorldUse world = w.use();
+            DeviceScope scope(world->device());  // the World's, whatever the thread's
             ops::AllReduceOptions o;
             o.algo = static_cast<ops::AllReduceAlgo>(algo);
             if (team != nullptr) {
                 ops::all_reduce(team->get(&w.h), input, output, as_stream(stream), o);
             } else {
-                ops::all_reduce(w.h->get(), input, output, as_stream(stream), o);
+                ops::all_reduce(*world, input, output, as_stream(stream), o);
             }
         },
         "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
@@ -412,13 +414,14 @@ NB_MODULE(_weft, m) {
         "all_gather",
         [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
            const PyTeam* team) {
-            DeviceScope scope(w.h->get().device());  // the World's, whatever the thread's
+            const WorldUse world = w.use();
+            DeviceScope scope(world->device());  // the World's, whatever the thread's
             ops::AllGatherOptions o;
             o.algo = static_cast<ops::AllGatherAlgo>(algo);
             if (team != nullptr) {
                 ops::all_gather(team->get(&w.h), input, output, as_stream(stream), o);
             } else {
-                ops::all_gather(w.h->get(), input, output, as_stream(stream), o);
+                ops::all_gather(*world, input, output, as_stream(stream), o);
             }
         },
         "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
@@ -426,13 +429,14 @@ NB_MODULE(_weft, m) {
         "reduce_scatter",
         [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream, int algo,
            const PyTeam* team) {
-            DeviceScope scope(w.h->get().device());  // the World's, whatever the thread's
+            const WorldUse world = w.use();
+            DeviceScope scope(world->device());  // the World's, whatever the thread's
             ops::ReduceScatterOptions o;
             o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
             if (team != nullptr) {
                 ops::reduce_scatter(team->get(&w.h), input, output, as_stream(stream), o);
             } else {
-                ops::reduce_scatter(w.h->get(), input, output, as_stream(stream), o);
+                ops::reduce_scatter(*world, input, output, as_stream(stream), o);
             }
         },
         "world"_a, "input"_a, "output"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(), Release());
@@ -442,14 +446,15 @@ NB_MODULE(_weft, m) {
         "all_reduce_flat",
         [](PyWorld& w, uintptr_t input, uintptr_t output, int64_t numel, int dtype, uintptr_t stream, int algo,
            const PyTeam* team) {
-            DeviceScope scope(w.h->get().device());
+            const WorldUse world = w.use();
+            DeviceScope scope(world->device());
             ops::AllReduceOptions o;
             o.algo = static_cast<ops::AllReduceAlgo>(algo);
             const TensorView in = flat_view(input, dtype, numel), out = flat_view(output, dtype, numel);
             if (team != nullptr) {
                 ops::all_reduce(team->get(&w.h), in, out, as_stream(stream), o);
             } else {
-                ops::all_reduce(w.h->get(), in, out, as_stream(stream), o);
+                ops::all_reduce(*world, in, out, as_stream(stream), o);
             }
         },
         "world"_a, "input"_a, "output"_a, "numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0, "team"_a = nb::none(),
@@ -458,14 +463,15 @@ NB_MODULE(_weft, m) {
         "all_gather_flat",
         [](PyWorld& w, uintptr_t input, int64_t input_numel, uintptr_t output, int64_t output_numel, int dtype,
            uintptr_t stream, int algo, const PyTeam* team) {
-            DeviceScope scope(w.h->get().device());
+            const WorldUse world = w.use();
+            DeviceScope scope(world->device());
             ops::AllGatherOptions o;
             o.algo = static_cast<ops::AllGatherAlgo>(algo);
             const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
             if (team != nullptr) {
                 ops::all_gather(team->get(&w.h), in, out, as_stream(stream), o);
             } else {
-                ops::all_gather(w.h->get(), in, out, as_stream(stream), o);
+                ops::all_gather(*world, in, out, as_stream(stream), o);
             }
         },
         "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
@@ -474,14 +480,15 @@ NB_MODULE(_weft, m) {
         "reduce_scatter_flat",
         [](PyWorld& w, uintptr_t input, int64_t input_numel, uintptr_t output, int64_t output_numel, int dtype,
            uintptr_t stream, int algo, const PyTeam* team) {
-            DeviceScope scope(w.h->get().device());
+            const WorldUse world = w.use();
+            DeviceScope scope(world->device());
             ops::ReduceScatterOptions o;
             o.algo = static_cast<ops::ReduceScatterAlgo>(algo);
             const TensorView in = flat_view(input, dtype, input_numel), out = flat_view(output, dtype, output_numel);
             if (team != nullptr) {
                 ops::reduce_scatter(team->get(&w.h), in, out, as_stream(stream), o);
             } else {
-                ops::reduce_scatter(w.h->get(), in, out, as_stream(stream), o);
+                ops::reduce_scatter(*world, in, out, as_stream(stream), o);
             }
         },
         "world"_a, "input"_a, "input_numel"_a, "output"_a, "output_numel"_a, "dtype"_a, "stream"_a, "algo"_a = 0,
@@ -491,9 +498,9 @@ NB_MODULE(_weft, m) {
     m.def("time_all_reduce_calls", [](PyWorld& w, const TensorView& input, const TensorView& output, uintptr_t stream,
                                       int iters) {
               WEFT_CHECK(iters > 0, "iters: expected a positive count, got " << iters);
-              World& world = w.h->get();
+              const WorldUse world = w.use();
               const auto start = std::chrono::steady_clock::now();
-              for (int i = 0; i < iters; ++i) ops::all_reduce(world, input, output, as_stream(stream));
+              for (int i = 0; i < iters; ++i) ops::all_reduce(*world, input, output, as_stream(stream));
               return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
           }, "world"_a, "input"_a, "output"_a, "stream"_a, "iters"_a, Release());
     m.def("parse_algo", [](const std::string& op, const std::string& name) -> int {
@@ -571,38 +578,39 @@ NB_MODULE(_weft, m) {
             "__init__",
             [](PyAgGemm* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype, int64_t chunk_rows,
                int copy_streams, int sm_budget, bool autotune, const PyTeam* team) {
-                DeviceScope scope(w.h->get().device());  // the op's streams, events and memory on the World's GPU
+                const WorldUse world = w.use();      // held until the op is counted: World.close() waits for it
+                DeviceScope scope(world->device());  // the op's streams, events and memory on the World's GPU
                 ops::AgGemmShape shape{max_m, n, k, as_dtype(dtype)};
                 ops::AgGemmOptions o;
                 o.chunk_rows = chunk_rows;
                 o.copy_streams = copy_streams;
                 o.sm_budget = sm_budget;
                 o.autotune = autotune;
-                World& world = w.h->get();
                 std::unique_ptr<ops::AgGemm> op;
                 {
                     nb::gil_scoped_release release;
                     op = team ? std::make_unique<ops::AgGemm>(team->get(&w.h), shape, o)
-                              : std::make_unique<ops::AgGemm>(world, shape, o);
+                              : std::make_unique<ops::AgGemm>(*world, shape, o);
                 }
-                new (self) PyAgGemm(w.h, std::move(op), "AgGemm");
+                new (self) PyAgGemm(w.h, world->device(), std::move(op), "AgGemm");
             },
             "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "chunk_rows"_a = 0, "copy_streams"_a = 0, "sm_budget"_a = 0,
             "autotune"_a = false, "team"_a = nb::none())
         .def(
             "run",
             [](PyAgGemm& op, const TensorView& a, const TensorView& b, const TensorView& c, uintptr_t stream) {
-                DeviceScope scope(op.h->get().device());
-                op.get().run(a, b, c, as_stream(stream));
+                const auto use = op.use();
+                DeviceScope scope(op.device);
+                use->run(a, b, c, as_stream(stream));
             },
             Release())
-        .def("gathered", [](const PyAgGemm& op, int64_t m) { return op.get().gathered(m); })
-        .def("local_shard", [](const PyAgGemm& op, int64_t m) { return op.get().local_shard(m); })
-        .def_prop_ro("max_m", [](const PyAgGemm& op) { return op.get().shape().max_m; })
-        .def_prop_ro("n", [](const PyAgGemm& op) { return op.get().shape().n; })
-        .def_prop_ro("k", [](const PyAgGemm& op) { return op.get().shape().k; })
-        .def_prop_ro("chunk_rows", [](const PyAgGemm& op) { return op.get().chunk_rows(); })
-        .def_prop_ro("closed", [](const PyAgGemm& op) { return op.op == nullptr; })
+        .def("gathered", [](const PyAgGemm& op, int64_t m) { return op.use()->gathered(m); })
+        .def("local_shard", [](const PyAgGemm& op, int64_t m) { return op.use()->local_shard(m); })
+        .def_prop_ro("max_m", [](const PyAgGemm& op) { return op.use()->shape().max_m; })
+        .def_prop_ro("n", [](const PyAgGemm& op) { return op.use()->shape().n; })
+        .def_prop_ro("k", [](const PyAgGemm& op) { return op.use()->shape().k; })
+        .def_prop_ro("chunk_rows", [](const PyAgGemm& op) { return op.use()->chunk_rows(); })
+        .def_prop_ro("closed", [](const PyAgGemm& op) { return op.op.closed(); })
         .def("close", &PyAgGemm::close);
 
     nb::class_<PyGemmRs>(m, "GemmRs")
@@ -611,7 +619,8 @@ NB_MODULE(_weft, m) {
             [](PyGemmRs* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype, const std::string& mode,
                std::optional<int> partial_dtype, int64_t chunk_rows, int reduce_ctas, int sm_budget, bool autotune,
                const PyTeam* team) {
-                DeviceScope scope(w.h->get().device());  // the op's streams, events and memory on the World's GPU
+                const WorldUse world = w.use();      // held until the op is counted: World.close() waits for it
+                DeviceScope scope(world->device());  // the op's streams, events and memory on the World's GPU
                 ops::GemmRsShape shape{max_m, n, k, as_dtype(dtype)};
                 ops::GemmRsOptions o;
                 o.mode = parse_gemm_rs_mode(mode);
@@ -620,29 +629,29 @@ NB_MODULE(_weft, m) {
                 o.reduce_ctas = reduce_ctas;
                 o.sm_budget = sm_budget;
                 o.autotune = autotune;
-                World& world = w.h->get();
                 std::unique_ptr<ops::GemmRs> op;
                 {
                     nb::gil_scoped_release release;
                     op = team ? std::make_unique<ops::GemmRs>(team->get(&w.h), shape, o)
-                              : std::make_unique<ops::GemmRs>(world, shape, o);
+                              : std::make_unique<ops::GemmRs>(*world, shape, o);
                 }
-                new (self) PyGemmRs(w.h, std::move(op), "GemmRs");
+                new (self) PyGemmRs(w.h, world->device(), std::move(op), "GemmRs");
             },
             "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "mode"_a = "auto", "partial_dtype"_a = nb::none(),
             "chunk_rows"_a = 0, "reduce_ctas"_a = 0, "sm_budget"_a = 0, "autotune"_a = false, "team"_a = nb::none())
         .def(
             "run",
             [](PyGemmRs& op, const TensorView& a, const TensorView& b, const TensorView& c, uintptr_t stream) {
-                DeviceScope scope(op.h->get().device());
-                op.get().run(a, b, c, as_stream(stream));
+                const auto use = op.use();
+                DeviceScope scope(op.device);
+                use->run(a, b, c, as_stream(stream));
             },
             Release())
-        .def_prop_ro("max_m", [](const PyGemmRs& op) { return op.get().shape().max_m; })
-        .def_prop_ro("n", [](const PyGemmRs& op) { return op.get().shape().n; })
-        .def_prop_ro("k", [](const PyGemmRs& op) { return op.get().shape().k; })
-        .def_prop_ro("mode", [](const PyGemmRs& op) { return std::string(ops::gemm_rs_mode_name(op.get().mode())); })
-        .def_prop_ro("closed", [](const PyGemmRs& op) { return op.op == nullptr; })
+        .def_prop_ro("max_m", [](const PyGemmRs& op) { return op.use()->shape().max_m; })
+        .def_prop_ro("n", [](const PyGemmRs& op) { return op.use()->shape().n; })
+        .def_prop_ro("k", [](const PyGemmRs& op) { return op.use()->shape().k; })
+        .def_prop_ro("mode", [](const PyGemmRs& op) { return std::string(ops::gemm_rs_mode_name(op.use()->mode())); })
+        .def_prop_ro("closed", [](const PyGemmRs& op) { return op.op.closed(); })
         .def("close", &PyGemmRs::close);
 
     nb::class_<PyGemmAr>(m, "GemmAr")
@@ -651,35 +660,36 @@ NB_MODULE(_weft, m) {
             [](PyGemmAr* self, PyWorld& w, int64_t max_m, int64_t n, int64_t k, int dtype,
                std::optional<int> partial_dtype, int reduce_ctas, int sm_budget, bool collective_all_reduce,
                const PyTeam* team) {
-                DeviceScope scope(w.h->get().device());  // the op's streams, events and memory on the World's GPU
+                const WorldUse world = w.use();      // held until the op is counted: World.close() waits for it
+                DeviceScope scope(world->device());  // the op's streams, events and memory on the World's GPU
                 ops::GemmArShape shape{max_m, n, k, as_dtype(dtype)};
                 ops::GemmArOptions o;
                 o.partial_dtype = optional_dtype(partial_dtype);
                 o.reduce_ctas = reduce_ctas;
                 o.sm_budget = sm_budget;
                 o.collective_all_reduce = collective_all_reduce;
-                World& world = w.h->get();
                 std::unique_ptr<ops::GemmAr> op;
                 {
                     nb::gil_scoped_release release;
                     op = team ? std::make_unique<ops::GemmAr>(team->get(&w.h), shape, o)
-                              : std::make_unique<ops::GemmAr>(world, shape, o);
+                              : std::make_unique<ops::GemmAr>(*world, shape, o);
                 }
-                new (self) PyGemmAr(w.h, std::move(op), "GemmAr");
+                new (self) PyGemmAr(w.h, world->device(), std::move(op), "GemmAr");
             },
             "world"_a, "max_m"_a, "n"_a, "k"_a, "dtype"_a, "partial_dtype"_a = nb::none(), "reduce_ctas"_a = 0,
             "sm_budget"_a = 0, "collective_all_reduce"_a = true, "team"_a = nb::none())
         .def(
             "run",
             [](PyGemmAr& op, const TensorView& a, const TensorView& b, const TensorView& c, uintptr_t stream) {
-                DeviceScope scope(op.h->get().device());
-                op.get().run(a, b, c, as_stream(stream));
+                const auto use = op.use();
+                DeviceScope scope(op.device);
+                use->run(a, b, c, as_stream(stream));
             },
             Release())
-        .def_prop_ro("max_m", [](const PyGemmAr& op) { return op.get().shape().max_m; })
-        .def_prop_ro("n", [](const PyGemmAr& op) { return op.get().shape().n; })
-        .def_prop_ro("k", [](const PyGemmAr& op) { return op.get().shape().k; })
-        .def_prop_ro("closed", [](const PyGemmAr& op) { return op.op == nullptr; })
+        .def_prop_ro("max_m", [](const PyGemmAr& op) { return op.use()->shape().max_m; })
+        .def_prop_ro("n", [](const PyGemmAr& op) { return op.use()->shape().n; })
+        .def_prop_ro("k", [](const PyGemmAr& op) { return op.use()->shape().k; })
+        .def_prop_ro("closed", [](const PyGemmAr& op) { return op.op.closed(); })
         .def("close", &PyGemmAr::close);
 
     // CPU-only checks the ops run before they touch a GPU (tests and argument errors without a World).
