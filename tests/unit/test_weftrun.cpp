@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <set>
 #include <sstream>
@@ -44,7 +45,9 @@ struct Result {
 /// weftrun as a child process with its stdout and stderr captured; every wait is bounded.
 class Weftrun {
 public:
-    explicit Weftrun(const std::vector<std::string>& args, const std::vector<std::string>& env_overrides = {}) {
+    /// `ignored`: signals weftrun starts with ignored (as under nohup, or a background job of a script).
+    explicit Weftrun(const std::vector<std::string>& args, const std::vector<std::string>& env_overrides = {},
+                     const std::vector<int>& ignored = {}) {
         std::vector<std::string> argv_s = {kWeftrun};
         argv_s.insert(argv_s.end(), args.begin(), args.end());
         std::vector<std::string> env_s;
@@ -66,6 +69,7 @@ public:
         start_ = Clock::now();
         pid_ = ::fork();
         if (pid_ == 0) {
+            for (int sig : ignored) ::signal(sig, SIG_IGN);
             ::dup2(out[1], 1);
             ::dup2(err[1], 2);
             ::execve(argv[0], argv.data(), envp.data());
@@ -320,6 +324,62 @@ TEST_F(WeftrunTest, ForwardsSigtermAndSigint) {
     }
 }
 
+/// Whether `pid` is gone (or a zombie nobody reaped yet: it runs no more).
+bool process_gone(pid_t pid) {
+    if (::kill(pid, 0) != 0) return errno == ESRCH;
+    FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+    if (f == nullptr) return true;
+    char state = 0;
+    const int got = std::fscanf(f, "%*d (%*[^)]) %c", &state);
+    std::fclose(f);
+    return got == 1 && (state == 'Z' || state == 'X');
+}
+
+// A failed job leaves nothing behind: rank 0 left a helper that ignores SIGTERM and holds its output pipe; rank 1
+// fails. The helper goes with weftrun's final SIGKILL of every rank's process group, not 30 s later.
+TEST_F(WeftrunTest, AFailedJobLeavesNoProcessBehind) {
+    char dir_template[] = "/tmp/weftrun_leftover_XXXXXX";
+    ASSERT_NE(::mkdtemp(dir_template), nullptr);
+    const std::string pid_file = std::string(dir_template) + "/helper.pid";
+    const std::string script =
+        "if [ $RANK = 1 ]; then sleep 0.5; exit 3; fi; (trap '' TERM; exec sleep 30) & echo $! > " + pid_file +
+        "; wait";
+    Result r = run({"-n", "2", "--", "sh", "-c", script});
+    EXPECT_EQ(r.exit_code, 3) << r.err;
+    FILE* f = std::fopen(pid_file.c_str(), "r");
+    ASSERT_NE(f, nullptr) << "rank 0 never started its helper";
+    int helper = 0;
+    ASSERT_EQ(std::fscanf(f, "%d", &helper), 1);
+    std::fclose(f);
+    const auto deadline = Clock::now() + milliseconds(3000);
+    while (!process_gone(helper) && Clock::now() < deadline) std::this_thread::sleep_for(milliseconds(10));
+    EXPECT_TRUE(process_gone(helper)) << "rank 0's helper (pid " << helper << ") outlived the failed job";
+    if (!process_gone(helper)) ::kill(helper, SIGKILL);
+    std::remove(pid_file.c_str());
+    ::rmdir(dir_template);
+}
+
+// Under nohup (SIGHUP ignored when weftrun starts) a hangup neither stops weftrun nor reaches the ranks.
+TEST_F(WeftrunTest, ASignalIgnoredAtStartStaysIgnored) {
+    Weftrun w({"-n", "2", "--", "sh", "-c", "echo ready; sleep 1; echo done-$RANK"}, {}, {SIGHUP});
+    ASSERT_TRUE(w.wait_for_stdout("ready", 2, milliseconds(10000)));
+    w.send_signal(SIGHUP);
+    Result r = w.finish();
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_TRUE(contains(r.out, "[rank 0] done-0") && contains(r.out, "[rank 1] done-1")) << r.out;
+    EXPECT_FALSE(contains(r.err, "received SIGHUP")) << r.err;
+}
+
+// weftrun run inside another launcher's worker (torchrun) does not pass that launcher's variables on: the ranks
+// would take its job for theirs.
+TEST_F(WeftrunTest, AnotherLaunchersVariablesAreNotPassedOn) {
+    Result r =
+        run({"-n", "1", "--", "sh", "-c", "echo ${TORCHELASTIC_RUN_ID-unset} ${GROUP_RANK-unset} ${ROLE_RANK-unset}"},
+            {"TORCHELASTIC_RUN_ID=outer", "GROUP_RANK=3", "ROLE_RANK=1"});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(lines(r.out), (std::vector<std::string>{"[rank 0] unset unset unset"})) << r.out;
+}
+
 TEST_F(WeftrunTest, MissingProgram) {
     Result r = run({"-n", "2", "--", "/nonexistent/weft-test-program"});
     EXPECT_EQ(r.exit_code, 127);
@@ -408,6 +468,7 @@ TEST_F(WeftrunTest, UsageErrors) {
         {{"-n", "2", "--"}, "no program given"},
         {{"-n"}, "-n needs a value"},
         {{"-n", "2", "--gpus", "0,,1", "--", "true"}, "--gpus must be a comma-separated list"},
+        {{"-n", "2", "--gpus", "--", "true"}, "--gpus must be a comma-separated list"},
         {{"-n", "2", "--timeout", "-1", "--", "true"}, "--timeout must be a number of seconds"},
         {{"-n", "2", "--port", "70000", "--", "true"}, "--port must be an integer in [1, 65535]"},
         {{"-n", "2", "--frobnicate", "--", "true"}, "unknown option '--frobnicate'"},

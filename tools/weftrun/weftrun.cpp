@@ -15,6 +15,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -40,6 +41,10 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kMaxLineBytes = 64 * 1024;  // longer lines are split (each piece prefixed)
 constexpr int kUsageError = 2;
 constexpr int kTimeoutExit = 124;
+constexpr int kStartExit = 1;  // a rank weftrun could not start (pipe, fork, /dev/null)
+// How long ranks may take to exit after SIGKILL before weftrun names them and leaves (a GPU context teardown stuck in
+// the driver).
+constexpr std::chrono::seconds kAfterKill{10};
 
 const char* kUsage =
     "usage: weftrun -n N [--gpus LIST] [--timeout S] [--port P] [--grace S] [--] prog [args...]\n"
@@ -50,15 +55,20 @@ const char* kUsage =
     "\n"
     "  -n, --nproc N   number of ranks (1..4096)\n"
     "  --gpus LIST     comma-separated CUDA devices; rank i gets CUDA_VISIBLE_DEVICES=LIST[i % len]\n"
-    "                  (without it CUDA_VISIBLE_DEVICES is left as it is)\n"
+    "                  (without it CUDA_VISIBLE_DEVICES is left as it is; LOCAL_RANK stays the rank, so a\n"
+    "                  rank selects device LOCAL_RANK % visible devices, as weft does, or device 0)\n"
     "  --timeout S     stop every rank after S seconds (exit 124); default: no limit\n"
     "  --port P        MASTER_PORT to set (for torch.distributed; weft meets elsewhere); default: a free port\n"
     "  --grace S       seconds between SIGTERM and SIGKILL when stopping ranks; default 5\n"
     "  -h, --help      this text\n"
     "\n"
     "When a rank exits non-zero or dies by a signal, the others get SIGTERM (then SIGKILL after the grace\n"
-    "period) and weftrun exits with that rank's code (128+signal for a signal). SIGINT, SIGTERM and SIGHUP\n"
-    "are forwarded to every rank (a second one sends SIGKILL); weftrun then exits with 128+signal.\n";
+    "period) and weftrun exits with that rank's code (128+signal for a signal); on a failure every rank's\n"
+    "process group gets SIGKILL before weftrun exits (processes a rank left behind go too). SIGINT, SIGTERM\n"
+    "and SIGHUP are forwarded to every rank (a second one sends SIGKILL); weftrun then exits with\n"
+    "128+signal. A signal weftrun was started with ignored (nohup, a background job) stays ignored, in the\n"
+    "ranks too. Ranks that outlive SIGKILL by 10 s are named and left behind.\n"
+    "Launcher variables weftrun inherits (TORCHELASTIC_*, GROUP_RANK, ROLE_*) are not passed on.\n";
 
 struct Options {
     int num_ranks = 0;
@@ -138,7 +148,7 @@ Options parse_args(int argc, char** argv) {
             while (true) {
                 size_t comma = value.find(',', start);
                 std::string item = value.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-                if (item.empty() || item.find_first_of(" \t") != std::string::npos) {
+                if (item.empty() || item[0] == '-' || item.find_first_of(" \t") != std::string::npos) {
                     usage_error("--gpus must be a comma-separated list of devices such as 0,1,2, got '" + value + "'");
                 }
                 o.gpus.push_back(item);
@@ -247,7 +257,7 @@ struct Rank {
     int status = 0;
 };
 
-enum class FailureKind { kNone, kExit, kSignal, kTimeout, kInterrupted };
+enum class FailureKind { kNone, kStart, kExit, kSignal, kTimeout, kInterrupted };
 
 struct Failure {
     FailureKind kind = FailureKind::kNone;
@@ -268,9 +278,34 @@ public:
         run_id_ = random_token().substr(0, 32);  // its own draw: the run id is public, the token is not
         if (run_id_.empty()) return fatal("cannot read /dev/urandom for the run id");
 
+        // Two pipes per rank stay open here: the soft open-file limit goes up to the hard one, and a job that still
+        // would not fit is refused now, not at the rank whose pipe fails.
+        rlimit files{};
+        if (::getrlimit(RLIMIT_NOFILE, &files) == 0) {
+            if (files.rlim_cur < files.rlim_max) {
+                files.rlim_cur = files.rlim_max;
+                (void)::setrlimit(RLIMIT_NOFILE, &files);
+                (void)::getrlimit(RLIMIT_NOFILE, &files);
+            }
+            const auto needed = static_cast<rlim_t>(2 * o_.num_ranks + 32);
+            if (files.rlim_cur != RLIM_INFINITY && files.rlim_cur < needed) {
+                return fatal("-n " + std::to_string(o_.num_ranks) + " needs about " + std::to_string(needed) +
+                             " open files; the limit is " + std::to_string(files.rlim_cur) + " (ulimit -n)");
+            }
+        }
+        // A signal this process was started with ignored (nohup's SIGHUP, a background job's SIGINT) stays ignored:
+        // a blocked signal would reach the signalfd even so.
         sigset_t mask;
         sigemptyset(&mask);
-        for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP}) sigaddset(&mask, sig);
+        sigaddset(&mask, SIGCHLD);
+        for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+            struct sigaction current {};
+            if (::sigaction(sig, nullptr, &current) == 0 && current.sa_handler == SIG_IGN) {
+                ignored_.push_back(sig);
+            } else {
+                sigaddset(&mask, sig);
+            }
+        }
         if (sigprocmask(SIG_BLOCK, &mask, &old_mask_) != 0) return fatal("sigprocmask failed");
         signal_fd_ = ::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
         if (signal_fd_ < 0) return fatal(std::string("signalfd failed: ") + std::strerror(errno));
@@ -280,11 +315,18 @@ public:
         ranks_.resize(static_cast<size_t>(o_.num_ranks));
         for (int r = 0; r < o_.num_ranks; ++r) {
             if (!spawn(r)) {
-                fail(Failure{FailureKind::kExit, r, 127, {}});
+                fail(Failure{FailureKind::kStart, r, kStartExit, {}});
                 break;
             }
         }
         loop();
+        // A failed job leaves nothing behind: processes a rank started in its group (a rank that exited before the
+        // stop, or a helper that ignored SIGTERM) get SIGKILL too. A group that is gone answers ESRCH.
+        if (failure_.kind != FailureKind::kNone) {
+            for (const Rank& rank : ranks_) {
+                if (rank.pid > 0) ::kill(-rank.pid, SIGKILL);
+            }
+        }
         return report();
     }
 
@@ -308,10 +350,17 @@ private:
         if (!o_.gpus.empty()) {
             set.push_back("CUDA_VISIBLE_DEVICES=" + o_.gpus[static_cast<size_t>(rank) % o_.gpus.size()]);
         }
+        // Another launcher's variables weftrun inherits (run inside a torchrun worker) would make the ranks take that
+        // launcher's job for theirs.
+        const auto foreign = [](const std::string& name) {
+            return name.rfind("TORCHELASTIC_", 0) == 0 || name.rfind("ROLE_", 0) == 0 || name == "GROUP_RANK" ||
+                   name == "GROUP_WORLD_SIZE";
+        };
         std::vector<std::string> env;
         for (char** p = environ; p != nullptr && *p != nullptr; ++p) {
             std::string entry(*p);
             std::string name = entry.substr(0, entry.find('='));
+            if (foreign(name)) continue;
             bool overridden = std::any_of(set.begin(), set.end(),
                                           [&](const std::string& s) { return s.compare(0, name.size() + 1, name + "=") == 0; });
             if (!overridden) env.push_back(std::move(entry));
@@ -329,6 +378,10 @@ private:
             return spawn_error(rank, "pipe");
         }
         int dev_null = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+        if (dev_null < 0) {
+            for (int fd : {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1]}) ::close(fd);
+            return spawn_error(rank, "open(/dev/null)");
+        }
         // Everything the child needs is built before fork (after it only async-signal-safe calls are made).
         std::vector<std::string> env = child_env(rank);
         std::vector<char*> envp, argv;
@@ -348,9 +401,12 @@ private:
             ::setpgid(0, 0);
             ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // weftrun killed outright: take the rank with it
             if (::getppid() != parent) ::_exit(126);
-            for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE, SIGCHLD}) ::signal(sig, SIG_DFL);
+            for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE, SIGCHLD}) {
+                const bool keep_ignored = std::find(ignored_.begin(), ignored_.end(), sig) != ignored_.end();
+                ::signal(sig, keep_ignored ? SIG_IGN : SIG_DFL);
+            }
             ::sigprocmask(SIG_SETMASK, &old_mask_, nullptr);
-            if (dev_null >= 0) ::dup2(dev_null, 0);
+            ::dup2(dev_null, 0);
             ::dup2(out_pipe[1], 1);
             ::dup2(err_pipe[1], 2);
             ::execvpe(argv[0], argv.data(), envp.data());
@@ -365,7 +421,7 @@ private:
         ::setpgid(pid, pid);  // also here, so the group exists before any signal is sent to it
         ::close(out_pipe[1]);
         ::close(err_pipe[1]);
-        if (dev_null >= 0) ::close(dev_null);
+        ::close(dev_null);
         for (int fd : {out_pipe[0], err_pipe[0]}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
         streams_.push_back(Stream{out_pipe[0], rank, 1, {}});
         streams_.push_back(Stream{err_pipe[0], rank, 2, {}});
@@ -395,7 +451,20 @@ private:
             }
             if (kill_at_ && now >= *kill_at_) {
                 kill_at_.reset();
-                signal_ranks(SIGKILL);
+                kill_all();
+            }
+            if (give_up_at_ && now >= *give_up_at_ && running_ > 0) {
+                std::string still;
+                for (size_t r = 0; r < ranks_.size(); ++r) {
+                    if (ranks_[r].running) {
+                        still += (still.empty() ? "" : ", ") + std::to_string(r) + " (pid " +
+                                 std::to_string(ranks_[r].pid) + ")";
+                    }
+                }
+                say("ranks " + still + " did not exit " + std::to_string(kAfterKill.count()) +
+                    " s after SIGKILL (stuck in the kernel or the GPU driver); leaving them");
+                gave_up_ = true;
+                break;
             }
             if (running_ == 0 && !drain_until_) {
                 // Every rank has exited; a background process it left may still hold a pipe open.
@@ -413,6 +482,7 @@ private:
             if (failure_.kind == FailureKind::kNone) consider(timeout_at);
             consider(kill_at_);
             consider(drain_until_);
+            consider(give_up_at_);
             int wait_ms = -1;
             if (wake) {
                 auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*wake - now).count() + 1;
@@ -431,7 +501,8 @@ private:
             if (n < 0) {
                 if (errno == EINTR) continue;
                 say(std::string("poll failed: ") + std::strerror(errno));
-                signal_ranks(SIGKILL);
+                kill_all();
+                gave_up_ = true;
                 break;
             }
             // Output first, so a rank's last lines print before the message about its exit.
@@ -440,10 +511,11 @@ private:
             }
             if (fds[0].revents != 0) handle_signals();
         }
-        // Reap whatever is left (after the drain cut-off a rank cannot still be running, but be sure).
+        // Reap whatever is left (after the drain cut-off a rank cannot still be running, but be sure); not those
+        // given up on.
         while (running_ > 0) {
             int status = 0;
-            pid_t pid = ::waitpid(-1, &status, 0);
+            pid_t pid = ::waitpid(-1, &status, gave_up_ ? WNOHANG : 0);
             if (pid < 0) break;
             on_exit(pid, status);
         }
@@ -518,7 +590,7 @@ private:
                 if (!kill_at_) kill_at_ = Clock::now() + grace();
             } else {
                 say("received " + signal_name(sig) + " again; killing every rank");
-                signal_ranks(SIGKILL);
+                kill_all();
             }
         }
     }
@@ -563,6 +635,12 @@ private:
         if (!kill_at_) kill_at_ = Clock::now() + grace();
     }
 
+    /// SIGKILL to every rank (signal_ranks), and the bound on how long they may take to go.
+    void kill_all() {
+        signal_ranks(SIGKILL);
+        if (!give_up_at_) give_up_at_ = Clock::now() + kAfterKill;
+    }
+
     /// Sends `sig` to the process group of every rank still running, and of every rank whose output
     /// pipes are still open (a process it started holds them).
     void signal_ranks(int sig) {
@@ -578,6 +656,8 @@ private:
 
     std::string describe(const Failure& f) const {
         switch (f.kind) {
+            case FailureKind::kStart:
+                return "could not be started (see the line above)";
             case FailureKind::kExit:
                 return "exited with code " + std::to_string(f.code) + (f.code == 127 ? " (command not found?)" : "");
             case FailureKind::kSignal:
@@ -600,6 +680,9 @@ private:
     int report() const {
         switch (failure_.kind) {
             case FailureKind::kNone: return 0;
+            case FailureKind::kStart:
+                say("job failed: rank " + std::to_string(failure_.rank) + " " + failure_.description);
+                return kStartExit;
             case FailureKind::kExit:
                 say("job failed: rank " + std::to_string(failure_.rank) + " failed first: " + failure_.description);
                 return failure_.code;
@@ -629,6 +712,9 @@ private:
     Failure failure_;
     std::optional<Clock::time_point> kill_at_;
     std::optional<Clock::time_point> drain_until_;
+    std::optional<Clock::time_point> give_up_at_;  // kAfterKill after the first SIGKILL
+    bool gave_up_ = false;                         // ranks left running after give_up_at_
+    std::vector<int> ignored_;                     // SIGINT / SIGTERM / SIGHUP ignored when weftrun started
 };
 
 }  // namespace
