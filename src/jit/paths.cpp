@@ -88,20 +88,17 @@ std::optional<IncludeRoots> weft_roots_at(const fs::path& dir) {
     return std::nullopt;
 }
 
-std::string built_common_headers_digest();  // generated: cmake/weft_headers_digest.cmake
+// Generated (cmake/weft_headers_digest.cmake): the headers of include/weft/common this library was built from.
+const std::vector<std::string>& built_common_header_names();
+std::string built_common_headers_digest();
 
-std::string common_headers_digest(const fs::path& weft_include) {
+std::string common_headers_digest(const fs::path& weft_include, const std::vector<std::string>& names_in) {
     const fs::path dir = weft_include / "weft" / "common";
-    std::vector<std::string> names;
-    std::error_code ec;
-    for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-        if (it->path().extension() == ".hpp" && it->is_regular_file(ec))
-            names.push_back(it->path().filename().string());
-    }
-    WEFT_CHECK(!ec, "cannot list " << dir.string() << ": " << ec.message());
+    std::vector<std::string> names = names_in;
     std::sort(names.begin(), names.end());
     std::string lines;
     for (const std::string& name : names) {
+        WEFT_CHECK(is_file(dir / name), "jit: " << (dir / name).string() << " is missing");
         const std::vector<char> bytes = read_file_bytes(dir / name);
         lines += name + ":" + to_hex(sha256(bytes.data(), bytes.size())) + "\n";
     }
@@ -109,13 +106,20 @@ std::string common_headers_digest(const fs::path& weft_include) {
 }
 
 void check_headers_match_library(const IncludeRoots& roots) {
-    const std::string found = common_headers_digest(roots.weft_include);
-    WEFT_CHECK(found == built_common_headers_digest(),
-               "jit: weft's headers at " << roots.weft_include.string() << " (" << roots.found_by
-                                         << ") are not the ones this library was built from (include/weft/common "
-                                            "differs: kernels compiled from them would disagree with the library "
-                                            "on their parameters); set WEFT_HOME to this build's source tree or "
-                                            "install prefix, or rebuild the library");
+    const auto mismatch = [&](const std::string& what) {
+        WEFT_FAIL("jit: weft's headers at " << roots.weft_include.string() << " (" << roots.found_by
+                                            << ") are not the ones this library was built from (" << what
+                                            << ": kernels compiled from them would disagree with the library on "
+                                               "their parameters); set WEFT_HOME to this build's source tree or "
+                                               "install prefix, or rebuild the library");
+    };
+    std::string found;
+    try {
+        found = common_headers_digest(roots.weft_include, built_common_header_names());
+    } catch (const Error& e) {
+        mismatch(e.what());
+    }
+    if (found != built_common_headers_digest()) mismatch("a header of include/weft/common differs");
 }
 
 IncludeRoots find_include_roots() {

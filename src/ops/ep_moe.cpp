@@ -14,6 +14,7 @@
 #include "weft/common/math.hpp"
 #include "weft/detail/gemm_launch.hpp"
 #include "weft/detail/host_mapped_pool.hpp"
+#include "weft/detail/rendezvous_protocol.hpp"
 #include "weft/jit/kernel.hpp"
 #include "weft/ops/gemm.hpp"
 #include "weft/ops/gemm_codegen.hpp"
@@ -140,7 +141,10 @@ MoeGrids moe_block_grids(const MoeConfig& config, const MoePlan& plan, int num_r
 uint64_t moe_gemm_timeout_ns(std::chrono::milliseconds world_timeout) {
     WEFT_CHECK(world_timeout.count() > 0,
                "ep::MoeBlock: the World's timeout must be positive, got " << world_timeout.count() << " ms");
-    return 2 * static_cast<uint64_t>(world_timeout.count()) * 1000000ull;
+    // Twice the World's bound, at most the 30 days a GEMM's timeout may be (the grouped GEMM refuses more).
+    const uint64_t ms = std::min<uint64_t>(2 * static_cast<uint64_t>(world_timeout.count()),
+                                           static_cast<uint64_t>(weft::detail::rendezvous::kMaxWaitMs));
+    return ms * 1000000ull;
 }
 
 jit::KernelSpec moe_swiglu_kernel_spec(const std::string& arch) {

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "views_overlap.hpp"
+#include "weft/detail/rendezvous_protocol.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/team.hpp"
@@ -139,8 +140,9 @@ int fused_gemm_grid(const GemmConfig& config, int64_t m, int64_t n, int budget) 
 }
 
 uint64_t fused_gemm_timeout_ns(const World& world) {
+    // Twice the World's bound, at most the 30 days any device bound may be.
     const auto ms = static_cast<uint64_t>(std::max<int64_t>(1, world.timeout().count()));
-    return 2 * ms * 1000000ull;
+    return std::min<uint64_t>(2 * ms, static_cast<uint64_t>(weft::detail::rendezvous::kMaxWaitMs)) * 1000000ull;
 }
 
 uint64_t fused_gemm_timeout_ns(const Team& team) { return fused_gemm_timeout_ns(team.world()); }

@@ -130,6 +130,7 @@ void stop_if_asked(const FdExchange& ex, const std::string& what) {
 UniqueFd connect_to(const FdExchange& ex, const std::string& name, std::chrono::steady_clock::time_point deadline) {
     socklen_t length = 0;
     sockaddr_un addr = socket_address(name, &length);
+    auto next_stop_check = std::chrono::steady_clock::now() + kStopCheckSlice;
     for (int attempt = 0;; ++attempt) {
         UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
         WEFT_CHECK(fd.get() >= 0, "socket(AF_UNIX) failed: " << errno_text(errno));
@@ -140,7 +141,10 @@ UniqueFd connect_to(const FdExchange& ex, const std::string& name, std::chrono::
         if ((err != ECONNREFUSED && err != EAGAIN && err != EINTR) || std::chrono::steady_clock::now() > deadline) {
             WEFT_FAIL("could not connect to '@" << name << "': " << errno_text(err));
         }
-        if (attempt % 8 == 7) stop_if_asked(ex, "connecting to '@" + name + "'");
+        if (std::chrono::steady_clock::now() >= next_stop_check) {
+            stop_if_asked(ex, "connecting to '@" + name + "'");
+            next_stop_check = std::chrono::steady_clock::now() + kStopCheckSlice;
+        }
         std::this_thread::sleep_for(std::chrono::milliseconds(std::min(50, 1 << std::min(attempt, 5))));
     }
 }

@@ -164,25 +164,25 @@ bool Watchdog::publish(char kind, const std::string& reason, bool keep) noexcept
         if (stopped_) return false;
         ++publishing_;  // stop() removes this rank's records only after this publish noted its own
     }
-    int64_t index = 0;
     bool ok = false;
     try {
-        index = store_->add(kRecordIndexKey, 1);
+        const int64_t index = store_->add(kRecordIndexKey, 1);
+        {
+            // Noted before the record is written: this rank's own reads skip it (an abort cleared meanwhile must not
+            // come back from it), and stop() erases it unless kept.
+            std::lock_guard<std::mutex> lock(mutex_);
+            published_.push_back(index);
+            if (keep) kept_.push_back(index);
+        }
         const std::string record = encode_abort_record(kind, reason);
         store_->set(record_key(index), Bytes(record.begin(), record.end()));
         ok = true;
     } catch (const std::exception& e) {
         WEFT_LOG_WARN("watchdog: publishing the abort to the other ranks failed: " << e.what());
     }
-    {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (index > 0) {  // a record that may have been written: stop() erases it unless kept
-            published_.push_back(index);
-            if (keep) kept_.push_back(index);
-        }
-        --publishing_;
-    }
-    idle_.notify_all();
+    std::lock_guard<std::mutex> lock(mutex_);
+    --publishing_;
+    idle_.notify_all();  // under the lock: stop() may free this Watchdog once it sees publishing_ == 0
     return ok;
 }
 
@@ -225,19 +225,20 @@ void Watchdog::read_records() {
     to_read.swap(unread_records_);
     for (int64_t i = seen_records_ + 1; i <= last; ++i) to_read.push_back(i);
     if (last > seen_records_) seen_records_ = last;
-    // This rank's own (a record being published now may be read as another's: it repeats this rank's abort).
-    std::vector<int64_t> own;
-    {
+    // This rank's own records are skipped; publish() notes an index before it writes the record, so one read here
+    // (after its get) is known by then.
+    const auto own = [this](int64_t i) {
         std::lock_guard<std::mutex> lock(mutex_);
-        own = published_;
-    }
+        return std::find(published_.begin(), published_.end(), i) != published_.end();
+    };
     for (int64_t i : to_read) {
-        if (std::find(own.begin(), own.end(), i) != own.end()) continue;
+        if (own(i)) continue;
         if (!store_->check(record_key(i))) {
             unread_records_.push_back(i);
             continue;
         }
         const Bytes bytes = store_->get(record_key(i), kPresentKeyGet);
+        if (own(i)) continue;
         const auto [kind, reason] = decode_abort_record(std::string(bytes.begin(), bytes.end()));
         if (w.abort_word() == kAbortNone) {
             WEFT_LOG_ERROR("watchdog: aborting the World: " << reason);

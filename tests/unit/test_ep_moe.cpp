@@ -169,6 +169,8 @@ TEST(EpMoePlan, GridsRefuseBadBudgetsAndCommSms) {
 TEST(EpMoePlan, GemmWaitsOutlastThePeerWaits) {
     EXPECT_EQ(moe_gemm_timeout_ns(std::chrono::milliseconds(30000)), 60000000000ull);
     EXPECT_EQ(moe_gemm_timeout_ns(std::chrono::minutes(10)), 1200000000000ull);
+    // A World bound past 15 days: at most the 30 days the grouped GEMM takes.
+    EXPECT_EQ(moe_gemm_timeout_ns(std::chrono::milliseconds(2592000000)), 2592000000ull * 1000000ull);
     EXPECT_NE(error_of([] { moe_gemm_timeout_ns(std::chrono::milliseconds(0)); }).find("timeout"), std::string::npos);
 }
 

@@ -695,6 +695,9 @@ TEST(JitPaths, HeadersOtherThanTheLibrarysAreRefused) {
     copy.weft_include = tree / "include";
     copy.found_by = "a test's copy";
     EXPECT_NO_THROW(check_headers_match_library(copy)) << "an identical copy";
+    // A header of another name (an older install's, left by an install over it) is not looked at.
+    write_text_file(tree / "include/weft/common/left_by_an_older_install.hpp", "#pragma once\n");
+    EXPECT_NO_THROW(check_headers_match_library(copy)) << "a stray header";
     const fs::path header = tree / "include/weft/common/tp_params.hpp";
     write_text_file(header, read_text_file(header) + "\nstruct AFieldAddedLater { int x; };\n");
     try {
@@ -708,6 +711,14 @@ TEST(JitPaths, HeadersOtherThanTheLibrarysAreRefused) {
     }
     ScopedEnv stale("WEFT_HOME", tree.path().string());
     EXPECT_THROW(Compiler{isolated_compiler_config(fs::path())}, Error);
+    // A header the library was built with, missing: named.
+    fs::remove(header);
+    try {
+        check_headers_match_library(copy);
+        ADD_FAILURE() << "a missing include/weft/common header was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("tp_params.hpp is missing"), std::string::npos) << e.what();
+    }
 }
 
 TEST(JitPaths, WeftHomeOverridesAndIsValidated) {

@@ -32,13 +32,14 @@ struct IncludeRoots {
 /// Throws weft::Error listing every place searched when none matches.
 IncludeRoots find_include_roots();
 
-/// The digest of the headers under `weft_include`/weft/common (the structs the library and the JIT's kernels share):
-/// SHA-256 of one line "name:sha256-of-its-bytes\n" per *.hpp in name order, as cmake/weft_headers_digest.cmake
-/// computes it at build time. Throws weft::Error when the folder cannot be read.
-std::string common_headers_digest(const std::filesystem::path& weft_include);
-/// Throws weft::Error unless common_headers_digest(roots.weft_include) is that of the headers this library was built
-/// from (kernels compiled from other headers would disagree with it on its parameter structs: an older install, a
-/// source tree of another version found upward from the executable). The Compiler checks the roots it finds itself.
+/// The digest of the headers `names` (in name order) under `weft_include`/weft/common (the structs the library and
+/// the JIT's kernels share): SHA-256 of one line "name:sha256-of-its-bytes\n" per header, as
+/// cmake/weft_headers_digest.cmake computes it at build time. Throws weft::Error naming a header that is missing.
+std::string common_headers_digest(const std::filesystem::path& weft_include, const std::vector<std::string>& names);
+/// Throws weft::Error unless the headers of include/weft/common this library was built from are in roots.weft_include
+/// with the same contents (kernels compiled from other headers would disagree with it on its parameter structs: an
+/// older install, a source tree of another version found upward from the executable); other files there are not
+/// looked at. The Compiler checks the roots it finds itself.
 void check_headers_match_library(const IncludeRoots& roots);
 
 /// The search behind find_include_roots() without WEFT_HOME: the nearest ancestor of each of `starts`, in

@@ -109,8 +109,9 @@ MoeGrids moe_block_grids(const MoeConfig& config, const MoePlan& plan, int num_r
                          const MoeOptions& options = {});
 
 /// The bound of the fused GEMMs' waits (the up-projection's waits for the dispatch's words, and both GEMMs' pipeline
-/// waits): twice the World's timeout, which bounds the EP kernels' waits on peers, so that a peer that never
-/// dispatches is named by those waits (and the World aborted, which stops the GEMMs' waits) before a GEMM gives up.
+/// waits): twice the World's timeout (at most 30 days), which bounds the EP kernels' waits on peers, so that a peer
+/// that never dispatches is named by those waits (and the World aborted, which stops the GEMMs' waits) before a GEMM
+/// gives up.
 uint64_t moe_gemm_timeout_ns(std::chrono::milliseconds world_timeout);
 
 /// The SwiGLU kernel (header ep/moe.cuh) the block launches between its GEMMs.
