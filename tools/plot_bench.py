@@ -12,6 +12,7 @@ Each file is recognised by its "bench" field (bench/*/ write it):
                    overlap efficiency (ideal / fused time), per op and shape
   ep               weft_bench_ep: dispatch and combine latency against tokens per rank, per mode and world size
   primitives       weft_bench_primitives: copy bandwidth against size with its roofline
+Files of other benchmarks are skipped with a warning, so `plot_bench.py LOGDIR/*.json` works.
 Writes one PNG per figure into --out and prints their paths.
 """
 
@@ -190,7 +191,9 @@ def main(argv):
             doc = json.load(f)
         kind = doc.get("bench")
         if kind not in PLOTTERS:
-            sys.exit(f"{path}: unknown benchmark '{kind}' (the \"bench\" field); known: {', '.join(PLOTTERS)}")
+            print(f"plot_bench.py: skipping {path}: no figure for benchmark '{kind}' (the \"bench\" field); "
+                  f"known: {', '.join(PLOTTERS)}", file=sys.stderr)
+            continue
         stem = os.path.splitext(os.path.basename(path))[0]
         PLOTTERS[kind](doc, args.out, stem, plt, written)
     for p in written:

@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: MIT
 // weft-compile: compiles kernel specialisations ahead of time into a JIT cache folder (no GPU needed).
-#include <cstdio>
-#include <cstdlib>
 #include <atomic>
+#include <charconv>
+#include <cstdio>
 #include <filesystem>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -51,6 +52,15 @@ int usage_error(const std::string& message) {
     return 2;
 }
 
+// The whole of `text` as an integer in [lo, hi], else nullopt: "4x", "1e3", " 4", "+4" and "" are refused.
+std::optional<int> parse_int_in(const std::string& text, int lo, int hi) {
+    int v = 0;
+    const char* end = text.data() + text.size();
+    const auto [ptr, ec] = std::from_chars(text.data(), end, v);
+    if (ec != std::errc{} || ptr != end || v < lo || v > hi) return std::nullopt;
+    return v;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -92,10 +102,9 @@ int main(int argc, char** argv) {
                 options.lto = true;
             } else if (a == "--maxrregcount") {
                 const std::string v = value();
-                options.max_registers = std::atoi(v.c_str());
-                if (options.max_registers <= 0 || options.max_registers > 255) {
-                    return usage_error("--maxrregcount needs a number in 1..255, got '" + v + "'");
-                }
+                const std::optional<int> n = parse_int_in(v, 1, 255);
+                if (!n) return usage_error("--maxrregcount needs a number in 1..255, got '" + v + "'");
+                options.max_registers = *n;
             } else if (a == "--define") {
                 options.defines.push_back(value());
             } else if (a == "--expect-cached") {
@@ -104,8 +113,9 @@ int main(int argc, char** argv) {
                 load = true;
             } else if (a == "--jobs") {
                 const std::string v = value();
-                jobs = std::atoi(v.c_str());
-                if (jobs <= 0 || jobs > 256) return usage_error("--jobs needs a number in 1..256, got '" + v + "'");
+                const std::optional<int> n = parse_int_in(v, 1, 256);
+                if (!n) return usage_error("--jobs needs a number in 1..256, got '" + v + "'");
+                jobs = *n;
             } else {
                 return usage_error("unknown option '" + a + "'");
             }
