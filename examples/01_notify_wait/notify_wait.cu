@@ -72,6 +72,7 @@ __global__ void ring_kernel(DeviceCtx ctx, uint32_t* inbox, uint64_t* inbox_read
 
 int main(int argc, char** argv) {
     const weft::examples::Args args(argc, argv, "[num_ranks>=1] [rounds>=1]");
+    args.at_most(2);
     const int num_ranks = args.positional<int>(1, "num_ranks", 1, 1024, 4);
     const int rounds = args.positional<int>(2, "rounds", 1, 1000000, 1000);
     try {

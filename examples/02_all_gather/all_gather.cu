@@ -56,6 +56,7 @@ __global__ void all_gather_kernel(DeviceCtx ctx, AllGatherTileMap map, const uin
 
 int main(int argc, char** argv) {
     const weft::examples::Args args(argc, argv, "[num_ranks] [rows_per_rank] [cols] [chunk_rows]");
+    args.at_most(4);
     // Bounds keep total_elems * sizeof(uint32_t) within uint64; the map checks the rows further.
     const int num_ranks = args.positional<int>(1, "num_ranks", 1, 1024, 4);
     const int64_t rows_per_rank = args.positional<int64_t>(2, "rows_per_rank", 1, int64_t{1} << 30, 1000);

@@ -42,6 +42,7 @@ bool check(const float* got, int64_t count, int n) {
 
 int main(int argc, char** argv) {
     const weft::examples::Args args(argc, argv, "[num_ranks >= 1] [count >= 1]");
+    args.at_most(2);
     // The check's sums stay exact in f32 up to 1024 ranks; 2^30 floats are 4 GiB a buffer.
     const int num_ranks = args.positional<int>(1, "num_ranks", 1, 1024, 4);
     const int64_t count = args.positional<int64_t>(2, "count", 1, int64_t{1} << 30, 100000);

@@ -77,6 +77,7 @@ int main(int argc, char** argv) {
     // The bounds are ep::Config's limits (low-latency mode included); footprint() checks the rest (multiples, E % W).
     const weft::examples::Args args(argc, argv,
                                     "[num_ranks=4] [tokens_per_rank=200] [hidden=1024] [experts=16] [topk=4]");
+    args.at_most(5);
     const int num_ranks = args.positional<int>(1, "num_ranks", 1, weft::ops::ep::kMaxRanks, 4);
     const int tokens = args.positional<int>(2, "tokens_per_rank", 1, weft::ops::ep::kMaxLowLatencyTokens, 200);
     weft::ops::ep::Config cfg;

@@ -68,6 +68,7 @@ int main(int argc, char** argv) {
     // The bounds are ep::Config's limits (normal mode) and hidden's for ffn; footprint() and MoeBlock check the rest.
     const weft::examples::Args args(
         argc, argv, "[num_ranks=4] [tokens_per_rank=256] [hidden=2048] [experts=32] [topk=4] [ffn=1024]");
+    args.at_most(6);
     const int num_ranks = args.positional<int>(1, "num_ranks", 1, ep::kMaxRanks, 4);
     const int tokens = args.positional<int>(2, "tokens_per_rank", 1, 1 << 24, 256);
     ep::MoeConfig cfg;

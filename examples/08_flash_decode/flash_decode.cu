@@ -74,6 +74,7 @@ float bf16_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 int main(int argc, char** argv) {
     // Page ids are int32 (batch x 2^19 of them at most); a page beyond the longest sequence (2^19) only wastes memory.
     const weft::examples::Args args(argc, argv, "[batch >= 1] [page_size >= 1]");
+    args.at_most(2);
     const int batch = args.positional<int>(1, "batch", 1, 1024, 1);
     const int page = args.positional<int>(2, "page_size", 1, 1 << 19, 16);
     try {

@@ -77,6 +77,7 @@ struct Result {
 
 int main(int argc, char** argv) {
     const weft::examples::Args args(argc, argv, "[count >= 1]");
+    args.at_most(1);
     const int64_t count = args.positional<int64_t>(1, "count", 1, int64_t{1} << 30, 1000000);
     try {
         std::unique_ptr<weft::World> world = weft::World::from_env();

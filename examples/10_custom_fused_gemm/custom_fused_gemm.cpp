@@ -28,6 +28,7 @@ using bf16 = __nv_bfloat16;
 int main(int argc, char** argv) try {
     const weft::examples::Args args(
         argc, argv, "[world >= 1, 0: max(2, GPUs)] [m >= 1] [k: a positive multiple of 8] [calls >= 1]");
+    args.at_most(4);
     // m and k up to 2^20 fit the tile grid's int32 and keep m * k * 2 bytes within int64.
     int world = args.positional<int>(1, "world", 0, 1024, 0), gpus = 0;
     const int64_t m = args.positional<int64_t>(2, "m", 1, int64_t{1} << 20, 1024);

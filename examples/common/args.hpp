@@ -39,6 +39,14 @@ public:
         return static_cast<T>(value);
     }
 
+    /// fail()s when the program was given more than `count` arguments (a program that reads positional arguments
+    /// only: an extra one is a mistake, not something to ignore).
+    void at_most(int count) const {
+        if (argc_ - 1 > count) {
+            fail("takes at most " + std::to_string(count) + " argument(s), got " + std::to_string(argc_ - 1));
+        }
+    }
+
     /// argv[i] read by parse() as "argument i (name)", or `fallback` when the program was given fewer arguments.
     template <std::integral T>
     T positional(int i, const char* name, int64_t lo, int64_t hi, T fallback) const {
