@@ -59,8 +59,8 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
         detail::plan_decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, options,
                                       detail::attention_resident_blocks_here);
     if (plan.empty) return;
-    detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team, stream, "sp_decode_attention");
-    // As the other collectives: this GPU's memory, refused before any rank's kernels launch on it.
+    // As the other collectives: this GPU's memory, refused before any rank's kernels launch on it (and before the
+    // collective workspace is set up on a first call).
     detail::check_device_buffers(team.world().heap(),
                                  {{"q", q},
                                   {"k_cache", k_cache},
@@ -70,6 +70,7 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
                                   {"out", out},
                                   {"lse", lse}},
                                  "sp_decode_attention", stream);
+    detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team, stream, "sp_decode_attention");
     const int64_t batch = plan.params.batch;
     const int64_t heads = plan.params.num_q_heads;
     const int64_t dim = plan.config.head_dim;
