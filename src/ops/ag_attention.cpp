@@ -702,12 +702,14 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
     detail::FlashAttentionPlan plan = detail::plan_flash_attention(q_local, gk, gv, out, lse, fo, kOp);
 
     // This rank's K and V into its slot of the gathered buffers (skipped where they already are), on `stream`.
+    const auto row_bytes = static_cast<size_t>(s.row_bytes());
+    tp_detail::check_row_copy(kOp, "k_local", row_bytes, src_pitch(k_local), row_bytes, static_cast<size_t>(rows));
+    tp_detail::check_row_copy(kOp, "v_local", row_bytes, src_pitch(v_local), row_bytes, static_cast<size_t>(rows));
     const auto copy_local_into = [&](uint8_t* slot_k, uint8_t* slot_v) {
         for (const auto& [src, dst] : {std::pair{&k_local, slot_k}, std::pair{&v_local, slot_v}}) {
             if (src->data == dst) continue;
-            WEFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(s.row_bytes()), src->data, src_pitch(*src),
-                                              static_cast<size_t>(s.row_bytes()), static_cast<size_t>(rows),
-                                              cudaMemcpyDefault, stream));
+            tp_detail::copy_rows_async(dst, row_bytes, src->data, src_pitch(*src), row_bytes, static_cast<size_t>(rows),
+                                       stream);
         }
     };
     if (s.num_ranks == 1) {

@@ -455,6 +455,8 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
     // One row: its own width (a one-row view may carry any row stride, even one below k).
     call.src_pitch = rows == 1 ? call.width_bytes : static_cast<size_t>(a_local.stride(0) * es);
     call.rows = static_cast<size_t>(rows);
+    if (call.copy_local)
+        tp_detail::check_row_copy(kOp, "a_local", call.width_bytes, call.src_pitch, call.width_bytes, call.rows);
 
     if (s.num_ranks == 1) {
         // The plain GEMM straight from a_local; the copy into gathered(M) runs beside it.
@@ -559,8 +561,8 @@ void launch_network(AgGemm::State& s, const AgCall& call, cudaStream_t stream) {
 void launch_call(AgGemm::State& s, size_t idx, const AgCall& call, cudaStream_t stream) {
     const FusedGemm& fused = s.gemms[idx];
     const auto copy_shard = [&](cudaStream_t on) {
-        WEFT_CUDA_CHECK(cudaMemcpy2DAsync(call.slot, call.width_bytes, call.local_src, call.src_pitch, call.width_bytes,
-                                          call.rows, cudaMemcpyDefault, on));
+        tp_detail::copy_rows_async(call.slot, call.width_bytes, call.local_src, call.src_pitch, call.width_bytes,
+                                   call.rows, on);
     };
 
     if (s.num_ranks == 1) {

@@ -195,6 +195,12 @@ uint64_t CollectiveHeapSizes::bytes() const {
 
 uint64_t staging_region_from_env() {
     const uint64_t region = env::get_bytes("WEFT_COLLECTIVE_STAGING_BYTES").value_or(kDefaultStagingRegionBytes);
+    // Three regions live in the symmetric heap: far below 2^64 (a wrapped size would allocate a sliver).
+    constexpr uint64_t kMaxRegion = uint64_t{1} << 40;
+    WEFT_CHECK(region <= kMaxRegion,
+               "WEFT_COLLECTIVE_STAGING_BYTES must be at most 1 TiB (one staging region; the "
+               "workspace holds three in the symmetric heap), got "
+                   << region << " bytes");
     return std::max<uint64_t>((region + 255) / 256 * 256, kMinStagingRegionBytes);
 }
 

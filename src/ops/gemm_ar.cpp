@@ -288,6 +288,11 @@ ArCall prepare_call(const GemmAr::State& s, const GemmProblem& p, const TensorVi
     // peers' halves must meet): a c with padded rows receives the sum reduced in place in the partial, row by row.
     call.collective = s.use_collective;
     call.collective_in_place = s.use_collective && m > 1 && c.stride(0) != s.shape.n;
+    if (call.collective_in_place) {
+        const size_t row_bytes = static_cast<size_t>(s.shape.n) * dtype_bytes(s.shape.dtype);
+        tp_detail::check_row_copy(kOp, "c", static_cast<size_t>(c.stride(0)) * dtype_bytes(s.shape.dtype), row_bytes,
+                                  row_bytes, static_cast<size_t>(m));
+    }
     ArReduceParams& r = call.reduce;
     r.ctx = s.ctx;
     r.m = static_cast<int32_t>(m);
@@ -336,9 +341,8 @@ void launch_call(GemmAr::State& s, const ArCall& call, cudaStream_t stream) {
         const size_t row_bytes = static_cast<size_t>(s.shape.n) * dtype_bytes(s.shape.dtype);
         void* sum = s.padded_sum_buffer(row_bytes * static_cast<size_t>(s.shape.max_m));
         detail::all_reduce_into_private(s.team, partial, TensorView(sum, s.shape.dtype, {count}), stream);
-        WEFT_CUDA_CHECK(
-            cudaMemcpy2DAsync(call.reduce.out, static_cast<size_t>(call.reduce.ldc) * dtype_bytes(s.shape.dtype), sum,
-                              row_bytes, row_bytes, static_cast<size_t>(call.m), cudaMemcpyDeviceToDevice, stream));
+        tp_detail::copy_rows_async(call.reduce.out, static_cast<size_t>(call.reduce.ldc) * dtype_bytes(s.shape.dtype),
+                                   sum, row_bytes, row_bytes, static_cast<size_t>(call.m), stream);
         return;
     }
     jit::LaunchParams lp;

@@ -615,6 +615,8 @@ void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const Tenso
         const net::RsNodeCall* call = nullptr;
     };
     std::vector<NodeCall> calls;
+    tp_detail::check_row_copy(kOp, "a", static_cast<size_t>(k * es), static_cast<size_t>(lda * es),
+                              static_cast<size_t>(k * es), static_cast<size_t>(rows));
     for (const net::RsNodeCall& call : sched.calls) {
         const net::RsNodeBlock& blk = plan.blocks[static_cast<size_t>(call.block)];
         NodeCall x;
@@ -659,10 +661,9 @@ void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const Tenso
             const net::RsNodeBlock& blk = plan.blocks[static_cast<size_t>(call.block)];
             for (int32_t l = 0; l < plan.per_node; ++l) {
                 const int64_t src_row = blk.rows_of[static_cast<size_t>(l)] * rows + call.row_begin;
-                WEFT_CUDA_CHECK(cudaMemcpy2DAsync(s.a_rows + l * call.num_rows * k * es, static_cast<size_t>(k * es),
-                                                  a_bytes + src_row * lda * es, static_cast<size_t>(lda * es),
-                                                  static_cast<size_t>(k * es), static_cast<size_t>(call.num_rows),
-                                                  cudaMemcpyDeviceToDevice, stream));
+                tp_detail::copy_rows_async(s.a_rows + l * call.num_rows * k * es, static_cast<size_t>(k * es),
+                                           a_bytes + src_row * lda * es, static_cast<size_t>(lda * es),
+                                           static_cast<size_t>(k * es), static_cast<size_t>(call.num_rows), stream);
             }
         }
         s.node_op->run(x.a, b, x.c, stream);

@@ -47,6 +47,30 @@ void launch_peer_pulls(const jit::Kernel& kernel, const DeviceCtx& ctx, const st
     }
 }
 
+namespace {
+bool rows_back_to_back(size_t dst_pitch, size_t src_pitch, size_t width, size_t rows) {
+    return rows <= 1 || (dst_pitch == width && src_pitch == width);
+}
+}  // namespace
+
+void copy_rows_async(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t rows,
+                     cudaStream_t stream) {
+    if (rows_back_to_back(dst_pitch, src_pitch, width, rows)) {
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, width * rows, cudaMemcpyDefault, stream));
+        return;
+    }
+    WEFT_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDefault, stream));
+}
+
+void check_row_copy(const char* op, const char* what, size_t dst_pitch, size_t src_pitch, size_t width, size_t rows) {
+    if (rows_back_to_back(dst_pitch, src_pitch, width, rows)) return;
+    const auto max_pitch = static_cast<size_t>(device_attribute(cudaDevAttrMaxPitch));
+    WEFT_CHECK(dst_pitch <= max_pitch && src_pitch <= max_pitch,
+               op << ": " << what << "'s rows are copied with a strided copy whose row pitch (" << src_pitch
+                  << " bytes from, " << dst_pitch << " bytes to) passes the device's maximum of " << max_pitch
+                  << " bytes; pass the rows back to back");
+}
+
 int device_attribute(cudaDeviceAttr attr) {
     int device = 0, n = 0;
     WEFT_CUDA_CHECK(cudaGetDevice(&device));

@@ -59,6 +59,15 @@ jit::KernelSpec peer_pull_kernel_spec(const std::string& arch = "");
 void launch_peer_pulls(const jit::Kernel& kernel, const DeviceCtx& ctx, const std::vector<PeerPullItem>& items,
                        cudaStream_t stream, const uint64_t* signatures = nullptr, uint64_t signature = 0);
 
+/// Copies `rows` rows of `width` bytes (row pitches `dst_pitch`, `src_pitch`) on `stream`: one cudaMemcpyAsync when
+/// the rows lie back to back on both sides (one row, or both pitches the width: any size), else cudaMemcpy2DAsync,
+/// whose pitches must not pass the device's maximum (check_row_copy, before anything is launched).
+void copy_rows_async(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t rows,
+                     cudaStream_t stream);
+/// Refuses (weft::Error naming `op` and `what`) a copy_rows_async that the 2-D copy cannot make: strided rows whose
+/// pitch passes the device's maximum (cudaDevAttrMaxPitch: 2 GiB - 1 on Hopper).
+void check_row_copy(const char* op, const char* what, size_t dst_pitch, size_t src_pitch, size_t width, size_t rows);
+
 /// An op's SM budget: options.sm_budget when > 0 (at most the device's SMs), else `world_default`.
 /// Refuses an explicit SM budget above a rank's share of a GPU that several ranks share (World::shared_sm_budget,
 /// the same on every rank): the ranks' persistent kernels wait for each other and must all be resident at once.

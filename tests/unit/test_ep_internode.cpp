@@ -713,6 +713,18 @@ TEST(EpFootprint, NodeCollectivesAreTheWorkspaceSizes) {
         const uint64_t signals = 256 * 2 + 4 + 2 + 4 * (512 << 10) / 8 + 4 * 256 * 16 / 8;
         EXPECT_EQ(collective_workspace_heap_bytes(2), 8 * signals + 3 * ((1ull << 20) + 256));
     }
+    {
+        // Three times this wraps 2^64 (to 512 bytes): refused, not allocated as a sliver.
+        const weft::testing::ScopedEnv huge("WEFT_COLLECTIVE_STAGING_BYTES", std::string("6148914691236517206"));
+        try {
+            (void)collective_workspace_heap_bytes(2);
+            ADD_FAILURE() << "a staging region of 6e18 bytes was accepted";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("WEFT_COLLECTIVE_STAGING_BYTES must be at most 1 TiB"),
+                      std::string::npos)
+                << e.what();
+        }
+    }
     EXPECT_THROW((void)collective_workspace_heap_bytes(0), Error);
     EXPECT_THROW((void)collective_workspace_heap_bytes(65), Error);
 }

@@ -1304,6 +1304,17 @@ TEST(GemmPlan, ForcedConfigMustMatchTheCall) {
     bad.stages = 7;
     o.config = bad;
     expect_error_mentions([&] { ops::plan_gemm(p, 132, o); }, "options.config is not a valid GemmConfig");
+    // A swapped 16-row tile with raster groups of 64 along M over about 2^30 rows: the kernel's int32 tile order
+    // would wrap (rows unwritten or written twice); refused. The same config on an ordinary M is taken.
+    GemmConfig fine = ops::gemm_swap_ab_config_of(16, DType::kBF16, DType::kBF16);
+    fine.raster = Raster::kAlongM;
+    fine.raster_group = 64;
+    ASSERT_TRUE(is_valid(fine)) << ops::format_gemm_config(fine);
+    o.config = fine;
+    const ops::GemmProblem huge{int64_t{1} << 30, 8, 8, BLayout::kNK, DType::kBF16, DType::kBF16};
+    expect_error_mentions([&] { ops::validate_gemm_options(huge, o); }, "pass the kernel's int32 tile order");
+    EXPECT_NO_THROW(
+        ops::validate_gemm_options(ops::GemmProblem{4096, 8, 8, BLayout::kNK, DType::kBF16, DType::kBF16}, o));
 }
 
 TEST(GemmFormat, PrintsDesignatedInitialisers) {
