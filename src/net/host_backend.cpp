@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -121,6 +122,56 @@ const NcclApi& nccl() {
         const ncclResult_t weft_nccl_r_ = (call);                                                          \
         WEFT_CHECK(weft_nccl_r_ == ncclSuccess, what << " failed: " << nccl().error_string(weft_nccl_r_)); \
     } while (0)
+
+// ncclCommInitRank returns once every member of the communicator has joined; one that failed after the ids were
+// exchanged would hold it forever (NCCL's bootstrap has no bound of its own). It runs on a thread of its own, waited
+// for in slices up to `timeout` (an abort of the World, `aborted`, ends the wait sooner); on expiry the call fails
+// naming `what`, and the thread, left inside NCCL, aborts the communicator itself should it ever get one.
+ncclComm_t init_comm_bounded(int num_ranks, const ncclUniqueId& id, int rank, int device,
+                             std::chrono::milliseconds timeout, const std::function<bool()>& aborted,
+                             const std::string& what) {
+    struct Init {
+        std::mutex mutex;
+        std::condition_variable done_cv;
+        bool done = false;
+        bool abandoned = false;
+        ncclResult_t result = ncclInternalError;
+        ncclComm_t comm = nullptr;
+    };
+    auto init = std::make_shared<Init>();
+    std::thread([init, num_ranks, id, rank, device] {
+        ncclComm_t comm = nullptr;
+        ncclResult_t result = ncclInternalError;
+        if (cudaSetDevice(device) == cudaSuccess) result = nccl().comm_init_rank(&comm, num_ranks, id, rank);
+        std::lock_guard<std::mutex> lock(init->mutex);
+        if (init->abandoned) {
+            if (comm != nullptr) nccl().comm_abort(comm);
+            return;
+        }
+        init->done = true;
+        init->result = result;
+        init->comm = comm;
+        init->done_cv.notify_all();
+    }).detach();
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    std::unique_lock<std::mutex> lock(init->mutex);
+    while (!init->done) {
+        const auto now = std::chrono::steady_clock::now();
+        const bool stop = aborted();
+        if (stop || now >= deadline) {
+            init->abandoned = true;
+            WEFT_FAIL(what << (stop ? " was stopped by an abort of the World"
+                                    : " did not complete within the World's timeout (" +
+                                          std::to_string(timeout.count()) +
+                                          " ms): a member of the communicator never joined (it may have failed after "
+                                          "the ids were exchanged)"));
+        }
+        init->done_cv.wait_for(
+            lock, std::min<std::chrono::steady_clock::duration>(deadline - now, std::chrono::milliseconds(250)));
+    }
+    WEFT_CHECK(init->result == ncclSuccess, what << " failed: " << nccl().error_string(init->result));
+    return init->comm;
+}
 
 // Ends an NCCL group that a throwing call left open (the thread's group depth would otherwise defer every later NCCL
 // call of this thread, another library's too); end() ends it on the normal path, checking the result.
@@ -444,9 +495,10 @@ HostBackend::HostBackend(const Team& team, Team node_team)
     std::memcpy(&id, head.data(), sizeof(id));
     try {
         WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
-        WEFT_NCCL_CHECK(
-            nccl().comm_init_rank(&impl_->comm, num_nodes(), id, node_index_),
-            "ncclCommInitRank (" << num_nodes() << " ranks, rank " << node_index_ << ") for " << impl_->who);
+        impl_->comm = init_comm_bounded(
+            num_nodes(), id, node_index_, impl_->device, impl_->timeout, [&world] { return world.aborted(); },
+            "ncclCommInitRank (" + std::to_string(num_nodes()) + " ranks, rank " + std::to_string(node_index_) +
+                ") for " + impl_->who);
         WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&flags_), 2 * kMaxChunks * sizeof(uint64_t)));
         WEFT_CUDA_CHECK(cudaMemset(flags_, 0, 2 * kMaxChunks * sizeof(uint64_t)));
         WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
