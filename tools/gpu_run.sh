@@ -46,6 +46,10 @@ run_each() {  # run_each BINARY FILTER: every test case in its own process; prin
     # The GPUs to deal the streams onto: the entries of the user's CUDA_VISIBLE_DEVICES when it is set, else
     # every physical GPU (nvidia-smi -L ignores CUDA_VISIBLE_DEVICES and lists MIG instances on lines of their own).
     local gpus=()
+    if [ -n "${CUDA_VISIBLE_DEVICES+set}" ] && [ -z "${CUDA_VISIBLE_DEVICES// /}" ]; then
+        echo "== no tests run: CUDA_VISIBLE_DEVICES is set but empty (no GPU is visible)"
+        return 1
+    fi
     if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
         IFS=, read -ra gpus <<<"${CUDA_VISIBLE_DEVICES// /}"
     else
@@ -134,6 +138,10 @@ if [ $run_tests = 1 ]; then
     # One process per test: a kernel that traps poisons its CUDA context and must not take the tests
     # after it down with it. (ctest would do the same, but needs the configuring machine's CMake.)
     gpu_tests=$(find_bin weft_gpu_tests)
+    if [ -z "$gpu_tests" ]; then
+        summary+=("$(printf '%-28s %-6s' "gpu tests" "FAIL: no weft_gpu_tests under $bindir")")
+        any_failed=1
+    fi
     [ -n "$gpu_tests" ] && step "gpu tests" gpu_tests.log run_each "$gpu_tests" "${WEFT_GPU_TEST_FILTER:-*}"
     dist_tests=$(find_bin weft_dist_tests)
     weftrun=$(find_bin weftrun)

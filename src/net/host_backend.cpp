@@ -136,19 +136,22 @@ ncclComm_t init_comm_bounded(int num_ranks, const ncclUniqueId& id, int rank, in
         bool done = false;
         bool abandoned = false;
         ncclResult_t result = ncclInternalError;
+        cudaError_t device_error = cudaSuccess;  // of cudaSetDevice on the thread
         ncclComm_t comm = nullptr;
     };
     auto init = std::make_shared<Init>();
     std::thread([init, num_ranks, id, rank, device] {
         ncclComm_t comm = nullptr;
         ncclResult_t result = ncclInternalError;
-        if (cudaSetDevice(device) == cudaSuccess) result = nccl().comm_init_rank(&comm, num_ranks, id, rank);
+        const cudaError_t device_error = cudaSetDevice(device);
+        if (device_error == cudaSuccess) result = nccl().comm_init_rank(&comm, num_ranks, id, rank);
         std::lock_guard<std::mutex> lock(init->mutex);
         if (init->abandoned) {
             if (comm != nullptr) nccl().comm_abort(comm);
             return;
         }
         init->done = true;
+        init->device_error = device_error;
         init->result = result;
         init->comm = comm;
         init->done_cv.notify_all();
@@ -169,6 +172,8 @@ ncclComm_t init_comm_bounded(int num_ranks, const ncclUniqueId& id, int rank, in
         init->done_cv.wait_for(
             lock, std::min<std::chrono::steady_clock::duration>(deadline - now, std::chrono::milliseconds(250)));
     }
+    WEFT_CHECK(init->device_error == cudaSuccess, what << ": cudaSetDevice(" << device << ") failed on its thread: "
+                                                       << cudaGetErrorString(init->device_error));
     WEFT_CHECK(init->result == ncclSuccess, what << " failed: " << nccl().error_string(init->result));
     return init->comm;
 }

@@ -8,6 +8,7 @@
 
 #include "collective_workspace.hpp"
 #include "hierarchical.hpp"
+#include "tp_common.hpp"
 #include "weft/detail/collectives.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/nvtx.hpp"
@@ -254,6 +255,13 @@ UlyssesShape ulysses_shape(const TensorView& seq_sharded, const TensorView& head
     return {s_local, h / n, d, dtype_bytes(seq_sharded.dtype)};
 }
 
+// Refuses (naming `op`) a permutation whose strided copies the device cannot make (a token's heads of 2 GiB or more).
+void check_ulysses_copies(const UlyssesShape& u, int n, const char* op) {
+    const auto group_bytes = static_cast<size_t>(u.heads_per_rank * u.dim * u.elem);
+    tp_detail::check_row_copy(op, "a token's heads", group_bytes, group_bytes * static_cast<size_t>(n), group_bytes,
+                              static_cast<size_t>(u.tokens_per_rank));
+}
+
 // seq_to_head = true: seq-sharded [S/W, W, H/W, D] -> packed [W, S/W, H/W, D]; false: the reverse.
 void ulysses_permute(const UlyssesShape& u, int n, void* packed, void* strided, bool to_packed, cudaStream_t stream) {
     const auto group_bytes = static_cast<size_t>(u.heads_per_rank * u.dim * u.elem);
@@ -264,11 +272,9 @@ void ulysses_permute(const UlyssesShape& u, int n, void* packed, void* strided, 
         auto* block = static_cast<uint8_t*>(packed) + static_cast<size_t>(q) * rows * group_bytes;
         auto* column = static_cast<uint8_t*>(strided) + static_cast<size_t>(q) * group_bytes;
         if (to_packed) {
-            WEFT_CUDA_CHECK(cudaMemcpy2DAsync(block, group_bytes, column, row_pitch, group_bytes, rows,
-                                              cudaMemcpyDeviceToDevice, stream));
+            tp_detail::copy_rows_async(block, group_bytes, column, row_pitch, group_bytes, rows, stream);
         } else {
-            WEFT_CUDA_CHECK(cudaMemcpy2DAsync(column, row_pitch, block, group_bytes, group_bytes, rows,
-                                              cudaMemcpyDeviceToDevice, stream));
+            tp_detail::copy_rows_async(column, row_pitch, block, group_bytes, group_bytes, rows, stream);
         }
     }
 }
@@ -322,6 +328,7 @@ void ulysses_seq_to_head(const Team& team, const TensorView& input, const Tensor
     detail::check_device_buffers(team.world().heap(), {{"input", input}, {"output", output}, {"scratch", scratch}},
                                  "ulysses_seq_to_head", stream);
     const UlyssesShape u = ulysses_shape(input, output, scratch, n, "ulysses_seq_to_head");
+    check_ulysses_copies(u, n, "ulysses_seq_to_head");
     ulysses_permute(u, n, scratch.data, input.data, true, stream);
     // Chunk q of scratch (my tokens, q's heads) goes to rank q, landing at rows [rank S/W, (rank + 1) S/W) there.
     all_to_all(team, TensorView(scratch.data, input.dtype, {input.numel()}),
@@ -336,6 +343,7 @@ void ulysses_head_to_seq(const Team& team, const TensorView& input, const Tensor
     detail::check_device_buffers(team.world().heap(), {{"input", input}, {"output", output}, {"scratch", scratch}},
                                  "ulysses_head_to_seq", stream);
     const UlyssesShape u = ulysses_shape(output, input, scratch, n, "ulysses_head_to_seq");
+    check_ulysses_copies(u, n, "ulysses_head_to_seq");
     // Chunk q of input (q's tokens, my heads) goes to rank q; chunk q received is my tokens of q's heads.
     all_to_all(team, TensorView(input.data, input.dtype, {input.numel()}),
                TensorView(scratch.data, input.dtype, {input.numel()}), stream);

@@ -426,16 +426,19 @@ void validate_gemm_options(const GemmProblem& p, const GemmOptions& options) {
                    "gemm: options.config's dtypes/layout must match the call (in "
                        << dtype_name(p.in_dtype) << ", out " << dtype_name(p.out_dtype) << ", "
                        << layout_name(p.b_layout) << "), got " << format_gemm_config(c));
-        // The kernel orders its tiles in int32 (GemmTileGrid::tile): a raster group of cluster tiles along the longer
-        // extent, at the smaller tile edge (swapped or not), must stay below 2^31; the heuristic's configs always do.
-        const int64_t longest = std::max(p.m, p.n);
-        const int64_t edge = std::min<int64_t>({c.tile_m, c.tile_n});
-        const int64_t clusters = ceil_div(ceil_div(longest, edge), std::min<int64_t>(c.cluster_m, c.cluster_n));
-        WEFT_CHECK(int64_t{c.raster_group} * clusters < (int64_t{1} << 31),
+        // The kernel orders its tiles in int32 (GemmTileGrid::tile, over D's tiles whether swapped or not): a raster
+        // group (raster_group lines of cluster tiles across the raster direction) and the cluster tile count must
+        // stay below 2^31; the heuristic's configs (raster_group 8) always do.
+        const int64_t m_clusters = ceil_div(ceil_div(p.m, int64_t{c.tile_m}), int64_t{c.cluster_m});
+        const int64_t n_clusters = ceil_div(ceil_div(p.n, int64_t{c.tile_n}), int64_t{c.cluster_n});
+        const int64_t per_group = int64_t{c.raster_group} * (c.raster == Raster::kAlongN ? n_clusters : m_clusters);
+        WEFT_CHECK(per_group < (int64_t{1} << 31) && m_clusters * n_clusters < (int64_t{1} << 31),
                    "gemm: options.config " << format_gemm_config(c) << " is too fine for M = " << p.m << ", N = " << p.n
-                                           << ": its raster groups of " << c.raster_group << " x " << clusters
-                                           << " cluster tiles pass the kernel's int32 tile order; use larger tiles "
-                                              "or a smaller raster_group");
+                                           << ": its " << m_clusters << " x " << n_clusters
+                                           << " cluster tiles in raster "
+                                           << "groups of " << per_group
+                                           << " pass the kernel's int32 tile order; use "
+                                              "larger tiles or a smaller raster_group");
     }
     if (options.small_m_variant == GemvVariant::kBulkRows && gemm_allows_small_m(p, options)) {
         const std::string why = gemv_rows_unsupported(p);

@@ -1315,6 +1315,10 @@ TEST(GemmPlan, ForcedConfigMustMatchTheCall) {
     expect_error_mentions([&] { ops::validate_gemm_options(huge, o); }, "pass the kernel's int32 tile order");
     EXPECT_NO_THROW(
         ops::validate_gemm_options(ops::GemmProblem{4096, 8, 8, BLayout::kNK, DType::kBF16, DType::kBF16}, o));
+    // Along N the groups span N's few tiles: the same rows are fine.
+    fine.raster = Raster::kAlongN;
+    o.config = fine;
+    EXPECT_NO_THROW(ops::validate_gemm_options(huge, o));
 }
 
 TEST(GemmFormat, PrintsDesignatedInitialisers) {

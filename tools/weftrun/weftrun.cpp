@@ -255,6 +255,7 @@ struct Rank {
     pid_t pid = -1;
     bool running = false;
     int status = 0;
+    bool live_at_failure = false;  // running, or its output pipes open, when the job's first failure was recorded
 };
 
 enum class FailureKind { kNone, kStart, kExit, kSignal, kTimeout, kInterrupted };
@@ -282,6 +283,7 @@ public:
         // would not fit is refused now, not at the rank whose pipe fails.
         rlimit files{};
         if (::getrlimit(RLIMIT_NOFILE, &files) == 0) {
+            files_limit_ = files;  // the ranks get the limit weftrun was started with
             if (files.rlim_cur < files.rlim_max) {
                 files.rlim_cur = files.rlim_max;
                 (void)::setrlimit(RLIMIT_NOFILE, &files);
@@ -322,9 +324,11 @@ public:
         loop();
         // A failed job leaves nothing behind: processes a rank started in its group (a rank that exited before the
         // stop, or a helper that ignored SIGTERM) get SIGKILL too. A group that is gone answers ESRCH.
+        // Only the groups of ranks that were running, or had their pipes open, when the job failed: a rank that
+        // had exited and was reaped long before may have an empty group whose number another group took since.
         if (failure_.kind != FailureKind::kNone) {
             for (const Rank& rank : ranks_) {
-                if (rank.pid > 0) ::kill(-rank.pid, SIGKILL);
+                if (rank.pid > 0 && rank.live_at_failure) ::kill(-rank.pid, SIGKILL);
             }
         }
         return report();
@@ -406,6 +410,7 @@ private:
                 ::signal(sig, keep_ignored ? SIG_IGN : SIG_DFL);
             }
             ::sigprocmask(SIG_SETMASK, &old_mask_, nullptr);
+            if (files_limit_) ::setrlimit(RLIMIT_NOFILE, &*files_limit_);
             ::dup2(dev_null, 0);
             ::dup2(out_pipe[1], 1);
             ::dup2(err_pipe[1], 2);
@@ -516,7 +521,7 @@ private:
         while (running_ > 0) {
             int status = 0;
             pid_t pid = ::waitpid(-1, &status, gave_up_ ? WNOHANG : 0);
-            if (pid < 0) break;
+            if (pid <= 0) break;  // none left, or (given up) only ranks still running
             on_exit(pid, status);
         }
     }
@@ -582,6 +587,7 @@ private:
             ++signals_received_;
             if (signals_received_ == 1) {
                 if (failure_.kind == FailureKind::kNone) {
+                    note_live_ranks(-1);
                     failure_ = Failure{FailureKind::kInterrupted, -1, sig, {}};
                     failure_.description = describe(failure_);
                 }
@@ -627,6 +633,7 @@ private:
     /// Records the first failure and starts stopping the ranks; later failures are consequences.
     void fail(const Failure& f) {
         if (failure_.kind != FailureKind::kNone) return;
+        note_live_ranks(f.rank);
         failure_ = f;
         failure_.description = describe(f);
         std::string who = f.rank >= 0 ? "rank " + std::to_string(f.rank) + " " : "";
@@ -647,11 +654,22 @@ private:
         for (size_t r = 0; r < ranks_.size(); ++r) {
             const Rank& rank = ranks_[r];
             if (rank.pid <= 0) continue;
-            bool pipes_open = std::any_of(streams_.begin(), streams_.end(), [&](const Stream& s) {
-                return s.rank == static_cast<int>(r) && s.fd >= 0;
-            });
-            if (rank.running || pipes_open) ::kill(-rank.pid, sig);
+            if (rank.running || rank_pipes_open(static_cast<int>(r))) ::kill(-rank.pid, sig);
         }
+    }
+
+    /// Marks the ranks whose process groups the final SIGKILL may reach: those running or with their pipes open now,
+    /// and `failed` (a rank that just exited; its helpers may live on).
+    void note_live_ranks(int failed) {
+        for (size_t r = 0; r < ranks_.size(); ++r) {
+            const int rank = static_cast<int>(r);
+            ranks_[r].live_at_failure = ranks_[r].running || rank_pipes_open(rank) || rank == failed;
+        }
+    }
+
+    bool rank_pipes_open(int rank) const {
+        return std::any_of(streams_.begin(), streams_.end(),
+                           [&](const Stream& s) { return s.rank == rank && s.fd >= 0; });
     }
 
     std::string describe(const Failure& f) const {
@@ -715,6 +733,7 @@ private:
     std::optional<Clock::time_point> give_up_at_;  // kAfterKill after the first SIGKILL
     bool gave_up_ = false;                         // ranks left running after give_up_at_
     std::vector<int> ignored_;                     // SIGINT / SIGTERM / SIGHUP ignored when weftrun started
+    std::optional<rlimit> files_limit_;            // RLIMIT_NOFILE when weftrun started (restored in the ranks)
 };
 
 }  // namespace

@@ -152,7 +152,7 @@ const CollectiveWorkspaceInfo& prepare_collectives(World& world);
 /// Symmetric heap bytes prepare_collectives allocates on each member of a team of `num_ranks` ranks (0 for one rank:
 /// it allocates nothing), with the staging regions WEFT_COLLECTIVE_STAGING_BYTES asks for in this process; heap
 /// sizing aid, no GPU needed. The workspace's own allocations are made from the same sizes. Throws weft::Error when
-/// num_ranks is not in [1, 64] or WEFT_COLLECTIVE_STAGING_BYTES is malformed.
+/// num_ranks is not in [1, 64] or WEFT_COLLECTIVE_STAGING_BYTES is malformed or above 1 TiB.
 uint64_t collective_workspace_heap_bytes(int num_ranks);
 
 /// Registers the kernel specialisations the collectives launch for teams of up to `max_ranks` ranks with
