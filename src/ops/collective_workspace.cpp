@@ -146,9 +146,13 @@ void check_device_pointer(const void* ptr, const char* what, const char* op, cud
         (void)cudaGetLastError();
         return;  // an invalid stream fails at the first enqueue, with CUDA's own message
     }
-    if (capture != cudaStreamCaptureStatusNone) return;
+    (void)capture;  // checked under capture too: a graph's buffers are often new ones
     cudaPointerAttributes attr{};
-    const cudaError_t st = cudaPointerGetAttributes(&attr, ptr);
+    cudaError_t st = cudaSuccess;
+    {
+        const RelaxedCaptureMode relaxed;  // the query is no stream operation; it must not invalidate a capture
+        st = cudaPointerGetAttributes(&attr, ptr);
+    }
     if (st != cudaSuccess) {
         (void)cudaGetLastError();  // the query left an error behind: clear it
         WEFT_FAIL(op << ": " << what << " (" << ptr << ") is not memory CUDA knows (" << cudaGetErrorName(st) << ")");

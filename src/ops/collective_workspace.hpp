@@ -132,8 +132,8 @@ private:
 /// Throws weft::Error naming `op` and `what` (the state a first call makes) when `stream` is being captured.
 void refuse_setup_under_capture(cudaStream_t stream, const char* op, const char* what);
 
-/// Throws weft::Error unless `ptr` is device memory (or managed memory). Skipped while `stream` is being captured
-/// (the query is not a stream operation, and a graph's pointers were checked when its ops were first called).
+/// Throws weft::Error unless `ptr` is device memory (or managed memory); also while `stream` is being captured (the
+/// query runs in relaxed capture mode: it is no stream operation).
 void check_device_pointer(const void* ptr, const char* what, const char* op, cudaStream_t stream);
 
 /// A call's user buffers, each named: check_device_pointer on every one that is neither empty nor on `heap` (the

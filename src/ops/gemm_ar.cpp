@@ -120,24 +120,12 @@ struct GemmAr::State : tp_detail::FusedOpState {
     bool use_collective = false;  // the all-reduce half through ops::all_reduce over the team (GemmArOptions)
     // The tiled path (M > kGemvMaxM): gemms[0], the plain GEMM.
     // A c with padded rows gets the collective's sum here first (contiguous, private: the same all-reduce every rank
-    // runs with a dense c), then its rows; grown by the first call that needs more, kept until the op goes.
+    // runs with a dense c), then its rows: [max_m, n], made by the first call that needs it before it launches
+    // anything, released with the op's other buffers (stream-ordered).
     void* padded_sum = nullptr;
-    size_t padded_sum_bytes = 0;
 
     explicit State(const Team& t) : FusedOpState(t, kOp) {}
-    ~State() {
-        heap.free_all();  // waits for this op's work first
-        if (padded_sum != nullptr) cudaFree(padded_sum);
-    }
-
-    void* padded_sum_buffer(size_t bytes) {
-        if (padded_sum_bytes < bytes) {
-            // Outgrown buffers are not freed: a call already enqueued (or captured) may still write them.
-            padded_sum = detail::malloc_beside_captures(bytes);
-            padded_sum_bytes = bytes;
-        }
-        return padded_sum;
-    }
+    ~State() { heap.free_all(); }  // waits for this op's work first
 
     GemmProblem problem(int64_t m) const {
         GemmProblem p;
@@ -339,7 +327,7 @@ void launch_call(GemmAr::State& s, const ArCall& call, cudaStream_t stream) {
             return;
         }
         const size_t row_bytes = static_cast<size_t>(s.shape.n) * dtype_bytes(s.shape.dtype);
-        void* sum = s.padded_sum_buffer(row_bytes * static_cast<size_t>(s.shape.max_m));
+        void* sum = s.padded_sum;  // made by run() before anything was launched
         detail::all_reduce_into_private(s.team, partial, TensorView(sum, s.shape.dtype, {count}), stream);
         tp_detail::copy_rows_async(call.reduce.out, static_cast<size_t>(call.reduce.ldc) * dtype_bytes(s.shape.dtype),
                                    sum, row_bytes, row_bytes, static_cast<size_t>(call.m), stream);
@@ -360,6 +348,11 @@ void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     const GemmProblem p = check_gemm_ar_call(s.shape, a, b, c);
     // The all-reduce would refuse it only after the GEMM ran (its peers then wait for this rank to their timeout).
     if (s.use_collective && s.num_ranks > 1) detail::check_device_pointer(c.data, "c", "gemm_ar", stream);
+    // The padded-row sum, before any launch (an allocation that fails must not sit between this rank's launches).
+    if (s.use_collective && s.num_ranks > 1 && p.m > 1 && c.stride(0) != s.shape.n && s.padded_sum == nullptr) {
+        s.padded_sum =
+            s.heap.alloc_private(static_cast<uint64_t>(s.shape.max_m * s.shape.n) * dtype_bytes(s.shape.dtype));
+    }
     // One config at most (the tiled path's): nothing to tune, no problem text needed.
     s.run(
         stream, 0, [] { return std::string(); }, [&](size_t) { return prepare_call(s, p, a, b, c); },

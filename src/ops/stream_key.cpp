@@ -2,20 +2,21 @@
 #include "stream_key.hpp"
 
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/stream.hpp"
 
 namespace weft::ops::detail {
 
 StreamKey StreamKey::of(cudaStream_t stream) {
     StreamKey key;
     WEFT_CUDA_CHECK(cudaGetDevice(&key.device));
-    key.stream = stream;
-    if (stream == cudaStreamPerThread) key.thread = std::this_thread::get_id();
+    // The stream's id, unique for the process's life: a handle freed and handed out again names another stream
+    // (state kept for the old one must not be shared with it), and cudaStreamPerThread names each thread's own.
+    WEFT_CUDA_CHECK(cudaStreamGetId(stream, &key.stream_id));
     return key;
 }
 
 void* malloc_beside_captures(size_t bytes, bool zeroed) {
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    WEFT_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    const RelaxedCaptureMode relaxed;
     void* ptr = nullptr;
     cudaStream_t zeroing = nullptr;
     cudaError_t err = cudaMalloc(&ptr, bytes);
@@ -26,7 +27,6 @@ void* malloc_beside_captures(size_t bytes, bool zeroed) {
         if (zeroing != nullptr) cudaStreamDestroy(zeroing);
         if (err != cudaSuccess) cudaFree(ptr);
     }
-    cudaThreadExchangeStreamCaptureMode(&mode);  // back to the thread's own mode
     WEFT_CUDA_CHECK(err);
     return ptr;
 }

@@ -11,17 +11,16 @@
 
 namespace weft::ops::detail {
 
-/// The current device, the stream, and for cudaStreamPerThread (one handle naming a different stream in every thread)
-/// the calling thread. Two keys are equal when their launches are ordered on one stream.
+/// The current device and the stream's id (cudaStreamGetId: unique while the process lives, so a destroyed stream's
+/// handle given to a new stream is another key, and cudaStreamPerThread is each thread's own stream). Two keys are
+/// equal when their launches are ordered on one stream. State kept per key is not freed with the stream: a program
+/// that makes a stream per call should pass the ops their workspace.
 struct StreamKey {
     int device = 0;
-    cudaStream_t stream = nullptr;
-    std::thread::id thread{};  // cudaStreamPerThread's calling thread; default otherwise
+    unsigned long long stream_id = 0;
 
     static StreamKey of(cudaStream_t stream);
-    bool operator<(const StreamKey& o) const {
-        return std::tie(device, stream, thread) < std::tie(o.device, o.stream, o.thread);
-    }
+    bool operator<(const StreamKey& o) const { return std::tie(device, stream_id) < std::tie(o.device, o.stream_id); }
 };
 
 /// cudaMalloc in relaxed capture mode for the call: another thread's capture in global mode (PyTorch's default) does

@@ -161,6 +161,7 @@ uint64_t* SymmetricAllocations::alloc_signals(uint64_t count) {
 }
 
 void* SymmetricAllocations::alloc_private(uint64_t bytes) {
+    const RelaxedCaptureMode relaxed;  // also on a first call under capture (GemmAr's padded-row sum)
     if (private_stream_ == nullptr) {
         WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&private_stream_, cudaStreamNonBlocking));
     }
@@ -225,6 +226,7 @@ void FirstCallSync::after_call(const Team& team, size_t idx, cudaStream_t stream
     WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     if (capture != cudaStreamCaptureStatusNone) return;
     pending_[idx] = false;
+    const RelaxedCaptureMode relaxed;  // another rank thread may be capturing in global mode meanwhile
     team.world().sync_and_check(stream);
     team.barrier();
 }

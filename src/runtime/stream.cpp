@@ -91,6 +91,16 @@ float Event::elapsed_ms(const Event& start) const {
     return ms;
 }
 
+RelaxedCaptureMode::RelaxedCaptureMode() {
+    previous_ = cudaStreamCaptureModeRelaxed;
+    exchanged_ = cudaThreadExchangeStreamCaptureMode(&previous_) == cudaSuccess;
+    if (!exchanged_) (void)cudaGetLastError();
+}
+
+RelaxedCaptureMode::~RelaxedCaptureMode() {
+    if (exchanged_) (void)cudaThreadExchangeStreamCaptureMode(&previous_);
+}
+
 void StreamUses::note(cudaStream_t stream) {
     // Work enqueued while the stream is being captured runs at the graph's replays, which are the caller's to
     // synchronise: nothing to record (an event recorded in a capture cannot be waited for afterwards).
@@ -107,8 +117,9 @@ void StreamUses::note(cudaStream_t stream) {
         }
     }
     // A new stream. A caller cycling through short-lived streams would grow the list: past a few entries, drop
-    // those whose work has finished (not on every new stream: no queries while a capture may be under way).
+    // those whose work has finished (not on every new stream).
     if (uses_.size() >= 8) {
+        const RelaxedCaptureMode relaxed;  // the queries must not invalidate another thread's global capture
         std::erase_if(uses_, [](const std::pair<cudaStream_t, Event>& u) {
             const cudaError_t st = cudaEventQuery(u.second.get());
             if (st == cudaErrorNotReady) return false;

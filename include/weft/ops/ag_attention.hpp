@@ -106,8 +106,10 @@ public:
     AgAttention(const Team& team, const AgAttentionShape& shape, const AgAttentionOptions& options = {});
     /// AgAttention(world.team(), shape, options).
     AgAttention(World& world, const AgAttentionShape& shape, const AgAttentionOptions& options = {});
-    /// Collective over the team: waits for this op's work (not the whole device's), meets the team, then frees the
-    /// symmetric allocations. A graph that captured run() must not outlive the op.
+    /// Collective over the team: waits for this op's eager work (not the whole device's), then frees its
+    /// buffers. Its calls are made by one thread and ordered on one stream (or by events: two calls racing on two
+    /// streams share its signal words and buffers); a CUDA graph that captured a call must not be replayed once it
+    /// is gone (replays are not waited for).
     ~AgAttention();
     AgAttention(const AgAttention&) = delete;
     AgAttention& operator=(const AgAttention&) = delete;

@@ -68,7 +68,10 @@ public:
     AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& options = {});
     /// AgGemm(world.team(), shape, options).
     AgGemm(World& world, const AgGemmShape& shape, const AgGemmOptions& options = {});
-    /// Collective over the team: synchronises the device, then frees the symmetric allocations.
+    /// Collective over the team: waits for this op's eager work (not the whole device's), then frees its
+    /// buffers. Its calls are made by one thread and ordered on one stream (or by events: two calls racing on two
+    /// streams share its signal words and buffers); a CUDA graph that captured a call must not be replayed once it
+    /// is gone (replays are not waited for).
     ~AgGemm();
     AgGemm(const AgGemm&) = delete;
     AgGemm& operator=(const AgGemm&) = delete;

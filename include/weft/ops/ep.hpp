@@ -248,6 +248,10 @@ public:
     Buffer(const Team& team, const Config& config);
     /// Buffer(world.team(), config).
     Buffer(World& world, const Config& config);
+    /// Collective over the team: waits for this Buffer's eager work (not the whole device's), then frees its
+    /// buffers. Its calls are made by one thread and ordered on one stream (or by events: two calls racing on two
+    /// streams share its signal words and buffers); a CUDA graph that captured a call must not be replayed once it
+    /// is gone (replays are not waited for).
     ~Buffer();
     Buffer(const Buffer&) = delete;
     Buffer& operator=(const Buffer&) = delete;

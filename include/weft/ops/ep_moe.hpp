@@ -127,6 +127,10 @@ public:
     /// stream for the GEMMs, and every kernel either form launches, loaded before any can spin.
     MoeBlock(const Team& team, const MoeConfig& config);
     MoeBlock(World& world, const MoeConfig& config);
+    /// Collective over the team: waits for this block's eager work (not the whole device's), then frees its
+    /// buffers. Its calls are made by one thread and ordered on one stream (or by events: two calls racing on two
+    /// streams share its signal words and buffers); a CUDA graph that captured a call must not be replayed once it
+    /// is gone (replays are not waited for).
     ~MoeBlock();
     MoeBlock(const MoeBlock&) = delete;
     MoeBlock& operator=(const MoeBlock&) = delete;

@@ -59,6 +59,10 @@ public:
     GemmAr(const Team& team, const GemmArShape& shape, const GemmArOptions& options = {});
     /// GemmAr(world.team(), shape, options).
     GemmAr(World& world, const GemmArShape& shape, const GemmArOptions& options = {});
+    /// Collective over the team: waits for this op's eager work (not the whole device's), then frees its
+    /// buffers. Its calls are made by one thread and ordered on one stream (or by events: two calls racing on two
+    /// streams share its signal words and buffers); a CUDA graph that captured a call must not be replayed once it
+    /// is gone (replays are not waited for).
     ~GemmAr();
     GemmAr(const GemmAr&) = delete;
     GemmAr& operator=(const GemmAr&) = delete;

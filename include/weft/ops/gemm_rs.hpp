@@ -77,6 +77,10 @@ public:
     GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& options = {});
     /// GemmRs(world.team(), shape, options).
     GemmRs(World& world, const GemmRsShape& shape, const GemmRsOptions& options = {});
+    /// Collective over the team: waits for this op's eager work (not the whole device's), then frees its
+    /// buffers. Its calls are made by one thread and ordered on one stream (or by events: two calls racing on two
+    /// streams share its signal words and buffers); a CUDA graph that captured a call must not be replayed once it
+    /// is gone (replays are not waited for).
     ~GemmRs();
     GemmRs(const GemmRs&) = delete;
     GemmRs& operator=(const GemmRs&) = delete;

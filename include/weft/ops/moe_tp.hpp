@@ -134,6 +134,10 @@ class MoeAgGroupedGemm {
 public:
     MoeAgGroupedGemm(const Team& team, const MoeTpShape& shape, const MoeTpOptions& options = {});
     MoeAgGroupedGemm(World& world, const MoeTpShape& shape, const MoeTpOptions& options = {});
+    /// Collective over the team: waits for this op's eager work (not the whole device's), then frees its
+    /// buffers. Its calls are made by one thread and ordered on one stream (or by events: two calls racing on two
+    /// streams share its signal words and buffers); a CUDA graph that captured a call must not be replayed once it
+    /// is gone (replays are not waited for).
     ~MoeAgGroupedGemm();
     MoeAgGroupedGemm(const MoeAgGroupedGemm&) = delete;
     MoeAgGroupedGemm& operator=(const MoeAgGroupedGemm&) = delete;
@@ -170,6 +174,10 @@ class MoeGroupedGemmRs {
 public:
     MoeGroupedGemmRs(const Team& team, const MoeTpShape& shape, const MoeTpOptions& options = {});
     MoeGroupedGemmRs(World& world, const MoeTpShape& shape, const MoeTpOptions& options = {});
+    /// Collective over the team: waits for this op's eager work (not the whole device's), then frees its
+    /// buffers. Its calls are made by one thread and ordered on one stream (or by events: two calls racing on two
+    /// streams share its signal words and buffers); a CUDA graph that captured a call must not be replayed once it
+    /// is gone (replays are not waited for).
     ~MoeGroupedGemmRs();
     MoeGroupedGemmRs(const MoeGroupedGemmRs&) = delete;
     MoeGroupedGemmRs& operator=(const MoeGroupedGemmRs&) = delete;

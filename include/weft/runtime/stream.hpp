@@ -23,6 +23,22 @@ void stream_wait_u32_geq(cudaStream_t stream, uint32_t* addr, uint32_t value);
 /// Makes `stream` wait until the 64-bit word at `addr` is >= `value` (cuStreamWaitValue64, GEQ); same caveat.
 void stream_wait_u64_geq(cudaStream_t stream, uint64_t* addr, uint64_t value);
 
+/// For its lifetime, the calling thread in relaxed stream-capture mode (then back to its own mode): the calls a global
+/// or thread-local capture forbids (cudaMalloc, cudaEventQuery, synchronising a stream that is not captured,
+/// cudaPointerGetAttributes) neither fail nor invalidate a capture that another stream of this thread, or in global
+/// mode (PyTorch's default) another thread, is making.
+class RelaxedCaptureMode {
+public:
+    RelaxedCaptureMode();
+    ~RelaxedCaptureMode();
+    RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+    RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+private:
+    cudaStreamCaptureMode previous_ = cudaStreamCaptureModeRelaxed;
+    bool exchanged_ = false;
+};
+
 /// A CUDA event, destroyed with its owner. Created on the current device.
 class Event {
 public:
