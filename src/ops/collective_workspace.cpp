@@ -146,17 +146,22 @@ void check_device_pointer(const void* ptr, const char* what, const char* op, cud
         (void)cudaGetLastError();
         return;  // an invalid stream fails at the first enqueue, with CUDA's own message
     }
-    (void)capture;  // checked under capture too: a graph's buffers are often new ones
+    // Checked under capture too (a graph's buffers are often new ones), in relaxed capture mode (the query is no
+    // stream operation and must not invalidate a capture); there only what the query can tell for sure is refused:
+    // an address the graph itself allocates (cudaMallocAsync in the capture) is not mapped yet.
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
     cudaPointerAttributes attr{};
     cudaError_t st = cudaSuccess;
     {
-        const RelaxedCaptureMode relaxed;  // the query is no stream operation; it must not invalidate a capture
+        const RelaxedCaptureMode relaxed;
         st = cudaPointerGetAttributes(&attr, ptr);
     }
     if (st != cudaSuccess) {
         (void)cudaGetLastError();  // the query left an error behind: clear it
+        if (capturing) return;
         WEFT_FAIL(op << ": " << what << " (" << ptr << ") is not memory CUDA knows (" << cudaGetErrorName(st) << ")");
     }
+    if (capturing && attr.type == cudaMemoryTypeUnregistered) return;
     WEFT_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged,
                op << ": " << what << " (" << ptr << ") must be device memory, got "
                   << (attr.type == cudaMemoryTypeHost ? "pinned host memory" : "unregistered host memory"));

@@ -132,8 +132,9 @@ private:
 /// Throws weft::Error naming `op` and `what` (the state a first call makes) when `stream` is being captured.
 void refuse_setup_under_capture(cudaStream_t stream, const char* op, const char* what);
 
-/// Throws weft::Error unless `ptr` is device memory (or managed memory); also while `stream` is being captured (the
-/// query runs in relaxed capture mode: it is no stream operation).
+/// Throws weft::Error unless `ptr` is device memory (or managed memory) of this GPU. While `stream` is being captured
+/// (the query then runs in relaxed capture mode) only pinned host memory and another GPU's memory are refused: an
+/// address the graph allocates itself is not known to CUDA until the graph runs.
 void check_device_pointer(const void* ptr, const char* what, const char* op, cudaStream_t stream);
 
 /// A call's user buffers, each named: check_device_pointer on every one that is neither empty nor on `heap` (the
