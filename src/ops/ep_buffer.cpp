@@ -196,6 +196,7 @@ void Buffer::Impl::init_one_node() {
 Buffer::Buffer(World& world, const Config& config) : Buffer(world.team(), config) {}
 
 void Buffer::Impl::release_private() noexcept {
+    const RelaxedCaptureMode relaxed;  // a release while another rank thread captures in global mode
     if (team_ranks_by_node != nullptr) cudaFreeAsync(team_ranks_by_node, alloc_stream);
     if (device != nullptr) cudaFreeAsync(device, alloc_stream);
     if (alloc_stream != nullptr) {

@@ -273,7 +273,8 @@ ArCall prepare_call(const GemmAr::State& s, const GemmProblem& p, const TensorVi
     if (s.num_ranks == 1) return call;
 
     // The partial is [m, n] contiguous here (ldp == n). Every rank takes the same path whatever its c's layout (the
-    // peers' halves must meet): a c with padded rows receives the sum reduced in place in the partial, row by row.
+    // peers' halves must meet): a c with padded rows receives the sum through the private padded-row buffer, row by
+    // row.
     call.collective = s.use_collective;
     call.collective_in_place = s.use_collective && m > 1 && c.stride(0) != s.shape.n;
     if (call.collective_in_place) {

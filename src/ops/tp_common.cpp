@@ -193,6 +193,7 @@ void SymmetricAllocations::free_all() noexcept {
     }
     ptrs_.clear();
     if (private_stream_ != nullptr) {
+        const RelaxedCaptureMode relaxed;
         for (void* p : private_) cudaFreeAsync(p, private_stream_);
         cudaStreamSynchronize(private_stream_);
         cudaStreamDestroy(private_stream_);

@@ -132,6 +132,7 @@ void StreamUses::note(cudaStream_t stream) {
 }
 
 void StreamUses::wait_all() noexcept {
+    const RelaxedCaptureMode relaxed;  // a release while another rank thread captures in global mode
     for (auto& [s, e] : uses_) {
         const cudaError_t st = cudaEventSynchronize(e.get());
         if (st != cudaSuccess) {

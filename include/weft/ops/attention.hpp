@@ -63,7 +63,8 @@ struct DecodeAttentionOptions {
 /// 1 <= page_size <= 2^30; 0 <= batch <= 65535 and num_kv_heads <= 65535 (grid limits; 0: nothing to do). Pointers
 /// 16-byte aligned. Asynchronous on `stream`, no host
 /// synchronisation, capturable in a CUDA graph (with options.workspace given, or the internal one already large
-/// enough). The internal workspace is the stream's own (per device and stream; cudaStreamPerThread, per thread): a
+/// enough). The internal workspace is the stream's own (per device and stream, kept for the process's life: a program
+/// that makes a stream per call should give options.workspace; cudaStreamPerThread, per thread): a
 /// graph captured with it uses the capturing stream's, so replay it where no other call runs on that stream at the
 /// same time, or give options.workspace. Calls on one stream come from one thread at a time (a split launch and its
 /// combine are two launches: another thread's call between them would share the workspace). Kernels are

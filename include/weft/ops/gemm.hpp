@@ -59,13 +59,15 @@ struct GemmOptions {
     /// it serves any M <= kGemvWgmmaMaxM = 256 with B [N,K] (small_m_max_m does not apply) and a call it cannot serve
     /// (M > 256, B [K,N]) is an error. A forced variant is not autotuned (the caller chose).
     std::optional<GemvVariant> small_m_variant;
-    void* workspace = nullptr;         ///< split-K scratch of GemmPlan::workspace_bytes, 256-byte aligned: split-K
-                                       ///< counters first (zero-filled before the first use; each call leaves
-                                       ///< them zero), then fp32 partials. Zero it again if the counters grow
-                                       ///< (N of the small-M path, the tiles of a tiled split-K). nullptr =
-                                       ///< weft's per-(device, stream) scratch, grown by cudaMalloc at the first
-                                       ///< call that needs more (a device-wide wait: on a GPU shared by ranks,
-                                       ///< pass a workspace, docs/runtime.md). One call at a time per workspace.
+    void* workspace = nullptr;  ///< split-K scratch of GemmPlan::workspace_bytes, 256-byte aligned: split-K
+                                ///< counters first (zero-filled before the first use; each call leaves
+                                ///< them zero), then fp32 partials. Zero it again if the counters grow
+                                ///< (N of the small-M path, the tiles of a tiled split-K). nullptr =
+                                ///< weft's per-(device, stream) scratch, grown by cudaMalloc at the first
+                                ///< call that needs more (a device-wide wait: on a GPU shared by ranks,
+                                ///< pass a workspace, docs/runtime.md); kept for the process's life, per
+                                ///< stream (a program that makes a stream per call: pass a workspace).
+                                ///< One call at a time per workspace.
     size_t workspace_bytes = 0;
     std::chrono::milliseconds timeout{0};  ///< bound on the tiled kernel's pipeline waits; 0 = WEFT_TIMEOUT_MS or
                                            ///< 10 s (the small-M kernels' stage waits have a fixed 2 s bound)

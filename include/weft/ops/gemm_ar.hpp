@@ -41,10 +41,10 @@ struct GemmArOptions {
     int sm_budget = 0;                   ///< 0 = World::sm_budget(); bounds the tiled GEMM (M > 64) and the
                                          ///< reduction: the small-M kernels (M <= 64, no waits) span the device
     /// The all-reduce half: weft's ops::all_reduce over the op's team (automatic algorithm: low-latency for decode
-    /// sizes) when the partials have the output dtype and N % 8 == 0 (a C with padded rows: reduced in place in the
-    /// partial, then copied into C's rows); it needs the team's collective workspace on the symmetric heap
-    /// (ops::prepare_collectives(team), made by the constructor). false, or when those conditions fail: the op's own
-    /// one-shot kernel (a ready and a done barrier around the reads).
+    /// sizes) when the partials have the output dtype and N % 8 == 0 (a C with padded rows: reduced into a private
+    /// [max_m, N] buffer, made by the first such call, then copied into C's rows); it needs the team's collective
+    /// workspace on the symmetric heap (ops::prepare_collectives(team), made by the constructor). false, or when those
+    /// conditions fail: the op's own one-shot kernel (a ready and a done barrier around the reads).
     bool collective_all_reduce = true;
 };
 
