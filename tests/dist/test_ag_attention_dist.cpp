@@ -197,7 +197,15 @@ TEST(DistAgAttentionFaults, APeerThatNeverCallsFailsTheCallWithinTheBound) {
     const auto took = std::chrono::steady_clock::now() - start;
     if (w.rank() == 0) {
         EXPECT_FALSE(error.empty()) << "rank 0's call did not fail";
+        // A bounded wait that gave up: a timeout diagnosis, not some unrelated error.
+        EXPECT_TRUE(error.find("timed out") != std::string::npos || error.find("gave up") != std::string::npos)
+            << error;
         EXPECT_LT(took, 3 * w.timeout() + std::chrono::seconds(30)) << "the failure took too long";
+        // The caller's stream completed (the copy stream it joins was not held by an unbounded wait) and the CUDA
+        // context is usable.
+        EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+        EXPECT_EQ(cudaMemsetAsync(buf, 0, 4096, s), cudaSuccess);
+        EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
         std::printf("[ FAULT    ] rank 0: %s\n", error.c_str());
     }
     cudaFree(buf);

@@ -327,6 +327,7 @@ TEST_P(AllToAll, UlyssesReshardRoundTrip) {
             const TensorView seq_view(b.local_in, DType::kF32, {s_local, h, d});
             const TensorView head_view(head_sharded, DType::kF32, {s_local * n, h / n, d});
             const TensorView scratch(b.scratch, DType::kF32, {elems});
+            WEFT_CUDA_CHECK(cudaMemsetAsync(head_sharded, 0xFF, static_cast<size_t>(elems) * 4, b.stream));  // NaN
             ops::ulysses_seq_to_head(w, seq_view, head_view, scratch, b.stream);
             w.sync_and_check(b.stream);
             const std::vector<uint8_t> got = download(b.stream, head_sharded, static_cast<uint64_t>(elems) * 4);

@@ -10,6 +10,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -484,24 +485,37 @@ TEST_F(DecodeAttention, ProgrammaticLaunchWaitsForWhatCameBefore) {
     }
 }
 
-// Bad arguments are errors before anything launches (no device memory touched).
+// Bad arguments are errors before anything launches (no device memory touched). The views lie apart in one buffer, so
+// that each call reaches the check it is meant for (an overlap refusal would otherwise answer first), and each error
+// is the one expected.
 TEST_F(DecodeAttention, BadArgumentsThrowBeforeLaunching) {
     DevicePtr buf = device_alloc(1 << 20);
-    void* p = buf.get();
-    const TensorView q(p, DType::kBF16, {2, 8, 128});
-    const TensorView kv(p, DType::kBF16, {32, 16, 2, 128});
-    const TensorView table(p, DType::kI32, {2, 16});
-    const TensorView lens(p, DType::kI32, {2});
-    const TensorView out(p, DType::kBF16, {2, 8, 128});
+    auto* base = static_cast<uint8_t*>(buf.get());
+    const TensorView q(base, DType::kBF16, {2, 8, 128});                     // 4 KiB at 0
+    const TensorView kv(base + (64 << 10), DType::kBF16, {32, 16, 2, 128});  // 256 KiB at 64 KiB
+    const TensorView table(base + (384 << 10), DType::kI32, {2, 16});        // at 384 KiB
+    const TensorView lens(base + (388 << 10), DType::kI32, {2});             // at 388 KiB
+    const TensorView out(base + (392 << 10), DType::kBF16, {2, 8, 128});     // 4 KiB at 392 KiB
+    const auto expect_error = [](const std::function<void()>& call, const std::string& words) {
+        try {
+            call();
+            ADD_FAILURE() << "no error; expected one saying '" << words << "'";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+        }
+    };
     // max_seq_len above the 16 x 16 slots the table holds
-    EXPECT_THROW(ops::decode_attention(q, kv, kv, table, lens, 257, out, TensorView(), stream_), Error);
-    const TensorView bad_q(p, DType::kF32, {2, 8, 128});
-    EXPECT_THROW(ops::decode_attention(bad_q, kv, kv, table, lens, 256, out, TensorView(), stream_), Error);
+    expect_error([&] { ops::decode_attention(q, kv, kv, table, lens, 257, out, TensorView(), stream_); },
+                 "max_seq_len (257) exceeds what block_table holds");
+    const TensorView bad_q(base, DType::kF32, {2, 8, 128});
+    expect_error([&] { ops::decode_attention(bad_q, kv, kv, table, lens, 256, out, TensorView(), stream_); },
+                 "q must be bf16 or f16");
     // 4 splits need a workspace far larger than 16 bytes
     ops::DecodeAttentionOptions opt;
     opt.num_splits = 4;
-    opt.workspace = TensorView(p, DType::kU8, {16});
-    EXPECT_THROW(ops::decode_attention(q, kv, kv, table, lens, 256, out, TensorView(), stream_, opt), Error);
+    opt.workspace = TensorView(base + (400 << 10), DType::kU8, {16});
+    expect_error([&] { ops::decode_attention(q, kv, kv, table, lens, 256, out, TensorView(), stream_, opt); },
+                 "options.workspace holds 16 bytes");
     CK(cudaStreamSynchronize(stream_));
 }
 

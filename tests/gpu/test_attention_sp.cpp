@@ -214,19 +214,31 @@ void run_sp(int n, const Problem& pr, bool graph) {
             // Every rank passes the same max_seq_len (it sizes the split plan; the descriptor of the combine does not
             // depend on it, but equal plans keep the ranks' work alike).
             const int64_t max_seq_len = max_pages * ps;
-            const auto download_and_check = [&](const std::string& what) {
+            // Every other call runs on -V (the output negates exactly, the LSE stays): a merge that took an earlier
+            // call's lines (an epoch or flag not advanced) shows.
+            std::vector<uint16_t> vc_negated(vc);
+            for (uint16_t& x : vc_negated) x ^= 0x8000u;
+            const auto set_v = [&](bool negated) {
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(dv, negated ? vc_negated.data() : vc.data(), vc.size() * 2,
+                                                cudaMemcpyHostToDevice, s));
+            };
+            const auto download_and_check = [&](const std::string& what, bool negated) {
                 w.sync_and_check(s);
                 std::vector<uint16_t> out(pr.q.size());
                 std::vector<float> lse(pr.lse.size());
                 WEFT_CUDA_CHECK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
                 WEFT_CUDA_CHECK(cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost));
-                check(pr, out, lse, me, what);
+                if (negated) {
+                    for (uint16_t& x : out) x ^= 0x8000u;  // back to the reference's sign (a NaN stays a NaN)
+                }
+                check(pr, out, lse, me, what + (negated ? " (on -V)" : ""));
             };
             for (int call = 0; call < 3; ++call) {
+                set_v(call % 2 == 1);
                 WEFT_CUDA_CHECK(cudaMemsetAsync(dout, 0xff, pr.q.size() * 2, s));
                 WEFT_CUDA_CHECK(cudaMemsetAsync(dlse, 0xff, pr.lse.size() * 4, s));
                 ops::sp_decode_attention(w, tq, tk, tv, tt, tl, max_seq_len, tout, tlse, s);
-                download_and_check("eager call " + std::to_string(call));
+                download_and_check("eager call " + std::to_string(call), call % 2 == 1);
             }
             if (graph) {
                 // The internal attention workspace is already large enough (the eager calls grew it).
@@ -240,9 +252,11 @@ void run_sp(int n, const Problem& pr, bool graph) {
                 w.sync_and_check(s);
                 w.barrier();
                 for (int r = 0; r < 3; ++r) {
+                    set_v(r % 2 == 0);
                     WEFT_CUDA_CHECK(cudaMemsetAsync(dout, 0xff, pr.q.size() * 2, s));
+                    WEFT_CUDA_CHECK(cudaMemsetAsync(dlse, 0xff, pr.lse.size() * 4, s));
                     WEFT_CUDA_CHECK(cudaGraphLaunch(exec, s));
-                    download_and_check("graph replay " + std::to_string(r));
+                    download_and_check("graph replay " + std::to_string(r), r % 2 == 0);
                 }
                 WEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
                 WEFT_CUDA_CHECK(cudaGraphDestroy(g));

@@ -64,6 +64,8 @@ void run_case(World& w, const ArCase& cs, DType dt, int calls, Mode mode, uint64
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     {
         ops::GemmAr op(w, {cs.max_m, cs.n, cs.k, dt}, opt);
+        // The error model below follows the op's partials: they must be the ones asked for.
+        EXPECT_EQ(op.partial_dtype(), cs.f32_partials ? DType::kF32 : dt) << id.str();
         cudaGraphExec_t graph_exec = nullptr;
         for (int call = 0; call < calls; ++call) {
             const int64_t m = mode == Mode::kGraph ? cs.ms[0] : cs.ms[static_cast<size_t>(call) % cs.ms.size()];

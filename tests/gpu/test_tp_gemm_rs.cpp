@@ -80,6 +80,8 @@ void run_case(World& w, const RsCase& cs, DType dt, int calls, Mode mode, uint64
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     {
         ops::GemmRs op(w, {max_m, cs.n, cs.k, dt}, opt);
+        // The error model below follows the op's partials: they must be the ones asked for.
+        EXPECT_EQ(op.partial_dtype(), cs.f32_partials ? DType::kF32 : dt) << what;
         cudaGraphExec_t graph_exec = nullptr;
         for (int call = 0; call < calls; ++call) {
             const int64_t rows = mode == Mode::kEager && call == 1 ? std::max<int64_t>(1, cs.rows * 2 / 3) : cs.rows;

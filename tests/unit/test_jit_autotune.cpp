@@ -194,7 +194,7 @@ TEST(JitAutotune, UntrustedDecisionFilesAreIgnored) {
         Autotuner tuner(config_in(dir), fake.measure_for(0));
         const auto started = std::chrono::steady_clock::now();
         EXPECT_FALSE(tuner.cached_decision(key()).has_value()) << what;
-        EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::milliseconds(100)) << what;
+        EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::milliseconds(1000)) << what;  // not blocked
         EXPECT_EQ(tuner.tune(key(), candidates({"a", "b"})).name, "b") << what;
     };
     {

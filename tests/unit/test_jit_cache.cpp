@@ -188,14 +188,14 @@ TEST(JitDiskCache, UntrustedEntriesAreMisses) {
     DiskCache cache(dir / "cache");
     const fs::path jit = dir / "cache" / "jit";
     const CacheEntry entry = sample_entry();
-    // A miss, answered within 100 ms.
+    // A miss, answered at once (well within a second on a loaded machine; a blocked read would wait for ever).
     auto expect_miss = [&](const Digest& key, const char* what, const std::function<void()>& unblock = [] {}) {
         DiskCache::LoadStatus status = DiskCache::LoadStatus::kHit;
         std::string why;
         CacheEntry out;
         const double seconds = seconds_to_finish([&] { status = cache.load(key, &out, &why); }, unblock);
         EXPECT_GE(seconds, 0.0) << what << ": load() blocked";
-        EXPECT_LT(seconds, 0.1) << what;
+        EXPECT_LT(seconds, 1.0) << what;
         EXPECT_EQ(status, DiskCache::LoadStatus::kAbsent) << what << ": " << why;
         EXPECT_FALSE(why.empty()) << what << ": the reason is reported";
     };
@@ -264,7 +264,7 @@ TEST(JitFileLock, UntrustedLockFilesAreNotTaken) {
             owns = lock.owns();
         });
         EXPECT_GE(seconds, 0.0) << what << ": blocked";
-        EXPECT_LT(seconds, 0.1) << what;
+        EXPECT_LT(seconds, 1.0) << what;
         EXPECT_FALSE(owns) << what;
     };
     // A symbolic link: following it would create (and lock) a file wherever it points.
