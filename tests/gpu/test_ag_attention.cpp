@@ -578,17 +578,35 @@ void run_ag(const AgCase& c, uint64_t seed, AttentionPrefillKernel kernel) {
                                  .dtype = DType::kBF16,
                                  .mask = c.causal ? AttentionMask::kCausal : AttentionMask::kNone},
                                 {.config = config_of(kernel, DType::kBF16, c.dim)});
+            // Before every call: the outputs and this rank's gathered K/V poisoned (every rank's previous call is over:
+            // its end of call meets the team), so that a shard not pulled again this call shows.
             const auto poison = [&] {
                 WEFT_CUDA_CHECK(cudaMemsetAsync(dout, 0xff, q_elems * 2, s));
                 WEFT_CUDA_CHECK(cudaMemsetAsync(dlse, 0xff, static_cast<size_t>(c.rows) * c.hq * 4, s));
+                for (const TensorView& g : {op.gathered_k(seq), op.gathered_v(seq)}) {
+                    WEFT_CUDA_CHECK(cudaMemsetAsync(g.data, 0xff, static_cast<size_t>(g.size_bytes()), s));
+                }
             };
-            const auto download_and_check = [&](const std::string& call) {
+            // Some calls run on -V (the output negates exactly, the LSE stays): a call that read an earlier call's
+            // V shows. `negated` tells download_and_check which.
+            std::vector<uint16_t> v_negated(pr.v.begin() + static_cast<std::ptrdiff_t>(me * kv_elems),
+                                            pr.v.begin() + static_cast<std::ptrdiff_t>((me + 1) * kv_elems));
+            for (uint16_t& x : v_negated) x ^= 0x8000u;
+            const auto set_v = [&](bool negated) {
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(dv, negated ? v_negated.data() : pr.v.data() + me * kv_elems,
+                                                kv_elems * 2, cudaMemcpyHostToDevice, s));
+            };
+            const auto download_and_check = [&](const std::string& call, bool negated) {
                 w.sync_and_check(s);
                 std::vector<uint16_t> out(q_elems);
                 std::vector<float> lse(static_cast<size_t>(c.rows) * c.hq);
                 WEFT_CUDA_CHECK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
                 WEFT_CUDA_CHECK(cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost));
-                check_rows(pr, me * c.rows, c.rows, out, lse, what + ", rank " + std::to_string(me) + ", " + call);
+                if (negated) {
+                    for (uint16_t& x : out) x ^= 0x8000u;  // back to the reference's sign (a NaN stays a NaN)
+                }
+                check_rows(pr, me * c.rows, c.rows, out, lse,
+                           what + ", rank " + std::to_string(me) + ", " + call + (negated ? " (on -V)" : ""));
                 // The gathered K holds every shard this rank needed.
                 const TensorView gk = op.gathered_k(seq);
                 const int needed = c.causal ? me + 1 : c.world;
@@ -607,6 +625,7 @@ void run_ag(const AgCase& c, uint64_t seed, AttentionPrefillKernel kernel) {
             const TensorView tv_wide(dv_wide, DType::kBF16, {c.rows, c.hkv, c.dim}, {v_pitch, c.dim, 1});
             for (int call = 0; call < 4; ++call) {
                 poison();
+                set_v(call == 1);  // calls 2 and 3 read V from dv and dv_wide, both +V
                 if (call == 3) {
                     op.run(tq, tk, tv_wide, tout, tlse, s);
                 } else if (call == 2) {
@@ -618,7 +637,7 @@ void run_ag(const AgCase& c, uint64_t seed, AttentionPrefillKernel kernel) {
                 } else {
                     op.run(tq, tk, tv, tout, tlse, s);
                 }
-                download_and_check("eager call " + std::to_string(call));
+                download_and_check("eager call " + std::to_string(call), call == 1);
             }
             if (c.graph) {
                 cudaGraph_t g = nullptr;
@@ -632,8 +651,9 @@ void run_ag(const AgCase& c, uint64_t seed, AttentionPrefillKernel kernel) {
                 w.barrier();
                 for (int r = 0; r < 3; ++r) {
                     poison();
+                    set_v(r % 2 == 0);
                     WEFT_CUDA_CHECK(cudaGraphLaunch(exec, s));
-                    download_and_check("graph replay " + std::to_string(r));
+                    download_and_check("graph replay " + std::to_string(r), r % 2 == 0);
                 }
                 WEFT_CUDA_CHECK(cudaGraphExecDestroy(exec));
                 WEFT_CUDA_CHECK(cudaGraphDestroy(g));
