@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -238,6 +239,98 @@ TEST(TpAgGemm, AutotunedConfigStaysCorrect) {
     AgCase c = ag(200, 520, 136);
     c.autotune = true;
     run_world(2, {c}, {DType::kBF16}, 3);
+}
+
+// Rows of 2 GiB and more (K = 2^30 + 8, bf16): the local shard's rows lie back to back, so their copy into the
+// gathered buffer is one copy (a 2-D copy refuses pitches of 2 GiB or more) and the GEMM indexes past 2^31 bytes of
+// a row; a strided a_local whose pitch passes the device's maximum is refused before anything launches. A is zero
+// but for a one in each row near its end (a different column per row), B zero but for small integers there, so C is
+// exact: C[g][j] = (j + 1)(g + 1). Needs about 30 GiB per rank; skipped where the GPUs have less free.
+TEST(TpAgGemm, RowsOfTwoGibibytes) {
+    constexpr int kRanks = 2;
+    constexpr int64_t kRowsPerRank = 2, kN = 8, kK = (int64_t{1} << 30) + 8, kM = kRanks * kRowsPerRank;
+    int gpus = 0;
+    if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus == 0) GTEST_SKIP() << "needs a GPU";
+    size_t free_bytes = 0, total_bytes = 0;
+    WEFT_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    const int ranks_per_gpu = (kRanks + gpus - 1) / gpus;
+    const uint64_t heap_bytes = static_cast<uint64_t>(kM * kK * 2) + (uint64_t{1} << 30);
+    const uint64_t per_rank = heap_bytes + static_cast<uint64_t>((kRowsPerRank + kN) * kK * 2) + (uint64_t{1} << 30);
+    if (per_rank * ranks_per_gpu > free_bytes) {
+        GTEST_SKIP() << "needs " << (per_rank * ranks_per_gpu >> 30) << " GiB free per GPU, " << (free_bytes >> 30)
+                     << " GiB are";
+    }
+    const auto one_at = [](int64_t g) { return kK - 1 - 3 * g; };  // the column of row g's one
+    const auto bf16 = [](float x) {
+        uint32_t u = 0;
+        std::memcpy(&u, &x, 4);
+        return static_cast<uint16_t>(u >> 16);  // exact for the small integers used here
+    };
+    Failures f;
+    test::run_ranks(
+        kRanks,
+        [&](World& w) {
+            const int me = w.rank();
+            cudaStream_t st = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+            DevBuf a(static_cast<size_t>(kRowsPerRank * kK * 2)), b(static_cast<size_t>(kN * kK * 2)),
+                c(static_cast<size_t>(kM * kN * 2));
+            WEFT_CUDA_CHECK(cudaMemsetAsync(a.ptr, 0, static_cast<size_t>(kRowsPerRank * kK * 2), st));
+            WEFT_CUDA_CHECK(cudaMemsetAsync(b.ptr, 0, static_cast<size_t>(kN * kK * 2), st));
+            WEFT_CUDA_CHECK(cudaMemsetAsync(c.ptr, 0xFF, static_cast<size_t>(kM * kN * 2), st));  // NaN
+            const uint16_t one = bf16(1.0f);
+            for (int64_t i = 0; i < kRowsPerRank; ++i) {
+                const int64_t g = me * kRowsPerRank + i;
+                WEFT_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint16_t*>(a.ptr) + i * kK + one_at(g), &one, 2,
+                                                cudaMemcpyHostToDevice, st));
+                WEFT_CUDA_CHECK(cudaStreamSynchronize(st));
+            }
+            std::vector<uint16_t> values(static_cast<size_t>(kN * kM));
+            for (int64_t j = 0; j < kN; ++j) {
+                for (int64_t g = 0; g < kM; ++g) {
+                    values[static_cast<size_t>(j * kM + g)] = bf16(static_cast<float>((j + 1) * (g + 1)));
+                    WEFT_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint16_t*>(b.ptr) + j * kK + one_at(g),
+                                                    &values[static_cast<size_t>(j * kM + g)], 2, cudaMemcpyHostToDevice,
+                                                    st));
+                }
+            }
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(st));
+            {
+                ops::AgGemm op(w, {kM, kN, kK, DType::kBF16});
+                op.run(TensorView(a.ptr, DType::kBF16, {kRowsPerRank, kK}), TensorView(b.ptr, DType::kBF16, {kN, kK}),
+                       TensorView(c.ptr, DType::kBF16, {kM, kN}), st);
+                w.sync_and_check(st);
+                std::vector<uint16_t> got(static_cast<size_t>(kM * kN));
+                WEFT_CUDA_CHECK(cudaMemcpy(got.data(), c.ptr, got.size() * 2, cudaMemcpyDeviceToHost));
+                for (int64_t g = 0; g < kM; ++g) {
+                    for (int64_t j = 0; j < kN; ++j) {
+                        // Row g reads B's column one_at(g) only: B[j][one_at(g)] = (j + 1)(g + 1).
+                        const uint16_t want = bf16(static_cast<float>((j + 1) * (g + 1)));
+                        if (got[static_cast<size_t>(g * kN + j)] != want) {
+                            f.add("rank " + std::to_string(me) + ": C[" + std::to_string(g) + "][" + std::to_string(j) +
+                                  "] has bits " + std::to_string(got[static_cast<size_t>(g * kN + j)]) + ", want " +
+                                  std::to_string(want));
+                        }
+                    }
+                }
+                // A strided local shard whose row pitch passes the device's maximum: refused before any launch,
+                // on every rank alike (the op stays usable; no peer waits for a call that never started).
+                const TensorView strided(a.ptr, DType::kBF16, {kRowsPerRank, kK}, {kK + (int64_t{1} << 30), 1});
+                try {
+                    op.run(strided, TensorView(b.ptr, DType::kBF16, {kN, kK}),
+                           TensorView(c.ptr, DType::kBF16, {kM, kN}), st);
+                    f.add("rank " + std::to_string(me) + ": a row pitch past the device's maximum was accepted");
+                } catch (const Error& e) {
+                    if (std::string(e.what()).find("passes the device's maximum") == std::string::npos) {
+                        f.add("rank " + std::to_string(me) + ": unexpected error: " + e.what());
+                    }
+                }
+                w.barrier();
+            }
+            WEFT_CUDA_CHECK(cudaStreamDestroy(st));
+        },
+        test::test_options(heap_bytes));
+    f.report();
 }
 
 TEST(TpAgGemm, BadCallThrowsNamingTheArgument) {
