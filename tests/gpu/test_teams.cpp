@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: MIT
-// GPU tests of ops on teams: 8 ranks as threads sharing the visible GPUs, split 2x4 and 4x2 (split_color, with keys
-// that make team order differ from world order) and strided (split_strided). The team runtime (barrier,
-// all_gather, team-collective heap allocations, timeouts naming world ranks); every collective family and an EP
-// dispatch/combine running in every team at once (each rank on its own stream, shapes and dtypes differing per
-// team), against host references on fresh random data with the outputs poisoned first; a team of one; calls with
-// a team this rank is not a member of; ops on overlapping teams one after the other.
+// GPU tests of ops on teams: 8 ranks as threads sharing the visible GPUs, split 2x4, 4x2 and 3+5 (split_color, with
+// keys that make team order differ from world order; 3+5: teams of odd, unequal sizes) and strided (split_strided). The
+// team runtime (barrier, all_gather, team-collective heap allocations, timeouts naming world ranks); every collective
+// family and an EP dispatch/combine running in every team at once (each rank on its own stream, shapes and dtypes
+// differing per team), against host references on fresh random data with the outputs poisoned first; a team of one;
+// calls with a team this rank is not a member of; ops on overlapping teams one after the other.
 //
 // Collective inputs are integers in [-8, 8] (collectives_test_kernels.hpp) so every sum is exact; the seed is
 // printed and WEFT_TEST_SEED=<n> replays a run.
@@ -67,8 +67,11 @@ uint64_t test_seed() {
 // ------------------------------------------------------------------------------------------------
 // Splits of the 8-rank world.
 
-enum class Split { kColor2x4, kColor4x2, kStrided };
+enum class Split { kColor2x4, kColor4x2, kStrided, kColor3And5 };
 constexpr Split kSplits[] = {Split::kColor2x4, Split::kColor4x2, Split::kStrided};
+// With teams of odd, unequal sizes (3 and 5) too: for what takes any team size (the EP tests' configs need equal
+// teams whose size divides the experts).
+constexpr Split kSplitsWithUneven[] = {Split::kColor2x4, Split::kColor4x2, Split::kStrided, Split::kColor3And5};
 
 const char* split_name(Split s) {
     switch (s) {
@@ -78,6 +81,8 @@ const char* split_name(Split s) {
             return "4x2";
         case Split::kStrided:
             return "strided";
+        case Split::kColor3And5:
+            return "3+5";
     }
     return "?";
 }
@@ -99,6 +104,9 @@ std::vector<int> expected_members(Split s, int index) {
             return {2 * index + 1, 2 * index};  // keys -rank
         case Split::kStrided:
             return {index, index + 2, index + 4, index + 6};
+        case Split::kColor3And5:
+            if (index == 0) return {0, 1, 2};
+            return {7, 6, 5, 4, 3};  // keys -rank
     }
     return {};
 }
@@ -117,6 +125,9 @@ TeamOf make_team(World& w, Split s) {
             break;
         case Split::kStrided:
             t = {w.team().split_strided(r % 2, 2, kWorld / 2), r % 2};
+            break;
+        case Split::kColor3And5:
+            t = {w.team().split_color(r < 3 ? 0 : 1, r < 3 ? r : -r), r < 3 ? 0 : 1};
             break;
     }
     WEFT_CHECK(t.team.members() == expected_members(s, t.index),
@@ -179,7 +190,7 @@ TEST(Teams, BarrierAllGatherAndTeamHeap) {
         EXPECT_EQ(&w.team().world(), &w);
         EXPECT_EQ(w.team().timeout(), w.timeout());
         const uint64_t in_use_before = heap.bytes_in_use();
-        for (Split s : kSplits) {
+        for (Split s : kSplitsWithUneven) {
             SCOPED_TRACE(split_name(s));
             const TeamOf t = make_team(w, s);
             const Team& team = t.team;
@@ -488,7 +499,7 @@ TEST(Teams, CollectivesRunInEveryTeamAtOnce) {
         [&](World& w) {
             RankStream rs;
             std::vector<std::string> failures;
-            for (Split s : kSplits) {
+            for (Split s : kSplitsWithUneven) {
                 const TeamOf t = make_team(w, s);
                 // Only the team's members meet from here on: the teams of a split run at the same time.
                 run_collectives(t.team, t.index, seed ^ (static_cast<uint64_t>(s) << 56) ^ static_cast<uint64_t>(t.index),
