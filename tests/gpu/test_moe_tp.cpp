@@ -10,8 +10,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <string>
@@ -339,13 +341,15 @@ struct LayerCase {
     Routing routing = Routing::kRandom;
     bool graph = false;
     DType out = DType::kBF16;
+    ops::MoeTpOptions options{};  // both layers'
 };
 
 std::string describe(const LayerCase& c, int w, uint64_t seed) {
     std::ostringstream os;
     os << "moe tp W=" << w << " tokens/rank " << c.tokens_per_rank << " H=" << c.hidden << " F/W=" << c.ffn_per_rank
        << " E=" << c.experts << " topk " << c.topk << " " << routing_name(c.routing) << (c.graph ? " graph" : "")
-       << " out " << dtype_name(c.out) << " seed " << seed;
+       << " out " << dtype_name(c.out) << " sm_budget " << c.options.sm_budget << " comm_blocks "
+       << c.options.comm_blocks << " seed " << seed;
     return os.str();
 }
 
@@ -367,8 +371,8 @@ void run_layers(World& world, const LayerCase& c, int calls, uint64_t base, Fail
     {
         const ops::MoeTpShape shape{
             .max_tokens = max_m, .hidden = c.hidden, .ffn = fl, .num_experts = c.experts, .topk = c.topk};
-        ops::MoeAgGroupedGemm up(world, shape);
-        ops::MoeGroupedGemmRs down(world, shape);
+        ops::MoeAgGroupedGemm up(world, shape, c.options);
+        ops::MoeGroupedGemmRs down(world, shape, c.options);
         cudaGraphExec_t graph_exec = nullptr;
         for (int call = 0; call < calls; ++call) {
             const int64_t tpr = !c.graph && call == 1 ? std::max<int64_t>(1, c.tokens_per_rank / 2) : c.tokens_per_rank;
@@ -555,6 +559,45 @@ TEST(MoeTpLayers, Worlds5To7) {
 TEST(MoeTpLayers, World8DeepseekShard) {
     REQUIRE_SM90();
     run_layer_cases(8, {{64, 256, 176, 64, 6}});
+}
+
+// The options take effect and the layers stay right: a small SM budget, one or two communication CTAs, a timeout of
+// their own.
+TEST(MoeTpLayers, OptionsAtWorld3) {
+    REQUIRE_SM90();
+    LayerCase few_sms{40, 128, 48, 8, 2};
+    few_sms.options.sm_budget = 12;
+    few_sms.options.comm_blocks = 2;
+    LayerCase one_block{24, 136, 24, 16, 8, Routing::kDropped};
+    one_block.options.comm_blocks = 1;
+    one_block.options.timeout = std::chrono::milliseconds(20000);
+    run_layer_cases(3, {few_sms, one_block});
+}
+
+// Members whose communication CTAs differ (they count each other's blocks): construction fails on every member,
+// naming both counts, instead of a call that would wait for blocks that never come.
+TEST(MoeTpLayers, CommBlocksThatDifferFailEveryMember) {
+    REQUIRE_SM90();
+    std::mutex mutex;
+    std::vector<std::string> errors(2);
+    test::run_ranks(2, [&](World& w) {
+        ops::MoeTpOptions o;
+        o.comm_blocks = 2 + w.rank();
+        const ops::MoeTpShape shape{.max_tokens = 64, .hidden = 128, .ffn = 32, .num_experts = 8, .topk = 2};
+        try {
+            ops::MoeAgGroupedGemm up(w, shape, o);
+        } catch (const Error& e) {
+            std::lock_guard<std::mutex> lock(mutex);
+            errors[static_cast<size_t>(w.rank())] = e.what();
+        }
+        w.barrier();
+    });
+    for (int r = 0; r < 2; ++r) {
+        const std::string& e = errors[static_cast<size_t>(r)];
+        EXPECT_NE(e.find("communication CTAs"), std::string::npos) << "rank " << r << ": " << e;
+        EXPECT_NE(e.find("has " + std::to_string(2 + r)), std::string::npos) << "rank " << r << ": " << e;
+        EXPECT_NE(e.find(" " + std::to_string(3 - r)), std::string::npos) << "rank " << r << ": " << e;
+    }
 }
 
 TEST(MoeTpLayers, BadIndicesAreRecorded) {
