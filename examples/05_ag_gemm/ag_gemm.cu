@@ -116,18 +116,11 @@ int main(int argc, char** argv) {
     int64_t m = 8192, n = 11008, k = 4096;
     const weft::examples::Args args(argc, argv, "[--world W] [--m M] [--n N] [--k K] [--iters I]   (values >= 1)");
     constexpr int64_t kMaxExtent = int64_t{1} << 20;  // keeps the byte counts (2 * M * K * 2 and the like) within int64
-    for (int i = 1; i < argc; i += 2) {
-        const std::string flag = argv[i];
-        const char* value = i + 1 < argc ? argv[i + 1] : "";
-        if (flag != "--world" && flag != "--m" && flag != "--n" && flag != "--k" && flag != "--iters") {
-            args.fail("unknown flag '" + flag + "'");
-        }
-        if (flag == "--world") world = args.parse<int>(flag, value, 1, 1024);
-        if (flag == "--m") m = args.parse<int64_t>(flag, value, 1, kMaxExtent);
-        if (flag == "--n") n = args.parse<int64_t>(flag, value, 1, kMaxExtent);
-        if (flag == "--k") k = args.parse<int64_t>(flag, value, 1, kMaxExtent);
-        if (flag == "--iters") iters = args.parse<int>(flag, value, 1, 1000000);
-    }
+    args.read_flags({{"--world", &world, 1, 1024},
+                     {"--m", &m, 1, kMaxExtent},
+                     {"--n", &n, 1, kMaxExtent},
+                     {"--k", &k, 1, kMaxExtent},
+                     {"--iters", &iters, 1, 1000000}});
     try {
         weft::prepare_cuda_environment();  // before the first CUDA call
         int gpus = 0;

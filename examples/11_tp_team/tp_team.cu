@@ -272,18 +272,11 @@ int main(int argc, char** argv) {
     p.f = 11008;
     const weft::examples::Args args(argc, argv, "[--tp T] [--m M] [--hidden H] [--ffn F] [--iters I]   (values >= 1)");
     constexpr int64_t kMaxExtent = int64_t{1} << 20;  // keeps the byte counts (6 * M * F and the like) within int64
-    for (int i = 1; i < argc; i += 2) {
-        const std::string flag = argv[i];
-        const char* value = i + 1 < argc ? argv[i + 1] : "";
-        if (flag != "--tp" && flag != "--m" && flag != "--hidden" && flag != "--ffn" && flag != "--iters") {
-            args.fail("unknown flag '" + flag + "'");
-        }
-        if (flag == "--tp") p.tp = args.parse<int>(flag, value, 1, 1024);
-        if (flag == "--m") p.m = args.parse<int64_t>(flag, value, 1, kMaxExtent);
-        if (flag == "--hidden") p.h = args.parse<int64_t>(flag, value, 1, kMaxExtent);
-        if (flag == "--ffn") p.f = args.parse<int64_t>(flag, value, 1, kMaxExtent);
-        if (flag == "--iters") p.iters = args.parse<int>(flag, value, 1, 1000000);
-    }
+    args.read_flags({{"--tp", &p.tp, 1, 1024},
+                     {"--m", &p.m, 1, kMaxExtent},
+                     {"--hidden", &p.h, 1, kMaxExtent},
+                     {"--ffn", &p.f, 1, kMaxExtent},
+                     {"--iters", &p.iters, 1, 1000000}});
     try {
         weft::prepare_cuda_environment();  // before the first CUDA call
         // The symmetric heap holds the ops' buffers (the gathered X and the partials, each at most M x max(H, F/T))

@@ -9,8 +9,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <system_error>
+#include <type_traits>
+#include <variant>
 
 namespace weft::examples {
 
@@ -37,6 +40,32 @@ public:
                  text + "'");
         }
         return static_cast<T>(value);
+    }
+
+    /// One "--name value" flag: an integer in [lo, hi] stored into `target` (an int or an int64_t).
+    struct Flag {
+        const char* name;
+        std::variant<int*, int64_t*> target;
+        int64_t lo, hi;
+    };
+
+    /// Reads the command line as "--name value" pairs of `flags` (a flag not given keeps its value); an unknown flag
+    /// or a bad value fail()s.
+    void read_flags(std::initializer_list<Flag> flags) const {
+        for (int i = 1; i < argc_; i += 2) {
+            const std::string name = argv_[i];
+            const char* value = i + 1 < argc_ ? argv_[i + 1] : "";
+            const Flag* flag = nullptr;
+            for (const Flag& f : flags) {
+                if (name == f.name) flag = &f;
+            }
+            if (flag == nullptr) fail("unknown flag '" + name + "'");
+            std::visit(
+                [&](auto* target) {
+                    *target = parse<std::remove_pointer_t<decltype(target)>>(name, value, flag->lo, flag->hi);
+                },
+                flag->target);
+        }
     }
 
     /// fail()s when the program was given more than `count` arguments (a program that reads positional arguments
