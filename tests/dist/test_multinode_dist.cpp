@@ -93,11 +93,13 @@ std::vector<uint32_t> download(cudaStream_t s, const void* src, DType t, uint64_
     return bits;
 }
 
-// The teams to test: the world, and (with at least 2 ranks per node) every other rank, which spans the nodes with
-// half the members per node and interleaves them in team-rank order.
+// The teams to test: the world, and (with an even number of ranks per node, at least 2) every other rank, which spans
+// the nodes with half the members per node and interleaves them in team-rank order. (With an odd number per node,
+// every other rank would put unequal numbers of members on the nodes, which the ops across nodes refuse.)
 std::vector<Team> teams_under_test(World& w) {
     std::vector<Team> teams{w.team()};
-    if (w.num_ranks() / w.num_nodes() >= 2) teams.push_back(w.team().split_strided(0, 2, w.num_ranks() / 2));
+    const int per_node = w.num_ranks() / w.num_nodes();
+    if (per_node >= 2 && per_node % 2 == 0) teams.push_back(w.team().split_strided(0, 2, w.num_ranks() / 2));
     return teams;
 }
 
