@@ -81,8 +81,8 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, out=None, *, ma
     multiple of num_kv_heads (at most 16 per KV head). max_seq_len: a bound of seq_lens that sizes the split plan
     (default: max_pages_per_seq x page_size; a tighter one saves work). scale: default 1 / sqrt(head_dim).
     num_splits: KV splits per (sequence, KV head), 0 chooses. workspace: device scratch (u8, contiguous) of at least
-    decode_attention_workspace_bytes(...) bytes (a 1-D uint8 tensor); without it weft keeps one per device and stream,
-    grown by uncaptured calls, so capturing on a stream with no earlier uncaptured call of this size (torch.cuda.graph
+    decode_attention_workspace_bytes(...) bytes (a 1-D uint8 tensor); without it weft keeps one per device and stream
+    for the process's life (a program that makes a stream per call should pass one), grown by uncaptured calls, so capturing on a stream with no earlier uncaptured call of this size (torch.cuda.graph
     captures on a side stream of its own) needs one. Calls on one stream come from one thread at a time. Returns out (allocated when None), or (out, lse) when return_lse (f32 [batch,
     num_q_heads], natural log; -inf for an empty sequence, whose output is zeros)."""
     torch = torch_module()

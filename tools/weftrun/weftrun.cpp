@@ -63,12 +63,14 @@ const char* kUsage =
     "  -h, --help      this text\n"
     "\n"
     "When a rank exits non-zero or dies by a signal, the others get SIGTERM (then SIGKILL after the grace\n"
-    "period) and weftrun exits with that rank's code (128+signal for a signal); on a failure every rank's\n"
-    "process group gets SIGKILL before weftrun exits (processes a rank left behind go too). SIGINT, SIGTERM\n"
-    "and SIGHUP are forwarded to every rank (a second one sends SIGKILL); weftrun then exits with\n"
-    "128+signal. A signal weftrun was started with ignored (nohup, a background job) stays ignored, in the\n"
-    "ranks too. Ranks that outlive SIGKILL by 10 s are named and left behind.\n"
-    "Launcher variables weftrun inherits (TORCHELASTIC_*, GROUP_RANK, ROLE_*) are not passed on.\n";
+    "period) and weftrun exits with that rank's code (128+signal for a signal, 127/126 when prog cannot be\n"
+    "executed, 1 when a rank could not be started); on a failure the process group of every rank that was\n"
+    "still running (or had its output open) gets SIGKILL before weftrun exits. SIGINT, SIGTERM and SIGHUP\n"
+    "are forwarded to every rank (a second one sends SIGKILL); weftrun then exits with 128+signal. A signal\n"
+    "weftrun was started with ignored (nohup, a background job) stays ignored, in the ranks too. Ranks that\n"
+    "outlive SIGKILL by 10 s are named and left behind. weftrun raises its own open-file limit (the ranks get\n"
+    "the original) and refuses a job needing more than about 2N + 32 files. Launcher variables it inherits\n"
+    "(TORCHELASTIC_*, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_*) are not passed on.\n";
 
 struct Options {
     int num_ranks = 0;

@@ -90,7 +90,9 @@ struct CompilerStats {
 struct CompilerConfig {
     std::optional<std::filesystem::path> cache_dir;  ///< nullopt: no disk cache
     std::vector<std::filesystem::path> extra_include_roots;  ///< searched before weft's roots
-    std::optional<IncludeRoots> roots;  ///< nullopt: find_include_roots() + find_cuda_include_dirs()
+    std::optional<IncludeRoots> roots;  ///< nullopt: find_include_roots() + find_cuda_include_dirs(), and the
+                                        ///< Compiler's constructor throws when the found include/weft/common is
+                                        ///< not the library's own (check_headers_match_library)
     bool apply_env_options = true;      ///< apply WEFT_JIT_* on top of each spec's options
     std::chrono::milliseconds lock_timeout{std::chrono::minutes(10)};  ///< wait on another compile
 
@@ -105,7 +107,8 @@ public:
     Compiler(const Compiler&) = delete;
     Compiler& operator=(const Compiler&) = delete;
 
-    /// The cubin for `spec`: from memory, else from disk, else compiled (and stored). Needs no GPU
+    /// The cubin for `spec`: from memory, else from disk, else compiled (and stored, unless a source changed while
+    /// it compiled: then kept nowhere, with a warning). Needs no GPU
     /// when spec.arch (or WEFT_JIT_ARCH) is set. Compile errors throw weft::Error with the NVRTC log,
     /// the generated source's name and the spec's description.
     CompileResult compile(const KernelSpec& spec);

@@ -61,7 +61,8 @@ struct FlashAttentionOptions {
 /// (below). The kernel is JIT-compiled on first use. Bad arguments throw weft::Error naming the argument.
 /// The wgmma kernel's blocks take their items from a 4-byte work counter that every launch leaves at zero: a call on a
 /// stream that is not being captured uses the stream's own (one per device and stream, per thread for
-/// cudaStreamPerThread, made by its first call: the stream order keeps its launches apart); a call captured in a
+/// cudaStreamPerThread, made by its first call and kept for the process's life: the stream order keeps its launches
+/// apart); a call captured in a
 /// CUDA graph gets a counter of its own for good, so an instantiation of the graph may be replayed on any stream
 /// beside any other calls (two instantiations of one captured graph share its counters: run them one at a time). Those
 /// counters are made by uncaptured calls, 64 at a time (at the device's first call, and at an uncaptured call that
@@ -118,7 +119,8 @@ public:
     ///   q_local  [S/W, num_q_heads, head_dim]: innermost stride 1, other strides multiples of 8 (positive with
     ///            the wgmma kernel, sm_90's default: a broadcast q needs options.config with kMmaSync)
     ///   k_local, v_local [S/W, num_kv_heads, head_dim]: heads and dims contiguous (head stride head_dim), row
-    ///            stride >= num_kv_heads * head_dim and a multiple of 8 (any device memory; local_k(S) / local_v(S)
+    ///            stride >= num_kv_heads * head_dim and a multiple of 8, of at most 2 GiB - 1 bytes where the rows are
+    ///            not back to back (any device memory; local_k(S) / local_v(S)
     ///            themselves skip the local copy)
     ///   out      [S/W, num_q_heads, head_dim] contiguous;  lse f32 [S/W, num_q_heads] contiguous, or empty
     /// all of shape.dtype, 16-byte aligned. Every member calls with the same S (1 <= S/W, S <= max_seq): a rank that

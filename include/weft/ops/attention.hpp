@@ -28,8 +28,9 @@ struct DecodeAttentionOptions {
     int32_t num_splits = 0;
     /// Device scratch for the splits' partial outputs: u8 (or any dtype), contiguous, 16-byte aligned, at least
     /// decode_attention_workspace_bytes() bytes; not touched when one split suffices. Empty (a default TensorView:
-    /// data null, no dimensions): weft keeps a buffer per (device, stream), grown as needed by uncaptured calls;
-    /// growing it during CUDA graph capture is an error (pass one).
+    /// data null, no dimensions): weft keeps a buffer per (device, stream) for the process's life, grown as needed by
+    /// uncaptured calls; growing it during CUDA graph capture is an error (pass one, as a program that makes a stream
+    /// per call should).
     TensorView workspace = {};
     /// Programmatic dependent launch of the split kernel, for a decode step's chain of kernels: it may be scheduled
     /// while the kernel before it on `stream` still runs (hiding its launch latency and block setup) and waits for

@@ -148,7 +148,8 @@ void check_fused_gemm_config(const GemmConfig& config);
 /// CTAs of a persistent fused GEMM over an [m, n] output: min(budget, tiles), at least 1.
 int fused_gemm_grid(const GemmConfig& config, int64_t m, int64_t n, int budget);
 
-/// The bound on a fused GEMM's pipeline waits: twice the world's timeout (its signal waits expire first).
+/// The bound on a fused GEMM's pipeline waits: twice the world's timeout (at most 30 days) (its signal waits expire
+/// first).
 uint64_t fused_gemm_timeout_ns(const World& world);
 /// The same for a team's kernels (a team's timeout is its World's).
 uint64_t fused_gemm_timeout_ns(const Team& team);

@@ -25,7 +25,8 @@ namespace weft::ops {
 /// Knobs of one gemm call. Defaults pick everything from the problem and the device.
 struct GemmOptions {
     int sm_budget = 0;                 ///< CTAs of the persistent grid (SMs it may occupy); 0 = every SM
-    std::optional<GemmConfig> config;  ///< force this tiled-kernel config (dtypes/layout must match the call)
+    std::optional<GemmConfig> config;  ///< force this tiled-kernel config (dtypes/layout must match the call;
+                                       ///< refused when its tile order would pass int32 for the shape)
     bool allow_small_m = true;         ///< let M <= small_m_max_m with B [N,K] take the small-M path
     /// The largest M the heuristic sends to the small-M path (0..kGemvMaxM = 64; above it: the tiled kernel).
     /// Default 32: the small-M kernels beat the tiled kernel up to M = 32, the ping-pong 64x128 tile from M = 48

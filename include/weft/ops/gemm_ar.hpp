@@ -69,7 +69,8 @@ public:
 
     /// C[M, N] = sum over the team's ranks s of A_s * B_s^T on every member (bit-identical on every member: the
     /// partials are summed in team rank order).
-    ///   a: [M, k]; b: [n, k]; c: [M, n] (row strides multiples of 16 bytes, bases 16-byte aligned), its bytes apart
+    ///   a: [M, k]; b: [n, k]; c: [M, n] (row strides multiples of 16 bytes, bases 16-byte aligned; a padded c's
+    ///      row pitch at most the device's maximum, 2 GiB - 1, on the collective all-reduce path), its bytes apart
     ///   from a's and b's
     /// Every member calls with the same M; one that calls with another M is diagnosed on every rank (the call throws
     /// weft::Error at the next sync_and_check naming both M; c untouched): replace the op after such an error (its

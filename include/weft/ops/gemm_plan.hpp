@@ -45,8 +45,9 @@ inline constexpr int kGemmMaxSmallMSplits = 65535;
 /// device, plan_gemm again): sm_budget >= 0, split_k in [0, kGemmMaxSplits], small_m_max_m in [0, kGemvMaxM],
 /// small_m_splits in [0, kGemmMaxSmallMSplits], small_m_variant kTmaRing, kBulkRows or kTmaWgmma (kBulkRows only where
 /// it can serve a small-M call; kTmaWgmma, unless options.config is set or allow_small_m is off, only with M <=
-/// kGemvWgmmaMaxM and B [N,K]), timeout >= 0, workspace 256-byte aligned, config valid with the call's dtypes and
-/// layout.
+/// kGemvWgmmaMaxM and B [N,K]), timeout (and WEFT_TIMEOUT_MS when it is 0) in [0, 30 days], workspace 256-byte
+/// aligned, config valid with the call's dtypes and layout and not so fine that its raster groups or cluster tiles
+/// reach 2^31 (the kernel's int32 tile order).
 /// Throws weft::Error naming the option.
 void validate_gemm_options(const GemmProblem& problem, const GemmOptions& options);
 
