@@ -127,6 +127,11 @@ struct GemmAr::State : tp_detail::FusedOpState {
     explicit State(const Team& t) : FusedOpState(t, kOp) {}
     ~State() { heap.free_all(); }  // waits for this op's work first
 
+    /// Whether a call of `m` rows into `c` sums through `padded_sum` (the collective path with c's rows padded).
+    bool sums_through_padded_rows(int64_t m, const TensorView& c) const {
+        return use_collective && num_ranks > 1 && m > 1 && c.stride(0) != shape.n;
+    }
+
     GemmProblem problem(int64_t m) const {
         GemmProblem p;
         p.m = m;
@@ -276,7 +281,7 @@ ArCall prepare_call(const GemmAr::State& s, const GemmProblem& p, const TensorVi
     // peers' halves must meet): a c with padded rows receives the sum through the private padded-row buffer, row by
     // row.
     call.collective = s.use_collective;
-    call.collective_in_place = s.use_collective && m > 1 && c.stride(0) != s.shape.n;
+    call.collective_in_place = s.sums_through_padded_rows(m, c);
     if (call.collective_in_place) {
         const size_t row_bytes = static_cast<size_t>(s.shape.n) * dtype_bytes(s.shape.dtype);
         tp_detail::check_row_copy(kOp, "c", static_cast<size_t>(c.stride(0)) * dtype_bytes(s.shape.dtype), row_bytes,
@@ -350,7 +355,7 @@ void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     // The all-reduce would refuse it only after the GEMM ran (its peers then wait for this rank to their timeout).
     if (s.use_collective && s.num_ranks > 1) detail::check_device_pointer(c.data, "c", "gemm_ar", stream);
     // The padded-row sum, before any launch (an allocation that fails must not sit between this rank's launches).
-    if (s.use_collective && s.num_ranks > 1 && p.m > 1 && c.stride(0) != s.shape.n && s.padded_sum == nullptr) {
+    if (s.sums_through_padded_rows(p.m, c) && s.padded_sum == nullptr) {
         s.padded_sum =
             s.heap.alloc_private(static_cast<uint64_t>(s.shape.max_m * s.shape.n) * dtype_bytes(s.shape.dtype));
     }

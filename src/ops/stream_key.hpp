@@ -6,7 +6,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
-#include <thread>
 #include <tuple>
 
 namespace weft::ops::detail {

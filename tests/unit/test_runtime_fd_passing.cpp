@@ -180,12 +180,20 @@ TEST(RuntimeFdPassing, ForeignConnectionsAreDropped) {
     }
 }
 
+// Rank 0 expects to exchange with rank 1, which (wrongly) expects no peer, so it neither listens nor sends.
+std::vector<int> unreachable_peer_peers(int r) { return r == 0 ? std::vector<int>{1} : std::vector<int>{}; }
+
+// Rank 1 expects ranks 0 and 2, but rank 0 (which expects only rank 2) sends nothing to it.
+std::vector<int> missing_sender_peers(int r) {
+    if (r == 0) return {2};
+    if (r == 1) return {0, 2};
+    return {0, 1};
+}
+
 TEST(RuntimeFdPassing, UnreachablePeerIsNamed) {
     // Rank 0 expects to exchange with rank 1, which (wrongly) expects no peer, so it neither listens nor sends.
     std::vector<double> seconds;
-    auto out = run_exchange(
-        2, unique_job_id(), [](int r) { return r == 0 ? std::vector<int>{1} : std::vector<int>{}; }, 300ms, -1,
-        &seconds);
+    auto out = run_exchange(2, unique_job_id(), unreachable_peer_peers, 300ms, -1, &seconds);
     for (double s : seconds) EXPECT_LT(s, 5.0);  // the 300 ms timeout, with room for a loaded machine
     EXPECT_NE(out[0].error.find("rank 0 could not reach rank 1's heap socket"), std::string::npos) << out[0].error;
     EXPECT_NE(out[1].error, "");  // rank 1 then waits for rank 0 at the final barrier, and gives up too
@@ -195,14 +203,7 @@ TEST(RuntimeFdPassing, MissingSenderIsNamed) {
     // Rank 1 expects ranks 0 and 2, but rank 0 (which expects only rank 2) sends nothing to it; rank 1's
     // unexpected descriptor to rank 0 is dropped there.
     std::vector<double> seconds;
-    auto out = run_exchange(
-        3, unique_job_id(),
-        [](int r) {
-            if (r == 0) return std::vector<int>{2};
-            if (r == 1) return std::vector<int>{0, 2};
-            return std::vector<int>{0, 1};
-        },
-        300ms, -1, &seconds);
+    auto out = run_exchange(3, unique_job_id(), missing_sender_peers, 300ms, -1, &seconds);
     EXPECT_NE(out[1].error.find("rank 1 did not receive the symmetric heap handles of rank 0"), std::string::npos)
         << out[1].error;
     for (double s : seconds) EXPECT_LT(s, 5.0);
@@ -219,23 +220,14 @@ TEST(RuntimeFdPassing, APeersStartUpFailureEndsTheWaitsOnSocketsNamingIt) {
     };
     std::vector<double> seconds;
     // Rank 1 waits for rank 0's descriptor, which never comes (as in MissingSenderIsNamed).
-    auto out = run_exchange(
-        3, unique_job_id(),
-        [](int r) {
-            if (r == 0) return std::vector<int>{2};
-            if (r == 1) return std::vector<int>{0, 2};
-            return std::vector<int>{0, 1};
-        },
-        6000ms, -1, &seconds, stop);
+    auto out = run_exchange(3, unique_job_id(), missing_sender_peers, 6000ms, -1, &seconds, stop);
     EXPECT_NE(out[1].error.find("rank 1 stopped waiting for the symmetric heap handles of rank 0: rank 0 failed "
                                 "while starting the World"),
               std::string::npos)
         << out[1].error;
     EXPECT_LT(seconds[1], 4.0) << "rank 1 waited for the timeout";
     // Rank 0 connects to rank 1's socket, on which nobody listens (as in UnreachablePeerIsNamed).
-    out = run_exchange(
-        2, unique_job_id(), [](int r) { return r == 0 ? std::vector<int>{1} : std::vector<int>{}; }, 6000ms, -1,
-        &seconds, [stop] { return stop(); });
+    out = run_exchange(2, unique_job_id(), unreachable_peer_peers, 6000ms, -1, &seconds, stop);
     EXPECT_NE(out[0].error.find("rank 0 stopped connecting to"), std::string::npos) << out[0].error;
     EXPECT_NE(out[0].error.find("rank 0 failed while starting the World"), std::string::npos) << out[0].error;
     EXPECT_LT(seconds[0], 4.0) << "rank 0 tried to connect until the timeout";
@@ -289,14 +281,7 @@ TEST(RuntimeFdPassing, StalledSenderIsBoundedByTheTimeout) {
     std::atomic<bool> release{false};
     std::thread staller([&] { stall_on(heap_socket_name(job, 1), release); });
     std::vector<double> seconds;
-    auto out = run_exchange(
-        3, job,
-        [](int r) {
-            if (r == 0) return std::vector<int>{2};
-            if (r == 1) return std::vector<int>{0, 2};
-            return std::vector<int>{0, 1};
-        },
-        1000ms, -1, &seconds);
+    auto out = run_exchange(3, job, missing_sender_peers, 1000ms, -1, &seconds);
     release = true;
     staller.join();
     EXPECT_NE(out[1].error.find("rank 1 did not receive the symmetric heap handles of rank 0"), std::string::npos)
