@@ -10,7 +10,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -66,15 +65,13 @@ void run_moe_block_without_rank_1(World& world, const Config& c, cudaStream_t s,
     WEFT_CUDA_CHECK(cudaMemcpyAsync(idx, routes.data(), routes.size() * 4, cudaMemcpyHostToDevice, s));
     const MoeWeights weights{TensorView(gate_up, DType::kBF16, {local, 2 * f, h}),
                              TensorView(down, DType::kBF16, {local, h, f})};
-    const auto start = std::chrono::steady_clock::now();
-    try {
-        moe.forward(TensorView(x, DType::kBF16, {t, h}), TensorView(idx, DType::kI32, {t, 2}),
-                    TensorView(w, DType::kF32, {t, 2}), weights, TensorView(out, DType::kBF16, {t, h}), s);
-        moe.sync_and_check(s);
-    } catch (...) {
-        *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        throw;
-    }
+    test::time_failure(
+        [&] {
+            moe.forward(TensorView(x, DType::kBF16, {t, h}), TensorView(idx, DType::kI32, {t, 2}),
+                        TensorView(w, DType::kF32, {t, 2}), weights, TensorView(out, DType::kBF16, {t, h}), s);
+            moe.sync_and_check(s);
+        },
+        seconds);
 }
 
 [[noreturn]] void provoke(Scenario scenario) {
@@ -142,24 +139,21 @@ void run_moe_block_without_rank_1(World& world, const Config& c, cudaStream_t s,
                 const TensorView xv(x, DType::kBF16, {16, 256});
                 const TensorView iv(idx, DType::kI32, {16, 2});
                 const TensorView wv(w, DType::kF32, {16, 2});
-                const auto start = std::chrono::steady_clock::now();
-                try {
-                    if (scenario == Scenario::kNormalDispatch) {
-                        ep.dispatch(h, xv, iv, wv, s);
-                    } else {
-                        ep.low_latency_dispatch(l, xv, iv, s);
-                    }
-                    ep.sync_and_check(s);
-                } catch (...) {
-                    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-                    throw;
-                }
+                test::time_failure(
+                    [&] {
+                        if (scenario == Scenario::kNormalDispatch) {
+                            ep.dispatch(h, xv, iv, wv, s);
+                        } else {
+                            ep.low_latency_dispatch(l, xv, iv, s);
+                        }
+                        ep.sync_and_check(s);
+                    },
+                    &seconds);
             },
             options);
     } catch (const std::exception& e) {
         message = e.what();
     }
-    std::fprintf(stderr, "error after %.3f s: %s\n", seconds, message.c_str());
     bool ok = !message.empty() && message.find("owned by rank 1") != std::string::npos &&
               message.find("timed out") != std::string::npos && seconds >= 1.0 && seconds < 60.0;
     if (scenario == Scenario::kMoeBlock) {
@@ -169,10 +163,7 @@ void run_moe_block_without_rank_1(World& world, const Config& c, cudaStream_t s,
         std::fprintf(stderr, "after the error: cudaDeviceSynchronize -> %s\n", cudaGetErrorString(sync));
         ok = ok && sync == cudaSuccess;
     }
-    if (ok) {
-        std::fprintf(stderr, "the error named the missing rank\n");
-    }
-    std::exit(ok ? 0 : 1);
+    test::exit_with_fault_report(message, seconds, ok, /*skip_destructors=*/false);
 }
 
 class EpTimeoutDeathTest : public ::testing::Test {

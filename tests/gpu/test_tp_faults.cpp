@@ -10,8 +10,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
 #include <string>
 
 #include "support/runtime_checks.hpp"
@@ -69,27 +67,16 @@ void call_once(World& w, Op op, cudaStream_t s) {
             [&](World& w) {
                 cudaStream_t s = nullptr;
                 WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-                const auto start = std::chrono::steady_clock::now();
-                try {
-                    call_once(w, op, s);
-                } catch (...) {
-                    if (w.rank() == 0) {
-                        seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-                    }
-                    throw;
-                }
+                time_failure([&] { call_once(w, op, s); }, w.rank() == 0 ? &seconds : nullptr);
             },
             options);
     } catch (const std::exception& e) {
         message = e.what();
     }
-    std::fprintf(stderr, "error after %.3f s: %s\n", seconds, message.c_str());
     const bool gave_up = message.find("timed out") != std::string::npos || message.find("gave up") != std::string::npos;
     const bool ok =
         !message.empty() && gave_up && message.find("rank 1") != std::string::npos && seconds >= 1.0 && seconds < 90.0;
-    if (ok) std::fprintf(stderr, "the error named the missing rank\n");
-    std::fflush(stderr);
-    std::_Exit(ok ? 0 : 1);  // the context may be lost (a trap): no static destructors
+    exit_with_fault_report(message, seconds, ok, /*skip_destructors=*/true);  // the context may be lost (a trap)
 }
 
 class TpFaultsDeathTest : public ::testing::Test {

@@ -6,6 +6,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -20,6 +23,26 @@ namespace {
 // first test makes a CUDA call (run_local's own call would come too late for the process).
 [[maybe_unused]] const bool kCudaEnvironment = (prepare_cuda_environment(), true);
 }  // namespace
+
+void time_failure(const std::function<void()>& call, double* seconds) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+        call();
+    } catch (...) {
+        if (seconds != nullptr) {
+            *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        }
+        throw;
+    }
+}
+
+void exit_with_fault_report(const std::string& message, double seconds, bool ok, bool skip_destructors) {
+    std::fprintf(stderr, "error after %.3f s: %s\n", seconds, message.c_str());
+    if (ok) std::fprintf(stderr, "the error named the missing rank\n");
+    std::fflush(stderr);
+    if (skip_destructors) std::_Exit(ok ? 0 : 1);
+    std::exit(ok ? 0 : 1);
+}
 
 WorldOptions test_options(uint64_t heap_bytes) {
     WorldOptions o;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 
 #ifdef __CUDACC__
 #define WEFT_TEST_HD __host__ __device__
@@ -22,6 +23,15 @@ namespace weft::test {
 WEFT_TEST_HD inline uint32_t exchange_pattern(int src, int dst, uint64_t i) {
     return static_cast<uint32_t>(src) * 1000003u + static_cast<uint32_t>(dst) * 7919u + static_cast<uint32_t>(i);
 }
+
+/// For death-test children that provoke a failure: runs `call`; if it throws, stores how many seconds it ran in
+/// `*seconds` (when not null) and rethrows.
+void time_failure(const std::function<void()>& call, double* seconds);
+
+/// Ends a death-test child: prints "error after S s: <message>" and, when `ok`, "the error named the missing rank"
+/// (what the parent's EXPECT_EXIT matches), then exits with 0 (ok) or 1. `skip_destructors` leaves with _Exit: a
+/// kernel that trapped has lost the process's CUDA context, and static destructors would call into it.
+[[noreturn]] void exit_with_fault_report(const std::string& message, double seconds, bool ok, bool skip_destructors);
 
 /// Small heaps (8 ranks may share one GPU) and a generous timeout.
 WorldOptions test_options(uint64_t heap_bytes = 64ull << 20);
