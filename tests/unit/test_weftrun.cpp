@@ -359,6 +359,33 @@ TEST_F(WeftrunTest, AFailedJobLeavesNoProcessBehind) {
     ::rmdir(dir_template);
 }
 
+// A reader that stops reading weftrun's stdout (a pager left unscrolled) does not stop weftrun from acting: the
+// timeout still kills the ranks, which write without end; their output is written once the reader reads again.
+TEST_F(WeftrunTest, AStalledReaderDoesNotHoldUpTheTimeout) {
+    char dir_template[] = "/tmp/weftrun_stalled_XXXXXX";
+    ASSERT_NE(::mkdtemp(dir_template), nullptr);
+    const std::string dir = dir_template;
+    Weftrun w({"-n", "2", "--timeout", "0.5", "--", "sh", "-c", "echo $$ > " + dir + "/$RANK.pid; exec yes stalled"});
+    std::this_thread::sleep_for(milliseconds(3000));  // nothing read meanwhile: weftrun's stdout pipe is full
+    for (int rank = 0; rank < 2; ++rank) {
+        const std::string file = dir + "/" + std::to_string(rank) + ".pid";
+        FILE* f = std::fopen(file.c_str(), "r");
+        ASSERT_NE(f, nullptr) << "rank " << rank << " never started";
+        int pid = 0;
+        ASSERT_EQ(std::fscanf(f, "%d", &pid), 1);
+        std::fclose(f);
+        EXPECT_TRUE(process_gone(pid)) << "rank " << rank << " (pid " << pid
+                                       << ") still runs 2.5 s after the timeout while stdout was not read";
+        if (!process_gone(pid)) ::kill(pid, SIGKILL);
+        std::remove(file.c_str());
+    }
+    ::rmdir(dir_template);
+    Result r = w.finish();
+    EXPECT_EQ(r.exit_code, 124) << r.err;
+    EXPECT_TRUE(contains(r.out, "[rank 0] stalled") && contains(r.out, "[rank 1] stalled"));
+    EXPECT_TRUE(contains(r.err, "timed out after 0.5 s")) << r.err;
+}
+
 // Under nohup (SIGHUP ignored when weftrun starts) a hangup neither stops weftrun nor reaches the ranks.
 TEST_F(WeftrunTest, ASignalIgnoredAtStartStaysIgnored) {
     Weftrun w({"-n", "2", "--", "sh", "-c", "echo ready; sleep 1; echo done-$RANK"}, {}, {SIGHUP});

@@ -7,8 +7,8 @@
 // WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT, WEFT_RUN_ID (names the job:
 // its ranks meet at a store named after it), WEFT_JOB_TOKEN and, with --gpus, CUDA_VISIBLE_DEVICES set.
 // stdin is /dev/null. Every line a rank writes to stdout / stderr is copied to weftrun's stdout / stderr
-// prefixed with "[rank K] ". One thread, one poll() loop: child pipes, a signalfd for SIGCHLD / SIGINT /
-// SIGTERM / SIGHUP, and the deadlines.
+// prefixed with "[rank K] ". One poll() loop: child pipes, a signalfd for SIGCHLD / SIGINT / SIGTERM / SIGHUP,
+// and the deadlines; a second thread only writes weftrun's output (see Output).
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -25,11 +25,16 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 extern char** environ;  // NOLINT: POSIX
@@ -45,6 +50,12 @@ constexpr int kStartExit = 1;  // a rank weftrun could not start (pipe, fork, /d
 // How long ranks may take to exit after SIGKILL before weftrun names them and leaves (a GPU context teardown stuck in
 // the driver).
 constexpr std::chrono::seconds kAfterKill{10};
+// Output queued for a reader that does not keep up (a pager left unscrolled) beyond which the ranks' pipes are read
+// no further until it drains: the ranks then block on their own writes, as they would writing to that reader.
+constexpr size_t kMaxBacklog = 4 << 20;
+constexpr int kBacklogPollMs = 20;  // how often the loop looks whether such a backlog has drained
+// After the last rank exits, how long its pipes are still read (a background process it left may hold them open).
+constexpr std::chrono::seconds kDrainWindow{1};
 
 const char* kUsage =
     "usage: weftrun -n N [--gpus LIST] [--timeout S] [--port P] [--grace S] [--] prog [args...]\n"
@@ -70,7 +81,9 @@ const char* kUsage =
     "weftrun was started with ignored (nohup, a background job) stays ignored, in the ranks too. Ranks that\n"
     "outlive SIGKILL by 10 s are named and left behind. weftrun raises its own open-file limit (the ranks get\n"
     "the original) and refuses a job needing more than about 2N + 32 files. Launcher variables it inherits\n"
-    "(TORCHELASTIC_*, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_*) are not passed on.\n";
+    "(TORCHELASTIC_*, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_*) are not passed on. A reader of weftrun's output\n"
+    "that stops reading holds up the ranks' writes, not the timeout or the signals; weftrun exits once\n"
+    "everything is written (or by a signal sent after the ranks are gone).\n";
 
 struct Options {
     int num_ranks = 0;
@@ -232,7 +245,7 @@ void write_all(int fd, const std::string& text) {
         ssize_t n = ::write(fd, text.data() + done, text.size() - done);
         if (n < 0) {
             if (errno == EINTR) continue;
-            if (errno == EAGAIN) {
+            if (errno == EAGAIN) {  // a non-blocking description someone else set: wait until it takes more
                 pollfd p{fd, POLLOUT, 0};
                 ::poll(&p, 1, 100);
                 continue;
@@ -244,7 +257,69 @@ void write_all(int fd, const std::string& text) {
     }
 }
 
-void say(const std::string& message) { write_all(2, "weftrun: " + message + "\n"); }
+/// weftrun's stdout and stderr. The event loop queues text; a thread of its own writes it, in the order queued, with
+/// ordinary blocking writes (the terminal's file description is shared with the shell: it stays blocking). A reader
+/// that stops reading blocks only that thread: the loop goes on acting on timeouts, signals and exits. Made once and
+/// never destroyed (its thread may be blocked in a write when the process exits).
+class Output {
+public:
+    static Output& get() {
+        static Output* output = new Output();  // NOLINT: deliberately never freed (see above)
+        return *output;
+    }
+
+    void write(int fd, std::string text) {
+        if (text.empty()) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        backlog_ += text.size();
+        queue_.emplace_back(fd, std::move(text));
+        ready_.notify_all();
+    }
+
+    /// Bytes queued and not yet written.
+    size_t backlog() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        return backlog_;
+    }
+
+    /// Waits until everything queued is written.
+    void drain() {
+        std::unique_lock<std::mutex> lock(mutex_);
+        drained_.wait(lock, [&] { return backlog_ == 0; });
+    }
+
+private:
+    Output() {
+        // The writer takes no signal: the loop's signalfd must see SIGINT / SIGTERM / SIGHUP / SIGCHLD even when
+        // this thread starts before they are blocked.
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_BLOCK, &all, &old);
+        std::thread([this] { run(); }).detach();
+        pthread_sigmask(SIG_SETMASK, &old, nullptr);
+    }
+
+    void run() {
+        std::unique_lock<std::mutex> lock(mutex_);
+        for (;;) {
+            ready_.wait(lock, [&] { return !queue_.empty(); });
+            auto [fd, text] = std::move(queue_.front());
+            queue_.pop_front();
+            lock.unlock();
+            write_all(fd, text);
+            lock.lock();
+            backlog_ -= text.size();
+            if (backlog_ == 0) drained_.notify_all();
+        }
+    }
+
+    std::mutex mutex_;
+    std::condition_variable ready_, drained_;
+    std::deque<std::pair<int, std::string>> queue_;
+    size_t backlog_ = 0;
+};
+
+void say(const std::string& message) { Output::get().write(2, "weftrun: " + message + "\n"); }
 
 struct Stream {
     int fd = -1;
@@ -311,6 +386,7 @@ public:
             }
         }
         if (sigprocmask(SIG_BLOCK, &mask, &old_mask_) != 0) return fatal("sigprocmask failed");
+        signals_blocked_ = true;
         signal_fd_ = ::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
         if (signal_fd_ < 0) return fatal(std::string("signalfd failed: ") + std::strerror(errno));
         ::signal(SIGPIPE, SIG_IGN);  // a closed stdout must not kill weftrun while ranks run
@@ -333,13 +409,23 @@ public:
                 if (rank.pid > 0 && rank.live_at_failure) ::kill(-rank.pid, SIGKILL);
             }
         }
-        return report();
+        const int code = report();
+        restore_signals();
+        return code;
     }
 
 private:
     int fatal(const std::string& message) {
         say(message);
+        restore_signals();
         return 1;
+    }
+
+    /// The ranks are gone: SIGINT / SIGTERM / SIGHUP act on weftrun itself again (while main waits for its output to
+    /// be written, a reader that never reads must not keep it beyond a Ctrl-C).
+    void restore_signals() {
+        if (signals_blocked_) ::sigprocmask(SIG_SETMASK, &old_mask_, nullptr);
+        signals_blocked_ = false;
     }
 
     std::vector<std::string> child_env(int rank) const {
@@ -418,7 +504,10 @@ private:
             ::dup2(err_pipe[1], 2);
             ::execvpe(argv[0], argv.data(), envp.data());
             int err = errno;
-            const char* why = std::strerror(err);  // NOTE: not async-signal-safe in theory; the parent is single-threaded
+            // strerrordesc_np: a table lookup (strerror may take the locale's locks, which another thread of the
+            // parent, the output writer, could have held at fork).
+            const char* why = ::strerrordesc_np(err);
+            if (why == nullptr) why = "unknown error";
             ssize_t ignored = ::write(2, exec_error.data(), exec_error.size());
             ignored = ::write(2, why, std::strlen(why));
             ignored = ::write(2, "\n", 1);
@@ -475,7 +564,7 @@ private:
             }
             if (running_ == 0 && !drain_until_) {
                 // Every rank has exited; a background process it left may still hold a pipe open.
-                drain_until_ = now + std::chrono::seconds(1);
+                drain_until_ = now + kDrainWindow;
             }
             if (drain_until_ && now >= *drain_until_) {
                 for (Stream& s : streams_) close_stream(s);
@@ -496,10 +585,18 @@ private:
                 wait_ms = static_cast<int>(std::clamp<long long>(left, 0, 60000));
             }
 
+            // A reader that does not keep up: the pipes wait (they fill, and the ranks block on their writes) while
+            // signals and deadlines are still served; the drain window after the last exit counts only time in which
+            // the pipes were read.
+            const bool backlogged = Output::get().backlog() > kMaxBacklog;
+            if (backlogged) {
+                wait_ms = wait_ms < 0 ? kBacklogPollMs : std::min(wait_ms, kBacklogPollMs);
+                if (drain_until_) drain_until_ = now + kDrainWindow;
+            }
             std::vector<pollfd> fds;
             fds.push_back({signal_fd_, POLLIN, 0});
             std::vector<size_t> which;
-            for (size_t i = 0; i < streams_.size(); ++i) {
+            for (size_t i = 0; i < streams_.size() && !backlogged; ++i) {
                 if (streams_[i].fd < 0) continue;
                 fds.push_back({streams_[i].fd, POLLIN, 0});
                 which.push_back(i);
@@ -575,7 +672,7 @@ private:
             start = (end == nl) ? nl + 1 : end;
         }
         s.partial.erase(0, start);
-        write_all(s.out_fd, out);
+        Output::get().write(s.out_fd, std::move(out));
     }
 
     void handle_signals() {
@@ -723,6 +820,7 @@ private:
     std::string token_;
     std::string run_id_;
     sigset_t old_mask_{};
+    bool signals_blocked_ = false;
     int signal_fd_ = -1;
     Clock::time_point start_;
     std::vector<Rank> ranks_;
@@ -742,5 +840,7 @@ private:
 
 int main(int argc, char** argv) {
     Options options = parse_args(argc, argv);
-    return Launcher(std::move(options)).run();
+    const int code = Launcher(std::move(options)).run();
+    Output::get().drain();  // everything queued reaches the reader before weftrun exits
+    return code;
 }
