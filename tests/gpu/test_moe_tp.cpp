@@ -22,6 +22,7 @@
 #include "support/gemm_testing.hpp"
 #include "support/runtime_checks.hpp"
 #include "tp_test_util.hpp"
+#include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/moe_tp.hpp"
 #include "weft/weft.hpp"
 
@@ -342,6 +343,7 @@ struct LayerCase {
     bool graph = false;
     DType out = DType::kBF16;
     ops::MoeTpOptions options{};  // both layers'
+    std::optional<GemmConfig> down_config{};  // layer 1's forced config (options.config is layer 0's; it writes bf16)
 };
 
 std::string describe(const LayerCase& c, int w, uint64_t seed) {
@@ -371,8 +373,18 @@ void run_layers(World& world, const LayerCase& c, int calls, uint64_t base, Fail
     {
         const ops::MoeTpShape shape{
             .max_tokens = max_m, .hidden = c.hidden, .ffn = fl, .num_experts = c.experts, .topk = c.topk};
+        ops::MoeTpOptions down_options = c.options;
+        down_options.config = c.down_config;
         ops::MoeAgGroupedGemm up(world, shape, c.options);
-        ops::MoeGroupedGemmRs down(world, shape, c.options);
+        ops::MoeGroupedGemmRs down(world, shape, down_options);
+        if (c.options.config && !(up.config() == *c.options.config)) {
+            f.add(what + ": layer 0 runs " + ops::format_gemm_config(up.config()) + ", not the forced " +
+                  ops::format_gemm_config(*c.options.config));
+        }
+        if (c.down_config && !(down.config() == *c.down_config)) {
+            f.add(what + ": layer 1 runs " + ops::format_gemm_config(down.config()) + ", not the forced " +
+                  ops::format_gemm_config(*c.down_config));
+        }
         cudaGraphExec_t graph_exec = nullptr;
         for (int call = 0; call < calls; ++call) {
             const int64_t tpr = !c.graph && call == 1 ? std::max<int64_t>(1, c.tokens_per_rank / 2) : c.tokens_per_rank;
@@ -572,6 +584,16 @@ TEST(MoeTpLayers, OptionsAtWorld3) {
     one_block.options.comm_blocks = 1;
     one_block.options.timeout = std::chrono::milliseconds(20000);
     run_layer_cases(3, {few_sms, one_block});
+}
+
+// Forced grouped GEMM configs (MoeTpOptions::config): each layer runs the config it was given, with results as
+// checked for the planned ones; rows and columns that are not multiples of the forced tiles.
+TEST(MoeTpLayers, ForcedConfigsAtWorld2) {
+    REQUIRE_SM90();
+    LayerCase forced{40, 192, 72, 8, 2};
+    forced.options.config = GemmConfig{.tile_m = 128, .tile_n = 64, .stages = 6};
+    forced.down_config = GemmConfig{.tile_m = 128, .tile_n = 128, .stages = 4, .out_dtype = DType::kF32};
+    run_layer_cases(2, {forced});
 }
 
 // Members whose communication CTAs differ (they count each other's blocks): construction fails on every member,
