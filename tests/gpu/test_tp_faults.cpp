@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <functional>
 #include <string>
 
 #include "support/runtime_checks.hpp"
@@ -27,8 +28,9 @@ constexpr int64_t kRows = 128, kN = 256, kK = 128;  // per rank (AgGemm, GemmRs:
 
 /// Makes `op` (collective) and calls it once on rank 0, on zeroed buffers; rank 1 keeps the op alive without calling
 /// it: it waits on a store key nobody sets, longer than rank 0's waits, and fails only when rank 0's error aborts the
-/// store (so rank 0's error is the one run_local reports).
-void call_once(World& w, Op op, cudaStream_t s) {
+/// store (so rank 0's error is the one run_local reports). Only rank 0's call is timed into `*seconds` (construction,
+/// with its JIT compiles and barriers, is not).
+void call_once(World& w, Op op, cudaStream_t s, double* seconds) {
     const DType dt = DType::kBF16;
     const int64_t m = 2 * kRows;
     void *a = nullptr, *b = nullptr, *c = nullptr;
@@ -39,20 +41,27 @@ void call_once(World& w, Op op, cudaStream_t s) {
     WEFT_CUDA_CHECK(cudaMemsetAsync(b, 0, static_cast<size_t>(kN * kK * 2), s));
     const TensorView bv(b, dt, {kN, kK});
     const auto never_calls = [&] { (void)w.store().get("tp-fault-test-never-set", std::chrono::milliseconds(120000)); };
+    const auto timed = [&](const std::function<void()>& run) {
+        time_failure(
+            [&] {
+                run();
+                w.sync_and_check(s);
+            },
+            seconds);
+    };
     if (op == Op::kAgGemm) {
         ops::AgGemm g(w, {m, kN, kK, dt});
         if (w.rank() == 1) return never_calls();
-        g.run(TensorView(a, dt, {kRows, kK}), bv, TensorView(c, dt, {m, kN}), s);
+        timed([&] { g.run(TensorView(a, dt, {kRows, kK}), bv, TensorView(c, dt, {m, kN}), s); });
     } else if (op == Op::kGemmRs) {
         ops::GemmRs g(w, {m, kN, kK, dt});
         if (w.rank() == 1) return never_calls();
-        g.run(TensorView(a, dt, {m, kK}), bv, TensorView(c, dt, {kRows, kN}), s);
+        timed([&] { g.run(TensorView(a, dt, {m, kK}), bv, TensorView(c, dt, {kRows, kN}), s); });
     } else {
         ops::GemmAr g(w, {m, kN, kK, dt});
         if (w.rank() == 1) return never_calls();
-        g.run(TensorView(a, dt, {m, kK}), bv, TensorView(c, dt, {m, kN}), s);
+        timed([&] { g.run(TensorView(a, dt, {m, kK}), bv, TensorView(c, dt, {m, kN}), s); });
     }
-    w.sync_and_check(s);
 }
 
 [[noreturn]] void provoke(Op op) {
@@ -67,7 +76,7 @@ void call_once(World& w, Op op, cudaStream_t s) {
             [&](World& w) {
                 cudaStream_t s = nullptr;
                 WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-                time_failure([&] { call_once(w, op, s); }, w.rank() == 0 ? &seconds : nullptr);
+                call_once(w, op, s, &seconds);  // only rank 0 calls (and is timed)
             },
             options);
     } catch (const std::exception& e) {

@@ -100,6 +100,7 @@ public:
     }
 
     void send_signal(int sig) { ::kill(pid_, sig); }
+    pid_t pid() const { return pid_; }
 
     /// Reads everything and reaps weftrun; kills it (and fails the test) after `limit`.
     Result finish(milliseconds limit = milliseconds(20000)) {
@@ -384,6 +385,61 @@ TEST_F(WeftrunTest, AStalledReaderDoesNotHoldUpTheTimeout) {
     EXPECT_EQ(r.exit_code, 124) << r.err;
     EXPECT_TRUE(contains(r.out, "[rank 0] stalled") && contains(r.out, "[rank 1] stalled"));
     EXPECT_TRUE(contains(r.err, "timed out after 0.5 s")) << r.err;
+}
+
+/// CPU time (user + system, in clock ticks) process `pid` has used so far; -1 when unreadable.
+long cpu_ticks(pid_t pid) {
+    FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+    if (f == nullptr) return -1;
+    long utime = 0, stime = 0;
+    const int got = std::fscanf(f, "%*d (%*[^)]) %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %ld %ld", &utime, &stime);
+    std::fclose(f);
+    return got == 2 ? utime + stime : -1;
+}
+
+// A rank that wrote more than the reader took and exited before --timeout passed: weftrun waits for the reader without
+// spinning (a deadline past and not acted on made every poll return at once), then exits 0.
+TEST_F(WeftrunTest, WaitingForAStalledReaderDoesNotSpin) {
+    Weftrun w({"-n", "1", "--timeout", "0.3", "--", "sh", "-c", "head -c 4230000 /dev/zero | tr '\\0' a; echo"});
+    std::this_thread::sleep_for(milliseconds(700));
+    const long before = cpu_ticks(w.pid());
+    std::this_thread::sleep_for(milliseconds(2000));  // nothing read: weftrun holds a backlog past the timeout
+    const long after = cpu_ticks(w.pid());
+    ASSERT_GE(before, 0);
+    ASSERT_GE(after, 0);
+    const long hz = ::sysconf(_SC_CLK_TCK);
+    EXPECT_LT(after - before, hz / 2) << "weftrun used " << after - before << " ticks of CPU in 2 s while waiting";
+    Result r = w.finish();
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_GT(r.out.size(), 4230000u);
+}
+
+// With a reader that takes nothing, a second SIGINT ends weftrun (by SIGINT) instead of waiting for the reader.
+TEST_F(WeftrunTest, ASecondSignalEndsWeftrunDespiteAStalledReader) {
+    Weftrun w({"-n", "1", "--", "sh", "-c", "head -c 4400000 /dev/zero | tr '\\0' a; echo; sleep 30"});
+    std::this_thread::sleep_for(milliseconds(1000));
+    w.send_signal(SIGINT);
+    std::this_thread::sleep_for(milliseconds(300));
+    w.send_signal(SIGINT);
+    std::this_thread::sleep_for(milliseconds(2500));  // still nothing read: it gives up on the output after 1 s
+    const auto start = Clock::now();
+    Result r = w.finish(milliseconds(20000));
+    EXPECT_EQ(r.exit_code, -SIGINT) << r.err;
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 2.0) << "weftrun waited for its reader";
+}
+
+// A rank's last lines come before the message about its exit, also when its pipes were not being read (the reader
+// was behind) when it exited.
+TEST_F(WeftrunTest, ARanksLastLinesPrecedeItsExitMessageBehindASlowReader) {
+    Weftrun w(
+        {"-n", "1", "--", "sh", "-c", "head -c 4230000 /dev/zero | tr '\\0' a; echo; echo last-words >&2; exit 3"});
+    std::this_thread::sleep_for(milliseconds(1500));
+    Result r = w.finish();
+    EXPECT_EQ(r.exit_code, 3) << r.err;
+    const size_t words = r.err.find("[rank 0] last-words"), exit_message = r.err.find("rank 0 exited with code 3");
+    ASSERT_NE(words, std::string::npos) << r.err;
+    ASSERT_NE(exit_message, std::string::npos) << r.err;
+    EXPECT_LT(words, exit_message) << r.err;
 }
 
 // Under nohup (SIGHUP ignored when weftrun starts) a hangup neither stops weftrun nor reaches the ranks.

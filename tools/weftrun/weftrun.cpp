@@ -80,10 +80,11 @@ const char* kUsage =
     "are forwarded to every rank (a second one sends SIGKILL); weftrun then exits with 128+signal. A signal\n"
     "weftrun was started with ignored (nohup, a background job) stays ignored, in the ranks too. Ranks that\n"
     "outlive SIGKILL by 10 s are named and left behind. weftrun raises its own open-file limit (the ranks get\n"
-    "the original) and refuses a job needing more than about 2N + 32 files. Launcher variables it inherits\n"
-    "(TORCHELASTIC_*, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_*) are not passed on. A reader of weftrun's output\n"
-    "that stops reading holds up the ranks' writes, not the timeout or the signals; weftrun exits once\n"
-    "everything is written (or by a signal sent after the ranks are gone).\n";
+    "the original) and refuses a job (exit 1) when even the raised limit is below about 2N + 32 files.\n"
+    "Launcher variables it inherits (TORCHELASTIC_*, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_*) are not passed\n"
+    "on. A reader of weftrun's output that stops reading holds up the ranks' writes, not the timeout or the\n"
+    "signals; weftrun exits once everything is written, or, at a signal after the ranks are gone (or a\n"
+    "second one), stops reading their output and ends by that signal if the reader still takes nothing.\n";
 
 struct Options {
     int num_ranks = 0;
@@ -288,6 +289,12 @@ public:
         drained_.wait(lock, [&] { return backlog_ == 0; });
     }
 
+    /// Waits at most `limit` for everything queued to be written; true when it was.
+    bool drain_for(Clock::duration limit) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        return drained_.wait_for(lock, limit, [&] { return backlog_ == 0; });
+    }
+
 private:
     Output() {
         // The writer takes no signal: the loop's signalfd must see SIGINT / SIGTERM / SIGHUP / SIGCHLD even when
@@ -295,7 +302,12 @@ private:
         sigset_t all, old;
         sigfillset(&all);
         pthread_sigmask(SIG_BLOCK, &all, &old);
-        std::thread([this] { run(); }).detach();
+        try {
+            std::thread([this] { run(); }).detach();
+        } catch (...) {
+            pthread_sigmask(SIG_SETMASK, &old, nullptr);
+            throw;
+        }
         pthread_sigmask(SIG_SETMASK, &old, nullptr);
     }
 
@@ -411,6 +423,11 @@ public:
         }
         const int code = report();
         restore_signals();
+        if (stop_reading_ && !Output::get().drain_for(std::chrono::seconds(1))) {
+            // Stopped by a signal while a reader does not take what is left: end by that signal now.
+            ::signal(last_signal_, SIG_DFL);
+            ::raise(last_signal_);
+        }
         return code;
     }
 
@@ -540,8 +557,15 @@ private:
             o_.timeout_s > 0 ? std::optional(start_ + std::chrono::duration_cast<Clock::duration>(
                                                           std::chrono::duration<double>(o_.timeout_s)))
                              : std::nullopt;
+        Clock::time_point previous_round = Clock::now();
         while (running_ > 0 || open_streams() > 0) {
             Clock::time_point now = Clock::now();
+            const Clock::duration since_previous_round = now - previous_round;
+            previous_round = now;
+            if (stop_reading_) {
+                for (Stream& s : streams_) close_stream(s);  // a signal after the ranks are gone, or a second one
+                if (running_ == 0) break;
+            }
             if (timeout_at && now >= *timeout_at && failure_.kind == FailureKind::kNone && running_ > 0) {
                 fail(Failure{FailureKind::kTimeout, -1, 0, {}});
             }
@@ -575,10 +599,12 @@ private:
             auto consider = [&](const std::optional<Clock::time_point>& t) {
                 if (t && (!wake || *t < *wake)) wake = t;
             };
-            if (failure_.kind == FailureKind::kNone) consider(timeout_at);
+            // Deadlines that act only on running ranks wake the loop only while ranks run (a deadline past and not
+            // acted on would make every poll return at once).
+            if (failure_.kind == FailureKind::kNone && running_ > 0) consider(timeout_at);
             consider(kill_at_);
             consider(drain_until_);
-            consider(give_up_at_);
+            if (running_ > 0) consider(give_up_at_);
             int wait_ms = -1;
             if (wake) {
                 auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*wake - now).count() + 1;
@@ -586,12 +612,12 @@ private:
             }
 
             // A reader that does not keep up: the pipes wait (they fill, and the ranks block on their writes) while
-            // signals and deadlines are still served; the drain window after the last exit counts only time in which
-            // the pipes were read.
+            // signals and deadlines are still served; the drain window after the last exit is paused meanwhile (it
+            // counts only time in which the pipes were read).
             const bool backlogged = Output::get().backlog() > kMaxBacklog;
             if (backlogged) {
                 wait_ms = wait_ms < 0 ? kBacklogPollMs : std::min(wait_ms, kBacklogPollMs);
-                if (drain_until_) drain_until_ = now + kDrainWindow;
+                if (drain_until_) *drain_until_ += since_previous_round;
             }
             std::vector<pollfd> fds;
             fds.push_back({signal_fd_, POLLIN, 0});
@@ -684,6 +710,12 @@ private:
                 continue;
             }
             ++signals_received_;
+            last_signal_ = sig;
+            if (running_ == 0 || signals_received_ > 1) {
+                // The ranks are gone (their pipes may still wait for a reader that does not read) or this is the
+                // second signal: weftrun stops reading their output and ends once no rank runs.
+                stop_reading_ = true;
+            }
             if (signals_received_ == 1) {
                 if (failure_.kind == FailureKind::kNone) {
                     note_live_ranks(-1);
@@ -716,6 +748,11 @@ private:
             rank.running = false;
             rank.status = status;
             --running_;
+            // Its last lines before the message about its exit (the poll loop may not have read them: a reader
+            // that does not keep up, or SIGCHLD first).
+            for (Stream& st : streams_) {
+                if (st.rank == static_cast<int>(r) && st.fd >= 0) read_stream(st);
+            }
             if (WIFEXITED(status) && WEXITSTATUS(status) != 0) {
                 fail(Failure{FailureKind::kExit, static_cast<int>(r), WEXITSTATUS(status), {}});
             } else if (WIFSIGNALED(status)) {
@@ -827,6 +864,8 @@ private:
     std::vector<Stream> streams_;
     int running_ = 0;
     int signals_received_ = 0;
+    int last_signal_ = 0;
+    bool stop_reading_ = false;  // a signal after the ranks exited, or a second one: their pipes are read no further
     Failure failure_;
     std::optional<Clock::time_point> kill_at_;
     std::optional<Clock::time_point> drain_until_;
@@ -840,6 +879,12 @@ private:
 
 int main(int argc, char** argv) {
     Options options = parse_args(argc, argv);
+    try {
+        (void)Output::get();  // its thread starts before any signal is blocked or rank started
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "weftrun: cannot start its output thread: %s\n", e.what());
+        return 1;
+    }
     const int code = Launcher(std::move(options)).run();
     Output::get().drain();  // everything queued reaches the reader before weftrun exits
     return code;
