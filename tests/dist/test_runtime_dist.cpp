@@ -11,8 +11,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdio>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <thread>
@@ -194,6 +196,10 @@ int hold_master_port(const std::optional<LaunchEnv>& launch) {
 int main(int argc, char** argv) {
     weft::ensure_eager_module_loading();
     if (weft::test::is_dist_child(argc, argv)) return weft::test::run_dist_child(argc, argv);
+    if (std::any_of(argv + 1, argv + argc, [](const char* a) { return std::strcmp(a, "--gtest_list_tests") == 0; })) {
+        ::testing::InitGoogleTest(&argc, argv);  // listing runs no test: no ranks, no World
+        return RUN_ALL_TESTS();
+    }
     const std::optional<weft::LaunchEnv> launch = weft::detect_launch_env();
     if (!launch) return weft::drive(argc, argv);
     ::testing::InitGoogleTest(&argc, argv);
