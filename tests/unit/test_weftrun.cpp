@@ -400,8 +400,8 @@ long cpu_ticks(pid_t pid) {
 // A rank that wrote more than the reader took and exited before --timeout passed: weftrun waits for the reader without
 // spinning (a deadline past and not acted on made every poll return at once), then exits 0.
 TEST_F(WeftrunTest, WaitingForAStalledReaderDoesNotSpin) {
-    Weftrun w({"-n", "1", "--timeout", "0.3", "--", "sh", "-c", "head -c 4230000 /dev/zero | tr '\\0' a; echo"});
-    std::this_thread::sleep_for(milliseconds(700));
+    Weftrun w({"-n", "1", "--timeout", "1", "--", "sh", "-c", "head -c 4230000 /dev/zero | tr '\\0' a; echo"});
+    std::this_thread::sleep_for(milliseconds(1500));
     const long before = cpu_ticks(w.pid());
     std::this_thread::sleep_for(milliseconds(2000));  // nothing read: weftrun holds a backlog past the timeout
     const long after = cpu_ticks(w.pid());
