@@ -604,14 +604,15 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
     jit::Kernel& kernel = kernel_for(s.config);
     (void)kernel;
     const bool shared_gpu = world.num_ranks_on_device() > 1;
-    // NOTE: ranks sharing a GPU keep one SM of their budget free of the persistent kernel (for the notify kernel and
-    // copy helpers of the other ranks) and run one block per SM, so that every rank's blocks are resident together.
+    // NOTE: ranks sharing a GPU keep one SM of their share free of the persistent kernel (for the notify kernel and
+    // copy helpers of the other ranks; an explicit budget of the whole share is capped at the share less one) and run
+    // one block per SM, so that every rank's blocks are resident together.
     // A GPU of its own: the persistent kernel leaves one SM of the device free (as many block slots as it holds), for
     // the copy stream's one-CTA waits, each peer's launched behind the previous peer's copies while the kernel runs.
     // An explicit budget above a shared GPU's per-rank share would leave the peers' blocks unresident.
     tp_detail::check_sm_budget_share(world, options.sm_budget, "AgAttention");
     int budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
-    if (s.num_ranks > 1 && shared_gpu && options.sm_budget == 0) budget -= 1;
+    if (s.num_ranks > 1 && shared_gpu) budget = std::min(budget, world.sm_budget() - 1);  // explicit ones too
     if (s.num_ranks > 1 && !shared_gpu) budget = std::min(budget, tp_detail::device_sm_count() - 1);
     WEFT_CHECK(budget >= 1, "ag_attention: the SM budget must be >= 1, got " << budget);
     s.grid = options.sm_budget > 0 || shared_gpu ? budget : budget * detail::attention_prefill_blocks_per_sm(s.config);

@@ -178,10 +178,12 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
     validate_ag_gemm_shape(shape, s.num_ranks, options);
     tp_detail::check_sm_budget_share(world, options.sm_budget, kOp);
     s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
-    // NOTE: ranks sharing a GPU keep one SM of their budget free of the persistent GEMM, for the helpers of
-    // the copy path (the notify kernel; a driver that implements a same-device copy with a kernel). The budget and
-    // the sharing are per device, whichever teams the ranks on it belong to.
-    if (s.num_ranks > 1 && world.num_ranks_on_device() > 1 && options.sm_budget == 0) s.budget -= 1;
+    // NOTE: ranks sharing a GPU keep one SM of their share free of the persistent GEMM, for the helpers of the copy
+    // path (the notify and pull kernels; a driver that implements a same-device copy with a kernel): the default
+    // budget is the share less one, and an explicit one is capped there (at the whole share, every rank's GEMM could
+    // be resident before any rank's pull kernel, which they wait for). The budget and the sharing are per device,
+    // whichever teams the ranks on it belong to.
+    if (s.num_ranks > 1 && world.num_ranks_on_device() > 1) s.budget = std::min(s.budget, world.sm_budget() - 1);
     // NOTE: a team that spans nodes leaves kNetworkSms SMs of its default budget to NCCL's kernels and the relay
     // kernel on the comm stream: the persistent GEMM's CTAs fill their SMs (shared memory, registers), and a tile
     // waiting for a chunk that NCCL's kernel has yet to receive would otherwise wait for an SM that never frees up.
@@ -190,7 +192,9 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
     if (spans_nodes && options.sm_budget == 0) s.budget = std::max(1, s.budget - kNetworkSms);
     WEFT_CHECK(s.budget >= 1, "ag_gemm: the SM budget must be >= 1, got " << s.budget);
     s.agreed_budget = tp_detail::resolve_sm_budget(options.sm_budget, world.shared_sm_budget());
-    if (s.num_ranks > 1 && world.max_ranks_per_device() > 1 && options.sm_budget == 0) s.agreed_budget -= 1;
+    if (s.num_ranks > 1 && world.max_ranks_per_device() > 1) {
+        s.agreed_budget = std::min(s.agreed_budget, world.shared_sm_budget() - 1);
+    }
     if (spans_nodes && options.sm_budget == 0) s.agreed_budget = std::max(1, s.agreed_budget - kNetworkSms);
     s.agreed_budget = std::max(1, s.agreed_budget);
 

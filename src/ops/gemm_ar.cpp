@@ -3,8 +3,11 @@
 #include "weft/ops/gemm_ar.hpp"
 
 #include <algorithm>
+#include <string>
+#include <vector>
 
 #include "collective_workspace.hpp"
+#include "member_records.hpp"
 #include "stream_key.hpp"
 #include "tp_common.hpp"
 #include "views_overlap.hpp"
@@ -160,7 +163,27 @@ GemmAr::GemmAr(const Team& team, const GemmArShape& shape, const GemmArOptions& 
     State& s = *s_;
     World& world = *s.world;
     s.shape = shape;
-    validate_gemm_ar_shape(shape, s.num_ranks, options);
+    // Every member reads its peers' partials by its own M, N and dtypes, and runs the all-reduce half the same way
+    // (ops::all_reduce or the op's kernel, on different signal words): they must agree (each has its own K). A member
+    // whose shape or options are invalid fails every member at once.
+    std::vector<int64_t> mine;
+    const std::vector<std::vector<uint8_t>> all =
+        detail::exchange_member_records(team, "weft.ops.gemm_ar.shape", kOp, "shape or options are", [&] {
+            validate_gemm_ar_shape(shape, s.num_ranks, options);
+            const DType partial = options.partial_dtype.value_or(shape.dtype);
+            const bool collective = options.collective_all_reduce && partial == shape.dtype && shape.n % 8 == 0;
+            mine = {shape.max_m, shape.n, static_cast<int64_t>(shape.dtype), static_cast<int64_t>(partial),
+                    collective ? 1 : 0};
+            return detail::fields_record(mine);
+        });
+    static constexpr const char* kFields[] = {"shape.max_m", "shape.n", "shape.dtype",
+                                              "partial dtypes (options.partial_dtype)",
+                                              "all-reduce paths (options.collective_all_reduce, and N % 8)"};
+    detail::check_member_fields(team, all, mine, kFields, kOp, [](size_t f, int64_t v) -> std::string {
+        if (f == 2 || f == 3) return dtype_name(static_cast<DType>(v));
+        if (f == 4) return v != 0 ? "ops::all_reduce" : "the op's own kernel";
+        return std::to_string(v);
+    });
     s.num_sms = tp_detail::device_sm_count();
     s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
     WEFT_CHECK(s.budget >= 1, "gemm_ar: the SM budget must be >= 1, got " << s.budget);

@@ -4,12 +4,15 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <exception>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/team.hpp"
+#include "weft/runtime/world.hpp"
 
 namespace weft::ops::detail {
 
@@ -44,6 +47,34 @@ std::vector<std::vector<uint8_t>> exchange_member_records(const Team& team, cons
         theirs.erase(theirs.begin());
     }
     return all;
+}
+
+/// The records as int64 fields: `mine` as bytes, for exchange_member_records.
+inline std::vector<uint8_t> fields_record(const std::vector<int64_t>& mine) {
+    std::vector<uint8_t> record(mine.size() * sizeof(int64_t));
+    std::memcpy(record.data(), mine.data(), record.size());
+    return record;
+}
+
+/// Compares every member's fields (`all`, from exchange_member_records of fields_record(mine)) with this member's
+/// `mine`; the first that differs fails: "<op>: the members' <names[f]> differ: world rank a has x, world rank b y",
+/// each value written by `format(f, value)` when given.
+inline void check_member_fields(const Team& team, const std::vector<std::vector<uint8_t>>& all,
+                                const std::vector<int64_t>& mine, const char* const* names, const char* op,
+                                const std::function<std::string(size_t, int64_t)>& format = {}) {
+    const auto text = [&](size_t f, int64_t v) { return format ? format(f, v) : std::to_string(v); };
+    for (int r = 0; r < team.num_ranks(); ++r) {
+        const std::vector<uint8_t>& b = all[static_cast<size_t>(r)];
+        WEFT_CHECK(b.size() == mine.size() * sizeof(int64_t),
+                   op << ": world rank " << team.world_rank(r) << " sent a malformed record");
+        std::vector<int64_t> theirs(mine.size());
+        std::memcpy(theirs.data(), b.data(), b.size());
+        for (size_t f = 0; f < mine.size(); ++f) {
+            WEFT_CHECK(theirs[f] == mine[f], op << ": the members' " << names[f] << " differ: world rank "
+                                                << team.world().rank() << " has " << text(f, mine[f]) << ", world rank "
+                                                << team.world_rank(r) << " " << text(f, theirs[f]));
+        }
+    }
 }
 
 }  // namespace weft::ops::detail

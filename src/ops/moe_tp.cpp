@@ -418,31 +418,20 @@ struct MoeLayerBase : tp_detail::FusedOpState {
         const std::vector<std::vector<uint8_t>> all = detail::exchange_member_records(
             team, std::string("weft.ops.") + op_name + ".shape", op_name, "shape or options are", [&] {
                 validate_moe_tp_shape(s, num_ranks, o, op_name);
+                // Every member's push and GEMM kernels spin on the others': all must be resident at once.
+                tp_detail::check_sm_budget_share(*world, o.sm_budget, op_name);
                 budget = tp_detail::resolve_sm_budget(o.sm_budget, world->sm_budget());
                 timeouts = detail::moe_tp_timeouts(world->timeout(), o.timeout);
                 // Uniform over the team (the members count each other's blocks): from the world's shared budget.
                 comm_blocks = o.comm_blocks > 0 ? o.comm_blocks : std::clamp(world->shared_sm_budget() / 8, 1, 16);
                 mine = {comm_blocks, s.max_tokens, s.hidden, s.num_experts, s.topk};
-                std::vector<uint8_t> record(mine.size() * sizeof(int64_t));
-                std::memcpy(record.data(), mine.data(), record.size());
-                return record;
+                return detail::fields_record(mine);
             });
         static constexpr const char* kFields[] = {
             "communication CTAs (options.comm_blocks, else the SM budget / 8: "
             "pass the same options.comm_blocks on every member)",
             "shape.max_tokens", "shape.hidden", "shape.num_experts", "shape.topk"};
-        for (int r = 0; r < num_ranks; ++r) {
-            const std::vector<uint8_t>& b = all[static_cast<size_t>(r)];
-            WEFT_CHECK(b.size() == mine.size() * sizeof(int64_t),
-                       op << ": world rank " << team.world_rank(r) << " sent a malformed shape record");
-            std::vector<int64_t> theirs(mine.size());
-            std::memcpy(theirs.data(), b.data(), b.size());
-            for (size_t f = 0; f < mine.size(); ++f) {
-                WEFT_CHECK(theirs[f] == mine[f], op << ": the members' " << kFields[f] << " differ: world rank "
-                                                    << world->rank() << " has " << mine[f] << ", world rank "
-                                                    << team.world_rank(r) << " " << theirs[f]);
-            }
-        }
+        detail::check_member_fields(team, all, mine, kFields, op);
         gemm_budget = budget - comm_blocks;
         WEFT_CHECK(gemm_budget >= 1, op << ": the SM budget " << budget << " leaves no SM for the GEMM beside "
                                         << comm_blocks << " communication CTAs (options.comm_blocks)");

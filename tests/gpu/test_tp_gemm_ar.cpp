@@ -275,5 +275,48 @@ TEST(TpGemmAr, DifferentMOnTwoRanksIsDiagnosedOnBoth) {
     }
 }
 
+// Members that disagree on what their peers' partials are (the all-reduce path, the partials' dtype, N) fail at
+// construction on every member, naming the field and both values, instead of runs that wait on different signal words.
+TEST(TpGemmAr, MembersThatDisagreeFailConstructionOnEveryMember) {
+    struct Disagreement {
+        const char* field;
+        std::string rank0, rank1;  // the values the error names
+        std::function<void(int, ops::GemmArShape&, ops::GemmArOptions&)> apply;
+    };
+    const std::vector<Disagreement> cases = {
+        {"all-reduce paths", "ops::all_reduce", "the op's own kernel",
+         [](int me, ops::GemmArShape&, ops::GemmArOptions& o) { o.collective_all_reduce = me == 0; }},
+        {"partial dtypes", "bf16", "f32",
+         [](int me, ops::GemmArShape&, ops::GemmArOptions& o) {
+             if (me == 1) o.partial_dtype = DType::kF32;
+         }},
+        {"shape.n", "1024", "1016",
+         [](int me, ops::GemmArShape& s, ops::GemmArOptions&) { s.n = me == 0 ? 1024 : 1016; }},
+    };
+    for (const Disagreement& d : cases) {
+        SCOPED_TRACE(d.field);
+        std::mutex mutex;
+        std::vector<std::string> messages(2);
+        test::run_ranks(2, [&](World& w) {
+            ops::GemmArShape shape{64, 1024, 256, DType::kBF16};
+            ops::GemmArOptions options;
+            d.apply(w.rank(), shape, options);
+            try {
+                ops::GemmAr op(w, shape, options);
+            } catch (const Error& e) {
+                std::lock_guard<std::mutex> lock(mutex);
+                messages[static_cast<size_t>(w.rank())] = e.what();
+            }
+            w.barrier();
+        });
+        for (int r = 0; r < 2; ++r) {
+            const std::string& m = messages[static_cast<size_t>(r)];
+            EXPECT_NE(m.find(std::string("the members' ") + d.field), std::string::npos) << "rank " << r << ": " << m;
+            EXPECT_NE(m.find(r == 0 ? d.rank0 : d.rank1), std::string::npos) << "rank " << r << ": " << m;
+            EXPECT_NE(m.find(r == 0 ? d.rank1 : d.rank0), std::string::npos) << "rank " << r << ": " << m;
+        }
+    }
+}
+
 }  // namespace
 }  // namespace weft

@@ -87,7 +87,9 @@ struct AgAttentionOptions {
     std::optional<AttentionPrefillConfig> config = std::nullopt;  ///< as FlashAttentionOptions::config
     int sm_budget = 0;  ///< blocks of the persistent attention kernel; 0 = the world's SM budget (one SM less when
                         ///< ranks share a GPU) times the blocks that fit one SM (one when ranks share a GPU). A team
-                        ///< of several ranks with a GPU each keeps one SM of the device free (at most SMs - 1 here)
+                        ///< of several ranks with a GPU each keeps one SM of the device free (at most SMs - 1 here);
+                        ///< ranks sharing a GPU: at most World::shared_sm_budget() (weft::Error otherwise), and a
+                        ///< budget of the whole share runs as the share less one (one SM for the copy helpers)
 };
 
 /// All-gather attention for the members of a Team (a World& means its world team): the sequence of S tokens is

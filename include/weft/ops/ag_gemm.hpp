@@ -45,7 +45,9 @@ struct AgGemmOptions {
                                        ///< a GPU use 1
     int sm_budget = 0;                 ///< CTAs of the persistent GEMM; 0 = World::sm_budget() (per device: ranks of
                                        ///< other teams on the GPU keep theirs); where ranks share a GPU, at most
-                                       ///< World::shared_sm_budget() (weft::Error otherwise)
+                                       ///< World::shared_sm_budget() (weft::Error otherwise), and one SM of the
+                                       ///< rank's share stays free for the copy helpers (the default and a budget of
+                                       ///< the whole share run the share less one)
     /// Tune the GEMM config on the first run() outside graph capture: every cluster-free candidate is timed
     /// by the team's members together (the slowest counts; that call synchronises the host) and the fastest is
     /// kept (weft::jit::autotuner: decisions cached on disk; WEFT_AUTOTUNE=0 keeps `config` / the heuristic's).

@@ -117,7 +117,9 @@ struct MoeTpShape {
 
 /// Knobs. Zero / empty: chosen from the problem and the device.
 struct MoeTpOptions {
-    int sm_budget = 0;                     ///< SMs of the op's kernels; 0 = World::sm_budget()
+    int sm_budget = 0;                     ///< SMs of the op's kernels; 0 = World::sm_budget(); where ranks share a
+                                           ///< GPU, at most World::shared_sm_budget() (weft::Error on every member
+                                           ///< otherwise: the members' kernels wait for each other, all resident)
     int comm_blocks = 0;                   ///< CTAs of the push (layer 0) / combine (layer 1) kernel; 0 = heuristic
                                            ///< (the world's shared SM budget / 8); the same on every member (checked
                                            ///< at construction: a weft::Error naming both counts)
