@@ -621,7 +621,23 @@ void HostBackend::run_step(uint64_t id, Body&& body) {
         // What a failed NCCL call left on the comm stream is unknown, and the watcher could not bound it: the
         // communicator (and with it the World) is aborted, which ends anything NCCL did enqueue.
         cancel_step(id);
+        // A call that fails because a peer failed first (its World abort aborted its communicator, which ends ours:
+        // "internal error") is a consequence: the peer's abort reaches this World within a heartbeat, and its reason
+        // is the error to raise. Waited for up to kCauseWait; a failure nobody else reported is raised as it is.
+        constexpr auto kCauseWait = std::chrono::seconds(2);
+        const auto until = std::chrono::steady_clock::now() + kCauseWait;
+        while (!impl_->world->aborted() && std::chrono::steady_clock::now() < until) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        const bool peer_failed_first = impl_->world->aborted();
         impl_->abort_comm(std::string("a network step of ") + impl_->who + " failed: " + e.what());
+        if (peer_failed_first) {
+            try {
+                impl_->world->check_diagnostics();
+            } catch (const Error& cause) {
+                throw Error(std::string(cause.what()) + " (then " + e.what() + ")");
+            }
+        }
         throw;
     }
     end_step(id);

@@ -88,7 +88,8 @@ bool is_empty_view(const TensorView& v) { return v.data == nullptr && v.ndim == 
 
 float resolve_scale(const std::optional<float>& scale, int64_t head_dim, const char* op) {
     const float s = scale ? *scale : 1.f / std::sqrt(static_cast<float>(head_dim));
-    WEFT_CHECK(std::isfinite(s), op << ": options.scale must be finite, got " << s);
+    WEFT_CHECK(std::isfinite(s * kLog2e),  // the kernel's base-2 scale must be finite too
+               op << ": options.scale must be finite and at most about 2.3e38 in magnitude, got " << s);
     return s;
 }
 

@@ -173,7 +173,8 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
         }
     }
     const float scale = options.scale.value_or(1.f / std::sqrt(static_cast<float>(head_dim)));
-    WEFT_CHECK(std::isfinite(scale), kOp << ": options.scale must be finite, got " << scale);
+    WEFT_CHECK(std::isfinite(scale * 1.4426950408889634f),  // the kernel's base-2 scale must be finite too
+               kOp << ": options.scale must be finite and at most about 2.3e38 in magnitude, got " << scale);
     WEFT_CHECK(options.num_splits >= 0,
                kOp << ": options.num_splits must be >= 0 (0: automatic), got " << options.num_splits);
     WEFT_CHECK(batch <= 65535 && num_kv_heads <= 65535,

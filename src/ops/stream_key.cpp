@@ -1,17 +1,47 @@
 // SPDX-License-Identifier: MIT
 #include "stream_key.hpp"
 
+#include <map>
+#include <mutex>
+#include <thread>
+#include <tuple>
+
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/stream.hpp"
 
 namespace weft::ops::detail {
 
 StreamKey StreamKey::of(cudaStream_t stream) {
+    // The ids of the handles seen outside a capture (cudaStreamPerThread: per thread, the legacy stream is one for
+    // all), refreshed at every such call: a handle freed and given to a new stream gets its new id at the new stream's
+    // first uncaptured call.
+    using Handle = std::tuple<int, cudaStream_t, std::thread::id>;
+    static std::mutex mutex;
+    static std::map<Handle, unsigned long long> known;
     StreamKey key;
     WEFT_CUDA_CHECK(cudaGetDevice(&key.device));
-    // The stream's id, unique for the process's life: a handle freed and handed out again names another stream
-    // (state kept for the old one must not be shared with it), and cudaStreamPerThread names each thread's own.
-    WEFT_CUDA_CHECK(cudaStreamGetId(stream, &key.stream_id));
+    const Handle handle{key.device, stream,
+                        stream == cudaStreamPerThread ? std::this_thread::get_id() : std::thread::id{}};
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long capture_id = 0;
+    WEFT_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, &capture_id));
+    if (status == cudaStreamCaptureStatusNone) {
+        // The stream's id, unique for the process's life: a handle freed and handed out again names another stream
+        // (state kept for the old one must not be shared with it), and cudaStreamPerThread names each thread's own.
+        WEFT_CUDA_CHECK(cudaStreamGetId(stream, &key.stream_id));
+        const std::lock_guard<std::mutex> lock(mutex);
+        known[handle] = key.stream_id;
+        return key;
+    }
+    // Being captured (or a capture on it invalidated): cudaStreamGetId would fail and invalidate the capture.
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto it = known.find(handle);
+    if (it != known.end()) {
+        key.stream_id = it->second;
+    } else {
+        key.stream_id = capture_id;
+        key.captured = true;
+    }
     return key;
 }
 

@@ -14,12 +14,20 @@ namespace weft::ops::detail {
 /// handle given to a new stream is another key, and cudaStreamPerThread is each thread's own stream). Two keys are
 /// equal when their launches are ordered on one stream. State kept per key is not freed with the stream: a program
 /// that makes a stream per call should pass the ops their workspace.
+///
+/// A stream being captured has no id to ask for (cudaStreamGetId fails on it and invalidates the capture): it gets
+/// the id its handle had at this thread's last call outside a capture, so that a captured call finds the state its
+/// uncaptured calls on that stream made; a stream never seen outside a capture gets a key of that capture's own
+/// (`captured`: the capture's id).
 struct StreamKey {
     int device = 0;
     unsigned long long stream_id = 0;
+    bool captured = false;  ///< stream_id is a capture's id (cudaStreamGetCaptureInfo), not a stream's
 
     static StreamKey of(cudaStream_t stream);
-    bool operator<(const StreamKey& o) const { return std::tie(device, stream_id) < std::tie(o.device, o.stream_id); }
+    bool operator<(const StreamKey& o) const {
+        return std::tie(device, stream_id, captured) < std::tie(o.device, o.stream_id, o.captured);
+    }
 };
 
 /// cudaMalloc in relaxed capture mode for the call: another thread's capture in global mode (PyTorch's default) does

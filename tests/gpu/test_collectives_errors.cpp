@@ -35,15 +35,17 @@ using ops::AllReduceAlgo;
 using ops::ReduceScatterAlgo;
 
 // Every rank calls `fn`, which must throw weft::Error mentioning every word of `words`.
+/// `prepare`: make the collectives' workspace first (prepare_collectives), as a program that calls outside a capture
+/// first does.
 void expect_error_on_every_rank(int num_ranks, const std::function<void(World&)>& fn,
-                                const std::vector<std::string>& words) {
+                                const std::vector<std::string>& words, bool prepare = true) {
     std::mutex mutex;
     std::vector<std::string> messages;
     // The collectives' workspace takes 3 x 32 MiB of staging: more than the runtime tests' 64 MiB heap.
     run_ranks(
         num_ranks,
         [&](World& w) {
-            ops::prepare_collectives(w);
+            if (prepare) ops::prepare_collectives(w);
             std::string message;
             try {
                 fn(w);
@@ -108,29 +110,29 @@ TEST(CollectivesErrors, HostMemoryIsRejected) {
 
 TEST(CollectivesErrors, AFirstCallInsideAGraphCaptureIsRefusedNamingPrepareCollectives) {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
-    expect_error_on_every_rank(2,
-                               [&](World& w) {
-                                   void* buf = w.heap().alloc(4096);
-                                   cudaStream_t s = nullptr;
-                                   WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-                                   struct Cleanup {
-                                       World& w;
-                                       void* p;
-                                       cudaStream_t s;
-                                       ~Cleanup() {
-                                           cudaGraph_t g = nullptr;
-                                           cudaStreamEndCapture(s, &g);
-                                           if (g != nullptr) cudaGraphDestroy(g);
-                                           (void)cudaGetLastError();
-                                           cudaStreamDestroy(s);
-                                           w.heap().free(p);
-                                       }
-                                   } guard{w, buf, s};
-                                   WEFT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-                                   ops::all_reduce(w, TensorView(buf, DType::kF32, {64}),
-                                                   TensorView(buf, DType::kF32, {64}), s);
-                               },
-                               {"all_reduce", "being captured", "prepare_collectives"});
+    expect_error_on_every_rank(
+        2,
+        [&](World& w) {
+            void* buf = w.heap().alloc(4096);
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            struct Cleanup {
+                World& w;
+                void* p;
+                cudaStream_t s;
+                ~Cleanup() {
+                    cudaGraph_t g = nullptr;
+                    cudaStreamEndCapture(s, &g);
+                    if (g != nullptr) cudaGraphDestroy(g);
+                    (void)cudaGetLastError();
+                    cudaStreamDestroy(s);
+                    w.heap().free(p);
+                }
+            } guard{w, buf, s};
+            WEFT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+            ops::all_reduce(w, TensorView(buf, DType::kF32, {64}), TensorView(buf, DType::kF32, {64}), s);
+        },
+        {"all_reduce", "being captured", "prepare_collectives"}, /*prepare=*/false);
 }
 
 TEST(CollectivesErrors, BadShapesAreRejectedBeforeAnyLaunch) {

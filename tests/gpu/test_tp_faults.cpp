@@ -66,7 +66,7 @@ void call_once(World& w, Op op, cudaStream_t s, double* seconds) {
 
 [[noreturn]] void provoke(Op op) {
     alarm(240);  // a hang ends the child with SIGALRM: the death test then fails instead of hanging
-    WorldOptions options = test_options();
+    WorldOptions options = test_options(256ull << 20);  // GemmAr's all-reduce half: the collectives' 96 MiB
     options.timeout = std::chrono::milliseconds(1500);
     std::string message;
     double seconds = 0;
