@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kTpReduceThreads, 4) ar_reduce_kernel(const Ar
         const int64_t src_off = (r * p.ldp + col) * kPBytes;
         auto* out = static_cast<unsigned char*>(p.out) + (r * p.ldc + col) * kOBytes;
         if (col + kTpVecElems <= p.n) {
-            float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            float sum[8] = {-0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f};  // -0: a sum of -0 is -0
             for (int s = 0; s < num_ranks; ++s) {
                 float v[8];
                 load8<kPartial>(s_src[s] + src_off, v);
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kTpReduceThreads, 4) ar_reduce_kernel(const Ar
             store8<kOut>(out, sum);
         } else {
             for (int64_t j = 0; col + j < p.n; ++j) {
-                float sum = 0;
+                float sum = -0.f;
                 for (int s = 0; s < num_ranks; ++s) sum += load_elem<kPartial>(s_src[s] + src_off, j);
                 store_elem<kOut>(out, j, sum);
             }

@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kRsNodeSumThreads) rs_node_sum_kernel(const Rs
         auto* out = static_cast<unsigned char*>(p.out) + (r * p.ldc + col) * 2;
         const int64_t in_off = (r * p.ld_in + col) * 2;
         if (col + kVec <= p.cols) {
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            float acc[8] = {-0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f};  // -0: a sum of -0 is -0
             for (int32_t s = 0; s < p.num_inputs; ++s) {
                 float v[8];
                 tp_common::load8<kT>(static_cast<const unsigned char*>(p.inputs[s]) + in_off, v);
@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(kRsNodeSumThreads) rs_node_sum_kernel(const Rs
             tp_common::store8<kT>(out, acc);
         } else {
             for (int64_t j = 0; col + j < p.cols; ++j) {
-                float acc = 0;
+                float acc = -0.f;
                 for (int32_t s = 0; s < p.num_inputs; ++s) {
                     acc += tp_common::load_elem<kT>(static_cast<const unsigned char*>(p.inputs[s]) + in_off, j);
                 }

@@ -260,12 +260,14 @@ def _round_max_m(m, num_ranks):
     return -(-p // num_ranks) * num_ranks
 
 
-def _cached(cls, m, n, k, dtype, team):
-    """The cached op of `cls` for (n, k, dtype, team) with max_m >= m, made anew (collectively, like every call) when
-    m grows; the outgrown one is kept open until weft.finalize, for the CUDA graphs captured with it. Every rank makes
-    the same calls with the same shapes, so every rank makes the same ops at the same call."""
+def _cached(cls, m, n, k, dtype, team, **options):
+    """The cached op of `cls` for (n, k, dtype, team, options) with max_m >= m, made anew (collectively, like every
+    call) when m grows; the outgrown one is kept open until weft.finalize, for the CUDA graphs captured with it. Every
+    rank makes the same calls with the same shapes, so every rank makes the same ops at the same call. `options`: the
+    keyword arguments of `cls` the call passed (not None), part of the key."""
+    options = {name: value for name, value in options.items() if value is not None}
     state = _runtime._get_state()
-    key = (cls._kind, n, k, dtype, None if team is None else team.id)
+    key = (cls._kind, n, k, dtype, None if team is None else team.id, tuple(sorted(options.items(), key=str)))
     op = state.op_cache.get(key)
     if op is not None and op.max_m >= m and not op.closed:
         return op
@@ -276,7 +278,7 @@ def _cached(cls, m, n, k, dtype, team):
                     "call it once with the largest M before capturing")
     # The outgrown op stays open (until weft.finalize): a CUDA graph captured with it still replays on its buffers.
     size = team.num_ranks if team is not None else state.world.num_ranks
-    op = cls(_round_max_m(m, size), n, k, dtype, team=team)
+    op = cls(_round_max_m(m, size), n, k, dtype, team=team, **options)
     state.op_cache[key] = op
     return op
 
@@ -308,15 +310,18 @@ def ag_gemm(a_local, b, out=None, *, team=None):
     return _cached(AgGemm, a_local.shape[0] * size, b.shape[0], b.shape[1], a_local.dtype, team).run(a_local, b, out)
 
 
-def gemm_rs(a, b, out=None, *, team=None):
-    """ReduceScatter(a @ b.T) through a cached GemmRs. Collective over the team; on torch's current stream."""
+def gemm_rs(a, b, out=None, *, team=None, partial_dtype=None):
+    """ReduceScatter(a @ b.T) through a cached GemmRs. Collective over the team; on torch's current stream.
+    partial_dtype: the partials' dtype (GemmRs): a's (default; each rank's partial is rounded once, so where the ranks'
+    partials cancel an element's error is u * sum |P_r|, not u * |C|) or torch.float32 (exact partials, pull mode)."""
     _runtime._team_for(team, "gemm_rs")
     _fused_args_check("gemm_rs", a, "a", b)
-    return _cached(GemmRs, a.shape[0], b.shape[0], b.shape[1], a.dtype, team).run(a, b, out)
+    return _cached(GemmRs, a.shape[0], b.shape[0], b.shape[1], a.dtype, team, partial_dtype=partial_dtype).run(a, b, out)
 
 
-def gemm_ar(a, b, out=None, *, team=None):
-    """AllReduce(a @ b.T) through a cached GemmAr. Collective over the team; on torch's current stream."""
+def gemm_ar(a, b, out=None, *, team=None, partial_dtype=None):
+    """AllReduce(a @ b.T) through a cached GemmAr. Collective over the team; on torch's current stream.
+    partial_dtype: as gemm_rs's (torch.float32 takes the op's own all-reduce kernel)."""
     _runtime._team_for(team, "gemm_ar")
     _fused_args_check("gemm_ar", a, "a", b)
-    return _cached(GemmAr, a.shape[0], b.shape[0], b.shape[1], a.dtype, team).run(a, b, out)
+    return _cached(GemmAr, a.shape[0], b.shape[0], b.shape[1], a.dtype, team, partial_dtype=partial_dtype).run(a, b, out)

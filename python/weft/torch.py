@@ -244,12 +244,13 @@ def ag_gemm(a_local, b, team=None):
 
 
 def gemm_rs(a, b, team=None):
-    """ReduceScatter(a @ b.T) over `team` (None: the World), differentiable."""
+    """ReduceScatter(a @ b.T) over `team` (None: the World), differentiable. The partials have a's dtype (each
+    rounded once before the fp32 sum; weft.gemm_rs(..., partial_dtype=torch.float32) keeps them exact)."""
     return torch.ops.weft.gemm_rs(a, b, *_team_arg(team))
 
 
 def gemm_ar(a, b, team=None):
-    """AllReduce(a @ b.T) over `team` (None: the World), differentiable."""
+    """AllReduce(a @ b.T) over `team` (None: the World), differentiable. The partials have a's dtype (as gemm_rs)."""
     return torch.ops.weft.gemm_ar(a, b, _team_arg(team)[0])
 
 

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // weft::ops::GemmAr: GEMM+AllReduce for small M (decode): the small-M (or tiled) GEMM writes this rank's
-// partial into a symmetric buffer, then a one-shot all-reduce kernel sums every rank's partial in fp32.
+// partial into a symmetric buffer (in GemmArOptions::partial_dtype), then the all-reduce sums every rank's partial
+// in fp32.
 //
 //     weft::ops::GemmAr op(tp_team, {.max_m = 128, .n = 8192, .k = 1024, .dtype = weft::DType::kBF16});
 //     op.run(a /*[M, K/W]*/, b /*[N, K/W]*/, c /*[M, N]*/, stream);  // C = AllReduce(A * B^T)
@@ -36,7 +37,11 @@ struct GemmArShape {
 
 struct GemmArOptions {
     std::optional<GemmConfig> config;    ///< tiled-path config (M > 64): cluster-free, in = shape.dtype
-    std::optional<DType> partial_dtype;  ///< the partials' dtype: shape.dtype (default) or kF32
+    /// The partials' dtype: shape.dtype (default) or kF32. Each rank's partial is rounded to it once before the
+    /// fp32 sum: with 16-bit partials an element's error is bounded by u·Σ_r|P_r| (u of that dtype), not u·|C|,
+    /// which matters where the ranks' partials cancel; f16 partials beyond 65504 become inf even where C fits.
+    /// kF32 keeps them exact (and takes the op's own all-reduce kernel: ops::all_reduce needs 16-bit partials).
+    std::optional<DType> partial_dtype;
     int reduce_ctas = 0;                 ///< CTAs of the all-reduce kernel; 0 = heuristic
     int sm_budget = 0;                   ///< 0 = World::sm_budget(); bounds the tiled GEMM (M > 64) and the
                                          ///< reduction: the small-M kernels (M <= 64, no waits) span the device

@@ -55,7 +55,11 @@ const char* gemm_rs_mode_name(GemmRsMode mode);
 struct GemmRsOptions {
     GemmRsMode mode = GemmRsMode::kAuto;  ///< kAuto: kPush where it applies (one rank per GPU), else kPull
     std::optional<GemmConfig> config;   ///< the GEMM's tile config: cluster-free, in = shape.dtype, B [N,K]
-    std::optional<DType> partial_dtype;  ///< the partials' dtype: shape.dtype (default) or kF32
+    /// The partials' dtype: shape.dtype (default) or kF32. Each rank's partial is rounded to it once before the
+    /// fp32 sum: with 16-bit partials an element's error is bounded by u·Σ_r|P_r| (u of that dtype), not u·|C|,
+    /// which matters where the ranks' partials cancel; f16 partials beyond 65504 become inf even where C fits.
+    /// kF32 (pull mode) keeps the partials exact.
+    std::optional<DType> partial_dtype;
     int64_t chunk_rows = 0;             ///< rows per counter: a multiple of the tile's rows; 0 = heuristic
     int reduce_ctas = 0;                ///< pull mode: CTAs of the reduction kernel; 0 = heuristic (budget/8, at
                                         ///< most 16 with one rank per GPU)
@@ -85,7 +89,8 @@ public:
     GemmRs(const GemmRs&) = delete;
     GemmRs& operator=(const GemmRs&) = delete;
 
-    /// C[M/W, N] = rows [r*M/W, (r+1)*M/W) of sum over the team's ranks s of A_s * B_s^T (fp32 accumulation).
+    /// C[M/W, N] = rows [r*M/W, (r+1)*M/W) of sum over the team's ranks s of A_s * B_s^T (each partial accumulated
+    /// in fp32 and stored as GemmRsOptions::partial_dtype, the sum of the partials in fp32).
     ///   a: [M, k] this rank's A; b: [n, k] this rank's weight shard; c: [M/W, n] (TMA rules as AgGemm::run), its
     ///   bytes apart from a's and b's
     /// Every member calls with the same M. A member that calls with another M (or another n, partial dtype, tiles,

@@ -67,6 +67,28 @@ def test_gemm_rs_matches_matmul_then_reduce_scatter(rank, num_ranks, mode, m, n,
     assert rel_error(out, expected) < TOL[dtype]
 
 
+def _within_output_rounding(out, expected):
+    """Every element within a few bf16 roundings of the fp32 reference (exact partials: only the output is rounded)."""
+    error = (out.float() - expected).abs()
+    return bool((error <= 8e-3 * expected.abs() + 1e-3 * expected.abs().max()).all())
+
+
+@pytest.mark.parametrize("m,n,k", [(128, 256, 512), (64, 264, 1024)])
+def test_gemm_rs_and_gemm_ar_with_f32_partials_round_only_the_output(rank, num_ranks, m, n, k):
+    dtype = torch.bfloat16
+    a, b = _randn((m, k), dtype, 21, rank), _randn((n, k), dtype, 22, rank)
+    partial = a.float() @ b.float().t()
+    summed = partial.clone()
+    dist.all_reduce(summed)
+    rows = m // num_ranks
+    out = weft.gemm_rs(a, b, partial_dtype=torch.float32)
+    assert out.shape == (rows, n)
+    assert _within_output_rounding(out, summed[rank * rows:(rank + 1) * rows])
+    out = weft.gemm_ar(a, b, partial_dtype=torch.float32)
+    assert out.shape == (m, n)
+    assert _within_output_rounding(out, summed)
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 256, 512), (16, 1024, 256), (100, 512, 512)])
 def test_gemm_ar_matches_matmul_then_all_reduce(rank, m, n, k):
     dtype = torch.bfloat16
