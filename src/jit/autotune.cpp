@@ -22,6 +22,7 @@
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
 #include "weft/runtime/progress.hpp"
+#include "weft/runtime/stream.hpp"
 
 namespace weft::jit {
 
@@ -195,6 +196,9 @@ double measure_with_cuda_events(const TuneCandidate& candidate, const TuneOption
         ++iteration;
         candidate.run(options.stream);
     }
+    // The timed stream is not being captured (the callers refuse to tune under capture); another rank thread's capture
+    // in global mode must neither fail these waits and event reads nor be invalidated by them.
+    const RelaxedCaptureMode relaxed;
     std::vector<std::pair<Event, Event>> events;
     events.reserve(static_cast<size_t>(options.repeat_iters));
     for (int i = 0; i < options.repeat_iters; ++i) {
@@ -215,7 +219,10 @@ double measure_with_cuda_events(const TuneCandidate& candidate, const TuneOption
     return median(std::move(samples));
 }
 
-void synchronize_stream(cudaStream_t stream) { WEFT_CUDA_CHECK(cudaStreamSynchronize(stream)); }
+void synchronize_stream(cudaStream_t stream) {
+    const RelaxedCaptureMode relaxed;  // as in measure_with_cuda_events
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
 
 Autotuner::Autotuner(AutotuneConfig config, TuneMeasure measure, TuneSync sync)
     : config_(std::move(config)), measure_(std::move(measure)), sync_(std::move(sync)) {

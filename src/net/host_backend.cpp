@@ -504,8 +504,14 @@ HostBackend::HostBackend(const Team& team, Team node_team)
             num_nodes(), id, node_index_, impl_->device, impl_->timeout, [&world] { return world.aborted(); },
             "ncclCommInitRank (" + std::to_string(num_nodes()) + " ranks, rank " + std::to_string(node_index_) +
                 ") for " + impl_->who);
-        WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&flags_), 2 * kMaxChunks * sizeof(uint64_t)));
-        WEFT_CUDA_CHECK(cudaMemset(flags_, 0, 2 * kMaxChunks * sizeof(uint64_t)));
+        {
+            // On the comm stream, not the legacy one (a synchronous memset there is refused while any stream of the
+            // process is captured), beside another rank thread's capture in global mode.
+            const RelaxedCaptureMode relaxed;
+            WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&flags_), 2 * kMaxChunks * sizeof(uint64_t)));
+            WEFT_CUDA_CHECK(cudaMemsetAsync(flags_, 0, 2 * kMaxChunks * sizeof(uint64_t), comm_stream_));
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(comm_stream_));
+        }
         WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
         WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
         impl_->watcher = std::thread([impl = impl_.get()] { impl->watch(); });
@@ -552,7 +558,10 @@ void HostBackend::release() noexcept {
     impl_->comm = nullptr;
     if (fork_ != nullptr) cudaEventDestroy(fork_);
     if (join_ != nullptr) cudaEventDestroy(join_);
-    if (flags_ != nullptr) cudaFree(flags_);
+    if (flags_ != nullptr) {
+        const RelaxedCaptureMode relaxed;  // beside another rank thread's capture in global mode
+        cudaFree(flags_);
+    }
     if (comm_stream_ != nullptr) cudaStreamDestroy(comm_stream_);
     fork_ = join_ = nullptr;
     flags_ = nullptr;

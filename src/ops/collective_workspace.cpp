@@ -318,7 +318,10 @@ CollectiveWorkspace::CollectiveWorkspace(const Team& team) : team_(team), world_
         WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&setup_stream_, cudaStreamNonBlocking));
         WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&state_), sizeof(CollectiveState), setup_stream_));
         WEFT_CUDA_CHECK(cudaMemsetAsync(state_, 0, sizeof(CollectiveState), setup_stream_));
-        WEFT_CUDA_CHECK(cudaStreamSynchronize(setup_stream_));
+        {
+            const RelaxedCaptureMode relaxed;  // beside another rank thread's capture in global mode
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(setup_stream_));
+        }
         WEFT_CUDA_CHECK(cudaStreamDestroy(setup_stream_));  // one stream fewer in the hardware queues
         setup_stream_ = nullptr;
         // NOTE: ranks of one process sharing a GPU (of any team) share its hardware queues. Then the copy-engine
@@ -380,6 +383,7 @@ void CollectiveWorkspace::release() noexcept {
         cudaStreamCreateWithFlags(&setup_stream_, cudaStreamNonBlocking);
     }
     if (state_ != nullptr && setup_stream_ != nullptr) {  // stream-ordered: cudaFree would wait for every rank
+        const RelaxedCaptureMode relaxed;                 // beside another rank thread's capture in global mode
         cudaFreeAsync(state_, setup_stream_);
         cudaStreamSynchronize(setup_stream_);
     }

@@ -17,6 +17,7 @@
 #include "weft/detail/host_mapped_pool.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/stream.hpp"
 #include "weft/runtime/trace.hpp"
 
 namespace weft::ops::ep {
@@ -66,9 +67,15 @@ uint8_t* device_alloc_zeroed(uint64_t bytes, cudaStream_t stream) {
     if (bytes == 0) {
         return nullptr;
     }
+    // A private stream's work, waited for: neither failing nor invalidating another rank thread's capture.
+    const weft::RelaxedCaptureMode relaxed;
     WEFT_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream));
-    WEFT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream));
-    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    cudaError_t err = cudaMemsetAsync(p, 0, bytes, stream);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+    if (err != cudaSuccess) {
+        cudaFreeAsync(p, stream);
+        WEFT_CUDA_CHECK(err);
+    }
     return static_cast<uint8_t*>(p);
 }
 
@@ -229,6 +236,8 @@ Buffer::Buffer(const Team& team, const Config& config) : impl_(std::make_unique<
 }
 
 void Buffer::construct(const Team& team, const Config& config) {
+    // Its allocations and private-stream waits must neither fail nor invalidate another rank thread's capture.
+    const weft::RelaxedCaptureMode relaxed;
     Impl& b = *impl_;
     World& world = team.world();
     b.world = &world;

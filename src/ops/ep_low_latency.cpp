@@ -8,6 +8,7 @@
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
+#include "weft/runtime/stream.hpp"
 
 namespace weft::ops::ep {
 
@@ -85,6 +86,7 @@ LowLatencyHandle::Impl::~Impl() {
     }
     // No kernel of this Buffer still reads the handle's buffers (its receive rows, records and counts, the exchange
     // buffers) after this: they are freed on the Buffer's own stream, which the callers' streams do not order.
+    const weft::RelaxedCaptureMode relaxed;  // beside another thread's capture
     buffer->uses.wait_all();
     if (exchange != nullptr) cudaFreeAsync(exchange, buffer->alloc_stream);
     if (device != nullptr) {

@@ -22,6 +22,7 @@
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
+#include "weft/runtime/stream.hpp"
 #include "weft/runtime/team.hpp"
 #include "weft/runtime/world.hpp"
 
@@ -236,6 +237,7 @@ struct MoeBlock::Impl {
 MoeBlock::MoeBlock(World& world, const MoeConfig& config) : MoeBlock(world.team(), config) {}
 
 MoeBlock::MoeBlock(const Team& team, const MoeConfig& config) : impl_(std::make_unique<Impl>()) {
+    const weft::RelaxedCaptureMode relaxed;  // its allocations and waits beside another rank thread's capture
     team.require_member("ep::MoeBlock");
     // The fused block's GEMMs wait on the dispatch's per-expert signals within one node; across nodes the Buffer
     // dispatches through the network (docs/multinode.md, "EP across nodes"), which the block does not drive yet.
@@ -330,6 +332,7 @@ MoeBlock::MoeBlock(const Team& team, const MoeConfig& config) : impl_(std::make_
 // Also what a constructor that threw part way leaves behind (the members it had made by then). The handle's and the
 // Buffer's destructors are collective: after a failure on one rank only, its peers' wait there ends at the timeout.
 MoeBlock::Impl::~Impl() {
+    const weft::RelaxedCaptureMode relaxed;  // its waits and frees beside another rank thread's capture
     Impl& m = *this;
     try {
         if (m.gemm_stream != nullptr) WEFT_CUDA_CHECK(cudaStreamSynchronize(m.gemm_stream));

@@ -6,6 +6,7 @@
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
+#include "weft/runtime/stream.hpp"
 
 namespace weft::ops::ep {
 
@@ -18,6 +19,7 @@ NormalHandle::Impl::~Impl() {
     if (buffer == nullptr) {
         return;
     }
+    const weft::RelaxedCaptureMode relaxed;  // frees and waits on the Buffer's stream beside another thread's capture
     try {
         buffer->uses.wait_all();  // no kernel of this Buffer still reads the handle's buffers here
         if (symmetric != nullptr) buffer->world->heap().free(buffer->team, symmetric);

@@ -674,7 +674,10 @@ MoeGroupedGemmRs::MoeGroupedGemmRs(const Team& team, const MoeTpShape& shape, co
     // The counters return to zero at the end of every call (the group's last tile resets its own): zeroed once here.
     s.counters = static_cast<uint32_t*>(s.heap.alloc(static_cast<uint64_t>(e) * sizeof(uint32_t)));
     WEFT_CUDA_CHECK(cudaMemsetAsync(s.counters, 0, static_cast<size_t>(e) * sizeof(uint32_t), s.side));
-    WEFT_CUDA_CHECK(cudaStreamSynchronize(s.side));  // before any call (the team barrier below orders the peers')
+    {
+        const RelaxedCaptureMode relaxed;  // another rank thread may be capturing in global mode meanwhile
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(s.side));  // before any call (the team barrier below orders the peers')
+    }
     s.acc = static_cast<float*>(
         s.heap.alloc(static_cast<uint64_t>(shape.max_tokens / s.num_ranks * shape.hidden) * sizeof(float)));
     tp_detail::check_peers_reachable(team, s.partial, s.op);

@@ -41,6 +41,7 @@ StreamKey StreamKey::of(cudaStream_t stream) {
     } else {
         key.stream_id = capture_id;
         key.captured = true;
+        key.handle = stream;
     }
     return key;
 }

@@ -17,16 +17,18 @@ namespace weft::ops::detail {
 ///
 /// A stream being captured has no id to ask for (cudaStreamGetId fails on it and invalidates the capture): it gets
 /// the id its handle had at this thread's last call outside a capture, so that a captured call finds the state its
-/// uncaptured calls on that stream made; a stream never seen outside a capture gets a key of that capture's own
-/// (`captured`: the capture's id).
+/// uncaptured calls on that stream made; a stream never seen outside a capture gets a key of that capture and that
+/// stream (`captured`: the capture's id, which every stream forked into the capture shares, with the stream's handle:
+/// two branches of one capture run at the same time and must not share state).
 struct StreamKey {
     int device = 0;
     unsigned long long stream_id = 0;
-    bool captured = false;  ///< stream_id is a capture's id (cudaStreamGetCaptureInfo), not a stream's
+    bool captured = false;          ///< stream_id is a capture's id (cudaStreamGetCaptureInfo), not a stream's
+    cudaStream_t handle = nullptr;  ///< captured keys only: the stream's handle
 
     static StreamKey of(cudaStream_t stream);
     bool operator<(const StreamKey& o) const {
-        return std::tie(device, stream_id, captured) < std::tie(o.device, o.stream_id, o.captured);
+        return std::tie(device, stream_id, captured, handle) < std::tie(o.device, o.stream_id, o.captured, o.handle);
     }
 };
 

@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/stream.hpp"
 
 namespace weft::detail {
 
@@ -23,6 +24,7 @@ struct Pool {
 
     void add_chunk() {
         void* p = nullptr;
+        const RelaxedCaptureMode relaxed;  // beside another rank thread's capture in global mode
         WEFT_CUDA_CHECK(cudaHostAlloc(&p, kChunkBytes, cudaHostAllocMapped | cudaHostAllocPortable));
         char* base = static_cast<char*>(p);
         for (size_t off = kChunkBytes; off >= kHostMappedBlockBytes; off -= kHostMappedBlockBytes) {

@@ -17,6 +17,7 @@
 #include "weft/runtime/driver.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/stream.hpp"
 
 namespace weft {
 namespace detail {
@@ -445,6 +446,7 @@ uint64_t* HeapImpl::alloc_signals(const CallGroup& g, uint64_t count) {
         DeviceGuard guard(setup.device);
         // The World's non-blocking stream does not wait for other ranks' kernels on a shared GPU.
         WEFT_CUDA_CHECK(cudaMemsetAsync(signals, 0, bytes, setup.stream));
+        const RelaxedCaptureMode relaxed;  // beside another rank thread's capture in global mode
         WEFT_CUDA_CHECK(cudaStreamSynchronize(setup.stream));
     }
     team_barrier(*setup.store, key(g.key_scope + "signals/" + std::to_string(seq)), g.members, g.rank, setup.timeout);

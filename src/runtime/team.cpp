@@ -8,6 +8,7 @@
 #include "runtime_internal.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
+#include "weft/runtime/stream.hpp"
 
 namespace weft {
 
@@ -33,6 +34,7 @@ struct DeviceFree {
 // Copies `bytes` of host data into a new device buffer on `device`, through the World's non-blocking stream.
 std::shared_ptr<void> upload(int device, cudaStream_t stream, const void* host, size_t bytes) {
     DeviceGuard guard(device);
+    const RelaxedCaptureMode relaxed;  // a private stream's work, beside another rank thread's capture
     int pools = 0;
     WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device));
     void* p = nullptr;

@@ -28,6 +28,7 @@
 #include "weft/runtime/in_process_store.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/module_loading.hpp"
+#include "weft/runtime/stream.hpp"
 #include "weft/runtime/trace.hpp"
 
 namespace weft {
@@ -564,7 +565,27 @@ void World::abort(const std::string& reason) {
 bool World::aborted() const { return ctx_->abort_word() != kAbortNone; }
 
 void World::sync_and_check(cudaStream_t stream) {
-    cudaError_t st = cudaStreamSynchronize(stream);
+    // A stream being captured cannot be synchronised (CUDA would refuse and invalidate the capture): a usage error of
+    // this call, not a kernel failure to abort the World for.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    const cudaError_t query = cudaStreamIsCapturing(stream, &capture);
+    if (query != cudaSuccess) {
+        throw Error("weft: rank " + std::to_string(ctx_->rank) + ": sync_and_check: cudaStreamIsCapturing returned " +
+                    cudaGetErrorName(query) + " (" + cudaGetErrorString(query) +
+                    "): not a stream this rank can synchronise (the legacy stream while another stream is captured, or "
+                    "a destroyed stream)");
+    }
+    WEFT_CHECK(capture == cudaStreamCaptureStatusNone,
+               "rank " << ctx_->rank
+                       << ": sync_and_check on a stream that is being captured into a CUDA graph: synchronise and "
+                          "check after the graph's launch, on the stream it was launched on");
+    cudaError_t st = cudaSuccess;
+    {
+        // Another rank thread's capture in global mode (PyTorch's default) must neither fail this synchronisation nor
+        // be invalidated by it.
+        const RelaxedCaptureMode relaxed;
+        st = cudaStreamSynchronize(stream);
+    }
     if (st != cudaSuccess) {
         const std::string cuda = std::string(cudaGetErrorName(st)) + " (" + cudaGetErrorString(st) + ")";
         // The peers may wait for this rank's kernel: they stop at their next heartbeat rather than at their bound.

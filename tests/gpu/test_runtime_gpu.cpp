@@ -10,6 +10,7 @@
 #include <cstring>
 #include <mutex>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "support/runtime_checks.hpp"
@@ -40,6 +41,44 @@ TEST_F(RuntimeGpu, PatternExchangeThroughSymmAt) {
             test::check_exchange_through_symm_at(w, (1 << 18) + 3);  // ~1 MiB per slot
         });
     }
+}
+
+// sync_and_check on a stream being captured is a usage error of that call: a weft::Error saying so, the World not
+// aborted (CUDA refuses the synchronisation; it was taken for a failed kernel and aborted every rank), and another
+// rank thread synchronising its own stream meanwhile neither fails nor breaks the capture.
+TEST_F(RuntimeGpu, SyncAndCheckOfACapturingStreamIsAnErrorThatAbortsNothing) {
+    std::mutex mutex;
+    std::vector<std::string> errors;
+    run_ranks(2, [&](World& w) {
+        cudaStream_t s = nullptr;
+        WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        if (w.rank() == 0) {
+            WEFT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+            std::string message;
+            try {
+                w.sync_and_check(s);
+            } catch (const Error& e) {
+                message = e.what();
+            }
+            w.barrier();  // rank 1 synchronises its own stream while this capture is open
+            w.barrier();
+            cudaGraph_t graph = nullptr;
+            const cudaError_t ended = cudaStreamEndCapture(s, &graph);
+            if (graph != nullptr) cudaGraphDestroy(graph);
+            std::lock_guard<std::mutex> lock(mutex);
+            errors.push_back(message);
+            errors.push_back(ended == cudaSuccess ? "" : std::string("capture broken: ") + cudaGetErrorName(ended));
+        } else {
+            w.barrier();
+            w.sync_and_check(s);  // another thread's global-mode capture is open
+            w.barrier();
+        }
+        EXPECT_FALSE(w.aborted()) << "rank " << w.rank();
+        WEFT_CUDA_CHECK(cudaStreamDestroy(s));
+    });
+    ASSERT_EQ(errors.size(), 2u);
+    EXPECT_NE(errors[0].find("being captured"), std::string::npos) << errors[0];
+    EXPECT_EQ(errors[1], "");
 }
 
 TEST_F(RuntimeGpu, WorldBindingAndBudget) {
