@@ -11,8 +11,9 @@
 //     ep.combine(h, y, out, stream);                            // weighted sum over the k experts, token order
 //     ep.check();                                               // device-reported errors, without a sync
 //
-// Every call is asynchronous, graph-capturable and never synchronises the host: sizes are exchanged
-// between ranks on the device. A Buffer belongs to a team (World::team() for the whole World, or a split of it):
+// Every dispatch and combine call is asynchronous, graph-capturable and never synchronises the host: sizes are
+// exchanged between ranks on the device. Making and releasing a Buffer or a handle allocates and waits on the
+// Buffer's own stream: do it outside a capture on this thread. A Buffer belongs to a team (World::team() for the whole World, or a split of it):
 // ranks, experts and rank order are the team's. Every member of the team calls the same sequence of collective
 // calls (dispatch, combine, low-latency halves) on a non-blocking stream of its own (ranks that are threads of one
 // process share the legacy default stream, which would serialise their mutually waiting kernels: refused);
