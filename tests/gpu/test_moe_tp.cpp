@@ -601,25 +601,18 @@ TEST(MoeTpLayers, ForcedConfigsAtWorld2) {
 // naming both counts, instead of a call that would wait for blocks that never come.
 TEST(MoeTpLayers, CommBlocksThatDifferFailEveryMember) {
     REQUIRE_SM90();
-    std::mutex mutex;
-    std::vector<std::string> errors(2);
-    test::run_ranks(2, [&](World& w) {
+    const std::vector<std::string> errors = test::error_of_each_rank(2, [](World& w) {
         ops::MoeTpOptions o;
         o.comm_blocks = 2 + w.rank();
         const ops::MoeTpShape shape{.max_tokens = 64, .hidden = 128, .ffn = 32, .num_experts = 8, .topk = 2};
-        try {
-            ops::MoeAgGroupedGemm up(w, shape, o);
-        } catch (const Error& e) {
-            std::lock_guard<std::mutex> lock(mutex);
-            errors[static_cast<size_t>(w.rank())] = e.what();
-        }
-        w.barrier();
+        ops::MoeAgGroupedGemm up(w, shape, o);
     });
     for (int r = 0; r < 2; ++r) {
         const std::string& e = errors[static_cast<size_t>(r)];
         EXPECT_NE(e.find("communication CTAs"), std::string::npos) << "rank " << r << ": " << e;
-        EXPECT_NE(e.find("has " + std::to_string(2 + r)), std::string::npos) << "rank " << r << ": " << e;
-        EXPECT_NE(e.find(" " + std::to_string(3 - r)), std::string::npos) << "rank " << r << ": " << e;
+        const std::string mine = std::to_string(2 + r), theirs = std::to_string(3 - r);
+        EXPECT_NE(e.find("has " + mine), std::string::npos) << "rank " << r << ": " << e;
+        EXPECT_NE(e.find(" " + theirs), std::string::npos) << "rank " << r << ": " << e;
     }
 }
 
@@ -627,22 +620,14 @@ TEST(MoeTpLayers, CommBlocksThatDifferFailEveryMember) {
 // push kernels they wait for; construction fails on every member naming the share.
 TEST(MoeTpLayers, AnSmBudgetAboveASharedGpusShareFailsEveryMember) {
     REQUIRE_SM90();
-    std::mutex mutex;
-    std::vector<std::string> errors(2);
     std::atomic<bool> shared{false};
-    test::run_ranks(2, [&](World& w) {
+    const std::vector<std::string> errors = test::error_of_each_rank(2, [&](World& w) {
         if (w.max_ranks_per_device() < 2) return;  // one GPU per rank: nothing to refuse
         shared = true;
         ops::MoeTpOptions o;
         o.sm_budget = w.shared_sm_budget() + 1;
         const ops::MoeTpShape shape{.max_tokens = 64, .hidden = 128, .ffn = 32, .num_experts = 8, .topk = 2};
-        try {
-            ops::MoeAgGroupedGemm up(w, shape, o);
-        } catch (const Error& e) {
-            std::lock_guard<std::mutex> lock(mutex);
-            errors[static_cast<size_t>(w.rank())] = e.what();
-        }
-        w.barrier();
+        ops::MoeAgGroupedGemm up(w, shape, o);
     });
     if (!shared) GTEST_SKIP() << "the ranks have a GPU each";
     for (int r = 0; r < 2; ++r) {

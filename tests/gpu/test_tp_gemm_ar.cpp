@@ -295,19 +295,11 @@ TEST(TpGemmAr, MembersThatDisagreeFailConstructionOnEveryMember) {
     };
     for (const Disagreement& d : cases) {
         SCOPED_TRACE(d.field);
-        std::mutex mutex;
-        std::vector<std::string> messages(2);
-        test::run_ranks(2, [&](World& w) {
+        const std::vector<std::string> messages = test::error_of_each_rank(2, [&](World& w) {
             ops::GemmArShape shape{64, 1024, 256, DType::kBF16};
             ops::GemmArOptions options;
             d.apply(w.rank(), shape, options);
-            try {
-                ops::GemmAr op(w, shape, options);
-            } catch (const Error& e) {
-                std::lock_guard<std::mutex> lock(mutex);
-                messages[static_cast<size_t>(w.rank())] = e.what();
-            }
-            w.barrier();
+            ops::GemmAr op(w, shape, options);
         });
         for (int r = 0; r < 2; ++r) {
             const std::string& m = messages[static_cast<size_t>(r)];

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -52,6 +53,21 @@ WorldOptions test_options(uint64_t heap_bytes) {
 }
 
 void run_ranks(int num_ranks, const std::function<void(World&)>& fn) { run_ranks(num_ranks, fn, test_options()); }
+
+std::vector<std::string> error_of_each_rank(int num_ranks, const std::function<void(World&)>& fn) {
+    std::mutex mutex;
+    std::vector<std::string> errors(static_cast<size_t>(num_ranks));
+    run_ranks(num_ranks, [&](World& w) {
+        try {
+            fn(w);
+        } catch (const Error& e) {
+            const std::lock_guard<std::mutex> lock(mutex);
+            errors[static_cast<size_t>(w.rank())] = e.what();
+        }
+        w.barrier();
+    });
+    return errors;
+}
 
 void run_ranks(int num_ranks, const std::function<void(World&)>& fn, const WorldOptions& options) {
     try {

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #ifdef __CUDACC__
 #define WEFT_TEST_HD __host__ __device__
@@ -35,6 +36,10 @@ void time_failure(const std::function<void()>& call, double* seconds);
 
 /// Small heaps (8 ranks may share one GPU) and a generous timeout.
 WorldOptions test_options(uint64_t heap_bytes = 64ull << 20);
+
+/// Runs `fn` on `num_ranks` ranks (as threads) and returns each rank's weft::Error text, empty where `fn` returned, in
+/// rank order; the ranks meet at a barrier after `fn`.
+std::vector<std::string> error_of_each_rank(int num_ranks, const std::function<void(World&)>& fn);
 
 /// run_local that turns an exception into a test failure carrying its message.
 void run_ranks(int num_ranks, const std::function<void(World&)>& fn);
