@@ -16,8 +16,9 @@ namespace weft::ops::detail {
 /// that makes a stream per call should pass the ops their workspace.
 ///
 /// A stream being captured has no id to ask for (cudaStreamGetId fails on it and invalidates the capture): it gets
-/// the id its handle had at this thread's last call outside a capture, so that a captured call finds the state its
-/// uncaptured calls on that stream made; a stream never seen outside a capture gets a key of that capture and that
+/// the id its handle had at the last call outside a capture (cudaStreamPerThread: this thread's), so that a captured
+/// call finds the state its uncaptured calls on that stream made (a handle freed and given to a new stream that is
+/// captured before any uncaptured call shares the old stream's state); a stream never seen outside a capture gets a key of that capture and that
 /// stream (`captured`: the capture's id, which every stream forked into the capture shares, with the stream's handle:
 /// two branches of one capture run at the same time and must not share state).
 struct StreamKey {
