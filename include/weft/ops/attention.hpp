@@ -93,7 +93,8 @@ AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_head
 /// (CollectiveWorkspaceInfo::ll_slot_bytes, 512 KiB per rank by default: batch x q-heads x (head_dim + 2) x 8 bytes of
 /// LL lines per round); one sequence's rows must fit one round (at most 504 q-heads of head_dim 128, 254 of head_dim
 /// 256 by default), else weft::Error on every rank before any kernel is loaded or launched. The first call with a
-/// head_dim and dtype compiles and loads its kernels and meets every rank (host barrier) before launching.
+/// head_dim and dtype compiles and loads its kernels and meets every rank (host barrier) before launching: make it
+/// outside a CUDA graph capture, then capture.
 void sp_decode_attention(const Team& team, const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                          const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
                          const TensorView& out, const TensorView& lse, cudaStream_t stream,
