@@ -613,7 +613,13 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
     // An explicit budget above a shared GPU's per-rank share would leave the peers' blocks unresident.
     tp_detail::check_sm_budget_share(world, options.sm_budget, "AgAttention");
     int budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
-    if (s.num_ranks > 1 && shared_gpu) budget = std::min(budget, world.sm_budget() - 1);  // explicit ones too
+    if (s.num_ranks > 1 && shared_gpu) {  // explicit budgets too
+        WEFT_CHECK(world.sm_budget() >= 2 && budget >= 2,
+                   "ag_attention: ranks sharing a GPU need an SM budget of at least 2 (one SM stays free for the copy "
+                   "helpers), got "
+                       << budget << " (the share of this GPU: " << world.sm_budget() << ")");
+        budget = std::min(budget, world.sm_budget() - 1);
+    }
     if (s.num_ranks > 1 && !shared_gpu) budget = std::min(budget, tp_detail::device_sm_count() - 1);
     WEFT_CHECK(budget >= 1, "ag_attention: the SM budget must be >= 1, got " << budget);
     s.grid = options.sm_budget > 0 || shared_gpu ? budget : budget * detail::attention_prefill_blocks_per_sm(s.config);

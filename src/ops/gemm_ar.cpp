@@ -170,6 +170,11 @@ GemmAr::GemmAr(const Team& team, const GemmArShape& shape, const GemmArOptions& 
     const std::vector<std::vector<uint8_t>> all =
         detail::exchange_member_records(team, "weft.ops.gemm_ar.shape", kOp, "shape or options are", [&] {
             validate_gemm_ar_shape(shape, s.num_ranks, options);
+            // This member's own bound (its device's budget), checked here so that every member fails with it.
+            const int budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
+            WEFT_CHECK(
+                s.num_ranks == 1 || options.reduce_ctas <= budget,
+                "gemm_ar: options.reduce_ctas must be <= the SM budget " << budget << ", got " << options.reduce_ctas);
             const DType partial = options.partial_dtype.value_or(shape.dtype);
             const bool collective = options.collective_all_reduce && partial == shape.dtype && shape.n % 8 == 0;
             mine = {shape.max_m, shape.n, static_cast<int64_t>(shape.dtype), static_cast<int64_t>(partial),

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 #include "stream_key.hpp"
 
+#include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -23,8 +24,7 @@ StreamKey StreamKey::of(cudaStream_t stream) {
     const Handle handle{key.device, stream,
                         stream == cudaStreamPerThread ? std::this_thread::get_id() : std::thread::id{}};
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    unsigned long long capture_id = 0;
-    WEFT_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, &capture_id));
+    WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
     if (status == cudaStreamCaptureStatusNone) {
         // The stream's id, unique for the process's life: a handle freed and handed out again names another stream
         // (state kept for the old one must not be shared with it), and cudaStreamPerThread names each thread's own.
@@ -39,9 +39,12 @@ StreamKey StreamKey::of(cudaStream_t stream) {
     if (it != known.end()) {
         key.stream_id = it->second;
     } else {
-        key.stream_id = capture_id;
+        // Keyed by the handle, not the capture's id: that is new at every capture (each would grow state of its own for
+        // good) and shared by the branches of one capture (which run at the same time).
         key.captured = true;
         key.handle = stream;
+        // cudaStreamPerThread: one handle, each thread's own stream.
+        if (stream == cudaStreamPerThread) key.stream_id = std::hash<std::thread::id>{}(std::this_thread::get_id());
     }
     return key;
 }

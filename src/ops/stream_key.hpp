@@ -18,13 +18,12 @@ namespace weft::ops::detail {
 /// A stream being captured has no id to ask for (cudaStreamGetId fails on it and invalidates the capture): it gets
 /// the id its handle had at the last call outside a capture (cudaStreamPerThread: this thread's), so that a captured
 /// call finds the state its uncaptured calls on that stream made (a handle freed and given to a new stream that is
-/// captured before any uncaptured call shares the old stream's state); a stream never seen outside a capture gets a key of that capture and that
-/// stream (`captured`: the capture's id, which every stream forked into the capture shares, with the stream's handle:
-/// two branches of one capture run at the same time and must not share state).
+/// captured before any uncaptured call shares the old stream's state); a stream never seen outside a capture gets a
+/// key of its handle (`captured`), the same for every capture on it (the branches of one capture: their own).
 struct StreamKey {
     int device = 0;
     unsigned long long stream_id = 0;
-    bool captured = false;          ///< stream_id is a capture's id (cudaStreamGetCaptureInfo), not a stream's
+    bool captured = false;          ///< a stream seen only under capture: keyed by `handle`, stream_id 0
     cudaStream_t handle = nullptr;  ///< captured keys only: the stream's handle
 
     static StreamKey of(cudaStream_t stream);

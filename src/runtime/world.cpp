@@ -564,20 +564,45 @@ void World::abort(const std::string& reason) {
 
 bool World::aborted() const { return ctx_->abort_word() != kAbortNone; }
 
+namespace {
+bool is_capture_error(cudaError_t e) {
+    switch (e) {
+        case cudaErrorStreamCaptureUnsupported:
+        case cudaErrorStreamCaptureInvalidated:
+        case cudaErrorStreamCaptureMerge:
+        case cudaErrorStreamCaptureUnmatched:
+        case cudaErrorStreamCaptureUnjoined:
+        case cudaErrorStreamCaptureIsolation:
+        case cudaErrorStreamCaptureImplicit:
+        case cudaErrorStreamCaptureWrongThread:
+            return true;
+        default:
+            return false;
+    }
+}
+}  // namespace
+
 void World::sync_and_check(cudaStream_t stream) {
-    // A stream being captured cannot be synchronised (CUDA would refuse and invalidate the capture): a usage error of
-    // this call, not a kernel failure to abort the World for.
-    // A query that fails (a kernel that trapped leaves the context's error sticky) is left to the synchronisation
-    // below, which reports it as it always did.
+    // A stream being captured, or the legacy stream beside a capture of a blocking stream, cannot be synchronised
+    // (CUDA refuses, with an error that is not sticky and says nothing of the kernels): a usage error of this call,
+    // not a kernel failure to abort the World for. Any other failure of the query (a kernel that trapped leaves the
+    // context's error sticky) is left to the synchronisation, which reports it and aborts as always.
+    const auto refuse_under_capture = [&](cudaError_t why) {
+        (void)cudaGetLastError();
+        WEFT_FAIL("rank " << ctx_->rank
+                          << ": sync_and_check on a stream that is being captured into a CUDA graph, or "
+                             "the legacy stream while another stream is captured ("
+                          << cudaGetErrorName(why)
+                          << "): synchronise and check after the graph's launch, on the "
+                             "stream it was launched on");
+    };
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+    if (const cudaError_t q = cudaStreamIsCapturing(stream, &capture); q != cudaSuccess) {
+        if (is_capture_error(q)) refuse_under_capture(q);
         capture = cudaStreamCaptureStatusNone;
         (void)cudaGetLastError();  // not left for a later call to find (a sticky error stays regardless)
     }
-    WEFT_CHECK(capture == cudaStreamCaptureStatusNone,
-               "rank " << ctx_->rank
-                       << ": sync_and_check on a stream that is being captured into a CUDA graph: synchronise and "
-                          "check after the graph's launch, on the stream it was launched on");
+    if (capture != cudaStreamCaptureStatusNone) refuse_under_capture(cudaErrorStreamCaptureUnsupported);
     cudaError_t st = cudaSuccess;
     {
         // Another rank thread's capture in global mode (PyTorch's default) must neither fail this synchronisation nor
@@ -585,6 +610,7 @@ void World::sync_and_check(cudaStream_t stream) {
         const RelaxedCaptureMode relaxed;
         st = cudaStreamSynchronize(stream);
     }
+    if (is_capture_error(st)) refuse_under_capture(st);
     if (st != cudaSuccess) {
         const std::string cuda = std::string(cudaGetErrorName(st)) + " (" + cudaGetErrorString(st) + ")";
         // The peers may wait for this rank's kernel: they stop at their next heartbeat rather than at their bound.

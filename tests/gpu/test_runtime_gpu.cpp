@@ -65,12 +65,14 @@ TEST_F(RuntimeGpu, SyncAndCheckOfACapturingStreamIsAnErrorThatAbortsNothing) {
             cudaGraph_t graph = nullptr;
             const cudaError_t ended = cudaStreamEndCapture(s, &graph);
             if (graph != nullptr) cudaGraphDestroy(graph);
+            w.barrier();  // rank 1 leaves (run_local synchronises the device) only once the capture is closed
             std::lock_guard<std::mutex> lock(mutex);
             errors.push_back(message);
             errors.push_back(ended == cudaSuccess ? "" : std::string("capture broken: ") + cudaGetErrorName(ended));
         } else {
             w.barrier();
             w.sync_and_check(s);  // another thread's global-mode capture is open
+            w.barrier();
             w.barrier();
         }
         EXPECT_FALSE(w.aborted()) << "rank " << w.rank();

@@ -28,7 +28,7 @@ class Team;
 namespace weft::ops {
 
 struct FlashAttentionOptions {
-    /// Softmax scale applied to q.k; nullopt: 1 / sqrt(head_dim). Must be finite.
+    /// Softmax scale applied to q.k; nullopt: 1 / sqrt(head_dim). Finite, at most about 2.3e38 in magnitude.
     std::optional<float> scale = std::nullopt;
     AttentionMask mask = AttentionMask::kNone;
     /// Global position of q's row 0 for the causal mask (key j is at position j): query i sees keys

@@ -21,7 +21,7 @@ class Team;
 namespace weft::ops {
 
 struct DecodeAttentionOptions {
-    /// Softmax scale applied to q.k; nullopt: 1 / sqrt(head_dim). Must be finite.
+    /// Softmax scale applied to q.k; nullopt: 1 / sqrt(head_dim). Finite, at most about 2.3e38 in magnitude.
     std::optional<float> scale = std::nullopt;
     /// KV splits per (sequence, KV head); 0 chooses (plan_attention_splits). Clamped to [1, 256] and to one
     /// 64-token tile per split.
