@@ -644,6 +644,61 @@ TEST(GemmSmallM, RepeatedCallsStayCorrect) {
     check_case(wider);
 }
 
+// Split-K scratch under CUDA graph capture (the per-stream workspace, ops/stream_key): a call captured on a stream
+// never used outside a capture, and one on a stream that was, both replay to the bits of the same call made eagerly
+// (split sums are deterministic), and neither capture is invalidated (asking a capturing stream for its id was).
+TEST(GemmSmallM, CapturedSplitKCallsReplayToTheEagerResult) {
+    REQUIRE_SM90();
+    std::mt19937_64 rng(fresh_seed());
+    HostMatrix a(3, 4096, 4096, DType::kBF16), b(2000, 4096, 4096, DType::kBF16), d(3, 2000, 2000, DType::kBF16);
+    a.fill_random(rng);
+    b.fill_random(rng);
+    DeviceBuffer da(a.bytes.size()), db(b.bytes.size()), eager(d.bytes.size()), captured(d.bytes.size());
+    ASSERT_TRUE(da.ptr && db.ptr && eager.ptr && captured.ptr);
+    upload(a, da);
+    upload(b, db);
+    ops::GemmOptions o;
+    o.small_m_variant = GemvVariant::kTmaRing;
+    o.small_m_splits = 4;
+    o.small_m_max_m = kGemvMaxM;
+    cudaStream_t used = nullptr, fresh = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&used, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&fresh, cudaStreamNonBlocking), cudaSuccess);
+    poison(d);
+    upload(d, eager);
+    ops::gemm(view(a, da), view(b, db), view(d, eager), BLayout::kNK, used, o);  // loads the kernels, sizes `used`'s
+    ASSERT_EQ(cudaStreamSynchronize(used), cudaSuccess);
+    HostMatrix want = d;
+    download(want, eager);
+    for (cudaStream_t s : {fresh, used}) {
+        SCOPED_TRACE(s == fresh ? "a stream first used under capture" : "a stream used before");
+        poison(d);
+        upload(d, captured);
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+        std::string error;
+        try {
+            ops::gemm(view(a, da), view(b, db), view(d, captured), BLayout::kNK, s, o);
+        } catch (const Error& e) {
+            error = e.what();
+        }
+        const cudaError_t ended = cudaStreamEndCapture(s, &graph);
+        EXPECT_EQ(error, "");
+        ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended);
+        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+        for (int replay = 0; replay < 2; ++replay) ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+        HostMatrix got = d;
+        download(got, captured);
+        EXPECT_TRUE(got.bytes == want.bytes) << "the replays differ from the eager call";
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+    }
+    cudaStreamDestroy(used);
+    cudaStreamDestroy(fresh);
+}
+
 // ---- programmatic dependent launch (GemmOptions::programmatic_launch) -----------------------------------
 
 /// Lets the next kernel start at once, then waits `delay_ns` (bounded: the clock always advances) and only then
