@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "abort_mark.hpp"
+#include "attention_scale.hpp"
 #include "stream_key.hpp"
 #include "tp_common.hpp"
 #include "views_overlap.hpp"
@@ -35,7 +36,6 @@ namespace weft::ops {
 namespace {
 
 constexpr int64_t kMaxSeq = (int64_t{1} << 31) - (int64_t{1} << 20);
-constexpr float kLog2e = 1.4426950408889634f;
 
 // A view of `ndim` dimensions, every extent >= 0, innermost stride 1, non-null when it holds elements, data aligned
 // to `align` bytes.
@@ -85,13 +85,6 @@ void check_tensor_map_strides(const TensorView& v, const char* op, const char* w
 }
 
 bool is_empty_view(const TensorView& v) { return v.data == nullptr && v.ndim == 0; }
-
-float resolve_scale(const std::optional<float>& scale, int64_t head_dim, const char* op) {
-    const float s = scale ? *scale : 1.f / std::sqrt(static_cast<float>(head_dim));
-    WEFT_CHECK(std::isfinite(s * kLog2e),  // the kernel's base-2 scale must be finite too
-               op << ": options.scale must be finite and at most about 2.3e38 in magnitude, got " << s);
-    return s;
-}
 
 const char* kernel_name(AttentionPrefillKernel k) {
     switch (k) {
@@ -367,7 +360,7 @@ FlashAttentionPlan plan_flash_attention(const TensorView& q, const TensorView& k
     p.num_kv_heads = static_cast<int32_t>(num_kv_heads);
     p.group = static_cast<int32_t>(group);
     p.mask = static_cast<int32_t>(options.mask);
-    p.scale_log2 = resolve_scale(options.scale, head_dim, op) * kLog2e;
+    p.scale_log2 = detail::attention_scale_log2(options.scale, head_dim, op);
     p.chunk_keys = static_cast<int32_t>(std::max<int64_t>(seq_kv, 1));
     p.num_chunks = 1;
     p.local_chunk = 0;
@@ -505,7 +498,7 @@ void validate_ag_attention_shape(const AgAttentionShape& s, int num_ranks, const
     WEFT_CHECK(s.mask == AttentionMask::kNone || s.mask == AttentionMask::kCausal,
                "ag_attention: shape.mask must be kNone or kCausal, got " << static_cast<int>(s.mask));
     WEFT_CHECK(o.sm_budget >= 0, "ag_attention: options.sm_budget must be >= 0 (0 = the world's), got " << o.sm_budget);
-    (void)resolve_scale(o.scale, s.head_dim, kOp);
+    (void)detail::attention_scale_log2(o.scale, s.head_dim, kOp);
     if (o.config) check_config(*o.config, s.dtype, s.head_dim, kOp);
 }
 
@@ -613,13 +606,7 @@ AgAttention::AgAttention(const Team& team, const AgAttentionShape& shape, const 
     // An explicit budget above a shared GPU's per-rank share would leave the peers' blocks unresident.
     tp_detail::check_sm_budget_share(world, options.sm_budget, "AgAttention");
     int budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
-    if (s.num_ranks > 1 && shared_gpu) {  // explicit budgets too
-        WEFT_CHECK(world.sm_budget() >= 2 && budget >= 2,
-                   "ag_attention: ranks sharing a GPU need an SM budget of at least 2 (one SM stays free for the copy "
-                   "helpers), got "
-                       << budget << " (the share of this GPU: " << world.sm_budget() << ")");
-        budget = std::min(budget, world.sm_budget() - 1);
-    }
+    if (s.num_ranks > 1 && shared_gpu) budget = tp_detail::cap_for_copy_helpers(world, budget, kOp);
     if (s.num_ranks > 1 && !shared_gpu) budget = std::min(budget, tp_detail::device_sm_count() - 1);
     WEFT_CHECK(budget >= 1, "ag_attention: the SM budget must be >= 1, got " << budget);
     s.grid = options.sm_budget > 0 || shared_gpu ? budget : budget * detail::attention_prefill_blocks_per_sm(s.config);

@@ -183,13 +183,8 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
     // budget is the share less one, and an explicit one is capped there (at the whole share, every rank's GEMM could
     // be resident before any rank's pull kernel, which they wait for). The budget and the sharing are per device,
     // whichever teams the ranks on it belong to.
-    if (s.num_ranks > 1 && world.num_ranks_on_device() > 1) {
-        WEFT_CHECK(world.sm_budget() >= 2 && s.budget >= 2,
-                   "ag_gemm: ranks sharing a GPU need an SM budget of at least 2 (one SM stays free for the copy "
-                   "helpers), got "
-                       << s.budget << " (the share of this GPU: " << world.sm_budget() << ")");
-        s.budget = std::min(s.budget, world.sm_budget() - 1);
-    }
+    if (s.num_ranks > 1 && world.num_ranks_on_device() > 1)
+        s.budget = tp_detail::cap_for_copy_helpers(world, s.budget, kOp);
     // NOTE: a team that spans nodes leaves kNetworkSms SMs of its default budget to NCCL's kernels and the relay
     // kernel on the comm stream: the persistent GEMM's CTAs fill their SMs (shared memory, registers), and a tile
     // waiting for a chunk that NCCL's kernel has yet to receive would otherwise wait for an SM that never frees up.

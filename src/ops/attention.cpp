@@ -9,6 +9,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "attention_scale.hpp"
 #include "stream_key.hpp"
 #include "views_overlap.hpp"
 #include "weft/jit/aot.hpp"
@@ -172,9 +173,7 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
                                      why);
         }
     }
-    const float scale = options.scale.value_or(1.f / std::sqrt(static_cast<float>(head_dim)));
-    WEFT_CHECK(std::isfinite(scale * 1.4426950408889634f),  // the kernel's base-2 scale must be finite too
-               kOp << ": options.scale must be finite and at most about 2.3e38 in magnitude, got " << scale);
+    const float scale_log2 = detail::attention_scale_log2(options.scale, head_dim, kOp);
     WEFT_CHECK(options.num_splits >= 0,
                kOp << ": options.num_splits must be >= 0 (0: automatic), got " << options.num_splits);
     WEFT_CHECK(batch <= 65535 && num_kv_heads <= 65535,
@@ -221,7 +220,7 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
         while ((int64_t{1} << p.page_shift) < page_size) ++p.page_shift;
     }
     p.num_splits = plan.splits.num_splits;
-    p.scale_log2 = scale * 1.4426950408889634f;
+    p.scale_log2 = scale_log2;
     if (p.num_splits > 1) {
         const uint64_t rows =
             static_cast<uint64_t>(batch) * static_cast<uint64_t>(num_q_heads) * static_cast<uint64_t>(p.num_splits);

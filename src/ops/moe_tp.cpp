@@ -487,8 +487,7 @@ struct MoeLayerBase : tp_detail::FusedOpState {
         WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
         if (capture != cudaStreamCaptureStatusNone) return;
         first_call_pending = false;
-        const RelaxedCaptureMode relaxed;  // another rank thread may be capturing in global mode meanwhile
-        world->sync_and_check(stream);
+        world->sync_and_check(stream);  // in relaxed capture mode itself
         team.barrier();
     }
 };

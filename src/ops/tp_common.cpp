@@ -89,6 +89,14 @@ void check_sm_budget_share(const World& world, int option, const char* op) {
                      "resident at once)");
 }
 
+int cap_for_copy_helpers(const World& world, int budget, const char* op) {
+    WEFT_CHECK(world.sm_budget() >= 2 && budget >= 2,
+               op << ": ranks sharing a GPU need an SM budget of at least 2 (one SM stays free for the copy helpers), "
+                     "got "
+                  << budget << " (the share of this GPU: " << world.sm_budget() << ")");
+    return std::min(budget, world.sm_budget() - 1);
+}
+
 int resolve_sm_budget(int option, int world_default) {
     return option > 0 ? std::min(option, device_sm_count()) : world_default;
 }

@@ -68,10 +68,13 @@ void copy_rows_async(void* dst, size_t dst_pitch, const void* src, size_t src_pi
 /// pitch passes the device's maximum (cudaDevAttrMaxPitch: 2 GiB - 1 on Hopper).
 void check_row_copy(const char* op, const char* what, size_t dst_pitch, size_t src_pitch, size_t width, size_t rows);
 
-/// An op's SM budget: options.sm_budget when > 0 (at most the device's SMs), else `world_default`.
 /// Refuses an explicit SM budget above a rank's share of a GPU that several ranks share (World::shared_sm_budget,
 /// the same on every rank): the ranks' persistent kernels wait for each other and must all be resident at once.
 void check_sm_budget_share(const World& world, int option, const char* op);
+/// `budget` of a persistent kernel whose team's ranks share this GPU, capped at this rank's share less one SM (the
+/// copy helpers it waits for must find one free); weft::Error naming `op` when share or budget is below 2.
+int cap_for_copy_helpers(const World& world, int budget, const char* op);
+/// An op's SM budget: options.sm_budget when > 0 (at most the device's SMs), else `world_default`.
 int resolve_sm_budget(int option, int world_default);
 
 /// Checks a forced config for a fused op (valid, of whole store boxes, cluster-free, dtypes and B [N,K]);
