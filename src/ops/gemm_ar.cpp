@@ -171,10 +171,10 @@ GemmAr::GemmAr(const Team& team, const GemmArShape& shape, const GemmArOptions& 
         detail::exchange_member_records(team, "weft.ops.gemm_ar.shape", kOp, "shape or options are", [&] {
             validate_gemm_ar_shape(shape, s.num_ranks, options);
             // This member's own bound (its device's budget), checked here so that every member fails with it.
-            const int budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
-            WEFT_CHECK(
-                s.num_ranks == 1 || options.reduce_ctas <= budget,
-                "gemm_ar: options.reduce_ctas must be <= the SM budget " << budget << ", got " << options.reduce_ctas);
+            s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
+            WEFT_CHECK(s.num_ranks == 1 || options.reduce_ctas <= s.budget,
+                       "gemm_ar: options.reduce_ctas must be <= the SM budget " << s.budget << ", got "
+                                                                                << options.reduce_ctas);
             const DType partial = options.partial_dtype.value_or(shape.dtype);
             const bool collective = options.collective_all_reduce && partial == shape.dtype && shape.n % 8 == 0;
             mine = {shape.max_m, shape.n, static_cast<int64_t>(shape.dtype), static_cast<int64_t>(partial),
@@ -190,7 +190,6 @@ GemmAr::GemmAr(const Team& team, const GemmArShape& shape, const GemmArOptions& 
         return std::to_string(v);
     });
     s.num_sms = tp_detail::device_sm_count();
-    s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
     WEFT_CHECK(s.budget >= 1, "gemm_ar: the SM budget must be >= 1, got " << s.budget);
     s.partial_dtype = options.partial_dtype.value_or(shape.dtype);
     s.gemm_out = s.num_ranks == 1 ? shape.dtype : s.partial_dtype;
@@ -229,10 +228,7 @@ GemmAr::GemmAr(const Team& team, const GemmArShape& shape, const GemmArOptions& 
         const int64_t want = (vecs + 2 * kTpReduceThreads - 1) / (2 * kTpReduceThreads);
         s.reduce_ctas = options.reduce_ctas > 0
                             ? options.reduce_ctas
-                            : static_cast<int>(std::clamp<int64_t>(want, 1, std::min(s.budget, 32)));
-        WEFT_CHECK(s.reduce_ctas <= s.budget, "gemm_ar: options.reduce_ctas must be <= the SM budget " << s.budget
-                                                                                                  << ", got "
-                                                                                                  << s.reduce_ctas);
+                            : static_cast<int>(std::clamp<int64_t>(want, 1, std::min(s.budget, 32)));  // checked above
         s.partial = s.heap.alloc(static_cast<uint64_t>(shape.max_m * s.ldp * dtype_bytes(s.partial_dtype)));
         uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(4 * s.num_ranks + 2));
         s.ready = words;
