@@ -37,7 +37,9 @@ void check_rank(const char* what, const std::string& name, int rank, int num_ran
 }
 
 // Ranks r in [0, num_ranks) whose key `prefix + r` is not set; a failing store yields an explanation instead.
-std::string describe_missing(Store& store, const std::string& prefix, int num_ranks) {
+// `deadline`: the wait's, to tell a wait that ran out from one that the store ended early (an abort).
+std::string describe_missing(Store& store, const std::string& prefix, int num_ranks,
+                             std::chrono::steady_clock::time_point deadline) {
     std::vector<int> missing;
     try {
         for (int r = 0; r < num_ranks; ++r) {
@@ -46,7 +48,11 @@ std::string describe_missing(Store& store, const std::string& prefix, int num_ra
     } catch (const std::exception& e) {
         return std::string("the missing ranks could not be listed (") + e.what() + ")";
     }
-    if (missing.empty()) return "every rank arrived just after the deadline";
+    if (missing.empty()) {
+        return std::chrono::steady_clock::now() >= deadline
+                   ? "every rank arrived just after the deadline"
+                   : "every rank has arrived by now; the store ended the wait before the deadline";
+    }
     return std::to_string(num_ranks - static_cast<int>(missing.size())) + " of " + std::to_string(num_ranks) +
            " ranks arrived; " + detail::format_rank_list(missing) + " did not arrive";
 }
@@ -99,7 +105,8 @@ void Store::barrier(const std::string& name, int rank, int num_ranks, std::chron
         const auto waited =
             std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
         WEFT_FAIL("barrier '" << name << "' failed on rank " << rank << " after " << waited.count() << " ms (timeout "
-                              << timeout.count() << " ms): " << describe_missing(*this, name + "/rank/", num_ranks)
+                              << timeout.count()
+                              << " ms): " << describe_missing(*this, name + "/rank/", num_ranks, deadline)
                               << " [store: " << e.what() << "]");
     }
     erase(mark);
@@ -130,8 +137,9 @@ std::vector<Bytes> Store::all_gather(const std::string& name, int rank, int num_
             const auto waited =
                 std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
             WEFT_FAIL("all_gather '" << name << "' failed on rank " << rank << " after " << waited.count()
-                                     << " ms (timeout " << timeout.count() << " ms): "
-                                     << describe_missing(*this, prefix, num_ranks) << " [store: " << e.what() << "]");
+                                     << " ms (timeout " << timeout.count()
+                                     << " ms): " << describe_missing(*this, prefix, num_ranks, deadline)
+                                     << " [store: " << e.what() << "]");
         }
     }
     if (add(prefix + "leave", 1) == num_ranks) {

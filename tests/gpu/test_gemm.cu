@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -697,6 +698,72 @@ TEST(GemmSmallM, CapturedSplitKCallsReplayToTheEagerResult) {
     }
     cudaStreamDestroy(used);
     cudaStreamDestroy(fresh);
+}
+
+// A process's very first GEMM calls made inside a global-mode capture: their kernels are compiled (or read from the
+// cache) and loaded while the stream captures. The capture must stay valid, and its replay must give the bits of the
+// same calls made eagerly afterwards (one small-M split-K call, one tiled call). Meaningful only as the first test
+// of its process (tools/gpu_run.sh runs each case in a process of its own); run later it still passes.
+TEST(GemmCapture, FirstCallsOfTheProcessInsideAGlobalCaptureReplayToTheEagerResult) {
+    REQUIRE_SM90();
+    std::mt19937_64 rng(fresh_seed());
+    struct Call {
+        int64_t m, n, k;
+        ops::GemmOptions o;
+    };
+    ops::GemmOptions split;
+    split.small_m_variant = GemvVariant::kTmaRing;
+    split.small_m_splits = 3;
+    const std::vector<Call> calls = {{5, 1536, 3072, split}, {200, 384, 1024, ops::GemmOptions{}}};
+    std::vector<HostMatrix> as, bs, ds;
+    std::deque<DeviceBuffer> da, db, captured, eager;  // not movable: built in place
+    for (const Call& c : calls) {
+        as.emplace_back(c.m, c.k, c.k, DType::kBF16);
+        bs.emplace_back(c.n, c.k, c.k, DType::kBF16);
+        ds.emplace_back(c.m, c.n, c.n, DType::kBF16);
+        as.back().fill_random(rng);
+        bs.back().fill_random(rng);
+        poison(ds.back());
+        da.emplace_back(as.back().bytes.size());
+        db.emplace_back(bs.back().bytes.size());
+        captured.emplace_back(ds.back().bytes.size());
+        eager.emplace_back(ds.back().bytes.size());
+        ASSERT_TRUE(da.back().ptr && db.back().ptr && captured.back().ptr && eager.back().ptr);
+        upload(as.back(), da.back());
+        upload(bs.back(), db.back());
+        upload(ds.back(), captured.back());
+        upload(ds.back(), eager.back());
+    }
+    cudaStream_t s = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+    std::string error;
+    try {
+        for (size_t i = 0; i < calls.size(); ++i)
+            ops::gemm(view(as[i], da[i]), view(bs[i], db[i]), view(ds[i], captured[i]), BLayout::kNK, s, calls[i].o);
+    } catch (const Error& e) {
+        error = e.what();
+    }
+    const cudaError_t ended = cudaStreamEndCapture(s, &graph);
+    EXPECT_EQ(error, "");
+    ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+    for (size_t i = 0; i < calls.size(); ++i)
+        ops::gemm(view(as[i], da[i]), view(bs[i], db[i]), view(ds[i], eager[i]), BLayout::kNK, s, calls[i].o);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    for (size_t i = 0; i < calls.size(); ++i) {
+        HostMatrix got = ds[i], want = ds[i];
+        download(got, captured[i]);
+        download(want, eager[i]);
+        EXPECT_TRUE(got.bytes == want.bytes) << "call " << i << ": the replay differs from the eager call";
+        EXPECT_TRUE(want.bytes != ds[i].bytes) << "call " << i << ": the eager call wrote nothing";
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
 }
 
 // ---- programmatic dependent launch (GemmOptions::programmatic_launch) -----------------------------------

@@ -173,6 +173,46 @@ TEST(RuntimeStoreAllGather, MissingRankIsNamed) {
     EXPECT_NE(errors[1].find("rank 2 did not arrive"), std::string::npos) << errors[1];
 }
 
+/// An InProcessStore whose waits end at once with an error (as a World's store view does once the World is aborted),
+/// while its keys stay readable.
+class StoppedWaitsStore final : public Store {
+public:
+    void set(const std::string& key, const Bytes& value) override { inner_.set(key, value); }
+    Bytes get(const std::string& key, std::chrono::milliseconds) override {
+        throw std::runtime_error("stopped waiting for " + key + ": the World was aborted");
+    }
+    int64_t add(const std::string& key, int64_t delta) override { return inner_.add(key, delta); }
+    bool check(const std::string& key) override { return inner_.check(key); }
+    void erase(const std::string& key) override { inner_.erase(key); }
+
+private:
+    InProcessStore inner_;
+};
+
+// A wait that the store ends early while every rank has in fact arrived is not reported as a late arrival.
+TEST(RuntimeStoreAllGather, AWaitTheStoreEndsEarlyIsNotCalledALateArrival) {
+    StoppedWaitsStore store;
+    store.set("g/1", Bytes{7});  // rank 1 has arrived
+    store.set("b/rank/1", Bytes{1});
+    for (int barrier = 0; barrier < 2; ++barrier) {
+        std::string e;
+        try {
+            if (barrier) {
+                store.barrier("b", 0, 2, 10000ms);
+            } else {
+                store.all_gather("g", 0, 2, Bytes{1}, 10000ms);
+            }
+        } catch (const Error& error) {
+            e = error.what();
+        }
+        EXPECT_NE(e.find("every rank has arrived by now; the store ended the wait before the deadline"),
+                  std::string::npos)
+            << e;
+        EXPECT_EQ(e.find("just after the deadline"), std::string::npos) << e;
+        EXPECT_NE(e.find("the World was aborted"), std::string::npos) << e;
+    }
+}
+
 /// A store of the user's own, written against the contract in store.hpp only (what a torch.distributed store
 /// adapter provides): a map under a mutex, no barrier or all_gather of its own, and a get that throws a
 /// plain std::runtime_error.
