@@ -392,7 +392,12 @@ void validate_moe_tp_shape(const MoeTpShape& s, int num_ranks, const MoeTpOption
 
 namespace {
 
-// What both layers share: the team skeleton, the epoch word, the side stream, the SM split.
+// What both layers share: the team skeleton, the epoch word, the side stream, the SM split. Ranks of one process that
+// share a GPU (tp_detail::streams_may_share_queues) get no side stream: the push (layer 0) and the combine (layer 1)
+// then run on the caller's stream, in order with the GEMM. With a side stream per layer and rank, 8 ranks' streams
+// outnumbered CUDA's 32 hardware queues, and a member's push could queue behind a peer's GEMM that spun waiting for it
+// (MoeTpLayers.World8 timed out so, after other suites in the same process). The kernels and their signals are the
+// same either way; only the overlap of the push or combine with this rank's own GEMM is lost.
 struct MoeLayerBase : tp_detail::FusedOpState {
     MoeTpShape shape;
     MoeTpOptions options;
@@ -401,7 +406,7 @@ struct MoeLayerBase : tp_detail::FusedOpState {
     int64_t rows_capacity = 0;
     uint64_t* epoch = nullptr;
     uint64_t* consumed = nullptr;  // [W]
-    cudaStream_t side = nullptr;
+    cudaStream_t side = nullptr;   // null: the push or combine goes on the caller's stream (see above)
     cudaEvent_t fork = nullptr, join = nullptr;
     GemmConfig config{};
     detail::MoeTpTimeouts timeouts;
@@ -436,9 +441,11 @@ struct MoeLayerBase : tp_detail::FusedOpState {
         WEFT_CHECK(gemm_budget >= 1, op << ": the SM budget " << budget << " leaves no SM for the GEMM beside "
                                         << comm_blocks << " communication CTAs (options.comm_blocks)");
         rows_capacity = moe_gathered_rows(s.max_tokens, s.topk, s.num_experts, 1);
-        side = streams.add_stream();
-        fork = streams.add_event();
-        join = streams.add_event();
+        if (!tp_detail::streams_may_share_queues(*world)) {
+            side = streams.add_stream();
+            fork = streams.add_event();
+            join = streams.add_event();
+        }
         first_call_pending = num_ranks > 1 && world->max_ranks_per_device() > 1;
     }
 
@@ -632,15 +639,19 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
     // Launches only from here: nothing that can throw may sit between them (a peer waits for each on the device).
     gemm_advance_epoch(s.epoch, stream);
     launch_route(static_cast<const int32_t*>(topk_idx.data), s.routing, 1, stream, s.status_dev);
-    WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
-    WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
-    moe_kernel("push").launch(launch_params(s.comm_blocks, kMoeThreads, s.side), push);
+    if (s.side != nullptr) {
+        WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
+    }
+    moe_kernel("push").launch(launch_params(s.comm_blocks, kMoeThreads, s.side != nullptr ? s.side : stream), push);
     ops::detail::launch_gemm_kernel(*s.gemm, gl.config, gl.maps, gl.args, gl.grid, wait,
                                     weft::gemm::NoEpilogueHookParams{}, stream);
     // This rank's gathered A is read: the members may push the next call's rows into it.
     moe_kernel("notify").launch(launch_params(1, 32, stream), notify);
-    WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
-    WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+    if (s.side != nullptr) {
+        WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+    }
     s.after_call(stream);
 }
 
@@ -793,14 +804,18 @@ void MoeGroupedGemmRs::run(const TensorView& h, const TensorView& w, const MoeRo
 
     // Launches only from here.
     gemm_advance_epoch(s.epoch, stream);
-    WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
-    WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
+    if (s.side != nullptr) {
+        WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
+    }
     // The members' combines of the previous call have read this rank's partial products.
     moe_kernel("wait").launch(launch_params(1, 32, stream), wait);
     ops::detail::launch_gemm_kernel(*s.gemm, gl.config, gl.maps, gl.args, gl.grid, gl.groups, hook, stream);
-    moe_kernel("combine").launch(launch_params(s.comm_blocks, kMoeThreads, s.side), c);
-    WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
-    WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+    moe_kernel("combine").launch(launch_params(s.comm_blocks, kMoeThreads, s.side != nullptr ? s.side : stream), c);
+    if (s.side != nullptr) {
+        WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+    }
     s.after_call(stream);
 }
 

@@ -24,7 +24,9 @@ jit::KernelSpec make_spec(const std::string& header, const std::string& instanti
     return spec;
 }
 
-bool pulls_with_kernel(const World& world) { return world.same_process() && world.num_ranks_on_device() > 1; }
+bool streams_may_share_queues(const World& world) { return world.same_process() && world.num_ranks_on_device() > 1; }
+
+bool pulls_with_kernel(const World& world) { return streams_may_share_queues(world); }
 
 jit::KernelSpec peer_pull_kernel_spec(const std::string& arch) {
     return make_spec("tp_common/peer_pull.cuh", "weft::kernels::tp_common::peer_pull_kernel<0>", "peer pull", arch);

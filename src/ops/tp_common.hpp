@@ -52,6 +52,10 @@ int device_sm_count();
 /// instead of stream memory waits and copy-engine copies: where ranks of one process share a GPU (their streams may
 /// share a hardware queue, and a stream memory wait blocks the queue it sits in).
 bool pulls_with_kernel(const World& world);
+/// Whether this rank's streams may share a hardware queue with a peer's: ranks of one process on one GPU (one CUDA
+/// context; docs/runtime.md, "Hardware queues"). There, work a peer's spinning kernel waits for must not sit on an
+/// extra stream of this rank's: ops keep it on the caller's stream (the condition pulls_with_kernel also uses).
+bool streams_may_share_queues(const World& world);
 /// The pull kernel's spec (one CTA of kPeerPullThreads).
 jit::KernelSpec peer_pull_kernel_spec(const std::string& arch = "");
 /// Launches `items` in order on `stream`, kPeerPullMaxItems per launch of `kernel` (peer_pull_kernel_spec's); with

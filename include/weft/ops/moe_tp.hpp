@@ -10,6 +10,8 @@
 //              y [rows, F/W] = gathered x * w^T per expert, the rows pushed by their owners while the GEMM runs
 //   layer 1    MoeGroupedGemmRs: h [rows, F/W] * w [E, H, F/W]^T partial per rank, summed over ranks and a token's
 //              slots (weighted) into this rank's tokens [M/W, H], the reduction overlapped with the GEMM
+//   (ranks of one process sharing a GPU: the push and the combine run on the caller's stream, before and after the
+//   GEMM, not beside it; kernels/moe_tp/README.md, "Pitfalls")
 //
 //     weft::ops::MoeAgGroupedGemm up(team, shape);  weft::ops::MoeGroupedGemmRs down(team, shape);
 //     up.run(x_local, topk_idx, w_up, y, stream);            // y: per (token, k) row, grouped by expert
