@@ -19,8 +19,10 @@ namespace weft::kernels::tp_common {
 
 /// Runs p.items[0, p.num_items) in order with one CTA of kPeerPullThreads threads: wait (bounded, diagnosed; the CTA
 /// ends together when the wait gives up) and compare the peer's call descriptor (p.signatures: a difference is
-/// recorded, not fatal), copy, block barrier, then thread 0 sets the item's signal with release at GPU scope (the
-/// waiting GEMM or attention kernel acquires it and fences the async proxy itself). kUnused: a
+/// recorded, not fatal), copy, block barrier, then thread 0 sets the item's signal with release at system scope: the
+/// signal is this rank's own (AgGemm, AgAttention: the waiting GEMM or attention kernel acquires it and fences the
+/// async proxy itself) or a peer's flag (the copy-engine collectives), and that peer may sit on another GPU of this
+/// process (a team that spans GPUs while some of them are shared). kUnused: a
 /// template, so that a header included by several translation units defines no non-inline kernel.
 template <int kUnused>
 __global__ void __launch_bounds__(kPeerPullThreads, 1) peer_pull_kernel(const PeerPullParams p) {
@@ -44,8 +46,8 @@ __global__ void __launch_bounds__(kPeerPullThreads, 1) peer_pull_kernel(const Pe
         device::copy(device::Block{}, it.dst, it.src, it.bytes);
         __syncthreads();
         if (threadIdx.x == 0 && it.signal != nullptr) {
-            __threadfence();
-            device::signal_release<ptx::Scope::kGpu>(it.signal, 1ull, device::SignalOp::kSet);
+            __threadfence_system();  // every thread's bytes (ordered here by the barrier), before the flag
+            device::signal_release<ptx::Scope::kSys>(it.signal, 1ull, device::SignalOp::kSet);
             WEFT_TRACE_RECORD(p.ctx, TraceKind::kCopyChunk, TraceRole::kComm, copy_t0, it.chunk, it.peer, 0, 0);
         }
     }

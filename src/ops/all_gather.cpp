@@ -36,7 +36,7 @@ using detail::KernelId;
 // for those very copies (docs/runtime.md, "Hardware queues").
 // A World that traces (WEFT_TRACE) times each copy with CUDA events: "copy chunk q" (the output slot written) on the
 // track of its stream (copy engine i: side stream i, or 0 for `stream`).
-// A team wholly on one GPU of this process (ws.copies_with_kernel()) moves the bytes with the one-CTA pull kernel
+// Where ranks of this process share this rank's GPU (ws.copies_with_kernel()) the one-CTA pull kernel moves the bytes
 // instead, which also sets the peers' flags: the copies and stream writes would otherwise sit behind the spinning
 // entry kernel on `stream`, and in a hardware queue that ranks' streams share (they outnumber the queues at 8 ranks
 // with a few ops each) a peer's work queued behind them could not run until the entry gave up

@@ -364,8 +364,8 @@ uint64_t round_units(uint64_t capacity_bytes, uint64_t bytes_per_unit, uint64_t 
     return units;
 }
 
-bool copy_engine_copies_with_kernel(bool same_process, int team_ranks_on_device, int team_ranks) {
-    return same_process && team_ranks > 1 && team_ranks_on_device == team_ranks;
+bool copy_engine_copies_with_kernel(bool same_process, int ranks_on_device, int team_ranks) {
+    return same_process && team_ranks > 1 && ranks_on_device > 1;
 }
 
 std::vector<PeerPullItem> copy_engine_kernel_items(bool pull, int num_ranks, int rank, const uint8_t* in, uint8_t* out,

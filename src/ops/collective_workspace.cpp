@@ -327,8 +327,8 @@ CollectiveWorkspace::CollectiveWorkspace(const Team& team) : team_(team), world_
         // NOTE: ranks of one process sharing a GPU (of any team) share its hardware queues. Then the copy-engine
         // schedule runs on the caller's stream (no side stream at all), which keeps the ranks' streams few
         // (module_loading.hpp, ensure_device_connections) and a captured call a single chain of graph nodes
-        // (all_gather.cpp, copy_engine_round); a team wholly on this GPU moves the bytes with the pull kernel
-        // (copies_with_kernel), since with many ranks and ops the streams still outnumber the queues.
+        // (all_gather.cpp, copy_engine_round), and the bytes move with the pull kernel (copies_with_kernel), since
+        // with many ranks and ops the streams still outnumber the queues.
         const int sides = world.num_ranks_on_device() > 1 ? 0 : std::min(std::max(num_ranks_ - 1, 1), kMaxSideStreams);
         WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
         for (int i = 0; i < sides; ++i) {
@@ -355,7 +355,7 @@ CollectiveWorkspace::CollectiveWorkspace(const Team& team) : team_(team), world_
             for (int t = 0; t < copies; ++t) kernels_[static_cast<size_t>(k)][static_cast<size_t>(t)] = loaded[i++];
         }
         info_.num_kernels = static_cast<int>(specs.size());
-        if (copy_engine_copies_with_kernel(world.same_process(), team.num_ranks_on_device(), num_ranks_)) {
+        if (copy_engine_copies_with_kernel(world.same_process(), world.num_ranks_on_device(), num_ranks_)) {
             pull_kernel_ = &jit::compiler().get_kernel(tp_detail::peer_pull_kernel_spec());
         }
         team.barrier();  // nobody launches a spinning kernel before every member has loaded everything
@@ -451,7 +451,8 @@ void CollectiveWorkspace::launch(KernelId id, int grid, cudaStream_t stream, con
 }
 
 void CollectiveWorkspace::launch_pulls(const std::vector<PeerPullItem>& items, cudaStream_t stream) const {
-    WEFT_CHECK(pull_kernel_ != nullptr, "collectives: the pull kernel is loaded only for teams on one GPU of one process");
+    WEFT_CHECK(pull_kernel_ != nullptr,
+               "collectives: the pull kernel is loaded only where ranks of one process share this rank's GPU");
     tp_detail::launch_peer_pulls(*pull_kernel_, ctx_, items, stream);
 }
 

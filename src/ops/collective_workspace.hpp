@@ -95,7 +95,7 @@ public:
     void join(cudaStream_t stream, int count);
 
     /// Whether the copy-engine all-gathers move their bytes with the one-CTA pull kernel
-    /// (copy_engine_copies_with_kernel: every member a thread of this process on this GPU).
+    /// (copy_engine_copies_with_kernel: ranks of this process share this rank's GPU).
     bool copies_with_kernel() const { return pull_kernel_ != nullptr; }
     /// Launches the pull kernel on `items` (in order) on `stream`. Only when copies_with_kernel().
     void launch_pulls(const std::vector<PeerPullItem>& items, cudaStream_t stream) const;

@@ -776,16 +776,19 @@ jit::CompileResult compile_spec(jit::Compiler& c, jit::KernelSpec spec) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Copy-engine all-gathers of a team wholly on one GPU of this process: the bytes move in the pull kernel, so nothing
-// but kernels sits behind the spinning entry kernel in the ranks' shared hardware queues.
+// Copy-engine all-gathers where ranks of this process share this rank's GPU: the bytes move in the pull kernel, so
+// nothing but kernels sits behind the spinning entry kernel in the ranks' shared hardware queues.
 
-TEST(CollectivesCopyEngine, TeamsOnOneGpuOfOneProcessCopyWithTheKernel) {
+TEST(CollectivesCopyEngine, RanksOfOneProcessSharingAGpuCopyWithTheKernel) {
     EXPECT_TRUE(detail::copy_engine_copies_with_kernel(true, 8, 8)) << "weft_soak --world 8: 8 threads on one GPU";
     EXPECT_TRUE(detail::copy_engine_copies_with_kernel(true, 3, 3));
+    EXPECT_TRUE(detail::copy_engine_copies_with_kernel(true, 4, 8))
+        << "run_local(8) on 2 GPUs: members on the other GPU too (system-scope signals)";
+    EXPECT_TRUE(detail::copy_engine_copies_with_kernel(true, 2, 2)) << "a team of 2 on two GPUs shared with others";
     EXPECT_FALSE(detail::copy_engine_copies_with_kernel(false, 8, 8)) << "processes: queues of their own contexts";
-    EXPECT_FALSE(detail::copy_engine_copies_with_kernel(true, 4, 8)) << "members on other GPUs: GPU-scope signals";
     EXPECT_FALSE(detail::copy_engine_copies_with_kernel(true, 1, 1)) << "one rank launches nothing";
-    EXPECT_FALSE(detail::copy_engine_copies_with_kernel(true, 1, 8)) << "a GPU per rank: side streams, copy engines";
+    EXPECT_FALSE(detail::copy_engine_copies_with_kernel(true, 8, 1)) << "a one-rank team launches nothing";
+    EXPECT_FALSE(detail::copy_engine_copies_with_kernel(true, 1, 8)) << "a GPU to itself: side streams, copy engines";
 }
 
 TEST(CollectivesCopyEngine, KernelItemsCopyEveryPeersBytesThenSignalThatPeer) {

@@ -197,12 +197,12 @@ struct ArReduceParams {
 
 /// One copy of the shared-GPU pull kernel (kernels/tp_common/peer_pull.cuh): optionally wait for a peer's ready
 /// word, copy `bytes` from the peer's buffer (an address this rank can load from) into this rank's, then optionally
-/// set a local signal word to 1 (release at GPU scope).
+/// set a signal word to 1 (release at system scope).
 struct PeerPullItem {
     const uint64_t* wait_ready;  ///< local word to await >= 1 before the copy (the peer's ready flag), or null
     void* dst;                   ///< this rank's buffer
     const void* src;             ///< the peer's buffer, mapped for loads
-    uint64_t* signal;            ///< local word set to 1 once this item's bytes (and every earlier item's) landed, or null
+    uint64_t* signal;            ///< word set to 1 once this item's bytes (and every earlier item's) landed, or null
     uint64_t bytes;
     int32_t peer;   ///< team rank the bytes come from (diagnostics, trace)
     int32_t chunk;  ///< the signal's index (trace), or -1

@@ -73,13 +73,14 @@ jit::KernelSpec collective_kernel_spec(KernelId id, DType dtype, int max_ranks);
 std::vector<jit::KernelSpec> collective_kernel_specs(int max_ranks);
 
 /// Whether a team's copy-engine all-gathers (ce_pull, ce_push) move their bytes with the one-CTA pull kernel
-/// (kernels/tp_common/peer_pull.cuh) instead of copy-engine copies and stream writes: when every member is a thread
-/// of this process on this rank's GPU. There the copies go on the caller's stream, behind the entry kernel that spins
-/// until every peer arrives, and the ranks' streams outnumber the context's hardware queues: a peer's work queued
-/// behind such a copy in a shared queue (its own staging copy, or a copy before its entry kernel) could not run until
-/// the spin gave up. A spinning kernel holds no queue (docs/runtime.md, "Hardware queues"). The pull kernel signals
-/// at GPU scope, so the members must share the GPU: `team_ranks_on_device` == `team_ranks`.
-bool copy_engine_copies_with_kernel(bool same_process, int team_ranks_on_device, int team_ranks);
+/// (kernels/tp_common/peer_pull.cuh) instead of copy-engine copies and stream writes: when this rank shares its GPU
+/// with other ranks of this process (`ranks_on_device`: of any team). There the copies go on the caller's stream,
+/// behind the entry kernel that spins until every peer arrives, and the ranks' streams outnumber the context's
+/// hardware queues: a peer's work queued behind such a copy in a shared queue (its own staging copy, or a copy before
+/// its entry kernel) could not run until the spin gave up. A spinning kernel holds no queue (docs/runtime.md,
+/// "Hardware queues"). The pull kernel sets the peers' flags with release at system scope, so members on other GPUs
+/// of the process (a team across GPUs that are shared) are served too.
+bool copy_engine_copies_with_kernel(bool same_process, int ranks_on_device, int team_ranks);
 
 /// The pull kernel's items of one copy-engine all-gather round (copy_engine_copies_with_kernel) on team rank `rank` of
 /// `num_ranks`: bytes [begin, begin + len) of every shard of `shard` bytes. Pull: from every peer q (rank + 1 first)
