@@ -394,10 +394,9 @@ namespace {
 
 // What both layers share: the team skeleton, the epoch word, the side stream, the SM split. Ranks of one process that
 // share a GPU (tp_detail::streams_may_share_queues) get no side stream: the push (layer 0) and the combine (layer 1)
-// then run on the caller's stream, in order with the GEMM. With a side stream per layer and rank, 8 ranks' streams
-// outnumbered CUDA's 32 hardware queues, and a member's push could queue behind a peer's GEMM that spun waiting for it
-// (MoeTpLayers.World8 timed out so, after other suites in the same process). The kernels and their signals are the
-// same either way; only the overlap of the push or combine with this rank's own GEMM is lost.
+// then run on the caller's stream, in order with the GEMM, with no event wait between streams (with them,
+// MoeTpLayers.World8 timed out twice after other suites in the same process: kernels/moe_tp/README.md, "Pitfalls").
+// The kernels and their signals are the same either way; only the overlap with this rank's own GEMM is lost.
 struct MoeLayerBase : tp_detail::FusedOpState {
     MoeTpShape shape;
     MoeTpOptions options;
@@ -488,7 +487,7 @@ struct MoeLayerBase : tp_detail::FusedOpState {
     /// Ranks sharing a GPU: the first call ends on every member before any launches more (a member's first launch
     /// could stay queued behind a peer's spinning kernel: kernels/gemm_rs/README.md, "Ranks sharing a GPU").
     void after_call(cudaStream_t stream) {
-        heap.note_use(stream);  // the release waits for this call (the side stream joined `stream`)
+        heap.note_use(stream);  // the release waits for this call (a side stream joined `stream`)
         if (!first_call_pending) return;
         cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
         WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
@@ -589,7 +588,7 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
         w.ndim == 3 && w.dtype == DType::kBF16 && w.dim(0) == e && w.dim(1) == f && w.dim(2) == h,
         op << ": w must be bf16 [E, ffn, hidden] = [" << e << ", " << f << ", " << h << "], got " << w.describe());
     check_matrix(y, op, "y", DType::kBF16, s.rows_capacity, f);
-    // The push (on the side stream) reads x_local and the GEMM reads w while other CTAs write y.
+    // The push reads x_local (beside the GEMM where there is a side stream) and the GEMM reads w while it writes y.
     ops::detail::check_apart(op, "y", y, {{"x_local", x_local}, {"w", w}},
                              "the push and the GEMM read it while the GEMM writes y");
     const TensorView a_rows(s.gathered, DType::kBF16, {s.rows_capacity, h});
@@ -677,17 +676,14 @@ MoeGroupedGemmRs::MoeGroupedGemmRs(const Team& team, const MoeTpShape& shape, co
     const int64_t e = shape.num_experts;
     s.partial =
         static_cast<float*>(s.heap.alloc(static_cast<uint64_t>(s.rows_capacity * shape.hidden) * sizeof(float)));
-    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(e + s.num_ranks + 1));
+    // The counters return to zero at the end of every call (the group's last tile resets its own): they start as
+    // the zeroed signal words after the others (two 32-bit counters a word), so no stream of this op zeroes them.
+    const uint64_t counter_words = static_cast<uint64_t>((e + 1) / 2);
+    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(e + s.num_ranks + 1) + counter_words);
     s.done = words;
     s.consumed = words + e;
     s.epoch = words + e + s.num_ranks;
-    // The counters return to zero at the end of every call (the group's last tile resets its own): zeroed once here.
-    s.counters = static_cast<uint32_t*>(s.heap.alloc(static_cast<uint64_t>(e) * sizeof(uint32_t)));
-    WEFT_CUDA_CHECK(cudaMemsetAsync(s.counters, 0, static_cast<size_t>(e) * sizeof(uint32_t), s.side));
-    {
-        const RelaxedCaptureMode relaxed;  // another rank thread may be capturing in global mode meanwhile
-        WEFT_CUDA_CHECK(cudaStreamSynchronize(s.side));  // before any call (the team barrier below orders the peers')
-    }
+    s.counters = reinterpret_cast<uint32_t*>(words + e + s.num_ranks + 1);
     s.acc = static_cast<float*>(
         s.heap.alloc(static_cast<uint64_t>(shape.max_tokens / s.num_ranks * shape.hidden) * sizeof(float)));
     tp_detail::check_peers_reachable(team, s.partial, s.op);
@@ -739,8 +735,8 @@ void MoeGroupedGemmRs::run(const TensorView& h, const TensorView& w, const MoeRo
     WEFT_CHECK(out.dtype == DType::kBF16 || out.dtype == DType::kF32,
                op << ": out must be bf16 or f32, got " << dtype_name(out.dtype));
     check_matrix(out, op, "out", out.dtype, tpr, hid);
-    // The combine (on the side stream) writes out while the GEMM reads h and w and the combine's other warps read the
-    // weights and the routing's arrays.
+    // The combine writes out (beside the GEMM where there is a side stream) while the GEMM reads h and w and its warps
+    // read the weights and the routing's arrays.
     ops::detail::check_apart(op, "out", out,
                              {{"h", h},
                               {"w", w},

@@ -36,10 +36,15 @@ void check_rank(const char* what, const std::string& name, int rank, int num_ran
                what << " '" << name << "': rank must be in [0, " << num_ranks << "), got " << rank);
 }
 
+// Whether a get that was given `asked` and threw ended well before that time ran out (the store failed, or the World
+// was aborted) rather than by timing out: under half of it, the rule of the World's store view (watchdog.cpp).
+bool ended_early(std::chrono::steady_clock::time_point get_start, std::chrono::milliseconds asked) {
+    return std::chrono::steady_clock::now() - get_start < asked / 2;
+}
+
 // Ranks r in [0, num_ranks) whose key `prefix + r` is not set; a failing store yields an explanation instead.
-// `deadline`: the wait's, to tell a wait that ran out from one that the store ended early (an abort).
-std::string describe_missing(Store& store, const std::string& prefix, int num_ranks,
-                             std::chrono::steady_clock::time_point deadline) {
+// `early`: the failed get ended early (ended_early), so ranks that have all arrived did not arrive late.
+std::string describe_missing(Store& store, const std::string& prefix, int num_ranks, bool early) {
     std::vector<int> missing;
     try {
         for (int r = 0; r < num_ranks; ++r) {
@@ -49,9 +54,8 @@ std::string describe_missing(Store& store, const std::string& prefix, int num_ra
         return std::string("the missing ranks could not be listed (") + e.what() + ")";
     }
     if (missing.empty()) {
-        return std::chrono::steady_clock::now() >= deadline
-                   ? "every rank arrived just after the deadline"
-                   : "every rank has arrived by now; the store ended the wait before the deadline";
+        return early ? "every rank has arrived by now; the store ended the wait before the deadline"
+                     : "every rank arrived just after the deadline";
     }
     return std::to_string(num_ranks - static_cast<int>(missing.size())) + " of " + std::to_string(num_ranks) +
            " ranks arrived; " + detail::format_rank_list(missing) + " did not arrive";
@@ -99,14 +103,16 @@ void Store::barrier(const std::string& name, int rank, int num_ranks, std::chron
     WEFT_CHECK(arrived <= num_ranks, "barrier '" << name << "': " << arrived << " arrivals for " << num_ranks
                                                  << " ranks; the barrier name was reused before it completed");
     if (arrived == num_ranks) set(name + "/done", Bytes{1});
+    const auto asked = detail::remaining_ms(deadline);
+    const auto get_start = std::chrono::steady_clock::now();
     try {
-        get(name + "/done", detail::remaining_ms(deadline));
+        get(name + "/done", asked);
     } catch (const std::exception& e) {  // a store of the user's may throw any std::exception
         const auto waited =
             std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
         WEFT_FAIL("barrier '" << name << "' failed on rank " << rank << " after " << waited.count() << " ms (timeout "
-                              << timeout.count()
-                              << " ms): " << describe_missing(*this, name + "/rank/", num_ranks, deadline)
+                              << timeout.count() << " ms): "
+                              << describe_missing(*this, name + "/rank/", num_ranks, ended_early(get_start, asked))
                               << " [store: " << e.what() << "]");
     }
     erase(mark);
@@ -131,14 +137,16 @@ std::vector<Bytes> Store::all_gather(const std::string& name, int rank, int num_
             blobs[static_cast<size_t>(r)] = blob;
             continue;
         }
+        const auto asked = detail::remaining_ms(deadline);
+        const auto get_start = std::chrono::steady_clock::now();
         try {
-            blobs[static_cast<size_t>(r)] = get(prefix + std::to_string(r), detail::remaining_ms(deadline));
+            blobs[static_cast<size_t>(r)] = get(prefix + std::to_string(r), asked);
         } catch (const std::exception& e) {  // a store of the user's may throw any std::exception
             const auto waited =
                 std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
             WEFT_FAIL("all_gather '" << name << "' failed on rank " << rank << " after " << waited.count()
-                                     << " ms (timeout " << timeout.count()
-                                     << " ms): " << describe_missing(*this, prefix, num_ranks, deadline)
+                                     << " ms (timeout " << timeout.count() << " ms): "
+                                     << describe_missing(*this, prefix, num_ranks, ended_early(get_start, asked))
                                      << " [store: " << e.what() << "]");
         }
     }

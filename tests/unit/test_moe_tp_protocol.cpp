@@ -4,7 +4,8 @@
 // and notify kernels) are state machines that follow the kernels' order of waits, writes and signals, calls back to
 // back with the routing (which experts have rows, which members a tile's rows come from) changing between calls.
 // Checks that no schedule deadlocks and that every read sees the data of its own call (never overwritten early, never
-// stale).
+// stale). Both schedules of the ops: the push (combine) on a side stream beside the GEMM, and `serial` (ranks of one
+// process sharing a GPU): the push before the GEMM, the combine after it, on the caller's stream.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -49,7 +50,7 @@ std::string schedule(Vec<Actor>& actors, std::mt19937_64& rng, const std::string
 // ---- layer 0: push + gathered GEMM ----------------------------------------------------------------------------
 
 /// `broken`: the push does not wait for the member's previous GEMM (consumed): must fail under some schedule.
-std::string run_layer0(int ranks, int blocks, int ctas, int calls, uint64_t seed, bool broken = false) {
+std::string run_layer0(int ranks, int blocks, int ctas, int calls, uint64_t seed, bool serial, bool broken = false) {
     std::mt19937_64 rng(seed);
     const auto w = static_cast<size_t>(ranks);
     Vec<U64> epoch(w, 0);
@@ -133,10 +134,11 @@ std::string run_layer0(int ranks, int blocks, int ctas, int calls, uint64_t seed
                 *hi = t[static_cast<size_t>(i)].second;
                 return true;
             };
-            actors.push_back(Actor{[&, r, tile_of] {
+            actors.push_back(Actor{[&, r, tile_of, push_done, serial] {
                                        const RankState& st = rs[static_cast<size_t>(r)];
                                        int lo = 0, hi = 0;
                                        if (st.phase != 1 || !tile_of(&lo, &hi)) return false;
+                                       if (serial && !push_done()) return false;  // the push runs first
                                        for (int s = lo; s <= hi; ++s) {
                                            if (arrived[static_cast<size_t>(r)][static_cast<size_t>(s)] <
                                                epoch[static_cast<size_t>(r)] * static_cast<U64>(blocks)) {
@@ -199,7 +201,8 @@ std::string run_layer0(int ranks, int blocks, int ctas, int calls, uint64_t seed
 // ---- layer 1: grouped GEMM with per-expert done words + combine ---------------------------------------------------
 
 /// `broken`: the GEMM does not wait for the members' previous combines (consumed): must fail under some schedule.
-std::string run_layer1(int ranks, int blocks, int ctas, int experts, int calls, uint64_t seed, bool broken = false) {
+std::string run_layer1(int ranks, int blocks, int ctas, int experts, int calls, uint64_t seed, bool serial,
+                       bool broken = false) {
     std::mt19937_64 rng(seed);
     const auto w = static_cast<size_t>(ranks);
     const auto e = static_cast<size_t>(experts);
@@ -311,9 +314,10 @@ std::string run_layer1(int ranks, int blocks, int ctas, int experts, int calls, 
                 while (g < experts && tiles_of[static_cast<size_t>(st.call)][static_cast<size_t>(g)] == 0) ++g;
                 return g;
             };
-            actors.push_back(Actor{[&, r, next_group] {
+            actors.push_back(Actor{[&, r, next_group, serial] {
                                        const RankState& st = rs[static_cast<size_t>(r)];
                                        if (st.phase == 0 || st.call >= calls) return false;
+                                       if (serial && st.phase != 3) return false;  // after this rank's GEMM
                                        const int g = next_group();
                                        if (g > experts) return false;
                                        if (g == experts) return true;
@@ -353,35 +357,42 @@ std::string run_layer1(int ranks, int blocks, int ctas, int experts, int calls, 
 }
 
 TEST(MoeTpProtocol, Layer0NeverDeadlocksNorReadsAnotherCallsRows) {
-    for (int ranks : {1, 2, 3, 4, 8}) {
-        for (uint64_t seed = 0; seed < 40; ++seed) {
-            const std::string bad = run_layer0(ranks, 1 + static_cast<int>(seed % 3), 1 + static_cast<int>(seed % 4), 4,
-                                               seed * 7919 + static_cast<uint64_t>(ranks));
-            ASSERT_EQ(bad, "") << "W=" << ranks << " seed " << seed;
+    for (bool serial : {false, true}) {
+        for (int ranks : {1, 2, 3, 4, 8}) {
+            for (uint64_t seed = 0; seed < 40; ++seed) {
+                const std::string bad =
+                    run_layer0(ranks, 1 + static_cast<int>(seed % 3), 1 + static_cast<int>(seed % 4), 4,
+                               seed * 7919 + static_cast<uint64_t>(ranks), serial);
+                ASSERT_EQ(bad, "") << "W=" << ranks << " seed " << seed << (serial ? " serial" : " side stream");
+            }
         }
     }
 }
 
 TEST(MoeTpProtocol, Layer1NeverDeadlocksNorReadsAnotherCallsPartial) {
-    for (int ranks : {1, 2, 3, 4, 8}) {
-        for (uint64_t seed = 0; seed < 40; ++seed) {
-            const std::string bad =
-                run_layer1(ranks, 1 + static_cast<int>(seed % 3), 1 + static_cast<int>(seed % 4),
-                           1 + static_cast<int>(seed % 5), 4, seed * 104729 + static_cast<uint64_t>(ranks));
-            ASSERT_EQ(bad, "") << "W=" << ranks << " seed " << seed;
+    for (bool serial : {false, true}) {
+        for (int ranks : {1, 2, 3, 4, 8}) {
+            for (uint64_t seed = 0; seed < 40; ++seed) {
+                const std::string bad =
+                    run_layer1(ranks, 1 + static_cast<int>(seed % 3), 1 + static_cast<int>(seed % 4),
+                               1 + static_cast<int>(seed % 5), 4, seed * 104729 + static_cast<uint64_t>(ranks), serial);
+                ASSERT_EQ(bad, "") << "W=" << ranks << " seed " << seed << (serial ? " serial" : " side stream");
+            }
         }
     }
 }
 
-// The checks can fail: without the consumed waits some schedule reads another call's data.
+// The checks can fail: without the consumed waits some schedule reads another call's data (both schedules).
 TEST(MoeTpProtocol, TheModelCatchesAMissingConsumedWait) {
-    int layer0_failures = 0, layer1_failures = 0;
-    for (uint64_t seed = 0; seed < 200; ++seed) {
-        layer0_failures += run_layer0(3, 2, 2, 4, seed, true).empty() ? 0 : 1;
-        layer1_failures += run_layer1(3, 2, 2, 3, 4, seed, true).empty() ? 0 : 1;
+    for (bool serial : {false, true}) {
+        int layer0_failures = 0, layer1_failures = 0;
+        for (uint64_t seed = 0; seed < 200; ++seed) {
+            layer0_failures += run_layer0(3, 2, 2, 4, seed, serial, true).empty() ? 0 : 1;
+            layer1_failures += run_layer1(3, 2, 2, 3, 4, seed, serial, true).empty() ? 0 : 1;
+        }
+        EXPECT_GT(layer0_failures, 0) << (serial ? "serial" : "side stream");
+        EXPECT_GT(layer1_failures, 0) << (serial ? "serial" : "side stream");
     }
-    EXPECT_GT(layer0_failures, 0);
-    EXPECT_GT(layer1_failures, 0);
 }
 
 }  // namespace

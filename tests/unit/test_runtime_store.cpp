@@ -189,6 +189,43 @@ private:
     InProcessStore inner_;
 };
 
+/// An InProcessStore whose waits always run their whole timeout and then fail (as if the key came just too late),
+/// while its keys stay readable.
+class LateStore final : public Store {
+public:
+    void set(const std::string& key, const Bytes& value) override { inner_.set(key, value); }
+    Bytes get(const std::string& key, std::chrono::milliseconds timeout) override {
+        std::this_thread::sleep_for(timeout);
+        throw std::runtime_error("timed out waiting for " + key);
+    }
+    int64_t add(const std::string& key, int64_t delta) override { return inner_.add(key, delta); }
+    bool check(const std::string& key) override { return inner_.check(key); }
+    void erase(const std::string& key) override { inner_.erase(key); }
+
+private:
+    InProcessStore inner_;
+};
+
+// A wait that timed out while the last rank arrived just after it is reported as such (not as an early end).
+TEST(RuntimeStoreAllGather, AWaitThatRanItsCourseIsALateArrival) {
+    LateStore store;
+    store.set("g/1", Bytes{7});
+    store.set("b/rank/1", Bytes{1});
+    for (int barrier = 0; barrier < 2; ++barrier) {
+        std::string e;
+        try {
+            if (barrier) {
+                store.barrier("b", 0, 2, 60ms);
+            } else {
+                store.all_gather("g", 0, 2, Bytes{1}, 60ms);
+            }
+        } catch (const Error& error) {
+            e = error.what();
+        }
+        EXPECT_NE(e.find("every rank arrived just after the deadline"), std::string::npos) << e;
+    }
+}
+
 // A wait that the store ends early while every rank has in fact arrived is not reported as a late arrival.
 TEST(RuntimeStoreAllGather, AWaitTheStoreEndsEarlyIsNotCalledALateArrival) {
     StoppedWaitsStore store;
