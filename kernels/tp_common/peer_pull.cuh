@@ -3,7 +3,9 @@
 // copy-engine copies behind stream memory waits (cuStreamWaitValue). A stream memory wait blocks the hardware queue
 // it sits in, and with many ranks' streams in one context CUDA puts several streams in one queue: the wait can hold
 // up the very peer launch it waits for. A spinning kernel leaves its queue free (docs/runtime.md, "Shared GPUs").
-// Used by weft::ops::AgGemm and weft::ops::AgAttention when ranks share a process and a GPU.
+// Used by weft::ops::AgGemm and weft::ops::AgAttention when ranks share a process and a GPU, and by the copy-engine
+// all-gathers (src/ops/all_gather.cpp) of a rank that shares its GPU with ranks of its process, whose items also push
+// into a peer's output and set flags on peers that may be on the process's other GPUs.
 //
 // JIT instantiation: weft::kernels::tp_common::peer_pull_kernel<0>
 #pragma once

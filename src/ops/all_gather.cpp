@@ -28,7 +28,8 @@ using detail::KernelId;
 // Both: an entry kernel first (every rank ready), the exit kernel last (every peer's flag seen and consumed).
 //
 // The copies and flag writes go to side streams (copy engines in parallel) when every rank has a GPU of its own. When
-// ranks share a GPU the workspace has no side stream and everything is issued on `stream`, in order: the bytes
+// ranks share a GPU (ranks as processes: those of one process take the pull kernel, below) the workspace has no side
+// stream and everything is issued on `stream`, in order: the bytes
 // cross one HBM either way, and a call then adds no stream to the GPU's hardware queues and, captured, is a single
 // chain of graph nodes. A branched capture of many calls lets CUDA spread each rank's graph over internal streams
 // that the ranks' graphs (one context) may share: a rank's copies for call k could then wait in an in-order queue
@@ -36,10 +37,10 @@ using detail::KernelId;
 // for those very copies (docs/runtime.md, "Hardware queues").
 // A World that traces (WEFT_TRACE) times each copy with CUDA events: "copy chunk q" (the output slot written) on the
 // track of its stream (copy engine i: side stream i, or 0 for `stream`).
-// Where ranks of this process share this rank's GPU (ws.copies_with_kernel()) the one-CTA pull kernel moves the bytes
-// instead, which also sets the peers' flags: the copies and stream writes would otherwise sit behind the spinning
-// entry kernel on `stream`, and in a hardware queue that ranks' streams share (they outnumber the queues at 8 ranks
-// with a few ops each) a peer's work queued behind them could not run until the entry gave up
+// Where ranks of this process share this rank's GPU (ws.copies_with_kernel(); members on other GPUs too) the one-CTA
+// pull kernel moves the bytes instead, which also sets the peers' flags: the copies and stream writes would otherwise
+// sit behind the spinning entry kernel on `stream`, and in a hardware queue that ranks' streams share (they outnumber
+// the queues at 8 ranks with a few ops each) a peer's work queued behind them could not run until the entry gave up
 // (detail::copy_engine_copies_with_kernel). The pull kernel records "copy chunk q" itself when traced.
 template <class Source>
 void copy_engine_round(CollectiveWorkspace& ws, AllGatherAlgo algo, const uint8_t* in, uint8_t* out,

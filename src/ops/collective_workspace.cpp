@@ -327,8 +327,8 @@ CollectiveWorkspace::CollectiveWorkspace(const Team& team) : team_(team), world_
         // NOTE: ranks of one process sharing a GPU (of any team) share its hardware queues. Then the copy-engine
         // schedule runs on the caller's stream (no side stream at all), which keeps the ranks' streams few
         // (module_loading.hpp, ensure_device_connections) and a captured call a single chain of graph nodes
-        // (all_gather.cpp, copy_engine_round), and the bytes move with the pull kernel (copies_with_kernel), since
-        // with many ranks and ops the streams still outnumber the queues.
+        // (all_gather.cpp, copy_engine_round); for the ranks of one process the bytes move with the pull kernel
+        // (copies_with_kernel), since with many ranks and ops the streams still outnumber the queues.
         const int sides = world.num_ranks_on_device() > 1 ? 0 : std::min(std::max(num_ranks_ - 1, 1), kMaxSideStreams);
         WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
         for (int i = 0; i < sides; ++i) {

@@ -196,15 +196,15 @@ struct ArReduceParams {
 };
 
 /// One copy of the shared-GPU pull kernel (kernels/tp_common/peer_pull.cuh): optionally wait for a peer's ready
-/// word, copy `bytes` from the peer's buffer (an address this rank can load from) into this rank's, then optionally
-/// set a signal word to 1 (release at system scope).
+/// word, copy `bytes` from `src` to `dst` (a peer's shard into this rank's buffer; for the copy-engine all-gathers also
+/// this rank's shard into a peer's output), then optionally set a signal word to 1 (release at system scope).
 struct PeerPullItem {
     const uint64_t* wait_ready;  ///< local word to await >= 1 before the copy (the peer's ready flag), or null
-    void* dst;                   ///< this rank's buffer
-    const void* src;             ///< the peer's buffer, mapped for loads
+    void* dst;                   ///< where the bytes go: this rank's buffer, or a peer's (mapped for stores)
+    const void* src;             ///< where they come from: a peer's buffer (mapped for loads), or this rank's
     uint64_t* signal;            ///< word set to 1 once this item's bytes (and every earlier item's) landed, or null
     uint64_t bytes;
-    int32_t peer;   ///< team rank the bytes come from (diagnostics, trace)
+    int32_t peer;   ///< the other team rank of the copy: source or destination (diagnostics, trace)
     int32_t chunk;  ///< the signal's index (trace), or -1
 };
 

@@ -55,8 +55,10 @@ enum class AllGatherAlgo : int32_t {
     kAuto = 0,
     kLowLatency = 1,      ///< "ll": LL lines pushed to every peer; no barrier
     kSmPush = 2,          ///< "sm_push": blocks write this rank's shard into every peer's output (symmetric output)
-    kCopyEnginePull = 3,  ///< "ce_pull": cudaMemcpyAsync of every peer's shard on side streams
-    kCopyEnginePush = 4,  ///< "ce_push": cudaMemcpyAsync of this shard into every peer's output (symmetric output)
+    kCopyEnginePull = 3,  ///< "ce_pull": cudaMemcpyAsync of every peer's shard on side streams (a rank that shares
+                          ///< its GPU with ranks of its process: the one-CTA pull kernel, kernels/all_gather/README.md)
+    kCopyEnginePush = 4,  ///< "ce_push": cudaMemcpyAsync of this shard into every peer's output (symmetric output;
+                          ///< the pull kernel where ce_pull takes it)
 };
 
 /// Reduce-scatter algorithms. kAuto: select_reduce_scatter_algo (overridable by WEFT_REDUCESCATTER_ALGO).
