@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -645,6 +646,36 @@ TEST(GemmSmallM, RepeatedCallsStayCorrect) {
     check_case(wider);
 }
 
+/// Captures `calls` on `s` in global mode and instantiates the graph: null (with gtest failures) when a call throws or
+/// the capture or the instantiation fails. The caller destroys `*graph` and the result.
+cudaGraphExec_t capture_global(cudaStream_t s, const std::function<void()>& calls, cudaGraph_t* graph) {
+    *graph = nullptr;
+    const cudaError_t began = cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+    if (began != cudaSuccess) {
+        ADD_FAILURE() << "cudaStreamBeginCapture: " << cudaGetErrorString(began);
+        return nullptr;
+    }
+    std::string error;
+    try {
+        calls();
+    } catch (const Error& e) {
+        error = e.what();
+    }
+    const cudaError_t ended = cudaStreamEndCapture(s, graph);
+    EXPECT_EQ(error, "");
+    if (ended != cudaSuccess) {
+        ADD_FAILURE() << "cudaStreamEndCapture: " << cudaGetErrorString(ended);
+        return nullptr;
+    }
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t made = cudaGraphInstantiate(&exec, *graph, 0);
+    if (made != cudaSuccess) {
+        ADD_FAILURE() << "cudaGraphInstantiate: " << cudaGetErrorString(made);
+        return nullptr;
+    }
+    return exec;
+}
+
 // Split-K scratch under CUDA graph capture (the per-stream workspace, ops/stream_key): a call captured on a stream
 // never used outside a capture, and one on a stream that was, both replay to the bits of the same call made eagerly
 // (split sums are deterministic), and neither capture is invalidated (asking a capturing stream for its id was).
@@ -676,18 +707,9 @@ TEST(GemmSmallM, CapturedSplitKCallsReplayToTheEagerResult) {
         poison(d);
         upload(d, captured);
         cudaGraph_t graph = nullptr;
-        cudaGraphExec_t exec = nullptr;
-        ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
-        std::string error;
-        try {
-            ops::gemm(view(a, da), view(b, db), view(d, captured), BLayout::kNK, s, o);
-        } catch (const Error& e) {
-            error = e.what();
-        }
-        const cudaError_t ended = cudaStreamEndCapture(s, &graph);
-        EXPECT_EQ(error, "");
-        ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended);
-        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+        cudaGraphExec_t exec = capture_global(
+            s, [&] { ops::gemm(view(a, da), view(b, db), view(d, captured), BLayout::kNK, s, o); }, &graph);
+        ASSERT_NE(exec, nullptr);
         for (int replay = 0; replay < 2; ++replay) ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
         ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
         HostMatrix got = d;
@@ -737,19 +759,15 @@ TEST(GemmCapture, FirstCallsOfTheProcessInsideAGlobalCaptureReplayToTheEagerResu
     cudaStream_t s = nullptr;
     ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
     cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
-    std::string error;
-    try {
-        for (size_t i = 0; i < calls.size(); ++i)
-            ops::gemm(view(as[i], da[i]), view(bs[i], db[i]), view(ds[i], captured[i]), BLayout::kNK, s, calls[i].o);
-    } catch (const Error& e) {
-        error = e.what();
-    }
-    const cudaError_t ended = cudaStreamEndCapture(s, &graph);
-    EXPECT_EQ(error, "");
-    ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended);
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    cudaGraphExec_t exec = capture_global(
+        s,
+        [&] {
+            for (size_t i = 0; i < calls.size(); ++i)
+                ops::gemm(view(as[i], da[i]), view(bs[i], db[i]), view(ds[i], captured[i]), BLayout::kNK, s,
+                          calls[i].o);
+        },
+        &graph);
+    ASSERT_NE(exec, nullptr);
     ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
     for (size_t i = 0; i < calls.size(); ++i)
         ops::gemm(view(as[i], da[i]), view(bs[i], db[i]), view(ds[i], eager[i]), BLayout::kNK, s, calls[i].o);
