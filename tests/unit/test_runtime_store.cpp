@@ -173,28 +173,14 @@ TEST(RuntimeStoreAllGather, MissingRankIsNamed) {
     EXPECT_NE(errors[1].find("rank 2 did not arrive"), std::string::npos) << errors[1];
 }
 
-/// An InProcessStore whose waits end at once with an error (as a World's store view does once the World is aborted),
-/// while its keys stay readable.
-class StoppedWaitsStore final : public Store {
+/// An InProcessStore whose waits fail while its keys stay readable: at once, as a World's store view does once the
+/// World is aborted (`late` false), or after their whole timeout, as if the key came just too late (`late` true).
+class FailingWaitsStore final : public Store {
 public:
-    void set(const std::string& key, const Bytes& value) override { inner_.set(key, value); }
-    Bytes get(const std::string& key, std::chrono::milliseconds) override {
-        throw std::runtime_error("stopped waiting for " + key + ": the World was aborted");
-    }
-    int64_t add(const std::string& key, int64_t delta) override { return inner_.add(key, delta); }
-    bool check(const std::string& key) override { return inner_.check(key); }
-    void erase(const std::string& key) override { inner_.erase(key); }
-
-private:
-    InProcessStore inner_;
-};
-
-/// An InProcessStore whose waits always run their whole timeout and then fail (as if the key came just too late),
-/// while its keys stay readable.
-class LateStore final : public Store {
-public:
+    explicit FailingWaitsStore(bool late) : late_(late) {}
     void set(const std::string& key, const Bytes& value) override { inner_.set(key, value); }
     Bytes get(const std::string& key, std::chrono::milliseconds timeout) override {
+        if (!late_) throw std::runtime_error("stopped waiting for " + key + ": the World was aborted");
         std::this_thread::sleep_for(timeout);
         throw std::runtime_error("timed out waiting for " + key);
     }
@@ -203,45 +189,42 @@ public:
     void erase(const std::string& key) override { inner_.erase(key); }
 
 private:
+    bool late_;
     InProcessStore inner_;
 };
 
-// A wait that timed out while the last rank arrived just after it is reported as such (not as an early end).
-TEST(RuntimeStoreAllGather, AWaitThatRanItsCourseIsALateArrival) {
-    LateStore store;
+/// The errors of an all_gather and a barrier of 2 ranks on rank 0 whose peer (rank 1) has arrived, while every wait
+/// of the store fails (FailingWaitsStore).
+std::vector<std::string> errors_with_every_rank_arrived(bool late, std::chrono::milliseconds timeout) {
+    FailingWaitsStore store(late);
     store.set("g/1", Bytes{7});
     store.set("b/rank/1", Bytes{1});
+    std::vector<std::string> errors;
     for (int barrier = 0; barrier < 2; ++barrier) {
-        std::string e;
+        errors.emplace_back();
         try {
             if (barrier) {
-                store.barrier("b", 0, 2, 60ms);
+                store.barrier("b", 0, 2, timeout);
             } else {
-                store.all_gather("g", 0, 2, Bytes{1}, 60ms);
+                store.all_gather("g", 0, 2, Bytes{1}, timeout);
             }
         } catch (const Error& error) {
-            e = error.what();
+            errors.back() = error.what();
         }
+    }
+    return errors;
+}
+
+// A wait that timed out while the last rank arrived just after it is reported as such (not as an early end).
+TEST(RuntimeStoreAllGather, AWaitThatRanItsCourseIsALateArrival) {
+    for (const std::string& e : errors_with_every_rank_arrived(true, 60ms)) {
         EXPECT_NE(e.find("every rank arrived just after the deadline"), std::string::npos) << e;
     }
 }
 
 // A wait that the store ends early while every rank has in fact arrived is not reported as a late arrival.
 TEST(RuntimeStoreAllGather, AWaitTheStoreEndsEarlyIsNotCalledALateArrival) {
-    StoppedWaitsStore store;
-    store.set("g/1", Bytes{7});  // rank 1 has arrived
-    store.set("b/rank/1", Bytes{1});
-    for (int barrier = 0; barrier < 2; ++barrier) {
-        std::string e;
-        try {
-            if (barrier) {
-                store.barrier("b", 0, 2, 10000ms);
-            } else {
-                store.all_gather("g", 0, 2, Bytes{1}, 10000ms);
-            }
-        } catch (const Error& error) {
-            e = error.what();
-        }
+    for (const std::string& e : errors_with_every_rank_arrived(false, 10000ms)) {
         EXPECT_NE(e.find("every rank has arrived by now; the store ended the wait before the deadline"),
                   std::string::npos)
             << e;
