@@ -226,6 +226,25 @@ DecodeAttentionPlan plan_decode_attention(const TensorView& q, const TensorView&
             static_cast<uint64_t>(batch) * static_cast<uint64_t>(num_q_heads) * static_cast<uint64_t>(p.num_splits);
         const uint64_t o_bytes = rows * static_cast<uint64_t>(head_dim) * 4;
         plan.workspace_bytes = o_bytes + (rows * 4 + 15) / 16 * 16;
+        // The split kernel writes its partials into a caller's workspace while other blocks read the inputs, and the
+        // combine reads them while it writes out and lse.
+        if (!is_empty_view(options.workspace) && options.workspace.data != nullptr) {
+            // The bytes a call uses: the plan's, within the view (a view too small is refused at launch, by size).
+            const int64_t used_bytes =
+                std::min(static_cast<int64_t>(plan.workspace_bytes), options.workspace.size_bytes());
+            const TensorView used(options.workspace.data, DType::kU8, {used_bytes});
+            const TensorView no_lse = want_lse ? lse : TensorView();
+            ops::detail::check_apart(kOp, "options.workspace", used,
+                                     {{"q", q},
+                                      {"k_cache", k_cache},
+                                      {"v_cache", v_cache},
+                                      {"block_table", block_table},
+                                      {"seq_lens", seq_lens},
+                                      {"out", out},
+                                      {"lse", no_lse}},
+                                     "the split kernel writes its partials there while the inputs are read, and the "
+                                     "combine reads them while it writes out and lse");
+        }
     }
     return plan;
 }

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -522,12 +523,19 @@ GemmSelection select_for_views(const GemmProblem& p, const TensorView& a, const 
 }
 
 // D is written while A and B are still being read (by other CTAs, or other k ranges of a split-K tile): their bytes
-// must not meet.
-void check_output_apart(const TensorView& a, const TensorView& b, const TensorView& d) {
+// must not meet. Nor may a caller's workspace (its workspace_bytes) meet any of them: split-K writes its counters and
+// partials there while the kernel reads A and B and writes D.
+void check_output_apart(const TensorView& a, const TensorView& b, const TensorView& d, const GemmOptions& options) {
     WEFT_CHECK(!detail::views_overlap(d, a) && !detail::views_overlap(d, b),
                "gemm: d's bytes must not overlap a's or b's, got d " << d.describe() << " at " << d.data << ", a "
                                                                      << a.describe() << " at " << a.data << ", b "
                                                                      << b.describe() << " at " << b.data);
+    if (options.workspace != nullptr && options.workspace_bytes > 0 && options.workspace_bytes <= INT64_MAX) {
+        const TensorView workspace(options.workspace, DType::kU8, {static_cast<int64_t>(options.workspace_bytes)});
+        detail::check_apart("gemm", "options.workspace", workspace, {{"a", a}, {"b", b}, {"d", d}},
+                            "split-K writes its counters and partials there while the kernel reads a and b and "
+                            "writes d");
+    }
 }
 
 }  // namespace
@@ -536,7 +544,7 @@ GemmSelection select_gemm(const TensorView& a, const TensorView& b, const Tensor
                           cudaStream_t stream, const GemmOptions& options) {
     const GemmProblem p = validate_gemm_args(a, b, d, b_layout);
     validate_gemm_options(p, options);
-    check_output_apart(a, b, d);
+    check_output_apart(a, b, d, options);
     return select_for_views(p, a, b, d, stream, options);
 }
 
@@ -545,7 +553,7 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout
     WEFT_NVTX_RANGE("gemm");
     const GemmProblem p = validate_gemm_args(a, b, d, b_layout);
     validate_gemm_options(p, options);  // before anything touches the device, whatever the problem's size
-    check_output_apart(a, b, d);
+    check_output_apart(a, b, d, options);
     if (p.m == 0 || p.n == 0) return;   // nothing to write
     const GemmSelection sel = select_for_views(p, a, b, d, stream, options);
     launch_plan(sel.plan, p, a, b, d, options, stream);

@@ -305,6 +305,34 @@ TEST(AttentionArgs, OutputsOverlappingTheInputsAreRefused) {
     }
 }
 
+// A caller's workspace holds the split partials, written while the inputs are read and read while out and lse are
+// written: it must meet none of them.
+TEST(AttentionArgs, AWorkspaceOverlappingAnArgumentIsRefused) {
+    Args a;
+    a.options.num_splits = 4;
+    const auto bytes = static_cast<int64_t>(a.plan().workspace_bytes);
+    ASSERT_GT(bytes, 0);
+    a.options.workspace = TensorView(Args::at(0x6000000), DType::kU8, {bytes});
+    EXPECT_NO_THROW((void)a.plan());
+    const std::pair<uintptr_t, const char*> cases[] = {
+        {0x10000 + 256, "options.workspace must not overlap q"},
+        {0x900000 + 4096, "options.workspace must not overlap v_cache"},
+        {0x3000000 + 16 - static_cast<uintptr_t>(bytes), "options.workspace must not overlap seq_lens"},  // last 16 B
+        {0x4000000 + 512, "options.workspace must not overlap out"},
+        {0x5000000, "options.workspace must not overlap lse"},
+    };
+    for (const auto& [start, words] : cases) {
+        Args b = a;
+        b.options.workspace = TensorView(Args::at(start), DType::kU8, {bytes});
+        expect_rejected(b, {words});
+    }
+    // Without lse the workspace may sit where an lse would have been.
+    Args c = a;
+    c.lse = TensorView();
+    c.options.workspace = TensorView(Args::at(0x5000000), DType::kU8, {bytes});
+    EXPECT_NO_THROW((void)c.plan());
+}
+
 TEST(AttentionArgs, HugeBlockTablesAndHeadCountsAreCheckedWithoutOverflow) {
     {
         // max_pages x page_size overflows int64; max_seq_len fits the table whatever it is.

@@ -1349,6 +1349,17 @@ TEST(GemmValidate, AnOutputOverlappingAnInputIsRefused) {
         expect_error_mentions([&] { (void)ops::select_gemm(a, b, d, BLayout::kNK, nullptr); },
                               "must not overlap a's or b's");
     }
+    // A caller's workspace (split-K counters and partials) must meet none of a, b and d.
+    const auto d = mat(0x30000, DType::kBF16, 64, 128, 128);
+    for (const auto& [addr, name] : {std::pair<uintptr_t, const char*>{0x11000, "a"}, {0x23000, "b"}, {0x31000, "d"}}) {
+        ops::GemmOptions o;
+        o.workspace = reinterpret_cast<void*>(addr);
+        o.workspace_bytes = 8192;
+        expect_error_mentions([&] { ops::gemm(a, b, d, BLayout::kNK, nullptr, o); },
+                              std::string("options.workspace must not overlap ") + name);
+        expect_error_mentions([&] { (void)ops::select_gemm(a, b, d, BLayout::kNK, nullptr, o); },
+                              std::string("options.workspace must not overlap ") + name);
+    }
     // An empty D touches nothing (M = 0: nothing to write, no CUDA call).
     EXPECT_NO_THROW(ops::gemm(mat(0x10000, DType::kBF16, 0, 64, 64), b, mat(0x20000, DType::kBF16, 0, 128, 128),
                               BLayout::kNK, nullptr));

@@ -27,7 +27,8 @@ struct DecodeAttentionOptions {
     /// 64-token tile per split.
     int32_t num_splits = 0;
     /// Device scratch for the splits' partial outputs: u8 (or any dtype), contiguous, 16-byte aligned, at least
-    /// decode_attention_workspace_bytes() bytes; not touched when one split suffices. Empty (a default TensorView:
+    /// decode_attention_workspace_bytes() bytes, its used bytes apart from every other argument (refused otherwise);
+    /// not touched when one split suffices. Empty (a default TensorView:
     /// data null, no dimensions): weft keeps a buffer per (device, stream) for the process's life, grown as needed by
     /// uncaptured calls; growing it during CUDA graph capture is an error (pass one, as a program that makes a stream
     /// per call should).

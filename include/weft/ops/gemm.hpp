@@ -60,7 +60,8 @@ struct GemmOptions {
     /// it serves any M <= kGemvWgmmaMaxM = 256 with B [N,K] (small_m_max_m does not apply) and a call it cannot serve
     /// (M > 256, B [K,N]) is an error. A forced variant is not autotuned (the caller chose).
     std::optional<GemvVariant> small_m_variant;
-    void* workspace = nullptr;  ///< split-K scratch of GemmPlan::workspace_bytes, 256-byte aligned: split-K
+    void* workspace = nullptr;  ///< split-K scratch of GemmPlan::workspace_bytes, 256-byte aligned, its
+                                ///< workspace_bytes apart from a, b and d (refused otherwise): split-K
                                 ///< counters first (zero-filled before the first use; each call leaves
                                 ///< them zero), then fp32 partials. Zero it again if the counters grow
                                 ///< (N of the small-M path, the tiles of a tiled split-K). nullptr =
