@@ -484,6 +484,21 @@ struct MoeLayerBase : tp_detail::FusedOpState {
         return p;
     }
 
+    /// The stream of this call's push or combine: the side stream, made to wait for `stream`'s work so far, where
+    /// there is one; else `stream` itself (the push or combine then runs in order with the GEMM).
+    cudaStream_t fork_comm(cudaStream_t stream) {
+        if (side == nullptr) return stream;
+        WEFT_CUDA_CHECK(cudaEventRecord(fork, stream));
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(side, fork, 0));
+        return side;
+    }
+    /// `stream` waits for the side stream's work (nothing to wait for without one).
+    void join_comm(cudaStream_t stream) {
+        if (side == nullptr) return;
+        WEFT_CUDA_CHECK(cudaEventRecord(join, side));
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, join, 0));
+    }
+
     /// Ranks sharing a GPU: the first call ends on every member before any launches more (a member's first launch
     /// could stay queued behind a peer's spinning kernel: kernels/gemm_rs/README.md, "Ranks sharing a GPU").
     void after_call(cudaStream_t stream) {
@@ -638,19 +653,12 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
     // Launches only from here: nothing that can throw may sit between them (a peer waits for each on the device).
     gemm_advance_epoch(s.epoch, stream);
     launch_route(static_cast<const int32_t*>(topk_idx.data), s.routing, 1, stream, s.status_dev);
-    if (s.side != nullptr) {
-        WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
-        WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
-    }
-    moe_kernel("push").launch(launch_params(s.comm_blocks, kMoeThreads, s.side != nullptr ? s.side : stream), push);
+    moe_kernel("push").launch(launch_params(s.comm_blocks, kMoeThreads, s.fork_comm(stream)), push);
     ops::detail::launch_gemm_kernel(*s.gemm, gl.config, gl.maps, gl.args, gl.grid, wait,
                                     weft::gemm::NoEpilogueHookParams{}, stream);
     // This rank's gathered A is read: the members may push the next call's rows into it.
     moe_kernel("notify").launch(launch_params(1, 32, stream), notify);
-    if (s.side != nullptr) {
-        WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
-        WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
-    }
+    s.join_comm(stream);
     s.after_call(stream);
 }
 
@@ -800,18 +808,12 @@ void MoeGroupedGemmRs::run(const TensorView& h, const TensorView& w, const MoeRo
 
     // Launches only from here.
     gemm_advance_epoch(s.epoch, stream);
-    if (s.side != nullptr) {
-        WEFT_CUDA_CHECK(cudaEventRecord(s.fork, stream));
-        WEFT_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
-    }
+    const cudaStream_t comm = s.fork_comm(stream);  // forked after the epoch advance, as the wait kernel below
     // The members' combines of the previous call have read this rank's partial products.
     moe_kernel("wait").launch(launch_params(1, 32, stream), wait);
     ops::detail::launch_gemm_kernel(*s.gemm, gl.config, gl.maps, gl.args, gl.grid, gl.groups, hook, stream);
-    moe_kernel("combine").launch(launch_params(s.comm_blocks, kMoeThreads, s.side != nullptr ? s.side : stream), c);
-    if (s.side != nullptr) {
-        WEFT_CUDA_CHECK(cudaEventRecord(s.join, s.side));
-        WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
-    }
+    moe_kernel("combine").launch(launch_params(s.comm_blocks, kMoeThreads, comm), c);
+    s.join_comm(stream);
     s.after_call(stream);
 }
 

@@ -43,6 +43,9 @@ std::string format_world_ranks(const std::vector<int>& world_ranks);
 
 /// Milliseconds left until `deadline` (at least 1, so that a final check still happens).
 std::chrono::milliseconds remaining_ms(std::chrono::steady_clock::time_point deadline);
+/// Whether a store get that was given `asked` (from `get_start`) and threw ended well before that time ran out (the
+/// store failed, or the World was aborted) rather than by timing out: in under half of it.
+bool ended_early(std::chrono::steady_clock::time_point get_start, std::chrono::milliseconds asked);
 
 /// Makes `device` current for a scope and restores the previous device (errors are ignored: used in
 /// destructors and deleters too).

@@ -26,6 +26,10 @@ std::chrono::milliseconds remaining_ms(std::chrono::steady_clock::time_point dea
     return std::max(left, std::chrono::milliseconds(1));
 }
 
+bool ended_early(std::chrono::steady_clock::time_point get_start, std::chrono::milliseconds asked) {
+    return std::chrono::steady_clock::now() - get_start < asked / 2;
+}
+
 }  // namespace detail
 
 namespace {
@@ -34,12 +38,6 @@ void check_rank(const char* what, const std::string& name, int rank, int num_ran
     WEFT_CHECK(num_ranks >= 1, what << " '" << name << "': num_ranks must be positive, got " << num_ranks);
     WEFT_CHECK(rank >= 0 && rank < num_ranks,
                what << " '" << name << "': rank must be in [0, " << num_ranks << "), got " << rank);
-}
-
-// Whether a get that was given `asked` and threw ended well before that time ran out (the store failed, or the World
-// was aborted) rather than by timing out: under half of it, the rule of the World's store view (watchdog.cpp).
-bool ended_early(std::chrono::steady_clock::time_point get_start, std::chrono::milliseconds asked) {
-    return std::chrono::steady_clock::now() - get_start < asked / 2;
 }
 
 // Ranks r in [0, num_ranks) whose key `prefix + r` is not set; a failing store yields an explanation instead.
@@ -110,10 +108,11 @@ void Store::barrier(const std::string& name, int rank, int num_ranks, std::chron
     } catch (const std::exception& e) {  // a store of the user's may throw any std::exception
         const auto waited =
             std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
-        WEFT_FAIL("barrier '" << name << "' failed on rank " << rank << " after " << waited.count() << " ms (timeout "
-                              << timeout.count() << " ms): "
-                              << describe_missing(*this, name + "/rank/", num_ranks, ended_early(get_start, asked))
-                              << " [store: " << e.what() << "]");
+        WEFT_FAIL(
+            "barrier '" << name << "' failed on rank " << rank << " after " << waited.count() << " ms (timeout "
+                        << timeout.count() << " ms): "
+                        << describe_missing(*this, name + "/rank/", num_ranks, detail::ended_early(get_start, asked))
+                        << " [store: " << e.what() << "]");
     }
     erase(mark);
     if (add(name + "/leave", 1) == num_ranks) {
@@ -144,10 +143,11 @@ std::vector<Bytes> Store::all_gather(const std::string& name, int rank, int num_
         } catch (const std::exception& e) {  // a store of the user's may throw any std::exception
             const auto waited =
                 std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
-            WEFT_FAIL("all_gather '" << name << "' failed on rank " << rank << " after " << waited.count()
-                                     << " ms (timeout " << timeout.count() << " ms): "
-                                     << describe_missing(*this, prefix, num_ranks, ended_early(get_start, asked))
-                                     << " [store: " << e.what() << "]");
+            WEFT_FAIL(
+                "all_gather '" << name << "' failed on rank " << rank << " after " << waited.count() << " ms (timeout "
+                               << timeout.count() << " ms): "
+                               << describe_missing(*this, prefix, num_ranks, detail::ended_early(get_start, asked))
+                               << " [store: " << e.what() << "]");
         }
     }
     if (add(prefix + "leave", 1) == num_ranks) {

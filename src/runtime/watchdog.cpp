@@ -59,7 +59,7 @@ public:
             } catch (const std::exception&) {
                 // A slice that ended early failed for another reason than its timeout (a store that is gone):
                 // that failure is the answer. One that ran its course is a timeout: ask again.
-                if (Clock::now() - slice_start < slice / 2 || Clock::now() >= deadline) throw;
+                if (ended_early(slice_start, slice) || Clock::now() >= deadline) throw;
             }
         }
     }
