@@ -169,6 +169,10 @@ struct MoeBlock::Impl {
     // The block's one stream of its own (the GEMMs; also its allocation): with ranks sharing a GPU every stream a
     // rank adds may share a hardware queue with a peer's (docs/runtime.md, "Hardware queues").
     cudaStream_t gemm_stream = nullptr;
+    // Ranks of one process sharing a GPU (tp_detail::streams_may_share_queues): the fused form's GEMMs run on the
+    // caller's stream after the dispatch, and the combine after them (no wait between streams, whose queues a peer's
+    // spinning kernel may hold up); the kernels and their signals are the fused form's, only the overlap is lost.
+    bool serial = false;
     cudaEvent_t fork = nullptr;
     cudaEvent_t join = nullptr;
     MoeLayout layout;
@@ -310,6 +314,7 @@ MoeBlock::MoeBlock(const Team& team, const MoeConfig& config) : impl_(std::make_
     for (const jit::KernelSpec& s : gemms) ops::detail::gemm_jit_kernel(s);
     m.k_swiglu = &jit::compiler().get_kernel(moe_swiglu_kernel_spec());
 
+    m.serial = ops::tp_detail::streams_may_share_queues(*m.world);
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&m.gemm_stream, cudaStreamNonBlocking));
     WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&m.fork, cudaEventDisableTiming));
     WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&m.join, cudaEventDisableTiming));
@@ -441,10 +446,14 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
         return;
     }
 
-    // Fused: communication on `stream` with `comm` SMs, the GEMMs on the block's stream with the rest of the budget.
+    // Fused: communication on `stream` with `comm` SMs, the GEMMs on the block's stream with the rest of the budget
+    // (on `stream` too, after the dispatch, where the block runs serially: Impl::serial).
     const int gemm_sms = grids.gemm_sms;
-    WEFT_CUDA_CHECK(cudaEventRecord(m.fork, stream));
-    WEFT_CUDA_CHECK(cudaStreamWaitEvent(m.gemm_stream, m.fork, 0));
+    const cudaStream_t gemm_stream = m.serial ? stream : m.gemm_stream;
+    if (!m.serial) {
+        WEFT_CUDA_CHECK(cudaEventRecord(m.fork, stream));
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(m.gemm_stream, m.fork, 0));
+    }
 
     NormalOptions dispatch_options;
     dispatch_options.num_sms = comm;
@@ -456,7 +465,7 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
     // This call's epoch: each fused dispatch raises counts_ready and every expert_ready word by one, so the up
     // projection waits for them to reach the number of forward calls.
     uint64_t* epoch = m.at<uint64_t>(m.layout.epoch);
-    gemm_advance_epoch(epoch, m.gemm_stream);
+    gemm_advance_epoch(epoch, gemm_stream);
     GroupedGemmOptions up = m.fused_gemm_options(m.plan.up, gemm_sms, 0);
     GroupedWaitParams wait{};
     wait.flags = m.at<uint64_t>(m.layout.expert_ready);
@@ -471,8 +480,8 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
     wait.timeout_ns = m.gemm_timeout_ns;
     up.wait = wait;
     grouped_gemm_contiguous(hm.recv_x(), weights.gate_up, m.gate_up_out(), BLayout::kNK, hm.expert_offsets(),
-                            hm.expert_counts(), m.gemm_stream, up);
-    m.swiglu(m.gemm_stream, grids.swiglu);
+                            hm.expert_counts(), gemm_stream, up);
+    m.swiglu(gemm_stream, grids.swiglu);
     GroupedGemmOptions down = m.fused_gemm_options(m.plan.down, gemm_sms, 1);
     GroupedTileSignalParams signal{};
     signal.flags = m.at<uint64_t>(m.layout.tile_done);
@@ -482,7 +491,7 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
     signal.ctx = m.team.device_ctx();  // the down-projection's tiles in a traced World's timeline
     down.signal = signal;
     grouped_gemm_contiguous(m.activation(), weights.down, m.expert_out(), BLayout::kNK, hm.expert_offsets(),
-                            hm.expert_counts(), m.gemm_stream, down);
+                            hm.expert_counts(), gemm_stream, down);
 
     NormalOptions combine_options;
     combine_options.num_sms = comm;
@@ -492,8 +501,10 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
     combine_options.fused.tile_target = static_cast<uint64_t>(m.plan.down_n_tiles);
     m.buffer->combine(hm, m.expert_out(), out, stream, combine_options);
 
-    WEFT_CUDA_CHECK(cudaEventRecord(m.join, m.gemm_stream));
-    WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, m.join, 0));
+    if (!m.serial) {
+        WEFT_CUDA_CHECK(cudaEventRecord(m.join, m.gemm_stream));
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, m.join, 0));
+    }
     m.first_calls.after_call(m.team, 1, stream);
 }
 

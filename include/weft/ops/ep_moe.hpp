@@ -18,8 +18,9 @@
 // down-projection raises a counter per (expert, row of tiles) and the combine sends each received token's weighted
 // sum as soon as the tiles of its rows are stored. Communication runs on the caller's stream with `comm_sms` SMs,
 // the GEMMs on a stream of the block's own with the rest of the rank's SM budget, so every kernel that waits for
-// another is resident with it. The sequential form (MoeOptions::fused = false) runs the same kernels one after
-// another on the caller's stream (the separate ops: Buffer::dispatch, grouped_gemm_contiguous, the SwiGLU,
+// another is resident with it (ranks of one process sharing a GPU run these kernels one after another on the caller's
+// stream: docs/runtime.md, "Hardware queues"). The sequential form (MoeOptions::fused = false) runs the same kernels
+// one after another on the caller's stream (the separate ops: Buffer::dispatch, grouped_gemm_contiguous, the SwiGLU,
 // grouped_gemm_contiguous, Buffer::combine) and gives the same bits. kernels/ep/README.md shows the overlap.
 //
 // Ranks sharing a GPU (threads of one process): every rank's spinning kernels must be resident at once. A rank holds
