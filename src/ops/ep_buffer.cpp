@@ -120,10 +120,10 @@ std::optional<Status> read_status(const Status* host) {
 // ---- Buffer::Impl ----
 
 void Buffer::Impl::enter(const char* op, cudaStream_t stream, const Buffer::Impl* handle_owner,
-                         bool check_pending) const {
+                         bool warn_pending) const {
     abort_mark.check(*world, (std::string("ep::") + op).c_str(),
                      "make a new World (a Buffer's signal words are never cleared: kernels/ep/README.md, \"Errors\")");
-    if (check_pending && !nested) check_status(op);
+    if (warn_pending && !nested) warn_pending_status(op);
     // Ranks of one process that share a GPU share its legacy default stream: their kernels, which wait for each
     // other, would be serialised there (and time out). Refuse it where that can happen (processes sharing a GPU
     // each have their own context and default stream).
@@ -147,6 +147,15 @@ int Buffer::Impl::grid(const char* op, int requested, int fallback) const {
     WEFT_CHECK(n <= budget, "ep::" << op << ": num_sms = " << n << " exceeds this rank's SM budget of " << budget
                                    << " (every rank's kernel must stay resident; see World::sm_budget)");
     return n;
+}
+
+void Buffer::Impl::warn_pending_status(const char* op) const {
+    if (auto s = read_status(status_host); s && !status_warned) {
+        status_warned = true;
+        WEFT_LOG_WARN("ep::" << op << " goes ahead with an error of an earlier call pending on this rank: "
+                             << describe(*s) << " (Buffer::check() throws it; call clear_status() after handling it)");
+    }
+    if (inner) inner->impl_->warn_pending_status(op);
 }
 
 void Buffer::Impl::check_status(const char* op) const {
@@ -338,6 +347,7 @@ void Buffer::clear_status() {
         p[i] = 0;
     }
     std::atomic_thread_fence(std::memory_order_seq_cst);
+    impl_->status_warned = false;
     if (impl_->inner) impl_->inner->clear_status();
 }
 

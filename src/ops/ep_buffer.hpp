@@ -137,6 +137,7 @@ struct Buffer::Impl {
     // This Buffer is another's one-rank Buffer (`inner` below): its status is checked by the outer call's entry,
     // before the exchange it is fed by; checking again at its own entry would throw after that exchange ran.
     bool nested = false;
+    mutable bool status_warned = false;  // enter() logged the pending error (warn_pending_status)
     // Normal mode: the one-rank Buffer (this rank alone, E / W experts) the records feed.
     std::unique_ptr<Buffer> inner;
     weft::ep::InternodeLayout net{};  // the exchange's layout
@@ -190,12 +191,15 @@ struct Buffer::Impl {
     /// The low-latency kernels' arguments across nodes with this Buffer's and `h`'s arrays; the caller adds the call's.
     weft::ep::LowLatencyInternodeArgs internode_ll_args(const LowLatencyHandle::Impl& h) const;
 
-    /// What every op checks on entry, before anything else: no device-reported error is pending (check()), the
-    /// stream is one the ranks' kernels cannot be serialised on, and `handle_owner` is this Buffer. A call that
-    /// completes one already launched (a combine, a receive half) passes `check_pending = false`: the error its own
-    /// dispatch reported may or may not be visible yet on this rank, and every rank must make that call alike (the
-    /// kernels handle the dispatch's error: a normal combine after an overflow writes zeros).
-    void enter(const char* op, cudaStream_t stream, const Buffer::Impl* handle_owner, bool check_pending = true) const;
+    /// What every op checks on entry, before anything else: the stream is one the ranks' kernels cannot be
+    /// serialised on, and `handle_owner` is this Buffer. A device-reported error still pending (check()) is logged
+    /// once as a warning by a call that starts an exchange (`warn_pending`), not thrown: whether a rank's host sees it
+    /// before its next call depends on its GPU's progress, and a rank that refused alone would leave its peers waiting
+    /// for it until their timeout (every status code leaves the Buffer consistent; check() throws it). A call that
+    /// completes one already launched (a combine, a receive half) passes `warn_pending = false`.
+    void enter(const char* op, cudaStream_t stream, const Buffer::Impl* handle_owner, bool warn_pending = true) const;
+    /// The warning of enter() for a pending error, once per error (clear_status() rearms it).
+    void warn_pending_status(const char* op) const;
     /// The grid of a launch: `requested` blocks (0 = `fallback`), within the rank's SM budget.
     int grid(const char* op, int requested, int fallback) const;
     /// Throws the pending device-reported error, if any, naming `op`.

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "collective_workspace.hpp"
 #include "ep_buffer.hpp"
 #include "tp_common.hpp"
 #include "weft/common/math.hpp"
@@ -391,8 +392,8 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
     const Geometry& g = m.buffer->geometry();
     const int64_t ffn = m.config.ffn;
     // Everything the launches below could refuse is checked first: once the dispatch is out, every rank must reach
-    // its combine.
-    m.buffer->check();
+    // its combine. (A device-reported error of an earlier call is not refused here: the dispatch logs it, check()
+    // throws it; Buffer::Impl::enter says why.)
     detail::check_matrix("ep::MoeBlock::forward", "x", x, DType::kBF16, g.hidden, true);
     const int t = detail::check_tokens("ep::MoeBlock::forward", g, topk_idx, x.dim(0), "x");
     detail::check_matrix("ep::MoeBlock::forward", "topk_weights", topk_weights, DType::kF32, g.topk, false);
@@ -409,6 +410,11 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
                    weights.down.dim(2) == ffn,
                "ep::MoeBlock::forward: weights.down must be bf16 [E_local, H, F] = ["
                    << m.local_experts << ", " << g.hidden << ", " << ffn << "], got " << weights.down.describe());
+    // x, topk_idx and topk_weights are the dispatch's (checked by it before it launches); the combine's out and the
+    // GEMMs' weights would be refused or fault only after the dispatch is out.
+    ops::detail::check_device_buffers(
+        m.world->heap(), {{"out", out}, {"weights.gate_up", weights.gate_up}, {"weights.down", weights.down}},
+        "ep::MoeBlock::forward", stream);
     const NormalHandle& h = *m.handle;
     try {
         validate_grouped_gemm_args(GroupedLayout::kContiguous, h.recv_x(), weights.gate_up, m.gate_up_out(),

@@ -146,6 +146,11 @@ void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorVie
                    reinterpret_cast<uintptr_t>(f.expert_ready) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(f.expert_rows) % 4 == 0,
                "ep::dispatch: options.fused's words must be aligned to their size");
+    if (fused_words == 3) {
+        ops::detail::check_device_pointer(f.counts_ready, "options.fused.counts_ready", "ep::dispatch", stream);
+        ops::detail::check_device_pointer(f.expert_ready, "options.fused.expert_ready", "ep::dispatch", stream);
+        ops::detail::check_device_pointer(f.expert_rows, "options.fused.expert_rows", "ep::dispatch", stream);
+    }
     NormalHandle::Impl& h = *handle.impl_;
     if (b.across_nodes()) {
         b.internode_dispatch(h, x, topk_idx, topk_weights, t, stream, options);
@@ -199,6 +204,7 @@ void Buffer::combine(NormalHandle& handle, const TensorView& y, const TensorView
     if (f.tile_done != nullptr) {
         WEFT_CHECK(reinterpret_cast<uintptr_t>(f.tile_done) % 8 == 0,
                    "ep::combine: options.fused.tile_done must be 8-byte aligned");
+        ops::detail::check_device_pointer(f.tile_done, "options.fused.tile_done", "ep::combine", stream);
         WEFT_CHECK(f.tile_m > 0 && f.tile_target > 0,
                    "ep::combine: options.fused needs tile_m > 0 and tile_target > 0, got tile_m "
                        << f.tile_m << ", tile_target " << f.tile_target);

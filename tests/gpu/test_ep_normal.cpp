@@ -179,7 +179,10 @@ void check_combine(const ref::Params& p, const ref::NormalPlan& plan, const std:
 
 /// One dispatch + combine of a scenario, checked. `in_place` computes y inside recv_x.
 void run_case(Buffer& ep, NormalHandle& h, Inputs& in, DeviceArray<uint16_t>& y_dev, DeviceArray<uint16_t>& out,
-              const ref::Params& p, Scenario sc, uint32_t seed, bool in_place, cudaStream_t s, int num_sms = 0) {
+              const ref::Params& p, Scenario sc, uint32_t seed, bool in_place, cudaStream_t s, int num_sms = 0,
+              bool check_status = true) {
+    // check_status false: the World's checks only (a rank's Buffer may hold an earlier call's error on purpose).
+    const auto sync = [&] { check_status ? ep.sync_and_check(s) : ep.world().sync_and_check(s); };
     World& world = ep.world();
     const int me = world.rank();
     const Config& c = ep.config();
@@ -197,7 +200,7 @@ void run_case(Buffer& ep, NormalHandle& h, Inputs& in, DeviceArray<uint16_t>& y_
     WEFT_CUDA_CHECK(cudaMemsetAsync(h.recv_x().data, 0xEE, static_cast<size_t>(max_rows) * p.hidden * 2, s));
     const NormalOptions options{.num_sms = std::min(num_sms, world.sm_budget())};
     ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), s, options);
-    ep.sync_and_check(s);
+    sync();
     ref::collective_check(world, [&] {
         check_dispatch(p, plan, x_all, h, me, t, max_rows, s, what + ", num_sms " + std::to_string(options.num_sms));
     });
@@ -214,7 +217,7 @@ void run_case(Buffer& ep, NormalHandle& h, Inputs& in, DeviceArray<uint16_t>& y_
     }
     out.poison(0xFF);
     ep.combine(h, y, TensorView(out.get(), DType::kBF16, {t, p.hidden}), s, options);
-    ep.sync_and_check(s);
+    sync();
     ref::collective_check(world, [&] {
         check_combine(p, plan, all, y_all, download(out.get(), static_cast<size_t>(t) * p.hidden, s), me, what);
     });
@@ -327,6 +330,50 @@ TEST_F(EpNormalGpu, CapacityOverflowIsReportedByEveryRankAndRecoverable) {
             },
             options_for(c, n, 1));
     }
+}
+
+// An error pending on one rank (its bad expert id, not cleared) does not stop its next dispatch: every rank's next
+// calls run and are exact (a refusal on that rank alone left its peers waiting until their timeout), the call logs it,
+// and check() still throws it there.
+TEST_F(EpNormalGpu, AnErrorPendingOnOneRankDoesNotStopTheNextCalls) {
+    const uint32_t seed = fresh_seed();
+    const int n = 3;
+    const Config c = normal_config(n);
+    run_ranks(
+        n,
+        [&](World& world) {
+            RankStream rs;
+            Buffer ep(world, c);
+            NormalHandle h = ep.make_normal_handle();
+            Inputs in(c, rs.s);
+            const ref::Params p = params_of(c, n);
+            const int me = world.rank();
+            auto all = ref::make_routing(Scenario::kUniform, p, c.max_tokens_per_rank, seed);
+            all[1].topk_idx[0] = c.num_experts;  // token 0, slot 0 of rank 1
+            std::vector<uint16_t> x_me =
+                ref::payload_rows(me, all[static_cast<size_t>(me)].num_tokens, c.hidden, seed, false);
+            in.load(all[static_cast<size_t>(me)], x_me);
+            ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), rs.s);
+            DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
+            const int t = all[static_cast<size_t>(me)].num_tokens;
+            ep.combine(h, h.recv_x(), TensorView(out.get(), DType::kBF16, {t, c.hidden}), rs.s);
+            world.sync_and_check(rs.s);
+            // Rank 1's error is visible there now and not cleared: the next calls go ahead on every rank.
+            DeviceArray<uint16_t> y(static_cast<size_t>(ep.geometry().max_recv_rows) * c.hidden, rs.s);
+            run_case(ep, h, in, y, out, p, Scenario::kUniform, seed + 1, false, rs.s, 0, false);
+            ref::collective_check(world, [&] {
+                bool threw = false;
+                try {
+                    ep.check();
+                } catch (const Error& e) {
+                    threw = std::string(e.what()).find("expert") != std::string::npos;
+                }
+                WEFT_CHECK(threw == (me == 1), "rank " << me << ": check() " << (threw ? "threw" : "did not throw")
+                                                       << " after rank 1's bad expert id");
+            });
+            if (me == 1) ep.clear_status();
+        },
+        options_for(c, n, 1));
 }
 
 // Out-of-range and repeated expert ids on one rank: reported by that rank, dropped, everything else exact.

@@ -270,7 +270,9 @@ public:
     /// dispatched and not combined since: that combine reads the dispatch's layout. After it, the handle's last
     /// dispatch is retired: a combine needs another dispatch first.
     void layout(NormalHandle& handle, const TensorView& topk_idx, cudaStream_t stream);
-    /// Collective: layout, then dispatch. x: bf16 [T, H]; topk_idx: int32 [T, k] (-1 = dropped);
+    /// Collective: layout, then dispatch. x: bf16 [T, H]; topk_idx: int32 [T, k] (-1 = dropped; an id outside
+    /// [-1, E), or one repeated within a token's k, is dropped too and reported by check() on this rank as
+    /// kInvalidExpert / kDuplicateExpert: a token's valid slots are its first of each expert in [0, E));
     /// topk_weights: f32 [T, k]. T may differ between ranks. Receive capacity overflow is detected on
     /// the device by every rank, nothing moves, and check() reports it. A dispatch on a handle dispatched and not
     /// combined since replaces that dispatch (its received rows and its layout): the next combine is the latest
@@ -303,11 +305,12 @@ public:
 
     // ---- errors the kernels report ----
     /// Reads this rank's status word (host-mapped memory: no synchronisation, sees every kernel that
-    /// has completed) and throws weft::Error describing the first error, if any. Every call that starts an exchange
-    /// (layout, dispatch, a low-latency dispatch's kSendRecv or kSend) calls it on entry, so an error surfaces at the
-    /// next such call at the latest (on this rank: the other ranks' calls then wait for it until their timeout). A
-    /// combine (either mode, any phase) or a kRecv half never refuses on it: it completes an exchange already launched,
-    /// which every rank must make alike. The word stays set until clear_status().
+    /// has completed) and throws weft::Error describing the first error, if any. Every error the kernels report leaves
+    /// the Buffer consistent, and no call refuses on it: a call that starts an exchange (layout, dispatch, a
+    /// low-latency dispatch's kSendRecv or kSend) logs a pending error once as a warning and goes ahead (whether a
+    /// rank's host sees the error before its next call depends on its GPU's progress; a rank that refused alone would
+    /// leave the others waiting for it until their timeout). Call check() (or sync_and_check()) after the calls whose
+    /// errors you handle. The word stays set until clear_status().
     void check() const;
     /// world().sync_and_check(stream), then check().
     void sync_and_check(cudaStream_t stream);

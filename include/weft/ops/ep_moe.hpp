@@ -136,12 +136,14 @@ public:
     MoeBlock(const MoeBlock&) = delete;
     MoeBlock& operator=(const MoeBlock&) = delete;
 
-    /// Collective. x: bf16 [T, H]; topk_idx: int32 [T, k] (-1 = dropped); topk_weights: f32 [T, k]; weights: this
-    /// rank's experts (shapes above); out: bf16 [T, H]. Asynchronous on `stream` (a non-blocking stream of the rank's
-    /// own); when it returns, later work on `stream` is ordered after the whole block. With ranks sharing a GPU the
-    /// first call of each form (fused, sequential) also waits for `stream` and meets the team's members (outside
-    /// graph capture), and throws a device error it finds. A receive capacity overflow moves nothing, gives zeros and
-    /// surfaces as a weft::Error from check() (or the next call); bad arguments throw weft::Error naming them.
+    /// Collective. x: bf16 [T, H]; topk_idx: int32 [T, k] (-1 = dropped; ids outside [-1, E) and repeats within a
+    /// token are dropped and reported, as by Buffer::dispatch); topk_weights: f32 [T, k]; weights: this rank's experts
+    /// (shapes above), device memory; out: bf16 [T, H], device memory. Asynchronous on `stream` (a non-blocking stream
+    /// of the rank's own); when it returns, later work on `stream` is ordered after the whole block. With ranks sharing
+    /// a GPU the first call of each form (fused, sequential) also waits for `stream` and meets the team's members
+    /// (outside graph capture), and throws a device error it finds. A receive capacity overflow moves nothing, gives
+    /// zeros and surfaces as a weft::Error from check() (the next call logs it as a warning and goes ahead); bad
+    /// arguments throw weft::Error naming them, before anything is launched.
     void forward(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                  const MoeWeights& weights, const TensorView& out, cudaStream_t stream, const MoeOptions& options = {});
 
