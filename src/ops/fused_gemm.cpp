@@ -95,6 +95,8 @@ FusedGemmCall make_fused_gemm_call(const GemmConfig& config, const TensorView& a
     call.maps = make_gemm_tensor_maps(config, a, b, d);
     call.args = make_gemm_args(a, d, timeout_ns);
     call.grid = grid;
+    call.config = config;
+    call.prepared = true;
     return call;
 }
 
@@ -196,6 +198,15 @@ FusedGemm::FusedGemm(const Team& team, const FusedGemmSpec& spec, const GemmConf
 
 FusedGemm::FusedGemm(World& world, const FusedGemmSpec& spec, const GemmConfig& config)
     : FusedGemm(world.team(), spec, config) {}
+
+void FusedGemm::check_prepared_for_this(const FusedGemmCall& call) const {
+    const std::string name = spec_.name.empty() ? "fused_gemm" : spec_.name;
+    WEFT_CHECK(call.prepared, name << ": the call was not made by FusedGemm::prepare (launch(prepare(a, b, d), "
+                                      "...))");
+    WEFT_CHECK(call.config == config_, name << ": the call was prepared for " << format_gemm_config(call.config)
+                                            << ", this FusedGemm runs " << format_gemm_config(config_)
+                                            << ": prepare it with the FusedGemm that launches it");
+}
 
 FusedGemmCall FusedGemm::prepare(const TensorView& a, const TensorView& b, const TensorView& d, int max_ctas) const {
     const std::string name = spec_.name.empty() ? "fused_gemm" : spec_.name;

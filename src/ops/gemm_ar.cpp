@@ -218,8 +218,10 @@ GemmAr::GemmAr(const Team& team, const GemmArShape& shape, const GemmArOptions& 
         s.small_m_workspace = s.heap.alloc_private(s.small_m_workspace_bytes);
     }
     if (shape.max_m > kGemvMaxM) {
-        GemmConfig config = tp_detail::choose_gemm_config(s.problem(shape.max_m), s.budget, options.config, kOp);
-        if (s.num_ranks == 1) config.out_dtype = shape.dtype;
+        // A team of one writes c itself: a forced config (checked against the partial dtype) writes c's dtype.
+        std::optional<GemmConfig> forced = options.config;
+        if (forced) forced->out_dtype = s.gemm_out;
+        const GemmConfig config = tp_detail::choose_gemm_config(s.problem(shape.max_m), s.budget, forced, kOp);
         s.load_gemms({config}, plain_gemm_fused_spec(), false);
     }
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "member_records.hpp"
 #include "tp_common.hpp"
 #include "views_overlap.hpp"
 #include "weft/common/collectives.hpp"
@@ -139,6 +140,7 @@ std::string gemm_rs_push_unsupported(const GemmRsShape& shape, int num_ranks, co
 GemmRsMode resolve_gemm_rs_mode(const GemmRsShape& shape, int num_ranks, const GemmRsOptions& options,
                                 bool ranks_share_a_gpu) {
     if (options.mode == GemmRsMode::kPull) return GemmRsMode::kPull;
+    if (num_ranks == 1) return options.mode == GemmRsMode::kPush ? GemmRsMode::kPush : GemmRsMode::kPull;  // plain
     const std::string why = gemm_rs_push_unsupported(shape, num_ranks, options);
     WEFT_CHECK(options.mode != GemmRsMode::kPush || why.empty(),
                "gemm_rs: options.mode = push cannot serve " << why << "; use GemmRsMode::kPull or kAuto");
@@ -158,10 +160,13 @@ GemmRsPlan plan_gemm_rs(const GemmRsShape& shape, int num_ranks, int gemm_budget
     p.k = shape.k;
     p.in_dtype = shape.dtype;
     p.out_dtype = num_ranks == 1 ? shape.dtype : options.partial_dtype.value_or(shape.dtype);
+    // A team of one writes c itself: a forced config (checked against the partial dtype above) writes c's dtype.
+    std::optional<GemmConfig> forced = options.config;
+    if (forced) forced->out_dtype = p.out_dtype;
     // An explicit chunk_rows restricts the configs to those whose tile_m divides it (a forced config that
     // does not was rejected above); the heuristic chunk is a multiple of every candidate's tile_m.
     GemmRsPlan plan;
-    const GemmConfig first = tp_detail::choose_gemm_config(p, gemm_budget, options.config, kOp, options.chunk_rows);
+    const GemmConfig first = tp_detail::choose_gemm_config(p, gemm_budget, forced, kOp, options.chunk_rows);
     plan.configs = options.autotune ? tp_detail::tune_candidates(first, p.in_dtype, p.out_dtype, options.chunk_rows)
                                     : std::vector<GemmConfig>{first};
     const int64_t max_rows = shape.max_m / num_ranks;
@@ -215,6 +220,7 @@ jit::KernelSpec rs_node_sum_kernel_spec(DType dtype, const std::string& arch) {
 
 struct GemmRs::State : tp_detail::FusedOpState {
     GemmRsShape shape;
+    int64_t plan_k = 0;  // the team's largest shape.k: the config choice and the tuning key, the same on every member
     int reduce_ctas = 0;
     GemmRsMode mode = GemmRsMode::kPull;
     DType partial_dtype = DType::kBF16;
@@ -321,31 +327,74 @@ GemmRs::GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& 
     State& s = *s_;
     World& world = *s.world;
     s.shape = shape;
-    validate_gemm_rs_shape(shape, s.num_ranks, options);
-    if (s.num_ranks > 1 && team.num_nodes() > 1) {
-        make_internode(s, team, options);
-        return;
-    }
     // Every rank must make the same choices (mode, config, chunks: they fix how many tiles each rank expects from
     // each peer, the symmetric buffers' sizes and the first call's barrier), so they come from facts that are the same
     // on every rank: where some GPUs host more ranks than others (3 ranks on 2 GPUs), a rank with a GPU of its own
     // plans and runs as a rank of the most shared GPU. They are the World's, not the team's: ranks of other teams that
-    // share a GPU with this team's run their kernels beside it.
+    // share a GPU with this team's run their kernels beside it. Each member has its own K (a shard that may be uneven):
+    // the config is chosen for the team's largest. A member whose shape or options are invalid fails every member at
+    // once, and members that disagree are named.
     const bool shared_gpus = world.max_ranks_per_device() > 1;
-    tp_detail::check_sm_budget_share(world, options.sm_budget, kOp);
-    s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.shared_sm_budget());
-    s.partial_dtype = options.partial_dtype.value_or(shape.dtype);
-    s.mode = detail::resolve_gemm_rs_mode(shape, s.num_ranks, options, shared_gpus);
-    if (s.num_ranks > 1 && s.mode == GemmRsMode::kPull) {
-        WEFT_CHECK(s.budget >= 2, "gemm_rs: the SM budget must be >= 2 (GEMM + reduction), got " << s.budget);
-        s.reduce_ctas = options.reduce_ctas > 0 ? options.reduce_ctas
-                                                : default_reduce_ctas(s.budget, shared_gpus);
-        WEFT_CHECK(s.reduce_ctas < s.budget, "gemm_rs: options.reduce_ctas must leave the GEMM at least one SM of the "
-                                             "budget " << s.budget << ", got " << s.reduce_ctas);
+    const bool spans_nodes = s.num_ranks > 1 && team.num_nodes() > 1;
+    std::vector<int64_t> mine;
+    const std::vector<std::vector<uint8_t>> all =
+        detail::exchange_member_records(team, "weft.ops.gemm_rs.shape", kOp, "shape or options are", [&] {
+            validate_gemm_rs_shape(shape, s.num_ranks, options);
+            s.partial_dtype = options.partial_dtype.value_or(shape.dtype);
+            if (!spans_nodes) {
+                tp_detail::check_sm_budget_share(world, options.sm_budget, kOp);
+                s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.shared_sm_budget());
+                s.mode = detail::resolve_gemm_rs_mode(shape, s.num_ranks, options, shared_gpus);
+                if (s.num_ranks > 1 && s.mode == GemmRsMode::kPull) {
+                    WEFT_CHECK(s.budget >= 2,
+                               "gemm_rs: the SM budget must be >= 2 (GEMM + reduction), got " << s.budget);
+                    s.reduce_ctas =
+                        options.reduce_ctas > 0 ? options.reduce_ctas : default_reduce_ctas(s.budget, shared_gpus);
+                    WEFT_CHECK(s.reduce_ctas < s.budget,
+                               "gemm_rs: options.reduce_ctas must leave the GEMM at least "
+                               "one SM of the budget "
+                                   << s.budget << ", got " << s.reduce_ctas);
+                }
+            }
+            mine = {shape.max_m,
+                    shape.n,
+                    static_cast<int64_t>(shape.dtype),
+                    static_cast<int64_t>(s.partial_dtype),
+                    static_cast<int64_t>(s.mode),
+                    options.chunk_rows,
+                    shape.k};
+            return detail::fields_record(mine);
+        });
+    static constexpr const char* kFields[] = {"shape.max_m",
+                                              "shape.n",
+                                              "shape.dtype",
+                                              "partial dtypes (options.partial_dtype)",
+                                              "modes (options.mode, resolved)",
+                                              "options.chunk_rows"};
+    s.plan_k = shape.k;
+    for (const std::vector<uint8_t>& r : all) {
+        WEFT_CHECK(r.size() == mine.size() * sizeof(int64_t), "gemm_rs: a member sent a malformed record");
+        int64_t k = 0;
+        std::memcpy(&k, r.data() + (mine.size() - 1) * sizeof(int64_t), sizeof(k));
+        s.plan_k = std::max(s.plan_k, k);
+    }
+    mine.pop_back();  // K is each member's own
+    std::vector<std::vector<uint8_t>> agreed = all;
+    for (std::vector<uint8_t>& r : agreed) r.resize(mine.size() * sizeof(int64_t));
+    detail::check_member_fields(team, agreed, mine, kFields, kOp, [](size_t f, int64_t v) -> std::string {
+        if (f == 2 || f == 3) return dtype_name(static_cast<DType>(v));
+        if (f == 4) return gemm_rs_mode_name(static_cast<GemmRsMode>(v));
+        return std::to_string(v);
+    });
+    if (spans_nodes) {
+        make_internode(s, team, options);
+        return;
     }
     const int gemm_budget = s.budget - s.reduce_ctas;
 
-    const detail::GemmRsPlan plan = detail::plan_gemm_rs(shape, s.num_ranks, gemm_budget, options);
+    GemmRsShape plan_shape = shape;
+    plan_shape.k = s.plan_k;
+    const detail::GemmRsPlan plan = detail::plan_gemm_rs(plan_shape, s.num_ranks, gemm_budget, options);
     s.chunk_rows = plan.chunk_rows;
     const int64_t max_rows = shape.max_m / s.num_ranks;
     const int64_t max_chunks_per_rank = plan.max_chunks_per_rank;
@@ -471,7 +520,7 @@ void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     }
     const auto problem = [&] {
         std::ostringstream os;
-        os << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)
+        os << "m=" << m << ",n=" << s.shape.n << ",k=" << s.plan_k << "," << dtype_name(s.shape.dtype)
            << ",partials=" << dtype_name(s.partial_dtype) << ",chunk_rows=" << s.chunk_rows
            << ",mode=" << gemm_rs_mode_name(s.mode) << ",reduce_ctas=" << s.reduce_ctas << ",budget=" << s.budget;
         return os.str();

@@ -162,6 +162,23 @@ TEST(TpFusedGemm, PrepareAndLaunchCheckTheirArguments) {
         const ops::FusedGemmCall call = fused.prepare(a, b, d);
         expect([&] { fused.launch(call, uint64_t{0}, gemm::NoEpilogueHookParams{}, nullptr); },
                "argument 4 has 8 bytes");
+        // A call whose tensor maps were made for another config's tiles, or never made, is refused.
+        expect(
+            [&] {
+                fused.launch(ops::FusedGemmCall{}, gemm::PersistentSchedulerParams{}, gemm::NoEpilogueHookParams{},
+                             nullptr);
+            },
+            "not made by FusedGemm::prepare");
+        GemmConfig other = cfg;
+        other.tile_n = cfg.tile_n == 128 ? 64 : 128;
+        if (!is_valid(other)) f.add("the other config is not valid");
+        const ops::FusedGemm fused_other(w, ops::plain_gemm_fused_spec(), other);
+        expect(
+            [&] {
+                fused.launch(fused_other.prepare(a, b, d), gemm::PersistentSchedulerParams{},
+                             gemm::NoEpilogueHookParams{}, nullptr);
+            },
+            "prepare it with the FusedGemm that launches it");
         cudaStream_t st = nullptr;
         WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
         fused.launch(call, gemm::PersistentSchedulerParams{}, gemm::NoEpilogueHookParams{}, st);  // the right ones run

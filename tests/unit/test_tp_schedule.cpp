@@ -624,6 +624,28 @@ TEST(TpPlan, GemmRsChunkThatFitsNoConfigIsAnError) {
     EXPECT_EQ(p.configs[0], *o.config);
 }
 
+// A team of one runs the plain GEMM into c: the options documented for the partials (kF32 with a config writing f32,
+// push with f32 partials or n % 8 != 0) are accepted there, not refused by the partials' rules.
+TEST(TpPlan, GemmRsTeamOfOneTakesThePartialOptions) {
+    using ops::GemmRsMode;
+    const ops::GemmRsShape s{1024, 300, 512, DType::kBF16};
+    ops::GemmRsOptions o;
+    o.partial_dtype = DType::kF32;
+    GemmConfig forced = gemm_candidate(0, DType::kBF16, DType::kF32, BLayout::kNK);
+    forced.cluster_m = forced.cluster_n = 1;
+    o.config = forced;
+    ops::validate_gemm_rs_shape(s, 1, o);
+    const ops::detail::GemmRsPlan p = ops::detail::plan_gemm_rs(s, 1, 30, o);
+    ASSERT_EQ(p.configs.size(), 1u);
+    EXPECT_EQ(p.configs[0].tile_m, forced.tile_m);
+    EXPECT_EQ(p.configs[0].out_dtype, DType::kBF16);  // c's dtype
+    // The same options at two ranks keep the f32 partials.
+    EXPECT_EQ(ops::detail::plan_gemm_rs(s, 2, 30, o).configs[0].out_dtype, DType::kF32);
+    o.mode = GemmRsMode::kPush;
+    EXPECT_EQ(ops::detail::resolve_gemm_rs_mode(s, 1, o), GemmRsMode::kPush);
+    expect_error([&] { ops::detail::resolve_gemm_rs_mode(s, 2, o); }, "partials in f32");
+}
+
 TEST(TpPlan, GemmRsModeIsPushWhereItAppliesElsePull) {
     using ops::GemmRsMode;
     const ops::GemmRsShape s{1024, 304, 512, DType::kBF16};

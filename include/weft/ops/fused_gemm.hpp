@@ -170,6 +170,8 @@ struct FusedGemmCall {
     detail::GemmTensorMaps maps{};
     GemmArgs args{};
     int grid = 1;
+    GemmConfig config{};    ///< the config the maps' boxes were made for (FusedGemm::launch checks it is its own)
+    bool prepared = false;  ///< made by FusedGemm::prepare (or the ops' detail::make_fused_gemm_call)
 };
 
 /// A fused GEMM kernel for one config, compiled (JIT, cached on disk) and loaded into the current device's context.
@@ -192,13 +194,15 @@ public:
     FusedGemmCall prepare(const TensorView& a, const TensorView& b, const TensorView& d, int max_ctas = 0) const;
 
     /// Enqueues `call` on `stream` with the scheduler's and the hook's parameters (their byte sizes are checked
-    /// against the kernel's: a mismatch is a weft::Error naming the parameter). Nothing else can fail on the host
-    /// but the launch itself.
+    /// against the kernel's: a mismatch is a weft::Error naming the parameter). A call prepared by a FusedGemm of
+    /// another config (its tensor maps' boxes are that config's tiles), or never prepared, is a weft::Error. Nothing
+    /// else can fail on the host but the launch itself.
     template <class SchedulerParams, class HookParams>
     void launch(const FusedGemmCall& call, const SchedulerParams& sched, const HookParams& hook,
                 cudaStream_t stream) const {
         static_assert(std::is_trivially_copyable_v<SchedulerParams> && std::is_trivially_copyable_v<HookParams>,
                       "fused GEMM parameters are copied byte for byte into the kernel's parameter space");
+        check_prepared_for_this(call);
         detail::launch_gemm_kernel(*kernel_, config_, call.maps, call.args, call.grid, sched, hook, stream);
     }
 
@@ -207,6 +211,8 @@ public:
     const jit::Kernel& kernel() const { return *kernel_; }
 
 private:
+    void check_prepared_for_this(const FusedGemmCall& call) const;
+
     World* world_;
     FusedGemmSpec spec_;
     GemmConfig config_;

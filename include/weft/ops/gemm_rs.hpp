@@ -47,7 +47,9 @@ enum class GemmRsMode {
     kPush,  ///< the GEMM stores each peer's tiles into that peer's buffer (TMA over NVLink) and adds the peers'
             ///< partials to its own tiles in the epilogue: no reduction kernel, every SM of the budget computes.
             ///< Needs 16-bit partials (partial_dtype = shape.dtype), n a multiple of 8, at most
-            ///< kRsPushMaxRanks (8) ranks, and no reduce_ctas
+            ///< kRsPushMaxRanks (8) ranks, and no reduce_ctas (a team of one runs the plain GEMM, needing none
+            ///< of these). Where ranks share a GPU, kAuto takes kPull: push calls back to back there have waited
+            ///< for a peer kernel that never started (kernels/gemm_rs/README.md, "Ranks sharing a GPU")
 };
 const char* gemm_rs_mode_name(GemmRsMode mode);
 
@@ -73,8 +75,11 @@ struct GemmRsOptions {
 class GemmRs {
 public:
     /// Allocates the partial buffer [max_m, n] and the counters in the symmetric heap (team-collectively) and an fp32
-    /// accumulator, compiles and loads the kernels, ends with a team barrier. Throws weft::Error on every member
-    /// for a bad shape or options, or when a member's heap is not load/store reachable; on a rank that is not a
+    /// accumulator, compiles and loads the kernels, ends with a team barrier. shape.k is each member's own (its
+    /// shard; shards may be uneven): the tile config is chosen for the team's largest. Throws weft::Error on every
+    /// member for a bad shape or options on any member (naming it), for members whose max_m, n, dtype, partial dtype,
+    /// mode or chunk_rows differ (naming both), or when a member's heap is not load/store reachable; on a rank that is
+    /// not a
     /// member, a weft::Error naming the team's world ranks. A team that spans nodes reduces in two stages: this op
     /// over each node's members, then the network backend's send/receive across the nodes (weft/net/host_backend.hpp;
     /// made here, collectively; its errors are thrown here): docs/multinode.md, "GEMM+ReduceScatter across nodes".
@@ -94,9 +99,11 @@ public:
     ///   a: [M, k] this rank's A; b: [n, k] this rank's weight shard; c: [M/W, n] (TMA rules as AgGemm::run), its
     ///   bytes apart from a's and b's
     /// Every member calls with the same M. A member that calls with another M (or another n, partial dtype, tiles,
-    /// chunks or mode) is diagnosed on every rank: the call throws weft::Error at the next sync_and_check naming
-    /// both ranks' M, and in pull mode no element of c is written; push mode traps after recording the diagnosis
-    /// (kernels/gemm_rs/README.md). Replace the op after such an error. Asynchronous on `stream` (the reduction
+    /// chunks or mode) is diagnosed on every rank of its node: the call throws weft::Error at the next sync_and_check
+    /// naming both ranks' M, and in pull mode no element of c is written; push mode traps after recording the
+    /// diagnosis (kernels/gemm_rs/README.md). Replace the op after such an error. An M that differs between nodes
+    /// is not compared: NCCL gets sends and receives of different sizes, bounded by the World's watcher
+    /// (docs/multinode.md, "GEMM+ReduceScatter across nodes"). Asynchronous on `stream` (the reduction
     /// runs on a side stream forked
     /// from it and joined back); graph-capturable. A team of one rank runs the plain GEMM into c.
     void run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream);
