@@ -463,5 +463,33 @@ TEST(TpGemmRs, DifferentMOnTwoRanksIsDiagnosedOnBoth) {
     }
 }
 
+// Construction agreement: a member whose shape is invalid (an uneven K shard that is not a multiple of 8) fails every
+// member naming it; members whose fields differ are named with both values; uneven K shards that are valid build
+// (the config is the team's).
+TEST(TpGemmRs, MembersThatDisagreeFailConstructionOnEveryMember) {
+    const std::vector<std::string> invalid = test::error_of_each_rank(3, [&](World& w) {
+        const int64_t k = w.rank() == 2 ? 1364 : 1368;  // K = 4100 over 3 ranks
+        ops::GemmRs op(w, ops::GemmRsShape{192, 256, k, DType::kBF16});
+    });
+    for (int r = 0; r < 3; ++r) {
+        const std::string& m = invalid[static_cast<size_t>(r)];
+        EXPECT_NE(m.find("multiple of 8, got 1364"), std::string::npos) << "rank " << r << ": " << m;
+        if (r != 2) EXPECT_NE(m.find("world rank 2"), std::string::npos) << "rank " << r << ": " << m;
+    }
+    const std::vector<std::string> differ = test::error_of_each_rank(2, [&](World& w) {
+        ops::GemmRs op(w, ops::GemmRsShape{128, w.rank() == 0 ? 256 : 248, 256, DType::kBF16});
+    });
+    for (int r = 0; r < 2; ++r) {
+        const std::string& m = differ[static_cast<size_t>(r)];
+        EXPECT_NE(m.find("the members' shape.n differ"), std::string::npos) << "rank " << r << ": " << m;
+        EXPECT_NE(m.find("256"), std::string::npos) << "rank " << r << ": " << m;
+        EXPECT_NE(m.find("248"), std::string::npos) << "rank " << r << ": " << m;
+    }
+    test::run_ranks(3, [&](World& w) {
+        ops::GemmRs op(w, ops::GemmRsShape{192, 256, w.rank() == 1 ? 1360 : 1376, DType::kBF16});
+        EXPECT_EQ(op.config().tile_m > 0, true);
+    });
+}
+
 }  // namespace
 }  // namespace weft
