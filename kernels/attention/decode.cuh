@@ -98,7 +98,7 @@ __device__ __forceinline__ void push_row_part(const AttentionDecodeParams& p, in
                                make_uint2(__float_as_uint(v.z), __float_as_uint(v.w)), flag);
         if (with_lse) {
             device::ll::store_line(remote + (line + kDim / 2) * device::ll::kLineBytes,
-                                   make_uint2(__float_as_uint(lse), 0u), flag);
+                                   make_uint2(__float_as_uint(lse), x.tag), flag);
         }
     }
 }

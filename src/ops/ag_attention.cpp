@@ -16,6 +16,7 @@
 
 #include "abort_mark.hpp"
 #include "attention_scale.hpp"
+#include "collective_workspace.hpp"
 #include "stream_key.hpp"
 #include "tp_common.hpp"
 #include "views_overlap.hpp"
@@ -682,6 +683,31 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
                    "ag_attention: " << name << " must have contiguous heads and dims and a row stride >= "
                                     << sh.num_kv_heads * sh.head_dim << " (a multiple of 8), got " << t.describe());
     }
+    // In this call's slot of the gathered buffers, K/V are read there as they are (the copy is skipped): as contiguous
+    // rows, the layout the peers pull. Elsewhere in them, they would be copied into the slot while the peers' shards
+    // arrive around it (or onto themselves).
+    const TensorView all_k = s.view(s.gathered_k, sh.max_seq);
+    const TensorView all_v = s.view(s.gathered_v, sh.max_seq);
+    for (const auto& [view, name] : {std::pair{&k_local, "k_local"}, std::pair{&v_local, "v_local"}}) {
+        const TensorView& t = *view;
+        const TensorView slot = s.shard(view == &k_local ? s.gathered_k : s.gathered_v, rows * s.num_ranks);
+        WEFT_CHECK(t.data != slot.data || rows == 1 || t.stride(0) == sh.num_kv_heads * sh.head_dim,
+                   "ag_attention: " << name << " starts at its slot (local_" << name[0] << "(S)) but has row stride "
+                                    << t.stride(0)
+                                    << " instead of num_kv_heads x head_dim = " << sh.num_kv_heads * sh.head_dim
+                                    << " (the slot is read as contiguous rows, by the peers too)");
+        if (t.data != slot.data) {
+            detail::check_apart(kOp, name, t,
+                                {{"the gathered K buffer (unless it is local_k(S) itself)", all_k},
+                                 {"the gathered V buffer (unless it is local_v(S) itself)", all_v}},
+                                "it is copied into this call's slot while the peers' shards arrive around it");
+        }
+    }
+    // The caller's buffers: this GPU's memory (the kernels and copies would fault, and the peers wait until their
+    // timeout).
+    detail::check_device_buffers(
+        s.world->heap(), {{"q_local", q_local}, {"k_local", k_local}, {"v_local", v_local}, {"out", out}, {"lse", lse}},
+        kOp, stream);
     // A single row's stride may be anything: its copy reads one row.
     const auto src_pitch = [&](const TensorView& t) {
         return static_cast<size_t>(rows == 1 ? s.row_bytes() : t.stride(0) * dtype_bytes(sh.dtype));

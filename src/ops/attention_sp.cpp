@@ -28,7 +28,7 @@ struct LoadedDecodeConfigs final : WorldExtension {
 // Loads the decode kernels of `config` the first time a team uses them, then meets the team: no rank launches
 // the spinning combine kernel while another is still loading a module (CUDA may wait for the context to idle).
 // The World's extensions belong to the rank's own thread: no lock.
-void ensure_loaded(const Team& team, const AttentionDecodeConfig& config) {
+void ensure_loaded(const Team& team, const AttentionDecodeConfig& config, cudaStream_t stream) {
     constexpr const char* kExtension = "weft.sp_decode_attention.loaded";
     World& world = team.world();
     auto* ext = static_cast<LoadedDecodeConfigs*>(world.find_extension(kExtension));
@@ -38,6 +38,9 @@ void ensure_loaded(const Team& team, const AttentionDecodeConfig& config) {
     }
     const auto key = std::make_tuple(team.id(), static_cast<int>(config.dtype), config.head_dim, config.stages);
     if (ext->loaded.count(key) != 0) return;
+    // The same first calls on every member (the same shapes): every member refuses alike.
+    detail::refuse_setup_under_capture(stream, "sp_decode_attention",
+                                       "loading its decode kernels for this head_dim and dtype and meeting the team");
     detail::load_decode_attention_kernels(config);
     team.barrier();
     ext->loaded.insert(key);
@@ -55,6 +58,10 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
         decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, stream, options);
         return;
     }
+    WEFT_CHECK(team.num_nodes() == 1, "sp_decode_attention: the team spans "
+                                          << team.num_nodes() << " nodes (" << team.describe()
+                                          << "); its low-latency push needs every member load/store reachable: "
+                                             "use a team within one node");
     detail::DecodeAttentionPlan plan =
         detail::plan_decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, options,
                                       detail::attention_resident_blocks_here);
@@ -81,7 +88,7 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
                                                                      << heads << " q-heads x " << row_bytes
                                                                      << " bytes of LL lines) exceed the LL buffer of "
                                                                      << slot << " bytes per rank");
-    ensure_loaded(team, plan.config);
+    ensure_loaded(team, plan.config, stream);
     const int64_t per_round =
         std::max<int64_t>(1, static_cast<int64_t>(slot / (static_cast<uint64_t>(heads) * row_bytes)));
 
@@ -103,18 +110,22 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
         p.batch = static_cast<int32_t>(nb);
         p.out = nullptr;
         p.lse = nullptr;
-        p.push_enabled = 1;
-        p.push = push;
-        detail::launch_decode_attention(round, options, stream);
-
         const int64_t rows = nb * heads;
         CollectiveParams cp = base;
         cp.count = static_cast<uint64_t>(rows);
         cp.out_stride = static_cast<uint64_t>(dim);
         cp.out = static_cast<uint8_t*>(out.data) + b0 * heads * dim * elem;
         cp.res = lse.data != nullptr ? static_cast<float*>(lse.data) + b0 * heads : nullptr;
-        cp.descriptor = detail::call_descriptor(CollectiveOp::kAttentionCombine, 0, q.dtype, static_cast<uint64_t>(rows),
-                                                {static_cast<uint64_t>(dim)});
+        // What every rank's round must agree on; its low 32 bits travel in every pushed row (AttentionPeerPush::tag).
+        cp.descriptor =
+            detail::call_descriptor(CollectiveOp::kAttentionCombine, 0, q.dtype, static_cast<uint64_t>(rows),
+                                    {static_cast<uint64_t>(dim), static_cast<uint64_t>(heads),
+                                     static_cast<uint64_t>(b0), static_cast<uint64_t>(batch)});
+        p.push_enabled = 1;
+        p.push = push;
+        p.push.tag = static_cast<uint32_t>(cp.descriptor);
+        detail::launch_decode_attention(round, options, stream);
+
         const int grid = all_gather_grid(AllGatherAlgo::kLowLatency, static_cast<uint64_t>(rows * dim / 4) * 8, topo);
         ws.launch(detail::KernelId::kAttentionSpCombine, q.dtype, grid, stream, cp);
     }

@@ -285,35 +285,37 @@ void hierarchical_all_to_all(const Team& team, const TensorView& input, std::spa
             send_bytes[q] = static_cast<uint64_t>(send_counts[q]) * es;
             recv_bytes[q] = static_cast<uint64_t>(recv_counts[q]) * es;
         }
-        // Every member's send and receive counts, so that every member checks every pair of the node and all of
-        // them refuse together (one refusing alone left the others in the stages until the timeout).
+        // Every member's send and receive counts over the whole team (one exchange), so that every member checks
+        // every pair, across nodes too (NCCL would get sends and receives of different sizes), and all of them
+        // refuse together with the same message.
         std::vector<uint8_t> mine(2 * w * sizeof(uint64_t));
         std::memcpy(mine.data(), send_bytes.data(), w * sizeof(uint64_t));
         std::memcpy(mine.data() + w * sizeof(uint64_t), recv_bytes.data(), w * sizeof(uint64_t));
-        const std::vector<std::vector<uint8_t>> rows = net.node_team().all_gather("weft.ops.all_to_all_v.counts", mine);
-        std::vector<std::vector<uint64_t>> node_recv_bytes(per_node, std::vector<uint64_t>(w, 0));
-        for (size_t l = 0; l < per_node; ++l) {
-            WEFT_CHECK(rows[l].size() == 2 * w * sizeof(uint64_t),
-                       op << ": node member " << l << " sent " << rows[l].size() << " bytes of counts, expected "
+        const std::vector<std::vector<uint8_t>> rows = team.all_gather("weft.ops.all_to_all_v.counts", mine);
+        std::vector<std::vector<uint64_t>> all_send(w, std::vector<uint64_t>(w, 0));
+        std::vector<std::vector<uint64_t>> all_recv(w, std::vector<uint64_t>(w, 0));
+        for (size_t r = 0; r < w; ++r) {
+            WEFT_CHECK(rows[r].size() == 2 * w * sizeof(uint64_t),
+                       op << ": team rank " << r << " sent " << rows[r].size() << " bytes of counts, expected "
                           << 2 * w * sizeof(uint64_t) << " (" << team.describe() << ")");
-            std::memcpy(node_send_bytes[l].data(), rows[l].data(), w * sizeof(uint64_t));
-            std::memcpy(node_recv_bytes[l].data(), rows[l].data() + w * sizeof(uint64_t), w * sizeof(uint64_t));
+            std::memcpy(all_send[r].data(), rows[r].data(), w * sizeof(uint64_t));
+            std::memcpy(all_recv[r].data(), rows[r].data() + w * sizeof(uint64_t), w * sizeof(uint64_t));
         }
-        // Every member's counts for every other member of the node must be what that one expects from it.
-        // A pair that disagrees: every member of the node refuses, and aborts the World, so that the members of the
-        // other nodes, already past their own check, stop at their next heartbeat rather than in the network steps.
-        const std::vector<int>& members = by_node[static_cast<size_t>(plan.node)];
-        for (size_t l = 0; l < per_node; ++l) {
-            for (size_t m = 0; m < per_node; ++m) {
-                const auto from = static_cast<size_t>(members[l]), to = static_cast<size_t>(members[m]);
-                if (node_send_bytes[l][to] == node_recv_bytes[m][from]) continue;
-                std::ostringstream os;
-                os << op << ": team rank " << from << " sends " << node_send_bytes[l][to] / es
-                   << " elements to team rank " << to << ", whose recv_counts[" << from << "] is "
-                   << node_recv_bytes[m][from] / es << " (checked on every member of the node)";
-                abort_and_fail(team, os.str());
+        std::vector<int> node_of(w, 0);
+        for (size_t n = 0; n < by_node.size(); ++n) {
+            for (int r : by_node[n]) node_of[static_cast<size_t>(r)] = static_cast<int>(n);
+        }
+        for (size_t from = 0; from < w; ++from) {
+            for (size_t to = 0; to < w; ++to) {
+                WEFT_CHECK(all_send[from][to] == all_recv[to][from],
+                           op << ": team rank " << from << " (node " << node_of[from] << ") sends "
+                              << all_send[from][to] / es << " elements to team rank " << to << " (node " << node_of[to]
+                              << "), whose recv_counts[" << from << "] is " << all_recv[to][from] / es
+                              << " (checked on every member)");
             }
         }
+        const std::vector<int>& members = by_node[static_cast<size_t>(plan.node)];
+        for (size_t l = 0; l < per_node; ++l) node_send_bytes[l] = all_send[static_cast<size_t>(members[l])];
     }
     const net::A2aByteLayout layout = net::layout_a2a_internode(plan, send_bytes, recv_bytes, node_send_bytes);
     const auto* in = static_cast<const uint8_t*>(input.data);

@@ -343,41 +343,47 @@ TEST(MultiNode, AllToAllVMatchesTheReference) {
     }
 }
 
-// all_to_all_v counts that disagree within a node (rank 1 expects one element more from rank 0 than rank 0 sends it):
-// every member of that node refuses before anything is enqueued, and its abort stops the other nodes' members, which
-// passed their own node's check, at their next heartbeat: well inside the World's minute-long timeout.
-TEST(MultiNode, AllToAllVCountsThatDisagreeWithinANodeFailEveryRankPromptly) {
+// all_to_all_v counts that disagree, within a node (rank 1 expects one element more from rank 0 than rank 0 sends it)
+// or across nodes (the last rank does): every member refuses before anything is enqueued (the counts are exchanged
+// over the whole team), well inside the World's minute-long timeout.
+TEST(MultiNode, AllToAllVCountsThatDisagreeFailEveryRankPromptly) {
     World& main_world = dist_world();
     if (const std::string why = why_no_network_across_nodes(main_world); !why.empty()) GTEST_SKIP() << why;
     if (main_world.num_ranks() / main_world.num_nodes() < 2) GTEST_SKIP() << "needs 2 ranks per node";
     set_test_environment();
-    WorldOptions options;
-    options.timeout = std::chrono::milliseconds(60000);
-    options.heartbeat = std::chrono::milliseconds(200);
-    options.heap_bytes = 64ull << 20;
-    std::unique_ptr<World> w = World::from_env(options);
-    const auto n = static_cast<size_t>(w->num_ranks());
-    std::vector<int64_t> send(n, 100), recv(n, 100);
-    if (w->rank() == 1) recv[0] = 101;  // virtual nodes are consecutive ranks: 0 and 1 share node 0
-    Buffers b(n * 101 * 4);
-    const auto start = std::chrono::steady_clock::now();
-    std::string error;
-    try {
-        ops::all_to_all_v(*w, TensorView(b.in, DType::kF32, {static_cast<int64_t>(n * 100)}), send,
-                          TensorView(b.out, DType::kF32, {static_cast<int64_t>(n * 100 + (w->rank() == 1))}), recv,
-                          b.stream);
-        w->sync_and_check(b.stream);
-    } catch (const Error& e) {
-        error = e.what();
+    for (bool across : {false, true}) {
+        SCOPED_TRACE(across ? "across nodes" : "within a node");
+        WorldOptions options;
+        options.timeout = std::chrono::milliseconds(60000);
+        options.heartbeat = std::chrono::milliseconds(200);
+        options.heap_bytes = 64ull << 20;
+        std::unique_ptr<World> w = World::from_env(options);
+        const auto n = static_cast<size_t>(w->num_ranks());
+        // Virtual nodes are consecutive ranks: 0 and 1 share node 0, the last rank is on the last node.
+        const int odd = across ? w->num_ranks() - 1 : 1;
+        std::vector<int64_t> send(n, 100), recv(n, 100);
+        if (w->rank() == odd) recv[0] = 101;
+        Buffers b(n * 101 * 4);
+        const auto start = std::chrono::steady_clock::now();
+        std::string error;
+        try {
+            ops::all_to_all_v(*w, TensorView(b.in, DType::kF32, {static_cast<int64_t>(n * 100)}), send,
+                              TensorView(b.out, DType::kF32, {static_cast<int64_t>(n * 100 + (w->rank() == odd))}),
+                              recv, b.stream);
+            w->sync_and_check(b.stream);
+        } catch (const Error& e) {
+            error = e.what();
+        }
+        const auto waited = std::chrono::steady_clock::now() - start;
+        EXPECT_FALSE(error.empty()) << "rank " << w->rank() << ": the disagreeing counts were not refused";
+        EXPECT_LT(waited, std::chrono::milliseconds(20000)) << error;
+        const std::string want = "team rank 0 (node 0) sends 100 elements to team rank " + std::to_string(odd) +
+                                 " (node " + std::to_string(across ? w->num_nodes() - 1 : 0) +
+                                 "), whose recv_counts[0] is 101";
+        EXPECT_NE(error.find(want), std::string::npos) << "rank " << w->rank() << ": " << error;
+        std::printf("rank %d: %s\n", w->rank(), error.c_str());
+        w.reset();  // collective
     }
-    const auto waited = std::chrono::steady_clock::now() - start;
-    EXPECT_FALSE(error.empty()) << "rank " << w->rank() << ": the disagreeing counts were not refused";
-    EXPECT_LT(waited, std::chrono::milliseconds(20000)) << error;
-    EXPECT_NE(error.find("team rank 0 sends 100 elements to team rank 1, whose recv_counts[0] is 101"),
-              std::string::npos)
-        << "rank " << w->rank() << ": " << error;
-    std::printf("rank %d: %s\n", w->rank(), error.c_str());
-    w.reset();  // collective: an aborted World still meets its peers to shut down
 }
 
 TEST(MultiNode, ForcingASingleNodeAlgorithmIsAnError) {

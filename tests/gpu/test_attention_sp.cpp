@@ -293,5 +293,63 @@ TEST(SpDecodeAttention, ManySequencesTakeSeveralRounds) {
     run_sp(3, wide, false);
 }
 
+// Ranks that call with different batches (or head dims) are a call mismatch on every rank, named, not merged rows of
+// unrelated calls (the tag each pushed row carries: AttentionPeerPush::tag).
+TEST(SpDecodeAttention, RanksThatCallDifferentlyAreAMismatchOnEveryRank) {
+    if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+    const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("1M"));
+    for (bool dims_differ : {false, true}) {
+        SCOPED_TRACE(dims_differ ? "head_dim 64 against 128" : "batch 8 against 4");
+        const std::vector<std::string> messages = error_of_each_rank(2, [&](World& w) {
+            const int batch = !dims_differ && w.rank() == 1 ? 4 : 8;
+            const int dim = dims_differ && w.rank() == 1 ? 64 : 128;
+            const int hq = 32, hkv = 8, page = 16;
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            const size_t q_elems = static_cast<size_t>(batch) * hq * dim;
+            const size_t kv_elems = static_cast<size_t>(batch) * page * hkv * dim;
+            void *dq, *dk, *dv, *dt, *dl, *dout, *dlse;
+            WEFT_CUDA_CHECK(cudaMalloc(&dq, q_elems * 2));
+            WEFT_CUDA_CHECK(cudaMalloc(&dk, kv_elems * 2));
+            WEFT_CUDA_CHECK(cudaMalloc(&dv, kv_elems * 2));
+            WEFT_CUDA_CHECK(cudaMalloc(&dt, static_cast<size_t>(batch) * 4));
+            WEFT_CUDA_CHECK(cudaMalloc(&dl, static_cast<size_t>(batch) * 4));
+            WEFT_CUDA_CHECK(cudaMalloc(&dout, q_elems * 2));
+            WEFT_CUDA_CHECK(cudaMalloc(&dlse, static_cast<size_t>(batch) * hq * 4));
+            WEFT_CUDA_CHECK(cudaMemsetAsync(dq, 0, q_elems * 2, s));
+            WEFT_CUDA_CHECK(cudaMemsetAsync(dk, 0, kv_elems * 2, s));
+            WEFT_CUDA_CHECK(cudaMemsetAsync(dv, 0, kv_elems * 2, s));
+            std::vector<int32_t> table(static_cast<size_t>(batch)), lens(static_cast<size_t>(batch), page);
+            std::iota(table.begin(), table.end(), 0);
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(dt, table.data(), table.size() * 4, cudaMemcpyHostToDevice, s));
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(dl, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice, s));
+            ops::prepare_collectives(w);
+            const auto free_all = [&] {
+                w.barrier();
+                for (void* p : {dq, dk, dv, dt, dl, dout, dlse}) cudaFree(p);
+                cudaStreamDestroy(s);
+            };
+            try {
+                ops::sp_decode_attention(w, TensorView(dq, DType::kBF16, {batch, hq, dim}),
+                                         TensorView(dk, DType::kBF16, {batch, page, hkv, dim}),
+                                         TensorView(dv, DType::kBF16, {batch, page, hkv, dim}),
+                                         TensorView(dt, DType::kI32, {batch, 1}), TensorView(dl, DType::kI32, {batch}),
+                                         page, TensorView(dout, DType::kBF16, {batch, hq, dim}),
+                                         TensorView(dlse, DType::kF32, {batch, hq}), s);
+                w.sync_and_check(s);
+            } catch (...) {
+                free_all();
+                throw;
+            }
+            free_all();
+        });
+        for (int r = 0; r < 2; ++r) {
+            const std::string& m = messages[static_cast<size_t>(r)];
+            EXPECT_NE(m.find("collective call differs"), std::string::npos) << "rank " << r << ": " << m;
+            EXPECT_NE(m.find("sp_decode_attention"), std::string::npos) << "rank " << r << ": " << m;
+        }
+    }
+}
+
 }  // namespace
 }  // namespace weft::test

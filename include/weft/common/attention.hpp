@@ -115,6 +115,9 @@ struct AttentionPeerPush {
     const uint64_t* epoch = nullptr;  ///< the workspace's epoch word (read here, advanced by the combine kernel)
     uint8_t* ll_buffer = nullptr;     ///< symmetric [2 parities][num_ranks senders][ll_slot_bytes]
     uint64_t ll_slot_bytes = 0;
+    /// The low 32 bits of the combine's call descriptor, sent in every row's LSE line beside the LSE: the combine
+    /// compares each rank's with its own (ranks whose calls differ are a kCollectiveMismatch, not merged rows).
+    uint32_t tag = 0;
 };
 
 /// LL lines (8 bytes of payload each) of one pushed row.

@@ -88,8 +88,10 @@ AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_head
 /// LSE) as LL lines into every rank's collective workspace; a collective kernel then waits for every rank's rows and
 /// merges them by their LSE in fp32. Arguments as for decode_attention, per rank (q, out, lse and the head counts the
 /// same on every rank). Collective (every rank calls it, in the same order as its other collectives, with the same
-/// shapes: not checked across ranks, unlike the collectives' call descriptors; differing calls merge unrelated rows or
-/// end at the timeout); asynchronous, graph-capturable (the LL flags are the workspace's epochs, in device memory), bounded
+/// batch, q-heads, head_dim and dtype: every pushed row carries its call's descriptor, and a rank whose call differs is
+/// a mismatch that World::sync_and_check throws on the ranks that saw it, naming both calls, as for the collectives;
+/// the ranks that wait for rows it never pushes stop at the abort); one node (a team that spans nodes is refused);
+/// asynchronous, graph-capturable (the LL flags are the workspace's epochs, in device memory), bounded
 /// waits (a missing rank ends in a timeout diagnostic). Sequences go in rounds of as many as the LL slot holds
 /// (CollectiveWorkspaceInfo::ll_slot_bytes, 512 KiB per rank by default: batch x q-heads x (head_dim + 2) x 8 bytes of
 /// LL lines per round); one sequence's rows must fit one round (at most 504 q-heads of head_dim 128, 254 of head_dim

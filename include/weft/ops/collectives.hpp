@@ -8,7 +8,8 @@
 //    dtype and algorithm (checked on the device by every block before it writes: a member that differs makes
 //    World::sync_and_check throw on every rank, naming both calls and both world ranks; the copy-engine all-gather
 //    traps instead, docs/reliability.md). all_gather and all_to_all compare bytes, not dtypes. Across nodes the
-//    check covers each node's members; what crosses the network (NCCL) is not compared. A count of 0 launches
+//    check covers each node's members; what crosses the network (NCCL) is not compared, except all_to_all_v's
+//    counts (exchanged over the whole team on the host before anything is enqueued). A count of 0 launches
 //    nothing, so it is a no-op only when every member passes 0: where a member passes 0 and the others do not, the
 //    others' waits for it end at the World's timeout naming it as absent, not as a mismatch. A rank that is not a
 //    member gets weft::Error naming the op and the team's world ranks.
