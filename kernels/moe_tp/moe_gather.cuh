@@ -68,6 +68,19 @@ __device__ __forceinline__ void wait_words(Group group, const DeviceCtx& ctx, in
     if (!device::tile::wait_each_checked(group, ctx, n, word_at, Cmp::kGe, value).ok()) __trap();
 }
 
+/// The routing part of moe_call_signature: the sum over experts e of call_descriptor_mix(e + 1, counts[e]), the same in
+/// every lane (the whole warp calls).
+__device__ __forceinline__ uint64_t routing_digest(const int32_t* counts, int32_t num_experts) {
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    uint64_t h = 0;
+    for (int32_t e = lane; e < num_experts; e += 32) {
+        h += call_descriptor_mix(static_cast<uint64_t>(e) + 1, static_cast<uint64_t>(static_cast<uint32_t>(counts[e])));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) h += __shfl_xor_sync(0xFFFFFFFFu, h, off);
+    return h;
+}
+
 /// Row `row` of source s's partial (4 floats at column c).
 __device__ __forceinline__ float4 partial_at(const MoeCombineArgs& a, int s, int32_t row, int32_t c) {
     return __ldcg(reinterpret_cast<const float4*>(pick(a.partials, s) + static_cast<int64_t>(row) * a.ldp + c));
@@ -186,6 +199,27 @@ __global__ void __launch_bounds__(kMoeThreads) moe_combine_kernel(const MoeCombi
 /// *words[i] += value (release, system scope), i in [0, n): thread i.
 template <int kUnused>
 __global__ void __launch_bounds__(32) moe_notify_kernel(const MoeNotifyArgs a) {
+    if (a.signatures != nullptr) {
+        const uint64_t mine =
+            weft::moe::moe_call_signature(a.descriptor, detail::routing_digest(a.counts, a.num_experts));
+        const uint64_t expected = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(a.epoch) * a.per_epoch;
+        detail::wait_words(
+            device::Warp{}, a.ctx, a.n,
+            [&](int i) {
+                return device::tile::SignalFrom{a.arrived + i, i};
+            },
+            expected);
+        const int q = static_cast<int>(threadIdx.x);
+        if (q < a.n) {
+            // Written by q's push before the arrived adds this wait acquired.
+            const uint64_t theirs = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(a.signatures + q);
+            if (theirs != mine) {  // inline (no call: this kernel keeps no local memory)
+                device::record_diagnostic(a.ctx, device::SpinSite{SpinKind::kCollectiveMismatch, q, __LINE__}, Cmp::kEq,
+                                          a.signatures + q, mine, theirs, 0, false);
+                device::raise_abort(a.ctx);
+            }
+        }
+    }
     if (threadIdx.x < static_cast<unsigned>(a.n)) {
         device::signal_release<ptx::Scope::kSys>(detail::pick(a.words, static_cast<int>(threadIdx.x)), a.value,
                                                  device::SignalOp::kAdd);
@@ -217,6 +251,11 @@ __global__ void __launch_bounds__(kMoeThreads) moe_push_rows_kernel(const MoePus
     const int32_t warp0 = static_cast<int32_t>(blockIdx.x) * kWarps + static_cast<int32_t>(threadIdx.x) / 32;
     const int32_t num_warps = static_cast<int32_t>(gridDim.x) * kWarps;
     const uint64_t epoch = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(a.epoch);
+    // This call's signature (M and the routing), written to every member before the arrived add that releases it.
+    uint64_t signature = 0;
+    if (threadIdx.x < 32) {
+        signature = weft::moe::moe_call_signature(a.descriptor, detail::routing_digest(a.counts, a.num_experts));
+    }
     const int32_t slots = a.tokens_per_rank * a.topk;
     const int64_t slot0 = static_cast<int64_t>(a.rank) * slots;
     for (int32_t i = 0; i < a.num_ranks; ++i) {
@@ -240,6 +279,7 @@ __global__ void __launch_bounds__(kMoeThreads) moe_push_rows_kernel(const MoePus
         }
         __syncthreads();
         if (threadIdx.x == 0) {
+            ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(detail::pick(a.signature_at, q), signature);
             device::signal_release<ptx::Scope::kSys>(detail::pick(a.arrived, q), 1, device::SignalOp::kAdd);
         }
     }

@@ -520,6 +520,7 @@ struct MoeLayerBase : tp_detail::FusedOpState {
 struct MoeAgGroupedGemm::State : MoeLayerBase {
     unsigned short* gathered = nullptr;  // symmetric [rows_capacity, hidden]
     uint64_t* arrived = nullptr;         // [W]
+    uint64_t* signatures = nullptr;      // [W]: each member's call signature (moe_call_signature), from its push
     int32_t* routing_words = nullptr;    // counts, offsets, gather_index, slot_rows
     MoeRouting routing;
     MoeRoutingStatus* status_host = nullptr;
@@ -542,10 +543,11 @@ MoeAgGroupedGemm::MoeAgGroupedGemm(const Team& team, const MoeTpShape& shape, co
     const int64_t e = shape.num_experts;
     s.gathered = static_cast<unsigned short*>(
         s.heap.alloc(static_cast<uint64_t>(s.rows_capacity * shape.hidden) * sizeof(unsigned short)));
-    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(2 * s.num_ranks + 1));
+    uint64_t* words = s.heap.alloc_signals(static_cast<uint64_t>(3 * s.num_ranks + 1));
     s.arrived = words;
     s.consumed = words + s.num_ranks;
     s.epoch = words + 2 * s.num_ranks;
+    s.signatures = s.epoch + 1;
     const int64_t index_words = e + (e + 1) + s.rows_capacity + shape.max_tokens * shape.topk;
     s.routing_words = static_cast<int32_t*>(s.heap.alloc(static_cast<uint64_t>(index_words) * sizeof(int32_t)));
     s.routing.counts = s.routing_words;
@@ -644,11 +646,27 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
     push.k = static_cast<int32_t>(h);
     push.num_ranks = s.num_ranks;
     push.rank = s.rank;
+    // What the members' calls must agree on: M and (on the device) the routing's counts; the shape's topk and hidden
+    // were agreed at construction.
+    const uint64_t descriptor = make_call_descriptor(CollectiveOp::kMoeAgGemm, 0, true, DType::kBF16,
+                                                     static_cast<uint64_t>(m), call_descriptor_mix(0, topk));
+    for (int q = 0; q < s.num_ranks; ++q) push.signature_at[q] = s.peer(s.signatures + s.rank, q);
+    push.descriptor = descriptor;
+    push.counts = s.routing.counts;
+    push.num_experts = static_cast<int32_t>(e);
 
     weft::moe::MoeNotifyArgs notify{};
     for (int q = 0; q < s.num_ranks; ++q) notify.words[q] = s.peer(s.consumed + s.rank, q);
     notify.value = 1;
     notify.n = s.num_ranks;
+    notify.num_experts = static_cast<int32_t>(e);
+    notify.ctx = s.wait_ctx();
+    notify.arrived = s.arrived;
+    notify.signatures = s.signatures;
+    notify.epoch = s.epoch;
+    notify.per_epoch = static_cast<uint64_t>(s.comm_blocks);
+    notify.descriptor = descriptor;
+    notify.counts = s.routing.counts;
 
     // Launches only from here: nothing that can throw may sit between them (a peer waits for each on the device).
     gemm_advance_epoch(s.epoch, stream);

@@ -85,6 +85,8 @@ const char* op_name(CollectiveOp op) {
         case CollectiveOp::kGemmRs: return "gemm_rs";
         case CollectiveOp::kAgAttention:
             return "ag_attention";
+        case CollectiveOp::kMoeAgGemm:
+            return "moe_ag_grouped_gemm";
     }
     return nullptr;
 }
@@ -129,6 +131,8 @@ std::string describe_call_descriptor(uint64_t descriptor) {
             os << " with M = " << at_least << count << (dt.empty() ? "" : ", " + dt + role);
         } else if (op == CollectiveOp::kAgAttention) {
             os << " with S = " << at_least << count << (dt.empty() ? "" : ", " + dt);
+        } else if (op == CollectiveOp::kMoeAgGemm) {
+            os << " with M = " << at_least << count << " tokens (its topk_idx in the digest)";
         } else if (op == CollectiveOp::kAllToAllV) {
             os << " (uneven splits)";
         } else if (op == CollectiveOp::kAttentionCombine) {

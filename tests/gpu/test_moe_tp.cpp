@@ -672,5 +672,47 @@ TEST(MoeTpLayers, BadArgumentsThrowOnEveryRank) {
     f.report();
 }
 
+// Members whose layer-0 calls differ (another M, or the same M with another topk_idx): every member's call is a
+// mismatch that sync_and_check throws, naming both calls (merged rows of unrelated calls before).
+TEST(MoeTpLayers, MembersWhoseCallsDifferAreAMismatchOnEveryMember) {
+    REQUIRE_SM90();
+    for (bool routing_differs : {false, true}) {
+        SCOPED_TRACE(routing_differs ? "another topk_idx" : "another M");
+        const std::vector<std::string> errors = test::error_of_each_rank(2, [&](World& w) {
+            const ops::MoeTpShape shape{.max_tokens = 64, .hidden = 128, .ffn = 32, .num_experts = 8, .topk = 2};
+            const int64_t tpr = !routing_differs && w.rank() == 1 ? 16 : 32;
+            const int64_t m = tpr * 2;
+            ops::MoeAgGroupedGemm up(w, shape);
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            DevBuf x(static_cast<size_t>(tpr * 128 * 2)), idx(static_cast<size_t>(m * 2 * 4)),
+                wt(static_cast<size_t>(8 * 32 * 128 * 2)), y(static_cast<size_t>(up.rows_capacity() * 32 * 2));
+            std::vector<int32_t> ids(static_cast<size_t>(m * 2));
+            for (size_t i = 0; i < ids.size(); ++i) {
+                ids[i] = static_cast<int32_t>(i % 2) + (routing_differs && w.rank() == 1 ? 2 : 0);
+            }
+            WEFT_CUDA_CHECK(cudaMemsetAsync(x.ptr, 0, x.bytes, s));
+            WEFT_CUDA_CHECK(cudaMemsetAsync(wt.ptr, 0, wt.bytes, s));
+            to_device(idx.ptr, ids, s);
+            std::string error;
+            try {
+                up.run(TensorView(x.ptr, DType::kBF16, {tpr, 128}), TensorView(idx.ptr, DType::kI32, {m, 2}),
+                       TensorView(wt.ptr, DType::kBF16, {8, 32, 128}),
+                       TensorView(y.ptr, DType::kBF16, {up.rows_capacity(), 32}), s);
+                w.sync_and_check(s);
+            } catch (const Error& e) {
+                error = e.what();
+            }
+            cudaStreamDestroy(s);
+            WEFT_CHECK(error.empty(), error);
+        });
+        for (int r = 0; r < 2; ++r) {
+            const std::string& e = errors[static_cast<size_t>(r)];
+            EXPECT_NE(e.find("collective call differs"), std::string::npos) << "rank " << r << ": " << e;
+            EXPECT_NE(e.find("moe_ag_grouped_gemm with M = "), std::string::npos) << "rank " << r << ": " << e;
+        }
+    }
+}
+
 }  // namespace
 }  // namespace weft

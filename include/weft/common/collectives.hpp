@@ -83,6 +83,7 @@ enum class CollectiveOp : uint32_t {
     kAgGemm = 8,        ///< count: the gathered M (every rank's rows); dtype: A's
     kGemmRs = 9,        ///< count: M (the partials' rows); dtype: the partials'
     kAgAttention = 10,  ///< count: S (every rank's rows); dtype: Q/K/V's
+    kMoeAgGemm = 11,    ///< TP MoE layer 0; count: M (tokens); dtype: bf16; the routing in the digest
 };
 
 /// Count values at and above this read as "at least" in a descriptor.

@@ -3,6 +3,7 @@
 // header that host-only code includes to fill them for a JIT launch.
 #pragma once
 
+#include "weft/common/collectives.hpp"
 #include "weft/common/device_ctx.hpp"
 #include "weft/common/diagnostics.hpp"
 #include "weft/common/gemm_hook_params.hpp"
@@ -14,6 +15,14 @@ namespace weft::moe {
 inline constexpr int kMoeMaxRanks = 8;
 /// Threads per CTA of the routing, gather, scatter and reduce kernels.
 inline constexpr int kMoeThreads = 256;
+
+/// A TP MoE layer-0 call's signature: the host's call descriptor (CollectiveOp::kMoeAgGemm, M, topk, hidden) with the
+/// routing's per-expert counts folded into its digest (`routing` = the sum over experts e of
+/// call_descriptor_mix(e + 1, counts[e])), so that members whose M or topk_idx differ disagree.
+WEFT_HOST_DEVICE constexpr uint64_t moe_call_signature(uint64_t descriptor, uint64_t routing) {
+    const uint64_t d = routing ^ (routing >> 20) ^ (routing >> 40);
+    return (descriptor & ~0xFFFFFull) | ((descriptor ^ d) & 0xFFFFFull);
+}
 
 /// What the routing kernels found wrong in a top-k index list (device or host-mapped memory, zero-initialised by its
 /// owner; the first bad slot of the first launch that finds one claims the record).
@@ -93,14 +102,28 @@ struct MoePushArgs {
     const uint64_t* epoch;
     int64_t ldx, ldd;
     int32_t tokens_per_rank, topk, k, num_ranks, rank;
+    uint64_t* signature_at[kMoeMaxRanks];  ///< &(member q's signatures[this rank]): the call's, before its arrived add
+    uint64_t descriptor;                   ///< the host's part of moe_call_signature
+    const int32_t* counts;                 ///< [num_experts] this call's routing counts
+    int32_t num_experts;
 };
 
 /// Adds `value` to *words[i] for i in [0, n) with release semantics at system scope (one thread per word): the end of
-/// a call tells every member that this rank is done with the data it read from it.
+/// a call tells every member that this rank is done with the data it read from it. With `signatures` set (layer 0),
+/// first waits (bounded) for every member's pushes (arrived[q] >= *epoch * per_epoch) and compares the signature
+/// each wrote (signatures[q]) with this call's: one that differs records a kCollectiveMismatch (the abort raised).
 struct MoeNotifyArgs {
     uint64_t* words[kMoeMaxRanks];
     uint64_t value;
     int32_t n;
+    int32_t num_experts;
+    DeviceCtx ctx;
+    const uint64_t* arrived;     ///< [n] local
+    const uint64_t* signatures;  ///< [n] local, or null: no check
+    const uint64_t* epoch;
+    uint64_t per_epoch;
+    uint64_t descriptor;    ///< as MoePushArgs::descriptor
+    const int32_t* counts;  ///< as MoePushArgs::counts
 };
 
 /// Waits until *words[i] >= *epoch * per_epoch - lag for i in [0, n) (one thread per word, bounded).

@@ -153,9 +153,11 @@ public:
     ///   w:        [E, ffn, hidden] bf16 (this rank's columns of every expert's weight)
     ///   y:        [rows_capacity(), ffn] bf16: row r is slot (gather_index[r], k)'s, grouped by expert (routing());
     ///             rows past routing's offsets[E] untouched; its bytes apart from x_local's and w's
-    /// Every member calls with the same M and topk_idx (not checked across ranks: other rows move, and the results
-    /// are wrong without an error). Asynchronous on `stream`; capturable in a CUDA graph after its first call (every
-    /// value of the protocol is an epoch in device memory).
+    /// Every member calls with the same M and topk_idx: each member's push carries its call's signature (M and the
+    /// routing's per-expert counts) and the end of the call compares every member's with its own, so a member whose
+    /// call differs is a mismatch that World::sync_and_check throws on every member, naming both calls (y is then
+    /// wrong; two routings with the same counts per expert are not told apart). Asynchronous on `stream`; capturable in
+    /// a CUDA graph after its first call (every value of the protocol is an epoch in device memory).
     void run(const TensorView& x_local, const TensorView& topk_idx, const TensorView& w, const TensorView& y,
              cudaStream_t stream);
 
