@@ -62,10 +62,18 @@ __device__ __forceinline__ T pick(const T (&arr)[kMoeMaxRanks], int i) {
 }
 
 /// Bounded wait (checked form, inline: no call) until *word >= value for the n words word_at(i) of owners owner_at(i);
-/// the whole block calls; traps once a timeout is recorded.
-template <class Group, class WordAt>
+/// the whole group (a block, or the kernel's one warp) calls. A wait that gives up (its Diagnostic recorded, the abort
+/// word raised) ends every thread of the group (`exit`, not a trap: the kernel ends, the context stays usable, and
+/// World::sync_and_check throws the diagnosis). Callers keep no barrier after it that other groups would wait in.
+/// kTrap: trap instead (the push kernel, whose loop spills 16 bytes around an exit).
+template <bool kTrap = false, class Group, class WordAt>
 __device__ __forceinline__ void wait_words(Group group, const DeviceCtx& ctx, int n, WordAt&& word_at, uint64_t value) {
-    if (!device::tile::wait_each_checked(group, ctx, n, word_at, Cmp::kGe, value).ok()) __trap();
+    const bool ok = device::tile::wait_each_checked(group, ctx, n, word_at, Cmp::kGe, value).ok();
+    if constexpr (kTrap) {
+        if (!ok) __trap();
+    } else {
+        device::exit_unless(ok);
+    }
 }
 
 /// The routing part of moe_call_signature: the sum over experts e of call_descriptor_mix(e + 1, counts[e]), the same in
@@ -262,7 +270,7 @@ __global__ void __launch_bounds__(kMoeThreads) moe_push_rows_kernel(const MoePus
         const int32_t q = (a.rank + i) % a.num_ranks;
         if (q != a.rank) {
             // q's GEMM of the previous call has read its gathered A (q adds 1 to consumed[this rank] per call).
-            detail::wait_words(
+            detail::wait_words<true>(
                 device::Block{}, a.ctx, 1,
                 [&](int) {
                     return device::tile::SignalFrom{a.consumed + q, q};

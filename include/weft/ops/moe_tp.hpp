@@ -194,10 +194,11 @@ public:
     ///             activation)
     ///   w:        [E, hidden, ffn] bf16 (this rank's K slice of every expert's down projection)
     ///   routing:  the same on every member (MoeAgGroupedGemm::routing(), or moe_route of the replicated topk_idx);
-    ///             not checked across ranks: an expert with rows on one member and none on another leaves that
-    ///             member's done word for it unraised, and the first member's combine traps at its wait's bound (the
-    ///             CUDA context is then unusable). A routing built by hand must keep every expert's rows inside
-    ///             rows_capacity (offsets[g] + counts[g] <= rows_capacity): the same trap otherwise.
+    ///             not compared across ranks: an expert with rows on one member and none on another leaves that
+    ///             member's done word for it unraised, and the first member's combine ends at its wait's bound with
+    ///             a diagnostic naming the member and the word (World::sync_and_check throws it; the kernels exit,
+    ///             the context stays usable). A routing built by hand must keep every expert's rows inside
+    ///             rows_capacity (offsets[g] + counts[g] <= rows_capacity): the same error otherwise.
     ///   weights:  [M, topk] f32, the same on every member
     ///   out:      [M/W, hidden] bf16 or f32; its bytes apart from h's, w's, weights' and routing's slot_rows, counts
     ///             and offsets
