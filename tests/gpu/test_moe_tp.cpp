@@ -714,5 +714,58 @@ TEST(MoeTpLayers, MembersWhoseCallsDifferAreAMismatchOnEveryMember) {
     }
 }
 
+// Layer 1 with routings that differ between members (an expert with rows on one and none on the other): the combine's
+// wait for the other's done word ends at the bound with a diagnosis that sync_and_check throws, and the kernels exit
+// (no trap): the CUDA context stays usable.
+TEST(MoeTpLayers, Layer1RoutingsThatDifferEndInADiagnosisNotATrap) {
+    REQUIRE_SM90();
+    WorldOptions options;
+    options.timeout = std::chrono::milliseconds(3000);
+    std::mutex mutex;
+    std::vector<std::string> errors(2);
+    test::run_ranks(
+        2,
+        [&](World& w) {
+            const ops::MoeTpShape shape{.max_tokens = 64, .hidden = 128, .ffn = 32, .num_experts = 8, .topk = 2};
+            const int64_t m = 64, tpr = 32, e = 8, topk = 2;
+            ops::MoeGroupedGemmRs down(w, shape);
+            const int64_t rows = down.rows_capacity();
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            DevBuf words(static_cast<size_t>((e + e + 1 + rows + m * topk) * 4)),
+                idx(static_cast<size_t>(m * topk * 4));
+            DevBuf h(static_cast<size_t>(rows * 32 * 2)), wt(static_cast<size_t>(e * 128 * 32 * 2));
+            DevBuf weights(static_cast<size_t>(m * topk * 4)), out(static_cast<size_t>(tpr * 128 * 2));
+            std::vector<int32_t> ids(static_cast<size_t>(m * topk));
+            for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i % 2) + 2 * w.rank();
+            to_device(idx.ptr, ids, s);
+            for (DevBuf* b : {&h, &wt, &weights}) WEFT_CUDA_CHECK(cudaMemsetAsync(b->ptr, 0, b->bytes, s));
+            ops::MoeRouting routing;
+            routing.counts = static_cast<int32_t*>(words.ptr);
+            routing.offsets = routing.counts + e;
+            routing.gather_index = routing.offsets + e + 1;
+            routing.slot_rows = routing.gather_index + rows;
+            routing.num_experts = e;
+            routing.rows_capacity = rows;
+            ops::moe_route(TensorView(idx.ptr, DType::kI32, {m, topk}), routing, 1, s);
+            try {
+                down.run(TensorView(h.ptr, DType::kBF16, {rows, 32}), TensorView(wt.ptr, DType::kBF16, {e, 128, 32}),
+                         routing, TensorView(weights.ptr, DType::kF32, {m, topk}),
+                         TensorView(out.ptr, DType::kBF16, {tpr, 128}), s);
+                w.sync_and_check(s);
+            } catch (const Error& ex) {
+                const std::lock_guard<std::mutex> lock(mutex);
+                errors[static_cast<size_t>(w.rank())] = ex.what();
+            }
+            // The context is usable: plain CUDA work still runs.
+            WEFT_CUDA_CHECK(cudaMemsetAsync(out.ptr, 0, out.bytes, s));
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+            cudaStreamDestroy(s);
+            w.barrier();
+        },
+        options);
+    for (int r = 0; r < 2; ++r) EXPECT_FALSE(errors[static_cast<size_t>(r)].empty()) << "rank " << r;
+}
+
 }  // namespace
 }  // namespace weft
