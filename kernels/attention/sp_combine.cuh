@@ -16,8 +16,8 @@ namespace weft::kernels::attention {
 /// p.count = rows (sequences x q-heads), p.out_stride = head_dim (64, 128 or 256), p.out = output [rows, head_dim]
 /// (C.dtype), p.res = fp32 LSE [rows] or null. Thread item i covers 4 columns of one row: it polls every rank's LSE
 /// line and 2 data lines of that row, and writes sum_q e^(lse_q - lse) o_q with lse = ln sum_q e^(lse_q) (zeros and
-/// -inf when every rank's shard was empty). Each LSE line carries its sender's tag (AttentionPeerPush::tag, the low
-/// 32 bits of its call descriptor): one that differs from this call's records a kCollectiveMismatch (the abort word
+/// -inf when every rank's shard was empty). Each LSE line carries its sender's tag (AttentionPeerPush::tag, 32 bits
+/// of its call descriptor): one that differs from this call's records a kCollectiveMismatch (the abort word
 /// raised) and ends the thread, which writes nothing.
 template <ReduceKernelConfig C>
 __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(C.block_threads))
@@ -41,10 +41,9 @@ __global__ void __launch_bounds__(C.block_threads, collective_min_blocks_per_sm(
         for (int q = 0; q < n; ++q) {
             const uint8_t* lse_line = st.ll_slot(q) + (line + dim / 2) * kLowLatencyLineBytes;
             const uint2 v = device::ll::wait_line_from(ctx, lse_line, flag, q);
-            if (v.y != static_cast<uint32_t>(p.descriptor)) {
-                // The peer's descriptor as far as the tag tells it: this call's op, dtype and high count bits.
+            if (v.y != attention_push_tag(p.descriptor)) {
                 device::fail_and_exit(ctx, device::SpinSite{SpinKind::kCollectiveMismatch, q, __LINE__}, Cmp::kEq,
-                                      lse_line, p.descriptor, (p.descriptor & ~0xFFFFFFFFull) | v.y, 0, false);
+                                      lse_line, p.descriptor, attention_descriptor_of_tag(p.descriptor, v.y), 0, false);
             }
             m = fmaxf(m, __uint_as_float(v.x));
         }

@@ -116,14 +116,14 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
         cp.out_stride = static_cast<uint64_t>(dim);
         cp.out = static_cast<uint8_t*>(out.data) + b0 * heads * dim * elem;
         cp.res = lse.data != nullptr ? static_cast<float*>(lse.data) + b0 * heads : nullptr;
-        // What every rank's round must agree on; its low 32 bits travel in every pushed row (AttentionPeerPush::tag).
+        // What every rank's round must agree on; 32 bits of it travel in every pushed row (AttentionPeerPush::tag).
         cp.descriptor =
             detail::call_descriptor(CollectiveOp::kAttentionCombine, 0, q.dtype, static_cast<uint64_t>(rows),
                                     {static_cast<uint64_t>(dim), static_cast<uint64_t>(heads),
                                      static_cast<uint64_t>(b0), static_cast<uint64_t>(batch)});
         p.push_enabled = 1;
         p.push = push;
-        p.push.tag = static_cast<uint32_t>(cp.descriptor);
+        p.push.tag = attention_push_tag(cp.descriptor);
         detail::launch_decode_attention(round, options, stream);
 
         const int grid = all_gather_grid(AllGatherAlgo::kLowLatency, static_cast<uint64_t>(rows * dim / 4) * 8, topo);

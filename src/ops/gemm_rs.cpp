@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <sstream>
 
 #include "member_records.hpp"
@@ -22,6 +23,7 @@
 #include "weft/net/chunk_schedule.hpp"
 #include "weft/net/gemm_rs_plan.hpp"
 #include "weft/net/host_backend.hpp"
+#include "weft/ops/gemm_codegen.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
@@ -273,9 +275,6 @@ namespace {
 /// (this op over the node's members, made collectively over them), the node sums' buffers and the final sum's kernel.
 void make_internode(GemmRs::State& s, const Team& team, const GemmRsOptions& options) {
     World& world = *s.world;
-    WEFT_CHECK(!options.autotune, "gemm_rs: options.autotune on a team that spans nodes ("
-                                      << team.describe() << ") is not supported yet; tune on one node and pass "
-                                      << "the winner as options.config");
     s.net = &net::HostBackend::get(team);
     s.plan = net::plan_rs_internode(s.net->team_ranks_by_node(), s.rank);
     const int num_nodes = s.plan.num_nodes;
@@ -341,6 +340,10 @@ GemmRs::GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& 
         detail::exchange_member_records(team, "weft.ops.gemm_rs.shape", kOp, "shape or options are", [&] {
             validate_gemm_rs_shape(shape, s.num_ranks, options);
             s.partial_dtype = options.partial_dtype.value_or(shape.dtype);
+            WEFT_CHECK(!spans_nodes || !options.autotune, "gemm_rs: options.autotune on a team that spans nodes ("
+                                                              << team.describe()
+                                                              << ") is not supported yet; tune on one node and pass "
+                                                              << "the winner as options.config");
             if (!spans_nodes) {
                 tp_detail::check_sm_budget_share(world, options.sm_budget, kOp);
                 s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.shared_sm_budget());
@@ -356,12 +359,21 @@ GemmRs::GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& 
                                    << s.budget << ", got " << s.reduce_ctas);
                 }
             }
+            // Everything the plan (config, chunks, buffer sizes) and the first call's autotuning depend on.
+            const int64_t forced =
+                options.config
+                    ? static_cast<int64_t>(std::hash<std::string>{}(format_gemm_config(*options.config)) >> 1)
+                    : 0;
             mine = {shape.max_m,
                     shape.n,
                     static_cast<int64_t>(shape.dtype),
                     static_cast<int64_t>(s.partial_dtype),
                     static_cast<int64_t>(s.mode),
                     options.chunk_rows,
+                    s.budget,
+                    s.reduce_ctas,
+                    options.autotune ? 1 : 0,
+                    forced,
                     shape.k};
             return detail::fields_record(mine);
         });
@@ -369,8 +381,12 @@ GemmRs::GemmRs(const Team& team, const GemmRsShape& shape, const GemmRsOptions& 
                                               "shape.n",
                                               "shape.dtype",
                                               "partial dtypes (options.partial_dtype)",
-                                              "modes (options.mode, resolved)",
-                                              "options.chunk_rows"};
+                                              "modes (options.mode, options.reduce_ctas and the shape, resolved)",
+                                              "options.chunk_rows",
+                                              "SM budgets (options.sm_budget, resolved)",
+                                              "reduction CTAs (options.reduce_ctas, resolved)",
+                                              "options.autotune",
+                                              "forced configs (options.config: 0 = none, else a digest)"};
     s.plan_k = shape.k;
     for (const std::vector<uint8_t>& r : all) {
         WEFT_CHECK(r.size() == mine.size() * sizeof(int64_t), "gemm_rs: a member sent a malformed record");

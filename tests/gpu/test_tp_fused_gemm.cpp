@@ -171,14 +171,17 @@ TEST(TpFusedGemm, PrepareAndLaunchCheckTheirArguments) {
             "not made by FusedGemm::prepare");
         GemmConfig other = cfg;
         other.tile_n = cfg.tile_n == 128 ? 64 : 128;
-        if (!is_valid(other)) f.add("the other config is not valid");
-        const ops::FusedGemm fused_other(w, ops::plain_gemm_fused_spec(), other);
-        expect(
-            [&] {
-                fused.launch(fused_other.prepare(a, b, d), gemm::PersistentSchedulerParams{},
-                             gemm::NoEpilogueHookParams{}, nullptr);
-            },
-            "prepare it with the FusedGemm that launches it");
+        if (!is_valid(other)) {
+            f.add("the other config is not valid");
+        } else {
+            const ops::FusedGemm fused_other(w, ops::plain_gemm_fused_spec(), other);
+            expect(
+                [&] {
+                    fused.launch(fused_other.prepare(a, b, d), gemm::PersistentSchedulerParams{},
+                                 gemm::NoEpilogueHookParams{}, nullptr);
+                },
+                "prepare it with the FusedGemm that launches it");
+        }
         cudaStream_t st = nullptr;
         WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
         fused.launch(call, gemm::PersistentSchedulerParams{}, gemm::NoEpilogueHookParams{}, st);  // the right ones run

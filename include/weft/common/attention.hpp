@@ -115,10 +115,20 @@ struct AttentionPeerPush {
     const uint64_t* epoch = nullptr;  ///< the workspace's epoch word (read here, advanced by the combine kernel)
     uint8_t* ll_buffer = nullptr;     ///< symmetric [2 parities][num_ranks senders][ll_slot_bytes]
     uint64_t ll_slot_bytes = 0;
-    /// The low 32 bits of the combine's call descriptor, sent in every row's LSE line beside the LSE: the combine
-    /// compares each rank's with its own (ranks whose calls differ are a kCollectiveMismatch, not merged rows).
+    /// Bits 8..39 of the combine's call descriptor (the count's low 20 bits, up to 2^20 rows exact, and 12 bits of the
+    /// digest: attention_push_tag), sent in every row's LSE line beside the LSE: the combine compares each rank's with
+    /// its own (ranks whose calls differ are a kCollectiveMismatch, not merged rows).
     uint32_t tag = 0;
 };
+
+/// AttentionPeerPush::tag of a call descriptor, and the descriptor a peer's tag stands for (this call's, with the tag's
+/// bits in place: its op and dtype are read as this call's).
+WEFT_HOST_DEVICE constexpr uint32_t attention_push_tag(uint64_t descriptor) {
+    return static_cast<uint32_t>(descriptor >> 8);
+}
+WEFT_HOST_DEVICE constexpr uint64_t attention_descriptor_of_tag(uint64_t mine, uint32_t tag) {
+    return (mine & ~(0xFFFFFFFFull << 8)) | (static_cast<uint64_t>(tag) << 8);
+}
 
 /// LL lines (8 bytes of payload each) of one pushed row.
 WEFT_HOST_DEVICE constexpr int64_t attention_push_row_lines(int64_t head_dim) { return (head_dim + 2) / 2; }

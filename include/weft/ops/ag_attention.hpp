@@ -122,8 +122,9 @@ public:
     ///            the wgmma kernel, sm_90's default: a broadcast q needs options.config with kMmaSync)
     ///   k_local, v_local [S/W, num_kv_heads, head_dim]: heads and dims contiguous (head stride head_dim), row
     ///            stride >= num_kv_heads * head_dim and a multiple of 8, of at most 2 GiB - 1 bytes where the rows are
-    ///            not back to back (any device memory; local_k(S) / local_v(S)
-    ///            themselves skip the local copy)
+    ///            not back to back (this GPU's device memory; local_k(S) / local_v(S) themselves, rows back to
+    ///            back, skip the local copy; any other view inside the gathered buffers is refused: the peers'
+    ///            shards arrive there while it would be copied)
     ///   out      [S/W, num_q_heads, head_dim] contiguous;  lse f32 [S/W, num_q_heads] contiguous, or empty
     /// all of shape.dtype, 16-byte aligned. Every member calls with the same S (1 <= S/W, S <= max_seq): a rank that
     /// reads the shard of a member whose S differs records a kCollectiveMismatch diagnostic naming both calls (its
