@@ -75,7 +75,8 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
                                   {"block_table", block_table},
                                   {"seq_lens", seq_lens},
                                   {"out", out},
-                                  {"lse", lse}},
+                                  {"lse", lse},
+                                  {"options.workspace", options.workspace}},
                                  "sp_decode_attention", stream);
     detail::CollectiveWorkspace& ws = detail::CollectiveWorkspace::get(team, stream, "sp_decode_attention");
     const int64_t batch = plan.params.batch;
