@@ -13,6 +13,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "support/jit_testing.hpp"
@@ -325,6 +326,9 @@ TEST(SpDecodeAttention, RanksThatCallDifferentlyAreAMismatchOnEveryRank) {
             WEFT_CUDA_CHECK(cudaMemcpyAsync(dl, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice, s));
             ops::prepare_collectives(w);
             const auto free_all = [&] {
+                // Every rank's abort reached every rank; then the World is usable again.
+                std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+                w.clear_diagnostics();
                 w.barrier();
                 for (void* p : {dq, dk, dv, dt, dl, dout, dlse}) cudaFree(p);
                 cudaStreamDestroy(s);

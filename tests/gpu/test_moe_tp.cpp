@@ -18,6 +18,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "support/gemm_testing.hpp"
@@ -704,6 +705,10 @@ TEST(MoeTpLayers, MembersWhoseCallsDifferAreAMismatchOnEveryMember) {
                 error = e.what();
             }
             cudaStreamDestroy(s);
+            // Every rank's abort reached every rank; then the World is usable again for the op's release.
+            std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+            w.clear_diagnostics();
+            w.barrier();
             WEFT_CHECK(error.empty(), error);
         });
         for (int r = 0; r < 2; ++r) {
@@ -761,6 +766,8 @@ TEST(MoeTpLayers, Layer1RoutingsThatDifferEndInADiagnosisNotATrap) {
             WEFT_CUDA_CHECK(cudaMemsetAsync(out.ptr, 0, out.bytes, s));
             WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
             cudaStreamDestroy(s);
+            std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+            w.clear_diagnostics();
             w.barrier();
         },
         options);
