@@ -12,9 +12,11 @@
 #include "support/jit_testing.hpp"
 #include "support/sass_testing.hpp"
 #include "weft/common/attention.hpp"
+#include "weft/common/collectives.hpp"
 #include "weft/jit/aot.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/attention.hpp"
+#include "weft/runtime/diagnostics.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft::ops {
@@ -22,6 +24,30 @@ namespace {
 
 // ------------------------------------------------------------------------------------------------
 // Split plan
+
+// The tag each pushed row carries (sp_decode_attention): rounds that differ in any field get different tags, and the
+// descriptor rebuilt from a peer's tag names its row count exactly (up to 2^20 rows).
+TEST(AttentionPlan, PushTagsTellCallsApartAndNameTheirRows) {
+    const auto descriptor = [](uint64_t rows, uint64_t dim, uint64_t heads, uint64_t b0, uint64_t batch) {
+        return make_call_descriptor(
+            CollectiveOp::kAttentionCombine, 0, true, DType::kBF16, rows,
+            call_descriptor_mix(call_descriptor_mix(call_descriptor_mix(call_descriptor_mix(0, dim), heads), b0),
+                                batch));
+    };
+    const uint64_t mine = descriptor(256, 128, 32, 0, 8);
+    const std::vector<uint64_t> others = {descriptor(128, 128, 32, 0, 4), descriptor(256, 64, 32, 0, 8),
+                                          descriptor(256, 128, 32, 8, 16), descriptor(8192, 128, 32, 0, 256),
+                                          descriptor(256, 128, 16, 0, 16)};
+    for (uint64_t other : others) {
+        EXPECT_NE(attention_push_tag(other), attention_push_tag(mine)) << std::hex << other;
+        const uint64_t rebuilt = attention_descriptor_of_tag(mine, attention_push_tag(other));
+        EXPECT_EQ(call_descriptor_count(rebuilt), call_descriptor_count(other)) << describe_call_descriptor(rebuilt);
+    }
+    EXPECT_EQ(attention_descriptor_of_tag(mine, attention_push_tag(mine)), mine);
+    EXPECT_NE(
+        describe_call_descriptor(attention_descriptor_of_tag(mine, attention_push_tag(others[3]))).find("8192 rows"),
+        std::string::npos);
+}
 
 TEST(AttentionPlan, SplitsCoverEveryTokenOnceInWholeTiles) {
     for (int64_t len : {0, 1, 63, 64, 65, 1000, 33000, 1 << 20}) {

@@ -16,8 +16,10 @@
 #include "support/nvrtc_testing.hpp"
 #include "support/sass_testing.hpp"
 #include "weft/common/gemm_config.hpp"
+#include "weft/common/moe_tp_params.hpp"
 #include "weft/ops/grouped_gemm.hpp"
 #include "weft/ops/moe_tp.hpp"
+#include "weft/runtime/diagnostics.hpp"
 #include "weft/runtime/error.hpp"
 
 #ifndef WEFT_SOURCE_DIR
@@ -66,6 +68,30 @@ std::map<std::string, std::string> compile_sass(const std::vector<std::string>& 
 
 // Both layers' GEMMs over every grouped candidate their heuristic may pick: wgmma (HGMMA, no HMMA), TMA loads and
 // stores, no local memory (a reachable call or trap in the consumer warpgroups would spill the accumulators).
+// The TP MoE layer-0 call signature: M stays readable (the op and count fields are the host descriptor's), and the
+// routing's counts change the digest.
+TEST(MoeTpSignature, MAndTheRoutingTellCallsApart) {
+    const auto desc = [](uint64_t m) {
+        return make_call_descriptor(CollectiveOp::kMoeAgGemm, 0, true, DType::kBF16, m, call_descriptor_mix(0, 2));
+    };
+    const auto routing = [](const std::vector<int32_t>& counts) {
+        uint64_t h = 0;
+        for (size_t e = 0; e < counts.size(); ++e) {
+            h += call_descriptor_mix(e + 1, static_cast<uint64_t>(static_cast<uint32_t>(counts[e])));
+        }
+        return h;
+    };
+    const uint64_t a = moe::moe_call_signature(desc(64), routing({64, 64, 0, 0}));
+    EXPECT_EQ(call_descriptor_op(a), CollectiveOp::kMoeAgGemm);
+    EXPECT_EQ(call_descriptor_count(a), 64u);
+    EXPECT_NE(a, moe::moe_call_signature(desc(64), routing({0, 0, 64, 64})));  // same M, other experts
+    EXPECT_NE(a, moe::moe_call_signature(desc(64), routing({64, 0, 64, 0})));
+    EXPECT_NE(a, moe::moe_call_signature(desc(32), routing({64, 64, 0, 0})));  // other M
+    EXPECT_EQ(a, moe::moe_call_signature(desc(64), routing({64, 64, 0, 0})));
+    EXPECT_NE(describe_call_descriptor(a).find("moe_ag_grouped_gemm with M = 64 tokens"), std::string::npos)
+        << describe_call_descriptor(a);
+}
+
 TEST(MoeTpNvrtc, LayerGemmsCompileWithHgmmaAndNoSpills) {
     std::vector<std::string> names;
     for (const GemmConfig& c : ops::grouped_gemm_candidate_configs(DType::kBF16, DType::kBF16, BLayout::kNK)) {
