@@ -165,6 +165,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
         for (int i = tid; i < num_ranks; i += C.threads) {
             put4(row + num_experts + i, static_cast<uint32_t>(a.handle.tokens_per_rank[i]));
         }
+        if (tid == 0) put4(row + num_experts + num_ranks, static_cast<uint32_t>(a.handle_ordinal));
         __syncthreads();
         if (tid == 0) {
             signal_add(peers.at(ctx, a.buffer.count_signal + me, p), 1);
@@ -233,8 +234,20 @@ __global__ void __launch_bounds__(C.threads, 1) normal_dispatch(weft::DeviceCtx 
             sh.send_base[r] = run;
             run += a.handle.tokens_per_rank[r];
         }
-        // Capacity: every rank sees every rank's totals, so all agree on whether data moves.
+        // Every source dispatches on the same handle (its rows land in that handle's recv_x): every rank sees every
+        // rank's ordinal, so all agree on whether data moves.
         int valid = 1;
+        for (int s = 0; s < num_ranks && valid; ++s) {
+            const int32_t theirs = box[static_cast<int64_t>(s) * mailbox_ints + num_experts + num_ranks];
+            if (theirs != a.handle_ordinal) {
+                valid = 0;
+                if (blockIdx.x == 0) {
+                    report_status(a.status, StatusCode::kCallMismatch, me, s, a.handle_ordinal, theirs, -1, -1, call,
+                                  KernelId::kNormalDispatch);
+                }
+            }
+        }
+        // Capacity: every rank sees every rank's totals, so all agree on whether data moves.
         for (int r = 0; r < num_ranks && valid; ++r) {
             if (sh.rank_tokens[r] > g.max_recv_tokens) {
                 valid = 0;

@@ -64,6 +64,7 @@ struct NormalHandle::Impl {
     int num_tokens = -1;  // of the last dispatch
     bool dispatched = false;
     bool combine_pending = false;  // dispatched, not combined since: the layout arrays are the combine's
+    int32_t ordinal = 0;           // its creation index on the Buffer (NormalArgs::handle_ordinal)
     // A team that spans nodes (docs/multinode.md, "EP across nodes"): `symmetric` is null, `device` holds the
     // team-wide layout arrays, the receive side is `inner`'s (the one-rank Buffer's handle), and the exchange buffers
     // are private: send and recv records, the combine's partials and the partials that came back.
@@ -137,6 +138,7 @@ struct Buffer::Impl {
     // This Buffer is another's one-rank Buffer (`inner` below): its status is checked by the outer call's entry,
     // before the exchange it is fed by; checking again at its own entry would throw after that exchange ran.
     bool nested = false;
+    int32_t normal_handles_made = 0;     // make_normal_handle's count: the next handle's ordinal
     mutable bool status_warned = false;  // enter() logged the pending error (warn_pending_status)
     // Normal mode: the one-rank Buffer (this rank alone, E / W experts) the records feed.
     std::unique_ptr<Buffer> inner;

@@ -349,6 +349,14 @@ std::string describe_status(const Status& s) {
                << " call " << s.call << ": each token's top-k experts must be distinct; the repeat was dropped";
             break;
         case StatusCode::kCallMismatch:
+            if (static_cast<KernelId>(s.kernel) == KernelId::kNormalDispatch) {
+                os << kernel << " call " << s.call << " differs from rank " << s.culprit_rank << "'s: rank " << s.rank
+                   << " dispatched on normal handle #" << s.value << " of its Buffer, rank " << s.culprit_rank
+                   << " on handle #" << s.limit
+                   << "; nothing was moved (every rank skipped the call; its combine returns zeros). Make the normal "
+                      "handles, and dispatch on them, in the same order on every rank";
+                break;
+            }
             os << kernel << " call " << s.call << " differs from rank " << s.culprit_rank << "'s: "
                << describe_ll_call_mismatch(static_cast<uint32_t>(s.value), static_cast<uint32_t>(s.limit), s.rank,
                                             s.culprit_rank)

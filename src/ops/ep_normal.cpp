@@ -59,6 +59,7 @@ NormalHandle Buffer::make_normal_handle() {
     Impl& b = *impl_;
     WEFT_CHECK(b.config.normal, "ep: make_normal_handle: this Buffer was made with Config::normal = false");
     auto h = std::make_unique<NormalHandle::Impl>();
+    h->ordinal = b.normal_handles_made++;
     if (b.across_nodes()) {
         b.init_across_nodes_handle(*h);
         b.attach(&h->buffer);
@@ -75,6 +76,7 @@ NormalHandle Buffer::make_normal_handle() {
 weft::ep::NormalArgs Buffer::Impl::normal_args(const NormalHandle::Impl& h) const {
     weft::ep::NormalArgs a{};
     a.geo = geo;
+    a.handle_ordinal = h.ordinal;
     a.handle = h.view;
     a.buffer = normal;
     a.status = status_dev;

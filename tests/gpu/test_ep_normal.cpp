@@ -332,6 +332,50 @@ TEST_F(EpNormalGpu, CapacityOverflowIsReportedByEveryRankAndRecoverable) {
     }
 }
 
+// Ranks that dispatch on different normal handles of one Buffer (rank 1 on its second handle): every rank reports the
+// mismatch naming both handles, nothing moves, the combines give zeros; after clear_status matching calls are exact.
+TEST_F(EpNormalGpu, RanksDispatchingOnDifferentHandlesAreAMismatchOnEveryRank) {
+    const uint32_t seed = fresh_seed();
+    const int n = 3;
+    const Config c = normal_config(n);
+    run_ranks(
+        n,
+        [&](World& world) {
+            RankStream rs;
+            Buffer ep(world, c);
+            NormalHandle h0 = ep.make_normal_handle();
+            NormalHandle h1 = ep.make_normal_handle();
+            Inputs in(c, rs.s);
+            const ref::Params p = params_of(c, n);
+            const int me = world.rank();
+            const auto all = ref::make_routing(Scenario::kUniform, p, c.max_tokens_per_rank, seed);
+            in.load(all[static_cast<size_t>(me)],
+                    ref::payload_rows(me, all[static_cast<size_t>(me)].num_tokens, c.hidden, seed, false));
+            NormalHandle& h = me == 1 ? h1 : h0;
+            ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), rs.s);
+            const int t = all[static_cast<size_t>(me)].num_tokens;
+            DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
+            out.poison(0xFF);
+            ep.combine(h, h.recv_x(), TensorView(out.get(), DType::kBF16, {t, c.hidden}), rs.s);
+            world.sync_and_check(rs.s);
+            ref::collective_check(world, [&] {
+                const auto st = ep.status();
+                WEFT_CHECK(st.has_value() && st->code == StatusCode::kCallMismatch,
+                           "rank " << me << ": expected a call mismatch, got "
+                                   << (st ? st->message : std::string("no status")));
+                WEFT_CHECK(st->message.find("normal handle #") != std::string::npos,
+                           "rank " << me << ": the message does not name the handles: " << st->message);
+                for (uint16_t v : download(out.get(), static_cast<size_t>(t) * c.hidden, rs.s)) {
+                    WEFT_CHECK(v == 0, "rank " << me << ": combine after a mismatched dispatch must give zeros");
+                }
+            });
+            ep.clear_status();
+            DeviceArray<uint16_t> y(static_cast<size_t>(ep.geometry().max_recv_rows) * c.hidden, rs.s);
+            run_case(ep, h0, in, y, out, p, Scenario::kUniform, seed + 1, false, rs.s);
+        },
+        options_for(c, n, 1));
+}
+
 // Out-of-range and repeated expert ids on one rank: reported by that rank, dropped, everything else exact. The second
 // error is left pending: it does not stop that rank's next calls (a refusal on that rank alone left its peers waiting
 // until their timeout); they run and are exact on every rank, and check() still throws it there.

@@ -546,7 +546,7 @@ TEST(EpWorkspace, ArraysAreAlignedPackedAndSizedFromTheGeometry) {
         const int64_t w = ranks, t = tokens, h = hidden, k = topk, el = g.local_experts();
         const int64_t n = g.normal() ? 1 : 0, l = g.low_latency() ? 1 : 0;
         EXPECT_EQ(ws.buffer_symmetric.signals.count, weft::ep::kNumSignalArrays * w) << what;
-        EXPECT_EQ(ws.buffer_symmetric.normal_mailbox.count, n * 2 * w * (experts + w)) << what;
+        EXPECT_EQ(ws.buffer_symmetric.normal_mailbox.count, n * 2 * w * (experts + w + 1)) << what;
         EXPECT_EQ(ws.buffer_symmetric.ll_recv_slots.bytes(), l * 2 * el * w * t * (2 * h + 16)) << what;
         EXPECT_EQ(ws.buffer_symmetric.ll_mailbox.count, l * 2 * w * el) << what;
         EXPECT_EQ(ws.buffer_symmetric.ll_landing.bytes(), l * 2 * t * k * h * 2) << what;

@@ -96,8 +96,8 @@ struct Geometry {
         return int64_t{max_tokens} * (topk < num_ranks ? topk : num_ranks);
     }
     /// Normal mode: the rows of the mailbox one source writes (per-expert route counts, then per-rank
-    /// token counts).
-    WEFT_HOST_DEVICE constexpr int32_t mailbox_ints() const { return num_experts + num_ranks; }
+    /// token counts, then the ordinal of the handle it dispatches on: NormalArgs::handle_ordinal).
+    WEFT_HOST_DEVICE constexpr int32_t mailbox_ints() const { return num_experts + num_ranks + 1; }
     /// Low-latency mode: bytes of one receive slot (payload, then a 16-byte trailer {token, slot}).
     WEFT_HOST_DEVICE constexpr int64_t ll_slot_bytes() const { return round_up(row_bytes(), 16) + 16; }
     /// Low-latency fp8 payload: H codes, then H / 128 fp32 scales.
@@ -486,7 +486,9 @@ struct NormalFused {
 struct NormalArgs {
     Geometry geo;
     int32_t num_tokens;  ///< T of this rank for this call
-    int32_t pad0;
+    /// The handle's creation index on its Buffer (make_normal_handle is collective: the same on every rank); a
+    /// dispatch whose sources dispatch on another handle moves nothing and reports kCallMismatch
+    int32_t handle_ordinal;
     const uint16_t* x;        ///< [T, H] bf16
     int64_t x_stride;         ///< elements between rows
     const int32_t* topk_idx;  ///< [T, k], -1 = dropped

@@ -263,7 +263,9 @@ public:
     const Team& team() const;
 
     // ---- normal mode ----
-    /// Collective: a handle with its own receive buffers (symmetric heap, Footprint's per-handle size).
+    /// Collective: a handle with its own receive buffers (symmetric heap, Footprint's per-handle size). Every rank
+    /// makes its handles in the same order and dispatches on the same one: a dispatch whose ranks use different
+    /// handles moves nothing and reports kCallMismatch on every rank (check()), naming both handles.
     NormalHandle make_normal_handle();
     /// The layout kernel alone (counts, token->rank mask, stable offsets) into the handle's layout
     /// arrays. Local. `topk_idx`: int32 [T, k], T <= max_tokens_per_rank. Refused (weft::Error) on a handle that was
