@@ -474,7 +474,9 @@ TEST(TpGemmRs, MembersThatDisagreeFailConstructionOnEveryMember) {
     for (int r = 0; r < 3; ++r) {
         const std::string& m = invalid[static_cast<size_t>(r)];
         EXPECT_NE(m.find("multiple of 8, got 1364"), std::string::npos) << "rank " << r << ": " << m;
-        if (r != 2) EXPECT_NE(m.find("world rank 2"), std::string::npos) << "rank " << r << ": " << m;
+        if (r != 2) {
+            EXPECT_NE(m.find("world rank 2"), std::string::npos) << "rank " << r << ": " << m;
+        }
     }
     const std::vector<std::string> differ = test::error_of_each_rank(2, [&](World& w) {
         ops::GemmRs op(w, ops::GemmRsShape{128, w.rank() == 0 ? 256 : 248, 256, DType::kBF16});
