@@ -20,6 +20,7 @@
 #include "support/runtime_checks.hpp"
 #include "tp_test_util.hpp"
 #include "weft/ops/gemm.hpp"
+#include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_plan.hpp"
 #include "weft/ops/gemm_rs.hpp"
 #include "weft/weft.hpp"
@@ -487,10 +488,16 @@ TEST(TpGemmRs, MembersThatDisagreeFailConstructionOnEveryMember) {
         EXPECT_NE(m.find("256"), std::string::npos) << "rank " << r << ": " << m;
         EXPECT_NE(m.find("248"), std::string::npos) << "rank " << r << ": " << m;
     }
+    // Uneven valid shards build on every member, with one config and chunking (chosen for the largest K).
+    std::mutex mutex;
+    std::vector<std::string> plans(3);
     test::run_ranks(3, [&](World& w) {
         ops::GemmRs op(w, ops::GemmRsShape{192, 256, w.rank() == 1 ? 1360 : 1376, DType::kBF16});
-        EXPECT_EQ(op.config().tile_m > 0, true);
+        const std::lock_guard<std::mutex> lock(mutex);
+        plans[static_cast<size_t>(w.rank())] =
+            ops::format_gemm_config(op.config()) + ", chunk_rows " + std::to_string(op.chunk_rows());
     });
+    for (int r = 1; r < 3; ++r) EXPECT_EQ(plans[static_cast<size_t>(r)], plans[0]) << "rank " << r;
 }
 
 }  // namespace
