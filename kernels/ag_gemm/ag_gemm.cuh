@@ -36,8 +36,10 @@ __device__ __forceinline__ int32_t* ag_drop_from() {
 /// rows of a tile it waits until every chunk signal of those rows that belongs to a peer is >= 1 (its copy
 /// engine raised it after the chunk landed); this rank's own rows are in place by stream order. The waits
 /// are tile::wait_each's (one thread, ld.acquire.sys polls, fence.proxy.async.global), and its Token goes to the
-/// A loads. Every wait and notify in this kernel is the device layer's checked (inline) form followed by an inline
-/// trap: a call anywhere in a kernel that issues wgmma serialises them (ptxas C7510).
+/// A loads. Every wait and notify in this kernel is the device layer's checked (inline) form: a call anywhere in a
+/// kernel that issues wgmma serialises them (ptxas C7510). A wait that gives up (a peer that never called, an aborted
+/// World: its Diagnostic recorded, the abort word raised) ends the CTA's waiting (kSchedulerWaitMayFail): the kernel
+/// runs to its end, the CUDA context stays usable, and the op throws the diagnosis.
 /// After the wait, the producer compares the call descriptor of every peer whose rows the tile reads (slot s of
 /// `signatures`, stored by s's notify kernel before the ready flag that its chunk's copy awaited) with this rank's:
 /// one load and compare per peer and tile, no new wait. On a difference it records a kCollectiveMismatch diagnostic
@@ -45,7 +47,7 @@ __device__ __forceinline__ int32_t* ag_drop_from() {
 /// (ag_drop_from): they are computed, counted and signalled as usual (the call's protocol ends as always, so the op
 /// stays usable), but not stored. Rows of this rank's own shard, and of peers that agree, loaded before, may be
 /// stored. No abort word: every rank finds its own mismatch, and an abort would stop a slower peer's waits of this
-/// very call (which trap: the GEMM family's failure path).
+/// very call, leaving the op's flags out of step.
 // NOTE: the producer runs with 40 registers (setmaxnreg): the order lives in the kernel parameters (constant
 // bank) and the scheduler keeps only a reference to them.
 template <GemmConfig kCfg>
@@ -66,18 +68,16 @@ public:
         return p_.order.tile(cluster_idx() + i * num_clusters(), cta_rank);
     }
 
-    __device__ device::Token wait_before_load(const GemmTile& t, int32_t index) const {
+    __device__ device::WaitResult wait_before_load(const GemmTile& t, int32_t index) const {
         const SignalRange r = p_.order.signals_for(t);
         WEFT_TRACE_BEGIN(wait_t0);
         // The chunks were written by a copy engine (seen through the wait's acquire); the A loads that take this
         // token are TMA (async proxy) loads, which the wait's proxy fence lets see them.
-        const device::Token token = tile::wait_each_checked(
-                   device::Thread{}, p_.ctx, r.last - r.first + 1,
-                   [&](int i) {
-                       return p_.order.is_local_signal(r.first + i) ? nullptr : p_.chunk_signals + r.first + i;
-                   },
-                   Cmp::kGe, 1ull)
-            .token_or_trap();
+        const device::WaitResult waited = tile::wait_each_checked(
+            device::Thread{}, p_.ctx, r.last - r.first + 1,
+            [&](int i) { return p_.order.is_local_signal(r.first + i) ? nullptr : p_.chunk_signals + r.first + i; },
+            Cmp::kGe, 1ull);
+        if (!waited.ok()) return waited;
         WEFT_TRACE_RECORD(p_.ctx, TraceKind::kWaitChunk, TraceRole::kProducer, wait_t0, r.first, r.last, t.m_idx,
                           t.n_idx);
         // The ranks whose rows the tile reads: their descriptors arrived before their ready flags, which the chunks'
@@ -94,7 +94,7 @@ public:
                 }
             }
         }
-        return token;
+        return waited;
     }
 
     /// Whether the CTA's i-th tile is dropped (not stored). Every consumer thread reads it after the tile's stages
@@ -126,10 +126,13 @@ struct AgGemmHook {
 /// them (stream order puts the next call's copies after this kernel), tell every rank this one is done, and
 /// wait until every rank is done, so that no peer still reads this rank's shard when the caller (or the next
 /// call) overwrites it. The kernel, and with it the call, ends after this.
+/// A wait here that gives up (a peer that never called, an aborted World: its Diagnostic recorded) ends the call at
+/// once, through ag_release_copy_waits: the op refuses its next call (AbortMark), so the flags need no reset.
+__device__ __forceinline__ void ag_release_copy_waits(const AgGemmHookParams& p);
 __device__ __forceinline__ void ag_finish_call(const AgGemmHookParams& p) {
     const device::Thread me{};
     const auto num_tiles = static_cast<uint64_t>(p.num_tiles);
-    device::trap_unless(tile::wait_checked(me, p.ctx, p.tile_counter, 1, Cmp::kGe, num_tiles).ok());
+    if (!tile::wait_checked(me, p.ctx, p.tile_counter, 1, Cmp::kGe, num_tiles).ok()) return ag_release_copy_waits(p);
     ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(p.tile_counter, 0ull);
     for (int32_t s = 0; s < p.num_signals; ++s) ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(p.chunk_signals + s, 0ull);
     for (int32_t s = 0; s < p.ctx.num_ranks; ++s) {
@@ -150,12 +153,26 @@ __device__ __forceinline__ void ag_finish_call(const AgGemmHookParams& p) {
     }
     WEFT_TRACE_RECORD(p.ctx, TraceKind::kNotify, TraceRole::kProducer, notify_t0, -1, -1, 0, 0);
     WEFT_TRACE_BEGIN(done_t0);
-    device::trap_unless(tile::wait_each_checked(
-                            me, p.ctx, num_peers, [&](int i) { return p.done + (all ? i : p.peers.rank[i]); },
-                            Cmp::kGe, e)
-                            .ok());
+    if (!tile::wait_each_checked(
+             me, p.ctx, num_peers, [&](int i) { return p.done + (all ? i : p.peers.rank[i]); }, Cmp::kGe, e)
+             .ok()) {
+        return ag_release_copy_waits(p);
+    }
     WEFT_TRACE_RECORD(p.ctx, TraceKind::kWaitPeers, TraceRole::kProducer, done_t0, static_cast<int32_t>(e), 0, 0, 0);
     ptx::st(p.epoch, e);
+}
+
+/// The end of a call that failed: raises every word this rank's copy streams may still wait on (a peer's ready flag,
+/// a relay word: cuStreamWaitValue64, which has no bound of its own), so that they run to their end and the caller's
+/// stream, which joins them, drains. The call's output is not defined (the op throws the Diagnostic).
+__device__ __forceinline__ void ag_release_copy_waits(const AgGemmHookParams& p) {
+    for (int32_t s = 0; s < p.ctx.num_ranks; ++s) {
+        if (s != p.ctx.rank) ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(p.ready + s, 1ull);
+    }
+    if (p.relay_ready != nullptr) {
+        for (int32_t s = 0; s < p.num_signals; ++s)
+            ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kSys>(p.relay_ready + s, 1ull);
+    }
 }
 
 /// The AllGather+GEMM kernel: weft's GEMM with AgGemmScheduler and AgGemmHook, then the end of the call in

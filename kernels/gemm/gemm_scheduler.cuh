@@ -8,19 +8,20 @@
 //   __device__ S(const Params&, const GemmArgs&);          built by every thread of the CTA
 //   __device__ int32_t num_tiles() const;                  tiles this CTA computes
 //   __device__ GemmTile tile(int32_t i) const;             its i-th tile (same answer in every warp role)
-//   __device__ device::Token wait_before_load(const GemmTile&) const;
-//        called by the producer thread before it TMA-loads the A rows of tile `tile`; returns the Token
-//        that the A loads take (device::tile::tma_load_2d): that of a device-layer wait, on n = 0 signals
-//        when the tile waits on nothing.
+//   __device__ device::WaitResult wait_before_load(const GemmTile&) const;
+//        (or a device::Token: a wait that cannot fail)
+//        called by the producer thread before it TMA-loads the A rows of tile `tile`; returns the result of a
+//        device-layer wait (tile::wait_checked), whose Token the A loads take (device::tile::tma_load_2d), on n = 0
+//        signals when the tile waits on nothing. A result that is not ok() (the wait gave up: its Diagnostic recorded)
+//        drops this tile and the CTA's later ones, which then load without waiting (gemm_drop_tiles_from,
+//        gemm_sm90.cuh): the kernel ends normally and the op reports the Diagnostic.
 // CTAs of a cluster must get tiles of the same cluster tile in the same order (GemmTileGrid does this).
 // The kernel calls tile(i) with increasing i in each thread (the producer i = 0, 1, ...; a consumer warpgroup its own
 // subsequence), so a scheduler may walk a cursor forward (GroupedScheduler does).
 // Optional: `static constexpr bool kGrouped = true` (kSchedulerGrouped) makes the tile's `group` select B's slice
 // (a 3D tensor map [groups, ...]) and its `m_end` bound the rows the epilogue stores (GroupedScheduler).
-// Optional: `__device__ bool dropped(int32_t i) const` (kSchedulerDropsTiles) makes the producer call
-// `wait_before_load(tile, i)` instead, and the consumers store nothing of a tile i it calls dropped (the hook still
-// hears of the tile); every consumer thread must get the same answer once the tile's stages landed
-// (AgGemmScheduler: a differing call descriptor found by the producer).
+// Optional: `wait_before_load(tile, i)` (kSchedulerWaitTakesIndex) also gets the tile's index in the CTA's order, so
+// that the scheduler may drop tiles itself (AgGemmScheduler: a differing call descriptor found by the producer).
 #pragma once
 
 #include "gemm/gemm_hooks.cuh"
@@ -95,7 +96,8 @@ private:
 /// awaited is *epoch * expected, read when the tile is scheduled (graph-safe: see SignalValueMode). The wait is
 /// tile::wait's (one thread, ld.acquire.sys polls, fence.proxy.async.global after them), bounded by
 /// Params::timeout_ns; a timeout records a kTileWait Diagnostic naming Params::world_rank in Params::diag (when
-/// given) and traps, inline (the checked form: no call may sit in a kernel that issues wgmma).
+/// given) and drops the CTA's tiles from this one on (the checked form, inline: no call may sit in a kernel that
+/// issues wgmma).
 template <GemmConfig kCfg>
 class ChunkWaitScheduler {
 public:
@@ -106,15 +108,14 @@ public:
     __device__ int32_t num_tiles() const { return base_.num_tiles(); }
     __device__ GemmTile tile(int32_t i) const { return base_.tile(i); }
 
-    __device__ device::Token wait_before_load(const GemmTile& t) const {
+    __device__ device::WaitResult wait_before_load(const GemmTile& t) const {
         const uint64_t expected = detail::signal_value(p_.value_mode, p_.epoch, p_.expected);
         const int32_t last_row = (t.m0 + kCfg.tile_m < m_ ? t.m0 + kCfg.tile_m : m_) - 1;
         const int32_t first_chunk = t.m0 / p_.rows_per_chunk;
         const int32_t num_chunks = t.m0 < m_ ? last_row / p_.rows_per_chunk - first_chunk + 1 : 0;
         // The chunks were written through the generic proxy; the wait's proxy fence lets the TMA loads see them.
         return device::tile::wait_checked(device::Thread{}, wait_ctx(), p_.flags + first_chunk, num_chunks, Cmp::kGe,
-                                          expected)
-            .token_or_trap();
+                                          expected);
     }
 
 private:
@@ -327,7 +328,7 @@ private:
 /// thread of the CTA, right after the kernel's barrier) first waits for that word, then reads them. That wait comes
 /// before any role starts (no mbarrier has an arrival or a TMA load pending), so a CTA whose wait gives up ends there,
 /// every thread together, with `exit` (Diagnostic recorded, abort word raised; no trap). The producer's per-group
-/// wait, inside the pipeline, still traps on failure (its consumers' full barriers cannot drain).
+/// wait, inside the pipeline, drops the CTA's tiles from that one on when it gives up (the pipeline runs to its end).
 template <GemmConfig kCfg>
 class GroupedWaitScheduler {
 public:
@@ -339,10 +340,9 @@ public:
     __device__ int32_t num_tiles() const { return base_.num_tiles(); }
     __device__ GemmTile tile(int32_t i) const { return base_.tile(i); }
 
-    __device__ device::Token wait_before_load(const GemmTile& t) const {
+    __device__ device::WaitResult wait_before_load(const GemmTile& t) const {
         return device::tile::wait_checked(device::Thread{}, wait_ctx(p_), p_.flags + t.group, 1, Cmp::kGe,
-                                          expected(p_))
-            .token_or_trap();
+                                          expected(p_));
     }
 
 private:

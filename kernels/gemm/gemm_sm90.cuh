@@ -93,15 +93,29 @@ inline constexpr bool kSchedulerSplitsK = requires(const Scheduler& s) { s.split
 template <class Scheduler>
 inline constexpr bool kSchedulerDropsTiles = requires(const Scheduler& s) { s.dropped(int32_t{0}); };
 
-/// The scheduler's wait before the A loads of the CTA's i-th tile.
+/// The scheduler's wait before the A loads of the CTA's i-th tile: a Token, or a device::WaitResult (a wait that may
+/// give up: kSchedulerWaitMayFail).
 template <class Scheduler>
-__device__ __forceinline__ device::Token scheduler_wait(const Scheduler& sched, const GemmTile& tile, int32_t i) {
+__device__ __forceinline__ auto scheduler_wait(const Scheduler& sched, const GemmTile& tile, int32_t i) {
     if constexpr (kSchedulerDropsTiles<Scheduler>) {
         return sched.wait_before_load(tile, i);
     } else {
         return sched.wait_before_load(tile);
     }
 }
+
+template <class A, class B>
+inline constexpr bool kSameType = false;
+template <class A>
+inline constexpr bool kSameType<A, A> = true;
+
+/// Whether a scheduler's wait may give up (returns device::WaitResult, not a Token). One that gives up (a peer that
+/// never called, an aborted World: its Diagnostic recorded) ends the CTA's waiting: that tile and the later ones load
+/// without waiting, and the kernel runs to its end (the CUDA context stays usable); what they store is not defined
+/// (the call failed: World::sync_and_check throws the Diagnostic).
+template <class Scheduler>
+inline constexpr bool kSchedulerWaitMayFail =
+    kSameType<decltype(scheduler_wait(*static_cast<const Scheduler*>(nullptr), GemmTile{}, 0)), device::WaitResult>;
 
 /// The k blocks of this CTA's i-th work unit: all of them, or (split-K) its split's balanced range (never empty: the
 /// scheduler splits K at most num_k_blocks ways).
@@ -126,9 +140,20 @@ __device__ __forceinline__ void producer_loop(const Scheduler& sched, const ptx:
     const unsigned short all_ctas = static_cast<unsigned short>((1u << T::kClusterSize) - 1u);
     unsigned stage = 0, phase = 0;
     const int32_t num_tiles = sched.num_tiles();
+    bool gave_up = false;  // a wait gave up (kSchedulerWaitMayFail): no more waits in this CTA
     for (int32_t i = 0; i < num_tiles; ++i) {
         const GemmTile tile = sched.tile(i);
-        const device::Token token = scheduler_wait(sched, tile, i);  // the A loads of this tile take it
+        // The A loads of this tile take its wait's Token; after a wait gave up, none (what they load is not defined).
+        device::Token token = device::Token::assume_local_data();
+        if constexpr (kSchedulerWaitMayFail<Scheduler>) {
+            if (!gave_up) {
+                const device::WaitResult r = scheduler_wait(sched, tile, i);
+                token = r.token();
+                gave_up = !r.ok();
+            }
+        } else {
+            token = scheduler_wait(sched, tile, i);
+        }
         const GemmKRange kr = unit_k_range<kCfg>(sched, i, num_k_blocks);
         for (int32_t kb = kr.begin; kb < kr.begin + kr.count; ++kb) {
             const unsigned full = bar_full0 + 8 * stage;

@@ -25,8 +25,10 @@ using tp_common::load_elem;
 using tp_common::store8;
 using tp_common::store_elem;
 
-// NOTE: waits and notifies take the device layer's checked forms and trap inline: the trapping forms' shared
-// failure path is a call, whose ABI would cost this kernel registers. The launch bound's minimum of 4 CTAs per SM
+// NOTE: waits and notifies take the device layer's checked forms, inline: the trapping forms' shared failure path is
+// a call, whose ABI would cost this kernel registers. A wait that gives up (a peer that never called, an aborted World:
+// its Diagnostic recorded) ends the block with `exit` (the CUDA context stays usable); only an unreachable peer (a
+// programming error) traps. The launch bound's minimum of 4 CTAs per SM
 // (at most 64 registers) keeps ptxas from squeezing the kernel into 32 registers and spilling the reduction.
 template <DType kPartial, DType kOut>
 __global__ void __launch_bounds__(kTpReduceThreads, 4) ar_reduce_kernel(const ArReduceParams p) {
@@ -50,7 +52,7 @@ __global__ void __launch_bounds__(kTpReduceThreads, 4) ar_reduce_kernel(const Ar
     }
     // Thread s waits for rank s's partial; the block barrier extends the acquire; the partials' reads take the token.
     const device::Token token =
-        tile::wait_checked(device::Block{}, p.ctx, p.ready, num_ranks, Cmp::kGe, e).token_or_trap();
+        tile::wait_checked(device::Block{}, p.ctx, p.ready, num_ranks, Cmp::kGe, e).token_or_exit();
 
     constexpr int64_t kPBytes = dtype_bytes(kPartial);
     constexpr int64_t kOBytes = dtype_bytes(kOut);
@@ -105,8 +107,8 @@ __global__ void __launch_bounds__(kTpReduceThreads, 4) ar_reduce_kernel(const Ar
         for (int32_t pe = 0; pe < num_ranks; ++pe) {
             device::trap_unless(tile::notify_checked(device::Thread{}, p.ctx, p.done + rank, pe, 1ull));
         }
-        device::trap_unless(tile::wait_checked(device::Thread{}, p.ctx, p.done, num_ranks, Cmp::kGe, e).ok());
-        ptx::st(p.epoch, e);
+        // A done-barrier that gives up leaves the epoch behind: the op refuses its next call (AbortMark).
+        if (tile::wait_checked(device::Thread{}, p.ctx, p.done, num_ranks, Cmp::kGe, e).ok()) ptx::st(p.epoch, e);
     }
 }
 

@@ -123,8 +123,9 @@ public:
         const uint64_t calls = ptx::ld(p_.gemm_calls);
         // One thread polls every rank's word in rank order; the wait's proxy fence orders the reads the peers
         // released before the TMA stores that follow overwrite them.
-        return tile::wait_checked(device::Thread{}, p_.ctx, p_.released, p_.ctx.num_ranks, Cmp::kGe, calls)
-            .token_or_trap();
+        // A wait that gives up (its Diagnostic recorded, the abort word raised): the kernel runs on (the call's output
+        // is not defined; the op throws), as it waits only once.
+        return tile::wait_checked(device::Thread{}, p_.ctx, p_.released, p_.ctx.num_ranks, Cmp::kGe, calls).token();
     }
 
 private:
@@ -185,7 +186,7 @@ struct RsPushHook {
     /// Own tiles only: acc += every peer's partial of this tile. Fragment layout of the accumulator (per 64-row
     /// slab): thread (warp w, lane l) holds rows 16w + l/4 and +8, columns 8g + 2(l%4) + {0, 1} at acc[4g + {0,1}]
     /// and acc[4g + {2,3}]. False in every thread of the warpgroup, before any partial is read, when a wait expired
-    /// (diagnostic recorded; the kernel traps after its tile loop).
+    /// (diagnostic recorded; the kernel drops the tile and the later ones).
     template <GemmConfig kC, int kSlabs, int kAccPerSlab>
     __device__ static bool add_to_tile(const Params& p, const GemmTile& t, float (&acc)[kSlabs][kAccPerSlab], int wg,
                                        int slab0, int tid) {
@@ -197,7 +198,7 @@ struct RsPushHook {
         const int32_t chunk = o.chunk_of(t);
         // Thread s of the warpgroup waits for peer s's counter of this chunk (checked: no call, no trap among the
         // live accumulators), ending at a peer's differing call descriptor (wait_count_or_mismatch: the kernel then
-        // traps after its tile loop, diagnosed); the warpgroup's barrier extends the acquire to every thread.
+        // drops the tile and the later ones, diagnosed); the warpgroup's barrier extends the acquire to every thread.
         const int32_t sig = o.map.local_signal_at(rank, chunk);
         const auto need = static_cast<uint64_t>(o.map.expected_count(sig));
         WEFT_TRACE_BEGIN(wait_t0);
@@ -302,7 +303,8 @@ inline constexpr int kRsUnroll = 8;
 /// the same elements in every phase (grid-stride over 8-element vectors), so the accumulator needs no
 /// synchronisation beyond program order. The last CTA to finish zeroes the counters and releases the
 /// partials to every rank (released[d] += 1; the sources' next GEMM waits for it before its first load).
-// NOTE: as in ar_reduce_kernel, the waits take the checked forms and trap inline (a call costs registers here).
+// NOTE: as in ar_reduce_kernel, the waits take the checked forms, inline (a call costs registers here): a wait that
+// gives up ends the block with `exit`; only an unreachable peer (a programming error) traps.
 template <DType kPartial, DType kOut>
 __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsReduceParams p) {
     __shared__ uint64_t s_epoch;
@@ -350,7 +352,7 @@ __global__ void __launch_bounds__(kTpReduceThreads) rs_reduce_kernel(const RsRed
             const device::Token token =
                 tile::wait_checked(device::Block{}, p.ctx, p.counters + rs_counter_index(source, c, cpr), 1, Cmp::kGe,
                                    need)
-                    .token_or_trap();
+                    .token_or_exit();
             if (threadIdx.x == 0) {
                 WEFT_TRACE_RECORD(p.ctx, TraceKind::kWaitChunk, TraceRole::kComm, wait_t0, sig, sig, -1, source);
             }

@@ -25,7 +25,10 @@ using weft::moe::GroupDoneParams;
 /// rows hold has pushed its rows (GatheredWaitParams). Rows of a group are in token order and a member's tokens are
 /// one contiguous range, so the members of a tile are those between its first and last row's; a row of no token
 /// (padding, -1) makes the tile wait for every member. tile::wait_each's checked form (one thread, ld.acquire.sys
-/// polls, then the proxy fence the TMA loads need), trapping inline on a timeout.
+/// polls, then the proxy fence the TMA loads need), inline; a wait that gives up at its bound (a member that never
+/// called: its Diagnostic recorded) drops the CTA's tiles from that one on (gemm_drop_tiles_from: the kernel ends
+/// normally, the CUDA context stays usable). NOTE: no abort word here: reading it made ptxas spill the producer's
+/// 40 registers; each CTA waits out at most one bound (its later tiles do not wait), all CTAs at once.
 template <GemmConfig kCfg>
 class GatheredWaitScheduler {
 public:
@@ -37,7 +40,7 @@ public:
     __device__ int32_t num_tiles() const { return base_.num_tiles(); }
     __device__ GemmTile tile(int32_t i) const { return base_.tile(i); }
 
-    __device__ device::Token wait_before_load(const GemmTile& t) const {
+    __device__ device::WaitResult wait_before_load(const GemmTile& t) const {
         const uint64_t expected = ptx::ld<ptx::Sem::kRelaxed, ptx::Scope::kSys>(p_.epoch) * p_.per_epoch;
         const int32_t last = (t.m0 + kCfg.tile_m < t.m_end ? t.m0 + kCfg.tile_m : t.m_end) - 1;
         const int32_t first_token = t.m0 <= last ? p_.gather_index[t.m0] : -1;
@@ -52,8 +55,7 @@ public:
         ctx.timeout_ns = p_.timeout_ns;
         ctx.diag = p_.diag;
         return device::tile::wait_each_checked(
-                   device::Thread{}, ctx, n, [&](int i) { return p_.arrived + s0 + i; }, Cmp::kGe, expected)
-            .token_or_trap();
+            device::Thread{}, ctx, n, [&](int i) { return p_.arrived + s0 + i; }, Cmp::kGe, expected);
     }
 
 private:

@@ -366,6 +366,7 @@ void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorVie
     WEFT_NVTX_RANGE("ag_gemm");
     State& s = *s_;
     const int64_t m = validate_ag_gemm_call(s.shape, s.num_ranks, a_local, b, c);
+    s.refuse_after_abort();
     const auto problem = [&] {
         std::ostringstream os;
         os << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)

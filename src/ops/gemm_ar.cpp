@@ -378,6 +378,7 @@ void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     WEFT_NVTX_RANGE("gemm_ar");
     State& s = *s_;
     const GemmProblem p = check_gemm_ar_call(s.shape, a, b, c);
+    s.refuse_after_abort();
     // The all-reduce would refuse it only after the GEMM ran (its peers then wait for this rank to their timeout).
     if (s.use_collective && s.num_ranks > 1) detail::check_device_pointer(c.data, "c", "gemm_ar", stream);
     // The padded-row sum, before any launch (an allocation that fails must not sit between this rank's launches).

@@ -530,6 +530,7 @@ void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     WEFT_NVTX_RANGE("gemm_rs");
     State& s = *s_;
     const int64_t m = validate_gemm_rs_call(s.shape, s.num_ranks, a, b, c);
+    s.refuse_after_abort();
     if (s.node_op) {
         run_internode(s, m, a, b, c, stream);
         return;

@@ -275,9 +275,15 @@ FusedOpState::FusedOpState(const Team& t, const char* op_name)
       rank(team.rank()),
       ctx(team.device_ctx()),
       pipeline_timeout_ns(fused_gemm_timeout_ns(*world)),
-      heap(team) {}
+      heap(team) {
+    abort_mark.note(*world);
+}
 
 FusedOpState::~FusedOpState() { heap.free_all(); }
+
+void FusedOpState::refuse_after_abort() const {
+    if (num_ranks > 1) abort_mark.check(*world, op, "make a new op (and, for a team that spans nodes, a new World)");
+}
 
 void FusedOpState::load_gemms(const std::vector<GemmConfig>& configs, const FusedGemmSpec& spec,
                               bool sync_first_calls, const std::string& problem) {

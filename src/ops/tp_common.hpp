@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "abort_mark.hpp"
 #include "weft/common/device_ctx.hpp"
 #include "weft/common/gemm_config.hpp"
 #include "weft/common/tp_params.hpp"
@@ -193,6 +194,12 @@ struct FusedOpState {
 
     SymmetricAllocations heap;
     StreamSet streams;
+
+    /// A call whose wait gave up (a peer that never called, an aborted World) leaves the op's flags and epochs out of
+    /// step across ranks: once an abort was cleared after the op was made, refuse_after_abort() refuses its calls.
+    detail::AbortMark abort_mark;
+    /// Throws weft::Error naming `op` once an abort was cleared since the op was made (a team of one never waits).
+    void refuse_after_abort() const;
 
     std::vector<FusedGemm> gemms;  ///< [0]: the op's choice (heuristic or forced); the rest: tuning candidates
     size_t active = 0;             ///< the config calls use

@@ -123,7 +123,8 @@ struct GroupedTileSignalParams {
 /// arrives on the device while the GEMM runs). The producer waits until flags[group] >= expected (kArgument) or
 /// >= *epoch * expected (kEpoch), acquire at system scope then the proxy fence TMA needs, bounded by timeout_ns (and
 /// stopped by the World's abort word when `abort_flag` is given); a wait that gives up records a kTileWait Diagnostic
-/// in `diag` (when given) naming world_rank, raises the abort word and traps (the producer's pipeline cannot drain).
+/// in `diag` (when given) naming world_rank, raises the abort word and ends the CTA's waiting: the kernel runs to its
+/// end (no trap; the CUDA context stays usable) and the call's output is not defined (the op reports the Diagnostic).
 /// The wait for `groups_ready` comes before the pipeline starts: a CTA whose wait gives up ends there with `exit`
 /// (every thread together, no trap: the CUDA context stays usable).
 struct GroupedWaitParams {
