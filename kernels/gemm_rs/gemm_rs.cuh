@@ -186,7 +186,7 @@ struct RsPushHook {
     /// Own tiles only: acc += every peer's partial of this tile. Fragment layout of the accumulator (per 64-row
     /// slab): thread (warp w, lane l) holds rows 16w + l/4 and +8, columns 8g + 2(l%4) + {0, 1} at acc[4g + {0,1}]
     /// and acc[4g + {2,3}]. False in every thread of the warpgroup, before any partial is read, when a wait expired
-    /// (diagnostic recorded; the kernel drops the tile and the later ones).
+    /// (diagnostic recorded; the kernel traps after its tile loop: kernels/tp_common/README.md).
     template <GemmConfig kC, int kSlabs, int kAccPerSlab>
     __device__ static bool add_to_tile(const Params& p, const GemmTile& t, float (&acc)[kSlabs][kAccPerSlab], int wg,
                                        int slab0, int tid) {
@@ -198,7 +198,7 @@ struct RsPushHook {
         const int32_t chunk = o.chunk_of(t);
         // Thread s of the warpgroup waits for peer s's counter of this chunk (checked: no call, no trap among the
         // live accumulators), ending at a peer's differing call descriptor (wait_count_or_mismatch: the kernel then
-        // drops the tile and the later ones, diagnosed); the warpgroup's barrier extends the acquire to every thread.
+        // traps after its tile loop, diagnosed); the warpgroup's barrier extends the acquire to every thread.
         const int32_t sig = o.map.local_signal_at(rank, chunk);
         const auto need = static_cast<uint64_t>(o.map.expected_count(sig));
         WEFT_TRACE_BEGIN(wait_t0);
