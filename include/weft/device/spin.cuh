@@ -21,7 +21,9 @@
 //  - spin_until_checked returns a failed SpinResult instead: fully inline, no reachable call, exit or trap, for code
 //    that must contain none (the GEMM's consumer warpgroups: with more than 128 live accumulator floats per thread, a
 //    reachable trap or a call makes ptxas spill them and serialise every wgmma, warnings C7510/C7512). Its caller
-//    ends the thread once it may (exit_unless, WaitResult::token_or_exit), or traps (trap_unless, token_or_trap).
+//    ends the thread once it may (exit_unless, WaitResult::token_or_exit), hands the result on (a GEMM scheduler's
+//    wait_before_load returns its WaitResult: the engine stops that CTA's waiting and runs its pipeline to the end),
+//    or traps (trap_unless, token_or_trap).
 //
 // The rule for threads that end early (PTX `exit`), which every kernel built on these waits follows:
 //  - A barrier of all the CTA's threads (__syncthreads, Block::sync/all/broadcast) and the warp's own barriers
@@ -36,8 +38,9 @@
 //    the device layer's group waits (tile::wait, tile::wait_each, shmem::barrier_all, block_barrier) reduce the
 //    outcome over the group (Group::all) and then end every thread of the group at once; single-lane waits
 //    (signal_wait_until's leader) leave the other lanes of the warp to arrive. Kernels with mbarrier pipelines (the
-//    GEMM family) use the _checked forms and trap (trap_unless, token_or_trap): their pipelines cannot drain once a
-//    role has ended.
+//    GEMM family) use the _checked forms and do not end a role early: their pipelines cannot drain once a role has
+//    ended. The producer's wait that gives up stops waiting and the pipeline runs to its end (kernels/gemm); where
+//    that does not fit (a wait among the consumers' live accumulators), they trap (trap_unless, token_or_trap).
 // A hang is a bug; a timeout with a message is a diagnosis; a dead peer is an error that names it.
 #pragma once
 
