@@ -185,8 +185,10 @@ struct RsPushHook {
 
     /// Own tiles only: acc += every peer's partial of this tile. Fragment layout of the accumulator (per 64-row
     /// slab): thread (warp w, lane l) holds rows 16w + l/4 and +8, columns 8g + 2(l%4) + {0, 1} at acc[4g + {0,1}]
-    /// and acc[4g + {2,3}]. False in every thread of the warpgroup, before any partial is read, when a wait expired
-    /// (diagnostic recorded; the kernel traps after its tile loop: kernels/tp_common/README.md).
+    /// and acc[4g + {2,3}]. A wait that gives up, or a peer's differing call descriptor (Diagnostic recorded, the
+    /// abort word raised; the same in every thread of the warpgroup), skips the partials and returns true as well: the
+    /// kernel runs to its end (no trap: a failure path among the live accumulators would spill them), the tile's
+    /// stores are not defined, and the op throws.
     template <GemmConfig kC, int kSlabs, int kAccPerSlab>
     __device__ static bool add_to_tile(const Params& p, const GemmTile& t, float (&acc)[kSlabs][kAccPerSlab], int wg,
                                        int slab0, int tid) {
@@ -197,8 +199,8 @@ struct RsPushHook {
         const int32_t cpr = o.map.chunks_per_rank();
         const int32_t chunk = o.chunk_of(t);
         // Thread s of the warpgroup waits for peer s's counter of this chunk (checked: no call, no trap among the
-        // live accumulators), ending at a peer's differing call descriptor (wait_count_or_mismatch: the kernel then
-        // traps after its tile loop, diagnosed); the warpgroup's barrier extends the acquire to every thread.
+        // live accumulators), ending at a peer's differing call descriptor (wait_count_or_mismatch, diagnosed); the
+        // warpgroup's barrier extends the acquire to every thread.
         const int32_t sig = o.map.local_signal_at(rank, chunk);
         const auto need = static_cast<uint64_t>(o.map.expected_count(sig));
         WEFT_TRACE_BEGIN(wait_t0);
@@ -208,13 +210,13 @@ struct RsPushHook {
             const bool ok = s >= num_ranks || s == rank ||
                             wait_count_or_mismatch(p.ctx, p.counters + rs_counter_index(s, chunk, cpr), need,
                                                    slots + s, p.signature, s, __LINE__);
-            if (!device::Warpgroup{static_cast<uint32_t>(gemm::detail::kBarConsumer0 + wg)}.all(ok)) return false;
+            if (!device::Warpgroup{static_cast<uint32_t>(gemm::detail::kBarConsumer0 + wg)}.all(ok)) return true;
         }
         const device::WaitResult waited = tile::wait_each_checked(
             device::Warpgroup{static_cast<uint32_t>(gemm::detail::kBarConsumer0 + wg)}, p.ctx, num_ranks,
             [&](int s) { return s == rank ? nullptr : p.counters + rs_counter_index(s, chunk, cpr); }, Cmp::kGe,
             need);
-        if (!waited.ok()) return false;  // the same in every thread of the warpgroup: the partials are not there
+        if (!waited.ok()) return true;  // the same in every thread of the warpgroup: the partials are not there
         // Traced: "wait chunk" and "reduce" on the warpgroup's consumer track, inside its tile's event.
         WEFT_TRACE_DO(const TraceRole role = wg == 0 ? TraceRole::kConsumer0 : TraceRole::kConsumer1);
         WEFT_TRACE_DO(if (tid == 0) device::trace::record(p.ctx, TraceKind::kWaitChunk, role, wait_t0, sig, sig,

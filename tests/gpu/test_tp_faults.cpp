@@ -148,6 +148,13 @@ void expect_peer_that_never_calls_is_an_error(Op op, const char* name) {
     std::string message, refusal;
     double seconds = 0;
     bool context_ok = true, second_op_ok = false, rank1_saw_abort = false;
+    const auto new_op = [&](World& w, cudaStream_t s) {
+        const bool written = call_new_op(w, op, s);
+        if (w.rank() == 0) {
+            const std::lock_guard<std::mutex> lock(mutex);
+            second_op_ok = written;
+        }
+    };
     run_ranks(
         2,
         [&](World& w) {
@@ -193,13 +200,7 @@ void expect_peer_that_never_calls_is_an_error(Op op, const char* name) {
             }
             // A new op on the same World computes: every element of its output written. (GemmAr's all-reduce half runs
             // on the collectives' workspace, which an abort retires with the World: a new World, below.)
-            if (op != Op::kGemmAr) {
-                const bool written = call_new_op(w, op, s);
-                if (w.rank() == 0) {
-                    const std::lock_guard<std::mutex> lock(mutex);
-                    second_op_ok = written;
-                }
-            }
+            if (op != Op::kGemmAr) new_op(w, s);
             WEFT_CUDA_CHECK(cudaStreamDestroy(s));
         },
         options);
@@ -209,13 +210,7 @@ void expect_peer_that_never_calls_is_an_error(Op op, const char* name) {
             [&](World& w) {
                 cudaStream_t s = nullptr;
                 WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-                {
-                    const bool written = call_new_op(w, op, s);
-                    if (w.rank() == 0) {
-                        const std::lock_guard<std::mutex> lock(mutex);
-                        second_op_ok = written;
-                    }
-                }
+                new_op(w, s);
                 WEFT_CUDA_CHECK(cudaStreamDestroy(s));
             },
             options);
