@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-// GPU tests that a fused TP op (AllGather+GEMM, GEMM+ReduceScatter, GEMM+AllReduce, the TP MoE layer 0) whose peer
+// GPU tests that a fused TP op (AllGather+GEMM, GEMM+ReduceScatter, GEMM+AllReduce, the TP MoE layers) whose peer
 // never calls ends in a weft::Error naming that peer's wait, within the bound, not a hang and not a trap: the CUDA
 // context stays usable, the op refuses its next call once the abort was cleared, and a new op on the same World
 // computes again.
@@ -28,7 +28,7 @@
 namespace weft::test {
 namespace {
 
-enum class Op { kAgGemm, kGemmRs, kGemmAr, kMoeAgGroupedGemm };
+enum class Op { kAgGemm, kGemmRs, kGemmAr, kMoeAgGroupedGemm, kMoeGroupedGemmRs };
 
 constexpr int64_t kRows = 128, kN = 256, kK = 128;  // per rank (AgGemm, GemmRs: M = 2 x kRows)
 
@@ -65,6 +65,21 @@ struct Buffers {
     }
 };
 
+/// Device allocations freed together (the TP MoE layer 1's routing and operands).
+struct DeviceAllocations {
+    std::vector<void*> ptrs;
+    void* alloc(size_t bytes, int fill, cudaStream_t s) {
+        void* p = nullptr;
+        WEFT_CUDA_CHECK(cudaMalloc(&p, bytes));
+        ptrs.push_back(p);
+        WEFT_CUDA_CHECK(cudaMemsetAsync(p, fill, bytes, s));
+        return p;
+    }
+    ~DeviceAllocations() {
+        for (void* p : ptrs) cudaFree(p);
+    }
+};
+
 /// One op of kind `op` on `w` and a function that runs one call of it on zeroed inputs.
 struct Scenario {
     std::function<void(cudaStream_t)> call;
@@ -76,6 +91,50 @@ Scenario make(World& w, Op op, cudaStream_t s) {
     const DType dt = DType::kBF16;
     const int64_t m = 2 * kRows;
     Scenario sc;
+    if (op == Op::kMoeGroupedGemmRs) {
+        // Layer 1 on a routing of its own (moe_route): every token's two slots to experts (2i, 2i + 1) % 4; zero
+        // activations and weights, so every element of out is zero once written.
+        constexpr int64_t kE = 4, kTopk = 2, kFfn = 64;
+        const ops::MoeTpShape shape{.max_tokens = m, .hidden = kK, .ffn = kFfn, .num_experts = kE, .topk = kTopk};
+        auto down = std::make_shared<ops::MoeGroupedGemmRs>(w, shape);
+        const int64_t rows = down->rows_capacity();
+        auto mem = std::make_shared<DeviceAllocations>();
+        auto* words =
+            static_cast<int32_t*>(mem->alloc(static_cast<size_t>((kE + kE + 1 + rows + m * kTopk) * 4), 0, s));
+        void* idx = mem->alloc(static_cast<size_t>(m * kTopk * 4), 0, s);
+        void* h = mem->alloc(static_cast<size_t>(rows * kFfn * 2), 0, s);
+        void* wt = mem->alloc(static_cast<size_t>(kE * kK * kFfn * 2), 0, s);
+        void* weights = mem->alloc(static_cast<size_t>(m * kTopk * 4), 0, s);
+        const size_t out_bytes = static_cast<size_t>(kRows * kK * 2);
+        void* out = mem->alloc(out_bytes, 0xff, s);
+        std::vector<int32_t> ids(static_cast<size_t>(m * kTopk));
+        for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i % kE);
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(idx, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, s));
+        ops::MoeRouting routing;
+        routing.counts = words;
+        routing.offsets = routing.counts + kE;
+        routing.gather_index = routing.offsets + kE + 1;
+        routing.slot_rows = routing.gather_index + rows;
+        routing.num_experts = kE;
+        routing.rows_capacity = rows;
+        ops::moe_route(TensorView(idx, DType::kI32, {m, kTopk}), routing, 1, s);
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+        sc.call = [down, mem, routing, h, wt, weights, out, rows, m](cudaStream_t st) {
+            down->run(TensorView(h, DType::kBF16, {rows, kFfn}), TensorView(wt, DType::kBF16, {kE, kK, kFfn}), routing,
+                      TensorView(weights, DType::kF32, {m, kTopk}), TensorView(out, DType::kBF16, {kRows, kK}), st);
+        };
+        sc.output_all_zero = [out, out_bytes](cudaStream_t st) {
+            std::vector<unsigned char> host(out_bytes);
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(host.data(), out, out_bytes, cudaMemcpyDeviceToHost, st));
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(st));
+            for (unsigned char v : host) {
+                if (v != 0) return false;
+            }
+            return true;
+        };
+        sc.keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(down, mem);
+        return sc;
+    }
     if (op == Op::kMoeAgGroupedGemm) {
         const ops::MoeTpShape shape{.max_tokens = m, .hidden = kK, .ffn = 64, .num_experts = 4, .topk = 2};
         auto up = std::make_shared<ops::MoeAgGroupedGemm>(w, shape);
@@ -255,6 +314,10 @@ TEST_F(TpFaults, GemmArWhosePeerNeverCallsFailsNamingItAndTheContextStaysUsable)
 
 TEST_F(TpFaults, MoeLayer0WhosePeerNeverCallsFailsNamingItAndTheContextStaysUsable) {
     expect_peer_that_never_calls_is_an_error(Op::kMoeAgGroupedGemm, "moe_ag_grouped_gemm");
+}
+
+TEST_F(TpFaults, MoeLayer1WhosePeerNeverCallsFailsNamingItAndTheContextStaysUsable) {
+    expect_peer_that_never_calls_is_an_error(Op::kMoeGroupedGemmRs, "moe_grouped_gemm_rs");
 }
 
 }  // namespace
