@@ -32,6 +32,18 @@ enum class Op { kAgGemm, kGemmRs, kGemmAr, kMoeAgGroupedGemm, kMoeGroupedGemmRs 
 
 constexpr int64_t kRows = 128, kN = 256, kK = 128;  // per rank (AgGemm, GemmRs: M = 2 x kRows)
 
+/// Whether the `bytes` bytes at device address `p` are all zero (a poisoned output every element of which was written
+/// as zero).
+bool all_zero(const void* p, size_t bytes, cudaStream_t s) {
+    std::vector<unsigned char> host(bytes);
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(host.data(), p, bytes, cudaMemcpyDeviceToHost, s));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+    for (unsigned char v : host) {
+        if (v != 0) return false;
+    }
+    return true;
+}
+
 /// Device buffers of one call of `op`, zeroed inputs, the output poisoned with 0xff bytes.
 struct Buffers {
     void *a = nullptr, *b = nullptr, *c = nullptr, *idx = nullptr;
@@ -54,15 +66,7 @@ struct Buffers {
         cudaFree(idx);
     }
     /// Whether every byte of the output is zero (every element written, A and B being zeros).
-    bool output_all_zero(cudaStream_t s) const {
-        std::vector<unsigned char> host(c_bytes);
-        WEFT_CUDA_CHECK(cudaMemcpyAsync(host.data(), c, c_bytes, cudaMemcpyDeviceToHost, s));
-        WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
-        for (unsigned char v : host) {
-            if (v != 0) return false;
-        }
-        return true;
-    }
+    bool output_all_zero(cudaStream_t s) const { return all_zero(c, c_bytes, s); }
 };
 
 /// Device allocations freed together (the TP MoE layer 1's routing and operands).
@@ -123,15 +127,7 @@ Scenario make(World& w, Op op, cudaStream_t s) {
             down->run(TensorView(h, DType::kBF16, {rows, kFfn}), TensorView(wt, DType::kBF16, {kE, kK, kFfn}), routing,
                       TensorView(weights, DType::kF32, {m, kTopk}), TensorView(out, DType::kBF16, {kRows, kK}), st);
         };
-        sc.output_all_zero = [out, out_bytes](cudaStream_t st) {
-            std::vector<unsigned char> host(out_bytes);
-            WEFT_CUDA_CHECK(cudaMemcpyAsync(host.data(), out, out_bytes, cudaMemcpyDeviceToHost, st));
-            WEFT_CUDA_CHECK(cudaStreamSynchronize(st));
-            for (unsigned char v : host) {
-                if (v != 0) return false;
-            }
-            return true;
-        };
+        sc.output_all_zero = [out, out_bytes](cudaStream_t st) { return all_zero(out, out_bytes, st); };
         sc.keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(down, mem);
         return sc;
     }
