@@ -13,15 +13,19 @@
 //        called by the producer thread before it TMA-loads the A rows of tile `tile`; returns the result of a
 //        device-layer wait (tile::wait_checked), whose Token the A loads take (device::tile::tma_load_2d), on n = 0
 //        signals when the tile waits on nothing. A result that is not ok() (the wait gave up: its Diagnostic recorded)
-//        drops this tile and the CTA's later ones, which then load without waiting (gemm_drop_tiles_from,
-//        gemm_sm90.cuh): the kernel ends normally and the op reports the Diagnostic.
+//        stops the CTA's waiting: its later tiles load without waiting and the kernel runs to its end, storing and
+//        signalling tiles whose data is not defined (kSchedulerWaitMayFail, gemm_sm90.cuh). Return it only where no
+//        hook publishes those tiles to another rank before that rank learns of the failure (weft's ops); otherwise
+//        trap (`.token_or_trap()`), as ChunkWaitScheduler does.
 // CTAs of a cluster must get tiles of the same cluster tile in the same order (GemmTileGrid does this).
 // The kernel calls tile(i) with increasing i in each thread (the producer i = 0, 1, ...; a consumer warpgroup its own
 // subsequence), so a scheduler may walk a cursor forward (GroupedScheduler does).
 // Optional: `static constexpr bool kGrouped = true` (kSchedulerGrouped) makes the tile's `group` select B's slice
 // (a 3D tensor map [groups, ...]) and its `m_end` bound the rows the epilogue stores (GroupedScheduler).
-// Optional: `wait_before_load(tile, i)` (kSchedulerWaitTakesIndex) also gets the tile's index in the CTA's order, so
-// that the scheduler may drop tiles itself (AgGemmScheduler: a differing call descriptor found by the producer).
+// Optional: `__device__ bool dropped(int32_t i) const` (kSchedulerDropsTiles) makes the producer call
+// `wait_before_load(tile, i)` instead, and the consumers store nothing of a tile i it calls dropped (the hook still
+// hears of the tile); every consumer thread must get the same answer once the tile's stages landed
+// (AgGemmScheduler: a differing call descriptor found by the producer).
 #pragma once
 
 #include "gemm/gemm_hooks.cuh"
@@ -96,8 +100,9 @@ private:
 /// awaited is *epoch * expected, read when the tile is scheduled (graph-safe: see SignalValueMode). The wait is
 /// tile::wait's (one thread, ld.acquire.sys polls, fence.proxy.async.global after them), bounded by
 /// Params::timeout_ns; a timeout records a kTileWait Diagnostic naming Params::world_rank in Params::diag (when
-/// given) and drops the CTA's tiles from this one on (the checked form, inline: no call may sit in a kernel that
-/// issues wgmma).
+/// given) and traps, inline (the checked form: no call may sit in a kernel that issues wgmma). It traps rather than
+/// run on: the hook of a custom fused GEMM may publish the tiles to another rank, and these waits carry no abort word
+/// that would tell that rank in time.
 template <GemmConfig kCfg>
 class ChunkWaitScheduler {
 public:
@@ -108,14 +113,15 @@ public:
     __device__ int32_t num_tiles() const { return base_.num_tiles(); }
     __device__ GemmTile tile(int32_t i) const { return base_.tile(i); }
 
-    __device__ device::WaitResult wait_before_load(const GemmTile& t) const {
+    __device__ device::Token wait_before_load(const GemmTile& t) const {
         const uint64_t expected = detail::signal_value(p_.value_mode, p_.epoch, p_.expected);
         const int32_t last_row = (t.m0 + kCfg.tile_m < m_ ? t.m0 + kCfg.tile_m : m_) - 1;
         const int32_t first_chunk = t.m0 / p_.rows_per_chunk;
         const int32_t num_chunks = t.m0 < m_ ? last_row / p_.rows_per_chunk - first_chunk + 1 : 0;
         // The chunks were written through the generic proxy; the wait's proxy fence lets the TMA loads see them.
         return device::tile::wait_checked(device::Thread{}, wait_ctx(), p_.flags + first_chunk, num_chunks, Cmp::kGe,
-                                          expected);
+                                          expected)
+            .token_or_trap();
     }
 
 private:
@@ -328,7 +334,8 @@ private:
 /// thread of the CTA, right after the kernel's barrier) first waits for that word, then reads them. That wait comes
 /// before any role starts (no mbarrier has an arrival or a TMA load pending), so a CTA whose wait gives up ends there,
 /// every thread together, with `exit` (Diagnostic recorded, abort word raised; no trap). The producer's per-group
-/// wait, inside the pipeline, drops the CTA's tiles from that one on when it gives up (the pipeline runs to its end).
+/// wait, inside the pipeline, stops the CTA's waiting when it gives up (the pipeline runs to its end), or traps when
+/// Params::diag is null (nothing would record the failure).
 template <GemmConfig kCfg>
 class GroupedWaitScheduler {
 public:
@@ -341,8 +348,10 @@ public:
     __device__ GemmTile tile(int32_t i) const { return base_.tile(i); }
 
     __device__ device::WaitResult wait_before_load(const GemmTile& t) const {
-        return device::tile::wait_checked(device::Thread{}, wait_ctx(p_), p_.flags + t.group, 1, Cmp::kGe,
-                                          expected(p_));
+        const device::WaitResult r =
+            device::tile::wait_checked(device::Thread{}, wait_ctx(p_), p_.flags + t.group, 1, Cmp::kGe, expected(p_));
+        if (!r.ok() && p_.diag == nullptr) __trap();  // no record of the failure: the kernel must not end normally
+        return r;
     }
 
 private:

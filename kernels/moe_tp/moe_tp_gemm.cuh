@@ -26,9 +26,10 @@ using weft::moe::GroupDoneParams;
 /// one contiguous range, so the members of a tile are those between its first and last row's; a row of no token
 /// (padding, -1) makes the tile wait for every member. tile::wait_each's checked form (one thread, ld.acquire.sys
 /// polls, then the proxy fence the TMA loads need), inline; a wait that gives up at its bound (a member that never
-/// called: its Diagnostic recorded) drops the CTA's tiles from that one on (gemm_drop_tiles_from: the kernel ends
-/// normally, the CUDA context stays usable). NOTE: no abort word here: reading it made ptxas spill the producer's
-/// 40 registers; each CTA waits out at most one bound (its later tiles do not wait), all CTAs at once.
+/// called: its Diagnostic recorded) stops the CTA's waiting (kSchedulerWaitMayFail): the kernel runs to its end, the
+/// CUDA context stays usable, and the output of that call is not defined (the layer's own rows only). NOTE: no abort
+/// word here: reading it made ptxas spill the producer's 40 registers; each CTA waits out at most one bound (its later
+/// tiles do not wait), all CTAs at once.
 template <GemmConfig kCfg>
 class GatheredWaitScheduler {
 public:

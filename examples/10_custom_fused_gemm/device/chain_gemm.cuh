@@ -36,12 +36,13 @@ public:
     /// The producer thread, before it loads the tile's rows of X: wait (bounded, acquire at system scope) until the
     /// previous rank has stored every tile of those rows. Rank 0 waits on no signal: still a wait, whose fence lets
     /// the TMA loads that take the Token see what it guards. The checked form is inline (a call anywhere in the
-    /// kernel would serialise its wgmma). Returning the WaitResult lets the kernel end cleanly when the wait gives up
-    /// (a rank that never ran, an aborted World): its Diagnostic is recorded, the CTA's later tiles load without
-    /// waiting, the kernel runs to its end, and World::sync_and_check throws; the CUDA context stays usable.
-    __device__ weft::device::WaitResult wait_before_load(const weft::GemmTile& t) const {
+    /// kernel would serialise its wgmma). On a timeout its Diagnostic is recorded and the kernel traps here: returning
+    /// the WaitResult instead would let the kernel run on and the hook below tell the next rank that tiles of undefined
+    /// data are ready, before that rank could learn of the failure.
+    __device__ weft::device::Token wait_before_load(const weft::GemmTile& t) const {
         return tile::wait_checked(weft::device::Thread{}, p_.ctx, p_.rows_ready + t.m_idx, p_.wait != 0 ? 1 : 0,
-                                  weft::Cmp::kGe, p_.expected);
+                                  weft::Cmp::kGe, p_.expected)
+            .token_or_trap();
     }
 
 private:

@@ -23,20 +23,20 @@
 //       __device__ S(const Params&, const weft::GemmArgs&);   // built by every thread of the CTA
 //       __device__ int32_t num_tiles() const;                  // tiles this CTA computes
 //       __device__ weft::GemmTile tile(int32_t i) const;       // its i-th tile: the same answer in every thread
-//       __device__ weft::device::WaitResult wait_before_load(const weft::GemmTile&) const;
+//       __device__ weft::device::Token wait_before_load(const weft::GemmTile&) const;
 //   };
 //   - Every tile of D's tile grid (GemmTileGrid(kCfg, args.m, args.n)) goes to exactly one CTA; the grid is
 //     FusedGemmCall::grid CTAs (blockIdx.x), one CTA per SM, cluster-free.
 //   - wait_before_load runs in one thread (the producer) before it TMA-loads the tile's rows of A (its columns of
-//     B follow). It returns the result of the wait that made those rows visible: `return tile::wait_checked(
-//     device::Thread{}, ctx, signals, n, Cmp::kGe, value);`, with n = 0 when the tile needs nothing (its rows are
-//     this rank's own); the A loads take its Token. The wait's fence.proxy.async.global is what lets the TMA loads see
-//     data other agents wrote. Never make a Token otherwise. A result that is not ok() (the wait timed out or the
-//     World was aborted: its Diagnostic recorded) ends the CTA's waiting: its later tiles load without waiting and
-//     the kernel runs to its end, so the CUDA context stays usable; the call's output is not defined and
-//     World::sync_and_check throws. (Returning a Token, e.g. `.token_or_trap()`, also compiles: a trap then ends the
-//     kernel and the context.) Not `tile::wait`: on a timeout or an abort it ends the producer (`exit`), and the
-//     consumers, whose pipeline waits do not read the abort word, stay until their own bound and trap.
+//     B follow). It returns the Token of the wait that made those rows visible: `tile::wait_checked(
+//     device::Thread{}, ctx, signals, n, Cmp::kGe, value).token_or_trap()`, with n = 0 when the tile needs nothing
+//     (its rows are this rank's own). The wait's fence.proxy.async.global is what lets the TMA loads see data other
+//     agents wrote. Never make a Token otherwise. It may return the device::WaitResult itself instead: one that is not
+//     ok() then stops the CTA's waiting and the kernel runs to its end (the CUDA context stays usable), storing and
+//     signalling tiles of undefined data; do that only where your hook publishes nothing to another rank that could
+//     take them as ready before it learns of the failure (weft's own ops do; a chain like examples/10 traps). Not
+//     `tile::wait`: on a timeout or an abort it ends the producer (`exit`), and the consumers, whose pipeline waits
+//     do not read the abort word, stay until their own bound and trap.
 //   - The producer runs with kGemmProducerRegs (40) registers: keep a reference to the Params (`const Params& p_`,
 //     in the kernel's parameter bank) rather than a copy, and 32-bit index arithmetic.
 //   - Speed: a function call anywhere in the kernel can make ptxas serialise its wgmma (warning C7510 in the JIT log,

@@ -152,7 +152,8 @@ public:
     /// Zeroes the diagnostic record and this rank's abort word and reason: waits on this rank run again (after a
     /// handled failure, on every rank, before the next op): the heap, barriers, teams and kernels of your own. A
     /// peer that is dead stays dead: its watchdog aborts the World again at the next beat. weft's ops that keep
-    /// protocol state on the device between calls (the collectives' workspace, AgAttention, ep::Buffer and MoeBlock)
+    /// protocol state on the device between calls (the collectives' workspace, AgAttention, AgGemm, GemmRs, GemmAr,
+    /// the TP MoE layers, ep::Buffer and MoeBlock)
     /// do not come back with it: a wait that gave up or an abort may have left their flags and epochs out of step
     /// across ranks, so once an abort was cleared their next call throws weft::Error naming it: make a new World.
     /// (An op made after the clear runs when it needs neither the collectives' workspace nor the network: a new
