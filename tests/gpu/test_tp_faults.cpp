@@ -145,8 +145,21 @@ Scenario make(World& w, Op op, cudaStream_t s) {
             up->run(TensorView(buf->a, DType::kBF16, {kRows, kK}), TensorView(buf->idx, DType::kI32, {m, 2}),
                     TensorView(buf->b, DType::kBF16, {4, 64, kK}), TensorView(buf->c, DType::kBF16, {cap, 64}), st);
         };
-        // Rows past the routed slots are padding the op need not write: only the call's success is checked.
-        sc.output_all_zero = [](cudaStream_t) { return true; };
+        // The routed rows (offsets[e] .. offsets[e] + counts[e] of each expert) are written; the rest need not be.
+        sc.output_all_zero = [up, buf](cudaStream_t st) {
+            const ops::MoeRouting r = up->routing();
+            int32_t counts[4] = {}, offsets[5] = {};
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(counts, r.counts, sizeof counts, cudaMemcpyDeviceToHost, st));
+            WEFT_CUDA_CHECK(cudaMemcpyAsync(offsets, r.offsets, sizeof offsets, cudaMemcpyDeviceToHost, st));
+            WEFT_CUDA_CHECK(cudaStreamSynchronize(st));
+            bool written = offsets[4] > 0;  // the routing is not empty (2 slots per token)
+            for (int e = 0; e < 4; ++e) {
+                const size_t row_bytes = 64 * 2;
+                written = written && all_zero(static_cast<char*>(buf->c) + static_cast<size_t>(offsets[e]) * row_bytes,
+                                              static_cast<size_t>(counts[e]) * row_bytes, st);
+            }
+            return written;
+        };
         sc.keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(up, buf);
         return sc;
     }
