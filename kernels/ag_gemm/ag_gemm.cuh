@@ -77,7 +77,12 @@ public:
             device::Thread{}, p_.ctx, r.last - r.first + 1,
             [&](int i) { return p_.order.is_local_signal(r.first + i) ? nullptr : p_.chunk_signals + r.first + i; },
             Cmp::kGe, 1ull);
-        if (!waited.ok()) return waited;
+        if (!waited.ok()) {
+            // The end of the call (ag_finish_call) must not reset the ready flags under a copy stream that has not
+            // consumed them yet: tell it that this CTA did not see every chunk land.
+            ptx::red_add<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(p_.tile_counter, kAgGaveUpMark);
+            return waited;
+        }
         WEFT_TRACE_RECORD(p_.ctx, TraceKind::kWaitChunk, TraceRole::kProducer, wait_t0, r.first, r.last, t.m_idx,
                           t.n_idx);
         // The ranks whose rows the tile reads: their descriptors arrived before their ready flags, which the chunks'
@@ -126,13 +131,17 @@ struct AgGemmHook {
 /// them (stream order puts the next call's copies after this kernel), tell every rank this one is done, and
 /// wait until every rank is done, so that no peer still reads this rank's shard when the caller (or the next
 /// call) overwrites it. The kernel, and with it the call, ends after this.
-/// A wait here that gives up (a peer that never called, an aborted World: its Diagnostic recorded) ends the call at
-/// once, through ag_release_copy_waits: the op refuses its next call (AbortMark), so the flags need no reset.
+/// A wait here that gives up (a peer that never called, an aborted World: its Diagnostic recorded), or a chunk wait of
+/// the GEMM that gave up (kAgGaveUpMark), ends the call at once, through ag_release_copy_waits: the op refuses its
+/// next call (AbortMark), so the flags need no reset.
 __device__ __forceinline__ void ag_release_copy_waits(const AgGemmHookParams& p);
 __device__ __forceinline__ void ag_finish_call(const AgGemmHookParams& p) {
     const device::Thread me{};
     const auto num_tiles = static_cast<uint64_t>(p.num_tiles);
-    if (!tile::wait_checked(me, p.ctx, p.tile_counter, 1, Cmp::kGe, num_tiles).ok()) return ag_release_copy_waits(p);
+    // A CTA whose chunk wait gave up added kAgGaveUpMark (before its later tiles, which it still stores): the count
+    // then passes num_tiles at once, and a copy stream may still be waiting on a peer's ready flag.
+    const device::WaitResult counted = tile::wait_checked(me, p.ctx, p.tile_counter, 1, Cmp::kGe, num_tiles);
+    if (!counted.ok() || counted.token().value() >= kAgGaveUpMark) return ag_release_copy_waits(p);
     ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(p.tile_counter, 0ull);
     for (int32_t s = 0; s < p.num_signals; ++s) ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(p.chunk_signals + s, 0ull);
     for (int32_t s = 0; s < p.ctx.num_ranks; ++s) {

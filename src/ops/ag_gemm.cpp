@@ -512,14 +512,18 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
     // node's slots first (the plan's rotation slot), then the other nodes' in the order the network delivers them.
     AgGemmOrder order(config, rows, s.num_ranks, s.chunk_rows, static_cast<int32_t>(s.shape.n), s.rank);
     if (s.net != nullptr) order.rotation_start = order.rows().tile_at(s.plan.rotation_slot, 0);
-    call.gemm = detail::make_fused_gemm_call(config, s.gathered_view(m), b, c,
-                                             std::max(1, std::min(s.budget, order.num_cluster_tiles())),
-                                             s.pipeline_timeout_ns);
-    call.sched = AgGemmParams{s.ctx, order, s.chunk_signals, s.signatures, signature};
+    const int32_t ctas = std::max(1, std::min(s.budget, order.num_cluster_tiles()));
+    const int64_t num_tiles = int64_t{order.num_m_tiles} * order.num_n_tiles;
+    WEFT_CHECK(num_tiles < static_cast<int64_t>(kAgGaveUpMark) && ctas <= kAgMaxCtas,
+               "ag_gemm: a call may have fewer than 2^23 tiles and at most "
+                   << kAgMaxCtas << " CTAs, got " << num_tiles << " tiles (M " << m << ", N " << s.shape.n << ") on "
+                   << ctas << " CTAs");
+    call.gemm = detail::make_fused_gemm_call(config, s.gathered_view(m), b, c, ctas, s.pipeline_timeout_ns);
+    call.sched = AgGemmParams{s.ctx, order, s.chunk_signals, s.signatures, signature, s.tile_counter};
     AgGemmHookParams& hook = call.hook;
     hook.ctx = s.ctx;
     hook.tile_counter = s.tile_counter;
-    hook.num_tiles = order.num_m_tiles * order.num_n_tiles;
+    hook.num_tiles = static_cast<int32_t>(num_tiles);
     hook.num_signals = map.num_signals();
     hook.chunk_signals = s.chunk_signals;
     hook.ready = s.ready;

@@ -58,7 +58,16 @@ struct AgGemmParams {
     /// stored there by s's notify kernel before it raised ready[s] (AgNotifyParams::signatures)
     const uint64_t* signatures;
     uint64_t signature;  ///< this call's descriptor (make_call_descriptor: CollectiveOp::kAgGemm, M, K, dtype)
+    /// local: AgGemmHookParams::tile_counter, to which a chunk wait that gives up adds kAgGaveUpMark (so that the end
+    /// of the call knows that not every chunk was seen to land)
+    uint64_t* tile_counter;
 };
+
+/// What a CTA whose chunk wait gave up adds to the tile counter: above any launch's tile count, and the count plus
+/// one mark per CTA stays below 2^32 (the 32 bits a wait's Token keeps): the op checks num_tiles < kAgGaveUpMark and
+/// at most kAgMaxCtas CTAs.
+inline constexpr uint64_t kAgGaveUpMark = uint64_t{1} << 23;
+inline constexpr int32_t kAgMaxCtas = 511;
 
 /// AllGather+GEMM epilogue hook (AgGemmHook: counts stored tiles) and end-of-call (ag_finish_call, run by
 /// CTA 0's producer thread once every tile is stored) parameters.
