@@ -9,6 +9,7 @@
 // (after every rank saw the abort) before anything else meets.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -44,32 +45,7 @@ bool all_zero(const void* p, size_t bytes, cudaStream_t s) {
     return true;
 }
 
-/// Device buffers of one call of `op`, zeroed inputs, the output poisoned with 0xff bytes.
-struct Buffers {
-    void *a = nullptr, *b = nullptr, *c = nullptr, *idx = nullptr;
-    size_t c_bytes = 0;
-    Buffers(size_t a_bytes, size_t b_bytes, size_t c_bytes_, size_t idx_bytes, cudaStream_t s) : c_bytes(c_bytes_) {
-        WEFT_CUDA_CHECK(cudaMalloc(&a, a_bytes));
-        WEFT_CUDA_CHECK(cudaMalloc(&b, b_bytes));
-        WEFT_CUDA_CHECK(cudaMalloc(&c, c_bytes));
-        WEFT_CUDA_CHECK(cudaMemsetAsync(a, 0, a_bytes, s));
-        WEFT_CUDA_CHECK(cudaMemsetAsync(b, 0, b_bytes, s));
-        WEFT_CUDA_CHECK(cudaMemsetAsync(c, 0xff, c_bytes, s));
-        if (idx_bytes > 0) {
-            WEFT_CUDA_CHECK(cudaMalloc(&idx, idx_bytes));
-        }
-    }
-    ~Buffers() {
-        cudaFree(a);
-        cudaFree(b);
-        cudaFree(c);
-        cudaFree(idx);
-    }
-    /// Whether every byte of the output is zero (every element written, A and B being zeros).
-    bool output_all_zero(cudaStream_t s) const { return all_zero(c, c_bytes, s); }
-};
-
-/// Device allocations freed together (the TP MoE layer 1's routing and operands).
+/// Device allocations of one scenario (operands, routing), each filled with a byte value, freed together.
 struct DeviceAllocations {
     std::vector<void*> ptrs;
     void* alloc(size_t bytes, int fill, cudaStream_t s) {
@@ -135,18 +111,21 @@ Scenario make(World& w, Op op, cudaStream_t s) {
         const ops::MoeTpShape shape{.max_tokens = m, .hidden = kK, .ffn = 64, .num_experts = 4, .topk = 2};
         auto up = std::make_shared<ops::MoeAgGroupedGemm>(w, shape);
         const int64_t cap = up->rows_capacity();
-        auto buf = std::make_shared<Buffers>(static_cast<size_t>(kRows * kK * 2), static_cast<size_t>(4 * 64 * kK * 2),
-                                             static_cast<size_t>(cap * 64 * 2), static_cast<size_t>(m * 2 * 4), s);
+        auto mem = std::make_shared<DeviceAllocations>();
+        void* x = mem->alloc(static_cast<size_t>(kRows * kK * 2), 0, s);
+        void* idx = mem->alloc(static_cast<size_t>(m * 2 * 4), 0, s);
+        void* wt = mem->alloc(static_cast<size_t>(4 * 64 * kK * 2), 0, s);
+        void* y = mem->alloc(static_cast<size_t>(cap * 64 * 2), 0xff, s);
         std::vector<int32_t> ids(static_cast<size_t>(m * 2));
         for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i % 4);  // experts 0, 1 / 2, 3
-        WEFT_CUDA_CHECK(cudaMemcpyAsync(buf->idx, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, s));
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(idx, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, s));
         WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
-        sc.call = [up, buf, cap, m](cudaStream_t st) {
-            up->run(TensorView(buf->a, DType::kBF16, {kRows, kK}), TensorView(buf->idx, DType::kI32, {m, 2}),
-                    TensorView(buf->b, DType::kBF16, {4, 64, kK}), TensorView(buf->c, DType::kBF16, {cap, 64}), st);
+        sc.call = [up, x, idx, wt, y, cap, m](cudaStream_t st) {
+            up->run(TensorView(x, DType::kBF16, {kRows, kK}), TensorView(idx, DType::kI32, {m, 2}),
+                    TensorView(wt, DType::kBF16, {4, 64, kK}), TensorView(y, DType::kBF16, {cap, 64}), st);
         };
         // The routed rows (offsets[e] .. offsets[e] + counts[e] of each expert) are written; the rest need not be.
-        sc.output_all_zero = [up, buf](cudaStream_t st) {
+        sc.output_all_zero = [up, y](cudaStream_t st) {
             const ops::MoeRouting r = up->routing();
             int32_t counts[4] = {}, offsets[5] = {};
             WEFT_CUDA_CHECK(cudaMemcpyAsync(counts, r.counts, sizeof counts, cudaMemcpyDeviceToHost, st));
@@ -155,19 +134,21 @@ Scenario make(World& w, Op op, cudaStream_t s) {
             bool written = offsets[4] > 0;  // the routing is not empty (2 slots per token)
             for (int e = 0; e < 4; ++e) {
                 const size_t row_bytes = 64 * 2;
-                written = written && all_zero(static_cast<char*>(buf->c) + static_cast<size_t>(offsets[e]) * row_bytes,
+                written = written && all_zero(static_cast<char*>(y) + static_cast<size_t>(offsets[e]) * row_bytes,
                                               static_cast<size_t>(counts[e]) * row_bytes, st);
             }
             return written;
         };
-        sc.keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(up, buf);
+        sc.keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(up, mem);
         return sc;
     }
     const int64_t a_rows = op == Op::kAgGemm ? kRows : m;
     const int64_t c_rows = op == Op::kGemmRs ? kRows : m;
-    auto buf = std::make_shared<Buffers>(static_cast<size_t>(a_rows * kK * 2), static_cast<size_t>(kN * kK * 2),
-                                         static_cast<size_t>(c_rows * kN * 2), 0, s);
-    const TensorView a(buf->a, dt, {a_rows, kK}), b(buf->b, dt, {kN, kK}), c(buf->c, dt, {c_rows, kN});
+    auto mem = std::make_shared<DeviceAllocations>();
+    const size_t c_bytes = static_cast<size_t>(c_rows * kN * 2);
+    void* c_ptr = mem->alloc(c_bytes, 0xff, s);
+    const TensorView a(mem->alloc(static_cast<size_t>(a_rows * kK * 2), 0, s), dt, {a_rows, kK}),
+        b(mem->alloc(static_cast<size_t>(kN * kK * 2), 0, s), dt, {kN, kK}), c(c_ptr, dt, {c_rows, kN});
     std::shared_ptr<void> held;
     if (op == Op::kAgGemm) {
         auto g = std::make_shared<ops::AgGemm>(w, ops::AgGemmShape{m, kN, kK, dt});
@@ -182,8 +163,8 @@ Scenario make(World& w, Op op, cudaStream_t s) {
         sc.call = [g, a, b, c](cudaStream_t st) { g->run(a, b, c, st); };
         held = g;
     }
-    sc.output_all_zero = [buf](cudaStream_t st) { return buf->output_all_zero(st); };
-    sc.keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(held, buf);
+    sc.output_all_zero = [c_ptr, c_bytes](cudaStream_t st) { return all_zero(c_ptr, c_bytes, st); };
+    sc.keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(held, mem);
     return sc;
 }
 
@@ -208,6 +189,7 @@ bool call_new_op(World& w, Op op, cudaStream_t s) {
 }
 
 void expect_peer_that_never_calls_is_an_error(Op op, const char* name) {
+    alarm(240);  // a hang ends the binary with SIGALRM (the test fails) instead of hanging it
     WorldOptions options = test_options(256ull << 20);  // GemmAr's all-reduce half: the collectives' 96 MiB
     // The bound of the failing wait, and of every barrier after it: the ranks reach those up to ~2 s apart (rank 1
     // learns of the abort at its watchdog's beat after rank 0's watchdog published it).
@@ -283,6 +265,7 @@ void expect_peer_that_never_calls_is_an_error(Op op, const char* name) {
             },
             options);
     }
+    alarm(0);
     SCOPED_TRACE(name);
     const bool gave_up = message.find("timed out") != std::string::npos || message.find("gave up") != std::string::npos;
     EXPECT_TRUE(gave_up) << "rank 0's error: " << message;
