@@ -286,6 +286,19 @@ __device__ __forceinline__ int32_t route_expert(const int32_t* row, int j, int n
     return e;
 }
 
+/// A digest of one token's topk_idx row (its `k` raw ids, slot order included), the same in every lane; the whole warp
+/// calls it. A low-latency dispatch keeps it per token in its handle and the combine compares it with the row it is
+/// given (kCombineRoutingMismatch): each slot's term is a bijection of its id, so rows that differ in one slot always
+/// differ here.
+__device__ __forceinline__ uint32_t route_row_digest(const int32_t* row, int lane, int k) {
+    uint32_t h = 0;
+    if (lane < k) {
+        h = (static_cast<uint32_t>(row[lane]) + 0x9e3779b9u * static_cast<uint32_t>(lane + 1)) * 0x85ebca6bu;
+        h ^= h >> 15;
+    }
+    return __reduce_xor_sync(0xffffffffu, h);
+}
+
 /// Where compute_routes writes. Pointers may be generic addresses of shared or global memory.
 struct RouteOut {
     int32_t* route_pos;  ///< [T, k]: index among this rank's valid routes to the expert (token, then slot order), or -1

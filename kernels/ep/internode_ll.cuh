@@ -59,6 +59,10 @@ __global__ void __launch_bounds__(C.threads)
                               g.rank, raw, g.num_experts, t, lane, call, KernelId::kLowLatencyDispatch);
             }
         }
+        if (r == 0) {  // the combine compares its topk_idx with this
+            const uint32_t digest = route_row_digest(row, lane, g.topk);
+            if (lane == 0) a.handle.route_digest[t] = digest;
+        }
         int n = 0;
         if (lane == 0) n = weft::ep::ll_record_routes(g, row, r, ids);
         n = __shfl_sync(0xffffffffu, n, 0);
@@ -277,7 +281,15 @@ __global__ void __launch_bounds__(C.threads)
     const bool received = a.handle.mismatch[0] == 0;
     for (int t = warp; t < a.num_tokens; t += warps) {
         const int32_t* idx_row = a.topk_idx + static_cast<int64_t>(t) * a.idx_stride;
-        const int32_t e = received && lane < g.topk ? weft::ep::valid_route_expert(g, idx_row, lane) : -1;
+        // The returned rows are those of the dispatch's topk_idx: another row here would read the wrong ones.
+        const uint32_t digest = route_row_digest(idx_row, lane, g.topk);
+        const uint32_t dispatched = a.handle.route_digest[t];
+        if (digest != dispatched && lane == 0) {
+            report_status(a.status, StatusCode::kCombineRoutingMismatch, g.rank, g.rank, digest, dispatched, t, -1,
+                          a.state->dispatch_send_calls, KernelId::kLowLatencyCombine);  // its dispatch's number
+        }
+        const int32_t e =
+            received && digest == dispatched && lane < g.topk ? weft::ep::valid_route_expert(g, idx_row, lane) : -1;
         const uint16_t* mine = nullptr;
         if (e >= 0) {
             const int32_t p = weft::ep::ll_route_position(g, idx_row, lane);

@@ -159,6 +159,10 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
         const int t = item / split.parts;
         const int part = item % split.parts;
         const int g_end = split.end(part, granules);
+        if (part == 0) {  // the combine compares its topk_idx with this
+            const uint32_t digest = route_row_digest(a.topk_idx + static_cast<int64_t>(t) * a.idx_stride, lane, k);
+            if (lane == 0) a.handle.route_digest[t] = digest;
+        }
         // Lane j: the slot of route j on its expert's owner (a peer mapping), or null.
         uint8_t* dst = nullptr;
         if (lane < k) {
@@ -470,7 +474,15 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
         const int part = item % split.parts;
         const int g_end = split.end(part, granules);
         const int32_t* idx_row = a.topk_idx + static_cast<int64_t>(t) * a.idx_stride;
-        const bool valid = received && lane < k && route_expert(idx_row, lane, g.num_experts) >= 0;
+        // The rows in the landing are those of the dispatch's topk_idx: another row here would sum the wrong ones.
+        const uint32_t digest = route_row_digest(idx_row, lane, k);
+        const uint32_t dispatched = a.handle.route_digest[t];
+        if (digest != dispatched && part == 0 && lane == 0) {
+            report_status(a.status, StatusCode::kCombineRoutingMismatch, me, me, digest, dispatched, t, -1, call,
+                          KernelId::kLowLatencyCombine);
+        }
+        const bool valid =
+            received && digest == dispatched && lane < k && route_expert(idx_row, lane, g.num_experts) >= 0;
         const float weight = valid ? a.topk_weights[static_cast<int64_t>(t) * a.weight_stride + lane] : 0.0f;
         const uint32_t slots = __ballot_sync(0xffffffffu, valid);
         const uint16_t* base = landing + (static_cast<int64_t>(half) * g.max_tokens + t) * k * g.hidden;

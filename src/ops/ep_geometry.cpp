@@ -348,6 +348,13 @@ std::string describe_status(const Status& s) {
             os << "expert id " << s.value << " repeated at topk_idx[" << s.token << "][" << s.slot << "] in " << kernel
                << " call " << s.call << ": each token's top-k experts must be distinct; the repeat was dropped";
             break;
+        case StatusCode::kCombineRoutingMismatch:
+            os << kernel << " call " << s.call << " was given another topk_idx row for token " << s.token
+               << " than its dispatch sent (row digest 0x" << std::hex << static_cast<uint32_t>(s.value)
+               << ", the dispatch's 0x" << static_cast<uint32_t>(s.limit) << std::dec
+               << "); that token's row of out was written as zeros. Pass the combine the topk_idx its dispatch was "
+                  "given";
+            break;
         case StatusCode::kCallMismatch:
             if (static_cast<KernelId>(s.kernel) == KernelId::kNormalDispatch) {
                 os << kernel << " call " << s.call << " differs from rank " << s.culprit_rank << "'s: rank " << s.rank

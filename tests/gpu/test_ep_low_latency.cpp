@@ -4,6 +4,8 @@
 // reference; split halves, call orders, CUDA-graph replay and stragglers.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cuda_runtime_api.h>
 
 #include <cmath>
@@ -544,6 +546,92 @@ TEST_F(EpLowLatencyGpu, DispatchWithFp8OnOneRankAndBf16OnTheOtherFailsOnEveryRan
                     WEFT_CHECK(threw, "rank " << me << ", " << what << ": check() did not throw the pending mismatch");
                 });
                 ep.clear_status();
+            }
+        },
+        options_for(c, n));
+}
+
+// A combine given another topk_idx than its dispatch's (one slot of one token of rank 0 changed) reports
+// kCombineRoutingMismatch naming that token on rank 0 and writes that token's row as zeros; every other row is the
+// combine of the dispatch's routing (bit for bit the previous round's, which combined with the same topk_idx), and rank
+// 1, whose topk_idx is unchanged, reports nothing. Split halves and one launch alike.
+TEST_F(EpLowLatencyGpu, CombineGivenAnotherTopkIdxThanItsDispatchReportsTheToken) {
+    const uint32_t seed = fresh_seed();
+    const int n = 2;
+    const Config c = ll_config(n);
+    run_ranks(
+        n,
+        [&](World& world) {
+            RankStream rs;
+            const int me = world.rank();
+            Buffer ep(world, c);
+            const ref::Params p = params_of(c, n);
+            LowLatencyHandle h = ep.make_low_latency_handle();
+            Inputs in(c, rs.s);
+            DeviceArray<uint16_t> y(static_cast<size_t>(p.local_experts()) * n * c.max_tokens_per_rank * c.hidden,
+                                    rs.s);
+            DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
+            DeviceArray<int32_t> other_idx(static_cast<size_t>(c.max_tokens_per_rank) * c.topk, rs.s);
+            const Call call = make_call(p, Scenario::kUniform, c.max_tokens_per_rank, seed, true);
+            in.load(call, me);
+            y.upload(expected_y(p, call, me, c.max_tokens_per_rank));
+            const int t0 = in.num_tokens / 2;
+            std::vector<int32_t> changed = call.all[static_cast<size_t>(me)].topk_idx;
+            if (me == 0) {
+                int32_t* row = changed.data() + static_cast<size_t>(t0) * c.topk;
+                int32_t absent = 0;
+                while (std::find(row, row + c.topk, absent) != row + c.topk) ++absent;
+                row[0] = row[0] == -1 ? absent : -1;
+            }
+            other_idx.upload(changed);
+            const TensorView other(other_idx.get(), DType::kI32, {in.num_tokens, c.topk});
+            const TensorView out_view(out.get(), DType::kBF16, {in.num_tokens, c.hidden});
+            const size_t elems = static_cast<size_t>(in.num_tokens) * c.hidden;
+            for (const bool split : {false, true}) {
+                const std::string what = split ? "split halves" : "one launch";
+                std::vector<std::vector<uint16_t>> got(2);
+                for (int round = 0; round < 2; ++round) {
+                    const LowLatencyOptions send{.phase = split ? Phase::kSend : Phase::kSendRecv};
+                    const LowLatencyOptions recv{.phase = Phase::kRecv};
+                    ep.low_latency_dispatch(h, in.x_view(), in.idx_view(), rs.s, send);
+                    if (split) ep.low_latency_dispatch(h, TensorView(), TensorView(), rs.s, recv);
+                    out.poison(0xFF);
+                    const TensorView& idx = round == 0 ? in.idx_view() : other;
+                    const TensorView y_v = y_view(y.get(), p, c.max_tokens_per_rank);
+                    ep.low_latency_combine(h, y_v, idx, in.w_view(), out_view, rs.s, send);
+                    if (split) ep.low_latency_combine(h, TensorView(), idx, in.w_view(), out_view, rs.s, recv);
+                    world.sync_and_check(rs.s);
+                    got[static_cast<size_t>(round)] = download(out.get(), elems, rs.s);
+                    std::string error;
+                    try {
+                        ep.check();
+                    } catch (const Error& e) {
+                        error = e.what();
+                    }
+                    ep.clear_status();
+                    ref::collective_check(world, [&] {
+                        if (round == 0 || me == 1) {
+                            WEFT_CHECK(error.empty(), "rank " << me << ", " << what << ", round " << round
+                                                              << ": unexpected error: " << error);
+                            return;
+                        }
+                        for (const std::string& frag : {std::string("low-latency combine"),
+                                                        "another topk_idx row for token " + std::to_string(t0),
+                                                        std::string("written as zeros")}) {
+                            WEFT_CHECK(error.find(frag) != std::string::npos,
+                                       "rank 0, " << what << ": the error lacks '" << frag << "': " << error);
+                        }
+                    });
+                }
+                ref::collective_check(world, [&] {
+                    for (size_t i = 0; i < elems; ++i) {
+                        const bool zero_row = me == 0 && static_cast<int>(i / c.hidden) == t0;
+                        const uint16_t want = zero_row ? uint16_t{0} : got[0][i];
+                        WEFT_CHECK(got[1][i] == want, "rank " << me << ", " << what << ": out element " << i
+                                                              << " (token " << i / c.hidden << ") is 0x" << std::hex
+                                                              << got[1][i] << ", expected 0x" << want);
+                    }
+                });
             }
         },
         options_for(c, n));

@@ -440,13 +440,14 @@ std::vector<ArrayInfo> arrays_of(const weft::ep::NormalHandleDeviceLayout& l) {
             info("info", l.info)};
 }
 std::vector<ArrayInfo> arrays_of(const weft::ep::LowLatencyHandleDeviceLayout& l) {
-    static_assert(sizeof(l) == 6 * 16 + 8);
+    static_assert(sizeof(l) == 7 * 16 + 8);
     return {info("recv_x", l.recv_x),
             info("recv_scales", l.recv_scales),
             info("recv_src_info", l.recv_src_info),
             info("recv_src_slot", l.recv_src_slot),
             info("expert_counts", l.expert_counts),
-            info("mismatch", l.mismatch)};
+            info("mismatch", l.mismatch),
+            info("route_digest", l.route_digest)};
 }
 
 // Every array starts at a multiple of kArrayAlign, right after the previous one (rounded up), none overlaps the
@@ -764,6 +765,25 @@ TEST(EpLowLatencyMailbox, WordsCarryTheCountAndTheCallSignature) {
                               .max_recv_rows = 0};
     static_assert(ll_mailbox_count(ll_mailbox_word(ll_call_signature(kSmall, true), 1024)) == 1024);
     static_assert(ll_signature_fp8(ll_mailbox_signature(ll_mailbox_word(ll_call_signature(kSmall, true), 7))));
+}
+
+TEST(EpStatus, ACombineGivenAnotherRoutingNamesTheTokenAndWhatToPass) {
+    Status s{};
+    s.claimed = 2;
+    s.code = StatusCode::kCombineRoutingMismatch;
+    s.rank = 3;
+    s.culprit_rank = 3;
+    s.value = 0x1234abcd;
+    s.limit = 0xfedc0042;
+    s.token = 17;
+    s.slot = -1;
+    s.call = 2;
+    s.kernel = static_cast<uint32_t>(KernelId::kLowLatencyCombine);
+    const std::string m = describe_status(s);
+    for (const char* frag : {"rank 3", "low-latency combine call 2", "another topk_idx row for token 17", "0x1234abcd",
+                             "0xfedc0042", "written as zeros", "topk_idx its dispatch was given"}) {
+        EXPECT_NE(m.find(frag), std::string::npos) << frag << " missing from: " << m;
+    }
 }
 
 TEST(EpStatus, ACallMismatchNamesBothRanksAndWhatDiffered) {

@@ -40,6 +40,9 @@ enum class StatusCode : uint32_t {
     /// geometry): value = this rank's call signature, limit = the source's (ll_call_signature), culprit = the source;
     /// nothing was received (counts 0; the handle's combine writes zeros)
     kCallMismatch = 5,
+    /// low-latency combine: the topk_idx row of token `token` differs from the one its dispatch sent (value = the
+    /// combine's row digest, limit = the dispatch's); that token's row of out is written as zeros
+    kCombineRoutingMismatch = 6,
 };
 
 /// One rank's status record, in host-mapped pinned memory (readable by the host without a
@@ -266,6 +269,7 @@ struct LowLatencyHandleDeviceLayout {
     Array<int32_t> recv_src_slot;  ///< [E_local, W * max_tokens]
     Array<int32_t> expert_counts;  ///< [E_local]
     Array<int32_t> mismatch;       ///< [1] 1 when the last dispatch received found a call mismatch
+    Array<uint32_t> route_digest;  ///< [max_tokens] the last dispatch's digest of each token's topk_idx row
     int64_t bytes;
 };
 
@@ -320,6 +324,9 @@ struct LowLatencyHandleView {
     /// [1] written by every dispatch receive: 1 when a source's call differed (kCallMismatch: nothing received, the
     /// combine writes zeros), else 0
     int32_t* mismatch;
+    /// [max_tokens] written by every dispatch send: the digest of each of its tokens' topk_idx row, which the combine
+    /// compares with the topk_idx it is given (kCombineRoutingMismatch)
+    uint32_t* route_digest;
 };
 
 /// Where every array of a Buffer and its handles lives, from the Geometry alone (the same on every rank).
@@ -393,6 +400,7 @@ struct Workspace {
             d.recv_src_slot = p.take<int32_t>(rows);
             d.expert_counts = p.take<int32_t>(l * el);
             d.mismatch = p.take<int32_t>(l);
+            d.route_digest = p.take<uint32_t>(l * t);
             d.bytes = p.bytes;
         }
         return ws;
@@ -451,7 +459,8 @@ struct Workspace {
                                     .recv_src_info = d.recv_src_info.at(device),
                                     .recv_src_slot = d.recv_src_slot.at(device),
                                     .expert_counts = d.expert_counts.at(device),
-                                    .mismatch = d.mismatch.at(device)};
+                                    .mismatch = d.mismatch.at(device),
+                                    .route_digest = d.route_digest.at(device)};
     }
 };
 

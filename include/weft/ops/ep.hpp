@@ -300,7 +300,9 @@ public:
                               cudaStream_t stream, const LowLatencyOptions& options = {});
     /// Collective. y: bf16 [E_local, W * max_tokens, H] (row stride may be larger than H); topk_idx
     /// and topk_weights as given to the dispatch; out: bf16 [T, H]. out[t] = sum over valid j of
-    /// topk_weights[t][j] * y[row of (t, j)], fp32 fma in slot order, rounded once to bf16.
+    /// topk_weights[t][j] * y[row of (t, j)], fp32 fma in slot order, rounded once to bf16. A token whose topk_idx
+    /// row differs from the one its dispatch sent is reported (kCombineRoutingMismatch, check()) and its row of out
+    /// written as zeros.
     void low_latency_combine(LowLatencyHandle& handle, const TensorView& y, const TensorView& topk_idx,
                              const TensorView& topk_weights, const TensorView& out, cudaStream_t stream,
                              const LowLatencyOptions& options = {});
