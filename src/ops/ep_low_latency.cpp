@@ -5,6 +5,7 @@
 
 #include "collective_workspace.hpp"
 #include "ep_buffer.hpp"
+#include "views_overlap.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
@@ -281,6 +282,10 @@ void Buffer::low_latency_combine(LowLatencyHandle& handle, const TensorView& y, 
         ops::detail::check_device_buffers(b.world->heap(),
                                           {{"topk_idx", topk_idx}, {"topk_weights", topk_weights}, {"out", out}},
                                           "ep::low_latency_combine", stream);
+        // A token's row is summed by several warps, each reading its topk_idx and topk_weights rows.
+        ops::detail::check_apart("ep::low_latency_combine", "out", out,
+                                 {{"topk_idx", topk_idx}, {"topk_weights", topk_weights}},
+                                 "one warp's stores into out may land before another reads a token's routing");
         a.topk_idx = static_cast<const int32_t*>(topk_idx.data);
         a.idx_stride = t > 0 ? row_stride_of(topk_idx) : g.topk;
         a.topk_weights = static_cast<const float*>(topk_weights.data);

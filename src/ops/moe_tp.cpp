@@ -612,12 +612,12 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
     const TensorView a_rows(s.gathered, DType::kBF16, {s.rows_capacity, h});
     const GroupedGemmProblem p = validate_grouped_gemm_args(GroupedLayout::kContiguous, a_rows, w, y, BLayout::kNK,
                                                             s.routing.offsets, s.routing.counts);
-    s.routing.tokens = m;
     const GroupedGemmOptions go = s.gemm_options(m);
     GroupedGemmOptions go_forced = go;
     go_forced.config = s.config;
     const ops::detail::GroupedGemmLaunch gl =
         s.prepare_gemm(p, a_rows, w, y, s.routing.offsets, s.routing.counts, go_forced);
+    s.routing.tokens = m;  // once nothing more refuses the call: routing() names the last call that ran
     weft::moe::GatheredWaitParams wait{};
     wait.groups = gl.groups;
     wait.gather_index = s.routing.gather_index;

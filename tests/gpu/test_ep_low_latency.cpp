@@ -432,6 +432,13 @@ TEST_F(EpLowLatencyGpu, CallOrderAndCapacityErrorsAreHostErrors) {
                 "differs from the send");
             ep.low_latency_dispatch(a, TensorView(), TensorView(), rs.s, recv);
             ep.low_latency_dispatch(b, TensorView(), TensorView(), rs.s, recv);
+            expect_error(
+                [&] {
+                    ep.low_latency_combine(a, a.recv_x(), in.idx_view(),
+                                           TensorView(in.x.get(), DType::kF32, {in.num_tokens, c.topk}), in.x_view(),
+                                           rs.s);
+                },
+                "out must not overlap topk_weights");
             ep.sync_and_check(rs.s);
             ref::collective_check(world, [&] {
                 check_dispatch(p, call, a, false, me, c.max_tokens_per_rank, rs.s, "after the errors (a)");

@@ -114,7 +114,7 @@ struct MoeTpShape {
     int64_t hidden = 0;       ///< H: layer 0's K, layer 1's N; a multiple of 8
     int64_t ffn = 0;          ///< F / W, this rank's shard: layer 0's N, layer 1's K; a multiple of 8
     int64_t num_experts = 0;  ///< E
-    int64_t topk = 0;         ///< 1 .. 64
+    int64_t topk = 0;         ///< 1 .. min(64, num_experts)
 };
 
 /// Knobs. Zero / empty: chosen from the problem and the device.
