@@ -225,6 +225,27 @@ TensorView y_view(const void* data, const ref::Params& p, int max_tokens) {
                       {p.local_experts(), static_cast<int64_t>(p.num_ranks) * max_tokens, p.hidden});
 }
 
+/// One rank's low-latency set-up: its stream, Buffer and one handle, its inputs, y (every local expert's rows, each
+/// source's max_tokens) and out ([max_tokens, H]). Tests name the parts with a structured binding.
+struct LlRank {
+    RankStream rs;
+    int me;
+    ref::Params p;
+    Buffer ep;
+    LowLatencyHandle h;
+    Inputs in;
+    DeviceArray<uint16_t> y;
+    DeviceArray<uint16_t> out;
+    LlRank(World& world, const Config& c)
+        : me(world.rank()),
+          p(params_of(c, world.num_ranks())),
+          ep(world, c),
+          h(ep.make_low_latency_handle()),
+          in(c, rs.s),
+          y(static_cast<size_t>(p.local_experts()) * world.num_ranks() * c.max_tokens_per_rank * c.hidden, rs.s),
+          out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s) {}
+};
+
 // Every routing scenario at world sizes 2..8, bf16 and fp8 dispatch, then the combine.
 TEST_F(EpLowLatencyGpu, RoutingScenariosAtEveryWorldSize) {
     const uint32_t seed = fresh_seed();
@@ -234,15 +255,9 @@ TEST_F(EpLowLatencyGpu, RoutingScenariosAtEveryWorldSize) {
         run_ranks(
             n,
             [&](World& world) {
-                RankStream rs;
-                const int me = world.rank();
-                Buffer ep(world, c);
-                LowLatencyHandle h = ep.make_low_latency_handle();
-                Inputs in(c, rs.s);
-                const ref::Params p = params_of(c, n);
+                LlRank rank(world, c);
+                auto& [rs, me, p, ep, h, in, y, out] = rank;
                 const size_t y_elems = static_cast<size_t>(p.local_experts()) * n * c.max_tokens_per_rank * c.hidden;
-                DeviceArray<uint16_t> y(y_elems, rs.s);
-                DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
                 int i = 0;
                 for (Scenario sc : ref::all_scenarios()) {
                     for (bool fp8 : {false, true}) {
@@ -467,15 +482,8 @@ TEST_F(EpLowLatencyGpu, DispatchWithFp8OnOneRankAndBf16OnTheOtherFailsOnEveryRan
     run_ranks(
         n,
         [&](World& world) {
-            RankStream rs;
-            const int me = world.rank();
-            Buffer ep(world, c);
-            const ref::Params p = params_of(c, n);
-            LowLatencyHandle h = ep.make_low_latency_handle();
-            Inputs in(c, rs.s);
-            const size_t y_elems = static_cast<size_t>(p.local_experts()) * n * c.max_tokens_per_rank * c.hidden;
-            DeviceArray<uint16_t> y(y_elems, rs.s);
-            DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
+            LlRank rank(world, c);
+            auto& [rs, me, p, ep, h, in, y, out] = rank;
             for (int round = 0; round < 3; ++round) {
                 const Call call =
                     make_call(p, Scenario::kUniform, c.max_tokens_per_rank, seed + static_cast<uint32_t>(round), true);
@@ -569,15 +577,8 @@ TEST_F(EpLowLatencyGpu, CombineGivenAnotherTopkIdxThanItsDispatchReportsTheToken
     run_ranks(
         n,
         [&](World& world) {
-            RankStream rs;
-            const int me = world.rank();
-            Buffer ep(world, c);
-            const ref::Params p = params_of(c, n);
-            LowLatencyHandle h = ep.make_low_latency_handle();
-            Inputs in(c, rs.s);
-            DeviceArray<uint16_t> y(static_cast<size_t>(p.local_experts()) * n * c.max_tokens_per_rank * c.hidden,
-                                    rs.s);
-            DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
+            LlRank rank(world, c);
+            auto& [rs, me, p, ep, h, in, y, out] = rank;
             DeviceArray<int32_t> other_idx(static_cast<size_t>(c.max_tokens_per_rank) * c.topk, rs.s);
             const Call call = make_call(p, Scenario::kUniform, c.max_tokens_per_rank, seed, true);
             in.load(call, me);
@@ -679,15 +680,8 @@ TEST_F(EpLowLatencyGpu, GraphReplayWithChangingRouting) {
     run_ranks(
         n,
         [&](World& world) {
-            RankStream rs;
-            const int me = world.rank();
-            Buffer ep(world, c);
-            const ref::Params p = params_of(c, n);
-            LowLatencyHandle h = ep.make_low_latency_handle();
-            Inputs in(c, rs.s);
-            DeviceArray<uint16_t> y(static_cast<size_t>(p.local_experts()) * n * c.max_tokens_per_rank * c.hidden,
-                                    rs.s);
-            DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
+            LlRank rank(world, c);
+            auto& [rs, me, p, ep, h, in, y, out] = rank;
             const int t = c.max_tokens_per_rank - 3 * me;
             in.num_tokens = t;
             for (bool fp8 : {false, true}) {
@@ -773,22 +767,15 @@ TEST_F(EpLowLatencyGpu, StragglersAreWaitedFor) {
     run_ranks(
         n,
         [&](World& world) {
-            RankStream rs;
-            const int me = world.rank();
             jit::KernelSpec delay_spec;
             delay_spec.header = "ep/testing.cuh";
             delay_spec.instantiation = "weft::kernels::ep::delay";
             jit::Kernel& delay = jit::compiler().get_kernel(delay_spec);
-            Buffer ep(world, c);
-            const ref::Params p = params_of(c, n);
-            LowLatencyHandle h = ep.make_low_latency_handle();
-            Inputs in(c, rs.s);
+            LlRank rank(world, c);
+            auto& [rs, me, p, ep, h, in, y, out] = rank;
             const Call call = make_call(p, Scenario::kUniform, c.max_tokens_per_rank, seed, true);
             in.load(call, me);
-            DeviceArray<uint16_t> y(static_cast<size_t>(p.local_experts()) * n * c.max_tokens_per_rank * c.hidden,
-                                    rs.s);
             y.upload(expected_y(p, call, me, c.max_tokens_per_rank));
-            DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
             out.poison(0xFF);
             const uint64_t late_ns = 300ull * 1000 * 1000;
             if (me == 1) delay.launch({.grid = dim3(1), .block = dim3(1), .stream = rs.s}, late_ns);
