@@ -75,6 +75,19 @@ struct Inputs {
     TensorView w_view() const { return TensorView(w.get(), DType::kF32, {num_tokens, topk}); }
 };
 
+/// One rank's normal-mode set-up: its stream, Buffer and first handle, and its inputs. Tests name the parts with a
+/// structured binding.
+struct NormalRank {
+    RankStream rs;
+    int me;
+    ref::Params p;
+    Buffer ep;
+    NormalHandle h;
+    Inputs in;
+    NormalRank(World& world, const Config& c)
+        : me(world.rank()), p(params_of(c, world.num_ranks())), ep(world, c), h(ep.make_normal_handle()), in(c, rs.s) {}
+};
+
 /// The expected y rows of every rank: expert_output of the row's payload; padding rows are NaN (a
 /// combine that reads one fails loudly).
 std::vector<std::vector<uint16_t>> expected_y(const ref::Params& p, const ref::NormalPlan& plan,
@@ -243,11 +256,8 @@ TEST_F(EpNormalGpu, RoutingScenariosAtEveryWorldSize) {
         run_ranks(
             n,
             [&](World& world) {
-                RankStream rs;
-                Buffer ep(world, c);
-                NormalHandle h = ep.make_normal_handle();
-                Inputs in(c, rs.s);
-                const ref::Params p = params_of(c, n);
+                NormalRank rank(world, c);
+                auto& [rs, me, p, ep, h, in] = rank;
                 DeviceArray<uint16_t> y(static_cast<size_t>(ep.geometry().max_recv_rows) * c.hidden, rs.s);
                 DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
                 int i = 0;
@@ -276,17 +286,13 @@ TEST_F(EpNormalGpu, CapacityOverflowIsReportedByEveryRankAndRecoverable) {
         run_ranks(
             n,
             [&](World& world) {
-                RankStream rs;
-                Buffer ep(world, c);
-                NormalHandle h = ep.make_normal_handle();
-                Inputs in(c, rs.s);
-                const ref::Params p = params_of(c, n);
+                NormalRank rank(world, c);
+                auto& [rs, me, p, ep, h, in] = rank;
                 const auto all = ref::make_routing(Scenario::kSkewed, p, c.max_tokens_per_rank, seed);
                 const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
                 const ref::Overflow of =
                     ref::find_overflow(plan, ep.geometry().max_recv_tokens, ep.geometry().max_recv_rows);
                 WEFT_CHECK(of.rank >= 0 && of.kind == kind, "the test routing should overflow kind " << kind);
-                const int me = world.rank();
                 in.load(all[static_cast<size_t>(me)],
                         ref::payload_rows(me, all[static_cast<size_t>(me)].num_tokens, c.hidden, seed, false));
                 ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), rs.s);
@@ -341,13 +347,9 @@ TEST_F(EpNormalGpu, RanksDispatchingOnDifferentHandlesAreAMismatchOnEveryRank) {
     run_ranks(
         n,
         [&](World& world) {
-            RankStream rs;
-            Buffer ep(world, c);
-            NormalHandle h0 = ep.make_normal_handle();
+            NormalRank rank(world, c);
+            auto& [rs, me, p, ep, h0, in] = rank;
             NormalHandle h1 = ep.make_normal_handle();
-            Inputs in(c, rs.s);
-            const ref::Params p = params_of(c, n);
-            const int me = world.rank();
             const auto all = ref::make_routing(Scenario::kUniform, p, c.max_tokens_per_rank, seed);
             in.load(all[static_cast<size_t>(me)],
                     ref::payload_rows(me, all[static_cast<size_t>(me)].num_tokens, c.hidden, seed, false));
@@ -386,11 +388,8 @@ TEST_F(EpNormalGpu, InvalidAndRepeatedExpertIdsAreReportedAndDropped) {
     run_ranks(
         n,
         [&](World& world) {
-            RankStream rs;
-            Buffer ep(world, c);
-            NormalHandle h = ep.make_normal_handle();
-            Inputs in(c, rs.s);
-            const ref::Params p = params_of(c, n);
+            NormalRank rank(world, c);
+            auto& [rs, me, p, ep, h, in] = rank;
             for (int bad = 0; bad < 2; ++bad) {
                 auto all =
                     ref::make_routing(Scenario::kUniform, p, c.max_tokens_per_rank, seed + static_cast<uint32_t>(bad));
@@ -398,7 +397,6 @@ TEST_F(EpNormalGpu, InvalidAndRepeatedExpertIdsAreReportedAndDropped) {
                 r1.topk_idx[static_cast<size_t>(p.topk) + 1] =
                     bad == 0 ? c.num_experts + 5 : r1.topk_idx[static_cast<size_t>(p.topk)];
                 const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
-                const int me = world.rank();
                 std::vector<std::vector<uint16_t>> x_all;
                 for (int r = 0; r < n; ++r)
                     x_all.push_back(
@@ -425,7 +423,6 @@ TEST_F(EpNormalGpu, InvalidAndRepeatedExpertIdsAreReportedAndDropped) {
                 });
             }
             // Rank 1's duplicate-id error is still pending: the next calls go ahead on every rank.
-            const int me = world.rank();
             DeviceArray<uint16_t> y(static_cast<size_t>(ep.geometry().max_recv_rows) * c.hidden, rs.s);
             DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
             run_case(ep, h, in, y, out, p, Scenario::kUniform, seed + 7, false, rs.s, 0, false);
@@ -696,12 +693,8 @@ TEST_F(EpNormalGpu, GraphReplayWithChangingRouting) {
     run_ranks(
         n,
         [&](World& world) {
-            RankStream rs;
-            const int me = world.rank();
-            Buffer ep(world, c);
-            NormalHandle h = ep.make_normal_handle();
-            const ref::Params p = params_of(c, n);
-            Inputs in(c, rs.s);
+            NormalRank rank(world, c);
+            auto& [rs, me, p, ep, h, in] = rank;
             DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
             // T fixed per rank (a graph fixes shapes); it differs between ranks.
             const int t = c.max_tokens_per_rank - 7 * me;
@@ -824,12 +817,8 @@ TEST_F(EpNormalGpu, SingleBlockGridAndWideRows) {
     run_ranks(
         n,
         [&](World& world) {
-            RankStream rs;
-            const int me = world.rank();
-            Buffer ep(world, c);
-            NormalHandle h = ep.make_normal_handle();
-            const ref::Params p = params_of(c, n);
-            Inputs in(c, rs.s);
+            NormalRank rank(world, c);
+            auto& [rs, me, p, ep, h, in] = rank;
             DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
             for (int sms : {1, 3}) {
                 const auto all =
