@@ -579,7 +579,11 @@ GemmPlan plan_gemm(const GemmProblem& p, int num_sms, const GemmOptions& options
         const bool wgmma = gemm_prefers_wgmma_small_m(p, options, nullptr, num_sms);
         const GemvVariant v =
             options.small_m_variant.value_or(wgmma ? GemvVariant::kTmaWgmma : auto_small_m_variant(p, options));
-        return plan_small_m(p, v, options, budget, num_sms);
+        // Variant 3 launches a CTA per column block and split, whatever the budget: left to the op, a budget below the
+        // device's SMs takes the tiled kernel (its persistent grid keeps to the budget) instead.
+        if (options.small_m_variant || v != GemvVariant::kTmaRing || budget >= num_sms) {
+            return plan_small_m(p, v, options, budget, num_sms);
+        }
     }
     // Variant 5's band rule was fitted against the unswapped tiled pick; the swapped rule then serves the calls it
     // leaves to the tiled kernel.
@@ -643,6 +647,8 @@ std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& p, int num_sm
     unforced.small_m_variant.reset();
     if (gemm_allows_small_m(p, unforced)) {  // as plan_gemm: only where the small-M path may serve this M
         for (GemvVariant variant : {GemvVariant::kTmaRing, GemvVariant::kBulkRows}) {
+            // Variant 3's grid is not bounded by a budget (plan_gemm): not a candidate under one.
+            if (variant == GemvVariant::kTmaRing && budget < num_sms) continue;
             // Variant 4 has no split-K: not a candidate where the caller asked for splits.
             if (variant == GemvVariant::kBulkRows && (!gemv_rows_unsupported(p).empty() || base.small_m_splits > 1)) {
                 continue;
@@ -652,8 +658,9 @@ std::vector<GemmCandidate> gemm_tune_candidates(const GemmProblem& p, int num_sm
             add(plan_gemm(p, num_sms, small));
         }
     }
-    // Variant 5 up to its own M limit, whatever small_m_max_m, and up to its own split count.
-    if (gemm_allows_small_m_v5(p, base) && base.small_m_splits <= kGemvWgmmaMaxSplits) {
+    // Variant 5 up to its own M limit, whatever small_m_max_m, and up to its own split count; as variant 3, not under a
+    // budget.
+    if (gemm_allows_small_m_v5(p, base) && base.small_m_splits <= kGemvWgmmaMaxSplits && budget >= num_sms) {
         GemmOptions small = base;
         small.small_m_variant = GemvVariant::kTmaWgmma;
         add(plan_gemm(p, num_sms, small));

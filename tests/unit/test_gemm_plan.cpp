@@ -545,6 +545,35 @@ TEST(GemmPlan, SmallMVariant3RingFitsItsPlannedCtasPerSm) {
     }
 }
 
+// A budget below the device's SMs bounds every launch the op picks itself: variant 4 spreads N over the budget's CTAs;
+// where variant 3 would serve, the tiled kernel's persistent grid does (variant 3 launches a CTA per column block and
+// split); the autotuner's candidates keep to it too. A forced variant 3 keeps its own grid (documented).
+TEST(GemmPlan, ABudgetBelowTheDeviceBoundsTheSmallMPicks) {
+    ops::GemmProblem p{1, 8192, 8192, BLayout::kNK, DType::kBF16, DType::kBF16};
+    p.b_rows_contiguous = true;
+    ops::GemmOptions budget;
+    budget.sm_budget = 8;
+    const ops::GemmPlan v4 = ops::plan_gemm(p, 132, budget);
+    EXPECT_EQ(v4.path, ops::GemmPath::kSmallM);
+    EXPECT_EQ(v4.small_m_variant, GemvVariant::kBulkRows);
+    EXPECT_LE(v4.grid, 8);
+    p.k = 2048;  // variant 3's: the whole device's grid
+    EXPECT_EQ(ops::plan_gemm(p, 132).small_m_variant, GemvVariant::kTmaRing);
+    EXPECT_GT(ops::plan_gemm(p, 132).grid, 8);
+    const ops::GemmPlan tiled = ops::plan_gemm(p, 132, budget);
+    EXPECT_EQ(tiled.path, ops::GemmPath::kTiled);
+    EXPECT_LE(tiled.grid, 8);
+    for (const ops::GemmCandidate& c : ops::gemm_tune_candidates(p, 132, budget)) {
+        EXPECT_LE(c.plan.grid, 8) << c.name;
+    }
+    ops::GemmOptions forced = budget;
+    forced.small_m_variant = GemvVariant::kTmaRing;
+    EXPECT_EQ(ops::plan_gemm(p, 132, forced).path, ops::GemmPath::kSmallM);
+    ops::GemmOptions whole = budget;
+    whole.sm_budget = 132;  // the whole device: no bound to keep
+    EXPECT_EQ(ops::plan_gemm(p, 132, whole).small_m_variant, GemvVariant::kTmaRing);
+}
+
 // Variant 4 (bulk-copied rows) serves only M <= 16 with B's rows back to back and K a multiple of 2048 (its
 // whole-row FMA body: M <= 2, K = 2048 x 1, 2, 4 or 8; its row-group MMA body elsewhere), no split-K;
 // forced elsewhere, the plan names what is missing. Where it serves: one split, no workspace, one CTA per SM with N

@@ -24,7 +24,11 @@ namespace weft::ops {
 
 /// Knobs of one gemm call. Defaults pick everything from the problem and the device.
 struct GemmOptions {
-    int sm_budget = 0;                 ///< CTAs of the persistent grid (SMs it may occupy); 0 = every SM
+    /// CTAs of the persistent grid (SMs it may occupy); 0 = every SM. Left to the op, a budget below the device's SMs
+    /// keeps every launch within it: the small-M path then takes variant 4 (one CTA per SM of the budget) where it
+    /// serves, else the tiled kernel; a forced small_m_variant 3 or 5 launches its grid of column blocks and splits
+    /// whatever the budget.
+    int sm_budget = 0;
     std::optional<GemmConfig> config;  ///< force this tiled-kernel config (dtypes/layout must match the call;
                                        ///< refused when its tile order would pass int32 for the shape)
     bool allow_small_m = true;         ///< let M <= small_m_max_m with B [N,K] take the small-M path
