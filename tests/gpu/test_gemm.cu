@@ -646,6 +646,22 @@ TEST(GemmSmallM, RepeatedCallsStayCorrect) {
     check_case(wider);
 }
 
+// A budget below the device's SMs, the small-M path left to the op: variant 4 within the budget where it serves
+// (K = 8192, B's rows back to back), the tiled kernel where variant 3 would have served (K = 2048, or B's rows padded),
+// every element against fp64 (GemmPlan.ABudgetBelowTheDeviceBoundsTheSmallMPicks checks the plans).
+TEST(GemmSmallM, ABudgetBelowTheDeviceKeepsTheOpsOwnPickWithinIt) {
+    REQUIRE_SM90();
+    for (const Case& base : {Case{1, 8192, 2048}, Case{3, 4096, 8192}, Case{16, 1000, 2048}, Case{32, 777, 4096}}) {
+        for (int budget : {1, 8}) {
+            Case c = base;
+            c.sm_budget = budget;
+            check_case(c);
+            c.pad_b = 8;  // B's rows padded: variant 4 cannot serve
+            check_case(c);
+        }
+    }
+}
+
 /// Captures `calls` on `s` in global mode and instantiates the graph: null (with gtest failures) when a call throws or
 /// the capture or the instantiation fails. The caller destroys `*graph` and the result.
 cudaGraphExec_t capture_global(cudaStream_t s, const std::function<void()>& calls, cudaGraph_t* graph) {
