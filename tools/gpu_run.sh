@@ -149,9 +149,11 @@ if [ $run_tests = 1 ]; then
         for n in 2 3 4; do
             step "dist tests (weftrun -n $n)" dist_tests_n$n.log "$weftrun" -n $n --timeout 240 -- "$dist_tests" --gtest_color=no
         done
-        # The fault tests leave their World with a recorded failure: each runs alone, with WEFT_TEST_FAULTS=1.
-        step "dist fault tests (-n 2)" dist_faults.log env WEFT_TEST_FAULTS=1 WEFT_TIMEOUT_MS=5000 "$weftrun" -n 2 \
-            --timeout 240 -- "$dist_tests" --gtest_color=no --gtest_filter='*Faults*'
+        # The fault tests leave their World with a recorded failure: each suite runs alone, with WEFT_TEST_FAULTS=1.
+        for suite in DistAgAttentionFaults DistAgGemmFaults; do
+            step "dist $suite (-n 2)" "dist_$suite.log" env WEFT_TEST_FAULTS=1 WEFT_TIMEOUT_MS=5000 "$weftrun" -n 2 \
+                --timeout 240 -- "$dist_tests" --gtest_color=no --gtest_filter="$suite.*"
+        done
     fi
     while IFS= read -r example; do
         step "$(basename "$example")" "$(basename "$example").log" "$example"
