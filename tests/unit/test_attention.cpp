@@ -47,6 +47,17 @@ TEST(AttentionPlan, PushTagsTellCallsApartAndNameTheirRows) {
     EXPECT_NE(
         describe_call_descriptor(attention_descriptor_of_tag(mine, attention_push_tag(others[3]))).find("8192 rows"),
         std::string::npos);
+    // The combine's mismatch record says that a peer with another row layout (head_dim) shows no meaningful row count.
+    Diagnostic d{};
+    d.claimed = 2;
+    d.kind = SpinKind::kCollectiveMismatch;
+    d.rank = 0;
+    d.peer = 1;
+    d.expected = mine;
+    d.observed = attention_descriptor_of_tag(mine, attention_push_tag(others[1]));
+    const std::string m = format_diagnostic(d);
+    EXPECT_NE(m.find("another head_dim"), std::string::npos) << m;
+    EXPECT_NE(m.find("differs from rank 1's"), std::string::npos) << m;
 }
 
 TEST(AttentionPlan, SplitsCoverEveryTokenOnceInWholeTiles) {
