@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <cstring>
@@ -205,7 +206,10 @@ int main(int argc, char** argv) {
     ::testing::InitGoogleTest(&argc, argv);
     const int master_port_fd = weft::hold_master_port(launch);
     try {
-        weft::test::g_world = weft::World::from_env(weft::test::test_options());
+        weft::WorldOptions options = weft::test::test_options();
+        // WEFT_TIMEOUT_MS, where set, bounds this World's waits (the fault tests' jobs set it short).
+        if (weft::env::get("WEFT_TIMEOUT_MS")) options.timeout = std::chrono::milliseconds(0);
+        weft::test::g_world = weft::World::from_env(options);
     } catch (const std::exception& e) {
         std::fprintf(stderr, "weft_dist_tests: World::from_env failed: %s\n", e.what());
         return 1;
