@@ -73,9 +73,15 @@ public:
         WEFT_TRACE_BEGIN(wait_t0);
         // The chunks were written by a copy engine (seen through the wait's acquire); the A loads that take this
         // token are TMA (async proxy) loads, which the wait's proxy fence lets see them.
+        // A chunk signal is this rank's own word (the copy that delivers the chunk raises it): a timeout names the rank
+        // whose rows the chunk holds (slot = team rank), not this one.
         const device::WaitResult waited = tile::wait_each_checked(
             device::Thread{}, p_.ctx, r.last - r.first + 1,
-            [&](int i) { return p_.order.is_local_signal(r.first + i) ? nullptr : p_.chunk_signals + r.first + i; },
+            [&](int i) {
+                const int32_t s = r.first + i;
+                return tile::SignalFrom{p_.order.is_local_signal(s) ? nullptr : p_.chunk_signals + s,
+                                        s / p_.order.chunks_per_rank};
+            },
             Cmp::kGe, 1ull);
         if (!waited.ok()) {
             // The end of the call (ag_finish_call) must not reset the ready flags under a copy stream that has not

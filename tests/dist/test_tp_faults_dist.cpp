@@ -65,6 +65,8 @@ TEST(DistAgGemmFaults, APeerThatNeverCallsFailsTheCallAndTheCopyStreamsDrain) {
         EXPECT_FALSE(error.empty()) << "rank 0's call did not fail";
         EXPECT_TRUE(error.find("timed out") != std::string::npos || error.find("gave up") != std::string::npos)
             << error;
+        // The chunk wait names the rank whose rows never came (the word is rank 0's own, raised by its copy).
+        EXPECT_NE(error.find("rank 1"), std::string::npos) << "the error names the peer that never called: " << error;
         EXPECT_LT(took, 3 * w.timeout() + std::chrono::seconds(30)) << "the failure took too long";
         EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
         EXPECT_EQ(cudaMemsetAsync(buf, 0, 4096, s), cudaSuccess);
