@@ -199,6 +199,43 @@ FusedGemm::FusedGemm(const Team& team, const FusedGemmSpec& spec, const GemmConf
 FusedGemm::FusedGemm(World& world, const FusedGemmSpec& spec, const GemmConfig& config)
     : FusedGemm(world.team(), spec, config) {}
 
+namespace detail {
+
+namespace {
+void check_value_mode(gemm::SignalValueMode mode, const uint64_t* epoch, const char* type) {
+    WEFT_CHECK(mode == gemm::SignalValueMode::kArgument || mode == gemm::SignalValueMode::kEpoch,
+               "fused_gemm: " << type << "::value_mode must be kArgument or kEpoch, got " << static_cast<int>(mode));
+    WEFT_CHECK(
+        mode != gemm::SignalValueMode::kEpoch || epoch != nullptr,
+        "fused_gemm: " << type << "::value_mode kEpoch reads the call counter " << type << "::epoch, which is null");
+}
+}  // namespace
+
+void check_fused_gemm_params(const gemm::ChunkWaitParams& p, const FusedGemmCall& /*call*/) {
+    WEFT_CHECK(p.flags != nullptr, "fused_gemm: ChunkWaitParams::flags (one signal per chunk of A rows) is null");
+    WEFT_CHECK(p.rows_per_chunk >= 1,
+               "fused_gemm: ChunkWaitParams::rows_per_chunk must be >= 1, got " << p.rows_per_chunk);
+    WEFT_CHECK(p.timeout_ns > 0,
+               "fused_gemm: ChunkWaitParams::timeout_ns must be > 0 (a World's bound: "
+               "fused_gemm_timeout_ns), got 0");
+    check_value_mode(p.value_mode, p.epoch, "ChunkWaitParams");
+}
+
+void check_fused_gemm_params(const gemm::TileSignalParams& p, const FusedGemmCall& call) {
+    WEFT_CHECK(p.flags != nullptr, "fused_gemm: TileSignalParams::flags is null");
+    WEFT_CHECK(
+        p.mode == gemm::TileSignalMode::kSetPerTile || p.mode == gemm::TileSignalMode::kAddPerTileRow,
+        "fused_gemm: TileSignalParams::mode must be kSetPerTile or kAddPerTileRow, got " << static_cast<int>(p.mode));
+    const int64_t n_tiles = (int64_t{call.args.n} + call.config.tile_n - 1) / call.config.tile_n;
+    WEFT_CHECK(p.mode != gemm::TileSignalMode::kSetPerTile || p.num_n_tiles >= n_tiles,
+               "fused_gemm: TileSignalParams::num_n_tiles (the per-tile flags' row length) must be at least the "
+                   << n_tiles << " tiles of N = " << call.args.n << " in tile_n " << call.config.tile_n << ", got "
+                   << p.num_n_tiles);
+    check_value_mode(p.value_mode, p.epoch, "TileSignalParams");
+}
+
+}  // namespace detail
+
 void FusedGemm::check_prepared_for_this(const FusedGemmCall& call) const {
     if (call.prepared && call.config == config_) return;  // every call: no string built
     const std::string name = spec_.name.empty() ? "fused_gemm" : spec_.name;

@@ -107,6 +107,56 @@ TEST(TpFusedGemm, ChecksSpecAndConfig) {
 
 // The candidates are what the fused kernels can run (cluster-free, whole store boxes, no duplicates), and the choice
 // is the cheapest of them by the GEMM's cost model with the hooks' per-tile cost: the same on every call.
+// FusedGemm::launch checks weft's own scheduler and hook parameters before the launch: a zero-initialised struct with a
+// field forgotten is an error naming the field, not a kernel dividing by zero or loading through null.
+TEST(TpFusedGemm, WeftsOwnParamsAreCheckedBeforeTheLaunch) {
+    ops::FusedGemmCall call;
+    call.config = gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK);
+    call.args.m = 300;
+    call.args.n = 1000;  // 4 tiles of 256 columns
+    uint64_t word = 0;
+    gemm::ChunkWaitParams wait{};
+    wait.flags = &word;
+    wait.rows_per_chunk = 128;
+    wait.timeout_ns = 1000;
+    ops::detail::check_fused_gemm_params(wait, call);
+    gemm::ChunkWaitParams bad = wait;
+    bad.rows_per_chunk = 0;
+    expect_error([&] { ops::detail::check_fused_gemm_params(bad, call); }, "rows_per_chunk must be >= 1, got 0");
+    bad = wait;
+    bad.flags = nullptr;
+    expect_error([&] { ops::detail::check_fused_gemm_params(bad, call); }, "ChunkWaitParams::flags");
+    bad = wait;
+    bad.timeout_ns = 0;
+    expect_error([&] { ops::detail::check_fused_gemm_params(bad, call); }, "timeout_ns must be > 0");
+    bad = wait;
+    bad.value_mode = gemm::SignalValueMode::kEpoch;
+    expect_error([&] { ops::detail::check_fused_gemm_params(bad, call); }, "ChunkWaitParams::epoch");
+    bad.epoch = &word;
+    ops::detail::check_fused_gemm_params(bad, call);
+
+    gemm::TileSignalParams signal{};
+    signal.flags = &word;
+    signal.num_n_tiles = 4;
+    ops::detail::check_fused_gemm_params(signal, call);
+    gemm::TileSignalParams wrong = signal;
+    wrong.num_n_tiles = 3;
+    expect_error([&] { ops::detail::check_fused_gemm_params(wrong, call); }, "at least the 4 tiles of N = 1000");
+    wrong.mode = gemm::TileSignalMode::kAddPerTileRow;  // one counter per row of tiles: num_n_tiles is not a layout
+    ops::detail::check_fused_gemm_params(wrong, call);
+    wrong = signal;
+    wrong.flags = nullptr;
+    expect_error([&] { ops::detail::check_fused_gemm_params(wrong, call); }, "TileSignalParams::flags is null");
+    wrong = signal;
+    wrong.mode = static_cast<gemm::TileSignalMode>(7);
+    expect_error([&] { ops::detail::check_fused_gemm_params(wrong, call); }, "got 7");
+    wrong = signal;
+    wrong.value_mode = gemm::SignalValueMode::kEpoch;
+    expect_error([&] { ops::detail::check_fused_gemm_params(wrong, call); }, "TileSignalParams::epoch");
+    // A parameter type of the caller's own is the caller's to check.
+    ops::detail::check_fused_gemm_params(uint64_t{0}, call);
+}
+
 TEST(TpFusedGemm, CandidatesAndChoice) {
     for (DType out : {DType::kBF16, DType::kF32}) {
         const std::vector<GemmConfig> list = ops::fused_gemm_candidates(DType::kBF16, out);

@@ -102,6 +102,7 @@
 #include <vector>
 
 #include "weft/common/gemm_config.hpp"
+#include "weft/common/gemm_hook_params.hpp"
 #include "weft/detail/gemm_launch.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/gemm_plan.hpp"
@@ -177,6 +178,14 @@ struct FusedGemmCall {
     bool prepared = false;  ///< made by FusedGemm::prepare (or the ops' detail::make_fused_gemm_call)
 };
 
+namespace detail {
+/// FusedGemm::launch's checks of weft's own parameter types (weft::Error naming the field); other types: none.
+void check_fused_gemm_params(const gemm::ChunkWaitParams& p, const FusedGemmCall& call);
+void check_fused_gemm_params(const gemm::TileSignalParams& p, const FusedGemmCall& call);
+template <class Params>
+void check_fused_gemm_params(const Params&, const FusedGemmCall&) {}
+}  // namespace detail
+
 /// A fused GEMM kernel for one config, compiled (JIT, cached on disk) and loaded into the current device's context.
 /// Copyable; the kernel lives as long as the process.
 class FusedGemm {
@@ -198,14 +207,19 @@ public:
 
     /// Enqueues `call` on `stream` with the scheduler's and the hook's parameters (their byte sizes are checked
     /// against the kernel's: a mismatch is a weft::Error naming the parameter). A call prepared by a FusedGemm of
-    /// another config (its tensor maps' boxes are that config's tiles), or never prepared, is a weft::Error. Nothing
-    /// else can fail on the host but the launch itself.
+    /// another config (its tensor maps' boxes are that config's tiles), or never prepared, is a weft::Error. weft's
+    /// own parameter types are checked too (gemm::ChunkWaitParams: flags set, rows_per_chunk >= 1, timeout_ns > 0;
+    /// gemm::TileSignalParams: flags set, a known mode, kSetPerTile's num_n_tiles covering the call's N; either in
+    /// SignalValueMode::kEpoch: an epoch word), each a weft::Error naming the field; a type of the caller's own is
+    /// the caller's to check. Nothing else can fail on the host but the launch itself.
     template <class SchedulerParams, class HookParams>
     void launch(const FusedGemmCall& call, const SchedulerParams& sched, const HookParams& hook,
                 cudaStream_t stream) const {
         static_assert(std::is_trivially_copyable_v<SchedulerParams> && std::is_trivially_copyable_v<HookParams>,
                       "fused GEMM parameters are copied byte for byte into the kernel's parameter space");
         check_prepared_for_this(call);
+        detail::check_fused_gemm_params(sched, call);
+        detail::check_fused_gemm_params(hook, call);
         detail::launch_gemm_kernel(*kernel_, config_, call.maps, call.args, call.grid, sched, hook, stream);
     }
 
