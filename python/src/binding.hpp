@@ -14,8 +14,9 @@
 #include <thread>
 #include <vector>
 
-#include "weft/runtime/store.hpp"
+#include "weft/runtime/driver.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/store.hpp"
 #include "weft/runtime/team.hpp"
 #include "weft/runtime/tensor_view.hpp"
 #include "weft/runtime/world.hpp"
@@ -162,6 +163,31 @@ private:
     mutable std::condition_variable idle_;          ///< signalled when callers_ empties and when a close() ends
     mutable std::vector<std::thread::id> callers_;  ///< one entry per call in flight
     bool closing_ = false;
+};
+
+/// Makes `device` current for a call (a World's GPU, or a local op's: its tensors' device, which need not be the
+/// thread's current one; a new Python thread starts on device 0) and restores the previous device after it, unless the
+/// thread had no context current before (it never used a device: restoring "device 0" would create a context there for
+/// nothing; `device` then stays current).
+class DeviceScope {
+public:
+    explicit DeviceScope(int device) {
+        WEFT_CUDA_CHECK(cudaGetDevice(&previous_));
+        if (device == previous_) return;
+        CUcontext current = nullptr;
+        WEFT_CU_CHECK(driver().cuCtxGetCurrent(&current));
+        restore_ = current != nullptr;
+        WEFT_CUDA_CHECK(cudaSetDevice(device));
+    }
+    ~DeviceScope() {
+        if (restore_) cudaSetDevice(previous_);
+    }
+    DeviceScope(const DeviceScope&) = delete;
+    DeviceScope& operator=(const DeviceScope&) = delete;
+
+private:
+    int previous_ = 0;
+    bool restore_ = false;
 };
 
 /// A World and the count of the objects made on it (ops, buffers) that must go before it does. `live_objects`

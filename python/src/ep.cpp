@@ -22,8 +22,10 @@ using namespace nb::literals;
 struct EpState {
     Closable<ep::Buffer> buffer;
     int live_handles = 0;
+    int device;  ///< the World's GPU: every call, and closing, runs with it current (DeviceScope)
 
-    explicit EpState(std::unique_ptr<ep::Buffer> made) : buffer(std::move(made), "ep.Buffer") {}
+    EpState(std::unique_ptr<ep::Buffer> made, int world_device)
+        : buffer(std::move(made), "ep.Buffer"), device(world_device) {}
 };
 
 struct PyEpBuffer {
@@ -38,6 +40,7 @@ struct PyEpBuffer {
     }
     Closable<ep::Buffer>::Use use() const { return s->buffer.use(); }
     void close() {
+        DeviceScope scope(s->device);
         const bool closed = s->buffer.close([&] {
             WEFT_CHECK(s->live_handles == 0, "ep.Buffer.close: " << s->live_handles
                                                                  << " handle(s) made from it are still open; close "
@@ -64,6 +67,7 @@ struct PyEpHandle {
     }
     typename Closable<Handle>::Use use() const { return handle.use(); }
     void close() {
+        DeviceScope scope(s->device);
         if (handle.close([] {})) --s->live_handles;
     }
 };
@@ -139,10 +143,11 @@ void bind_ep(nb::module_& m) {
                 std::unique_ptr<ep::Buffer> buffer;
                 {
                     nb::gil_scoped_release release;
+                    DeviceScope scope(world->device());  // its memory, streams and kernels on the World's GPU
                     buffer = team != nullptr ? std::make_unique<ep::Buffer>(team->get(&w.h), c)
                                              : std::make_unique<ep::Buffer>(*world, c);
                 }
-                new (self) PyEpBuffer{w.h, std::make_shared<EpState>(std::move(buffer))};
+                new (self) PyEpBuffer{w.h, std::make_shared<EpState>(std::move(buffer), world->device())};
                 ++w.h->live_objects;
             },
             "world"_a, "num_experts"_a, "hidden"_a, "topk"_a, "max_tokens_per_rank"_a, "normal"_a = true,
@@ -159,6 +164,7 @@ void bind_ep(nb::module_& m) {
                 std::unique_ptr<ep::NormalHandle> made;
                 {
                     nb::gil_scoped_release release;
+                    DeviceScope scope(b.s->device);
                     made = std::make_unique<ep::NormalHandle>(buffer->make_normal_handle());
                 }
                 return new PyNormalHandle(b.s, std::move(made), "ep.NormalHandle");
@@ -168,6 +174,7 @@ void bind_ep(nb::module_& m) {
             "make_low_latency_handle",
             [](PyEpBuffer& b) {
                 const auto buffer = b.use();
+                DeviceScope scope(b.s->device);
                 auto made = std::make_unique<ep::LowLatencyHandle>(buffer->make_low_latency_handle());
                 return new PyLowLatencyHandle(b.s, std::move(made), "ep.LowLatencyHandle");
             },
@@ -178,6 +185,7 @@ void bind_ep(nb::module_& m) {
                const TensorView& topk_weights, uintptr_t stream, int num_sms) {
                 ep::NormalOptions o;
                 o.num_sms = num_sms;
+                DeviceScope scope(b.s->device);
                 b.use()->dispatch(*h.use(), x, topk_idx, topk_weights, as_stream(stream), o);
             },
             "handle"_a, "x"_a, "topk_idx"_a, "topk_weights"_a, "stream"_a, "num_sms"_a = 0, Release())
@@ -187,6 +195,7 @@ void bind_ep(nb::module_& m) {
                int num_sms) {
                 ep::NormalOptions o;
                 o.num_sms = num_sms;
+                DeviceScope scope(b.s->device);
                 b.use()->combine(*h.use(), y, out, as_stream(stream), o);
             },
             "handle"_a, "y"_a, "out"_a, "stream"_a, "num_sms"_a = 0, Release())
@@ -198,6 +207,7 @@ void bind_ep(nb::module_& m) {
                 o.fp8 = fp8;
                 o.phase = parse_phase(phase);
                 o.num_sms = num_sms;
+                DeviceScope scope(b.s->device);
                 b.use()->low_latency_dispatch(*h.use(), x, topk_idx, as_stream(stream), o);
             },
             "handle"_a, "x"_a, "topk_idx"_a, "stream"_a, "fp8"_a = false, "phase"_a = "send_recv", "num_sms"_a = 0,
@@ -210,13 +220,18 @@ void bind_ep(nb::module_& m) {
                 ep::LowLatencyOptions o;
                 o.phase = parse_phase(phase);
                 o.num_sms = num_sms;
+                DeviceScope scope(b.s->device);
                 b.use()->low_latency_combine(*h.use(), y, topk_idx, topk_weights, out, as_stream(stream), o);
             },
             "handle"_a, "y"_a, "topk_idx"_a, "topk_weights"_a, "out"_a, "stream"_a, "phase"_a = "send_recv",
             "num_sms"_a = 0, Release())
         .def("check", [](const PyEpBuffer& b) { b.use()->check(); })
         .def(
-            "sync_and_check", [](PyEpBuffer& b, uintptr_t stream) { b.use()->sync_and_check(as_stream(stream)); },
+            "sync_and_check",
+            [](PyEpBuffer& b, uintptr_t stream) {
+                DeviceScope scope(b.s->device);
+                b.use()->sync_and_check(as_stream(stream));
+            },
             Release());
 }
 

@@ -41,30 +41,6 @@ namespace {
 
 cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
-// Makes `device` current for a local op's call (its tensors' device, which need not be the thread's current one) and
-// restores the previous device after it, unless the thread had no context current before (it never used a device:
-// restoring "device 0" would create a context there for nothing; the tensors' device then stays current).
-class DeviceScope {
-public:
-    explicit DeviceScope(int device) {
-        WEFT_CUDA_CHECK(cudaGetDevice(&previous_));
-        if (device == previous_) return;
-        CUcontext current = nullptr;
-        WEFT_CU_CHECK(driver().cuCtxGetCurrent(&current));
-        restore_ = current != nullptr;
-        WEFT_CUDA_CHECK(cudaSetDevice(device));
-    }
-    ~DeviceScope() {
-        if (restore_) cudaSetDevice(previous_);
-    }
-    DeviceScope(const DeviceScope&) = delete;
-    DeviceScope& operator=(const DeviceScope&) = delete;
-
-private:
-    int previous_ = 0;
-    bool restore_ = false;
-};
-
 DType as_dtype(int code) {
     WEFT_CHECK(code >= static_cast<int>(DType::kBF16) && code <= static_cast<int>(DType::kU8),
                "dtype: expected a weft dtype code in [0, 6], got " << code);
@@ -343,7 +319,9 @@ NB_MODULE(_weft, m) {
             ops::CollectiveWorkspaceInfo info;
             {
                 nb::gil_scoped_release release;
-                info = ops::prepare_collectives(*w.use());
+                const WorldUse world = w.use();
+                DeviceScope scope(world->device());  // the workspace's streams and events on the World's GPU
+                info = ops::prepare_collectives(*world);
             }
             nb::dict d;
             d["num_ranks"] = info.topology.num_ranks;
