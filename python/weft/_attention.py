@@ -66,6 +66,7 @@ def flash_attention(q, k, v, out=None, *, causal=False, scale=None, q_position=0
     _weft.flash_attention(_view(q, "q"), _view(k, "k"), _view(v, "v"), _view(out, "out"),
                           _view(lse, "lse") if lse is not None else None, device, _tensor._raw_stream(device),
                           bool(causal), scale, int(q_position))
+    _tensor.written(out)
     return (out, lse) if return_lse else out
 
 
@@ -105,6 +106,7 @@ def decode_attention(q, k_cache, v_cache, block_table, seq_lens, out=None, *, ma
                            _view(block_table, "block_table"), _view(seq_lens, "seq_lens"), int(max_seq_len),
                            _view(out, "out"), _view(lse, "lse") if lse is not None else None, device,
                            _tensor._raw_stream(device), scale, int(num_splits), ws)
+    _tensor.written(out)
     return (out, lse) if return_lse else out
 
 

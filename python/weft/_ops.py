@@ -4,7 +4,8 @@
 Per call, the collectives read the World's constants (device, dtype tables, algorithm codes, torch's current-stream
 lookup) from its CallContext and pass contiguous tensors to the extension as pointers and element counts."""
 from . import _runtime, _weft
-from ._tensor import CallContext, check_tensor, dtype_code, flat_arg, heap_tensor, matrix_view, out_arg, torch_module
+from ._tensor import (CallContext, check_tensor, dtype_code, flat_arg, heap_tensor, matrix_view, out_arg, torch_module,
+                      written)
 from ._weft import Error
 
 
@@ -52,7 +53,7 @@ def all_reduce(tensor, out=None, *, algo="auto", team=None):
         out_ptr = out_arg(out, "out", ctx, tensor.dtype, numel)
     _weft.all_reduce_flat(ctx.world, ptr, out_ptr, numel, code, ctx.stream(ctx.device_index),
                           _algo(ctx, "all_reduce", algo), cpp_team)
-    return out
+    return written(out)
 
 
 def all_gather(tensor, out=None, *, algo="auto", team=None):
@@ -71,7 +72,7 @@ def all_gather(tensor, out=None, *, algo="auto", team=None):
         out_ptr = out_arg(out, "out", ctx, tensor.dtype, n * numel)
     _weft.all_gather_flat(ctx.world, ptr, numel, out_ptr, n * numel, code, ctx.stream(ctx.device_index),
                           _algo(ctx, "all_gather", algo), cpp_team)
-    return out
+    return written(out)
 
 
 def reduce_scatter(tensor, out=None, *, algo="auto", team=None):
@@ -91,7 +92,7 @@ def reduce_scatter(tensor, out=None, *, algo="auto", team=None):
         out_ptr = out_arg(out, "out", ctx, tensor.dtype, numel // n)
     _weft.reduce_scatter_flat(ctx.world, ptr, numel, out_ptr, numel // n, code, ctx.stream(ctx.device_index),
                               _algo(ctx, "reduce_scatter", algo), cpp_team)
-    return out
+    return written(out)
 
 
 def _empty_out(rows, n, dtype, device):
@@ -121,7 +122,7 @@ def gemm(a, b, out=None, *, b_layout="nk", out_dtype=None):
         out, padded = _empty_out(a.shape[0], n, out_dtype or a.dtype, a.device)
     dv = matrix_view(out, "out", ctx)
     _weft.gemm(av, bv, dv, 0 if b_layout == "nk" else 1, ctx.device_index, _stream(ctx))
-    return out if padded is None else out.contiguous()
+    return written(out) if padded is None else out.contiguous()
 
 
 class _FusedOp:
@@ -172,7 +173,7 @@ class _FusedOp:
             out, padded = _empty_out(self._out_rows(a), self.n, self.dtype, a.device)
         cv = matrix_view(out, "out", ctx, dtypes)
         op.run(av, bv, cv, ctx.stream(ctx.device_index))
-        return out if padded is None else out.contiguous()
+        return written(out) if padded is None else out.contiguous()
 
     def __enter__(self):
         return self
@@ -291,14 +292,21 @@ def _shape_check(a, name, dims=2):
         raise ValueError(f"{name}: expected a {dims}-D tensor, got shape {tuple(a.shape)}")
 
 
-def _fused_args_check(op, a, a_name, b):
+def _fused_args_check(op, a, a_name, b, rows_multiple=1):
     """What a cached fused op's call checks before the op is looked up or made (collectively, on the heap): both
-    operands 2-D tensors on this rank's GPU, of a dtype the fused GEMMs take (bf16, f16)."""
+    operands 2-D tensors on this rank's GPU, of a dtype the fused GEMMs take (bf16, f16), the same dtype and K, and
+    a's rows a multiple of `rows_multiple` (GEMM+RS: the team's size)."""
     _shape_check(a, a_name)
     _shape_check(b, "b")
     ctx, _ = _context(None, op)
     check_tensor(a, a_name, ctx, ctx.gemm_in)
     check_tensor(b, "b", ctx, ctx.gemm_in)
+    if b.dtype != a.dtype:
+        raise TypeError(f"{op}: b must have {a_name}'s dtype {a.dtype}, got {b.dtype}")
+    if b.shape[1] != a.shape[1]:
+        raise ValueError(f"{op}: b must be [N, K] with {a_name}'s K = {a.shape[1]}, got shape {tuple(b.shape)}")
+    if a.shape[0] % rows_multiple != 0:
+        raise ValueError(f"{op}: {a_name}'s rows (M = {a.shape[0]}) must be a multiple of the {rows_multiple} ranks")
 
 
 def ag_gemm(a_local, b, out=None, *, team=None):
@@ -315,7 +323,7 @@ def gemm_rs(a, b, out=None, *, team=None, partial_dtype=None):
     partial_dtype: the partials' dtype (GemmRs): a's (default; each rank's partial is rounded once, so where the ranks'
     partials cancel an element's error is u * sum |P_r|, not u * |C|) or torch.float32 (exact partials, pull mode)."""
     _runtime._team_for(team, "gemm_rs")
-    _fused_args_check("gemm_rs", a, "a", b)
+    _fused_args_check("gemm_rs", a, "a", b, team.num_ranks if team is not None else _runtime.num_ranks())
     return _cached(GemmRs, a.shape[0], b.shape[0], b.shape[1], a.dtype, team, partial_dtype=partial_dtype).run(a, b, out)
 
 

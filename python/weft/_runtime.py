@@ -54,11 +54,22 @@ def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
     (weftrun, torchrun, mpirun, srun: World::from_env). `device`: the CUDA device (None: torch's current device when
     torch is imported, else LOCAL_RANK modulo the visible devices). heap_bytes, sm_budget, timeout_ms: 0 = from
     the environment (WEFT_SYMMETRIC_HEAP_BYTES, WEFT_SM_BUDGET, WEFT_TIMEOUT_MS), else weft's defaults.
-    Calling init again returns the existing World (weft.finalize first to make another).
+    Calling init again returns the existing World (weft.finalize first to make another); a `group` whose ranks are
+    not the existing World's, or a `device` that is not its device, is a ValueError.
     """
     global _state
     with _lock:
         if _state is not None:
+            if group is not None:
+                dist = _torch_distributed()
+                ranks = list(dist.get_process_group_ranks(group)) if dist is not None else None
+                if ranks != _state.group_ranks:
+                    mine = _state.group_ranks if _state.group_ranks is not None else "of the launcher"
+                    raise ValueError(f"weft.init: weft is initialised already, over torch ranks {mine}; group has "
+                                     f"ranks {ranks}: call weft.finalize() first to make a World over another group")
+            if device is not None and device != _state.world.device:
+                raise ValueError(f"weft.init: weft is initialised already, on device {_state.world.device}; got "
+                                 f"device {device}: call weft.finalize() first to make a World on another device")
             return _state.world
         if device is None:
             torch = sys.modules.get("torch")

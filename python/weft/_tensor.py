@@ -9,6 +9,7 @@ _torch = None
 _Tensor = None  # torch.Tensor
 _codes = None  # torch dtype -> weft dtype code
 _raw_stream = None  # device index -> torch's current CUDA stream on it, as an integer (cudaStream_t)
+_increment_version = None  # torch.autograd.graph.increment_version (or its older private name), or a no-op
 
 
 def torch_module():
@@ -28,9 +29,23 @@ def torch_module():
         # µs per call).
         _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
             lambda device: torch.cuda.current_stream(device).cuda_stream)
+        global _increment_version
+        graph = getattr(torch.autograd, "graph", None)
+        _increment_version = getattr(graph, "increment_version", None) or getattr(
+            getattr(torch._C, "_autograd", None), "_increment_version", None) or (lambda tensor: None)
         _Tensor = torch.Tensor
         _torch = torch
     return _torch
+
+
+def written(tensor):
+    """Tells autograd that `tensor`, which the caller passed, was written in place (its version counter, as torch's own
+    in-place ops do): a tensor saved for backward and overwritten by a weft op then fails in backward ("modified by an
+    inplace operation") instead of giving wrong gradients. Returns the tensor."""
+    torch_module()
+    if not tensor.is_inference():  # an inference tensor has no version counter (autograd never saw it)
+        _increment_version(tensor)
+    return tensor
 
 
 class CallContext:

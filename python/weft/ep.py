@@ -18,7 +18,7 @@ the next dispatch on that handle.
 """
 from . import _runtime, _weft
 from ._ops import _FusedOp, _stream
-from ._tensor import check_tensor, heap_tensor, matrix_view, torch_module
+from ._tensor import check_tensor, heap_tensor, matrix_view, torch_module, written
 from ._weft import TensorView
 
 
@@ -131,7 +131,7 @@ class Buffer(_FusedOp):
         yv = _view(y, "y", self._ctx, torch.bfloat16)
         ov = _view(out, "out", self._ctx, torch.bfloat16)
         self._get().combine(handle._get(), yv, ov, _stream(self._ctx), num_sms=num_sms)
-        return out
+        return written(out)
 
     def _unused(self, dtype, *inner):
         """An empty view (no rows, `inner` extents) for an argument the call's phase does not read."""
@@ -180,7 +180,7 @@ class Buffer(_FusedOp):
             yv = self._unused("bf16", 0, self.hidden)
         self._get().low_latency_combine(handle._get(), yv, iv, wv, ov, _stream(self._ctx), phase=phase,
                                         num_sms=num_sms)
-        return out
+        return written(out) if phase != "send" else out
 
     def check(self):
         """Raises weft.Error for an error a kernel reported (capacity overflow, bad expert index ...)."""

@@ -189,6 +189,7 @@ def _ag_gemm_saving(a_local: torch.Tensor, b: torch.Tensor, team: int,
     _check_ranks(team, num_ranks, "ag_gemm")
     t = _runtime.team_by_handle(team)
     a_local, b = _contiguous(a_local), _contiguous(b)
+    _ops._fused_args_check("ag_gemm", a_local, "a_local", b)  # before the op is looked up or made
     m = a_local.shape[0] * _runtime.team_size(team)
     op = _ops._cached(_ops.AgGemm, m, b.shape[0], b.shape[1], a_local.dtype, t)
     out = op.run(a_local, b)

@@ -126,3 +126,20 @@ def test_weft_errors_from_the_op_keep_weft_message(num_ranks):
     with pytest.raises(weft.Error, match="all_gather: algorithm sm_push writes into the peers. outputs"):
         weft.all_gather(x, out, algo="sm_push")  # sm_push needs a symmetric output
     weft.world().barrier()
+
+
+def test_a_weft_write_bumps_the_version_so_a_saved_tensor_fails_in_backward(rank):
+    # As torch's in-place ops: a tensor saved for backward and then overwritten by a weft op makes backward fail
+    # ("modified by an inplace operation"), not compute wrong gradients.
+    a = torch.ones(64, device="cuda", requires_grad=True)
+    y = a * 2
+    loss = (y * y).sum()  # saves y
+    version = y._version
+    weft.all_reduce(y.detach())  # the same storage and version counter as y
+    assert y._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    out = torch.empty(64, device="cuda")
+    version = out._version
+    weft.all_reduce(torch.ones(64, device="cuda"), out)
+    assert out._version > version

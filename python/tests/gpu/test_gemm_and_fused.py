@@ -122,6 +122,17 @@ def test_fused_op_shape_errors_are_weft_errors_on_every_rank(num_ranks):
     weft.world().barrier()
 
 
+def test_functional_fused_ops_refuse_bad_operands_before_making_an_op():
+    a = torch.zeros(16, 256, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="K = 256"):
+        weft.ag_gemm(a, torch.zeros(64, 128, dtype=torch.bfloat16, device="cuda"))
+    with pytest.raises(TypeError, match="dtype"):
+        weft.gemm_ar(a, torch.zeros(64, 256, dtype=torch.float16, device="cuda"))
+    if weft.world().num_ranks > 1:
+        with pytest.raises(ValueError, match="multiple of the"):
+            weft.gemm_rs(a[:weft.world().num_ranks + 1], torch.zeros(64, 256, dtype=torch.bfloat16, device="cuda"))
+
+
 def test_symmetric_tensor_is_visible_to_peers_at_the_same_offset(rank, num_ranks):
     x = weft.empty((num_ranks, 1024), torch.float32)
     try:

@@ -41,6 +41,14 @@ def test_a_second_world_after_finalize_meets_on_fresh_keys(rank):
     assert torch.all(x == dist.get_world_size())
 
 
+def test_init_again_returns_the_world_and_refuses_another_group_or_device(rank):
+    w = weft.init()
+    assert weft.init() is w
+    assert weft.init(group=dist.group.WORLD) is w  # the same ranks
+    with pytest.raises(ValueError, match="initialised already"):
+        weft.init(device=w.device + 1)
+
+
 def _randn(shape, dtype, seed, rank=0, scale=1.0):
     g = rank_generator(seed * 1000 + rank)
     return (torch.randn(shape, generator=g, device="cuda") * scale).to(dtype)
