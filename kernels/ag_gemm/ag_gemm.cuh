@@ -146,7 +146,12 @@ __device__ __forceinline__ void ag_finish_call(const AgGemmHookParams& p) {
     const auto num_tiles = static_cast<uint64_t>(p.num_tiles);
     // A CTA whose chunk wait gave up added kAgGaveUpMark (before its later tiles, which it still stores): the count
     // then passes num_tiles at once, and a copy stream may still be waiting on a peer's ready flag.
-    const device::WaitResult counted = tile::wait_checked(me, p.ctx, p.tile_counter, 1, Cmp::kGe, num_tiles);
+    // Twice the World's bound: the counter waits for this rank's own CTAs, whose chunk waits give up within one bound
+    // and then mark it; expiring as early as they do, this wait could record the diagnosis first, naming this rank's
+    // own counter instead of the peer whose chunk never came.
+    DeviceCtx own = p.ctx;
+    own.timeout_ns = 2 * p.ctx.timeout_ns;  // 0 (the default bound) stays 0
+    const device::WaitResult counted = tile::wait_checked(me, own, p.tile_counter, 1, Cmp::kGe, num_tiles);
     if (!counted.ok() || counted.token().value() >= kAgGaveUpMark) return ag_release_copy_waits(p);
     ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(p.tile_counter, 0ull);
     for (int32_t s = 0; s < p.num_signals; ++s) ptx::st<ptx::Sem::kRelaxed, ptx::Scope::kGpu>(p.chunk_signals + s, 0ull);
