@@ -62,7 +62,9 @@ def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
         if _state is not None:
             if group is not None:
                 dist = _torch_distributed()
-                ranks = list(dist.get_process_group_ranks(group)) if dist is not None else None
+                if dist is None:
+                    raise ValueError("group: a process group needs torch.distributed to be initialised first")
+                ranks = list(dist.get_process_group_ranks(group))
                 if ranks != _state.group_ranks:
                     mine = _state.group_ranks if _state.group_ranks is not None else "of the launcher"
                     raise ValueError(f"weft.init: weft is initialised already, over torch ranks {mine}; group has "

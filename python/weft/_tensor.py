@@ -31,8 +31,8 @@ def torch_module():
             lambda device: torch.cuda.current_stream(device).cuda_stream)
         global _increment_version
         graph = getattr(torch.autograd, "graph", None)
-        _increment_version = getattr(graph, "increment_version", None) or getattr(
-            getattr(torch._C, "_autograd", None), "_increment_version", None) or (lambda tensor: None)
+        _increment_version = (getattr(graph, "increment_version", None)
+                              or getattr(torch._C, "_increment_version", None) or (lambda tensor: None))
         _Tensor = torch.Tensor
         _torch = torch
     return _torch

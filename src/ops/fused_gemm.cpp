@@ -202,6 +202,8 @@ FusedGemm::FusedGemm(World& world, const FusedGemmSpec& spec, const GemmConfig& 
 namespace detail {
 
 namespace {
+constexpr uint64_t kAnyEpoch = 0;  // stands for an epoch word a mode does not read
+
 void check_value_mode(gemm::SignalValueMode mode, const uint64_t* epoch, const char* type) {
     WEFT_CHECK(mode == gemm::SignalValueMode::kArgument || mode == gemm::SignalValueMode::kEpoch,
                "fused_gemm: " << type << "::value_mode must be kArgument or kEpoch, got " << static_cast<int>(mode));
@@ -215,9 +217,6 @@ void check_fused_gemm_params(const gemm::ChunkWaitParams& p, const FusedGemmCall
     WEFT_CHECK(p.flags != nullptr, "fused_gemm: ChunkWaitParams::flags (one signal per chunk of A rows) is null");
     WEFT_CHECK(p.rows_per_chunk >= 1,
                "fused_gemm: ChunkWaitParams::rows_per_chunk must be >= 1, got " << p.rows_per_chunk);
-    WEFT_CHECK(p.timeout_ns > 0,
-               "fused_gemm: ChunkWaitParams::timeout_ns must be > 0 (a World's bound: "
-               "fused_gemm_timeout_ns), got 0");
     check_value_mode(p.value_mode, p.epoch, "ChunkWaitParams");
 }
 
@@ -231,7 +230,9 @@ void check_fused_gemm_params(const gemm::TileSignalParams& p, const FusedGemmCal
                "fused_gemm: TileSignalParams::num_n_tiles (the per-tile flags' row length) must be at least the "
                    << n_tiles << " tiles of N = " << call.args.n << " in tile_n " << call.config.tile_n << ", got "
                    << p.num_n_tiles);
-    check_value_mode(p.value_mode, p.epoch, "TileSignalParams");
+    // kAddPerTileRow adds `value` in both value modes: only kSetPerTile reads the epoch.
+    check_value_mode(p.value_mode, p.mode == gemm::TileSignalMode::kSetPerTile ? p.epoch : &kAnyEpoch,
+                     "TileSignalParams");
 }
 
 }  // namespace detail

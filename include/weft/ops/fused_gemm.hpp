@@ -208,10 +208,10 @@ public:
     /// Enqueues `call` on `stream` with the scheduler's and the hook's parameters (their byte sizes are checked
     /// against the kernel's: a mismatch is a weft::Error naming the parameter). A call prepared by a FusedGemm of
     /// another config (its tensor maps' boxes are that config's tiles), or never prepared, is a weft::Error. weft's
-    /// own parameter types are checked too (gemm::ChunkWaitParams: flags set, rows_per_chunk >= 1, timeout_ns > 0;
-    /// gemm::TileSignalParams: flags set, a known mode, kSetPerTile's num_n_tiles covering the call's N; either in
-    /// SignalValueMode::kEpoch: an epoch word), each a weft::Error naming the field; a type of the caller's own is
-    /// the caller's to check. Nothing else can fail on the host but the launch itself.
+    /// own parameter types are checked too (gemm::ChunkWaitParams: flags set, rows_per_chunk >= 1;
+    /// gemm::TileSignalParams: flags set, a known mode, kSetPerTile's num_n_tiles covering the call's N; either
+    /// reading SignalValueMode::kEpoch's value: an epoch word), each a weft::Error naming the field; a type of the
+    /// caller's own is the caller's to check. Nothing else can fail on the host but the launch itself.
     template <class SchedulerParams, class HookParams>
     void launch(const FusedGemmCall& call, const SchedulerParams& sched, const HookParams& hook,
                 cudaStream_t stream) const {
