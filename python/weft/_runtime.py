@@ -59,11 +59,11 @@ def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
     """
     global _state
     with _lock:
+        dist = _torch_distributed()
+        if group is not None and dist is None:
+            raise ValueError("group: a process group needs torch.distributed to be initialised first")
         if _state is not None:
             if group is not None:
-                dist = _torch_distributed()
-                if dist is None:
-                    raise ValueError("group: a process group needs torch.distributed to be initialised first")
                 ranks = list(dist.get_process_group_ranks(group))
                 if ranks != _state.group_ranks:
                     mine = _state.group_ranks if _state.group_ranks is not None else "of the launcher"
@@ -79,9 +79,6 @@ def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
             # the device 0 that current_device() reports in every process before that
             device = (torch.cuda.current_device()
                       if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized() else -1)
-        dist = _torch_distributed()
-        if group is not None and dist is None:
-            raise ValueError("group: a process group needs torch.distributed to be initialised first")
         if dist is None:
             world = _weft.World.from_env(device=device, heap_bytes=heap_bytes, sm_budget=sm_budget,
                                          timeout_ms=timeout_ms)

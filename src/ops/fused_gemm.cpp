@@ -202,13 +202,12 @@ FusedGemm::FusedGemm(World& world, const FusedGemmSpec& spec, const GemmConfig& 
 namespace detail {
 
 namespace {
-constexpr uint64_t kAnyEpoch = 0;  // stands for an epoch word a mode does not read
-
-void check_value_mode(gemm::SignalValueMode mode, const uint64_t* epoch, const char* type) {
+// `reads_epoch`: whether the scheduler or hook reads `epoch` in SignalValueMode::kEpoch.
+void check_value_mode(gemm::SignalValueMode mode, const uint64_t* epoch, bool reads_epoch, const char* type) {
     WEFT_CHECK(mode == gemm::SignalValueMode::kArgument || mode == gemm::SignalValueMode::kEpoch,
                "fused_gemm: " << type << "::value_mode must be kArgument or kEpoch, got " << static_cast<int>(mode));
     WEFT_CHECK(
-        mode != gemm::SignalValueMode::kEpoch || epoch != nullptr,
+        mode != gemm::SignalValueMode::kEpoch || !reads_epoch || epoch != nullptr,
         "fused_gemm: " << type << "::value_mode kEpoch reads the call counter " << type << "::epoch, which is null");
 }
 }  // namespace
@@ -217,7 +216,7 @@ void check_fused_gemm_params(const gemm::ChunkWaitParams& p, const FusedGemmCall
     WEFT_CHECK(p.flags != nullptr, "fused_gemm: ChunkWaitParams::flags (one signal per chunk of A rows) is null");
     WEFT_CHECK(p.rows_per_chunk >= 1,
                "fused_gemm: ChunkWaitParams::rows_per_chunk must be >= 1, got " << p.rows_per_chunk);
-    check_value_mode(p.value_mode, p.epoch, "ChunkWaitParams");
+    check_value_mode(p.value_mode, p.epoch, true, "ChunkWaitParams");
 }
 
 void check_fused_gemm_params(const gemm::TileSignalParams& p, const FusedGemmCall& call) {
@@ -231,8 +230,7 @@ void check_fused_gemm_params(const gemm::TileSignalParams& p, const FusedGemmCal
                    << n_tiles << " tiles of N = " << call.args.n << " in tile_n " << call.config.tile_n << ", got "
                    << p.num_n_tiles);
     // kAddPerTileRow adds `value` in both value modes: only kSetPerTile reads the epoch.
-    check_value_mode(p.value_mode, p.mode == gemm::TileSignalMode::kSetPerTile ? p.epoch : &kAnyEpoch,
-                     "TileSignalParams");
+    check_value_mode(p.value_mode, p.epoch, p.mode == gemm::TileSignalMode::kSetPerTile, "TileSignalParams");
 }
 
 }  // namespace detail

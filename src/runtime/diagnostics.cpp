@@ -165,7 +165,8 @@ std::string format_diagnostic(const Diagnostic& d) {
             os << " (sp_decode_attention reads a peer's call from 32 bits of its pushed rows: where the peer's rows "
                   "are "
                   "laid out otherwise, another head_dim, those bits are not its call's and its row count as shown "
-                  "means nothing)";
+                  "means "
+                  "nothing)";
         }
         if (d.line > 0) os << " (source line " << d.line << ")";
         return os.str();
