@@ -162,11 +162,9 @@ std::string format_diagnostic(const Diagnostic& d) {
            << "; every rank must make the same collective calls in the same order, with the same shape, "
               "dtype and algorithm, and pass symmetric buffers on all ranks or on none (same allocation)";
         if (call_descriptor_op(d.expected) == CollectiveOp::kAttentionCombine) {
-            os << " (sp_decode_attention reads a peer's call from 32 bits of its pushed rows: where the peer's rows "
-                  "are "
-                  "laid out otherwise, another head_dim, those bits are not its call's and its row count as shown "
-                  "means "
-                  "nothing)";
+            os << " (sp_decode_attention reads a peer's call from 32 bits of its pushed rows: where the peer's"
+                  " rows are laid out otherwise, another head_dim, those bits are not its call's and its row count"
+                  " as shown means nothing)";
         }
         if (d.line > 0) os << " (source line " << d.line << ")";
         return os.str();
