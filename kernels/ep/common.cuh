@@ -299,6 +299,21 @@ __device__ __forceinline__ uint32_t route_row_digest(const int32_t* row, int lan
     return __reduce_xor_sync(0xffffffffu, h);
 }
 
+/// Whether token `t`'s topk_idx row (the whole warp calls it) is the row its low-latency dispatch sent, whose digest
+/// the handle keeps (`dispatched`). The rows in the combine's landing are those of that row: another one here would sum
+/// the wrong rows, so the caller writes the token's row of `out` as zeros and, where `report` holds in lane 0, this
+/// records kCombineRoutingMismatch naming the token and the call.
+__device__ __forceinline__ bool combine_row_matches_dispatch(const int32_t* row, int lane, int k, uint32_t dispatched,
+                                                             bool report, Status* status, int32_t rank, int t,
+                                                             uint64_t call) {
+    const uint32_t digest = route_row_digest(row, lane, k);
+    if (digest != dispatched && report && lane == 0) {
+        report_status(status, StatusCode::kCombineRoutingMismatch, rank, rank, digest, dispatched, t, -1, call,
+                      KernelId::kLowLatencyCombine);
+    }
+    return digest == dispatched;
+}
+
 /// Where compute_routes writes. Pointers may be generic addresses of shared or global memory.
 struct RouteOut {
     int32_t* route_pos;  ///< [T, k]: index among this rank's valid routes to the expert (token, then slot order), or -1

@@ -281,15 +281,10 @@ __global__ void __launch_bounds__(C.threads)
     const bool received = a.handle.mismatch[0] == 0;
     for (int t = warp; t < a.num_tokens; t += warps) {
         const int32_t* idx_row = a.topk_idx + static_cast<int64_t>(t) * a.idx_stride;
-        // The returned rows are those of the dispatch's topk_idx: another row here would read the wrong ones.
-        const uint32_t digest = route_row_digest(idx_row, lane, g.topk);
-        const uint32_t dispatched = a.handle.route_digest[t];
-        if (digest != dispatched && lane == 0) {
-            report_status(a.status, StatusCode::kCombineRoutingMismatch, g.rank, g.rank, digest, dispatched, t, -1,
-                          a.state->dispatch_send_calls, KernelId::kLowLatencyCombine);  // its dispatch's number
-        }
-        const int32_t e =
-            received && digest == dispatched && lane < g.topk ? weft::ep::valid_route_expert(g, idx_row, lane) : -1;
+        // The report carries its dispatch's call number (this kernel keeps no count of its own).
+        const bool same_row = combine_row_matches_dispatch(idx_row, lane, g.topk, a.handle.route_digest[t], true,
+                                                           a.status, g.rank, t, a.state->dispatch_send_calls);
+        const int32_t e = received && same_row && lane < g.topk ? weft::ep::valid_route_expert(g, idx_row, lane) : -1;
         const uint16_t* mine = nullptr;
         if (e >= 0) {
             const int32_t p = weft::ep::ll_route_position(g, idx_row, lane);

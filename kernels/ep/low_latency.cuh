@@ -474,15 +474,9 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
         const int part = item % split.parts;
         const int g_end = split.end(part, granules);
         const int32_t* idx_row = a.topk_idx + static_cast<int64_t>(t) * a.idx_stride;
-        // The rows in the landing are those of the dispatch's topk_idx: another row here would sum the wrong ones.
-        const uint32_t digest = route_row_digest(idx_row, lane, k);
-        const uint32_t dispatched = a.handle.route_digest[t];
-        if (digest != dispatched && part == 0 && lane == 0) {
-            report_status(a.status, StatusCode::kCombineRoutingMismatch, me, me, digest, dispatched, t, -1, call,
-                          KernelId::kLowLatencyCombine);
-        }
-        const bool valid =
-            received && digest == dispatched && lane < k && route_expert(idx_row, lane, g.num_experts) >= 0;
+        const bool same_row =
+            combine_row_matches_dispatch(idx_row, lane, k, a.handle.route_digest[t], part == 0, a.status, me, t, call);
+        const bool valid = received && same_row && lane < k && route_expert(idx_row, lane, g.num_experts) >= 0;
         const float weight = valid ? a.topk_weights[static_cast<int64_t>(t) * a.weight_stride + lane] : 0.0f;
         const uint32_t slots = __ballot_sync(0xffffffffu, valid);
         const uint16_t* base = landing + (static_cast<int64_t>(half) * g.max_tokens + t) * k * g.hidden;

@@ -10,14 +10,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "dist/dist_faults.hpp"
 #include "dist/dist_world.hpp"
 #include "support/ep_reference.hpp"
 #include "weft/ops/ag_attention.hpp"
@@ -159,8 +157,7 @@ TEST(DistAgAttention, CopyEngineGatherMatchesTheHostReference) {
 // sync_and_check naming the missing shard) instead of waiting forever behind its copy stream. Leaves diagnostics in
 // the World: run alone (WEFT_TEST_FAULTS=1 weftrun -n 2 -- weft_dist_tests --gtest_filter=DistAgAttentionFaults.*).
 TEST(DistAgAttentionFaults, APeerThatNeverCallsFailsTheCallWithinTheBound) {
-    const char* faults = std::getenv("WEFT_TEST_FAULTS");
-    if (faults == nullptr || std::string(faults) != "1") GTEST_SKIP() << "SKIPPED: set WEFT_TEST_FAULTS=1 (runs alone)";
+    if (!fault_tests_enabled()) GTEST_SKIP() << "SKIPPED: set WEFT_TEST_FAULTS=1 (runs alone)";
     if (!have_sm90()) GTEST_SKIP() << "SKIPPED: the default AgAttention kernel needs an sm_90 GPU";
     World& w = dist_world();
     cudaStream_t s = nullptr;
@@ -169,45 +166,23 @@ TEST(DistAgAttentionFaults, APeerThatNeverCallsFailsTheCallWithinTheBound) {
     ASSERT_EQ(cudaMalloc(&buf, 1 << 20), cudaSuccess);
     ASSERT_EQ(cudaMemsetAsync(buf, 0, 1 << 20, s), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    std::string error;
-    const auto start = std::chrono::steady_clock::now();
-    {
-        ops::AgAttention op(w, {.max_seq = 64 * w.num_ranks(),
-                                .num_q_heads = 4,
-                                .num_kv_heads = 2,
-                                .head_dim = 64,
-                                .dtype = DType::kBF16,
-                                .mask = AttentionMask::kNone});
-        if (w.rank() == 0) {
+    expect_call_fails_when_peers_never_call(
+        w, s, buf,
+        [](World& world) {
+            return ops::AgAttention(world, {.max_seq = 64 * world.num_ranks(),
+                                            .num_q_heads = 4,
+                                            .num_kv_heads = 2,
+                                            .head_dim = 64,
+                                            .dtype = DType::kBF16,
+                                            .mask = AttentionMask::kNone});
+        },
+        [&](ops::AgAttention& op, cudaStream_t stream) {
             auto* b = static_cast<uint8_t*>(buf);
             const TensorView q(b, DType::kBF16, {64, 4, 64});
             const TensorView kv(b + (64 << 10), DType::kBF16, {64, 2, 64});
             const TensorView out(b + (128 << 10), DType::kBF16, {64, 4, 64});
-            try {
-                op.run(q, kv, kv, out, TensorView(), s);
-                w.sync_and_check(s);
-            } catch (const std::exception& e) {
-                error = e.what();
-            }
-        } else {
-            // Past rank 0's failure (about one timeout) before the destructor's team barrier (bounded by one too).
-            std::this_thread::sleep_for(w.timeout() * 3 / 2);
-        }
-    }
-    const auto took = std::chrono::steady_clock::now() - start;
-    if (w.rank() == 0) {
-        EXPECT_FALSE(error.empty()) << "rank 0's call did not fail";
-        // A bounded wait that gave up: a timeout diagnosis, not some unrelated error.
-        EXPECT_TRUE(error.find("timed out") != std::string::npos || error.find("gave up") != std::string::npos)
-            << error;
-        EXPECT_LT(took, 3 * w.timeout() + std::chrono::seconds(30)) << "the failure took too long";
-        // The caller's stream completed (the copy stream it joins was not held by an unbounded wait) and the CUDA
-        // context is usable.
-        EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-        EXPECT_EQ(cudaMemsetAsync(buf, 0, 4096, s), cudaSuccess);
-        EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-        std::printf("[ FAULT    ] rank 0: %s\n", error.c_str());
-    }
+            op.run(q, kv, kv, out, TensorView(), stream);
+        });
     cudaFree(buf);
     cudaStreamDestroy(s);
 }
