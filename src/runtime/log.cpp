@@ -54,11 +54,32 @@ LogLevel parse_level(std::string_view word, std::string_view entry, std::string_
                                           << "'; levels: " << joined(kLevelNames));
 }
 
+// WEFT_LOG as read once, on first use: its levels, or the defaults and why the value was refused. A log statement
+// never throws (it runs in threads, destructors and catch blocks): a bad value is reported once on stderr here, and
+// as an error by check_log_env (every World's constructor calls it).
+struct EnvLevels {
+    LogLevels levels;
+    std::string error;  // empty when WEFT_LOG was good or unset
+};
+
+const EnvLevels& env_levels() {
+    static const EnvLevels* parsed = [] {
+        auto* e = new EnvLevels{default_log_levels(), {}};
+        try {
+            const auto value = env::get("WEFT_LOG");
+            e->levels = parse_log_levels(value ? *value : std::string());
+        } catch (const std::exception& ex) {
+            e->error = ex.what();
+            std::fprintf(stderr, "[weft] %s; the default levels apply\n", e->error.c_str());
+        }
+        return e;
+    }();
+    return *parsed;
+}
+
 std::array<std::atomic<int>, kNumLogSubsystems>& thresholds() {
-    // Read once, on first use; a bad WEFT_LOG throws here (from the first log statement) and again on the next use.
     static std::array<std::atomic<int>, kNumLogSubsystems>* table = [] {
-        const auto value = env::get("WEFT_LOG");
-        const LogLevels levels = parse_log_levels(value ? *value : std::string());
+        const LogLevels& levels = env_levels().levels;
         auto* t = new std::array<std::atomic<int>, kNumLogSubsystems>();
         for (size_t i = 0; i < t->size(); ++i) (*t)[i].store(static_cast<int>(levels.level[i]));
         return t;
@@ -146,6 +167,11 @@ LogLevels parse_log_levels(std::string_view text) {
 namespace detail {
 const std::array<std::atomic<int>, kNumLogSubsystems>& log_thresholds() { return thresholds(); }
 }  // namespace detail
+
+void check_log_env() {
+    const std::string& error = env_levels().error;
+    WEFT_CHECK(error.empty(), error);
+}
 
 LogLevel log_level(LogSubsystem subsystem) {
     return static_cast<LogLevel>(thresholds()[static_cast<size_t>(subsystem)].load(std::memory_order_relaxed));

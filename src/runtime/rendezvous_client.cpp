@@ -66,13 +66,19 @@ std::string recv_exact(int fd, uint8_t* out, size_t bytes, Clock::time_point dea
     return {};
 }
 
-/// Reads one response frame; returns an error text on failure (the connection is then unusable).
-std::string recv_response(int fd, const Limits& limits, Clock::time_point deadline, Message* message) {
+/// Reads one response frame; returns an error text on failure (the connection is then unusable). `malformed`, when
+/// given, is set when the bytes came but are not a frame of this protocol version (another program, or a store of
+/// another weft version, answered: trying again gets the same answer).
+std::string recv_response(int fd, const Limits& limits, Clock::time_point deadline, Message* message,
+                          bool* malformed = nullptr) {
     Bytes frame(kHeaderBytes);
     if (std::string e = recv_exact(fd, frame.data(), kHeaderBytes, deadline); !e.empty()) return e;
     Header header;
     DecodeResult r = decode_header(frame.data(), frame.size(), Role::kResponse, limits, &header);
-    if (r.status != DecodeStatus::kComplete) return "malformed reply: " + r.error;
+    if (r.status != DecodeStatus::kComplete) {
+        if (malformed != nullptr) *malformed = true;
+        return "malformed reply: " + r.error;
+    }
     frame.resize(r.frame_bytes);
     if (std::string e = recv_exact(fd, frame.data() + kHeaderBytes, r.frame_bytes - kHeaderBytes, deadline);
         !e.empty()) {
@@ -195,7 +201,12 @@ public:
             if (unix_socket) check_unix_server(fd_.get(), options.unix_socket, options.rank);
             std::string e = send_all(fd_.get(), hello, deadline);
             Message reply;
-            if (e.empty()) e = recv_response(fd_.get(), limits_, deadline, &reply);
+            bool malformed = false;
+            if (e.empty()) e = recv_response(fd_.get(), limits_, deadline, &reply, &malformed);
+            WEFT_CHECK(!malformed, "rendezvous: rank " << options.rank << " reached " << endpoint_
+                                                       << ", which does not answer as a weft store of this version ("
+                                                       << e << "): another program on that address, or ranks built "
+                                                       << "from different weft versions");
             if (e.empty()) {
                 WEFT_CHECK(reply.type != MsgType::kError, "rendezvous: the store at " << endpoint_ << " rejected rank "
                                                                                       << options.rank << ": "
@@ -320,6 +331,9 @@ void check_common(const RendezvousOptions& o) {
                "RendezvousOptions.rank must be in [0, num_ranks=" << o.num_ranks << "), got " << o.rank);
     WEFT_CHECK(o.port >= 0 && o.port <= 65535, "RendezvousOptions.port must be in [0, 65535], got " << o.port);
     WEFT_CHECK(o.timeout.count() > 0, "RendezvousOptions.timeout must be positive, got " << o.timeout.count() << " ms");
+    // The token travels as the HELLO's key (never printed: it is the job's secret).
+    WEFT_CHECK(o.token.size() <= o.max_key_bytes, "RendezvousOptions.token (WEFT_JOB_TOKEN) must be at most "
+                                                      << o.max_key_bytes << " bytes, got " << o.token.size());
 }
 
 /// Where rank 0's own client connects when the server listens on a wildcard address.

@@ -146,8 +146,9 @@ Bytes encode_frame(const Message& message, const Limits& limits) {
     auto type = static_cast<uint16_t>(message.type);
     WEFT_CHECK(is_request(type) || is_response(type), "rendezvous: cannot encode unknown message type " << type);
     std::string why = check_lengths(message.type, message.key.size(), message.value.size(), limits);
-    WEFT_CHECK(why.empty(), "rendezvous: cannot send " << (message.key.empty() ? "" : "'" + message.key + "': ")
-                                                         << why);
+    // A HELLO's key is the job's secret: never in a message.
+    const bool show_key = !message.key.empty() && message.type != MsgType::kHello;
+    WEFT_CHECK(why.empty(), "rendezvous: cannot send " << (show_key ? "'" + message.key + "': " : "") << why);
     uint8_t header[kHeaderBytes];
     store_u32(header, kMagic);
     store_u16(header + 4, kVersion);

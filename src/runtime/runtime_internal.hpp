@@ -41,6 +41,14 @@ void team_barrier(Store& store, const std::string& name, const TeamMembers& memb
 /// "world ranks 0, 1, 2, 3" (format_rank_list with "world ").
 std::string format_world_ranks(const std::vector<int>& world_ranks);
 
+/// Where rank 0 puts its number of ranks at a World's start (erased once every rank has read it).
+inline constexpr const char* kWorldSizeKey = "weft/init/num_ranks";
+/// Rank 0 publishes its number of ranks, the others compare theirs with it before the start-up exchange: that exchange
+/// (Store::all_gather) counts arrivals against each rank's own number, so ranks that disagree (a stale WORLD_SIZE, a
+/// WorldMembership::num_ranks of another job) would let each other out early and fail later naming the wrong cause.
+/// Throws on a rank whose number differs, naming both, or when rank 0 does not come within `timeout`.
+void agree_on_world_size(Store& store, int rank, int num_ranks, std::chrono::milliseconds timeout);
+
 /// Milliseconds left until `deadline` (at least 1, so that a final check still happens).
 std::chrono::milliseconds remaining_ms(std::chrono::steady_clock::time_point deadline);
 /// Whether a store get that was given `asked` (from `get_start`) and threw ended well before that time ran out (the

@@ -67,6 +67,26 @@ std::string random_hex_id() {
     return text;
 }
 
+void agree_on_world_size(Store& store, int rank, int num_ranks, std::chrono::milliseconds timeout) {
+    if (rank == 0) {
+        const std::string mine = std::to_string(num_ranks);
+        store.set(kWorldSizeKey, Bytes(mine.begin(), mine.end()));
+        return;
+    }
+    Bytes theirs;
+    try {
+        theirs = store.get(kWorldSizeKey, timeout);
+    } catch (const std::exception& e) {  // a store of the user's may throw any std::exception
+        WEFT_FAIL("rank " << rank << " did not meet rank 0 at the World's start within " << timeout.count()
+                          << " ms (is rank 0 of this job running?): " << e.what());
+    }
+    const std::string text(theirs.begin(), theirs.end());
+    WEFT_CHECK(text == std::to_string(num_ranks),
+               "rank " << rank << " was started in a World of " << num_ranks << " ranks, rank 0 in one of " << text
+                       << ": every rank must be given the same number of ranks (WORLD_SIZE, or "
+                          "WorldMembership::num_ranks)");
+}
+
 }  // namespace detail
 
 namespace {
@@ -138,6 +158,7 @@ uint64_t parse_u64(const std::string& text, const char* name, int from_rank) {
 
 World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldContext>()) {
     ctx_->uncaught_at_creation = std::uncaught_exceptions();
+    check_log_env();
     detail::WorldContext& c = *ctx_;
     c.owner = this;
     WEFT_CHECK(setup.store != nullptr, "World needs a store");
@@ -212,7 +233,10 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         {"net_chunk", net_chunk_setting_for_agreement()}};
     if (c.rank == 0) mine["job"] = detail::random_hex_id();
     // On the store the World was given; every later key is under this World's own prefix (below).
+    detail::agree_on_world_size(*c.store, c.rank, c.num_ranks, init_timeout);
     auto blobs = c.store->all_gather("weft/init", c.rank, c.num_ranks, encode_fields(mine), init_timeout);
+    // Every rank has read the size (each set its record after): the next World on this store sets its own.
+    if (c.rank == 0) c.store->erase(detail::kWorldSizeKey);
     std::vector<uint64_t> heap_requests;
     uint64_t heap_granularity = 0;
     std::vector<std::string> virtual_nodes, sm_budget_requests, traces, net_chunks;

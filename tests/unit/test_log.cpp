@@ -2,8 +2,10 @@
 // Unit tests for the host log: WEFT_LOG's per-subsystem syntax and errors, the level filter, the host program's sink.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "weft/runtime/error.hpp"
@@ -177,6 +179,28 @@ TEST(LogSink, ASinkReplacingItselfTakesEffectWhenItReturns) {
     WEFT_LOG_INFO("after");
     EXPECT_EQ(first, (std::vector<std::string>{"hand over", "still running"}));
     EXPECT_EQ(second, std::vector<std::string>{"after"});
+}
+
+// A bad WEFT_LOG (read once, on first use) never makes a log statement throw, on any thread: it is written once to
+// stderr, the default levels apply, and check_log_env (a World's constructor) throws it. In a fresh process: the
+// levels are read once per process.
+TEST(LogEnvDeathTest, ABadWeftLogIsReportedOnceAndIsAnErrorForAWorldNotForALogStatement) {
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    EXPECT_EXIT(
+        {
+            ::setenv("WEFT_LOG", "warn,", 1);
+            std::thread t([] { WEFT_LOG_WARN("from a thread"); });  // a throw here would terminate the process
+            t.join();
+            WEFT_LOG_WARN("and again");
+            int code = 4;
+            try {
+                check_log_env();
+            } catch (const Error& e) {
+                code = std::string(e.what()).find("WEFT_LOG: empty entry") != std::string::npos ? 3 : 5;
+            }
+            std::_Exit(log_level(LogSubsystem::kJit) == LogLevel::kNotice ? code : 6);
+        },
+        ::testing::ExitedWithCode(3), "WEFT_LOG: empty entry in 'warn,'; .* the default levels apply");
 }
 
 }  // namespace

@@ -1139,6 +1139,66 @@ TEST(Rendezvous, ConnectTimesOutNamingTheAddress) {
     EXPECT_LT(took, milliseconds(3000));
 }
 
+// Whatever answers HELLO with bytes that are not a frame of this protocol version (another program on the port, a
+// store built from another weft version) gives the same answer every time: the client fails at once, saying so.
+TEST(Rendezvous, AServerThatDoesNotSpeakThisVersionFailsAtOnce) {
+    for (const bool weft_of_another_version : {false, true}) {
+        const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+        ASSERT_GE(listener, 0);
+        sockaddr_in addr{};
+        addr.sin_family = AF_INET;
+        addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+        ASSERT_EQ(::listen(listener, 8), 0);
+        socklen_t len = sizeof(addr);
+        ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+        Bytes answer = rp::encode_frame(rp::make_ok());
+        if (weft_of_another_version) {
+            answer[4] = 7;  // the version field
+        } else {
+            answer = to_bytes("HTTP/1.1 400 Bad Request\r\n\r\n");
+        }
+        std::thread server([&] {  // answers every connection, until the client stops coming
+            while (true) {
+                pollfd p{listener, POLLIN, 0};
+                if (::poll(&p, 1, 1000) <= 0) return;
+                const int c = ::accept(listener, nullptr, nullptr);
+                if (c < 0) return;
+                char buf[256];
+                (void)::recv(c, buf, sizeof(buf), 0);
+                (void)::send(c, answer.data(), answer.size(), MSG_NOSIGNAL);
+                ::close(c);
+            }
+        });
+        RendezvousOptions o = local_options();
+        o.port = ntohs(addr.sin_port);
+        o.rank = 1;
+        o.num_ranks = 2;
+        o.timeout = milliseconds(20000);
+        const auto start = Clock::now();
+        const std::string e = error_of([&] { connect_tcp_store(o); });
+        const auto took = Clock::now() - start;
+        server.join();
+        ::close(listener);
+        EXPECT_TRUE(contains(e, "does not answer as a weft store of this version")) << e;
+        EXPECT_TRUE(contains(e, weft_of_another_version ? "version 7" : "magic")) << e;
+        EXPECT_LT(took, milliseconds(5000)) << "retried instead of failing at once: " << e;
+    }
+}
+
+// The job token travels as HELLO's key: one over the key limit is refused by name, and the secret is never printed.
+TEST(Rendezvous, AnOverlongTokenIsRefusedWithoutPrintingIt) {
+    RendezvousOptions o = local_options(std::string(1100, 'S') + "ECRET");
+    o.port = free_port();
+    o.rank = 1;
+    o.num_ranks = 2;
+    const std::string e = error_of([&] { connect_tcp_store(o); });
+    EXPECT_TRUE(contains(e, "WEFT_JOB_TOKEN") && contains(e, "1105")) << e;
+    EXPECT_FALSE(contains(e, "SSSSSSSS")) << e;
+    o.rank = 0;
+    EXPECT_FALSE(contains(error_of([&] { make_tcp_store(o); }), "SSSSSSSS"));
+}
+
 TEST(Rendezvous, ServerShutdownFailsPendingGetsPromptly) {
     auto server = std::make_unique<TcpStoreServer>(local_options());
     auto store = client_of(*server);

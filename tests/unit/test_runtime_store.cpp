@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "../../src/runtime/runtime_internal.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/in_process_store.hpp"
 
@@ -132,6 +133,36 @@ TEST(RuntimeStoreBarrier, MissingRanksAreNamed) {
         EXPECT_NE(e.find("barrier 'lonely' failed on rank " + std::to_string(r)), std::string::npos) << e;
         EXPECT_NE(e.find("3 of 5 ranks arrived; ranks 1, 3 did not arrive"), std::string::npos) << e;
     }
+}
+
+// A World's start: ranks given another number of ranks than rank 0 (a stale WORLD_SIZE) fail at once, naming both
+// numbers; ranks that agree pass, and rank 0 finds the key to erase.
+TEST(RuntimeWorldStart, RanksThatDisagreeOnTheWorldSizeFailNamingBoth) {
+    InProcessStore store;
+    const auto started = std::chrono::steady_clock::now();
+    auto errors = on_threads(4, [&](int r) { detail::agree_on_world_size(store, r, r == 2 ? 3 : 4, 5s); });
+    EXPECT_LT(std::chrono::steady_clock::now() - started, 2s) << "no rank waits out the timeout";
+    for (int r : {0, 1, 3}) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+    EXPECT_NE(errors[2].find("rank 2 was started in a World of 3 ranks, rank 0 in one of 4"), std::string::npos)
+        << errors[2];
+    EXPECT_NE(errors[2].find("WORLD_SIZE"), std::string::npos) << errors[2];
+    EXPECT_TRUE(store.check({detail::kWorldSizeKey}));
+}
+
+// Rank 0 never comes: the others fail within the timeout, saying whom they waited for.
+TEST(RuntimeWorldStart, ANonZeroRankWithoutRankZeroFailsWithinTheTimeout) {
+    InProcessStore store;
+    const auto started = std::chrono::steady_clock::now();
+    const std::string e = [&] {
+        try {
+            detail::agree_on_world_size(store, 1, 2, 100ms);
+        } catch (const Error& err) {
+            return std::string(err.what());
+        }
+        return std::string();
+    }();
+    EXPECT_LT(std::chrono::steady_clock::now() - started, 2s);
+    EXPECT_NE(e.find("rank 1 did not meet rank 0 at the World's start within 100 ms"), std::string::npos) << e;
 }
 
 TEST(RuntimeStoreBarrier, RejectsBadRanks) {

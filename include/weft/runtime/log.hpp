@@ -42,9 +42,12 @@ LogLevels default_log_levels();
 /// subsystem, a subsystem or the default given twice.
 LogLevels parse_log_levels(std::string_view text);
 
-/// The level `subsystem` logs at: from WEFT_LOG on first use (a bad WEFT_LOG throws weft::Error there), then as
-/// set_log_levels left it.
+/// The level `subsystem` logs at: from WEFT_LOG on first use, then as set_log_levels left it. Logging never throws: a
+/// bad WEFT_LOG is reported once on stderr and the default levels apply (check_log_env makes it an error).
 LogLevel log_level(LogSubsystem subsystem);
+/// Throws weft::Error naming the bad entry when WEFT_LOG (as read on first use) is malformed; a World's constructor
+/// calls it, so a job with a bad WEFT_LOG fails at its start instead of logging at levels it did not ask for.
+void check_log_env();
 /// Replaces every subsystem's level (thread-safe; lines being written meanwhile use either the old or the new).
 void set_log_levels(const LogLevels& levels);
 
