@@ -32,10 +32,10 @@ namespace {
 
 constexpr const char* kDecisionFile = "autotune.txt";
 constexpr const char* kDecisionLock = "autotune.lock";
-constexpr const char* kDecisionFormat = "v2";
-// A v2 line: format \t op \t problem \t world_size \t arch \t device \t weft_version \t candidate \t time_ms; the
-// decision's id is the six fields after the format.
-constexpr size_t kIdFields = 6;
+constexpr const char* kDecisionFormat = "v3";
+// A v3 line: format \t op \t problem \t world_size \t arch \t device \t weft_version \t code \t candidate \t
+// time_ms; the decision's id is the seven fields after the format (code: Compiler::code_fingerprint()).
+constexpr size_t kIdFields = 7;
 constexpr size_t kLineFields = kIdFields + 3;
 
 // The decision file, read as the kernel cache reads its entries: a file that is not trusted (a symbolic
@@ -253,7 +253,7 @@ std::string Autotuner::decision_id(const TuneKey& key_in) const {
         device = it->second;
     }
     os << key.op << '\t' << key.problem << '\t' << key.world_size << '\t' << key.arch << '\t' << device << '\t'
-       << WEFT_VERSION_STRING;
+       << WEFT_VERSION_STRING << '\t' << Compiler::code_fingerprint();
     return os.str();
 }
 
@@ -313,7 +313,8 @@ void Autotuner::store_decision(const TuneKey& key, const std::string& name, doub
             lines.pop_front();
         }
         std::ostringstream os;
-        os << "# weft autotune decisions: format op problem world_size arch device weft_version candidate time_ms\n";
+        os << "# weft autotune decisions: format op problem world_size arch device weft_version code candidate "
+              "time_ms\n";
         for (const std::string& line : lines) os << line << '\n';
         os << kDecisionFormat << '\t' << id << '\t' << name << '\t' << time_ms << '\n';
         const std::string text = os.str();

@@ -19,6 +19,7 @@
 #include "support/jit_testing.hpp"
 #include "weft/jit/autotune.hpp"
 #include "weft/jit/cache.hpp"
+#include "weft/jit/compiler.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft::jit {
@@ -129,7 +130,8 @@ TEST(JitAutotune, OneRankTunesThenReusesTheDecision) {
     EXPECT_EQ(fake.calls, 6);
     const std::string file = read_text_file(dir / "autotune.txt");
     const std::string device = autotune_device_signature();
-    EXPECT_NE(file.find("v2\tgemm\tm=128,n=256\t1\tsm_90a\t" + device + "\t" WEFT_VERSION_STRING "\tb\t"),
+    EXPECT_NE(file.find("v3\tgemm\tm=128,n=256\t1\tsm_90a\t" + device + "\t" WEFT_VERSION_STRING "\t" +
+                        Compiler::code_fingerprint() + "\tb\t"),
               std::string::npos)
         << file;
     // Decisions are keyed by world size, arch and device too.
@@ -137,11 +139,20 @@ TEST(JitAutotune, OneRankTunesThenReusesTheDecision) {
     EXPECT_FALSE(fresh.cached_decision(TuneKey{"gemm", "m=128,n=256", 1, "sm_100a"}).has_value());
     {
         TempDir other("weft_tune_other_device");
-        const std::string planted =
-            std::string("v2\tgemm\tm=128,n=256\t1\tsm_90a\tOther GPU, 7 SMs\t") + WEFT_VERSION_STRING + "\ta\t0.1\n";
+        const std::string planted = std::string("v3\tgemm\tm=128,n=256\t1\tsm_90a\tOther GPU, 7 SMs\t") +
+                                    WEFT_VERSION_STRING + "\t" + Compiler::code_fingerprint() + "\ta\t0.1\n";
         write_file_atomically(other.path() / "autotune.txt", planted.data(), planted.size());
         Autotuner elsewhere(config_in(other.path()), fake.measure_for(0));
         EXPECT_FALSE(elsewhere.cached_decision(key()).has_value()) << "a decision of another device was taken";
+    }
+    {
+        // Tuned on kernels compiled otherwise (another toolchain, WEFT_TRACE, WEFT_JIT_*): not taken.
+        TempDir other("weft_tune_other_code");
+        const std::string planted = std::string("v3\tgemm\tm=128,n=256\t1\tsm_90a\t") + autotune_device_signature() +
+                                    "\t" + WEFT_VERSION_STRING + "\t0123456789abcdef\ta\t0.1\n";
+        write_file_atomically(other.path() / "autotune.txt", planted.data(), planted.size());
+        Autotuner elsewhere(config_in(other.path()), fake.measure_for(0));
+        EXPECT_FALSE(elsewhere.cached_decision(key()).has_value()) << "a decision of other kernels' code was taken";
     }
     // A decision naming a candidate that no longer exists is ignored: tune again.
     fake.table[{0, "d"}] = 0.5;
@@ -163,14 +174,21 @@ TEST(JitAutotune, StoringADecisionKeepsTheOtherDecisionsOfEveryVersion) {
     fake.table = {{{0, "a"}, 3.0}, {{0, "b"}, 1.5}};
     const std::string device = autotune_device_signature();
     const std::string planted = std::string("# header\n") + "v1\tgemm\tm=1\t1\tsm_90a\t0.0.0-old\ta\t0.1\n" +
-                                "v2\tgemm\tm=2\t1\tsm_90a\t" + device + "\t" + WEFT_VERSION_STRING + "\ta\t0.1\n";
+                                "v2\tgemm\tm=2\t1\tsm_90a\t" + device + "\t" + WEFT_VERSION_STRING + "\ta\t0.1\n" +
+                                "v3\tgemm\tm=4\t1\tsm_90a\t" + device + "\t" + WEFT_VERSION_STRING + "\t" +
+                                Compiler::code_fingerprint() + "\ta\t0.1\n";
     write_file_atomically(dir.path() / "autotune.txt", planted.data(), planted.size());
     Autotuner tuner(config_in(dir.path()), fake.measure_for(0));
     EXPECT_EQ(tuner.tune(key(), candidates({"a", "b"})).name, "b");
     const std::string after = read_text_file(dir.path() / "autotune.txt");
     // Another version sharing the folder, in the format it wrote.
     EXPECT_NE(after.find("v1\tgemm\tm=1\t1\tsm_90a\t0.0.0-old\ta\t0.1\n"), std::string::npos) << after;
-    EXPECT_NE(after.find("gemm\tm=2\t1\tsm_90a\t" + device + "\t" + WEFT_VERSION_STRING + "\ta\t"), std::string::npos)
+    EXPECT_NE(after.find("v2\tgemm\tm=2\t1\tsm_90a\t" + device + "\t" + WEFT_VERSION_STRING + "\ta\t"),
+              std::string::npos)
+        << after;
+    EXPECT_NE(after.find("v3\tgemm\tm=4\t1\tsm_90a\t" + device + "\t" + WEFT_VERSION_STRING + "\t" +
+                         Compiler::code_fingerprint() + "\ta\t"),
+              std::string::npos)
         << after;
     EXPECT_NE(after.find("gemm\tm=128,n=256\t1\tsm_90a\t"), std::string::npos) << after;
     EXPECT_EQ(after.find("# header"), std::string::npos) << "comments are written anew";
@@ -188,8 +206,8 @@ TEST(JitAutotune, UntrustedDecisionFilesAreIgnored) {
     // candidate "a" (the slowest), and the tuner must measure instead of taking it.
     FakeTimes fake;
     fake.table = {{{0, "a"}, 3.0}, {{0, "b"}, 1.5}};
-    const std::string planted = std::string("v2\tgemm\tm=128,n=256\t1\tsm_90a\t") + autotune_device_signature() + "\t" +
-                                WEFT_VERSION_STRING + "\ta\t0.1\n";
+    const std::string planted = std::string("v3\tgemm\tm=128,n=256\t1\tsm_90a\t") + autotune_device_signature() + "\t" +
+                                WEFT_VERSION_STRING + "\t" + Compiler::code_fingerprint() + "\ta\t0.1\n";
     auto expect_ignored = [&](const fs::path& dir, const char* what) {
         Autotuner tuner(config_in(dir), fake.measure_for(0));
         const auto started = std::chrono::steady_clock::now();
