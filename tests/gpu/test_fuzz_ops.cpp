@@ -1775,8 +1775,10 @@ A2aCase draw_a2a(Rng& r, int world) {
         }
     }
     const int64_t sym_offset = esize * r.uniform(0, 15);  // the same place in every rank's heap allocation
+    // Symmetric inputs on every rank or on none (collectives.hpp): ranks that differ make different calls, which the
+    // op refuses as a call mismatch.
+    const bool sym = r.chance(0.4);
     for (int q = 0; q < world; ++q) {
-        const bool sym = r.chance(0.4);
         c.symmetric.push_back(sym ? 1 : 0);
         c.in_offset.push_back(sym ? sym_offset : esize * r.uniform(0, 15));
         c.out_offset.push_back(esize * r.uniform(0, 15));

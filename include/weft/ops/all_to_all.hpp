@@ -24,9 +24,10 @@ namespace weft::ops {
 /// dtype). `input` and `output`: contiguous, the same dtype (any: bytes are moved), the same number of elements, a
 /// multiple of num_ranks (0 included); they must not overlap. Any device memory: a symmetric `input` (the same heap
 /// allocation on every rank) is read by the peers in place, any other is staged through the collective workspace in
-/// rounds. Asynchronous on `stream`, graph-capturable, bounded waits (a missing peer ends in a diagnosed timeout).
-/// A team that spans nodes: node stages over each node's members, then NCCL over the columns (docs/multinode.md,
-/// "All-to-all across nodes"; the same number of members per node, NCCL available; graph capture after one eager call).
+/// rounds; symmetric inputs on every rank or on none (ranks that differ make different calls: a call mismatch).
+/// Asynchronous on `stream`, graph-capturable, bounded waits (a missing peer ends in a diagnosed timeout). A team that
+/// spans nodes: node stages over each node's members, then NCCL over the columns (docs/multinode.md, "All-to-all across
+/// nodes"; the same number of members per node, NCCL available; graph capture after one eager call).
 void all_to_all(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream);
 /// The same on `world.team()`.
 void all_to_all(World& world, const TensorView& input, const TensorView& output, cudaStream_t stream);
