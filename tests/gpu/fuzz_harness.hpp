@@ -1,0 +1,223 @@
+// SPDX-License-Identifier: MIT
+// The GpuFuzz suites' harness (tests/gpu/test_fuzz_*.cpp): a seeded generator, a run's time, case and kernel budgets
+// with replay of one case (WEFT_FUZZ_SEED, WEFT_FUZZ_SECONDS, WEFT_FUZZ_CASES, WEFT_FUZZ_KERNELS, WEFT_FUZZ_CASE=i.a),
+// random 16-bit value pools and host matrices, and the poison checks.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "support/tp_reference.hpp"
+#include "weft/common/dtype.hpp"
+
+namespace weft::fuzz_test {
+
+inline constexpr uint64_t kDefaultSeed = 0x7765667466757a7aull;  // "weftfuzz"
+inline constexpr int kMaxDrawAttempts = 64;                      // redraws of a case whose kernel the budget refuses
+inline constexpr int kMaxFailures = 5;                           // failing cases reported before a test stops
+
+inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/// splitmix64, with the draws the cases need.
+struct Rng {
+    uint64_t state;
+    explicit Rng(uint64_t seed) : state(seed) {}
+    uint64_t next() { return mix64(state += 0x9e3779b97f4a7c15ull); }
+    int64_t uniform(int64_t lo, int64_t hi) {  // inclusive
+        return lo + static_cast<int64_t>(next() % static_cast<uint64_t>(hi - lo + 1));
+    }
+    double real(double lo, double hi) { return lo + (hi - lo) * static_cast<double>(next() >> 11) * 0x1p-53; }
+    bool chance(double p) { return real(0, 1) < p; }
+    int64_t log_uniform(int64_t lo, int64_t hi) {  // lo >= 1: as many draws per octave
+        const double x = real(std::log(static_cast<double>(lo)), std::log(static_cast<double>(hi) + 1.0));
+        return std::clamp<int64_t>(static_cast<int64_t>(std::exp(x)), lo, hi);
+    }
+    template <class T>
+    T pick(std::initializer_list<T> values) {
+        return *(values.begin() + uniform(0, static_cast<int64_t>(values.size()) - 1));
+    }
+};
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+inline const char* env_or_null(const char* name) {
+    const char* v = std::getenv(name);
+    return v && *v ? v : nullptr;
+}
+
+/// One fuzz test's run: its seed, time and case budgets, and the kernels its cases have used so far.
+class FuzzRun {
+public:
+    FuzzRun(std::string name, double seconds, int64_t max_cases, int max_kernels)
+        : name_(std::move(name)), seconds_(seconds), max_cases_(max_cases), max_kernels_(max_kernels) {
+        seed_ = kDefaultSeed;
+        if (const char* s = env_or_null("WEFT_FUZZ_SEED")) seed_ = std::strtoull(s, nullptr, 0);
+        if (const char* s = env_or_null("WEFT_FUZZ_SECONDS")) seconds_ = std::strtod(s, nullptr);
+        if (const char* s = env_or_null("WEFT_FUZZ_CASES")) max_cases_ = std::strtoll(s, nullptr, 0);
+        if (const char* s = env_or_null("WEFT_FUZZ_KERNELS"))
+            max_kernels_ = static_cast<int>(std::strtol(s, nullptr, 0));
+        if (const char* s = env_or_null("WEFT_FUZZ_CASE")) {
+            char* end = nullptr;
+            const int64_t i = std::strtoll(s, &end, 0);
+            const int a = end && *end == '.' ? static_cast<int>(std::strtol(end + 1, nullptr, 0)) : 0;
+            only_ = {i, a};
+        }
+        start_ = std::chrono::steady_clock::now();
+        std::printf(
+            "[ fuzz     ] GpuFuzz.%s seed %llu, %.0f s, at most %lld cases and %d kernels%s\n", name_.c_str(),
+            static_cast<unsigned long long>(seed_), seconds_, static_cast<long long>(max_cases_), max_kernels_,
+            only_ ? (" (replaying case " + std::to_string(only_->first) + "." + std::to_string(only_->second) + ")")
+                        .c_str()
+                  : "");
+        std::fflush(stdout);
+    }
+
+    double elapsed() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+    double seconds() const { return seconds_; }
+    uint64_t seed() const { return seed_; }
+    bool replaying() const { return only_.has_value(); }
+    /// Whether case `i` should run (the time and case budgets; a replay runs one case).
+    bool more(int64_t i) const {
+        if (failures_ >= kMaxFailures) return false;
+        if (only_) return i == 0;
+        return i < max_cases_ && elapsed() < seconds_;
+    }
+    /// The draws of case `i`, attempt `a` (a replay: the replayed case).
+    int64_t case_index(int64_t i) const { return only_ ? only_->first : i; }
+    int first_attempt() const { return only_ ? only_->second : 0; }
+    int last_attempt() const { return only_ ? only_->second : kMaxDrawAttempts - 1; }
+    Rng rng(int64_t i, int a) const {
+        uint64_t h = 1469598103934665603ull;
+        for (char ch : name_) h = (h ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
+        return Rng(mix64(seed_ ^ mix64(h) ^ mix64(static_cast<uint64_t>(i) * 0x10001ull + static_cast<uint64_t>(a))));
+    }
+    /// Whether a draw that runs kernel `key` may run now: a known kernel always; a new one while fewer than the
+    /// budget's kernels have run and the first half of the time lasts (a replay: always).
+    bool admit(const std::string& key) {
+        if (kernels_.count(key) || only_) {
+            kernels_.insert(key);
+            return true;
+        }
+        if (!kernels_.empty() && (static_cast<int>(kernels_.size()) >= max_kernels_ || elapsed() > 0.5 * seconds_)) {
+            return false;
+        }
+        kernels_.insert(key);
+        return true;
+    }
+    /// The line that reproduces case i.a.
+    std::string repro(int64_t i, int a) const {
+        std::ostringstream os;
+        os << "GpuFuzz." << name_ << " seed=" << seed_ << " case=" << i << "." << a
+           << " | replay: WEFT_FUZZ_SEED=" << seed_ << " WEFT_FUZZ_CASE=" << i << "." << a
+           << " weft_gpu_tests --gtest_filter=GpuFuzz." << name_;
+        return os.str();
+    }
+    /// Reports a failing case: one line with the case's parameters and what went wrong.
+    void fail(int64_t i, int a, const std::string& params, const std::string& what) {
+        ++failures_;
+        ADD_FAILURE() << "[ FUZZ FAIL ] " << params << " :: " << what << " :: " << repro(i, a);
+    }
+    void summary(int64_t cases, int64_t invalid, int64_t refused) const {
+        std::printf(
+            "[ fuzz     ] GpuFuzz.%s: %lld cases (%lld invalid-argument cases), %zu kernels, %lld draws "
+            "redrawn for the kernel budget, %.1f s\n",
+            name_.c_str(), static_cast<long long>(cases), static_cast<long long>(invalid), kernels_.size(),
+            static_cast<long long>(refused), elapsed());
+        std::fflush(stdout);
+    }
+
+private:
+    std::string name_;
+    uint64_t seed_ = kDefaultSeed;
+    double seconds_;
+    int64_t max_cases_;
+    int max_kernels_;
+    std::optional<std::pair<int64_t, int>> only_;
+    std::chrono::steady_clock::time_point start_;
+    std::set<std::string> kernels_;
+    int failures_ = 0;
+};
+
+/// Random 16-bit values (bf16 or f16 bits, uniform in [-1, 1) and rounded): a pool drawn from a case's generator; each
+/// row is a window at a random place in it, so rows differ and a 36M-element matrix costs a memcpy per row.
+class ValuePool {
+public:
+    static constexpr int64_t kSize = int64_t{1} << 16;
+    ValuePool(Rng& rng, DType t, int64_t max_cols) : bits_(static_cast<size_t>(kSize + max_cols)) {
+        for (int64_t i = 0; i < kSize; ++i) {
+            bits_[static_cast<size_t>(i)] = tp_test::float_to_bits(t, static_cast<float>(rng.real(-1, 1)));
+        }
+        for (int64_t i = kSize; i < kSize + max_cols; ++i)
+            bits_[static_cast<size_t>(i)] = bits_[static_cast<size_t>(i - kSize)];
+    }
+    const uint16_t* window(Rng& rng) const { return bits_.data() + rng.uniform(0, kSize - 1); }
+
+private:
+    std::vector<uint16_t> bits_;
+};
+
+/// A row-major 16-bit matrix on the host (row stride ld elements), filled from a pool.
+struct Host16 {
+    int64_t rows = 0, cols = 0, ld = 0;
+    DType dtype = DType::kBF16;
+    std::vector<uint16_t> bits;
+    Host16() = default;
+    Host16(int64_t r, int64_t c, int64_t l, DType t) : rows(r), cols(c), ld(l), dtype(t) {
+        bits.assign(static_cast<size_t>(std::max<int64_t>(r, 1) * l), 0);
+    }
+    void fill(const ValuePool& pool, Rng& rng) {
+        for (int64_t r = 0; r < rows; ++r) {
+            std::memcpy(bits.data() + r * ld, pool.window(rng), static_cast<size_t>(cols) * 2);
+        }
+    }
+    float at(int64_t r, int64_t c) const {
+        return tp_test::bits_to_float(dtype, bits[static_cast<size_t>(r * ld + c)]);
+    }
+    size_t bytes() const { return static_cast<size_t>(rows * ld) * 2; }
+};
+
+inline double read_elem(const uint8_t* p, DType t) {
+    if (t == DType::kF32) {
+        float v;
+        std::memcpy(&v, p, 4);
+        return v;
+    }
+    uint16_t b;
+    std::memcpy(&b, p, 2);
+    return tp_test::bits_to_float(t, b);
+}
+
+inline bool cuda_ok(cudaError_t e, std::string* why, const char* what) {
+    if (e == cudaSuccess) return true;
+    *why = std::string(what) + ": " + cudaGetErrorString(e);
+    return false;
+}
+
+/// Bytes of a device buffer that no element of the output may touch: they keep the 0xFF poison (NaN).
+inline bool poison_intact(const uint8_t* p, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+        if (p[i] != 0xFF) return false;
+    }
+    return true;
+}
+
+}  // namespace weft::fuzz_test
