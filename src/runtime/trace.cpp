@@ -408,7 +408,11 @@ void write_gathered_trace(const std::vector<Bytes>& all, const std::string& path
     }
     std::error_code ec;
     std::filesystem::rename(tmp, target, ec);
-    WEFT_CHECK(!ec, "write_trace: cannot rename " << tmp.string() << " to " << path << ": " << ec.message());
+    if (ec) {
+        std::error_code ignored;
+        std::filesystem::remove(tmp, ignored);
+        WEFT_FAIL("write_trace: cannot rename " << tmp.string() << " to " << path << ": " << ec.message());
+    }
     WEFT_LOG_NOTICE("trace: " << kept << " events of " << ranks.size() << " rank(s) written to " << path
                               << (dropped > 0 ? " (" + std::to_string(dropped) +
                                                     " dropped: the buffers were full; raise WEFT_TRACE_EVENTS)"
@@ -437,8 +441,28 @@ void write_trace(World& world, const std::string& path) {
         failed = e.what();
         blob.clear();
     }
-    const std::vector<Bytes> all = world.store().all_gather("weft/trace/" + std::to_string(seq), world.rank(),
-                                                            world.num_ranks(), blob, world.timeout());
+    const std::string name = "weft/trace/" + std::to_string(seq);
+    std::vector<Bytes> all;
+    try {
+        all = world.store().all_gather(name, world.rank(), world.num_ranks(), blob, world.timeout());
+    } catch (const std::exception& e) {
+        if (world.rank() != 0) throw;
+        // A rank that is gone (or hangs) does not cost the others' events: rank 0 writes those it can read, and the
+        // trace names the ranks it lacks.
+        all.assign(static_cast<size_t>(world.num_ranks()), Bytes());
+        all[0] = blob;
+        for (int r = 1; r < world.num_ranks(); ++r) {
+            const std::string key = name + "/" + std::to_string(r);
+            try {
+                if (world.store().check(key)) all[static_cast<size_t>(r)] = world.store().get(key, world.timeout());
+            } catch (const std::exception&) {  // an aborted World's store: only this rank's events
+            }
+        }
+        WEFT_LOG_WARN("trace: not every rank joined the gather of the trace (" << e.what()
+                                                                               << "); writing the events at hand");
+        write_gathered_trace(all, path);
+        throw;
+    }
     if (world.rank() == 0) write_gathered_trace(all, path);
     WEFT_CHECK(failed.empty(), "write_trace: this rank's events could not be read: " << failed);
 }
@@ -449,6 +473,16 @@ void start_trace_if_asked(World& world, Diagnostic* diag_host) {
     const auto path = trace_path_from_env();
     if (!path) return;
     const uint32_t capacity = trace_capacity_from_env();
+    if (world.rank() == 0) {
+        // Rank 0 writes the file when the World ends: a folder it cannot write into is said now, not after the run.
+        const std::filesystem::path folder = std::filesystem::absolute(*path).parent_path();
+        std::error_code ec;
+        if (!std::filesystem::is_directory(folder, ec) || ::access(folder.c_str(), W_OK) != 0) {
+            WEFT_LOG_WARN("trace: WEFT_TRACE=" << *path << ": cannot write into " << folder.string()
+                                               << " (missing or not writable): the trace will be lost at the end "
+                                                  "unless write_trace is given another path");
+        }
+    }
     world.add_extension(kExtensionName, std::make_unique<Tracer>(*path, capacity, diag_host));
     WEFT_LOG_INFO("trace: recording up to " << capacity << " events per rank; written to " << *path
                                             << " when the World is destroyed");

@@ -11,10 +11,12 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "support/ep_testing.hpp"
@@ -213,6 +215,49 @@ TEST(TraceCollectives, OneShotAllReduceWaitsFollowThePeersStagingAndPrecedeTheRe
         test::test_options(192ull << 20));  // the collective workspace: 3 staging regions of 32 MiB
     f.report();
     expect_trace_ok(dir.path(), "all_reduce", path);
+}
+
+// A rank that never joins the gather of a trace does not cost the others' events: rank 0's write_trace fails after
+// the World's timeout, naming the gather, and the file holds rank 0's events (a process, its tracks) all the same.
+TEST(TraceCollectives, ARankThatDoesNotJoinTheGatherLeavesRankZerosEventsWritten) {
+    if (!have_python()) GTEST_SKIP() << "SKIPPED: python3 with its json module reads the trace";
+    testing::TempDir dir("weft_trace_partial");
+    const fs::path path = dir / "partial.json";
+    const testing::ScopedEnv trace("WEFT_TRACE", (dir / "at_exit.json").string());
+    constexpr int64_t kCount = 1 << 16;
+    std::string rank0_error;
+    WorldOptions options = test::test_options(192ull << 20);
+    options.timeout = std::chrono::milliseconds(3000);
+    test::run_ranks(
+        2,
+        [&](World& w) {
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            void* buf = nullptr;
+            WEFT_CUDA_CHECK(cudaMalloc(&buf, 2 * kCount * sizeof(float)));
+            WEFT_CUDA_CHECK(cudaMemsetAsync(buf, 0, 2 * kCount * sizeof(float), s));
+            const TensorView vin(buf, DType::kF32, {kCount});
+            const TensorView vout(static_cast<float*>(buf) + kCount, DType::kF32, {kCount});
+            ops::all_reduce(w, vin, vout, s, ops::AllReduceOptions{.algo = ops::AllReduceAlgo::kOneShot});
+            w.sync_and_check(s);
+            if (w.rank() == 0) {
+                try {
+                    write_trace(w, path.string());
+                } catch (const Error& e) {
+                    rank0_error = e.what();
+                }
+            } else {
+                std::this_thread::sleep_for(w.timeout() + std::chrono::seconds(2));  // past rank 0's gather
+            }
+            cudaFree(buf);
+            WEFT_CUDA_CHECK(cudaStreamDestroy(s));
+        },
+        options);
+    EXPECT_NE(rank0_error.find("weft/trace/"), std::string::npos) << "rank 0's write did not fail: " << rank0_error;
+    ASSERT_TRUE(fs::exists(path)) << "rank 0 wrote no trace";
+    const std::string json = testing::read_text_file(path);
+    EXPECT_NE(json.find("\"rank 0"), std::string::npos) << "rank 0's process is not in the trace";
+    EXPECT_EQ(json.find("\"rank 1"), std::string::npos) << "rank 1 sent nothing, yet it is in the trace";
 }
 
 TEST(TraceCollectives, CopyEngineAllGatherCopiesAreTimedAndPrecedeThePeersExitWaits) {
