@@ -229,10 +229,11 @@ struct WorldContext {
     Team node_team;
     uint64_t barrier_seq = 0;
 
-    // Every team's device tables (peer and rank tables), kept until shutdown: kernels launched with a team's
-    // DeviceCtx may still read them after the Team object that made them is gone.
+    // Every team's device tables (peer table, rank table or null), kept until shutdown: kernels launched with a
+    // team's DeviceCtx may still read them after the Team object that made them is gone. Keyed by what they hold
+    // (world team or not, the trace buffer's address, the members): a split made again takes the tables it made.
     std::mutex team_tables_mutex;
-    std::vector<std::shared_ptr<void>> team_tables;
+    std::map<std::vector<int64_t>, std::pair<std::shared_ptr<void>, std::shared_ptr<void>>> team_tables;
 
     std::mutex split_mutex;  // split_color sequence numbers, per team id
     std::map<std::string, uint64_t> split_seq;

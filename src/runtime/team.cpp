@@ -72,8 +72,10 @@ std::string missing_members(Store& store, const std::string& prefix, const TeamM
                                      std::chrono::milliseconds timeout, const std::exception& e) {
     WEFT_FAIL("team " << what << " '" << name << "' of the team of " << format_world_ranks(members)
                       << " failed on team rank " << team_rank << " (world rank "
-                      << members[static_cast<size_t>(team_rank)] << ") within " << timeout.count() << " ms: "
-                      << missing_members(store, prefix, members) << e.what());
+                      << members[static_cast<size_t>(team_rank)] << ") within " << timeout.count()
+                      << " ms: " << missing_members(store, prefix, members) << e.what()
+                      << " (a member that is alive may hold another team: did every member split with the same "
+                         "arguments?)");
 }
 
 }  // namespace
@@ -135,15 +137,23 @@ Team TeamState::make(WorldContext* world, TeamMembers members, std::string id, b
         // One entry past the peers: the World's trace buffer (or nullptr), where traced kernels find it in device
         // memory (include/weft/device/trace.cuh) instead of reading the host-mapped diagnostic record per event.
         peer_table.push_back(world->diag_host ? reinterpret_cast<uint8_t*>(world->diag_host->trace_buffer) : nullptr);
-        state->peer_table =
-            upload(world->device, world->stream.get(), peer_table.data(), peer_table.size() * sizeof(uint8_t*));
-        if (!is_world) {
-            state->rank_table =
-                upload(world->device, world->stream.get(), rank_table.data(), rank_table.size() * sizeof(int32_t));
-        }
+        std::vector<int64_t> key{is_world ? 1 : 0,
+                                 static_cast<int64_t>(reinterpret_cast<uintptr_t>(peer_table.back()))};
+        key.insert(key.end(), state->members.begin(), state->members.end());
         std::lock_guard<std::mutex> lock(world->team_tables_mutex);
-        world->team_tables.push_back(state->peer_table);
-        if (state->rank_table) world->team_tables.push_back(state->rank_table);
+        auto& tables = world->team_tables[key];
+        if (!tables.first) {
+            auto peers =
+                upload(world->device, world->stream.get(), peer_table.data(), peer_table.size() * sizeof(uint8_t*));
+            std::shared_ptr<void> ranks;
+            if (!is_world) {
+                ranks =
+                    upload(world->device, world->stream.get(), rank_table.data(), rank_table.size() * sizeof(int32_t));
+            }
+            tables = {std::move(peers), std::move(ranks)};  // both or, when an upload throws, neither
+        }
+        state->peer_table = tables.first;
+        state->rank_table = tables.second;
     }
     return Team(std::shared_ptr<const TeamState>(std::move(state)));
 }

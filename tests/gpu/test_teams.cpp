@@ -636,6 +636,31 @@ TEST(Teams, TeamOfOne) {
     });
 }
 
+// The same split made again (as a training step might, every step) is the same team on the device too: it reuses the
+// first one's tables instead of allocating new ones, and collectives on it still work.
+TEST(Teams, SplittingAgainReusesTheDeviceTables) {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    run_ranks(kWorld, [&](World& w) {
+        RankStream rs;
+        const int start = w.rank() % 2;  // the even and the odd world ranks
+        const auto split = [&] { return w.team().split_strided(start, 2, (kWorld - start + 1) / 2); };
+        const Team first = split();
+        const DeviceCtx ctx = first.device_ctx();
+        for (int i = 0; i < 100; ++i) {
+            const Team again = split();
+            ASSERT_EQ(again.id(), first.id());
+            EXPECT_EQ(again.device_ctx().peer_bases, ctx.peer_bases) << "split " << i << " made new tables";
+        }
+        const Team again = split();
+        std::vector<std::string> failures;
+        TeamBuffers b(again, 4 * 4096, rs.s);
+        all_reduce_case(b, DType::kF32, AllReduceAlgo::kOneShot, 4096, true, test_seed() ^ 0x5ull, &failures);
+        report(failures);
+        b.release();
+        w.barrier();
+    });
+}
+
 // A team this rank is not in: every op (and the team runtime) says so, naming the op, this world rank and the
 // team's world ranks; nothing is allocated, and the rank's own team still works afterwards.
 TEST(Teams, CallWithATeamThisRankIsNotInIsAnError) {

@@ -53,7 +53,9 @@ public:
     const std::vector<int>& members() const;
 
     /// Local (not collective): the team's ranks start, start + stride, ... (size of them), as in OpenSHMEM's
-    /// team_split_strided. Ranks outside the result get a non-member team.
+    /// team_split_strided. Ranks outside the result get a non-member team. Every member must pass the same
+    /// arguments: members that differ hold teams of different ids, whose first collective meets nobody and times
+    /// out. Splitting again is cheap: a team of the same members reuses the device tables the first one made.
     Team split_strided(int start, int stride, int size) const;
     /// Collective over this team's members (same order of calls on each): the members that pass the same
     /// non-negative `color`, ordered by (key, team rank), as in MPI_Comm_split. A negative color gives an
