@@ -53,9 +53,11 @@ struct DecodeAttentionOptions {
 ///                multiples of 8 (so both the [pages, slots, heads, dim] and the [pages, heads, slots, dim] layout
 ///                fit, the latter as a strided view)
 ///   v_cache      same dtype, shape and strides as k_cache
-///   block_table  i32 [batch, max_pages_per_seq], innermost stride 1; entries for tokens < seq_lens[b] must be
-///                valid page indices (< num_pages; not checked on the device)
-///   seq_lens     i32 [batch], contiguous; lengths are clipped to [0, max_seq_len]
+///   block_table  i32 [batch, max_pages_per_seq], innermost stride 1; the entries of the tokens read (those below
+///                seq_lens[b] clipped to max_seq_len) must be valid page indices (< num_pages; not checked on the
+///                device); the others are never read
+///   seq_lens     i32 [batch], contiguous; lengths are clipped to [0, max_seq_len] (out and lse then cover the
+///                clipped length)
 ///   max_seq_len  an upper bound of seq_lens (it sizes the split plan), 0 <= max_seq_len <= max_pages_per_seq *
 ///                page_size and < 2^31 - 2^20
 ///   out          dtype of q, [batch, num_q_heads, head_dim], contiguous

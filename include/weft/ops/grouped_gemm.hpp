@@ -53,7 +53,8 @@ struct GroupedGemmOptions {
     std::chrono::milliseconds timeout{0};  ///< bound on every pipeline wait; 0 = WEFT_TIMEOUT_MS or 10 s
     /// Where the kernel records a bad count (device or host-mapped memory, zero-initialised by the caller; the first
     /// bad group of the first launch that finds one claims it): counts are clamped into their bounds (masked:
-    /// [0, capacity]; contiguous: the rows of A), so nothing outside the views is read or written, and the record
+    /// [0, capacity]; contiguous: the group keeps its rows inside A, [offset, rows of A), none for a negative
+    /// offset), so nothing outside the views is read or written, and the record
     /// says which group, what it held and the bound. check_grouped_status turns a record into a weft::Error.
     /// nullptr: clamped silently.
     GroupedStatus* status = nullptr;
@@ -68,7 +69,8 @@ struct GroupedGemmOptions {
 /// contiguous: a [rows, K]; b [G, N, K] (kNK) or [G, K, N] (kKN); d [rows, N]; offsets and counts: G int32 each in
 /// device memory (G = b's first extent), read by the kernel (they may be written by a kernel earlier on `stream`;
 /// a captured launch reads them at replay). Group g's rows [offsets[g], offsets[g] + counts[g]) must lie inside A;
-/// groups must not overlap (each row of D is written by its group's tiles only). D's bytes must not overlap A's, B's,
+/// groups must not overlap (each row of D is written by its group's tiles only); they may lie in any order, with rows
+/// between them that no group owns (those rows of D are not written). D's bytes must not overlap A's, B's,
 /// offsets' or counts' (the kernel reads them while other CTAs write D). Asynchronous on `stream`,
 /// capturable once its kernel exists. Row strides: multiples of 16 bytes; K a positive multiple of 8; every extent (and
 /// the rows of A) at most kGemmMaxExtent = 2^31 - 2^24; base addresses 16-byte aligned. Bad arguments throw weft::Error
