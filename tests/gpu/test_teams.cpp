@@ -640,6 +640,7 @@ TEST(Teams, TeamOfOne) {
 // first one's tables instead of allocating new ones, and collectives on it still work.
 TEST(Teams, SplittingAgainReusesTheDeviceTables) {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    const auto staging = small_staging();  // the team's collective workspace fits the test heap
     run_ranks(kWorld, [&](World& w) {
         RankStream rs;
         const int start = w.rank() % 2;  // the even and the odd world ranks
