@@ -1604,7 +1604,13 @@ std::string run_invalid_prefill(const PrefillCase& c, cudaStream_t stream) {
             v_rows = skv + 1;
             break;
         case PrefillBad::kOutNotContiguous:
-            out_row_stride = hq * dim + 8;
+            // One row is contiguous whatever its stride (a view's extent-1 dimensions have no stride that matters,
+            // TensorView::is_contiguous): then the wrong dtype instead.
+            if (sq > 1) {
+                out_row_stride = hq * dim + 8;
+            } else {
+                to = DType::kF32;
+            }
             break;
         case PrefillBad::kOutDtype:
             to = DType::kF32;
