@@ -112,6 +112,9 @@ LaunchEnv parse_torchrun(const VarMap& vars) {
     const std::string* local_size = find(vars, "LOCAL_WORLD_SIZE");
     e.local_rank = local_rank ? to_int(*local_rank, "LOCAL_RANK") : e.rank;
     e.local_num_ranks = local_size ? to_int(*local_size, "LOCAL_WORLD_SIZE") : e.num_ranks;
+    WEFT_CHECK(local_rank != nullptr || e.local_num_ranks >= e.num_ranks,
+               "LOCAL_RANK must be set when LOCAL_WORLD_SIZE (" << e.local_num_ranks << ") is less than WORLD_SIZE ("
+                                                                << e.num_ranks << "), but it is not");
     check_ranks(e, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
     e.master_addr = master_addr(vars, e, "");
     e.master_port = master_port(vars);
@@ -353,6 +356,15 @@ void refuse_batch_step_of_several_tasks(const VarMap& vars) {
 std::optional<LaunchEnv> parse_launch_env(const VarMap& vars) {
     std::optional<LaunchEnv> env;
     if (find(vars, "RANK") != nullptr || find(vars, "WORLD_SIZE") != nullptr) {
+        // Half of torchrun's pair beside srun's complete set: a script exported WORLD_SIZE for torch's env:// and ran
+        // the program with srun.
+        WEFT_CHECK((find(vars, "RANK") != nullptr && find(vars, "WORLD_SIZE") != nullptr) ||
+                       find(vars, "SLURM_PROCID") == nullptr,
+                   (find(vars, "RANK") != nullptr ? "RANK" : "WORLD_SIZE")
+                       << " is set but " << (find(vars, "RANK") != nullptr ? "WORLD_SIZE" : "RANK")
+                       << " is not, and SLURM_PROCID is set: unset "
+                       << (find(vars, "RANK") != nullptr ? "RANK" : "WORLD_SIZE")
+                       << " to use srun's variables, or set both for torchrun's");
         env = parse_torchrun(vars);
     } else if (find(vars, "OMPI_COMM_WORLD_RANK") != nullptr || find(vars, "OMPI_COMM_WORLD_SIZE") != nullptr) {
         env = parse_ompi(vars);
@@ -369,6 +381,9 @@ std::optional<LaunchEnv> parse_launch_env(const VarMap& vars) {
     }
     if (const std::string* token = find(vars, "WEFT_JOB_TOKEN")) env->job_token = *token;
     if (const std::string* port = find(vars, "WEFT_STORE_PORT")) env->store_port = parse_port(*port, "WEFT_STORE_PORT");
+    WEFT_CHECK(env->store_port == 0 || env->store_port != env->master_port,
+               "WEFT_STORE_PORT (" << env->store_port << ") must differ from MASTER_PORT: the launcher's or "
+                                   << "torch.distributed's store listens there");
     return env;
 }
 

@@ -131,6 +131,8 @@ TEST(LaunchEnv, StorePortFromTheEnvironment) {
     expect_error_naming(v, {"WEFT_STORE_PORT", "[1, 65535]"});
     v["WEFT_STORE_PORT"] = "port";
     expect_error_naming(v, {"WEFT_STORE_PORT", "'port'"});
+    v["WEFT_STORE_PORT"] = "29500";  // the port torch.distributed's store (or the launcher's) takes
+    expect_error_naming(v, {"WEFT_STORE_PORT (29500)", "MASTER_PORT"});
 }
 
 TEST(LaunchEnv, TorchrunInconsistentValuesNameTheVariable) {
@@ -167,6 +169,23 @@ TEST(LaunchEnv, TorchrunInconsistentValuesNameTheVariable) {
     multi["LOCAL_RANK"] = "1";
     multi.erase("MASTER_ADDR");
     expect_error_naming(multi, {"MASTER_ADDR", "several hosts"});
+    // On several hosts a rank's place on its host cannot be guessed from RANK.
+    Vars unplaced = with("LOCAL_WORLD_SIZE", "2");
+    unplaced.erase("LOCAL_RANK");
+    expect_error_naming(unplaced, {"LOCAL_RANK must be set", "LOCAL_WORLD_SIZE (2)", "WORLD_SIZE (4)"});
+    // One host: LOCAL_RANK defaults to RANK.
+    EXPECT_EQ(parse_launch_env(without("LOCAL_RANK"))->local_rank, 1);
+}
+
+TEST(LaunchEnv, HalfOfTorchrunsPairBesideSrunsVariablesSaysWhichToUnset) {
+    const Vars srun = {{"SLURM_PROCID", "1"},          {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "1"},
+                       {"SLURM_NTASKS_PER_NODE", "2"}, {"SLURM_JOB_ID", "7"}, {"SLURM_STEP_ID", "0"}};
+    Vars v = srun;
+    v["WORLD_SIZE"] = "2";
+    expect_error_naming(v, {"WORLD_SIZE is set but RANK is not", "SLURM_PROCID", "unset WORLD_SIZE"});
+    v.erase("WORLD_SIZE");
+    v["RANK"] = "1";
+    expect_error_naming(v, {"RANK is set but WORLD_SIZE is not", "unset RANK"});
 }
 
 TEST(LaunchEnv, OpenMpi) {
