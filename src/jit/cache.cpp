@@ -317,6 +317,7 @@ DiskCache::DiskCache(fs::path dir) : dir_(std::move(dir)), jit_dir_(dir_ / "jit"
     Fd jit(open_jit_dir(&why));
     if (jit.get() < 0) {
         WEFT_LOG_WARN("jit: the cache folder " << why << "; its entries are misses and nothing is stored there");
+        folder_reported_ = true;
         return;
     }
     remove_abandoned_temporaries();
@@ -362,7 +363,14 @@ DiskCache::LoadStatus DiskCache::load(const Digest& key, CacheEntry* out, std::s
         return LoadStatus::kAbsent;
     };
     Fd jit(open_jit_dir(&reason));
-    if (jit.get() < 0) return untrusted("the cache folder " + reason);
+    if (jit.get() < 0) {  // the folder itself: said once, not for every entry
+        if (folder_reported_.exchange(true)) {
+            WEFT_LOG_DEBUG("jit: not using the cache entry " << path.string() << ": the cache folder " << reason);
+            if (why) *why = "the cache folder " + reason;
+            return LoadStatus::kAbsent;
+        }
+        return untrusted("the cache folder " + reason);
+    }
     // O_NOFOLLOW: a symbolic link is refused; O_NONBLOCK: a FIFO does not block the open.
     const std::string name = path.filename().string();
     Fd fd(::openat(jit.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));

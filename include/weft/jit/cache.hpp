@@ -13,6 +13,7 @@
 // reason; nothing is stored in an untrusted folder.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -74,6 +75,8 @@ private:
 
     std::filesystem::path dir_;
     std::filesystem::path jit_dir_;
+    /// An untrusted folder was reported (once per cache: later loads log it at debug level).
+    mutable std::atomic<bool> folder_reported_{false};
 };
 
 /// An exclusive flock on `path` (created if missing, left in place afterwards), held until
