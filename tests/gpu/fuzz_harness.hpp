@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 // The GpuFuzz suites' harness (tests/gpu/test_fuzz_*.cpp): a seeded generator, a run's time, case and kernel budgets
 // with replay of one case (WEFT_FUZZ_SEED, WEFT_FUZZ_SECONDS, WEFT_FUZZ_CASES, WEFT_FUZZ_KERNELS, WEFT_FUZZ_CASE=i.a),
-// random 16-bit value pools and host matrices, and the poison checks.
+// random 16-bit value pools and host matrices, the poison checks, the one-GPU case loop and the GpuFuzz fixture that
+// skips every suite off sm_90.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -15,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -22,8 +24,10 @@
 #include <utility>
 #include <vector>
 
+#include "support/gemm_testing.hpp"
 #include "support/tp_reference.hpp"
 #include "weft/common/dtype.hpp"
+#include "weft/runtime/tensor_view.hpp"
 
 namespace weft::fuzz_test {
 
@@ -157,6 +161,18 @@ private:
     int failures_ = 0;
 };
 
+/// When a world of ranks that starts now stops starting cases: a third of the run's time later (3 s at least), or at
+/// the run's end.
+inline double world_slice_end(const FuzzRun& run) {
+    return std::min(run.seconds(), run.elapsed() + std::max(3.0, run.seconds() / 3));
+}
+
+/// Prints the line that starts a world of `world` ranks.
+inline void announce_world(int world) {
+    std::printf("[ fuzz     ] world %d\n", world);
+    std::fflush(stdout);
+}
+
 /// Random 16-bit values (bf16 or f16 bits, uniform in [-1, 1) and rounded): a pool drawn from a case's generator; each
 /// row is a window at a random place in it, so rows differ and a 36M-element matrix costs a memcpy per row.
 class ValuePool {
@@ -220,4 +236,81 @@ inline bool poison_intact(const uint8_t* p, size_t n) {
     return true;
 }
 
+/// A [rows, cols] view of `p` with row stride ld.
+inline TensorView view2(void* p, DType t, int64_t rows, int64_t cols, int64_t ld) {
+    return TensorView(p, t, {rows, cols}, {ld, 1});
+}
+
+/// The kernel a draw runs, for the kernel budget: `key` names it; no key, a case that runs no budgeted kernel (an
+/// invalid-argument case or one with no work), kept at once; `give_up`, the draw has already failed (no case this
+/// time).
+struct DrawKernel {
+    std::optional<std::string> key;
+    bool give_up = false;
+};
+
+/// What a one-GPU suite does with its cases: draw one from a generator, name its kernel (for the budget), say whether
+/// it is an invalid-argument case (for the summary's count), and run it on a stream: "" or what went wrong, setting
+/// *fatal when the GPU may be unusable.
+template <class Case>
+struct OneGpuSuite {
+    std::function<Case(Rng&)> draw;
+    std::function<DrawKernel(const Case&, int64_t idx, int attempt)> kernel;
+    std::function<bool(const Case&)> invalid;
+    std::function<std::string(const Case&, Rng&, cudaStream_t, bool* fatal)> run;
+};
+
+/// Case `idx` of a one-GPU suite: the first attempt's draw whose kernel the budget admits, with the generator that drew
+/// it (the case's later draws come from it) and the attempt; none when every attempt was refused or one gave up. Each
+/// refused draw adds one to *refused.
+template <class Case>
+struct Chosen {
+    Case c;
+    Rng rng;
+    int attempt;
+};
+template <class Case>
+std::optional<Chosen<Case>> choose_case(FuzzRun& run, const OneGpuSuite<Case>& suite, int64_t idx, int64_t* refused) {
+    for (int attempt = run.first_attempt(); attempt <= run.last_attempt(); ++attempt) {
+        Rng r = run.rng(idx, attempt);
+        Case c = suite.draw(r);
+        const DrawKernel k = suite.kernel(c, idx, attempt);
+        if (k.give_up) return std::nullopt;
+        if (!k.key || run.admit(*k.key)) return Chosen<Case>{std::move(c), r, attempt};
+        ++*refused;
+    }
+    return std::nullopt;
+}
+
+/// Runs a one-GPU suite's cases on a stream of its own while the run's budgets last (or until a fatal case), reporting
+/// each failing case, then the summary.
+template <class Case>
+void fuzz_one_gpu(FuzzRun& run, const OneGpuSuite<Case>& suite) {
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    int64_t cases = 0, invalid = 0, refused = 0;
+    for (int64_t i = 0; run.more(i); ++i) {
+        const int64_t idx = run.case_index(i);
+        std::optional<Chosen<Case>> chosen = choose_case(run, suite, idx, &refused);
+        if (!chosen) continue;
+        ++cases;
+        invalid += suite.invalid(chosen->c);
+        bool fatal = false;
+        const std::string what = suite.run(chosen->c, chosen->rng, stream, &fatal);
+        if (!what.empty()) run.fail(idx, chosen->attempt, describe(chosen->c), what);
+        if (fatal) break;
+    }
+    run.summary(cases, invalid, refused);
+    cudaStreamDestroy(stream);
+}
+
 }  // namespace weft::fuzz_test
+
+/// The GpuFuzz suites' fixture: every suite runs on an sm_90 GPU and skips elsewhere.
+class GpuFuzz : public ::testing::Test {
+protected:
+    void SetUp() override {
+        std::string why;
+        if (!weft::gemm_test::have_sm90(&why)) GTEST_SKIP() << why;
+    }
+};

@@ -73,12 +73,6 @@ namespace ref = test::ep;
 using ref::DeviceArray;
 using ref::download;
 
-#define REQUIRE_SM90()                                          \
-    do {                                                        \
-        std::string why_;                                       \
-        if (!gemm_test::have_sm90(&why_)) GTEST_SKIP() << why_; \
-    } while (0)
-
 template <class T>
 size_t sz(T x) {
     return static_cast<size_t>(x);
@@ -125,14 +119,13 @@ int64_t fuzz_worlds(FuzzRun& run, int min_world, int max_world, std::initializer
                           << " ranks, got W = " << world;
             break;
         }
-        const double slice_end = std::min(run.seconds(), run.elapsed() + std::max(3.0, run.seconds() / 3));
+        const double slice_end = world_slice_end(run);
         constexpr int kMaxCasesPerWorld = 400;
         std::vector<char> go(kMaxCasesPerWorld + 1, 0);
         std::vector<std::vector<std::string>> rank_failures(sz(world));
         std::atomic<bool> broken{false};
         const int64_t first_case = cases;
-        std::printf("[ fuzz     ] world %d\n", world);
-        std::fflush(stdout);
+        announce_world(world);
         test::run_ranks(
             world,
             [&](World& w) {
@@ -599,9 +592,16 @@ std::string check_status(const ep::Buffer& buf, bool my_bad_ids, std::optional<e
     return "";
 }
 
-/// A [rows, cols] bf16 view with row stride ld.
-TensorView rows_view(void* p, DType t, int64_t rows, int64_t cols, int64_t ld) {
-    return TensorView(p, t, {rows, cols}, {ld, 1});
+/// An invalid-config case: making a Buffer of `cfg` must throw weft::Error naming ep; returns the failure
+/// if not, setting *fatal (a Buffer made on some ranks only: the ranks' calls may no longer agree).
+std::vector<std::string> check_config_refused(World& w, const EpCase& c, const ep::Config& cfg, bool* fatal) {
+    std::vector<std::string> fails;
+    const std::string why = expect_refusal([&] { ep::Buffer b(w, cfg); }, "ep");
+    if (!why.empty()) {
+        fails.push_back("invalid Config " + std::string(cfg_bad_name(c.cfg_bad)) + ": " + why);
+        *fatal = true;
+    }
+    return fails;
 }
 
 /// Uploads `rows` rows of `cols` 16-bit values (packed) into a buffer of row stride ld (ordered on s).
@@ -704,14 +704,7 @@ std::vector<std::string> run_ep_normal(World& w, const EpCase& c, cudaStream_t s
     std::vector<std::string> fails;
     const int me = w.rank();
     const ep::Config cfg = cfg_for(c, me);
-    if (c.cfg_bad != EpCfgBad::kNone) {
-        const std::string why = expect_refusal([&] { ep::Buffer b(w, cfg); }, "ep");
-        if (!why.empty()) {
-            fails.push_back("invalid Config " + std::string(cfg_bad_name(c.cfg_bad)) + ": " + why);
-            *fatal = true;  // a Buffer made on some ranks only: the ranks' calls may no longer agree
-        }
-        return fails;
-    }
+    if (c.cfg_bad != EpCfgBad::kNone) return check_config_refused(w, c, cfg, fatal);
     ep::Buffer buf(w, cfg);
     std::vector<ep::NormalHandle> h;
     for (int i = 0; i < 3; ++i) h.push_back(buf.make_normal_handle());  // handle 2 is never dispatched
@@ -738,7 +731,7 @@ std::vector<std::string> run_ep_normal(World& w, const EpCase& c, cudaStream_t s
         idx.upload(mine.topk_idx);
         wts.upload(mine.topk_weights);
         ep::NormalHandle& hh = h[sz(rd.handle)];
-        const TensorView xv = rows_view(x.get(), DType::kBF16, t, hd, x_ld);
+        const TensorView xv = view2(x.get(), DType::kBF16, t, hd, x_ld);
         const TensorView iv(idx.get(), DType::kI32, {t, k});
         const TensorView wv(wts.get(), DType::kF32, {t, k});
         const ep::NormalOptions opt{.num_sms = std::min(rd.num_sms, budget)};
@@ -748,20 +741,20 @@ std::vector<std::string> run_ep_normal(World& w, const EpCase& c, cudaStream_t s
             switch (rd.bad) {
                 case EpCallBad::kTooManyTokens:
                     bad = [&] {
-                        buf.dispatch(hh, rows_view(x.get(), DType::kBF16, tmax + 1, hd, hd),
+                        buf.dispatch(hh, view2(x.get(), DType::kBF16, tmax + 1, hd, hd),
                                      TensorView(idx.get(), DType::kI32, {tmax + 1, k}),
                                      TensorView(wts.get(), DType::kF32, {tmax + 1, k}), s);
                     };
                     break;
                 case EpCallBad::kXNotBf16:
-                    bad = [&] { buf.dispatch(hh, rows_view(x.get(), DType::kF16, t, hd, x_ld), iv, wv, s); };
+                    bad = [&] { buf.dispatch(hh, view2(x.get(), DType::kF16, t, hd, x_ld), iv, wv, s); };
                     break;
                 case EpCallBad::kIdxRowsDiffer:
                     bad = [&] { buf.dispatch(hh, xv, TensorView(idx.get(), DType::kI32, {t + 1, k}), wv, s); };
                     break;
                 case EpCallBad::kWeightsNotF32:
                     bad = [&] {
-                        buf.dispatch(hh, rows_view(x.get(), DType::kBF16, std::max(t, 1), hd, x_ld),
+                        buf.dispatch(hh, view2(x.get(), DType::kBF16, std::max(t, 1), hd, x_ld),
                                      TensorView(idx.get(), DType::kI32, {std::max(t, 1), k}),
                                      TensorView(wts.get(), DType::kI32, {std::max(t, 1), k}), s);
                     };
@@ -771,7 +764,7 @@ std::vector<std::string> run_ep_normal(World& w, const EpCase& c, cudaStream_t s
                     break;
                 case EpCallBad::kXMisaligned:
                     bad = [&] {
-                        buf.dispatch(hh, rows_view(reinterpret_cast<uint8_t*>(x.get()) + 2, DType::kBF16, 1, hd, hd),
+                        buf.dispatch(hh, view2(reinterpret_cast<uint8_t*>(x.get()) + 2, DType::kBF16, 1, hd, hd),
                                      TensorView(idx.get(), DType::kI32, {1, k}),
                                      TensorView(wts.get(), DType::kF32, {1, k}), s);
                     };
@@ -780,21 +773,19 @@ std::vector<std::string> run_ep_normal(World& w, const EpCase& c, cudaStream_t s
                     bad = [&] { buf.dispatch(hh, xv, iv, wv, nullptr); };
                     break;
                 case EpCallBad::kCombineUndispatched:
-                    bad = [&] {
-                        buf.combine(h[2], h[2].recv_x(), rows_view(out.get(), DType::kBF16, t, hd, out_ld), s);
-                    };
+                    bad = [&] { buf.combine(h[2], h[2].recv_x(), view2(out.get(), DType::kBF16, t, hd, out_ld), s); };
                     break;
                 case EpCallBad::kHostX:
                     bad = [&] {
                         std::vector<uint16_t> host(sz(hd));
-                        buf.dispatch(hh, rows_view(host.data(), DType::kBF16, 1, hd, hd),
+                        buf.dispatch(hh, view2(host.data(), DType::kBF16, 1, hd, hd),
                                      TensorView(idx.get(), DType::kI32, {1, k}),
                                      TensorView(wts.get(), DType::kF32, {1, k}), s);
                     };
                     break;
                 case EpCallBad::kXInRecvArea:
                     bad = [&] {
-                        buf.dispatch(hh, rows_view(hh.recv_x().data, DType::kBF16, 1, hd, hd),
+                        buf.dispatch(hh, view2(hh.recv_x().data, DType::kBF16, 1, hd, hd),
                                      TensorView(idx.get(), DType::kI32, {1, k}),
                                      TensorView(wts.get(), DType::kF32, {1, k}), s);
                     };
@@ -841,16 +832,16 @@ std::vector<std::string> run_ep_normal(World& w, const EpCase& c, cudaStream_t s
         } else {
             WEFT_CUDA_CHECK(cudaMemsetAsync(y.get(), 0xFF, y.size() * 2, s));
             upload_rows(y.get(), y_me, y_rows, hd, y_ld, s);
-            yv = rows_view(y.get(), DType::kBF16, g.max_recv_rows + rd.y_extra_rows, hd, y_ld);
+            yv = view2(y.get(), DType::kBF16, g.max_recv_rows + rd.y_extra_rows, hd, y_ld);
         }
-        const TensorView ov = rows_view(out.get(), DType::kBF16, t, hd, out_ld);
+        const TensorView ov = view2(out.get(), DType::kBF16, t, hd, out_ld);
         if (rd.bad == EpCallBad::kCombineYShort || rd.bad == EpCallBad::kCombineOutRows) {
             const std::string bad_why = expect_refusal(
                 [&] {
                     if (rd.bad == EpCallBad::kCombineYShort) {
-                        buf.combine(hh, rows_view(y.get(), DType::kBF16, g.max_recv_rows - 1, hd, y_ld), ov, s);
+                        buf.combine(hh, view2(y.get(), DType::kBF16, g.max_recv_rows - 1, hd, y_ld), ov, s);
                     } else {
-                        buf.combine(hh, yv, rows_view(out.get(), DType::kBF16, t + 1, hd, out_ld), s);
+                        buf.combine(hh, yv, view2(out.get(), DType::kBF16, t + 1, hd, out_ld), s);
                     }
                 },
                 "ep");
@@ -880,9 +871,11 @@ std::vector<std::string> run_ep_normal(World& w, const EpCase& c, cudaStream_t s
     return fails;
 }
 
-TEST(GpuFuzz, EpNormal) {
-    REQUIRE_SM90();
-    FuzzRun run("EpNormal", 15, 100000, 1);
+/// Runs EP suite `name`: worlds of 1..8 ranks whose cases draw_ep_case draws (`low_latency`: the low-latency mode's
+/// configs) and `run_case` runs on every rank; an invalid config or call counts as an invalid-argument case.
+void fuzz_ep(const char* name, bool low_latency,
+             std::vector<std::string> (*run_case)(World&, const EpCase&, cudaStream_t, bool*)) {
+    FuzzRun run(name, 15, 100000, 1);
     run.admit("ep kernels");  // one fixed kernel set
     int64_t invalid = 0;
     std::mutex mutex;
@@ -895,21 +888,23 @@ TEST(GpuFuzz, EpNormal) {
         run, 1, 8, {3, 5, 6, 7}, options,
         [&](int64_t idx, int world) {
             Rng r = run.rng(idx, 0);
-            return describe(draw_ep_case(r, world, false));
+            return describe(draw_ep_case(r, world, low_latency));
         },
         [&](World& w, int64_t idx, cudaStream_t s, bool* fatal) {
             Rng r = run.rng(idx, 0);
-            const EpCase c = draw_ep_case(r, w.num_ranks(), false);
+            const EpCase c = draw_ep_case(r, w.num_ranks(), low_latency);
             if (w.rank() == 0) {
                 std::lock_guard<std::mutex> lock(mutex);
                 invalid += c.cfg_bad != EpCfgBad::kNone ||
                            std::any_of(c.rounds.begin(), c.rounds.end(),
                                        [](const EpRound& x) { return x.bad != EpCallBad::kNone; });
             }
-            return run_ep_normal(w, c, s, fatal);
+            return run_case(w, c, s, fatal);
         });
     run.summary(cases, invalid, 0);
 }
+
+TEST_F(GpuFuzz, EpNormal) { fuzz_ep("EpNormal", false, run_ep_normal); }
 
 // ---- GpuFuzz.EpLowLatency ------------------------------------------------------------------------------------------
 
@@ -1028,14 +1023,7 @@ std::vector<std::string> run_ep_low_latency(World& w, const EpCase& c, cudaStrea
     std::vector<std::string> fails;
     const int me = w.rank();
     const ep::Config cfg = cfg_for(c, me);
-    if (c.cfg_bad != EpCfgBad::kNone) {
-        const std::string why = expect_refusal([&] { ep::Buffer b(w, cfg); }, "ep");
-        if (!why.empty()) {
-            fails.push_back("invalid Config " + std::string(cfg_bad_name(c.cfg_bad)) + ": " + why);
-            *fatal = true;
-        }
-        return fails;
-    }
+    if (c.cfg_bad != EpCfgBad::kNone) return check_config_refused(w, c, cfg, fatal);
     ep::Buffer buf(w, cfg);
     std::vector<ep::LowLatencyHandle> h;
     for (int i = 0; i < 4; ++i) h.push_back(buf.make_low_latency_handle());  // handle 3 is never dispatched
@@ -1072,10 +1060,10 @@ std::vector<std::string> run_ep_low_latency(World& w, const EpCase& c, cudaStrea
             upload_rows(sl.x.get(), lv.call.x_all[sz(me)], lv.t, hd, lv.x_ld, s);
             sl.idx.upload(lv.call.all[sz(me)].topk_idx);
             sl.wts.upload(lv.call.all[sz(me)].topk_weights);
-            lv.xv = rows_view(sl.x.get(), DType::kBF16, lv.t, hd, lv.x_ld);
+            lv.xv = view2(sl.x.get(), DType::kBF16, lv.t, hd, lv.x_ld);
             lv.iv = TensorView(sl.idx.get(), DType::kI32, {lv.t, k});
             lv.wv = TensorView(sl.wts.get(), DType::kF32, {lv.t, k});
-            lv.ov = rows_view(sl.out.get(), DType::kBF16, lv.t, hd, lv.out_ld);
+            lv.ov = view2(sl.out.get(), DType::kBF16, lv.t, hd, lv.out_ld);
             lv.opt = ep::LowLatencyOptions{.fp8 = lv.fp8, .num_sms = std::min(rd.num_sms, budget)};
             live.push_back(std::move(lv));
         }
@@ -1091,14 +1079,14 @@ std::vector<std::string> run_ep_low_latency(World& w, const EpCase& c, cudaStrea
             switch (r0.bad) {
                 case EpCallBad::kTooManyTokens:
                     bad = [&] {
-                        buf.low_latency_dispatch(h[0], rows_view(sl.x.get(), DType::kBF16, tmax + 1, hd, hd),
+                        buf.low_latency_dispatch(h[0], view2(sl.x.get(), DType::kBF16, tmax + 1, hd, hd),
                                                  TensorView(sl.idx.get(), DType::kI32, {tmax + 1, k}), s, lv.opt);
                     };
                     break;
                 case EpCallBad::kXNotBf16:
                 case EpCallBad::kWeightsNotF32:
                     bad = [&] {
-                        buf.low_latency_dispatch(h[0], rows_view(sl.x.get(), DType::kF16, lv.t, hd, lv.x_ld), lv.iv, s,
+                        buf.low_latency_dispatch(h[0], view2(sl.x.get(), DType::kF16, lv.t, hd, lv.x_ld), lv.iv, s,
                                                  lv.opt);
                     };
                     break;
@@ -1117,7 +1105,7 @@ std::vector<std::string> run_ep_low_latency(World& w, const EpCase& c, cudaStrea
                 case EpCallBad::kXMisaligned:
                     bad = [&] {
                         buf.low_latency_dispatch(
-                            h[0], rows_view(reinterpret_cast<uint8_t*>(sl.x.get()) + 2, DType::kBF16, 1, hd, hd),
+                            h[0], view2(reinterpret_cast<uint8_t*>(sl.x.get()) + 2, DType::kBF16, 1, hd, hd),
                             TensorView(sl.idx.get(), DType::kI32, {1, k}), s, lv.opt);
                     };
                     break;
@@ -1131,7 +1119,7 @@ std::vector<std::string> run_ep_low_latency(World& w, const EpCase& c, cudaStrea
                 case EpCallBad::kXInRecvArea:
                     bad = [&] {
                         std::vector<uint16_t> host(sz(hd));
-                        buf.low_latency_dispatch(h[0], rows_view(host.data(), DType::kBF16, 1, hd, hd),
+                        buf.low_latency_dispatch(h[0], view2(host.data(), DType::kBF16, 1, hd, hd),
                                                  TensorView(sl.idx.get(), DType::kI32, {1, k}), s, lv.opt);
                     };
                     break;
@@ -1244,8 +1232,7 @@ std::vector<std::string> run_ep_low_latency(World& w, const EpCase& c, cudaStrea
                                                 lv.iv, lv.wv, lv.ov, s);
                     } else {
                         buf.low_latency_combine(h[0], lv.yv, lv.iv, lv.wv,
-                                                rows_view(slots[0].out.get(), DType::kBF16, lv.t + 1, hd, lv.out_ld),
-                                                s);
+                                                view2(slots[0].out.get(), DType::kBF16, lv.t + 1, hd, lv.out_ld), s);
                     }
                 },
                 "ep");
@@ -1293,36 +1280,7 @@ std::vector<std::string> run_ep_low_latency(World& w, const EpCase& c, cudaStrea
     return fails;
 }
 
-TEST(GpuFuzz, EpLowLatency) {
-    REQUIRE_SM90();
-    FuzzRun run("EpLowLatency", 15, 100000, 1);
-    run.admit("ep kernels");  // one fixed kernel set
-    int64_t invalid = 0;
-    std::mutex mutex;
-    const auto options = [](int) {
-        WorldOptions o = test::test_options(kEpHeapCap + (32ull << 20));
-        o.timeout = std::chrono::milliseconds(20000);
-        return o;
-    };
-    const int64_t cases = fuzz_worlds(
-        run, 1, 8, {3, 5, 6, 7}, options,
-        [&](int64_t idx, int world) {
-            Rng r = run.rng(idx, 0);
-            return describe(draw_ep_case(r, world, true));
-        },
-        [&](World& w, int64_t idx, cudaStream_t s, bool* fatal) {
-            Rng r = run.rng(idx, 0);
-            const EpCase c = draw_ep_case(r, w.num_ranks(), true);
-            if (w.rank() == 0) {
-                std::lock_guard<std::mutex> lock(mutex);
-                invalid += c.cfg_bad != EpCfgBad::kNone ||
-                           std::any_of(c.rounds.begin(), c.rounds.end(),
-                                       [](const EpRound& x) { return x.bad != EpCallBad::kNone; });
-            }
-            return run_ep_low_latency(w, c, s, fatal);
-        });
-    run.summary(cases, invalid, 0);
-}
+TEST_F(GpuFuzz, EpLowLatency) { fuzz_ep("EpLowLatency", true, run_ep_low_latency); }
 
 // ---- attention: shared pieces ------------------------------------------------------------------------------------
 
@@ -1804,44 +1762,20 @@ std::string run_prefill(const PrefillCase& c, Rng& r, cudaStream_t stream, bool*
     return "";
 }
 
-TEST(GpuFuzz, Prefill) {
-    REQUIRE_SM90();
+TEST_F(GpuFuzz, Prefill) {
     FuzzRun run("Prefill", 15, 2000, 4);
     const AttentionPrefillKernel device_kernel = ops::attention_prefill_device_kernel();
     const int sms = gemm_test::num_sms();
-    cudaStream_t stream = nullptr;
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    int64_t cases = 0, invalid = 0, refused = 0;
-    for (int64_t i = 0; run.more(i); ++i) {
-        const int64_t idx = run.case_index(i);
-        std::optional<PrefillCase> chosen;
-        int attempt = run.first_attempt();
-        Rng r(0);
-        for (; attempt <= run.last_attempt(); ++attempt) {
-            r = run.rng(idx, attempt);
-            PrefillCase c = draw_prefill(r, device_kernel);
-            if (c.bad != PrefillBad::kNone || c.seq_q == 0 ||
-                run.admit(config_key(prefill_config_of(c, device_kernel, sms)))) {
-                chosen = c;
-                break;
-            }
-            ++refused;
-        }
-        if (!chosen) continue;
-        ++cases;
-        bool fatal = false;
-        std::string what;
-        if (chosen->bad != PrefillBad::kNone) {
-            ++invalid;
-            what = run_invalid_prefill(*chosen, stream);
-        } else {
-            what = run_prefill(*chosen, r, stream, &fatal);
-        }
-        if (!what.empty()) run.fail(idx, attempt, describe(*chosen), what);
-        if (fatal) break;
-    }
-    run.summary(cases, invalid, refused);
-    cudaStreamDestroy(stream);
+    fuzz_one_gpu<PrefillCase>(run, {[device_kernel](Rng& r) { return draw_prefill(r, device_kernel); },
+                                    [device_kernel, sms](const PrefillCase& c, int64_t, int) -> DrawKernel {
+                                        if (c.bad != PrefillBad::kNone || c.seq_q == 0) return {};
+                                        return {config_key(prefill_config_of(c, device_kernel, sms))};
+                                    },
+                                    [](const PrefillCase& c) { return c.bad != PrefillBad::kNone; },
+                                    [](const PrefillCase& c, Rng& r, cudaStream_t stream, bool* fatal) {
+                                        return c.bad != PrefillBad::kNone ? run_invalid_prefill(c, stream)
+                                                                          : run_prefill(c, r, stream, fatal);
+                                    }});
 }
 
 // ---- GpuFuzz.SpDecode (ranks as threads) ---------------------------------------------------------------------------
@@ -2161,8 +2095,7 @@ std::vector<std::string> run_sp(World& w, const SpCase& c, cudaStream_t s) {
     return {};
 }
 
-TEST(GpuFuzz, SpDecode) {
-    REQUIRE_SM90();
+TEST_F(GpuFuzz, SpDecode) {
     FuzzRun run("SpDecode", 15, 100000, 3);
     // A small staging region keeps the collective workspace within the test's heaps (the LL buffer is what this op
     // uses).
@@ -2396,8 +2329,7 @@ std::vector<std::string> run_ag(World& w, const AgCase& c, cudaStream_t s) {
     return {};
 }
 
-TEST(GpuFuzz, AgAttention) {
-    REQUIRE_SM90();
+TEST_F(GpuFuzz, AgAttention) {
     FuzzRun run("AgAttention", 15, 100000, 3);
     const AttentionPrefillKernel device_kernel = ops::attention_prefill_device_kernel();
     const int sms = gemm_test::num_sms();

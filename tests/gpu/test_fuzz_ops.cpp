@@ -54,12 +54,6 @@ namespace {
 
 using gemm_test::DeviceBuffer;
 
-#define REQUIRE_SM90()                                          \
-    do {                                                        \
-        std::string why_;                                       \
-        if (!gemm_test::have_sm90(&why_)) GTEST_SKIP() << why_; \
-    } while (0)
-
 using namespace fuzz_test;
 
 // ---- cuBLASLt: the GEMMs' full reference ----------------------------------------------------------------------
@@ -343,11 +337,6 @@ GemmCase draw_gemm(Rng& r, int sms) {
         c.ldd = round_up(c.n, 8);
     }
     return c;
-}
-
-/// A TensorView with explicit strides.
-TensorView view2(void* p, DType t, int64_t rows, int64_t cols, int64_t ld) {
-    return TensorView(p, t, {rows, cols}, {ld, 1});
 }
 
 /// The kernel a valid case runs (its JIT specialisation), from the op's own planner on addresses of the case's
@@ -639,55 +628,34 @@ std::string run_valid_gemm(const GemmCase& c, Rng& r, Cublas& cublas, cudaStream
     return cmp.ok() ? "" : cmp.report();
 }
 
-TEST(GpuFuzz, Gemm) {
-    REQUIRE_SM90();
+/// The kernel a valid case's planner picks (`key()`), for the budget; a planner that refuses fails attempt `attempt` of
+/// case `idx` (no case this time).
+template <class Case>
+DrawKernel planned_kernel(FuzzRun& run, const Case& c, int64_t idx, int attempt,
+                          const std::function<std::string()>& key) {
+    try {
+        return {key()};
+    } catch (const std::exception& e) {
+        run.fail(idx, attempt, describe(c), std::string("the planner refused a valid call: ") + e.what());
+        return {std::nullopt, true};
+    }
+}
+
+TEST_F(GpuFuzz, Gemm) {
     FuzzRun run("Gemm", 15, 2000, 8);
     const int sms = gemm_test::num_sms();
     Cublas cublas;
-    cudaStream_t stream = nullptr;
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    int64_t cases = 0, invalid = 0, refused = 0;
-    for (int64_t i = 0; run.more(i); ++i) {
-        const int64_t idx = run.case_index(i);
-        std::optional<GemmCase> chosen;
-        int attempt = run.first_attempt();
-        Rng r(0);
-        for (; attempt <= run.last_attempt(); ++attempt) {
-            r = run.rng(idx, attempt);
-            GemmCase c = draw_gemm(r, sms);
-            if (c.bad != GemmBad::kNone) {
-                chosen = c;
-                break;
-            }
-            std::string key;
-            try {
-                key = gemm_kernel_key(c, gemm_options(c), sms);
-            } catch (const std::exception& e) {
-                run.fail(idx, attempt, describe(c), std::string("the planner refused a valid call: ") + e.what());
-                break;
-            }
-            if (run.admit(key)) {
-                chosen = c;
-                break;
-            }
-            ++refused;
-        }
-        if (!chosen) continue;
-        ++cases;
-        const GemmCase& c = *chosen;
-        bool fatal = false;
-        std::string what;
-        if (c.bad != GemmBad::kNone) {
-            ++invalid;
-            what = run_invalid_gemm(c, stream);
-        } else {
-            what = run_valid_gemm(c, r, cublas, stream, &fatal);
-        }
-        if (!what.empty()) run.fail(idx, attempt, describe(c), what);
-        if (fatal) break;
-    }
-    run.summary(cases, invalid, refused);
-    cudaStreamDestroy(stream);
+    fuzz_one_gpu<GemmCase>(run, {[sms](Rng& r) { return draw_gemm(r, sms); },
+                                 [&](const GemmCase& c, int64_t idx, int attempt) -> DrawKernel {
+                                     if (c.bad != GemmBad::kNone) return {};
+                                     return planned_kernel(run, c, idx, attempt,
+                                                           [&] { return gemm_kernel_key(c, gemm_options(c), sms); });
+                                 },
+                                 [](const GemmCase& c) { return c.bad != GemmBad::kNone; },
+                                 [&](const GemmCase& c, Rng& r, cudaStream_t stream, bool* fatal) {
+                                     return c.bad != GemmBad::kNone ? run_invalid_gemm(c, stream)
+                                                                    : run_valid_gemm(c, r, cublas, stream, fatal);
+                                 }});
 }
 
 // ---- GpuFuzz.GroupedGemm -----------------------------------------------------------------------------------------
@@ -1172,49 +1140,20 @@ std::string run_grouped(const GroupedCase& c, Rng& r, Cublas& cublas, cudaStream
     return cmp.ok() ? "" : cmp.report();
 }
 
-TEST(GpuFuzz, GroupedGemm) {
-    REQUIRE_SM90();
+TEST_F(GpuFuzz, GroupedGemm) {
     FuzzRun run("GroupedGemm", 15, 1000, 6);
     const int sms = gemm_test::num_sms();
     Cublas cublas;
-    cudaStream_t stream = nullptr;
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    int64_t cases = 0, invalid = 0, refused = 0;
-    for (int64_t i = 0; run.more(i); ++i) {
-        const int64_t idx = run.case_index(i);
-        std::optional<GroupedCase> chosen;
-        int attempt = run.first_attempt();
-        Rng r(0);
-        for (; attempt <= run.last_attempt(); ++attempt) {
-            r = run.rng(idx, attempt);
-            GroupedCase c = draw_grouped(r);
-            if (c.bad != GroupedBad::kNone) {
-                chosen = c;
-                break;
-            }
-            std::string key;
-            try {
-                key = grouped_kernel_key(c, sms);
-            } catch (const std::exception& e) {
-                run.fail(idx, attempt, describe(c), std::string("the planner refused a valid call: ") + e.what());
-                break;
-            }
-            if (run.admit(key)) {
-                chosen = c;
-                break;
-            }
-            ++refused;
-        }
-        if (!chosen) continue;
-        ++cases;
-        invalid += chosen->bad != GroupedBad::kNone;
-        bool fatal = false;
-        const std::string what = run_grouped(*chosen, r, cublas, stream, &fatal);
-        if (!what.empty()) run.fail(idx, attempt, describe(*chosen), what);
-        if (fatal) break;
-    }
-    run.summary(cases, invalid, refused);
-    cudaStreamDestroy(stream);
+    fuzz_one_gpu<GroupedCase>(run, {draw_grouped,
+                                    [&](const GroupedCase& c, int64_t idx, int attempt) -> DrawKernel {
+                                        if (c.bad != GroupedBad::kNone) return {};
+                                        return planned_kernel(run, c, idx, attempt,
+                                                              [&] { return grouped_kernel_key(c, sms); });
+                                    },
+                                    [](const GroupedCase& c) { return c.bad != GroupedBad::kNone; },
+                                    [&](const GroupedCase& c, Rng& r, cudaStream_t stream, bool* fatal) {
+                                        return run_grouped(c, r, cublas, stream, fatal);
+                                    }});
 }
 
 // ---- GpuFuzz.DecodeAttention ----------------------------------------------------------------------------------
@@ -1469,35 +1408,13 @@ std::string run_attention(const AttentionCase& c, Rng& r, cudaStream_t stream, b
     return "";
 }
 
-TEST(GpuFuzz, DecodeAttention) {
-    REQUIRE_SM90();
+TEST_F(GpuFuzz, DecodeAttention) {
     FuzzRun run("DecodeAttention", 15, 1000, 4);
-    cudaStream_t stream = nullptr;
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    int64_t cases = 0, refused = 0;
-    for (int64_t i = 0; run.more(i); ++i) {
-        const int64_t idx = run.case_index(i);
-        std::optional<AttentionCase> chosen;
-        int attempt = run.first_attempt();
-        Rng r(0);
-        for (; attempt <= run.last_attempt(); ++attempt) {
-            r = run.rng(idx, attempt);
-            AttentionCase c = draw_attention(r);
-            if (run.admit(std::string(dtype_name(c.dtype)) + " dim " + std::to_string(c.dim))) {
-                chosen = c;
-                break;
-            }
-            ++refused;
-        }
-        if (!chosen) continue;
-        ++cases;
-        bool fatal = false;
-        const std::string what = run_attention(*chosen, r, stream, &fatal);
-        if (!what.empty()) run.fail(idx, attempt, describe(*chosen), what);
-        if (fatal) break;
-    }
-    run.summary(cases, 0, refused);
-    cudaStreamDestroy(stream);
+    fuzz_one_gpu<AttentionCase>(run, {draw_attention,
+                                      [](const AttentionCase& c, int64_t, int) -> DrawKernel {
+                                          return {std::string(dtype_name(c.dtype)) + " dim " + std::to_string(c.dim)};
+                                      },
+                                      [](const AttentionCase&) { return false; }, run_attention});
 }
 
 // ---- GpuFuzz.AllToAllV (ranks as threads on the visible GPUs) ---------------------------------------------------
@@ -1594,8 +1511,7 @@ A2aCase draw_a2a(Rng& r, int world) {
     return c;
 }
 
-TEST(GpuFuzz, AllToAllV) {
-    REQUIRE_SM90();
+TEST_F(GpuFuzz, AllToAllV) {
     FuzzRun run("AllToAllV", 15, 100000, 1);
     // A staging region that holds any local input the draws make (4 MiB per rank) and fits the test's heaps.
     const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("6M"));
@@ -1612,13 +1528,12 @@ TEST(GpuFuzz, AllToAllV) {
             ADD_FAILURE() << "WEFT_FUZZ_CASE=i.W replays case i in a world of W = 1..8 ranks, got W = " << world;
             break;
         }
-        const double slice_end = std::min(run.seconds(), run.elapsed() + std::max(3.0, run.seconds() / 3));
+        const double slice_end = world_slice_end(run);
         constexpr int kMaxCasesPerWorld = 400;
         std::vector<char> go(kMaxCasesPerWorld + 1, 0);
         std::vector<std::vector<std::string>> rank_failures(static_cast<size_t>(world));
         const int64_t first_case = cases;
-        std::printf("[ fuzz     ] world %d\n", world);
-        std::fflush(stdout);
+        announce_world(world);
         test::run_ranks(
             world,
             [&](World& w) {

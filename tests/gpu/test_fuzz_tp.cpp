@@ -64,12 +64,6 @@ namespace {
 using namespace fuzz_test;
 using tp_test::HostMat;
 
-#define REQUIRE_SM90()                                          \
-    do {                                                        \
-        std::string why_;                                       \
-        if (!gemm_test::have_sm90(&why_)) GTEST_SKIP() << why_; \
-    } while (0)
-
 constexpr uint64_t kGuard = 256;  // poisoned bytes after every output that no call may touch
 
 // ---- the world loop ------------------------------------------------------------------------------------------------
@@ -98,15 +92,14 @@ void fuzz_worlds(FuzzRun& run, const WorldOptions& options, Draw draw, Key key, 
                           << run.first_attempt();
             break;
         }
-        const double slice_end = std::min(run.seconds(), run.elapsed() + std::max(3.0, run.seconds() / 3));
+        const double slice_end = world_slice_end(run);
         constexpr int kMaxCasesPerWorld = 2000;
         std::vector<int> decided(kMaxCasesPerWorld, kStop);
         std::vector<std::vector<std::string>> rank_failures(static_cast<size_t>(world));
         std::atomic<bool> failed{false};
         const int64_t first_case = next_index;
         int64_t tried = 0;  // rank 0's: case indices this world used
-        std::printf("[ fuzz     ] world %d\n", world);
-        std::fflush(stdout);
+        announce_world(world);
         test::run_ranks(
             world,
             [&](World& w) {
@@ -803,8 +796,7 @@ std::string run_tp(const TpCase& c, uint64_t seed, World& w, cudaStream_t st, Tp
     return what;
 }
 
-TEST(GpuFuzz, TpFusedGemm) {
-    REQUIRE_SM90();
+TEST_F(GpuFuzz, TpFusedGemm) {
     FuzzRun run("TpFusedGemm", 15, 100000, 6);
     // Small staging regions for GemmAr's collective all-reduce: the heaps of 8 ranks on one GPU stay small.
     const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("4M"));
@@ -1284,8 +1276,7 @@ std::string run_moe(const MoeCase& c, uint64_t seed, World& w, cudaStream_t st) 
     return what;
 }
 
-TEST(GpuFuzz, MoeTpLayers) {
-    REQUIRE_SM90();
+TEST_F(GpuFuzz, MoeTpLayers) {
     FuzzRun run("MoeTpLayers", 15, 100000, 3);
     fuzz_worlds<MoeCase>(
         run, test::test_options(128ull << 20), draw_moe, moe_kernel_key, [](const MoeCase& c) { return describe(c); },
@@ -1623,8 +1614,7 @@ std::string run_coll(const CollCase& c, uint64_t seed, World& w, CollRank& rk) {
     return "";
 }
 
-TEST(GpuFuzz, Collectives) {
-    REQUIRE_SM90();
+TEST_F(GpuFuzz, Collectives) {
     FuzzRun run("Collectives", 15, 1000000, 1);
     // Small staging regions: the staged algorithms run in several rounds from a few MiB.
     const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("2M"));
