@@ -742,11 +742,15 @@ size_t Compiler::warm(const std::vector<KernelSpec>& specs, const std::string& w
         InWarm() { t_in_warm = true; }
         ~InWarm() { t_in_warm = false; }
     } in_warm;
+    // Ranks warming the same list start at different kernels (each rank at its own place in it): a kernel another
+    // rank compiles is waited for under its key's lock, so from one start every rank would queue behind the first.
+    const size_t first = log_rank() > 0 ? static_cast<size_t>(log_rank()) % missing.size() : 0;
     for (size_t i = 0; i < missing.size(); ++i) {
+        const KernelSpec& spec = *missing[(first + i) % missing.size()];
         const auto t0 = std::chrono::steady_clock::now();
-        const CompileResult r = compile(*missing[i]);
+        const CompileResult r = compile(spec);
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        WEFT_LOG(level, "jit: [" << i + 1 << "/" << missing.size() << "] " << missing[i]->describe()
+        WEFT_LOG(level, "jit: [" << i + 1 << "/" << missing.size() << "] " << spec.describe()
                                  << (r.origin == CompileResult::Origin::kCompiled ? " compiled in "
                                                                                   : " found in the cache after ")
                                  << format_duration(s));

@@ -121,5 +121,32 @@ TEST(Progress, TheJitAnnouncesABatchOfCompilesOnceAndNotWhenCached) {
     set_log_levels(saved);
 }
 
+// Ranks warming one list start at their own place in it (rank r at kernel r modulo the list), so that they compile
+// different kernels at once instead of queueing on the first one's lock.
+TEST(Progress, RanksWarmingOneListStartAtDifferentKernels) {
+    testing::TempDir cache("weft_progress_rotate");
+    jit::Compiler compiler(testing::isolated_compiler_config(cache.path()));
+    std::vector<jit::KernelSpec> specs = {jit::jit_selftest_saxpy_spec(3, 1), jit::jit_selftest_saxpy_spec(5, 1)};
+    for (auto& s : specs) s.arch = "sm_90a";
+    std::vector<std::string> lines;
+    LogLevels saved{};
+    for (size_t i = 0; i < saved.level.size(); ++i) saved.level[i] = log_level(static_cast<LogSubsystem>(i));
+    set_log_levels(parse_log_levels("notice,jit=info"));  // a rank other than 0 says its progress at info
+    set_log_sink([&](LogLevel, std::string_view subsystem, std::string_view line) {
+        if (subsystem == "jit" && line.find("/2] jit_selftest::saxpy") != std::string_view::npos) {
+            lines.emplace_back(line);
+        }
+    });
+    const int saved_rank = log_rank();
+    set_log_rank(3);  // 3 % 2: the second kernel first
+    EXPECT_EQ(compiler.warm(specs, "saxpy pair"), 2u);
+    set_log_rank(saved_rank);
+    set_log_sink({});
+    set_log_levels(saved);
+    ASSERT_EQ(lines.size(), 2u);
+    EXPECT_NE(lines[0].find("[1/2] jit_selftest::saxpy {.items_per_thread = 5"), std::string::npos) << lines[0];
+    EXPECT_NE(lines[1].find("[2/2] jit_selftest::saxpy {.items_per_thread = 3"), std::string::npos) << lines[1];
+}
+
 }  // namespace
 }  // namespace weft
