@@ -240,10 +240,10 @@ void Watchdog::read_records() {
         const Bytes bytes = store_->get(record_key(i), kPresentKeyGet);
         if (own(i)) continue;
         const auto [kind, reason] = decode_abort_record(std::string(bytes.begin(), bytes.end()));
-        if (w.abort_word() == kAbortNone) {
-            WEFT_LOG_ERROR("watchdog: aborting the World: " << reason);
-        }
+        // The abort first, the line after: a host log sink that blocks must not hold up the World's abort.
+        const bool first = w.abort_word() == kAbortNone;
         w.raise_abort(reason, kind == 'D');
+        if (first) WEFT_LOG_ERROR("watchdog: aborting the World: " << reason);
     }
     // Removed records stay missing: keep looking at the most recent few only.
     constexpr size_t kMaxUnread = 64;
@@ -341,9 +341,9 @@ void Watchdog::run() {
             const std::string reason =
                 book.reason(*dead, Clock::now(), describe(*dead) + "; noticed by rank " + std::to_string(w.rank));
             if (!w.dead_peer_known.exchange(true)) {
-                WEFT_LOG_ERROR("watchdog: aborting the World: " << reason);
                 w.raise_abort(reason, true);
                 publish('D', reason);
+                WEFT_LOG_ERROR("watchdog: aborting the World: " << reason);
             }
         }
         if (w.abort_word() == kAbortByDeviceWait && !w.device_abort_published.exchange(true)) {

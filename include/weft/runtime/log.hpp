@@ -57,8 +57,9 @@ void set_log_rank(int rank);
 int log_rank();
 
 /// Receives every line that passes its subsystem's level instead of stderr: `line` is the message alone (no prefix,
-/// no newline). Calls are serialised (one at a time, on the logging thread): a sink need not be thread-safe. A line
-/// logged from inside the sink goes to stderr; an exception thrown by the sink is reported on stderr and dropped.
+/// no newline). Calls are serialised (one at a time, on the logging thread): a sink need not be thread-safe, and every
+/// thread that logs meanwhile waits for it, so a sink must not block on a lock that a thread calling weft may hold. A
+/// line logged from inside the sink goes to stderr; an exception thrown by the sink is reported on stderr and dropped.
 using LogSink = std::function<void(LogLevel level, std::string_view subsystem, std::string_view line)>;
 /// Installs `sink` (an empty function: back to stderr). Thread-safe; called from inside the sink, it takes effect
 /// when the sink returns.
