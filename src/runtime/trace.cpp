@@ -92,7 +92,10 @@ public:
     /// Two timing events for a copy (empty when this rank already holds `capacity` of them).
     TraceCopyEvents copy_events(uint16_t stream, int32_t chunk, int32_t peer) {
         std::lock_guard<std::mutex> lock(mutex_);
-        if (copies_.size() + host_events_.size() >= capacity_) return {};
+        if (copies_.size() + host_events_.size() >= capacity_) {
+            ++refused_;  // asked for and dropped: counted as the device buffer's overflow is
+            return {};
+        }
         PendingCopy c;
         c.stream = stream;
         c.chunk = chunk;
@@ -120,15 +123,20 @@ public:
         const ClockCalibration clock = calibrate();
         t.clock_offset_ns = clock.host_minus_globaltimer_ns;  // rank 0 turns these into offsets against its clock
         std::lock_guard<std::mutex> lock(mutex_);
+        uint64_t untimed = 0;
         for (const PendingCopy& c : copies_) {
             float begin_ms = 0, end_ms = 0;
-            // A copy recorded during graph capture, or not run yet, has no time: it is left out.
+            // A copy recorded during graph capture, or not run yet, has no time: it is left out (not a drop for
+            // lack of room, so not in `recorded` either).
             const bool timed = cudaEventElapsedTime(&begin_ms, clock.reference, c.begin) == cudaSuccess &&
                                cudaEventElapsedTime(&end_ms, clock.reference, c.end) == cudaSuccess;
             cudaEventDestroy(c.begin);
             cudaEventDestroy(c.end);
+            if (!timed) {
+                ++untimed;
+                continue;
+            }
             ++t.recorded;
-            if (!timed) continue;
             TraceEvent e{};
             e.kind = static_cast<uint16_t>(TraceKind::kCopyChunk);
             e.role = static_cast<uint8_t>(TraceRole::kCopyEngine);
@@ -143,8 +151,14 @@ public:
         cudaEventDestroy(clock.reference);
         (void)cudaGetLastError();  // an elapsed-time query of an unrecorded event leaves its error behind
         t.events.insert(t.events.end(), host_events_.begin(), host_events_.end());
-        t.recorded += host_events_.size();
+        t.recorded += host_events_.size() + refused_;
         host_events_.clear();
+        refused_ = 0;
+        if (untimed > 0) {
+            WEFT_LOG_NOTICE("trace: rank " << rank << ": " << untimed
+                                           << " copies had no time (recorded during graph capture, or not run yet) "
+                                              "and are left out");
+        }
         return t;
     }
 
@@ -152,7 +166,7 @@ public:
     uint64_t count() {
         const DeviceTrace d = read_device();
         std::lock_guard<std::mutex> lock(mutex_);
-        return d.recorded + copies_.size() + host_events_.size();
+        return d.recorded + copies_.size() + host_events_.size() + refused_;
     }
 
     /// Empties the device buffer, the pending copies and the host events; returns how many events they were asked to
@@ -161,19 +175,24 @@ public:
         const DeviceTrace d = read_device();
         empty_buffer(d.header);
         std::lock_guard<std::mutex> lock(mutex_);
-        const uint64_t recorded = d.recorded + copies_.size() + host_events_.size();
+        const uint64_t recorded = d.recorded + copies_.size() + host_events_.size() + refused_;
         for (const PendingCopy& c : copies_) {
             cudaEventDestroy(c.begin);
             cudaEventDestroy(c.end);
         }
         copies_.clear();
         host_events_.clear();
+        refused_ = 0;
         return recorded;
     }
 
     void add(const TraceEvent& e) {
         std::lock_guard<std::mutex> lock(mutex_);
-        if (copies_.size() + host_events_.size() < capacity_) host_events_.push_back(e);
+        if (copies_.size() + host_events_.size() < capacity_) {
+            host_events_.push_back(e);
+        } else {
+            ++refused_;
+        }
     }
 
     uint64_t next_seq() { return seq_++; }
@@ -275,6 +294,7 @@ private:
     TraceBuffer* buffer_ = nullptr;
     std::mutex mutex_;
     std::vector<TraceEvent> host_events_;
+    uint64_t refused_ = 0;  // copies and host events asked for while full (guarded by mutex_)
     uint64_t seq_ = 0;
 };
 
