@@ -22,7 +22,7 @@
 //  - Buffers: any device memory. A buffer on the symmetric heap (SymmetricHeap::contains) lets peers read or
 //    write it directly (no staging copy, no rounds); pass symmetric buffers on every member or on none, and then
 //    the same allocation (made by this team's members or the world: the same offset on every member). The push
-//    all-gathers need a symmetric output.
+//    all-gathers need a symmetric output (on a team of one, any output: the call is a copy).
 //  - The first call on a team (or prepare_collectives) is itself collective over the team: it allocates the
 //    team's workspace on the heap (team-collective allocations), agrees the SM budget, compiles or loads every
 //    collective kernel and ends with a barrier of the team.

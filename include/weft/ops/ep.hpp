@@ -76,7 +76,8 @@ using weft::ep::Workspace;
 /// int32, and the kernels' shared memory (which grows with E, and in low-latency mode with T * k) to fit one block.
 struct Config {
     int num_experts = 0;          ///< E: a multiple of the number of ranks, <= kMaxExperts
-    int hidden = 0;               ///< H (bf16 channels): a multiple of 8, <= 2^20; of 128 for fp8 low-latency
+    int hidden = 0;               ///< H (bf16 channels): a multiple of 8, <= 2^20; of 128 for fp8 low-latency (checked
+                                  ///< by the fp8 dispatch, not here)
     int topk = 0;                 ///< k: 1..min(kMaxTopk, E)
     int max_tokens_per_rank = 0;  ///< T per call: 1..2^24 (low_latency: <= kMaxLowLatencyTokens); more is an error
     bool normal = true;           ///< allocate the normal mode's buffers

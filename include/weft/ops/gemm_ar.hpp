@@ -78,7 +78,8 @@ public:
     ///      row pitch at most the device's maximum, 2 GiB - 1, on the collective all-reduce path), its bytes apart
     ///   from a's and b's
     /// Every member calls with the same M; one that calls with another M is diagnosed on every rank (the call throws
-    /// weft::Error at the next sync_and_check naming both M; c untouched): replace the op after such an error (its
+    /// weft::Error at the next sync_and_check naming both M; c untouched; an argument refused on the host, before any
+    /// launch, leaves the op usable): replace the op after such an error (its
     /// flags are left as the failed call found them), and, on the default all-reduce path (ops::all_reduce over the
     /// team's collectives workspace, whose epochs the failed call left out of step), the World. On that path a call
     /// is one of the team's collectives: stream-ordered with the team's other collectives like them.

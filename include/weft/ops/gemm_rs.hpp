@@ -101,7 +101,8 @@ public:
     /// Every member calls with the same M. A member that calls with another M (or another n, partial dtype, tiles,
     /// chunks or mode) is diagnosed on every rank of its node: the call throws weft::Error at the next sync_and_check
     /// naming both ranks' M, and in pull mode no element of c is written; in push mode this rank's c of that call is
-    /// not defined (kernels/gemm_rs/README.md). Replace the op after such an error. An M that differs between nodes
+    /// not defined (kernels/gemm_rs/README.md). Replace the op after such an error (an argument refused on the host,
+    /// before any launch, leaves the op usable). An M that differs between nodes
     /// is not compared: NCCL gets sends and receives of different sizes, bounded by the World's watcher
     /// (docs/multinode.md, "GEMM+ReduceScatter across nodes"). Asynchronous on `stream` (the reduction
     /// runs on a side stream forked
