@@ -317,7 +317,7 @@ DiskCache::DiskCache(fs::path dir) : dir_(std::move(dir)), jit_dir_(dir_ / "jit"
     Fd jit(open_jit_dir(&why));
     if (jit.get() < 0) {
         WEFT_LOG_WARN("jit: the cache folder " << why << "; its entries are misses and nothing is stored there");
-        folder_reported_ = true;
+        *folder_reported_ = true;
         return;
     }
     remove_abandoned_temporaries();
@@ -364,7 +364,7 @@ DiskCache::LoadStatus DiskCache::load(const Digest& key, CacheEntry* out, std::s
     };
     Fd jit(open_jit_dir(&reason));
     if (jit.get() < 0) {  // the folder itself: said once, not for every entry
-        if (folder_reported_.exchange(true)) {
+        if (folder_reported_->exchange(true)) {
             WEFT_LOG_DEBUG("jit: not using the cache entry " << path.string() << ": the cache folder " << reason);
             if (why) *why = "the cache folder " + reason;
             return LoadStatus::kAbsent;

@@ -230,12 +230,10 @@ std::optional<int> number_before(const std::string& line, std::string_view suffi
 }  // namespace
 
 std::string Compiler::code_fingerprint() {
-    static const std::string fingerprint = [] {
-        Sha256 h;
-        h.field("weft-code/1").field(toolchain_libraries_text()).field(apply_env_options(CompileOptions{}).canonical());
-        return to_hex(h.finish()).substr(0, 16);
-    }();
-    return fingerprint;
+    // The options now (every compile reads WEFT_TRACE and WEFT_JIT_* again), the toolchain as loaded.
+    Sha256 h;
+    h.field("weft-code/1").field(toolchain_libraries_text()).field(apply_env_options(CompileOptions{}).canonical());
+    return to_hex(h.finish()).substr(0, 16);
 }
 
 PtxasInfo parse_ptxas_info(const std::string& log, const std::string& lowered_name) {

@@ -381,9 +381,6 @@ std::optional<LaunchEnv> parse_launch_env(const VarMap& vars) {
     }
     if (const std::string* token = find(vars, "WEFT_JOB_TOKEN")) env->job_token = *token;
     if (const std::string* port = find(vars, "WEFT_STORE_PORT")) env->store_port = parse_port(*port, "WEFT_STORE_PORT");
-    WEFT_CHECK(env->store_port == 0 || env->store_port != env->master_port,
-               "WEFT_STORE_PORT (" << env->store_port << ") must differ from MASTER_PORT: the launcher's or "
-                                   << "torch.distributed's store listens there");
     return env;
 }
 

@@ -67,6 +67,9 @@ LaunchStoreAddress launch_store_address(const LaunchEnv& env, uint32_t uid, uint
     }
     where.host = env.master_addr;
     if (env.store_port != 0) {
+        WEFT_CHECK(env.store_port != env.master_port,
+                   "WEFT_STORE_PORT (" << env.store_port << ") must differ from MASTER_PORT: the launcher's or "
+                                       << "torch.distributed's store listens there");
         where.port = env.store_port;
         return where;
     }

@@ -59,7 +59,7 @@ LogLevel parse_level(std::string_view word, std::string_view entry, std::string_
 // as an error by check_log_env (every World's constructor calls it).
 struct EnvLevels {
     LogLevels levels;
-    std::string error;  // empty when WEFT_LOG was good or unset
+    std::exception_ptr error;  // null when WEFT_LOG was good or unset
 };
 
 const EnvLevels& env_levels() {
@@ -69,8 +69,8 @@ const EnvLevels& env_levels() {
             const auto value = env::get("WEFT_LOG");
             e->levels = parse_log_levels(value ? *value : std::string());
         } catch (const std::exception& ex) {
-            e->error = ex.what();
-            std::fprintf(stderr, "[weft] %s; the default levels apply\n", e->error.c_str());
+            e->error = std::current_exception();
+            std::fprintf(stderr, "[weft] %s; the default levels apply\n", ex.what());
         }
         return e;
     }();
@@ -169,8 +169,7 @@ const std::array<std::atomic<int>, kNumLogSubsystems>& log_thresholds() { return
 }  // namespace detail
 
 void check_log_env() {
-    const std::string& error = env_levels().error;
-    WEFT_CHECK(error.empty(), error);
+    if (env_levels().error) std::rethrow_exception(env_levels().error);
 }
 
 LogLevel log_level(LogSubsystem subsystem) {

@@ -68,7 +68,7 @@ std::string recv_exact(int fd, uint8_t* out, size_t bytes, Clock::time_point dea
 
 /// Reads one response frame; returns an error text on failure (the connection is then unusable). `malformed`, when
 /// given, is set when the bytes came but are not a frame of this protocol version (another program, or a store of
-/// another weft version, answered: trying again gets the same answer).
+/// another rendezvous protocol version, answered: trying again gets the same answer).
 std::string recv_response(int fd, const Limits& limits, Clock::time_point deadline, Message* message,
                           bool* malformed = nullptr) {
     Bytes frame(kHeaderBytes);
@@ -205,8 +205,8 @@ public:
             if (e.empty()) e = recv_response(fd_.get(), limits_, deadline, &reply, &malformed);
             WEFT_CHECK(!malformed, "rendezvous: rank " << options.rank << " reached " << endpoint_
                                                        << ", which does not answer as a weft store of this version ("
-                                                       << e << "): another program on that address, or ranks built "
-                                                       << "from different weft versions");
+                                                       << e << "): another program on that address, or a weft "
+                                                       << "whose rendezvous protocol differs");
             if (e.empty()) {
                 WEFT_CHECK(reply.type != MsgType::kError, "rendezvous: the store at " << endpoint_ << " rejected rank "
                                                                                       << options.rank << ": "

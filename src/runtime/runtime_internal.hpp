@@ -48,6 +48,9 @@ inline constexpr const char* kWorldSizeKey = "weft/init/num_ranks";
 /// WorldMembership::num_ranks of another job) would let each other out early and fail later naming the wrong cause.
 /// Throws on a rank whose number differs, naming both, or when rank 0 does not come within `timeout`.
 void agree_on_world_size(Store& store, int rank, int num_ranks, std::chrono::milliseconds timeout);
+/// What a rank that disagreed on the size left for the others (agree_on_world_size), naming it and both sizes; ""
+/// when none did (or the store cannot say).
+std::string world_size_disagreement(Store& store, int num_ranks);
 
 /// Milliseconds left until `deadline` (at least 1, so that a final check still happens).
 std::chrono::milliseconds remaining_ms(std::chrono::steady_clock::time_point deadline);

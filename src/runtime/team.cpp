@@ -67,15 +67,24 @@ std::string missing_members(Store& store, const std::string& prefix, const TeamM
     return "team " + format_rank_list(team_ranks) + " (" + format_world_ranks(world_ranks) + ") did not arrive; ";
 }
 
+// For an exchange of a team made by split_strided (its id holds ".s": weft/team/<id>/...): members given other
+// arguments hold teams of other ids and never meet this one.
+std::string strided_split_hint(const std::string& name) {
+    const std::string head = "weft/team/";
+    if (name.rfind(head, 0) != 0) return "";
+    const std::string id = name.substr(head.size(), name.find('/', head.size()) - head.size());
+    if (id.find(".s") == std::string::npos) return "";
+    return " (a member that is alive may hold another team: did every member call split_strided with the same "
+           "arguments?)";
+}
+
 [[noreturn]] void fail_team_exchange(Store& store, const char* what, const std::string& name,
                                      const std::string& prefix, const TeamMembers& members, int team_rank,
                                      std::chrono::milliseconds timeout, const std::exception& e) {
     WEFT_FAIL("team " << what << " '" << name << "' of the team of " << format_world_ranks(members)
                       << " failed on team rank " << team_rank << " (world rank "
                       << members[static_cast<size_t>(team_rank)] << ") within " << timeout.count()
-                      << " ms: " << missing_members(store, prefix, members) << e.what()
-                      << " (a member that is alive may hold another team: did every member split with the same "
-                         "arguments?)");
+                      << " ms: " << missing_members(store, prefix, members) << e.what() << strided_split_hint(name));
 }
 
 }  // namespace

@@ -443,6 +443,9 @@ void write_gathered_trace(const std::vector<Bytes>& all, const std::string& path
     }
 }
 
+// How long rank 0 waits for a key the store says it holds, when it writes what it can read after a failed gather.
+constexpr std::chrono::milliseconds kSalvageGet{1000};
+
 }  // namespace
 
 void write_trace(World& world, const std::string& path) {
@@ -473,13 +476,15 @@ void write_trace(World& world, const std::string& path) {
         all[0] = blob;
         for (int r = 1; r < world.num_ranks(); ++r) {
             const std::string key = name + "/" + std::to_string(r);
-            try {
-                if (world.store().check(key)) all[static_cast<size_t>(r)] = world.store().get(key, world.timeout());
+            try {  // a key that is there comes at once; a store that no longer answers costs a second a rank
+                if (world.store().check(key)) all[static_cast<size_t>(r)] = world.store().get(key, kSalvageGet);
             } catch (const std::exception&) {  // an aborted World's store: only this rank's events
             }
         }
-        WEFT_LOG_WARN("trace: not every rank joined the gather of the trace (" << e.what()
-                                                                               << "); writing the events at hand");
+        WEFT_LOG_WARN("trace: not every rank joined the gather of the trace ("
+                      << e.what() << ")"
+                      << (failed.empty() ? std::string() : "; this rank's own events could not be read: " + failed)
+                      << "; writing the events at hand");
         write_gathered_trace(all, path);
         throw;
     }
@@ -495,9 +500,9 @@ void start_trace_if_asked(World& world, Diagnostic* diag_host) {
     const uint32_t capacity = trace_capacity_from_env();
     if (world.rank() == 0) {
         // Rank 0 writes the file when the World ends: a folder it cannot write into is said now, not after the run.
-        const std::filesystem::path folder = std::filesystem::absolute(*path).parent_path();
         std::error_code ec;
-        if (!std::filesystem::is_directory(folder, ec) || ::access(folder.c_str(), W_OK) != 0) {
+        const std::filesystem::path folder = std::filesystem::absolute(*path, ec).parent_path();
+        if (ec || !std::filesystem::is_directory(folder, ec) || ::access(folder.c_str(), W_OK) != 0) {
             WEFT_LOG_WARN("trace: WEFT_TRACE=" << *path << ": cannot write into " << folder.string()
                                                << " (missing or not writable): the trace will be lost at the end "
                                                   "unless write_trace is given another path");

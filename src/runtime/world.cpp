@@ -78,13 +78,34 @@ void agree_on_world_size(Store& store, int rank, int num_ranks, std::chrono::mil
         theirs = store.get(kWorldSizeKey, timeout);
     } catch (const std::exception& e) {  // a store of the user's may throw any std::exception
         WEFT_FAIL("rank " << rank << " did not meet rank 0 at the World's start within " << timeout.count()
-                          << " ms (is rank 0 of this job running?): " << e.what());
+                          << " ms (is rank 0 of this job running? If it is, it may have been started in a World of "
+                             "fewer than "
+                          << rank + 1 << " ranks, which has started without this rank): " << e.what());
     }
     const std::string text(theirs.begin(), theirs.end());
-    WEFT_CHECK(text == std::to_string(num_ranks),
-               "rank " << rank << " was started in a World of " << num_ranks << " ranks, rank 0 in one of " << text
-                       << ": every rank must be given the same number of ranks (WORLD_SIZE, or "
-                          "WorldMembership::num_ranks)");
+    if (text != std::to_string(num_ranks)) {
+        // For rank 0 and the ranks that agree with it, whose start-up exchange waits for this rank in vain.
+        const std::string mine = std::to_string(num_ranks);
+        store.set(kWorldSizeKey + std::string("/") + std::to_string(rank), Bytes(mine.begin(), mine.end()));
+        WEFT_FAIL("rank " << rank << " was started in a World of " << num_ranks << " ranks, rank 0 in one of " << text
+                          << ": every rank must be given the same number of ranks (WORLD_SIZE, or "
+                             "WorldMembership::num_ranks)");
+    }
+}
+
+std::string world_size_disagreement(Store& store, int num_ranks) {
+    try {
+        for (int r = 1; r < num_ranks; ++r) {
+            const std::string key = kWorldSizeKey + std::string("/") + std::to_string(r);
+            if (!store.check(key)) continue;
+            const Bytes theirs = store.get(key, std::chrono::milliseconds(1000));
+            return "rank " + std::to_string(r) + " was started in a World of " +
+                   std::string(theirs.begin(), theirs.end()) + " ranks, rank 0 in one of " + std::to_string(num_ranks) +
+                   ": every rank must be given the same number of ranks (WORLD_SIZE, or WorldMembership::num_ranks)";
+        }
+    } catch (const std::exception&) {  // the store cannot say
+    }
+    return "";
 }
 
 }  // namespace detail
@@ -234,7 +255,15 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     if (c.rank == 0) mine["job"] = detail::random_hex_id();
     // On the store the World was given; every later key is under this World's own prefix (below).
     detail::agree_on_world_size(*c.store, c.rank, c.num_ranks, init_timeout);
-    auto blobs = c.store->all_gather("weft/init", c.rank, c.num_ranks, encode_fields(mine), init_timeout);
+    std::vector<Bytes> blobs;
+    try {
+        blobs = c.store->all_gather("weft/init", c.rank, c.num_ranks, encode_fields(mine), init_timeout);
+    } catch (const std::exception& e) {
+        // A rank that disagreed on the size has left a note: that, not its absence, is the cause.
+        const std::string disagreement = detail::world_size_disagreement(*c.store, c.num_ranks);
+        if (disagreement.empty()) throw;
+        WEFT_FAIL("rank " << c.rank << ": " << disagreement << " [" << e.what() << "]");
+    }
     // Every rank has read the size (each set its record after): the next World on this store sets its own.
     if (c.rank == 0) c.store->erase(detail::kWorldSizeKey);
     std::vector<uint64_t> heap_requests;

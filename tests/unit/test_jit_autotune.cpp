@@ -168,6 +168,17 @@ TEST(JitAutotune, OneRankTunesThenReusesTheDecision) {
     EXPECT_EQ(lines, 1u) << after;
 }
 
+// The code fingerprint follows the options as compiles read them, in one process too: a decision tuned untraced is not
+// the decision of the traced kernels made after WEFT_TRACE is set.
+TEST(JitAutotune, TheCodeFingerprintFollowsWeftTraceWithinAProcess) {
+    const std::string before = Compiler::code_fingerprint();
+    {
+        const weft::testing::ScopedEnv trace("WEFT_TRACE", "trace.json");
+        EXPECT_NE(Compiler::code_fingerprint(), before) << "the traced kernels' decisions would be the untraced ones'";
+    }
+    EXPECT_EQ(Compiler::code_fingerprint(), before);
+}
+
 TEST(JitAutotune, StoringADecisionKeepsTheOtherDecisionsOfEveryVersion) {
     TempDir dir("weft_tune_prune");
     FakeTimes fake;

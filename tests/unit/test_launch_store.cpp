@@ -204,6 +204,10 @@ TEST(LaunchStore, SeveralHostsMeetOverTcpNeverOnMasterPort) {
     v["WEFT_STORE_PORT"] = "31999";
     EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 0).port, 31999);
     EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 1).port, 31999);
+    // Never MASTER_PORT, where the launcher's or torch.distributed's store listens.
+    v["WEFT_STORE_PORT"] = "29500";
+    const std::string e = error_of([&] { detail::launch_store_address(*parse_launch_env(v), 1000, 0); });
+    EXPECT_TRUE(contains(e, "WEFT_STORE_PORT (29500) must differ from MASTER_PORT")) << e;
 }
 
 // ---- ranks as threads ---------------------------------------------------------------------------------

@@ -147,6 +147,12 @@ TEST(RuntimeWorldStart, RanksThatDisagreeOnTheWorldSizeFailNamingBoth) {
         << errors[2];
     EXPECT_NE(errors[2].find("WORLD_SIZE"), std::string::npos) << errors[2];
     EXPECT_TRUE(store.check({detail::kWorldSizeKey}));
+    // Rank 0 and the ranks that agree with it, whose start-up exchange waits for rank 2 in vain, read its note.
+    const std::string note = detail::world_size_disagreement(store, 4);
+    EXPECT_NE(note.find("rank 2 was started in a World of 3 ranks, rank 0 in one of 4"), std::string::npos) << note;
+    InProcessStore agreeing;
+    on_threads(2, [&](int r) { detail::agree_on_world_size(agreeing, r, 2, 5s); });
+    EXPECT_EQ(detail::world_size_disagreement(agreeing, 2), "") << "no rank disagreed";
 }
 
 // Rank 0 never comes: the others fail within the timeout, saying whom they waited for.

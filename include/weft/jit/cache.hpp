@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -41,7 +42,8 @@ std::vector<char> encode_cache_entry(const Digest& key, const CacheEntry& entry)
 /// off: wrong magic or version, another key, a truncated or extended file, a checksum mismatch.
 std::optional<CacheEntry> decode_cache_entry(const std::vector<char>& bytes, const Digest& key, std::string* why);
 
-/// One cache folder. Thread-safe and multi-process safe; holds no state beside its path.
+/// One cache folder. Thread-safe and multi-process safe; holds no state beside its path and whether it has reported
+/// the folder untrusted (shared by its copies).
 class DiskCache {
 public:
     /// Creates <dir>/jit if needed (folders it creates are mode 0755, whatever the umask); throws
@@ -55,8 +57,8 @@ public:
 
     enum class LoadStatus { kHit, kAbsent, kCorrupt };
     /// Reads the entry for `key`. Never blocks (a FIFO is refused at open). An untrusted folder or entry
-    /// is kAbsent, a miss, with a warning and the reason in `why`. kCorrupt (a trusted file that does not
-    /// decode) leaves the file alone (delete it under the lock).
+    /// is kAbsent, a miss, with the reason in `why` and a warning (an untrusted folder: once per cache). kCorrupt (a
+    /// trusted file that does not decode) leaves the file alone (delete it under the lock).
     LoadStatus load(const Digest& key, CacheEntry* out, std::string* why = nullptr) const;
     /// Writes the entry to a temporary file in the same folder, then renames it into place, so a
     /// reader sees either no entry or a whole one. Throws weft::Error when the folder is not writable
@@ -75,8 +77,8 @@ private:
 
     std::filesystem::path dir_;
     std::filesystem::path jit_dir_;
-    /// An untrusted folder was reported (once per cache: later loads log it at debug level).
-    mutable std::atomic<bool> folder_reported_{false};
+    /// An untrusted folder was reported (once per cache and its copies: later loads log it at debug level).
+    std::shared_ptr<std::atomic<bool>> folder_reported_ = std::make_shared<std::atomic<bool>>(false);
 };
 
 /// An exclusive flock on `path` (created if missing, left in place afterwards), held until

@@ -134,9 +134,10 @@ public:
     /// `arch` validated ("sm_90a" ...), or the default when empty (WEFT_JIT_ARCH, else the current
     /// device: sm_90a for compute capability 9.0). Throws weft::Error when neither is available.
     static std::string resolve_arch(const std::string& arch);
-    /// 16 hex digits that change with how this process compiles kernels: the toolchain (NVRTC's and nvJitLink's
-    /// versions and files) and the options WEFT_JIT_* and WEFT_TRACE add to every spec. Autotune decisions carry it,
-    /// so a decision tuned on traced or otherwise differently compiled kernels is not reused for other ones.
+    /// 16 hex digits that change with how kernels are compiled now: the toolchain (NVRTC's and nvJitLink's versions
+    /// and files) and the options WEFT_JIT_* and WEFT_TRACE add to every spec (read at each call, as compiles read
+    /// them). Autotune decisions carry it, so a decision tuned on traced or otherwise differently compiled kernels is
+    /// not reused for other ones.
     static std::string code_fingerprint();
 
     CompilerStats stats() const;
