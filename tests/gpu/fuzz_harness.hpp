@@ -141,6 +141,7 @@ public:
         ADD_FAILURE() << "[ FUZZ FAIL ] " << params << " :: " << what << " :: " << repro(i, a);
     }
     void summary(int64_t cases, int64_t invalid, int64_t refused) const {
+        EXPECT_GT(cases, 0) << "GpuFuzz." << name_ << " ran no case: a suite that checks nothing does not pass";
         std::printf(
             "[ fuzz     ] GpuFuzz.%s: %lld cases (%lld invalid-argument cases), %zu kernels, %lld draws "
             "redrawn for the kernel budget, %.1f s\n",
