@@ -400,7 +400,36 @@ DiskCache::LoadStatus DiskCache::load(const Digest& key, CacheEntry* out, std::s
     std::optional<CacheEntry> entry = decode_cache_entry(bytes, key, why);
     if (!entry) return LoadStatus::kCorrupt;
     *out = std::move(*entry);
+    (void)::futimens(fd.get(), nullptr);  // its time is its last use (prune); best effort: another user's entry stays
     return LoadStatus::kHit;
+}
+
+DiskCache::PruneResult DiskCache::prune(std::chrono::hours unused_for) const {
+    std::string why;
+    Fd jit(open_jit_dir(&why));
+    WEFT_CHECK(jit.get() >= 0, "not pruning the JIT cache: the cache folder " << why);
+    PruneResult r;
+    const auto cutoff = fs::file_time_type::clock::now() - unused_for;
+    std::error_code ec;
+    for (fs::directory_iterator it(jit_dir_, ec), end; !ec && it != end; it.increment(ec)) {
+        const std::string name = it->path().filename().string();
+        // Entries only: "<key>.wjit" (temporaries start with '.'; lock files may be held by a live process).
+        if (name.empty() || name[0] == '.' || it->path().extension() != ".wjit") continue;
+        std::error_code file_ec;
+        if (!it->is_regular_file(file_ec) || file_ec) continue;
+        const auto used = fs::last_write_time(it->path(), file_ec);
+        if (file_ec) continue;
+        if (used >= cutoff) {
+            ++r.kept;
+            continue;
+        }
+        const uintmax_t bytes = fs::file_size(it->path(), file_ec);
+        if (::unlinkat(jit.get(), name.c_str(), 0) == 0) {
+            ++r.removed;
+            r.removed_bytes += file_ec ? 0 : bytes;
+        }
+    }
+    return r;
 }
 
 void DiskCache::store(const Digest& key, const CacheEntry& entry) const {

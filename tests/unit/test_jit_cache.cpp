@@ -128,6 +128,29 @@ TEST(JitDiskCache, AbandonedTemporariesAreRemovedFreshOnesKept) {
     EXPECT_TRUE(fs::exists(entry));      // entries are never aged out
 }
 
+// prune removes the entries unused for longer than asked and keeps the rest; a load counts as a use.
+TEST(JitDiskCache, PruneRemovesEntriesUnusedForLongerThanAsked) {
+    TempDir dir("weft_jit_prune");
+    DiskCache cache(dir.path());
+    const Digest stale = sha256("stale"), used = sha256("used"), fresh = sha256("fresh");
+    for (const Digest& k : {stale, used, fresh}) cache.store(k, sample_entry());
+    const auto ten_days_ago = fs::file_time_type::clock::now() - std::chrono::hours(24 * 10);
+    fs::last_write_time(cache.entry_path(stale), ten_days_ago);
+    fs::last_write_time(cache.entry_path(used), ten_days_ago);
+    CacheEntry out;
+    ASSERT_EQ(cache.load(used, &out), DiskCache::LoadStatus::kHit);      // a use: its time is now
+    std::ofstream(dir.path() / "jit" / ".old.wjit.tmp.1") << "partial";  // not an entry: left to the constructor
+    fs::last_write_time(dir.path() / "jit" / ".old.wjit.tmp.1", ten_days_ago);
+    const DiskCache::PruneResult r = cache.prune(std::chrono::hours(24 * 7));
+    EXPECT_EQ(r.removed, 1u);
+    EXPECT_EQ(r.kept, 2u);
+    EXPECT_EQ(r.removed_bytes, fs::file_size(cache.entry_path(fresh)));
+    EXPECT_FALSE(fs::exists(cache.entry_path(stale)));
+    EXPECT_EQ(cache.load(used, &out), DiskCache::LoadStatus::kHit);
+    EXPECT_EQ(cache.load(fresh, &out), DiskCache::LoadStatus::kHit);
+    EXPECT_TRUE(fs::exists(dir.path() / "jit" / ".old.wjit.tmp.1"));
+}
+
 TEST(JitDiskCache, UnusableFolderIsAnErrorNamingIt) {
     TempDir dir("weft_jit_bad");
     weft::testing::write_text_file(dir / "a_file", "not a folder");  // works even as root

@@ -43,6 +43,7 @@ loads them without compiling. Needs no GPU when --arch is given.
   --expect-cached       compile nothing; exit 1 unless every spec is already in the cache
   --load                also load every kernel on the current GPU (proves the entries load)
   --jobs N              compile N specs at a time (default 1; NVRTC runs one compile per thread)
+  --prune DAYS          first remove the cache's entries not used for DAYS days (1..36500); alone, only that
   -h, --help            this text
 Exit status: 0 on success, 1 when a spec failed (or is missing with --expect-cached), 2 on bad usage.
 )";
@@ -72,6 +73,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> spec_files;
     bool builtin = false, list = false, expect_cached = false, load = false;
     int jobs = 1;
+    std::optional<int> prune_days;
     jit::CompilerConfig config;
     jit::CompileOptions options;
     try {
@@ -116,6 +118,10 @@ int main(int argc, char** argv) {
                 const std::optional<int> n = parse_int_in(v, 1, 256);
                 if (!n) return usage_error("--jobs needs a number in 1..256, got '" + v + "'");
                 jobs = *n;
+            } else if (a == "--prune") {
+                const std::string v = value();
+                prune_days = parse_int_in(v, 1, 36500);
+                if (!prune_days) return usage_error("--prune needs a number of days in 1..36500, got '" + v + "'");
             } else {
                 return usage_error("unknown option '" + a + "'");
             }
@@ -123,11 +129,21 @@ int main(int argc, char** argv) {
     } catch (const weft::Error& e) {
         return usage_error(e.what());
     }
-    if (!builtin && spec_files.empty()) return usage_error("nothing to compile: give --specs FILE and/or --builtin");
+    if (!builtin && spec_files.empty() && !prune_days) {
+        return usage_error("nothing to compile: give --specs FILE and/or --builtin");
+    }
 
     try {
         config.cache_dir = cache_dir ? cache_dir : jit::default_cache_dir();
         if (!config.cache_dir) return usage_error("no cache folder: give --cache-dir (or set WEFT_CACHE_DIR)");
+        if (prune_days) {
+            const jit::DiskCache cache(*config.cache_dir);
+            const jit::DiskCache::PruneResult r = cache.prune(std::chrono::hours(24) * *prune_days);
+            std::printf("weft-compile: pruned %s: removed %llu entries unused for %d days (%.1f MiB), kept %llu\n",
+                        config.cache_dir->string().c_str(), static_cast<unsigned long long>(r.removed), *prune_days,
+                        static_cast<double>(r.removed_bytes) / (1 << 20), static_cast<unsigned long long>(r.kept));
+            if (!builtin && spec_files.empty()) return 0;
+        }
         std::vector<jit::KernelSpec> specs;
         if (builtin) {
             ops::register_op_aot_specs();

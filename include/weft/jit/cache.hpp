@@ -67,6 +67,18 @@ public:
     /// Removes the entry for `key` (missing is fine; nothing is removed from an untrusted folder).
     void remove(const Digest& key) const;
 
+    /// What prune() did.
+    struct PruneResult {
+        uint64_t removed = 0;        ///< entries removed
+        uint64_t removed_bytes = 0;  ///< their bytes
+        uint64_t kept = 0;           ///< entries kept
+    };
+    /// Removes the entries not used for `unused_for` (an entry's modification time is when it was last stored or
+    /// loaded), so that a long-lived cache folder does not grow with every weft version and option set. Safe beside
+    /// running programs: a reader keeps an entry it has open, and a removed entry is compiled again when next needed.
+    /// Throws weft::Error naming the folder when it is untrusted.
+    PruneResult prune(std::chrono::hours unused_for) const;
+
     /// The file whose flock serialises work on `key` across threads and processes.
     std::filesystem::path lock_path(const Digest& key) const;
 
