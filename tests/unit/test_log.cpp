@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/log_capture.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 
@@ -15,32 +16,8 @@ namespace weft {
 
 namespace {
 
-struct Captured {
-    LogLevel level;
-    std::string subsystem;
-    std::string line;
-    int rank;
-};
-
-/// Installs a capturing sink and given levels for one test; restores stderr and the previous levels after.
-class LogCapture {
-public:
-    explicit LogCapture(std::string_view spec) {
-        for (size_t i = 0; i < saved_.level.size(); ++i) saved_.level[i] = log_level(static_cast<LogSubsystem>(i));
-        set_log_levels(parse_log_levels(spec));
-        set_log_sink([this](LogLevel level, std::string_view subsystem, std::string_view line) {
-            lines.push_back({level, std::string(subsystem), std::string(line), log_rank()});
-        });
-    }
-    ~LogCapture() {
-        set_log_sink({});
-        set_log_levels(saved_);
-    }
-    std::vector<Captured> lines;
-
-private:
-    LogLevels saved_{};
-};
+using testing::Captured;
+using testing::LogCapture;
 
 std::string error_of(std::string_view spec) {
     try {

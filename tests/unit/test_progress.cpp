@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "support/jit_testing.hpp"
+#include "support/log_capture.hpp"
 #include "weft/jit/aot.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/runtime/log.hpp"
@@ -94,31 +95,29 @@ TEST(Progress, TheJitAnnouncesABatchOfCompilesOnceAndNotWhenCached) {
     std::vector<jit::KernelSpec> specs = {jit::jit_selftest_saxpy_spec(3, 1), jit::jit_selftest_saxpy_spec(5, 1)};
     for (auto& s : specs) s.arch = "sm_90a";
 
-    std::vector<std::string> lines;
-    LogLevels saved{};
-    for (size_t i = 0; i < saved.level.size(); ++i) saved.level[i] = log_level(static_cast<LogSubsystem>(i));
-    set_log_levels(default_log_levels());  // notice: progress shows, the JIT's info lines do not
-    set_log_sink([&](LogLevel level, std::string_view subsystem, std::string_view line) {
-        if (level == LogLevel::kNotice && subsystem == "jit") lines.emplace_back(line);
-    });
+    testing::LogCapture capture("notice");  // progress shows, the JIT's info lines do not
+    const auto jit_notices = [&] {
+        return capture.texts(
+            [](const testing::Captured& c) { return c.level == LogLevel::kNotice && c.subsystem == "jit"; });
+    };
     ASSERT_TRUE(compiler.compile(specs[0]).origin == jit::CompileResult::Origin::kCompiled);
+    std::vector<std::string> lines = jit_notices();
     ASSERT_EQ(lines.size(), 1u) << "a single compile says so";
     EXPECT_NE(lines[0].find("compiling jit_selftest::saxpy"), std::string::npos) << lines[0];
-    lines.clear();
+    capture.lines.clear();
 
     EXPECT_EQ(compiler.warm(specs, "saxpy pair"), 1u);
+    lines = jit_notices();
     ASSERT_EQ(lines.size(), 3u);
     EXPECT_NE(lines[0].find("compiling 1 of 2 kernels for saxpy pair (first use; cached afterwards)"),
               std::string::npos)
         << lines[0];
     EXPECT_NE(lines[1].find("[1/1] jit_selftest::saxpy {.items_per_thread = 5"), std::string::npos) << lines[1];
     EXPECT_NE(lines[2].find("1 kernels for saxpy pair ready in"), std::string::npos) << lines[2];
-    lines.clear();
+    capture.lines.clear();
     EXPECT_EQ(compiler.warm(specs, "saxpy pair"), 0u);
     EXPECT_TRUE(compiler.is_cached(specs[1]));
-    EXPECT_TRUE(lines.empty()) << "nothing to wait for, nothing said";
-    set_log_sink({});
-    set_log_levels(saved);
+    EXPECT_TRUE(jit_notices().empty()) << "nothing to wait for, nothing said";
 }
 
 // Ranks warming one list start at their own place in it (rank r at kernel r modulo the list), so that they compile
@@ -129,20 +128,16 @@ TEST(Progress, RanksWarmingOneListStartAtDifferentKernels) {
     std::vector<jit::KernelSpec> specs = {jit::jit_selftest_saxpy_spec(3, 1), jit::jit_selftest_saxpy_spec(5, 1)};
     for (auto& s : specs) s.arch = "sm_90a";
     std::vector<std::string> lines;
-    LogLevels saved{};
-    for (size_t i = 0; i < saved.level.size(); ++i) saved.level[i] = log_level(static_cast<LogSubsystem>(i));
-    set_log_levels(parse_log_levels("notice,jit=info"));  // a rank other than 0 says its progress at info
-    set_log_sink([&](LogLevel, std::string_view subsystem, std::string_view line) {
-        if (subsystem == "jit" && line.find("/2] jit_selftest::saxpy") != std::string_view::npos) {
-            lines.emplace_back(line);
-        }
-    });
-    const int saved_rank = log_rank();
-    set_log_rank(3);  // 3 % 2: the second kernel first
-    EXPECT_EQ(compiler.warm(specs, "saxpy pair"), 2u);
-    set_log_rank(saved_rank);
-    set_log_sink({});
-    set_log_levels(saved);
+    {
+        testing::LogCapture capture("notice,jit=info");  // a rank other than 0 says its progress at info
+        const int saved_rank = log_rank();
+        set_log_rank(3);  // 3 % 2: the second kernel first
+        EXPECT_EQ(compiler.warm(specs, "saxpy pair"), 2u);
+        set_log_rank(saved_rank);
+        lines = capture.texts([](const testing::Captured& c) {
+            return c.subsystem == "jit" && c.line.find("/2] jit_selftest::saxpy") != std::string::npos;
+        });
+    }
     ASSERT_EQ(lines.size(), 2u);
     EXPECT_NE(lines[0].find("[1/2] jit_selftest::saxpy {.items_per_thread = 5"), std::string::npos) << lines[0];
     EXPECT_NE(lines[1].find("[2/2] jit_selftest::saxpy {.items_per_thread = 3"), std::string::npos) << lines[1];
