@@ -67,6 +67,15 @@ std::string random_hex_id() {
     return text;
 }
 
+namespace {
+// "rank r was started in a World of N ranks, rank 0 in one of M: ...", said by rank r and read by the others.
+std::string size_disagreement(int rank, const std::string& its_size, const std::string& rank0_size) {
+    return "rank " + std::to_string(rank) + " was started in a World of " + its_size + " ranks, rank 0 in one of " +
+           rank0_size +
+           ": every rank must be given the same number of ranks (WORLD_SIZE, or WorldMembership::num_ranks)";
+}
+}  // namespace
+
 void agree_on_world_size(Store& store, int rank, int num_ranks, std::chrono::milliseconds timeout) {
     if (rank == 0) {
         const std::string mine = std::to_string(num_ranks);
@@ -87,9 +96,7 @@ void agree_on_world_size(Store& store, int rank, int num_ranks, std::chrono::mil
         // For rank 0 and the ranks that agree with it, whose start-up exchange waits for this rank in vain.
         const std::string mine = std::to_string(num_ranks);
         store.set(kWorldSizeKey + std::string("/") + std::to_string(rank), Bytes(mine.begin(), mine.end()));
-        WEFT_FAIL("rank " << rank << " was started in a World of " << num_ranks << " ranks, rank 0 in one of " << text
-                          << ": every rank must be given the same number of ranks (WORLD_SIZE, or "
-                             "WorldMembership::num_ranks)");
+        WEFT_FAIL(size_disagreement(rank, mine, text));
     }
 }
 
@@ -99,9 +106,7 @@ std::string world_size_disagreement(Store& store, int num_ranks) {
             const std::string key = kWorldSizeKey + std::string("/") + std::to_string(r);
             if (!store.check(key)) continue;
             const Bytes theirs = store.get(key, std::chrono::milliseconds(1000));
-            return "rank " + std::to_string(r) + " was started in a World of " +
-                   std::string(theirs.begin(), theirs.end()) + " ranks, rank 0 in one of " + std::to_string(num_ranks) +
-                   ": every rank must be given the same number of ranks (WORLD_SIZE, or WorldMembership::num_ranks)";
+            return size_disagreement(r, std::string(theirs.begin(), theirs.end()), std::to_string(num_ranks));
         }
     } catch (const std::exception&) {  // the store cannot say
     }
