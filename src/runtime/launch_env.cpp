@@ -358,12 +358,11 @@ std::optional<LaunchEnv> parse_launch_env(const VarMap& vars) {
     if (find(vars, "RANK") != nullptr || find(vars, "WORLD_SIZE") != nullptr) {
         // Half of torchrun's pair beside srun's complete set: a script exported WORLD_SIZE for torch's env:// and ran
         // the program with srun.
-        WEFT_CHECK((find(vars, "RANK") != nullptr && find(vars, "WORLD_SIZE") != nullptr) ||
-                       find(vars, "SLURM_PROCID") == nullptr,
-                   (find(vars, "RANK") != nullptr ? "RANK" : "WORLD_SIZE")
-                       << " is set but " << (find(vars, "RANK") != nullptr ? "WORLD_SIZE" : "RANK")
-                       << " is not, and SLURM_PROCID is set: unset "
-                       << (find(vars, "RANK") != nullptr ? "RANK" : "WORLD_SIZE")
+        const bool has_rank = find(vars, "RANK") != nullptr, has_size = find(vars, "WORLD_SIZE") != nullptr;
+        const char* set = has_rank ? "RANK" : "WORLD_SIZE";
+        WEFT_CHECK((has_rank && has_size) || find(vars, "SLURM_PROCID") == nullptr,
+                   set << " is set but " << (has_rank ? "WORLD_SIZE" : "RANK")
+                       << " is not, and SLURM_PROCID is set: unset " << set
                        << " to use srun's variables, or set both for torchrun's");
         env = parse_torchrun(vars);
     } else if (find(vars, "OMPI_COMM_WORLD_RANK") != nullptr || find(vars, "OMPI_COMM_WORLD_SIZE") != nullptr) {
