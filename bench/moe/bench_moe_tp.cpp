@@ -60,7 +60,7 @@ MoeShape shape_named(const std::string& name, int64_t tokens) {
 
 struct Options {
     std::vector<std::string> cases = {"mixtral", "deepseek"};
-    std::vector<int> worlds;
+    std::vector<int> worlds = {1, 2, 4, 8};
     int64_t tokens = 8192;
     int iters = 20, warmup = 3;
     bool check = false;
@@ -226,7 +226,6 @@ int main(int argc, char** argv) {
         int gpus = 0;
         BENCH_CUDA(cudaGetDeviceCount(&gpus));
         const weft::bench::Peaks peaks = weft::bench::measure_peaks(weft::bench::kPeakTensor, DType::kBF16);
-        if (opt.worlds.empty()) opt.worlds = {1, 2, 4, 8};
         char date[32];
         const std::time_t now = std::time(nullptr);
         std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));

@@ -18,7 +18,7 @@
 // weft/common/gemm_config.hpp (GemmConfig, GemmTile, GemmArgs, GemmTileGrid); weft includes its GEMM kernel after it.
 //
 // The scheduler, a class template over the config (FusedGemmSpec::scheduler names it; weft instantiates S<config>):
-//   template <weft::GemmConfig kCfg> class S {
+//   template <weft::GemmConfig kCfg> struct S {
 //       using Params = P;                                      // trivially copyable: the launch's `sched` argument
 //       __device__ S(const Params&, const weft::GemmArgs&);   // built by every thread of the CTA
 //       __device__ int32_t num_tiles() const;                  // tiles this CTA computes
