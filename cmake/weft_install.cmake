@@ -77,5 +77,5 @@ endif()
 write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/weftConfigVersion.cmake
                                  VERSION ${PROJECT_VERSION} COMPATIBILITY ${weft_compatibility})
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/weftConfig.cmake ${CMAKE_CURRENT_BINARY_DIR}/weftConfigVersion.cmake
-              ${CMAKE_CURRENT_LIST_DIR}/weft_nvjitlink.cmake
+              ${CMAKE_CURRENT_LIST_DIR}/weft_nvjitlink.cmake ${CMAKE_CURRENT_LIST_DIR}/weft_cuda_target.cmake
         DESTINATION ${WEFT_INSTALL_CMAKEDIR})

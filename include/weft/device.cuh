@@ -2,6 +2,12 @@
 // The device umbrella: everything a weft kernel uses to talk to other ranks (ptx, shmem, tile layers).
 #pragma once
 
+// The device layer is Hopper's (sm_90a: TMA, mbarrier transactions, wgmma, clusters).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error \
+    "weft's device layer needs sm_90a or later: compile for it (nvcc -arch=sm_90a; CMake: CUDA_ARCHITECTURES 90a, or weft_cuda_target(<target>))"
+#endif
+
 #include "weft/common/collectives.hpp"
 #include "weft/common/device_ctx.hpp"
 #include "weft/common/diagnostics.hpp"

@@ -207,7 +207,20 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
 
     // Device binding.
     int num_devices = 0;
-    WEFT_CUDA_CHECK(cudaGetDeviceCount(&num_devices));
+    const cudaError_t count_status = cudaGetDeviceCount(&num_devices);
+    if (count_status != cudaSuccess) {
+        // The runtime says "insufficient driver" also where there is no driver at all: say which.
+        int driver_version = 0;  // stays 0 without a driver
+        cudaDriverGetVersion(&driver_version);
+        WEFT_CHECK(driver_version != 0, "no CUDA driver on this machine (rank "
+                                            << c.rank
+                                            << "): a World needs a GPU; building, JIT compilation and "
+                                               "unit tests run without one (weft-info says what the machine has)");
+        WEFT_FAIL("cudaGetDeviceCount failed on rank "
+                  << c.rank << ": " << cudaGetErrorName(count_status) << " (" << cudaGetErrorString(count_status)
+                  << "); the driver supports CUDA " << driver_version / 1000 << "." << (driver_version % 1000) / 10
+                  << " (weft-info says more)");
+    }
     WEFT_CHECK(num_devices > 0, "no CUDA device is visible to rank " << c.rank);
     WEFT_CHECK(setup.options.device >= -1,
                "WorldOptions::device must be -1 (by local rank) or a visible device, got " << setup.options.device);

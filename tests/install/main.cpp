@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 // A program that uses an installed weft: the JIT finds weft's headers and kernels from the install prefix
 // (no WEFT_HOME) and compiles a kernel for sm_90a without a GPU; with a GPU it also makes a world of one rank
-// and runs that kernel. Exits non-zero when any step fails.
+// and runs that kernel, and a kernel of this project's own (device_check.cu, nvcc on weft's device layer). Exits
+// non-zero when any step fails.
 //
 //   weft_install_check [--expect-prefix DIR]   DIR: the prefix the roots must be found in
 #include <cmath>
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "device_check.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/jit/paths.hpp"
 #include "weft/weft.hpp"
@@ -63,6 +65,9 @@ void run_on_the_gpu(weft::jit::Compiler& compiler) {
         WEFT_CHECK(out[i] == expected, "saxpy on the GPU: y[" << i << "] is " << out[i] << ", expected " << expected);
     }
     std::printf("ran %s on the GPU: %d elements correct\n", saxpy_spec("").description.c_str(), kN);
+    const int own = device_layer_check(world->device_ctx());
+    WEFT_CHECK(own == 64, "the project's own kernel on weft's device layer: " << own << " of 64 threads right");
+    std::printf("ran this project's own nvcc kernel on weft's device layer: 64 threads correct\n");
 }
 
 }  // namespace

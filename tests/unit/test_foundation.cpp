@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: MIT
 // Unit tests for the foundation: errors, environment parsing, dtypes, tensor views.
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -10,6 +12,7 @@
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/tensor_view.hpp"
+#include "weft/runtime/world.hpp"
 
 namespace weft {
 namespace {
@@ -159,6 +162,27 @@ TEST(Driver, TableIsCompleteOrTheErrorSaysWhy) {
     }
     // The answer is stable: a second query agrees with the first.
     EXPECT_EQ(cuda_available(), available);
+}
+
+// Without a CUDA driver a World's start says so, not the runtime's "driver version is insufficient". (CPU machines;
+// skipped where a driver is installed.) In a child process: a World's start sets CUDA's environment variables, which
+// RuntimeModuleLoading expects no earlier test of the process to have set.
+TEST(Driver, AWorldWithoutADriverSaysThereIsNone) {
+    int driver_version = 0;
+    cudaDriverGetVersion(&driver_version);
+    if (driver_version != 0) GTEST_SKIP() << "a CUDA driver is installed here";
+    EXPECT_EXIT(
+        {
+            std::string what;
+            try {
+                run_local(1, [](World&) {});
+            } catch (const Error& e) {
+                what = e.what();
+            }
+            std::fprintf(stderr, "%s\n", what.c_str());
+            std::exit(what.find("insufficient") == std::string::npos ? 0 : 1);
+        },
+        ::testing::ExitedWithCode(0), "no CUDA driver on this machine \\(rank 0\\): a World needs a GPU");
 }
 
 }  // namespace

@@ -2,6 +2,13 @@
 // Portability macros and fixed-width integers for headers compiled by g++, nvcc and NVRTC alike.
 #pragma once
 
+// weft's headers are C++20 (concepts, designated initialisers) under every compiler that reads them. nvcc defaults to
+// C++17: a .cu file of yours needs -std=c++20 (CMake: weft_cuda_target(<target>), README "Use weft from your CMake
+// project"). (GCC 10 reports 201709 for -std=c++20, hence the bound.)
+#if __cplusplus <= 201703L
+#error "weft's headers need C++20: compile with -std=c++20 (nvcc defaults to C++17; CMake: weft_cuda_target(<target>))"
+#endif
+
 // NVRTC ships no C++ standard library headers; libcu++ (the toolkit's cccl include folder, which the
 // NVRTC include path must name) provides <cuda/std/cstdint>, which also declares the global names.
 #if defined(__CUDACC_RTC__)
