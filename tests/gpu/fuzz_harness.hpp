@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: MIT
 // The GpuFuzz suites' harness (tests/gpu/test_fuzz_*.cpp): a seeded generator, a run's time, case and kernel budgets
 // with replay of one case (WEFT_FUZZ_SEED, WEFT_FUZZ_SECONDS, WEFT_FUZZ_CASES, WEFT_FUZZ_KERNELS, WEFT_FUZZ_CASE=i.a),
-// random 16-bit value pools and host matrices, the poison checks, the one-GPU case loop and the GpuFuzz fixture that
-// skips every suite off sm_90.
+// random 16-bit value pools and host matrices, the poison checks, the one-GPU case loop, the world loop of the suites
+// whose ranks are threads (fuzz_worlds) and the GpuFuzz fixture that skips every suite off sm_90.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -17,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -25,15 +27,19 @@
 #include <vector>
 
 #include "support/gemm_testing.hpp"
+#include "support/runtime_checks.hpp"
 #include "support/tp_reference.hpp"
 #include "weft/common/dtype.hpp"
+#include "weft/runtime/error.hpp"
 #include "weft/runtime/tensor_view.hpp"
+#include "weft/runtime/world.hpp"
 
 namespace weft::fuzz_test {
 
 inline constexpr uint64_t kDefaultSeed = 0x7765667466757a7aull;  // "weftfuzz"
 inline constexpr int kMaxDrawAttempts = 64;                      // redraws of a case whose kernel the budget refuses
 inline constexpr int kMaxFailures = 5;                           // failing cases reported before a test stops
+inline constexpr uint64_t kGuard = 256;  // poisoned bytes after an output that nothing may touch
 
 inline uint64_t mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -303,6 +309,196 @@ void fuzz_one_gpu(FuzzRun& run, const OneGpuSuite<Case>& suite) {
     }
     run.summary(cases, invalid, refused);
     cudaStreamDestroy(stream);
+}
+
+// ---- ranks as threads -----------------------------------------------------------------------------------------------
+
+inline void check_cuda(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) WEFT_FAIL(what << ": " << cudaGetErrorString(e));
+}
+
+inline void to_dev(void* dst, const void* src, size_t bytes, cudaStream_t st) {
+    if (bytes == 0) return;
+    check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, st), "upload");
+    check_cuda(cudaStreamSynchronize(st), "upload");
+}
+
+inline std::vector<uint8_t> from_dev(const void* src, size_t bytes, cudaStream_t st) {
+    std::vector<uint8_t> h(bytes);
+    if (bytes == 0) return h;
+    check_cuda(cudaMemcpyAsync(h.data(), src, bytes, cudaMemcpyDeviceToHost, st), "download");
+    check_cuda(cudaStreamSynchronize(st), "download");
+    return h;
+}
+
+/// The rank's stream for a world's cases.
+struct StreamRank {
+    cudaStream_t st = nullptr;
+    explicit StreamRank(World& w) {
+        check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+        w.barrier();
+    }
+    ~StreamRank() {
+        if (st) cudaStreamDestroy(st);
+    }
+    StreamRank(const StreamRank&) = delete;
+    StreamRank& operator=(const StreamRank&) = delete;
+    void teardown(World& w) {
+        cudaStreamSynchronize(st);
+        w.barrier();
+    }
+};
+
+/// "" when a refused call threw weft::Error with a message naming `op`; else what went wrong.
+template <class Fn>
+std::string expect_refused(const char* op, Fn&& fn) {
+    try {
+        fn();
+    } catch (const Error& e) {
+        const std::string m = e.what();
+        if (m.find(op) == std::string::npos) return std::string("a weft::Error that does not name ") + op + ": " + m;
+        return "";
+    } catch (const std::exception& e) {
+        return std::string("threw a non-weft exception: ") + e.what();
+    }
+    return "the call accepted it (no weft::Error)";
+}
+
+/// The worlds fuzz_worlds visits: the first of `first` ranks (one drawn), the later ones of min..max ranks.
+struct WorldSizes {
+    int min = 1, max = 8;
+    std::vector<int> first = {3, 5, 6, 7};
+};
+
+/// fuzz_worlds' default `room`: every case fits.
+struct EveryCaseFits {
+    template <class Case, class Rank>
+    bool operator()(const Case&, Rank&) const {
+        return true;
+    }
+};
+
+inline constexpr int kStop = -1;  // rank 0's decision: no more cases in this world
+inline constexpr int kSkip = -2;  // rank 0's decision: no draw of this case fits the kernel budget
+
+/// Runs a test's cases world by world, ranks as threads. Per world: `setup(World&)` makes each rank's resources
+/// (collectively; a unique_ptr to a type with `void teardown(World&)`, collective too); per case rank 0 draws
+/// (`draw(Rng&, World&)`: the same case on every rank for the same generator and world) until `key(case, World&)` names
+/// a kernel the budget admits ("" admits always), asks `room(case, its Rank&)` whether the world's resources left hold
+/// the case (the room function books them; no room ends the world, and the next one starts afresh), and tells the
+/// ranks which draw it took through a barrier; every rank then runs `run_case(case, data_seed, World&, Rank&)`
+/// (returns "" or what went wrong) and the ranks meet again. `describe(case)` goes into a failure's line,
+/// `invalid(case)` counts the invalid-argument cases. Case i of a world of W ranks, draw d, is replayed by
+/// WEFT_FUZZ_CASE=i.a with a = W * 100 + d.
+template <class Case, class Draw, class Key, class Describe, class Invalid, class Setup, class RunCase,
+          class Room = EveryCaseFits>
+void fuzz_worlds(FuzzRun& run, const WorldOptions& options, Draw draw, Key key, Describe describe, Invalid invalid,
+                 Setup setup, RunCase run_case, const WorldSizes& sizes = {}, Room room = {}) {
+    int64_t cases = 0, invalid_cases = 0, refused = 0;  // rank 0's
+    int64_t next_index = 0;                             // case indices are never reused across worlds
+    std::vector<std::string> failures;
+    for (int64_t w_idx = 0; run.more(cases) && failures.empty(); ++w_idx) {
+        Rng wr = run.rng(-1 - w_idx, 0);
+        const auto pick_first = [&] {
+            return sizes.first[static_cast<size_t>(wr.uniform(0, static_cast<int64_t>(sizes.first.size()) - 1))];
+        };
+        const int world = run.replaying()
+                              ? run.first_attempt() / 100
+                              : (w_idx == 0 ? pick_first() : static_cast<int>(wr.uniform(sizes.min, sizes.max)));
+        if (world < sizes.min || world > sizes.max) {
+            ADD_FAILURE() << "WEFT_FUZZ_CASE=i.a replays case i with a = W * 100 + draw, W = " << sizes.min << ".."
+                          << sizes.max << " ranks; got a = " << run.first_attempt();
+            break;
+        }
+        const double slice_end = world_slice_end(run);
+        constexpr int kMaxCasesPerWorld = 2000;
+        std::vector<int> decided(kMaxCasesPerWorld, kStop);
+        std::vector<std::vector<std::string>> rank_failures(static_cast<size_t>(world));
+        std::atomic<bool> failed{false};
+        const int64_t first_case = next_index;
+        int64_t tried = 0;  // rank 0's: case indices this world used
+        announce_world(world);
+        test::run_ranks(
+            world,
+            [&](World& w) {
+                const int me = w.rank();
+                auto& fails = rank_failures[static_cast<size_t>(me)];
+                auto rank = setup(w);
+                for (int i = 0; i < kMaxCasesPerWorld; ++i) {
+                    const int64_t idx = run.case_index(first_case + i);
+                    if (me == 0) {
+                        int d = kStop;
+                        const bool more = run.replaying() ? i == 0 : run.elapsed() < slice_end && run.more(cases);
+                        if (more && !failed.load()) {
+                            d = kSkip;
+                            const int a0 = run.replaying() ? run.first_attempt() % 100 : 0;
+                            const int a1 = run.replaying() ? a0 : kMaxDrawAttempts - 1;
+                            for (int a = a0; a <= a1; ++a) {
+                                Rng r = run.rng(idx, a);
+                                const Case c = draw(r, w);
+                                std::string k;
+                                try {
+                                    k = key(c, w);
+                                } catch (const std::exception& e) {
+                                    fails.push_back("[ FUZZ FAIL ] " + describe(c) +
+                                                    " :: the planner refused a valid case: " + e.what() +
+                                                    " :: " + run.repro(idx, world * 100 + a));
+                                    failed = true;
+                                    d = kStop;
+                                    break;
+                                }
+                                if (k.empty() || run.admit(k)) {
+                                    d = a;
+                                    if (!room(c, *rank)) {
+                                        d = kStop;  // the next world starts with its resources whole
+                                        if (i == 0) {
+                                            fails.push_back("[ FUZZ FAIL ] " + describe(c) +
+                                                            " :: the case does not fit a fresh world :: " +
+                                                            run.repro(idx, world * 100 + a));
+                                            failed = true;
+                                        }
+                                    }
+                                    break;
+                                }
+                                ++refused;
+                            }
+                        }
+                        decided[static_cast<size_t>(i)] = d;
+                        tried = i + 1;
+                    }
+                    w.barrier();
+                    const int d = decided[static_cast<size_t>(i)];
+                    if (d == kStop) break;
+                    if (d == kSkip) continue;
+                    Rng r = run.rng(idx, d);
+                    const Case c = draw(r, w);
+                    const uint64_t data_seed = r.next();
+                    std::string what;
+                    try {
+                        what = run_case(c, data_seed, w, *rank);
+                    } catch (const std::exception& e) {
+                        what = std::string("threw: ") + e.what();
+                    }
+                    if (!what.empty()) {
+                        fails.push_back("[ FUZZ FAIL ] " + describe(c) + " :: rank " + std::to_string(me) + ": " +
+                                        what + " :: " + run.repro(idx, world * 100 + d));
+                        failed = true;
+                    }
+                    w.barrier();  // every rank's calls of the case are done before the next one's inputs go in
+                    if (me == 0) {
+                        ++cases;
+                        invalid_cases += invalid(c) ? 1 : 0;
+                    }
+                }
+                rank->teardown(w);
+            },
+            options);
+        next_index += tried;
+        for (const auto& f : rank_failures) failures.insert(failures.end(), f.begin(), f.end());
+        if (run.replaying()) break;
+    }
+    for (const std::string& f : failures) ADD_FAILURE() << f;
+    run.summary(cases, invalid_cases, refused);
 }
 
 }  // namespace weft::fuzz_test

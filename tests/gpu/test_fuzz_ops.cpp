@@ -6,8 +6,8 @@
 //
 // Knobs (environment): WEFT_FUZZ_SEED (default a fixed seed: runs are reproducible), WEFT_FUZZ_SECONDS (time per test,
 // default 15), WEFT_FUZZ_CASES (most cases per test), WEFT_FUZZ_KERNELS (most distinct JIT kernels a test may draw),
-// WEFT_FUZZ_CASE=i.a (replay only draw a of case i: what a failure's line prints). A failure prints one line with the
-// seed, the case and every parameter.
+// WEFT_FUZZ_CASE=i.a (replay only draw a of case i, what a failure's line prints; AllToAllV, whose ranks are threads:
+// a = W * 100, case i in a world of W ranks). A failure prints one line with the seed, the case and every parameter.
 //
 // JIT cost: a new kernel specialisation compiles on first use (seconds to tens of seconds when the cache is cold). What
 // picks a specialisation: GEMM, the dtype pair, B's layout and the planner's tile config (from M, N, K, sm_budget,
@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "fuzz_collectives.hpp"
 #include "fuzz_harness.hpp"
 #include "support/gemm_testing.hpp"
 #include "support/jit_testing.hpp"
@@ -1419,228 +1420,24 @@ TEST_F(GpuFuzz, DecodeAttention) {
 
 // ---- GpuFuzz.AllToAllV (ranks as threads on the visible GPUs) ---------------------------------------------------
 
-constexpr uint64_t kA2aCapacity = 8ull << 20;  // bytes of each rank's input and output buffers
-constexpr uint64_t kA2aGuard = 256;
+// The cases (draw_a2a, run_a2a) are fuzz_collectives.hpp's, on the world's team.
 
-/// Byte i of what rank src sends rank dst in case `tag`.
-uint8_t a2a_byte(uint64_t seed, uint64_t tag, int src, int dst, uint64_t i) {
-    return static_cast<uint8_t>(mix64(seed ^ mix64(tag) ^ (uint64_t(src) << 48) ^ (uint64_t(dst) << 40) ^ i));
-}
-
-struct A2aCase {
-    int world = 1;
-    bool equal = false;
-    DType dtype = DType::kBF16;
-    std::vector<std::vector<int64_t>> counts;    // [src][dst] elements
-    std::vector<char> symmetric;                 // per rank: input on the symmetric heap (read in place)
-    std::vector<int64_t> in_offset, out_offset;  // per rank, bytes (multiples of the element size)
-    const char* pattern = "";
-};
-
-std::string describe(const A2aCase& c) {
-    std::ostringstream os;
-    os << "world=" << c.world << (c.equal ? " all_to_all" : " all_to_all_v") << " dtype=" << dtype_name(c.dtype)
-       << " pattern=" << c.pattern << " symmetric=[";
-    for (int q = 0; q < c.world; ++q) os << (q ? "," : "") << int{c.symmetric[static_cast<size_t>(q)]};
-    os << "] in_offset=[";
-    for (int q = 0; q < c.world; ++q) os << (q ? "," : "") << c.in_offset[static_cast<size_t>(q)];
-    os << "] out_offset=[";
-    for (int q = 0; q < c.world; ++q) os << (q ? "," : "") << c.out_offset[static_cast<size_t>(q)];
-    os << "] counts=[";
-    for (int s = 0; s < c.world; ++s) {
-        os << (s ? ";" : "");
-        for (int d = 0; d < c.world; ++d)
-            os << (d ? "," : "") << c.counts[static_cast<size_t>(s)][static_cast<size_t>(d)];
-    }
-    os << "]";
-    return os.str();
-}
-
-A2aCase draw_a2a(Rng& r, int world) {
-    A2aCase c;
-    c.world = world;
-    c.equal = r.chance(0.2);
-    c.dtype = r.pick({DType::kU8, DType::kBF16, DType::kF16, DType::kF32, DType::kI32, DType::kI64});
-    const int64_t esize = dtype_bytes(c.dtype);
-    const auto n = static_cast<size_t>(world);
-    c.counts.assign(n, std::vector<int64_t>(n, 0));
-    // Each rank's input and output within the staging region and its buffers: 4 MiB per rank in all.
-    const int64_t max_per_pair = std::max<int64_t>(1, (int64_t{4} << 20) / esize / world);
-    const int pattern = static_cast<int>(r.uniform(0, 5));
-    static const char* const kPatterns[] = {"random", "small", "sparse", "one_hot_pair", "silent_rank", "all_zero"};
-    c.pattern = c.equal ? "equal" : kPatterns[pattern];
-    const int64_t equal_count = r.chance(0.2) ? r.uniform(0, 17) : r.log_uniform(1, max_per_pair);
-    const int hot_src = static_cast<int>(r.uniform(0, world - 1)), hot_dst = static_cast<int>(r.uniform(0, world - 1));
-    for (int s = 0; s < world; ++s) {
-        for (int d = 0; d < world; ++d) {
-            int64_t& x = c.counts[static_cast<size_t>(s)][static_cast<size_t>(d)];
-            if (c.equal) {
-                x = equal_count;
-                continue;
-            }
-            switch (pattern) {
-                case 0:
-                    x = r.chance(0.25) ? 0 : r.log_uniform(1, max_per_pair);
-                    break;
-                case 1:
-                    x = r.uniform(0, 17);
-                    break;
-                case 2:
-                    x = r.chance(0.8) ? 0 : r.log_uniform(1, max_per_pair);
-                    break;
-                case 3:
-                    x = s == hot_src && d == hot_dst ? r.uniform(1, max_per_pair) : 0;
-                    break;
-                case 4:
-                    x = s == hot_src ? 0 : r.uniform(0, 1000);
-                    break;
-                default:
-                    break;
-            }
-        }
-    }
-    const int64_t sym_offset = esize * r.uniform(0, 15);  // the same place in every rank's heap allocation
-    // Symmetric inputs on every rank or on none (collectives.hpp): ranks that differ make different calls, which the
-    // op refuses as a call mismatch.
-    const bool sym = r.chance(0.4);
-    for (int q = 0; q < world; ++q) {
-        c.symmetric.push_back(sym ? 1 : 0);
-        c.in_offset.push_back(sym ? sym_offset : esize * r.uniform(0, 15));
-        c.out_offset.push_back(esize * r.uniform(0, 15));
-    }
-    return c;
-}
+constexpr uint64_t kA2aCapacity = 8ull << 20;        // bytes of each rank's input and output buffers (and a guard)
+constexpr int64_t kA2aRankBytes = int64_t{4} << 20;  // the most a rank sends: within the staging region and buffers
 
 TEST_F(GpuFuzz, AllToAllV) {
     FuzzRun run("AllToAllV", 15, 100000, 1);
     // A staging region that holds any local input the draws make (4 MiB per rank) and fits the test's heaps.
     const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("6M"));
-    int64_t cases = 0;
-    std::vector<std::string> failures;
-    // Worlds drawn one after another, each for a slice of the time, its cases drawn alike on every rank; rank 0 decides
-    // before each case whether there is time for it (a flag the others read after a barrier), so every rank makes the
-    // same calls. A case is named i.W: case i in a world of W ranks (WEFT_FUZZ_CASE=i.W replays it).
-    for (int64_t w_idx = 0; run.more(cases) && failures.empty(); ++w_idx) {
-        Rng wr = run.rng(-1 - w_idx, 0);
-        const int world = run.replaying() ? run.first_attempt()
-                                          : static_cast<int>(w_idx == 0 ? wr.pick({3, 5, 6, 7}) : wr.uniform(1, 8));
-        if (world < 1 || world > 8) {
-            ADD_FAILURE() << "WEFT_FUZZ_CASE=i.W replays case i in a world of W = 1..8 ranks, got W = " << world;
-            break;
-        }
-        const double slice_end = world_slice_end(run);
-        constexpr int kMaxCasesPerWorld = 400;
-        std::vector<char> go(kMaxCasesPerWorld + 1, 0);
-        std::vector<std::vector<std::string>> rank_failures(static_cast<size_t>(world));
-        const int64_t first_case = cases;
-        announce_world(world);
-        test::run_ranks(
-            world,
-            [&](World& w) {
-                const int me = w.rank();
-                auto& fails = rank_failures[static_cast<size_t>(me)];
-                cudaStream_t stream = nullptr;
-                WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-                uint8_t *local_in = nullptr, *out = nullptr;
-                WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&local_in), kA2aCapacity));
-                WEFT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&out), kA2aCapacity + kA2aGuard));
-                auto* sym_in = static_cast<uint8_t*>(w.heap().alloc(kA2aCapacity));
-                ops::prepare_collectives(w);
-                w.barrier();
-                for (int i = 0; i < kMaxCasesPerWorld; ++i) {
-                    if (me == 0) {
-                        go[static_cast<size_t>(i)] =
-                            (run.replaying() ? i == 0 : run.elapsed() < slice_end && run.more(first_case + i)) &&
-                            fails.empty();
-                    }
-                    w.barrier();
-                    if (!go[static_cast<size_t>(i)]) break;
-                    const int64_t idx = run.case_index(first_case + i);
-                    Rng r = run.rng(idx, 0);
-                    const A2aCase c = draw_a2a(r, world);
-                    const uint64_t esize = static_cast<uint64_t>(dtype_bytes(c.dtype));
-                    std::vector<int64_t> send(static_cast<size_t>(world)), recv(static_cast<size_t>(world));
-                    uint64_t send_elems = 0, recv_elems = 0;
-                    for (int q = 0; q < world; ++q) {
-                        send[static_cast<size_t>(q)] = c.counts[static_cast<size_t>(me)][static_cast<size_t>(q)];
-                        recv[static_cast<size_t>(q)] = c.counts[static_cast<size_t>(q)][static_cast<size_t>(me)];
-                        send_elems += static_cast<uint64_t>(send[static_cast<size_t>(q)]);
-                        recv_elems += static_cast<uint64_t>(recv[static_cast<size_t>(q)]);
-                    }
-                    std::vector<uint8_t> in_host;
-                    in_host.reserve(send_elems * esize);
-                    for (int q = 0; q < world; ++q) {
-                        for (uint64_t b = 0; b < static_cast<uint64_t>(send[static_cast<size_t>(q)]) * esize; ++b) {
-                            in_host.push_back(a2a_byte(run.seed(), static_cast<uint64_t>(idx), me, q, b));
-                        }
-                    }
-                    uint8_t* in = (c.symmetric[static_cast<size_t>(me)] ? sym_in : local_in) +
-                                  c.in_offset[static_cast<size_t>(me)];
-                    uint8_t* o = out + c.out_offset[static_cast<size_t>(me)];
-                    if (!in_host.empty()) {
-                        WEFT_CUDA_CHECK(
-                            cudaMemcpyAsync(in, in_host.data(), in_host.size(), cudaMemcpyHostToDevice, stream));
-                    }
-                    WEFT_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, kA2aCapacity + kA2aGuard, stream));
-                    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
-                    w.barrier();  // every rank's input is in place before a peer reads it
-                    const TensorView tin(in, c.dtype, {static_cast<int64_t>(send_elems)});
-                    const TensorView tout(o, c.dtype, {static_cast<int64_t>(recv_elems)});
-                    std::string what;
-                    try {
-                        if (c.equal) {
-                            ops::all_to_all(w, tin, tout, stream);
-                        } else {
-                            ops::all_to_all_v(w, tin, send, tout, recv, stream);
-                        }
-                        w.sync_and_check(stream);
-                    } catch (const std::exception& e) {
-                        what = std::string("threw: ") + e.what();
-                    }
-                    if (what.empty()) {
-                        const uint64_t out_bytes = recv_elems * esize;
-                        std::vector<uint8_t> got(kA2aCapacity + kA2aGuard);
-                        WEFT_CUDA_CHECK(cudaMemcpy(got.data(), out, got.size(), cudaMemcpyDeviceToHost));
-                        const uint8_t* g = got.data() + c.out_offset[static_cast<size_t>(me)];
-                        uint64_t pos = 0;
-                        for (int q = 0; q < world && what.empty(); ++q) {
-                            const uint64_t bytes = static_cast<uint64_t>(recv[static_cast<size_t>(q)]) * esize;
-                            for (uint64_t b = 0; b < bytes; ++b) {
-                                if (g[pos + b] != a2a_byte(run.seed(), static_cast<uint64_t>(idx), q, me, b)) {
-                                    what = "byte " + std::to_string(b) + " of the chunk from rank " +
-                                           std::to_string(q) + " is wrong";
-                                    break;
-                                }
-                            }
-                            pos += bytes;
-                        }
-                        if (what.empty() &&
-                            !poison_intact(got.data(), static_cast<size_t>(c.out_offset[static_cast<size_t>(me)]))) {
-                            what = "wrote before the output";
-                        }
-                        if (what.empty() && !poison_intact(g + out_bytes, kA2aGuard))
-                            what = "wrote past the output's end";
-                    }
-                    if (!what.empty()) {
-                        fails.push_back("[ FUZZ FAIL ] " + describe(c) + " :: rank " + std::to_string(me) + ": " +
-                                        what + " :: " + run.repro(idx, world));
-                    }
-                    w.barrier();  // nobody overwrites an input a peer may still read
-                    if (me == 0) ++cases;
-                }
-                w.sync_and_check(stream);
-                w.barrier();
-                w.heap().free(sym_in);
-                cudaFree(local_in);
-                cudaFree(out);
-                cudaStreamDestroy(stream);
-            },
-            test::test_options(64ull << 20));
-        for (const auto& f : rank_failures) failures.insert(failures.end(), f.begin(), f.end());
-        if (run.replaying()) break;
-    }
-    for (const std::string& f : failures) ADD_FAILURE() << f;
-    run.summary(cases, 0, 0);
+    fuzz_worlds<A2aCase>(
+        run, test::test_options(64ull << 20),
+        [](Rng& r, World& w) { return draw_a2a(r, w.num_ranks(), kA2aRankBytes); },
+        [](const A2aCase&, World&) { return std::string(); }, [](const A2aCase& c) { return describe(c); },
+        [](const A2aCase& c) { return c.invalid(); },
+        [](World& w) { return std::make_unique<CollRank>(w, kA2aCapacity + kGuard); },
+        [](const A2aCase& c, uint64_t seed, World& w, CollRank& rk) {
+            return run_a2a(c, seed, 0, w.team(), rk.buffers, rk.stream.st);
+        });
 }
 
 }  // namespace

@@ -1,14 +1,14 @@
 // SPDX-License-Identifier: MIT
 // Seeded random fuzz of the tensor-parallel ops with ranks as threads sharing the visible GPUs (worlds 1..8, non-powers
 // of two included): AgGemm, GemmRs and GemmAr (GpuFuzz.TpFusedGemm), the two TP MoE layers (GpuFuzz.MoeTpLayers) and
-// all_reduce / all_gather / reduce_scatter (GpuFuzz.Collectives). Every case draws fresh inputs within what the headers
-// allow, poisons the outputs (0xFF bytes: NaN) before each call and compares with an independent host reference of the
-// unfused computation: fp64 all-gather then GEMM, GEMM then reduce-scatter, GEMM then all-reduce (rounding model of
-// support/tp_reference.hpp); the MoE layers' routing, gathered GEMM and weighted top-k sum in fp64; the collectives
-// exactly (small integer values, so every sum is exact in any order). A fraction of the calls are invalid arguments,
-// made identically on every rank (a call refused on one rank only would leave its peers waiting): each must throw
-// weft::Error naming the op before anything is launched, leave the output as it was, and the same op object must then
-// run a valid call correctly.
+// all_reduce / all_gather / reduce_scatter (GpuFuzz.Collectives, whose cases are fuzz_collectives.hpp's). Every case
+// draws fresh inputs within what the headers allow, poisons the outputs (0xFF bytes: NaN) before each call and compares
+// with an independent host reference of the unfused computation: fp64 all-gather then GEMM, GEMM then reduce-scatter,
+// GEMM then all-reduce (rounding model of support/tp_reference.hpp); the MoE layers' routing, gathered GEMM and
+// weighted top-k sum in fp64; the collectives exactly (small integer values, so every sum is exact in any order). A
+// fraction of the calls are invalid arguments, made identically on every rank (a call refused on one rank only would
+// leave its peers waiting): each must throw weft::Error naming the op before anything is launched, leave the output as
+// it was, and the same op object must then run a valid call correctly.
 //
 // Knobs (environment, fuzz_harness.hpp): WEFT_FUZZ_SEED, WEFT_FUZZ_SECONDS (per test, default 15), WEFT_FUZZ_CASES,
 // WEFT_FUZZ_KERNELS, WEFT_FUZZ_CASE=i.a to replay case i, where a = W * 100 + d: the world of W ranks and the case's
@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "fuzz_collectives.hpp"
 #include "fuzz_harness.hpp"
 #include "support/gemm_testing.hpp"
 #include "support/jit_testing.hpp"
@@ -63,116 +64,6 @@ namespace {
 
 using namespace fuzz_test;
 using tp_test::HostMat;
-
-constexpr uint64_t kGuard = 256;  // poisoned bytes after every output that no call may touch
-
-// ---- the world loop ------------------------------------------------------------------------------------------------
-
-constexpr int kStop = -1;  // rank 0's decision: no more cases in this world
-constexpr int kSkip = -2;  // rank 0's decision: no draw of this case fits the kernel budget
-
-/// Runs a test's cases world by world, ranks as threads. Per world: `setup(World&)` makes each rank's resources
-/// (collectively; a unique_ptr to a type with `void teardown(World&)`, collective too); per case rank 0 draws
-/// (`draw(Rng&, World&)`: the same case on every rank for the same generator and world) until `key(case, World&)` names
-/// a kernel the budget admits ("" admits always), and tells the ranks which draw it took through a barrier; every rank
-/// then runs `run_case(case, data_seed, World&, Rank&)` (returns "" or what went wrong) and the ranks meet again.
-/// `describe(case)` goes into a failure's line, `invalid(case)` counts the invalid-argument cases.
-template <class Case, class Draw, class Key, class Describe, class Invalid, class Setup, class RunCase>
-void fuzz_worlds(FuzzRun& run, const WorldOptions& options, Draw draw, Key key, Describe describe, Invalid invalid,
-                 Setup setup, RunCase run_case) {
-    int64_t cases = 0, invalid_cases = 0, refused = 0;  // rank 0's
-    int64_t next_index = 0;                             // case indices are never reused across worlds
-    std::vector<std::string> failures;
-    for (int64_t w_idx = 0; run.more(cases) && failures.empty(); ++w_idx) {
-        Rng wr = run.rng(-1 - w_idx, 0);
-        const int world = run.replaying() ? run.first_attempt() / 100
-                                          : static_cast<int>(w_idx == 0 ? wr.pick({3, 5, 6, 7}) : wr.uniform(1, 8));
-        if (world < 1 || world > 8) {
-            ADD_FAILURE() << "WEFT_FUZZ_CASE=i.a replays case i with a = W * 100 + draw, W = 1..8 ranks; got a = "
-                          << run.first_attempt();
-            break;
-        }
-        const double slice_end = world_slice_end(run);
-        constexpr int kMaxCasesPerWorld = 2000;
-        std::vector<int> decided(kMaxCasesPerWorld, kStop);
-        std::vector<std::vector<std::string>> rank_failures(static_cast<size_t>(world));
-        std::atomic<bool> failed{false};
-        const int64_t first_case = next_index;
-        int64_t tried = 0;  // rank 0's: case indices this world used
-        announce_world(world);
-        test::run_ranks(
-            world,
-            [&](World& w) {
-                const int me = w.rank();
-                auto& fails = rank_failures[static_cast<size_t>(me)];
-                auto rank = setup(w);
-                for (int i = 0; i < kMaxCasesPerWorld; ++i) {
-                    const int64_t idx = run.case_index(first_case + i);
-                    if (me == 0) {
-                        int d = kStop;
-                        const bool more = run.replaying() ? i == 0 : run.elapsed() < slice_end && run.more(cases);
-                        if (more && !failed.load()) {
-                            d = kSkip;
-                            const int a0 = run.replaying() ? run.first_attempt() % 100 : 0;
-                            const int a1 = run.replaying() ? a0 : kMaxDrawAttempts - 1;
-                            for (int a = a0; a <= a1; ++a) {
-                                Rng r = run.rng(idx, a);
-                                const Case c = draw(r, w);
-                                std::string k;
-                                try {
-                                    k = key(c, w);
-                                } catch (const std::exception& e) {
-                                    fails.push_back("[ FUZZ FAIL ] " + describe(c) +
-                                                    " :: the planner refused a valid case: " + e.what() +
-                                                    " :: " + run.repro(idx, world * 100 + a));
-                                    failed = true;
-                                    d = kStop;
-                                    break;
-                                }
-                                if (k.empty() || run.admit(k)) {
-                                    d = a;
-                                    break;
-                                }
-                                ++refused;
-                            }
-                        }
-                        decided[static_cast<size_t>(i)] = d;
-                        tried = i + 1;
-                    }
-                    w.barrier();
-                    const int d = decided[static_cast<size_t>(i)];
-                    if (d == kStop) break;
-                    if (d == kSkip) continue;
-                    Rng r = run.rng(idx, d);
-                    const Case c = draw(r, w);
-                    const uint64_t data_seed = r.next();
-                    std::string what;
-                    try {
-                        what = run_case(c, data_seed, w, *rank);
-                    } catch (const std::exception& e) {
-                        what = std::string("threw: ") + e.what();
-                    }
-                    if (!what.empty()) {
-                        fails.push_back("[ FUZZ FAIL ] " + describe(c) + " :: rank " + std::to_string(me) + ": " +
-                                        what + " :: " + run.repro(idx, world * 100 + d));
-                        failed = true;
-                    }
-                    w.barrier();  // every rank's calls of the case are done before the next one's inputs go in
-                    if (me == 0) {
-                        ++cases;
-                        invalid_cases += invalid(c) ? 1 : 0;
-                    }
-                }
-                rank->teardown(w);
-            },
-            options);
-        next_index += tried;
-        for (const auto& f : rank_failures) failures.insert(failures.end(), f.begin(), f.end());
-        if (run.replaying()) break;
-    }
-    for (const std::string& f : failures) ADD_FAILURE() << f;
-    run.summary(cases, invalid_cases, refused);
-}
 
 /// Uniform values in [-1, 1) rounded to `t`, from a counter hash (fast: every rank regenerates every rank's inputs).
 void fill_hashed(HostMat& h, uint64_t seed) {
@@ -204,24 +95,6 @@ uint64_t seed_for(uint64_t base, int role, int rank, int call) {
                               static_cast<uint64_t>(call)));
 }
 
-void check_cuda(cudaError_t e, const char* what) {
-    if (e != cudaSuccess) WEFT_FAIL(what << ": " << cudaGetErrorString(e));
-}
-
-void to_dev(void* dst, const void* src, size_t bytes, cudaStream_t st) {
-    if (bytes == 0) return;
-    check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, st), "upload");
-    check_cuda(cudaStreamSynchronize(st), "upload");
-}
-
-std::vector<uint8_t> from_dev(const void* src, size_t bytes, cudaStream_t st) {
-    std::vector<uint8_t> h(bytes);
-    if (bytes == 0) return h;
-    check_cuda(cudaMemcpyAsync(h.data(), src, bytes, cudaMemcpyDeviceToHost, st), "download");
-    check_cuda(cudaStreamSynchronize(st), "download");
-    return h;
-}
-
 /// Device memory of one case, made and freed between the case's barriers (never while a peer's kernel may wait for
 /// this rank: cudaMalloc and cudaFree may synchronise the device).
 struct Arena {
@@ -235,37 +108,6 @@ struct Arena {
     Arena& operator=(const Arena&) = delete;
     uint8_t* at(size_t off) const { return static_cast<uint8_t*>(ptr) + off; }
 };
-
-/// The rank's stream for a world's cases.
-struct StreamRank {
-    cudaStream_t st = nullptr;
-    explicit StreamRank(World& w) {
-        check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
-        w.barrier();
-    }
-    ~StreamRank() {
-        if (st) cudaStreamDestroy(st);
-    }
-    void teardown(World& w) {
-        cudaStreamSynchronize(st);
-        w.barrier();
-    }
-};
-
-/// "" when a refused call threw weft::Error with a message naming `op`; else what went wrong.
-template <class Fn>
-std::string expect_refused(const char* op, Fn&& fn) {
-    try {
-        fn();
-    } catch (const Error& e) {
-        const std::string m = e.what();
-        if (m.find(op) == std::string::npos) return std::string("a weft::Error that does not name ") + op + ": " + m;
-        return "";
-    } catch (const std::exception& e) {
-        return std::string("threw a non-weft exception: ") + e.what();
-    }
-    return "the call accepted it (no weft::Error)";
-}
 
 // ---- GpuFuzz.TpFusedGemm -------------------------------------------------------------------------------------------
 
@@ -1285,345 +1127,23 @@ TEST_F(GpuFuzz, MoeTpLayers) {
 }
 
 // ---- GpuFuzz.Collectives -------------------------------------------------------------------------------------------
+// The cases (draw_coll, run_coll) are fuzz_collectives.hpp's, on the world's team.
 
 constexpr uint64_t kCollBytes = 8ull << 20;                     // the largest buffer a case uses, bytes
 constexpr uint64_t kCollCapacity = kCollBytes + 4096 + kGuard;  // each buffer: room for offsets and the guard
-
-enum class CollOp { kAllReduce, kAllGather, kReduceScatter };
-const char* coll_op_name(CollOp o) {
-    return o == CollOp::kAllReduce ? "all_reduce" : o == CollOp::kAllGather ? "all_gather" : "reduce_scatter";
-}
-
-/// Invalid calls (collectives.hpp and each op's header), the same on every rank.
-enum class CollBad {
-    kNone,
-    kDtypeMismatch,    // output in another dtype (same element size)
-    kNotReducible,     // all_reduce / reduce_scatter of i32
-    kCountMismatch,    // output's count not the op's
-    kPartialOverlap,   // input and output overlap but not in place
-    kMisaligned,       // input not aligned to its element size
-    kAlgoRange,        // options.algo not an enum value
-    kPushLocalOutput,  // all_gather sm_push / ce_push into a local output (W >= 2)
-    kNotContiguous,    // a strided input
-    kCount
-};
-const char* coll_bad_name(CollBad b) {
-    static const char* const kNames[] = {
-        "none",       "dtype_mismatch",    "not_reducible",     "count_mismatch", "partial_overlap",
-        "misaligned", "algo_out_of_range", "push_local_output", "not_contiguous"};
-    return kNames[static_cast<int>(b)];
-}
-
-struct CollCase {
-    int world = 1;
-    CollOp op = CollOp::kAllReduce;
-    DType dt = DType::kF32;
-    int algo = 0;        // the op's enum value
-    uint64_t count = 1;  // all_reduce: the message; all_gather: the shard; reduce_scatter: the output
-    bool in_place = false, in_sym = false, out_sym = false;
-    std::vector<uint64_t> in_off, out_off;  // per rank, bytes (the same on every rank for a symmetric buffer)
-    CollBad bad = CollBad::kNone;
-    bool invalid() const { return bad != CollBad::kNone; }
-};
-
-const char* coll_algo_name(const CollCase& c) {
-    if (c.algo < 0 || c.algo > 4 || (c.op == CollOp::kAllReduce && c.algo > 3) ||
-        (c.op == CollOp::kReduceScatter && c.algo > 2))
-        return "out_of_range";
-    switch (c.op) {
-        case CollOp::kAllReduce:
-            return ops::algo_name(static_cast<ops::AllReduceAlgo>(c.algo));
-        case CollOp::kAllGather:
-            return ops::algo_name(static_cast<ops::AllGatherAlgo>(c.algo));
-        default:
-            return ops::algo_name(static_cast<ops::ReduceScatterAlgo>(c.algo));
-    }
-}
-
-std::string describe(const CollCase& c) {
-    std::ostringstream os;
-    os << coll_op_name(c.op) << " W=" << c.world << " " << dtype_name(c.dt) << " algo=" << coll_algo_name(c)
-       << " count=" << c.count << (c.in_place ? " in-place" : " out-of-place") << " input "
-       << (c.in_sym ? "symmetric" : "local") << ", output " << (c.out_sym ? "symmetric" : "local") << " in_off=[";
-    for (size_t q = 0; q < c.in_off.size(); ++q) os << (q ? "," : "") << c.in_off[q];
-    os << "] out_off=[";
-    for (size_t q = 0; q < c.out_off.size(); ++q) os << (q ? "," : "") << c.out_off[q];
-    os << "] invalid=" << coll_bad_name(c.bad);
-    return os.str();
-}
-
-CollCase draw_coll(Rng& r, World& w) {
-    CollCase c;
-    c.world = w.num_ranks();
-    const uint64_t nr = static_cast<uint64_t>(c.world);
-    c.op = static_cast<CollOp>(r.uniform(0, 2));
-    c.dt = c.op == CollOp::kAllGather
-               ? r.pick({DType::kU8, DType::kF8E4M3, DType::kBF16, DType::kF16, DType::kF32, DType::kI32, DType::kI64})
-               : r.pick({DType::kBF16, DType::kF16, DType::kF32});
-    c.algo = static_cast<int>(r.uniform(0, c.op == CollOp::kAllReduce ? 3 : c.op == CollOp::kAllGather ? 4 : 2));
-    const uint64_t es = static_cast<uint64_t>(dtype_bytes(c.dt));
-    // Bytes of the largest buffer within kCollBytes; the host's reference (W values per element) bounded too.
-    const uint64_t per = c.op == CollOp::kAllReduce ? 1 : nr;
-    const uint64_t max_count =
-        std::max<uint64_t>(1, std::min<uint64_t>(kCollBytes / es / per, (12ull << 20) / (nr * per)));
-    const double u = r.real(0, 1);
-    c.count = u < 0.03   ? 0
-              : u < 0.3  ? static_cast<uint64_t>(r.uniform(1, 40))
-              : u < 0.65 ? static_cast<uint64_t>(r.log_uniform(1, 100000))
-                         : static_cast<uint64_t>(r.log_uniform(1, static_cast<int64_t>(max_count)));
-    c.count = std::min(c.count, max_count);
-    if (r.chance(0.5) && c.count > 1) c.count |= 1;  // odd counts
-    c.in_place = r.chance(0.3);
-    // Symmetric buffers on every rank or on none (collectives.hpp); in place, input and output are one buffer.
-    c.out_sym = r.chance(0.5);
-    c.in_sym = c.in_place ? c.out_sym : r.chance(0.5);
-    const uint64_t sym_in = es * static_cast<uint64_t>(r.uniform(0, 255 / static_cast<int64_t>(es)));
-    const uint64_t sym_out = es * static_cast<uint64_t>(r.uniform(0, 255 / static_cast<int64_t>(es)));
-    for (int q = 0; q < c.world; ++q) {
-        const uint64_t li = es * static_cast<uint64_t>(r.uniform(0, 255 / static_cast<int64_t>(es)));
-        const uint64_t lo = es * static_cast<uint64_t>(r.uniform(0, 255 / static_cast<int64_t>(es)));
-        c.in_off.push_back(c.in_sym ? sym_in : li);
-        c.out_off.push_back(c.out_sym ? sym_out : lo);
-    }
-    // A push all-gather needs a symmetric output: a local one is an invalid case of its own (below).
-    if (c.op == CollOp::kAllGather && !c.out_sym && (c.algo == 2 || c.algo == 4)) c.algo = r.pick({0, 1, 3});
-    if (r.chance(0.12)) {
-        c.bad = static_cast<CollBad>(r.uniform(1, static_cast<int>(CollBad::kCount) - 1));
-        c.count = std::max<uint64_t>(4, std::min<uint64_t>(c.count, 4096));
-        c.in_place = false;
-        if (c.bad == CollBad::kNotReducible && c.op == CollOp::kAllGather) c.bad = CollBad::kDtypeMismatch;
-        if (c.bad == CollBad::kMisaligned && es == 1) c.dt = DType::kF32;
-        if (c.bad == CollBad::kPushLocalOutput) {
-            // At W = 1 the call is a copy and the algorithm is not looked at (a doc/code difference): another kind.
-            if (c.op != CollOp::kAllGather || c.world == 1) {
-                c.bad = CollBad::kAlgoRange;
-            } else {
-                c.out_sym = false;
-                c.algo = r.chance(0.5) ? 2 : 4;
-            }
-        }
-        if (c.bad == CollBad::kAlgoRange) c.algo = r.pick({5, 9, -1});
-        for (int q = 0; q < c.world; ++q) {  // offsets of the (possibly changed) dtype
-            const uint64_t e2 = static_cast<uint64_t>(dtype_bytes(c.dt));
-            c.in_off[static_cast<size_t>(q)] = c.in_off[static_cast<size_t>(q)] / e2 * e2;
-            c.out_off[static_cast<size_t>(q)] = c.out_off[static_cast<size_t>(q)] / e2 * e2;
-        }
-    }
-    return c;
-}
-
-/// A small integer in [-8, 8]: sums of up to 8 ranks are exact in bf16, f16 and f32, in any order.
-int32_t coll_value(uint64_t seed, int rank, uint64_t i) {
-    return static_cast<int32_t>(mix64(seed ^ mix64((static_cast<uint64_t>(rank) << 48) ^ i)) % 17) - 8;
-}
-uint8_t coll_byte(uint64_t seed, int rank, uint64_t i) {
-    return static_cast<uint8_t>(mix64(seed ^ mix64((static_cast<uint64_t>(rank + 100) << 48) ^ i)));
-}
-
-/// The bits of integer v in a reducible dtype.
-uint32_t int_bits(int32_t v, DType t) {
-    if (t == DType::kF32) {
-        const float f = static_cast<float>(v);
-        uint32_t b;
-        std::memcpy(&b, &f, 4);
-        return b;
-    }
-    return tp_test::float_to_bits(t, static_cast<float>(v));
-}
-
-/// Rank `rank`'s input bytes of a case: small integers for the reducing ops, random bytes for all_gather.
-std::vector<uint8_t> coll_input(const CollCase& c, uint64_t seed, int rank, uint64_t elems) {
-    const uint64_t es = static_cast<uint64_t>(dtype_bytes(c.dt));
-    std::vector<uint8_t> v(elems * es);
-    if (c.op == CollOp::kAllGather) {
-        for (uint64_t i = 0; i < v.size(); ++i) v[i] = coll_byte(seed, rank, i);
-    } else {
-        for (uint64_t i = 0; i < elems; ++i) {
-            const uint32_t b = int_bits(coll_value(seed, rank, i), c.dt);
-            std::memcpy(v.data() + i * es, &b, es);
-        }
-    }
-    return v;
-}
-
-/// A world's buffers: symmetric input and output (the same allocation on every rank) and local ones.
-struct CollRank {
-    cudaStream_t st = nullptr;
-    uint8_t *sym_in = nullptr, *sym_out = nullptr, *local_in = nullptr, *local_out = nullptr;
-    explicit CollRank(World& w) {
-        check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
-        check_cuda(cudaMalloc(reinterpret_cast<void**>(&local_in), kCollCapacity), "cudaMalloc");
-        check_cuda(cudaMalloc(reinterpret_cast<void**>(&local_out), kCollCapacity), "cudaMalloc");
-        sym_in = static_cast<uint8_t*>(w.heap().alloc(kCollCapacity));
-        sym_out = static_cast<uint8_t*>(w.heap().alloc(kCollCapacity));
-        ops::prepare_collectives(w);
-        w.barrier();
-    }
-    ~CollRank() {
-        if (local_in) cudaFree(local_in);
-        if (local_out) cudaFree(local_out);
-        if (st) cudaStreamDestroy(st);
-    }
-    void teardown(World& w) {
-        cudaStreamSynchronize(st);
-        w.barrier();
-        w.heap().free(sym_out);
-        w.heap().free(sym_in);
-    }
-};
-
-std::string run_coll(const CollCase& c, uint64_t seed, World& w, CollRank& rk) {
-    const int nr = c.world, me = w.rank();
-    const uint64_t es = static_cast<uint64_t>(dtype_bytes(c.dt)), n = c.count, unr = static_cast<uint64_t>(nr);
-    cudaStream_t st = rk.st;
-    // Elements of the input and output views.
-    const uint64_t in_elems = c.op == CollOp::kReduceScatter ? n * unr : n;
-    const uint64_t out_elems = c.op == CollOp::kAllGather ? n * unr : n;
-    uint8_t* const in_base = c.in_sym ? rk.sym_in : rk.local_in;
-    uint8_t* const out_base = c.out_sym ? rk.sym_out : rk.local_out;
-    uint8_t* out = out_base + c.out_off[static_cast<size_t>(me)];
-    uint8_t* in = in_base + c.in_off[static_cast<size_t>(me)];
-    if (c.in_place) {
-        if (c.op == CollOp::kAllReduce) in = out;
-        if (c.op == CollOp::kAllGather) in = out + static_cast<uint64_t>(me) * n * es;
-        if (c.op == CollOp::kReduceScatter) {
-            in = out_base + c.out_off[static_cast<size_t>(me)];  // the input is the buffer; the output its slice
-            out = in + static_cast<uint64_t>(me) * n * es;
-        }
-    }
-    // The span of the output's buffer that is checked: from its base to the guard past the data (in place: past the
-    // input, which is in the same buffer).
-    uint8_t* const check_base = out_base;
-    const uint64_t data_end = static_cast<uint64_t>(out - check_base) + out_elems * es;
-    const uint64_t in_end = c.in_place ? static_cast<uint64_t>(in - check_base) + in_elems * es : 0;
-    const uint64_t span = std::max(data_end, in_end) + kGuard;
-    const uint64_t lo =
-        c.in_place ? static_cast<uint64_t>(std::min(in, out) - check_base) : static_cast<uint64_t>(out - check_base);
-    check_cuda(cudaMemsetAsync(check_base, 0xFF, span, st), "poison");
-    const std::vector<uint8_t> mine = coll_input(c, seed, me, in_elems);
-    to_dev(in, mine.data(), mine.size(), st);
-    std::vector<uint8_t> before;
-    if (c.bad != CollBad::kNone) before = from_dev(check_base, span, st);
-    w.barrier();  // every rank's input and poisoned output are in place before any peer reads or writes them
-
-    TensorView tin(in, c.dt, {static_cast<int64_t>(in_elems)});
-    TensorView tout(out, c.dt, {static_cast<int64_t>(out_elems)});
-    if (c.bad != CollBad::kNone) {
-        switch (c.bad) {
-            case CollBad::kDtypeMismatch:
-                tout.dtype = es == 2   ? (c.dt == DType::kBF16 ? DType::kF16 : DType::kBF16)
-                             : es == 4 ? (c.dt == DType::kF32 ? DType::kI32 : DType::kF32)
-                             : es == 1 ? (c.dt == DType::kU8 ? DType::kF8E4M3 : DType::kU8)
-                                       : DType::kF32;
-                break;
-            case CollBad::kNotReducible:
-                tin.dtype = tout.dtype = DType::kI32;
-                break;
-            case CollBad::kCountMismatch:
-                tout = TensorView(out, c.dt, {static_cast<int64_t>(out_elems + 1)});
-                break;
-            case CollBad::kPartialOverlap:
-                if (c.op == CollOp::kAllReduce) tout.data = static_cast<uint8_t*>(tin.data) + es;
-                if (c.op == CollOp::kAllGather) tin.data = out + (static_cast<uint64_t>(me) * n + 1) * es;
-                if (c.op == CollOp::kReduceScatter) tout.data = in + (static_cast<uint64_t>(me) * n + 1) * es;
-                break;
-            case CollBad::kMisaligned:
-                tin.data = in + 1;
-                break;
-            case CollBad::kNotContiguous:
-                tin = TensorView(in, c.dt, {static_cast<int64_t>(in_elems / 2)}, {2});
-                if (c.op == CollOp::kAllGather)
-                    tout = TensorView(out, c.dt, {static_cast<int64_t>(in_elems / 2 * unr)});
-                if (c.op == CollOp::kReduceScatter)
-                    tout = TensorView(out, c.dt, {static_cast<int64_t>(in_elems / 2 / unr)});
-                if (c.op == CollOp::kReduceScatter && in_elems / 2 % unr != 0)
-                    tin.shape[0] = static_cast<int64_t>(in_elems / 2 / unr * unr);
-                if (c.op == CollOp::kAllReduce) tout = TensorView(out, c.dt, {static_cast<int64_t>(in_elems / 2)});
-                break;
-            default:
-                break;
-        }
-    }
-    const auto call = [&] {
-        switch (c.op) {
-            case CollOp::kAllReduce:
-                ops::all_reduce(w, tin, tout, st, {.algo = static_cast<ops::AllReduceAlgo>(c.algo)});
-                break;
-            case CollOp::kAllGather:
-                ops::all_gather(w, tin, tout, st, {.algo = static_cast<ops::AllGatherAlgo>(c.algo)});
-                break;
-            case CollOp::kReduceScatter:
-                ops::reduce_scatter(w, tin, tout, st, {.algo = static_cast<ops::ReduceScatterAlgo>(c.algo)});
-                break;
-        }
-    };
-    if (c.bad != CollBad::kNone) {
-        const std::string refused = expect_refused(coll_op_name(c.op), call);
-        if (!refused.empty()) {
-            try {
-                w.sync_and_check(st);
-            } catch (const std::exception& e) {
-                return coll_bad_name(c.bad) + std::string(": ") + refused + "; then " + e.what();
-            }
-            return coll_bad_name(c.bad) + std::string(": ") + refused;
-        }
-        check_cuda(cudaStreamSynchronize(st), "after a refused call");
-        check_cuda(cudaGetLastError(), "after a refused call");
-        const std::vector<uint8_t> after = from_dev(check_base, span, st);
-        if (after != before) return coll_bad_name(c.bad) + std::string(": a refused call wrote into the output");
-        return "";
-    }
-    call();
-    w.sync_and_check(st);
-    const std::vector<uint8_t> got = from_dev(check_base, span, st);
-    const uint64_t lead = static_cast<uint64_t>(out - check_base);
-    // Outside the output (and, in place, outside the input): the poison.
-    if (!poison_intact(got.data(), lo)) return "wrote before the output";
-    if (!poison_intact(got.data() + span - kGuard, kGuard)) return "wrote past the end";
-    const uint8_t* g = got.data() + lead;
-    switch (c.op) {
-        case CollOp::kAllReduce:
-        case CollOp::kReduceScatter: {
-            const uint64_t first = c.op == CollOp::kReduceScatter ? static_cast<uint64_t>(me) * n : 0;
-            for (uint64_t i = 0; i < n; ++i) {
-                int32_t sum = 0;
-                for (int q = 0; q < nr; ++q) sum += coll_value(seed, q, first + i);
-                const uint32_t want = int_bits(sum, c.dt);
-                uint32_t have = 0;
-                std::memcpy(&have, g + i * es, es);
-                if (have != want) {
-                    std::ostringstream os;
-                    os << "element " << i << ": bits 0x" << std::hex << have << ", want 0x" << want << std::dec
-                       << " (the sum " << sum << ")";
-                    return os.str();
-                }
-            }
-            break;
-        }
-        case CollOp::kAllGather:
-            for (int q = 0; q < nr; ++q) {
-                const uint8_t* s = g + static_cast<uint64_t>(q) * n * es;
-                for (uint64_t b = 0; b < n * es; ++b) {
-                    if (s[b] != coll_byte(seed, q, b)) {
-                        return "byte " + std::to_string(b) + " of rank " + std::to_string(q) + "'s shard is wrong";
-                    }
-                }
-            }
-            break;
-    }
-    return "";
-}
 
 TEST_F(GpuFuzz, Collectives) {
     FuzzRun run("Collectives", 15, 1000000, 1);
     // Small staging regions: the staged algorithms run in several rounds from a few MiB.
     const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("2M"));
     fuzz_worlds<CollCase>(
-        run, test::test_options(96ull << 20), draw_coll,
+        run, test::test_options(96ull << 20), [](Rng& r, World& w) { return draw_coll(r, w.num_ranks(), kCollBytes); },
         [](const CollCase&, World&) { return std::string("collectives"); },
         [](const CollCase& c) { return describe(c); }, [](const CollCase& c) { return c.invalid(); },
-        [](World& w) { return std::make_unique<CollRank>(w); },
-        [](const CollCase& c, uint64_t seed, World& w, CollRank& rk) { return run_coll(c, seed, w, rk); });
+        [](World& w) { return std::make_unique<CollRank>(w, kCollCapacity); },
+        [](const CollCase& c, uint64_t seed, World& w, CollRank& rk) {
+            return run_coll(c, seed, w.team(), rk.buffers, rk.stream.st);
+        });
 }
 
 }  // namespace
