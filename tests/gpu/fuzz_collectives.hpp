@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: MIT
 // The communication ops' fuzz cases on any team (the World's or a split of it), shared by the suites that run them:
-// all_reduce / all_gather / reduce_scatter (GpuFuzz.Collectives) and all_to_all / all_to_all_v (GpuFuzz.AllToAllV). A
-// case is drawn for a team of `ranks` ranks and run by each member on its stream from the world's buffers
-// (CollBuffers); inputs are functions of (seed, the member's WORLD rank, index), so every member computes the whole
-// reference on the host and a result in the wrong rank order shows: the reductions sum small integers (exact in bf16,
-// f16 and f32 in any order), the gathers and all-to-alls move hashed bytes. Outputs are poisoned (0xFF) and every byte
-// around them is checked. Invalid cases (the headers' weft::Error refusals, made alike on every member) must throw
-// naming the op before anything is launched and leave the output as it was.
+// all_reduce / all_gather / reduce_scatter (GpuFuzz.Collectives, GpuFuzz.Teams) and all_to_all / all_to_all_v
+// (GpuFuzz.AllToAllV, GpuFuzz.Teams). A case is drawn for a team of `ranks` ranks and run by each member on its stream
+// from the world's buffers (CollBuffers); inputs are functions of (seed, the member's WORLD rank, index), so every
+// member computes the whole reference on the host and a result in the wrong rank order shows: the reductions sum small
+// integers (exact in bf16, f16 and f32 in any order), the gathers and all-to-alls move hashed bytes. Outputs are
+// poisoned (0xFF) and every byte around them is checked. Invalid cases (the headers' weft::Error refusals, made alike
+// on every member) must throw naming the op before anything is launched and leave the output as it was.
 #pragma once
 
 #include <cuda_runtime_api.h>

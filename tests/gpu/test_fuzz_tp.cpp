@@ -1,14 +1,14 @@
 // SPDX-License-Identifier: MIT
 // Seeded random fuzz of the tensor-parallel ops with ranks as threads sharing the visible GPUs (worlds 1..8, non-powers
 // of two included): AgGemm, GemmRs and GemmAr (GpuFuzz.TpFusedGemm), the two TP MoE layers (GpuFuzz.MoeTpLayers) and
-// all_reduce / all_gather / reduce_scatter (GpuFuzz.Collectives, whose cases are fuzz_collectives.hpp's). Every case
-// draws fresh inputs within what the headers allow, poisons the outputs (0xFF bytes: NaN) before each call and compares
-// with an independent host reference of the unfused computation: fp64 all-gather then GEMM, GEMM then reduce-scatter,
-// GEMM then all-reduce (rounding model of support/tp_reference.hpp); the MoE layers' routing, gathered GEMM and
-// weighted top-k sum in fp64; the collectives exactly (small integer values, so every sum is exact in any order). A
-// fraction of the calls are invalid arguments, made identically on every rank (a call refused on one rank only would
-// leave its peers waiting): each must throw weft::Error naming the op before anything is launched, leave the output as
-// it was, and the same op object must then run a valid call correctly.
+// all_reduce / all_gather / reduce_scatter (GpuFuzz.Collectives, whose cases are fuzz_collectives.hpp's, shared with
+// GpuFuzz.Teams). Every case draws fresh inputs within what the headers allow, poisons the outputs (0xFF bytes: NaN)
+// before each call and compares with an independent host reference of the unfused computation: fp64 all-gather then
+// GEMM, GEMM then reduce-scatter, GEMM then all-reduce (rounding model of support/tp_reference.hpp); the MoE layers'
+// routing, gathered GEMM and weighted top-k sum in fp64; the collectives exactly (small integer values, so every sum is
+// exact in any order). A fraction of the calls are invalid arguments, made identically on every rank (a call refused on
+// one rank only would leave its peers waiting): each must throw weft::Error naming the op before anything is launched,
+// leave the output as it was, and the same op object must then run a valid call correctly.
 //
 // Knobs (environment, fuzz_harness.hpp): WEFT_FUZZ_SEED, WEFT_FUZZ_SECONDS (per test, default 15), WEFT_FUZZ_CASES,
 // WEFT_FUZZ_KERNELS, WEFT_FUZZ_CASE=i.a to replay case i, where a = W * 100 + d: the world of W ranks and the case's
