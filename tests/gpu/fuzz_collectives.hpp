@@ -435,7 +435,7 @@ struct A2aCase {
     DType dtype = DType::kBF16;
     std::vector<std::vector<int64_t>> counts;    // [src][dst] elements, team ranks
     std::vector<char> symmetric;                 // per team rank: input on the symmetric heap (read in place)
-    std::vector<int64_t> in_offset, out_offset;  // per team rank, bytes (multiples of the element size)
+    std::vector<int64_t> in_offset, out_offset;  // per team rank, bytes (at times not multiples of the element size)
     const char* pattern = "";
     bool out_symmetric = false;  // the output on the symmetric heap (every member's)
     A2aBad bad = A2aBad::kNone;
@@ -506,14 +506,18 @@ inline A2aCase draw_a2a(Rng& r, int world, int64_t max_bytes) {
             }
         }
     }
-    const int64_t sym_offset = esize * r.uniform(0, 15);  // the same place in every rank's heap allocation
+    // all_to_all moves bytes from any device memory (all_to_all.hpp): now and then the views start at any byte, not
+    // only at whole elements. Offsets stay below 16 elements either way.
+    const int64_t unit = r.chance(0.15) ? 1 : esize;
+    const auto offset = [&] { return unit * r.uniform(0, 16 * esize / unit - 1); };
+    const int64_t sym_offset = offset();  // the same place in every rank's heap allocation
     // Symmetric inputs on every rank or on none (collectives.hpp): ranks that differ make different calls, which the
     // op refuses as a call mismatch.
     const bool sym = r.chance(0.4);
     for (int q = 0; q < world; ++q) {
         c.symmetric.push_back(sym ? 1 : 0);
-        c.in_offset.push_back(sym ? sym_offset : esize * r.uniform(0, 15));
-        c.out_offset.push_back(esize * r.uniform(0, 15));
+        c.in_offset.push_back(sym ? sym_offset : offset());
+        c.out_offset.push_back(offset());
     }
     return c;
 }

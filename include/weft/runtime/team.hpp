@@ -60,7 +60,9 @@ public:
     /// Collective over this team's members (same order of calls on each): the members that pass the same
     /// non-negative `color`, ordered by (key, team rank), as in MPI_Comm_split. A negative color gives an
     /// empty team. Throws weft::Error when this rank is not a member, or after the timeout when a member
-    /// does not call it.
+    /// does not call it. Every call makes a new team (a new id), also with the same colours and keys as an
+    /// earlier one, and a team keeps the workspaces its ops make (collectives.hpp: 3 x the staging size and
+    /// more) until the World ends: split once and keep the team, rather than splitting again per step.
     Team split_color(int color, int key) const;
 
     /// Collective over the members: returns once every member has called it. Throws weft::Error when this rank
