@@ -816,6 +816,26 @@ Compiler& compiler() {
     return *instance;
 }
 
+Compiler& compiler(const std::filesystem::path& extra_root) {
+    if (extra_root.empty()) return compiler();
+    std::error_code ec;
+    std::filesystem::path root = std::filesystem::weakly_canonical(extra_root, ec);
+    if (ec) root = extra_root;
+    WEFT_CHECK(std::filesystem::is_directory(root, ec),
+               "jit::compiler: the extra include root must be a directory, got '" << extra_root.string() << "'");
+    static std::mutex mutex;
+    // Never destroyed, as compiler()'s: the kernels a compiler loads must stay valid until the process ends.
+    static auto* compilers = new std::map<std::string, std::unique_ptr<Compiler>>();
+    std::lock_guard<std::mutex> lock(mutex);
+    std::unique_ptr<Compiler>& c = (*compilers)[root.string()];
+    if (!c) {
+        CompilerConfig config = CompilerConfig::from_env();
+        config.extra_include_roots.push_back(root);
+        c = std::make_unique<Compiler>(std::move(config));
+    }
+    return *c;
+}
+
 Kernel& get_kernel(const std::string& header, const std::string& instantiation) {
     KernelSpec spec;
     spec.header = header;

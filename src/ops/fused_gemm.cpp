@@ -1,11 +1,8 @@
 // SPDX-License-Identifier: MIT
-// weft::ops::FusedGemm: the fused GEMMs' config choice, JIT specs, per-include-root compilers, call set-up.
+// weft::ops::FusedGemm: the fused GEMMs' config choice, JIT specs, call set-up.
 #include "weft/ops/fused_gemm.hpp"
 
 #include <algorithm>
-#include <map>
-#include <memory>
-#include <mutex>
 #include <sstream>
 
 #include "views_overlap.hpp"
@@ -169,25 +166,7 @@ jit::KernelSpec fused_gemm_kernel_spec(const FusedGemmSpec& spec, const GemmConf
     return k;
 }
 
-jit::Compiler& fused_gemm_compiler(const std::filesystem::path& include_root) {
-    if (include_root.empty()) return jit::compiler();
-    std::error_code ec;
-    std::filesystem::path root = std::filesystem::weakly_canonical(include_root, ec);
-    if (ec) root = include_root;
-    WEFT_CHECK(std::filesystem::is_directory(root, ec),
-               "fused_gemm: FusedGemmSpec.include_root must be a directory, got '" << include_root.string() << "'");
-    static std::mutex mutex;
-    // Never destroyed: the kernels a compiler loads must stay valid until the process ends (as jit::compiler()'s).
-    static auto* compilers = new std::map<std::string, std::unique_ptr<jit::Compiler>>();
-    std::lock_guard<std::mutex> lock(mutex);
-    std::unique_ptr<jit::Compiler>& c = (*compilers)[root.string()];
-    if (!c) {
-        jit::CompilerConfig config = jit::CompilerConfig::from_env();
-        config.extra_include_roots.push_back(root);
-        c = std::make_unique<jit::Compiler>(std::move(config));
-    }
-    return *c;
-}
+jit::Compiler& fused_gemm_compiler(const std::filesystem::path& include_root) { return jit::compiler(include_root); }
 
 FusedGemm::FusedGemm(const Team& team, const FusedGemmSpec& spec, const GemmConfig& config)
     : world_(nullptr), spec_(spec), config_(config), kernel_(nullptr) {

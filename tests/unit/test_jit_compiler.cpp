@@ -669,6 +669,28 @@ TEST(JitCompiler, EveryAotSpecCompiles) {
     }
 }
 
+// jit::compiler(folder): one process-wide compiler per folder, searching it before weft's roots.
+TEST(JitCompiler, ProcessWideCompilerForAFolder) {
+    TempDir a("weft_jit_root_a"), b("weft_jit_root_b");
+    write_text_file(a / "mine.cuh", "#pragma once\n__global__ void mine() {}\n");
+    EXPECT_EQ(&compiler(fs::path()), &compiler());
+    Compiler& ca = compiler(a.path());
+    EXPECT_EQ(&compiler(a.path() / "."), &ca) << "the same folder, spelled otherwise";
+    EXPECT_NE(&compiler(b.path()), &ca);
+    EXPECT_NE(&ca, &compiler());
+    ASSERT_FALSE(ca.roots().extra.empty());
+    EXPECT_EQ(ca.roots().extra.back(), fs::weakly_canonical(a.path()));
+    const KernelSpec spec{.header = "mine.cuh", .instantiation = "mine", .arch = kArch};
+    EXPECT_EQ(ca.cache_key(spec).size(), 64u);  // found under the folder
+    EXPECT_THROW(compiler(b.path()).cache_key(spec), Error);
+    try {
+        compiler(a / "mine.cuh");
+        ADD_FAILURE() << "a file was taken for a folder";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("must be a directory"), std::string::npos) << e.what();
+    }
+}
+
 // ---- include roots ----
 
 TEST(JitPaths, FindsTheSourceTreeFromTheExecutable) {

@@ -101,8 +101,10 @@ TEST(TpFusedGemm, ChecksSpecAndConfig) {
     GemmConfig bad = ok;
     bad.tile_k = 32;
     expect_error([&] { ops::check_fused_gemm_config(bad); }, "not a valid GemmConfig");
-    expect_error([&] { ops::fused_gemm_compiler(fs::path("/no/such/folder/anywhere")); }, "include_root");
+    expect_error([&] { ops::fused_gemm_compiler(fs::path("/no/such/folder/anywhere")); }, "/no/such/folder/anywhere");
     EXPECT_EQ(&ops::fused_gemm_compiler(fs::path()), &jit::compiler());
+    const fs::path root = jit::find_include_roots().weft_kernels;
+    EXPECT_EQ(&ops::fused_gemm_compiler(root), &jit::compiler(root));
 }
 
 // FusedGemm::launch checks weft's own scheduler and hook parameters before the launch: a zero-initialised struct with a

@@ -174,6 +174,12 @@ private:
 /// kernels stay valid until the process ends).
 Compiler& compiler();
 
+/// The process-wide compiler that also searches `extra_root` (a folder of your own kernel headers, searched before
+/// weft's roots): built from the environment (CompilerConfig::from_env) on the first call for that folder, then the
+/// same one for every call naming it (compared after weakly_canonical); never destroyed, as compiler()'s. An empty
+/// path gives compiler(). Thread-safe. Throws weft::Error when `extra_root` is not a directory.
+Compiler& compiler(const std::filesystem::path& extra_root);
+
 /// Shorthand for compiler().get_kernel() with a spec of just a header and an instantiation.
 Kernel& get_kernel(const std::string& header, const std::string& instantiation);
 

@@ -164,8 +164,8 @@ uint64_t fused_gemm_timeout_ns(const Team& team);
 jit::KernelSpec fused_gemm_kernel_spec(const FusedGemmSpec& spec, const GemmConfig& config,
                                        const std::string& arch = "");
 
-/// The process-wide compiler for headers under `include_root`: weft::jit::compiler() when it is empty, else one built
-/// from the environment (CompilerConfig::from_env) with `include_root` as its extra root, kept until the process ends.
+/// The compiler FusedGemm uses for headers under `include_root`: weft::jit::compiler(include_root) (process-wide,
+/// never destroyed; weft::jit::compiler() when it is empty).
 jit::Compiler& fused_gemm_compiler(const std::filesystem::path& include_root);
 
 /// One call set up on the host: the tensor maps of A, B and D, the kernel's run-time arguments and the grid.
