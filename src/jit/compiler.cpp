@@ -446,6 +446,31 @@ struct Compiled {
     std::string ptx;
 };
 
+// A hint to append to NVRTC's log when it could not open a C++ (or C) standard library header, which NVRTC does not
+// have; empty otherwise.
+std::string missing_standard_header_hint(const std::string& log) {
+    // The standard headers a kernel header is likely to reach for, each between spaces.
+    static constexpr std::string_view kStandard =
+        " algorithm array atomic bit bitset cassert cctype cerrno cfloat charconv chrono cinttypes climits cmath"
+        " compare complex concepts cstdarg cstddef cstdint cstdio cstdlib cstring ctime exception functional"
+        " initializer_list iostream iterator limits memory new numeric optional ratio span string string_view tuple"
+        " type_traits utility variant vector version assert.h float.h limits.h math.h stddef.h stdint.h stdio.h"
+        " stdlib.h string.h ";
+    static constexpr std::string_view kNeedle = "cannot open source file \"";
+    for (size_t at = log.find(kNeedle); at != std::string::npos; at = log.find(kNeedle, at + 1)) {
+        const size_t begin = at + kNeedle.size();
+        const size_t end = log.find('"', begin);
+        if (end == std::string::npos) break;
+        const std::string name = log.substr(begin, end - begin);
+        if (!name.empty() && kStandard.find(" " + name + " ") != std::string_view::npos) {
+            return "\nhint: NVRTC has no C++ standard library (<" + name +
+                   ">): weft's JIT headers include weft/common/macros.hpp for the fixed-width integers and "
+                   "<cuda/std/...> for the rest (docs/jit.md, \"No standard library under NVRTC\")\n";
+        }
+    }
+    return {};
+}
+
 Compiled run_toolchain(const KernelSpec& spec, const std::string& source, const std::string& source_name,
                        const IncludeRoots& roots) {
     const CompileOptions& o = spec.options;
@@ -486,6 +511,7 @@ Compiled run_toolchain(const KernelSpec& spec, const std::string& source, const 
         while (!log.empty() && log.back() == '\0') log.pop_back();
     }
     if (status != NVRTC_SUCCESS) {
+        log += missing_standard_header_hint(log);
         WEFT_FAIL("jit: NVRTC could not compile " << context() << "\nNVRTC (" << nvrtcGetErrorString(status)
                                                  << ") log:\n" << log << "\nGenerated source:\n" << source);
     }

@@ -491,6 +491,35 @@ TEST(JitCompiler, CompileErrorShowsTheLogTheSourceAndTheConfig) {
     }
 }
 
+// A header that includes a C++ standard library header fails under NVRTC (it has none): the error says what weft's
+// JIT headers include instead.
+TEST(JitCompiler, AMissingStandardHeaderGetsAHint) {
+    TempDir root("weft_jit_std");
+    Compiler compiler(isolated_compiler_config(fs::path(), {root.path()}));
+    for (const std::string include : {"<cstdint>", "<type_traits>", "<stdint.h>"}) {
+        SCOPED_TRACE(include);
+        write_text_file(root / "uses_std.cuh", "#pragma once\n#include " + include + "\n__global__ void k() {}\n");
+        KernelSpec spec{.header = "uses_std.cuh", .instantiation = "k", .arch = kArch};
+        try {
+            compiler.compile(spec);
+            ADD_FAILURE() << "NVRTC found a standard library header";
+        } catch (const Error& e) {
+            const std::string what = e.what();
+            EXPECT_NE(what.find("cannot open source file"), std::string::npos) << what;
+            EXPECT_NE(what.find("weft/common/macros.hpp"), std::string::npos) << what;
+            EXPECT_NE(what.find("docs/jit.md"), std::string::npos) << what;
+        }
+    }
+    // A header of the user's own that is missing is not a standard one: no hint.
+    write_text_file(root / "uses_own.cuh", "#pragma once\n#include \"my/missing.cuh\"\n__global__ void k() {}\n");
+    try {
+        compiler.compile({.header = "uses_own.cuh", .instantiation = "k", .arch = kArch});
+        ADD_FAILURE() << "a missing header compiled";
+    } catch (const Error& e) {
+        EXPECT_EQ(std::string(e.what()).find("weft/common/macros.hpp"), std::string::npos) << e.what();
+    }
+}
+
 TEST(JitCompiler, BadSpecsAreErrorsNamingTheArgument) {
     Compiler compiler(isolated_compiler_config(fs::path()));
     KernelSpec missing = saxpy(1);
