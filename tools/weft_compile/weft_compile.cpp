@@ -9,6 +9,7 @@
 #include <string>
 #include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "weft/jit/aot.hpp"
@@ -16,6 +17,7 @@
 #include "weft/jit/compiler.hpp"
 #include "weft/jit/paths.hpp"
 #include "weft/ops/aot.hpp"
+#include "weft/ops/fused_gemm.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
@@ -34,6 +36,13 @@ loads them without compiling. Needs no GPU when --arch is given.
                         e.g. jit_selftest/saxpy.cuh|weft::kernels::jit_selftest::saxpy<...>
                         ('#' starts a comment line, a trailing '\' continues a line)
   --builtin             compile the specs weft registers for its own ops (see --list)
+  --fused-gemm HEADER,SCHEDULER,HOOK
+                        compile a weft::ops::FusedGemm of your own for every config of fused_gemm_candidates:
+                        the kernels a FusedGemm with that header, scheduler and hook loads, its include_root
+                        being the first --include-root (none: a header under weft's roots); split at the first
+                        two commas (repeatable)
+  --fused-gemm-dtypes IN,OUT
+                        the candidates' input and output dtypes (default bf16,bf16)
   --list                print the selected specs and their cache keys, compile nothing
   --include-root DIR    extra include root searched before weft's (repeatable)
   --lineinfo            compile with -lineinfo      } these change the cache key: use the same
@@ -42,10 +51,12 @@ loads them without compiling. Needs no GPU when --arch is given.
   --define NAME[=VAL]   add -DNAME[=VAL] (repeatable)
   --expect-cached       compile nothing; exit 1 unless every spec is already in the cache
   --load                also load every kernel on the current GPU (proves the entries load)
+  --strict              exit 1 when a kernel spills registers or ptxas warns about its speed (C75xx)
   --jobs N              compile N specs at a time (default 1; NVRTC runs one compile per thread)
   --prune DAYS          first remove the cache's entries not used for DAYS days (1..36500); alone, only that
   -h, --help            this text
-Exit status: 0 on success, 1 when a spec failed (or is missing with --expect-cached), 2 on bad usage.
+Exit status: 0 on success, 1 when a spec failed (or is missing with --expect-cached, or is flagged by --strict),
+2 on bad usage.
 )";
 
 int usage_error(const std::string& message) {
@@ -62,6 +73,32 @@ std::optional<int> parse_int_in(const std::string& text, int lo, int hi) {
     return v;
 }
 
+// "HEADER,SCHEDULER,HOOK", split at the first two commas (a hook's template arguments may hold more).
+weft::ops::FusedGemmSpec parse_fused_gemm(const std::string& text) {
+    const size_t a = text.find(',');
+    const size_t b = a == std::string::npos ? a : text.find(',', a + 1);
+    if (b == std::string::npos || a == 0 || b == a + 1 || b + 1 == text.size()) {
+        throw weft::Error("--fused-gemm needs HEADER,SCHEDULER,HOOK, got '" + text + "'");
+    }
+    return {.header = text.substr(0, a),
+            .scheduler = text.substr(a + 1, b - a - 1),
+            .hook = text.substr(b + 1),
+            .name = text.substr(0, a)};
+}
+
+// "IN,OUT": two dtype names (dtype_name: bf16, f16, f32 ...).
+std::pair<weft::DType, weft::DType> parse_dtypes(const std::string& text) {
+    const auto dtype = [&](const std::string& name) {
+        for (int i = 0; i <= static_cast<int>(weft::DType::kU8); ++i) {
+            if (name == weft::dtype_name(static_cast<weft::DType>(i))) return static_cast<weft::DType>(i);
+        }
+        throw weft::Error("--fused-gemm-dtypes: unknown dtype '" + name + "' in '" + text + "'");
+    };
+    const size_t comma = text.find(',');
+    if (comma == std::string::npos) throw weft::Error("--fused-gemm-dtypes needs IN,OUT, got '" + text + "'");
+    return {dtype(text.substr(0, comma)), dtype(text.substr(comma + 1))};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -71,7 +108,9 @@ int main(int argc, char** argv) {
     std::optional<fs::path> cache_dir;
     std::string arch;
     std::vector<std::string> spec_files;
-    bool builtin = false, list = false, expect_cached = false, load = false;
+    std::vector<ops::FusedGemmSpec> fused;
+    std::pair<weft::DType, weft::DType> fused_dtypes{weft::DType::kBF16, weft::DType::kBF16};
+    bool builtin = false, list = false, expect_cached = false, load = false, strict = false;
     int jobs = 1;
     std::optional<int> prune_days;
     jit::CompilerConfig config;
@@ -94,6 +133,10 @@ int main(int argc, char** argv) {
                 spec_files.push_back(value());
             } else if (a == "--builtin") {
                 builtin = true;
+            } else if (a == "--fused-gemm") {
+                fused.push_back(parse_fused_gemm(value()));
+            } else if (a == "--fused-gemm-dtypes") {
+                fused_dtypes = parse_dtypes(value());
             } else if (a == "--list") {
                 list = true;
             } else if (a == "--include-root") {
@@ -113,6 +156,8 @@ int main(int argc, char** argv) {
                 expect_cached = true;
             } else if (a == "--load") {
                 load = true;
+            } else if (a == "--strict") {
+                strict = true;
             } else if (a == "--jobs") {
                 const std::string v = value();
                 const std::optional<int> n = parse_int_in(v, 1, 256);
@@ -129,8 +174,8 @@ int main(int argc, char** argv) {
     } catch (const weft::Error& e) {
         return usage_error(e.what());
     }
-    if (!builtin && spec_files.empty() && !prune_days) {
-        return usage_error("nothing to compile: give --specs FILE and/or --builtin");
+    if (!builtin && spec_files.empty() && fused.empty() && !prune_days) {
+        return usage_error("nothing to compile: give --specs FILE, --fused-gemm or --builtin");
     }
 
     try {
@@ -142,7 +187,7 @@ int main(int argc, char** argv) {
             std::printf("weft-compile: pruned %s: removed %llu entries unused for %d days (%.1f MiB), kept %llu\n",
                         config.cache_dir->string().c_str(), static_cast<unsigned long long>(r.removed), *prune_days,
                         static_cast<double>(r.removed_bytes) / (1 << 20), static_cast<unsigned long long>(r.kept));
-            if (!builtin && spec_files.empty()) return 0;
+            if (!builtin && spec_files.empty() && fused.empty()) return 0;
         }
         std::vector<jit::KernelSpec> specs;
         if (builtin) {
@@ -152,6 +197,18 @@ int main(int argc, char** argv) {
         for (const auto& file : spec_files) {
             const std::vector<char> bytes = jit::read_file_bytes(file);
             for (auto& s : jit::parse_spec_file(std::string(bytes.begin(), bytes.end()), file)) specs.push_back(std::move(s));
+        }
+        for (ops::FusedGemmSpec& f : fused) {
+            // As FusedGemm's: a header under an extra root gets weft's GEMM kernel included after it.
+            if (!config.extra_include_roots.empty()) f.include_root = config.extra_include_roots.front();
+            const std::vector<weft::GemmConfig> configs =
+                ops::fused_gemm_candidates(fused_dtypes.first, fused_dtypes.second);
+            if (configs.empty()) {
+                return usage_error(std::string("--fused-gemm: no fused GEMM candidates for ") +
+                                   weft::dtype_name(fused_dtypes.first) + " -> " +
+                                   weft::dtype_name(fused_dtypes.second));
+            }
+            for (const weft::GemmConfig& c : configs) specs.push_back(ops::fused_gemm_kernel_spec(f, c));
         }
         const std::string target = jit::Compiler::resolve_arch(arch);
         for (auto& s : specs) {
@@ -171,7 +228,7 @@ int main(int argc, char** argv) {
         jit::Compiler compiler(config);
         std::printf("weft-compile: %zu spec(s) for %s into %s\n", specs.size(), target.c_str(),
                     config.cache_dir->string().c_str());
-        std::atomic<int> failed{0}, missing{0};
+        std::atomic<int> failed{0}, missing{0}, flagged{0};
         std::mutex print_mutex;
         // On stderr: a bar redrawn in place on a terminal, else a line at every tenth of the specs (and every 10 s).
         std::optional<weft::ProgressReporter> progress;
@@ -197,6 +254,12 @@ int main(int argc, char** argv) {
                 std::printf("  %s %s  %s  (%d registers, spills %d/%d bytes)\n", state, r.key.substr(0, 16).c_str(),
                             spec.describe().c_str(), r.ptxas_info.registers, r.ptxas_info.spill_store_bytes,
                             r.ptxas_info.spill_load_bytes);
+                if (strict && (r.ptxas_info.spill_store_bytes != 0 || r.ptxas_info.spill_load_bytes != 0 ||
+                               r.log.find("C75") != std::string::npos)) {
+                    ++flagged;
+                    std::fprintf(stderr, "weft-compile: --strict: %s spills registers or has a ptxas warning:\n%s\n",
+                                 spec.describe().c_str(), r.log.c_str());
+                }
                 std::fflush(stdout);
                 if (progress) progress->advance(spec.describe());
             } catch (const weft::Error& e) {
@@ -245,11 +308,12 @@ int main(int argc, char** argv) {
         st.compiles += main_stats.compiles;
         const std::string not_cached =
             (list || expect_cached) ? ", " + std::to_string(missing.load()) + " not cached" : "";
-        std::printf("weft-compile: %zu spec(s): %llu compiled, %llu cache hit(s), %d failed%s, %llu loaded\n",
+        const std::string not_clean = strict ? ", " + std::to_string(flagged.load()) + " spilling or warned" : "";
+        std::printf("weft-compile: %zu spec(s): %llu compiled, %llu cache hit(s), %d failed%s%s, %llu loaded\n",
                     specs.size(), static_cast<unsigned long long>(st.compiles),
-                    static_cast<unsigned long long>(st.hits()), failed.load(), not_cached.c_str(),
+                    static_cast<unsigned long long>(st.hits()), failed.load(), not_cached.c_str(), not_clean.c_str(),
                     static_cast<unsigned long long>(main_stats.loads));
-        if (failed > 0 || (expect_cached && missing > 0)) return 1;
+        if (failed > 0 || flagged > 0 || (expect_cached && missing > 0)) return 1;
         if (!list && !expect_cached) {
             // Filling the cache is the tool's whole job: a compile whose entry could not be stored (a folder that is
             // not writable or not trusted; the compiler only warns) fails it.
