@@ -32,14 +32,14 @@ namespace weft::jit {
 
 /// One specialisation of one kernel template.
 struct KernelSpec {
-    std::string header;         ///< included by the generated source, relative to an include root,
-                                ///< e.g. "gemm/gemm_sm90.cuh" (kernels/) or "weft/..." (include/)
-    std::string instantiation;  ///< a __global__ function, e.g. "ns::kernel<ns::Config{.tile_m = 128}>"
-    std::string preamble;       ///< code placed before the #include (macros, forward declarations)
-    std::string extra_code;     ///< code placed after the #include (helpers, a wrapper kernel)
-    std::string description;    ///< human-readable config for logs and errors; default: instantiation
-    std::string arch;           ///< "sm_90a" ...; empty: WEFT_JIT_ARCH, else the current device's
-    CompileOptions options;
+    std::string header{};         ///< included by the generated source, relative to an include root,
+                                  ///< e.g. "gemm/gemm_sm90.cuh" (kernels/) or "weft/..." (include/)
+    std::string instantiation{};  ///< a __global__ function, e.g. "ns::kernel<ns::Config{.tile_m = 128}>"
+    std::string preamble{};       ///< code placed before the #include (macros, forward declarations)
+    std::string extra_code{};     ///< code placed after the #include (helpers, a wrapper kernel)
+    std::string description{};    ///< human-readable config for logs and errors; default: instantiation
+    std::string arch{};           ///< "sm_90a" ...; empty: WEFT_JIT_ARCH, else the current device's
+    CompileOptions options{};
 
     const std::string& describe() const { return description.empty() ? instantiation : description; }
 };
