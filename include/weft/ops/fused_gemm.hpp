@@ -85,7 +85,15 @@
 //   resident at once (a spinning CTA whose producer cannot start waits for good). A config's first launch on
 //   each rank should end (World::sync_and_check, then team.barrier()) before more is launched
 //   (kernels/gemm_rs/README.md, "Ranks sharing a GPU"). World::sm_budget() is per device, not per team: ranks of
-//   other teams on the same GPU keep their SMs.
+//   other teams on the same GPU keep their SMs. Chunks fed by copy engines (docs/memory_model.md, rule 4) while the
+//   GEMM spins: with several ranks of one process on the GPU (World::same_process() and num_ranks_on_device() > 1,
+//   e.g. run_local on fewer GPUs than ranks) the ranks' streams share hardware queues, so a copy or
+//   stream_write_u64 can sit behind a spinning kernel that waits for it (docs/runtime.md, "Hardware queues").
+//   weft's own AllGather+GEMM pulls with a kernel there instead (one CTA: a bounded wait on the peer's ready flag,
+//   the copy, then the chunk's signal; kernels/tp_common/peer_pull.cuh) and, whenever ranks share a GPU, leaves one
+//   SM of the share free of the GEMM for such helpers (prepare(a, b, d, World::sm_budget() - 1); a driver may run a
+//   same-device copy as a kernel). One rank per GPU, or processes sharing a GPU (a context each), keep the copy
+//   engines.
 // - Timeouts: the GEMM's pipeline waits are bounded by twice World::timeout(), so the waits of your scheduler and
 //   hook (bounded by World::timeout() through the DeviceCtx) expire first, with their diagnosis. An abort (a peer
 //   that failed, World::abort) ends a wait_checked within ~16 ms.
