@@ -38,7 +38,9 @@
 //     `tile::wait`: on a timeout or an abort it ends the producer (`exit`), and the consumers, whose pipeline waits
 //     do not read the abort word, stay until their own bound and trap.
 //   - The producer runs with kGemmProducerRegs (40) registers: keep a reference to the Params (`const Params& p_`,
-//     in the kernel's parameter bank) rather than a copy, and 32-bit index arithmetic.
+//     in the kernel's parameter bank) rather than a copy, and 32-bit index arithmetic. The tile maps
+//     (weft/common/tile_map.hpp) have 64-bit members and divide in 64 bits: compute what tile(i) needs from them once,
+//     in the constructor (e.g. the rotation's start, map.tile_at(rank, 0)) or on the host, or the kernel spills.
 //   - Speed: a function call anywhere in the kernel can make ptxas serialise its wgmma (warning C7510 in the JIT log,
 //     WEFT_JIT_VERBOSE_PTXAS=1): the _checked forms are fully inline (no call, no reachable trap); tile::wait and
 //     tile::notify report a failure through a call.
