@@ -37,8 +37,12 @@ int main(int argc, char** argv) try {
     if (k % 8 != 0) args.fail("argument 3 (k) must be a multiple of 8, got " + std::to_string(k));
     WEFT_CUDA_CHECK(cudaGetDeviceCount(&gpus));
     if (world <= 0) world = std::max(2, gpus);
-    // The device code ships next to the binary (CMake copies device/ there): the JIT's extra include root.
-    const auto device_dir = std::filesystem::read_symlink("/proc/self/exe").parent_path() / "device";
+    // The JIT's extra include root: the source folder in a build tree (a kernel edit needs no rebuild), else the copy
+    // CMake puts next to the binary.
+    std::filesystem::path device_dir = std::filesystem::read_symlink("/proc/self/exe").parent_path() / "device";
+#ifdef WEFT_EXAMPLE_DEVICE_DIR
+    if (std::filesystem::is_directory(WEFT_EXAMPLE_DEVICE_DIR)) device_dir = WEFT_EXAMPLE_DEVICE_DIR;
+#endif
     std::vector<long long> wrong(static_cast<size_t>(world), 0);
 
     weft::run_local(world, [&](weft::World& w) {
