@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: MIT
-// weft's host umbrella header: the runtime API (World, run_local, SymmetricHeap, Team, stream helpers ...).
+// weft's host umbrella header: the runtime API (World, run_local, SymmetricHeap, Team, stream helpers ...) and the
+// tile maps host and kernels share.
 #pragma once
 
 #include "weft/common/device_ctx.hpp"
 #include "weft/common/diagnostics.hpp"
 #include "weft/common/dtype.hpp"
+#include "weft/common/tile_map.hpp"
 #include "weft/runtime/diagnostics.hpp"
 #include "weft/runtime/driver.hpp"
 #include "weft/runtime/env.hpp"

@@ -30,6 +30,7 @@
 #include "support/runtime_checks.hpp"
 #include "support/tp_reference.hpp"
 #include "weft/common/dtype.hpp"
+#include "weft/common/math.hpp"  // round_up, ceil_div
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/tensor_view.hpp"
 #include "weft/runtime/world.hpp"
@@ -66,8 +67,6 @@ struct Rng {
         return *(values.begin() + uniform(0, static_cast<int64_t>(values.size()) - 1));
     }
 };
-
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 inline const char* env_or_null(const char* name) {
     const char* v = std::getenv(name);

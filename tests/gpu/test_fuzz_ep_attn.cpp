@@ -1471,7 +1471,7 @@ PrefillCase draw_prefill(Rng& r, AttentionPrefillKernel device_kernel) {
     c.group = r.chance(0.3) ? r.pick<int64_t>({1, 4, 8, 16}) : r.uniform(1, 16);
     c.seq_q = draw_length(r);
     c.seq_kv = r.chance(0.6) ? c.seq_q : draw_length(r);
-    if (r.chance(0.15)) c.seq_q = fuzz_test::round_up(std::max<int64_t>(c.seq_q, 1), int64_t{64});  // whole tiles too
+    if (r.chance(0.15)) c.seq_q = weft::round_up(std::max<int64_t>(c.seq_q, 1), int64_t{64});  // whole tiles too
     // Bounded sizes: q [seq_q, hq, dim] and k/v within a few million elements.
     while (c.seq_q * c.hq() * c.dim > (int64_t{6} << 20) && c.group > 1) c.group = (c.group + 1) / 2;
     while (c.seq_q * c.hq() * c.dim > (int64_t{6} << 20) && c.hkv > 1) c.hkv = (c.hkv + 1) / 2;
