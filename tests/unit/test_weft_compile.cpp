@@ -26,10 +26,14 @@ struct ToolRun {
     std::string output;  // stdout and stderr
 };
 
-// weft-compile from this build tree (built with it by `cmake --build`); empty when absent.
+// weft-compile from this build tree (the test binary depends on it when the tools are built); empty without it.
 fs::path weft_compile_path() {
-    const fs::path p = fs::path(WEFT_TEST_BINARY_DIR) / "tools" / "weft_compile" / "weft-compile";
+#if defined(WEFT_WEFT_COMPILE_PATH)
+    const fs::path p = WEFT_WEFT_COMPILE_PATH;
     return fs::is_regular_file(p) ? p : fs::path();
+#else
+    return fs::path();
+#endif
 }
 
 ToolRun run_weft_compile(const std::vector<std::string>& args) {
@@ -51,7 +55,7 @@ fs::path example_10_device_dir() {
 }
 
 #define SKIP_WITHOUT_WEFT_COMPILE() \
-    if (weft_compile_path().empty()) GTEST_SKIP() << "weft-compile is not built in " << WEFT_TEST_BINARY_DIR
+    if (weft_compile_path().empty()) GTEST_SKIP() << "weft-compile is not built (WEFT_BUILD_TOOLS=OFF)"
 
 // `weft-compile --fused-gemm` warms exactly the cache entries a program's FusedGemm loads: after it, the program's
 // compiler (from the environment, with the FusedGemm's include root, here a copy of the headers elsewhere, as example
