@@ -8,7 +8,7 @@
 // network transport only):
 //   WEFT_VIRTUAL_NODES=2 weftrun -n 4 -- weft_example_09_two_nodes [count=1000000]
 // On a cluster, one process per GPU (docs/multinode.md):
-//   srun -N 2 --ntasks-per-node=8 --gpus-per-task=1 weft_example_09_two_nodes
+//   srun -N 2 --ntasks-per-node=8 --gpus-per-node=8 weft_example_09_two_nodes
 #include <cuda_runtime.h>
 
 #include <algorithm>

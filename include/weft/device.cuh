@@ -5,7 +5,7 @@
 // The device layer is Hopper's (sm_90a: TMA, mbarrier transactions, wgmma, clusters).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error \
-    "weft's device layer needs sm_90a or later: compile for it (nvcc -arch=sm_90a; CMake: CUDA_ARCHITECTURES 90a, or weft_cuda_target(<target>))"
+    "weft's device layer needs sm_90a (Hopper): compile for it (nvcc -arch=sm_90a; CMake: CUDA_ARCHITECTURES 90a, or weft_cuda_target(<target>))"
 #endif
 
 #include "weft/common/collectives.hpp"

@@ -3,7 +3,9 @@
 #include "weft/ops/fused_gemm.hpp"
 
 #include <algorithm>
+#include <filesystem>
 #include <sstream>
+#include <system_error>
 
 #include "views_overlap.hpp"
 #include "weft/detail/rendezvous_protocol.hpp"
@@ -166,7 +168,12 @@ jit::KernelSpec fused_gemm_kernel_spec(const FusedGemmSpec& spec, const GemmConf
     return k;
 }
 
-jit::Compiler& fused_gemm_compiler(const std::filesystem::path& include_root) { return jit::compiler(include_root); }
+jit::Compiler& fused_gemm_compiler(const std::filesystem::path& include_root) {
+    std::error_code ec;
+    WEFT_CHECK(include_root.empty() || std::filesystem::is_directory(include_root, ec),
+               "fused_gemm: FusedGemmSpec::include_root must be a directory, got '" << include_root.string() << "'");
+    return jit::compiler(include_root);
+}
 
 FusedGemm::FusedGemm(const Team& team, const FusedGemmSpec& spec, const GemmConfig& config)
     : world_(nullptr), spec_(spec), config_(config), kernel_(nullptr) {

@@ -285,8 +285,14 @@ inline std::string run_coll(const CollCase& c, uint64_t seed, const Team& team, 
     check_cuda(cudaMemsetAsync(check_base, 0xFF, span, st), "poison");
     const std::vector<uint8_t> mine = coll_input(c, seed, team.world_rank(me), in_elems);
     to_dev(in, mine.data(), mine.size(), st);
-    std::vector<uint8_t> before;
-    if (c.bad != CollBad::kNone) before = from_dev(check_base, span, st);
+    // A refused call writes nothing: neither the output's buffer nor the input's (an overlapping invalid view points
+    // into the input), from its base to the guard past the input.
+    const uint64_t in_span = static_cast<uint64_t>(in - in_base) + in_elems * es + kGuard;
+    std::vector<uint8_t> before, before_in;
+    if (c.bad != CollBad::kNone) {
+        before = from_dev(check_base, span, st);
+        before_in = from_dev(in_base, in_span, st);
+    }
     team.barrier();  // every member's input and poisoned output are in place before any peer reads or writes them
 
     TensorView tin(in, c.dt, {static_cast<int64_t>(in_elems)});
@@ -356,6 +362,9 @@ inline std::string run_coll(const CollCase& c, uint64_t seed, const Team& team, 
         check_cuda(cudaGetLastError(), "after a refused call");
         const std::vector<uint8_t> after = from_dev(check_base, span, st);
         if (after != before) return coll_bad_name(c.bad) + std::string(": a refused call wrote into the output");
+        if (from_dev(in_base, in_span, st) != before_in) {
+            return coll_bad_name(c.bad) + std::string(": a refused call wrote into the input's buffer");
+        }
         return "";
     }
     call();
@@ -628,12 +637,18 @@ inline std::string run_a2a(const A2aCase& c, uint64_t seed, uint64_t tag, const 
             in_host.push_back(a2a_byte(seed, tag, my_world, team.world_rank(q), i));
         }
     }
-    uint8_t* in = (c.symmetric[static_cast<size_t>(me)] ? b.sym_in : b.local_in) + c.in_offset[static_cast<size_t>(me)];
+    uint8_t* const in_buffer = c.symmetric[static_cast<size_t>(me)] ? b.sym_in : b.local_in;
+    uint8_t* in = in_buffer + c.in_offset[static_cast<size_t>(me)];
     uint8_t* const out_base = c.out_symmetric ? b.sym_out : b.local_out;
     const uint64_t lead = static_cast<uint64_t>(c.out_offset[static_cast<size_t>(me)]);
     to_dev(in, in_host.data(), in_host.size(), st);
     check_cuda(cudaMemsetAsync(out_base, 0xFF, b.capacity, st), "poison");
     check_cuda(cudaStreamSynchronize(st), "poison");
+    // A refused call writes nothing, also not into the input's buffer (an overlapping invalid output points there).
+    const uint64_t in_span =
+        std::min<uint64_t>(in_host.size() + kGuard, b.capacity - static_cast<uint64_t>(in - in_buffer));
+    std::vector<uint8_t> before_in;
+    if (c.invalid()) before_in = from_dev(in, in_span, st);
     team.barrier();  // every member's input is in place before a peer reads it
 
     const A2aArgs a = a2a_args(c, me, in, out_base + lead);
@@ -653,6 +668,8 @@ inline std::string run_a2a(const A2aCase& c, uint64_t seed, uint64_t tag, const 
         check_cuda(cudaGetLastError(), "after a refused call");
         if (what.empty() && !poison_intact(from_dev(out_base, b.capacity, st).data(), b.capacity))
             what = "a refused call wrote into the output";
+        if (what.empty() && from_dev(in, in_span, st) != before_in)
+            what = "a refused call wrote into the input's buffer";
         return what.empty() ? "" : a2a_bad_name(c.bad) + std::string(": ") + what;
     }
     try {

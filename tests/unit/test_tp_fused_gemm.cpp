@@ -101,7 +101,8 @@ TEST(TpFusedGemm, ChecksSpecAndConfig) {
     GemmConfig bad = ok;
     bad.tile_k = 32;
     expect_error([&] { ops::check_fused_gemm_config(bad); }, "not a valid GemmConfig");
-    expect_error([&] { ops::fused_gemm_compiler(fs::path("/no/such/folder/anywhere")); }, "/no/such/folder/anywhere");
+    expect_error([&] { ops::fused_gemm_compiler(fs::path("/no/such/folder/anywhere")); },
+                 "fused_gemm: FusedGemmSpec::include_root must be a directory, got '/no/such/folder/anywhere'");
     EXPECT_EQ(&ops::fused_gemm_compiler(fs::path()), &jit::compiler());
     const fs::path root = jit::find_include_roots().weft_kernels;
     EXPECT_EQ(&ops::fused_gemm_compiler(root), &jit::compiler(root));

@@ -109,6 +109,15 @@ TEST(WeftCompile, FusedGemmArgumentsAreChecked) {
               "chain_gemm.cuh,example::WaitForRows,example::NotifyNextRank", "--fused-gemm-dtypes", "f16,f32"});
     EXPECT_EQ(ok.exit_code, 0) << ok.output;
     EXPECT_NE(ok.output.find("f16->f32"), std::string::npos) << ok.output;
+    // --strict judges compiles: with --list (or --expect-cached) nothing is compiled, so it is refused, not passed.
+    for (const char* mode : {"--list", "--expect-cached"}) {
+        const ToolRun strict =
+            run_weft_compile({"--arch", "sm_90a", "--cache-dir", cache.path().string(), mode, "--strict",
+                              "--include-root", example_10_device_dir().string(), "--fused-gemm",
+                              "chain_gemm.cuh,example::WaitForRows,example::NotifyNextRank"});
+        EXPECT_EQ(strict.exit_code, 2) << mode << "\n" << strict.output;
+        EXPECT_NE(strict.output.find(std::string("does not combine with ") + mode), std::string::npos) << strict.output;
+    }
 }
 
 // --strict fails a kernel that spills (here forced by --maxrregcount); without it the same compile succeeds.

@@ -177,6 +177,11 @@ int main(int argc, char** argv) {
     if (!builtin && spec_files.empty() && fused.empty() && !prune_days) {
         return usage_error("nothing to compile: give --specs FILE, --fused-gemm or --builtin");
     }
+    if (strict && (list || expect_cached)) {
+        // --strict judges what a compile reports; --list and --expect-cached compile nothing.
+        return usage_error(std::string("--strict checks what compiling reports: it does not combine with ") +
+                           (list ? "--list" : "--expect-cached"));
+    }
 
     try {
         config.cache_dir = cache_dir ? cache_dir : jit::default_cache_dir();
