@@ -78,21 +78,6 @@ size_t sz(T x) {
     return static_cast<size_t>(x);
 }
 
-/// "" when `f` throws weft::Error with a message that names `op`; else what went wrong.
-std::string expect_refusal(const std::function<void()>& f, const char* op) {
-    try {
-        f();
-    } catch (const Error& e) {
-        const std::string m = e.what();
-        if (m.empty()) return "weft::Error with an empty message";
-        if (m.find(op) == std::string::npos) return "the message does not name " + std::string(op) + ": " + m;
-        return "";
-    } catch (const std::exception& e) {
-        return std::string("threw a non-weft exception: ") + e.what();
-    }
-    return "the call accepted it (no weft::Error)";
-}
-
 // ---- ranks as threads: worlds drawn one after another, the same cases on every rank --------------------------------
 
 /// One rank's part of case `idx`: returns this rank's failures ("what" each); sets *fatal when the World may be
@@ -596,7 +581,7 @@ std::string check_status(const ep::Buffer& buf, bool my_bad_ids, std::optional<e
 /// if not, setting *fatal (a Buffer made on some ranks only: the ranks' calls may no longer agree).
 std::vector<std::string> check_config_refused(World& w, const EpCase& c, const ep::Config& cfg, bool* fatal) {
     std::vector<std::string> fails;
-    const std::string why = expect_refusal([&] { ep::Buffer b(w, cfg); }, "ep");
+    const std::string why = expect_refused("ep", [&] { ep::Buffer b(w, cfg); });
     if (!why.empty()) {
         fails.push_back("invalid Config " + std::string(cfg_bad_name(c.cfg_bad)) + ": " + why);
         *fatal = true;
@@ -794,7 +779,7 @@ std::vector<std::string> run_ep_normal(World& w, const EpCase& c, cudaStream_t s
                     break;
             }
             if (bad) {
-                const std::string why = expect_refusal(bad, "ep");
+                const std::string why = expect_refused("ep", bad);
                 if (!why.empty()) {
                     fails.push_back(tag + "invalid call " + call_bad_name(rd.bad) + ": " + why);
                     *fatal = true;
@@ -836,15 +821,13 @@ std::vector<std::string> run_ep_normal(World& w, const EpCase& c, cudaStream_t s
         }
         const TensorView ov = view2(out.get(), DType::kBF16, t, hd, out_ld);
         if (rd.bad == EpCallBad::kCombineYShort || rd.bad == EpCallBad::kCombineOutRows) {
-            const std::string bad_why = expect_refusal(
-                [&] {
-                    if (rd.bad == EpCallBad::kCombineYShort) {
-                        buf.combine(hh, view2(y.get(), DType::kBF16, g.max_recv_rows - 1, hd, y_ld), ov, s);
-                    } else {
-                        buf.combine(hh, yv, view2(out.get(), DType::kBF16, t + 1, hd, out_ld), s);
-                    }
-                },
-                "ep");
+            const std::string bad_why = expect_refused("ep", [&] {
+                if (rd.bad == EpCallBad::kCombineYShort) {
+                    buf.combine(hh, view2(y.get(), DType::kBF16, g.max_recv_rows - 1, hd, y_ld), ov, s);
+                } else {
+                    buf.combine(hh, yv, view2(out.get(), DType::kBF16, t + 1, hd, out_ld), s);
+                }
+            });
             if (!bad_why.empty()) {
                 fails.push_back(tag + "invalid call " + call_bad_name(rd.bad) + ": " + bad_why);
                 *fatal = true;
@@ -1151,7 +1134,7 @@ std::vector<std::string> run_ep_low_latency(World& w, const EpCase& c, cudaStrea
                     break;
             }
             if (bad) {
-                const std::string why = expect_refusal(bad, "ep");
+                const std::string why = expect_refused("ep", bad);
                 if (!why.empty()) {
                     fails.push_back(lv.tag + "invalid call " + call_bad_name(r0.bad) + ": " + why);
                     *fatal = true;
@@ -1225,8 +1208,8 @@ std::vector<std::string> run_ep_low_latency(World& w, const EpCase& c, cudaStrea
         }
         if (r0.bad == EpCallBad::kCombineYShort || r0.bad == EpCallBad::kCombineOutRows) {
             Live& lv = live[0];
-            const std::string why = expect_refusal(
-                [&] {
+            const std::string why =
+                expect_refused("ep", [&] {
                     if (r0.bad == EpCallBad::kCombineYShort) {
                         buf.low_latency_combine(h[0], TensorView(slots[0].y.get(), DType::kBF16, {el, rpe - 1, hd}),
                                                 lv.iv, lv.wv, lv.ov, s);
@@ -1234,8 +1217,7 @@ std::vector<std::string> run_ep_low_latency(World& w, const EpCase& c, cudaStrea
                         buf.low_latency_combine(h[0], lv.yv, lv.iv, lv.wv,
                                                 view2(slots[0].out.get(), DType::kBF16, lv.t + 1, hd, lv.out_ld), s);
                     }
-                },
-                "ep");
+                });
             if (!why.empty()) {
                 fails.push_back(lv.tag + "invalid call " + call_bad_name(r0.bad) + ": " + why);
                 *fatal = true;
@@ -1627,7 +1609,7 @@ std::string run_invalid_prefill(const PrefillCase& c, cudaStream_t stream) {
     const TensorView out(po, to, {sq, hq, dim}, {out_row_stride, dim, 1});
     const TensorView lse(pl, tl, {lse_rows, hq});
     const std::string refused =
-        expect_refusal([&] { ops::flash_attention(q, k, v, out, lse, stream, o); }, "flash_attention");
+        expect_refused("flash_attention", [&] { ops::flash_attention(q, k, v, out, lse, stream, o); });
     if (!refused.empty()) {
         cudaStreamSynchronize(stream);
         return refused;
@@ -1967,8 +1949,8 @@ std::string run_invalid_sp(World& w, const SpCase& c, cudaStream_t s) {
     const TensorView lens(dl.get(), DType::kI32, {batch});
     const TensorView out(dout.get(), to, {batch, hq, dim});
     const TensorView lse(dlse.get(), DType::kF32, {lse_rows, hq});
-    std::string why = expect_refusal(
-        [&] { ops::sp_decode_attention(w, q, k, v, table, lens, max_seq_len, out, lse, s); }, "attention");
+    std::string why = expect_refused(
+        "attention", [&] { ops::sp_decode_attention(w, q, k, v, table, lens, max_seq_len, out, lse, s); });
     if (!why.empty()) return why;
     WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
     if (!poison_intact(download(dout.get(), q_bytes, s).data(), q_bytes)) return "a refused call wrote into out";
@@ -2237,7 +2219,7 @@ std::vector<std::string> run_ag(World& w, const AgCase& c, cudaStream_t s) {
     }
     if (c.bad == AgBad::kUnevenMaxSeq || c.bad == AgBad::kHeadDim96 || c.bad == AgBad::kGroupOver16 ||
         c.bad == AgBad::kDtypeF32) {
-        const std::string why = expect_refusal([&] { ops::AgAttention op(w, shape, options); }, "ag_attention");
+        const std::string why = expect_refused("ag_attention", [&] { ops::AgAttention op(w, shape, options); });
         return why.empty() ? std::vector<std::string>{} : std::vector<std::string>{"constructor: " + why};
     }
     ops::AgAttention op(w, shape, options);
@@ -2250,11 +2232,9 @@ std::vector<std::string> run_ag(World& w, const AgCase& c, cudaStream_t s) {
         DeviceArray<uint16_t> big(sz((max_rows + 1) * hq * d), s);
         const TensorView q(big.get(), c.dtype, {rows, hq, d});
         const TensorView kv(dk.get(), c.dtype, {c.bad == AgBad::kKRowsDiffer ? rows - 1 : rows, hkv, d});
-        const std::string why = expect_refusal(
-            [&] {
-                op.run(q, kv, kv, TensorView(big.get(), c.dtype, {rows, hq, d}), TensorView(), s);
-            },
-            "ag_attention");
+        const std::string why = expect_refused("ag_attention", [&] {
+            op.run(q, kv, kv, TensorView(big.get(), c.dtype, {rows, hq, d}), TensorView(), s);
+        });
         return why.empty() ? std::vector<std::string>{} : std::vector<std::string>{"run: " + why};
     }
     Rng dr(c.data_seed);
