@@ -84,6 +84,17 @@ std::string unsupported_device_message(int rank, int device, const std::string& 
     return os.str();
 }
 
+std::string shared_gpu_warning(bool same_process, int rank, int local_rank, int device, int others,
+                               int visible_devices) {
+    if (same_process || others <= 0 || visible_devices <= 1) return {};
+    std::ostringstream os;
+    os << "rank " << rank << " (local rank " << local_rank << ") shares CUDA device " << device << " with " << others
+       << " rank(s) of other processes although this process sees " << visible_devices
+       << " GPUs: processes on one GPU time-slice it. Give each process its own GPU (a LOCAL_RANK per process on "
+          "the host, or CUDA_VISIBLE_DEVICES / --gpus-per-task), or set WorldOptions::device";
+    return os.str();
+}
+
 std::string format_bytes(uint64_t bytes) {
     static const char* const kUnits[] = {"KiB", "MiB", "GiB", "TiB"};
     if (bytes < 1024) return std::to_string(bytes) + " bytes";

@@ -385,6 +385,11 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         const auto on_gpu_of_r = std::count(gpu_group.begin(), gpu_group.end(), gpu_group[static_cast<size_t>(r)]);
         c.max_ranks_per_device = std::max(c.max_ranks_per_device, static_cast<int>(on_gpu_of_r));
     }
+    if (const std::string shared = detail::shared_gpu_warning(c.same_process, c.rank, c.local_rank, c.device,
+                                                              c.num_ranks_on_device - 1, num_devices);
+        !shared.empty()) {
+        WEFT_LOG_WARN(shared);
+    }
     if (host_members != c.local_num_ranks) {
         WEFT_LOG_WARN("the launcher says " << c.local_num_ranks << " ranks run on this host, but "
                                            << host_members << " ranks report host name '"
