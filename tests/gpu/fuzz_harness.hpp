@@ -76,8 +76,16 @@ inline const char* env_or_null(const char* name) {
 /// One fuzz test's run: its seed, time and case budgets, and the kernels its cases have used so far.
 class FuzzRun {
 public:
-    FuzzRun(std::string name, double seconds, int64_t max_cases, int max_kernels)
-        : name_(std::move(name)), seconds_(seconds), max_cases_(max_cases), max_kernels_(max_kernels) {
+    /// `test` and `command`: the test's gtest name and the command a failure's replay line runs (defaults:
+    /// GpuFuzz.<name> and weft_gpu_tests filtered to it).
+    FuzzRun(std::string name, double seconds, int64_t max_cases, int max_kernels, std::string test = {},
+            std::string command = {})
+        : name_(std::move(name)),
+          test_(test.empty() ? "GpuFuzz." + name_ : std::move(test)),
+          command_(command.empty() ? "weft_gpu_tests --gtest_filter=" + test_ : std::move(command)),
+          seconds_(seconds),
+          max_cases_(max_cases),
+          max_kernels_(max_kernels) {
         seed_ = kDefaultSeed;
         if (const char* s = env_or_null("WEFT_FUZZ_SEED")) seed_ = std::strtoull(s, nullptr, 0);
         if (const char* s = env_or_null("WEFT_FUZZ_SECONDS")) seconds_ = std::strtod(s, nullptr);
@@ -92,7 +100,7 @@ public:
         }
         start_ = std::chrono::steady_clock::now();
         std::printf(
-            "[ fuzz     ] GpuFuzz.%s seed %llu, %.0f s, at most %lld cases and %d kernels%s\n", name_.c_str(),
+            "[ fuzz     ] %s seed %llu, %.0f s, at most %lld cases and %d kernels%s\n", test_.c_str(),
             static_cast<unsigned long long>(seed_), seconds_, static_cast<long long>(max_cases_), max_kernels_,
             only_ ? (" (replaying case " + std::to_string(only_->first) + "." + std::to_string(only_->second) + ")")
                         .c_str()
@@ -135,9 +143,8 @@ public:
     /// The line that reproduces case i.a.
     std::string repro(int64_t i, int a) const {
         std::ostringstream os;
-        os << "GpuFuzz." << name_ << " seed=" << seed_ << " case=" << i << "." << a
-           << " | replay: WEFT_FUZZ_SEED=" << seed_ << " WEFT_FUZZ_CASE=" << i << "." << a
-           << " weft_gpu_tests --gtest_filter=GpuFuzz." << name_;
+        os << test_ << " seed=" << seed_ << " case=" << i << "." << a << " | replay: WEFT_FUZZ_SEED=" << seed_
+           << " WEFT_FUZZ_CASE=" << i << "." << a << " " << command_;
         return os.str();
     }
     /// Reports a failing case: one line with the case's parameters and what went wrong.
@@ -146,17 +153,17 @@ public:
         ADD_FAILURE() << "[ FUZZ FAIL ] " << params << " :: " << what << " :: " << repro(i, a);
     }
     void summary(int64_t cases, int64_t invalid, int64_t refused) const {
-        EXPECT_GT(cases, 0) << "GpuFuzz." << name_ << " ran no case: a suite that checks nothing does not pass";
+        EXPECT_GT(cases, 0) << test_ << " ran no case: a suite that checks nothing does not pass";
         std::printf(
-            "[ fuzz     ] GpuFuzz.%s: %lld cases (%lld invalid-argument cases), %zu kernels, %lld draws "
+            "[ fuzz     ] %s: %lld cases (%lld invalid-argument cases), %zu kernels, %lld draws "
             "redrawn for the kernel budget, %.1f s\n",
-            name_.c_str(), static_cast<long long>(cases), static_cast<long long>(invalid), kernels_.size(),
+            test_.c_str(), static_cast<long long>(cases), static_cast<long long>(invalid), kernels_.size(),
             static_cast<long long>(refused), elapsed());
         std::fflush(stdout);
     }
 
 private:
-    std::string name_;
+    std::string name_, test_, command_;
     uint64_t seed_ = kDefaultSeed;
     double seconds_;
     int64_t max_cases_;

@@ -1,0 +1,201 @@
+// SPDX-License-Identifier: MIT
+// Seeded random fuzz of the communication ops on teams that span (virtual) nodes, one process per rank:
+//
+//   WEFT_VIRTUAL_NODES=2 weftrun -n 4 -- weft_dist_tests --gtest_filter='MultiNodeFuzz.*'
+//
+// Every process draws the same cases from the same seed; before each case the processes agree (a host exchange over
+// the world) whether there is time for it and whether any rank has failed. A case picks one of the teams below and
+// runs one call of fuzz_collectives.hpp on it (all_reduce / all_gather / reduce_scatter in bf16, f16, f32 and, for
+// the gathers, 1- to 8-byte dtypes, odd counts and 0, in place and out of place, symmetric and local buffers at
+// offsets; all_to_all and all_to_all_v with random per-peer counts, zeros included, views at any byte), checked
+// exactly against a host reference of the inputs of every member (functions of the seed and the WORLD rank, so a
+// result in the wrong rank order shows), with the output's buffer poisoned and checked around it. The teams:
+//  - the world (every node, team rank = world rank);
+//  - every other rank (with an even number of ranks per node: half the members per node, interleaved);
+//  - the world with team ranks interleaved across the nodes (team rank = local rank * nodes + node);
+//  - each node's own team (the single-node algorithms, every node's team at once).
+// Across nodes the op picks the hierarchical algorithm itself; a case that forces one of the single-node algorithms
+// there must be refused naming the op (docs/multinode.md). About a tenth of the cases hold another invalid call (alike
+// on every member), which must be refused before anything is launched and write nothing. Without virtual nodes (one
+// node) or without NCCL the test skips.
+//
+// Knobs (tests/gpu/fuzz_harness.hpp): WEFT_FUZZ_SEED, WEFT_FUZZ_SECONDS (default 15), WEFT_FUZZ_CASES,
+// WEFT_FUZZ_CASE=i (replay case i under the same launcher, virtual nodes and seed).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dist/dist_world.hpp"
+#include "gpu/fuzz_collectives.hpp"
+#include "gpu/fuzz_harness.hpp"
+#include "support/jit_testing.hpp"
+#include "weft/net/host_backend.hpp"
+#include "weft/weft.hpp"
+
+namespace weft::test {
+namespace {
+
+using namespace fuzz_test;
+
+constexpr uint64_t kStagingBytes = 256ull << 10;  // WEFT_COLLECTIVE_STAGING_BYTES: staged calls run in rounds
+constexpr uint64_t kChunkBytes = 64ull << 10;     // WEFT_NET_CHUNK_BYTES: the network stage in several chunks
+constexpr uint64_t kCollBytes = 1ull << 20;       // the largest buffer a collective call uses
+constexpr int64_t kA2aRankBytes = 192 << 10;      // the most a rank sends in an all-to-all
+constexpr uint64_t kCapacity = kCollBytes + 4096 + kGuard;
+
+struct FuzzTeam {
+    std::string name;
+    Team team;
+};
+
+/// The teams the cases run on (collective over the world: every process makes them in the same order).
+std::vector<FuzzTeam> make_teams(World& w) {
+    const int nodes = w.num_nodes(), per_node = w.num_ranks() / nodes;
+    std::vector<FuzzTeam> teams;
+    teams.push_back({"world", w.team()});
+    if (per_node >= 2 && per_node % 2 == 0) {
+        teams.push_back({"every_other_rank", w.team().split_strided(0, 2, w.num_ranks() / 2)});
+    }
+    if (per_node >= 2) {
+        teams.push_back({"interleaved", w.team().split_color(0, (w.rank() % per_node) * nodes + w.node())});
+    }
+    teams.push_back({"node", w.node_team()});
+    return teams;
+}
+
+/// A case: the team and one call on it.
+struct Case {
+    size_t team = 0;
+    bool a2a = false;
+    CollCase coll;
+    A2aCase all_to_all;
+    bool forced_across = false;  // a single-node algorithm forced on a team that spans nodes (refused)
+    bool invalid() const { return a2a ? all_to_all.invalid() : coll.invalid(); }
+};
+
+std::string describe(const Case& c, const std::vector<FuzzTeam>& teams) {
+    std::ostringstream os;
+    os << "team " << teams[c.team].name << ": ";
+    if (c.a2a) {
+        os << describe(c.all_to_all);
+    } else {
+        os << describe(c.coll);
+        if (c.forced_across) os << " (a single-node algorithm forced across nodes)";
+    }
+    return os.str();
+}
+
+/// The call of a case on its team, drawn from the team's size and node count (alike on every member: each node's own
+/// team has the same size).
+void draw_call(Rng& r, Case& c, int ranks, int nodes) {
+    c.a2a = r.chance(0.4);
+    if (c.a2a) {
+        c.all_to_all = draw_a2a(r, ranks, kA2aRankBytes);
+        draw_a2a_bad(r, c.all_to_all, kStagingBytes, 0.1);
+        // Across nodes a local input is not staged whole (the network stage moves it in chunks): no staging limit.
+        if (nodes > 1 && c.all_to_all.bad == A2aBad::kStagingOverflow) {
+            c.all_to_all = draw_a2a(r, ranks, kA2aRankBytes);
+            c.all_to_all.bad = A2aBad::kNegativeCount;
+            if (c.all_to_all.equal) c.all_to_all.bad = A2aBad::kCountMismatch;
+        }
+        return;
+    }
+    c.coll = draw_coll(r, ranks, kCollBytes, 0.1);
+    if (nodes > 1 && c.coll.algo != 0 && c.coll.bad == CollBad::kNone) {
+        // The single-node algorithms need every member load/store reachable: across nodes, forcing one is refused
+        // (a fifth of these cases); the others let the op choose (the hierarchical algorithm).
+        if (r.chance(0.2) && c.coll.ranks > 1) {
+            c.forced_across = true;
+            c.coll.bad = CollBad::kAlgoRange;  // run_coll's "refused, nothing written" check; the algo stays in range
+            c.coll.count = std::max<uint64_t>(4, std::min<uint64_t>(c.coll.count, 4096));
+            c.coll.in_place = false;
+        } else {
+            c.coll.algo = 0;
+        }
+    }
+}
+
+TEST(MultiNodeFuzz, CollectivesAndAllToAll) {
+    World& main_world = dist_world();
+    if (main_world.num_nodes() < 2) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    const testing::ScopedEnv chunk("WEFT_NET_CHUNK_BYTES", std::to_string(kChunkBytes));
+    const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::to_string(kStagingBytes));
+    std::ostringstream command;
+    command << "WEFT_VIRTUAL_NODES=" << main_world.num_nodes() << " weftrun -n " << main_world.num_ranks()
+            << " -- weft_dist_tests --gtest_filter=MultiNodeFuzz.CollectivesAndAllToAll";
+    FuzzRun run("MultiNodeCollectives", 15, 100000, 1, "MultiNodeFuzz.CollectivesAndAllToAll", command.str());
+
+    WorldOptions options;
+    options.timeout = std::chrono::milliseconds(60000);
+    options.heap_bytes = 256ull << 20;
+    std::unique_ptr<World> w = World::from_env(options);
+    const std::vector<FuzzTeam> teams = make_teams(*w);
+    auto rank = std::make_unique<CollRank>(*w, kCapacity);
+    for (const FuzzTeam& t : teams) {
+        if (t.team.is_member()) ops::prepare_collectives(t.team);
+    }
+    w->barrier();
+
+    if (w->rank() == 0) {  // rank 0 is a member of every team
+        std::ostringstream os;
+        for (const FuzzTeam& t : teams) {
+            os << " " << t.name << " (" << t.team.num_ranks() << " ranks on " << t.team.num_nodes() << " node(s))";
+        }
+        std::printf("[ fuzz     ] teams:%s\n", os.str().c_str());
+    }
+    int64_t cases = 0, invalid = 0;
+    std::vector<int64_t> per_team(teams.size(), 0);
+    bool failed = false;
+    for (int64_t i = 0;; ++i) {
+        // Rank 0's clock decides; any rank's failure stops every rank.
+        const uint8_t go = run.more(i) ? 1 : 0;
+        const auto votes = w->team().all_gather("weft.test.multinode_fuzz", {go, static_cast<uint8_t>(failed)});
+        bool stop = votes[0][0] == 0;
+        for (const auto& v : votes) stop = stop || v[1] != 0;
+        if (stop) break;
+        const int64_t idx = run.case_index(i);
+        Rng r = run.rng(idx, run.first_attempt());
+        Case c;
+        c.team = static_cast<size_t>(r.uniform(0, static_cast<int64_t>(teams.size()) - 1));
+        const Team& team = teams[c.team].team;
+        if (team.is_member()) {  // rank 0 is a member of every team: its counts are the run's
+            draw_call(r, c, team.num_ranks(), team.num_nodes());
+            const uint64_t seed = r.next();
+            std::string what;
+            try {
+                what = c.a2a ? run_a2a(c.all_to_all, seed, static_cast<uint64_t>(idx), team, rank->buffers,
+                                       rank->stream.st)
+                             : run_coll(c.coll, seed, team, rank->buffers, rank->stream.st);
+            } catch (const std::exception& e) {
+                what = std::string("threw: ") + e.what();
+            }
+            if (!what.empty()) {
+                run.fail(idx, run.first_attempt(), describe(c, teams) + " :: world rank " + std::to_string(w->rank()),
+                         what);
+                failed = true;
+            }
+        }
+        ++cases;
+        ++per_team[c.team];
+        invalid += c.invalid() ? 1 : 0;
+        w->barrier();  // every team's calls are done before the next case's inputs go in
+    }
+    rank->teardown(*w);
+    rank.reset();
+    if (w->rank() == 0) {
+        std::ostringstream os;
+        for (size_t t = 0; t < teams.size(); ++t) os << " " << teams[t].name << " " << per_team[t];
+        std::printf("[ fuzz     ] cases per team:%s\n", os.str().c_str());
+    }
+    run.summary(cases, invalid, 0);
+    w.reset();  // collective
+}
+
+}  // namespace
+}  // namespace weft::test
