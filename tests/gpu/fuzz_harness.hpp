@@ -42,6 +42,12 @@ inline constexpr int kMaxDrawAttempts = 64;                      // redraws of a
 inline constexpr int kMaxFailures = 5;                           // failing cases reported before a test stops
 inline constexpr uint64_t kGuard = 256;  // poisoned bytes after an output that nothing may touch
 
+/// An index or extent as size_t (for containers), from any integer.
+template <class T>
+size_t sz(T x) {
+    return static_cast<size_t>(x);
+}
+
 inline uint64_t mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;

@@ -73,11 +73,6 @@ namespace ref = test::ep;
 using ref::DeviceArray;
 using ref::download;
 
-template <class T>
-size_t sz(T x) {
-    return static_cast<size_t>(x);
-}
-
 // ---- ranks as threads: worlds drawn one after another, the same cases on every rank --------------------------------
 
 /// One rank's part of case `idx`: returns this rank's failures ("what" each); sets *fatal when the World may be

@@ -52,11 +52,6 @@ using ref::DeviceArray;
 using ref::download;
 using ref::Scenario;
 
-template <class T>
-size_t sz(T x) {
-    return static_cast<size_t>(x);
-}
-
 constexpr uint64_t kHeapBytes = 192ull << 20;  // each rank's symmetric heap: every drawn config's footprint fits
 
 /// A MoeConfig every rank refuses at construction (the same on every rank).
