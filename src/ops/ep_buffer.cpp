@@ -150,30 +150,56 @@ int Buffer::Impl::grid(const char* op, int requested, int fallback) const {
 }
 
 void Buffer::Impl::warn_pending_status(const char* op) const {
-    if (auto s = read_status(status_host); s && !status_warned) {
+    std::optional<Status> s = read_status(status_host);
+    const bool from_inner = !s;
+    if (from_inner) s = inner_status();
+    if (s && !status_warned) {
         status_warned = true;
         WEFT_LOG_WARN("ep::" << op << " goes ahead with an error of an earlier call pending on this rank: "
-                             << describe(*s) << " (Buffer::check() throws it; call clear_status() after handling it)");
+                             << report(*s, from_inner).message
+                             << " (Buffer::check() throws it; call clear_status() after handling it)");
     }
-    if (inner) inner->impl_->warn_pending_status(op);
 }
 
 void Buffer::Impl::check_status(const char* op) const {
-    if (auto s = read_status(status_host)) {
-        WEFT_FAIL(describe(*s) << " (reported before " << op << "; call Buffer::clear_status() after handling it)");
+    std::optional<Status> s = read_status(status_host);
+    const bool from_inner = !s;
+    if (from_inner) s = inner_status();  // what the one-rank dispatch and combine reported
+    if (s) {
+        WEFT_FAIL(report(*s, from_inner).message << " (reported before " << op
+                                                 << "; call Buffer::clear_status() after handling it)");
     }
-    if (inner) inner->impl_->check_status(op);  // what the one-rank dispatch and combine reported
 }
 
-std::string Buffer::Impl::describe(const Status& s) const {
+std::string Buffer::Impl::describe(const Status& s, bool one_rank_skipped) const {
+    const auto text = [one_rank_skipped](const Status& x) {
+        return one_rank_skipped ? detail::describe_status_one_rank_skipped(x) : describe_status(x);
+    };
     if (team.is_world()) {
-        return describe_status(s);
+        return text(s);
     }
     Status world_ranks = s;
     const auto to_world = [&](int32_t r) { return r >= 0 && r < team.num_ranks() ? team.world_rank(r) : r; };
     world_ranks.rank = to_world(s.rank);
     world_ranks.culprit_rank = to_world(s.culprit_rank);
-    return describe_status(world_ranks) + " (ranks are world ranks; the Buffer's team is " + team.describe() + ")";
+    return text(world_ranks) + " (ranks are world ranks; the Buffer's team is " + team.describe() + ")";
+}
+
+std::optional<Status> Buffer::Impl::inner_status() const {
+    if (!inner) return std::nullopt;
+    std::optional<StatusReport> r = inner->status();
+    if (!r) return std::nullopt;
+    // The one-rank Buffer's team is this rank alone: its rank 0 is this rank of this Buffer's team.
+    Status s = r->raw;
+    if (s.rank == 0) s.rank = team.rank();
+    if (s.culprit_rank == 0) s.culprit_rank = team.rank();
+    return s;
+}
+
+StatusReport Buffer::Impl::report(const Status& s, bool from_inner) const {
+    const bool skipped =
+        from_inner && (s.code == StatusCode::kRecvTokensOverflow || s.code == StatusCode::kRecvRowsOverflow);
+    return StatusReport{s.code, s, describe(s, skipped)};
 }
 
 void Buffer::Impl::init_one_node() {
@@ -334,11 +360,9 @@ void Buffer::sync_and_check(cudaStream_t stream) {
 }
 
 std::optional<StatusReport> Buffer::status() const {
-    auto s = read_status(impl_->status_host);
-    if (!s) {
-        return impl_->inner ? impl_->inner->status() : std::nullopt;
-    }
-    return StatusReport{s->code, *s, impl_->describe(*s)};
+    if (auto s = read_status(impl_->status_host)) return impl_->report(*s, false);
+    if (auto s = impl_->inner_status()) return impl_->report(*s, true);
+    return std::nullopt;
 }
 
 void Buffer::clear_status() {

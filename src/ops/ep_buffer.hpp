@@ -45,6 +45,10 @@ uint8_t* device_alloc_zeroed(uint64_t bytes, cudaStream_t stream);
 /// only. The Buffer makes it with this Config and footprint() counts its Footprint.
 Config one_rank_config(const Geometry& g);
 
+/// describe_status for a receive overflow that only this rank skipped (a team across nodes: its one-rank Buffer found
+/// it, the other ranks went ahead): the same sentence, with what happened instead of "every rank skipped the call".
+std::string describe_status_one_rank_skipped(const Status& s);
+
 /// A handle's Impl; weft::Error naming `op` when the handle was moved from (its Impl is gone) or its Buffer was
 /// destroyed before it (Buffer::Impl::attach).
 template <class ImplPtr>
@@ -207,8 +211,13 @@ struct Buffer::Impl {
     /// Throws the pending device-reported error, if any, naming `op`.
     void check_status(const char* op) const;
     /// describe_status with the ranks as world ranks (the kernels write team ranks) and, for a team other than
-    /// the world, the team's members.
-    std::string describe(const Status& s) const;
+    /// the world, the team's members (`one_rank_skipped`: detail::describe_status_one_rank_skipped's sentence).
+    std::string describe(const Status& s, bool one_rank_skipped = false) const;
+    /// Across nodes: what the one-rank Buffer the exchange feeds reported, with its ranks (0: this rank) as this
+    /// Buffer's team ranks; none when it reported nothing (or on one node).
+    std::optional<Status> inner_status() const;
+    /// The report of `s` (from inner_status() when `from_inner`: an overflow there was this rank's alone).
+    StatusReport report(const Status& s, bool from_inner) const;
 
     /// The normal kernels' arguments with this Buffer's and `h`'s arrays; the caller adds the call's inputs.
     weft::ep::NormalArgs normal_args(const NormalHandle::Impl& h) const;

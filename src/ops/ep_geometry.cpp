@@ -302,7 +302,8 @@ std::string describe_ll_call_mismatch(uint32_t mine, uint32_t theirs, int32_t ra
 
 }  // namespace
 
-std::string describe_status(const Status& s) {
+/// describe_status; `one_rank_skipped`: a receive overflow only this rank skipped (a team across nodes).
+static std::string describe_status_text(const Status& s, bool one_rank_skipped) {
     std::ostringstream os;
     os << "ep: rank " << s.rank << ": ";
     const char* kernel = "?";
@@ -323,22 +324,24 @@ std::string describe_status(const Status& s) {
             kernel = "low-latency combine";
             break;
     }
+    // A team across nodes: only the overflowing rank skips the call (docs/multinode.md, "EP across nodes").
+    const char* skipped = one_rank_skipped
+                              ? "; this rank received nothing (it skipped the call; the other ranks went ahead, and "
+                                "this rank's partials in their combine are zeros). "
+                              : "; nothing was moved (every rank skipped the call; its combine returns zeros). ";
     switch (s.code) {
         case StatusCode::kOk:
             os << "no error";
             return os.str();
         case StatusCode::kRecvTokensOverflow:
             os << "receive capacity exceeded in " << kernel << " call " << s.call << ": rank " << s.culprit_rank
-               << " would receive " << s.value << " distinct tokens, Config::max_recv_tokens is " << s.limit
-               << "; nothing was moved (every rank skipped the call; its combine returns zeros). Raise "
-                  "max_recv_tokens";
+               << " would receive " << s.value << " distinct tokens, Config::max_recv_tokens is " << s.limit << skipped
+               << "Raise max_recv_tokens";
             break;
         case StatusCode::kRecvRowsOverflow:
             os << "receive capacity exceeded in " << kernel << " call " << s.call << ": rank " << s.culprit_rank
                << " would receive " << s.value << " expert rows (padding included), Config::max_recv_rows is "
-               << s.limit
-               << "; nothing was moved (every rank skipped the call; its combine returns zeros). Raise "
-                  "max_recv_rows";
+               << s.limit << skipped << "Raise max_recv_rows";
             break;
         case StatusCode::kInvalidExpert:
             os << "invalid expert id " << s.value << " at topk_idx[" << s.token << "][" << s.slot << "] in " << kernel
@@ -376,5 +379,11 @@ std::string describe_status(const Status& s) {
     }
     return os.str();
 }
+
+std::string describe_status(const Status& s) { return describe_status_text(s, false); }
+
+namespace detail {
+std::string describe_status_one_rank_skipped(const Status& s) { return describe_status_text(s, true); }
+}  // namespace detail
 
 }  // namespace weft::ops::ep

@@ -127,11 +127,15 @@ void Buffer::dispatch(NormalHandle& handle, const TensorView& x, const TensorVie
                "ep::dispatch: topk_weights has " << topk_weights.dim(0) << " rows but x has " << t);
     ops::detail::check_device_buffers(
         b.world->heap(), {{"x", x}, {"topk_idx", topk_idx}, {"topk_weights", topk_weights}}, "ep::dispatch", stream);
-    if (handle.impl_->symmetric != nullptr) {
+    // Across nodes the receive area is the handle's one-rank handle's (docs/multinode.md, "EP across nodes").
+    const NormalHandle::Impl& receiver = handle.impl_->inner ? *handle.impl_->inner->impl_ : *handle.impl_;
+    const Buffer::Impl& receiving = b.inner ? *b.inner->impl_ : b;
+    if (receiver.symmetric != nullptr) {
         // Every rank's dispatch stores rows into this handle's receive area (its own included) while the kernel still
-        // reads x: x (or the routing) taken from there would be overwritten before it is read.
-        const TensorView area(handle.impl_->symmetric, DType::kU8,
-                              {static_cast<int64_t>(b.fp.normal_handle_symmetric_bytes)});
+        // reads x: x (or the routing) taken from there would be overwritten before it is read. (Across nodes the
+        // inputs are packed first; the rule is the same, so that a program is right on one node and across nodes.)
+        const TensorView area(receiver.symmetric, DType::kU8,
+                              {static_cast<int64_t>(receiving.fp.normal_handle_symmetric_bytes)});
         for (const ops::detail::NamedView& v :
              {ops::detail::NamedView{"x", x}, {"topk_idx", topk_idx}, {"topk_weights", topk_weights}}) {
             ops::detail::check_apart("ep::dispatch", v.name, v.view, {{"the handle's receive area (recv_x)", area}},
