@@ -32,6 +32,7 @@
 
 #include "dist/dist_world.hpp"
 #include "gpu/fuzz_collectives.hpp"
+#include "gpu/fuzz_ep.hpp"
 #include "gpu/fuzz_harness.hpp"
 #include "support/jit_testing.hpp"
 #include "weft/net/host_backend.hpp"
@@ -120,6 +121,15 @@ void draw_call(Rng& r, Case& c, int ranks, int nodes) {
     }
 }
 
+/// Whether every rank should stop before case i: rank 0's budgets (time, cases), or a failure on any rank.
+bool agree_to_stop(World& w, const FuzzRun& run, int64_t i, bool failed) {
+    const uint8_t go = run.more(i) ? 1 : 0;
+    const auto votes = w.team().all_gather("weft.test.multinode_fuzz", {go, static_cast<uint8_t>(failed)});
+    bool stop = votes[0][0] == 0;
+    for (const auto& v : votes) stop = stop || v[1] != 0;
+    return stop;
+}
+
 TEST(MultiNodeFuzz, CollectivesAndAllToAll) {
     World& main_world = dist_world();
     if (main_world.num_nodes() < 2) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
@@ -152,13 +162,7 @@ TEST(MultiNodeFuzz, CollectivesAndAllToAll) {
     int64_t cases = 0, invalid = 0;
     std::vector<int64_t> per_team(teams.size(), 0);
     bool failed = false;
-    for (int64_t i = 0;; ++i) {
-        // Rank 0's clock decides; any rank's failure stops every rank.
-        const uint8_t go = run.more(i) ? 1 : 0;
-        const auto votes = w->team().all_gather("weft.test.multinode_fuzz", {go, static_cast<uint8_t>(failed)});
-        bool stop = votes[0][0] == 0;
-        for (const auto& v : votes) stop = stop || v[1] != 0;
-        if (stop) break;
+    for (int64_t i = 0; !agree_to_stop(*w, run, i, failed); ++i) {
         const int64_t idx = run.case_index(i);
         Rng r = run.rng(idx, run.first_attempt());
         Case c;
@@ -194,6 +198,80 @@ TEST(MultiNodeFuzz, CollectivesAndAllToAll) {
         std::printf("[ fuzz     ] cases per team:%s\n", os.str().c_str());
     }
     run.summary(cases, invalid, 0);
+    w.reset();  // collective
+}
+
+// Expert parallelism across nodes: fuzz_ep.hpp's cases (a Buffer of a random Config, 1-6 rounds of routings with
+// dropped, hot, sparse and invalid ids, padded strides, in-place combines, receive limits that routings exceed;
+// low-latency rounds in bf16 and fp8, whole or in split halves, pairs interleaved, fp8 flags that differ across
+// ranks) on the world, which spans the nodes: the normal mode's two-hop path and the low-latency mode's direct one,
+// every output against the one-node reference (the combine bit for bit).
+TEST(MultiNodeFuzz, Ep) {
+    World& main_world = dist_world();
+    if (main_world.num_nodes() < 2) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    const testing::ScopedEnv chunk("WEFT_NET_CHUNK_BYTES", std::to_string(kChunkBytes));
+    std::ostringstream command;
+    command << "WEFT_VIRTUAL_NODES=" << main_world.num_nodes() << " weftrun -n " << main_world.num_ranks()
+            << " -- weft_dist_tests --gtest_filter=MultiNodeFuzz.Ep";
+    FuzzRun run("MultiNodeEp", 15, 100000, 1, "MultiNodeFuzz.Ep", command.str());
+
+    constexpr uint64_t kHeap = 512ull << 20;
+    WorldOptions options;
+    options.timeout = std::chrono::milliseconds(60000);
+    options.heap_bytes = kHeap;
+    std::unique_ptr<World> w = World::from_env(options);
+    const int n = w->num_ranks(), nodes = w->num_nodes();
+    cudaStream_t s = nullptr;
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    int64_t cases = 0, invalid = 0, refused = 0, low_latency = 0;
+    bool failed = false;
+    for (int64_t i = 0; !agree_to_stop(*w, run, i, failed); ++i) {
+        const int64_t idx = run.case_index(i);
+        Rng r = run.rng(idx, run.first_attempt());
+        const bool ll = r.chance(0.5);
+        EpCase c = draw_ep_case(r, n, ll);
+        for (EpRound& rd : c.rounds) {  // the legacy stream is refused only to ranks that are threads sharing a GPU
+            if (rd.bad == EpCallBad::kLegacyStream) rd.bad = EpCallBad::kSmsOverBudget;
+        }
+        if (c.cfg_bad == EpCfgBad::kNone) {
+            bool fits = false;  // the Buffer across nodes and its handles within the World's heap
+            try {
+                fits = ops::ep::footprint(c.cfg, n, nodes).heap_bytes(4) + (32ull << 20) <= kHeap;
+            } catch (const Error&) {
+            }
+            if (!fits) {
+                ++refused;
+                continue;
+            }
+        }
+        bool fatal = false;
+        std::vector<std::string> what;
+        try {
+            what = ll ? run_ep_low_latency(*w, c, s, &fatal) : run_ep_normal(*w, c, s, &fatal);
+        } catch (const std::exception& e) {
+            what.push_back(std::string("threw: ") + e.what());
+            fatal = true;
+        }
+        for (const std::string& m : what) {
+            run.fail(idx, run.first_attempt(), describe(c) + " :: world rank " + std::to_string(w->rank()), m);
+        }
+        failed = failed || !what.empty() || fatal;
+        ++cases;
+        low_latency += ll ? 1 : 0;
+        invalid += c.cfg_bad != EpCfgBad::kNone || std::any_of(c.rounds.begin(), c.rounds.end(), [](const EpRound& x) {
+                       return x.bad != EpCallBad::kNone;
+                   });
+        w->barrier();  // after a failure the next agreement stops every rank
+    }
+    if (w->rank() == 0) {
+        std::printf("[ fuzz     ] %lld low-latency cases, %lld normal; %lld draws too large for the heap\n",
+                    static_cast<long long>(low_latency), static_cast<long long>(cases - low_latency),
+                    static_cast<long long>(refused));
+    }
+    run.summary(cases, invalid, 0);
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
     w.reset();  // collective
 }
 
