@@ -150,10 +150,11 @@ int Buffer::Impl::grid(const char* op, int requested, int fallback) const {
 }
 
 void Buffer::Impl::warn_pending_status(const char* op) const {
+    if (status_warned) return;
     std::optional<Status> s = read_status(status_host);
     const bool from_inner = !s;
     if (from_inner) s = inner_status();
-    if (s && !status_warned) {
+    if (s) {
         status_warned = true;
         WEFT_LOG_WARN("ep::" << op << " goes ahead with an error of an earlier call pending on this rank: "
                              << report(*s, from_inner).message

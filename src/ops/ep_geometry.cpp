@@ -302,8 +302,10 @@ std::string describe_ll_call_mismatch(uint32_t mine, uint32_t theirs, int32_t ra
 
 }  // namespace
 
+namespace {
+
 /// describe_status; `one_rank_skipped`: a receive overflow only this rank skipped (a team across nodes).
-static std::string describe_status_text(const Status& s, bool one_rank_skipped) {
+std::string describe_status_text(const Status& s, bool one_rank_skipped) {
     std::ostringstream os;
     os << "ep: rank " << s.rank << ": ";
     const char* kernel = "?";
@@ -326,8 +328,8 @@ static std::string describe_status_text(const Status& s, bool one_rank_skipped) 
     }
     // A team across nodes: only the overflowing rank skips the call (docs/multinode.md, "EP across nodes").
     const char* skipped = one_rank_skipped
-                              ? "; this rank received nothing (it skipped the call; the other ranks went ahead, and "
-                                "this rank's partials in their combine are zeros). "
+                              ? "; this rank received nothing (it skipped the call; the ranks within their limits "
+                                "went ahead, and this rank's partials in their combine are zeros). "
                               : "; nothing was moved (every rank skipped the call; its combine returns zeros). ";
     switch (s.code) {
         case StatusCode::kOk:
@@ -379,6 +381,8 @@ static std::string describe_status_text(const Status& s, bool one_rank_skipped) 
     }
     return os.str();
 }
+
+}  // namespace
 
 std::string describe_status(const Status& s) { return describe_status_text(s, false); }
 

@@ -84,14 +84,14 @@ std::string unsupported_device_message(int rank, int device, const std::string& 
     return os.str();
 }
 
-std::string shared_gpu_warning(bool same_process, int rank, int local_rank, int device, int others,
-                               int visible_devices) {
-    if (same_process || others <= 0 || visible_devices <= 1) return {};
+std::string shared_gpu_warning(bool same_process, bool device_given, bool first_on_device, int local_rank, int device,
+                               int others, int visible_devices) {
+    if (same_process || device_given || !first_on_device || others <= 0 || visible_devices <= 1) return {};
     std::ostringstream os;
-    os << "rank " << rank << " (local rank " << local_rank << ") shares CUDA device " << device << " with " << others
-       << " rank(s) of other processes although this process sees " << visible_devices
+    os << "local rank " << local_rank << " shares CUDA device " << device << " with " << others
+       << " rank(s) of other processes although its process sees " << visible_devices
        << " GPUs: processes on one GPU time-slice it. Give each process its own GPU (a LOCAL_RANK per process on "
-          "the host, or CUDA_VISIBLE_DEVICES / --gpus-per-task), or set WorldOptions::device";
+          "the host, or CUDA_VISIBLE_DEVICES / --gpus-per-task), or choose one with WorldOptions::device";
     return os.str();
 }
 

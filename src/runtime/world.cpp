@@ -385,8 +385,11 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         const auto on_gpu_of_r = std::count(gpu_group.begin(), gpu_group.end(), gpu_group[static_cast<size_t>(r)]);
         c.max_ranks_per_device = std::max(c.max_ranks_per_device, static_cast<int>(on_gpu_of_r));
     }
-    if (const std::string shared = detail::shared_gpu_warning(c.same_process, c.rank, c.local_rank, c.device,
-                                                              c.num_ranks_on_device - 1, num_devices);
+    const auto my_gpu = gpu_group[static_cast<size_t>(c.rank)];
+    const bool first_on_gpu = std::find(gpu_group.begin(), gpu_group.end(), my_gpu) - gpu_group.begin() == c.rank;
+    if (const std::string shared =
+            detail::shared_gpu_warning(c.same_process, setup.options.device >= 0, first_on_gpu, c.local_rank, c.device,
+                                       c.num_ranks_on_device - 1, num_devices);
         !shared.empty()) {
         WEFT_LOG_WARN(shared);
     }

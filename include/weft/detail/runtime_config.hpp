@@ -40,13 +40,14 @@ inline constexpr int kRequiredComputeMinor = 0;
 /// `device`). sm_90a code runs on compute capability 9.0 only: neither on earlier GPUs nor on later ones.
 std::string unsupported_device_message(int rank, int device, const std::string& device_name, int major, int minor);
 
-/// The warning a rank gives when processes share its GPU although it sees several (empty otherwise): `others` ranks
-/// of other processes on its device `device` (CUDA ordinal, from `local_rank` % `visible_devices` unless given), of
-/// `visible_devices` the process sees. Processes time-slice a shared GPU, which is what weftrun -n 4 on one GPU wants,
-/// but with more GPUs in view it usually means LOCAL_RANK (or CUDA_VISIBLE_DEVICES) does not give each process its
-/// own. Ranks that are threads of one process (`same_process`) share a GPU by design and get no warning.
-std::string shared_gpu_warning(bool same_process, int rank, int local_rank, int device, int others,
-                               int visible_devices);
+/// The warning the lowest rank on a GPU (`first_on_device`) gives when processes share it although they see several
+/// GPUs (empty otherwise): `others` ranks of other processes on its device `device` (CUDA ordinal, from `local_rank`
+/// % `visible_devices`), of `visible_devices` the process sees. Processes time-slice a shared GPU, which is what
+/// weftrun -n 4 on one GPU wants, but with more GPUs in view it usually means LOCAL_RANK (or CUDA_VISIBLE_DEVICES) does
+/// not give each process its own. Ranks that are threads of one process (`same_process`) share a GPU by design, and a
+/// device the program chose (`device_given`: WorldOptions::device) is its own business: neither gets a warning.
+std::string shared_gpu_warning(bool same_process, bool device_given, bool first_on_device, int local_rank, int device,
+                               int others, int visible_devices);
 
 /// "4096 bytes", "64 KiB", "1 GiB", "1.50 GiB (1610612736 bytes)": for messages.
 std::string format_bytes(uint64_t bytes);

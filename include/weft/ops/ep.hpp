@@ -177,7 +177,8 @@ struct LowLatencyOptions {
 /// A device-reported error, as read from the status word.
 struct StatusReport {
     StatusCode code = StatusCode::kOk;
-    Status raw{};         ///< as the kernel wrote it (rank and culprit_rank are team ranks)
+    Status raw{};         ///< as the kernel wrote it (rank and culprit_rank are team ranks; across nodes the
+                          ///< one-rank Buffer's report, its rank 0 given as this rank's team rank)
     std::string message;  ///< names the world rank, the limit and the value (and the team, for a Buffer of a split)
 };
 
