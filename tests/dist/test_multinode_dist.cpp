@@ -982,78 +982,116 @@ TEST(MultiNode, EpInvalidAndRepeatedExpertIdsAreReportedAndDropped) {
 
 // Receive capacity across nodes: a rank whose received tokens exceed max_recv_tokens reports it (kRecvTokensOverflow)
 // and receives nothing, its partials are zero; the other ranks' dispatch and combine are exact (docs/multinode.md, "EP
-// across nodes": on one node every rank would report). After clear_status the Buffer goes on.
+// across nodes": on one node every rank would report). The report is in the Buffer's team ranks (raw.rank and
+// raw.culprit_rank are this rank's team rank) and check() throws it naming the world rank. On the world and, with 2 or
+// more ranks per node, a team whose ranks are interleaved across the nodes (team rank != world rank). After
+// clear_status the Buffer goes on; inputs taken from the handle's receive area are refused, as on one node.
 TEST(MultiNode, EpCapacityOverflowIsReportedByTheRankThatOverflows) {
     World& w = dist_world();
     if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
-    const Team team = w.team();
-    const int n = team.num_ranks();
-    const int me = team.rank();
-    ref::RankStream stream;
-    const cudaStream_t s = stream.s;
-    const uint32_t seed = team_seed(team);
-    ops::ep::Config cfg = ep_config({2, 72, 2, 9, 1}, n);
-    cfg.max_recv_tokens = std::max(1, n * cfg.max_tokens_per_rank / 2);
-    ops::ep::Buffer ep(team, cfg);
-    ops::ep::NormalHandle h = ep.make_normal_handle();
-    EpInputs in(cfg, ep.geometry().max_recv_rows, s);
-    const ref::Params p = ep_params(cfg, n);
-    // Every token's slot 0 is the last expert: its rank receives every token of every rank.
-    const std::vector<ref::Routing> all = ref::make_routing(ref::Scenario::kSkewed, p, cfg.max_tokens_per_rank, seed);
-    const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
-    std::vector<bool> over(static_cast<size_t>(n));
-    for (int r = 0; r < n; ++r) {
-        over[static_cast<size_t>(r)] = plan.recv_tokens[static_cast<size_t>(r)] > cfg.max_recv_tokens ||
-                                       plan.recv_rows[static_cast<size_t>(r)] > ep.geometry().max_recv_rows;
-    }
-    ASSERT_TRUE(over[static_cast<size_t>(n - 1)]) << "the hot expert's rank should overflow";
-    std::vector<std::vector<uint16_t>> x_all;
-    for (int r = 0; r < n; ++r) {
-        x_all.push_back(ref::payload_rows(r, all[static_cast<size_t>(r)].num_tokens, p.hidden, seed, false));
-    }
-    const int64_t max_rows = ep.geometry().max_recv_rows;
-    std::vector<std::vector<uint16_t>> y_all;
-    for (int r = 0; r < n; ++r) {
-        y_all.push_back(over[static_cast<size_t>(r)]
-                            ? std::vector<uint16_t>(static_cast<size_t>(max_rows) * p.hidden, 0)
-                            : ep_expected_y(p, plan, x_all, r, max_rows));
-    }
-    in.load(all[static_cast<size_t>(me)], x_all[static_cast<size_t>(me)]);
-    in.y.upload(y_all[static_cast<size_t>(me)]);
-    in.out.poison(0xFF);
-    const TensorView y(in.y.get(), DType::kBF16, {max_rows, p.hidden});
-    ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), s);
-    ep.combine(h, y, in.out_view(), s);
-    w.sync_and_check(s);
-    const std::optional<ops::ep::StatusReport> report = ep.status();
-    team_check(team, [&] {
-        if (over[static_cast<size_t>(me)]) {
-            if (!report.has_value()) WEFT_FAIL("world rank " << w.rank() << " overflowed without a report");
-            if (report->code != ops::ep::StatusCode::kRecvTokensOverflow &&
-                report->code != ops::ep::StatusCode::kRecvRowsOverflow) {
-                WEFT_FAIL("world rank " << w.rank() << " reported " << report->message);
-            }
-            std::printf("rank %d: %s\n", w.rank(), report->message.c_str());
-            const std::vector<int32_t> counts =
-                ref::download(h.expert_counts(), static_cast<size_t>(p.local_experts()), s);
-            for (const int32_t c : counts) {
-                if (c != 0) WEFT_FAIL("world rank " << w.rank() << " overflowed but counts " << c << " rows");
-            }
-        } else {
-            if (report.has_value()) WEFT_FAIL("world rank " << w.rank() << " reported " << report->message);
-            ep_check_dispatch(p, plan, x_all, h, me, in.num_tokens, s);
+    std::vector<Team> teams{w.team()};
+    const int per_node = w.num_ranks() / w.num_nodes();
+    if (per_node >= 2) teams.push_back(w.team().split_color(0, (w.rank() % per_node) * w.num_nodes() + w.node()));
+    for (const Team& team : teams) {
+        SCOPED_TRACE(team.describe());
+        const int n = team.num_ranks();
+        const int me = team.rank();
+        ref::RankStream stream;
+        const cudaStream_t s = stream.s;
+        const uint32_t seed = team_seed(team);
+        ops::ep::Config cfg = ep_config({2, 72, 2, 9, 1}, n);
+        cfg.max_recv_tokens = std::max(1, n * cfg.max_tokens_per_rank / 2);
+        ops::ep::Buffer ep(team, cfg);
+        ops::ep::NormalHandle h = ep.make_normal_handle();
+        EpInputs in(cfg, ep.geometry().max_recv_rows, s);
+        const ref::Params p = ep_params(cfg, n);
+        // Every token's slot 0 is the last expert: its rank receives every token of every rank.
+        const std::vector<ref::Routing> all =
+            ref::make_routing(ref::Scenario::kSkewed, p, cfg.max_tokens_per_rank, seed);
+        const ref::NormalPlan plan = ref::reference_normal_plan(p, all);
+        std::vector<bool> over(static_cast<size_t>(n));
+        for (int r = 0; r < n; ++r) {
+            over[static_cast<size_t>(r)] = plan.recv_tokens[static_cast<size_t>(r)] > cfg.max_recv_tokens ||
+                                           plan.recv_rows[static_cast<size_t>(r)] > ep.geometry().max_recv_rows;
         }
-        // The overflowing ranks' partials are zero: their y rows are zero in y_all.
-        ep_check_combine(p, plan, all, y_all,
-                         ref::download(in.out.get(), static_cast<size_t>(in.num_tokens) * p.hidden, s), me);
-    });
-    if (report.has_value()) ep.clear_status();
-    team.barrier();
-    // At most T / 2 tokens per rank: no rank can exceed max_recv_tokens = W T / 2.
-    const std::vector<ref::Routing> clean =
-        ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank / 2, seed + 1);
-    ep_run_and_check(team, ep, h, in, clean, seed + 1, s, "after the overflow");
+        ASSERT_TRUE(over[static_cast<size_t>(n - 1)]) << "the hot expert's rank should overflow";
+        std::vector<std::vector<uint16_t>> x_all;
+        for (int r = 0; r < n; ++r) {
+            x_all.push_back(ref::payload_rows(r, all[static_cast<size_t>(r)].num_tokens, p.hidden, seed, false));
+        }
+        const int64_t max_rows = ep.geometry().max_recv_rows;
+        std::vector<std::vector<uint16_t>> y_all;
+        for (int r = 0; r < n; ++r) {
+            y_all.push_back(over[static_cast<size_t>(r)]
+                                ? std::vector<uint16_t>(static_cast<size_t>(max_rows) * p.hidden, 0)
+                                : ep_expected_y(p, plan, x_all, r, max_rows));
+        }
+        in.load(all[static_cast<size_t>(me)], x_all[static_cast<size_t>(me)]);
+        in.y.upload(y_all[static_cast<size_t>(me)]);
+        in.out.poison(0xFF);
+        const TensorView y(in.y.get(), DType::kBF16, {max_rows, p.hidden});
+        ep.dispatch(h, in.x_view(), in.idx_view(), in.w_view(), s);
+        ep.combine(h, y, in.out_view(), s);
+        w.sync_and_check(s);
+        const std::optional<ops::ep::StatusReport> report = ep.status();
+        team_check(team, [&] {
+            if (over[static_cast<size_t>(me)]) {
+                if (!report.has_value()) WEFT_FAIL("world rank " << w.rank() << " overflowed without a report");
+                if (report->code != ops::ep::StatusCode::kRecvTokensOverflow &&
+                    report->code != ops::ep::StatusCode::kRecvRowsOverflow) {
+                    WEFT_FAIL("world rank " << w.rank() << " reported " << report->message);
+                }
+                if (report->raw.rank != me || report->raw.culprit_rank != me) {
+                    WEFT_FAIL("world rank " << w.rank() << " (team rank " << me << "): raw.rank " << report->raw.rank
+                                            << ", raw.culprit_rank " << report->raw.culprit_rank
+                                            << "; both should be the team rank");
+                }
+                const std::string named = "rank " + std::to_string(w.rank()) + " would receive";
+                if (report->message.find(named) == std::string::npos ||
+                    report->message.find("this rank received nothing") == std::string::npos) {
+                    WEFT_FAIL("world rank " << w.rank() << "'s report should name it (\"" << named
+                                            << "\") and say that it received nothing: " << report->message);
+                }
+                std::string thrown;
+                try {
+                    ep.check();
+                } catch (const Error& e) {
+                    thrown = e.what();
+                }
+                if (thrown.find(report->message) == std::string::npos) {
+                    WEFT_FAIL("world rank " << w.rank() << ": check() should throw the report, threw: " << thrown);
+                }
+                std::printf("rank %d: %s\n", w.rank(), report->message.c_str());
+                const std::vector<int32_t> counts =
+                    ref::download(h.expert_counts(), static_cast<size_t>(p.local_experts()), s);
+                for (const int32_t c : counts) {
+                    if (c != 0) WEFT_FAIL("world rank " << w.rank() << " overflowed but counts " << c << " rows");
+                }
+            } else {
+                if (report.has_value()) WEFT_FAIL("world rank " << w.rank() << " reported " << report->message);
+                ep_check_dispatch(p, plan, x_all, h, me, in.num_tokens, s);
+            }
+            // The overflowing ranks' partials are zero: their y rows are zero in y_all.
+            ep_check_combine(p, plan, all, y_all,
+                             ref::download(in.out.get(), static_cast<size_t>(in.num_tokens) * p.hidden, s), me);
+        });
+        if (report.has_value()) ep.clear_status();
+        team.barrier();
+        // Inputs inside this handle's own receive area: refused on every member before anything is launched.
+        try {
+            ep.dispatch(h, TensorView(h.recv_x().data, DType::kBF16, {1, p.hidden}),
+                        TensorView(in.idx.get(), DType::kI32, {1, p.topk}),
+                        TensorView(in.w.get(), DType::kF32, {1, p.topk}), s);
+            ADD_FAILURE() << "world rank " << w.rank() << ": x inside the handle's receive area was accepted";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("receive area"), std::string::npos) << e.what();
+        }
+        // At most T / 2 tokens per rank: no rank can exceed max_recv_tokens = W T / 2.
+        const std::vector<ref::Routing> clean =
+            ref::make_routing(ref::Scenario::kUniform, p, cfg.max_tokens_per_rank / 2, seed + 1);
+        ep_run_and_check(team, ep, h, in, clean, seed + 1, s, "after the overflow");
+    }
 }
 
 // ---- low-latency mode across nodes ----

@@ -23,6 +23,8 @@
 // WEFT_FUZZ_CASE=i (replay case i under the same launcher, virtual nodes and seed).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -98,7 +100,8 @@ void draw_call(Rng& r, Case& c, int ranks, int nodes) {
     if (c.a2a) {
         c.all_to_all = draw_a2a(r, ranks, kA2aRankBytes);
         draw_a2a_bad(r, c.all_to_all, kStagingBytes, 0.1);
-        // Across nodes a local input is not staged whole (the network stage moves it in chunks): no staging limit.
+        // Across nodes the staging-overflow kind is not drawn (the node stage stages what the network stage brings,
+        // not the input whole): another invalid kind stands in.
         if (nodes > 1 && c.all_to_all.bad == A2aBad::kStagingOverflow) {
             c.all_to_all = draw_a2a(r, ranks, kA2aRankBytes);
             c.all_to_all.bad = A2aBad::kNegativeCount;
@@ -121,6 +124,18 @@ void draw_call(Rng& r, Case& c, int ranks, int nodes) {
     }
 }
 
+/// The command that replays a case of `test` (the launcher of this run: weftrun with virtual nodes, or the job's own).
+std::string replay_command(const World& w, const char* test) {
+    std::ostringstream os;
+    if (w.virtual_nodes() > 1) {
+        os << "WEFT_VIRTUAL_NODES=" << w.virtual_nodes() << " weftrun -n " << w.num_ranks() << " -- ";
+    } else {
+        os << "(under this job's launcher, " << w.num_ranks() << " ranks on " << w.num_nodes() << " nodes) ";
+    }
+    os << "weft_dist_tests --gtest_filter=" << test;
+    return os.str();
+}
+
 /// Whether every rank should stop before case i: rank 0's budgets (time, cases), or a failure on any rank.
 bool agree_to_stop(World& w, const FuzzRun& run, int64_t i, bool failed) {
     const uint8_t go = run.more(i) ? 1 : 0;
@@ -136,10 +151,8 @@ TEST(MultiNodeFuzz, CollectivesAndAllToAll) {
     if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
     const testing::ScopedEnv chunk("WEFT_NET_CHUNK_BYTES", std::to_string(kChunkBytes));
     const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::to_string(kStagingBytes));
-    std::ostringstream command;
-    command << "WEFT_VIRTUAL_NODES=" << main_world.num_nodes() << " weftrun -n " << main_world.num_ranks()
-            << " -- weft_dist_tests --gtest_filter=MultiNodeFuzz.CollectivesAndAllToAll";
-    FuzzRun run("MultiNodeCollectives", 15, 100000, 1, "MultiNodeFuzz.CollectivesAndAllToAll", command.str());
+    FuzzRun run("MultiNodeCollectives", 15, 100000, 1, "MultiNodeFuzz.CollectivesAndAllToAll",
+                replay_command(main_world, "MultiNodeFuzz.CollectivesAndAllToAll"));
 
     WorldOptions options;
     options.timeout = std::chrono::milliseconds(60000);
@@ -211,10 +224,7 @@ TEST(MultiNodeFuzz, Ep) {
     if (main_world.num_nodes() < 2) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
     if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
     const testing::ScopedEnv chunk("WEFT_NET_CHUNK_BYTES", std::to_string(kChunkBytes));
-    std::ostringstream command;
-    command << "WEFT_VIRTUAL_NODES=" << main_world.num_nodes() << " weftrun -n " << main_world.num_ranks()
-            << " -- weft_dist_tests --gtest_filter=MultiNodeFuzz.Ep";
-    FuzzRun run("MultiNodeEp", 15, 100000, 1, "MultiNodeFuzz.Ep", command.str());
+    FuzzRun run("MultiNodeEp", 15, 100000, 1, "MultiNodeFuzz.Ep", replay_command(main_world, "MultiNodeFuzz.Ep"));
 
     constexpr uint64_t kHeap = 512ull << 20;
     WorldOptions options;
@@ -262,6 +272,9 @@ TEST(MultiNodeFuzz, Ep) {
         invalid += c.cfg_bad != EpCfgBad::kNone || std::any_of(c.rounds.begin(), c.rounds.end(), [](const EpRound& x) {
                        return x.bad != EpCallBad::kNone;
                    });
+        if (fatal)
+            break;     // the ranks' calls may no longer agree: no collective call after this (the others stop
+                       // at their next agreement, within the World's timeout)
         w->barrier();  // after a failure the next agreement stops every rank
     }
     if (w->rank() == 0) {

@@ -452,6 +452,16 @@ inline std::string check_status(const ep::Buffer& buf, bool my_bad_ids, std::opt
     return "";
 }
 
+/// Whether any rank of `w` failed its checks of a round (every rank calls it after each round): the ranks then end
+/// the case together, so that none goes on into a collective call the others have left.
+inline bool any_rank_failed(World& w, bool failed) {
+    if (w.num_ranks() == 1) return failed;
+    for (const auto& v : w.team().all_gather("weft.test.fuzz_ep_round", {static_cast<uint8_t>(failed)})) {
+        if (v[0] != 0) return true;
+    }
+    return false;
+}
+
 /// An invalid-config case: making a Buffer of `cfg` must throw weft::Error naming ep; returns the failure
 /// if not, setting *fatal (a Buffer made on some ranks only: the ranks' calls may no longer agree).
 inline std::vector<std::string> check_config_refused(World& w, const EpCase& c, const ep::Config& cfg, bool* fatal) {
@@ -516,8 +526,9 @@ inline std::string check_normal_dispatch(const ref::Params& p, const ref::Normal
     const std::vector<int32_t> info = download(v.info, sz(ep::kInfoInts), s);
     if (one_rank_tokens > 0) {
         if (info[ep::kInfoValid] != 1 || info[ep::kInfoNumTokens] != one_rank_tokens) {
-            return "info {valid " + std::to_string(info[0]) + ", T " + std::to_string(info[1]) +
-                   "}: the one-rank Buffer's should be {1, " + std::to_string(one_rank_tokens) + "}";
+            return "info {valid " + std::to_string(info[ep::kInfoValid]) + ", T " +
+                   std::to_string(info[ep::kInfoNumTokens]) + "}: the one-rank Buffer's should be {1, " +
+                   std::to_string(one_rank_tokens) + "}";
         }
     } else if (download(v.source_offsets, w + 1, s) != plan.source_offsets[sz(me)]) {
         return "source_offsets differ";
@@ -765,7 +776,7 @@ inline std::vector<std::string> run_ep_normal(World& w, const EpCase& c, cudaStr
         });
         if (!why.empty()) fails.push_back(tag + "combine: " + why);
         if (buf.status()) buf.clear_status();
-        if (!fails.empty()) return fails;
+        if (any_rank_failed(w, !fails.empty())) return fails;  // every rank ends the case together
     }
     return fails;
 }
@@ -1136,7 +1147,7 @@ inline std::vector<std::string> run_ep_low_latency(World& w, const EpCase& c, cu
             if (!why.empty()) fails.push_back(lv.tag + "combine: " + why);
         }
         if (buf.status()) buf.clear_status();
-        if (!fails.empty()) return fails;
+        if (any_rank_failed(w, !fails.empty())) return fails;  // every rank ends the case together
         ri += n;
     }
     return fails;

@@ -165,17 +165,20 @@ TEST(RuntimeModuleLoading, ThirtyTwoHardwareQueuesUnlessTheUserChose) {
 }
 
 TEST(RuntimeSharedGpu, ProcessesOnOneOfSeveralVisibleGpusAreWarnedAbout) {
-    // Eight processes on an eight-GPU host, two of which wrapped onto device 0: the warning names what to fix.
-    const std::string w = shared_gpu_warning(false, 8, 8, 0, 1, 8);
-    EXPECT_NE(w.find("rank 8 (local rank 8) shares CUDA device 0 with 1 rank(s) of other processes"), std::string::npos)
-        << w;
+    // Nine processes on an eight-GPU host: local rank 8 wrapped onto device 0, whose first rank says so, naming the
+    // fix.
+    const std::string w = shared_gpu_warning(false, false, true, 0, 0, 1, 8);
+    EXPECT_NE(w.find("local rank 0 shares CUDA device 0 with 1 rank(s) of other processes"), std::string::npos) << w;
     EXPECT_NE(w.find("sees 8 GPUs"), std::string::npos) << w;
     EXPECT_NE(w.find("LOCAL_RANK"), std::string::npos) << w;
-    // By design: threads of one process, processes on a machine with one GPU (weftrun -n 4 there, or a task per GPU
-    // with one visible), a GPU of its own.
-    EXPECT_EQ(shared_gpu_warning(true, 1, 1, 0, 3, 8), "");
-    EXPECT_EQ(shared_gpu_warning(false, 3, 3, 0, 3, 1), "");
-    EXPECT_EQ(shared_gpu_warning(false, 3, 3, 3, 0, 8), "");
+    // Once per GPU: the other ranks on it stay quiet.
+    EXPECT_EQ(shared_gpu_warning(false, false, false, 8, 0, 1, 8), "");
+    // By design: threads of one process, a device the program chose, processes on a machine with one GPU (weftrun -n 4
+    // there, or a task per GPU with one visible), a GPU of its own.
+    EXPECT_EQ(shared_gpu_warning(true, false, true, 1, 0, 3, 8), "");
+    EXPECT_EQ(shared_gpu_warning(false, true, true, 1, 0, 3, 8), "");
+    EXPECT_EQ(shared_gpu_warning(false, false, true, 3, 0, 3, 1), "");
+    EXPECT_EQ(shared_gpu_warning(false, false, true, 3, 3, 0, 8), "");
 }
 
 TEST(RuntimeArchitecture, HopperPassesEverythingElseGetsASentence) {
