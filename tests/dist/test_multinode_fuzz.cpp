@@ -272,10 +272,10 @@ TEST(MultiNodeFuzz, Ep) {
         invalid += c.cfg_bad != EpCfgBad::kNone || std::any_of(c.rounds.begin(), c.rounds.end(), [](const EpRound& x) {
                        return x.bad != EpCallBad::kNone;
                    });
-        if (fatal)
-            break;     // the ranks' calls may no longer agree: no collective call after this (the others stop
-                       // at their next agreement, within the World's timeout)
-        w->barrier();  // after a failure the next agreement stops every rank
+        // After a fatal case the ranks' calls may no longer agree: no collective call after it (the others stop at
+        // their next agreement, within the World's timeout). After another failure the next agreement stops them.
+        if (fatal) break;
+        w->barrier();
     }
     if (w->rank() == 0) {
         std::printf("[ fuzz     ] %lld low-latency cases, %lld normal; %lld draws too large for the heap\n",
