@@ -151,24 +151,16 @@ int Buffer::Impl::grid(const char* op, int requested, int fallback) const {
 
 void Buffer::Impl::warn_pending_status(const char* op) const {
     if (status_warned) return;
-    std::optional<Status> s = read_status(status_host);
-    const bool from_inner = !s;
-    if (from_inner) s = inner_status();
-    if (s) {
+    if (const std::optional<StatusReport> r = pending_report()) {
         status_warned = true;
         WEFT_LOG_WARN("ep::" << op << " goes ahead with an error of an earlier call pending on this rank: "
-                             << report(*s, from_inner).message
-                             << " (Buffer::check() throws it; call clear_status() after handling it)");
+                             << r->message << " (Buffer::check() throws it; call clear_status() after handling it)");
     }
 }
 
 void Buffer::Impl::check_status(const char* op) const {
-    std::optional<Status> s = read_status(status_host);
-    const bool from_inner = !s;
-    if (from_inner) s = inner_status();  // what the one-rank dispatch and combine reported
-    if (s) {
-        WEFT_FAIL(report(*s, from_inner).message << " (reported before " << op
-                                                 << "; call Buffer::clear_status() after handling it)");
+    if (const std::optional<StatusReport> r = pending_report()) {
+        WEFT_FAIL(r->message << " (reported before " << op << "; call Buffer::clear_status() after handling it)");
     }
 }
 
@@ -186,20 +178,17 @@ std::string Buffer::Impl::describe(const Status& s, bool one_rank_skipped) const
     return text(world_ranks) + " (ranks are world ranks; the Buffer's team is " + team.describe() + ")";
 }
 
-std::optional<Status> Buffer::Impl::inner_status() const {
+std::optional<StatusReport> Buffer::Impl::pending_report() const {
+    if (const std::optional<Status> s = read_status(status_host)) return StatusReport{s->code, *s, describe(*s)};
     if (!inner) return std::nullopt;
-    std::optional<StatusReport> r = inner->status();
+    // Across nodes: what the one-rank dispatch and combine reported. That Buffer's team is this rank alone: its rank 0
+    // is this rank of this Buffer's team, and a receive overflow there was this rank's (the others went ahead).
+    const std::optional<StatusReport> r = inner->status();
     if (!r) return std::nullopt;
-    // The one-rank Buffer's team is this rank alone: its rank 0 is this rank of this Buffer's team.
     Status s = r->raw;
     if (s.rank == 0) s.rank = team.rank();
     if (s.culprit_rank == 0) s.culprit_rank = team.rank();
-    return s;
-}
-
-StatusReport Buffer::Impl::report(const Status& s, bool from_inner) const {
-    const bool skipped =
-        from_inner && (s.code == StatusCode::kRecvTokensOverflow || s.code == StatusCode::kRecvRowsOverflow);
+    const bool skipped = s.code == StatusCode::kRecvTokensOverflow || s.code == StatusCode::kRecvRowsOverflow;
     return StatusReport{s.code, s, describe(s, skipped)};
 }
 
@@ -360,11 +349,7 @@ void Buffer::sync_and_check(cudaStream_t stream) {
     check();
 }
 
-std::optional<StatusReport> Buffer::status() const {
-    if (auto s = read_status(impl_->status_host)) return impl_->report(*s, false);
-    if (auto s = impl_->inner_status()) return impl_->report(*s, true);
-    return std::nullopt;
-}
+std::optional<StatusReport> Buffer::status() const { return impl_->pending_report(); }
 
 void Buffer::clear_status() {
     auto* p = reinterpret_cast<volatile uint8_t*>(impl_->status_host);

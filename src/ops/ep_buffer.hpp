@@ -213,11 +213,10 @@ struct Buffer::Impl {
     /// describe_status with the ranks as world ranks (the kernels write team ranks) and, for a team other than
     /// the world, the team's members (`one_rank_skipped`: detail::describe_status_one_rank_skipped's sentence).
     std::string describe(const Status& s, bool one_rank_skipped = false) const;
-    /// Across nodes: what the one-rank Buffer the exchange feeds reported, with its ranks (0: this rank) as this
-    /// Buffer's team ranks; none when it reported nothing (or on one node).
-    std::optional<Status> inner_status() const;
-    /// The report of `s` (from inner_status() when `from_inner`: an overflow there was this rank's alone).
-    StatusReport report(const Status& s, bool from_inner) const;
+    /// The pending device-reported error of this rank: its own status word's, else (across nodes) the one-rank
+    /// Buffer's the exchange feeds, with that Buffer's ranks (0: this rank) as this Buffer's team ranks and an
+    /// overflow described as this rank's alone. None when nothing is pending.
+    std::optional<StatusReport> pending_report() const;
 
     /// The normal kernels' arguments with this Buffer's and `h`'s arrays; the caller adds the call's inputs.
     weft::ep::NormalArgs normal_args(const NormalHandle::Impl& h) const;
