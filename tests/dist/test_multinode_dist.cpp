@@ -103,6 +103,16 @@ std::vector<Team> teams_under_test(World& w) {
     return teams;
 }
 
+// teams_under_test and, with 2 or more ranks per node, the world with team ranks interleaved across the nodes (team
+// rank l * N + n is node n's member l: not node-major; every node stage packs and every received step unpacks).
+// Collective over the world.
+std::vector<Team> teams_with_interleaved(World& w) {
+    std::vector<Team> teams = teams_under_test(w);
+    const int per_node = w.num_ranks() / w.num_nodes();
+    if (per_node >= 2) teams.push_back(w.team().split_color(0, (w.rank() % per_node) * w.num_nodes() + w.node()));
+    return teams;
+}
+
 TEST(MultiNode, TopologyOfVirtualNodes) {
     World& w = dist_world();
     if (!spans_nodes(w)) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
@@ -230,9 +240,7 @@ void run_all_to_all_across_nodes(bool graph) {
     World& w = dist_world();
     if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
-    std::vector<Team> teams = teams_under_test(w);
-    const int per_node = w.num_ranks() / w.num_nodes();
-    if (per_node >= 2) teams.push_back(w.team().split_color(0, (w.rank() % per_node) * w.num_nodes() + w.node()));
+    const std::vector<Team> teams = teams_with_interleaved(w);
     for (const Team& team : teams) {
         if (!team.is_member()) continue;
         const int n = team.num_ranks();
@@ -295,9 +303,7 @@ TEST(MultiNode, AllToAllVMatchesTheReference) {
     World& w = dist_world();
     if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
-    std::vector<Team> teams = teams_under_test(w);
-    const int per_node = w.num_ranks() / w.num_nodes();
-    if (per_node >= 2) teams.push_back(w.team().split_color(0, (w.rank() % per_node) * w.num_nodes() + w.node()));
+    const std::vector<Team> teams = teams_with_interleaved(w);
     for (const Team& team : teams) {
         if (!team.is_member()) continue;
         const int n = team.num_ranks();
@@ -544,12 +550,7 @@ void run_gemm_rs_across_nodes(bool graph) {
     const std::vector<RsNodesCase> cases = {
         {100, 200, 72, 0, 0, false}, {300, 136, 256, 128, 4, true}, {1, 8, 8, 0, 2, false}, {65, 100, 40, 0, 0, false}};
     const DType dt = DType::kBF16;
-    std::vector<Team> teams = teams_under_test(w);
-    const int per_node = w.num_ranks() / w.num_nodes();
-    if (per_node >= 2) {
-        // Collective over the world: every process makes it here.
-        teams.push_back(w.team().split_color(0, (w.rank() % per_node) * w.num_nodes() + w.rank() / per_node));
-    }
+    const std::vector<Team> teams = teams_with_interleaved(w);  // collective over the world
     for (const Team& team : teams) {
         if (!team.is_member()) continue;
         const int nr = team.num_ranks(), me = team.rank();
@@ -648,15 +649,6 @@ TEST(MultiNode, GemmRsGraphReplay) {
 // ---- expert parallelism across nodes (docs/multinode.md, "EP across nodes") ----
 
 namespace ref = weft::test::ep;
-
-// The teams of the EP tests: the world (node-major), and with 2 or more ranks per node every other rank, and the
-// interleaved team (team rank l * N + n is node n's member l: not node-major). Collective over the world.
-std::vector<Team> ep_teams(World& w) {
-    std::vector<Team> teams = teams_under_test(w);
-    const int per_node = w.num_ranks() / w.num_nodes();
-    if (per_node >= 2) teams.push_back(w.team().split_color(0, (w.rank() % per_node) * w.num_nodes() + w.node()));
-    return teams;
-}
 
 // Runs `check` on this member, then agrees over the team: when any member's check failed, every member throws naming
 // it, so that no member goes on to a collective that a failed member will never join.
@@ -868,7 +860,7 @@ TEST(MultiNode, EpDispatchCombineMatchTheReference) {
     if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
     const EpCase cases[] = {{2, 136, 2, 129, 1}, {4, 200, 8, 7, 4}, {1, 8, 1, 7, 1}, {3, 1000, 8, 1, 2}};
-    const std::vector<Team> teams = ep_teams(w);
+    const std::vector<Team> teams = teams_with_interleaved(w);
     // Both dispatch paths (every process sets the same before its Buffers are made): two hops on every team, the
     // record exchange on the world.
     for (const char* path : {"two_hop", "all_to_all"}) {
@@ -990,10 +982,8 @@ TEST(MultiNode, EpCapacityOverflowIsReportedByTheRankThatOverflows) {
     World& w = dist_world();
     if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
-    std::vector<Team> teams{w.team()};
-    const int per_node = w.num_ranks() / w.num_nodes();
-    if (per_node >= 2) teams.push_back(w.team().split_color(0, (w.rank() % per_node) * w.num_nodes() + w.node()));
-    for (const Team& team : teams) {
+    for (const Team& team : teams_with_interleaved(w)) {
+        if (!team.is_member()) continue;
         SCOPED_TRACE(team.describe());
         const int n = team.num_ranks();
         const int me = team.rank();
@@ -1322,7 +1312,7 @@ TEST(MultiNode, EpLowLatencyMatchesTheOneNodeReference) {
         int experts_per_rank, hidden, topk, max_tokens;
     };
     const Case cases[] = {{2, 384, 2, 40}, {4, 256, 8, 7}, {1, 128, 1, 9}, {3, 640, 8, 17}};
-    for (const Team& team : ep_teams(w)) {
+    for (const Team& team : teams_with_interleaved(w)) {
         if (!team.is_member()) continue;
         ref::RankStream stream;
         const cudaStream_t s = stream.s;
