@@ -16,8 +16,9 @@
 //  - each node's own team (the single-node algorithms, every node's team at once).
 // Across nodes the op picks the hierarchical algorithm itself; a case that forces one of the single-node algorithms
 // there must be refused naming the op (docs/multinode.md). About a tenth of the cases hold another invalid call (alike
-// on every member), which must be refused before anything is launched and write nothing. Without virtual nodes (one
-// node) or without NCCL the test skips.
+// on every member), which must be refused before anything is launched and write nothing. MultiNodeFuzz.FusedGemm
+// runs fuzz_tp.hpp's AgGemm / GemmRs / GemmAr cases on the same teams, and MultiNodeFuzz.Ep fuzz_ep.hpp's on the world.
+// Without virtual nodes (one node) or without NCCL the tests skip.
 //
 // Knobs (tests/gpu/fuzz_harness.hpp): WEFT_FUZZ_SEED, WEFT_FUZZ_SECONDS (default 15), WEFT_FUZZ_CASES,
 // WEFT_FUZZ_CASE=i (replay case i under the same launcher, virtual nodes and seed).
@@ -27,6 +28,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -36,6 +38,7 @@
 #include "gpu/fuzz_collectives.hpp"
 #include "gpu/fuzz_ep.hpp"
 #include "gpu/fuzz_harness.hpp"
+#include "gpu/fuzz_tp.hpp"
 #include "support/jit_testing.hpp"
 #include "weft/net/host_backend.hpp"
 #include "weft/weft.hpp"
@@ -136,13 +139,22 @@ std::string replay_command(const World& w, const char* test) {
     return os.str();
 }
 
+/// Rank 0's decision for the next case (a draw's attempt, kSkip or kStop), agreed over the world: kStop for every rank
+/// when any rank has failed.
+int agree(World& w, int decision, bool failed) {
+    std::vector<uint8_t> mine(5);
+    std::memcpy(mine.data(), &decision, 4);
+    mine[4] = static_cast<uint8_t>(failed);
+    const auto votes = w.team().all_gather("weft.test.multinode_fuzz", mine);
+    int d = kStop;
+    std::memcpy(&d, votes[0].data(), 4);
+    for (const auto& v : votes) d = v[4] != 0 ? kStop : d;
+    return d;
+}
+
 /// Whether every rank should stop before case i: rank 0's budgets (time, cases), or a failure on any rank.
 bool agree_to_stop(World& w, const FuzzRun& run, int64_t i, bool failed) {
-    const uint8_t go = run.more(i) ? 1 : 0;
-    const auto votes = w.team().all_gather("weft.test.multinode_fuzz", {go, static_cast<uint8_t>(failed)});
-    bool stop = votes[0][0] == 0;
-    for (const auto& v : votes) stop = stop || v[1] != 0;
-    return stop;
+    return agree(w, run.more(i) ? 0 : kStop, failed) == kStop;
 }
 
 TEST(MultiNodeFuzz, CollectivesAndAllToAll) {
@@ -283,6 +295,93 @@ TEST(MultiNodeFuzz, Ep) {
                     static_cast<long long>(refused));
     }
     run.summary(cases, invalid, 0);
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+    w.reset();  // collective
+}
+
+// The fused tensor-parallel GEMMs across nodes: fuzz_tp.hpp's cases (AgGemm and GemmRs of random shapes, dtypes,
+// options and calls, invalid calls alike on every member; GemmAr, refused at construction on a team that spans nodes)
+// on the teams above: the world, every other rank and the interleaved world take the inter-node paths (AgGemm's two
+// hops, GemmRs's node stage and network in sub-blocks of WEFT_NET_CHUNK_BYTES), each node's own team the one-node ops
+// (GemmAr included). Rank 0 draws each case, admitting a new kernel within the budget (WEFT_FUZZ_KERNELS, default
+// 6), and the ranks agree on its draw.
+TEST(MultiNodeFuzz, FusedGemm) {
+    World& main_world = dist_world();
+    if (main_world.num_nodes() < 2) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
+    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    const testing::ScopedEnv chunk("WEFT_NET_CHUNK_BYTES", std::to_string(kChunkBytes));
+    // Small staging regions for GemmAr's collective all-reduce on the node teams.
+    const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("4M"));
+    FuzzRun run("MultiNodeFusedGemm", 15, 100000, 6, "MultiNodeFuzz.FusedGemm",
+                replay_command(main_world, "MultiNodeFuzz.FusedGemm"));
+
+    WorldOptions options;
+    options.timeout = std::chrono::milliseconds(60000);
+    options.heap_bytes = 256ull << 20;
+    std::unique_ptr<World> w = World::from_env(options);
+    const std::vector<FuzzTeam> teams = make_teams(*w);
+    cudaStream_t s = nullptr;
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    const auto draw = [&](int64_t idx, int attempt, size_t* team) {
+        Rng r = run.rng(idx, attempt);
+        *team = static_cast<size_t>(r.uniform(0, static_cast<int64_t>(teams.size()) - 1));
+        const Team& t = teams[*team].team;
+        TpCase c = t.is_member() ? draw_tp(r, *w, t) : TpCase{};
+        return std::make_pair(c, r.next());
+    };
+    int64_t cases = 0, invalid = 0, refused = 0;
+    std::vector<int64_t> per_team(teams.size(), 0);
+    bool failed = false;
+    for (int64_t i = 0;; ++i) {
+        const int64_t idx = run.case_index(i);
+        int decision = kStop;
+        if (w->rank() == 0 && run.more(i)) {  // rank 0 is a member of every team
+            decision = kSkip;
+            for (int a = run.first_attempt(); a <= run.last_attempt(); ++a) {
+                size_t team = 0;
+                const TpCase c = draw(idx, a, &team).first;
+                if (run.admit(tp_kernel_key(c, *w, teams[team].team))) {
+                    decision = a;
+                    break;
+                }
+                ++refused;
+            }
+        }
+        decision = agree(*w, decision, failed);
+        if (decision == kStop) break;
+        if (decision == kSkip) continue;
+        size_t team = 0;
+        const auto [c, seed] = draw(idx, decision, &team);
+        bool fatal = false;
+        if (teams[team].team.is_member()) {
+            std::string what;
+            try {
+                what = run_tp(c, seed, *w, teams[team].team, s);
+            } catch (const std::exception& e) {
+                what = std::string("threw: ") + e.what();
+                fatal = true;  // the members' calls may no longer agree
+            }
+            if (!what.empty()) {
+                run.fail(
+                    idx, decision,
+                    "team " + teams[team].name + ": " + describe(c) + " :: world rank " + std::to_string(w->rank()),
+                    what);
+                failed = true;
+            }
+        }
+        ++cases;
+        ++per_team[team];
+        invalid += c.invalid() ? 1 : 0;
+        if (fatal) break;  // no collective call after it: the others stop at their next agreement (World's timeout)
+        w->barrier();
+    }
+    if (w->rank() == 0) {
+        std::ostringstream os;
+        for (size_t t = 0; t < teams.size(); ++t) os << " " << teams[t].name << " " << per_team[t];
+        std::printf("[ fuzz     ] cases per team:%s\n", os.str().c_str());
+    }
+    run.summary(cases, invalid, refused);
     cudaStreamSynchronize(s);
     cudaStreamDestroy(s);
     w.reset();  // collective
