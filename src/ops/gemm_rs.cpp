@@ -27,6 +27,7 @@
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
+#include "weft/runtime/stream.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops {
@@ -211,6 +212,11 @@ jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::strin
                                 std::string("gemm_rs reduce ") + dtype_name(partial) + "->" + dtype_name(out), arch);
 }
 
+jit::KernelSpec rs_check_calls_kernel_spec(const std::string& arch) {
+    return tp_detail::make_spec("gemm_rs/node_sum.cuh", "weft::kernels::gemm_rs::rs_check_calls_kernel",
+                                "gemm_rs check of the calls across nodes", arch);
+}
+
 jit::KernelSpec rs_node_sum_kernel_spec(DType dtype, const std::string& arch) {
     return tp_detail::make_spec(
         "gemm_rs/node_sum.cuh",
@@ -255,6 +261,8 @@ struct GemmRs::State : tp_detail::FusedOpState {
     uint8_t* received = nullptr;      // local [num_nodes][max_rows][ld]: node m's sum of this rank's rows in slot m
     uint8_t* a_rows = nullptr;        // local [max_m / num_nodes][k]: a call's A rows, where they are not one slice
     uint64_t chunk_bytes = 0;         // WEFT_NET_CHUNK_BYTES: about this much of a node sum per network transfer
+    uint64_t* descs = nullptr;        // local [num_nodes]: slot m, the call descriptor of node m's column member
+    const jit::Kernel* check_kernel = nullptr;
     const jit::Kernel* sum_kernel = nullptr;
 
     explicit State(const Team& t) : FusedOpState(t, kOp) {}
@@ -308,6 +316,8 @@ void make_internode(GemmRs::State& s, const Team& team, const GemmRsOptions& opt
         s.a_rows = static_cast<uint8_t*>(
             s.heap.alloc_private(static_cast<uint64_t>(s.shape.max_m / num_nodes * s.shape.k) * es));
     }
+    s.descs = static_cast<uint64_t*>(s.heap.alloc_private(static_cast<uint64_t>(num_nodes) * sizeof(uint64_t)));
+    s.check_kernel = &jit::compiler().get_kernel(detail::rs_check_calls_kernel_spec());
     s.sum_kernel = &jit::compiler().get_kernel(detail::rs_node_sum_kernel_spec(s.shape.dtype));
     WEFT_LOG_INFO("gemm_rs: team of " << s.num_ranks << " across " << num_nodes << " nodes (NCCL host API, "
                                       << s.plan.per_node << " member(s) per node): node stage "
@@ -698,10 +708,26 @@ void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const Tenso
                          {call.num_rows, s.shape.n}, {s.ld, 1});
         calls.push_back(x);
     }
+    // The call's descriptor (M, n, the dtypes): node m's column member's arrives in descs[m] before the call's rows;
+    // calls that differ (their transfers differ in size) are a kCollectiveMismatch, and the final sum writes nothing.
+    const uint64_t signature = make_call_descriptor(
+        CollectiveOp::kGemmRs, 0, true, s.partial_dtype, static_cast<uint64_t>(m),
+        call_descriptor_mix(call_descriptor_mix(0, static_cast<uint64_t>(s.shape.n)), static_cast<uint64_t>(dtype)));
+    RsCheckCallsParams check{};
+    check.ctx = s.ctx;
+    check.descs = s.descs;
+    check.signature = signature;
+    check.num_nodes = plan.num_nodes;
+    check.node = plan.node;
+    for (int node = 0; node < plan.num_nodes; ++node) {
+        check.peer[node] = s.net->team_ranks_by_node()[static_cast<size_t>(node)][static_cast<size_t>(plan.local)];
+    }
     RsNodeSumParams sum{};
     for (int node = 0; node < plan.num_nodes; ++node) {
         sum.inputs[node] = s.slot(node == plan.node ? s.node_sums : s.received, node);
     }
+    sum.descs = s.descs;
+    sum.signature = signature;
     sum.num_inputs = plan.num_nodes;
     sum.rows = rows;
     sum.cols = s.shape.n;
@@ -718,7 +744,18 @@ void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const Tenso
                                               << ", " << sched.calls.size() << " node-stage calls, "
                                               << sched.chunks.size() << " network transfers)");
 
+    stream_write_u64(stream, s.descs + plan.node, signature);
     net.begin_call(stream);
+    for (const net::RsNetStep& st : plan.net_steps) {
+        net.send_recv(s.descs + plan.node, sizeof(uint64_t), st.to_node, s.descs + st.from_node, st.from_node);
+    }
+    {
+        jit::LaunchParams cp;
+        cp.grid = dim3(1, 1, 1);
+        cp.block = dim3(32, 1, 1);
+        cp.stream = net.comm_stream();
+        s.check_kernel->launch(cp, check);
+    }
     for (const NodeCall& x : calls) {
         const net::RsNodeCall& call = *x.call;
         if (x.gather) {

@@ -646,6 +646,81 @@ TEST(MultiNode, GemmRsGraphReplay) {
     run_gemm_rs_across_nodes(true);
 }
 
+// Members on different nodes that call with different M (node 0 with 64 rows per rank, the other nodes with 32): the
+// call descriptors that cross the network show it, so every rank's call ends in a weft::Error naming the mismatch,
+// within a bound well under the World's timeout, not in a hang or a network timeout. A World of its own (the mismatch
+// aborts it).
+void run_m_differs_across_nodes(bool rs) {
+    using namespace tp_test;
+    set_test_environment();
+    WorldOptions options;
+    options.timeout = std::chrono::milliseconds(30000);
+    options.heartbeat = std::chrono::milliseconds(200);
+    options.heap_bytes = 128ull << 20;
+    std::unique_ptr<World> w = World::from_env(options);
+    const Team& team = w->team();
+    const int nr = team.num_ranks();
+    const int64_t n = 128, k = 64, max_rows = 64;
+    const int64_t rows = team.node_index() == 0 ? max_rows : max_rows / 2;
+    const DType dt = DType::kBF16;
+    const int64_t a_rows = rs ? rows * nr : rows, c_rows = rs ? rows : rows * nr;
+    DevBuf a_dev(static_cast<size_t>(max_rows * nr * k * 2)), b_dev(static_cast<size_t>(n * k * 2)),
+        c_dev(static_cast<size_t>(max_rows * nr * n * 2));
+    HostMat a(a_rows, k, k, dt), bm(n, k, k, dt), c(c_rows, n, n, dt);
+    a.fill_random(seed_of(0x3d1ffull, 0, w->rank(), 0));
+    bm.fill_random(seed_of(0x3d1ffull, 1, w->rank(), 0));
+    poison(c);
+    cudaStream_t st = nullptr;
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    upload(a, a_dev.ptr, st);
+    upload(bm, b_dev.ptr, st);
+    upload(c, c_dev.ptr, st);
+    std::string error;
+    std::chrono::steady_clock::duration waited{};
+    {
+        std::unique_ptr<ops::AgGemm> ag;
+        std::unique_ptr<ops::GemmRs> grs;
+        if (rs) {
+            grs = std::make_unique<ops::GemmRs>(team, ops::GemmRsShape{max_rows * nr, n, k, dt});
+        } else {
+            ag = std::make_unique<ops::AgGemm>(team, ops::AgGemmShape{max_rows * nr, n, k, dt});
+        }
+        w->barrier();
+        const auto start = std::chrono::steady_clock::now();
+        try {
+            if (rs) {
+                grs->run(view(a, a_dev.ptr), view(bm, b_dev.ptr), view(c, c_dev.ptr), st);
+            } else {
+                ag->run(view(a, a_dev.ptr), view(bm, b_dev.ptr), view(c, c_dev.ptr), st);
+            }
+            w->sync_and_check(st);
+        } catch (const Error& e) {
+            error = e.what();
+        }
+        waited = std::chrono::steady_clock::now() - start;
+    }
+    std::printf("rank %d (%s, %.1f s): %s\n", w->rank(), rs ? "gemm_rs" : "ag_gemm",
+                std::chrono::duration<double>(waited).count(), error.c_str());
+    EXPECT_FALSE(error.empty()) << "rank " << w->rank() << ": calls whose M differs across nodes were not diagnosed";
+    EXPECT_LT(waited, std::chrono::milliseconds(15000)) << error;
+    EXPECT_NE(error.find("differs from rank"), std::string::npos) << "rank " << w->rank() << ": " << error;
+    cudaStreamSynchronize(st);
+    cudaStreamDestroy(st);
+    w.reset();  // collective
+}
+
+TEST(MultiNode, AgGemmWhoseMDiffersAcrossNodesFailsEveryRankNamingTheMismatch) {
+    World& w = dist_world();
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
+    run_m_differs_across_nodes(false);
+}
+
+TEST(MultiNode, GemmRsWhoseMDiffersAcrossNodesFailsEveryRankNamingTheMismatch) {
+    World& w = dist_world();
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
+    run_m_differs_across_nodes(true);
+}
+
 // ---- expert parallelism across nodes (docs/multinode.md, "EP across nodes") ----
 
 namespace ref = weft::test::ep;

@@ -98,7 +98,8 @@ TEST(TpNvrtc, GemmRsKernelsCompileClean) {
                   kPushSpillBudget);
     compile_clean(compiler, ops::detail::gemm_rs_kernel_spec(cfg(6, DType::kBF16, DType::kBF16), kArch,
                                                              ops::GemmRsMode::kPush));  // 128x128: no spill
-    // A team that spans nodes: the final sum of the nodes' partial sums.
+    // A team that spans nodes: the check of the calls that crossed the network, the final sum of the nodes' sums.
+    compile_clean(compiler, ops::detail::rs_check_calls_kernel_spec(kArch));
     compile_clean(compiler, ops::detail::rs_node_sum_kernel_spec(DType::kBF16, kArch));
     compile_clean(compiler, ops::detail::rs_node_sum_kernel_spec(DType::kF16, kArch));
 }
@@ -137,9 +138,8 @@ TEST(TpNvrtc, AotSpecsCoverTheOpsKernels) {
     const GemmConfig c = cfg(0, DType::kBF16, DType::kBF16);
     for (const jit::KernelSpec& want :
          {ops::detail::ag_gemm_kernel_spec(c), ops::detail::ag_notify_kernel_spec(),
-          ops::detail::ag_relay_kernel_spec(),
-          ops::detail::gemm_rs_kernel_spec(c),
-          ops::detail::rs_reduce_kernel_spec(DType::kBF16, DType::kBF16),
+          ops::detail::ag_relay_kernel_spec(), ops::detail::gemm_rs_kernel_spec(c),
+          ops::detail::rs_reduce_kernel_spec(DType::kBF16, DType::kBF16), ops::detail::rs_check_calls_kernel_spec(),
           ops::detail::rs_node_sum_kernel_spec(DType::kBF16),
           ops::detail::ar_reduce_kernel_spec(DType::kF32, DType::kF16)}) {
         EXPECT_EQ(names.count(want.header + "|" + want.instantiation), 1u) << want.instantiation;
