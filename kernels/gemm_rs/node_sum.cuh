@@ -1,35 +1,17 @@
 // SPDX-License-Identifier: MIT
-// GEMM+ReduceScatter across nodes (docs/multinode.md, "GEMM+ReduceScatter across nodes"): the check of the call
-// descriptors the network brought, on the comm stream before the call's rows cross it, and the last step of a call,
+// GEMM+ReduceScatter across nodes (docs/multinode.md, "GEMM+ReduceScatter across nodes"): the last step of a call,
 // after the node stage and the network steps: this rank's rows of C are the sum of every node's partial sum of them
 // (its own node's from the node stage, the others' received over the network), in fp32, rounded once.
 //
-// JIT instantiations (weft::ops::GemmRs builds them for a team that spans nodes):
-//   weft::kernels::gemm_rs::rs_check_calls_kernel
+// JIT instantiation (weft::ops::GemmRs builds it for a team that spans nodes):
 //   weft::kernels::gemm_rs::rs_node_sum_kernel<DTYPE>
 #pragma once
 
 #include "tp_common/tp_device.cuh"
 #include "weft/common/dtype.hpp"
 #include "weft/common/gemm_rs_net_params.hpp"
-#include "weft/device/spin.cuh"
 
 namespace weft::kernels::gemm_rs {
-
-/// One warp: lane m compares node m's descriptor with this rank's; a difference is recorded (the first, as every
-/// diagnostic) and the World aborted, which aborts the column's communicators and so ends the network steps of
-/// this call, whose sizes may differ. Plain loads: the descriptors were received by NCCL before this launch, in the
-/// comm stream's order.
-__global__ void __launch_bounds__(32) rs_check_calls_kernel(const RsCheckCallsParams p) {
-    const int32_t m = static_cast<int32_t>(threadIdx.x);
-    if (m >= p.num_nodes || m == p.node) return;
-    const uint64_t theirs = p.descs[m];
-    if (theirs != p.signature) {
-        device::record_diagnostic(p.ctx, device::SpinSite{SpinKind::kCollectiveMismatch, p.peer[m], __LINE__}, Cmp::kEq,
-                                  p.descs + m, p.signature, theirs, 0);
-        device::raise_abort(p.ctx);
-    }
-}
 
 /// Grid-stride over 8-element vectors of the output (a ragged last vector of a row element by element). Plain loads:
 /// the inputs were written by kernels and NCCL receives that precede this launch in stream order.

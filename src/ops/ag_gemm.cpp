@@ -15,6 +15,7 @@
 #include "weft/common/tp_schedule.hpp"
 #include "weft/net/ag_gemm_plan.hpp"
 #include "weft/net/host_backend.hpp"
+#include "weft/ops/tp_aot.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
@@ -155,6 +156,7 @@ struct AgGemm::State : tp_detail::FusedOpState {
     uint64_t* relay_ready = nullptr;  // symmetric [W * max_chunks_per_rank]
     AgNodePeers node_peers{};         // num == 0 on one node
     const jit::Kernel* relay_kernel = nullptr;
+    const jit::Kernel* check_kernel = nullptr;  // across nodes: the check of the column's call descriptors
 
     explicit State(const Team& t) : FusedOpState(t, kOp) {}
     int64_t elem_bytes() const { return dtype_bytes(shape.dtype); }
@@ -275,6 +277,7 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
     if (spans_nodes && s.plan.per_node > 1) {
         s.relay_kernel = &jit::compiler().get_kernel(detail::ag_relay_kernel_spec());
     }
+    if (spans_nodes) s.check_kernel = &jit::compiler().get_kernel(detail::net_check_calls_kernel_spec());
     if (s.num_ranks > 1 && tp_detail::pulls_with_kernel(world)) {
         s.pull_kernel = &jit::compiler().get_kernel(tp_detail::peer_pull_kernel_spec());
     }
@@ -535,7 +538,8 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
 }
 
 /// A team that spans nodes, after the local copy: this call's descriptor into signatures[rank], the comm stream forked
-/// (it sends this rank's slot), the descriptors exchanged over the column (one ring step per distance), then per
+/// (it sends this rank's slot), the descriptors exchanged over the column (one ring step per distance) and checked
+/// (net_check_calls_kernel: calls that differ abort the World before their chunks cross), then per
 /// network step and chunk: the send/receive, the chunk's signal here (the GEMM's tiles wait for it as for a copied
 /// chunk: constant 1, reset by the GEMM's end of call) and the relay words on this node's other members. Every
 /// network step runs under the backend's watcher (a peer that never comes aborts the communicator and the World).
@@ -543,10 +547,14 @@ void launch_network(AgGemm::State& s, const AgCall& call, cudaStream_t stream) {
     net::HostBackend& net = *s.net;
     stream_write_u64(stream, s.signatures + s.rank, call.signature);
     net.begin_call(stream);
+    std::vector<tp_detail::NetCallCheck> checks;
     for (const net::AgNetStep& step : s.plan.net_steps) {
         net.send_recv(s.signatures + s.rank, sizeof(uint64_t), step.to_node, s.signatures + step.from_slot,
                       step.from_node);
+        checks.push_back({step.from_slot, step.from_slot});
     }
+    // Calls whose M differs across nodes send chunks of other sizes: a kCollectiveMismatch and an abort before them.
+    tp_detail::launch_net_call_check(*s.check_kernel, s.ctx, s.signatures, call.signature, checks, net.comm_stream());
     for (const AgNetChunk& x : call.net) {
         net.send_recv(x.send, x.bytes, x.to, x.recv, x.from);
         stream_write_u64(net.comm_stream(), s.chunk_signals + x.signal, 1);

@@ -24,6 +24,7 @@
 #include "weft/net/gemm_rs_plan.hpp"
 #include "weft/net/host_backend.hpp"
 #include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/tp_aot.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/nvtx.hpp"
@@ -212,11 +213,6 @@ jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::strin
                                 std::string("gemm_rs reduce ") + dtype_name(partial) + "->" + dtype_name(out), arch);
 }
 
-jit::KernelSpec rs_check_calls_kernel_spec(const std::string& arch) {
-    return tp_detail::make_spec("gemm_rs/node_sum.cuh", "weft::kernels::gemm_rs::rs_check_calls_kernel",
-                                "gemm_rs check of the calls across nodes", arch);
-}
-
 jit::KernelSpec rs_node_sum_kernel_spec(DType dtype, const std::string& arch) {
     return tp_detail::make_spec(
         "gemm_rs/node_sum.cuh",
@@ -317,7 +313,7 @@ void make_internode(GemmRs::State& s, const Team& team, const GemmRsOptions& opt
             s.heap.alloc_private(static_cast<uint64_t>(s.shape.max_m / num_nodes * s.shape.k) * es));
     }
     s.descs = static_cast<uint64_t*>(s.heap.alloc_private(static_cast<uint64_t>(num_nodes) * sizeof(uint64_t)));
-    s.check_kernel = &jit::compiler().get_kernel(detail::rs_check_calls_kernel_spec());
+    s.check_kernel = &jit::compiler().get_kernel(detail::net_check_calls_kernel_spec());
     s.sum_kernel = &jit::compiler().get_kernel(detail::rs_node_sum_kernel_spec(s.shape.dtype));
     WEFT_LOG_INFO("gemm_rs: team of " << s.num_ranks << " across " << num_nodes << " nodes (NCCL host API, "
                                       << s.plan.per_node << " member(s) per node): node stage "
@@ -713,15 +709,8 @@ void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const Tenso
     const uint64_t signature = make_call_descriptor(
         CollectiveOp::kGemmRs, 0, true, s.partial_dtype, static_cast<uint64_t>(m),
         call_descriptor_mix(call_descriptor_mix(0, static_cast<uint64_t>(s.shape.n)), static_cast<uint64_t>(dtype)));
-    RsCheckCallsParams check{};
-    check.ctx = s.ctx;
-    check.descs = s.descs;
-    check.signature = signature;
-    check.num_nodes = plan.num_nodes;
-    check.node = plan.node;
-    for (int node = 0; node < plan.num_nodes; ++node) {
-        check.peer[node] = s.net->team_ranks_by_node()[static_cast<size_t>(node)][static_cast<size_t>(plan.local)];
-    }
+    std::vector<tp_detail::NetCallCheck> checks;
+    for (const net::RsNetStep& st : plan.net_steps) checks.push_back({st.from_node, st.from_rank});
     RsNodeSumParams sum{};
     for (int node = 0; node < plan.num_nodes; ++node) {
         sum.inputs[node] = s.slot(node == plan.node ? s.node_sums : s.received, node);
@@ -749,13 +738,7 @@ void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const Tenso
     for (const net::RsNetStep& st : plan.net_steps) {
         net.send_recv(s.descs + plan.node, sizeof(uint64_t), st.to_node, s.descs + st.from_node, st.from_node);
     }
-    {
-        jit::LaunchParams cp;
-        cp.grid = dim3(1, 1, 1);
-        cp.block = dim3(32, 1, 1);
-        cp.stream = net.comm_stream();
-        s.check_kernel->launch(cp, check);
-    }
+    tp_detail::launch_net_call_check(*s.check_kernel, s.ctx, s.descs, signature, checks, net.comm_stream());
     for (const NodeCall& x : calls) {
         const net::RsNodeCall& call = *x.call;
         if (x.gather) {

@@ -19,7 +19,7 @@ std::vector<jit::KernelSpec> tp_aot_specs() {
     out.push_back(detail::ag_notify_kernel_spec());
     out.push_back(detail::ag_relay_kernel_spec());
     out.push_back(tp_detail::peer_pull_kernel_spec());
-    out.push_back(detail::rs_check_calls_kernel_spec());
+    out.push_back(detail::net_check_calls_kernel_spec());
     for (DType t : {DType::kBF16, DType::kF16}) {
         for (const GemmConfig& c : fused_gemm_candidates(t, t)) {
             out.push_back(detail::ag_gemm_kernel_spec(c));

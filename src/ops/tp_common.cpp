@@ -6,7 +6,9 @@
 #include <cstring>
 #include <sstream>
 
+#include "weft/common/net_call_check.hpp"
 #include "weft/ops/gemm_codegen.hpp"
+#include "weft/ops/tp_aot.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/log.hpp"
 #include "weft/runtime/symmetric_heap.hpp"
@@ -30,6 +32,27 @@ bool pulls_with_kernel(const World& world) { return streams_may_share_queues(wor
 
 jit::KernelSpec peer_pull_kernel_spec(const std::string& arch) {
     return make_spec("tp_common/peer_pull.cuh", "weft::kernels::tp_common::peer_pull_kernel<0>", "peer pull", arch);
+}
+
+void launch_net_call_check(const jit::Kernel& kernel, const DeviceCtx& ctx, const uint64_t* words, uint64_t signature,
+                           const std::vector<NetCallCheck>& entries, cudaStream_t stream) {
+    if (entries.empty()) return;
+    WEFT_CHECK(entries.size() <= static_cast<size_t>(kNetCheckMaxCalls),
+               "internal error: " << entries.size() << " calls across nodes to check; at most " << kNetCheckMaxCalls);
+    NetCheckCallsParams p{};
+    p.ctx = ctx;
+    p.words = words;
+    p.signature = signature;
+    p.count = static_cast<int32_t>(entries.size());
+    for (size_t i = 0; i < entries.size(); ++i) {
+        p.index[i] = entries[i].index;
+        p.peer[i] = entries[i].peer;
+    }
+    jit::LaunchParams lp;
+    lp.grid = dim3(1, 1, 1);
+    lp.block = dim3(32, 1, 1);
+    lp.stream = stream;
+    kernel.launch(lp, p);
 }
 
 void launch_peer_pulls(const jit::Kernel& kernel, const DeviceCtx& ctx, const std::vector<PeerPullItem>& items,
@@ -317,3 +340,12 @@ void FusedOpState::tune(cudaStream_t stream, uint64_t tag, const std::string& pr
 }
 
 }  // namespace weft::ops::tp_detail
+
+namespace weft::ops::detail {
+
+jit::KernelSpec net_check_calls_kernel_spec(const std::string& arch) {
+    return tp_detail::make_spec("tp_common/net_call_check.cuh", "weft::kernels::tp_common::net_check_calls_kernel",
+                                "check of a call across nodes", arch);
+}
+
+}  // namespace weft::ops::detail

@@ -59,6 +59,15 @@ bool pulls_with_kernel(const World& world);
 bool streams_may_share_queues(const World& world);
 /// The pull kernel's spec (one CTA of kPeerPullThreads).
 jit::KernelSpec peer_pull_kernel_spec(const std::string& arch = "");
+/// One descriptor of a call across nodes to check: words[index] holds what team rank `peer` called.
+struct NetCallCheck {
+    int32_t index;
+    int32_t peer;
+};
+/// Launches ops::detail::net_check_calls_kernel_spec's `kernel` (one warp) on `stream`: each entry's word against
+/// `signature` (weft/common/net_call_check.hpp). At most kNetCheckMaxCalls entries; none: nothing launched.
+void launch_net_call_check(const jit::Kernel& kernel, const DeviceCtx& ctx, const uint64_t* words, uint64_t signature,
+                           const std::vector<NetCallCheck>& entries, cudaStream_t stream);
 /// Launches `items` in order on `stream`, kPeerPullMaxItems per launch of `kernel` (peer_pull_kernel_spec's); with
 /// `signatures`, each waited-for peer's call descriptor is compared with `signature` (PeerPullParams).
 void launch_peer_pulls(const jit::Kernel& kernel, const DeviceCtx& ctx, const std::vector<PeerPullItem>& items,

@@ -14,8 +14,8 @@
 #include "weft/ops/ag_gemm.hpp"
 #include "weft/ops/fused_gemm.hpp"
 #include "weft/ops/gemm.hpp"
-#include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_ar.hpp"
+#include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/tp_aot.hpp"
 
@@ -99,7 +99,7 @@ TEST(TpNvrtc, GemmRsKernelsCompileClean) {
     compile_clean(compiler, ops::detail::gemm_rs_kernel_spec(cfg(6, DType::kBF16, DType::kBF16), kArch,
                                                              ops::GemmRsMode::kPush));  // 128x128: no spill
     // A team that spans nodes: the check of the calls that crossed the network, the final sum of the nodes' sums.
-    compile_clean(compiler, ops::detail::rs_check_calls_kernel_spec(kArch));
+    compile_clean(compiler, ops::detail::net_check_calls_kernel_spec(kArch));
     compile_clean(compiler, ops::detail::rs_node_sum_kernel_spec(DType::kBF16, kArch));
     compile_clean(compiler, ops::detail::rs_node_sum_kernel_spec(DType::kF16, kArch));
 }
@@ -139,7 +139,7 @@ TEST(TpNvrtc, AotSpecsCoverTheOpsKernels) {
     for (const jit::KernelSpec& want :
          {ops::detail::ag_gemm_kernel_spec(c), ops::detail::ag_notify_kernel_spec(),
           ops::detail::ag_relay_kernel_spec(), ops::detail::gemm_rs_kernel_spec(c),
-          ops::detail::rs_reduce_kernel_spec(DType::kBF16, DType::kBF16), ops::detail::rs_check_calls_kernel_spec(),
+          ops::detail::rs_reduce_kernel_spec(DType::kBF16, DType::kBF16), ops::detail::net_check_calls_kernel_spec(),
           ops::detail::rs_node_sum_kernel_spec(DType::kBF16),
           ops::detail::ar_reduce_kernel_spec(DType::kF32, DType::kF16)}) {
         EXPECT_EQ(names.count(want.header + "|" + want.instantiation), 1u) << want.instantiation;

@@ -1,12 +1,10 @@
 // SPDX-License-Identifier: MIT
 // Kernel parameters of GEMM+ReduceScatter across nodes (docs/multinode.md, "GEMM+ReduceScatter across nodes"): the
-// check of the calls that crossed the network (rs_check_calls_kernel) and the final sum of the nodes' partial sums of
-// this rank's rows (rs_node_sum_kernel), kernels/gemm_rs/node_sum.cuh. Kept
+// final sum of the nodes' partial sums of this rank's rows (rs_node_sum_kernel, kernels/gemm_rs/node_sum.cuh). Kept
 // apart from tp_params.hpp, which the one-node kernels include: their sources, and so their cache keys, stay as they
 // are.
 #pragma once
 
-#include "weft/common/device_ctx.hpp"
 #include "weft/common/macros.hpp"  // fixed-width integers under g++, nvcc and NVRTC
 
 namespace weft {
@@ -16,23 +14,11 @@ inline constexpr int kRsMaxNodes = 32;
 /// Threads per CTA of rs_node_sum_kernel.
 inline constexpr int kRsNodeSumThreads = 256;
 
-/// A call's descriptors, one per node: descs[m] is what node m's member of this rank's column called (received over
-/// the network before the call's rows; descs[node] is this rank's own, `signature`). rs_check_calls_kernel (one
-/// warp) records a kCollectiveMismatch naming peer[m] (a team rank) for the first that differs and aborts the World,
-/// so that the network steps of calls that differ end in that diagnosis, not in a timeout.
-struct RsCheckCallsParams {
-    DeviceCtx ctx;
-    const uint64_t* descs;
-    uint64_t signature;
-    int32_t num_nodes;
-    int32_t node;
-    int32_t peer[kRsMaxNodes];
-};
-
 /// out[r, c] = sum over i < num_inputs of inputs[i][r * ld_in + c] (fp32 sum in input order, one rounding into the
 /// output dtype), r < rows, c < cols. Every input and out hold 16-bit elements; inputs' rows are ld_in elements apart
 /// (a multiple of 8, 16-byte aligned bases), out's ldc (16-byte aligned rows, or one row). Nothing is written when
-/// any of descs[0 .. num_inputs) differs from `signature` (calls that differ: out keeps what it held).
+/// any of descs[0 .. num_inputs) differs from `signature` (calls that differ across nodes, which net_check_calls_kernel
+/// reported: out keeps what it held).
 struct RsNodeSumParams {
     const void* inputs[kRsMaxNodes];
     const uint64_t* descs;

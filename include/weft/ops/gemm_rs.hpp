@@ -156,9 +156,7 @@ FusedGemmSpec gemm_rs_fused_spec(GemmRsMode mode);
 jit::KernelSpec gemm_rs_kernel_spec(const GemmConfig& config, const std::string& arch = "",
                                     GemmRsMode mode = GemmRsMode::kPull);
 jit::KernelSpec rs_reduce_kernel_spec(DType partial, DType out, const std::string& arch = "");
-/// A team that spans nodes (kernels/gemm_rs/node_sum.cuh): the check of the calls' descriptors that crossed the
-/// network, and the final sum of the nodes' partial sums.
-jit::KernelSpec rs_check_calls_kernel_spec(const std::string& arch = "");
+/// A team that spans nodes: the final sum of the nodes' partial sums (kernels/gemm_rs/node_sum.cuh).
 jit::KernelSpec rs_node_sum_kernel_spec(DType dtype, const std::string& arch = "");
 }  // namespace detail
 

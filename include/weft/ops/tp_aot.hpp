@@ -2,6 +2,7 @@
 // The kernels of the tensor-parallel fused ops (AgGemm, GemmRs, GemmAr), for weft::jit's ahead-of-time registry.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "weft/jit/compiler.hpp"
@@ -16,5 +17,11 @@ namespace weft::ops {
 /// them (weft::ops::register_op_aot_specs calls it).
 std::vector<jit::KernelSpec> tp_aot_specs();
 void register_tp_aot_specs();
+
+namespace detail {
+/// AgGemm's and GemmRs's check, on a team that spans nodes, of the call descriptors that crossed the network
+/// (kernels/tp_common/net_call_check.cuh).
+jit::KernelSpec net_check_calls_kernel_spec(const std::string& arch = "");
+}  // namespace detail
 
 }  // namespace weft::ops
