@@ -12,13 +12,15 @@
 
 namespace weft::kernels::tp_common {
 
-/// One warp. Plain loads: the descriptors were received by NCCL before this launch, in the comm stream's order.
+/// One warp. Plain loads: the descriptors were received by NCCL before this launch, in the comm stream's order. A word
+/// still 0 (the call zeroed it before the exchange; no descriptor is 0) did not arrive: the World was aborted for
+/// another reason, which is the diagnosis, and the communicator's abort ended the receive.
 __global__ void __launch_bounds__(32) net_check_calls_kernel(const NetCheckCallsParams p) {
     const int32_t i = static_cast<int32_t>(threadIdx.x);
     if (i >= p.count) return;
     const uint64_t* word = p.words + p.index[i];
     const uint64_t theirs = *word;
-    if (theirs != p.signature) {
+    if (theirs != 0 && theirs != p.signature) {
         device::record_diagnostic(p.ctx, device::SpinSite{SpinKind::kCollectiveMismatch, p.peer[i], __LINE__}, Cmp::kEq,
                                   word, p.signature, theirs, 0);
         device::raise_abort(p.ctx);

@@ -319,7 +319,8 @@ void HostBackend::Impl::abort_comm(const std::string& reason) {
     // NCCL's kernels stop waiting for the peer and end: the comm stream drains, the World's error explains why.
     if (comm != nullptr) nccl().comm_abort(comm);
 #endif
-    world->abort(reason);
+    // A World aborted already keeps its reason (a device's diagnosis, a peer's abort): this one is a consequence.
+    if (!world->aborted()) world->abort(reason);
 }
 
 void HostBackend::Impl::watch() {
@@ -612,11 +613,19 @@ void HostBackend::wait_arrived(cudaStream_t stream, int chunk) {
 // NOTE: NCCL is called only while the communicator is not aborted; the watcher aborts it from its own thread to end a
 // call blocked on an absent peer (NCCL documents that for non-blocking communicators; this one is blocking).
 uint64_t HostBackend::begin_step(const char* what) {
-    std::lock_guard<std::mutex> lock(impl_->mutex);  // the watcher aborts an idle communicator under it
-    WEFT_CHECK(!impl_->aborted.load(), "network backend: the NCCL communicator of "
-                                           << impl_->who
-                                           << " was aborted earlier (a failed step, or an abort of the World: "
-                                              "make a new World)");
+    std::unique_lock<std::mutex> lock(impl_->mutex);  // the watcher aborts an idle communicator under it
+    if (impl_->aborted.load()) {
+        lock.unlock();
+        const std::string text = "network backend: the NCCL communicator of " + impl_->who +
+                                 " was aborted earlier (a failed step, or an abort of the World: make a new World)";
+        // The World's own diagnosis first (a device wait's record, a peer's abort): the communicator's end follows it.
+        try {
+            impl_->world->check_diagnostics();
+        } catch (const Error& cause) {
+            throw Error(std::string(cause.what()) + " (then " + text + ")");
+        }
+        WEFT_FAIL(text);
+    }
     const uint64_t id = ++impl_->next_id;
     impl_->pending.push_back({id, nullptr, std::chrono::steady_clock::now() + impl_->timeout, what});
     return id;

@@ -546,6 +546,7 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
 void launch_network(AgGemm::State& s, const AgCall& call, cudaStream_t stream) {
     net::HostBackend& net = *s.net;
     stream_write_u64(stream, s.signatures + s.rank, call.signature);
+    for (const net::AgNetStep& step : s.plan.net_steps) stream_write_u64(stream, s.signatures + step.from_slot, 0);
     net.begin_call(stream);
     std::vector<tp_detail::NetCallCheck> checks;
     for (const net::AgNetStep& step : s.plan.net_steps) {

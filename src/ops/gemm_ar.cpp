@@ -163,6 +163,12 @@ GemmAr::GemmAr(const Team& team, const GemmArShape& shape, const GemmArOptions& 
     State& s = *s_;
     World& world = *s.world;
     s.shape = shape;
+    // Every member reads its peers' partials with loads and stores: a team that spans nodes is refused on every member
+    // (each sees the same nodes) before anything is made or compiled.
+    WEFT_CHECK(team.num_ranks() == 1 || team.num_nodes() == 1,
+               "gemm_ar: a team that spans " << team.num_nodes() << " nodes (" << team.describe()
+                                             << "); GemmAr needs every member load/store reachable (one node): across "
+                                                "nodes run the GEMM, then ops::all_reduce (hierarchical there)");
     // Every member reads its peers' partials by its own M, N and dtypes, and runs the all-reduce half the same way
     // (ops::all_reduce or the op's kernel, on different signal words): they must agree (each has its own K). A member
     // whose shape or options are invalid fails every member at once.

@@ -706,9 +706,12 @@ void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const Tenso
     }
     // The call's descriptor (M, n, the dtypes): node m's column member's arrives in descs[m] before the call's rows;
     // calls that differ (their transfers differ in size) are a kCollectiveMismatch, and the final sum writes nothing.
-    const uint64_t signature = make_call_descriptor(
-        CollectiveOp::kGemmRs, 0, true, s.partial_dtype, static_cast<uint64_t>(m),
-        call_descriptor_mix(call_descriptor_mix(0, static_cast<uint64_t>(s.shape.n)), static_cast<uint64_t>(dtype)));
+    // WEFT_NET_CHUNK_BYTES too: it cuts the rows into transfers, and each op reads it when it is made.
+    uint64_t mix = call_descriptor_mix(0, static_cast<uint64_t>(s.shape.n));
+    mix = call_descriptor_mix(mix, static_cast<uint64_t>(dtype));
+    mix = call_descriptor_mix(mix, s.chunk_bytes);
+    const uint64_t signature =
+        make_call_descriptor(CollectiveOp::kGemmRs, 0, true, s.partial_dtype, static_cast<uint64_t>(m), mix);
     std::vector<tp_detail::NetCallCheck> checks;
     for (const net::RsNetStep& st : plan.net_steps) checks.push_back({st.from_node, st.from_rank});
     RsNodeSumParams sum{};
@@ -734,6 +737,7 @@ void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const Tenso
                                               << sched.chunks.size() << " network transfers)");
 
     stream_write_u64(stream, s.descs + plan.node, signature);
+    for (const net::RsNetStep& st : plan.net_steps) stream_write_u64(stream, s.descs + st.from_node, 0);
     net.begin_call(stream);
     for (const net::RsNetStep& st : plan.net_steps) {
         net.send_recv(s.descs + plan.node, sizeof(uint64_t), st.to_node, s.descs + st.from_node, st.from_node);

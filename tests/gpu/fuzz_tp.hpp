@@ -176,7 +176,7 @@ inline TpCase draw_tp(Rng& r, World& w, const Team& team) {
     c.world = team.num_ranks();
     c.nodes = team.num_nodes();
     const int64_t nr = c.world;
-    const bool shared = team.max_ranks_per_device() > 1;
+    const bool shared = w.max_ranks_per_device() > 1;  // as the ops decide: the World's ranks, not the team's
     c.op = static_cast<TpOp>(r.uniform(0, 2));
     // Across nodes GemmAr is refused at construction: a few of those cases, AgGemm and GemmRs otherwise.
     if (c.op == TpOp::kAr && c.nodes > 1 && !r.chance(0.15)) c.op = r.chance(0.5) ? TpOp::kAg : TpOp::kRs;
@@ -314,16 +314,16 @@ inline std::string tp_kernel_key(const TpCase& c, World& w, const Team& team) {
     switch (c.op) {
         case TpOp::kAg: {
             int budget = c.sm_budget > 0 ? std::min(c.sm_budget, sms) : w.sm_budget() - network_sms;
-            if (!one && team.num_ranks_on_device() > 1) budget = std::min(budget, w.sm_budget() - 1);
+            if (!one && w.num_ranks_on_device() > 1) budget = std::min(budget, w.sm_budget() - 1);
             os << " " << ops::format_gemm_config(ops::fused_gemm_config(p, std::max(1, budget)));
             break;
         }
         case TpOp::kRs: {
             const int budget = c.sm_budget > 0 ? std::min(c.sm_budget, sms) : w.shared_sm_budget() - network_sms;
             const int stage = c.nodes > 1 ? std::max(1, team.ranks_per_node()) : c.world;  // the node stage's ranks
-            const bool push = stage > 1 && ops::detail::resolve_gemm_rs_mode(
-                                               {c.max_m(), c.n, c.k, c.dt}, stage, rs_options(c),
-                                               team.max_ranks_per_device() > 1) == ops::GemmRsMode::kPush;
+            const bool push =
+                stage > 1 && ops::detail::resolve_gemm_rs_mode({c.max_m(), c.n, c.k, c.dt}, stage, rs_options(c),
+                                                               w.max_ranks_per_device() > 1) == ops::GemmRsMode::kPush;
             const int reduce = one || push         ? 0
                                : c.reduce_ctas > 0 ? c.reduce_ctas
                                                    : std::max(1, std::min(budget / 8, budget - 1));

@@ -15,9 +15,10 @@ namespace weft {
 /// At most this many descriptors per check (one per other node: at most 32 nodes).
 inline constexpr int kNetCheckMaxCalls = 32;
 
-/// words[index[i]], i < count, is the descriptor team rank peer[i] sent; each is compared with `signature` (this
-/// rank's call). One warp: lane i checks entry i; the first difference is recorded (a kCollectiveMismatch naming
-/// peer[i]) and the World aborted, which aborts the column's communicators and so ends the call's network steps.
+/// words[index[i]], i < count, is the descriptor team rank peer[i] sent (the call zeroed the word before the exchange:
+/// 0 = not arrived, skipped); each is compared with `signature` (this rank's call). One warp: lane i checks entry i;
+/// the first difference is recorded (a kCollectiveMismatch naming peer[i]) and the World aborted, which aborts the
+/// column's communicators and so ends the call's network steps.
 struct NetCheckCallsParams {
     DeviceCtx ctx;
     const uint64_t* words;

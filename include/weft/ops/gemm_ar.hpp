@@ -59,8 +59,9 @@ class GemmAr {
 public:
     /// Allocates the partial and the signal words team-collectively, loads the kernels (and makes the team's
     /// collective workspace when the all-reduce half is ops::all_reduce), ends with a team barrier. Throws
-    /// weft::Error on every member for a bad shape or options, or when a member's heap is not load/store reachable;
-    /// on a rank that is not a member, a weft::Error naming the team's world ranks.
+    /// weft::Error on every member for a bad shape or options, for a team that spans nodes (first, before anything
+    /// is made: across nodes run the GEMM, then ops::all_reduce), or when a member's heap is not load/store
+    /// reachable; on a rank that is not a member, a weft::Error naming the team's world ranks.
     GemmAr(const Team& team, const GemmArShape& shape, const GemmArOptions& options = {});
     /// GemmAr(world.team(), shape, options).
     GemmAr(World& world, const GemmArShape& shape, const GemmArOptions& options = {});
