@@ -47,8 +47,7 @@ __device__ __forceinline__ int32_t* ag_drop_from() {
 /// (ag_drop_from): they are computed, counted and signalled as usual (the call's protocol ends as always, so the op
 /// stays usable), but not stored. Rows of this rank's own shard, and of peers that agree, loaded before, may be
 /// stored. No abort word: every rank finds its own mismatch, and an abort would stop a slower peer's waits of this
-/// very call, leaving the op's flags out of step. (Across nodes the comm stream's net_check_calls_kernel compares the
-/// column's descriptors before any chunk crosses the network, and aborts: chunks of other sizes must not be sent.)
+/// very call, leaving the op's flags out of step.
 // NOTE: the producer runs with 40 registers (setmaxnreg): the order lives in the kernel parameters (constant
 // bank) and the scheduler keeps only a reference to them.
 template <GemmConfig kCfg>
