@@ -19,7 +19,7 @@ template <DType kT>
 __global__ void __launch_bounds__(kRsNodeSumThreads) rs_node_sum_kernel(const RsNodeSumParams p) {
     static_assert(kT == DType::kBF16 || kT == DType::kF16, "the node sums are 16-bit");
     for (int32_t s = 0; s < p.num_inputs; ++s) {
-        if (p.descs[s] != p.signature) return;  // calls that differ (rs_check_calls_kernel recorded it)
+        if (p.descs[s] != p.signature) return;  // calls that differ (net_check_calls_kernel recorded it)
     }
     constexpr int64_t kVec = 8;
     const int64_t vecs_per_row = (p.cols + kVec - 1) / kVec;

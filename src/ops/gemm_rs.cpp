@@ -660,7 +660,9 @@ void launch_call(GemmRs::State& s, size_t idx, const RsCall& call, cudaStream_t 
 ///   1. node stage, on `stream`: each other node m's block (by distance) in sub-blocks of rows, this node's own block
 ///      last: the node op over this node's L members on rows [r0, r0 + S) of each of t(m, 0 .. L-1) leaves this rank
 ///      this node's sum of those rows of t(m, local) in node_sums[m]; after a sub-block, its ready word is raised;
-///   2. network, on the comm stream (forked by begin_call): step k, sub-block by sub-block, waits for the sub-block's
+///   2. network, on the comm stream (forked by begin_call): the call's descriptor to and from the column member of
+///      every other node, checked (net_check_calls_kernel: calls that differ abort the World before any row is sent);
+///      then step k, sub-block by sub-block, waits for the sub-block's
 ///      ready word, then sends those rows of node_sums[n + k] to the column member on node n + k and receives node
 ///      n - k's sum of the same rows of this rank into received[n - k] (one grouped ncclSend/ncclRecv, under the
 ///      backend's watcher), while the node stage computes the later sub-blocks;
@@ -739,10 +741,6 @@ void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const Tenso
     stream_write_u64(stream, s.descs + plan.node, signature);
     for (const net::RsNetStep& st : plan.net_steps) stream_write_u64(stream, s.descs + st.from_node, 0);
     net.begin_call(stream);
-    for (const net::RsNetStep& st : plan.net_steps) {
-        net.send_recv(s.descs + plan.node, sizeof(uint64_t), st.to_node, s.descs + st.from_node, st.from_node);
-    }
-    tp_detail::launch_net_call_check(*s.check_kernel, s.ctx, s.descs, signature, checks, net.comm_stream());
     for (const NodeCall& x : calls) {
         const net::RsNodeCall& call = *x.call;
         if (x.gather) {
@@ -759,6 +757,11 @@ void run_internode(GemmRs::State& s, int64_t m, const TensorView& a, const Tenso
         s.node_op->run(x.a, b, x.c, stream);
         if (call.ready >= 0) net.mark_ready(stream, call.ready);
     }
+    // The network, after the whole node stage is enqueued: the descriptors, their check, then the rows.
+    for (const net::RsNetStep& st : plan.net_steps) {
+        net.send_recv(s.descs + plan.node, sizeof(uint64_t), st.to_node, s.descs + st.from_node, st.from_node);
+    }
+    tp_detail::launch_net_call_check(*s.check_kernel, s.ctx, s.descs, signature, checks, net.comm_stream());
     for (const net::RsNetChunk& ch : sched.chunks) {
         const net::RsNetStep& st = plan.net_steps[static_cast<size_t>(ch.step)];
         net.comm_wait_ready(ch.ready);
