@@ -257,7 +257,7 @@ struct GemmRs::State : tp_detail::FusedOpState {
     uint8_t* received = nullptr;      // local [num_nodes][max_rows][ld]: node m's sum of this rank's rows in slot m
     uint8_t* a_rows = nullptr;        // local [max_m / num_nodes][k]: a call's A rows, where they are not one slice
     uint64_t chunk_bytes = 0;         // WEFT_NET_CHUNK_BYTES: about this much of a node sum per network transfer
-    uint64_t* descs = nullptr;        // local [num_nodes]: slot m, the call descriptor of node m's column member
+    uint64_t* descs = nullptr;        // signals [num_nodes]: slot m, the call descriptor of node m's column member
     const jit::Kernel* check_kernel = nullptr;
     const jit::Kernel* sum_kernel = nullptr;
 
@@ -312,7 +312,9 @@ void make_internode(GemmRs::State& s, const Team& team, const GemmRsOptions& opt
         s.a_rows = static_cast<uint8_t*>(
             s.heap.alloc_private(static_cast<uint64_t>(s.shape.max_m / num_nodes * s.shape.k) * es));
     }
-    s.descs = static_cast<uint64_t*>(s.heap.alloc_private(static_cast<uint64_t>(num_nodes) * sizeof(uint64_t)));
+    // Signal words of the symmetric heap (collective: every member makes the same allocations in the same order):
+    // stream memory operations write them, which memory of cudaMallocAsync's pools does not take.
+    s.descs = s.heap.alloc_signals(static_cast<uint64_t>(num_nodes));
     s.check_kernel = &jit::compiler().get_kernel(detail::net_check_calls_kernel_spec());
     s.sum_kernel = &jit::compiler().get_kernel(detail::rs_node_sum_kernel_spec(s.shape.dtype));
     WEFT_LOG_INFO("gemm_rs: team of " << s.num_ranks << " across " << num_nodes << " nodes (NCCL host API, "
