@@ -139,6 +139,20 @@ std::string replay_command(const World& w, const char* test) {
     return os.str();
 }
 
+/// Why these tests cannot run here ("" when they can): one node, or no NCCL.
+std::string why_not_across_nodes(const World& w) {
+    if (w.num_nodes() < 2) return "one node (set WEFT_VIRTUAL_NODES)";
+    return net::nccl_unavailable_reason();
+}
+
+/// A test's own World (collective): a 60 s timeout, `heap` bytes of symmetric heap.
+std::unique_ptr<World> fuzz_world(uint64_t heap) {
+    WorldOptions options;
+    options.timeout = std::chrono::milliseconds(60000);
+    options.heap_bytes = heap;
+    return World::from_env(options);
+}
+
 /// Rank 0's decision for the next case (a draw's attempt, kSkip or kStop), agreed over the world: kStop for every rank
 /// when any rank has failed.
 int agree(World& w, int decision, bool failed) {
@@ -159,17 +173,13 @@ bool agree_to_stop(World& w, const FuzzRun& run, int64_t i, bool failed) {
 
 TEST(MultiNodeFuzz, CollectivesAndAllToAll) {
     World& main_world = dist_world();
-    if (main_world.num_nodes() < 2) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
-    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    if (const std::string why = why_not_across_nodes(main_world); !why.empty()) GTEST_SKIP() << why;
     const testing::ScopedEnv chunk("WEFT_NET_CHUNK_BYTES", std::to_string(kChunkBytes));
     const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::to_string(kStagingBytes));
     FuzzRun run("MultiNodeCollectives", 15, 100000, 1, "MultiNodeFuzz.CollectivesAndAllToAll",
                 replay_command(main_world, "MultiNodeFuzz.CollectivesAndAllToAll"));
 
-    WorldOptions options;
-    options.timeout = std::chrono::milliseconds(60000);
-    options.heap_bytes = 256ull << 20;
-    std::unique_ptr<World> w = World::from_env(options);
+    std::unique_ptr<World> w = fuzz_world(256ull << 20);
     const std::vector<FuzzTeam> teams = make_teams(*w);
     auto rank = std::make_unique<CollRank>(*w, kCapacity);
     for (const FuzzTeam& t : teams) {
@@ -233,16 +243,12 @@ TEST(MultiNodeFuzz, CollectivesAndAllToAll) {
 // every output against the one-node reference (the combine bit for bit).
 TEST(MultiNodeFuzz, Ep) {
     World& main_world = dist_world();
-    if (main_world.num_nodes() < 2) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
-    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    if (const std::string why = why_not_across_nodes(main_world); !why.empty()) GTEST_SKIP() << why;
     const testing::ScopedEnv chunk("WEFT_NET_CHUNK_BYTES", std::to_string(kChunkBytes));
     FuzzRun run("MultiNodeEp", 15, 100000, 1, "MultiNodeFuzz.Ep", replay_command(main_world, "MultiNodeFuzz.Ep"));
 
     constexpr uint64_t kHeap = 512ull << 20;
-    WorldOptions options;
-    options.timeout = std::chrono::milliseconds(60000);
-    options.heap_bytes = kHeap;
-    std::unique_ptr<World> w = World::from_env(options);
+    std::unique_ptr<World> w = fuzz_world(kHeap);
     const int n = w->num_ranks(), nodes = w->num_nodes();
     cudaStream_t s = nullptr;
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -308,18 +314,14 @@ TEST(MultiNodeFuzz, Ep) {
 // 6), and the ranks agree on its draw.
 TEST(MultiNodeFuzz, FusedGemm) {
     World& main_world = dist_world();
-    if (main_world.num_nodes() < 2) GTEST_SKIP() << "one node (set WEFT_VIRTUAL_NODES)";
-    if (const std::string why = net::nccl_unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    if (const std::string why = why_not_across_nodes(main_world); !why.empty()) GTEST_SKIP() << why;
     const testing::ScopedEnv chunk("WEFT_NET_CHUNK_BYTES", std::to_string(kChunkBytes));
     // Small staging regions for GemmAr's collective all-reduce on the node teams.
     const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("4M"));
     FuzzRun run("MultiNodeFusedGemm", 15, 100000, 6, "MultiNodeFuzz.FusedGemm",
                 replay_command(main_world, "MultiNodeFuzz.FusedGemm"));
 
-    WorldOptions options;
-    options.timeout = std::chrono::milliseconds(60000);
-    options.heap_bytes = 256ull << 20;
-    std::unique_ptr<World> w = World::from_env(options);
+    std::unique_ptr<World> w = fuzz_world(256ull << 20);
     const std::vector<FuzzTeam> teams = make_teams(*w);
     cudaStream_t s = nullptr;
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
