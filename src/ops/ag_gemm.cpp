@@ -10,6 +10,7 @@
 #include "weft/common/collectives.hpp"
 #include "weft/common/gemm_hook_params.hpp"
 #include "weft/common/math.hpp"
+#include "weft/common/net_call_check.hpp"
 #include "weft/common/tile_map.hpp"
 #include "weft/common/tp_params.hpp"
 #include "weft/common/tp_schedule.hpp"
@@ -229,6 +230,8 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
         WEFT_CHECK(s.plan.per_node <= kAgMaxNodePeers, "ag_gemm: " << s.plan.per_node
                                                                    << " members per node on a team that spans nodes; "
                                                                    << "at most " << kAgMaxNodePeers);
+        WEFT_CHECK(s.plan.num_nodes - 1 <= kNetCheckMaxCalls,
+                   "ag_gemm: a team that spans " << s.plan.num_nodes << " nodes; at most " << kNetCheckMaxCalls + 1);
         s.node_peers.num = s.plan.per_node;
         for (int l = 0; l < s.plan.per_node; ++l) s.node_peers.rank[l] = s.plan.node_peers[static_cast<size_t>(l)];
     }
@@ -539,7 +542,7 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
 
 /// A team that spans nodes, after the local copy: this call's descriptor into signatures[rank], the comm stream forked
 /// (it sends this rank's slot), the descriptors exchanged over the column (one ring step per distance) and checked
-/// (net_check_calls_kernel: calls that differ abort the World before their chunks cross), then per
+/// (net_check_calls_kernel: calls that differ abort the World, which ends the chunk transfers behind it), then per
 /// network step and chunk: the send/receive, the chunk's signal here (the GEMM's tiles wait for it as for a copied
 /// chunk: constant 1, reset by the GEMM's end of call) and the relay words on this node's other members. Every
 /// network step runs under the backend's watcher (a peer that never comes aborts the communicator and the World).
@@ -554,7 +557,8 @@ void launch_network(AgGemm::State& s, const AgCall& call, cudaStream_t stream) {
                       step.from_node);
         checks.push_back({step.from_slot, step.from_slot});
     }
-    // Calls whose M differs across nodes send chunks of other sizes: a kCollectiveMismatch and an abort before them.
+    // Calls whose M differs across nodes send chunks of other sizes: a kCollectiveMismatch and an abort, which ends
+    // them.
     tp_detail::launch_net_call_check(*s.check_kernel, s.ctx, s.signatures, call.signature, checks, net.comm_stream());
     for (const AgNetChunk& x : call.net) {
         net.send_recv(x.send, x.bytes, x.to, x.recv, x.from);

@@ -663,11 +663,11 @@ void launch_call(GemmRs::State& s, size_t idx, const RsCall& call, cudaStream_t 
 ///      last: the node op over this node's L members on rows [r0, r0 + S) of each of t(m, 0 .. L-1) leaves this rank
 ///      this node's sum of those rows of t(m, local) in node_sums[m]; after a sub-block, its ready word is raised;
 ///   2. network, on the comm stream (forked by begin_call): the call's descriptor to and from the column member of
-///      every other node, checked (net_check_calls_kernel: calls that differ abort the World before any row is sent);
-///      then step k, sub-block by sub-block, waits for the sub-block's
-///      ready word, then sends those rows of node_sums[n + k] to the column member on node n + k and receives node
-///      n - k's sum of the same rows of this rank into received[n - k] (one grouped ncclSend/ncclRecv, under the
-///      backend's watcher), while the node stage computes the later sub-blocks;
+///      every other node, checked (net_check_calls_kernel: calls that differ abort the World, which ends the transfers
+///      behind it); then step k, sub-block by sub-block, waits for the sub-block's ready word, then sends those rows of
+///      node_sums[n + k] to the column member on node n + k and receives node n - k's sum of the same rows of this rank
+///      into received[n - k] (one grouped ncclSend/ncclRecv, under the backend's watcher), while the node stage
+///      computes the later sub-blocks;
 ///   3. end_call joins the comm stream; rs_node_sum_kernel writes C = the sum over nodes in fp32, rounded once.
 /// Everything of the node stage is enqueued before the network steps: the comm stream only waits for words whose
 /// writer is enqueued, and this node's members never wait on this host's NCCL calls.

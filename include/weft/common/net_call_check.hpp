@@ -3,8 +3,9 @@
 // kernels/tp_common/net_call_check.cuh): AgGemm and GemmRs on a team that spans nodes receive the call descriptor of
 // the member of this rank's column on every other node before the call's rows cross the network; the comm stream
 // runs this check next, so that calls that differ (their transfers differ in size, which NCCL does not define) end in
-// a kCollectiveMismatch naming both calls, not in a network timeout. Kept apart from tp_params.hpp, which the one-node
-// kernels include: their sources, and so their cache keys, stay as they are.
+// a kCollectiveMismatch naming both calls, not in a network timeout: the World's abort aborts the communicators
+// (within the watcher's ~20 ms), which ends the transfers queued behind the check. Kept apart from tp_params.hpp, which
+// the one-node kernels include: their sources, and so their cache keys, stay as they are.
 #pragma once
 
 #include "weft/common/device_ctx.hpp"

@@ -91,13 +91,13 @@ public:
     /// naming both ranks' M, and no row of c that depends on a differing rank's shard is written (rows computed
     /// before from this rank's own shard or agreeing peers' may be); the op stays usable once every rank cleared
     /// its diagnostics (kernels/ag_gemm/README.md, "Ranks that call differently"). On a team that spans nodes, an M
-    /// that differs between nodes is found before any chunk crosses the network (each call's descriptor crosses
-    /// first): the kCollectiveMismatch is recorded on every rank and the World is aborted (make a new World;
-    /// docs/multinode.md, "AllGather+GEMM across nodes"). Asynchronous on `stream` (it
-    /// forks the copy streams from it and joins them back); never synchronises the host; capturable in a CUDA
-    /// graph (no value of a call is frozen into the graph: see kernels/ag_gemm/README.md). After the call's work on
-    /// `stream`, gathered(M) holds A until the next call. A team of one rank runs the plain GEMM on a_local
-    /// (and copies it into gathered(M) beside it).
+    /// that differs between nodes is found on the comm stream ahead of the chunks (each call's descriptor crosses
+    /// first; the abort ends the chunk transfers queued behind the check): the kCollectiveMismatch is recorded on every
+    /// rank and the World is aborted (make a new World; docs/multinode.md, "AllGather+GEMM across nodes"). Asynchronous
+    /// on `stream` (it forks the copy streams from it and joins them back); never synchronises the host; capturable in
+    /// a CUDA graph (no value of a call is frozen into the graph: see kernels/ag_gemm/README.md). After the call's work
+    /// on `stream`, gathered(M) holds A until the next call. A team of one rank runs the plain GEMM on a_local (and
+    /// copies it into gathered(M) beside it).
     void run(const TensorView& a_local, const TensorView& b, const TensorView& c, cudaStream_t stream);
 
     /// [m, k] view of the gathered A (symmetric heap), as the last call with M = m left it.

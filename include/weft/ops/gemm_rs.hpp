@@ -103,10 +103,11 @@ public:
     /// naming both ranks' M, and in pull mode no element of c is written; in push mode this rank's c of that call is
     /// not defined (kernels/gemm_rs/README.md). Replace the op after such an error (an argument refused on the host,
     /// before any launch, leaves the op usable). On a team that spans nodes, an M that differs between nodes is
-    /// found before any row crosses the network (each call's descriptor crosses first): every rank records a
-    /// kCollectiveMismatch naming both calls, the World is aborted (make a new World) and no element of c is written
-    /// (docs/multinode.md, "GEMM+ReduceScatter across nodes"). Asynchronous on `stream` (the reduction runs on a side
-    /// stream forked from it and joined back); graph-capturable. A team of one rank runs the plain GEMM into c.
+    /// found on the comm stream ahead of the rows (each call's descriptor crosses first; the abort ends the transfers):
+    /// every rank records a kCollectiveMismatch naming both calls, the World is aborted (make a new World) and no
+    /// element of c is written (docs/multinode.md, "GEMM+ReduceScatter across nodes"). Asynchronous on `stream` (the
+    /// reduction runs on a side stream forked from it and joined back); graph-capturable. A team of one rank runs the
+    /// plain GEMM into c.
     void run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream);
 
     const GemmRsShape& shape() const;
