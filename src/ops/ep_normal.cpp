@@ -23,6 +23,16 @@ NormalHandle::Impl::~Impl() {
     try {
         buffer->uses.wait_all();  // no kernel of this Buffer still reads the handle's buffers here
         if (symmetric != nullptr) buffer->world->heap().free(buffer->team, symmetric);
+    } catch (const std::exception& e) {
+        if (buffer->world->aborted()) {  // every store wait fails at once; the heap goes with the World
+            WEFT_LOG_INFO(
+                "ep: the World was aborted: a NormalHandle's symmetric block stays in its heap until it is "
+                "destroyed");
+        } else {
+            WEFT_LOG_ERROR("ep: freeing a NormalHandle's symmetric block failed: " << e.what());
+        }
+    }
+    try {  // the private buffers, also after an abort
         if (exchange != nullptr) {
             WEFT_CUDA_CHECK(cudaFreeAsync(exchange, buffer->alloc_stream));
         }

@@ -222,7 +222,15 @@ void SymmetricAllocations::free_all() noexcept {
             for (auto it = ptrs_.rbegin(); it != ptrs_.rend(); ++it) heap.free(team_, *it);
         }
     } catch (const std::exception& e) {
-        WEFT_LOG_ERROR("tp ops: releasing symmetric buffers failed: " << e.what());
+        // An aborted World fails every store wait at once (the release is still attempted, so that every member's
+        // exchange sequence stays in step); its heap goes with it, and the abort was reported already.
+        if (team_.world().aborted()) {
+            WEFT_LOG_INFO(
+                "tp ops: the World was aborted: this op's symmetric buffers stay in its heap until it is "
+                "destroyed");
+        } else {
+            WEFT_LOG_ERROR("tp ops: releasing symmetric buffers failed: " << e.what());
+        }
     }
     ptrs_.clear();
     if (private_stream_ != nullptr) {
