@@ -119,15 +119,76 @@ def test_argument_errors_name_the_argument(calls):
 
 
 def test_the_custom_op_allocates_its_output_and_calls_the_wrapper(calls):
-    import weft.torch
+    import weft.torch  # noqa: F401 -- registers the ops, for every device: a CPU tensor reaches the wrapper
 
-    lib = torch.library.Library("weft", "IMPL")  # its CUDA kernel registered for CPU while the test runs
-    try:
-        lib.impl("all_reduce", weft.torch._all_reduce, "CPU")
-        x = torch.ones(2, 3)
-        out = torch.ops.weft.all_reduce(x)
-        assert out.shape == x.shape and out.data_ptr() != x.data_ptr()
-        assert calls == [("all_reduce_flat", (_runtime._state.world, x.data_ptr(), out.data_ptr(), 6,
-                                              _weft.DTYPES["f32"], _STREAM, 0, None))]
-    finally:
-        lib._destroy()
+    x = torch.ones(2, 3)
+    out = torch.ops.weft.all_reduce(x)
+    assert out.shape == x.shape and out.data_ptr() != x.data_ptr()
+    assert calls == [("all_reduce_flat", (_runtime._state.world, x.data_ptr(), out.data_ptr(), 6,
+                                          _weft.DTYPES["f32"], _STREAM, 0, None))]
+
+
+def test_gemm_refuses_a_wrong_k_out_dtype_or_out_shape_naming_the_argument(calls):
+    a, b = torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"b: expected \[N, K\] \(b_layout 'nk'\) with a's K = 16, got shape \(8, 24\)"):
+        weft.gemm(a, torch.zeros(8, 24, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"b: expected \[K, N\] \(b_layout 'kn'\) with a's K = 16, got shape \(8, 16\)"):
+        weft.gemm(a, b, b_layout="kn")
+    with pytest.raises(TypeError, match="out_dtype: expected torch.bfloat16 \\(a's\\) or torch.float32, got torch.int32"):
+        weft.gemm(a, b, out_dtype=torch.int32)
+    with pytest.raises(TypeError, match="out: expected dtype bfloat16 or float32, got float16"):
+        weft.gemm(a, b, torch.zeros(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"out: expected shape \(4, 8\), got \(4, 16\)"):
+        weft.gemm(a, b, torch.zeros(4, 16, dtype=torch.bfloat16))
+    assert calls == []
+
+
+def _fused_op(cls, n, k, max_m, num_ranks=2):
+    """A fused op object as its constructor leaves it, its C++ op a stand-in that fails the test if called."""
+    op = object.__new__(cls)
+    op._op, op._ctx, op._team = object(), _runtime._state.call_context, None
+    op.dtype, op.n, op.k, op.max_m, op.num_ranks = torch.bfloat16, n, k, max_m, num_ranks
+    return op
+
+
+def test_fused_ops_refuse_a_wrong_dtype_shape_or_m_naming_the_argument(calls):
+    with pytest.raises(TypeError, match="dtype: expected torch.bfloat16 or torch.float16, got torch.float32"):
+        weft.AgGemm(64, 8, 16, torch.float32)
+    with pytest.raises(TypeError, match="dtype: expected torch.bfloat16 or torch.float16, got torch.int8"):
+        weft.GemmRs(64, 8, 16, torch.int8)
+    ag = _fused_op(weft.AgGemm, 8, 16, 64)
+    a_local, b = torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"b: expected shape \(8, 16\) \(the op's \[n, k\]\), got \(8, 24\)"):
+        ag.run(a_local, torch.zeros(8, 24, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"a_local: expected 16 columns \(the op's k\), got shape \(4, 24\)"):
+        ag.run(torch.zeros(4, 24, dtype=torch.bfloat16), b)
+    with pytest.raises(ValueError, match="a_local: the call's M = 80 exceeds the op's max_m = 64"):
+        ag.run(torch.zeros(40, 16, dtype=torch.bfloat16), b)
+    with pytest.raises(ValueError, match=r"out: expected shape \(8, 8\), got \(4, 8\)"):
+        ag.run(a_local, b, torch.zeros(4, 8, dtype=torch.bfloat16))
+    rs = _fused_op(weft.GemmRs, 8, 16, 64)
+    with pytest.raises(ValueError, match=r"out: expected shape \(2, 8\), got \(4, 8\)"):
+        rs.run(a_local, b, torch.zeros(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="a: the call's M = 80 exceeds the op's max_m = 64"):
+        rs.run(torch.zeros(80, 16, dtype=torch.bfloat16), b)
+    assert calls == []
+
+
+def test_ep_calls_refuse_the_other_kind_of_handle_and_a_non_tensor(calls):
+    from weft import ep
+
+    buf = object.__new__(ep.Buffer)
+    buf._ctx, buf.hidden = _runtime._state.call_context, 8
+    low_latency, normal = object.__new__(ep.LowLatencyHandle), object.__new__(ep.NormalHandle)
+    y = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"handle: ep combine expected a NormalHandle \(Buffer.make_normal_handle\(\)\), "
+                                        "got LowLatencyHandle"):
+        buf.combine(low_latency, y)
+    with pytest.raises(TypeError, match="handle: ep dispatch expected a NormalHandle"):
+        buf.dispatch(low_latency, y, None, None)
+    with pytest.raises(TypeError, match="handle: ep low_latency_combine expected a LowLatencyHandle"):
+        buf.low_latency_combine(normal, y)
+    with pytest.raises(TypeError, match="handle: ep low_latency_dispatch expected a LowLatencyHandle"):
+        buf.low_latency_dispatch(normal, y)
+    with pytest.raises(TypeError, match="y: expected a torch.Tensor, got list"):
+        buf.combine(normal, [1.0])

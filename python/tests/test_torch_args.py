@@ -35,6 +35,12 @@ def test_a_cpu_tensor_is_a_value_error_naming_the_argument_and_the_device(fake_w
         weft.all_reduce(torch.zeros(16))
     with pytest.raises(ValueError, match="a: expected a tensor on cuda:0"):
         weft.gemm(torch.zeros(16, 16, dtype=torch.bfloat16), torch.zeros(16, 16, dtype=torch.bfloat16))
+    import weft.torch as weft_torch  # its ops too: not torch's "could not run ... with arguments from the CPU backend"
+
+    with pytest.raises(ValueError, match=r"tensor: expected a tensor on cuda:0 \(this rank's GPU\), got one on cpu"):
+        weft_torch.all_reduce(torch.zeros(16))
+    with pytest.raises(ValueError, match="a: expected a tensor on cuda:0"):
+        weft_torch.gemm(torch.zeros(16, 16, dtype=torch.bfloat16), torch.zeros(16, 16, dtype=torch.bfloat16))
 
 
 def test_shape_errors_name_the_argument(fake_world):
@@ -183,3 +189,56 @@ def test_a_count_that_is_not_the_teams_is_a_value_error(fake_world):
         weft.torch._check_ranks(-1, 3, "ag_gemm")
     with pytest.raises(TypeError, match="team: expected a weft.Team, a team handle or None, got str"):
         weft.torch.all_gather(_meta(4, 4), team="tp")
+
+
+def test_init_takes_a_device_as_an_index_a_string_or_a_torch_device():
+    assert _runtime._device_index(None) is None
+    assert _runtime._device_index(3) == 3
+    assert _runtime._device_index("cuda:2") == 2
+    assert _runtime._device_index(torch.device("cuda", 1)) == 1
+    with pytest.raises(ValueError, match="device: expected a CUDA device, got 'cpu'"):
+        _runtime._device_index("cpu")
+    with pytest.raises(ValueError, match="device: expected a CUDA device index >= 0, got -1"):
+        _runtime._device_index(-1)
+    with pytest.raises(TypeError, match=r"device: expected a CUDA device index \(int\), 'cuda:N' or a torch.device, "
+                                        "got float"):
+        weft.init(device=1.5)
+    with pytest.raises(TypeError, match="got bool"):
+        _runtime._device_index(True)
+
+
+class _Dist:
+    """torch.distributed as weft.init reads it: 4 ranks, this one rank 0; `group` is a list of ranks."""
+
+    class GroupMember:
+        NON_GROUP_MEMBER = object()
+
+    def get_world_size(self):
+        return 4
+
+    def get_rank(self, group=None):
+        return -1 if group is not None and 0 not in group else 0
+
+    def get_process_group_ranks(self, group):
+        return list(group)
+
+
+def test_init_again_with_the_default_group_over_a_subgroups_world_is_a_value_error(fake_world, monkeypatch):
+    dist = _Dist()
+    monkeypatch.setattr(_runtime, "_torch_distributed", lambda: dist)
+    _runtime._state.group_ranks = [0, 1]  # the World of weft.init(group=<ranks 0 and 1>)
+    assert weft.init(group=[0, 1]) is _runtime._state.world
+    with pytest.raises(ValueError, match=r"over torch ranks \[0, 1\]; the default group \(group=None\) has ranks "
+                                         r"\[0, 1, 2, 3\]: call weft.finalize\(\) first"):
+        weft.init()
+    with pytest.raises(ValueError, match=r"over torch ranks \[0, 1\]; group has ranks \[0, 2\]"):
+        weft.init(group=[0, 2])
+
+
+def test_init_outside_the_group_returns_none_without_a_world(monkeypatch):
+    dist = _Dist()
+    monkeypatch.setattr(_runtime, "_torch_distributed", lambda: dist)
+    assert _runtime._state is None
+    assert weft.init(group=dist.GroupMember.NON_GROUP_MEMBER) is None
+    assert weft.init(group=[1, 2]) is None  # torch says this rank is not in it
+    assert _runtime._state is None

@@ -63,10 +63,10 @@ def all_gather(tensor, out=None, *, algo="auto", team=None):
     ctx, cpp_team = _context(team, "all_gather")
     ptr, numel, code = flat_arg(tensor, "tensor", ctx, ctx.all_dtypes)
     n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
+    shape = tuple(tensor.shape)
+    concatenated = (n * shape[0], *shape[1:]) if shape else (n,)
     if out is None:
-        shape = tensor.shape
-        out = torch_module().empty((n * shape[0], *shape[1:]) if shape else (n,), dtype=tensor.dtype,
-                                   device=tensor.device)
+        out = torch_module().empty(concatenated, dtype=tensor.dtype, device=tensor.device)
         out_ptr = out.data_ptr()
     else:
         out_ptr = out_arg(out, "out", ctx, tensor.dtype, n * numel)
@@ -116,13 +116,36 @@ def gemm(a, b, out=None, *, b_layout="nk", out_dtype=None):
     bv = matrix_view(b, "b", ctx, (a.dtype,))
     if b_layout not in ("nk", "kn"):
         raise ValueError(f"b_layout: expected 'nk' or 'kn', got {b_layout!r}")
-    n = b.shape[0] if b_layout == "nk" else b.shape[1]
+    n, k = (b.shape[0], b.shape[1]) if b_layout == "nk" else (b.shape[1], b.shape[0])
+    if k != a.shape[1]:
+        want = "[N, K]" if b_layout == "nk" else "[K, N]"
+        raise ValueError(f"b: expected {want} (b_layout {b_layout!r}) with a's K = {a.shape[1]}, got shape "
+                         f"{tuple(b.shape)}")
+    out_dtypes = (a.dtype, torch_module().float32)
+    if out_dtype is not None and out_dtype not in out_dtypes:
+        raise TypeError(f"out_dtype: expected {a.dtype} (a's) or torch.float32, got {out_dtype}")
     padded = None
     if out is None:
         out, padded = _empty_out(a.shape[0], n, out_dtype or a.dtype, a.device)
-    dv = matrix_view(out, "out", ctx)
+    dv = matrix_view(out, "out", ctx, out_dtypes if out_dtype is None else (out_dtype,))
+    _out_shape_check(out, (a.shape[0], n))
     _weft.gemm(av, bv, dv, 0 if b_layout == "nk" else 1, ctx.device_index, _stream(ctx))
     return written(out) if padded is None else out.contiguous()
+
+
+def _out_shape_check(out, shape):
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out: expected shape {shape}, got {tuple(out.shape)}")
+
+
+def _fused_dtype(dtype):
+    """A fused op's dtype (None: bf16); TypeError unless torch.bfloat16 or torch.float16."""
+    torch = torch_module()
+    if dtype is None:
+        return torch.bfloat16
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
+    return dtype
 
 
 class _FusedOp:
@@ -168,10 +191,20 @@ class _FusedOp:
         dtypes = (self.dtype,)
         av = matrix_view(a, self._a_name, ctx, dtypes)
         bv = matrix_view(b, "b", ctx, dtypes)
+        if tuple(b.shape) != (self.n, self.k):
+            raise ValueError(f"b: expected shape ({self.n}, {self.k}) (the op's [n, k]), got {tuple(b.shape)}")
+        if a.shape[1] != self.k:
+            raise ValueError(f"{self._a_name}: expected {self.k} columns (the op's k), got shape {tuple(a.shape)}")
+        rows = self._out_rows(a)
+        m = a.shape[0] * (self.num_ranks if self._a_name == "a_local" else 1)
+        if m > self.max_m:
+            raise ValueError(f"{self._a_name}: the call's M = {m} exceeds the op's max_m = {self.max_m}, got shape "
+                             f"{tuple(a.shape)}")
         padded = None
         if out is None:
-            out, padded = _empty_out(self._out_rows(a), self.n, self.dtype, a.device)
+            out, padded = _empty_out(rows, self.n, self.dtype, a.device)
         cv = matrix_view(out, "out", ctx, dtypes)
+        _out_shape_check(out, (rows, self.n))
         op.run(av, bv, cv, ctx.stream(ctx.device_index))
         return written(out) if padded is None else out.contiguous()
 
@@ -191,8 +224,7 @@ class AgGemm(_FusedOp):
 
     def __init__(self, max_m, n, k, dtype=None, *, chunk_rows=0, copy_streams=0, sm_budget=0, autotune=False,
                  team=None):
-        torch = torch_module()
-        self.dtype = dtype or torch.bfloat16
+        self.dtype = _fused_dtype(dtype)
         code = dtype_code(self.dtype)
         super().__init__(lambda w: _weft.AgGemm(w, max_m, n, k, code, chunk_rows=chunk_rows,
                                                 copy_streams=copy_streams, sm_budget=sm_budget, autotune=autotune,
@@ -215,8 +247,7 @@ class GemmRs(_FusedOp):
 
     def __init__(self, max_m, n, k, dtype=None, *, mode="auto", partial_dtype=None, chunk_rows=0, reduce_ctas=0,
                  sm_budget=0, autotune=False, team=None):
-        torch = torch_module()
-        self.dtype = dtype or torch.bfloat16
+        self.dtype = _fused_dtype(dtype)
         code = dtype_code(self.dtype)
         partial = dtype_code(partial_dtype, "partial_dtype") if partial_dtype is not None else None
         super().__init__(lambda w: _weft.GemmRs(w, max_m, n, k, code, mode=mode, partial_dtype=partial,
@@ -240,8 +271,7 @@ class GemmAr(_FusedOp):
 
     def __init__(self, max_m, n, k, dtype=None, *, partial_dtype=None, reduce_ctas=0, sm_budget=0,
                  collective_all_reduce=True, team=None):
-        torch = torch_module()
-        self.dtype = dtype or torch.bfloat16
+        self.dtype = _fused_dtype(dtype)
         code = dtype_code(self.dtype)
         partial = dtype_code(partial_dtype, "partial_dtype") if partial_dtype is not None else None
         super().__init__(lambda w: _weft.GemmAr(w, max_m, n, k, code, partial_dtype=partial, reduce_ctas=reduce_ctas,

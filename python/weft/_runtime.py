@@ -45,6 +45,33 @@ def _torch_distributed():
     return dist
 
 
+def _device_index(device):
+    """init's `device` as a CUDA device index (None: the default): an int, "cuda[:N]" or a torch.device of type
+    cuda; "cuda" and torch.device("cuda") without an index mean torch's current device."""
+    if device is None:
+        return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        if device < 0:
+            raise ValueError(f"device: expected a CUDA device index >= 0, got {device}")
+        return device
+    torch = sys.modules.get("torch")
+    if isinstance(device, str) or (torch is not None and isinstance(device, torch.device)):
+        if torch is None:
+            kind, _, index = device.partition(":")
+            if kind != "cuda" or not index.isdigit():
+                raise ValueError(f"device: expected 'cuda:N', got {device!r}")
+            return int(index)
+        try:
+            d = torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"device: {e}") from None
+        if d.type != "cuda":
+            raise ValueError(f"device: expected a CUDA device, got {device!r}")
+        return d.index if d.index is not None else torch.cuda.current_device()
+    raise TypeError(f"device: expected a CUDA device index (int), 'cuda:N' or a torch.device, got "
+                    f"{type(device).__name__}")
+
+
 def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
     """Creates this process's weft World (collective over the World's ranks) and returns it.
 
@@ -58,16 +85,25 @@ def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
     not the existing World's, or a `device` that is not its device, is a ValueError.
     """
     global _state
+    device = _device_index(device)
     with _lock:
         dist = _torch_distributed()
         if group is not None and dist is None:
             raise ValueError("group: a process group needs torch.distributed to be initialised first")
+        # A rank outside a torch group holds GroupMember.NON_GROUP_MEMBER (whose ranks torch does not know: it may
+        # even answer another group's); a group made with use_local_synchronization=True gives it None instead,
+        # which here means the default group: such a rank must not call init with it (docs/python.md).
+        if group is not None and (group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object())
+                                  or dist.get_rank(group) < 0):
+            return None
         if _state is not None:
-            if group is not None:
-                ranks = list(dist.get_process_group_ranks(group))
+            if dist is not None and (group is not None or _state.group_ranks is not None):
+                ranks = (list(dist.get_process_group_ranks(group)) if group is not None
+                         else list(range(dist.get_world_size())))
                 if ranks != _state.group_ranks:
                     mine = _state.group_ranks if _state.group_ranks is not None else "of the launcher"
-                    raise ValueError(f"weft.init: weft is initialised already, over torch ranks {mine}; group has "
+                    which = "group has" if group is not None else "the default group (group=None) has"
+                    raise ValueError(f"weft.init: weft is initialised already, over torch ranks {mine}; {which} "
                                      f"ranks {ranks}: call weft.finalize() first to make a World over another group")
             if device is not None and device != _state.world.device:
                 raise ValueError(f"weft.init: weft is initialised already, on device {_state.world.device}; got "

@@ -130,7 +130,7 @@ def flat_arg(t, name, ctx, codes):
 
 def out_arg(out, name, ctx, like_dtype, numel):
     """The data pointer of an output argument: checked as flat_arg does, plus its dtype (like_dtype) and element
-    count."""
+    count. Its shape is free: the collectives write their result's elements in order (flat)."""
     if not isinstance(out, _Tensor):
         raise _not_a_tensor(out, name)
     if out.device != ctx.device:
@@ -225,4 +225,7 @@ def is_symmetric(tensor):
         raise TypeError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
     world = _runtime.world()
     nbytes = max(tensor.numel() * tensor.element_size(), 1)
-    return tensor.is_cuda and world.heap_contains(tensor.data_ptr(), nbytes)
+    ptr = tensor.data_ptr()
+    if tensor.numel() == 0:  # an empty tensor reports a null data_ptr; its storage does not (as in free)
+        ptr = tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.element_size()
+    return tensor.is_cuda and world.heap_contains(ptr, nbytes)

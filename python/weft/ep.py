@@ -118,17 +118,27 @@ class Buffer(_FusedOp):
             views.append(_view(topk_weights, "topk_weights", ctx, torch.float32))
         return views
 
+    @staticmethod
+    def _handle(handle, kind, op):
+        """Raises TypeError unless `handle` is a `kind` (NormalHandle or LowLatencyHandle) for `op`."""
+        if not isinstance(handle, kind):
+            make = "make_normal_handle" if kind is NormalHandle else "make_low_latency_handle"
+            raise TypeError(f"handle: ep {op} expected a {kind.__name__} (Buffer.{make}()), got "
+                            f"{type(handle).__name__}")
+
     def dispatch(self, handle, x, topk_idx, topk_weights, *, num_sms=0):
+        self._handle(handle, NormalHandle, "dispatch")
         xv, iv, wv = self._routing(x, topk_idx, topk_weights)
         self._get().dispatch(handle._get(), xv, iv, wv, _stream(self._ctx), num_sms=num_sms)
 
     def combine(self, handle, y, out=None, *, num_sms=0):
         torch = torch_module()
+        self._handle(handle, NormalHandle, "combine")
+        yv = _view(y, "y", self._ctx, torch.bfloat16)
         if handle.num_tokens < 0:
             raise _weft.Error("ep combine: the handle has not been dispatched")
         if out is None:
             out = torch.empty((handle.num_tokens, self.hidden), dtype=torch.bfloat16, device=y.device)
-        yv = _view(y, "y", self._ctx, torch.bfloat16)
         ov = _view(out, "out", self._ctx, torch.bfloat16)
         self._get().combine(handle._get(), yv, ov, _stream(self._ctx), num_sms=num_sms)
         return written(out)
@@ -140,6 +150,7 @@ class Buffer(_FusedOp):
     def low_latency_dispatch(self, handle, x=None, topk_idx=None, *, fp8=None, phase="send_recv", num_sms=0):
         """phase="recv" reads the handle only (the send's tokens and fp8 flag): x and topk_idx may be left out, and
         fp8 defaults to the send's (given, it must match). fp8 defaults to False otherwise."""
+        self._handle(handle, LowLatencyHandle, "low_latency_dispatch")
         if fp8 is None:
             fp8 = handle._get().fp8 if phase == "recv" else False
         if phase == "recv":
@@ -157,6 +168,7 @@ class Buffer(_FusedOp):
         output: it returns the out the recv half is to fill (None when neither out nor topk_idx is given);
         phase="recv" reads topk_idx and topk_weights and writes out, without y."""
         torch = torch_module()
+        self._handle(handle, LowLatencyHandle, "low_latency_combine")
         if out is None and topk_idx is not None:
             out = torch.empty((topk_idx.shape[0], self.hidden), dtype=torch.bfloat16, device=topk_idx.device)
         if phase != "send":

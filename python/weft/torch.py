@@ -52,7 +52,9 @@ def _all_reduce(x, team=-1):
     return out
 
 
-@torch.library.custom_op("weft::all_reduce", mutates_args=(), device_types="cuda")
+# No device_types on the ops: a tensor on another device reaches weft's own argument check (a ValueError naming the
+# argument) instead of torch's "could not run ... with arguments from the CPU backend".
+@torch.library.custom_op("weft::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor, team: int = -1) -> torch.Tensor:
     """The element-wise sum of every rank's x (a new tensor), over the team with handle `team` (-1: the World)."""
     return _all_reduce(x, team)
@@ -90,7 +92,7 @@ def _check_fake_ranks(num_ranks):
     torch._check(num_ranks >= 1, lambda: f"num_ranks: expected at least 1, got {num_ranks}")
 
 
-@torch.library.custom_op("weft::all_gather", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("weft::all_gather", mutates_args=())
 def _all_gather(x: torch.Tensor, team: int, num_ranks: int) -> torch.Tensor:
     """Every rank's x concatenated along dim 0, in rank order, over the team with handle `team` (num_ranks ranks)."""
     _check_ranks(team, num_ranks, "all_gather")
@@ -103,7 +105,7 @@ def _(x, team, num_ranks):
     return x.new_empty((num_ranks * x.shape[0], *x.shape[1:]) if x.dim() > 0 else (num_ranks,))
 
 
-@torch.library.custom_op("weft::reduce_scatter", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("weft::reduce_scatter", mutates_args=())
 def _reduce_scatter(x: torch.Tensor, team: int, num_ranks: int) -> torch.Tensor:
     """Slice `rank` (dim 0) of the element-wise sum of every rank's x, over the team with handle `team`."""
     _check_ranks(team, num_ranks, "reduce_scatter")
@@ -157,7 +159,7 @@ _reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_
 
 # ---- GEMMs ----
 
-@torch.library.custom_op("weft::gemm", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("weft::gemm", mutates_args=())
 def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b.T with b [N, K] (a linear layer's weight), on this GPU."""
     return _ops.gemm(a, b)
@@ -168,7 +170,7 @@ def _(a, b):
     return a.new_empty((a.shape[0], b.shape[0]))
 
 
-@torch.library.custom_op("weft::ag_gemm", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("weft::ag_gemm", mutates_args=())
 def _ag_gemm(a_local: torch.Tensor, b: torch.Tensor, num_ranks: int) -> torch.Tensor:
     """AllGather(a_local) @ b.T over the World (num_ranks ranks): a_local [M/W, k], b [n, k] -> [M, n]."""
     _check_ranks(-1, num_ranks, "ag_gemm")
@@ -181,7 +183,7 @@ def _(a_local, b, num_ranks):
     return a_local.new_empty((num_ranks * a_local.shape[0], b.shape[0]))
 
 
-@torch.library.custom_op("weft::ag_gemm_saving", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("weft::ag_gemm_saving", mutates_args=())
 def _ag_gemm_saving(a_local: torch.Tensor, b: torch.Tensor, team: int,
                     num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(AllGather(a_local) @ b.T, a copy of AllGather(a_local)) over the team with handle `team` (-1: the World).
@@ -203,7 +205,7 @@ def _(a_local, b, team, num_ranks):
     return a_local.new_empty((m, b.shape[0])), a_local.new_empty((m, a_local.shape[1]))
 
 
-@torch.library.custom_op("weft::gemm_rs", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("weft::gemm_rs", mutates_args=())
 def _gemm_rs(a: torch.Tensor, b: torch.Tensor, team: int, num_ranks: int) -> torch.Tensor:
     """ReduceScatter(a @ b.T) over the team with handle `team` (-1: the World): a [M, k], b [n, k] -> [M/W, n]."""
     _check_ranks(team, num_ranks, "gemm_rs")
@@ -217,7 +219,7 @@ def _(a, b, team, num_ranks):
     return a.new_empty((a.shape[0] // num_ranks, b.shape[0]))
 
 
-@torch.library.custom_op("weft::gemm_ar", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("weft::gemm_ar", mutates_args=())
 def _gemm_ar(a: torch.Tensor, b: torch.Tensor, team: int = -1) -> torch.Tensor:
     """AllReduce(a @ b.T) over the team with handle `team` (-1: the World): a [M, k], b [n, k] -> [M, n]."""
     return _ops.gemm_ar(_contiguous(a), _contiguous(b), team=_runtime.team_by_handle(team))
