@@ -27,6 +27,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -278,33 +279,52 @@ struct HostBackend::Impl {
 
     // A network step: registered before NCCL is called (the call itself may block, e.g. while NCCL connects to a
     // peer), given its event once enqueued.
+    using Event = std::shared_ptr<CUevent_st>;  // destroyed with its last holder, on whichever thread
     struct Pending {
         uint64_t id = 0;
         cudaEvent_t done = nullptr;  // nullptr: NCCL is still being called
         std::chrono::steady_clock::time_point deadline;
         std::string what;
+        // The call's start on the caller's stream (recorded where the comm stream forks from it): until it has
+        // completed, the caller's stream has not reached the call and the step's clock does not run.
+        Event start;
     };
     uint64_t next_id = 0;
+    Event call_start;  // the current call's (begin_call; none under capture)
     std::mutex mutex;
     std::condition_variable wake;
     std::deque<Pending> pending;
     bool stop = false;
+    // Set under `mutex`: once it is, no NCCL call on `comm` starts (begin_step and the async-error query check it
+    // under the mutex), and the communicator is aborted (freed) only after the steps inside NCCL have left it.
     std::atomic<bool> aborted{false};
+    int in_nccl = 0;  // steps between begin_step and the end of their NCCL calls (under `mutex`)
+    std::condition_variable left_nccl;
     std::atomic<bool> stepped{false};  // a network operation was enqueued since the last check_after_sync
     std::thread watcher;
 
     void watch();
+    /// Marks the communicator aborted, lets steps inside NCCL leave it (enqueueing takes microseconds; a call blocked
+    /// on an absent peer is ended by the abort after kLeaveNcclWait), then aborts it. False when aborted already.
+    /// Called without `mutex`.
+    bool abort_nccl();
+    /// abort_nccl, then the World with `reason` (unless it was aborted already: its reason stays).
     void abort_comm(const std::string& reason);
+    /// The end of a step's NCCL calls (begin_step began them).
+    void leave_nccl();
     /// Aborts the communicator and the World when NCCL reports an asynchronous error on it; true then.
     bool abort_on_async_error();
 };
 
 bool HostBackend::Impl::abort_on_async_error() {
 #if WEFT_NET_HAVE_NCCL_HEADER
-    if (comm == nullptr || aborted.load()) return false;
     ncclResult_t async = ncclSuccess;
-    const ncclResult_t r = nccl().comm_get_async_error(comm, &async);
-    if (r != ncclSuccess || async == ncclSuccess || async == ncclInProgress) return false;
+    {
+        std::lock_guard<std::mutex> lock(mutex);  // not aborted (freed) while it is queried
+        if (comm == nullptr || aborted.load()) return false;
+        if (nccl().comm_get_async_error(comm, &async) != ncclSuccess) return false;
+    }
+    if (async == ncclSuccess || async == ncclInProgress) return false;
     abort_comm("the NCCL communicator of " + who + " reported an asynchronous error: " +
                nccl().error_string(async) + " (a peer on another node left or the network failed); it was aborted");
     return true;
@@ -313,14 +333,32 @@ bool HostBackend::Impl::abort_on_async_error() {
 #endif
 }
 
-void HostBackend::Impl::abort_comm(const std::string& reason) {
-    if (aborted.exchange(true)) return;
+bool HostBackend::Impl::abort_nccl() {
+    constexpr auto kLeaveNcclWait = std::chrono::milliseconds(500);
+    {
+        std::unique_lock<std::mutex> lock(mutex);
+        if (aborted.exchange(true)) return false;
+        left_nccl.wait_for(lock, kLeaveNcclWait, [&] { return in_nccl == 0; });
+    }
 #if WEFT_NET_HAVE_NCCL_HEADER
     // NCCL's kernels stop waiting for the peer and end: the comm stream drains, the World's error explains why.
     if (comm != nullptr) nccl().comm_abort(comm);
 #endif
+    return true;
+}
+
+void HostBackend::Impl::abort_comm(const std::string& reason) {
+    if (!abort_nccl()) return;
     // A World aborted already keeps its reason (a device's diagnosis, a peer's abort): this one is a consequence.
     if (!world->aborted()) world->abort(reason);
+}
+
+void HostBackend::Impl::leave_nccl() {
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        --in_nccl;
+    }
+    left_nccl.notify_all();
 }
 
 void HostBackend::Impl::watch() {
@@ -334,18 +372,25 @@ void HostBackend::Impl::watch() {
         wake.wait_for(lock, std::chrono::milliseconds(20));
         if (pending.empty() && !aborted.load() && world->aborted()) {
             // Nothing eager is pending, but a graph's replay may be: NCCL's kernels would wait for a gone peer forever.
-            // Under the mutex: begin_step checks `aborted` under it, so no NCCL call starts on the freed communicator.
             // The World is aborted already (by whatever aborted it): not again.
-            aborted.store(true);
             WEFT_LOG_WARN("network backend: the World was aborted; the NCCL communicator of " << who
                                                                                               << " is aborted with it");
-#if WEFT_NET_HAVE_NCCL_HEADER
-            if (comm != nullptr) nccl().comm_abort(comm);
-#endif
+            lock.unlock();
+            abort_nccl();
+            lock.lock();
             continue;
         }
         while (!pending.empty()) {
             Pending& p = pending.front();
+            if (p.start != nullptr) {
+                const cudaError_t started = cudaEventQuery(p.start.get());
+                if (started == cudaErrorNotReady) {
+                    p.deadline = std::chrono::steady_clock::now() + timeout;  // work queued ahead of the call
+                } else {
+                    if (started != cudaSuccess) (void)cudaGetLastError();
+                    p.start.reset();
+                }
+            }
             const cudaError_t st = p.done != nullptr ? cudaEventQuery(p.done) : cudaErrorNotReady;
             if (st == cudaSuccess) {
                 cudaEventDestroy(p.done);
@@ -465,18 +510,25 @@ HostBackend::HostBackend(const Team& team, Team node_team)
     const auto process_of = [&](int t) {
         return wheres[static_cast<size_t>(t)].substr(0, wheres[static_cast<size_t>(t)].rfind('|'));
     };
+    // Every column is checked on every member (each column's members form a communicator), so that all refuse alike
+    // before the ids' exchange, which a refusing member would never join.
     bool threads = false;
-    for (int n = 0; n < num_nodes(); ++n) {
-        for (int m = 0; m < n; ++m) {
-            const int a = column_[static_cast<size_t>(n)], b = column_[static_cast<size_t>(m)];
-            if (process_of(a) != process_of(b)) continue;
-            threads = true;
-            WEFT_CHECK(wheres[static_cast<size_t>(a)] != wheres[static_cast<size_t>(b)],
-                       "network backend: team ranks " << b << " and " << a << " of " << impl_->who
-                                                      << " are threads of one process on one GPU, on different nodes; "
-                                                         "NCCL refuses two ranks of a communicator on one GPU in one "
-                                                         "process (its host identity is per process): run virtual "
-                                                         "nodes as processes (weftrun), or give each rank a GPU");
+    for (int l = 0; l < ranks_per_node_; ++l) {
+        for (int n = 0; n < num_nodes(); ++n) {
+            for (int m = 0; m < n; ++m) {
+                const int a = by_node_[static_cast<size_t>(n)][static_cast<size_t>(l)];
+                const int b = by_node_[static_cast<size_t>(m)][static_cast<size_t>(l)];
+                if (process_of(a) != process_of(b)) continue;
+                if (l == local_index_) threads = true;
+                WEFT_CHECK(wheres[static_cast<size_t>(a)] != wheres[static_cast<size_t>(b)],
+                           "network backend: team ranks "
+                               << b << " and " << a << " (world ranks " << team.world_rank(b) << " and "
+                               << team.world_rank(a) << ") of the team of " << team.describe()
+                               << ", the column of local index " << l
+                               << ", are threads of one process on one GPU, on different nodes; NCCL refuses two "
+                                  "ranks of a communicator on one GPU in one process (its host identity is per "
+                                  "process): run virtual nodes as processes (weftrun), or give each rank a GPU");
+            }
         }
     }
     if (threads && world.virtual_nodes() > 1) {
@@ -545,6 +597,7 @@ void HostBackend::release() noexcept {
         impl_->wake.notify_all();
         impl_->watcher.join();
     }
+    impl_->call_start.reset();
 #if WEFT_NET_HAVE_NCCL_HEADER
     if (impl_->comm != nullptr && !impl_->aborted.load()) {
         // After a failure a peer may be gone: abort rather than destroy, which may wait for it.
@@ -575,6 +628,18 @@ void HostBackend::begin_call(cudaStream_t stream) {
     WEFT_CUDA_CHECK(cudaMemsetAsync(flags_, 0, 2 * kMaxChunks * sizeof(uint64_t), stream));
     WEFT_CUDA_CHECK(cudaEventRecord(fork_, stream));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, fork_, 0));
+    // The steps' bound counts from when the caller's stream reaches the call, not from when the host enqueued it.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    WEFT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    Impl::Event start;
+    if (capture == cudaStreamCaptureStatusNone) {
+        cudaEvent_t e = nullptr;
+        WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        start = Impl::Event(e, [](cudaEvent_t ev) { cudaEventDestroy(ev); });
+        WEFT_CUDA_CHECK(cudaEventRecord(e, stream));
+    }
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    impl_->call_start = std::move(start);
 }
 
 void HostBackend::end_call(cudaStream_t stream) {
@@ -610,8 +675,9 @@ void HostBackend::wait_arrived(cudaStream_t stream, int chunk) {
 // watcher aborts the communicator (and the World) when a step is not done by its deadline, which also ends an NCCL
 // call blocked on an absent peer. While the comm stream is captured no event is recorded (a captured event cannot be
 // queried): a graph replay's steps have no deadline; a World abort aborts the communicator, which ends them.
-// NOTE: NCCL is called only while the communicator is not aborted; the watcher aborts it from its own thread to end a
-// call blocked on an absent peer (NCCL documents that for non-blocking communicators; this one is blocking).
+// NOTE: an NCCL call starts only while the communicator is not aborted (checked under the mutex that the abort sets it
+// under), and the abort waits for the steps inside NCCL to leave it; but it ends a call blocked on an absent peer from
+// the watcher's thread after a short wait (NCCL documents that for non-blocking communicators; this one is blocking).
 uint64_t HostBackend::begin_step(const char* what) {
     std::unique_lock<std::mutex> lock(impl_->mutex);  // the watcher aborts an idle communicator under it
     if (impl_->aborted.load()) {
@@ -627,7 +693,8 @@ uint64_t HostBackend::begin_step(const char* what) {
         WEFT_FAIL(text);
     }
     const uint64_t id = ++impl_->next_id;
-    impl_->pending.push_back({id, nullptr, std::chrono::steady_clock::now() + impl_->timeout, what});
+    impl_->pending.push_back({id, nullptr, std::chrono::steady_clock::now() + impl_->timeout, what, impl_->call_start});
+    ++impl_->in_nccl;  // until run_step's body has returned
     return id;
 }
 
@@ -636,6 +703,7 @@ void HostBackend::run_step(uint64_t id, Body&& body) {
     try {
         body();
     } catch (const std::exception& e) {
+        impl_->leave_nccl();
         // What a failed NCCL call left on the comm stream is unknown, and the watcher could not bound it: the
         // communicator (and with it the World) is aborted, which ends anything NCCL did enqueue.
         cancel_step(id);
@@ -658,6 +726,7 @@ void HostBackend::run_step(uint64_t id, Body&& body) {
         }
         throw;
     }
+    impl_->leave_nccl();
     end_step(id);
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "member_records.hpp"
 #include "tp_common.hpp"
 #include "views_overlap.hpp"
 #include "weft/common/collectives.hpp"
@@ -225,6 +226,17 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
         WEFT_CHECK(!options.autotune, "ag_gemm: options.autotune on a team that spans nodes ("
                                           << team.describe() << ") is not supported yet; tune on one node and pass "
                                           << "the winner as options.config");
+        // The network steps pair each shard's chunks with the column's, and a relay raises a node peer's word by its
+        // own chunk numbering: every member must cut the shards alike (on one node each member's cut is its own).
+        static const char* const kFields[] = {"max_m", "k", "dtypes", "chunk rows (options.chunk_rows, resolved)",
+                                              "chunks per shard"};
+        const std::vector<int64_t> mine = {shape.max_m, shape.k, static_cast<int64_t>(shape.dtype), s.chunk_rows,
+                                           s.max_chunks_per_rank};
+        const std::vector<std::vector<uint8_t>> all = detail::exchange_member_records(
+            team, "weft.ops.ag_gemm.chunks", kOp, "shape or options are", [&] { return detail::fields_record(mine); });
+        detail::check_member_fields(team, all, mine, kFields, kOp, [](size_t f, int64_t v) -> std::string {
+            return f == 2 ? std::string(dtype_name(static_cast<DType>(v))) : std::to_string(v);
+        });
         s.net = &net::HostBackend::get(team);
         s.plan = net::plan_ag_internode(s.net->team_ranks_by_node(), s.rank);
         WEFT_CHECK(s.plan.per_node <= kAgMaxNodePeers, "ag_gemm: " << s.plan.per_node
@@ -477,8 +489,9 @@ AgCall prepare_call(const AgGemm::State& s, size_t idx, int64_t m, const TensorV
         return call;
     }
     // What every rank's call must agree on: M (so every rank's shard sits where the peers copy it from), K and the
-    // dtype (fixed by the op's shape, which the ranks may still have built differently). N and the chunking are this
-    // rank's own (its weight shard, its copies).
+    // dtype (fixed by the op's shape, which the ranks may still have built differently). N is this rank's own (its
+    // weight shard), and so is the chunking on one node (its copies); across nodes the constructor made the members
+    // agree on it.
     const uint64_t signature =
         make_call_descriptor(CollectiveOp::kAgGemm, 0, true, s.shape.dtype, static_cast<uint64_t>(m),
                              call_descriptor_mix(0, static_cast<uint64_t>(s.shape.k)));

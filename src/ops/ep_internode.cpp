@@ -38,20 +38,26 @@ void Buffer::Impl::init_across_nodes() {
     net::HostBackend& backend = net::HostBackend::get(team);
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&alloc_stream, cudaStreamNonBlocking));
 
-    // The dispatch's path; every member must take the same one (their exchanges differ).
+    // The dispatch's path; every member must take the same one (their exchanges differ). The members publish what
+    // they chose (0 two_hop, 1 all_to_all, 2 a value refused) before any refuses, so that every member refuses alike.
     const std::optional<std::string> path = env::get("WEFT_EP_ACROSS_NODES");
     const std::string chosen = !path || path->empty() ? "two_hop" : *path;
-    WEFT_CHECK(chosen == "two_hop" || chosen == "all_to_all",
-               "ep::Buffer: WEFT_EP_ACROSS_NODES must be two_hop or all_to_all, got '" << chosen << "'");
-    two_hop = chosen == "two_hop";
+    const uint8_t code = chosen == "two_hop" ? 0 : chosen == "all_to_all" ? 1 : 2;
+    two_hop = code == 0;
     {
-        const std::vector<std::vector<uint8_t>> all =
-            team.all_gather("weft.ops.ep.across_nodes", std::vector<uint8_t>{static_cast<uint8_t>(two_hop)});
+        const std::vector<std::vector<uint8_t>> all = team.all_gather("weft.ops.ep.across_nodes", {code});
+        const auto name = [](uint8_t c) {
+            return c == 0 ? "two_hop" : c == 1 ? "all_to_all" : "a value other than two_hop and all_to_all";
+        };
         for (int r = 0; r < team.num_ranks(); ++r) {
-            WEFT_CHECK(all[static_cast<size_t>(r)] == std::vector<uint8_t>{static_cast<uint8_t>(two_hop)},
-                       "ep::Buffer: the members' WEFT_EP_ACROSS_NODES differ: world rank "
-                           << team.world().rank() << " takes " << chosen << ", world rank " << team.world_rank(r)
-                           << " the other path; every member must take the same");
+            const uint8_t theirs = all[static_cast<size_t>(r)].size() == 1 ? all[static_cast<size_t>(r)][0] : 2;
+            WEFT_CHECK(theirs != 2, "ep::Buffer: WEFT_EP_ACROSS_NODES must be two_hop or all_to_all; world rank "
+                                        << team.world_rank(r) << " has " << name(theirs)
+                                        << (r == team.rank() ? " ('" + chosen + "')" : std::string()));
+            WEFT_CHECK(theirs == code, "ep::Buffer: the members' WEFT_EP_ACROSS_NODES differ: world rank "
+                                           << team.world().rank() << " takes " << chosen << ", world rank "
+                                           << team.world_rank(r) << " " << name(theirs)
+                                           << "; every member must take the same");
         }
     }
     hop = weft::ep::NodeRecordLayout::make(geo, backend.num_nodes(), backend.ranks_per_node());

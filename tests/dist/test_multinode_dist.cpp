@@ -15,6 +15,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -33,6 +34,7 @@
 #include "weft/ops/ep_moe.hpp"
 #include "weft/ops/gemm_rs.hpp"
 #include "weft/ops/reduce_scatter.hpp"
+#include "weft/runtime/stream.hpp"
 #include "weft/weft.hpp"
 
 namespace weft::test {
@@ -725,6 +727,29 @@ TEST(MultiNode, GemmRsWhoseMDiffersAcrossNodesFailsEveryRankNamingTheMismatch) {
     World& w = dist_world();
     if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     run_m_differs_across_nodes(true);
+}
+
+// Members that cut their shards into different chunks across nodes (the network steps pair chunk by chunk, and relays
+// raise node peers' words by chunk number): every member's constructor refuses, naming the difference, at once.
+TEST(MultiNode, AgGemmWhoseChunkRowsDifferAcrossNodesIsRefusedOnEveryMember) {
+    World& w = dist_world();
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    const Team& team = w.team();
+    ops::AgGemmOptions options;
+    options.chunk_rows = team.node_index() == 0 ? 16 : 32;
+    std::string error;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+        ops::AgGemm ag(team, ops::AgGemmShape{64 * team.num_ranks(), 128, 64, DType::kBF16}, options);
+    } catch (const Error& e) {
+        error = e.what();
+    }
+    const auto waited = std::chrono::steady_clock::now() - start;
+    EXPECT_NE(error.find("the members' chunk rows (options.chunk_rows, resolved) differ"), std::string::npos)
+        << "rank " << w.rank() << ": " << error;
+    EXPECT_LT(waited, std::chrono::milliseconds(30000)) << error;  // far below the World's timeout
+    w.barrier();
 }
 
 // ---- expert parallelism across nodes (docs/multinode.md, "EP across nodes") ----
@@ -1775,6 +1800,72 @@ TEST(MultiNode, ARankOnAnotherNodeThatNeverArrivesIsAnErrorWithinTheTimeout) {
     }
     // Every rank leaves together: the World's shutdown is collective (an aborted World still meets its peers).
     w.reset();
+}
+
+// Work queued on the caller's stream ahead of a call does not count against the call's network bound: the stream is
+// held (a wait on a host-mapped word) for twice the World's timeout before it reaches an all_reduce across nodes,
+// which must then complete and check.
+TEST(MultiNode, WorkQueuedAheadOfACallDoesNotCountAgainstItsNetworkBound) {
+    World& main_world = dist_world();
+    if (const std::string why = why_no_network_across_nodes(main_world); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    WorldOptions options;
+    options.timeout = std::chrono::milliseconds(2000);
+    options.heap_bytes = 64ull << 20;
+    std::unique_ptr<World> w = World::from_env(options);
+    const uint64_t count = 100000;
+    Buffers b(count * 4);
+    upload(b.stream, b.in, DType::kF32, count, 9, w->rank());
+    uint64_t* gate_host = nullptr;
+    uint64_t* gate_dev = nullptr;
+    WEFT_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&gate_host), sizeof(uint64_t), cudaHostAllocMapped));
+    *reinterpret_cast<volatile uint64_t*>(gate_host) = 0;
+    WEFT_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&gate_dev), gate_host, 0));
+    const TensorView in(b.in, DType::kF32, {static_cast<int64_t>(count)});
+    const TensorView out(b.out, DType::kF32, {static_cast<int64_t>(count)});
+    ops::all_reduce(*w, in, out, b.stream);  // first: what the first call sets up (the backend, its communicator)
+    w->sync_and_check(b.stream);
+    stream_wait_u64_geq(b.stream, gate_dev, 1);
+    ops::all_reduce(*w, in, out, b.stream);
+    std::this_thread::sleep_for(2 * options.timeout);
+    *reinterpret_cast<volatile uint64_t*>(gate_host) = 1;
+    EXPECT_NO_THROW(w->sync_and_check(b.stream));
+    const std::vector<uint32_t> got = download(b.stream, b.out, DType::kF32, count);
+    uint64_t wrong = 0;
+    for (uint64_t i = 0; i < count; ++i) {
+        int32_t sum = 0;
+        for (int r = 0; r < w->num_ranks(); ++r) sum += pattern_value(9, r, i);
+        wrong += got[i] != int_bits(sum, DType::kF32);
+    }
+    EXPECT_EQ(wrong, 0u) << "of " << count;
+    w->barrier();
+    cudaFreeHost(gate_host);
+    w.reset();
+}
+
+// A value of WEFT_EP_ACROSS_NODES that one member refuses fails every member's Buffer at once, naming that member.
+TEST(MultiNode, EpAnInvalidPathOnOneMemberIsRefusedOnEveryMember) {
+    World& w = dist_world();
+    if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
+    set_test_environment();
+    const Team& team = w.team();
+    const int odd = team.num_ranks() - 1;  // on the last node
+    if (team.rank() == odd) ::setenv("WEFT_EP_ACROSS_NODES", "two-hop", 1);
+    std::string error;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+        ops::ep::Buffer ep(team, ep_config({2, 64, 2, 9, 1}, team.num_ranks()));
+    } catch (const Error& e) {
+        error = e.what();
+    }
+    const auto waited = std::chrono::steady_clock::now() - start;
+    if (team.rank() == odd) ::unsetenv("WEFT_EP_ACROSS_NODES");
+    EXPECT_NE(error.find("WEFT_EP_ACROSS_NODES must be two_hop or all_to_all; world rank " +
+                         std::to_string(team.world_rank(odd))),
+              std::string::npos)
+        << "rank " << w.rank() << ": " << error;
+    EXPECT_LT(waited, std::chrono::milliseconds(30000)) << error;  // far below the World's timeout
+    w.barrier();
 }
 
 // The same for expert parallelism: a World of its own with a short timeout and an EP Buffer on it; the last rank takes
