@@ -140,11 +140,12 @@ __global__ void __launch_bounds__(kMoeThreads) moe_combine_kernel(const MoeCombi
             for (int32_t c = lane; c < a.n / 4; c += 32) row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     } else {
-        // Dropped slots: zero rows (no group holds them).
+        // Dropped slots, and rows outside the partials (a routing built by hand): zero rows (no group holds them).
         for (int32_t t = warp0; t < a.tokens; t += num_warps) {
             for (int32_t k = 0; k < a.topk; ++k) {
                 const int64_t slot = static_cast<int64_t>(a.token_begin + t) * a.topk + k;
-                if (a.slot_rows[slot] >= 0) continue;
+                const int32_t row = a.slot_rows[slot];
+                if (row >= 0 && row < a.rows) continue;
                 for (int32_t c = lane * 4; c < a.n; c += 128) {
                     detail::store4(a, static_cast<int64_t>(t) * a.topk + k, c, make_float4(0.f, 0.f, 0.f, 0.f));
                 }
@@ -168,7 +169,7 @@ __global__ void __launch_bounds__(kMoeThreads) moe_combine_kernel(const MoeCombi
             for (int32_t k = 0; k < a.topk; ++k) {
                 const int64_t slot = static_cast<int64_t>(a.token_begin + t) * a.topk + k;
                 const int32_t row = a.slot_rows[slot];
-                if (row < first || row >= first + count) continue;
+                if (row < first || row >= first + count || row < 0 || row >= a.rows) continue;
                 if (sum) {
                     const float w = a.weights != nullptr ? a.weights[slot] : 1.0f;
                     float4* acc = reinterpret_cast<float4*>(a.acc + static_cast<int64_t>(t) * a.n);

@@ -703,12 +703,17 @@ void AgAttention::run(const TensorView& q_local, const TensorView& k_local, cons
                                 "it is copied into this call's slot while the peers' shards arrive around it");
         }
     }
+    // Q is read while the shards are copied into the gathered buffers (this rank's K/V into its slot first).
+    detail::check_apart(kOp, "q_local", q_local,
+                        {{"the gathered K buffer (local_k(S), gathered_k(S))", all_k},
+                         {"the gathered V buffer (local_v(S), gathered_v(S))", all_v}},
+                        "the shards are copied there while the kernel reads Q");
     // The caller's buffers: this GPU's memory (the kernels and copies would fault, and the peers wait until their
     // timeout).
     detail::check_device_buffers(
         s.world->heap(), {{"q_local", q_local}, {"k_local", k_local}, {"v_local", v_local}, {"out", out}, {"lse", lse}},
         kOp, stream);
-    // A single row's stride may be anything: its copy reads one row.
+    // A single row's copy reads that row alone (its stride is checked above all the same).
     const auto src_pitch = [&](const TensorView& t) {
         return static_cast<size_t>(rows == 1 ? s.row_bytes() : t.stride(0) * dtype_bytes(sh.dtype));
     };

@@ -11,6 +11,7 @@
 #include "weft/jit/aot.hpp"
 #include "weft/jit/compiler.hpp"
 #include "weft/ops/collectives.hpp"
+#include "weft/ops/gemm_plan.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft::ops::ep {
@@ -78,9 +79,11 @@ Geometry resolve_geometry(const Config& c, int num_ranks, int rank) {
     WEFT_CHECK(g.max_recv_tokens <= kInt32Max, "ep: max_recv_tokens ("
                                                    << g.max_recv_tokens << ", worst case " << worst_tokens
                                                    << ") must fit in int32; set Config::max_recv_tokens lower");
-    WEFT_CHECK(g.max_recv_rows <= kInt32Max, "ep: max_recv_rows ("
-                                                 << g.max_recv_rows << ", worst case " << worst_rows
-                                                 << ") must fit in int32; set Config::max_recv_rows lower");
+    // recv_x is the grouped GEMM's A: its rows within the GEMMs' extent.
+    WEFT_CHECK(g.max_recv_rows <= kGemmMaxExtent, "ep: max_recv_rows ("
+                                                      << g.max_recv_rows << ", worst case " << worst_rows
+                                                      << ") must be at most 2^31 - 2^24 (recv_x is a grouped GEMM's "
+                                                         "A); set Config::max_recv_rows lower");
     WEFT_CHECK(g.max_send_rows() <= kInt32Max, "ep: max_tokens_per_rank * min(topk, ranks) must fit in int32");
 
     const int64_t layout_smem = weft::ep::LayoutSmem::make(g, kThreads).total;

@@ -332,6 +332,7 @@ void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombine
     c.n = static_cast<int32_t>(n);
     c.token_begin = 0;
     c.tokens = static_cast<int32_t>(routing.tokens);
+    c.rows = static_cast<int32_t>(routing.rows_capacity);
     c.mode = mode;
     c.out_f32 = out.dtype == DType::kF32 ? 1 : 0;
     moe_kernel("combine").launch(launch_params(memory_grid(routing.tokens), kMoeThreads, stream), c);
@@ -823,6 +824,7 @@ void MoeGroupedGemmRs::run(const TensorView& h, const TensorView& w, const MoeRo
     c.n = static_cast<int32_t>(hid);
     c.token_begin = static_cast<int32_t>(tpr * s.rank);
     c.tokens = static_cast<int32_t>(tpr);
+    c.rows = static_cast<int32_t>(routing.rows_capacity);
     c.mode = MoeCombineMode::kWeightedSum;
     c.out_f32 = out.dtype == DType::kF32 ? 1 : 0;
 

@@ -711,6 +711,19 @@ TEST_P(AgAttention, RefusesUnevenShardsAndBadCalls) {
             } catch (const Error& e) {
                 EXPECT_NE(std::string(e.what()).find("k_local"), std::string::npos) << e.what();
             }
+            // Q inside the gathered K buffer: the shards are copied there while the kernel reads Q.
+            uint8_t* b8 = static_cast<uint8_t*>(buf);
+            const TensorView q_in_gathered(op.gathered_k(64).data, DType::kBF16, {32, 4, 64});
+            const TensorView k3(b8, DType::kBF16, {32, 2, 64}), v3(b8 + (64 << 10), DType::kBF16, {32, 2, 64});
+            const TensorView out3(b8 + (128 << 10), DType::kBF16, {32, 4, 64});
+            try {
+                op.run(q_in_gathered, k3, v3, out3, TensorView(), nullptr);
+                ADD_FAILURE() << "q_local inside the gathered K buffer was accepted";
+            } catch (const Error& e) {
+                EXPECT_NE(std::string(e.what()).find("q_local must not overlap the gathered K buffer"),
+                          std::string::npos)
+                    << e.what();
+            }
             w.barrier();
             cudaFree(buf);
         },

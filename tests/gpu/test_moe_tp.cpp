@@ -337,6 +337,78 @@ TEST(MoeGatheredGemm, MatchesTheHostReferenceOverRoutingCases) {
     for (size_t i = 0; i < cases.size(); ++i) run_gathered(cases[i], seed + i);
 }
 
+// A routing built by hand whose experts run outside [0, rows_capacity) (an expert one row past the end; one at a
+// negative offset holding a dropped slot's -1): the combine reads no row outside d_rows, and those slots come out as
+// dropped ones (zeros per slot, nothing in the weighted sum). d_rows sits inside a larger poisoned allocation, so a
+// row read past either end would show as NaN.
+TEST(MoeCombine, AHandBuiltRoutingPastTheCapacityReadsNoRowOutsideDRows) {
+    REQUIRE_SM90();
+    cudaStream_t st = nullptr;
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    const int64_t n = 8, rows = 5, tokens = 5;
+    std::vector<float> d_host((rows + 2) * n, std::nanf(""));
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < n; ++c) d_host[static_cast<size_t>((r + 1) * n + c)] = static_cast<float>(10 * r + c);
+    }
+    const std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> cases = {
+        {{0, 3, 6}, {2, 3}},   // expert 1 owns rows [3, 6): one past the end
+        {{-5, 0, 5}, {5, 5}},  // expert 0 at -5 (holds the dropped slot's -1), expert 1 owns [0, 5)
+    };
+    const std::vector<int32_t> slot_rows = {0, 1, 3, 4, 5};
+    const std::vector<int32_t> slot_rows2 = {-1, 1, 2, 3, 4};
+    for (size_t i = 0; i < cases.size(); ++i) {
+        const std::vector<int32_t>& offsets = cases[i].first;
+        const std::vector<int32_t>& counts = cases[i].second;
+        const std::vector<int32_t>& slots = i == 0 ? slot_rows : slot_rows2;
+        DevBuf d_dev(d_host.size() * 4), idx_dev(64 * 4), out_dev(tokens * n * 4), sum_dev(tokens * n * 4),
+            acc_dev(tokens * n * 4), w_dev(tokens * 4);
+        to_device(d_dev.ptr, d_host, st);
+        int32_t* ix = static_cast<int32_t*>(idx_dev.ptr);
+        to_device(ix, counts, st);
+        to_device(ix + 8, offsets, st);
+        to_device(ix + 16, std::vector<int32_t>(rows, 0), st);  // gather_index (unread by the combine)
+        to_device(ix + 32, slots, st);
+        to_device(w_dev.ptr, std::vector<float>(tokens, 1.0f), st);
+        ops::MoeRouting r;
+        r.counts = ix;
+        r.offsets = ix + 8;
+        r.gather_index = ix + 16;
+        r.slot_rows = ix + 32;
+        r.num_experts = 2;
+        r.rows_capacity = rows;
+        r.tokens = tokens;
+        r.topk = 1;
+        const TensorView d(static_cast<float*>(d_dev.ptr) + n, DType::kF32, {rows, n});
+        WEFT_CUDA_CHECK(cudaMemsetAsync(out_dev.ptr, kPoisonByte, out_dev.bytes, st));
+        WEFT_CUDA_CHECK(cudaMemsetAsync(sum_dev.ptr, kPoisonByte, sum_dev.bytes, st));
+        ops::moe_combine(d, r, ops::MoeCombineMode::kPerSlot, TensorView(), TensorView(),
+                         TensorView(out_dev.ptr, DType::kF32, {tokens, n}), st);
+        ops::moe_combine(d, r, ops::MoeCombineMode::kWeightedSum, TensorView(w_dev.ptr, DType::kF32, {tokens, 1}),
+                         TensorView(acc_dev.ptr, DType::kF32, {tokens, n}),
+                         TensorView(sum_dev.ptr, DType::kF32, {tokens, n}), st);
+        const auto per_slot = from_device<float>(out_dev.ptr, static_cast<size_t>(tokens * n), st);
+        const auto summed = from_device<float>(sum_dev.ptr, static_cast<size_t>(tokens * n), st);
+        for (int64_t t = 0; t < tokens; ++t) {
+            const int32_t row = slots[static_cast<size_t>(t)];
+            int32_t g = -1;
+            for (int32_t e = 0; e < 2; ++e) {
+                if (row >= offsets[static_cast<size_t>(e)] &&
+                    row < offsets[static_cast<size_t>(e)] + counts[static_cast<size_t>(e)]) {
+                    g = e;
+                    break;
+                }
+            }
+            const bool read = g >= 0 && row >= 0 && row < rows;
+            for (int64_t c = 0; c < n; ++c) {
+                const float want = read ? static_cast<float>(10 * row + c) : 0.0f;
+                EXPECT_EQ(per_slot[static_cast<size_t>(t * n + c)], want) << "case " << i << ", slot " << t;
+                EXPECT_EQ(summed[static_cast<size_t>(t * n + c)], want) << "case " << i << ", token " << t;
+            }
+        }
+    }
+    WEFT_CUDA_CHECK(cudaStreamDestroy(st));
+}
+
 // ---- the TP MoE layers ------------------------------------------------------------------------------------------
 
 struct LayerCase {

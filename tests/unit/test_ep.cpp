@@ -293,6 +293,8 @@ TEST(EpConfig, BadArgumentsAreNamed) {
     c = small_config();
     c.max_recv_rows = -1;
     expect_error(c, 4, "max_recv_rows");
+    c.max_recv_rows = (int64_t{1} << 31) - (int64_t{1} << 24) + 1;  // fits int32, past a grouped GEMM's rows
+    expect_error(c, 4, "max_recv_rows (2130706433, worst case");
     c = small_config();
     c.normal = c.low_latency = false;
     expect_error(c, 4, "neither");
@@ -302,7 +304,7 @@ TEST(EpConfig, BadArgumentsAreNamed) {
     c.max_tokens_per_rank = 1 << 24;
     c.num_experts = 128;
     c.topk = 8;
-    expect_error(c, 64, "fit in int32");
+    expect_error(c, 64, "max_recv_rows (2147483648, worst case 2147483648) must be at most 2^31 - 2^24");
 }
 
 TEST(EpConfig, FootprintFollowsTheFormulas) {

@@ -83,6 +83,7 @@ struct MoeCombineArgs {
     int64_t ldp, ldo;
     int32_t num_sources, num_experts, topk, n;
     int32_t token_begin, tokens;
+    int32_t rows;  ///< rows of each source's partials: a slot row outside [0, rows) is read as a dropped slot
     MoeCombineMode mode;
     int32_t out_f32;
     int32_t done_owner[kMoeMaxRanks];  ///< team rank of each source (named by a timeout's diagnostic)

@@ -28,7 +28,9 @@ class Team;
 namespace weft::ops {
 
 struct FlashAttentionOptions {
-    /// Softmax scale applied to q.k; nullopt: 1 / sqrt(head_dim). Finite, at most about 2.3e38 in magnitude.
+    /// Softmax scale applied to q.k; nullopt: 1 / sqrt(head_dim). Finite, at most about 2.3e38 in magnitude, and the
+    /// scaled scores (scale x q.k in fp32, times log2 e) must stay below about 3.4e38 in magnitude: a row where one
+    /// overflows comes out NaN, or as zeros with lse -inf (as an fp32 softmax does).
     std::optional<float> scale = std::nullopt;
     AttentionMask mask = AttentionMask::kNone;
     /// Global position of q's row 0 for the causal mask (key j is at position j): query i sees keys
@@ -124,7 +126,7 @@ public:
     ///            stride >= num_kv_heads * head_dim and a multiple of 8, of at most 2 GiB - 1 bytes where the rows are
     ///            not back to back (this GPU's device memory; local_k(S) / local_v(S) themselves, rows back to
     ///            back, skip the local copy; any other view inside the gathered buffers is refused: the peers'
-    ///            shards arrive there while it would be copied)
+    ///            shards arrive there while it would be copied; q_local may not lie in them either)
     ///   out      [S/W, num_q_heads, head_dim] contiguous;  lse f32 [S/W, num_q_heads] contiguous, or empty
     /// all of shape.dtype, 16-byte aligned. Every member calls with the same S (1 <= S/W, S <= max_seq): a rank that
     /// reads the shard of a member whose S differs records a kCollectiveMismatch diagnostic naming both calls (its

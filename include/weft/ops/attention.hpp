@@ -21,7 +21,9 @@ class Team;
 namespace weft::ops {
 
 struct DecodeAttentionOptions {
-    /// Softmax scale applied to q.k; nullopt: 1 / sqrt(head_dim). Finite, at most about 2.3e38 in magnitude.
+    /// Softmax scale applied to q.k; nullopt: 1 / sqrt(head_dim). Finite, at most about 2.3e38 in magnitude, and the
+    /// scaled scores (scale x q.k in fp32, times log2 e) must stay below about 3.4e38 in magnitude: a row where one
+    /// overflows comes out NaN, or as zeros with lse -inf (as an fp32 softmax does).
     std::optional<float> scale = std::nullopt;
     /// KV splits per (sequence, KV head); 0 chooses (plan_attention_splits). Clamped to [1, 256] and to one
     /// 64-token tile per split.

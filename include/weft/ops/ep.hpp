@@ -7,22 +7,23 @@
 //     weft::ops::ep::Buffer ep(team, cfg);                      // collective: symmetric buffers, kernels loaded
 //     weft::ops::ep::NormalHandle h = ep.make_normal_handle();  // collective: one in-flight dispatch
 //     ep.dispatch(h, x, topk_idx, topk_weights, stream);        // rows land expert-contiguous in h.recv_x()
-//     grouped_gemm(h.recv_x(), h.expert_offsets(), y);          // your per-expert computation
+//     weft::ops::grouped_gemm_contiguous(h.recv_x(), w, y, weft::BLayout::kNK, h.expert_offsets(),
+//                                        h.expert_counts(), stream);  // your per-expert computation
 //     ep.combine(h, y, out, stream);                            // weighted sum over the k experts, token order
 //     ep.check();                                               // device-reported errors, without a sync
 //
 // Every dispatch and combine call is asynchronous, graph-capturable and never synchronises the host: sizes are
 // exchanged between ranks on the device. Making and releasing a Buffer or a handle allocates and waits on the
-// Buffer's own stream: do it outside a capture on this thread. A Buffer belongs to a team (World::team() for the whole World, or a split of it):
-// ranks, experts and rank order are the team's. Every member of the team calls the same sequence of collective
-// calls (dispatch, combine, low-latency halves) on a non-blocking stream of its own (ranks that are threads of one
-// process share the legacy default stream, which would serialise their mutually waiting kernels: refused);
-// calls on one Buffer must be ordered (one stream, or streams joined by events). Buffers of teams that share no
-// member may run at the same time. Design, diagrams and pitfalls:
-// kernels/ep/README.md. A team that spans nodes (both modes; the same number of members on every node, NCCL
-// available) exchanges fixed-size records over the network and gives the same results and receive layout:
-// docs/multinode.md, "EP across nodes". EP's vocabulary (a Config, a Buffer, two kinds of handle, their options and
-// views) lives in its own namespace, weft::ops::ep, rather than behind an Ep prefix on a dozen names.
+// Buffer's own stream: do it outside a capture on this thread. A Buffer belongs to a team (World::team() for the whole
+// World, or a split of it): ranks, experts and rank order are the team's. Every member of the team calls the same
+// sequence of collective calls (dispatch, combine, low-latency halves) on a non-blocking stream of its own (ranks that
+// are threads of one process share the legacy default stream, which would serialise their mutually waiting kernels:
+// refused); calls on one Buffer must be ordered (one stream, or streams joined by events). Buffers of teams that share
+// no member may run at the same time. Design, diagrams and pitfalls: kernels/ep/README.md. A team that spans nodes
+// (both modes; the same number of members on every node, NCCL available) exchanges fixed-size records over the network
+// and gives the same results and receive layout: docs/multinode.md, "EP across nodes". EP's vocabulary (a Config, a
+// Buffer, two kinds of handle, their options and views) lives in its own namespace, weft::ops::ep, rather than behind
+// an Ep prefix on a dozen names.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -72,8 +73,9 @@ using weft::ep::Workspace;
 
 /// The limits every buffer is sized from. Fixed for a Buffer's life; a call beyond them is an error
 /// (host-checked where the host knows the size, device-reported otherwise), never a truncation. resolve_geometry
-/// also requires the resolved max_recv_tokens and max_recv_rows, and max_tokens_per_rank * min(k, ranks), to fit in
-/// int32, and the kernels' shared memory (which grows with E, and in low-latency mode with T * k) to fit one block.
+/// also requires the resolved max_recv_tokens and max_tokens_per_rank * min(k, ranks) to fit in int32, max_recv_rows
+/// to be at most 2^31 - 2^24 (recv_x feeds a grouped GEMM), and the kernels' shared memory (which grows with E, and in
+/// low-latency mode with T * k) to fit one block.
 struct Config {
     int num_experts = 0;          ///< E: a multiple of the number of ranks, <= kMaxExperts
     int hidden = 0;               ///< H (bf16 channels): a multiple of 8, <= 2^20; of 128 for fp8 low-latency (checked

@@ -198,7 +198,9 @@ public:
     ///             member's done word for it unraised, and the first member's combine ends at its wait's bound with
     ///             a diagnostic naming the member and the word (World::sync_and_check throws it; the kernels exit,
     ///             the context stays usable). A routing built by hand must keep every expert's rows inside
-    ///             rows_capacity (offsets[g] + counts[g] <= rows_capacity): the same error otherwise.
+    ///             rows_capacity (0 <= offsets[g], offsets[g] + counts[g] <= rows_capacity): otherwise the rows past
+    ///             it are neither computed nor read (their slots come out as dropped ones), and where the clamp
+    ///             leaves the expert fewer tiles the same error as above.
     ///   weights:  [M, topk] f32, the same on every member
     ///   out:      [M/W, hidden] bf16 or f32; its bytes apart from h's, w's, weights' and routing's slot_rows, counts
     ///             and offsets
