@@ -156,7 +156,8 @@ public:
     TensorView activation() const;
     TensorView expert_out() const;
 
-    /// Throws weft::Error for a device-reported error: the EP buffer's status, then the GEMMs' count records.
+    /// Throws weft::Error for a device-reported error: the EP buffer's status, then the GEMMs' count records (which
+    /// no dispatch of weft's sets, and which stay set for the block's life once set).
     void check() const;
     /// world().sync_and_check(stream), then check().
     void sync_and_check(cudaStream_t stream);

@@ -148,7 +148,7 @@ public:
 
     /// y[r] = x[gather_index[r]] * w[g]^T for the rows r of each expert g, where team rank r's x_local holds tokens
     /// [r*M/W, (r+1)*M/W) of x.
-    ///   x_local:  [M/W, hidden] bf16 (any device memory, row stride a multiple of 8)
+    ///   x_local:  [M/W, hidden] bf16, at least one row (M >= W) (any device memory, row stride a multiple of 8)
     ///   topk_idx: [M, topk] int32, the same on every member (replicated routing; -1 = no expert)
     ///   w:        [E, ffn, hidden] bf16 (this rank's columns of every expert's weight)
     ///   y:        [rows_capacity(), ffn] bf16: row r is slot (gather_index[r], k)'s, grouped by expert (routing());
