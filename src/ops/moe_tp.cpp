@@ -8,6 +8,7 @@
 #include <sstream>
 #include <utility>
 
+#include "collective_workspace.hpp"
 #include "grouped_gemm_internal.hpp"
 #include "member_records.hpp"
 #include "tp_common.hpp"
@@ -610,6 +611,9 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
     // The push reads x_local (beside the GEMM where there is a side stream) and the GEMM reads w while it writes y.
     ops::detail::check_apart(op, "y", y, {{"x_local", x_local}, {"w", w}},
                              "the push and the GEMM read it while the GEMM writes y");
+    // This GPU's memory (a kernel would fault on the rest, and the peers wait for its rows until their bound).
+    ops::detail::check_device_buffers(s.world->heap(),
+                                      {{"x_local", x_local}, {"topk_idx", topk_idx}, {"w", w}, {"y", y}}, op, stream);
     const TensorView a_rows(s.gathered, DType::kBF16, {s.rows_capacity, h});
     const GroupedGemmProblem p = validate_grouped_gemm_args(GroupedLayout::kContiguous, a_rows, w, y, BLayout::kNK,
                                                             s.routing.offsets, s.routing.counts);
@@ -774,6 +778,15 @@ void MoeGroupedGemmRs::run(const TensorView& h, const TensorView& w, const MoeRo
                               {"routing.counts", counts_view(routing)},
                               {"routing.offsets", offsets_view(routing)}},
                              "the GEMM and the combine read it while the combine writes out");
+    ops::detail::check_device_buffers(s.world->heap(),
+                                      {{"h", h},
+                                       {"w", w},
+                                       {"weights", weights},
+                                       {"out", out},
+                                       {"routing.slot_rows", slot_rows_view(routing)},
+                                       {"routing.counts", counts_view(routing)},
+                                       {"routing.offsets", offsets_view(routing)}},
+                                      op, stream);
     const TensorView d_rows(s.partial, DType::kF32, {routing.rows_capacity, hid});
     const GroupedGemmProblem p = validate_grouped_gemm_args(GroupedLayout::kContiguous, h, w, d_rows, BLayout::kNK,
                                                             routing.offsets, routing.counts);

@@ -153,6 +153,7 @@ public:
     ///   w:        [E, ffn, hidden] bf16 (this rank's columns of every expert's weight)
     ///   y:        [rows_capacity(), ffn] bf16: row r is slot (gather_index[r], k)'s, grouped by expert (routing());
     ///             rows past routing's offsets[E] untouched; its bytes apart from x_local's and w's
+    /// Every buffer is this GPU's device memory (host memory, or another GPU's, is refused naming it).
     /// Every member calls with the same M and topk_idx: each member's push carries its call's signature (M and the
     /// routing's per-expert counts) and the end of the call compares every member's with its own, so a member whose
     /// call differs is a mismatch that World::sync_and_check throws on every member, naming both calls (y is then
@@ -204,6 +205,8 @@ public:
     ///   weights:  [M, topk] f32, the same on every member
     ///   out:      [M/W, hidden] bf16 or f32; its bytes apart from h's, w's, weights' and routing's slot_rows, counts
     ///             and offsets
+    /// Every buffer (the routing's arrays too) is this GPU's device memory (host memory, or another GPU's, is refused
+    /// naming it).
     void run(const TensorView& h, const TensorView& w, const MoeRouting& routing, const TensorView& weights,
              const TensorView& out, cudaStream_t stream);
 
