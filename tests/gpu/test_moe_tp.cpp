@@ -740,6 +740,10 @@ TEST(MoeTpLayers, BadArgumentsThrowOnEveryRank) {
             up.run(xv, iv, TensorView(wt.ptr, DType::kBF16, {3, 64, 64}), yv, nullptr);
         });
         expect_error("y", [&] { up.run(xv, iv, wv, TensorView(y.ptr, DType::kBF16, {10, 64}), nullptr); });
+        std::vector<int32_t> host_idx(64 * 2, 0);  // pageable host memory: refused before anything is enqueued
+        expect_error("topk_idx (", [&] {
+            up.run(xv, TensorView(host_idx.data(), DType::kI32, {64, 2}), wv, yv, nullptr);
+        });
         w.barrier();
     });
     f.report();
