@@ -2,6 +2,8 @@
 // The store of a launched job: an abstract Unix socket on one host, TCP on a derived port across hosts.
 #include "weft/detail/launch_store.hpp"
 
+#include <netdb.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -80,6 +82,18 @@ LaunchStoreAddress launch_store_address(const LaunchEnv& env, uint32_t uid, uint
 
 namespace {
 
+// The wildcard address of the family `host` resolves to ("::" or "0.0.0.0"), or `host` itself when it does not
+// resolve (the server then names the failure).
+std::string wildcard_like(const std::string& host) {
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* list = nullptr;
+    if (::getaddrinfo(host.c_str(), nullptr, &hints, &list) != 0 || list == nullptr) return host;
+    const int family = list->ai_family;
+    ::freeaddrinfo(list);
+    return family == AF_INET6 ? "::" : "0.0.0.0";
+}
+
 RendezvousOptions launch_store_options(const LaunchEnv& env, const LaunchStoreAddress& where, milliseconds timeout) {
     // Across hosts the store listens on a network address, which needs the job's secret: every rank says so at once
     // (rank 0's store would refuse to listen without it, and the others would wait for it until the timeout).
@@ -117,6 +131,12 @@ std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_in
     std::string last_error = "no attempt";
     try {
         if (env.rank == 0) {
+            // Across hosts rank 0 listens on every interface (with the job's token), as torch's store does:
+            // MASTER_ADDR is where the others connect, and on rank 0's own host it may resolve to an address they
+            // cannot reach (a host name that /etc/hosts maps to 127.0.1.1, a service address in front of it).
+            if (options.unix_socket.empty() && !is_loopback_name(options.host)) {
+                options.host = wildcard_like(options.host);
+            }
             std::unique_ptr<Store> store = make_tcp_store(options);
             store->set(kWorldIdKey, world_id);
             return store;

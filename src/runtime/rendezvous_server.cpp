@@ -205,8 +205,9 @@ void TcpStoreServer::Impl::listen_on(const RendezvousOptions& opts) {
         break;
     }
     ::freeaddrinfo(list);
-    WEFT_CHECK(listen_fd, "rendezvous: cannot bind " << opts.host << ":" << opts.port
-                                                     << " (is the port in use?): " << last_error);
+    WEFT_CHECK(listen_fd, "rendezvous: cannot bind " << opts.host << ":" << opts.port << ": " << last_error
+                                                     << " (address in use: another process holds the port; cannot "
+                                                        "assign the address: it is not one of this host's)");
     WEFT_CHECK(::listen(listen_fd.get(), SOMAXCONN) == 0,
                "rendezvous: listen() on " << opts.host << ":" << opts.port << " failed: " << errno_text(errno));
     sockaddr_storage bound{};

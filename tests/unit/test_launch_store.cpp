@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <limits.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -16,6 +17,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
@@ -248,6 +250,52 @@ TEST(LaunchStore, SeveralHostsShapeOverLoopbackWhileMasterPortIsHeld) {
         EXPECT_TRUE(detail::launch_store_address(env, 0, 0).unix_socket.empty());
         auto store = detail::make_launch_store(env, 0, milliseconds(20000));
         exchange(*store, r, 4, "hosts");
+    });
+    for (int r = 0; r < 4; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+}
+
+TEST(LaunchStore, AcrossHostsRankZeroListensOnEveryInterface) {
+    // MASTER_ADDR names this host (here its name, which /etc/hosts may map to a loopback address): rank 0 listens on
+    // every interface, so ranks of other hosts reach it whatever the name resolves to on rank 0's own host. Two
+    // "hosts" of two ranks each meet over TCP; then, where this host has an IPv4 address other than loopback, a
+    // connection to that address reaches the store too (a listener bound to MASTER_ADDR's address alone would refuse).
+    char name[HOST_NAME_MAX + 1] = {};
+    ASSERT_EQ(::gethostname(name, sizeof(name)), 0);
+    PortHolder agent;
+    const std::string id = unique_run_id("wildcard");
+    int store_port = 0;
+    auto errors = on_threads(4, [&](int r) {
+        Vars v = torchrun_vars(r, 4, id, agent.port());
+        v["LOCAL_RANK"] = std::to_string(r % 2);
+        v["LOCAL_WORLD_SIZE"] = "2";
+        v["MASTER_ADDR"] = name;
+        v["WEFT_JOB_TOKEN"] = "wildcard-test-token";
+        LaunchEnv env = *parse_launch_env(v);
+        const detail::LaunchStoreAddress where = detail::launch_store_address(env, 0, 0);
+        if (r == 0) store_port = where.port;
+        auto store = detail::make_launch_store(env, 0, milliseconds(20000));
+        store->barrier("wildcard/up", r, 4, milliseconds(20000));
+        if (r == 0) {
+            ifaddrs* list = nullptr;
+            if (::getifaddrs(&list) == 0) {
+                for (ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
+                    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+                    sockaddr_in in = *reinterpret_cast<const sockaddr_in*>(a->ifa_addr);
+                    if ((ntohl(in.sin_addr.s_addr) >> 24) == 127) continue;
+                    in.sin_port = htons(static_cast<uint16_t>(store_port));
+                    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+                    const int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&in), sizeof(in));
+                    const int err = errno;
+                    ::close(fd);
+                    char text[INET_ADDRSTRLEN] = {};
+                    ::inet_ntop(AF_INET, &in.sin_addr, text, sizeof(text));
+                    WEFT_CHECK(rc == 0, "the store on port " << store_port << " refused a connection to " << text
+                                                             << ": " << std::strerror(err));
+                }
+                ::freeifaddrs(list);
+            }
+        }
+        exchange(*store, r, 4, "wildcard");
     });
     for (int r = 0; r < 4; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
 }
