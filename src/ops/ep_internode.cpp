@@ -49,15 +49,19 @@ void Buffer::Impl::init_across_nodes() {
         const auto name = [](uint8_t c) {
             return c == 0 ? "two_hop" : c == 1 ? "all_to_all" : "a value other than two_hop and all_to_all";
         };
+        const auto theirs_at = [&](int r) {
+            return all[static_cast<size_t>(r)].size() == 1 ? all[static_cast<size_t>(r)][0] : uint8_t{2};
+        };
+        for (int r = 0; r < team.num_ranks(); ++r) {  // a refused value first, the same text on every member
+            WEFT_CHECK(theirs_at(r) != 2, "ep::Buffer: WEFT_EP_ACROSS_NODES must be two_hop or all_to_all; world rank "
+                                              << team.world_rank(r) << " has " << name(theirs_at(r))
+                                              << (r == team.rank() ? " ('" + chosen + "')" : std::string()));
+        }
         for (int r = 0; r < team.num_ranks(); ++r) {
-            const uint8_t theirs = all[static_cast<size_t>(r)].size() == 1 ? all[static_cast<size_t>(r)][0] : 2;
-            WEFT_CHECK(theirs != 2, "ep::Buffer: WEFT_EP_ACROSS_NODES must be two_hop or all_to_all; world rank "
-                                        << team.world_rank(r) << " has " << name(theirs)
-                                        << (r == team.rank() ? " ('" + chosen + "')" : std::string()));
-            WEFT_CHECK(theirs == code, "ep::Buffer: the members' WEFT_EP_ACROSS_NODES differ: world rank "
-                                           << team.world().rank() << " takes " << chosen << ", world rank "
-                                           << team.world_rank(r) << " " << name(theirs)
-                                           << "; every member must take the same");
+            WEFT_CHECK(theirs_at(r) == code, "ep::Buffer: the members' WEFT_EP_ACROSS_NODES differ: world rank "
+                                                 << team.world().rank() << " takes " << chosen << ", world rank "
+                                                 << team.world_rank(r) << " " << name(theirs_at(r))
+                                                 << "; every member must take the same");
         }
     }
     hop = weft::ep::NodeRecordLayout::make(geo, backend.num_nodes(), backend.ranks_per_node());

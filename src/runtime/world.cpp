@@ -269,11 +269,7 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         // Tracing gathers every rank's events at shutdown (a collective): on on some ranks only, it would stall it;
         // its buffer size too (a value one rank refuses after this exchange would leave the others waiting).
         {"trace", trace_setting_for_agreement()},
-        {"net_chunk", net_chunk_setting_for_agreement()},
-        // Each rank beats at its own period and judges its peers by its own bound: a peer beating slower than a
-        // watcher's bound allows would be declared dead.
-        {"liveness", std::to_string(c.heartbeat.count()) + " ms heartbeat, " + std::to_string(c.dead_peer.count()) +
-                         " ms dead-peer bound"}};
+        {"net_chunk", net_chunk_setting_for_agreement()}};
     if (c.rank == 0) mine["job"] = detail::random_hex_id();
     // On the store the World was given; every later key is under this World's own prefix (below).
     detail::agree_on_world_size(*c.store, c.rank, c.num_ranks, init_timeout);
@@ -290,14 +286,13 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     if (c.rank == 0) c.store->erase(detail::kWorldSizeKey);
     std::vector<uint64_t> heap_requests;
     uint64_t heap_granularity = 0;
-    std::vector<std::string> virtual_nodes, sm_budget_requests, traces, net_chunks, liveness;
+    std::vector<std::string> virtual_nodes, sm_budget_requests, traces, net_chunks;
     for (int r = 0; r < c.num_ranks; ++r) {
         auto fields = decode_fields(blobs[static_cast<size_t>(r)], r);
         virtual_nodes.push_back(field(fields, "virtual_nodes", r));
         sm_budget_requests.push_back(field(fields, "sm_budget_request", r));
         traces.push_back(field(fields, "trace", r));
         net_chunks.push_back(field(fields, "net_chunk", r));
-        liveness.push_back(field(fields, "liveness", r));
         detail::RankInfo info;
         info.host = field(fields, "host", r);
         info.pci_bus_id = field(fields, "pci", r);
@@ -357,10 +352,7 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
          {std::pair{&virtual_nodes, "WEFT_VIRTUAL_NODES (or WorldOptions::virtual_nodes; resolved: 1 = none)"},
           std::pair{&sm_budget_requests, "WEFT_SM_BUDGET (or WorldOptions::sm_budget; empty: unset)"},
           std::pair{&traces, "WEFT_TRACE (set or not) and WEFT_TRACE_EVENTS"},
-          std::pair{&net_chunks, "WEFT_NET_CHUNK_BYTES (resolved)"},
-          std::pair{&liveness,
-                    "WEFT_HEARTBEAT_MS and WEFT_DEAD_PEER_MS (or WorldOptions::heartbeat and "
-                    "dead_peer_timeout; resolved)"}}) {
+          std::pair{&net_chunks, "WEFT_NET_CHUNK_BYTES (resolved)"}}) {
         for (int r = 1; r < c.num_ranks; ++r) {
             WEFT_CHECK((*values)[static_cast<size_t>(r)] == (*values)[0],
                        what << " differs across ranks: rank 0 has '" << (*values)[0] << "', rank " << r << " '"
