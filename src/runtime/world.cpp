@@ -269,7 +269,11 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         // Tracing gathers every rank's events at shutdown (a collective): on on some ranks only, it would stall it;
         // its buffer size too (a value one rank refuses after this exchange would leave the others waiting).
         {"trace", trace_setting_for_agreement()},
-        {"net_chunk", net_chunk_setting_for_agreement()}};
+        {"net_chunk", net_chunk_setting_for_agreement()},
+        // Each rank beats at its own period and judges its peers by its own bound: a peer beating slower than a
+        // watcher's bound allows would be declared dead.
+        {"liveness", std::to_string(c.heartbeat.count()) + " ms heartbeat, " + std::to_string(c.dead_peer.count()) +
+                         " ms dead-peer bound"}};
     if (c.rank == 0) mine["job"] = detail::random_hex_id();
     // On the store the World was given; every later key is under this World's own prefix (below).
     detail::agree_on_world_size(*c.store, c.rank, c.num_ranks, init_timeout);
@@ -286,13 +290,14 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     if (c.rank == 0) c.store->erase(detail::kWorldSizeKey);
     std::vector<uint64_t> heap_requests;
     uint64_t heap_granularity = 0;
-    std::vector<std::string> virtual_nodes, sm_budget_requests, traces, net_chunks;
+    std::vector<std::string> virtual_nodes, sm_budget_requests, traces, net_chunks, liveness;
     for (int r = 0; r < c.num_ranks; ++r) {
         auto fields = decode_fields(blobs[static_cast<size_t>(r)], r);
         virtual_nodes.push_back(field(fields, "virtual_nodes", r));
         sm_budget_requests.push_back(field(fields, "sm_budget_request", r));
         traces.push_back(field(fields, "trace", r));
         net_chunks.push_back(field(fields, "net_chunk", r));
+        liveness.push_back(field(fields, "liveness", r));
         detail::RankInfo info;
         info.host = field(fields, "host", r);
         info.pci_bus_id = field(fields, "pci", r);
@@ -328,11 +333,6 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         }
     } startup_failure{c};
     c.starting = true;
-    // The watchdog's view of the store (its own connection where the World can make one), and the World's own
-    // view, whose waits stop once the World is aborted.
-    std::shared_ptr<Store> watchdog_store =
-        setup.connect_watchdog_store ? make_prefix_store(setup.connect_watchdog_store(), world_prefix) : c.store;
-    c.store = detail::make_abortable_store(std::move(c.store), &c);
     if (std::adjacent_find(heap_requests.begin(), heap_requests.end(), std::not_equal_to<>()) != heap_requests.end()) {
         std::map<uint64_t, std::vector<int>> by_size;
         for (int r = 0; r < c.num_ranks; ++r) by_size[heap_requests[static_cast<size_t>(r)]].push_back(r);
@@ -352,13 +352,22 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
          {std::pair{&virtual_nodes, "WEFT_VIRTUAL_NODES (or WorldOptions::virtual_nodes; resolved: 1 = none)"},
           std::pair{&sm_budget_requests, "WEFT_SM_BUDGET (or WorldOptions::sm_budget; empty: unset)"},
           std::pair{&traces, "WEFT_TRACE (set or not) and WEFT_TRACE_EVENTS"},
-          std::pair{&net_chunks, "WEFT_NET_CHUNK_BYTES (resolved)"}}) {
+          std::pair{&net_chunks, "WEFT_NET_CHUNK_BYTES (resolved)"},
+          std::pair{&liveness,
+                    "WEFT_HEARTBEAT_MS and WEFT_DEAD_PEER_MS (or WorldOptions::heartbeat and "
+                    "dead_peer_timeout; resolved)"}}) {
         for (int r = 1; r < c.num_ranks; ++r) {
             WEFT_CHECK((*values)[static_cast<size_t>(r)] == (*values)[0],
                        what << " differs across ranks: rank 0 has '" << (*values)[0] << "', rank " << r << " '"
                             << (*values)[static_cast<size_t>(r)] << "'; set it identically on every rank");
         }
     }
+    // The watchdog's view of the store (its own connection where the World can make one), and the World's own
+    // view, whose waits stop once the World is aborted. Connected only after the checks every rank makes alike: a
+    // rank 0 that refused first would take its store away while a slower rank still connected (until the timeout).
+    std::shared_ptr<Store> watchdog_store =
+        setup.connect_watchdog_store ? make_prefix_store(setup.connect_watchdog_store(), world_prefix) : c.store;
+    c.store = detail::make_abortable_store(std::move(c.store), &c);
 
     // Ranks that share this node (host, or virtual node: node_topology.hpp), this host, and this GPU (same host and
     // PCI bus id).

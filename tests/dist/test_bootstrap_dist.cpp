@@ -4,6 +4,8 @@
 // in-process store shared by threads.
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -63,6 +65,20 @@ TEST(DistBootstrap, SettingsThatDifferAcrossRanksFailEveryRankNamingTheVariable)
         ::unsetenv("WEFT_NET_CHUNK_BYTES");
     }
     EXPECT_NE(error.find("WEFT_NET_CHUNK_BYTES"), std::string::npos) << error;
+    EXPECT_NE(error.find("differs across ranks"), std::string::npos) << error;
+    w.barrier();
+
+    // A heartbeat slower on one rank than its peers' dead-peer bound allows would get it declared dead.
+    WorldOptions options = test::test_options(32ull << 20);
+    options.heartbeat = std::chrono::milliseconds(w.rank() == 0 ? 1000 : 2000);
+    options.dead_peer_timeout = std::chrono::milliseconds(10000);
+    error.clear();
+    try {
+        auto other = World::from_env(options);
+    } catch (const Error& e) {
+        error = e.what();
+    }
+    EXPECT_NE(error.find("WEFT_HEARTBEAT_MS and WEFT_DEAD_PEER_MS"), std::string::npos) << error;
     EXPECT_NE(error.find("differs across ranks"), std::string::npos) << error;
     w.barrier();
 }
