@@ -173,8 +173,8 @@ public:
     /// Aborts the World: sets this rank's abort word (every device wait of this rank stops within about 17 ms and its
     /// kernel ends: a wait reads the word once every ~16 ms of its backoff, kSpinAbortPollNs), makes the World's later
     /// store waits fail, and tells every other rank through the store (their watchdogs set theirs at their next beat).
-    /// `reason` appears in every rank's error. Any thread of this process may call it; idempotent (the first reason
-    /// stays).
+    /// `reason` appears in every rank's error. Any thread of this process may call it while the World is alive (not
+    /// beside its destruction); idempotent (the first reason stays).
     void abort(const std::string& reason);
     /// True once the World was aborted (by abort(), a peer, a dead peer or a device wait), until clear_diagnostics.
     bool aborted() const;
