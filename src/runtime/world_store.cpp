@@ -50,9 +50,20 @@ std::unique_ptr<World> World::from_store(std::shared_ptr<Store> store, const Wor
     setup.rank = m.rank;
     setup.num_ranks = m.num_ranks;
     setup.store = make_prefix_store(std::move(store), m.key_prefix);
-    // Processes start seconds apart: the same start-up allowance as the World's own exchanges.
-    const detail::Placement placement = detail::exchange_placement(
-        *setup.store, "weft/placement", m.rank, m.num_ranks, std::max(timeout, std::chrono::milliseconds(60000)));
+    // Processes start seconds apart: the same start-up allowance as the World's own exchanges. The sizes first: a
+    // rank given another num_ranks than rank 0 fails at once naming both (the placement exchange below would
+    // otherwise meet a World of other ranks, or wait for a rank that never comes); World::World checks them again.
+    const auto start_timeout = std::max(timeout, std::chrono::milliseconds(60000));
+    detail::agree_on_world_size(*setup.store, m.rank, m.num_ranks, start_timeout);
+    detail::Placement placement;
+    try {
+        placement = detail::exchange_placement(*setup.store, "weft/placement", m.rank, m.num_ranks, start_timeout);
+    } catch (const std::exception& e) {
+        // A rank that disagreed on the size has left a note: that, not its absence, is the cause.
+        const std::string disagreement = detail::world_size_disagreement(*setup.store, m.num_ranks);
+        if (disagreement.empty()) throw;
+        WEFT_FAIL("rank " << m.rank << ": " << disagreement << " [" << e.what() << "]");
+    }
     setup.local_rank = local_given ? m.local_rank : placement.local_rank;
     setup.local_num_ranks = local_given ? m.local_num_ranks : placement.local_num_ranks;
     setup.device_hint = setup.local_rank;
