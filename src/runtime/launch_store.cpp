@@ -3,6 +3,7 @@
 #include "weft/detail/launch_store.hpp"
 
 #include <netdb.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -117,6 +118,25 @@ RendezvousOptions launch_store_options(const LaunchEnv& env, const LaunchStoreAd
 
 }  // namespace
 
+void make_room_for_connections(RendezvousOptions& options, int num_ranks) {
+    const auto needed = static_cast<rlim_t>(2 * static_cast<int64_t>(num_ranks) + 256);
+    options.max_connections = std::max(options.max_connections, 2 * num_ranks + 64);
+    rlimit lim{};
+    if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY || lim.rlim_cur >= needed) return;
+    rlimit raised = lim;
+    raised.rlim_cur = lim.rlim_max == RLIM_INFINITY ? needed : std::min(needed, lim.rlim_max);
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) {
+        WEFT_LOG_INFO("rendezvous: raised the soft limit on open files from "
+                      << lim.rlim_cur << " to " << raised.rlim_cur << " for " << num_ranks << " ranks' connections");
+    }
+    if (raised.rlim_cur < needed) {
+        WEFT_LOG_WARN("rendezvous: rank 0's limit on open files (" << lim.rlim_max << ") is below the " << needed
+                                                                   << " that " << num_ranks
+                                                                   << " ranks' connections need (two each): raise it "
+                                                                      "(ulimit -n) or the last ranks cannot connect");
+    }
+}
+
 std::unique_ptr<Store> connect_launch_store(const LaunchEnv& env, uint64_t world_index, milliseconds timeout) {
     const LaunchStoreAddress where = launch_store_address(env, static_cast<uint32_t>(::geteuid()), world_index);
     return connect_tcp_store(launch_store_options(env, where, timeout));
@@ -137,6 +157,7 @@ std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_in
             if (options.unix_socket.empty() && !is_loopback_name(options.host)) {
                 options.host = wildcard_like(options.host);
             }
+            make_room_for_connections(options, env.num_ranks);
             std::unique_ptr<Store> store = make_tcp_store(options);
             store->set(kWorldIdKey, world_id);
             return store;

@@ -9,6 +9,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -523,6 +524,26 @@ TEST(LaunchStore, ProcessesOfATorchrunOrSrunJob) {
                 << kind << ": rank " << r << " output:\n" << output;
         }
     }
+}
+
+TEST(LaunchStore, RankZeroMakesRoomForTwoConnectionsPerRank) {
+    // A soft limit on open files below what 400 ranks' connections need (2 x 400 + 256) is raised toward the hard
+    // limit; the server's connection cap follows the World's size.
+    rlimit before{};
+    ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &before), 0);
+    if (before.rlim_max != RLIM_INFINITY && before.rlim_max < 1056) GTEST_SKIP() << "hard limit " << before.rlim_max;
+    rlimit low = before;
+    low.rlim_cur = 512;
+    ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+    RendezvousOptions options;
+    detail::make_room_for_connections(options, 400);
+    rlimit after{};
+    ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &after), 0);
+    EXPECT_GE(after.rlim_cur, 1056u);
+    EXPECT_EQ(options.max_connections, 4096) << "4096 already holds 400 ranks";
+    detail::make_room_for_connections(options, 3000);
+    EXPECT_EQ(options.max_connections, 6064);
+    ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &before), 0);
 }
 
 }  // namespace

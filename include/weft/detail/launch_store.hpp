@@ -9,6 +9,7 @@
 #include <string>
 
 #include "weft/runtime/launch_env.hpp"
+#include "weft/runtime/rendezvous.hpp"
 #include "weft/runtime/store.hpp"
 
 namespace weft::detail {
@@ -53,5 +54,10 @@ std::unique_ptr<Store> connect_launch_store(const LaunchEnv& env, uint64_t world
 
 /// The index of the next World this process creates with World::from_env: 0, 1, 2 ... (thread-safe).
 uint64_t next_launch_world_index();
+
+/// Rank 0's store takes two connections per rank (the rank's own and its watchdog's): raises the soft limit on open
+/// files toward the hard one where it would not hold 2 * num_ranks + 256 (warning when the hard one does not either),
+/// and options.max_connections to at least 2 * num_ranks + 64.
+void make_room_for_connections(RendezvousOptions& options, int num_ranks);
 
 }  // namespace weft::detail
