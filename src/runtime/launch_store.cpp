@@ -2,7 +2,9 @@
 // The store of a launched job: an abstract Unix socket on one host, TCP on a derived port across hosts.
 #include "weft/detail/launch_store.hpp"
 
+#include <ifaddrs.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -10,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <thread>
 
 #include "runtime_internal.hpp"
@@ -95,6 +98,34 @@ std::string wildcard_like(const std::string& host) {
     return family == AF_INET6 ? "::" : "0.0.0.0";
 }
 
+// Whether `host` resolves to an address of this host (loopback, or an interface's); true when it does not resolve
+// (the server names that failure).
+bool names_this_host(const std::string& host) {
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* list = nullptr;
+    if (::getaddrinfo(host.c_str(), nullptr, &hints, &list) != 0 || list == nullptr) return true;
+    ifaddrs* interfaces = nullptr;
+    if (::getifaddrs(&interfaces) != 0) interfaces = nullptr;
+    bool found = interfaces == nullptr;  // nothing to compare with: assume so
+    for (addrinfo* a = list; a != nullptr && !found; a = a->ai_next) {
+        for (ifaddrs* i = interfaces; i != nullptr && !found; i = i->ifa_next) {
+            if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != a->ai_family) continue;
+            if (a->ai_family == AF_INET) {
+                found = std::memcmp(&reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr,
+                                    &reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr, sizeof(in_addr)) == 0;
+            } else if (a->ai_family == AF_INET6) {
+                found =
+                    std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a->ai_addr)->sin6_addr,
+                                &reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr, sizeof(in6_addr)) == 0;
+            }
+        }
+    }
+    if (interfaces != nullptr) ::freeifaddrs(interfaces);
+    ::freeaddrinfo(list);
+    return found;
+}
+
 RendezvousOptions launch_store_options(const LaunchEnv& env, const LaunchStoreAddress& where, milliseconds timeout) {
     // Across hosts the store listens on a network address, which needs the job's secret: every rank says so at once
     // (rank 0's store would refuse to listen without it, and the others would wait for it until the timeout).
@@ -129,9 +160,11 @@ void make_room_for_connections(RendezvousOptions& options, int num_ranks) {
         WEFT_LOG_INFO("rendezvous: raised the soft limit on open files from "
                       << lim.rlim_cur << " to " << raised.rlim_cur << " for " << num_ranks << " ranks' connections");
     }
-    if (raised.rlim_cur < needed) {
-        WEFT_LOG_WARN("rendezvous: rank 0's limit on open files (" << lim.rlim_max << ") is below the " << needed
-                                                                   << " that " << num_ranks
+    rlimit now{};
+    if (::getrlimit(RLIMIT_NOFILE, &now) == 0 && now.rlim_cur != RLIM_INFINITY && now.rlim_cur < needed) {
+        WEFT_LOG_WARN("rendezvous: rank 0's limit on open files (" << now.rlim_cur << ", hard " << now.rlim_max
+                                                                   << ") is below the " << needed << " that "
+                                                                   << num_ranks
                                                                    << " ranks' connections need (two each): raise it "
                                                                       "(ulimit -n) or the last ranks cannot connect");
     }
@@ -155,6 +188,13 @@ std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_in
             // MASTER_ADDR is where the others connect, and on rank 0's own host it may resolve to an address they
             // cannot reach (a host name that /etc/hosts maps to 127.0.1.1, a service address in front of it).
             if (options.unix_socket.empty() && !is_loopback_name(options.host)) {
+                if (!names_this_host(options.host)) {
+                    WEFT_LOG_WARN("rendezvous: MASTER_ADDR '"
+                                  << options.host
+                                  << "' is not an address of rank 0's host: rank 0 listens on every interface, but "
+                                     "the other ranks connect to MASTER_ADDR, which is right only where it forwards "
+                                     "to this host (a service or NAT address); else set it to rank 0's host");
+                }
                 options.host = wildcard_like(options.host);
             }
             make_room_for_connections(options, env.num_ranks);

@@ -277,6 +277,18 @@ TEST(LaunchStore, AcrossHostsRankZeroListensOnEveryInterface) {
         auto store = detail::make_launch_store(env, 0, milliseconds(20000));
         store->barrier("wildcard/up", r, 4, milliseconds(20000));
         if (r == 0) {
+            // Loopback too: a listener bound to the NIC address the name resolves to (a container's /etc/hosts)
+            // would refuse it.
+            sockaddr_in lo{};
+            lo.sin_family = AF_INET;
+            lo.sin_port = htons(static_cast<uint16_t>(store_port));
+            lo.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+            const int lo_fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+            const int lo_rc = ::connect(lo_fd, reinterpret_cast<const sockaddr*>(&lo), sizeof(lo));
+            const int lo_err = errno;
+            ::close(lo_fd);
+            WEFT_CHECK(lo_rc == 0, "the store on port " << store_port << " refused a connection to 127.0.0.1: "
+                                                        << std::strerror(lo_err));
             ifaddrs* list = nullptr;
             if (::getifaddrs(&list) == 0) {
                 for (ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
