@@ -679,7 +679,7 @@ void HostBackend::wait_arrived(cudaStream_t stream, int chunk) {
 // under), and the abort waits for the steps inside NCCL to leave it; but it ends a call blocked on an absent peer from
 // the watcher's thread after a short wait (NCCL documents that for non-blocking communicators; this one is blocking).
 uint64_t HostBackend::begin_step(const char* what) {
-    std::unique_lock<std::mutex> lock(impl_->mutex);  // the watcher aborts an idle communicator under it
+    std::unique_lock<std::mutex> lock(impl_->mutex);  // abort_nccl marks the communicator aborted under it
     if (impl_->aborted.load()) {
         lock.unlock();
         const std::string text = "network backend: the NCCL communicator of " + impl_->who +

@@ -2,6 +2,7 @@
 #include "abort_mark.hpp"
 
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
 #include "weft/runtime/world.hpp"
 
 namespace weft::ops::detail {
@@ -14,6 +15,15 @@ void AbortMark::check(const World& world, const char* what, const char* remedy) 
                     << "), and clear_diagnostics does not repair its device state: a wait that gave up may have left "
                        "its flags and epochs out of step across ranks; "
                     << remedy);
+}
+
+void log_failed_release(const World& world, const char* what, const std::exception& e) noexcept {
+    if (world.aborted()) {
+        WEFT_LOG_INFO("the World was aborted: " << what
+                                                << "'s symmetric memory stays in its heap until it is destroyed");
+    } else {
+        WEFT_LOG_ERROR("releasing " << what << "'s symmetric memory failed: " << e.what());
+    }
 }
 
 }  // namespace weft::ops::detail

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 
 namespace weft {
 class World;
@@ -21,5 +22,10 @@ struct AbortMark {
     /// abort was cleared since note().
     void check(const World& world, const char* what, const char* remedy) const;
 };
+
+/// Logs a failed release of `what`'s symmetric memory (a collective heap free in a destructor): at INFO when the World
+/// was aborted (every store wait then fails at once; the memory goes with the World's heap, and the abort was reported
+/// already), else as an ERROR with `e`.
+void log_failed_release(const World& world, const char* what, const std::exception& e) noexcept;
 
 }  // namespace weft::ops::detail

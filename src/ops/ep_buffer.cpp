@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "abort_mark.hpp"
 #include "member_records.hpp"
 #include "weft/detail/host_mapped_pool.hpp"
 #include "weft/runtime/error.hpp"
@@ -332,13 +333,7 @@ Buffer::~Buffer() {
     try {
         if (b.symmetric != nullptr) b.world->heap().free(b.team, b.symmetric);
     } catch (const std::exception& e) {
-        if (b.world->aborted()) {  // every store wait fails at once; the heap goes with the World
-            WEFT_LOG_INFO(
-                "ep: the World was aborted: the Buffer's symmetric memory stays in its heap until it is "
-                "destroyed");
-        } else {
-            WEFT_LOG_ERROR("ep: releasing the Buffer failed: " << e.what());
-        }
+        ops::detail::log_failed_release(*b.world, "an ep::Buffer", e);
     }
     b.release_private();
 }

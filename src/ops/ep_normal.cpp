@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
 // weft::ops::ep normal mode: NormalHandle, and the layout, dispatch and combine launches.
+#include "abort_mark.hpp"
 #include "collective_workspace.hpp"
 #include "ep_buffer.hpp"
 #include "views_overlap.hpp"
@@ -24,13 +25,7 @@ NormalHandle::Impl::~Impl() {
         buffer->uses.wait_all();  // no kernel of this Buffer still reads the handle's buffers here
         if (symmetric != nullptr) buffer->world->heap().free(buffer->team, symmetric);
     } catch (const std::exception& e) {
-        if (buffer->world->aborted()) {  // every store wait fails at once; the heap goes with the World
-            WEFT_LOG_INFO(
-                "ep: the World was aborted: a NormalHandle's symmetric block stays in its heap until it is "
-                "destroyed");
-        } else {
-            WEFT_LOG_ERROR("ep: freeing a NormalHandle's symmetric block failed: " << e.what());
-        }
+        ops::detail::log_failed_release(*buffer->world, "an ep::NormalHandle", e);
     }
     try {  // the private buffers, also after an abort
         if (exchange != nullptr) {

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "abort_mark.hpp"
 #include "weft/common/net_call_check.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/tp_aot.hpp"
@@ -222,15 +223,9 @@ void SymmetricAllocations::free_all() noexcept {
             for (auto it = ptrs_.rbegin(); it != ptrs_.rend(); ++it) heap.free(team_, *it);
         }
     } catch (const std::exception& e) {
-        // An aborted World fails every store wait at once (the release is still attempted, so that every member's
-        // exchange sequence stays in step); its heap goes with it, and the abort was reported already.
-        if (team_.world().aborted()) {
-            WEFT_LOG_INFO(
-                "tp ops: the World was aborted: this op's symmetric buffers stay in its heap until it is "
-                "destroyed");
-        } else {
-            WEFT_LOG_ERROR("tp ops: releasing symmetric buffers failed: " << e.what());
-        }
+        // Attempted also after an abort (it fails at once there), so that every member's exchange sequence stays in
+        // step.
+        ops::detail::log_failed_release(team_.world(), "a tp op", e);
     }
     ptrs_.clear();
     if (private_stream_ != nullptr) {

@@ -12,7 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <cstring>
+#include <optional>
 #include <thread>
 
 #include "runtime_internal.hpp"
@@ -86,44 +86,47 @@ LaunchStoreAddress launch_store_address(const LaunchEnv& env, uint32_t uid, uint
 
 namespace {
 
-// The wildcard address of the family `host` resolves to ("::" or "0.0.0.0"), or `host` itself when it does not
-// resolve (the server then names the failure).
-std::string wildcard_like(const std::string& host) {
+// Where rank 0 listens across hosts: the wildcard address of the family `host` resolves to ("::" or "0.0.0.0"), and
+// whether `host` names this host (loopback, or an interface's address). nullopt when `host` does not resolve (the
+// server then names the failure).
+struct ListenAddress {
+    std::string wildcard;
+    bool this_host = true;
+};
+std::optional<ListenAddress> listen_address_for(const std::string& host) {
     addrinfo hints{};
     hints.ai_socktype = SOCK_STREAM;
     addrinfo* list = nullptr;
-    if (::getaddrinfo(host.c_str(), nullptr, &hints, &list) != 0 || list == nullptr) return host;
-    const int family = list->ai_family;
-    ::freeaddrinfo(list);
-    return family == AF_INET6 ? "::" : "0.0.0.0";
-}
-
-// Whether `host` resolves to an address of this host (loopback, or an interface's); true when it does not resolve
-// (the server names that failure).
-bool names_this_host(const std::string& host) {
-    addrinfo hints{};
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* list = nullptr;
-    if (::getaddrinfo(host.c_str(), nullptr, &hints, &list) != 0 || list == nullptr) return true;
+    if (::getaddrinfo(host.c_str(), nullptr, &hints, &list) != 0 || list == nullptr) return std::nullopt;
+    ListenAddress where;
+    where.wildcard = list->ai_family == AF_INET6 ? "::" : "0.0.0.0";
     ifaddrs* interfaces = nullptr;
-    if (::getifaddrs(&interfaces) != 0) interfaces = nullptr;
-    bool found = interfaces == nullptr;  // nothing to compare with: assume so
-    for (addrinfo* a = list; a != nullptr && !found; a = a->ai_next) {
-        for (ifaddrs* i = interfaces; i != nullptr && !found; i = i->ifa_next) {
-            if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != a->ai_family) continue;
-            if (a->ai_family == AF_INET) {
-                found = std::memcmp(&reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr,
-                                    &reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr, sizeof(in_addr)) == 0;
-            } else if (a->ai_family == AF_INET6) {
-                found =
-                    std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a->ai_addr)->sin6_addr,
-                                &reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr, sizeof(in6_addr)) == 0;
+    if (::getifaddrs(&interfaces) == 0) {
+        // The address bytes of an IPv4 or IPv6 socket address (empty for another family).
+        const auto bytes = [](const sockaddr* sa) -> std::string {
+            if (sa->sa_family == AF_INET) {
+                const auto& a = reinterpret_cast<const sockaddr_in*>(sa)->sin_addr;
+                return std::string(reinterpret_cast<const char*>(&a), sizeof(a));
+            }
+            if (sa->sa_family == AF_INET6) {
+                const auto& a = reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr;
+                return std::string(reinterpret_cast<const char*>(&a), sizeof(a));
+            }
+            return {};
+        };
+        bool found = false;
+        for (addrinfo* a = list; a != nullptr && !found; a = a->ai_next) {
+            const std::string mine = bytes(a->ai_addr);
+            for (ifaddrs* i = interfaces; i != nullptr && !found; i = i->ifa_next) {
+                found = i->ifa_addr != nullptr && i->ifa_addr->sa_family == a->ai_family && !mine.empty() &&
+                        bytes(i->ifa_addr) == mine;
             }
         }
-    }
-    if (interfaces != nullptr) ::freeifaddrs(interfaces);
+        where.this_host = found;
+        ::freeifaddrs(interfaces);
+    }  // else nothing to compare with: taken as this host's
     ::freeaddrinfo(list);
-    return found;
+    return where;
 }
 
 RendezvousOptions launch_store_options(const LaunchEnv& env, const LaunchStoreAddress& where, milliseconds timeout) {
@@ -188,14 +191,17 @@ std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_in
             // MASTER_ADDR is where the others connect, and on rank 0's own host it may resolve to an address they
             // cannot reach (a host name that /etc/hosts maps to 127.0.1.1, a service address in front of it).
             if (options.unix_socket.empty() && !is_loopback_name(options.host)) {
-                if (!names_this_host(options.host)) {
-                    WEFT_LOG_WARN("rendezvous: MASTER_ADDR '"
-                                  << options.host
-                                  << "' is not an address of rank 0's host: rank 0 listens on every interface, but "
-                                     "the other ranks connect to MASTER_ADDR, which is right only where it forwards "
-                                     "to this host (a service or NAT address); else set it to rank 0's host");
+                if (const std::optional<ListenAddress> listen = listen_address_for(options.host)) {
+                    if (!listen->this_host) {
+                        WEFT_LOG_WARN("rendezvous: MASTER_ADDR '"
+                                      << options.host
+                                      << "' is not an address of rank 0's host: rank 0 listens on every interface, "
+                                         "but the other ranks connect to MASTER_ADDR, which is right only where it "
+                                         "forwards to this host (a service or NAT address); else set it to rank 0's "
+                                         "host");
+                    }
+                    options.host = listen->wildcard;
                 }
-                options.host = wildcard_like(options.host);
             }
             make_room_for_connections(options, env.num_ranks);
             std::unique_ptr<Store> store = make_tcp_store(options);

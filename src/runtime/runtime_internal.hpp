@@ -20,6 +20,7 @@
 #include "weft/common/diagnostics.hpp"
 #include "weft/detail/node_topology.hpp"
 #include "weft/detail/team_math.hpp"
+#include "weft/runtime/error.hpp"
 #include "weft/runtime/store.hpp"
 #include "weft/runtime/symmetric_heap.hpp"
 #include "weft/runtime/team.hpp"
@@ -51,6 +52,19 @@ void agree_on_world_size(Store& store, int rank, int num_ranks, std::chrono::mil
 /// What a rank that disagreed on the size left for the others (agree_on_world_size), naming it and both sizes; ""
 /// when none did (or the store cannot say).
 std::string world_size_disagreement(Store& store, int num_ranks);
+/// Runs a start-up exchange of every rank (after agree_on_world_size); when it fails and a rank that disagreed on the
+/// size left its note, throws that instead (naming `rank`, the exchange's own error appended): that, not the rank's
+/// absence, is the cause.
+template <class Exchange>
+auto start_exchange(Store& store, int rank, int num_ranks, Exchange&& exchange) -> decltype(exchange()) {
+    try {
+        return exchange();
+    } catch (const std::exception& e) {
+        const std::string disagreement = world_size_disagreement(store, num_ranks);
+        if (disagreement.empty()) throw;
+        WEFT_FAIL("rank " << rank << ": " << disagreement << " [" << e.what() << "]");
+    }
+}
 
 /// Milliseconds left until `deadline` (at least 1, so that a final check still happens).
 std::chrono::milliseconds remaining_ms(std::chrono::steady_clock::time_point deadline);

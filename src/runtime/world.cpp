@@ -277,15 +277,9 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     if (c.rank == 0) mine["job"] = detail::random_hex_id();
     // On the store the World was given; every later key is under this World's own prefix (below).
     detail::agree_on_world_size(*c.store, c.rank, c.num_ranks, init_timeout);
-    std::vector<Bytes> blobs;
-    try {
-        blobs = c.store->all_gather("weft/init", c.rank, c.num_ranks, encode_fields(mine), init_timeout);
-    } catch (const std::exception& e) {
-        // A rank that disagreed on the size has left a note: that, not its absence, is the cause.
-        const std::string disagreement = detail::world_size_disagreement(*c.store, c.num_ranks);
-        if (disagreement.empty()) throw;
-        WEFT_FAIL("rank " << c.rank << ": " << disagreement << " [" << e.what() << "]");
-    }
+    const std::vector<Bytes> blobs = detail::start_exchange(*c.store, c.rank, c.num_ranks, [&] {
+        return c.store->all_gather("weft/init", c.rank, c.num_ranks, encode_fields(mine), init_timeout);
+    });
     // Every rank has read the size (each set its record after): the next World on this store sets its own.
     if (c.rank == 0) c.store->erase(detail::kWorldSizeKey);
     std::vector<uint64_t> heap_requests;

@@ -55,15 +55,9 @@ std::unique_ptr<World> World::from_store(std::shared_ptr<Store> store, const Wor
     // otherwise meet a World of other ranks, or wait for a rank that never comes); World::World checks them again.
     const auto start_timeout = std::max(timeout, std::chrono::milliseconds(60000));
     detail::agree_on_world_size(*setup.store, m.rank, m.num_ranks, start_timeout);
-    detail::Placement placement;
-    try {
-        placement = detail::exchange_placement(*setup.store, "weft/placement", m.rank, m.num_ranks, start_timeout);
-    } catch (const std::exception& e) {
-        // A rank that disagreed on the size has left a note: that, not its absence, is the cause.
-        const std::string disagreement = detail::world_size_disagreement(*setup.store, m.num_ranks);
-        if (disagreement.empty()) throw;
-        WEFT_FAIL("rank " << m.rank << ": " << disagreement << " [" << e.what() << "]");
-    }
+    const detail::Placement placement = detail::start_exchange(*setup.store, m.rank, m.num_ranks, [&] {
+        return detail::exchange_placement(*setup.store, "weft/placement", m.rank, m.num_ranks, start_timeout);
+    });
     setup.local_rank = local_given ? m.local_rank : placement.local_rank;
     setup.local_num_ranks = local_given ? m.local_num_ranks : placement.local_num_ranks;
     setup.device_hint = setup.local_rank;
