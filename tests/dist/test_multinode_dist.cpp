@@ -38,6 +38,12 @@
 #include "weft/weft.hpp"
 
 namespace weft::test {
+
+std::string why_no_network_across_nodes(const World& w) {
+    if (w.num_nodes() < 2) return "one node (set WEFT_VIRTUAL_NODES)";
+    return net::nccl_unavailable_reason();
+}
+
 namespace {
 
 // Small chunks, so that every size above a few KiB runs the pipeline over several chunks; small staging for the
@@ -48,12 +54,6 @@ void set_test_environment() {
 }
 
 bool spans_nodes(const World& w) { return w.num_nodes() > 1; }
-
-// Why a test of the network path cannot run here ("" when it can): one node, or no NCCL.
-std::string why_no_network_across_nodes(const World& w) {
-    if (!spans_nodes(w)) return "one node (set WEFT_VIRTUAL_NODES)";
-    return net::nccl_unavailable_reason();
-}
 
 struct Buffers {
     cudaStream_t stream = nullptr;

@@ -139,12 +139,6 @@ std::string replay_command(const World& w, const char* test) {
     return os.str();
 }
 
-/// Why these tests cannot run here ("" when they can): one node, or no NCCL.
-std::string why_not_across_nodes(const World& w) {
-    if (w.num_nodes() < 2) return "one node (set WEFT_VIRTUAL_NODES)";
-    return net::nccl_unavailable_reason();
-}
-
 /// A test's own World (collective): a 60 s timeout, `heap` bytes of symmetric heap.
 std::unique_ptr<World> fuzz_world(uint64_t heap) {
     WorldOptions options;
@@ -173,7 +167,7 @@ bool agree_to_stop(World& w, const FuzzRun& run, int64_t i, bool failed) {
 
 TEST(MultiNodeFuzz, CollectivesAndAllToAll) {
     World& main_world = dist_world();
-    if (const std::string why = why_not_across_nodes(main_world); !why.empty()) GTEST_SKIP() << why;
+    if (const std::string why = why_no_network_across_nodes(main_world); !why.empty()) GTEST_SKIP() << why;
     const testing::ScopedEnv chunk("WEFT_NET_CHUNK_BYTES", std::to_string(kChunkBytes));
     const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::to_string(kStagingBytes));
     FuzzRun run("MultiNodeCollectives", 15, 100000, 1, "MultiNodeFuzz.CollectivesAndAllToAll",
@@ -243,7 +237,7 @@ TEST(MultiNodeFuzz, CollectivesAndAllToAll) {
 // every output against the one-node reference (the combine bit for bit).
 TEST(MultiNodeFuzz, Ep) {
     World& main_world = dist_world();
-    if (const std::string why = why_not_across_nodes(main_world); !why.empty()) GTEST_SKIP() << why;
+    if (const std::string why = why_no_network_across_nodes(main_world); !why.empty()) GTEST_SKIP() << why;
     const testing::ScopedEnv chunk("WEFT_NET_CHUNK_BYTES", std::to_string(kChunkBytes));
     FuzzRun run("MultiNodeEp", 15, 100000, 1, "MultiNodeFuzz.Ep", replay_command(main_world, "MultiNodeFuzz.Ep"));
 
@@ -314,7 +308,7 @@ TEST(MultiNodeFuzz, Ep) {
 // 6), and the ranks agree on its draw.
 TEST(MultiNodeFuzz, FusedGemm) {
     World& main_world = dist_world();
-    if (const std::string why = why_not_across_nodes(main_world); !why.empty()) GTEST_SKIP() << why;
+    if (const std::string why = why_no_network_across_nodes(main_world); !why.empty()) GTEST_SKIP() << why;
     const testing::ScopedEnv chunk("WEFT_NET_CHUNK_BYTES", std::to_string(kChunkBytes));
     // Small staging regions for GemmAr's collective all-reduce on the node teams.
     const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("4M"));
