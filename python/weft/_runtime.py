@@ -45,6 +45,13 @@ def _torch_distributed():
     return dist
 
 
+def _in_group(dist, group):
+    """Whether this rank is a member of torch process group `group`. A rank outside a torch group holds None or
+    GroupMember.NON_GROUP_MEMBER, whose ranks torch does not know (it may even answer another group's)."""
+    return (group is not None and group is not getattr(dist.GroupMember, "NON_GROUP_MEMBER", object())
+            and dist.get_rank(group) >= 0)
+
+
 def _device_index(device):
     """init's `device` as a CUDA device index (None: the default): an int, "cuda[:N]" or a torch.device of type
     cuda; "cuda" and torch.device("cuda") without an index mean torch's current device."""
@@ -90,11 +97,9 @@ def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
         dist = _torch_distributed()
         if group is not None and dist is None:
             raise ValueError("group: a process group needs torch.distributed to be initialised first")
-        # A rank outside a torch group holds GroupMember.NON_GROUP_MEMBER (whose ranks torch does not know: it may
-        # even answer another group's); a group made with use_local_synchronization=True gives it None instead,
-        # which here means the default group: such a rank must not call init with it (docs/python.md).
-        if group is not None and (group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object())
-                                  or dist.get_rank(group) < 0):
+        # A group made with use_local_synchronization=True is None on the ranks outside it, which here means the
+        # default group: such a rank must not call init with it (docs/python.md).
+        if group is not None and not _in_group(dist, group):
             return None
         if _state is not None:
             if dist is not None and (group is not None or _state.group_ranks is not None):
@@ -253,11 +258,7 @@ class Team:
             if dist is None:
                 raise TypeError("ranks: expected a list of ranks or a torch.distributed process group, got "
                                 f"{type(ranks).__name__}")
-            # A rank outside a torch group holds None or GroupMember.NON_GROUP_MEMBER, whose ranks torch does not know
-            # (it may even answer another group's): such a rank takes part as a non-member.
-            member = (ranks is not None and ranks is not getattr(dist.GroupMember, "NON_GROUP_MEMBER", object())
-                      and dist.get_rank(ranks) >= 0)
-            if member:
+            if _in_group(dist, ranks):  # else this rank takes part as a non-member
                 global_ranks = dist.get_process_group_ranks(ranks)
                 try:
                     ranks = [state.group_ranks.index(r) if state.group_ranks is not None else r for r in global_ranks]
