@@ -129,7 +129,8 @@ std::optional<ListenAddress> listen_address_for(const std::string& host) {
     return where;
 }
 
-RendezvousOptions launch_store_options(const LaunchEnv& env, const LaunchStoreAddress& where, milliseconds timeout) {
+RendezvousOptions launch_store_options(const LaunchEnv& env, const LaunchStoreAddress& where, milliseconds timeout,
+                                       milliseconds reply_timeout) {
     // Across hosts the store listens on a network address, which needs the job's secret: every rank says so at once
     // (rank 0's store would refuse to listen without it, and the others would wait for it until the timeout).
     WEFT_CHECK(!where.unix_socket.empty() || is_loopback_name(where.host) || !env.job_token.empty(),
@@ -142,6 +143,7 @@ RendezvousOptions launch_store_options(const LaunchEnv& env, const LaunchStoreAd
     options.num_ranks = env.num_ranks;
     options.token = env.job_token;
     options.timeout = timeout;
+    options.reply_timeout = reply_timeout;
     options.unix_socket = where.unix_socket;
     if (where.unix_socket.empty()) {
         options.host = where.host;
@@ -173,14 +175,16 @@ void make_room_for_connections(RendezvousOptions& options, int num_ranks) {
     }
 }
 
-std::unique_ptr<Store> connect_launch_store(const LaunchEnv& env, uint64_t world_index, milliseconds timeout) {
+std::unique_ptr<Store> connect_launch_store(const LaunchEnv& env, uint64_t world_index, milliseconds timeout,
+                                            milliseconds reply_timeout) {
     const LaunchStoreAddress where = launch_store_address(env, static_cast<uint32_t>(::geteuid()), world_index);
-    return connect_tcp_store(launch_store_options(env, where, timeout));
+    return connect_tcp_store(launch_store_options(env, where, timeout, reply_timeout));
 }
 
-std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_index, milliseconds timeout) {
+std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_index, milliseconds timeout,
+                                         milliseconds reply_timeout) {
     const LaunchStoreAddress where = launch_store_address(env, static_cast<uint32_t>(::geteuid()), world_index);
-    RendezvousOptions options = launch_store_options(env, where, timeout);
+    RendezvousOptions options = launch_store_options(env, where, timeout, reply_timeout);
     const Bytes world_id(where.world_id.begin(), where.world_id.end());
     WEFT_LOG_DEBUG("rendezvous: " << describe(env, world_index, where));
     const auto deadline = Clock::now() + timeout;

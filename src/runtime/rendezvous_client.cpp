@@ -230,7 +230,7 @@ public:
     ~TcpStoreClient() override { fd_.reset(); }  // before server_ (declared first, destroyed last)
 
     void set(const std::string& key, const Bytes& value) override {
-        Message reply = call(make_set(key, value), Clock::now() + options_.timeout, "set", key);
+        Message reply = call(make_set(key, value), reply_deadline(), "set", key);
         expect(reply, MsgType::kOk, "set", key);
     }
 
@@ -238,9 +238,9 @@ public:
         WEFT_CHECK(timeout.count() >= 0, "store get('" << key << "'): timeout must be >= 0, got " << timeout.count()
                                                        << " ms");
         timeout = std::min(timeout, milliseconds(kMaxWaitMs));
-        // The server answers at `timeout`; the extra options_.timeout only covers a server that stopped.
-        Message reply = call(make_get(key, static_cast<uint64_t>(timeout.count())),
-                             Clock::now() + timeout + options_.timeout, "get", key);
+        // The server answers at `timeout`; the reply bound beyond it only covers a server that stopped.
+        Message reply =
+            call(make_get(key, static_cast<uint64_t>(timeout.count())), reply_deadline() + timeout, "get", key);
         if (reply.type == MsgType::kTimeout) {
             WEFT_FAIL("store get('" << key << "') timed out after " << timeout.count()
                                     << " ms: no rank set the key (rank " << options_.rank << ", store at "
@@ -251,29 +251,32 @@ public:
     }
 
     int64_t add(const std::string& key, int64_t delta) override {
-        Message reply = call(make_add(key, delta), Clock::now() + options_.timeout, "add", key);
+        Message reply = call(make_add(key, delta), reply_deadline(), "add", key);
         expect(reply, MsgType::kOk, "add", key);
         if (reply.value.size() != 8) broken("add", key, "malformed reply: counter of " + std::to_string(reply.value.size()) + " bytes");
         return decode_i64(reply.value);
     }
 
     bool check(const std::string& key) override {
-        Message reply = call(make_check(key), Clock::now() + options_.timeout, "check", key);
+        Message reply = call(make_check(key), reply_deadline(), "check", key);
         expect(reply, MsgType::kOk, "check", key);
         if (reply.value.size() != 1 || reply.value[0] > 1) broken("check", key, "malformed reply to check");
         return reply.value[0] == 1;
     }
 
     void erase(const std::string& key) override {
-        Message reply = call(make_erase(key), Clock::now() + options_.timeout, "erase", key);
+        Message reply = call(make_erase(key), reply_deadline(), "erase", key);
         expect(reply, MsgType::kOk, "erase", key);
     }
 
 private:
     static RendezvousOptions capped(RendezvousOptions o) {
         o.timeout = std::min(o.timeout, milliseconds(kMaxWaitMs));
+        o.reply_timeout = o.reply_timeout.count() > 0 ? std::min(o.reply_timeout, o.timeout) : o.timeout;
         return o;
     }
+
+    Clock::time_point reply_deadline() const { return Clock::now() + options_.reply_timeout; }
 
     /// One request and its reply, serialised with other threads of this process.
     Message call(const Message& request, Clock::time_point deadline, const char* op, const std::string& key) {
@@ -295,6 +298,10 @@ private:
         std::string e = send_all(fd_.get(), frame, deadline);
         Message reply;
         if (e.empty()) e = recv_response(fd_.get(), limits_, deadline, &reply);
+        if (e == "reply timed out") {
+            e += ": nothing came " + std::to_string(options_.reply_timeout.count()) +
+                 " ms past when it was due (the store's host stopped, or the network to it is down)";
+        }
         if (!e.empty()) broken(op, key, e);
         return reply;
     }
@@ -331,6 +338,8 @@ void check_common(const RendezvousOptions& o) {
                "RendezvousOptions.rank must be in [0, num_ranks=" << o.num_ranks << "), got " << o.rank);
     WEFT_CHECK(o.port >= 0 && o.port <= 65535, "RendezvousOptions.port must be in [0, 65535], got " << o.port);
     WEFT_CHECK(o.timeout.count() > 0, "RendezvousOptions.timeout must be positive, got " << o.timeout.count() << " ms");
+    WEFT_CHECK(o.reply_timeout.count() >= 0,
+               "RendezvousOptions.reply_timeout must be >= 0 (0: timeout), got " << o.reply_timeout.count() << " ms");
     // The token travels as the HELLO's key (never printed: it is the job's secret).
     WEFT_CHECK(o.token.size() <= o.max_key_bytes, "RendezvousOptions.token (WEFT_JOB_TOKEN) must be at most "
                                                       << o.max_key_bytes << " bytes, got " << o.token.size());

@@ -8,6 +8,7 @@
 #include "runtime_internal.hpp"
 #include "weft/detail/launch_store.hpp"
 #include "weft/detail/runtime_config.hpp"
+#include "weft/detail/watchdog.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/in_process_store.hpp"
 #include "weft/runtime/launch_env.hpp"
@@ -46,10 +47,15 @@ std::unique_ptr<World> World::from_env(const WorldOptions& options) {
     // Connecting waits for rank 0's store, which starts when its process does: allow at least 30 s.
     const auto timeout = std::max(detail::resolve_timeout(options.timeout, env::get("WEFT_TIMEOUT_MS")),
                                   std::chrono::milliseconds(30000));
-    setup.store = std::shared_ptr<Store>(detail::make_launch_store(*launch, world_index, timeout));
+    // A store call whose reply is later than the dead-peer bound fails: rank 0's host froze or dropped off the
+    // network without closing the connection (a dead rank 0 noticed like any other dead rank, not after `timeout`).
+    const auto heartbeat = detail::resolve_heartbeat(options.heartbeat, env::get("WEFT_HEARTBEAT_MS"));
+    const auto reply_bound =
+        detail::resolve_dead_peer(options.dead_peer_timeout, env::get("WEFT_DEAD_PEER_MS"), heartbeat);
+    setup.store = std::shared_ptr<Store>(detail::make_launch_store(*launch, world_index, timeout, reply_bound));
     // The watchdog's own client: its beats must not queue behind a blocking call of this rank's thread.
-    setup.connect_watchdog_store = [env = *launch, world_index, timeout]() -> std::shared_ptr<Store> {
-        return detail::connect_launch_store(env, world_index, timeout);
+    setup.connect_watchdog_store = [env = *launch, world_index, timeout, reply_bound]() -> std::shared_ptr<Store> {
+        return detail::connect_launch_store(env, world_index, timeout, reply_bound);
     };
     return std::unique_ptr<World>(new World(std::move(setup)));
 }

@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/freezing_proxy.hpp"
 #include "weft/detail/rendezvous_protocol.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/rendezvous.hpp"
@@ -1214,6 +1215,42 @@ TEST(Rendezvous, ServerShutdownFailsPendingGetsPromptly) {
     // Later calls fail at once, saying the connection was lost.
     std::string later = error_of([&] { store->check("a"); });
     EXPECT_TRUE(contains(later, "lost earlier")) << later;
+}
+
+// The store's host freezes or drops off the network (no FIN, no RST): a call fails once its reply is reply_timeout
+// late, not at the 10 s timeout; a get's own wait on a live store does not count against that bound.
+TEST(Rendezvous, AStoreWhoseHostFreezesFailsACallAtTheReplyBound) {
+    TcpStoreServer server(local_options());
+    testing::FreezingProxy proxy(server.port());
+    RendezvousOptions o = local_options();
+    o.port = proxy.port();
+    o.num_ranks = 2;
+    o.rank = 1;
+    o.reply_timeout = milliseconds(300);
+    auto store = connect_tcp_store(o);
+    store->set("a", to_bytes("1"));
+    auto start = Clock::now();
+    const std::string waited = error_of([&] { store->get("never", milliseconds(700)); });
+    EXPECT_GE(Clock::now() - start, milliseconds(700));
+    EXPECT_TRUE(contains(waited, "timed out after 700 ms") && contains(waited, "no rank set the key")) << waited;
+    EXPECT_TRUE(store->check("a")) << "a get's own wait broke the connection";
+
+    proxy.freeze();
+    start = Clock::now();
+    const std::string frozen = error_of([&] { store->set("b", to_bytes("2")); });
+    const auto took = Clock::now() - start;
+    EXPECT_GE(took, milliseconds(250));
+    EXPECT_LT(took, milliseconds(3000)) << "the call waited for the 10 s timeout, not the reply bound";
+    EXPECT_TRUE(contains(frozen, "reply timed out") && contains(frozen, "300 ms past when it was due") &&
+                contains(frozen, "stopped"))
+        << frozen;
+    start = Clock::now();
+    const std::string later = error_of([&] { store->check("a"); });
+    EXPECT_LT(Clock::now() - start, milliseconds(100));
+    EXPECT_TRUE(contains(later, "lost earlier")) << later;
+
+    o.reply_timeout = milliseconds(-1);
+    EXPECT_TRUE(contains(error_of([&] { connect_tcp_store(o); }), "reply_timeout must be >= 0"));
 }
 
 TEST(Rendezvous, ManyConnectionsAtOnce) {

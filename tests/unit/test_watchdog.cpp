@@ -15,10 +15,12 @@
 #include <thread>
 
 #include "../../src/runtime/runtime_internal.hpp"
+#include "support/freezing_proxy.hpp"
 #include "weft/detail/runtime_placement.hpp"
 #include "weft/detail/watchdog.hpp"
 #include "weft/runtime/error.hpp"
 #include "weft/runtime/in_process_store.hpp"
+#include "weft/runtime/rendezvous.hpp"
 
 namespace weft {
 namespace {
@@ -343,6 +345,35 @@ TEST(WatchdogThread, ALostStoreAbortsTheWorld) {
     EXPECT_NE(w0.c.abort_text().find("the store's host went away"), std::string::npos) << w0.c.abort_text();
 }
 
+// The network to the store's host goes silent (the host froze: no FIN, no RST). The watchdog's client has the
+// World's reply bound (World::from_env sets the dead-peer bound), so its next call fails at that bound and the World
+// aborts naming the lost store; an abort published meanwhile on the same connection is not held up for longer.
+TEST(WatchdogThread, AStoreHostThatFreezesAbortsTheWorldAtTheReplyBound) {
+    RendezvousOptions o;
+    o.token = "watchdog-test";
+    o.timeout = 20000ms;
+    TcpStoreServer server(o);
+    testing::FreezingProxy proxy(server.port());
+    o.port = proxy.port();
+    o.num_ranks = 2;
+    o.rank = 1;
+    o.reply_timeout = 400ms;
+    std::shared_ptr<Store> store = connect_tcp_store(o);
+    const auto ranks = ranks_on({"host-a", "host-b"}, {1, 2});
+    FakeWorld w1(1, 2, ranks, 30ms, 60000ms);
+    w1.c.watchdog = std::make_unique<detail::Watchdog>(&w1.c, store);
+    std::this_thread::sleep_for(100ms);
+    ASSERT_EQ(w1.word, 0u);
+    proxy.freeze();
+    const auto start = Clock::now();
+    EXPECT_FALSE(w1.c.watchdog->publish('A', "rank 1 called World::abort")) << "the store is gone";
+    EXPECT_LT(Clock::now() - start, 1500ms) << "the publish waited for more than the reply bound twice";
+    ASSERT_TRUE(wait_until([&] { return w1.word != 0; }, 3000ms)) << "the watchdog never gave up on the store";
+    EXPECT_LT(Clock::now() - start, 3000ms);
+    EXPECT_NE(w1.c.abort_text().find("lost the World's store"), std::string::npos) << w1.c.abort_text();
+    EXPECT_NE(w1.c.abort_text().find("reply timed out"), std::string::npos) << w1.c.abort_text();
+}
+
 // A store whose check() of a heartbeat key stalls for `stall_for` while `stall` is set (a store call that hangs
 // until its own timeout), every other call going straight to an in-process store.
 class StallingStore final : public Store {
@@ -366,7 +397,9 @@ public:
 };
 
 // World::abort on another thread publishes its record while the watchdog thread sits in a store call that hangs:
-// the publish does not wait for that call (no lock is held across store I/O), and a peer reads the record.
+// the watchdog holds no lock of its own across store I/O, so the publish does not wait for that call (a store
+// client that serialises its calls, as the TCP one does, bounds the wait by its reply bound: the test above), and a
+// peer reads the record.
 TEST(WatchdogThread, AnAbortIsPublishedWhileTheWatchdogsStoreCallHangs) {
     auto store = std::make_shared<StallingStore>();
     const auto ranks = ranks_on({"host-a", "host-b"}, {1, 2});

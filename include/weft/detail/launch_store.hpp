@@ -43,14 +43,16 @@ LaunchStoreAddress launch_store_address(const LaunchEnv& env, uint32_t uid, uint
 /// variable beyond what the launchers set; the store's authentication is make_tcp_store's (a job token when
 /// WEFT_JOB_TOKEN is set, else this user only). Throws weft::Error naming the launcher, the job, the World
 /// index and the address.
-std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_index,
-                                         std::chrono::milliseconds timeout);
+/// `reply_timeout` is RendezvousOptions::reply_timeout (0: `timeout`).
+std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_index, std::chrono::milliseconds timeout,
+                                         std::chrono::milliseconds reply_timeout = std::chrono::milliseconds(0));
 
 /// Another client of the store make_launch_store made (or connected to) for the same `env` and `world_index`, on
 /// every rank, rank 0 included (a World's watchdog beats through its own connection). Throws weft::Error when the
 /// store cannot be reached within `timeout`.
 std::unique_ptr<Store> connect_launch_store(const LaunchEnv& env, uint64_t world_index,
-                                            std::chrono::milliseconds timeout);
+                                            std::chrono::milliseconds timeout,
+                                            std::chrono::milliseconds reply_timeout = std::chrono::milliseconds(0));
 
 /// The index of the next World this process creates with World::from_env: 0, 1, 2 ... (thread-safe).
 uint64_t next_launch_world_index();

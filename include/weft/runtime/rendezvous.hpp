@@ -38,6 +38,10 @@ struct RendezvousOptions {
     int num_ranks = 1;
     std::string token;                        ///< job token; required when `host` is not a loopback address
     std::chrono::milliseconds timeout{30000};  ///< connect (with retries: rank 0 may start late) and each reply
+    /// Non-zero: a reply not back within this much (beyond a get's own wait) means the store stopped (its host
+    /// froze or dropped off the network without closing the connection); the call fails and the connection is
+    /// given up. 0: `timeout`. World::from_env sets the World's dead-peer bound.
+    std::chrono::milliseconds reply_timeout{0};
     // Beyond the API sketch; the defaults suit every launcher.
     uint32_t max_key_bytes = 1024;        ///< longer keys are rejected (error on the client, closed on the server)
     uint32_t max_value_bytes = 64u << 20; ///< larger values are rejected likewise
