@@ -180,33 +180,27 @@ uint64_t parse_u64(const std::string& text, const char* name, int from_rank) {
     return std::stoull(text);
 }
 
-}  // namespace
+/// What a rank finds out on its own before the start-up exchange.
+struct LocalSetup {
+    int num_devices = 0;  ///< visible to this rank
+    int sm_count = 0;
+    std::string pci;  ///< the device's PCI bus id
+    uint64_t granularity = 0;
+    uint64_t heap_request = 0;
+};
 
-World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldContext>()) {
-    ctx_->uncaught_at_creation = std::uncaught_exceptions();
+/// World's construction up to the start-up exchange: the rank's own settings, its device and CUDA context.
+void prepare_local(detail::WorldContext& c, const detail::WorldSetup& setup, LocalSetup& local) {
     check_log_env();
-    detail::WorldContext& c = *ctx_;
-    c.owner = this;
-    WEFT_CHECK(setup.store != nullptr, "World needs a store");
-    WEFT_CHECK(setup.num_ranks >= 1 && setup.rank >= 0 && setup.rank < setup.num_ranks,
-               "World: rank " << setup.rank << " is outside [0, " << setup.num_ranks << ")");
-    c.rank = setup.rank;
-    c.num_ranks = setup.num_ranks;
-    c.local_rank = setup.local_rank;
-    c.local_num_ranks = setup.local_num_ranks;
-    c.same_process = setup.same_process;
-    c.store = std::move(setup.store);
-    set_log_rank(c.rank);
     prepare_cuda_environment();  // before this rank's first CUDA call
     c.timeout = detail::resolve_timeout(setup.options.timeout, env::get("WEFT_TIMEOUT_MS"));
     c.heartbeat = detail::resolve_heartbeat(setup.options.heartbeat, env::get("WEFT_HEARTBEAT_MS"));
-    c.dead_peer = detail::resolve_dead_peer(setup.options.dead_peer_timeout, env::get("WEFT_DEAD_PEER_MS"), c.heartbeat);
-    const auto init_timeout = std::max(c.timeout, kMinInitTimeout);
+    c.dead_peer =
+        detail::resolve_dead_peer(setup.options.dead_peer_timeout, env::get("WEFT_DEAD_PEER_MS"), c.heartbeat);
     c.virtual_nodes =
         detail::resolve_virtual_nodes(setup.options.virtual_nodes, env::get("WEFT_VIRTUAL_NODES"), c.num_ranks);
 
-    // Device binding.
-    int num_devices = 0;
+    int& num_devices = local.num_devices;
     const cudaError_t count_status = cudaGetDeviceCount(&num_devices);
     if (count_status != cudaSuccess) {
         // The runtime says "insufficient driver" also where there is no driver at all: say which.
@@ -245,13 +239,48 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     // Before the start-up exchange: no rank leaves this constructor (and launches an op) until every rank of
     // the process is past the context's first kernel launch.
     detail::launch_first_kernel_of_context(c.stream.get());
-    int sm_count = 0;
-    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, c.device));
+    WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&local.sm_count, cudaDevAttrMultiProcessorCount, c.device));
     char pci[64] = {};
     WEFT_CUDA_CHECK(cudaDeviceGetPCIBusId(pci, sizeof(pci), c.device));
-    const uint64_t granularity = detail::heap_granularity(c.device, !c.same_process);
-    const uint64_t heap_request =
-        detail::resolve_heap_bytes(setup.options.heap_bytes, env::get("WEFT_SYMMETRIC_HEAP_BYTES"), 1);
+    local.pci = pci;
+    local.granularity = detail::heap_granularity(c.device, !c.same_process);
+    local.heap_request = detail::resolve_heap_bytes(setup.options.heap_bytes, env::get("WEFT_SYMMETRIC_HEAP_BYTES"), 1);
+}
+
+}  // namespace
+
+World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldContext>()) {
+    ctx_->uncaught_at_creation = std::uncaught_exceptions();
+    detail::WorldContext& c = *ctx_;
+    c.owner = this;
+    WEFT_CHECK(setup.store != nullptr, "World needs a store");
+    WEFT_CHECK(setup.num_ranks >= 1 && setup.rank >= 0 && setup.rank < setup.num_ranks,
+               "World: rank " << setup.rank << " is outside [0, " << setup.num_ranks << ")");
+    c.rank = setup.rank;
+    c.num_ranks = setup.num_ranks;
+    c.local_rank = setup.local_rank;
+    c.local_num_ranks = setup.local_num_ranks;
+    c.same_process = setup.same_process;
+    c.store = std::move(setup.store);
+    set_log_rank(c.rank);
+
+    // What a rank resolves on its own before the start-up exchange. A rank that refuses here (a malformed setting,
+    // a GPU weft cannot use, a failing CUDA call) still takes part in the exchange, carrying its refusal: every rank
+    // then fails at once naming it, instead of waiting for it until the start-up timeout.
+    std::exception_ptr refused;
+    std::string refusal;
+    LocalSetup local;
+    try {
+        prepare_local(c, setup, local);
+    } catch (const std::exception& e) {
+        refused = std::current_exception();
+        refusal = e.what();
+        if (refusal.rfind("weft: ", 0) == 0) refusal.erase(0, 6);
+        std::replace(refusal.begin(), refusal.end(), '\n', ' ');  // one line of the record
+    }
+    const int sm_count = local.sm_count;
+    const std::string& pci = local.pci;
+    const auto init_timeout = std::max(c.timeout, kMinInitTimeout);
 
     // Start-up exchange: who is where, and what each rank asks for.
     std::map<std::string, std::string> mine{
@@ -260,8 +289,8 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         {"device", std::to_string(c.device)},
         {"pid", std::to_string(::getpid())},
         {"pid_ns", detail::this_process_record().pid_namespace},
-        {"heap_bytes", std::to_string(heap_request)},
-        {"granularity", std::to_string(granularity)},
+        {"heap_bytes", std::to_string(local.heap_request)},
+        {"granularity", std::to_string(local.granularity)},
         // Settings every rank must share (compared below, naming the variable).
         {"virtual_nodes", std::to_string(c.virtual_nodes)},
         {"sm_budget_request", setup.options.sm_budget > 0 ? std::to_string(setup.options.sm_budget)
@@ -273,7 +302,8 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         // Each rank beats at its own period and judges its peers by its own bound: a peer beating slower than a
         // watcher's bound allows would be declared dead.
         {"liveness", std::to_string(c.heartbeat.count()) + " ms heartbeat, " + std::to_string(c.dead_peer.count()) +
-                         " ms dead-peer bound"}};
+                         " ms dead-peer bound"},
+        {"refused", refusal}};
     if (c.rank == 0) mine["job"] = detail::random_hex_id();
     // On the store the World was given; every later key is under this World's own prefix (below).
     detail::agree_on_world_size(*c.store, c.rank, c.num_ranks, init_timeout);
@@ -282,11 +312,32 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     });
     // Every rank has read the size (each set its record after): the next World on this store sets its own.
     if (c.rank == 0) c.store->erase(detail::kWorldSizeKey);
+    // A rank that refused before the exchange: every rank fails now, naming it (it throws its own error).
+    std::vector<std::map<std::string, std::string>> records;
+    std::vector<std::pair<int, std::string>> refusals;
+    for (int r = 0; r < c.num_ranks; ++r) {
+        records.push_back(decode_fields(blobs[static_cast<size_t>(r)], r));
+        if (const std::string& text = field(records.back(), "refused", r); !text.empty())
+            refusals.emplace_back(r, text);
+    }
+    if (refused) std::rethrow_exception(refused);
+    if (!refusals.empty()) {
+        std::ostringstream os;
+        os << "the World cannot start: "
+           << (refusals.size() == 1 ? "a rank" : std::to_string(refusals.size()) + " ranks")
+           << " refused before the start-up exchange (rank " << refusals[0].first << ": " << refusals[0].second << ")";
+        if (refusals.size() > 1) {
+            std::vector<int> ranks;
+            for (const auto& [r, text] : refusals) ranks.push_back(r);
+            os << "; refusing: " << detail::format_rank_list(ranks);
+        }
+        WEFT_FAIL(os.str());
+    }
     std::vector<uint64_t> heap_requests;
     uint64_t heap_granularity = 0;
     std::vector<std::string> virtual_nodes, sm_budget_requests, traces, net_chunks, liveness;
     for (int r = 0; r < c.num_ranks; ++r) {
-        auto fields = decode_fields(blobs[static_cast<size_t>(r)], r);
+        const auto& fields = records[static_cast<size_t>(r)];
         virtual_nodes.push_back(field(fields, "virtual_nodes", r));
         sm_budget_requests.push_back(field(fields, "sm_budget_request", r));
         traces.push_back(field(fields, "trace", r));
@@ -392,7 +443,7 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     const bool first_on_gpu = std::find(gpu_group.begin(), gpu_group.end(), my_gpu) - gpu_group.begin() == c.rank;
     if (const std::string shared =
             detail::shared_gpu_warning(c.same_process, setup.options.device >= 0, first_on_gpu, c.local_rank, c.device,
-                                       c.num_ranks_on_device - 1, num_devices);
+                                       c.num_ranks_on_device - 1, local.num_devices);
         !shared.empty()) {
         WEFT_LOG_WARN(shared);
     }

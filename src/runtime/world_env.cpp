@@ -44,14 +44,19 @@ std::unique_ptr<World> World::from_env(const WorldOptions& options) {
         setup.store = make_in_process_store();
         return std::unique_ptr<World>(new World(std::move(setup)));
     }
-    // Connecting waits for rank 0's store, which starts when its process does: allow at least 30 s.
-    const auto timeout = std::max(detail::resolve_timeout(options.timeout, env::get("WEFT_TIMEOUT_MS")),
-                                  std::chrono::milliseconds(30000));
-    // A store call whose reply is later than the dead-peer bound fails: rank 0's host froze or dropped off the
-    // network without closing the connection (a dead rank 0 noticed like any other dead rank, not after `timeout`).
-    const auto heartbeat = detail::resolve_heartbeat(options.heartbeat, env::get("WEFT_HEARTBEAT_MS"));
-    const auto reply_bound =
-        detail::resolve_dead_peer(options.dead_peer_timeout, env::get("WEFT_DEAD_PEER_MS"), heartbeat);
+    // Connecting waits for rank 0's store, which starts when its process does: allow at least 30 s. A store call
+    // whose reply is later than the dead-peer bound fails: rank 0's host froze or dropped off the network without
+    // closing the connection (a dead rank 0 is noticed like any other dead rank, not after `timeout`).
+    // A setting this rank refuses is refused in the World's start-up exchange, where every rank hears of it: until
+    // then its default stands in.
+    std::chrono::milliseconds timeout = detail::kDefaultTimeout, reply_bound = detail::kDefaultDeadPeer;
+    try {
+        timeout = detail::resolve_timeout(options.timeout, env::get("WEFT_TIMEOUT_MS"));
+        const auto heartbeat = detail::resolve_heartbeat(options.heartbeat, env::get("WEFT_HEARTBEAT_MS"));
+        reply_bound = detail::resolve_dead_peer(options.dead_peer_timeout, env::get("WEFT_DEAD_PEER_MS"), heartbeat);
+    } catch (const Error&) {
+    }
+    timeout = std::max(timeout, std::chrono::milliseconds(30000));
     setup.store = std::shared_ptr<Store>(detail::make_launch_store(*launch, world_index, timeout, reply_bound));
     // The watchdog's own client: its beats must not queue behind a blocking call of this rank's thread.
     setup.connect_watchdog_store = [env = *launch, world_index, timeout, reply_bound]() -> std::shared_ptr<Store> {

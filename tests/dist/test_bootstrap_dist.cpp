@@ -83,6 +83,45 @@ TEST(DistBootstrap, SettingsThatDifferAcrossRanksFailEveryRankNamingTheVariable)
     w.barrier();
 }
 
+TEST(DistBootstrap, ARankThatRefusesBeforeTheExchangeFailsEveryRankAtOnceNamingIt) {
+    // A per-rank refusal before the start-up exchange (an option, a malformed variable): the refusing rank still
+    // takes part in the exchange, so the others fail at once naming it instead of waiting for it until the timeout.
+    World& w = world();
+    const int refusing = w.num_ranks() - 1;
+    const char* before = std::getenv("WEFT_HEARTBEAT_MS");
+    const std::string saved = before != nullptr ? before : "";
+    for (int round = 0; round < 2; ++round) {
+        WorldOptions options = test::test_options(32ull << 20);
+        options.timeout = std::chrono::milliseconds(120000);
+        if (w.rank() == refusing && round == 0) options.device = 4096;
+        if (w.rank() == refusing && round == 1) ::setenv("WEFT_HEARTBEAT_MS", "soon", 1);
+        const auto start = std::chrono::steady_clock::now();
+        std::string error;
+        try {
+            auto other = World::from_env(options);
+        } catch (const Error& e) {
+            error = e.what();
+        }
+        if (before != nullptr) {
+            ::setenv("WEFT_HEARTBEAT_MS", saved.c_str(), 1);
+        } else {
+            ::unsetenv("WEFT_HEARTBEAT_MS");
+        }
+        EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30)) << "waited for the timeout";
+        const std::string what = round == 0 ? "WorldOptions::device" : "WEFT_HEARTBEAT_MS";
+        EXPECT_NE(error.find(what), std::string::npos) << error;
+        if (w.rank() != refusing) {
+            EXPECT_NE(error.find("refused before the start-up exchange (rank " + std::to_string(refusing) + ": "),
+                      std::string::npos)
+                << error;
+        } else {
+            EXPECT_EQ(error.find("refused before the start-up exchange"), std::string::npos)
+                << "its own error: " << error;
+        }
+        w.barrier();
+    }
+}
+
 TEST(DistBootstrap, FromStoreOnAStoreHostedByRankZero) {
     // Rank 0 hosts a store (here weft's own server on an abstract socket; under torch it would be torch's
     // TCPStore), every rank is its client, and two Worlds are built on it one after the other under one prefix.

@@ -6,11 +6,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "weft/common/dtype.hpp"
 #include "weft/runtime/driver.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/in_process_store.hpp"
 #include "weft/runtime/tensor_view.hpp"
 #include "weft/runtime/world.hpp"
 
@@ -183,6 +186,41 @@ TEST(Driver, AWorldWithoutADriverSaysThereIsNone) {
             std::exit(what.find("insufficient") == std::string::npos ? 0 : 1);
         },
         ::testing::ExitedWithCode(0), "no CUDA driver on this machine \\(rank 0\\): a World needs a GPU");
+}
+
+// Ranks that refuse before the start-up exchange still take part in it (so that a refusing rank's peers fail at
+// once naming it): where every rank refuses (no driver here), each ends with its own error, promptly.
+TEST(Driver, RanksThatAllRefuseStillMeetAndEachThrowsItsOwnError) {
+    int driver_version = 0;
+    cudaDriverGetVersion(&driver_version);
+    if (driver_version != 0) GTEST_SKIP() << "a CUDA driver is installed here";
+    EXPECT_EXIT(
+        {
+            auto store = make_in_process_store();
+            std::vector<std::string> errors(3);
+            std::vector<std::thread> ranks;
+            for (int r = 0; r < 3; ++r) {
+                ranks.emplace_back([&, r] {
+                    WorldMembership m;
+                    m.rank = r;
+                    m.num_ranks = 3;
+                    try {
+                        World::from_store(store, m);
+                    } catch (const Error& e) {
+                        errors[static_cast<size_t>(r)] = e.what();
+                    }
+                });
+            }
+            for (auto& t : ranks) t.join();
+            bool own = true;
+            for (int r = 0; r < 3; ++r) {
+                std::fprintf(stderr, "%s\n", errors[static_cast<size_t>(r)].c_str());
+                own = own && errors[static_cast<size_t>(r)].find("no CUDA driver on this machine (rank " +
+                                                                 std::to_string(r) + ")") != std::string::npos;
+            }
+            std::exit(own ? 0 : 1);
+        },
+        ::testing::ExitedWithCode(0), "rank 2");
 }
 
 }  // namespace
