@@ -120,6 +120,8 @@ namespace {
 // Processes of one job start seconds apart (context creation on a shared GPU is slow): the start-up
 // exchanges wait at least this long, whatever WEFT_TIMEOUT_MS says.
 constexpr std::chrono::milliseconds kMinInitTimeout{60000};
+// How long the ranks that refuse a World together wait for each other before throwing.
+constexpr std::chrono::milliseconds kRefusalMeeting{10000};
 
 // A setting as the ranks compare it: `resolve()`'s text, or `refused` when this rank refuses the value (the raw value
 // may hold anything, a newline too).
@@ -312,47 +314,92 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
     });
     // Every rank has read the size (each set its record after): the next World on this store sets its own.
     if (c.rank == 0) c.store->erase(detail::kWorldSizeKey);
-    // A rank that refused before the exchange: every rank fails now, naming it (it throws its own error).
-    std::vector<std::map<std::string, std::string>> records;
-    std::vector<std::pair<int, std::string>> refusals;
-    for (int r = 0; r < c.num_ranks; ++r) {
-        records.push_back(decode_fields(blobs[static_cast<size_t>(r)], r));
-        if (const std::string& text = field(records.back(), "refused", r); !text.empty())
-            refusals.emplace_back(r, text);
-    }
-    if (refused) std::rethrow_exception(refused);
-    if (!refusals.empty()) {
-        std::ostringstream os;
-        os << "the World cannot start: "
-           << (refusals.size() == 1 ? "a rank" : std::to_string(refusals.size()) + " ranks")
-           << " refused before the start-up exchange (rank " << refusals[0].first << ": " << refusals[0].second << ")";
-        if (refusals.size() > 1) {
-            std::vector<int> ranks;
-            for (const auto& [r, text] : refusals) ranks.push_back(r);
-            os << "; refusing: " << detail::format_rank_list(ranks);
-        }
-        WEFT_FAIL(os.str());
-    }
     std::vector<uint64_t> heap_requests;
     uint64_t heap_granularity = 0;
     std::vector<std::string> virtual_nodes, sm_budget_requests, traces, net_chunks, liveness;
-    for (int r = 0; r < c.num_ranks; ++r) {
-        const auto& fields = records[static_cast<size_t>(r)];
-        virtual_nodes.push_back(field(fields, "virtual_nodes", r));
-        sm_budget_requests.push_back(field(fields, "sm_budget_request", r));
-        traces.push_back(field(fields, "trace", r));
-        net_chunks.push_back(field(fields, "net_chunk", r));
-        liveness.push_back(field(fields, "liveness", r));
-        detail::RankInfo info;
-        info.host = field(fields, "host", r);
-        info.pci_bus_id = field(fields, "pci", r);
-        info.device = static_cast<int>(parse_u64(field(fields, "device", r), "device", r));
-        info.pid = static_cast<int64_t>(parse_u64(field(fields, "pid", r), "pid", r));
-        info.pid_namespace = field(fields, "pid_ns", r);
-        c.ranks.push_back(info);
-        heap_requests.push_back(parse_u64(field(fields, "heap_bytes", r), "heap_bytes", r));
-        heap_granularity = std::max(heap_granularity, parse_u64(field(fields, "granularity", r), "granularity", r));
-        if (r == 0) c.job_id = field(fields, "job", 0);
+    uint64_t heap_bytes = 0;
+    // The checks every rank makes alike on the same records, so every rank refuses here together. Before leaving,
+    // they meet (bounded): rank 0's store (from_env's lives in its process) must stay up until every rank has read
+    // every record, or a slower rank would report the closed store rather than the cause.
+    try {
+        // A rank that refused before the exchange: every rank fails now, naming it (it throws its own error).
+        std::vector<std::map<std::string, std::string>> records;
+        std::vector<std::pair<int, std::string>> refusals;
+        for (int r = 0; r < c.num_ranks; ++r) {
+            records.push_back(decode_fields(blobs[static_cast<size_t>(r)], r));
+            if (const std::string& text = field(records.back(), "refused", r); !text.empty())
+                refusals.emplace_back(r, text);
+        }
+        if (refused) std::rethrow_exception(refused);
+        if (!refusals.empty()) {
+            std::ostringstream os;
+            os << "the World cannot start: "
+               << (refusals.size() == 1 ? "a rank" : std::to_string(refusals.size()) + " ranks")
+               << " refused before the start-up exchange (rank " << refusals[0].first << ": " << refusals[0].second
+               << ")";
+            if (refusals.size() > 1) {
+                std::vector<int> ranks;
+                for (const auto& [r, text] : refusals) ranks.push_back(r);
+                os << "; refusing: " << detail::format_rank_list(ranks);
+            }
+            WEFT_FAIL(os.str());
+        }
+        for (int r = 0; r < c.num_ranks; ++r) {
+            const auto& fields = records[static_cast<size_t>(r)];
+            virtual_nodes.push_back(field(fields, "virtual_nodes", r));
+            sm_budget_requests.push_back(field(fields, "sm_budget_request", r));
+            traces.push_back(field(fields, "trace", r));
+            net_chunks.push_back(field(fields, "net_chunk", r));
+            liveness.push_back(field(fields, "liveness", r));
+            detail::RankInfo info;
+            info.host = field(fields, "host", r);
+            info.pci_bus_id = field(fields, "pci", r);
+            info.device = static_cast<int>(parse_u64(field(fields, "device", r), "device", r));
+            info.pid = static_cast<int64_t>(parse_u64(field(fields, "pid", r), "pid", r));
+            info.pid_namespace = field(fields, "pid_ns", r);
+            c.ranks.push_back(info);
+            heap_requests.push_back(parse_u64(field(fields, "heap_bytes", r), "heap_bytes", r));
+            heap_granularity = std::max(heap_granularity, parse_u64(field(fields, "granularity", r), "granularity", r));
+            if (r == 0) c.job_id = field(fields, "job", 0);
+        }
+        if (std::adjacent_find(heap_requests.begin(), heap_requests.end(), std::not_equal_to<>()) !=
+            heap_requests.end()) {
+            std::map<uint64_t, std::vector<int>> by_size;
+            for (int r = 0; r < c.num_ranks; ++r) by_size[heap_requests[static_cast<size_t>(r)]].push_back(r);
+            std::ostringstream os;
+            os << "the symmetric heap size differs across ranks: ";
+            bool first = true;
+            for (const auto& [bytes, ranks] : by_size) {
+                os << (first ? "" : "; ") << detail::format_rank_list(ranks) << " asked "
+                   << detail::format_bytes(bytes);
+                first = false;
+            }
+            os << "; set WEFT_SYMMETRIC_HEAP_BYTES (or WorldOptions::heap_bytes) identically on every rank";
+            WEFT_FAIL(os.str());
+        }
+        heap_bytes = detail::resolve_heap_bytes(heap_requests[0], std::nullopt, heap_granularity);
+        // The node layout and the SM split must be the same on every rank (teams, fused ops' tile counts).
+        for (const auto& [values, what] :
+             {std::pair{&virtual_nodes, "WEFT_VIRTUAL_NODES (or WorldOptions::virtual_nodes; resolved: 1 = none)"},
+              std::pair{&sm_budget_requests, "WEFT_SM_BUDGET (or WorldOptions::sm_budget; empty: unset)"},
+              std::pair{&traces, "WEFT_TRACE (set or not) and WEFT_TRACE_EVENTS"},
+              std::pair{&net_chunks, "WEFT_NET_CHUNK_BYTES (resolved)"},
+              std::pair{&liveness,
+                        "WEFT_HEARTBEAT_MS and WEFT_DEAD_PEER_MS (or WorldOptions::heartbeat and "
+                        "dead_peer_timeout; resolved)"}}) {
+            for (int r = 1; r < c.num_ranks; ++r) {
+                WEFT_CHECK((*values)[static_cast<size_t>(r)] == (*values)[0],
+                           what << " differs across ranks: rank 0 has '" << (*values)[0] << "', rank " << r << " '"
+                                << (*values)[static_cast<size_t>(r)] << "'; set it identically on every rank");
+            }
+        }
+    } catch (...) {
+        try {
+            c.store->barrier("weft/init/refused", c.rank, c.num_ranks, std::min(init_timeout, kRefusalMeeting));
+        } catch (const std::exception& e) {
+            WEFT_LOG_DEBUG("the ranks did not all meet before refusing the World: " << e.what());
+        }
+        throw;
     }
     // Keys private to this World: a store that outlives it (a store of the user's, World::from_store) may carry
     // the next World under the same prefix, and must not see this one's keys (the shutdown's among them).
@@ -378,35 +425,6 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         }
     } startup_failure{c};
     c.starting = true;
-    if (std::adjacent_find(heap_requests.begin(), heap_requests.end(), std::not_equal_to<>()) != heap_requests.end()) {
-        std::map<uint64_t, std::vector<int>> by_size;
-        for (int r = 0; r < c.num_ranks; ++r) by_size[heap_requests[static_cast<size_t>(r)]].push_back(r);
-        std::ostringstream os;
-        os << "the symmetric heap size differs across ranks: ";
-        bool first = true;
-        for (const auto& [bytes, ranks] : by_size) {
-            os << (first ? "" : "; ") << detail::format_rank_list(ranks) << " asked " << detail::format_bytes(bytes);
-            first = false;
-        }
-        os << "; set WEFT_SYMMETRIC_HEAP_BYTES (or WorldOptions::heap_bytes) identically on every rank";
-        WEFT_FAIL(os.str());
-    }
-    const uint64_t heap_bytes = detail::resolve_heap_bytes(heap_requests[0], std::nullopt, heap_granularity);
-    // The node layout and the SM split must be the same on every rank (teams, fused ops' tile counts).
-    for (const auto& [values, what] :
-         {std::pair{&virtual_nodes, "WEFT_VIRTUAL_NODES (or WorldOptions::virtual_nodes; resolved: 1 = none)"},
-          std::pair{&sm_budget_requests, "WEFT_SM_BUDGET (or WorldOptions::sm_budget; empty: unset)"},
-          std::pair{&traces, "WEFT_TRACE (set or not) and WEFT_TRACE_EVENTS"},
-          std::pair{&net_chunks, "WEFT_NET_CHUNK_BYTES (resolved)"},
-          std::pair{&liveness,
-                    "WEFT_HEARTBEAT_MS and WEFT_DEAD_PEER_MS (or WorldOptions::heartbeat and "
-                    "dead_peer_timeout; resolved)"}}) {
-        for (int r = 1; r < c.num_ranks; ++r) {
-            WEFT_CHECK((*values)[static_cast<size_t>(r)] == (*values)[0],
-                       what << " differs across ranks: rank 0 has '" << (*values)[0] << "', rank " << r << " '"
-                            << (*values)[static_cast<size_t>(r)] << "'; set it identically on every rank");
-        }
-    }
     // The watchdog's view of the store (its own connection where the World can make one), and the World's own
     // view, whose waits stop once the World is aborted. Connected only after the checks every rank makes alike: a
     // rank 0 that refused first would take its store away while a slower rank still connected (until the timeout).
