@@ -179,61 +179,68 @@ AgGemm::AgGemm(const Team& team, const AgGemmShape& shape, const AgGemmOptions& 
     World& world = *s.world;
     s.shape = shape;
     s.options = options;
-    validate_ag_gemm_shape(shape, s.num_ranks, options);
-    tp_detail::check_sm_budget_share(world, options.sm_budget, kOp);
-    s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
-    // NOTE: ranks sharing a GPU keep one SM of their share free of the persistent GEMM, for the helpers of the copy
-    // path (the notify and pull kernels; a driver that implements a same-device copy with a kernel): the default
-    // budget is the share less one, and an explicit one is capped there (at the whole share, every rank's GEMM could
-    // be resident before any rank's pull kernel, which they wait for). The budget and the sharing are per device,
-    // whichever teams the ranks on it belong to.
-    if (s.num_ranks > 1 && world.num_ranks_on_device() > 1)
-        s.budget = tp_detail::cap_for_copy_helpers(world, s.budget, kOp);
-    // NOTE: a team that spans nodes leaves kNetworkSms SMs of its default budget to NCCL's kernels and the relay
-    // kernel on the comm stream: the persistent GEMM's CTAs fill their SMs (shared memory, registers), and a tile
-    // waiting for a chunk that NCCL's kernel has yet to receive would otherwise wait for an SM that never frees up.
-    // An explicit options.sm_budget is taken as is (it must leave SMs free the same way).
     const bool spans_nodes = s.num_ranks > 1 && team.num_nodes() > 1;
-    if (spans_nodes && options.sm_budget == 0) s.budget = std::max(1, s.budget - kNetworkSms);
-    WEFT_CHECK(s.budget >= 1, "ag_gemm: the SM budget must be >= 1, got " << s.budget);
-    s.agreed_budget = tp_detail::resolve_sm_budget(options.sm_budget, world.shared_sm_budget());
-    if (s.num_ranks > 1 && world.max_ranks_per_device() > 1) {
-        s.agreed_budget = std::min(s.agreed_budget, world.shared_sm_budget() - 1);
-    }
-    if (spans_nodes && options.sm_budget == 0) s.agreed_budget = std::max(1, s.agreed_budget - kNetworkSms);
-    s.agreed_budget = std::max(1, s.agreed_budget);
+    // A member whose shape or options are invalid fails every member at once (its error is its record), instead of
+    // leaving them waiting for it in the symmetric allocations. Across nodes the members must also cut the shards
+    // alike: the network steps pair each shard's chunks with the column's, and a relay raises a node peer's word by
+    // its own chunk numbering (on one node each member's cut is its own).
+    GemmConfig first;
+    std::vector<int64_t> mine;
+    const std::vector<std::vector<uint8_t>> all =
+        detail::exchange_member_records(team, "weft.ops.ag_gemm.shape", kOp, "shape or options are", [&] {
+            validate_ag_gemm_shape(shape, s.num_ranks, options);
+            WEFT_CHECK(!spans_nodes || !options.autotune, "ag_gemm: options.autotune on a team that spans nodes ("
+                                                              << team.describe()
+                                                              << ") is not supported yet; tune on one node and pass "
+                                                              << "the winner as options.config");
+            tp_detail::check_sm_budget_share(world, options.sm_budget, kOp);
+            s.budget = tp_detail::resolve_sm_budget(options.sm_budget, world.sm_budget());
+            // NOTE: ranks sharing a GPU keep one SM of their share free of the persistent GEMM, for the helpers of the
+            // copy path (the notify and pull kernels; a driver that implements a same-device copy with a kernel): the
+            // default budget is the share less one, and an explicit one is capped there (at the whole share, every
+            // rank's GEMM could be resident before any rank's pull kernel, which they wait for). The budget and the
+            // sharing are per device, whichever teams the ranks on it belong to.
+            if (s.num_ranks > 1 && world.num_ranks_on_device() > 1)
+                s.budget = tp_detail::cap_for_copy_helpers(world, s.budget, kOp);
+            // NOTE: a team that spans nodes leaves kNetworkSms SMs of its default budget to NCCL's kernels and the
+            // relay kernel on the comm stream: the persistent GEMM's CTAs fill their SMs (shared memory, registers),
+            // and a tile waiting for a chunk that NCCL's kernel has yet to receive would otherwise wait for an SM that
+            // never frees up. An explicit options.sm_budget is taken as is (it must leave SMs free the same way).
+            if (spans_nodes && options.sm_budget == 0) s.budget = std::max(1, s.budget - kNetworkSms);
+            WEFT_CHECK(s.budget >= 1, "ag_gemm: the SM budget must be >= 1, got " << s.budget);
+            s.agreed_budget = tp_detail::resolve_sm_budget(options.sm_budget, world.shared_sm_budget());
+            if (s.num_ranks > 1 && world.max_ranks_per_device() > 1) {
+                s.agreed_budget = std::min(s.agreed_budget, world.shared_sm_budget() - 1);
+            }
+            if (spans_nodes && options.sm_budget == 0) s.agreed_budget = std::max(1, s.agreed_budget - kNetworkSms);
+            s.agreed_budget = std::max(1, s.agreed_budget);
 
-    GemmProblem p;
-    p.m = shape.max_m;
-    p.n = shape.n;
-    p.k = shape.k;
-    p.in_dtype = p.out_dtype = shape.dtype;
-    // Tuned, every rank times the same candidates in the same order: the first from the agreed budget.
-    const GemmConfig first =
-        tp_detail::choose_gemm_config(p, options.autotune ? s.agreed_budget : s.budget, options.config, kOp);
+            GemmProblem p;
+            p.m = shape.max_m;
+            p.n = shape.n;
+            p.k = shape.k;
+            p.in_dtype = p.out_dtype = shape.dtype;
+            // Tuned, every rank times the same candidates in the same order: the first from the agreed budget.
+            first =
+                tp_detail::choose_gemm_config(p, options.autotune ? s.agreed_budget : s.budget, options.config, kOp);
+            const int64_t max_rows = shape.max_m / s.num_ranks;
+            s.chunk_rows = options.chunk_rows > 0
+                               ? std::min(options.chunk_rows, max_rows)
+                               : ag_gemm_default_chunk_rows(max_rows, shape.k, dtype_bytes(shape.dtype));
+            const AllGatherTileMap map{max_rows, s.num_ranks, s.chunk_rows, first.tile_m};
+            WEFT_CHECK(map.is_valid(), "ag_gemm: " << map.invalid_reason());
+            s.max_chunks_per_rank = map.chunks_per_rank();
+            mine = {shape.max_m, shape.k, static_cast<int64_t>(shape.dtype), s.chunk_rows, s.max_chunks_per_rank};
+            return detail::fields_record(mine);
+        });
     const std::vector<GemmConfig> configs =
         options.autotune ? tp_detail::tune_candidates(first, shape.dtype, shape.dtype) : std::vector<GemmConfig>{first};
-    const int64_t max_rows = shape.max_m / s.num_ranks;
-    s.chunk_rows = options.chunk_rows > 0 ? std::min(options.chunk_rows, max_rows)
-                                          : ag_gemm_default_chunk_rows(max_rows, shape.k, dtype_bytes(shape.dtype));
-    const AllGatherTileMap map{max_rows, s.num_ranks, s.chunk_rows, first.tile_m};
-    WEFT_CHECK(map.is_valid(), "ag_gemm: " << map.invalid_reason());
-    s.max_chunks_per_rank = map.chunks_per_rank();
 
     // A team that spans nodes: the network backend of its columns (collective over the team: made before the
     // symmetric allocations, in the same order on every member) and where each shard comes from.
     if (spans_nodes) {
-        WEFT_CHECK(!options.autotune, "ag_gemm: options.autotune on a team that spans nodes ("
-                                          << team.describe() << ") is not supported yet; tune on one node and pass "
-                                          << "the winner as options.config");
-        // The network steps pair each shard's chunks with the column's, and a relay raises a node peer's word by its
-        // own chunk numbering: every member must cut the shards alike (on one node each member's cut is its own).
         static const char* const kFields[] = {"max_m", "k", "dtypes", "chunk rows (options.chunk_rows, resolved)",
                                               "chunks per shard"};
-        const std::vector<int64_t> mine = {shape.max_m, shape.k, static_cast<int64_t>(shape.dtype), s.chunk_rows,
-                                           s.max_chunks_per_rank};
-        const std::vector<std::vector<uint8_t>> all = detail::exchange_member_records(
-            team, "weft.ops.ag_gemm.chunks", kOp, "shape or options are", [&] { return detail::fields_record(mine); });
         detail::check_member_fields(team, all, mine, kFields, kOp, [](size_t f, int64_t v) -> std::string {
             return f == 2 ? std::string(dtype_name(static_cast<DType>(v))) : std::to_string(v);
         });

@@ -56,23 +56,30 @@ inline std::vector<uint8_t> fields_record(const std::vector<int64_t>& mine) {
     return record;
 }
 
-/// Compares every member's fields (`all`, from exchange_member_records of fields_record(mine)) with this member's
-/// `mine`; the first that differs fails: "<op>: the members' <names[f]> differ: world rank a has x, world rank b y",
-/// each value written by `format(f, value)` when given.
+/// Compares every member's fields (`all`, from exchange_member_records of fields_record(mine)) with the first
+/// member's; the first that differs fails, with the same text on every member: "<op>: the members' <names[f]> differ:
+/// world rank a has x, world rank b has y" (a the team's first member, b the first that differs), each value written
+/// by `format(f, value)` when given.
 inline void check_member_fields(const Team& team, const std::vector<std::vector<uint8_t>>& all,
                                 const std::vector<int64_t>& mine, const char* const* names, const char* op,
                                 const std::function<std::string(size_t, int64_t)>& format = {}) {
     const auto text = [&](size_t f, int64_t v) { return format ? format(f, v) : std::to_string(v); };
-    for (int r = 0; r < team.num_ranks(); ++r) {
+    const auto fields_of = [&](int r) {
         const std::vector<uint8_t>& b = all[static_cast<size_t>(r)];
         WEFT_CHECK(b.size() == mine.size() * sizeof(int64_t),
                    op << ": world rank " << team.world_rank(r) << " sent a malformed record");
-        std::vector<int64_t> theirs(mine.size());
-        std::memcpy(theirs.data(), b.data(), b.size());
+        std::vector<int64_t> fields(mine.size());
+        std::memcpy(fields.data(), b.data(), b.size());
+        return fields;
+    };
+    const std::vector<int64_t> first = fields_of(0);
+    for (int r = 1; r < team.num_ranks(); ++r) {
+        const std::vector<int64_t> theirs = fields_of(r);
         for (size_t f = 0; f < mine.size(); ++f) {
-            WEFT_CHECK(theirs[f] == mine[f], op << ": the members' " << names[f] << " differ: world rank "
-                                                << team.world().rank() << " has " << text(f, mine[f]) << ", world rank "
-                                                << team.world_rank(r) << " " << text(f, theirs[f]));
+            WEFT_CHECK(theirs[f] == first[f], op << ": the members' " << names[f] << " differ: world rank "
+                                                 << team.world_rank(0) << " has " << text(f, first[f])
+                                                 << ", world rank " << team.world_rank(r) << " has "
+                                                 << text(f, theirs[f]));
         }
     }
 }

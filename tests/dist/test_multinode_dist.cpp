@@ -730,8 +730,9 @@ TEST(MultiNode, GemmRsWhoseMDiffersAcrossNodesFailsEveryRankNamingTheMismatch) {
 }
 
 // Members that cut their shards into different chunks across nodes (the network steps pair chunk by chunk, and relays
-// raise node peers' words by chunk number): every member's constructor refuses, naming the difference, at once.
-TEST(MultiNode, AgGemmWhoseChunkRowsDifferAcrossNodesIsRefusedOnEveryMember) {
+// raise node peers' words by chunk number): every member's constructor refuses, naming the difference, at once, with
+// the same text; and a member that alone refuses its options fails every member at once, naming it.
+TEST(MultiNode, AgGemmWhoseChunkRowsOrOptionsDifferAcrossNodesIsRefusedOnEveryMember) {
     World& w = dist_world();
     if (const std::string why = why_no_network_across_nodes(w); !why.empty()) GTEST_SKIP() << why;
     set_test_environment();
@@ -746,9 +747,36 @@ TEST(MultiNode, AgGemmWhoseChunkRowsDifferAcrossNodesIsRefusedOnEveryMember) {
         error = e.what();
     }
     const auto waited = std::chrono::steady_clock::now() - start;
-    EXPECT_NE(error.find("the members' chunk rows (options.chunk_rows, resolved) differ"), std::string::npos)
+    EXPECT_NE(error.find("the members' chunk rows (options.chunk_rows, resolved) differ: world rank " +
+                         std::to_string(team.world_rank(0)) + " has 16, world rank "),
+              std::string::npos)
         << "rank " << w.rank() << ": " << error;
     EXPECT_LT(waited, std::chrono::milliseconds(30000)) << error;  // far below the World's timeout
+    // The text is the same on every member.
+    const std::vector<std::vector<uint8_t>> texts =
+        team.all_gather("ag-gemm-chunk-error", std::vector<uint8_t>(error.begin(), error.end()));
+    for (const auto& t : texts) EXPECT_EQ(std::string(t.begin(), t.end()), error);
+    w.barrier();
+
+    // One member's options that only it refuses (autotune across nodes): every member fails at once, naming it.
+    const int refusing = team.num_ranks() - 1;
+    ops::AgGemmOptions tuned;
+    tuned.autotune = team.rank() == refusing;
+    error.clear();
+    const auto start2 = std::chrono::steady_clock::now();
+    try {
+        ops::AgGemm ag(team, ops::AgGemmShape{64 * team.num_ranks(), 128, 64, DType::kBF16}, tuned);
+    } catch (const Error& e) {
+        error = e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start2, std::chrono::milliseconds(30000)) << error;
+    EXPECT_NE(error.find("options.autotune on a team that spans nodes"), std::string::npos) << error;
+    if (team.rank() != refusing) {
+        EXPECT_NE(
+            error.find("world rank " + std::to_string(team.world_rank(refusing)) + "'s shape or options are invalid"),
+            std::string::npos)
+            << error;
+    }
     w.barrier();
 }
 

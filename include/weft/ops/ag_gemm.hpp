@@ -63,7 +63,8 @@ public:
     /// Allocates the gathered buffer [max_m, k] and the signal words in the symmetric heap (team-collectively),
     /// creates the copy streams, compiles (JIT, cached on disk) and loads every kernel a call launches, and ends with
     /// a team barrier, so that no member launches a waiting kernel before every member's kernels are loaded. Throws
-    /// weft::Error (on every member) for a bad shape or options, or when a member's heap is not load/store reachable
+    /// weft::Error (on every member, at once: a member that refuses its own arguments is named on the others) for a
+    /// bad shape or options, or when a member's heap is not load/store reachable
     /// from this rank; on a rank that is not a member, a weft::Error naming the team's world ranks. A team that spans
     /// nodes gathers the other nodes' shards through the network backend (weft/net/host_backend.hpp; made here,
     /// collectively; its errors are thrown here): docs/multinode.md, "AllGather+GEMM across nodes".
