@@ -76,7 +76,15 @@ LaunchStoreAddress launch_store_address(const LaunchEnv& env, uint32_t uid, uint
         WEFT_CHECK(env.store_port != env.master_port,
                    "WEFT_STORE_PORT (" << env.store_port << ") must differ from MASTER_PORT: the launcher's or "
                                        << "torch.distributed's store listens there");
-        where.port = env.store_port;
+        // The n-th World of a process listens at WEFT_STORE_PORT + n (past MASTER_PORT), so that Worlds open at once
+        // each have their own.
+        int64_t port = static_cast<int64_t>(env.store_port) + static_cast<int64_t>(world_index);
+        if (env.store_port < env.master_port && port >= env.master_port) ++port;
+        WEFT_CHECK(port <= 65535, "WEFT_STORE_PORT (" << env.store_port << ") is the first World's port and the n-th "
+                                                      << "World of a process listens n ports above it: World "
+                                                      << world_index << " would need port " << port
+                                                      << ", past 65535; set a lower WEFT_STORE_PORT");
+        where.port = static_cast<int>(port);
         return where;
     }
     where.port = derived_master_port(where.world_id);

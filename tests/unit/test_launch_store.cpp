@@ -203,10 +203,16 @@ TEST(LaunchStore, SeveralHostsMeetOverTcpNeverOnMasterPort) {
         EXPECT_TRUE(contains(error_of([&] { detail::make_launch_store(e, 0, milliseconds(100)); }), "WEFT_JOB_TOKEN"))
             << rank;
     }
-    // WEFT_STORE_PORT, when set, is the port.
+    // WEFT_STORE_PORT, when set, is the first World's port, and the n-th World's is n above it, past MASTER_PORT.
     v["WEFT_STORE_PORT"] = "31999";
     EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 0).port, 31999);
-    EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 1).port, 31999);
+    EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 1).port, 32000);
+    v["WEFT_STORE_PORT"] = "29498";
+    EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 1).port, 29499);
+    EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 2).port, 29501) << "MASTER_PORT is skipped";
+    v["WEFT_STORE_PORT"] = "65535";
+    const std::string past = error_of([&] { detail::launch_store_address(*parse_launch_env(v), 1000, 1); });
+    EXPECT_TRUE(contains(past, "World 1 would need port 65536, past 65535")) << past;
     // Never MASTER_PORT, where the launcher's or torch.distributed's store listens.
     v["WEFT_STORE_PORT"] = "29500";
     const std::string e = error_of([&] { detail::launch_store_address(*parse_launch_env(v), 1000, 0); });
@@ -329,9 +335,9 @@ TEST(LaunchStore, ConcurrentJobsOnOneHostMeetOnlyTheirOwnRanks) {
 }
 
 TEST(LaunchStore, ConsecutiveWorldsOfOneJobMeetTheirOwnStore) {
-    // Each process's second World::from_env meets at the second World's store, even while rank 0 still holds
-    // the first one open (on one host: another socket name; across hosts with a fixed WEFT_STORE_PORT: the
-    // same port, where a rank that reaches the first World's store sees another World id and waits).
+    // Each process's second World::from_env meets at the second World's store, while rank 0 still holds the first
+    // one open, late (on one host: another socket name; across hosts with a fixed WEFT_STORE_PORT: the next port),
+    // and while the first World is open on every rank.
     PortHolder agent;
     for (bool fixed_port : {false, true}) {
         const std::string id = unique_run_id("worlds");
@@ -353,6 +359,8 @@ TEST(LaunchStore, ConsecutiveWorldsOfOneJobMeetTheirOwnStore) {
             }
             auto second = detail::make_launch_store(env, 1, milliseconds(20000));
             exchange(*second, r, 3, "world 1");
+            auto third = detail::make_launch_store(env, 2, milliseconds(20000));  // beside the second
+            exchange(*third, r, 3, "world 2");
         });
         for (int r = 0; r < 3; ++r) {
             EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "fixed port " << fixed_port << ", rank " << r;
