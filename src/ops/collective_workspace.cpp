@@ -182,6 +182,12 @@ void check_device_buffers(const SymmetricHeap& heap, std::initializer_list<Named
     }
 }
 
+void check_device_views(std::initializer_list<NamedView> views, const char* op, cudaStream_t stream) {
+    for (const NamedView& v : views) {
+        if (v.view.size_bytes() > 0) check_device_pointer(v.view.data, v.name, op, stream);
+    }
+}
+
 CollectiveHeapSizes CollectiveHeapSizes::make(int num_ranks, uint64_t staging_region_bytes,
                                               const CollectiveTopology& topo) {
     const auto n = static_cast<uint64_t>(num_ranks);

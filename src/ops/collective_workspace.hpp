@@ -142,6 +142,9 @@ void check_device_pointer(const void* ptr, const char* what, const char* op, cud
 void check_device_buffers(const SymmetricHeap& heap, std::initializer_list<NamedView> views, const char* op,
                           cudaStream_t stream);
 
+/// check_device_pointer on every view that is not empty (a call without a heap: the grouped GEMM, the MoE steps).
+void check_device_views(std::initializer_list<NamedView> views, const char* op, cudaStream_t stream);
+
 /// ops::all_reduce with `output` taken as the caller's own memory wherever it lives: peers never read it (a two-shot
 /// reduces into staging, not into a symmetric output), so ranks may pass outputs on the heap or off it, at any offset.
 /// For fused ops whose users' buffers carry no symmetric-placement contract (GemmAr's c). `input` != `output`.

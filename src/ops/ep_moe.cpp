@@ -11,6 +11,7 @@
 
 #include "collective_workspace.hpp"
 #include "ep_buffer.hpp"
+#include "grouped_gemm_internal.hpp"
 #include "tp_common.hpp"
 #include "weft/common/math.hpp"
 #include "weft/detail/gemm_launch.hpp"
@@ -442,11 +443,13 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
         NormalOptions comm_options;
         comm_options.num_sms = comm;
         m.buffer->dispatch(hm, x, topk_idx, topk_weights, stream, comm_options);
-        grouped_gemm_contiguous(hm.recv_x(), weights.gate_up, m.gate_up_out(), BLayout::kNK, hm.expert_offsets(),
-                                hm.expert_counts(), stream, m.gemm_options(m.plan.up, budget, 0));
+        ops::detail::grouped_gemm_contiguous_on_device(hm.recv_x(), weights.gate_up, m.gate_up_out(), BLayout::kNK,
+                                                       hm.expert_offsets(), hm.expert_counts(), stream,
+                                                       m.gemm_options(m.plan.up, budget, 0));
         m.swiglu(stream, grids.swiglu);
-        grouped_gemm_contiguous(m.activation(), weights.down, m.expert_out(), BLayout::kNK, hm.expert_offsets(),
-                                hm.expert_counts(), stream, m.gemm_options(m.plan.down, budget, 1));
+        ops::detail::grouped_gemm_contiguous_on_device(m.activation(), weights.down, m.expert_out(), BLayout::kNK,
+                                                       hm.expert_offsets(), hm.expert_counts(), stream,
+                                                       m.gemm_options(m.plan.down, budget, 1));
         m.buffer->combine(hm, m.expert_out(), out, stream, comm_options);
         m.first_calls.after_call(m.team, 0, stream);
         return;
@@ -485,8 +488,8 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
     wait.abort_flag = ctx.abort_flag;  // a peer's wait that gave up (or a dead peer) stops these waits too
     wait.timeout_ns = m.gemm_timeout_ns;
     up.wait = wait;
-    grouped_gemm_contiguous(hm.recv_x(), weights.gate_up, m.gate_up_out(), BLayout::kNK, hm.expert_offsets(),
-                            hm.expert_counts(), gemm_stream, up);
+    ops::detail::grouped_gemm_contiguous_on_device(hm.recv_x(), weights.gate_up, m.gate_up_out(), BLayout::kNK,
+                                                   hm.expert_offsets(), hm.expert_counts(), gemm_stream, up);
     m.swiglu(gemm_stream, grids.swiglu);
     GroupedGemmOptions down = m.fused_gemm_options(m.plan.down, gemm_sms, 1);
     GroupedTileSignalParams signal{};
@@ -496,8 +499,8 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
     signal.mode = GroupedSignalMode::kAddPerGroupTileRow;
     signal.ctx = m.team.device_ctx();  // the down-projection's tiles in a traced World's timeline
     down.signal = signal;
-    grouped_gemm_contiguous(m.activation(), weights.down, m.expert_out(), BLayout::kNK, hm.expert_offsets(),
-                            hm.expert_counts(), gemm_stream, down);
+    ops::detail::grouped_gemm_contiguous_on_device(m.activation(), weights.down, m.expert_out(), BLayout::kNK,
+                                                   hm.expert_offsets(), hm.expert_counts(), gemm_stream, down);
 
     NormalOptions combine_options;
     combine_options.num_sms = comm;

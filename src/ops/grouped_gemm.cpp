@@ -3,6 +3,7 @@
 // tile scheduler (kernels/gemm/gemm_scheduler.cuh, GroupedScheduler).
 #include "weft/ops/grouped_gemm.hpp"
 
+#include "collective_workspace.hpp"
 #include "grouped_gemm_internal.hpp"
 
 #include <algorithm>
@@ -553,6 +554,13 @@ void grouped_gemm_masked_fp8(const TensorView& a, const TensorView& a_scales, co
                         {{"b", b}, {"counts", detail::int32_array_view(counts, p.groups)}},
                         "the dequantisation reads the counts while writing a_bf16, the GEMM reads b after it");
     check_output_apart("grouped_gemm_masked_fp8", p, "a_bf16", a_bf16, b, d, nullptr, counts);
+    detail::check_device_views({{"a", a},
+                                {"a_scales", a_scales},
+                                {"b", b},
+                                {"d", d},
+                                {"a_bf16", a_bf16},
+                                {"counts", detail::int32_array_view(counts, p.groups)}},
+                               "grouped_gemm_masked_fp8", stream);
     if (p.groups == 0 || p.capacity == 0 || p.n == 0) return;
     (void)checked_plan(p, options);  // the GEMM's own checks, before the dequantisation is enqueued
 
@@ -606,16 +614,44 @@ void check_grouped_status(const GroupedStatus& status) {
     WEFT_CHECK(what.empty(), what);
 }
 
-void grouped_gemm_contiguous(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
-                             const int32_t* offsets, const int32_t* counts, cudaStream_t stream,
-                             const GroupedGemmOptions& options) {
+namespace {
+
+// grouped_gemm_contiguous; `check_memory`: also that every buffer is this GPU's memory.
+void contiguous(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout, const int32_t* offsets,
+                const int32_t* counts, cudaStream_t stream, const GroupedGemmOptions& options, bool check_memory) {
     WEFT_NVTX_RANGE("grouped_gemm_contiguous");
     const GroupedGemmProblem p =
         validate_grouped_gemm_args(GroupedLayout::kContiguous, a, b, d, b_layout, offsets, counts);
     detail::check_grouped_gemm_options(options, p);
     check_output_apart("grouped_gemm_contiguous", p, "a", a, b, d, offsets, counts);
+    if (check_memory) {
+        detail::check_device_views({{"a", a},
+                                    {"b", b},
+                                    {"d", d},
+                                    {"offsets", detail::int32_array_view(offsets, p.groups)},
+                                    {"counts", detail::int32_array_view(counts, p.groups)}},
+                                   "grouped_gemm_contiguous", stream);
+    }
     launch(p, a, b, d, offsets, counts, stream, options);
 }
+
+}  // namespace
+
+void grouped_gemm_contiguous(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
+                             const int32_t* offsets, const int32_t* counts, cudaStream_t stream,
+                             const GroupedGemmOptions& options) {
+    contiguous(a, b, d, b_layout, offsets, counts, stream, options, true);
+}
+
+namespace detail {
+
+void grouped_gemm_contiguous_on_device(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
+                                       const int32_t* offsets, const int32_t* counts, cudaStream_t stream,
+                                       const GroupedGemmOptions& options) {
+    contiguous(a, b, d, b_layout, offsets, counts, stream, options, false);
+}
+
+}  // namespace detail
 
 void grouped_gemm_masked(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
                          const int32_t* counts, cudaStream_t stream, const GroupedGemmOptions& options) {
@@ -623,6 +659,8 @@ void grouped_gemm_masked(const TensorView& a, const TensorView& b, const TensorV
     const GroupedGemmProblem p = validate_grouped_gemm_args(GroupedLayout::kMasked, a, b, d, b_layout, nullptr, counts);
     detail::check_grouped_gemm_options(options, p);
     check_output_apart("grouped_gemm_masked", p, "a", a, b, d, nullptr, counts);
+    detail::check_device_views({{"a", a}, {"b", b}, {"d", d}, {"counts", detail::int32_array_view(counts, p.groups)}},
+                               "grouped_gemm_masked", stream);
     launch(p, a, b, d, nullptr, counts, stream, options);
 }
 

@@ -33,4 +33,10 @@ GroupedGemmLaunch prepare_grouped_gemm_launch(const GroupedGemmProblem& p, const
                                               const TensorView& d, const int32_t* offsets, const int32_t* counts,
                                               int num_sms, const GroupedGemmOptions& options);
 
+/// grouped_gemm_contiguous for a caller that has made sure every buffer is this GPU's memory (on the symmetric heap, or
+/// checked once for the call), without querying each pointer again.
+void grouped_gemm_contiguous_on_device(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
+                                       const int32_t* offsets, const int32_t* counts, cudaStream_t stream,
+                                       const GroupedGemmOptions& options);
+
 }  // namespace weft::ops::detail

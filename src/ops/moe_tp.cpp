@@ -173,6 +173,15 @@ TensorView gather_index_view(const MoeRouting& r) {
 }
 TensorView slot_rows_view(const MoeRouting& r) { return ops::detail::int32_array_view(r.slot_rows, r.tokens * r.topk); }
 
+// The routing's arrays are read (and, by moe_route, written) by the kernels: this GPU's memory.
+void check_routing_on_device(const MoeRouting& r, const char* op, cudaStream_t stream) {
+    ops::detail::check_device_views({{"routing.counts", counts_view(r)},
+                                     {"routing.offsets", offsets_view(r)},
+                                     {"routing.gather_index", gather_index_view(r)},
+                                     {"routing.slot_rows", slot_rows_view(r)}},
+                                    op, stream);
+}
+
 // The gathered GEMM's outputs against what is read while or after they are written: the gather reads gather_index
 // while other CTAs write a_rows, and the GEMM reads b and the group arrays after it; the GEMM reads a_rows, b and the
 // group arrays while other CTAs write d. (a is read by the gather alone, which ends before the GEMM writes d.)
@@ -229,6 +238,8 @@ void moe_route(const TensorView& topk_idx, MoeRouting& routing, int64_t align, c
                               {"routing.offsets", offsets_view(r)},
                               {"routing.gather_index", gather_index_view(r)}},
                              why);
+    ops::detail::check_device_views({{"topk_idx", idx_view}}, "moe_route", stream);
+    check_routing_on_device(r, "moe_route", stream);
     routing = r;
     launch_route(static_cast<const int32_t*>(topk_idx.data), routing, align, stream, status);
 }
@@ -262,8 +273,11 @@ void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const Tenso
     check_gathered_apart(kOp, routing, b, d, a_rows);
     if (routing.rows_capacity == 0) return;
     ops::detail::check_grouped_gemm_launch(p, options);  // before the gather is enqueued
+    ops::detail::check_device_views({{"a", a}, {"a_rows", a_rows}, {"b", b}, {"d", d}}, kOp, stream);
+    check_routing_on_device(routing, kOp, stream);
     launch_gather(a, routing, a_rows, stream);
-    grouped_gemm_contiguous(a_rows, b, d, b_layout, routing.offsets, routing.counts, stream, options);
+    ops::detail::grouped_gemm_contiguous_on_device(a_rows, b, d, b_layout, routing.offsets, routing.counts, stream,
+                                                   options);
 }
 
 namespace {
@@ -317,6 +331,9 @@ void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombine
         kOp << ": d_rows must be [rows, N] with N a multiple of 8 (at most 2^31 - 2^24), got " << d_rows.describe());
     check_combine_operands(kOp, routing, mode, n, d_rows, weights, acc, out);
     if (routing.tokens == 0 || n == 0) return;
+    ops::detail::check_device_views({{"d_rows", d_rows}, {"weights", weights}, {"acc", acc}, {"out", out}}, kOp,
+                                    stream);
+    check_routing_on_device(routing, kOp, stream);
     weft::moe::MoeCombineArgs c{};
     c.partials[0] = static_cast<const float*>(d_rows.data);
     c.slot_rows = routing.slot_rows;
@@ -357,6 +374,8 @@ void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, con
     ops::detail::check_apart(kOp, "a_rows", a_rows,
                              {{"weights", weights}, {"routing.slot_rows", slot_rows_view(routing)}},
                              "the combine reads them after the gather writes a_rows");
+    // The combine's operands before the GEMM is enqueued (the GEMM's own are checked as it is).
+    ops::detail::check_device_views({{"weights", weights}, {"acc", acc}, {"out", out}}, kOp, stream);
     grouped_gemm_gathered(a, b, d_rows, b_layout, routing, a_rows, stream, options);
     moe_combine(d_rows, routing, mode, weights, acc, out, stream);
 }

@@ -11,6 +11,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -21,6 +22,7 @@
 #include "support/gemm_testing.hpp"
 #include "weft/ops/gemm_codegen.hpp"
 #include "weft/ops/grouped_gemm.hpp"
+#include "weft/ops/moe_tp.hpp"
 #include "weft/runtime/error.hpp"
 
 namespace weft {
@@ -600,6 +602,66 @@ TEST(GroupedGemm, RejectsBadArguments) {
     ops::GroupedGemmOptions o;
     o.signal = ops::GroupedTileSignalParams{};
     EXPECT_THROW(ops::grouped_gemm_contiguous(a, b, d, BLayout::kNK, counts, counts, nullptr, o), Error);
+}
+
+// Arrays the kernels would dereference, in host memory: refused before anything is enqueued, naming the argument
+// (without HMM the kernel would fault with a sticky error that names nothing).
+TEST(GroupedGemm, HostMemoryIsRefusedNamingTheArgument) {
+    REQUIRE_SM90();
+    DeviceBuffer a_buf(64 * 64 * 2), b_buf(2 * 64 * 64 * 2), d_buf(64 * 64 * 2), arrays(4096);
+    ASSERT_TRUE(a_buf.ptr && b_buf.ptr && d_buf.ptr && arrays.ptr);
+    auto* dev_i32 = static_cast<int32_t*>(arrays.ptr);
+    const TensorView a(a_buf.ptr, DType::kBF16, {64, 64});
+    const TensorView b(b_buf.ptr, DType::kBF16, {2, 64, 64});
+    const TensorView d(d_buf.ptr, DType::kBF16, {64, 64});
+    std::vector<int32_t> host_counts(2, 0), host_offsets(2, 0);
+    std::vector<uint16_t> host_a(64 * 64);
+    const auto message = [](const std::function<void()>& fn) {
+        try {
+            fn();
+        } catch (const Error& e) {
+            return std::string(e.what());
+        }
+        return std::string();
+    };
+    const std::string counts_err =
+        message([&] { ops::grouped_gemm_contiguous(a, b, d, BLayout::kNK, dev_i32, host_counts.data(), nullptr); });
+    EXPECT_NE(counts_err.find("grouped_gemm_contiguous: counts ("), std::string::npos) << counts_err;
+    EXPECT_NE(counts_err.find("must be device memory, got unregistered host memory"), std::string::npos) << counts_err;
+    const std::string offsets_err =
+        message([&] { ops::grouped_gemm_contiguous(a, b, d, BLayout::kNK, host_offsets.data(), dev_i32, nullptr); });
+    EXPECT_NE(offsets_err.find("offsets ("), std::string::npos) << offsets_err;
+    const TensorView host_view(host_a.data(), DType::kBF16, {64, 64});
+    const std::string a_err =
+        message([&] { ops::grouped_gemm_contiguous(host_view, b, d, BLayout::kNK, dev_i32, dev_i32 + 4, nullptr); });
+    EXPECT_NE(a_err.find("grouped_gemm_contiguous: a ("), std::string::npos) << a_err;
+    const TensorView a3(a_buf.ptr, DType::kBF16, {2, 32, 64});
+    const TensorView d3(d_buf.ptr, DType::kBF16, {2, 32, 64});
+    const std::string masked_err =
+        message([&] { ops::grouped_gemm_masked(a3, b, d3, BLayout::kNK, host_counts.data(), nullptr); });
+    EXPECT_NE(masked_err.find("grouped_gemm_masked: counts ("), std::string::npos) << masked_err;
+
+    // moe_route: topk_idx, and the routing's own arrays.
+    ops::MoeRouting routing;
+    routing.num_experts = 4;
+    routing.rows_capacity = 16;
+    routing.counts = dev_i32 + 64;
+    routing.offsets = dev_i32 + 128;
+    routing.gather_index = dev_i32 + 192;
+    routing.slot_rows = dev_i32 + 256;
+    std::vector<int32_t> host_idx(8 * 2, 0);
+    const std::string idx_err = message([&] {
+        ops::moe_route(TensorView(host_idx.data(), DType::kI32, {8, 2}), routing, 1, nullptr);
+    });
+    EXPECT_NE(idx_err.find("moe_route: topk_idx ("), std::string::npos) << idx_err;
+    ops::MoeRouting host_routing = routing;
+    std::vector<int32_t> host_slots(16, 0);
+    host_routing.slot_rows = host_slots.data();
+    const std::string slots_err = message([&] {
+        ops::moe_route(TensorView(dev_i32 + 512, DType::kI32, {8, 2}), host_routing, 1, nullptr);
+    });
+    EXPECT_NE(slots_err.find("moe_route: routing.slot_rows ("), std::string::npos) << slots_err;
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "a refused call left a CUDA error behind";
 }
 
 }  // namespace
