@@ -17,7 +17,7 @@
 namespace weft::ops::detail {
 
 /// All-gathers over `team` (under `key`) every member's record, made by `make_record()` (which validates the member's
-/// arguments and may throw weft::Error): a tag byte, then the record, or the error's text in its place, so that a
+/// arguments and may throw): a tag byte, then the record, or the error's text in its place, so that a
 /// member whose arguments are invalid fails every member at once instead of leaving them waiting in the exchange.
 /// This member's own error is rethrown; a peer's is named: "<op>: world rank r's <what> invalid (<its error>)".
 /// Returns the members' records (without the tag) in team-rank order; a team of one exchanges nothing.
@@ -30,7 +30,7 @@ std::vector<std::vector<uint8_t>> exchange_member_records(const Team& team, cons
     try {
         const std::vector<uint8_t> record = make_record();
         mine.insert(mine.end(), record.begin(), record.end());
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
         invalid = std::current_exception();
         const std::string why = e.what();
         mine.assign(1, 1);

@@ -12,7 +12,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "runtime_internal.hpp"
@@ -60,7 +62,7 @@ uint64_t stable_hash64(const std::string& text) {
     return hash;
 }
 
-LaunchStoreAddress launch_store_address(const LaunchEnv& env, uint32_t uid, uint64_t world_index) {
+LaunchStoreAddress launch_store_address(const LaunchEnv& env, uint32_t uid, uint64_t world_index, uint64_t port_slot) {
     WEFT_CHECK(env.num_ranks > 1, "a job of " << env.num_ranks << " rank needs no store");
     WEFT_CHECK(!env.job_id.empty(), "the launch environment names no job (LaunchEnv::job_id is empty)");
     LaunchStoreAddress where;
@@ -76,13 +78,13 @@ LaunchStoreAddress launch_store_address(const LaunchEnv& env, uint32_t uid, uint
         WEFT_CHECK(env.store_port != env.master_port,
                    "WEFT_STORE_PORT (" << env.store_port << ") must differ from MASTER_PORT: the launcher's or "
                                        << "torch.distributed's store listens there");
-        // The n-th World of a process listens at WEFT_STORE_PORT + n (past MASTER_PORT), so that Worlds open at once
-        // each have their own.
-        int64_t port = static_cast<int64_t>(env.store_port) + static_cast<int64_t>(world_index);
+        // Worlds open at once each have their own port: WEFT_STORE_PORT + the World's slot (past MASTER_PORT).
+        int64_t port = static_cast<int64_t>(env.store_port) + static_cast<int64_t>(port_slot);
         if (env.store_port < env.master_port && port >= env.master_port) ++port;
-        WEFT_CHECK(port <= 65535, "WEFT_STORE_PORT (" << env.store_port << ") is the first World's port and the n-th "
-                                                      << "World of a process listens n ports above it: World "
-                                                      << world_index << " would need port " << port
+        WEFT_CHECK(port <= 65535, "WEFT_STORE_PORT (" << env.store_port << ") is the port of a World made while no "
+                                                      << "other is open, and each World open beside it listens one "
+                                                      << "port higher: " << port_slot + 1
+                                                      << " Worlds open at once would need port " << port
                                                       << ", past 65535; set a lower WEFT_STORE_PORT");
         where.port = static_cast<int>(port);
         return where;
@@ -184,15 +186,19 @@ void make_room_for_connections(RendezvousOptions& options, int num_ranks) {
 }
 
 std::unique_ptr<Store> connect_launch_store(const LaunchEnv& env, uint64_t world_index, milliseconds timeout,
-                                            milliseconds reply_timeout) {
-    const LaunchStoreAddress where = launch_store_address(env, static_cast<uint32_t>(::geteuid()), world_index);
+                                            milliseconds reply_timeout, uint64_t port_slot) {
+    const LaunchStoreAddress where =
+        launch_store_address(env, static_cast<uint32_t>(::geteuid()), world_index, port_slot);
     return connect_tcp_store(launch_store_options(env, where, timeout, reply_timeout));
 }
 
 std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_index, milliseconds timeout,
-                                         milliseconds reply_timeout) {
-    const LaunchStoreAddress where = launch_store_address(env, static_cast<uint32_t>(::geteuid()), world_index);
-    RendezvousOptions options = launch_store_options(env, where, timeout, reply_timeout);
+                                         milliseconds reply_timeout, uint64_t port_slot) {
+    const LaunchStoreAddress where =
+        launch_store_address(env, static_cast<uint32_t>(::geteuid()), world_index, port_slot);
+    // The calls' reply bound is fixed here: connecting below gets what is left of `timeout`, not the calls after it.
+    RendezvousOptions options =
+        launch_store_options(env, where, timeout, reply_timeout.count() > 0 ? reply_timeout : timeout);
     const Bytes world_id(where.world_id.begin(), where.world_id.end());
     WEFT_LOG_DEBUG("rendezvous: " << describe(env, world_index, where));
     const auto deadline = Clock::now() + timeout;
@@ -246,6 +252,22 @@ std::unique_ptr<Store> make_launch_store(const LaunchEnv& env, uint64_t world_in
                     " (the ranks of a job meet at the store of their n-th World::from_env: every process makes "
                     "the same calls in the same order)");
     }
+}
+
+std::shared_ptr<const uint64_t> take_store_port_slot() {
+    static std::mutex mutex;
+    static std::set<uint64_t> taken;
+    std::lock_guard<std::mutex> lock(mutex);
+    uint64_t slot = 0;
+    while (taken.count(slot) != 0) ++slot;
+    taken.insert(slot);
+    return std::shared_ptr<const uint64_t>(new uint64_t(slot), [](const uint64_t* p) {
+        {
+            std::lock_guard<std::mutex> released(mutex);
+            taken.erase(*p);
+        }
+        delete p;
+    });
 }
 
 uint64_t next_launch_world_index() {

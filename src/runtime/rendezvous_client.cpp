@@ -272,7 +272,9 @@ public:
 private:
     static RendezvousOptions capped(RendezvousOptions o) {
         o.timeout = std::min(o.timeout, milliseconds(kMaxWaitMs));
-        o.reply_timeout = o.reply_timeout.count() > 0 ? std::min(o.reply_timeout, o.timeout) : o.timeout;
+        // Not capped by the timeout: make_launch_store connects with what is left of its own (a few ms once rank 0
+        // came late), which must not become the bound of every later call.
+        o.reply_timeout = o.reply_timeout.count() > 0 ? std::min(o.reply_timeout, milliseconds(kMaxWaitMs)) : o.timeout;
         return o;
     }
 

@@ -45,6 +45,14 @@ std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds option, cons
     return fallback;
 }
 
+std::chrono::milliseconds timeout_before_exchange(std::chrono::milliseconds option) {
+    try {
+        return resolve_timeout(option, env::get("WEFT_TIMEOUT_MS"));
+    } catch (const Error&) {
+        return kDefaultTimeout;
+    }
+}
+
 int resolve_sm_budget(int option, const std::optional<std::string>& env_value, int sm_count, int ranks_on_device) {
     WEFT_CHECK(sm_count > 0, "the device reports " << sm_count << " SMs");
     WEFT_CHECK(ranks_on_device > 0, "ranks on device must be positive, got " << ranks_on_device);

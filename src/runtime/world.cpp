@@ -279,10 +279,16 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
         refusal = e.what();
         if (refusal.rfind("weft: ", 0) == 0) refusal.erase(0, 6);
         std::replace(refusal.begin(), refusal.end(), '\n', ' ');  // one line of the record
+        if (refusal.empty()) refusal = "(an error without a message)";
+        // Said at once: the exchange waits for every rank, which may take until the start-up timeout.
+        WEFT_LOG_ERROR("rank " << c.rank << " cannot start the World (" << refusal
+                               << "); telling the other ranks at the start-up exchange");
     }
     const int sm_count = local.sm_count;
     const std::string& pci = local.pci;
-    const auto init_timeout = std::max(c.timeout, kMinInitTimeout);
+    // A refusing rank waits as long as its peers do (its own timeout may be the setting it refused).
+    const auto init_timeout =
+        std::max(refused ? detail::timeout_before_exchange(setup.options.timeout) : c.timeout, kMinInitTimeout);
 
     // Start-up exchange: who is where, and what each rank asks for.
     std::map<std::string, std::string> mine{
@@ -307,11 +313,19 @@ World::World(detail::WorldSetup&& setup) : ctx_(std::make_unique<detail::WorldCo
                          " ms dead-peer bound"},
         {"refused", refusal}};
     if (c.rank == 0) mine["job"] = detail::random_hex_id();
-    // On the store the World was given; every later key is under this World's own prefix (below).
-    detail::agree_on_world_size(*c.store, c.rank, c.num_ranks, init_timeout);
-    const std::vector<Bytes> blobs = detail::start_exchange(*c.store, c.rank, c.num_ranks, [&] {
-        return c.store->all_gather("weft/init", c.rank, c.num_ranks, encode_fields(mine), init_timeout);
-    });
+    // On the store the World was given; every later key is under this World's own prefix (below). A refusing rank
+    // whose exchange fails (a peer that never came) ends with its own error, the cause.
+    std::vector<Bytes> blobs;
+    try {
+        detail::agree_on_world_size(*c.store, c.rank, c.num_ranks, init_timeout);
+        blobs = detail::start_exchange(*c.store, c.rank, c.num_ranks, [&] {
+            return c.store->all_gather("weft/init", c.rank, c.num_ranks, encode_fields(mine), init_timeout);
+        });
+    } catch (const std::exception& e) {
+        if (!refused) throw;
+        WEFT_LOG_WARN("the start-up exchange failed too: " << e.what());
+        std::rethrow_exception(refused);
+    }
     // Every rank has read the size (each set its record after): the next World on this store sets its own.
     if (c.rank == 0) c.store->erase(detail::kWorldSizeKey);
     std::vector<uint64_t> heap_requests;

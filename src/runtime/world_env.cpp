@@ -49,18 +49,21 @@ std::unique_ptr<World> World::from_env(const WorldOptions& options) {
     // closing the connection (a dead rank 0 is noticed like any other dead rank, not after `timeout`).
     // A setting this rank refuses is refused in the World's start-up exchange, where every rank hears of it: until
     // then its default stands in.
-    std::chrono::milliseconds timeout = detail::kDefaultTimeout, reply_bound = detail::kDefaultDeadPeer;
+    const auto timeout = std::max(detail::timeout_before_exchange(options.timeout), std::chrono::milliseconds(30000));
+    std::chrono::milliseconds reply_bound = detail::kDefaultDeadPeer;
     try {
-        timeout = detail::resolve_timeout(options.timeout, env::get("WEFT_TIMEOUT_MS"));
         const auto heartbeat = detail::resolve_heartbeat(options.heartbeat, env::get("WEFT_HEARTBEAT_MS"));
         reply_bound = detail::resolve_dead_peer(options.dead_peer_timeout, env::get("WEFT_DEAD_PEER_MS"), heartbeat);
     } catch (const Error&) {
     }
-    timeout = std::max(timeout, std::chrono::milliseconds(30000));
-    setup.store = std::shared_ptr<Store>(detail::make_launch_store(*launch, world_index, timeout, reply_bound));
+    // The port slot is held as long as the store (rank 0's server) is: until the World is gone.
+    std::shared_ptr<const uint64_t> slot = detail::take_store_port_slot();
+    Store* store = detail::make_launch_store(*launch, world_index, timeout, reply_bound, *slot).release();
+    setup.store = std::shared_ptr<Store>(store, [slot](Store* s) { delete s; });
     // The watchdog's own client: its beats must not queue behind a blocking call of this rank's thread.
-    setup.connect_watchdog_store = [env = *launch, world_index, timeout, reply_bound]() -> std::shared_ptr<Store> {
-        return detail::connect_launch_store(env, world_index, timeout, reply_bound);
+    setup.connect_watchdog_store = [env = *launch, world_index, timeout, reply_bound,
+                                    port_slot = *slot]() -> std::shared_ptr<Store> {
+        return detail::connect_launch_store(env, world_index, timeout, reply_bound, port_slot);
     };
     return std::unique_ptr<World>(new World(std::move(setup)));
 }

@@ -40,8 +40,9 @@ std::unique_ptr<World> World::from_store(std::shared_ptr<Store> store, const Wor
                                                     [](unsigned char ch) { return ch > 0x20 && ch < 0x7f; }),
                "WorldMembership::key_prefix must be non-empty printable ASCII without spaces, got '" << m.key_prefix
                                                                                                     << "'");
-    // Validation first: a wrong argument is reported before this process's CUDA environment changes.
-    const auto timeout = detail::resolve_timeout(options.timeout, env::get("WEFT_TIMEOUT_MS"));
+    // Validation first: a wrong argument is reported before this process's CUDA environment changes. A timeout this
+    // rank refuses is refused in the World's start-up exchange, where every rank hears of it.
+    const auto timeout = detail::timeout_before_exchange(options.timeout);
     prepare_cuda_environment();  // before this process's first CUDA call, if it has made none
     set_log_rank(m.rank);
 

@@ -203,16 +203,29 @@ TEST(LaunchStore, SeveralHostsMeetOverTcpNeverOnMasterPort) {
         EXPECT_TRUE(contains(error_of([&] { detail::make_launch_store(e, 0, milliseconds(100)); }), "WEFT_JOB_TOKEN"))
             << rank;
     }
-    // WEFT_STORE_PORT, when set, is the first World's port, and the n-th World's is n above it, past MASTER_PORT.
+    // WEFT_STORE_PORT, when set, is the port of every World made while no other is open (port slot 0), whatever its
+    // index; a World open beside others takes the slot above theirs, past MASTER_PORT.
     v["WEFT_STORE_PORT"] = "31999";
     EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 0).port, 31999);
-    EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 1).port, 32000);
+    EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 5).port, 31999);
+    EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 5, 1).port, 32000);
     v["WEFT_STORE_PORT"] = "29498";
-    EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 1).port, 29499);
-    EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 2).port, 29501) << "MASTER_PORT is skipped";
+    EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 1, 1).port, 29499);
+    EXPECT_EQ(detail::launch_store_address(*parse_launch_env(v), 1000, 2, 2).port, 29501) << "MASTER_PORT is skipped";
     v["WEFT_STORE_PORT"] = "65535";
-    const std::string past = error_of([&] { detail::launch_store_address(*parse_launch_env(v), 1000, 1); });
-    EXPECT_TRUE(contains(past, "World 1 would need port 65536, past 65535")) << past;
+    const std::string past = error_of([&] { detail::launch_store_address(*parse_launch_env(v), 1000, 1, 1); });
+    EXPECT_TRUE(contains(past, "2 Worlds open at once would need port 65536, past 65535")) << past;
+    // Slots: the lowest free one, held until released.
+    {
+        auto first = detail::take_store_port_slot();
+        auto second = detail::take_store_port_slot();
+        EXPECT_EQ(*first, 0u);
+        EXPECT_EQ(*second, 1u);
+        first.reset();
+        auto third = detail::take_store_port_slot();
+        EXPECT_EQ(*third, 0u) << "a World made after the first closed reuses its port";
+    }
+    EXPECT_EQ(*detail::take_store_port_slot(), 0u);
     // Never MASTER_PORT, where the launcher's or torch.distributed's store listens.
     v["WEFT_STORE_PORT"] = "29500";
     const std::string e = error_of([&] { detail::launch_store_address(*parse_launch_env(v), 1000, 0); });
@@ -335,9 +348,10 @@ TEST(LaunchStore, ConcurrentJobsOnOneHostMeetOnlyTheirOwnRanks) {
 }
 
 TEST(LaunchStore, ConsecutiveWorldsOfOneJobMeetTheirOwnStore) {
-    // Each process's second World::from_env meets at the second World's store, while rank 0 still holds the first
-    // one open, late (on one host: another socket name; across hosts with a fixed WEFT_STORE_PORT: the next port),
-    // and while the first World is open on every rank.
+    // Each process's second World::from_env meets at the second World's store, even while rank 0 still holds the
+    // first one open, late (on one host: another socket name; across hosts with a fixed WEFT_STORE_PORT: the same
+    // port, where a rank that reaches the first World's store sees another World id and waits); a third World open
+    // beside the second meets at its own (across hosts: the next port).
     PortHolder agent;
     for (bool fixed_port : {false, true}) {
         const std::string id = unique_run_id("worlds");
@@ -359,7 +373,8 @@ TEST(LaunchStore, ConsecutiveWorldsOfOneJobMeetTheirOwnStore) {
             }
             auto second = detail::make_launch_store(env, 1, milliseconds(20000));
             exchange(*second, r, 3, "world 1");
-            auto third = detail::make_launch_store(env, 2, milliseconds(20000));  // beside the second
+            // Beside the second (the threads stand for processes: the slot a process would take is passed).
+            auto third = detail::make_launch_store(env, 2, milliseconds(20000), milliseconds(0), 1);
             exchange(*third, r, 3, "world 2");
         });
         for (int r = 0; r < 3; ++r) {

@@ -26,6 +26,10 @@ std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds option, cons
                                           const char* option_name = "WorldOptions::timeout",
                                           std::chrono::milliseconds fallback = kDefaultTimeout);
 
+/// resolve_timeout(option, WEFT_TIMEOUT_MS), or kDefaultTimeout where this rank refuses them: the bound of the waits
+/// before the World's start-up exchange, which refuses the setting where every rank hears of it.
+std::chrono::milliseconds timeout_before_exchange(std::chrono::milliseconds option);
+
 /// SM budget: `option` when positive, else `env_value` (WEFT_SM_BUDGET), else sm_count / ranks_on_device
 /// (at least 1). Throws weft::Error when the chosen value is outside [1, sm_count].
 int resolve_sm_budget(int option, const std::optional<std::string>& env_value, int sm_count, int ranks_on_device);

@@ -73,8 +73,9 @@ struct GroupedGemmOptions {
 /// between them that no group owns (those rows of D are not written). D's bytes must not overlap A's, B's,
 /// offsets' or counts' (the kernel reads them while other CTAs write D). Asynchronous on `stream`,
 /// capturable once its kernel exists. Row strides: multiples of 16 bytes; K a positive multiple of 8; every extent (and
-/// the rows of A) at most kGemmMaxExtent = 2^31 - 2^24; base addresses 16-byte aligned. Bad arguments throw weft::Error
-/// naming the argument; bad counts: GroupedGemmOptions::status.
+/// the rows of A) at most kGemmMaxExtent = 2^31 - 2^24; base addresses 16-byte aligned. Every operand and array is
+/// this GPU's memory (or managed memory): host memory and another GPU's are refused. Bad arguments throw weft::Error
+/// naming the argument, before anything is enqueued; bad counts: GroupedGemmOptions::status.
 void grouped_gemm_contiguous(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
                              const int32_t* offsets, const int32_t* counts, cudaStream_t stream,
                              const GroupedGemmOptions& options = {});
