@@ -7,11 +7,13 @@
 #include <chrono>
 
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "dist/dist_world.hpp"
+#include "support/jit_testing.hpp"
 #include "support/runtime_checks.hpp"
 #include "weft/runtime/in_process_store.hpp"
 #include "weft/runtime/rendezvous.hpp"
@@ -50,19 +52,12 @@ TEST(DistBootstrap, SettingsThatDifferAcrossRanksFailEveryRankNamingTheVariable)
     // WEFT_NET_CHUNK_BYTES cuts the network paths' blocks: ranks that cut differently would pair sends and receives
     // wrongly, so a World whose ranks disagree is refused at start-up, on every rank.
     World& w = world();
-    const char* before = std::getenv("WEFT_NET_CHUNK_BYTES");
-    const std::string saved = before != nullptr ? before : "";
-    ::setenv("WEFT_NET_CHUNK_BYTES", w.rank() == 0 ? "2M" : "4M", 1);
     std::string error;
     try {
+        const testing::ScopedEnv chunk("WEFT_NET_CHUNK_BYTES", w.rank() == 0 ? "2M" : "4M");
         auto other = World::from_env(test::test_options(32ull << 20));
     } catch (const Error& e) {
         error = e.what();
-    }
-    if (before != nullptr) {
-        ::setenv("WEFT_NET_CHUNK_BYTES", saved.c_str(), 1);
-    } else {
-        ::unsetenv("WEFT_NET_CHUNK_BYTES");
     }
     EXPECT_NE(error.find("WEFT_NET_CHUNK_BYTES"), std::string::npos) << error;
     EXPECT_NE(error.find("differs across ranks"), std::string::npos) << error;
@@ -88,24 +83,18 @@ TEST(DistBootstrap, ARankThatRefusesBeforeTheExchangeFailsEveryRankAtOnceNamingI
     // takes part in the exchange, so the others fail at once naming it instead of waiting for it until the timeout.
     World& w = world();
     const int refusing = w.num_ranks() - 1;
-    const char* before = std::getenv("WEFT_HEARTBEAT_MS");
-    const std::string saved = before != nullptr ? before : "";
     for (int round = 0; round < 2; ++round) {
         WorldOptions options = test::test_options(32ull << 20);
         options.timeout = std::chrono::milliseconds(120000);
         if (w.rank() == refusing && round == 0) options.device = 4096;
-        if (w.rank() == refusing && round == 1) ::setenv("WEFT_HEARTBEAT_MS", "soon", 1);
         const auto start = std::chrono::steady_clock::now();
         std::string error;
         try {
+            std::optional<testing::ScopedEnv> heartbeat;
+            if (w.rank() == refusing && round == 1) heartbeat.emplace("WEFT_HEARTBEAT_MS", "soon");
             auto other = World::from_env(options);
         } catch (const Error& e) {
             error = e.what();
-        }
-        if (before != nullptr) {
-            ::setenv("WEFT_HEARTBEAT_MS", saved.c_str(), 1);
-        } else {
-            ::unsetenv("WEFT_HEARTBEAT_MS");
         }
         EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30)) << "waited for the timeout";
         const std::string what = round == 0 ? "WorldOptions::device" : "WEFT_HEARTBEAT_MS";
