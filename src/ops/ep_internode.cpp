@@ -57,11 +57,11 @@ void Buffer::Impl::init_across_nodes() {
                                               << team.world_rank(r) << " has " << name(theirs_at(r))
                                               << (r == team.rank() ? " ('" + chosen + "')" : std::string()));
         }
-        for (int r = 0; r < team.num_ranks(); ++r) {
-            WEFT_CHECK(theirs_at(r) == code, "ep::Buffer: the members' WEFT_EP_ACROSS_NODES differ: world rank "
-                                                 << team.world().rank() << " takes " << chosen << ", world rank "
-                                                 << team.world_rank(r) << " " << name(theirs_at(r))
-                                                 << "; every member must take the same");
+        for (int r = 1; r < team.num_ranks(); ++r) {  // the team's first member and the first that differs
+            WEFT_CHECK(theirs_at(r) == theirs_at(0), "ep::Buffer: the members' WEFT_EP_ACROSS_NODES differ: world rank "
+                                                         << team.world_rank(0) << " takes " << name(theirs_at(0))
+                                                         << ", world rank " << team.world_rank(r) << " "
+                                                         << name(theirs_at(r)) << "; every member must take the same");
         }
     }
     hop = weft::ep::NodeRecordLayout::make(geo, backend.num_nodes(), backend.ranks_per_node());

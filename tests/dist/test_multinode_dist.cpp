@@ -1894,6 +1894,21 @@ TEST(MultiNode, EpAnInvalidPathOnOneMemberIsRefusedOnEveryMember) {
         << "rank " << w.rank() << ": " << error;
     EXPECT_LT(waited, std::chrono::milliseconds(30000)) << error;  // far below the World's timeout
     w.barrier();
+
+    // A valid path that differs: the same text on every member, naming the first member and the one that differs.
+    if (team.rank() == odd) ::setenv("WEFT_EP_ACROSS_NODES", "all_to_all", 1);
+    error.clear();
+    try {
+        ops::ep::Buffer ep(team, ep_config({2, 64, 2, 9, 1}, team.num_ranks()));
+    } catch (const Error& e) {
+        error = e.what();
+    }
+    if (team.rank() == odd) ::unsetenv("WEFT_EP_ACROSS_NODES");
+    EXPECT_NE(error.find("the members' WEFT_EP_ACROSS_NODES differ: world rank " + std::to_string(team.world_rank(0)) +
+                         " takes two_hop, world rank " + std::to_string(team.world_rank(odd)) + " all_to_all"),
+              std::string::npos)
+        << "rank " << w.rank() << ": " << error;
+    w.barrier();
 }
 
 // The same for expert parallelism: a World of its own with a short timeout and an EP Buffer on it; the last rank takes
