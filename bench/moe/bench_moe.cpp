@@ -11,7 +11,7 @@
 // the grouped call must read.
 //
 //   weft_bench_moe [--sizes GxRxNxK,...] [--masked GxCAPxNxK,...] [--counts uniform,skewed,one]
-//                  [--out bf16|f32] [--grouped-config NAME] [--grouped-sm-budget N]
+//                  [--out bf16|f32] [--grouped-config NAME] [--dense-config NAME] [--grouped-sm-budget N]
 //                  [--iters N] [--warmup N] [--check] [--json FILE]
 // --sizes: contiguous cases, G experts of R rows each (A [G*R, K], B [G, N, K]); default 8x4096x4096x7168 and
 // 8x4096x7168x2048. --masked: masked cases, G experts of capacity CAP (A [G, CAP, K]); default 32x256x4096x7168 and
@@ -89,6 +89,7 @@ struct Options {
     bool check = false;
     std::string json;
     std::string grouped_config;  // --grouped-config: a grouped candidate's name (gemm_candidate_name), "" = the plan's
+    std::string dense_config;    // --dense-config: a dense or grouped candidate's name, "" = the op's own choice
     int grouped_sm_budget = 0;   // --grouped-sm-budget: CTAs of weft grouped's persistent grid, 0 = every SM
 };
 
@@ -101,6 +102,19 @@ weft::GemmConfig grouped_config_named(const std::string& name, DType out) {
     }
     throw weft::bench::UsageError("--grouped-config: no grouped candidate named '" + name + "'; the candidates: " +
                                   names);
+}
+
+// The dense candidate (or grouped one: a config weft::ops::gemm runs as well) named `name`, or a usage error.
+weft::GemmConfig dense_config_named(const std::string& name, DType out) {
+    std::string names;
+    for (const auto& list : {weft::ops::gemm_candidate_configs(DType::kBF16, out, BLayout::kNK),
+                             weft::ops::grouped_gemm_candidate_configs(DType::kBF16, out, BLayout::kNK)}) {
+        for (const weft::GemmConfig& c : list) {
+            if (weft::ops::gemm_candidate_name(c) == name) return c;
+            names += (names.empty() ? "" : ", ") + weft::ops::gemm_candidate_name(c);
+        }
+    }
+    throw weft::bench::UsageError("--dense-config: no candidate named '" + name + "'; the candidates: " + names);
 }
 
 std::vector<MoeCase> parse_cases(const std::string& text, const std::string& option, bool masked) {
@@ -127,6 +141,8 @@ struct Row {
     double compute_ms = 0, memory_ms = 0, roofline_ms = 0;  // roofline_ms = max(compute_ms, memory_ms)
     double err = -1;
     std::string config;
+    std::string
+        dense_config;  // the dense GEMM's tiled config (its plan, or --dense-config); "small-M" off the tiled path
 };
 
 double tflops(const Row& r, double ms) { return ms > 0 ? 2.0 * r.total_rows * r.n * r.k / (ms * 1e9) : 0; }
@@ -291,10 +307,26 @@ Row run_case(const MoeCase& c, const Options& opt, const weft::bench::Peaks& pea
         }
     };
     // weft's dense GEMM over the same total rows (expert 0's weights): what the grouped GEMM is measured against.
+    weft::ops::GemmOptions dense_options;
+    if (!opt.dense_config.empty()) dense_options.config = dense_config_named(opt.dense_config, opt.out);
+    if (total > 0) {
+        weft::ops::GemmProblem dp;
+        dp.m = total;
+        dp.n = c.n;
+        dp.k = c.k;
+        dp.in_dtype = DType::kBF16;
+        dp.out_dtype = opt.out;
+        dp.b_rows_contiguous = true;  // B [N, K], rows back to back (as validate_gemm_args finds)
+        int sms = 0;
+        BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        const weft::ops::GemmPlan plan = weft::ops::plan_gemm(dp, sms, dense_options);
+        row.dense_config =
+            plan.path == weft::ops::GemmPath::kTiled ? weft::ops::gemm_candidate_name(plan.config) : "small-M";
+    }
     auto dense = [&](int) {
         if (total == 0) return;
         weft::ops::gemm(TensorView(a.ptr, DType::kBF16, {total, c.k}), TensorView(b.ptr, DType::kBF16, {c.n, c.k}),
-                        TensorView(d_dense.ptr, opt.out, {total, c.n}), BLayout::kNK, stream);
+                        TensorView(d_dense.ptr, opt.out, {total, c.n}), BLayout::kNK, stream, dense_options);
     };
 
     // Correctness first (--check): the grouped output against the per-expert cuBLASLt loop, group by group.
@@ -347,12 +379,17 @@ int main(int argc, char** argv) {
                "force weft grouped's config, a grouped candidate by name (e.g. 128x256x64_s4_c1x1, "
                "64x256x64_s4_c1x1_pp; default: the plan's)",
                [&](const std::string& v) { opt.grouped_config = v; });
+    cli.option("--dense-config", "NAME",
+               "force weft dense's config, a dense or grouped candidate by name (default: the op's own choice); "
+               "the dense config used is printed per row",
+               [&](const std::string& v) { opt.dense_config = v; });
     cli.int_option("--grouped-sm-budget", "CTAs of weft grouped's persistent grid (default 0: every SM)",
                    &opt.grouped_sm_budget, 0, 1 << 16);
     cli.check(&opt.check).json(&opt.json);
     return weft::bench::run_main("weft_bench_moe", [&] {
         cli.parse(argc, argv);
         if (!opt.grouped_config.empty()) (void)grouped_config_named(opt.grouped_config, opt.out);  // fails early
+        if (!opt.dense_config.empty()) (void)dense_config_named(opt.dense_config, opt.out);
         BENCH_CUDA(cudaSetDevice(0));
         const weft::bench::Peaks peaks =
             weft::bench::measure_peaks(weft::bench::kPeakTensor | weft::bench::kPeakRead, DType::kBF16);
@@ -392,6 +429,7 @@ int main(int argc, char** argv) {
                                 r.grouped_ms > 0 ? r.dense_ms / r.grouped_ms : 0, r.roofline_ms,
                                 r.memory_ms > r.compute_ms ? "m" : "c",
                                 r.grouped_ms > 0 ? 100.0 * r.roofline_ms / r.grouped_ms : 0, dense_mem(r), r.err);
+                    std::printf("#   weft dense: %s\n", r.dense_config.c_str());
                     std::fflush(stdout);
                     rows.push_back(r);
                 }
@@ -423,6 +461,7 @@ int main(int argc, char** argv) {
                     .field("cublas_grouped_ms", r.cublas_grouped_ms)
                     .field("cublas_loop_ms", r.cublas_loop_ms)
                     .field("weft_dense_ms", r.dense_ms)
+                    .field("weft_dense_config", r.dense_config)
                     .field("experts_with_rows", r.experts)
                     .field("roofline_ms", r.roofline_ms)
                     .field("roofline_compute_ms", r.compute_ms)
