@@ -26,8 +26,20 @@ constexpr const char* kRecordIndexKey = "weft/watchdog/abort/next";
 
 // How long a slice of a store wait lasts before the abort state is asked again.
 constexpr milliseconds kStoreWaitSlice{250};
-// A watchdog get of a key that check() found set: it is there, so this only bounds a store that stopped.
-constexpr milliseconds kPresentKeyGet{5000};
+// A watchdog get of a key that check() found set: answered at once while the key is there; the bound only covers a
+// key removed in between (its rank stopped its watchdog).
+constexpr milliseconds kPresentKeyGet{100};
+
+/// The value of a key that check() found: nullopt when it is gone by the get (its rank removed it meanwhile); a store
+/// that failed throws.
+std::optional<Bytes> get_present(Store& store, const std::string& key) {
+    try {
+        return store.get(key, kPresentKeyGet);
+    } catch (const std::exception&) {
+        if (store.check(key)) throw;
+        return std::nullopt;
+    }
+}
 
 /// make_abortable_store's view.
 class AbortableStore final : public Store {
@@ -237,9 +249,13 @@ void Watchdog::read_records() {
             unread_records_.push_back(i);
             continue;
         }
-        const Bytes bytes = store_->get(record_key(i), kPresentKeyGet);
+        const std::optional<Bytes> bytes = get_present(*store_, record_key(i));
+        if (!bytes) {
+            unread_records_.push_back(i);
+            continue;
+        }
         if (own(i)) continue;
-        const auto [kind, reason] = decode_abort_record(std::string(bytes.begin(), bytes.end()));
+        const auto [kind, reason] = decode_abort_record(std::string(bytes->begin(), bytes->end()));
         // The abort first, the line after: a host log sink that blocks must not hold up the World's abort.
         const bool first = w.abort_word() == kAbortNone;
         w.raise_abort(reason, kind == 'D');
@@ -300,8 +316,9 @@ void Watchdog::run() {
             // when it was read.
             for (int p : book.peers()) {
                 if (w.same_process || !store_->check(heartbeat_key(p))) continue;
-                const Bytes value = store_->get(heartbeat_key(p), kPresentKeyGet);
-                const std::string text(value.begin(), value.end());
+                const std::optional<Bytes> value = get_present(*store_, heartbeat_key(p));
+                if (!value) continue;  // its watchdog stopped meanwhile
+                const std::string text(value->begin(), value->end());
                 book.observe(p, text.empty() ? -1 : std::strtoll(text.c_str(), nullptr, 10), Clock::now());
             }
             std::lock_guard<std::mutex> lock(records_mutex_);

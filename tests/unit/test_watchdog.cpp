@@ -345,6 +345,40 @@ TEST(WatchdogThread, ALostStoreAbortsTheWorld) {
     EXPECT_NE(w0.c.abort_text().find("the store's host went away"), std::string::npos) << w0.c.abort_text();
 }
 
+// A peer's key that check() finds and that is gone by the get (its watchdog stopped in between, at a World's
+// shutdown): the watchdog skips it and goes on beating; it neither stalls for long nor takes it for a lost store.
+class VanishingKeyStore final : public Store {
+public:
+    std::shared_ptr<InProcessStore> inner = std::make_shared<InProcessStore>();
+    std::atomic<int> vanished{0};
+
+    void set(const std::string& key, const Bytes& value) override { inner->set(key, value); }
+    Bytes get(const std::string& key, std::chrono::milliseconds timeout) override { return inner->get(key, timeout); }
+    int64_t add(const std::string& key, int64_t delta) override { return inner->add(key, delta); }
+    bool check(const std::string& key) override {
+        // Rank 1's beat: found by every other check, never there (removed between the check and the get).
+        if (key.find("/beat/1") != std::string::npos) return vanished.fetch_add(1) % 2 == 0;
+        return inner->check(key);
+    }
+    void erase(const std::string& key) override { inner->erase(key); }
+};
+
+TEST(WatchdogThread, APeersKeyRemovedBetweenCheckAndGetIsSkipped) {
+    auto store = std::make_shared<VanishingKeyStore>();
+    const auto ranks = ranks_on({"host-a", "host-b"}, {1, 2});
+    FakeWorld w0(0, 2, ranks, 30ms, 60000ms);
+    w0.c.watchdog = std::make_unique<detail::Watchdog>(&w0.c, store);
+    const auto beats = [&] {
+        const Bytes b = store->inner->get("weft/watchdog/beat/0", 0ms);
+        return std::stoll(std::string(b.begin(), b.end()));
+    };
+    ASSERT_TRUE(wait_until([&] { return store->vanished >= 2; }, 3000ms)) << "the watchdog never looked for rank 1";
+    const int64_t before = beats();
+    std::this_thread::sleep_for(1500ms);
+    EXPECT_GE(beats() - before, 5) << "the watchdog stalled on the vanished key";
+    EXPECT_EQ(w0.word, 0u) << w0.c.abort_text();
+}
+
 // The network to the store's host goes silent (the host froze: no FIN, no RST). The watchdog's client has the
 // World's reply bound (World::from_env sets the dead-peer bound), so its next call fails at that bound and the World
 // aborts naming the lost store; an abort published meanwhile on the same connection is not held up for longer.
