@@ -26,9 +26,11 @@ constexpr const char* kRecordIndexKey = "weft/watchdog/abort/next";
 
 // How long a slice of a store wait lasts before the abort state is asked again.
 constexpr milliseconds kStoreWaitSlice{250};
-// A watchdog get of a key that check() found set: answered at once while the key is there; the bound only covers a
-// key removed in between (its rank stopped its watchdog).
+// A watchdog get of a key that check() found set: answered at once while the key is there; the first bound covers a
+// key removed in between (its rank stopped its watchdog), the second a key still there on a store slow to answer (a
+// user's store whose wait counts its own round trip).
 constexpr milliseconds kPresentKeyGet{100};
+constexpr milliseconds kPresentKeySlowGet{5000};
 
 /// The value of a key that check() found: nullopt when it is gone by the get (its rank removed it meanwhile); a store
 /// that failed throws.
@@ -36,9 +38,9 @@ std::optional<Bytes> get_present(Store& store, const std::string& key) {
     try {
         return store.get(key, kPresentKeyGet);
     } catch (const std::exception&) {
-        if (store.check(key)) throw;
-        return std::nullopt;
+        if (!store.check(key)) return std::nullopt;
     }
+    return store.get(key, kPresentKeySlowGet);
 }
 
 /// make_abortable_store's view.
