@@ -252,9 +252,12 @@ std::string describe_routing_status(const MoeRoutingStatus& s) {
     return os.str();
 }
 
-void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
-                           const MoeRouting& routing, const TensorView& a_rows, cudaStream_t stream,
-                           const GroupedGemmOptions& options) {
+namespace {
+
+// grouped_gemm_gathered; `check_memory`: also that every buffer is this GPU's memory.
+void gathered(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
+              const MoeRouting& routing, const TensorView& a_rows, cudaStream_t stream,
+              const GroupedGemmOptions& options, bool check_memory) {
     WEFT_NVTX_RANGE("grouped_gemm_gathered");
     constexpr const char* kOp = "grouped_gemm_gathered";
     check_routing(routing, kOp);
@@ -273,14 +276,14 @@ void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const Tenso
     check_gathered_apart(kOp, routing, b, d, a_rows);
     if (routing.rows_capacity == 0) return;
     ops::detail::check_grouped_gemm_launch(p, options);  // before the gather is enqueued
-    ops::detail::check_device_views({{"a", a}, {"a_rows", a_rows}, {"b", b}, {"d", d}}, kOp, stream);
-    check_routing_on_device(routing, kOp, stream);
+    if (check_memory) {
+        ops::detail::check_device_views({{"a", a}, {"a_rows", a_rows}, {"b", b}, {"d", d}}, kOp, stream);
+        check_routing_on_device(routing, kOp, stream);
+    }
     launch_gather(a, routing, a_rows, stream);
     ops::detail::grouped_gemm_contiguous_on_device(a_rows, b, d, b_layout, routing.offsets, routing.counts, stream,
                                                    options);
 }
-
-namespace {
 
 // The operands of a combine of `n` columns (d_rows, out, acc, weights) against the routing: moe_combine's checks,
 // which grouped_gemm_gathered_combine makes before it launches its GEMM.
@@ -316,10 +319,9 @@ void check_combine_operands(const char* op, const MoeRouting& routing, MoeCombin
     }
 }
 
-}  // namespace
-
-void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
-                 const TensorView& acc, const TensorView& out, cudaStream_t stream) {
+// moe_combine; `check_memory`: also that every buffer is this GPU's memory.
+void combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
+             const TensorView& acc, const TensorView& out, cudaStream_t stream, bool check_memory) {
     WEFT_NVTX_RANGE("moe_combine");
     constexpr const char* kOp = "moe_combine";
     WEFT_CHECK(mode == MoeCombineMode::kPerSlot || mode == MoeCombineMode::kWeightedSum,
@@ -331,9 +333,11 @@ void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombine
         kOp << ": d_rows must be [rows, N] with N a multiple of 8 (at most 2^31 - 2^24), got " << d_rows.describe());
     check_combine_operands(kOp, routing, mode, n, d_rows, weights, acc, out);
     if (routing.tokens == 0 || n == 0) return;
-    ops::detail::check_device_views({{"d_rows", d_rows}, {"weights", weights}, {"acc", acc}, {"out", out}}, kOp,
-                                    stream);
-    check_routing_on_device(routing, kOp, stream);
+    if (check_memory) {
+        ops::detail::check_device_views({{"d_rows", d_rows}, {"weights", weights}, {"acc", acc}, {"out", out}}, kOp,
+                                        stream);
+        check_routing_on_device(routing, kOp, stream);
+    }
     weft::moe::MoeCombineArgs c{};
     c.partials[0] = static_cast<const float*>(d_rows.data);
     c.slot_rows = routing.slot_rows;
@@ -356,6 +360,19 @@ void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombine
     moe_kernel("combine").launch(launch_params(memory_grid(routing.tokens), kMoeThreads, stream), c);
 }
 
+}  // namespace
+
+void grouped_gemm_gathered(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout,
+                           const MoeRouting& routing, const TensorView& a_rows, cudaStream_t stream,
+                           const GroupedGemmOptions& options) {
+    gathered(a, b, d, b_layout, routing, a_rows, stream, options, true);
+}
+
+void moe_combine(const TensorView& d_rows, const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
+                 const TensorView& acc, const TensorView& out, cudaStream_t stream) {
+    combine(d_rows, routing, mode, weights, acc, out, stream, true);
+}
+
 void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, const TensorView& out, BLayout b_layout,
                                    const MoeRouting& routing, MoeCombineMode mode, const TensorView& weights,
                                    const TensorView& a_rows, const TensorView& d_rows, const TensorView& acc,
@@ -374,10 +391,13 @@ void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, con
     ops::detail::check_apart(kOp, "a_rows", a_rows,
                              {{"weights", weights}, {"routing.slot_rows", slot_rows_view(routing)}},
                              "the combine reads them after the gather writes a_rows");
-    // The combine's operands before the GEMM is enqueued (the GEMM's own are checked as it is).
-    ops::detail::check_device_views({{"weights", weights}, {"acc", acc}, {"out", out}}, kOp, stream);
-    grouped_gemm_gathered(a, b, d_rows, b_layout, routing, a_rows, stream, options);
-    moe_combine(d_rows, routing, mode, weights, acc, out, stream);
+    // Every buffer once, before anything is enqueued.
+    ops::detail::check_device_views(
+        {{"a", a}, {"a_rows", a_rows}, {"b", b}, {"d_rows", d_rows}, {"weights", weights}, {"acc", acc}, {"out", out}},
+        kOp, stream);
+    check_routing_on_device(routing, kOp, stream);
+    gathered(a, b, d_rows, b_layout, routing, a_rows, stream, options, false);
+    combine(d_rows, routing, mode, weights, acc, out, stream, false);
 }
 
 // ---- TP MoE layers ---------------------------------------------------------------------------------------------
