@@ -66,6 +66,10 @@ auto start_exchange(Store& store, int rank, int num_ranks, Exchange&& exchange) 
     }
 }
 
+/// Processes of one job start seconds apart (context creation on a shared GPU is slow): the start-up exchanges wait at
+/// least this long, whatever WEFT_TIMEOUT_MS says.
+inline constexpr std::chrono::milliseconds kMinInitTimeout{60000};
+
 /// Milliseconds left until `deadline` (at least 1, so that a final check still happens).
 std::chrono::milliseconds remaining_ms(std::chrono::steady_clock::time_point deadline);
 /// Whether a store get that was given `asked` (from `get_start`) and threw ended well before that time ran out (the

@@ -54,7 +54,7 @@ std::unique_ptr<World> World::from_store(std::shared_ptr<Store> store, const Wor
     // Processes start seconds apart: the same start-up allowance as the World's own exchanges. The sizes first: a
     // rank given another num_ranks than rank 0 fails at once naming both (the placement exchange below would
     // otherwise meet a World of other ranks, or wait for a rank that never comes); World::World checks them again.
-    const auto start_timeout = std::max(timeout, std::chrono::milliseconds(60000));
+    const auto start_timeout = std::max(timeout, detail::kMinInitTimeout);
     detail::agree_on_world_size(*setup.store, m.rank, m.num_ranks, start_timeout);
     const detail::Placement placement = detail::start_exchange(*setup.store, m.rank, m.num_ranks, [&] {
         return detail::exchange_placement(*setup.store, "weft/placement", m.rank, m.num_ranks, start_timeout);
