@@ -305,7 +305,9 @@ void create_cache_folder(const fs::path& dir, std::error_code& ec) {
         create_cache_folder(dir.parent_path(), ec);
         if (ec) return;
     }
-    if (fs::create_directory(dir, ec)) ::chmod(dir.c_str(), 0755);
+    // Created 0755 at once (a umask only takes bits away): a rank of the same job that finds it a moment later never
+    // sees it writable by group (umask 0002), which it would distrust.
+    if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) ec = std::error_code(errno, std::generic_category());
 }
 
 DiskCache::DiskCache(fs::path dir) : dir_(std::move(dir)), jit_dir_(dir_ / "jit") {
@@ -428,6 +430,24 @@ DiskCache::PruneResult DiskCache::prune(std::chrono::hours unused_for) const {
             ++r.removed;
             r.removed_bytes += file_ec ? 0 : bytes;
         }
+    }
+    // Lock files ("<key>.lock", one per key ever compiled): those whose entry is gone, made before the cutoff and held
+    // by no one. One a process opens before the unlink and locks after it costs at most a second compile of its key
+    // (entries are renamed into place whole), never a damaged entry.
+    ec.clear();
+    for (fs::directory_iterator it(jit_dir_, ec), end; !ec && it != end; it.increment(ec)) {
+        const fs::path path = it->path();
+        if (path.extension() != ".lock") continue;
+        std::error_code file_ec;
+        fs::path entry = path;
+        entry.replace_extension(".wjit");
+        if (fs::exists(entry, file_ec) || file_ec || !it->is_regular_file(file_ec) || file_ec) continue;
+        const auto made = fs::last_write_time(path, file_ec);
+        if (file_ec || made >= cutoff) continue;
+        const std::string name = path.filename().string();
+        Fd lock(::openat(jit.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+        if (lock.get() < 0 || ::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) continue;  // held: a compile under way
+        if (::unlinkat(jit.get(), name.c_str(), 0) == 0) ++r.removed_locks;
     }
     return r;
 }

@@ -336,8 +336,12 @@ CompilerStats Compiler::stats() const {
 
 std::string Compiler::resolve_arch(const std::string& requested) {
     std::string arch = requested;
+    std::string source = "KernelSpec::arch";  // where the arch came from, for the errors below
     if (arch.empty()) {
-        if (auto v = env::get("WEFT_JIT_ARCH"); v && !v->empty()) arch = *v;
+        if (auto v = env::get("WEFT_JIT_ARCH"); v && !v->empty()) {
+            arch = *v;
+            source = "WEFT_JIT_ARCH";
+        }
     }
     if (arch.empty()) {
         WEFT_CHECK(cuda_available(), "no arch to compile for: no GPU is visible; set KernelSpec::arch or "
@@ -348,6 +352,7 @@ std::string Compiler::resolve_arch(const std::string& requested) {
         WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
         // From Hopper on, the "a" variant unlocks the architecture-specific instructions (wgmma, setmaxnreg).
         arch = "sm_" + std::to_string(major * 10 + minor) + (major >= 9 ? "a" : "");
+        source = "the GPU";
     }
     // sm_<2 or 3 digits>[a|f]
     size_t digits = 0;
@@ -355,7 +360,7 @@ std::string Compiler::resolve_arch(const std::string& requested) {
     const size_t rest = arch.size() - std::min(arch.size(), 3 + digits);
     const bool well_formed = arch.rfind("sm_", 0) == 0 && digits >= 2 && digits <= 3 &&
                              (rest == 0 || (rest == 1 && (arch.back() == 'a' || arch.back() == 'f')));
-    WEFT_CHECK(well_formed, "arch must look like sm_90a (sm_<number>[a|f]), got '" << arch << "'");
+    WEFT_CHECK(well_formed, source << ": arch must look like sm_90a (sm_<number>[a|f]), got '" << arch << "'");
     int num = 0;
     WEFT_NVRTC_CHECK(nvrtcGetNumSupportedArchs(&num));
     std::vector<int> supported(static_cast<size_t>(num));
@@ -364,7 +369,8 @@ std::string Compiler::resolve_arch(const std::string& requested) {
     if (std::find(supported.begin(), supported.end(), sm) == supported.end()) {
         std::ostringstream os;
         for (int s : supported) os << " sm_" << s;
-        WEFT_FAIL("arch '" << arch << "' is not supported by NVRTC " << nvrtc_version_text() << "; supported:" << os.str());
+        WEFT_FAIL(source << ": arch '" << arch << "' is not supported by NVRTC " << nvrtc_version_text()
+                         << "; supported:" << os.str());
     }
     return arch;
 }

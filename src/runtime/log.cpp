@@ -88,7 +88,8 @@ std::array<std::atomic<int>, kNumLogSubsystems>& thresholds() {
 }
 
 void write_stderr(LogSubsystem subsystem, LogLevel level, std::string_view message) {
-    // Debug lines carry the seconds since the first line: they are read to order what ranks did.
+    // Debug lines carry the seconds since the process's first line on stderr (any level): they are read to order
+    // what ranks did.
     static const auto t0 = std::chrono::steady_clock::now();
     char when[32] = "";
     if (level == LogLevel::kDebug) {

@@ -16,6 +16,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <vector>
 
@@ -197,6 +198,10 @@ public:
 
     uint64_t next_seq() { return seq_++; }
 
+    /// The path rank 0 last wrote a trace to (nullopt before its first write; other ranks never write).
+    const std::optional<std::string>& last_write() const { return last_write_; }
+    void wrote(const std::string& path) { last_write_ = path; }
+
     TraceBuffer* device_buffer() const { return buffer_; }
 
 private:
@@ -296,6 +301,7 @@ private:
     std::vector<TraceEvent> host_events_;
     uint64_t refused_ = 0;  // copies and host events asked for while full (guarded by mutex_)
     uint64_t seq_ = 0;
+    std::optional<std::string> last_write_;
 };
 
 Tracer* find_tracer(const World& world) { return dynamic_cast<Tracer*>(world.find_extension(kExtensionName)); }
@@ -433,28 +439,39 @@ void write_gathered_trace(const std::vector<Bytes>& all, const std::string& path
         std::filesystem::remove(tmp, ignored);
         WEFT_FAIL("write_trace: cannot rename " << tmp.string() << " to " << path << ": " << ec.message());
     }
-    WEFT_LOG_NOTICE("trace: " << kept << " events of " << ranks.size() << " rank(s) written to " << path
-                              << (dropped > 0 ? " (" + std::to_string(dropped) +
-                                                    " dropped: the buffers were full; raise WEFT_TRACE_EVENTS)"
-                                              : std::string()));
+    WEFT_LOG_NOTICE("trace: " << kept << " events of " << ranks.size() << " rank(s) written to " << path);
+    if (dropped > 0) {  // a timeline with holes: said at warn, which a quieted job still prints
+        WEFT_LOG_WARN("trace: " << dropped << " events were dropped (the buffers were full; their ranks' names in "
+                                << path << " say how many): raise WEFT_TRACE_EVENTS");
+    }
     if (!missing.empty()) {
         WEFT_LOG_WARN("trace: the events of " << detail::format_rank_list(missing)
                                               << " could not be read there and are not in " << path);
     }
 }
 
-// How long rank 0 waits for a key the store says it holds, when it writes what it can read after a failed gather.
+// How long rank 0 waits for a key the store says it holds, when it writes what it can read after a rank was late.
 constexpr std::chrono::milliseconds kSalvageGet{1000};
 
-}  // namespace
+// Whether a gathered blob holds events: recorded ones (kept or dropped) or a rank that could not be read (empty).
+bool records_anything(const Bytes& blob) { return blob.empty() || detail::decode_rank_trace(blob).recorded > 0; }
 
-void write_trace(World& world, const std::string& path) {
+// Where rank 0's write at shutdown goes: WEFT_TRACE's path, unless a write_trace of the program already wrote there
+// (its file is kept; what came after goes beside it, "t.json" -> "t.at_exit.json").
+std::string shutdown_path(const std::string& path, const std::optional<std::string>& last_write) {
+    if (!last_write || std::filesystem::path(*last_write) != std::filesystem::path(path)) return path;
+    std::filesystem::path p(path);
+    const std::string ext = p.extension().string();
+    return p.replace_extension().string() + ".at_exit" + (ext.empty() ? std::string(".json") : ext);
+}
+
+void write_trace(World& world, const std::string& path, bool at_shutdown) {
     Tracer* tracer = find_tracer(world);
     WEFT_CHECK(tracer != nullptr, "write_trace: this World records no trace (set WEFT_TRACE=path before making it)");
     WEFT_CHECK(!path.empty(), "write_trace: the path must not be empty");
     const detail::DeviceGuard guard(world.device());
-    // Every rank joins the gather, also one whose events cannot be read (a failed kernel left its context unusable):
-    // it sends an empty blob, so the others neither wait for it nor fall out of step with its next trace.
+    // Every rank sends its events, also one whose events cannot be read (a failed kernel left its context unusable):
+    // it sends an empty blob, so rank 0 neither waits for it nor falls out of step with its next trace.
     const uint64_t seq = tracer->next_seq();
     Bytes blob;
     std::string failed;
@@ -464,33 +481,67 @@ void write_trace(World& world, const std::string& path) {
         failed = e.what();
         blob.clear();
     }
-    const std::string name = "weft/trace/" + std::to_string(seq);
-    std::vector<Bytes> all;
-    try {
-        all = world.store().all_gather(name, world.rank(), world.num_ranks(), blob, world.timeout());
-    } catch (const std::exception& e) {
-        if (world.rank() != 0) throw;
-        // A rank that is gone (or hangs) does not cost the others' events: rank 0 writes those it can read, and the
-        // trace names the ranks it lacks.
-        all.assign(static_cast<size_t>(world.num_ranks()), Bytes());
-        all[0] = blob;
-        for (int r = 1; r < world.num_ranks(); ++r) {
-            const std::string key = name + "/" + std::to_string(r);
-            try {  // a key that is there comes at once; a store that no longer answers costs a second a rank
-                if (world.store().check(key)) all[static_cast<size_t>(r)] = world.store().get(key, kSalvageGet);
-            } catch (const std::exception&) {  // an aborted World's store: only this rank's events
+    // A gather to rank 0, the one that writes: each rank sets its key and goes on; rank 0 reads and erases them (an
+    // all-gather would send every rank every rank's events: N^2 copies of up to tens of MiB).
+    const std::string prefix = "weft/trace/" + std::to_string(seq) + "/";
+    if (world.rank() != 0) {
+        world.store().set(prefix + std::to_string(world.rank()), blob);
+        WEFT_CHECK(failed.empty(), "write_trace: this rank's events could not be read: " << failed);
+        return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + world.timeout();
+    std::vector<Bytes> all{blob};
+    all.resize(static_cast<size_t>(world.num_ranks()));
+    std::vector<int> late;
+    std::string late_error;
+    for (int r = 1; r < world.num_ranks(); ++r) {
+        const std::string key = prefix + std::to_string(r);
+        try {
+            // After one rank was late, only the events already there: a store that no longer answers, or ranks that
+            // are gone, cost a second each, not the timeout each.
+            if (late.empty()) {
+                all[static_cast<size_t>(r)] = world.store().get(key, detail::remaining_ms(deadline));
+            } else if (world.store().check(key)) {
+                all[static_cast<size_t>(r)] = world.store().get(key, kSalvageGet);
+            } else {
+                late.push_back(r);
+                continue;
             }
+            world.store().erase(key);
+        } catch (const std::exception& e) {  // an aborted World's store, or a store of the user's: any std::exception
+            if (late.empty()) late_error = e.what();
+            late.push_back(r);
         }
-        WEFT_LOG_WARN("trace: not every rank joined the gather of the trace ("
-                      << e.what() << ")"
+    }
+    std::string target = path;
+    if (at_shutdown) {
+        if (tracer->last_write() && late.empty() && std::none_of(all.begin(), all.end(), records_anything)) {
+            WEFT_LOG_INFO("trace: nothing recorded since write_trace wrote " << *tracer->last_write()
+                                                                             << "; no trace written at shutdown");
+            return;
+        }
+        target = shutdown_path(path, tracer->last_write());
+    }
+    if (!late.empty()) {
+        // A rank that is gone (or hangs) does not cost the others' events: rank 0 writes those it has, and the trace
+        // names the ranks it lacks.
+        WEFT_LOG_WARN(
+            "trace: " << detail::format_rank_list(late) << " did not send their events within the timeout ("
+                      << world.timeout().count() << " ms; " << late_error << ")"
                       << (failed.empty() ? std::string() : "; this rank's own events could not be read: " + failed)
                       << "; writing the events at hand");
-        write_gathered_trace(all, path);
-        throw;
     }
-    if (world.rank() == 0) write_gathered_trace(all, path);
+    write_gathered_trace(all, target);
+    tracer->wrote(target);
+    WEFT_CHECK(late.empty(), "write_trace: " << detail::format_rank_list(late)
+                                             << " did not send their events within the timeout ("
+                                             << world.timeout().count() << " ms): " << late_error);
     WEFT_CHECK(failed.empty(), "write_trace: this rank's events could not be read: " << failed);
 }
+
+}  // namespace
+
+void write_trace(World& world, const std::string& path) { write_trace(world, path, /*at_shutdown=*/false); }
 
 namespace detail {
 
@@ -517,7 +568,7 @@ void finish_trace_at_shutdown(World& world) noexcept {
     Tracer* tracer = find_tracer(world);
     if (tracer == nullptr) return;
     try {
-        write_trace(world, tracer->path());
+        write_trace(world, tracer->path(), /*at_shutdown=*/true);
     } catch (const std::exception& e) {
         WEFT_LOG_ERROR("trace: writing " << tracer->path() << " failed: " << e.what());
     }
@@ -622,7 +673,9 @@ std::string chrome_trace_json(const std::vector<RankTrace>& ranks) {
     for (const RankTrace& r : ranks) {
         sep();
         os << "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":" << r.rank << ",\"args\":{\"name\":";
-        json_string(os, "rank " + std::to_string(r.rank) + " (" + r.host + ")");
+        const uint64_t dropped = r.recorded > r.events.size() ? r.recorded - r.events.size() : 0;
+        json_string(os, "rank " + std::to_string(r.rank) + " (" + r.host +
+                            (dropped > 0 ? "; " + std::to_string(dropped) + " events dropped" : std::string()) + ")");
         os << "}}";
         sep();
         os << "{\"ph\":\"M\",\"name\":\"process_sort_index\",\"pid\":" << r.rank

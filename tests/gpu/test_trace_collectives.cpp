@@ -253,11 +253,56 @@ TEST(TraceCollectives, ARankThatDoesNotJoinTheGatherLeavesRankZerosEventsWritten
             WEFT_CUDA_CHECK(cudaStreamDestroy(s));
         },
         options);
-    EXPECT_NE(rank0_error.find("weft/trace/"), std::string::npos) << "rank 0's write did not fail: " << rank0_error;
+    EXPECT_NE(rank0_error.find("rank 1 did not send"), std::string::npos)
+        << "rank 0's write did not fail naming rank 1: " << rank0_error;
     ASSERT_TRUE(fs::exists(path)) << "rank 0 wrote no trace";
     const std::string json = testing::read_text_file(path);
     EXPECT_NE(json.find("\"rank 0"), std::string::npos) << "rank 0's process is not in the trace";
     EXPECT_EQ(json.find("\"rank 1"), std::string::npos) << "rank 1 sent nothing, yet it is in the trace";
+}
+
+// The write at shutdown keeps a trace the program wrote to WEFT_TRACE's own path: nothing recorded since, no write;
+// events recorded since go beside it ("t.json" -> "t.at_exit.json").
+TEST(TraceCollectives, TheWriteAtShutdownKeepsATraceWrittenToItsPath) {
+    testing::TempDir dir("weft_trace_shutdown");
+    const fs::path path = dir / "t.json";
+    const fs::path beside = dir / "t.at_exit.json";
+    const testing::ScopedEnv trace("WEFT_TRACE", path.string());
+    constexpr int64_t kCount = 1 << 16;
+    for (const bool more_after : {false, true}) {
+        test::run_ranks(
+            2,
+            [&](World& w) {
+                cudaStream_t s = nullptr;
+                WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+                void* buf = nullptr;
+                WEFT_CUDA_CHECK(cudaMalloc(&buf, 2 * kCount * sizeof(float)));
+                WEFT_CUDA_CHECK(cudaMemsetAsync(buf, 0, 2 * kCount * sizeof(float), s));
+                const TensorView vin(buf, DType::kF32, {kCount});
+                const TensorView vout(static_cast<float*>(buf) + kCount, DType::kF32, {kCount});
+                const ops::AllReduceOptions opt{.algo = ops::AllReduceAlgo::kOneShot};
+                ops::all_reduce(w, vin, vout, s, opt);
+                w.sync_and_check(s);
+                write_trace(w, path.string());
+                if (more_after) {
+                    ops::all_reduce(w, vin, vout, s, opt);
+                    w.sync_and_check(s);
+                }
+                cudaFree(buf);
+                WEFT_CUDA_CHECK(cudaStreamDestroy(s));
+            },
+            test::test_options(192ull << 20));
+        ASSERT_TRUE(fs::exists(path)) << "no trace at " << path.string();
+        const std::string json = testing::read_text_file(path);
+        EXPECT_NE(json.find("\"rank 1"), std::string::npos)
+            << "the written trace was replaced: " << json.size() << " bytes";
+        EXPECT_NE(json.find("\"ph\":\"X\""), std::string::npos) << "the written trace lost its events";
+        EXPECT_EQ(fs::exists(beside), more_after) << "more_after = " << more_after;
+        if (more_after && fs::exists(beside)) {
+            EXPECT_NE(testing::read_text_file(beside).find("\"ph\":\"X\""), std::string::npos)
+                << "the events after the write are not in " << beside.string();
+        }
+    }
 }
 
 TEST(TraceCollectives, CopyEngineAllGatherCopiesAreTimedAndPrecedeThePeersExitWaits) {

@@ -151,6 +151,28 @@ TEST(JitDiskCache, PruneRemovesEntriesUnusedForLongerThanAsked) {
     EXPECT_TRUE(fs::exists(dir.path() / "jit" / ".old.wjit.tmp.1"));
 }
 
+// prune removes the lock files of keys without an entry once they are older than the cutoff, and none that a process
+// holds or whose entry is there.
+TEST(JitDiskCache, PruneRemovesOldLockFilesOfKeysWithoutAnEntry) {
+    TempDir dir("weft_jit_prune_locks");
+    DiskCache cache(dir.path());
+    const Digest gone = sha256("gone"), held = sha256("held"), kept = sha256("kept"), young = sha256("young");
+    cache.store(kept, sample_entry());
+    const auto ten_days_ago = fs::file_time_type::clock::now() - std::chrono::hours(24 * 10);
+    for (const Digest& k : {gone, held, kept, young}) {
+        std::ofstream(cache.lock_path(k)).close();
+        if (k != young) fs::last_write_time(cache.lock_path(k), ten_days_ago);
+    }
+    const FileLock holding(cache.lock_path(held), std::chrono::milliseconds(1000));
+    ASSERT_TRUE(holding.owns());
+    const DiskCache::PruneResult r = cache.prune(std::chrono::hours(24 * 7));
+    EXPECT_EQ(r.removed_locks, 1u);
+    EXPECT_FALSE(fs::exists(cache.lock_path(gone)));
+    EXPECT_TRUE(fs::exists(cache.lock_path(held)));   // a compile under way
+    EXPECT_TRUE(fs::exists(cache.lock_path(kept)));   // its entry is there (and fresh)
+    EXPECT_TRUE(fs::exists(cache.lock_path(young)));  // newer than the cutoff
+}
+
 TEST(JitDiskCache, UnusableFolderIsAnErrorNamingIt) {
     TempDir dir("weft_jit_bad");
     weft::testing::write_text_file(dir / "a_file", "not a folder");  // works even as root

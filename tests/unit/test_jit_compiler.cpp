@@ -579,6 +579,15 @@ TEST(JitCompiler, MalformedArchIsAnErrorNamingIt) {
             EXPECT_NE(std::string(e.what()).find(std::string("'") + bad + "'"), std::string::npos) << e.what();
         }
     }
+    // An arch from the environment is named as such: a user who never set KernelSpec::arch sees where it came from.
+    const ScopedEnv env("WEFT_JIT_ARCH", "sm90a");
+    try {
+        Compiler::resolve_arch("");
+        ADD_FAILURE() << "WEFT_JIT_ARCH=sm90a was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("WEFT_JIT_ARCH: arch must look like sm_90a"), std::string::npos)
+            << e.what();
+    }
 }
 
 TEST(JitCompiler, LtoGoesThroughNvJitLink) {

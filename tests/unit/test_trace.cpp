@@ -110,7 +110,7 @@ TEST(TraceWriter, JsonReadsBackWithAProcessPerRankATrackPerSmAndRoleAndNamedEven
         "X 1|SM 0 producer|wait peers|12.000|1.000\n"
         "X 1|SM 7 comm|reduce|3.000|1.000\n"
         "process 0 rank 0 (node-a)\n"
-        "process 1 rank 1 (node-a)\n"
+        "process 1 rank 1 (node-a; 2 events dropped)\n"
         "thread 0 SM 0 producer\n"
         "thread 0 SM 3 consumer 0\n"
         "thread 0 SM 3 consumer 1\n"

@@ -189,9 +189,12 @@ int main(int argc, char** argv) {
         if (prune_days) {
             const jit::DiskCache cache(*config.cache_dir);
             const jit::DiskCache::PruneResult r = cache.prune(std::chrono::hours(24) * *prune_days);
-            std::printf("weft-compile: pruned %s: removed %llu entries unused for %d days (%.1f MiB), kept %llu\n",
-                        config.cache_dir->string().c_str(), static_cast<unsigned long long>(r.removed), *prune_days,
-                        static_cast<double>(r.removed_bytes) / (1 << 20), static_cast<unsigned long long>(r.kept));
+            std::printf(
+                "weft-compile: pruned %s: removed %llu entries unused for %d days (%.1f MiB) and %llu lock "
+                "files, kept %llu\n",
+                config.cache_dir->string().c_str(), static_cast<unsigned long long>(r.removed), *prune_days,
+                static_cast<double>(r.removed_bytes) / (1 << 20), static_cast<unsigned long long>(r.removed_locks),
+                static_cast<unsigned long long>(r.kept));
             if (!builtin && spec_files.empty() && fused.empty()) return 0;
         }
         std::vector<jit::KernelSpec> specs;

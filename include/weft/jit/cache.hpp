@@ -72,10 +72,12 @@ public:
         uint64_t removed = 0;        ///< entries removed
         uint64_t removed_bytes = 0;  ///< their bytes
         uint64_t kept = 0;           ///< entries kept
+        uint64_t removed_locks = 0;  ///< lock files removed (their entry gone, older than the cutoff, held by no one)
     };
     /// Removes the entries not used for `unused_for` (an entry's modification time is when it was last stored or
     /// loaded), so that a long-lived cache folder does not grow with every weft version and option set. Safe beside
     /// running programs: a reader keeps an entry it has open, and a removed entry is compiled again when next needed.
+    /// Also removes the lock files of keys without an entry that are older than the cutoff and held by no one.
     /// Throws weft::Error naming the folder when it is untrusted.
     PruneResult prune(std::chrono::hours unused_for) const;
 

@@ -73,7 +73,8 @@ struct CompileResult {
     std::vector<std::string> headers;  ///< weft headers hashed into the key (include names)
 };
 
-/// Counters since the Compiler was made. hits() + misses == compile() requests.
+/// Counters since the Compiler was made. hits() + misses == compile() requests, plus the get_kernel() calls served
+/// from the in-process layer (memory_hits).
 struct CompilerStats {
     uint64_t memory_hits = 0;   ///< served from the in-process layer (no file IO beyond header hashing)
     uint64_t disk_hits = 0;     ///< served from the disk cache (incl. entries another process wrote
