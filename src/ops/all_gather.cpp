@@ -109,6 +109,7 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
                 const AllGatherOptions& options) {
     WEFT_NVTX_RANGE("all_gather");
     team.require_member("all_gather");
+    const uint64_t call = detail::next_collective_call(team);  // counts a refused call too
     const int n = team.num_ranks();
     const int me = team.rank();
     detail::check_all_gather_args(input, output, n, me);
@@ -153,7 +154,7 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
                 p.out = out + begin;
                 p.count = len;
                 p.out_stride = shard;
-                p.descriptor = detail::call_descriptor_bytes(kind, a, shard, {begin, len});
+                p.descriptor = detail::call_descriptor_bytes(kind, a, shard, {call, begin, len});
                 ws.launch(KernelId::kAllGatherLowLatency, DType::kU8, all_gather_grid(algo, len, topo), stream, p);
             }
             return;
@@ -164,7 +165,7 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
             p.out = out;
             p.count = shard;
             p.out_stride = shard;
-            p.descriptor = detail::call_descriptor_bytes(kind, a, shard, {out_offset});
+            p.descriptor = detail::call_descriptor_bytes(kind, a, shard, {call, out_offset});
             ws.launch(KernelId::kAllGatherPush, DType::kU8, all_gather_grid(algo, shard, topo), stream, p);
             return;
         }
@@ -175,16 +176,14 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
                     return static_cast<const uint8_t*>(ws.peer_pointer(out, q)) + static_cast<uint64_t>(q) * shard;
                 };
                 copy_engine_round(ws, algo, in, out, source, shard, 0, shard,
-                                  detail::call_descriptor_bytes(kind, a, shard, {2, out_offset}),
-                                  stream);
+                                  detail::call_descriptor_bytes(kind, a, shard, {call, 2, out_offset}), stream);
                 return;
             }
             if (in_sym) {  // peers copy straight from the input (the same symmetric allocation on every rank)
                 const auto source = [&](int q) { return static_cast<const uint8_t*>(ws.peer_pointer(in, q)); };
-                copy_engine_round(
-                    ws, algo, in, out, source, shard, 0, shard,
-                    detail::call_descriptor_bytes(kind, a, shard, {0, ws.offset_or_none(in)}),
-                    stream);
+                copy_engine_round(ws, algo, in, out, source, shard, 0, shard,
+                                  detail::call_descriptor_bytes(kind, a, shard, {call, 0, ws.offset_or_none(in)}),
+                                  stream);
                 return;
             }
             // Staged through the copy-engine region, in rounds of its size.
@@ -205,14 +204,14 @@ void all_gather(const Team& team, const TensorView& input, const TensorView& out
                 }
                 const auto source = [&](int q) { return static_cast<const uint8_t*>(ws.peer_pointer(region, q)); };
                 copy_engine_round(ws, algo, in, out, source, shard, begin, len,
-                                  detail::call_descriptor_bytes(kind, a, shard, {1, begin, len}), stream);
+                                  detail::call_descriptor_bytes(kind, a, shard, {call, 1, begin, len}), stream);
             }
             return;
         }
         case AllGatherAlgo::kCopyEnginePush:
             copy_engine_round(
                 ws, algo, in, out, [](int) { return static_cast<const uint8_t*>(nullptr); }, shard, 0, shard,
-                detail::call_descriptor_bytes(kind, a, shard, {out_offset}), stream);
+                detail::call_descriptor_bytes(kind, a, shard, {call, out_offset}), stream);
             return;
         case AllGatherAlgo::kAuto:
             break;

@@ -21,6 +21,7 @@ namespace {
 void all_reduce_impl(const Team& team, const TensorView& input, const TensorView& output, cudaStream_t stream,
                      const AllReduceOptions& options, bool output_private) {
     team.require_member("all_reduce");
+    const uint64_t call = detail::next_collective_call(team);  // counts a refused call too
     detail::check_all_reduce_args(input, output);
     detail::check_algo_option(options.algo);
     const auto count = static_cast<uint64_t>(input.numel());
@@ -96,9 +97,10 @@ void all_reduce_impl(const Team& team, const TensorView& input, const TensorView
         p.src = direct ? const_cast<uint8_t*>(in) + begin * elem : nullptr;
         p.res = res_is_user ? (input.data == output.data ? const_cast<uint8_t*>(in) : out) + begin * elem : nullptr;
         p.count = n;
-        p.descriptor = detail::call_descriptor(CollectiveOp::kAllReduce, static_cast<uint32_t>(algo), input.dtype, count,
-                                               {begin, n, p.flags, in_offset == ~0ull ? in_offset : in_offset + begin * elem,
-                                                res_offset == ~0ull ? res_offset : res_offset + begin * elem});
+        p.descriptor =
+            detail::call_descriptor(CollectiveOp::kAllReduce, static_cast<uint32_t>(algo), input.dtype, count,
+                                    {call, begin, n, p.flags, in_offset == ~0ull ? in_offset : in_offset + begin * elem,
+                                     res_offset == ~0ull ? res_offset : res_offset + begin * elem});
         ws.launch(kernel, input.dtype, all_reduce_grid(algo, n * elem, topo), stream, p);
     }
 }

@@ -3,6 +3,7 @@
 #include "collective_workspace.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <sstream>
@@ -204,8 +205,10 @@ CollectiveHeapSizes CollectiveHeapSizes::make(int num_ranks, uint64_t staging_re
 }
 
 uint64_t CollectiveHeapSizes::bytes() const {
-    return 8 * (barrier_signals + descriptor_signals + copy_engine_signals + ll_buffer_signals + ll_header_signals) +
-           staging_bytes;
+    // Each allocation starts 256-byte aligned on the heap: the gaps before the next count too.
+    const auto signals = [](uint64_t words) { return (8 * words + 255) / 256 * 256; };
+    return signals(barrier_signals) + signals(descriptor_signals) + signals(copy_engine_signals) +
+           signals(ll_buffer_signals) + signals(ll_header_signals) + (staging_bytes + 255) / 256 * 256;
 }
 
 uint64_t staging_region_from_env() {
@@ -236,6 +239,25 @@ CollectiveWorkspace& CollectiveWorkspace::get(const Team& team) {
     }
     std::unique_ptr<CollectiveWorkspace> ws(new CollectiveWorkspace(team));
     return static_cast<CollectiveWorkspace&>(world.add_extension(name, std::move(ws)));
+}
+
+namespace {
+
+// next_collective_call's counter: a World extension of its own (the workspace is made only at the first call that
+// launches, after a call of 0 elements may already have counted).
+struct CollectiveCalls final : WorldExtension {
+    std::atomic<uint64_t> next{0};
+};
+
+}  // namespace
+
+uint64_t next_collective_call(const Team& team) {
+    if (team.num_ranks() == 1) return 0;
+    World& world = team.world();
+    const std::string name = CollectiveWorkspace::extension_name(team) + "#calls";
+    WorldExtension* e = world.find_extension(name);
+    if (e == nullptr) e = &world.add_extension(name, std::make_unique<CollectiveCalls>());
+    return static_cast<CollectiveCalls&>(*e).next.fetch_add(1, std::memory_order_relaxed);
 }
 
 void refuse_setup_under_capture(cudaStream_t stream, const char* op, const char* what) {

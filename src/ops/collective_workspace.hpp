@@ -36,7 +36,7 @@ struct CollectiveHeapSizes {
     /// Sizes for `num_ranks` > 1 ranks with the resolved staging region (staging_region_from_env) and `topo`'s LL
     /// capacity.
     static CollectiveHeapSizes make(int num_ranks, uint64_t staging_region_bytes, const CollectiveTopology& topo);
-    /// Heap bytes of the six allocations.
+    /// Heap bytes of the six allocations, each rounded up to the heap's 256-byte alignment.
     uint64_t bytes() const;
 };
 
@@ -128,6 +128,13 @@ private:
     std::array<std::array<jit::Kernel*, 3>, static_cast<size_t>(KernelId::kCount)> kernels_{};
     const jit::Kernel* pull_kernel_ = nullptr;  // copy-engine all-gathers' copies (copies_with_kernel)
 };
+
+/// The index of this rank's next collective call on `team` (all_reduce, all_gather, reduce_scatter, all_to_all and
+/// all_to_all_v, and the fused ops' calls of them), counted from 0 at the team's first call: every call counts, one of
+/// 0 elements and one refused on this rank included. The ops fold it into their call descriptors, so that a call one
+/// rank made and its peers did not (an empty batch on one rank) shows as a mismatch at its next call, on every rank,
+/// instead of pairing every later call with its peers' earlier one. 0 on a team of one rank (nothing is compared).
+uint64_t next_collective_call(const Team& team);
 
 /// Throws weft::Error naming `op` and `what` (the state a first call makes) when `stream` is being captured.
 void refuse_setup_under_capture(cudaStream_t stream, const char* op, const char* what);

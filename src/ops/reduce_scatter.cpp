@@ -18,6 +18,7 @@ void reduce_scatter(const Team& team, const TensorView& input, const TensorView&
                     const ReduceScatterOptions& options) {
     WEFT_NVTX_RANGE("reduce_scatter");
     team.require_member("reduce_scatter");
+    const uint64_t call = detail::next_collective_call(team);  // counts a refused call too
     const int n = team.num_ranks();
     const int me = team.rank();
     detail::check_reduce_scatter_args(input, output, n, me);
@@ -67,7 +68,7 @@ void reduce_scatter(const Team& team, const TensorView& input, const TensorView&
             p.count = len;
             p.in_stride = count;
             p.descriptor = detail::call_descriptor(CollectiveOp::kReduceScatter, static_cast<uint32_t>(algo),
-                                                   output.dtype, count, {begin, len});
+                                                   output.dtype, count, {call, begin, len});
             ws.launch(detail::KernelId::kReduceScatterLowLatency, output.dtype,
                       reduce_scatter_grid(algo, len * elem, topo), stream, p);
         }
@@ -89,8 +90,9 @@ void reduce_scatter(const Team& team, const TensorView& input, const TensorView&
         p.src = in_sym ? const_cast<uint8_t*>(in) + begin * elem : nullptr;
         p.src_stride = in_sym ? count : (len + granule - 1) / granule * granule;  // staged slices stay 16-byte aligned
         p.flags = in_sym ? kCollectiveExitBarrier : kCollectiveStageInput;
-        p.descriptor = detail::call_descriptor(CollectiveOp::kReduceScatter, static_cast<uint32_t>(algo), output.dtype,
-                                               count, {begin, len, p.flags, in_sym ? in_offset + begin * elem : in_offset});
+        p.descriptor =
+            detail::call_descriptor(CollectiveOp::kReduceScatter, static_cast<uint32_t>(algo), output.dtype, count,
+                                    {call, begin, len, p.flags, in_sym ? in_offset + begin * elem : in_offset});
         ws.launch(detail::KernelId::kReduceScatterPull, output.dtype, reduce_scatter_grid(algo, len * elem, topo),
                   stream, p);
     }

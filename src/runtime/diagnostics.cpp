@@ -161,6 +161,15 @@ std::string format_diagnostic(const Diagnostic& d) {
            << describe_call_descriptor(d.observed)
            << "; every rank must make the same collective calls in the same order, with the same shape, "
               "dtype and algorithm, and pass symmetric buffers on all ranks or on none (same allocation)";
+        const CollectiveOp op = call_descriptor_op(d.expected);
+        const bool counted = op == CollectiveOp::kAllReduce || op == CollectiveOp::kAllGather ||
+                             op == CollectiveOp::kReduceScatter || op == CollectiveOp::kAllToAll ||
+                             op == CollectiveOp::kAllToAllV;  // the ops that fold in their call's place
+        if (counted && d.expected >> 20 == d.observed >> 20 && d.expected != d.observed) {
+            os << " (the two agree in op, algorithm, dtype and count, so they differ in where their buffers lie on "
+                  "the heap or in their place in the team's sequence of collective calls: one rank made a call the "
+                  "other did not, such as one of 0 elements or one refused on that rank alone)";
+        }
         if (call_descriptor_op(d.expected) == CollectiveOp::kAttentionCombine) {
             os << " (sp_decode_attention reads a peer's call from 32 bits of its pushed rows: where the peer's"
                   " rows are laid out otherwise, another head_dim, those bits are not its call's and its row count"

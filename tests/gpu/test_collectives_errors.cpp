@@ -462,6 +462,80 @@ TEST(CollectivesMismatch, AllToAllVCountsThatDisagreeThrowOnEveryRankNamingBothC
             }});
 }
 
+// A call of 0 elements on one rank only launches nothing there, yet counts in the team's sequence of calls: that
+// rank's next call is not paired with its peer's first (same op, size and buffers: it would go undiagnosed, and every
+// later pair of calls with it) but fails as a mismatch on both, saying the two differ in their place.
+TEST(CollectivesMismatch, ACallOfZeroElementsOnOneRankFailsItsNextCallOnEveryRank) {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    for (AllReduceAlgo algo : {AllReduceAlgo::kLowLatency, AllReduceAlgo::kOneShot}) {
+        SCOPED_TRACE(ops::algo_name(algo));
+        const std::string a = ops::algo_name(algo);
+        expect_mismatch_on_every_rank(
+            2, {[&](World& w, cudaStream_t s, uint8_t* in, uint8_t* out) {
+                    if (w.rank() == 0) {
+                        ops::all_reduce(w, TensorView(in, DType::kBF16, {0}), TensorView(out, DType::kBF16, {0}), s,
+                                        {.algo = algo});
+                    }
+                    ops::all_reduce(w, TensorView(in, DType::kBF16, {4096}), TensorView(out, DType::kBF16, {4096}), s,
+                                    {.algo = algo});
+                },
+                8192,
+                [&](int) {
+                    return std::vector<std::string>{"collective call differs from rank",
+                                                    "called all_reduce (" + a + ") of 4096 bf16 elements",
+                                                    "their place in the team's sequence of collective calls"};
+                }});
+    }
+}
+
+// all_to_all_v: a rank whose count to itself differs from its count from itself is diagnosed by the kernel, which
+// stops every rank (a refusal on the host, on that rank alone, left its peer waiting in the call for the timeout).
+TEST(CollectivesMismatch, AllToAllVCountToItselfThatDiffersFailsEveryRankAtOnce) {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+    WorldOptions options = test_options(256ull << 20);
+    options.heartbeat = std::chrono::milliseconds(200);
+    std::mutex mutex;
+    std::vector<std::string> messages(2);
+    const auto start = std::chrono::steady_clock::now();
+    run_ranks(
+        2,
+        [&](World& w) {
+            ops::prepare_collectives(w);
+            cudaStream_t s = nullptr;
+            WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+            auto* in = static_cast<uint8_t*>(w.heap().alloc(1 << 20));
+            auto* out = static_cast<uint8_t*>(w.heap().alloc(1 << 20));
+            w.barrier();
+            // Rank 0 and rank 1 agree on what they send each other; rank 1 sends itself 4000 bytes, expects 3000.
+            const std::vector<int64_t> send =
+                w.rank() == 0 ? std::vector<int64_t>{1000, 2000} : std::vector<int64_t>{2000, 4000};
+            const std::vector<int64_t> recv =
+                w.rank() == 0 ? std::vector<int64_t>{1000, 2000} : std::vector<int64_t>{2000, 3000};
+            std::string message;
+            try {
+                ops::all_to_all_v(w, TensorView(in, DType::kU8, {send[0] + send[1]}), send,
+                                  TensorView(out, DType::kU8, {recv[0] + recv[1]}), recv, s);
+                w.sync_and_check(s);
+            } catch (const Error& e) {
+                message = e.what();
+            }
+            {
+                std::lock_guard<std::mutex> lock(mutex);
+                messages[static_cast<size_t>(w.rank())] = message;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // every rank's abort reached every rank
+            w.clear_diagnostics();
+            w.barrier();
+            WEFT_CUDA_CHECK(cudaStreamDestroy(s));
+        },
+        options);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60)) << "a rank waited out a timeout";
+    EXPECT_NE(messages[1].find("all_to_all_v counts differ"), std::string::npos) << messages[1];
+    EXPECT_NE(messages[1].find("rank 1 expects 3000 bytes from rank 1, which sends it 4000 bytes"), std::string::npos)
+        << messages[1];
+    EXPECT_FALSE(messages[0].empty()) << "rank 0 did not throw";
+}
+
 // ------------------------------------------------------------------------------------------------
 // Death-test scenarios: the child provokes the failure on 2 ranks, collects every rank's error, and exits 0 only if
 // one of them carries the expected diagnosis. An alarm bounds the child: a hang fails the test.

@@ -728,6 +728,31 @@ TEST(CallDescriptor, MismatchOfThousandBf16AndFiveHundredF32NamesBothCalls) {
     }
 }
 
+// Calls that agree in op, algorithm, dtype and count yet differ (a call's place in the team's sequence,
+// next_collective_call, or its buffers' offsets): the error says so; calls that differ in a field shown need no such
+// note, nor fused ops.
+TEST(CallDescriptor, CallsThatDifferOnlyInTheirDigestSaySo) {
+    Diagnostic d{};
+    d.claimed = 2;
+    d.kind = SpinKind::kCollectiveMismatch;
+    d.cmp = Cmp::kEq;
+    d.rank = 0;
+    d.peer = 1;
+    const char* note = "their place in the team's sequence of collective calls";
+    d.expected = detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 4096, {1, 0, 4096});
+    d.observed = detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 4096, {0, 0, 4096});
+    ASSERT_NE(d.expected, d.observed) << "the call index is in the digest";
+    std::string m = format_diagnostic(d);
+    EXPECT_NE(m.find(note), std::string::npos) << m;
+    d.observed = detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 2048, {1, 0, 2048});
+    m = format_diagnostic(d);
+    EXPECT_EQ(m.find(note), std::string::npos) << m;
+    d.expected = make_call_descriptor(CollectiveOp::kAgGemm, 0, true, DType::kBF16, 128, call_descriptor_mix(0, 1));
+    d.observed = make_call_descriptor(CollectiveOp::kAgGemm, 0, true, DType::kBF16, 128, call_descriptor_mix(0, 2));
+    m = format_diagnostic(d);
+    EXPECT_EQ(m.find(note), std::string::npos) << m;
+}
+
 // The fused ops' mismatch (AgGemm, GemmRs): both ranks' M in the op's words.
 TEST(CallDescriptor, FusedOpsMismatchNamesBothM) {
     for (CollectiveOp op : {CollectiveOp::kAgGemm, CollectiveOp::kGemmRs}) {

@@ -694,24 +694,27 @@ TEST(EpFootprint, OneNodeIsTheOneNodeAnswer) {
     }
 }
 
-// The node stage's workspace: three staging regions, the signal words, the LL buffers and their header lines.
+// The node stage's workspace: three staging regions, the signal words, the LL buffers and their header lines, each
+// allocation rounded up to the heap's 256-byte alignment (the descriptor rows, 16 n bytes, and the copy-engine flags,
+// 8 n bytes, leave gaps before the next allocation).
 TEST(EpFootprint, NodeCollectivesAreTheWorkspaceSizes) {
     const weft::testing::ScopedEnv unset("WEFT_COLLECTIVE_STAGING_BYTES", std::nullopt);
     EXPECT_EQ(collective_workspace_heap_bytes(1), 0u);
-    for (uint64_t n : {2, 4, 8}) {
-        const uint64_t signals = 256 * n + 2 * n + n + 2 * n * (512 << 10) / 8 + 2 * n * 256 * 16 / 8;
-        EXPECT_EQ(collective_workspace_heap_bytes(static_cast<int>(n)), 8 * signals + 3 * (32ull << 20)) << n;
+    const auto signal_bytes = [](uint64_t n) {
+        const auto up = [](uint64_t bytes) { return (bytes + 255) / 256 * 256; };
+        return up(8 * 256 * n) + up(8 * 2 * n) + up(8 * n) + up(2 * n * (512 << 10)) + up(2 * n * 256 * 16);
+    };
+    for (uint64_t n : {2, 4, 8, 3, 33}) {
+        EXPECT_EQ(collective_workspace_heap_bytes(static_cast<int>(n)), signal_bytes(n) + 3 * (32ull << 20)) << n;
     }
     {
         const weft::testing::ScopedEnv small("WEFT_COLLECTIVE_STAGING_BYTES", std::string("1000"));  // at least 64 KiB
-        const uint64_t signals = 256 * 2 + 4 + 2 + 4 * (512 << 10) / 8 + 4 * 256 * 16 / 8;
-        EXPECT_EQ(collective_workspace_heap_bytes(2), 8 * signals + 3 * (64ull << 10));
+        EXPECT_EQ(collective_workspace_heap_bytes(2), signal_bytes(2) + 3 * (64ull << 10));
     }
     {
         const weft::testing::ScopedEnv odd("WEFT_COLLECTIVE_STAGING_BYTES",
                                            std::string("1048577"));  // rounded up to 256
-        const uint64_t signals = 256 * 2 + 4 + 2 + 4 * (512 << 10) / 8 + 4 * 256 * 16 / 8;
-        EXPECT_EQ(collective_workspace_heap_bytes(2), 8 * signals + 3 * ((1ull << 20) + 256));
+        EXPECT_EQ(collective_workspace_heap_bytes(2), signal_bytes(2) + 3 * ((1ull << 20) + 256));
     }
     {
         // Three times this wraps 2^64 (to 512 bytes): refused, not allocated as a sliver.

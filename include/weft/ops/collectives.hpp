@@ -10,9 +10,11 @@
 //    traps instead, docs/reliability.md). all_gather and all_to_all compare bytes, not dtypes. Across nodes the
 //    check covers each node's members; what crosses the network (NCCL) is not compared, except all_to_all_v's
 //    counts (exchanged over the whole team on the host before anything is enqueued). A count of 0 launches
-//    nothing, so it is a no-op only when every member passes 0: where a member passes 0 and the others do not, the
-//    others' waits for it end at the World's timeout naming it as absent, not as a mismatch. A rank that is not a
-//    member gets weft::Error naming the op and the team's world ranks.
+//    nothing, so it is a no-op only when every member passes 0. Every call counts in the team's sequence of
+//    collective calls, one of 0 elements and one refused on a single rank included, and a call's place in it is
+//    part of what is compared: a member that made a call the others did not fails its next call as a mismatch, on
+//    every rank; with no next call, the others' waits for it end at the World's timeout naming it as absent. A rank
+//    that is not a member gets weft::Error naming the op and the team's world ranks.
 //  - Asynchronous on `stream`, never synchronises the host, capturable in a CUDA graph (signals compare against
 //    epochs the kernels keep in device memory, per team). Calls on one team are stream-ordered: issue them on one
 //    stream, or order the streams with events. Teams that share no member may run at the same time; a rank in
