@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "collective_workspace.hpp"
 #include "member_records.hpp"
 #include "tp_common.hpp"
 #include "views_overlap.hpp"
@@ -392,6 +393,8 @@ void AgGemm::run(const TensorView& a_local, const TensorView& b, const TensorVie
     State& s = *s_;
     const int64_t m = validate_ag_gemm_call(s.shape, s.num_ranks, a_local, b, c);
     s.refuse_after_abort();
+    // Host memory or another GPU's would reach the copies and the tensor maps unchecked.
+    detail::check_device_buffers(s.world->heap(), {{"a_local", a_local}, {"b", b}, {"c", c}}, kOp, stream);
     const auto problem = [&] {
         std::ostringstream os;
         os << "m=" << m << ",n=" << s.shape.n << ",k=" << s.shape.k << "," << dtype_name(s.shape.dtype)

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <sstream>
 
 #include "tp_common.hpp"
@@ -141,16 +142,33 @@ std::vector<jit::KernelSpec> collective_kernel_specs(int max_ranks) {
     return specs;
 }
 
-void check_device_pointer(const void* ptr, const char* what, const char* op, cudaStream_t stream) {
+namespace {
+
+// What check_device_pointer asks of the stream and the thread once per call, for all the call's pointers.
+struct PointerCheckContext {
+    bool valid_stream = true;  // an invalid stream fails at the first enqueue, with CUDA's own message
+    bool capturing = false;
+    int device = 0;
+};
+
+PointerCheckContext pointer_check_context(cudaStream_t stream) {
+    PointerCheckContext c;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
         (void)cudaGetLastError();
-        return;  // an invalid stream fails at the first enqueue, with CUDA's own message
+        c.valid_stream = false;
+        return c;
     }
+    c.capturing = capture != cudaStreamCaptureStatusNone;
+    WEFT_CUDA_CHECK(cudaGetDevice(&c.device));
+    return c;
+}
+
+void check_device_pointer(const PointerCheckContext& c, const void* ptr, const char* what, const char* op) {
+    if (!c.valid_stream) return;
     // Checked under capture too (a graph's buffers are often new ones), in relaxed capture mode (the query is no
     // stream operation and must not invalidate a capture); there only what the query can tell for sure is refused:
     // an address the graph itself allocates (cudaMallocAsync in the capture) is not mapped yet.
-    const bool capturing = capture != cudaStreamCaptureStatusNone;
     cudaPointerAttributes attr{};
     cudaError_t st = cudaSuccess;
     {
@@ -159,33 +177,42 @@ void check_device_pointer(const void* ptr, const char* what, const char* op, cud
     }
     if (st != cudaSuccess) {
         (void)cudaGetLastError();  // the query left an error behind: clear it
-        if (capturing) return;
+        if (c.capturing) return;
         WEFT_FAIL(op << ": " << what << " (" << ptr << ") is not memory CUDA knows (" << cudaGetErrorName(st) << ")");
     }
-    if (capturing && attr.type == cudaMemoryTypeUnregistered) return;
+    if (c.capturing && attr.type == cudaMemoryTypeUnregistered) return;
     WEFT_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged,
                op << ": " << what << " (" << ptr << ") must be device memory, got "
                   << (attr.type == cudaMemoryTypeHost ? "pinned host memory" : "unregistered host memory"));
     if (attr.type == cudaMemoryTypeDevice) {
-        int device = 0;
-        WEFT_CUDA_CHECK(cudaGetDevice(&device));
-        WEFT_CHECK(attr.device == device, op << ": " << what << " (" << ptr << ") is memory of device " << attr.device
-                                             << ", but this rank runs on device " << device);
+        WEFT_CHECK(attr.device == c.device, op << ": " << what << " (" << ptr << ") is memory of device " << attr.device
+                                               << ", but this rank runs on device " << c.device);
     }
+}
+
+}  // namespace
+
+void check_device_pointer(const void* ptr, const char* what, const char* op, cudaStream_t stream) {
+    check_device_pointer(pointer_check_context(stream), ptr, what, op);
 }
 
 void check_device_buffers(const SymmetricHeap& heap, std::initializer_list<NamedView> views, const char* op,
                           cudaStream_t stream) {
+    std::optional<PointerCheckContext> c;  // asked for at the first view off the heap
     for (const NamedView& v : views) {
         const auto bytes = static_cast<uint64_t>(v.view.size_bytes());
         if (bytes == 0 || heap.contains(v.view.data, bytes)) continue;
-        check_device_pointer(v.view.data, v.name, op, stream);
+        if (!c) c = pointer_check_context(stream);
+        check_device_pointer(*c, v.view.data, v.name, op);
     }
 }
 
 void check_device_views(std::initializer_list<NamedView> views, const char* op, cudaStream_t stream) {
+    std::optional<PointerCheckContext> c;
     for (const NamedView& v : views) {
-        if (v.view.size_bytes() > 0) check_device_pointer(v.view.data, v.name, op, stream);
+        if (v.view.size_bytes() == 0) continue;
+        if (!c) c = pointer_check_context(stream);
+        check_device_pointer(*c, v.view.data, v.name, op);
     }
 }
 

@@ -385,8 +385,9 @@ void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     State& s = *s_;
     const GemmProblem p = check_gemm_ar_call(s.shape, a, b, c);
     s.refuse_after_abort();
-    // The all-reduce would refuse it only after the GEMM ran (its peers then wait for this rank to their timeout).
-    if (s.use_collective && s.num_ranks > 1) detail::check_device_pointer(c.data, "c", "gemm_ar", stream);
+    // Host memory or another GPU's would reach the tensor maps unchecked, and the all-reduce would refuse c only
+    // after the GEMM ran (its peers then wait for this rank to their timeout).
+    detail::check_device_buffers(s.world->heap(), {{"a", a}, {"b", b}, {"c", c}}, "gemm_ar", stream);
     // The padded-row sum, before any launch (an allocation that fails must not sit between this rank's launches).
     if (s.sums_through_padded_rows(p.m, c) && s.padded_sum == nullptr) {
         s.padded_sum =

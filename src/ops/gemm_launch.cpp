@@ -15,6 +15,7 @@
 #include <tuple>
 #include <utility>
 
+#include "collective_workspace.hpp"
 #include "stream_key.hpp"
 #include "views_overlap.hpp"
 #include "weft/common/math.hpp"
@@ -555,6 +556,8 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout
     validate_gemm_options(p, options);  // before anything touches the device, whatever the problem's size
     check_output_apart(a, b, d, options);
     if (p.m == 0 || p.n == 0) return;   // nothing to write
+    // Host memory or another GPU's would reach the tensor maps unchecked (a fault, or silent peer traffic).
+    detail::check_device_views({{"a", a}, {"b", b}, {"d", d}}, "gemm", stream);
     const GemmSelection sel = select_for_views(p, a, b, d, stream, options);
     launch_plan(sel.plan, p, a, b, d, options, stream);
 }

@@ -10,6 +10,7 @@
 #include <functional>
 #include <sstream>
 
+#include "collective_workspace.hpp"
 #include "member_records.hpp"
 #include "tp_common.hpp"
 #include "views_overlap.hpp"
@@ -148,9 +149,15 @@ GemmRsMode resolve_gemm_rs_mode(const GemmRsShape& shape, int num_ranks, const G
     const std::string why = gemm_rs_push_unsupported(shape, num_ranks, options);
     WEFT_CHECK(options.mode != GemmRsMode::kPush || why.empty(),
                "gemm_rs: options.mode = push cannot serve " << why << "; use GemmRsMode::kPull or kAuto");
-    // NOTE: kAuto keeps ranks that share a GPU on the pull mode: there, push calls launched back to back can wait
-    // for a peer whose kernel never started (cause open: kernels/gemm_rs/README.md, "Ranks sharing a GPU"). One
-    // rank per GPU is unaffected.
+    // Ranks that share a GPU take the pull mode: push's GEMM CTAs wait inside the kernel for the peers' tiles, so
+    // every rank's CTAs must be resident at once, which a shared GPU's SMs cannot promise (push calls back to back
+    // there have waited for a peer whose kernel never started: kernels/gemm_rs/README.md, "Ranks sharing a GPU").
+    // One rank per GPU is unaffected.
+    WEFT_CHECK(options.mode != GemmRsMode::kPush || !ranks_share_a_gpu || options.push_on_shared_gpus,
+               "gemm_rs: options.mode = push is refused where ranks share a GPU (this World has more than one rank "
+               "on a GPU): the push GEMM's CTAs wait inside the kernel for the peers' tiles, so every rank's CTAs "
+               "must be resident at once, which a shared GPU cannot promise; use GemmRsMode::kAuto or kPull there "
+               "(push runs with one rank per GPU)");
     if (options.mode == GemmRsMode::kAuto && ranks_share_a_gpu) return GemmRsMode::kPull;
     return why.empty() ? GemmRsMode::kPush : GemmRsMode::kPull;
 }
@@ -539,6 +546,8 @@ void GemmRs::run(const TensorView& a, const TensorView& b, const TensorView& c, 
     State& s = *s_;
     const int64_t m = validate_gemm_rs_call(s.shape, s.num_ranks, a, b, c);
     s.refuse_after_abort();
+    // Host memory or another GPU's would reach the tensor maps and the reduction unchecked.
+    detail::check_device_buffers(s.world->heap(), {{"a", a}, {"b", b}, {"c", c}}, kOp, stream);
     if (s.node_op) {
         run_internode(s, m, a, b, c, stream);
         return;

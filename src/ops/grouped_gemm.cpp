@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <tuple>
 #include <utility>
@@ -216,6 +217,24 @@ void check_output_apart(const char* op, const GroupedGemmProblem& p, const char*
 
 namespace detail {
 
+namespace {
+
+// Row-major matrices with the same row pitch whose rows fit it (a [M, K] slice of a wider buffer): the bytes each
+// touches, row by row. Two such views meet only where a row of one meets a row of the other.
+struct RowsInPitch {
+    int64_t begin, rows, width, pitch;  // bytes; width <= pitch
+};
+
+std::optional<RowsInPitch> rows_in_pitch(const TensorView& v) {
+    if (v.ndim != 2 || v.stride(1) != 1 || v.dim(0) < 1 || v.dim(1) < 1) return std::nullopt;
+    const int64_t es = dtype_bytes(v.dtype);
+    const int64_t width = v.dim(1) * es, pitch = v.stride(0) * es;
+    if (pitch < width) return std::nullopt;
+    return RowsInPitch{static_cast<int64_t>(reinterpret_cast<uintptr_t>(v.data)), v.dim(0), width, pitch};
+}
+
+}  // namespace
+
 bool views_overlap(const TensorView& x, const TensorView& y) {
     const auto span = [](const TensorView& v) -> std::pair<uintptr_t, uintptr_t> {
         if (v.numel() == 0) return {0, 0};
@@ -226,7 +245,20 @@ bool views_overlap(const TensorView& x, const TensorView& y) {
     };
     const auto [x0, x1] = span(x);
     const auto [y0, y1] = span(y);
-    return x0 < x1 && y0 < y1 && x0 < y1 && y0 < x1;
+    if (!(x0 < x1 && y0 < y1 && x0 < y1 && y0 < x1)) return false;
+    // The spans meet; column slices of one buffer ([M, K] and [M, N] side by side) still touch different bytes.
+    const auto rx = rows_in_pitch(x), ry = rows_in_pitch(y);
+    if (!rx || !ry || rx->pitch != ry->pitch) return true;
+    // y's row q starts d + (q - r) * pitch bytes after x's row r; they meet where that shift lies in (-wy, wx).
+    // Widths are at most the pitch, so only the two row distances around -d / pitch can.
+    const int64_t pitch = rx->pitch, d = ry->begin - rx->begin;
+    const int64_t k0 = (-d >= 0 ? -d / pitch : -((d + pitch - 1) / pitch));  // floor(-d / pitch)
+    for (int64_t k = k0; k <= k0 + 1; ++k) {
+        if (k <= -rx->rows || k >= ry->rows) continue;  // q - r for some row r of x and q of y
+        const int64_t shift = d + k * pitch;
+        if (shift > -ry->width && shift < rx->width) return true;
+    }
+    return false;
 }
 
 TensorView int32_array_view(const int32_t* data, int64_t count) {

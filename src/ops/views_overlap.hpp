@@ -10,7 +10,8 @@
 namespace weft::ops::detail {
 
 /// Whether the bytes two views may touch intersect (each view's span: its first element to its last, strides included;
-/// an empty view touches nothing).
+/// an empty view touches nothing). Two row-major matrices with the same row pitch are compared row by row: column
+/// slices of one buffer side by side ([M, K] and [M, N] of an [M, K + N]) do not overlap.
 bool views_overlap(const TensorView& x, const TensorView& y);
 
 /// The bytes of `count` int32 values at `data` (an index or count array passed as a pointer) as a 1-D view.

@@ -279,6 +279,7 @@ inline ops::AgGemmOptions ag_options(const TpCase& c) {
 inline ops::GemmRsOptions rs_options(const TpCase& c) {
     ops::GemmRsOptions o;
     o.mode = c.mode;
+    o.push_on_shared_gpus = true;  // the fuzzer's ranks share one GPU
     if (c.f32_partials) o.partial_dtype = DType::kF32;
     o.chunk_rows = c.chunk_rows;
     o.reduce_ctas = c.reduce_ctas;

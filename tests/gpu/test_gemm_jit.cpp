@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <random>
 #include <set>
@@ -459,6 +460,40 @@ TEST(GemmJit, EpochModeHooksWaitForTheirReplaysGeneration) {
         expect_matches(d2, reference(c1, b2, BLayout::kNK, n2, rows), rows, tolerance_for(DType::kBF16), "D2");
         if (HasFailure()) break;
     }
+}
+
+// Host memory (pageable or pinned) as an operand is refused before anything is enqueued, naming the operand, not
+// handed to the tensor maps.
+TEST(GemmJit, HostMemoryIsRefusedNamingTheOperand) {
+    REQUIRE_SM90();
+    DeviceBuffer a_buf(128 * 64 * 2), b_buf(128 * 64 * 2), d_buf(128 * 128 * 2);
+    ASSERT_TRUE(a_buf.ptr && b_buf.ptr && d_buf.ptr);
+    std::vector<uint16_t> pageable(128 * 128);
+    void* pinned = nullptr;
+    ASSERT_EQ(cudaMallocHost(&pinned, 128 * 128 * 2), cudaSuccess);
+    const auto message = [](const std::function<void()>& fn) {
+        try {
+            fn();
+        } catch (const Error& e) {
+            return std::string(e.what());
+        }
+        return std::string();
+    };
+    const TensorView a(a_buf.ptr, DType::kBF16, {128, 64}), b(b_buf.ptr, DType::kBF16, {128, 64});
+    const TensorView d(d_buf.ptr, DType::kBF16, {128, 128});
+    const std::string a_err = message([&] {
+        ops::gemm(TensorView(pageable.data(), DType::kBF16, {128, 64}), b, d, BLayout::kNK, nullptr);
+    });
+    EXPECT_NE(a_err.find("gemm: a ("), std::string::npos) << a_err;
+    EXPECT_NE(a_err.find("must be device memory, got unregistered host memory"), std::string::npos) << a_err;
+    const std::string d_err = message([&] {
+        ops::gemm(a, b, TensorView(pinned, DType::kBF16, {128, 128}), BLayout::kNK, nullptr);
+    });
+    EXPECT_NE(d_err.find("gemm: d ("), std::string::npos) << d_err;
+    EXPECT_NE(d_err.find("must be device memory, got pinned host memory"), std::string::npos) << d_err;
+    EXPECT_EQ(message([&] { ops::gemm(a, b, d, BLayout::kNK, nullptr); }), "");  // device memory runs
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    cudaFreeHost(pinned);
 }
 
 }  // namespace

@@ -68,6 +68,7 @@ void run_case(World& w, const RsCase& cs, DType dt, int calls, Mode mode, uint64
     opt.sm_budget = cs.sm_budget;
     opt.autotune = cs.autotune;
     opt.mode = cs.mode;
+    opt.push_on_shared_gpus = true;  // the push kernels' tests run with ranks sharing one GPU
     opt.config = cs.config;
     if (opt.config) {
         opt.config->in_dtype = dt;
@@ -186,6 +187,7 @@ void run_back_to_back(World& w, const RsCase& cs, DType dt, int calls, uint64_t 
     opt.reduce_ctas = cs.reduce_ctas;
     opt.sm_budget = cs.sm_budget;
     opt.mode = cs.mode;
+    opt.push_on_shared_gpus = true;  // the push kernels' tests run with ranks sharing one GPU
     const int64_t ldk = ld_for(cs.k), ldc = ld_for(cs.n, cs.c_pad);
     std::vector<std::vector<HostMat>> as(static_cast<size_t>(calls));  // [call][rank]
     std::vector<HostMat> bs, cs_host;

@@ -114,6 +114,7 @@ TEST(TraceGemmRs, WaitsPrecedeTheirReductionsInBothModes) {
             for (const auto& [mode, name] : modes) {
                 ops::GemmRsOptions opt;
                 opt.mode = mode;
+                opt.push_on_shared_gpus = true;  // the trace's ranks share one GPU
                 opt.chunk_rows = 128;  // 2 chunks per rank
                 ops::GemmRs op(w, shape, opt);
                 op.run(view(a, da.ptr), view(b, db.ptr), c, st);  // warm-up: its events go to a file of its own

@@ -394,6 +394,15 @@ TEST(TpValidation, AgGemmCall) {
             ops::validate_ag_gemm_call(s, 4, a, b, TensorView(fake(0x2000000 - 512), DType::kBF16, {1024, 256}));
         },
         "ag_gemm: c must not overlap b");
+    // Column slices of one buffer, side by side with the same row pitch ([.., 512] and [.., 256] of a [1024, 768]):
+    // their address spans interleave, their bytes do not meet. One element into a_local's columns, they do.
+    const auto side_by_side = [&](uintptr_t c_at) {
+        return ops::validate_ag_gemm_call(s, 4, TensorView(fake(0x1000000), DType::kBF16, {256, 512}, {768, 1}), b,
+                                          TensorView(fake(c_at), DType::kBF16, {1024, 256}, {768, 1}));
+    };
+    EXPECT_EQ(side_by_side(0x1000000 + 512 * 2), 1024);
+    expect_error([&] { side_by_side(0x1000000 + 512 * 2 - 16); }, "ag_gemm: c must not overlap a_local");
+    expect_error([&] { side_by_side(0x1000000 - 768 * 2 + 16); }, "ag_gemm: c must not overlap a_local");
     // A row count whose product with the team size overflows int64 is refused, not wrapped into range.
     TensorView huge = a;
     huge.shape[0] = int64_t{1} << 62;
@@ -669,7 +678,11 @@ TEST(TpPlan, GemmRsModeIsPushWhereItAppliesElsePull) {
     expect_error([&] { ops::detail::resolve_gemm_rs_mode({1024, 300, 512, DType::kBF16}, 4, o); },
                  "n = 300 is not a multiple of 8");
     EXPECT_EQ(ops::detail::resolve_gemm_rs_mode(s, 4, o), GemmRsMode::kPush);
-    EXPECT_EQ(ops::detail::resolve_gemm_rs_mode(s, 4, o, /*ranks_share_a_gpu=*/true), GemmRsMode::kPush);  // asked for
+    // Asked for where ranks share a GPU: refused, saying why, unless the caller accepts the risk (weft's own tests).
+    expect_error([&] { ops::detail::resolve_gemm_rs_mode(s, 4, o, /*ranks_share_a_gpu=*/true); },
+                 "push is refused where ranks share a GPU");
+    o.push_on_shared_gpus = true;
+    EXPECT_EQ(ops::detail::resolve_gemm_rs_mode(s, 4, o, /*ranks_share_a_gpu=*/true), GemmRsMode::kPush);
     // The push kernel names its hook; the pull kernel keeps its own.
     const GemmConfig c = [] {
         GemmConfig g = gemm_candidate(0, DType::kBF16, DType::kBF16, BLayout::kNK);

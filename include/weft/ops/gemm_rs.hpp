@@ -48,8 +48,10 @@ enum class GemmRsMode {
             ///< partials to its own tiles in the epilogue: no reduction kernel, every SM of the budget computes.
             ///< Needs 16-bit partials (partial_dtype = shape.dtype), n a multiple of 8, at most
             ///< kRsPushMaxRanks (8) ranks, and no reduce_ctas (a team of one runs the plain GEMM, needing none
-            ///< of these). Where ranks share a GPU, kAuto takes kPull: push calls back to back there have waited
-            ///< for a peer kernel that never started (kernels/gemm_rs/README.md, "Ranks sharing a GPU")
+            ///< of these). Refused where ranks share a GPU (kAuto takes kPull there): the GEMM's CTAs wait inside
+            ///< the kernel for the peers' tiles, so every rank's CTAs must be resident at once, which ranks sharing
+            ///< a GPU's SMs cannot be promised (back-to-back push calls there have waited for a peer kernel that
+            ///< never started: kernels/gemm_rs/README.md, "Ranks sharing a GPU"); push_on_shared_gpus overrides
 };
 const char* gemm_rs_mode_name(GemmRsMode mode);
 
@@ -68,6 +70,9 @@ struct GemmRsOptions {
     int sm_budget = 0;                  ///< SMs for GEMM + reduction; 0 = World::shared_sm_budget() (per device);
                                         ///< where ranks share a GPU, at most that (weft::Error otherwise)
     bool autotune = false;              ///< tune the GEMM config on the first run(), as AgGemmOptions::autotune
+    /// Runs mode = kPush where ranks share a GPU (refused otherwise, GemmRsMode::kPush says why): for tests of the
+    /// push kernels on one GPU, which accept that a call can then wait out the World's timeout.
+    bool push_on_shared_gpus = false;
 };
 
 /// GEMM+ReduceScatter for the members of a Team (a World& means its world team). Construction and destruction are
