@@ -298,11 +298,13 @@ int main(int argc, char** argv) {
                     const weft::ops::GemmProblem p = weft::ops::validate_gemm_args(v0.a, v0.b, v0.d, layout);
                     weft::ops::GemmOptions o;
                     o.small_m_variant = opt.small_m_variant;
-                    // Variant 5 refuses shapes it cannot serve: force it only where it serves.
-                    if (o.small_m_variant == weft::GemvVariant::kTmaWgmma &&
-                        (s.m > weft::kGemvWgmmaMaxM || layout != BLayout::kNK)) {
-                        o.small_m_variant.reset();
-                    }
+                    // A forced variant refuses shapes it cannot serve: force it only where it serves.
+                    const bool serves = layout == BLayout::kNK &&
+                                        (o.small_m_variant == weft::GemvVariant::kTmaWgmma ? s.m <= weft::kGemvWgmmaMaxM
+                                         : o.small_m_variant == weft::GemvVariant::kBulkRows
+                                             ? weft::ops::gemv_rows_unsupported(p).empty()
+                                             : s.m <= weft::kGemvMaxM);
+                    if (!serves) o.small_m_variant.reset();
                     o.small_m_splits = opt.small_m_splits;
                     o.split_k = opt.split_k;
                     const bool forced = o.small_m_variant.has_value() || opt.small_m_splits > 0;

@@ -163,10 +163,12 @@ std::vector<jit::KernelSpec> gemm_aot_specs() {
         // kBulkRows serves M <= 16 only: one row tile.
         specs.push_back(gemv_kernel_spec(
             GemvConfig{.variant = GemvVariant::kBulkRows, .m_tiles = 1, .in_dtype = in, .out_dtype = out}));
-    }
-    // kTmaWgmma (an autotuner candidate, never the op's own pick): bf16 -> bf16 only, every row-tile count (M <= 256).
-    for (int m_tiles = 1; m_tiles <= kGemvWgmmaMaxM / 16; ++m_tiles) {
-        specs.push_back(gemv_kernel_spec(GemvConfig{.variant = GemvVariant::kTmaWgmma, .m_tiles = m_tiles}));
+        // kTmaWgmma: the op's own pick for some M in 17..small_m_wgmma_max_m (gemm_prefers_wgmma_small_m, any dtype
+        // pair), an autotuner candidate and a forced variant up to M = 256: every row-tile count.
+        for (int m_tiles = 1; m_tiles <= kGemvWgmmaMaxM / 16; ++m_tiles) {
+            specs.push_back(gemv_kernel_spec(
+                GemvConfig{.variant = GemvVariant::kTmaWgmma, .m_tiles = m_tiles, .in_dtype = in, .out_dtype = out}));
+        }
     }
     specs.push_back(gemm_advance_epoch_spec());
     return specs;

@@ -85,8 +85,10 @@ void check_gemv_variant(GemvVariant v, const char* what) {
 
 // The largest M the small-M path may take for these options: kGemvWgmmaMaxM where kTmaWgmma is forced (its own
 // limit), else options.small_m_max_m.
+// The largest M the small-M path takes: a forced variant's own bound (small_m_max_m bounds the heuristic only).
 int64_t small_m_limit(const GemmOptions& options) {
-    return options.small_m_variant == GemvVariant::kTmaWgmma ? int64_t{kGemvWgmmaMaxM} : int64_t{options.small_m_max_m};
+    if (!options.small_m_variant) return options.small_m_max_m;
+    return *options.small_m_variant == GemvVariant::kTmaWgmma ? int64_t{kGemvWgmmaMaxM} : int64_t{kGemvMaxM};
 }
 
 }  // namespace
@@ -410,11 +412,21 @@ void validate_gemm_options(const GemmProblem& p, const GemmOptions& options) {
                "gemm: options.small_m_splits must be in [0, "
                    << kGemmMaxSmallMSplits << "] (0: heuristic; the grid's y extent), got " << options.small_m_splits);
     if (options.small_m_variant) check_gemv_variant(*options.small_m_variant, "gemm: options.small_m_variant");
-    if (options.small_m_variant == GemvVariant::kTmaWgmma && !options.config && options.allow_small_m) {
-        WEFT_CHECK(p.m <= kGemvWgmmaMaxM, "gemm: small-M variant 5 (swapped wgmma) serves M <= "
-                                              << kGemvWgmmaMaxM << " (kGemvWgmmaMaxM), got M = " << p.m);
-        WEFT_CHECK(p.b_layout == BLayout::kNK,
-                   "gemm: small-M variant 5 (swapped wgmma) needs B [N,K] (BLayout::kNK), got B [K,N]");
+    if (options.small_m_variant && !options.config && options.allow_small_m) {
+        // A forced small-M kernel runs, or the call is refused: never the tiled kernel in its place (options.config
+        // and allow_small_m = false take precedence over it: the tiled path, as asked).
+        const GemvVariant v = *options.small_m_variant;
+        if (v == GemvVariant::kTmaWgmma) {
+            WEFT_CHECK(p.m <= kGemvWgmmaMaxM, "gemm: small-M variant 5 (swapped wgmma) serves M <= "
+                                                  << kGemvWgmmaMaxM << " (kGemvWgmmaMaxM), got M = " << p.m);
+            WEFT_CHECK(p.b_layout == BLayout::kNK,
+                       "gemm: small-M variant 5 (swapped wgmma) needs B [N,K] (BLayout::kNK), got B [K,N]");
+        } else if (v == GemvVariant::kTmaRing) {
+            WEFT_CHECK(p.m <= kGemvMaxM, "gemm: small-M variant 3 (TMA ring) serves M <= "
+                                             << kGemvMaxM << " (kGemvMaxM), got M = " << p.m);
+            WEFT_CHECK(p.b_layout == BLayout::kNK,
+                       "gemm: small-M variant 3 (TMA ring) needs B [N,K] (BLayout::kNK), got B [K,N]");
+        }
     }
     (void)detail::gemm_timeout_ns(options);  // refuses a timeout (or WEFT_TIMEOUT_MS) outside (0, 30 days]
     WEFT_CHECK(reinterpret_cast<uintptr_t>(options.workspace) % 256 == 0,
@@ -440,7 +452,7 @@ void validate_gemm_options(const GemmProblem& p, const GemmOptions& options) {
                                            << " pass the kernel's int32 tile order; use "
                                               "larger tiles or a smaller raster_group");
     }
-    if (options.small_m_variant == GemvVariant::kBulkRows && gemm_allows_small_m(p, options)) {
+    if (options.small_m_variant == GemvVariant::kBulkRows && !options.config && options.allow_small_m) {
         const std::string why = gemv_rows_unsupported(p);
         WEFT_CHECK(why.empty(), "gemm: small-M variant 4 (bulk-copied rows) cannot serve this call: " << why);
         WEFT_CHECK(

@@ -311,7 +311,9 @@ GemmCase draw_gemm(Rng& r, int sms) {
     if (r.chance(0.15)) c.small_m_splits = static_cast<int>(r.uniform(1, 32));
     if (c.layout == BLayout::kNK && r.chance(0.2)) {
         c.variant = static_cast<int>(r.pick({3, 4, 5}));
-        if (c.variant == 5) {
+        if (c.variant == 3) {  // its documented domain: M <= kGemvMaxM
+            c.m = std::min<int64_t>(c.m, r.uniform(1, kGemvMaxM));
+        } else if (c.variant == 5) {
             c.m = std::min<int64_t>(c.m, r.uniform(1, 256));
             c.small_m_splits = std::min(c.small_m_splits, 8);
         } else if (c.variant == 4) {  // its documented domain: M <= 16, ldb = K, K a multiple of 2048

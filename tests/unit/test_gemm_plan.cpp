@@ -1038,8 +1038,43 @@ TEST(GemmPlan, SmallMVariant5BandBeatsVariant3AndTheTiledKernel) {
 
 // Variant 5 through plan_gemm when forced (GemmOptions::small_m_variant; the heuristic picks it by its own rule,
 // gemm_prefers_wgmma_small_m), past small_m_max_m up to M = 256 with B [N,K]; 64 columns per CTA, ceil(M / 16) row
-// tiles, its split rule on the SM budget or the forced count, each split a whole number of 64-k stages and none empty; no workspace (the
-// splits add through distributed shared memory), a cluster of 1 x splits CTAs where it splits.
+// tiles, its split rule on the SM budget or the forced count, each split a whole number of 64-k stages and none empty;
+// no workspace (the splits add through distributed shared memory), a cluster of 1 x splits CTAs where it splits. A
+// forced small-M variant 3 or 4 runs where it serves, past the heuristic's small_m_max_m, and is refused where it
+// cannot serve; never the tiled kernel in its place (as variant 5).
+TEST(GemmPlan, AForcedSmallMVariantRunsOrIsRefused) {
+    ops::GemmOptions v3;
+    v3.small_m_variant = GemvVariant::kTmaRing;
+    for (int64_t m : {1, 33, 48, 64}) {  // small_m_max_m is 32 by default
+        const ops::GemmProblem p{m, 4096, 4096, BLayout::kNK, DType::kBF16, DType::kBF16};
+        const auto plan = ops::plan_gemm(p, 132, v3);
+        EXPECT_EQ(plan.path, ops::GemmPath::kSmallM) << m;
+        EXPECT_EQ(plan.small_m_variant, GemvVariant::kTmaRing) << m;
+    }
+    expect_error_mentions(
+        [&] {
+            (void)ops::plan_gemm(ops::GemmProblem{65, 4096, 4096, BLayout::kNK, DType::kBF16, DType::kBF16}, 132, v3);
+        },
+        "small-M variant 3 (TMA ring) serves M <= 64");
+    expect_error_mentions(
+        [&] {
+            (void)ops::plan_gemm(ops::GemmProblem{16, 4096, 4096, BLayout::kKN, DType::kBF16, DType::kBF16}, 132, v3);
+        },
+        "small-M variant 3 (TMA ring) needs B [N,K]");
+    ops::GemmOptions v4;
+    v4.small_m_variant = GemvVariant::kBulkRows;
+    ops::GemmProblem rows{16, 4096, 4096, BLayout::kNK, DType::kBF16, DType::kBF16};
+    rows.b_rows_contiguous = true;
+    EXPECT_EQ(ops::plan_gemm(rows, 132, v4).small_m_variant, GemvVariant::kBulkRows);
+    rows.m = 20;
+    expect_error_mentions([&] { (void)ops::plan_gemm(rows, 132, v4); }, "small-M variant 4 (bulk-copied rows) cannot");
+    // options.config and allow_small_m = false take precedence: the tiled kernel, as asked.
+    ops::GemmOptions off = v3;
+    off.allow_small_m = false;
+    EXPECT_EQ(ops::plan_gemm(ops::GemmProblem{65, 4096, 4096, BLayout::kNK, DType::kBF16, DType::kBF16}, 132, off).path,
+              ops::GemmPath::kTiled);
+}
+
 TEST(GemmPlan, SmallMVariant5PlansWhenForced) {
     ops::GemmOptions v5;
     v5.small_m_variant = GemvVariant::kTmaWgmma;

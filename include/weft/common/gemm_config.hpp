@@ -38,7 +38,7 @@ struct GemmConfig {
     DType out_dtype = DType::kBF16;  ///< D: kBF16, kF16 or kF32
     /// false (cooperative): both consumer warpgroups compute every tile, each its half of the rows. true
     /// (ping-pong): the consumer warpgroups take alternate tiles, so one's epilogue runs under the other's
-    /// mainloop; only hooks that neither add to, route nor signal a tile (gemm_sm90.cuh).
+    /// mainloop (hooks that signal, add to or route a tile work with both: gemm_sm90.cuh).
     bool pingpong = false;
     /// Split-K: each tile's k blocks are split into `splits` balanced ranges, each computed by its own work unit (a
     /// CTA's turn); every unit writes its fp32 partial tile to a workspace, and the last unit of a tile to finish

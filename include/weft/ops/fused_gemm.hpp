@@ -65,7 +65,11 @@
 //   - The config's tile_n must be whole store boxes (gemm_whole_store_boxes: every candidate of
 //     fused_gemm_candidates is): the kernel's static_assert says so otherwise.
 //   Optional members that move a tile's stores or add to its accumulators (kRoutesStores, kAddsToTile; weft's
-//   GEMM+ReduceScatter push mode uses both) are described in kernels/gemm/gemm_hooks.cuh.
+//   GEMM+ReduceScatter push mode uses both) are described in kernels/gemm/gemm_hooks.cuh. A hook that routes stores
+//   needs N whose rows are whole 16-byte units (N a multiple of 8 for 16-bit D, of 4 for f32; the call's
+//   FusedGemmCall::args.n_tma == args.n): the columns past the last whole unit are stored with plain stores into d at
+//   the call's own rows, not through the hook's target. The host cannot see the hook's traits: checking it is the
+//   caller's (weft's push mode refuses such N).
 //
 // FusedGemmSpec::kernel_template (advanced): a __global__ template of your own over the config with gemm_kernel's
 // parameters (tma_a, tma_b, tma_d, GemmArgs, Scheduler::Params, Hook::Params) that runs

@@ -35,7 +35,7 @@ struct GemmOptions {
     /// The largest M the heuristic sends to the small-M path (0..kGemvMaxM = 64; above it: the tiled kernel).
     /// Default 32: the small-M kernels beat the tiled kernel up to M = 32, the ping-pong 64x128 tile from M = 48
     /// (figures: kernels/gemm/README.md, "Which M takes the small-M path"). Not applied where small_m_variant forces
-    /// kTmaWgmma (variant 5 takes M up to kGemvWgmmaMaxM = 256).
+    /// a kernel (variant 3 takes M up to kGemvMaxM = 64, variant 4 up to 16, variant 5 up to kGemvWgmmaMaxM = 256).
     int small_m_max_m = 32;
     /// The largest M the heuristic may send to small-M variant 5 (GemvVariant::kTmaWgmma; 0..kGemvWgmmaMaxM = 256,
     /// 0: never). Default 192: from 17 rows the op takes variant 5 where it beat variant 3 or the tiled kernel on
@@ -61,8 +61,10 @@ struct GemmOptions {
     /// (figures: kernels/gemm/README.md, the small-M sections). kTmaWgmma (variant 5, picked by the op for some M in
     /// 17..small_m_wgmma_max_m; the autotuner's "small_m_v5") = split-K in a cluster (the splits add through
     /// distributed shared memory), A and B swapped on wgmma (64 columns of D per CTA, A's rows padded to 16): forced,
-    /// it serves any M <= kGemvWgmmaMaxM = 256 with B [N,K] (small_m_max_m does not apply) and a call it cannot serve
-    /// (M > 256, B [K,N]) is an error. A forced variant is not autotuned (the caller chose).
+    /// it serves any M <= kGemvWgmmaMaxM = 256 with B [N,K]. A forced variant runs or the call is refused (weft::Error
+    /// naming why), never the tiled kernel in its place: variant 3 serves M <= kGemvMaxM = 64 with B [N,K], variant 4
+    /// its domain above, variant 5 M <= 256 with B [N,K] (small_m_max_m does not apply to a forced variant). `config`
+    /// or allow_small_m = false take precedence (the tiled kernel). A forced variant is not autotuned.
     std::optional<GemvVariant> small_m_variant;
     void* workspace = nullptr;  ///< split-K scratch of GemmPlan::workspace_bytes, 256-byte aligned, its
                                 ///< workspace_bytes apart from a, b and d (refused otherwise): split-K
