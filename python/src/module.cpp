@@ -421,6 +421,13 @@ NB_MODULE(_weft, m) {
     // The same collectives on contiguous buffers given as a data pointer and an element count (the Python wrappers'
     // form: no TensorView object is made per call).
     m.def(
+        "count_refused_collective_call",
+        [](PyWorld& w, const PyTeam* team) {
+            const WorldUse world = w.use();
+            ops::count_refused_collective_call(team != nullptr ? team->get(&w.h) : world->team());
+        },
+        "world"_a, "team"_a = nb::none());
+    m.def(
         "all_reduce_flat",
         [](PyWorld& w, uintptr_t input, uintptr_t output, int64_t numel, int dtype, uintptr_t stream, int algo,
            const PyTeam* team) {

@@ -33,7 +33,7 @@ def _team(is_member=True):
 def calls(monkeypatch):
     """The extension's calls, recorded as (name, arguments); the World's device is the CPU for the checks."""
     made = []
-    for name in ("all_reduce_flat", "all_gather_flat", "reduce_scatter_flat"):
+    for name in ("all_reduce_flat", "all_gather_flat", "reduce_scatter_flat", "count_refused_collective_call"):
         monkeypatch.setattr(_weft, name, lambda *args, _name=name: made.append((_name, args)))
     state = _runtime._State(_StandInWorld(), None, None)
     ctx = state.call_context = _tensor.CallContext(state.world)
@@ -115,7 +115,10 @@ def test_argument_errors_name_the_argument(calls):
         weft.all_gather(torch.zeros(4, dtype=torch.float64))
     with pytest.raises(ValueError, match="tensor: expected a contiguous tensor"):
         weft.all_gather(torch.zeros(4, 4, dtype=torch.float64).t())
-    assert calls == []  # every check fails before the extension is called
+    # Every check fails before the op is called, and every refused call keeps its place in the team's sequence of
+    # collective calls (a rank that goes on then fails its next call as a mismatch, not paired with its peers').
+    world = _runtime._state.world
+    assert calls == [("count_refused_collective_call", (world, None))] * 13
 
 
 def test_the_custom_op_allocates_its_output_and_calls_the_wrapper(calls):

@@ -41,18 +41,35 @@ def _algo(ctx, op, name):
     return code
 
 
+def _refused(ctx, cpp_team):
+    """Counts a collective call this wrapper refuses (its own argument checks) in the team's sequence of collective
+    calls, as weft's ops count the calls they refuse: a rank that goes on after it fails its next call as a mismatch
+    on every rank, instead of pairing with its peers' refused call."""
+    _weft.count_refused_collective_call(ctx.world, cpp_team)
+
+
+def count_refused_call(team, op):
+    """_refused for a call on `team` (a weft.Team or None: the World) refused before its wrapper ran."""
+    ctx, cpp_team = _context(team, op)
+    _refused(ctx, cpp_team)
+
+
 def all_reduce(tensor, out=None, *, algo="auto", team=None):
     """out = the element-wise sum of every rank's `tensor` (bf16, f16 or f32, contiguous). In place when out is None
     (like torch.distributed.all_reduce). Returns out. Collective over `team` (a weft.Team; None: the World); on
     torch's current stream."""
     ctx, cpp_team = _context(team, "all_reduce")
-    ptr, numel, code = flat_arg(tensor, "tensor", ctx, ctx.reducible)
-    if out is None:
-        out, out_ptr = tensor, ptr
-    else:
-        out_ptr = out_arg(out, "out", ctx, tensor.dtype, numel)
-    _weft.all_reduce_flat(ctx.world, ptr, out_ptr, numel, code, ctx.stream(ctx.device_index),
-                          _algo(ctx, "all_reduce", algo), cpp_team)
+    try:
+        ptr, numel, code = flat_arg(tensor, "tensor", ctx, ctx.reducible)
+        if out is None:
+            out, out_ptr = tensor, ptr
+        else:
+            out_ptr = out_arg(out, "out", ctx, tensor.dtype, numel)
+        algo_code = _algo(ctx, "all_reduce", algo)
+    except (TypeError, ValueError):
+        _refused(ctx, cpp_team)
+        raise
+    _weft.all_reduce_flat(ctx.world, ptr, out_ptr, numel, code, ctx.stream(ctx.device_index), algo_code, cpp_team)
     return written(out)
 
 
@@ -61,17 +78,22 @@ def all_gather(tensor, out=None, *, algo="auto", team=None):
     [num_ranks * tensor.shape[0], ...]. Returns out (allocated when None). Collective; on torch's current stream.
     A symmetric out (weft.empty) lets the push algorithms write into it directly."""
     ctx, cpp_team = _context(team, "all_gather")
-    ptr, numel, code = flat_arg(tensor, "tensor", ctx, ctx.all_dtypes)
-    n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
-    shape = tuple(tensor.shape)
-    concatenated = (n * shape[0], *shape[1:]) if shape else (n,)
+    try:
+        ptr, numel, code = flat_arg(tensor, "tensor", ctx, ctx.all_dtypes)
+        n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
+        shape = tuple(tensor.shape)
+        concatenated = (n * shape[0], *shape[1:]) if shape else (n,)
+        if out is not None:
+            out_ptr = out_arg(out, "out", ctx, tensor.dtype, n * numel)
+        algo_code = _algo(ctx, "all_gather", algo)
+    except (TypeError, ValueError):
+        _refused(ctx, cpp_team)
+        raise
     if out is None:
         out = torch_module().empty(concatenated, dtype=tensor.dtype, device=tensor.device)
         out_ptr = out.data_ptr()
-    else:
-        out_ptr = out_arg(out, "out", ctx, tensor.dtype, n * numel)
-    _weft.all_gather_flat(ctx.world, ptr, numel, out_ptr, n * numel, code, ctx.stream(ctx.device_index),
-                          _algo(ctx, "all_gather", algo), cpp_team)
+    _weft.all_gather_flat(ctx.world, ptr, numel, out_ptr, n * numel, code, ctx.stream(ctx.device_index), algo_code,
+                          cpp_team)
     return written(out)
 
 
@@ -80,18 +102,23 @@ def reduce_scatter(tensor, out=None, *, algo="auto", team=None):
     contiguous, dim 0 a multiple of num_ranks): shape [tensor.shape[0] / num_ranks, ...]. Returns out (allocated
     when None). Collective; on torch's current stream."""
     ctx, cpp_team = _context(team, "reduce_scatter")
-    ptr, numel, code = flat_arg(tensor, "tensor", ctx, ctx.reducible)
-    n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
-    shape = tensor.shape
-    if not shape or shape[0] % n != 0:
-        raise ValueError(f"tensor: expected dim 0 a multiple of the {n} ranks, got shape {tuple(shape)}")
+    try:
+        ptr, numel, code = flat_arg(tensor, "tensor", ctx, ctx.reducible)
+        n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
+        shape = tensor.shape
+        if not shape or shape[0] % n != 0:
+            raise ValueError(f"tensor: expected dim 0 a multiple of the {n} ranks, got shape {tuple(shape)}")
+        if out is not None:
+            out_ptr = out_arg(out, "out", ctx, tensor.dtype, numel // n)
+        algo_code = _algo(ctx, "reduce_scatter", algo)
+    except (TypeError, ValueError):
+        _refused(ctx, cpp_team)
+        raise
     if out is None:
         out = torch_module().empty((shape[0] // n, *shape[1:]), dtype=tensor.dtype, device=tensor.device)
         out_ptr = out.data_ptr()
-    else:
-        out_ptr = out_arg(out, "out", ctx, tensor.dtype, numel // n)
     _weft.reduce_scatter_flat(ctx.world, ptr, numel, out_ptr, numel // n, code, ctx.stream(ctx.device_index),
-                              _algo(ctx, "reduce_scatter", algo), cpp_team)
+                              algo_code, cpp_team)
     return written(out)
 
 

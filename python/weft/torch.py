@@ -84,6 +84,8 @@ def _check_ranks(team, num_ranks, op):
     expected = _runtime.team_size(team)
     if num_ranks != expected:
         of = "the World" if team < 0 else f"the team with handle {team}"
+        if op in ("all_gather", "reduce_scatter"):  # a collective's place in the team's calls (weft._ops._refused)
+            _ops.count_refused_call(_runtime.team_by_handle(team), op)
         raise ValueError(f"num_ranks: expected {expected} (the ranks of {of}), got {num_ranks}; "
                          f"weft.torch.{op}(...) passes the right count")
 

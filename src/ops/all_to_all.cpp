@@ -190,23 +190,14 @@ void run_all_to_all(const Team& team, const TensorView& input, std::span<const i
         return;
     }
     // Every check that does not depend on the workspace, before the workspace is made (collectively) on first use.
-    // Not the count to this rank itself against the count from itself: the kernel compares every pair, that one
-    // too, and fails every rank at once naming it (a refusal here would leave the peers waiting in the call).
-    (void)detail::plan_all_to_all(input, send_counts, output, recv_counts, n, equal, true, 0, /*rank=*/-1);
+    (void)detail::plan_all_to_all(input, send_counts, output, recv_counts, n, equal, true, 0, team.rank());
     if (equal && input.size_bytes() == 0) return;  // nothing launched: no workspace made (not under capture either)
     CollectiveWorkspace& ws = CollectiveWorkspace::get(team, stream, op);
     const auto in_bytes = static_cast<uint64_t>(input.size_bytes());
     const bool in_sym = in_bytes > 0 && ws.symmetric(input.data, in_bytes);
     const uint64_t capacity = ws.info().staging_region_bytes - kAllToAllHeaderBytes;
-    detail::AllToAllPlan plan;
-    try {
-        plan = detail::plan_all_to_all(input, send_counts, output, recv_counts, n, equal, in_sym, capacity, -1);
-    } catch (const Error& e) {
-        // Uneven splits: a local input too large to stage is this rank's alone, and its peers may already be in the
-        // call: the World is aborted, so that they stop at their next heartbeat instead of waiting out the timeout.
-        team.world().abort(e.what());
-        throw;
-    }
+    const detail::AllToAllPlan plan =
+        detail::plan_all_to_all(input, send_counts, output, recv_counts, n, equal, in_sym, capacity, team.rank());
     if (plan.rounds.empty()) return;
     if (!in_sym && in_bytes > 0) detail::check_device_pointer(input.data, "input", op, stream);
     if (output.size_bytes() > 0 && !ws.symmetric(output.data, static_cast<uint64_t>(output.size_bytes()))) {

@@ -297,7 +297,7 @@ void refuse_setup_under_capture(cudaStream_t stream, const char* op, const char*
                   << " is made at the team's first collective call (it allocates, compiles and synchronises), which "
                      "cannot happen while the stream is being captured; call weft::ops::prepare_collectives(team) "
                      "(Python: weft.world().prepare_collectives() for the World's team), or make one call on the "
-                     "team, before capturing");
+                     "team that moves data, before capturing");
 }
 
 CollectiveWorkspace& CollectiveWorkspace::get(const Team& team, cudaStream_t stream, const char* op) {
@@ -541,6 +541,11 @@ const CollectiveWorkspaceInfo& prepare_collectives(const Team& team) {
 }
 
 const CollectiveWorkspaceInfo& prepare_collectives(World& world) { return prepare_collectives(world.team()); }
+
+void count_refused_collective_call(const Team& team) {
+    team.require_member("count_refused_collective_call");
+    (void)detail::next_collective_call(team);
+}
 
 uint64_t collective_workspace_heap_bytes(int num_ranks) {
     WEFT_CHECK(num_ranks >= 1 && collective_rank_bucket(num_ranks) > 0,

@@ -383,11 +383,19 @@ void launch_call(GemmAr::State& s, const ArCall& call, cudaStream_t stream) {
 void GemmAr::run(const TensorView& a, const TensorView& b, const TensorView& c, cudaStream_t stream) {
     WEFT_NVTX_RANGE("gemm_ar");
     State& s = *s_;
-    const GemmProblem p = check_gemm_ar_call(s.shape, a, b, c);
-    s.refuse_after_abort();
-    // Host memory or another GPU's would reach the tensor maps unchecked, and the all-reduce would refuse c only
-    // after the GEMM ran (its peers then wait for this rank to their timeout).
-    detail::check_device_buffers(s.world->heap(), {{"a", a}, {"b", b}, {"c", c}}, "gemm_ar", stream);
+    GemmProblem p;
+    try {
+        p = check_gemm_ar_call(s.shape, a, b, c);
+        s.refuse_after_abort();
+        // Host memory or another GPU's would reach the tensor maps unchecked, and the all-reduce would refuse c only
+        // after the GEMM ran (its peers then wait for this rank to their timeout).
+        detail::check_device_buffers(s.world->heap(), {{"a", a}, {"b", b}, {"c", c}}, "gemm_ar", stream);
+    } catch (...) {
+        // The call's all-reduce keeps its place in the team's sequence of collective calls, as the collectives'
+        // own refusals do (detail::next_collective_call).
+        if (s.use_collective && s.num_ranks > 1) (void)detail::next_collective_call(s.team);
+        throw;
+    }
     // The padded-row sum, before any launch (an allocation that fails must not sit between this rank's launches).
     if (s.sums_through_padded_rows(p.m, c) && s.padded_sum == nullptr) {
         s.padded_sum =

@@ -198,9 +198,15 @@ public:
 
     uint64_t next_seq() { return seq_++; }
 
-    /// The path rank 0 last wrote a trace to (nullopt before its first write; other ranks never write).
-    const std::optional<std::string>& last_write() const { return last_write_; }
-    void wrote(const std::string& path) { last_write_ = path; }
+    /// Rank 0's writes (other ranks never write): whether any was made, and whether one went to WEFT_TRACE's own
+    /// file (the same file, however the path was spelt).
+    bool wrote_any() const { return wrote_any_; }
+    bool wrote_env_path() const { return wrote_env_path_; }
+    void wrote(const std::string& target) {
+        wrote_any_ = true;
+        std::error_code ec;
+        if (std::filesystem::equivalent(target, path_, ec) && !ec) wrote_env_path_ = true;
+    }
 
     TraceBuffer* device_buffer() const { return buffer_; }
 
@@ -301,7 +307,8 @@ private:
     std::vector<TraceEvent> host_events_;
     uint64_t refused_ = 0;  // copies and host events asked for while full (guarded by mutex_)
     uint64_t seq_ = 0;
-    std::optional<std::string> last_write_;
+    bool wrote_any_ = false;
+    bool wrote_env_path_ = false;
 };
 
 Tracer* find_tracer(const World& world) { return dynamic_cast<Tracer*>(world.find_extension(kExtensionName)); }
@@ -456,10 +463,10 @@ constexpr std::chrono::milliseconds kSalvageGet{1000};
 // Whether a gathered blob holds events: recorded ones (kept or dropped) or a rank that could not be read (empty).
 bool records_anything(const Bytes& blob) { return blob.empty() || detail::decode_rank_trace(blob).recorded > 0; }
 
-// Where rank 0's write at shutdown goes: WEFT_TRACE's path, unless a write_trace of the program already wrote there
-// (its file is kept; what came after goes beside it, "t.json" -> "t.at_exit.json").
-std::string shutdown_path(const std::string& path, const std::optional<std::string>& last_write) {
-    if (!last_write || std::filesystem::path(*last_write) != std::filesystem::path(path)) return path;
+// Where rank 0's write at shutdown goes: WEFT_TRACE's path, unless a write_trace of the program already wrote that
+// file (it is kept; what came after goes beside it, "t.json" -> "t.at_exit.json").
+std::string shutdown_path(const std::string& path, bool wrote_env_path) {
+    if (!wrote_env_path) return path;
     std::filesystem::path p(path);
     const std::string ext = p.extension().string();
     return p.replace_extension().string() + ".at_exit" + (ext.empty() ? std::string(".json") : ext);
@@ -507,20 +514,23 @@ void write_trace(World& world, const std::string& path, bool at_shutdown) {
                 late.push_back(r);
                 continue;
             }
-            world.store().erase(key);
         } catch (const std::exception& e) {  // an aborted World's store, or a store of the user's: any std::exception
             if (late.empty()) late_error = e.what();
             late.push_back(r);
+            continue;
+        }
+        try {
+            world.store().erase(key);  // its events are read: an erase that fails leaves a key, not a late rank
+        } catch (const std::exception&) {
         }
     }
     std::string target = path;
     if (at_shutdown) {
-        if (tracer->last_write() && late.empty() && std::none_of(all.begin(), all.end(), records_anything)) {
-            WEFT_LOG_INFO("trace: nothing recorded since write_trace wrote " << *tracer->last_write()
-                                                                             << "; no trace written at shutdown");
+        if (tracer->wrote_any() && late.empty() && std::none_of(all.begin(), all.end(), records_anything)) {
+            WEFT_LOG_INFO("trace: nothing recorded since the last write_trace; no trace written at shutdown");
             return;
         }
-        target = shutdown_path(path, tracer->last_write());
+        target = shutdown_path(path, tracer->wrote_env_path());
     }
     if (!late.empty()) {
         // A rank that is gone (or hangs) does not cost the others' events: rank 0 writes those it has, and the trace

@@ -488,15 +488,17 @@ TEST(CollectivesMismatch, ACallOfZeroElementsOnOneRankFailsItsNextCallOnEveryRan
     }
 }
 
-// all_to_all_v: a rank whose count to itself differs from its count from itself is diagnosed by the kernel, which
-// stops every rank (a refusal on the host, on that rank alone, left its peer waiting in the call for the timeout).
-TEST(CollectivesMismatch, AllToAllVCountToItselfThatDiffersFailsEveryRankAtOnce) {
+// An all_to_all_v that one rank refuses on the host (its count to itself differs from its count from itself) while its
+// peer made the call: that rank's next call does not complete the peer's (it would, with the same op and counts)
+// but fails as a mismatch on both ranks at once, naming the calls' places in the team's sequence.
+TEST(CollectivesMismatch, AnAllToAllVRefusedOnOneRankFailsThatRanksNextCallAndItsPeersAtOnce) {
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
     WorldOptions options = test_options(256ull << 20);
     options.heartbeat = std::chrono::milliseconds(200);
+    options.timeout = std::chrono::milliseconds(10000);  // a rank left waiting would take this long
     std::mutex mutex;
-    std::vector<std::string> messages(2);
-    const auto start = std::chrono::steady_clock::now();
+    std::vector<std::string> refusals(2), messages(2);
+    std::vector<double> seconds(2, 0.0);  // each rank's valid call until its error
     run_ranks(
         2,
         [&](World& w) {
@@ -506,22 +508,37 @@ TEST(CollectivesMismatch, AllToAllVCountToItselfThatDiffersFailsEveryRankAtOnce)
             auto* in = static_cast<uint8_t*>(w.heap().alloc(1 << 20));
             auto* out = static_cast<uint8_t*>(w.heap().alloc(1 << 20));
             w.barrier();
-            // Rank 0 and rank 1 agree on what they send each other; rank 1 sends itself 4000 bytes, expects 3000.
             const std::vector<int64_t> send =
-                w.rank() == 0 ? std::vector<int64_t>{1000, 2000} : std::vector<int64_t>{2000, 4000};
-            const std::vector<int64_t> recv =
                 w.rank() == 0 ? std::vector<int64_t>{1000, 2000} : std::vector<int64_t>{2000, 3000};
-            std::string message;
-            try {
+            const std::vector<int64_t> recv =
+                send[0] == 1000 ? std::vector<int64_t>{1000, 2000} : std::vector<int64_t>{2000, 3000};
+            const auto call = [&](const std::vector<int64_t>& r) {
+                int64_t received = 0;
+                for (int64_t x : r) received += x;
                 ops::all_to_all_v(w, TensorView(in, DType::kU8, {send[0] + send[1]}), send,
-                                  TensorView(out, DType::kU8, {recv[0] + recv[1]}), recv, s);
+                                  TensorView(out, DType::kU8, {received}), r, s);
+            };
+            std::string refusal, message;
+            if (w.rank() == 1) {  // its count from itself: 3001 where it sends itself 3000
+                try {
+                    call({2000, 3001});
+                } catch (const Error& e) {
+                    refusal = e.what();
+                }
+            }
+            const auto t0 = std::chrono::steady_clock::now();
+            try {
+                call(recv);
                 w.sync_and_check(s);
             } catch (const Error& e) {
                 message = e.what();
             }
+            const std::chrono::duration<double> took = std::chrono::steady_clock::now() - t0;
             {
                 std::lock_guard<std::mutex> lock(mutex);
+                refusals[static_cast<size_t>(w.rank())] = refusal;
                 messages[static_cast<size_t>(w.rank())] = message;
+                seconds[static_cast<size_t>(w.rank())] = took.count();
             }
             std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // every rank's abort reached every rank
             w.clear_diagnostics();
@@ -529,11 +546,16 @@ TEST(CollectivesMismatch, AllToAllVCountToItselfThatDiffersFailsEveryRankAtOnce)
             WEFT_CUDA_CHECK(cudaStreamDestroy(s));
         },
         options);
-    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60)) << "a rank waited out a timeout";
-    EXPECT_NE(messages[1].find("all_to_all_v counts differ"), std::string::npos) << messages[1];
-    EXPECT_NE(messages[1].find("rank 1 expects 3000 bytes from rank 1, which sends it 4000 bytes"), std::string::npos)
-        << messages[1];
-    EXPECT_FALSE(messages[0].empty()) << "rank 0 did not throw";
+    EXPECT_NE(refusals[1].find("send_counts[1] (to this rank itself) must equal recv_counts[1] (from itself)"),
+              std::string::npos)
+        << refusals[1];
+    for (int r = 0; r < 2; ++r) {
+        const std::string& m = messages[static_cast<size_t>(r)];
+        EXPECT_NE(m.find("collective call differs from rank"), std::string::npos) << "rank " << r << ": " << m;
+        EXPECT_NE(m.find("their place in the team's sequence of collective calls"), std::string::npos)
+            << "rank " << r << ": " << m;
+        EXPECT_LT(seconds[static_cast<size_t>(r)], 8.0) << "rank " << r << " waited out the timeout";
+    }
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -261,15 +261,20 @@ TEST(TraceCollectives, ARankThatDoesNotJoinTheGatherLeavesRankZerosEventsWritten
     EXPECT_EQ(json.find("\"rank 1"), std::string::npos) << "rank 1 sent nothing, yet it is in the trace";
 }
 
-// The write at shutdown keeps a trace the program wrote to WEFT_TRACE's own path: nothing recorded since, no write;
-// events recorded since go beside it ("t.json" -> "t.at_exit.json").
+// The write at shutdown keeps a trace the program wrote to WEFT_TRACE's own file (however the path is spelt, and with
+// writes to other paths after it): nothing recorded since, no write; events recorded since go beside it ("t.json" ->
+// "t.at_exit.json").
 TEST(TraceCollectives, TheWriteAtShutdownKeepsATraceWrittenToItsPath) {
     testing::TempDir dir("weft_trace_shutdown");
     const fs::path path = dir / "t.json";
     const fs::path beside = dir / "t.at_exit.json";
     const testing::ScopedEnv trace("WEFT_TRACE", path.string());
     constexpr int64_t kCount = 1 << 16;
+    const fs::path spelt = dir / "." / "t.json";  // the same file, another path
     for (const bool more_after : {false, true}) {
+        std::error_code ignored;
+        fs::remove(path, ignored);
+        fs::remove(beside, ignored);
         test::run_ranks(
             2,
             [&](World& w) {
@@ -283,8 +288,11 @@ TEST(TraceCollectives, TheWriteAtShutdownKeepsATraceWrittenToItsPath) {
                 const ops::AllReduceOptions opt{.algo = ops::AllReduceAlgo::kOneShot};
                 ops::all_reduce(w, vin, vout, s, opt);
                 w.sync_and_check(s);
-                write_trace(w, path.string());
+                write_trace(w, spelt.string());
                 if (more_after) {
+                    ops::all_reduce(w, vin, vout, s, opt);
+                    w.sync_and_check(s);
+                    write_trace(w, (dir / "other.json").string());  // a later write elsewhere keeps t.json kept
                     ops::all_reduce(w, vin, vout, s, opt);
                     w.sync_and_check(s);
                 }

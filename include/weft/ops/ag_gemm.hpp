@@ -80,7 +80,8 @@ public:
     AgGemm& operator=(const AgGemm&) = delete;
 
     /// C[M, N] = AllGather(A) * B^T, where team rank r's a_local holds rows [r*M/W, (r+1)*M/W) of A.
-    ///   a_local: [M/W, k] (any device memory; local_shard(M) itself skips the local copy), row stride >= k (rows
+    ///   a_local: [M/W, k] (this GPU's device memory; local_shard(M) itself skips the local copy), row stride >= k
+    ///   (rows
     ///            not back to back: a row pitch of at most the device's maximum, 2 GiB - 1, else refused)
     ///   b:       [n, k] row-major with a row stride (a linear layer's weight)
     ///   c:       [M, n] row-major with a row stride; every row stride a multiple of 16 bytes, bases 16-byte

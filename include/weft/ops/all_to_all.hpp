@@ -34,16 +34,17 @@ void all_to_all(World& world, const TensorView& input, const TensorView& output,
 
 /// Uneven splits: this rank sends send_counts[q] elements to rank q and receives recv_counts[q] from it; chunks lie
 /// back to back in rank order in `input` (sum of send_counts elements) and `output` (sum of recv_counts). Rank q's
-/// send_counts[rank] must equal this rank's recv_counts[q]: checked by the kernel for every pair, this rank with itself
-/// included, before it reads anything (a rank whose count differs throws, naming both counts and the peer; its abort
-/// stops the others; on a team of one, a weft::Error on the host). Across nodes only the pairs within a node are
-/// checked (docs/multinode.md).
+/// send_counts[rank] must equal this rank's recv_counts[q]: checked for q = this rank on the host (a weft::Error), and
+/// across ranks by the kernel before it reads anything (a rank whose count differs throws, naming both counts and
+/// the peer; its abort stops the others). Across nodes only the pairs within a node are checked (docs/multinode.md).
 /// Counts may be 0; their bytes must sum below 2^62. Collective; `input`/`output` as for all_to_all except the sizes. A
 /// local (non-symmetric) `input` is staged in one piece: every rank's must fit the workspace's staging region
 /// (WEFT_COLLECTIVE_STAGING_BYTES, 32 MiB by default, less 16 bytes per chunk of alignment and a 1 KiB header) — larger
-/// inputs must be symmetric. A rank whose staged input does not fit aborts the World (its peers may already be in the
-/// call: they stop at their next heartbeat, naming it) and throws weft::Error. A team that spans nodes: as all_to_all,
-/// the node members' counts gathered through the World's store first (docs/multinode.md).
+/// inputs must be symmetric. A rank whose staged input does not fit (or whose counts it refuses) throws weft::Error and
+/// keeps the World usable; a call refused on one rank only leaves its peers in the call: they end at their next
+/// heartbeat if that rank's process ends, fail at once when it makes its next collective call on the team (the calls'
+/// places in the sequence differ: a mismatch), else at the World's timeout. A team that spans nodes: as all_to_all, the
+/// node members' counts gathered through the World's store first (docs/multinode.md).
 void all_to_all_v(const Team& team, const TensorView& input, std::span<const int64_t> send_counts,
                   const TensorView& output, std::span<const int64_t> recv_counts, cudaStream_t stream);
 /// The same on `world.team()`.

@@ -11,7 +11,8 @@
 //    check covers each node's members; what crosses the network (NCCL) is not compared, except all_to_all_v's
 //    counts (exchanged over the whole team on the host before anything is enqueued). A count of 0 launches
 //    nothing, so it is a no-op only when every member passes 0. Every call counts in the team's sequence of
-//    collective calls, one of 0 elements and one refused on a single rank included, and a call's place in it is
+//    collective calls, one of 0 elements and one refused on a single rank included (refused by the op, or by a
+//    wrapper that calls count_refused_collective_call, as weft's Python wrappers do), and a call's place in it is
 //    part of what is compared: a member that made a call the others did not fails its next call as a mismatch, on
 //    every rank; with no next call, the others' waits for it end at the World's timeout naming it as absent. A rank
 //    that is not a member gets weft::Error naming the op and the team's world ranks.
@@ -155,6 +156,13 @@ struct CollectiveWorkspaceInfo {
 const CollectiveWorkspaceInfo& prepare_collectives(const Team& team);
 /// prepare_collectives(world.team()).
 const CollectiveWorkspaceInfo& prepare_collectives(World& world);
+
+/// Counts a collective call on `team` that this rank refused before reaching weft's op (a wrapper's own argument
+/// checks; weft's ops count their own calls, refused ones included). Each call's place in the team's sequence of
+/// collective calls is part of what the ranks compare, so a rank that refused a call its peers made then fails its
+/// next call as a mismatch on every rank instead of pairing with their refused one. Not collective; a non-member
+/// caller gets weft::Error.
+void count_refused_collective_call(const Team& team);
 
 /// Symmetric heap bytes prepare_collectives allocates on each member of a team of `num_ranks` ranks (0 for one rank:
 /// it allocates nothing), with the staging regions WEFT_COLLECTIVE_STAGING_BYTES asks for in this process; heap

@@ -110,7 +110,8 @@ struct GemmOptions {
 ///      (the kernels read A and B while other CTAs write D)
 /// K must be a positive multiple of 8; M, N and K at most kGemmMaxExtent = 2^31 - 2^24; every base address 16-byte
 /// aligned, every row stride a multiple of 16 bytes (the tensor-memory-access engine's rules); M or N may be 0
-/// (nothing is written). Bad arguments and options
+/// (nothing is written). a, b and d: device memory of the current GPU (or managed memory); host memory and another
+/// GPU's are refused naming the operand. Bad arguments and options
 /// (validate_gemm_options) throw weft::Error naming the argument, before anything touches the device.
 void gemm(const TensorView& a, const TensorView& b, const TensorView& d, BLayout b_layout, cudaStream_t stream,
           const GemmOptions& options = {});
