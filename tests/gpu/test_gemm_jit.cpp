@@ -471,14 +471,7 @@ TEST(GemmJit, HostMemoryIsRefusedNamingTheOperand) {
     std::vector<uint16_t> pageable(128 * 128);
     void* pinned = nullptr;
     ASSERT_EQ(cudaMallocHost(&pinned, 128 * 128 * 2), cudaSuccess);
-    const auto message = [](const std::function<void()>& fn) {
-        try {
-            fn();
-        } catch (const Error& e) {
-            return std::string(e.what());
-        }
-        return std::string();
-    };
+    const auto message = error_message;
     const TensorView a(a_buf.ptr, DType::kBF16, {128, 64}), b(b_buf.ptr, DType::kBF16, {128, 64});
     const TensorView d(d_buf.ptr, DType::kBF16, {128, 128});
     const std::string a_err = message([&] {

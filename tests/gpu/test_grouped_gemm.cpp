@@ -616,14 +616,7 @@ TEST(GroupedGemm, HostMemoryIsRefusedNamingTheArgument) {
     const TensorView d(d_buf.ptr, DType::kBF16, {64, 64});
     std::vector<int32_t> host_counts(2, 0), host_offsets(2, 0);
     std::vector<uint16_t> host_a(64 * 64);
-    const auto message = [](const std::function<void()>& fn) {
-        try {
-            fn();
-        } catch (const Error& e) {
-            return std::string(e.what());
-        }
-        return std::string();
-    };
+    const auto message = error_message;
     const std::string counts_err =
         message([&] { ops::grouped_gemm_contiguous(a, b, d, BLayout::kNK, dev_i32, host_counts.data(), nullptr); });
     EXPECT_NE(counts_err.find("grouped_gemm_contiguous: counts ("), std::string::npos) << counts_err;

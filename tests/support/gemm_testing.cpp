@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "support/tp_reference.hpp"
+#include "weft/runtime/error.hpp"
 
 namespace weft::gemm_test {
 
@@ -39,6 +40,15 @@ int num_sms() {
 uint64_t fresh_seed() {
     std::random_device rd;
     return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}
+
+std::string error_message(const std::function<void()>& fn) {
+    try {
+        fn();
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return {};
 }
 
 int64_t RandomDraw::log_uniform(int64_t lo, int64_t hi) {

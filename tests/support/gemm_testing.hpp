@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -17,6 +18,8 @@ namespace weft::gemm_test {
 bool have_sm90(std::string* why);  ///< false (and why) unless device 0 is an sm_90 GPU
 int num_sms();                     ///< SMs of the current device
 uint64_t fresh_seed();             ///< a new random seed per call
+/// What `fn` throws as weft::Error (its what()), or "" when it returns.
+std::string error_message(const std::function<void()>& fn);
 
 /// Random draws for the tests that pick their cases at random (from one printed seed).
 struct RandomDraw {
