@@ -711,16 +711,24 @@ TEST(CallDescriptor, DescriptionsUseTheOpsAlgorithmNames) {
     EXPECT_NE(describe_call_descriptor(0xabc).find("an unknown call"), std::string::npos);
 }
 
-TEST(CallDescriptor, MismatchOfThousandBf16AndFiveHundredF32NamesBothCalls) {
+// A complete kCollectiveMismatch record: rank `rank` found `observed` where its own call is `expected`, from `peer`.
+Diagnostic mismatch_record(int rank, int peer, uint64_t expected, uint64_t observed) {
     Diagnostic d{};
     d.claimed = 2;
     d.kind = SpinKind::kCollectiveMismatch;
     d.cmp = Cmp::kEq;
-    d.rank = 0;
-    d.peer = 1;
+    d.rank = rank;
+    d.peer = peer;
+    d.expected = expected;
+    d.observed = observed;
+    return d;
+}
+
+TEST(CallDescriptor, MismatchOfThousandBf16AndFiveHundredF32NamesBothCalls) {
+    Diagnostic d =
+        mismatch_record(0, 1, detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 1000, {0, 1000}),
+                        detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kF32, 500, {0, 500}));
     d.block_x = 17;
-    d.expected = detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 1000, {0, 1000});
-    d.observed = detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kF32, 500, {0, 500});
     const std::string m = format_diagnostic(d);
     for (const char* word : {"rank 0 block (17,0,0)", "differs from rank 1", "rank 0 called all_reduce (ll) of 1000 bf16",
                              "rank 1 called all_reduce (ll) of 500 f32 elements"}) {
@@ -732,15 +740,10 @@ TEST(CallDescriptor, MismatchOfThousandBf16AndFiveHundredF32NamesBothCalls) {
 // next_collective_call, or its buffers' offsets): the error says so; calls that differ in a field shown need no such
 // note, nor fused ops.
 TEST(CallDescriptor, CallsThatDifferOnlyInTheirDigestSaySo) {
-    Diagnostic d{};
-    d.claimed = 2;
-    d.kind = SpinKind::kCollectiveMismatch;
-    d.cmp = Cmp::kEq;
-    d.rank = 0;
-    d.peer = 1;
     const char* note = "their place in the team's sequence of collective calls";
-    d.expected = detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 4096, {1, 0, 4096});
-    d.observed = detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 4096, {0, 0, 4096});
+    Diagnostic d =
+        mismatch_record(0, 1, detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 4096, {1, 0, 4096}),
+                        detail::call_descriptor(CollectiveOp::kAllReduce, 1, DType::kBF16, 4096, {0, 0, 4096}));
     ASSERT_NE(d.expected, d.observed) << "the call index is in the digest";
     std::string m = format_diagnostic(d);
     EXPECT_NE(m.find(note), std::string::npos) << m;
@@ -757,14 +760,9 @@ TEST(CallDescriptor, CallsThatDifferOnlyInTheirDigestSaySo) {
 TEST(CallDescriptor, FusedOpsMismatchNamesBothM) {
     for (CollectiveOp op : {CollectiveOp::kAgGemm, CollectiveOp::kGemmRs}) {
         const char* name = op == CollectiveOp::kAgGemm ? "ag_gemm" : "gemm_rs";
-        Diagnostic d{};
-        d.claimed = 2;
-        d.kind = SpinKind::kCollectiveMismatch;
-        d.cmp = Cmp::kEq;
-        d.rank = 1;
-        d.peer = 0;
-        d.expected = make_call_descriptor(op, 0, true, DType::kBF16, 128, call_descriptor_mix(0, 256));
-        d.observed = make_call_descriptor(op, 0, true, DType::kBF16, 256, call_descriptor_mix(0, 256));
+        const Diagnostic d =
+            mismatch_record(1, 0, make_call_descriptor(op, 0, true, DType::kBF16, 128, call_descriptor_mix(0, 256)),
+                            make_call_descriptor(op, 0, true, DType::kBF16, 256, call_descriptor_mix(0, 256)));
         const std::string m = format_diagnostic(d);
         for (const std::string& word : {std::string("differs from rank 0"),
                                         "rank 1 called " + std::string(name) + " with M = 128",
@@ -775,14 +773,7 @@ TEST(CallDescriptor, FusedOpsMismatchNamesBothM) {
 }
 
 TEST(CollectivesArgs, MismatchDiagnosticNamesBothRanksAndDescriptors) {
-    Diagnostic d{};
-    d.claimed = 2;
-    d.kind = SpinKind::kCollectiveMismatch;
-    d.cmp = Cmp::kEq;
-    d.rank = 3;
-    d.peer = 5;
-    d.expected = 0xabc;
-    d.observed = 0xdef;
+    Diagnostic d = mismatch_record(3, 5, 0xabc, 0xdef);
     d.line = 77;
     const std::string m = format_diagnostic(d);
     for (const char* word : {"rank 3", "differs from rank 5", "0xabc", "0xdef", "same order", "line 77"}) {
