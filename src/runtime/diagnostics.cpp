@@ -29,6 +29,8 @@ const char* spin_kind_name(SpinKind kind) {
             return "collective_epoch";
         case SpinKind::kAllToAllCounts:
             return "all_to_all_counts";
+        case SpinKind::kBadArgument:
+            return "bad_argument";
     }
     return "an unknown spin";
 }
@@ -184,6 +186,24 @@ std::string format_diagnostic(const Diagnostic& d) {
            << d.peer << ", which sends it " << d.observed << " bytes; rank q's send_counts[r] must equal rank r's "
            << "recv_counts[q] (q and r: team ranks; the ranks named here are world ranks); this rank read nothing "
               "from it";
+        if (d.line > 0) os << " (source line " << d.line << ")";
+        return os.str();
+    }
+    if (d.kind == SpinKind::kBadArgument) {
+        os << "rank " << d.rank << " block (" << d.block_x << "," << d.block_y << "," << d.block_z << ") thread "
+           << d.thread_x << ": a device call refused its arguments: ";
+        if (d.waited_ns == kBadGroupSize) {
+            os << "a " << (d.expected == 32 ? "Warp" : "Warpgroup") << " group needs a block of whole "
+               << (d.expected == 32 ? "warps" : "warpgroups") << " (a thread count that is a multiple of " << d.expected
+               << "), this block has " << d.observed
+               << " threads (the missing lanes' share of a copy would not be done)";
+        } else if (d.waited_ns == kBadBarrierId) {
+            os << "Warpgroup{" << d.observed << "}: the named barrier id must be 1..15 (0 is __syncthreads' own)";
+        } else if (d.waited_ns == kBadWaitCount) {
+            os << "tile::wait of " << static_cast<int64_t>(d.observed) << " signals: the count must be >= 0";
+        } else {
+            os << "(unknown refusal " << d.waited_ns << ")";
+        }
         if (d.line > 0) os << " (source line " << d.line << ")";
         return os.str();
     }

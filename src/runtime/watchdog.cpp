@@ -134,7 +134,8 @@ std::string WorldContext::abort_text() const {
     const Diagnostic* record = diag_host.get();
     const bool wait = record == nullptr || diagnosis.empty() ||
                       (record->kind != SpinKind::kUnreachablePeer && record->kind != SpinKind::kCollectiveMismatch &&
-                       record->kind != SpinKind::kCollectiveEpoch && record->kind != SpinKind::kAllToAllCounts);
+                       record->kind != SpinKind::kCollectiveEpoch && record->kind != SpinKind::kAllToAllCounts &&
+                       record->kind != SpinKind::kBadArgument);
     return "rank " + std::to_string(rank) + (wait ? ": a device wait gave up" : ": a device operation failed") +
            (diagnosis.empty() ? "" : ": " + diagnosis);
 }

@@ -65,6 +65,12 @@ __global__ void block_wait_checked_kernel(DeviceCtx ctx, const uint64_t* sigs, i
     ok_out[threadIdx.x] = r.ok() ? 1 : 0;
 }
 
+// The plain wait: a thread that writes 1 got past it.
+__global__ void block_wait_kernel(DeviceCtx ctx, const uint64_t* sigs, int n, int* ok_out) {
+    (void)tile::wait(Block{}, ctx, sigs, n, Cmp::kGe, 1);
+    ok_out[threadIdx.x] = 1;
+}
+
 __global__ void notify_checked_kernel(DeviceCtx ctx, uint64_t* sig, int* ok_out) {
     ok_out[threadIdx.x] = tile::notify_checked(device::Warp{}, ctx, sig, 1, 1) ? 1 : 0;
 }
@@ -75,7 +81,29 @@ __global__ void peer_signal_checked_kernel(DeviceCtx ctx, uint64_t* sig, int* ok
     ok_out[threadIdx.x] = remote ? 1 : 0;
 }
 
-enum class Scenario { kSignalWait, kTileWait, kBarrier, kUnreachablePeer };
+// Every thread waits for its own LL line with the checked form, writes what it returned, then meets its warpgroup at
+// its named barrier: the form must return (a wait that ended the thread would leave that barrier short of warps).
+__global__ void ll_wait_checked_kernel(DeviceCtx ctx, const uint8_t* lines, uint32_t flag, int* ok_out) {
+    uint2 payload{0, 0};
+    const bool ok = device::ll::wait_line_checked(ctx, lines + threadIdx.x * device::ll::kLineBytes, flag, &payload);
+    device::Warpgroup{1}.sync();
+    ok_out[threadIdx.x] = ok ? static_cast<int>(payload.x) : -1;
+}
+
+// A put of 0 bytes whose destination is the heap's end (OpenSHMEM allows any address for no elements), then its signal.
+__global__ void zero_byte_put_kernel(DeviceCtx ctx, uint64_t* sig) {
+    uint8_t* end = ctx.heap_base + ctx.heap_bytes;
+    shmem::putmem_signal(Block{}, ctx, end, end, 0, sig, 1, device::SignalOp::kAdd, ctx.rank);
+    shmem::putmem(Block{}, ctx, nullptr, nullptr, 0, ctx.rank);
+    shmem::getmem(Block{}, ctx, nullptr, end, 0, ctx.rank);
+}
+
+// A Warp group in a block of 48 threads: its second warp has 16 lanes, which cannot split a warp's copy.
+__global__ void partial_warp_put_kernel(DeviceCtx ctx, uint8_t* dst, const uint8_t* src, uint64_t* sig) {
+    shmem::putmem_signal(device::Warp{}, ctx, dst, src, 4096, sig, 1, device::SignalOp::kAdd, ctx.rank);
+}
+
+enum class Scenario { kSignalWait, kTileWait, kBarrier, kUnreachablePeer, kPartialWarpPut };
 
 std::string hex(const void* p) {
     std::ostringstream os;
@@ -141,6 +169,14 @@ Provoked provoke_in(World& w, Scenario scenario) {
             unreachable_put_kernel<<<1, 64, 0, stream>>>(fake, buf, buf + 128);
             break;
         }
+        case Scenario::kPartialWarpPut: {
+            auto* buf = static_cast<uint8_t*>(heap.alloc(8192));
+            out.expected_addr =
+                "a Warp group needs a block of whole warps (a thread count that is a multiple of 32), "
+                "this block has 48 threads";
+            partial_warp_put_kernel<<<1, 48, 0, stream>>>(w.device_ctx(), buf, buf + 4096, sigs);
+            break;
+        }
     }
     try {
         test::finish(w, stream, "the provoking kernel");
@@ -161,10 +197,11 @@ bool check_provoked(const Provoked& p, Scenario scenario) {
         ok = false;
     }
     if (p.message.find(p.expected_addr) == std::string::npos) {
-        std::fprintf(stderr, "FAIL: the error does not name the address %s\n", p.expected_addr.c_str());
+        std::fprintf(stderr, "FAIL: the error does not name %s\n", p.expected_addr.c_str());
         ok = false;
     }
-    if (scenario != Scenario::kUnreachablePeer && p.seconds < 0.15) {
+    const bool trap = scenario == Scenario::kUnreachablePeer || scenario == Scenario::kPartialWarpPut;
+    if (!trap && p.seconds < 0.15) {
         std::fprintf(stderr, "FAIL: gave up after %.3f s, before the 0.2 s timeout\n", p.seconds);
         ok = false;
     }
@@ -203,6 +240,13 @@ protected:
 
 TEST_F(DeviceTimeoutDeathTest, PutToUnreachablePeerFailsClearly) {
     EXPECT_EXIT(provoke_trap(Scenario::kUnreachablePeer), ::testing::ExitedWithCode(0), "the error named 0x");
+}
+
+// A Warp's put in a block that is not whole warps would leave the missing lanes' share uncopied and signal anyway:
+// it is refused, naming the block's thread count.
+TEST_F(DeviceTimeoutDeathTest, AWarpPutInABlockOfPartWarpsFailsClearly) {
+    EXPECT_EXIT(provoke_trap(Scenario::kPartialWarpPut), ::testing::ExitedWithCode(0),
+                "the error named a Warp group needs a block of whole warps");
 }
 
 // Writes `value` into out[threadIdx.x]: a kernel that runs only if the context is usable.
@@ -408,6 +452,39 @@ TEST(DeviceCheckedForms, RecordTheDiagnosisAndReturnTheFailureToTheWholeGroup) {
         WEFT_CUDA_CHECK(cudaMemcpy(&first, sigs, 8, cudaMemcpyDeviceToHost));
         EXPECT_EQ(first, 1u) << "a null PeerSignal raised a signal";
         cudaFree(table);
+
+        // A negative count (an inverted range) is refused, and the whole block ends there: no Token for nothing
+        // waited on.
+        m = run("block_wait_kernel (n = -1)",
+                [&] { block_wait_kernel<<<1, 128, 0, stream>>>(w.device_ctx(), sigs, -1, d_ok); });
+        EXPECT_NE(m.find("tile::wait of -1 signals: the count must be >= 0"), std::string::npos) << m;
+        EXPECT_EQ(m.find("trapped"), std::string::npos) << m;
+        for (int t = 0; t < 128; ++t) ASSERT_NE(ok[t], 1) << "thread " << t << " went past a refused wait";
+
+        // LL lines, the checked wait: lines 0..63 carry the flag (payload = the thread's index + 1), 64..127 never
+        // come. Every thread returns, and the warpgroup meets at its barrier.
+        constexpr uint32_t kFlag = 5;
+        auto* lines = static_cast<uint8_t*>(w.heap().alloc(128 * device::ll::kLineBytes));
+        std::vector<uint32_t> words(128 * 4, 0);
+        for (uint32_t t = 0; t < 64; ++t) {
+            words[4 * t] = t + 1;
+            words[4 * t + 1] = kFlag;
+            words[4 * t + 2] = 0;
+            words[4 * t + 3] = kFlag;
+        }
+        WEFT_CUDA_CHECK(cudaMemcpy(lines, words.data(), words.size() * 4, cudaMemcpyHostToDevice));
+        m = run("ll_wait_checked_kernel",
+                [&] { ll_wait_checked_kernel<<<1, 128, 0, stream>>>(w.device_ctx(), lines, kFlag, d_ok); });
+        EXPECT_NE(m.find("signal_wait"), std::string::npos) << m;
+        EXPECT_EQ(m.find("trapped"), std::string::npos) << m;
+        for (int t = 0; t < 128; ++t) ASSERT_EQ(ok[t], t < 64 ? t + 1 : -1) << "thread " << t;
+
+        // Zero bytes at the heap's end: nothing refused, the signal delivered.
+        WEFT_CUDA_CHECK(cudaMemset(sigs, 0, 8));
+        m = run("zero_byte_put_kernel", [&] { zero_byte_put_kernel<<<1, 64, 0, stream>>>(w.device_ctx(), sigs); });
+        EXPECT_EQ(m, "");
+        WEFT_CUDA_CHECK(cudaMemcpy(&first, sigs, 8, cudaMemcpyDeviceToHost));
+        EXPECT_EQ(first, 1u);
         cudaFree(d_ok);
     }, options);
 }

@@ -85,5 +85,37 @@ TEST(DeviceDiagnostics, AWaitThatTheAbortStoppedSaysSoInsteadOfTimedOut) {
                                     "observed 0");
 }
 
+// The device layer's argument refusals (SpinKind::kBadArgument; waited_ns says which) name what was expected.
+TEST(DeviceDiagnostics, ABadDeviceArgumentSaysWhatWasExpected) {
+    Diagnostic d{};
+    d.claimed = 2;
+    d.kind = SpinKind::kBadArgument;
+    d.rank = 1;
+    d.block_x = 3;
+    d.thread_x = 40;
+    d.peer = -1;
+    d.line = 12;
+    d.expected = 32;
+    d.observed = 48;
+    d.waited_ns = kBadGroupSize;
+    EXPECT_EQ(format_diagnostic(d),
+              "rank 1 block (3,0,0) thread 40: a device call refused its arguments: a Warp "
+              "group needs a block of whole warps (a thread count that is a multiple of 32), "
+              "this block has 48 threads (the missing lanes' share of a copy would not be "
+              "done) (source line 12)");
+    d.expected = 128;
+    d.observed = 192;
+    EXPECT_NE(format_diagnostic(d).find("a Warpgroup group needs a block of whole warpgroups (a thread count that is "
+                                        "a multiple of 128), this block has 192 threads"),
+              std::string::npos);
+    d.waited_ns = kBadBarrierId;
+    d.observed = 0;
+    EXPECT_NE(format_diagnostic(d).find("Warpgroup{0}: the named barrier id must be 1..15"), std::string::npos);
+    d.waited_ns = kBadWaitCount;
+    d.observed = static_cast<uint64_t>(int64_t{-3});
+    EXPECT_NE(format_diagnostic(d).find("tile::wait of -3 signals: the count must be >= 0"), std::string::npos);
+    EXPECT_STREQ(spin_kind_name(SpinKind::kBadArgument), "bad_argument");
+}
+
 }  // namespace
 }  // namespace weft

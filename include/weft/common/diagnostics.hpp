@@ -25,6 +25,18 @@ enum class SpinKind : uint32_t {
     /// Not a spin: all_to_all_v's counts disagree across a pair of ranks: expected = the bytes this rank expects
     /// from `peer` (its recv count), observed = the bytes `peer` sends it (its send count).
     kAllToAllCounts = 8,
+    /// Not a spin: a device-language call refused its arguments (waited_ns says which): kBadGroupSize (a Warp or
+    /// Warpgroup in a block whose thread count is not a multiple of its size: expected = the group's size, observed =
+    /// the block's threads), kBadBarrierId (a Warpgroup on named barrier 0, __syncthreads' own, or past 15: observed =
+    /// the id), kBadWaitCount (tile::wait of a negative count: observed = the count as int64).
+    kBadArgument = 9,
+};
+
+/// What a kBadArgument diagnostic refused (its waited_ns).
+enum BadArgument : uint64_t {
+    kBadGroupSize = 1,
+    kBadBarrierId = 2,
+    kBadWaitCount = 3,
 };
 
 /// Comparison a wait was waiting for (OpenSHMEM's SHMEM_CMP_*).

@@ -11,6 +11,15 @@
 //
 //     ll::store_line(ptr_to_peer_line, payload, flag);                // sender, per thread
 //     uint2 v = ll::wait_line(ctx, my_line, flag);                     // receiver, bounded
+//
+// wait_line ends the thread that gives up (PTX `exit`): safe before a barrier of the whole block (__syncthreads,
+// Block) or of the warp, which release the threads that remain, but not before a counted named barrier (Warpgroup,
+// bar.sync id, n) or an mbarrier arrive: a warp whose lanes all gave up never arrives there, and the rest wait for
+// it without bound. There, wait with wait_line_checked and end the group together:
+//
+//     uint2 v;
+//     const bool ok = ll::wait_line_checked(ctx, my_line, flag, &v);
+//     device::exit_unless(Warpgroup{1}.all(ok));                         // every thread, or none, goes on
 #pragma once
 
 #include "weft/common/device_ctx.hpp"
@@ -65,6 +74,33 @@ __device__ __forceinline__ uint2 wait_line_from(const DeviceCtx& ctx, const void
                       aborted);
     }
     return payload;
+}
+
+/// wait_line_from that returns instead of ending the thread: true with the payload in `*payload`, or, after the same
+/// diagnostic and the abort word raised, false (`*payload` undefined). Fully inline, no reachable call, exit or trap
+/// (as spin_until_checked). The caller ends the thread once it may, its whole group together where the group meets
+/// at a counted barrier (`exit_unless(group.all(ok))`). Per thread.
+__device__ __forceinline__ bool wait_line_checked_from(const DeviceCtx& ctx, const void* line, uint32_t flag,
+                                                       uint2* payload, int32_t sender, int line_no = __builtin_LINE()) {
+    uint64_t waited_ns = 0;
+    const auto probe = [&] { return try_load_line(line, flag, payload); };
+    bool aborted = false;
+    if (!detail::poll_bounded(ctx.timeout_ns, ctx.abort_flag, probe, &waited_ns, &aborted)) {
+        const ulonglong2 v = ptx::ld_pair_b64<ptx::Sem::kRelaxed, ptx::Scope::kSys>(line);
+        const uint32_t seen = static_cast<uint32_t>(v.x >> 32) != flag ? static_cast<uint32_t>(v.x >> 32)
+                                                                       : static_cast<uint32_t>(v.y >> 32);
+        record_diagnostic(ctx, SpinSite{SpinKind::kSignalWait, sender, line_no}, Cmp::kEq, line, flag, seen, waited_ns,
+                          aborted);
+        raise_abort(ctx);
+        return false;
+    }
+    return true;
+}
+
+/// wait_line_checked_from with the line's owner as the record's peer.
+__device__ __forceinline__ bool wait_line_checked(const DeviceCtx& ctx, const void* line, uint32_t flag, uint2* payload,
+                                                  int line_no = __builtin_LINE()) {
+    return wait_line_checked_from(ctx, line, flag, payload, -1, line_no);
 }
 
 /// wait_line_from with the line's owner as the record's peer (a line in this rank's memory names this rank).

@@ -19,6 +19,8 @@ namespace weft::device {
 
 /// The calling thread alone.
 struct Thread {
+    /// The block's thread count must be a multiple of this (1: any block).
+    static constexpr uint32_t kBlockMultiple = 1;
     __device__ __forceinline__ uint32_t rank() const { return 0; }
     __device__ __forceinline__ uint32_t size() const { return 1; }
     __device__ __forceinline__ bool is_leader() const { return true; }
@@ -35,6 +37,7 @@ struct Thread {
 
 /// The 32 lanes of the calling warp.
 struct Warp {
+    static constexpr uint32_t kBlockMultiple = 32;
     __device__ __forceinline__ uint32_t rank() const {
         return (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) & 31u;
     }
@@ -66,6 +69,7 @@ struct Warp {
 /// block's thread count must be a multiple of 128). They synchronise through named barrier `barrier_id` (1..15; 0
 /// is the block's __syncthreads barrier), which no other threads may use while they do.
 struct Warpgroup {
+    static constexpr uint32_t kBlockMultiple = 128;
     uint32_t barrier_id;
 
     /// No default: barrier 0 is __syncthreads' own, and two warpgroups on one id meet each other's warps. `id` in
@@ -101,6 +105,7 @@ struct Warpgroup {
 
 /// Every thread of the calling thread block.
 struct Block {
+    static constexpr uint32_t kBlockMultiple = 1;
     __device__ __forceinline__ uint32_t rank() const {
         return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     }

@@ -49,12 +49,37 @@ __device__ __forceinline__ T* ptr(const DeviceCtx& ctx, T* dest, int pe) {
     return symm_at(ctx, dest, pe);
 }
 
+namespace detail {
+
+/// Ends the kernel with a kBadArgument diagnostic when `group` cannot split a copy in this block: a Warp or Warpgroup
+/// in a block whose thread count is not a multiple of its size (the missing lanes' share would not be copied, and
+/// the signal after it would go out over part of the data), or a Warpgroup on a named barrier outside 1..15.
+template <class Group>
+__device__ __forceinline__ void check_group_or_trap(Group group, const DeviceCtx& ctx, int line) {
+    if constexpr (Group::kBlockMultiple > 1) {
+        const uint32_t threads = blockDim.x * blockDim.y * blockDim.z;
+        if (threads % Group::kBlockMultiple != 0) {
+            fail_and_trap(ctx, SpinSite{SpinKind::kBadArgument, -1, line}, Cmp::kEq, nullptr, Group::kBlockMultiple,
+                          threads, kBadGroupSize);
+        }
+    }
+    if constexpr (requires { group.barrier_id; }) {
+        if (group.barrier_id - 1u >= 15u) {
+            fail_and_trap(ctx, SpinSite{SpinKind::kBadArgument, -1, line}, Cmp::kEq, nullptr, 1, group.barrier_id,
+                          kBadBarrierId);
+        }
+    }
+}
+
+}  // namespace detail
+
 /// Copies `bytes` bytes from local `source` to symmetric `dest` on rank `pe`; the group shares the
 /// copy (16-byte accesses where alignment allows). Returns when this thread's part is written; the
 /// source may then be reused by this thread. Not ordered before later operations without fence/quiet.
 template <class Group>
 __device__ __forceinline__ void putmem_nbi(Group group, const DeviceCtx& ctx, void* dest, const void* source,
                                            uint64_t bytes, int pe, int line = __builtin_LINE()) {
+    detail::check_group_or_trap(group, ctx, line);
     void* remote = symm_range_at_or_trap(ctx, dest, bytes, pe, line);
     copy(group, remote, source, bytes);
 }
@@ -72,6 +97,7 @@ __device__ __forceinline__ void putmem(Group group, const DeviceCtx& ctx, void* 
 template <class Group>
 __device__ __forceinline__ void getmem_nbi(Group group, const DeviceCtx& ctx, void* dest, const void* source,
                                            uint64_t bytes, int pe, int line = __builtin_LINE()) {
+    detail::check_group_or_trap(group, ctx, line);
     const void* remote = symm_range_at_or_trap(ctx, source, bytes, pe, line);
     copy(group, dest, remote, bytes);
 }
@@ -91,6 +117,7 @@ template <class Group>
 __device__ __forceinline__ void putmem_signal(Group group, const DeviceCtx& ctx, void* dest, const void* source,
                                               uint64_t bytes, uint64_t* sig_addr, uint64_t signal, SignalOp sig_op,
                                               int pe, int line = __builtin_LINE()) {
+    detail::check_group_or_trap(group, ctx, line);
     void* remote = symm_range_at_or_trap(ctx, dest, bytes, pe, line);
     uint64_t* remote_sig = symm_at_or_trap(ctx, sig_addr, pe, line);
     copy(group, remote, source, bytes);

@@ -66,9 +66,11 @@ __device__ __forceinline__ T* symm_at_or_trap(const DeviceCtx& ctx, T* local, in
 
 /// symm_at_or_trap() for the `bytes` bytes at `local` (a put's destination, a get's source): also ends the kernel
 /// with kUnreachablePeer, cmp kLe and waited_ns = bytes, when they run past the end of this rank's symmetric heap
-/// (the peer's copy would run past its heap too, into other memory).
+/// (the peer's copy would run past its heap too, into other memory). Zero bytes touch no memory: nullptr, whatever
+/// `local` is (one past the heap's end, null), as OpenSHMEM allows for a put or get of no elements.
 template <class T>
 __device__ __forceinline__ T* symm_range_at_or_trap(const DeviceCtx& ctx, T* local, uint64_t bytes, int pe, int line) {
+    if (bytes == 0) return nullptr;
     T* p = symm_at_or_trap(ctx, local, pe, line);
     const uint64_t offset = reinterpret_cast<uintptr_t>(local) - reinterpret_cast<uintptr_t>(ctx.heap_base);
     if (bytes > ctx.heap_bytes - offset) {  // offset < heap_bytes: symm_at_or_trap returned

@@ -87,6 +87,17 @@ struct TokenIssuer {
         static_assert(kIsGroup<Group>, "tile::wait: the group must be Thread, Warp, Warpgroup or Block");
         unsigned last = 0;
         bool ok = true;
+        if constexpr (!kChecked) {
+            // A negative count (an inverted range) is refused: no Token for signals never waited for. (Not in the
+            // checked forms, which serve code among live accumulators: the record's registers would spill them.)
+            if (n < 0) {
+                ok = false;
+                if (group.is_leader()) {
+                    record_failure(ctx, SpinSite{SpinKind::kBadArgument, -1, line}, Cmp::kGe, nullptr, 0,
+                                   static_cast<uint64_t>(static_cast<int64_t>(n)), kBadWaitCount, false);
+                }
+            }
+        }
         WEFT_TRACE_DO(PendingWait pending);  // this thread's last "wait peer" event, written after the barrier
         for (int i = static_cast<int>(group.rank()); i < n; i += static_cast<int>(group.size())) {
             const auto at = signal_at(i);
@@ -155,7 +166,8 @@ __device__ __forceinline__ T* symm_at(const DeviceCtx& ctx, T* ptr, int pe) {
 /// backoff; S = kAcquire polls with ld.acquire.<C>, S = kRelaxed polls with ld.relaxed.<C> and issues
 /// one fence.acq_rel.<C> after success); then the group synchronises and every thread issues
 /// `fence.proxy.async.global`, so both its generic loads and its TMA loads of data released by the
-/// signals' writers see that data. Every thread of the group calls; n may be 0 or any count.
+/// signals' writers see that data. Every thread of the group calls; n may be 0 or any count (a negative one is
+/// refused: a kBadArgument diagnostic and the group ends, as after a timeout; the _checked forms do not check it).
 /// Bounded: after ctx.timeout_ns, or once the World is aborted, a kTileWait diagnostic names the first signal that
 /// did not arrive, the abort word is raised, and every thread of the group ends together (`exit`).
 template <ptx::Scope C = ptx::Scope::kSys, ptx::Sem S = ptx::Sem::kAcquire, class Group>
