@@ -584,13 +584,14 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
 
     // B. This rank's tokens: the partials of their destinations, in rank order. Thread r waits for rank r's partials;
     //    each rank has its own count, so each thread is its own group (n = 0 where nothing comes from r), and the
-    //    block barrier then extends every thread's acquire to the whole block.
+    //    block barrier then extends every thread's acquire to the whole block. A wait that gave up ends the whole
+    //    block there (Block::all): none of its threads sums rows that did not come or signals a peer after it.
     const bool from_rank = tid < num_ranks && a.handle.tokens_per_rank[tid] > 0;
-    const Token partials = tile::wait_each(
+    const device::WaitResult partials = tile::wait_each_checked(
         Thread{}, ctx, from_rank ? 1 : 0, FromRank{a.buffer.partial_signal, tid}, Cmp::kGe,
         from_rank ? a.buffer.state->partial_expected[tid] + static_cast<uint64_t>(a.handle.tokens_per_rank[tid]) : 0);
-    __syncthreads();
-    const uint16_t* landing = tile::consume_token<const uint16_t*>(a.handle.landing, partials);
+    device::exit_unless(Block{}.all(partials.ok()));
+    const uint16_t* landing = tile::consume_token<const uint16_t*>(a.handle.landing, partials.token());
     WEFT_TRACE_BEGIN(combine_t0);
     for (int t = global_warp; t < num_tokens; t += num_warps) {
         const int32_t* sidx = a.handle.send_idx + static_cast<int64_t>(t) * num_ranks;

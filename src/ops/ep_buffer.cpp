@@ -136,6 +136,22 @@ void Buffer::Impl::enter(const char* op, cudaStream_t stream, const Buffer::Impl
                       << world->num_ranks_on_device()
                       << " ranks share this GPU and the legacy default stream would serialise their kernels, "
                          "which wait for each other");
+    if (world->same_process() && world->num_ranks_on_device() > 1) {
+        // A blocking stream (cudaStreamCreate, cudaStreamPerThread) waits for the legacy default stream and it for
+        // them: one rank thread's legacy call (a cudaMemset, a synchronous copy) would queue behind a peer's kernel
+        // that waits for this rank.
+        unsigned int flags = 0;
+        const bool known = cudaStreamGetFlags(stream, &flags) == cudaSuccess;
+        if (!known) (void)cudaGetLastError();  // an invalid stream fails at its launch, with CUDA's own message
+        WEFT_CHECK(!known || (stream != cudaStreamPerThread && (flags & cudaStreamNonBlocking) != 0),
+                   "ep::" << op
+                          << ": pass a non-blocking stream (cudaStreamCreateWithFlags(..., cudaStreamNonBlocking)); "
+                             "a blocking stream (cudaStreamCreate, cudaStreamPerThread) synchronises with the legacy "
+                             "default stream, which the "
+                          << world->num_ranks_on_device()
+                          << " rank threads sharing this GPU also use: one rank's legacy call would wait for a "
+                             "peer's kernel that waits for this rank");
+    }
     WEFT_CHECK(handle_owner != nullptr,
                "ep: " << op << ": the handle is empty (moved from) or its Buffer was destroyed before it");
     WEFT_CHECK(handle_owner == this, "ep: " << op << ": the handle belongs to another Buffer");

@@ -417,6 +417,13 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
         m.world->heap(), {{"out", out}, {"weights.gate_up", weights.gate_up}, {"weights.down", weights.down}},
         "ep::MoeBlock::forward", stream);
     const NormalHandle& h = *m.handle;
+    // The combine would refuse an out inside the block's own buffers, but only once the dispatch is out.
+    ops::detail::check_apart("ep::MoeBlock::forward", "out", out,
+                             {{"the block's received rows (recv_x)", h.recv_x()},
+                              {"the block's gate_up_out", m.gate_up_out()},
+                              {"the block's activation", m.activation()},
+                              {"the block's expert_out", m.expert_out()}},
+                             "the block writes them during the call");
     try {
         validate_grouped_gemm_args(GroupedLayout::kContiguous, h.recv_x(), weights.gate_up, m.gate_up_out(),
                                    BLayout::kNK, h.expert_offsets(), h.expert_counts());

@@ -359,6 +359,10 @@ TEST_F(EpMoeGpu, ArgumentErrorsAreHostErrorsBeforeAnyLaunch) {
                 moe.forward(io.x_view(), io.idx_view(), io.w_view(), w,
                             TensorView(io.out_fused.get(), DType::kBF16, {io.num_tokens + 1, kHidden}), rs.s);
             });
+            // out inside the block's own buffers: refused before the dispatch (the combine would refuse it only after).
+            const TensorView inside(moe.expert_out().data, DType::kBF16, {io.num_tokens, kHidden});
+            expect_error("out must not overlap the block's",
+                         [&] { moe.forward(io.x_view(), io.idx_view(), io.w_view(), w, inside, rs.s); });
             expect_error("comm_sms", [&] {
                 moe.forward(io.x_view(), io.idx_view(), io.w_view(), w, io.out_view(io.out_fused), rs.s,
                             {.comm_sms = world.sm_budget()});

@@ -545,6 +545,19 @@ TEST_F(EpNormalGpu, ArgumentErrorsAreHostErrors) {
                                     TensorView(w.get(), DType::kF32, {4, c.topk}), nullptr);
                     },
                     "non-blocking stream");
+                // A blocking stream synchronises with the legacy one, which the other rank threads use too.
+                cudaStream_t blocking = nullptr;
+                WEFT_CUDA_CHECK(cudaStreamCreate(&blocking));
+                for (cudaStream_t s : {blocking, cudaStreamPerThread}) {
+                    expect_error(
+                        [&] {
+                            ep.dispatch(h, TensorView(x.get(), DType::kBF16, {4, c.hidden}),
+                                        TensorView(idx.get(), DType::kI32, {4, c.topk}),
+                                        TensorView(w.get(), DType::kF32, {4, c.topk}), s);
+                        },
+                        "a blocking stream (cudaStreamCreate, cudaStreamPerThread) synchronises with the legacy");
+                }
+                WEFT_CUDA_CHECK(cudaStreamDestroy(blocking));
             }
             // Between a dispatch and its combine the handle's layout is the combine's: a new one is refused, and
             // allowed again once combined. Every slot dropped (-1): a valid routing that moves no row.

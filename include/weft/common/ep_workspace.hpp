@@ -469,8 +469,9 @@ struct Workspace {
 /// A normal dispatch and combine fused with the expert GEMMs that run alongside them (weft::ops::ep::MoeBlock): device
 /// words of this rank, in private device memory. Every pointer null: not fused (the kernels touch none of them).
 /// Dispatch (all three or none):
-///   counts_ready   += 1 once the handle's expert_counts / expert_offsets hold this call's values (release, gpu scope);
-///   expert_ready   [E_local] += 1 once every row of local expert e is in recv_x (its direct rows arrived and its
+///   counts_ready   += 1 once the handle's expert_counts / expert_offsets hold this call's values (release, system
+///   scope); expert_ready   [E_local] += 1 once every row of local expert e is in recv_x (its direct rows arrived and
+///   its
 ///                  local copies stored): exactly once per dispatch for every local expert, empty ones included, so
 ///                  after n fused dispatches each word is n (what a GroupedWaitScheduler waits for, epoch-counted);
 ///   expert_rows    [E_local] scratch: the rows completed so far; zero before the call, returned to zero by its last

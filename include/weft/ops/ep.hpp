@@ -222,7 +222,8 @@ public:
     LowLatencyHandle& operator=(LowLatencyHandle&&) noexcept;
     ~LowLatencyHandle();
 
-    /// [E_local, W * max_tokens, H]: bf16, or fp8 e4m3 after an fp8 dispatch. Rows [0, count) of each
+    /// [E_local, W * max_tokens, H]: bf16, or fp8 e4m3 after an fp8 dispatch (typed by the last send: between an
+    /// fp8 kSend and its kRecv the view is e4m3 while it still holds the previous receive). Rows [0, count) of each
     /// expert are valid, ordered by (source rank, source token).
     TensorView recv_x() const;
     /// f32 [E_local, W * max_tokens, H / 128]: the scale of each 128-channel group (fp8 dispatches).
@@ -314,11 +315,11 @@ public:
     // ---- errors the kernels report ----
     /// Reads this rank's status word (host-mapped memory: no synchronisation, sees every kernel that
     /// has completed) and throws weft::Error describing the first error, if any. Every error the kernels report leaves
-    /// the Buffer consistent, and no call refuses on it: a call that starts an exchange (layout, dispatch, a
-    /// low-latency dispatch's kSendRecv or kSend) logs a pending error once as a warning and goes ahead (whether a
-    /// rank's host sees the error before its next call depends on its GPU's progress; a rank that refused alone would
-    /// leave the others waiting for it until their timeout). Call check() (or sync_and_check()) after the calls whose
-    /// errors you handle. The word stays set until clear_status().
+    /// the Buffer consistent, and no call refuses on it: a call that starts an exchange (dispatch, a low-latency
+    /// dispatch's kSendRecv or kSend; layout, which is local, too) logs a pending error once as a warning and goes
+    /// ahead (whether a rank's host sees the error before its next call depends on its GPU's progress; a rank that
+    /// refused alone would leave the others waiting for it until their timeout). Call check() (or sync_and_check())
+    /// after the calls whose errors you handle. The word stays set until clear_status().
     void check() const;
     /// world().sync_and_check(stream), then check().
     void sync_and_check(cudaStream_t stream);
