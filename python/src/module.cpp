@@ -244,7 +244,12 @@ NB_MODULE(_weft, m) {
         .def_static(
             "from_store",
             [](const PyStoreAdapter& store, int rank, int num_ranks, int local_rank, int local_num_ranks,
-               const std::string& key_prefix, int device, uint64_t heap_bytes, int sm_budget, int64_t timeout_ms) {
+               const std::string& key_prefix, int device, uint64_t heap_bytes, int sm_budget, int64_t timeout_ms,
+               int64_t dead_peer_ms) {
+                WEFT_CHECK(dead_peer_ms >= 0,
+                           "World.from_store: dead_peer_ms must be >= 0 (0: WEFT_DEAD_PEER_MS, else "
+                           "10 s), got "
+                               << dead_peer_ms);
                 WorldMembership membership;
                 membership.rank = rank;
                 membership.num_ranks = num_ranks;
@@ -254,13 +259,15 @@ NB_MODULE(_weft, m) {
                 std::unique_ptr<World> w;
                 {
                     nb::gil_scoped_release release;
-                    w = World::from_store(store.store, membership,
-                                          make_options(device, heap_bytes, sm_budget, timeout_ms));
+                    WorldOptions options = make_options(device, heap_bytes, sm_budget, timeout_ms);
+                    options.dead_peer_timeout = std::chrono::milliseconds(dead_peer_ms);
+                    w = World::from_store(store.store, membership, options);
                 }
                 return new PyWorld(std::move(w));
             },
             "store"_a, "rank"_a, "num_ranks"_a, "local_rank"_a = -1, "local_num_ranks"_a = 0, "key_prefix"_a = "weft",
-            "device"_a = -1, "heap_bytes"_a = 0, "sm_budget"_a = 0, "timeout_ms"_a = 0, nb::rv_policy::take_ownership)
+            "device"_a = -1, "heap_bytes"_a = 0, "sm_budget"_a = 0, "timeout_ms"_a = 0, "dead_peer_ms"_a = 0,
+            nb::rv_policy::take_ownership)
         .def("close", &PyWorld::close)
         // abort is let in while the World closes: it ends the calls in flight that close() waits for.
         .def(

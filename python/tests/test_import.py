@@ -85,6 +85,47 @@ def test_a_world_on_a_machine_without_a_gpu_is_a_weft_error():
         _weft.World.from_store(adapter, rank=0, num_ranks=1, timeout_ms=5000)
 
 
+def test_a_negative_dead_peer_bound_is_refused_before_anything_starts():
+    from dict_store import DictStore
+    adapter = _weft.StoreAdapter(DictStore())
+    with pytest.raises(weft.Error, match=r"dead_peer_ms must be >= 0 .* got -1"):
+        _weft.World.from_store(adapter, rank=0, num_ranks=1, timeout_ms=5000, dead_peer_ms=-1)
+
+
+@pytest.mark.parametrize("env", [None, "2500"])
+def test_a_world_on_torchs_store_waits_longer_for_a_silent_peer(monkeypatch, env):
+    # The watchdog's heartbeats on torch's store need the GIL: weft.init asks from_store for a 60 s dead-peer bound
+    # there, unless WEFT_DEAD_PEER_MS is set (then 0: the variable decides). torch.distributed and the extension's
+    # World are stand-ins here: what is checked is what init passes.
+    import types
+    from weft import _runtime
+    from dict_store import DictStore
+    if weft.is_initialized():
+        pytest.skip("a World made by an earlier test of this process is still live")
+    if env is None:
+        monkeypatch.delenv("WEFT_DEAD_PEER_MS", raising=False)
+    else:
+        monkeypatch.setenv("WEFT_DEAD_PEER_MS", env)
+    seen = {}
+
+    class FakeWorld:
+        device = 0
+
+        @staticmethod
+        def from_store(adapter, **kwargs):
+            seen.update(kwargs)
+            return FakeWorld()
+
+    fake_dist = types.SimpleNamespace(
+        get_world_size=lambda: 1, get_rank=lambda: 0,
+        distributed_c10d=types.SimpleNamespace(_get_default_store=lambda: DictStore()))
+    monkeypatch.setattr(_runtime, "_torch_distributed", lambda: fake_dist)
+    monkeypatch.setattr(_runtime, "_weft", types.SimpleNamespace(StoreAdapter=lambda store: store, World=FakeWorld))
+    monkeypatch.setattr(_runtime, "_state", None)
+    assert isinstance(_runtime.init(device=0), FakeWorld)
+    assert seen["dead_peer_ms"] == (60000 if env is None else 0)
+
+
 def test_finalize_closes_the_newest_first_then_the_world():
     from weft import _runtime
 

@@ -2,6 +2,7 @@
 """The process's weft World: init, finalize, teams, and the registry of what must be closed collectively."""
 import atexit
 import hashlib
+import os
 import sys
 import threading
 
@@ -30,6 +31,8 @@ class _State:
 _state = None
 _lock = threading.Lock()
 _worlds_made = 0  # Worlds this process made (_State.generation)
+# The dead-peer bound of a World on torch's store where WEFT_DEAD_PEER_MS is not set (weft's own stores: 10 s).
+_TORCH_STORE_DEAD_PEER_MS = 60000
 _TEAM_INDEX_BITS = 20  # Team.handle = generation << _TEAM_INDEX_BITS | index in the World's teams
 _init_count = {}  # key prefix base -> Worlds made on it by this process (the same count on every rank)
 
@@ -135,9 +138,13 @@ def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
             count = _init_count.get(base, 0)
             _init_count[base] = count + 1
             adapter = _weft.StoreAdapter(dist.distributed_c10d._get_default_store())
+            # The watchdog's heartbeats go through torch's store, a Python object: each needs this process's GIL, so
+            # a rank whose main thread holds the GIL for seconds (a long C call) goes silent. Its peers wait longer
+            # for it than on weft's own store (WEFT_DEAD_PEER_MS, when set, still decides).
+            dead_peer_ms = 0 if "WEFT_DEAD_PEER_MS" in os.environ else _TORCH_STORE_DEAD_PEER_MS
             world = _weft.World.from_store(adapter, rank=ranks.index(me), num_ranks=len(ranks),
                                            key_prefix=f"{base}/{count}", device=device, heap_bytes=heap_bytes,
-                                           sm_budget=sm_budget, timeout_ms=timeout_ms)
+                                           sm_budget=sm_budget, timeout_ms=timeout_ms, dead_peer_ms=dead_peer_ms)
             _state = _State(world, ranks, adapter)
         return _state.world
 

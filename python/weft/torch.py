@@ -34,6 +34,10 @@ import torch
 
 from . import _ops, _runtime
 
+if not hasattr(torch.library, "custom_op"):
+    raise ImportError(f"weft.torch needs PyTorch 2.4 or later (torch.library.custom_op); this is PyTorch "
+                      f"{torch.__version__}. weft's other Python ops (weft.all_reduce, weft.AgGemm, ...) work with it.")
+
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "gemm", "ag_gemm", "gemm_rs", "gemm_ar"]
 # all_reduce and gemm are custom ops themselves; the others are Python functions over the custom ops
 # torch.ops.weft.{all_gather, reduce_scatter, ag_gemm, ag_gemm_saving, gemm_rs, gemm_ar}.

@@ -4,9 +4,12 @@
 
 #include <dlfcn.h>
 #include <link.h>
+#include <nvrtc.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <sstream>
 
 #include "weft/detail/install_prefix.hpp"
@@ -105,6 +108,23 @@ std::string common_headers_digest(const fs::path& weft_include, const std::vecto
     return to_hex(sha256(lines));
 }
 
+namespace {
+
+// Why the headers at `roots` are not this library's (a header of include/weft/common missing or different), or
+// nullopt when they are.
+std::optional<std::string> headers_mismatch(const IncludeRoots& roots) {
+    try {
+        if (common_headers_digest(roots.weft_include, built_common_header_names()) == built_common_headers_digest()) {
+            return std::nullopt;
+        }
+        return std::string("a header of include/weft/common differs");
+    } catch (const Error& e) {
+        return std::string(e.what());
+    }
+}
+
+}  // namespace
+
 void check_headers_match_library(const IncludeRoots& roots) {
     const auto mismatch = [&](const std::string& what) {
         WEFT_FAIL("jit: weft's headers at " << roots.weft_include.string() << " (" << roots.found_by
@@ -132,14 +152,28 @@ IncludeRoots find_include_roots() {
         roots->found_by = "WEFT_HOME=" + *home;
         return *roots;
     }
-    return search_include_roots(search_starts(), detail::installed_prefix());
+    // A tree of another weft (an older install beside the program, a source tree of another version above it) is
+    // passed over for the next place, the install prefix compiled into weft last.
+    return search_include_roots(search_starts(), detail::installed_prefix(), headers_mismatch);
 }
 
-IncludeRoots search_include_roots(const std::vector<fs::path>& starts, const fs::path& install_prefix) {
+IncludeRoots search_include_roots(const std::vector<fs::path>& starts, const fs::path& install_prefix,
+                                  const std::function<std::optional<std::string>(const IncludeRoots&)>& reject) {
     std::vector<std::string> searched;
+    std::vector<std::string> rejected;
+    const auto take = [&](std::optional<IncludeRoots>& roots, const fs::path& dir) {
+        if (!roots) return false;
+        if (reject) {
+            if (const std::optional<std::string> why = reject(*roots)) {
+                rejected.push_back(dir.string() + ": " + *why);
+                return false;
+            }
+        }
+        return true;
+    };
     for (const fs::path& start : starts) {
         for (fs::path dir = start; !dir.empty(); dir = dir.parent_path()) {
-            if (auto roots = weft_roots_at(dir)) {
+            if (auto roots = weft_roots_at(dir); take(roots, dir)) {
                 roots->found_by = "searched upward from " + start.string() + ", found " + dir.string();
                 return *roots;
             }
@@ -148,27 +182,59 @@ IncludeRoots search_include_roots(const std::vector<fs::path>& starts, const fs:
         }
     }
     if (!install_prefix.empty()) {
-        if (auto roots = weft_roots_at(install_prefix)) {
+        if (auto roots = weft_roots_at(install_prefix); take(roots, install_prefix)) {
             roots->found_by = "the install prefix compiled into weft, " + install_prefix.string();
             return *roots;
         }
         searched.push_back(install_prefix.string() + " (the install prefix compiled into weft)");
     }
     std::ostringstream os;
+    if (!rejected.empty()) {
+        for (const auto& s : rejected) os << "\n  " << s;
+        WEFT_FAIL(
+            "cannot find the weft headers this library was built from for the JIT: every weft tree found holds "
+            "other headers (kernels compiled from them would disagree with the library on their parameters); "
+            "set WEFT_HOME to this build's source tree or install prefix, or rebuild the library. Found:"
+            << os.str());
+    }
     for (const auto& s : searched) os << "\n  " << s;
     WEFT_FAIL("cannot find weft's headers (include/weft/device/token.cuh with kernels/ or share/weft/kernels/) "
               "for the JIT; set WEFT_HOME to the source tree or install prefix. Searched:"
               << os.str());
 }
 
+namespace {
+
+// The CUDA major version of the toolkit headers in `inc` (cuda.h's CUDA_VERSION / 1000), or 0 when it cannot be read.
+int headers_cuda_major(const fs::path& inc) {
+    std::ifstream in(inc / "cuda.h");
+    std::string line;
+    while (std::getline(in, line)) {
+        const std::string tag = "#define CUDA_VERSION ";
+        if (line.rfind(tag, 0) == 0) return std::atoi(line.c_str() + tag.size()) / 1000;
+    }
+    return 0;
+}
+
+}  // namespace
+
 std::vector<fs::path> find_cuda_include_dirs() {
     std::vector<fs::path> candidates;
     std::vector<std::string> why;
+    int nvrtc_major = 0, nvrtc_minor = 0;
+    if (nvrtcVersion(&nvrtc_major, &nvrtc_minor) != NVRTC_SUCCESS) nvrtc_major = 0;
     for (const char* var : {"CUDA_HOME", "CUDA_PATH"}) {
         if (auto v = env::get(var); v && !v->empty()) {
             fs::path inc = fs::path(*v) / "include";
             WEFT_CHECK(is_file(inc / "cuda_fp16.h"),
                        var << "='" << *v << "' is set but " << inc.string() << "/cuda_fp16.h does not exist");
+            // NVRTC compiles against these headers: another major version's (a CUDA 12 toolkit set for building
+            // extensions beside this CUDA 13 NVRTC) fails in ways that do not say why.
+            const int major = headers_cuda_major(inc);
+            WEFT_CHECK(major == 0 || nvrtc_major == 0 || major == nvrtc_major,
+                       var << "='" << *v << "' holds the headers of CUDA " << major << ", but weft's JIT runs NVRTC "
+                           << nvrtc_major << "." << nvrtc_minor << ", which needs its own toolkit's headers: point "
+                           << var << " at a CUDA " << nvrtc_major << " toolkit (or unset it)");
             candidates.push_back(inc);
         }
     }

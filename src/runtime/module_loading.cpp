@@ -79,11 +79,19 @@ void warn_if_lazy_module_loading() {
         CUmoduleLoadingMode mode{};
         if (reinterpret_cast<GetLoadingMode>(fn)(&mode) != CUDA_SUCCESS) return;
         auto value = env::get("CUDA_MODULE_LOADING");
-        if (mode == CU_MODULE_LAZY_LOADING && value && *value == "EAGER") {
-            WEFT_LOG_WARN(
-                "CUDA loads modules lazily although CUDA_MODULE_LOADING=EAGER: CUDA was initialised before "
-                "weft could select eager loading; call weft::ensure_eager_module_loading() (or set "
-                "CUDA_MODULE_LOADING=EAGER) before the first CUDA call, or spinning kernels may deadlock");
+        if (mode != CU_MODULE_LAZY_LOADING || !value || *value != "EAGER") return;
+        // weft's own kernels load eagerly whatever the mode (the JIT loads each module whole); what stays lazy is
+        // other libraries' kernels, whose first launch may wait for the whole GPU, a weft kernel spinning for a peer
+        // included.
+        constexpr const char* kWhat =
+            "CUDA was initialised (by another library, e.g. PyTorch) before weft could select eager module loading: "
+            "weft's kernels load eagerly regardless, but other libraries' kernels load at their first launch, which "
+            "can wait for a weft kernel spinning on this GPU for a peer; to rule that out, set "
+            "CUDA_MODULE_LOADING=EAGER in the environment before the program starts";
+        if (g_weft_set_it) {
+            WEFT_LOG_INFO(kWhat);
+        } else {
+            WEFT_LOG_WARN("CUDA loads modules lazily although you set CUDA_MODULE_LOADING=EAGER: " << kWhat);
         }
     });
 }

@@ -2,6 +2,7 @@
 // Unit tests of the JIT's last search root: the install prefix slot in weft's library, how `cmake --install`
 // rewrites it, and the search order that ends with it.
 #include <gtest/gtest.h>
+#include <nvrtc.h>
 
 #include <algorithm>
 #include <functional>
@@ -152,6 +153,56 @@ TEST(JitPaths, SearchEndsWithTheInstallPrefix) {
     expect_error([&] { search_include_roots({elsewhere / "bin"}, prefix / "lib"); },
                  (prefix / "lib").string() + " (the install prefix compiled into weft)");
     expect_error([&] { search_include_roots({elsewhere / "bin"}, fs::path()); }, (elsewhere / "bin").string());
+}
+
+// CUDA_HOME with another major version's headers than the NVRTC weft runs is refused, naming both; the same
+// major is taken.
+TEST(JitPaths, CudaHomeOfAnotherMajorVersionIsRefused) {
+    int major = 0, minor = 0;
+    ASSERT_EQ(nvrtcVersion(&major, &minor), NVRTC_SUCCESS);
+    TempDir home("weft_cuda_home");
+    write_text_file(home / "include/cuda_fp16.h", "#pragma once\n");
+    write_text_file(home / "include/cuda.h", "#define CUDA_VERSION " + std::to_string((major - 1) * 1000 + 80) + "\n");
+    {
+        weft::testing::ScopedEnv env("CUDA_HOME", home.path().string());
+        weft::testing::ScopedEnv path_env("CUDA_PATH", std::nullopt);
+        expect_error([] { (void)find_cuda_include_dirs(); }, "holds the headers of CUDA " + std::to_string(major - 1) +
+                                                                 ", but weft's JIT runs NVRTC " +
+                                                                 std::to_string(major) + ".");
+    }
+    write_text_file(home / "include/cuda.h",
+                    "#define CUDA_VERSION " + std::to_string(major * 1000 + minor * 10) + "\n");
+    weft::testing::ScopedEnv env("CUDA_HOME", home.path().string());
+    weft::testing::ScopedEnv path_env("CUDA_PATH", std::nullopt);
+    const std::vector<fs::path> dirs = find_cuda_include_dirs();
+    ASSERT_FALSE(dirs.empty());
+    EXPECT_EQ(dirs.front(), fs::canonical(home / "include"));
+}
+
+// A tree the caller rejects (find_include_roots: another weft's headers) is passed over for the next place, the
+// install prefix last; with every tree rejected, the error names each and why.
+TEST(JitPaths, SearchPassesOverATreeItRejects) {
+    TempDir prefix("weft_prefix");
+    write_text_file(prefix / "include/weft/device/token.cuh", "#pragma once\n");
+    fs::create_directories(prefix / "share/weft/kernels");
+    TempDir tree("weft_tree");  // an older weft above the program
+    write_text_file(tree / "include/weft/device/token.cuh", "#pragma once\n");
+    fs::create_directories(tree / "kernels");
+    fs::create_directories(tree / "bin");
+    const fs::path old_include = fs::canonical(tree / "include");
+    const auto reject_old = [&](const IncludeRoots& r) -> std::optional<std::string> {
+        if (r.weft_include == old_include) return std::string("older headers");
+        return std::nullopt;
+    };
+    const IncludeRoots roots = search_include_roots({tree / "bin"}, prefix.path(), reject_old);
+    EXPECT_EQ(roots.weft_include, fs::canonical(prefix / "include"));
+    EXPECT_NE(roots.found_by.find("install prefix"), std::string::npos) << roots.found_by;
+
+    const auto reject_all = [](const IncludeRoots&) -> std::optional<std::string> { return std::string("other"); };
+    expect_error([&] { search_include_roots({tree / "bin"}, prefix.path(), reject_all); },
+                 "every weft tree found holds other headers");
+    expect_error([&] { search_include_roots({tree / "bin"}, prefix.path(), reject_all); },
+                 tree.path().string() + ": other");
 }
 
 }  // namespace

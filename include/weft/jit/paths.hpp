@@ -6,6 +6,7 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -44,9 +45,12 @@ void check_headers_match_library(const IncludeRoots& roots);
 
 /// The search behind find_include_roots() without WEFT_HOME: the nearest ancestor of each of `starts`, in
 /// order, that holds a source tree or an install layout; else `install_prefix` itself (not its ancestors;
-/// skipped when empty). Throws weft::Error listing every place searched when none matches.
+/// skipped when empty). A tree for which `reject` returns a reason is passed over (find_include_roots: headers
+/// that are not this library's). Throws weft::Error listing every place searched when none matches, or every
+/// tree passed over, with its reason, when trees were found but none accepted.
 IncludeRoots search_include_roots(const std::vector<std::filesystem::path>& starts,
-                                  const std::filesystem::path& install_prefix);
+                                  const std::filesystem::path& install_prefix,
+                                  const std::function<std::optional<std::string>(const IncludeRoots&)>& reject = {});
 
 /// The weft roots under `dir` if it is a source tree (include/weft/device/token.cuh and kernels/) or
 /// an install prefix (include/weft/device/token.cuh and share/weft/kernels/); nullopt otherwise.
