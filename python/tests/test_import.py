@@ -110,6 +110,7 @@ def test_a_world_on_torchs_store_waits_longer_for_a_silent_peer(monkeypatch, env
 
     class FakeWorld:
         device = 0
+        num_ranks = 1
 
         @staticmethod
         def from_store(adapter, **kwargs):
@@ -122,6 +123,7 @@ def test_a_world_on_torchs_store_waits_longer_for_a_silent_peer(monkeypatch, env
     monkeypatch.setattr(_runtime, "_torch_distributed", lambda: fake_dist)
     monkeypatch.setattr(_runtime, "_weft", types.SimpleNamespace(StoreAdapter=lambda store: store, World=FakeWorld))
     monkeypatch.setattr(_runtime, "_state", None)
+    monkeypatch.setattr(_runtime, "_init_count", {})
     assert isinstance(_runtime.init(device=0), FakeWorld)
     assert seen["dead_peer_ms"] == (60000 if env is None else 0)
 

@@ -17,6 +17,7 @@
 #include "weft/jit/hash.hpp"
 #include "weft/runtime/env.hpp"
 #include "weft/runtime/error.hpp"
+#include "weft/runtime/log.hpp"
 
 namespace weft::jit {
 
@@ -229,12 +230,18 @@ std::vector<fs::path> find_cuda_include_dirs() {
             WEFT_CHECK(is_file(inc / "cuda_fp16.h"),
                        var << "='" << *v << "' is set but " << inc.string() << "/cuda_fp16.h does not exist");
             // NVRTC compiles against these headers: another major version's (a CUDA 12 toolkit set for building
-            // extensions beside this CUDA 13 NVRTC) fails in ways that do not say why.
+            // PyTorch extensions beside this CUDA 13 NVRTC) would fail in ways that do not say why. Passed over for
+            // the headers beside the NVRTC weft runs, with a warning.
             const int major = headers_cuda_major(inc);
-            WEFT_CHECK(major == 0 || nvrtc_major == 0 || major == nvrtc_major,
-                       var << "='" << *v << "' holds the headers of CUDA " << major << ", but weft's JIT runs NVRTC "
-                           << nvrtc_major << "." << nvrtc_minor << ", which needs its own toolkit's headers: point "
-                           << var << " at a CUDA " << nvrtc_major << " toolkit (or unset it)");
+            if (major != 0 && nvrtc_major != 0 && major != nvrtc_major) {
+                WEFT_LOG_WARN("jit: " << var << "='" << *v << "' holds the headers of CUDA " << major
+                                      << ", but weft's JIT runs NVRTC " << nvrtc_major << "." << nvrtc_minor
+                                      << ", which needs its own toolkit's headers: not using them (point " << var
+                                      << " at a CUDA " << nvrtc_major << " toolkit to choose one)");
+                why.push_back(inc.string() + " (CUDA " + std::to_string(major) + " headers, NVRTC " +
+                              std::to_string(nvrtc_major) + ")");
+                continue;
+            }
             candidates.push_back(inc);
         }
     }

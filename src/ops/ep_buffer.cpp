@@ -136,10 +136,12 @@ void Buffer::Impl::enter(const char* op, cudaStream_t stream, const Buffer::Impl
                       << world->num_ranks_on_device()
                       << " ranks share this GPU and the legacy default stream would serialise their kernels, "
                          "which wait for each other");
-    if (world->same_process() && world->num_ranks_on_device() > 1) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) (void)cudaGetLastError();
+    if (world->same_process() && world->num_ranks_on_device() > 1 && capture == cudaStreamCaptureStatusNone) {
         // A blocking stream (cudaStreamCreate, cudaStreamPerThread) waits for the legacy default stream and it for
         // them: one rank thread's legacy call (a cudaMemset, a synchronous copy) would queue behind a peer's kernel
-        // that waits for this rank.
+        // that waits for this rank. (Not asked of a stream being captured: the check of its first, eager call holds.)
         unsigned int flags = 0;
         const bool known = cudaStreamGetFlags(stream, &flags) == cudaSuccess;
         if (!known) (void)cudaGetLastError();  // an invalid stream fails at its launch, with CUDA's own message

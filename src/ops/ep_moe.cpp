@@ -417,7 +417,8 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
         m.world->heap(), {{"out", out}, {"weights.gate_up", weights.gate_up}, {"weights.down", weights.down}},
         "ep::MoeBlock::forward", stream);
     const NormalHandle& h = *m.handle;
-    // The combine would refuse an out inside the block's own buffers, but only once the dispatch is out.
+    // out inside the block's own buffers would race with its GEMMs and combine; the combine itself checks only y, and
+    // only after the dispatch is out.
     ops::detail::check_apart("ep::MoeBlock::forward", "out", out,
                              {{"the block's received rows (recv_x)", h.recv_x()},
                               {"the block's gate_up_out", m.gate_up_out()},

@@ -91,6 +91,9 @@ std::string recv_response(int fd, const Limits& limits, Clock::time_point deadli
 
 std::string error_text(const Message& m) { return std::string(m.value.begin(), m.value.end()); }
 
+/// The longest wait of one connection attempt to one address (then the next address, or the next round).
+constexpr auto kConnectAttempt = std::chrono::seconds(5);
+
 /// Connects to host:port, retrying refused or unreachable attempts until `deadline` (rank 0 may be late).
 UniqueFd connect_with_retry(const std::string& host, int port, Clock::time_point deadline, std::string* last_error) {
     auto backoff = std::chrono::milliseconds(10);
@@ -113,7 +116,9 @@ UniqueFd connect_with_retry(const std::string& host, int port, Clock::time_point
             }
             int rc = ::connect(fd.get(), ai->ai_addr, ai->ai_addrlen);
             if (rc != 0 && errno == EINPROGRESS) {
-                std::string e = wait_ready(fd.get(), POLLOUT, deadline);
+                // One attempt waits at most kConnectAttempt: an address whose packets are dropped (a firewalled IPv6
+                // address listed before the IPv4 one) must not take the whole deadline from the next address.
+                std::string e = wait_ready(fd.get(), POLLOUT, std::min(deadline, Clock::now() + kConnectAttempt));
                 if (!e.empty()) {
                     *last_error = describe_address(ai->ai_addr) + ": connect " + e;
                     continue;

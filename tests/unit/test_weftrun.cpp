@@ -234,7 +234,8 @@ TEST_F(WeftrunTest, SetsTheLaunchEnvironment) {
     EXPECT_EQ(run_ids.size(), 1u);
 
     // --gpus: rank i gets element i % len; --port is passed through; a new job gets a new token.
-    Result g = run({"-n", "3", "--gpus", "2,5", "--port", "41234", "--", "sh", "-c", script});
+    Result g =
+        run({"-n", "3", "--gpus", "2,5", "--port", "41234", "--", "sh", "-c", script}, {"CUDA_VISIBLE_DEVICES="});
     ASSERT_EQ(g.exit_code, 0) << g.err;
     auto grows = parse(g, 3);
     EXPECT_EQ(grows[0].at(7), "2");
@@ -243,6 +244,18 @@ TEST_F(WeftrunTest, SetsTheLaunchEnvironment) {
     EXPECT_EQ(grows[0].at(5), "41234");
     EXPECT_NE(grows[0].at(6), *tokens.begin());
     EXPECT_NE(grows[0].at(8), *run_ids.begin());
+
+    // Inside an allocation (CUDA_VISIBLE_DEVICES inherited) --gpus indices count within it; a UUID passes as it is;
+    // an index past it is refused.
+    Result a = run({"-n", "3", "--gpus", "1,3,GPU-5e1f", "--", "sh", "-c", script}, {"CUDA_VISIBLE_DEVICES=4,5,6,7"});
+    ASSERT_EQ(a.exit_code, 0) << a.err;
+    auto arows = parse(a, 3);
+    EXPECT_EQ(arows[0].at(7), "5");
+    EXPECT_EQ(arows[1].at(7), "7");
+    EXPECT_EQ(arows[2].at(7), "GPU-5e1f");
+    Result past = run({"-n", "2", "--gpus", "0,4", "--", "true"}, {"CUDA_VISIBLE_DEVICES=4,5,6,7"});
+    EXPECT_NE(past.exit_code, 0);
+    EXPECT_TRUE(contains(past.err, "has 4 devices; --gpus indices count within it")) << past.err;
 }
 
 TEST_F(WeftrunTest, RoutesStdoutAndStderrAndFlushesPartialLines) {

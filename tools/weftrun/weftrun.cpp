@@ -66,6 +66,7 @@ const char* kUsage =
     "\n"
     "  -n, --nproc N   number of ranks (1..4096)\n"
     "  --gpus LIST     comma-separated CUDA devices; rank i gets CUDA_VISIBLE_DEVICES=LIST[i % len]\n"
+    "                  (indices count within an inherited CUDA_VISIBLE_DEVICES; UUIDs pass as they are)\n"
     "                  (without it CUDA_VISIBLE_DEVICES is left as it is; LOCAL_RANK stays the rank, so a\n"
     "                  rank selects device LOCAL_RANK % visible devices, as weft does, or device 0)\n"
     "  --timeout S     stop every rank after S seconds (exit 124); default: no limit\n"
@@ -126,6 +127,18 @@ double parse_seconds(const std::string& text, const char* what, bool allow_zero)
     return v;
 }
 
+// "a,b,c" as {"a", "b", "c"} (empty items kept, for the caller to refuse).
+std::vector<std::string> split_commas(const std::string& text) {
+    std::vector<std::string> items;
+    size_t start = 0;
+    while (true) {
+        const size_t comma = text.find(',', start);
+        items.push_back(text.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+        if (comma == std::string::npos) return items;
+        start = comma + 1;
+    }
+}
+
 Options parse_args(int argc, char** argv) {
     Options o;
     bool have_n = false;
@@ -159,17 +172,25 @@ Options parse_args(int argc, char** argv) {
             o.num_ranks = static_cast<int>(parse_long(value, "-n", 1, 4096));
             have_n = true;
         } else if (value_of(arg, "--gpus", &value)) {
-            o.gpus.clear();
-            size_t start = 0;
-            while (true) {
-                size_t comma = value.find(',', start);
-                std::string item = value.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+            o.gpus = split_commas(value);
+            for (const std::string& item : o.gpus) {
                 if (item.empty() || item[0] == '-' || item.find_first_of(" \t") != std::string::npos) {
                     usage_error("--gpus must be a comma-separated list of devices such as 0,1,2, got '" + value + "'");
                 }
-                o.gpus.push_back(item);
-                if (comma == std::string::npos) break;
-                start = comma + 1;
+            }
+            // Indices count within an inherited CUDA_VISIBLE_DEVICES (an allocation's GPUs), as CUDA's own would.
+            if (const char* inherited = std::getenv("CUDA_VISIBLE_DEVICES"); inherited != nullptr && *inherited) {
+                const std::vector<std::string> visible = split_commas(inherited);
+                for (std::string& item : o.gpus) {
+                    if (item.find_first_not_of("0123456789") != std::string::npos) continue;  // a UUID or MIG name
+                    const auto index = static_cast<size_t>(parse_long(item, "--gpus", 0, 1L << 20));
+                    if (index >= visible.size()) {
+                        usage_error("--gpus " + item + ": CUDA_VISIBLE_DEVICES='" + std::string(inherited) +
+                                    "' (inherited) has " + std::to_string(visible.size()) +
+                                    " devices; --gpus indices count within it");
+                    }
+                    item = visible[index];
+                }
             }
         } else if (value_of(arg, "--timeout", &value)) {
             o.timeout_s = parse_seconds(value, "--timeout", true);

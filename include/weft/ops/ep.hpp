@@ -18,12 +18,12 @@
 // World, or a split of it): ranks, experts and rank order are the team's. Every member of the team calls the same
 // sequence of collective calls (dispatch, combine, low-latency halves) on a non-blocking stream of its own (ranks that
 // are threads of one process share the legacy default stream, which would serialise their mutually waiting kernels:
-// refused); calls on one Buffer must be ordered (one stream, or streams joined by events). Buffers of teams that share
-// no member may run at the same time. Design, diagrams and pitfalls: kernels/ep/README.md. A team that spans nodes
-// (both modes; the same number of members on every node, NCCL available) exchanges fixed-size records over the network
-// and gives the same results and receive layout: docs/multinode.md, "EP across nodes". EP's vocabulary (a Config, a
-// Buffer, two kinds of handle, their options and views) lives in its own namespace, weft::ops::ep, rather than behind
-// an Ep prefix on a dozen names.
+// refused, as is a blocking stream, which synchronises with it); calls on one Buffer must be ordered (one stream, or
+// streams joined by events). Buffers of teams that share no member may run at the same time. Design, diagrams and
+// pitfalls: kernels/ep/README.md. A team that spans nodes (both modes; the same number of members on every node, NCCL
+// available) exchanges fixed-size records over the network and gives the same results and receive layout:
+// docs/multinode.md, "EP across nodes". EP's vocabulary (a Config, a Buffer, two kinds of handle, their options and
+// views) lives in its own namespace, weft::ops::ep, rather than behind an Ep prefix on a dozen names.
 #pragma once
 
 #include <cuda_runtime_api.h>
