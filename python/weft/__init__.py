@@ -15,7 +15,16 @@ docs/python.md.
 """
 import os as _os
 
-from . import _weft
+try:
+    from . import _weft
+except ImportError as _e:  # a CUDA library the extension links (cudart, NVRTC, nvJitLink) not found by the loader
+    _missing = str(_e)
+    if any(name in _missing for name in ("libcudart", "libnvrtc", "libnvJitLink", "libcrypto")):
+        raise ImportError(
+            f"weft's extension could not load a library it needs ({_missing}). It was built against the CUDA 13 "
+            "toolkit: install one at the same path, or add its lib64 folder to LD_LIBRARY_PATH (importing a PyTorch "
+            "built for CUDA 13 first also loads these libraries); libcrypto is OpenSSL 3's.") from _e
+    raise
 from ._weft import Error, TensorView
 
 # The JIT reads weft's headers and kernel templates at run time; the package carries them (include/,

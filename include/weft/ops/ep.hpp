@@ -164,7 +164,9 @@ struct NormalOptions {
     int num_sms = 0;  ///< blocks of the dispatch/combine kernel; 0 = default_normal_sms()
     /// Expert GEMMs running alongside (MoeBlock, weft/ops/ep_moe.hpp; the contract of each word: NormalFused in
     /// weft/common/ep_workspace.hpp). Dispatch: counts_ready, expert_ready and expert_rows, all or none; combine:
-    /// tile_done with its geometry, or null. Default: none.
+    /// tile_done with its geometry, or null. Default: none. For kernels that keep that contract (MoeBlock does): the
+    /// host checks only the pointers and the counters' stride, so a GEMM that raises the words otherwise (another
+    /// tile_m, fewer tiles per row than tile_target) leaves the combine waiting until its timeout, or reading early.
     NormalFused fused{};
 };
 
