@@ -578,6 +578,9 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
     }
     __syncthreads();
     if (tid < num_ranks && sh.sent[tid] > 0) {
+        // Which handle these partials are of, released with them: a rank combining another handle sees it.
+        ptx::st<Sem::kRelaxed, Scope::kSys>(peers.at(ctx, a.buffer.combine_handle + me, tid),
+                                            static_cast<uint64_t>(a.handle_ordinal) + 1);
         signal_add(peers.at(ctx, a.buffer.partial_signal + me, tid), static_cast<uint64_t>(sh.sent[tid]));
         WEFT_TRACE_RECORD(ctx, TraceKind::kSend, TraceRole::kComm, send_t0, tid, sh.sent[tid], 0, 0);
     }
@@ -591,6 +594,16 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
         Thread{}, ctx, from_rank ? 1 : 0, FromRank{a.buffer.partial_signal, tid}, Cmp::kGe,
         from_rank ? a.buffer.state->partial_expected[tid] + static_cast<uint64_t>(a.handle.tokens_per_rank[tid]) : 0);
     device::exit_unless(Block{}.all(partials.ok()));
+    // Rank r's partials of this call came from its combine on another handle (the ranks combine their handles in
+    // different orders; each dispatch matched): what landed is not this handle's. Every block reads the same words
+    // (r's next combine waits for this one to end), so all write zeros; block 0 reports it.
+    const uint64_t theirs = from_rank ? ptx::ld<Sem::kRelaxed, Scope::kSys>(a.buffer.combine_handle + tid) : 0;
+    const bool other_handle = from_rank && theirs != static_cast<uint64_t>(a.handle_ordinal) + 1;
+    if (other_handle && blockIdx.x == 0) {
+        report_status(a.status, StatusCode::kCallMismatch, me, tid, a.handle_ordinal, static_cast<int64_t>(theirs) - 1,
+                      -1, -1, call, KernelId::kNormalCombine);
+    }
+    const bool mismatch = __syncthreads_or(other_handle) != 0;
     const uint16_t* landing = tile::consume_token<const uint16_t*>(a.handle.landing, partials.token());
     WEFT_TRACE_BEGIN(combine_t0);
     for (int t = global_warp; t < num_tokens; t += num_warps) {
@@ -606,7 +619,7 @@ __global__ void __launch_bounds__(C.threads, 1) normal_combine(weft::DeviceCtx c
                 }
             }
             for (int r0 = 0; r0 < num_ranks; r0 += 32) {
-                const int32_t my_idx = r0 + lane < num_ranks ? sidx[r0 + lane] : -1;
+                const int32_t my_idx = !mismatch && r0 + lane < num_ranks ? sidx[r0 + lane] : -1;
                 uint32_t present = __ballot_sync(0xffffffffu, my_idx >= 0);
                 // Two partials at a time: both rows' loads in flight before the first is added (in rank order).
                 while (present != 0) {

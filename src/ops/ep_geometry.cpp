@@ -364,6 +364,13 @@ std::string describe_status_text(const Status& s, bool one_rank_skipped) {
                   "given";
             break;
         case StatusCode::kCallMismatch:
+            if (static_cast<KernelId>(s.kernel) == KernelId::kNormalCombine) {
+                os << kernel << " call " << s.call << " on rank " << s.rank << " combined normal handle #" << s.value
+                   << " of its Buffer, but rank " << s.culprit_rank << "'s partials came from its combine on handle #"
+                   << s.limit << ": the ranks combine their handles in different orders. This rank's out of that "
+                   << "call is zeros. Dispatch and combine the normal handles in the same order on every rank";
+                break;
+            }
             if (static_cast<KernelId>(s.kernel) == KernelId::kNormalDispatch) {
                 os << kernel << " call " << s.call << " differs from rank " << s.culprit_rank << "'s: rank " << s.rank
                    << " dispatched on normal handle #" << s.value << " of its Buffer, rank " << s.culprit_rank

@@ -378,6 +378,52 @@ TEST_F(EpNormalGpu, RanksDispatchingOnDifferentHandlesAreAMismatchOnEveryRank) {
         options_for(c, n, 1));
 }
 
+// Both handles dispatched alike on every rank, then combined in different orders (rank 0: h0, h1; rank 1: h1, h0):
+// each combine's peer partials are of the other handle, so both combines on both ranks report it and write zeros, and
+// the Buffer goes on (the counts matched, so its counters did too).
+TEST_F(EpNormalGpu, RanksCombiningHandlesInDifferentOrdersAreAMismatchOnEveryRank) {
+    const uint32_t seed = fresh_seed();
+    const int n = 2;
+    const Config c = normal_config(n);
+    run_ranks(
+        n,
+        [&](World& world) {
+            NormalRank rank(world, c);
+            auto& [rs, me, p, ep, h0, in] = rank;
+            NormalHandle h1 = ep.make_normal_handle();
+            const auto all = ref::make_routing(Scenario::kUniform, p, c.max_tokens_per_rank, seed);
+            in.load(all[static_cast<size_t>(me)],
+                    ref::payload_rows(me, all[static_cast<size_t>(me)].num_tokens, c.hidden, seed, false));
+            ep.dispatch(h0, in.x_view(), in.idx_view(), in.w_view(), rs.s);
+            ep.dispatch(h1, in.x_view(), in.idx_view(), in.w_view(), rs.s);
+            world.sync_and_check(rs.s);
+            ep.check();
+            const int t = all[static_cast<size_t>(me)].num_tokens;
+            DeviceArray<uint16_t> out(static_cast<size_t>(c.max_tokens_per_rank) * c.hidden, rs.s);
+            for (int step = 0; step < 2; ++step) {
+                NormalHandle& h = (me == 0) == (step == 0) ? h0 : h1;
+                out.poison(0xFF);
+                ep.combine(h, h.recv_x(), TensorView(out.get(), DType::kBF16, {t, c.hidden}), rs.s);
+                world.sync_and_check(rs.s);
+                ref::collective_check(world, [&] {
+                    const auto st = ep.status();
+                    WEFT_CHECK(st.has_value() && st->code == StatusCode::kCallMismatch,
+                               "rank " << me << " combine " << step << ": expected a call mismatch, got "
+                                       << (st ? st->message : std::string("no status")));
+                    WEFT_CHECK(st->message.find("in different orders") != std::string::npos,
+                               "rank " << me << ": the message does not say what differed: " << st->message);
+                    for (uint16_t v : download(out.get(), static_cast<size_t>(t) * c.hidden, rs.s)) {
+                        WEFT_CHECK(v == 0, "rank " << me << ": a combine of another handle's partials must give zeros");
+                    }
+                });
+                ep.clear_status();
+            }
+            DeviceArray<uint16_t> y(static_cast<size_t>(ep.geometry().max_recv_rows) * c.hidden, rs.s);
+            run_case(ep, h0, in, y, out, p, Scenario::kUniform, seed + 1, false, rs.s);
+        },
+        options_for(c, n, 1));
+}
+
 // Out-of-range and repeated expert ids on one rank: reported by that rank, dropped, everything else exact. The second
 // error is left pending: it does not stop that rank's next calls (a refusal on that rank alone left its peers waiting
 // until their timeout); they run and are exact on every rank, and check() still throws it there.

@@ -594,7 +594,7 @@ TEST(EpWorkspace, IsComputedAtCompileTime) {
                          .max_recv_rows = 8192};
     constexpr Workspace ws = Workspace::make(g);
     static_assert(ws.buffer_symmetric.signals.offset == 0);
-    static_assert(ws.buffer_symmetric.normal_mailbox.offset == 512);  // 8 x 8 signal words, rounded up to 256
+    static_assert(ws.buffer_symmetric.normal_mailbox.offset == 768);  // 9 x 8 signal words, rounded up to 256
     static_assert(ws.buffer_symmetric.ll_recv_slots.bytes() == 2ll * 32 * 8 * 128 * (2 * 7168 + 16));
     static_assert(ws.normal_handle_symmetric.recv_meta.offset == 8192ll * 7168 * 2);
     EXPECT_EQ(ws.buffer_symmetric.bytes, Workspace::make(g).buffer_symmetric.bytes);
@@ -656,8 +656,10 @@ TEST(EpWorkspace, ViewsOfAPeerBaseHaveTheSameOffsets) {
         const auto nb = ws.normal_buffer(p(sym_a), p(dev_a));
         const auto lb = ws.low_latency_buffer(p(sym_a), p(dev_a));
         const uint64_t* signals = ws.buffer_symmetric.signals.at(p(sym_a));
-        const uint64_t* in_order[] = {nb.count_signal,    nb.data_signal,     nb.partial_signal, nb.combine_done,
-                                      lb.dispatch_signal, lb.dispatch_credit, lb.combine_signal, lb.combine_credit};
+        const uint64_t* in_order[] = {nb.count_signal,   nb.data_signal,     nb.partial_signal,
+                                      nb.combine_done,   lb.dispatch_signal, lb.dispatch_credit,
+                                      lb.combine_signal, lb.combine_credit,  nb.combine_handle};
+        static_assert(std::size(in_order) == weft::ep::kNumSignalArrays);
         for (int i = 0; i < weft::ep::kNumSignalArrays; ++i) {
             EXPECT_EQ(in_order[i], signals + static_cast<int64_t>(i) * ranks) << what << " signal array " << i;
         }
@@ -809,6 +811,26 @@ TEST(EpStatus, ACallMismatchNamesBothRanksAndWhatDiffered) {
     const std::string m2 = describe_status(s);
     EXPECT_NE(m2.find("rank 0 with bf16"), std::string::npos) << m2;
     EXPECT_NE(m2.find("geometries differ"), std::string::npos) << m2;
+}
+
+// Ranks that combine their normal handles in different orders: the combine names both handles and the order rule.
+TEST(EpStatus, ANormalCombineOnAnotherHandleThanItsPeersNamesBoth) {
+    Status s{};
+    s.claimed = 2;
+    s.code = StatusCode::kCallMismatch;
+    s.rank = 1;
+    s.culprit_rank = 0;
+    s.value = 1;
+    s.limit = 0;
+    s.call = 3;
+    s.kernel = static_cast<uint32_t>(KernelId::kNormalCombine);
+    const std::string m = describe_status(s);
+    for (const char* frag : {"combine call 3 on rank 1 combined normal handle #1",
+                             "rank 0's partials came from its "
+                             "combine on handle #0",
+                             "out of that call is zeros", "in the same order on every rank"}) {
+        EXPECT_NE(m.find(frag), std::string::npos) << frag << " missing from: " << m;
+    }
 }
 
 // The EP kernels, as the op launches them, compile for sm_90a without spills and within the register

@@ -218,7 +218,8 @@ enum SignalArray : int32_t {
     kLlDispatchCredit = 5,  ///< low-latency: per destination, receives it completed of this rank's data
     kLlCombineSignal = 6,   ///< low-latency: per expert rank, combine sends completed into this rank
     kLlCombineCredit = 7,   ///< low-latency: per source, combine receives it completed
-    kNumSignalArrays = 8,
+    kCombineHandle = 8,     ///< normal: per rank, 1 + the ordinal of the handle whose combine last sent partials here
+    kNumSignalArrays = 9,
 };
 
 /// The Buffer's symmetric allocation (one per rank, at the same heap offset on every rank). Only `signals` is
@@ -280,6 +281,7 @@ struct NormalBufferView {
     uint64_t* data_signal;     ///< symmetric [W] per source: rows written into this rank (cumulative)
     uint64_t* partial_signal;  ///< symmetric [W] per rank: partial rows written into this rank (cumulative)
     uint64_t* combine_done;    ///< symmetric [W] per rank: combines that finished reading their landing
+    uint64_t* combine_handle;  ///< symmetric [W] per rank: 1 + ordinal of the handle its last combine here was on
     NormalState* state;        ///< private
 };
 
@@ -418,6 +420,7 @@ struct Workspace {
                                 .data_signal = signal(symmetric, kDataSignal),
                                 .partial_signal = signal(symmetric, kPartialSignal),
                                 .combine_done = signal(symmetric, kCombineDone),
+                                .combine_handle = signal(symmetric, kCombineHandle),
                                 .state = buffer_device.normal_state.at(device)};
     }
 
