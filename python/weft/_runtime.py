@@ -88,8 +88,8 @@ def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
     With torch.distributed initialised, the World's ranks are those of `group` (default: the default process group)
     and it meets through torch's store (World::from_store, keys under a prefix of weft's own; no second port);
     ranks outside `group` get None. Without torch.distributed, the ranks come from the launcher's environment
-    (weftrun, torchrun, mpirun, srun: World::from_env). `device`: the CUDA device (None: torch's current device when
-    torch is imported, else LOCAL_RANK modulo the visible devices). heap_bytes, sm_budget, timeout_ms: 0 = from
+    (weftrun, torchrun, mpirun, srun: World::from_env). `device`: the CUDA device (None: torch's current device once torch
+    has initialised CUDA, else LOCAL_RANK modulo the visible devices). heap_bytes, sm_budget, timeout_ms: 0 = from
     the environment (WEFT_SYMMETRIC_HEAP_BYTES, WEFT_SM_BUDGET, WEFT_TIMEOUT_MS), else weft's defaults.
     Calling init again returns the existing World (weft.finalize first to make another); a `group` whose ranks are
     not the existing World's, or a `device` that is not its device, is a ValueError.
