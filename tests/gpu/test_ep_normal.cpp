@@ -338,6 +338,25 @@ TEST_F(EpNormalGpu, CapacityOverflowIsReportedByEveryRankAndRecoverable) {
     }
 }
 
+// On every rank (checked collectively): the Buffer's status is a call mismatch whose message holds `fragment`, and
+// the t rows of `out` the combine wrote are zeros. Clears the status.
+void expect_call_mismatch_and_zeros(World& world, Buffer& ep, const DeviceArray<uint16_t>& out, int t, int hidden,
+                                    const std::string& fragment, cudaStream_t s) {
+    const int me = world.rank();
+    ref::collective_check(world, [&] {
+        const auto st = ep.status();
+        WEFT_CHECK(
+            st.has_value() && st->code == StatusCode::kCallMismatch,
+            "rank " << me << ": expected a call mismatch, got " << (st ? st->message : std::string("no status")));
+        WEFT_CHECK(st->message.find(fragment) != std::string::npos,
+                   "rank " << me << ": the message lacks '" << fragment << "': " << st->message);
+        for (uint16_t v : download(out.get(), static_cast<size_t>(t) * hidden, s)) {
+            WEFT_CHECK(v == 0, "rank " << me << ": a combine after a call mismatch must give zeros");
+        }
+    });
+    ep.clear_status();
+}
+
 // Ranks that dispatch on different normal handles of one Buffer (rank 1 on its second handle): every rank reports the
 // mismatch naming both handles, nothing moves, the combines give zeros; after clear_status matching calls are exact.
 TEST_F(EpNormalGpu, RanksDispatchingOnDifferentHandlesAreAMismatchOnEveryRank) {
@@ -360,18 +379,7 @@ TEST_F(EpNormalGpu, RanksDispatchingOnDifferentHandlesAreAMismatchOnEveryRank) {
             out.poison(0xFF);
             ep.combine(h, h.recv_x(), TensorView(out.get(), DType::kBF16, {t, c.hidden}), rs.s);
             world.sync_and_check(rs.s);
-            ref::collective_check(world, [&] {
-                const auto st = ep.status();
-                WEFT_CHECK(st.has_value() && st->code == StatusCode::kCallMismatch,
-                           "rank " << me << ": expected a call mismatch, got "
-                                   << (st ? st->message : std::string("no status")));
-                WEFT_CHECK(st->message.find("normal handle #") != std::string::npos,
-                           "rank " << me << ": the message does not name the handles: " << st->message);
-                for (uint16_t v : download(out.get(), static_cast<size_t>(t) * c.hidden, rs.s)) {
-                    WEFT_CHECK(v == 0, "rank " << me << ": combine after a mismatched dispatch must give zeros");
-                }
-            });
-            ep.clear_status();
+            expect_call_mismatch_and_zeros(world, ep, out, t, c.hidden, "normal handle #", rs.s);
             DeviceArray<uint16_t> y(static_cast<size_t>(ep.geometry().max_recv_rows) * c.hidden, rs.s);
             run_case(ep, h0, in, y, out, p, Scenario::kUniform, seed + 1, false, rs.s);
         },
@@ -405,18 +413,8 @@ TEST_F(EpNormalGpu, RanksCombiningHandlesInDifferentOrdersAreAMismatchOnEveryRan
                 out.poison(0xFF);
                 ep.combine(h, h.recv_x(), TensorView(out.get(), DType::kBF16, {t, c.hidden}), rs.s);
                 world.sync_and_check(rs.s);
-                ref::collective_check(world, [&] {
-                    const auto st = ep.status();
-                    WEFT_CHECK(st.has_value() && st->code == StatusCode::kCallMismatch,
-                               "rank " << me << " combine " << step << ": expected a call mismatch, got "
-                                       << (st ? st->message : std::string("no status")));
-                    WEFT_CHECK(st->message.find("in different orders") != std::string::npos,
-                               "rank " << me << ": the message does not say what differed: " << st->message);
-                    for (uint16_t v : download(out.get(), static_cast<size_t>(t) * c.hidden, rs.s)) {
-                        WEFT_CHECK(v == 0, "rank " << me << ": a combine of another handle's partials must give zeros");
-                    }
-                });
-                ep.clear_status();
+                SCOPED_TRACE("combine " + std::to_string(step));
+                expect_call_mismatch_and_zeros(world, ep, out, t, c.hidden, "in different orders", rs.s);
             }
             DeviceArray<uint16_t> y(static_cast<size_t>(ep.geometry().max_recv_rows) * c.hidden, rs.s);
             run_case(ep, h0, in, y, out, p, Scenario::kUniform, seed + 1, false, rs.s);

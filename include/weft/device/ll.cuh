@@ -55,6 +55,13 @@ __device__ __forceinline__ bool try_load_line(const void* line, uint32_t flag, u
     return static_cast<uint32_t>(v.x >> 32) == flag && static_cast<uint32_t>(v.y >> 32) == flag;
 }
 
+/// The flag a line that did not come carries: the first of its two words' flags that is not `flag` (for the record).
+__device__ __forceinline__ uint32_t flag_seen(const void* line, uint32_t flag) {
+    const ulonglong2 v = ptx::ld_pair_b64<ptx::Sem::kRelaxed, ptx::Scope::kSys>(line);
+    const auto x = static_cast<uint32_t>(v.x >> 32);
+    return x != flag ? x : static_cast<uint32_t>(v.y >> 32);
+}
+
 /// Polls `line` until both words carry `flag` and returns the payload: the poll loop of spin_until (tight for
 /// kSpinFastPolls polls, then nanosleep backoff, reading the abort word); after ctx.timeout_ns, or once the World is
 /// aborted, it records a kSignalWait diagnostic (address of the line, expected flag, last flag seen, and `sender`, the
@@ -67,9 +74,7 @@ __device__ __forceinline__ uint2 wait_line_from(const DeviceCtx& ctx, const void
     const auto probe = [&] { return try_load_line(line, flag, &payload); };
     bool aborted = false;
     if (!detail::poll_bounded(ctx.timeout_ns, ctx.abort_flag, probe, &waited_ns, &aborted)) {
-        const ulonglong2 v = ptx::ld_pair_b64<ptx::Sem::kRelaxed, ptx::Scope::kSys>(line);
-        const uint32_t seen = static_cast<uint32_t>(v.x >> 32) != flag ? static_cast<uint32_t>(v.x >> 32)
-                                                                       : static_cast<uint32_t>(v.y >> 32);
+        const uint32_t seen = flag_seen(line, flag);
         fail_and_exit(ctx, SpinSite{SpinKind::kSignalWait, sender, line_no}, Cmp::kEq, line, flag, seen, waited_ns,
                       aborted);
     }
@@ -86,9 +91,7 @@ __device__ __forceinline__ bool wait_line_checked_from(const DeviceCtx& ctx, con
     const auto probe = [&] { return try_load_line(line, flag, payload); };
     bool aborted = false;
     if (!detail::poll_bounded(ctx.timeout_ns, ctx.abort_flag, probe, &waited_ns, &aborted)) {
-        const ulonglong2 v = ptx::ld_pair_b64<ptx::Sem::kRelaxed, ptx::Scope::kSys>(line);
-        const uint32_t seen = static_cast<uint32_t>(v.x >> 32) != flag ? static_cast<uint32_t>(v.x >> 32)
-                                                                       : static_cast<uint32_t>(v.y >> 32);
+        const uint32_t seen = flag_seen(line, flag);
         record_diagnostic(ctx, SpinSite{SpinKind::kSignalWait, sender, line_no}, Cmp::kEq, line, flag, seen, waited_ns,
                           aborted);
         raise_abort(ctx);
