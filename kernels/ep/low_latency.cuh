@@ -143,6 +143,9 @@ __device__ void ll_dispatch_send(const DeviceCtx& ctx, const weft::ep::LowLatenc
     const int half = static_cast<int>(call & 1u);
     const weft::ep::LlTraceSlots trace_slots{a.phases, num_ranks};  // traced builds: the block log's slot per event
 
+    if (blockIdx.x == 0 && tid == 0) {
+        a.handle.dispatch_call[0] = call;  // its combine sends this with its rows (ll_combine_send)
+    }
     RouteOut out{sh.route_slot, sh.expert_count, nullptr, nullptr, nullptr};
     compute_routes(g, a.topk_idx, a.idx_stride, a.num_tokens, sh.hist, nullptr, out, a.status, blockIdx.x == 0, call,
                    KernelId::kLowLatencyDispatch);
@@ -434,6 +437,10 @@ __device__ void ll_combine_send(const DeviceCtx& ctx, const weft::ep::LowLatency
     if (last_block_arrive(&a.buffer.state->arrivals[2])) {
         WEFT_TRACE_BEGIN(notify_t0);
         if (tid < num_ranks) {
+            // Which dispatch these rows are of, released with them: a rank combining another dispatch sees it.
+            ptx::st<Sem::kRelaxed, Scope::kSys>(
+                peers.at(ctx, a.buffer.combine_call + static_cast<int64_t>(half) * num_ranks + me, tid),
+                a.handle.dispatch_call[0]);
             signal_add(peers.at(ctx, a.buffer.combine_signal + me, tid), 1);
             WEFT_TRACE_DEFER_AT(trace_slots.notify(tid), ctx, TraceKind::kNotify, TraceRole::kComm, notify_t0, me, tid,
                                 0, 0);
@@ -467,8 +474,19 @@ __device__ void ll_combine_recv(const DeviceCtx& ctx, const weft::ep::LowLatency
     const int global_warp = static_cast<int>(blockIdx.x) * kWarps + warp_id();
     const int num_warps = static_cast<int>(gridDim.x) * kWarps;
     const RowParts split = RowParts::make(a.num_tokens, granules, num_warps, U);
+    // Rank r's rows of this call came from its combine of another dispatch (the ranks combine their dispatches in
+    // different orders): what landed is not this handle's. Every block reads the same words (r's combine two calls
+    // on waits for this one's credit), so all write zeros; block 0 reports it.
+    const uint64_t mine = a.handle.dispatch_call[0];
+    const uint64_t theirs =
+        tid < num_ranks ? ptx::ld<Sem::kRelaxed, Scope::kSys>(a.buffer.combine_call + half * num_ranks + tid) : mine;
+    if (theirs != mine && blockIdx.x == 0) {
+        report_status(a.status, StatusCode::kCallMismatch, me, tid, static_cast<int64_t>(mine),
+                      static_cast<int64_t>(theirs), -1, -1, call, KernelId::kLowLatencyCombine);
+    }
+    const bool other_dispatch = __syncthreads_or(theirs != mine) != 0;
     // After a dispatch whose calls differed (kCallMismatch, seen by every rank) nothing came back: zeros.
-    const bool received = a.handle.mismatch[0] == 0;
+    const bool received = a.handle.mismatch[0] == 0 && !other_dispatch;
     for (int item = global_warp; item < a.num_tokens * split.parts; item += num_warps) {
         const int t = item / split.parts;
         const int part = item % split.parts;

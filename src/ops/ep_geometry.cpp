@@ -371,6 +371,15 @@ std::string describe_status_text(const Status& s, bool one_rank_skipped) {
                    << "call is zeros. Dispatch and combine the normal handles in the same order on every rank";
                 break;
             }
+            if (static_cast<KernelId>(s.kernel) == KernelId::kLowLatencyCombine) {
+                os << kernel << " call " << s.call << " on rank " << s.rank
+                   << " combined the rows of its low-latency dispatch call " << s.value << ", but rank "
+                   << s.culprit_rank << " sent back rows of dispatch call " << s.limit
+                   << ": the ranks combine their dispatches in different orders. This rank's out of that call is "
+                      "zeros. Combine the low-latency handles in the order they were dispatched, the same on every "
+                      "rank";
+                break;
+            }
             if (static_cast<KernelId>(s.kernel) == KernelId::kNormalDispatch) {
                 os << kernel << " call " << s.call << " differs from rank " << s.culprit_rank << "'s: rank " << s.rank
                    << " dispatched on normal handle #" << s.value << " of its Buffer, rank " << s.culprit_rank

@@ -490,9 +490,25 @@ void write_trace(World& world, const std::string& path, bool at_shutdown) {
     }
     // A gather to rank 0, the one that writes: each rank sets its key and goes on; rank 0 reads and erases them (an
     // all-gather would send every rank every rank's events: N^2 copies of up to tens of MiB).
+    // Every rank's take() synchronised its device; ranks that share a GPU share its context, so one rank's sync waits
+    // for the kernels its peers launch meanwhile, which may wait for this rank's next launch: no rank leaves before
+    // rank 0 has every rank's events (or gave up on the late ones), which each rank sends after its take().
     const std::string prefix = "weft/trace/" + std::to_string(seq) + "/";
+    const std::string gathered = prefix + "gathered";
     if (world.rank() != 0) {
         world.store().set(prefix + std::to_string(world.rank()), blob);
+        try {
+            world.store().get(gathered, world.timeout());
+            // The last rank to leave erases the key (rank 0 set it for the others, after its gather).
+            if (world.store().add(prefix + "left", 1) == world.num_ranks() - 1) {
+                world.store().erase(gathered);
+                world.store().erase(prefix + "left");
+            }
+        } catch (const std::exception& e) {
+            WEFT_LOG_WARN("trace: rank 0 did not finish gathering the events of write_trace #"
+                          << seq << " within the timeout (" << world.timeout().count() << " ms; " << e.what()
+                          << "); this rank's were sent, and it goes on");
+        }
         WEFT_CHECK(failed.empty(), "write_trace: this rank's events could not be read: " << failed);
         return;
     }
@@ -522,6 +538,12 @@ void write_trace(World& world, const std::string& path, bool at_shutdown) {
         try {
             world.store().erase(key);  // its events are read: an erase that fails leaves a key, not a late rank
         } catch (const std::exception&) {
+        }
+    }
+    if (world.num_ranks() > 1) {
+        try {
+            world.store().set(gathered, Bytes{});  // the other ranks may go on (above)
+        } catch (const std::exception&) {          // an aborted World's store: the others' waits end with it
         }
     }
     std::string target = path;

@@ -645,6 +645,80 @@ TEST_F(EpLowLatencyGpu, CombineGivenAnotherTopkIdxThanItsDispatchReportsTheToken
         options_for(c, n));
 }
 
+// Two handles dispatched alike on every rank (a, then b), then combined in different orders (rank 0: a, b; rank 1:
+// b, a), split halves and one launch: each combine's peer rows are of the other dispatch, so every combine on both
+// ranks reports kCallMismatch naming both dispatch calls and writes zeros; then a matching dispatch and combine on the
+// same Buffer are exact (the counters stayed in step).
+TEST_F(EpLowLatencyGpu, RanksCombiningDispatchesInDifferentOrdersAreAMismatchOnEveryRank) {
+    const uint32_t seed = fresh_seed();
+    const int n = 2;
+    const Config c = ll_config(n);
+    run_ranks(
+        n,
+        [&](World& world) {
+            LlRank rank(world, c);
+            auto& [rs, me, p, ep, a, in, y, out] = rank;
+            LowLatencyHandle b = ep.make_low_latency_handle();
+            const Call call = make_call(p, Scenario::kUniform, c.max_tokens_per_rank, seed, true);
+            in.load(call, me);
+            y.upload(expected_y(p, call, me, c.max_tokens_per_rank));
+            const TensorView y_v = y_view(y.get(), p, c.max_tokens_per_rank);
+            const TensorView out_view(out.get(), DType::kBF16, {in.num_tokens, c.hidden});
+            const size_t elems = static_cast<size_t>(in.num_tokens) * c.hidden;
+            for (const bool split : {false, true}) {
+                const LowLatencyOptions send{.phase = split ? Phase::kSend : Phase::kSendRecv};
+                const LowLatencyOptions recv{.phase = Phase::kRecv};
+                for (LowLatencyHandle* h : {&a, &b}) {
+                    ep.low_latency_dispatch(*h, in.x_view(), in.idx_view(), rs.s, send);
+                    if (split) ep.low_latency_dispatch(*h, TensorView(), TensorView(), rs.s, recv);
+                }
+                for (int step = 0; step < 2; ++step) {
+                    const std::string what =
+                        std::string(split ? "split halves" : "one launch") + ", combine " + std::to_string(step);
+                    LowLatencyHandle& h = (me == 0) == (step == 0) ? a : b;
+                    out.poison(0xFF);
+                    ep.low_latency_combine(h, y_v, in.idx_view(), in.w_view(), out_view, rs.s, send);
+                    if (split)
+                        ep.low_latency_combine(h, TensorView(), in.idx_view(), in.w_view(), out_view, rs.s, recv);
+                    world.sync_and_check(rs.s);
+                    const std::vector<uint16_t> got = download(out.get(), elems, rs.s);
+                    std::string error;
+                    try {
+                        ep.check();
+                    } catch (const Error& e) {
+                        error = e.what();
+                    }
+                    ep.clear_status();
+                    ref::collective_check(world, [&] {
+                        for (const std::string& frag :
+                             {std::string("low-latency combine"), std::string("sent back rows of dispatch call"),
+                              std::string("in different orders"), std::string("out of that call is zeros")}) {
+                            WEFT_CHECK(error.find(frag) != std::string::npos, "rank " << me << ", " << what
+                                                                                      << ": the error lacks '" << frag
+                                                                                      << "': " << error);
+                        }
+                        for (size_t i = 0; i < got.size(); ++i) {
+                            WEFT_CHECK(got[i] == 0, "rank " << me << ", " << what << ": out element " << i << " is 0x"
+                                                            << std::hex << got[i] << ", expected 0");
+                        }
+                    });
+                }
+            }
+            ep.low_latency_dispatch(a, in.x_view(), in.idx_view(), rs.s);
+            out.poison(0xFF);
+            ep.low_latency_combine(a, y_v, in.idx_view(), in.w_view(), out_view, rs.s);
+            world.sync_and_check(rs.s);
+            ep.check();
+            const std::vector<uint16_t> got = download(out.get(), elems, rs.s);
+            ref::collective_check(world, [&] {
+                check_combine(
+                    p, call, [&](int r) { return expected_y(p, call, r, c.max_tokens_per_rank); }, got, me,
+                    c.max_tokens_per_rank, "matching combine after the mismatches");
+            });
+        },
+        options_for(c, n));
+}
+
 // Buffers made with different Configs are refused at construction, on every rank, naming both.
 TEST_F(EpLowLatencyGpu, BuffersOfDifferentConfigsAreRefusedOnEveryRank) {
     const int n = 2;

@@ -210,16 +210,18 @@ struct ArrayPlan {
 
 /// The signal arrays of a Buffer, [W] words each, in this order inside BufferSymmetricLayout::signals.
 enum SignalArray : int32_t {
-    kCountSignal = 0,       ///< normal: per source, mailboxes written (one per dispatch)
-    kDataSignal = 1,        ///< normal: per source, rows written into this rank (cumulative)
-    kPartialSignal = 2,     ///< normal: per rank, partial rows written into this rank (cumulative)
-    kCombineDone = 3,       ///< normal: per rank, combines that finished reading their landing
-    kLlDispatchSignal = 4,  ///< low-latency: per source, dispatch sends completed into this rank
-    kLlDispatchCredit = 5,  ///< low-latency: per destination, receives it completed of this rank's data
-    kLlCombineSignal = 6,   ///< low-latency: per expert rank, combine sends completed into this rank
-    kLlCombineCredit = 7,   ///< low-latency: per source, combine receives it completed
-    kCombineHandle = 8,     ///< normal: per rank, 1 + the ordinal of the handle whose combine last sent partials here
-    kNumSignalArrays = 9,
+    kCountSignal = 0,        ///< normal: per source, mailboxes written (one per dispatch)
+    kDataSignal = 1,         ///< normal: per source, rows written into this rank (cumulative)
+    kPartialSignal = 2,      ///< normal: per rank, partial rows written into this rank (cumulative)
+    kCombineDone = 3,        ///< normal: per rank, combines that finished reading their landing
+    kLlDispatchSignal = 4,   ///< low-latency: per source, dispatch sends completed into this rank
+    kLlDispatchCredit = 5,   ///< low-latency: per destination, receives it completed of this rank's data
+    kLlCombineSignal = 6,    ///< low-latency: per expert rank, combine sends completed into this rank
+    kLlCombineCredit = 7,    ///< low-latency: per source, combine receives it completed
+    kCombineHandle = 8,      ///< normal: per rank, 1 + the ordinal of the handle whose combine last sent partials here
+    kLlCombineCall = 9,      ///< low-latency, even combine calls: per expert rank, the dispatch call its rows are of
+    kLlCombineCallOdd = 10,  ///< low-latency, odd combine calls: the same (kLlCombineCall's second half)
+    kNumSignalArrays = 11,
 };
 
 /// The Buffer's symmetric allocation (one per rank, at the same heap offset on every rank). Only `signals` is
@@ -269,8 +271,9 @@ struct LowLatencyHandleDeviceLayout {
     Array<int32_t> recv_src_info;  ///< [E_local, W * max_tokens]
     Array<int32_t> recv_src_slot;  ///< [E_local, W * max_tokens]
     Array<int32_t> expert_counts;  ///< [E_local]
-    Array<int32_t> mismatch;       ///< [1] 1 when the last dispatch received found a call mismatch
-    Array<uint32_t> route_digest;  ///< [max_tokens] the last dispatch's digest of each token's topk_idx row
+    Array<uint64_t> dispatch_call;  ///< [1] the Buffer's dispatch call (its send) whose rows the handle holds
+    Array<int32_t> mismatch;        ///< [1] 1 when the last dispatch received found a call mismatch
+    Array<uint32_t> route_digest;   ///< [max_tokens] the last dispatch's digest of each token's topk_idx row
     int64_t bytes;
 };
 
@@ -294,6 +297,9 @@ struct LowLatencyBufferView {
     uint64_t* dispatch_credit;  ///< symmetric [W] per destination: receives it completed of this rank's data
     uint64_t* combine_signal;   ///< symmetric [W] per expert rank: combine sends completed into this rank
     uint64_t* combine_credit;   ///< symmetric [W] per source: combine receives it completed
+    /// symmetric [2][W] per expert rank, by combine call parity: the dispatch call whose rows its combine sent here
+    /// (its handle's dispatch_call), set before its combine_signal add; the receiver compares it with its handle's
+    uint64_t* combine_call;
     LowLatencyState* state;     ///< private
 };
 
@@ -323,6 +329,9 @@ struct LowLatencyHandleView {
     int32_t* recv_src_info;  ///< [E_local, W * max_tokens] source rank * max_tokens + token
     int32_t* recv_src_slot;  ///< [E_local, W * max_tokens] the token's top-k slot
     int32_t* expert_counts;  ///< [E_local] valid rows of each local expert
+    /// [1] written by every dispatch send (one node): the Buffer's dispatch call number of that send, the same on
+    /// every rank for one dispatch; its combine sends it with its rows, and the receiving rank compares
+    uint64_t* dispatch_call;
     /// [1] written by every dispatch receive: 1 when a source's call differed (kCallMismatch: nothing received, the
     /// combine writes zeros), else 0
     int32_t* mismatch;
@@ -401,6 +410,7 @@ struct Workspace {
             d.recv_src_info = p.take<int32_t>(rows);
             d.recv_src_slot = p.take<int32_t>(rows);
             d.expert_counts = p.take<int32_t>(l * el);
+            d.dispatch_call = p.take<uint64_t>(l);
             d.mismatch = p.take<int32_t>(l);
             d.route_digest = p.take<uint32_t>(l * t);
             d.bytes = p.bytes;
@@ -433,6 +443,7 @@ struct Workspace {
                                     .dispatch_credit = signal(symmetric, kLlDispatchCredit),
                                     .combine_signal = signal(symmetric, kLlCombineSignal),
                                     .combine_credit = signal(symmetric, kLlCombineCredit),
+                                    .combine_call = signal(symmetric, kLlCombineCall),
                                     .state = buffer_device.ll_state.at(device)};
     }
 
@@ -462,6 +473,7 @@ struct Workspace {
                                     .recv_src_info = d.recv_src_info.at(device),
                                     .recv_src_slot = d.recv_src_slot.at(device),
                                     .expert_counts = d.expert_counts.at(device),
+                                    .dispatch_call = d.dispatch_call.at(device),
                                     .mismatch = d.mismatch.at(device),
                                     .route_digest = d.route_digest.at(device)};
     }

@@ -29,12 +29,13 @@ bool tracing(const World& world);
 
 /// Writes every event the ranks recorded since the last write (or since the World was made) to `path` as one JSON
 /// file, then empties the buffers. Collective: every rank calls it, with the same path; each sends its events to
-/// rank 0, which writes the file (the others return once theirs are sent). Synchronises this rank's device first:
-/// call it where no kernel of any rank waits for work this rank has yet to launch (after the ops' streams are
-/// synchronised, for instance). Throws weft::Error when `world` does not trace, the file cannot be written, or (on
-/// rank 0, after writing the events at hand) a rank did not send within the World's timeout. A World that traces
-/// also writes the events since the last write to WEFT_TRACE's path when it is destroyed: none when nothing was
-/// recorded since a write, and beside it ("t.json" -> "t.at_exit.json") when a write went to that path.
+/// rank 0, which writes the file. Synchronises this rank's device first: call it where no kernel of any rank waits
+/// for work this rank has yet to launch (after the ops' streams are synchronised, for instance); no rank returns
+/// before rank 0 has every rank's events, so a rank's next launch cannot meet a peer's sync of a shared GPU. Throws
+/// weft::Error when `world` does not trace, the file cannot be written, or (on rank 0, after writing the events at
+/// hand) a rank did not send within the World's timeout. A World that traces also writes the events since the last
+/// write to WEFT_TRACE's path when it is destroyed: none when nothing was recorded since a write, and beside it
+/// ("t.json" -> "t.at_exit.json") when a write went to that path.
 void write_trace(World& world, const std::string& path);
 
 /// Drops every event this rank recorded since the last write or discard (its device buffer, its timed copies, its
