@@ -446,6 +446,7 @@ void flash_attention(const TensorView& q, const TensorView& k, const TensorView&
     WEFT_NVTX_RANGE("flash_attention");
     // Every argument is checked before the device is asked which kernel it runs by default.
     detail::FlashAttentionPlan plan = detail::plan_flash_attention(q, k, v, out, lse, options);
+    detail::check_device_views({{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}}, "flash_attention", stream);
     if (!options.config) {
         FlashAttentionOptions o = options;
         // The device's kernel, unless q, k or v is a view its tensor maps cannot hold (a broadcast): mma.sync then.

@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "attention_scale.hpp"
+#include "collective_workspace.hpp"
 #include "stream_key.hpp"
 #include "views_overlap.hpp"
 #include "weft/jit/aot.hpp"
@@ -464,6 +465,15 @@ void decode_attention(const TensorView& q, const TensorView& k_cache, const Tens
     detail::DecodeAttentionPlan plan =
         detail::plan_decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, options,
                                       detail::attention_resident_blocks_here);
+    detail::check_device_views({{"q", q},
+                                {"k_cache", k_cache},
+                                {"v_cache", v_cache},
+                                {"block_table", block_table},
+                                {"seq_lens", seq_lens},
+                                {"out", out},
+                                {"lse", lse},
+                                {"options.workspace", options.workspace}},
+                               "decode_attention", stream);
     detail::launch_decode_attention(plan, options, stream);
 }
 

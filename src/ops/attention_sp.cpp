@@ -58,6 +58,9 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
         decode_attention(q, k_cache, v_cache, block_table, seq_lens, max_seq_len, out, lse, stream, options);
         return;
     }
+    // Counts a refused or empty call too: a rank that skipped one then fails its next call on every rank (the index is
+    // in the descriptor, whose digest travels in every pushed row) instead of merging one step's rows with the next's.
+    const uint64_t call = detail::next_collective_call(team);
     WEFT_CHECK(team.num_nodes() == 1, "sp_decode_attention: the team spans "
                                           << team.num_nodes() << " nodes (" << team.describe()
                                           << "); its low-latency push needs every member load/store reachable: "
@@ -120,7 +123,7 @@ void sp_decode_attention(const Team& team, const TensorView& q, const TensorView
         // What every rank's round must agree on; 32 bits of it travel in every pushed row (AttentionPeerPush::tag).
         cp.descriptor =
             detail::call_descriptor(CollectiveOp::kAttentionCombine, 0, q.dtype, static_cast<uint64_t>(rows),
-                                    {static_cast<uint64_t>(dim), static_cast<uint64_t>(heads),
+                                    {call, static_cast<uint64_t>(dim), static_cast<uint64_t>(heads),
                                      static_cast<uint64_t>(b0), static_cast<uint64_t>(batch)});
         p.push_enabled = 1;
         p.push = push;

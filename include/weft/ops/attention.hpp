@@ -95,13 +95,15 @@ AttentionSplitPlan decode_attention_split_plan(int64_t batch, int64_t num_q_head
 /// rank calls it, in the same order as its other collectives, with the same batch, q-heads, head_dim and dtype: every
 /// pushed row carries its call's descriptor, and a rank whose call differs is a mismatch that World::sync_and_check
 /// throws on the ranks that saw it, naming both calls, as for the collectives; the ranks that wait for rows it never
-/// pushes stop at the abort); one node (a team that spans nodes is refused); asynchronous, graph-capturable (the LL
-/// flags are the workspace's epochs, in device memory), bounded waits (a missing rank ends in a timeout diagnostic).
-/// Sequences go in rounds of as many as the LL slot holds (CollectiveWorkspaceInfo::ll_slot_bytes, 512 KiB per rank by
-/// default: batch x q-heads x (head_dim + 2) x 8 bytes of LL lines per round); one sequence's rows must fit one round
-/// (at most 504 q-heads of head_dim 128, 254 of head_dim 256 by default), else weft::Error on every rank before any
-/// kernel is loaded or launched. The first call with a head_dim and dtype compiles and loads its kernels and meets
-/// every rank (host barrier) before launching: make it outside a CUDA graph capture, then capture.
+/// pushes stop at the abort; every call counts in the team's sequence of collective calls, a refused or empty one
+/// included, so a rank that skipped one fails its next call on every rank instead of merging two calls' rows); one node
+/// (a team that spans nodes is refused); asynchronous, graph-capturable (the LL flags are the workspace's epochs, in
+/// device memory), bounded waits (a missing rank ends in a timeout diagnostic). Sequences go in rounds of as many as
+/// the LL slot holds (CollectiveWorkspaceInfo::ll_slot_bytes, 512 KiB per rank by default: batch x q-heads x (head_dim
+/// + 2) x 8 bytes of LL lines per round); one sequence's rows must fit one round (at most 504 q-heads of head_dim 128,
+/// 254 of head_dim 256 by default), else weft::Error on every rank before any kernel is loaded or launched. The first
+/// call with a head_dim and dtype compiles and loads its kernels and meets every rank (host barrier) before launching:
+/// make it outside a CUDA graph capture, then capture.
 void sp_decode_attention(const Team& team, const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                          const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
                          const TensorView& out, const TensorView& lse, cudaStream_t stream,
