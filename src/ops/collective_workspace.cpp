@@ -164,7 +164,8 @@ PointerCheckContext pointer_check_context(cudaStream_t stream) {
     return c;
 }
 
-void check_device_pointer(const PointerCheckContext& c, const void* ptr, const char* what, const char* op) {
+void check_device_pointer(const PointerCheckContext& c, const void* ptr, const char* what, const char* op,
+                          bool mapped_host_ok = false) {
     if (!c.valid_stream) return;
     // Checked under capture too (a graph's buffers are often new ones), in relaxed capture mode (the query is no
     // stream operation and must not invalidate a capture); there only what the query can tell for sure is refused:
@@ -181,8 +182,15 @@ void check_device_pointer(const PointerCheckContext& c, const void* ptr, const c
         WEFT_FAIL(op << ": " << what << " (" << ptr << ") is not memory CUDA knows (" << cudaGetErrorName(st) << ")");
     }
     if (c.capturing && attr.type == cudaMemoryTypeUnregistered) return;
+    if (mapped_host_ok && attr.type == cudaMemoryTypeHost) {
+        WEFT_CHECK(attr.devicePointer == ptr, op << ": " << what << " (" << ptr
+                                                 << ") is pinned host memory the device does not reach at that address "
+                                                    "(allocate it with cudaHostAlloc(..., cudaHostAllocMapped))");
+        return;
+    }
     WEFT_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged,
-               op << ": " << what << " (" << ptr << ") must be device memory, got "
+               op << ": " << what << " (" << ptr << ") must be device memory"
+                  << (mapped_host_ok ? " or host-mapped pinned memory" : "") << ", got "
                   << (attr.type == cudaMemoryTypeHost ? "pinned host memory" : "unregistered host memory"));
     if (attr.type == cudaMemoryTypeDevice) {
         WEFT_CHECK(attr.device == c.device, op << ": " << what << " (" << ptr << ") is memory of device " << attr.device
@@ -194,6 +202,11 @@ void check_device_pointer(const PointerCheckContext& c, const void* ptr, const c
 
 void check_device_pointer(const void* ptr, const char* what, const char* op, cudaStream_t stream) {
     check_device_pointer(pointer_check_context(stream), ptr, what, op);
+}
+
+void check_device_or_mapped_pointer(const void* ptr, const char* what, const char* op, cudaStream_t stream) {
+    if (ptr == nullptr) return;
+    check_device_pointer(pointer_check_context(stream), ptr, what, op, /*mapped_host_ok=*/true);
 }
 
 void check_device_buffers(const SymmetricHeap& heap, std::initializer_list<NamedView> views, const char* op,

@@ -144,6 +144,10 @@ void refuse_setup_under_capture(cudaStream_t stream, const char* op, const char*
 /// address the graph allocates itself is not known to CUDA until the graph runs.
 void check_device_pointer(const void* ptr, const char* what, const char* op, cudaStream_t stream);
 
+/// check_device_pointer that also takes pinned host memory mapped at the same address (a host-mapped status or flag
+/// word the kernels write and the host reads); nullptr passes (an optional word not given).
+void check_device_or_mapped_pointer(const void* ptr, const char* what, const char* op, cudaStream_t stream);
+
 /// A call's user buffers, each named: check_device_pointer on every one that is neither empty nor on `heap` (the
 /// symmetric heap's buffers are this GPU's memory by construction).
 void check_device_buffers(const SymmetricHeap& heap, std::initializer_list<NamedView> views, const char* op,

@@ -425,6 +425,10 @@ void MoeBlock::forward(const TensorView& x, const TensorView& topk_idx, const Te
                               {"the block's activation", m.activation()},
                               {"the block's expert_out", m.expert_out()}},
                              "the block writes them during the call");
+    // Fused, the combine writes out (the caller's stream) while the GEMMs still read the weights (the block's stream).
+    ops::detail::check_apart("ep::MoeBlock::forward", "out", out,
+                             {{"weights.gate_up", weights.gate_up}, {"weights.down", weights.down}},
+                             "the combine writes out while the GEMMs may still read the weights");
     try {
         validate_grouped_gemm_args(GroupedLayout::kContiguous, h.recv_x(), weights.gate_up, m.gate_up_out(),
                                    BLayout::kNK, h.expert_offsets(), h.expert_counts());

@@ -275,6 +275,17 @@ void check_apart(const char* op, const char* out_name, const TensorView& out, st
     }
 }
 
+void check_grouped_option_words(const GroupedGemmOptions& options, const char* op, cudaStream_t stream) {
+    check_device_or_mapped_pointer(options.status, "options.status", op, stream);
+    if (options.wait) {
+        check_device_or_mapped_pointer(options.wait->flags, "options.wait.flags", op, stream);
+        check_device_or_mapped_pointer(options.wait->epoch, "options.wait.epoch", op, stream);
+        check_device_or_mapped_pointer(options.wait->groups_ready, "options.wait.groups_ready", op, stream);
+        check_device_or_mapped_pointer(options.wait->abort_flag, "options.wait.abort_flag", op, stream);
+    }
+    if (options.signal) check_device_or_mapped_pointer(options.signal->flags, "options.signal.flags", op, stream);
+}
+
 void check_grouped_gemm_options(const GroupedGemmOptions& options, const GroupedGemmProblem& p) {
     check_plan_options(options, p);
     WEFT_CHECK(options.timeout.count() >= 0,
@@ -580,6 +591,12 @@ void grouped_gemm_masked_fp8(const TensorView& a, const TensorView& a_scales, co
                "grouped_gemm_masked_fp8: a_bf16 (the workspace) must not overlap a or a_scales, got a_bf16 "
                    << a_bf16.data << " (" << a_bf16.describe() << "), a " << a.data << ", a_scales " << a_scales.data);
     detail::check_grouped_gemm_options(options, p);
+    // The dequantisation runs first and waits for nothing: codes or counts a producer is still writing would be read
+    // stale, and the GEMM's per-group wait would then guard rows already converted.
+    WEFT_CHECK(!options.wait,
+               "grouped_gemm_masked_fp8: options.wait is not supported (the dequantisation of a runs "
+               "before the GEMM and waits for nothing): make a, a_scales and the counts ready before "
+               "the call, in stream order");
     // The dequantisation reads the counts while other CTAs write a_bf16, and the GEMM reads b after it: the workspace
     // must meet neither. The codes and scales are read before the GEMM starts (the launches are stream-ordered).
     detail::check_apart("grouped_gemm_masked_fp8", "a_bf16", a_bf16,
@@ -593,6 +610,7 @@ void grouped_gemm_masked_fp8(const TensorView& a, const TensorView& a_scales, co
                                 {"a_bf16", a_bf16},
                                 {"counts", detail::int32_array_view(counts, p.groups)}},
                                "grouped_gemm_masked_fp8", stream);
+    detail::check_grouped_option_words(options, "grouped_gemm_masked_fp8", stream);
     if (p.groups == 0 || p.capacity == 0 || p.n == 0) return;
     (void)checked_plan(p, options);  // the GEMM's own checks, before the dequantisation is enqueued
 
@@ -663,6 +681,7 @@ void contiguous(const TensorView& a, const TensorView& b, const TensorView& d, B
                                     {"offsets", detail::int32_array_view(offsets, p.groups)},
                                     {"counts", detail::int32_array_view(counts, p.groups)}},
                                    "grouped_gemm_contiguous", stream);
+        detail::check_grouped_option_words(options, "grouped_gemm_contiguous", stream);
     }
     launch(p, a, b, d, offsets, counts, stream, options);
 }
@@ -693,6 +712,7 @@ void grouped_gemm_masked(const TensorView& a, const TensorView& b, const TensorV
     check_output_apart("grouped_gemm_masked", p, "a", a, b, d, nullptr, counts);
     detail::check_device_views({{"a", a}, {"b", b}, {"d", d}, {"counts", detail::int32_array_view(counts, p.groups)}},
                                "grouped_gemm_masked", stream);
+    detail::check_grouped_option_words(options, "grouped_gemm_masked", stream);
     launch(p, a, b, d, nullptr, counts, stream, options);
 }
 

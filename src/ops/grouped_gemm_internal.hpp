@@ -23,6 +23,11 @@ struct GroupedGemmLaunch {
 /// anything touches the device.
 void check_grouped_gemm_options(const GroupedGemmOptions& options, const GroupedGemmProblem& problem);
 
+/// The words a grouped call's options point at (status, the wait's and the signal's flags, epoch, groups_ready,
+/// abort_flag): each must be device memory of this GPU or host-mapped pinned memory (a pageable host struct would fault
+/// the context at the first write); weft::Error naming the option. The public grouped ops call it with their buffers.
+void check_grouped_option_words(const GroupedGemmOptions& options, const char* op, cudaStream_t stream);
+
 /// The checks of a grouped GEMM's launch that depend on its plan (the signal's group stride) and on its options'
 /// timeout, for a caller that enqueues work before the GEMM (the gathered path's gather): weft::Error before it does.
 void check_grouped_gemm_launch(const GroupedGemmProblem& p, const GroupedGemmOptions& options);

@@ -239,6 +239,7 @@ void moe_route(const TensorView& topk_idx, MoeRouting& routing, int64_t align, c
                               {"routing.gather_index", gather_index_view(r)}},
                              why);
     ops::detail::check_device_views({{"topk_idx", idx_view}}, "moe_route", stream);
+    ops::detail::check_device_or_mapped_pointer(status, "status", "moe_route", stream);
     check_routing_on_device(r, "moe_route", stream);
     routing = r;
     launch_route(static_cast<const int32_t*>(topk_idx.data), routing, align, stream, status);
@@ -273,11 +274,16 @@ void gathered(const TensorView& a, const TensorView& b, const TensorView& d, BLa
     const GroupedGemmProblem p =
         validate_grouped_gemm_args(GroupedLayout::kContiguous, a_rows, b, d, b_layout, routing.offsets, routing.counts);
     ops::detail::check_grouped_gemm_options(options, p);
+    // The gather runs first and waits for nothing: rows a producer is still writing would be copied stale, and the
+    // GEMM's per-group wait would then guard a copy already made.
+    WEFT_CHECK(!options.wait, kOp << ": options.wait is not supported (the gather that copies a's rows runs before the "
+                                     "GEMM and waits for nothing): make a ready before the call, in stream order");
     check_gathered_apart(kOp, routing, b, d, a_rows);
     if (routing.rows_capacity == 0) return;
     ops::detail::check_grouped_gemm_launch(p, options);  // before the gather is enqueued
     if (check_memory) {
         ops::detail::check_device_views({{"a", a}, {"a_rows", a_rows}, {"b", b}, {"d", d}}, kOp, stream);
+        ops::detail::check_grouped_option_words(options, kOp, stream);
         check_routing_on_device(routing, kOp, stream);
     }
     launch_gather(a, routing, a_rows, stream);
@@ -395,6 +401,7 @@ void grouped_gemm_gathered_combine(const TensorView& a, const TensorView& b, con
     ops::detail::check_device_views(
         {{"a", a}, {"a_rows", a_rows}, {"b", b}, {"d_rows", d_rows}, {"weights", weights}, {"acc", acc}, {"out", out}},
         kOp, stream);
+    ops::detail::check_grouped_option_words(options, kOp, stream);
     check_routing_on_device(routing, kOp, stream);
     gathered(a, b, d_rows, b_layout, routing, a_rows, stream, options, false);
     combine(d_rows, routing, mode, weights, acc, out, stream, false);

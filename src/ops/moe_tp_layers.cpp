@@ -39,7 +39,8 @@ using moe_detail::slot_rows_view;
 using weft::moe::kMoeMaxRanks;
 using weft::moe::kMoeThreads;
 
-void validate_moe_tp_shape(const MoeTpShape& s, int num_ranks, const MoeTpOptions& o, const char* op) {
+void validate_moe_tp_shape(const MoeTpShape& s, int num_ranks, const MoeTpOptions& o, const char* op,
+                           std::optional<DType> gemm_out) {
     WEFT_CHECK(num_ranks >= 1 && num_ranks <= kMoeMaxRanks,
                op << ": the team must have 1 .. " << kMoeMaxRanks << " ranks, got " << num_ranks);
     WEFT_CHECK(s.max_tokens > 0 && s.max_tokens % num_ranks == 0,
@@ -59,12 +60,17 @@ void validate_moe_tp_shape(const MoeTpShape& s, int num_ranks, const MoeTpOption
     WEFT_CHECK(o.sm_budget >= 0, op << ": options.sm_budget must be >= 0, got " << o.sm_budget);
     WEFT_CHECK(o.comm_blocks >= 0 && o.comm_blocks <= 64,
                op << ": options.comm_blocks must be in [0, 64], got " << o.comm_blocks);
-    WEFT_CHECK(o.timeout.count() >= 0, op << ": options.timeout must be >= 0");
+    constexpr std::chrono::milliseconds kMaxTimeout = std::chrono::hours(24 * 30);  // the GEMM's bound
+    WEFT_CHECK(o.timeout.count() >= 0 && o.timeout <= kMaxTimeout,
+               op << ": options.timeout must be in [0, 30 days] (0: the World's), got " << o.timeout.count() << " ms");
     if (o.config) {
         WEFT_CHECK(
             is_valid_grouped(*o.config) && o.config->in_dtype == DType::kBF16 && o.config->b_layout == BLayout::kNK,
             op << ": options.config must be a valid grouped config with bf16 inputs and B [N, K], got "
                << format_gemm_config(*o.config));
+        WEFT_CHECK(!gemm_out || o.config->out_dtype == *gemm_out,
+                   op << ": options.config must write " << dtype_name(gemm_out.value_or(DType::kBF16))
+                      << " (this layer's GEMM output), got " << format_gemm_config(*o.config));
     }
 }
 
@@ -89,7 +95,7 @@ struct MoeLayerBase : tp_detail::FusedOpState {
     detail::MoeTpTimeouts timeouts;
     bool first_call_pending = false;
 
-    MoeLayerBase(const Team& t, const char* op_name, const MoeTpShape& s, const MoeTpOptions& o)
+    MoeLayerBase(const Team& t, const char* op_name, DType gemm_out, const MoeTpShape& s, const MoeTpOptions& o)
         : FusedOpState(t, op_name), shape(s), options(o) {
         // Every member counts the others' push (or combine) blocks with its own count, and sizes and indexes the
         // peers' buffers by its own shape: both must agree (options.comm_blocks, or the worlds' SM budgets behind the
@@ -99,13 +105,16 @@ struct MoeLayerBase : tp_detail::FusedOpState {
         std::vector<int64_t> mine;
         const std::vector<std::vector<uint8_t>> all = detail::exchange_member_records(
             team, std::string("weft.ops.") + op_name + ".shape", op_name, "shape or options are", [&] {
-                validate_moe_tp_shape(s, num_ranks, o, op_name);
+                validate_moe_tp_shape(s, num_ranks, o, op_name, gemm_out);
                 // Every member's push and GEMM kernels spin on the others': all must be resident at once.
                 tp_detail::check_sm_budget_share(*world, o.sm_budget, op_name);
                 budget = tp_detail::resolve_sm_budget(o.sm_budget, world->sm_budget());
                 timeouts = detail::moe_tp_timeouts(world->timeout(), o.timeout);
                 // Uniform over the team (the members count each other's blocks): from the world's shared budget.
                 comm_blocks = o.comm_blocks > 0 ? o.comm_blocks : std::clamp(world->shared_sm_budget() / 8, 1, 16);
+                WEFT_CHECK(budget - comm_blocks >= 1, op_name << ": the SM budget " << budget
+                                                              << " leaves no SM for the GEMM beside " << comm_blocks
+                                                              << " communication CTAs (options.comm_blocks)");
                 mine = {comm_blocks, s.max_tokens, s.hidden, s.num_experts, s.topk};
                 return detail::fields_record(mine);
             });
@@ -114,9 +123,7 @@ struct MoeLayerBase : tp_detail::FusedOpState {
             "pass the same options.comm_blocks on every member)",
             "shape.max_tokens", "shape.hidden", "shape.num_experts", "shape.topk"};
         detail::check_member_fields(team, all, mine, kFields, op);
-        gemm_budget = budget - comm_blocks;
-        WEFT_CHECK(gemm_budget >= 1, op << ": the SM budget " << budget << " leaves no SM for the GEMM beside "
-                                        << comm_blocks << " communication CTAs (options.comm_blocks)");
+        gemm_budget = budget - comm_blocks;  // >= 1: checked above, before the members compared
         rows_capacity = moe_gathered_rows(s.max_tokens, s.topk, s.num_experts, 1);
         if (!tp_detail::streams_may_share_queues(*world)) {
             side = streams.add_stream();
@@ -205,7 +212,8 @@ struct MoeAgGroupedGemm::State : MoeLayerBase {
     MoeRoutingStatus* status_dev = nullptr;
     jit::Kernel* gemm = nullptr;
 
-    State(const Team& t, const MoeTpShape& s, const MoeTpOptions& o) : MoeLayerBase(t, "moe_ag_grouped_gemm", s, o) {}
+    State(const Team& t, const MoeTpShape& s, const MoeTpOptions& o)
+        : MoeLayerBase(t, "moe_ag_grouped_gemm", DType::kBF16, s, o) {}
     ~State() {
         heap.free_all();
         weft::detail::host_mapped_free(status_host);
@@ -270,7 +278,7 @@ void MoeAgGroupedGemm::run(const TensorView& x_local, const TensorView& topk_idx
                            const TensorView& y, cudaStream_t stream) {
     WEFT_NVTX_RANGE("moe_ag_grouped_gemm");
     State& s = *s_;
-    s.refuse_after_abort();
+    s.refuse_after_abort(/*waits_alone=*/true);  // its kernels wait on its own words also at W = 1
     const char* op = s.op;
     const int64_t h = s.shape.hidden, f = s.shape.ffn, e = s.shape.num_experts, topk = s.shape.topk;
     check_matrix(x_local, op, "x_local", DType::kBF16, -1, h, false);
@@ -371,7 +379,8 @@ struct MoeGroupedGemmRs::State : MoeLayerBase {
     float* acc = nullptr;          // [max_tokens / W, hidden] fp32
     jit::Kernel* gemm = nullptr;
 
-    State(const Team& t, const MoeTpShape& s, const MoeTpOptions& o) : MoeLayerBase(t, "moe_grouped_gemm_rs", s, o) {}
+    State(const Team& t, const MoeTpShape& s, const MoeTpOptions& o)
+        : MoeLayerBase(t, "moe_grouped_gemm_rs", DType::kF32, s, o) {}
     ~State() { heap.free_all(); }
 };
 
@@ -422,7 +431,7 @@ void MoeGroupedGemmRs::run(const TensorView& h, const TensorView& w, const MoeRo
                            const TensorView& weights, const TensorView& out, cudaStream_t stream) {
     WEFT_NVTX_RANGE("moe_grouped_gemm_rs");
     State& s = *s_;
-    s.refuse_after_abort();
+    s.refuse_after_abort(/*waits_alone=*/true);  // its kernels wait on its own words also at W = 1
     const char* op = s.op;
     const int64_t hid = s.shape.hidden, f = s.shape.ffn, e = s.shape.num_experts, topk = s.shape.topk;
     check_routing(routing, op);

@@ -307,8 +307,10 @@ FusedOpState::FusedOpState(const Team& t, const char* op_name)
 
 FusedOpState::~FusedOpState() { heap.free_all(); }
 
-void FusedOpState::refuse_after_abort() const {
-    if (num_ranks > 1) abort_mark.check(*world, op, "make a new op (and, for a team that spans nodes, a new World)");
+void FusedOpState::refuse_after_abort(bool waits_alone) const {
+    if (num_ranks > 1 || waits_alone) {
+        abort_mark.check(*world, op, "make a new op (and, for a team that spans nodes, a new World)");
+    }
 }
 
 void FusedOpState::load_gemms(const std::vector<GemmConfig>& configs, const FusedGemmSpec& spec,

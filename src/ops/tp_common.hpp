@@ -207,8 +207,9 @@ struct FusedOpState {
     /// A call whose wait gave up (a peer that never called, an aborted World) leaves the op's flags and epochs out of
     /// step across ranks: once an abort was cleared after the op was made, refuse_after_abort() refuses its calls.
     detail::AbortMark abort_mark;
-    /// Throws weft::Error naming `op` once an abort was cleared since the op was made (a team of one never waits).
-    void refuse_after_abort() const;
+    /// Throws weft::Error naming `op` once an abort was cleared since the op was made; on a team of one only for an op
+    /// whose kernels wait for each other there too (`waits_alone`: the TP MoE layers' signal words).
+    void refuse_after_abort(bool waits_alone = false) const;
 
     std::vector<FusedGemm> gemms;  ///< [0]: the op's choice (heuristic or forced); the rest: tuning candidates
     size_t active = 0;             ///< the config calls use

@@ -654,6 +654,31 @@ TEST(GroupedGemm, HostMemoryIsRefusedNamingTheArgument) {
         ops::moe_route(TensorView(dev_i32 + 512, DType::kI32, {8, 2}), host_routing, 1, nullptr);
     });
     EXPECT_NE(slots_err.find("moe_route: routing.slot_rows ("), std::string::npos) << slots_err;
+
+    // The words the options point at: a pageable host status record is refused by name (the kernel's first write to
+    // it would fault the context); host-mapped pinned memory is taken.
+    ops::GroupedStatus host_status{};
+    ops::GroupedGemmOptions with_status;
+    with_status.status = &host_status;
+    const std::string status_err = message(
+        [&] { ops::grouped_gemm_contiguous(a, b, d, BLayout::kNK, dev_i32, dev_i32 + 4, nullptr, with_status); });
+    EXPECT_NE(status_err.find("grouped_gemm_contiguous: options.status ("), std::string::npos) << status_err;
+    EXPECT_NE(status_err.find("must be device memory or host-mapped pinned memory, got unregistered host memory"),
+              std::string::npos)
+        << status_err;
+    ops::MoeRoutingStatus host_route_status{};
+    const std::string route_status_err = message([&] {
+        ops::moe_route(TensorView(dev_i32 + 512, DType::kI32, {8, 2}), routing, 1, nullptr, &host_route_status);
+    });
+    EXPECT_NE(route_status_err.find("moe_route: status ("), std::string::npos) << route_status_err;
+    void* mapped = nullptr;
+    ASSERT_EQ(cudaHostAlloc(&mapped, sizeof(ops::GroupedStatus), cudaHostAllocMapped), cudaSuccess);
+    std::memset(mapped, 0, sizeof(ops::GroupedStatus));
+    with_status.status = static_cast<ops::GroupedStatus*>(mapped);
+    WEFT_CUDA_CHECK(cudaMemset(dev_i32, 0, 64));  // offsets and counts 0: an empty call
+    EXPECT_NO_THROW(ops::grouped_gemm_contiguous(a, b, d, BLayout::kNK, dev_i32, dev_i32 + 4, nullptr, with_status));
+    WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+    cudaFreeHost(mapped);
     EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "a refused call left a CUDA error behind";
 }
 

@@ -795,6 +795,35 @@ TEST(MoeTpLayers, MembersWhoseCallsDifferAreAMismatchOnEveryMember) {
     }
 }
 
+// A team of one: both layers' kernels wait on their own signal words (layer 1's combine on its done word), so a call
+// that gave up leaves them out of step there too: once an abort was cleared, both layers refuse their next call before
+// reading any argument.
+TEST(MoeTpLayers, ATeamOfOneRefusesItsCallsAfterAClearedAbort) {
+    REQUIRE_SM90();
+    test::run_ranks(1, [&](World& w) {
+        const ops::MoeTpShape shape{.max_tokens = 64, .hidden = 128, .ffn = 32, .num_experts = 8, .topk = 2};
+        ops::MoeAgGroupedGemm up(w, shape);
+        ops::MoeGroupedGemmRs down(w, shape);
+        w.abort("a test's abort");
+        w.clear_diagnostics();
+        const auto error_of = [](auto&& call) {
+            try {
+                call();
+            } catch (const Error& e) {
+                return std::string(e.what());
+            }
+            return std::string("no error");
+        };
+        const std::string up_err =
+            error_of([&] { up.run(TensorView(), TensorView(), TensorView(), TensorView(), nullptr); });
+        const std::string down_err = error_of(
+            [&] { down.run(TensorView(), TensorView(), ops::MoeRouting{}, TensorView(), TensorView(), nullptr); });
+        for (const std::string& err : {up_err, down_err}) {
+            EXPECT_NE(err.find("this World was aborted after"), std::string::npos) << err;
+        }
+    });
+}
+
 // Layer 1 with routings that differ between members (an expert with rows on one and none on the other): the combine's
 // wait for the other's done word ends at the bound with a diagnosis that sync_and_check throws, and the kernels exit
 // (no trap): the CUDA context stays usable.

@@ -357,6 +357,16 @@ TEST(GroupedGemmPlan, Fp8WorkspaceMustNotOverlapTheCodesOrScales) {
                   ops::grouped_gemm_masked_fp8(codes, scales, b, d, BLayout::kNK, fake_counts(), over_scales, nullptr);
               }).find("must not overlap a or a_scales"),
               std::string::npos);
+    // The dequantisation reads a before the GEMM's per-group wait: a wait would guard rows already converted.
+    const TensorView a_apart(reinterpret_cast<void*>(uintptr_t{1} << 26), DType::kBF16, {4, 64, 256});
+    ops::GroupedGemmOptions waiting;
+    waiting.wait = weft::gemm::GroupedWaitParams{};
+    waiting.wait->flags = reinterpret_cast<const uint64_t*>(uintptr_t{1} << 30);
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_masked_fp8(codes, scales, b, d, BLayout::kNK, fake_counts(), a_apart, nullptr,
+                                               waiting);
+              }).find("grouped_gemm_masked_fp8: options.wait is not supported"),
+              std::string::npos);
     // Apart, with an empty problem (nothing to launch): accepted.
     const TensorView codes0(reinterpret_cast<void*>(uintptr_t{1} << 24), DType::kF8E4M3, {0, 64, 256});
     const TensorView scales0(reinterpret_cast<void*>(uintptr_t{1} << 25), DType::kF32, {0, 64, 2});

@@ -220,6 +220,14 @@ TEST(MoeTpArgs, GatheredGemmNamesTheBadArgument) {
                   ops::grouped_gemm_gathered(view(DType::kBF16, {99, 256}), b, d, BLayout::kNK, r, a_rows, nullptr);
               }).find("a must have 100 rows"),
               std::string::npos);
+    // The gather copies a's rows before the GEMM's per-group wait: a wait would guard a copy already made.
+    ops::GroupedGemmOptions waiting;
+    waiting.wait = weft::gemm::GroupedWaitParams{};
+    waiting.wait->flags = reinterpret_cast<const uint64_t*>(uintptr_t{1} << 30);
+    EXPECT_NE(error_of([&] {
+                  ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, r, a_rows, nullptr, waiting);
+              }).find("grouped_gemm_gathered: options.wait is not supported"),
+              std::string::npos);
     EXPECT_NE(error_of([&] {
                   ops::grouped_gemm_gathered(a, b, d, BLayout::kNK, r, view(DType::kBF16, {199, 256}, 1), nullptr);
               }).find("a_rows must have 200 rows"),
@@ -460,6 +468,19 @@ TEST(MoeTpArgs, ShapeChecksNameTheField) {
     clustered.cluster_m = 2;
     o.config = clustered;
     EXPECT_NE(err(ok, 8, o).find("options.config"), std::string::npos);
+    // A forced config must write the layer's GEMM output: bf16 for layer 0, f32 for layer 1 (checked before the
+    // members compare their records, so a member whose config alone is wrong fails every member at once).
+    const GemmConfig f32_out = ops::grouped_gemm_candidate_configs(DType::kBF16, DType::kF32, BLayout::kNK)[0];
+    o.config = f32_out;
+    EXPECT_NO_THROW(ops::validate_moe_tp_shape(ok, 8, o, "op", DType::kF32));
+    const std::string wrong_out = error_of([&] { ops::validate_moe_tp_shape(ok, 8, o, "op", DType::kBF16); });
+    EXPECT_NE(wrong_out.find("options.config must write bf16 (this layer's GEMM output)"), std::string::npos)
+        << wrong_out;
+    o = {};
+    o.timeout = std::chrono::hours(24 * 31);
+    EXPECT_NE(err(ok, 8, o).find("options.timeout must be in [0, 30 days]"), std::string::npos);
+    o.timeout = std::chrono::hours(24 * 30);
+    EXPECT_NO_THROW(ops::validate_moe_tp_shape(ok, 8, o, "op"));
 }
 
 TEST(MoeTpArgs, RoutingStatusMessage) {

@@ -59,7 +59,9 @@ struct GroupedGemmOptions {
     /// nullptr: clamped silently.
     GroupedStatus* status = nullptr;
     /// Per-tile wait before loading A (GroupedWaitScheduler), for fused layers; unset: none. The op fills its
-    /// `groups` from the call (and a zero timeout_ns with the call's bound); the rest is the caller's.
+    /// `groups` from the call (and a zero timeout_ns with the call's bound); the rest is the caller's. Refused by the
+    /// ops whose A passes through a kernel of their own first (grouped_gemm_masked_fp8's dequantisation,
+    /// grouped_gemm_gathered(_combine)'s gather), which would read A before it arrived.
     std::optional<GroupedWaitParams> wait;
     /// Per-tile signal once a tile is stored (GroupedTileSignalHook, add-only counters), for fused layers; unset:
     /// none.

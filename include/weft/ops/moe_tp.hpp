@@ -125,7 +125,8 @@ struct MoeTpOptions {
     int comm_blocks = 0;                   ///< CTAs of the push (layer 0) / combine (layer 1) kernel; 0 = heuristic
                                            ///< (the world's shared SM budget / 8); the same on every member (checked
                                            ///< at construction: a weft::Error naming both counts)
-    std::optional<GemmConfig> config;      ///< the grouped GEMM's config (is_valid_grouped, bf16 in, B [N, K])
+    std::optional<GemmConfig> config;      ///< the grouped GEMM's config (is_valid_grouped, bf16 in, B [N, K]; out
+                                           ///< bf16 for MoeAgGroupedGemm, f32 for MoeGroupedGemmRs)
     std::chrono::milliseconds timeout{0};  ///< bound on every wait on a peer; 0 = World::timeout() (the GEMM's
                                            ///< pipeline waits: twice it)
 };
@@ -220,8 +221,10 @@ private:
 };
 
 /// Checks a TP MoE shape and options against a team size (CPU only; the constructors call it). Throws weft::Error
-/// naming the argument; `op` prefixes the message.
-void validate_moe_tp_shape(const MoeTpShape& shape, int num_ranks, const MoeTpOptions& options, const char* op);
+/// naming the argument; `op` prefixes the message. `gemm_out`, when given: the layer's GEMM output dtype (bf16 for
+/// MoeAgGroupedGemm, f32 for MoeGroupedGemmRs), which a forced options.config must produce.
+void validate_moe_tp_shape(const MoeTpShape& shape, int num_ranks, const MoeTpOptions& options, const char* op,
+                           std::optional<DType> gemm_out = std::nullopt);
 
 namespace detail {
 /// JIT specs of the kernels of the gathered layout and the TP MoE layers (`arch` as KernelSpec::arch).
