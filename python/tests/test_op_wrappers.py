@@ -13,7 +13,7 @@ _STREAM = 0x5000
 
 
 class _StandInWorld:
-    rank, num_ranks, device = 0, 2, 0
+    rank, num_ranks, device, closed = 0, 2, 0, False
 
 
 class _StandInCppTeam:
@@ -86,6 +86,7 @@ def test_a_team_passes_its_cpp_team_and_a_non_member_is_refused(calls):
         weft.all_reduce(torch.zeros(4), team=_team(is_member=False))
 
 
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions.*deprecated")
 def test_argument_errors_name_the_argument(calls):
     x = torch.zeros(16)
     with pytest.raises(TypeError, match="tensor: expected a torch.Tensor, got list"):
@@ -110,15 +111,71 @@ def test_argument_errors_name_the_argument(calls):
         weft.reduce_scatter(torch.zeros(3))
     with pytest.raises(ValueError, match=r"out: expected 32 elements"):
         weft.all_gather(x, torch.zeros(16))
-    # Any dtype weft takes gathers; another is refused after the layout check, as before.
-    with pytest.raises(TypeError, match=r"tensor: weft does not take torch.float64 \(it takes bfloat16, "):
-        weft.all_gather(torch.zeros(4, dtype=torch.float64))
+    # all_gather moves bytes: any dtype (test_all_gather_moves_any_dtype_as_bytes), but not a tensor whose bytes are
+    # not its values.
     with pytest.raises(ValueError, match="tensor: expected a contiguous tensor"):
         weft.all_gather(torch.zeros(4, 4, dtype=torch.float64).t())
+    refused = 15
+    if hasattr(torch, "quantize_per_tensor"):  # deprecated in torch
+        refused += 1
+        with pytest.raises(TypeError, match=r"tensor: weft moves a tensor's bytes, and a quantized tensor \(qint8\) "
+                                            r"keeps its scale and zero point outside them: pass t.int_repr\(\)"):
+            weft.all_gather(torch.quantize_per_tensor(torch.zeros(4), 0.5, 0, torch.qint8))
+    z = torch.zeros(4, dtype=torch.complex64)
+    with pytest.raises(ValueError, match=r"tensor: expected a tensor whose bytes are its values, got a conjugate view "
+                                         r"\(is_conj\(\)\); call .resolve_conj\(\)"):
+        weft.all_gather(z.conj())
+    with pytest.raises(ValueError, match=r"out: expected a tensor whose bytes are its values, got a conjugate view"):
+        weft.all_gather(z, torch.zeros(8, dtype=torch.complex64).conj())
+    with pytest.raises(ValueError, match=r"tensor: expected a tensor whose bytes are its values, got a negative view "
+                                         r"\(is_neg\(\)\); call .resolve_neg\(\)"):
+        weft.all_gather(torch._neg_view(torch.zeros(4)))
     # Every check fails before the op is called, and every refused call keeps its place in the team's sequence of
     # collective calls (a rank that goes on then fails its next call as a mismatch, not paired with its peers').
     world = _runtime._state.world
-    assert calls == [("count_refused_collective_call", (world, None))] * 13
+    assert calls == [("count_refused_collective_call", (world, None))] * refused
+
+
+_BYTE_DTYPES = [torch.bool, torch.int8, torch.int16, torch.uint16, torch.float64, torch.complex32, torch.complex64,
+                torch.complex128] + [getattr(torch, name) for name in (
+                    "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
+                    "uint32", "uint64") if hasattr(torch, name)]
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("dtype", _BYTE_DTYPES, ids=str)
+def test_all_gather_moves_any_dtype_as_bytes(calls, dtype):
+    # A dtype weft has no code for goes as its bytes (u8, numel * element_size of them); out keeps the tensor's dtype.
+    x = torch.zeros(3, 5, dtype=dtype)
+    nbytes = 15 * x.element_size()
+    u8 = _weft.DTYPES["u8"]
+    gathered = weft.all_gather(x)
+    assert gathered.shape == (6, 5) and gathered.dtype == dtype
+    out = torch.zeros(2, 3, 5, dtype=dtype)
+    assert weft.all_gather(x, out) is out
+    assert [call[0] for call in calls] == ["all_gather_flat"] * 2
+    assert calls[0][1][1:6] == (x.data_ptr(), nbytes, gathered.data_ptr(), 2 * nbytes, u8)
+    assert calls[1][1][1:6] == (x.data_ptr(), nbytes, out.data_ptr(), 2 * nbytes, u8)
+    with pytest.raises(TypeError, match=f"out: expected dtype {dtype}, got torch.uint8"):
+        weft.all_gather(x, torch.zeros(2 * nbytes, dtype=torch.uint8))  # the same bytes, but not the tensor's dtype
+
+
+def test_the_all_gather_custom_op_takes_any_dtype(calls):
+    import weft.torch  # noqa: F401 -- registers the ops
+
+    x = torch.zeros(4, 2, dtype=torch.float64)
+    out = weft.torch.all_gather(x)
+    assert out.shape == (8, 2) and out.dtype == torch.float64
+    assert calls == [("all_gather_flat", (_runtime._state.world, x.data_ptr(), 64, out.data_ptr(), 128,
+                                          _weft.DTYPES["u8"], _STREAM, 0, None))]
+
+
+def test_all_gather_passes_a_dtype_weft_knows_as_itself(calls):
+    for dtype, code in ((torch.bfloat16, "bf16"), (torch.int64, "i64"), (torch.uint8, "u8"),
+                        (torch.float8_e4m3fn, "f8e4m3")):
+        x = torch.zeros(4, dtype=dtype)
+        weft.all_gather(x)
+        assert calls[-1][1][2] == 4 and calls[-1][1][5] == _weft.DTYPES[code]
 
 
 def test_the_custom_op_allocates_its_output_and_calls_the_wrapper(calls):

@@ -10,7 +10,7 @@ from weft import _runtime, _weft  # noqa: E402
 
 
 class _NoGpuWorld:
-    rank, num_ranks, device = 0, 2, 0
+    rank, num_ranks, device, closed = 0, 2, 0, False
 
     def __getattr__(self, name):
         raise AssertionError(f"the argument check should have failed before World.{name}")

@@ -4,8 +4,8 @@
 Per call, the collectives read the World's constants (device, dtype tables, algorithm codes, torch's current-stream
 lookup) from its CallContext and pass contiguous tensors to the extension as pointers and element counts."""
 from . import _runtime, _weft
-from ._tensor import (CallContext, check_tensor, dtype_code, flat_arg, heap_tensor, matrix_view, out_arg, torch_module,
-                      written)
+from ._tensor import (CallContext, bytes_arg, check_tensor, dtype_code, flat_arg, heap_tensor, matrix_view, out_arg,
+                      torch_module, values_are_bytes, written)
 from ._weft import Error
 
 
@@ -74,17 +74,19 @@ def all_reduce(tensor, out=None, *, algo="auto", team=None):
 
 
 def all_gather(tensor, out=None, *, algo="auto", team=None):
-    """out = every rank's `tensor` concatenated along dim 0 in rank order (any dtype, contiguous): shape
-    [num_ranks * tensor.shape[0], ...]. Returns out (allocated when None). Collective; on torch's current stream.
-    A symmetric out (weft.empty) lets the push algorithms write into it directly."""
+    """out = every rank's `tensor` concatenated along dim 0 in rank order (contiguous; any dtype: the op moves bytes,
+    quantized tensors and conjugate or negative views refused): shape [num_ranks * tensor.shape[0], ...]. Returns out
+    (allocated when None). Collective; on torch's current stream. A symmetric out (weft.empty) lets the push
+    algorithms write into it directly."""
     ctx, cpp_team = _context(team, "all_gather")
     try:
-        ptr, numel, code = flat_arg(tensor, "tensor", ctx, ctx.all_dtypes)
+        ptr, count, code = bytes_arg(tensor, "tensor", ctx)  # count: elements of `code` (bytes for a dtype as u8)
         n = ctx.num_ranks if cpp_team is None else cpp_team.num_ranks
         shape = tuple(tensor.shape)
         concatenated = (n * shape[0], *shape[1:]) if shape else (n,)
         if out is not None:
-            out_ptr = out_arg(out, "out", ctx, tensor.dtype, n * numel)
+            out_ptr = out_arg(out, "out", ctx, tensor.dtype, n * tensor.numel())
+            values_are_bytes(out, "out")
         algo_code = _algo(ctx, "all_gather", algo)
     except (TypeError, ValueError):
         _refused(ctx, cpp_team)
@@ -92,7 +94,7 @@ def all_gather(tensor, out=None, *, algo="auto", team=None):
     if out is None:
         out = torch_module().empty(concatenated, dtype=tensor.dtype, device=tensor.device)
         out_ptr = out.data_ptr()
-    _weft.all_gather_flat(ctx.world, ptr, numel, out_ptr, n * numel, code, ctx.stream(ctx.device_index), algo_code,
+    _weft.all_gather_flat(ctx.world, ptr, count, out_ptr, n * count, code, ctx.stream(ctx.device_index), algo_code,
                           cpp_team)
     return written(out)
 
@@ -194,6 +196,8 @@ class _FusedOp:
     def close(self):
         """Collective: frees the op's symmetric buffers (every rank, in the same order)."""
         if self._op is not None:
+            if _runtime._forked_from is not None:  # the parent's op: closing it here would free the parent's buffers
+                raise _runtime._forked_error(f"{self._kind}.close")
             self._op.close()  # may refuse (an EP buffer with open handles): then it stays open here too
             self._op = None
             _runtime._unregister(self)
@@ -205,6 +209,8 @@ class _FusedOp:
     def _get(self):
         if self._op is None:
             raise Error(f"{self._kind} is closed")
+        if _runtime._forked_from is not None:
+            raise _runtime._forked_error(self._kind)
         return self._op
 
     def _out_rows(self, a):

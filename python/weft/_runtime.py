@@ -13,8 +13,11 @@ from ._weft import Error
 class _State:
     """One World per process, the objects made on it (closed in creation order by finalize), its heap blocks."""
 
-    def __init__(self, world, group_ranks, store_adapter):
+    def __init__(self, world, group_ranks, store_adapter, options=None):
         self.world = world
+        self.pid = os.getpid()  # the process that made the World (a forked child inherits the state, not the World)
+        # init's settings as this World's init was given them (0: from the environment), for a later init's check
+        self.options = dict(options or {})
         self.num_ranks = world.num_ranks  # a plain int: what torch.compile reads while tracing weft.torch's ops
         self.group_ranks = group_ranks  # torch global rank of each weft rank (None: not built on torch)
         self.store_adapter = store_adapter
@@ -56,8 +59,9 @@ def _in_group(dist, group):
 
 
 def _device_index(device):
-    """init's `device` as a CUDA device index (None: the default): an int, "cuda[:N]" or a torch.device of type
-    cuda; "cuda" and torch.device("cuda") without an index mean torch's current device."""
+    """init's `device` as a CUDA device index, or None for the default (_default_device): an int, "cuda[:N]" or a
+    torch.device of type cuda. "cuda" and torch.device("cuda") without an index are the default too (this rank's GPU),
+    not the device 0 that torch.cuda.current_device() reports in a process that has not called set_device."""
     if device is None:
         return None
     if isinstance(device, int) and not isinstance(device, bool):
@@ -67,19 +71,29 @@ def _device_index(device):
     torch = sys.modules.get("torch")
     if isinstance(device, str) or (torch is not None and isinstance(device, torch.device)):
         if torch is None:
-            kind, _, index = device.partition(":")
-            if kind != "cuda" or not index.isdigit():
-                raise ValueError(f"device: expected 'cuda:N', got {device!r}")
-            return int(index)
+            kind, colon, index = device.partition(":")
+            if kind != "cuda" or (colon and not index.isdigit()):
+                raise ValueError(f"device: expected 'cuda' or 'cuda:N', got {device!r}")
+            return int(index) if colon else None
         try:
             d = torch.device(device)
         except RuntimeError as e:
             raise ValueError(f"device: {e}") from None
         if d.type != "cuda":
             raise ValueError(f"device: expected a CUDA device, got {device!r}")
-        return d.index if d.index is not None else torch.cuda.current_device()
+        return d.index
     raise TypeError(f"device: expected a CUDA device index (int), 'cuda:N' or a torch.device, got "
                     f"{type(device).__name__}")
+
+
+def _default_device():
+    """The device of init's default (device None, "cuda"): torch's current device once torch has initialised CUDA
+    (set_device, tensors), else -1: the World takes LOCAL_RANK's GPU (modulo the visible devices), not the device 0
+    that current_device() reports in every process before that."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return -1
 
 
 def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
@@ -88,15 +102,22 @@ def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
     With torch.distributed initialised, the World's ranks are those of `group` (default: the default process group)
     and it meets through torch's store (World::from_store, keys under a prefix of weft's own; no second port);
     ranks outside `group` get None. Without torch.distributed, the ranks come from the launcher's environment
-    (weftrun, torchrun, mpirun, srun: World::from_env). `device`: the CUDA device (None: torch's current device once torch
-    has initialised CUDA, else LOCAL_RANK modulo the visible devices). heap_bytes, sm_budget, timeout_ms: 0 = from
-    the environment (WEFT_SYMMETRIC_HEAP_BYTES, WEFT_SM_BUDGET, WEFT_TIMEOUT_MS), else weft's defaults.
+    (weftrun, torchrun, mpirun, srun: World::from_env). `device`: the CUDA device (None, "cuda" or
+    torch.device("cuda"): torch's current device once torch has initialised CUDA, else LOCAL_RANK modulo the visible
+    devices). heap_bytes, sm_budget, timeout_ms: 0 = from the environment (WEFT_SYMMETRIC_HEAP_BYTES, WEFT_SM_BUDGET,
+    WEFT_TIMEOUT_MS), else weft's defaults.
     Calling init again returns the existing World (weft.finalize first to make another); a `group` whose ranks are
-    not the existing World's, or a `device` that is not its device, is a ValueError.
+    not the existing World's, a `device` that is not its device, or a non-zero heap_bytes, sm_budget or timeout_ms
+    that is not its setting, is a ValueError. A World closed by its own close() counts as none: init makes a new one.
+    In a process forked after weft.init, init raises weft.Error (the World is the parent's).
     """
     global _state
     device = _device_index(device)
+    options = {"heap_bytes": heap_bytes, "sm_budget": sm_budget, "timeout_ms": timeout_ms}
     with _lock:
+        if _forked_from is not None:
+            raise _forked_error("weft.init")
+        _drop_closed_world()
         dist = _torch_distributed()
         if group is not None and dist is None:
             raise ValueError("group: a process group needs torch.distributed to be initialised first")
@@ -116,17 +137,14 @@ def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
             if device is not None and device != _state.world.device:
                 raise ValueError(f"weft.init: weft is initialised already, on device {_state.world.device}; got "
                                  f"device {device}: call weft.finalize() first to make a World on another device")
+            _check_same_options(_state, options)
             return _state.world
         if device is None:
-            torch = sys.modules.get("torch")
-            # torch's current device once torch has touched CUDA (set_device, tensors); else LOCAL_RANK's (-1), not
-            # the device 0 that current_device() reports in every process before that
-            device = (torch.cuda.current_device()
-                      if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized() else -1)
+            device = _default_device()
         if dist is None:
             world = _weft.World.from_env(device=device, heap_bytes=heap_bytes, sm_budget=sm_budget,
                                          timeout_ms=timeout_ms)
-            _state = _State(world, None, None)
+            _state = _State(world, None, None, options)
         else:
             ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(
                 range(dist.get_world_size()))
@@ -145,20 +163,47 @@ def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
             world = _weft.World.from_store(adapter, rank=ranks.index(me), num_ranks=len(ranks),
                                            key_prefix=f"{base}/{count}", device=device, heap_bytes=heap_bytes,
                                            sm_budget=sm_budget, timeout_ms=timeout_ms, dead_peer_ms=dead_peer_ms)
-            _state = _State(world, ranks, adapter)
+            _state = _State(world, ranks, adapter, options)
         return _state.world
+
+
+def _check_same_options(state, options):
+    """A later init's explicit (non-zero) heap_bytes, sm_budget and timeout_ms against the live World's: each must be
+    its setting (as the World reports it, or as its init was given it: the heap size is rounded up to the heap's
+    granularity), else ValueError naming the setting and both values."""
+    for name, value in options.items():
+        if value == 0 or value == state.options.get(name):
+            continue
+        live = getattr(state.world, name)
+        if value != live:
+            asked = state.options.get(name, 0)
+            given = f" (its weft.init was given {asked})" if asked not in (0, live) else ""
+            raise ValueError(f"weft.init: weft is initialised already, with {name} {live}{given}; got {name} {value}: "
+                             f"call weft.finalize() first to make a World with another {name}")
+
+
+def _drop_closed_world():
+    """Forgets a World closed by its own close() (weft.world().close()), as weft.finalize would have: weft is then not
+    initialised, and init makes a new World. Called with _lock held. (World.close() refuses while an op or buffer made
+    on the World is open, so nothing in the registry is left open by this.)"""
+    global _state
+    if _state is not None and _state.world.closed:
+        _state = None
 
 
 def finalize():
     """Collective: closes every op, buffer and handle still open (newest first, the same order on every rank),
     then the World; its symmetric heap, and so every weft.empty tensor not yet freed, goes with it. A no-op when
-    weft is not initialised. Registered with atexit when weft is imported: it runs before the interpreter tears down
-    torch.distributed's objects (the store the World's last barrier goes through). Call it yourself before
-    torch.distributed.destroy_process_group()."""
+    weft is not initialised, and in a process forked after weft.init (the World is the parent's). Registered with
+    atexit when weft is imported: it runs before the interpreter tears down torch.distributed's objects (the store the
+    World's last barrier goes through). Call it yourself before torch.distributed.destroy_process_group()."""
     global _state
     with _lock:
         state, _state = _state, None
     if state is None:
+        return
+    if state.pid != os.getpid():  # forked without os.fork's handlers (_after_fork_in_child): the parent's World
+        _disown(state)
         return
     # At exit after an uncaught exception this rank is leaving on an error: its peers may be inside a call with it,
     # waiting on the device for what it will not send. Abort first: they stop at their next heartbeat, this rank
@@ -210,29 +255,82 @@ def _finalize_at_exit():
 
 atexit.register(_finalize_at_exit)
 
+# ---- fork ----
+# A child forked after weft.init inherits the World's Python objects, but the World is the parent's: its rank, its
+# store connection (a socket the two processes now share) and its GPU context (CUDA cannot be used in a child forked
+# from a process that initialised it). Closing it there (finalize, the exit hook, a destructor) would run the
+# parent's collective closes and last barrier over the parent's store, in the parent's name.
+_forked_from = None  # in a process forked after weft.init: the pid of the process whose World it inherited
+
+
+def _disown(state):
+    """Leaves `state` (its World, ops, buffers, teams) to this process's exit untouched: no close, and no destructor
+    (a World's or an op's would close it collectively), not even while the interpreter finalises."""
+    global _forked_from
+    _forked_from = state.pid
+    import ctypes
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(state))  # a reference nobody drops: what it holds is never freed
+
+
+def _after_fork_in_child():
+    global _state, _lock
+    _lock = threading.Lock()  # a thread of the parent may have held it at the fork; that thread is not here
+    state, _state = _state, None
+    if state is not None:
+        _disown(state)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _forked_error(what):
+    return Error(f"{what}: this process was forked from process {_forked_from} after weft.init there, and that "
+                 "World (its rank, its store connection, its GPU context) is the parent's: a forked child cannot use "
+                 "it, nor CUDA. Start the child with multiprocessing's 'spawn' start method (or exec a new program) "
+                 "and call weft.init in it if it needs weft")
+
 
 def is_initialized():
-    return _state is not None
+    """Whether this process has a live World: False before weft.init, after weft.finalize or the World's own close(),
+    and in a process forked after weft.init (the World is the parent's)."""
+    state = _state
+    return state is not None and not state.world.closed
 
 
 def _get_state():
-    if _state is None:
+    """The state, else weft.Error (not initialised; a forked process). Reads no attribute of the C++ World:
+    torch.compile traces it (weft.torch's team lookups). A World closed by its own close() is seen here only by the
+    op calls, which the World refuses ("this World is closed"); _live_state drops it first."""
+    state = _state
+    if state is None:
+        if _forked_from is not None:
+            raise _forked_error("weft")
         raise Error("weft is not initialised: call weft.init() first (after torch.distributed.init_process_group, "
                     "when you use it)")
-    return _state
+    return state
+
+
+def _live_state():
+    """_get_state, once a World closed by its own close() is forgotten (weft is then not initialised)."""
+    state = _state
+    if state is not None and state.world.closed:
+        with _lock:
+            _drop_closed_world()
+    return _get_state()
 
 
 def world():
     """The process's World (weft._weft.World: rank, num_ranks, device, barrier(), ...)."""
-    return _get_state().world
+    return _live_state().world
 
 
 def rank():
-    return _get_state().world.rank
+    return _live_state().world.rank
 
 
 def num_ranks():
-    return _get_state().world.num_ranks
+    return _live_state().world.num_ranks
 
 
 def _register(obj):
@@ -258,7 +356,7 @@ class Team:
     """
 
     def __init__(self, ranks):
-        state = _get_state()
+        state = _live_state()
         n = state.world.num_ranks
         if not isinstance(ranks, (list, tuple, range)):
             dist = _torch_distributed()
@@ -342,8 +440,8 @@ def team_by_handle(handle):
     state = _get_state()
     generation, index = handle >> _TEAM_INDEX_BITS, handle & ((1 << _TEAM_INDEX_BITS) - 1)
     if generation != state.generation:
-        raise Error(f"team: handle {handle} names a team of a World that weft.finalize closed; make the team again "
-                    "after weft.init (and trace or capture again what used it)")
+        raise Error(f"team: handle {handle} names a team of a World that was closed (weft.finalize or World.close()); "
+                    "make the team again after weft.init (and trace or capture again what used it)")
     if index >= len(state.teams):
         raise Error(f"team: no weft.Team has handle {handle} in this World")
     return state.teams[index]
@@ -364,10 +462,13 @@ def _team_for(team, op):
 
 
 def _check_open(team, op):
-    """Raises weft.Error when `team` belongs to a World that weft.finalize has closed."""
+    """Raises weft.Error when `team` belongs to a World that is closed (weft.finalize, World.close()), or to the
+    parent's World in a forked process."""
     if team._state is not _state:
-        raise Error(f"{op}: {team!r} belongs to a World that weft.finalize closed; make the team again after "
-                    "weft.init")
+        if _forked_from is not None:
+            raise _forked_error(op)
+        raise Error(f"{op}: {team!r} belongs to a World that was closed (weft.finalize or World.close()); make the "
+                    "team again after weft.init")
 
 
 def _cpp_team(team, op, state):

@@ -10,6 +10,7 @@ _Tensor = None  # torch.Tensor
 _codes = None  # torch dtype -> weft dtype code
 _raw_stream = None  # device index -> torch's current CUDA stream on it, as an integer (cudaStream_t)
 _increment_version = None  # torch.autograd.graph.increment_version (or its older private name), or a no-op
+_U8 = _weft.DTYPES["u8"]
 
 
 def torch_module():
@@ -112,20 +113,52 @@ def check_tensor(t, name, ctx, dtypes=None):
 
 def flat_arg(t, name, ctx, codes):
     """(data pointer, element count, weft dtype code) of a contiguous tensor (any number of dimensions, 0 included)
-    on this rank's GPU whose dtype is a key of `codes` (torch dtype -> weft code; ctx.all_dtypes: any weft takes).
-    Raises TypeError or ValueError naming the argument, in check_tensor's order, then contiguity."""
+    on this rank's GPU whose dtype is a key of `codes` (torch dtype -> weft code). Raises TypeError or ValueError
+    naming the argument, in check_tensor's order, then contiguity."""
     if not isinstance(t, _Tensor):
         raise _not_a_tensor(t, name)
     if t.device != ctx.device:
         raise _wrong_device(t, name, ctx)
     code = codes.get(t.dtype)
-    if code is None and codes is not ctx.all_dtypes:
+    if code is None:
         raise _wrong_dtype(t, name, codes)
     if not t.is_contiguous():
         raise _not_contiguous(t, name)
-    if code is None:
-        dtype_code(t.dtype, name)  # raises: a dtype weft does not take
     return t.data_ptr(), t.numel(), code
+
+
+def bytes_arg(t, name, ctx):
+    """(data pointer, element count, weft dtype code) of an argument of an op that moves bytes (all_gather): a
+    contiguous tensor on this rank's GPU of any dtype. A dtype weft has a code for passes as itself; any other (bool,
+    int8, int16, float64, complex, the other float8s, ...) as its bytes: code u8, numel * element_size elements.
+    Refused, naming the argument: a quantized tensor (its scale and zero point are not in its bytes) and a conjugate
+    or negative view (its bytes are not its values). Checked in flat_arg's order."""
+    if not isinstance(t, _Tensor):
+        raise _not_a_tensor(t, name)
+    if t.device != ctx.device:
+        raise _wrong_device(t, name, ctx)
+    if t.is_quantized:
+        raise TypeError(f"{name}: weft moves a tensor's bytes, and a quantized tensor ({_dtype_name(t.dtype)}) keeps "
+                        "its scale and zero point outside them: pass t.int_repr() (and its scale and zero point "
+                        "apart)")
+    if not t.is_contiguous():
+        raise _not_contiguous(t, name)
+    values_are_bytes(t, name)
+    code = ctx.all_dtypes.get(t.dtype)
+    if code is not None:
+        return t.data_ptr(), t.numel(), code
+    return t.data_ptr(), t.numel() * t.element_size(), _U8
+
+
+def values_are_bytes(t, name):
+    """Raises ValueError for a conjugate or negative view (torch applies its conjugation or negation lazily, on read:
+    its bytes are not its values)."""
+    if t.is_conj():
+        raise ValueError(f"{name}: expected a tensor whose bytes are its values, got a conjugate view (is_conj()); "
+                         "call .resolve_conj()")
+    if t.is_neg():
+        raise ValueError(f"{name}: expected a tensor whose bytes are its values, got a negative view (is_neg()); "
+                         "call .resolve_neg()")
 
 
 def out_arg(out, name, ctx, like_dtype, numel):

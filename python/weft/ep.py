@@ -46,6 +46,8 @@ class _Handle:
 
     def close(self):
         if self._h is not None:
+            if _runtime._forked_from is not None:  # the parent's handle (see _FusedOp.close)
+                raise _runtime._forked_error(f"{type(self).__name__}.close")
             self._h.close()
             self._h = None
             _runtime._unregister(self)
@@ -53,6 +55,8 @@ class _Handle:
     def _get(self):
         if self._h is None:
             raise _weft.Error(f"{type(self).__name__} is closed")
+        if _runtime._forked_from is not None:
+            raise _runtime._forked_error(type(self).__name__)
         return self._h
 
     @property

@@ -59,6 +59,31 @@ def test_all_gather_matches_nccl(rank, num_ranks, dtype, rows):
     assert torch.equal(out, expected)
 
 
+def _rank_bytes(rank, numel, dtype):
+    """numel elements of `dtype` made of this rank's own bytes (random bytes viewed as `dtype`; bool: 0 or 1)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    g = torch.Generator(device="cuda")
+    g.manual_seed(7000 + rank)
+    raw = torch.randint(0, 256, (numel * size,), generator=g, device="cuda", dtype=torch.uint8)
+    return (raw & 1 if dtype == torch.bool else raw).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int8, torch.int16, torch.float64, torch.complex64,
+                                   torch.complex128, torch.float8_e5m2], ids=str)
+def test_all_gather_moves_any_dtype_bit_for_bit(rank, num_ranks, dtype):
+    # Dtypes weft has no code for go as bytes; every rank's bytes land in rank order, whatever they mean.
+    rows = 33
+    x = _rank_bytes(rank, rows * 8, dtype).view(rows, 8)
+    expected = torch.cat([_rank_bytes(r, rows * 8, dtype) for r in range(num_ranks)]).view(num_ranks * rows, 8)
+    out = weft.all_gather(x)
+    assert out.shape == (num_ranks * rows, 8) and out.dtype == dtype
+    into = torch.zeros(num_ranks, rows, 8, dtype=dtype, device="cuda")
+    assert weft.all_gather(x, into) is into
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(into.view(torch.uint8).flatten(), expected.view(torch.uint8).flatten())
+
+
 def test_all_gather_into_a_symmetric_output_with_sm_push(rank, num_ranks):
     x = _integers(4096, torch.bfloat16, rank, 4)
     out = weft.empty((num_ranks * 4096,), torch.bfloat16)
