@@ -488,6 +488,80 @@ TEST_F(DecodeAttention, ProgrammaticLaunchWaitsForWhatCameBefore) {
 // Bad arguments are errors before anything launches (no device memory touched). The views lie apart in one buffer, so
 // that each call reaches the check it is meant for (an overlap refusal would otherwise answer first), and each error
 // is the one expected.
+// Block-table entries outside [0, num_pages) (a freed page's -1, an index one past the cache) are read as page 0: no
+// memory outside the cache is touched, the output is bit for bit that of a table holding 0 there, the first one is
+// recorded in options.status, and check_attention_status names it. Without a status the call is as safe.
+TEST_F(DecodeAttention, BlockTableEntriesOutsideTheCacheAreReadAsPageZeroAndRecorded) {
+    constexpr int kPages = 32, kSlots = 16, kHeads = 2, kDim = 128, kBatch = 2, kQHeads = 8, kCols = 16;
+    DevicePtr buf = device_alloc(1 << 21);
+    auto* base = static_cast<uint8_t*>(buf.get());
+    const TensorView q(base, DType::kBF16, {kBatch, kQHeads, kDim});                       // at 0
+    const TensorView kv(base + (64 << 10), DType::kBF16, {kPages, kSlots, kHeads, kDim});  // 256 KiB at 64 KiB
+    const TensorView table(base + (384 << 10), DType::kI32, {kBatch, kCols});
+    const TensorView lens(base + (388 << 10), DType::kI32, {kBatch});
+    const TensorView out(base + (392 << 10), DType::kBF16, {kBatch, kQHeads, kDim});
+    const TensorView lse(base + (400 << 10), DType::kF32, {kBatch, kQHeads});
+    Rng rng{fresh_seed()};
+    std::vector<uint16_t> values(static_cast<size_t>(kPages) * kSlots * kHeads * kDim);
+    for (uint16_t& v : values) v = to_bits(rng.uniform(-1.f, 1.f), DType::kBF16);
+    CK(cudaMemcpy(kv.data, values.data(), values.size() * 2, cudaMemcpyHostToDevice));
+    std::vector<uint16_t> qv(static_cast<size_t>(kBatch) * kQHeads * kDim);
+    for (uint16_t& v : qv) v = to_bits(rng.uniform(-2.f, 2.f), DType::kBF16);
+    CK(cudaMemcpy(q.data, qv.data(), qv.size() * 2, cudaMemcpyHostToDevice));
+    const std::vector<int32_t> seq_lens = {40, 100};  // 3 and 7 pages
+    CK(cudaMemcpy(lens.data, seq_lens.data(), sizeof(int32_t) * kBatch, cudaMemcpyHostToDevice));
+    std::vector<int32_t> good(static_cast<size_t>(kBatch) * kCols);
+    for (size_t i = 0; i < good.size(); ++i) good[i] = static_cast<int32_t>((i * 7 + 3) % kPages);
+    std::vector<int32_t> bad = good, zeroed = good;
+    bad[1 * kCols + 5] = -1;  // sequence 1, logical page 5 (tokens 80..95)
+    zeroed[1 * kCols + 5] = 0;
+    const auto run = [&](const std::vector<int32_t>& t, ops::AttentionStatus* status) -> std::vector<uint16_t> {
+        WEFT_CUDA_CHECK(cudaMemcpy(table.data, t.data(), sizeof(int32_t) * t.size(), cudaMemcpyHostToDevice));
+        WEFT_CUDA_CHECK(cudaMemset(out.data, 0xFF, static_cast<size_t>(out.size_bytes())));
+        ops::DecodeAttentionOptions opt;
+        opt.num_splits = 1;
+        opt.status = status;
+        ops::decode_attention(q, kv, kv, table, lens, kCols * kSlots, out, lse, stream_, opt);
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        std::vector<uint16_t> o(static_cast<size_t>(out.numel()));
+        WEFT_CUDA_CHECK(cudaMemcpy(o.data(), out.data, o.size() * 2, cudaMemcpyDeviceToHost));
+        return o;
+    };
+    ops::AttentionStatus* status = nullptr;
+    CK(cudaHostAlloc(reinterpret_cast<void**>(&status), sizeof(ops::AttentionStatus), cudaHostAllocMapped));
+    *status = {};
+    const std::vector<uint16_t> want = run(zeroed, status);
+    EXPECT_EQ(status->code, 0) << ops::describe_attention_status(*status);
+    const std::vector<uint16_t> got = run(bad, status);
+    EXPECT_EQ(got, want) << "an entry outside the cache reads as page 0";
+    EXPECT_EQ(status->code, 1);
+    EXPECT_EQ(status->sequence, 1);
+    EXPECT_EQ(status->page, 5);
+    EXPECT_EQ(status->value, -1);
+    try {
+        ops::check_attention_status(*status);
+        ADD_FAILURE() << "check_attention_status did not throw";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("block_table[1][5] = -1 is outside the cache's pages"), std::string::npos)
+            << e.what();
+    }
+    // One past the cache, no status: the same output, nothing recorded anywhere, no CUDA error.
+    bad[1 * kCols + 5] = kPages;
+    EXPECT_EQ(run(bad, nullptr), want);
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    // A pageable host status is refused by name before anything is launched.
+    ops::AttentionStatus host_status{};
+    ops::DecodeAttentionOptions opt;
+    opt.status = &host_status;
+    try {
+        ops::decode_attention(q, kv, kv, table, lens, kCols * kSlots, out, lse, stream_, opt);
+        ADD_FAILURE() << "a pageable host status was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("options.status ("), std::string::npos) << e.what();
+    }
+    cudaFreeHost(status);
+}
+
 TEST_F(DecodeAttention, BadArgumentsThrowBeforeLaunching) {
     DevicePtr buf = device_alloc(1 << 20);
     auto* base = static_cast<uint8_t*>(buf.get());
