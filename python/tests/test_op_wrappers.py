@@ -252,3 +252,45 @@ def test_ep_calls_refuse_the_other_kind_of_handle_and_a_non_tensor(calls):
         buf.low_latency_dispatch(normal, y)
     with pytest.raises(TypeError, match="y: expected a torch.Tensor, got list"):
         buf.combine(normal, [1.0])
+
+
+class _StandInGemmAr:
+    def __init__(self, *args, **kwargs):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("collective_all_reduce", [True, False])
+def test_gemm_ar_calls_its_wrapper_refuses_keep_their_place_in_the_teams_calls(calls, monkeypatch,
+                                                                                collective_all_reduce):
+    # GemmAr's all-reduce is a collective call of its team: a call refused by the wrapper's own checks counts as the
+    # C++ op's refusals do (a rank that goes on fails its next call on every rank instead of pairing with the peers'
+    # refused call); with the op's own all-reduce kernel (no collective) nothing is counted.
+    monkeypatch.setattr(_weft, "GemmAr", _StandInGemmAr)
+    world = _runtime._state.world
+    op = weft.GemmAr(8, 16, 32, torch.bfloat16, collective_all_reduce=collective_all_reduce)
+    try:
+        a, b = torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16)
+        bad = [
+            (a, torch.zeros(16, 31, dtype=torch.bfloat16), None),  # b's shape
+            (torch.zeros(4, 31, dtype=torch.bfloat16), b, None),  # a's columns
+            (torch.zeros(9, 32, dtype=torch.bfloat16), b, None),  # M over max_m
+            (a.float(), b, None),  # a's dtype
+            (a, b, torch.zeros(5, 16, dtype=torch.bfloat16)),  # out's shape
+        ]
+        for args in bad:
+            with pytest.raises((TypeError, ValueError)):
+                op.run(*args)
+        counted = [c for c in calls if c[0] == "count_refused_collective_call"]
+        assert counted == ([("count_refused_collective_call", (world, None))] * len(bad) if collective_all_reduce
+                           else [])
+        out = op.run(a, b)
+        assert out.shape == (4, 16) and len(op._op.runs) == 1
+    finally:
+        op._op = None  # the stand-in needs no collective close
+        _runtime._unregister(op)

@@ -217,9 +217,25 @@ class _FusedOp:
         """Rows of the output of a call whose first operand is `a` (the op's own rule)."""
         raise NotImplementedError
 
+    # Whether the op's calls are collective calls of its team (GemmAr's all-reduce on the collectives' workspace):
+    # then a call its wrapper refuses still counts in the team's sequence, as the C++ op's refusals do.
+    _counts_calls = False
+
     def run(self, a, b, out=None):
         """One call on torch's current stream; out is allocated when None. Returns out."""
         op = self._get()
+        try:
+            av, bv, cv, out, padded = self._checked_args(a, b, out)
+        except (TypeError, ValueError):
+            if self._counts_calls:
+                _refused(self._ctx, self._team)
+            raise
+        op.run(av, bv, cv, self._ctx.stream(self._ctx.device_index))
+        return written(out) if padded is None else out.contiguous()
+
+    def _checked_args(self, a, b, out):
+        """run's arguments as the op takes them (the views of a, b and out; out; its padded allocation or None), or
+        TypeError / ValueError naming the argument."""
         ctx = self._ctx
         dtypes = (self.dtype,)
         av = matrix_view(a, self._a_name, ctx, dtypes)
@@ -238,8 +254,7 @@ class _FusedOp:
             out, padded = _empty_out(rows, self.n, self.dtype, a.device)
         cv = matrix_view(out, "out", ctx, dtypes)
         _out_shape_check(out, (rows, self.n))
-        op.run(av, bv, cv, ctx.stream(ctx.device_index))
-        return written(out) if padded is None else out.contiguous()
+        return av, bv, cv, out, padded
 
     def __enter__(self):
         return self
@@ -311,6 +326,7 @@ class GemmAr(_FusedOp):
                                                 sm_budget=sm_budget, collective_all_reduce=collective_all_reduce,
                                                 team=self._team), team)
         self.max_m, self.n, self.k = max_m, n, k
+        self._counts_calls = bool(collective_all_reduce) and self.num_ranks > 1
 
     def _out_rows(self, a):
         return a.shape[0]
@@ -394,5 +410,9 @@ def gemm_ar(a, b, out=None, *, team=None, partial_dtype=None):
     """AllReduce(a @ b.T) through a cached GemmAr. Collective over the team; on torch's current stream.
     partial_dtype: as gemm_rs's (torch.float32 takes the op's own all-reduce kernel)."""
     _runtime._team_for(team, "gemm_ar")
-    _fused_args_check("gemm_ar", a, "a", b)
+    try:
+        _fused_args_check("gemm_ar", a, "a", b)
+    except (TypeError, ValueError):
+        count_refused_call(team, "gemm_ar")  # the cached op's all-reduce is a collective call of the team
+        raise
     return _cached(GemmAr, a.shape[0], b.shape[0], b.shape[1], a.dtype, team, partial_dtype=partial_dtype).run(a, b, out)
