@@ -136,6 +136,19 @@ def test_argument_errors_name_the_argument(calls):
     assert calls == [("count_refused_collective_call", (world, None))] * refused
 
 
+def test_the_reductions_refuse_a_negative_view_whose_bytes_are_not_its_values(calls):
+    # A lazily negated view's bytes are the unnegated values: summed as they are, the result's sign would be wrong.
+    x = torch.zeros(8)
+    with pytest.raises(ValueError, match=r"tensor: expected a tensor whose bytes are its values, got a negative view"):
+        weft.all_reduce(torch._neg_view(x))
+    with pytest.raises(ValueError, match=r"tensor: expected a tensor whose bytes are its values, got a negative view"):
+        weft.reduce_scatter(torch._neg_view(x))
+    with pytest.raises(ValueError, match=r"out: expected a tensor whose bytes are its values, got a negative view"):
+        weft.all_reduce(x, torch._neg_view(torch.zeros(8)))
+    world = _runtime._state.world
+    assert calls == [("count_refused_collective_call", (world, None))] * 3
+
+
 _BYTE_DTYPES = [torch.bool, torch.int8, torch.int16, torch.uint16, torch.float64, torch.complex32, torch.complex64,
                 torch.complex128] + [getattr(torch, name) for name in (
                     "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",

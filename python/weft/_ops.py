@@ -5,7 +5,7 @@ Per call, the collectives read the World's constants (device, dtype tables, algo
 lookup) from its CallContext and pass contiguous tensors to the extension as pointers and element counts."""
 from . import _runtime, _weft
 from ._tensor import (CallContext, bytes_arg, check_tensor, dtype_code, flat_arg, heap_tensor, matrix_view, out_arg,
-                      torch_module, values_are_bytes, written)
+                      torch_module, written)
 from ._weft import Error
 
 
@@ -86,7 +86,6 @@ def all_gather(tensor, out=None, *, algo="auto", team=None):
         concatenated = (n * shape[0], *shape[1:]) if shape else (n,)
         if out is not None:
             out_ptr = out_arg(out, "out", ctx, tensor.dtype, n * tensor.numel())
-            values_are_bytes(out, "out")
         algo_code = _algo(ctx, "all_gather", algo)
     except (TypeError, ValueError):
         _refused(ctx, cpp_team)

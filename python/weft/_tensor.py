@@ -124,6 +124,7 @@ def flat_arg(t, name, ctx, codes):
         raise _wrong_dtype(t, name, codes)
     if not t.is_contiguous():
         raise _not_contiguous(t, name)
+    values_are_bytes(t, name)  # the kernels read its bytes: a lazily negated view would be summed unnegated
     return t.data_ptr(), t.numel(), code
 
 
@@ -174,6 +175,7 @@ def out_arg(out, name, ctx, like_dtype, numel):
         raise ValueError(f"{name}: expected {numel} elements, got {out.numel()} (shape {tuple(out.shape)})")
     if not out.is_contiguous():
         raise _not_contiguous(out, name)
+    values_are_bytes(out, name)
     return out.data_ptr()
 
 
@@ -190,6 +192,7 @@ def matrix_view(t, name, ctx, dtypes=None):
     code = _codes.get(t.dtype)
     if code is None:
         dtype_code(t.dtype, name)  # raises
+    values_are_bytes(t, name)  # the GEMMs read (and write) its bytes
     return TensorView(t.data_ptr(), code, (rows, cols), (row_stride, 1))
 
 
