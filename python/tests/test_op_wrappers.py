@@ -278,15 +278,19 @@ class _StandInGemmAr:
         pass
 
 
-@pytest.mark.parametrize("collective_all_reduce", [True, False])
+@pytest.mark.parametrize("collective_all_reduce,partial_dtype,counted",
+                         [(True, None, True), (False, None, False), (True, torch.float32, False)])
 def test_gemm_ar_calls_its_wrapper_refuses_keep_their_place_in_the_teams_calls(calls, monkeypatch,
-                                                                                collective_all_reduce):
-    # GemmAr's all-reduce is a collective call of its team: a call refused by the wrapper's own checks counts as the
-    # C++ op's refusals do (a rank that goes on fails its next call on every rank instead of pairing with the peers'
-    # refused call); with the op's own all-reduce kernel (no collective) nothing is counted.
+                                                                                collective_all_reduce, partial_dtype,
+                                                                                counted):
+    # GemmAr's all-reduce is a collective call of its team where the C++ op takes that path (partials of the op's
+    # dtype, n % 8 == 0): a call refused by the wrapper's own checks counts as the C++ op's refusals do (a rank that
+    # goes on fails its next call on every rank instead of pairing with the peers' refused call); with the op's own
+    # all-reduce kernel (no collective, or fp32 partials) nothing is counted.
     monkeypatch.setattr(_weft, "GemmAr", _StandInGemmAr)
     world = _runtime._state.world
-    op = weft.GemmAr(8, 16, 32, torch.bfloat16, collective_all_reduce=collective_all_reduce)
+    op = weft.GemmAr(8, 16, 32, torch.bfloat16, collective_all_reduce=collective_all_reduce,
+                     partial_dtype=partial_dtype)
     try:
         a, b = torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16)
         bad = [
@@ -299,9 +303,8 @@ def test_gemm_ar_calls_its_wrapper_refuses_keep_their_place_in_the_teams_calls(c
         for args in bad:
             with pytest.raises((TypeError, ValueError)):
                 op.run(*args)
-        counted = [c for c in calls if c[0] == "count_refused_collective_call"]
-        assert counted == ([("count_refused_collective_call", (world, None))] * len(bad) if collective_all_reduce
-                           else [])
+        assert [c for c in calls if c[0] == "count_refused_collective_call"] == (
+            [("count_refused_collective_call", (world, None))] * len(bad) if counted else [])
         out = op.run(a, b)
         assert out.shape == (4, 16) and len(op._op.runs) == 1
     finally:

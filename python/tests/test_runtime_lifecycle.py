@@ -109,8 +109,19 @@ def test_a_second_init_with_other_settings_is_a_value_error_naming_both(stand_in
 def test_a_second_init_checks_settings_taken_from_the_environment_against_the_world(stand_in):
     world = weft.init()  # heap, budget and timeout from the environment or weft's defaults
     assert weft.init(heap_bytes=1 << 30, timeout_ms=600000) is world
+    assert weft.init(heap_bytes=1 << 20) is world  # a heap the World's holds
     with pytest.raises(ValueError, match=r"with heap_bytes 1073741824; got heap_bytes 2147483648"):
         weft.init(heap_bytes=2 << 30)
+
+
+def test_a_second_init_passing_the_environments_value_is_the_same_world(stand_in, monkeypatch):
+    # The environment's value before the World rounded it (the heap) or clamped it: the same setting.
+    monkeypatch.setenv("WEFT_SYMMETRIC_HEAP_BYTES", str(10**9))
+    monkeypatch.setenv("WEFT_SM_BUDGET", "500")
+    world = weft.init()
+    assert weft.init(heap_bytes=10**9, sm_budget=500) is world
+    with pytest.raises(ValueError, match=r"got sm_budget 16"):
+        weft.init(sm_budget=16)
 
 
 # ---- a World closed by its own close() ----

@@ -325,7 +325,9 @@ class GemmAr(_FusedOp):
                                                 sm_budget=sm_budget, collective_all_reduce=collective_all_reduce,
                                                 team=self._team), team)
         self.max_m, self.n, self.k = max_m, n, k
-        self._counts_calls = bool(collective_all_reduce) and self.num_ranks > 1
+        # As the C++ op decides (gemm_ar.cpp): the collective all-reduce takes partials of the op's dtype, n % 8 == 0.
+        partials_of_dtype = partial_dtype is None or partial_dtype == self.dtype
+        self._counts_calls = bool(collective_all_reduce) and partials_of_dtype and n % 8 == 0 and self.num_ranks > 1
 
     def _out_rows(self, a):
         return a.shape[0]
@@ -412,6 +414,10 @@ def gemm_ar(a, b, out=None, *, team=None, partial_dtype=None):
     try:
         _fused_args_check("gemm_ar", a, "a", b)
     except (TypeError, ValueError):
-        count_refused_call(team, "gemm_ar")  # the cached op's all-reduce is a collective call of the team
+        # The cached op's all-reduce is a collective call of the team where the C++ op takes that path (GemmAr's
+        # _counts_calls): partials of a's dtype and n % 8 == 0, as far as these arguments tell.
+        n = b.shape[0] if hasattr(b, "shape") and len(b.shape) >= 1 else 0
+        if (partial_dtype is None or partial_dtype == getattr(a, "dtype", None)) and n % 8 == 0:
+            count_refused_call(team, "gemm_ar")
         raise
     return _cached(GemmAr, a.shape[0], b.shape[0], b.shape[1], a.dtype, team, partial_dtype=partial_dtype).run(a, b, out)

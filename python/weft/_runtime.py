@@ -167,15 +167,21 @@ def init(group=None, *, device=None, heap_bytes=0, sm_budget=0, timeout_ms=0):
         return _state.world
 
 
+_OPTION_ENV = {"heap_bytes": "WEFT_SYMMETRIC_HEAP_BYTES", "sm_budget": "WEFT_SM_BUDGET", "timeout_ms": "WEFT_TIMEOUT_MS"}
+
+
 def _check_same_options(state, options):
     """A later init's explicit (non-zero) heap_bytes, sm_budget and timeout_ms against the live World's: each must be
-    its setting (as the World reports it, or as its init was given it: the heap size is rounded up to the heap's
-    granularity), else ValueError naming the setting and both values."""
+    its setting (as the World reports it, as its init was given it, or as the environment gave it to an init that
+    passed 0: the World may round or clamp it); a heap_bytes the World's heap holds passes. Else ValueError naming the
+    setting and both values."""
     for name, value in options.items():
         if value == 0 or value == state.options.get(name):
             continue
+        if state.options.get(name, 0) == 0 and os.environ.get(_OPTION_ENV[name], "").strip() == str(value):
+            continue
         live = getattr(state.world, name)
-        if value != live:
+        if value != live and not (name == "heap_bytes" and value <= live):
             asked = state.options.get(name, 0)
             given = f" (its weft.init was given {asked})" if asked not in (0, live) else ""
             raise ValueError(f"weft.init: weft is initialised already, with {name} {live}{given}; got {name} {value}: "
