@@ -468,7 +468,9 @@ void launch_decode_attention(DecodeAttentionPlan& plan, const DecodeAttentionOpt
 std::string describe_attention_status(const AttentionStatus& s) {
     if (s.code == 0) return "";
     std::ostringstream os;
-    if (s.code == 1) {
+    if (s.code == -1) {
+        os << "decode attention: a status record is being written (read it after the call has completed)";
+    } else if (s.code == 1) {
         os << "decode attention: block_table[" << s.sequence << "][" << s.page << "] = " << s.value
            << " is outside the cache's pages [0, num_pages): its tokens were read from page 0 (that sequence's out "
               "and lse are wrong)";

@@ -485,9 +485,6 @@ TEST_F(DecodeAttention, ProgrammaticLaunchWaitsForWhatCameBefore) {
     }
 }
 
-// Bad arguments are errors before anything launches (no device memory touched). The views lie apart in one buffer, so
-// that each call reaches the check it is meant for (an overlap refusal would otherwise answer first), and each error
-// is the one expected.
 // Block-table entries outside [0, num_pages) (a freed page's -1, an index one past the cache) are read as page 0: no
 // memory outside the cache is touched, the output is bit for bit that of a table holding 0 there, the first one is
 // recorded in options.status, and check_attention_status names it. Without a status the call is as safe.
@@ -562,6 +559,9 @@ TEST_F(DecodeAttention, BlockTableEntriesOutsideTheCacheAreReadAsPageZeroAndReco
     cudaFreeHost(status);
 }
 
+// Bad arguments are errors before anything launches (no device memory touched). The views lie apart in one buffer, so
+// that each call reaches the check it is meant for (an overlap refusal would otherwise answer first), and each error
+// is the one expected.
 TEST_F(DecodeAttention, BadArgumentsThrowBeforeLaunching) {
     DevicePtr buf = device_alloc(1 << 20);
     auto* base = static_cast<uint8_t*>(buf.get());

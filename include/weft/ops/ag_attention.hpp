@@ -70,7 +70,8 @@ struct FlashAttentionOptions {
 /// counters are made by uncaptured calls, 64 at a time (at the device's first call, and at an uncaptured call that
 /// finds fewer than 16 spare), the host waiting for their zeroing on a stream of weft's (not for the work queued on
 /// `stream`). A capture before any uncaptured call on the device, or one that finds no spare, walks the items in fixed
-/// waves instead (the same results).
+/// waves instead (the same results). Every view is this GPU's device (or managed) memory: host memory and another
+/// GPU's are refused, naming the argument.
 void flash_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                      const TensorView& lse, cudaStream_t stream, const FlashAttentionOptions& options = {});
 

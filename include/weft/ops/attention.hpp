@@ -86,7 +86,8 @@ void check_attention_status(const AttentionStatus& status);
 /// graph captured with it uses the capturing stream's, so replay it where no other call runs on that stream at the
 /// same time, or give options.workspace. Calls on one stream come from one thread at a time (a split launch and its
 /// combine are two launches: another thread's call between them would share the workspace). Kernels are
-/// JIT-compiled on first use. Bad arguments throw weft::Error naming the argument.
+/// JIT-compiled on first use. Bad arguments throw weft::Error naming the argument; so does a view that is not this
+/// GPU's device (or managed) memory (host memory, another GPU's).
 void decode_attention(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                       const TensorView& block_table, const TensorView& seq_lens, int64_t max_seq_len,
                       const TensorView& out, const TensorView& lse, cudaStream_t stream,

@@ -309,7 +309,9 @@ public:
     /// and topk_weights as given to the dispatch; out: bf16 [T, H]. out[t] = sum over valid j of
     /// topk_weights[t][j] * y[row of (t, j)], fp32 fma in slot order, rounded once to bf16. A token whose topk_idx
     /// row differs from the one its dispatch sent is reported (kCombineRoutingMismatch, check()) and its row of out
-    /// written as zeros.
+    /// written as zeros. Every rank combines the same dispatch (combine the handles in the order they were
+    /// dispatched): within a node, a rank whose peers sent back rows of another dispatch reports kCallMismatch and
+    /// writes out as zeros.
     void low_latency_combine(LowLatencyHandle& handle, const TensorView& y, const TensorView& topk_idx,
                              const TensorView& topk_weights, const TensorView& out, cudaStream_t stream,
                              const LowLatencyOptions& options = {});
