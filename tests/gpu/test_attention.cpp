@@ -590,6 +590,11 @@ TEST_F(DecodeAttention, BadArgumentsThrowBeforeLaunching) {
     opt.workspace = TensorView(base + (400 << 10), DType::kU8, {16});
     expect_error([&] { ops::decode_attention(q, kv, kv, table, lens, 256, out, TensorView(), stream_, opt); },
                  "options.workspace holds 16 bytes");
+    // Host memory is refused by name (the kernels would fault on it).
+    std::vector<int32_t> host_lens(2, 16);
+    const TensorView host_lens_view(host_lens.data(), DType::kI32, {2});
+    expect_error([&] { ops::decode_attention(q, kv, kv, table, host_lens_view, 256, out, TensorView(), stream_); },
+                 "decode_attention: seq_lens (");
     CK(cudaStreamSynchronize(stream_));
 }
 

@@ -295,14 +295,19 @@ TEST(SpDecodeAttention, ManySequencesTakeSeveralRounds) {
 }
 
 // Ranks that call with different batches (or head dims) are a call mismatch on every rank, named, not merged rows of
-// unrelated calls (the tag each pushed row carries: AttentionPeerPush::tag).
+// unrelated calls (the tag each pushed row carries: AttentionPeerPush::tag). So is a rank whose call was refused by a
+// check of its own (its max_seq_len past its block table) and that goes on: its next call is one call ahead of its
+// peers' (every call counts in the team's sequence), not merged with the call they are in.
 TEST(SpDecodeAttention, RanksThatCallDifferentlyAreAMismatchOnEveryRank) {
     if (!have_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
     const testing::ScopedEnv staging("WEFT_COLLECTIVE_STAGING_BYTES", std::string("1M"));
-    for (bool dims_differ : {false, true}) {
-        SCOPED_TRACE(dims_differ ? "head_dim 64 against 128" : "batch 8 against 4");
+    for (int scenario = 0; scenario < 3; ++scenario) {
+        const bool dims_differ = scenario == 1, skipped = scenario == 2;
+        SCOPED_TRACE(scenario == 0 ? "batch 8 against 4"
+                     : dims_differ ? "head_dim 64 against 128"
+                                   : "rank 1's call refused, then its next");
         const std::vector<std::string> messages = error_of_each_rank(2, [&](World& w) {
-            const int batch = !dims_differ && w.rank() == 1 ? 4 : 8;
+            const int batch = scenario == 0 && w.rank() == 1 ? 4 : 8;
             const int dim = dims_differ && w.rank() == 1 ? 64 : 128;
             const int hq = 32, hkv = 8, page = 16;
             cudaStream_t s = nullptr;
@@ -333,13 +338,25 @@ TEST(SpDecodeAttention, RanksThatCallDifferentlyAreAMismatchOnEveryRank) {
                 for (void* p : {dq, dk, dv, dt, dl, dout, dlse}) cudaFree(p);
                 cudaStreamDestroy(s);
             };
-            try {
+            const auto call = [&](int64_t max_seq_len) {
                 ops::sp_decode_attention(w, TensorView(dq, DType::kBF16, {batch, hq, dim}),
                                          TensorView(dk, DType::kBF16, {batch, page, hkv, dim}),
                                          TensorView(dv, DType::kBF16, {batch, page, hkv, dim}),
                                          TensorView(dt, DType::kI32, {batch, 1}), TensorView(dl, DType::kI32, {batch}),
-                                         page, TensorView(dout, DType::kBF16, {batch, hq, dim}),
+                                         max_seq_len, TensorView(dout, DType::kBF16, {batch, hq, dim}),
                                          TensorView(dlse, DType::kF32, {batch, hq}), s);
+            };
+            try {
+                if (skipped && w.rank() == 1) {
+                    bool refused = false;
+                    try {
+                        call(page + 1);  // past the one page its block table holds: refused on this rank alone
+                    } catch (const Error& e) {
+                        refused = std::string(e.what()).find("exceeds what block_table holds") != std::string::npos;
+                    }
+                    WEFT_CHECK(refused, "rank 1's call with max_seq_len past its block table was not refused");
+                }
+                call(page);
                 w.sync_and_check(s);
             } catch (...) {
                 free_all();
